@@ -1,0 +1,215 @@
+"""Thin flax.linen modules: each owns its parameters and calls the pure functions in ``ops``.
+
+Every parameter carries logical axis names (embed, vocab, heads, kv_heads, head_dim, mlp, norm,
+layers), so a mesh can shard it by rules without touching the model.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer_jax import kv_cache, ops
+from transformer_jax.config import ModelConfig, RopeScaling
+
+LayerCache = tuple[jax.Array, jax.Array]  # ([B, S, K, H] keys, [B, S, K, H] values)
+
+
+def _normal(std: float) -> nn.initializers.Initializer:
+    return nn.initializers.normal(stddev=std)
+
+
+class Embed(nn.Module):
+    """Token embedding table [V, D]; ``attend`` is the tied LM head."""
+
+    vocab_size: int
+    d_model: int
+    init_std: float = 0.02
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    def setup(self) -> None:
+        self.embedding = self.param(
+            "embedding", nn.with_logical_partitioning(_normal(self.init_std), ("vocab", "embed")),
+            (self.vocab_size, self.d_model), self.param_dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """[B, T] ids -> [B, T, D] vectors in the compute dtype."""
+        return ops.embed(tokens, self.embedding).astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """[B, T, D] -> [B, T, V] float32 logits with the transposed table."""
+        return ops.tied_logits(x, self.embedding.astype(self.dtype))
+
+
+class Norm(nn.Module):
+    """RMSNorm (``kind="rms"``) or LayerNorm (``kind="layer"``) over the last axis."""
+
+    kind: str = "rms"
+    eps: float = 1e-5
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d = x.shape[-1]
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                           (d,), self.param_dtype)
+        if self.kind == "rms":
+            return ops.rms_norm(x, scale, self.eps)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
+                          (d,), self.param_dtype)
+        return ops.layer_norm(x, scale, bias, self.eps)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped kv heads, RoPE and an optional KV cache.
+
+    Parameters: ``q_proj`` [D, N, H], ``k_proj`` and ``v_proj`` [D, K, H], ``o_proj`` [N, H, D],
+    and with ``qkv_bias`` also ``q_bias`` [N, H], ``k_bias`` and ``v_bias`` [K, H].
+    """
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    use_rope: bool = True
+    rope_base: float = 10000.0
+    rope_pairing: str = "half"
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    impl: str = "xla"
+    init_std: float = 0.02
+    out_init_std: float = 0.02
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    def _param(self, name, shape, axes, init):
+        w = self.param(name, nn.with_logical_partitioning(init, axes), shape, self.param_dtype)
+        return w.astype(self.dtype)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: LayerCache | None = None,
+                 segment_ids: jax.Array | None = None
+                 ) -> tuple[jax.Array, LayerCache | None]:
+        """Self-attention of x over itself, or over the cache once x's keys are written in.
+
+        Args:
+          x: [B, T, D] normalised input.
+          positions: [B, T] integer positions; with a cache, each row must be consecutive and
+            its first entry is the slot the chunk is written at.
+          cache: optional (k, v) of shape [B, S_max, K, H] each.
+          segment_ids: optional [B, T] packed-sequence ids (0 = padding); not with a cache.
+
+        Returns:
+          ([B, T, D] output, updated cache or None).
+        """
+        d = x.shape[-1]
+        n, kv, h = self.n_heads, self.n_kv_heads, self.head_dim
+        init = _normal(self.init_std)
+        wq = self._param("q_proj", (d, n, h), ("embed", "heads", "head_dim"), init)
+        wk = self._param("k_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), init)
+        wv = self._param("v_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), init)
+        wo = self._param("o_proj", (n, h, d), ("heads", "head_dim", "embed"),
+                         _normal(self.out_init_std))
+        q = jnp.einsum("BTD,DNH->BTNH", x, wq)
+        k = jnp.einsum("BSD,DKH->BSKH", x, wk)
+        v = jnp.einsum("BSD,DKH->BSKH", x, wv)
+        if self.qkv_bias:
+            zeros = nn.initializers.zeros
+            q = q + self._param("q_bias", (n, h), ("heads", "head_dim"), zeros)
+            k = k + self._param("k_bias", (kv, h), ("kv_heads", "head_dim"), zeros)
+            v = v + self._param("v_bias", (kv, h), ("kv_heads", "head_dim"), zeros)
+        if self.use_rope:
+            rope = dict(base=self.rope_base, pairing=self.rope_pairing, scaling=self.rope_scaling)
+            q = ops.apply_rope(q, positions, **rope)
+            k = ops.apply_rope(k, positions, **rope)
+
+        if cache is None:
+            mask = ops.attention_mask(positions, positions, q_segments=segment_ids,
+                                      k_segments=segment_ids, window=self.sliding_window)
+            new_cache = None
+        else:
+            if segment_ids is not None:
+                raise ValueError("segment_ids cannot be combined with a KV cache")
+            cache_k, cache_v = cache
+            start = positions[:, 0]
+            cache_k = kv_cache.write(cache_k, k, start)
+            cache_v = kv_cache.write(cache_v, v, start)
+            k, v = cache_k.astype(self.dtype), cache_v.astype(self.dtype)
+            slots = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=positions.dtype),
+                                     (k.shape[0], k.shape[1]))
+            mask = ops.attention_mask(positions, slots, window=self.sliding_window)
+            new_cache = (cache_k, cache_v)
+        out = ops.dot_product_attention(q, k, v, mask, impl=self.impl)
+        return jnp.einsum("BTNH,NHD->BTD", out, wo), new_cache
+
+
+class MLP(nn.Module):
+    """Feed-forward network: ``gate`` and ``up`` [D, F] (gated kinds), ``down`` [F, D]."""
+
+    d_ff: int
+    kind: str = "swiglu"
+    init_std: float = 0.02
+    out_init_std: float = 0.02
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """[B, T, D] -> [B, T, D]."""
+        d = x.shape[-1]
+        fn, gated = ops.FFN_FUNCTIONS[self.kind]
+
+        def param(name, shape, axes, std):
+            w = self.param(name, nn.with_logical_partitioning(_normal(std), axes), shape,
+                           self.param_dtype)
+            return w.astype(self.dtype)
+
+        up = param("up", (d, self.d_ff), ("embed", "mlp"), self.init_std)
+        down = param("down", (self.d_ff, d), ("mlp", "embed"), self.out_init_std)
+        if gated:
+            gate = param("gate", (d, self.d_ff), ("embed", "mlp"), self.init_std)
+            return fn(x, gate, up, down)
+        return fn(x, up, down)
+
+
+class Block(nn.Module):
+    """One Transformer layer: attention then FFN, each in a residual branch.
+
+    Pre-norm (default): ``x + f(norm(x))``; post-norm (original Transformer):
+    ``norm(x + f(x))``.
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: LayerCache | None = None,
+                 segment_ids: jax.Array | None = None
+                 ) -> tuple[jax.Array, LayerCache | None]:
+        """[B, T, D] -> ([B, T, D], updated layer cache or None)."""
+        c = self.config
+        dtypes = dict(dtype=c.jnp_dtype, param_dtype=c.jnp_param_dtype)
+        # Residual-branch outputs start smaller so the stream's variance does not grow with
+        # depth (GPT-2's scaled initialisation).
+        out_std = c.init_std / (2 * c.n_layers) ** 0.5
+        norm_kw = dict(kind=c.norm, eps=c.norm_eps, param_dtype=c.jnp_param_dtype)
+        attn = Attention(
+            n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+            qkv_bias=c.qkv_bias, use_rope=c.position == "rope", rope_base=c.rope_base,
+            rope_pairing=c.rope_pairing, rope_scaling=c.rope_scaling,
+            sliding_window=c.sliding_window, impl=c.attention_impl, init_std=c.init_std,
+            out_init_std=out_std, name="attn", **dtypes)
+        mlp = MLP(d_ff=c.d_ff, kind=c.ffn, init_std=c.init_std, out_init_std=out_std,
+                  name="mlp", **dtypes)
+        attn_norm = Norm(name="attn_norm", **norm_kw)
+        mlp_norm = Norm(name="mlp_norm", **norm_kw)
+        if c.norm_position == "pre":
+            y, cache = attn(attn_norm(x), positions, cache, segment_ids)
+            x = x + y
+            x = x + mlp(mlp_norm(x))
+        else:
+            y, cache = attn(x, positions, cache, segment_ids)
+            x = attn_norm(x + y)
+            x = mlp_norm(x + mlp(x))
+        return x, cache

@@ -1,0 +1,156 @@
+"""The decoder-only Transformer: embed -> L blocks (unrolled or scanned) -> final norm -> logits.
+
+``Transformer(config).apply({"params": params}, tokens)`` returns [B, T, V] float32 logits.
+Passing a ``KVCache`` returns ``(logits, cache)`` with the chunk's keys/values written in, which
+is all prefill and decode need.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax import ops
+from transformer_jax.config import ModelConfig
+from transformer_jax.kv_cache import KVCache
+from transformer_jax.layers import Block, Embed, Norm
+
+Params = dict[str, Any]
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing inside a block: recompute it all in the backward pass
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model (LLaMA family; Mistral and Qwen2 by config)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 cache: KVCache | None = None, segment_ids: jax.Array | None = None
+                 ) -> jax.Array | tuple[jax.Array, KVCache]:
+        """Next-token logits for every position.
+
+        Args:
+          tokens: [B, T] int token ids.
+          positions: [B, T] int positions; default ``arange(T)``, or with a cache
+            ``cache.lengths[:, None] + arange(T)`` (continue each sequence where it stopped).
+          cache: optional ``KVCache`` with S_max slots; the chunk's keys/values are written at
+            slots ``positions[:, 0] ..``, and queries attend to every slot up to their position.
+          segment_ids: optional [B, T] ids of packed sequences (0 = padding), without a cache.
+
+        Returns:
+          [B, T, V] float32 logits, or ``(logits, updated cache)`` when a cache is given; the
+          updated cache's lengths are ``positions[:, -1] + 1``.
+        """
+        c = self.config
+        chex.assert_rank(tokens, 2)
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            if cache is not None:
+                positions = positions + cache.lengths[:, None]
+        chex.assert_shape(positions, (b, t))
+
+        embed = Embed(c.vocab_size, c.d_model, init_std=c.init_std, dtype=c.jnp_dtype,
+                      param_dtype=c.jnp_param_dtype, name="embed")
+        x = embed(tokens)
+        if c.position == "sinusoidal":
+            x = x + ops.sinusoidal_positions(positions, c.d_model).astype(x.dtype)
+
+        block_cls = Block
+        if c.remat != "none":
+            block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[c.remat],
+                                 prevent_cse=not c.scan_layers)
+        layer_caches = None if cache is None else (cache.k, cache.v)
+        if c.scan_layers:
+            blocks = nn.scan(
+                block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                in_axes=(nn.broadcast, 0, nn.broadcast), length=c.n_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"})(c, name="blocks")
+            x, layer_caches = blocks(x, positions, layer_caches, segment_ids)
+        else:
+            new_k, new_v = [], []
+            for i in range(c.n_layers):
+                layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+                x, layer_cache = block_cls(c, name=f"blocks_{i}")(
+                    x, positions, layer_cache, segment_ids)
+                if cache is not None:
+                    new_k.append(layer_cache[0])
+                    new_v.append(layer_cache[1])
+            if cache is not None:
+                layer_caches = (jnp.stack(new_k), jnp.stack(new_v))
+
+        x = Norm(kind=c.norm, eps=c.norm_eps, param_dtype=c.jnp_param_dtype,
+                 name="final_norm")(x)
+        if c.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            kernel = self.param(
+                "lm_head", nn.with_logical_partitioning(
+                    nn.initializers.normal(c.init_std), ("embed", "vocab")),
+                (c.d_model, c.vocab_size), c.jnp_param_dtype)
+            logits = jnp.einsum("BTD,DV->BTV", x, kernel.astype(c.jnp_dtype),
+                                preferred_element_type=jnp.float32)
+        if cache is None:
+            return logits
+        new_cache = KVCache(k=layer_caches[0], v=layer_caches[1],
+                            lengths=(positions[:, -1] + 1).astype(jnp.int32))
+        return logits, new_cache
+
+
+def _dummy_tokens(config: ModelConfig) -> jax.Array:
+    return jnp.zeros((1, min(8, config.max_seq_len)), jnp.int32)
+
+
+def init_params(config: ModelConfig, rng: jax.Array | int = 0) -> Params:
+    """Randomly initialised parameters (plain arrays, no partitioning boxes)."""
+    if isinstance(rng, int):
+        rng = jax.random.key(rng)
+    variables = Transformer(config).init(rng, _dummy_tokens(config))
+    return nn.meta.unbox(variables["params"])
+
+
+def abstract_params(config: ModelConfig) -> Params:
+    """Parameter shapes and dtypes as ``jax.ShapeDtypeStruct``s, without allocating them."""
+    boxed = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0),
+                                                            _dummy_tokens(config)))
+    return nn.meta.unbox(boxed["params"])
+
+
+def logical_axes(config: ModelConfig) -> Params:
+    """The logical axis names of every parameter, as a tree of ``PartitionSpec``s."""
+    boxed = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0),
+                                                            _dummy_tokens(config)))
+    return nn.get_partition_spec(boxed["params"])
+
+
+def param_count(config: ModelConfig) -> int:
+    """Number of parameters, computed from shapes alone (``jax.eval_shape``)."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params(config)))
+
+
+def stack_blocks(params: Params, n_layers: int) -> Params:
+    """Unrolled layout (``blocks_0`` ..) -> scanned layout (``blocks`` with a leading L axis)."""
+    params = dict(params)
+    layers = [params.pop(f"blocks_{i}") for i in range(n_layers)]
+    params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    return params
+
+
+def unstack_blocks(params: Params) -> Params:
+    """Scanned layout (``blocks``, [L, ...]) -> unrolled layout (``blocks_0`` ..)."""
+    params = dict(params)
+    stacked = params.pop("blocks")
+    n_layers = jax.tree.leaves(stacked)[0].shape[0]
+    for i in range(n_layers):
+        params[f"blocks_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    return params
