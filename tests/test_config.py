@@ -1,0 +1,100 @@
+"""ModelConfig validation, presets and parameter counts."""
+
+import dataclasses
+
+import pytest
+
+from transformer_jax import ModelConfig, param_count
+from transformer_jax.config import RopeScaling, load_toml, parse_override, preset_names
+
+# Published parameter counts of the released checkpoints.
+PUBLISHED = {
+    "llama2_7b": 6_738_415_616,
+    "llama3_8b": 8_030_261_248,
+    "mistral_7b": 7_241_732_096,
+    "qwen2_0_5b": 494_032_768,
+    "tinyllama_1_1b": 1_100_048_384,
+    "smollm_135m": 134_515_008,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_parameter_count_matches_published(name):
+    assert param_count(ModelConfig.preset(name)) == PUBLISHED[name]
+
+
+def formula_count(c: ModelConfig) -> int:
+    """Parameter count by hand: embedding V*D, per layer attention D*(N+2K)*H + N*H*D (plus
+    biases), FFN 3*D*F (gated) or 2*D*F, two norms; final norm; untied head V*D."""
+    d, h, n, k, f, v = c.d_model, c.head_dim, c.n_heads, c.n_kv_heads, c.d_ff, c.vocab_size
+    norm = d * (2 if c.norm == "layer" else 1)
+    attn = d * (n + 2 * k) * h + n * h * d + ((n + 2 * k) * h if c.qkv_bias else 0)
+    ffn = (3 if c.ffn in ("swiglu", "geglu") else 2) * d * f
+    total = v * d + c.n_layers * (attn + ffn + 2 * norm) + norm
+    return total + (0 if c.tie_embeddings else v * d)
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"n_kv_heads": 2}, {"n_kv_heads": 1}, {"tie_embeddings": True}, {"qkv_bias": True},
+    {"ffn": "gelu", "norm": "layer"}, {"ffn": "geglu", "head_dim": 24}, {"scan_layers": True},
+])
+def test_parameter_count_matches_formula(changes):
+    c = ModelConfig(vocab_size=100, d_model=64, n_layers=3, n_heads=4, d_ff=96, **changes)
+    assert param_count(c) == formula_count(c)
+
+
+def test_tying_removes_exactly_the_head():
+    c = ModelConfig(vocab_size=100, d_model=64)
+    assert param_count(c) - param_count(c.replace(tie_embeddings=True)) == 100 * 64
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"d_model": 100, "n_heads": 3}, "d_model"),
+    ({"n_heads": 4, "n_kv_heads": 3}, "n_kv_heads"),
+    ({"n_layers": 0}, "n_layers"),
+    ({"vocab_size": -5}, "vocab_size"),
+    ({"d_ff": 2.5}, "d_ff"),
+    ({"norm": "batch"}, "norm"),
+    ({"ffn": "swish"}, "ffn"),
+    ({"position": "alibi"}, "position"),
+    ({"rope_pairing": "odd"}, "rope_pairing"),
+    ({"remat": "some"}, "remat"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"head_dim": 7}, "head_dim"),
+    ({"norm_eps": 0.0}, "norm_eps"),
+    ({"sliding_window": 0}, "sliding_window"),
+    ({"rope_scaling": {"kind": "yarn", "factor": 2.0}}, "rope_scaling.kind"),
+    ({"rope_scaling": {"kind": "linear", "factor": 0.0}}, "rope_scaling.factor"),
+])
+def test_bad_config_names_the_field(changes, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        ModelConfig(**changes)
+
+
+def test_config_is_frozen_and_defaults_derive():
+    c = ModelConfig(d_model=96, n_heads=6)
+    assert c.n_kv_heads == 6 and c.head_dim == 16 and c.queries_per_kv_head == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.d_model = 3
+    assert ModelConfig.from_dict(c.to_dict()) == c
+    rs = ModelConfig(rope_scaling={"kind": "llama3", "factor": 8.0})
+    assert rs.rope_scaling == RopeScaling("llama3", 8.0)
+
+
+def test_unknown_keys_and_presets_name_close_matches():
+    with pytest.raises(ValueError, match="d_model"):
+        ModelConfig.from_dict({"d_modle": 3})
+    with pytest.raises(FileNotFoundError, match="llama2_7b"):
+        load_toml("llama2_7")
+    assert {"tiny", *PUBLISHED} <= set(preset_names())
+
+
+def test_override_parsing_is_typed():
+    assert parse_override(ModelConfig, "n_layers", "6") == 6
+    assert parse_override(ModelConfig, "tie_embeddings", "true") is True
+    assert parse_override(ModelConfig, "norm_eps", "1e-6") == 1e-6
+    assert parse_override(ModelConfig, "sliding_window", "none") is None
+    with pytest.raises(ValueError, match="int"):
+        parse_override(ModelConfig, "n_layers", "six")
+    with pytest.raises(ValueError, match="n_layers"):
+        parse_override(ModelConfig, "n_layer", "6")

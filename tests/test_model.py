@@ -1,0 +1,167 @@
+"""The assembled Transformer: causality, layouts, remat, dtypes, cache, logical axes."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transformer_jax import KVCache, ModelConfig, Transformer, init_params
+from transformer_jax.kv_cache import cache_bytes
+from transformer_jax.model import logical_axes, stack_blocks, unstack_blocks
+
+SMALL = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                    max_seq_len=64)
+
+
+def _apply(config):
+    """A jitted forward of the model with this config (eager flax would compile op by op)."""
+    return jax.jit(lambda params, *args, **kw: Transformer(config).apply({"params": params},
+                                                                         *args, **kw))
+
+
+def _tokens(b, t, seed=0, vocab=97):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (b, t)), jnp.int32)
+
+
+def test_public_api_shapes_and_dtypes():
+    params = init_params(SMALL, 0)
+    logits = _apply(SMALL)(params, _tokens(3, 10))
+    chex.assert_shape(logits, (3, 10, 97))
+    chex.assert_type(logits, jnp.float32)
+    chex.assert_tree_all_finite(logits)
+
+
+_CAUSAL_PARAMS = init_params(SMALL, 1)
+_forward = jax.jit(lambda tokens: Transformer(SMALL).apply({"params": _CAUSAL_PARAMS}, tokens))
+
+
+@settings(max_examples=15, deadline=None)
+@given(i=st.integers(0, 15), seed=st.integers(0, 2**16))
+def test_future_tokens_never_change_past_logits(i, seed):
+    tokens = _tokens(2, 16, seed)
+    changed = tokens.at[:, i + 1:].set(_tokens(2, 16, seed + 1)[:, i + 1:])
+    a, b = _forward(tokens), _forward(changed)
+    np.testing.assert_array_equal(a[:, : i + 1], b[:, : i + 1])
+    if i < 15 and not np.array_equal(tokens, changed):
+        assert not np.allclose(a[:, i + 1:], b[:, i + 1:])  # the test can see a change
+
+
+@pytest.mark.parametrize("variant", [
+    {}, {"n_kv_heads": 1, "tie_embeddings": True, "qkv_bias": True},
+    {"norm": "layer", "ffn": "gelu", "norm_position": "post", "position": "sinusoidal"},
+])
+def test_scanned_stack_equals_unrolled(variant):
+    c = SMALL.replace(**variant)
+    params = init_params(c, 2)
+    tokens = _tokens(2, 12)
+    unrolled = _apply(c)(params, tokens)
+    scanned_c = c.replace(scan_layers=True)
+    scanned_params = stack_blocks(params, c.n_layers)
+    scanned = _apply(scanned_c)(scanned_params, tokens)
+    np.testing.assert_allclose(unrolled, scanned, rtol=1e-5, atol=1e-5)
+    # The scanned layout is what the scanned model initialises to, and round-trips.
+    chex.assert_trees_all_equal_shapes(scanned_params, init_params(scanned_c, 0))
+    chex.assert_trees_all_equal(unstack_blocks(scanned_params), params)
+
+
+@pytest.mark.parametrize("remat, scan", [("full", False), ("save_dots", True)])
+def test_remat_changes_neither_outputs_nor_gradients(remat, scan):
+    base = SMALL.replace(scan_layers=scan)
+    params = init_params(base, 3)
+    tokens = _tokens(2, 12)
+
+    def loss(p, c):
+        logits = Transformer(c).apply({"params": p}, tokens)
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
+
+    grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    l0, g0 = grad(params, base)
+    l1, g1 = grad(params, base.replace(remat=remat))
+    np.testing.assert_allclose(l0, l1, rtol=1e-6)
+    chex.assert_trees_all_close(g0, g1, rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_compute_with_float32_params_returns_float32_logits():
+    c = SMALL.replace(dtype="bfloat16")
+    params = init_params(c, 4)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+    logits = _apply(c)(params, _tokens(2, 8))
+    chex.assert_type(logits, jnp.float32)
+    full = _apply(SMALL)(params, _tokens(2, 8))
+    np.testing.assert_allclose(logits, full, atol=0.05)  # same model, bf16 rounding only
+
+
+def test_explicit_positions_shift_invariance_with_rope():
+    # With RoPE alone, shifting every position by the same offset leaves the logits unchanged.
+    params = init_params(SMALL, 5)
+    tokens = _tokens(1, 10)
+    pos = jnp.arange(10)[None]
+    fwd = _apply(SMALL)
+    a = fwd(params, tokens, pos)
+    b = fwd(params, tokens, pos + 37)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", [{}, {"n_kv_heads": 1, "sliding_window": 4},
+                                     {"scan_layers": True}])
+def test_prefill_then_decode_equals_full_forward(variant):
+    c = SMALL.replace(**variant)
+    params = init_params(c, 6)
+    tokens = _tokens(2, 14)
+    fwd = _apply(c)
+    full = fwd(params, tokens)
+    cache = KVCache.init(c, batch=2, max_len=20)
+    logits, cache = fwd(params, tokens[:, :9], cache=cache)
+    np.testing.assert_allclose(logits, full[:, :9], rtol=1e-5, atol=1e-5)
+    for t in range(9, 14):
+        step, cache = fwd(params, tokens[:, t:t + 1], cache=cache)
+        np.testing.assert_allclose(step[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(cache.lengths, [14, 14])
+
+
+def test_ragged_positions_in_one_batch():
+    # Row 1 continues from a shorter prefix than row 0; each equals its own full forward.
+    params = init_params(SMALL, 7)
+    fwd = _apply(SMALL)
+    tokens = _tokens(2, 10)
+    cache = KVCache.init(SMALL, 2, 16)
+    _, cache = fwd(params, tokens[:, :6], cache=cache)
+    cache = cache.replace(lengths=jnp.array([6, 3], jnp.int32))  # row 1's prompt was 3 long
+    nxt = jnp.stack([tokens[0, 6], tokens[1, 3]])[:, None]
+    step, cache = fwd(params, nxt, cache=cache)
+    full0 = fwd(params, tokens[:1, :7])
+    full1 = fwd(params, tokens[1:, :4])
+    np.testing.assert_allclose(step[0, 0], full0[0, -1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(step[1, 0], full1[0, -1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(cache.lengths, [7, 4])
+
+
+def test_cache_size_formula():
+    c = SMALL.replace(dtype="bfloat16")
+    cache = KVCache.init(c, batch=3, max_len=40)
+    want = 2 * c.n_layers * 3 * 40 * c.n_kv_heads * c.head_dim * 2
+    assert cache.nbytes == want == cache_bytes(c, 3, 40)
+    chex.assert_shape(cache.k, (2, 3, 40, 2, 8))
+
+
+def test_every_parameter_has_logical_axes():
+    for scan in (False, True):
+        c = SMALL.replace(scan_layers=scan, qkv_bias=True)
+        axes = logical_axes(c)
+        params = jax.eval_shape(lambda c=c: init_params(c, 0))
+        names = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "layers"}
+        for spec, leaf in zip(jax.tree.leaves(axes, is_leaf=lambda x: isinstance(
+                x, jax.sharding.PartitionSpec)), jax.tree.leaves(params), strict=True):
+            assert len(spec) == leaf.ndim and set(spec) <= names
+        if scan:
+            assert axes["blocks"]["attn"]["q_proj"][0] == "layers"
+
+
+def test_wrong_parameter_shapes_are_rejected():
+    params = init_params(SMALL, 0)
+    bigger = SMALL.replace(d_ff=128)
+    with pytest.raises(Exception, match="shape"):
+        Transformer(bigger).apply({"params": params}, _tokens(1, 4))
