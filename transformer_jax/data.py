@@ -1,0 +1,514 @@
+"""Corpus -> flat token memmap -> deterministic fixed-length batches.
+
+``resolve_corpus`` / ``default_corpus`` pick text files; ``tokenize_corpus`` encodes them once into
+a flat token file cached on disk (one document after another, each followed by eos);
+``split`` cuts that into contiguous train/val parts; ``get_batch`` / ``Batches`` draw random
+windows whose global batch is a pure function of (seed, step), so a resumed or multi-host run sees
+exactly the batches an uninterrupted single-host run would; ``eval_batches`` walks the validation
+tokens in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import hashlib
+import json
+import logging
+import operator
+import os
+import sysconfig
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+
+from transformer_jax.tokenizer import Tokenizer, read_utf8
+
+logger = logging.getLogger(__name__)
+
+# Bump when the token file layout changes so old caches are not reused.
+_TOKEN_CACHE_VERSION = 1
+DEFAULT_CORPUS_MAX_BYTES = 8_000_000
+_STDLIB_SKIP_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+)
+_GLOB_CHARS = frozenset("*?[")
+
+Batch = dict[str, np.ndarray]
+
+
+# ------------------------------------------------------------------------------------- corpus
+
+
+def resolve_corpus(
+    patterns: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+) -> list[Path]:
+    """Expands file paths, directories and glob patterns into a sorted list of files.
+
+    Args:
+      patterns: One or more of: a file path; a directory (all non-hidden files below it,
+        recursively); a glob pattern (``**`` recurses), e.g. ``"data/*.txt"``. ``~`` expands.
+
+    Returns:
+      Absolute paths of the matched files, sorted and without duplicates.
+
+    Raises:
+      FileNotFoundError: If a path does not exist or a pattern matches no file.
+      ValueError: If no pattern is given or every matched file is empty.
+    """
+    if isinstance(patterns, str | os.PathLike):
+        patterns = [patterns]
+    patterns = list(patterns)
+    if not patterns:
+        raise ValueError("resolve_corpus needs at least one path or glob pattern")
+    found: set[Path] = set()
+    for pattern in patterns:
+        text = os.path.expanduser(os.fspath(pattern))
+        if any(c in _GLOB_CHARS for c in text):
+            matches = [Path(m) for m in glob.glob(text, recursive=True)]
+            files = [m for m in matches if m.is_file()]
+        elif os.path.isdir(text):
+            files = [
+                p
+                for p in Path(text).rglob("*")
+                if p.is_file()
+                and not any(part.startswith(".") for part in p.relative_to(text).parts)
+            ]
+        elif os.path.isfile(text):
+            files = [Path(text)]
+        else:
+            raise FileNotFoundError(f"corpus path not found: {pattern!r}")
+        if not files:
+            raise FileNotFoundError(f"corpus pattern {pattern!r} matches no files")
+        found.update(f.resolve() for f in files)
+    result = sorted(found)
+    if sum(f.stat().st_size for f in result) == 0:
+        raise ValueError(
+            f"corpus {patterns!r} is empty: all {len(result)} matched files have 0 bytes"
+        )
+    return result
+
+
+def default_corpus(max_bytes: int | None = DEFAULT_CORPUS_MAX_BYTES) -> list[Path]:
+    """Returns the installed Python standard library's ``.py`` sources as an offline corpus.
+
+    Skips ``site-packages``/``dist-packages``, test directories, hidden directories and any file
+    that is empty, unreadable or not valid UTF-8. With a byte cap, files are considered in an
+    order fixed by a hash of their relative path (a spread over the whole library, unlike
+    alphabetical order) and each is taken if it still fits; the same installation always gives
+    the same result.
+
+    Args:
+      max_bytes: Cap on the total size of the returned files, or None for no cap.
+
+    Returns:
+      Absolute paths of the chosen files, sorted.
+
+    Raises:
+      ValueError: If ``max_bytes`` is not positive.
+      FileNotFoundError: If no usable file is found.
+    """
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive or None, got {max_bytes!r}")
+    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    candidates: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith(".")
+        )
+        candidates.extend(
+            Path(dirpath) / name for name in sorted(filenames) if name.endswith(".py")
+        )
+
+    def spread_key(path: Path) -> str:
+        return hashlib.sha256(path.relative_to(root).as_posix().encode()).hexdigest()
+
+    chosen: list[Path] = []
+    total = 0
+    for path in sorted(candidates, key=spread_key):
+        try:
+            size = path.stat().st_size
+            if size == 0 or (max_bytes is not None and total + size > max_bytes):
+                continue
+            read_utf8(path)
+        except (OSError, ValueError):
+            continue
+        chosen.append(path)
+        total += size
+    if not chosen:
+        raise FileNotFoundError(f"no readable .py files found under stdlib directory {root}")
+    logger.info("default corpus: %d stdlib files, %d bytes", len(chosen), total)
+    return sorted(chosen)
+
+
+# ---------------------------------------------------------------------------------- tokenize
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype holding ids in ``[0, vocab_size)``: uint16 up to 2**16, else uint32.
+
+    Args:
+      vocab_size: Number of token ids V.
+
+    Returns:
+      ``np.dtype(np.uint16)`` or ``np.dtype(np.uint32)``.
+
+    Raises:
+      ValueError: If ``vocab_size`` is not in ``[1, 2**32]``.
+    """
+    if vocab_size <= 0 or vocab_size > 2**32:
+        raise ValueError(f"vocab_size must be in [1, 2**32], got {vocab_size}")
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def tokenize_corpus(
+    files: Sequence[str | os.PathLike[str]],
+    tokenizer: Tokenizer,
+    cache_dir: str | os.PathLike[str],
+    *,
+    add_bos: bool = False,
+    add_eos: bool = True,
+) -> np.memmap:
+    """Encodes files into one flat token array, cached on disk and memory-mapped read-only.
+
+    Each non-empty file is one document; documents are concatenated in the given order, each
+    wrapped as ``tokenizer.encode(text, add_bos, add_eos)`` (by default followed by eos, which
+    separates documents). The cache key hashes the file paths and contents, the tokenizer model
+    and these options, so a change to any of them re-tokenizes. The file is written to a
+    temporary name and renamed, so an interrupted run never leaves a partial cache behind.
+
+    Args:
+      files: UTF-8 text files, e.g. from ``resolve_corpus``.
+      tokenizer: The tokenizer to encode with.
+      cache_dir: Directory for token files (created if missing).
+      add_bos: Put bos before every document.
+      add_eos: Put eos after every document.
+
+    Returns:
+      Token ids, shape [N], dtype ``token_dtype(tokenizer.vocab_size)``.
+
+    Raises:
+      ValueError: If ``files`` is empty, a file is not UTF-8, or the corpus yields no tokens.
+      FileNotFoundError: If a file does not exist.
+    """
+    paths = [Path(f).resolve() for f in files]
+    if not paths:
+        raise ValueError("tokenize_corpus needs at least one file")
+    dtype = token_dtype(tokenizer.vocab_size)
+    file_digests = []
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"corpus file not found: {path}")
+        with open(path, "rb") as f:
+            file_digests.append([str(path), hashlib.file_digest(f, "sha256").hexdigest()])
+    payload = json.dumps(
+        {
+            "version": _TOKEN_CACHE_VERSION,
+            "tokenizer": tokenizer.fingerprint,
+            "add_bos": add_bos,
+            "add_eos": add_eos,
+            "dtype": dtype.name,
+            "files": file_digests,
+        }
+    )
+    key = hashlib.sha256(payload.encode()).hexdigest()[:24]
+    cache_path = Path(cache_dir) / f"tokens-{key}.{dtype.name}.bin"
+    if cache_path.is_file():
+        logger.info("reusing token cache %s", cache_path)
+        return np.memmap(cache_path, dtype=dtype, mode="r")
+
+    count = 0
+    with _atomic_writer(cache_path) as out:
+        for path in paths:
+            text = read_utf8(path)
+            if not text:
+                continue
+            ids = np.asarray(tokenizer.encode(text, add_bos=add_bos, add_eos=add_eos), dtype=dtype)
+            ids.tofile(out)
+            count += ids.size
+        if count == 0:
+            raise ValueError(f"corpus of {len(paths)} files yields no tokens (all files are empty)")
+    logger.info("tokenized %d files into %d tokens -> %s", len(paths), count, cache_path)
+    return np.memmap(cache_path, dtype=dtype, mode="r")
+
+
+@contextlib.contextmanager
+def _atomic_writer(path: Path) -> Iterator[IO[bytes]]:
+    """Yields a binary file that replaces ``path`` only when the block finishes without error."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Splits tokens into contiguous train (first part) and validation (last part) views.
+
+    Args:
+      tokens: Token ids, shape [N].
+      val_fraction: Fraction in ``[0, 1)`` of tokens for validation; its size is
+        ``int(N * val_fraction)``.
+
+    Returns:
+      ``(train, val)`` views of shapes [N - M] and [M] with ``M = int(N * val_fraction)``.
+
+    Raises:
+      ValueError: If ``val_fraction`` is outside ``[0, 1)`` or leaves a part empty that
+        should not be.
+    """
+    tokens = _check_tokens(tokens)
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+    num_val = int(len(tokens) * val_fraction)
+    if val_fraction > 0 and num_val == 0:
+        raise ValueError(
+            f"val_fraction={val_fraction} of {len(tokens)} tokens leaves no validation tokens"
+        )
+    if num_val == len(tokens):
+        raise ValueError(
+            f"val_fraction={val_fraction} of {len(tokens)} tokens leaves no train tokens"
+        )
+    cut = len(tokens) - num_val
+    return tokens[:cut], tokens[cut:]
+
+
+# ------------------------------------------------------------------------------------ batches
+
+
+def batch_offsets(
+    seed: int, step: int, batch_size: int, num_tokens: int, seq_len: int
+) -> np.ndarray:
+    """Start offsets of the windows of the global batch for (seed, step).
+
+    Args:
+      seed: Non-negative data seed.
+      step: Non-negative training step.
+      batch_size: Global batch size B.
+      num_tokens: Length N of the token array.
+      seq_len: Window length T; each window reads T + 1 tokens.
+
+    Returns:
+      Offsets, shape [B], int64, each in ``[0, N - T - 1]``.
+
+    Raises:
+      ValueError: On a negative seed or step, a non-positive size, or ``seq_len >= N``.
+    """
+    seed, step = _check_non_negative("seed", seed), _check_non_negative("step", step)
+    _check_batch_args(num_tokens, batch_size, seq_len, process_index=0, process_count=1)
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, num_tokens - seq_len, size=batch_size, dtype=np.int64)
+
+
+def get_batch(
+    tokens: np.ndarray,
+    seed: int,
+    step: int,
+    batch_size: int,
+    seq_len: int,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> Batch:
+    """This process's rows of the global batch for (seed, step): random windows of the tokens.
+
+    The global batch depends only on (seed, step) and the tokens; process ``p`` of ``P`` gets
+    rows ``[p * B / P, (p + 1) * B / P)``, so concatenating all processes' rows in process order
+    gives the global batch.
+
+    Args:
+      tokens: Token ids, shape [N].
+      seed: Non-negative data seed.
+      step: Non-negative training step.
+      batch_size: Global batch size B, divisible by ``process_count``.
+      seq_len: Window length T, smaller than N.
+      process_index: This process's index p in ``[0, P)``.
+      process_count: Number of processes P.
+
+    Returns:
+      ``{"inputs": [B / P, T] int32, "targets": [B / P, T] int32}`` where
+      ``targets[b, t] == inputs[b, t + 1]`` for ``t < T - 1`` and both come from the same
+      window of T + 1 consecutive tokens.
+
+    Raises:
+      ValueError: On a non-1-D token array, ``seq_len >= N``, indivisible ``batch_size`` or an
+        out-of-range ``process_index``.
+    """
+    tokens = _check_tokens(tokens)
+    local = _check_batch_args(len(tokens), batch_size, seq_len, process_index, process_count)
+    offsets = batch_offsets(seed, step, batch_size, len(tokens), seq_len)
+    mine = offsets[process_index * local : (process_index + 1) * local]
+    return _windows(tokens, mine, seq_len)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Batches:
+    """``get_batch`` with its fixed arguments bound; validated once at construction.
+
+    Attributes:
+      tokens: Token ids, shape [N].
+      batch_size: Global batch size B.
+      seq_len: Window length T.
+      seed: Data seed.
+      process_index: This process's index p.
+      process_count: Number of processes P.
+    """
+
+    tokens: np.ndarray
+    batch_size: int
+    seq_len: int
+    seed: int = 0
+    process_index: int = 0
+    process_count: int = 1
+
+    def __post_init__(self) -> None:
+        _check_tokens(self.tokens)
+        _check_non_negative("seed", self.seed)
+        _check_batch_args(
+            len(self.tokens), self.batch_size, self.seq_len, self.process_index, self.process_count
+        )
+
+    def get(self, step: int) -> Batch:
+        """The batch for ``step``: ``{"inputs", "targets"}``, each [B / P, T] int32."""
+        return get_batch(
+            self.tokens,
+            self.seed,
+            step,
+            self.batch_size,
+            self.seq_len,
+            process_index=self.process_index,
+            process_count=self.process_count,
+        )
+
+    def iterate(self, start_step: int = 0) -> Iterator[Batch]:
+        """Yields ``get(step)`` for ``step = start_step, start_step + 1, ...`` without end."""
+        step = _check_non_negative("start_step", start_step)
+        while True:
+            yield self.get(step)
+            step += 1
+
+
+def eval_batches(
+    tokens: np.ndarray,
+    batch_size: int,
+    seq_len: int,
+    max_batches: int | None = None,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> Iterator[Batch]:
+    """Deterministic sequential batches over (validation) tokens, for evaluation.
+
+    Window ``w`` reads tokens ``[w * T, w * T + T]`` (non-overlapping inputs); global batch ``i``
+    holds windows ``i * B .. i * B + B - 1``; a final incomplete batch is dropped so every batch
+    has the same shape. Processes take row slices as in ``get_batch``. Arguments are checked
+    when this is called, not on first iteration.
+
+    Args:
+      tokens: Token ids, shape [N].
+      batch_size: Global batch size B, divisible by ``process_count``.
+      seq_len: Window length T, smaller than N.
+      max_batches: Stop after this many batches (None: all full batches).
+      process_index: This process's index p in ``[0, P)``.
+      process_count: Number of processes P.
+
+    Returns:
+      An iterator of ``{"inputs": [B / P, T] int32, "targets": [B / P, T] int32}``.
+
+    Raises:
+      ValueError: On bad arguments or when the tokens do not fill a single batch.
+    """
+    tokens = _check_tokens(tokens)
+    local = _check_batch_args(len(tokens), batch_size, seq_len, process_index, process_count)
+    if max_batches is not None and max_batches <= 0:
+        raise ValueError(f"max_batches must be positive or None, got {max_batches!r}")
+    num_batches = (len(tokens) - 1) // seq_len // batch_size
+    if num_batches == 0:
+        raise ValueError(
+            f"{len(tokens)} tokens do not fill one eval batch of batch_size={batch_size} x "
+            f"seq_len={seq_len} (need at least {batch_size * seq_len + 1})"
+        )
+    if max_batches is not None:
+        num_batches = min(num_batches, max_batches)
+
+    def generate() -> Iterator[Batch]:
+        for i in range(num_batches):
+            first_row = i * batch_size + process_index * local
+            offsets = np.arange(first_row, first_row + local, dtype=np.int64) * seq_len
+            yield _windows(tokens, offsets, seq_len)
+
+    return generate()
+
+
+def _windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> Batch:
+    index = offsets[:, None] + np.arange(seq_len + 1, dtype=np.int64)[None, :]
+    windows = np.asarray(tokens)[index].astype(np.int32)
+    return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+def _check_tokens(tokens: np.ndarray) -> np.ndarray:
+    tokens = np.asarray(tokens) if not isinstance(tokens, np.ndarray) else tokens
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens must have an integer dtype, got {tokens.dtype}")
+    return tokens
+
+
+def _check_non_negative(name: str, value: int) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be non-negative, got {value}")
+    return value
+
+
+def _check_batch_args(
+    num_tokens: int, batch_size: int, seq_len: int, process_index: int, process_count: int
+) -> int:
+    """Validates batching arguments; returns the per-process batch size B / P."""
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    if seq_len >= num_tokens:
+        raise ValueError(
+            f"seq_len={seq_len} must be smaller than the number of tokens ({num_tokens})"
+        )
+    if process_count <= 0:
+        raise ValueError(f"process_count must be positive, got {process_count}")
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} is outside [0, {process_count})")
+    if batch_size % process_count:
+        raise ValueError(
+            f"batch_size={batch_size} is not divisible by process_count={process_count}"
+        )
+    return batch_size // process_count
+
+
+__all__ = [
+    "DEFAULT_CORPUS_MAX_BYTES",
+    "Batch",
+    "Batches",
+    "batch_offsets",
+    "default_corpus",
+    "eval_batches",
+    "get_batch",
+    "resolve_corpus",
+    "split",
+    "token_dtype",
+    "tokenize_corpus",
+]

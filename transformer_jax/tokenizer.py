@@ -1,0 +1,623 @@
+"""SentencePiece tokenizer: load an existing model (e.g. Llama 2's) or train one on a corpus.
+
+Trained models use identity normalization, keep every space (no whitespace collapsing, no dummy
+prefix) and, for ``"bpe"`` and ``"unigram"``, fall back to UTF-8 byte pieces for characters
+outside the vocabulary, so ``decode(encode(text)) == text`` for any text, including newlines, tabs,
+code indentation and characters never seen in training. ``"char"`` models have one piece per
+character of their training corpus and round-trip exactly any text made of those characters.
+
+Trained models reserve ids ``unk=0, bos=1, eos=2, pad=3``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import sentencepiece as spm
+
+logger = logging.getLogger(__name__)
+
+ModelType = Literal["bpe", "unigram", "char"]
+MODEL_TYPES: tuple[str, ...] = ("bpe", "unigram", "char")
+
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+_NUM_SPECIAL = 4
+_NUM_BYTE_PIECES = 256
+DEFAULT_MODEL_FILENAME = "tokenizer.model"
+
+# SentencePiece writes a space as this character inside pieces, so the same character in input
+# text would otherwise decode as a space.
+_SPACE_MARKER = "\u2581"
+
+# Bump when the training recipe changes so that train_or_load does not reuse stale models.
+_TRAIN_RECIPE_VERSION = 1
+
+# SentencePiece skips training sentences longer than max_sentence_length (4192 bytes by default);
+# 1024 characters are at most 4096 UTF-8 bytes.
+_MAX_SENTENCE_CHARS = 1024
+
+# A line terminator run followed by the line's text. The terminator goes at the *start* of a
+# training sentence because the trainer strips trailing "\r"/"\n" from every sentence, which would
+# otherwise keep newlines out of the vocabulary.
+_SEGMENT_RE = re.compile(r"[\r\n]*[^\r\n]+|[\r\n]+")
+
+# Trainer options that this module must control for the id layout and I/O to be right.
+_RESERVED_TRAINER_OPTIONS = frozenset(
+    {
+        "input",
+        "model_prefix",
+        "model_writer",
+        "sentence_iterator",
+        "sentence_reader",
+        "model_type",
+        "vocab_size",
+        "unk_id",
+        "bos_id",
+        "eos_id",
+        "pad_id",
+    }
+)
+
+Source = os.PathLike[str] | Iterable[str] | Iterable[os.PathLike[str]]
+
+
+class Tokenizer:
+    """A SentencePiece model with exact-round-trip encode/decode and a fixed id layout.
+
+    Build one with ``Tokenizer.load``, ``Tokenizer.train`` or ``Tokenizer.train_or_load``.
+
+    Attributes:
+      path: The ``.model`` file this tokenizer was loaded from or written to, or None.
+    """
+
+    def __init__(self, processor: spm.SentencePieceProcessor, path: Path | None = None):
+        """Wraps an already loaded processor.
+
+        Args:
+          processor: A loaded ``sentencepiece.SentencePieceProcessor`` with at least one piece.
+          path: Where the model file lives, if anywhere.
+
+        Raises:
+          ValueError: If the processor holds an empty model.
+        """
+        if processor.get_piece_size() <= 0:
+            raise ValueError(f"SentencePiece model {path or '<in memory>'} has no pieces")
+        self._sp = processor
+        self.path = path
+        self._fingerprint = hashlib.sha256(processor.serialized_model_proto()).hexdigest()
+        self._marker_byte_ids = self._space_marker_byte_ids()
+
+    # ----------------------------------------------------------------------------- construction
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Loads a SentencePiece ``.model`` file (e.g. the Llama 2 tokenizer).
+
+        Args:
+          path: The ``.model`` file, or a directory holding ``tokenizer.model``.
+
+        Returns:
+          The loaded tokenizer.
+
+        Raises:
+          FileNotFoundError: If the file does not exist.
+          ValueError: If the file is not a valid SentencePiece model.
+        """
+        model_path = Path(path)
+        if model_path.is_dir():
+            model_path = model_path / DEFAULT_MODEL_FILENAME
+        if not model_path.is_file():
+            raise FileNotFoundError(f"tokenizer model file not found: {model_path}")
+        try:
+            processor = spm.SentencePieceProcessor(model_proto=model_path.read_bytes())
+        except RuntimeError as e:
+            raise ValueError(f"{model_path} is not a valid SentencePiece model: {e}") from e
+        if processor.get_piece_size() <= 0:
+            raise ValueError(f"{model_path} is not a valid SentencePiece model: it has no pieces")
+        return cls(processor, model_path)
+
+    @classmethod
+    def train(
+        cls,
+        source: Source,
+        output: str | os.PathLike[str],
+        vocab_size: int,
+        model_type: ModelType = "bpe",
+        *,
+        byte_fallback: bool | None = None,
+        character_coverage: float | None = None,
+        num_threads: int | None = None,
+        **trainer_options: Any,
+    ) -> Tokenizer:
+        """Trains a SentencePiece model on a corpus and writes it to disk atomically.
+
+        Args:
+          source: The corpus: ``pathlib.Path`` objects (or any ``os.PathLike``) of UTF-8 text
+            files, one document each, or plain ``str`` documents. A single path is one file.
+            Plain strings are always text, never file names.
+          output: Where to write the model: a path ending in ``.model``; an existing directory
+            (the model goes to ``<dir>/tokenizer.model``); or a prefix (``<prefix>.model``).
+          vocab_size: Target number of pieces, specials and byte pieces included. SentencePiece
+            may produce fewer on a small corpus; ``Tokenizer.vocab_size`` is the real size. For
+            ``"char"`` every character of the corpus gets a piece and this value is ignored.
+          model_type: ``"bpe"``, ``"unigram"`` or ``"char"``.
+          byte_fallback: Encode out-of-vocabulary characters as UTF-8 byte pieces (256 extra
+            pieces). Defaults to True for ``"bpe"``/``"unigram"``; not supported for ``"char"``.
+          character_coverage: Fraction of corpus characters that get their own piece. Defaults
+            to 1.0 for ``"char"`` and 0.9995 otherwise (rarer characters use byte pieces).
+          num_threads: Trainer threads; defaults to the number of CPUs (at most 16).
+          **trainer_options: Further ``SentencePieceTrainer`` options (e.g.
+            ``input_sentence_size``, ``max_sentencepiece_length``); they override the defaults
+            here, except the id layout and I/O options, which are fixed.
+
+        Returns:
+          The trained tokenizer, with ``path`` set to the written model file.
+
+        Raises:
+          ValueError: On an unknown ``model_type``, a too small ``vocab_size``, an empty corpus,
+            a reserved trainer option, or a trainer failure.
+          FileNotFoundError: If a corpus file does not exist.
+        """
+        files, texts = _split_source(source)
+        return cls._train(
+            files,
+            texts,
+            output,
+            vocab_size,
+            model_type,
+            byte_fallback=byte_fallback,
+            character_coverage=character_coverage,
+            num_threads=num_threads,
+            trainer_options=trainer_options,
+        )
+
+    @classmethod
+    def train_or_load(
+        cls,
+        source: Source,
+        cache_dir: str | os.PathLike[str],
+        vocab_size: int,
+        model_type: ModelType = "bpe",
+        *,
+        byte_fallback: bool | None = None,
+        character_coverage: float | None = None,
+        num_threads: int | None = None,
+        **trainer_options: Any,
+    ) -> Tokenizer:
+        """Loads a cached tokenizer for this corpus and settings, training it on a cache miss.
+
+        The cache key hashes the corpus contents (in order), ``vocab_size``, ``model_type``,
+        the training options (except ``num_threads``) and a recipe version, so a change to any
+        of them trains anew.
+
+        Args:
+          source: The corpus, as for ``Tokenizer.train``.
+          cache_dir: Directory holding cached models (created if missing).
+          vocab_size: As for ``Tokenizer.train``.
+          model_type: As for ``Tokenizer.train``.
+          byte_fallback: As for ``Tokenizer.train``.
+          character_coverage: As for ``Tokenizer.train``.
+          num_threads: As for ``Tokenizer.train``.
+          **trainer_options: As for ``Tokenizer.train``.
+
+        Returns:
+          The cached or freshly trained tokenizer; its ``path`` is the cached model file.
+        """
+        files, texts = _split_source(source)
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"unknown model_type {model_type!r}; expected one of {MODEL_TYPES}")
+        options = {
+            "byte_fallback": byte_fallback,
+            "character_coverage": character_coverage,
+            **trainer_options,
+        }
+        payload = json.dumps(
+            {
+                "recipe": _TRAIN_RECIPE_VERSION,
+                "corpus": _corpus_fingerprint(files, texts),
+                "vocab_size": vocab_size,
+                "model_type": model_type,
+                "options": {k: repr(v) for k, v in sorted(options.items())},
+            },
+            sort_keys=True,
+        )
+        key = hashlib.sha256(payload.encode()).hexdigest()[:16]
+        model_path = Path(cache_dir) / f"tokenizer-{model_type}-{vocab_size}-{key}.model"
+        if model_path.is_file():
+            try:
+                tokenizer = cls.load(model_path)
+            except ValueError:
+                logger.warning("cached tokenizer %s is unreadable; retraining", model_path)
+            else:
+                logger.info("loaded cached tokenizer %s", model_path)
+                return tokenizer
+        logger.info(
+            "training %s tokenizer (vocab_size=%d) into %s", model_type, vocab_size, model_path
+        )
+        return cls._train(
+            files,
+            texts,
+            model_path,
+            vocab_size,
+            model_type,
+            byte_fallback=byte_fallback,
+            character_coverage=character_coverage,
+            num_threads=num_threads,
+            trainer_options=trainer_options,
+        )
+
+    @classmethod
+    def _train(
+        cls,
+        files: list[Path] | None,
+        texts: list[str] | None,
+        output: str | os.PathLike[str],
+        vocab_size: int,
+        model_type: str,
+        *,
+        byte_fallback: bool | None = None,
+        character_coverage: float | None = None,
+        num_threads: int | None = None,
+        trainer_options: dict[str, Any],
+    ) -> Tokenizer:
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"unknown model_type {model_type!r}; expected one of {MODEL_TYPES}")
+        reserved = sorted(_RESERVED_TRAINER_OPTIONS & trainer_options.keys())
+        if reserved:
+            raise ValueError(f"trainer options {reserved} are fixed by Tokenizer.train")
+        is_char = model_type == "char"
+        if byte_fallback is None:
+            byte_fallback = not is_char
+        if is_char and byte_fallback:
+            raise ValueError("byte_fallback=True is not supported for model_type='char'")
+        if character_coverage is None:
+            character_coverage = 1.0 if is_char else 0.9995
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+            raise ValueError(f"vocab_size must be an int, got {vocab_size!r}")
+        min_size = _NUM_SPECIAL + 1 + (_NUM_BYTE_PIECES if byte_fallback else 0)
+        if not is_char and vocab_size < min_size:
+            raise ValueError(
+                f"vocab_size={vocab_size} is too small for model_type={model_type!r} with "
+                f"byte_fallback={byte_fallback}: need at least {min_size}"
+            )
+
+        def documents() -> Iterator[str]:
+            if files is not None:
+                for file in files:
+                    yield read_utf8(file)
+            else:
+                yield from texts or ()
+
+        options: dict[str, Any] = {
+            "model_type": model_type,
+            "vocab_size": vocab_size,
+            "unk_id": UNK_ID,
+            "bos_id": BOS_ID,
+            "eos_id": EOS_ID,
+            "pad_id": PAD_ID,
+            "byte_fallback": byte_fallback,
+            "character_coverage": character_coverage,
+            "normalization_rule_name": "identity",
+            "remove_extra_whitespaces": False,
+            "add_dummy_prefix": False,
+            "allow_whitespace_only_pieces": True,
+            "split_digits": True,
+            # A small corpus may not support the requested size; a smaller vocab beats an error.
+            "hard_vocab_limit": False,
+            "num_threads": num_threads or min(16, os.cpu_count() or 1),
+            "minloglevel": 1,
+        }
+        if is_char:
+            chars: set[str] = set()
+            for doc in documents():
+                chars.update(doc)
+            unrepresentable = chars & {"\x00", _SPACE_MARKER}
+            if unrepresentable:
+                logger.warning(
+                    "char tokenizer cannot represent %s in the corpus: NUL becomes unk and "
+                    "U+2581 decodes as a space",
+                    sorted(unrepresentable),
+                )
+            # Sentences lose trailing newlines in the trainer, so force every corpus character
+            # into the vocabulary; the space is stored as the marker.
+            chars -= {" ", "\x00", _SPACE_MARKER}
+            options["required_chars"] = "".join(sorted(chars))
+            options["use_all_vocab"] = True
+        options.update(trainer_options)
+
+        sentences = _training_sentences(documents())
+        first = next(sentences, None)
+        if first is None:
+            raise ValueError("cannot train a tokenizer on an empty corpus (no non-empty text)")
+        model = io.BytesIO()
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=_prepend(first, sentences), model_writer=model, **options
+            )
+        except RuntimeError as e:
+            raise ValueError(
+                f"SentencePiece training failed (model_type={model_type!r}, "
+                f"vocab_size={vocab_size}): {e}"
+            ) from e
+        model_path = _resolve_output(output)
+        _atomic_write_bytes(model_path, model.getvalue())
+        tokenizer = cls(spm.SentencePieceProcessor(model_proto=model.getvalue()), model_path)
+        logger.info(
+            "trained %s tokenizer with %d pieces -> %s",
+            model_type,
+            tokenizer.vocab_size,
+            model_path,
+        )
+        return tokenizer
+
+    # ------------------------------------------------------------------------------- properties
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of pieces V; every id is in ``[0, V)``."""
+        return self._sp.get_piece_size()
+
+    @property
+    def unk_id(self) -> int:
+        """Id of the unknown piece (0 in trained models)."""
+        return self._sp.unk_id()
+
+    @property
+    def bos_id(self) -> int:
+        """Id of the beginning-of-sequence piece (1 in trained models; -1 if the model has none)."""
+        return self._sp.bos_id()
+
+    @property
+    def eos_id(self) -> int:
+        """Id of the end-of-sequence piece (2 in trained models; -1 if the model has none)."""
+        return self._sp.eos_id()
+
+    @property
+    def pad_id(self) -> int:
+        """Id to pad with: the model's pad piece (3 in trained models) if it has one.
+
+        Models without a pad piece (the Llama 2 tokenizer has ``pad_id == -1``) fall back to
+        ``eos_id``, or to ``unk_id`` if there is no eos either. Padded positions must be masked
+        out of the loss anyway, so reusing a real id is harmless.
+        """
+        for candidate in (self._sp.pad_id(), self._sp.eos_id(), self._sp.unk_id()):
+            if candidate >= 0:
+                return candidate
+        return 0
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 hex digest of the serialized model; equal models have equal fingerprints."""
+        return self._fingerprint
+
+    @property
+    def processor(self) -> spm.SentencePieceProcessor:
+        """The wrapped ``SentencePieceProcessor``."""
+        return self._sp
+
+    def id_to_piece(self, token_id: int) -> str:
+        """Returns the piece string of ``token_id`` (validated to be in ``[0, V)``)."""
+        self._check_ids(np.asarray([token_id]))
+        return self._sp.id_to_piece(int(token_id))
+
+    # --------------------------------------------------------------------------- encode/decode
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Encodes text to token ids.
+
+        Args:
+          text: Any string.
+          add_bos: Prepend ``bos_id``.
+          add_eos: Append ``eos_id``.
+
+        Returns:
+          Token ids, each in ``[0, V)``.
+
+        Raises:
+          TypeError: If ``text`` is not a str.
+          ValueError: If bos/eos is requested but the model has none.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        if self._marker_byte_ids and _SPACE_MARKER in text:
+            # Encode the literal U+2581 as its bytes so it does not come back as a space.
+            ids: list[int] = []
+            for i, part in enumerate(text.split(_SPACE_MARKER)):
+                if i:
+                    ids.extend(self._marker_byte_ids)
+                if part:
+                    ids.extend(self._sp.encode(part))
+        else:
+            ids = self._sp.encode(text)
+        if add_bos:
+            if self.bos_id < 0:
+                raise ValueError(f"tokenizer {self.path} has no bos piece; cannot add_bos")
+            ids.insert(0, self.bos_id)
+        if add_eos:
+            if self.eos_id < 0:
+                raise ValueError(f"tokenizer {self.path} has no eos piece; cannot add_eos")
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        """Decodes token ids to text; bos/eos/pad decode to nothing, unk to `` ⁇ ``.
+
+        Args:
+          ids: A sequence or 1-D array of ids, shape [T].
+
+        Returns:
+          The decoded text.
+
+        Raises:
+          ValueError: If ``ids`` is not 1-D or holds an id outside ``[0, V)``.
+        """
+        array = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
+        if array.size == 0:
+            return ""
+        if array.ndim != 1:
+            raise ValueError(f"decode expects a 1-D sequence of ids, got shape {array.shape}")
+        if not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"decode expects integer ids, got dtype {array.dtype}")
+        self._check_ids(array)
+        return self._sp.decode(array.tolist())
+
+    def _check_ids(self, array: np.ndarray) -> None:
+        bad = array[(array < 0) | (array >= self.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside [0, {self.vocab_size})")
+
+    def _space_marker_byte_ids(self) -> list[int]:
+        """Byte-piece ids spelling U+2581, if the model can use them without side effects."""
+        marker_bytes = [f"<0x{b:02X}>" for b in _SPACE_MARKER.encode("utf-8")]
+        ids = [self._sp.piece_to_id(piece) for piece in marker_bytes]
+        if not all(self._sp.is_byte(i) for i in ids):
+            return []
+        # With a dummy prefix every separately encoded part would gain a leading space.
+        first_piece = self._sp.encode("x", out_type=str)[0]
+        if first_piece.startswith(_SPACE_MARKER):
+            return []
+        return ids
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def train_or_load(
+    source: Source,
+    cache_dir: str | os.PathLike[str],
+    vocab_size: int,
+    model_type: ModelType = "bpe",
+    **train_options: Any,
+) -> Tokenizer:
+    """Module-level alias of ``Tokenizer.train_or_load`` (same arguments and result)."""
+    return Tokenizer.train_or_load(source, cache_dir, vocab_size, model_type, **train_options)
+
+
+def read_utf8(path: str | os.PathLike[str]) -> str:
+    """Reads a file as strict UTF-8, keeping line endings exactly as stored.
+
+    Args:
+      path: The file.
+
+    Returns:
+      The file's text.
+
+    Raises:
+      FileNotFoundError: If the file does not exist.
+      ValueError: If the file is not valid UTF-8.
+    """
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not valid UTF-8: {e}") from e
+
+
+def _split_source(source: Source) -> tuple[list[Path] | None, list[str] | None]:
+    """Turns a corpus argument into (files, None) or (None, texts)."""
+    if isinstance(source, os.PathLike):
+        return [Path(source)], None
+    if isinstance(source, str | bytes):
+        raise TypeError(
+            "source must be an iterable of documents or of file paths, not a single str; "
+            "pass [text] for one document or pathlib.Path(...) for one file"
+        )
+    items = list(source)
+    if not items:
+        raise ValueError("cannot train a tokenizer on an empty corpus (no documents or files)")
+    if all(isinstance(item, os.PathLike) for item in items):
+        files = [Path(item) for item in items]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"corpus file not found: {file}")
+        return files, None
+    if all(isinstance(item, str) for item in items):
+        for item in items:
+            # Guards against passing file names as str, which would train on the names.
+            if len(item) < 4096 and "\n" not in item and os.path.isfile(item):
+                raise ValueError(
+                    f"document {item!r} is the name of an existing file; plain str items are "
+                    "treated as text, pass pathlib.Path objects to train on files"
+                )
+        return None, items
+    kinds = sorted({type(item).__name__ for item in items})
+    raise TypeError(f"source items must be all str documents or all paths, got {kinds}")
+
+
+def _corpus_fingerprint(files: list[Path] | None, texts: list[str] | None) -> str:
+    digest = hashlib.sha256()
+    if files is not None:
+        for file in files:
+            with open(file, "rb") as f:
+                digest.update(hashlib.file_digest(f, "sha256").digest())
+    else:
+        for text in texts or ():
+            data = text.encode("utf-8", "surrogatepass")
+            # Length prefix keeps ["ab", "c"] and ["a", "bc"] apart.
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+    return digest.hexdigest()
+
+
+def _training_sentences(documents: Iterable[str]) -> Iterator[str]:
+    """Cuts documents into trainer sentences that start with their line terminator."""
+    for doc in documents:
+        for segment in _SEGMENT_RE.findall(doc):
+            if not segment.strip("\r\n"):
+                continue  # The trainer would strip it to nothing.
+            for start in range(0, len(segment), _MAX_SENTENCE_CHARS):
+                yield segment[start : start + _MAX_SENTENCE_CHARS]
+
+
+def _prepend(first: str, rest: Iterator[str]) -> Iterator[str]:
+    yield first
+    yield from rest
+
+
+def _resolve_output(output: str | os.PathLike[str]) -> Path:
+    path = Path(output)
+    if path.suffix == ".model":
+        return path
+    if path.is_dir():
+        return path / DEFAULT_MODEL_FILENAME
+    return path.with_name(path.name + ".model")
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Writes via a temporary file and rename so readers never see a partial model."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+__all__ = [
+    "BOS_ID",
+    "EOS_ID",
+    "MODEL_TYPES",
+    "PAD_ID",
+    "UNK_ID",
+    "ModelType",
+    "Tokenizer",
+    "read_utf8",
+    "train_or_load",
+]
