@@ -188,6 +188,10 @@ class Block(nn.Module):
                  segment_ids: jax.Array | None = None
                  ) -> tuple[jax.Array, LayerCache | None]:
         """[B, T, D] -> ([B, T, D], updated layer cache or None)."""
+        # The residual stream's only sharding annotation: under a mesh's logical-axis rules it
+        # keeps activations split over the batch axes (so FSDP gathers weights, not
+        # activations); without rules in scope it is a no-op.
+        x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
         c = self.config
         dtypes = dict(dtype=c.jnp_dtype, param_dtype=c.jnp_param_dtype)
         # Residual-branch outputs start smaller so the stream's variance does not grow with

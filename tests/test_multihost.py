@@ -1,0 +1,137 @@
+"""Multi-process training through jax.distributed: two local processes with 4 simulated CPU
+devices each (gloo collectives) against one process with all 8, plus a shared checkpoint.
+
+Every process is a subprocess running ``tests/multihost_worker.py``; this pytest process keeps
+its single device.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import multihost_worker as worker
+import numpy as np
+import pytest
+
+from transformer_jax import distributed
+from transformer_jax import sharding as sh
+
+N_PROCESSES, DEVICES_PER_PROCESS = 2, 4
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    ckpt = tmp_path_factory.mktemp("multihost") / "ckpt"
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen(
+        [sys.executable, worker.__file__, "train", "--coordinator", coordinator,
+         "--num-processes", str(N_PROCESSES), "--process-id", str(i), "--ckpt", str(ckpt)],
+        cwd=worker.ROOT, env=worker.worker_env(DEVICES_PER_PROCESS), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for i in range(N_PROCESSES)]
+    results = []
+    try:
+        for i, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=300)
+            if proc.returncode:
+                pytest.fail(f"process {i} failed:\n{err[-4000:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    check = worker.run_worker(["check", "--ckpt", str(ckpt)],
+                              n_devices=N_PROCESSES * DEVICES_PER_PROCESS)
+    return {"processes": results, "single": check}
+
+
+def test_processes_see_one_global_mesh(runs):
+    for i, r in enumerate(runs["processes"]):
+        assert r["process"] == i
+        assert r["local_devices"] == DEVICES_PER_PROCESS
+        assert r["global_devices"] == N_PROCESSES * DEVICES_PER_PROCESS
+        assert r["main"] == (i == 0)
+        # A flag raised on the last process only (think SIGTERM) is seen by all of them.
+        assert r["any_last"] is True and r["any_none"] is False
+
+
+def test_each_process_loads_only_its_batch_rows(runs):
+    # Mesh (2, 2, 2): the data axis spans the processes, so each loads half the batch; with
+    # (1, 1, 8) the batch is replicated and both load all of it.
+    for i, r in enumerate(runs["processes"]):
+        assert r["batch_shard"] == [i, N_PROCESSES]
+        assert r["tp_batch_shard"] == [0, 1]
+
+
+def test_two_processes_reach_the_single_process_losses(runs):
+    single = runs["single"]["losses"]
+    assert len(single) >= 2
+    for r in runs["processes"]:
+        assert r["losses"] == pytest.approx(single, rel=1e-6, abs=1e-6)
+
+
+def test_shared_checkpoint_restores_in_one_process(runs):
+    single = runs["single"]
+    assert single["restored_specs_match"]
+    assert single["saved_losses"] == runs["processes"][0]["losses"]
+    assert any(p.startswith("params/") for p in single["diff"])
+    for path, diff in single["diff"].items():
+        # Same bounds as the mesh-vs-single-device test (see test_sharding.py).
+        limit = 1e-7 if "/mu/" in path else 1e-9 if "/nu/" in path else 1e-5
+        assert diff < limit, (path, diff)
+
+
+# ------------------------------------------------------------------ in-process, one device
+
+
+def _clear_env(monkeypatch):
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+                "SLURM_JOB_ID", "SLURM_NTASKS", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_single_process_needs_no_initialisation(monkeypatch):
+    _clear_env(monkeypatch)
+    assert distributed.maybe_initialize() is False
+    assert distributed.maybe_initialize(num_processes=1, process_id=0) is False
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert distributed.maybe_initialize() is False
+    assert distributed.is_main_process()
+
+
+@pytest.mark.parametrize("kwargs, env, message", [
+    (dict(num_processes=2, process_id=0), {}, "needs coordinator_address"),
+    (dict(coordinator_address="127.0.0.1:1234", num_processes=2), {}, "process_id=None"),
+    (dict(coordinator_address="127.0.0.1:1234", process_id=1), {}, "num_processes"),
+    (dict(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=2), {},
+     r"process_id must be in \[0, 2\), got 2"),
+    (dict(num_processes=1, process_id=3), {}, "must be 0 with one process"),
+    ({}, {"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES must be an integer"),
+    ({}, {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, "JAX_COORDINATOR_ADDRESS"),
+])
+def test_incomplete_distributed_settings_are_clear_errors(monkeypatch, kwargs, env, message):
+    _clear_env(monkeypatch)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=message):
+        distributed.maybe_initialize(**kwargs)
+
+
+def test_single_process_batch_is_the_whole_global_batch():
+    mesh = sh.make_mesh(sh.MeshConfig())
+    sharding = sh.batch_sharding(mesh)
+    assert distributed.process_batch_shard(sharding, 6) == (0, 1)
+    local = {"inputs": np.arange(12, dtype=np.int32).reshape(6, 2)}
+    arrays = distributed.global_batch(local, sharding, 6)
+    assert arrays["inputs"].shape == (6, 2) and arrays["inputs"].sharding == sharding
+    np.testing.assert_array_equal(np.asarray(arrays["inputs"]), local["inputs"])

@@ -1,0 +1,305 @@
+"""Per-device training memory of a preset on a mesh, and compile time against depth.
+
+Nothing is allocated: shapes come from ``jax.eval_shape`` of the real train-state init, the
+shardings from the logical rules, and the compiled numbers from XLA's memory analysis of the real
+train step lowered on abstract (``ShapeDtypeStruct``) inputs. The mesh is made of simulated CPU
+devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set by this process before its
+backend starts), so a 7B model on an 8-device mesh can be planned on a laptop.
+
+  python -m transformer_jax.bench memory --config llama2_7b --mesh 1,8,1 --batch 8 --seq 2048
+  python -m transformer_jax.bench memory --config llama2_7b --compile-time
+
+Reported per device: parameters, Adam state (mu + nu, float32), the whole train state; from the
+compiled train step its arguments and temporaries (gradients, optimizer scratch, activations) and
+a peak estimate; and "activations (est.)", the temporaries of the forward + backward pass
+compiled alone (what the remat policy keeps, gathered weights, XLA scratch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any
+
+GIB = 2.0 ** 30
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    """Per-device bytes of one (model, mesh, batch) training set-up."""
+
+    config: str
+    mesh: tuple[int, int, int]
+    batch: int
+    seq: int
+    remat: str
+    dtype: str
+    param_count: int
+    params_bytes: int
+    adam_bytes: int
+    state_bytes: int
+    compiled: dict[str, int] | None = None
+    activations_bytes: int | None = None
+
+
+def state_memory(model_config: Any, mesh_sizes: tuple[int, int, int], train_config: Any
+                 ) -> dict[str, int]:
+    """Per-device bytes of the train state on a mesh, from shapes and shardings alone.
+
+    Args:
+      model_config: the ``ModelConfig``.
+      mesh_sizes: concrete (data, fsdp, tensor) sizes (an abstract mesh: no devices needed).
+      train_config: the ``TrainConfig`` (its optimizer decides the state).
+
+    Returns:
+      ``{"param_count", "params", "adam", "state"}``: parameter count and per-device bytes of
+      the parameters, Adam's mu + nu, and the whole state.
+    """
+    import jax
+    from jax.sharding import AbstractMesh, AxisType
+
+    from transformer_jax import sharding as sh
+    from transformer_jax.training import make_init_fn
+
+    mesh = AbstractMesh(tuple(mesh_sizes), sh.MESH_AXES,
+                        axis_types=(AxisType.Auto,) * len(sh.MESH_AXES))
+    abstract = jax.eval_shape(make_init_fn(model_config, train_config), jax.random.key(0))
+    shardings = sh.state_shardings(abstract, sh.param_shardings(model_config, mesh))
+    adam = 0
+    flat_s = dict(jax.tree_util.tree_flatten_with_path(shardings)[0])
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        if {"mu", "nu"} & set(sh._path_keys(path)):
+            adam += sh.per_device_bytes(leaf, flat_s[path])
+    return {
+        "param_count": sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params)),
+        "params": sh.per_device_bytes(abstract.params, shardings.params),
+        "adam": adam,
+        "state": sh.per_device_bytes(abstract, shardings),
+    }
+
+
+def lower_train_step(model_config: Any, train_config: Any, mesh: Any) -> tuple[Any, float]:
+    """The real train step lowered on abstract sharded inputs.
+
+    Returns:
+      ``(lowered, seconds)``: the ``jax.stages.Lowered`` and the time lowering took.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from transformer_jax import sharding as sh
+    from transformer_jax.training import make_init_fn, make_train_step
+
+    abstract = jax.eval_shape(make_init_fn(model_config, train_config), jax.random.key(0))
+    s_shard = sh.state_shardings(abstract, sh.param_shardings(model_config, mesh))
+    b_shard = sh.batch_sharding(mesh)
+    tokens = jax.ShapeDtypeStruct((train_config.batch_size, train_config.seq_len), jnp.int32,
+                                  sharding=b_shard)
+    step = sh.jit_train_step(make_train_step(model_config, train_config), s_shard, b_shard)
+    start = time.perf_counter()
+    lowered = step.lower(sh.with_shardings(abstract, s_shard),
+                         {"inputs": tokens, "targets": tokens})
+    return lowered, time.perf_counter() - start
+
+
+def compiled_memory(model_config: Any, train_config: Any, mesh: Any) -> dict[str, int]:
+    """XLA's per-device memory analysis of the compiled train step (nothing is allocated)."""
+    lowered, _ = lower_train_step(model_config, train_config, mesh)
+    stats = lowered.compile().memory_analysis()
+    names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+             "temp_size_in_bytes", "generated_code_size_in_bytes")
+    out = {n.removesuffix("_size_in_bytes"): int(getattr(stats, n, 0) or 0) for n in names}
+    # Donated state is aliased to the output: live at once are arguments, the non-aliased
+    # outputs and the temporaries.
+    out["peak_estimate"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def compiled_activations(model_config: Any, train_config: Any, mesh: Any) -> int:
+    """Per-device temporaries of the forward + backward pass alone (no optimizer update).
+
+    The gradients are this computation's (sharded) outputs, so its temporaries are what the
+    backward pass keeps from the forward (set by the remat policy), gathered weights and XLA's
+    scratch: the activation memory of the step.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from transformer_jax import sharding as sh
+    from transformer_jax.model import Transformer, abstract_params
+    from transformer_jax.training import cross_entropy
+
+    model = Transformer(model_config)
+
+    def grads_only(params, batch):
+        def loss(p):
+            return cross_entropy(model.apply({"params": p}, batch["inputs"]), batch["targets"])
+
+        return jax.grad(loss)(params), {}
+
+    p_shard = sh.param_shardings(model_config, mesh)
+    b_shard = sh.batch_sharding(mesh)
+    params = sh.with_shardings(abstract_params(model_config), p_shard)
+    tokens = jax.ShapeDtypeStruct((train_config.micro_batch_size, train_config.seq_len),
+                                  jnp.int32, sharding=b_shard)
+    step = sh.jit_train_step(grads_only, p_shard, b_shard, donate=False)
+    stats = step.lower(params, {"inputs": tokens, "targets": tokens}).compile().memory_analysis()
+    return int(stats.temp_size_in_bytes)
+
+
+def memory_report(name: str, mesh_sizes: tuple[int, int, int], batch: int, seq: int, *,
+                  remat: str | None = None, dtype: str | None = None, mesh: Any = None
+                  ) -> MemoryReport:
+    """The full report; with ``mesh`` (a real mesh of ``mesh_sizes``) also compiled numbers.
+
+    Args:
+      name: preset name or TOML path.
+      mesh_sizes: concrete (data, fsdp, tensor).
+      batch: global batch B.
+      seq: sequence length T.
+      remat: override the preset's remat policy.
+      dtype: override the compute dtype.
+      mesh: a device mesh to compile on; None skips the compiled analysis.
+    """
+    model_config, train_config = _configs(name, batch, seq, remat=remat, dtype=dtype)
+    state = state_memory(model_config, mesh_sizes, train_config)
+    report = MemoryReport(config=name, mesh=tuple(mesh_sizes), batch=batch, seq=seq,
+                          remat=model_config.remat, dtype=model_config.dtype,
+                          param_count=state["param_count"], params_bytes=state["params"],
+                          adam_bytes=state["adam"], state_bytes=state["state"])
+    if mesh is not None:
+        report.compiled = compiled_memory(model_config, train_config, mesh)
+        report.activations_bytes = compiled_activations(model_config, train_config, mesh)
+    return report
+
+
+def compile_times(name: str, mesh: Any, batch: int, seq: int, layers: tuple[int, ...] = (32, 4),
+                  remat: str | None = None, dtype: str | None = None, repeats: int = 2
+                  ) -> dict[int, dict[str, float]]:
+    """Lowering and compile seconds of the scanned train step at each depth in ``layers``.
+
+    Each depth is measured ``repeats`` times, interleaved with the others so that a burst of
+    load on a shared machine does not land on one depth only; the fastest run counts. Every
+    run builds a fresh step function, so no compilation cache is hit.
+    """
+    out: dict[int, dict[str, float]] = {}
+    for _ in range(repeats):
+        for n_layers in layers:
+            model_config, train_config = _configs(name, batch, seq, remat=remat, dtype=dtype,
+                                                  n_layers=n_layers, scan_layers=True)
+            lowered, lower_s = lower_train_step(model_config, train_config, mesh)
+            start = time.perf_counter()
+            lowered.compile()
+            run = {"lower_s": lower_s, "compile_s": time.perf_counter() - start}
+            best = out.get(n_layers)
+            if best is None or sum(run.values()) < sum(best.values()):
+                out[n_layers] = run
+    return out
+
+
+def _configs(name: str, batch: int, seq: int, **model_changes: Any) -> tuple[Any, Any]:
+    from transformer_jax.config import ModelConfig
+    from transformer_jax.training import TrainConfig
+
+    changes = {k: v for k, v in model_changes.items() if v is not None}
+    model_config = ModelConfig.preset(name).replace(**changes)
+    if seq > model_config.max_seq_len:
+        raise ValueError(f"--seq {seq} is above {name}'s max_seq_len {model_config.max_seq_len}")
+    train_config = TrainConfig(batch_size=batch, seq_len=seq, warmup_steps=0)
+    return model_config, train_config
+
+
+def _use_simulated_cpu_devices(n: int) -> None:
+    """Makes this process's CPU backend expose ``n`` devices; must precede any device use."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    if len(jax.devices()) < n:
+        raise RuntimeError(f"the JAX backend started before the bench could ask for {n} CPU "
+                           f"devices (it has {len(jax.devices())}); run the bench in a fresh "
+                           "process")
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GIB:9.3f} GiB"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m transformer_jax.bench memory",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="llama2_7b", help="preset name or TOML path")
+    parser.add_argument("--mesh", default="1,8,1", help="data,fsdp,tensor (one may be -1)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="simulated devices (default: the mesh's product, or 8 with -1)")
+    parser.add_argument("--batch", type=int, default=8, help="global batch size B")
+    parser.add_argument("--seq", type=int, default=2048, help="sequence length T")
+    parser.add_argument("--remat", choices=("none", "full", "save_dots"), default=None)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="compute dtype (parameters and Adam state stay float32)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="only the eval_shape numbers (seconds instead of minutes)")
+    parser.add_argument("--compile-time", action="store_true",
+                        help="time lowering+compiling the scanned train step at 32 vs 4 layers")
+    parser.add_argument("--layers", default="32,4", help="depths for --compile-time")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="--compile-time runs per depth (the fastest counts)")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+
+    from transformer_jax import sharding as sh
+
+    mesh_config = sh.MeshConfig.parse(args.mesh)
+    n_devices = args.devices or (math.prod(mesh_config.sizes) if -1 not in mesh_config.sizes
+                                 else 8)
+    sizes = mesh_config.resolve(n_devices)
+    _use_simulated_cpu_devices(n_devices)
+    import jax
+
+    mesh = sh.make_mesh(mesh_config, jax.devices()[:n_devices])
+
+    if args.compile_time:
+        layers = tuple(int(x) for x in args.layers.split(","))
+        times = compile_times(args.config, mesh, args.batch, args.seq, layers, args.remat,
+                              args.dtype, args.repeats)
+        print(f"{args.config} train step, scanned, mesh {mesh_config.describe()}, "
+              f"B={args.batch} T={args.seq}")
+        for n, t in times.items():
+            print(f"  {n:3d} layers: lower {t['lower_s']:6.2f} s, compile {t['compile_s']:6.2f} s,"
+                  f" total {t['lower_s'] + t['compile_s']:6.2f} s (best of {args.repeats})")
+        deep, shallow = (times[n] for n in layers[:2])
+        ratio = (deep["lower_s"] + deep["compile_s"]) / (shallow["lower_s"] + shallow["compile_s"])
+        print(f"  ratio {layers[0]} / {layers[1]} layers (lower + compile): {ratio:.2f}")
+        result: dict[str, Any] = {"compile_times": times, "ratio": ratio}
+    else:
+        report = memory_report(args.config, sizes, args.batch, args.seq, remat=args.remat,
+                               dtype=args.dtype, mesh=None if args.no_compile else mesh)
+        print(f"{args.config}: {report.param_count:,} parameters; mesh "
+              f"{mesh_config.describe()} = {sizes}; B={args.batch} T={args.seq} "
+              f"remat={report.remat} dtype={report.dtype}")
+        print(f"  per device  parameters          {_gib(report.params_bytes)}")
+        print(f"              Adam mu+nu (f32)    {_gib(report.adam_bytes)}")
+        print(f"              train state total   {_gib(report.state_bytes)}")
+        if report.compiled:
+            c = report.compiled
+            print(f"  compiled    arguments           {_gib(c['argument'])}")
+            print(f"              temporaries         {_gib(c['temp'])}")
+            print(f"              activations (est.)  {_gib(report.activations_bytes)}")
+            print(f"              peak (est.)         {_gib(c['peak_estimate'])}")
+        result = dataclasses.asdict(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
