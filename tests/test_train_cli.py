@@ -1,0 +1,198 @@
+"""End-to-end tests of train.py: override parsing, exact resume after kill -9, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from transformer_jax.checkpoint import CheckpointManager
+from transformer_jax.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import train  # noqa: E402  (the top-level CLI script)
+
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
+        "model.d_ff=64", "model.max_seq_len=32", "model.vocab_size=64", "train.seq_len=16",
+        "train.batch_size=4", "train.warmup_steps=2", "train.log_every=1",
+        "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0",
+        "data.tokenizer=char", "data.val_fraction=0.1"]
+
+
+# Override parsing --------------------------------------------------------------------------------
+
+def test_overrides_are_typed_and_applied():
+    model, tc, data = train.build_configs("tiny", ["model.n_layers=3", "train.lr=0.002",
+                                                   "train.steps=7", "train.warmup_steps=2",
+                                                   "data.path=a.txt,b/*.py",
+                                                   "model.sliding_window=none"])
+    assert model.n_layers == 3 and model.sliding_window is None
+    assert tc.lr == 0.002 and tc.steps == 7
+    assert data.patterns == ["a.txt", "b/*.py"]
+    assert model.d_model == ModelConfig.preset("tiny").d_model  # untouched fields keep the preset
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.learning_rate=1", "unknown train option 'learning_rate'"),
+    ("train.stpes=3", "did you mean 'steps'"),
+    ("model.n_layer=2", "did you mean 'n_layers'"),
+    ("modle.n_layers=2", "unknown section 'modle'.*did you mean 'model'"),
+    ("n_layers=2", "needs a section prefix.*model.n_layers"),
+    ("train.steps", "not of the form"),
+    ("train.steps=ten", "steps expects an int, got 'ten'"),
+    ("model.tie_embeddings=maybe", "expects a bool"),
+    ("train.steps=0", "steps must be an int >= 1"),
+    ("model.d_model=126", "divisible by n_heads"),
+])
+def test_bad_overrides_are_clear_errors(override, message):
+    with pytest.raises(train.ConfigError, match=message):
+        train.build_configs("tiny", [override])
+
+
+def test_cli_reports_config_errors_without_a_traceback(capsys, tmp_path):
+    assert train.main(["train.stpes=3"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'steps'" in err and "Traceback" not in err
+    # Flags and overrides may be mixed in any order.
+    assert train.main(["train.steps=3", "--no-progress", "train.stpes=3"]) == 2
+    assert "did you mean 'steps'" in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nd_model = 64\n[training]\nsteps = 3\n")
+    assert train.main(["--config", str(bad)]) == 2
+    assert "unknown tables ['training']" in capsys.readouterr().err
+    assert train.main(["--config", "tiyn"]) == 2
+    assert "did you mean tiny" in capsys.readouterr().err
+
+
+# Subprocess runs ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A made-up corpus, and caches shared by every run of this module."""
+    root = tmp_path_factory.mktemp("cli")
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "x", "=", "+", "(", ")", "if", "else", "for", "in", "range"]
+    lines = [" ".join(rng.choice(words, rng.integers(2, 9))) for _ in range(600)]
+    (root / "corpus.txt").write_text("\n".join(lines) + "\n")
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(root / "xla"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
+    return root, env
+
+
+def command(root: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), "--no-progress", *TINY,
+            f"data.path={root / 'corpus.txt'}", f"data.cache_dir={root / 'cache'}",
+            f"train.run_dir={run_dir}", *extra]
+
+
+def train_losses(run_dir: Path) -> list[tuple[int, float]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["split"] == "train"]
+
+
+def final_state(run_dir: Path):
+    with CheckpointManager(run_dir / "checkpoints", keep=3) as ckpt:
+        return ckpt.latest_step(), ckpt.restore(None)[0]
+
+
+def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> int:
+    """Polls until a complete checkpoint exists; returns its step."""
+    deadline = time.monotonic() + timeout
+    ckpt_dir = run_dir / "checkpoints"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"train.py exited early ({proc.returncode}): "
+                                 f"{proc.stderr.read() if proc.stderr else ''}")
+        if ckpt_dir.is_dir():
+            steps = [int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()]
+            if steps:
+                return max(steps)
+        time.sleep(0.005)
+    raise AssertionError("no checkpoint appeared")
+
+
+def test_resume_after_kill_9_is_bit_exact(workspace):
+    """N steps straight == kill -9 after a checkpoint + restart: same losses, same params."""
+    root, env = workspace
+    steps = ["train.steps=100", "train.ckpt_every=10", "train.keep_ckpts=2"]
+    straight = root / "straight"
+    done = subprocess.run(command(root, straight, *steps), env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+    killed = root / "killed"
+    proc = subprocess.Popen(command(root, killed, *steps), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_checkpoint(killed, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    interrupted_at, _ = final_state(killed)
+    assert interrupted_at < 100, "the run finished before it was killed; nothing was tested"
+
+    resumed = subprocess.run(command(root, killed, *steps), env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"(step {interrupted_at})" in resumed.stderr  # "resumed from ... (step N)"
+
+    expected = train_losses(straight)
+    assert [s for s, _ in expected] == list(range(1, 101))
+    assert train_losses(killed) == expected  # floats compared exactly
+    (step_a, state_a), (step_b, state_b) = final_state(straight), final_state(killed)
+    assert step_a == step_b == 100
+    leaves_a, leaves_b = _flat(state_a), _flat(state_b)
+    assert leaves_a.keys() == leaves_b.keys()
+    for name in leaves_a:
+        np.testing.assert_array_equal(leaves_a[name], leaves_b[name], err_msg=name)
+
+
+def _flat(tree) -> dict[str, np.ndarray]:
+    import jax
+
+    return {jax.tree_util.keystr(path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_sigterm_saves_a_restorable_checkpoint(workspace):
+    root, env = workspace
+    run_dir = root / "sigterm"
+    # Also evaluates several batches every 10 steps (on several CPU devices where there are
+    # several cores).
+    proc = subprocess.Popen(command(root, run_dir, "train.steps=100000", "train.ckpt_every=25",
+                                    "train.eval_every=10", "train.eval_batches=4"),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = wait_for_checkpoint(run_dir, proc)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert "SIGTERM" in err and "stopped by   SIGTERM" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    step, state = final_state(run_dir)
+    assert step == summary["final_step"] >= first
+    assert int(state["step"]) == step
+    assert train_losses(run_dir)[-1][0] == step
+
+
+def test_batch_not_divisible_by_device_count(workspace):
+    root, env = workspace
+    env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    done = subprocess.run(command(root, root / "devices", "train.batch_size=3"), env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "batch_size=3" in done.stderr and "number of devices (2)" in done.stderr
+    assert not (root / "devices" / "checkpoints").exists() or not any(
+        (root / "devices" / "checkpoints").iterdir())

@@ -1,0 +1,140 @@
+"""Training-step benchmark: ``python -m transformer_jax.bench train --config NAME [k=v ...]``.
+
+Times the jitted ``train_step`` of a config on random tokens (no data, tokenizer or disk), and
+reports compile time, step time, tokens/s, peak memory and MFU, where
+
+  MFU = flops_per_token(config) x tokens/s / dense-matmul peak
+
+and the peak is measured on the same device in the same run (``measure_matmul_peak``), so the
+ratio is comparable across machines. Overrides are those of ``train.py`` (``model.x=``,
+``train.x=``); the model's vocab_size is used as is (a real run takes the tokenizer's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+import jax
+import numpy as np
+
+from transformer_jax.model import param_count
+from transformer_jax.training import (
+    ConfigError,
+    build_configs,
+    configure_cpu_devices,
+    data_parallel_shardings,
+    enable_cpu_fast_math,
+    flops_per_token,
+    make_init_fn,
+    make_train_step,
+    measure_matmul_peak,
+)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m transformer_jax.bench train",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="tiny", help="preset name or TOML path")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
+    parser.add_argument("--peak-size", type=int, default=1024, help="n of the n x n matmul")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--cpu-devices", type=int, default=0, metavar="N",
+                        help="CPU devices for data parallelism, as train.py (0: per core)")
+    parser.add_argument("--no-fast-math", action="store_true",
+                        help="keep XLA's exact CPU math (train.py's default is fast math)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        model, tc, _ = build_configs(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # As train.py does, before the backend starts.
+    if not args.no_fast_math:
+        enable_cpu_fast_math()
+    configure_cpu_devices(tc.micro_batch_size, args.cpu_devices)
+    if tc.seq_len > model.max_seq_len:
+        print(f"error: train.seq_len={tc.seq_len} > model.max_seq_len={model.max_seq_len}",
+              file=sys.stderr)
+        return 2
+
+    device = jax.devices()[0]
+    replicated, batch_sharding = data_parallel_shardings()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, model.vocab_size, (tc.batch_size, tc.seq_len + 1)).astype(np.int32)
+    batch = {"inputs": jax.device_put(tokens[:, :-1], batch_sharding),
+             "targets": jax.device_put(tokens[:, 1:], batch_sharding)}
+    state = jax.jit(make_init_fn(model, tc), out_shardings=replicated)(jax.random.key(tc.seed))
+
+    start = time.perf_counter()
+    compiled = jax.jit(make_train_step(model, tc), donate_argnums=0,
+                       in_shardings=(replicated, batch_sharding),
+                       out_shardings=(replicated, replicated)).lower(state, batch).compile()
+    compile_s = time.perf_counter() - start
+    for _ in range(args.warmup):
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    step_s = float(np.median(times))
+    tokens_per_s = tc.tokens_per_step / step_s
+    peak = measure_matmul_peak(args.peak_size, "float32" if model.dtype == "float32"
+                               else model.dtype, device=device)
+    flops = flops_per_token(model, tc.seq_len)
+    mfu = flops * tokens_per_s / peak
+
+    stats = device.memory_stats() or {}
+    analysis = compiled.memory_analysis()
+    program_bytes = None
+    if analysis is not None:
+        program_bytes = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+                            + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
+    result = {
+        "config": args.config, "device": str(device), "devices": jax.device_count(),
+        "params": param_count(model),
+        "batch_size": tc.batch_size, "seq_len": tc.seq_len, "grad_accum": tc.grad_accum,
+        "compile_s": compile_s, "step_ms": 1000 * step_s,
+        "step_ms_min": 1000 * min(times), "tokens_per_s": tokens_per_s,
+        "flops_per_token": flops, "achieved_flops": flops * tokens_per_s,
+        "matmul_peak_flops": peak, "mfu": mfu,
+        "device_peak_bytes": stats.get("peak_bytes_in_use"),
+        "program_bytes": program_bytes,
+        "host_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "loss": float(metrics["loss"]), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    mib = 2 ** 20
+    print(f"train benchmark: {args.config} on {jax.device_count()} x {device.platform} "
+          f"device(s) ({result['params']:,} params, "
+          f"B={tc.batch_size} T={tc.seq_len} grad_accum={tc.grad_accum}, {model.dtype})")
+    print(f"  compile      {compile_s:.2f} s")
+    print(f"  step         {result['step_ms']:.1f} ms (median of {args.steps}; "
+          f"min {result['step_ms_min']:.1f} ms)")
+    print(f"  throughput   {tokens_per_s:,.0f} tokens/s")
+    print(f"  FLOPs        {flops / 1e6:.2f} MFLOP/token -> {flops * tokens_per_s / 1e9:.1f} "
+          f"GFLOP/s; matmul peak {peak / 1e9:.1f} GFLOP/s")
+    print(f"  MFU          {100 * mfu:.1f}%")
+    memory = []
+    if result["device_peak_bytes"]:
+        memory.append(f"device peak {result['device_peak_bytes'] / mib:.1f} MiB")
+    if program_bytes is not None:
+        memory.append(f"step program {program_bytes / mib:.1f} MiB (args + temps)")
+    memory.append(f"host max RSS {result['host_max_rss_bytes'] / mib:.0f} MiB")
+    print(f"  memory       {', '.join(memory)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
