@@ -1,0 +1,314 @@
+"""Decode: cached logits equal a full forward, generate equals a no-cache greedy loop, ragged
+batches, buckets without recompiles, stop tokens, seeds, streaming, and every input error."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax import decode
+from transformer_jax.config import ModelConfig
+from transformer_jax.model import Transformer, init_params
+
+TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=48,
+            max_seq_len=64, init_std=0.2)
+N_NEW = 8
+
+# The tests check logic, not speed: compiling without LLVM optimisations is 3-4x faster here and
+# computes the same values.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_generate_compiles():
+    original = decode._generate_jit
+    decode._generate_jit = jax.jit(decode.generate_padded, compiler_options=FAST_COMPILE,
+                                   static_argnames=DECODE_STATIC)
+    yield
+    decode._generate_jit = original
+
+
+DECODE_STATIC = ("config", "max_new_tokens", "settings", "cache_size")
+
+
+def _config(**overrides) -> ModelConfig:
+    return ModelConfig(**{**TINY, **overrides})
+
+
+_PARAMS: dict = {}
+
+
+def _model(**overrides):
+    """(config, params) of a tiny random model, cached per config."""
+    config = _config(**overrides)
+    if config not in _PARAMS:
+        init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
+        _PARAMS[config] = init(config, jax.random.key(0))
+    return config, _PARAMS[config]
+
+
+def _prompts(lengths, vocab=64, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+def _forward(config, params, tokens):
+    return Transformer(config).apply({"params": params}, tokens)
+
+
+def _full_logits(config, params, tokens):
+    return np.asarray(_forward(config, params, jnp.asarray(tokens, jnp.int32)))
+
+
+def _greedy_reference(config, params, prompt, n):
+    """Greedy decoding with no cache: a full forward over the whole prefix for every token.
+
+    The prefix sits in a fixed-size buffer (one compile); causality makes the logits at its
+    last real position those of the prefix alone.
+    """
+    buf = np.zeros((1, config.max_seq_len), np.int32)
+    buf[0, :len(prompt)] = prompt
+    length = len(prompt)
+    out, logprobs = [], []
+    for _ in range(n):
+        logits = _full_logits(config, params, buf)[0, length - 1]
+        tok = int(np.argmax(logits))
+        logprobs.append(float(jax.nn.log_softmax(logits)[tok]))
+        out.append(tok)
+        buf[0, length] = tok
+        length += 1
+    return out, logprobs
+
+
+# Cached decode == full forward -------------------------------------------------------------------
+
+VARIANTS = {
+    "mha": dict(n_kv_heads=4),
+    "gqa": dict(n_kv_heads=2),
+    "mqa": dict(n_kv_heads=1),
+    "mha-scan": dict(n_kv_heads=4, scan_layers=True),
+    "gqa-scan-remat": dict(n_kv_heads=2, scan_layers=True, remat="full"),
+    "mqa-scan": dict(n_kv_heads=1, scan_layers=True),
+    # Every other code path of the decode step at once.
+    "post-layernorm-bias-untied-window": dict(
+        n_kv_heads=2, norm="layer", norm_position="post", qkv_bias=True, ffn="gelu",
+        position="rope", rope_pairing="adjacent", sliding_window=5, tie_embeddings=False),
+    "sinusoidal-geglu-tied": dict(n_kv_heads=1, position="sinusoidal", ffn="geglu",
+                                  tie_embeddings=True),
+}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), compiler_options=FAST_COMPILE)
+def _cached_and_full_logits(config, params, seqs, lengths, bucket):
+    """Prefill of each row's prompt ``seqs[b, :lengths[b]]`` (right-padded to ``bucket``), then
+    decode steps feeding the rest of ``seqs``; plus a full forward over ``seqs``."""
+    b, total = seqs.shape
+    padded = jnp.where(jnp.arange(bucket) < lengths[:, None], seqs[:, :bucket], 0)
+    cache = decode.prefill(config, params, padded, total)
+    dparams = decode.decode_params(config, params)
+
+    def step(cache, i):
+        positions = jnp.minimum(lengths - 1 + i, total - 1)
+        tokens = seqs[jnp.arange(b), positions]
+        logits, cache = decode.decode_step(config, dparams, cache, tokens, positions)
+        return cache, logits
+
+    _, logits = jax.lax.scan(step, cache, jnp.arange(total))
+    full = Transformer(config).apply({"params": params}, seqs)
+    return jnp.swapaxes(logits, 0, 1), full, cache
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_decode_logits_equal_full_forward_at_every_step(name):
+    config, params = _model(**VARIANTS[name])
+    if config.qkv_bias:  # zero-initialised: make them matter
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, x: x + 0.3 if "bias" in jax.tree_util.keystr(p) else x, params)
+    total = 14
+    seqs = np.asarray(_prompts([total, total], seed=1), np.int32)
+    lengths = np.asarray([3, 6], np.int32)  # ragged prompts
+    got, want, cache = _cached_and_full_logits(config, params, seqs, lengths,
+                                               decode.prompt_bucket(6))
+    chex.assert_shape(list(cache.k), [(2, config.n_kv_heads, total, config.head_dim)] * 2)
+    for b in range(2):
+        for i in range(total - lengths[b] + 1):  # step i fed position lengths[b] - 1 + i
+            pos = lengths[b] - 1 + i
+            np.testing.assert_allclose(got[b, i], want[b, pos], atol=1e-5,
+                                       err_msg=f"row {b} position {pos}")
+
+
+def test_decode_cache_layout_and_bytes():
+    config, params = _model(n_kv_heads=2)
+    prefill = functools.partial(decode.prefill, config, max_len=20)
+    cache = jax.eval_shape(prefill, params, jnp.zeros((3, 8), jnp.int32))
+    assert len(cache.k) == len(cache.v) == config.n_layers
+    chex.assert_shape(list(cache.k), [(3, 2, 20, 8)] * config.n_layers)
+    assert cache.nbytes == 2 * config.n_layers * 3 * 20 * 2 * 8 * 4
+    assert cache.nbytes == decode.cache_bytes(config, 3, 20)
+
+
+# generate ----------------------------------------------------------------------------------------
+
+# Most tests below share one compiled program: B=3, a prompt bucket of 16, N_NEW new tokens.
+BATCH_LENGTHS = [9, 16, 12]
+
+
+def test_greedy_generate_equals_no_cache_loop_and_each_prompt_alone():
+    config, params = _model(n_kv_heads=2)
+    prompts = _prompts(BATCH_LENGTHS)
+    batch = decode.generate(config, params, prompts, max_new_tokens=N_NEW)
+    for i, prompt in enumerate(prompts):
+        tokens, logprobs = _greedy_reference(config, params, prompt, N_NEW)
+        assert batch.tokens[i] == tokens, f"prompt {i}"
+        np.testing.assert_allclose(batch.logprobs[i], logprobs, atol=1e-5)
+        alone = decode.generate(config, params, [prompt], max_new_tokens=N_NEW)
+        assert alone.tokens[0] == tokens
+    assert batch.lengths == [N_NEW] * 3
+    chex.assert_shape(batch.token_array, (3, N_NEW))
+
+
+def test_prompt_lengths_within_a_bucket_compile_once():
+    config, params = _model(n_kv_heads=2)
+    assert decode.prompt_bucket(1) == decode.prompt_bucket(8) == 8
+    assert decode.prompt_bucket(9) == decode.prompt_bucket(16) == 16
+    assert decode.prompt_bucket(17) == 32
+    assert decode.prompt_bucket(65) == decode.prompt_bucket(128) == 128
+    assert decode.prompt_bucket(129) == 192
+    decode.generate(config, params, _prompts(BATCH_LENGTHS), max_new_tokens=N_NEW)
+    before = decode._generate_jit._cache_size()
+    for lengths in ([10, 16, 9], [16, 1, 2], [11, 12, 13]):
+        decode.generate(config, params, _prompts(lengths), max_new_tokens=N_NEW)
+    assert decode._generate_jit._cache_size() == before
+    prompts = _prompts([17, 1, 5])
+    out = decode.generate(config, params, prompts, max_new_tokens=N_NEW)
+    assert decode._generate_jit._cache_size() == before + 1
+    assert out.tokens[1] == _greedy_reference(config, params, prompts[1], N_NEW)[0]
+
+
+def test_stop_tokens_end_sequences_and_are_included():
+    config, params = _model(n_kv_heads=2)
+    prompts = _prompts(BATCH_LENGTHS, seed=5)
+    free = decode.generate(config, params, prompts, max_new_tokens=N_NEW)
+    stop = free.tokens[0][3]  # the 4th token of sequence 0
+    out = decode.generate(config, params, prompts, max_new_tokens=N_NEW, stop_tokens=(stop,),
+                          pad_id=63)
+    for i, seq in enumerate(free.tokens):
+        n = seq.index(stop) + 1 if stop in seq else N_NEW
+        assert out.tokens[i] == seq[:n]
+        assert out.lengths[i] == n
+        assert out.token_array[i, n:].tolist() == [63] * (N_NEW - n)
+        np.testing.assert_array_equal(out.logprob_array[i, n:], 0.0)
+    assert out.lengths[0] <= 4
+
+
+def test_prompt_filling_the_model_to_max_seq_len():
+    config, params = _model(n_kv_heads=2)
+    prompt = _prompts([60])[0]
+    out = decode.generate(config, params, [prompt], max_new_tokens=4)  # 60 + 4 == max_seq_len
+    assert out.tokens == [_greedy_reference(config, params, prompt, 4)[0]]
+    assert out.lengths == [4]
+
+
+def test_sampling_is_reproducible_per_seed_and_per_sequence():
+    config, params = _model(n_kv_heads=2)
+    prompts = _prompts(BATCH_LENGTHS, seed=7)
+    kw = dict(max_new_tokens=N_NEW, temperature=1.0, top_k=40, top_p=0.95, min_p=0.01)
+    a = decode.generate(config, params, prompts, seed=1, **kw)
+    b = decode.generate(config, params, prompts, seed=1, **kw)
+    c = decode.generate(config, params, prompts, seed=2, **kw)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+    # Per-prompt seeds: a sequence samples the same alone as in a batch.
+    batch = decode.generate(config, params, prompts, seed=[11, 12, 13], **kw)
+    alone = decode.generate(config, params, [prompts[1]], seed=[12], **kw)
+    assert batch.tokens[1] == alone.tokens[0]
+    # Each logprob is the model's log-softmax at the chosen token.
+    seq = prompts[0] + a.tokens[0]
+    lp = jax.nn.log_softmax(_full_logits(config, params, [seq])[0], -1)
+    want = [float(lp[len(prompts[0]) - 1 + i, t]) for i, t in enumerate(a.tokens[0])]
+    np.testing.assert_allclose(a.logprobs[0], want, atol=1e-5)
+
+
+def test_stream_callback_sees_every_step_in_order():
+    config, params = _model(n_kv_heads=2)
+    prompts = _prompts(BATCH_LENGTHS, seed=9)
+    seen = []
+    out = decode.generate(config, params, prompts, max_new_tokens=N_NEW,
+                          stream=lambda step, tok, active: seen.append((step, tok, active)))
+    assert [s for s, _, _ in seen] == list(range(N_NEW))
+    streamed = np.stack([tok for _, tok, _ in seen], axis=1)
+    np.testing.assert_array_equal(streamed, out.token_array)
+    assert all(active.all() for _, _, active in seen)
+    # A new callback reuses the compiled program.
+    size = decode._generate_jit._cache_size()
+    decode.generate(config, params, prompts, max_new_tokens=N_NEW, stream=lambda *a: None)
+    assert decode._generate_jit._cache_size() == size
+
+
+# Errors ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    """Fails the test if generate reaches the compiled function."""
+    def boom(*args, **kwargs):
+        raise AssertionError("validation should have failed before any compute")
+    monkeypatch.setattr(decode, "_generate_jit", boom)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompts=[]), "prompts is empty"),
+    (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
+    (dict(prompts=[[1, 64]]), "token id 64 at index 1"),
+    (dict(prompts=[[1], [-1]]), "token id -1"),
+    (dict(prompts=[[1.5]]), "non-integer"),
+    (dict(prompts="hello"), "list of lists"),
+    (dict(max_new_tokens=0), "max_new_tokens must be a positive int, got 0"),
+    (dict(max_new_tokens=-3), "max_new_tokens"),
+    (dict(max_new_tokens=2.0), "max_new_tokens"),
+    (dict(prompts=[[1] * 60], max_new_tokens=5), "max_seq_len 64"),
+    (dict(prompts=[[1] * 10], max_new_tokens=6, cache_size=15), "cache_size 15"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=65), "top_k"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(stop_tokens=(64,)), "stop token 64"),
+    (dict(pad_id=-1), "pad_id"),
+    (dict(seed=[1, 2, 3]), "seed"),
+])
+def test_bad_input_raises_before_compute(no_compute, kwargs, match):
+    config, params = _model(n_kv_heads=2)
+    args = dict(prompts=[[1, 2, 3]], max_new_tokens=4)
+    args.update(kwargs)
+    prompts = args.pop("prompts")
+    with pytest.raises(ValueError, match=match):
+        decode.generate(config, params, prompts, **args)
+
+
+# HuggingFace parity ------------------------------------------------------------------------------
+
+def test_greedy_tokens_equal_huggingface_generate(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = pytest.importorskip("transformer_jax.hf")
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+        initializer_range=0.2)
+    model = transformers.LlamaForCausalLM(hf_config).eval()
+    model.save_pretrained(tmp_path)
+    config, params = hf.load(tmp_path)
+    prompts = _prompts([5, 9], vocab=96, seed=4)
+    ours = decode.generate(config, params, prompts, max_new_tokens=12)
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+        assert ours.tokens[i] == out[0, len(prompt):].tolist(), f"prompt {i}"

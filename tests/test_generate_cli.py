@@ -1,0 +1,169 @@
+"""The generate CLI (HF and orbax checkpoints, text and id prompts, JSON, streaming) and the
+callable ``transformer_jax.generate`` module."""
+
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from transformer_jax import decode
+from transformer_jax.config import ModelConfig
+from transformer_jax.model import init_params
+
+# The package exports the function ``generate``; the CLI is the module of the same name.
+cli = importlib.import_module("transformer_jax.generate")
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                     d_ff=48, max_seq_len=64, init_std=0.2)
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+FAST_ENV = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_backend_optimization_level=0")
+
+
+@pytest.fixture(scope="module")
+def params():
+    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
+    return init(CONFIG, jax.random.key(0))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_generate_compiles():
+    original = decode._generate_jit
+    decode._generate_jit = jax.jit(decode.generate_padded, compiler_options=FAST_COMPILE,
+                                   static_argnames=("config", "max_new_tokens", "settings",
+                                                    "cache_size"))
+    yield
+    decode._generate_jit = original
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    from transformer_jax.tokenizer import Tokenizer
+
+    text = "the quick brown fox jumps over the lazy dog. " * 20
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.model"
+    tok = Tokenizer.train([text], path, vocab_size=40, model_type="char")
+    assert tok.vocab_size <= CONFIG.vocab_size
+    return tok.path
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, params, tokenizer_file):
+    hf = pytest.importorskip("transformer_jax.hf")
+    path = tmp_path_factory.mktemp("hf")
+    hf.save(CONFIG, params, path)
+    (path / "tokenizer.model").write_bytes(tokenizer_file.read_bytes())
+    return path
+
+
+def test_prompt_ids_json_from_hf_dir(hf_dir, params, capsys):
+    argv = ["--checkpoint", str(hf_dir), "--prompt-ids", "1,2,3", "--prompt-ids", "4, 5",
+            "--max-new-tokens", "5", "--no-stop", "--json"]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = decode.generate(CONFIG, params, [[1, 2, 3], [4, 5]], max_new_tokens=5)
+    assert out["tokens"] == want.tokens
+    assert out["lengths"] == [5, 5]
+    assert out["prompt_ids"] == [[1, 2, 3], [4, 5]]
+
+
+def test_text_prompt_streams_the_decoded_text(hf_dir, params, tokenizer_file, capsys):
+    from transformer_jax.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(tokenizer_file)
+    argv = ["--checkpoint", str(hf_dir), "--prompt", "the lazy", "--max-new-tokens", "12",
+            "--temperature", "0.8", "--top-k", "10", "--seed", "4"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    prompt = tok.encode("the lazy", add_bos=tok.bos_id >= 0)
+    want = decode.generate(CONFIG, params, [prompt], max_new_tokens=12, temperature=0.8,
+                           top_k=10, seed=4, stop_tokens=[tok.eos_id])
+    assert printed == cli.detokenize(tok, want.tokens[0]) + "\n"
+    assert any(t >= tok.vocab_size for t in want.tokens[0])  # shown, not an error
+
+
+def test_streamer_prints_each_step_as_it_arrives(capsys):
+    class Chars:  # a stand-in tokenizer: id i is the letter chr(97 + i)
+        vocab_size = 26
+
+        def decode(self, ids):
+            return "".join(chr(97 + i) for i in ids)
+
+    streamer = cli._TextStreamer(Chars(), batch=1)
+    for step, tok in enumerate([0, 1, 2]):
+        streamer(step, jnp.asarray([tok]), jnp.asarray([True]))
+        assert capsys.readouterr().out == "abc"[step]
+
+
+def test_orbax_checkpoint_of_a_training_run(tmp_path, params, tokenizer_file, capsys):
+    optax = pytest.importorskip("optax")
+    from transformer_jax.checkpoint import CheckpointManager
+    from transformer_jax.training import TrainState
+
+    state = TrainState(step=jnp.int32(7), params=params, opt_state=optax.adam(1e-3).init(params),
+                       rng=jnp.zeros(2, jnp.uint32))
+    with CheckpointManager(tmp_path / "run" / "checkpoints", async_save=False) as manager:
+        manager.save(7, state, meta={"model": dataclasses.asdict(CONFIG), "step": 7,
+                                     "tokenizer": str(tokenizer_file)})
+    want = decode.generate(CONFIG, params, [[7, 8, 9]], max_new_tokens=4)
+    for path in (tmp_path / "run", tmp_path / "run" / "checkpoints",
+                 tmp_path / "run" / "checkpoints" / "7"):
+        assert cli.main(["--checkpoint", str(path), "--prompt-ids", "7,8,9",
+                         "--max-new-tokens", "4", "--no-stop", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["tokens"] == want.tokens
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint", "/nonexistent/dir", "--prompt-ids", "1"], "does not exist"),
+    (["--prompt-ids", "1,99"], "token id 99"),
+    (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
+    (["--prompt-ids", "1", "--max-new-tokens", "0"], "max_new_tokens"),
+])
+def test_errors_are_reported_with_exit_status_1(hf_dir, argv, message, capsys):
+    if "--checkpoint" not in argv:
+        argv = ["--checkpoint", str(hf_dir), *argv]
+    assert cli.main(argv) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_cli_runs_as_a_module(hf_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer_jax.generate", "--checkpoint", str(hf_dir),
+         "--prompt-ids", "3,1,4", "--max-new-tokens", "3", "--json"],
+        capture_output=True, text=True, env=FAST_ENV, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["lengths"][0] <= 3
+
+
+def test_package_attribute_generate_is_callable_before_and_after_importing_the_cli():
+    script = textwrap.dedent("""
+        import types
+        import transformer_jax
+        from transformer_jax import decode
+        from transformer_jax.config import ModelConfig
+        from transformer_jax.model import init_params
+        config = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=16,
+                             max_seq_len=16)
+        params = init_params(config, 0)
+        kw = dict(max_new_tokens=3)
+        want = decode.generate(config, params, [[1, 2]], **kw).tokens
+        assert transformer_jax.generate(config, params, [[1, 2]], **kw).tokens == want
+        import transformer_jax.generate
+        assert isinstance(transformer_jax.generate, types.ModuleType)
+        assert transformer_jax.generate(config, params, [[1, 2]], **kw).tokens == want
+        from transformer_jax import generate
+        assert generate(config, params, [[1, 2]], **kw).tokens == want
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=FAST_ENV, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok"

@@ -1,0 +1,291 @@
+"""Decode benchmark: ``python -m transformer_jax.bench decode --config NAME``.
+
+For each (batch, prompt length, new tokens) of the grid, on random weights of the config:
+
+* compile time of the jitted generate, prefill tokens/s, time to first token;
+* decode step time, from host timestamps of a per-step callback out of the jitted loop (so the
+  step time can be followed as generation proceeds: with a fixed-size cache it stays flat), and
+  decode tokens/s from a run without the callback;
+* the memory-bandwidth bound of a step: (bytes of weights + bytes of the KV cache, all read every
+  step) / read bandwidth, measured in the same run with a large jitted matrix-vector product;
+* a no-cache baseline on the same weights: a jitted full forward over the prompt per new token
+  (the shortest prefix it would ever recompute, so the ratio is a lower bound on the speedup);
+* HuggingFace transformers' ``generate(do_sample=False)`` on the same weights (converted with
+  ``transformer_jax.hf.save``; torch threads = 2) when the ``hf`` extra is installed.
+
+It prints a table with the ratios and writes everything to a JSON file. The machine may be
+shared: the load average is recorded, and bandwidth is measured before every grid point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax import decode
+from transformer_jax.config import ModelConfig, load_toml
+from transformer_jax.kv_cache import cache_bytes
+from transformer_jax.model import Transformer, init_params
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+_BANDWIDTH_OPERANDS: dict[int, tuple[jax.Array, jax.Array, Any]] = {}
+
+
+def measure_bandwidth(nbytes: int = 256 << 20, repeats: int = 15) -> float:
+    """Read bandwidth in bytes/s: a jitted float32 matrix-vector product over ``nbytes``."""
+    if nbytes not in _BANDWIDTH_OPERANDS:
+        n = int((nbytes // 4) ** 0.5)
+        w = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+        matvec = jax.jit(lambda w, x: w @ x)
+        x = jnp.ones((n,), jnp.float32)
+        matvec(w, x).block_until_ready()
+        _BANDWIDTH_OPERANDS[nbytes] = (w, x, matvec)
+    w, x, matvec = _BANDWIDTH_OPERANDS[nbytes]
+    return w.nbytes / _median_time(lambda: matvec(w, x), repeats)
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def _bench_ours(config: ModelConfig, params: Any, prompts: list[list[int]], n: int,
+                repeats: int, cache_size: int | None, weight_bytes: int) -> dict[str, Any]:
+    b, p = len(prompts), len(prompts[0])
+    kw = dict(max_new_tokens=n, cache_size=cache_size)
+    t = decode.prompt_bucket(p)
+    s_max = cache_size or decode.default_cache_size(config, t, n)
+    t = min(t, s_max)
+    nbytes = weight_bytes + cache_bytes(config, b, s_max)
+
+    # Prefill alone, jitted the same way generate runs it.
+    tokens = jnp.asarray(decode.pad_prompts([np.asarray(x) for x in prompts], t)[0])
+    prefill = jax.jit(decode.prefill, static_argnums=(0, 3))
+    jax.block_until_ready(prefill(config, params, tokens, s_max))
+    prefill_s = _median_time(lambda: prefill(config, params, tokens, s_max), repeats)
+
+    # First call: compile + run; the difference to a warm call is the compile time. Each timed
+    # call follows its own bandwidth sample: other tenants of a shared machine change both.
+    start = time.perf_counter()
+    decode.generate(config, params, prompts, **kw)
+    first = time.perf_counter() - start
+    totals, steps_ms, bandwidths, ratios = [], [], [], []
+    for _ in range(repeats):
+        bandwidths.append(measure_bandwidth(repeats=7))
+        start = time.perf_counter()
+        result = decode.generate(config, params, prompts, **kw)
+        totals.append(time.perf_counter() - start)
+        # The loop runs n steps after the prefill (step 0 feeds the last prompt token).
+        steps_ms.append((totals[-1] - prefill_s) / n * 1e3)
+        ratios.append(steps_ms[-1] / (nbytes / bandwidths[-1] * 1e3))
+
+    # Per-step host timestamps from the stream callback (a second compiled program).
+    stamps: list[float] = []
+    decode.generate(config, params, prompts, stream=lambda *a: None, **kw)
+    start = time.perf_counter()
+    decode.generate(config, params, prompts, stream=lambda *a: stamps.append(time.perf_counter()),
+                    **kw)
+    series = np.diff(np.asarray(stamps)) * 1e3  # ms; series[i] is decode step i + 1
+    quarter = max(1, len(series) // 4)
+    step_ms = statistics.median(steps_ms)
+    return dict(
+        compile_s=first - statistics.median(totals), total_s=statistics.median(totals),
+        ttft_s=stamps[0] - start, prefill_s=prefill_s, prefill_tok_s=b * p / prefill_s,
+        step_ms=step_ms, decode_tok_s=b / step_ms * 1e3,
+        bandwidth_gb_s=statistics.median(bandwidths) / 1e9,
+        bound_step_ms=nbytes / statistics.median(bandwidths) * 1e3,
+        step_vs_bound=statistics.median(ratios), step_vs_bound_all=ratios,
+        # With the per-step callback (its host round trip is included).
+        step_ms_callback=float(np.median(series)),
+        step_ms_first_quarter=float(np.median(series[:quarter])),
+        step_ms_last_quarter=float(np.median(series[-quarter:])),
+        step_ms_series=[round(float(x), 3) for x in series],
+        cache_len=s_max, cache_bytes=cache_bytes(config, b, s_max),
+        tokens=result.token_array.tolist(),
+    )
+
+
+def _bench_no_cache(config: ModelConfig, params: Any, prompts: list[list[int]],
+                    repeats: int) -> dict[str, Any]:
+    model = Transformer(config)
+
+    @jax.jit
+    def next_token(params, tokens):
+        return jnp.argmax(model.apply({"params": params}, tokens)[:, -1], axis=-1)
+
+    tokens = jnp.asarray(prompts, jnp.int32)
+    jax.block_until_ready(next_token(params, tokens))
+    step = _median_time(lambda: next_token(params, tokens), repeats)
+    return dict(step_ms=step * 1e3, decode_tok_s=len(prompts) / step)
+
+
+def _load_hf(config: ModelConfig, params: Any) -> Any:
+    """The same weights as a transformers model (via ``hf.save``), or None without the extra."""
+    try:
+        import torch
+        import transformers
+
+        from transformer_jax import hf
+    except ImportError as e:
+        print(f"  (HF comparison skipped: {e})", file=sys.stderr)
+        return None
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save(config, params, tmp)
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():  # the first generate of a process is much slower: not measured
+        model.generate(torch.zeros((1, 4), dtype=torch.long), max_new_tokens=8, do_sample=False,
+                       pad_token_id=0, eos_token_id=None)
+    return model
+
+
+def _bench_hf(model: Any, prompts: list[list[int]], n: int, repeats: int) -> dict[str, Any]:
+    import torch
+
+    ids = torch.tensor(prompts)
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None, max_new_tokens=n,
+              min_new_tokens=n)
+
+    class Stamps:  # HF calls put() with the prompt, then once per generated token
+        def __init__(self):
+            self.times: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    def run() -> tuple[float, float, float, Any]:
+        stamps = Stamps()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, streamer=stamps if len(prompts) == 1 else None, **kw)
+        total = time.perf_counter() - start
+        if len(prompts) == 1:
+            ttft = stamps.times[1] - start
+            step = float(np.median(np.diff(stamps.times[1:])))
+        else:  # HF streamers take batch 1 only: time one new token for the first-token latency
+            with torch.no_grad():
+                start = time.perf_counter()
+                model.generate(ids, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1})
+                ttft = time.perf_counter() - start
+            step = (total - ttft) / (n - 1)
+        return total, ttft, step, out
+
+    run()  # warm-up
+    runs = [run() for _ in range(repeats)]
+    total = statistics.median(r[0] for r in runs)
+    ttft = statistics.median(r[1] for r in runs)
+    step = statistics.median(r[2] for r in runs)
+    out = runs[-1][3][:, len(prompts[0]):].tolist()
+    return dict(ttft_s=ttft, total_s=total, step_ms=step * 1e3,
+                decode_tok_s=len(prompts) / step, tokens=out)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m transformer_jax.bench decode",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="decode_25m", help="preset name or TOML path")
+    parser.add_argument("--batch", type=_ints, default=[1, 8])
+    parser.add_argument("--prompt-len", type=_ints, default=[16, 512])
+    parser.add_argument("--new-tokens", type=_ints, default=[128])
+    parser.add_argument("--cache-size", type=_ints, default=[0],
+                        help="KV cache slots S_max; 0 = generate's default (padded prompt + new "
+                        "tokens, as tight as the request allows)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-hf", action="store_true", help="skip HuggingFace transformers")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the no-cache baseline")
+    parser.add_argument("--out", default=None, help="JSON file (default bench_decode_NAME.json)")
+    args = parser.parse_args(argv)
+
+    config = ModelConfig.from_dict(load_toml(args.config).get("model", {}))
+    name = Path(args.config).stem
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    print(f"decode benchmark: {name}, {n_params / 1e6:.1f}M params ({weight_bytes / 1e6:.0f} MB), "
+          f"{jax.devices()[0].device_kind}, load average {_load():.2f}")
+    hf_model = None if args.no_hf else _load_hf(config, params)
+    records = []
+    rng = np.random.default_rng(0)
+    grid = itertools.product(args.batch, args.prompt_len, args.new_tokens, args.cache_size)
+    for b, p, n, s_max in grid:
+        if p + n > min(config.max_seq_len, s_max or config.max_seq_len):
+            print(f"skip B={b} P={p} N={n} S_max={s_max}: exceeds max_seq_len "
+                  f"{config.max_seq_len} or the cache size")
+            continue
+        prompts = rng.integers(0, config.vocab_size, (b, p)).tolist()
+        load = _load()
+        ours = _bench_ours(config, params, prompts, n, args.repeats, s_max or None, weight_bytes)
+        rec: dict[str, Any] = dict(batch=b, prompt_len=p, new_tokens=n, load_avg=load,
+                                   weight_bytes=weight_bytes, ours=ours)
+        if not args.no_baseline:
+            rec["no_cache"] = _bench_no_cache(config, params, prompts, args.repeats)
+            rec["speedup_vs_no_cache"] = rec["no_cache"]["step_ms"] / ours["step_ms"]
+        if hf_model is not None:
+            hf_rec = _bench_hf(hf_model, prompts, n, args.repeats)
+            if hf_rec is not None:
+                rec["hf"] = hf_rec
+                rec["speedup_vs_hf"] = hf_rec["step_ms"] / ours["step_ms"]
+                same = np.mean(np.asarray(hf_rec.pop("tokens")) == np.asarray(ours["tokens"]))
+                rec["greedy_token_agreement_with_hf"] = float(same)
+        ours.pop("tokens")
+        records.append(rec)
+        _print_record(rec)
+    out = Path(args.out or f"bench_decode_{name}.json")
+    out.write_text(json.dumps(dict(config=name, params=n_params, platform=platform.platform(),
+                                   jax=jax.__version__, records=records), indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+def _print_record(r: dict[str, Any]) -> None:
+    o = r["ours"]
+    print(f"B={r['batch']} P={r['prompt_len']} N={r['new_tokens']} (S_max={o['cache_len']}, "
+          f"cache {o['cache_bytes'] / 1e6:.1f} MB, load {r['load_avg']:.1f}):")
+    print(f"  compile {o['compile_s']:.1f} s | prefill {o['prefill_tok_s']:.0f} tok/s | "
+          f"TTFT {o['ttft_s'] * 1e3:.0f} ms | decode {o['decode_tok_s']:.0f} tok/s")
+    print(f"  step {o['step_ms']:.2f} ms; with a per-step callback {o['step_ms_callback']:.2f} "
+          f"(first quarter {o['step_ms_first_quarter']:.2f}, last quarter "
+          f"{o['step_ms_last_quarter']:.2f})")
+    print(f"  bandwidth {o['bandwidth_gb_s']:.1f} GB/s -> bound {o['bound_step_ms']:.2f} ms/step; "
+          f"step / bound = {o['step_vs_bound']:.2f} (per repeat: "
+          f"{', '.join(f'{x:.2f}' for x in o['step_vs_bound_all'])})")
+    if "no_cache" in r:
+        print(f"  no-cache baseline {r['no_cache']['step_ms']:.1f} ms/step -> "
+              f"{r['speedup_vs_no_cache']:.1f}x")
+    if "hf" in r:
+        h = r["hf"]
+        print(f"  HF generate {h['step_ms']:.2f} ms/step, {h['decode_tok_s']:.0f} tok/s, TTFT "
+              f"{h['ttft_s'] * 1e3:.0f} ms -> {r['speedup_vs_hf']:.2f}x; greedy tokens agree "
+              f"{r['greedy_token_agreement_with_hf']:.0%}")

@@ -1,0 +1,256 @@
+"""Command line generation: ``python -m transformer_jax.generate --checkpoint PATH --prompt TEXT``.
+
+PATH is a HuggingFace checkpoint directory (``config.json`` + safetensors, read by
+``transformer_jax.hf.load``) or an orbax checkpoint of this project's training: a run directory,
+its ``checkpoints/`` directory (the latest step is used) or one step's directory. The tokenizer
+is ``--tokenizer FILE.model``, else ``tokenizer.model`` next to the checkpoint, else the one the
+training run recorded. Text is streamed as it is generated (one host callback per decode step
+from inside the jitted loop); ``--prompt-ids 1,2,3`` and ``--json`` are for scripts.
+
+This module is also what ``import transformer_jax.generate`` binds to the package attribute
+``transformer_jax.generate``, which is meant to be the function ``decode.generate``; so the module
+object is made callable and forwards calls to that function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from transformer_jax import decode
+from transformer_jax.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class _CallableModule(types.ModuleType):
+    """A module that calls ``decode.generate`` when called."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> decode.GenerateResult:
+        return decode.generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+
+# Loading -----------------------------------------------------------------------------------------
+
+def _is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and (
+        any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file())
+
+
+def _orbax_location(path: Path) -> tuple[Path, int | None]:
+    """(the CheckpointManager directory, the step or None for the latest) for PATH."""
+    if (path / "state").is_dir() and path.name.isdigit():
+        return path.parent, int(path.name)
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints", None
+    return path, None
+
+
+def load_checkpoint(path: str | Path) -> tuple[ModelConfig, decode.Params, Path | None]:
+    """Loads a model for generation.
+
+    Args:
+      path: a HF checkpoint directory, or an orbax checkpoint of a training run (the run
+        directory, its ``checkpoints`` directory, or a step directory).
+
+    Returns:
+      ``(config, params, tokenizer path or None)``; the tokenizer is ``tokenizer.model`` in the
+      directory, or for a training run the one recorded in its checkpoint.
+
+    Raises:
+      FileNotFoundError: no such directory, or nothing loadable in it.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+    tokenizer = next((p / "tokenizer.model" for p in (path, path.parent)
+                      if (p / "tokenizer.model").is_file()), None)
+    if _is_hf_dir(path):
+        from transformer_jax import hf
+
+        config, params = hf.load(path)
+        return config, params, tokenizer
+    from transformer_jax.checkpoint import CheckpointManager
+
+    directory, step = _orbax_location(path)
+    manager = CheckpointManager(directory, async_save=False)
+    try:
+        if not manager.all_steps():
+            raise FileNotFoundError(
+                f"{path} is neither a HF checkpoint (config.json + *.safetensors) nor an orbax "
+                "checkpoint of a training run (no complete checkpoint found)")
+        # No target: orbax restores the saved tree as nested dicts, so the optimizer and
+        # training configs need not be rebuilt just to read the parameters.
+        state, meta = manager.restore(None, step)
+    finally:
+        manager.close()
+    if "model" not in meta or "params" not in state:
+        raise FileNotFoundError(f"checkpoint in {directory} has no model config or params")
+    config = ModelConfig.from_dict(meta["model"])
+    recorded = meta.get("tokenizer")
+    if tokenizer is None and recorded and Path(recorded).is_file():
+        tokenizer = Path(recorded)
+    logger.info("loaded step %s of %s", meta.get("step", step), directory)
+    return config, state["params"], tokenizer
+
+
+# CLI ---------------------------------------------------------------------------------------------
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--prompt-ids expects comma-separated ints, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m transformer_jax.generate", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint", required=True,
+                   help="HF checkpoint directory or orbax checkpoint of a training run")
+    p.add_argument("--tokenizer", help="SentencePiece .model file (default: found with the "
+                   "checkpoint)")
+    p.add_argument("--prompt", action="append", default=[],
+                   help="prompt text; repeat for a batch")
+    p.add_argument("--prompt-ids", action="append", default=[], type=_ids,
+                   help="prompt as comma-separated token ids; repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-token", type=int, action="append", dest="stop_tokens",
+                   help="id that ends a sequence; repeatable (default: the tokenizer's eos)")
+    p.add_argument("--no-stop", action="store_true", help="ignore eos: always generate "
+                   "--max-new-tokens tokens")
+    p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's bos "
+                   "to text prompts")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object with ids, text, logprobs and timings; no streaming")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def detokenize(tokenizer: Any, ids: list[int]) -> str:
+    """Decodes ids; ids past the tokenizer's vocabulary (a model's vocab is often padded beyond
+    it) are shown as ``<id>`` instead of failing."""
+    parts, run = [], []
+    for i in ids:
+        if 0 <= i < tokenizer.vocab_size:
+            run.append(i)
+            continue
+        parts.append(tokenizer.decode(run) + f"<{i}>")
+        run = []
+    return "".join(parts) + tokenizer.decode(run)
+
+
+class _TextStreamer:
+    """Prints each sequence's new text as decode steps arrive (one sequence: inline)."""
+
+    def __init__(self, tokenizer: Any, batch: int):
+        self.tokenizer = tokenizer
+        self.ids: list[list[int]] = [[] for _ in range(batch)]
+        self.printed = [""] * batch
+        self.first_token_time: float | None = None
+
+    def __call__(self, step: int, tokens: np.ndarray, active: np.ndarray) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        for b in np.flatnonzero(active):
+            self.ids[b].append(int(tokens[b]))
+        if len(self.ids) != 1:
+            return
+        if self.tokenizer is None:
+            print(f" {int(tokens[0])}" if active[0] else "", end="", flush=True)
+            return
+        text = detokenize(self.tokenizer, self.ids[0])
+        # A piece can end inside a multi-byte character; print only settled text.
+        if not text.endswith("\ufffd") and text.startswith(self.printed[0]):
+            print(text[len(self.printed[0]):], end="", flush=True)
+            self.printed[0] = text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the CLI; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not args.prompt and not args.prompt_ids:
+        print("error: give --prompt TEXT or --prompt-ids 1,2,3", file=sys.stderr)
+        return 2
+    try:
+        config, params, tokenizer_path = load_checkpoint(args.checkpoint)
+        if args.tokenizer:
+            tokenizer_path = Path(args.tokenizer)
+        tokenizer = None
+        if tokenizer_path is not None:
+            from transformer_jax.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.load(tokenizer_path)
+            if tokenizer.vocab_size > config.vocab_size:
+                raise ValueError(f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} pieces, "
+                                 f"more than the model's vocab_size {config.vocab_size}")
+        if args.prompt and tokenizer is None:
+            raise ValueError("text prompts need a tokenizer: pass --tokenizer FILE.model or use "
+                             "--prompt-ids")
+        if args.dtype:
+            config = config.replace(dtype=args.dtype)
+        prompts = []
+        for text in args.prompt:
+            add_bos = not args.no_bos and tokenizer.bos_id >= 0
+            prompts.append(tokenizer.encode(text, add_bos=add_bos))
+        prompts.extend(args.prompt_ids)
+        stop = args.stop_tokens or []
+        if not args.stop_tokens and not args.no_stop and tokenizer and tokenizer.eos_id >= 0:
+            stop = [tokenizer.eos_id]
+        if args.no_stop:
+            stop = []
+        streamer = None if args.json else _TextStreamer(tokenizer, len(prompts))
+        start = time.perf_counter()
+        result = decode.generate(
+            config, params, prompts, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            min_p=args.min_p, seed=args.seed, stop_tokens=stop, stream=streamer)
+        elapsed = time.perf_counter() - start
+    except (ValueError, OSError) as e:  # OSError: missing or unreadable/unwritable files
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    texts = [detokenize(tokenizer, t) if tokenizer else None for t in result.tokens]
+    if args.json:
+        print(json.dumps({
+            "prompt_ids": [list(map(int, p)) for p in prompts],
+            "tokens": result.tokens, "text": texts, "logprobs": result.logprobs,
+            "lengths": result.lengths, "seconds": elapsed}))
+        return 0
+    if len(prompts) == 1:
+        if tokenizer is not None:  # whatever the streamer held back (an unfinished character)
+            print(texts[0][len(streamer.printed[0]):], end="")
+        print()
+    else:
+        for i, (p, toks) in enumerate(zip(prompts, result.tokens, strict=True)):
+            shown = texts[i] if tokenizer else " ".join(map(str, toks))
+            print(f"[{i}] {detokenize(tokenizer, p) if tokenizer else p} -> {shown}")
+    n = sum(result.lengths)
+    print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s including compilation]",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
