@@ -10,7 +10,6 @@ tokens in order.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -19,13 +18,12 @@ import logging
 import operator
 import os
 import sysconfig
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 
+from transformer_jax.files import atomic_writer
 from transformer_jax.tokenizer import Tokenizer, read_utf8
 
 logger = logging.getLogger(__name__)
@@ -222,7 +220,7 @@ def tokenize_corpus(
         return np.memmap(cache_path, dtype=dtype, mode="r")
 
     count = 0
-    with _atomic_writer(cache_path) as out:
+    with atomic_writer(cache_path) as out:
         for path in paths:
             text = read_utf8(path)
             if not text:
@@ -234,23 +232,6 @@ def tokenize_corpus(
             raise ValueError(f"corpus of {len(paths)} files yields no tokens (all files are empty)")
     logger.info("tokenized %d files into %d tokens -> %s", len(paths), count, cache_path)
     return np.memmap(cache_path, dtype=dtype, mode="r")
-
-
-@contextlib.contextmanager
-def _atomic_writer(path: Path) -> Iterator[IO[bytes]]:
-    """Yields a binary file that replaces ``path`` only when the block finishes without error."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:

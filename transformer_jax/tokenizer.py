@@ -11,20 +11,20 @@ Trained models reserve ids ``unk=0, bos=1, eos=2, pad=3``.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import sentencepiece as spm
+
+from transformer_jax.files import atomic_writer
 
 logger = logging.getLogger(__name__)
 
@@ -351,7 +351,8 @@ class Tokenizer:
                 f"vocab_size={vocab_size}): {e}"
             ) from e
         model_path = _resolve_output(output)
-        _atomic_write_bytes(model_path, model.getvalue())
+        with atomic_writer(model_path) as f:
+            f.write(model.getvalue())
         tokenizer = cls(spm.SentencePieceProcessor(model_proto=model.getvalue()), model_path)
         logger.info(
             "trained %s tokenizer with %d pieces -> %s",
@@ -592,22 +593,6 @@ def _resolve_output(output: str | os.PathLike[str]) -> Path:
     if path.is_dir():
         return path / DEFAULT_MODEL_FILENAME
     return path.with_name(path.name + ".model")
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Writes via a temporary file and rename so readers never see a partial model."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 __all__ = [
