@@ -45,7 +45,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from transformer_jax import data as data_lib
 from transformer_jax import distributed
@@ -842,19 +841,6 @@ def sample_text(model_config: ModelConfig, params: Params, tokenizer: Tokenizer,
 
 
 # Helpers of run ----------------------------------------------------------------------------------
-
-def data_parallel_shardings(devices: Sequence[jax.Device] | None = None
-                            ) -> tuple[NamedSharding, NamedSharding]:
-    """Shardings of plain data parallelism over ``devices`` (default: all of them).
-
-    Returns:
-      ``(replicated, batch)``: the train state is replicated; a batch's rows (axis 0) are split
-      over a one-axis ``"data"`` mesh, so each device computes the gradient of its rows and XLA
-      sums them.
-    """
-    mesh = Mesh(np.asarray(devices if devices is not None else jax.devices()), ("data",))
-    return NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
-
 
 def _placing(step_fn: Callable[[Params, Batch], Metrics], place: Callable[[np.ndarray], Any]
              ) -> Callable[[Params, Batch], Metrics]:

@@ -22,12 +22,12 @@ import time
 import jax
 import numpy as np
 
+from transformer_jax import sharding as sharding_lib
 from transformer_jax.model import param_count
 from transformer_jax.training import (
     ConfigError,
     build_configs,
     configure_cpu_devices,
-    data_parallel_shardings,
     enable_cpu_fast_math,
     flops_per_token,
     make_init_fn,
@@ -65,17 +65,22 @@ def main(argv: list[str]) -> int:
         return 2
 
     device = jax.devices()[0]
-    replicated, batch_sharding = data_parallel_shardings()
+    # The same mesh, shardings and jitted step as train.py's run().
+    mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh))
+    batch_sharding = sharding_lib.batch_sharding(mesh)
+    key = jax.random.key(tc.seed)
+    init = make_init_fn(model, tc)
+    state_shardings = sharding_lib.state_shardings(
+        jax.eval_shape(init, key), sharding_lib.param_shardings(model, mesh))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model.vocab_size, (tc.batch_size, tc.seq_len + 1)).astype(np.int32)
     batch = {"inputs": jax.device_put(tokens[:, :-1], batch_sharding),
              "targets": jax.device_put(tokens[:, 1:], batch_sharding)}
-    state = jax.jit(make_init_fn(model, tc), out_shardings=replicated)(jax.random.key(tc.seed))
+    state = sharding_lib.shard_init(init, state_shardings)(key)
 
     start = time.perf_counter()
-    compiled = jax.jit(make_train_step(model, tc), donate_argnums=0,
-                       in_shardings=(replicated, batch_sharding),
-                       out_shardings=(replicated, replicated)).lower(state, batch).compile()
+    compiled = sharding_lib.jit_train_step(make_train_step(model, tc), state_shardings,
+                                           batch_sharding).lower(state, batch).compile()
     compile_s = time.perf_counter() - start
     for _ in range(args.warmup):
         state, metrics = compiled(state, batch)
