@@ -19,12 +19,12 @@ import logging
 import sys
 
 from transformer_jax import distributed
+from transformer_jax.sharding import configure_cpu_devices
 from transformer_jax.training import (
     ConfigError,
     NonFiniteLossError,
     RunSummary,
     build_configs,
-    configure_cpu_devices,
     enable_cpu_fast_math,
     run,
 )

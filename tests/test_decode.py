@@ -133,7 +133,9 @@ def test_decode_logits_equal_full_forward_at_every_step(name):
     lengths = np.asarray([3, 6], np.int32)  # ragged prompts
     got, want, cache = _cached_and_full_logits(config, params, seqs, lengths,
                                                decode.prompt_bucket(6))
-    chex.assert_shape(list(cache.k), [(2, config.n_kv_heads, total, config.head_dim)] * 2)
+    rows = 2 * config.n_kv_heads
+    chex.assert_shape(list(cache.k), [(rows, config.head_dim, total)] * 2)
+    chex.assert_shape(list(cache.v), [(rows, total, config.head_dim)] * 2)
     for b in range(2):
         for i in range(total - lengths[b] + 1):  # step i fed position lengths[b] - 1 + i
             pos = lengths[b] - 1 + i
@@ -146,7 +148,8 @@ def test_decode_cache_layout_and_bytes():
     prefill = functools.partial(decode.prefill, config, max_len=20)
     cache = jax.eval_shape(prefill, params, jnp.zeros((3, 8), jnp.int32))
     assert len(cache.k) == len(cache.v) == config.n_layers
-    chex.assert_shape(list(cache.k), [(3, 2, 20, 8)] * config.n_layers)
+    chex.assert_shape(list(cache.k), [(3 * 2, 8, 20)] * config.n_layers)
+    chex.assert_shape(list(cache.v), [(3 * 2, 20, 8)] * config.n_layers)
     assert cache.nbytes == 2 * config.n_layers * 3 * 20 * 2 * 8 * 4
     assert cache.nbytes == decode.cache_bytes(config, 3, 20)
 

@@ -21,8 +21,12 @@ avoids:
 * the model stacks the per-layer caches into one [L, B, S, K, H] array each step, a full copy of
   the cache; here the loop carries one array per layer, which XLA updates in place;
 * attention over a [B, S, K, H] cache makes XLA transpose the cache (batch dims B, K must be
-  leading for its dot), i.e. another full copy per layer per step; here each layer's cache is
-  stored [B, K, S, H], so both attention contractions run on it directly;
+  leading for its dot), i.e. another full copy per layer per step. Here a layer's cache is one
+  row per (sequence, kv head): keys [B * K, H, S] (stored transposed) and values [B * K, S, H],
+  so q [G, H] @ keys and probs [G, S] @ values both stream the cache in storage order, reading
+  it once for all G query heads of a kv head (keys as [S, H] were read 2-4x slower). Merging B
+  and K also matters at B = 1: a size-1 batch dimension made XLA duplicate the in-place cache
+  update into a second fusion, three copies of the cache per step;
 * stacked (scanned) weights are sliced per layer inside the loop, a copy of every weight per
   step; here the blocks are split once per call, outside the loop;
 * XLA transposed ``o_proj`` every step to match the attention output's layout; here every
@@ -30,13 +34,24 @@ avoids:
   with q/k/v and gate/up fused into one matrix each (``decode_params``). This costs one
   transient copy of the weights per ``generate`` call.
 
+Tensor parallelism. XLA:CPU runs the attention contractions and most small ops of a step on
+one thread, and one decode step is a chain of dependent ops, so a single device leaves cores
+idle. With a mesh whose ``tensor`` axis has T devices (on CPU: one device per core, see
+``configure_cpu_devices``), the decode loop runs under ``shard_map``: each device holds K/T kv
+heads of the cache and the matching slices of every matrix, computes its heads' attention and its
+part of the FFN, and the partial [D, B] outputs are summed with two all-reduces per layer (the
+Megatron split); the logits' vocabulary rows are gathered at the end. On GPU/TPU the same split
+is the usual multi-chip decode.
+
 The decode step reuses the model's ``Norm`` module and the ``ops`` functions; tests check its
-logits against a full forward of ``Transformer`` at every step.
+logits against a full forward of ``Transformer`` at every step, and tensor-parallel generation
+against one device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import numbers
@@ -49,6 +64,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from transformer_jax import ops, sampling
 from transformer_jax.config import ModelConfig
@@ -66,8 +83,8 @@ Params = dict[str, Any]
 BUCKET_MULTIPLE = 64
 MIN_BUCKET = 8
 
-# Up to this many queries per kv head, decode attention computes their logits separately.
-_MAX_SPLIT_GROUPS = 4
+#: The mesh axis a tensor-parallel decode splits heads, FFN and vocabulary over (as in training).
+TENSOR_AXIS = "tensor"
 
 # Masked attention logits; finite so a fully masked row cannot produce NaN.
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
@@ -106,14 +123,20 @@ def default_cache_size(config: ModelConfig, padded_len: int, max_new_tokens: int
 
 @flax.struct.dataclass
 class DecodeCache:
-    """The decode-time KV cache: one array per layer, in the [B, K, S_max, H] layout.
+    """The decode-time KV cache: one keys array and one values array per layer.
+
+    Rows are (tensor shard, sequence, kv head within the shard) in that order, so the rows of
+    shard j are one contiguous block: with T shards of K / T kv heads each, a shard's block is
+    [B * K/T, ...] (with T = 1, row ``b * K + k`` is kv head k of sequence b). Keys are stored
+    transposed, so both attention contractions stream the cache in its storage order:
+    q [G, H] @ keys [H, S] and probs [G, S] @ values [S, H], per row.
 
     Slot s of sequence b holds the key/value at position s (as in ``KVCache``); which slots are
     valid is tracked by the caller (``SamplingState.positions``).
 
     Attributes:
-      k: L arrays [B, K, S_max, H] of keys (already rotated by RoPE).
-      v: L arrays [B, K, S_max, H] of values.
+      k: L arrays [T * B * K/T, H, S_max] of keys (already rotated by RoPE).
+      v: L arrays [T * B * K/T, S_max, H] of values.
     """
 
     k: tuple[jax.Array, ...]
@@ -121,7 +144,7 @@ class DecodeCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        return self.v[0].shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -129,26 +152,33 @@ class DecodeCache:
         return sum(x.size * x.dtype.itemsize for x in (*self.k, *self.v))
 
     @classmethod
-    def from_kv_cache(cls, cache: KVCache, max_len: int | None = None) -> DecodeCache:
+    def from_kv_cache(cls, cache: KVCache, max_len: int | None = None,
+                      shards: int = 1) -> DecodeCache:
         """Converts the model's [L, B, S, K, H] cache, padding it to ``max_len`` slots.
 
         Args:
           cache: a ``KVCache`` with S slots.
           max_len: S_max >= S; default S.
+          shards: T, the number of tensor shards the kv heads are split into (divides K).
 
         Returns:
-          The same keys/values per layer as [B, K, S_max, H] (new slots are zero).
+          The same keys/values in the layout above (new slots are zero).
         """
-        s = cache.k.shape[2]
+        n_layers, b, s, kv, h = cache.k.shape
         pad = 0 if max_len is None else max_len - s
 
-        def convert(x: jax.Array) -> tuple[jax.Array, ...]:
-            x = jnp.swapaxes(x, 2, 3)  # [L, B, K, S, H]
+        def convert(x: jax.Array, keys: bool) -> tuple[jax.Array, ...]:
+            x = x.reshape(n_layers, b, s, shards, kv // shards, h)
+            # -> [L, T, B, K/T, H, S] for keys, [L, T, B, K/T, S, H] for values.
+            x = x.transpose((0, 3, 1, 4, 5, 2) if keys else (0, 3, 1, 4, 2, 5))
+            x = x.reshape(n_layers, b * kv, *x.shape[-2:])
             if pad:
-                x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
-            return tuple(x[i] for i in range(x.shape[0]))
+                widths = [(0, 0)] * 4
+                widths[3 if keys else 2] = (0, pad)
+                x = jnp.pad(x, widths)
+            return tuple(x[i] for i in range(n_layers))
 
-        return cls(k=convert(cache.k), v=convert(cache.v))
+        return cls(k=convert(cache.k, True), v=convert(cache.v, False))
 
 
 @flax.struct.dataclass
@@ -163,7 +193,8 @@ class SamplingState:
       positions: [B] int32 position (= cache slot) of ``next_token``.
       done: [B] bool sequences that emitted a stop token or ``max_new_tokens`` tokens.
       num_tokens: [B] int32 tokens generated so far (stop token included).
-      keys: [B] typed PRNG keys, one per sequence; step i draws with ``fold_in(key, i)``.
+      keys: [B, 2] uint32 raw PRNG key data, one key per sequence; step i draws with
+        ``fold_in(key, i)``.
       cache: the ``DecodeCache``.
     """
 
@@ -233,22 +264,30 @@ class GenerateResult:
 
 # Model pieces ------------------------------------------------------------------------------------
 
-def decode_params(config: ModelConfig, params: Params) -> Params:
+def decode_params(config: ModelConfig, params: Params, shards: int = 1) -> Params:
     """The weights in the layout the decode step reads: prepared once per call, outside the loop.
 
     Per layer: ``qkv`` [(N + 2K) * H, D] (the q, k and v projections fused and transposed),
     ``o`` [D, N * H], and for the FFN ``inner`` [F or 2F, D] (``gate`` and ``up`` fused) and
-    ``down`` [D, F]; norms and biases as they are. Matrices are stored [out, in] because every
-    decode matmul has only B rows, and on CPU such a product streams an [out, in] matrix about
-    twice as fast as an [in, out] one at B = 8 (and no slower at B = 1); fusing also halves the
-    number of matmuls per step. Scanned blocks are split per layer here too.
+    ``down`` [D, F]; norms and biases as they are; ``head`` [V, D] is the LM head (the embedding
+    table when tied). Matrices are stored [out, in] because every decode matmul has only B rows,
+    and on CPU such a product streams an [out, in] matrix about twice as fast as an [in, out]
+    one at B = 8 (and no slower at B = 1); fusing also halves the number of matmuls per step.
+    Scanned blocks are split per layer here too.
+
+    For tensor parallelism over T shards, the fused rows are ordered shard by shard (shard j's
+    q heads, then its k heads, its v heads; its gate rows, then its up rows), so splitting the
+    ``qkv`` and ``inner`` rows, the ``o`` and ``down`` columns and the ``head`` rows into T
+    equal blocks gives each shard the weights of its K/T kv heads, N/T query heads, F/T hidden
+    units and V/T vocabulary rows (``decode_param_specs``).
 
     Args:
       config: the model's config.
       params: parameters in either layout.
+      shards: T (divides K, N and F; see ``check_tensor_parallel``).
 
     Returns:
-      A tree with ``embed``, ``final_norm``, optional ``lm_head`` [V, D] and ``blocks_{i}``.
+      A tree with ``embed``, ``final_norm``, ``head`` and ``blocks_{i}``.
     """
     c = config
     if "blocks" in params:
@@ -257,33 +296,69 @@ def decode_params(config: ModelConfig, params: Params) -> Params:
         raise ValueError("params have neither 'blocks' nor 'blocks_{i}' entries for "
                          f"{c.n_layers} layers")
     d, dt = c.d_model, c.jnp_dtype
-    out: Params = {"embed": params["embed"], "final_norm": params["final_norm"]}
-    if not c.tie_embeddings:
-        out["lm_head"] = params["lm_head"].astype(dt).T
+
+    def by_shard(*columns: jax.Array) -> jax.Array:
+        """Columns [..., X_i] of each matrix, interleaved shard by shard along the last axis."""
+        parts = [jnp.split(x, shards, axis=-1) for x in columns]
+        return jnp.concatenate([p[j] for j in range(shards) for p in parts], axis=-1)
+
+    table = params["embed"]["embedding"]
+    out: Params = {"embed": params["embed"], "final_norm": params["final_norm"],
+                   "head": (table if c.tie_embeddings else params["lm_head"].T).astype(dt)}
     for i in range(c.n_layers):
         p = params[f"blocks_{i}"]
         a, m = p["attn"], p["mlp"]
-        qkv = jnp.concatenate([a[name].astype(dt).reshape(d, -1)
-                               for name in ("q_proj", "k_proj", "v_proj")], axis=1)
+        qkv = by_shard(*(a[name].astype(dt).reshape(d, -1)
+                         for name in ("q_proj", "k_proj", "v_proj")))
+        inner = by_shard(m["gate"], m["up"]) if "gate" in m else m["up"]
         layer = {
             "qkv": qkv.T,
             "o": a["o_proj"].astype(dt).reshape(-1, d).T,
-            "inner": (jnp.concatenate([m["gate"], m["up"]], axis=1) if "gate" in m
-                      else m["up"]).astype(dt).T,
+            "inner": inner.astype(dt).T,
             "down": m["down"].astype(dt).T,
             "attn_norm": p["attn_norm"],
             "mlp_norm": p["mlp_norm"],
         }
         if c.qkv_bias:
-            layer["qkv_bias"] = jnp.concatenate(
-                [a[name].astype(dt).reshape(-1) for name in ("q_bias", "k_bias", "v_bias")])
+            layer["qkv_bias"] = by_shard(*(a[name].astype(dt).reshape(-1)
+                                           for name in ("q_bias", "k_bias", "v_bias")))
         out[f"blocks_{i}"] = layer
     # Materialise the transposed copies: otherwise XLA folds the transposes back into the dots.
     return jax.lax.optimization_barrier(out)
 
 
+def check_tensor_parallel(config: ModelConfig, shards: int) -> None:
+    """Raises ValueError unless T = ``shards`` divides the kv heads, query heads and FFN width."""
+    c = config
+    if not _is_int(shards) or shards < 1:
+        raise ValueError(f"the tensor axis size must be a positive int, got {shards!r}")
+    bad = [f"{name}={value}" for name, value in (("n_kv_heads", c.n_kv_heads),
+                                                 ("n_heads", c.n_heads), ("d_ff", c.d_ff))
+           if value % shards]
+    if bad:
+        raise ValueError(f"tensor-parallel decode over {shards} shards needs each of n_kv_heads, "
+                         f"n_heads and d_ff divisible by {shards}; got {', '.join(bad)}")
+
+
+def decode_param_specs(config: ModelConfig, dparams: Params, axis: str, shards: int) -> Params:
+    """``PartitionSpec``s splitting ``decode_params(config, params, T)`` over mesh axis ``axis``.
+
+    The head's rows are split only when T divides V; otherwise every shard holds it whole.
+    """
+    rows, cols, whole = P(axis, None), P(None, axis), P()
+    specs = jax.tree.map(lambda _: whole, dparams)
+    if config.vocab_size % shards == 0:
+        specs["head"] = rows
+    for name, layer in dparams.items():
+        if name.startswith("blocks_"):
+            specs[name].update(qkv=rows, o=cols, inner=rows, down=cols)
+            if "qkv_bias" in layer:
+                specs[name]["qkv_bias"] = P(axis)
+    return specs
+
+
 def prefill(config: ModelConfig, params: Params, tokens: jax.Array,
-            max_len: int | None = None) -> DecodeCache:
+            max_len: int | None = None, shards: int = 1) -> DecodeCache:
     """Runs the model over right-padded prompts and returns their keys/values.
 
     Args:
@@ -292,6 +367,7 @@ def prefill(config: ModelConfig, params: Params, tokens: jax.Array,
       params: the model's parameters.
       tokens: [B, T] int32 prompts, right-padded; position t of row b goes to slot t.
       max_len: S_max >= T slots of the returned cache; default T.
+      shards: the number of tensor shards of the returned cache's layout.
 
     Returns:
       A ``DecodeCache`` with slots 0..T-1 written (pad slots hold junk that causality hides).
@@ -300,23 +376,31 @@ def prefill(config: ModelConfig, params: Params, tokens: jax.Array,
     config = config.replace(remat="none")
     cache = KVCache.init(config, b, t)
     _, cache = Transformer(config).apply({"params": params}, tokens, cache=cache)
-    return DecodeCache.from_kv_cache(cache, max_len)
+    return DecodeCache.from_kv_cache(cache, max_len, shards)
 
 
-def _write_slot(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """cache [B, K, S, H] with new [B, K, H] written at slot positions[b] of each sequence.
+def _write_slot(cache: jax.Array, new: jax.Array, positions: jax.Array, keys: bool
+                ) -> jax.Array:
+    """Writes new [R, H] into cache rows R = B * K' at slot positions[b] of each row's sequence.
 
-    Both forms update the loop-carried cache in place. At B = 1, XLA would turn the batched
-    form (a scatter) into a bounds-checked select that copies the whole cache every step, so a
-    plain dynamic-update-slice is used there.
+    Keys are [R, H, S] (a column per slot), values [R, S, H]. Both forms update the loop-carried
+    cache in place. At B = 1 the batched form (a scatter) would become a bounds-checked select
+    that copies the whole cache every step, so a plain dynamic-update-slice is used there.
     """
+    rows = cache.shape[0]
+    b = positions.shape[0]
     new = new.astype(cache.dtype)
-    if isinstance(cache.shape[0], int) and cache.shape[0] == 1:
-        return jax.lax.dynamic_update_slice(cache, new[:, :, None], (0, 0, positions[0], 0))
+    if isinstance(b, int) and b == 1:
+        start = (0, 0, positions[0]) if keys else (0, positions[0], 0)
+        return jax.lax.dynamic_update_slice(cache, new[:, :, None] if keys else new[:, None],
+                                            start)
+    row_positions = jnp.broadcast_to(positions[:, None], (b, rows // b)).reshape(rows)
 
-    def one(c, n, p):
-        return jax.lax.dynamic_update_slice(c, n[:, None], (0, p, 0))
-    return jax.vmap(one)(cache, new, positions)
+    def one(c: jax.Array, n: jax.Array, pos: jax.Array) -> jax.Array:
+        if keys:
+            return jax.lax.dynamic_update_slice(c, n[:, None], (0, pos))
+        return jax.lax.dynamic_update_slice(c, n[None], (pos, 0))
+    return jax.vmap(one)(cache, new, row_positions)
 
 
 def _linear(w: jax.Array, x: jax.Array) -> jax.Array:
@@ -331,47 +415,50 @@ def _linear(w: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def _attention_step(c: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
-                    visible: jax.Array, cache_k: jax.Array, cache_v: jax.Array
+                    row_visible: jax.Array, cache_k: jax.Array, cache_v: jax.Array
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One token of attention: [D, B] -> ([D, B], updated [B, K, S, H] keys, values)."""
+    """One token of attention over this shard's K' kv heads: [D, B] -> partial [D, B].
+
+    Args:
+      row_visible: [B * K', 1, S] bool, the slots each cache row may attend to.
+      cache_k, cache_v: this shard's [B * K', H, S] keys and [B * K', S, H] values.
+
+    Returns:
+      (this shard's term of the attention output [D, B], updated keys, updated values).
+    """
     dt = c.jnp_dtype
     b = x.shape[1]
-    n, kv, h = c.n_heads, c.n_kv_heads, c.head_dim
+    h, g = c.head_dim, c.n_heads // c.n_kv_heads
+    rows = cache_k.shape[0]
+    kv = rows // b
+    n = kv * g
     qkv = _linear(p["qkv"], x)
     if c.qkv_bias:
         qkv = qkv + p["qkv_bias"][:, None]
-    qkv = qkv.T  # [B, (N + 2K) * H], small
+    qkv = qkv.T  # [B, (N' + 2K') * H], small
     q = qkv[:, :n * h].reshape(b, 1, n, h)
     k = qkv[:, n * h:(n + kv) * h].reshape(b, 1, kv, h)
-    v = qkv[:, (n + kv) * h:].reshape(b, kv, h)
+    v = qkv[:, (n + kv) * h:].reshape(rows, h)
     if c.position == "rope":
         rope = dict(base=c.rope_base, pairing=c.rope_pairing, scaling=c.rope_scaling)
         q = ops.apply_rope(q, positions[:, None], **rope)
         k = ops.apply_rope(k, positions[:, None], **rope)
-    cache_k = _write_slot(cache_k, k[:, 0], positions)
-    cache_v = _write_slot(cache_v, v, positions)
-    # Query head r reads kv head r // G, as in ops.attention.
-    g = n // kv
-    qg = q.reshape(b, kv, g, h)
-    keys = cache_k.astype(dt)
-    if g <= _MAX_SPLIT_GROUPS:
-        # One batched matrix-vector product per query of a group: XLA's CPU batched dot with G
-        # rows per (b, k) streamed the cache 2-3x slower than G separate products read it.
-        logits = jnp.stack([jnp.einsum("BKH,BKSH->BKS", qg[:, :, i], keys,
-                                       preferred_element_type=jnp.float32)
-                            for i in range(g)], axis=2)
-    else:  # many queries per kv head (MQA): read the cache once, cache as the left operand
-        logits = jnp.swapaxes(jnp.einsum("BKSH,BKGH->BKSG", keys, qg,
-                                         preferred_element_type=jnp.float32), 2, 3)
-    logits = jnp.where(visible[:, None, None, :], logits * h ** -0.5, _MASK_VALUE)
+    cache_k = _write_slot(cache_k, k.reshape(rows, h), positions, keys=True)
+    cache_v = _write_slot(cache_v, v, positions, keys=False)
+    # Row (b, k) holds kv head k; its G query heads k * G .. k * G + G - 1 read it (as in
+    # ops.attention), so every row's cache is streamed once for all G queries.
+    q = q.reshape(rows, g, h)
+    logits = jnp.einsum("RGH,RHS->RGS", q, cache_k.astype(dt),
+                        preferred_element_type=jnp.float32) * h ** -0.5
+    logits = jnp.where(row_visible, logits, _MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("BKGS,BKSH->BKGH", probs.astype(dt), cache_v.astype(dt),
+    out = jnp.einsum("RGS,RSH->RGH", probs.astype(dt), cache_v.astype(dt),
                      preferred_element_type=jnp.float32).astype(dt)
     return _linear(p["o"], out.reshape(b, n * h).T), cache_k, cache_v
 
 
 def _ffn(c: ModelConfig, p: Params, x: jax.Array) -> jax.Array:
-    """The FFN of ``ops.FFN_FUNCTIONS[c.ffn]`` on [D, B] with the fused ``inner`` matrix."""
+    """This shard's term of the FFN (``ops.FFN_FUNCTIONS[c.ffn]``) on [D, B]."""
     hidden = _linear(p["inner"], x)
     if c.ffn in ("swiglu", "geglu"):
         gate, up = jnp.split(hidden, 2, axis=0)
@@ -385,28 +472,35 @@ def _ffn(c: ModelConfig, p: Params, x: jax.Array) -> jax.Array:
 
 
 def decode_step(config: ModelConfig, params: Params, cache: DecodeCache, tokens: jax.Array,
-                positions: jax.Array) -> tuple[jax.Array, DecodeCache]:
+                positions: jax.Array, axis_name: str | None = None
+                ) -> tuple[jax.Array, DecodeCache]:
     """One decode step: feeds one token per sequence and returns the next-token logits.
 
     Computes what ``Transformer(config).apply(..., tokens[:, None], positions[:, None],
     cache=...)`` computes on the same keys/values, without the copies that make that slow in a
     loop (see the module docstring).
 
+    Under ``shard_map`` over a tensor axis, ``params`` and ``cache`` are this shard's blocks
+    (``decode_param_specs``, ``DecodeCache``): each shard computes its heads' attention and its
+    part of the FFN, the partial outputs are summed over ``axis_name`` (two all-reduces of
+    [D, B] per layer) and the logits gathered when the head is split.
+
     Args:
       config: the model's config.
-      params: the weights prepared by ``decode_params``.
-      cache: the ``DecodeCache``; slots ``< positions[b]`` of sequence b must be filled.
+      params: the weights prepared by ``decode_params`` (this shard's block under shard_map).
+      cache: the ``DecodeCache`` (this shard's rows); slots ``< positions[b]`` must be filled.
       tokens: [B] int32 tokens to feed.
       positions: [B] int32 their positions; each is also the slot its key/value is written to
         (must be < S_max: callers check capacity, as writes past the end are clamped).
+      axis_name: the mesh axis the weights and cache are split over, or None.
 
     Returns:
       ([B, V] float32 logits for the next token, updated cache).
     """
     c = config
     dt = c.jnp_dtype
-    table = params["embed"]["embedding"]
-    x = ops.embed(tokens[:, None], table).astype(dt)[:, 0]
+    b = tokens.shape[0]
+    x = ops.embed(tokens[:, None], params["embed"]["embedding"]).astype(dt)[:, 0]
     if c.position == "sinusoidal":
         x = x + ops.sinusoidal_positions(positions[:, None], c.d_model)[:, 0].astype(dt)
     x = x.T  # [D, B] from here on (see _linear)
@@ -414,30 +508,39 @@ def decode_step(config: ModelConfig, params: Params, cache: DecodeCache, tokens:
     visible = slots <= positions[:, None]
     if c.sliding_window is not None:
         visible &= slots > positions[:, None] - c.sliding_window
+    rows = cache.k[0].shape[0]
+    row_visible = jnp.broadcast_to(visible[:, None], (b, rows // b, cache.max_len)
+                                   ).reshape(rows, 1, cache.max_len)
+
+    def total(y: jax.Array) -> jax.Array:
+        return y if axis_name is None else jax.lax.psum(y, axis_name)
+
     norm = Norm(kind=c.norm, eps=c.norm_eps, param_dtype=c.jnp_param_dtype)
     new_k, new_v = [], []
     for i in range(c.n_layers):
         p = params[f"blocks_{i}"]
 
         def attend(y: jax.Array, i: int = i, p: Params = p) -> jax.Array:
-            out, k_i, v_i = _attention_step(c, p, y, positions, visible, cache.k[i], cache.v[i])
+            out, k_i, v_i = _attention_step(c, p, y, positions, row_visible, cache.k[i],
+                                            cache.v[i])
             new_k.append(k_i)
             new_v.append(v_i)
-            return out
+            return total(out)
 
         def normed(name: str, y: jax.Array, p: Params = p) -> jax.Array:
             return norm.apply({"params": p[name]}, y.T).T
 
         if c.norm_position == "pre":
             x = x + attend(normed("attn_norm", x))
-            x = x + _ffn(c, p, normed("mlp_norm", x))
+            x = x + total(_ffn(c, p, normed("mlp_norm", x)))
         else:
             x = normed("attn_norm", x + attend(x))
-            x = normed("mlp_norm", x + _ffn(c, p, x))
+            x = normed("mlp_norm", x + total(_ffn(c, p, x)))
     x = norm.apply({"params": params["final_norm"]}, x.T).T
-    head = table.astype(dt) if c.tie_embeddings else params["lm_head"]
     logits = jax.lax.optimization_barrier(
-        jnp.einsum("VD,DB->VB", head, x, preferred_element_type=jnp.float32))
+        jnp.einsum("VD,DB->VB", params["head"], x, preferred_element_type=jnp.float32))
+    if axis_name is not None and logits.shape[0] != c.vocab_size:
+        logits = jax.lax.all_gather(logits, axis_name, axis=0, tiled=True)
     return logits.T, DecodeCache(k=tuple(new_k), v=tuple(new_v))
 
 
@@ -470,10 +573,29 @@ def _argmax(logits: jax.Array) -> jax.Array:
 
 # The traced generate -----------------------------------------------------------------------------
 
+def tensor_shards(mesh: Mesh | None) -> int:
+    """T, the size of ``mesh``'s tensor axis (1 without a mesh).
+
+    Raises:
+      ValueError: if the mesh has no ``TENSOR_AXIS`` or another axis larger than 1.
+    """
+    if mesh is None:
+        return 1
+    sizes = dict(mesh.shape)
+    if TENSOR_AXIS not in sizes:
+        raise ValueError(f"decode needs a mesh with a '{TENSOR_AXIS}' axis, got axes "
+                         f"{tuple(sizes)}")
+    others = {k: v for k, v in sizes.items() if k != TENSOR_AXIS and v > 1}
+    if others:
+        raise ValueError(f"decode splits the model over the '{TENSOR_AXIS}' axis only; the other "
+                         f"mesh axes must have size 1, got {others}")
+    return sizes[TENSOR_AXIS]
+
+
 def generate_padded(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array,
                     key_data: jax.Array, stream_id: jax.Array | None = None, *,
                     max_new_tokens: int, settings: SamplingSettings = SamplingSettings(),
-                    cache_size: int | None = None
+                    cache_size: int | None = None, mesh: Mesh | None = None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Prefill plus while-loop decode on padded arrays: the traced body of ``generate``.
 
@@ -491,6 +613,8 @@ def generate_padded(config: ModelConfig, params: Params, tokens: jax.Array, leng
       max_new_tokens: N (static), the most tokens generated per sequence.
       settings: static sampling settings.
       cache_size: static S_max; default ``T + N``. Must be >= T and >= every length + N - 1.
+      mesh: static; with a tensor axis of size T > 1 the decode loop runs tensor-parallel over
+        it (``decode_step``); the prefill runs on the mesh as XLA partitions it.
 
     Returns:
       tokens [B, N] int32 (``pad_id`` after a sequence ends), logprobs [B, N] float32 (0 at
@@ -499,8 +623,9 @@ def generate_padded(config: ModelConfig, params: Params, tokens: jax.Array, leng
     b, t = tokens.shape
     n = max_new_tokens
     s_max = t + n if cache_size is None else cache_size
-    cache = prefill(config, params, tokens, s_max)
-    dparams = decode_params(config, params)
+    shards = tensor_shards(mesh)
+    cache = prefill(config, params, tokens, s_max, shards)
+    dparams = decode_params(config, params, shards)
     last = lengths.astype(jnp.int32) - 1
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
@@ -510,9 +635,28 @@ def generate_padded(config: ModelConfig, params: Params, tokens: jax.Array, leng
         positions=last,
         done=jnp.zeros((b,), bool),
         num_tokens=jnp.zeros((b,), jnp.int32),
-        keys=jax.random.wrap_key_data(key_data),
+        keys=key_data.astype(jnp.uint32),
         cache=cache,
     )
+    loop = functools.partial(_decode_loop, config, stream_id=stream_id, max_new_tokens=n,
+                             settings=settings, axis_name=TENSOR_AXIS if shards > 1 else None)
+    if shards > 1:
+        cache_spec = DecodeCache(k=(P(TENSOR_AXIS),) * config.n_layers,
+                                 v=(P(TENSOR_AXIS),) * config.n_layers)
+        state_spec = jax.tree.map(lambda _: P(), state.replace(cache=None))
+        loop = jax.shard_map(
+            loop, mesh=mesh, check_vma=False,
+            in_specs=(decode_param_specs(config, dparams, TENSOR_AXIS, shards),
+                      state_spec.replace(cache=cache_spec)),
+            out_specs=(P(), P(), P()))
+    return loop(dparams, state)
+
+
+def _decode_loop(config: ModelConfig, dparams: Params, state: SamplingState, *,
+                 stream_id: jax.Array | None, max_new_tokens: int, settings: SamplingSettings,
+                 axis_name: str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The ``lax.while_loop`` of ``generate_padded`` (one shard's view under ``shard_map``)."""
+    n = max_new_tokens
     stop = jnp.asarray(settings.stop_tokens, jnp.int32)
     greedy = settings.temperature == 0
 
@@ -520,12 +664,14 @@ def generate_padded(config: ModelConfig, params: Params, tokens: jax.Array, leng
         return (s.step < n) & ~jnp.all(s.done)
 
     def body(s: SamplingState) -> SamplingState:
-        logits, cache = decode_step(config, dparams, s.cache, s.next_token, s.positions)
+        logits, cache = decode_step(config, dparams, s.cache, s.next_token, s.positions,
+                                    axis_name)
         if greedy:
             tok = _argmax(logits)
             logprob = sampling.token_logprobs(logits, tok)
         else:
-            step_keys = jax.vmap(jax.random.fold_in, (0, None))(s.keys, s.step)
+            keys = jax.random.wrap_key_data(s.keys)
+            step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, s.step)
             tok, logprob = sampling.sample_with_logprobs(
                 logits, step_keys, temperature=settings.temperature, top_k=settings.top_k,
                 top_p=settings.top_p, min_p=settings.min_p)
@@ -537,7 +683,7 @@ def generate_padded(config: ModelConfig, params: Params, tokens: jax.Array, leng
         if settings.stop_tokens:
             done |= active & jnp.isin(tok, stop)
         if stream_id is not None:
-            jax.debug.callback(_emit, stream_id, s.step, tok, active, ordered=True)
+            _stream(stream_id, s.step, tok, active, axis_name)
         return SamplingState(
             step=s.step + 1,
             tokens=jax.lax.dynamic_update_slice(s.tokens, tok[:, None], (0, s.step)),
@@ -555,8 +701,19 @@ def generate_padded(config: ModelConfig, params: Params, tokens: jax.Array, leng
     return state.tokens, state.logprobs, state.num_tokens
 
 
+def _stream(stream_id: jax.Array, step: jax.Array, tokens: jax.Array, active: jax.Array,
+            axis_name: str | None) -> None:
+    """Calls the host stream callback once per step (from shard 0 only under shard_map)."""
+    if axis_name is None:
+        jax.debug.callback(_emit, stream_id, step, tokens, active, ordered=True)
+        return
+    jax.lax.cond(jax.lax.axis_index(axis_name) == 0,
+                 lambda: jax.debug.callback(_emit, stream_id, step, tokens, active),
+                 lambda: None)
+
+
 _generate_jit = jax.jit(generate_padded, static_argnames=(
-    "config", "max_new_tokens", "settings", "cache_size"))
+    "config", "max_new_tokens", "settings", "cache_size", "mesh"))
 
 
 # Host side ---------------------------------------------------------------------------------------
@@ -655,8 +812,8 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
              top_p: float | None = None, min_p: float | None = None,
              seed: int | Sequence[int] = 0, stop_tokens: Sequence[int] = (), pad_id: int = 0,
              cache_size: int | None = None,
-             stream: Callable[[int, np.ndarray, np.ndarray], None] | None = None
-             ) -> GenerateResult:
+             stream: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
+             mesh: Mesh | None = None) -> GenerateResult:
     """Generates up to ``max_new_tokens`` tokens after each prompt, in one jitted call.
 
     Everything is validated before any device work. Prompts are right-padded to a length bucket
@@ -680,6 +837,11 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
         ``config.max_seq_len``. Must be >= every prompt length + N.
       stream: optional ``fn(step, tokens [B], active [B])`` called on the host after every
         decode step with that step's tokens (``active[b]`` is False for finished sequences).
+      mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1, e.g. from
+        ``sharding.make_mesh``): the decode runs tensor-parallel over it, each device holding
+        K/T kv heads, N/T query heads, F/T FFN units and V/T head rows, so T must divide K, N
+        and F. Parameters not already on the mesh are copied to it (replicated) on every call;
+        put them there once with ``jax.device_put(params, NamedSharding(mesh, P()))``.
 
     Returns:
       A ``GenerateResult`` (``.tokens``, ``.logprobs``, ``.lengths``, and padded arrays).
@@ -692,6 +854,7 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         stop_tokens=tuple(int(t) if _is_int(t) else t for t in stop_tokens), pad_id=pad_id)
     settings.validate(vocab)
+    check_tensor_parallel(config, tensor_shards(mesh))
     arrays = validate_prompts(prompts, vocab)
     lengths = [len(a) for a in arrays]
     validate_capacity(config, lengths, max_new_tokens, cache_size)
@@ -711,11 +874,13 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
             sid = next(_STREAM_IDS)
             _STREAMS[sid] = stream
         stream_id = np.int32(sid)
+    if mesh is not None:
+        params = jax.device_put(params, NamedSharding(mesh, P()))
     start = time.perf_counter()
     try:
         out_tokens, out_logprobs, num = _generate_jit(
             config, params, tokens, lengths_arr, keys, stream_id,
-            max_new_tokens=max_new_tokens, settings=settings, cache_size=cache_size)
+            max_new_tokens=max_new_tokens, settings=settings, cache_size=cache_size, mesh=mesh)
         out_tokens, out_logprobs, num = jax.device_get((out_tokens, out_logprobs, num))
         if stream_id is not None:
             jax.effects_barrier()  # every stream callback has run before we return

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -143,6 +144,35 @@ class MeshConfig:
         """From a ``[mesh]`` TOML table; unknown keys are an error naming close matches."""
         check_keys(dict(values), cls, "mesh")
         return cls(**values)
+
+
+def configure_cpu_devices(divides: int, devices: int = 0) -> int:
+    """Splits the host CPU into several XLA devices, one per core, to run a mesh across cores.
+
+    XLA:CPU runs the many small ops of a small model's step mostly on one thread; as separate
+    devices, the cores each run their part: training data parallel on their rows of the batch
+    (measured on 2 cores: about 2x the tokens/s of one device), decoding tensor parallel on
+    their heads (``decode``). Sets ``--xla_force_host_platform_device_count`` unless
+    ``XLA_FLAGS`` already does; only effective before JAX creates its CPU backend, and it does
+    not change which devices a GPU/TPU machine uses.
+
+    Args:
+      divides: the device count is reduced until it divides this (the micro-batch rows for
+        data parallelism, the kv heads and FFN width for tensor parallelism).
+      devices: the count to use; 0 means one per available core (at most 16).
+
+    Returns:
+      The device count set (or 0 if ``XLA_FLAGS`` already chose one).
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        return 0
+    n = devices or min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else os.cpu_count() or 1)
+    while n > 1 and divides % n:
+        n -= 1
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    return n
 
 
 def make_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

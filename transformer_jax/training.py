@@ -13,7 +13,7 @@ The pieces, from the bottom up:
 * ``run`` -- the loop: data -> init or restore -> steps with progress, evaluation, samples,
   logs and checkpoints -> summary. Reads top to bottom. The state is created directly sharded over
   the mesh of ``train.mesh`` (data x fsdp x tensor, see ``sharding``) and each process loads
-  only its rows of the batch; on CPU, ``configure_cpu_devices`` makes one device per core,
+  only its rows of the batch; on CPU, ``sharding.configure_cpu_devices`` makes one device per core,
   which is what lets a small model's step use every core.
 * ``build_configs`` -- a TOML preset plus type-checked ``model.x=`` / ``train.x=`` / ``data.x=``
   overrides, as used by ``train.py`` and the training benchmark.
@@ -483,33 +483,6 @@ def enable_cpu_fast_math() -> bool:
         return False
     os.environ["XLA_FLAGS"] = " ".join([flags, *CPU_FAST_MATH_FLAGS]).strip()
     return True
-
-
-def configure_cpu_devices(micro_batch_size: int, devices: int = 0) -> int:
-    """Splits the host CPU into several XLA devices, for data parallelism across cores.
-
-    XLA:CPU runs the many small ops of a small model's step mostly on one thread; as separate
-    devices, the cores each run the step on their rows of the batch (measured on 2 cores: about
-    2x the tokens/s of one device). Sets ``--xla_force_host_platform_device_count`` unless
-    ``XLA_FLAGS`` already does; only effective before JAX creates its CPU backend, and it does
-    not change which devices a GPU/TPU machine uses.
-
-    Args:
-      micro_batch_size: rows per micro-batch; the device count is reduced until it divides it.
-      devices: the count to use; 0 means one per available core (at most 16).
-
-    Returns:
-      The device count set (or 0 if ``XLA_FLAGS`` already chose one).
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" in flags:
-        return 0
-    n = devices or min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                       else os.cpu_count() or 1)
-    while n > 1 and micro_batch_size % n:
-        n -= 1
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    return n
 
 
 # FLOPs and peak ----------------------------------------------------------------------------------

@@ -13,6 +13,9 @@ For each (batch, prompt length, new tokens) of the grid, on random weights of th
 * HuggingFace transformers' ``generate(do_sample=False)`` on the same weights (converted with
   ``transformer_jax.hf.save``; torch threads = 2) when the ``hf`` extra is installed.
 
+Each point runs for every ``--tensor`` size: 1 is one device, T > 1 a tensor-parallel decode over
+T devices (``generate(mesh=...)``); on CPU the process is split into one device per core first.
+
 It prints a table with the ratios and writes everything to a JSON file. The machine may be
 shared: the load average is recorded, and bandwidth is measured before every grid point.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -34,8 +38,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from transformer_jax import decode
+from transformer_jax import decode, sharding
 from transformer_jax.config import ModelConfig, load_toml
 from transformer_jax.kv_cache import cache_bytes
 from transformer_jax.model import Transformer, init_params
@@ -78,9 +83,10 @@ def _load() -> float:
 
 
 def _bench_ours(config: ModelConfig, params: Any, prompts: list[list[int]], n: int,
-                repeats: int, cache_size: int | None, weight_bytes: int) -> dict[str, Any]:
+                repeats: int, cache_size: int | None, weight_bytes: int,
+                mesh: jax.sharding.Mesh | None) -> dict[str, Any]:
     b, p = len(prompts), len(prompts[0])
-    kw = dict(max_new_tokens=n, cache_size=cache_size)
+    kw = dict(max_new_tokens=n, cache_size=cache_size, mesh=mesh)
     t = decode.prompt_bucket(p)
     s_max = cache_size or decode.default_cache_size(config, t, n)
     t = min(t, s_max)
@@ -92,19 +98,25 @@ def _bench_ours(config: ModelConfig, params: Any, prompts: list[list[int]], n: i
     jax.block_until_ready(prefill(config, params, tokens, s_max))
     prefill_s = _median_time(lambda: prefill(config, params, tokens, s_max), repeats)
 
-    # First call: compile + run; the difference to a warm call is the compile time. Each timed
-    # call follows its own bandwidth sample: other tenants of a shared machine change both.
+    # First call: compile + run; the difference to a warm call is the compile time. A step is
+    # timed as (generate N tokens - generate 1 token) / (N - 1) on the same cache size, so the
+    # prefill and everything else outside the loop cancel. Each pair of calls follows its own
+    # bandwidth sample: other tenants of a shared machine change both.
     start = time.perf_counter()
     decode.generate(config, params, prompts, **kw)
     first = time.perf_counter() - start
+    one = dict(kw, max_new_tokens=1, cache_size=s_max)
+    decode.generate(config, params, prompts, **one)
     totals, steps_ms, bandwidths, ratios = [], [], [], []
     for _ in range(repeats):
         bandwidths.append(measure_bandwidth(repeats=7))
         start = time.perf_counter()
+        decode.generate(config, params, prompts, **one)
+        single = time.perf_counter() - start
+        start = time.perf_counter()
         result = decode.generate(config, params, prompts, **kw)
         totals.append(time.perf_counter() - start)
-        # The loop runs n steps after the prefill (step 0 feeds the last prompt token).
-        steps_ms.append((totals[-1] - prefill_s) / n * 1e3)
+        steps_ms.append((totals[-1] - single) / (n - 1) * 1e3)
         ratios.append(steps_ms[-1] / (nbytes / bandwidths[-1] * 1e3))
 
     # Per-step host timestamps from the stream callback (a second compiled program).
@@ -222,6 +234,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--cache-size", type=_ints, default=[0],
                         help="KV cache slots S_max; 0 = generate's default (padded prompt + new "
                         "tokens, as tight as the request allows)")
+    parser.add_argument("--tensor", type=_ints, default=[0],
+                        help="tensor-parallel sizes to run (decode.generate's mesh); 0 = one "
+                        "device per CPU core, 1 = a single device")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-hf", action="store_true", help="skip HuggingFace transformers")
     parser.add_argument("--no-baseline", action="store_true", help="skip the no-cache baseline")
@@ -230,38 +245,61 @@ def main(argv: list[str]) -> int:
 
     config = ModelConfig.from_dict(load_toml(args.config).get("model", {}))
     name = Path(args.config).stem
+    # Before JAX starts its CPU backend: one device per core (the count divides K, N and F).
+    cores = sharding.configure_cpu_devices(math.gcd(config.n_kv_heads, config.d_ff))
+    per_core = cores if jax.default_backend() == "cpu" else 0
+    sizes = [t or per_core or len(jax.devices()) for t in args.tensor]
+    meshes = {}
+    for t in dict.fromkeys(sizes):
+        try:
+            decode.check_tensor_parallel(config, t)
+            if t > len(jax.devices()):
+                raise ValueError(f"only {len(jax.devices())} devices")
+            meshes[t] = None if t == 1 else sharding.make_mesh(
+                sharding.MeshConfig(data=1, fsdp=1, tensor=t), jax.devices()[:t])
+        except ValueError as e:
+            print(f"skip tensor={t}: {e}")
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
+    placed = {t: params if mesh is None else
+              jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+              for t, mesh in meshes.items()}
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"decode benchmark: {name}, {n_params / 1e6:.1f}M params ({weight_bytes / 1e6:.0f} MB), "
-          f"{jax.devices()[0].device_kind}, load average {_load():.2f}")
+          f"{config.dtype}, {jax.devices()[0].device_kind} x {len(jax.devices())}, tensor sizes "
+          f"{list(meshes)}, load average {_load():.2f}")
     hf_model = None if args.no_hf else _load_hf(config, params)
     records = []
     rng = np.random.default_rng(0)
     grid = itertools.product(args.batch, args.prompt_len, args.new_tokens, args.cache_size)
     for b, p, n, s_max in grid:
+        if n < 2:
+            print(f"skip N={n}: the step time needs at least 2 new tokens")
+            continue
         if p + n > min(config.max_seq_len, s_max or config.max_seq_len):
             print(f"skip B={b} P={p} N={n} S_max={s_max}: exceeds max_seq_len "
                   f"{config.max_seq_len} or the cache size")
             continue
         prompts = rng.integers(0, config.vocab_size, (b, p)).tolist()
-        load = _load()
-        ours = _bench_ours(config, params, prompts, n, args.repeats, s_max or None, weight_bytes)
-        rec: dict[str, Any] = dict(batch=b, prompt_len=p, new_tokens=n, load_avg=load,
-                                   weight_bytes=weight_bytes, ours=ours)
+        point: dict[str, Any] = dict(batch=b, prompt_len=p, new_tokens=n, load_avg=_load(),
+                                     weight_bytes=weight_bytes)
         if not args.no_baseline:
-            rec["no_cache"] = _bench_no_cache(config, params, prompts, args.repeats)
-            rec["speedup_vs_no_cache"] = rec["no_cache"]["step_ms"] / ours["step_ms"]
-        if hf_model is not None:
-            hf_rec = _bench_hf(hf_model, prompts, n, args.repeats)
+            point["no_cache"] = _bench_no_cache(config, params, prompts, args.repeats)
+        hf_rec = None if hf_model is None else _bench_hf(hf_model, prompts, n, args.repeats)
+        for t, mesh in meshes.items():
+            ours = _bench_ours(config, placed[t], prompts, n, args.repeats, s_max or None,
+                               weight_bytes, mesh)
+            rec = dict(point, tensor=t, load_avg=_load(), ours=ours)
+            if "no_cache" in point:
+                rec["speedup_vs_no_cache"] = point["no_cache"]["step_ms"] / ours["step_ms"]
             if hf_rec is not None:
-                rec["hf"] = hf_rec
+                rec["hf"] = {k: v for k, v in hf_rec.items() if k != "tokens"}
                 rec["speedup_vs_hf"] = hf_rec["step_ms"] / ours["step_ms"]
-                same = np.mean(np.asarray(hf_rec.pop("tokens")) == np.asarray(ours["tokens"]))
+                same = np.mean(np.asarray(hf_rec["tokens"]) == np.asarray(ours["tokens"]))
                 rec["greedy_token_agreement_with_hf"] = float(same)
-        ours.pop("tokens")
-        records.append(rec)
-        _print_record(rec)
+            ours.pop("tokens")
+            records.append(rec)
+            _print_record(rec)
     out = Path(args.out or f"bench_decode_{name}.json")
     out.write_text(json.dumps(dict(config=name, params=n_params, platform=platform.platform(),
                                    jax=jax.__version__, records=records), indent=1))
@@ -271,8 +309,9 @@ def main(argv: list[str]) -> int:
 
 def _print_record(r: dict[str, Any]) -> None:
     o = r["ours"]
-    print(f"B={r['batch']} P={r['prompt_len']} N={r['new_tokens']} (S_max={o['cache_len']}, "
-          f"cache {o['cache_bytes'] / 1e6:.1f} MB, load {r['load_avg']:.1f}):")
+    print(f"B={r['batch']} P={r['prompt_len']} N={r['new_tokens']} tensor={r['tensor']} "
+          f"(S_max={o['cache_len']}, cache {o['cache_bytes'] / 1e6:.1f} MB, load "
+          f"{r['load_avg']:.1f}):")
     print(f"  compile {o['compile_s']:.1f} s | prefill {o['prefill_tok_s']:.0f} tok/s | "
           f"TTFT {o['ttft_s'] * 1e3:.0f} ms | decode {o['decode_tok_s']:.0f} tok/s")
     print(f"  step {o['step_ms']:.2f} ms; with a per-step callback {o['step_ms_callback']:.2f} "

@@ -24,10 +24,10 @@ import numpy as np
 
 from transformer_jax import sharding as sharding_lib
 from transformer_jax.model import param_count
+from transformer_jax.sharding import configure_cpu_devices
 from transformer_jax.training import (
     ConfigError,
     build_configs,
-    configure_cpu_devices,
     enable_cpu_fast_math,
     flops_per_token,
     make_init_fn,

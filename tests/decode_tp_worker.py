@@ -1,0 +1,92 @@
+"""Subprocess side of ``test_decode_tp.py``: generate on 1, 2 and 4 simulated CPU devices.
+
+Run as ``python tests/decode_tp_worker.py`` with ``--xla_force_host_platform_device_count=4``
+(``multihost_worker.run_python`` sets it); prints one JSON line with, per case and tensor size,
+the generated tokens and log-probabilities, the streamed steps, and the error messages of meshes
+that cannot split the model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+from transformer_jax import decode, sharding
+from transformer_jax.config import ModelConfig
+from transformer_jax.model import init_params, stack_blocks
+
+BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=48,
+            max_seq_len=64, init_std=0.2)
+# name -> (config overrides, batch prompt lengths, sampling kwargs, tensor sizes)
+CASES = {
+    "gqa-ragged-greedy": (dict(n_kv_heads=2), [5, 11, 2], {}, (2,)),
+    "gqa-batch1": (dict(n_kv_heads=2), [7], {}, (2,)),
+    "mha-bias-untied-odd-vocab": (dict(n_kv_heads=4, qkv_bias=True, tie_embeddings=False,
+                                       vocab_size=66), [4, 9], {}, (2, 4)),
+    "scanned-swiglu-sampled": (dict(n_kv_heads=2, scan_layers=True),
+                               [6, 3], dict(temperature=0.9, top_p=0.9, seed=3), (2,)),
+    "sliding-window-gelu": (dict(n_kv_heads=2, ffn="gelu", sliding_window=4), [9, 12], {},
+                            (2,)),
+}
+
+
+def _mesh(tensor: int) -> jax.sharding.Mesh:
+    return sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=1, tensor=tensor),
+                              jax.devices()[:tensor])
+
+
+def run_case(overrides: dict, lengths: list[int], kwargs: dict, sizes: tuple[int, ...]) -> dict:
+    config = ModelConfig(**{**BASE, **overrides})
+    params = init_params(config.replace(scan_layers=False), jax.random.key(0))
+    if config.qkv_bias:  # zero-initialised: make them matter
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, x: x + 0.3 if "bias" in jax.tree_util.keystr(p) else x, params)
+    if config.scan_layers:
+        params = stack_blocks(params, config.n_layers)
+    rng = np.random.default_rng(len(lengths))
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in lengths]
+    out = {}
+    for tensor in (1, *sizes):
+        mesh = None if tensor == 1 else _mesh(tensor)
+        steps: list[list[int]] = []
+
+        def record(step, tokens, active, steps=steps):
+            steps.append([int(step), *np.asarray(tokens).tolist()])
+
+        result = decode.generate(config, params, prompts, max_new_tokens=6, mesh=mesh,
+                                 stream=record, **kwargs)
+        out[str(tensor)] = dict(tokens=result.tokens, logprobs=result.logprobs, stream=steps)
+    return out
+
+
+def errors() -> dict:
+    config = ModelConfig(**{**BASE, "n_kv_heads": 2})
+    params = init_params(config, jax.random.key(0))
+    found = {}
+    meshes = {
+        "tensor3": lambda: _mesh(3),
+        "data2": lambda: sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=1, tensor=2)),
+        "no_tensor_axis": lambda: jax.make_mesh((2,), ("model",)),
+    }
+    for name, make in meshes.items():
+        try:
+            decode.generate(config, params, [[1, 2, 3]], max_new_tokens=2, mesh=make())
+            found[name] = None
+        except ValueError as e:
+            found[name] = str(e)
+    return found
+
+
+def main() -> int:
+    assert len(jax.devices()) == 4, jax.devices()
+    result = {name: run_case(*case) for name, case in CASES.items()}
+    result["errors"] = errors()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
