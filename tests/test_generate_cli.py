@@ -126,6 +126,7 @@ def test_orbax_checkpoint_of_a_training_run(tmp_path, params, tokenizer_file, ca
     (["--prompt-ids", "1,99"], "token id 99"),
     (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
     (["--prompt-ids", "1", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["--prompt-ids", "1", "--tensor", "3"], "needs 3 devices"),
 ])
 def test_errors_are_reported_with_exit_status_1(hf_dir, argv, message, capsys):
     if "--checkpoint" not in argv:
@@ -141,6 +142,20 @@ def test_cli_runs_as_a_module(hf_dir):
         capture_output=True, text=True, env=FAST_ENV, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout)["lengths"][0] <= 3
+
+
+def test_cli_tensor_parallel_over_two_cpu_devices_gives_the_same_tokens(hf_dir, params):
+    """--tensor 2 splits the CPU into 2 devices (in the fresh process) and decodes over both."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer_jax.generate", "--checkpoint", str(hf_dir),
+         "--prompt-ids", "3,1,4", "--prompt-ids", "1,5", "--max-new-tokens", "4", "--no-stop",
+         "--tensor", "2", "--json"],
+        capture_output=True, text=True, env=FAST_ENV, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = decode.generate(CONFIG, params, [[3, 1, 4], [1, 5]], max_new_tokens=4)
+    out = json.loads(proc.stdout)
+    assert out["tensor"] == 2
+    assert out["tokens"] == want.tokens
 
 
 def test_package_attribute_generate_is_callable_before_and_after_importing_the_cli():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import types
@@ -141,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "to text prompts")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--tensor", type=int, default=1, metavar="T",
+                   help="decode tensor-parallel over T devices (T divides the model's kv heads, "
+                   "heads and FFN width); on CPU the host is split into T devices, 0 = one per "
+                   "core")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with ids, text, logprobs and timings; no streaming")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -186,6 +191,25 @@ class _TextStreamer:
             self.printed[0] = text
 
 
+def _tensor_mesh(tensor: int) -> Any:
+    """The mesh for ``--tensor T`` (None for T = 1); T = 0 takes every device."""
+    if tensor == 1:
+        return None
+    import jax
+
+    from transformer_jax import sharding
+
+    devices = jax.devices()
+    tensor = tensor or len(devices)
+    if tensor > len(devices):
+        raise ValueError(f"--tensor {tensor} needs {tensor} devices, {len(devices)} are available "
+                         "(XLA_FLAGS may fix the CPU device count)")
+    if tensor == 1:
+        return None
+    return sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=1, tensor=tensor),
+                              devices[:tensor])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -194,7 +218,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.prompt and not args.prompt_ids:
         print("error: give --prompt TEXT or --prompt-ids 1,2,3", file=sys.stderr)
         return 2
+    if args.tensor < 0:
+        print(f"error: --tensor must be >= 0, got {args.tensor}", file=sys.stderr)
+        return 2
+    if args.tensor != 1:  # before anything starts JAX's CPU backend
+        from transformer_jax.sharding import configure_cpu_devices
+
+        n = args.tensor or os.cpu_count() or 1
+        configure_cpu_devices(n, n)
     try:
+        mesh = _tensor_mesh(args.tensor)
         config, params, tokenizer_path = load_checkpoint(args.checkpoint)
         if args.tokenizer:
             tokenizer_path = Path(args.tokenizer)
@@ -226,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         result = decode.generate(
             config, params, prompts, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            min_p=args.min_p, seed=args.seed, stop_tokens=stop, stream=streamer)
+            min_p=args.min_p, seed=args.seed, stop_tokens=stop, stream=streamer, mesh=mesh)
         elapsed = time.perf_counter() - start
     except (ValueError, OSError) as e:  # OSError: missing or unreadable/unwritable files
         print(f"error: {e}", file=sys.stderr)
@@ -236,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({
             "prompt_ids": [list(map(int, p)) for p in prompts],
             "tokens": result.tokens, "text": texts, "logprobs": result.logprobs,
-            "lengths": result.lengths, "seconds": elapsed}))
+            "lengths": result.lengths, "seconds": elapsed,
+            "tensor": 1 if mesh is None else mesh.devices.size}))
         return 0
     if len(prompts) == 1:
         if tokenizer is not None:  # whatever the streamer held back (an unfinished character)

@@ -23,6 +23,7 @@ shared: the load average is recorded, and bandwidth is measured before every gri
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -143,6 +144,50 @@ def _bench_ours(config: ModelConfig, params: Any, prompts: list[list[int]], n: i
         cache_len=s_max, cache_bytes=cache_bytes(config, b, s_max),
         tokens=result.token_array.tolist(),
     )
+
+
+def _bench_weights_only(config: ModelConfig, params: Any, batch: int, steps: int,
+                        repeats: int, mesh: jax.sharding.Mesh | None) -> float:
+    """Milliseconds per step of the decode step's matrix products alone, at batch B.
+
+    The same prepared weights (``decode.decode_params``), products and tensor split as the
+    decode step, chained through a norm-free residual in a ``lax.fori_loop`` of ``steps``
+    iterations, without attention, all-reduces or sampling: what streaming the weights costs at
+    this batch size on this machine, the part of a step no cache layout can remove.
+    """
+    shards = 1 if mesh is None else mesh.shape[decode.TENSOR_AXIS]
+
+    def chain(dparams: Any, x: jax.Array, n: int) -> jax.Array:
+        def body(_, x):
+            for i in range(config.n_layers):
+                p = dparams[f"blocks_{i}"]
+                qkv = decode._linear(p["qkv"], x)  # noqa: SLF001 - the decode step's product
+                attn = qkv[:p["o"].shape[1]]
+                x = x + decode._linear(p["o"], attn)  # noqa: SLF001
+                hidden = decode._linear(p["inner"], x)  # noqa: SLF001
+                x = x + decode._linear(p["down"], hidden[:p["down"].shape[1]])  # noqa: SLF001
+            logits = decode._linear(dparams["head"], x)  # noqa: SLF001
+            return x + jnp.mean(logits) * 1e-6
+        return jax.lax.fori_loop(0, n, body, x)
+
+    def run(params: Any, x: jax.Array, n: int) -> jax.Array:
+        dparams = decode.decode_params(config, params, shards)
+        loop = functools.partial(chain, n=n)
+        if mesh is None:
+            return loop(dparams, x)
+        specs = decode.decode_param_specs(config, dparams, decode.TENSOR_AXIS, shards)
+        return jax.shard_map(loop, mesh=mesh, in_specs=(specs, PartitionSpec()),
+                             out_specs=PartitionSpec(decode.TENSOR_AXIS), check_vma=False
+                             )(dparams, x)
+
+    fn = jax.jit(run, static_argnums=2)
+    x = jnp.ones((config.d_model, batch), config.jnp_dtype)
+    # (2n iterations - n iterations) / n: the weight preparation outside the loop cancels.
+    times = {}
+    for n in (steps, 2 * steps):
+        jax.block_until_ready(fn(params, x, n))
+        times[n] = _median_time(lambda n=n: fn(params, x, n), repeats)
+    return (times[2 * steps] - times[steps]) / steps * 1e3
 
 
 def _bench_no_cache(config: ModelConfig, params: Any, prompts: list[list[int]],
@@ -290,6 +335,10 @@ def main(argv: list[str]) -> int:
             ours = _bench_ours(config, placed[t], prompts, n, args.repeats, s_max or None,
                                weight_bytes, mesh)
             rec = dict(point, tensor=t, load_avg=_load(), ours=ours)
+            weights_ms = _bench_weights_only(config, placed[t], b, n, args.repeats, mesh)
+            rec["weights_only"] = dict(
+                step_ms=weights_ms, gb_s=weight_bytes / weights_ms / 1e6,
+                vs_weight_bound=weights_ms / (weight_bytes / ours["bandwidth_gb_s"] / 1e6))
             if "no_cache" in point:
                 rec["speedup_vs_no_cache"] = point["no_cache"]["step_ms"] / ours["step_ms"]
             if hf_rec is not None:
@@ -320,6 +369,9 @@ def _print_record(r: dict[str, Any]) -> None:
     print(f"  bandwidth {o['bandwidth_gb_s']:.1f} GB/s -> bound {o['bound_step_ms']:.2f} ms/step; "
           f"step / bound = {o['step_vs_bound']:.2f} (per repeat: "
           f"{', '.join(f'{x:.2f}' for x in o['step_vs_bound_all'])})")
+    w = r["weights_only"]
+    print(f"  the step's matrix products alone: {w['step_ms']:.2f} ms/step ({w['gb_s']:.1f} GB/s "
+          f"of weights) = {w['vs_weight_bound']:.2f}x the weights' own bound")
     if "no_cache" in r:
         print(f"  no-cache baseline {r['no_cache']['step_ms']:.1f} ms/step -> "
               f"{r['speedup_vs_no_cache']:.1f}x")
