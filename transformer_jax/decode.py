@@ -37,11 +37,11 @@ avoids:
 Tensor parallelism. XLA:CPU runs the attention contractions and most small ops of a step on
 one thread, and one decode step is a chain of dependent ops, so a single device leaves cores
 idle. With a mesh whose ``tensor`` axis has T devices (on CPU: one device per core, see
-``configure_cpu_devices``), the decode loop runs under ``shard_map``: each device holds K/T kv
-heads of the cache and the matching slices of every matrix, computes its heads' attention and its
-part of the FFN, and the partial [D, B] outputs are summed with two all-reduces per layer (the
-Megatron split); the logits' vocabulary rows are gathered at the end. On GPU/TPU the same split
-is the usual multi-chip decode.
+``sharding.configure_cpu_devices``), the decode loop runs under ``shard_map``: each device
+holds K/T kv heads of the cache and the matching slices of every matrix, computes its heads'
+attention and its part of the FFN, and the partial [D, B] outputs are summed with two
+all-reduces per layer (the Megatron split); the logits' vocabulary rows are gathered at the end.
+On GPU/TPU the same split is the usual multi-chip decode.
 
 The decode step reuses the model's ``Norm`` module and the ``ops`` functions; tests check its
 logits against a full forward of ``Transformer`` at every step, and tensor-parallel generation

@@ -152,9 +152,12 @@ def configure_cpu_devices(divides: int, devices: int = 0) -> int:
     XLA:CPU runs the many small ops of a small model's step mostly on one thread; as separate
     devices, the cores each run their part: training data parallel on their rows of the batch
     (measured on 2 cores: about 2x the tokens/s of one device), decoding tensor parallel on
-    their heads (``decode``). Sets ``--xla_force_host_platform_device_count`` unless
-    ``XLA_FLAGS`` already does; only effective before JAX creates its CPU backend, and it does
-    not change which devices a GPU/TPU machine uses.
+    their heads (``decode``). Sets JAX's ``jax_num_cpu_devices`` unless the user chose a count
+    (that option, ``JAX_NUM_CPU_DEVICES`` or ``--xla_force_host_platform_device_count`` in
+    ``XLA_FLAGS``). Only possible before JAX creates its backends: afterwards (e.g. a second
+    call in one process) it logs that and changes nothing. It does not change which devices a
+    GPU/TPU machine uses, and, unlike setting ``XLA_FLAGS``, it does not leak into
+    subprocesses.
 
     Args:
       divides: the device count is reduced until it divides this (the micro-batch rows for
@@ -162,16 +165,21 @@ def configure_cpu_devices(divides: int, devices: int = 0) -> int:
       devices: the count to use; 0 means one per available core (at most 16).
 
     Returns:
-      The device count set (or 0 if ``XLA_FLAGS`` already chose one).
+      The device count set (or 0 if the user chose one or JAX had already started).
     """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" in flags:
+    if ("xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+            or jax.config.jax_num_cpu_devices != -1):
         return 0
     n = devices or min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                        else os.cpu_count() or 1)
     while n > 1 and divides % n:
         n -= 1
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # the backends exist already
+        logger.info("JAX has started: keeping its %d devices instead of %d CPU devices",
+                    jax.device_count(), n)
+        return 0
     return n
 
 

@@ -8,6 +8,8 @@ For each (batch, prompt length, new tokens) of the grid, on random weights of th
   decode tokens/s from a run without the callback;
 * the memory-bandwidth bound of a step: (bytes of weights + bytes of the KV cache, all read every
   step) / read bandwidth, measured in the same run with a large jitted matrix-vector product;
+* the step's matrix products alone (the same prepared weights and split, no attention): how
+  close to the bound the weights alone can stream at this batch size on this machine;
 * a no-cache baseline on the same weights: a jitted full forward over the prompt per new token
   (the shortest prefix it would ever recompute, so the ratio is a lower bound on the speedup);
 * HuggingFace transformers' ``generate(do_sample=False)`` on the same weights (converted with
