@@ -8,30 +8,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import FAST_COMPILE
 
 from transformer_jax import decode
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import Transformer, init_params
 
+pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
+
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=48,
             max_seq_len=64, init_std=0.2)
 N_NEW = 8
-
-# The tests check logic, not speed: compiling without LLVM optimisations is 3-4x faster here and
-# computes the same values.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def fast_generate_compiles():
-    original = decode._generate_jit
-    decode._generate_jit = jax.jit(decode.generate_padded, compiler_options=FAST_COMPILE,
-                                   static_argnames=DECODE_STATIC)
-    yield
-    decode._generate_jit = original
-
-
-DECODE_STATIC = ("config", "max_new_tokens", "settings", "cache_size")
 
 
 def _config(**overrides) -> ModelConfig:

@@ -11,10 +11,13 @@ import flax.serialization
 import jax
 import numpy as np
 import pytest
+from conftest import FAST_COMPILE
 
 from transformer_jax import decode, export
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import init_params
+
+pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -22,25 +25,12 @@ CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_head
 N_NEW = 6
 SAMPLING = dict(temperature=0.9, top_k=20, top_p=0.9, stop_tokens=(5,))
 SHAPES = [(1, 8), (3, 16), (2, 5)]  # (B, T); T need not be a bucket
-# The tests check values, not speed: compiling without LLVM optimisations is several times
-# faster here and computes the same values.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-DECODE_STATIC = ("config", "max_new_tokens", "settings", "cache_size")
 
 
 @pytest.fixture(scope="module")
 def params():
     init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
     return init(CONFIG, jax.random.key(0))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def fast_generate_compiles():
-    original = decode._generate_jit
-    decode._generate_jit = jax.jit(decode.generate_padded, compiler_options=FAST_COMPILE,
-                                   static_argnames=DECODE_STATIC)
-    yield
-    decode._generate_jit = original
 
 
 def _inputs(b, t, seed):

@@ -13,10 +13,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import FAST_COMPILE
 
 from transformer_jax import decode
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import init_params
+
+pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
 
 # The package exports the function ``generate``; the CLI is the module of the same name.
 cli = importlib.import_module("transformer_jax.generate")
@@ -24,7 +27,6 @@ cli = importlib.import_module("transformer_jax.generate")
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                      d_ff=48, max_seq_len=64, init_std=0.2)
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 FAST_ENV = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_backend_optimization_level=0")
 
 
@@ -32,16 +34,6 @@ FAST_ENV = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_backend_optim
 def params():
     init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
     return init(CONFIG, jax.random.key(0))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def fast_generate_compiles():
-    original = decode._generate_jit
-    decode._generate_jit = jax.jit(decode.generate_padded, compiler_options=FAST_COMPILE,
-                                   static_argnames=("config", "max_new_tokens", "settings",
-                                                    "cache_size"))
-    yield
-    decode._generate_jit = original
 
 
 @pytest.fixture(scope="module")

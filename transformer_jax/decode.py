@@ -712,8 +712,9 @@ def _stream(stream_id: jax.Array, step: jax.Array, tokens: jax.Array, active: ja
                  lambda: None)
 
 
-_generate_jit = jax.jit(generate_padded, static_argnames=(
-    "config", "max_new_tokens", "settings", "cache_size", "mesh"))
+#: The arguments of ``generate_padded`` that are compile-time constants.
+GENERATE_STATIC_ARGNAMES = ("config", "max_new_tokens", "settings", "cache_size", "mesh")
+_generate_jit = jax.jit(generate_padded, static_argnames=GENERATE_STATIC_ARGNAMES)
 
 
 # Host side ---------------------------------------------------------------------------------------

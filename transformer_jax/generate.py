@@ -17,16 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 import types
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
-from transformer_jax import decode
+from transformer_jax import decode, sharding
 from transformer_jax.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -192,13 +192,7 @@ class _TextStreamer:
 
 
 def _tensor_mesh(tensor: int) -> Any:
-    """The mesh for ``--tensor T`` (None for T = 1); T = 0 takes every device."""
-    if tensor == 1:
-        return None
-    import jax
-
-    from transformer_jax import sharding
-
+    """The mesh for ``--tensor T`` (None for one device); T = 0 takes every device."""
     devices = jax.devices()
     tensor = tensor or len(devices)
     if tensor > len(devices):
@@ -222,10 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --tensor must be >= 0, got {args.tensor}", file=sys.stderr)
         return 2
     if args.tensor != 1:  # before anything starts JAX's CPU backend
-        from transformer_jax.sharding import configure_cpu_devices
-
-        n = args.tensor or os.cpu_count() or 1
-        configure_cpu_devices(n, n)
+        sharding.configure_cpu_devices(devices=args.tensor)
     try:
         mesh = _tensor_mesh(args.tensor)
         config, params, tokenizer_path = load_checkpoint(args.checkpoint)

@@ -146,7 +146,7 @@ class MeshConfig:
         return cls(**values)
 
 
-def configure_cpu_devices(divides: int, devices: int = 0) -> int:
+def configure_cpu_devices(divides: int | None = None, devices: int = 0) -> int:
     """Splits the host CPU into several XLA devices, one per core, to run a mesh across cores.
 
     XLA:CPU runs the many small ops of a small model's step mostly on one thread; as separate
@@ -160,8 +160,8 @@ def configure_cpu_devices(divides: int, devices: int = 0) -> int:
     subprocesses.
 
     Args:
-      divides: the device count is reduced until it divides this (the micro-batch rows for
-        data parallelism, the kv heads and FFN width for tensor parallelism).
+      divides: if given, the device count is reduced until it divides this (the micro-batch
+        rows for data parallelism, the kv heads and FFN width for tensor parallelism).
       devices: the count to use; 0 means one per available core (at most 16).
 
     Returns:
@@ -172,7 +172,7 @@ def configure_cpu_devices(divides: int, devices: int = 0) -> int:
         return 0
     n = devices or min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                        else os.cpu_count() or 1)
-    while n > 1 and divides % n:
+    while divides is not None and n > 1 and divides % n:
         n -= 1
     try:
         jax.config.update("jax_num_cpu_devices", n)

@@ -158,17 +158,18 @@ def _bench_weights_only(config: ModelConfig, params: Any, batch: int, steps: int
     this batch size on this machine, the part of a step no cache layout can remove.
     """
     shards = 1 if mesh is None else mesh.shape[decode.TENSOR_AXIS]
+    linear = decode._linear  # the decode step's [out, in] x [in, B] product
 
     def chain(dparams: Any, x: jax.Array, n: int) -> jax.Array:
         def body(_, x):
             for i in range(config.n_layers):
                 p = dparams[f"blocks_{i}"]
-                qkv = decode._linear(p["qkv"], x)  # noqa: SLF001 - the decode step's product
+                qkv = linear(p["qkv"], x)
                 attn = qkv[:p["o"].shape[1]]
-                x = x + decode._linear(p["o"], attn)  # noqa: SLF001
-                hidden = decode._linear(p["inner"], x)  # noqa: SLF001
-                x = x + decode._linear(p["down"], hidden[:p["down"].shape[1]])  # noqa: SLF001
-            logits = decode._linear(dparams["head"], x)  # noqa: SLF001
+                x = x + linear(p["o"], attn)
+                hidden = linear(p["inner"], x)
+                x = x + linear(p["down"], hidden[:p["down"].shape[1]])
+            logits = linear(dparams["head"], x)
             return x + jnp.mean(logits) * 1e-6
         return jax.lax.fori_loop(0, n, body, x)
 
