@@ -59,6 +59,20 @@ def run_case(overrides: dict, lengths: list[int], kwargs: dict, sizes: tuple[int
         result = decode.generate(config, params, prompts, max_new_tokens=6, mesh=mesh,
                                  stream=record, **kwargs)
         out[str(tensor)] = dict(tokens=result.tokens, logprobs=result.logprobs, stream=steps)
+        if mesh is None:
+            continue
+        # The same through weights prepared once on the mesh (each device holds its block).
+        weights = decode.prepare(config, params, mesh)
+        prepared_steps: list[list[int]] = []
+        result = decode.generate(config, weights, prompts, max_new_tokens=6,
+                                 stream=lambda *a, s=prepared_steps: record(*a, steps=s),
+                                 **kwargs)
+        out[f"{tensor}-prepared"] = dict(
+            tokens=result.tokens, logprobs=result.logprobs, stream=prepared_steps,
+            bytes_total=weights.nbytes,
+            bytes_device0=sum(shard.data.nbytes for x in jax.tree.leaves(weights.params)
+                              for shard in x.addressable_shards
+                              if shard.device == mesh.devices.flat[0]))
     return out
 
 
@@ -74,6 +88,18 @@ def errors() -> dict:
     for name, make in meshes.items():
         try:
             decode.generate(config, params, [[1, 2, 3]], max_new_tokens=2, mesh=make())
+            found[name] = None
+        except ValueError as e:
+            found[name] = str(e)
+    attempts = {
+        "prepare_tensor3": lambda: decode.prepare(config, params, _mesh(3)),
+        "prepared_other_mesh": lambda: decode.generate(
+            config, decode.prepare(config, params, _mesh(2)), [[1, 2, 3]], max_new_tokens=2,
+            mesh=_mesh(4)),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
             found[name] = None
         except ValueError as e:
             found[name] = str(e)

@@ -12,6 +12,7 @@ from conftest import FAST_COMPILE
 
 from transformer_jax import decode
 from transformer_jax.config import ModelConfig
+from transformer_jax.kv_cache import KVCache
 from transformer_jax.model import Transformer, init_params
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
@@ -92,11 +93,12 @@ VARIANTS = {
 @functools.partial(jax.jit, static_argnums=(0, 4), compiler_options=FAST_COMPILE)
 def _cached_and_full_logits(config, params, seqs, lengths, bucket):
     """Prefill of each row's prompt ``seqs[b, :lengths[b]]`` (right-padded to ``bucket``), then
-    decode steps feeding the rest of ``seqs``; plus a full forward over ``seqs``."""
+    decode steps feeding ``seqs`` from each prompt's last token on (re-feeding it rewrites the
+    same slot); plus a full forward over ``seqs``."""
     b, total = seqs.shape
     padded = jnp.where(jnp.arange(bucket) < lengths[:, None], seqs[:, :bucket], 0)
-    cache = decode.prefill(config, params, padded, total)
     dparams = decode.decode_params(config, params)
+    first, cache = decode.prefill(config, dparams, padded, lengths, total)
 
     def step(cache, i):
         positions = jnp.minimum(lengths - 1 + i, total - 1)
@@ -106,7 +108,7 @@ def _cached_and_full_logits(config, params, seqs, lengths, bucket):
 
     _, logits = jax.lax.scan(step, cache, jnp.arange(total))
     full = Transformer(config).apply({"params": params}, seqs)
-    return jnp.swapaxes(logits, 0, 1), full, cache
+    return first, jnp.swapaxes(logits, 0, 1), full, cache
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -118,12 +120,14 @@ def test_decode_logits_equal_full_forward_at_every_step(name):
     total = 14
     seqs = np.asarray(_prompts([total, total], seed=1), np.int32)
     lengths = np.asarray([3, 6], np.int32)  # ragged prompts
-    got, want, cache = _cached_and_full_logits(config, params, seqs, lengths,
-                                               decode.prompt_bucket(6))
+    first, got, want, cache = _cached_and_full_logits(config, params, seqs, lengths,
+                                                      decode.prompt_bucket(6))
     rows = 2 * config.n_kv_heads
     chex.assert_shape(list(cache.k), [(rows, config.head_dim, total)] * 2)
     chex.assert_shape(list(cache.v), [(rows, total, config.head_dim)] * 2)
     for b in range(2):
+        np.testing.assert_allclose(first[b], want[b, lengths[b] - 1], atol=1e-5,
+                                   err_msg=f"prefill logits, row {b}")
         for i in range(total - lengths[b] + 1):  # step i fed position lengths[b] - 1 + i
             pos = lengths[b] - 1 + i
             np.testing.assert_allclose(got[b, i], want[b, pos], atol=1e-5,
@@ -133,12 +137,80 @@ def test_decode_logits_equal_full_forward_at_every_step(name):
 def test_decode_cache_layout_and_bytes():
     config, params = _model(n_kv_heads=2)
     prefill = functools.partial(decode.prefill, config, max_len=20)
-    cache = jax.eval_shape(prefill, params, jnp.zeros((3, 8), jnp.int32))
+    logits, cache = jax.eval_shape(prefill, decode.decode_params(config, params),
+                                   jnp.zeros((3, 8), jnp.int32), jnp.ones((3,), jnp.int32))
+    chex.assert_shape(logits, (3, config.vocab_size))
     assert len(cache.k) == len(cache.v) == config.n_layers
     chex.assert_shape(list(cache.k), [(3 * 2, 8, 20)] * config.n_layers)
     chex.assert_shape(list(cache.v), [(3 * 2, 20, 8)] * config.n_layers)
     assert cache.nbytes == 2 * config.n_layers * 3 * 20 * 2 * 8 * 4
     assert cache.nbytes == decode.cache_bytes(config, 3, 20)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3), compiler_options=FAST_COMPILE)
+def _prefill_both_ways(config, params, tokens, max_len):
+    """(decode.prefill on the prepared weights, the model's own cached forward converted)."""
+    b, t = tokens.shape
+    lengths = jnp.full((b,), t, jnp.int32)
+    logits, ours = decode.prefill(config, decode.decode_params(config, params), tokens, lengths,
+                                  max_len)
+    cache = KVCache.init(config, b, t)
+    full, cache = Transformer(config).apply({"params": params}, tokens, cache=cache)
+    return (logits, ours), (full[:, -1], decode.DecodeCache.from_kv_cache(cache, max_len))
+
+
+@pytest.mark.parametrize("name", ["gqa", "mha-scan", "gqa-scan-remat",
+                                  "post-layernorm-bias-untied-window", "sinusoidal-geglu-tied"])
+def test_prefill_cache_equals_the_models_cached_forward(name):
+    """The prefill (decode weights, one pass over the prompts) writes the keys/values that the
+    model's own forward with a KVCache writes, in the decode layout; later slots stay zero."""
+    config, params = _model(**VARIANTS[name])
+    if config.qkv_bias:
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, x: x + 0.3 if "bias" in jax.tree_util.keystr(p) else x, params)
+    tokens = jnp.asarray(_prompts([8, 8, 8], seed=2), jnp.int32)
+    (logits, ours), (want_logits, model) = _prefill_both_ways(config, params, tokens, 12)
+    chex.assert_trees_all_close(ours, model, atol=1e-5)
+    np.testing.assert_allclose(logits, want_logits, atol=1e-5)
+    assert not np.any(np.asarray(ours.v[0])[:, 8:]) and not np.any(np.asarray(ours.k[0])[..., 8:])
+    assert np.abs(np.asarray(ours.k[0])).max() > 0.1  # something was written
+
+
+def test_prepared_weights_generate_the_same_and_check_their_config():
+    config, params = _model(n_kv_heads=2, scan_layers=True)
+    prompts = _prompts(BATCH_LENGTHS)
+    weights = decode.prepare(config, params)
+    kw = dict(max_new_tokens=N_NEW, temperature=0.8, top_k=20, seed=5)
+    want = decode.generate(config, params, prompts, **kw)
+    got = decode.generate(config, weights, prompts, **kw)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.logprob_array,
+                               want.logprob_array, atol=1e-6)
+    matrices = sum(x.size for k, x in jax.tree_util.tree_leaves_with_path(weights.params)
+                   if jax.tree_util.keystr(k).endswith(("['qkv']", "['o']", "['inner']",
+                                                        "['down']")))
+    assert matrices == sum(x.size for x in jax.tree.leaves(params["blocks"]["attn"])) + sum(
+        x.size for x in jax.tree.leaves(params["blocks"]["mlp"]))
+    with pytest.raises(ValueError, match="different config"):
+        decode.generate(config.replace(n_kv_heads=4), weights, prompts, max_new_tokens=2)
+
+
+def test_bfloat16_cache_halves_the_bytes_and_stays_close_to_float32():
+    config, params = _model(n_kv_heads=2)
+    prefill = functools.partial(decode.prefill, config, max_len=20, dtype="bfloat16")
+    _, cache = jax.eval_shape(prefill, decode.decode_params(config, params),
+                              jnp.zeros((3, 8), jnp.int32), jnp.ones((3,), jnp.int32))
+    assert {x.dtype for x in (*cache.k, *cache.v)} == {jnp.dtype(jnp.bfloat16)}
+    assert cache.nbytes == decode.cache_bytes(config, 3, 20, "bfloat16")
+    assert cache.nbytes * 2 == decode.cache_bytes(config, 3, 20)
+    prompts = _prompts(BATCH_LENGTHS)
+    f32 = decode.generate(config, params, prompts, max_new_tokens=N_NEW)
+    bf16 = decode.generate(config, params, prompts, max_new_tokens=N_NEW, cache_dtype="bfloat16")
+    # The first token's attention reads the prefill's keys/values back rounded: same token,
+    # a close (not equal) logprob.
+    np.testing.assert_array_equal(bf16.token_array[:, 0], f32.token_array[:, 0])
+    np.testing.assert_allclose(bf16.logprob_array[:, 0], f32.logprob_array[:, 0], atol=5e-2)
+    assert not np.array_equal(bf16.logprob_array[:, 0], f32.logprob_array[:, 0])
 
 
 # generate ----------------------------------------------------------------------------------------
@@ -247,6 +319,7 @@ def no_compute(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("validation should have failed before any compute")
     monkeypatch.setattr(decode, "_generate_jit", boom)
+    monkeypatch.setattr(decode, "prepare", boom)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -270,6 +343,8 @@ def no_compute(monkeypatch):
     (dict(stop_tokens=(64,)), "stop token 64"),
     (dict(pad_id=-1), "pad_id"),
     (dict(seed=[1, 2, 3]), "seed"),
+    (dict(cache_dtype="int8"), "floating dtype, got int8"),
+    (dict(cache_dtype="float33"), "not a dtype"),
 ])
 def test_bad_input_raises_before_compute(no_compute, kwargs, match):
     config, params = _model(n_kv_heads=2)

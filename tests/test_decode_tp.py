@@ -13,14 +13,16 @@ import jax
 import multihost_worker as worker
 import numpy as np
 import pytest
+from decode_tp_worker import BASE
+from decode_tp_worker import CASES as CASE_SPECS
 
 from transformer_jax import decode
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import init_params
 
 WORKER = Path(__file__).with_name("decode_tp_worker.py")
-CASES = ("gqa-ragged-greedy", "gqa-batch1", "mha-bias-untied-odd-vocab", "scanned-swiglu-sampled",
-         "sliding-window-gelu")
+CASES = tuple(CASE_SPECS)
+OVERRIDES = {name: spec[0] for name, spec in CASE_SPECS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,25 @@ def test_meshes_that_cannot_split_the_model_are_refused_with_the_reason(runs):
     assert "divisible by 3" in errors["tensor3"] and "n_kv_heads=2" in errors["tensor3"]
     assert "'data': 2" in errors["data2"]
     assert "'tensor' axis" in errors["no_tensor_axis"]
+    assert "divisible by 3" in errors["prepare_tensor3"]
+    assert "another mesh" in errors["prepared_other_mesh"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prepared_weights_are_split_across_the_mesh(runs, case):
+    """prepare(mesh) leaves each device its block: the matrices shrink by T, only the
+    embedding, the norms (and a head whose vocabulary T does not divide) stay whole."""
+    config = ModelConfig(**{**BASE, **OVERRIDES[case]})
+    for key, got in runs[case].items():
+        if not key.endswith("-prepared"):
+            continue
+        t = int(key.split("-")[0])
+        whole = 4 * (config.vocab_size * config.d_model + (2 * config.n_layers + 1)
+                     * config.d_model * (2 if config.norm == "layer" else 1))
+        if config.vocab_size % t:
+            whole += 4 * config.vocab_size * config.d_model
+        split = got["bytes_total"] - whole
+        assert got["bytes_device0"] == whole + split // t, key
 
 
 def test_tensor_parallel_layout_splits_each_shards_heads_into_one_block():

@@ -4,14 +4,14 @@
 prompt lengths within a bucket share one compiled program) and runs ``generate_padded``, a
 single traced function:
 
-1. **Prefill.** One forward of the model (``Transformer`` with a ``KVCache``, so scanned layers
-   and remat configs run unchanged) over the padded [B, T] prompts. Slot s holds position s, so
-   the junk written at pad slots is hidden by causality and later overwritten. The cache is then
-   moved into the decode layout (below) and padded to S_max slots.
-2. **Decode.** A ``lax.while_loop`` that stops as soon as every sequence is done. Step i feeds one
-   token per sequence at its own position: step 0 feeds each prompt's last real token, whose
-   logits give the first new token (so the prefill's [B, T, V] logits are never needed and XLA
-   drops them). Finished sequences emit padding and their positions stop advancing.
+1. **Prefill.** ``forward`` over the padded [B, T] prompts at once, from an empty cache, on the
+   same prepared weights as the decode (``decode_params``, or ``DecodeWeights`` prepared once by
+   ``prepare``). Slot s holds position s, so the junk written at pad slots is hidden by
+   causality and later overwritten. The LM head runs only at each prompt's last real token;
+   those logits give the first new token.
+2. **Decode.** A ``lax.while_loop`` that stops as soon as every sequence is done. Each step
+   feeds the previous new token of every sequence at its own position and picks the next one.
+   Finished sequences emit padding and their positions stop advancing.
 
 Decode layout and why. Every step reads all weights and the whole cache, so a step should cost
 about (weight bytes + cache bytes) / memory bandwidth. Measured on CPU, the model's own cached
@@ -28,24 +28,31 @@ avoids:
   and K also matters at B = 1: a size-1 batch dimension made XLA duplicate the in-place cache
   update into a second fusion, three copies of the cache per step;
 * stacked (scanned) weights are sliced per layer inside the loop, a copy of every weight per
-  step; here the blocks are split once per call, outside the loop;
+  step; here the blocks are split once, with the rest of the preparation below;
 * XLA transposed ``o_proj`` every step to match the attention output's layout; here every
-  matrix is prepared once per call as [out, in] (the faster layout for B-row products on CPU),
-  with q/k/v and gate/up fused into one matrix each (``decode_params``). This costs one
-  transient copy of the weights per ``generate`` call.
+  matrix is stored [out, in] (the faster layout for B-row products on CPU), with q/k/v and
+  gate/up fused into one matrix each (``decode_params``). ``prepare`` does this once;
+  ``generate`` on raw parameters does it per call (a transient copy of the weights).
+
+The cache is stored in the compute dtype unless ``cache_dtype`` says otherwise; a bfloat16 cache
+halves its memory, and the attention contractions then take bfloat16 operands with float32
+accumulation. (On CPU, XLA's bfloat16 batched contractions stream 4-5x slower than float32
+ones, so there it saves memory, not time.)
 
 Tensor parallelism. XLA:CPU runs the attention contractions and most small ops of a step on
 one thread, and one decode step is a chain of dependent ops, so a single device leaves cores
 idle. With a mesh whose ``tensor`` axis has T devices (on CPU: one device per core, see
-``sharding.configure_cpu_devices``), the decode loop runs under ``shard_map``: each device
+``sharding.configure_cpu_devices``), prefill and decode run under ``shard_map``: each device
 holds K/T kv heads of the cache and the matching slices of every matrix, computes its heads'
 attention and its part of the FFN, and the partial [D, B] outputs are summed with two
 all-reduces per layer (the Megatron split); the logits' vocabulary rows are gathered at the end.
 On GPU/TPU the same split is the usual multi-chip decode.
 
-The decode step reuses the model's ``Norm`` module and the ``ops`` functions; tests check its
-logits against a full forward of ``Transformer`` at every step, and tensor-parallel generation
-against one device.
+Prefill and decode are one function, ``forward`` (T tokens per sequence; T = 1 per decode
+step), and under a tensor axis both run split. It reuses the model's ``Norm`` module and the
+``ops`` functions; tests check its logits against a full forward of ``Transformer`` at every
+step, its prefilled cache against the model's own cached forward, and tensor-parallel
+generation against one device.
 """
 
 from __future__ import annotations
@@ -71,7 +78,7 @@ from transformer_jax import ops, sampling
 from transformer_jax.config import ModelConfig
 from transformer_jax.kv_cache import KVCache, cache_bytes
 from transformer_jax.layers import Norm
-from transformer_jax.model import Transformer, unstack_blocks
+from transformer_jax.model import abstract_params, unstack_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -357,77 +364,163 @@ def decode_param_specs(config: ModelConfig, dparams: Params, axis: str, shards: 
     return specs
 
 
-def prefill(config: ModelConfig, params: Params, tokens: jax.Array,
-            max_len: int | None = None, shards: int = 1) -> DecodeCache:
-    """Runs the model over right-padded prompts and returns their keys/values.
+@flax.struct.dataclass
+class DecodeWeights:
+    """A model's weights prepared once for ``generate``: the ``decode_params`` layout, placed.
+
+    ``prepare`` builds it; ``generate(config, weights, ...)`` then skips the per-call
+    preparation (a transient copy of every weight, tens of milliseconds of the time to first
+    token even for a 25M model), and with a mesh each device holds only its block, so the
+    original parameters can be dropped.
+
+    Attributes:
+      params: the ``decode_params`` tree (split over the mesh's tensor axis when there is one).
+      config: the config they were prepared for (static).
+      mesh: the mesh they are placed on, or None (static).
+    """
+
+    params: Params
+    config: ModelConfig = flax.struct.field(pytree_node=False)
+    mesh: Mesh | None = flax.struct.field(pytree_node=False, default=None)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all the prepared weights (summed over their shards)."""
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
+
+
+def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None) -> DecodeWeights:
+    """Prepares ``params`` for ``generate`` once (see ``DecodeWeights``).
 
     Args:
-      config: the model's config (scanned layers and remat are honoured; remat is dropped
-        since there is no backward pass).
-      params: the model's parameters.
-      tokens: [B, T] int32 prompts, right-padded; position t of row b goes to slot t.
-      max_len: S_max >= T slots of the returned cache; default T.
-      shards: the number of tensor shards of the returned cache's layout.
+      config: the model's config.
+      params: the model's parameters (scanned or unrolled layout), on any device.
+      mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1): the weights are split
+        over it as the tensor-parallel decode reads them (``decode_param_specs``).
 
     Returns:
-      A ``DecodeCache`` with slots 0..T-1 written (pad slots hold junk that causality hides).
+      The ``DecodeWeights``; pass them to ``generate`` in place of ``params`` (with the same
+      config; the mesh comes with them).
+
+    Raises:
+      ValueError: for a mesh the config cannot be split over (``check_tensor_parallel``).
+    """
+    check_tensor_parallel(config, tensor_shards(mesh))
+    if mesh is not None:
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+    return DecodeWeights(_prepare_fn(config, mesh)(params), config, mesh)
+
+
+@functools.lru_cache(maxsize=32)
+def _prepare_fn(config: ModelConfig, mesh: Mesh | None) -> Callable[[Params], Params]:
+    """``decode_params`` jitted for one config and mesh, its outputs placed on the mesh."""
+    shards = tensor_shards(mesh)
+    fn = functools.partial(decode_params, config, shards=shards)
+    if mesh is None:
+        return jax.jit(fn)
+    shapes = jax.eval_shape(fn, abstract_params(config))
+    specs = decode_param_specs(config, shapes, TENSOR_AXIS, shards)
+    return jax.jit(fn, out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                                  is_leaf=lambda x: isinstance(x, P)))
+
+
+def prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array,
+            max_len: int | None = None, axis_name: str | None = None,
+            dtype: jnp.dtype | str | None = None) -> tuple[jax.Array, DecodeCache]:
+    """Runs right-padded prompts through the decode weights: next-token logits and the cache.
+
+    ``forward`` over all T prompt tokens at once, from an empty cache; attention reads only the
+    T slots being written (``span``), so the prefill's cost does not grow with S_max, and the
+    LM head runs only at each prompt's last token.
+
+    Args:
+      config: the model's config.
+      params: the weights from ``decode_params`` (this shard's block under ``shard_map``).
+      tokens: [B, T] int32 prompts, right-padded; position t of row b goes to slot t.
+      lengths: [B] int32 true prompt lengths, each in [1, T].
+      max_len: S_max >= T slots of the returned cache; default T.
+      axis_name: the tensor axis under ``shard_map``, or None.
+      dtype: the cache's storage dtype; the model's compute dtype by default.
+
+    Returns:
+      ([B, V] float32 logits after each prompt's last token, a ``DecodeCache`` with slots
+      0..T-1 written: pad slots hold junk that causality hides and the decode overwrites).
     """
     b, t = tokens.shape
-    config = config.replace(remat="none")
-    cache = KVCache.init(config, b, t)
-    _, cache = Transformer(config).apply({"params": params}, tokens, cache=cache)
-    return DecodeCache.from_kv_cache(cache, max_len, shards)
+    cache = empty_cache(config, params, b, max_len or t, dtype)
+    return forward(config, params, cache, tokens, jnp.zeros((b,), jnp.int32),
+                   axis_name=axis_name, span=t, logits_at=lengths.astype(jnp.int32) - 1)
 
 
-def _write_slot(cache: jax.Array, new: jax.Array, positions: jax.Array, keys: bool
-                ) -> jax.Array:
-    """Writes new [R, H] into cache rows R = B * K' at slot positions[b] of each row's sequence.
+def empty_cache(config: ModelConfig, params: Params, batch: int, max_len: int,
+                dtype: jnp.dtype | str | None = None) -> DecodeCache:
+    """A zero ``DecodeCache`` of S_max = ``max_len`` slots for the kv heads ``params`` hold.
 
-    Keys are [R, H, S] (a column per slot), values [R, S, H]. Both forms update the loop-carried
-    cache in place. At B = 1 the batched form (a scatter) would become a bounds-checked select
-    that copies the whole cache every step, so a plain dynamic-update-slice is used there.
+    Under ``shard_map`` the rows are this shard's B * K/T (read off its ``qkv`` block). The
+    storage dtype is ``dtype`` (default: the compute dtype); attention computes in the compute
+    dtype either way.
+    """
+    h, g = config.head_dim, config.n_heads // config.n_kv_heads
+    kv = params["blocks_0"]["qkv"].shape[0] // (h * (g + 2))
+    dt = jnp.dtype(dtype or config.dtype)
+    k = tuple(jnp.zeros((batch * kv, h, max_len), dt) for _ in range(config.n_layers))
+    v = tuple(jnp.zeros((batch * kv, max_len, h), dt) for _ in range(config.n_layers))
+    return DecodeCache(k=k, v=v)
+
+
+def _write(cache: jax.Array, new: jax.Array, starts: jax.Array, keys: bool) -> jax.Array:
+    """Writes T new slots per row at slots starts[b] .. starts[b] + T - 1 of its sequence.
+
+    Args:
+      cache: keys [R, H, S] (a column per slot) or values [R, S, H], R = B * K' rows.
+      new: keys [R, H, T] or values [R, T, H].
+      starts: [B] int32 slot of each sequence's first new token.
+
+    Both forms update the loop-carried cache in place. At B = 1 the batched form (a scatter)
+    would become a bounds-checked select that copies the whole cache every step, so a plain
+    dynamic-update-slice is used there.
     """
     rows = cache.shape[0]
-    b = positions.shape[0]
+    b = starts.shape[0]
     new = new.astype(cache.dtype)
     if isinstance(b, int) and b == 1:
-        start = (0, 0, positions[0]) if keys else (0, positions[0], 0)
-        return jax.lax.dynamic_update_slice(cache, new[:, :, None] if keys else new[:, None],
-                                            start)
-    row_positions = jnp.broadcast_to(positions[:, None], (b, rows // b)).reshape(rows)
+        start = (0, 0, starts[0]) if keys else (0, starts[0], 0)
+        return jax.lax.dynamic_update_slice(cache, new, start)
+    row_starts = jnp.broadcast_to(starts[:, None], (b, rows // b)).reshape(rows)
 
-    def one(c: jax.Array, n: jax.Array, pos: jax.Array) -> jax.Array:
-        if keys:
-            return jax.lax.dynamic_update_slice(c, n[:, None], (0, pos))
-        return jax.lax.dynamic_update_slice(c, n[None], (pos, 0))
-    return jax.vmap(one)(cache, new, row_positions)
+    def one(c: jax.Array, n: jax.Array, start: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice(c, n, (0, start) if keys else (start, 0))
+    return jax.vmap(one)(cache, new, row_starts)
 
 
 def _linear(w: jax.Array, x: jax.Array) -> jax.Array:
-    """[Out, In] x [In, B] -> [Out, B], materialised in that orientation.
+    """[Out, In] x [In, B*T] -> [Out, B*T], materialised in that orientation.
 
-    Activations are kept feature-major ([D, B]) through the step: XLA's CPU matmul streams an
-    [Out, In] matrix 1.4-2.3x faster at B = 8 (no slower at B = 1) when the output is [Out, B]
-    rather than [B, Out]. The barrier stops XLA from folding a later transpose into the dot,
-    which would switch it back to the slow orientation.
+    Activations are kept feature-major ([D, B*T]) through the forward: XLA's CPU matmul streams
+    an [Out, In] matrix 1.4-2.3x faster at B = 8 (no slower at B = 1) when the output is
+    [Out, B] rather than [B, Out]. The barrier stops XLA from folding a later transpose into
+    the dot, which would switch it back to the slow orientation.
     """
     return jax.lax.optimization_barrier(jnp.dot(w, x))
 
 
-def _attention_step(c: ModelConfig, p: Params, x: jax.Array, positions: jax.Array,
-                    row_visible: jax.Array, cache_k: jax.Array, cache_v: jax.Array
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One token of attention over this shard's K' kv heads: [D, B] -> partial [D, B].
+def _attention(c: ModelConfig, p: Params, x: jax.Array, starts: jax.Array,
+               visible: jax.Array, cache_k: jax.Array, cache_v: jax.Array, span: int | None
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """T tokens of attention over this shard's K' kv heads: [D, B*T] -> partial [D, B*T].
 
     Args:
-      row_visible: [B * K', 1, S] bool, the slots each cache row may attend to.
-      cache_k, cache_v: this shard's [B * K', H, S] keys and [B * K', S, H] values.
+      starts: [B] int32 position (= slot) of each sequence's first token.
+      visible: [B, T, S] bool, the slots each token may attend to (S = ``span`` or S_max).
+      cache_k, cache_v: this shard's [B * K', H, S_max] keys and [B * K', S_max, H] values.
+      span: attend to the first ``span`` slots only (static), or all slots when None.
 
     Returns:
-      (this shard's term of the attention output [D, B], updated keys, updated values).
+      (this shard's term of the attention output [D, B*T], updated keys, updated values).
     """
     dt = c.jnp_dtype
-    b = x.shape[1]
+    b = starts.shape[0]
+    t = x.shape[1] // b
     h, g = c.head_dim, c.n_heads // c.n_kv_heads
     rows = cache_k.shape[0]
     kv = rows // b
@@ -435,30 +528,39 @@ def _attention_step(c: ModelConfig, p: Params, x: jax.Array, positions: jax.Arra
     qkv = _linear(p["qkv"], x)
     if c.qkv_bias:
         qkv = qkv + p["qkv_bias"][:, None]
-    qkv = qkv.T  # [B, (N' + 2K') * H], small
-    q = qkv[:, :n * h].reshape(b, 1, n, h)
-    k = qkv[:, n * h:(n + kv) * h].reshape(b, 1, kv, h)
-    v = qkv[:, (n + kv) * h:].reshape(rows, h)
+    qkv = qkv.T.reshape(b, t, (n + 2 * kv) * h)
+    q = qkv[..., :n * h].reshape(b, t, n, h)
+    k = qkv[..., n * h:(n + kv) * h].reshape(b, t, kv, h)
+    v = qkv[..., (n + kv) * h:].reshape(b, t, kv, h)
     if c.position == "rope":
         rope = dict(base=c.rope_base, pairing=c.rope_pairing, scaling=c.rope_scaling)
-        q = ops.apply_rope(q, positions[:, None], **rope)
-        k = ops.apply_rope(k, positions[:, None], **rope)
-    cache_k = _write_slot(cache_k, k.reshape(rows, h), positions, keys=True)
-    cache_v = _write_slot(cache_v, v, positions, keys=False)
-    # Row (b, k) holds kv head k; its G query heads k * G .. k * G + G - 1 read it (as in
-    # ops.attention), so every row's cache is streamed once for all G queries.
-    q = q.reshape(rows, g, h)
-    logits = jnp.einsum("RGH,RHS->RGS", q, cache_k.astype(dt),
+        positions = starts[:, None] + jnp.arange(t, dtype=starts.dtype)
+        q = ops.apply_rope(q, positions, **rope)
+        k = ops.apply_rope(k, positions, **rope)
+    cache_k = _write(cache_k, k.transpose(0, 2, 3, 1).reshape(rows, h, t), starts, keys=True)
+    cache_v = _write(cache_v, v.transpose(0, 2, 1, 3).reshape(rows, t, h), starts, keys=False)
+    keys, values = cache_k, cache_v
+    if span is not None:
+        keys, values = cache_k[:, :, :span], cache_v[:, :span]
+    # Row (b, k) holds kv head k; its G query heads k * G .. k * G + G - 1 (as in ops.attention)
+    # and T tokens are its G * T query rows, so every row's cache is streamed once for all.
+    q = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(rows, g * t, h)
+    # The contractions take their operands in the cache's dtype (accumulating in float32):
+    # converting the cache instead would materialise a converted copy of it every step.
+    cdt = cache_k.dtype
+    logits = jnp.einsum("RQH,RHS->RQS", q.astype(cdt), keys,
                         preferred_element_type=jnp.float32) * h ** -0.5
-    logits = jnp.where(row_visible, logits, _MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("RGS,RSH->RGH", probs.astype(dt), cache_v.astype(dt),
+    s = logits.shape[-1]
+    logits = jnp.where(visible[:, None, None], logits.reshape(b, kv, g, t, s), _MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1).reshape(rows, g * t, s)
+    out = jnp.einsum("RQS,RSH->RQH", probs.astype(cdt), values,
                      preferred_element_type=jnp.float32).astype(dt)
-    return _linear(p["o"], out.reshape(b, n * h).T), cache_k, cache_v
+    out = out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b * t, n * h)
+    return _linear(p["o"], out.T), cache_k, cache_v
 
 
 def _ffn(c: ModelConfig, p: Params, x: jax.Array) -> jax.Array:
-    """This shard's term of the FFN (``ops.FFN_FUNCTIONS[c.ffn]``) on [D, B]."""
+    """This shard's term of the FFN (``ops.FFN_FUNCTIONS[c.ffn]``) on [D, B*T]."""
     hidden = _linear(p["inner"], x)
     if c.ffn in ("swiglu", "geglu"):
         gate, up = jnp.split(hidden, 2, axis=0)
@@ -471,46 +573,50 @@ def _ffn(c: ModelConfig, p: Params, x: jax.Array) -> jax.Array:
     return _linear(p["down"], hidden)
 
 
-def decode_step(config: ModelConfig, params: Params, cache: DecodeCache, tokens: jax.Array,
-                positions: jax.Array, axis_name: str | None = None
-                ) -> tuple[jax.Array, DecodeCache]:
-    """One decode step: feeds one token per sequence and returns the next-token logits.
+def forward(config: ModelConfig, params: Params, cache: DecodeCache, tokens: jax.Array,
+            starts: jax.Array, *, axis_name: str | None = None, span: int | None = None,
+            logits_at: jax.Array | None = None) -> tuple[jax.Array, DecodeCache]:
+    """Feeds T tokens per sequence through the decode weights, reading and writing the cache.
 
-    Computes what ``Transformer(config).apply(..., tokens[:, None], positions[:, None],
-    cache=...)`` computes on the same keys/values, without the copies that make that slow in a
-    loop (see the module docstring).
+    Computes what ``Transformer(config).apply(..., tokens, positions, cache=...)`` computes for
+    the same keys/values, in the layout ``decode_params`` prepares (see the module docstring).
+    The prefill is this with T = the padded prompt length; a decode step with T = 1.
 
     Under ``shard_map`` over a tensor axis, ``params`` and ``cache`` are this shard's blocks
     (``decode_param_specs``, ``DecodeCache``): each shard computes its heads' attention and its
     part of the FFN, the partial outputs are summed over ``axis_name`` (two all-reduces of
-    [D, B] per layer) and the logits gathered when the head is split.
+    [D, B*T] per layer) and the logits gathered when the head is split.
 
     Args:
       config: the model's config.
       params: the weights prepared by ``decode_params`` (this shard's block under shard_map).
-      cache: the ``DecodeCache`` (this shard's rows); slots ``< positions[b]`` must be filled.
-      tokens: [B] int32 tokens to feed.
-      positions: [B] int32 their positions; each is also the slot its key/value is written to
-        (must be < S_max: callers check capacity, as writes past the end are clamped).
+      cache: the ``DecodeCache`` (this shard's rows); slots ``< starts[b]`` must be filled.
+      tokens: [B, T] int32 tokens to feed.
+      starts: [B] int32 position of each row's first token; token t goes to position (and
+        slot) ``starts[b] + t``, which must be < S_max (callers check capacity, as writes past
+        the end are clamped).
       axis_name: the mesh axis the weights and cache are split over, or None.
+      span: static; attend to the first ``span`` slots only (a prefill from an empty cache
+        needs the T it writes), or to all S_max slots when None.
+      logits_at: optional [B] int32 index in [0, T) per row: compute the final norm and the
+        LM head for that token only.
 
     Returns:
-      ([B, V] float32 logits for the next token, updated cache).
+      ([B, T, V] float32 logits for the next token at each position, or [B, V] at
+      ``logits_at``; the updated cache).
     """
     c = config
     dt = c.jnp_dtype
-    b = tokens.shape[0]
-    x = ops.embed(tokens[:, None], params["embed"]["embedding"]).astype(dt)[:, 0]
+    b, t = tokens.shape
+    positions = starts[:, None] + jnp.arange(t, dtype=starts.dtype)  # [B, T]
+    x = ops.embed(tokens, params["embed"]["embedding"]).astype(dt)
     if c.position == "sinusoidal":
-        x = x + ops.sinusoidal_positions(positions[:, None], c.d_model)[:, 0].astype(dt)
-    x = x.T  # [D, B] from here on (see _linear)
-    slots = jnp.arange(cache.max_len, dtype=positions.dtype)[None, :]
-    visible = slots <= positions[:, None]
+        x = x + ops.sinusoidal_positions(positions, c.d_model).astype(dt)
+    x = x.reshape(b * t, c.d_model).T  # [D, B*T] from here on (see _linear)
+    slots = jnp.arange(span or cache.max_len, dtype=positions.dtype)
+    visible = slots <= positions[:, :, None]  # [B, T, S]
     if c.sliding_window is not None:
-        visible &= slots > positions[:, None] - c.sliding_window
-    rows = cache.k[0].shape[0]
-    row_visible = jnp.broadcast_to(visible[:, None], (b, rows // b, cache.max_len)
-                                   ).reshape(rows, 1, cache.max_len)
+        visible &= slots > positions[:, :, None] - c.sliding_window
 
     def total(y: jax.Array) -> jax.Array:
         return y if axis_name is None else jax.lax.psum(y, axis_name)
@@ -521,8 +627,7 @@ def decode_step(config: ModelConfig, params: Params, cache: DecodeCache, tokens:
         p = params[f"blocks_{i}"]
 
         def attend(y: jax.Array, i: int = i, p: Params = p) -> jax.Array:
-            out, k_i, v_i = _attention_step(c, p, y, positions, row_visible, cache.k[i],
-                                            cache.v[i])
+            out, k_i, v_i = _attention(c, p, y, starts, visible, cache.k[i], cache.v[i], span)
             new_k.append(k_i)
             new_v.append(v_i)
             return total(out)
@@ -536,12 +641,30 @@ def decode_step(config: ModelConfig, params: Params, cache: DecodeCache, tokens:
         else:
             x = normed("attn_norm", x + attend(x))
             x = normed("mlp_norm", x + total(_ffn(c, p, x)))
+    if logits_at is not None:
+        x = x.reshape(c.d_model, b, t)[:, jnp.arange(b), logits_at]  # [D, B]
     x = norm.apply({"params": params["final_norm"]}, x.T).T
     logits = jax.lax.optimization_barrier(
-        jnp.einsum("VD,DB->VB", params["head"], x, preferred_element_type=jnp.float32))
+        jnp.einsum("VD,DX->VX", params["head"], x, preferred_element_type=jnp.float32))
     if axis_name is not None and logits.shape[0] != c.vocab_size:
         logits = jax.lax.all_gather(logits, axis_name, axis=0, tiled=True)
-    return logits.T, DecodeCache(k=tuple(new_k), v=tuple(new_v))
+    cache = DecodeCache(k=tuple(new_k), v=tuple(new_v))
+    if logits_at is not None:
+        return logits.T, cache
+    return logits.T.reshape(b, t, -1), cache
+
+
+def decode_step(config: ModelConfig, params: Params, cache: DecodeCache, tokens: jax.Array,
+                positions: jax.Array, axis_name: str | None = None
+                ) -> tuple[jax.Array, DecodeCache]:
+    """One decode step, ``forward`` with T = 1: [B] tokens at [B] positions -> [B, V] logits.
+
+    Returns:
+      ([B, V] float32 logits for the next token, updated cache).
+    """
+    logits, cache = forward(config, params, cache, tokens[:, None], positions,
+                            axis_name=axis_name)
+    return logits[:, 0], cache
 
 
 # Streaming ---------------------------------------------------------------------------------------
@@ -592,10 +715,11 @@ def tensor_shards(mesh: Mesh | None) -> int:
     return sizes[TENSOR_AXIS]
 
 
-def generate_padded(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array,
-                    key_data: jax.Array, stream_id: jax.Array | None = None, *,
-                    max_new_tokens: int, settings: SamplingSettings = SamplingSettings(),
-                    cache_size: int | None = None, mesh: Mesh | None = None
+def generate_padded(config: ModelConfig, params: Params | DecodeWeights, tokens: jax.Array,
+                    lengths: jax.Array, key_data: jax.Array, stream_id: jax.Array | None = None,
+                    *, max_new_tokens: int, settings: SamplingSettings = SamplingSettings(),
+                    cache_size: int | None = None, mesh: Mesh | None = None,
+                    cache_dtype: str | None = None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Prefill plus while-loop decode on padded arrays: the traced body of ``generate``.
 
@@ -604,7 +728,8 @@ def generate_padded(config: ModelConfig, params: Params, tokens: jax.Array, leng
 
     Args:
       config: the model's config (static).
-      params: the model's parameters, either layout.
+      params: ``DecodeWeights`` from ``prepare`` (for this config and mesh), or the model's
+        parameters in either layout (then prepared here, a transient copy per call).
       tokens: [B, T] int32 prompts right-padded to T (any in-vocabulary pad id).
       lengths: [B] int32 true prompt lengths, each in [1, T].
       key_data: [B, 2] uint32 raw PRNG key per sequence (``jax.random.key_data``).
@@ -613,19 +738,42 @@ def generate_padded(config: ModelConfig, params: Params, tokens: jax.Array, leng
       max_new_tokens: N (static), the most tokens generated per sequence.
       settings: static sampling settings.
       cache_size: static S_max; default ``T + N``. Must be >= T and >= every length + N - 1.
-      mesh: static; with a tensor axis of size T > 1 the decode loop runs tensor-parallel over
-        it (``decode_step``); the prefill runs on the mesh as XLA partitions it.
+      mesh: static; with a tensor axis of size T > 1, prefill and decode run tensor-parallel
+        over it (``forward`` under ``shard_map``).
+      cache_dtype: static storage dtype name of the KV cache; the compute dtype by default.
 
     Returns:
       tokens [B, N] int32 (``pad_id`` after a sequence ends), logprobs [B, N] float32 (0 at
       padding), num_tokens [B] int32 generated per sequence (stop token included).
     """
+    shards = tensor_shards(mesh)
+    if isinstance(params, DecodeWeights):
+        weights = params.params
+    else:
+        weights = decode_params(config, params, shards)
+    run = functools.partial(_prefill_and_decode, config, stream_id=stream_id,
+                            max_new_tokens=max_new_tokens, settings=settings,
+                            cache_size=cache_size, cache_dtype=cache_dtype,
+                            axis_name=TENSOR_AXIS if shards > 1 else None)
+    if shards > 1:
+        run = jax.shard_map(
+            run, mesh=mesh, check_vma=False,
+            in_specs=(decode_param_specs(config, weights, TENSOR_AXIS, shards), P(), P(), P()),
+            out_specs=(P(), P(), P()))
+    return run(weights, tokens, lengths, key_data)
+
+
+def _prefill_and_decode(config: ModelConfig, weights: Params, tokens: jax.Array,
+                        lengths: jax.Array, key_data: jax.Array, *,
+                        stream_id: jax.Array | None, max_new_tokens: int,
+                        settings: SamplingSettings, cache_size: int | None,
+                        cache_dtype: str | None, axis_name: str | None
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``generate_padded`` on one shard's weights (all of them without a tensor axis)."""
     b, t = tokens.shape
     n = max_new_tokens
-    s_max = t + n if cache_size is None else cache_size
-    shards = tensor_shards(mesh)
-    cache = prefill(config, params, tokens, s_max, shards)
-    dparams = decode_params(config, params, shards)
+    logits, cache = prefill(config, weights, tokens, lengths,
+                            t + n if cache_size is None else cache_size, axis_name, cache_dtype)
     last = lengths.astype(jnp.int32) - 1
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
@@ -638,24 +786,20 @@ def generate_padded(config: ModelConfig, params: Params, tokens: jax.Array, leng
         keys=key_data.astype(jnp.uint32),
         cache=cache,
     )
-    loop = functools.partial(_decode_loop, config, stream_id=stream_id, max_new_tokens=n,
-                             settings=settings, axis_name=TENSOR_AXIS if shards > 1 else None)
-    if shards > 1:
-        cache_spec = DecodeCache(k=(P(TENSOR_AXIS),) * config.n_layers,
-                                 v=(P(TENSOR_AXIS),) * config.n_layers)
-        state_spec = jax.tree.map(lambda _: P(), state.replace(cache=None))
-        loop = jax.shard_map(
-            loop, mesh=mesh, check_vma=False,
-            in_specs=(decode_param_specs(config, dparams, TENSOR_AXIS, shards),
-                      state_spec.replace(cache=cache_spec)),
-            out_specs=(P(), P(), P()))
-    return loop(dparams, state)
+    return _decode_loop(config, weights, state, logits, stream_id=stream_id, max_new_tokens=n,
+                        settings=settings, axis_name=axis_name)
 
 
-def _decode_loop(config: ModelConfig, dparams: Params, state: SamplingState, *,
-                 stream_id: jax.Array | None, max_new_tokens: int, settings: SamplingSettings,
-                 axis_name: str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The ``lax.while_loop`` of ``generate_padded`` (one shard's view under ``shard_map``)."""
+def _decode_loop(config: ModelConfig, dparams: Params, state: SamplingState,
+                 first_logits: jax.Array, *, stream_id: jax.Array | None, max_new_tokens: int,
+                 settings: SamplingSettings, axis_name: str | None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Samples the first token from the prefill's logits, then the ``lax.while_loop`` of
+    decode steps (one shard's view under ``shard_map``).
+
+    ``state.next_token``/``positions`` start at each prompt's last token; ``first_logits``
+    [B, V] are its next-token logits.
+    """
     n = max_new_tokens
     stop = jnp.asarray(settings.stop_tokens, jnp.int32)
     greedy = settings.temperature == 0
@@ -663,9 +807,8 @@ def _decode_loop(config: ModelConfig, dparams: Params, state: SamplingState, *,
     def cond(s: SamplingState) -> jax.Array:
         return (s.step < n) & ~jnp.all(s.done)
 
-    def body(s: SamplingState) -> SamplingState:
-        logits, cache = decode_step(config, dparams, s.cache, s.next_token, s.positions,
-                                    axis_name)
+    def advance(s: SamplingState, logits: jax.Array, cache: DecodeCache) -> SamplingState:
+        """Picks each sequence's token from its [B, V] logits and records it."""
         if greedy:
             tok = _argmax(logits)
             logprob = sampling.token_logprobs(logits, tok)
@@ -697,6 +840,11 @@ def _decode_loop(config: ModelConfig, dparams: Params, state: SamplingState, *,
             cache=cache,
         )
 
+    def body(s: SamplingState) -> SamplingState:
+        return advance(s, *decode_step(config, dparams, s.cache, s.next_token, s.positions,
+                                       axis_name))
+
+    state = advance(state, first_logits, state.cache)
     state = jax.lax.while_loop(cond, body, state)
     return state.tokens, state.logprobs, state.num_tokens
 
@@ -713,11 +861,23 @@ def _stream(stream_id: jax.Array, step: jax.Array, tokens: jax.Array, active: ja
 
 
 #: The arguments of ``generate_padded`` that are compile-time constants.
-GENERATE_STATIC_ARGNAMES = ("config", "max_new_tokens", "settings", "cache_size", "mesh")
+GENERATE_STATIC_ARGNAMES = ("config", "max_new_tokens", "settings", "cache_size", "mesh",
+                            "cache_dtype")
 _generate_jit = jax.jit(generate_padded, static_argnames=GENERATE_STATIC_ARGNAMES)
 
 
 # Host side ---------------------------------------------------------------------------------------
+
+def _float_dtype_name(dtype: Any) -> str:
+    """The name of a floating dtype (a static, hashable argument), or ValueError."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"cache_dtype {dtype!r} is not a dtype") from e
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"cache_dtype must be a floating dtype, got {dt.name}")
+    return dt.name
+
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
@@ -808,23 +968,29 @@ def pad_prompts(prompts: Sequence[np.ndarray], length: int, pad_id: int = 0
     return tokens, np.asarray([len(p) for p in prompts], np.int32)
 
 
-def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *,
-             max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+def generate(config: ModelConfig, params: Params | DecodeWeights,
+             prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, min_p: float | None = None,
              seed: int | Sequence[int] = 0, stop_tokens: Sequence[int] = (), pad_id: int = 0,
-             cache_size: int | None = None,
+             cache_size: int | None = None, cache_dtype: jnp.dtype | str | None = None,
              stream: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
              mesh: Mesh | None = None) -> GenerateResult:
     """Generates up to ``max_new_tokens`` tokens after each prompt, in one jitted call.
 
-    Everything is validated before any device work. Prompts are right-padded to a length bucket
+    The prefill and the whole decode loop are one compiled program (``generate_padded``); raw
+    parameters are first put in the decode layout by ``prepare`` (its own compiled program,
+    run on every call: pass ``DecodeWeights`` to skip it). Everything is validated before any
+    device work. Prompts are right-padded to a length bucket
     (``prompt_bucket``), so prompt lengths within a bucket reuse the compiled program; each
     distinct (config, batch size, bucket, max_new_tokens, sampling settings, cache_size)
     compiles once.
 
     Args:
       config: the model's config.
-      params: the model's parameters (scanned or unrolled layout).
+      params: the model's parameters (scanned or unrolled layout), prepared on every call; or
+        ``DecodeWeights`` from ``prepare(config, params, mesh)``, prepared once (faster to the
+        first token; with a mesh, each device holds only its block).
       prompts: B lists of token ids, each non-empty, ids in [0, V).
       max_new_tokens: N > 0; each prompt length + N must be <= ``config.max_seq_len``.
       temperature: >= 0; 0 is greedy (argmax).
@@ -836,13 +1002,15 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
       pad_id: id that finished sequences emit in ``token_array``.
       cache_size: S_max slots of the KV cache; default the padded prompt length + N, capped at
         ``config.max_seq_len``. Must be >= every prompt length + N.
+      cache_dtype: the KV cache's storage dtype (e.g. ``"bfloat16"`` halves its memory and the
+        bytes each step reads); the model's compute dtype by default.
       stream: optional ``fn(step, tokens [B], active [B])`` called on the host after every
         decode step with that step's tokens (``active[b]`` is False for finished sequences).
       mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1, e.g. from
         ``sharding.make_mesh``): the decode runs tensor-parallel over it, each device holding
         K/T kv heads, N/T query heads, F/T FFN units and V/T head rows, so T must divide K, N
-        and F. Parameters not already on the mesh are copied to it (replicated) on every call;
-        put them there once with ``jax.device_put(params, NamedSharding(mesh, P()))``.
+        and F. Raw parameters are prepared and split over it on every call; ``prepare``
+        does that once. With ``DecodeWeights`` the mesh is theirs (None here, or the same).
 
     Returns:
       A ``GenerateResult`` (``.tokens``, ``.logprobs``, ``.lengths``, and padded arrays).
@@ -855,10 +1023,20 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         stop_tokens=tuple(int(t) if _is_int(t) else t for t in stop_tokens), pad_id=pad_id)
     settings.validate(vocab)
+    if isinstance(params, DecodeWeights):
+        if params.config != config:
+            raise ValueError("the DecodeWeights were prepared for a different config than the "
+                             "one given to generate")
+        if mesh is not None and mesh != params.mesh:
+            raise ValueError("the DecodeWeights were prepared for another mesh; prepare them "
+                             "with this one, or pass mesh=None to use theirs")
+        mesh = params.mesh
     check_tensor_parallel(config, tensor_shards(mesh))
     arrays = validate_prompts(prompts, vocab)
     lengths = [len(a) for a in arrays]
     validate_capacity(config, lengths, max_new_tokens, cache_size)
+    if cache_dtype is not None:
+        cache_dtype = _float_dtype_name(cache_dtype)
     batch = len(arrays)
     keys = sequence_keys(seed, batch)
     padded = prompt_bucket(max(lengths))
@@ -868,20 +1046,21 @@ def generate(config: ModelConfig, params: Params, prompts: Sequence[Sequence[int
     tokens, lengths_arr = pad_prompts(arrays, padded, pad_id)
     logger.debug("generate: B=%d T=%d (longest prompt %d) N=%d S_max=%d, cache %.1f MB",
                  batch, padded, max(lengths), max_new_tokens, cache_size,
-                 cache_bytes(config, batch, cache_size) / 1e6)
+                 cache_bytes(config, batch, cache_size, cache_dtype) / 1e6)
     stream_id = None
     if stream is not None:
         with _STREAM_LOCK:
             sid = next(_STREAM_IDS)
             _STREAMS[sid] = stream
         stream_id = np.int32(sid)
-    if mesh is not None:
-        params = jax.device_put(params, NamedSharding(mesh, P()))
+    if not isinstance(params, DecodeWeights):
+        params = prepare(config, params, mesh)
     start = time.perf_counter()
     try:
         out_tokens, out_logprobs, num = _generate_jit(
             config, params, tokens, lengths_arr, keys, stream_id,
-            max_new_tokens=max_new_tokens, settings=settings, cache_size=cache_size, mesh=mesh)
+            max_new_tokens=max_new_tokens, settings=settings, cache_size=cache_size, mesh=mesh,
+            cache_dtype=cache_dtype)
         out_tokens, out_logprobs, num = jax.device_get((out_tokens, out_logprobs, num))
         if stream_id is not None:
             jax.effects_barrier()  # every stream callback has run before we return

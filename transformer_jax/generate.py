@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "to text prompts")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--cache-dtype", choices=("float32", "bfloat16", "float16"),
+                   help="KV cache storage dtype (default: the compute dtype)")
     p.add_argument("--tensor", type=int, default=1, metavar="T",
                    help="decode tensor-parallel over T devices (T divides the model's kv heads, "
                    "heads and FFN width); on CPU the host is split into T devices, 0 = one per "
@@ -250,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         result = decode.generate(
             config, params, prompts, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            min_p=args.min_p, seed=args.seed, stop_tokens=stop, stream=streamer, mesh=mesh)
+            min_p=args.min_p, seed=args.seed, stop_tokens=stop, stream=streamer, mesh=mesh,
+            cache_dtype=args.cache_dtype)
         elapsed = time.perf_counter() - start
     except (ValueError, OSError) as e:  # OSError: missing or unreadable/unwritable files
         print(f"error: {e}", file=sys.stderr)

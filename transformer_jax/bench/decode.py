@@ -41,7 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from transformer_jax import decode, sharding
 from transformer_jax.config import ModelConfig, load_toml
@@ -85,52 +85,47 @@ def _load() -> float:
         return float("nan")
 
 
-def _bench_ours(config: ModelConfig, params: Any, prompts: list[list[int]], n: int,
-                repeats: int, cache_size: int | None, weight_bytes: int,
-                mesh: jax.sharding.Mesh | None) -> dict[str, Any]:
+def _bench_ours(config: ModelConfig, weights: decode.DecodeWeights, prompts: list[list[int]],
+                n: int, repeats: int, cache_size: int | None, weight_bytes: int,
+                cache_dtype: str | None = None) -> dict[str, Any]:
     b, p = len(prompts), len(prompts[0])
-    kw = dict(max_new_tokens=n, cache_size=cache_size, mesh=mesh)
+    kw = dict(max_new_tokens=n, cache_size=cache_size, cache_dtype=cache_dtype)
     t = decode.prompt_bucket(p)
     s_max = cache_size or decode.default_cache_size(config, t, n)
-    t = min(t, s_max)
-    nbytes = weight_bytes + cache_bytes(config, b, s_max)
-
-    # Prefill alone, jitted the same way generate runs it.
-    tokens = jnp.asarray(decode.pad_prompts([np.asarray(x) for x in prompts], t)[0])
-    prefill = jax.jit(decode.prefill, static_argnums=(0, 3))
-    jax.block_until_ready(prefill(config, params, tokens, s_max))
-    prefill_s = _median_time(lambda: prefill(config, params, tokens, s_max), repeats)
+    nbytes = weight_bytes + cache_bytes(config, b, s_max, cache_dtype)
 
     # First call: compile + run; the difference to a warm call is the compile time. A step is
     # timed as (generate N tokens - generate 1 token) / (N - 1) on the same cache size, so the
     # prefill and everything else outside the loop cancel. Each pair of calls follows its own
     # bandwidth sample: other tenants of a shared machine change both.
     start = time.perf_counter()
-    decode.generate(config, params, prompts, **kw)
+    decode.generate(config, weights, prompts, **kw)
     first = time.perf_counter() - start
     one = dict(kw, max_new_tokens=1, cache_size=s_max)
-    decode.generate(config, params, prompts, **one)
-    totals, steps_ms, bandwidths, ratios = [], [], [], []
+    decode.generate(config, weights, prompts, **one)
+    totals, singles, steps_ms, bandwidths, ratios = [], [], [], [], []
     for _ in range(repeats):
         bandwidths.append(measure_bandwidth(repeats=7))
         start = time.perf_counter()
-        decode.generate(config, params, prompts, **one)
-        single = time.perf_counter() - start
+        decode.generate(config, weights, prompts, **one)
+        singles.append(time.perf_counter() - start)
         start = time.perf_counter()
-        result = decode.generate(config, params, prompts, **kw)
+        result = decode.generate(config, weights, prompts, **kw)
         totals.append(time.perf_counter() - start)
-        steps_ms.append((totals[-1] - single) / (n - 1) * 1e3)
+        steps_ms.append((totals[-1] - singles[-1]) / (n - 1) * 1e3)
         ratios.append(steps_ms[-1] / (nbytes / bandwidths[-1] * 1e3))
 
     # Per-step host timestamps from the stream callback (a second compiled program).
     stamps: list[float] = []
-    decode.generate(config, params, prompts, stream=lambda *a: None, **kw)
+    decode.generate(config, weights, prompts, stream=lambda *a: None, **kw)
     start = time.perf_counter()
-    decode.generate(config, params, prompts, stream=lambda *a: stamps.append(time.perf_counter()),
+    decode.generate(config, weights, prompts, stream=lambda *a: stamps.append(time.perf_counter()),
                     **kw)
     series = np.diff(np.asarray(stamps)) * 1e3  # ms; series[i] is decode step i + 1
     quarter = max(1, len(series) // 4)
     step_ms = statistics.median(steps_ms)
+    # The prefill: a whole generate of one token less its one decode step.
+    prefill_s = max(statistics.median(singles) - step_ms / 1e3, 1e-9)
     return dict(
         compile_s=first - statistics.median(totals), total_s=statistics.median(totals),
         ttft_s=stamps[0] - start, prefill_s=prefill_s, prefill_tok_s=b * p / prefill_s,
@@ -143,21 +138,23 @@ def _bench_ours(config: ModelConfig, params: Any, prompts: list[list[int]], n: i
         step_ms_first_quarter=float(np.median(series[:quarter])),
         step_ms_last_quarter=float(np.median(series[-quarter:])),
         step_ms_series=[round(float(x), 3) for x in series],
-        cache_len=s_max, cache_bytes=cache_bytes(config, b, s_max),
+        cache_len=s_max, cache_bytes=cache_bytes(config, b, s_max, cache_dtype),
+        cache_dtype=cache_dtype or config.dtype,
         tokens=result.token_array.tolist(),
     )
 
 
-def _bench_weights_only(config: ModelConfig, params: Any, batch: int, steps: int,
-                        repeats: int, mesh: jax.sharding.Mesh | None) -> float:
+def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batch: int,
+                        steps: int, repeats: int) -> float:
     """Milliseconds per step of the decode step's matrix products alone, at batch B.
 
-    The same prepared weights (``decode.decode_params``), products and tensor split as the
-    decode step, chained through a norm-free residual in a ``lax.fori_loop`` of ``steps``
-    iterations, without attention, all-reduces or sampling: what streaming the weights costs at
-    this batch size on this machine, the part of a step no cache layout can remove.
+    The same prepared weights (``decode.prepare``), products and tensor split as the decode
+    step, chained through a norm-free residual in a ``lax.fori_loop`` of ``steps`` iterations,
+    without attention, all-reduces or sampling: what streaming the weights costs at this batch
+    size on this machine, the part of a step no cache layout can remove.
     """
-    shards = 1 if mesh is None else mesh.shape[decode.TENSOR_AXIS]
+    mesh = weights.mesh
+    shards = decode.tensor_shards(mesh)
     linear = decode._linear  # the decode step's [out, in] x [in, B] product
 
     def chain(dparams: Any, x: jax.Array, n: int) -> jax.Array:
@@ -173,8 +170,7 @@ def _bench_weights_only(config: ModelConfig, params: Any, batch: int, steps: int
             return x + jnp.mean(logits) * 1e-6
         return jax.lax.fori_loop(0, n, body, x)
 
-    def run(params: Any, x: jax.Array, n: int) -> jax.Array:
-        dparams = decode.decode_params(config, params, shards)
+    def run(dparams: Any, x: jax.Array, n: int) -> jax.Array:
         loop = functools.partial(chain, n=n)
         if mesh is None:
             return loop(dparams, x)
@@ -188,8 +184,8 @@ def _bench_weights_only(config: ModelConfig, params: Any, batch: int, steps: int
     # (2n iterations - n iterations) / n: the weight preparation outside the loop cancels.
     times = {}
     for n in (steps, 2 * steps):
-        jax.block_until_ready(fn(params, x, n))
-        times[n] = _median_time(lambda n=n: fn(params, x, n), repeats)
+        jax.block_until_ready(fn(weights.params, x, n))
+        times[n] = _median_time(lambda n=n: fn(weights.params, x, n), repeats)
     return (times[2 * steps] - times[steps]) / steps * 1e3
 
 
@@ -285,6 +281,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tensor", type=_ints, default=[0],
                         help="tensor-parallel sizes to run (decode.generate's mesh); 0 = one "
                         "device per CPU core, 1 = a single device")
+    parser.add_argument("--cache-dtype", default=None, choices=("float32", "bfloat16"),
+                        help="KV cache storage dtype (default: the model's compute dtype)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-hf", action="store_true", help="skip HuggingFace transformers")
     parser.add_argument("--no-baseline", action="store_true", help="skip the no-cache baseline")
@@ -308,14 +306,21 @@ def main(argv: list[str]) -> int:
         except ValueError as e:
             print(f"skip tensor={t}: {e}")
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
-    placed = {t: params if mesh is None else
-              jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-              for t, mesh in meshes.items()}
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    # The weights are prepared once per mesh (decode.prepare), as a serving process would.
+    placed, prepare_s = {}, {}
+    for t, mesh in meshes.items():
+        start = time.perf_counter()
+        placed[t] = jax.block_until_ready(decode.prepare(config, params, mesh))
+        prepare_s[t] = time.perf_counter() - start
+    # Bytes a step reads: every prepared weight but the embedding table (B rows of it).
+    any_weights = next(iter(placed.values()))
+    weight_bytes = any_weights.nbytes - any_weights.params["embed"]["embedding"].nbytes
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    print(f"decode benchmark: {name}, {n_params / 1e6:.1f}M params ({weight_bytes / 1e6:.0f} MB), "
-          f"{config.dtype}, {jax.devices()[0].device_kind} x {len(jax.devices())}, tensor sizes "
-          f"{list(meshes)}, load average {_load():.2f}")
+    print(f"decode benchmark: {name}, {n_params / 1e6:.1f}M params ({weight_bytes / 1e6:.0f} MB "
+          f"read per step), {config.dtype}, {jax.devices()[0].device_kind} x "
+          f"{len(jax.devices())}, tensor sizes {list(meshes)}, load average {_load():.2f}; "
+          "prepare (with compile) " + ", ".join(f"tensor={t} {s:.2f} s"
+                                                for t, s in prepare_s.items()))
     hf_model = None if args.no_hf else _load_hf(config, params)
     records = []
     rng = np.random.default_rng(0)
@@ -334,11 +339,11 @@ def main(argv: list[str]) -> int:
         if not args.no_baseline:
             point["no_cache"] = _bench_no_cache(config, params, prompts, args.repeats)
         hf_rec = None if hf_model is None else _bench_hf(hf_model, prompts, n, args.repeats)
-        for t, mesh in meshes.items():
+        for t in meshes:
             ours = _bench_ours(config, placed[t], prompts, n, args.repeats, s_max or None,
-                               weight_bytes, mesh)
-            rec = dict(point, tensor=t, load_avg=_load(), ours=ours)
-            weights_ms = _bench_weights_only(config, placed[t], b, n, args.repeats, mesh)
+                               weight_bytes, args.cache_dtype)
+            rec = dict(point, tensor=t, load_avg=_load(), ours=ours, prepare_s=prepare_s[t])
+            weights_ms = _bench_weights_only(config, placed[t], b, n, args.repeats)
             rec["weights_only"] = dict(
                 step_ms=weights_ms, gb_s=weight_bytes / weights_ms / 1e6,
                 vs_weight_bound=weights_ms / (weight_bytes / ours["bandwidth_gb_s"] / 1e6))
@@ -362,8 +367,8 @@ def main(argv: list[str]) -> int:
 def _print_record(r: dict[str, Any]) -> None:
     o = r["ours"]
     print(f"B={r['batch']} P={r['prompt_len']} N={r['new_tokens']} tensor={r['tensor']} "
-          f"(S_max={o['cache_len']}, cache {o['cache_bytes'] / 1e6:.1f} MB, load "
-          f"{r['load_avg']:.1f}):")
+          f"(S_max={o['cache_len']}, cache {o['cache_bytes'] / 1e6:.1f} MB "
+          f"{o['cache_dtype']}, load {r['load_avg']:.1f}):")
     print(f"  compile {o['compile_s']:.1f} s | prefill {o['prefill_tok_s']:.0f} tok/s | "
           f"TTFT {o['ttft_s'] * 1e3:.0f} ms | decode {o['decode_tok_s']:.0f} tok/s")
     print(f"  step {o['step_ms']:.2f} ms; with a per-step callback {o['step_ms_callback']:.2f} "
