@@ -8,6 +8,8 @@ For each (batch, prompt length, new tokens) of the grid, on random weights of th
   decode tokens/s from a run without the callback;
 * the memory-bandwidth bound of a step: (bytes of weights + bytes of the KV cache, all read every
   step) / read bandwidth, measured in the same run with a large jitted matrix-vector product;
+* memory-bandwidth use: bytes read per step / step time, and on a GPU or TPU that per device
+  against the device's peak (``PEAK_GB_S``, the published figures, or ``--peak-gb-s``);
 * the step's matrix products alone (the same prepared weights and split, no attention): how
   close to the bound the weights alone can stream at this batch size on this machine;
 * a no-cache baseline on the same weights: a jitted full forward over the prompt per new token
@@ -63,6 +65,20 @@ def _median_time(fn, repeats: int) -> float:
 
 
 _BANDWIDTH_OPERANDS: dict[int, tuple[jax.Array, jax.Array, Any]] = {}
+
+#: Published peak memory bandwidth (GB/s) by a substring of ``device_kind``, first match wins;
+#: ``--peak-gb-s`` overrides it. CPUs have no entry: the measured matvec bandwidth stands in.
+PEAK_GB_S = (
+    ("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
+    ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0), ("A100", 1555.0),
+    ("L40S", 864.0), ("L4", 300.0), ("A10G", 600.0), ("V100", 900.0), ("T4", 320.0),
+    ("TPU v6 lite", 1640.0), ("TPU v5 lite", 819.0), ("TPU v5p", 2765.0), ("TPU v4", 1200.0),
+)
+
+
+def peak_bandwidth(device_kind: str) -> float | None:
+    """The published peak memory bandwidth of a device in GB/s, or None when not listed."""
+    return next((gb_s for name, gb_s in PEAK_GB_S if name in device_kind), None)
 
 
 def measure_bandwidth(nbytes: int = 256 << 20, repeats: int = 15) -> float:
@@ -132,6 +148,7 @@ def _bench_ours(config: ModelConfig, weights: decode.DecodeWeights, prompts: lis
         step_ms=step_ms, decode_tok_s=b / step_ms * 1e3,
         bandwidth_gb_s=statistics.median(bandwidths) / 1e9,
         bound_step_ms=nbytes / statistics.median(bandwidths) * 1e3,
+        step_bytes=nbytes, achieved_gb_s=nbytes / step_ms / 1e6,
         step_vs_bound=statistics.median(ratios), step_vs_bound_all=ratios,
         # With the per-step callback (its host round trip is included).
         step_ms_callback=float(np.median(series)),
@@ -283,6 +300,9 @@ def main(argv: list[str]) -> int:
                         "device per CPU core, 1 = a single device")
     parser.add_argument("--cache-dtype", default=None, choices=("float32", "bfloat16"),
                         help="KV cache storage dtype (default: the model's compute dtype)")
+    parser.add_argument("--peak-gb-s", type=float, default=None,
+                        help="the device's peak memory bandwidth in GB/s (default: the published "
+                        "figure for known GPUs/TPUs; none on CPU)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-hf", action="store_true", help="skip HuggingFace transformers")
     parser.add_argument("--no-baseline", action="store_true", help="skip the no-cache baseline")
@@ -321,6 +341,11 @@ def main(argv: list[str]) -> int:
           f"{len(jax.devices())}, tensor sizes {list(meshes)}, load average {_load():.2f}; "
           "prepare (with compile) " + ", ".join(f"tensor={t} {s:.2f} s"
                                                 for t, s in prepare_s.items()))
+    kind = jax.devices()[0].device_kind
+    peak = args.peak_gb_s or peak_bandwidth(kind)
+    if peak:
+        print(f"peak memory bandwidth of {kind}: {peak:.0f} GB/s"
+              + (" (given)" if args.peak_gb_s else " (published)"))
     hf_model = None if args.no_hf else _load_hf(config, params)
     records = []
     rng = np.random.default_rng(0)
@@ -343,6 +368,10 @@ def main(argv: list[str]) -> int:
             ours = _bench_ours(config, placed[t], prompts, n, args.repeats, s_max or None,
                                weight_bytes, args.cache_dtype)
             rec = dict(point, tensor=t, load_avg=_load(), ours=ours, prepare_s=prepare_s[t])
+            if peak:
+                # Per device: each of the T devices reads its 1/T of the bytes.
+                rec["peak_gb_s"] = peak
+                rec["bandwidth_use_vs_peak"] = ours["achieved_gb_s"] / t / peak
             weights_ms = _bench_weights_only(config, placed[t], b, n, args.repeats)
             rec["weights_only"] = dict(
                 step_ms=weights_ms, gb_s=weight_bytes / weights_ms / 1e6,
@@ -377,6 +406,9 @@ def _print_record(r: dict[str, Any]) -> None:
     print(f"  bandwidth {o['bandwidth_gb_s']:.1f} GB/s -> bound {o['bound_step_ms']:.2f} ms/step; "
           f"step / bound = {o['step_vs_bound']:.2f} (per repeat: "
           f"{', '.join(f'{x:.2f}' for x in o['step_vs_bound_all'])})")
+    print(f"  reads {o['step_bytes'] / 1e6:.0f} MB per step: {o['achieved_gb_s']:.1f} GB/s"
+          + (f", {r['bandwidth_use_vs_peak']:.0%} of each device's {r['peak_gb_s']:.0f} GB/s "
+             "peak" if "peak_gb_s" in r else ""))
     w = r["weights_only"]
     print(f"  the step's matrix products alone: {w['step_ms']:.2f} ms/step ({w['gb_s']:.1f} GB/s "
           f"of weights) = {w['vs_weight_bound']:.2f}x the weights' own bound")
