@@ -598,12 +598,13 @@ def forward(config: ModelConfig, params: Params, cache: DecodeCache, tokens: jax
       axis_name: the mesh axis the weights and cache are split over, or None.
       span: static; attend to the first ``span`` slots only (a prefill from an empty cache
         needs the T it writes), or to all S_max slots when None.
-      logits_at: optional [B] int32 index in [0, T) per row: compute the final norm and the
-        LM head for that token only.
+      logits_at: optional [B] int32 index in [0, T) per row, the token whose next-token logits
+        are wanted (a prompt's last real token); default the last of the T. The final norm and
+        the LM head run for that token only.
 
     Returns:
-      ([B, T, V] float32 logits for the next token at each position, or [B, V] at
-      ``logits_at``; the updated cache).
+      ([B, V] float32 next-token logits after token ``logits_at`` of each row, the updated
+      cache).
     """
     c = config
     dt = c.jnp_dtype
@@ -641,17 +642,14 @@ def forward(config: ModelConfig, params: Params, cache: DecodeCache, tokens: jax
         else:
             x = normed("attn_norm", x + attend(x))
             x = normed("mlp_norm", x + total(_ffn(c, p, x)))
-    if logits_at is not None:
-        x = x.reshape(c.d_model, b, t)[:, jnp.arange(b), logits_at]  # [D, B]
+    x = x.reshape(c.d_model, b, t)
+    x = x[:, :, -1] if logits_at is None else x[:, jnp.arange(b), logits_at]  # [D, B]
     x = norm.apply({"params": params["final_norm"]}, x.T).T
     logits = jax.lax.optimization_barrier(
         jnp.einsum("VD,DX->VX", params["head"], x, preferred_element_type=jnp.float32))
     if axis_name is not None and logits.shape[0] != c.vocab_size:
         logits = jax.lax.all_gather(logits, axis_name, axis=0, tiled=True)
-    cache = DecodeCache(k=tuple(new_k), v=tuple(new_v))
-    if logits_at is not None:
-        return logits.T, cache
-    return logits.T.reshape(b, t, -1), cache
+    return logits.T, DecodeCache(k=tuple(new_k), v=tuple(new_v))
 
 
 def decode_step(config: ModelConfig, params: Params, cache: DecodeCache, tokens: jax.Array,
@@ -662,9 +660,7 @@ def decode_step(config: ModelConfig, params: Params, cache: DecodeCache, tokens:
     Returns:
       ([B, V] float32 logits for the next token, updated cache).
     """
-    logits, cache = forward(config, params, cache, tokens[:, None], positions,
-                            axis_name=axis_name)
-    return logits[:, 0], cache
+    return forward(config, params, cache, tokens[:, None], positions, axis_name=axis_name)
 
 
 # Streaming ---------------------------------------------------------------------------------------
@@ -779,7 +775,7 @@ def _prefill_and_decode(config: ModelConfig, weights: Params, tokens: jax.Array,
         step=jnp.zeros((), jnp.int32),
         tokens=jnp.full((b, n), settings.pad_id, jnp.int32),
         logprobs=jnp.zeros((b, n), jnp.float32),
-        next_token=jnp.take_along_axis(tokens, last[:, None], axis=1)[:, 0].astype(jnp.int32),
+        next_token=jnp.zeros((b,), jnp.int32),  # the first advance sets it
         positions=last,
         done=jnp.zeros((b,), bool),
         num_tokens=jnp.zeros((b,), jnp.int32),
@@ -797,8 +793,8 @@ def _decode_loop(config: ModelConfig, dparams: Params, state: SamplingState,
     """Samples the first token from the prefill's logits, then the ``lax.while_loop`` of
     decode steps (one shard's view under ``shard_map``).
 
-    ``state.next_token``/``positions`` start at each prompt's last token; ``first_logits``
-    [B, V] are its next-token logits.
+    ``state.positions`` start at each prompt's last token and ``first_logits`` [B, V] are its
+    next-token logits; the first advance picks the first token from them.
     """
     n = max_new_tokens
     stop = jnp.asarray(settings.stop_tokens, jnp.int32)
@@ -1047,14 +1043,14 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
     logger.debug("generate: B=%d T=%d (longest prompt %d) N=%d S_max=%d, cache %.1f MB",
                  batch, padded, max(lengths), max_new_tokens, cache_size,
                  cache_bytes(config, batch, cache_size, cache_dtype) / 1e6)
+    if not isinstance(params, DecodeWeights):
+        params = prepare(config, params, mesh)
     stream_id = None
     if stream is not None:
         with _STREAM_LOCK:
             sid = next(_STREAM_IDS)
             _STREAMS[sid] = stream
         stream_id = np.int32(sid)
-    if not isinstance(params, DecodeWeights):
-        params = prepare(config, params, mesh)
     start = time.perf_counter()
     try:
         out_tokens, out_logprobs, num = _generate_jit(

@@ -198,7 +198,7 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
 
     fn = jax.jit(run, static_argnums=2)
     x = jnp.ones((config.d_model, batch), config.jnp_dtype)
-    # (2n iterations - n iterations) / n: the weight preparation outside the loop cancels.
+    # (2n iterations - n iterations) / n: dispatch and everything outside the loop cancel.
     times = {}
     for n in (steps, 2 * steps):
         jax.block_until_ready(fn(weights.params, x, n))
