@@ -7,10 +7,17 @@ code indentation and characters never seen in training. ``"char"`` models have o
 character of their training corpus and round-trip exactly any text made of those characters.
 
 Trained models reserve ids ``unk=0, bos=1, eos=2, pad=3``.
+
+A tokenizer built with a ``TokenizerConfig`` (as ``load_tokenizer`` does for a checkpoint
+directory) also encodes the config's special-token strings found in text (``<s>``, ``</s>``, ...)
+to their ids, as transformers does; without one (``Tokenizer.load``/``train``) every string is
+plain text. The split assumes a model without a dummy prefix or with ``legacy=False``-style
+handling of the text after a special token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -25,6 +32,7 @@ import numpy as np
 import sentencepiece as spm
 
 from transformer_jax.files import atomic_writer
+from transformer_jax.tokenizer.base import TokenizerConfig, as_id_array, check_ids
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +89,20 @@ class Tokenizer:
       path: The ``.model`` file this tokenizer was loaded from or written to, or None.
     """
 
-    def __init__(self, processor: spm.SentencePieceProcessor, path: Path | None = None):
+    def __init__(
+        self,
+        processor: spm.SentencePieceProcessor,
+        path: Path | None = None,
+        *,
+        config: TokenizerConfig | None = None,
+    ):
         """Wraps an already loaded processor.
 
         Args:
           processor: A loaded ``sentencepiece.SentencePieceProcessor`` with at least one piece.
           path: Where the model file lives, if anywhere.
+          config: The checkpoint's tokenizer settings (special tokens, add_bos_token, chat
+            template); None for a bare model, whose text never holds special tokens.
 
         Raises:
           ValueError: If the processor holds an empty model.
@@ -95,17 +111,36 @@ class Tokenizer:
             raise ValueError(f"SentencePiece model {path or '<in memory>'} has no pieces")
         self._sp = processor
         self.path = path
-        self._fingerprint = hashlib.sha256(processor.serialized_model_proto()).hexdigest()
+        self._config = config
+        digest = hashlib.sha256(processor.serialized_model_proto())
+        self._special_pieces: dict[str, int] = {}
+        if config is not None:
+            for token in config.all_special:
+                token_id = self.token_to_id(token)
+                if token_id is not None and token:
+                    self._special_pieces[token] = token_id
+        self._special_re: re.Pattern[str] | None = None
+        if self._special_pieces:
+            # Longest first, so that a special token containing another one wins.
+            alternatives = sorted(self._special_pieces, key=len, reverse=True)
+            self._special_re = re.compile("|".join(map(re.escape, alternatives)))
+            digest.update(json.dumps(sorted(self._special_pieces.items())).encode())
+        self._fingerprint = digest.hexdigest()
         self._marker_byte_ids = self._space_marker_byte_ids()
 
     # ----------------------------------------------------------------------------- construction
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Tokenizer:
+    def load(
+        cls, path: str | os.PathLike[str], *, config: TokenizerConfig | None = None
+    ) -> Tokenizer:
         """Loads a SentencePiece ``.model`` file (e.g. the Llama 2 tokenizer).
+
+        ``load_tokenizer`` also reads the directory's ``tokenizer_config.json``; this does not.
 
         Args:
           path: The ``.model`` file, or a directory holding ``tokenizer.model``.
+          config: Tokenizer settings to attach (see ``__init__``).
 
         Returns:
           The loaded tokenizer.
@@ -125,7 +160,7 @@ class Tokenizer:
             raise ValueError(f"{model_path} is not a valid SentencePiece model: {e}") from e
         if processor.get_piece_size() <= 0:
             raise ValueError(f"{model_path} is not a valid SentencePiece model: it has no pieces")
-        return cls(processor, model_path)
+        return cls(processor, model_path, config=config)
 
     @classmethod
     def train(
@@ -407,10 +442,88 @@ class Tokenizer:
         """The wrapped ``SentencePieceProcessor``."""
         return self._sp
 
+    @property
+    def add_bos_token(self) -> bool:
+        """Whether transformers prepends bos: the config's ``add_bos_token``, else True if the
+        model has a bos piece (``LlamaTokenizer``'s default)."""
+        if self._config is not None and self._config.add_bos_token is not None:
+            return self._config.add_bos_token and self.bos_id >= 0
+        return self.bos_id >= 0
+
+    @property
+    def add_eos_token(self) -> bool:
+        """Whether transformers appends eos: the config's ``add_eos_token``, else False."""
+        if self._config is not None and self._config.add_eos_token is not None:
+            return self._config.add_eos_token and self.eos_id >= 0
+        return False
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template of the attached config, if any."""
+        return None if self._config is None else self._config.chat_template
+
+    @property
+    def config(self) -> TokenizerConfig | None:
+        """The attached checkpoint settings, or None for a bare model."""
+        return self._config
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """Named special tokens: the config's, else the model's own unk/bos/eos/pad pieces."""
+        if self._config is not None and self._config.special:
+            return dict(self._config.special)
+        out = {}
+        for name, token_id in (
+            ("bos_token", self._sp.bos_id()),
+            ("eos_token", self._sp.eos_id()),
+            ("unk_token", self._sp.unk_id()),
+            ("pad_token", self._sp.pad_id()),
+        ):
+            if 0 <= token_id < self.vocab_size:
+                out[name] = self._sp.id_to_piece(token_id)
+        return out
+
     def id_to_piece(self, token_id: int) -> str:
         """Returns the piece string of ``token_id`` (validated to be in ``[0, V)``)."""
         self._check_ids(np.asarray([token_id]))
         return self._sp.id_to_piece(int(token_id))
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of piece ``token``, or None if the model has no such piece."""
+        token_id = self._sp.piece_to_id(token)
+        if token_id == self._sp.unk_id() and self._sp.id_to_piece(token_id) != token:
+            return None
+        return int(token_id)
+
+    def save(self, directory: str | os.PathLike[str]) -> list[Path]:
+        """Writes ``tokenizer.model`` and a ``tokenizer_config.json`` for ``LlamaTokenizer``.
+
+        ``load_tokenizer(directory)`` and transformers' ``AutoTokenizer.from_pretrained``
+        both load the result with the same ids for any text.
+
+        Args:
+          directory: Where to write (created if missing).
+
+        Returns:
+          The written files.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        model_path = directory / DEFAULT_MODEL_FILENAME
+        with atomic_writer(model_path) as f:
+            f.write(self._sp.serialized_model_proto())
+        config = self._config or TokenizerConfig()
+        config = dataclasses.replace(config, special=self.special_tokens)
+        config_path = config.write(
+            directory,
+            tokenizer_class="LlamaTokenizer",
+            add_bos_token=self.add_bos_token,
+            add_eos_token=self.add_eos_token,
+            # The text after a special token gets no dummy prefix, as encode does.
+            legacy=False,
+            add_prefix_space=self._has_dummy_prefix(),
+        )
+        return [model_path, config_path]
 
     # --------------------------------------------------------------------------- encode/decode
 
@@ -431,6 +544,30 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        if self._special_re is None:
+            ids = self._encode_text(text)
+        else:
+            ids = []
+            start = 0
+            for match in self._special_re.finditer(text):
+                if match.start() > start:
+                    ids.extend(self._encode_text(text[start : match.start()]))
+                ids.append(self._special_pieces[match.group()])
+                start = match.end()
+            if start < len(text):
+                ids.extend(self._encode_text(text[start:]))
+        if add_bos:
+            if self.bos_id < 0:
+                raise ValueError(f"tokenizer {self.path} has no bos piece; cannot add_bos")
+            ids.insert(0, self.bos_id)
+        if add_eos:
+            if self.eos_id < 0:
+                raise ValueError(f"tokenizer {self.path} has no eos piece; cannot add_eos")
+            ids.append(self.eos_id)
+        return ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        """Encodes text that holds no special token."""
         if self._marker_byte_ids and _SPACE_MARKER in text:
             # Encode the literal U+2581 as its bytes so it does not come back as a space.
             ids: list[int] = []
@@ -441,14 +578,6 @@ class Tokenizer:
                     ids.extend(self._sp.encode(part))
         else:
             ids = self._sp.encode(text)
-        if add_bos:
-            if self.bos_id < 0:
-                raise ValueError(f"tokenizer {self.path} has no bos piece; cannot add_bos")
-            ids.insert(0, self.bos_id)
-        if add_eos:
-            if self.eos_id < 0:
-                raise ValueError(f"tokenizer {self.path} has no eos piece; cannot add_eos")
-            ids.append(self.eos_id)
         return ids
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
@@ -463,20 +592,19 @@ class Tokenizer:
         Raises:
           ValueError: If ``ids`` is not 1-D or holds an id outside ``[0, V)``.
         """
-        array = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
+        array = as_id_array(ids)
         if array.size == 0:
             return ""
-        if array.ndim != 1:
-            raise ValueError(f"decode expects a 1-D sequence of ids, got shape {array.shape}")
-        if not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"decode expects integer ids, got dtype {array.dtype}")
         self._check_ids(array)
         return self._sp.decode(array.tolist())
 
     def _check_ids(self, array: np.ndarray) -> None:
-        bad = array[(array < 0) | (array >= self.vocab_size)]
-        if bad.size:
-            raise ValueError(f"token id {int(bad[0])} is outside [0, {self.vocab_size})")
+        check_ids(array, self.vocab_size)
+
+    def _has_dummy_prefix(self) -> bool:
+        """Whether the model prepends a space marker to the text (``add_dummy_prefix``)."""
+        pieces = self._sp.encode("x", out_type=str)
+        return bool(pieces) and pieces[0].startswith(_SPACE_MARKER)
 
     def _space_marker_byte_ids(self) -> list[int]:
         """Byte-piece ids spelling U+2581, if the model can use them without side effects."""
@@ -485,8 +613,7 @@ class Tokenizer:
         if not all(self._sp.is_byte(i) for i in ids):
             return []
         # With a dummy prefix every separately encoded part would gain a leading space.
-        first_piece = self._sp.encode("x", out_type=str)[0]
-        if first_piece.startswith(_SPACE_MARKER):
+        if self._has_dummy_prefix():
             return []
         return ids
 
@@ -598,10 +725,12 @@ def _resolve_output(output: str | os.PathLike[str]) -> Path:
 __all__ = [
     "BOS_ID",
     "EOS_ID",
+    "DEFAULT_MODEL_FILENAME",
     "MODEL_TYPES",
     "PAD_ID",
     "UNK_ID",
     "ModelType",
+    "Source",
     "Tokenizer",
     "read_utf8",
     "train_or_load",

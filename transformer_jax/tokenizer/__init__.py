@@ -1,0 +1,50 @@
+"""Tokenizers: SentencePiece models (trained here or Llama 2's) and HuggingFace tokenizer.json.
+
+Modules:
+  base         the ``TextTokenizer`` interface and the checkpoint's ``TokenizerConfig``
+  spm_backend  ``Tokenizer``: SentencePiece ``.model`` files; training and caching
+  hf_backend   ``HFTokenizer``: ``tokenizer.json`` through the ``tokenizers`` library
+  chat         rendering a checkpoint's Jinja chat template as transformers does
+  loader       ``load_tokenizer``: the right backend for a checkpoint directory
+
+``from transformer_jax.tokenizer import Tokenizer`` is the SentencePiece tokenizer, as before.
+"""
+
+from transformer_jax.tokenizer.base import TextTokenizer, TokenizerConfig
+from transformer_jax.tokenizer.chat import ChatTemplate, ChatTemplateError, render_chat
+from transformer_jax.tokenizer.hf_backend import HFTokenizer
+from transformer_jax.tokenizer.loader import load_tokenizer
+from transformer_jax.tokenizer.spm_backend import (
+    BOS_ID,
+    DEFAULT_MODEL_FILENAME,
+    EOS_ID,
+    MODEL_TYPES,
+    PAD_ID,
+    UNK_ID,
+    ModelType,
+    Source,
+    Tokenizer,
+    read_utf8,
+    train_or_load,
+)
+
+__all__ = [
+    "BOS_ID",
+    "DEFAULT_MODEL_FILENAME",
+    "EOS_ID",
+    "MODEL_TYPES",
+    "PAD_ID",
+    "UNK_ID",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "HFTokenizer",
+    "ModelType",
+    "Source",
+    "TextTokenizer",
+    "Tokenizer",
+    "TokenizerConfig",
+    "load_tokenizer",
+    "read_utf8",
+    "render_chat",
+    "train_or_load",
+]

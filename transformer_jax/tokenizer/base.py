@@ -1,0 +1,309 @@
+"""The interface every tokenizer backend implements, and the checkpoint's tokenizer settings.
+
+A published checkpoint directory describes its tokenizer with the model file
+(``tokenizer.json`` or ``tokenizer.model``) plus settings that transformers reads from
+``tokenizer_config.json``, the legacy ``special_tokens_map.json`` and ``chat_template.jinja``:
+which strings are the bos/eos/unk/pad tokens, which other strings are special, whether encoding
+adds bos/eos, and the chat template. ``TokenizerConfig`` holds those settings, read and written
+the way transformers does, so that both backends share them.
+
+Id convention for every backend: ``bos_id``/``eos_id``/``unk_id`` are -1 when the tokenizer has no
+such token; ``pad_id`` is always a usable id (the pad token, else eos, else unk, else 0), because
+padded positions are masked out of the loss anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+# The named special tokens of transformers, in its order; chat templates see them as variables.
+NAMED_SPECIAL_TOKENS: tuple[str, ...] = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+@runtime_checkable
+class TextTokenizer(Protocol):
+    """What the data pipeline, chat rendering and generation need from a tokenizer.
+
+    Implemented by ``Tokenizer`` (SentencePiece ``tokenizer.model``) and ``HFTokenizer``
+    (``tokenizer.json``); ``load_tokenizer`` picks one for a checkpoint directory.
+    """
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids V (added tokens included); every id is in ``[0, V)``."""
+        ...
+
+    @property
+    def bos_id(self) -> int:
+        """Beginning-of-sequence id, or -1 if there is none."""
+        ...
+
+    @property
+    def eos_id(self) -> int:
+        """End-of-sequence id, or -1 if there is none."""
+        ...
+
+    @property
+    def pad_id(self) -> int:
+        """Id to pad with: the pad token, else eos, else unk, else 0 (never -1)."""
+        ...
+
+    @property
+    def fingerprint(self) -> str:
+        """Hex digest that changes whenever the ids produced for some text could change."""
+        ...
+
+    @property
+    def add_bos_token(self) -> bool:
+        """Whether transformers' ``tokenizer(text)`` prepends bos for this checkpoint."""
+        ...
+
+    @property
+    def add_eos_token(self) -> bool:
+        """Whether transformers' ``tokenizer(text)`` appends eos for this checkpoint."""
+        ...
+
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's Jinja chat template source, if it has one."""
+        ...
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """The named special tokens that are set, e.g. ``{"bos_token": "<s>", ...}``."""
+        ...
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Text -> ids [T]; special-token strings in the text become their ids."""
+        ...
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        """Ids [T] -> text."""
+        ...
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The vocabulary string of one id."""
+        ...
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a vocabulary string, or None if it is not one."""
+        ...
+
+    def save(self, directory: str | os.PathLike[str]) -> list[Path]:
+        """Writes the files that ``load_tokenizer`` and ``AutoTokenizer`` reload it from."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    """A checkpoint's tokenizer settings, as transformers reads them.
+
+    Attributes:
+      special: The named special tokens that are set (``bos_token``, ``eos_token``, ...).
+      extra_special: Further special strings (``additional_special_tokens`` /
+        ``extra_special_tokens`` and special entries of ``added_tokens_decoder``), in order.
+      added_tokens: ``added_tokens_decoder`` of the config: id -> token string.
+      add_bos_token: The config's ``add_bos_token``, None when the config does not say.
+      add_eos_token: The config's ``add_eos_token``, None when the config does not say.
+      chat_template: The default chat template source, if any.
+      clean_up_tokenization_spaces: The config's decode clean-up switch.
+      raw: The whole ``tokenizer_config.json`` as read (written back, updated, on save).
+    """
+
+    special: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    extra_special: tuple[str, ...] = ()
+    added_tokens: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    add_bos_token: bool | None = None
+    add_eos_token: bool | None = None
+    chat_template: str | None = None
+    clean_up_tokenization_spaces: bool = False
+    raw: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def all_special(self) -> list[str]:
+        """Every special string (named first, then extra), without duplicates."""
+        return list(dict.fromkeys([*self.special.values(), *self.extra_special]))
+
+    @classmethod
+    def read(cls, directory: str | os.PathLike[str]) -> TokenizerConfig:
+        """Reads the settings files of a checkpoint directory (all optional).
+
+        As transformers does: ``special_tokens_map.json`` overrides the config's named tokens
+        unless the config has ``added_tokens_decoder``; ``chat_template.jinja`` overrides the
+        config's ``chat_template``; a list of named templates yields the ``"default"`` one.
+
+        Args:
+          directory: The checkpoint (or tokenizer) directory.
+
+        Returns:
+          The settings; defaults where a file or key is absent.
+
+        Raises:
+          ValueError: If a settings file is not valid JSON (the message names the file).
+        """
+        directory = Path(directory)
+        raw = _read_json(directory / CONFIG_FILE)
+        settings = dict(raw)
+        if "added_tokens_decoder" not in raw:
+            for key, value in _read_json(directory / SPECIAL_TOKENS_MAP_FILE).items():
+                settings[key] = value
+        special = {
+            key: _token_content(settings[key])
+            for key in NAMED_SPECIAL_TOKENS
+            if settings.get(key) is not None
+        }
+        extra: list[str] = []
+        for key in ("additional_special_tokens", "extra_special_tokens"):
+            value = settings.get(key) or []
+            if isinstance(value, Mapping):  # model-specific named tokens
+                for name, token in value.items():
+                    special.setdefault(str(name), _token_content(token))
+            else:
+                extra.extend(_token_content(token) for token in value)
+        added: dict[int, str] = {}
+        for index, token in (raw.get("added_tokens_decoder") or {}).items():
+            added[int(index)] = _token_content(token)
+            if isinstance(token, Mapping) and token.get("special", False):
+                extra.append(_token_content(token))
+        template = raw.get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+            named = {item["name"]: item["template"] for item in template}
+            template = named.get("default")
+        template_file = directory / CHAT_TEMPLATE_FILE
+        if template_file.is_file():
+            template = template_file.read_text(encoding="utf-8")
+        return cls(
+            special=special,
+            extra_special=tuple(dict.fromkeys(t for t in extra if t not in special.values())),
+            added_tokens=added,
+            add_bos_token=_optional_bool(raw.get("add_bos_token")),
+            add_eos_token=_optional_bool(raw.get("add_eos_token")),
+            chat_template=template,
+            clean_up_tokenization_spaces=bool(raw.get("clean_up_tokenization_spaces", False)),
+            raw=raw,
+        )
+
+    def to_json(self, **overrides: Any) -> dict[str, Any]:
+        """The ``tokenizer_config.json`` content: the raw config updated with these settings.
+
+        Args:
+          **overrides: Keys to set last (e.g. ``tokenizer_class``, ``add_bos_token``).
+
+        Returns:
+          A JSON-serialisable dict. Keys that transformers would resolve to other files
+          (``tokenizer_file``, ``vocab_file``, ``name_or_path``) are dropped.
+        """
+        out = {
+            k: v
+            for k, v in self.raw.items()
+            if k not in ("tokenizer_file", "vocab_file", "name_or_path", "auto_map")
+        }
+        for key in NAMED_SPECIAL_TOKENS:
+            out.pop(key, None)
+        out.update(self.special)
+        if self.extra_special:
+            out.pop("additional_special_tokens", None)
+            out["extra_special_tokens"] = list(self.extra_special)
+        if self.chat_template is not None:
+            out["chat_template"] = self.chat_template
+        out["clean_up_tokenization_spaces"] = self.clean_up_tokenization_spaces
+        out.update(overrides)
+        return out
+
+    def write(self, directory: Path, **overrides: Any) -> Path:
+        """Writes ``to_json(**overrides)`` to ``directory/tokenizer_config.json``."""
+        path = directory / CONFIG_FILE
+        path.write_text(
+            json.dumps(self.to_json(**overrides), indent=2, ensure_ascii=False) + "\n",
+            encoding="utf-8",
+        )
+        return path
+
+
+def special_token_ids(
+    config: TokenizerConfig, lookup: Any, names: Sequence[str] = ("bos_token", "eos_token")
+) -> dict[str, int]:
+    """Ids of named special tokens via ``lookup(token) -> int | None``; -1 when unset/unknown."""
+    out = {}
+    for name in names:
+        token = config.special.get(name)
+        token_id = lookup(token) if token is not None else None
+        out[name] = -1 if token_id is None else int(token_id)
+    return out
+
+
+def check_ids(array: np.ndarray, vocab_size: int) -> None:
+    """Raises ValueError naming the first id outside ``[0, vocab_size)``."""
+    bad = array[(array < 0) | (array >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"token id {int(bad[0])} is outside [0, {vocab_size})")
+
+
+def as_id_array(ids: Iterable[int] | np.ndarray) -> np.ndarray:
+    """A 1-D integer array [T] of ``ids``; raises ValueError for other shapes or dtypes."""
+    array = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
+    if array.size == 0:
+        return array.astype(np.int64).reshape(0)
+    if array.ndim != 1:
+        raise ValueError(f"decode expects a 1-D sequence of ids, got shape {array.shape}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"decode expects integer ids, got dtype {array.dtype}")
+    return array
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(token: Any) -> str:
+    """A token string from a config value: a str or an ``AddedToken`` dict with ``content``."""
+    if isinstance(token, Mapping):
+        return str(token["content"])
+    return str(token)
+
+
+def _optional_bool(value: Any) -> bool | None:
+    return None if value is None else bool(value)
+
+
+__all__ = [
+    "CHAT_TEMPLATE_FILE",
+    "CONFIG_FILE",
+    "NAMED_SPECIAL_TOKENS",
+    "SPECIAL_TOKENS_MAP_FILE",
+    "TextTokenizer",
+    "TokenizerConfig",
+    "as_id_array",
+    "check_ids",
+    "special_token_ids",
+]

@@ -1,0 +1,315 @@
+"""Tokenizers of checkpoints that ship a HuggingFace ``tokenizer.json`` (Llama 3, Qwen2, Mistral).
+
+The ``tokenizers`` library runs the model file itself; this module applies the checkpoint's
+``tokenizer_config.json`` on top the way transformers' fast tokenizers do: special tokens named in
+the config that the file lacks are added as special tokens; ``encode`` matches
+``tokenizer.encode(text, add_special_tokens=False)`` (special-token strings in the text become
+their ids) and ``decode`` matches ``tokenizer.decode(ids)`` (special tokens kept).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import tokenizers
+
+from transformer_jax.tokenizer.base import TokenizerConfig, as_id_array, check_ids
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILE = "tokenizer.json"
+# Written as the class of saved tokenizers that had none: transformers then uses tokenizer.json
+# exactly as stored (v5 maps it to TokenizersBackend).
+DEFAULT_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+
+
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` with the checkpoint's special tokens and settings.
+
+    Attributes:
+      path: The ``tokenizer.json`` it was loaded from, or None.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        config: TokenizerConfig | None = None,
+        path: Path | None = None,
+    ):
+        """Wraps a loaded ``tokenizers.Tokenizer`` (copied; the argument is not modified).
+
+        Args:
+          backend: The tokenizer model, e.g. ``tokenizers.Tokenizer.from_file(...)``.
+          config: The checkpoint's settings; None for none (no named special tokens).
+          path: Where ``tokenizer.json`` lives, if anywhere.
+        """
+        self._tok = tokenizers.Tokenizer.from_str(backend.to_str())
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self._config = config or TokenizerConfig()
+        self.path = path
+        present = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        missing = [t for t in self._config.all_special if t and t not in present]
+        if missing:
+            # transformers adds every named/extra special token that is not an added token yet.
+            self._tok.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in missing])
+            logger.info("added special tokens %s to %s", missing, path or "tokenizer")
+        ids = {name: self._lookup(token) for name, token in self._config.special.items()}
+        self._bos = ids.get("bos_token")
+        self._eos = ids.get("eos_token")
+        self._unk = ids.get("unk_token")
+        self._pad = ids.get("pad_token")
+        self._add_bos, self._add_eos = self._default_bos_eos()
+        serialised = self._tok.to_str()
+        self._model_type = json.loads(serialised)["model"].get("type")
+        digest = hashlib.sha256(serialised.encode())
+        digest.update(json.dumps(self._config.special, sort_keys=True).encode())
+        self._fingerprint = digest.hexdigest()
+
+    # ----------------------------------------------------------------------------- construction
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike[str], *, config: TokenizerConfig | None = None
+    ) -> HFTokenizer:
+        """Loads ``tokenizer.json`` and, unless ``config`` is given, its directory's settings.
+
+        Args:
+          path: A ``tokenizer.json`` file or a directory holding one.
+          config: Settings to use instead of reading ``tokenizer_config.json`` beside it.
+
+        Returns:
+          The tokenizer.
+
+        Raises:
+          FileNotFoundError: If there is no such file.
+          ValueError: If the file is not a valid ``tokenizers`` model.
+        """
+        file = Path(path)
+        if file.is_dir():
+            file = file / TOKENIZER_FILE
+        if not file.is_file():
+            raise FileNotFoundError(f"tokenizer file not found: {file}")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as e:  # the Rust side raises plain Exception
+            raise ValueError(f"{file} is not a valid tokenizer.json: {e}") from e
+        if config is None:
+            config = TokenizerConfig.read(file.parent)
+        return cls(backend, config, file)
+
+    # ------------------------------------------------------------------------------- properties
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The wrapped ``tokenizers.Tokenizer`` (with the added special tokens)."""
+        return self._tok
+
+    @property
+    def config(self) -> TokenizerConfig:
+        """The checkpoint settings."""
+        return self._config
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids V, added tokens included (transformers' ``len(tokenizer)``)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_id(self) -> int:
+        """Id of ``bos_token``; -1 if the config names none (e.g. Qwen2)."""
+        return -1 if self._bos is None else self._bos
+
+    @property
+    def eos_id(self) -> int:
+        """Id of ``eos_token``; -1 if the config names none."""
+        return -1 if self._eos is None else self._eos
+
+    @property
+    def unk_id(self) -> int:
+        """Id of ``unk_token``; -1 if the config names none."""
+        return -1 if self._unk is None else self._unk
+
+    @property
+    def pad_id(self) -> int:
+        """Id of ``pad_token``, else eos, else unk, else 0."""
+        for candidate in (self._pad, self._eos, self._unk):
+            if candidate is not None:
+                return candidate
+        return 0
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of the serialised tokenizer and its named special tokens."""
+        return self._fingerprint
+
+    @property
+    def add_bos_token(self) -> bool:
+        """Whether transformers' ``tokenizer(text)`` prepends bos: the config's
+        ``add_bos_token`` if set, else what ``tokenizer.json``'s post-processor does."""
+        return self._add_bos
+
+    @property
+    def add_eos_token(self) -> bool:
+        """As ``add_bos_token``, for eos at the end."""
+        return self._add_eos
+
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's chat template source, if any."""
+        return self._config.chat_template
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """The named special tokens that are set (``bos_token``, ``eos_token``, ...)."""
+        return dict(self._config.special)
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The vocabulary string of ``token_id`` (validated to be in ``[0, V)``)."""
+        check_ids(np.asarray([token_id]), self.vocab_size)
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            raise ValueError(f"token id {token_id} has no vocabulary entry")
+        return piece
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of vocabulary string ``token``, or None."""
+        return self._lookup(token)
+
+    # --------------------------------------------------------------------------- encode/decode
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Encodes text; special-token strings in it become their ids.
+
+        Args:
+          text: Any string.
+          add_bos: Prepend ``bos_id``.
+          add_eos: Append ``eos_id``.
+
+        Returns:
+          Token ids [T], each in ``[0, V)``.
+
+        Raises:
+          TypeError: If ``text`` is not a str.
+          ValueError: If bos/eos is requested but the tokenizer has none.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        ids = self._tok.encode(text, add_special_tokens=False).ids if text else []
+        if add_bos:
+            if self._bos is None:
+                raise ValueError(f"tokenizer {self.path} has no bos token; cannot add_bos")
+            ids.insert(0, self._bos)
+        if add_eos:
+            if self._eos is None:
+                raise ValueError(f"tokenizer {self.path} has no eos token; cannot add_eos")
+            ids.append(self._eos)
+        return ids
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        """Decodes ids [T] to text, special tokens included, as ``tokenizer.decode(ids)`` does.
+
+        Raises:
+          ValueError: If ``ids`` is not 1-D integers or holds an id outside ``[0, V)``.
+        """
+        array = as_id_array(ids)
+        if array.size == 0:
+            return ""
+        check_ids(array, self.vocab_size)
+        text = self._tok.decode(array.tolist(), skip_special_tokens=False)
+        # transformers skips the clean-up for BPE models, where it would corrupt the text.
+        if self._config.clean_up_tokenization_spaces and self._model_type != "BPE":
+            text = _clean_up_tokenization(text)
+        return text
+
+    # ------------------------------------------------------------------------------------- save
+
+    def save(self, directory: str | os.PathLike[str]) -> list[Path]:
+        """Writes ``tokenizer.json`` and ``tokenizer_config.json`` (special tokens, bos/eos
+        switches, chat template), which ``load_tokenizer`` and ``AutoTokenizer`` both load.
+
+        Args:
+          directory: Where to write (created if missing).
+
+        Returns:
+          The written files.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        file = directory / TOKENIZER_FILE
+        self._tok.save(str(file))
+        added = {
+            str(i): {
+                "content": t.content,
+                "lstrip": t.lstrip,
+                "rstrip": t.rstrip,
+                "normalized": t.normalized,
+                "single_word": t.single_word,
+                "special": t.special,
+            }
+            for i, t in sorted(self._tok.get_added_tokens_decoder().items())
+        }
+        overrides: dict[str, object] = {
+            "tokenizer_class": self._config.raw.get("tokenizer_class", DEFAULT_TOKENIZER_CLASS),
+            "added_tokens_decoder": added,
+        }
+        if self._config.add_bos_token is not None or self._config.add_eos_token is not None:
+            overrides["add_bos_token"] = self._add_bos
+            overrides["add_eos_token"] = self._add_eos
+        return [file, self._config.write(directory, **overrides)]
+
+    # -------------------------------------------------------------------------------- internals
+
+    def _lookup(self, token: str) -> int | None:
+        token_id = self._tok.token_to_id(token)
+        return None if token_id is None else int(token_id)
+
+    def _default_bos_eos(self) -> tuple[bool, bool]:
+        """What transformers adds around ``tokenizer(text)`` for this checkpoint.
+
+        An explicit ``add_bos_token``/``add_eos_token`` in the config makes transformers rebuild
+        the post-processor from them; otherwise ``tokenizer.json``'s post-processor decides, so
+        probe it on a sample text.
+        """
+        config = self._config
+        if config.add_bos_token is not None or config.add_eos_token is not None:
+            return (
+                bool(config.add_bos_token) and self._bos is not None,
+                bool(config.add_eos_token) and self._eos is not None,
+            )
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        extra = len(full) - len(plain)
+        add_bos = extra > 0 and self._bos is not None and full[0] == self._bos
+        add_eos = extra - int(add_bos) > 0 and self._eos is not None and full[-1] == self._eos
+        return add_bos, add_eos
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """Drops the space before punctuation and contractions (transformers' decode clean-up)."""
+    for spaced, joined in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
+        text = text.replace(spaced, joined)
+    return text
+
+
+__all__ = ["DEFAULT_TOKENIZER_CLASS", "TOKENIZER_FILE", "HFTokenizer"]
