@@ -10,19 +10,30 @@ or counted towards ``keep``. The data position needs no saving: batches are a pu
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
+import json
 import logging
 import os
+import shutil
 import tempfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
+
+from transformer_jax.files import atomic_writer
 
 logger = logging.getLogger(__name__)
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
+
+T = TypeVar("T")
 
 
 def ensure_writable_dir(directory: str | os.PathLike[str], what: str = "directory") -> Path:
@@ -52,11 +63,55 @@ def ensure_writable_dir(directory: str | os.PathLike[str], what: str = "director
     return path
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message is one line naming the path."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint directory exists but is unreadable (missing, truncated or altered files).
+
+    Attributes:
+      path: the step directory.
+      reason: what is wrong, one line.
+    """
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"checkpoint {path} is damaged: {reason}")
+        self.path, self.reason = path, reason
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The saved state has another structure or other shapes than the one asked for (e.g. the
+    checkpoint was written for another model).
+
+    Attributes:
+      path: the step directory.
+      differences: one line per differing entry (path: saved vs requested).
+    """
+
+    def __init__(self, path: Path, differences: list[str]) -> None:
+        shown = "; ".join(differences[:8])
+        more = f"; and {len(differences) - 8} more" if len(differences) > 8 else ""
+        super().__init__(f"checkpoint {path} holds another state than requested: {shown}{more}")
+        self.path, self.differences = path, differences
+
+
+class _Vanished(Exception):
+    """The step directory disappeared while it was being read (a live run rotated it away)."""
+
+
 class CheckpointManager:
     """Saves and restores train states in ``directory/<step>``, keeping the last ``keep``.
 
     Saves are asynchronous: ``save`` returns once the arrays are copied off the device and the
-    files are written by a background thread; ``wait`` blocks until that is done.
+    files are written by a background thread; ``wait`` blocks until that is done. A failed write
+    (a full disk, say) surfaces from the next ``save``, ``wait`` or ``close`` as one
+    ``CheckpointError``; the earlier checkpoints are kept.
+
+    Once a save is complete, the size and SHA-256 of each of its files are recorded in
+    ``<step>/CHECKSUMS.json`` so that a later restore detects truncated or bit-flipped files
+    (which orbax itself may read without complaint). A checkpoint committed but not yet summed
+    when its writer died is still restored, checked only for its metadata files.
 
     Args:
       directory: where the step directories go (created if missing).
@@ -71,10 +126,15 @@ class CheckpointManager:
         self.directory = ensure_writable_dir(directory, "checkpoint directory")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
-        self._manager = ocp.CheckpointManager(
+        self._manager = _retry_listing(lambda: ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={STATE_ITEM: ocp.StandardCheckpointHandler(),
-                           META_ITEM: ocp.JsonCheckpointHandler()})
+                           META_ITEM: ocp.JsonCheckpointHandler()}))
+        self._in_flight: int | None = None  # the step being written, until checked complete
+        self._failed: CheckpointError | None = None
+        self._failed_step: int | None = None
+        self._quiet = _QuietOrbaxErrors()
+        logging.getLogger("absl").addFilter(self._quiet)
 
     def all_steps(self) -> list[int]:
         """Steps of the checkpoints, ascending: the complete ones found on disk when this
@@ -91,6 +151,8 @@ class CheckpointManager:
         """The directory of the checkpoint of ``step``."""
         return self.directory / str(step)
 
+    # Saving -------------------------------------------------------------------------------------
+
     def save(self, step: int, state: Any, meta: dict[str, Any] | None = None) -> bool:
         """Starts saving ``state`` (any pytree of arrays) as the checkpoint of ``step``.
 
@@ -101,69 +163,509 @@ class CheckpointManager:
 
         Returns:
           True if a save was started, False if a checkpoint of this step already exists.
+
+        Raises:
+          CheckpointError: the previous save failed (e.g. ``No space left on device``), or
+            this one could not be started; named in one line.
         """
         # One save in flight at a time; waiting first also lets orbax see the previous save
         # as complete when it picks the old checkpoints to delete.
-        self._manager.wait_until_finished()
+        self.wait()
         if step in self.all_steps():
             return False
         args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state),
                                      META_ITEM: ocp.args.JsonSave(meta or {})})
-        saved = self._manager.save(step, args=args, force=True)
+        self._in_flight = step
+        try:
+            saved = self._manager.save(step, args=args, force=True)
+        except Exception as e:
+            raise self._write_failed(step, e) from None
         logger.debug("checkpoint of step %d started -> %s", step, self.step_path(step))
         return saved
 
-    def restore(self, abstract_state: Any | None, step: int | None = None
-                ) -> tuple[Any, dict[str, Any]]:
+    def wait(self) -> None:
+        """Blocks until the save in flight (if any) is complete on disk and summed.
+
+        Raises:
+          CheckpointError: the save failed; the message names the step directory and the
+            cause (``could not write checkpoint <path>: No space left on device``).
+        """
+        if self._failed is not None:
+            raise self._failed
+        step = self._in_flight
+        try:
+            self._manager.wait_until_finished()
+            if step is not None:
+                self._manager.check_for_errors()
+        except Exception as e:
+            raise self._write_failed(step, e) from None
+        if step is not None:
+            self._in_flight = None
+            if self.step_path(step).is_dir():  # not already rotated away
+                try:
+                    write_checksums(self.step_path(step))
+                except OSError as e:
+                    raise self._write_failed(step, e) from None
+
+    def _write_failed(self, step: int | None, error: BaseException) -> CheckpointError:
+        """The one error reported for a failed save, after removing its partial files."""
+        path = self.step_path(step) if step is not None else self.directory
+        if any(getattr(e, "errno", None) == errno.ENOSPC for e in _chain(error)) or (
+                "No space left on device" in str(error)):
+            reason = os.strerror(errno.ENOSPC)
+        else:
+            reason = _reason(error)
+        logger.debug("checkpoint save of %s failed", path, exc_info=error)
+        self._failed_step = step
+        self._remove_partial()
+        self._in_flight = None
+        self._failed = CheckpointError(f"could not write checkpoint {path}: {reason}")
+        return self._failed
+
+    def _remove_partial(self) -> None:
+        """Frees the space the failed save took (its temporary directory); the committed
+        checkpoints stay."""
+        if self._failed_step is not None:
+            for partial in self.directory.glob(f"{self._failed_step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+
+    # Reading ------------------------------------------------------------------------------------
+
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        """Reads the ``meta`` dict saved with a checkpoint, without reading any array.
+
+        Lets a caller compare the saved configs with the current ones before restoring (and
+        name the differing keys) instead of failing inside orbax.
+
+        Args:
+          step: which checkpoint; by default the newest complete one whose meta is readable.
+
+        Returns:
+          The dict passed to ``save(..., meta=...)``.
+
+        Raises:
+          FileNotFoundError: there is no checkpoint (of that step).
+          DamagedCheckpointError: the meta of the given step is unreadable.
+        """
+        self.wait()
+        if step is not None:
+            return _read_meta_file(self.step_path(step))
+        steps = _disk_steps(self.directory)
+        if not steps:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        errors = []
+        for s in reversed(steps):
+            try:
+                return _read_meta_file(self.step_path(s))
+            except (DamagedCheckpointError, FileNotFoundError) as e:
+                errors.append(str(e))
+        raise CheckpointError(f"no checkpoint in {self.directory} has a readable meta: "
+                              + "; ".join(errors))
+
+    def restore(self, abstract_state: Any | None, step: int | None = None, *,
+                quarantine: bool = True, attempts: int = 20) -> tuple[Any, dict[str, Any]]:
         """Reads a checkpoint into arrays shaped, typed and placed like ``abstract_state``.
+
+        With ``step=None`` the newest intact checkpoint is read: a damaged newer one is
+        reported in one warning and (with ``quarantine``) renamed to ``<step>.damaged-<n>``,
+        never deleted; one that disappears while being read (a live run keeping one checkpoint
+        rotated it away) makes the steps be listed again and the newest then present be read.
 
         Args:
           abstract_state: a pytree of ``jax.ShapeDtypeStruct`` (with shardings) or arrays, of
             the same structure as the saved state; None reads the saved tree as it is (nested
             dicts of arrays on the first device, e.g. for inspection).
-          step: which checkpoint; the latest complete one by default.
+          step: which checkpoint; the latest intact one by default.
+          quarantine: rename damaged checkpoints aside (the owner of the run should; a reader
+            of another process's live run should pass False and only skip them).
+          attempts: how many unreadable checkpoints to go past before giving up.
 
         Returns:
           ``(state, meta)``.
 
         Raises:
           FileNotFoundError: if there is no checkpoint (of that step).
+          DamagedCheckpointError: the given ``step`` is damaged.
+          CheckpointMismatchError: the saved state differs in structure or shapes from
+            ``abstract_state`` (not treated as damage).
+          CheckpointError: every checkpoint is damaged (or kept vanishing).
         """
-        self._manager.wait_until_finished()
-        steps = self.all_steps()
-        if step is None:
+        def read(s: int) -> tuple[Any, dict[str, Any]]:
+            return self._restore_step(s, abstract_state)
+
+        return self._read_newest(read, step, quarantine=quarantine, attempts=attempts)
+
+    def restore_params(self, abstract_params: Any | None = None, step: int | None = None, *,
+                       attempts: int = 20) -> tuple[Any, dict[str, Any]]:
+        """Reads only the ``params`` subtree of a saved train state (no optimizer moments).
+
+        Orbax's partial restore reads just the listed arrays, so this costs a third of a full
+        restore with Adam. Damaged or vanishing checkpoints are skipped as by ``restore``
+        (never renamed: this is the reader's path, e.g. generating from a live run).
+
+        Args:
+          abstract_params: a pytree of ``jax.ShapeDtypeStruct`` or arrays like the params;
+            None reads them as saved (nested dicts on the first device).
+          step: which checkpoint; the latest intact one by default.
+          attempts: how many unreadable checkpoints to go past before giving up.
+
+        Returns:
+          ``(params, meta)``.
+
+        Raises:
+          Like ``restore``; also CheckpointMismatchError if the state has no ``params``.
+        """
+        def read(s: int) -> tuple[Any, dict[str, Any]]:
+            return self._restore_params_step(s, abstract_params)
+
+        return self._read_newest(read, step, quarantine=False, attempts=attempts)
+
+    def _read_newest(self, read: Any, step: int | None, *, quarantine: bool, attempts: int
+                     ) -> tuple[Any, dict[str, Any]]:
+        self.wait()
+        if step is not None:
+            if step not in _disk_steps(self.directory):
+                raise FileNotFoundError(
+                    f"no complete checkpoint of step {step} in {self.directory}; available: "
+                    f"{_disk_steps(self.directory)}")
+            try:
+                return read(step)
+            except _Vanished:
+                raise FileNotFoundError(f"checkpoint {self.step_path(step)} disappeared while "
+                                        "it was being read") from None
+        skipped: set[int] = set()
+        problems: list[str] = []
+        for _ in range(max(attempts, 1)):
+            steps = [s for s in _disk_steps(self.directory) if s not in skipped]
             if not steps:
-                raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+                if quarantine:
+                    break
+                time.sleep(0.05)  # a live run may be between deleting one and writing the next
+                continue
             step = steps[-1]
-        elif step not in steps:
-            raise FileNotFoundError(f"no complete checkpoint of step {step} in {self.directory}; "
-                                    f"available: {steps}")
+            try:
+                result = read(step)
+            except _Vanished:
+                logger.info("checkpoint %s disappeared while being read; trying the newest "
+                            "again", self.step_path(step))
+                time.sleep(0.01)
+                continue
+            except DamagedCheckpointError as e:
+                if not quarantine:
+                    # A live run may be deleting it (files go one by one): not damage then.
+                    time.sleep(0.05)
+                    if not e.path.is_dir():
+                        continue
+                problems.append(f"step {step}: {e.reason}")
+                skipped.add(step)
+                if quarantine:
+                    aside = _set_aside(e.path)
+                    logger.warning("%s; moved it to %s", e, aside.name)
+                else:
+                    logger.warning("%s; skipping it", e)
+                continue
+            if problems:
+                logger.warning("restored the newest intact checkpoint %s", self.step_path(step))
+            if quarantine:
+                _retry_listing(self._manager.reload)  # forget the steps set aside
+            return result
+        if quarantine:
+            _retry_listing(self._manager.reload)
+        if not problems and not _disk_steps(self.directory):
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        raise CheckpointError(f"no intact checkpoint in {self.directory}: "
+                              + ("; ".join(problems) or "they kept disappearing while read"))
+
+    def _restore_step(self, step: int, abstract_state: Any | None
+                      ) -> tuple[Any, dict[str, Any]]:
+        path = self.step_path(step)
+        saved = self._check(step)
         if abstract_state is None:
-            # Whatever devices it was saved from, read it onto this process's first device.
-            metadata = self._manager.item_metadata(step)[STATE_ITEM]
-            abstract_state = jax.tree.map(
-                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), metadata,
-                is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
+            abstract_state = _abstract_from_metadata(saved)
+        else:
+            _check_same_tree(path, saved, abstract_state)
         abstract_state = jax.tree.map(_as_abstract, abstract_state)
         args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state),
                                      META_ITEM: ocp.args.JsonRestore()})
-        restored = self._manager.restore(step, args=args)
+        try:
+            # A checkpointer of its own, not the manager: the manager re-lists every step
+            # (and fails if a live run deletes one meanwhile).
+            handler = ocp.CompositeCheckpointHandler(**{
+                STATE_ITEM: ocp.StandardCheckpointHandler(),
+                META_ITEM: ocp.JsonCheckpointHandler()})
+            with ocp.Checkpointer(handler) as reader:
+                restored = reader.restore(path, args=args)
+        except Exception as e:
+            if not path.is_dir():
+                raise _Vanished(step) from e
+            raise DamagedCheckpointError(path, _reason(e)) from None
         return restored[STATE_ITEM], dict(restored[META_ITEM] or {})
 
-    def wait(self) -> None:
-        """Blocks until the save in flight (if any) is complete on disk."""
-        self._manager.wait_until_finished()
+    def _restore_params_step(self, step: int, abstract_params: Any | None
+                             ) -> tuple[Any, dict[str, Any]]:
+        path = self.step_path(step)
+        saved = self._check(step)
+        if not isinstance(saved, dict) or "params" not in saved:
+            raise CheckpointMismatchError(path, ["the saved state has no 'params' entry"])
+        if abstract_params is None:
+            abstract_params = _abstract_from_metadata(saved["params"])
+        else:
+            _check_same_tree(path, saved["params"], abstract_params, prefix=("params",))
+        item = {"params": jax.tree.map(_as_abstract, abstract_params)}
+        args = ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True)
+        try:
+            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+                restored = reader.restore(path / STATE_ITEM, args=args)
+            meta = _read_meta_file(path)
+        except DamagedCheckpointError:
+            raise
+        except Exception as e:
+            if not path.is_dir():
+                raise _Vanished(step) from e
+            raise DamagedCheckpointError(path, _reason(e)) from None
+        return restored["params"], meta
+
+    def _check(self, step: int) -> Any:
+        """Checks the files of a step and returns the saved state's metadata tree.
+
+        Raises:
+          _Vanished: the directory is gone.
+          DamagedCheckpointError: a metadata file is missing or unreadable, or a file differs
+            from its recorded checksum.
+        """
+        path = self.step_path(step)
+        try:
+            verify_checksums(path)
+            for name in (_STEP_METADATA, f"{STATE_ITEM}/_METADATA"):
+                if not (path / name).is_file():
+                    raise DamagedCheckpointError(path, f"{name} is missing")
+                try:
+                    json.loads((path / name).read_bytes())
+                except ValueError as e:
+                    raise DamagedCheckpointError(path, f"{name} is not valid JSON ({e})") from None
+            _read_meta_file(path)
+            try:
+                saved = ocp.StandardCheckpointHandler().metadata(path / STATE_ITEM)
+                return getattr(saved, "tree", saved)  # orbax wraps the tree in TreeMetadata
+            except Exception as e:
+                raise DamagedCheckpointError(path, f"unreadable metadata: {_reason(e)}") from None
+        except (DamagedCheckpointError, FileNotFoundError) as e:
+            if not path.is_dir():
+                raise _Vanished(step) from e
+            if isinstance(e, FileNotFoundError):
+                raise DamagedCheckpointError(path, _reason(e)) from None
+            raise
 
     def close(self) -> None:
-        """Waits for the save in flight and releases orbax's resources."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for the save in flight and releases orbax's resources.
+
+        Raises:
+          CheckpointError: the save in flight failed (reported once).
+        """
+        try:
+            if self._failed is None:
+                self.wait()
+        finally:
+            try:
+                self._manager.close()
+            except Exception as e:  # the failure was reported already
+                if self._failed is None:
+                    raise self._write_failed(None, e) from None
+                logger.debug("orbax close after a failed save: %s", _reason(e))
+            finally:
+                self._remove_partial()  # again: orbax's threads may have written more since
+                logging.getLogger("absl").removeFilter(self._quiet)
 
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None and self._failed is not None:
+            # The failed save is being raised already; don't raise it a second time.
+            with contextlib.suppress(CheckpointError):
+                self.close()
+            return
         self.close()
+
+
+# Checksums ---------------------------------------------------------------------------------------
+
+CHECKSUMS_FILE = "CHECKSUMS.json"
+_STEP_METADATA = "_CHECKPOINT_METADATA"
+
+
+def write_checksums(step_dir: Path) -> None:
+    """Records the size and SHA-256 of every file of a complete step directory."""
+    sums = {str(f.relative_to(step_dir)): [f.stat().st_size, _sha256(f)]
+            for f in sorted(step_dir.rglob("*")) if f.is_file() and f.name != CHECKSUMS_FILE}
+    with atomic_writer(step_dir / CHECKSUMS_FILE) as out:
+        out.write(json.dumps(sums, indent=0).encode())
+
+
+def verify_checksums(step_dir: Path) -> None:
+    """Checks the files of a step directory against its ``CHECKSUMS.json``, if it has one.
+
+    Raises:
+      DamagedCheckpointError: a file is missing or has another size or content.
+      FileNotFoundError: the directory itself is gone.
+    """
+    file = step_dir / CHECKSUMS_FILE
+    if not step_dir.is_dir():
+        raise FileNotFoundError(step_dir)
+    if not file.is_file():
+        return
+    try:
+        sums = json.loads(file.read_bytes())
+        items = [(str(k), int(v[0]), str(v[1])) for k, v in sums.items()]
+    except (ValueError, TypeError, IndexError, AttributeError) as e:
+        raise DamagedCheckpointError(step_dir, f"{CHECKSUMS_FILE} is unreadable ({e})") from None
+    for name, size, digest in items:
+        f = step_dir / name
+        if not f.is_file():
+            raise DamagedCheckpointError(step_dir, f"{name} is missing")
+        if f.stat().st_size != size:
+            raise DamagedCheckpointError(
+                step_dir, f"{name} has {f.stat().st_size} bytes, {size} were written (truncated?)")
+        if _sha256(f) != digest:
+            raise DamagedCheckpointError(step_dir, f"{name} differs from what was written "
+                                                   "(checksum mismatch)")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# Helpers -----------------------------------------------------------------------------------------
+
+def _disk_steps(directory: Path) -> list[int]:
+    """Committed steps on disk now: directories named by an integer (orbax writes into
+    ``<step>.orbax-checkpoint-tmp*`` and renames only once complete; damaged ones set aside
+    are ``<step>.damaged-<n>``)."""
+    try:
+        return sorted(int(p.name) for p in directory.iterdir()
+                      if p.name.isdigit() and p.is_dir())
+    except FileNotFoundError:
+        return []
+
+
+def _read_meta_file(step_dir: Path) -> dict[str, Any]:
+    file = step_dir / META_ITEM / "metadata"
+    if not step_dir.is_dir():
+        raise FileNotFoundError(f"no checkpoint {step_dir}")
+    try:
+        meta = json.loads(file.read_bytes())
+    except FileNotFoundError:
+        if not step_dir.is_dir():
+            raise
+        raise DamagedCheckpointError(step_dir, f"{META_ITEM}/metadata is missing") from None
+    except ValueError as e:
+        raise DamagedCheckpointError(step_dir, f"{META_ITEM}/metadata is not valid JSON "
+                                               f"({e})") from None
+    if not isinstance(meta, dict):
+        raise DamagedCheckpointError(step_dir, f"{META_ITEM}/metadata is not a JSON object")
+    return meta
+
+
+def _retry_listing(fn: Callable[[], T], tries: int = 20) -> T:
+    """Runs ``fn`` (which lists the step directories) again when a step vanished meanwhile:
+    orbax stats each step it lists, which fails if a live run deletes one in between."""
+    for _ in range(tries - 1):
+        try:
+            return fn()
+        except FileNotFoundError:
+            time.sleep(0.02)
+    return fn()
+
+
+def _set_aside(step_dir: Path) -> Path:
+    """Renames a damaged step directory to ``<step>.damaged-<n>`` (first free n)."""
+    n = 1
+    while (aside := step_dir.with_name(f"{step_dir.name}.damaged-{n}")).exists():
+        n += 1
+    step_dir.rename(aside)
+    return aside
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _reason(error: BaseException, limit: int = 200) -> str:
+    """One line about an error: its innermost cause's first line, shortened."""
+    lines = [line for e in _chain(error) for line in str(e).splitlines()[:1] if line.strip()]
+    # Orbax wraps TensorStore errors in a message that dumps the whole spec; the innermost
+    # cause says what is wrong with the file.
+    text = lines[-1] if lines else type(error).__name__
+    if "TensorStore" in text and len(lines) > 1:
+        text = lines[0]
+    text = text.split(" See full TensorStore details")[0]
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _leaf_paths(tree: Any, is_leaf: Any = None) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{path as strings: shape} of a tree's array leaves (dataclass fields, dict keys and
+    sequence indices all become strings, so a saved dict matches the live dataclass)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        if not hasattr(leaf, "shape"):
+            continue
+        names = tuple(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
+                      for k in path)
+        out[names] = tuple(leaf.shape)
+    return out
+
+
+def _is_array_metadata(m: Any) -> bool:
+    return hasattr(m, "shape") and hasattr(m, "dtype")
+
+
+def _check_same_tree(path: Path, saved: Any, abstract: Any, prefix: tuple[str, ...] = ()
+                     ) -> None:
+    """Raises CheckpointMismatchError naming the entries that differ in presence or shape."""
+    have = _leaf_paths(saved, is_leaf=_is_array_metadata)
+    want = _leaf_paths(abstract)
+    diffs = []
+    for key in sorted(set(have) | set(want)):
+        name = "/".join(prefix + key)
+        if key not in have:
+            diffs.append(f"{name} is not in the checkpoint")
+        elif key not in want:
+            diffs.append(f"{name} {list(have[key])} is saved but not requested")
+        elif have[key] != want[key]:
+            diffs.append(f"{name} is {list(have[key])} in the checkpoint, {list(want[key])} "
+                         "requested")
+    if diffs:
+        raise CheckpointMismatchError(path, diffs)
+
+
+def _abstract_from_metadata(metadata: Any) -> Any:
+    # Whatever devices it was saved from, read it onto this process's first device.
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), metadata,
+                        is_leaf=_is_array_metadata)
+
+
+class _QuietOrbaxErrors(logging.Filter):
+    """Keeps orbax's tracebacks of failed background saves out of the log (each save error is
+    raised once by ``CheckpointManager`` as a one-line ``CheckpointError``; the tracebacks are
+    kept at DEBUG level of this module's logger)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (record.levelno >= logging.ERROR and record.exc_info
+                and "orbax" in record.pathname):
+            logger.debug("orbax: %s", record.getMessage(), exc_info=record.exc_info)
+            return False
+        return True
 
 
 def _as_abstract(x: Any) -> Any:
