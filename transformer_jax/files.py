@@ -1,13 +1,15 @@
-"""File helpers shared by the data pipeline and the tokenizer."""
+"""File helpers: atomic writes of files and directories, JSON read with errors naming the file."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 
 @contextlib.contextmanager
@@ -29,3 +31,89 @@ def atomic_writer(path: Path) -> Iterator[IO[bytes]]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def read_json(path: Path, what: str = "file") -> Any:
+    """Parses a JSON file; a file that is not JSON is a ValueError naming it and the line.
+
+    Args:
+      path: the file.
+      what: what it is, for the messages (e.g. ``"config"``).
+
+    Returns:
+      The parsed value.
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: not UTF-8 JSON: ``<what> <path> is not valid JSON: <why> (line L, column C)``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    try:
+        return json.loads(path.read_bytes())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path} is not valid JSON: {e.msg} (line {e.lineno}, column "
+                         f"{e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path} is not valid JSON: not UTF-8 text (byte {e.start})"
+                         ) from None
+
+
+@contextlib.contextmanager
+def replacing_directory(path: Path, carry_over: Callable[[str], bool] = lambda name: True
+                        ) -> Iterator[Path]:
+    """Yields an empty directory that replaces ``path`` when the block finishes without error.
+
+    The new contents are written to a temporary directory beside ``path``; only when the block
+    completes is the old directory renamed aside, the new one renamed in and the old one
+    removed. An error (or a crash) in the block leaves ``path`` as it was and removes the
+    temporary directory. Entries of the old directory that the block did not write and that
+    ``carry_over(name)`` accepts (e.g. a tokenizer next to the weights) are copied over first.
+
+    Args:
+      path: the directory to create or replace.
+      carry_over: which names of the old directory to keep if the block did not write them.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    old: Path | None = None
+    try:
+        yield tmp
+        if path.exists():
+            for entry in path.iterdir():
+                target = tmp / entry.name
+                if target.exists() or not carry_over(entry.name):
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.copytree(entry, target, symlinks=True, copy_function=_link_or_copy)
+                else:
+                    _link_or_copy(entry, target)
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.",
+                                        suffix=".old"))
+            os.replace(path, old)  # an empty directory is replaced atomically
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            if old is not None:
+                os.replace(old, path)  # put the old one back
+                old = None
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Hard-links ``src`` to ``dst`` (no data copied; the old name is removed afterwards), or
+    copies it where links are impossible (another filesystem, a symlink)."""
+    if not os.path.islink(src):
+        try:
+            os.link(src, dst)
+            return
+        except OSError:
+            pass
+    shutil.copy2(src, dst, follow_symlinks=False)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.config import DTYPES, ModelConfig, RopeScaling
+from transformer_jax.files import read_json, replacing_directory
 from transformer_jax.model import Params, stack_blocks, unstack_blocks
 
 logger = logging.getLogger(__name__)
@@ -422,11 +423,11 @@ def _weight_files(path: Path) -> dict[str, Path]:
     """Maps every tensor name to the safetensors file that holds it."""
     single, index = path / SINGLE_FILE, path / INDEX_FILE
     if single.is_file():
-        with _safetensors().safe_open(str(single), framework="numpy") as f:
+        with _open_safetensors(single) as f:
             return {name: single for name in f.keys()}
     if index.is_file():
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
+        index_json = read_json(index, "safetensors index")
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no 'weight_map' dict")
         files = {name: path / file for name, file in weight_map.items()}
@@ -436,6 +437,20 @@ def _weight_files(path: Path) -> dict[str, Path]:
         return files
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path} (only safetensors "
                             "checkpoints are supported)")
+
+
+def _open_safetensors(file: Path) -> Any:
+    """``safe_open`` of one file; a truncated or garbage file is a ValueError naming it."""
+    try:
+        return _safetensors().safe_open(str(file), framework="numpy")
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
+        raise ValueError(f"{file} is not a readable safetensors file ({_first_line(e)}); "
+                         "it may be truncated or corrupt") from None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -469,17 +484,19 @@ def load(path: str | Path, *, scan_layers: bool | None = None,
     Raises:
       FileNotFoundError: no config.json or no weights.
       ValueError: a setting or tensor with no exact equivalent, or missing, unexpected or
-        misshapen tensors (named).
+        misshapen tensors (named); a ``config.json``/index that is not JSON or a truncated or
+        corrupt safetensors file (the file named).
     """
-    st = _safetensors()
+    _safetensors()  # the ImportError with install advice, before any work
     if dtype is not None:
         dtype = _dtype_name(dtype)
     path = Path(path)
     config_file = path / CONFIG_FILE
     if not config_file.is_file():
         raise FileNotFoundError(f"no {CONFIG_FILE} in {path}")
-    with open(config_file) as f:
-        hf_config = json.load(f)
+    hf_config = read_json(config_file, "config")
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"config {config_file} is not a JSON object")
     config = config_from_hf(hf_config)
     specs = _tensors(config)
     files = _weight_files(path)
@@ -499,7 +516,7 @@ def load(path: str | Path, *, scan_layers: bool | None = None,
         raise ValueError(f"checkpoint in {path} has unexpected tensors: {_names(unexpected)}")
 
     with ExitStack() as stack:
-        handles = {file: stack.enter_context(st.safe_open(str(file), framework="numpy"))
+        handles = {file: stack.enter_context(_open_safetensors(file))
                    for file in sorted(set(files.values()))}
         stored = {file: set(handle.keys()) for file, handle in handles.items()}
 
@@ -514,7 +531,12 @@ def load(path: str | Path, *, scan_layers: bool | None = None,
             if code not in _SAFETENSORS_DTYPES:
                 raise ValueError(f"tensor {name} has unsupported dtype {code}; supported: "
                                  f"{sorted(_SAFETENSORS_DTYPES)}")
-            return handle.get_tensor(name)
+            try:
+                return handle.get_tensor(name)
+            except Exception as e:  # data cut short or unreadable
+                raise ValueError(f"{files[name]}: tensor {name} is unreadable "
+                                 f"({_first_line(e)}); the file may be truncated or corrupt"
+                                 ) from None
 
         arrays = {s.hf_name: read(s.hf_name, s.hf_shape) for s in specs}
         for name in o_biases:
@@ -553,8 +575,10 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
 
     The layout is Qwen2 when ``config.qkv_bias`` (Llama's ``attention_bias`` would also add an
     ``o_proj`` bias), else Mistral when ``config.sliding_window`` is set, else Llama. Tensors
-    keep the params' dtype. Old ``model.safetensors``/shards/index files in ``path`` are
-    replaced.
+    keep the params' dtype. An existing ``path`` is replaced only once the new export is
+    complete (written to a temporary directory beside it, then swapped in), so a failed save
+    leaves the previous export untouched; its files other than weights and ``config.json``
+    (a tokenizer, say) are kept.
 
     Args:
       config: the model config.
@@ -566,6 +590,7 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
     Raises:
       ValueError: the config has no HF equivalent, or params are missing, unexpected or
         misshapen (named).
+      OSError: writing failed (the previous export, if any, is unchanged).
     """
     st = _safetensors()
     hf_config = config_to_hf(config)
@@ -602,26 +627,32 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
         size += tensor.nbytes
 
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    for old in path.iterdir():
-        if old.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.match(old.name):
-            old.unlink()
-    metadata = {"format": "pt"}  # transformers requires it on safetensors files
-    if len(shards) == 1:
-        st.numpy.save_file(tensors, str(path / SINGLE_FILE), metadata=metadata)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            st.numpy.save_file(shard, str(path / file), metadata=metadata)
-            weight_map.update(dict.fromkeys(shard, file))
-        with open(path / INDEX_FILE, "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(path / CONFIG_FILE, "w") as f:
-        json.dump(hf_config, f, indent=2, sort_keys=True)
-        f.write("\n")
+    # Everything is written to a new directory that replaces the old one only when complete,
+    # so a failed save (a full disk, a kill) leaves the previous export as it was. Files of
+    # the old directory that are not weights (a tokenizer, a README) are carried over.
+    with replacing_directory(path, carry_over=_not_weights) as new:
+        metadata = {"format": "pt"}  # transformers requires it on safetensors files
+        if len(shards) == 1:
+            st.numpy.save_file(tensors, str(new / SINGLE_FILE), metadata=metadata)
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                st.numpy.save_file(shard, str(new / file), metadata=metadata)
+                weight_map.update(dict.fromkeys(shard, file))
+            with open(new / INDEX_FILE, "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
+                          indent=2)
+        with open(new / CONFIG_FILE, "w") as f:
+            json.dump(hf_config, f, indent=2, sort_keys=True)
+            f.write("\n")
     logger.info("saved %s checkpoint to %s: %d file(s), %.1f MiB", hf_config["model_type"], path,
                 len(shards), total / 2**20)
+
+
+def _not_weights(name: str) -> bool:
+    """Whether an old export's file is kept by ``save`` (everything but weights and config)."""
+    return not (name in (SINGLE_FILE, INDEX_FILE, CONFIG_FILE) or _SHARD_FILE.match(name))
 
 
 __all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "load", "save"]
