@@ -278,6 +278,27 @@ def test_another_model_is_named_before_any_array_is_read(tmp_path):
     assert (tmp_path / "1").is_dir()  # a mismatch is not damage: nothing is moved
 
 
+def test_resuming_with_another_model_names_the_differences(tmp_path, states):
+    from transformer_jax.config import ModelConfig
+    from transformer_jax.training import TrainConfig, make_init_fn
+
+    _, _, state, _ = states
+    with CheckpointManager(tmp_path, keep=2) as ckpt:
+        ckpt.save(3, state, meta={"model": {"d_model": 32, "n_layers": 2}})
+    wider = ModelConfig(vocab_size=40, d_model=48, n_layers=3, n_heads=2, d_ff=64,
+                        max_seq_len=16)
+    init = make_init_fn(wider, TrainConfig(steps=10, batch_size=4, seq_len=8, warmup_steps=1))
+    with CheckpointManager(tmp_path, keep=2) as ckpt:
+        assert ckpt.read_meta()["model"] == {"d_model": 32, "n_layers": 2}
+        with pytest.raises(CheckpointMismatchError) as info:
+            ckpt.restore(jax.eval_shape(init, jax.random.key(0)))
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 1500, message
+    assert "in the checkpoint" in message and "more" in message
+    assert len(info.value.differences) > 8
+    assert (tmp_path / "3").is_dir()
+
+
 def test_restore_params_reads_only_the_params(tmp_path):
     save_steps(tmp_path, (1, 2))
     with CheckpointManager(tmp_path, keep=5) as ckpt:

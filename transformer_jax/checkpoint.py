@@ -359,8 +359,13 @@ class CheckpointManager:
                 problems.append(f"step {step}: {e.reason}")
                 skipped.add(step)
                 if quarantine:
-                    aside = _set_aside(e.path)
-                    logger.warning("%s; moved it to %s", e, aside.name)
+                    try:
+                        aside = _set_aside(e.path)
+                    except OSError as rename_error:
+                        logger.warning("%s; skipping it (could not move it aside: %s)", e,
+                                       rename_error)
+                    else:
+                        logger.warning("%s; moved it to %s", e, aside.name)
                 else:
                     logger.warning("%s; skipping it", e)
                 continue
@@ -636,7 +641,9 @@ def _check_same_tree(path: Path, saved: Any, abstract: Any, prefix: tuple[str, .
     have = _leaf_paths(saved, is_leaf=_is_array_metadata)
     want = _leaf_paths(abstract)
     diffs = []
-    for key in sorted(set(have) | set(want)):
+    # The params first: they name the model change most directly (the optimizer state
+    # repeats them).
+    for key in sorted(set(have) | set(want), key=lambda k: (k[:1] != ("params",), k)):
         name = "/".join(prefix + key)
         if key not in have:
             diffs.append(f"{name} is not in the checkpoint")
