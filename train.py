@@ -19,15 +19,11 @@ import logging
 import sys
 
 from transformer_jax import distributed
+from transformer_jax.perf import enable_cpu_fast_math
+from transformer_jax.run_log import NonFiniteLossError
 from transformer_jax.sharding import configure_cpu_devices
-from transformer_jax.training import (
-    ConfigError,
-    NonFiniteLossError,
-    RunSummary,
-    build_configs,
-    enable_cpu_fast_math,
-    run,
-)
+from transformer_jax.train_config import ConfigError, build_configs
+from transformer_jax.training import RunSummary, run
 
 __all__ = ["ConfigError", "build_configs", "main"]
 

@@ -14,7 +14,7 @@ import sys
 import jax
 import numpy as np
 
-from transformer_jax import decode, sharding
+from transformer_jax import decode, generation, sharding
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import init_params, stack_blocks
 
@@ -56,7 +56,7 @@ def run_case(overrides: dict, lengths: list[int], kwargs: dict, sizes: tuple[int
         def record(step, tokens, active, steps=steps):
             steps.append([int(step), *np.asarray(tokens).tolist()])
 
-        result = decode.generate(config, params, prompts, max_new_tokens=6, mesh=mesh,
+        result = generation.generate(config, params, prompts, max_new_tokens=6, mesh=mesh,
                                  stream=record, **kwargs)
         out[str(tensor)] = dict(tokens=result.tokens, logprobs=result.logprobs, stream=steps)
         if mesh is None:
@@ -64,7 +64,7 @@ def run_case(overrides: dict, lengths: list[int], kwargs: dict, sizes: tuple[int
         # The same through weights prepared once on the mesh (each device holds its block).
         weights = decode.prepare(config, params, mesh)
         prepared_steps: list[list[int]] = []
-        result = decode.generate(config, weights, prompts, max_new_tokens=6,
+        result = generation.generate(config, weights, prompts, max_new_tokens=6,
                                  stream=lambda *a, s=prepared_steps: record(*a, steps=s),
                                  **kwargs)
         out[f"{tensor}-prepared"] = dict(
@@ -87,13 +87,13 @@ def errors() -> dict:
     }
     for name, make in meshes.items():
         try:
-            decode.generate(config, params, [[1, 2, 3]], max_new_tokens=2, mesh=make())
+            generation.generate(config, params, [[1, 2, 3]], max_new_tokens=2, mesh=make())
             found[name] = None
         except ValueError as e:
             found[name] = str(e)
     attempts = {
         "prepare_tensor3": lambda: decode.prepare(config, params, _mesh(3)),
-        "prepared_other_mesh": lambda: decode.generate(
+        "prepared_other_mesh": lambda: generation.generate(
             config, decode.prepare(config, params, _mesh(2)), [[1, 2, 3]], max_new_tokens=2,
             mesh=_mesh(4)),
     }

@@ -32,7 +32,8 @@ from transformer_jax import sharding as sh
 from transformer_jax.checkpoint import CheckpointManager
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import stack_blocks, unstack_blocks
-from transformer_jax.training import TrainConfig, make_init_fn, make_train_step
+from transformer_jax.train_config import TrainConfig
+from transformer_jax.train_step import make_init_fn, make_train_step
 
 CONFIG = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8,
                      head_dim=8, d_ff=128, max_seq_len=32)

@@ -39,7 +39,8 @@ def assert_trees_equal(a, b) -> None:
 def states():
     """A freshly initialised state and the state after 3 train steps (Adam moments non-zero)."""
     from transformer_jax.config import ModelConfig
-    from transformer_jax.training import TrainConfig, make_init_fn, make_train_step
+    from transformer_jax.train_config import TrainConfig
+    from transformer_jax.train_step import make_init_fn, make_train_step
 
     MODEL = ModelConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=2, d_ff=64,
                         max_seq_len=16)
@@ -280,7 +281,8 @@ def test_another_model_is_named_before_any_array_is_read(tmp_path):
 
 def test_resuming_with_another_model_names_the_differences(tmp_path, states):
     from transformer_jax.config import ModelConfig
-    from transformer_jax.training import TrainConfig, make_init_fn
+    from transformer_jax.train_config import TrainConfig
+    from transformer_jax.train_step import make_init_fn
 
     _, _, state, _ = states
     with CheckpointManager(tmp_path, keep=2) as ckpt:

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from conftest import FAST_COMPILE
 
-from transformer_jax import decode
+from transformer_jax import decode, generation, kv_cache
+from transformer_jax import prompts as prompt_lib
 from transformer_jax.config import ModelConfig
 from transformer_jax.kv_cache import KVCache
 from transformer_jax.model import Transformer, init_params
@@ -121,10 +122,11 @@ def test_decode_logits_equal_full_forward_at_every_step(name):
     seqs = np.asarray(_prompts([total, total], seed=1), np.int32)
     lengths = np.asarray([3, 6], np.int32)  # ragged prompts
     first, got, want, cache = _cached_and_full_logits(config, params, seqs, lengths,
-                                                      decode.prompt_bucket(6))
-    rows = 2 * config.n_kv_heads
-    chex.assert_shape(list(cache.k), [(rows, config.head_dim, total)] * 2)
-    chex.assert_shape(list(cache.v), [(rows, total, config.head_dim)] * 2)
+                                                      prompt_lib.prompt_bucket(6))
+    rows = (config.n_layers, 2, config.n_kv_heads)
+    keys = (config.head_dim, total) if cache.keys_transposed else (total, config.head_dim)
+    chex.assert_shape(cache.k, (*rows, *keys))
+    chex.assert_shape(cache.v, (*rows, total, config.head_dim))
     for b in range(2):
         np.testing.assert_allclose(first[b], want[b, lengths[b] - 1], atol=1e-5,
                                    err_msg=f"prefill logits, row {b}")
@@ -134,29 +136,57 @@ def test_decode_logits_equal_full_forward_at_every_step(name):
                                        err_msg=f"row {b} position {pos}")
 
 
-def test_decode_cache_layout_and_bytes():
+@pytest.mark.parametrize("keys_transposed", [False, True])
+def test_decode_cache_layout_and_bytes(keys_transposed):
     config, params = _model(n_kv_heads=2)
-    prefill = functools.partial(decode.prefill, config, max_len=20)
+    prefill = functools.partial(decode.prefill, config, max_len=20,
+                                keys_transposed=keys_transposed)
     logits, cache = jax.eval_shape(prefill, decode.decode_params(config, params),
                                    jnp.zeros((3, 8), jnp.int32), jnp.ones((3,), jnp.int32))
     chex.assert_shape(logits, (3, config.vocab_size))
-    assert len(cache.k) == len(cache.v) == config.n_layers
-    chex.assert_shape(list(cache.k), [(3 * 2, 8, 20)] * config.n_layers)
-    chex.assert_shape(list(cache.v), [(3 * 2, 20, 8)] * config.n_layers)
+    # One row per (sequence, kv head) in every layer; keys optionally stored [H, S].
+    chex.assert_shape(cache.k, (config.n_layers, 3, 2, 8, 20) if keys_transposed
+                      else (config.n_layers, 3, 2, 20, 8))
+    chex.assert_shape(cache.v, (config.n_layers, 3, 2, 20, 8))
     assert cache.nbytes == 2 * config.n_layers * 3 * 20 * 2 * 8 * 4
-    assert cache.nbytes == decode.cache_bytes(config, 3, 20)
+    assert cache.nbytes == kv_cache.cache_bytes(config, 3, 20)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3), compiler_options=FAST_COMPILE)
 def _prefill_both_ways(config, params, tokens, max_len):
-    """(decode.prefill on the prepared weights, the model's own cached forward converted)."""
+    """(decode.prefill on the prepared weights, the model's own forward with a cache of
+    ``max_len`` slots on the raw parameters, and layer 0's keys/values computed by hand)."""
     b, t = tokens.shape
     lengths = jnp.full((b,), t, jnp.int32)
     logits, ours = decode.prefill(config, decode.decode_params(config, params), tokens, lengths,
                                   max_len)
-    cache = KVCache.init(config, b, t)
+    cache = KVCache.init(config, b, max_len)
     full, cache = Transformer(config).apply({"params": params}, tokens, cache=cache)
-    return (logits, ours), (full[:, -1], decode.DecodeCache.from_kv_cache(cache, max_len))
+    return (logits, ours), (full[:, -1], cache), _layer0_kv(config, params, tokens)
+
+
+def _layer0_kv(config, params, tokens):
+    """Layer 0's [B, T, K, H] keys (rotated) and values, from the ops alone."""
+    from transformer_jax import ops
+
+    p = params["blocks"] if config.scan_layers else params["blocks_0"]
+    if config.scan_layers:
+        p = jax.tree.map(lambda x: x[0], p)
+    x = ops.embed(tokens, params["embed"]["embedding"])
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    if config.position == "sinusoidal":
+        x = x + ops.sinusoidal_positions(positions, config.d_model)
+    if config.norm_position == "pre":
+        n = p["attn_norm"]
+        x = (ops.rms_norm(x, n["scale"], config.norm_eps) if config.norm == "rms"
+             else ops.layer_norm(x, n["scale"], n["bias"], config.norm_eps))
+    a = p["attn"]
+    k = jnp.einsum("BTD,DKH->BTKH", x, a["k_proj"]) + a.get("k_bias", 0)
+    v = jnp.einsum("BTD,DKH->BTKH", x, a["v_proj"]) + a.get("v_bias", 0)
+    if config.position == "rope":
+        k = ops.apply_rope(k, positions, base=config.rope_base, pairing=config.rope_pairing,
+                           scaling=config.rope_scaling)
+    return k, v
 
 
 @pytest.mark.parametrize("name", ["gqa", "mha-scan", "gqa-scan-remat",
@@ -169,11 +199,20 @@ def test_prefill_cache_equals_the_models_cached_forward(name):
         params = jax.tree_util.tree_map_with_path(
             lambda p, x: x + 0.3 if "bias" in jax.tree_util.keystr(p) else x, params)
     tokens = jnp.asarray(_prompts([8, 8, 8], seed=2), jnp.int32)
-    (logits, ours), (want_logits, model) = _prefill_both_ways(config, params, tokens, 12)
-    chex.assert_trees_all_close(ours, model, atol=1e-5)
+    (logits, ours), (want_logits, model), (k0, v0) = _prefill_both_ways(config, params, tokens,
+                                                                       12)
+    chex.assert_trees_all_close(ours.k, model.k, atol=1e-5)
+    chex.assert_trees_all_close(ours.v, model.v, atol=1e-5)
     np.testing.assert_allclose(logits, want_logits, atol=1e-5)
-    assert not np.any(np.asarray(ours.v[0])[:, 8:]) and not np.any(np.asarray(ours.k[0])[..., 8:])
-    assert np.abs(np.asarray(ours.k[0])).max() > 0.1  # something was written
+    keys = np.asarray(ours.k[0])  # [B, K, S, H], or [B, K, H, S] when transposed
+    if ours.keys_transposed:
+        keys = keys.swapaxes(2, 3)
+    values = np.asarray(ours.v[0])
+    np.testing.assert_allclose(keys[:, :, :8], np.asarray(k0).transpose(0, 2, 1, 3), atol=1e-5)
+    np.testing.assert_allclose(values[:, :, :8], np.asarray(v0).transpose(0, 2, 1, 3),
+                               atol=1e-5)
+    assert not np.any(values[:, :, 8:]) and not np.any(keys[:, :, 8:])
+    assert np.abs(keys).max() > 0.1  # something was written
 
 
 def test_prepared_weights_generate_the_greedy_reference_and_check_their_config():
@@ -181,18 +220,16 @@ def test_prepared_weights_generate_the_greedy_reference_and_check_their_config()
     config, params = _model(n_kv_heads=2, scan_layers=True)
     prompts = _prompts(BATCH_LENGTHS)
     weights = decode.prepare(config, params)
-    got = decode.generate(config, weights, prompts, max_new_tokens=N_NEW)
+    got = generation.generate(config, weights, prompts, max_new_tokens=N_NEW)
     for i, prompt in enumerate(prompts):
         tokens, logprobs = _greedy_reference(config, params, prompt, N_NEW)
         assert got.tokens[i] == tokens, f"prompt {i}"
         np.testing.assert_allclose(got.logprobs[i], logprobs, atol=1e-5)
-    matrices = sum(x.size for k, x in jax.tree_util.tree_leaves_with_path(weights.params)
-                   if jax.tree_util.keystr(k).endswith(("['qkv']", "['o']", "['inner']",
-                                                        "['down']")))
-    assert matrices == sum(x.size for x in jax.tree.leaves(params["blocks"]["attn"])) + sum(
-        x.size for x in jax.tree.leaves(params["blocks"]["mlp"]))
+    # A parameter transform: the same tree and sizes, matrices in the compute dtype.
+    chex.assert_trees_all_equal_shapes(weights.params, params)
+    assert weights.nbytes == sum(x.nbytes for x in jax.tree.leaves(params))
     with pytest.raises(ValueError, match="different config"):
-        decode.generate(config.replace(n_kv_heads=4), weights, prompts, max_new_tokens=2)
+        generation.generate(config.replace(n_kv_heads=4), weights, prompts, max_new_tokens=2)
 
 
 def test_bfloat16_cache_halves_the_bytes_and_stays_close_to_float32():
@@ -200,12 +237,13 @@ def test_bfloat16_cache_halves_the_bytes_and_stays_close_to_float32():
     prefill = functools.partial(decode.prefill, config, max_len=20, dtype="bfloat16")
     _, cache = jax.eval_shape(prefill, decode.decode_params(config, params),
                               jnp.zeros((3, 8), jnp.int32), jnp.ones((3,), jnp.int32))
-    assert {x.dtype for x in (*cache.k, *cache.v)} == {jnp.dtype(jnp.bfloat16)}
-    assert cache.nbytes == decode.cache_bytes(config, 3, 20, "bfloat16")
-    assert cache.nbytes * 2 == decode.cache_bytes(config, 3, 20)
+    assert {cache.k.dtype, cache.v.dtype} == {jnp.dtype(jnp.bfloat16)}
+    assert cache.nbytes == kv_cache.cache_bytes(config, 3, 20, "bfloat16")
+    assert cache.nbytes * 2 == kv_cache.cache_bytes(config, 3, 20)
     prompts = _prompts(BATCH_LENGTHS)
-    f32 = decode.generate(config, params, prompts, max_new_tokens=N_NEW)
-    bf16 = decode.generate(config, params, prompts, max_new_tokens=N_NEW, cache_dtype="bfloat16")
+    f32 = generation.generate(config, params, prompts, max_new_tokens=N_NEW)
+    bf16 = generation.generate(config, params, prompts, max_new_tokens=N_NEW,
+                               cache_dtype="bfloat16")
     # The first token's attention reads the prefill's keys/values back rounded: same token,
     # a close (not equal) logprob.
     np.testing.assert_array_equal(bf16.token_array[:, 0], f32.token_array[:, 0])
@@ -222,12 +260,12 @@ BATCH_LENGTHS = [9, 16, 12]
 def test_greedy_generate_equals_no_cache_loop_and_each_prompt_alone():
     config, params = _model(n_kv_heads=2)
     prompts = _prompts(BATCH_LENGTHS)
-    batch = decode.generate(config, params, prompts, max_new_tokens=N_NEW)
+    batch = generation.generate(config, params, prompts, max_new_tokens=N_NEW)
     for i, prompt in enumerate(prompts):
         tokens, logprobs = _greedy_reference(config, params, prompt, N_NEW)
         assert batch.tokens[i] == tokens, f"prompt {i}"
         np.testing.assert_allclose(batch.logprobs[i], logprobs, atol=1e-5)
-        alone = decode.generate(config, params, [prompt], max_new_tokens=N_NEW)
+        alone = generation.generate(config, params, [prompt], max_new_tokens=N_NEW)
         assert alone.tokens[0] == tokens
     assert batch.lengths == [N_NEW] * 3
     chex.assert_shape(batch.token_array, (3, N_NEW))
@@ -235,18 +273,18 @@ def test_greedy_generate_equals_no_cache_loop_and_each_prompt_alone():
 
 def test_prompt_lengths_within_a_bucket_compile_once():
     config, params = _model(n_kv_heads=2)
-    assert decode.prompt_bucket(1) == decode.prompt_bucket(8) == 8
-    assert decode.prompt_bucket(9) == decode.prompt_bucket(16) == 16
-    assert decode.prompt_bucket(17) == 32
-    assert decode.prompt_bucket(65) == decode.prompt_bucket(128) == 128
-    assert decode.prompt_bucket(129) == 192
-    decode.generate(config, params, _prompts(BATCH_LENGTHS), max_new_tokens=N_NEW)
+    assert prompt_lib.prompt_bucket(1) == prompt_lib.prompt_bucket(8) == 8
+    assert prompt_lib.prompt_bucket(9) == prompt_lib.prompt_bucket(16) == 16
+    assert prompt_lib.prompt_bucket(17) == 32
+    assert prompt_lib.prompt_bucket(65) == prompt_lib.prompt_bucket(128) == 128
+    assert prompt_lib.prompt_bucket(129) == 192
+    generation.generate(config, params, _prompts(BATCH_LENGTHS), max_new_tokens=N_NEW)
     before = decode._generate_jit._cache_size()
     for lengths in ([10, 16, 9], [16, 1, 2], [11, 12, 13]):
-        decode.generate(config, params, _prompts(lengths), max_new_tokens=N_NEW)
+        generation.generate(config, params, _prompts(lengths), max_new_tokens=N_NEW)
     assert decode._generate_jit._cache_size() == before
     prompts = _prompts([17, 1, 5])
-    out = decode.generate(config, params, prompts, max_new_tokens=N_NEW)
+    out = generation.generate(config, params, prompts, max_new_tokens=N_NEW)
     assert decode._generate_jit._cache_size() == before + 1
     assert out.tokens[1] == _greedy_reference(config, params, prompts[1], N_NEW)[0]
 
@@ -254,9 +292,9 @@ def test_prompt_lengths_within_a_bucket_compile_once():
 def test_stop_tokens_end_sequences_and_are_included():
     config, params = _model(n_kv_heads=2)
     prompts = _prompts(BATCH_LENGTHS, seed=5)
-    free = decode.generate(config, params, prompts, max_new_tokens=N_NEW)
+    free = generation.generate(config, params, prompts, max_new_tokens=N_NEW)
     stop = free.tokens[0][3]  # the 4th token of sequence 0
-    out = decode.generate(config, params, prompts, max_new_tokens=N_NEW, stop_tokens=(stop,),
+    out = generation.generate(config, params, prompts, max_new_tokens=N_NEW, stop_tokens=(stop,),
                           pad_id=63)
     for i, seq in enumerate(free.tokens):
         n = seq.index(stop) + 1 if stop in seq else N_NEW
@@ -270,7 +308,7 @@ def test_stop_tokens_end_sequences_and_are_included():
 def test_prompt_filling_the_model_to_max_seq_len():
     config, params = _model(n_kv_heads=2)
     prompt = _prompts([60])[0]
-    out = decode.generate(config, params, [prompt], max_new_tokens=4)  # 60 + 4 == max_seq_len
+    out = generation.generate(config, params, [prompt], max_new_tokens=4)  # 60 + 4 == max_seq_len
     assert out.tokens == [_greedy_reference(config, params, prompt, 4)[0]]
     assert out.lengths == [4]
 
@@ -279,14 +317,14 @@ def test_sampling_is_reproducible_per_seed_and_per_sequence():
     config, params = _model(n_kv_heads=2)
     prompts = _prompts(BATCH_LENGTHS, seed=7)
     kw = dict(max_new_tokens=N_NEW, temperature=1.0, top_k=40, top_p=0.95, min_p=0.01)
-    a = decode.generate(config, params, prompts, seed=1, **kw)
-    b = decode.generate(config, params, prompts, seed=1, **kw)
-    c = decode.generate(config, params, prompts, seed=2, **kw)
+    a = generation.generate(config, params, prompts, seed=1, **kw)
+    b = generation.generate(config, params, prompts, seed=1, **kw)
+    c = generation.generate(config, params, prompts, seed=2, **kw)
     assert a.tokens == b.tokens
     assert a.tokens != c.tokens
     # Per-prompt seeds: a sequence samples the same alone as in a batch.
-    batch = decode.generate(config, params, prompts, seed=[11, 12, 13], **kw)
-    alone = decode.generate(config, params, [prompts[1]], seed=[12], **kw)
+    batch = generation.generate(config, params, prompts, seed=[11, 12, 13], **kw)
+    alone = generation.generate(config, params, [prompts[1]], seed=[12], **kw)
     assert batch.tokens[1] == alone.tokens[0]
     # Each logprob is the model's log-softmax at the chosen token.
     seq = prompts[0] + a.tokens[0]
@@ -299,7 +337,7 @@ def test_stream_callback_sees_every_step_in_order():
     config, params = _model(n_kv_heads=2)
     prompts = _prompts(BATCH_LENGTHS, seed=9)
     seen = []
-    out = decode.generate(config, params, prompts, max_new_tokens=N_NEW,
+    out = generation.generate(config, params, prompts, max_new_tokens=N_NEW,
                           stream=lambda step, tok, active: seen.append((step, tok, active)))
     assert [s for s, _, _ in seen] == list(range(N_NEW))
     streamed = np.stack([tok for _, tok, _ in seen], axis=1)
@@ -307,7 +345,7 @@ def test_stream_callback_sees_every_step_in_order():
     assert all(active.all() for _, _, active in seen)
     # A new callback reuses the compiled program.
     size = decode._generate_jit._cache_size()
-    decode.generate(config, params, prompts, max_new_tokens=N_NEW, stream=lambda *a: None)
+    generation.generate(config, params, prompts, max_new_tokens=N_NEW, stream=lambda *a: None)
     assert decode._generate_jit._cache_size() == size
 
 
@@ -352,7 +390,7 @@ def test_bad_input_raises_before_compute(no_compute, kwargs, match):
     args.update(kwargs)
     prompts = args.pop("prompts")
     with pytest.raises(ValueError, match=match):
-        decode.generate(config, params, prompts, **args)
+        generation.generate(config, params, prompts, **args)
 
 
 # HuggingFace parity ------------------------------------------------------------------------------
@@ -371,9 +409,34 @@ def test_greedy_tokens_equal_huggingface_generate(tmp_path):
     model.save_pretrained(tmp_path)
     config, params = hf.load(tmp_path)
     prompts = _prompts([5, 9], vocab=96, seed=4)
-    ours = decode.generate(config, params, prompts, max_new_tokens=12)
+    ours = generation.generate(config, params, prompts, max_new_tokens=12)
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                                  pad_token_id=0, eos_token_id=None)
         assert ours.tokens[i] == out[0, len(prompt):].tolist(), f"prompt {i}"
+
+
+# Program size ------------------------------------------------------------------------------------
+
+def _generate_ops(config) -> int:
+    """Operations in the lowered generate program (prefill + decode loop), from abstract inputs."""
+    from transformer_jax.model import abstract_params
+
+    weights = jax.eval_shape(functools.partial(decode.decode_params, config),
+                             abstract_params(config))
+    args = (weights, jax.ShapeDtypeStruct((2, 8), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32),
+            jax.ShapeDtypeStruct((2, 2), jnp.uint32))
+    fn = jax.jit(decode.generate_padded, static_argnames=decode.GENERATE_STATIC_ARGNAMES)
+    text = fn.lower(config, *args, max_new_tokens=4).as_text()
+    return sum(" = " in line for line in text.splitlines())
+
+
+def test_scanned_decode_program_size_is_the_same_at_4_and_32_layers():
+    """With scan_layers the prefill and every decode step scan the one block: the program (and
+    so its compile time) does not grow with depth. Unrolled, it does (the measure can fail)."""
+    scanned = {n: _generate_ops(_config(n_kv_heads=2, scan_layers=True, n_layers=n))
+               for n in (4, 32)}
+    assert scanned[4] == scanned[32], scanned
+    unrolled = {n: _generate_ops(_config(n_kv_heads=2, n_layers=n)) for n in (4, 8)}
+    assert unrolled[8] > unrolled[4] * 1.5, unrolled

@@ -9,16 +9,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 import multihost_worker as worker
 import numpy as np
 import pytest
 from decode_tp_worker import BASE
 from decode_tp_worker import CASES as CASE_SPECS
 
-from transformer_jax import decode
 from transformer_jax.config import ModelConfig
-from transformer_jax.model import init_params
 
 WORKER = Path(__file__).with_name("decode_tp_worker.py")
 CASES = tuple(CASE_SPECS)
@@ -63,35 +60,22 @@ def test_meshes_that_cannot_split_the_model_are_refused_with_the_reason(runs):
 
 @pytest.mark.parametrize("case", CASES)
 def test_prepared_weights_are_split_across_the_mesh(runs, case):
-    """prepare(mesh) leaves each device its block: the matrices shrink by T, only the
-    embedding, the norms (and a head whose vocabulary T does not divide) stay whole."""
+    """prepare(mesh) leaves each device the block the training's logical-axis rules give:
+    heads, kv heads, FFN units and the vocabulary split T ways (the vocabulary only when T
+    divides it), the norms whole."""
     config = ModelConfig(**{**BASE, **OVERRIDES[case]})
+    d, f, v = config.d_model, config.d_ff, config.vocab_size
+    h, n, kv = config.head_dim, config.n_heads, config.n_kv_heads
+    norms = 4 * (2 * config.n_layers + 1) * d * (2 if config.norm == "layer" else 1)
+    ffn_matrices = 3 if config.ffn in ("swiglu", "geglu") else 2
+    per_layer = 4 * (d * n * h * 2 + 2 * d * kv * h + ffn_matrices * d * f)
+    biases = 4 * config.n_layers * (n + 2 * kv) * h if config.qkv_bias else 0
+    vocab = 4 * v * d * (1 if config.tie_embeddings else 2)
     for key, got in runs[case].items():
         if not key.endswith("-prepared"):
             continue
         t = int(key.split("-")[0])
-        whole = 4 * (config.vocab_size * config.d_model + (2 * config.n_layers + 1)
-                     * config.d_model * (2 if config.norm == "layer" else 1))
-        if config.vocab_size % t:
-            whole += 4 * config.vocab_size * config.d_model
-        split = got["bytes_total"] - whole
-        assert got["bytes_device0"] == whole + split // t, key
-
-
-def test_tensor_parallel_layout_splits_each_shards_heads_into_one_block():
-    """decode_params(T) orders fused rows shard by shard: block j of qkv is shard j's heads."""
-    config = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
-                         head_dim=8, d_ff=48, max_seq_len=32)
-    params = init_params(config, jax.random.key(0))
-    attn, mlp = params["blocks_0"]["attn"], params["blocks_0"]["mlp"]
-    fused = decode.decode_params(config, params, shards=2)["blocks_0"]
-    for j in range(2):  # shard j: q heads 2j, 2j+1; kv head j
-        block = np.asarray(fused["qkv"]).reshape(2, -1, config.d_model)[j]
-        q = np.asarray(attn["q_proj"])[:, 2 * j:2 * j + 2].reshape(config.d_model, -1).T
-        k = np.asarray(attn["k_proj"])[:, j].T
-        v = np.asarray(attn["v_proj"])[:, j].T
-        np.testing.assert_array_equal(block, np.concatenate([q, k, v]))
-        inner = np.asarray(fused["inner"]).reshape(2, -1, config.d_model)[j]
-        cols = slice(24 * j, 24 * j + 24)
-        np.testing.assert_array_equal(inner, np.concatenate([np.asarray(mlp["gate"])[:, cols].T,
-                                                             np.asarray(mlp["up"])[:, cols].T]))
+        assert got["bytes_total"] == norms + config.n_layers * per_layer + biases + vocab
+        want = norms + (config.n_layers * per_layer + biases) // t + (
+            vocab // t if v % t == 0 else vocab)
+        assert got["bytes_device0"] == want, key

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from conftest import FAST_COMPILE
 
-from transformer_jax import decode, export
+from transformer_jax import decode, export, generation
+from transformer_jax import prompts as prompt_lib
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import init_params
 
@@ -38,7 +39,7 @@ def _inputs(b, t, seed):
     lengths = rng.integers(1, t + 1, b).astype(np.int32)
     lengths[0] = t
     tokens = rng.integers(0, CONFIG.vocab_size, (b, t)).astype(np.int32)
-    return tokens, lengths, decode.sequence_keys(seed, b)
+    return tokens, lengths, prompt_lib.sequence_keys(seed, b)
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +92,13 @@ def test_reloaded_in_a_fresh_process_equals_the_jitted_path(exported, params, tm
 def test_generate_helper_and_constraint(exported, params):
     prompts = [[1, 2, 3], [4] * 11]
     got = exported.generate(params, prompts, seed=3)
-    want = decode.generate(CONFIG, params, prompts, max_new_tokens=N_NEW, seed=3, **SAMPLING)
+    want = generation.generate(CONFIG, params, prompts, max_new_tokens=N_NEW, seed=3, **SAMPLING)
     assert got.tokens == want.tokens
     with pytest.raises(ValueError, match="max_seq_len"):
         exported.generate(params, [[1] * 43])
     with pytest.raises(ValueError):  # t + N > max_seq_len violates the export's constraint
         exported(params, np.zeros((1, 43), np.int32), np.ones(1, np.int32),
-                 decode.sequence_keys(0, 1))
+                 prompt_lib.sequence_keys(0, 1))
 
 
 def test_load_rejects_other_files(tmp_path):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import FAST_COMPILE
 
-from transformer_jax import decode
+from transformer_jax import generation
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import init_params
 
@@ -61,7 +61,7 @@ def test_prompt_ids_json_from_hf_dir(hf_dir, params, capsys):
             "--max-new-tokens", "5", "--no-stop", "--json"]
     assert cli.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    want = decode.generate(CONFIG, params, [[1, 2, 3], [4, 5]], max_new_tokens=5)
+    want = generation.generate(CONFIG, params, [[1, 2, 3], [4, 5]], max_new_tokens=5)
     assert out["tokens"] == want.tokens
     assert out["lengths"] == [5, 5]
     assert out["prompt_ids"] == [[1, 2, 3], [4, 5]]
@@ -76,7 +76,7 @@ def test_text_prompt_streams_the_decoded_text(hf_dir, params, tokenizer_file, ca
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     prompt = tok.encode("the lazy", add_bos=tok.bos_id >= 0)
-    want = decode.generate(CONFIG, params, [prompt], max_new_tokens=12, temperature=0.8,
+    want = generation.generate(CONFIG, params, [prompt], max_new_tokens=12, temperature=0.8,
                            top_k=10, seed=4, stop_tokens=[tok.eos_id])
     assert printed == cli.detokenize(tok, want.tokens[0]) + "\n"
     assert any(t >= tok.vocab_size for t in want.tokens[0])  # shown, not an error
@@ -98,14 +98,14 @@ def test_streamer_prints_each_step_as_it_arrives(capsys):
 def test_orbax_checkpoint_of_a_training_run(tmp_path, params, tokenizer_file, capsys):
     optax = pytest.importorskip("optax")
     from transformer_jax.checkpoint import CheckpointManager
-    from transformer_jax.training import TrainState
+    from transformer_jax.train_step import TrainState
 
     state = TrainState(step=jnp.int32(7), params=params, opt_state=optax.adam(1e-3).init(params),
                        rng=jnp.zeros(2, jnp.uint32))
     with CheckpointManager(tmp_path / "run" / "checkpoints", async_save=False) as manager:
         manager.save(7, state, meta={"model": dataclasses.asdict(CONFIG), "step": 7,
                                      "tokenizer": str(tokenizer_file)})
-    want = decode.generate(CONFIG, params, [[7, 8, 9]], max_new_tokens=4)
+    want = generation.generate(CONFIG, params, [[7, 8, 9]], max_new_tokens=4)
     for path in (tmp_path / "run", tmp_path / "run" / "checkpoints",
                  tmp_path / "run" / "checkpoints" / "7"):
         assert cli.main(["--checkpoint", str(path), "--prompt-ids", "7,8,9",
@@ -144,7 +144,7 @@ def test_cli_tensor_parallel_over_two_cpu_devices_gives_the_same_tokens(hf_dir, 
          "--tensor", "2", "--json"],
         capture_output=True, text=True, env=FAST_ENV, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    want = decode.generate(CONFIG, params, [[3, 1, 4], [1, 5]], max_new_tokens=4)
+    want = generation.generate(CONFIG, params, [[3, 1, 4], [1, 5]], max_new_tokens=4)
     out = json.loads(proc.stdout)
     assert out["tensor"] == 2
     assert out["tokens"] == want.tokens
@@ -154,14 +154,14 @@ def test_package_attribute_generate_is_callable_before_and_after_importing_the_c
     script = textwrap.dedent("""
         import types
         import transformer_jax
-        from transformer_jax import decode
+        from transformer_jax import generation
         from transformer_jax.config import ModelConfig
         from transformer_jax.model import init_params
         config = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=16,
                              max_seq_len=16)
         params = init_params(config, 0)
         kw = dict(max_new_tokens=3)
-        want = decode.generate(config, params, [[1, 2]], **kw).tokens
+        want = generation.generate(config, params, [[1, 2]], **kw).tokens
         assert transformer_jax.generate(config, params, [[1, 2]], **kw).tokens == want
         import transformer_jax.generate
         assert isinstance(transformer_jax.generate, types.ModuleType)

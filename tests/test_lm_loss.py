@@ -60,7 +60,7 @@ def test_chunked_loss_equals_full_loss_and_gradients(head_layout, chunk_size, ma
 
 
 def test_matches_training_cross_entropy_sums():
-    from transformer_jax.training import cross_entropy_sums  # noqa: PLC0415
+    from transformer_jax.loss import cross_entropy_sums  # noqa: PLC0415
 
     x, head, targets, mask = _inputs(seed=1)
     logits = jnp.einsum("BTD,DV->BTV", x, head)

@@ -59,7 +59,7 @@ def meshes() -> dict:
 
 @pytest.mark.parametrize("run", RUNS)
 def test_sharded_step_matches_single_device(meshes, run):
-    """Two real train steps (training.make_train_step) under a mesh vs on one device."""
+    """Two real train steps (train_step.make_train_step) under a mesh vs on one device."""
     result = meshes["runs"][run]
     assert result["losses"] == pytest.approx(meshes["ref_losses"], rel=1e-6, abs=1e-6)
     assert any(p.startswith("params/") for p in result["diff"]), "no parameter was compared"
@@ -250,7 +250,7 @@ def _hand_param_count(c: ModelConfig) -> tuple[int, int]:
 @pytest.mark.parametrize("preset", ["llama2_7b", "mistral_7b", "llama3_8b"])
 def test_memory_report_matches_hand_formula(preset):
     from transformer_jax.bench.memory import state_memory
-    from transformer_jax.training import TrainConfig
+    from transformer_jax.train_config import TrainConfig
 
     config = ModelConfig.preset(preset)
     total, norms = _hand_param_count(config)

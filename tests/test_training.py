@@ -15,21 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.compilation_cache import compilation_cache
 
-from transformer_jax import training
+from transformer_jax import perf, train_step, training
 from transformer_jax.checkpoint import CheckpointManager
 from transformer_jax.config import ModelConfig
+from transformer_jax.loss import cross_entropy
 from transformer_jax.model import Transformer
-from transformer_jax.training import (
-    DataConfig,
-    NonFiniteLossError,
-    TrainConfig,
-    cross_entropy,
-    decay_mask,
-    lr_schedule,
-    make_init_fn,
-    make_optimizer,
-    make_train_step,
-)
+from transformer_jax.optim import decay_mask, lr_schedule, make_optimizer
+from transformer_jax.run_log import NonFiniteLossError
+from transformer_jax.train_config import DataConfig, TrainConfig
+from transformer_jax.train_step import make_init_fn, make_train_step
 
 MODEL = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
                     max_seq_len=16)
@@ -230,7 +224,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
     ckpt_dir = tmp_path / "run" / "checkpoints"
     before = {p.name: p.stat().st_mtime_ns for p in ckpt_dir.rglob("*")}
 
-    real = training.make_train_step
+    real = train_step.make_train_step
 
     def poisoned(model_config, train_config):
         step_fn = real(model_config, train_config)
@@ -298,7 +292,7 @@ def test_flops_per_token_counts_matmul_weights():
     d, f, v, h, n, k, layers = 32, 64, 32, 16, 2, 1, 2
     per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * f
     expected = 6 * (layers * per_layer + v * d) + 12 * layers * 16 * n * h
-    assert training.flops_per_token(config, 16) == expected
+    assert perf.flops_per_token(config, 16) == expected
     untied = MODEL.replace(tie_embeddings=False)
-    assert training.flops_per_token(untied, 16) == expected  # lm_head replaces the tied table
+    assert perf.flops_per_token(untied, 16) == expected  # lm_head replaces the tied table
     assert optax is not None

@@ -5,7 +5,7 @@ Data flows text -> tokens (``tokenizer``, ``data``) -> model (``ops`` -> ``layer
 """
 
 from transformer_jax.config import ModelConfig, RopeScaling
-from transformer_jax.decode import GenerateResult, generate
+from transformer_jax.generation import GenerateResult, generate
 from transformer_jax.kv_cache import KVCache
 from transformer_jax.model import Transformer, abstract_params, init_params, param_count
 

@@ -25,7 +25,8 @@ POSITIONS = ("rope", "sinusoidal", "none")
 ROPE_PAIRINGS = ("half", "adjacent")
 ROPE_SCALINGS = ("linear", "llama3")
 REMATS = ("none", "full", "save_dots")
-ATTENTION_IMPLS = ("xla", "jax")
+#: Attention implementations (``ops.attention.attention``'s ``impl``).
+ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "pallas", "mosaic")
 DTYPES = ("float32", "bfloat16", "float16")
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -103,8 +104,10 @@ class ModelConfig:
       scan_layers: stack the blocks with ``nn.scan`` (compile time independent of depth).
       remat: rematerialisation of each block in the backward pass: ``"none"``, ``"full"``, or
         ``"save_dots"`` (keep matmul outputs, recompute the rest).
-      attention_impl: ``"xla"`` (einsum reference) or ``"jax"`` (``jax.nn.dot_product_attention``,
-        which picks cuDNN flash attention on GPUs).
+      attention_impl: ``"auto"`` (the best for the backend and shape, see
+        ``ops.attention.choose_impl``), ``"xla"`` (the einsum reference), ``"chunked"``
+        (memory linear in the context, any backend), ``"cudnn"`` (GPU), ``"pallas"`` or
+        ``"mosaic"`` (TPU, Hopper GPUs).
       init_std: standard deviation of the normal initialiser of every matrix.
     """
 
@@ -131,7 +134,7 @@ class ModelConfig:
     dtype: str = "float32"
     scan_layers: bool = False
     remat: str = "none"
-    attention_impl: str = "xla"
+    attention_impl: str = "auto"
     init_std: float = 0.02
 
     def __post_init__(self) -> None:

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export as jax_export
 
-from transformer_jax import decode
+from transformer_jax import decode, generation
+from transformer_jax import prompts as prompt_lib
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import abstract_params
 
@@ -77,26 +78,26 @@ class ExportedGenerate:
                                   jnp.asarray(key_data, jnp.uint32))
 
     def generate(self, params: decode.Params, prompts: Sequence[Sequence[int]],
-                 seed: int | Sequence[int] = 0) -> decode.GenerateResult:
+                 seed: int | Sequence[int] = 0) -> generation.GenerateResult:
         """Validates and pads ``prompts`` like ``decode.generate``, then runs the export.
 
         Args:
           params: parameters of ``config`` (the layout it was exported with).
           prompts: B non-empty lists of ids in [0, V).
-          seed: an int or one int per prompt (see ``decode.sequence_keys``).
+          seed: an int or one int per prompt (see ``prompt_lib.sequence_keys``).
 
         Returns:
-          A ``decode.GenerateResult``.
+          A ``generation.GenerateResult``.
         """
         c, n = self.config, self.max_new_tokens
-        arrays = decode.validate_prompts(prompts, c.vocab_size)
-        decode.validate_capacity(c, [len(a) for a in arrays], n)
+        arrays = prompt_lib.validate_prompts(prompts, c.vocab_size)
+        prompt_lib.validate_capacity(c, [len(a) for a in arrays], n)
         longest = max(len(a) for a in arrays)
-        t = max(longest, min(decode.prompt_bucket(longest), c.max_seq_len - n))
-        tokens, lengths = decode.pad_prompts(arrays, t, self.settings.pad_id)
-        keys = decode.sequence_keys(seed, len(arrays))
+        t = max(longest, min(prompt_lib.prompt_bucket(longest), c.max_seq_len - n))
+        tokens, lengths = prompt_lib.pad_prompts(arrays, t, self.settings.pad_id)
+        keys = prompt_lib.sequence_keys(seed, len(arrays))
         out, logprobs, num = jax.device_get(self(params, tokens, lengths, keys))
-        return decode.result_from_arrays(out, logprobs, num)
+        return generation.result_from_arrays(out, logprobs, num)
 
     def save(self, path: str | Path) -> None:
         """Writes the header and the serialized program to ``path``."""
@@ -156,7 +157,7 @@ def export_generate(config: ModelConfig, *, max_new_tokens: int, temperature: fl
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         stop_tokens=tuple(stop_tokens), pad_id=pad_id)
     settings.validate(config.vocab_size)
-    if not decode._is_int(max_new_tokens) or not 0 < max_new_tokens < config.max_seq_len:
+    if not prompt_lib.is_int(max_new_tokens) or not 0 < max_new_tokens < config.max_seq_len:
         raise ValueError(f"max_new_tokens must be an int in [1, max_seq_len={config.max_seq_len})"
                          f", got {max_new_tokens!r}")
     b, t = jax_export.symbolic_shape(

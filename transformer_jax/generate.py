@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from transformer_jax import decode, sharding
+from transformer_jax import decode, generation, sharding
 from transformer_jax.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 class _CallableModule(types.ModuleType):
     """A module that calls ``decode.generate`` when called."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> decode.GenerateResult:
-        return decode.generate(*args, **kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> generation.GenerateResult:
+        return generation.generate(*args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _CallableModule
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             stop = []
         streamer = None if args.json else _TextStreamer(tokenizer, len(prompts))
         start = time.perf_counter()
-        result = decode.generate(
+        result = generation.generate(
             config, params, prompts, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             min_p=args.min_p, seed=args.seed, stop_tokens=stop, stream=streamer, mesh=mesh,

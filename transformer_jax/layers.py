@@ -10,10 +10,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer_jax import kv_cache, ops
+from transformer_jax import ops
 from transformer_jax.config import ModelConfig, RopeScaling
+from transformer_jax.kv_cache import KVCache
+from transformer_jax.ops.attention import attention
 
-LayerCache = tuple[jax.Array, jax.Array]  # ([B, S, K, H] keys, [B, S, K, H] values)
+#: What a block passes to the next: the [B, T, D] residual stream and the cache (or None).
+Carry = tuple[jax.Array, KVCache | None]
 
 
 def _normal(std: float) -> nn.initializers.Initializer:
@@ -78,7 +81,7 @@ class Attention(nn.Module):
     rope_pairing: str = "half"
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
-    impl: str = "xla"
+    impl: str = "auto"
     init_std: float = 0.02
     out_init_std: float = 0.02
     dtype: jnp.dtype = jnp.float32
@@ -89,20 +92,21 @@ class Attention(nn.Module):
         return w.astype(self.dtype)
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, cache: LayerCache | None = None,
-                 segment_ids: jax.Array | None = None
-                 ) -> tuple[jax.Array, LayerCache | None]:
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: KVCache | None = None,
+                 layer: int | jax.Array = 0, segment_ids: jax.Array | None = None
+                 ) -> tuple[jax.Array, KVCache | None]:
         """Self-attention of x over itself, or over the cache once x's keys are written in.
 
         Args:
           x: [B, T, D] normalised input.
           positions: [B, T] integer positions; with a cache, each row must be consecutive and
             its first entry is the slot the chunk is written at.
-          cache: optional (k, v) of shape [B, S_max, K, H] each.
+          cache: optional ``KVCache``; this block reads and writes its layer ``layer``.
+          layer: this block's index in the cache (a traced index inside a layer scan).
           segment_ids: optional [B, T] packed-sequence ids (0 = padding); not with a cache.
 
         Returns:
-          ([B, T, D] output, updated cache or None).
+          ([B, T, D] output, the updated cache or None).
         """
         d = x.shape[-1]
         n, kv, h = self.n_heads, self.n_kv_heads, self.head_dim
@@ -125,24 +129,21 @@ class Attention(nn.Module):
             q = ops.apply_rope(q, positions, **rope)
             k = ops.apply_rope(k, positions, **rope)
 
+        structure = dict(q_positions=positions, window=self.sliding_window, impl=self.impl)
         if cache is None:
-            mask = ops.attention_mask(positions, positions, q_segments=segment_ids,
-                                      k_segments=segment_ids, window=self.sliding_window)
-            new_cache = None
+            out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                            k_positions=positions, q_segments=segment_ids,
+                            k_segments=segment_ids, **structure)
         else:
             if segment_ids is not None:
                 raise ValueError("segment_ids cannot be combined with a KV cache")
-            cache_k, cache_v = cache
-            start = positions[:, 0]
-            cache_k = kv_cache.write(cache_k, k, start)
-            cache_v = kv_cache.write(cache_v, v, start)
-            k, v = cache_k.astype(self.dtype), cache_v.astype(self.dtype)
-            slots = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=positions.dtype),
-                                     (k.shape[0], k.shape[1]))
-            mask = ops.attention_mask(positions, slots, window=self.sliding_window)
-            new_cache = (cache_k, cache_v)
-        out = ops.dot_product_attention(q, k, v, mask, impl=self.impl)
-        return jnp.einsum("BTNH,NHD->BTD", out, wo), new_cache
+            # Write the chunk, then attend over every slot: slot s holds position s, so the
+            # causal structure also hides slots not written yet.
+            cache = cache.write(layer, k, v, positions[:, 0])
+            keys, values = cache.layer(layer)
+            out = attention(q.astype(keys.dtype), keys, values,
+                            keys_transposed=cache.keys_transposed, **structure)
+        return jnp.einsum("BTNH,NHD->BTD", out.astype(self.dtype), wo), cache
 
 
 class MLP(nn.Module):
@@ -184,10 +185,14 @@ class Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, cache: LayerCache | None = None,
-                 segment_ids: jax.Array | None = None
-                 ) -> tuple[jax.Array, LayerCache | None]:
-        """[B, T, D] -> ([B, T, D], updated layer cache or None)."""
+    def __call__(self, carry: Carry, positions: jax.Array, layer: int | jax.Array = 0,
+                 segment_ids: jax.Array | None = None) -> tuple[Carry, None]:
+        """([B, T, D], cache) -> (([B, T, D], updated cache), None).
+
+        The (carry, ...) -> (carry, None) form is ``nn.scan``'s; the unrolled model calls the
+        same block with a Python int ``layer``.
+        """
+        x, cache = carry
         # The residual stream's only sharding annotation: under a mesh's logical-axis rules it
         # keeps activations split over the batch axes (so FSDP gathers weights, not
         # activations); without rules in scope it is a no-op.
@@ -209,11 +214,11 @@ class Block(nn.Module):
         attn_norm = Norm(name="attn_norm", **norm_kw)
         mlp_norm = Norm(name="mlp_norm", **norm_kw)
         if c.norm_position == "pre":
-            y, cache = attn(attn_norm(x), positions, cache, segment_ids)
+            y, cache = attn(attn_norm(x), positions, cache, layer, segment_ids)
             x = x + y
             x = x + mlp(mlp_norm(x))
         else:
-            y, cache = attn(x, positions, cache, segment_ids)
+            y, cache = attn(x, positions, cache, layer, segment_ids)
             x = attn_norm(x + y)
             x = mlp_norm(x + mlp(x))
-        return x, cache
+        return (x, cache), None

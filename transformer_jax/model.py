@@ -2,7 +2,7 @@
 
 ``Transformer(config).apply({"params": params}, tokens)`` returns [B, T, V] float32 logits.
 Passing a ``KVCache`` returns ``(logits, cache)`` with the chunk's keys/values written in, which
-is all prefill and decode need.
+is all prefill and decode need: ``decode.py`` runs this same forward.
 """
 
 from __future__ import annotations
@@ -29,27 +29,38 @@ _REMAT_POLICIES = {
 
 
 class Transformer(nn.Module):
-    """Decoder-only language model (LLaMA family; Mistral and Qwen2 by config)."""
+    """Decoder-only language model (LLaMA family; Mistral and Qwen2 by config).
+
+    The one forward of the library: training calls it on whole sequences, prefill on padded
+    prompts with an empty cache, and every decode step on one token per sequence with the cache
+    (``decode.py``). The blocks are unrolled, or scanned with ``config.scan_layers`` (then the
+    program, and its compile time, do not grow with depth, decode included).
+    """
 
     config: ModelConfig
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 cache: KVCache | None = None, segment_ids: jax.Array | None = None
+                 cache: KVCache | None = None, segment_ids: jax.Array | None = None,
+                 logits_at: jax.Array | None = None
                  ) -> jax.Array | tuple[jax.Array, KVCache]:
-        """Next-token logits for every position.
+        """Next-token logits for every position, or for one position per sequence.
 
         Args:
           tokens: [B, T] int token ids.
           positions: [B, T] int positions; default ``arange(T)``, or with a cache
             ``cache.lengths[:, None] + arange(T)`` (continue each sequence where it stopped).
           cache: optional ``KVCache`` with S_max slots; the chunk's keys/values are written at
-            slots ``positions[:, 0] ..``, and queries attend to every slot up to their position.
+            slots ``positions[:, 0] ..`` (which must stay below S_max), and queries attend to
+            every slot up to their position.
           segment_ids: optional [B, T] ids of packed sequences (0 = padding), without a cache.
+          logits_at: optional [B] int index in [0, T) per sequence: the final norm and the LM
+            head run for that token only (a prompt's last real token in prefill), and the
+            logits are [B, V].
 
         Returns:
-          [B, T, V] float32 logits, or ``(logits, updated cache)`` when a cache is given; the
-          updated cache's lengths are ``positions[:, -1] + 1``.
+          [B, T, V] float32 logits ([B, V] with ``logits_at``), or ``(logits, updated cache)``
+          when a cache is given; the updated cache's lengths are ``positions[:, -1] + 1``.
         """
         c = self.config
         chex.assert_rank(tokens, 2)
@@ -70,25 +81,22 @@ class Transformer(nn.Module):
         if c.remat != "none":
             block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[c.remat],
                                  prevent_cse=not c.scan_layers)
-        layer_caches = None if cache is None else (cache.k, cache.v)
+        carry = (x, cache)
         if c.scan_layers:
+            # The cache rides in the carry and each layer indexes it with its (traced) number,
+            # so XLA updates it in place rather than slicing and restacking it per layer.
             blocks = nn.scan(
                 block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                 in_axes=(nn.broadcast, 0, nn.broadcast), length=c.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"})(c, name="blocks")
-            x, layer_caches = blocks(x, positions, layer_caches, segment_ids)
+            carry, _ = blocks(carry, positions, jnp.arange(c.n_layers), segment_ids)
         else:
-            new_k, new_v = [], []
             for i in range(c.n_layers):
-                layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-                x, layer_cache = block_cls(c, name=f"blocks_{i}")(
-                    x, positions, layer_cache, segment_ids)
-                if cache is not None:
-                    new_k.append(layer_cache[0])
-                    new_v.append(layer_cache[1])
-            if cache is not None:
-                layer_caches = (jnp.stack(new_k), jnp.stack(new_v))
+                carry, _ = block_cls(c, name=f"blocks_{i}")(carry, positions, i, segment_ids)
+        x, cache = carry
 
+        if logits_at is not None:
+            x = x[jnp.arange(b), logits_at][:, None]  # [B, 1, D]
         x = Norm(kind=c.norm, eps=c.norm_eps, param_dtype=c.jnp_param_dtype,
                  name="final_norm")(x)
         if c.tie_embeddings:
@@ -100,11 +108,11 @@ class Transformer(nn.Module):
                 (c.d_model, c.vocab_size), c.jnp_param_dtype)
             logits = jnp.einsum("BTD,DV->BTV", x, kernel.astype(c.jnp_dtype),
                                 preferred_element_type=jnp.float32)
+        if logits_at is not None:
+            logits = logits[:, 0]
         if cache is None:
             return logits
-        new_cache = KVCache(k=layer_caches[0], v=layer_caches[1],
-                            lengths=(positions[:, -1] + 1).astype(jnp.int32))
-        return logits, new_cache
+        return logits, cache.replace(lengths=(positions[:, -1] + 1).astype(jnp.int32))
 
 
 def _dummy_tokens(config: ModelConfig) -> jax.Array:

@@ -43,12 +43,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
-from transformer_jax import decode, sharding
+from transformer_jax import decode, generation, sharding
+from transformer_jax import prompts as prompt_lib
 from transformer_jax.config import ModelConfig, load_toml
 from transformer_jax.kv_cache import cache_bytes
-from transformer_jax.model import Transformer, init_params
+from transformer_jax.model import Transformer, abstract_params, init_params
 
 
 def _ints(text: str) -> list[int]:
@@ -106,8 +106,8 @@ def _bench_ours(config: ModelConfig, weights: decode.DecodeWeights, prompts: lis
                 cache_dtype: str | None = None) -> dict[str, Any]:
     b, p = len(prompts), len(prompts[0])
     kw = dict(max_new_tokens=n, cache_size=cache_size, cache_dtype=cache_dtype)
-    t = decode.prompt_bucket(p)
-    s_max = cache_size or decode.default_cache_size(config, t, n)
+    t = prompt_lib.prompt_bucket(p)
+    s_max = cache_size or prompt_lib.default_cache_size(config, t, n)
     nbytes = weight_bytes + cache_bytes(config, b, s_max, cache_dtype)
 
     # First call: compile + run; the difference to a warm call is the compile time. A step is
@@ -115,28 +115,28 @@ def _bench_ours(config: ModelConfig, weights: decode.DecodeWeights, prompts: lis
     # prefill and everything else outside the loop cancel. Each pair of calls follows its own
     # bandwidth sample: other tenants of a shared machine change both.
     start = time.perf_counter()
-    decode.generate(config, weights, prompts, **kw)
+    generation.generate(config, weights, prompts, **kw)
     first = time.perf_counter() - start
     one = dict(kw, max_new_tokens=1, cache_size=s_max)
-    decode.generate(config, weights, prompts, **one)
+    generation.generate(config, weights, prompts, **one)
     totals, singles, steps_ms, bandwidths, ratios = [], [], [], [], []
     for _ in range(repeats):
         bandwidths.append(measure_bandwidth(repeats=7))
         start = time.perf_counter()
-        decode.generate(config, weights, prompts, **one)
+        generation.generate(config, weights, prompts, **one)
         singles.append(time.perf_counter() - start)
         start = time.perf_counter()
-        result = decode.generate(config, weights, prompts, **kw)
+        result = generation.generate(config, weights, prompts, **kw)
         totals.append(time.perf_counter() - start)
         steps_ms.append((totals[-1] - singles[-1]) / (n - 1) * 1e3)
         ratios.append(steps_ms[-1] / (nbytes / bandwidths[-1] * 1e3))
 
     # Per-step host timestamps from the stream callback (a second compiled program).
     stamps: list[float] = []
-    decode.generate(config, weights, prompts, stream=lambda *a: None, **kw)
+    generation.generate(config, weights, prompts, stream=lambda *a: None, **kw)
     start = time.perf_counter()
-    decode.generate(config, weights, prompts, stream=lambda *a: stamps.append(time.perf_counter()),
-                    **kw)
+    generation.generate(config, weights, prompts,
+                        stream=lambda *a: stamps.append(time.perf_counter()), **kw)
     series = np.diff(np.asarray(stamps)) * 1e3  # ms; series[i] is decode step i + 1
     quarter = max(1, len(series) // 4)
     step_ms = statistics.median(steps_ms)
@@ -165,45 +165,72 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
                         steps: int, repeats: int) -> float:
     """Milliseconds per step of the decode step's matrix products alone, at batch B.
 
-    The same prepared weights (``decode.prepare``), products and tensor split as the decode
-    step, chained through a norm-free residual in a ``lax.fori_loop`` of ``steps`` iterations,
-    without attention, all-reduces or sampling: what streaming the weights costs at this batch
-    size on this machine, the part of a step no cache layout can remove.
+    The same prepared weights (``decode.prepare``, split over the same mesh) and the model's
+    own contractions (q/k/v/o, the FFN, the LM head), chained through a norm-free residual in a
+    ``lax.fori_loop`` of ``steps`` iterations, without attention or sampling: what streaming
+    the weights costs at this batch size on this machine, the part of a step no cache layout
+    can remove.
     """
-    mesh = weights.mesh
-    shards = decode.tensor_shards(mesh)
-    linear = decode._linear  # the decode step's [out, in] x [in, B] product
+    c = config
+    params = weights.params
+    blocks = params["blocks"] if c.scan_layers else [params[f"blocks_{i}"]
+                                                     for i in range(c.n_layers)]
+    head = params["embed"]["embedding"].T if c.tie_embeddings else params["lm_head"]
 
-    def chain(dparams: Any, x: jax.Array, n: int) -> jax.Array:
+    def layer(x: jax.Array, p: Any) -> jax.Array:
+        a, m = p["attn"], p["mlp"]
+        q = jnp.einsum("BD,DNH->BNH", x, a["q_proj"])
+        kv = (jnp.einsum("BD,DKH->BKH", x, a["k_proj"]).mean()
+              + jnp.einsum("BD,DKH->BKH", x, a["v_proj"]).mean())
+        x = x + jnp.einsum("BNH,NHD->BD", q, a["o_proj"]) + kv * 1e-6
+        hidden = x @ m["up"]
+        if "gate" in m:
+            hidden = hidden * (x @ m["gate"])
+        return x + hidden @ m["down"]
+
+    def chain(blocks: Any, head: jax.Array, x: jax.Array, n: int) -> jax.Array:
         def body(_, x):
-            for i in range(config.n_layers):
-                p = dparams[f"blocks_{i}"]
-                qkv = linear(p["qkv"], x)
-                attn = qkv[:p["o"].shape[1]]
-                x = x + linear(p["o"], attn)
-                hidden = linear(p["inner"], x)
-                x = x + linear(p["down"], hidden[:p["down"].shape[1]])
-            logits = linear(dparams["head"], x)
-            return x + jnp.mean(logits) * 1e-6
+            if c.scan_layers:
+                x = jax.lax.scan(lambda x, p: (layer(x, p), None), x, blocks)[0]
+            else:
+                for p in blocks:
+                    x = layer(x, p)
+            return x + jnp.mean(x @ head) * 1e-6
         return jax.lax.fori_loop(0, n, body, x)
 
-    def run(dparams: Any, x: jax.Array, n: int) -> jax.Array:
-        loop = functools.partial(chain, n=n)
-        if mesh is None:
-            return loop(dparams, x)
-        specs = decode.decode_param_specs(config, dparams, decode.TENSOR_AXIS, shards)
-        return jax.shard_map(loop, mesh=mesh, in_specs=(specs, PartitionSpec()),
-                             out_specs=PartitionSpec(decode.TENSOR_AXIS), check_vma=False
-                             )(dparams, x)
-
-    fn = jax.jit(run, static_argnums=2)
-    x = jnp.ones((config.d_model, batch), config.jnp_dtype)
+    fn = jax.jit(chain, static_argnums=3)
+    x = jnp.ones((batch, c.d_model), c.jnp_dtype)
     # (2n iterations - n iterations) / n: dispatch and everything outside the loop cancel.
     times = {}
     for n in (steps, 2 * steps):
-        jax.block_until_ready(fn(weights.params, x, n))
-        times[n] = _median_time(lambda n=n: fn(weights.params, x, n), repeats)
+        jax.block_until_ready(fn(blocks, head, x, n))
+        times[n] = _median_time(lambda n=n: fn(blocks, head, x, n), repeats)
     return (times[2 * steps] - times[steps]) / steps * 1e3
+
+
+def compile_times(config: ModelConfig, layers: tuple[int, ...] = (4, 32), batch: int = 1,
+                  prompt_len: int = 128, new_tokens: int = 64,
+                  dtype: str = "bfloat16") -> dict[str, Any]:
+    """Seconds to lower and compile the jitted generate at several depths, from abstract inputs.
+
+    Nothing is allocated: the weights, prompts and keys are ``jax.ShapeDtypeStruct``s. With a
+    scanned model the program, and so its compile time, should not grow with depth.
+    """
+    out: dict[str, float] = {}
+    for n_layers in layers:
+        c = config.replace(n_layers=n_layers, dtype=dtype, param_dtype=dtype)
+        weights = jax.eval_shape(functools.partial(decode.decode_params, c), abstract_params(c))
+        args = (weights, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
+                jax.ShapeDtypeStruct((batch,), jnp.int32),
+                jax.ShapeDtypeStruct((batch, 2), jnp.uint32))
+        fn = jax.jit(decode.generate_padded, static_argnames=decode.GENERATE_STATIC_ARGNAMES)
+        start = time.perf_counter()
+        fn.lower(c, *args, max_new_tokens=new_tokens).compile()
+        out[str(n_layers)] = time.perf_counter() - start
+        print(f"  {n_layers} layers: lower + compile {out[str(n_layers)]:.1f} s", flush=True)
+    first, last = str(layers[0]), str(layers[-1])
+    return dict(compile_s=out, ratio=out[last] / out[first], scan_layers=config.scan_layers,
+                batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, dtype=dtype)
 
 
 def _bench_no_cache(config: ModelConfig, params: Any, prompts: list[list[int]],
@@ -306,11 +333,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-hf", action="store_true", help="skip HuggingFace transformers")
     parser.add_argument("--no-baseline", action="store_true", help="skip the no-cache baseline")
-    parser.add_argument("--out", default=None, help="JSON file (default bench_decode_NAME.json)")
+    parser.add_argument("--out", "--json", default=None,
+                        help="JSON file (default bench_decode_NAME.json)")
+    parser.add_argument("--compile-time", action="store_true",
+                        help="only measure the lower + compile time of generate at 4 and 32 "
+                        "layers of the config (bfloat16, batch 1, prompt 128, 64 new tokens, "
+                        "from abstract inputs) and write {compile_s, ratio}")
     args = parser.parse_args(argv)
 
     config = ModelConfig.from_dict(load_toml(args.config).get("model", {}))
     name = Path(args.config).stem
+    if args.compile_time:
+        print(f"generate compile time, {name} shapes (scan_layers={config.scan_layers}):")
+        result = compile_times(config)
+        print(f"32 layers / 4 layers = {result['ratio']:.2f}")
+        out = Path(args.out or f"bench_compile_{name}.json")
+        out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {out}")
+        return 0
     # Before JAX starts its CPU backend: one device per core (the count divides K, N and F).
     cores = sharding.configure_cpu_devices(math.gcd(config.n_kv_heads, config.d_ff))
     per_core = cores if jax.default_backend() == "cpu" else 0
@@ -332,9 +372,10 @@ def main(argv: list[str]) -> int:
         start = time.perf_counter()
         placed[t] = jax.block_until_ready(decode.prepare(config, params, mesh))
         prepare_s[t] = time.perf_counter() - start
-    # Bytes a step reads: every prepared weight but the embedding table (B rows of it).
+    # Bytes a step reads: every prepared weight, but of an untied embedding table only B rows.
     any_weights = next(iter(placed.values()))
-    weight_bytes = any_weights.nbytes - any_weights.params["embed"]["embedding"].nbytes
+    weight_bytes = any_weights.nbytes - (0 if config.tie_embeddings else
+                                         any_weights.params["embed"]["embedding"].nbytes)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"decode benchmark: {name}, {n_params / 1e6:.1f}M params ({weight_bytes / 1e6:.0f} MB "
           f"read per step), {config.dtype}, {jax.devices()[0].device_kind} x "

@@ -65,7 +65,7 @@ def state_memory(model_config: Any, mesh_sizes: tuple[int, int, int], train_conf
     from jax.sharding import AbstractMesh, AxisType
 
     from transformer_jax import sharding as sh
-    from transformer_jax.training import make_init_fn
+    from transformer_jax.train_step import make_init_fn
 
     mesh = AbstractMesh(tuple(mesh_sizes), sh.MESH_AXES,
                         axis_types=(AxisType.Auto,) * len(sh.MESH_AXES))
@@ -94,7 +94,7 @@ def lower_train_step(model_config: Any, train_config: Any, mesh: Any) -> tuple[A
     import jax.numpy as jnp
 
     from transformer_jax import sharding as sh
-    from transformer_jax.training import make_init_fn, make_train_step
+    from transformer_jax.train_step import make_init_fn, make_train_step
 
     abstract = jax.eval_shape(make_init_fn(model_config, train_config), jax.random.key(0))
     s_shard = sh.state_shardings(abstract, sh.param_shardings(model_config, mesh))
@@ -132,8 +132,8 @@ def compiled_activations(model_config: Any, train_config: Any, mesh: Any) -> int
     import jax.numpy as jnp
 
     from transformer_jax import sharding as sh
+    from transformer_jax.loss import cross_entropy
     from transformer_jax.model import Transformer, abstract_params
-    from transformer_jax.training import cross_entropy
 
     model = Transformer(model_config)
 
@@ -205,7 +205,7 @@ def compile_times(name: str, mesh: Any, batch: int, seq: int, layers: tuple[int,
 
 def _configs(name: str, batch: int, seq: int, **model_changes: Any) -> tuple[Any, Any]:
     from transformer_jax.config import ModelConfig
-    from transformer_jax.training import TrainConfig
+    from transformer_jax.train_config import TrainConfig
 
     changes = {k: v for k, v in model_changes.items() if v is not None}
     model_config = ModelConfig.preset(name).replace(**changes)

@@ -24,16 +24,10 @@ import numpy as np
 
 from transformer_jax import sharding as sharding_lib
 from transformer_jax.model import param_count
+from transformer_jax.perf import enable_cpu_fast_math, flops_per_token, measure_matmul_peak
 from transformer_jax.sharding import configure_cpu_devices
-from transformer_jax.training import (
-    ConfigError,
-    build_configs,
-    enable_cpu_fast_math,
-    flops_per_token,
-    make_init_fn,
-    make_train_step,
-    measure_matmul_peak,
-)
+from transformer_jax.train_config import ConfigError, build_configs
+from transformer_jax.train_step import make_init_fn, make_train_step
 
 
 def main(argv: list[str]) -> int:

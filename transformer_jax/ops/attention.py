@@ -36,9 +36,10 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.config import ATTENTION_IMPLS
+
 logger = logging.getLogger(__name__)
 
-ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "pallas", "mosaic")
 
 # Masked logits get this value rather than -inf, so that a row with no visible key stays finite.
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
@@ -133,25 +134,31 @@ def _dot(spec, a, b):
 # Reference ---------------------------------------------------------------------------------------
 
 def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None,
-                      scale: float | None = None) -> jax.Array:
+                      scale: float | None = None, *, keys_transposed: bool = False) -> jax.Array:
     """Softmax attention probabilities, grouped over kv heads.
 
     Args:
       q: [B, T, N, H] queries.
-      k: [B, K, S, H] keys, N a multiple of K.
+      k: [B, K, S, H] keys, N a multiple of K ([B, K, H, S] with ``keys_transposed``).
       mask: optional [B, T, S] bool (True = visible).
       scale: logit scale, default ``1/sqrt(H)`` (keeps the logits' variance near 1).
+      keys_transposed: the keys are stored [H, S] per row (see ``kv_cache``).
 
     Returns:
       [B, N, T, S] float32 probabilities: each row sums to 1 over the visible keys and is 0 on
       masked keys; a row with no visible key is all zeros.
     """
-    _check_qkv(q, k, k, mask)
+    if keys_transposed:
+        logits_spec = "BTKGH,BKHS->BKGTS"
+        k_rows = k.swapaxes(2, 3)  # for the shape checks only
+    else:
+        logits_spec, k_rows = "BTKGH,BKSH->BKGTS", k
+    _check_qkv(q, k_rows, k_rows, mask)
     b, t, n, h = q.shape
-    kv, s = k.shape[1], k.shape[2]
+    kv, s = k_rows.shape[1], k_rows.shape[2]
     scale = h ** -0.5 if scale is None else scale
     qg = q.reshape(b, t, kv, n // kv, h)
-    logits = _dot("BTKGH,BKSH->BKGTS", qg, k) * scale
+    logits = _dot(logits_spec, qg, k) * scale
     if mask is not None:
         logits = jnp.where(mask[:, None, None], logits, _MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1)
@@ -161,23 +168,26 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None,
 
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
-                        scale: float | None = None) -> jax.Array:
+                        scale: float | None = None, *, keys_transposed: bool = False
+                        ) -> jax.Array:
     """Attention written out with einsums: ``softmax(q k^T * scale + mask) v``.
 
     Args:
       q: [B, T, N, H] queries.
-      k: [B, K, S, H] keys.
+      k: [B, K, S, H] keys ([B, K, H, S] with ``keys_transposed``).
       v: [B, K, S, H] values.
       mask: optional [B, T, S] bool (True = visible).
       scale: logit scale, default ``1/sqrt(H)``.
+      keys_transposed: the keys are stored [H, S] per row (see ``kv_cache``).
 
     Returns:
       [B, T, N, H] in q's dtype.
     """
-    _check_qkv(q, k, v, mask)
+    _check_qkv(q, v, v, mask)
     b, t, n, h = q.shape
-    kv, s = k.shape[1], k.shape[2]
-    probs = attention_weights(q, k, mask, scale).reshape(b, kv, n // kv, t, s)
+    kv, s = v.shape[1], v.shape[2]
+    probs = attention_weights(q, k, mask, scale, keys_transposed=keys_transposed).reshape(
+        b, kv, n // kv, t, s)
     out = _dot("BKGTS,BKSH->BTKGH", probs.astype(v.dtype), v)
     return out.reshape(b, t, n, h).astype(q.dtype)
 
@@ -471,6 +481,10 @@ def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None) -> str:
         return "cudnn"
     if backend == "tpu" and t % 128 == 0 and s % 128 == 0:
         return "mosaic"
+    if not all(isinstance(dim, int) for dim in (b, n, t, s)):
+        # Symbolic shapes (jax.export): the size test cannot be decided at trace time, and the
+        # reference handles every shape.
+        return "xla"
     return "chunked" if b * n * t * s >= _AUTO_CHUNKED_MIN_LOGITS else "xla"
 
 
@@ -516,7 +530,8 @@ def _pallas_tpu_attention(q, k, v, q_segments, k_segments, *, causal, scale):
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
               k_positions: jax.Array | None = None, q_segments: jax.Array | None = None,
               k_segments: jax.Array | None = None, window: int | None = None,
-              causal: bool = True, scale: float | None = None, impl: str = "auto") -> jax.Array:
+              causal: bool = True, scale: float | None = None, impl: str = "auto",
+              keys_transposed: bool = False) -> jax.Array:
     """Scaled dot-product attention with grouped kv heads and a structural mask.
 
     A query at position m sees a key at position n iff ``(not causal or n <= m)`` and ``(window
@@ -536,14 +551,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
       scale: logit scale, default ``1/sqrt(H)``.
       impl: one of ``ATTENTION_IMPLS`` (see the module docstring). The accelerator kernels raise
         ``ValueError`` on a backend that cannot run them rather than falling back.
+      keys_transposed: k is [B, K, H, S] (a CPU cache layout, see ``kv_cache``): the reference
+        reads it as it is; the other implementations take a transposed copy first.
 
     Returns:
       [B, T, N, H] in q's dtype; exactly zero for a query with no visible key.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if keys_transposed and impl != "xla" and (impl != "auto" or choose_impl(q, v) != "xla"):
+        k, keys_transposed = k.swapaxes(2, 3), False
     if impl == "auto":
-        impl = choose_impl(q, k)
+        impl = choose_impl(q, v)
         key = (jax.default_backend(), impl)
         if key not in _logged_choices:
             _logged_choices.add(key)
@@ -555,7 +574,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
         return chunked_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,
                                  q_segments=q_segments, k_segments=k_segments, window=window,
                                  causal=causal, scale=scale)
-    q_positions, k_positions = _check_structure(q, k, v, q_positions, k_positions, q_segments,
+    q_positions, k_positions = _check_structure(q, v, v, q_positions, k_positions, q_segments,
                                                 k_segments)
     if impl == "pallas" and jax.default_backend() == "tpu":
         if window is not None or q.shape[1] != k.shape[2]:
@@ -565,7 +584,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
     mask = attention_mask(q_positions, k_positions, q_segments=q_segments, k_segments=k_segments,
                           window=window, causal=causal)
     if impl == "xla":
-        return reference_attention(q, k, v, mask, scale)
+        return reference_attention(q, k, v, mask, scale, keys_transposed=keys_transposed)
     return _kernel_attention(impl, q, k, v, mask, scale)
 
 

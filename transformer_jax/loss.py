@@ -1,0 +1,58 @@
+"""The training objective: next-token cross-entropy over the target tokens (masked), with an
+optional z-loss that keeps ``log Z`` near 0. Sums, so micro-batches add up and divide once."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+logger = logging.getLogger(__name__)
+
+Params = dict[str, Any]
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+
+
+def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None,
+                       z_loss: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Summed next-token cross-entropy and z-loss, and the number of target tokens.
+
+    Sums (not means) so that micro-batches can be added up and divided once.
+
+    Args:
+      logits: [B, T, V] float32 logits.
+      targets: [B, T] int target ids.
+      mask: optional [B, T] weights (1 = target counts, 0 = padding).
+      z_loss: weight of ``logsumexp(logits)^2``.
+
+    Returns:
+      ``(ce_sum, z_sum, count)``: float32 scalars.
+    """
+    logits = logits.astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)  # [B, T]
+    weights = jnp.ones_like(ce) if mask is None else mask.astype(jnp.float32)
+    z_sum = jnp.zeros((), jnp.float32)
+    if z_loss:
+        z_sum = z_loss * jnp.sum(weights * jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    return jnp.sum(weights * ce), z_sum, jnp.sum(weights)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None,
+                  z_loss: float = 0.0) -> jax.Array:
+    """Mean cross-entropy (plus z-loss) over the target tokens that ``mask`` keeps.
+
+    Args:
+      logits: [B, T, V] logits.
+      targets: [B, T] int target ids.
+      mask: optional [B, T] weights.
+      z_loss: weight of ``logsumexp(logits)^2``.
+
+    Returns:
+      float32 scalar in nats per token.
+    """
+    ce_sum, z_sum, count = cross_entropy_sums(logits, targets, mask, z_loss)
+    return (ce_sum + z_sum) / jnp.maximum(count, 1.0)
