@@ -44,6 +44,9 @@ class TrainConfig:
       eps: Adam's epsilon.
       grad_clip: clip the gradient's global norm to this; 0 disables clipping.
       z_loss: weight of the ``log(Z)^2`` auxiliary loss (0 disables it).
+      loss_chunk: 0 computes the LM head and the loss over all [B, T, V] logits at once; N > 0
+        computes them over chunks of N tokens with a gradient that recomputes each chunk's
+        logits, so the float32 [B, T, V] logits are never held whole (large vocabularies).
       seed: seeds the parameters, the data order and the RNG.
       eval_every: evaluate the validation loss every this many steps (and at the end); 0
         evaluates only at the end.
@@ -73,6 +76,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     z_loss: float = 0.0
+    loss_chunk: int = 0
     seed: int = 0
     eval_every: int = 250
     eval_batches: int = 20
@@ -90,7 +94,7 @@ class TrainConfig:
                      "keep_ckpts"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "decay_steps", "seed", "eval_every", "eval_batches",
-                     "sample_tokens"):
+                     "sample_tokens", "loss_chunk"):
             _check_int(name, getattr(self, name), minimum=0)
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by grad_accum "
