@@ -424,3 +424,65 @@ def test_config_to_hf_picks_the_layout():
     # transformers' LlamaConfig rejects hidden_size % num_attention_heads != 0.
     with pytest.raises(ValueError, match="divisible"):
         hf.config_to_hf(base.replace(d_model=60, n_heads=8, head_dim=8))
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading blocks (the sharded load's building block)
+
+
+@pytest.mark.parametrize("spec", [
+    hf._same("e", ("embed", "embedding"), (6, 4)),
+    hf._reshaped("b", ("q_bias",), (12,), (4, 3)),
+    hf._linear("l", ("mlp", "up"), 5, 7),
+    hf._heads_in("q", ("attn", "q_proj"), 6, 4, 3),
+    hf._heads_out("o", ("attn", "o_proj"), 6, 4, 3),
+], ids=lambda s: s.hf_name)
+def test_blocks_read_from_the_hf_layout_equal_the_converted_tensor(spec):
+    rng = np.random.default_rng(0)
+    tensor = rng.standard_normal(spec.hf_shape).astype(np.float32)
+    ours = spec.to_ours(tensor)
+    assert ours.shape == spec.shape
+    np.testing.assert_array_equal(spec.to_hf(ours), tensor)
+    for _ in range(20):  # random blocks, head_dim cut too (read whole, then sliced)
+        starts = [int(rng.integers(0, n)) for n in spec.shape]
+        index = tuple(slice(a, int(rng.integers(a + 1, n + 1)))
+                      for a, n in zip(starts, spec.shape, strict=True))
+        np.testing.assert_array_equal(spec.read(tensor, index), ours[index])
+
+
+def test_load_onto_a_one_device_mesh_equals_the_plain_load(base_checkpoint):
+    from transformer_jax import sharding
+
+    mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+    for scan in (False, True):
+        config, plain = hf.load(base_checkpoint, scan_layers=scan)
+        config_m, sharded = hf.load(base_checkpoint, mesh=mesh, scan_layers=scan)
+        assert config_m == config
+        _assert_trees_identical(sharded, plain)
+        want = sharding.param_shardings(config, mesh)
+        assert jax.tree.leaves(jax.tree.map(lambda x, s: x.sharding == s, sharded, want))
+
+
+def test_bad_input_fails_before_any_array_is_made(base_checkpoint, tmp_path, monkeypatch):
+    from transformer_jax import sharding
+
+    mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+
+    def no_arrays(*args, **kwargs):
+        raise AssertionError("an array was made before the input was checked")
+
+    monkeypatch.setattr(jax, "device_put", no_arrays)
+    monkeypatch.setattr(jnp, "asarray", no_arrays)
+    no_weights = _copy(base_checkpoint, tmp_path / "no_weights")
+    (no_weights / hf.SINGLE_FILE).unlink()
+    unrepresentable = _copy(base_checkpoint, tmp_path / "yarn", rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
+    misshapen = _copy(base_checkpoint, tmp_path / "misshapen")
+    _rewrite_weights(misshapen, lambda t: t.update({UP: t[UP].T.copy()}))
+    for kwargs in ({}, {"mesh": mesh}):
+        with pytest.raises(FileNotFoundError, match="model.safetensors"):
+            hf.load(no_weights, **kwargs)
+        with pytest.raises(ValueError, match="yarn"):
+            hf.load(unrepresentable, **kwargs)
+        with pytest.raises(ValueError, match=rf"{UP} has shape"):
+            hf.load(misshapen, **kwargs)

@@ -2,8 +2,12 @@
 
 ``load(dir)`` reads ``config.json`` plus ``model.safetensors`` (or a sharded
 ``model.safetensors.index.json``) and returns a ``ModelConfig`` and a param tree that
-``Transformer(config).apply`` runs with the same logits as the HF model. ``save(config, params,
-dir)`` writes the reverse, which ``transformers``' ``from_pretrained`` reads.
+``Transformer(config).apply`` runs with the same logits as the HF model; ``load(dir, mesh=mesh)``
+creates every param sharded over a device mesh by the training's rules, each device's shard read
+on its own from the memory-mapped files. ``save(config, params, dir, tokenizer=tok)`` writes the
+reverse, which ``transformers``' ``from_pretrained`` reads (model and tokenizer).
+``python -m transformer_jax.hf export --checkpoint RUN_DIR --out DIR`` exports a training run
+(see ``transformer_jax.hf_export``).
 
 Anything that cannot be represented exactly is refused with a ValueError naming the offending
 setting or tensor (never loaded approximately): other model types, MLP biases, an ``o_proj``
@@ -21,28 +25,40 @@ Needs the ``hf`` extra (``safetensors``); ``torch``/``transformers`` are not use
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import math
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from transformer_jax.config import DTYPES, ModelConfig, RopeScaling
 from transformer_jax.files import read_json, replacing_directory
 from transformer_jax.model import Params, stack_blocks, unstack_blocks
+from transformer_jax.sharding import param_shardings
+
+if TYPE_CHECKING:  # the tokenizer backends are imported only by callers that have one
+    from transformer_jax.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+# Files a tokenizer's ``save`` may write (HF or SentencePiece), replaced as a set by ``save``.
+_TOKENIZER_FILES = frozenset({
+    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+    "chat_template.jinja", "added_tokens.json", GENERATION_CONFIG_FILE})
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -306,50 +322,94 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
 class _Tensor:
     """One HF tensor and the param it becomes.
 
+    Every mapping is a reshape then a transpose: the HF array [hf_shape] is viewed as
+    [split] (each HF dimension ``i`` split into ``groups[i]`` consecutive dimensions), then
+    transposed by ``perm`` (our dimension ``k`` is split dimension ``perm[k]``). Knowing that,
+    ``read`` can fetch any rectangular block of our array from the file without the rest.
+
     Attributes:
       hf_name: the safetensors key.
       path: the param's path in the unrolled tree.
       hf_shape: shape in the HF checkpoint.
-      shape: shape in our tree.
-      to_ours: HF array -> our array.
-      to_hf: our array -> HF array.
+      split: ``hf_shape`` with merged dimensions split apart.
+      groups: how many split dimensions each HF dimension holds.
+      perm: the transpose from ``split`` to our layout.
     """
 
     hf_name: str
     path: tuple[str, ...]
     hf_shape: tuple[int, ...]
-    shape: tuple[int, ...]
-    to_ours: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray], np.ndarray]
+    split: tuple[int, ...]
+    groups: tuple[int, ...]
+    perm: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape in our tree."""
+        return tuple(self.split[p] for p in self.perm)
+
+    def to_ours(self, x: np.ndarray) -> np.ndarray:
+        """HF array [hf_shape] -> our array [shape]."""
+        return x.reshape(self.split).transpose(self.perm)
+
+    def to_hf(self, x: np.ndarray) -> np.ndarray:
+        """Our array [shape] -> HF array [hf_shape]."""
+        return x.transpose(np.argsort(self.perm)).reshape(self.hf_shape)
+
+    def read(self, tensor: Any, index: tuple[slice, ...]) -> np.ndarray:
+        """The block ``ours[index]`` read from the HF tensor, and nothing much more.
+
+        Args:
+          tensor: anything indexable by a tuple of slices over ``hf_shape`` that returns a numpy
+            array, e.g. safetensors' ``get_slice`` handle (memory-mapped, reads only the block).
+          index: one step-1 slice per dimension of our layout (``shape``).
+
+        Returns:
+          ``to_ours(hf)[index]``. The HF block read is that block exactly whenever the inner
+          dimensions of each merged HF dimension (head_dim) are whole, which every sharding
+          rule here keeps; otherwise those inner dimensions are read whole and cut here.
+        """
+        ranges: list[tuple[int, int]] = [(0, 0)] * len(self.split)
+        for k, p in enumerate(self.perm):
+            start, stop, _ = index[k].indices(self.split[p])
+            ranges[p] = (start, max(start, stop))
+        hf_index, block_shape, inner = [], [], []
+        first = 0
+        for g in self.groups:
+            dims = range(first, first + g)
+            first += g
+            rest = math.prod(self.split[d] for d in dims[1:])
+            start, stop = ranges[dims[0]]
+            hf_index.append(slice(start * rest, stop * rest))
+            block_shape += [stop - start, *(self.split[d] for d in dims[1:])]
+            inner += [slice(None), *(slice(*ranges[d]) for d in dims[1:])]
+        block = np.asarray(tensor[tuple(hf_index)])
+        return block.reshape(block_shape)[tuple(inner)].transpose(self.perm)
 
 
 def _same(hf_name: str, path: tuple[str, ...], shape: tuple[int, ...]) -> _Tensor:
-    return _Tensor(hf_name, path, shape, shape, lambda x: x, lambda x: x)
+    return _Tensor(hf_name, path, shape, shape, (1,) * len(shape), tuple(range(len(shape))))
 
 
 def _reshaped(hf_name: str, path: tuple[str, ...], hf_shape: tuple[int, ...],
               shape: tuple[int, ...]) -> _Tensor:
-    return _Tensor(hf_name, path, hf_shape, shape, lambda x: x.reshape(shape),
-                   lambda x: x.reshape(hf_shape))
+    """A bias [heads*H] <-> [heads, H]."""
+    return _Tensor(hf_name, path, hf_shape, shape, (len(shape),), tuple(range(len(shape))))
 
 
 def _linear(hf_name: str, path: tuple[str, ...], n_in: int, n_out: int) -> _Tensor:
     """torch Linear [out, in] <-> [in, out]."""
-    return _Tensor(hf_name, path, (n_out, n_in), (n_in, n_out), lambda x: x.T, lambda x: x.T)
+    return _Tensor(hf_name, path, (n_out, n_in), (n_out, n_in), (1, 1), (1, 0))
 
 
 def _heads_in(hf_name: str, path: tuple[str, ...], d: int, heads: int, h: int) -> _Tensor:
     """q/k/v projection: [heads*H, D] <-> [D, heads, H]."""
-    return _Tensor(hf_name, path, (heads * h, d), (d, heads, h),
-                   lambda x: x.reshape(heads, h, d).transpose(2, 0, 1),
-                   lambda x: x.transpose(1, 2, 0).reshape(heads * h, d))
+    return _Tensor(hf_name, path, (heads * h, d), (heads, h, d), (2, 1), (2, 0, 1))
 
 
 def _heads_out(hf_name: str, path: tuple[str, ...], d: int, heads: int, h: int) -> _Tensor:
     """Output projection: [D, N*H] <-> [N, H, D]."""
-    return _Tensor(hf_name, path, (d, heads * h), (heads, h, d),
-                   lambda x: x.reshape(d, heads, h).transpose(1, 2, 0),
-                   lambda x: x.transpose(2, 0, 1).reshape(d, heads * h))
+    return _Tensor(hf_name, path, (d, heads * h), (d, heads, h), (1, 2), (1, 2, 0))
 
 
 def _tensors(config: ModelConfig) -> list[_Tensor]:
@@ -463,13 +523,92 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
-def load(path: str | Path, *, scan_layers: bool | None = None,
+class _Reader:
+    """Reads tensors, or blocks of them, from open safetensors files; errors name the file."""
+
+    def __init__(self, files: dict[str, Path], handles: dict[Path, Any]) -> None:
+        self.files = files
+        self.handles = handles
+        self.stored = {file: set(handle.keys()) for file, handle in handles.items()}
+
+    def check(self, name: str, shape: tuple[int, ...]) -> str:
+        """Checks a tensor's presence, shape and dtype from the header; returns its dtype name."""
+        file = self.files[name]
+        if name not in self.stored[file]:
+            raise ValueError(f"tensor {name} is not in {file.name} as the index says")
+        info = self.handles[file].get_slice(name)
+        found = tuple(info.get_shape())
+        if found != shape:
+            raise ValueError(f"tensor {name} has shape {list(found)}, expected {list(shape)}")
+        code = info.get_dtype()
+        if code not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name} has unsupported dtype {code}; supported: "
+                             f"{sorted(_SAFETENSORS_DTYPES)}")
+        return _SAFETENSORS_DTYPES[code]
+
+    @contextlib.contextmanager
+    def reopened(self, names: Sequence[str]) -> Iterator[_Reader]:
+        """A reader over fresh handles of the files holding ``names``, closed on exit.
+
+        Pages of a memory-mapped file count in the process's resident set while it stays
+        mapped; reopening per param and closing after lets them go, so a load never keeps
+        the whole file resident on top of the arrays it built.
+        """
+        files = {name: self.files[name] for name in names}
+        with ExitStack() as stack:
+            handles = {file: stack.enter_context(_open_safetensors(file))
+                       for file in sorted(set(files.values()))}
+            yield _Reader(files, handles)
+
+    def whole(self, name: str) -> np.ndarray:
+        """The whole tensor, as stored."""
+        return self._guard(name, lambda handle: handle.get_tensor(name))
+
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of the tensor's first dimension."""
+        return self._guard(name, lambda handle: handle.get_slice(name)[start:stop])
+
+    def block(self, spec: _Tensor, index: tuple[slice, ...]) -> np.ndarray:
+        """``spec.to_ours(tensor)[index]``, reading only that block from the memory-mapped file."""
+        return self._guard(spec.hf_name,
+                           lambda handle: spec.read(handle.get_slice(spec.hf_name), index))
+
+    def _guard(self, name: str, read: Callable[[Any], np.ndarray]) -> np.ndarray:
+        file = self.files[name]
+        try:
+            return read(self.handles[file])
+        except Exception as e:  # data cut short or unreadable
+            raise ValueError(f"{file}: tensor {name} is unreadable ({_first_line(e)}); the file "
+                             "may be truncated or corrupt") from None
+
+
+def _read_config(path: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    config_file = path / CONFIG_FILE
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {path}")
+    hf_config = read_json(config_file, "config")
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"config {config_file} is not a JSON object")
+    return config_from_hf(hf_config), hf_config
+
+
+def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None = None,
          dtype: str | jnp.dtype | None = None) -> tuple[ModelConfig, Params]:
     """Reads a HF Llama / Mistral / Qwen2 checkpoint directory.
+
+    Everything is checked from ``config.json`` and the safetensors headers (names, shapes,
+    dtypes, mesh divisibility) before any weight is read or any array allocated. Tensors are
+    then read one at a time; with a ``mesh``, each device's shard is read on its own from the
+    memory-mapped file (a scanned layout's [L, ...] shard from the per-layer tensors), so the
+    host never holds more than one shard in flight, never the whole model or a whole tensor.
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` or
         ``model.safetensors.index.json`` plus its shards.
+      mesh: if given, every param is created sharded over it by
+        ``sharding.param_shardings(config, mesh)`` (the training's logical-axis rules), on this
+        process's devices only (so it works multi-host); None: plain arrays on the default
+        device.
       scan_layers: True returns the scanned layout (``blocks`` with a leading L axis) and a
         config with ``scan_layers=True``; None or False the unrolled one (``blocks_{i}``).
       dtype: the ``param_dtype`` and compute ``dtype`` of the result (``"float32"``,
@@ -480,24 +619,21 @@ def load(path: str | Path, *, scan_layers: bool | None = None,
       ``(config, params)``: ``Transformer(config).apply({"params": params}, tokens)`` gives the
       HF model's logits. Shapes: ``embed/embedding`` [V, D], ``q_proj`` [D, N, H], ``o_proj``
       [N, H, D], ``mlp/gate`` [D, F], ``lm_head`` [D, V] etc. (see ``transformer_jax.model``).
+      The values are the same with and without a mesh.
 
     Raises:
       FileNotFoundError: no config.json or no weights.
       ValueError: a setting or tensor with no exact equivalent, or missing, unexpected or
         misshapen tensors (named); a ``config.json``/index that is not JSON or a truncated or
-        corrupt safetensors file (the file named).
+        corrupt safetensors file (the file named); a param the mesh cannot split evenly.
     """
     _safetensors()  # the ImportError with install advice, before any work
     if dtype is not None:
         dtype = _dtype_name(dtype)
     path = Path(path)
-    config_file = path / CONFIG_FILE
-    if not config_file.is_file():
-        raise FileNotFoundError(f"no {CONFIG_FILE} in {path}")
-    hf_config = read_json(config_file, "config")
-    if not isinstance(hf_config, dict):
-        raise ValueError(f"config {config_file} is not a JSON object")
-    config = config_from_hf(hf_config)
+    config, hf_config = _read_config(path)
+    if scan_layers:
+        config = config.replace(scan_layers=True)
     specs = _tensors(config)
     files = _weight_files(path)
 
@@ -518,51 +654,83 @@ def load(path: str | Path, *, scan_layers: bool | None = None,
     with ExitStack() as stack:
         handles = {file: stack.enter_context(_open_safetensors(file))
                    for file in sorted(set(files.values()))}
-        stored = {file: set(handle.keys()) for file, handle in handles.items()}
-
-        def read(name: str, shape: tuple[int, ...]) -> np.ndarray:
-            handle = handles[files[name]]
-            if name not in stored[files[name]]:
-                raise ValueError(f"tensor {name} is not in {files[name].name} as the index says")
-            found = tuple(handle.get_slice(name).get_shape())
-            if found != shape:
-                raise ValueError(f"tensor {name} has shape {list(found)}, expected {list(shape)}")
-            code = handle.get_slice(name).get_dtype()
-            if code not in _SAFETENSORS_DTYPES:
-                raise ValueError(f"tensor {name} has unsupported dtype {code}; supported: "
-                                 f"{sorted(_SAFETENSORS_DTYPES)}")
-            try:
-                return handle.get_tensor(name)
-            except Exception as e:  # data cut short or unreadable
-                raise ValueError(f"{files[name]}: tensor {name} is unreadable "
-                                 f"({_first_line(e)}); the file may be truncated or corrupt"
-                                 ) from None
-
-        arrays = {s.hf_name: read(s.hf_name, s.hf_shape) for s in specs}
+        reader = _Reader(files, handles)
+        stored = {reader.check(s.hf_name, s.hf_shape) for s in specs}
         for name in o_biases:
-            if np.any(read(name, (config.d_model,)) != 0):
+            reader.check(name, (config.d_model,))
+        if tied_head is not None:
+            reader.check(tied_head, (config.vocab_size, config.d_model))
+        if dtype is None:
+            dtype = stored.pop() if len(stored) == 1 else "float32"
+        config = config.replace(param_dtype=dtype, dtype=dtype)
+        shardings = None if mesh is None else param_shardings(config, mesh)  # raises early
+
+        for name in o_biases:
+            if np.any(reader.whole(name) != 0):
                 raise ValueError(f"tensor {name} is a nonzero o_proj bias, which is not "
                                  "supported (Llama attention_bias=True with o_proj bias)")
-        if tied_head is not None:
-            head = read(tied_head, (config.vocab_size, config.d_model))
-            if not np.array_equal(head, arrays["model.embed_tokens.weight"]):
-                raise ValueError("tie_word_embeddings=True but lm_head.weight differs from "
-                                 "model.embed_tokens.weight")
+        if tied_head is not None and not _same_rows(reader, tied_head,
+                                                    "model.embed_tokens.weight"):
+            raise ValueError("tie_word_embeddings=True but lm_head.weight differs from "
+                             "model.embed_tokens.weight")
 
-    if dtype is None:
-        dtypes = {a.dtype.name for a in arrays.values()}
-        dtype = dtypes.pop() if len(dtypes) == 1 and dtypes <= set(DTYPES) else "float32"
-    config = config.replace(param_dtype=dtype, dtype=dtype)
+        if shardings is None:
+            params: dict[str, Any] = {}
+            for s in specs:
+                _set_path(params, s.path, jnp.asarray(s.to_ours(reader.whole(s.hf_name)),
+                                                      dtype=dtype))
+            if config.scan_layers:
+                params = stack_blocks(params, config.n_layers)
+        else:
+            params = _load_sharded(config, specs, reader, shardings)
+    logger.info("loaded %s checkpoint from %s: %d layers, %s%s", hf_config["model_type"], path,
+                config.n_layers, dtype, "" if mesh is None else f", sharded over {mesh.shape}")
+    return config, params
+
+
+def _same_rows(reader: _Reader, a: str, b: str, chunk_bytes: int = 1 << 26) -> bool:
+    """Whether two [V, D] tensors are equal, compared a chunk of rows at a time."""
+    shape = reader.handles[reader.files[a]].get_slice(a).get_shape()
+    rows = max(1, chunk_bytes // (4 * math.prod(shape[1:])))
+    return all(np.array_equal(reader.rows(a, i, i + rows), reader.rows(b, i, i + rows))
+               for i in range(0, shape[0], rows))
+
+
+def _load_sharded(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
+                  shardings: Any) -> Params:
+    """Every param built shard by shard on this process's devices, straight from the files.
+
+    A stacked (scanned) param ``blocks/...`` [L, ...] gathers its per-layer tensors' blocks.
+    Each shard is read, put on its device and dropped before the next is read.
+    """
+    dtype = jnp.dtype(config.param_dtype)
+    layers: dict[tuple[str, ...], list[_Tensor]] = {}
+    for s in specs:
+        stacked = config.scan_layers and s.path[0].startswith("blocks_")
+        layers.setdefault(("blocks", *s.path[1:]) if stacked else s.path, []).append(s)
+    by_path = dict(_flatten(shardings))
+    if set(by_path) != set(layers):  # the model and the HF mapping disagree: a bug here
+        raise AssertionError(f"param paths differ: {sorted(set(by_path) ^ set(layers))}")
 
     params: dict[str, Any] = {}
-    for s in specs:
-        _set_path(params, s.path, jnp.asarray(s.to_ours(arrays.pop(s.hf_name)), dtype=dtype))
-    logger.info("loaded %s checkpoint from %s: %d layers, %s", hf_config["model_type"], path,
-                config.n_layers, dtype)
-    if scan_layers:
-        params = stack_blocks(params, config.n_layers)
-        config = config.replace(scan_layers=True)
-    return config, params
+    for key, parts in layers.items():
+        sharding = by_path[key]
+        stacked = key[0] == "blocks"
+        shape = ((len(parts),) if stacked else ()) + parts[0].shape
+
+        def block(reader: _Reader, index: tuple[slice, ...], parts=parts, stacked=stacked,
+                  shape=shape) -> np.ndarray:
+            if not stacked:
+                return reader.block(parts[0], index).astype(dtype, copy=False)
+            start, stop, _ = index[0].indices(shape[0])
+            return np.stack([reader.block(parts[i], index[1:]).astype(dtype, copy=False)
+                             for i in range(start, stop)])
+
+        with reader.reopened([p.hf_name for p in parts]) as fresh:
+            shards = [jax.device_put(block(fresh, index), device) for device, index
+                      in sharding.addressable_devices_indices_map(shape).items()]
+        _set_path(params, key, jax.make_array_from_single_device_arrays(shape, sharding, shards))
+    return params
 
 
 # ------------------------------------------------------------------------------------------------
@@ -570,7 +738,7 @@ def load(path: str | Path, *, scan_layers: bool | None = None,
 
 
 def save(config: ModelConfig, params: Params, path: str | Path, *,
-         max_shard_bytes: int | None = None) -> None:
+         tokenizer: TextTokenizer | None = None, max_shard_bytes: int | None = None) -> None:
     """Writes a HF checkpoint directory that ``load`` and transformers' ``from_pretrained`` read.
 
     The layout is Qwen2 when ``config.qkv_bias`` (Llama's ``attention_bias`` would also add an
@@ -578,12 +746,21 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
     keep the params' dtype. An existing ``path`` is replaced only once the new export is
     complete (written to a temporary directory beside it, then swapped in), so a failed save
     leaves the previous export untouched; its files other than weights and ``config.json``
-    (a tokenizer, say) are kept.
+    (a tokenizer, say) are kept, unless a ``tokenizer`` is given: then the old tokenizer files
+    are dropped and the new ones written.
+
+    With a tokenizer the directory is complete: transformers' ``AutoModelForCausalLM`` and
+    ``AutoTokenizer.from_pretrained``, ``python -m transformer_jax.generate --checkpoint DIR``
+    and ``load`` all read it; ``config.json`` and ``generation_config.json`` then carry its
+    bos/eos/pad ids.
 
     Args:
       config: the model config.
-      params: unrolled (``blocks_{i}``) or scanned (``blocks`` [L, ...]) params of ``config``.
+      params: unrolled (``blocks_{i}``) or scanned (``blocks`` [L, ...]) params of ``config``,
+        plain or sharded arrays (each tensor is gathered to the host on its own).
       path: the directory (created if needed).
+      tokenizer: the model's tokenizer (SentencePiece ``Tokenizer`` or ``HFTokenizer``);
+        ``tokenizer.save(path)`` writes its files.
       max_shard_bytes: if the tensors take more bytes than this, write shards of at most this
         size (a larger single tensor gets its own) plus ``model.safetensors.index.json``.
 
@@ -626,11 +803,14 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
         shards[-1][name] = tensor
         size += tensor.nbytes
 
+    ids = {} if tokenizer is None else _special_ids(tokenizer)
+    hf_config.update(ids)
     path = Path(path)
+    keep = _not_weights if tokenizer is None else _not_weights_or_tokenizer
     # Everything is written to a new directory that replaces the old one only when complete,
     # so a failed save (a full disk, a kill) leaves the previous export as it was. Files of
     # the old directory that are not weights (a tokenizer, a README) are carried over.
-    with replacing_directory(path, carry_over=_not_weights) as new:
+    with replacing_directory(path, carry_over=keep) as new:
         metadata = {"format": "pt"}  # transformers requires it on safetensors files
         if len(shards) == 1:
             st.numpy.save_file(tensors, str(new / SINGLE_FILE), metadata=metadata)
@@ -646,6 +826,11 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
         with open(new / CONFIG_FILE, "w") as f:
             json.dump(hf_config, f, indent=2, sort_keys=True)
             f.write("\n")
+        if tokenizer is not None:
+            tokenizer.save(new)
+            with open(new / GENERATION_CONFIG_FILE, "w") as f:
+                json.dump(ids, f, indent=2, sort_keys=True)
+                f.write("\n")
     logger.info("saved %s checkpoint to %s: %d file(s), %.1f MiB", hf_config["model_type"], path,
                 len(shards), total / 2**20)
 
@@ -655,4 +840,24 @@ def _not_weights(name: str) -> bool:
     return not (name in (SINGLE_FILE, INDEX_FILE, CONFIG_FILE) or _SHARD_FILE.match(name))
 
 
+def _not_weights_or_tokenizer(name: str) -> bool:
+    """Whether an old export's file is kept by a ``save`` that writes a tokenizer."""
+    return _not_weights(name) and name not in _TOKENIZER_FILES
+
+
+def _special_ids(tokenizer: TextTokenizer) -> dict[str, int]:
+    """``bos_token_id``/``eos_token_id``/``pad_token_id`` of a tokenizer (those it has)."""
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
+           "pad_token_id": tokenizer.pad_id}
+    return {key: int(value) for key, value in ids.items() if value is not None and value >= 0}
+
+
 __all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "load", "save"]
+
+
+if __name__ == "__main__":  # python -m transformer_jax.hf export --checkpoint RUN --out DIR
+    import sys
+
+    from transformer_jax.hf_export import main
+
+    sys.exit(main())
