@@ -140,3 +140,22 @@ def test_missing_target_param_is_named(base):
         lora.apply_adapters(base, {"blocks_0": adapters["blocks_0"]}, cfg)
     with pytest.raises(ValueError, match="no blocks"):
         lora.init_adapters(CONFIG, cfg, {"embed": base["embed"]}, jax.random.key(0))
+
+
+def test_adapter_shardings_follow_the_target_matrices(base):
+    from transformer_jax import sharding
+
+    mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
+    config = CONFIG.replace(scan_layers=True)
+    cfg = lora.LoraConfig(rank=2)
+    adapters = lora.init_adapters(config, cfg, stack_blocks(base, L), jax.random.key(0))
+    shardings = lora.adapter_shardings(adapters, sharding.param_shardings(config, mesh))
+    specs = jax.tree.map(lambda s: tuple(s.spec), shardings)["blocks"]
+    # q_proj [L, D, N, H] is (layers, embed, heads, head_dim) -> (None, fsdp, tensor, None).
+    assert specs["attn"]["q_proj"] == {"a": (None, "fsdp", None),
+                                       "b": (None, None, "tensor", None)}
+    assert specs["attn"]["o_proj"] == {"a": (None, "tensor", None, None),
+                                       "b": (None, None, "fsdp")}
+    assert specs["mlp"]["down"] == {"a": (None, "tensor", None), "b": (None, None, "fsdp")}
+    placed = jax.device_put(adapters, shardings)
+    assert lora.adapter_count(placed) == lora.adapter_count(adapters)

@@ -314,6 +314,40 @@ def optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
 
 
+def adapter_shardings(adapters: Adapters, params_shardings: Any) -> Any:
+    """Shardings of the adapters that follow their target matrices' (``param_shardings``).
+
+    A [L?, in..., R] takes the target's sharding of its input axes and B [L?, R, out...] that of
+    its output axes; R stays whole. So under FSDP/tensor rules the factors split like the
+    matrix they adapt, and ``A @ B`` needs no more communication than the matrix itself.
+
+    Args:
+      adapters: from ``init_adapters`` (arrays or ``ShapeDtypeStruct``s).
+      params_shardings: ``sharding.param_shardings(config, mesh)`` of the base params.
+
+    Returns:
+      A tree like ``adapters`` with a ``NamedSharding`` per leaf.
+    """
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    out: dict[str, Any] = {}
+    for block, modules in adapters.items():
+        stacked = block == "blocks"
+        for module, names in modules.items():
+            for name, ab in names.items():
+                target = next(t for t, path in TARGETS.items() if path == (module, name))
+                w = params_shardings[block][module][name]
+                ndim = ab["a"].ndim + ab["b"].ndim - 2 - int(stacked)  # the target's rank
+                spec = tuple(w.spec) + (None,) * (ndim - len(w.spec))
+                lead, matrix = spec[:int(stacked)], spec[int(stacked):]
+                n_in = _IN_AXES[target]
+                out.setdefault(block, {}).setdefault(module, {})[name] = {
+                    "a": NamedSharding(w.mesh, P(*lead, *matrix[:n_in], None)),
+                    "b": NamedSharding(w.mesh, P(*lead, None, *matrix[n_in:]))}
+    return out
+
+
 def adapter_count(adapters: Adapters) -> int:
     """Number of trainable adapter parameters."""
     return sum(int(x.size) for x in jax.tree.leaves(adapters))
@@ -324,6 +358,7 @@ def parse_targets(text: str | Sequence[str]) -> tuple[str, ...]:
     return LoraConfig(targets=text).targets  # type: ignore[arg-type]
 
 
-__all__ = ["ADAPTERS", "BASE", "TARGETS", "LoraConfig", "adapter_count", "apply_adapters",
+__all__ = ["ADAPTERS", "BASE", "TARGETS", "LoraConfig", "adapter_count", "adapter_shardings",
+           "apply_adapters",
            "delta", "freeze_base", "init_adapters", "merge", "model_params", "optimizer",
            "parse_targets", "trainable_mask"]
