@@ -144,7 +144,9 @@ def test_cache_size_formula():
     cache = KVCache.init(c, batch=3, max_len=40)
     want = 2 * c.n_layers * 3 * 40 * c.n_kv_heads * c.head_dim * 2
     assert cache.nbytes == want == cache_bytes(c, 3, 40)
-    chex.assert_shape(cache.k, (2, 3, 40, 2, 8))
+    # [L, B, K, S, H]: one row of slots per (sequence, kv head); keys optionally [H, S].
+    chex.assert_shape(cache.v, (2, 3, 2, 40, 8))
+    chex.assert_shape(cache.k, (2, 3, 2, 8, 40) if cache.keys_transposed else (2, 3, 2, 40, 8))
 
 
 def test_every_parameter_has_logical_axes():

@@ -42,7 +42,7 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  cache: KVCache | None = None, segment_ids: jax.Array | None = None,
-                 logits_at: jax.Array | None = None
+                 logits_at: jax.Array | None = None, hidden_only: bool = False
                  ) -> jax.Array | tuple[jax.Array, KVCache]:
         """Next-token logits for every position, or for one position per sequence.
 
@@ -57,6 +57,8 @@ class Transformer(nn.Module):
           logits_at: optional [B] int index in [0, T) per sequence: the final norm and the LM
             head run for that token only (a prompt's last real token in prefill), and the
             logits are [B, V].
+          hidden_only: return the final-normed [B, T, D] hidden states instead of logits, for
+            a loss that applies the LM head itself in chunks (``ops.lm_loss``).
 
         Returns:
           [B, T, V] float32 logits ([B, V] with ``logits_at``), or ``(logits, updated cache)``
@@ -99,20 +101,27 @@ class Transformer(nn.Module):
             x = x[jnp.arange(b), logits_at][:, None]  # [B, 1, D]
         x = Norm(kind=c.norm, eps=c.norm_eps, param_dtype=c.jnp_param_dtype,
                  name="final_norm")(x)
+        if hidden_only:
+            if self.is_initializing() and not c.tie_embeddings:
+                self.lm_head_kernel()
+            return x if cache is None else (x, cache)
         if c.tie_embeddings:
             logits = embed.attend(x)
         else:
-            kernel = self.param(
-                "lm_head", nn.with_logical_partitioning(
-                    nn.initializers.normal(c.init_std), ("embed", "vocab")),
-                (c.d_model, c.vocab_size), c.jnp_param_dtype)
-            logits = jnp.einsum("BTD,DV->BTV", x, kernel.astype(c.jnp_dtype),
+            logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head_kernel().astype(c.jnp_dtype),
                                 preferred_element_type=jnp.float32)
         if logits_at is not None:
             logits = logits[:, 0]
         if cache is None:
             return logits
         return logits, cache.replace(lengths=(positions[:, -1] + 1).astype(jnp.int32))
+
+    def lm_head_kernel(self) -> jax.Array:
+        """The untied LM head [D, V] (declared here so both output paths share it)."""
+        c = self.config
+        return self.param("lm_head", nn.with_logical_partitioning(
+            nn.initializers.normal(c.init_std), ("embed", "vocab")),
+            (c.d_model, c.vocab_size), c.jnp_param_dtype)
 
 
 def _dummy_tokens(config: ModelConfig) -> jax.Array:

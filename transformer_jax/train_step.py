@@ -19,6 +19,7 @@ import optax
 from transformer_jax.config import ModelConfig
 from transformer_jax.loss import cross_entropy_sums
 from transformer_jax.model import Transformer
+from transformer_jax.ops.lm_loss import lm_head_cross_entropy_sums
 from transformer_jax.optim import lr_schedule, make_optimizer
 from transformer_jax.train_config import TrainConfig
 
@@ -68,24 +69,19 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig
     """The pure ``train_step(state, batch) -> (state, metrics)``; jit it once.
 
     The batch is ``{"inputs": [B, T] int, "targets": [B, T] int}`` and optionally ``"mask"``
-    [B, T]. With ``grad_accum = A`` the B rows are split into A micro-batches (micro-batch a
-    takes rows a, a + A, ..., so a batch sharded over rows stays sharded) whose summed
-    gradients are divided by the total number of target tokens: exactly one batch's gradient.
+    [B, T] (loss weights), and for packed sequences ``"segment_ids"`` and ``"positions"``
+    [B, T] (see ``make_loss_fn``). With ``grad_accum = A`` the B rows are split into A
+    micro-batches (micro-batch a takes rows a, a + A, ..., so a batch sharded over rows stays
+    sharded) whose summed gradients are divided by the total number of target tokens: exactly
+    one batch's gradient.
 
     Metrics (float32 scalars): ``loss`` (mean cross-entropy), ``z_loss``, ``grad_norm`` (before
     clipping), ``lr`` (of this update) and ``tokens`` (target tokens counted).
     """
-    model = Transformer(model_config)
     tx = make_optimizer(train_config)
     schedule = lr_schedule(train_config)
-    accum, z_weight = train_config.grad_accum, train_config.z_loss
-
-    def loss_sums(params: Params, batch: Batch, rng: jax.Array):
-        logits = model.apply({"params": params}, batch["inputs"], rngs={"dropout": rng})
-        ce, z, count = cross_entropy_sums(logits, batch["targets"], batch.get("mask"), z_weight)
-        return ce + z, (ce, z, count)
-
-    grad_fn = jax.grad(loss_sums, has_aux=True)
+    accum = train_config.grad_accum
+    grad_fn = jax.grad(make_loss_fn(model_config, train_config), has_aux=True)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
@@ -115,6 +111,39 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig
         return new_state, metrics
 
     return train_step
+
+
+def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
+                 ) -> Callable[[Params, Batch, jax.Array], tuple[jax.Array, tuple]]:
+    """The training objective ``loss_sums(params, batch, rng) -> (ce + z, (ce, z, count))``.
+
+    Sums over the batch's target tokens (``loss.cross_entropy_sums``), to be divided once per
+    step. With ``train_config.loss_chunk = C > 0`` the model returns its final hidden states
+    and the LM head and cross-entropy run over chunks of C tokens (``ops.lm_loss``): the same
+    values and gradients without ever holding the [B, T, V] float32 logits. Packed batches pass
+    ``segment_ids`` (attention stays within a segment) and ``positions`` (restarting per
+    segment) to the model.
+    """
+    model = Transformer(model_config)
+    z_weight, chunk = train_config.z_loss, train_config.loss_chunk
+    tied = model_config.tie_embeddings
+
+    def loss_sums(params: Params, batch: Batch, rng: jax.Array):
+        kw = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
+                  rngs={"dropout": rng})
+        if not chunk:
+            logits = model.apply({"params": params}, batch["inputs"], **kw)
+            ce, z, count = cross_entropy_sums(logits, batch["targets"], batch.get("mask"),
+                                              z_weight)
+            return ce + z, (ce, z, count)
+        hidden = model.apply({"params": params}, batch["inputs"], hidden_only=True, **kw)
+        head = params["embed"]["embedding"] if tied else params["lm_head"]
+        ce, z, count = lm_head_cross_entropy_sums(
+            hidden, head.astype(model_config.jnp_dtype), batch["targets"], batch.get("mask"),
+            chunk_size=chunk, z_loss=z_weight, head_layout="VD" if tied else "DV")
+        return ce + z, (ce, z, count)
+
+    return loss_sums
 
 
 def make_eval_step(model_config: ModelConfig) -> Callable[[Params, Batch], Metrics]:

@@ -7,7 +7,13 @@ devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set by this pro
 backend starts), so a 7B model on an 8-device mesh can be planned on a laptop.
 
   python -m transformer_jax.bench memory --config llama2_7b --mesh 1,8,1 --batch 8 --seq 2048
+  python -m transformer_jax.bench memory --config tinyllama_1_1b --mesh 1,1,1 --batch 1 \
+      --seq 16384 --remat full --dtype bfloat16 --attention auto --loss-chunk 1024
   python -m transformer_jax.bench memory --config llama2_7b --compile-time
+
+``--seq`` may exceed the preset's ``max_seq_len`` (it is raised for the report); ``--attention``
+picks the attention implementation (default: the preset's, ``"auto"``) and ``--loss-chunk`` the
+chunked LM head + loss (``train.loss_chunk``).
 
 Reported per device: parameters, Adam state (mu + nu, float32), the whole train state; from the
 compiled train step its arguments and temporaries (gradients, optimizer scratch, activations) and
@@ -40,6 +46,8 @@ class MemoryReport:
     seq: int
     remat: str
     dtype: str
+    attention: str
+    loss_chunk: int
     param_count: int
     params_bytes: int
     adam_bytes: int
@@ -132,16 +140,14 @@ def compiled_activations(model_config: Any, train_config: Any, mesh: Any) -> int
     import jax.numpy as jnp
 
     from transformer_jax import sharding as sh
-    from transformer_jax.loss import cross_entropy
-    from transformer_jax.model import Transformer, abstract_params
+    from transformer_jax.model import abstract_params
+    from transformer_jax.train_step import make_loss_fn
 
-    model = Transformer(model_config)
+    loss_sums = make_loss_fn(model_config, train_config)  # the train step's own objective
 
     def grads_only(params, batch):
-        def loss(p):
-            return cross_entropy(model.apply({"params": p}, batch["inputs"]), batch["targets"])
-
-        return jax.grad(loss)(params), {}
+        grads, _ = jax.grad(loss_sums, has_aux=True)(params, batch, jax.random.key(0))
+        return grads, {}
 
     p_shard = sh.param_shardings(model_config, mesh)
     b_shard = sh.batch_sharding(mesh)
@@ -154,8 +160,8 @@ def compiled_activations(model_config: Any, train_config: Any, mesh: Any) -> int
 
 
 def memory_report(name: str, mesh_sizes: tuple[int, int, int], batch: int, seq: int, *,
-                  remat: str | None = None, dtype: str | None = None, mesh: Any = None
-                  ) -> MemoryReport:
+                  remat: str | None = None, dtype: str | None = None, mesh: Any = None,
+                  attention: str | None = None, loss_chunk: int = 0) -> MemoryReport:
     """The full report; with ``mesh`` (a real mesh of ``mesh_sizes``) also compiled numbers.
 
     Args:
@@ -166,11 +172,15 @@ def memory_report(name: str, mesh_sizes: tuple[int, int, int], batch: int, seq: 
       remat: override the preset's remat policy.
       dtype: override the compute dtype.
       mesh: a device mesh to compile on; None skips the compiled analysis.
+      attention: override the preset's ``attention_impl``.
+      loss_chunk: ``train.loss_chunk`` (0: the full [B, T, V] logits).
     """
-    model_config, train_config = _configs(name, batch, seq, remat=remat, dtype=dtype)
+    model_config, train_config = _configs(name, batch, seq, remat=remat, dtype=dtype,
+                                          attention_impl=attention, loss_chunk=loss_chunk)
     state = state_memory(model_config, mesh_sizes, train_config)
     report = MemoryReport(config=name, mesh=tuple(mesh_sizes), batch=batch, seq=seq,
                           remat=model_config.remat, dtype=model_config.dtype,
+                          attention=model_config.attention_impl, loss_chunk=loss_chunk,
                           param_count=state["param_count"], params_bytes=state["params"],
                           adam_bytes=state["adam"], state_bytes=state["state"])
     if mesh is not None:
@@ -203,15 +213,19 @@ def compile_times(name: str, mesh: Any, batch: int, seq: int, layers: tuple[int,
     return out
 
 
-def _configs(name: str, batch: int, seq: int, **model_changes: Any) -> tuple[Any, Any]:
+def _configs(name: str, batch: int, seq: int, loss_chunk: int = 0,
+             **model_changes: Any) -> tuple[Any, Any]:
     from transformer_jax.config import ModelConfig
     from transformer_jax.train_config import TrainConfig
 
     changes = {k: v for k, v in model_changes.items() if v is not None}
     model_config = ModelConfig.preset(name).replace(**changes)
     if seq > model_config.max_seq_len:
-        raise ValueError(f"--seq {seq} is above {name}'s max_seq_len {model_config.max_seq_len}")
-    train_config = TrainConfig(batch_size=batch, seq_len=seq, warmup_steps=0)
+        print(f"(max_seq_len {model_config.max_seq_len} of {name} raised to --seq {seq} for "
+              "this report)", file=sys.stderr)
+        model_config = model_config.replace(max_seq_len=seq)
+    train_config = TrainConfig(batch_size=batch, seq_len=seq, warmup_steps=0,
+                               loss_chunk=loss_chunk)
     return model_config, train_config
 
 
@@ -245,6 +259,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--remat", choices=("none", "full", "save_dots"), default=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (parameters and Adam state stay float32)")
+    parser.add_argument("--attention", default=None,
+                        choices=("auto", "xla", "chunked", "cudnn", "pallas", "mosaic"),
+                        help="attention implementation (default: the preset's)")
+    parser.add_argument("--loss-chunk", type=int, default=0,
+                        help="tokens per chunk of the LM head + loss (0: full logits)")
     parser.add_argument("--no-compile", action="store_true",
                         help="only the eval_shape numbers (seconds instead of minutes)")
     parser.add_argument("--compile-time", action="store_true",
@@ -281,10 +300,26 @@ def main(argv: list[str]) -> int:
         result: dict[str, Any] = {"compile_times": times, "ratio": ratio}
     else:
         report = memory_report(args.config, sizes, args.batch, args.seq, remat=args.remat,
-                               dtype=args.dtype, mesh=None if args.no_compile else mesh)
+                               dtype=args.dtype, mesh=None if args.no_compile else mesh,
+                               attention=args.attention, loss_chunk=args.loss_chunk)
+        from transformer_jax.ops.attention import choose_impl
+
+        picked = report.attention
+        if picked == "auto":  # what "auto" runs for this shape here (q and k of one device)
+            import jax.numpy as jnp
+
+            from transformer_jax.config import ModelConfig
+
+            c = ModelConfig.preset(args.config)
+            b = max(1, args.batch // (sizes[0] * sizes[1]))
+            q = jax.ShapeDtypeStruct((b, args.seq, c.n_heads, c.head_dim),
+                                     jnp.dtype(report.dtype))
+            k = jax.ShapeDtypeStruct((b, c.n_kv_heads, args.seq, c.head_dim), q.dtype)
+            picked = f"auto -> {choose_impl(q, k)}"
+        loss = f"chunked by {report.loss_chunk} tokens" if report.loss_chunk else "full logits"
         print(f"{args.config}: {report.param_count:,} parameters; mesh "
               f"{mesh_config.describe()} = {sizes}; B={args.batch} T={args.seq} "
-              f"remat={report.remat} dtype={report.dtype}")
+              f"remat={report.remat} dtype={report.dtype} attention={picked} loss={loss}")
         print(f"  per device  parameters          {_gib(report.params_bytes)}")
         print(f"              Adam mu+nu (f32)    {_gib(report.adam_bytes)}")
         print(f"              train state total   {_gib(report.state_bytes)}")

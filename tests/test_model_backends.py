@@ -1,0 +1,111 @@
+"""The model with each attention backend and loss path equals the reference one.
+
+``attention_impl="chunked"`` (blockwise, online softmax, memory linear in the context) gives
+the einsum reference's logits and parameter gradients on every model variant, with packed
+segments and with a KV cache; ``train.loss_chunk`` gives the full loss and its gradients.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FAST_COMPILE
+
+from transformer_jax.config import ModelConfig
+from transformer_jax.kv_cache import KVCache
+from transformer_jax.model import Transformer, init_params
+from transformer_jax.train_config import TrainConfig
+from transformer_jax.train_step import make_loss_fn
+
+BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=48,
+            max_seq_len=64, init_std=0.2)
+VARIANTS = {
+    "mha": dict(n_kv_heads=4),
+    "gqa-scan-remat": dict(n_kv_heads=2, scan_layers=True, remat="full"),
+    "mqa": dict(n_kv_heads=1),
+    "window-post-layernorm-bias": dict(n_kv_heads=2, sliding_window=5, norm="layer",
+                                       norm_position="post", qkv_bias=True, ffn="gelu"),
+    "sinusoidal-geglu-tied": dict(n_kv_heads=1, position="sinusoidal", ffn="geglu",
+                                  tie_embeddings=True),
+}
+
+
+def _batch(b=2, t=24, vocab=64, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(0, vocab, (b, t + 1)), jnp.int32)
+    # Two packed sequences per row, then padding (segment 0).
+    segments = np.zeros((b, t), np.int32)
+    segments[:, :10], segments[:, 10:20] = 1, 2
+    positions = np.concatenate([np.arange(10), np.arange(10), np.zeros(t - 20)])
+    return tokens, jnp.asarray(segments), jnp.broadcast_to(jnp.asarray(positions, jnp.int32),
+                                                           (b, t))
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+def _logits_and_grads(config, params, tokens, segments, positions):
+    model = Transformer(config)
+
+    def loss(p):
+        logits = model.apply({"params": p}, tokens[:, :-1], positions, segment_ids=segments)
+        weights = (segments != 0).astype(jnp.float32)
+        lp = jax.nn.log_softmax(logits)
+        nll = -jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
+        return jnp.sum(nll * weights) / jnp.sum(weights), logits
+
+    return jax.grad(loss, has_aux=True)(params)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_chunked_attention_model_equals_the_reference(name):
+    config = ModelConfig(**BASE, **VARIANTS[name], attention_impl="xla")
+    params = init_params(config, 0)
+    if config.qkv_bias:
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, x: x + 0.3 if "bias" in jax.tree_util.keystr(p) else x, params)
+    tokens, segments, positions = _batch()
+    want_grads, want_logits = _logits_and_grads(config, params, tokens, segments, positions)
+    got_grads, got_logits = _logits_and_grads(config.replace(attention_impl="chunked"), params,
+                                              tokens, segments, positions)
+    real = np.asarray(segments) != 0
+    np.testing.assert_allclose(np.asarray(got_logits)[real], np.asarray(want_logits)[real],
+                               atol=1e-5)
+    chex.assert_trees_all_close(got_grads, want_grads, atol=1e-5)
+
+
+@pytest.mark.parametrize("keys_transposed", [False, True])
+def test_chunked_attention_over_a_cache_equals_the_reference(keys_transposed):
+    """Prefill into a partly empty cache, then a chunk of 3 tokens attending over it."""
+    config = ModelConfig(**BASE, n_kv_heads=2, attention_impl="xla")
+    params = init_params(config, 0)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 12)), jnp.int32)
+    out = {}
+    for impl in ("xla", "chunked"):
+        model = Transformer(config.replace(attention_impl=impl))
+        cache = KVCache.init(config, 2, 20, keys_transposed=keys_transposed)
+        first, cache = model.apply({"params": params}, tokens[:, :9], cache=cache)
+        second, cache = model.apply({"params": params}, tokens[:, 9:], cache=cache)
+        out[impl] = (first, second)
+    chex.assert_trees_all_close(out["chunked"], out["xla"], atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_loss_equals_the_full_loss_and_its_gradients(tied):
+    config = ModelConfig(**BASE, n_kv_heads=2, tie_embeddings=tied)
+    params = init_params(config, 0)
+    tokens, _, _ = _batch(t=20, seed=3)
+    mask = jnp.asarray(np.random.default_rng(4).random((2, 20)) > 0.3, jnp.float32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
+    rng = jax.random.key(0)
+    results = {}
+    for chunk in (0, 7):  # 40 tokens: chunks of 7 leave a ragged last chunk
+        fn = make_loss_fn(config, TrainConfig(loss_chunk=chunk, z_loss=1e-3))
+        results[chunk] = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, batch, rng)
+    (full, full_aux), full_grads = results[0]
+    (chunked, chunked_aux), chunked_grads = results[7]
+    np.testing.assert_allclose(chunked, full, rtol=1e-6)
+    chex.assert_trees_all_close(chunked_aux, full_aux, rtol=1e-6)
+    chex.assert_trees_all_close(chunked_grads, full_grads, atol=1e-5)
+    assert float(full_aux[2]) == float(mask.sum())  # masked targets are not counted
