@@ -19,11 +19,12 @@ import logging
 import sys
 
 from transformer_jax import distributed
+from transformer_jax.checkpoint import CheckpointError
 from transformer_jax.perf import enable_cpu_fast_math
 from transformer_jax.run_log import NonFiniteLossError
 from transformer_jax.sharding import configure_cpu_devices
-from transformer_jax.train_config import ConfigError, build_configs
-from transformer_jax.training import RunSummary, run
+from transformer_jax.train_config import ConfigError, build_configs, config_help
+from transformer_jax.training import RunSummary, format_times, run
 
 __all__ = ["ConfigError", "build_configs", "main"]
 
@@ -72,22 +73,22 @@ def _print_summary(s: RunSummary) -> None:
     if s.val_loss is not None:
         ppl = f" (perplexity {s.val_ppl:.2f})" if s.val_ppl is not None else ""
         lines.append(f"val loss     {s.val_loss:.4f} {s.loss_unit}{ppl}")
-    lines.append(f"wall time    {fmt_time(s.wall_time_s)} (training {fmt_time(s.train_time_s)}, "
-                 f"compile {fmt_time(s.compile_time_s)})")
+    lines.append(f"wall time    {fmt_time(s.wall_time_s)} ({format_times(s.time_s)})")
     if s.tokens_per_s:
         lines.append(f"throughput   {s.tokens_per_s:,.0f} tokens/s, {s.step_time_ms:.1f} ms/step, "
                      f"MFU {100 * (s.mfu or 0):.1f}%")
     lines.append(f"checkpoint   {s.checkpoint}")
-    lines.append(f"run dir      {s.run_dir} (metrics.jsonl, summary.json, tb/)")
+    lines.append(f"run dir      {s.run_dir} (metrics.jsonl, loss.png, summary.json, tb/, "
+                 "tokenizer/)")
     print("\n".join(["", "summary", *("  " + line for line in lines)]), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="overrides: model.KEY=VALUE, train.KEY=VALUE, data.KEY=VALUE",
+        description=__doc__.split("\n\n")[0], epilog=config_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="tiny", help="preset name or TOML path")
+    parser.add_argument("--config", default="tiny",
+                        help="preset name (listed below) or TOML path (default: tiny)")
     parser.add_argument("--no-progress", action="store_true", help="log instead of a bar")
     parser.add_argument("--no-fast-math", action="store_true",
                         help="keep XLA's exact CPU math (fast math is on by default on CPU)")
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--process-id", type=int, default=None,
                         help="multi-host: this process's index (or $JAX_PROCESS_ID)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="override one field of the config (the keys are listed below)")
     args = parser.parse_intermixed_args(argv)
     try:
         model, train, data = build_configs(args.config, args.overrides)
@@ -127,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         print(f"error: {e}; stopped without saving (earlier checkpoints are kept)",
               file=sys.stderr)
+        return 1
+    except CheckpointError as e:  # a full disk, or no intact checkpoint to resume from
+        print(f"error: {e}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -131,6 +131,20 @@ def test_train_config_validation_names_the_field():
         TrainConfig(steps=0)
     with pytest.raises(ValueError, match="val_fraction"):
         DataConfig(val_fraction=1.0)
+    for bad in ("3", "a,b", "0,2", "5,4", "1,2,3"):
+        with pytest.raises(ValueError, match="profile_steps"):
+            TrainConfig(steps=10, profile_steps=bad)
+    with pytest.raises(ValueError, match="ends after the last step"):
+        TrainConfig(steps=10, profile_steps="5,11")
+    assert TrainConfig(steps=10, profile_steps=" 2,4").profile_range == (2, 4)
+
+
+def test_warmup_follows_the_run_length_unless_given():
+    assert TrainConfig(steps=50).warmup_steps == 5
+    assert TrainConfig(steps=5000).warmup_steps == 100
+    assert TrainConfig(steps=5000, decay_steps=300).warmup_steps == 30
+    assert TrainConfig(steps=1).warmup_steps == 0
+    assert TrainConfig(steps=50, warmup_steps=7).warmup_steps == 7
 
 
 # Train step --------------------------------------------------------------------------------------
@@ -208,7 +222,22 @@ def test_run_trains_logs_and_checkpoints(tmp_path):
     assert summary.final_step == 6 and summary.val_loss == pytest.approx(val[-1]["loss"])
     assert summary.train_loss == pytest.approx(train[-1]["loss"])
     assert summary.tokens_seen == 6 * 4 * 16 and summary.loss_unit == "nats/char"
-    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 6
+    saved = json.loads((run_dir / "summary.json").read_text())
+    assert saved["final_step"] == 6
+    # The wall time, split: every part measured, and together no more than the whole.
+    assert set(saved["time_s"]) == set(training.TIME_PARTS)
+    assert all(saved["time_s"][k] > 0 for k in ("startup", "compile", "train", "eval",
+                                                 "sample", "plot", "checkpoint"))
+    assert sum(saved["time_s"].values()) <= saved["wall_time_s"] + 1e-3
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The run keeps its tokenizer, and records where and which.
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["tokenizer_dir"] == "tokenizer"
+    from transformer_jax.tokenizer import Tokenizer, load_tokenizer
+
+    copy = Tokenizer.load(run_dir / "tokenizer" / "tokenizer.model")
+    assert copy.fingerprint == config["tokenizer_fingerprint"]
+    assert load_tokenizer(run_dir / "tokenizer").vocab_size == copy.vocab_size
     assert list((run_dir / "tb").iterdir())
     with CheckpointManager(run_dir / "checkpoints", keep=3) as ckpt:
         assert ckpt.all_steps() == [3, 6]
@@ -216,6 +245,53 @@ def test_run_trains_logs_and_checkpoints(tmp_path):
     tc2 = TrainConfig(**{**tc.__dict__, "steps": 8, "sample_tokens": 0})
     summary2 = training.run(model, tc2, data, progress=False)
     assert summary2.start_step == 6 and summary2.final_step == 8
+
+
+def test_profile_steps_write_a_trace(tmp_path):
+    model, tc, data = small_run_configs(tmp_path, steps=3, eval_every=0, profile_steps="2,3")
+    training.run(model, tc, data, progress=False)
+    traces = list((tmp_path / "run" / "profile").rglob("*.xplane.pb"))
+    assert traces and traces[0].stat().st_size > 0
+
+
+def test_eval_batches_are_up_to_four_micro_batches_over_the_same_windows():
+    tc = TrainConfig(batch_size=8, grad_accum=2, seq_len=16, eval_batches=20)
+    assert training._eval_batching(tc, 10_000) == (16, 5)  # 20 micro-batches of 4 in 5
+    assert training._eval_batching(tc, 100) == (4, 20)  # the split fills no larger batch
+    tc = TrainConfig(batch_size=4, seq_len=16, eval_batches=3)
+    assert training._eval_batching(tc, 10_000) == (12, 1)
+    assert training._eval_batching(TrainConfig(batch_size=4, eval_batches=0), 10_000) == (16, None)
+
+
+def test_progress_shows_the_latest_logged_loss_and_a_training_eta(tmp_path):
+    from transformer_jax import run_log
+
+    tc = TrainConfig(steps=10, batch_size=2, seq_len=4, log_every=2)
+    log = run_log.RunLog(tmp_path, 0, tc, flops=1.0, peak=1e9, log_train=False)
+    log.start_timer()
+    for step in (1, 2, 3):
+        log.push(step, {"loss": jnp.float32(step), "grad_norm": jnp.float32(1.0),
+                        "lr": jnp.float32(0.1)})
+        log.flush()
+    log.close()
+    assert log.postfix().startswith("loss 2.0000, ")  # step 3 is not logged (log_every=2)
+    assert "step/s" in log.postfix() and "ETA" in log.postfix()
+    assert log.eta_s() == pytest.approx((10 - 3) / log.steps_per_s())
+
+
+def test_mfu_peak_is_per_device():
+    from transformer_jax import run_log
+
+    devices = jax.devices()
+    peak, source = run_log.mesh_peak_flops(devices, per_device=2e12)
+    assert peak == 2e12 * len(devices) and "train.peak_flops" in source
+    assert run_log.published_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert run_log.published_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert run_log.published_peak_flops("TPU v5 lite") == 197e12
+    assert run_log.published_peak_flops("Some new chip") is None
+    # On CPU the devices of the host share its cores: the host's measured peak counts once.
+    peak, source = run_log.mesh_peak_flops(devices)
+    assert peak > 0 and "shared by its devices" in source
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):

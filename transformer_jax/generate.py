@@ -2,9 +2,11 @@
 
 PATH is a HuggingFace checkpoint directory (``config.json`` + safetensors, read by
 ``transformer_jax.hf.load``) or an orbax checkpoint of this project's training: a run directory,
-its ``checkpoints/`` directory (the latest step is used) or one step's directory. The tokenizer
-is ``--tokenizer FILE.model``, else ``tokenizer.model`` next to the checkpoint, else the one the
-training run recorded. Text is streamed as it is generated (one host callback per decode step
+its ``checkpoints/`` directory (the latest intact step is used, also while the run is still
+training) or one step's directory; only the parameters are read. The tokenizer is
+``--tokenizer FILE_OR_DIR``, else the one in the checkpoint directory (``tokenizer.json`` or
+``tokenizer.model``), else the training run's own copy (``RUN_DIR/tokenizer/``), else the file
+the run recorded. Text is streamed as it is generated (one host callback per decode step
 from inside the jitted loop); ``--prompt-ids 1,2,3`` and ``--json`` are for scripts.
 
 This module is also what ``import transformer_jax.generate`` binds to the package attribute
@@ -27,6 +29,7 @@ import jax
 import numpy as np
 
 from transformer_jax import decode, generation, sharding
+from transformer_jax.checkpoint import CheckpointError
 from transformer_jax.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -58,6 +61,14 @@ def _orbax_location(path: Path) -> tuple[Path, int | None]:
     return path, None
 
 
+def _tokenizer_location(path: Path) -> Path | None:
+    """The directory of ``path`` or its parent that holds a tokenizer, or None."""
+    for directory in (path, path.parent):
+        if (directory / "tokenizer.json").is_file() or (directory / "tokenizer.model").is_file():
+            return directory
+    return None
+
+
 def load_checkpoint(path: str | Path) -> tuple[ModelConfig, decode.Params, Path | None]:
     """Loads a model for generation.
 
@@ -66,17 +77,24 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, decode.Params, Path 
         directory, its ``checkpoints`` directory, or a step directory).
 
     Returns:
-      ``(config, params, tokenizer path or None)``; the tokenizer is ``tokenizer.model`` in the
-      directory, or for a training run the one recorded in its checkpoint.
+      ``(config, params, tokenizer location or None)``; the location (a directory or a file,
+      for ``load_tokenizer``) is the checkpoint's directory when it holds ``tokenizer.json`` or
+      ``tokenizer.model``, else for a training run its copy of the tokenizer
+      (``RUN_DIR/tokenizer``, recorded in the checkpoint's meta), else the file it recorded.
 
     Raises:
-      FileNotFoundError: no such directory, or nothing loadable in it.
+      FileNotFoundError: no such directory, a file instead of one, or nothing loadable in it.
+      CheckpointError: no checkpoint of the run could be read.
     """
     path = Path(path)
+    if path.is_file():
+        raise FileNotFoundError(
+            f"--checkpoint {str(path)!r} is a file; give a directory: a HF checkpoint "
+            "(config.json + *.safetensors) or a training run (its run directory, checkpoints/ "
+            "or one step's directory)")
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
-    tokenizer = next((p / "tokenizer.model" for p in (path, path.parent)
-                      if (p / "tokenizer.model").is_file()), None)
+    tokenizer = _tokenizer_location(path)
     if _is_hf_dir(path):
         from transformer_jax import hf
 
@@ -91,55 +109,74 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, decode.Params, Path 
             raise FileNotFoundError(
                 f"{path} is neither a HF checkpoint (config.json + *.safetensors) nor an orbax "
                 "checkpoint of a training run (no complete checkpoint found)")
-        # No target: orbax restores the saved tree as nested dicts, so the optimizer and
-        # training configs need not be rebuilt just to read the parameters.
-        state, meta = manager.restore(None, step)
+        # Only the params (no optimizer moments), read as saved (nested dicts), so the
+        # optimizer and training configs need not be rebuilt; a damaged or vanishing newest
+        # step (a run still training) is skipped, never renamed.
+        params, meta = manager.restore_params(None, step)
     finally:
         manager.close()
-    if "model" not in meta or "params" not in state:
-        raise FileNotFoundError(f"checkpoint in {directory} has no model config or params")
+    if "model" not in meta:
+        raise FileNotFoundError(f"checkpoint in {directory} has no model config")
     config = ModelConfig.from_dict(meta["model"])
-    recorded = meta.get("tokenizer")
-    if tokenizer is None and recorded and Path(recorded).is_file():
-        tokenizer = Path(recorded)
+    if tokenizer is None:
+        tokenizer = _run_tokenizer(directory, meta)
     logger.info("loaded step %s of %s", meta.get("step", step), directory)
-    return config, state["params"], tokenizer
+    return config, params, tokenizer
+
+
+def _run_tokenizer(checkpoints: Path, meta: dict[str, Any]) -> Path | None:
+    """The tokenizer a training run recorded: its copy in the run directory (relative, so a
+    copied run keeps it), else the original file if it still exists."""
+    copy = meta.get("tokenizer_dir")
+    if copy and _tokenizer_location(checkpoints.parent / copy) == checkpoints.parent / copy:
+        return checkpoints.parent / copy
+    recorded = meta.get("tokenizer")
+    if recorded and Path(recorded).is_file():
+        return Path(recorded)
+    return None
 
 
 # CLI ---------------------------------------------------------------------------------------------
 
 def _ids(text: str) -> list[int]:
+    parts = text.replace(" ", "").split(",")
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
+        return [int(x) for x in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--prompt-ids expects comma-separated ints, got {text!r}") from None
+            f"expects comma-separated ints such as 1,2,3, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The CLI's arguments; each help states its default once."""
     p = argparse.ArgumentParser(
-        prog="python -m transformer_jax.generate", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        prog="python -m transformer_jax.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True,
-                   help="HF checkpoint directory or orbax checkpoint of a training run")
-    p.add_argument("--tokenizer", help="SentencePiece .model file (default: found with the "
-                   "checkpoint)")
+                   help="HF checkpoint directory or orbax checkpoint of a training run (run "
+                   "directory, its checkpoints/ or a step directory)")
+    p.add_argument("--tokenizer", help="tokenizer.json, SentencePiece .model or a directory "
+                   "holding one (default: found with the checkpoint)")
     p.add_argument("--prompt", action="append", default=[],
-                   help="prompt text; repeat for a batch")
+                   help="prompt text; repeat for a batch (default: none)")
     p.add_argument("--prompt-ids", action="append", default=[], type=_ids,
-                   help="prompt as comma-separated token ids; repeat for a batch")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--min-p", type=float)
-    p.add_argument("--seed", type=int, default=0)
+                   help="prompt as comma-separated token ids; repeat for a batch (default: none)")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens "
+                   "(default: all)")
+    p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens "
+                   "whose probability reaches p (default: 1, off)")
+    p.add_argument("--min-p", type=float, help="drop tokens less likely than min-p times the "
+                   "most likely one (default: 0, off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     p.add_argument("--stop-token", type=int, action="append", dest="stop_tokens",
                    help="id that ends a sequence; repeatable (default: the tokenizer's eos)")
     p.add_argument("--no-stop", action="store_true", help="ignore eos: always generate "
-                   "--max-new-tokens tokens")
+                   "--max-new-tokens tokens (default: stop at eos)")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's bos "
-                   "to text prompts")
+                   "to text prompts (default: prepend it)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the checkpoint's)")
     p.add_argument("--cache-dtype", choices=("float32", "bfloat16", "float16"),
@@ -147,10 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor", type=int, default=1, metavar="T",
                    help="decode tensor-parallel over T devices (T divides the model's kv heads, "
                    "heads and FFN width); on CPU the host is split into T devices, 0 = one per "
-                   "core")
+                   "core (default: %(default)s)")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object with ids, text, logprobs and timings; no streaming")
-    p.add_argument("-v", "--verbose", action="store_true")
+                   help="print one JSON object with ids, text, logprobs and timings; no "
+                   "streaming (default: stream text)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log at INFO level (default: warnings only)")
     return p
 
 
@@ -226,15 +265,15 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer_path = Path(args.tokenizer)
         tokenizer = None
         if tokenizer_path is not None:
-            from transformer_jax.tokenizer import Tokenizer
+            from transformer_jax.tokenizer import load_tokenizer
 
-            tokenizer = Tokenizer.load(tokenizer_path)
+            tokenizer = load_tokenizer(tokenizer_path)
             if tokenizer.vocab_size > config.vocab_size:
                 raise ValueError(f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} pieces, "
                                  f"more than the model's vocab_size {config.vocab_size}")
         if args.prompt and tokenizer is None:
-            raise ValueError("text prompts need a tokenizer: pass --tokenizer FILE.model or use "
-                             "--prompt-ids")
+            raise ValueError("text prompts need a tokenizer: pass --tokenizer FILE_OR_DIR or "
+                             "use --prompt-ids")
         if args.dtype:
             config = config.replace(dtype=args.dtype)
         prompts = []
@@ -255,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             min_p=args.min_p, seed=args.seed, stop_tokens=stop, stream=streamer, mesh=mesh,
             cache_dtype=args.cache_dtype)
         elapsed = time.perf_counter() - start
-    except (ValueError, OSError) as e:  # OSError: missing or unreadable/unwritable files
+    except (ValueError, OSError, CheckpointError) as e:  # OSError: missing/unreadable files
         print(f"error: {e}", file=sys.stderr)
         return 1
     texts = [detokenize(tokenizer, t) if tokenizer else None for t in result.tokens]

@@ -1,6 +1,17 @@
 """What a run shows and writes while it trains: metrics checked for NaN/inf (one step late),
-``metrics.jsonl``, TensorBoard events, the progress bar, and SIGTERM/SIGINT turned into a request
-to checkpoint and stop."""
+``metrics.jsonl``, TensorBoard events, the progress bar, the peak FLOP/s behind MFU, and
+SIGTERM/SIGINT turned into a request to checkpoint and stop.
+
+Speeds are of training alone: the timer stops during evaluation, samples and checkpoints, and the
+progress bar's rate and ETA come from that timer (tqdm's own clock would count them too).
+
+MFU is per device: the model FLOPs the whole mesh does per second over the mesh's peak, which is
+the number of devices times one device's peak (``mesh_peak_flops``). On GPU/TPU one device's
+peak is the published dense bf16 figure of its kind (``PEAK_BF16_TFLOPS``) unless
+``train.peak_flops`` gives it. On CPU the devices of one host are slices of the same cores: a
+matmul on one of them already runs on the host's shared thread pool, so the measured rate is the
+host's peak, shared by its devices, and the mesh's peak is that times the number of hosts (not
+the number of devices, which would divide the MFU by the device count)."""
 
 from __future__ import annotations
 
@@ -17,6 +28,7 @@ from typing import Any
 
 import jax
 
+from transformer_jax.perf import measure_matmul_peak
 from transformer_jax.train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -30,6 +42,49 @@ class NonFiniteLossError(FloatingPointError):
     """The loss or gradient became NaN/inf; the run stopped without saving."""
 
 
+# Published dense (no sparsity) bf16 matmul peaks of one device, TFLOP/s; the first name that is
+# a substring of ``device.device_kind`` counts, so longer names come first.
+PEAK_BF16_TFLOPS = (
+    ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
+    ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0),
+    ("TPU v6 lite", 918.0), ("TPU v5 lite", 197.0), ("TPU v5p", 459.0), ("TPU v4", 275.0),
+)
+
+
+def published_peak_flops(device_kind: str) -> float | None:
+    """One device's published dense bf16 peak in FLOP/s, or None for a kind not listed."""
+    return next((1e12 * tflops for name, tflops in PEAK_BF16_TFLOPS if name in device_kind),
+                None)
+
+
+def mesh_peak_flops(devices: list[jax.Device], per_device: float = 0.0) -> tuple[float, str]:
+    """The peak FLOP/s of the devices of a mesh together (the denominator of MFU).
+
+    Args:
+      devices: the mesh's devices (of every process).
+      per_device: one device's peak (``train.peak_flops``); 0 chooses it: on CPU a measured
+        matmul (one host's cores, shared by its devices: the host's peak counts once per
+        process), elsewhere the published dense bf16 peak of the device kind, or a measured
+        matmul on one device for a kind not listed.
+
+    Returns:
+      ``(FLOP/s, where the figure comes from)``.
+    """
+    n = len(devices)
+    if per_device:
+        return per_device * n, f"train.peak_flops x {n} devices"
+    device = next((d for d in devices if d.process_index == jax.process_index()), devices[0])
+    if device.platform == "cpu":
+        hosts = len({d.process_index for d in devices})
+        return (measure_matmul_peak(device=device) * hosts,
+                f"measured float32 matmul, one per host ({hosts}) shared by its devices")
+    published = published_peak_flops(device.device_kind)
+    if published is not None:
+        return published * n, f"published bf16 peak of {device.device_kind} x {n} devices"
+    return (measure_matmul_peak(device=device, dtype="bfloat16", size=4096) * n,
+            f"measured bf16 matmul on one {device.device_kind} x {n} devices")
+
+
 class RunLog:
     """Collects step metrics (one step late), checks them, and writes logs.
 
@@ -37,6 +92,8 @@ class RunLog:
     steps, val records and samples at evaluations) and TensorBoard events under ``tb/``. On a
     resumed run, records after the restored step (written by the killed run) are dropped, so
     the file reads as if the run had never stopped.
+
+    ``peak`` is the FLOP/s of the whole mesh (``mesh_peak_flops``), so ``mfu`` is per device.
     """
 
     def __init__(self, run_dir: Path, start_step: int, tc: TrainConfig, flops: float,
@@ -57,6 +114,8 @@ class RunLog:
                                  write_to_disk=write)
         self._pending: list[tuple[int, Metrics]] = []
         self.last_loss: float | None = None
+        self.logged_loss: float | None = None  # of the latest record in metrics.jsonl
+        self.step = start_step
         self.train_time = 0.0
         self._timer: float | None = None
         self._interval_time = 0.0
@@ -78,6 +137,7 @@ class RunLog:
             raise NonFiniteLossError(f"non-finite loss {m['loss']} (grad norm {m['grad_norm']}) "
                                      f"at step {step}")
         self.last_loss = m["loss"]
+        self.step = step
         if not self._warm:
             # The first step of a process runs slower (allocations, thread start-up); time
             # from its end so the rate describes the steady state.
@@ -89,6 +149,7 @@ class RunLog:
             self._interval_steps += 1
         if step % self.tc.log_every == 0 or step == self.tc.steps:
             self._update_rate()
+            self.logged_loss = m["loss"]
             record = {"step": step, "split": "train", **m,
                       "tokens_per_s": self._rate, "mfu": self.mfu()}
             self._write(record)
@@ -130,13 +191,25 @@ class RunLog:
         rate = self.tokens_per_s(overall)
         return rate * self.flops / self.peak if rate else None
 
+    def steps_per_s(self) -> float | None:
+        """Training steps per second over the last log interval (evaluation etc. excluded)."""
+        return self._rate / self.tc.tokens_per_step if self._rate else None
+
+    def eta_s(self) -> float | None:
+        """Seconds of training left at the current training rate."""
+        rate = self.steps_per_s()
+        return (self.tc.steps - self.step) / rate if rate else None
+
     def postfix(self) -> str:
+        """The loss of the latest train record, training speed, MFU and the training ETA."""
         parts = []
-        if self.last_loss is not None:
-            parts.append(f"loss {self.last_loss:.4f}")
+        if self.logged_loss is not None:
+            parts.append(f"loss {self.logged_loss:.4f}")
         if self._rate:
+            parts.append(f"{self.steps_per_s():.2f} step/s")
             parts.append(f"{self._rate:,.0f} tok/s")
             parts.append(f"MFU {100 * self.mfu():.1f}%")
+            parts.append(f"ETA {_duration(self.eta_s() or 0.0)}")
         return ", ".join(parts)
 
     def record_eval(self, step: int, val_loss: float) -> None:
@@ -188,13 +261,22 @@ class _NoBar:
         pass
 
 
+def _duration(seconds: float) -> str:
+    minutes, sec = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{sec:02d}" if hours else f"{minutes:02d}:{sec:02d}"
+
+
 def progress_bar(enabled: bool, start: int, total: int) -> Any:
+    """A tqdm bar of steps without tqdm's own rate and ETA: those would count evaluation,
+    samples and checkpoints as training time; ``RunLog.postfix`` shows the training ones."""
     if not enabled:
         return _NoBar()
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
-                smoothing=0.1)
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                           "[{elapsed}{postfix}]")
 
 
 class StopOnSignal(contextlib.AbstractContextManager):

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import logging
+import re
+import textwrap
+import tomllib
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +18,15 @@ import jax
 
 from transformer_jax import data as data_lib
 from transformer_jax import sharding as sharding_lib
-from transformer_jax.config import ModelConfig, check_keys, load_toml, parse_override
+from transformer_jax.config import (
+    CONFIGS_DIR,
+    ModelConfig,
+    check_keys,
+    load_toml,
+    parse_override,
+    preset_names,
+    resolve_config_path,
+)
 from transformer_jax.tokenizer import MODEL_TYPES
 
 logger = logging.getLogger(__name__)
@@ -22,6 +34,11 @@ logger = logging.getLogger(__name__)
 Params = dict[str, Any]
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
+
+
+def auto_warmup_steps(decay_length: int) -> int:
+    """The warmup of ``warmup_steps=-1``: ``min(100, decay_length // 10)``."""
+    return min(100, decay_length // 10)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +53,8 @@ class TrainConfig:
         summed before one update (same result as one big batch, less memory).
       lr: peak learning rate, reached after ``warmup_steps``.
       min_lr: learning rate at the end of the cosine decay.
-      warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr``.
+      warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr``; -1 (the default) means
+        ``min(100, decay length // 10)``, so the warmup follows the run's length.
       decay_steps: step at which the cosine decay reaches ``min_lr``; 0 means ``steps``.
       weight_decay: decoupled (AdamW) weight decay of the matrices.
       b1: Adam's first-moment decay.
@@ -60,6 +78,12 @@ class TrainConfig:
       sample_tokens: tokens generated at each evaluation (0 disables samples).
       sample_prompt: text the samples start from.
       sample_temperature: sampling temperature of the samples (0 is greedy).
+      profile_steps: ``"START,STOP"`` writes a ``jax.profiler`` trace of steps START to STOP
+        (1-based, inclusive) into ``run_dir/profile/``; empty (the default) profiles nothing.
+      peak_flops: one device's peak FLOP/s behind MFU; 0 measures a matmul on CPU (the whole
+        host, shared by its devices) and takes the published dense bf16 peak on GPU/TPU.
+      allow_new_data: resume on another corpus (tokenized by the same tokenizer); without it a
+        resume on different data is refused. A different tokenizer is always refused.
     """
 
     steps: int = 1000
@@ -68,7 +92,7 @@ class TrainConfig:
     grad_accum: int = 1
     lr: float = 1e-3
     min_lr: float = 1e-4
-    warmup_steps: int = 100
+    warmup_steps: int = -1
     decay_steps: int = 0
     weight_decay: float = 0.1
     b1: float = 0.9
@@ -88,12 +112,18 @@ class TrainConfig:
     sample_tokens: int = 64
     sample_prompt: str = "\n"
     sample_temperature: float = 0.8
+    profile_steps: str = ""
+    peak_flops: float = 0.0
+    allow_new_data: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "ckpt_every",
                      "keep_ckpts"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("warmup_steps", "decay_steps", "seed", "eval_every", "eval_batches",
+        _check_int("decay_steps", self.decay_steps, minimum=0)
+        if self.warmup_steps == -1:
+            object.__setattr__(self, "warmup_steps", auto_warmup_steps(self.total_decay_steps))
+        for name in ("warmup_steps", "seed", "eval_every", "eval_batches",
                      "sample_tokens", "loss_chunk"):
             _check_int(name, getattr(self, name), minimum=0)
         if self.batch_size % self.grad_accum:
@@ -105,7 +135,7 @@ class TrainConfig:
         if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, "
                              f"min_lr={self.min_lr}")
-        for name in ("weight_decay", "grad_clip", "z_loss", "sample_temperature"):
+        for name in ("weight_decay", "grad_clip", "z_loss", "sample_temperature", "peak_flops"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("b1", "b2"):
@@ -116,6 +146,26 @@ class TrainConfig:
         if not self.run_dir:
             raise ValueError("run_dir must not be empty")
         sharding_lib.MeshConfig.parse(self.mesh)  # raises ValueError naming a bad mesh
+        profile = self.profile_range  # raises ValueError naming a bad range
+        if profile is not None and profile[1] > self.steps:
+            raise ValueError(f"profile_steps={self.profile_steps!r} ends after the last step "
+                             f"({self.steps})")
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """``(START, STOP)`` of ``profile_steps`` (1-based, inclusive), or None when off."""
+        if not self.profile_steps.strip():
+            return None
+        parts = self.profile_steps.split(",")
+        try:
+            start, stop = (int(p) for p in parts)
+        except ValueError:
+            raise ValueError(f"profile_steps must be 'START,STOP' (two step numbers), got "
+                             f"{self.profile_steps!r}") from None
+        if not 1 <= start <= stop:
+            raise ValueError(f"profile_steps needs 1 <= START <= STOP, got "
+                             f"{self.profile_steps!r}")
+        return start, stop
 
     @property
     def total_decay_steps(self) -> int:
@@ -196,20 +246,32 @@ def build_configs(config: str, overrides: Sequence[str] = ()
       ConfigError: for an unknown table, section or key (listing close matches), a malformed
         override or a value of the wrong type.
       FileNotFoundError: if the config does not exist.
+
+    A preset's ``warmup_steps`` that does not fit a run shortened by an override (``tiny`` warms
+    up for 50 steps; ``train.steps=50`` leaves no decay) is replaced by the automatic warmup
+    (``warmup_steps=-1``), with a log line; a ``train.warmup_steps=`` override is kept as given.
     """
-    tables = load_toml(config)
+    try:
+        tables = load_toml(config)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {resolve_config_path(config)} is not valid TOML: {e}"
+                          ) from None
     unknown = sorted(set(tables) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"config {config!r} has unknown tables {unknown}; expected "
                           f"{sorted(SECTIONS)}")
     values: dict[str, dict[str, Any]] = {s: dict(tables.get(s, {})) for s in SECTIONS}
+    preset_train = dict(values["train"])
     for item in overrides:
         section, key, text = _split_override(item)
+        if section == "train":
+            preset_train.pop(key, None)  # given by the user, not the preset
         try:
             check_keys({key: None}, SECTIONS[section], section)
             values[section][key] = parse_override(SECTIONS[section], key, text)
         except ValueError as e:
             raise ConfigError(f"override {item!r}: {e}") from None
+    _fit_preset_warmup(config, preset_train, values["train"])
     try:
         model = ModelConfig.from_dict(values["model"])
         train = config_from_dict(TrainConfig, values["train"], "train")
@@ -217,6 +279,78 @@ def build_configs(config: str, overrides: Sequence[str] = ()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config {config!r}: {e}") from None
     return model, train, data
+
+
+def _fit_preset_warmup(config: str, preset: dict[str, Any], train: dict[str, Any]) -> None:
+    warmup = preset.get("warmup_steps")
+    if not isinstance(warmup, int) or warmup < 0:
+        return  # not from the preset (overridden), or TrainConfig names the bad value
+    steps, decay = train.get("steps", TrainConfig.steps), train.get("decay_steps", 0)
+    if not isinstance(steps, int) or not isinstance(decay, int):
+        return  # TrainConfig names the bad value
+    length = decay or steps
+    if warmup >= length:
+        auto = auto_warmup_steps(length)
+        logger.info("config %r: its warmup_steps=%d does not fit a decay length of %d; warming "
+                    "up for %d steps instead (train.warmup_steps= sets it)", config, warmup,
+                    length, auto)
+        train["warmup_steps"] = -1
+
+
+def config_help(width: int = 100) -> str:
+    """Every ``model.``, ``train.`` and ``data.`` key with its type, default and meaning.
+
+    Generated from the dataclasses' fields and the Attributes sections of their docstrings
+    (``ModelConfig``, ``TrainConfig``, ``DataConfig``), so it cannot drift from the code.
+    """
+    lines = [f"presets (--config NAME; TOML files in {CONFIGS_DIR}): {', '.join(preset_names())}"]
+    for section, cls in SECTIONS.items():
+        meanings = _attribute_docs(cls)
+        lines += ["", f"{section}.KEY=VALUE ({cls.__name__}):"]
+        for field in dataclasses.fields(cls):
+            kind = field.type if isinstance(field.type, str) else getattr(
+                field.type, "__name__", str(field.type))
+            if field.default is not dataclasses.MISSING:
+                default = field.default
+            elif field.default_factory is not dataclasses.MISSING:
+                default = field.default_factory()
+            else:
+                default = "required"
+            head = f"  {section}.{field.name}: {kind} = {default!r}"
+            meaning = _first_sentence(meanings.get(field.name, ""))
+            lines.append(head)
+            if meaning:
+                lines.extend(textwrap.wrap(meaning, width, initial_indent=" " * 6,
+                                           subsequent_indent=" " * 6))
+    return "\n".join(lines)
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """``{name: description}`` from the ``Attributes:`` section of ``cls``'s docstring."""
+    doc = inspect.getdoc(cls) or ""
+    found: dict[str, str] = {}
+    inside, name = False, None
+    for line in doc.splitlines():
+        if line.strip() == "Attributes:":
+            inside = True
+            continue
+        if not inside:
+            continue
+        if line and not line.startswith(" "):
+            break  # the next section
+        match = re.match(r"^ {2}(\w+): ?(.*)$", line)
+        if match:
+            name = match.group(1)
+            found[name] = match.group(2).strip()
+        elif name and line.strip():
+            found[name] += " " + line.strip()
+    return found
+
+
+def _first_sentence(text: str) -> str:
+    text = text.replace("``", "")
+    match = re.search(r"(?<=[a-z0-9)\]'\"])\.(\s|$)", text)
+    return text[:match.start() + 1] if match else text
 
 
 def _split_override(item: str) -> tuple[str, str, str]:

@@ -18,8 +18,10 @@ step use every core.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -36,9 +38,15 @@ from transformer_jax import distributed
 from transformer_jax import sharding as sharding_lib
 from transformer_jax.checkpoint import CheckpointManager, ensure_writable_dir
 from transformer_jax.config import ModelConfig
-from transformer_jax.perf import flops_per_token, measure_matmul_peak
-from transformer_jax.run_log import NonFiniteLossError, RunLog, StopOnSignal, progress_bar
-from transformer_jax.tokenizer import MODEL_TYPES, Tokenizer
+from transformer_jax.perf import flops_per_token
+from transformer_jax.run_log import (
+    NonFiniteLossError,
+    RunLog,
+    StopOnSignal,
+    mesh_peak_flops,
+    progress_bar,
+)
+from transformer_jax.tokenizer import DEFAULT_MODEL_FILENAME, MODEL_TYPES, Tokenizer
 from transformer_jax.train_config import DataConfig, TrainConfig
 from transformer_jax.train_step import TrainState, make_eval_step, make_init_fn, make_train_step
 
@@ -94,6 +102,25 @@ def check_run(model_config: ModelConfig, train_config: TrainConfig, num_train_to
       num_train_tokens: size of the train split.
       num_devices: devices the batch is split over; ``jax.device_count()`` by default.
     """
+    check_config(model_config, train_config, num_devices)
+    tc = train_config
+    if num_train_tokens <= tc.seq_len:
+        raise ValueError(f"the train split has {num_train_tokens} tokens, not more than "
+                         f"train.seq_len={tc.seq_len}; use more data or a shorter seq_len")
+    if model_config.param_dtype != "float32":
+        logger.warning("param_dtype=%s: training keeps its master weights in this dtype",
+                       model_config.param_dtype)
+
+
+def check_config(model_config: ModelConfig, train_config: TrainConfig,
+                 num_devices: int | None = None) -> None:
+    """The checks of ``check_run`` that need no data (run before the corpus is tokenized).
+
+    Args:
+      model_config: the model.
+      train_config: the run.
+      num_devices: devices the batch is split over; ``jax.device_count()`` by default.
+    """
     tc = train_config
     if tc.seq_len > model_config.max_seq_len:
         raise ValueError(f"train.seq_len={tc.seq_len} is above the model's max_seq_len="
@@ -103,17 +130,23 @@ def check_run(model_config: ModelConfig, train_config: TrainConfig, num_train_to
         raise ValueError(f"train.batch_size={tc.batch_size} (micro-batch "
                          f"{tc.micro_batch_size} with grad_accum={tc.grad_accum}) is not "
                          f"divisible by the number of devices ({num_devices})")
-    if num_train_tokens <= tc.seq_len:
-        raise ValueError(f"the train split has {num_train_tokens} tokens, not more than "
-                         f"train.seq_len={tc.seq_len}; use more data or a shorter seq_len")
-    if model_config.param_dtype != "float32":
-        logger.warning("param_dtype=%s: training keeps its master weights in this dtype",
-                       model_config.param_dtype)
+
+
+#: The parts of a run's wall time in ``RunSummary.time_s`` (seconds).
+TIME_PARTS = ("startup", "compile", "train", "eval", "sample", "plot", "checkpoint")
+
+#: Where a run keeps its copy of the tokenizer (relative to the run directory).
+TOKENIZER_DIR = "tokenizer"
 
 
 @dataclasses.dataclass
 class RunSummary:
-    """What a run did (also written to ``run_dir/summary.json``)."""
+    """What a run did (also written to ``run_dir/summary.json``).
+
+    ``time_s`` splits the wall time into ``TIME_PARTS``: start-up (directories, data, state,
+    the peak measurement), compiling the train step, training steps, evaluation (with its
+    compilation), samples, loss plots and the blocking part of checkpoint saves.
+    """
 
     run_dir: str
     start_step: int
@@ -131,21 +164,31 @@ class RunSummary:
     mfu: float | None
     checkpoint: str | None
     interrupted: str | None = None
+    time_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig, *,
         progress: bool = True) -> RunSummary:
     """Trains (or resumes) a model; the whole loop, top to bottom.
 
-    Resumes from the latest complete checkpoint in ``run_dir/checkpoints`` if there is one, and
-    then gives exactly the losses and parameters of an uninterrupted run. SIGTERM/SIGINT save a
-    checkpoint of the current step and stop; a non-finite loss stops without saving.
+    Resumes from the newest intact checkpoint in ``run_dir/checkpoints`` if there is one (a
+    damaged newer one is renamed aside with a warning), and then gives exactly the losses and
+    parameters of an uninterrupted run. Before restoring, the saved configs are compared with
+    the current ones: another model, another tokenizer, a train setting that changes the
+    optimizer state's structure, or (without ``train.allow_new_data``) another corpus is
+    refused in one line naming the keys. SIGTERM/SIGINT save a checkpoint of the current step
+    and stop; a non-finite loss stops without saving.
+
+    The run directory is self-contained: it keeps a copy of the tokenizer (``tokenizer/``,
+    recorded in ``config.json`` and each checkpoint's meta), ``metrics.jsonl``, ``loss.png``
+    (redrawn at each evaluation), TensorBoard events, ``summary.json`` and, with
+    ``train.profile_steps``, a profiler trace under ``profile/``.
 
     Args:
       model_config: the model; its ``vocab_size`` is replaced by the tokenizer's.
       train_config: optimisation, evaluation, logging and checkpoint settings.
       data_config: corpus and tokenizer.
-      progress: show a tqdm progress bar (loss, tokens/s, MFU, ETA).
+      progress: show a tqdm progress bar (loss, training step rate, tokens/s, MFU, ETA).
 
     Returns:
       The run's summary.
@@ -153,13 +196,18 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     Raises:
       NonFiniteLossError: the loss became NaN/inf (earlier checkpoints are kept).
       ValueError, FileNotFoundError, PermissionError: bad input, before any training.
+      CheckpointError: a checkpoint could not be written or none could be read (one line).
     """
     tc = train_config
     wall_start = time.perf_counter()
+    times = dict.fromkeys(TIME_PARTS, 0.0)
 
-    # 1. Where things go, checked before any expensive work.
+    # 1. Checks that need no data, before any expensive work (and before checkpoints/ exists).
     run_dir = ensure_writable_dir(tc.run_dir, "run directory")
-    ckpt = CheckpointManager(run_dir / "checkpoints", keep=tc.keep_ckpts)
+    mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh))
+    num_batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    check_config(model_config, tc, num_devices=num_batch_devices)
+    main_process = distributed.is_main_process()
 
     # 2. Data: tokenizer, token file, splits.
     tokenizer, train_tokens, val_tokens = prepare_data(data_config, model_config.vocab_size)
@@ -167,37 +215,53 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         logger.info("model vocab_size %d -> %d (the tokenizer's)", model_config.vocab_size,
                     tokenizer.vocab_size)
         model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
-    mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh))
     batch_sharding = sharding_lib.batch_sharding(mesh)
-    check_run(model_config, tc, len(train_tokens),
-              num_devices=mesh.shape["data"] * mesh.shape["fsdp"])
-    main_process = distributed.is_main_process()
-    eval_kw = dict(batch_size=tc.micro_batch_size, seq_len=tc.seq_len,
-                   max_batches=tc.eval_batches or None)
+    check_run(model_config, tc, len(train_tokens), num_devices=num_batch_devices)
+    eval_batch_size, eval_max_batches = _eval_batching(tc, len(val_tokens))
+    eval_kw = dict(batch_size=eval_batch_size, seq_len=tc.seq_len, max_batches=eval_max_batches)
     if len(val_tokens):
         data_lib.eval_batches(val_tokens, **eval_kw)  # raises now if val cannot fill a batch
     configs = {"model": dataclasses.asdict(model_config), "train": dataclasses.asdict(tc),
-               "data": dataclasses.asdict(data_config), "tokenizer": str(tokenizer.path)}
+               "data": dataclasses.asdict(data_config), "tokenizer": str(tokenizer.path),
+               "tokenizer_dir": TOKENIZER_DIR, "tokenizer_fingerprint": tokenizer.fingerprint,
+               "data_fingerprint": data_fingerprint(train_tokens, val_tokens)}
 
-    # 3. State: restore the latest checkpoint, or initialise directly sharded over the mesh
-    # (parameters and optimizer state by the logical-axis rules; batches over data x fsdp).
-    key = jax.random.key(tc.seed)
-    init = make_init_fn(model_config, tc)
-    state_shardings = sharding_lib.state_shardings(
-        jax.eval_shape(init, key), sharding_lib.param_shardings(model_config, mesh))
-    init_fn = sharding_lib.shard_init(init, state_shardings)
-    latest = ckpt.latest_step()
-    if latest is not None:
-        abstract = sharding_lib.with_shardings(jax.eval_shape(init, key), state_shardings)
-        state, meta = ckpt.restore(abstract, latest)
-        _check_same_model(meta.get("model"), configs["model"], ckpt.step_path(latest))
-        logger.info("resumed from %s (step %d)", ckpt.step_path(latest), latest)
-    else:
-        state = init_fn(key)
-    start_step = int(state.step)
-    if main_process:
-        (run_dir / "config.json").write_text(json.dumps(configs, indent=2))
+    with CheckpointManager(run_dir / "checkpoints", keep=tc.keep_ckpts) as ckpt:
+        # 3. State: restore the newest intact checkpoint after comparing its saved configs with
+        # these, or initialise directly sharded over the mesh (parameters and optimizer state
+        # by the logical-axis rules; batches over data x fsdp).
+        key = jax.random.key(tc.seed)
+        init = make_init_fn(model_config, tc)
+        state_shardings = sharding_lib.state_shardings(
+            jax.eval_shape(init, key), sharding_lib.param_shardings(model_config, mesh))
+        init_fn = sharding_lib.shard_init(init, state_shardings)
+        if ckpt.all_steps():
+            check_resume(ckpt.read_meta(), configs, ckpt.directory)
+            abstract = sharding_lib.with_shardings(jax.eval_shape(init, key), state_shardings)
+            state, _ = ckpt.restore(abstract, quarantine=main_process)
+            logger.info("resumed from %s (step %d)", ckpt.step_path(int(state.step)),
+                        int(state.step))
+        else:
+            state = init_fn(key)
+        start_step = int(state.step)
+        if main_process:
+            _save_tokenizer(tokenizer, run_dir / TOKENIZER_DIR)
+            (run_dir / "config.json").write_text(json.dumps(configs, indent=2))
+        return _train(model_config, tc, data_config, mesh=mesh, run_dir=run_dir, ckpt=ckpt,
+                      state=state, state_shardings=state_shardings, start_step=start_step,
+                      batch_sharding=batch_sharding, train_tokens=train_tokens,
+                      val_tokens=val_tokens, eval_kw=eval_kw, tokenizer=tokenizer,
+                      configs=configs, progress=progress and main_process,
+                      main_process=main_process, times=times, wall_start=wall_start)
 
+
+def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, *, mesh: Any,
+           run_dir: Path, ckpt: CheckpointManager, state: TrainState, state_shardings: Any,
+           start_step: int, batch_sharding: Any, train_tokens: np.ndarray,
+           val_tokens: np.ndarray, eval_kw: dict[str, Any], tokenizer: Tokenizer,
+           configs: dict[str, Any], progress: bool, main_process: bool,
+           times: dict[str, float], wall_start: float) -> RunSummary:
+    """Steps 4-6 of ``run``: compile, loop, summary."""
     # 4. Compile the step once (ahead of time, so its cost is reported separately).
     compile_start = time.perf_counter()
     part, parts = distributed.process_batch_shard(batch_sharding, tc.batch_size)
@@ -215,21 +279,27 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     eval_step = sharding_lib.jit_sharded(
         make_eval_step(model_config), mesh, (state_shardings.params, batch_sharding),
         sharding_lib.replicated(mesh))
-    eval_part, eval_parts = distributed.process_batch_shard(batch_sharding, tc.micro_batch_size)
-    eval_kw.update(process_index=eval_part, process_count=eval_parts)
+    eval_part, eval_parts = distributed.process_batch_shard(batch_sharding,
+                                                            eval_kw["batch_size"])
+    eval_kw = dict(eval_kw, process_index=eval_part, process_count=eval_parts)
     eval_step = _placing(eval_step, functools.partial(
-        distributed.global_batch, sharding=batch_sharding, global_batch_size=tc.micro_batch_size))
+        distributed.global_batch, sharding=batch_sharding,
+        global_batch_size=eval_kw["batch_size"]))
     flops = flops_per_token(model_config, tc.seq_len)
-    peak = measure_matmul_peak()
-    logger.info("compiled train step in %.1f s; %.3g FLOPs/token; matmul peak %.3g FLOP/s; "
-                "mesh %s", compile_time, flops, peak, dict(mesh.shape))
+    peak, peak_source = mesh_peak_flops(list(mesh.devices.flat), tc.peak_flops)
+    logger.info("compiled train step in %.1f s; %.3g FLOPs/token; peak %.3g FLOP/s (%s); "
+                "mesh %s; eval batch %d", compile_time, flops, peak, peak_source,
+                dict(mesh.shape), eval_kw["batch_size"])
+    times["compile"] = compile_time
+    times["startup"] = time.perf_counter() - wall_start - compile_time
 
-    progress = progress and main_process
     log = RunLog(run_dir, start_step, tc, flops, peak, log_train=not progress,
-                  write=main_process)
+                 write=main_process)
     last_val: float | None = None
     interrupted: str | None = None
     step = start_step
+    profile = tc.profile_range
+    tracing = False
     bar = progress_bar(progress, start_step, tc.steps)
     try:
         with StopOnSignal() as stop:
@@ -237,27 +307,41 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
             # 5. The loop: one jitted step per batch; the host reads each step's metrics one
             # step late, so it never waits for the device while there is work to queue.
             while step < tc.steps:
+                if profile and not tracing and profile[0] <= step + 1 <= profile[1]:
+                    jax.profiler.start_trace(str(run_dir / "profile"))
+                    tracing = True
+                    logger.info("profiling steps %d-%d into %s", step + 1, profile[1],
+                                run_dir / "profile")
                 state, metrics = train_step(state, batch)
                 step += 1
+                if tracing and step >= profile[1]:
+                    jax.block_until_ready((state, metrics))
+                    jax.profiler.stop_trace()
+                    tracing, profile = False, None
                 log.push(step, metrics)
                 if step < tc.steps:
                     batch = get_batch(step)
                 log.flush(keep_last=1)
-                bar.update(1)
-                bar.set_postfix_str(log.postfix(), refresh=False)
                 last = step == tc.steps
-                if stop.signal is not None or last or step % tc.ckpt_every == 0 or (
-                        tc.eval_every and step % tc.eval_every == 0):
+                evaluate_now = bool(tc.eval_every and step % tc.eval_every == 0) or last
+                if evaluate_now or stop.signal is not None or step % tc.ckpt_every == 0:
                     log.flush()  # checks every pending loss before anything is saved
                     log.stop_timer()
-                    if (tc.eval_every and step % tc.eval_every == 0) or last:
+                    if evaluate_now:
                         last_val = _evaluate_and_sample(state, step, eval_step, val_tokens,
                                                         eval_kw, tokenizer, model_config, tc,
-                                                        log)
+                                                        log, times)
+                        if main_process:
+                            _plot(run_dir, times)
+                    # A signal that came during the evaluation still saves this step.
                     if stop.signal is not None or last or step % tc.ckpt_every == 0:
+                        save_start = time.perf_counter()
                         ckpt.save(step, state, meta=dict(configs, step=step,
                                                          train_loss=log.last_loss))
+                        times["checkpoint"] += time.perf_counter() - save_start
                     log.start_timer()
+                bar.update(1)
+                bar.set_postfix_str(log.postfix(), refresh=False)
                 if stop.signal is not None:
                     interrupted = stop.signal
                     logger.warning("%s: saved a checkpoint of step %d and stopped",
@@ -270,28 +354,116 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
                      ckpt.step_path(latest_good) if latest_good is not None else "none")
         raise
     finally:
+        if tracing:
+            with contextlib.suppress(Exception):
+                jax.profiler.stop_trace()
         bar.close()
-        ckpt.close()
         log.close()
+    close_start = time.perf_counter()
+    ckpt.wait()  # the last save is complete on disk before the summary names it
+    times["checkpoint"] += time.perf_counter() - close_start
+    if main_process:
+        _plot(run_dir, times)
 
     # 6. Summary.
     latest = ckpt.latest_step()
     train_time = log.train_time
+    times["train"] = train_time
+    wall_time = time.perf_counter() - wall_start
     summary = RunSummary(
         run_dir=str(run_dir), start_step=start_step, final_step=step,
         train_loss=log.last_loss, val_loss=last_val,
         val_ppl=math.exp(last_val) if last_val is not None and last_val < 700 else None,
         loss_unit="nats/char" if data_config.tokenizer == "char" else "nats/token",
-        tokens_seen=step * tc.tokens_per_step, wall_time_s=time.perf_counter() - wall_start,
+        tokens_seen=step * tc.tokens_per_step, wall_time_s=wall_time,
         train_time_s=train_time, compile_time_s=compile_time,
         tokens_per_s=log.tokens_per_s(overall=True), mfu=log.mfu(overall=True),
         step_time_ms=1000 * train_time / log.timed_steps if log.timed_steps else None,
         checkpoint=str(ckpt.step_path(latest)) if latest is not None else None,
-        interrupted=interrupted)
+        interrupted=interrupted, time_s={k: round(v, 3) for k, v in times.items()})
+    logger.info("time: %s; wall %.1f s", format_times(summary.time_s), wall_time)
     if main_process:
         (run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary),
                                                          indent=2))
     return summary
+
+
+def format_times(time_s: dict[str, float]) -> str:
+    """``"startup 1.2 s, compile 3.4 s, ..."`` of ``RunSummary.time_s``."""
+    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in time_s.items())
+
+
+def data_fingerprint(*token_arrays: np.ndarray) -> str:
+    """SHA-256 of the token ids of a run's corpus (train then validation split).
+
+    With the same tokenizer, equal fingerprints mean the same corpus in the same order.
+    """
+    digest = hashlib.sha256()
+    for tokens in token_arrays:
+        array = np.ascontiguousarray(tokens)
+        digest.update(array.dtype.str.encode())
+        digest.update(memoryview(array).cast("B"))
+    return digest.hexdigest()
+
+
+# Model keys that neither change the parameters nor the function: a resume may change them.
+_FREE_MODEL_KEYS = ("attention_impl", "remat")
+# Train keys whose change alters the optimizer state's structure (clipping adds a stage to the
+# optax chain), compared as the structure they give: such a checkpoint cannot be restored.
+_STATE_TRAIN_KEYS: dict[str, Callable[[Any], Any]] = {"grad_clip": lambda v: bool(v)}
+# Train keys that change the computation: a resume with other values continues, but is not the
+# run an uninterrupted one would have been.
+_TRAJECTORY_TRAIN_KEYS = ("batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
+                          "decay_steps", "weight_decay", "b1", "b2", "eps", "grad_clip",
+                          "z_loss", "seed")
+
+
+def check_resume(saved: dict[str, Any], current: dict[str, Any], where: Path) -> None:
+    """Compares a checkpoint's saved configs with a run's before restoring it.
+
+    Args:
+      saved: the checkpoint's meta (``CheckpointManager.read_meta``).
+      current: the run's configs (as saved with its checkpoints).
+      where: the checkpoint directory, for the messages.
+
+    Raises:
+      ValueError: one line naming what differs: the tokenizer (its fingerprints), the model
+        keys, a train key that changes the optimizer state's structure, or the corpus (unless
+        ``train.allow_new_data``).
+    """
+    use = "; use another train.run_dir"
+    saved_tok, tok = saved.get("tokenizer_fingerprint"), current["tokenizer_fingerprint"]
+    if saved_tok and saved_tok != tok:
+        raise ValueError(
+            f"the checkpoints in {where} were trained with another tokenizer "
+            f"({saved.get('tokenizer')}, fingerprint {saved_tok[:12]}) than this run's "
+            f"({current['tokenizer']}, fingerprint {tok[:12]}); a run continues only with its "
+            f"own tokenizer{use}")
+    diffs = [f"model.{k}: {saved['model'].get(k)!r} in the checkpoint, {v!r} now"
+             for k, v in current["model"].items()
+             if k not in _FREE_MODEL_KEYS and "model" in saved and saved["model"].get(k) != v]
+    saved_train = saved.get("train") or {}
+    diffs += [f"train.{k}: {saved_train[k]!r} in the checkpoint, {current['train'][k]!r} now "
+              "(changes the optimizer state)"
+              for k, structure in _STATE_TRAIN_KEYS.items()
+              if k in saved_train and structure(saved_train[k]) != structure(current["train"][k])]
+    if diffs:
+        raise ValueError(f"the checkpoints in {where} were written for another run: "
+                         + "; ".join(diffs) + use)
+    saved_data, data = saved.get("data_fingerprint"), current["data_fingerprint"]
+    if saved_data and saved_data != data:
+        if not current["train"].get("allow_new_data"):
+            raise ValueError(
+                f"the checkpoints in {where} were trained on another corpus (data fingerprint "
+                f"{saved_data[:12]}, now {data[:12]}); pass train.allow_new_data=true to continue "
+                f"on this data with the same tokenizer{use.replace('; use', ', or')}")
+        logger.warning("continuing the run of %s on a new corpus (train.allow_new_data)", where)
+    changed = [f"{k} {saved_train[k]!r} -> {current['train'][k]!r}"
+               for k in _TRAJECTORY_TRAIN_KEYS
+               if k in saved_train and saved_train[k] != current["train"][k]]
+    if changed:
+        logger.warning("resuming with other train settings than the checkpoint's (%s): the "
+                       "result is not that of an uninterrupted run", ", ".join(changed))
 
 
 def evaluate(eval_step: Callable[[Params, Batch], Metrics], params: Params,
@@ -331,27 +503,58 @@ def _placing(step_fn: Callable[[Params, Batch], Metrics], place: Callable[[np.nd
 
 def _evaluate_and_sample(state: TrainState, step: int, eval_step, val_tokens: np.ndarray,
                          eval_kw: dict[str, Any], tokenizer: Tokenizer,
-                         model_config: ModelConfig, tc: TrainConfig, log: RunLog
-                         ) -> float | None:
+                         model_config: ModelConfig, tc: TrainConfig, log: RunLog,
+                         times: dict[str, float]) -> float | None:
     val_loss = None
+    start = time.perf_counter()
     if len(val_tokens):
         val_loss = evaluate(eval_step, state.params,
                             data_lib.eval_batches(val_tokens, **eval_kw))
         log.record_eval(step, val_loss)
+    times["eval"] += time.perf_counter() - start
     # The sample decodes on one host's devices, so it needs the params whole on each process.
     if tc.sample_tokens and jax.process_count() == 1:
+        start = time.perf_counter()
         text = sample_text(model_config, state.params, tokenizer, tc.sample_prompt,
                            tc.sample_tokens, tc.sample_temperature, seed=step)
         log.record_sample(step, text)
+        times["sample"] += time.perf_counter() - start
     return val_loss
 
 
-def _check_same_model(saved: dict[str, Any] | None, current: dict[str, Any], where: Path
-                      ) -> None:
-    if saved is None:
-        return
-    diffs = [f"{k}: {saved.get(k)!r} in the checkpoint, {v!r} now"
-             for k, v in current.items() if saved.get(k) != v]
-    if diffs:
-        raise ValueError(f"checkpoint {where} was written for another model ("
-                         + "; ".join(diffs) + "); use another train.run_dir")
+#: Evaluation batches are up to this many micro-batches (forward only: no activations kept).
+EVAL_BATCH_FACTOR = 4
+
+
+def _eval_batching(tc: TrainConfig, num_val_tokens: int) -> tuple[int, int | None]:
+    """``(batch_size, max_batches)`` of evaluation: the same windows as ``train.eval_batches``
+    micro-batches, in batches of up to ``EVAL_BATCH_FACTOR`` micro-batches (a multiple of the
+    micro-batch, so it divides over the devices as it does)."""
+    micro = tc.micro_batch_size
+    for factor in range(EVAL_BATCH_FACTOR, 1, -1):
+        fits = (num_val_tokens - 1) // tc.seq_len >= factor * micro
+        if fits and (not tc.eval_batches or tc.eval_batches % factor == 0):
+            return factor * micro, (tc.eval_batches // factor) or None
+    return micro, tc.eval_batches or None
+
+
+def _save_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
+    """Keeps a copy of the tokenizer in the run directory (unless the same one is there)."""
+    try:
+        if Tokenizer.load(directory / DEFAULT_MODEL_FILENAME).fingerprint == tokenizer.fingerprint:
+            return
+    except (OSError, ValueError):
+        pass
+    tokenizer.save(directory)
+
+
+def _plot(run_dir: Path, times: dict[str, float]) -> None:
+    """Redraws ``run_dir/loss.png``; a failure is a warning, never the end of the run."""
+    start = time.perf_counter()
+    try:
+        from transformer_jax.plot import plot_run
+
+        plot_run(run_dir)
+    except Exception as e:  # noqa: BLE001 - a plot must not stop training
+        logger.warning("could not draw %s: %s", run_dir / "loss.png", e)
+    times["plot"] += time.perf_counter() - start

@@ -1,0 +1,127 @@
+"""Every ``python train.py ...`` command of README.md runs as written (with a tiny model, a
+tiny corpus and a few steps appended), and every entry point's ``--help`` works."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Appended to each README command: later overrides win, so the command's own model size, data
+# and step count are replaced by CI-sized ones (a step count the command gives is kept when it
+# is small, e.g. to reach its profile_steps).
+TINY = ["--no-progress", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
+        "model.n_kv_heads=1", "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=16",
+        "train.batch_size=8", "train.eval_batches=1", "train.sample_tokens=4",
+        "train.log_every=5", "data.tokenizer=char", "data.val_fraction=0.1"]
+MAX_STEPS = 50
+
+
+def readme_train_commands() -> list[str]:
+    """The ``python train.py`` lines of README.md's code blocks, comments stripped."""
+    text = (ROOT / "README.md").read_text()
+    commands, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        line = line.split("  #")[0].strip()
+        if fenced and line.startswith("python train.py") and "--help" not in line:
+            commands.append(line)
+    return commands
+
+
+COMMANDS = readme_train_commands()
+
+
+def test_the_readme_has_train_commands():
+    assert len(COMMANDS) >= 5
+    assert "python train.py train.steps=50 train.run_dir=runs/quick model.n_layers=2" in COMMANDS
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("readme")
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "x", "=", "+", "(", ")", "if", "else", "for", "in"]
+    (root / "corpus.txt").write_text("".join(" ".join(rng.choice(words, rng.integers(2, 9)))
+                                             + "\n" for _ in range(300)))
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(root / "xla"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
+    return root, env
+
+
+def ci_sized(command: str, root: Path) -> list[str]:
+    """The README command's arguments plus the tiny overrides."""
+    args = shlex.split(command)[2:]
+    steps = [int(a.split("=", 1)[1]) for a in args if a.startswith("train.steps=")]
+    extra = [] if steps and steps[-1] <= MAX_STEPS else ["train.steps=4"]
+    return [sys.executable, str(ROOT / "train.py"), *args, *TINY, *extra,
+            f"data.path={root / 'corpus.txt'}", f"data.cache_dir={root / 'cache'}"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_train_command_runs(command, workspace, tmp_path):
+    root, env = workspace
+    argv = ci_sized(command, root)
+    if "train.mesh=1,8,1" in command:  # the 8 devices it names, simulated on the CPU
+        env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    if "--coordinator-address" in command:  # host 0 of 2: start host 1 beside it
+        port = str(_free_port())
+        argv = [a.replace("127.0.0.1:1234", f"127.0.0.1:{port}") for a in argv]
+        other = [a if a != "0" or argv[i - 1] != "--process-id" else "1"
+                 for i, a in enumerate(argv)]
+        env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        # Same working directory: the hosts share the run directory, as hosts share a disk.
+        helper = subprocess.Popen(other, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)
+    else:
+        helper = None
+    try:
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        if helper is not None:
+            assert helper.wait(timeout=120) == 0, helper.stderr.read()[-3000:]
+    finally:
+        if helper is not None:
+            helper.kill()
+    assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+    assert "summary" in done.stdout
+
+
+@pytest.mark.parametrize("entry_point", [
+    ["train.py"], ["-m", "transformer_jax.generate"], ["-m", "transformer_jax.bench"],
+    ["-m", "transformer_jax.plot"]])
+def test_help_of_every_entry_point(entry_point):
+    done = subprocess.run([sys.executable, *entry_point, "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip()
+    if entry_point == ["train.py"]:
+        assert "shakespeare_char" in done.stdout  # the presets
+        assert "train.warmup_steps: int = -1" in done.stdout  # key: type = default
+        assert "min(100" in done.stdout  # and its meaning, from the docstring
+        for section in ("model.", "train.", "data."):
+            assert f"  {section}" in done.stdout
+    elif "transformer_jax.bench" in entry_point:
+        for kind in ("train", "decode", "memory"):
+            assert f"\n  {kind}\n" in done.stdout
+    elif "transformer_jax.generate" in entry_point:
+        text = " ".join(done.stdout.split())
+        assert text.count("(default:") >= 15 and "(default: None)" not in text
+        assert "(default: 64)" in text
