@@ -43,6 +43,7 @@ from jax.sharding import Mesh
 from transformer_jax import sampling, sharding, streaming
 from transformer_jax.config import ModelConfig
 from transformer_jax.kv_cache import KVCache
+from transformer_jax.layers import is_vector_param
 from transformer_jax.model import Transformer, stack_blocks, unstack_blocks
 from transformer_jax.prompts import is_int
 
@@ -150,7 +151,8 @@ def decode_params(config: ModelConfig, params: Params) -> Params:
         params = unstack_blocks(params)
 
     def cast(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
-        is_norm = any("norm" in str(getattr(k, "key", "")) for k in path)
+        # Norm gains/shifts keep their dtype (norms compute in float32); the rest is cast.
+        is_norm = is_vector_param(str(path[-1].key)) and "norm" in str(path[-2].key)
         return x if is_norm else x.astype(config.jnp_dtype)
 
     return jax.tree_util.tree_map_with_path(cast, params)

@@ -15,6 +15,18 @@ from transformer_jax.config import ModelConfig, RopeScaling
 from transformer_jax.kv_cache import KVCache
 from transformer_jax.ops.attention import attention
 
+
+#: Names of the parameters that are not matmul weights: norm gains and shifts, projection biases
+#: (``q_bias`` ...). The weight-decay mask, the FLOPs count and the decode's dtype cast read them
+#: from here, in the unrolled and the scanned layout alike.
+def is_vector_param(name: str) -> bool:
+    """Whether a parameter of this (leaf) name is a norm gain/shift or a bias."""
+    return name in ("scale", "bias") or name.endswith("_bias")
+
+
+#: The token table's name: a lookup in the forward, a matmul only as a tied LM head.
+EMBEDDING_PARAM = "embedding"
+
 #: What a block passes to the next: the [B, T, D] residual stream and the cache (or None).
 Carry = tuple[jax.Array, KVCache | None]
 

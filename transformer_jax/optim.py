@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import optax
 
+from transformer_jax.layers import EMBEDDING_PARAM, is_vector_param
 from transformer_jax.train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -21,8 +22,6 @@ Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 
 
-# Parameter names that never get weight decay (norm gains/shifts, biases, the token table).
-_NO_DECAY_NAMES = ("scale", "bias", "embedding")
 
 
 def lr_schedule(config: TrainConfig) -> optax.Schedule:
@@ -45,7 +44,7 @@ def decay_mask(params: Params) -> Params:
     """
     def decays(path, _) -> bool:
         name = str(getattr(path[-1], "key", path[-1]))
-        return not any(name == n or name.endswith("_" + n) for n in _NO_DECAY_NAMES)
+        return not (is_vector_param(name) or name == EMBEDDING_PARAM)
 
     return jax.tree_util.tree_map_with_path(decays, params)
 

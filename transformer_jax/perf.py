@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.config import ModelConfig
+from transformer_jax.layers import EMBEDDING_PARAM, is_vector_param
 from transformer_jax.model import abstract_params
 
 logger = logging.getLogger(__name__)
@@ -60,9 +61,9 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     n = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = str(getattr(path[-1], "key", path[-1]))
-        if name == "embedding" and not config.tie_embeddings:
+        if name == EMBEDDING_PARAM and not config.tie_embeddings:
             continue
-        if name in ("scale", "bias") or name.endswith("_bias"):
+        if is_vector_param(name):
             continue
         n += int(np.prod(leaf.shape))
     attention = 12 * config.n_layers * seq_len * config.n_heads * config.head_dim
