@@ -10,6 +10,11 @@ Examples:
   python train.py
   python train.py --config shakespeare_char data.path=/path/to/tinyshakespeare.txt
   python train.py train.steps=50 train.run_dir=runs/quick model.n_layers=2
+  python train.py --config finetune train.init_from=HF_DIR data.path=sft.jsonl
+  python train.py --config finetune train.init_from=HF_DIR data.path=sft.jsonl train.lora_rank=16
+
+``train.init_from`` fine-tunes a HF checkpoint directory or another run (the model comes from
+it); a ``.jsonl`` ``data.path`` is instruction data with the loss on the completions only.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import re
 import textwrap
 import tomllib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -20,6 +21,7 @@ from transformer_jax import data as data_lib
 from transformer_jax import sharding as sharding_lib
 from transformer_jax.config import (
     CONFIGS_DIR,
+    DTYPES,
     ModelConfig,
     check_keys,
     load_toml,
@@ -27,6 +29,7 @@ from transformer_jax.config import (
     preset_names,
     resolve_config_path,
 )
+from transformer_jax.lora import LoraConfig
 from transformer_jax.tokenizer import MODEL_TYPES
 
 logger = logging.getLogger(__name__)
@@ -84,6 +87,18 @@ class TrainConfig:
         host, shared by its devices) and takes the published dense bf16 peak on GPU/TPU.
       allow_new_data: resume on another corpus (tokenized by the same tokenizer); without it a
         resume on different data is refused. A different tokenizer is always refused.
+      init_from: fine-tune: start from the weights of a HF checkpoint directory (config.json +
+        safetensors) or of another run (its directory, ``checkpoints/`` or one step). The model
+        comes from it; ``model.*`` may only change dtype, param_dtype, remat, scan_layers,
+        attention_impl, init_std and lower max_seq_len (``INIT_FREE_MODEL_KEYS``). The tokenizer
+        is the checkpoint's unless data.tokenizer is a file. The optimizer starts fresh; a run
+        directory that already has checkpoints resumes from them instead.
+      lora_rank: R > 0 trains LoRA adapters of rank R on a frozen base (params
+        ``{"base", "adapters"}``, see ``transformer_jax.lora``); 0 trains every weight.
+      lora_alpha: LoRA scale numerator (the update is ``alpha / R * A @ B``); 0 means ``2 R``.
+      lora_targets: comma-separated LoRA target matrices among q,k,v,o,gate,up,down.
+      lora_base_dtype: dtype the frozen LoRA base is stored in (e.g. ``bfloat16``); empty
+        means the model's param_dtype.
     """
 
     steps: int = 1000
@@ -115,6 +130,11 @@ class TrainConfig:
     profile_steps: str = ""
     peak_flops: float = 0.0
     allow_new_data: bool = False
+    init_from: str = ""
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: str = "q,k,v,o,gate,up,down"
+    lora_base_dtype: str = ""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "ckpt_every",
@@ -124,7 +144,7 @@ class TrainConfig:
         if self.warmup_steps == -1:
             object.__setattr__(self, "warmup_steps", auto_warmup_steps(self.total_decay_steps))
         for name in ("warmup_steps", "seed", "eval_every", "eval_batches",
-                     "sample_tokens", "loss_chunk"):
+                     "sample_tokens", "loss_chunk", "lora_rank"):
             _check_int(name, getattr(self, name), minimum=0)
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by grad_accum "
@@ -146,6 +166,12 @@ class TrainConfig:
         if not self.run_dir:
             raise ValueError("run_dir must not be empty")
         sharding_lib.MeshConfig.parse(self.mesh)  # raises ValueError naming a bad mesh
+        if not self.lora_alpha >= 0:
+            raise ValueError(f"lora_alpha must be >= 0, got {self.lora_alpha}")
+        if self.lora_base_dtype and self.lora_base_dtype not in DTYPES:
+            raise ValueError(f"lora_base_dtype must be one of {DTYPES} or empty, got "
+                             f"{self.lora_base_dtype!r}")
+        _ = self.lora_config  # raises ValueError naming a bad target
         profile = self.profile_range  # raises ValueError naming a bad range
         if profile is not None and profile[1] > self.steps:
             raise ValueError(f"profile_steps={self.profile_steps!r} ends after the last step "
@@ -168,6 +194,14 @@ class TrainConfig:
         return start, stop
 
     @property
+    def lora_config(self) -> LoraConfig | None:
+        """The ``LoraConfig`` of ``lora_rank``/``lora_alpha``/``lora_targets``; None when 0."""
+        if not self.lora_rank:
+            return None
+        return LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha or 2.0 * self.lora_rank,
+                          targets=self.lora_targets)
+
+    @property
     def total_decay_steps(self) -> int:
         return self.decay_steps or self.steps
 
@@ -186,12 +220,17 @@ class DataConfig:
 
     Attributes:
       path: comma-separated files, directories or globs of UTF-8 text; empty means the default
-        corpus, the Python standard library's sources (works offline).
+        corpus, the Python standard library's sources (works offline). One ``.jsonl`` file is
+        instruction data instead (prompt/completion or chat records, ``transformer_jax.instruct``):
+        packed rows with the loss on the completions / assistant turns only.
       tokenizer: ``"bpe"``, ``"unigram"`` or ``"char"`` to train a SentencePiece model on the
-        corpus (cached), or the path of a ``.model`` file to load.
+        corpus (cached), or the path of a ``.model`` file to load. With ``train.init_from``
+        the checkpoint's tokenizer is used unless this is a file (``.model``, ``tokenizer.json``
+        or a directory holding one).
       vocab_size: size of a trained bpe/unigram vocabulary; 0 means the model's ``vocab_size``.
         The model's ``vocab_size`` is always set to the tokenizer's.
-      val_fraction: the last this fraction of the tokens is the validation split.
+      val_fraction: the last this fraction of the tokens is the validation split (of a
+        ``.jsonl`` file: this fraction of the packed rows, chosen by a fixed permutation).
       cache_dir: where trained tokenizers and token files are cached.
       max_bytes: cap on the size of the default corpus.
     """
@@ -214,6 +253,131 @@ class DataConfig:
     @property
     def patterns(self) -> list[str]:
         return [p.strip() for p in self.path.split(",") if p.strip()]
+
+    @property
+    def is_instruct(self) -> bool:
+        """Whether ``path`` is one ``.jsonl`` instruction file."""
+        patterns = self.patterns
+        return len(patterns) == 1 and patterns[0].lower().endswith(".jsonl")
+
+
+#: Model keys a run with ``train.init_from`` may set: they change neither the shapes of the
+#: checkpoint's weights nor the function they compute (``max_seq_len`` only downwards).
+INIT_FREE_MODEL_KEYS = ("dtype", "param_dtype", "remat", "scan_layers", "attention_impl",
+                        "max_seq_len", "init_std")
+
+#: The kinds of ``InitSource``.
+HF_SOURCE, RUN_SOURCE = "hf", "run"
+
+
+@dataclasses.dataclass(frozen=True)
+class InitSource:
+    """The checkpoint of ``train.init_from``, as found on disk (no weight read yet).
+
+    Attributes:
+      path: the directory given.
+      kind: ``"hf"`` (config.json + safetensors) or ``"run"`` (a training run's orbax
+        checkpoints).
+      model: its model, exactly (``param_dtype``/``dtype`` float32 for a HF checkpoint).
+      checkpoints: the run's ``checkpoints`` directory (kind ``"run"`` only).
+      step: the run's step to read; None for the newest intact one.
+      meta: the run checkpoint's meta (kind ``"run"`` only).
+    """
+
+    path: Path
+    kind: str
+    model: ModelConfig
+    checkpoints: Path | None = None
+    step: int | None = None
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def read_init_source(path: str) -> InitSource:
+    """Finds and checks the checkpoint of ``train.init_from=PATH`` without reading weights.
+
+    Args:
+      path: a HF checkpoint directory, a run directory, its ``checkpoints/`` or one step's
+        directory.
+
+    Returns:
+      The ``InitSource``.
+
+    Raises:
+      FileNotFoundError: no such directory, or one without weights.
+      ValueError: a HF config this library cannot represent exactly (the setting named), or a
+        run checkpoint without its model config.
+    """
+    from transformer_jax import hf
+    from transformer_jax.checkpoint import CheckpointManager
+    from transformer_jax.files import read_json
+
+    where = f"train.init_from={path}"
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(f"{where}: no such directory")
+    step = None
+    if (root / "checkpoints").is_dir():
+        checkpoints = root / "checkpoints"
+    elif root.name.isdigit() and not (root / hf.CONFIG_FILE).is_file():
+        checkpoints, step = root.parent, int(root.name)  # one step of a run
+    elif (root / hf.CONFIG_FILE).is_file():
+        hf_config = read_json(root / hf.CONFIG_FILE, "config")
+        if not isinstance(hf_config, dict):
+            raise ValueError(f"{where}: {root / hf.CONFIG_FILE} is not a JSON object")
+        if not any(root.glob("*.safetensors")):
+            raise FileNotFoundError(f"{where}: {root} has a config.json but no weights "
+                                    "(model.safetensors or model-*.safetensors)")
+        try:
+            model = hf.config_from_hf(hf_config)
+        except ValueError as e:
+            raise ValueError(f"{where}: the checkpoint cannot be represented exactly: {e}"
+                             ) from None
+        return InitSource(root, HF_SOURCE, model)
+    elif any(p.name.isdigit() for p in root.iterdir()):
+        checkpoints = root
+    else:
+        raise FileNotFoundError(f"{where}: {root} holds neither a HF checkpoint (config.json + "
+                                "safetensors) nor a training run's checkpoints")
+    try:
+        meta = CheckpointManager(checkpoints, keep=1 << 30, async_save=False).read_meta(step)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{where}: no checkpoint (weights) in {checkpoints}") from None
+    if not isinstance(meta.get("model"), dict):
+        raise ValueError(f"{where}: the checkpoint in {checkpoints} has no meta['model']; was it "
+                         "saved by transformer_jax training?")
+    return InitSource(root, RUN_SOURCE, ModelConfig.from_dict(meta["model"]), checkpoints,
+                      step, meta)
+
+
+def architecture_changes(source: ModelConfig, model: ModelConfig) -> list[str]:
+    """``model.KEY=...`` descriptions of what ``model`` changes in the checkpoint's ``source``
+    beyond ``INIT_FREE_MODEL_KEYS`` (and a ``max_seq_len`` above the checkpoint's)."""
+    changes = [f"model.{f.name}={getattr(model, f.name)!r} (the checkpoint has "
+               f"{getattr(source, f.name)!r})"
+               for f in dataclasses.fields(ModelConfig)
+               if f.name not in INIT_FREE_MODEL_KEYS
+               and getattr(model, f.name) != getattr(source, f.name)]
+    if model.max_seq_len > source.max_seq_len:
+        changes.append(f"model.max_seq_len={model.max_seq_len} (above the checkpoint's "
+                       f"{source.max_seq_len})")
+    return changes
+
+
+def init_model_config(source: InitSource, values: dict[str, Any]) -> ModelConfig:
+    """The model of a run with ``train.init_from``: the checkpoint's, with ``values`` (the
+    ``[model]`` table and ``model.*`` overrides) applied to ``INIT_FREE_MODEL_KEYS``.
+
+    Raises:
+      ValueError: naming each key whose value would change the architecture.
+    """
+    model = ModelConfig.from_dict({**source.model.to_dict(), **values})
+    changes = architecture_changes(source.model, model)
+    if changes:
+        raise ValueError(
+            f"train.init_from={source.path}: {'; '.join(changes)} would change the checkpoint's "
+            f"architecture; with init_from only {', '.join(INIT_FREE_MODEL_KEYS)} (max_seq_len "
+            "not above the checkpoint's) may be set")
+    return model
 
 
 def config_from_dict(cls: type, values: dict[str, Any], section: str) -> Any:
@@ -244,8 +408,13 @@ def build_configs(config: str, overrides: Sequence[str] = ()
 
     Raises:
       ConfigError: for an unknown table, section or key (listing close matches), a malformed
-        override or a value of the wrong type.
-      FileNotFoundError: if the config does not exist.
+        override, a value of the wrong type, or a model key that would change the architecture
+        of ``train.init_from``'s checkpoint.
+      FileNotFoundError: if the config, or ``train.init_from``'s checkpoint or its weights, do
+        not exist.
+
+    With ``train.init_from`` the model is the checkpoint's (``init_model_config``): the
+    ``[model]`` table and ``model.*`` overrides may only set ``INIT_FREE_MODEL_KEYS``.
 
     A preset's ``warmup_steps`` that does not fit a run shortened by an override (``tiny`` warms
     up for 50 steps; ``train.steps=50`` leaves no decay) is replaced by the automatic warmup
@@ -273,9 +442,12 @@ def build_configs(config: str, overrides: Sequence[str] = ()
             raise ConfigError(f"override {item!r}: {e}") from None
     _fit_preset_warmup(config, preset_train, values["train"])
     try:
-        model = ModelConfig.from_dict(values["model"])
         train = config_from_dict(TrainConfig, values["train"], "train")
         data = config_from_dict(DataConfig, values["data"], "data")
+        if train.init_from:
+            model = init_model_config(read_init_source(train.init_from), values["model"])
+        else:
+            model = ModelConfig.from_dict(values["model"])
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config {config!r}: {e}") from None
     return model, train, data

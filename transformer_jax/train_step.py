@@ -3,10 +3,16 @@ batch) -> (state, metrics)`` (gradient accumulation over micro-batches with ``la
 ``eval_step(params, batch) -> sums``, each to be jitted once with the caller's shardings.
 
 Parameters (and so Adam's moments) stay float32; ``ModelConfig.dtype="bfloat16"`` only changes
-the compute."""
+the compute.
+
+With ``train.lora_rank > 0`` the state's params are ``{"base": frozen, "adapters": trained}``
+(``ParamsLayout``): the loss runs the model on ``lora.model_params`` of them, the gradient and
+the optimizer (and so its moments) cover the adapters only. The step functions are the same
+for both; the layout's three maps are the only difference."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from transformer_jax import lora
 from transformer_jax.config import ModelConfig
 from transformer_jax.loss import cross_entropy_sums
 from transformer_jax.model import Transformer
@@ -48,18 +55,71 @@ class TrainState:
     rng: jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class ParamsLayout:
+    """How a train state's params relate to the model's, and which of them are trained.
+
+    Full training (``lora_config=None``): the state's params are the model's and all trained.
+    LoRA: they are ``{"base": base params, "adapters": adapter tree}`` (``transformer_jax.lora``);
+    the model runs on ``lora.model_params`` of them and only the adapters are trained.
+
+    Attributes:
+      lora_config: rank, alpha and targets; None for full training.
+      base_dtype: dtype the frozen base is stored in; None keeps the param dtype.
+    """
+
+    lora_config: lora.LoraConfig | None = None
+    base_dtype: str | None = None
+
+    @classmethod
+    def of(cls, train_config: TrainConfig) -> ParamsLayout:
+        """The layout of ``train.lora_rank`` / ``lora_base_dtype``."""
+        return cls(train_config.lora_config, train_config.lora_base_dtype or None)
+
+    def model_params(self, params: Params) -> Params:
+        """The params to run the model with (LoRA: ``W + alpha/R A B``, base without gradient)."""
+        return params if self.lora_config is None else lora.model_params(params, self.lora_config)
+
+    def trainable(self, params: Params) -> Params:
+        """The trained part of the state's params (differentiated, and the optimizer's)."""
+        return params if self.lora_config is None else params[lora.ADAPTERS]
+
+    def with_trainable(self, params: Params, trainable: Params) -> Params:
+        """The state's params with their trained part replaced."""
+        return trainable if self.lora_config is None else {**params, lora.ADAPTERS: trainable}
+
+    def from_model_params(self, model_config: ModelConfig, params: Params,
+                          key: jax.Array) -> Params:
+        """The state's params for model params (LoRA: the base, cast, and fresh adapters)."""
+        if self.lora_config is None:
+            return params
+        base = params if self.base_dtype is None else lora.freeze_base(params, self.base_dtype)
+        return {lora.BASE: base,
+                lora.ADAPTERS: lora.init_adapters(model_config, self.lora_config, params, key)}
+
+
 def make_init_fn(model_config: ModelConfig, train_config: TrainConfig
-                 ) -> Callable[[jax.Array], TrainState]:
-    """A pure ``init(key) -> TrainState``; jit it (with ``out_shardings`` to shard)."""
+                 ) -> Callable[..., TrainState]:
+    """A pure ``init(key, params=None) -> TrainState``; jit it (with ``out_shardings`` to shard).
+
+    ``params`` are the model's starting weights (fine-tuning, e.g. from ``hf.load``); None
+    initialises them at random. Either way the optimizer state is fresh and, with LoRA, the
+    adapters are initialised from ``key`` (B = 0: the model starts as ``params``).
+    """
     model = Transformer(model_config)
     tx = make_optimizer(train_config)
+    layout = ParamsLayout.of(train_config)
 
-    def init(key: jax.Array) -> TrainState:
+    def init(key: jax.Array, params: Params | None = None) -> TrainState:
         param_key, rng_key = jax.random.split(key)
-        dummy = jnp.zeros((1, min(8, model_config.max_seq_len)), jnp.int32)
-        params = flax.core.meta.unbox(model.init(param_key, dummy)["params"])
+        if params is None:
+            dummy = jnp.zeros((1, min(8, model_config.max_seq_len)), jnp.int32)
+            params = flax.core.meta.unbox(model.init(param_key, dummy)["params"])
+        params = layout.from_model_params(model_config, params,
+                                          jax.random.fold_in(param_key, 1))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=tx.init(params), rng=jax.random.key_data(rng_key))
+                          opt_state=tx.init(layout.trainable(params)),
+                          rng=jax.random.key_data(rng_key))
 
     return init
 
@@ -81,12 +141,18 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig
     tx = make_optimizer(train_config)
     schedule = lr_schedule(train_config)
     accum = train_config.grad_accum
-    grad_fn = jax.grad(make_loss_fn(model_config, train_config), has_aux=True)
+    layout = ParamsLayout.of(train_config)
+    loss_sums = make_loss_fn(model_config, train_config)
+    # Differentiated with respect to the trained part only (LoRA: gradients adapter-sized).
+    grad_fn = jax.grad(
+        lambda trainable, params, batch, rng: loss_sums(
+            layout.with_trainable(params, trainable), batch, rng), has_aux=True)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        trainable = layout.trainable(state.params)
         if accum == 1:
-            grads, (ce, z, count) = grad_fn(state.params, batch, rng)
+            grads, (ce, z, count) = grad_fn(trainable, state.params, batch, rng)
         else:
             micro = jax.tree.map(
                 lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1),
@@ -94,17 +160,17 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig
 
             def accumulate(carry, xs):
                 index, mb = xs
-                g, aux = grad_fn(state.params, mb, jax.random.fold_in(rng, index))
+                g, aux = grad_fn(trainable, state.params, mb, jax.random.fold_in(rng, index))
                 return jax.tree.map(jnp.add, carry, (g, aux)), None
 
-            zeros = (jax.tree.map(jnp.zeros_like, state.params),
+            zeros = (jax.tree.map(jnp.zeros_like, trainable),
                      (jnp.zeros((), jnp.float32),) * 3)
             (grads, (ce, z, count)), _ = jax.lax.scan(
                 accumulate, zeros, (jnp.arange(accum), micro))
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = tx.update(grads, state.opt_state, trainable)
+        params = layout.with_trainable(state.params, optax.apply_updates(trainable, updates))
         metrics = {"loss": ce / denom, "z_loss": z / denom, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step), "tokens": count}
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
@@ -117,18 +183,24 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
                  ) -> Callable[[Params, Batch, jax.Array], tuple[jax.Array, tuple]]:
     """The training objective ``loss_sums(params, batch, rng) -> (ce + z, (ce, z, count))``.
 
-    Sums over the batch's target tokens (``loss.cross_entropy_sums``), to be divided once per
-    step. With ``train_config.loss_chunk = C > 0`` the model returns its final hidden states
-    and the LM head and cross-entropy run over chunks of C tokens (``ops.lm_loss``): the same
-    values and gradients without ever holding the [B, T, V] float32 logits. Packed batches pass
+    ``params`` are the train state's (``ParamsLayout``: LoRA's ``{"base", "adapters"}`` run the
+    model on the adapted weights). ``batch["mask"]`` [B, T] weights each target (0 = no loss,
+    e.g. a prompt token), so ``count`` is the number of weighted targets. Sums over the batch's
+    target tokens (``loss.cross_entropy_sums``), to be divided once per step.
+
+    With ``train_config.loss_chunk = C > 0`` the model returns its final hidden states and the
+    LM head and cross-entropy run over chunks of C tokens (``ops.lm_loss``): the same values and
+    gradients without ever holding the [B, T, V] float32 logits. Packed batches pass
     ``segment_ids`` (attention stays within a segment) and ``positions`` (restarting per
     segment) to the model.
     """
     model = Transformer(model_config)
     z_weight, chunk = train_config.z_loss, train_config.loss_chunk
     tied = model_config.tie_embeddings
+    layout = ParamsLayout.of(train_config)
 
     def loss_sums(params: Params, batch: Batch, rng: jax.Array):
+        params = layout.model_params(params)
         kw = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
                   rngs={"dropout": rng})
         if not chunk:
@@ -146,12 +218,21 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
     return loss_sums
 
 
-def make_eval_step(model_config: ModelConfig) -> Callable[[Params, Batch], Metrics]:
-    """A pure ``eval_step(params, batch) -> {"loss_sum", "tokens"}`` (sums, to be pooled)."""
+def make_eval_step(model_config: ModelConfig, train_config: TrainConfig | None = None
+                   ) -> Callable[[Params, Batch], Metrics]:
+    """A pure ``eval_step(params, batch) -> {"loss_sum", "tokens"}`` (sums, to be pooled).
+
+    ``params`` are the train state's (see ``ParamsLayout``; full training without
+    ``train_config``); the batch's optional ``mask``, ``segment_ids`` and ``positions`` [B, T]
+    are used as in training.
+    """
     model = Transformer(model_config)
+    layout = ParamsLayout() if train_config is None else ParamsLayout.of(train_config)
 
     def eval_step(params: Params, batch: Batch) -> Metrics:
-        logits = model.apply({"params": params}, batch["inputs"])
+        logits = model.apply({"params": layout.model_params(params)}, batch["inputs"],
+                             positions=batch.get("positions"),
+                             segment_ids=batch.get("segment_ids"))
         ce, _, count = cross_entropy_sums(logits, batch["targets"], batch.get("mask"))
         return {"loss_sum": ce, "tokens": count}
 

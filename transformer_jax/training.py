@@ -34,10 +34,11 @@ import jax
 import numpy as np
 
 from transformer_jax import data as data_lib
-from transformer_jax import distributed
+from transformer_jax import distributed, lora
 from transformer_jax import sharding as sharding_lib
 from transformer_jax.checkpoint import CheckpointManager, ensure_writable_dir
 from transformer_jax.config import ModelConfig
+from transformer_jax.instruct import PackedBatches, PackedData, load_instruction_data
 from transformer_jax.perf import flops_per_token
 from transformer_jax.run_log import (
     NonFiniteLossError,
@@ -46,9 +47,22 @@ from transformer_jax.run_log import (
     mesh_peak_flops,
     progress_bar,
 )
-from transformer_jax.tokenizer import DEFAULT_MODEL_FILENAME, MODEL_TYPES, Tokenizer
-from transformer_jax.train_config import DataConfig, TrainConfig
-from transformer_jax.train_step import TrainState, make_eval_step, make_init_fn, make_train_step
+from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, Tokenizer, load_tokenizer
+from transformer_jax.train_config import (
+    HF_SOURCE,
+    DataConfig,
+    InitSource,
+    TrainConfig,
+    architecture_changes,
+    read_init_source,
+)
+from transformer_jax.train_step import (
+    ParamsLayout,
+    TrainState,
+    make_eval_step,
+    make_init_fn,
+    make_train_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +71,17 @@ Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 
 
-def prepare_data(data_config: DataConfig, vocab_size: int
-                 ) -> tuple[Tokenizer, np.ndarray, np.ndarray]:
+def prepare_data(data_config: DataConfig, vocab_size: int,
+                 tokenizer: TextTokenizer | None = None
+                 ) -> tuple[TextTokenizer, np.ndarray, np.ndarray]:
     """Loads or trains the tokenizer and tokenizes the corpus (both cached), then splits it.
 
     Args:
       data_config: the corpus and tokenizer settings.
       vocab_size: vocabulary size to train a bpe/unigram tokenizer with if the data config
         does not give one.
+      tokenizer: the tokenizer to use (a fine-tuned checkpoint's); None loads or trains the
+        one of ``data_config``.
 
     Returns:
       ``(tokenizer, train_tokens [N_train], val_tokens [N_val])``.
@@ -80,7 +97,9 @@ def prepare_data(data_config: DataConfig, vocab_size: int
     else:
         files = data_lib.default_corpus(dc.max_bytes)
     ensure_writable_dir(cache_dir, "data cache directory")
-    if dc.tokenizer in MODEL_TYPES:
+    if tokenizer is not None:
+        pass
+    elif dc.tokenizer in MODEL_TYPES:
         tokenizer = Tokenizer.train_or_load(files, cache_dir, dc.vocab_size or vocab_size,
                                             dc.tokenizer)
     else:
@@ -90,6 +109,136 @@ def prepare_data(data_config: DataConfig, vocab_size: int
     logger.info("data: %d files, %d train / %d val tokens, tokenizer %s", len(files),
                 len(train_tokens), len(val_tokens), tokenizer)
     return tokenizer, train_tokens, val_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class RunData:
+    """A run's train and validation data: token streams (text) or packed rows (``.jsonl``).
+
+    Both give batches that are a pure function of (seed, step), so a resumed run sees the
+    batches an uninterrupted one would have. Packed batches carry ``mask`` (the loss on the
+    completion / assistant tokens only), ``segment_ids`` and ``positions``.
+
+    Attributes:
+      train_tokens: [N_train] token ids (text), or None.
+      val_tokens: [N_val] token ids (text), or None.
+      train_rows: packed train rows (instruction data), or None.
+      val_rows: packed validation rows, or None.
+    """
+
+    train_tokens: np.ndarray | None = None
+    val_tokens: np.ndarray | None = None
+    train_rows: PackedData | None = None
+    val_rows: PackedData | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.train_rows is not None
+
+    @property
+    def num_train_tokens(self) -> int:
+        """Train size in tokens (packed: rows x (T + 1))."""
+        return len(self.train_tokens) if not self.packed else self.train_rows.tokens.size
+
+    @property
+    def num_val_tokens(self) -> int:
+        """Validation size in tokens; packed rows count as ``R x T + 1`` (R windows)."""
+        if not self.packed:
+            return len(self.val_tokens)
+        rows = self.val_rows.num_rows if self.val_rows is not None else 0
+        return rows * self.train_rows.seq_len + 1 if rows else 0
+
+    def fingerprint(self) -> str:
+        """``data_fingerprint`` of the token ids (and, packed, of the loss masks)."""
+        if not self.packed:
+            return data_fingerprint(self.train_tokens, self.val_tokens)
+        arrays = [self.train_rows.tokens, self.train_rows.loss_tokens]
+        if self.val_rows is not None:
+            arrays += [self.val_rows.tokens, self.val_rows.loss_tokens]
+        return data_fingerprint(*arrays)
+
+    def batch(self, tc: TrainConfig, step: int, process_index: int = 0, process_count: int = 1
+              ) -> dict[str, np.ndarray]:
+        """This process's rows of the global batch of ``step``: each key [B / P, T]."""
+        if not self.packed:
+            return data_lib.get_batch(self.train_tokens, tc.seed, step, tc.batch_size,
+                                      tc.seq_len, process_index=process_index,
+                                      process_count=process_count)
+        rows = PackedBatches(self.train_rows, tc.batch_size, tc.seed, process_index,
+                             process_count).get(step)
+        return _with_mask(rows)
+
+    def eval_batches(self, batch_size: int, seq_len: int, max_batches: int | None = None, *,
+                     process_index: int = 0, process_count: int = 1
+                     ) -> Iterator[dict[str, np.ndarray]]:
+        """Deterministic validation batches (see ``data.eval_batches``); packed rows are taken
+        in order, a last incomplete batch filled with rows of zero mask."""
+        if not self.packed:
+            return data_lib.eval_batches(self.val_tokens, batch_size, seq_len, max_batches,
+                                         process_index=process_index,
+                                         process_count=process_count)
+        return _packed_eval_batches(self.val_rows, batch_size, max_batches, process_index,
+                                    process_count)
+
+
+def split_rows(rows: PackedData, val_fraction: float) -> tuple[PackedData, PackedData | None]:
+    """Holds out ``round(val_fraction * R)`` packed rows (at least one when the fraction is
+    positive and R > 1) chosen by a fixed permutation, so the split is the same on every run.
+
+    Returns:
+      ``(train rows, validation rows or None)``, each keeping the rows' original order.
+    """
+    count = rows.num_rows
+    n_val = min(count - 1, max(1, round(val_fraction * count))) if val_fraction > 0 else 0
+    if n_val <= 0:
+        return rows, None
+    order = np.random.default_rng(0).permutation(count)
+    return _rows(rows, np.sort(order[n_val:])), _rows(rows, np.sort(order[:n_val]))
+
+
+def prepare_instruction_data(data_config: DataConfig, tokenizer: TextTokenizer, seq_len: int
+                             ) -> RunData:
+    """Reads, tokenizes and packs ``data.path`` (one ``.jsonl`` file) and splits its rows."""
+    packed = load_instruction_data(Path(data_config.patterns[0]).expanduser(), tokenizer,
+                                   seq_len)
+    train, val = split_rows(packed, data_config.val_fraction)
+    logger.info("instruction data: %d examples (%d truncated) in %d packed rows of %d tokens: "
+                "%d train / %d val rows; %.1f%% of the target tokens carry the loss",
+                packed.num_examples, packed.num_truncated, packed.num_rows, seq_len + 1,
+                train.num_rows, 0 if val is None else val.num_rows,
+                100 * packed.loss_tokens.mean())
+    return RunData(train_rows=train, val_rows=val)
+
+
+def _rows(rows: PackedData, index: np.ndarray) -> PackedData:
+    segment_ids = rows.segment_ids[index]
+    return PackedData(rows.tokens[index], segment_ids, rows.positions[index],
+                      rows.loss_tokens[index], num_examples=int(segment_ids.max(axis=1).sum()))
+
+
+def _with_mask(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``instruct``'s ``loss_mask`` as the train/eval step's ``mask``."""
+    batch = dict(batch)
+    batch["mask"] = batch.pop("loss_mask")
+    return batch
+
+
+def _packed_eval_batches(rows: PackedData, batch_size: int, max_batches: int | None,
+                         process_index: int, process_count: int
+                         ) -> Iterator[dict[str, np.ndarray]]:
+    from transformer_jax.instruct import rows_to_batch
+
+    local = batch_size // process_count
+    num_batches = -(-rows.num_rows // batch_size)
+    if max_batches:
+        num_batches = min(num_batches, max_batches)
+    for i in range(num_batches):
+        index = np.arange(i * batch_size, (i + 1) * batch_size)
+        real = index < rows.num_rows
+        batch = _with_mask(rows_to_batch(rows, np.where(real, index, 0)))
+        batch["mask"] = batch["mask"] * real[:, None]
+        mine = slice(process_index * local, (process_index + 1) * local)
+        yield {k: v[mine] for k, v in batch.items()}
 
 
 def check_run(model_config: ModelConfig, train_config: TrainConfig, num_train_tokens: int,
@@ -107,6 +256,10 @@ def check_run(model_config: ModelConfig, train_config: TrainConfig, num_train_to
     if num_train_tokens <= tc.seq_len:
         raise ValueError(f"the train split has {num_train_tokens} tokens, not more than "
                          f"train.seq_len={tc.seq_len}; use more data or a shorter seq_len")
+    _check_dtype(model_config)
+
+
+def _check_dtype(model_config: ModelConfig) -> None:
     if model_config.param_dtype != "float32":
         logger.warning("param_dtype=%s: training keeps its master weights in this dtype",
                        model_config.param_dtype)
@@ -207,58 +360,175 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh))
     num_batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
     check_config(model_config, tc, num_devices=num_batch_devices)
+    source = read_init_source(tc.init_from) if tc.init_from else None
+    if source is not None:
+        changes = architecture_changes(source.model, model_config)
+        if changes:
+            raise ValueError(f"train.init_from={tc.init_from}: the model differs from the "
+                             f"checkpoint's: {'; '.join(changes)}")
     main_process = distributed.is_main_process()
 
-    # 2. Data: tokenizer, token file, splits.
-    tokenizer, train_tokens, val_tokens = prepare_data(data_config, model_config.vocab_size)
-    if tokenizer.vocab_size != model_config.vocab_size:
+    # 2. Data: tokenizer, token file or packed instruction rows, splits. A fine-tuned model keeps
+    # its vocabulary; a model trained from scratch takes the tokenizer's.
+    tokenizer = _given_tokenizer(data_config, source)
+    if source is not None and tokenizer.vocab_size > model_config.vocab_size:
+        raise ValueError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more "
+                         f"than the vocab_size={model_config.vocab_size} of train.init_from="
+                         f"{tc.init_from}: its ids would index past the embedding; use the "
+                         "checkpoint's own tokenizer")
+    if data_config.is_instruct:
+        if tokenizer is None:
+            raise ValueError(f"instruction data ({data_config.path}) needs the model's "
+                             "tokenizer: pass train.init_from=CHECKPOINT or data.tokenizer=FILE")
+        data = prepare_instruction_data(data_config, tokenizer, tc.seq_len)
+    else:
+        tokenizer, train_tokens, val_tokens = prepare_data(
+            data_config, model_config.vocab_size, tokenizer)
+        data = RunData(train_tokens=train_tokens, val_tokens=val_tokens)
+    if source is None and tokenizer.vocab_size != model_config.vocab_size:
         logger.info("model vocab_size %d -> %d (the tokenizer's)", model_config.vocab_size,
                     tokenizer.vocab_size)
         model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
     batch_sharding = sharding_lib.batch_sharding(mesh)
-    check_run(model_config, tc, len(train_tokens), num_devices=num_batch_devices)
-    eval_batch_size, eval_max_batches = _eval_batching(tc, len(val_tokens))
+    if data.packed:
+        _check_dtype(model_config)
+    else:
+        check_run(model_config, tc, data.num_train_tokens, num_devices=num_batch_devices)
+    eval_batch_size, eval_max_batches = _eval_batching(tc, data.num_val_tokens)
     eval_kw = dict(batch_size=eval_batch_size, seq_len=tc.seq_len, max_batches=eval_max_batches)
-    if len(val_tokens):
-        data_lib.eval_batches(val_tokens, **eval_kw)  # raises now if val cannot fill a batch
+    if data.num_val_tokens:
+        data.eval_batches(**eval_kw)  # raises now if val cannot fill a batch
+    layout = ParamsLayout.of(tc)
     configs = {"model": dataclasses.asdict(model_config), "train": dataclasses.asdict(tc),
                "data": dataclasses.asdict(data_config), "tokenizer": str(tokenizer.path),
                "tokenizer_dir": TOKENIZER_DIR, "tokenizer_fingerprint": tokenizer.fingerprint,
-               "data_fingerprint": data_fingerprint(train_tokens, val_tokens)}
+               "data_fingerprint": data.fingerprint()}
+    if layout.lora_config is not None:
+        configs["lora"] = layout.lora_config.to_dict()  # how hf_export merges the adapters
 
     with CheckpointManager(run_dir / "checkpoints", keep=tc.keep_ckpts) as ckpt:
         # 3. State: restore the newest intact checkpoint after comparing its saved configs with
         # these, or initialise directly sharded over the mesh (parameters and optimizer state
-        # by the logical-axis rules; batches over data x fsdp).
+        # by the logical-axis rules; batches over data x fsdp), from init_from's weights if
+        # given (read shard by shard onto the mesh; the optimizer state starts fresh).
         key = jax.random.key(tc.seed)
         init = make_init_fn(model_config, tc)
+        abstract_state = jax.eval_shape(init, key)
         state_shardings = sharding_lib.state_shardings(
-            jax.eval_shape(init, key), sharding_lib.param_shardings(model_config, mesh))
-        init_fn = sharding_lib.shard_init(init, state_shardings)
+            abstract_state, _params_shardings(model_config, mesh, abstract_state.params, layout))
         if ckpt.all_steps():
             check_resume(ckpt.read_meta(), configs, ckpt.directory)
-            abstract = sharding_lib.with_shardings(jax.eval_shape(init, key), state_shardings)
+            abstract = sharding_lib.with_shardings(abstract_state, state_shardings)
             state, _ = ckpt.restore(abstract, quarantine=main_process)
             logger.info("resumed from %s (step %d)", ckpt.step_path(int(state.step)),
                         int(state.step))
+        elif source is not None:
+            params = load_init_params(source, model_config, mesh)
+            # Full fine-tuning hands the loaded buffers over to the state (no second copy).
+            donate = (1,) if layout.lora_config is None else ()
+            state = jax.jit(init, out_shardings=state_shardings, donate_argnums=donate)(
+                key, params)
+            del params
+            logger.info("initialised from %s (%s)%s", source.path, source.kind,
+                        "" if layout.lora_config is None else
+                        f"; LoRA rank {layout.lora_config.rank}, "
+                        f"{lora.adapter_count(state.params[lora.ADAPTERS]):,} trained params")
         else:
-            state = init_fn(key)
+            state = sharding_lib.shard_init(init, state_shardings)(key)
         start_step = int(state.step)
         if main_process:
             _save_tokenizer(tokenizer, run_dir / TOKENIZER_DIR)
             (run_dir / "config.json").write_text(json.dumps(configs, indent=2))
         return _train(model_config, tc, data_config, mesh=mesh, run_dir=run_dir, ckpt=ckpt,
                       state=state, state_shardings=state_shardings, start_step=start_step,
-                      batch_sharding=batch_sharding, train_tokens=train_tokens,
-                      val_tokens=val_tokens, eval_kw=eval_kw, tokenizer=tokenizer,
-                      configs=configs, progress=progress and main_process,
+                      batch_sharding=batch_sharding, data=data, eval_kw=eval_kw,
+                      tokenizer=tokenizer, configs=configs, progress=progress and main_process,
                       main_process=main_process, times=times, wall_start=wall_start)
+
+
+def load_init_params(source: InitSource, model_config: ModelConfig, mesh: Any) -> Params:
+    """The model params of ``train.init_from``, created sharded over ``mesh``.
+
+    A HF checkpoint is read shard by shard straight onto the mesh (``hf.load``); a run's plain
+    params are restored sharded by orbax. A LoRA run's params are merged on the host first
+    (``hf_export.load_run``), as is a run saved in the other layer layout (scanned/unrolled).
+
+    Args:
+      source: from ``read_init_source``.
+      model_config: the run's model (its ``param_dtype`` and ``scan_layers`` are used).
+      mesh: the run's mesh.
+
+    Returns:
+      Params of ``model_config`` in its ``param_dtype``, each leaf a sharded ``jax.Array``.
+    """
+    import jax.numpy as jnp
+
+    from transformer_jax.model import abstract_params, stack_blocks, unstack_blocks
+
+    shardings = sharding_lib.param_shardings(model_config, mesh)
+    if source.kind == HF_SOURCE:
+        from transformer_jax import hf
+
+        _, params = hf.load(source.path, mesh=mesh, scan_layers=model_config.scan_layers,
+                            dtype=model_config.param_dtype)
+        return params
+    saved = source.model
+    if not source.meta.get("lora") and saved.scan_layers == model_config.scan_layers:
+        abstract = sharding_lib.with_shardings(
+            abstract_params(saved), sharding_lib.param_shardings(saved, mesh))
+        params, _ = CheckpointManager(source.checkpoints, keep=1 << 30, async_save=False
+                                      ).restore_params(abstract, source.step)
+    else:
+        from transformer_jax.hf_export import load_run
+
+        _, params, _, _ = load_run(source.checkpoints, source.step)
+        if saved.scan_layers and not model_config.scan_layers:
+            params = unstack_blocks(params)
+        elif model_config.scan_layers and not saved.scan_layers:
+            params = stack_blocks(params, saved.n_layers)
+        params = jax.device_put(params, shardings)
+    dtype = jnp.dtype(model_config.param_dtype)
+    return jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), params)
+
+
+def _given_tokenizer(data_config: DataConfig, source: InitSource | None
+                     ) -> TextTokenizer | None:
+    """The tokenizer of a fine-tuning run or of instruction data: ``data.tokenizer`` when it is
+    a file (or a directory holding one), else the ``init_from`` checkpoint's; None otherwise
+    (a text run loads or trains its own in ``prepare_data``)."""
+    if data_config.tokenizer not in MODEL_TYPES and (source is not None
+                                                     or data_config.is_instruct):
+        return load_tokenizer(Path(data_config.tokenizer).expanduser())
+    if source is None:
+        return None
+    if source.kind == HF_SOURCE:
+        return load_tokenizer(source.path)
+    from transformer_jax.hf_export import find_tokenizer
+
+    found = find_tokenizer(source.checkpoints.parent, source.meta)
+    if found is None:
+        raise FileNotFoundError(f"train.init_from={source.path}: the run has no tokenizer "
+                                "(tokenizer/ in its directory); pass data.tokenizer=FILE")
+    return load_tokenizer(found)
+
+
+def _params_shardings(model_config: ModelConfig, mesh: Any, abstract_params: Params,
+                      layout: ParamsLayout) -> Any:
+    """Shardings by parameter path for ``sharding.state_shardings``: the model's, and with LoRA
+    the base's and the adapters' (which split like their matrices). The adapters are listed
+    under both ``adapters/...`` (the state's params) and their own paths (the optimizer's
+    moments, which mirror the adapter tree)."""
+    model_shardings = sharding_lib.param_shardings(model_config, mesh)
+    if layout.lora_config is None:
+        return model_shardings
+    adapters = lora.adapter_shardings(abstract_params[lora.ADAPTERS], model_shardings)
+    return {**adapters, lora.BASE: model_shardings, lora.ADAPTERS: adapters}
 
 
 def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, *, mesh: Any,
            run_dir: Path, ckpt: CheckpointManager, state: TrainState, state_shardings: Any,
-           start_step: int, batch_sharding: Any, train_tokens: np.ndarray,
-           val_tokens: np.ndarray, eval_kw: dict[str, Any], tokenizer: Tokenizer,
+           start_step: int, batch_sharding: Any, data: RunData, eval_kw: dict[str, Any],
+           tokenizer: TextTokenizer,
            configs: dict[str, Any], progress: bool, main_process: bool,
            times: dict[str, float], wall_start: float) -> RunSummary:
     """Steps 4-6 of ``run``: compile, loop, summary."""
@@ -267,8 +537,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
     part, parts = distributed.process_batch_shard(batch_sharding, tc.batch_size)
 
     def get_batch(step: int) -> Batch:
-        rows = data_lib.get_batch(train_tokens, tc.seed, step, tc.batch_size, tc.seq_len,
-                                  process_index=part, process_count=parts)
+        rows = data.batch(tc, step, process_index=part, process_count=parts)
         return distributed.global_batch(rows, batch_sharding, tc.batch_size)
 
     batch = get_batch(start_step)
@@ -277,7 +546,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
     train_step = train_step.lower(state, batch).compile()
     compile_time = time.perf_counter() - compile_start
     eval_step = sharding_lib.jit_sharded(
-        make_eval_step(model_config), mesh, (state_shardings.params, batch_sharding),
+        make_eval_step(model_config, tc), mesh, (state_shardings.params, batch_sharding),
         sharding_lib.replicated(mesh))
     eval_part, eval_parts = distributed.process_batch_shard(batch_sharding,
                                                             eval_kw["batch_size"])
@@ -328,7 +597,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
                     log.flush()  # checks every pending loss before anything is saved
                     log.stop_timer()
                     if evaluate_now:
-                        last_val = _evaluate_and_sample(state, step, eval_step, val_tokens,
+                        last_val = _evaluate_and_sample(state, step, eval_step, data,
                                                         eval_kw, tokenizer, model_config, tc,
                                                         log, times)
                         if main_process:
@@ -410,12 +679,14 @@ def data_fingerprint(*token_arrays: np.ndarray) -> str:
 _FREE_MODEL_KEYS = ("attention_impl", "remat")
 # Train keys whose change alters the optimizer state's structure (clipping adds a stage to the
 # optax chain), compared as the structure they give: such a checkpoint cannot be restored.
-_STATE_TRAIN_KEYS: dict[str, Callable[[Any], Any]] = {"grad_clip": lambda v: bool(v)}
+_STATE_TRAIN_KEYS: dict[str, Callable[[Any], Any]] = {
+    "grad_clip": lambda v: bool(v), "lora_rank": lambda v: v,
+    "lora_targets": lambda v: tuple(t.strip() for t in str(v).split(",") if t.strip())}
 # Train keys that change the computation: a resume with other values continues, but is not the
 # run an uninterrupted one would have been.
 _TRAJECTORY_TRAIN_KEYS = ("batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
                           "decay_steps", "weight_decay", "b1", "b2", "eps", "grad_clip",
-                          "z_loss", "seed")
+                          "z_loss", "seed", "lora_alpha", "lora_base_dtype", "init_from")
 
 
 def check_resume(saved: dict[str, Any], current: dict[str, Any], where: Path) -> None:
@@ -479,7 +750,7 @@ def evaluate(eval_step: Callable[[Params, Batch], Metrics], params: Params,
     return loss_sum / max(tokens, 1.0)
 
 
-def sample_text(model_config: ModelConfig, params: Params, tokenizer: Tokenizer, prompt: str,
+def sample_text(model_config: ModelConfig, params: Params, tokenizer: TextTokenizer, prompt: str,
                 max_new_tokens: int, temperature: float, seed: int) -> str:
     """Generates a continuation of ``prompt`` (KV-cached decode) and returns prompt + it."""
     from transformer_jax.generation import generate
@@ -501,21 +772,21 @@ def _placing(step_fn: Callable[[Params, Batch], Metrics], place: Callable[[np.nd
     return lambda params, batch: step_fn(params, jax.tree.map(place, batch))
 
 
-def _evaluate_and_sample(state: TrainState, step: int, eval_step, val_tokens: np.ndarray,
-                         eval_kw: dict[str, Any], tokenizer: Tokenizer,
+def _evaluate_and_sample(state: TrainState, step: int, eval_step, data: RunData,
+                         eval_kw: dict[str, Any], tokenizer: TextTokenizer,
                          model_config: ModelConfig, tc: TrainConfig, log: RunLog,
                          times: dict[str, float]) -> float | None:
     val_loss = None
     start = time.perf_counter()
-    if len(val_tokens):
-        val_loss = evaluate(eval_step, state.params,
-                            data_lib.eval_batches(val_tokens, **eval_kw))
+    if data.num_val_tokens:
+        val_loss = evaluate(eval_step, state.params, data.eval_batches(**eval_kw))
         log.record_eval(step, val_loss)
     times["eval"] += time.perf_counter() - start
     # The sample decodes on one host's devices, so it needs the params whole on each process.
     if tc.sample_tokens and jax.process_count() == 1:
         start = time.perf_counter()
-        text = sample_text(model_config, state.params, tokenizer, tc.sample_prompt,
+        params = ParamsLayout.of(tc).model_params(state.params)  # LoRA: the adapted weights
+        text = sample_text(model_config, params, tokenizer, tc.sample_prompt,
                            tc.sample_tokens, tc.sample_temperature, seed=step)
         log.record_sample(step, text)
         times["sample"] += time.perf_counter() - start
@@ -538,10 +809,10 @@ def _eval_batching(tc: TrainConfig, num_val_tokens: int) -> tuple[int, int | Non
     return micro, tc.eval_batches or None
 
 
-def _save_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
+def _save_tokenizer(tokenizer: TextTokenizer, directory: Path) -> None:
     """Keeps a copy of the tokenizer in the run directory (unless the same one is there)."""
     try:
-        if Tokenizer.load(directory / DEFAULT_MODEL_FILENAME).fingerprint == tokenizer.fingerprint:
+        if load_tokenizer(directory).fingerprint == tokenizer.fingerprint:
             return
     except (OSError, ValueError):
         pass

@@ -1,0 +1,341 @@
+"""Fine-tuning end to end: ``train.init_from`` (HF and run checkpoints), instruction data
+(``.jsonl``: loss masks, packing), LoRA in the run, export, and the errors of bad input.
+
+Every checkpoint and tokenizer is made here: tiny Llama (GQA) and Qwen2 (biases, tied embeddings)
+models randomly initialised by transformers and saved with ``save_pretrained``, and a word-level
+``tokenizer.json`` with a ChatML template built with the ``tokenizers`` library. No network.
+
+Needs the ``hf`` extra (torch, transformers, safetensors); skipped without it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("safetensors")
+
+from transformer_jax import hf_export, instruct, lora  # noqa: E402
+from transformer_jax import sharding as sharding_lib  # noqa: E402
+from transformer_jax.checkpoint import CheckpointManager  # noqa: E402
+from transformer_jax.config import ModelConfig  # noqa: E402
+from transformer_jax.model import Transformer, init_params  # noqa: E402
+from transformer_jax.optim import decay_mask  # noqa: E402
+from transformer_jax.train_config import (  # noqa: E402
+    ConfigError,
+    TrainConfig,
+    build_configs,
+    read_init_source,
+)
+from transformer_jax.train_step import ParamsLayout, make_init_fn, make_loss_fn  # noqa: E402
+from transformer_jax.training import load_init_params, run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = 1e-4
+WORDS = ("the cat dog sat ran on a mat log red blue big small what is who where answer "
+         "yes no one two three").split()
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+VOCAB = 48  # the tiny models' vocabulary (the tokenizer has fewer tokens)
+# Short CI-sized fine-tuning overrides of the finetune preset.
+SMALL = ["train.batch_size=4", "train.grad_accum=1", "train.seq_len=32", "train.lr=3e-3",
+         "train.min_lr=3e-4", "train.warmup_steps=2", "train.log_every=1", "train.mesh=1,1,1"]
+
+
+def _tokenizer_dir(directory: Path, extra_words: int = 0) -> Path:
+    """A word-level tokenizer.json (+ tokenizer_config.json with a ChatML template)."""
+    from tokenizers import models, pre_tokenizers
+
+    words = SPECIALS + ["system", "user", "assistant"] + list(WORDS)
+    words += [f"w{i}" for i in range(extra_words)]
+    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                                unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in SPECIALS])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>",
+        "add_bos_token": True, "add_eos_token": False, "chat_template": CHATML}))
+    return directory
+
+
+def _hf_dir(directory: Path, kind: str) -> Path:
+    """A tiny randomly initialised HF model saved with save_pretrained, plus the tokenizer."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  rms_norm_eps=1e-5, initializer_range=0.2)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**common, tie_word_embeddings=False))
+    else:
+        model = transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(**common, tie_word_embeddings=True))
+    model.save_pretrained(directory, safe_serialization=True)
+    _tokenizer_dir(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    return _hf_dir(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory) -> Path:
+    return _hf_dir(tmp_path_factory.mktemp("qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="module")
+def jsonl(tmp_path_factory) -> Path:
+    """Prompt/completion and chat records with a learnable rule (answer = the colour word)."""
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(48):
+        animal, colour = rng.choice(["cat", "dog"]), rng.choice(["red", "blue"])
+        if i % 2:
+            lines.append({"prompt": f"what is the {animal} on the {colour} mat",
+                          "completion": f" answer {colour} {colour}"})
+        else:
+            lines.append({"messages": [
+                {"role": "user", "content": f"who sat on the {colour} log"},
+                {"role": "assistant", "content": f"the {animal} {colour} {colour}"}]})
+    path = tmp_path_factory.mktemp("sft") / "data.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def _tokens(n: int = 12) -> np.ndarray:
+    return np.random.default_rng(1).integers(0, VOCAB, (2, n)).astype(np.int32)
+
+
+def _hf_logits(directory: Path) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory,
+                                                              torch_dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor(_tokens(), dtype=torch.long)).logits.numpy()
+
+
+def _initial_state(directory: Path, overrides: list[str]):
+    model, train, _ = build_configs("finetune", [f"train.init_from={directory}", *overrides])
+    mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse("1,1,1"))
+    params = load_init_params(read_init_source(train.init_from), model, mesh)
+    state = jax.jit(make_init_fn(model, train))(jax.random.key(0), params)
+    return model, train, state
+
+
+def _logits(model: ModelConfig, params) -> np.ndarray:
+    return np.asarray(Transformer(model).apply({"params": params}, jnp.asarray(_tokens())))
+
+
+@pytest.mark.parametrize("kind,overrides", [
+    ("llama", []), ("qwen2", []), ("llama", ["train.lora_rank=4", "model.scan_layers=true"])])
+def test_init_from_hf_gives_its_logits(request, kind, overrides):
+    directory = request.getfixturevalue(f"{kind}_dir")
+    model, train, state = _initial_state(directory, overrides)
+    assert model.vocab_size == VOCAB and model.qkv_bias == (kind == "qwen2")
+    params = ParamsLayout.of(train).model_params(state.params)
+    np.testing.assert_allclose(_logits(model, params), _hf_logits(directory), atol=TOL, rtol=0)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [m for m in map(json.loads, lines) if "loss" in m]
+
+
+def _export_and_compare(run_dir: Path, out: Path) -> None:
+    """Export, transformers' logits = ours, and init_from of the export = its weights exactly."""
+    # The checkpoints/ directory: hf_export takes a run directory's config.json for a HF one.
+    checkpoints = run_dir / "checkpoints"
+    assert hf_export.main(["export", "--checkpoint", str(checkpoints), "--out", str(out)]) == 0
+    config, merged, _, _ = hf_export.load_run(checkpoints)
+    np.testing.assert_allclose(_hf_logits(out), _logits(config, merged), atol=TOL, rtol=0)
+    model, _, _ = build_configs("finetune", [f"train.init_from={out}"])
+    mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse("1,1,1"))
+    again = load_init_params(read_init_source(str(out)), model, mesh)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 again, merged)
+    # init_from the run itself (orbax; LoRA adapters merged) gives the same weights.
+    model, _, _ = build_configs("finetune", [f"train.init_from={run_dir}"])
+    again = load_init_params(read_init_source(str(run_dir)), model, mesh)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 again, merged)
+
+
+def test_finetune_cli_full(llama_dir, jsonl, tmp_path):
+    """``python train.py --config finetune train.init_from=DIR data.path=FILE.jsonl``."""
+    run_dir = tmp_path / "full"
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", "finetune", "--no-progress",
+           "--cpu-devices", "1", f"train.init_from={llama_dir}", f"data.path={jsonl}",
+           f"train.run_dir={run_dir}", "train.steps=30", "data.val_fraction=0.1", *SMALL]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [m["loss"] for m in _metrics(run_dir)]
+    assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:3])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["val_loss"] is not None and summary["final_step"] == 30
+    _export_and_compare(run_dir, tmp_path / "export")
+
+
+def test_finetune_lora_run_resume_and_export(llama_dir, jsonl, tmp_path):
+    run_dir = tmp_path / "lora"
+    base = [f"train.init_from={llama_dir}", f"data.path={jsonl}", f"train.run_dir={run_dir}",
+            "train.decay_steps=30", "train.ckpt_every=10", "train.keep_ckpts=5",
+            "train.lora_rank=4", "train.lora_targets=q,v,down", *SMALL, "train.lr=1e-2"]
+    model, train, data = build_configs("finetune", [*base, "train.steps=20"])
+    assert run(model, train, data, progress=False).final_step == 20
+    # The second call resumes the run's own checkpoint (step 20), not init_from.
+    model, train, data = build_configs("finetune", [*base, "train.steps=30"])
+    summary = run(model, train, data, progress=False)
+    assert (summary.start_step, summary.final_step) == (20, 30)
+    losses = [m["loss"] for m in _metrics(run_dir)]
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:3])
+
+    manager = CheckpointManager(run_dir / "checkpoints", async_save=False)
+    first, meta = manager.restore_params(None, 10)
+    last, _ = manager.restore_params(None, 30)
+    assert meta["lora"] == {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "down"]}
+    jax.tree.map(np.testing.assert_array_equal, first[lora.BASE], last[lora.BASE])
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), first[lora.ADAPTERS],
+                           last[lora.ADAPTERS])
+    assert all(jax.tree.leaves(changed))  # every A and B moved; nothing else did
+    manager.close()
+    # The resumed run is exactly the uninterrupted one.
+    model, train, data = build_configs("finetune", [*base, "train.steps=30",
+                                                    f"train.run_dir={tmp_path / 'straight'}"])
+    run(model, train, data, progress=False)
+    straight, _ = CheckpointManager(tmp_path / "straight" / "checkpoints",
+                                    async_save=False).restore_params(None, 30)
+    jax.tree.map(np.testing.assert_array_equal, straight, last)
+    _export_and_compare(run_dir, tmp_path / "export")
+
+
+def test_lora_state_moments_are_adapter_sized():
+    model = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                        d_ff=64, max_seq_len=32)
+    train = TrainConfig(steps=10, lora_rank=2, lora_base_dtype="bfloat16", weight_decay=0.1)
+    state = jax.eval_shape(make_init_fn(model, train), jax.random.key(0))
+    adapter_shapes = {x.shape for x in jax.tree.leaves(state.params[lora.ADAPTERS])}
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+    assert moments and all(x.shape in adapter_shapes for x in moments)
+    assert sum(x.size for x in moments) == 2 * lora.adapter_count(state.params[lora.ADAPTERS])
+    assert {x.dtype for x in jax.tree.leaves(state.params[lora.BASE])} == {
+        jnp.dtype(jnp.bfloat16)}
+    assert all(jax.tree.leaves(decay_mask(state.params[lora.ADAPTERS])))  # A, B are matrices
+
+
+def _tiny_model() -> tuple[ModelConfig, dict]:
+    model = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                        d_ff=64, max_seq_len=32, init_std=0.2)
+    return model, init_params(model, 0)
+
+
+def test_prompt_tokens_get_zero_gradient():
+    model, params = _tiny_model()
+    loss = make_loss_fn(model, TrainConfig())
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(0, VOCAB, (2, 16)).astype(np.int32)
+    targets = rng.integers(0, VOCAB, (2, 16)).astype(np.int32)
+    mask = (np.arange(16) >= 9)[None].repeat(2, 0).astype(np.float32)  # prompt: targets 0-8
+    other = np.where(mask > 0, targets, (targets + 7) % VOCAB)
+
+    def grads(t):
+        batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(t),
+                 "mask": jnp.asarray(mask)}
+        return jax.jit(jax.grad(lambda p: loss(p, batch, jax.random.key(0))[0]))(params)
+
+    jax.tree.map(np.testing.assert_array_equal, grads(targets), grads(other))
+
+
+def test_packed_loss_is_the_token_weighted_mean_of_the_examples():
+    model, params = _tiny_model()
+    loss = jax.jit(make_loss_fn(model, TrainConfig()))
+    rng = np.random.default_rng(2)
+    examples = [instruct.Example(rng.integers(0, VOCAB, n).astype(np.int32),
+                                 np.arange(n) >= n // 2, i) for i, n in enumerate((9, 7, 5))]
+    packed = instruct.pack(examples, seq_len=23)
+    assert packed.num_rows == 1  # all three in one row
+    batch = {k: jnp.asarray(v) for k, v in instruct.rows_to_batch(packed, np.array([0])).items()}
+    batch["mask"] = batch.pop("loss_mask")
+    _, (ce, _, count) = loss(params, batch, jax.random.key(0))
+
+    ce_sum = tokens = 0.0
+    for ex in examples:  # each example alone, unpacked
+        alone = {"inputs": jnp.asarray(ex.tokens[None, :-1]),
+                 "targets": jnp.asarray(ex.tokens[None, 1:]),
+                 "mask": jnp.asarray(ex.loss[None, 1:].astype(np.float32))}
+        _, (c, _, n) = loss(params, alone, jax.random.key(0))
+        ce_sum, tokens = ce_sum + float(c), tokens + float(n)
+    assert float(count) == tokens
+    np.testing.assert_allclose(float(ce) / float(count), ce_sum / tokens, rtol=1e-5)
+
+    # No attention across segments: changing one example leaves the others' logits alone.
+    def logits(inputs):
+        return np.asarray(Transformer(model).apply(
+            {"params": params}, inputs, positions=batch["positions"],
+            segment_ids=batch["segment_ids"]))
+
+    segments = np.asarray(batch["segment_ids"][0])
+    first = segments == segments[0]
+    changed = jnp.where(jnp.asarray(first)[None], (batch["inputs"] + 1) % VOCAB, batch["inputs"])
+    np.testing.assert_array_equal(logits(batch["inputs"])[0, ~first],
+                                  logits(changed)[0, ~first])
+
+
+def test_bad_input_is_a_clear_error_before_training(llama_dir, jsonl, tmp_path):
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((llama_dir / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        build_configs("finetune", [f"train.init_from={no_weights}"])
+    with pytest.raises(FileNotFoundError, match="neither a HF checkpoint"):
+        build_configs("finetune", [f"train.init_from={tmp_path}"])
+
+    with pytest.raises(ConfigError, match=r"model\.n_layers=3"):
+        build_configs("finetune", [f"train.init_from={llama_dir}", "model.n_layers=3"])
+    with pytest.raises(ConfigError, match=r"model\.max_seq_len=128"):
+        build_configs("finetune", [f"train.init_from={llama_dir}", "model.max_seq_len=128"])
+    model, _, _ = build_configs("finetune", [f"train.init_from={llama_dir}",
+                                             "model.dtype=bfloat16", "model.max_seq_len=32"])
+    assert (model.dtype, model.max_seq_len, model.n_kv_heads) == ("bfloat16", 32, 2)
+
+    unrepresentable = tmp_path / "gelu"
+    unrepresentable.mkdir()
+    config = json.loads((llama_dir / "config.json").read_text())
+    (unrepresentable / "config.json").write_text(json.dumps({**config,
+                                                             "hidden_act": "gelu_new"}))
+    (unrepresentable / "model.safetensors").write_bytes(
+        (llama_dir / "model.safetensors").read_bytes())
+    with pytest.raises(ConfigError, match="hidden_act"):
+        build_configs("finetune", [f"train.init_from={unrepresentable}"])
+
+    big = _tokenizer_dir(tmp_path / "big_tok", extra_words=VOCAB)
+    run_dir = tmp_path / "run"
+    model, train, data = build_configs("finetune", [
+        f"train.init_from={llama_dir}", f"data.path={jsonl}", f"data.tokenizer={big}",
+        f"train.run_dir={run_dir}", "train.steps=3", *SMALL])
+    with pytest.raises(ValueError, match=r"more than the vocab_size=48"):
+        run(model, train, data, progress=False)
+    # A model that is not the checkpoint's, given to run() directly, is refused too.
+    model, train, data = build_configs("finetune", [
+        f"train.init_from={llama_dir}", f"data.path={jsonl}", f"train.run_dir={run_dir}",
+        "train.steps=3", *SMALL])
+    with pytest.raises(ValueError, match=r"model\.d_ff=96"):
+        run(model.replace(d_ff=96), train, data, progress=False)
+    assert not (run_dir / "checkpoints").exists()
