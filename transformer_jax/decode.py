@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 from transformer_jax import sampling, sharding, streaming
 from transformer_jax.config import ModelConfig
 from transformer_jax.kv_cache import KVCache
-from transformer_jax.layers import is_vector_param
+from transformer_jax.layers import MATRIX_INPUT_AXES, is_vector_param
 from transformer_jax.model import Transformer, stack_blocks, unstack_blocks
 from transformer_jax.prompts import is_int
 
@@ -138,24 +138,41 @@ class DecodeWeights:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
 
 
+def decode_config(config: ModelConfig) -> ModelConfig:
+    """The config generation runs the model with: the same forward, without rematerialisation
+    (there is no backward pass to save memory for), and on CPU with the matrices stored
+    output axes first (``ModelConfig.weights_out_first``: measured faster there)."""
+    return config.replace(remat="none", weights_out_first=jax.default_backend() == "cpu")
+
+
 def decode_params(config: ModelConfig, params: Params) -> Params:
     """The parameter transform in front of the decode: what ``prepare`` computes.
 
     The blocks are put in the config's layout (``blocks`` stacked when ``scan_layers``, else
-    ``blocks_{i}``), whichever layout ``params`` has, and every matrix is cast to the compute
-    dtype, so no step converts a weight again; norm scales keep their dtype.
+    ``blocks_{i}``), whichever layout ``params`` has, every matrix is cast to the compute dtype
+    (so no step converts a weight again; norm scales keep their dtype) and, where
+    ``decode_config`` stores them output axes first, transposed to that layout.
     """
+    out_first = decode_config(config).weights_out_first
     if config.scan_layers and "blocks" not in params:
         params = stack_blocks(params, config.n_layers)
     elif not config.scan_layers and "blocks" in params:
         params = unstack_blocks(params)
 
-    def cast(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
+    def prepare_leaf(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
+        name = str(path[-1].key)
         # Norm gains/shifts keep their dtype (norms compute in float32); the rest is cast.
-        is_norm = is_vector_param(str(path[-1].key)) and "norm" in str(path[-2].key)
-        return x if is_norm else x.astype(config.jnp_dtype)
+        if is_vector_param(name) and "norm" in str(path[-2].key):
+            return x
+        x = x.astype(config.jnp_dtype)
+        if out_first and name in MATRIX_INPUT_AXES:
+            lead = 1 if str(path[0].key) == "blocks" else 0  # the scanned layers axis stays
+            n_in = MATRIX_INPUT_AXES[name]
+            axes = list(range(x.ndim))
+            x = x.transpose(axes[:lead] + axes[lead + n_in:] + axes[lead:lead + n_in])
+        return x
 
-    return jax.tree_util.tree_map_with_path(cast, params)
+    return jax.tree_util.tree_map_with_path(prepare_leaf, params)
 
 
 def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None) -> DecodeWeights:
@@ -183,7 +200,7 @@ def _prepare_fn(config: ModelConfig, mesh: Mesh | None) -> Callable[[Params], Pa
     fn = functools.partial(decode_params, config)
     if mesh is None:
         return jax.jit(fn)
-    return jax.jit(fn, out_shardings=sharding.param_shardings(config, mesh,
+    return jax.jit(fn, out_shardings=sharding.param_shardings(decode_config(config), mesh,
                                                               decode_rules(config, mesh)))
 
 
@@ -231,9 +248,8 @@ def check_tensor_parallel(config: ModelConfig, shards: int) -> None:
 # Prefill and decode steps ------------------------------------------------------------------------
 
 def decode_model(config: ModelConfig) -> Transformer:
-    """The model as generation runs it: the same forward, without rematerialisation (there is
-    no backward pass to save memory for)."""
-    return Transformer(config.replace(remat="none"))
+    """The model as generation runs it (``decode_config``)."""
+    return Transformer(decode_config(config))
 
 
 def prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array,
@@ -370,7 +386,8 @@ def generate_padded(config: ModelConfig, params: Params | DecodeWeights, tokens:
         weights = decode_params(config, params)
         if split:
             weights = jax.lax.with_sharding_constraint(
-                weights, sharding.param_shardings(config, mesh, decode_rules(config, mesh)))
+                weights, sharding.param_shardings(decode_config(config), mesh,
+                                                            decode_rules(config, mesh)))
     run = functools.partial(_prefill_and_decode, config, weights, tokens, lengths, key_data,
                             stream_id=stream_id, max_new_tokens=max_new_tokens,
                             settings=settings, cache_size=cache_size, cache_dtype=cache_dtype,

@@ -14,6 +14,7 @@ from transformer_jax import ops
 from transformer_jax.config import ModelConfig, RopeScaling
 from transformer_jax.kv_cache import KVCache
 from transformer_jax.ops.attention import attention
+from transformer_jax.ops.dense import dense, out_first_shape
 
 
 #: Names of the parameters that are not matmul weights: norm gains and shifts, projection biases
@@ -23,6 +24,11 @@ def is_vector_param(name: str) -> bool:
     """Whether a parameter of this (leaf) name is a norm gain/shift or a bias."""
     return name in ("scale", "bias") or name.endswith("_bias")
 
+
+#: How many leading axes of each matrix (in its in-first layout) are inputs; the rest are
+#: outputs. With ``weights_out_first`` the matrix is stored outputs first (``ops.dense``).
+MATRIX_INPUT_AXES = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate": 1, "up": 1,
+                     "down": 1, "lm_head": 1}
 
 #: The token table's name: a lookup in the forward, a matmul only as a tied LM head.
 EMBEDDING_PARAM = "embedding"
@@ -96,10 +102,16 @@ class Attention(nn.Module):
     impl: str = "auto"
     init_std: float = 0.02
     out_init_std: float = 0.02
+    out_first: bool = False
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
     def _param(self, name, shape, axes, init):
+        """A parameter declared in-first; a matrix is stored output axes first when
+        ``out_first`` (see ``ops.dense`` and ``MATRIX_INPUT_AXES``)."""
+        if self.out_first and name in MATRIX_INPUT_AXES:
+            n_in = MATRIX_INPUT_AXES[name]
+            shape, axes = out_first_shape(shape, n_in), out_first_shape(axes, n_in)
         w = self.param(name, nn.with_logical_partitioning(init, axes), shape, self.param_dtype)
         return w.astype(self.dtype)
 
@@ -128,9 +140,9 @@ class Attention(nn.Module):
         wv = self._param("v_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), init)
         wo = self._param("o_proj", (n, h, d), ("heads", "head_dim", "embed"),
                          _normal(self.out_init_std))
-        q = jnp.einsum("BTD,DNH->BTNH", x, wq)
-        k = jnp.einsum("BSD,DKH->BSKH", x, wk)
-        v = jnp.einsum("BSD,DKH->BSKH", x, wv)
+        q = dense(x, wq, "BTD,DNH->BTNH", out_first=self.out_first)
+        k = dense(x, wk, "BSD,DKH->BSKH", out_first=self.out_first)
+        v = dense(x, wv, "BSD,DKH->BSKH", out_first=self.out_first)
         if self.qkv_bias:
             zeros = nn.initializers.zeros
             q = q + self._param("q_bias", (n, h), ("heads", "head_dim"), zeros)
@@ -155,16 +167,18 @@ class Attention(nn.Module):
             keys, values = cache.layer(layer)
             out = attention(q.astype(keys.dtype), keys, values,
                             keys_transposed=cache.keys_transposed, **structure)
-        return jnp.einsum("BTNH,NHD->BTD", out.astype(self.dtype), wo), cache
+        return dense(out.astype(self.dtype), wo, "BTNH,NHD->BTD", out_first=self.out_first), cache
 
 
 class MLP(nn.Module):
-    """Feed-forward network: ``gate`` and ``up`` [D, F] (gated kinds), ``down`` [F, D]."""
+    """Feed-forward network: ``gate`` and ``up`` [D, F] (gated kinds), ``down`` [F, D]; each
+    stored [out, in] with ``out_first`` (see ``ops.dense``)."""
 
     d_ff: int
     kind: str = "swiglu"
     init_std: float = 0.02
     out_init_std: float = 0.02
+    out_first: bool = False
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -175,16 +189,21 @@ class MLP(nn.Module):
         fn, gated = ops.FFN_FUNCTIONS[self.kind]
 
         def param(name, shape, axes, std):
+            if self.out_first:
+                shape, axes = shape[::-1], axes[::-1]
             w = self.param(name, nn.with_logical_partitioning(_normal(std), axes), shape,
                            self.param_dtype)
             return w.astype(self.dtype)
+
+        def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+            return dense(x, w, spec, out_first=self.out_first)
 
         up = param("up", (d, self.d_ff), ("embed", "mlp"), self.init_std)
         down = param("down", (self.d_ff, d), ("mlp", "embed"), self.out_init_std)
         if gated:
             gate = param("gate", (d, self.d_ff), ("embed", "mlp"), self.init_std)
-            return fn(x, gate, up, down)
-        return fn(x, up, down)
+            return fn(x, gate, up, down, matmul=matmul)
+        return fn(x, up, down, matmul=matmul)
 
 
 class Block(nn.Module):
@@ -220,9 +239,9 @@ class Block(nn.Module):
             qkv_bias=c.qkv_bias, use_rope=c.position == "rope", rope_base=c.rope_base,
             rope_pairing=c.rope_pairing, rope_scaling=c.rope_scaling,
             sliding_window=c.sliding_window, impl=c.attention_impl, init_std=c.init_std,
-            out_init_std=out_std, name="attn", **dtypes)
+            out_init_std=out_std, out_first=c.weights_out_first, name="attn", **dtypes)
         mlp = MLP(d_ff=c.d_ff, kind=c.ffn, init_std=c.init_std, out_init_std=out_std,
-                  name="mlp", **dtypes)
+                  out_first=c.weights_out_first, name="mlp", **dtypes)
         attn_norm = Norm(name="attn_norm", **norm_kw)
         mlp_norm = Norm(name="mlp_norm", **norm_kw)
         if c.norm_position == "pre":

@@ -19,6 +19,7 @@ from transformer_jax import ops
 from transformer_jax.config import ModelConfig
 from transformer_jax.kv_cache import KVCache
 from transformer_jax.layers import Block, Embed, Norm
+from transformer_jax.ops.dense import dense
 
 Params = dict[str, Any]
 
@@ -105,11 +106,13 @@ class Transformer(nn.Module):
             if self.is_initializing() and not c.tie_embeddings:
                 self.lm_head_kernel()
             return x if cache is None else (x, cache)
-        if c.tie_embeddings:
+        if c.tie_embeddings and not c.weights_out_first:
             logits = embed.attend(x)
         else:
-            logits = jnp.einsum("BTD,DV->BTV", x, self.lm_head_kernel().astype(c.jnp_dtype),
-                                preferred_element_type=jnp.float32)
+            # The [V, D] table is the head stored out-first.
+            head = embed.embedding if c.tie_embeddings else self.lm_head_kernel()
+            logits = dense(x, head.astype(c.jnp_dtype), "BTD,DV->BTV",
+                           out_first=c.weights_out_first, preferred_element_type=jnp.float32)
         if logits_at is not None:
             logits = logits[:, 0]
         if cache is None:
@@ -119,9 +122,11 @@ class Transformer(nn.Module):
     def lm_head_kernel(self) -> jax.Array:
         """The untied LM head [D, V] (declared here so both output paths share it)."""
         c = self.config
+        shape, axes = (c.d_model, c.vocab_size), ("embed", "vocab")
+        if c.weights_out_first:
+            shape, axes = shape[::-1], axes[::-1]
         return self.param("lm_head", nn.with_logical_partitioning(
-            nn.initializers.normal(c.init_std), ("embed", "vocab")),
-            (c.d_model, c.vocab_size), c.jnp_param_dtype)
+            nn.initializers.normal(c.init_std), axes), shape, c.jnp_param_dtype)
 
 
 def _dummy_tokens(config: ModelConfig) -> jax.Array:

@@ -49,6 +49,7 @@ from transformer_jax import prompts as prompt_lib
 from transformer_jax.config import ModelConfig, load_toml
 from transformer_jax.kv_cache import cache_bytes
 from transformer_jax.model import Transformer, abstract_params, init_params
+from transformer_jax.ops.dense import dense
 
 
 def _ints(text: str) -> list[int]:
@@ -171,22 +172,26 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
     the weights costs at this batch size on this machine, the part of a step no cache layout
     can remove.
     """
-    c = config
+    c = decode.decode_config(config)  # the layout the prepared weights are in
     params = weights.params
     blocks = params["blocks"] if c.scan_layers else [params[f"blocks_{i}"]
                                                      for i in range(c.n_layers)]
-    head = params["embed"]["embedding"].T if c.tie_embeddings else params["lm_head"]
+    # The head as the decode reads it: the [V, D] table (tied) is stored output-first.
+    head, head_out_first = ((params["embed"]["embedding"], True) if c.tie_embeddings
+                            else (params["lm_head"], c.weights_out_first))
+
+    def mm(x: jax.Array, w: jax.Array, spec: str, out_first: bool = c.weights_out_first):
+        return dense(x, w, spec, out_first=out_first)
 
     def layer(x: jax.Array, p: Any) -> jax.Array:
         a, m = p["attn"], p["mlp"]
-        q = jnp.einsum("BD,DNH->BNH", x, a["q_proj"])
-        kv = (jnp.einsum("BD,DKH->BKH", x, a["k_proj"]).mean()
-              + jnp.einsum("BD,DKH->BKH", x, a["v_proj"]).mean())
-        x = x + jnp.einsum("BNH,NHD->BD", q, a["o_proj"]) + kv * 1e-6
-        hidden = x @ m["up"]
+        q = mm(x, a["q_proj"], "BD,DNH->BNH")
+        kv = mm(x, a["k_proj"], "BD,DKH->BKH").mean() + mm(x, a["v_proj"], "BD,DKH->BKH").mean()
+        x = x + mm(q, a["o_proj"], "BNH,NHD->BD") + kv * 1e-6
+        hidden = mm(x, m["up"], "BD,DF->BF")
         if "gate" in m:
-            hidden = hidden * (x @ m["gate"])
-        return x + hidden @ m["down"]
+            hidden = hidden * mm(x, m["gate"], "BD,DF->BF")
+        return x + mm(hidden, m["down"], "BF,FD->BD")
 
     def chain(blocks: Any, head: jax.Array, x: jax.Array, n: int) -> jax.Array:
         def body(_, x):
@@ -195,7 +200,7 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
             else:
                 for p in blocks:
                     x = layer(x, p)
-            return x + jnp.mean(x @ head) * 1e-6
+            return x + jnp.mean(mm(x, head, "BD,DV->BV", head_out_first)) * 1e-6
         return jax.lax.fori_loop(0, n, body, x)
 
     fn = jax.jit(chain, static_argnums=3)
