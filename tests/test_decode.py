@@ -123,10 +123,10 @@ def test_decode_logits_equal_full_forward_at_every_step(name):
     lengths = np.asarray([3, 6], np.int32)  # ragged prompts
     first, got, want, cache = _cached_and_full_logits(config, params, seqs, lengths,
                                                       prompt_lib.prompt_bucket(6))
-    rows = (config.n_layers, 2, config.n_kv_heads)
+    rows = (2, config.n_kv_heads)
     keys = (config.head_dim, total) if cache.keys_transposed else (total, config.head_dim)
-    chex.assert_shape(cache.k, (*rows, *keys))
-    chex.assert_shape(cache.v, (*rows, total, config.head_dim))
+    for i in range(config.n_layers):  # stacked [L, ...] when scanned, one array per layer else
+        chex.assert_shape(cache.layer(i), [(*rows, *keys), (*rows, total, config.head_dim)])
     for b in range(2):
         np.testing.assert_allclose(first[b], want[b, lengths[b] - 1], atol=1e-5,
                                    err_msg=f"prefill logits, row {b}")
@@ -144,10 +144,12 @@ def test_decode_cache_layout_and_bytes(keys_transposed):
     logits, cache = jax.eval_shape(prefill, decode.decode_params(config, params),
                                    jnp.zeros((3, 8), jnp.int32), jnp.ones((3,), jnp.int32))
     chex.assert_shape(logits, (3, config.vocab_size))
-    # One row per (sequence, kv head) in every layer; keys optionally stored [H, S].
-    chex.assert_shape(cache.k, (config.n_layers, 3, 2, 8, 20) if keys_transposed
-                      else (config.n_layers, 3, 2, 20, 8))
-    chex.assert_shape(cache.v, (config.n_layers, 3, 2, 20, 8))
+    # One row per (sequence, kv head) in every layer; keys optionally stored [H, S]; one array
+    # per layer for this unrolled model.
+    assert not cache.stacked and len(cache.k) == len(cache.v) == config.n_layers
+    chex.assert_shape(list(cache.k), [(3, 2, 8, 20) if keys_transposed else (3, 2, 20, 8)]
+                      * config.n_layers)
+    chex.assert_shape(list(cache.v), [(3, 2, 20, 8)] * config.n_layers)
     assert cache.nbytes == 2 * config.n_layers * 3 * 20 * 2 * 8 * 4
     assert cache.nbytes == kv_cache.cache_bytes(config, 3, 20)
 
@@ -225,8 +227,11 @@ def test_prepared_weights_generate_the_greedy_reference_and_check_their_config()
         tokens, logprobs = _greedy_reference(config, params, prompt, N_NEW)
         assert got.tokens[i] == tokens, f"prompt {i}"
         np.testing.assert_allclose(got.logprobs[i], logprobs, atol=1e-5)
-    # A parameter transform: the same tree and sizes, matrices in the compute dtype.
-    chex.assert_trees_all_equal_shapes(weights.params, params)
+    # A parameter transform: the same tree and sizes (matrices transposed where the decode
+    # stores them output axes first), in the compute dtype.
+    chex.assert_trees_all_equal_structs(weights.params, params)
+    assert jax.tree.map(lambda x: x.size, weights.params) == jax.tree.map(lambda x: x.size,
+                                                                           params)
     assert weights.nbytes == sum(x.nbytes for x in jax.tree.leaves(params))
     with pytest.raises(ValueError, match="different config"):
         generation.generate(config.replace(n_kv_heads=4), weights, prompts, max_new_tokens=2)
@@ -237,7 +242,7 @@ def test_bfloat16_cache_halves_the_bytes_and_stays_close_to_float32():
     prefill = functools.partial(decode.prefill, config, max_len=20, dtype="bfloat16")
     _, cache = jax.eval_shape(prefill, decode.decode_params(config, params),
                               jnp.zeros((3, 8), jnp.int32), jnp.ones((3,), jnp.int32))
-    assert {cache.k.dtype, cache.v.dtype} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves((cache.k, cache.v))} == {jnp.dtype(jnp.bfloat16)}
     assert cache.nbytes == kv_cache.cache_bytes(config, 3, 20, "bfloat16")
     assert cache.nbytes * 2 == kv_cache.cache_bytes(config, 3, 20)
     prompts = _prompts(BATCH_LENGTHS)
@@ -423,8 +428,8 @@ def _generate_ops(config) -> int:
     """Operations in the lowered generate program (prefill + decode loop), from abstract inputs."""
     from transformer_jax.model import abstract_params
 
-    weights = jax.eval_shape(functools.partial(decode.decode_params, config),
-                             abstract_params(config))
+    weights = decode.DecodeWeights(jax.eval_shape(
+        functools.partial(decode.decode_params, config), abstract_params(config)), config)
     args = (weights, jax.ShapeDtypeStruct((2, 8), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32),
             jax.ShapeDtypeStruct((2, 2), jnp.uint32))
     fn = jax.jit(decode.generate_padded, static_argnames=decode.GENERATE_STATIC_ARGNAMES)

@@ -144,9 +144,15 @@ def test_cache_size_formula():
     cache = KVCache.init(c, batch=3, max_len=40)
     want = 2 * c.n_layers * 3 * 40 * c.n_kv_heads * c.head_dim * 2
     assert cache.nbytes == want == cache_bytes(c, 3, 40)
-    # [L, B, K, S, H]: one row of slots per (sequence, kv head); keys optionally [H, S].
-    chex.assert_shape(cache.v, (2, 3, 2, 40, 8))
-    chex.assert_shape(cache.k, (2, 3, 2, 8, 40) if cache.keys_transposed else (2, 3, 2, 40, 8))
+    # One row of slots per (sequence, kv head): [L, B, K, S, H] stacked for a scanned model,
+    # L arrays [B, K, S, H] otherwise; keys optionally [H, S].
+    keys = (8, 40) if cache.keys_transposed else (40, 8)
+    stacked = KVCache.init(c.replace(scan_layers=True), batch=3, max_len=40)
+    chex.assert_shape(stacked.v, (2, 3, 2, 40, 8))
+    chex.assert_shape(stacked.k, (2, 3, 2, *keys))
+    assert stacked.nbytes == cache.nbytes
+    unrolled = KVCache.init(c.replace(scan_layers=False), batch=3, max_len=40)
+    chex.assert_shape(list(unrolled.k), [(3, 2, *keys)] * 2)
 
 
 def test_every_parameter_has_logical_axes():

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from transformer_jax import decode, generation, sharding
+from transformer_jax import decode, generation, lora, sharding
 from transformer_jax.checkpoint import CheckpointError
 from transformer_jax.config import ModelConfig
 
@@ -118,6 +118,7 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, decode.Params, Path 
     if "model" not in meta:
         raise FileNotFoundError(f"checkpoint in {directory} has no model config")
     config = ModelConfig.from_dict(meta["model"])
+    params = lora.merge_checkpoint_params(params, meta, directory)  # a LoRA run's adapters
     if tokenizer is None:
         tokenizer = _run_tokenizer(directory, meta)
     logger.info("loaded step %s of %s", meta.get("step", step), directory)

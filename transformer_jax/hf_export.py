@@ -46,7 +46,9 @@ _TOKENIZER_NAMES = ("tokenizer", "tokenizer.json", "tokenizer.model")
 
 
 def _is_hf_dir(path: Path) -> bool:
-    return (path / hf.CONFIG_FILE).is_file()
+    # A training run's directory holds a config.json too, but no weights.
+    return (path / hf.CONFIG_FILE).is_file() and (
+        any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file())
 
 
 def _checkpoints_dir(path: Path) -> tuple[Path, int | None, Path]:
@@ -85,19 +87,7 @@ def load_run(path: str | Path, step: int | None = None
         raise ValueError(f"checkpoint in {directory} has no meta['model'] (the ModelConfig); "
                          "was it saved by transformer_jax training?")
     config = ModelConfig.from_dict(meta["model"])
-    is_lora_tree = isinstance(params, dict) and set(params) == {lora.BASE, lora.ADAPTERS}
-    if meta.get("lora"):
-        if not is_lora_tree:
-            raise ValueError(f"checkpoint in {directory} has meta['lora'] but its params are not "
-                             f"{{'{lora.BASE}', '{lora.ADAPTERS}'}} (got {sorted(params)})")
-        lora_config = lora.LoraConfig.from_dict(meta["lora"])
-        params = lora.merge(params[lora.BASE], params[lora.ADAPTERS], lora_config,
-                            dtype=config.param_dtype)
-        logger.info("merged LoRA adapters (rank %d, alpha %g, targets %s)", lora_config.rank,
-                    lora_config.alpha, ",".join(lora_config.targets))
-    elif is_lora_tree:
-        raise ValueError(f"checkpoint in {directory} holds base and adapters but no "
-                         "meta['lora'] (rank, alpha, targets) to merge them with")
+    params = lora.merge_checkpoint_params(params, meta, directory, dtype=config.param_dtype)
     # One dtype for every tensor, the one config.json states (a frozen base may be bfloat16).
     params = jax.tree.map(lambda x: jnp.asarray(x, config.param_dtype), params)
     return config, params, meta, run_dir

@@ -362,3 +362,27 @@ __all__ = ["ADAPTERS", "BASE", "TARGETS", "LoraConfig", "adapter_count", "adapte
            "apply_adapters",
            "delta", "freeze_base", "init_adapters", "merge", "model_params", "optimizer",
            "parse_targets", "trainable_mask"]
+
+
+def merge_checkpoint_params(params: Any, meta: Mapping[str, Any], where: Any,
+                            dtype: Any = None) -> Any:
+    """The model's parameters from a training checkpoint's params: merged when it holds
+    ``{"base", "adapters"}`` with ``meta["lora"]`` (a LoRA run), as they are otherwise.
+
+    Raises:
+      ValueError: ``meta["lora"]`` without a base/adapters tree, or the reverse (naming
+        ``where``, the checkpoint directory).
+    """
+    is_lora_tree = isinstance(params, Mapping) and set(params) == {BASE, ADAPTERS}
+    if not meta.get("lora"):
+        if is_lora_tree:
+            raise ValueError(f"checkpoint in {where} holds base and adapters but no "
+                             "meta['lora'] (rank, alpha, targets) to merge them with")
+        return params
+    if not is_lora_tree:
+        raise ValueError(f"checkpoint in {where} has meta['lora'] but its params are not "
+                         f"{{'{BASE}', '{ADAPTERS}'}} (got {sorted(params)})")
+    lora_config = LoraConfig.from_dict(meta["lora"])
+    logger.info("merging LoRA adapters (rank %d, alpha %g, targets %s)", lora_config.rank,
+                lora_config.alpha, ",".join(lora_config.targets))
+    return merge(params[BASE], params[ADAPTERS], lora_config, dtype=dtype)

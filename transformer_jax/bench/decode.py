@@ -224,7 +224,8 @@ def compile_times(config: ModelConfig, layers: tuple[int, ...] = (4, 32), batch:
     out: dict[str, float] = {}
     for n_layers in layers:
         c = config.replace(n_layers=n_layers, dtype=dtype, param_dtype=dtype)
-        weights = jax.eval_shape(functools.partial(decode.decode_params, c), abstract_params(c))
+        weights = decode.DecodeWeights(jax.eval_shape(
+            functools.partial(decode.decode_params, c), abstract_params(c)), c)
         args = (weights, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
                 jax.ShapeDtypeStruct((batch,), jnp.int32),
                 jax.ShapeDtypeStruct((batch, 2), jnp.uint32))
