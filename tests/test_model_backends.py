@@ -22,10 +22,9 @@ from transformer_jax.train_step import make_loss_fn
 
 BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=48,
             max_seq_len=64, init_std=0.2)
+# MHA, GQA and MQA themselves are covered op by op in test_attention.py.
 VARIANTS = {
-    "mha": dict(n_kv_heads=4),
     "gqa-scan-remat": dict(n_kv_heads=2, scan_layers=True, remat="full"),
-    "mqa": dict(n_kv_heads=1),
     "window-post-layernorm-bias": dict(n_kv_heads=2, sliding_window=5, norm="layer",
                                        norm_position="post", qkv_bias=True, ffn="gelu"),
     "sinusoidal-geglu-tied": dict(n_kv_heads=1, position="sinusoidal", ffn="geglu",

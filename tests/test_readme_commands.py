@@ -22,7 +22,7 @@ TINY = ["--no-progress", "model.d_model=32", "model.n_layers=1", "model.n_heads=
         "model.n_kv_heads=1", "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=16",
         "train.batch_size=8", "train.eval_batches=1", "train.sample_tokens=4",
         "train.log_every=5", "data.tokenizer=char", "data.val_fraction=0.1"]
-MAX_STEPS = 50
+MAX_STEPS = 30
 
 
 def readme_train_commands() -> list[str]:
