@@ -146,10 +146,11 @@ def test_decode_cache_layout_and_bytes(keys_transposed):
     chex.assert_shape(logits, (3, config.vocab_size))
     # One row per (sequence, kv head) in every layer; keys optionally stored [H, S]; one array
     # per layer for this unrolled model.
+    # (stored with the (sequence, kv head) rows merged).
     assert not cache.stacked and len(cache.k) == len(cache.v) == config.n_layers
-    chex.assert_shape(list(cache.k), [(3, 2, 8, 20) if keys_transposed else (3, 2, 20, 8)]
+    chex.assert_shape(list(cache.k), [(6, 8, 20) if keys_transposed else (6, 20, 8)]
                       * config.n_layers)
-    chex.assert_shape(list(cache.v), [(3, 2, 20, 8)] * config.n_layers)
+    chex.assert_shape(list(cache.v), [(6, 20, 8)] * config.n_layers)
     assert cache.nbytes == 2 * config.n_layers * 3 * 20 * 2 * 8 * 4
     assert cache.nbytes == kv_cache.cache_bytes(config, 3, 20)
 
@@ -206,10 +207,9 @@ def test_prefill_cache_equals_the_models_cached_forward(name):
     chex.assert_trees_all_close(ours.k, model.k, atol=1e-5)
     chex.assert_trees_all_close(ours.v, model.v, atol=1e-5)
     np.testing.assert_allclose(logits, want_logits, atol=1e-5)
-    keys = np.asarray(ours.k[0])  # [B, K, S, H], or [B, K, H, S] when transposed
+    keys, values = (np.asarray(x) for x in ours.layer(0))  # [B, K, S, H] ([B, K, H, S])
     if ours.keys_transposed:
         keys = keys.swapaxes(2, 3)
-    values = np.asarray(ours.v[0])
     np.testing.assert_allclose(keys[:, :, :8], np.asarray(k0).transpose(0, 2, 1, 3), atol=1e-5)
     np.testing.assert_allclose(values[:, :, :8], np.asarray(v0).transpose(0, 2, 1, 3),
                                atol=1e-5)

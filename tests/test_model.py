@@ -152,7 +152,8 @@ def test_cache_size_formula():
     chex.assert_shape(stacked.k, (2, 3, 2, *keys))
     assert stacked.nbytes == cache.nbytes
     unrolled = KVCache.init(c.replace(scan_layers=False), batch=3, max_len=40)
-    chex.assert_shape(list(unrolled.k), [(3, 2, *keys)] * 2)
+    chex.assert_shape(list(unrolled.k), [(3 * 2, *keys)] * 2)  # rows (sequence, kv head)
+    chex.assert_shape(unrolled.layer(1)[0], (3, 2, *keys))
 
 
 def test_every_parameter_has_logical_axes():

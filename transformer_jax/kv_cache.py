@@ -45,8 +45,9 @@ class KVCache:
 
     Attributes:
       k: [L, B, K, S_max, H] keys (already rotated by RoPE), or [L, B, K, H, S_max] when
-        ``keys_transposed``; for an unrolled model a tuple of L such [B, ...] arrays.
-      v: [L, B, K, S_max, H] values (a tuple of L [B, K, S_max, H] for an unrolled model).
+        ``keys_transposed``; for an unrolled model a tuple of L arrays [B * K, S_max, H] (or
+        [B * K, H, S_max]), rows (sequence, kv head) merged (``layer`` gives [B, K, ...]).
+      v: [L, B, K, S_max, H] values (a tuple of L [B * K, S_max, H] for an unrolled model).
       lengths: [B] int32 number of positions written per sequence (the next write position).
       keys_transposed: static; the keys' layout (see the module docstring).
     """
@@ -81,9 +82,11 @@ class KVCache:
         if config.scan_layers:
             k = jnp.zeros((config.n_layers, *k_shape), dtype)
             v = jnp.zeros((config.n_layers, *v_shape), dtype)
-        else:
-            k = tuple(jnp.zeros(k_shape, dtype) for _ in range(config.n_layers))
-            v = tuple(jnp.zeros(v_shape, dtype) for _ in range(config.n_layers))
+        else:  # rows (sequence, kv head) merged: [B * K, ...] per layer (see _write_rows)
+            k = tuple(jnp.zeros((batch * config.n_kv_heads, *k_shape[2:]), dtype)
+                      for _ in range(config.n_layers))
+            v = tuple(jnp.zeros((batch * config.n_kv_heads, *v_shape[2:]), dtype)
+                      for _ in range(config.n_layers))
         return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32),
                    keys_transposed=keys_transposed)
 
@@ -94,11 +97,11 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.v.shape[3] if self.stacked else self.v[0].shape[2]
+        return self.v.shape[3] if self.stacked else self.v[0].shape[1]
 
     @property
     def batch(self) -> int:
-        return self.v.shape[1] if self.stacked else self.v[0].shape[0]
+        return self.lengths.shape[0]
 
     @property
     def nbytes(self) -> int:
@@ -107,7 +110,11 @@ class KVCache:
 
     def layer(self, i: int | jax.Array) -> tuple[jax.Array, jax.Array]:
         """Layer i's (keys, values): [B, K, S, H] each (keys [B, K, H, S] when transposed)."""
-        return self.k[i], self.v[i]
+        if self.stacked:
+            return self.k[i], self.v[i]
+        b = self.batch
+        return (self.k[i].reshape(b, -1, *self.k[i].shape[1:]),
+                self.v[i].reshape(b, -1, *self.v[i].shape[1:]))
 
     def write(self, i: int | jax.Array, k: jax.Array, v: jax.Array,
               start: jax.Array) -> KVCache:
@@ -161,10 +168,12 @@ class KVCache:
 
         A no-op unless logical-axis rules and a mesh are in context (``sharding.jit_sharded``).
         """
-        axes = CACHE_AXES if self.stacked else CACHE_AXES[1:]
-        return self.replace(
-            k=jax.tree.map(lambda x: nn.with_logical_constraint(x, axes), self.k),
-            v=jax.tree.map(lambda x: nn.with_logical_constraint(x, axes), self.v))
+        if not self.stacked:
+            # Merged (sequence, kv head) rows do not split by kv head in one block per device:
+            # the partitioner places them from the weights' shardings.
+            return self
+        return self.replace(k=nn.with_logical_constraint(self.k, CACHE_AXES),
+                            v=nn.with_logical_constraint(self.v, CACHE_AXES))
 
 
 def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array, *,
@@ -172,7 +181,7 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array, *,
     """One layer's write: T new entries per sequence at ``start[b] ..``.
 
     Args:
-      cache: [B, K, S, H] (or [B, K, H, S] for transposed keys).
+      cache: [B * K, S, H] (or [B * K, H, S] for transposed keys): rows (sequence, kv head).
       new: [B, T, K, H].
       start: [B] int32 first slot per sequence.
 
@@ -184,20 +193,18 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array, *,
     new = new.astype(cache.dtype)
     rows = new.transpose(0, 2, 3, 1) if keys_transposed else new.transpose(0, 2, 1, 3)
     at = (lambda s: (0, s)) if keys_transposed else (lambda s: (s, 0))
-    # Rows merged to [B * K, ...]: with a separate size-1 batch dimension XLA duplicated the
-    # in-place update at B = 1 (about 8 ms of a 16 ms decode_25m step over 1024 slots).
-    merged = cache.reshape(b * kv, *cache.shape[2:])
+    # The carried buffers are stored with rows merged: reshaping a [B, K, ...] buffer around
+    # the update kept XLA from doing it in place at B = 1 (about 8 ms of a 16 ms decode_25m
+    # step over 1024 slots was a copy of the cache).
     rows = rows.reshape(b * kv, *rows.shape[2:])
     if isinstance(b, int) and b == 1:
-        merged = jax.lax.dynamic_update_slice(merged, rows, (0, *at(start[0])))
-        return merged.reshape(cache.shape)
+        return jax.lax.dynamic_update_slice(cache, rows, (0, *at(start[0])))
     row_starts = jnp.repeat(start, kv)
 
     def one(c: jax.Array, n: jax.Array, s: jax.Array) -> jax.Array:
         return jax.lax.dynamic_update_slice(c, n, at(s))
 
-    merged = jax.vmap(one)(merged, rows, row_starts)
-    return merged.reshape(cache.shape)
+    return jax.vmap(one)(cache, rows, row_starts)
 
 
 def cache_bytes(config: ModelConfig, batch: int, max_len: int,

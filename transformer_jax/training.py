@@ -4,6 +4,8 @@ samples, logs and checkpoints -> summary (``run``).
 The pieces it puts together, each in its own module:
 
 * ``train_config`` -- ``TrainConfig`` / ``DataConfig`` and ``build_configs`` (preset + overrides);
+* ``run_data`` -- the tokenizer and token splits, or packed instruction rows, and their batches;
+* ``resume`` -- what a run must share with its checkpoints to continue;
 * ``loss`` -- masked next-token cross-entropy with z-loss;
 * ``optim`` -- AdamW with warmup + cosine decay, clipping, the weight-decay mask;
 * ``train_step`` -- ``TrainState`` and the pure init / train / eval step functions;
@@ -21,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -33,13 +34,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from transformer_jax import data as data_lib
 from transformer_jax import distributed, lora
 from transformer_jax import sharding as sharding_lib
 from transformer_jax.checkpoint import CheckpointManager, ensure_writable_dir
 from transformer_jax.config import ModelConfig
-from transformer_jax.instruct import PackedBatches, PackedData, load_instruction_data
 from transformer_jax.perf import flops_per_token
+from transformer_jax.resume import check_resume
+from transformer_jax.run_data import (
+    RunData,
+    prepare_data,
+    prepare_instruction_data,
+)
 from transformer_jax.run_log import (
     NonFiniteLossError,
     RunLog,
@@ -47,7 +52,7 @@ from transformer_jax.run_log import (
     mesh_peak_flops,
     progress_bar,
 )
-from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, Tokenizer, load_tokenizer
+from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, load_tokenizer
 from transformer_jax.train_config import (
     HF_SOURCE,
     DataConfig,
@@ -69,176 +74,6 @@ logger = logging.getLogger(__name__)
 Params = dict[str, Any]
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
-
-
-def prepare_data(data_config: DataConfig, vocab_size: int,
-                 tokenizer: TextTokenizer | None = None
-                 ) -> tuple[TextTokenizer, np.ndarray, np.ndarray]:
-    """Loads or trains the tokenizer and tokenizes the corpus (both cached), then splits it.
-
-    Args:
-      data_config: the corpus and tokenizer settings.
-      vocab_size: vocabulary size to train a bpe/unigram tokenizer with if the data config
-        does not give one.
-      tokenizer: the tokenizer to use (a fine-tuned checkpoint's); None loads or trains the
-        one of ``data_config``.
-
-    Returns:
-      ``(tokenizer, train_tokens [N_train], val_tokens [N_val])``.
-
-    Raises:
-      FileNotFoundError: for a missing corpus or tokenizer file.
-      ValueError: for an empty corpus or a tokenizer file that does not load.
-    """
-    dc = data_config
-    cache_dir = Path(dc.cache_dir).expanduser()
-    if dc.patterns:
-        files = data_lib.resolve_corpus(dc.patterns)
-    else:
-        files = data_lib.default_corpus(dc.max_bytes)
-    ensure_writable_dir(cache_dir, "data cache directory")
-    if tokenizer is not None:
-        pass
-    elif dc.tokenizer in MODEL_TYPES:
-        tokenizer = Tokenizer.train_or_load(files, cache_dir, dc.vocab_size or vocab_size,
-                                            dc.tokenizer)
-    else:
-        tokenizer = Tokenizer.load(Path(dc.tokenizer).expanduser())
-    tokens = data_lib.tokenize_corpus(files, tokenizer, cache_dir)
-    train_tokens, val_tokens = data_lib.split(tokens, dc.val_fraction)
-    logger.info("data: %d files, %d train / %d val tokens, tokenizer %s", len(files),
-                len(train_tokens), len(val_tokens), tokenizer)
-    return tokenizer, train_tokens, val_tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class RunData:
-    """A run's train and validation data: token streams (text) or packed rows (``.jsonl``).
-
-    Both give batches that are a pure function of (seed, step), so a resumed run sees the
-    batches an uninterrupted one would have. Packed batches carry ``mask`` (the loss on the
-    completion / assistant tokens only), ``segment_ids`` and ``positions``.
-
-    Attributes:
-      train_tokens: [N_train] token ids (text), or None.
-      val_tokens: [N_val] token ids (text), or None.
-      train_rows: packed train rows (instruction data), or None.
-      val_rows: packed validation rows, or None.
-    """
-
-    train_tokens: np.ndarray | None = None
-    val_tokens: np.ndarray | None = None
-    train_rows: PackedData | None = None
-    val_rows: PackedData | None = None
-
-    @property
-    def packed(self) -> bool:
-        return self.train_rows is not None
-
-    @property
-    def num_train_tokens(self) -> int:
-        """Train size in tokens (packed: rows x (T + 1))."""
-        return len(self.train_tokens) if not self.packed else self.train_rows.tokens.size
-
-    @property
-    def num_val_tokens(self) -> int:
-        """Validation size in tokens; packed rows count as ``R x T + 1`` (R windows)."""
-        if not self.packed:
-            return len(self.val_tokens)
-        rows = self.val_rows.num_rows if self.val_rows is not None else 0
-        return rows * self.train_rows.seq_len + 1 if rows else 0
-
-    def fingerprint(self) -> str:
-        """``data_fingerprint`` of the token ids (and, packed, of the loss masks)."""
-        if not self.packed:
-            return data_fingerprint(self.train_tokens, self.val_tokens)
-        arrays = [self.train_rows.tokens, self.train_rows.loss_tokens]
-        if self.val_rows is not None:
-            arrays += [self.val_rows.tokens, self.val_rows.loss_tokens]
-        return data_fingerprint(*arrays)
-
-    def batch(self, tc: TrainConfig, step: int, process_index: int = 0, process_count: int = 1
-              ) -> dict[str, np.ndarray]:
-        """This process's rows of the global batch of ``step``: each key [B / P, T]."""
-        if not self.packed:
-            return data_lib.get_batch(self.train_tokens, tc.seed, step, tc.batch_size,
-                                      tc.seq_len, process_index=process_index,
-                                      process_count=process_count)
-        rows = PackedBatches(self.train_rows, tc.batch_size, tc.seed, process_index,
-                             process_count).get(step)
-        return _with_mask(rows)
-
-    def eval_batches(self, batch_size: int, seq_len: int, max_batches: int | None = None, *,
-                     process_index: int = 0, process_count: int = 1
-                     ) -> Iterator[dict[str, np.ndarray]]:
-        """Deterministic validation batches (see ``data.eval_batches``); packed rows are taken
-        in order, a last incomplete batch filled with rows of zero mask."""
-        if not self.packed:
-            return data_lib.eval_batches(self.val_tokens, batch_size, seq_len, max_batches,
-                                         process_index=process_index,
-                                         process_count=process_count)
-        return _packed_eval_batches(self.val_rows, batch_size, max_batches, process_index,
-                                    process_count)
-
-
-def split_rows(rows: PackedData, val_fraction: float) -> tuple[PackedData, PackedData | None]:
-    """Holds out ``round(val_fraction * R)`` packed rows (at least one when the fraction is
-    positive and R > 1) chosen by a fixed permutation, so the split is the same on every run.
-
-    Returns:
-      ``(train rows, validation rows or None)``, each keeping the rows' original order.
-    """
-    count = rows.num_rows
-    n_val = min(count - 1, max(1, round(val_fraction * count))) if val_fraction > 0 else 0
-    if n_val <= 0:
-        return rows, None
-    order = np.random.default_rng(0).permutation(count)
-    return _rows(rows, np.sort(order[n_val:])), _rows(rows, np.sort(order[:n_val]))
-
-
-def prepare_instruction_data(data_config: DataConfig, tokenizer: TextTokenizer, seq_len: int
-                             ) -> RunData:
-    """Reads, tokenizes and packs ``data.path`` (one ``.jsonl`` file) and splits its rows."""
-    packed = load_instruction_data(Path(data_config.patterns[0]).expanduser(), tokenizer,
-                                   seq_len)
-    train, val = split_rows(packed, data_config.val_fraction)
-    logger.info("instruction data: %d examples (%d truncated) in %d packed rows of %d tokens: "
-                "%d train / %d val rows; %.1f%% of the target tokens carry the loss",
-                packed.num_examples, packed.num_truncated, packed.num_rows, seq_len + 1,
-                train.num_rows, 0 if val is None else val.num_rows,
-                100 * packed.loss_tokens.mean())
-    return RunData(train_rows=train, val_rows=val)
-
-
-def _rows(rows: PackedData, index: np.ndarray) -> PackedData:
-    segment_ids = rows.segment_ids[index]
-    return PackedData(rows.tokens[index], segment_ids, rows.positions[index],
-                      rows.loss_tokens[index], num_examples=int(segment_ids.max(axis=1).sum()))
-
-
-def _with_mask(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``instruct``'s ``loss_mask`` as the train/eval step's ``mask``."""
-    batch = dict(batch)
-    batch["mask"] = batch.pop("loss_mask")
-    return batch
-
-
-def _packed_eval_batches(rows: PackedData, batch_size: int, max_batches: int | None,
-                         process_index: int, process_count: int
-                         ) -> Iterator[dict[str, np.ndarray]]:
-    from transformer_jax.instruct import rows_to_batch
-
-    local = batch_size // process_count
-    num_batches = -(-rows.num_rows // batch_size)
-    if max_batches:
-        num_batches = min(num_batches, max_batches)
-    for i in range(num_batches):
-        index = np.arange(i * batch_size, (i + 1) * batch_size)
-        real = index < rows.num_rows
-        batch = _with_mask(rows_to_batch(rows, np.where(real, index, 0)))
-        batch["mask"] = batch["mask"] * real[:, None]
-        mine = slice(process_index * local, (process_index + 1) * local)
-        yield {k: v[mine] for k, v in batch.items()}
 
 
 def check_run(model_config: ModelConfig, train_config: TrainConfig, num_train_tokens: int,
@@ -660,81 +495,6 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
 def format_times(time_s: dict[str, float]) -> str:
     """``"startup 1.2 s, compile 3.4 s, ..."`` of ``RunSummary.time_s``."""
     return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in time_s.items())
-
-
-def data_fingerprint(*token_arrays: np.ndarray) -> str:
-    """SHA-256 of the token ids of a run's corpus (train then validation split).
-
-    With the same tokenizer, equal fingerprints mean the same corpus in the same order.
-    """
-    digest = hashlib.sha256()
-    for tokens in token_arrays:
-        array = np.ascontiguousarray(tokens)
-        digest.update(array.dtype.str.encode())
-        digest.update(memoryview(array).cast("B"))
-    return digest.hexdigest()
-
-
-# Model keys that neither change the parameters nor the function: a resume may change them.
-_FREE_MODEL_KEYS = ("attention_impl", "remat")
-# Train keys whose change alters the optimizer state's structure (clipping adds a stage to the
-# optax chain), compared as the structure they give: such a checkpoint cannot be restored.
-_STATE_TRAIN_KEYS: dict[str, Callable[[Any], Any]] = {
-    "grad_clip": lambda v: bool(v), "lora_rank": lambda v: v,
-    "lora_targets": lambda v: tuple(t.strip() for t in str(v).split(",") if t.strip())}
-# Train keys that change the computation: a resume with other values continues, but is not the
-# run an uninterrupted one would have been.
-_TRAJECTORY_TRAIN_KEYS = ("batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
-                          "decay_steps", "weight_decay", "b1", "b2", "eps", "grad_clip",
-                          "z_loss", "seed", "lora_alpha", "lora_base_dtype", "init_from")
-
-
-def check_resume(saved: dict[str, Any], current: dict[str, Any], where: Path) -> None:
-    """Compares a checkpoint's saved configs with a run's before restoring it.
-
-    Args:
-      saved: the checkpoint's meta (``CheckpointManager.read_meta``).
-      current: the run's configs (as saved with its checkpoints).
-      where: the checkpoint directory, for the messages.
-
-    Raises:
-      ValueError: one line naming what differs: the tokenizer (its fingerprints), the model
-        keys, a train key that changes the optimizer state's structure, or the corpus (unless
-        ``train.allow_new_data``).
-    """
-    use = "; use another train.run_dir"
-    saved_tok, tok = saved.get("tokenizer_fingerprint"), current["tokenizer_fingerprint"]
-    if saved_tok and saved_tok != tok:
-        raise ValueError(
-            f"the checkpoints in {where} were trained with another tokenizer "
-            f"({saved.get('tokenizer')}, fingerprint {saved_tok[:12]}) than this run's "
-            f"({current['tokenizer']}, fingerprint {tok[:12]}); a run continues only with its "
-            f"own tokenizer{use}")
-    diffs = [f"model.{k}: {saved['model'].get(k)!r} in the checkpoint, {v!r} now"
-             for k, v in current["model"].items()
-             if k not in _FREE_MODEL_KEYS and "model" in saved and saved["model"].get(k) != v]
-    saved_train = saved.get("train") or {}
-    diffs += [f"train.{k}: {saved_train[k]!r} in the checkpoint, {current['train'][k]!r} now "
-              "(changes the optimizer state)"
-              for k, structure in _STATE_TRAIN_KEYS.items()
-              if k in saved_train and structure(saved_train[k]) != structure(current["train"][k])]
-    if diffs:
-        raise ValueError(f"the checkpoints in {where} were written for another run: "
-                         + "; ".join(diffs) + use)
-    saved_data, data = saved.get("data_fingerprint"), current["data_fingerprint"]
-    if saved_data and saved_data != data:
-        if not current["train"].get("allow_new_data"):
-            raise ValueError(
-                f"the checkpoints in {where} were trained on another corpus (data fingerprint "
-                f"{saved_data[:12]}, now {data[:12]}); pass train.allow_new_data=true to continue "
-                f"on this data with the same tokenizer{use.replace('; use', ', or')}")
-        logger.warning("continuing the run of %s on a new corpus (train.allow_new_data)", where)
-    changed = [f"{k} {saved_train[k]!r} -> {current['train'][k]!r}"
-               for k in _TRAJECTORY_TRAIN_KEYS
-               if k in saved_train and saved_train[k] != current["train"][k]]
-    if changed:
-        logger.warning("resuming with other train settings than the checkpoint's (%s): the "
-                       "result is not that of an uninterrupted run", ", ".join(changed))
 
 
 def evaluate(eval_step: Callable[[Params, Batch], Metrics], params: Params,

@@ -215,15 +215,15 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
 
 def compile_times(config: ModelConfig, layers: tuple[int, ...] = (4, 32), batch: int = 1,
                   prompt_len: int = 128, new_tokens: int = 64,
-                  dtype: str = "bfloat16", repeats: int = 2) -> dict[str, Any]:
+                  dtype: str = "bfloat16", repeats: int = 1) -> dict[str, Any]:
     """Seconds to lower and compile the jitted generate at several depths, from abstract inputs.
 
     Nothing is allocated: the weights, prompts and keys are ``jax.ShapeDtypeStruct``s. With a
     scanned model the program, and so its compile time, should not grow with depth.
     """
     out: dict[str, float] = {}
-    # Each depth twice, interleaved, with a fresh jit each time; the faster run counts (a burst
-    # of load on a shared machine then does not land on one depth only).
+    # With repeats > 1 the depths are interleaved and the faster run counts; note that a repeat
+    # of an identical program may be served by JAX's compilation cache.
     for _ in range(repeats):
         for n_layers in layers:
             c = config.replace(n_layers=n_layers, dtype=dtype, param_dtype=dtype)

@@ -1,0 +1,200 @@
+"""A run's data: the tokenizer and the token splits of a text corpus, or the packed rows of a
+``.jsonl`` instruction file, and the batches ``training.run`` draws from them (pure in
+(seed, step), so a resumed run sees exactly the batches an uninterrupted one would)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from transformer_jax import data as data_lib
+from transformer_jax.checkpoint import ensure_writable_dir
+from transformer_jax.instruct import PackedBatches, PackedData, load_instruction_data
+from transformer_jax.resume import data_fingerprint
+from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, Tokenizer
+from transformer_jax.train_config import (
+    DataConfig,
+    TrainConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+Params = dict[str, Any]
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+
+
+def prepare_data(data_config: DataConfig, vocab_size: int,
+                 tokenizer: TextTokenizer | None = None
+                 ) -> tuple[TextTokenizer, np.ndarray, np.ndarray]:
+    """Loads or trains the tokenizer and tokenizes the corpus (both cached), then splits it.
+
+    Args:
+      data_config: the corpus and tokenizer settings.
+      vocab_size: vocabulary size to train a bpe/unigram tokenizer with if the data config
+        does not give one.
+      tokenizer: the tokenizer to use (a fine-tuned checkpoint's); None loads or trains the
+        one of ``data_config``.
+
+    Returns:
+      ``(tokenizer, train_tokens [N_train], val_tokens [N_val])``.
+
+    Raises:
+      FileNotFoundError: for a missing corpus or tokenizer file.
+      ValueError: for an empty corpus or a tokenizer file that does not load.
+    """
+    dc = data_config
+    cache_dir = Path(dc.cache_dir).expanduser()
+    if dc.patterns:
+        files = data_lib.resolve_corpus(dc.patterns)
+    else:
+        files = data_lib.default_corpus(dc.max_bytes)
+    ensure_writable_dir(cache_dir, "data cache directory")
+    if tokenizer is not None:
+        pass
+    elif dc.tokenizer in MODEL_TYPES:
+        tokenizer = Tokenizer.train_or_load(files, cache_dir, dc.vocab_size or vocab_size,
+                                            dc.tokenizer)
+    else:
+        tokenizer = Tokenizer.load(Path(dc.tokenizer).expanduser())
+    tokens = data_lib.tokenize_corpus(files, tokenizer, cache_dir)
+    train_tokens, val_tokens = data_lib.split(tokens, dc.val_fraction)
+    logger.info("data: %d files, %d train / %d val tokens, tokenizer %s", len(files),
+                len(train_tokens), len(val_tokens), tokenizer)
+    return tokenizer, train_tokens, val_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class RunData:
+    """A run's train and validation data: token streams (text) or packed rows (``.jsonl``).
+
+    Both give batches that are a pure function of (seed, step), so a resumed run sees the
+    batches an uninterrupted one would have. Packed batches carry ``mask`` (the loss on the
+    completion / assistant tokens only), ``segment_ids`` and ``positions``.
+
+    Attributes:
+      train_tokens: [N_train] token ids (text), or None.
+      val_tokens: [N_val] token ids (text), or None.
+      train_rows: packed train rows (instruction data), or None.
+      val_rows: packed validation rows, or None.
+    """
+
+    train_tokens: np.ndarray | None = None
+    val_tokens: np.ndarray | None = None
+    train_rows: PackedData | None = None
+    val_rows: PackedData | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.train_rows is not None
+
+    @property
+    def num_train_tokens(self) -> int:
+        """Train size in tokens (packed: rows x (T + 1))."""
+        return len(self.train_tokens) if not self.packed else self.train_rows.tokens.size
+
+    @property
+    def num_val_tokens(self) -> int:
+        """Validation size in tokens; packed rows count as ``R x T + 1`` (R windows)."""
+        if not self.packed:
+            return len(self.val_tokens)
+        rows = self.val_rows.num_rows if self.val_rows is not None else 0
+        return rows * self.train_rows.seq_len + 1 if rows else 0
+
+    def fingerprint(self) -> str:
+        """``data_fingerprint`` of the token ids (and, packed, of the loss masks)."""
+        if not self.packed:
+            return data_fingerprint(self.train_tokens, self.val_tokens)
+        arrays = [self.train_rows.tokens, self.train_rows.loss_tokens]
+        if self.val_rows is not None:
+            arrays += [self.val_rows.tokens, self.val_rows.loss_tokens]
+        return data_fingerprint(*arrays)
+
+    def batch(self, tc: TrainConfig, step: int, process_index: int = 0, process_count: int = 1
+              ) -> dict[str, np.ndarray]:
+        """This process's rows of the global batch of ``step``: each key [B / P, T]."""
+        if not self.packed:
+            return data_lib.get_batch(self.train_tokens, tc.seed, step, tc.batch_size,
+                                      tc.seq_len, process_index=process_index,
+                                      process_count=process_count)
+        rows = PackedBatches(self.train_rows, tc.batch_size, tc.seed, process_index,
+                             process_count).get(step)
+        return _with_mask(rows)
+
+    def eval_batches(self, batch_size: int, seq_len: int, max_batches: int | None = None, *,
+                     process_index: int = 0, process_count: int = 1
+                     ) -> Iterator[dict[str, np.ndarray]]:
+        """Deterministic validation batches (see ``data.eval_batches``); packed rows are taken
+        in order, a last incomplete batch filled with rows of zero mask."""
+        if not self.packed:
+            return data_lib.eval_batches(self.val_tokens, batch_size, seq_len, max_batches,
+                                         process_index=process_index,
+                                         process_count=process_count)
+        return _packed_eval_batches(self.val_rows, batch_size, max_batches, process_index,
+                                    process_count)
+
+
+def split_rows(rows: PackedData, val_fraction: float) -> tuple[PackedData, PackedData | None]:
+    """Holds out ``round(val_fraction * R)`` packed rows (at least one when the fraction is
+    positive and R > 1) chosen by a fixed permutation, so the split is the same on every run.
+
+    Returns:
+      ``(train rows, validation rows or None)``, each keeping the rows' original order.
+    """
+    count = rows.num_rows
+    n_val = min(count - 1, max(1, round(val_fraction * count))) if val_fraction > 0 else 0
+    if n_val <= 0:
+        return rows, None
+    order = np.random.default_rng(0).permutation(count)
+    return _rows(rows, np.sort(order[n_val:])), _rows(rows, np.sort(order[:n_val]))
+
+
+def prepare_instruction_data(data_config: DataConfig, tokenizer: TextTokenizer, seq_len: int
+                             ) -> RunData:
+    """Reads, tokenizes and packs ``data.path`` (one ``.jsonl`` file) and splits its rows."""
+    packed = load_instruction_data(Path(data_config.patterns[0]).expanduser(), tokenizer,
+                                   seq_len)
+    train, val = split_rows(packed, data_config.val_fraction)
+    logger.info("instruction data: %d examples (%d truncated) in %d packed rows of %d tokens: "
+                "%d train / %d val rows; %.1f%% of the target tokens carry the loss",
+                packed.num_examples, packed.num_truncated, packed.num_rows, seq_len + 1,
+                train.num_rows, 0 if val is None else val.num_rows,
+                100 * packed.loss_tokens.mean())
+    return RunData(train_rows=train, val_rows=val)
+
+
+def _rows(rows: PackedData, index: np.ndarray) -> PackedData:
+    segment_ids = rows.segment_ids[index]
+    return PackedData(rows.tokens[index], segment_ids, rows.positions[index],
+                      rows.loss_tokens[index], num_examples=int(segment_ids.max(axis=1).sum()))
+
+
+def _with_mask(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``instruct``'s ``loss_mask`` as the train/eval step's ``mask``."""
+    batch = dict(batch)
+    batch["mask"] = batch.pop("loss_mask")
+    return batch
+
+
+def _packed_eval_batches(rows: PackedData, batch_size: int, max_batches: int | None,
+                         process_index: int, process_count: int
+                         ) -> Iterator[dict[str, np.ndarray]]:
+    from transformer_jax.instruct import rows_to_batch
+
+    local = batch_size // process_count
+    num_batches = -(-rows.num_rows // batch_size)
+    if max_batches:
+        num_batches = min(num_batches, max_batches)
+    for i in range(num_batches):
+        index = np.arange(i * batch_size, (i + 1) * batch_size)
+        real = index < rows.num_rows
+        batch = _with_mask(rows_to_batch(rows, np.where(real, index, 0)))
+        batch["mask"] = batch["mask"] * real[:, None]
+        mine = slice(process_index * local, (process_index + 1) * local)
+        yield {k: v[mine] for k, v in batch.items()}
