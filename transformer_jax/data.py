@@ -286,7 +286,7 @@ def batch_offsets(
     Raises:
       ValueError: On a negative seed or step, a non-positive size, or ``seq_len >= N``.
     """
-    seed, step = _check_non_negative("seed", seed), _check_non_negative("step", step)
+    seed, step = check_non_negative("seed", seed), check_non_negative("step", step)
     _check_batch_args(num_tokens, batch_size, seq_len, process_index=0, process_count=1)
     rng = np.random.default_rng([seed, step])
     return rng.integers(0, num_tokens - seq_len, size=batch_size, dtype=np.int64)
@@ -355,7 +355,7 @@ class Batches:
 
     def __post_init__(self) -> None:
         _check_tokens(self.tokens)
-        _check_non_negative("seed", self.seed)
+        check_non_negative("seed", self.seed)
         _check_batch_args(
             len(self.tokens), self.batch_size, self.seq_len, self.process_index, self.process_count
         )
@@ -374,7 +374,7 @@ class Batches:
 
     def iterate(self, start_step: int = 0) -> Iterator[Batch]:
         """Yields ``get(step)`` for ``step = start_step, start_step + 1, ...`` without end."""
-        step = _check_non_negative("start_step", start_step)
+        step = check_non_negative("start_step", start_step)
         while True:
             yield self.get(step)
             step += 1
@@ -447,7 +447,8 @@ def _check_tokens(tokens: np.ndarray) -> np.ndarray:
     return tokens
 
 
-def _check_non_negative(name: str, value: int) -> int:
+def check_non_negative(name: str, value: int) -> int:
+    """``value`` as an int, or ValueError naming it when it is not a non-negative int."""
     try:
         value = operator.index(value)
     except TypeError:

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from transformer_jax.data import check_non_negative
 from transformer_jax.tokenizer import ChatTemplate, ChatTemplateError, TextTokenizer
 
 logger = logging.getLogger(__name__)
@@ -366,7 +367,7 @@ def row_indices(seed: int, step: int, batch_size: int, num_rows: int) -> np.ndar
     Every epoch (R consecutive global rows) visits each packed row once, in the order of a
     permutation drawn from ``np.random.default_rng([seed, epoch])``.
     """
-    seed, step = _check_non_negative("seed", seed), _check_non_negative("step", step)
+    seed, step = check_non_negative("seed", seed), check_non_negative("step", step)
     if batch_size <= 0 or num_rows <= 0:
         raise ValueError(f"batch_size ({batch_size}) and num_rows ({num_rows}) must be positive")
     flat = step * batch_size + np.arange(batch_size, dtype=np.int64)
@@ -425,7 +426,7 @@ class PackedBatches:
     process_count: int = 1
 
     def __post_init__(self) -> None:
-        _check_non_negative("seed", self.seed)
+        check_non_negative("seed", self.seed)
         if self.batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {self.batch_size}")
         if self.process_count <= 0 or not 0 <= self.process_index < self.process_count:
@@ -448,20 +449,11 @@ class PackedBatches:
 
     def iterate(self, start_step: int = 0) -> Iterator[Batch]:
         """Yields ``get(step)`` for ``step = start_step, start_step + 1, ...`` without end."""
-        step = _check_non_negative("start_step", start_step)
+        step = check_non_negative("start_step", start_step)
         while True:
             yield self.get(step)
             step += 1
 
-
-def _check_non_negative(name: str, value: int) -> int:
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an int, got {value!r}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be non-negative, got {value}")
-    return value
 
 
 __all__ = [
