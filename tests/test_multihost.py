@@ -18,6 +18,7 @@ import pytest
 
 from transformer_jax import distributed
 from transformer_jax import sharding as sh
+from transformer_jax.checkpoint import CHECKSUMS_FILE, verify_checksums
 
 N_PROCESSES, DEVICES_PER_PROCESS = 2, 4
 
@@ -51,7 +52,7 @@ def runs(tmp_path_factory) -> dict:
                 proc.wait()
     check = worker.run_worker(["check", "--ckpt", str(ckpt)],
                               n_devices=N_PROCESSES * DEVICES_PER_PROCESS)
-    return {"processes": results, "single": check}
+    return {"processes": results, "single": check, "ckpt": ckpt}
 
 
 def test_processes_see_one_global_mesh(runs):
@@ -88,6 +89,16 @@ def test_shared_checkpoint_restores_in_one_process(runs):
         # Same bounds as the mesh-vs-single-device test (see test_sharding.py).
         limit = 1e-7 if "/mu/" in path else 1e-9 if "/nu/" in path else 1e-5
         assert diff < limit, (path, diff)
+
+
+def test_shared_checkpoint_is_summed_once(runs):
+    # One process (the primary) writes the checksums; none of the writers' temporary files
+    # is left behind or listed, and the sums match the files.
+    (step_dir,) = [d for d in runs["ckpt"].iterdir() if d.name.isdigit()]
+    sums = json.loads((step_dir / CHECKSUMS_FILE).read_text())
+    assert sums and not [n for n in sums if n.endswith(".tmp")]
+    assert not list(step_dir.rglob("*.tmp"))
+    verify_checksums(step_dir)
 
 
 # ------------------------------------------------------------------ in-process, one device

@@ -201,7 +201,9 @@ class CheckpointManager:
             raise self._write_failed(step, e) from None
         if step is not None:
             self._in_flight = None
-            if self.step_path(step).is_dir():  # not already rotated away
+            # One writer per checkpoint: with several processes the primary one sums the
+            # files (orbax has finalised the directory by the time its wait returns).
+            if jax.process_index() == 0 and self.step_path(step).is_dir():
                 try:
                     write_checksums(self.step_path(step))
                 except OSError as e:
@@ -504,9 +506,15 @@ _STEP_METADATA = "_CHECKPOINT_METADATA"
 def write_checksums(step_dir: Path) -> None:
     """Records the size and SHA-256 of every file of a complete step directory."""
     sums = {str(f.relative_to(step_dir)): [f.stat().st_size, _sha256(f)]
-            for f in sorted(step_dir.rglob("*")) if f.is_file() and f.name != CHECKSUMS_FILE}
+            for f in sorted(step_dir.rglob("*"))
+            if f.is_file() and f.name != CHECKSUMS_FILE and not _is_temporary(f)}
     with atomic_writer(step_dir / CHECKSUMS_FILE) as out:
         out.write(json.dumps(sums, indent=0).encode())
+
+
+def _is_temporary(f: Path) -> bool:
+    """A file ``atomic_writer`` has not yet renamed into place (``.NAME.XXXX.tmp``)."""
+    return f.name.startswith(".") and f.name.endswith(".tmp")
 
 
 def verify_checksums(step_dir: Path) -> None:
