@@ -3,6 +3,7 @@ gradients, and the reference itself against a numpy loop."""
 
 import logging
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -267,6 +268,33 @@ def test_chunked_gradient_does_not_store_the_score_matrix():
     scores = 4 * n * t * t
     assert xla >= scores  # the reference does hold the [N, T, S] float32 scores
     assert chunked < scores / 4 and chunked * 8 < xla, (xla, chunked)
+
+
+def test_chunked_attention_in_scanned_remat_layers_keeps_nothing_of_size_t_by_s():
+    # The model's layout: layers under jax.checkpoint inside lax.scan (nn.scan over nn.remat),
+    # positions shared by every layer. The gradient of that program must not hold any array with
+    # T * S elements: scan's partial evaluation once hoisted each block's mask and -inf fill out
+    # of the forward loops, stacked per block ([T/bq, S/bk, B, K, G, bq, bk], i.e. [B, N, T, S]).
+    t, n, kv, h, d = 1024, 4, 2, 32, 64
+    pos = jnp.arange(t)[None]
+
+    def layer(x, w):
+        q = jnp.einsum("BTD,DNH->BTNH", x, w[:, :n])
+        k = jnp.einsum("BSD,DKH->BKSH", x, w[:, n:n + kv])
+        out = attn.attention(q, k, k, q_positions=pos, k_positions=pos, impl="chunked")
+        return x + jnp.einsum("BTNH,DNH->BTD", out, w[:, :n])
+
+    def loss(ws, x):
+        x, _ = jax.lax.scan(lambda x, w: (jax.checkpoint(layer)(x, w), None), x, ws)
+        return x.sum()
+
+    ws = jax.ShapeDtypeStruct((2, d, n + kv, h), jnp.float32)
+    x = jax.ShapeDtypeStruct((1, t, d), jnp.float32)
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(ws, x))
+    sizes = {shape: math.prod(int(i) for i in shape.split(","))
+             for shape in re.findall(r"\[(\d+(?:,\d+)*)\]", jaxpr)}
+    largest = max(sizes, key=sizes.get)
+    assert sizes[largest] < t * t, f"a [{largest}] value in the gradient (T = S = {t})"
 
 
 def test_pallas_tpu_kernel_lowers_for_tpu():

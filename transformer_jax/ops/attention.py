@@ -15,8 +15,9 @@ key returns exactly zeros.
 - ``"xla"``: the einsum reference (``reference_attention`` over the dense mask of
   ``attention_mask``); it materialises [B, N, T, S] float32 logits and is the definition every
   other implementation is tested against.
-- ``"chunked"``: ``chunked_attention``, blockwise over queries and keys with an online softmax
-  and a hand-written backward pass; memory linear in the context on every backend, CPU included.
+- ``"chunked"``: ``chunked_attention`` (``ops/chunked_attention.py``), blockwise over queries and
+  keys with an online softmax and a hand-written backward pass; memory linear in the context on
+  every backend, CPU included.
 - ``"cudnn"``: cuDNN's fused kernel through ``jax.nn.dot_product_attention`` (GPU).
 - ``"mosaic"``: tokamax's Pallas flash attention (Mosaic TPU on TPU v5+, Mosaic GPU on Hopper or
   newer), over the dense [B, T, S] bool mask.
@@ -28,8 +29,6 @@ key returns exactly zeros.
 kept as a thin wrapper until its callers move to ``attention``.
 """
 
-import dataclasses
-import functools
 import logging
 
 import chex
@@ -37,6 +36,10 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.config import ATTENTION_IMPLS
+from transformer_jax.ops.chunked_attention import check_qkv as _check_qkv
+from transformer_jax.ops.chunked_attention import check_structure as _check_structure
+from transformer_jax.ops.chunked_attention import chunked_attention
+from transformer_jax.ops.chunked_attention import einsum_f32 as _dot
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +59,6 @@ _IMPL_BACKENDS = {"cudnn": ("gpu", "cuda"), "pallas": ("tpu", "gpu", "cuda"),
 # the diagonal) and at 32M 0.6 vs 1.6 s. Decode steps (T = 1) stay on the reference, which was
 # faster there (92 vs 136 ms at B = 8, S = 32768), until their [B, N, 1, S] logits pass 8M.
 _AUTO_CHUNKED_MIN_LOGITS = 2 ** 23
-
-# Default blocks of the chunked path: [B, N, 256, 512] float32 logits per step (512 KiB per
-# sequence and head), large enough that each einsum is efficient and small enough to stay in cache.
-_BLOCK_Q = 256
-_BLOCK_K = 512
 
 _logged_choices: set[tuple[str, str]] = set()
 
@@ -107,28 +105,6 @@ def attention_mask(q_positions: jax.Array, k_positions: jax.Array, *,
     if k_valid is not None:
         mask &= k_valid[:, None, :]
     return mask
-
-
-def _check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> None:
-    """Checks q [B, T, N, H], k/v [B, K, S, H] and an optional mask [B, T, S]."""
-    chex.assert_rank([q, k, v], 4)
-    chex.assert_equal_shape([k, v])
-    chex.assert_equal(q.shape[0], k.shape[0])
-    chex.assert_equal(q.shape[3], k.shape[3])
-    if q.shape[2] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads "
-                         f"({k.shape[1]})")
-    if mask is not None:
-        chex.assert_shape(mask, (q.shape[0], q.shape[1], k.shape[2]))
-
-
-def _dot(spec, a, b):
-    """float32-accumulating einsum; on CPU, whose runtime has no bfloat16 x bfloat16 -> float32
-    dot, low-precision operands are widened first (exact: their products fit in float32)."""
-    if jax.default_backend() == "cpu":
-        a, b = a.astype(jnp.promote_types(a.dtype, jnp.float32)), b.astype(
-            jnp.promote_types(b.dtype, jnp.float32))
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
 # Reference ---------------------------------------------------------------------------------------
@@ -199,261 +175,7 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-# Chunked (flash-style) attention in plain JAX ----------------------------------------------------
-
-def _block_mask(qp, kp, qs, ks, k_valid, *, causal, window):
-    """[B, bq, bk] visibility of one block from its positions [B, bq], [B, bk] and segments."""
-    mask = jnp.broadcast_to(k_valid[None, None, :], (qp.shape[0], qp.shape[1], kp.shape[1]))
-    if causal:
-        mask &= kp[:, None, :] <= qp[:, :, None]
-    if window is not None:
-        mask &= kp[:, None, :] > qp[:, :, None] - window
-    if qs is not None:
-        mask &= (qs[:, :, None] == ks[:, None, :]) & (qs != 0)[:, :, None]
-    return mask
-
-
-def _pad_axis(x, axis, size, mode="constant"):
-    if x is None or x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad, mode=mode)
-
-
-def _block_ranges(pos, block):
-    """Per-block [min, max] position over the batch: pos [B, nb * block] -> two [nb] arrays."""
-    blocks = pos.reshape(pos.shape[0], -1, block)
-    return blocks.min(axis=(0, 2)), blocks.max(axis=(0, 2))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Static layout of one chunked call: block sizes, lengths and the mask's flags."""
-
-    t: int
-    s: int
-    bq: int
-    bk: int
-    causal: bool
-    window: int | None
-    scale: float
-
-    @property
-    def nq(self) -> int:
-        return -(-self.t // self.bq)
-
-    @property
-    def nk(self) -> int:
-        return -(-self.s // self.bk)
-
-    def visible(self, q_range, k_range, i, j):
-        """Whether block (i, j) may hold a visible pair; fully masked blocks are skipped."""
-        ok = jnp.bool_(True)
-        if self.causal:
-            ok &= k_range[0][j] <= q_range[1][i]
-        if self.window is not None:
-            ok &= k_range[1][j] > q_range[0][i] - self.window
-        return ok
-
-
-def _prepare(plan, q, k, v, qpos, kpos, qseg, kseg):
-    """Pads to whole blocks and views q as [B, K, G, Tp, H]; positions are edge-padded so that
-    the per-block ranges stay tight (padded keys are masked by index, padded queries dropped)."""
-    b, t, n, h = q.shape
-    kv = k.shape[1]
-    tp, sp = plan.nq * plan.bq, plan.nk * plan.bk
-    qg = q.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)
-    qg = _pad_axis(qg, 3, tp)
-    k, v = _pad_axis(k, 2, sp), _pad_axis(v, 2, sp)
-    qpos, kpos = _pad_axis(qpos, 1, tp, "edge"), _pad_axis(kpos, 1, sp, "edge")
-    qseg, kseg = _pad_axis(qseg, 1, tp), _pad_axis(kseg, 1, sp)
-    return qg, k, v, qpos, kpos, qseg, kseg
-
-
-def _slice(x, start, size, axis):
-    return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size, axis)
-
-
-def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg):
-    """Forward pass; returns the output [B, T, N, H] and its residuals (padded internal layout)."""
-    b, t, n, h = q.shape
-    qg, kp_, vp, qpos, kpos, qseg, kseg = _prepare(plan, q, k, v, qpos, kpos, qseg, kseg)
-    q_range, k_range = _block_ranges(qpos, plan.bq), _block_ranges(kpos, plan.bk)
-    bq, bk = plan.bq, plan.bk
-    stats_shape = qg.shape[:3] + (bq,)  # [B, K, G, bq]
-
-    def q_block(i, carry):
-        out, lse = carry
-        qi = _slice(qg, i * bq, bq, 3)
-        qp_i, qs_i = _slice(qpos, i * bq, bq, 1), _slice(qseg, i * bq, bq, 1)
-
-        def k_block(j, c):
-            def update(c):
-                acc, m, l = c
-                kj, vj = _slice(kp_, j * bk, bk, 2), _slice(vp, j * bk, bk, 2)
-                valid = j * bk + jnp.arange(bk) < plan.s
-                mask = _block_mask(qp_i, _slice(kpos, j * bk, bk, 1), qs_i,
-                                   _slice(kseg, j * bk, bk, 1), valid,
-                                   causal=plan.causal, window=plan.window)
-                logits = _dot("BKGTH,BKSH->BKGTS", qi, kj) * plan.scale
-                logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
-                m_new = jnp.maximum(m, logits.max(-1))
-                # A row with nothing visible yet keeps m = -inf; shift it by 0 so exp gives 0.
-                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-                p = jnp.exp(logits - m_safe[..., None])
-                alpha = jnp.exp(m - m_safe)
-                acc = acc * alpha[..., None] + _dot("BKGTS,BKSH->BKGTH", p.astype(vj.dtype), vj)
-                return acc, m_new, l * alpha + p.sum(-1)
-
-            return jax.lax.cond(plan.visible(q_range, k_range, i, j), update, lambda c: c, c)
-
-        init = (jnp.zeros(stats_shape + (h,), jnp.float32),
-                jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32))
-        acc, m, l = jax.lax.fori_loop(0, plan.nk, k_block, init)
-        empty = l == 0
-        o_i = (acc / jnp.where(empty, 1.0, l)[..., None]).astype(q.dtype)
-        # Rows with no visible key get lse = +inf, so the backward pass gives them p = 0.
-        lse_i = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-        out = jax.lax.dynamic_update_slice_in_dim(out, o_i, i * bq, 3)
-        lse = jax.lax.dynamic_update_slice_in_dim(lse, lse_i, i * bq, 3)
-        return out, lse
-
-    out = jnp.zeros(qg.shape, q.dtype)
-    lse = jnp.zeros(qg.shape[:4], jnp.float32)
-    out, lse = jax.lax.fori_loop(0, plan.nq, q_block, (out, lse))
-    result = out[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
-    return result, (out, lse)
-
-
-def _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, out, lse, d_out):
-    """Backward pass: recomputes each block's probabilities from the saved log-sum-exp, so the
-    [T, S] matrix is never stored. Outer loop over key blocks, inner over query blocks; dq is a
-    carried [B, K, G, Tp, H] float32 accumulator."""
-    b, t, n, h = q.shape
-    kv = k.shape[1]
-    qg, kp_, vp, qpos, kpos, qseg, kseg = _prepare(plan, q, k, v, qpos, kpos, qseg, kseg)
-    do = _pad_axis(d_out.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4), 3, qg.shape[3])
-    # D_r = sum_h dO_rh O_rh = sum_s P_rs dP_rs: the softmax backward's row term.
-    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    q_range, k_range = _block_ranges(qpos, plan.bq), _block_ranges(kpos, plan.bk)
-    bq, bk = plan.bq, plan.bk
-
-    def k_block(j, carry):
-        dq, dk, dv = carry
-        kj, vj = _slice(kp_, j * bk, bk, 2), _slice(vp, j * bk, bk, 2)
-        kp_j, ks_j = _slice(kpos, j * bk, bk, 1), _slice(kseg, j * bk, bk, 1)
-        valid = j * bk + jnp.arange(bk) < plan.s
-
-        def q_block(i, c):
-            def update(c):
-                dk_j, dv_j, dq = c
-                qi, do_i = _slice(qg, i * bq, bq, 3), _slice(do, i * bq, bq, 3)
-                mask = _block_mask(_slice(qpos, i * bq, bq, 1), kp_j,
-                                   _slice(qseg, i * bq, bq, 1), ks_j, valid,
-                                   causal=plan.causal, window=plan.window)
-                logits = _dot("BKGTH,BKSH->BKGTS", qi, kj) * plan.scale
-                p = jnp.exp(logits - _slice(lse, i * bq, bq, 3)[..., None])
-                p = jnp.where(mask[:, None, None], p, 0.0)
-                dv_j += _dot("BKGTS,BKGTH->BKSH", p.astype(do_i.dtype), do_i)
-                dp = _dot("BKGTH,BKSH->BKGTS", do_i, vj)
-                ds = p * (dp - _slice(delta, i * bq, bq, 3)[..., None]) * plan.scale
-                dk_j += _dot("BKGTS,BKGTH->BKSH", ds, qi.astype(jnp.float32))
-                dq_i = _slice(dq, i * bq, bq, 3) + _dot(
-                    "BKGTS,BKSH->BKGTH", ds, kj.astype(jnp.float32))
-                return dk_j, dv_j, jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * bq, 3)
-
-            return jax.lax.cond(plan.visible(q_range, k_range, i, j), update, lambda c: c, c)
-
-        zeros = jnp.zeros(kj.shape, jnp.float32)
-        dk_j, dv_j, dq = jax.lax.fori_loop(0, plan.nq, q_block, (zeros, zeros, dq))
-        dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_j, j * bk, 2)
-        dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_j, j * bk, 2)
-        return dq, dk, dv
-
-    init = (jnp.zeros(qg.shape, jnp.float32), jnp.zeros(kp_.shape, jnp.float32),
-            jnp.zeros(vp.shape, jnp.float32))
-    dq, dk, dv = jax.lax.fori_loop(0, plan.nk, k_block, init)
-    dq = dq[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
-    s = k.shape[2]
-    return dq, dk[:, :, :s].astype(k.dtype), dv[:, :, :s].astype(v.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(plan, q, k, v, qpos, kpos, qseg, kseg):
-    return _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg)[0]
-
-
-def _chunked_fwd(plan, q, k, v, qpos, kpos, qseg, kseg):
-    result, (out, lse) = _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg)
-    return result, (q, k, v, qpos, kpos, qseg, kseg, out, lse)
-
-
-def _chunked_bwd(plan, residuals, d_out):
-    q, k, v, qpos, kpos, qseg, kseg, out, lse = residuals
-    dq, dk, dv = _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, out, lse, d_out)
-    return dq, dk, dv, None, None, None, None  # integer inputs have no cotangent
-
-
-_chunked.defvjp(_chunked_fwd, _chunked_bwd)
-
-
-def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
-                      k_positions: jax.Array | None = None,
-                      q_segments: jax.Array | None = None,
-                      k_segments: jax.Array | None = None, window: int | None = None,
-                      causal: bool = True, scale: float | None = None,
-                      block_q: int = _BLOCK_Q, block_k: int = _BLOCK_K) -> jax.Array:
-    """Memory-efficient attention on any backend: blockwise with an online softmax.
-
-    Queries and keys are cut into blocks of ``block_q`` and ``block_k``; each query block runs
-    over the key blocks keeping a running maximum, sum and weighted value sum (flash attention in
-    plain JAX). Key blocks that no query of the block can see (from the blocks' position ranges:
-    causal, window) are skipped with ``lax.cond``. The gradient is a custom VJP that recomputes
-    each block's probabilities from the saved per-row log-sum-exp, so neither direction stores
-    anything of size [T, S]: memory is linear in the context, plus one [B, N, block_q, block_k]
-    block of float32 logits at a time. K/V heads are shared by their G query heads, never repeated.
-
-    Args:
-      q: [B, T, N, H] queries.
-      k: [B, K, S, H] keys, N a multiple of K.
-      v: [B, K, S, H] values.
-      q_positions: [B, T] int positions of the queries.
-      k_positions: optional [B, S] int positions of the keys, default ``arange(S)``.
-      q_segments, k_segments: optional [B, T], [B, S] segment ids (0 = padding), given together.
-      window: optional sliding window; a query at m sees keys at ``n > m - window``.
-      causal: whether a query at m sees only keys at ``n <= m``.
-      scale: logit scale, default ``1/sqrt(H)``.
-      block_q, block_k: block sizes (clipped to T and S).
-
-    Returns:
-      [B, T, N, H] in q's dtype; zeros for a query with no visible key.
-    """
-    q_positions, k_positions = _check_structure(q, k, v, q_positions, k_positions, q_segments,
-                                                k_segments)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    t, s = q.shape[1], k.shape[2]
-    plan = _Plan(t, s, min(block_q, t), min(block_k, s), causal, window, float(scale))
-    return _chunked(plan, q, k, v, q_positions, k_positions, q_segments, k_segments)
-
-
 # Entry point -------------------------------------------------------------------------------------
-
-def _check_structure(q, k, v, q_positions, k_positions, q_segments, k_segments):
-    """Checks shapes; returns int32 positions with the default ``arange(S)`` filled in."""
-    _check_qkv(q, k, v, None)
-    b, t, s = q.shape[0], q.shape[1], k.shape[2]
-    if (q_segments is None) != (k_segments is None):
-        raise ValueError("q_segments and k_segments must be given together")
-    if k_positions is None:
-        k_positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    chex.assert_shape(q_positions, (b, t))
-    chex.assert_shape(k_positions, (b, s))
-    if q_segments is not None:
-        chex.assert_shape(q_segments, (b, t))
-        chex.assert_shape(k_segments, (b, s))
-    return q_positions.astype(jnp.int32), k_positions.astype(jnp.int32)
-
 
 def _check_backend(impl: str) -> None:
     backend = jax.default_backend()
