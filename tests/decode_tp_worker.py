@@ -9,6 +9,7 @@ that cannot split the model.
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import jax
@@ -106,10 +107,28 @@ def errors() -> dict:
     return found
 
 
+def collectives() -> dict:
+    """Collective ops in the compiled tensor=2 generate, for a vocabulary T divides and one it
+    does not (so the embedding and head are replicated)."""
+    found = {}
+    for name, vocab in (("split_vocab", 64), ("whole_vocab", 65)):
+        config = ModelConfig(**{**BASE, "n_kv_heads": 2, "vocab_size": vocab})
+        weights = decode.prepare(config, init_params(config, jax.random.key(0)), _mesh(2))
+        tokens = jax.numpy.ones((3, 5), jax.numpy.int32)
+        hlo = decode._generate_jit.lower(
+            config, weights, tokens, jax.numpy.full((3,), 5, jax.numpy.int32),
+            jax.numpy.zeros((3, 2), jax.numpy.uint32), max_new_tokens=4, mesh=_mesh(2),
+        ).compile().as_text()
+        found[name] = {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo))
+                       for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute")}
+    return found
+
+
 def main() -> int:
     assert len(jax.devices()) == 4, jax.devices()
     result = {name: run_case(*case) for name, case in CASES.items()}
     result["errors"] = errors()
+    result["collectives"] = collectives()
     print(json.dumps(result))
     return 0
 

@@ -16,6 +16,7 @@ from decode_tp_worker import BASE
 from decode_tp_worker import CASES as CASE_SPECS
 
 from transformer_jax.config import ModelConfig
+from transformer_jax.layers import shard_config
 
 WORKER = Path(__file__).with_name("decode_tp_worker.py")
 CASES = tuple(CASE_SPECS)
@@ -47,6 +48,30 @@ def test_tensor_parallel_stream_calls_back_once_per_step_in_order(runs, case):
         # Step i's tokens are column i of the output (while every sequence is active).
         for b, tokens in enumerate(got["tokens"]):
             assert [s[1 + b] for s in steps[:len(tokens)]] == tokens, f"T={tensor} row {b}"
+
+
+def test_tensor_parallel_program_sums_branches_and_gathers_only_logits(runs):
+    # The Megatron split: each layer's attention and FFN outputs are all-reduced (2 layers, in
+    # prefill and in the decode loop: 8), plus the embedding lookup when the vocabulary is split
+    # (prefill and loop: 2); the only all-gathers are of the split logits. A partitioner that
+    # gathered the activations (q, k, v) would add all-gathers.
+    found = runs["collectives"]
+    split, whole = found["split_vocab"], found["whole_vocab"]
+    assert split["all-gather"] == 2 and whole["all-gather"] == 0, found
+    assert whole["all-reduce"] == 8 and split["all-reduce"] == 10, found
+    for counts in found.values():
+        assert counts["all-to-all"] == counts["collective-permute"] == 0, found
+
+
+def test_shard_config_is_one_shards_view():
+    config = ModelConfig(**{**BASE, "n_kv_heads": 2})
+    local = shard_config(config, 2, vocab=True)
+    assert (local.n_heads, local.n_kv_heads, local.d_ff, local.vocab_size, local.head_dim) == (
+        2, 1, 24, 32, config.head_dim)
+    assert local.queries_per_kv_head == config.queries_per_kv_head
+    assert shard_config(config, 2, vocab=False).vocab_size == config.vocab_size
+    with pytest.raises(ValueError, match="n_kv_heads=2 does not split over 4"):
+        shard_config(config, 4, vocab=False)
 
 
 def test_meshes_that_cannot_split_the_model_are_refused_with_the_reason(runs):

@@ -42,13 +42,19 @@ def _normal(std: float) -> nn.initializers.Initializer:
 
 
 class Embed(nn.Module):
-    """Token embedding table [V, D]; ``attend`` is the tied LM head."""
+    """Token embedding table [V, D]; ``attend`` is the tied LM head.
+
+    With ``vocab_axis`` (inside ``shard_map``) the table is this shard's block of V rows, the
+    blocks in shard order: a lookup takes the rows it holds and sums the blocks' vectors over
+    the axis, and ``attend`` gives this shard's block of the logits.
+    """
 
     vocab_size: int
     d_model: int
     init_std: float = 0.02
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    vocab_axis: str | None = None
 
     def setup(self) -> None:
         self.embedding = self.param(
@@ -57,7 +63,14 @@ class Embed(nn.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """[B, T] ids -> [B, T, D] vectors in the compute dtype."""
-        return ops.embed(tokens, self.embedding).astype(self.dtype)
+        if self.vocab_axis is None:
+            return ops.embed(tokens, self.embedding).astype(self.dtype)
+        rows = self.embedding.shape[0]
+        ids = tokens - jax.lax.axis_index(self.vocab_axis) * rows
+        mine = (ids >= 0) & (ids < rows)
+        x = ops.embed(jnp.where(mine, ids, 0), self.embedding) * mine[..., None]
+        # One shard holds each id's row, so the sum is exact.
+        return jax.lax.psum(x, self.vocab_axis).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """[B, T, D] -> [B, T, V] float32 logits with the transposed table."""
@@ -211,9 +224,14 @@ class Block(nn.Module):
 
     Pre-norm (default): ``x + f(norm(x))``; post-norm (original Transformer):
     ``norm(x + f(x))``.
+
+    With ``tensor_axis`` the block runs inside ``shard_map`` on one shard of a Megatron split:
+    its config counts this shard's heads, kv heads and FFN units (``shard_config``), and each
+    branch's output (a partial sum over the shard's heads or units) is summed over the axis.
     """
 
     config: ModelConfig
+    tensor_axis: str | None = None
 
     @nn.compact
     def __call__(self, carry: Carry, positions: jax.Array, layer: int | jax.Array = 0,
@@ -244,12 +262,32 @@ class Block(nn.Module):
                   out_first=c.weights_out_first, name="mlp", **dtypes)
         attn_norm = Norm(name="attn_norm", **norm_kw)
         mlp_norm = Norm(name="mlp_norm", **norm_kw)
+        def total(y: jax.Array) -> jax.Array:
+            return y if self.tensor_axis is None else jax.lax.psum(y, self.tensor_axis)
+
         if c.norm_position == "pre":
             y, cache = attn(attn_norm(x), positions, cache, layer, segment_ids)
-            x = x + y
-            x = x + mlp(mlp_norm(x))
+            x = x + total(y)
+            x = x + total(mlp(mlp_norm(x)))
         else:
             y, cache = attn(x, positions, cache, layer, segment_ids)
-            x = attn_norm(x + y)
-            x = mlp_norm(x + mlp(x))
+            x = attn_norm(x + total(y))
+            x = mlp_norm(x + total(mlp(x)))
         return (x, cache), None
+
+
+def shard_config(config: ModelConfig, shards: int, *, vocab: bool) -> ModelConfig:
+    """The config one shard of a T-way tensor split sees: N/T heads, K/T kv heads, F/T FFN
+    units (and V/T vocabulary rows with ``vocab``), the head size unchanged.
+
+    Contiguous blocks of heads keep the grouping: query head r of shard i is global head
+    i * N/T + r, whose kv head i * K/T + floor(r / G) is this shard's kv head floor(r / G).
+    """
+    c = config
+    for name, value in (("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads), ("d_ff", c.d_ff),
+                        *((("vocab_size", c.vocab_size),) if vocab else ())):
+        if value % shards:
+            raise ValueError(f"{name}={value} does not split over {shards} shards")
+    return c.replace(n_heads=c.n_heads // shards, n_kv_heads=c.n_kv_heads // shards,
+                     head_dim=c.head_dim, d_ff=c.d_ff // shards,
+                     vocab_size=c.vocab_size // shards if vocab else c.vocab_size)

@@ -36,9 +36,18 @@ class Transformer(nn.Module):
     prompts with an empty cache, and every decode step on one token per sequence with the cache
     (``decode.py``). The blocks are unrolled, or scanned with ``config.scan_layers`` (then the
     program, and its compile time, do not grow with depth, decode included).
+
+    Tensor parallelism runs this same forward one of two ways. Under ``jit`` with a mesh and
+    the logical-axis rules in context (training), XLA partitions it from the parameters'
+    shardings. Inside ``shard_map`` (decode), each device runs it on its own block of every
+    matrix: ``config`` is then the shard's view (``layers.shard_config``), ``tensor_axis``
+    names the mesh axis the blocks' branch outputs are summed over, and with ``vocab_split``
+    the embedding rows and head columns are split too (the logits are gathered whole).
     """
 
     config: ModelConfig
+    tensor_axis: str | None = None
+    vocab_split: bool = False
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -74,8 +83,9 @@ class Transformer(nn.Module):
                 positions = positions + cache.lengths[:, None]
         chex.assert_shape(positions, (b, t))
 
+        vocab_axis = self.tensor_axis if self.vocab_split else None
         embed = Embed(c.vocab_size, c.d_model, init_std=c.init_std, dtype=c.jnp_dtype,
-                      param_dtype=c.jnp_param_dtype, name="embed")
+                      param_dtype=c.jnp_param_dtype, vocab_axis=vocab_axis, name="embed")
         x = embed(tokens)
         if c.position == "sinusoidal":
             x = x + ops.sinusoidal_positions(positions, c.d_model).astype(x.dtype)
@@ -91,11 +101,13 @@ class Transformer(nn.Module):
             blocks = nn.scan(
                 block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                 in_axes=(nn.broadcast, 0, nn.broadcast), length=c.n_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"})(c, name="blocks")
+                metadata_params={nn.PARTITION_NAME: "layers"})(
+                    c, self.tensor_axis, name="blocks")
             carry, _ = blocks(carry, positions, jnp.arange(c.n_layers), segment_ids)
         else:
             for i in range(c.n_layers):
-                carry, _ = block_cls(c, name=f"blocks_{i}")(carry, positions, i, segment_ids)
+                carry, _ = block_cls(c, self.tensor_axis, name=f"blocks_{i}")(
+                    carry, positions, i, segment_ids)
         x, cache = carry
 
         if logits_at is not None:
@@ -113,6 +125,8 @@ class Transformer(nn.Module):
             head = embed.embedding if c.tie_embeddings else self.lm_head_kernel()
             logits = dense(x, head.astype(c.jnp_dtype), "BTD,DV->BTV",
                            out_first=c.weights_out_first, preferred_element_type=jnp.float32)
+        if vocab_axis is not None:  # this shard's [.., V/T] block -> the whole [.., V]
+            logits = jax.lax.all_gather(logits, vocab_axis, axis=2, tiled=True)
         if logits_at is not None:
             logits = logits[:, 0]
         if cache is None:
