@@ -17,8 +17,11 @@ chunked LM head + loss (``train.loss_chunk``).
 
 Reported per device: parameters, Adam state (mu + nu, float32), the whole train state; from the
 compiled train step its arguments and temporaries (gradients, optimizer scratch, activations) and
-a peak estimate; and "activations (est.)", the temporaries of the forward + backward pass
-compiled alone (what the remat policy keeps, gathered weights, XLA scratch).
+a peak estimate; "activations (est.)", the temporaries of the forward + backward pass compiled
+alone (what the remat policy keeps, gathered weights, XLA scratch); and "head + loss (est.)",
+the temporaries of the LM head, cross-entropy and their gradient compiled alone (the logits:
+[B, T, V] float32 with the full loss, one [C, V] block at a time with ``--loss-chunk C``), with
+its share of the peak.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class MemoryReport:
     state_bytes: int
     compiled: dict[str, int] | None = None
     activations_bytes: int | None = None
+    loss_head_bytes: int | None = None
 
 
 def state_memory(model_config: Any, mesh_sizes: tuple[int, int, int], train_config: Any
@@ -159,6 +163,52 @@ def compiled_activations(model_config: Any, train_config: Any, mesh: Any) -> int
     return int(stats.temp_size_in_bytes)
 
 
+def compiled_loss_head(model_config: Any, train_config: Any, mesh: Any) -> int:
+    """Per-device temporaries of the LM head + cross-entropy and their gradient, compiled alone.
+
+    The part of the train step that holds the logits: the model's head and loss as
+    ``train_step.make_loss_fn`` applies them (``loss.cross_entropy_sums`` over [B, T, V] float32
+    logits, or ``ops.lm_loss`` over chunks of ``train_config.loss_chunk`` tokens), differentiated
+    with respect to the [B, T, D] final hidden states and the head, on the step's shardings.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from transformer_jax import sharding as sh
+    from transformer_jax.loss import cross_entropy_sums
+    from transformer_jax.model import abstract_params
+    from transformer_jax.ops.lm_loss import lm_head_cross_entropy_sums
+
+    c, chunk = model_config, train_config.loss_chunk
+    path = ("embed", "embedding") if c.tie_embeddings else ("lm_head",)
+    head, head_shard = abstract_params(c), sh.param_shardings(c, mesh)
+    for key in path:
+        head, head_shard = head[key], head_shard[key]
+    # The tied table, and a head stored out-first, are [V, D]; an in-first head is [D, V].
+    layout = "VD" if c.tie_embeddings or c.weights_out_first else "DV"
+    b, t = train_config.micro_batch_size, train_config.seq_len
+    x_shard = NamedSharding(mesh, sh.logical_to_mesh_spec(("batch", "length", "act_embed")))
+    x = jax.ShapeDtypeStruct((b, t, c.d_model), c.jnp_dtype, sharding=x_shard)
+    t_shard = sh.batch_sharding(mesh)
+    targets = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=t_shard)
+
+    def loss(x, head, targets):
+        w = head.astype(c.jnp_dtype)
+        if chunk:
+            ce, z, _ = lm_head_cross_entropy_sums(x, w, targets, chunk_size=chunk,
+                                                  z_loss=train_config.z_loss, head_layout=layout)
+        else:
+            logits = jnp.einsum(f"BTD,{layout}->BTV", x, w, preferred_element_type=jnp.float32)
+            ce, z, _ = cross_entropy_sums(logits, targets, None, train_config.z_loss)
+        return ce + z
+
+    grad = sh.jit_sharded(jax.grad(loss, argnums=(0, 1)), mesh, (x_shard, head_shard, t_shard),
+                          (x_shard, head_shard))
+    stats = grad.lower(x, sh.with_shardings(head, head_shard), targets).compile().memory_analysis()
+    return int(stats.temp_size_in_bytes)
+
+
 def memory_report(name: str, mesh_sizes: tuple[int, int, int], batch: int, seq: int, *,
                   remat: str | None = None, dtype: str | None = None, mesh: Any = None,
                   attention: str | None = None, loss_chunk: int = 0) -> MemoryReport:
@@ -186,6 +236,7 @@ def memory_report(name: str, mesh_sizes: tuple[int, int, int], batch: int, seq: 
     if mesh is not None:
         report.compiled = compiled_memory(model_config, train_config, mesh)
         report.activations_bytes = compiled_activations(model_config, train_config, mesh)
+        report.loss_head_bytes = compiled_loss_head(model_config, train_config, mesh)
     return report
 
 
@@ -280,6 +331,10 @@ def main(argv: list[str]) -> int:
     n_devices = args.devices or (math.prod(mesh_config.sizes) if -1 not in mesh_config.sizes
                                  else 8)
     sizes = mesh_config.resolve(n_devices)
+    if args.batch % (sizes[0] * sizes[1]):
+        parser.error(f"--batch {args.batch} must be a multiple of data x fsdp = "
+                     f"{sizes[0] * sizes[1]} (the batch is split over both; e.g. --batch "
+                     f"{sizes[0] * sizes[1]} for one sequence per device)")
     _use_simulated_cpu_devices(n_devices)
     import jax
 
@@ -329,6 +384,9 @@ def main(argv: list[str]) -> int:
             print(f"              temporaries         {_gib(c['temp'])}")
             print(f"              activations (est.)  {_gib(report.activations_bytes)}")
             print(f"              peak (est.)         {_gib(c['peak_estimate'])}")
+            share = report.loss_head_bytes / c["peak_estimate"]
+            print(f"              head + loss (est.)  {_gib(report.loss_head_bytes)}"
+                  f" ({share:.1%} of the peak)")
         result = dataclasses.asdict(report)
     if args.json:
         with open(args.json, "w") as f:
