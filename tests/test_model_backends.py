@@ -90,9 +90,9 @@ def test_chunked_attention_over_a_cache_equals_the_reference(keys_transposed):
     chex.assert_trees_all_close(out["chunked"], out["xla"], atol=1e-5)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_chunked_loss_equals_the_full_loss_and_its_gradients(tied):
-    config = ModelConfig(**BASE, n_kv_heads=2, tie_embeddings=tied)
+@pytest.mark.parametrize(("tied", "out_first"), [(False, False), (True, False), (False, True)])
+def test_chunked_loss_equals_the_full_loss_and_its_gradients(tied, out_first):
+    config = ModelConfig(**BASE, n_kv_heads=2, tie_embeddings=tied, weights_out_first=out_first)
     params = init_params(config, 0)
     tokens, _, _ = _batch(t=20, seed=3)
     mask = jnp.asarray(np.random.default_rng(4).random((2, 20)) > 0.3, jnp.float32)

@@ -212,7 +212,9 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
         head = params["embed"]["embedding"] if tied else params["lm_head"]
         ce, z, count = lm_head_cross_entropy_sums(
             hidden, head.astype(model_config.jnp_dtype), batch["targets"], batch.get("mask"),
-            chunk_size=chunk, z_loss=z_weight, head_layout="VD" if tied else "DV")
+            chunk_size=chunk, z_loss=z_weight,
+            # A tied table is [V, D]; an untied head is [D, V], or [V, D] stored out-first.
+            head_layout="VD" if tied or model_config.weights_out_first else "DV")
         return ce + z, (ce, z, count)
 
     return loss_sums
