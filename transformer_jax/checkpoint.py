@@ -5,19 +5,18 @@ state (parameters, optimizer state, step, RNG) and a small JSON ``meta`` item (c
 Orbax writes each step into a temporary directory and renames it only once every file is
 complete, so a checkpoint that was being written when the process died is never listed, restored
 or counted towards ``keep``. The data position needs no saving: batches are a pure function of
-(seed, step).
+(seed, step). The files of a step directory (checksums, damage checks, setting a damaged one
+aside) are handled in ``transformer_jax.checkpoint_files``; its errors, ``ensure_writable_dir``,
+``CHECKSUMS_FILE`` and ``verify_checksums`` are importable from here too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
-import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,58 +25,24 @@ from typing import Any, TypeVar
 import jax
 import orbax.checkpoint as ocp
 
-from transformer_jax.files import atomic_writer
+from transformer_jax.checkpoint_files import CHECKSUMS_FILE as CHECKSUMS_FILE
+from transformer_jax.checkpoint_files import (
+    META_ITEM,
+    STATE_ITEM,
+    CheckpointError,
+    DamagedCheckpointError,
+    check_step_files,
+    disk_steps,
+    ensure_writable_dir,
+    read_meta_file,
+    set_aside,
+    write_checksums,
+)
+from transformer_jax.checkpoint_files import verify_checksums as verify_checksums
 
 logger = logging.getLogger(__name__)
 
-STATE_ITEM = "state"
-META_ITEM = "meta"
-
 T = TypeVar("T")
-
-
-def ensure_writable_dir(directory: str | os.PathLike[str], what: str = "directory") -> Path:
-    """Creates ``directory`` if needed and checks that files can be written in it.
-
-    Checked up front so that an unwritable location fails at start-up, not at the first save
-    minutes (or hours) into a run.
-
-    Args:
-      directory: the directory.
-      what: what it is for, used in the error message.
-
-    Returns:
-      The absolute path.
-
-    Raises:
-      PermissionError: if the directory cannot be created or written to (also when a parent
-        is a regular file).
-    """
-    path = Path(directory).expanduser().absolute()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
-            pass
-    except OSError as e:
-        raise PermissionError(f"{what} {str(path)!r} is not writable: {e}") from e
-    return path
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message is one line naming the path."""
-
-
-class DamagedCheckpointError(CheckpointError):
-    """A checkpoint directory exists but is unreadable (missing, truncated or altered files).
-
-    Attributes:
-      path: the step directory.
-      reason: what is wrong, one line.
-    """
-
-    def __init__(self, path: Path, reason: str) -> None:
-        super().__init__(f"checkpoint {path} is damaged: {reason}")
-        self.path, self.reason = path, reason
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
@@ -251,14 +216,14 @@ class CheckpointManager:
         """
         self.wait()
         if step is not None:
-            return _read_meta_file(self.step_path(step))
-        steps = _disk_steps(self.directory)
+            return read_meta_file(self.step_path(step))
+        steps = disk_steps(self.directory)
         if not steps:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
         errors = []
         for s in reversed(steps):
             try:
-                return _read_meta_file(self.step_path(s))
+                return read_meta_file(self.step_path(s))
             except (DamagedCheckpointError, FileNotFoundError) as e:
                 errors.append(str(e))
         raise CheckpointError(f"no checkpoint in {self.directory} has a readable meta: "
@@ -326,10 +291,10 @@ class CheckpointManager:
                      ) -> tuple[Any, dict[str, Any]]:
         self.wait()
         if step is not None:
-            if step not in _disk_steps(self.directory):
+            if step not in disk_steps(self.directory):
                 raise FileNotFoundError(
                     f"no complete checkpoint of step {step} in {self.directory}; available: "
-                    f"{_disk_steps(self.directory)}")
+                    f"{disk_steps(self.directory)}")
             try:
                 return read(step)
             except _Vanished:
@@ -338,7 +303,7 @@ class CheckpointManager:
         skipped: set[int] = set()
         problems: list[str] = []
         for _ in range(max(attempts, 1)):
-            steps = [s for s in _disk_steps(self.directory) if s not in skipped]
+            steps = [s for s in disk_steps(self.directory) if s not in skipped]
             if not steps:
                 if quarantine:
                     break
@@ -362,7 +327,7 @@ class CheckpointManager:
                 skipped.add(step)
                 if quarantine:
                     try:
-                        aside = _set_aside(e.path)
+                        aside = set_aside(e.path)
                     except OSError as rename_error:
                         logger.warning("%s; skipping it (could not move it aside: %s)", e,
                                        rename_error)
@@ -378,7 +343,7 @@ class CheckpointManager:
             return result
         if quarantine:
             _retry_listing(self._manager.reload)
-        if not problems and not _disk_steps(self.directory):
+        if not problems and not disk_steps(self.directory):
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
         raise CheckpointError(f"no intact checkpoint in {self.directory}: "
                               + ("; ".join(problems) or "they kept disappearing while read"))
@@ -425,7 +390,7 @@ class CheckpointManager:
         try:
             with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
                 restored = reader.restore(path / STATE_ITEM, args=args)
-            meta = _read_meta_file(path)
+            meta = read_meta_file(path)
         except DamagedCheckpointError:
             raise
         except Exception as e:
@@ -444,15 +409,7 @@ class CheckpointManager:
         """
         path = self.step_path(step)
         try:
-            verify_checksums(path)
-            for name in (_STEP_METADATA, f"{STATE_ITEM}/_METADATA"):
-                if not (path / name).is_file():
-                    raise DamagedCheckpointError(path, f"{name} is missing")
-                try:
-                    json.loads((path / name).read_bytes())
-                except ValueError as e:
-                    raise DamagedCheckpointError(path, f"{name} is not valid JSON ({e})") from None
-            _read_meta_file(path)
+            check_step_files(path)
             try:
                 saved = ocp.StandardCheckpointHandler().metadata(path / STATE_ITEM)
                 return getattr(saved, "tree", saved)  # orbax wraps the tree in TreeMetadata
@@ -497,93 +454,7 @@ class CheckpointManager:
         self.close()
 
 
-# Checksums ---------------------------------------------------------------------------------------
-
-CHECKSUMS_FILE = "CHECKSUMS.json"
-_STEP_METADATA = "_CHECKPOINT_METADATA"
-
-
-def write_checksums(step_dir: Path) -> None:
-    """Records the size and SHA-256 of every file of a complete step directory."""
-    sums = {str(f.relative_to(step_dir)): [f.stat().st_size, _sha256(f)]
-            for f in sorted(step_dir.rglob("*"))
-            if f.is_file() and f.name != CHECKSUMS_FILE and not _is_temporary(f)}
-    with atomic_writer(step_dir / CHECKSUMS_FILE) as out:
-        out.write(json.dumps(sums, indent=0).encode())
-
-
-def _is_temporary(f: Path) -> bool:
-    """A file ``atomic_writer`` has not yet renamed into place (``.NAME.XXXX.tmp``)."""
-    return f.name.startswith(".") and f.name.endswith(".tmp")
-
-
-def verify_checksums(step_dir: Path) -> None:
-    """Checks the files of a step directory against its ``CHECKSUMS.json``, if it has one.
-
-    Raises:
-      DamagedCheckpointError: a file is missing or has another size or content.
-      FileNotFoundError: the directory itself is gone.
-    """
-    file = step_dir / CHECKSUMS_FILE
-    if not step_dir.is_dir():
-        raise FileNotFoundError(step_dir)
-    if not file.is_file():
-        return
-    try:
-        sums = json.loads(file.read_bytes())
-        items = [(str(k), int(v[0]), str(v[1])) for k, v in sums.items()]
-    except (ValueError, TypeError, IndexError, AttributeError) as e:
-        raise DamagedCheckpointError(step_dir, f"{CHECKSUMS_FILE} is unreadable ({e})") from None
-    for name, size, digest in items:
-        f = step_dir / name
-        if not f.is_file():
-            raise DamagedCheckpointError(step_dir, f"{name} is missing")
-        if f.stat().st_size != size:
-            raise DamagedCheckpointError(
-                step_dir, f"{name} has {f.stat().st_size} bytes, {size} were written (truncated?)")
-        if _sha256(f) != digest:
-            raise DamagedCheckpointError(step_dir, f"{name} differs from what was written "
-                                                   "(checksum mismatch)")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # Helpers -----------------------------------------------------------------------------------------
-
-def _disk_steps(directory: Path) -> list[int]:
-    """Committed steps on disk now: directories named by an integer (orbax writes into
-    ``<step>.orbax-checkpoint-tmp*`` and renames only once complete; damaged ones set aside
-    are ``<step>.damaged-<n>``)."""
-    try:
-        return sorted(int(p.name) for p in directory.iterdir()
-                      if p.name.isdigit() and p.is_dir())
-    except FileNotFoundError:
-        return []
-
-
-def _read_meta_file(step_dir: Path) -> dict[str, Any]:
-    file = step_dir / META_ITEM / "metadata"
-    if not step_dir.is_dir():
-        raise FileNotFoundError(f"no checkpoint {step_dir}")
-    try:
-        meta = json.loads(file.read_bytes())
-    except FileNotFoundError:
-        if not step_dir.is_dir():
-            raise
-        raise DamagedCheckpointError(step_dir, f"{META_ITEM}/metadata is missing") from None
-    except ValueError as e:
-        raise DamagedCheckpointError(step_dir, f"{META_ITEM}/metadata is not valid JSON "
-                                               f"({e})") from None
-    if not isinstance(meta, dict):
-        raise DamagedCheckpointError(step_dir, f"{META_ITEM}/metadata is not a JSON object")
-    return meta
-
 
 def _retry_listing(fn: Callable[[], T], tries: int = 20) -> T:
     """Runs ``fn`` (which lists the step directories) again when a step vanished meanwhile:
@@ -594,15 +465,6 @@ def _retry_listing(fn: Callable[[], T], tries: int = 20) -> T:
         except FileNotFoundError:
             time.sleep(0.02)
     return fn()
-
-
-def _set_aside(step_dir: Path) -> Path:
-    """Renames a damaged step directory to ``<step>.damaged-<n>`` (first free n)."""
-    n = 1
-    while (aside := step_dir.with_name(f"{step_dir.name}.damaged-{n}")).exists():
-        n += 1
-    step_dir.rename(aside)
-    return aside
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:
