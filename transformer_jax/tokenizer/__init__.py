@@ -2,7 +2,8 @@
 
 Modules:
   base         the ``TextTokenizer`` interface and the checkpoint's ``TokenizerConfig``
-  spm_backend  ``Tokenizer``: SentencePiece ``.model`` files; training and caching
+  spm_backend  ``Tokenizer``: SentencePiece ``.model`` files; load, save, encode/decode
+  spm_train    training a SentencePiece model on a corpus; the train_or_load cache key
   hf_backend   ``HFTokenizer``: ``tokenizer.json`` through the ``tokenizers`` library
   chat         rendering a checkpoint's Jinja chat template as transformers does
   loader       ``load_tokenizer``: the right backend for a checkpoint directory
@@ -14,18 +15,16 @@ from transformer_jax.tokenizer.base import TextTokenizer, TokenizerConfig
 from transformer_jax.tokenizer.chat import ChatTemplate, ChatTemplateError, render_chat
 from transformer_jax.tokenizer.hf_backend import HFTokenizer
 from transformer_jax.tokenizer.loader import load_tokenizer
-from transformer_jax.tokenizer.spm_backend import (
+from transformer_jax.tokenizer.spm_backend import DEFAULT_MODEL_FILENAME, Tokenizer, train_or_load
+from transformer_jax.tokenizer.spm_train import (
     BOS_ID,
-    DEFAULT_MODEL_FILENAME,
     EOS_ID,
     MODEL_TYPES,
     PAD_ID,
     UNK_ID,
     ModelType,
     Source,
-    Tokenizer,
     read_utf8,
-    train_or_load,
 )
 
 __all__ = [
