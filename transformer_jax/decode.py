@@ -422,8 +422,10 @@ def generate_padded(config: ModelConfig, params: Params | DecodeWeights, tokens:
       padding), num_tokens [B] int32 generated per sequence (stop token included).
     """
     shards = tensor_shards(mesh)
-    weights = params.params if isinstance(params, DecodeWeights) else decode_params(config,
-                                                                                    params)
+    if isinstance(params, DecodeWeights):
+        weights = params.params
+    else:  # prepared here, a transient copy per call
+        weights = decode_params(config, params)
     run = functools.partial(_prefill_and_decode, stream_id=stream_id,
                             max_new_tokens=max_new_tokens, settings=settings,
                             cache_size=cache_size, cache_dtype=cache_dtype)
