@@ -82,10 +82,10 @@ def test_chunked_attention_over_a_cache_equals_the_reference(keys_transposed):
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 12)), jnp.int32)
     out = {}
     for impl in ("xla", "chunked"):
-        model = Transformer(config.replace(attention_impl=impl))
+        apply = jax.jit(Transformer(config.replace(attention_impl=impl)).apply)
         cache = KVCache.init(config, 2, 20, keys_transposed=keys_transposed)
-        first, cache = model.apply({"params": params}, tokens[:, :9], cache=cache)
-        second, cache = model.apply({"params": params}, tokens[:, 9:], cache=cache)
+        first, cache = apply({"params": params}, tokens[:, :9], cache=cache)
+        second, cache = apply({"params": params}, tokens[:, 9:], cache=cache)
         out[impl] = (first, second)
     chex.assert_trees_all_close(out["chunked"], out["xla"], atol=1e-5)
 
