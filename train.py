@@ -21,7 +21,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import traceback
+
+import jax
 
 from transformer_jax import distributed
 from transformer_jax.checkpoint import CheckpointError
@@ -120,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         enable_cpu_fast_math()
     configure_cpu_devices(train.micro_batch_size, args.cpu_devices)
     try:
-        distributed.maybe_initialize(args.coordinator_address, args.num_processes,
-                                     args.process_id)
+        several = distributed.maybe_initialize(args.coordinator_address, args.num_processes,
+                                               args.process_id)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -132,17 +136,36 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = run(model, train, data, progress=not args.no_progress)
     except NonFiniteLossError as e:
-        print(f"error: {e}; stopped without saving (earlier checkpoints are kept)",
-              file=sys.stderr)
-        return 1
+        return _failed(f"{e}; stopped without saving (earlier checkpoints are kept)", 1, several)
     except CheckpointError as e:  # a full disk, or no intact checkpoint to resume from
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _failed(str(e), 1, several)
     except (ValueError, FileNotFoundError, PermissionError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _failed(str(e), 2, several)
+    except BaseException:
+        if not several:
+            raise
+        traceback.print_exc()
+        return _failed(f"process {jax.process_index()} stopped on the exception above",
+                       1, several)
     _print_summary(summary)
     return EXIT_CODES.get(summary.interrupted, 1) if summary.interrupted else 0
+
+
+def _failed(message: str, code: int, several_processes: bool) -> int:
+    """Reports an error; in a multi-process run, leaves at once.
+
+    A normal exit would wait at ``jax.distributed``'s shutdown barrier for the other processes,
+    which may be blocked in a collective waiting for this one: both would hang until the
+    barrier's timeout (minutes). Exiting without it, the coordination service sees this process
+    gone (heartbeats stop, within ``heartbeat_timeout_seconds``) and stops the others.
+    """
+    print(f"error: {message}", file=sys.stderr)
+    if several_processes:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

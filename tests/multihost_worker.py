@@ -7,7 +7,8 @@ devices, and prints one JSON object on its last stdout line:
            meshes (and scanned/remat variants), reporting losses, state differences, shardings
            and per-device bytes.
   train    one of several processes joined through jax.distributed: trains a few steps on a
-           mesh spanning all processes, then writes one orbax checkpoint collectively.
+           mesh spanning all processes, then writes one orbax checkpoint collectively (and
+           with --init-from loads a run's params as train.init_from does).
   check    one process with all the devices: trains the same steps, then restores that
            checkpoint and compares.
 """
@@ -234,11 +235,32 @@ def mode_train(args) -> dict:
     state, losses = _run_steps(step, state, lambda i: distributed.global_batch(
         host_batch(i, index, count), b_shard, BATCH))
     _save(Path(args.ckpt), state, losses)
+    if args.init_from:
+        _load_init_from(args.init_from, Path(args.ckpt).parent / "init_from.npz")
     return {"process": jax.process_index(), "losses": losses, "batch_shard": [index, count],
             "tp_batch_shard": list(tp_shard), "main": distributed.is_main_process(),
             "any_last": distributed.any_process(jax.process_index() == args.num_processes - 1),
             "any_none": distributed.any_process(False),
             "local_devices": jax.local_device_count(), "global_devices": jax.device_count()}
+
+
+def _load_init_from(path: str, out: Path) -> None:
+    """``train.init_from``'s load of a run (a LoRA one: merged on each host, then placed) onto
+    a mesh spanning the processes; process 0 writes the gathered params to ``out``."""
+    from jax.experimental import multihost_utils
+
+    from transformer_jax.train_config import read_init_source
+    from transformer_jax.training import load_init_params
+
+    source = read_init_source(path)
+    mesh = sh.make_mesh(sh.MeshConfig(4, 2, 1))
+    params = load_init_params(source, source.model, mesh)
+    expected = sh.param_shardings(source.model, mesh)
+    assert all(x.sharding == s for x, s in zip(jax.tree.leaves(params),
+                                               jax.tree.leaves(expected), strict=True))
+    gathered = _flat(multihost_utils.process_allgather(params, tiled=True))
+    if jax.process_index() == 0:
+        np.savez(out, **gathered)
 
 
 def mode_check(args) -> dict:
@@ -276,6 +298,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--num-processes", type=int)
     parser.add_argument("--process-id", type=int)
     parser.add_argument("--ckpt")
+    parser.add_argument("--init-from", help="train mode: also load this run's params as "
+                        "train.init_from does")
     args = parser.parse_args(argv)
     if args.mode == "meshes":
         result = mode_meshes()

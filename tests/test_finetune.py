@@ -314,6 +314,13 @@ def test_bad_input_is_a_clear_error_before_training(llama_dir, jsonl, tmp_path):
     model, _, _ = build_configs("finetune", [f"train.init_from={llama_dir}",
                                              "model.dtype=bfloat16", "model.max_seq_len=32"])
     assert (model.dtype, model.max_seq_len, model.n_kv_heads) == ("bfloat16", 32, 2)
+    # A preset written for another model (the default, tiny) gives way to the checkpoint; its
+    # settings that change no weight are kept, a command-line change is still an error.
+    source = read_init_source(str(llama_dir)).model
+    model, _, _ = build_configs("tiny", [f"train.init_from={llama_dir}"])
+    assert model == source.replace(dtype=model.dtype, param_dtype=model.param_dtype)
+    with pytest.raises(ConfigError, match=r"model\.d_model=128"):
+        build_configs("tiny", [f"train.init_from={llama_dir}", "model.d_model=128"])
 
     unrepresentable = tmp_path / "gelu"
     unrepresentable.mkdir()

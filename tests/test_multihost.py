@@ -11,14 +11,16 @@ import json
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
+import jax
 import multihost_worker as worker
 import numpy as np
 import pytest
 
 from transformer_jax import distributed
 from transformer_jax import sharding as sh
-from transformer_jax.checkpoint import CHECKSUMS_FILE, verify_checksums
+from transformer_jax.checkpoint import CHECKSUMS_FILE, CheckpointManager, verify_checksums
 
 N_PROCESSES, DEVICES_PER_PROCESS = 2, 4
 
@@ -29,13 +31,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _lora_run(root: Path) -> Path:
+    """A two-step LoRA run of a tiny model (one process), for the processes to init_from."""
+    rng = np.random.default_rng(0)
+    corpus = root / "corpus.txt"
+    corpus.write_text("".join(" ".join(rng.choice(["ab", "cd", "ef", "gh"], 6)) + "\n"
+                              for _ in range(200)))
+    run_dir = root / "lora_run"
+    subprocess.run(
+        [sys.executable, str(worker.ROOT / "train.py"), "--no-progress", "--cpu-devices", "1",
+         "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
+         "model.max_seq_len=32", "train.seq_len=16", "train.batch_size=8", "train.steps=2",
+         "train.lr=0.05", "train.lora_rank=2", "train.eval_batches=1", "train.sample_tokens=4",
+         "data.tokenizer=char", "data.val_fraction=0.2", f"data.path={corpus}",
+         f"data.cache_dir={root / 'cache'}", f"train.run_dir={run_dir}"],
+        cwd=worker.ROOT, env=worker.worker_env(1), check=True, capture_output=True, timeout=300)
+    return run_dir
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    ckpt = tmp_path_factory.mktemp("multihost") / "ckpt"
+    root = tmp_path_factory.mktemp("multihost")
+    ckpt = root / "ckpt"
+    lora_run = _lora_run(root)
     coordinator = f"127.0.0.1:{_free_port()}"
     procs = [subprocess.Popen(
         [sys.executable, worker.__file__, "train", "--coordinator", coordinator,
-         "--num-processes", str(N_PROCESSES), "--process-id", str(i), "--ckpt", str(ckpt)],
+         "--num-processes", str(N_PROCESSES), "--process-id", str(i), "--ckpt", str(ckpt),
+         "--init-from", str(lora_run)],
         cwd=worker.ROOT, env=worker.worker_env(DEVICES_PER_PROCESS), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True) for i in range(N_PROCESSES)]
     results = []
@@ -52,7 +75,8 @@ def runs(tmp_path_factory) -> dict:
                 proc.wait()
     check = worker.run_worker(["check", "--ckpt", str(ckpt)],
                               n_devices=N_PROCESSES * DEVICES_PER_PROCESS)
-    return {"processes": results, "single": check, "ckpt": ckpt}
+    return {"processes": results, "single": check, "ckpt": ckpt, "lora_run": lora_run,
+            "init_from": dict(np.load(root / "init_from.npz"))}
 
 
 def test_processes_see_one_global_mesh(runs):
@@ -89,6 +113,24 @@ def test_shared_checkpoint_restores_in_one_process(runs):
         # Same bounds as the mesh-vs-single-device test (see test_sharding.py).
         limit = 1e-7 if "/mu/" in path else 1e-9 if "/nu/" in path else 1e-5
         assert diff < limit, (path, diff)
+
+
+def test_init_from_a_lora_run_places_its_merged_params_across_processes(runs):
+    # Each process merges the adapters into the base on its host and places its devices'
+    # shards; gathered, they are exactly what one process merges.
+    from transformer_jax.hf_export import load_run
+
+    config, merged, meta, _ = load_run(runs["lora_run"])
+    assert meta["lora"]["rank"] == 2
+    want = worker._flat(jax.tree.map(np.asarray, merged))
+    got = runs["init_from"]
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    base = CheckpointManager(runs["lora_run"] / "checkpoints", async_save=False)
+    params, _ = base.restore_params()
+    q = "blocks_0/attn/q_proj"
+    assert not np.array_equal(np.asarray(params["base"]["blocks_0"]["attn"]["q_proj"]), got[q])
 
 
 def test_shared_checkpoint_is_summed_once(runs):

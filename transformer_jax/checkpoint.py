@@ -34,6 +34,7 @@ from transformer_jax.checkpoint_files import (
     check_step_files,
     disk_steps,
     ensure_writable_dir,
+    read_meta,
     read_meta_file,
     set_aside,
     write_checksums,
@@ -215,19 +216,7 @@ class CheckpointManager:
           DamagedCheckpointError: the meta of the given step is unreadable.
         """
         self.wait()
-        if step is not None:
-            return read_meta_file(self.step_path(step))
-        steps = disk_steps(self.directory)
-        if not steps:
-            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-        errors = []
-        for s in reversed(steps):
-            try:
-                return read_meta_file(self.step_path(s))
-            except (DamagedCheckpointError, FileNotFoundError) as e:
-                errors.append(str(e))
-        raise CheckpointError(f"no checkpoint in {self.directory} has a readable meta: "
-                              + "; ".join(errors))
+        return read_meta(self.directory, step)
 
     def restore(self, abstract_state: Any | None, step: int | None = None, *,
                 quarantine: bool = True, attempts: int = 20) -> tuple[Any, dict[str, Any]]:
@@ -548,10 +537,11 @@ class _QuietOrbaxErrors(logging.Filter):
 def _as_abstract(x: Any) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct):
         if x.sharding is None:
-            # Without a sharding orbax cannot place the array; default to the first device.
+            # Without a sharding orbax cannot place the array; default to this process's
+            # first device (jax.devices()[0] belongs to process 0 in a multi-process run).
             return jax.ShapeDtypeStruct(x.shape, x.dtype,
                                         sharding=jax.sharding.SingleDeviceSharding(
-                                            jax.devices()[0]))
+                                            jax.local_devices()[0]))
         return x
     if isinstance(x, jax.Array):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)

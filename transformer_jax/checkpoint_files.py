@@ -171,6 +171,31 @@ def read_meta_file(step_dir: Path) -> dict[str, Any]:
     return meta
 
 
+def read_meta(directory: Path, step: int | None = None) -> dict[str, Any]:
+    """The ``meta`` of checkpoint ``step`` in ``directory``, by default of the newest complete
+    one whose meta is readable; file reads only (no JAX, so it may run before
+    ``jax.distributed.initialize``).
+
+    Raises:
+      FileNotFoundError: there is no checkpoint (of that step).
+      DamagedCheckpointError: the meta of the given step is unreadable.
+      CheckpointError: no checkpoint has a readable meta (each one's problem named).
+    """
+    if step is not None:
+        return read_meta_file(directory / str(step))
+    steps = disk_steps(directory)
+    if not steps:
+        raise FileNotFoundError(f"no complete checkpoint in {directory}")
+    errors = []
+    for s in reversed(steps):
+        try:
+            return read_meta_file(directory / str(s))
+        except (DamagedCheckpointError, FileNotFoundError) as e:
+            errors.append(str(e))
+    raise CheckpointError(f"no checkpoint in {directory} has a readable meta: "
+                          + "; ".join(errors))
+
+
 def disk_steps(directory: Path) -> list[int]:
     """Committed steps on disk now: directories named by an integer (orbax writes into
     ``<step>.orbax-checkpoint-tmp*`` and renames only once complete; damaged ones set aside

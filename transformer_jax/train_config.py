@@ -308,7 +308,7 @@ def read_init_source(path: str) -> InitSource:
         run checkpoint without its model config.
     """
     from transformer_jax import hf
-    from transformer_jax.checkpoint import CheckpointManager
+    from transformer_jax.checkpoint_files import read_meta
     from transformer_jax.files import read_json
 
     where = f"train.init_from={path}"
@@ -339,7 +339,8 @@ def read_init_source(path: str) -> InitSource:
         raise FileNotFoundError(f"{where}: {root} holds neither a HF checkpoint (config.json + "
                                 "safetensors) nor a training run's checkpoints")
     try:
-        meta = CheckpointManager(checkpoints, keep=1 << 30, async_save=False).read_meta(step)
+        # Files only: a multi-process run reads this before jax.distributed.initialize.
+        meta = read_meta(checkpoints, step)
     except FileNotFoundError:
         raise FileNotFoundError(f"{where}: no checkpoint (weights) in {checkpoints}") from None
     if not isinstance(meta.get("model"), dict):
@@ -363,13 +364,30 @@ def architecture_changes(source: ModelConfig, model: ModelConfig) -> list[str]:
     return changes
 
 
-def init_model_config(source: InitSource, values: dict[str, Any]) -> ModelConfig:
+def init_model_config(source: InitSource, values: dict[str, Any],
+                      preset_keys: frozenset[str] = frozenset()) -> ModelConfig:
     """The model of a run with ``train.init_from``: the checkpoint's, with ``values`` (the
     ``[model]`` table and ``model.*`` overrides) applied to ``INIT_FREE_MODEL_KEYS``.
 
+    Args:
+      source: the checkpoint.
+      values: model keys set by the config file and the overrides.
+      preset_keys: those of ``values`` that come from the config file, not the command line:
+        where they would change the architecture the checkpoint's values are kept instead
+        (logged), since the file was not written for this checkpoint.
+
     Raises:
-      ValueError: naming each key whose value would change the architecture.
+      ValueError: naming each command-line key whose value would change the architecture.
     """
+    values = dict(values)
+    yielded = sorted(key for key in preset_keys & values.keys()
+                     if key not in INIT_FREE_MODEL_KEYS or (
+                         key == "max_seq_len" and values[key] > source.model.max_seq_len))
+    if yielded:
+        logger.info("train.init_from=%s: the model's %s come from the checkpoint, not the "
+                    "config file", source.path, ", ".join(yielded))
+        for key in yielded:
+            del values[key]
     model = ModelConfig.from_dict({**source.model.to_dict(), **values})
     changes = architecture_changes(source.model, model)
     if changes:
@@ -413,8 +431,10 @@ def build_configs(config: str, overrides: Sequence[str] = ()
       FileNotFoundError: if the config, or ``train.init_from``'s checkpoint or its weights, do
         not exist.
 
-    With ``train.init_from`` the model is the checkpoint's (``init_model_config``): the
-    ``[model]`` table and ``model.*`` overrides may only set ``INIT_FREE_MODEL_KEYS``.
+    With ``train.init_from`` the model is the checkpoint's (``init_model_config``): ``model.*``
+    overrides may only set ``INIT_FREE_MODEL_KEYS``, and the config file's ``[model]`` table
+    gives way to the checkpoint where it would change the architecture (so the default
+    ``tiny`` preset fine-tunes any checkpoint).
 
     A preset's ``warmup_steps`` that does not fit a run shortened by an override (``tiny`` warms
     up for 50 steps; ``train.steps=50`` leaves no decay) is replaced by the automatic warmup
@@ -430,11 +450,11 @@ def build_configs(config: str, overrides: Sequence[str] = ()
         raise ConfigError(f"config {config!r} has unknown tables {unknown}; expected "
                           f"{sorted(SECTIONS)}")
     values: dict[str, dict[str, Any]] = {s: dict(tables.get(s, {})) for s in SECTIONS}
-    preset_train = dict(values["train"])
+    preset_train, preset_model = dict(values["train"]), dict(values["model"])
     for item in overrides:
         section, key, text = _split_override(item)
-        if section == "train":
-            preset_train.pop(key, None)  # given by the user, not the preset
+        if section in ("train", "model"):  # given by the user, not the preset
+            (preset_train if section == "train" else preset_model).pop(key, None)
         try:
             check_keys({key: None}, SECTIONS[section], section)
             values[section][key] = parse_override(SECTIONS[section], key, text)
@@ -445,7 +465,8 @@ def build_configs(config: str, overrides: Sequence[str] = ()
         train = config_from_dict(TrainConfig, values["train"], "train")
         data = config_from_dict(DataConfig, values["data"], "data")
         if train.init_from:
-            model = init_model_config(read_init_source(train.init_from), values["model"])
+            model = init_model_config(read_init_source(train.init_from), values["model"],
+                                      preset_keys=frozenset(preset_model))
         else:
             model = ModelConfig.from_dict(values["model"])
     except (TypeError, ValueError) as e:

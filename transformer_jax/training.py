@@ -286,7 +286,8 @@ def load_init_params(source: InitSource, model_config: ModelConfig, mesh: Any) -
 
     A HF checkpoint is read shard by shard straight onto the mesh (``hf.load``); a run's plain
     params are restored sharded by orbax. A LoRA run's params are merged on the host first
-    (``hf_export.load_run``), as is a run saved in the other layer layout (scanned/unrolled).
+    (``hf_export.load_run``), as is a run saved in the other layer layout (scanned/unrolled):
+    every process then reads and holds the whole model once before placing its shards.
 
     Args:
       source: from ``read_init_source``.
@@ -321,7 +322,11 @@ def load_init_params(source: InitSource, model_config: ModelConfig, mesh: Any) -
             params = unstack_blocks(params)
         elif model_config.scan_layers and not saved.scan_layers:
             params = stack_blocks(params, saved.n_layers)
-        params = jax.device_put(params, shardings)
+        # Every process holds the whole merged tree; each places the shards of its devices.
+        host = jax.tree.map(np.asarray, params)
+        params = jax.tree.map(
+            lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
+            host, shardings)
     dtype = jnp.dtype(model_config.param_dtype)
     return jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), params)
 
