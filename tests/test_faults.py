@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from multihost_worker import FAST_COMPILE
 
 from transformer_jax import training
 from transformer_jax.checkpoint import CheckpointManager
@@ -49,7 +50,8 @@ def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     write_corpus(root / "corpus.txt")
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(root / "xla"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu",
+               XLA_FLAGS=FAST_COMPILE)  # cheaper XLA:CPU code generation
     done = subprocess.run(command(root, root / "base", "train.steps=4"), env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from multihost_worker import FAST_COMPILE
 
 from transformer_jax.checkpoint import CheckpointManager
 from transformer_jax.config import ModelConfig
@@ -83,7 +84,8 @@ def workspace(tmp_path_factory):
     lines = [" ".join(rng.choice(words, rng.integers(2, 9))) for _ in range(600)]
     (root / "corpus.txt").write_text("\n".join(lines) + "\n")
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(root / "xla"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu",
+               XLA_FLAGS=FAST_COMPILE)  # cheaper XLA:CPU code generation
     return root, env
 
 
