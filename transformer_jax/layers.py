@@ -262,6 +262,7 @@ class Block(nn.Module):
                   out_first=c.weights_out_first, name="mlp", **dtypes)
         attn_norm = Norm(name="attn_norm", **norm_kw)
         mlp_norm = Norm(name="mlp_norm", **norm_kw)
+
         def total(y: jax.Array) -> jax.Array:
             return y if self.tensor_axis is None else jax.lax.psum(y, self.tensor_axis)
 
