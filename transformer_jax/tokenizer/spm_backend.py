@@ -179,17 +179,9 @@ class Tokenizer:
           FileNotFoundError: If a corpus file does not exist.
         """
         files, texts = split_source(source)
-        return cls._train(
-            files,
-            texts,
-            output,
-            vocab_size,
-            model_type,
-            byte_fallback=byte_fallback,
-            character_coverage=character_coverage,
-            num_threads=num_threads,
-            trainer_options=trainer_options,
-        )
+        return cls._train(files, texts, output, vocab_size, model_type,
+                          byte_fallback=byte_fallback, character_coverage=character_coverage,
+                          num_threads=num_threads, trainer_options=trainer_options)
 
     @classmethod
     def train_or_load(
@@ -243,42 +235,17 @@ class Tokenizer:
         logger.info(
             "training %s tokenizer (vocab_size=%d) into %s", model_type, vocab_size, model_path
         )
-        return cls._train(
-            files,
-            texts,
-            model_path,
-            vocab_size,
-            model_type,
-            byte_fallback=byte_fallback,
-            character_coverage=character_coverage,
-            num_threads=num_threads,
-            trainer_options=trainer_options,
-        )
+        return cls._train(files, texts, model_path, vocab_size, model_type,
+                          byte_fallback=byte_fallback, character_coverage=character_coverage,
+                          num_threads=num_threads, trainer_options=trainer_options)
 
     @classmethod
-    def _train(
-        cls,
-        files: list[Path] | None,
-        texts: list[str] | None,
-        output: str | os.PathLike[str],
-        vocab_size: int,
-        model_type: str,
-        *,
-        byte_fallback: bool | None = None,
-        character_coverage: float | None = None,
-        num_threads: int | None = None,
-        trainer_options: dict[str, Any],
-    ) -> Tokenizer:
-        model = train_model(
-            files,
-            texts,
-            vocab_size,
-            model_type,
-            byte_fallback=byte_fallback,
-            character_coverage=character_coverage,
-            num_threads=num_threads,
-            trainer_options=trainer_options,
-        )
+    def _train(cls, files: list[Path] | None, texts: list[str] | None,
+               output: str | os.PathLike[str], vocab_size: int, model_type: str,
+               **settings: Any) -> Tokenizer:
+        """``spm_train.train_model`` (``settings`` are its keyword options), then the model
+        written to ``output`` atomically and loaded."""
+        model = train_model(files, texts, vocab_size, model_type, **settings)
         model_path = _resolve_output(output)
         with atomic_writer(model_path) as f:
             f.write(model)
