@@ -193,9 +193,20 @@ class CheckpointManager:
     def _remove_partial(self) -> None:
         """Frees the space the failed save took (its temporary directory); the committed
         checkpoints stay."""
-        if self._failed_step is not None:
-            for partial in self.directory.glob(f"{self._failed_step}.orbax-checkpoint-tmp*"):
+        if self._failed_step is None:
+            return
+        # Orbax's background threads of the failed save (e.g. its metadata writer) may still
+        # write into the temporary directory after the failure is reported, recreating it; so
+        # remove it until it has stayed gone for a few polls (at most about 2 s, failures only).
+        quiet = 0
+        for _ in range(40):
+            partials = list(self.directory.glob(f"{self._failed_step}.orbax-checkpoint-tmp*"))
+            for partial in partials:
                 shutil.rmtree(partial, ignore_errors=True)
+            quiet = 0 if partials else quiet + 1
+            if quiet >= 3:
+                return
+            time.sleep(0.05)
 
     # Reading ------------------------------------------------------------------------------------
 
