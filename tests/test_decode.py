@@ -46,7 +46,7 @@ def _prompts(lengths, vocab=64, seed=0):
 
 @functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
 def _forward(config, params, tokens):
-    return Transformer(config).apply({"params": params}, tokens)
+    return Transformer(config).apply({"params": params}, tokens).logits
 
 
 def _full_logits(config, params, tokens):
@@ -108,7 +108,7 @@ def _cached_and_full_logits(config, params, seqs, lengths, bucket):
         return cache, logits
 
     _, logits = jax.lax.scan(step, cache, jnp.arange(total))
-    full = Transformer(config).apply({"params": params}, seqs)
+    full = Transformer(config).apply({"params": params}, seqs).logits
     return first, jnp.swapaxes(logits, 0, 1), full, cache
 
 
@@ -164,8 +164,8 @@ def _prefill_both_ways(config, params, tokens, max_len):
     logits, ours = decode.prefill(config, decode.decode_params(config, params), tokens, lengths,
                                   max_len)
     cache = KVCache.init(config, b, max_len)
-    full, cache = Transformer(config).apply({"params": params}, tokens, cache=cache)
-    return (logits, ours), (full[:, -1], cache), _layer0_kv(config, params, tokens)
+    out = Transformer(config).apply({"params": params}, tokens, cache=cache)
+    return (logits, ours), (out.logits[:, -1], out.cache), _layer0_kv(config, params, tokens)
 
 
 def _layer0_kv(config, params, tokens):
@@ -426,10 +426,7 @@ def test_greedy_tokens_equal_huggingface_generate(tmp_path):
 
 def _generate_ops(config) -> int:
     """Operations in the lowered generate program (prefill + decode loop), from abstract inputs."""
-    from transformer_jax.model import abstract_params
-
-    weights = decode.DecodeWeights(jax.eval_shape(
-        functools.partial(decode.decode_params, config), abstract_params(config)), config)
+    weights = decode.abstract_weights(config)
     args = (weights, jax.ShapeDtypeStruct((2, 8), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32),
             jax.ShapeDtypeStruct((2, 2), jnp.uint32))
     fn = jax.jit(decode.generate_padded, static_argnames=decode.GENERATE_STATIC_ARGNAMES)

@@ -141,7 +141,8 @@ def _initial_state(directory: Path, overrides: list[str]):
 
 
 def _logits(model: ModelConfig, params) -> np.ndarray:
-    return np.asarray(Transformer(model).apply({"params": params}, jnp.asarray(_tokens())))
+    return np.asarray(Transformer(model).apply({"params": params},
+                                               jnp.asarray(_tokens())).logits)
 
 
 @pytest.mark.parametrize("kind,overrides", [
@@ -258,7 +259,7 @@ def test_prompt_tokens_get_zero_gradient():
     def grads(t):
         batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(t),
                  "mask": jnp.asarray(mask)}
-        return jax.jit(jax.grad(lambda p: loss(p, batch, jax.random.key(0))[0]))(params)
+        return jax.jit(jax.grad(lambda p: loss(p, batch)[0]))(params)
 
     jax.tree.map(np.testing.assert_array_equal, grads(targets), grads(other))
 
@@ -273,14 +274,14 @@ def test_packed_loss_is_the_token_weighted_mean_of_the_examples():
     assert packed.num_rows == 1  # all three in one row
     batch = {k: jnp.asarray(v) for k, v in instruct.rows_to_batch(packed, np.array([0])).items()}
     batch["mask"] = batch.pop("loss_mask")
-    _, (ce, _, count) = loss(params, batch, jax.random.key(0))
+    _, (ce, _, count) = loss(params, batch)
 
     ce_sum = tokens = 0.0
     for ex in examples:  # each example alone, unpacked
         alone = {"inputs": jnp.asarray(ex.tokens[None, :-1]),
                  "targets": jnp.asarray(ex.tokens[None, 1:]),
                  "mask": jnp.asarray(ex.loss[None, 1:].astype(np.float32))}
-        _, (c, _, n) = loss(params, alone, jax.random.key(0))
+        _, (c, _, n) = loss(params, alone)
         ce_sum, tokens = ce_sum + float(c), tokens + float(n)
     assert float(count) == tokens
     np.testing.assert_allclose(float(ce) / float(count), ce_sum / tokens, rtol=1e-5)
@@ -289,7 +290,7 @@ def test_packed_loss_is_the_token_weighted_mean_of_the_examples():
     def logits(inputs):
         return np.asarray(Transformer(model).apply(
             {"params": params}, inputs, positions=batch["positions"],
-            segment_ids=batch["segment_ids"]))
+            segment_ids=batch["segment_ids"]).logits)
 
     segments = np.asarray(batch["segment_ids"][0])
     first = segments == segments[0]

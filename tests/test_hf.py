@@ -84,7 +84,7 @@ def _torch_logits(model) -> np.ndarray:
 def _our_logits(config: ModelConfig, params) -> np.ndarray:
     tokens, positions = _inputs()
     logits = Transformer(config).apply({"params": params}, jnp.asarray(tokens),
-                                       positions=jnp.asarray(positions))
+                                       positions=jnp.asarray(positions)).logits
     chex.assert_shape(logits, (B, T, V))
     return np.asarray(logits)
 

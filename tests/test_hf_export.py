@@ -73,7 +73,8 @@ def _tokens(config: ModelConfig) -> np.ndarray:
 
 
 def _ours(config: ModelConfig, params) -> np.ndarray:
-    return np.asarray(Transformer(config).apply({"params": params}, jnp.asarray(_tokens(config))))
+    return np.asarray(Transformer(config).apply({"params": params},
+                                                jnp.asarray(_tokens(config))).logits)
 
 
 def _theirs(out: Path, config: ModelConfig) -> np.ndarray:

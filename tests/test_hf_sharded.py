@@ -62,7 +62,7 @@ def _worker_parity(spec: dict) -> dict:
                 split = [jax.tree_util.keystr(p) for p, x in flat
                          if x.addressable_shards[0].data.size < x.size]
                 logits = jax.jit(lambda p, t, c=config: Transformer(c).apply(
-                    {"params": p}, t))(params, tokens)
+                    {"params": p}, t).logits)(params, tokens)
                 out[f"{name}/{'scan' if scan else 'unrolled'}/{mesh_name}"] = dict(
                     config_same=config == config0, n_params=len(flat),
                     wrong_sharding=wrong_sharding, differs=differs, split=split,

@@ -21,7 +21,7 @@ TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)), jnp.int3
 
 
 def _logits(config: ModelConfig, params) -> np.ndarray:
-    return np.asarray(Transformer(config).apply({"params": params}, TOKENS))
+    return np.asarray(Transformer(config).apply({"params": params}, TOKENS).logits)
 
 
 def _leaves(tree) -> dict[str, np.ndarray]:
@@ -101,7 +101,7 @@ def test_training_moves_only_the_adapters_and_merge_equals_apply(base):
 
     def loss_fn(tree):
         logits = Transformer(CONFIG).apply({"params": lora.model_params(tree, cfg)},
-                                           TOKENS[:, :-1])
+                                           TOKENS[:, :-1]).logits
         return cross_entropy(logits, TOKENS[:, 1:])
 
     @jax.jit

@@ -16,10 +16,15 @@ SMALL = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads
                     max_seq_len=64)
 
 
+def _outputs(out):
+    """The logits, or (logits, cache) when the forward was given a cache."""
+    return out.logits if out.cache is None else (out.logits, out.cache)
+
+
 def _apply(config):
     """A jitted forward of the model with this config (eager flax would compile op by op)."""
-    return jax.jit(lambda params, *args, **kw: Transformer(config).apply({"params": params},
-                                                                         *args, **kw))
+    return jax.jit(lambda params, *args, **kw: _outputs(
+        Transformer(config).apply({"params": params}, *args, **kw)))
 
 
 def _tokens(b, t, seed=0, vocab=97):
@@ -35,7 +40,8 @@ def test_public_api_shapes_and_dtypes():
 
 
 _CAUSAL_PARAMS = init_params(SMALL, 1)
-_forward = jax.jit(lambda tokens: Transformer(SMALL).apply({"params": _CAUSAL_PARAMS}, tokens))
+_forward = jax.jit(lambda tokens: Transformer(SMALL).apply({"params": _CAUSAL_PARAMS},
+                                                          tokens).logits)
 
 
 @settings(max_examples=15, deadline=None)
@@ -74,7 +80,7 @@ def test_remat_changes_neither_outputs_nor_gradients(remat, scan):
     tokens = _tokens(2, 12)
 
     def loss(p, c):
-        logits = Transformer(c).apply({"params": p}, tokens)
+        logits = Transformer(c).apply({"params": p}, tokens).logits
         return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
 
     grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)

@@ -14,9 +14,12 @@ import numpy as np
 import pytest
 from conftest import FAST_COMPILE
 
+from transformer_jax import decode
 from transformer_jax.config import ModelConfig
 from transformer_jax.kv_cache import KVCache
+from transformer_jax.loss import cross_entropy_sums
 from transformer_jax.model import Transformer, init_params
+from transformer_jax.ops.lm_loss import lm_head_cross_entropy_sums
 from transformer_jax.train_config import TrainConfig
 from transformer_jax.train_step import make_loss_fn
 
@@ -48,7 +51,8 @@ def _logits_and_grads(config, params, tokens, segments, positions):
     model = Transformer(config)
 
     def loss(p):
-        logits = model.apply({"params": p}, tokens[:, :-1], positions, segment_ids=segments)
+        logits = model.apply({"params": p}, tokens[:, :-1], positions,
+                             segment_ids=segments).logits
         weights = (segments != 0).astype(jnp.float32)
         lp = jax.nn.log_softmax(logits)
         nll = -jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
@@ -84,27 +88,49 @@ def test_chunked_attention_over_a_cache_equals_the_reference(keys_transposed):
     for impl in ("xla", "chunked"):
         apply = jax.jit(Transformer(config.replace(attention_impl=impl)).apply)
         cache = KVCache.init(config, 2, 20, keys_transposed=keys_transposed)
-        first, cache = apply({"params": params}, tokens[:, :9], cache=cache)
-        second, cache = apply({"params": params}, tokens[:, 9:], cache=cache)
-        out[impl] = (first, second)
+        first = apply({"params": params}, tokens[:, :9], cache=cache)
+        second = apply({"params": params}, tokens[:, 9:], cache=first.cache)
+        out[impl] = (first.logits, second.logits)
     chex.assert_trees_all_close(out["chunked"], out["xla"], atol=1e-5)
 
 
-@pytest.mark.parametrize(("tied", "out_first"), [(False, False), (True, False), (False, True)])
-def test_chunked_loss_equals_the_full_loss_and_its_gradients(tied, out_first):
-    config = ModelConfig(**BASE, n_kv_heads=2, tie_embeddings=tied, weights_out_first=out_first)
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_loss_equals_the_full_loss_and_its_gradients(tied):
+    config = ModelConfig(**BASE, n_kv_heads=2, tie_embeddings=tied)
     params = init_params(config, 0)
     tokens, _, _ = _batch(t=20, seed=3)
     mask = jnp.asarray(np.random.default_rng(4).random((2, 20)) > 0.3, jnp.float32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
-    rng = jax.random.key(0)
     results = {}
     for chunk in (0, 7):  # 40 tokens: chunks of 7 leave a ragged last chunk
         fn = make_loss_fn(config, TrainConfig(loss_chunk=chunk, z_loss=1e-3))
-        results[chunk] = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, batch, rng)
+        results[chunk] = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, batch)
     (full, full_aux), full_grads = results[0]
     (chunked, chunked_aux), chunked_grads = results[7]
     np.testing.assert_allclose(chunked, full, rtol=1e-6)
     chex.assert_trees_all_close(chunked_aux, full_aux, rtol=1e-6)
     chex.assert_trees_all_close(chunked_grads, full_grads, atol=1e-5)
     assert float(full_aux[2]) == float(mask.sum())  # masked targets are not counted
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_of_out_first_weights_gives_the_forwards_logits(tied):
+    """``Transformer.lm_head`` names the head's table and layout for weights stored out-first
+    (``decode.prepare`` on CPU): the chunked loss over it equals the loss of the logits."""
+    config = ModelConfig(**BASE, n_kv_heads=2, tie_embeddings=tied)
+    params = decode.decode_params(config, init_params(config, 0), weights_out_first=True)
+    model = Transformer(config, weights_out_first=True)
+    tokens, _, _ = _batch(t=20, seed=3)
+    head, layout = model.lm_head(params)
+    assert layout == "VD" and head.shape == (config.vocab_size, config.d_model)
+
+    @jax.jit
+    def losses(params):
+        hidden = model.apply({"params": params}, tokens[:, :-1], hidden_only=True).hidden
+        chunked = lm_head_cross_entropy_sums(hidden, model.lm_head(params)[0], tokens[:, 1:],
+                                             chunk_size=7, head_layout=layout)
+        logits = model.apply({"params": params}, tokens[:, :-1]).logits
+        return chunked, cross_entropy_sums(logits, tokens[:, 1:])
+
+    chunked, full = losses(params)
+    chex.assert_trees_all_close(chunked, full, rtol=1e-6)

@@ -1,15 +1,20 @@
-"""Model configuration: one frozen, validated dataclass plus named presets.
+"""Model configuration: the architecture, how it runs, and named presets.
 
-Presets live as small TOML files in the top-level ``configs/`` directory; the ``[model]`` table of
-such a file holds overrides of ``ModelConfig``'s defaults. Everything that changes the parameters
-or the computation of the network is a field here; runtime switches (decode or not, which
-positions) are call arguments of the model instead.
+``Architecture`` (frozen) holds what defines the function, as a HF ``config.json`` does;
+``Execution`` (frozen) how it is initialised and computed (dtypes, scan, remat, attention
+kernel). ``ModelConfig`` is both in one flat table: what presets, ``model.KEY=`` overrides and
+checkpoints store. Presets live as small TOML files in the top-level ``configs/`` directory;
+the ``[model]`` table of such a file holds overrides of the defaults. Runtime switches (decode
+or not, which positions) and memory layouts tuned for one backend (``decode.prepare``'s weights,
+the ``KVCache``'s layout) are not config fields: they are call arguments or properties of the
+weights and the cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -71,8 +76,11 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Shape and numerics of a decoder-only Transformer.
+class Architecture:
+    """The function a decoder-only Transformer computes: what a HF ``config.json`` holds.
+
+    Two models with equal architectures take the same parameters and compute the same logits
+    from them; everything else (dtypes, scan, remat, kernels, initialisation) is ``Execution``.
 
     Attributes:
       vocab_size: V, number of token ids.
@@ -98,20 +106,6 @@ class ModelConfig:
         (itself included), as in Mistral; None for full causal attention.
       qkv_bias: whether the q/k/v projections have biases (Qwen2).
       tie_embeddings: whether the LM head is the transposed token embedding.
-      param_dtype: dtype parameters are stored in.
-      dtype: dtype activations and matmuls are computed in (norms and softmax stay float32;
-        logits are returned in float32).
-      scan_layers: stack the blocks with ``nn.scan`` (compile time independent of depth).
-      remat: rematerialisation of each block in the backward pass: ``"none"``, ``"full"``, or
-        ``"save_dots"`` (keep matmul outputs, recompute the rest).
-      attention_impl: ``"auto"`` (the best for the backend and shape, see
-        ``ops.attention.choose_impl``), ``"xla"`` (the einsum reference), ``"chunked"``
-        (memory linear in the context, any backend), ``"cudnn"`` (GPU), ``"pallas"`` or
-        ``"mosaic"`` (TPU, Hopper GPUs).
-      init_std: standard deviation of the normal initialiser of every matrix.
-      weights_out_first: a layout switch: every matrix stored output axes first ([N, H, D] for
-        q_proj, [F, D] for up, ...), computed by ``ops.dense``. Decode sets it on CPU, where
-        it measured faster; parameters are stored in-first otherwise.
     """
 
     vocab_size: int = 512
@@ -133,13 +127,6 @@ class ModelConfig:
     sliding_window: int | None = None
     qkv_bias: bool = False
     tie_embeddings: bool = False
-    param_dtype: str = "float32"
-    dtype: str = "float32"
-    scan_layers: bool = False
-    remat: str = "none"
-    attention_impl: str = "auto"
-    init_std: float = 0.02
-    weights_out_first: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -163,35 +150,66 @@ class ModelConfig:
         _check_positive_int("head_dim", self.head_dim)
         if self.sliding_window is not None:
             _check_positive_int("sliding_window", self.sliding_window)
-        if not self.norm_eps > 0:
-            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
-        if not self.rope_base > 0:
-            raise ValueError(f"rope_base must be > 0, got {self.rope_base}")
-        if not self.init_std > 0:
-            raise ValueError(f"init_std must be > 0, got {self.init_std}")
+        _check_positive_number("norm_eps", self.norm_eps)
+        _check_positive_number("rope_base", self.rope_base)
         _check_choice("norm", self.norm, NORMS)
         _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
         _check_choice("ffn", self.ffn, FFNS)
         _check_choice("position", self.position, POSITIONS)
         _check_choice("rope_pairing", self.rope_pairing, ROPE_PAIRINGS)
-        _check_choice("remat", self.remat, REMATS)
-        _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
-        _check_choice("param_dtype", self.param_dtype, DTYPES)
-        _check_choice("dtype", self.dtype, DTYPES)
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"d_model must be even for sinusoidal positions, got {self.d_model}")
-        for name in ("qkv_bias", "tie_embeddings", "scan_layers", "weights_out_first"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-
-    # Derived quantities ------------------------------------------------------------------------
+        for name in ("qkv_bias", "tie_embeddings"):
+            _check_bool(name, getattr(self, name))
 
     @property
     def queries_per_kv_head(self) -> int:
         """G = N / K, the number of query heads sharing one key/value head."""
         return self.n_heads // self.n_kv_heads
+
+
+def _resumable(default: Any) -> Any:
+    """A field a run may change when it resumes from its own checkpoints."""
+    return dataclasses.field(default=default, metadata={"resumable": True})
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How an architecture is initialised and run: numerics, memory and kernels.
+
+    None of these changes what a trained model's weights mean: a checkpoint loads under any of
+    them (``train.init_from`` may set every one).
+
+    Attributes:
+      param_dtype: dtype parameters are stored in.
+      dtype: dtype activations and matmuls are computed in (norms and softmax stay float32;
+        logits are returned in float32).
+      scan_layers: stack the blocks with ``nn.scan`` (compile time independent of depth).
+      remat: rematerialisation of each block in the backward pass: ``"none"``, ``"full"``, or
+        ``"save_dots"`` (keep matmul outputs, recompute the rest).
+      attention_impl: ``"auto"`` (the best for the backend and shape, see
+        ``ops.attention.choose_impl``), ``"xla"`` (the einsum reference), ``"chunked"``
+        (memory linear in the context, any backend), ``"cudnn"`` (GPU), ``"pallas"`` or
+        ``"mosaic"`` (TPU, Hopper GPUs).
+      init_std: standard deviation of the normal initialiser of every matrix.
+    """
+
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    scan_layers: bool = False
+    remat: str = _resumable("none")
+    attention_impl: str = _resumable("auto")
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        _check_positive_number("init_std", self.init_std)
+        _check_choice("remat", self.remat, REMATS)
+        _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _check_choice("param_dtype", self.param_dtype, DTYPES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_bool("scan_layers", self.scan_layers)
 
     @property
     def jnp_dtype(self) -> jnp.dtype:
@@ -200,6 +218,42 @@ class ModelConfig:
     @property
     def jnp_param_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.param_dtype)
+
+
+#: Keys older checkpoints and config files may hold that no longer configure the model:
+#: ``weights_out_first`` is now the layout of the prepared decode weights (``decode.prepare``).
+_RETIRED_KEYS = ("weights_out_first",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(Execution, Architecture):
+    """A model as a run uses it: its ``Architecture`` and its ``Execution``, one flat table.
+
+    The ``[model]`` table of a preset, ``model.KEY=`` overrides and a checkpoint's saved config
+    set both kinds of field; ``architecture`` and ``execution`` give the two parts, so whether a
+    change alters the function is a comparison of types, not a list of keys. See the two
+    classes for every attribute.
+    """
+
+    def __post_init__(self) -> None:
+        Architecture.__post_init__(self)
+        Execution.__post_init__(self)
+
+    @property
+    def architecture(self) -> Architecture:
+        """The fields that define the function (what a HF ``config.json`` holds)."""
+        return Architecture(**_values(self, Architecture))
+
+    @property
+    def execution(self) -> Execution:
+        """The fields that say how it is initialised and run."""
+        return Execution(**_values(self, Execution))
+
+    @classmethod
+    def of(cls, architecture: Architecture, execution: Execution | None = None) -> ModelConfig:
+        """The config of an architecture run with ``execution`` (default: ``Execution()``)."""
+        return cls(**_values(architecture, Architecture),
+                   **_values(execution or Execution(), Execution))
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
@@ -210,7 +264,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
-        """Builds a config from a mapping, rejecting unknown keys with close matches."""
+        """Builds a config from a mapping, rejecting unknown keys with close matches (keys
+        earlier versions wrote, ``_RETIRED_KEYS``, are dropped)."""
+        values = {k: v for k, v in values.items() if k not in _RETIRED_KEYS}
         check_keys(values, cls, "model")
         return cls(**values)
 
@@ -218,6 +274,20 @@ class ModelConfig:
     def preset(cls, name: str) -> ModelConfig:
         """The ``[model]`` table of ``configs/NAME.toml`` (e.g. ``"tiny"``, ``"llama2_7b"``)."""
         return cls.from_dict(load_toml(name).get("model", {}))
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+    """The field names of dataclass ``cls`` (``Architecture``, ``Execution``, ...)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def resumable_keys() -> tuple[str, ...]:
+    """``Execution`` fields a run may change when it resumes (they leave its state as it is)."""
+    return tuple(f.name for f in dataclasses.fields(Execution) if f.metadata.get("resumable"))
+
+
+def _values(config: Any, cls: type) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in field_names(cls)}
 
 
 def preset_names() -> list[str]:
@@ -309,6 +379,16 @@ def _parse_as(tp: Any, text: str, key: str) -> Any:
 def _check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_positive_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

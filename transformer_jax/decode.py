@@ -16,8 +16,10 @@ jitted; ``export.py`` exports it). With ``config.scan_layers`` the model scans i
 the program's size does not grow with depth.
 
 Weights. ``prepare`` is the one parameter transform in front of the forward: it casts the
-matrices to the compute dtype once (so no step re-casts them) and places them on a mesh by the
-same logical-axis rules as training (``sharding.param_shardings``).
+matrices to the compute dtype once (so no step re-casts them), lays them out for the backend
+(``weights_out_first`` on CPU, see ``ops.dense``: a property of the prepared weights, which the
+forward is told, not a model setting) and places them on a mesh by the same logical-axis rules
+as training (``sharding.param_shardings``).
 
 Tensor parallelism. With a mesh whose ``tensor`` axis has T devices, prefill and decode run
 under ``shard_map``: each device runs the same forward on its block of every matrix, split as
@@ -48,8 +50,8 @@ from jax.sharding import PartitionSpec as P
 from transformer_jax import sampling, sharding, streaming
 from transformer_jax.config import ModelConfig
 from transformer_jax.kv_cache import KVCache
-from transformer_jax.layers import MATRIX_INPUT_AXES, is_vector_param, shard_config
-from transformer_jax.model import Transformer, stack_blocks, unstack_blocks
+from transformer_jax.layers import MATRIX_INPUT_AXES, is_vector_param, shard_config, to_out_first
+from transformer_jax.model import Transformer, abstract_params, stack_blocks, unstack_blocks
 from transformer_jax.prompts import is_int
 
 Params = dict[str, Any]
@@ -140,11 +142,13 @@ class DecodeWeights:
         placed on the mesh by the logical-axis rules when there is one.
       config: the config they were prepared for (static).
       mesh: the mesh they are placed on, or None (static).
+      weights_out_first: static; every matrix is stored output axes first (``layers.matrix``).
     """
 
     params: Params
     config: ModelConfig = flax.struct.field(pytree_node=False)
     mesh: Mesh | None = flax.struct.field(pytree_node=False, default=None)
+    weights_out_first: bool = flax.struct.field(pytree_node=False, default=False)
 
     @property
     def nbytes(self) -> int:
@@ -154,20 +158,27 @@ class DecodeWeights:
 
 def decode_config(config: ModelConfig) -> ModelConfig:
     """The config generation runs the model with: the same forward, without rematerialisation
-    (there is no backward pass to save memory for), and on CPU with the matrices stored
-    output axes first (``ModelConfig.weights_out_first``: measured faster there)."""
-    return config.replace(remat="none", weights_out_first=jax.default_backend() == "cpu")
+    (there is no backward pass to save memory for)."""
+    return config.replace(remat="none")
 
 
-def decode_params(config: ModelConfig, params: Params) -> Params:
+def default_weights_out_first() -> bool:
+    """The matrix layout ``prepare`` gives by default: output axes first on the CPU backend,
+    where decode steps measured faster that way (``ops.dense``); in-first elsewhere."""
+    return jax.default_backend() == "cpu"
+
+
+def decode_params(config: ModelConfig, params: Params, weights_out_first: bool | None = None
+                  ) -> Params:
     """The parameter transform in front of the decode: what ``prepare`` computes.
 
     The blocks are put in the config's layout (``blocks`` stacked when ``scan_layers``, else
     ``blocks_{i}``), whichever layout ``params`` has, every matrix is cast to the compute dtype
-    (so no step converts a weight again; norm scales keep their dtype) and, where
-    ``decode_config`` stores them output axes first, transposed to that layout.
+    (so no step converts a weight again; norm scales keep their dtype) and, with
+    ``weights_out_first`` (default ``default_weights_out_first()``), transposed to be stored
+    output axes first (``layers.to_out_first``).
     """
-    out_first = decode_config(config).weights_out_first
+    out_first = default_weights_out_first() if weights_out_first is None else weights_out_first
     if config.scan_layers and "blocks" not in params:
         params = stack_blocks(params, config.n_layers)
     elif not config.scan_layers and "blocks" in params:
@@ -180,16 +191,14 @@ def decode_params(config: ModelConfig, params: Params) -> Params:
             return x
         x = x.astype(config.jnp_dtype)
         if out_first and name in MATRIX_INPUT_AXES:
-            lead = 1 if str(path[0].key) == "blocks" else 0  # the scanned layers axis stays
-            n_in = MATRIX_INPUT_AXES[name]
-            axes = list(range(x.ndim))
-            x = x.transpose(axes[:lead] + axes[lead + n_in:] + axes[lead:lead + n_in])
+            x = to_out_first(x, name, stacked=str(path[0].key) == "blocks")
         return x
 
     return jax.tree_util.tree_map_with_path(prepare_leaf, params)
 
 
-def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None) -> DecodeWeights:
+def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None, *,
+            weights_out_first: bool | None = None) -> DecodeWeights:
     """Prepares ``params`` for generation once (``decode_params``, placed on ``mesh``).
 
     Args:
@@ -197,6 +206,7 @@ def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None) -> De
       params: the model's parameters (scanned or unrolled layout), on any device.
       mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1): each device then
         holds its block of every matrix, split by the logical-axis rules.
+      weights_out_first: the matrix layout; default ``default_weights_out_first()``.
 
     Returns:
       The ``DecodeWeights``; pass them to ``generation.generate`` in place of ``params``.
@@ -205,17 +215,37 @@ def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None) -> De
       ValueError: for a mesh the config cannot be split over (``check_tensor_parallel``).
     """
     check_tensor_parallel(config, tensor_shards(mesh))
-    return DecodeWeights(_prepare_fn(config, mesh)(params), config, mesh)
+    if weights_out_first is None:
+        weights_out_first = default_weights_out_first()
+    return DecodeWeights(_prepare_fn(config, mesh, weights_out_first)(params), config, mesh,
+                         weights_out_first)
+
+
+def abstract_weights(config: ModelConfig, weights_out_first: bool | None = None
+                     ) -> DecodeWeights:
+    """``prepare``'s result as ``jax.ShapeDtypeStruct``s, without allocating anything (to lower
+    and compile ``generate_padded`` from shapes alone)."""
+    if weights_out_first is None:
+        weights_out_first = default_weights_out_first()
+    params = jax.eval_shape(
+        functools.partial(decode_params, config, weights_out_first=weights_out_first),
+        abstract_params(config))
+    return DecodeWeights(params, config, None, weights_out_first)
 
 
 @functools.lru_cache(maxsize=32)
-def _prepare_fn(config: ModelConfig, mesh: Mesh | None) -> Callable[[Params], Params]:
+def _prepare_fn(config: ModelConfig, mesh: Mesh | None, weights_out_first: bool
+                ) -> Callable[[Params], Params]:
     """``decode_params`` jitted for one config, its outputs placed on the mesh by the rules."""
-    fn = functools.partial(decode_params, config)
+    fn = functools.partial(decode_params, config, weights_out_first=weights_out_first)
     if mesh is None:
         return jax.jit(fn)
-    return jax.jit(fn, out_shardings=sharding.param_shardings(decode_config(config), mesh,
-                                                              decode_rules(config, mesh)))
+    return jax.jit(fn, out_shardings=_weight_shardings(config, mesh, weights_out_first))
+
+
+def _weight_shardings(config: ModelConfig, mesh: Mesh, weights_out_first: bool) -> Params:
+    return sharding.param_shardings(decode_config(config), mesh, decode_rules(config, mesh),
+                                    weights_out_first=weights_out_first)
 
 
 def decode_rules(config: ModelConfig, mesh: Mesh | None) -> tuple:
@@ -232,11 +262,13 @@ def vocab_is_split(config: ModelConfig, mesh: Mesh | None) -> bool:
     return config.vocab_size % tensor_shards(mesh) == 0
 
 
-def weight_specs(config: ModelConfig, mesh: Mesh) -> Params:
+def weight_specs(config: ModelConfig, mesh: Mesh, weights_out_first: bool | None = None
+                 ) -> Params:
     """The ``PartitionSpec`` of every prepared weight over ``mesh``: the training's logical-axis
     rules applied to the decode layout (``decode_rules``), as ``prepare`` places them."""
-    shardings = sharding.param_shardings(decode_config(config), mesh, decode_rules(config, mesh))
-    return jax.tree.map(lambda s: s.spec, shardings)
+    if weights_out_first is None:
+        weights_out_first = default_weights_out_first()
+    return jax.tree.map(lambda s: s.spec, _weight_shardings(config, mesh, weights_out_first))
 
 
 def tensor_shards(mesh: Mesh | None) -> int:
@@ -273,17 +305,21 @@ def check_tensor_parallel(config: ModelConfig, shards: int) -> None:
 
 # Prefill and decode steps ------------------------------------------------------------------------
 
-def decode_model(config: ModelConfig, split: TensorSplit | None = None) -> Transformer:
-    """The model as generation runs it (``decode_config``), on one shard with ``split``."""
-    if split is None:
-        return Transformer(decode_config(config))
-    return Transformer(decode_config(config), tensor_axis=split.axis, vocab_split=split.vocab)
+def decode_model(config: ModelConfig, split: TensorSplit | None = None,
+                 weights_out_first: bool | None = None) -> Transformer:
+    """The model as generation runs it (``decode_config``) on weights in the given layout
+    (default ``default_weights_out_first()``), on one shard with ``split``."""
+    if weights_out_first is None:
+        weights_out_first = default_weights_out_first()
+    axis, vocab = (None, False) if split is None else (split.axis, split.vocab)
+    return Transformer(decode_config(config), tensor_axis=axis, vocab_split=vocab,
+                       weights_out_first=weights_out_first)
 
 
 def prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array,
             max_len: int | None = None, dtype: jnp.dtype | str | None = None,
-            keys_transposed: bool | None = None, split: TensorSplit | None = None
-            ) -> tuple[jax.Array, KVCache]:
+            keys_transposed: bool | None = None, split: TensorSplit | None = None,
+            weights_out_first: bool | None = None) -> tuple[jax.Array, KVCache]:
     """Runs right-padded prompts through the model into an empty cache.
 
     Args:
@@ -295,6 +331,8 @@ def prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax
       dtype: the cache's storage dtype; the model's compute dtype by default.
       keys_transposed: the cache's key layout (``KVCache.init``).
       split: inside ``shard_map`` over a tensor axis, how (see ``TensorSplit``).
+      weights_out_first: the layout of ``params`` (``decode_params``); default
+        ``default_weights_out_first()``.
 
     Returns:
       ([B, V] float32 logits after each prompt's last token, the ``KVCache`` with slots 0..T-1
@@ -304,24 +342,25 @@ def prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax
     b, t = tokens.shape
     cache = KVCache.init(config, b, max_len or t, dtype, keys_transposed).constrain()
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits, cache = decode_model(config, split).apply(
+    out = decode_model(config, split, weights_out_first).apply(
         {"params": params}, tokens, positions, cache=cache,
         logits_at=lengths.astype(jnp.int32) - 1)
-    return logits, cache.replace(lengths=lengths.astype(jnp.int32))
+    return out.logits, out.cache.replace(lengths=lengths.astype(jnp.int32))
 
 
 def decode_step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
-                positions: jax.Array, split: TensorSplit | None = None
-                ) -> tuple[jax.Array, KVCache]:
-    """One decode step: [B] tokens at [B] positions -> ([B, V] float32 logits, updated cache)."""
-    logits, cache = decode_model(config, split).apply(
+                positions: jax.Array, split: TensorSplit | None = None,
+                weights_out_first: bool | None = None) -> tuple[jax.Array, KVCache]:
+    """One decode step: [B] tokens at [B] positions -> ([B, V] float32 logits, updated cache)
+    (``weights_out_first`` as for ``prefill``)."""
+    out = decode_model(config, split, weights_out_first).apply(
         {"params": params}, tokens[:, None], positions[:, None], cache=cache)
-    return logits[:, 0], cache.constrain()
+    return out.logits[:, 0], out.cache.constrain()
 
 
 def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
                  first_logits: jax.Array, *, stream_id: jax.Array | None, max_new_tokens: int,
-                 settings: SamplingSettings, split: TensorSplit | None
+                 settings: SamplingSettings, split: TensorSplit | None, weights_out_first: bool
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Samples the first token from the prefill's logits, then the ``lax.while_loop`` of
     decode steps.
@@ -381,7 +420,7 @@ def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
 
     def body(s: SamplingState) -> SamplingState:
         return advance(s, *decode_step(config, params, s.cache, s.next_token, s.positions,
-                                       split))
+                                       split, weights_out_first))
 
     state = advance(state, first_logits, state.cache)
     state = jax.lax.while_loop(cond, body, state)
@@ -423,12 +462,14 @@ def generate_padded(config: ModelConfig, params: Params | DecodeWeights, tokens:
     """
     shards = tensor_shards(mesh)
     if isinstance(params, DecodeWeights):
-        weights = params.params
+        weights, out_first = params.params, params.weights_out_first
     else:  # prepared here, a transient copy per call
-        weights = decode_params(config, params)
+        out_first = default_weights_out_first()
+        weights = decode_params(config, params, out_first)
     run = functools.partial(_prefill_and_decode, stream_id=stream_id,
                             max_new_tokens=max_new_tokens, settings=settings,
-                            cache_size=cache_size, cache_dtype=cache_dtype)
+                            cache_size=cache_size, cache_dtype=cache_dtype,
+                            weights_out_first=out_first)
     if shards == 1:
         return run(config, weights, tokens, lengths, key_data, split=None)
     split = TensorSplit(TENSOR_AXIS, vocab_is_split(config, mesh))
@@ -436,7 +477,8 @@ def generate_padded(config: ModelConfig, params: Params | DecodeWeights, tokens:
     # Outputs are the same on every shard (each samples from the gathered logits).
     return jax.shard_map(
         functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
-        in_specs=(weight_specs(config, mesh), P(), P(), P()), out_specs=(P(), P(), P()),
+        in_specs=(weight_specs(config, mesh, out_first), P(), P(), P()),
+        out_specs=(P(), P(), P()),
     )(weights, tokens, lengths, key_data)
 
 
@@ -444,14 +486,14 @@ def _prefill_and_decode(config: ModelConfig, weights: Params, tokens: jax.Array,
                         lengths: jax.Array, key_data: jax.Array, *,
                         stream_id: jax.Array | None, max_new_tokens: int,
                         settings: SamplingSettings, cache_size: int | None,
-                        cache_dtype: str | None, split: TensorSplit | None
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        cache_dtype: str | None, split: TensorSplit | None,
+                        weights_out_first: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``generate_padded`` on one shard's weights (all of them without a split)."""
     b, t = tokens.shape
     n = max_new_tokens
     logits, cache = prefill(config, weights, tokens, lengths,
                             t + n if cache_size is None else cache_size, cache_dtype,
-                            split=split)
+                            split=split, weights_out_first=weights_out_first)
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
         tokens=jnp.full((b, n), settings.pad_id, jnp.int32),
@@ -464,7 +506,7 @@ def _prefill_and_decode(config: ModelConfig, weights: Params, tokens: jax.Array,
         cache=cache,
     )
     return _decode_loop(config, weights, state, logits, stream_id=stream_id, max_new_tokens=n,
-                        settings=settings, split=split)
+                        settings=settings, split=split, weights_out_first=weights_out_first)
 
 
 def _argmax(logits: jax.Array) -> jax.Array:

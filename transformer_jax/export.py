@@ -79,7 +79,7 @@ class ExportedGenerate:
 
     def generate(self, params: decode.Params, prompts: Sequence[Sequence[int]],
                  seed: int | Sequence[int] = 0) -> generation.GenerateResult:
-        """Validates and pads ``prompts`` like ``decode.generate``, then runs the export.
+        """Validates and pads ``prompts`` like ``generation.generate``, then runs the export.
 
         Args:
           params: parameters of ``config`` (the layout it was exported with).
@@ -139,12 +139,12 @@ def export_generate(config: ModelConfig, *, max_new_tokens: int, temperature: fl
     Args:
       config: the model config (its ``scan_layers`` decides the params layout expected).
       max_new_tokens: N, fixed in the program; must leave room: N < ``config.max_seq_len``.
-      temperature: sampling settings fixed in the program (as in ``decode.generate``).
-      top_k: see ``decode.generate``.
-      top_p: see ``decode.generate``.
-      min_p: see ``decode.generate``.
-      stop_tokens: see ``decode.generate``.
-      pad_id: see ``decode.generate``.
+      temperature: sampling settings fixed in the program (as in ``generation.generate``).
+      top_k: see ``generation.generate``.
+      top_p: see ``generation.generate``.
+      min_p: see ``generation.generate``.
+      stop_tokens: see ``generation.generate``.
+      pad_id: see ``generation.generate``.
       platforms: platforms to export for (e.g. ``["cpu", "cuda"]``); default the current one.
 
     Returns:

@@ -1,7 +1,10 @@
 """The KV cache: one explicit, fixed-size pytree passed into the model and returned updated.
 
 Training, prefill and every decode step run the same ``Transformer``; with a cache each block
-writes its chunk's keys/values at their positions and attends over the whole cache. Its layers
+calls ``cache.attend``, which writes the chunk's keys/values at their positions and attends over
+the whole layer: the one interface the model's attention uses (``Cache``), so the layout below
+is the cache's own business and another cache (a paged one) plugs in without a branch in the
+model. Its layers
 follow the model's: stacked ([L, ...]) for a scanned model, which carries the cache through its
 layer scan and indexes it with the (traced) layer number, so the decode program does not grow
 with depth; one array per layer for an unrolled model, so a layer reads its own buffer (XLA:CPU
@@ -19,12 +22,15 @@ decode step over [S, H] keys took about twice as long). It is the default on CPU
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.config import ModelConfig
+from transformer_jax.config import Architecture, ModelConfig
+from transformer_jax.ops.attention import attention
 
 #: Logical axis names of the cache's [L, B, K, S, H] arrays (the mesh rules shard kv heads over
 #: the tensor axis, as they shard the k/v projections).
@@ -116,6 +122,35 @@ class KVCache:
         return (self.k[i].reshape(b, -1, *self.k[i].shape[1:]),
                 self.v[i].reshape(b, -1, *self.v[i].shape[1:]))
 
+    def attend(self, i: int | jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+               positions: jax.Array, *, window: int | None, impl: str
+               ) -> tuple[jax.Array, KVCache]:
+        """Layer i's attention with this cache: writes the chunk's keys/values, then attends
+        the queries over every slot of the layer.
+
+        Slot s holds position s, so the causal structure also hides slots not written yet. This
+        is the one call the model's attention makes (``Cache``): another cache (paged, say)
+        plugs in by giving the same.
+
+        Args:
+          i: the layer (a Python int, or a traced index inside a layer scan).
+          q: [B, T, N, H] queries (rotated).
+          k: [B, T, K, H] new keys (rotated) for ``positions``.
+          v: [B, T, K, H] new values.
+          positions: [B, T] int positions, consecutive per row; row b is written at slots
+            ``positions[b, 0] ..``.
+          window: optional sliding window length.
+          impl: the attention implementation (``ops.attention.attention``).
+
+        Returns:
+          ([B, T, N, H] attention output, the cache with layer i written).
+        """
+        cache = self.write(i, k, v, positions[:, 0])
+        keys, values = cache.layer(i)
+        out = attention(q.astype(keys.dtype), keys, values, q_positions=positions,
+                        window=window, impl=impl, keys_transposed=self.keys_transposed)
+        return out, cache
+
     def write(self, i: int | jax.Array, k: jax.Array, v: jax.Array,
               start: jax.Array) -> KVCache:
         """Writes a chunk of T new keys/values of each sequence at its own start slot.
@@ -132,36 +167,13 @@ class KVCache:
         Returns:
           The cache with layer i updated (lengths unchanged: the model sets them).
         """
-        if not self.stacked:
-            new_k, new_v = list(self.k), list(self.v)
-            new_k[i] = _write_rows(self.k[i], k, start, keys_transposed=self.keys_transposed)
-            new_v[i] = _write_rows(self.v[i], v, start, keys_transposed=False)
-            return self.replace(k=tuple(new_k), v=tuple(new_v))
-        b, t = k.shape[:2]
-        k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
-        if isinstance(b, int) and b == 1:
-            # One sequence: a dynamic-update-slice. (The scatter below would become a
-            # bounds-checked select that copies the whole cache at B = 1.)
-            s = start[0]
-            if self.keys_transposed:
-                new_k = jax.lax.dynamic_update_slice(
-                    self.k, k.transpose(0, 2, 3, 1)[None], (i, 0, 0, 0, s))
-            else:
-                new_k = jax.lax.dynamic_update_slice(
-                    self.k, k.transpose(0, 2, 1, 3)[None], (i, 0, 0, s, 0))
-            new_v = jax.lax.dynamic_update_slice(self.v, v.transpose(0, 2, 1, 3)[None],
-                                                 (i, 0, 0, s, 0))
-            return self.replace(k=new_k, v=new_v)
-        rows = jnp.arange(b)[:, None]
-        slots = start[:, None] + jnp.arange(t, dtype=start.dtype)  # [B, T]
-        scatter = dict(mode="promise_in_bounds", unique_indices=True)
-        # The advanced indices (i, rows, slots) broadcast to [B, T] and lead: updates [B, T, K, H].
-        if self.keys_transposed:
-            new_k = self.k.at[i, rows, :, :, slots].set(k, **scatter)
-        else:
-            new_k = self.k.at[i, rows, :, slots, :].set(k, **scatter)
-        new_v = self.v.at[i, rows, :, slots, :].set(v, **scatter)
-        return self.replace(k=new_k, v=new_v)
+        if self.stacked:
+            return self.replace(k=_write_stacked(self.k, i, k, start, self.keys_transposed),
+                                v=_write_stacked(self.v, i, v, start, False))
+        new_k, new_v = list(self.k), list(self.v)
+        new_k[i] = _write_rows(self.k[i], k, start, self.keys_transposed)
+        new_v[i] = _write_rows(self.v[i], v, start, False)
+        return self.replace(k=tuple(new_k), v=tuple(new_v))
 
     def constrain(self) -> KVCache:
         """The cache with its logical sharding pinned (kv heads over the tensor axis).
@@ -176,12 +188,57 @@ class KVCache:
                             v=nn.with_logical_constraint(self.v, CACHE_AXES))
 
 
-def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array, *,
+class Cache(Protocol):
+    """What the model needs of a cache: ``KVCache`` is one, a paged cache would be another.
+
+    ``lengths`` [B] are the positions written per sequence (the model continues from them and
+    sets them after a chunk, through ``replace``); ``attend`` stores a layer's chunk and
+    attends over the layer's keys and values, in whatever layout the cache keeps them.
+    """
+
+    lengths: jax.Array
+
+    def attend(self, i: int | jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+               positions: jax.Array, *, window: int | None, impl: str
+               ) -> tuple[jax.Array, Cache]: ...
+
+    def replace(self, **changes: Any) -> Cache: ...
+
+
+def _in_storage_order(new: jax.Array, keys_transposed: bool) -> jax.Array:
+    """A chunk [B, T, K, H] -> [B, K, T, H], or [B, K, H, T] for keys stored transposed."""
+    return new.transpose(0, 2, 3, 1) if keys_transposed else new.transpose(0, 2, 1, 3)
+
+
+def _write_stacked(cache: jax.Array, i: int | jax.Array, new: jax.Array, start: jax.Array,
+                   keys_transposed: bool) -> jax.Array:
+    """Layer i's write into a stacked [L, B, K, S, H] (or [L, B, K, H, S]) buffer.
+
+    At B = 1 one dynamic-update-slice (the scatter below would become a bounds-checked select
+    that copies the whole cache there); else a scatter of [B, T] (row, slot) pairs.
+    """
+    b, t = new.shape[:2]
+    new = new.astype(cache.dtype)
+    slot_axis = 4 if keys_transposed else 3
+    if isinstance(b, int) and b == 1:
+        at = [i, 0, 0, 0, 0]
+        at[slot_axis] = start[0]
+        return jax.lax.dynamic_update_slice(cache, _in_storage_order(new, keys_transposed)[None],
+                                            tuple(at))
+    rows = jnp.arange(b)[:, None]
+    slots = start[:, None] + jnp.arange(t, dtype=start.dtype)  # [B, T]
+    index = [i, rows, slice(None), slice(None), slice(None)]
+    index[slot_axis] = slots
+    # The advanced indices (i, rows, slots) broadcast to [B, T] and lead: updates [B, T, K, H].
+    return cache.at[tuple(index)].set(new, mode="promise_in_bounds", unique_indices=True)
+
+
+def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array,
                 keys_transposed: bool) -> jax.Array:
-    """One layer's write: T new entries per sequence at ``start[b] ..``.
+    """One layer's write into a buffer of merged (sequence, kv head) rows.
 
     Args:
-      cache: [B * K, S, H] (or [B * K, H, S] for transposed keys): rows (sequence, kv head).
+      cache: [B * K, S, H] (or [B * K, H, S] for transposed keys).
       new: [B, T, K, H].
       start: [B] int32 first slot per sequence.
 
@@ -190,8 +247,7 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array, *,
     the whole cache there).
     """
     b, t, kv, h = new.shape
-    new = new.astype(cache.dtype)
-    rows = new.transpose(0, 2, 3, 1) if keys_transposed else new.transpose(0, 2, 1, 3)
+    rows = _in_storage_order(new.astype(cache.dtype), keys_transposed)
     at = (lambda s: (0, s)) if keys_transposed else (lambda s: (s, 0))
     # The carried buffers are stored with rows merged: reshaping a [B, K, ...] buffer around
     # the update kept XLA from doing it in place at B = 1 (about 8 ms of a 16 ms decode_25m
@@ -207,7 +263,7 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array, *,
     return jax.vmap(one)(cache, rows, row_starts)
 
 
-def cache_bytes(config: ModelConfig, batch: int, max_len: int,
+def cache_bytes(config: Architecture, batch: int, max_len: int,
                 dtype: jnp.dtype | str | None = None) -> int:
     """Size of K and V of a cache, without allocating it."""
     itemsize = jnp.dtype(dtype or config.dtype).itemsize

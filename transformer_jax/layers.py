@@ -26,7 +26,7 @@ def is_vector_param(name: str) -> bool:
 
 
 #: How many leading axes of each matrix (in its in-first layout) are inputs; the rest are
-#: outputs. With ``weights_out_first`` the matrix is stored outputs first (``ops.dense``).
+#: outputs; ``matrix`` declares them, in-first or out-first.
 MATRIX_INPUT_AXES = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate": 1, "up": 1,
                      "down": 1, "lm_head": 1}
 
@@ -41,12 +41,39 @@ def _normal(std: float) -> nn.initializers.Initializer:
     return nn.initializers.normal(stddev=std)
 
 
+def matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
+           init: nn.initializers.Initializer, *, out_first: bool,
+           param_dtype: jnp.dtype) -> jax.Array:
+    """The one parameter primitive of every matrix of the model.
+
+    Declares matrix ``name`` on ``module`` with its in-first ``shape`` and logical ``axes``
+    (``MATRIX_INPUT_AXES[name]`` leading input axes, e.g. q_proj [D, N, H]); with ``out_first``
+    it is stored output axes first ([N, H, D]), the layout ``to_out_first`` gives and
+    ``ops.dense`` computes with.
+
+    Returns:
+      The stored parameter, in ``param_dtype``.
+    """
+    if out_first:
+        n_in = MATRIX_INPUT_AXES[name]
+        shape, axes = out_first_shape(shape, n_in), out_first_shape(axes, n_in)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, param_dtype)
+
+
+def to_out_first(w: jax.Array, name: str, stacked: bool = False) -> jax.Array:
+    """An in-first matrix ``name`` transposed to the out-first layout ``matrix`` declares
+    (after a leading layers axis when ``stacked``)."""
+    lead, n_in = int(stacked), MATRIX_INPUT_AXES[name]
+    axes = list(range(w.ndim))
+    return w.transpose(axes[:lead] + axes[lead + n_in:] + axes[lead:lead + n_in])
+
+
 class Embed(nn.Module):
-    """Token embedding table [V, D]; ``attend`` is the tied LM head.
+    """Token embedding table [V, D] (also the LM head when tied, ``Transformer.lm_head``).
 
     With ``vocab_axis`` (inside ``shard_map``) the table is this shard's block of V rows, the
     blocks in shard order: a lookup takes the rows it holds and sums the blocks' vectors over
-    the axis, and ``attend`` gives this shard's block of the logits.
+    the axis; as a tied head it gives this shard's block of the logits.
     """
 
     vocab_size: int
@@ -71,10 +98,6 @@ class Embed(nn.Module):
         x = ops.embed(jnp.where(mine, ids, 0), self.embedding) * mine[..., None]
         # One shard holds each id's row, so the sum is exact.
         return jax.lax.psum(x, self.vocab_axis).astype(self.dtype)
-
-    def attend(self, x: jax.Array) -> jax.Array:
-        """[B, T, D] -> [B, T, V] float32 logits with the transposed table."""
-        return ops.tied_logits(x, self.embedding.astype(self.dtype))
 
 
 class Norm(nn.Module):
@@ -119,14 +142,13 @@ class Attention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
-    def _param(self, name, shape, axes, init):
-        """A parameter declared in-first; a matrix is stored output axes first when
-        ``out_first`` (see ``ops.dense`` and ``MATRIX_INPUT_AXES``)."""
-        if self.out_first and name in MATRIX_INPUT_AXES:
-            n_in = MATRIX_INPUT_AXES[name]
-            shape, axes = out_first_shape(shape, n_in), out_first_shape(axes, n_in)
-        w = self.param(name, nn.with_logical_partitioning(init, axes), shape, self.param_dtype)
-        return w.astype(self.dtype)
+    def _matrix(self, name, shape, axes, init):
+        return matrix(self, name, shape, axes, init, out_first=self.out_first,
+                      param_dtype=self.param_dtype).astype(self.dtype)
+
+    def _bias(self, name, shape, axes):
+        return self.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes),
+                          shape, self.param_dtype).astype(self.dtype)
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, cache: KVCache | None = None,
@@ -148,44 +170,40 @@ class Attention(nn.Module):
         d = x.shape[-1]
         n, kv, h = self.n_heads, self.n_kv_heads, self.head_dim
         init = _normal(self.init_std)
-        wq = self._param("q_proj", (d, n, h), ("embed", "heads", "head_dim"), init)
-        wk = self._param("k_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), init)
-        wv = self._param("v_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), init)
-        wo = self._param("o_proj", (n, h, d), ("heads", "head_dim", "embed"),
-                         _normal(self.out_init_std))
+        wq = self._matrix("q_proj", (d, n, h), ("embed", "heads", "head_dim"), init)
+        wk = self._matrix("k_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), init)
+        wv = self._matrix("v_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), init)
+        wo = self._matrix("o_proj", (n, h, d), ("heads", "head_dim", "embed"),
+                          _normal(self.out_init_std))
         q = dense(x, wq, "BTD,DNH->BTNH", out_first=self.out_first)
         k = dense(x, wk, "BSD,DKH->BSKH", out_first=self.out_first)
         v = dense(x, wv, "BSD,DKH->BSKH", out_first=self.out_first)
         if self.qkv_bias:
-            zeros = nn.initializers.zeros
-            q = q + self._param("q_bias", (n, h), ("heads", "head_dim"), zeros)
-            k = k + self._param("k_bias", (kv, h), ("kv_heads", "head_dim"), zeros)
-            v = v + self._param("v_bias", (kv, h), ("kv_heads", "head_dim"), zeros)
+            q = q + self._bias("q_bias", (n, h), ("heads", "head_dim"))
+            k = k + self._bias("k_bias", (kv, h), ("kv_heads", "head_dim"))
+            v = v + self._bias("v_bias", (kv, h), ("kv_heads", "head_dim"))
         if self.use_rope:
             rope = dict(base=self.rope_base, pairing=self.rope_pairing, scaling=self.rope_scaling)
             q = ops.apply_rope(q, positions, **rope)
             k = ops.apply_rope(k, positions, **rope)
 
-        structure = dict(q_positions=positions, window=self.sliding_window, impl=self.impl)
         if cache is None:
             out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-                            k_positions=positions, q_segments=segment_ids,
-                            k_segments=segment_ids, **structure)
+                            q_positions=positions, k_positions=positions,
+                            q_segments=segment_ids, k_segments=segment_ids,
+                            window=self.sliding_window, impl=self.impl)
         else:
             if segment_ids is not None:
                 raise ValueError("segment_ids cannot be combined with a KV cache")
-            # Write the chunk, then attend over every slot: slot s holds position s, so the
-            # causal structure also hides slots not written yet.
-            cache = cache.write(layer, k, v, positions[:, 0])
-            keys, values = cache.layer(layer)
-            out = attention(q.astype(keys.dtype), keys, values,
-                            keys_transposed=cache.keys_transposed, **structure)
+            # The cache stores the chunk and attends over what it holds, in its own layout.
+            out, cache = cache.attend(layer, q, k, v, positions, window=self.sliding_window,
+                                      impl=self.impl)
         return dense(out.astype(self.dtype), wo, "BTNH,NHD->BTD", out_first=self.out_first), cache
 
 
 class MLP(nn.Module):
     """Feed-forward network: ``gate`` and ``up`` [D, F] (gated kinds), ``down`` [F, D]; each
-    stored [out, in] with ``out_first`` (see ``ops.dense``)."""
+    stored [out, in] with ``out_first`` (see ``matrix``)."""
 
     d_ff: int
     kind: str = "swiglu"
@@ -202,11 +220,8 @@ class MLP(nn.Module):
         fn, gated = ops.FFN_FUNCTIONS[self.kind]
 
         def param(name, shape, axes, std):
-            if self.out_first:
-                shape, axes = shape[::-1], axes[::-1]
-            w = self.param(name, nn.with_logical_partitioning(_normal(std), axes), shape,
-                           self.param_dtype)
-            return w.astype(self.dtype)
+            return matrix(self, name, shape, axes, _normal(std), out_first=self.out_first,
+                          param_dtype=self.param_dtype).astype(self.dtype)
 
         def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
             return dense(x, w, spec, out_first=self.out_first)
@@ -225,6 +240,9 @@ class Block(nn.Module):
     Pre-norm (default): ``x + f(norm(x))``; post-norm (original Transformer):
     ``norm(x + f(x))``.
 
+    ``weights_out_first``: every matrix is stored output axes first (``matrix``), the layout
+    ``decode.prepare`` gives the weights on CPU.
+
     With ``tensor_axis`` the block runs inside ``shard_map`` on one shard of a Megatron split:
     its config counts this shard's heads, kv heads and FFN units (``shard_config``), and each
     branch's output (a partial sum over the shard's heads or units) is summed over the axis.
@@ -232,6 +250,7 @@ class Block(nn.Module):
 
     config: ModelConfig
     tensor_axis: str | None = None
+    weights_out_first: bool = False
 
     @nn.compact
     def __call__(self, carry: Carry, positions: jax.Array, layer: int | jax.Array = 0,
@@ -257,9 +276,9 @@ class Block(nn.Module):
             qkv_bias=c.qkv_bias, use_rope=c.position == "rope", rope_base=c.rope_base,
             rope_pairing=c.rope_pairing, rope_scaling=c.rope_scaling,
             sliding_window=c.sliding_window, impl=c.attention_impl, init_std=c.init_std,
-            out_init_std=out_std, out_first=c.weights_out_first, name="attn", **dtypes)
+            out_init_std=out_std, out_first=self.weights_out_first, name="attn", **dtypes)
         mlp = MLP(d_ff=c.d_ff, kind=c.ffn, init_std=c.init_std, out_init_std=out_std,
-                  out_first=c.weights_out_first, name="mlp", **dtypes)
+                  out_first=self.weights_out_first, name="mlp", **dtypes)
         attn_norm = Norm(name="attn_norm", **norm_kw)
         mlp_norm = Norm(name="mlp_norm", **norm_kw)
 

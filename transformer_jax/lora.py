@@ -23,7 +23,7 @@ In a train step, differentiate with respect to the adapters only::
 
     def loss_fn(adapters, base, batch):
         params = lora.apply_adapters(base, adapters, lora_config)
-        logits = Transformer(config).apply({"params": params}, batch["inputs"])
+        logits = Transformer(config).apply({"params": params}, batch["inputs"]).logits
         return cross_entropy(logits, batch["targets"])
 
     grads = jax.grad(loss_fn)(adapters, base, batch)   # only adapter-sized
@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import optax
 
 from transformer_jax.config import ModelConfig
+from transformer_jax.layers import MATRIX_INPUT_AXES
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,11 @@ TARGETS: dict[str, tuple[str, str]] = {
     "up": ("mlp", "up"),
     "down": ("mlp", "down"),
 }
-# How many leading (input) axes each target matrix has; the rest are output axes.
-_IN_AXES = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+
+
+def _input_axes(target: str) -> int:
+    """How many leading (input) axes the target's matrix has; the rest are output axes."""
+    return MATRIX_INPUT_AXES[TARGETS[target][1]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +175,7 @@ def init_adapters(config: ModelConfig, lora_config: LoraConfig, params: Params,
     for (block, stacked, target), k in zip(entries, keys, strict=True):
         shape = tuple(_target_param(params, block, target).shape)
         lead, matrix = shape[:int(stacked)], shape[int(stacked):]
-        n_in = _IN_AXES[target]
+        n_in = _input_axes(target)
         fan_in = 1
         for size in matrix[:n_in]:
             fan_in *= size
@@ -195,7 +199,7 @@ def delta(a: jax.Array, b: jax.Array, target: str, stacked: bool, scale: float) 
     Returns:
       [L?, in..., out...] float32.
     """
-    n_in = _IN_AXES[target]
+    n_in = _input_axes(target)
     n_out = b.ndim - 1 - int(stacked)
     letters = iter(string.ascii_lowercase.replace("r", "").replace("l", ""))
     ins = "".join(next(letters) for _ in range(n_in))
@@ -341,7 +345,7 @@ def adapter_shardings(adapters: Adapters, params_shardings: Any) -> Any:
                 ndim = ab["a"].ndim + ab["b"].ndim - 2 - int(stacked)  # the target's rank
                 spec = tuple(w.spec) + (None,) * (ndim - len(w.spec))
                 lead, matrix = spec[:int(stacked)], spec[int(stacked):]
-                n_in = _IN_AXES[target]
+                n_in = _input_axes(target)
                 out.setdefault(block, {}).setdefault(module, {})[name] = {
                     "a": NamedSharding(w.mesh, P(*lead, *matrix[:n_in], None)),
                     "b": NamedSharding(w.mesh, P(*lead, None, *matrix[n_in:]))}

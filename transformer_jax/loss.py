@@ -3,18 +3,9 @@ optional z-loss that keeps ``log Z`` near 0. Sums, so micro-batches add up and d
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import optax
-
-logger = logging.getLogger(__name__)
-
-Params = dict[str, Any]
-Batch = dict[str, jax.Array]
-Metrics = dict[str, jax.Array]
 
 
 def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None,

@@ -1,8 +1,8 @@
 """The decoder-only Transformer: embed -> L blocks (unrolled or scanned) -> final norm -> logits.
 
-``Transformer(config).apply({"params": params}, tokens)`` returns [B, T, V] float32 logits.
-Passing a ``KVCache`` returns ``(logits, cache)`` with the chunk's keys/values written in, which
-is all prefill and decode need: ``decode.py`` runs this same forward.
+``Transformer(config).apply({"params": params}, tokens).logits`` are [B, T, V] float32 logits.
+Passing a ``KVCache`` also returns the cache (``Output.cache``) with the chunk's keys/values
+written in, which is all prefill and decode need: ``decode.py`` runs this same forward.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 
 import chex
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +19,7 @@ import numpy as np
 from transformer_jax import ops
 from transformer_jax.config import ModelConfig
 from transformer_jax.kv_cache import KVCache
-from transformer_jax.layers import Block, Embed, Norm
+from transformer_jax.layers import EMBEDDING_PARAM, Block, Embed, Norm, matrix
 from transformer_jax.ops.dense import dense
 
 Params = dict[str, Any]
@@ -29,6 +30,22 @@ _REMAT_POLICIES = {
 }
 
 
+@flax.struct.dataclass
+class Output:
+    """What the forward returns.
+
+    Attributes:
+      logits: [B, T, V] float32 next-token logits ([B, V] with ``logits_at``); None with
+        ``hidden_only``.
+      cache: the updated cache when one was given (lengths ``positions[:, -1] + 1``), else None.
+      hidden: the final-normed [B, T, D] hidden states with ``hidden_only``, else None.
+    """
+
+    logits: jax.Array | None = None
+    cache: Any = None
+    hidden: jax.Array | None = None
+
+
 class Transformer(nn.Module):
     """Decoder-only language model (LLaMA family; Mistral and Qwen2 by config).
 
@@ -36,6 +53,10 @@ class Transformer(nn.Module):
     prompts with an empty cache, and every decode step on one token per sequence with the cache
     (``decode.py``). The blocks are unrolled, or scanned with ``config.scan_layers`` (then the
     program, and its compile time, do not grow with depth, decode included).
+
+    ``weights_out_first`` is the layout of the weights it is given, not of the model: every
+    matrix stored output axes first (``layers.matrix``), as ``decode.prepare`` lays them out on
+    CPU where that measured faster.
 
     Tensor parallelism runs this same forward one of two ways. Under ``jit`` with a mesh and
     the logical-axis rules in context (training), XLA partitions it from the parameters'
@@ -48,12 +69,12 @@ class Transformer(nn.Module):
     config: ModelConfig
     tensor_axis: str | None = None
     vocab_split: bool = False
+    weights_out_first: bool = False
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  cache: KVCache | None = None, segment_ids: jax.Array | None = None,
-                 logits_at: jax.Array | None = None, hidden_only: bool = False
-                 ) -> jax.Array | tuple[jax.Array, KVCache]:
+                 logits_at: jax.Array | None = None, hidden_only: bool = False) -> Output:
         """Next-token logits for every position, or for one position per sequence.
 
         Args:
@@ -68,11 +89,11 @@ class Transformer(nn.Module):
             head run for that token only (a prompt's last real token in prefill), and the
             logits are [B, V].
           hidden_only: return the final-normed [B, T, D] hidden states instead of logits, for
-            a loss that applies the LM head itself in chunks (``ops.lm_loss``).
+            a loss that applies the LM head itself in chunks (``ops.lm_loss``, with
+            ``lm_head``).
 
         Returns:
-          [B, T, V] float32 logits ([B, V] with ``logits_at``), or ``(logits, updated cache)``
-          when a cache is given; the updated cache's lengths are ``positions[:, -1] + 1``.
+          An ``Output``: the logits (or hidden states) and the updated cache.
         """
         c = self.config
         chex.assert_rank(tokens, 2)
@@ -95,78 +116,94 @@ class Transformer(nn.Module):
             block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[c.remat],
                                  prevent_cse=not c.scan_layers)
         carry = (x, cache)
+        block_args = (c, self.tensor_axis, self.weights_out_first)
         if c.scan_layers:
             # The cache rides in the carry and each layer indexes it with its (traced) number,
             # so XLA updates it in place rather than slicing and restacking it per layer.
             blocks = nn.scan(
                 block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                 in_axes=(nn.broadcast, 0, nn.broadcast), length=c.n_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"})(
-                    c, self.tensor_axis, name="blocks")
+                metadata_params={nn.PARTITION_NAME: "layers"})(*block_args, name="blocks")
             carry, _ = blocks(carry, positions, jnp.arange(c.n_layers), segment_ids)
         else:
             for i in range(c.n_layers):
-                carry, _ = block_cls(c, self.tensor_axis, name=f"blocks_{i}")(
+                carry, _ = block_cls(*block_args, name=f"blocks_{i}")(
                     carry, positions, i, segment_ids)
         x, cache = carry
+        if cache is not None:
+            cache = cache.replace(lengths=(positions[:, -1] + 1).astype(jnp.int32))
 
         if logits_at is not None:
             x = x[jnp.arange(b), logits_at][:, None]  # [B, 1, D]
         x = Norm(kind=c.norm, eps=c.norm_eps, param_dtype=c.jnp_param_dtype,
                  name="final_norm")(x)
+        head = embed.embedding if c.tie_embeddings else self._untied_head()
         if hidden_only:
-            if self.is_initializing() and not c.tie_embeddings:
-                self.lm_head_kernel()
-            return x if cache is None else (x, cache)
-        if c.tie_embeddings and not c.weights_out_first:
-            logits = embed.attend(x)
+            return Output(cache=cache, hidden=x)
+        table, layout = self.head_layout(head)
+        table = table.astype(c.jnp_dtype)
+        if layout == "VD" and not self.weights_out_first:  # a tied table, trained as stored
+            logits = ops.tied_logits(x, table)
         else:
-            # The [V, D] table is the head stored out-first.
-            head = embed.embedding if c.tie_embeddings else self.lm_head_kernel()
-            logits = dense(x, head.astype(c.jnp_dtype), "BTD,DV->BTV",
-                           out_first=c.weights_out_first, preferred_element_type=jnp.float32)
+            logits = dense(x, table, "BTD,DV->BTV", out_first=layout == "VD",
+                           preferred_element_type=jnp.float32)
         if vocab_axis is not None:  # this shard's [.., V/T] block -> the whole [.., V]
             logits = jax.lax.all_gather(logits, vocab_axis, axis=2, tiled=True)
         if logits_at is not None:
             logits = logits[:, 0]
-        if cache is None:
-            return logits
-        return logits, cache.replace(lengths=(positions[:, -1] + 1).astype(jnp.int32))
+        return Output(logits=logits, cache=cache)
 
-    def lm_head_kernel(self) -> jax.Array:
-        """The untied LM head [D, V] (declared here so both output paths share it)."""
+    def _untied_head(self) -> jax.Array:
         c = self.config
-        shape, axes = (c.d_model, c.vocab_size), ("embed", "vocab")
-        if c.weights_out_first:
-            shape, axes = shape[::-1], axes[::-1]
-        return self.param("lm_head", nn.with_logical_partitioning(
-            nn.initializers.normal(c.init_std), axes), shape, c.jnp_param_dtype)
+        return matrix(self, "lm_head", (c.d_model, c.vocab_size), ("embed", "vocab"),
+                      nn.initializers.normal(c.init_std), out_first=self.weights_out_first,
+                      param_dtype=c.jnp_param_dtype)
+
+    def head_layout(self, head: jax.Array) -> tuple[jax.Array, str]:
+        """(the LM head's table, its layout ``"VD"`` or ``"DV"``) for its stored parameter:
+        the [V, D] token table when tied, else ``lm_head`` [D, V] ([V, D] out-first)."""
+        out_first = self.config.tie_embeddings or self.weights_out_first
+        return head, "VD" if out_first else "DV"
+
+    def lm_head(self, params: Params) -> tuple[jax.Array, str]:
+        """The LM head of ``params`` (this model's parameter tree) and its layout, as the
+        forward applies it to the final hidden states and a chunked loss reads it
+        (``ops.lm_loss``'s ``head_layout``)."""
+        key = (EMBED, EMBEDDING_PARAM) if self.config.tie_embeddings else ("lm_head",)
+        head = params
+        for k in key:
+            head = head[k]
+        return self.head_layout(head)
 
 
-def _dummy_tokens(config: ModelConfig) -> jax.Array:
-    return jnp.zeros((1, min(8, config.max_seq_len)), jnp.int32)
+EMBED = "embed"
+
+
+def _boxed_init(config: ModelConfig, rng: jax.Array, weights_out_first: bool = False) -> Params:
+    """The model's parameters with their logical-axis boxes (an init on a short dummy batch)."""
+    tokens = jnp.zeros((1, min(8, config.max_seq_len)), jnp.int32)
+    return Transformer(config, weights_out_first=weights_out_first).init(rng, tokens)["params"]
 
 
 def init_params(config: ModelConfig, rng: jax.Array | int = 0) -> Params:
     """Randomly initialised parameters (plain arrays, no partitioning boxes)."""
     if isinstance(rng, int):
         rng = jax.random.key(rng)
-    variables = Transformer(config).init(rng, _dummy_tokens(config))
-    return nn.meta.unbox(variables["params"])
+    return nn.meta.unbox(_boxed_init(config, rng))
 
 
-def abstract_params(config: ModelConfig) -> Params:
-    """Parameter shapes and dtypes as ``jax.ShapeDtypeStruct``s, without allocating them."""
-    boxed = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0),
-                                                            _dummy_tokens(config)))
-    return nn.meta.unbox(boxed["params"])
+def abstract_params(config: ModelConfig, weights_out_first: bool = False) -> Params:
+    """Parameter shapes and dtypes as ``jax.ShapeDtypeStruct``s, without allocating them
+    (matrices stored out-first with ``weights_out_first``, see ``layers.matrix``)."""
+    return nn.meta.unbox(jax.eval_shape(
+        lambda: _boxed_init(config, jax.random.key(0), weights_out_first)))
 
 
-def logical_axes(config: ModelConfig) -> Params:
-    """The logical axis names of every parameter, as a tree of ``PartitionSpec``s."""
-    boxed = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0),
-                                                            _dummy_tokens(config)))
-    return nn.get_partition_spec(boxed["params"])
+def logical_axes(config: ModelConfig, weights_out_first: bool = False) -> Params:
+    """The logical axis names of every parameter, as a tree of ``PartitionSpec``s (in the
+    layout ``weights_out_first`` says)."""
+    return nn.get_partition_spec(jax.eval_shape(
+        lambda: _boxed_init(config, jax.random.key(0), weights_out_first)))
 
 
 def param_count(config: ModelConfig) -> int:

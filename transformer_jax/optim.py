@@ -6,7 +6,6 @@ a step, so decay alone would pull rare tokens' vectors to zero."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import jax
@@ -15,13 +14,7 @@ import optax
 from transformer_jax.layers import EMBEDDING_PARAM, is_vector_param
 from transformer_jax.train_config import TrainConfig
 
-logger = logging.getLogger(__name__)
-
 Params = dict[str, Any]
-Batch = dict[str, jax.Array]
-Metrics = dict[str, jax.Array]
-
-
 
 
 def lr_schedule(config: TrainConfig) -> optax.Schedule:

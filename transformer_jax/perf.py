@@ -3,11 +3,9 @@ fast-math flags."""
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,13 +14,6 @@ import numpy as np
 from transformer_jax.config import ModelConfig
 from transformer_jax.layers import EMBEDDING_PARAM, is_vector_param
 from transformer_jax.model import abstract_params
-
-logger = logging.getLogger(__name__)
-
-Params = dict[str, Any]
-Batch = dict[str, jax.Array]
-Metrics = dict[str, jax.Array]
-
 
 # Measured on a 2-core CPU (shakespeare_char step, process CPU time): about 15-20% less time per
 # train step, mostly from vectorised approximations of exp/logistic in SwiGLU and the softmax.
@@ -47,7 +38,6 @@ def enable_cpu_fast_math() -> bool:
         return False
     os.environ["XLA_FLAGS"] = " ".join([flags, *CPU_FAST_MATH_FLAGS]).strip()
     return True
-
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:

@@ -10,14 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from transformer_jax.config import ModelConfig, resumable_keys
 
-Params = dict[str, Any]
-Batch = dict[str, jax.Array]
-Metrics = dict[str, jax.Array]
+logger = logging.getLogger(__name__)
 
 
 def data_fingerprint(*token_arrays: np.ndarray) -> str:
@@ -33,8 +30,6 @@ def data_fingerprint(*token_arrays: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-# Model keys that neither change the parameters nor the function: a resume may change them.
-_FREE_MODEL_KEYS = ("attention_impl", "remat")
 # Train keys whose change alters the optimizer state's structure (clipping adds a stage to the
 # optax chain), compared as the structure they give: such a checkpoint cannot be restored.
 _STATE_TRAIN_KEYS: dict[str, Callable[[Any], Any]] = {
@@ -45,6 +40,15 @@ _STATE_TRAIN_KEYS: dict[str, Callable[[Any], Any]] = {
 _TRAJECTORY_TRAIN_KEYS = ("batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
                           "decay_steps", "weight_decay", "b1", "b2", "eps", "grad_clip",
                           "z_loss", "seed", "lora_alpha", "lora_base_dtype", "init_from")
+
+
+def _model_dict(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's saved model config as this version writes it (keys earlier versions
+    wrote and no longer use dropped, defaults filled in), or as saved if it does not parse."""
+    try:
+        return ModelConfig.from_dict(saved).to_dict()
+    except (TypeError, ValueError):
+        return saved
 
 
 def check_resume(saved: dict[str, Any], current: dict[str, Any], where: Path) -> None:
@@ -68,9 +72,10 @@ def check_resume(saved: dict[str, Any], current: dict[str, Any], where: Path) ->
             f"({saved.get('tokenizer')}, fingerprint {saved_tok[:12]}) than this run's "
             f"({current['tokenizer']}, fingerprint {tok[:12]}); a run continues only with its "
             f"own tokenizer{use}")
-    diffs = [f"model.{k}: {saved['model'].get(k)!r} in the checkpoint, {v!r} now"
+    saved_model = _model_dict(saved["model"]) if "model" in saved else {}
+    diffs = [f"model.{k}: {saved_model.get(k)!r} in the checkpoint, {v!r} now"
              for k, v in current["model"].items()
-             if k not in _FREE_MODEL_KEYS and "model" in saved and saved["model"].get(k) != v]
+             if k not in resumable_keys() and "model" in saved and saved_model.get(k) != v]
     saved_train = saved.get("train") or {}
     diffs += [f"train.{k}: {saved_train[k]!r} in the checkpoint, {current['train'][k]!r} now "
               "(changes the optimizer state)"

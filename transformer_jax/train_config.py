@@ -22,8 +22,11 @@ from transformer_jax import sharding as sharding_lib
 from transformer_jax.config import (
     CONFIGS_DIR,
     DTYPES,
+    Architecture,
+    Execution,
     ModelConfig,
     check_keys,
+    field_names,
     load_toml,
     parse_override,
     preset_names,
@@ -89,10 +92,10 @@ class TrainConfig:
         resume on different data is refused. A different tokenizer is always refused.
       init_from: fine-tune: start from the weights of a HF checkpoint directory (config.json +
         safetensors) or of another run (its directory, ``checkpoints/`` or one step). The model
-        comes from it; ``model.*`` may only change dtype, param_dtype, remat, scan_layers,
-        attention_impl, init_std and lower max_seq_len (``INIT_FREE_MODEL_KEYS``). The tokenizer
-        is the checkpoint's unless data.tokenizer is a file. The optimizer starts fresh; a run
-        directory that already has checkpoints resumes from them instead.
+        comes from it; ``model.*`` may only change how it runs (dtype, param_dtype, remat,
+        scan_layers, attention_impl, init_std: ``config.Execution``) and lower max_seq_len.
+        The tokenizer is the checkpoint's unless data.tokenizer is a file. The optimizer starts
+        fresh; a run directory that already has checkpoints resumes from them instead.
       lora_rank: R > 0 trains LoRA adapters of rank R on a frozen base (params
         ``{"base", "adapters"}``, see ``transformer_jax.lora``); 0 trains every weight.
       lora_alpha: LoRA scale numerator (the update is ``alpha / R * A @ B``); 0 means ``2 R``.
@@ -261,10 +264,6 @@ class DataConfig:
         return len(patterns) == 1 and patterns[0].lower().endswith(".jsonl")
 
 
-#: Model keys a run with ``train.init_from`` may set: they change neither the shapes of the
-#: checkpoint's weights nor the function they compute (``max_seq_len`` only downwards).
-INIT_FREE_MODEL_KEYS = ("dtype", "param_dtype", "remat", "scan_layers", "attention_impl",
-                        "max_seq_len", "init_std")
 
 #: The kinds of ``InitSource``.
 HF_SOURCE, RUN_SOURCE = "hf", "run"
@@ -350,24 +349,27 @@ def read_init_source(path: str) -> InitSource:
                       step, meta)
 
 
+def _settable_with_init_from(key: str, value: Any, source: ModelConfig) -> bool:
+    """Whether ``model.KEY=value`` keeps the checkpoint's function: every ``Execution`` field,
+    and a ``max_seq_len`` not above the checkpoint's (the same function on shorter inputs)."""
+    return key in field_names(Execution) or (key == "max_seq_len"
+                                              and value <= source.max_seq_len)
+
+
 def architecture_changes(source: ModelConfig, model: ModelConfig) -> list[str]:
     """``model.KEY=...`` descriptions of what ``model`` changes in the checkpoint's ``source``
-    beyond ``INIT_FREE_MODEL_KEYS`` (and a ``max_seq_len`` above the checkpoint's)."""
-    changes = [f"model.{f.name}={getattr(model, f.name)!r} (the checkpoint has "
-               f"{getattr(source, f.name)!r})"
-               for f in dataclasses.fields(ModelConfig)
-               if f.name not in INIT_FREE_MODEL_KEYS
-               and getattr(model, f.name) != getattr(source, f.name)]
-    if model.max_seq_len > source.max_seq_len:
-        changes.append(f"model.max_seq_len={model.max_seq_len} (above the checkpoint's "
-                       f"{source.max_seq_len})")
-    return changes
+    architecture (a ``max_seq_len`` lowered excepted)."""
+    return [f"model.{key}={getattr(model, key)!r} (the checkpoint has {getattr(source, key)!r})"
+            for key in field_names(Architecture)
+            if getattr(model, key) != getattr(source, key)
+            and not _settable_with_init_from(key, getattr(model, key), source)]
 
 
 def init_model_config(source: InitSource, values: dict[str, Any],
                       preset_keys: frozenset[str] = frozenset()) -> ModelConfig:
-    """The model of a run with ``train.init_from``: the checkpoint's, with ``values`` (the
-    ``[model]`` table and ``model.*`` overrides) applied to ``INIT_FREE_MODEL_KEYS``.
+    """The model of a run with ``train.init_from``: the checkpoint's architecture with ``values``
+    (the ``[model]`` table and ``model.*`` overrides) applied to its ``Execution`` fields (and a
+    lower ``max_seq_len``).
 
     Args:
       source: the checkpoint.
@@ -381,8 +383,7 @@ def init_model_config(source: InitSource, values: dict[str, Any],
     """
     values = dict(values)
     yielded = sorted(key for key in preset_keys & values.keys()
-                     if key not in INIT_FREE_MODEL_KEYS or (
-                         key == "max_seq_len" and values[key] > source.model.max_seq_len))
+                     if not _settable_with_init_from(key, values[key], source.model))
     if yielded:
         logger.info("train.init_from=%s: the model's %s come from the checkpoint, not the "
                     "config file", source.path, ", ".join(yielded))
@@ -393,8 +394,8 @@ def init_model_config(source: InitSource, values: dict[str, Any],
     if changes:
         raise ValueError(
             f"train.init_from={source.path}: {'; '.join(changes)} would change the checkpoint's "
-            f"architecture; with init_from only {', '.join(INIT_FREE_MODEL_KEYS)} (max_seq_len "
-            "not above the checkpoint's) may be set")
+            f"architecture; with init_from only {', '.join(field_names(Execution))} and "
+            "max_seq_len (not above the checkpoint's) may be set")
     return model
 
 
@@ -432,9 +433,9 @@ def build_configs(config: str, overrides: Sequence[str] = ()
         not exist.
 
     With ``train.init_from`` the model is the checkpoint's (``init_model_config``): ``model.*``
-    overrides may only set ``INIT_FREE_MODEL_KEYS``, and the config file's ``[model]`` table
-    gives way to the checkpoint where it would change the architecture (so the default
-    ``tiny`` preset fine-tunes any checkpoint).
+    overrides may only set ``Execution`` fields (and lower max_seq_len), and the config file's
+    ``[model]`` table gives way to the checkpoint where it would change the architecture (so
+    the default ``tiny`` preset fine-tunes any checkpoint).
 
     A preset's ``warmup_steps`` that does not fit a run shortened by an override (``tiny`` warms
     up for 50 steps; ``train.steps=50`` leaves no decay) is replaced by the automatic warmup

@@ -13,7 +13,6 @@ for both; the layout's three maps are the only difference."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,12 +24,10 @@ import optax
 from transformer_jax import lora
 from transformer_jax.config import ModelConfig
 from transformer_jax.loss import cross_entropy_sums
-from transformer_jax.model import Transformer
+from transformer_jax.model import Transformer, init_params
 from transformer_jax.ops.lm_loss import lm_head_cross_entropy_sums
 from transformer_jax.optim import lr_schedule, make_optimizer
 from transformer_jax.train_config import TrainConfig
-
-logger = logging.getLogger(__name__)
 
 Params = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -45,8 +42,9 @@ class TrainState:
       step: int32 scalar, number of updates applied so far (also the data position).
       params: the model's parameters (float32 master weights).
       opt_state: the optimizer's state.
-      rng: [2] uint32 raw key data (kept raw so checkpoints need no typed-key support); the
-        step's key is ``fold_in(rng, step)``.
+      rng: [2] uint32 raw key data of the run's PRNG key (raw, so checkpoints need no
+        typed-key support). No step draws from it today (the model has no dropout); it stays
+        so that the checkpoints of every version have the same layout and resume.
     """
 
     step: jax.Array
@@ -106,15 +104,13 @@ def make_init_fn(model_config: ModelConfig, train_config: TrainConfig
     initialises them at random. Either way the optimizer state is fresh and, with LoRA, the
     adapters are initialised from ``key`` (B = 0: the model starts as ``params``).
     """
-    model = Transformer(model_config)
     tx = make_optimizer(train_config)
     layout = ParamsLayout.of(train_config)
 
     def init(key: jax.Array, params: Params | None = None) -> TrainState:
         param_key, rng_key = jax.random.split(key)
         if params is None:
-            dummy = jnp.zeros((1, min(8, model_config.max_seq_len)), jnp.int32)
-            params = flax.core.meta.unbox(model.init(param_key, dummy)["params"])
+            params = init_params(model_config, param_key)
         params = layout.from_model_params(model_config, params,
                                           jax.random.fold_in(param_key, 1))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
@@ -145,28 +141,25 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig
     loss_sums = make_loss_fn(model_config, train_config)
     # Differentiated with respect to the trained part only (LoRA: gradients adapter-sized).
     grad_fn = jax.grad(
-        lambda trainable, params, batch, rng: loss_sums(
-            layout.with_trainable(params, trainable), batch, rng), has_aux=True)
+        lambda trainable, params, batch: loss_sums(
+            layout.with_trainable(params, trainable), batch), has_aux=True)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         trainable = layout.trainable(state.params)
         if accum == 1:
-            grads, (ce, z, count) = grad_fn(trainable, state.params, batch, rng)
+            grads, (ce, z, count) = grad_fn(trainable, state.params, batch)
         else:
             micro = jax.tree.map(
                 lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1),
                 batch)
 
-            def accumulate(carry, xs):
-                index, mb = xs
-                g, aux = grad_fn(trainable, state.params, mb, jax.random.fold_in(rng, index))
+            def accumulate(carry, mb):
+                g, aux = grad_fn(trainable, state.params, mb)
                 return jax.tree.map(jnp.add, carry, (g, aux)), None
 
             zeros = (jax.tree.map(jnp.zeros_like, trainable),
                      (jnp.zeros((), jnp.float32),) * 3)
-            (grads, (ce, z, count)), _ = jax.lax.scan(
-                accumulate, zeros, (jnp.arange(accum), micro))
+            (grads, (ce, z, count)), _ = jax.lax.scan(accumulate, zeros, micro)
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         updates, opt_state = tx.update(grads, state.opt_state, trainable)
@@ -180,8 +173,8 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig
 
 
 def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
-                 ) -> Callable[[Params, Batch, jax.Array], tuple[jax.Array, tuple]]:
-    """The training objective ``loss_sums(params, batch, rng) -> (ce + z, (ce, z, count))``.
+                 ) -> Callable[[Params, Batch], tuple[jax.Array, tuple]]:
+    """The training objective ``loss_sums(params, batch) -> (ce + z, (ce, z, count))``.
 
     ``params`` are the train state's (``ParamsLayout``: LoRA's ``{"base", "adapters"}`` run the
     model on the adapted weights). ``batch["mask"]`` [B, T] weights each target (0 = no loss,
@@ -196,25 +189,21 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
     """
     model = Transformer(model_config)
     z_weight, chunk = train_config.z_loss, train_config.loss_chunk
-    tied = model_config.tie_embeddings
     layout = ParamsLayout.of(train_config)
 
-    def loss_sums(params: Params, batch: Batch, rng: jax.Array):
+    def loss_sums(params: Params, batch: Batch):
         params = layout.model_params(params)
-        kw = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
-                  rngs={"dropout": rng})
+        kw = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
         if not chunk:
-            logits = model.apply({"params": params}, batch["inputs"], **kw)
+            logits = model.apply({"params": params}, batch["inputs"], **kw).logits
             ce, z, count = cross_entropy_sums(logits, batch["targets"], batch.get("mask"),
                                               z_weight)
             return ce + z, (ce, z, count)
-        hidden = model.apply({"params": params}, batch["inputs"], hidden_only=True, **kw)
-        head = params["embed"]["embedding"] if tied else params["lm_head"]
+        hidden = model.apply({"params": params}, batch["inputs"], hidden_only=True, **kw).hidden
+        head, head_layout = model.lm_head(params)
         ce, z, count = lm_head_cross_entropy_sums(
             hidden, head.astype(model_config.jnp_dtype), batch["targets"], batch.get("mask"),
-            chunk_size=chunk, z_loss=z_weight,
-            # A tied table is [V, D]; an untied head is [D, V], or [V, D] stored out-first.
-            head_layout="VD" if tied or model_config.weights_out_first else "DV")
+            chunk_size=chunk, z_loss=z_weight, head_layout=head_layout)
         return ce + z, (ce, z, count)
 
     return loss_sums
@@ -234,7 +223,7 @@ def make_eval_step(model_config: ModelConfig, train_config: TrainConfig | None =
     def eval_step(params: Params, batch: Batch) -> Metrics:
         logits = model.apply({"params": layout.model_params(params)}, batch["inputs"],
                              positions=batch.get("positions"),
-                             segment_ids=batch.get("segment_ids"))
+                             segment_ids=batch.get("segment_ids")).logits
         ce, _, count = cross_entropy_sums(logits, batch["targets"], batch.get("mask"))
         return {"loss_sum": ce, "tokens": count}
 

@@ -27,7 +27,6 @@ shared: the load average is recorded, and bandwidth is measured before every gri
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import math
@@ -48,7 +47,7 @@ from transformer_jax import decode, generation, sharding
 from transformer_jax import prompts as prompt_lib
 from transformer_jax.config import ModelConfig, load_toml
 from transformer_jax.kv_cache import cache_bytes
-from transformer_jax.model import Transformer, abstract_params, init_params
+from transformer_jax.model import Transformer, init_params
 from transformer_jax.ops.dense import dense
 
 
@@ -172,15 +171,14 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
     the weights costs at this batch size on this machine, the part of a step no cache layout
     can remove.
     """
-    c = decode.decode_config(config)  # the layout the prepared weights are in
-    params = weights.params
+    c, params, out_first = config, weights.params, weights.weights_out_first
     blocks = params["blocks"] if c.scan_layers else [params[f"blocks_{i}"]
                                                      for i in range(c.n_layers)]
-    # The head as the decode reads it: the [V, D] table (tied) is stored output-first.
-    head, head_out_first = ((params["embed"]["embedding"], True) if c.tie_embeddings
-                            else (params["lm_head"], c.weights_out_first))
+    # The head as the decode reads it ([V, D] when tied or stored out-first).
+    head, head_layout = Transformer(c, weights_out_first=out_first).lm_head(params)
+    head_out_first = head_layout == "VD"
 
-    def mm(x: jax.Array, w: jax.Array, spec: str, out_first: bool = c.weights_out_first):
+    def mm(x: jax.Array, w: jax.Array, spec: str, out_first: bool = out_first):
         return dense(x, w, spec, out_first=out_first)
 
     def layer(x: jax.Array, p: Any) -> jax.Array:
@@ -227,8 +225,7 @@ def compile_times(config: ModelConfig, layers: tuple[int, ...] = (4, 32), batch:
     for _ in range(repeats):
         for n_layers in layers:
             c = config.replace(n_layers=n_layers, dtype=dtype, param_dtype=dtype)
-            weights = decode.DecodeWeights(jax.eval_shape(
-                functools.partial(decode.decode_params, c), abstract_params(c)), c)
+            weights = decode.abstract_weights(c)
             args = (weights, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
                     jax.ShapeDtypeStruct((batch,), jnp.int32),
                     jax.ShapeDtypeStruct((batch, 2), jnp.uint32))
@@ -249,7 +246,7 @@ def _bench_no_cache(config: ModelConfig, params: Any, prompts: list[list[int]],
 
     @jax.jit
     def next_token(params, tokens):
-        return jnp.argmax(model.apply({"params": params}, tokens)[:, -1], axis=-1)
+        return jnp.argmax(model.apply({"params": params}, tokens).logits[:, -1], axis=-1)
 
     tokens = jnp.asarray(prompts, jnp.int32)
     jax.block_until_ready(next_token(params, tokens))

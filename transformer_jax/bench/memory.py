@@ -150,7 +150,7 @@ def compiled_activations(model_config: Any, train_config: Any, mesh: Any) -> int
     loss_sums = make_loss_fn(model_config, train_config)  # the train step's own objective
 
     def grads_only(params, batch):
-        grads, _ = jax.grad(loss_sums, has_aux=True)(params, batch, jax.random.key(0))
+        grads, _ = jax.grad(loss_sums, has_aux=True)(params, batch)
         return grads, {}
 
     p_shard = sh.param_shardings(model_config, mesh)
@@ -177,16 +177,13 @@ def compiled_loss_head(model_config: Any, train_config: Any, mesh: Any) -> int:
 
     from transformer_jax import sharding as sh
     from transformer_jax.loss import cross_entropy_sums
-    from transformer_jax.model import abstract_params
+    from transformer_jax.model import Transformer, abstract_params
     from transformer_jax.ops.lm_loss import lm_head_cross_entropy_sums
 
     c, chunk = model_config, train_config.loss_chunk
-    path = ("embed", "embedding") if c.tie_embeddings else ("lm_head",)
-    head, head_shard = abstract_params(c), sh.param_shardings(c, mesh)
-    for key in path:
-        head, head_shard = head[key], head_shard[key]
-    # The tied table, and a head stored out-first, are [V, D]; an in-first head is [D, V].
-    layout = "VD" if c.tie_embeddings or c.weights_out_first else "DV"
+    model = Transformer(c)
+    head, layout = model.lm_head(abstract_params(c))
+    head_shard, _ = model.lm_head(sh.param_shardings(c, mesh))
     b, t = train_config.micro_batch_size, train_config.seq_len
     x_shard = NamedSharding(mesh, sh.logical_to_mesh_spec(("batch", "length", "act_embed")))
     x = jax.ShapeDtypeStruct((b, t, c.d_model), c.jnp_dtype, sharding=x_shard)

@@ -3,7 +3,8 @@
 Every matmul of the model is written as an einsum for weights stored input axes first
 (``"BTD,DNH->BTNH"`` for q_proj [D, N, H]). ``dense`` computes the same product for a weight
 stored with its output axes first ([N, H, D]) when ``out_first`` is set: a layout switch, not a
-second copy of the math (``ModelConfig.weights_out_first``, which decode sets on CPU only).
+second copy of the math (``layers.matrix`` declares either layout; ``decode.prepare`` picks
+out-first on CPU only, a property of the prepared weights).
 
 Why it exists. XLA:CPU streams an [out, in] matrix 1.4-2.3x faster in a product with a few rows
 (decode's B tokens) when the product is materialised as [out, B] rather than [B, out]; the

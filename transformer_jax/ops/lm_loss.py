@@ -32,7 +32,7 @@ def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array, targets: jax.Array
                                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Summed next-token cross-entropy and z-loss of ``x @ head``, chunked over tokens.
 
-    The same quantities as ``training.cross_entropy_sums(logits, targets, mask, z_loss)`` on
+    The same quantities as ``loss.cross_entropy_sums(logits, targets, mask, z_loss)`` on
     ``logits = x @ head`` (float32), so a caller can swap one for the other; only a
     [chunk_size, V] block of logits exists at a time, forward or backward.
 

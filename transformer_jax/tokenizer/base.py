@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
