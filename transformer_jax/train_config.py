@@ -520,8 +520,17 @@ def config_help(width: int = 100) -> str:
 
 
 def _attribute_docs(cls: type) -> dict[str, str]:
-    """``{name: description}`` from the ``Attributes:`` section of ``cls``'s docstring."""
-    doc = inspect.getdoc(cls) or ""
+    """``{name: description}`` from the ``Attributes:`` sections of the docstrings of ``cls``
+    and its bases (``ModelConfig``'s fields are documented in ``Architecture`` and
+    ``Execution``)."""
+    found: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        found.update(_own_attribute_docs(klass))
+    return found
+
+
+def _own_attribute_docs(cls: type) -> dict[str, str]:
+    doc = cls.__doc__ and inspect.cleandoc(cls.__doc__) or ""
     found: dict[str, str] = {}
     inside, name = False, None
     for line in doc.splitlines():
