@@ -25,20 +25,15 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-from transformer_jax import hf_export, instruct, lora  # noqa: E402
+from transformer_jax import hf_export, instruct, loading, lora  # noqa: E402
 from transformer_jax import sharding as sharding_lib  # noqa: E402
 from transformer_jax.checkpoint import CheckpointManager  # noqa: E402
 from transformer_jax.config import ModelConfig  # noqa: E402
 from transformer_jax.model import Transformer, init_params  # noqa: E402
 from transformer_jax.optim import decay_mask  # noqa: E402
-from transformer_jax.train_config import (  # noqa: E402
-    ConfigError,
-    TrainConfig,
-    build_configs,
-    read_init_source,
-)
+from transformer_jax.train_config import ConfigError, TrainConfig, build_configs  # noqa: E402
 from transformer_jax.train_step import ParamsLayout, make_init_fn, make_loss_fn  # noqa: E402
-from transformer_jax.training import load_init_params, run  # noqa: E402
+from transformer_jax.training import run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-4
@@ -135,9 +130,15 @@ def _hf_logits(directory: Path) -> np.ndarray:
 def _initial_state(directory: Path, overrides: list[str]):
     model, train, _ = build_configs("finetune", [f"train.init_from={directory}", *overrides])
     mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse("1,1,1"))
-    params = load_init_params(read_init_source(train.init_from), model, mesh)
+    params = _init_params(train.init_from, model, mesh)
     state = jax.jit(make_init_fn(model, train))(jax.random.key(0), params)
     return model, train, state
+
+
+def _init_params(path, model: ModelConfig, mesh):
+    """The params ``train.init_from=PATH`` starts a run of ``model`` from."""
+    return loading.load(path, mesh, scan_layers=model.scan_layers, dtype=model.param_dtype,
+                        with_tokenizer=False).params
 
 
 def _logits(model: ModelConfig, params) -> np.ndarray:
@@ -165,16 +166,17 @@ def _export_and_compare(run_dir: Path, out: Path) -> None:
     # The checkpoints/ directory: hf_export takes a run directory's config.json for a HF one.
     checkpoints = run_dir / "checkpoints"
     assert hf_export.main(["export", "--checkpoint", str(checkpoints), "--out", str(out)]) == 0
-    config, merged, _, _ = hf_export.load_run(checkpoints)
+    loaded = loading.load(checkpoints, with_tokenizer=False)
+    config, merged = loaded.config, loaded.params
     np.testing.assert_allclose(_hf_logits(out), _logits(config, merged), atol=TOL, rtol=0)
     model, _, _ = build_configs("finetune", [f"train.init_from={out}"])
     mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse("1,1,1"))
-    again = load_init_params(read_init_source(str(out)), model, mesh)
+    again = _init_params(out, model, mesh)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  again, merged)
     # init_from the run itself (orbax; LoRA adapters merged) gives the same weights.
     model, _, _ = build_configs("finetune", [f"train.init_from={run_dir}"])
-    again = load_init_params(read_init_source(str(run_dir)), model, mesh)
+    again = _init_params(run_dir, model, mesh)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  again, merged)
 
@@ -317,7 +319,7 @@ def test_bad_input_is_a_clear_error_before_training(llama_dir, jsonl, tmp_path):
     assert (model.dtype, model.max_seq_len, model.n_kv_heads) == ("bfloat16", 32, 2)
     # A preset written for another model (the default, tiny) gives way to the checkpoint; its
     # settings that change no weight are kept, a command-line change is still an error.
-    source = read_init_source(str(llama_dir)).model
+    source = loading.locate(llama_dir).model
     model, _, _ = build_configs("tiny", [f"train.init_from={llama_dir}"])
     assert model == source.replace(dtype=model.dtype, param_dtype=model.param_dtype)
     with pytest.raises(ConfigError, match=r"model\.d_model=128"):

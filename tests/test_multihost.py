@@ -118,10 +118,11 @@ def test_shared_checkpoint_restores_in_one_process(runs):
 def test_init_from_a_lora_run_places_its_merged_params_across_processes(runs):
     # Each process merges the adapters into the base on its host and places its devices'
     # shards; gathered, they are exactly what one process merges.
-    from transformer_jax.hf_export import load_run
+    from transformer_jax import loading
 
-    config, merged, meta, _ = load_run(runs["lora_run"])
-    assert meta["lora"]["rank"] == 2
+    loaded = loading.load(runs["lora_run"], with_tokenizer=False)
+    merged = loaded.params
+    assert loaded.meta["lora"]["rank"] == 2
     want = worker._flat(jax.tree.map(np.asarray, merged))
     got = runs["init_from"]
     assert got.keys() == want.keys()

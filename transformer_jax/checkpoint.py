@@ -83,19 +83,33 @@ class CheckpointManager:
       directory: where the step directories go (created if missing).
       keep: how many of the most recent checkpoints to keep (>= 1).
       async_save: write in a background thread.
+      read_only: only read: nothing is created, probed for writability, renamed or saved (a
+        run on a read-only mount, another user's, or one still training); ``save`` raises and
+        ``restore`` never moves a damaged checkpoint aside, it skips it.
+
+    Raises:
+      FileNotFoundError: ``read_only`` and the directory does not exist.
+      PermissionError: not ``read_only`` and the directory cannot be created or written.
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3,
-                 async_save: bool = True) -> None:
+                 async_save: bool = True, read_only: bool = False) -> None:
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be a positive int, got {keep!r}")
-        self.directory = ensure_writable_dir(directory, "checkpoint directory")
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
-        self._manager = _retry_listing(lambda: ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers={STATE_ITEM: ocp.StandardCheckpointHandler(),
-                           META_ITEM: ocp.JsonCheckpointHandler()}))
+        self.read_only = read_only
+        self._manager: Any = None  # orbax's manager, which writes: not opened to read
+        if read_only:
+            self.directory = Path(directory).expanduser().absolute()
+            if not self.directory.is_dir():
+                raise FileNotFoundError(f"checkpoint directory {self.directory} does not exist")
+        else:
+            self.directory = ensure_writable_dir(directory, "checkpoint directory")
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
+            self._manager = _retry_listing(lambda: ocp.CheckpointManager(
+                self.directory, options=options,
+                item_handlers={STATE_ITEM: ocp.StandardCheckpointHandler(),
+                               META_ITEM: ocp.JsonCheckpointHandler()}))
         self._in_flight: int | None = None  # the step being written, until checked complete
         self._failed: CheckpointError | None = None
         self._failed_step: int | None = None
@@ -105,7 +119,10 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         """Steps of the checkpoints, ascending: the complete ones found on disk when this
         manager was created (temporary directories of interrupted saves excluded), plus the
-        ones it saved since (the newest may still be being written; see ``wait``)."""
+        ones it saved since (the newest may still be being written; see ``wait``); read-only:
+        the complete ones on disk now."""
+        if self._manager is None:
+            return disk_steps(self.directory)
         return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
@@ -134,6 +151,9 @@ class CheckpointManager:
           CheckpointError: the previous save failed (e.g. ``No space left on device``), or
             this one could not be started; named in one line.
         """
+        if self._manager is None:
+            raise CheckpointError(f"could not write checkpoint {self.step_path(step)}: the "
+                                  "manager was opened read-only")
         # One save in flight at a time; waiting first also lets orbax see the previous save
         # as complete when it picks the old checkpoints to delete.
         self.wait()
@@ -158,6 +178,8 @@ class CheckpointManager:
         """
         if self._failed is not None:
             raise self._failed
+        if self._manager is None:
+            return
         step = self._in_flight
         try:
             self._manager.wait_until_finished()
@@ -260,7 +282,8 @@ class CheckpointManager:
         def read(s: int) -> tuple[Any, dict[str, Any]]:
             return self._restore_step(s, abstract_state)
 
-        return self._read_newest(read, step, quarantine=quarantine, attempts=attempts)
+        return self._read_newest(read, step, quarantine=quarantine and not self.read_only,
+                                 attempts=attempts)
 
     def restore_params(self, abstract_params: Any | None = None, step: int | None = None, *,
                        attempts: int = 20) -> tuple[Any, dict[str, Any]]:
@@ -433,7 +456,8 @@ class CheckpointManager:
                 self.wait()
         finally:
             try:
-                self._manager.close()
+                if self._manager is not None:
+                    self._manager.close()
             except Exception as e:  # the failure was reported already
                 if self._failed is None:
                     raise self._write_failed(None, e) from None

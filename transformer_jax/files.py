@@ -12,12 +12,43 @@ from pathlib import Path
 from typing import IO, Any
 
 
+def umask() -> int:
+    """The process's file mode creation mask (e.g. ``0o022``), without changing it.
+
+    Read from ``/proc/self/status`` where there is one; elsewhere it is set and restored
+    (``os.umask`` can only be read by setting it), which another thread could observe.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def default_mode(directory: bool = False) -> int:
+    """The mode ``open``/``mkdir`` give a new file (``0o666``) or directory (``0o777``) under
+    the umask; ``tempfile`` makes its files ``0o600`` and directories ``0o700`` instead."""
+    return (0o777 if directory else 0o666) & ~umask()
+
+
+def set_default_mode(path: str | os.PathLike[str]) -> None:
+    """Gives a file or directory made by ``tempfile`` (or a library writing through one) the
+    mode a plain ``open``/``mkdir`` would have given it (``default_mode``)."""
+    os.chmod(path, default_mode(directory=os.path.isdir(path)))
+
+
 @contextlib.contextmanager
 def atomic_writer(path: Path) -> Iterator[IO[bytes]]:
     """Yields a binary file that replaces ``path`` only when the block finishes without error.
 
     The data goes to a temporary file beside ``path`` that is synced and renamed over it, so a
-    crash never leaves a partial file that a later run would pick up.
+    crash never leaves a partial file that a later run would pick up. The file ends with the
+    mode ``open`` gives (``0o666`` less the umask), not the temporary file's ``0o600``.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -25,6 +56,7 @@ def atomic_writer(path: Path) -> Iterator[IO[bytes]]:
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
+            os.fchmod(f.fileno(), default_mode())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -70,6 +102,8 @@ def replacing_directory(path: Path, carry_over: Callable[[str], bool] = lambda n
     removed. An error (or a crash) in the block leaves ``path`` as it was and removes the
     temporary directory. Entries of the old directory that the block did not write and that
     ``carry_over(name)`` accepts (e.g. a tokenizer next to the weights) are copied over first.
+    The directory ends with the mode ``mkdir`` gives (``0o777`` less the umask), not the
+    temporary directory's ``0o700``.
 
     Args:
       path: the directory to create or replace.
@@ -81,6 +115,7 @@ def replacing_directory(path: Path, carry_over: Callable[[str], bool] = lambda n
     old: Path | None = None
     try:
         yield tmp
+        set_default_mode(tmp)
         if path.exists():
             for entry in path.iterdir():
                 target = tmp / entry.name

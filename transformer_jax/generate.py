@@ -1,13 +1,16 @@
 """Command line generation: ``python -m transformer_jax.generate --checkpoint PATH --prompt TEXT``.
 
-PATH is a HuggingFace checkpoint directory (``config.json`` + safetensors, read by
-``transformer_jax.hf.load``) or an orbax checkpoint of this project's training: a run directory,
-its ``checkpoints/`` directory (the latest intact step is used, also while the run is still
-training) or one step's directory; only the parameters are read. The tokenizer is
-``--tokenizer FILE_OR_DIR``, else the one in the checkpoint directory (``tokenizer.json`` or
-``tokenizer.model``), else the training run's own copy (``RUN_DIR/tokenizer/``), else the file
-the run recorded. Text is streamed as it is generated (one host callback per decode step
-from inside the jitted loop); ``--prompt-ids 1,2,3`` and ``--json`` are for scripts.
+PATH is a HuggingFace checkpoint directory (``config.json`` + safetensors) or an orbax
+checkpoint of this project's training: a run directory, its ``checkpoints/`` directory (the
+latest intact step is used, also while the run is still training) or one step's directory;
+only the parameters are read, read-only (``transformer_jax.loading``). The tokenizer is
+``--tokenizer FILE_OR_DIR``, else the one found with the checkpoint (a HF directory's own, a
+run's copy ``RUN_DIR/tokenizer/``, else the file the run recorded). A text prompt starts with bos
+when the tokenizer's ``add_bos_token`` says so (as fine-tuning encoded prompts); with ``--chat``
+each prompt is a user message rendered with the tokenizer's chat template and its generation
+prompt (as fine-tuning on chat records saw it). Text is streamed as it is generated (one host
+callback per decode step from inside the jitted loop); ``--prompt-ids 1,2,3`` and ``--json``
+are for scripts.
 
 This module is also what ``import transformer_jax.generate`` binds to the package attribute
 ``transformer_jax.generate``, which is meant to be the function ``decode.generate``; so the module
@@ -22,15 +25,14 @@ import logging
 import sys
 import time
 import types
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from transformer_jax import decode, generation, lora, sharding
-from transformer_jax.checkpoint import CheckpointError
-from transformer_jax.config import ModelConfig
+from transformer_jax import decode, generation, loading, sharding
+from transformer_jax.checkpoint_files import CheckpointError
+from transformer_jax.tokenizer.prompt import chat_turn_end_id, encode_chat_prompt, encode_text
 
 logger = logging.getLogger(__name__)
 
@@ -43,98 +45,6 @@ class _CallableModule(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _CallableModule
-
-
-# Loading -----------------------------------------------------------------------------------------
-
-def _is_hf_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and (
-        any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file())
-
-
-def _orbax_location(path: Path) -> tuple[Path, int | None]:
-    """(the CheckpointManager directory, the step or None for the latest) for PATH."""
-    if (path / "state").is_dir() and path.name.isdigit():
-        return path.parent, int(path.name)
-    if (path / "checkpoints").is_dir():
-        return path / "checkpoints", None
-    return path, None
-
-
-def _tokenizer_location(path: Path) -> Path | None:
-    """The directory of ``path`` or its parent that holds a tokenizer, or None."""
-    for directory in (path, path.parent):
-        if (directory / "tokenizer.json").is_file() or (directory / "tokenizer.model").is_file():
-            return directory
-    return None
-
-
-def load_checkpoint(path: str | Path) -> tuple[ModelConfig, decode.Params, Path | None]:
-    """Loads a model for generation.
-
-    Args:
-      path: a HF checkpoint directory, or an orbax checkpoint of a training run (the run
-        directory, its ``checkpoints`` directory, or a step directory).
-
-    Returns:
-      ``(config, params, tokenizer location or None)``; the location (a directory or a file,
-      for ``load_tokenizer``) is the checkpoint's directory when it holds ``tokenizer.json`` or
-      ``tokenizer.model``, else for a training run its copy of the tokenizer
-      (``RUN_DIR/tokenizer``, recorded in the checkpoint's meta), else the file it recorded.
-
-    Raises:
-      FileNotFoundError: no such directory, a file instead of one, or nothing loadable in it.
-      CheckpointError: no checkpoint of the run could be read.
-    """
-    path = Path(path)
-    if path.is_file():
-        raise FileNotFoundError(
-            f"--checkpoint {str(path)!r} is a file; give a directory: a HF checkpoint "
-            "(config.json + *.safetensors) or a training run (its run directory, checkpoints/ "
-            "or one step's directory)")
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
-    tokenizer = _tokenizer_location(path)
-    if _is_hf_dir(path):
-        from transformer_jax import hf
-
-        config, params = hf.load(path)
-        return config, params, tokenizer
-    from transformer_jax.checkpoint import CheckpointManager
-
-    directory, step = _orbax_location(path)
-    manager = CheckpointManager(directory, async_save=False)
-    try:
-        if not manager.all_steps():
-            raise FileNotFoundError(
-                f"{path} is neither a HF checkpoint (config.json + *.safetensors) nor an orbax "
-                "checkpoint of a training run (no complete checkpoint found)")
-        # Only the params (no optimizer moments), read as saved (nested dicts), so the
-        # optimizer and training configs need not be rebuilt; a damaged or vanishing newest
-        # step (a run still training) is skipped, never renamed.
-        params, meta = manager.restore_params(None, step)
-    finally:
-        manager.close()
-    if "model" not in meta:
-        raise FileNotFoundError(f"checkpoint in {directory} has no model config")
-    config = ModelConfig.from_dict(meta["model"])
-    params = lora.merge_checkpoint_params(params, meta, directory)  # a LoRA run's adapters
-    if tokenizer is None:
-        tokenizer = _run_tokenizer(directory, meta)
-    logger.info("loaded step %s of %s", meta.get("step", step), directory)
-    return config, params, tokenizer
-
-
-def _run_tokenizer(checkpoints: Path, meta: dict[str, Any]) -> Path | None:
-    """The tokenizer a training run recorded: its copy in the run directory (relative, so a
-    copied run keeps it), else the original file if it still exists."""
-    copy = meta.get("tokenizer_dir")
-    if copy and _tokenizer_location(checkpoints.parent / copy) == checkpoints.parent / copy:
-        return checkpoints.parent / copy
-    recorded = meta.get("tokenizer")
-    if recorded and Path(recorded).is_file():
-        return Path(recorded)
-    return None
 
 
 # CLI ---------------------------------------------------------------------------------------------
@@ -171,13 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "whose probability reaches p (default: 1, off)")
     p.add_argument("--min-p", type=float, help="drop tokens less likely than min-p times the "
                    "most likely one (default: 0, off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    p.add_argument("--chat", action="store_true",
+                   help="each --prompt is a user message, rendered with the tokenizer's chat "
+                   "template and its generation prompt (as fine-tuning on chat records saw "
+                   "it); stops at the end of the assistant's turn too (default: plain text)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, a signed 64-bit "
+                   "integer (default: %(default)s)")
     p.add_argument("--stop-token", type=int, action="append", dest="stop_tokens",
                    help="id that ends a sequence; repeatable (default: the tokenizer's eos)")
     p.add_argument("--no-stop", action="store_true", help="ignore eos: always generate "
                    "--max-new-tokens tokens (default: stop at eos)")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's bos "
-                   "to text prompts (default: prepend it)")
+                   "to text prompts (default: prepend it when the tokenizer's add_bos_token "
+                   "says so, as fine-tuning did)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the checkpoint's)")
     p.add_argument("--cache-dtype", choices=("float32", "bfloat16", "float16"),
@@ -257,34 +173,47 @@ def main(argv: list[str] | None = None) -> int:
     if args.tensor < 0:
         print(f"error: --tensor must be >= 0, got {args.tensor}", file=sys.stderr)
         return 2
+    if not -(2**63) <= args.seed < 2**63:
+        print(f"error: --seed must be a signed 64-bit integer (from -2**63 to 2**63 - 1), got "
+              f"{args.seed}", file=sys.stderr)
+        return 2
+    if args.chat and not args.prompt:
+        print("error: --chat renders --prompt texts as user messages; give --prompt TEXT",
+              file=sys.stderr)
+        return 2
     if args.tensor != 1:  # before anything starts JAX's CPU backend
         sharding.configure_cpu_devices(devices=args.tensor)
     try:
         mesh = _tensor_mesh(args.tensor)
-        config, params, tokenizer_path = load_checkpoint(args.checkpoint)
-        if args.tokenizer:
-            tokenizer_path = Path(args.tokenizer)
-        tokenizer = None
-        if tokenizer_path is not None:
-            from transformer_jax.tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(tokenizer_path)
-            if tokenizer.vocab_size > config.vocab_size:
-                raise ValueError(f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} pieces, "
-                                 f"more than the model's vocab_size {config.vocab_size}")
+        source = loading.locate(args.checkpoint, where=f"--checkpoint {args.checkpoint}")
+        rules = None
+        if mesh is not None:  # before any weight is read
+            decode.check_tensor_parallel(source.model, decode.tensor_shards(mesh))
+            # Placed by the decode's rules (the vocabulary kept whole when T does not divide
+            # it), so that decode.prepare finds the weights on the mesh's devices.
+            rules = decode.decode_rules(source.model, mesh)
+        loaded = loading.load(source, mesh, rules=rules, tokenizer=args.tokenizer)
+        config, params, tokenizer = loaded.config, loaded.params, loaded.tokenizer
         if args.prompt and tokenizer is None:
             raise ValueError("text prompts need a tokenizer: pass --tokenizer FILE_OR_DIR or "
                              "use --prompt-ids")
+        if args.chat and not tokenizer.chat_template:
+            raise ValueError(f"--chat needs a chat template; the tokenizer "
+                             f"{loaded.tokenizer_path} has none (chat_template in "
+                             "tokenizer_config.json or chat_template.jinja)")
         if args.dtype:
             config = config.replace(dtype=args.dtype)
-        prompts = []
-        for text in args.prompt:
-            add_bos = not args.no_bos and tokenizer.bos_id >= 0
-            prompts.append(tokenizer.encode(text, add_bos=add_bos))
+        prompts = [encode_chat_prompt(tokenizer, [{"role": "user", "content": text}])
+                   if args.chat else
+                   encode_text(tokenizer, text, bos=False if args.no_bos else None)
+                   for text in args.prompt]
         prompts.extend(args.prompt_ids)
         stop = args.stop_tokens or []
-        if not args.stop_tokens and not args.no_stop and tokenizer and tokenizer.eos_id >= 0:
-            stop = [tokenizer.eos_id]
+        if not args.stop_tokens and not args.no_stop and tokenizer:
+            stop = [tokenizer.eos_id] if tokenizer.eos_id >= 0 else []
+            turn_end = chat_turn_end_id(tokenizer) if args.chat else None
+            if turn_end is not None and turn_end not in stop:
+                stop.append(turn_end)
         if args.no_stop:
             stop = []
         streamer = None if args.json else _TextStreamer(tokenizer, len(prompts))

@@ -17,10 +17,15 @@ layout, the same block layout as the base) and ``meta["lora"] = {"rank": R, "alp
 "targets": [...]}``; the adapters are merged into the base (``lora.merge``, in float32) and every
 tensor is cast to the model's ``param_dtype`` (a frozen base may be stored in bfloat16).
 
-The tokenizer is, in this order: ``--tokenizer`` (a directory or file), ``RUN_DIR/tokenizer/``,
-``tokenizer.json`` or ``tokenizer.model`` in the run directory (or next to the checkpoints
-directory), then the file recorded in ``meta["tokenizer"]``. Without one the export fails unless
-``--no-tokenizer`` is given.
+The tokenizer is ``--tokenizer`` (a directory or file), else the one found with the checkpoint
+(``transformer_jax.loading``: the run's copy ``RUN_DIR/tokenizer/``, a ``tokenizer.json`` or
+``tokenizer.model`` in the run directory, then the file recorded in ``meta["tokenizer"]``).
+Without one the export fails unless ``--no-tokenizer`` is given.
+
+The checkpoint is only read (a run on a read-only mount exports). ``--out`` is checked before
+any weight is read: never a run directory or one of its own entries (``RUN_DIR/hf`` is fine),
+and an existing directory holding other files than an earlier export's only with
+``--overwrite``.
 """
 
 from __future__ import annotations
@@ -30,81 +35,15 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from transformer_jax import hf, lora
+from transformer_jax import hf, loading
 from transformer_jax.config import DTYPES, ModelConfig
 from transformer_jax.model import Params
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINTS = "checkpoints"
-_TOKENIZER_NAMES = ("tokenizer", "tokenizer.json", "tokenizer.model")
-
-
-def _is_hf_dir(path: Path) -> bool:
-    # A training run's directory holds a config.json too, but no weights.
-    return (path / hf.CONFIG_FILE).is_file() and (
-        any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file())
-
-
-def _checkpoints_dir(path: Path) -> tuple[Path, int | None, Path]:
-    """(checkpoints directory, step or None, run directory) for a run/checkpoints/step path."""
-    if (path / CHECKPOINTS).is_dir():
-        return path / CHECKPOINTS, None, path
-    if path.name.isdigit() and path.parent.is_dir():
-        return path.parent, int(path.name), path.parent.parent
-    return path, None, path.parent
-
-
-def load_run(path: str | Path, step: int | None = None
-             ) -> tuple[ModelConfig, Params, dict[str, Any], Path]:
-    """Reads a training run's params (LoRA adapters merged) and its config.
-
-    Args:
-      path: run directory, its ``checkpoints/`` directory or one step's directory.
-      step: which step (default: the one the path names, else the newest intact one).
-
-    Returns:
-      ``(config, params, meta, run_dir)``; ``params`` are plain model params of ``config``.
-
-    Raises:
-      FileNotFoundError: no such directory or no checkpoint in it.
-      ValueError: the checkpoint lacks ``meta["model"]``, or its LoRA entries are inconsistent.
-    """
-    from transformer_jax.checkpoint import CheckpointManager
-
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    directory, named_step, run_dir = _checkpoints_dir(path)
-    params, meta = CheckpointManager(directory, async_save=False).restore_params(
-        None, step if step is not None else named_step)
-    if not isinstance(meta.get("model"), dict):
-        raise ValueError(f"checkpoint in {directory} has no meta['model'] (the ModelConfig); "
-                         "was it saved by transformer_jax training?")
-    config = ModelConfig.from_dict(meta["model"])
-    params = lora.merge_checkpoint_params(params, meta, directory, dtype=config.param_dtype)
-    # One dtype for every tensor, the one config.json states (a frozen base may be bfloat16).
-    params = jax.tree.map(lambda x: jnp.asarray(x, config.param_dtype), params)
-    return config, params, meta, run_dir
-
-
-def find_tokenizer(run_dir: Path, meta: dict[str, Any] | None = None) -> Path | None:
-    """The tokenizer of a run: ``RUN/tokenizer/``, ``RUN/tokenizer.json|.model`` (or one level
-    up), else ``meta["tokenizer"]``; None if there is none."""
-    for directory in (run_dir, run_dir.parent):
-        for name in _TOKENIZER_NAMES:
-            candidate = directory / name
-            if candidate.exists():
-                return candidate
-    recorded = (meta or {}).get("tokenizer")
-    if isinstance(recorded, str) and recorded and Path(recorded).expanduser().exists():
-        return Path(recorded).expanduser()
-    return None
 
 
 def _cast(config: ModelConfig, params: Params, dtype: str | None
@@ -115,55 +54,83 @@ def _cast(config: ModelConfig, params: Params, dtype: str | None
     return config.replace(param_dtype=dtype, dtype=dtype), params
 
 
+def check_out(out: Path, overwrite: bool = False) -> None:
+    """Refuses an export directory that would replace what is not an earlier export.
+
+    A training run's own files are never written over: ``out`` may not be a run directory, a
+    run's checkpoints (or a step of them), or inside one of the entries training writes in a run
+    directory (``loading.RUN_ENTRIES``: ``checkpoints/``, ``config.json``, ``tokenizer/``, ...);
+    ``RUN_DIR/hf`` is fine. An existing ``out`` holding anything but an earlier export's files
+    is replaced only with ``overwrite``.
+
+    Raises:
+      FileExistsError: naming what is there and what to do.
+    """
+    out = out.expanduser().resolve()
+    for directory in (out, *out.parents):
+        inside = out.relative_to(directory).parts
+        if loading.is_step_dir(directory) or loading.is_checkpoints_dir(directory):
+            raise FileExistsError(f"--out {out} is in the checkpoints of a training run "
+                                  f"({directory}); export somewhere else")
+        if loading.is_run_dir(directory) and (not inside or inside[0] in loading.RUN_ENTRIES):
+            what = "is the directory" if not inside else f"is inside {inside[0]} of the directory"
+            raise FileExistsError(f"--out {out} {what} of the training run {directory}, whose "
+                                  "files an export never replaces; use e.g. --out "
+                                  f"{directory / 'hf'}")
+    if out.is_file():
+        raise FileExistsError(f"--out {out} is a file, not a directory")
+    if not out.is_dir() or overwrite:
+        return
+    others = sorted(p.name for p in out.iterdir() if not hf.is_saved_file(p.name))
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise FileExistsError(f"--out {out} holds files that are not an earlier export "
+                              f"({shown}); pass --overwrite to replace it")
+
+
 def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | None = None,
            use_tokenizer: bool = True, step: int | None = None, dtype: str | None = None,
-           max_shard_bytes: int | None = None) -> Path:
-    """Writes a HF checkpoint directory from a run or a HF directory.
+           max_shard_bytes: int | None = None, overwrite: bool = False) -> Path:
+    """Writes a HF checkpoint directory from a run or a HF directory (read-only).
 
     Args:
       checkpoint: run directory, checkpoints directory, step directory or HF directory.
-      out: the HF directory to write (replaced only once complete).
+      out: the HF directory to write (replaced only once complete; see ``check_out``).
       tokenizer: tokenizer directory or file; default: found next to the checkpoint.
       use_tokenizer: False exports the model only.
       step: the run's step to export (default: the newest intact one).
       dtype: cast the weights to this (``float32``, ``bfloat16``, ``float16``); default: the
         model's ``param_dtype``.
       max_shard_bytes: split the weights into shards of at most this many bytes.
+      overwrite: replace an ``out`` that holds other files than an earlier export's (never a
+        training run's own files).
 
     Returns:
       The output directory.
 
     Raises:
       FileNotFoundError: no checkpoint, or no tokenizer while ``use_tokenizer``.
+      FileExistsError: an ``out`` that ``check_out`` refuses.
       ValueError: a checkpoint that cannot be exported (the reason named).
+      OSError: ``out`` cannot be written (named in one line).
     """
-    from transformer_jax.tokenizer import load_tokenizer
-
-    checkpoint = Path(checkpoint).expanduser()
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if _is_hf_dir(checkpoint):
-        config, params = hf.load(checkpoint)
-        meta: dict[str, Any] = {}
-        found = checkpoint if any((checkpoint / n).is_file() for n in _TOKENIZER_NAMES[1:]) \
-            else None
-    else:
-        config, params, meta, run_dir = load_run(checkpoint, step)
-        found = find_tokenizer(run_dir, meta)
+    where = f"--checkpoint {checkpoint}"
+    source = loading.locate(checkpoint, where=where)
+    out = Path(out).expanduser()
+    check_out(out, overwrite)
+    loaded = loading.load(source, step=step, with_tokenizer=False)
     tok = None
     if use_tokenizer:
-        source = Path(tokenizer).expanduser() if tokenizer is not None else found
-        if source is None:
-            raise FileNotFoundError(f"no tokenizer found for {checkpoint} (looked for "
-                                    f"{', '.join(_TOKENIZER_NAMES)} and meta['tokenizer']); "
-                                    "pass --tokenizer PATH or --no-tokenizer")
-        tok = load_tokenizer(source)
-        if tok.vocab_size > config.vocab_size:
-            raise ValueError(f"tokenizer {source} has {tok.vocab_size} tokens, more than the "
-                             f"model's vocab_size {config.vocab_size}")
-    config, params = _cast(config, params, dtype)
-    hf.save(config, params, out, tokenizer=tok, max_shard_bytes=max_shard_bytes)
-    return Path(out)
+        tok = loading.open_tokenizer(source, tokenizer, where=where,
+                                     missing="pass --tokenizer PATH or --no-tokenizer")
+    config, params = _cast(loaded.config, loaded.params, dtype)
+    try:
+        hf.save(config, params, out, tokenizer=tok, max_shard_bytes=max_shard_bytes)
+    except OSError as e:
+        raise type(e)(f"could not write the export {out}: {e.strerror or e}") from None
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,20 +148,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="step to export (default: the newest intact)")
     p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: param_dtype)")
     p.add_argument("--max-shard-bytes", type=int, help="write shards of at most this size")
+    p.add_argument("--overwrite", action="store_true", help="replace an --out that holds other "
+                   "files than an earlier export (never a training run's own files)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry; returns the exit status (0, or 1 with the error on stderr)."""
-    from transformer_jax.checkpoint import CheckpointError
+    from transformer_jax.checkpoint_files import CheckpointError
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         out = export(args.checkpoint, args.out, tokenizer=args.tokenizer,
                      use_tokenizer=not args.no_tokenizer, step=args.step, dtype=args.dtype,
-                     max_shard_bytes=args.max_shard_bytes)
-    except (FileNotFoundError, ValueError, CheckpointError) as e:
+                     max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite)
+    except (OSError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"exported {args.checkpoint} -> {out}")
@@ -205,4 +174,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["build_parser", "export", "find_tokenizer", "load_run", "main"]
+__all__ = ["build_parser", "check_out", "export", "main"]

@@ -49,6 +49,7 @@ import numpy as np
 
 from transformer_jax.data import check_non_negative
 from transformer_jax.tokenizer import ChatTemplate, ChatTemplateError, TextTokenizer
+from transformer_jax.tokenizer.prompt import encode_text
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def encode_prompt_completion(
     prompt: str, completion: str, tokenizer: TextTokenizer, add_eos: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
     """Tokens [L] and loss flags [L] of a prompt/completion pair (loss on completion + eos)."""
-    head = tokenizer.encode(prompt, add_bos=tokenizer.add_bos_token and tokenizer.bos_id >= 0)
+    head = encode_text(tokenizer, prompt)  # bos as the tokenizer says, as generation does
     tail = tokenizer.encode(completion, add_eos=add_eos and tokenizer.eos_id >= 0)
     tokens = np.asarray(head + tail, dtype=np.int32)
     loss = np.zeros(len(tokens), dtype=bool)

@@ -29,7 +29,7 @@ In a train step, differentiate with respect to the adapters only::
     grads = jax.grad(loss_fn)(adapters, base, batch)   # only adapter-sized
 
 or keep both in one tree ``{"base": base, "adapters": adapters}`` (the layout checkpoints of
-LoRA runs use, see ``transformer_jax.hf_export``) with ``model_params(tree, lora_config)`` in
+LoRA runs use, read by ``transformer_jax.loading``) with ``model_params(tree, lora_config)`` in
 the loss and ``optimizer(tx)``, which updates and keeps moments for the adapters only.
 For export, ``merge`` folds the adapters into plain params.
 """

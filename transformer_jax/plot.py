@@ -131,6 +131,7 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
 
     Raises:
       FileNotFoundError, ValueError: as ``read_metrics``.
+      OSError: ``out`` cannot be written (e.g. a read-only run directory), named in one line.
     """
     out = Path(run_dir) / PLOT_FILE if out is None else Path(out)
     return _draw([read_metrics(run_dir)], out, title=str(Path(run_dir).name))
@@ -206,8 +207,11 @@ def _draw(runs: list[RunMetrics], out: Path, title: str) -> Path:
     lr_ax.grid(True, alpha=0.3)
     lr_ax.set_xlabel("step")
 
-    with atomic_writer(out) as f:
-        fig.savefig(f, format="png")
+    try:
+        with atomic_writer(out) as f:
+            fig.savefig(f, format="png")
+    except OSError as e:  # a read-only run directory, say: one line naming the file
+        raise type(e)(f"could not write {out}: {e.strerror or e}") from None
     logger.info("wrote %s", out)
     return out
 
@@ -250,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run directory holding metrics.jsonl (as written by train.py)")
     p.add_argument("--out", metavar="FILE",
                    help="PNG to write (default: RUN_DIR/loss.png for one run, runs.png in the "
-                        "current directory for several)")
+                        "current directory for several); the runs are only read")
     return p
 
 
@@ -263,6 +267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = plot_runs(args.run_dirs, args.out or "runs.png")
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # e.g. loss.png into a read-only run directory
+        hint = "" if args.out else "; pass --out FILE to write the plot elsewhere"
+        print(f"error: {e}{hint}", file=sys.stderr)
         return 2
     print(out)
     return 0

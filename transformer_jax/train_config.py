@@ -12,13 +12,13 @@ import re
 import textwrap
 import tomllib
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 
 from transformer_jax import data as data_lib
 from transformer_jax import sharding as sharding_lib
+from transformer_jax.checkpoint_files import CheckpointError
 from transformer_jax.config import (
     CONFIGS_DIR,
     DTYPES,
@@ -32,6 +32,7 @@ from transformer_jax.config import (
     preset_names,
     resolve_config_path,
 )
+from transformer_jax.loading import Source, locate
 from transformer_jax.lora import LoraConfig
 from transformer_jax.tokenizer import MODEL_TYPES
 
@@ -93,8 +94,9 @@ class TrainConfig:
       init_from: fine-tune: start from the weights of a HF checkpoint directory (config.json +
         safetensors) or of another run (its directory, ``checkpoints/`` or one step). The model
         comes from it; ``model.*`` may only change how it runs (dtype, param_dtype, remat,
-        scan_layers, attention_impl, init_std: ``config.Execution``) and lower max_seq_len.
-        The tokenizer is the checkpoint's unless data.tokenizer is a file. The optimizer starts
+        scan_layers, attention_impl, init_std: ``config.Execution``) and lower max_seq_len; a
+        seq_len from the config file above the model's max_seq_len gives way to it. The
+        tokenizer is the checkpoint's unless data.tokenizer is a file. The optimizer starts
         fresh; a run directory that already has checkpoints resumes from them instead.
       lora_rank: R > 0 trains LoRA adapters of rank R on a frozen base (params
         ``{"base", "adapters"}``, see ``transformer_jax.lora``); 0 trains every weight.
@@ -265,90 +267,6 @@ class DataConfig:
 
 
 
-#: The kinds of ``InitSource``.
-HF_SOURCE, RUN_SOURCE = "hf", "run"
-
-
-@dataclasses.dataclass(frozen=True)
-class InitSource:
-    """The checkpoint of ``train.init_from``, as found on disk (no weight read yet).
-
-    Attributes:
-      path: the directory given.
-      kind: ``"hf"`` (config.json + safetensors) or ``"run"`` (a training run's orbax
-        checkpoints).
-      model: its model, exactly (``param_dtype``/``dtype`` float32 for a HF checkpoint).
-      checkpoints: the run's ``checkpoints`` directory (kind ``"run"`` only).
-      step: the run's step to read; None for the newest intact one.
-      meta: the run checkpoint's meta (kind ``"run"`` only).
-    """
-
-    path: Path
-    kind: str
-    model: ModelConfig
-    checkpoints: Path | None = None
-    step: int | None = None
-    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-def read_init_source(path: str) -> InitSource:
-    """Finds and checks the checkpoint of ``train.init_from=PATH`` without reading weights.
-
-    Args:
-      path: a HF checkpoint directory, a run directory, its ``checkpoints/`` or one step's
-        directory.
-
-    Returns:
-      The ``InitSource``.
-
-    Raises:
-      FileNotFoundError: no such directory, or one without weights.
-      ValueError: a HF config this library cannot represent exactly (the setting named), or a
-        run checkpoint without its model config.
-    """
-    from transformer_jax import hf
-    from transformer_jax.checkpoint_files import read_meta
-    from transformer_jax.files import read_json
-
-    where = f"train.init_from={path}"
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise FileNotFoundError(f"{where}: no such directory")
-    step = None
-    if (root / "checkpoints").is_dir():
-        checkpoints = root / "checkpoints"
-    elif root.name.isdigit() and not (root / hf.CONFIG_FILE).is_file():
-        checkpoints, step = root.parent, int(root.name)  # one step of a run
-    elif (root / hf.CONFIG_FILE).is_file():
-        hf_config = read_json(root / hf.CONFIG_FILE, "config")
-        if not isinstance(hf_config, dict):
-            raise ValueError(f"{where}: {root / hf.CONFIG_FILE} is not a JSON object")
-        if not any(root.glob("*.safetensors")):
-            raise FileNotFoundError(f"{where}: {root} has a config.json but no weights "
-                                    "(model.safetensors or model-*.safetensors)")
-        try:
-            model = hf.config_from_hf(hf_config)
-        except ValueError as e:
-            raise ValueError(f"{where}: the checkpoint cannot be represented exactly: {e}"
-                             ) from None
-        return InitSource(root, HF_SOURCE, model)
-    elif any(p.name.isdigit() for p in root.iterdir()):
-        checkpoints = root
-    else:
-        raise FileNotFoundError(f"{where}: {root} holds neither a HF checkpoint (config.json + "
-                                "safetensors) nor a training run's checkpoints")
-    try:
-        # Files only: a multi-process run reads this before jax.distributed.initialize.
-        meta = read_meta(checkpoints, step)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{where}: no checkpoint (weights) in {checkpoints}") from None
-    if not isinstance(meta.get("model"), dict):
-        raise ValueError(f"{where}: the checkpoint in {checkpoints} has no meta['model']; was it "
-                         "saved by transformer_jax training?")
-    return InitSource(root, RUN_SOURCE, ModelConfig.from_dict(meta["model"]), checkpoints,
-                      step, meta)
-
-
 def _settable_with_init_from(key: str, value: Any, source: ModelConfig) -> bool:
     """Whether ``model.KEY=value`` keeps the checkpoint's function: every ``Execution`` field,
     and a ``max_seq_len`` not above the checkpoint's (the same function on shorter inputs)."""
@@ -365,14 +283,14 @@ def architecture_changes(source: ModelConfig, model: ModelConfig) -> list[str]:
             and not _settable_with_init_from(key, getattr(model, key), source)]
 
 
-def init_model_config(source: InitSource, values: dict[str, Any],
+def init_model_config(source: Source, values: dict[str, Any],
                       preset_keys: frozenset[str] = frozenset()) -> ModelConfig:
     """The model of a run with ``train.init_from``: the checkpoint's architecture with ``values``
     (the ``[model]`` table and ``model.*`` overrides) applied to its ``Execution`` fields (and a
     lower ``max_seq_len``).
 
     Args:
-      source: the checkpoint.
+      source: the checkpoint (``loading.locate``).
       values: model keys set by the config file and the overrides.
       preset_keys: those of ``values`` that come from the config file, not the command line:
         where they would change the architecture the checkpoint's values are kept instead
@@ -440,6 +358,9 @@ def build_configs(config: str, overrides: Sequence[str] = ()
     A preset's ``warmup_steps`` that does not fit a run shortened by an override (``tiny`` warms
     up for 50 steps; ``train.steps=50`` leaves no decay) is replaced by the automatic warmup
     (``warmup_steps=-1``), with a log line; a ``train.warmup_steps=`` override is kept as given.
+    Likewise, with ``train.init_from`` a ``seq_len`` not given on the command line (the preset's,
+    or the default) is capped at the model's ``max_seq_len``, with a log line; a
+    ``train.seq_len=`` override above it is an error.
     """
     try:
         tables = load_toml(config)
@@ -452,10 +373,13 @@ def build_configs(config: str, overrides: Sequence[str] = ()
                           f"{sorted(SECTIONS)}")
     values: dict[str, dict[str, Any]] = {s: dict(tables.get(s, {})) for s in SECTIONS}
     preset_train, preset_model = dict(values["train"]), dict(values["model"])
+    given_train: set[str] = set()  # train keys set on the command line
     for item in overrides:
         section, key, text = _split_override(item)
         if section in ("train", "model"):  # given by the user, not the preset
             (preset_train if section == "train" else preset_model).pop(key, None)
+        if section == "train":
+            given_train.add(key)
         try:
             check_keys({key: None}, SECTIONS[section], section)
             values[section][key] = parse_override(SECTIONS[section], key, text)
@@ -466,13 +390,30 @@ def build_configs(config: str, overrides: Sequence[str] = ()
         train = config_from_dict(TrainConfig, values["train"], "train")
         data = config_from_dict(DataConfig, values["data"], "data")
         if train.init_from:
-            model = init_model_config(read_init_source(train.init_from), values["model"],
+            source = locate(train.init_from, where=f"train.init_from={train.init_from}")
+            model = init_model_config(source, values["model"],
                                       preset_keys=frozenset(preset_model))
+            train = _fit_seq_len(config, train, model, given="seq_len" in given_train)
         else:
             model = ModelConfig.from_dict(values["model"])
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, CheckpointError) as e:
         raise ConfigError(f"config {config!r}: {e}") from None
     return model, train, data
+
+
+def _fit_seq_len(config: str, train: TrainConfig, model: ModelConfig, given: bool
+                 ) -> TrainConfig:
+    """``train`` with a seq_len the checkpoint's model can take: a preset's (or the default)
+    seq_len above the model's context gives way to it (logged); a given one is an error."""
+    if train.seq_len <= model.max_seq_len:
+        return train
+    if given:
+        raise ValueError(f"train.seq_len={train.seq_len} is above the model's max_seq_len="
+                         f"{model.max_seq_len} (train.init_from={train.init_from})")
+    logger.info("config %r: its seq_len=%d is above the max_seq_len=%d of train.init_from=%s; "
+                "training on %d tokens per sequence instead (train.seq_len= sets it)", config,
+                train.seq_len, model.max_seq_len, train.init_from, model.max_seq_len)
+    return dataclasses.replace(train, seq_len=model.max_seq_len)
 
 
 def _fit_preset_warmup(config: str, preset: dict[str, Any], train: dict[str, Any]) -> None:

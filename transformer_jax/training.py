@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from transformer_jax import distributed, lora
+from transformer_jax import distributed, loading, lora
 from transformer_jax import sharding as sharding_lib
 from transformer_jax.checkpoint import CheckpointManager, ensure_writable_dir
 from transformer_jax.config import ModelConfig
@@ -53,14 +53,7 @@ from transformer_jax.run_log import (
     progress_bar,
 )
 from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, load_tokenizer
-from transformer_jax.train_config import (
-    HF_SOURCE,
-    DataConfig,
-    InitSource,
-    TrainConfig,
-    architecture_changes,
-    read_init_source,
-)
+from transformer_jax.train_config import DataConfig, TrainConfig, architecture_changes
 from transformer_jax.train_step import (
     ParamsLayout,
     TrainState,
@@ -124,7 +117,7 @@ def check_config(model_config: ModelConfig, train_config: TrainConfig,
 TIME_PARTS = ("startup", "compile", "train", "eval", "sample", "plot", "checkpoint")
 
 #: Where a run keeps its copy of the tokenizer (relative to the run directory).
-TOKENIZER_DIR = "tokenizer"
+TOKENIZER_DIR = loading.RUN_TOKENIZER_DIR
 
 
 @dataclasses.dataclass
@@ -195,7 +188,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh))
     num_batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
     check_config(model_config, tc, num_devices=num_batch_devices)
-    source = read_init_source(tc.init_from) if tc.init_from else None
+    where = f"train.init_from={tc.init_from}"
+    source = loading.locate(tc.init_from, where=where) if tc.init_from else None
     if source is not None:
         changes = architecture_changes(source.model, model_config)
         if changes:
@@ -205,12 +199,14 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
 
     # 2. Data: tokenizer, token file or packed instruction rows, splits. A fine-tuned model keeps
     # its vocabulary; a model trained from scratch takes the tokenizer's.
-    tokenizer = _given_tokenizer(data_config, source)
-    if source is not None and tokenizer.vocab_size > model_config.vocab_size:
-        raise ValueError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more "
-                         f"than the vocab_size={model_config.vocab_size} of train.init_from="
-                         f"{tc.init_from}: its ids would index past the embedding; use the "
-                         "checkpoint's own tokenizer")
+    given = None if data_config.tokenizer in MODEL_TYPES else Path(data_config.tokenizer)
+    if source is not None:  # the checkpoint's, unless data.tokenizer is a file
+        tokenizer = loading.open_tokenizer(source, given, where=where,
+                                           missing="pass data.tokenizer=FILE")
+    elif given is not None and data_config.is_instruct:
+        tokenizer = load_tokenizer(given.expanduser())
+    else:
+        tokenizer = None  # a text run loads or trains its own in prepare_data
     if data_config.is_instruct:
         if tokenizer is None:
             raise ValueError(f"instruction data ({data_config.path}) needs the model's "
@@ -239,7 +235,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
                "tokenizer_dir": TOKENIZER_DIR, "tokenizer_fingerprint": tokenizer.fingerprint,
                "data_fingerprint": data.fingerprint()}
     if layout.lora_config is not None:
-        configs["lora"] = layout.lora_config.to_dict()  # how hf_export merges the adapters
+        configs["lora"] = layout.lora_config.to_dict()  # how loading merges the adapters
 
     with CheckpointManager(run_dir / "checkpoints", keep=tc.keep_ckpts) as ckpt:
         # 3. State: restore the newest intact checkpoint after comparing its saved configs with
@@ -258,7 +254,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
             logger.info("resumed from %s (step %d)", ckpt.step_path(int(state.step)),
                         int(state.step))
         elif source is not None:
-            params = load_init_params(source, model_config, mesh)
+            params = loading.load(source, mesh, scan_layers=model_config.scan_layers,
+                                  dtype=model_config.param_dtype, with_tokenizer=False).params
             # Full fine-tuning hands the loaded buffers over to the state (no second copy).
             donate = (1,) if layout.lora_config is None else ()
             state = jax.jit(init, out_shardings=state_shardings, donate_argnums=donate)(
@@ -279,77 +276,6 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
                       batch_sharding=batch_sharding, data=data, eval_kw=eval_kw,
                       tokenizer=tokenizer, configs=configs, progress=progress and main_process,
                       main_process=main_process, times=times, wall_start=wall_start)
-
-
-def load_init_params(source: InitSource, model_config: ModelConfig, mesh: Any) -> Params:
-    """The model params of ``train.init_from``, created sharded over ``mesh``.
-
-    A HF checkpoint is read shard by shard straight onto the mesh (``hf.load``); a run's plain
-    params are restored sharded by orbax. A LoRA run's params are merged on the host first
-    (``hf_export.load_run``), as is a run saved in the other layer layout (scanned/unrolled):
-    every process then reads and holds the whole model once before placing its shards.
-
-    Args:
-      source: from ``read_init_source``.
-      model_config: the run's model (its ``param_dtype`` and ``scan_layers`` are used).
-      mesh: the run's mesh.
-
-    Returns:
-      Params of ``model_config`` in its ``param_dtype``, each leaf a sharded ``jax.Array``.
-    """
-    import jax.numpy as jnp
-
-    from transformer_jax.model import abstract_params, stack_blocks, unstack_blocks
-
-    shardings = sharding_lib.param_shardings(model_config, mesh)
-    if source.kind == HF_SOURCE:
-        from transformer_jax import hf
-
-        _, params = hf.load(source.path, mesh=mesh, scan_layers=model_config.scan_layers,
-                            dtype=model_config.param_dtype)
-        return params
-    saved = source.model
-    if not source.meta.get("lora") and saved.scan_layers == model_config.scan_layers:
-        abstract = sharding_lib.with_shardings(
-            abstract_params(saved), sharding_lib.param_shardings(saved, mesh))
-        params, _ = CheckpointManager(source.checkpoints, keep=1 << 30, async_save=False
-                                      ).restore_params(abstract, source.step)
-    else:
-        from transformer_jax.hf_export import load_run
-
-        _, params, _, _ = load_run(source.checkpoints, source.step)
-        if saved.scan_layers and not model_config.scan_layers:
-            params = unstack_blocks(params)
-        elif model_config.scan_layers and not saved.scan_layers:
-            params = stack_blocks(params, saved.n_layers)
-        # Every process holds the whole merged tree; each places the shards of its devices.
-        host = jax.tree.map(np.asarray, params)
-        params = jax.tree.map(
-            lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
-            host, shardings)
-    dtype = jnp.dtype(model_config.param_dtype)
-    return jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), params)
-
-
-def _given_tokenizer(data_config: DataConfig, source: InitSource | None
-                     ) -> TextTokenizer | None:
-    """The tokenizer of a fine-tuning run or of instruction data: ``data.tokenizer`` when it is
-    a file (or a directory holding one), else the ``init_from`` checkpoint's; None otherwise
-    (a text run loads or trains its own in ``prepare_data``)."""
-    if data_config.tokenizer not in MODEL_TYPES and (source is not None
-                                                     or data_config.is_instruct):
-        return load_tokenizer(Path(data_config.tokenizer).expanduser())
-    if source is None:
-        return None
-    if source.kind == HF_SOURCE:
-        return load_tokenizer(source.path)
-    from transformer_jax.hf_export import find_tokenizer
-
-    found = find_tokenizer(source.checkpoints.parent, source.meta)
-    if found is None:
-        raise FileNotFoundError(f"train.init_from={source.path}: the run has no tokenizer "
-                                "(tokenizer/ in its directory); pass data.tokenizer=FILE")
-    return load_tokenizer(found)
 
 
 def _params_shardings(model_config: ModelConfig, mesh: Any, abstract_params: Params,

@@ -7,7 +7,8 @@ creates every param sharded over a device mesh by the training's rules, each dev
 on its own from the memory-mapped files. ``save(config, params, dir, tokenizer=tok)`` writes the
 reverse, which ``transformers``' ``from_pretrained`` reads (model and tokenizer).
 ``python -m transformer_jax.hf export --checkpoint RUN_DIR --out DIR`` exports a training run
-(see ``transformer_jax.hf_export``).
+(``transformer_jax.hf.__main__`` runs ``transformer_jax.hf_export``'s CLI; this package does not
+import it).
 
 This module does the file I/O: safetensors headers and blocks, the sharded load onto a mesh,
 the atomic save, tokenizer files. The name, layout and config mapping it applies is pure and
@@ -36,7 +37,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from transformer_jax.config import DTYPES, ModelConfig
-from transformer_jax.files import read_json, replacing_directory
+from transformer_jax.files import read_json, replacing_directory, set_default_mode
 from transformer_jax.hf_convert import (
     _IGNORED_TENSOR,
     ARCHITECTURES,
@@ -55,7 +56,7 @@ from transformer_jax.hf_convert import _linear as _linear
 from transformer_jax.hf_convert import _reshaped as _reshaped
 from transformer_jax.hf_convert import _same as _same
 from transformer_jax.model import Params, stack_blocks, unstack_blocks
-from transformer_jax.sharding import param_shardings
+from transformer_jax.sharding import LOGICAL_RULES, param_shardings
 
 if TYPE_CHECKING:  # the tokenizer backends are imported only by callers that have one
     from transformer_jax.tokenizer import TextTokenizer
@@ -209,7 +210,8 @@ def _read_config(path: Path) -> tuple[ModelConfig, dict[str, Any]]:
 
 
 def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None = None,
-         dtype: str | jnp.dtype | None = None) -> tuple[ModelConfig, Params]:
+         dtype: str | jnp.dtype | None = None, rules: Sequence[tuple[str, Any]] = LOGICAL_RULES
+         ) -> tuple[ModelConfig, Params]:
     """Reads a HF Llama / Mistral / Qwen2 checkpoint directory.
 
     Everything is checked from ``config.json`` and the safetensors headers (names, shapes,
@@ -222,14 +224,14 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
       path: directory with ``config.json`` and ``model.safetensors`` or
         ``model.safetensors.index.json`` plus its shards.
       mesh: if given, every param is created sharded over it by
-        ``sharding.param_shardings(config, mesh)`` (the training's logical-axis rules), on this
-        process's devices only (so it works multi-host); None: plain arrays on the default
-        device.
+        ``sharding.param_shardings(config, mesh, rules)``, on this process's devices only (so
+        it works multi-host); None: plain arrays on the default device.
       scan_layers: True returns the scanned layout (``blocks`` with a leading L axis) and a
         config with ``scan_layers=True``; None or False the unrolled one (``blocks_{i}``).
       dtype: the ``param_dtype`` and compute ``dtype`` of the result (``"float32"``,
         ``"bfloat16"``, ``"float16"``); None keeps the checkpoint's dtype when all tensors
         share one, else float32 (an exact upcast).
+      rules: the logical -> mesh axis rules of the placement (default: the training's).
 
     Returns:
       ``(config, params)``: ``Transformer(config).apply({"params": params}, tokens)`` gives the
@@ -279,7 +281,7 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
         if dtype is None:
             dtype = stored.pop() if len(stored) == 1 else "float32"
         config = config.replace(param_dtype=dtype, dtype=dtype)
-        shardings = None if mesh is None else param_shardings(config, mesh)  # raises early
+        shardings = None if mesh is None else param_shardings(config, mesh, rules)  # early
 
         for name in o_biases:
             if np.any(reader.whole(name) != 0):
@@ -428,13 +430,16 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
     # the old directory that are not weights (a tokenizer, a README) are carried over.
     with replacing_directory(path, carry_over=keep) as new:
         metadata = {"format": "pt"}  # transformers requires it on safetensors files
+        # safetensors writes its files 0o600; they get the mode open() gives, as the rest.
         if len(shards) == 1:
             st.numpy.save_file(tensors, str(new / SINGLE_FILE), metadata=metadata)
+            set_default_mode(new / SINGLE_FILE)
         else:
             weight_map = {}
             for i, shard in enumerate(shards):
                 file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                 st.numpy.save_file(shard, str(new / file), metadata=metadata)
+                set_default_mode(new / file)
                 weight_map.update(dict.fromkeys(shard, file))
             with open(new / INDEX_FILE, "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
@@ -449,6 +454,12 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
                 f.write("\n")
     logger.info("saved %s checkpoint to %s: %d file(s), %.1f MiB", hf_config["model_type"], path,
                 len(shards), total / 2**20)
+
+
+def is_saved_file(name: str) -> bool:
+    """Whether ``save`` writes (or replaces) a file of this name: weights, ``config.json``,
+    ``generation_config.json`` and tokenizer files."""
+    return not _not_weights(name) or name in _TOKENIZER_FILES
 
 
 def _not_weights(name: str) -> bool:
@@ -468,12 +479,5 @@ def _special_ids(tokenizer: TextTokenizer) -> dict[str, int]:
     return {key: int(value) for key, value in ids.items() if value is not None and value >= 0}
 
 
-__all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "load", "save"]
+__all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "is_saved_file", "load", "save"]
 
-
-if __name__ == "__main__":  # python -m transformer_jax.hf export --checkpoint RUN --out DIR
-    import sys
-
-    from transformer_jax.hf_export import main
-
-    sys.exit(main())
