@@ -16,7 +16,9 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -99,6 +101,7 @@ class CheckpointManager:
         self._in_flight: int | None = None  # the step being written, until checked complete
         self._failed: CheckpointError | None = None
         self._failed_step: int | None = None
+        self._abandoned = False
         self._quiet = _QuietOrbaxErrors()
         logging.getLogger("absl").addFilter(self._quiet)
 
@@ -141,6 +144,7 @@ class CheckpointManager:
             return False
         args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state),
                                      META_ITEM: ocp.args.JsonSave(meta or {})})
+        quiet_background_failures()
         self._in_flight = step
         try:
             saved = self._manager.save(step, args=args, force=True)
@@ -190,23 +194,58 @@ class CheckpointManager:
         self._failed = CheckpointError(f"could not write checkpoint {path}: {reason}")
         return self._failed
 
-    def _remove_partial(self) -> None:
-        """Frees the space the failed save took (its temporary directory); the committed
-        checkpoints stay."""
-        if self._failed_step is None:
+    def _remove_partial(self, step: int | None = None) -> None:
+        """Frees the space a failed (or abandoned) save took, its temporary directory; the
+        committed checkpoints stay. ``step`` defaults to the failed save's."""
+        step = self._failed_step if step is None else step
+        if step is None:
             return
         # Orbax's background threads of the failed save (e.g. its metadata writer) may still
         # write into the temporary directory after the failure is reported, recreating it; so
         # remove it until it has stayed gone for a few polls (at most about 2 s, failures only).
         quiet = 0
         for _ in range(40):
-            partials = list(self.directory.glob(f"{self._failed_step}.orbax-checkpoint-tmp*"))
+            partials = list(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"))
             for partial in partials:
                 shutil.rmtree(partial, ignore_errors=True)
             quiet = 0 if partials else quiet + 1
             if quiet >= 3:
                 return
             time.sleep(0.05)
+
+    def abandon(self) -> int | None:
+        """Gives up the save in flight without waiting for it (a run aborted by a signal).
+
+        Removes its temporary directory (the committed checkpoints stay, and orbax deletes old
+        ones only after a new one is committed); afterwards ``close`` neither waits nor raises.
+        Orbax's background threads are not stopped: the caller is about to exit. Whatever they
+        write after this is removed by ``remove_unfinished`` at the next start.
+
+        Returns:
+          The step whose save was abandoned, or None if none was in flight.
+        """
+        self._abandoned = True
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            self._remove_partial(step)
+        return step
+
+    def remove_unfinished(self) -> list[str]:
+        """Deletes the temporary directories of saves that never completed (a process killed
+        or aborted while saving); the run's owner calls this before it saves again.
+
+        Returns:
+          The names of the directories removed (logged).
+        """
+        removed = []
+        for partial in sorted(self.directory.glob("*.orbax-checkpoint-tmp*")):
+            if partial.is_dir():
+                shutil.rmtree(partial, ignore_errors=True)
+                removed.append(partial.name)
+        if removed:
+            logger.info("removed the unfinished save%s %s in %s", "s" if len(removed) > 1 else "",
+                        ", ".join(removed), self.directory)
+        return removed
 
     # Reading ------------------------------------------------------------------------------------
 
@@ -428,6 +467,8 @@ class CheckpointManager:
         Raises:
           CheckpointError: the save in flight failed (reported once).
         """
+        if self._abandoned:
+            return  # orbax's close would wait for the abandoned save's threads
         try:
             if self._failed is None:
                 self.wait()
@@ -440,7 +481,8 @@ class CheckpointManager:
                 logger.debug("orbax close after a failed save: %s", _reason(e))
             finally:
                 self._remove_partial()  # again: orbax's threads may have written more since
-                logging.getLogger("absl").removeFilter(self._quiet)
+                if self._failed is None:  # else its threads may still log the failure
+                    logging.getLogger("absl").removeFilter(self._quiet)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -543,6 +585,75 @@ class _QuietOrbaxErrors(logging.Filter):
             logger.debug("orbax: %s", record.getMessage(), exc_info=record.exc_info)
             return False
         return True
+
+
+class _QuietAsyncioErrors(logging.Filter):
+    """Drops asyncio's "Future/Task exception was never retrieved" for orbax's or TensorStore's
+    errors (the writes of a failed save that nobody awaits any more); kept at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "exception was never retrieved" not in str(record.msg) or not record.exc_info:
+            return True
+        if not _from_writer(record.exc_info[1]):
+            return True
+        logger.debug("asyncio: %s", record.getMessage(), exc_info=record.exc_info)
+        return False
+
+
+def _from_writer(error: BaseException | None) -> bool:
+    """Whether an error comes from orbax or TensorStore (a frame of theirs, or a TensorStore
+    status such as ``RESOURCE_EXHAUSTED: ...``)."""
+    for e in _chain(error) if error is not None else ():
+        if re.match(r"[A-Z_]{5,}: ", str(e)):
+            return True
+        tb = e.__traceback__
+        while tb is not None:
+            if re.search(r"[/\\](orbax|tensorstore)[/\\]", tb.tb_frame.f_code.co_filename):
+                return True
+            tb = tb.tb_next
+    return False
+
+
+def _is_closed_loop_callback(unraisable: Any) -> bool:
+    """asyncio's ``RuntimeError: Event loop is closed`` from ``call_soon_threadsafe``: a
+    TensorStore write of a failed (or abandoned) save finishing after orbax closed the event loop
+    that awaited it (one per array still being written)."""
+    error = unraisable.exc_value
+    if not isinstance(error, RuntimeError) or str(error) != "Event loop is closed":
+        return False
+    tb = unraisable.exc_traceback
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def quiet_background_failures() -> None:
+    """Keeps the echoes of a failed background save off stderr, for this process (idempotent).
+
+    When a write fails (a full disk), orbax stops awaiting the save's other TensorStore writes;
+    as each of them completes, its callback finds the event loop closed and Python prints that
+    as an unraisable exception (tens of tracebacks), and asyncio may log futures whose error was
+    never retrieved. The failure itself is raised once, as one ``CheckpointError`` line; these
+    echoes are logged at DEBUG level of this module's logger instead.
+    """
+    hook = sys.unraisablehook
+    if getattr(hook, "quiets_orbax", False):
+        return
+
+    def unraisable_hook(unraisable: Any) -> None:
+        if _is_closed_loop_callback(unraisable):
+            logger.debug("after a failed save: %s (a TensorStore write completed after orbax "
+                         "stopped waiting)", unraisable.exc_value)
+            return
+        hook(unraisable)
+
+    unraisable_hook.quiets_orbax = True  # type: ignore[attr-defined]
+    sys.unraisablehook = unraisable_hook
+    asyncio_logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _QuietAsyncioErrors) for f in asyncio_logger.filters):
+        asyncio_logger.addFilter(_QuietAsyncioErrors())
 
 
 def _as_abstract(x: Any) -> Any:

@@ -147,24 +147,34 @@ def _dummy_tokens(config: ModelConfig) -> jax.Array:
     return jnp.zeros((1, min(8, config.max_seq_len)), jnp.int32)
 
 
+def init_model(config: ModelConfig) -> Transformer:
+    """The module whose ``init`` creates ``config``'s parameters: attention on the reference.
+
+    Parameters do not depend on the attention implementation, and the init's dummy forward (a
+    few tokens) should neither pick one (``"auto"`` would log its choice for the dummy's
+    shapes, not the run's) nor need a kernel the backend lacks (the real step reports that).
+    """
+    return Transformer(config.replace(attention_impl="xla"))
+
+
 def init_params(config: ModelConfig, rng: jax.Array | int = 0) -> Params:
     """Randomly initialised parameters (plain arrays, no partitioning boxes)."""
     if isinstance(rng, int):
         rng = jax.random.key(rng)
-    variables = Transformer(config).init(rng, _dummy_tokens(config))
+    variables = init_model(config).init(rng, _dummy_tokens(config))
     return nn.meta.unbox(variables["params"])
 
 
 def abstract_params(config: ModelConfig) -> Params:
     """Parameter shapes and dtypes as ``jax.ShapeDtypeStruct``s, without allocating them."""
-    boxed = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0),
+    boxed = jax.eval_shape(lambda: init_model(config).init(jax.random.key(0),
                                                             _dummy_tokens(config)))
     return nn.meta.unbox(boxed["params"])
 
 
 def logical_axes(config: ModelConfig) -> Params:
     """The logical axis names of every parameter, as a tree of ``PartitionSpec``s."""
-    boxed = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0),
+    boxed = jax.eval_shape(lambda: init_model(config).init(jax.random.key(0),
                                                             _dummy_tokens(config)))
     return nn.get_partition_spec(boxed["params"])
 

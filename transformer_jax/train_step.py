@@ -25,7 +25,7 @@ import optax
 from transformer_jax import lora
 from transformer_jax.config import ModelConfig
 from transformer_jax.loss import cross_entropy_sums
-from transformer_jax.model import Transformer
+from transformer_jax.model import Transformer, init_model
 from transformer_jax.ops.lm_loss import lm_head_cross_entropy_sums
 from transformer_jax.optim import lr_schedule, make_optimizer
 from transformer_jax.train_config import TrainConfig
@@ -106,7 +106,7 @@ def make_init_fn(model_config: ModelConfig, train_config: TrainConfig
     initialises them at random. Either way the optimizer state is fresh and, with LoRA, the
     adapters are initialised from ``key`` (B = 0: the model starts as ``params``).
     """
-    model = Transformer(model_config)
+    model = init_model(model_config)
     tx = make_optimizer(train_config)
     layout = ParamsLayout.of(train_config)
 
