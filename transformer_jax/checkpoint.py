@@ -7,7 +7,8 @@ complete, so a checkpoint that was being written when the process died is never 
 or counted towards ``keep``. The data position needs no saving: batches are a pure function of
 (seed, step). The files of a step directory (checksums, damage checks, setting a damaged one
 aside) are handled in ``transformer_jax.checkpoint_files``; its errors, ``ensure_writable_dir``,
-``CHECKSUMS_FILE`` and ``verify_checksums`` are importable from here too.
+``CHECKSUMS_FILE`` and ``verify_checksums`` are importable from here too. What orbax's background
+threads print about a failed save is kept off stderr by ``transformer_jax.checkpoint_quiet``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ import contextlib
 import errno
 import logging
 import os
-import re
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,6 +41,7 @@ from transformer_jax.checkpoint_files import (
     write_checksums,
 )
 from transformer_jax.checkpoint_files import verify_checksums as verify_checksums
+from transformer_jax.checkpoint_quiet import QuietOrbaxErrors, quiet_background_failures
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class CheckpointManager:
         self._failed: CheckpointError | None = None
         self._failed_step: int | None = None
         self._abandoned = False
-        self._quiet = _QuietOrbaxErrors()
+        self._quiet = QuietOrbaxErrors()
         logging.getLogger("absl").addFilter(self._quiet)
 
     def all_steps(self) -> list[int]:
@@ -572,88 +572,6 @@ def _abstract_from_metadata(metadata: Any) -> Any:
     # Whatever devices it was saved from, read it onto this process's first device.
     return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), metadata,
                         is_leaf=_is_array_metadata)
-
-
-class _QuietOrbaxErrors(logging.Filter):
-    """Keeps orbax's tracebacks of failed background saves out of the log (each save error is
-    raised once by ``CheckpointManager`` as a one-line ``CheckpointError``; the tracebacks are
-    kept at DEBUG level of this module's logger)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if (record.levelno >= logging.ERROR and record.exc_info
-                and "orbax" in record.pathname):
-            logger.debug("orbax: %s", record.getMessage(), exc_info=record.exc_info)
-            return False
-        return True
-
-
-class _QuietAsyncioErrors(logging.Filter):
-    """Drops asyncio's "Future/Task exception was never retrieved" for orbax's or TensorStore's
-    errors (the writes of a failed save that nobody awaits any more); kept at DEBUG."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if "exception was never retrieved" not in str(record.msg) or not record.exc_info:
-            return True
-        if not _from_writer(record.exc_info[1]):
-            return True
-        logger.debug("asyncio: %s", record.getMessage(), exc_info=record.exc_info)
-        return False
-
-
-def _from_writer(error: BaseException | None) -> bool:
-    """Whether an error comes from orbax or TensorStore (a frame of theirs, or a TensorStore
-    status such as ``RESOURCE_EXHAUSTED: ...``)."""
-    for e in _chain(error) if error is not None else ():
-        if re.match(r"[A-Z_]{5,}: ", str(e)):
-            return True
-        tb = e.__traceback__
-        while tb is not None:
-            if re.search(r"[/\\](orbax|tensorstore)[/\\]", tb.tb_frame.f_code.co_filename):
-                return True
-            tb = tb.tb_next
-    return False
-
-
-def _is_closed_loop_callback(unraisable: Any) -> bool:
-    """asyncio's ``RuntimeError: Event loop is closed`` from ``call_soon_threadsafe``: a
-    TensorStore write of a failed (or abandoned) save finishing after orbax closed the event loop
-    that awaited it (one per array still being written)."""
-    error = unraisable.exc_value
-    if not isinstance(error, RuntimeError) or str(error) != "Event loop is closed":
-        return False
-    tb = unraisable.exc_traceback
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def quiet_background_failures() -> None:
-    """Keeps the echoes of a failed background save off stderr, for this process (idempotent).
-
-    When a write fails (a full disk), orbax stops awaiting the save's other TensorStore writes;
-    as each of them completes, its callback finds the event loop closed and Python prints that
-    as an unraisable exception (tens of tracebacks), and asyncio may log futures whose error was
-    never retrieved. The failure itself is raised once, as one ``CheckpointError`` line; these
-    echoes are logged at DEBUG level of this module's logger instead.
-    """
-    hook = sys.unraisablehook
-    if getattr(hook, "quiets_orbax", False):
-        return
-
-    def unraisable_hook(unraisable: Any) -> None:
-        if _is_closed_loop_callback(unraisable):
-            logger.debug("after a failed save: %s (a TensorStore write completed after orbax "
-                         "stopped waiting)", unraisable.exc_value)
-            return
-        hook(unraisable)
-
-    unraisable_hook.quiets_orbax = True  # type: ignore[attr-defined]
-    sys.unraisablehook = unraisable_hook
-    asyncio_logger = logging.getLogger("asyncio")
-    if not any(isinstance(f, _QuietAsyncioErrors) for f in asyncio_logger.filters):
-        asyncio_logger.addFilter(_QuietAsyncioErrors())
 
 
 def _as_abstract(x: Any) -> Any:

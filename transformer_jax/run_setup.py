@@ -89,3 +89,19 @@ def check_memory(model_config: ModelConfig, train_config: TrainConfig, mesh: Any
     shardings = sharding_lib.state_shardings(
         abstract, params_shardings(model_config, mesh, abstract.params, layout))
     check_fits(model_config, train_config, abstract, shardings, dict(mesh.shape))
+
+
+def attention_used(model_config: ModelConfig, tc: TrainConfig) -> str:
+    """What the train step's attention runs: ``model.attention_impl``, or what ``"auto"``
+    picks for the step's [B, T, N, H] queries on this backend."""
+    impl = model_config.attention_impl
+    if impl != "auto":
+        return repr(impl)
+    from transformer_jax.ops.attention import choose_impl
+
+    c = model_config
+    q = jax.ShapeDtypeStruct((tc.micro_batch_size, tc.seq_len, c.n_heads, c.head_dim),
+                             c.jnp_dtype)
+    k = jax.ShapeDtypeStruct((tc.micro_batch_size, c.n_kv_heads, tc.seq_len, c.head_dim),
+                             c.jnp_dtype)
+    return f"'auto' -> {choose_impl(q, k)!r}"

@@ -65,6 +65,7 @@ from transformer_jax.run_log import (
     progress_bar,
 )
 from transformer_jax.run_setup import (
+    attention_used,
     check_config,
     check_dtype,
     check_memory,
@@ -371,7 +372,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
     peak, peak_source = mesh_peak_flops(list(mesh.devices.flat), tc.peak_flops)
     logger.info("compiled train step in %.1f s; attention %s; %.3g FLOPs/token; peak %.3g "
                 "FLOP/s (%s); mesh %s; eval batch %d", compile_time,
-                _attention_used(model_config, tc), flops, peak, peak_source, dict(mesh.shape),
+                attention_used(model_config, tc), flops, peak, peak_source, dict(mesh.shape),
                 eval_kw["batch_size"])
     times["compile"] = compile_time
     times["startup"] = time.perf_counter() - wall_start - compile_time
@@ -473,22 +474,6 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
         (run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary),
                                                          indent=2))
     return summary
-
-
-def _attention_used(model_config: ModelConfig, tc: TrainConfig) -> str:
-    """What the train step's attention runs: ``model.attention_impl``, or what ``"auto"``
-    picks for the step's [B, T, N, H] queries on this backend."""
-    impl = model_config.attention_impl
-    if impl != "auto":
-        return repr(impl)
-    from transformer_jax.ops.attention import choose_impl
-
-    c = model_config
-    q = jax.ShapeDtypeStruct((tc.micro_batch_size, tc.seq_len, c.n_heads, c.head_dim),
-                             c.jnp_dtype)
-    k = jax.ShapeDtypeStruct((tc.micro_batch_size, c.n_kv_heads, tc.seq_len, c.head_dim),
-                             c.jnp_dtype)
-    return f"'auto' -> {choose_impl(q, k)!r}"
 
 
 def _finished(run_dir: Path, step: int, tc: TrainConfig, ckpt: CheckpointManager,
