@@ -126,6 +126,13 @@ def test_cpu_devices_are_validated(capsys, argv, message):
         assert "use one of [1, 2, 4]" in line
 
 
+def test_bench_train_cpu_devices_are_one_line_errors(capsys):
+    from transformer_jax.bench import train as bench_train
+
+    assert bench_train.main(["--no-fast-math", "--cpu-devices", "3", "train.batch_size=4"]) == 2
+    assert "use one of [1, 2, 4]" in one_error_line(capsys.readouterr().err)
+
+
 def test_configure_cpu_devices_refuses_what_it_used_to_change():
     with pytest.raises(ValueError, match=">= 0"):
         configure_cpu_devices(4, -2)
