@@ -30,7 +30,7 @@ import jax
 from transformer_jax import distributed
 from transformer_jax.checkpoint import CheckpointError
 from transformer_jax.perf import enable_cpu_fast_math
-from transformer_jax.run_log import NonFiniteLossError
+from transformer_jax.run_log import NonFiniteLossError, SaveAborted
 from transformer_jax.sharding import configure_cpu_devices
 from transformer_jax.train_config import ConfigError, build_configs, config_help
 from transformer_jax.training import RunSummary, format_times, run
@@ -110,10 +110,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="multi-host: number of processes (or $JAX_NUM_PROCESSES)")
     parser.add_argument("--process-id", type=int, default=None,
                         help="multi-host: this process's index (or $JAX_PROCESS_ID)")
+    parser.add_argument("--no-memory-check", action="store_true",
+                        help="start even when the rough memory estimate says the run will not "
+                             "fit")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override one field of the config (the keys are listed below)")
     args = parser.parse_intermixed_args(argv)
+    if args.cpu_devices < 0:
+        parser.error(f"--cpu-devices must be >= 0 (0: one per core that divides the batch), "
+                     f"got {args.cpu_devices}")
     try:
         model, train, data = build_configs(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
@@ -122,7 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     # Both before JAX creates its CPU backend, which reads the flags.
     if not args.no_fast_math:
         enable_cpu_fast_math()
-    configure_cpu_devices(train.micro_batch_size, args.cpu_devices)
+    try:
+        configure_cpu_devices(train.micro_batch_size, args.cpu_devices)
+    except ValueError as e:
+        print(f"error: --cpu-devices {args.cpu_devices}: the micro-batch of "
+              f"{train.micro_batch_size} rows (train.batch_size / train.grad_accum) is split "
+              f"over the devices: {e}", file=sys.stderr)
+        return 2
     try:
         several = distributed.maybe_initialize(args.coordinator_address, args.num_processes,
                                                args.process_id)
@@ -134,11 +146,14 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger().setLevel(logging.WARNING)
     _enable_compilation_cache(data.cache_dir)
     try:
-        summary = run(model, train, data, progress=not args.no_progress)
+        summary = run(model, train, data, progress=not args.no_progress,
+                      memory_check=not args.no_memory_check)
     except NonFiniteLossError as e:
         return _failed(f"{e}; stopped without saving (earlier checkpoints are kept)", 1, several)
     except CheckpointError as e:  # a full disk, or no intact checkpoint to resume from
         return _failed(str(e), 1, several)
+    except SaveAborted as e:  # a third SIGINT/SIGTERM: leave now, not after orbax's threads
+        return _failed(str(e), EXIT_CODES.get(e.signal, 1), True)
     except (ValueError, FileNotFoundError, PermissionError) as e:
         return _failed(str(e), 2, several)
     except BaseException:
@@ -151,16 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_CODES.get(summary.interrupted, 1) if summary.interrupted else 0
 
 
-def _failed(message: str, code: int, several_processes: bool) -> int:
-    """Reports an error; in a multi-process run, leaves at once.
+def _failed(message: str, code: int, exit_now: bool) -> int:
+    """Reports an error; in a multi-process run (or an aborted save), leaves at once.
 
     A normal exit would wait at ``jax.distributed``'s shutdown barrier for the other processes,
     which may be blocked in a collective waiting for this one: both would hang until the
     barrier's timeout (minutes). Exiting without it, the coordination service sees this process
-    gone (heartbeats stop, within ``heartbeat_timeout_seconds``) and stops the others.
+    gone (heartbeats stop, within ``heartbeat_timeout_seconds``) and stops the others. After a
+    save aborted by a third signal, a normal exit would wait for orbax's writer threads to
+    finish the very save the user aborted.
     """
     print(f"error: {message}", file=sys.stderr)
-    if several_processes:
+    if exit_now:
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()

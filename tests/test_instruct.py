@@ -139,7 +139,7 @@ def test_chat_without_assistant_is_skipped_and_trailing_user_unmasked(tmp_path, 
     path = write_jsonl(tmp_path / "c.jsonl", records)
     with caplog.at_level(logging.WARNING):
         examples = instruct.load_examples(path, tok)
-    assert "1 records have no completion" in caplog.text
+    assert "1 record has no completion" in caplog.text
     assert len(examples) == 1 and examples[0].line == 2
     assert masked_text(tok, examples[0]) == "b<|im_end|>\n"
 
@@ -196,14 +196,13 @@ def test_batch_keys_shift_and_loss_mask_respects_segments():
 
 
 def test_too_long_example_is_truncated_with_a_warning(caplog):
-    examples = make_examples([30, 3])
+    examples = make_examples([30, 3])  # loss on tokens 15..29 of the first
     with caplog.at_level(logging.WARNING, logger="transformer_jax.instruct"):
         data = pack(examples, seq_len=7)
-    assert (
-        "1 of 2 examples are longer than seq_len + 1 = 8 tokens and were truncated" in caplog.text
-    )
+    assert "1 of 2 examples is longer than seq_len + 1 = 8 tokens" in caplog.text
     assert data.num_truncated == 1
-    np.testing.assert_array_equal(data.tokens[0], examples[0].tokens[:8])
+    # The prompt's start goes first (its last token stays, the input of the first target).
+    np.testing.assert_array_equal(data.tokens[0], examples[0].tokens[14:22])
     assert (data.segment_ids > 0).sum() == 8 + 3
 
 

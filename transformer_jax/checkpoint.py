@@ -7,7 +7,8 @@ complete, so a checkpoint that was being written when the process died is never 
 or counted towards ``keep``. The data position needs no saving: batches are a pure function of
 (seed, step). The files of a step directory (checksums, damage checks, setting a damaged one
 aside) are handled in ``transformer_jax.checkpoint_files``; its errors, ``ensure_writable_dir``,
-``CHECKSUMS_FILE`` and ``verify_checksums`` are importable from here too.
+``CHECKSUMS_FILE`` and ``verify_checksums`` are importable from here too. What orbax's background
+threads print about a failed save is kept off stderr by ``transformer_jax.checkpoint_quiet``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from transformer_jax.checkpoint_files import (
     write_checksums,
 )
 from transformer_jax.checkpoint_files import verify_checksums as verify_checksums
+from transformer_jax.checkpoint_quiet import QuietOrbaxErrors, quiet_background_failures
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +115,8 @@ class CheckpointManager:
         self._in_flight: int | None = None  # the step being written, until checked complete
         self._failed: CheckpointError | None = None
         self._failed_step: int | None = None
-        self._quiet = _QuietOrbaxErrors()
+        self._abandoned = False
+        self._quiet = QuietOrbaxErrors()
         logging.getLogger("absl").addFilter(self._quiet)
 
     def all_steps(self) -> list[int]:
@@ -161,6 +164,7 @@ class CheckpointManager:
             return False
         args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state),
                                      META_ITEM: ocp.args.JsonSave(meta or {})})
+        quiet_background_failures()
         self._in_flight = step
         try:
             saved = self._manager.save(step, args=args, force=True)
@@ -212,23 +216,58 @@ class CheckpointManager:
         self._failed = CheckpointError(f"could not write checkpoint {path}: {reason}")
         return self._failed
 
-    def _remove_partial(self) -> None:
-        """Frees the space the failed save took (its temporary directory); the committed
-        checkpoints stay."""
-        if self._failed_step is None:
+    def _remove_partial(self, step: int | None = None) -> None:
+        """Frees the space a failed (or abandoned) save took, its temporary directory; the
+        committed checkpoints stay. ``step`` defaults to the failed save's."""
+        step = self._failed_step if step is None else step
+        if step is None:
             return
         # Orbax's background threads of the failed save (e.g. its metadata writer) may still
         # write into the temporary directory after the failure is reported, recreating it; so
         # remove it until it has stayed gone for a few polls (at most about 2 s, failures only).
         quiet = 0
         for _ in range(40):
-            partials = list(self.directory.glob(f"{self._failed_step}.orbax-checkpoint-tmp*"))
+            partials = list(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"))
             for partial in partials:
                 shutil.rmtree(partial, ignore_errors=True)
             quiet = 0 if partials else quiet + 1
             if quiet >= 3:
                 return
             time.sleep(0.05)
+
+    def abandon(self) -> int | None:
+        """Gives up the save in flight without waiting for it (a run aborted by a signal).
+
+        Removes its temporary directory (the committed checkpoints stay, and orbax deletes old
+        ones only after a new one is committed); afterwards ``close`` neither waits nor raises.
+        Orbax's background threads are not stopped: the caller is about to exit. Whatever they
+        write after this is removed by ``remove_unfinished`` at the next start.
+
+        Returns:
+          The step whose save was abandoned, or None if none was in flight.
+        """
+        self._abandoned = True
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            self._remove_partial(step)
+        return step
+
+    def remove_unfinished(self) -> list[str]:
+        """Deletes the temporary directories of saves that never completed (a process killed
+        or aborted while saving); the run's owner calls this before it saves again.
+
+        Returns:
+          The names of the directories removed (logged).
+        """
+        removed = []
+        for partial in sorted(self.directory.glob("*.orbax-checkpoint-tmp*")):
+            if partial.is_dir():
+                shutil.rmtree(partial, ignore_errors=True)
+                removed.append(partial.name)
+        if removed:
+            logger.info("removed the unfinished save%s %s in %s", "s" if len(removed) > 1 else "",
+                        ", ".join(removed), self.directory)
+        return removed
 
     # Reading ------------------------------------------------------------------------------------
 
@@ -451,6 +490,8 @@ class CheckpointManager:
         Raises:
           CheckpointError: the save in flight failed (reported once).
         """
+        if self._abandoned:
+            return  # orbax's close would wait for the abandoned save's threads
         try:
             if self._failed is None:
                 self.wait()
@@ -464,7 +505,8 @@ class CheckpointManager:
                 logger.debug("orbax close after a failed save: %s", _reason(e))
             finally:
                 self._remove_partial()  # again: orbax's threads may have written more since
-                logging.getLogger("absl").removeFilter(self._quiet)
+                if self._failed is None:  # else its threads may still log the failure
+                    logging.getLogger("absl").removeFilter(self._quiet)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -554,19 +596,6 @@ def _abstract_from_metadata(metadata: Any) -> Any:
     # Whatever devices it was saved from, read it onto this process's first device.
     return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), metadata,
                         is_leaf=_is_array_metadata)
-
-
-class _QuietOrbaxErrors(logging.Filter):
-    """Keeps orbax's tracebacks of failed background saves out of the log (each save error is
-    raised once by ``CheckpointManager`` as a one-line ``CheckpointError``; the tracebacks are
-    kept at DEBUG level of this module's logger)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if (record.levelno >= logging.ERROR and record.exc_info
-                and "orbax" in record.pathname):
-            logger.debug("orbax: %s", record.getMessage(), exc_info=record.exc_info)
-            return False
-        return True
 
 
 def _as_abstract(x: Any) -> Any:

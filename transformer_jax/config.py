@@ -376,21 +376,30 @@ def _parse_as(tp: Any, text: str, key: str) -> Any:
     raise ValueError(f"{key}: cannot parse type {tp}")
 
 
+def plain(value: Any) -> Any:
+    """``value`` with NumPy scalars as the Python numbers they hold, for error messages
+    (``-1.0``, not ``np.float64(-1.0)``)."""
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "shape", None) == ():
+        return item()
+    return value
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise ValueError(f"{name} must be a positive int, got {plain(value)!r}")
 
 
 def _check_positive_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        raise ValueError(f"{name} must be a positive finite number, got {plain(value)!r}")
 
 
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
+        raise ValueError(f"{name} must be a bool, got {plain(value)!r}")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        raise ValueError(f"{name} must be one of {choices}, got {plain(value)!r}")

@@ -1,6 +1,7 @@
 """Instruction data: JSONL records -> token examples with a loss mask -> packed rows -> batches.
 
-A ``.jsonl`` file holds one record per line, either
+A ``.jsonl`` file holds one record per line (records are read and tokenized in
+``transformer_jax.instruct_records``), either
 
 * ``{"prompt": "...", "completion": "..."}``: tokens are ``[bos] + encode(prompt) +
   encode(completion) + [eos]`` (bos when the tokenizer's ``add_bos_token`` says so); the loss is on
@@ -8,7 +9,8 @@ A ``.jsonl`` file holds one record per line, either
 * ``{"messages": [{"role": "system"|"user"|"assistant"|..., "content": "..."}, ...]}``: the
   conversation is rendered with the tokenizer's own chat template (as transformers'
   ``apply_chat_template`` does; no bos is added beyond what the template writes) and the loss is
-  on the assistant turns.
+  on the assistant turns. A ``content`` is a string or a list of text parts (``[{"type":
+  "text", "text": "..."}]``, concatenated); anything else is an error naming the line.
 
 **Which chat tokens are assistant tokens.** For each assistant message ``i`` the template renders
 the conversation before it with the generation prompt (``P_i``: everything up to where the model
@@ -21,12 +23,17 @@ generated after it. A template whose ``P_i`` or ``S_i`` is not a prefix of the n
 (e.g. one that rewrites earlier turns) cannot be masked this way and raises an error naming the
 record.
 
-**Packing.** Each example (at most ``seq_len + 1`` tokens; longer ones are truncated, with a
-logged count) is placed into rows of ``seq_len + 1`` tokens by best-fit-decreasing bin packing
-(deterministic). ``segment_ids`` number the examples in a row 1, 2, ... (0 = padding) and
-``positions`` restart at 0 for each example, so attention masked by segment never crosses
-examples. A batch row's inputs are the row's first ``seq_len`` tokens and its targets the last
-``seq_len``.
+**Long records.** An example longer than a row (``seq_len + 1`` tokens) loses the start of its
+prompt, after the template's head (the bos token, or what a chat template writes before the first
+message's content), so that its completion / assistant tokens stay; if the head and the
+completion alone are too long, the completion's end is cut too, and a record with no loss token
+left is dropped. Each case is counted in one log line.
+
+**Packing.** Each example is placed into rows of ``seq_len + 1`` tokens by best-fit-decreasing
+bin packing (deterministic). ``segment_ids`` number the examples in a row 1, 2, ... (0 =
+padding) and ``positions`` restart at 0 for each example, so attention masked by segment never
+crosses examples. A batch row's inputs are the row's first ``seq_len`` tokens and its targets
+the last ``seq_len``.
 
 **Batches** are a pure function of (seed, step): global row ``j`` of step ``s`` is packed row
 ``perm_e[(s * B + j) % R]`` of epoch ``e = (s * B + j) // R``, with ``perm_e`` a permutation of
@@ -37,42 +44,60 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import json
 import logging
 import operator
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from transformer_jax.data import check_non_negative
-from transformer_jax.tokenizer import ChatTemplate, ChatTemplateError, TextTokenizer
-from transformer_jax.tokenizer.prompt import encode_text
+from transformer_jax.instruct_records import (
+    Example,
+    InstructionDataError,
+    chat_pieces,
+    count,
+    encode_chat,
+    encode_prompt_completion,
+    load_examples,
+    read_jsonl,
+)
+from transformer_jax.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
 Batch = dict[str, np.ndarray]
 
 
-class InstructionDataError(ValueError):
-    """A bad instruction record; the message starts with ``FILE:LINE:``."""
+def fit(example: Example, capacity: int) -> tuple[Example | None, str]:
+    """``example`` cut to at most ``capacity`` tokens, keeping its loss tokens where it can.
 
+    The prompt loses tokens from its start, after the first ``example.head`` tokens (the
+    template's head) and before the last prompt token (the input of the first target); if that
+    is not enough, the end is cut. An example with no target left is dropped.
 
-@dataclasses.dataclass(frozen=True)
-class Example:
-    """One tokenized record.
+    Args:
+      example: the tokenized record; ``head`` is the number of leading tokens to keep.
+      capacity: the row length, ``seq_len + 1``.
 
-    Attributes:
-      tokens: Token ids, shape [L], int32.
-      loss: Whether each token is a completion/assistant token to be predicted, shape [L], bool.
-      line: The record's line number in its file (1-based).
+    Returns:
+      ``(example or None, what happened)``: ``"kept"`` (it fits), ``"start"`` (the prompt's
+      start was cut), ``"end"`` (the end was cut), ``"both"`` or ``"dropped"``.
     """
-
-    tokens: np.ndarray
-    loss: np.ndarray
-    line: int
+    n = len(example.tokens)
+    if n <= capacity:
+        return example, "kept"
+    targets = np.flatnonzero(example.loss[1:]) + 1
+    first = int(targets[0]) if len(targets) else n
+    head = min(example.head, first - 1)
+    cut = min(n - capacity, max(first - 1 - head, 0))
+    keep = np.r_[0:head, head + cut:n][:capacity]
+    loss = example.loss[keep]
+    if not loss[1:].any():
+        return None, "dropped"
+    kind = {(True, False): "start", (False, True): "end", (True, True): "both"}[
+        (cut > 0, n - cut > capacity)]
+    return dataclasses.replace(example, tokens=example.tokens[keep], loss=loss), kind
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -85,7 +110,8 @@ class PackedData:
       positions: Position of each token within its example (0 for padding), [R, T + 1] int32.
       loss_tokens: Whether each token is a completion/assistant token, [R, T + 1] bool.
       num_examples: How many examples were packed.
-      num_truncated: How many of them were cut to ``T + 1`` tokens.
+      num_truncated: How many of them were cut to ``T + 1`` tokens (see ``fit``).
+      num_dropped: How many examples were left out: no loss token fitted in ``T + 1`` tokens.
     """
 
     tokens: np.ndarray
@@ -94,6 +120,7 @@ class PackedData:
     loss_tokens: np.ndarray
     num_examples: int
     num_truncated: int = 0
+    num_dropped: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -104,164 +131,6 @@ class PackedData:
     def num_rows(self) -> int:
         """R, the number of packed rows."""
         return self.tokens.shape[0]
-
-
-# ------------------------------------------------------------------------------------ records
-
-
-def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yields ``(line number, record)`` for each non-blank line of a JSONL file.
-
-    Raises:
-      FileNotFoundError: If the file does not exist.
-      InstructionDataError: ``FILE:LINE: ...`` for a line that is not a JSON object or not UTF-8.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"instruction data file not found: {path}")
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise InstructionDataError(f"{path}:{number}: not valid UTF-8: {e}") from e
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InstructionDataError(f"{path}:{number}: not valid JSON: {e}") from e
-            if not isinstance(record, dict):
-                raise InstructionDataError(
-                    f"{path}:{number}: a record must be a JSON object, got {type(record).__name__}"
-                )
-            yield number, record
-
-
-def encode_prompt_completion(
-    prompt: str, completion: str, tokenizer: TextTokenizer, add_eos: bool = True
-) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens [L] and loss flags [L] of a prompt/completion pair (loss on completion + eos)."""
-    head = encode_text(tokenizer, prompt)  # bos as the tokenizer says, as generation does
-    tail = tokenizer.encode(completion, add_eos=add_eos and tokenizer.eos_id >= 0)
-    tokens = np.asarray(head + tail, dtype=np.int32)
-    loss = np.zeros(len(tokens), dtype=bool)
-    loss[len(head) :] = True
-    return tokens, loss
-
-
-def chat_pieces(
-    template: ChatTemplate, messages: Sequence[Mapping[str, Any]]
-) -> list[tuple[str, bool]]:
-    """Cuts a rendered conversation into ``(text, is_assistant)`` pieces, in order.
-
-    See the module docstring for the method. The pieces concatenate to the full rendering.
-
-    Raises:
-      ChatTemplateError: If the template fails, or its renderings of the conversation's
-        prefixes are not prefixes of each other.
-    """
-    pieces: list[tuple[str, bool]] = []
-    done = ""  # the rendering covered by pieces so far
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        before = template.render(messages[:i], add_generation_prompt=True) if i else ""
-        through = template.render(messages[: i + 1])
-        if not before.startswith(done) or not through.startswith(before):
-            raise ChatTemplateError(
-                f"the template does not render the conversation up to message {i} as a prefix of "
-                "the conversation through it, so assistant tokens cannot be located"
-            )
-        pieces.append((before[len(done) :], False))
-        pieces.append((through[len(before) :], True))
-        done = through
-    full = template.render(messages)
-    if not full.startswith(done):
-        raise ChatTemplateError(
-            "the template does not render the conversation's prefixes as prefixes of the whole"
-        )
-    pieces.append((full[len(done) :], False))
-    return [(text, is_assistant) for text, is_assistant in pieces if text]
-
-
-def encode_chat(
-    messages: Sequence[Mapping[str, Any]], tokenizer: TextTokenizer, template: ChatTemplate
-) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens [L] and loss flags [L] of a conversation (loss on the assistant pieces)."""
-    tokens: list[int] = []
-    loss: list[bool] = []
-    for text, is_assistant in chat_pieces(template, messages):
-        ids = tokenizer.encode(text)
-        tokens.extend(ids)
-        loss.extend([is_assistant] * len(ids))
-    return np.asarray(tokens, dtype=np.int32), np.asarray(loss, dtype=bool)
-
-
-def load_examples(
-    path: str | os.PathLike[str], tokenizer: TextTokenizer, *, add_eos: bool = True
-) -> list[Example]:
-    """Reads and tokenizes every record of a JSONL file.
-
-    Args:
-      path: The ``.jsonl`` file.
-      tokenizer: Encodes the text; its chat template renders ``messages`` records.
-      add_eos: End prompt/completion examples with eos (chat examples end as the template says).
-
-    Returns:
-      The examples in file order; records without any loss token are dropped (logged).
-
-    Raises:
-      FileNotFoundError: If the file does not exist.
-      InstructionDataError: ``FILE:LINE: ...`` for bad JSON, a record without the fields, or a
-        chat template that fails on the record; also for a file with no records.
-    """
-    template: ChatTemplate | None = None
-    examples: list[Example] = []
-    dropped = 0
-    for line, record in read_jsonl(path):
-        where = f"{path}:{line}"
-        if "messages" in record:
-            messages = _check_messages(record["messages"], where)
-            if template is None:
-                try:
-                    template = ChatTemplate.of(tokenizer)
-                except (ValueError, ChatTemplateError) as e:
-                    raise InstructionDataError(f"{where}: chat record: {e}") from e
-            try:
-                tokens, loss = encode_chat(messages, tokenizer, template)
-            except ChatTemplateError as e:
-                raise InstructionDataError(f"{where}: {e}") from e
-        elif "prompt" in record and "completion" in record:
-            prompt, completion = record["prompt"], record["completion"]
-            if not isinstance(prompt, str) or not isinstance(completion, str):
-                raise InstructionDataError(f'{where}: "prompt" and "completion" must be strings')
-            tokens, loss = encode_prompt_completion(prompt, completion, tokenizer, add_eos)
-        else:
-            raise InstructionDataError(
-                f'{where}: a record needs "prompt" and "completion" strings or a "messages" '
-                f"list; got keys {sorted(record)}"
-            )
-        if not loss[1:].any():  # the first token is never a target
-            dropped += 1
-            continue
-        examples.append(Example(tokens, loss, line))
-    if dropped:
-        logger.warning("%s: %d records have no completion/assistant tokens; skipped", path, dropped)
-    if not examples:
-        raise InstructionDataError(f"{path}: no usable records")
-    return examples
-
-
-def _check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise InstructionDataError(f'{where}: "messages" must be a non-empty list')
-    for k, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise InstructionDataError(f'{where}: message {k} needs a string "role"')
-        if "content" not in message:
-            raise InstructionDataError(f'{where}: message {k} has no "content"')
-    return messages
 
 
 # ------------------------------------------------------------------------------------ packing
@@ -276,10 +145,12 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedDa
       pad_id: Token id written into padding.
 
     Returns:
-      The packed rows. Examples over T + 1 tokens are truncated, with a logged warning.
+      The packed rows. Examples over T + 1 tokens are cut by ``fit`` (the prompt's start
+      first), or dropped when no loss token fits; one logged warning counts them.
 
     Raises:
-      ValueError: On a non-positive ``seq_len`` or no examples.
+      ValueError: On a non-positive ``seq_len``, no examples, or none with a loss token that
+        fits.
     """
     seq_len = operator.index(seq_len)
     if seq_len <= 0:
@@ -287,15 +158,35 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedDa
     if not examples:
         raise ValueError("no examples to pack")
     capacity = seq_len + 1
-    lengths = [min(len(e.tokens), capacity) for e in examples]
-    truncated = sum(len(e.tokens) > capacity for e in examples)
-    if truncated:
+    kinds: dict[str, int] = {}
+    fitted = []
+    for example in examples:
+        kept, kind = fit(example, capacity)
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if kept is not None:
+            fitted.append(kept)
+    long = len(examples) - kinds.get("kept", 0)
+    if long:
         logger.warning(
-            "%d of %d examples are longer than seq_len + 1 = %d tokens and were truncated",
-            truncated,
-            len(examples),
+            "%d of %s %s longer than seq_len + 1 = %d tokens: the prompt's start was cut from "
+            "%d (after the template's head), the completion's end from %d, and %d were dropped "
+            "(no completion/assistant token fits)",
+            long,
+            count(len(examples), "example"),
+            "is" if long == 1 else "are",
             capacity,
+            kinds.get("start", 0) + kinds.get("both", 0),
+            kinds.get("end", 0) + kinds.get("both", 0),
+            kinds.get("dropped", 0),
         )
+    if not fitted:
+        raise ValueError(
+            f"none of the {count(len(examples), 'example')} has a completion/assistant token "
+            f"within seq_len + 1 = {capacity} tokens; raise train.seq_len"
+        )
+    examples = fitted
+    truncated = long - kinds.get("dropped", 0)
+    lengths = [len(e.tokens) for e in examples]
     rows: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (room left, row), sorted
     for i in sorted(range(len(examples)), key=lambda i: (-lengths[i], i)):
@@ -318,32 +209,33 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedDa
         start = 0
         for segment, i in enumerate(members, start=1):
             n = lengths[i]
-            tokens[r, start : start + n] = examples[i].tokens[:n]
-            loss_tokens[r, start : start + n] = examples[i].loss[:n]
+            tokens[r, start : start + n] = examples[i].tokens
+            loss_tokens[r, start : start + n] = examples[i].loss
             segment_ids[r, start : start + n] = segment
             positions[r, start : start + n] = np.arange(n)
             start += n
     logger.info(
-        "packed %d examples into %d rows of %d tokens (%.1f%% padding)",
-        len(examples),
-        len(rows),
+        "packed %s into %s of %d tokens (%.1f%% padding)",
+        count(len(examples), "example"),
+        count(len(rows), "row"),
         capacity,
         100.0 * (1.0 - sum(lengths) / (len(rows) * capacity)),
     )
-    return PackedData(tokens, segment_ids, positions, loss_tokens, len(examples), truncated)
+    return PackedData(tokens, segment_ids, positions, loss_tokens, len(examples), truncated,
+                      kinds.get("dropped", 0))
 
 
 def load_instruction_data(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     tokenizer: TextTokenizer,
     seq_len: int,
     *,
     add_eos: bool = True,
 ) -> PackedData:
-    """Reads, tokenizes and packs a JSONL instruction file (see the module docstring).
+    """Reads, tokenizes and packs JSONL instruction files (see the module docstring).
 
     Args:
-      path: The ``.jsonl`` file of prompt/completion or messages records.
+      path: The ``.jsonl`` file of prompt/completion or messages records, or several.
       tokenizer: The model's tokenizer (with its chat template for ``messages`` records).
       seq_len: T, the training sequence length.
       add_eos: End prompt/completion examples with eos.
@@ -352,11 +244,17 @@ def load_instruction_data(
       The packed data, ready for ``PackedBatches``.
 
     Raises:
-      FileNotFoundError: If the file does not exist.
+      FileNotFoundError: If a file does not exist.
       InstructionDataError: ``FILE:LINE: ...`` for a bad record (see ``load_examples``).
+      ValueError: No record keeps a loss token within ``seq_len + 1`` tokens.
     """
     examples = load_examples(path, tokenizer, add_eos=add_eos)
-    return pack(examples, seq_len, tokenizer.pad_id)
+    try:
+        return pack(examples, seq_len, tokenizer.pad_id)
+    except ValueError as e:
+        paths = [path] if isinstance(path, str | os.PathLike) else list(path)
+        where = paths[0] if len(paths) == 1 else f"{len(paths)} files ({paths[0]}, ...)"
+        raise ValueError(f"{where}: {e}") from None
 
 
 # ------------------------------------------------------------------------------------ batches
@@ -464,8 +362,10 @@ __all__ = [
     "PackedBatches",
     "PackedData",
     "chat_pieces",
+    "count",
     "encode_chat",
     "encode_prompt_completion",
+    "fit",
     "load_examples",
     "load_instruction_data",
     "pack",

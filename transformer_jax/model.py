@@ -180,9 +180,16 @@ EMBED = "embed"
 
 
 def _boxed_init(config: ModelConfig, rng: jax.Array, weights_out_first: bool = False) -> Params:
-    """The model's parameters with their logical-axis boxes (an init on a short dummy batch)."""
+    """The model's parameters with their logical-axis boxes, from an init on a short dummy batch.
+
+    The init runs attention on the reference: parameters do not depend on the implementation,
+    and the dummy forward should neither pick one (``"auto"`` would log its choice for the
+    dummy's shapes, not the run's) nor need a kernel the backend lacks (the real step reports
+    that).
+    """
     tokens = jnp.zeros((1, min(8, config.max_seq_len)), jnp.int32)
-    return Transformer(config, weights_out_first=weights_out_first).init(rng, tokens)["params"]
+    model = Transformer(config.replace(attention_impl="xla"), weights_out_first=weights_out_first)
+    return model.init(rng, tokens)["params"]
 
 
 def init_params(config: ModelConfig, rng: jax.Array | int = 0) -> Params:

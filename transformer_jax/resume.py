@@ -31,10 +31,15 @@ def data_fingerprint(*token_arrays: np.ndarray) -> str:
 
 
 # Train keys whose change alters the optimizer state's structure (clipping adds a stage to the
-# optax chain), compared as the structure they give: such a checkpoint cannot be restored.
-_STATE_TRAIN_KEYS: dict[str, Callable[[Any], Any]] = {
-    "grad_clip": lambda v: bool(v), "lora_rank": lambda v: v,
-    "lora_targets": lambda v: tuple(t.strip() for t in str(v).split(",") if t.strip())}
+# optax chain), compared as the structure they give (from the key's value and the whole train
+# table): such a checkpoint cannot be restored. The targets matter only with adapters.
+_STATE_TRAIN_KEYS: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
+    "grad_clip": lambda v, train: bool(v), "lora_rank": lambda v, train: v,
+    "lora_targets": lambda v, train: tuple(t.strip() for t in str(v).split(",") if t.strip())
+    if train.get("lora_rank") else None}
+# Data keys that change the token ids a run sees (named when the data fingerprint differs).
+_DATA_KEYS = {"path": "", "val_fraction": "another train/validation split",
+              "max_bytes": "another cap on the default corpus"}
 # Train keys that change the computation: a resume with other values continues, but is not the
 # run an uninterrupted one would have been.
 _TRAJECTORY_TRAIN_KEYS = ("batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
@@ -80,15 +85,23 @@ def check_resume(saved: dict[str, Any], current: dict[str, Any], where: Path) ->
     diffs += [f"train.{k}: {saved_train[k]!r} in the checkpoint, {current['train'][k]!r} now "
               "(changes the optimizer state)"
               for k, structure in _STATE_TRAIN_KEYS.items()
-              if k in saved_train and structure(saved_train[k]) != structure(current["train"][k])]
+              if k in saved_train and structure(saved_train[k], saved_train)
+              != structure(current["train"][k], current["train"])]
     if diffs:
         raise ValueError(f"the checkpoints in {where} were written for another run: "
                          + "; ".join(diffs) + use)
     saved_data, data = saved.get("data_fingerprint"), current["data_fingerprint"]
     if saved_data and saved_data != data:
         if not current["train"].get("allow_new_data"):
+            saved_dc, dc = saved.get("data") or {}, current.get("data") or {}
+            changed_data = [f"data.{k}: {saved_dc[k]!r} in the checkpoint, {dc.get(k)!r} now"
+                            + (f" ({why})" if why else "")
+                            for k, why in _DATA_KEYS.items()
+                            if k in saved_dc and saved_dc[k] != dc.get(k)]
+            what = ("other data (" + "; ".join(changed_data) + ", data fingerprint"
+                    if changed_data else "another corpus (data fingerprint")
             raise ValueError(
-                f"the checkpoints in {where} were trained on another corpus (data fingerprint "
+                f"the checkpoints in {where} were trained on {what} "
                 f"{saved_data[:12]}, now {data[:12]}); pass train.allow_new_data=true to continue "
                 f"on this data with the same tokenizer{use.replace('; use', ', or')}")
         logger.warning("continuing the run of %s on a new corpus (train.allow_new_data)", where)

@@ -1,5 +1,5 @@
 """A run's data: the tokenizer and the token splits of a text corpus, or the packed rows of a
-``.jsonl`` instruction file, and the batches ``training.run`` draws from them (pure in
+``.jsonl`` instruction files, and the batches ``training.run`` draws from them (pure in
 (seed, step), so a resumed run sees exactly the batches an uninterrupted one would)."""
 
 from __future__ import annotations
@@ -15,7 +15,13 @@ import numpy as np
 
 from transformer_jax import data as data_lib
 from transformer_jax.checkpoint import ensure_writable_dir
-from transformer_jax.instruct import PackedBatches, PackedData, load_instruction_data
+from transformer_jax.instruct import (
+    PackedBatches,
+    PackedData,
+    count,
+    load_instruction_data,
+    rows_to_batch,
+)
 from transformer_jax.resume import data_fingerprint
 from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, Tokenizer
 from transformer_jax.train_config import (
@@ -157,15 +163,22 @@ def split_rows(rows: PackedData, val_fraction: float) -> tuple[PackedData, Packe
 
 def prepare_instruction_data(data_config: DataConfig, tokenizer: TextTokenizer, seq_len: int
                              ) -> RunData:
-    """Reads, tokenizes and packs ``data.path`` (one ``.jsonl`` file) and splits its rows."""
-    packed = load_instruction_data(Path(data_config.patterns[0]).expanduser(), tokenizer,
-                                   seq_len)
+    """Reads, tokenizes and packs the ``.jsonl`` files of ``data.path`` and splits the rows.
+
+    Raises:
+      InstructionDataError: a bad record (``FILE:LINE: ...``).
+      ValueError: no record keeps a completion / assistant token within ``seq_len + 1``
+        tokens (``instruct.pack``): nothing would be trained.
+    """
+    files = data_config.instruction_files()
+    packed = load_instruction_data(files, tokenizer, seq_len)
     train, val = split_rows(packed, data_config.val_fraction)
-    logger.info("instruction data: %d examples (%d truncated) in %d packed rows of %d tokens: "
-                "%d train / %d val rows; %.1f%% of the target tokens carry the loss",
-                packed.num_examples, packed.num_truncated, packed.num_rows, seq_len + 1,
-                train.num_rows, 0 if val is None else val.num_rows,
-                100 * packed.loss_tokens.mean())
+    where = files[0] if len(files) == 1 else f"{len(files)} files"
+    logger.info("instruction data (%s): %s (%d cut to fit, %d dropped) in %s of %d tokens: "
+                "%d train / %d val rows; %.1f%% of the target tokens carry the loss", where,
+                count(packed.num_examples, "example"), packed.num_truncated, packed.num_dropped,
+                count(packed.num_rows, "packed row"), seq_len + 1, train.num_rows,
+                0 if val is None else val.num_rows, 100 * packed.loss_tokens.mean())
     return RunData(train_rows=train, val_rows=val)
 
 
@@ -185,8 +198,6 @@ def _with_mask(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def _packed_eval_batches(rows: PackedData, batch_size: int, max_batches: int | None,
                          process_index: int, process_count: int
                          ) -> Iterator[dict[str, np.ndarray]]:
-    from transformer_jax.instruct import rows_to_batch
-
     local = batch_size // process_count
     num_batches = -(-rows.num_rows // batch_size)
     if max_batches:

@@ -279,21 +279,39 @@ def progress_bar(enabled: bool, start: int, total: int) -> Any:
                            "[{elapsed}{postfix}]")
 
 
+class SaveAborted(KeyboardInterrupt):
+    """A third SIGTERM/SIGINT: stop at once, abandoning the checkpoint being saved (the earlier
+    ones are kept). ``.signal`` is the signal's name."""
+
+    def __init__(self, name: str, message: str = "") -> None:
+        super().__init__(message or f"aborted by a third {name}")
+        self.signal = name
+
+
 class StopOnSignal(contextlib.AbstractContextManager):
     """Turns SIGTERM/SIGINT into a request to checkpoint and stop (``.signal`` is its name).
 
-    A second SIGINT raises KeyboardInterrupt at once. Only active in the main thread (signal
-    handlers cannot be installed elsewhere).
+    The first signal asks for a checkpoint of the current step and a stop; a second one is
+    told that the save is under way (``saving, please wait; a third signal aborts``) and
+    changes nothing, so the save it would interrupt completes; a third raises ``SaveAborted``
+    (a ``KeyboardInterrupt``) at once. Keep it entered until the last save is on disk. Only
+    active in the main thread (signal handlers cannot be installed elsewhere).
     """
 
     def __init__(self) -> None:
         self.signal: str | None = None
+        self.count = 0
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        self.count += 1
+        if self.count >= 3:
+            raise SaveAborted(name)
+        if self.count == 2:
+            logger.warning("received %s again: saving, please wait; a third signal aborts "
+                           "(the earlier checkpoints are kept)", name)
+            return
         logger.warning("received %s: saving a checkpoint and stopping after this step", name)
         self.signal = name
 
@@ -306,3 +324,4 @@ class StopOnSignal(contextlib.AbstractContextManager):
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        self._previous.clear()

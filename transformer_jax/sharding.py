@@ -160,13 +160,23 @@ def configure_cpu_devices(divides: int | None = None, devices: int = 0) -> int:
     subprocesses.
 
     Args:
-      divides: if given, the device count is reduced until it divides this (the micro-batch
-        rows for data parallelism, the kv heads and FFN width for tensor parallelism).
+      divides: if given, the chosen device count is reduced until it divides this (the
+        micro-batch rows for data parallelism, the kv heads and FFN width for tensor
+        parallelism); an explicit ``devices`` must divide it.
       devices: the count to use; 0 means one per available core (at most 16).
 
     Returns:
       The device count set (or 0 if the user chose one or JAX had already started).
+
+    Raises:
+      ValueError: ``devices`` is negative, or does not divide ``divides``.
     """
+    if not isinstance(devices, int) or devices < 0:
+        raise ValueError(f"the CPU device count must be an int >= 0 (0: one per core), got "
+                         f"{devices!r}")
+    if devices and divides is not None and divides % devices:
+        fits = [n for n in range(1, min(divides, 16) + 1) if divides % n == 0]
+        raise ValueError(f"{devices} devices do not divide {divides}; use one of {fits}")
     if ("xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
             or jax.config.jax_num_cpu_devices != -1):
         return 0

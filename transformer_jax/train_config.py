@@ -8,10 +8,12 @@ import dataclasses
 import difflib
 import inspect
 import logging
+import math
 import re
 import textwrap
 import tomllib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -29,6 +31,7 @@ from transformer_jax.config import (
     field_names,
     load_toml,
     parse_override,
+    plain,
     preset_names,
     resolve_config_path,
 )
@@ -145,6 +148,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "ckpt_every",
                      "keep_ckpts"):
             _check_int(name, getattr(self, name), minimum=1)
+        _check_finite(self, ("lr", "min_lr", "weight_decay", "b1", "b2", "eps", "grad_clip",
+                             "z_loss", "sample_temperature", "peak_flops", "lora_alpha"))
         _check_int("decay_steps", self.decay_steps, minimum=0)
         if self.warmup_steps == -1:
             object.__setattr__(self, "warmup_steps", auto_warmup_steps(self.total_decay_steps))
@@ -176,7 +181,10 @@ class TrainConfig:
         if self.lora_base_dtype and self.lora_base_dtype not in DTYPES:
             raise ValueError(f"lora_base_dtype must be one of {DTYPES} or empty, got "
                              f"{self.lora_base_dtype!r}")
-        _ = self.lora_config  # raises ValueError naming a bad target
+        try:  # the targets are checked even while lora_rank=0 leaves them unused
+            LoraConfig(rank=1, alpha=1.0, targets=self.lora_targets)
+        except ValueError as e:
+            raise ValueError(f"lora_targets={self.lora_targets!r}: {e}") from None
         profile = self.profile_range  # raises ValueError naming a bad range
         if profile is not None and profile[1] > self.steps:
             raise ValueError(f"profile_steps={self.profile_steps!r} ends after the last step "
@@ -225,9 +233,10 @@ class DataConfig:
 
     Attributes:
       path: comma-separated files, directories or globs of UTF-8 text; empty means the default
-        corpus, the Python standard library's sources (works offline). One ``.jsonl`` file is
-        instruction data instead (prompt/completion or chat records, ``transformer_jax.instruct``):
-        packed rows with the loss on the completions / assistant turns only.
+        corpus, the Python standard library's sources (works offline). When they name only
+        ``.jsonl`` files, they are instruction data instead (prompt/completion or chat records,
+        ``transformer_jax.instruct``): packed rows with the loss on the completions / assistant
+        turns only. ``.jsonl`` and text files together are an error.
       tokenizer: ``"bpe"``, ``"unigram"`` or ``"char"`` to train a SentencePiece model on the
         corpus (cached), or the path of a ``.model`` file to load. With ``train.init_from``
         the checkpoint's tokenizer is used unless this is a file (``.model``, ``tokenizer.json``
@@ -261,9 +270,29 @@ class DataConfig:
 
     @property
     def is_instruct(self) -> bool:
-        """Whether ``path`` is one ``.jsonl`` instruction file."""
-        patterns = self.patterns
-        return len(patterns) == 1 and patterns[0].lower().endswith(".jsonl")
+        """Whether ``path`` names instruction data: ``.jsonl`` files only (see
+        ``instruction_files``; reads the directories and globs)."""
+        return bool(self.instruction_files())
+
+    def instruction_files(self) -> list[Path]:
+        """The ``.jsonl`` files of ``path`` (files, directories and globs resolved, sorted),
+        or ``[]`` when it names text (or nothing: the default corpus).
+
+        Raises:
+          FileNotFoundError: a path or pattern that matches no file.
+          ValueError: ``.jsonl`` and other files together (one of each named).
+        """
+        if not self.patterns:
+            return []
+        files = data_lib.resolve_corpus(self.patterns)
+        jsonl = [f for f in files if f.suffix.lower() == ".jsonl"]
+        text = [f for f in files if f.suffix.lower() != ".jsonl"]
+        if jsonl and text:
+            raise ValueError(f"data.path={self.path!r} mixes instruction data ({jsonl[0]}"
+                             f"{' and more' if len(jsonl) > 1 else ''}) with text "
+                             f"({text[0]}{' and more' if len(text) > 1 else ''}); "
+                             "give .jsonl files only, or text files only")
+        return jsonl
 
 
 
@@ -452,7 +481,7 @@ def config_help(width: int = 100) -> str:
             else:
                 default = "required"
             head = f"  {section}.{field.name}: {kind} = {default!r}"
-            meaning = _first_sentence(meanings.get(field.name, ""))
+            meaning = meanings.get(field.name, "").replace("``", "")
             lines.append(head)
             if meaning:
                 lines.extend(textwrap.wrap(meaning, width, initial_indent=" " * 6,
@@ -491,12 +520,6 @@ def _own_attribute_docs(cls: type) -> dict[str, str]:
     return found
 
 
-def _first_sentence(text: str) -> str:
-    text = text.replace("``", "")
-    match = re.search(r"(?<=[a-z0-9)\]'\"])\.(\s|$)", text)
-    return text[:match.start() + 1] if match else text
-
-
 def _split_override(item: str) -> tuple[str, str, str]:
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
@@ -519,4 +542,11 @@ def _split_override(item: str) -> tuple[str, str, str]:
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be an int >= {minimum}, got {plain(value)!r}")
+
+
+def _check_finite(config: Any, names: Sequence[str]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, int | float) and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {plain(value)!r}")

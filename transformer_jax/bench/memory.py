@@ -263,9 +263,13 @@ def compile_times(name: str, mesh: Any, batch: int, seq: int, layers: tuple[int,
 
 def _configs(name: str, batch: int, seq: int, loss_chunk: int = 0,
              **model_changes: Any) -> tuple[Any, Any]:
-    from transformer_jax.config import ModelConfig
+    from transformer_jax.config import ModelConfig, load_toml
     from transformer_jax.train_config import TrainConfig
 
+    if not load_toml(name).get("model"):
+        raise ValueError(f"--config {name}: the preset has no [model] table (its model comes "
+                         "from train.init_from); give a preset or TOML file with a model, e.g. "
+                         "llama2_7b")
     changes = {k: v for k, v in model_changes.items() if v is not None}
     model_config = ModelConfig.preset(name).replace(**changes)
     if seq > model_config.max_seq_len:
@@ -277,14 +281,23 @@ def _configs(name: str, batch: int, seq: int, loss_chunk: int = 0,
     return model_config, train_config
 
 
-def _use_simulated_cpu_devices(n: int) -> None:
-    """Makes this process's CPU backend expose ``n`` devices; must precede any device use."""
+def _request_simulated_cpu_devices(n: int) -> None:
+    """Asks for ``n`` CPU devices; must precede the start of JAX's backend (else a no-op)."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        return  # _check_device_count says whether the backend has enough
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                    os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     import jax
 
     jax.config.update("jax_platforms", "cpu")
+
+
+def _check_device_count(n: int) -> None:
+    import jax
+
     if len(jax.devices()) < n:
         raise RuntimeError(f"the JAX backend started before the bench could ask for {n} CPU "
                            f"devices (it has {len(jax.devices())}); run the bench in a fresh "
@@ -321,24 +334,70 @@ def main(argv: list[str]) -> int:
                         help="--compile-time runs per depth (the fastest counts)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
+    layers = _check_args(parser, args)
 
     from transformer_jax import sharding as sh
 
-    mesh_config = sh.MeshConfig.parse(args.mesh)
-    n_devices = args.devices or (math.prod(mesh_config.sizes) if -1 not in mesh_config.sizes
-                                 else 8)
-    sizes = mesh_config.resolve(n_devices)
-    if args.batch % (sizes[0] * sizes[1]):
-        parser.error(f"--batch {args.batch} must be a multiple of data x fsdp = "
-                     f"{sizes[0] * sizes[1]} (the batch is split over both; e.g. --batch "
-                     f"{sizes[0] * sizes[1]} for one sequence per device)")
-    _use_simulated_cpu_devices(n_devices)
+    try:
+        mesh_config = sh.MeshConfig.parse(args.mesh)
+        n_devices = args.devices or (math.prod(mesh_config.sizes) if -1 not in mesh_config.sizes
+                                     else 8)
+        sizes = mesh_config.resolve(n_devices)
+        if args.batch % (sizes[0] * sizes[1]):
+            raise ValueError(f"--batch {args.batch} must be a multiple of data x fsdp = "
+                             f"{sizes[0] * sizes[1]} (the batch is split over both; e.g. "
+                             f"--batch {sizes[0] * sizes[1]} for one sequence per device)")
+        for n_layers in layers if args.compile_time else (None,):
+            _configs(args.config, args.batch, args.seq, remat=args.remat, dtype=args.dtype,
+                     attention_impl=args.attention, loss_chunk=args.loss_chunk,
+                     n_layers=n_layers)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    _request_simulated_cpu_devices(n_devices)
+    try:
+        # The model against the mesh (divisibility), from shapes alone, before any device.
+        model_config, train_config = _configs(args.config, args.batch, args.seq,
+                                              remat=args.remat, dtype=args.dtype,
+                                              attention_impl=args.attention,
+                                              loss_chunk=args.loss_chunk)
+        state_memory(model_config, sizes, train_config)
+        _check_device_count(n_devices)
+        return _run(args, mesh_config, sizes, n_devices, layers)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, ...]:
+    """Exits with an argparse error for a value no report can use; returns the ``--layers``."""
+    for flag, value, minimum in (("--seq", args.seq, 1), ("--batch", args.batch, 1),
+                                 ("--loss-chunk", args.loss_chunk, 0),
+                                 ("--repeats", args.repeats, 1)):
+        if value < minimum:
+            parser.error(f"{flag} must be >= {minimum}, got {value}")
+    if args.devices is not None and args.devices < 1:
+        parser.error(f"--devices must be >= 1, got {args.devices}")
+    if args.attention in ("cudnn", "pallas", "mosaic"):
+        parser.error(f"--attention {args.attention} is a GPU/TPU kernel; this bench compiles on "
+                     "simulated CPU devices: use auto, xla or chunked")
+    try:
+        layers = tuple(int(x) for x in args.layers.split(","))
+    except ValueError:
+        layers = ()
+    if not layers or min(layers) < 1:
+        parser.error(f"--layers must be positive depths such as 32,4, got {args.layers!r}")
+    return layers
+
+
+def _run(args: argparse.Namespace, mesh_config: Any, sizes: tuple[int, int, int],
+         n_devices: int, layers: tuple[int, ...]) -> int:
     import jax
+
+    from transformer_jax import sharding as sh
 
     mesh = sh.make_mesh(mesh_config, jax.devices()[:n_devices])
 
     if args.compile_time:
-        layers = tuple(int(x) for x in args.layers.split(","))
         times = compile_times(args.config, mesh, args.batch, args.seq, layers, args.remat,
                               args.dtype, args.repeats)
         print(f"{args.config} train step, scanned, mesh {mesh_config.describe()}, "
@@ -346,10 +405,13 @@ def main(argv: list[str]) -> int:
         for n, t in times.items():
             print(f"  {n:3d} layers: lower {t['lower_s']:6.2f} s, compile {t['compile_s']:6.2f} s,"
                   f" total {t['lower_s'] + t['compile_s']:6.2f} s (best of {args.repeats})")
-        deep, shallow = (times[n] for n in layers[:2])
-        ratio = (deep["lower_s"] + deep["compile_s"]) / (shallow["lower_s"] + shallow["compile_s"])
-        print(f"  ratio {layers[0]} / {layers[1]} layers (lower + compile): {ratio:.2f}")
-        result: dict[str, Any] = {"compile_times": times, "ratio": ratio}
+        result: dict[str, Any] = {"compile_times": times}
+        if len(layers) > 1:
+            deep, shallow = (times[n] for n in layers[:2])
+            ratio = ((deep["lower_s"] + deep["compile_s"])
+                     / (shallow["lower_s"] + shallow["compile_s"]))
+            print(f"  ratio {layers[0]} / {layers[1]} layers (lower + compile): {ratio:.2f}")
+            result["ratio"] = ratio
     else:
         report = memory_report(args.config, sizes, args.batch, args.seq, remat=args.remat,
                                dtype=args.dtype, mesh=None if args.no_compile else mesh,

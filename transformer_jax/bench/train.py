@@ -52,7 +52,11 @@ def main(argv: list[str]) -> int:
     # As train.py does, before the backend starts.
     if not args.no_fast_math:
         enable_cpu_fast_math()
-    configure_cpu_devices(tc.micro_batch_size, args.cpu_devices)
+    try:
+        configure_cpu_devices(tc.micro_batch_size, args.cpu_devices)
+    except ValueError as e:  # a negative count, or one that does not divide the micro-batch
+        print(f"error: --cpu-devices {args.cpu_devices}: {e}", file=sys.stderr)
+        return 2
     if tc.seq_len > model.max_seq_len:
         print(f"error: train.seq_len={tc.seq_len} > model.max_seq_len={model.max_seq_len}",
               file=sys.stderr)

@@ -1,0 +1,107 @@
+"""What a run settles before it reads data or compiles anything: the checks of its configs
+against the devices and the data, the shardings of its state, and whether it fits in memory
+(``training.run`` calls these first, so a run that cannot work fails in one line, early)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+
+from transformer_jax import lora
+from transformer_jax import sharding as sharding_lib
+from transformer_jax.config import ModelConfig
+from transformer_jax.run_memory import check_fits
+from transformer_jax.train_config import TrainConfig
+from transformer_jax.train_step import ParamsLayout, make_init_fn
+
+logger = logging.getLogger(__name__)
+
+Params = dict[str, Any]
+
+
+def check_run(model_config: ModelConfig, train_config: TrainConfig, num_train_tokens: int,
+              num_devices: int | None = None) -> None:
+    """Raises a clear ValueError for a run that cannot work, before anything is compiled.
+
+    Args:
+      model_config: the model (with its final vocab size).
+      train_config: the run.
+      num_train_tokens: size of the train split.
+      num_devices: devices the batch is split over; ``jax.device_count()`` by default.
+    """
+    check_config(model_config, train_config, num_devices)
+    tc = train_config
+    if num_train_tokens <= tc.seq_len:
+        raise ValueError(f"the train split has {num_train_tokens} tokens, not more than "
+                         f"train.seq_len={tc.seq_len}; use more data or a shorter seq_len")
+    check_dtype(model_config)
+
+
+def check_dtype(model_config: ModelConfig) -> None:
+    if model_config.param_dtype != "float32":
+        logger.warning("param_dtype=%s: training keeps its master weights in this dtype",
+                       model_config.param_dtype)
+
+
+def check_config(model_config: ModelConfig, train_config: TrainConfig,
+                 num_devices: int | None = None) -> None:
+    """The checks of ``check_run`` that need no data (run before the corpus is tokenized).
+
+    Args:
+      model_config: the model.
+      train_config: the run.
+      num_devices: devices the batch is split over; ``jax.device_count()`` by default.
+    """
+    tc = train_config
+    if tc.seq_len > model_config.max_seq_len:
+        raise ValueError(f"train.seq_len={tc.seq_len} is above the model's max_seq_len="
+                         f"{model_config.max_seq_len}")
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    if tc.micro_batch_size % num_devices:
+        raise ValueError(f"train.batch_size={tc.batch_size} (micro-batch "
+                         f"{tc.micro_batch_size} with grad_accum={tc.grad_accum}) is not "
+                         f"divisible by the number of devices ({num_devices})")
+
+
+def params_shardings(model_config: ModelConfig, mesh: Any, abstract_params: Params,
+                      layout: ParamsLayout) -> Any:
+    """Shardings by parameter path for ``sharding.state_shardings``: the model's, and with LoRA
+    the base's and the adapters' (which split like their matrices). The adapters are listed
+    under both ``adapters/...`` (the state's params) and their own paths (the optimizer's
+    moments, which mirror the adapter tree)."""
+    model_shardings = sharding_lib.param_shardings(model_config, mesh)
+    if layout.lora_config is None:
+        return model_shardings
+    adapters = lora.adapter_shardings(abstract_params[lora.ADAPTERS], model_shardings)
+    return {**adapters, lora.BASE: model_shardings, lora.ADAPTERS: adapters}
+
+
+
+
+def check_memory(model_config: ModelConfig, train_config: TrainConfig, mesh: Any) -> None:
+    """Raises ValueError, in one line, for a run whose rough memory estimate does not fit
+    (``run_memory.check_fits``); from shapes alone (``jax.eval_shape`` of the real init)."""
+    abstract = jax.eval_shape(make_init_fn(model_config, train_config),
+                              jax.random.key(train_config.seed))
+    layout = ParamsLayout.of(train_config)
+    shardings = sharding_lib.state_shardings(
+        abstract, params_shardings(model_config, mesh, abstract.params, layout))
+    check_fits(model_config, train_config, abstract, shardings, dict(mesh.shape))
+
+
+def attention_used(model_config: ModelConfig, tc: TrainConfig) -> str:
+    """What the train step's attention runs: ``model.attention_impl``, or what ``"auto"``
+    picks for the step's [B, T, N, H] queries on this backend."""
+    impl = model_config.attention_impl
+    if impl != "auto":
+        return repr(impl)
+    from transformer_jax.ops.attention import choose_impl
+
+    c = model_config
+    q = jax.ShapeDtypeStruct((tc.micro_batch_size, tc.seq_len, c.n_heads, c.head_dim),
+                             c.jnp_dtype)
+    k = jax.ShapeDtypeStruct((tc.micro_batch_size, c.n_kv_heads, tc.seq_len, c.head_dim),
+                             c.jnp_dtype)
+    return f"'auto' -> {choose_impl(q, k)!r}"
