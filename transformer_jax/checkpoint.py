@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,40 +32,26 @@ from transformer_jax.checkpoint_files import (
     STATE_ITEM,
     CheckpointError,
     DamagedCheckpointError,
-    check_step_files,
     disk_steps,
     ensure_writable_dir,
     read_meta,
-    read_meta_file,
     set_aside,
     write_checksums,
 )
 from transformer_jax.checkpoint_files import verify_checksums as verify_checksums
 from transformer_jax.checkpoint_quiet import QuietOrbaxErrors, quiet_background_failures
+from transformer_jax.checkpoint_read import CheckpointMismatchError as CheckpointMismatchError
+from transformer_jax.checkpoint_read import (
+    StepVanished,
+    error_chain,
+    read_params,
+    read_state,
+    reason,
+)
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class CheckpointMismatchError(CheckpointError, ValueError):
-    """The saved state has another structure or other shapes than the one asked for (e.g. the
-    checkpoint was written for another model).
-
-    Attributes:
-      path: the step directory.
-      differences: one line per differing entry (path: saved vs requested).
-    """
-
-    def __init__(self, path: Path, differences: list[str]) -> None:
-        shown = "; ".join(differences[:8])
-        more = f"; and {len(differences) - 8} more" if len(differences) > 8 else ""
-        super().__init__(f"checkpoint {path} holds another state than requested: {shown}{more}")
-        self.path, self.differences = path, differences
-
-
-class _Vanished(Exception):
-    """The step directory disappeared while it was being read (a live run rotated it away)."""
 
 
 class CheckpointManager:
@@ -204,11 +190,11 @@ class CheckpointManager:
     def _write_failed(self, step: int | None, error: BaseException) -> CheckpointError:
         """The one error reported for a failed save, after removing its partial files."""
         path = self.step_path(step) if step is not None else self.directory
-        if any(getattr(e, "errno", None) == errno.ENOSPC for e in _chain(error)) or (
+        if any(getattr(e, "errno", None) == errno.ENOSPC for e in error_chain(error)) or (
                 "No space left on device" in str(error)):
             reason = os.strerror(errno.ENOSPC)
         else:
-            reason = _reason(error)
+            reason = reason(error)
         logger.debug("checkpoint save of %s failed", path, exc_info=error)
         self._failed_step = step
         self._remove_partial()
@@ -319,7 +305,7 @@ class CheckpointManager:
           CheckpointError: every checkpoint is damaged (or kept vanishing).
         """
         def read(s: int) -> tuple[Any, dict[str, Any]]:
-            return self._restore_step(s, abstract_state)
+            return read_state(self.step_path(s), abstract_state)
 
         return self._read_newest(read, step, quarantine=quarantine and not self.read_only,
                                  attempts=attempts)
@@ -345,7 +331,7 @@ class CheckpointManager:
           Like ``restore``; also CheckpointMismatchError if the state has no ``params``.
         """
         def read(s: int) -> tuple[Any, dict[str, Any]]:
-            return self._restore_params_step(s, abstract_params)
+            return read_params(self.step_path(s), abstract_params)
 
         return self._read_newest(read, step, quarantine=False, attempts=attempts)
 
@@ -359,7 +345,7 @@ class CheckpointManager:
                     f"{disk_steps(self.directory)}")
             try:
                 return read(step)
-            except _Vanished:
+            except StepVanished:
                 raise FileNotFoundError(f"checkpoint {self.step_path(step)} disappeared while "
                                         "it was being read") from None
         skipped: set[int] = set()
@@ -374,7 +360,7 @@ class CheckpointManager:
             step = steps[-1]
             try:
                 result = read(step)
-            except _Vanished:
+            except StepVanished:
                 logger.info("checkpoint %s disappeared while being read; trying the newest "
                             "again", self.step_path(step))
                 time.sleep(0.01)
@@ -410,80 +396,6 @@ class CheckpointManager:
         raise CheckpointError(f"no intact checkpoint in {self.directory}: "
                               + ("; ".join(problems) or "they kept disappearing while read"))
 
-    def _restore_step(self, step: int, abstract_state: Any | None
-                      ) -> tuple[Any, dict[str, Any]]:
-        path = self.step_path(step)
-        saved = self._check(step)
-        if abstract_state is None:
-            abstract_state = _abstract_from_metadata(saved)
-        else:
-            _check_same_tree(path, saved, abstract_state)
-        abstract_state = jax.tree.map(_as_abstract, abstract_state)
-        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state),
-                                     META_ITEM: ocp.args.JsonRestore()})
-        try:
-            # A checkpointer of its own, not the manager: the manager re-lists every step
-            # (and fails if a live run deletes one meanwhile).
-            handler = ocp.CompositeCheckpointHandler(**{
-                STATE_ITEM: ocp.StandardCheckpointHandler(),
-                META_ITEM: ocp.JsonCheckpointHandler()})
-            with ocp.Checkpointer(handler) as reader:
-                restored = reader.restore(path, args=args)
-        except Exception as e:
-            if not path.is_dir():
-                raise _Vanished(step) from e
-            raise DamagedCheckpointError(path, _reason(e)) from None
-        return restored[STATE_ITEM], dict(restored[META_ITEM] or {})
-
-    def _restore_params_step(self, step: int, abstract_params: Any | None
-                             ) -> tuple[Any, dict[str, Any]]:
-        path = self.step_path(step)
-        saved = self._check(step)
-        if not isinstance(saved, dict) or "params" not in saved:
-            raise CheckpointMismatchError(path, ["the saved state has no 'params' entry"])
-        if abstract_params is None:
-            abstract_params = _abstract_from_metadata(saved["params"])
-        else:
-            _check_same_tree(path, saved["params"], abstract_params, prefix=("params",))
-        item = {"params": jax.tree.map(_as_abstract, abstract_params)}
-        args = ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-            partial_restore=True)
-        try:
-            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
-                restored = reader.restore(path / STATE_ITEM, args=args)
-            meta = read_meta_file(path)
-        except DamagedCheckpointError:
-            raise
-        except Exception as e:
-            if not path.is_dir():
-                raise _Vanished(step) from e
-            raise DamagedCheckpointError(path, _reason(e)) from None
-        return restored["params"], meta
-
-    def _check(self, step: int) -> Any:
-        """Checks the files of a step and returns the saved state's metadata tree.
-
-        Raises:
-          _Vanished: the directory is gone.
-          DamagedCheckpointError: a metadata file is missing or unreadable, or a file differs
-            from its recorded checksum.
-        """
-        path = self.step_path(step)
-        try:
-            check_step_files(path)
-            try:
-                saved = ocp.StandardCheckpointHandler().metadata(path / STATE_ITEM)
-                return getattr(saved, "tree", saved)  # orbax wraps the tree in TreeMetadata
-            except Exception as e:
-                raise DamagedCheckpointError(path, f"unreadable metadata: {_reason(e)}") from None
-        except (DamagedCheckpointError, FileNotFoundError) as e:
-            if not path.is_dir():
-                raise _Vanished(step) from e
-            if isinstance(e, FileNotFoundError):
-                raise DamagedCheckpointError(path, _reason(e)) from None
-            raise
-
     def close(self) -> None:
         """Waits for the save in flight and releases orbax's resources.
 
@@ -502,7 +414,7 @@ class CheckpointManager:
             except Exception as e:  # the failure was reported already
                 if self._failed is None:
                     raise self._write_failed(None, e) from None
-                logger.debug("orbax close after a failed save: %s", _reason(e))
+                logger.debug("orbax close after a failed save: %s", reason(e))
             finally:
                 self._remove_partial()  # again: orbax's threads may have written more since
                 if self._failed is None:  # else its threads may still log the failure
@@ -531,82 +443,3 @@ def _retry_listing(fn: Callable[[], T], tries: int = 20) -> T:
         except FileNotFoundError:
             time.sleep(0.02)
     return fn()
-
-
-def _chain(error: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
-
-
-def _reason(error: BaseException, limit: int = 200) -> str:
-    """One line about an error: its innermost cause's first line, shortened."""
-    lines = [line for e in _chain(error) for line in str(e).splitlines()[:1] if line.strip()]
-    # Orbax wraps TensorStore errors in a message that dumps the whole spec; the innermost
-    # cause says what is wrong with the file.
-    text = lines[-1] if lines else type(error).__name__
-    if "TensorStore" in text and len(lines) > 1:
-        text = lines[0]
-    text = text.split(" See full TensorStore details")[0]
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _leaf_paths(tree: Any, is_leaf: Any = None) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{path as strings: shape} of a tree's array leaves (dataclass fields, dict keys and
-    sequence indices all become strings, so a saved dict matches the live dataclass)."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
-        if not hasattr(leaf, "shape"):
-            continue
-        names = tuple(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
-                      for k in path)
-        out[names] = tuple(leaf.shape)
-    return out
-
-
-def _is_array_metadata(m: Any) -> bool:
-    return hasattr(m, "shape") and hasattr(m, "dtype")
-
-
-def _check_same_tree(path: Path, saved: Any, abstract: Any, prefix: tuple[str, ...] = ()
-                     ) -> None:
-    """Raises CheckpointMismatchError naming the entries that differ in presence or shape."""
-    have = _leaf_paths(saved, is_leaf=_is_array_metadata)
-    want = _leaf_paths(abstract)
-    diffs = []
-    # The params first: they name the model change most directly (the optimizer state
-    # repeats them).
-    for key in sorted(set(have) | set(want), key=lambda k: (k[:1] != ("params",), k)):
-        name = "/".join(prefix + key)
-        if key not in have:
-            diffs.append(f"{name} is not in the checkpoint")
-        elif key not in want:
-            diffs.append(f"{name} {list(have[key])} is saved but not requested")
-        elif have[key] != want[key]:
-            diffs.append(f"{name} is {list(have[key])} in the checkpoint, {list(want[key])} "
-                         "requested")
-    if diffs:
-        raise CheckpointMismatchError(path, diffs)
-
-
-def _abstract_from_metadata(metadata: Any) -> Any:
-    # Whatever devices it was saved from, read it onto this process's first device.
-    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), metadata,
-                        is_leaf=_is_array_metadata)
-
-
-def _as_abstract(x: Any) -> Any:
-    if isinstance(x, jax.ShapeDtypeStruct):
-        if x.sharding is None:
-            # Without a sharding orbax cannot place the array; default to this process's
-            # first device (jax.devices()[0] belongs to process 0 in a multi-process run).
-            return jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                        sharding=jax.sharding.SingleDeviceSharding(
-                                            jax.local_devices()[0]))
-        return x
-    if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    return x

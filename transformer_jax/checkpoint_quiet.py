@@ -12,19 +12,11 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from collections.abc import Iterator
 from typing import Any
 
+from transformer_jax.checkpoint_read import error_chain
+
 logger = logging.getLogger("transformer_jax.checkpoint")
-
-
-def _chain(error: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
 
 
 class QuietOrbaxErrors(logging.Filter):
@@ -56,7 +48,7 @@ class _QuietAsyncioErrors(logging.Filter):
 def _from_writer(error: BaseException | None) -> bool:
     """Whether an error comes from orbax or TensorStore (a frame of theirs, or a TensorStore
     status such as ``RESOURCE_EXHAUSTED: ...``)."""
-    for e in _chain(error) if error is not None else ():
+    for e in error_chain(error) if error is not None else ():
         if re.match(r"[A-Z_]{5,}: ", str(e)):
             return True
         tb = e.__traceback__
