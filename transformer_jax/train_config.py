@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
 import logging
 import math
-import re
-import textwrap
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +19,6 @@ from transformer_jax import data as data_lib
 from transformer_jax import sharding as sharding_lib
 from transformer_jax.checkpoint_files import CheckpointError
 from transformer_jax.config import (
-    CONFIGS_DIR,
     DTYPES,
     Architecture,
     Execution,
@@ -32,9 +28,9 @@ from transformer_jax.config import (
     load_toml,
     parse_override,
     plain,
-    preset_names,
     resolve_config_path,
 )
+from transformer_jax.config_docs import help_text
 from transformer_jax.loading import Source, locate
 from transformer_jax.lora import LoraConfig
 from transformer_jax.tokenizer import MODEL_TYPES
@@ -462,62 +458,9 @@ def _fit_preset_warmup(config: str, preset: dict[str, Any], train: dict[str, Any
 
 
 def config_help(width: int = 100) -> str:
-    """Every ``model.``, ``train.`` and ``data.`` key with its type, default and meaning.
-
-    Generated from the dataclasses' fields and the Attributes sections of their docstrings
-    (``ModelConfig``, ``TrainConfig``, ``DataConfig``), so it cannot drift from the code.
-    """
-    lines = [f"presets (--config NAME; TOML files in {CONFIGS_DIR}): {', '.join(preset_names())}"]
-    for section, cls in SECTIONS.items():
-        meanings = _attribute_docs(cls)
-        lines += ["", f"{section}.KEY=VALUE ({cls.__name__}):"]
-        for field in dataclasses.fields(cls):
-            kind = field.type if isinstance(field.type, str) else getattr(
-                field.type, "__name__", str(field.type))
-            if field.default is not dataclasses.MISSING:
-                default = field.default
-            elif field.default_factory is not dataclasses.MISSING:
-                default = field.default_factory()
-            else:
-                default = "required"
-            head = f"  {section}.{field.name}: {kind} = {default!r}"
-            meaning = meanings.get(field.name, "").replace("``", "")
-            lines.append(head)
-            if meaning:
-                lines.extend(textwrap.wrap(meaning, width, initial_indent=" " * 6,
-                                           subsequent_indent=" " * 6))
-    return "\n".join(lines)
-
-
-def _attribute_docs(cls: type) -> dict[str, str]:
-    """``{name: description}`` from the ``Attributes:`` sections of the docstrings of ``cls``
-    and its bases (``ModelConfig``'s fields are documented in ``Architecture`` and
-    ``Execution``)."""
-    found: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        found.update(_own_attribute_docs(klass))
-    return found
-
-
-def _own_attribute_docs(cls: type) -> dict[str, str]:
-    doc = cls.__doc__ and inspect.cleandoc(cls.__doc__) or ""
-    found: dict[str, str] = {}
-    inside, name = False, None
-    for line in doc.splitlines():
-        if line.strip() == "Attributes:":
-            inside = True
-            continue
-        if not inside:
-            continue
-        if line and not line.startswith(" "):
-            break  # the next section
-        match = re.match(r"^ {2}(\w+): ?(.*)$", line)
-        if match:
-            name = match.group(1)
-            found[name] = match.group(2).strip()
-        elif name and line.strip():
-            found[name] += " " + line.strip()
-    return found
+    """Every ``model.``, ``train.`` and ``data.`` key with its type, default and meaning
+    (``config_docs.help_text`` of ``SECTIONS``)."""
+    return help_text(SECTIONS, width)
 
 
 def _split_override(item: str) -> tuple[str, str, str]:
