@@ -36,7 +36,8 @@ _STDLIB_SKIP_DIRS = frozenset(
 )
 _GLOB_CHARS = frozenset("*?[")
 
-Batch = dict[str, np.ndarray]
+#: A batch on the host: numpy arrays by name (``inputs``, ``targets`` ...), before placement.
+HostBatch = dict[str, np.ndarray]
 
 
 # ------------------------------------------------------------------------------------- corpus
@@ -301,7 +302,7 @@ def get_batch(
     *,
     process_index: int = 0,
     process_count: int = 1,
-) -> Batch:
+) -> HostBatch:
     """This process's rows of the global batch for (seed, step): random windows of the tokens.
 
     The global batch depends only on (seed, step) and the tokens; process ``p`` of ``P`` gets
@@ -333,8 +334,41 @@ def get_batch(
     return _windows(tokens, mine, seq_len)
 
 
+class StepBatches:
+    """What every batch source of a run shares: ``get(step)`` is this process's part of the
+    global batch of ``batch_size`` rows, a pure function of (seed, step), so a resumed run
+    sees the batches an uninterrupted one would. Process ``p`` of ``P`` takes rows
+    ``[p * B / P, (p + 1) * B / P)``.
+    """
+
+    batch_size: int
+    seed: int
+    process_index: int
+    process_count: int
+
+    def get(self, step: int) -> HostBatch:
+        raise NotImplementedError
+
+    def iterate(self, start_step: int = 0) -> Iterator[HostBatch]:
+        """Yields ``get(step)`` for ``step = start_step, start_step + 1, ...`` without end."""
+        step = check_non_negative("start_step", start_step)
+        while True:
+            yield self.get(step)
+            step += 1
+
+    def _check_split(self) -> int:
+        """Validates the seed and the split over processes; returns B / P."""
+        check_non_negative("seed", self.seed)
+        return check_split(self.batch_size, self.process_index, self.process_count)
+
+    def _mine(self, rows: np.ndarray) -> np.ndarray:
+        """This process's share of the global batch's [B] rows (or offsets)."""
+        local = self.batch_size // self.process_count
+        return rows[self.process_index * local : (self.process_index + 1) * local]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class Batches:
+class Batches(StepBatches):
     """``get_batch`` with its fixed arguments bound; validated once at construction.
 
     Attributes:
@@ -355,12 +389,12 @@ class Batches:
 
     def __post_init__(self) -> None:
         _check_tokens(self.tokens)
-        check_non_negative("seed", self.seed)
+        self._check_split()
         _check_batch_args(
             len(self.tokens), self.batch_size, self.seq_len, self.process_index, self.process_count
         )
 
-    def get(self, step: int) -> Batch:
+    def get(self, step: int) -> HostBatch:
         """The batch for ``step``: ``{"inputs", "targets"}``, each [B / P, T] int32."""
         return get_batch(
             self.tokens,
@@ -372,13 +406,6 @@ class Batches:
             process_count=self.process_count,
         )
 
-    def iterate(self, start_step: int = 0) -> Iterator[Batch]:
-        """Yields ``get(step)`` for ``step = start_step, start_step + 1, ...`` without end."""
-        step = check_non_negative("start_step", start_step)
-        while True:
-            yield self.get(step)
-            step += 1
-
 
 def eval_batches(
     tokens: np.ndarray,
@@ -388,7 +415,7 @@ def eval_batches(
     *,
     process_index: int = 0,
     process_count: int = 1,
-) -> Iterator[Batch]:
+) -> Iterator[HostBatch]:
     """Deterministic sequential batches over (validation) tokens, for evaluation.
 
     Window ``w`` reads tokens ``[w * T, w * T + T]`` (non-overlapping inputs); global batch ``i``
@@ -423,7 +450,7 @@ def eval_batches(
     if max_batches is not None:
         num_batches = min(num_batches, max_batches)
 
-    def generate() -> Iterator[Batch]:
+    def generate() -> Iterator[HostBatch]:
         for i in range(num_batches):
             first_row = i * batch_size + process_index * local
             offsets = np.arange(first_row, first_row + local, dtype=np.int64) * seq_len
@@ -432,7 +459,7 @@ def eval_batches(
     return generate()
 
 
-def _windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> Batch:
+def _windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> HostBatch:
     index = offsets[:, None] + np.arange(seq_len + 1, dtype=np.int64)[None, :]
     windows = np.asarray(tokens)[index].astype(np.int32)
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
@@ -462,14 +489,19 @@ def _check_batch_args(
     num_tokens: int, batch_size: int, seq_len: int, process_index: int, process_count: int
 ) -> int:
     """Validates batching arguments; returns the per-process batch size B / P."""
-    if batch_size <= 0:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     if seq_len >= num_tokens:
         raise ValueError(
             f"seq_len={seq_len} must be smaller than the number of tokens ({num_tokens})"
         )
+    return check_split(batch_size, process_index, process_count)
+
+
+def check_split(batch_size: int, process_index: int, process_count: int) -> int:
+    """Validates a global batch split over processes; returns the per-process size B / P."""
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
     if process_count <= 0:
         raise ValueError(f"process_count must be positive, got {process_count}")
     if not 0 <= process_index < process_count:
@@ -483,7 +515,8 @@ def _check_batch_args(
 
 __all__ = [
     "DEFAULT_CORPUS_MAX_BYTES",
-    "Batch",
+    "StepBatches",
+    "HostBatch",
     "Batches",
     "batch_offsets",
     "default_corpus",

@@ -34,8 +34,6 @@ from transformer_jax import decode, generation, loading, sharding
 from transformer_jax.checkpoint_files import CheckpointError
 from transformer_jax.tokenizer.prompt import chat_turn_end_id, encode_chat_prompt, encode_text
 
-logger = logging.getLogger(__name__)
-
 
 class _CallableModule(types.ModuleType):
     """A module that calls ``decode.generate`` when called."""

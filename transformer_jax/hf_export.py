@@ -43,8 +43,6 @@ from transformer_jax import hf, loading
 from transformer_jax.config import DTYPES, ModelConfig
 from transformer_jax.model import Params
 
-logger = logging.getLogger(__name__)
-
 
 def _cast(config: ModelConfig, params: Params, dtype: str | None
           ) -> tuple[ModelConfig, Params]:

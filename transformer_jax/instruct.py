@@ -47,11 +47,11 @@ import dataclasses
 import logging
 import operator
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from transformer_jax.data import check_non_negative
+from transformer_jax.data import StepBatches, check_non_negative
 from transformer_jax.instruct_records import (
     Example,
     InstructionDataError,
@@ -66,7 +66,8 @@ from transformer_jax.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
-Batch = dict[str, np.ndarray]
+#: A batch on the host: numpy arrays by name (``inputs``, ``targets`` ...), before placement.
+HostBatch = dict[str, np.ndarray]
 
 
 def fit(example: Example, capacity: int) -> tuple[Example | None, str]:
@@ -279,7 +280,7 @@ def row_indices(seed: int, step: int, batch_size: int, num_rows: int) -> np.ndar
     return out
 
 
-def rows_to_batch(data: PackedData, rows: np.ndarray) -> Batch:
+def rows_to_batch(data: PackedData, rows: np.ndarray) -> HostBatch:
     """The batch of the given packed rows.
 
     Args:
@@ -305,10 +306,9 @@ def rows_to_batch(data: PackedData, rows: np.ndarray) -> Batch:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class PackedBatches:
-    """Deterministic batches of packed instruction rows; ``get(step)`` is pure in (seed, step).
-
-    Process ``p`` of ``P`` gets rows ``[p * B / P, (p + 1) * B / P)`` of the global batch.
+class PackedBatches(StepBatches):
+    """Deterministic batches of packed instruction rows (``data.StepBatches``: pure in (seed,
+    step), process ``p`` of ``P`` takes its block of the global batch's rows).
 
     Attributes:
       data: The packed rows.
@@ -325,38 +325,17 @@ class PackedBatches:
     process_count: int = 1
 
     def __post_init__(self) -> None:
-        check_non_negative("seed", self.seed)
-        if self.batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {self.batch_size}")
-        if self.process_count <= 0 or not 0 <= self.process_index < self.process_count:
-            raise ValueError(
-                f"process_index={self.process_index} is outside [0, {self.process_count})"
-            )
-        if self.batch_size % self.process_count:
-            raise ValueError(
-                f"batch_size={self.batch_size} is not divisible by "
-                f"process_count={self.process_count}"
-            )
+        self._check_split()
 
-    def get(self, step: int) -> Batch:
+    def get(self, step: int) -> HostBatch:
         """This process's part of the batch for ``step``: each key [B / P, T] (see
         ``rows_to_batch``)."""
         rows = row_indices(self.seed, step, self.batch_size, self.data.num_rows)
-        local = self.batch_size // self.process_count
-        mine = rows[self.process_index * local : (self.process_index + 1) * local]
-        return rows_to_batch(self.data, mine)
-
-    def iterate(self, start_step: int = 0) -> Iterator[Batch]:
-        """Yields ``get(step)`` for ``step = start_step, start_step + 1, ...`` without end."""
-        step = check_non_negative("start_step", start_step)
-        while True:
-            yield self.get(step)
-            step += 1
-
+        return rows_to_batch(self.data, self._mine(rows))
 
 
 __all__ = [
-    "Batch",
+    "HostBatch",
     "Example",
     "InstructionDataError",
     "PackedBatches",

@@ -8,9 +8,7 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import jax
 import numpy as np
 
 from transformer_jax import data as data_lib
@@ -30,10 +28,6 @@ from transformer_jax.train_config import (
 )
 
 logger = logging.getLogger(__name__)
-
-Params = dict[str, Any]
-Batch = dict[str, jax.Array]
-Metrics = dict[str, jax.Array]
 
 
 def prepare_data(data_config: DataConfig, vocab_size: int,

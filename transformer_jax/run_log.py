@@ -33,8 +33,6 @@ from transformer_jax.train_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
-Params = dict[str, Any]
-Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 
 

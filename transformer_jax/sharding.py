@@ -20,7 +20,6 @@ mirror them, and small replicated scalars)::
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -39,8 +38,6 @@ from transformer_jax.mesh import (  # noqa: F401 (sharding.make_mesh etc. are th
     make_mesh,
 )
 from transformer_jax.model import abstract_params, init_params, logical_axes
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MeshAxes = str | tuple[str, ...] | None

@@ -13,8 +13,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
-
 from transformer_jax import data as data_lib
 from transformer_jax import sharding as sharding_lib
 from transformer_jax.checkpoint_files import CheckpointError
@@ -36,10 +34,6 @@ from transformer_jax.lora import LoraConfig
 from transformer_jax.tokenizer import MODEL_TYPES
 
 logger = logging.getLogger(__name__)
-
-Params = dict[str, Any]
-Batch = dict[str, jax.Array]
-Metrics = dict[str, jax.Array]
 
 
 def auto_warmup_steps(decay_length: int) -> int:
@@ -289,7 +283,6 @@ class DataConfig:
                              f"({text[0]}{' and more' if len(text) > 1 else ''}); "
                              "give .jsonl files only, or text files only")
         return jsonl
-
 
 
 def _settable_with_init_from(key: str, value: Any, source: ModelConfig) -> bool:

@@ -83,9 +83,7 @@ from transformer_jax.train_step import (
 
 logger = logging.getLogger(__name__)
 
-Params = dict[str, Any]
 Batch = dict[str, jax.Array]
-Metrics = dict[str, jax.Array]
 
 
 #: The parts of a run's wall time in ``RunSummary.time_s`` (seconds).
@@ -262,8 +260,6 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
                       batch_sharding=batch_sharding, data=data, eval_kw=eval_kw,
                       tokenizer=tokenizer, configs=configs, progress=progress and main_process,
                       main_process=main_process, times=times, wall_start=wall_start)
-
-
 
 
 def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, *, mesh: Any,
