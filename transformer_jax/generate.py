@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         sharding.configure_cpu_devices(devices=args.tensor)
     try:
         mesh = _tensor_mesh(args.tensor)
-        source = loading.locate(args.checkpoint, where=f"--checkpoint {args.checkpoint}")
+        source = loading.locate(args.checkpoint, where=f"--checkpoint {args.checkpoint!r}")
         rules = None
         if mesh is not None:  # before any weight is read
             decode.check_tensor_parallel(source.model, decode.tensor_shards(mesh))

@@ -163,7 +163,7 @@ def locate(path: str | Path, *, where: str | None = None) -> Source:
     root = Path(path).expanduser()
     where = where or str(root)
     if root.is_file():
-        raise FileNotFoundError(f"{where}: is a file; give a directory: a HF checkpoint "
+        raise FileNotFoundError(f"{where} is a file; give a directory: a HF checkpoint "
                                 "(config.json + *.safetensors) or a training run (its run "
                                 "directory, checkpoints/ or one step's directory)")
     if not root.is_dir():
