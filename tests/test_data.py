@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transformer_jax import data
+from transformer_jax import corpus, data
 from transformer_jax.tokenizer import Tokenizer, read_utf8
 
 
@@ -45,14 +45,14 @@ def test_resolve_corpus_globs_sorted_and_deduplicated(tmp_path):
     for name in ["b.txt", "a.txt", "sub/c.txt", "sub/d.md", ".hidden/e.txt"]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(f"text of {name}\n", encoding="utf-8")
-    got = data.resolve_corpus(
+    got = corpus.resolve_corpus(
         [str(tmp_path / "*.txt"), tmp_path / "a.txt", str(tmp_path / "b.txt")]
     )
     assert got == [(tmp_path / "a.txt").resolve(), (tmp_path / "b.txt").resolve()]
-    recursive = data.resolve_corpus(str(tmp_path / "**" / "*.txt"))
+    recursive = corpus.resolve_corpus(str(tmp_path / "**" / "*.txt"))
     # glob.glob semantics: "**" recurses but does not enter hidden directories.
     assert recursive == [(tmp_path / n).resolve() for n in ["a.txt", "b.txt", "sub/c.txt"]]
-    directory = data.resolve_corpus(tmp_path)
+    directory = corpus.resolve_corpus(tmp_path)
     expected = sorted(
         p.resolve() for p in tmp_path.rglob("*") if p.is_file() and ".hidden" not in p.parts
     )
@@ -63,41 +63,41 @@ def test_resolve_corpus_globs_sorted_and_deduplicated(tmp_path):
 def test_resolve_corpus_errors_name_the_pattern(tmp_path):
     pattern = str(tmp_path / "nothing-*.txt")
     with pytest.raises(FileNotFoundError, match="nothing-"):
-        data.resolve_corpus(pattern)
+        corpus.resolve_corpus(pattern)
     with pytest.raises(FileNotFoundError, match="missing.txt"):
-        data.resolve_corpus([tmp_path / "missing.txt"])
+        corpus.resolve_corpus([tmp_path / "missing.txt"])
     with pytest.raises(ValueError, match="at least one"):
-        data.resolve_corpus([])
+        corpus.resolve_corpus([])
     (tmp_path / "empty1.txt").write_bytes(b"")
     (tmp_path / "empty2.txt").write_bytes(b"")
     with pytest.raises(ValueError, match="empty"):
-        data.resolve_corpus(str(tmp_path / "empty*.txt"))
+        corpus.resolve_corpus(str(tmp_path / "empty*.txt"))
 
 
 def test_default_corpus_returns_readable_stdlib_sources():
     cap = 300_000
-    files = data.default_corpus(max_bytes=cap)
+    files = corpus.default_corpus(max_bytes=cap)
     assert files and files == sorted(set(files))
     assert sum(f.stat().st_size for f in files) <= cap
     for f in files:
         assert f.is_file() and f.suffix == ".py" and f.stat().st_size > 0
         assert not {"test", "tests", "site-packages"} & set(f.parts)
         read_utf8(f)
-    assert data.default_corpus(max_bytes=cap) == files
+    assert corpus.default_corpus(max_bytes=cap) == files
     with pytest.raises(ValueError, match="max_bytes"):
-        data.default_corpus(max_bytes=0)
+        corpus.default_corpus(max_bytes=0)
 
 
 # ---------------------------------------------------------------------------------- tokenize
 
 
 def test_token_dtype_boundaries():
-    assert data.token_dtype(300) == np.uint16
-    assert data.token_dtype(2**16) == np.uint16
-    assert data.token_dtype(2**16 + 1) == np.uint32
-    assert data.token_dtype(128_256) == np.uint32
+    assert corpus.token_dtype(300) == np.uint16
+    assert corpus.token_dtype(2**16) == np.uint16
+    assert corpus.token_dtype(2**16 + 1) == np.uint32
+    assert corpus.token_dtype(128_256) == np.uint32
     with pytest.raises(ValueError, match="0"):
-        data.token_dtype(0)
+        corpus.token_dtype(0)
 
 
 def expected_tokens(files, tok, add_bos=False, add_eos=True) -> np.ndarray:
@@ -125,11 +125,11 @@ def test_tokenize_corpus_concatenates_documents_with_eos(tmp_path, tokenizer):
     files = write_docs(tmp_path / "corpus")
     (tmp_path / "corpus" / "empty.txt").write_bytes(b"")
     files.append(tmp_path / "corpus" / "empty.txt")
-    tokens = data.tokenize_corpus(files, tokenizer, tmp_path / "cache")
+    tokens = corpus.tokenize_corpus(files, tokenizer, tmp_path / "cache")
     assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
     np.testing.assert_array_equal(tokens, expected_tokens(files, tokenizer))
     assert int((tokens == tokenizer.eos_id).sum()) == len(files) - 1  # the empty file adds none
-    with_bos = data.tokenize_corpus(files, tokenizer, tmp_path / "cache", add_bos=True)
+    with_bos = corpus.tokenize_corpus(files, tokenizer, tmp_path / "cache", add_bos=True)
     np.testing.assert_array_equal(with_bos, expected_tokens(files, tokenizer, add_bos=True))
 
 
@@ -140,7 +140,7 @@ def test_tokenize_corpus_cache_reused_and_invalidated(tmp_path, tokenizer, monke
 
     def tokenize_counting() -> tuple[np.ndarray, int]:
         before = len(calls)
-        tokens = data.tokenize_corpus(files, tokenizer, cache)
+        tokens = corpus.tokenize_corpus(files, tokenizer, cache)
         return tokens, len(calls) - before
 
     first, encoded = tokenize_counting()
@@ -171,8 +171,8 @@ def test_tokenize_corpus_cache_reused_and_invalidated(tmp_path, tokenizer, monke
 def test_tokenize_corpus_depends_on_tokenizer(tmp_path, tokenizer):
     files = write_docs(tmp_path / "corpus")
     other = Tokenizer.train(files, tmp_path / "char.model", 100, "char")
-    a = data.tokenize_corpus(files, tokenizer, tmp_path / "cache")
-    b = data.tokenize_corpus(files, other, tmp_path / "cache")
+    a = corpus.tokenize_corpus(files, tokenizer, tmp_path / "cache")
+    b = corpus.tokenize_corpus(files, other, tmp_path / "cache")
     np.testing.assert_array_equal(b, expected_tokens(files, other))
     assert len(a) != len(b)
 
@@ -191,24 +191,24 @@ def test_tokenize_corpus_crash_leaves_no_cache(tmp_path, tokenizer, monkeypatch)
 
     monkeypatch.setattr(Tokenizer, "encode", failing)
     with pytest.raises(KeyboardInterrupt):
-        data.tokenize_corpus(files, tokenizer, cache)
+        corpus.tokenize_corpus(files, tokenizer, cache)
     assert list(cache.iterdir()) == []
     monkeypatch.setattr(Tokenizer, "encode", real_encode)
-    tokens = data.tokenize_corpus(files, tokenizer, cache)
+    tokens = corpus.tokenize_corpus(files, tokenizer, cache)
     np.testing.assert_array_equal(tokens, expected_tokens(files, tokenizer))
 
 
 def test_tokenize_corpus_errors(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="at least one"):
-        data.tokenize_corpus([], tokenizer, tmp_path)
+        corpus.tokenize_corpus([], tokenizer, tmp_path)
     with pytest.raises(FileNotFoundError, match="gone.txt"):
-        data.tokenize_corpus([tmp_path / "gone.txt"], tokenizer, tmp_path)
+        corpus.tokenize_corpus([tmp_path / "gone.txt"], tokenizer, tmp_path)
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     with pytest.raises(ValueError, match="latin1.txt"):
-        data.tokenize_corpus([tmp_path / "latin1.txt"], tokenizer, tmp_path / "cache")
+        corpus.tokenize_corpus([tmp_path / "latin1.txt"], tokenizer, tmp_path / "cache")
     (tmp_path / "empty.txt").write_bytes(b"")
     with pytest.raises(ValueError, match="no tokens"):
-        data.tokenize_corpus([tmp_path / "empty.txt"], tokenizer, tmp_path / "cache")
+        corpus.tokenize_corpus([tmp_path / "empty.txt"], tokenizer, tmp_path / "cache")
 
 
 # ------------------------------------------------------------------------------------- split
@@ -384,8 +384,8 @@ def test_eval_batches_errors_are_eager(flat_tokens):
 
 
 def test_end_to_end_memmap_pipeline(tmp_path, tokenizer):
-    files = data.resolve_corpus(str(write_docs(tmp_path / "corpus", num_docs=8)[0].parent / "*"))
-    tokens = data.tokenize_corpus(files, tokenizer, tmp_path / "cache")
+    files = corpus.resolve_corpus(str(write_docs(tmp_path / "corpus", num_docs=8)[0].parent / "*"))
+    tokens = corpus.tokenize_corpus(files, tokenizer, tmp_path / "cache")
     train, val = data.split(tokens, 0.2)
     batch = data.get_batch(train, seed=0, step=0, batch_size=4, seq_len=8)
     offsets = data.batch_offsets(0, 0, 4, len(train), 8)

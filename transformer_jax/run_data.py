@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from transformer_jax import corpus
 from transformer_jax import data as data_lib
 from transformer_jax.checkpoint import ensure_writable_dir
 from transformer_jax.instruct import (
@@ -52,9 +53,9 @@ def prepare_data(data_config: DataConfig, vocab_size: int,
     dc = data_config
     cache_dir = Path(dc.cache_dir).expanduser()
     if dc.patterns:
-        files = data_lib.resolve_corpus(dc.patterns)
+        files = corpus.resolve_corpus(dc.patterns)
     else:
-        files = data_lib.default_corpus(dc.max_bytes)
+        files = corpus.default_corpus(dc.max_bytes)
     ensure_writable_dir(cache_dir, "data cache directory")
     if tokenizer is not None:
         pass
@@ -63,7 +64,7 @@ def prepare_data(data_config: DataConfig, vocab_size: int,
                                             dc.tokenizer)
     else:
         tokenizer = Tokenizer.load(Path(dc.tokenizer).expanduser())
-    tokens = data_lib.tokenize_corpus(files, tokenizer, cache_dir)
+    tokens = corpus.tokenize_corpus(files, tokenizer, cache_dir)
     train_tokens, val_tokens = data_lib.split(tokens, dc.val_fraction)
     logger.info("data: %d files, %d train / %d val tokens, tokenizer %s", len(files),
                 len(train_tokens), len(val_tokens), tokenizer)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from transformer_jax import data as data_lib
+from transformer_jax import corpus
 from transformer_jax import sharding as sharding_lib
 from transformer_jax.checkpoint_files import CheckpointError
 from transformer_jax.config import (
@@ -244,7 +244,7 @@ class DataConfig:
     vocab_size: int = 0
     val_fraction: float = 0.05
     cache_dir: str = "~/.cache/transformer_jax"
-    max_bytes: int = data_lib.DEFAULT_CORPUS_MAX_BYTES
+    max_bytes: int = corpus.DEFAULT_CORPUS_MAX_BYTES
 
     def __post_init__(self) -> None:
         _check_int("vocab_size", self.vocab_size, minimum=0)
@@ -274,7 +274,7 @@ class DataConfig:
         """
         if not self.patterns:
             return []
-        files = data_lib.resolve_corpus(self.patterns)
+        files = corpus.resolve_corpus(self.patterns)
         jsonl = [f for f in files if f.suffix.lower() == ".jsonl"]
         text = [f for f in files if f.suffix.lower() != ".jsonl"]
         if jsonl and text:
