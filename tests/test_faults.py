@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from multihost_worker import FAST_COMPILE
+from helpers import FAST_XLA_FLAGS
 
 from transformer_jax import training
 from transformer_jax.checkpoint import CheckpointManager
@@ -51,7 +51,7 @@ def workspace(tmp_path_factory):
     write_corpus(root / "corpus.txt")
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(root / "xla"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=FAST_COMPILE)  # cheaper XLA:CPU code generation
+               XLA_FLAGS=FAST_XLA_FLAGS)  # cheaper XLA:CPU code generation
     done = subprocess.run(command(root, root / "base", "train.steps=4"), env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from multihost_worker import FAST_COMPILE
+from helpers import FAST_XLA_FLAGS, with_fast_flags
 
 from transformer_jax.checkpoint import CheckpointManager
 from transformer_jax.config import ModelConfig
@@ -85,7 +85,7 @@ def workspace(tmp_path_factory):
     (root / "corpus.txt").write_text("\n".join(lines) + "\n")
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(root / "xla"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=FAST_COMPILE)  # cheaper XLA:CPU code generation
+               XLA_FLAGS=FAST_XLA_FLAGS)  # cheaper XLA:CPU code generation
     return root, env
 
 
@@ -191,7 +191,7 @@ def test_sigterm_saves_a_restorable_checkpoint(workspace):
 
 def test_batch_not_divisible_by_device_count(workspace):
     root, env = workspace
-    env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(env, XLA_FLAGS=with_fast_flags("--xla_force_host_platform_device_count=2"))
     done = subprocess.run(command(root, root / "devices", "train.batch_size=3"), env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
