@@ -27,6 +27,7 @@ from pathlib import Path
 # is not, and nothing at import time here does.
 import jax
 import numpy as np
+from helpers import with_fast_flags
 
 from transformer_jax import data, distributed
 from transformer_jax import sharding as sh
@@ -56,9 +57,6 @@ TOKENS = np.random.default_rng(0).integers(0, CONFIG.vocab_size, 4096).astype(np
 
 
 ROOT = Path(__file__).resolve().parent.parent
-# Cheaper XLA CPU codegen: the tests check numerics and layouts, not kernel speed.
-FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                "--xla_cpu_use_fusion_emitters=false")
 
 
 # ---------------------------------------------------------------------- parent (pytest) side
@@ -67,7 +65,8 @@ FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive
 def worker_env(n_devices: int) -> dict[str, str]:
     """Environment of a subprocess with ``n_devices`` simulated CPU devices."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices} {FAST_COMPILE}"
+    # Cheaper XLA CPU codegen: the tests check numerics and layouts, not kernel speed.
+    env["XLA_FLAGS"] = with_fast_flags(f"--xla_force_host_platform_device_count={n_devices}")
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):

@@ -9,11 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import FAST_COMPILE, numpy_attention
 
 from transformer_jax.ops import attention as attn
-
-# The tests check values, not speed: unoptimised CPU code compiles several times faster.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def _rng(seed=0):
@@ -27,23 +25,6 @@ def _qkv(b=2, t=5, s=7, n=4, kv=2, h=8, seed=0, dtype=jnp.float32):
             jnp.asarray(r.normal(size=(b, kv, s, h)), dtype))
 
 
-def _numpy_attention(q, k, v, mask):
-    """Per-head textbook attention; head r reads kv head floor(r / (N/K)); k/v [B, K, S, H]."""
-    b, t, n, h = q.shape
-    kv = k.shape[1]
-    out = np.zeros((b, t, n, h))
-    for bi in range(b):
-        for r in range(n):
-            g = r // (n // kv)
-            for ti in range(t):
-                if not mask[bi, ti].any():
-                    continue
-                logits = np.where(mask[bi, ti], k[bi, g] @ q[bi, ti, r] / math.sqrt(h), -np.inf)
-                w = np.exp(logits - logits.max())
-                out[bi, ti, r] = (w / w.sum()) @ v[bi, g]
-    return out
-
-
 def test_reference_matches_numpy_loop():
     q, k, v = _qkv(kv=2)
     qp = jnp.broadcast_to(jnp.arange(5) + 2, (2, 5))
@@ -54,7 +35,7 @@ def test_reference_matches_numpy_loop():
     assert not mask[0, 4].any()  # a padding query: no visible key
     got = attn.attention(q, k, v, q_positions=qp, q_segments=seg_q, k_segments=seg_k, window=3,
                          impl="xla")
-    np.testing.assert_allclose(got, _numpy_attention(*map(np.asarray, (q, k, v)), mask),
+    np.testing.assert_allclose(got, numpy_attention(*map(np.asarray, (q, k, v)), mask),
                                rtol=1e-5, atol=1e-5)
 
 

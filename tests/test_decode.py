@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE
+from helpers import FAST_COMPILE, TINY
 
 from transformer_jax import decode, generation, kv_cache
 from transformer_jax import prompts as prompt_lib
@@ -18,13 +18,11 @@ from transformer_jax.model import Transformer, init_params
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
 
-TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=48,
-            max_seq_len=64, init_std=0.2)
 N_NEW = 8
 
 
 def _config(**overrides) -> ModelConfig:
-    return ModelConfig(**{**TINY, **overrides})
+    return TINY.replace(**overrides)
 
 
 _PARAMS: dict = {}

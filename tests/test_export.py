@@ -11,18 +11,16 @@ import flax.serialization
 import jax
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE
+from helpers import FAST_COMPILE, FAST_XLA_FLAGS, TINY
 
 from transformer_jax import decode, export, generation
 from transformer_jax import prompts as prompt_lib
-from transformer_jax.config import ModelConfig
 from transformer_jax.model import init_params
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                     d_ff=48, max_seq_len=48, init_std=0.2)
+CONFIG = TINY.replace(max_seq_len=48)
 N_NEW = 6
 SAMPLING = dict(temperature=0.9, top_k=20, top_p=0.9, stop_tokens=(5,))
 SHAPES = [(1, 8), (3, 16), (2, 5)]  # (B, T); T need not be a bucket
@@ -74,8 +72,7 @@ def test_reloaded_in_a_fresh_process_equals_the_jitted_path(exported, params, tm
             out = fn(params, x["tokens"], x["lengths"], x["keys"])
             np.savez({str(tmp_path)!r} + f"/out{{i}}.npz", *[np.asarray(o) for o in out])
     """)
-    env = dict(os.environ, PYTHONPATH=str(REPO),
-               XLA_FLAGS="--xla_backend_optimization_level=0")
+    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS=FAST_XLA_FLAGS)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from multihost_worker import FAST_COMPILE
+from helpers import FAST_XLA_FLAGS
 
 from transformer_jax import training
 from transformer_jax.checkpoint import CheckpointManager
@@ -51,7 +51,7 @@ def workspace(tmp_path_factory):
     write_corpus(root / "corpus.txt")
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(root / "xla"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=FAST_COMPILE)  # cheaper XLA:CPU code generation
+               XLA_FLAGS=FAST_XLA_FLAGS)  # cheaper XLA:CPU code generation
     done = subprocess.run(command(root, root / "base", "train.steps=4"), env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -104,37 +104,43 @@ def test_damaged_latest_checkpoint_resumes_from_the_older_one(workspace):
     assert summary["start_step"] == 2 and summary["final_step"] == 6
 
 
+def refusal(root: Path, run_dir: Path, *extra: str) -> str:
+    """The one-line ValueError of ``training.run`` for ``command(root, run_dir, *extra)``'s
+    configs, in this process: a resume is refused before anything is compiled or restored.
+    train.py prints such an error as its one ``error:`` line and exits with 2
+    (``test_resuming_on_another_corpus_needs_allow_new_data`` checks that on the command)."""
+    overrides = [a for a in command(root, run_dir, *extra)[2:] if not a.startswith("--")]
+    model, train_config, data_config = train.build_configs("tiny", overrides)
+    with pytest.raises(ValueError) as info:
+        training.run(model, train_config, data_config, progress=False)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
 def test_resuming_with_another_d_model_names_the_key(workspace):
-    root, env = workspace
+    root, _ = workspace
     run_dir = copy_run(root, "wider")
     before = tree_digest(run_dir / "checkpoints")
-    done = subprocess.run(command(root, run_dir, "train.steps=6", "model.d_model=64"), env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2
-    line = error_line(done.stderr)
+    line = refusal(root, run_dir, "train.steps=6", "model.d_model=64")
     assert "model.d_model: 32 in the checkpoint, 64 now" in line
     assert "use another train.run_dir" in line and "orbax" not in line
     assert tree_digest(run_dir / "checkpoints") == before
 
 
 def test_resuming_with_grad_clip_switched_off_is_refused(workspace):
-    root, env = workspace
+    root, _ = workspace
     run_dir = copy_run(root, "noclip")
-    done = subprocess.run(command(root, run_dir, "train.steps=6", "train.grad_clip=0"), env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2
-    assert "train.grad_clip: 1.0 in the checkpoint, 0.0 now" in error_line(done.stderr)
+    line = refusal(root, run_dir, "train.steps=6", "train.grad_clip=0")
+    assert "train.grad_clip: 1.0 in the checkpoint, 0.0 now" in line
 
 
 def test_resuming_with_another_tokenizer_is_refused(workspace):
-    root, env = workspace
+    root, _ = workspace
     run_dir = copy_run(root, "othertok")
     other = write_corpus(root / "letters.txt", words=("abc", "xyz", "qq", "w"))
-    done = subprocess.run(command(root, run_dir, "train.steps=6", f"data.path={other}",
-                                  "train.allow_new_data=true"),
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2
-    line = error_line(done.stderr)
+    line = refusal(root, run_dir, "train.steps=6", f"data.path={other}",
+                   "train.allow_new_data=true")
     assert "another tokenizer" in line and "fingerprint" in line
     assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["2", "4"]
 

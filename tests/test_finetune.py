@@ -35,6 +35,9 @@ from transformer_jax.train_config import ConfigError, TrainConfig, build_configs
 from transformer_jax.train_step import ParamsLayout, make_init_fn, make_loss_fn  # noqa: E402
 from transformer_jax.training import run  # noqa: E402
 
+# The runs of this module (run() called again, init_from) share compiled programs.
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
+
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-4
 WORDS = ("the cat dog sat ran on a mat log red blue big small what is who where answer "

@@ -13,10 +13,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import FAST_COMPILE
+from helpers import FAST_COMPILE, FAST_XLA_FLAGS, TINY
 
 from transformer_jax import generation
-from transformer_jax.config import ModelConfig
 from transformer_jax.model import init_params
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
@@ -25,9 +24,8 @@ pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
 cli = importlib.import_module("transformer_jax.generate")
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                     d_ff=48, max_seq_len=64, init_std=0.2)
-FAST_ENV = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_backend_optimization_level=0")
+CONFIG = TINY
+FAST_ENV = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS=FAST_XLA_FLAGS)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import HF_CLASSES, random_hf_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,31 +40,11 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 256}
 LINEAR = {"rope_type": "linear", "factor": 4.0}
 
-_CLASSES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-}
-
-
 def _hf_model(kind: str, seed: int = 0, **overrides):
     """A tiny random transformers model with every weight (norms and biases too) randomised."""
-    config_cls, model_cls = (getattr(transformers, name) for name in _CLASSES[kind])
-    kwargs = dict(hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, vocab_size=V, max_position_embeddings=1024)
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**kwargs, attn_implementation="eager")).eval()
-    assert model.config._attn_implementation == "eager"
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif p.ndim == 1:  # biases
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    return model
+    sizes = dict(hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=V, max_position_embeddings=1024)
+    return random_hf_model(kind, seed, **{**sizes, **overrides})
 
 
 def _inputs() -> tuple[np.ndarray, np.ndarray]:
@@ -200,7 +181,7 @@ def test_round_trip_and_transformers_reads_ours(kind, hf_kwargs, scan_layers, ma
     assert config2 == config
     _assert_trees_identical(params2, params)
 
-    reread = getattr(transformers, _CLASSES[kind][1]).from_pretrained(
+    reread = getattr(transformers, HF_CLASSES[kind][1]).from_pretrained(
         tmp_path / "ours", attn_implementation="eager").eval()
     theirs, ours = model.state_dict(), reread.state_dict()
     assert theirs.keys() == ours.keys()

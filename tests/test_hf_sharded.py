@@ -132,6 +132,7 @@ pytest.importorskip("safetensors")
 
 import jax  # noqa: E402
 import multihost_worker as worker  # noqa: E402
+from helpers import random_hf_model  # noqa: E402
 
 from transformer_jax import hf  # noqa: E402
 from transformer_jax.config import ModelConfig  # noqa: E402
@@ -149,23 +150,10 @@ def _run(mode: str, spec: dict, tmp: Path, timeout: float = 300) -> dict:
 
 def _hf_model(kind: str, seed: int):
     """Tiny random transformers model: 8 query heads and 4 kv heads (splittable 4 and 8 ways)."""
-    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[kind]
-    config_cls, model_cls = (getattr(transformers, name) for name in cls)
-    kwargs = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
-                  num_key_value_heads=4, intermediate_size=96, vocab_size=V,
-                  max_position_embeddings=256, tie_word_embeddings=kind == "qwen2")
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**kwargs, attn_implementation="eager")).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif p.ndim == 1:  # biases
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    return model
+    return random_hf_model(kind, seed, hidden_size=64, num_hidden_layers=2,
+                           num_attention_heads=8, num_key_value_heads=4, intermediate_size=96,
+                           vocab_size=V, max_position_embeddings=256,
+                           tie_word_embeddings=kind == "qwen2")
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import FAST_COMPILE
 
 from transformer_jax.ops.lm_loss import lm_head_cross_entropy_sums
-
-# The tests check values, not speed: unoptimised CPU code compiles several times faster.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def _full_sums(x, head, targets, mask, z_loss, head_layout):

@@ -8,14 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import TINY
 
 from transformer_jax import lora
 from transformer_jax.config import ModelConfig
 from transformer_jax.loss import cross_entropy
 from transformer_jax.model import Transformer, init_params, stack_blocks
 
-CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                     d_ff=48, max_seq_len=32, init_std=0.2)
+CONFIG = TINY.replace(max_seq_len=32)
 D, N, K, H, F, L = 32, 4, 2, 8, 48, 2
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)), jnp.int32)
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE
+from helpers import FAST_COMPILE
 
 from transformer_jax import decode
 from transformer_jax.config import ModelConfig

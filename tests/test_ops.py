@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import numpy_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -169,24 +170,6 @@ def test_sinusoidal_shift_is_a_fixed_rotation(pos, k):
 
 # Attention --------------------------------------------------------------------------------------
 
-def _numpy_attention(q, k, v, mask):
-    """Per-head textbook attention; head r reads kv head floor(r / (N/K))."""
-    b, t, n, h = q.shape
-    kv = k.shape[2]
-    out = np.zeros((b, t, n, h))
-    for bi in range(b):
-        for r in range(n):
-            g = r // (n // kv)
-            logits = q[bi, :, r] @ k[bi, :, g].T / math.sqrt(h)
-            logits = np.where(mask[bi], logits, -np.inf)
-            for ti in range(t):
-                if not mask[bi, ti].any():
-                    continue
-                w = np.exp(logits[ti] - logits[ti].max())
-                out[bi, ti, r] = (w / w.sum()) @ v[bi, :, g]
-    return out
-
-
 def _qkv(b=2, t=5, s=7, n=4, kv=2, h=8, seed=0):
     r = _rng(seed)
     return (r.normal(size=(b, t, n, h)).astype(np.float32),
@@ -202,7 +185,8 @@ def test_attention_matches_numpy_reference(kv, impl):
     mask[0, 2] = False  # a fully-masked row
     got = ops.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                                     jnp.asarray(mask), impl=impl)
-    np.testing.assert_allclose(got, _numpy_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, numpy_attention(q, k, v, mask, kv_layout="BSKH"),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_fully_masked_rows_are_zero_not_nan():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from multihost_worker import FAST_COMPILE
+from helpers import FAST_XLA_FLAGS, with_fast_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,11 +55,11 @@ def workspace(tmp_path_factory):
     words = ["def", "return", "x", "=", "+", "(", ")", "if", "else", "for", "in"]
     (root / "corpus.txt").write_text("".join(" ".join(rng.choice(words, rng.integers(2, 9)))
                                              + "\n" for _ in range(300)))
-    # Cheaper XLA:CPU code generation (multihost_worker.FAST_COMPILE): these runs check that
+    # Cheaper XLA:CPU code generation (helpers.FAST_XLA_FLAGS): these runs check that
     # each command works, not how fast its steps are.
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(root / "xla"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=FAST_COMPILE)
+               XLA_FLAGS=FAST_XLA_FLAGS)
     return root, env
 
 
@@ -83,13 +83,13 @@ def test_readme_train_command_runs(command, workspace, tmp_path):
     root, env = workspace
     argv = ci_sized(command, root)
     if "train.mesh=1,8,1" in command:  # the 8 devices it names, simulated on the CPU
-        env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+        env = dict(env, XLA_FLAGS=with_fast_flags("--xla_force_host_platform_device_count=8"))
     if "--coordinator-address" in command:  # host 0 of 2: start host 1 beside it
         port = str(_free_port())
         argv = [a.replace("127.0.0.1:1234", f"127.0.0.1:{port}") for a in argv]
         other = [a if a != "0" or argv[i - 1] != "--process-id" else "1"
                  for i, a in enumerate(argv)]
-        env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        env = dict(env, XLA_FLAGS=with_fast_flags("--xla_force_host_platform_device_count=1"))
         # Same working directory: the hosts share the run directory, as hosts share a disk.
         helper = subprocess.Popen(other, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE, text=True)

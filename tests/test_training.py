@@ -13,7 +13,6 @@ import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.experimental.compilation_cache import compilation_cache
 
 from transformer_jax import perf, train_step, training
 from transformer_jax.checkpoint import CheckpointManager
@@ -34,18 +33,8 @@ def random_batch(seed: int, batch: int, length: int, vocab: int = MODEL.vocab_si
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def shared_compilation_cache(tmp_path_factory):
-    """Shares compiled programs between the runs of this module (each builds new closures)."""
-    old = (jax.config.jax_compilation_cache_dir,
-           jax.config.jax_persistent_cache_min_compile_time_secs)
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    compilation_cache.reset_cache()  # jax decides once whether to use it; decide again
-    yield
-    jax.config.update("jax_compilation_cache_dir", old[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
-    compilation_cache.reset_cache()
+# The runs of this module build new closures: they share compiled programs through a cache.
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
 
 
 # Loss --------------------------------------------------------------------------------------------

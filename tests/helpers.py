@@ -1,0 +1,106 @@
+"""Helpers shared by the tests (one definition each): the cheap XLA:CPU compile options, the tiny
+model config, a numpy attention reference and a random HuggingFace model builder.
+
+Importing this module touches no device (``multihost_worker.py`` imports it before
+``jax.distributed.initialize``) and needs neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from transformer_jax.config import ModelConfig
+
+# The tests check values, not speed: XLA:CPU code generation without LLVM optimisations and
+# without the fusion emitters compiles several times faster and computes the same values (to
+# float rounding). ``FAST_COMPILE`` is for ``jax.jit(..., compiler_options=FAST_COMPILE)``;
+# ``FAST_XLA_FLAGS`` is the same as ``XLA_FLAGS`` text, for subprocesses (and this pytest
+# process: conftest.py adds it to ``XLA_FLAGS`` before JAX creates its CPU backend).
+FAST_COMPILE: dict[str, int | bool] = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_cpu_use_fusion_emitters": False,
+}
+FAST_XLA_FLAGS = " ".join(f"--{key}={str(value).lower()}" for key, value in FAST_COMPILE.items())
+
+
+def with_fast_flags(xla_flags: str = "") -> str:
+    """``xla_flags`` (e.g. a device count) followed by ``FAST_XLA_FLAGS``."""
+    return f"{xla_flags} {FAST_XLA_FLAGS}".strip()
+
+
+# A tiny random model: GQA (4 query heads, 2 kv heads of 8), 2 layers, weights at init_std 0.2 so
+# that its logits are far from uniform. Tests change fields with ``TINY.replace(...)``.
+TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                   d_ff=48, max_seq_len=64, init_std=0.2)
+
+
+def numpy_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, *,
+                    kv_layout: str = "BKSH") -> np.ndarray:
+    """Per-head textbook attention, one query at a time; head r reads kv head floor(r / (N/K)).
+
+    Args:
+      q: [B, T, N, H] queries.
+      k, v: [B, K, S, H] (``kv_layout="BKSH"``, the KV cache's layout) or [B, S, K, H]
+        (``"BSKH"``) keys and values.
+      mask: [B, T, S] bool, whether query t sees key s.
+
+    Returns:
+      [B, T, N, H] float64; zeros for a query that sees no key.
+    """
+    if kv_layout == "BSKH":
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    elif kv_layout != "BKSH":
+        raise ValueError(f"kv_layout must be 'BKSH' or 'BSKH', got {kv_layout!r}")
+    b, t, n, h = q.shape
+    kv = k.shape[1]
+    out = np.zeros((b, t, n, h))
+    for bi in range(b):
+        for r in range(n):
+            g = r // (n // kv)
+            for ti in range(t):
+                if not mask[bi, ti].any():
+                    continue
+                logits = np.where(mask[bi, ti], k[bi, g] @ q[bi, ti, r] / math.sqrt(h), -np.inf)
+                w = np.exp(logits - logits.max())
+                out[bi, ti, r] = (w / w.sum()) @ v[bi, g]
+    return out
+
+
+HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+
+def random_hf_model(kind: str, seed: int = 0, **config):
+    """A tiny transformers model (eager attention, eval mode) with every weight randomised.
+
+    Matrices are drawn at unit scale (std ``fan_in ** -0.5``, not HF's 0.02 init), norm weights
+    around 1 and biases around 0 (std 0.2), so that attention is peaked and every weight changes
+    the logits visibly.
+
+    Args:
+      kind: ``"llama"``, ``"mistral"`` or ``"qwen2"``.
+      seed: torch's seed for the model's construction and weights.
+      **config: the ``transformers`` config's fields (sizes, ``tie_word_embeddings``, ...).
+    """
+    import torch
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, name) for name in HF_CLASSES[kind])
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**config, attn_implementation="eager")).eval()
+    assert model.config._attn_implementation == "eager"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif p.ndim == 1:  # biases
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    return model
