@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 import read_only
-from conftest import FAST_COMPILE
+from helpers import FAST_COMPILE
 
 from transformer_jax import files, generation, hf_export, instruct, lora, plot
 from transformer_jax.checkpoint import CHECKSUMS_FILE, CheckpointManager

@@ -19,8 +19,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import FAST_XLA_FLAGS
 from jax.experimental.compilation_cache import compilation_cache
-from multihost_worker import FAST_COMPILE
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
 from transformer_jax import run_memory, training
@@ -154,7 +154,7 @@ def aborted(tmp_path_factory):
     corpus = write_corpus(root / "corpus.txt")
     argv = [str(ROOT / "train.py"), *TINY, "train.steps=50", f"data.path={corpus}",
             f"data.cache_dir={root / 'cache'}", f"train.run_dir={root / 'run'}"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE,
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA_FLAGS,
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", ABORT.replace("ARGV", repr(argv))], env=env,
