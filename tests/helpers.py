@@ -31,6 +31,14 @@ def with_fast_flags(xla_flags: str = "") -> str:
     return f"{xla_flags} {FAST_XLA_FLAGS}".strip()
 
 
+# train.py arguments of a tiny, fast run (char tokenizer, checkpoints every 2 steps), to which
+# tests add the corpus, the run directory and the steps.
+TINY_RUN_ARGS = [
+    "--no-progress", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
+    "model.n_kv_heads=1", "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=16",
+    "train.batch_size=4", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
+    "train.sample_tokens=0", "train.ckpt_every=2", "data.tokenizer=char", "data.val_fraction=0.1"]
+
 # A tiny random model: GQA (4 query heads, 2 kv heads of 8), 2 layers, weights at init_std 0.2 so
 # that its logits are far from uniform. Tests change fields with ``TINY.replace(...)``.
 TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,

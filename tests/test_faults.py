@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FAST_XLA_FLAGS
+from helpers import FAST_XLA_FLAGS, TINY_RUN_ARGS
 
 from transformer_jax import training
 from transformer_jax.checkpoint import CheckpointManager
@@ -28,11 +28,6 @@ import train  # noqa: E402  (the top-level CLI script)
 
 generate_cli = importlib.import_module("transformer_jax.generate")
 
-TINY = ["--no-progress", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
-        "model.n_kv_heads=1", "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=16",
-        "train.batch_size=4", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
-        "train.sample_tokens=0", "train.ckpt_every=2", "data.tokenizer=char",
-        "data.val_fraction=0.1"]
 
 
 def write_corpus(path: Path, seed: int = 0, words: tuple[str, ...] = (
@@ -59,8 +54,9 @@ def workspace(tmp_path_factory):
 
 
 def command(root: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "train.py"), *TINY, f"data.path={root / 'corpus.txt'}",
-            f"data.cache_dir={root / 'cache'}", f"train.run_dir={run_dir}", *extra]
+    return [sys.executable, str(ROOT / "train.py"), *TINY_RUN_ARGS,
+            f"data.path={root / 'corpus.txt'}", f"data.cache_dir={root / 'cache'}",
+            f"train.run_dir={run_dir}", *extra]
 
 
 def copy_run(root: Path, name: str) -> Path:

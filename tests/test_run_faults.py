@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import FAST_XLA_FLAGS
+from helpers import FAST_XLA_FLAGS, TINY_RUN_ARGS
 from jax.experimental.compilation_cache import compilation_cache
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
@@ -34,11 +34,6 @@ from transformer_jax.train_config import DataConfig, TrainConfig
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64,
                     max_seq_len=32)
-TINY = ["--no-progress", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
-        "model.n_kv_heads=1", "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=16",
-        "train.batch_size=4", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
-        "train.sample_tokens=0", "train.ckpt_every=2", "data.tokenizer=char",
-        "data.val_fraction=0.1"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -152,7 +147,7 @@ def aborted(tmp_path_factory):
     SIGINTs while it hangs."""
     root = tmp_path_factory.mktemp("abort")
     corpus = write_corpus(root / "corpus.txt")
-    argv = [str(ROOT / "train.py"), *TINY, "train.steps=50", f"data.path={corpus}",
+    argv = [str(ROOT / "train.py"), *TINY_RUN_ARGS, "train.steps=50", f"data.path={corpus}",
             f"data.cache_dir={root / 'cache'}", f"train.run_dir={root / 'run'}"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA_FLAGS,
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
