@@ -192,14 +192,14 @@ class CheckpointManager:
         path = self.step_path(step) if step is not None else self.directory
         if any(getattr(e, "errno", None) == errno.ENOSPC for e in error_chain(error)) or (
                 "No space left on device" in str(error)):
-            reason = os.strerror(errno.ENOSPC)
+            why = os.strerror(errno.ENOSPC)
         else:
-            reason = reason(error)
+            why = reason(error)
         logger.debug("checkpoint save of %s failed", path, exc_info=error)
         self._failed_step = step
         self._remove_partial()
         self._in_flight = None
-        self._failed = CheckpointError(f"could not write checkpoint {path}: {reason}")
+        self._failed = CheckpointError(f"could not write checkpoint {path}: {why}")
         return self._failed
 
     def _remove_partial(self, step: int | None = None) -> None:
