@@ -23,8 +23,9 @@ TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head
             d_ff=48, max_seq_len=64, init_std=0.2)
 N_REF = 12  # new tokens of every reference generate (requests ask for at most this many)
 # 4 slots, pages of 4 positions, 24 usable pages (96 positions: fewer than 4 long requests
-# need, so the load preempts), chunks of at most 16 prompt tokens per step.
-ENGINE = dict(num_slots=4, num_pages=25, page_size=4, token_budget=20)
+# need, so the load preempts), chunks of at most 16 prompt tokens per step, page tables 8 or
+# 16 pages wide.
+ENGINE = dict(num_slots=4, num_pages=25, page_size=4, token_budget=20, min_context=32)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -259,7 +260,11 @@ def test_scanned_model_with_a_sliding_window_equals_generate():
     config = ModelConfig(**{**TINY, "scan_layers": True, "sliding_window": 6})
     init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
     model = config, decode.prepare(config, init(config, jax.random.key(1)))
-    engine = Engine(*model, num_slots=2, num_pages=12, page_size=8, token_budget=18)
+    engine = Engine(*model, num_slots=2, num_pages=12, page_size=8, token_budget=18,
+                    min_context=16)
+    assert engine.scheduler.widths == (2, 4, 8) and engine.scheduler.buckets == (16,)
+    assert engine.compile() == 3 * 2  # decode alone and with the chunk, at each width
+    engine.check_no_leaks()
     prompts = _prompts([37, 4, 11], seed=12)
     params = SamplingParams(max_tokens=N_REF)
     ids = [engine.add_request(p, params) for p in prompts]

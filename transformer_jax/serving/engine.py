@@ -42,7 +42,7 @@ from transformer_jax.serving.requests import (
     State,
     TokenEvent,
 )
-from transformer_jax.serving.scheduler import Scheduler
+from transformer_jax.serving.scheduler import MIN_CONTEXT, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,9 @@ class Engine:
       mesh: None (tensor-parallel serving is not implemented yet).
       prefix_caching: share full pages between requests with the same prefix.
       cache_dtype: the pages' storage dtype; the model's compute dtype by default.
+      min_context: the narrowest context (positions) a step attends over: each step reads its
+        rows' pages through a table of the smallest power-of-two width from this that holds
+        its longest row (``Scheduler``), one compiled shape per width.
 
     Raises:
       ValueError: for sizes out of range (naming them), or a mesh with a tensor axis above 1.
@@ -73,9 +76,11 @@ class Engine:
     def __init__(self, config: ModelConfig, weights_or_params: DecodeWeights | Params,
                  num_slots: int, num_pages: int, page_size: int, token_budget: int,
                  mesh: Mesh | None = None, *, prefix_caching: bool = True,
-                 cache_dtype: jnp.dtype | str | None = None) -> None:
+                 cache_dtype: jnp.dtype | str | None = None,
+                 min_context: int = MIN_CONTEXT) -> None:
         for name, value in (("num_slots", num_slots), ("num_pages", num_pages),
-                            ("page_size", page_size), ("token_budget", token_budget)):
+                            ("page_size", page_size), ("token_budget", token_budget),
+                            ("min_context", min_context)):
             if not is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if num_pages < 2:
@@ -106,7 +111,7 @@ class Engine:
         self._k, self._v = cache.k, cache.v
         self.cache_bytes = cache.nbytes
         self.scheduler = Scheduler(num_slots, num_pages, page_size, config.max_seq_len,
-                                   token_budget - num_slots, prefix_caching)
+                                   token_budget - num_slots, prefix_caching, min_context)
         self._lock = threading.Lock()
         self._pending: list[tuple[str, Any]] = []
         self._ids = itertools.count()
@@ -199,6 +204,38 @@ class Engine:
                 req.on_token(event)
         return events
 
+    def compile(self) -> int:
+        """Compiles the step programs a greedy load runs by running each once on idle rows
+        (which write only into the null page): decode alone and with each prefill bucket, at
+        every page-table width. Sampling steps compile on first use.
+
+        Returns:
+          The number of step shapes run.
+        """
+        sched = self.scheduler
+        b = sched.num_slots
+        shapes = []
+        for w in sched.widths:
+            decode = step_lib.DecodeRows(np.zeros(b, np.int32), np.zeros(b, np.int32),
+                                         np.zeros((b, w), np.int32))
+            shapes.append((decode, None))
+            for bucket in sched.buckets:
+                shapes.append((decode, step_lib.PrefillChunk(
+                    np.zeros((1, bucket), np.int32), np.zeros(1, np.int32),
+                    np.zeros((1, w), np.int32), np.zeros(1, np.int32))))
+        for decode_rows, chunk in shapes:
+            rows = b + (chunk is not None)
+            sampling = step_lib.RowSampling(
+                np.zeros((rows, 2), np.uint32), np.zeros(rows, np.int32),
+                np.zeros(rows, np.float32), np.full(rows, self.config.vocab_size, np.int32),
+                np.ones(rows, np.float32), np.zeros(rows, np.float32))
+            self._k, self._v, tokens, _ = step_lib.step_jit(
+                self.config, self.weights.params, self._k, self._v, decode_rows, chunk,
+                sampling, weights_out_first=self.weights.weights_out_first,
+                keys_transposed=self.keys_transposed, sampler=step_lib.Sampler())
+            jax.block_until_ready(tokens)
+        return len(shapes)
+
     def _apply_pending(self) -> list[tuple[Request, TokenEvent]]:
         with self._lock:
             pending, self._pending = self._pending, []
@@ -225,9 +262,13 @@ class Engine:
         done: dict[int, Completion] = {}
         steps = 0
         while not self.idle and (max_steps is None or steps < max_steps):
+            ran = self.steps
             for req, event in self._step():
                 if event.finish_reason is not None:
                     done[req.id] = req.completion()
+            if self.steps == ran and not self.scheduler.idle:  # the scheduler makes progress
+                raise RuntimeError(f"the engine cannot make progress: "
+                                   f"{self.scheduler.describe()}")
             steps += 1
         return done
 

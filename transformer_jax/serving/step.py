@@ -1,18 +1,20 @@
 """The engine's compiled step: the model's one forward over the paged cache, then sampling.
 
-One step is one jitted program with up to two calls of the same forward (``Transformer`` with a
+One step is one jitted program with one or two calls of the same forward (``Transformer`` with a
 ``PagedKVCache``, as ``decode.decode_step`` calls it with a ``KVCache``):
 
 - decode rows: one token for each of the engine's B slots ([B, 1] at each slot's position; a
   slot without a running request writes into the null page and its token is ignored);
-- a prefill chunk: up to C tokens of one prompt ([1, C], right-padded to a bucket of C), the LM
-  head at its last real token only (``logits_at``), whose logits give the prompt's first token
-  when the chunk ends it.
+- optionally a prefill chunk: up to C tokens of one prompt ([1, C], right-padded to a bucket of
+  C), the LM head at its last real token only (``logits_at``), whose logits give the prompt's
+  first token when the chunk ends it.
 
 Then every row's next token is drawn by ``sampling.sample_with_logprobs`` with that row's own
-settings and key ``fold_in(key, token index)``, as ``generate`` draws token i of a prompt. Which
-parts are present (``None`` for an absent one), the chunk's bucket and the sampler's switches are
-the compile-time shape of a step, so the engine compiles a small fixed set of programs.
+settings and key ``fold_in(key, token index)``, as ``generate`` draws token i of a prompt. The
+page-table width W, whether a chunk is present (``None`` when not), its bucket and the
+sampler's switches are the compile-time shape of a step, so the engine compiles a small fixed
+set of programs: widths x (1 + chunk buckets) for greedy loads. The decode rows are always
+there (idle when nothing decodes), which keeps that set small.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def sample_rows(logits: jax.Array, rows: RowSampling, sampler: Sampler
 
 
 def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
-                decode: DecodeRows | None, prefill: PrefillChunk | None, rows: RowSampling, *,
+                decode: DecodeRows, prefill: PrefillChunk | None, rows: RowSampling, *,
                 weights_out_first: bool, keys_transposed: bool, sampler: Sampler
                 ) -> tuple[Any, Any, jax.Array, jax.Array]:
     """One engine step (see the module docstring).
@@ -121,9 +123,9 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
       config: the model's config (static).
       params: the prepared weights (``DecodeWeights.params``).
       k_pages, v_pages: the cache's key and value pages (``PagedKVCache.k`` / ``.v``).
-      decode: the slots' decode rows, or None when no slot decodes.
+      decode: the slots' decode rows.
       prefill: the prefill chunk, or None.
-      rows: sampling settings of the R = B (if decode) + 1 (if prefill) rows.
+      rows: sampling settings of the R = B + 1 (with a chunk) rows.
       weights_out_first: static layout of ``params``.
       keys_transposed: static key layout of the pages.
       sampler: static sampling switches.
@@ -134,13 +136,11 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     model = decode_model(config, None, weights_out_first)
     cache = PagedKVCache(k=k_pages, v=v_pages, page_table=jnp.zeros((1, 1), jnp.int32),
                          lengths=jnp.zeros((1,), jnp.int32), keys_transposed=keys_transposed)
-    logits = []
-    if decode is not None:
-        cache = cache.with_table(decode.page_table, decode.positions)
-        out = model.apply({"params": params}, decode.tokens[:, None], decode.positions[:, None],
-                          cache=cache)
-        logits.append(out.logits[:, 0])
-        cache = out.cache
+    cache = cache.with_table(decode.page_table, decode.positions)
+    out = model.apply({"params": params}, decode.tokens[:, None], decode.positions[:, None],
+                      cache=cache)
+    logits = [out.logits[:, 0]]
+    cache = out.cache
     if prefill is not None:
         c = prefill.tokens.shape[1]
         positions = prefill.start[:, None] + jnp.arange(c, dtype=jnp.int32)
