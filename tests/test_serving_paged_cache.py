@@ -61,8 +61,9 @@ def _compare_fn(name):
         positions = prior[:, None] + jnp.arange(T, dtype=jnp.int32)
         attend = dict(window=s["window"], impl=s["impl"])
         want, contiguous = contiguous.attend(layer, q, k, v, positions, **attend)
-        got, paged = paged.attend(layer, q, k, v, positions, **attend)
-        return got, want, paged.layer(layer), contiguous.layer(layer)
+        got, gathered = paged.replace(view="gather").attend(layer, q, k, v, positions, **attend)
+        pooled, _ = paged.replace(view="pool").attend(layer, q, k, v, positions, **attend)
+        return (got, pooled), want, gathered.layer(layer), contiguous.layer(layer)
 
     _COMPARE[name] = (run, config, width, num_pages)
     return _COMPARE[name]
@@ -75,8 +76,9 @@ def _compare_fn(name):
        seed=st.integers(0, 2 ** 16))
 def test_paged_attention_equals_contiguous(structure, prior, chunk, seed):
     """Rows with their own prior lengths write a chunk (right-padded to T) and attend: the paged
-    cache (pages in a random order, a table wider than needed) gives the contiguous cache's
-    output at every real query, and its pages hold the same keys/values at every position."""
+    cache (pages in a random order, a table wider than needed), through either view (its pages
+    gathered, or the whole pool read in place), gives the contiguous cache's output at every
+    real query, and its pages hold the same keys/values at every position."""
     run, config, width, num_pages = _compare_fn(structure)
     page_size = STRUCTURES[structure]["page_size"]
     kv, n, h = config.n_kv_heads, config.n_heads, config.head_dim
@@ -90,13 +92,14 @@ def test_paged_attention_equals_contiguous(structure, prior, chunk, seed):
     def normal(*shape):
         return jnp.asarray(rng.normal(size=shape), jnp.float32)
 
-    got, want, (keys, values), (want_keys, want_values) = run(
+    (got, pooled), want, (keys, values), (want_keys, want_values) = run(
         table, np.asarray(prior, np.int32), normal(B, S_MAX, kv, h), normal(B, S_MAX, kv, h),
         normal(B, T, n, h), normal(B, T, kv, h), normal(B, T, kv, h))
     keys_axis = 3 if STRUCTURES[structure]["keys_transposed"] else 2
     for row, (length, c) in enumerate(zip(prior, chunk, strict=True)):
-        np.testing.assert_allclose(np.asarray(got[row, :c]), np.asarray(want[row, :c]),
-                                   rtol=1e-5, atol=1e-6)
+        for view in (got, pooled):
+            np.testing.assert_allclose(np.asarray(view[row, :c]), np.asarray(want[row, :c]),
+                                       rtol=1e-5, atol=1e-6)
         filled = np.arange(length + c)
         np.testing.assert_array_equal(np.asarray(values[row])[:, filled],
                                       np.asarray(want_values[row])[:, filled])
@@ -112,7 +115,7 @@ def test_writes_outside_a_rows_pages_go_to_the_null_page():
     cache = cache.with_table(np.asarray([[3, NULL_PAGE]]), np.asarray([0]))
     k = jnp.ones((1, 8, 2, 8))
     cache = cache.write(0, k, k, jnp.arange(8, dtype=jnp.int32)[None])
-    written = np.asarray(cache.v[0]).reshape(6, -1).any(axis=1)
+    written = np.asarray(cache.v[0]).swapaxes(0, 1).reshape(6, -1).any(axis=1)  # per page
     assert written.tolist() == [True, False, False, True, False, False]
 
 

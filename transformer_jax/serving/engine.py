@@ -68,6 +68,8 @@ class Engine:
       min_context: the narrowest context (positions) a step attends over: each step reads its
         rows' pages through a table of the smallest power-of-two width from this that holds
         its longest row (``Scheduler``), one compiled shape per width.
+      view: how attention reads the pages: ``"auto"``, ``"gather"`` or ``"pool"``
+        (``PagedKVCache``).
 
     Raises:
       ValueError: for sizes out of range (naming them), or a mesh with a tensor axis above 1.
@@ -77,7 +79,7 @@ class Engine:
                  num_slots: int, num_pages: int, page_size: int, token_budget: int,
                  mesh: Mesh | None = None, *, prefix_caching: bool = True,
                  cache_dtype: jnp.dtype | str | None = None,
-                 min_context: int = MIN_CONTEXT) -> None:
+                 min_context: int = MIN_CONTEXT, view: str = "auto") -> None:
         for name, value in (("num_slots", num_slots), ("num_pages", num_pages),
                             ("page_size", page_size), ("token_budget", token_budget),
                             ("min_context", min_context)):
@@ -107,7 +109,8 @@ class Engine:
         self.token_budget = token_budget
         self.keys_transposed = default_keys_transposed()
         cache = PagedKVCache.init(config, num_pages, page_size, dtype=cache_dtype,
-                                  keys_transposed=self.keys_transposed)
+                                  keys_transposed=self.keys_transposed, view=view)
+        self.view = view
         self._k, self._v = cache.k, cache.v
         self.cache_bytes = cache.nbytes
         self.scheduler = Scheduler(num_slots, num_pages, page_size, config.max_seq_len,
@@ -192,7 +195,7 @@ class Engine:
             self._k, self._v, tokens, logprobs = step_lib.step_jit(
                 self.config, self.weights.params, self._k, self._v, decode, prefill, rows,
                 weights_out_first=self.weights.weights_out_first,
-                keys_transposed=self.keys_transposed, sampler=sampler)
+                keys_transposed=self.keys_transposed, sampler=sampler, view=self.view)
             tokens, logprobs = jax.device_get((tokens, logprobs))
             self.step_seconds += time.perf_counter() - start
             self.steps += 1
@@ -232,7 +235,8 @@ class Engine:
             self._k, self._v, tokens, _ = step_lib.step_jit(
                 self.config, self.weights.params, self._k, self._v, decode_rows, chunk,
                 sampling, weights_out_first=self.weights.weights_out_first,
-                keys_transposed=self.keys_transposed, sampler=step_lib.Sampler())
+                keys_transposed=self.keys_transposed, sampler=step_lib.Sampler(),
+                view=self.view)
             jax.block_until_ready(tokens)
         return len(shapes)
 

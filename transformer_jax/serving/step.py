@@ -115,8 +115,8 @@ def sample_rows(logits: jax.Array, rows: RowSampling, sampler: Sampler
 
 def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                 decode: DecodeRows, prefill: PrefillChunk | None, rows: RowSampling, *,
-                weights_out_first: bool, keys_transposed: bool, sampler: Sampler
-                ) -> tuple[Any, Any, jax.Array, jax.Array]:
+                weights_out_first: bool, keys_transposed: bool, sampler: Sampler,
+                view: str = "auto") -> tuple[Any, Any, jax.Array, jax.Array]:
     """One engine step (see the module docstring).
 
     Args:
@@ -129,13 +129,15 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
       weights_out_first: static layout of ``params``.
       keys_transposed: static key layout of the pages.
       sampler: static sampling switches.
+      view: static; how attention reads the pages (``PagedKVCache.view``).
 
     Returns:
       (key pages, value pages, [R] int32 next tokens, [R] float32 their log-probabilities).
     """
     model = decode_model(config, None, weights_out_first)
     cache = PagedKVCache(k=k_pages, v=v_pages, page_table=jnp.zeros((1, 1), jnp.int32),
-                         lengths=jnp.zeros((1,), jnp.int32), keys_transposed=keys_transposed)
+                         lengths=jnp.zeros((1,), jnp.int32), keys_transposed=keys_transposed,
+                         view=view)
     cache = cache.with_table(decode.page_table, decode.positions)
     out = model.apply({"params": params}, decode.tokens[:, None], decode.positions[:, None],
                       cache=cache)
@@ -153,7 +155,7 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     return cache.k, cache.v, tokens, logprobs
 
 
-STEP_STATIC_ARGNAMES = ("config", "weights_out_first", "keys_transposed", "sampler")
+STEP_STATIC_ARGNAMES = ("config", "weights_out_first", "keys_transposed", "sampler", "view")
 
 
 def jit_step(**jit_options: Any) -> Any:
