@@ -139,10 +139,6 @@ class PagedKVCache:
         return self.replace(page_table=jnp.asarray(page_table, jnp.int32),
                             lengths=jnp.asarray(lengths, jnp.int32))
 
-    def _layer_pages(self, i: int | jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Layer i's key and value pools ([K, P, ps, H]; keys [K, H, P, ps] transposed)."""
-        return (self.k[i], self.v[i])
-
     def layer(self, i: int | jax.Array) -> tuple[jax.Array, jax.Array]:
         """Layer i's keys and values of every row, gathered through the page table.
 
@@ -208,7 +204,7 @@ class PagedKVCache:
         """Every row's queries against the whole pool of layer i, each seeing only the slots
         of its own pages at positions up to its own (``"pool"`` view)."""
         b, t, n, h = q.shape
-        k_pool, v_pool = self._layer_pages(i)
+        k_pool, v_pool = self.k[i], self.v[i]  # [K, P, ps, H] (keys [K, H, P, ps])
         kv, p, ps = v_pool.shape[0], v_pool.shape[1], v_pool.shape[2]
         # owner[b, page]: the page's index in row b's table, -1 for pages b does not hold (the
         # null page included: nobody holds it).
