@@ -27,10 +27,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from transformer_jax.config import ModelConfig
-from transformer_jax.decode import DecodeWeights, Params, prepare, tensor_shards
+from transformer_jax.decode import (
+    DecodeWeights,
+    Params,
+    check_tensor_parallel,
+    prepare,
+    tensor_shards,
+)
 from transformer_jax.kv_cache import default_keys_transposed
 from transformer_jax.prompts import is_int, validate_prompts
 from transformer_jax.serving import step as step_lib
@@ -62,7 +68,10 @@ class Engine:
       page_size: positions per page.
       token_budget: the most tokens one step runs: B decode rows plus a prefill chunk of up to
         ``token_budget - B`` tokens.
-      mesh: None (tensor-parallel serving is not implemented yet).
+      mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1), as ``generate``
+        takes it: each step runs tensor-parallel over it, every device holding its block of
+        the weights and K/T kv heads of every page (weights prepared for another mesh are an
+        error; ``DecodeWeights`` bring their own mesh when this is None).
       prefix_caching: share full pages between requests with the same prefix.
       cache_dtype: the pages' storage dtype; the model's compute dtype by default.
       min_context: the narrowest context (positions) a step attends over: each step reads its
@@ -72,7 +81,8 @@ class Engine:
         (``PagedKVCache``).
 
     Raises:
-      ValueError: for sizes out of range (naming them), or a mesh with a tensor axis above 1.
+      ValueError: for sizes out of range (naming them), or a mesh the model cannot be split
+        over (``decode.check_tensor_parallel``).
     """
 
     def __init__(self, config: ModelConfig, weights_or_params: DecodeWeights | Params,
@@ -96,15 +106,15 @@ class Engine:
             if weights_or_params.config != config:
                 raise ValueError("the DecodeWeights were prepared for a different config than "
                                  "the one given to Engine")
-            mesh = weights_or_params.mesh if mesh is None else mesh
-            weights = weights_or_params
+            if mesh is not None and mesh != weights_or_params.mesh:
+                raise ValueError("the DecodeWeights were prepared for another mesh; prepare "
+                                 "them with this one, or pass mesh=None to use theirs")
+            self.weights = weights_or_params
         else:
-            weights = None
-        if tensor_shards(mesh) > 1:
-            raise ValueError("Engine does not serve tensor-parallel yet: give mesh=None (or "
-                             "weights prepared without a mesh)")
+            self.weights = prepare(config, weights_or_params, mesh)
+        self.mesh = self.weights.mesh
+        check_tensor_parallel(config, tensor_shards(self.mesh))
         self.config = config
-        self.weights = weights or prepare(config, weights_or_params)
         self.page_size = page_size
         self.token_budget = token_budget
         self.keys_transposed = default_keys_transposed()
@@ -112,6 +122,9 @@ class Engine:
                                   keys_transposed=self.keys_transposed, view=view)
         self.view = view
         self._k, self._v = cache.k, cache.v
+        if tensor_shards(self.mesh) > 1:  # each device its K/T kv heads of every page
+            placed = NamedSharding(self.mesh, step_lib.page_spec(config))
+            self._k, self._v = jax.device_put((self._k, self._v), placed)
         self.cache_bytes = cache.nbytes
         self.scheduler = Scheduler(num_slots, num_pages, page_size, config.max_seq_len,
                                    token_budget - num_slots, prefix_caching, min_context)
@@ -195,7 +208,8 @@ class Engine:
             self._k, self._v, tokens, logprobs = step_lib.step_jit(
                 self.config, self.weights.params, self._k, self._v, decode, prefill, rows,
                 weights_out_first=self.weights.weights_out_first,
-                keys_transposed=self.keys_transposed, sampler=sampler, view=self.view)
+                keys_transposed=self.keys_transposed, sampler=sampler, view=self.view,
+                mesh=self.mesh)
             tokens, logprobs = jax.device_get((tokens, logprobs))
             self.step_seconds += time.perf_counter() - start
             self.steps += 1
@@ -236,7 +250,7 @@ class Engine:
                 self.config, self.weights.params, self._k, self._v, decode_rows, chunk,
                 sampling, weights_out_first=self.weights.weights_out_first,
                 keys_transposed=self.keys_transposed, sampler=step_lib.Sampler(),
-                view=self.view)
+                view=self.view, mesh=self.mesh)
             jax.block_until_ready(tokens)
         return len(shapes)
 

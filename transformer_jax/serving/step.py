@@ -14,21 +14,33 @@ settings and key ``fold_in(key, token index)``, as ``generate`` draws token i of
 page-table width W, whether a chunk is present (``None`` when not), its bucket and the
 sampler's switches are the compile-time shape of a step, so the engine compiles a small fixed
 set of programs: widths x (1 + chunk buckets) for greedy loads. The decode rows are always
-there (idle when nothing decodes), which keeps that set small.
+there (idle when nothing decodes), which keeps that set small. Over a mesh's tensor axis the
+step runs under ``shard_map`` as ``generate`` does, the pages split by kv head.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from transformer_jax import sampling
 from transformer_jax.config import ModelConfig
-from transformer_jax.decode import decode_model
+from transformer_jax.decode import (
+    TENSOR_AXIS,
+    TensorSplit,
+    decode_model,
+    tensor_shards,
+    vocab_is_split,
+    weight_specs,
+)
+from transformer_jax.layers import shard_config
 from transformer_jax.serving.paged_cache import PagedKVCache
 
 Params = dict[str, Any]
@@ -113,10 +125,17 @@ def sample_rows(logits: jax.Array, rows: RowSampling, sampler: Sampler
         min_p=rows.min_p if sampler.min_p else None)
 
 
+def page_spec(config: ModelConfig) -> P:
+    """The ``PartitionSpec`` of each layer's pages over a tensor-parallel mesh: split by kv
+    head, the pool's leading axis ([K, ...]; [L, K, ...] stacked), as the k/v projections."""
+    return P(None, TENSOR_AXIS) if config.scan_layers else P(TENSOR_AXIS)
+
+
 def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                 decode: DecodeRows, prefill: PrefillChunk | None, rows: RowSampling, *,
                 weights_out_first: bool, keys_transposed: bool, sampler: Sampler,
-                view: str = "auto") -> tuple[Any, Any, jax.Array, jax.Array]:
+                view: str = "auto", mesh: Mesh | None = None
+                ) -> tuple[Any, Any, jax.Array, jax.Array]:
     """One engine step (see the module docstring).
 
     Args:
@@ -130,11 +149,36 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
       keys_transposed: static key layout of the pages.
       sampler: static sampling switches.
       view: static; how attention reads the pages (``PagedKVCache.view``).
+      mesh: static; with a tensor axis of T > 1 the step runs under ``shard_map`` as
+        ``generate`` does: each device runs the forward on its block of every matrix and its
+        K/T kv heads of the pages (``page_spec``), the logits gathered whole, so every device
+        draws the same tokens.
 
     Returns:
       (key pages, value pages, [R] int32 next tokens, [R] float32 their log-probabilities).
     """
-    model = decode_model(config, None, weights_out_first)
+    run = functools.partial(_step, weights_out_first=weights_out_first,
+                            keys_transposed=keys_transposed, sampler=sampler, view=view)
+    shards = tensor_shards(mesh)
+    if shards == 1:
+        return run(config, params, k_pages, v_pages, decode, prefill, rows, split=None)
+    split = TensorSplit(TENSOR_AXIS, vocab_is_split(config, mesh))
+    local = shard_config(config, shards, vocab=split.vocab)
+    pages = page_spec(config)
+    return jax.shard_map(
+        functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
+        in_specs=(weight_specs(config, mesh, weights_out_first), pages, pages, P(),
+                  None if prefill is None else P(), P()),
+        out_specs=(pages, pages, P(), P()),
+    )(params, k_pages, v_pages, decode, prefill, rows)
+
+
+def _step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
+          decode: DecodeRows, prefill: PrefillChunk | None, rows: RowSampling, *,
+          split: TensorSplit | None, weights_out_first: bool, keys_transposed: bool,
+          sampler: Sampler, view: str) -> tuple[Any, Any, jax.Array, jax.Array]:
+    """``engine_step`` on one shard's weights and pages (all of them without a split)."""
+    model = decode_model(config, split, weights_out_first)
     cache = PagedKVCache(k=k_pages, v=v_pages, page_table=jnp.zeros((1, 1), jnp.int32),
                          lengths=jnp.zeros((1,), jnp.int32), keys_transposed=keys_transposed,
                          view=view)
@@ -155,7 +199,8 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     return cache.k, cache.v, tokens, logprobs
 
 
-STEP_STATIC_ARGNAMES = ("config", "weights_out_first", "keys_transposed", "sampler", "view")
+STEP_STATIC_ARGNAMES = ("config", "weights_out_first", "keys_transposed", "sampler", "view",
+                        "mesh")
 
 
 def jit_step(**jit_options: Any) -> Any:
