@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from transformer_jax import ops
 from transformer_jax.config import ModelConfig, RopeScaling
-from transformer_jax.kv_cache import KVCache
+from transformer_jax.kv_cache import Cache
 from transformer_jax.ops.attention import attention
 from transformer_jax.ops.dense import dense, out_first_shape
 
@@ -34,7 +34,7 @@ MATRIX_INPUT_AXES = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate":
 EMBEDDING_PARAM = "embedding"
 
 #: What a block passes to the next: the [B, T, D] residual stream and the cache (or None).
-Carry = tuple[jax.Array, KVCache | None]
+Carry = tuple[jax.Array, Cache | None]
 
 
 def _normal(std: float) -> nn.initializers.Initializer:
@@ -151,16 +151,17 @@ class Attention(nn.Module):
                           shape, self.param_dtype).astype(self.dtype)
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, cache: KVCache | None = None,
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: Cache | None = None,
                  layer: int | jax.Array = 0, segment_ids: jax.Array | None = None
-                 ) -> tuple[jax.Array, KVCache | None]:
+                 ) -> tuple[jax.Array, Cache | None]:
         """Self-attention of x over itself, or over the cache once x's keys are written in.
 
         Args:
           x: [B, T, D] normalised input.
           positions: [B, T] integer positions; with a cache, each row must be consecutive and
             its first entry is the slot the chunk is written at.
-          cache: optional ``KVCache``; this block reads and writes its layer ``layer``.
+          cache: optional ``Cache`` (a ``KVCache`` or a paged cache); this block reads and
+            writes its layer ``layer`` through ``cache.attend``.
           layer: this block's index in the cache (a traced index inside a layer scan).
           segment_ids: optional [B, T] packed-sequence ids (0 = padding); not with a cache.
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from transformer_jax import ops
 from transformer_jax.config import ModelConfig
-from transformer_jax.kv_cache import KVCache
+from transformer_jax.kv_cache import Cache
 from transformer_jax.layers import EMBEDDING_PARAM, Block, Embed, Norm, matrix
 from transformer_jax.ops.dense import dense
 
@@ -73,7 +73,7 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 cache: KVCache | None = None, segment_ids: jax.Array | None = None,
+                 cache: Cache | None = None, segment_ids: jax.Array | None = None,
                  logits_at: jax.Array | None = None, hidden_only: bool = False) -> Output:
         """Next-token logits for every position, or for one position per sequence.
 
@@ -81,7 +81,8 @@ class Transformer(nn.Module):
           tokens: [B, T] int token ids.
           positions: [B, T] int positions; default ``arange(T)``, or with a cache
             ``cache.lengths[:, None] + arange(T)`` (continue each sequence where it stopped).
-          cache: optional ``KVCache`` with S_max slots; the chunk's keys/values are written at
+          cache: optional cache (``KVCache`` with S_max slots, or another ``Cache`` such as
+            ``serving.PagedKVCache``); the chunk's keys/values are written at
             slots ``positions[:, 0] ..`` (which must stay below S_max), and queries attend to
             every slot up to their position.
           segment_ids: optional [B, T] ids of packed sequences (0 = padding), without a cache.

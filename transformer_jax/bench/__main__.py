@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-KINDS = ("train", "decode", "memory")
+KINDS = ("train", "decode", "memory", "serve")
 
 
 def describe(kind: str) -> str:

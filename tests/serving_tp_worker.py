@@ -1,0 +1,52 @@
+"""Subprocess side of ``test_serving_tp.py``: the engine on 1 and 2 simulated CPU devices.
+
+Run as ``python tests/serving_tp_worker.py`` with ``--xla_force_host_platform_device_count=2``
+(``multihost_worker.run_python`` sets it); prints one JSON line with, per case and tensor size,
+each request's tokens and log-probabilities and the shape of one device's block of the pages.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+
+from transformer_jax import sharding
+from transformer_jax.config import ModelConfig
+from transformer_jax.model import init_params
+from transformer_jax.serving import Engine, SamplingParams
+
+BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+            d_ff=48, max_seq_len=64, init_std=0.2)
+CASES = {"unrolled": {}, "scanned-window": dict(scan_layers=True, sliding_window=6)}
+PARAMS = [SamplingParams(max_tokens=8, logprobs=True), SamplingParams(max_tokens=6),
+          SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=5),
+          SamplingParams(max_tokens=5, stop_token_ids=(3,))]
+
+
+def run_case(overrides: dict) -> dict:
+    config = ModelConfig(**{**BASE, **overrides})
+    params = init_params(config, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 64, 8).tolist()
+    prompts = [shared + rng.integers(0, 64, n).tolist() for n in (3, 20, 9, 30)]
+    out = {}
+    for tensor in (1, 2):
+        mesh = None if tensor == 1 else sharding.make_mesh(
+            sharding.MeshConfig(data=1, fsdp=1, tensor=tensor), jax.devices()[:tensor])
+        engine = Engine(config, params, num_slots=2, num_pages=12, page_size=4,
+                        token_budget=18, mesh=mesh)
+        ids = [engine.add_request(p, s) for p, s in zip(prompts, PARAMS, strict=True)]
+        done = engine.run_until_idle()
+        engine.check_no_leaks()
+        leaf = jax.tree.leaves(engine._k)[0]
+        out[str(tensor)] = dict(
+            tokens=[done[i].tokens for i in ids], logprobs=[done[i].logprobs for i in ids],
+            preemptions=engine.scheduler.preemptions,
+            block=list(leaf.addressable_shards[0].data.shape), whole=list(leaf.shape))
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps({name: run_case(overrides) for name, overrides in CASES.items()}))

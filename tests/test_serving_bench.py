@@ -1,0 +1,50 @@
+"""bench serve: its latency figures on hand-made token times, its workloads, and one run of
+every mode on a one-layer model."""
+
+import json
+import math
+
+import pytest
+
+from transformer_jax.bench import serve
+
+
+def test_summary_figures_by_hand():
+    # Request 0 arrives at 1 s, gets tokens at 2, 3, 5 s; request 1 arrives at 0, one token at 4.
+    records = [{"arrival": 1.0, "times": [12.0, 13.0, 15.0]},
+               {"arrival": 0.0, "times": [14.0]}]
+    r = serve.summarize(records, start=10.0)
+    assert r["ttft_s"]["mean"] == pytest.approx((1 + 4) / 2)
+    assert r["tpot_s"]["median"] == pytest.approx(1.5)  # (15 - 12) / 2, request 0 only
+    assert r["itl_s"]["mean"] == pytest.approx(1.5) and r["itl_s"]["p99"] == pytest.approx(2.0)
+    assert r["e2e_s"]["p99"] == pytest.approx(4.0)
+    assert r["duration_s"] == pytest.approx(5.0)
+    assert r["output_token_throughput"] == pytest.approx(4 / 5)
+    assert r["request_throughput"] == pytest.approx(2 / 5)
+
+
+def test_workload_lengths_prefix_and_arrivals():
+    w = serve.make_workload(200, (20, 40), (3, 9), 4, rate=10.0, burstiness=1.0, vocab=50,
+                            seed=0, shared_prefix=16)
+    assert all(20 <= len(p) <= 40 and p[:16] == w.prompts[0][:16] for p in w.prompts)
+    assert set(w.max_tokens) <= {4, 8, 12}
+    assert w.arrivals == sorted(w.arrivals)
+    assert 200 / 10 * 0.7 < w.arrivals[-1] < 200 / 10 * 1.3  # mean gap 1 / rate
+    at_once = serve.make_workload(3, (2, 4), (1, 2), 1, math.inf, 1.0, 50, 0)
+    assert at_once.arrivals == [0.0, 0.0, 0.0]
+
+
+def test_every_mode_serves_every_token(tmp_path):
+    config = tmp_path / "one_layer.toml"
+    config.write_text("[model]\nvocab_size = 64\nd_model = 32\nn_layers = 1\nn_heads = 2\n"
+                      "d_ff = 32\nmax_seq_len = 32\n")
+    out = tmp_path / "serve.json"
+    modes = ("engine", "engine-noprefix", "one", "batch")
+    assert serve.main(["--config", str(config), "--requests", "3", "--input-len", "3,10",
+                       "--output-len", "2,4", "--output-multiple", "4", "--slots", "2",
+                       "--page-size", "8", "--token-budget", "18", "--modes", ",".join(modes),
+                       "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for mode in modes:
+        assert result["modes"][mode]["output_tokens"] == 3 * 4, mode
+    assert result["modes"]["engine"]["peak_running"] == 2

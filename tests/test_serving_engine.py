@@ -1,0 +1,274 @@
+"""The serving engine: every request served under concurrent load (mixed lengths, arrivals from
+another thread while others run, cancellations, preemption forced by a small pool, prefix hits)
+decodes what ``generate`` gives its prompt alone, token for token; seeded sampling is the same
+alone and under load; cancelling frees everything; requests that can never fit are refused.
+After every test the pool holds all its pages again."""
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+from helpers import FAST_COMPILE
+
+from transformer_jax import decode, generation
+from transformer_jax.config import ModelConfig
+from transformer_jax.model import init_params
+from transformer_jax.serving import Engine, SamplingParams, step
+from transformer_jax.serving.requests import State
+
+pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
+
+TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+            d_ff=48, max_seq_len=64, init_std=0.2)
+N_REF = 12  # new tokens of every reference generate (requests ask for at most this many)
+# 4 slots, pages of 4 positions, 24 usable pages (96 positions: fewer than 4 long requests
+# need, so the load preempts), chunks of at most 16 prompt tokens per step, page tables 8 or
+# 16 pages wide.
+ENGINE = dict(num_slots=4, num_pages=25, page_size=4, token_budget=20, min_context=32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_step_compiles():
+    """The engine's step compiles with ``FAST_COMPILE`` for this module."""
+    original = step.step_jit
+    step.step_jit = step.jit_step(compiler_options=FAST_COMPILE)
+    yield
+    step.step_jit = original
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = ModelConfig(**TINY)
+    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
+    return config, decode.prepare(config, init(config, jax.random.key(0)))
+
+
+@pytest.fixture(scope="module")
+def shared_engine(model):
+    return Engine(*model, **ENGINE)
+
+
+@pytest.fixture
+def engine(shared_engine):
+    """The module's engine; after the test it must be idle with every page back."""
+    yield shared_engine
+    assert shared_engine.idle
+    shared_engine.check_no_leaks()
+
+
+_REFERENCE: dict = {}
+
+
+def reference(model, prompt, params: SamplingParams) -> tuple[list[int], list[float]]:
+    """``generate`` on the prompt alone with the request's settings: N_REF tokens, cut at
+    max_tokens and after the first stop token (greedy and seeded draws do not depend on N)."""
+    config, weights = model
+    key = (config, tuple(prompt), params.temperature, params.top_k, params.top_p, params.min_p,
+           params.seed)
+    if key not in _REFERENCE:
+        out = generation.generate(config, weights, [prompt], max_new_tokens=N_REF,
+                                  temperature=params.temperature, top_k=params.top_k,
+                                  top_p=params.top_p, min_p=params.min_p, seed=[params.seed])
+        _REFERENCE[key] = (out.tokens[0], out.logprobs[0])
+    tokens, logprobs = _REFERENCE[key]
+    n = params.max_tokens
+    for i, tok in enumerate(tokens[:n]):
+        if tok in params.stop_token_ids:
+            n = i + 1
+            break
+    return tokens[:n], logprobs[:n]
+
+
+def _prompts(lengths, seed=0, prefix=()):
+    rng = np.random.default_rng(seed)
+    return [list(prefix) + rng.integers(0, TINY["vocab_size"], n).tolist() for n in lengths]
+
+
+class Collector:
+    """Each request's events, in the order its consumer got them."""
+
+    def __init__(self):
+        self.events = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, event):
+        with self.lock:
+            self.events.setdefault(event.request_id, []).append(event)
+
+    def tokens(self, rid):
+        return [e.token for e in self.events[rid] if e.token is not None]
+
+
+def _check_events(events, tokens, reason):
+    assert [e.index for e in events if e.token is not None] == list(range(len(tokens)))
+    assert [e.finish_reason for e in events[:-1]] == [None] * (len(events) - 1)
+    assert events[-1].finish_reason == reason
+
+
+# Greedy under load -------------------------------------------------------------------------------
+
+def test_greedy_under_load_equals_generate_alone(model, engine):
+    """Mixed prompt lengths (some sharing a 16-token prefix), stop tokens, arrivals from another
+    thread while others run, one cancellation mid-decode, and a pool small enough to preempt."""
+    shared = _prompts([16], seed=1)[0]
+    first = _prompts([41, 50, 3, 30], seed=2) + _prompts([9, 20], seed=3, prefix=shared)
+    later = _prompts([17, 5], seed=4) + _prompts([12], seed=5, prefix=shared)
+    params = {}
+    for i, (prompt, n) in enumerate(zip(first + later, (12, 12, 10, 12, 7, 9, 8, 11, 6),
+                                        strict=True)):
+        p = SamplingParams(max_tokens=n, logprobs=True)
+        if i in (5, 7):  # stop at the token the reference has at index 2
+            stop = reference(model, prompt, p)[0][2]
+            p = SamplingParams(max_tokens=p.max_tokens, stop_token_ids=(stop,), logprobs=True)
+        params[tuple(prompt)] = p
+    collect = Collector()
+    ids = {engine.add_request(p, params[tuple(p)], collect): p for p in first}
+    cancelled = list(ids)[2]  # the 3-token prompt, cancelled after 2 tokens
+    added = threading.Event()
+
+    def arrive():
+        for p in later:
+            ids[engine.add_request(p, params[tuple(p)], collect)] = p
+        added.set()
+
+    engine.step()
+    thread = threading.Thread(target=arrive)
+    thread.start()
+    preemptions = engine.scheduler.preemptions
+    while not (added.is_set() and engine.idle):
+        engine.step()
+        if len(collect.events.get(cancelled, [])) == 2:
+            engine.cancel(cancelled)
+    thread.join()
+
+    for rid, prompt in ids.items():
+        events = collect.events[rid]
+        want, want_logprobs = reference(model, prompt, params[tuple(prompt)])
+        got = collect.tokens(rid)
+        if rid == cancelled:
+            assert got == want[:2] and events[-1].finish_reason == "cancelled"
+            continue
+        assert got == want, (rid, len(prompt))
+        np.testing.assert_allclose([e.logprob for e in events], want_logprobs, atol=1e-4)
+        stops = params[tuple(prompt)].stop_token_ids
+        _check_events(events, got, "stop" if stops and got[-1] in stops else "length")
+    assert engine.scheduler.preemptions > preemptions
+    assert engine.scheduler.prefix.hits > 0
+
+
+def test_preemption_takes_the_newest_and_recomputes_it(model, engine):
+    """Two long requests outgrow the pool while decoding: the newer one is preempted (its pages
+    freed), recomputed from its prompt and its tokens, and both still equal generate."""
+    prompts = _prompts([40, 40], seed=6)
+    params = SamplingParams(max_tokens=N_REF)
+    old, new = (engine.add_request(p, params) for p in prompts)
+    done = engine.run_until_idle()
+    assert done[old].preemptions == 0 and done[new].preemptions >= 1
+    for rid, prompt in zip((old, new), prompts, strict=True):
+        assert done[rid].tokens == reference(model, prompt, params)[0]
+        assert done[rid].finish_reason == "length"
+
+
+def test_prefix_reuse_prefills_only_the_rest(model, engine):
+    """A prompt that extends a served one finds its full pages (6 pages of 4 = 24 positions)
+    and decodes what generate gives it."""
+    first = _prompts([24], seed=7)[0]
+    second = first + _prompts([10], seed=8)[0]
+    params = SamplingParams(max_tokens=6)
+    a = engine.add_request(first, params)
+    done = engine.run_until_idle()
+    b = engine.add_request(second, params)
+    done.update(engine.run_until_idle())
+    assert done[b].prefix_hit_tokens == 24
+    assert done[a].tokens == reference(model, first, params)[0]
+    assert done[b].tokens == reference(model, second, params)[0]
+
+
+# Sampling ----------------------------------------------------------------------------------------
+
+def test_seeded_sampling_is_the_same_alone_and_under_load(model, engine):
+    prompt = _prompts([13], seed=9)[0]
+    params = SamplingParams(max_tokens=N_REF, temperature=0.9, top_k=20, top_p=0.9, min_p=0.05,
+                            seed=1234)
+    rid = engine.add_request(prompt, params)
+    alone = engine.run_until_idle()[rid].tokens
+    others = [engine.add_request(p, SamplingParams(max_tokens=8, temperature=t, seed=s))
+              for p, t, s in zip(_prompts([7, 25, 18], seed=10), (0.0, 1.0, 0.7), (1, 2, 3),
+                                 strict=True)]
+    rid = engine.add_request(prompt, params)
+    done = engine.run_until_idle()
+    assert done[rid].tokens == alone
+    assert alone == reference(model, prompt, params)[0]
+    assert len(done) == 1 + len(others)
+    assert len(set(map(tuple, (done[o].tokens for o in others)))) > 1
+
+
+# Cancellation ------------------------------------------------------------------------------------
+
+def test_cancel_mid_prefill_waiting_and_mid_decode_frees_everything(engine):
+    long_prompt, short = _prompts([50, 6], seed=11)
+    collect = Collector()
+    rid = engine.add_request(long_prompt, SamplingParams(max_tokens=4), collect)
+    engine.step()  # its first 16-token chunk
+    req = engine.scheduler.prefilling
+    assert req is not None and req.id == rid and 0 < req.cached < len(long_prompt)
+    assert engine.pages_in_use > 0
+    waiting = engine.add_request(short, SamplingParams(max_tokens=4), collect)
+    engine.cancel(rid)
+    engine.cancel(waiting)
+    engine.step()
+    assert [e.finish_reason for e in collect.events[rid]] == ["cancelled"]
+    assert [e.finish_reason for e in collect.events[waiting]] == ["cancelled"]
+    assert engine.idle and engine.pages_in_use == 0
+
+    rid = engine.add_request(short, SamplingParams(max_tokens=10), collect)
+    while len(collect.events.get(rid, [])) < 3:
+        engine.step()
+    assert engine.scheduler.running[0].state == State.RUNNING
+    engine.cancel(rid)
+    engine.cancel(rid)  # twice is harmless, as is an unknown id
+    engine.cancel(10 ** 6)
+    assert engine.step() == [collect.events[rid][-1]]
+    assert collect.events[rid][-1].finish_reason == "cancelled"
+    assert len(collect.tokens(rid)) == 3 and engine.idle
+
+
+# Refusals ----------------------------------------------------------------------------------------
+
+def test_requests_that_can_never_fit_are_refused_naming_both_numbers(model, engine):
+    with pytest.raises(ValueError, match=r"70 positions .*max_seq_len 64"):
+        engine.add_request(list(range(60)), SamplingParams(max_tokens=10))
+    small = Engine(*model, num_slots=2, num_pages=4, page_size=4, token_budget=10)
+    with pytest.raises(ValueError, match=r"needs 4 pages .* pool's 3 pages"):
+        small.add_request(list(range(10)), SamplingParams(max_tokens=5))
+    small.add_request(list(range(8)), SamplingParams(max_tokens=5))  # 12 positions fit
+    with pytest.raises(ValueError, match="token id 64"):
+        engine.add_request([1, 64], SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request([1], SamplingParams(temperature=-1.0))
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request([1], SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="token_budget"):
+        Engine(*model, num_slots=4, num_pages=8, page_size=4, token_budget=4)
+    assert engine.idle
+
+
+def test_scanned_model_with_a_sliding_window_equals_generate():
+    """Stacked [L, ...] pages (a scanned model) and a sliding window shorter than the prompts:
+    a chunked long prompt and two short ones decode what generate gives each alone."""
+    config = ModelConfig(**{**TINY, "scan_layers": True, "sliding_window": 6})
+    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
+    model = config, decode.prepare(config, init(config, jax.random.key(1)))
+    engine = Engine(*model, num_slots=2, num_pages=12, page_size=8, token_budget=18,
+                    min_context=16)
+    assert engine.scheduler.widths == (2, 4, 8) and engine.scheduler.buckets == (16,)
+    assert engine.compile() == 3 * 2  # decode alone and with the chunk, at each width
+    engine.check_no_leaks()
+    prompts = _prompts([37, 4, 11], seed=12)
+    params = SamplingParams(max_tokens=N_REF)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = engine.run_until_idle()
+    for rid, prompt in zip(ids, prompts, strict=True):
+        assert done[rid].tokens == reference(model, prompt, params)[0]
+    engine.check_no_leaks()

@@ -1,0 +1,301 @@
+"""Serving benchmark: ``python -m transformer_jax.bench serve --config NAME``.
+
+Serves a stream of random requests (input and output lengths drawn from given ranges; all sent
+at once, or with Poisson or gamma arrivals at a given rate) with the ``serving.Engine``, and in
+the same run the way the library could before: ``generate`` on one request at a time, and
+``generate`` on fixed batches of the slot count as requests arrive. For each it reports time to
+first token (TTFT), time per output token (TPOT, ``(E2E - TTFT) / (tokens - 1)``), inter-token
+latency (ITL) and end-to-end latency (E2E) as mean, median and p99, request and output-token
+throughput; for the engine also the peak of running sequences and of pages in use, and how many
+sequences contiguous slots of the same KV memory would hold (each reserving the model's whole
+context). It prints the ratios; ``--json`` writes everything.
+
+Every program is compiled before the clock starts (the engine's step shapes, one ``generate``
+per request shape), on random weights of the config; outputs are greedy with no stop token, so
+each request produces exactly its drawn number of tokens in every mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from transformer_jax import decode, generation
+from transformer_jax import prompts as prompt_lib
+from transformer_jax.config import ModelConfig
+from transformer_jax.model import init_params
+from transformer_jax.serving import Engine, SamplingParams
+
+
+@dataclasses.dataclass
+class Workload:
+    """Requests to serve: prompts, their ``max_tokens`` and arrival offsets in seconds."""
+
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    arrivals: list[float]
+
+
+def make_workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                  output_multiple: int, rate: float, burstiness: float, vocab: int,
+                  seed: int, shared_prefix: int = 0) -> Workload:
+    """n random requests; arrivals all at 0 (``rate`` inf) or with gamma(burstiness) gaps of
+    mean 1/rate (burstiness 1 is Poisson); with ``shared_prefix`` every prompt starts with the
+    same tokens (counted in its input length)."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, vocab, shared_prefix).tolist()
+    prompts = [prefix + rng.integers(0, vocab, int(rng.integers(*input_len, endpoint=True))
+                                     - shared_prefix).tolist() for _ in range(n)]
+    outs = rng.integers(*output_len, size=n, endpoint=True)
+    outs = [int(math.ceil(o / output_multiple) * output_multiple) for o in outs]
+    if math.isinf(rate):
+        arrivals = [0.0] * n
+    else:
+        gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), n)
+        arrivals = np.cumsum(gaps).tolist()
+    return Workload(prompts, outs, arrivals)
+
+
+def _record(arrival: float) -> dict[str, Any]:
+    return {"arrival": arrival, "times": []}
+
+
+def summarize(records: list[dict[str, Any]], start: float) -> dict[str, Any]:
+    """Latency percentiles and throughputs of per-request token times (absolute seconds)."""
+    def stats(xs: list[float]) -> dict[str, float]:
+        xs = sorted(xs) or [0.0]
+        return {"mean": statistics.fmean(xs), "median": statistics.median(xs),
+                "p99": xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]}
+
+    ttft, tpot, itl, e2e = [], [], [], []
+    for r in records:
+        t = r["times"]
+        arrival = start + r["arrival"]
+        ttft.append(t[0] - arrival)
+        e2e.append(t[-1] - arrival)
+        if len(t) > 1:
+            tpot.append((t[-1] - t[0]) / (len(t) - 1))
+            itl += np.diff(t).tolist()
+    end = max(r["times"][-1] for r in records)
+    tokens = sum(len(r["times"]) for r in records)
+    return {"ttft_s": stats(ttft), "tpot_s": stats(tpot), "itl_s": stats(itl),
+            "e2e_s": stats(e2e), "duration_s": end - start, "output_tokens": tokens,
+            "request_throughput": len(records) / (end - start),
+            "output_token_throughput": tokens / (end - start)}
+
+
+def _wait_until(t: float) -> None:
+    delay = t - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+# Modes -------------------------------------------------------------------------------------------
+
+def run_engine(engine: Engine, work: Workload) -> dict[str, Any]:
+    """Serves ``work`` with the engine in real time; token times from its consumers."""
+    records = [_record(a) for a in work.arrivals]
+    order = sorted(range(len(records)), key=lambda i: work.arrivals[i])
+    peak_running = peak_pages = 0
+    start = time.perf_counter()
+    nxt = 0
+    while nxt < len(order) or not engine.idle:
+        now = time.perf_counter() - start
+        while nxt < len(order) and work.arrivals[order[nxt]] <= now:
+            i = order[nxt]
+            engine.add_request(work.prompts[i], SamplingParams(max_tokens=work.max_tokens[i]),
+                               lambda e, r=records[i]: r["times"].append(time.perf_counter()))
+            nxt += 1
+        if engine.idle:
+            _wait_until(start + work.arrivals[order[nxt]])
+            continue
+        engine.step()
+        sched = engine.scheduler
+        peak_running = max(peak_running,
+                           len(sched.running) + (sched.prefilling is not None))
+        peak_pages = max(peak_pages, engine.pages_in_use)
+    out = summarize(records, start)
+    out.update(peak_running=peak_running, peak_pages=peak_pages, steps=engine.steps,
+               preemptions=engine.scheduler.preemptions,
+               prefix_hit_pages=engine.scheduler.prefix.hits)
+    return out
+
+
+def _generate(config: ModelConfig, weights: decode.DecodeWeights, prompts: list[list[int]],
+              n: int, records: list[dict[str, Any]], wanted: list[int]) -> None:
+    """``generate`` on a batch, each step's host time recorded for the rows that want it."""
+    def stream(step: int, tokens: np.ndarray, active: np.ndarray) -> None:
+        now = time.perf_counter()
+        for r, w in zip(records, wanted, strict=True):
+            if step < w:
+                r["times"].append(now)
+
+    generation.generate(config, weights, prompts, max_new_tokens=n, stream=stream)
+
+
+def run_one_at_a_time(config: ModelConfig, weights: decode.DecodeWeights, work: Workload
+                      ) -> dict[str, Any]:
+    """``generate`` on each request alone, in arrival order, each once it has arrived."""
+    records = [_record(a) for a in work.arrivals]
+    start = time.perf_counter()
+    for i in sorted(range(len(records)), key=lambda i: work.arrivals[i]):
+        _wait_until(start + work.arrivals[i])
+        _generate(config, weights, [work.prompts[i]], work.max_tokens[i], [records[i]],
+                  [work.max_tokens[i]])
+    return summarize(records, start)
+
+
+def run_fixed_batches(config: ModelConfig, weights: decode.DecodeWeights, work: Workload,
+                      batch: int) -> dict[str, Any]:
+    """``generate`` on batches of ``batch`` requests in arrival order, each batch once its
+    last request has arrived, run until its longest request is done."""
+    records = [_record(a) for a in work.arrivals]
+    order = sorted(range(len(records)), key=lambda i: work.arrivals[i])
+    start = time.perf_counter()
+    for group in _batches(order, batch):
+        _wait_until(start + max(work.arrivals[i] for i in group))
+        _generate(config, weights, [work.prompts[i] for i in group],
+                  max(work.max_tokens[i] for i in group), [records[i] for i in group],
+                  [work.max_tokens[i] for i in group])
+    return summarize(records, start)
+
+
+def _batches(order: list[int], batch: int) -> list[list[int]]:
+    return [order[i:i + batch] for i in range(0, len(order), batch)]
+
+
+def compile_generate(config: ModelConfig, weights: decode.DecodeWeights, work: Workload,
+                     batch: int) -> int:
+    """Runs ``generate`` once on every (batch, prompt bucket, new tokens) shape the baselines
+    will run, so their timed runs do not compile; returns the number of shapes."""
+    shapes = set()
+    order = sorted(range(len(work.prompts)), key=lambda i: work.arrivals[i])
+    for i in order:
+        shapes.add((1, prompt_lib.prompt_bucket(len(work.prompts[i])), work.max_tokens[i]))
+    for group in _batches(order, batch):
+        longest = max(len(work.prompts[i]) for i in group)
+        shapes.add((len(group), prompt_lib.prompt_bucket(longest),
+                    max(work.max_tokens[i] for i in group)))
+    for b, bucket, n in sorted(shapes):
+        generation.generate(config, weights, [[0] * bucket] * b, max_new_tokens=n,
+                            stream=lambda *_: None)
+    return len(shapes)
+
+
+# CLI ---------------------------------------------------------------------------------------------
+
+def _range(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    return lo, hi
+
+
+def _line(name: str, r: dict[str, Any]) -> str:
+    ms = {k: r[k] for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s")}
+    cells = "  ".join(f"{k[:-2].upper()} {v['mean'] * 1e3:7.1f}/{v['median'] * 1e3:7.1f}/"
+                      f"{v['p99'] * 1e3:7.1f}" for k, v in ms.items())
+    return (f"{name:<16} {r['output_token_throughput']:8.1f} tok/s  "
+            f"{r['request_throughput']:6.2f} req/s  {cells}")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m transformer_jax.bench serve",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="decode_25m", help="preset name or TOML path")
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--input-len", type=_range, default=(16, 256), metavar="MIN,MAX")
+    parser.add_argument("--output-len", type=_range, default=(16, 64), metavar="MIN,MAX")
+    parser.add_argument("--output-multiple", type=int, default=16,
+                        help="round output lengths up to a multiple (fewer generate shapes)")
+    parser.add_argument("--rate", type=float, default=math.inf,
+                        help="requests per second (inf: all at once)")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="gamma shape of the arrival gaps (1: Poisson)")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens every prompt starts with")
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--pages", type=int, default=0,
+                        help="pages in the pool (0: enough for every slot at its longest)")
+    parser.add_argument("--token-budget", type=int, default=264)
+    parser.add_argument("--modes", default="engine,one,batch",
+                        help="comma list of engine, one (generate one at a time), batch "
+                             "(generate in fixed batches), engine-noprefix")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write the results to this file")
+    args = parser.parse_args(argv)
+
+    config = ModelConfig.preset(args.config)
+    work = make_workload(args.requests, args.input_len, args.output_len, args.output_multiple,
+                         args.rate, args.burstiness, config.vocab_size, args.seed,
+                         args.shared_prefix)
+    weights = decode.prepare(config, init_params(config, jax.random.key(args.seed)))
+    longest = max(len(p) + n for p, n in zip(work.prompts, work.max_tokens, strict=True))
+    pages = args.pages or 1 + args.slots * -(-longest // args.page_size)
+    modes = args.modes.split(",")
+    result: dict[str, Any] = {
+        "config": args.config, "dtype": config.dtype, "device": jax.devices()[0].device_kind,
+        "backend": jax.default_backend(), "host": platform.node(),
+        "load_avg": os.getloadavg(), "args": {k: (str(v) if isinstance(v, float) and
+                                                  math.isinf(v) else v)
+                                              for k, v in vars(args).items()},
+        "pages": pages, "modes": {}}
+    print(f"{args.config} ({config.dtype}, {jax.default_backend()}): {args.requests} requests, "
+          f"inputs {args.input_len}, outputs {args.output_len}, rate {args.rate}/s; "
+          f"{args.slots} slots, {pages} pages of {args.page_size}, budget {args.token_budget}")
+    for mode in modes:
+        if mode.startswith("engine"):
+            engine = Engine(config, weights, args.slots, pages, args.page_size,
+                            args.token_budget, prefix_caching=mode == "engine")
+            t = time.perf_counter()
+            n = engine.compile()
+            print(f"  compiled {n} engine step shapes in {time.perf_counter() - t:.1f} s")
+            engine.steps = 0
+            r = run_engine(engine, work)
+            contiguous = (pages - 1) * args.page_size // config.max_seq_len
+            r.update(cache_bytes=engine.cache_bytes, contiguous_slots_same_memory=contiguous)
+        elif mode == "one":
+            t = time.perf_counter()
+            n = compile_generate(config, weights, work, args.slots)
+            print(f"  compiled {n} generate shapes in {time.perf_counter() - t:.1f} s")
+            r = run_one_at_a_time(config, weights, work)
+        elif mode == "batch":
+            compile_generate(config, weights, work, args.slots)
+            r = run_fixed_batches(config, weights, work, args.slots)
+        else:
+            print(f"error: unknown mode {mode!r}", file=sys.stderr)
+            return 2
+        result["modes"][mode] = r
+        print(_line(mode, r))
+        if mode.startswith("engine"):
+            print(f"{'':16} peak {r['peak_running']} running, {r['peak_pages']} of {pages - 1} "
+                  f"pages; contiguous slots of the same memory: "
+                  f"{r['contiguous_slots_same_memory']}; {r['steps']} steps, "
+                  f"{r['preemptions']} preemptions, {r['prefix_hit_pages']} prefix-hit pages")
+    got = result["modes"]
+    if "engine" in got:
+        for other in ("one", "batch", "engine-noprefix"):
+            if other in got:
+                tput = got["engine"]["output_token_throughput"] / \
+                    got[other]["output_token_throughput"]
+                ttft = got[other]["ttft_s"]["median"] / got["engine"]["ttft_s"]["median"]
+                print(f"engine vs {other}: {tput:.2f}x output tokens/s, {ttft:.2f}x lower "
+                      f"median TTFT")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,312 @@
+"""The serving engine: continuous batching over a paged KV cache, one compiled step at a time.
+
+``Engine`` owns a model's prepared weights, B sequence slots and a pool of KV pages.
+``add_request`` and ``cancel`` may be called from any thread: they are queued under a lock and
+applied between steps. Each ``step`` runs one compiled program (``step.py``): a decode token for
+every running sequence and, within the token budget, a chunk of a waiting prompt (long prompts
+go in over several steps, so they do not stall the running sequences); then each new token goes
+to its request's consumer. The scheduling (slots, pages, preemption, prefix reuse) is
+``scheduler.py``'s.
+
+A request decodes what ``generation.generate`` gives its prompt alone: the same forward, the
+same sampling functions and draws (its key is ``generate(..., seed=[seed])``'s, token i drawn
+with ``fold_in(key, i)``), the same prompt validation. A request that can never fit is refused
+when it is added; one that does not fit now waits, and one that runs out of pages while decoding
+preempts the newest request (which is recomputed later) instead of failing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from transformer_jax.config import ModelConfig
+from transformer_jax.decode import (
+    DecodeWeights,
+    Params,
+    check_tensor_parallel,
+    prepare,
+    tensor_shards,
+)
+from transformer_jax.kv_cache import default_keys_transposed
+from transformer_jax.prompts import is_int, validate_prompts
+from transformer_jax.serving import step as step_lib
+from transformer_jax.serving.paged_cache import PagedKVCache, pages_for
+from transformer_jax.serving.requests import (
+    Completion,
+    Request,
+    SamplingParams,
+    State,
+    TokenEvent,
+)
+from transformer_jax.serving.scheduler import MIN_CONTEXT, Scheduler
+
+logger = logging.getLogger(__name__)
+
+TokenCallback = Callable[[TokenEvent], Any]
+
+
+class Engine:
+    """Serves requests with continuous batching over a paged KV cache.
+
+    Args:
+      config: the model's config.
+      weights_or_params: ``DecodeWeights`` from ``decode.prepare`` (for this config), or the
+        model's parameters (prepared here once).
+      num_slots: B, the most sequences decoded at once.
+      num_pages: P pages in the pool, page 0 included (the null page); the pool holds
+        ``(P - 1) * page_size`` positions of every layer.
+      page_size: positions per page.
+      token_budget: the most tokens one step runs: B decode rows plus a prefill chunk of up to
+        ``token_budget - B`` tokens.
+      mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1), as ``generate``
+        takes it: each step runs tensor-parallel over it, every device holding its block of
+        the weights and K/T kv heads of every page (weights prepared for another mesh are an
+        error; ``DecodeWeights`` bring their own mesh when this is None).
+      prefix_caching: share full pages between requests with the same prefix.
+      cache_dtype: the pages' storage dtype; the model's compute dtype by default.
+      min_context: the narrowest context (positions) a step attends over: each step reads its
+        rows' pages through a table of the smallest power-of-two width from this that holds
+        its longest row (``Scheduler``), one compiled shape per width.
+      view: how attention reads the pages: ``"auto"``, ``"gather"`` or ``"pool"``
+        (``PagedKVCache``).
+
+    Raises:
+      ValueError: for sizes out of range (naming them), or a mesh the model cannot be split
+        over (``decode.check_tensor_parallel``).
+    """
+
+    def __init__(self, config: ModelConfig, weights_or_params: DecodeWeights | Params,
+                 num_slots: int, num_pages: int, page_size: int, token_budget: int,
+                 mesh: Mesh | None = None, *, prefix_caching: bool = True,
+                 cache_dtype: jnp.dtype | str | None = None,
+                 min_context: int = MIN_CONTEXT, view: str = "auto") -> None:
+        for name, value in (("num_slots", num_slots), ("num_pages", num_pages),
+                            ("page_size", page_size), ("token_budget", token_budget),
+                            ("min_context", min_context)):
+            if not is_int(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (page 0 is the null page), got "
+                             f"{num_pages}")
+        if token_budget <= num_slots:
+            raise ValueError(f"token_budget ({token_budget}) must exceed num_slots "
+                             f"({num_slots}): each step decodes one token per slot and "
+                             "prefills with the rest")
+        if isinstance(weights_or_params, DecodeWeights):
+            if weights_or_params.config != config:
+                raise ValueError("the DecodeWeights were prepared for a different config than "
+                                 "the one given to Engine")
+            if mesh is not None and mesh != weights_or_params.mesh:
+                raise ValueError("the DecodeWeights were prepared for another mesh; prepare "
+                                 "them with this one, or pass mesh=None to use theirs")
+            self.weights = weights_or_params
+        else:
+            self.weights = prepare(config, weights_or_params, mesh)
+        self.mesh = self.weights.mesh
+        check_tensor_parallel(config, tensor_shards(self.mesh))
+        self.config = config
+        self.page_size = page_size
+        self.token_budget = token_budget
+        self.keys_transposed = default_keys_transposed()
+        cache = PagedKVCache.init(config, num_pages, page_size, dtype=cache_dtype,
+                                  keys_transposed=self.keys_transposed, view=view)
+        self.view = view
+        self._k, self._v = cache.k, cache.v
+        if tensor_shards(self.mesh) > 1:  # each device its K/T kv heads of every page
+            placed = NamedSharding(self.mesh, step_lib.page_spec(config))
+            self._k, self._v = jax.device_put((self._k, self._v), placed)
+        self.cache_bytes = cache.nbytes
+        self.scheduler = Scheduler(num_slots, num_pages, page_size, config.max_seq_len,
+                                   token_budget - num_slots, prefix_caching, min_context)
+        self._lock = threading.Lock()
+        self._pending: list[tuple[str, Any]] = []
+        self._ids = itertools.count()
+        self._requests: dict[int, Request] = {}
+        self.steps = 0
+        self.step_seconds = 0.0
+
+    # Thread-safe requests --------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                    on_token: TokenCallback | None = None) -> int:
+        """Queues a request (callable from any thread; it joins at the next step).
+
+        Args:
+          prompt_ids: the prompt's token ids (non-empty, in [0, V)).
+          params: its ``SamplingParams`` (default greedy, 16 tokens).
+          on_token: called with each ``TokenEvent`` on the thread running ``step``, as soon as
+            the step that made the token ends.
+
+        Returns:
+          The request's id.
+
+        Raises:
+          ValueError: for a bad prompt or setting, or a request that can never fit: prompt +
+            max_tokens above the model's context, or its pages above the whole pool.
+        """
+        params = params or SamplingParams()
+        (prompt,) = validate_prompts([prompt_ids], self.config.vocab_size)
+        params.validate(self.config.vocab_size)
+        self.check_fits(len(prompt), params.max_tokens)
+        with self._lock:
+            rid = next(self._ids)
+            self._pending.append(("add", Request.new(rid, prompt, params, on_token)))
+        return rid
+
+    def cancel(self, request_id: int) -> None:
+        """Cancels a request (callable from any thread; applied before the next step): its
+        pages and slot are given back, and its consumer gets a last event, reason
+        ``"cancelled"``. Unknown or finished ids are ignored."""
+        with self._lock:
+            self._pending.append(("cancel", request_id))
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Raises ValueError unless a request of this size can ever be served."""
+        total = prompt_len + max_tokens
+        if total > self.config.max_seq_len:
+            raise ValueError(f"the request needs {total} positions (prompt {prompt_len} + "
+                             f"max_tokens {max_tokens}), more than the model's max_seq_len "
+                             f"{self.config.max_seq_len}")
+        # The last new token is never written into the cache.
+        pages = pages_for(total - 1, self.page_size)
+        capacity = self.scheduler.pool.capacity
+        if pages > capacity:
+            raise ValueError(f"the request needs {pages} pages of {self.page_size} positions "
+                             f"(prompt {prompt_len} + max_tokens {max_tokens}), more than the "
+                             f"whole pool's {capacity} pages")
+
+    # Steps -----------------------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        """No request waiting, prefilling or running, and none queued to be added."""
+        with self._lock:
+            return not self._pending and self.scheduler.idle
+
+    def step(self) -> list[TokenEvent]:
+        """Applies the queued adds and cancels, runs one compiled step and delivers its
+        tokens; returns the events of this step (empty when there was nothing to run)."""
+        return [event for _, event in self._step()]
+
+    def _step(self) -> list[tuple[Request, TokenEvent]]:
+        events = self._apply_pending()
+        sched = self.scheduler
+        plan = sched.schedule()
+        if plan is not None:
+            decode, prefill, rows, sampler = sched.inputs(plan, self.config.vocab_size)
+            start = time.perf_counter()
+            self._k, self._v, tokens, logprobs = step_lib.step_jit(
+                self.config, self.weights.params, self._k, self._v, decode, prefill, rows,
+                weights_out_first=self.weights.weights_out_first,
+                keys_transposed=self.keys_transposed, sampler=sampler, view=self.view,
+                mesh=self.mesh)
+            tokens, logprobs = jax.device_get((tokens, logprobs))
+            self.step_seconds += time.perf_counter() - start
+            self.steps += 1
+            events += sched.commit(plan, np.asarray(tokens), np.asarray(logprobs))
+        for req, event in events:
+            if req.state == State.FINISHED:
+                self._requests.pop(req.id, None)
+            if req.on_token is not None:
+                req.on_token(event)
+        return events
+
+    def compile(self) -> int:
+        """Compiles the step programs a greedy load runs by running each once on idle rows
+        (which write only into the null page): decode alone and with each prefill bucket, at
+        every page-table width. Sampling steps compile on first use.
+
+        Returns:
+          The number of step shapes run.
+        """
+        sched = self.scheduler
+        b = sched.num_slots
+        shapes = []
+        for w in sched.widths:
+            decode = step_lib.DecodeRows(np.zeros(b, np.int32), np.zeros(b, np.int32),
+                                         np.zeros((b, w), np.int32))
+            shapes.append((decode, None))
+            for bucket in sched.buckets:
+                shapes.append((decode, step_lib.PrefillChunk(
+                    np.zeros((1, bucket), np.int32), np.zeros(1, np.int32),
+                    np.zeros((1, w), np.int32), np.zeros(1, np.int32))))
+        for decode_rows, chunk in shapes:
+            rows = b + (chunk is not None)
+            sampling = step_lib.RowSampling(
+                np.zeros((rows, 2), np.uint32), np.zeros(rows, np.int32),
+                np.zeros(rows, np.float32), np.full(rows, self.config.vocab_size, np.int32),
+                np.ones(rows, np.float32), np.zeros(rows, np.float32))
+            self._k, self._v, tokens, _ = step_lib.step_jit(
+                self.config, self.weights.params, self._k, self._v, decode_rows, chunk,
+                sampling, weights_out_first=self.weights.weights_out_first,
+                keys_transposed=self.keys_transposed, sampler=step_lib.Sampler(),
+                view=self.view, mesh=self.mesh)
+            jax.block_until_ready(tokens)
+        return len(shapes)
+
+    def _apply_pending(self) -> list[tuple[Request, TokenEvent]]:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        events = []
+        for kind, item in pending:
+            if kind == "add":
+                self._requests[item.id] = item
+                self.scheduler.submit(item)
+                continue
+            req = self._requests.pop(item, None)
+            if req is None or req.state == State.FINISHED:
+                continue
+            self.scheduler.cancel(req)
+            events.append((req, TokenEvent(req.id, None, req.num_new,
+                                           finish_reason="cancelled")))
+        return events
+
+    def run_until_idle(self, max_steps: int | None = None) -> dict[int, Completion]:
+        """Steps until no request is left (or ``max_steps`` steps ran).
+
+        Returns:
+          {request id: ``Completion``} of the requests that finished meanwhile.
+        """
+        done: dict[int, Completion] = {}
+        steps = 0
+        while not self.idle and (max_steps is None or steps < max_steps):
+            ran = self.steps
+            for req, event in self._step():
+                if event.finish_reason is not None:
+                    done[req.id] = req.completion()
+            if self.steps == ran and not self.scheduler.idle:  # the scheduler makes progress
+                raise RuntimeError(f"the engine cannot make progress: "
+                                   f"{self.scheduler.describe()}")
+            steps += 1
+        return done
+
+    # Introspection ---------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def pages_in_use(self) -> int:
+        """Pages held by requests (parked prefix pages not counted)."""
+        return len(self.scheduler.pool.held())
+
+    def check_no_leaks(self) -> None:
+        """Raises AssertionError unless an idle engine holds no page: every page is free or
+        parked in the prefix cache, and no slot is taken."""
+        sched = self.scheduler
+        held = sched.pool.held()
+        free = sched.prefix.num_available
+        if held or free != sched.pool.capacity or any(s is not None for s in sched.slots):
+            raise AssertionError(f"pages leaked: held {held}, {free} of "
+                                 f"{sched.pool.capacity} available, slots {sched.slots}")

@@ -1,0 +1,160 @@
+"""What a request is: its sampling parameters, its state in the engine, and what it emits.
+
+``SamplingParams`` are validated by the same checks as ``generation.generate``'s arguments
+(``decode.SamplingSettings.validate``, ``prompts.validate_prompts``); a request's PRNG key is
+``prompts.sequence_keys([seed], 1)``, the key ``generate(..., seed=[seed])`` gives that prompt,
+and its token i is drawn with ``fold_in(key, i)`` as there, so a request samples the same
+whatever else the engine runs beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from transformer_jax.decode import SamplingSettings
+from transformer_jax.prompts import is_int, sequence_keys
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings.
+
+    Attributes:
+      max_tokens: the most new tokens (> 0); the request finishes with reason ``"length"``
+        when it has them.
+      stop_token_ids: ids that end the request (reason ``"stop"``); the stop token is part of
+        the output, as in ``generate``.
+      temperature: >= 0; 0 is greedy.
+      top_k: None or k in [1, V].
+      top_p: None or p in (0, 1].
+      min_p: None or a value in [0, 1].
+      seed: the request's own PRNG seed, an int in [0, 2**32) (token i is drawn with
+        ``fold_in(key(seed), i)``, as ``generate(..., seed=[seed])`` draws it).
+      logprobs: whether each ``TokenEvent`` carries the token's log-probability.
+    """
+
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int = 0
+    logprobs: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        """Raises ValueError naming the first setting out of range for V tokens."""
+        if not is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if not is_int(self.seed) or not 0 <= self.seed < 2 ** 32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
+        self.settings().validate(vocab_size)
+
+    def settings(self) -> SamplingSettings:
+        """The same settings as ``generate`` takes them."""
+        return SamplingSettings(temperature=self.temperature, top_k=self.top_k,
+                                top_p=self.top_p, min_p=self.min_p,
+                                stop_tokens=tuple(self.stop_token_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """What a request's consumer receives after each step that concerns it.
+
+    Attributes:
+      request_id: the id ``Engine.add_request`` returned.
+      token: the new token id, or None for an event that only ends the request (cancelled).
+      index: the token's index among the request's new tokens (0 first).
+      logprob: its log-probability under the model's raw softmax, when the request asked.
+      finish_reason: None while the request runs; ``"stop"`` (a stop token, included),
+        ``"length"`` (``max_tokens`` reached) or ``"cancelled"`` on its last event.
+    """
+
+    request_id: int
+    token: int | None
+    index: int
+    logprob: float | None = None
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A finished request: its new tokens (and their log-probabilities) and why it ended.
+
+    ``preemptions`` counts the times it was preempted (and recomputed); ``prefix_hit_tokens``
+    the positions it found in the prefix cache instead of computing them (every admission).
+    """
+
+    request_id: int
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+
+
+class State(enum.Enum):
+    WAITING = "waiting"  # queued (new, or preempted to be recomputed)
+    PREFILL = "prefill"  # holds a slot; its prompt is going into the cache chunk by chunk
+    RUNNING = "running"  # decodes one token per step
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A request's state in the engine (host side).
+
+    Attributes:
+      id: its id, in arrival order (the newest has the largest; preemption takes it first).
+      prompt: [n] int32 prompt ids.
+      params: its sampling parameters.
+      key_data: [2] uint32 raw PRNG key.
+      on_token: optional consumer of its ``TokenEvent``s.
+      tokens: prompt + new tokens so far (what the cache holds, in order).
+      logprobs: the new tokens' log-probabilities.
+      slot: the engine slot it decodes in, or None.
+      pages: its pages in position order (shared prefix pages first).
+      cached: positions of ``tokens`` written in its pages.
+      prefill_target: positions to prefill before decoding (its tokens when admitted).
+      digests: chained digests of its full pages (``prefix_cache.page_digests``).
+      named: leading pages already named in the prefix cache (found there or inserted).
+    """
+
+    id: int
+    prompt: np.ndarray
+    params: SamplingParams
+    key_data: np.ndarray
+    on_token: Callable[[TokenEvent], Any] | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    state: State = State.WAITING
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    cached: int = 0
+    prefill_target: int = 0
+    digests: list[bytes] = dataclasses.field(default_factory=list)
+    named: int = 0
+    finish_reason: str | None = None
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+
+    @classmethod
+    def new(cls, request_id: int, prompt: np.ndarray, params: SamplingParams,
+            on_token: Callable[[TokenEvent], Any] | None) -> Request:
+        return cls(id=request_id, prompt=prompt, params=params,
+                   key_data=sequence_keys([params.seed], 1)[0], on_token=on_token,
+                   tokens=prompt.tolist())
+
+    @property
+    def num_new(self) -> int:
+        """New tokens generated so far."""
+        return len(self.tokens) - len(self.prompt)
+
+    def completion(self) -> Completion:
+        return Completion(self.id, self.tokens[len(self.prompt):], list(self.logprobs),
+                          self.finish_reason or "", self.preemptions, self.prefix_hit_tokens)

@@ -1,0 +1,215 @@
+"""The engine's compiled step: the model's one forward over the paged cache, then sampling.
+
+One step is one jitted program with one or two calls of the same forward (``Transformer`` with a
+``PagedKVCache``, as ``decode.decode_step`` calls it with a ``KVCache``):
+
+- decode rows: one token for each of the engine's B slots ([B, 1] at each slot's position; a
+  slot without a running request writes into the null page and its token is ignored);
+- optionally a prefill chunk: up to C tokens of one prompt ([1, C], right-padded to a bucket of
+  C), the LM head at its last real token only (``logits_at``), whose logits give the prompt's
+  first token when the chunk ends it.
+
+Then every row's next token is drawn by ``sampling.sample_with_logprobs`` with that row's own
+settings and key ``fold_in(key, token index)``, as ``generate`` draws token i of a prompt. The
+page-table width W, whether a chunk is present (``None`` when not), its bucket and the
+sampler's switches are the compile-time shape of a step, so the engine compiles a small fixed
+set of programs: widths x (1 + chunk buckets) for greedy loads. The decode rows are always
+there (idle when nothing decodes), which keeps that set small. Over a mesh's tensor axis the
+step runs under ``shard_map`` as ``generate`` does, the pages split by kv head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from transformer_jax import sampling
+from transformer_jax.config import ModelConfig
+from transformer_jax.decode import (
+    TENSOR_AXIS,
+    TensorSplit,
+    decode_model,
+    tensor_shards,
+    vocab_is_split,
+    weight_specs,
+)
+from transformer_jax.layers import shard_config
+from transformer_jax.serving.paged_cache import PagedKVCache
+
+Params = dict[str, Any]
+
+
+@flax.struct.dataclass
+class DecodeRows:
+    """One token per slot.
+
+    Attributes:
+      tokens: [B] int32 token each slot feeds (its last token).
+      positions: [B] int32 its position (the slot's cached length).
+      page_table: [B, W] int32 each slot's pages (all ``NULL_PAGE`` for an idle slot).
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    page_table: jax.Array
+
+
+@flax.struct.dataclass
+class PrefillChunk:
+    """C consecutive prompt tokens of one sequence.
+
+    Attributes:
+      tokens: [1, C] int32, right-padded past the chunk's real length.
+      start: [1] int32 position of the first token.
+      page_table: [1, W] int32 the sequence's pages.
+      last: [1] int32 index in [0, C) of the chunk's last real token.
+    """
+
+    tokens: jax.Array
+    start: jax.Array
+    page_table: jax.Array
+    last: jax.Array
+
+
+@flax.struct.dataclass
+class RowSampling:
+    """Per-row sampling settings of the R rows (decode rows, then the chunk's).
+
+    Attributes:
+      key_data: [R, 2] uint32 raw PRNG key of each row's request.
+      token_index: [R] int32 index of the token being drawn among the request's new tokens.
+      temperature: [R] float32 (0 = greedy).
+      top_k: [R] int32 (V = off).
+      top_p: [R] float32 (1 = off).
+      min_p: [R] float32 (0 = off).
+    """
+
+    key_data: jax.Array
+    token_index: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """Static switches of a step's sampling: whether any row samples at all, and which filters
+    any row uses (the others pass the filter's no-op value)."""
+
+    sampled: bool = False
+    top_k: bool = False
+    top_p: bool = False
+    min_p: bool = False
+
+
+def sample_rows(logits: jax.Array, rows: RowSampling, sampler: Sampler
+                ) -> tuple[jax.Array, jax.Array]:
+    """[R, V] logits -> ([R] int32 tokens, [R] float32 log-probabilities), each row with its
+    own settings and key (``generate``'s draw: ``fold_in(key, token index)``)."""
+    if not sampler.sampled:
+        return sampling.sample_with_logprobs(logits, None, temperature=0)
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(rows.key_data),
+                                        rows.token_index)
+    return sampling.sample_with_logprobs(
+        logits, keys, temperature=rows.temperature,
+        top_k=rows.top_k if sampler.top_k else None,
+        top_p=rows.top_p if sampler.top_p else None,
+        min_p=rows.min_p if sampler.min_p else None)
+
+
+def page_spec(config: ModelConfig) -> P:
+    """The ``PartitionSpec`` of each layer's pages over a tensor-parallel mesh: split by kv
+    head, the pool's leading axis ([K, ...]; [L, K, ...] stacked), as the k/v projections."""
+    return P(None, TENSOR_AXIS) if config.scan_layers else P(TENSOR_AXIS)
+
+
+def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
+                decode: DecodeRows, prefill: PrefillChunk | None, rows: RowSampling, *,
+                weights_out_first: bool, keys_transposed: bool, sampler: Sampler,
+                view: str = "auto", mesh: Mesh | None = None
+                ) -> tuple[Any, Any, jax.Array, jax.Array]:
+    """One engine step (see the module docstring).
+
+    Args:
+      config: the model's config (static).
+      params: the prepared weights (``DecodeWeights.params``).
+      k_pages, v_pages: the cache's key and value pages (``PagedKVCache.k`` / ``.v``).
+      decode: the slots' decode rows.
+      prefill: the prefill chunk, or None.
+      rows: sampling settings of the R = B + 1 (with a chunk) rows.
+      weights_out_first: static layout of ``params``.
+      keys_transposed: static key layout of the pages.
+      sampler: static sampling switches.
+      view: static; how attention reads the pages (``PagedKVCache.view``).
+      mesh: static; with a tensor axis of T > 1 the step runs under ``shard_map`` as
+        ``generate`` does: each device runs the forward on its block of every matrix and its
+        K/T kv heads of the pages (``page_spec``), the logits gathered whole, so every device
+        draws the same tokens.
+
+    Returns:
+      (key pages, value pages, [R] int32 next tokens, [R] float32 their log-probabilities).
+    """
+    run = functools.partial(_step, weights_out_first=weights_out_first,
+                            keys_transposed=keys_transposed, sampler=sampler, view=view)
+    shards = tensor_shards(mesh)
+    if shards == 1:
+        return run(config, params, k_pages, v_pages, decode, prefill, rows, split=None)
+    split = TensorSplit(TENSOR_AXIS, vocab_is_split(config, mesh))
+    local = shard_config(config, shards, vocab=split.vocab)
+    pages = page_spec(config)
+    return jax.shard_map(
+        functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
+        in_specs=(weight_specs(config, mesh, weights_out_first), pages, pages, P(),
+                  None if prefill is None else P(), P()),
+        out_specs=(pages, pages, P(), P()),
+    )(params, k_pages, v_pages, decode, prefill, rows)
+
+
+def _step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
+          decode: DecodeRows, prefill: PrefillChunk | None, rows: RowSampling, *,
+          split: TensorSplit | None, weights_out_first: bool, keys_transposed: bool,
+          sampler: Sampler, view: str) -> tuple[Any, Any, jax.Array, jax.Array]:
+    """``engine_step`` on one shard's weights and pages (all of them without a split)."""
+    model = decode_model(config, split, weights_out_first)
+    cache = PagedKVCache(k=k_pages, v=v_pages, page_table=jnp.zeros((1, 1), jnp.int32),
+                         lengths=jnp.zeros((1,), jnp.int32), keys_transposed=keys_transposed,
+                         view=view)
+    cache = cache.with_table(decode.page_table, decode.positions)
+    out = model.apply({"params": params}, decode.tokens[:, None], decode.positions[:, None],
+                      cache=cache)
+    logits = [out.logits[:, 0]]
+    cache = out.cache
+    if prefill is not None:
+        c = prefill.tokens.shape[1]
+        positions = prefill.start[:, None] + jnp.arange(c, dtype=jnp.int32)
+        cache = cache.with_table(prefill.page_table, prefill.start)
+        out = model.apply({"params": params}, prefill.tokens, positions, cache=cache,
+                          logits_at=prefill.last)
+        logits.append(out.logits)
+        cache = out.cache
+    tokens, logprobs = sample_rows(jnp.concatenate(logits), rows, sampler)
+    return cache.k, cache.v, tokens, logprobs
+
+
+STEP_STATIC_ARGNAMES = ("config", "weights_out_first", "keys_transposed", "sampler", "view",
+                        "mesh")
+
+
+def jit_step(**jit_options: Any) -> Any:
+    """``engine_step`` jitted, its pages donated (updated in place), with extra ``jax.jit``
+    options (e.g. ``compiler_options``)."""
+    return jax.jit(engine_step, static_argnames=STEP_STATIC_ARGNAMES,
+                   donate_argnames=("k_pages", "v_pages"), **jit_options)
+
+
+#: The step the engine runs: the shapes of its parts and the switches select one of a few
+#: compiled programs.
+step_jit = jit_step()
