@@ -53,6 +53,21 @@ class DecodeWeights:
         """Bytes of all the prepared weights (summed over their shards)."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
 
+    def check_for(self, config: ModelConfig, mesh: Mesh | None, caller: str) -> Mesh | None:
+        """The mesh to run these weights on, for a ``caller`` given ``config`` and ``mesh``
+        (None: theirs).
+
+        Raises:
+          ValueError: they were prepared for another config or another mesh.
+        """
+        if self.config != config:
+            raise ValueError("the DecodeWeights were prepared for a different config than the "
+                             f"one given to {caller}")
+        if mesh is not None and mesh != self.mesh:
+            raise ValueError("the DecodeWeights were prepared for another mesh; prepare them "
+                             "with this one, or pass mesh=None to use theirs")
+        return self.mesh
+
 
 def decode_config(config: ModelConfig) -> ModelConfig:
     """The config generation runs the model with: the same forward, without rematerialisation

@@ -124,13 +124,7 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         stop_tokens=tuple(int(t) if is_int(t) else t for t in stop_tokens), pad_id=pad_id)
     settings.validate(vocab)
     if isinstance(params, DecodeWeights):
-        if params.config != config:
-            raise ValueError("the DecodeWeights were prepared for a different config than the "
-                             "one given to generate")
-        if mesh is not None and mesh != params.mesh:
-            raise ValueError("the DecodeWeights were prepared for another mesh; prepare them "
-                             "with this one, or pass mesh=None to use theirs")
-        mesh = params.mesh
+        mesh = params.check_for(config, mesh, "generate")
     decode.check_tensor_parallel(config, decode.tensor_shards(mesh))
     arrays = validate_prompts(prompts, vocab)
     lengths = [len(a) for a in arrays]

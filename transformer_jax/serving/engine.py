@@ -103,12 +103,7 @@ class Engine:
                              f"({num_slots}): each step decodes one token per slot and "
                              "prefills with the rest")
         if isinstance(weights_or_params, DecodeWeights):
-            if weights_or_params.config != config:
-                raise ValueError("the DecodeWeights were prepared for a different config than "
-                                 "the one given to Engine")
-            if mesh is not None and mesh != weights_or_params.mesh:
-                raise ValueError("the DecodeWeights were prepared for another mesh; prepare "
-                                 "them with this one, or pass mesh=None to use theirs")
+            weights_or_params.check_for(config, mesh, "Engine")
             self.weights = weights_or_params
         else:
             self.weights = prepare(config, weights_or_params, mesh)
