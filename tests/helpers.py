@@ -7,7 +7,10 @@ Importing this module touches no device (``multihost_worker.py`` imports it befo
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -112,3 +115,34 @@ def random_hf_model(kind: str, seed: int = 0, **config):
             else:
                 p.normal_(0.0, p.shape[-1] ** -0.5)
     return model
+
+
+# A ChatML chat template (Qwen2's format), and a word-level HF tokenizer directory using it.
+CHATML = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CHATML_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+
+def write_chatml_tokenizer(directory: Path, words: Sequence[str], **config: object) -> Path:
+    """``directory`` holding a word-level ``tokenizer.json`` (the specials, then ``words``, split
+    on whitespace) and a ``tokenizer_config.json`` with bos ``<s>``, eos ``</s>``, bos added,
+    the ChatML template and ``config``'s further keys (a key given None is left out)."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    vocab = [*CHATML_SPECIALS, *words]
+    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)},
+                                                unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in CHATML_SPECIALS])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    settings = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                "pad_token": "</s>", "add_bos_token": True, "chat_template": CHATML, **config}
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({k: v for k, v in settings.items() if v is not None}))
+    return directory

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import write_chatml_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -42,13 +43,6 @@ ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-4
 WORDS = ("the cat dog sat ran on a mat log red blue big small what is who where answer "
          "yes no one two three").split()
-SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-CHATML = (
-    "{% for message in messages %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 VOCAB = 48  # the tiny models' vocabulary (the tokenizer has fewer tokens)
 # Short CI-sized fine-tuning overrides of the finetune preset.
 SMALL = ["train.batch_size=4", "train.grad_accum=1", "train.seq_len=32", "train.lr=3e-3",
@@ -57,20 +51,8 @@ SMALL = ["train.batch_size=4", "train.grad_accum=1", "train.seq_len=32", "train.
 
 def _tokenizer_dir(directory: Path, extra_words: int = 0) -> Path:
     """A word-level tokenizer.json (+ tokenizer_config.json with a ChatML template)."""
-    from tokenizers import models, pre_tokenizers
-
-    words = SPECIALS + ["system", "user", "assistant"] + list(WORDS)
-    words += [f"w{i}" for i in range(extra_words)]
-    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
-                                                unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in SPECIALS])
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>",
-        "add_bos_token": True, "add_eos_token": False, "chat_template": CHATML}))
-    return directory
+    words = ["system", "user", "assistant", *WORDS, *(f"w{i}" for i in range(extra_words))]
+    return write_chatml_tokenizer(directory, words, add_eos_token=False)
 
 
 def _hf_dir(directory: Path, kind: str) -> Path:

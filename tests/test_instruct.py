@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import CHATML
 
 from transformer_jax import instruct
 from transformer_jax.instruct import (
@@ -19,12 +20,6 @@ from transformer_jax.instruct import (
 )
 from transformer_jax.tokenizer import ChatTemplate, TextTokenizer, load_tokenizer
 
-CHATML = (
-    "{% for message in messages %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 STRICT = (
     "{% for message in messages %}"
     "{% if message['role'] == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"

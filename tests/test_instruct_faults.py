@@ -3,13 +3,13 @@ OpenAI-style content parts, content that is not text, and strings that are not U
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_instruct import CHATML, CharTokenizer, write_jsonl
+from helpers import write_chatml_tokenizer
+from test_instruct import CharTokenizer, write_jsonl
 
 from transformer_jax import instruct
 from transformer_jax.config import ModelConfig
@@ -66,21 +66,8 @@ def test_a_completion_too_long_for_the_row_keeps_its_start(tmp_path):
 
 def _tokenizer_dir(directory: Path) -> Path:
     """A word-level tokenizer.json with a ChatML template (the ``tokenizers`` library)."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import models, pre_tokenizers
-
-    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-    words = specials + ["system", "user", "assistant", "why", "because", "?", "yes", "no"]
-    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
-                                                unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in specials])
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "</s>",
-        "add_bos_token": True, "chat_template": CHATML}))
-    return directory
+    return write_chatml_tokenizer(
+        directory, ["system", "user", "assistant", "why", "because", "?", "yes", "no"])
 
 
 def test_a_run_whose_data_carry_no_loss_token_is_an_error_before_any_step(tmp_path):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 import read_only
-from helpers import FAST_COMPILE
+from helpers import CHATML, FAST_COMPILE, write_chatml_tokenizer
 
 from transformer_jax import files, generation, hf_export, instruct, lora, plot
 from transformer_jax.checkpoint import CHECKSUMS_FILE, CheckpointManager
@@ -53,9 +53,6 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
 TEXT = "the quick brown fox jumps over the lazy dog"
 WORDS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "user", "assistant", "the", "cat",
          "sat", "on", "a", "mat", "what", "is", "jax"]
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
-          "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -105,20 +102,8 @@ def lora_run(tmp_path_factory, params, tokenizer):
 
 def _hf_tokenizer(directory: Path, add_bos: bool, template: str | None = CHATML) -> Path:
     """A word-level tokenizer.json whose tokenizer_config.json says whether to add bos."""
-    from tokenizers import models, pre_tokenizers
-
-    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)},
-                                                unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in WORDS[:5]])
-    directory.mkdir(parents=True)
-    tok.save(str(directory / "tokenizer.json"))
-    settings = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-                "add_bos_token": add_bos, "add_eos_token": False}
-    if template:
-        settings["chat_template"] = template
-    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
-    return directory
+    return write_chatml_tokenizer(directory, WORDS[5:], add_bos_token=add_bos,
+                                  add_eos_token=False, chat_template=template, pad_token=None)
 
 
 @pytest.fixture(scope="module")
