@@ -124,11 +124,28 @@ def collectives() -> dict:
     return found
 
 
+def quantized() -> dict:
+    """Generate with int8 and int4 weights prepared on one device and split over 2 (the
+    vocabulary split with it), per scheme, plus the quantised bytes on device 0."""
+    config = ModelConfig(**{**BASE, "n_kv_heads": 2, "scan_layers": True})
+    params = init_params(config, jax.random.key(1))
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    found = {}
+    for quant in ("int8", "int4:8"):
+        for tensor in (1, 2):
+            mesh = None if tensor == 1 else _mesh(tensor)
+            weights = decode.prepare(config, params, mesh, quant=quant)
+            result = generation.generate(config, weights, prompts, max_new_tokens=6)
+            found[f"{quant}-{tensor}"] = dict(tokens=result.tokens, logprobs=result.logprobs)
+    return found
+
+
 def main() -> int:
     assert len(jax.devices()) == 4, jax.devices()
     result = {name: run_case(*case) for name, case in CASES.items()}
     result["errors"] = errors()
     result["collectives"] = collectives()
+    result["quantized"] = quantized()
     print(json.dumps(result))
     return 0
 

@@ -29,6 +29,14 @@ def runs() -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("quant", ["int8", "int4:8"])
+def test_tensor_parallel_quantized_decode_equals_one_device(runs, quant):
+    one, two = runs["quantized"][f"{quant}-1"], runs["quantized"][f"{quant}-2"]
+    assert two["tokens"] == one["tokens"]
+    for a, b in zip(two["logprobs"], one["logprobs"], strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_tensor_parallel_generate_equals_one_device(runs, case):
     results = runs[case]

@@ -295,8 +295,9 @@ def generate_padded(config: ModelConfig, params: Params | DecodeWeights, tokens:
       padding), num_tokens [B] int32 generated per sequence (stop token included).
     """
     shards = tensor_shards(mesh)
+    quant = None
     if isinstance(params, DecodeWeights):
-        weights, out_first = params.params, params.weights_out_first
+        weights, out_first, quant = params.params, params.weights_out_first, params.quant
     else:  # prepared here, a transient copy per call
         out_first = default_weights_out_first()
         weights = decode_params(config, params, out_first)
@@ -311,7 +312,7 @@ def generate_padded(config: ModelConfig, params: Params | DecodeWeights, tokens:
     # Outputs are the same on every shard (each samples from the gathered logits).
     return jax.shard_map(
         functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
-        in_specs=(weight_specs(config, mesh, out_first), P(), P(), P()),
+        in_specs=(weight_specs(config, mesh, out_first, quant), P(), P(), P()),
         out_specs=(P(), P(), P()),
     )(weights, tokens, lengths, key_data)
 

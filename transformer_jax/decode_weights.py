@@ -7,6 +7,10 @@ a property of the prepared weights, which the forward is told, not a model setti
 them on a mesh by the same logical-axis rules as training (``sharding.param_shardings``). With a
 ``tensor`` axis of T devices each device holds its block of every matrix (``weight_specs``:
 N/T heads, K/T kv heads, F/T FFN units, V/T vocabulary rows when T divides V).
+
+With ``quant`` the matrices and the token table are stored quantised (``transformer_jax.quant``:
+int8 per output channel, int4 in groups, through qwix): values and scales only, which the same
+forward computes with.
 """
 
 from __future__ import annotations
@@ -41,25 +45,34 @@ class DecodeWeights:
       config: the config they were prepared for (static).
       mesh: the mesh they are placed on, or None (static).
       weights_out_first: static; every matrix is stored output axes first (``layers.matrix``).
+      quant: static; how the matrices are quantised (``quant.WeightQuant``), or None (float).
     """
 
     params: Params
     config: ModelConfig = flax.struct.field(pytree_node=False)
     mesh: Mesh | None = flax.struct.field(pytree_node=False, default=None)
     weights_out_first: bool = flax.struct.field(pytree_node=False, default=False)
+    quant: Any = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all the prepared weights (summed over their shards)."""
+        """Bytes of all the prepared weights (summed over their shards), quantised values and
+        scales included."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
 
-    def check_for(self, config: ModelConfig, mesh: Mesh | None, caller: str) -> Mesh | None:
+    def check_for(self, config: ModelConfig, mesh: Mesh | None, caller: str,
+                  quant: Any = None) -> Mesh | None:
         """The mesh to run these weights on, for a ``caller`` given ``config`` and ``mesh``
-        (None: theirs).
+        (None: theirs) and ``quant`` (None: theirs).
 
         Raises:
-          ValueError: they were prepared for another config or another mesh.
+          ValueError: they were prepared for another config, another mesh or another
+            quantisation.
         """
+        if quant is not None and _parse_quant(config, quant, 1) != self.quant:
+            have = "float" if self.quant is None else self.quant.name
+            raise ValueError(f"the DecodeWeights given to {caller} are {have}, not quant="
+                             f"{quant!r}; prepare them with that quant, or pass quant=None")
         if self.config != config:
             raise ValueError("the DecodeWeights were prepared for a different config than the "
                              f"one given to {caller}")
@@ -111,7 +124,7 @@ def decode_params(config: ModelConfig, params: Params, weights_out_first: bool |
 
 
 def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None, *,
-            weights_out_first: bool | None = None) -> DecodeWeights:
+            weights_out_first: bool | None = None, quant: Any = None) -> DecodeWeights:
     """Prepares ``params`` for generation once (``decode_params``, placed on ``mesh``).
 
     Args:
@@ -120,45 +133,82 @@ def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None, *,
       mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1): each device then
         holds its block of every matrix, split by the logical-axis rules.
       weights_out_first: the matrix layout; default ``default_weights_out_first()``.
+      quant: None (float weights), ``"int8"``, ``"int4"``, ``"int4:G"`` or a
+        ``quant.WeightQuant``: store the matrices and token table quantised.
 
     Returns:
       The ``DecodeWeights``; pass them to ``generation.generate`` in place of ``params``.
 
     Raises:
-      ValueError: for a mesh the config cannot be split over (``check_tensor_parallel``).
+      ValueError: for a mesh the config cannot be split over (``check_tensor_parallel``), an
+        unknown quantisation scheme or an int4 group size that does not divide a width.
     """
-    check_tensor_parallel(config, tensor_shards(mesh))
+    shards = tensor_shards(mesh)
+    check_tensor_parallel(config, shards)
+    quant = _parse_quant(config, quant, shards)
     if weights_out_first is None:
         weights_out_first = default_weights_out_first()
-    return DecodeWeights(_prepare_fn(config, mesh, weights_out_first)(params), config, mesh,
-                         weights_out_first)
+    return DecodeWeights(_prepare_fn(config, mesh, weights_out_first, quant)(params), config,
+                         mesh, weights_out_first, quant)
 
 
-def abstract_weights(config: ModelConfig, weights_out_first: bool | None = None
-                     ) -> DecodeWeights:
+def _parse_quant(config: ModelConfig, quant: Any, shards: int) -> Any:
+    """``quant.parse_quant`` and ``check_quant`` (qwix imported only when quantising)."""
+    if quant is None:
+        return None
+    from transformer_jax import quant as quantization
+
+    parsed = quantization.parse_quant(quant)
+    quantization.check_quant(config, parsed, shards)
+    return parsed
+
+
+def abstract_weights(config: ModelConfig, weights_out_first: bool | None = None,
+                     quant: Any = None) -> DecodeWeights:
     """``prepare``'s result as ``jax.ShapeDtypeStruct``s, without allocating anything (to lower
     and compile ``generate_padded`` from shapes alone)."""
     if weights_out_first is None:
         weights_out_first = default_weights_out_first()
-    params = jax.eval_shape(
-        functools.partial(decode_params, config, weights_out_first=weights_out_first),
-        abstract_params(config))
-    return DecodeWeights(params, config, None, weights_out_first)
+    quant = _parse_quant(config, quant, 1)
+    params = jax.eval_shape(_weights_fn(config, weights_out_first, quant),
+                            abstract_params(config))
+    return DecodeWeights(params, config, None, weights_out_first, quant)
+
+
+def _weights_fn(config: ModelConfig, weights_out_first: bool, quant: Any
+                ) -> Callable[[Params], Params]:
+    """``decode_params``, then the quantisation ``quant`` asks for."""
+    fn = functools.partial(decode_params, config, weights_out_first=weights_out_first)
+    if quant is None:
+        return fn
+    from transformer_jax.quant import quantize_params
+
+    return lambda params: quantize_params(fn(params), quant, out_first=weights_out_first)
 
 
 @functools.lru_cache(maxsize=32)
-def _prepare_fn(config: ModelConfig, mesh: Mesh | None, weights_out_first: bool
-                ) -> Callable[[Params], Params]:
-    """``decode_params`` jitted for one config, its outputs placed on the mesh by the rules."""
-    fn = functools.partial(decode_params, config, weights_out_first=weights_out_first)
+def _prepare_fn(config: ModelConfig, mesh: Mesh | None, weights_out_first: bool,
+                quant: Any = None) -> Callable[[Params], Params]:
+    """``decode_params`` (and ``quant``) jitted for one config, its outputs placed on the mesh
+    by the rules."""
+    fn = _weights_fn(config, weights_out_first, quant)
     if mesh is None:
         return jax.jit(fn)
-    return jax.jit(fn, out_shardings=_weight_shardings(config, mesh, weights_out_first))
+    return jax.jit(fn, out_shardings=_weight_shardings(config, mesh, weights_out_first, quant))
 
 
-def _weight_shardings(config: ModelConfig, mesh: Mesh, weights_out_first: bool) -> Params:
-    return sharding.param_shardings(decode_config(config), mesh, decode_rules(config, mesh),
-                                    weights_out_first=weights_out_first)
+def _weight_shardings(config: ModelConfig, mesh: Mesh, weights_out_first: bool,
+                      quant: Any = None) -> Params:
+    float_shardings = sharding.param_shardings(decode_config(config), mesh,
+                                               decode_rules(config, mesh),
+                                               weights_out_first=weights_out_first)
+    if quant is None:
+        return float_shardings
+    from transformer_jax.quant import quantized_shardings
+
+    shapes = jax.eval_shape(_weights_fn(config, weights_out_first, quant),
+                            abstract_params(config))
+    return quantized_shardings(float_shardings, shapes)
 
 
 def decode_rules(config: ModelConfig, mesh: Mesh | None) -> tuple:
@@ -175,13 +225,15 @@ def vocab_is_split(config: ModelConfig, mesh: Mesh | None) -> bool:
     return config.vocab_size % tensor_shards(mesh) == 0
 
 
-def weight_specs(config: ModelConfig, mesh: Mesh, weights_out_first: bool | None = None
-                 ) -> Params:
+def weight_specs(config: ModelConfig, mesh: Mesh, weights_out_first: bool | None = None,
+                 quant: Any = None) -> Params:
     """The ``PartitionSpec`` of every prepared weight over ``mesh``: the training's logical-axis
-    rules applied to the decode layout (``decode_rules``), as ``prepare`` places them."""
+    rules applied to the decode layout (``decode_rules``), as ``prepare`` places them (the
+    quantised values and scales with ``quant``, a parsed ``WeightQuant``)."""
     if weights_out_first is None:
         weights_out_first = default_weights_out_first()
-    return jax.tree.map(lambda s: s.spec, _weight_shardings(config, mesh, weights_out_first))
+    return jax.tree.map(lambda s: s.spec,
+                        _weight_shardings(config, mesh, weights_out_first, quant))
 
 
 def tensor_shards(mesh: Mesh | None) -> int:

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (default: the checkpoint's)")
     p.add_argument("--cache-dtype", choices=("float32", "bfloat16", "float16"),
                    help="KV cache storage dtype (default: the compute dtype)")
+    p.add_argument("--quant", metavar="SCHEME",
+                   help="store the weights quantised: int8 (a scale per output channel), int4 "
+                   "or int4:G (a scale per G inputs, default 64); default: float")
     p.add_argument("--tensor", type=int, default=1, metavar="T",
                    help="decode tensor-parallel over T devices (T divides the model's kv heads, "
                    "heads and FFN width); on CPU the host is split into T devices, 0 = one per "
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             config, params, prompts, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             min_p=args.min_p, seed=args.seed, stop_tokens=stop, stream=streamer, mesh=mesh,
-            cache_dtype=args.cache_dtype)
+            cache_dtype=args.cache_dtype, quant=args.quant)
         elapsed = time.perf_counter() - start
     except (ValueError, OSError, CheckpointError) as e:  # OSError: missing/unreadable files
         print(f"error: {e}", file=sys.stderr)

@@ -75,7 +75,7 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
              seed: int | Sequence[int] = 0, stop_tokens: Sequence[int] = (), pad_id: int = 0,
              cache_size: int | None = None, cache_dtype: jnp.dtype | str | None = None,
              stream: streaming.StreamFn | None = None,
-             mesh: Mesh | None = None) -> GenerateResult:
+             mesh: Mesh | None = None, quant: str | None = None) -> GenerateResult:
     """Generates up to ``max_new_tokens`` tokens after each prompt, in one jitted call.
 
     The prefill and the whole decode loop are one compiled program (``generate_padded``); raw
@@ -111,6 +111,8 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         K/T kv heads, N/T query heads, F/T FFN units and V/T head rows, so T must divide K, N
         and F. Raw parameters are prepared and split over it on every call; ``prepare``
         does that once. With ``DecodeWeights`` the mesh is theirs (None here, or the same).
+      quant: weight quantisation of raw parameters (``decode.prepare``: ``"int8"``,
+        ``"int4"``, ``"int4:G"``); ``DecodeWeights`` must have been prepared with it.
 
     Returns:
       A ``GenerateResult`` (``.tokens``, ``.logprobs``, ``.lengths``, and padded arrays).
@@ -124,7 +126,7 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         stop_tokens=tuple(int(t) if is_int(t) else t for t in stop_tokens), pad_id=pad_id)
     settings.validate(vocab)
     if isinstance(params, DecodeWeights):
-        mesh = params.check_for(config, mesh, "generate")
+        mesh = params.check_for(config, mesh, "generate", quant)
     decode.check_tensor_parallel(config, decode.tensor_shards(mesh))
     arrays = validate_prompts(prompts, vocab)
     lengths = [len(a) for a in arrays]
@@ -142,7 +144,7 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
                  batch, padded, max(lengths), max_new_tokens, cache_size,
                  cache_bytes(config, batch, cache_size, cache_dtype) / 1e6)
     if not isinstance(params, DecodeWeights):
-        params = decode.prepare(config, params, mesh)
+        params = decode.prepare(config, params, mesh, quant=quant)
     start = time.perf_counter()
     with streaming.registered(stream) as stream_id:
         out_tokens, out_logprobs, num = decode._generate_jit(

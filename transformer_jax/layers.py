@@ -15,6 +15,7 @@ from transformer_jax.config import ModelConfig, RopeScaling
 from transformer_jax.kv_cache import Cache
 from transformer_jax.ops.attention import attention
 from transformer_jax.ops.dense import dense, out_first_shape
+from transformer_jax.ops.quantized import is_quantized
 
 
 #: Names of the parameters that are not matmul weights: norm gains and shifts, projection biases
@@ -52,12 +53,27 @@ def matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str
     ``ops.dense`` computes with.
 
     Returns:
-      The stored parameter, in ``param_dtype``.
+      The stored parameter, in ``param_dtype``; or the quantised weight stored in its place
+      (``transformer_jax.quant``), which ``ops.dense`` computes with as it is.
     """
+    quantized = stored_quantized(module, name)
+    if quantized is not None:
+        return quantized
     if out_first:
         n_in = MATRIX_INPUT_AXES[name]
         shape, axes = out_first_shape(shape, n_in), out_first_shape(axes, n_in)
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, param_dtype)
+
+
+def stored_quantized(module: nn.Module, name: str) -> object | None:
+    """Parameter ``name`` of ``module`` when it is stored quantised (``decode.prepare`` with
+    ``quant``), else None. Read as it is: flax's ``param`` would check its packed values'
+    shape against the float declaration."""
+    if module.has_variable("params", name):
+        w = module.get_variable("params", name)
+        if is_quantized(w):
+            return w
+    return None
 
 
 def to_out_first(w: jax.Array, name: str, stacked: bool = False) -> jax.Array:
@@ -84,8 +100,10 @@ class Embed(nn.Module):
     vocab_axis: str | None = None
 
     def setup(self) -> None:
-        self.embedding = self.param(
-            "embedding", nn.with_logical_partitioning(_normal(self.init_std), ("vocab", "embed")),
+        quantized = stored_quantized(self, EMBEDDING_PARAM)
+        self.embedding = quantized if quantized is not None else self.param(
+            EMBEDDING_PARAM,
+            nn.with_logical_partitioning(_normal(self.init_std), ("vocab", "embed")),
             (self.vocab_size, self.d_model), self.param_dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

@@ -14,6 +14,8 @@ For each (batch, prompt length, new tokens) of the grid, on random weights of th
   close to the bound the weights alone can stream at this batch size on this machine;
 * a no-cache baseline on the same weights: a jitted full forward over the prompt per new token
   (the shortest prefix it would ever recompute, so the ratio is a lower bound on the speedup);
+* with ``--quant``, the same with quantised weights: bytes, step time and greedy agreement
+  against the float run;
 * HuggingFace transformers' ``generate(do_sample=False)`` on the same weights (converted with
   ``transformer_jax.hf.save``; torch threads = 2) when the ``hf`` extra is installed.
 
@@ -27,6 +29,7 @@ shared: the load average is recorded, and bandwidth is measured before every gri
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -45,6 +48,7 @@ import numpy as np
 
 from transformer_jax import decode, generation, sharding
 from transformer_jax import prompts as prompt_lib
+from transformer_jax.bench import decode_quant
 from transformer_jax.config import ModelConfig, load_toml
 from transformer_jax.kv_cache import cache_bytes
 from transformer_jax.model import Transformer, init_params
@@ -334,6 +338,9 @@ def main(argv: list[str]) -> int:
                         "device per CPU core, 1 = a single device")
     parser.add_argument("--cache-dtype", default=None, choices=("float32", "bfloat16"),
                         help="KV cache storage dtype (default: the model's compute dtype)")
+    parser.add_argument("--quant", default=None, metavar="SCHEME",
+                        help="also run every point with the weights quantised (decode.prepare's "
+                        "quant: int8, int4, int4:G) and compare it with the float run")
     parser.add_argument("--peak-gb-s", type=float, default=None,
                         help="the device's peak memory bandwidth in GB/s (default: the published "
                         "figure for known GPUs/TPUs; none on CPU)")
@@ -379,10 +386,9 @@ def main(argv: list[str]) -> int:
         start = time.perf_counter()
         placed[t] = jax.block_until_ready(decode.prepare(config, params, mesh))
         prepare_s[t] = time.perf_counter() - start
-    # Bytes a step reads: every prepared weight, but of an untied embedding table only B rows.
-    any_weights = next(iter(placed.values()))
-    weight_bytes = any_weights.nbytes - (0 if config.tie_embeddings else
-                                         any_weights.params["embed"]["embedding"].nbytes)
+    quantized = {t: decode.prepare(config, params, mesh, quant=args.quant)
+                 for t, mesh in meshes.items()} if args.quant else {}
+    weight_bytes = decode_quant.step_weight_bytes(config, next(iter(placed.values())))
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"decode benchmark: {name}, {n_params / 1e6:.1f}M params ({weight_bytes / 1e6:.0f} MB "
           f"read per step), {config.dtype}, {jax.devices()[0].device_kind} x "
@@ -431,6 +437,14 @@ def main(argv: list[str]) -> int:
                 rec["speedup_vs_hf"] = hf_rec["step_ms"] / ours["step_ms"]
                 same = np.mean(np.asarray(hf_rec["tokens"]) == np.asarray(ours["tokens"]))
                 rec["greedy_token_agreement_with_hf"] = float(same)
+            if quantized:
+                rec["quant"] = decode_quant.compare(
+                    config, quantized[t], ours, weight_bytes,
+                    functools.partial(_bench_ours, config, prompts=prompts, n=n,
+                                      repeats=args.repeats, cache_size=s_max or None,
+                                      cache_dtype=args.cache_dtype),
+                    functools.partial(_bench_weights_only, config, batch=b, steps=n,
+                                      repeats=args.repeats))
             ours.pop("tokens")
             records.append(rec)
             _print_record(rec)
@@ -460,6 +474,8 @@ def _print_record(r: dict[str, Any]) -> None:
     w = r["weights_only"]
     print(f"  the step's matrix products alone: {w['step_ms']:.2f} ms/step ({w['gb_s']:.1f} GB/s "
           f"of weights) = {w['vs_weight_bound']:.2f}x the weights' own bound")
+    if "quant" in r:
+        print(decode_quant.describe(r["quant"]))
     if "no_cache" in r:
         print(f"  no-cache baseline {r['no_cache']['step_ms']:.1f} ms/step -> "
               f"{r['speedup_vs_no_cache']:.1f}x")

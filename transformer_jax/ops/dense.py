@@ -17,6 +17,8 @@ them out-first. GPUs and TPUs keep the in-first layout (and no barriers).
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.ops.quantized import einsum
+
 
 def dense(x: jax.Array, w: jax.Array, spec: str, *, out_first: bool = False,
           preferred_element_type: jnp.dtype | None = None) -> jax.Array:
@@ -25,7 +27,8 @@ def dense(x: jax.Array, w: jax.Array, spec: str, *, out_first: bool = False,
     Args:
       x: the activations, e.g. [B, T, D].
       w: the weight: in ``spec``'s layout (e.g. [D, N, H]), or with ``out_first`` its output
-        axes first and its input axes last (e.g. [N, H, D]).
+        axes first and its input axes last (e.g. [N, H, D]); a plain array or a quantised
+        one (``ops.quantized``).
       spec: the einsum for the in-first layout, ``"<x>,<w>-><out>"``; the weight's input axes
         are the letters it shares with x, its output axes the rest.
       out_first: ``w`` is stored output axes first.
@@ -35,14 +38,14 @@ def dense(x: jax.Array, w: jax.Array, spec: str, *, out_first: bool = False,
       The product in ``spec``'s output layout.
     """
     if not out_first:
-        return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
+        return einsum(spec, x, w, preferred_element_type=preferred_element_type)
     inputs, out = spec.split("->")
     x_axes, w_axes = inputs.split(",")
     w_out = "".join(a for a in w_axes if a not in x_axes)
     w_in = "".join(a for a in w_axes if a in x_axes)
     rows = "".join(a for a in out if a not in w_out)  # x's own axes (B, T) in output order
-    y = jnp.einsum(f"{w_out}{w_in},{x_axes}->{w_out}{rows}", w, x,
-                   preferred_element_type=preferred_element_type)
+    y = einsum(f"{w_out}{w_in},{x_axes}->{w_out}{rows}", w, x,
+               preferred_element_type=preferred_element_type)
     y = jax.lax.optimization_barrier(y)
     return jnp.einsum(f"{w_out}{rows}->{out}", y)
 

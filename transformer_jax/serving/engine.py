@@ -79,6 +79,8 @@ class Engine:
         its longest row (``Scheduler``), one compiled shape per width.
       view: how attention reads the pages: ``"auto"``, ``"gather"`` or ``"pool"``
         (``PagedKVCache``).
+      quant: prepare the parameters with weights quantised (``decode.prepare``'s ``quant``:
+        ``"int8"``, ``"int4"``, ``"int4:G"``); given ``DecodeWeights`` must match it.
 
     Raises:
       ValueError: for sizes out of range (naming them), or a mesh the model cannot be split
@@ -89,7 +91,8 @@ class Engine:
                  num_slots: int, num_pages: int, page_size: int, token_budget: int,
                  mesh: Mesh | None = None, *, prefix_caching: bool = True,
                  cache_dtype: jnp.dtype | str | None = None,
-                 min_context: int = MIN_CONTEXT, view: str = "auto") -> None:
+                 min_context: int = MIN_CONTEXT, view: str = "auto",
+                 quant: str | None = None) -> None:
         for name, value in (("num_slots", num_slots), ("num_pages", num_pages),
                             ("page_size", page_size), ("token_budget", token_budget),
                             ("min_context", min_context)):
@@ -103,10 +106,10 @@ class Engine:
                              f"({num_slots}): each step decodes one token per slot and "
                              "prefills with the rest")
         if isinstance(weights_or_params, DecodeWeights):
-            weights_or_params.check_for(config, mesh, "Engine")
+            weights_or_params.check_for(config, mesh, "Engine", quant)
             self.weights = weights_or_params
         else:
-            self.weights = prepare(config, weights_or_params, mesh)
+            self.weights = prepare(config, weights_or_params, mesh, quant=quant)
         self.mesh = self.weights.mesh
         check_tensor_parallel(config, tensor_shards(self.mesh))
         self.config = config
@@ -204,7 +207,7 @@ class Engine:
                 self.config, self.weights.params, self._k, self._v, decode, prefill, rows,
                 weights_out_first=self.weights.weights_out_first,
                 keys_transposed=self.keys_transposed, sampler=sampler, view=self.view,
-                mesh=self.mesh)
+                mesh=self.mesh, quant=self.weights.quant)
             tokens, logprobs = jax.device_get((tokens, logprobs))
             self.step_seconds += time.perf_counter() - start
             self.steps += 1
@@ -245,7 +248,7 @@ class Engine:
                 self.config, self.weights.params, self._k, self._v, decode_rows, chunk,
                 sampling, weights_out_first=self.weights.weights_out_first,
                 keys_transposed=self.keys_transposed, sampler=step_lib.Sampler(),
-                view=self.view, mesh=self.mesh)
+                view=self.view, mesh=self.mesh, quant=self.weights.quant)
             jax.block_until_ready(tokens)
         return len(shapes)
 

@@ -134,7 +134,7 @@ def page_spec(config: ModelConfig) -> P:
 def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                 decode: DecodeRows, prefill: PrefillChunk | None, rows: RowSampling, *,
                 weights_out_first: bool, keys_transposed: bool, sampler: Sampler,
-                view: str = "auto", mesh: Mesh | None = None
+                view: str = "auto", mesh: Mesh | None = None, quant: Any = None
                 ) -> tuple[Any, Any, jax.Array, jax.Array]:
     """One engine step (see the module docstring).
 
@@ -153,6 +153,7 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
         ``generate`` does: each device runs the forward on its block of every matrix and its
         K/T kv heads of the pages (``page_spec``), the logits gathered whole, so every device
         draws the same tokens.
+      quant: static; the weights' quantisation (``DecodeWeights.quant``), for their specs.
 
     Returns:
       (key pages, value pages, [R] int32 next tokens, [R] float32 their log-probabilities).
@@ -167,7 +168,7 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     pages = page_spec(config)
     return jax.shard_map(
         functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
-        in_specs=(weight_specs(config, mesh, weights_out_first), pages, pages, P(),
+        in_specs=(weight_specs(config, mesh, weights_out_first, quant), pages, pages, P(),
                   None if prefill is None else P(), P()),
         out_specs=(pages, pages, P(), P()),
     )(params, k_pages, v_pages, decode, prefill, rows)
@@ -200,7 +201,7 @@ def _step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
 
 
 STEP_STATIC_ARGNAMES = ("config", "weights_out_first", "keys_transposed", "sampler", "view",
-                        "mesh")
+                        "mesh", "quant")
 
 
 def jit_step(**jit_options: Any) -> Any:

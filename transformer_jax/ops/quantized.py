@@ -1,0 +1,123 @@
+"""Products and lookups with quantised weights: what the forward does when a weight is one.
+
+A prepared weight (``transformer_jax.quant``) is either a ``qwix.QArray`` (int8 values with
+their scales) or a ``PackedInt4`` (int4 values two to a byte, with their scales). The model's
+code does not branch on it: ``einsum`` and ``take_rows`` below take either kind, or a plain
+array, so quantisation stays a property of the weights the one forward is given.
+
+qwix is imported only once a quantised weight exists (``transformer_jax.quant`` imports it), so
+the float path neither needs nor loads it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class PackedInt4:
+    """int4 values stored two to a byte, with qwix's scales.
+
+    XLA:CPU (and the jax arrays it holds) keeps an ``int4`` array one value per byte, so int4
+    would save nothing over int8 in memory; packing pairs of values along the grouped (input)
+    axis stores half a byte per value. ``qarray`` unpacks them into the ``qwix.QArray`` they
+    came from, inside the step that uses them.
+
+    Attributes:
+      packed: uint8, the weight's shape with ``axis`` halved: value 2i in the low nibble, 2i+1
+        in the high one (two's complement).
+      scale: the QArray's scale (a generic broadcast of the weight's shape).
+      axis: static; the packed axis, negative (counted from the last).
+    """
+
+    packed: jax.Array
+    scale: jax.Array
+    axis: int = flax.struct.field(pytree_node=False, default=-1)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical (unpacked) shape."""
+        s = list(self.packed.shape)
+        s[self.axis] *= 2
+        return tuple(s)
+
+    @property
+    def ndim(self) -> int:
+        return self.packed.ndim
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.scale.dtype
+
+    def astype(self, dtype: Any) -> PackedInt4:
+        """The same values dequantising to ``dtype`` (as ``QArray.astype``)."""
+        return self.replace(scale=self.scale.astype(dtype))
+
+    def qarray(self) -> Any:
+        """The ``qwix.QArray`` (int4 values, same scales) these bytes hold."""
+        import qwix
+
+        signed = self.packed.astype(jnp.int8)
+        low = jnp.left_shift(signed, 4) >> 4  # arithmetic shifts sign-extend the nibbles
+        high = signed >> 4
+        axis = self.axis % self.packed.ndim
+        pairs = jnp.stack([low, high], axis=axis + 1)
+        values = pairs.reshape(self.shape).astype(jnp.int4)
+        return qwix.QArray(values, self.scale, qtype=jnp.int4)
+
+
+def pack_int4(qarray: Any, axis: int) -> PackedInt4:
+    """A ``qwix.QArray`` of int4 values packed two to a byte along ``axis`` (of even size)."""
+    values = qarray.qvalue.astype(jnp.int8)
+    axis = axis % values.ndim
+    shape = values.shape
+    pairs = values.reshape(*shape[:axis], shape[axis] // 2, 2, *shape[axis + 1:])
+    low = jnp.take(pairs, 0, axis=axis + 1) & 0xF
+    high = jnp.left_shift(jnp.take(pairs, 1, axis=axis + 1), 4)
+    # Counted from the end: a layer scan slices a stacked weight's leading axis off.
+    return PackedInt4((low | high).astype(jnp.uint8), qarray.scale, axis - values.ndim)
+
+
+def is_quantized(w: Any) -> bool:
+    """Whether ``w`` is a quantised weight (a ``qwix.QArray`` or a ``PackedInt4``)."""
+    if isinstance(w, PackedInt4):
+        return True
+    qwix = sys.modules.get("qwix")  # no QArray can exist before qwix is imported
+    return qwix is not None and isinstance(w, qwix.QArray)
+
+
+def _as_qwix(w: Any) -> Any:
+    return w.qarray() if isinstance(w, PackedInt4) else w
+
+
+def einsum(spec: str, a: Any, b: Any, *, preferred_element_type: jnp.dtype | None = None
+           ) -> jax.Array:
+    """``jnp.einsum(spec, a, b)``, through ``qwix.einsum`` when either operand is quantised.
+
+    With float activations qwix dequantises the weight and runs the float product (its
+    ``dot_general``: XLA can fuse the two on accelerators), so the result equals the float
+    product over the dequantised weight.
+    """
+    if is_quantized(a) or is_quantized(b):
+        import qwix
+
+        return qwix.einsum(spec, _as_qwix(a), _as_qwix(b),
+                           preferred_element_type=preferred_element_type)
+    return jnp.einsum(spec, a, b, preferred_element_type=preferred_element_type)
+
+
+def take_rows(table: Any, ids: jax.Array) -> jax.Array:
+    """Rows ``ids`` (any shape) of a [V, D] table, dequantised when it is quantised:
+    [..., D]. Only the rows taken (and their scales) are read."""
+    if not is_quantized(table):
+        return jnp.take(table, ids, axis=0)
+    import qwix
+
+    q = _as_qwix(table)  # one scale (or one per group) per row: taken with the row
+    return qwix.dequantize(qwix.QArray(jnp.take(q.qvalue, ids, axis=0),
+                                       jnp.take(q.scale, ids, axis=0), qtype=q.qtype))

@@ -1,0 +1,197 @@
+"""Weight-only post-training quantisation of the prepared decode weights, through qwix.
+
+``decode.prepare(config, params, quant="int8")`` stores every matrix and the token table as
+quantised values and their scales only (``quantize_params``); the forward is unchanged: its
+products and the embedding lookup take a quantised weight as they take a float one
+(``ops.quantized``). Schemes:
+
+- ``"int8"``: one absmax scale per output channel (``qwix.quantize`` with the output axes
+  channelwise): the token table one per row, which is also one per logit as the tied head.
+- ``"int4"`` / ``"int4:G"``: one scale per output channel and group of G consecutive inputs
+  along the matrix's last input axis (D, or H for o_proj, F for down; the token table's D),
+  values packed two to a byte (``PackedInt4``). G (default 64) must be even and divide that
+  width, and with a tensor split each shard's part of it.
+
+Norm gains and biases stay float (they are a few vectors). With a stacked (scanned) layout each
+layer has its own scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import qwix
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from transformer_jax.config import ModelConfig
+from transformer_jax.layers import EMBEDDING_PARAM, MATRIX_INPUT_AXES
+from transformer_jax.ops.quantized import PackedInt4, is_quantized, pack_int4
+
+Params = dict[str, Any]
+
+SCHEMES = ("int8", "int4")
+DEFAULT_GROUP_SIZE = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightQuant:
+    """How ``prepare`` quantises the weights.
+
+    Attributes:
+      scheme: ``"int8"`` (per output channel) or ``"int4"`` (per output channel and group).
+      group_size: G, int4's group of consecutive inputs sharing a scale; None for int8.
+    """
+
+    scheme: str = "int8"
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"quant scheme must be one of {SCHEMES}, got {self.scheme!r}")
+        if self.scheme == "int8" and self.group_size is not None:
+            raise ValueError(f"quant int8 has one scale per output channel; group_size "
+                             f"{self.group_size!r} is for int4")
+        if self.scheme == "int4":
+            g = self.group_size
+            if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2:
+                raise ValueError(f"quant int4 group_size must be an even int >= 2 (two values "
+                                 f"pack in a byte), got {g!r}")
+
+    @property
+    def name(self) -> str:
+        """The spelling ``parse_quant`` reads: ``"int8"`` or ``"int4:G"``."""
+        return self.scheme if self.group_size is None else f"{self.scheme}:{self.group_size}"
+
+
+def parse_quant(quant: str | WeightQuant | None) -> WeightQuant | None:
+    """``"int8"``, ``"int4"`` (G = 64) or ``"int4:G"`` (or a ``WeightQuant``, or None) ->
+    the ``WeightQuant`` (None: float weights).
+
+    Raises:
+      ValueError: an unknown scheme or a bad group size.
+    """
+    if quant is None or isinstance(quant, WeightQuant):
+        return quant
+    if not isinstance(quant, str):
+        raise ValueError(f"quant must be a string such as 'int8' or 'int4:64', got {quant!r}")
+    scheme, _, group = quant.partition(":")
+    if scheme not in SCHEMES:
+        raise ValueError(f"quant must be one of 'int8', 'int4' or 'int4:G', got {quant!r}")
+    if scheme == "int8":
+        if group:
+            raise ValueError(f"quant int8 takes no group size, got {quant!r}")
+        return WeightQuant("int8")
+    if not group:
+        return WeightQuant("int4", DEFAULT_GROUP_SIZE)
+    if not group.isdigit():
+        raise ValueError(f"quant int4 group size must be an int, got {quant!r}")
+    return WeightQuant("int4", int(group))
+
+
+def grouped_widths(config: ModelConfig, shards: int = 1) -> dict[str, int]:
+    """The width of each weight's grouped (last input) axis as one of T = ``shards`` shards
+    holds it: D for the projections in and the head, H for o_proj, F/T for down."""
+    c = config
+    widths = {"q_proj": c.d_model, "k_proj": c.d_model, "v_proj": c.d_model,
+              "o_proj": c.head_dim, "up": c.d_model, "down": c.d_ff // shards,
+              EMBEDDING_PARAM: c.d_model}
+    if c.ffn in ("swiglu", "geglu"):
+        widths["gate"] = c.d_model
+    if not c.tie_embeddings:
+        widths["lm_head"] = c.d_model
+    return widths
+
+
+def check_quant(config: ModelConfig, quant: WeightQuant | None, shards: int = 1) -> None:
+    """Raises ValueError unless int4's group size divides every grouped width (per shard)."""
+    if quant is None or quant.group_size is None:
+        return
+    g = quant.group_size
+    bad = [f"{name} ({width})" for name, width in grouped_widths(config, shards).items()
+           if width % g]
+    if bad:
+        per = f" per shard of {shards}" if shards > 1 else ""
+        raise ValueError(f"quant int4 group_size={g} does not divide the input width{per} of "
+                         f"{', '.join(bad)}; pick a group size that divides them")
+
+
+def quantized_axes(name: str, ndim: int, *, stacked: bool, out_first: bool
+                   ) -> tuple[tuple[int, ...], int]:
+    """(the channelwise axes, the grouped axis) of stored weight ``name`` of rank ``ndim``.
+
+    Output axes (and a stacked layout's layers axis) get one scale each entry; the grouped axis
+    is the last input axis (a matrix stored in-first has its inputs first, out-first last).
+    """
+    lead = int(stacked)
+    n_in = 1 if name == EMBEDDING_PARAM else MATRIX_INPUT_AXES[name]
+    if name == EMBEDDING_PARAM:  # [V, D]: a row per token, never transposed
+        inputs = (lead + 1,)
+    elif out_first:
+        inputs = tuple(range(ndim - n_in, ndim))
+    else:
+        inputs = tuple(range(lead, lead + n_in))
+    channel = tuple(a for a in range(ndim) if a not in inputs)
+    return channel, inputs[-1]
+
+
+def quantize_weight(w: jax.Array, name: str, quant: WeightQuant, *, stacked: bool,
+                    out_first: bool) -> Any:
+    """One stored weight -> a ``qwix.QArray`` (int8) or a ``PackedInt4``, scales in w's dtype."""
+    channel, grouped = quantized_axes(name, w.ndim, stacked=stacked, out_first=out_first)
+    if quant.scheme == "int8":
+        return qwix.quantize(w, jnp.int8, channelwise_axes=channel)
+    q = qwix.quantize(w, jnp.int4, channelwise_axes=channel,
+                      tiled_axes={grouped: quant.group_size})
+    return pack_int4(q, grouped)
+
+
+def is_quantizable(name: str) -> bool:
+    """Whether ``quantize_params`` quantises a weight of this leaf name."""
+    return name in MATRIX_INPUT_AXES or name == EMBEDDING_PARAM
+
+
+def quantize_params(params: Params, quant: WeightQuant, *, out_first: bool) -> Params:
+    """Decode params (``decode_params``' layout) with every matrix and the token table
+    quantised (``quantize_weight``); the rest as given."""
+    def one(path: tuple[Any, ...], x: jax.Array) -> Any:
+        name = str(path[-1].key)
+        if not is_quantizable(name):
+            return x
+        return quantize_weight(x, name, quant, stacked=str(path[0].key) == "blocks",
+                               out_first=out_first)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def dequantize(w: Any) -> jax.Array:
+    """A quantised weight's float values (``qwix.dequantize``); a float one as it is."""
+    if isinstance(w, PackedInt4):
+        w = w.qarray()
+    return qwix.dequantize(w) if is_quantized(w) else w
+
+
+def dequantize_params(params: Params) -> Params:
+    """Every quantised weight of ``params`` replaced by its float values (same layout)."""
+    return jax.tree.map(dequantize, params, is_leaf=is_quantized)
+
+
+def quantized_shardings(shardings: Params, quantized: Params) -> Params:
+    """The shardings of quantised weights, from those of the float weights they replace.
+
+    Values keep their weight's spec (int4's packed axis is halved, still divisible when the
+    group size divides each shard's width); scales take it on the axes they have entries along
+    and replicate their size-1 axes.
+    """
+    def one(s: NamedSharding, q: Any) -> Any:
+        if not is_quantized(q):
+            return s
+        spec = tuple(s.spec) + (None,) * (len(q.shape) - len(s.spec))
+        scale_spec = P(*(a if n > 1 else None for a, n in zip(spec, q.scale.shape, strict=True)))
+        tree = jax.tree.map(lambda _: s, q)
+        return tree.replace(scale=NamedSharding(s.mesh, scale_spec))
+
+    return jax.tree.map(one, shardings, quantized)
