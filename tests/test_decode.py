@@ -384,7 +384,7 @@ def no_compute(monkeypatch):
     (dict(stop_tokens=(64,)), "stop token 64"),
     (dict(pad_id=-1), "pad_id"),
     (dict(seed=[1, 2, 3]), "seed"),
-    (dict(cache_dtype="int8"), "floating dtype, got int8"),
+    (dict(cache_dtype="int16"), "floating dtype or int8, got int16"),
     (dict(cache_dtype="float33"), "not a dtype"),
 ])
 def test_bad_input_raises_before_compute(no_compute, kwargs, match):

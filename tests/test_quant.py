@@ -60,8 +60,8 @@ def test_quantized_decode_equals_float_decode_over_the_dequantised_weights(param
     config = TINY.replace(tie_embeddings=tied)
     p = {k: v for k, v in params.items() if not (tied and k == "lm_head")}
     weights = decode.prepare(config, p, quant=quant)
-    dequantised = decode.DecodeWeights(dequantize_params(weights.params), config, None,
-                                       weights.weights_out_first)
+    dequantised = decode.DecodeWeights(jax.jit(dequantize_params)(weights.params), config,
+                                       None, weights.weights_out_first)
     prompts = [[5, 9, 2, 7, 1], [3, 3]]
     got = generation.generate(config, weights, prompts, max_new_tokens=8)
     want = generation.generate(config, dequantised, prompts, max_new_tokens=8)
@@ -86,15 +86,19 @@ def test_prepared_weights_hold_quantised_values_and_scales_only():
         assert weights.nbytes / float_bytes <= most, (quant, weights.nbytes / float_bytes)
 
 
-def test_engine_serves_quantised_weights_as_generate_does(params):
+def test_engine_serves_quantised_weights_and_int8_pages_as_generate_does(params):
+    # int8 weights and an int8 cache: the engine's paged one and generate's contiguous one.
     weights = decode.prepare(TINY, params, quant="int8")
     engine = Engine(TINY, params, num_slots=2, num_pages=9, page_size=4, token_budget=10,
-                    quant="int8")
+                    quant="int8", cache_dtype="int8")
+    assert engine.weights.quant.name == "int8"
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8]]
     ids = [engine.add_request(p, SamplingParams(max_tokens=6)) for p in prompts]
     done = engine.run_until_idle()
-    want = generation.generate(TINY, weights, prompts, max_new_tokens=6)
+    want = generation.generate(TINY, weights, prompts, max_new_tokens=6, cache_dtype="int8")
     assert [done[i].tokens for i in ids] == want.tokens
+    for rid, logprobs in zip(ids, want.logprobs, strict=True):
+        np.testing.assert_allclose(done[rid].logprobs, logprobs, atol=1e-4)
     engine.check_no_leaks()
 
 

@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "says so, as fine-tuning did)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--cache-dtype", choices=("float32", "bfloat16", "float16"),
-                   help="KV cache storage dtype (default: the compute dtype)")
+    p.add_argument("--cache-dtype", choices=("float32", "bfloat16", "float16", "int8"),
+                   help="KV cache storage dtype; int8 stores a scale per token and kv head "
+                   "(default: the compute dtype)")
     p.add_argument("--quant", metavar="SCHEME",
                    help="store the weights quantised: int8 (a scale per output channel), int4 "
                    "or int4:G (a scale per G inputs, default 64); default: float")

@@ -63,8 +63,8 @@ def _float_dtype_name(dtype: Any) -> str:
         dt = jnp.dtype(dtype)
     except TypeError as e:
         raise ValueError(f"cache_dtype {dtype!r} is not a dtype") from e
-    if not jnp.issubdtype(dt, jnp.floating):
-        raise ValueError(f"cache_dtype must be a floating dtype, got {dt.name}")
+    if not (jnp.issubdtype(dt, jnp.floating) or dt == jnp.int8):
+        raise ValueError(f"cache_dtype must be a floating dtype or int8, got {dt.name}")
     return dt.name
 
 
@@ -103,7 +103,8 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
       cache_size: S_max slots of the KV cache; default the padded prompt length + N, capped at
         ``config.max_seq_len``. Must be >= every prompt length + N.
       cache_dtype: the KV cache's storage dtype (e.g. ``"bfloat16"`` halves its memory and the
-        bytes each step reads); the model's compute dtype by default.
+        bytes each step reads; ``"int8"``, values with a scale per token and kv head, about
+        halves bfloat16's); the model's compute dtype by default.
       stream: optional ``fn(step, tokens [B], active [B])`` called on the host after every
         decode step with that step's tokens (``active[b]`` is False for finished sequences).
       mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1, e.g. from

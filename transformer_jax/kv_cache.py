@@ -18,6 +18,10 @@ kernels and XLA's batched dots read without a transpose. Keys are the same, or w
 in storage order, while keys [S, H] were read 2-4x slower (decode_25m, batch 8, 1024 slots: a
 decode step over [S, H] keys took about twice as long). It is the default on CPU only
 (``default_keys_transposed``); GPUs and TPUs keep [B, K, S, H].
+
+int8 (``dtype="int8"``). Each token's row of each kv head is stored as its int8 values and its
+scale, H + 2 bytes in the place of H (``ops.kv_quant``), written in the same write and
+dequantised just before attention.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.config import Architecture, ModelConfig
+from transformer_jax.ops import kv_quant
 from transformer_jax.ops.attention import attention
 
 #: Logical axis names of the cache's [L, B, K, S, H] arrays (the mesh rules shard kv heads over
@@ -73,7 +78,8 @@ class KVCache:
           config: the model's config (gives L, K, H).
           batch: B.
           max_len: S_max, the largest number of positions it can hold.
-          dtype: storage dtype; the model's compute dtype by default.
+          dtype: storage dtype (a float dtype, or ``"int8"``: values and a scale per token
+            and kv head, ``ops.kv_quant``); the model's compute dtype by default.
           keys_transposed: the keys' layout; default ``default_keys_transposed()``.
         """
         if batch <= 0 or max_len <= 0:
@@ -82,7 +88,7 @@ class KVCache:
             keys_transposed = default_keys_transposed()
         dtype = jnp.dtype(dtype or config.dtype)
         rows = (batch, config.n_kv_heads)
-        h = config.head_dim
+        h = kv_quant.stored_head_dim(config.head_dim, dtype)
         k_shape = (*rows, h, max_len) if keys_transposed else (*rows, max_len, h)
         v_shape = (*rows, max_len, h)
         if config.scan_layers:
@@ -108,6 +114,11 @@ class KVCache:
     @property
     def batch(self) -> int:
         return self.lengths.shape[0]
+
+    @property
+    def int8(self) -> bool:
+        """Whether rows are stored int8 with their scales (``ops.kv_quant``)."""
+        return kv_quant.is_int8((self.v if self.stacked else self.v[0]).dtype)
 
     @property
     def nbytes(self) -> int:
@@ -147,6 +158,9 @@ class KVCache:
         """
         cache = self.write(i, k, v, positions[:, 0])
         keys, values = cache.layer(i)
+        if self.int8:  # dequantised for the reference attention, each row with its own scale
+            keys = kv_quant.decode(keys, q.dtype, axis=-2 if self.keys_transposed else -1)
+            values = kv_quant.decode(values, q.dtype)
         out = attention(q.astype(keys.dtype), keys, values, q_positions=positions,
                         window=window, impl=impl, keys_transposed=self.keys_transposed)
         return out, cache
@@ -167,6 +181,8 @@ class KVCache:
         Returns:
           The cache with layer i updated (lengths unchanged: the model sets them).
         """
+        if self.int8:
+            k, v = kv_quant.encode(k), kv_quant.encode(v)
         if self.stacked:
             return self.replace(k=_write_stacked(self.k, i, k, start, self.keys_transposed),
                                 v=_write_stacked(self.v, i, v, start, False))
@@ -265,6 +281,7 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array,
 
 def cache_bytes(config: Architecture, batch: int, max_len: int,
                 dtype: jnp.dtype | str | None = None) -> int:
-    """Size of K and V of a cache, without allocating it."""
-    itemsize = jnp.dtype(dtype or config.dtype).itemsize
-    return 2 * config.n_layers * batch * max_len * config.n_kv_heads * config.head_dim * itemsize
+    """Size of K and V of a cache, without allocating it (int8: values and scales)."""
+    dtype = jnp.dtype(dtype or config.dtype)
+    h = kv_quant.stored_head_dim(config.head_dim, dtype)
+    return 2 * config.n_layers * batch * max_len * config.n_kv_heads * h * dtype.itemsize

@@ -336,7 +336,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tensor", type=_ints, default=[0],
                         help="tensor-parallel sizes to run (decode.generate's mesh); 0 = one "
                         "device per CPU core, 1 = a single device")
-    parser.add_argument("--cache-dtype", default=None, choices=("float32", "bfloat16"),
+    parser.add_argument("--cache-dtype", default=None, choices=("float32", "bfloat16", "int8"),
                         help="KV cache storage dtype (default: the model's compute dtype)")
     parser.add_argument("--quant", default=None, metavar="SCHEME",
                         help="also run every point with the weights quantised (decode.prepare's "

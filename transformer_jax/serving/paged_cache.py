@@ -30,6 +30,9 @@ of pages a row does not hold point at it.
 
 The page table and lengths are host-built per step (``with_table``): the engine owns which
 pages a sequence holds; the cache owns only their contents.
+
+int8 pages (``dtype="int8"``) hold each token's row as its int8 values and its scale, H + 2
+bytes (``ops.kv_quant``), as ``KVCache`` does; both views dequantise what they read.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import numpy as np
 
 from transformer_jax.config import ModelConfig
 from transformer_jax.kv_cache import default_keys_transposed
+from transformer_jax.ops import kv_quant
 from transformer_jax.ops.attention import attention, choose_impl, reference_attention
 
 #: The page no sequence owns (see the module docstring).
@@ -86,7 +90,8 @@ class PagedKVCache:
           page_size: positions per page.
           batch: B rows of the initial page table.
           pages_per_row: W columns of the initial page table.
-          dtype: storage dtype; the model's compute dtype by default.
+          dtype: storage dtype (a float dtype, or ``"int8"``, ``ops.kv_quant``); the model's
+            compute dtype by default.
           keys_transposed: the keys' layout; default ``default_keys_transposed()``.
           view: how ``attend`` reads the pages.
         """
@@ -102,7 +107,7 @@ class PagedKVCache:
         if keys_transposed is None:
             keys_transposed = default_keys_transposed()
         dtype = jnp.dtype(dtype or config.dtype)
-        kv, h = config.n_kv_heads, config.head_dim
+        kv, h = config.n_kv_heads, kv_quant.stored_head_dim(config.head_dim, dtype)
         k_shape = (kv, h, num_pages, page_size) if keys_transposed else (
             kv, num_pages, page_size, h)
         v_shape = (kv, num_pages, page_size, h)
@@ -185,10 +190,25 @@ class PagedKVCache:
         cache = self.write(i, k, v, positions)
         if cache.pool_view(q, impl):
             return cache._attend_pool(i, q, positions, window), cache
-        keys, values = cache.layer(i)
+        # Gathered keys are [B, K, S, H] or [B, K, H, S].
+        keys, values = cache._dequantized(*cache.layer(i), q.dtype,
+                                          key_axis=-2 if self.keys_transposed else -1)
         out = attention(q.astype(keys.dtype), keys, values, q_positions=positions,
                         window=window, impl=impl, keys_transposed=self.keys_transposed)
         return out, cache
+
+    @property
+    def int8(self) -> bool:
+        """Whether pages hold int8 rows with their scales (``ops.kv_quant``)."""
+        return kv_quant.is_int8((self.v if self.stacked else self.v[0]).dtype)
+
+    def _dequantized(self, keys: jax.Array, values: jax.Array, dtype: jnp.dtype, *,
+                     key_axis: int) -> tuple[jax.Array, jax.Array]:
+        """Keys (head axis ``key_axis``) and values (head axis last) read from int8 pages, in
+        float ``dtype``; float pages as they are."""
+        if not self.int8:
+            return keys, values
+        return kv_quant.decode(keys, dtype, axis=key_axis), kv_quant.decode(values, dtype)
 
     def pool_view(self, q: jax.Array, impl: str) -> bool:
         """Whether ``attend`` reads the whole pool for queries q [B, T, N, H] (see ``view``)."""
@@ -204,7 +224,9 @@ class PagedKVCache:
         """Every row's queries against the whole pool of layer i, each seeing only the slots
         of its own pages at positions up to its own (``"pool"`` view)."""
         b, t, n, h = q.shape
-        k_pool, v_pool = self.k[i], self.v[i]  # [K, P, ps, H] (keys [K, H, P, ps])
+        # [K, P, ps, H] (keys [K, H, P, ps])
+        k_pool, v_pool = self._dequantized(self.k[i], self.v[i], q.dtype,
+                                           key_axis=1 if self.keys_transposed else -1)
         kv, p, ps = v_pool.shape[0], v_pool.shape[1], v_pool.shape[2]
         # owner[b, page]: the page's index in row b's table, -1 for pages b does not hold (the
         # null page included: nobody holds it).
@@ -244,6 +266,8 @@ class PagedKVCache:
         Returns:
           The cache with layer i updated (lengths unchanged: the model sets them).
         """
+        if self.int8:
+            k, v = kv_quant.encode(k), kv_quant.encode(v)
         pages, offsets = self.slots(positions)
         lead = 2 if self.keys_transposed else 1  # the (kv head[, H]) axes before the pages
         index = (*[slice(None)] * lead, pages, offsets)
