@@ -53,13 +53,15 @@ def test_dequantised_weight_is_within_half_a_step_of_its_group(scheme, rows, col
         assert q.shape == w.shape
 
 
-@pytest.mark.parametrize("quant,tied", [("int8", False), ("int4:8", True)])
+@pytest.mark.parametrize("quant,tied", [("int8", False), ("int4", True)])
 def test_quantized_decode_equals_float_decode_over_the_dequantised_weights(params, quant,
                                                                             tied):
     # (A scanned layout, each layer its own scales, is in test_decode_tp's quantised cases.)
     config = TINY.replace(tie_embeddings=tied)
     p = {k: v for k, v in params.items() if not (tied and k == "lm_head")}
     weights = decode.prepare(config, p, quant=quant)
+    # int4's group: the largest power of two up to 64 dividing every input width (H = 8).
+    assert weights.quant.group_size == (8 if quant == "int4" else None)
     dequantised = decode.DecodeWeights(jax.jit(dequantize_params)(weights.params), config,
                                        None, weights.weights_out_first)
     prompts = [[5, 9, 2, 7, 1], [3, 3]]

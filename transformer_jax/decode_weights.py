@@ -69,7 +69,8 @@ class DecodeWeights:
           ValueError: they were prepared for another config, another mesh or another
             quantisation.
         """
-        if quant is not None and _parse_quant(config, quant, 1) != self.quant:
+        asked = None if quant is None else _parse_quant(config, quant, tensor_shards(self.mesh))
+        if asked is not None and asked != self.quant:
             have = "float" if self.quant is None else self.quant.name
             raise ValueError(f"the DecodeWeights given to {caller} are {have}, not quant="
                              f"{quant!r}; prepare them with that quant, or pass quant=None")
@@ -153,14 +154,12 @@ def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None, *,
 
 
 def _parse_quant(config: ModelConfig, quant: Any, shards: int) -> Any:
-    """``quant.parse_quant`` and ``check_quant`` (qwix imported only when quantising)."""
+    """``quant.parse_quant`` and ``for_model`` (qwix imported only when quantising)."""
     if quant is None:
         return None
     from transformer_jax import quant as quantization
 
-    parsed = quantization.parse_quant(quant)
-    quantization.check_quant(config, parsed, shards)
-    return parsed
+    return quantization.for_model(config, quantization.parse_quant(quant), shards)
 
 
 def abstract_weights(config: ModelConfig, weights_out_first: bool | None = None,

@@ -9,8 +9,9 @@ products and the embedding lookup take a quantised weight as they take a float o
   channelwise): the token table one per row, which is also one per logit as the tied head.
 - ``"int4"`` / ``"int4:G"``: one scale per output channel and group of G consecutive inputs
   along the matrix's last input axis (D, or H for o_proj, F for down; the token table's D),
-  values packed two to a byte (``PackedInt4``). G (default 64) must be even and divide that
-  width, and with a tensor split each shard's part of it.
+  values packed two to a byte (``PackedInt4``). G must be even and divide that width, and with
+  a tensor split each shard's part of it; ``"int4"`` takes the largest power of two up to 64
+  that does.
 
 Norm gains and biases stay float (they are a few vectors). With a stacked (scanned) layout each
 layer has its own scales.
@@ -43,7 +44,8 @@ class WeightQuant:
 
     Attributes:
       scheme: ``"int8"`` (per output channel) or ``"int4"`` (per output channel and group).
-      group_size: G, int4's group of consecutive inputs sharing a scale; None for int8.
+      group_size: G, int4's group of consecutive inputs sharing a scale; None for int8, and
+        for int4 until ``for_model`` picks it.
     """
 
     scheme: str = "int8"
@@ -55,7 +57,7 @@ class WeightQuant:
         if self.scheme == "int8" and self.group_size is not None:
             raise ValueError(f"quant int8 has one scale per output channel; group_size "
                              f"{self.group_size!r} is for int4")
-        if self.scheme == "int4":
+        if self.scheme == "int4" and self.group_size is not None:
             g = self.group_size
             if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2:
                 raise ValueError(f"quant int4 group_size must be an even int >= 2 (two values "
@@ -68,8 +70,8 @@ class WeightQuant:
 
 
 def parse_quant(quant: str | WeightQuant | None) -> WeightQuant | None:
-    """``"int8"``, ``"int4"`` (G = 64) or ``"int4:G"`` (or a ``WeightQuant``, or None) ->
-    the ``WeightQuant`` (None: float weights).
+    """``"int8"``, ``"int4"`` (G picked by ``for_model``) or ``"int4:G"`` (or a
+    ``WeightQuant``, or None) -> the ``WeightQuant`` (None: float weights).
 
     Raises:
       ValueError: an unknown scheme or a bad group size.
@@ -86,7 +88,7 @@ def parse_quant(quant: str | WeightQuant | None) -> WeightQuant | None:
             raise ValueError(f"quant int8 takes no group size, got {quant!r}")
         return WeightQuant("int8")
     if not group:
-        return WeightQuant("int4", DEFAULT_GROUP_SIZE)
+        return WeightQuant("int4")
     if not group.isdigit():
         raise ValueError(f"quant int4 group size must be an int, got {quant!r}")
     return WeightQuant("int4", int(group))
@@ -106,10 +108,22 @@ def grouped_widths(config: ModelConfig, shards: int = 1) -> dict[str, int]:
     return widths
 
 
-def check_quant(config: ModelConfig, quant: WeightQuant | None, shards: int = 1) -> None:
-    """Raises ValueError unless int4's group size divides every grouped width (per shard)."""
-    if quant is None or quant.group_size is None:
-        return
+def for_model(config: ModelConfig, quant: WeightQuant | None, shards: int = 1
+              ) -> WeightQuant | None:
+    """``quant`` for this model split over T = ``shards``: int4 without a group size gets the
+    largest power of two up to ``DEFAULT_GROUP_SIZE`` dividing every grouped width.
+
+    Raises:
+      ValueError: int4's group size does not divide a grouped width (per shard).
+    """
+    if quant is None or quant.scheme != "int4":
+        return quant
+    if quant.group_size is None:
+        widths = grouped_widths(config, shards).values()
+        g = DEFAULT_GROUP_SIZE
+        while g > 2 and any(w % g for w in widths):
+            g //= 2
+        quant = WeightQuant("int4", g)
     g = quant.group_size
     bad = [f"{name} ({width})" for name, width in grouped_widths(config, shards).items()
            if width % g]
@@ -117,6 +131,7 @@ def check_quant(config: ModelConfig, quant: WeightQuant | None, shards: int = 1)
         per = f" per shard of {shards}" if shards > 1 else ""
         raise ValueError(f"quant int4 group_size={g} does not divide the input width{per} of "
                          f"{', '.join(bad)}; pick a group size that divides them")
+    return quant
 
 
 def quantized_axes(name: str, ndim: int, *, stacked: bool, out_first: bool

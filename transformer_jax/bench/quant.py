@@ -1,0 +1,124 @@
+"""Quantisation quality benchmark: ``python -m transformer_jax.bench quant --run RUN_DIR``.
+
+For a trained run (its checkpoint, tokenizer and the validation split of its own data config),
+the held-out loss with float, int8 and int4 weights (``decode.prepare(quant=...)``) and with an
+int8 KV cache, and the greedy continuations of held-out prompts against float's, as the
+fraction of tokens that agree position for position. Also the bytes of each: prepared weights
+against float32, the int8 cache against a bfloat16 one.
+
+The loss runs the decode forward (``decode.decode_model``) on non-overlapping held-out windows
+of ``max_seq_len`` tokens; the cache's loss runs it with a ``KVCache`` of the window's length,
+so every query attends over the cached (int8) keys and values. It prints a table and writes
+the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax import decode, generation, loading
+from transformer_jax.kv_cache import KVCache, cache_bytes
+from transformer_jax.run_data import prepare_data
+from transformer_jax.train_config import DataConfig, config_from_dict
+
+
+def held_out_windows(run_dir: Path, loaded: loading.Loaded, length: int, most: int
+                     ) -> np.ndarray:
+    """Up to ``most`` non-overlapping [length] windows of the run's validation split."""
+    data = json.loads((run_dir / "config.json").read_text())["data"]
+    _, _, val = prepare_data(config_from_dict(DataConfig, data, "data"),
+                             loaded.config.vocab_size, tokenizer=loaded.tokenizer)
+    n = min(most, len(val) // length)
+    return np.asarray(val[:n * length], np.int32).reshape(n, length)
+
+
+def mean_loss(weights: decode.DecodeWeights, windows: np.ndarray, batch: int,
+              cache_dtype: str | None) -> float:
+    """Mean next-token cross-entropy (nats) over the windows, through the decode forward."""
+    config = weights.config
+    model = decode.decode_model(config, weights_out_first=weights.weights_out_first)
+
+    @jax.jit
+    def loss(params: Any, tokens: jax.Array) -> jax.Array:
+        cache = None if cache_dtype is None else KVCache.init(
+            config, tokens.shape[0], tokens.shape[1], cache_dtype)
+        logits = model.apply({"params": params}, tokens, cache=cache).logits[:, :-1]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).sum()
+
+    total = sum(float(loss(weights.params, windows[i:i + batch]))
+                for i in range(0, len(windows) - batch + 1, batch))
+    used = (len(windows) // batch) * batch
+    return total / (used * (windows.shape[1] - 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m transformer_jax.bench quant",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", required=True, help="a training run directory")
+    parser.add_argument("--quant", default="int8,int4",
+                        help="comma-separated weight schemes (decode.prepare's quant)")
+    parser.add_argument("--windows", type=int, default=1024,
+                        help="the most held-out windows the loss runs over")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=32, help="held-out greedy prompts")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64,
+                        help="tokens per continuation (capped at max_seq_len - prompt-len)")
+    parser.add_argument("--out", default=None, help="JSON file (default bench_quant_RUN.json)")
+    args = parser.parse_args(argv)
+
+    run_dir = Path(args.run)
+    loaded = loading.load(run_dir)
+    config, params = loaded.config, loaded.params
+    windows = held_out_windows(run_dir, loaded, config.max_seq_len, args.windows)
+    new_tokens = min(args.new_tokens, config.max_seq_len - args.prompt_len)
+    prompts = windows[-args.prompts:, :args.prompt_len].tolist()
+    print(f"quantisation quality: {run_dir} step {loaded.step}, {config.dtype}, "
+          f"{len(windows)} held-out windows of {config.max_seq_len} tokens; greedy: "
+          f"{len(prompts)} prompts of {args.prompt_len} x {new_tokens} new tokens")
+
+    float_weights = decode.prepare(config, params)
+    variants: dict[str, tuple[decode.DecodeWeights, str | None]] = {"float": (float_weights,
+                                                                               None)}
+    for scheme in args.quant.split(","):
+        variants[scheme] = (decode.prepare(config, params, quant=scheme), None)
+    variants["int8 cache"] = (float_weights, "int8")
+    rows, reference = {}, None
+    for name, (weights, cache_dtype) in variants.items():
+        start = time.perf_counter()
+        loss = mean_loss(weights, windows, args.batch, cache_dtype)
+        out = generation.generate(config, weights, prompts, max_new_tokens=new_tokens,
+                                  cache_dtype=cache_dtype).token_array
+        reference = out if reference is None else reference
+        cache_ratio = (cache_bytes(config, 1, config.max_seq_len, cache_dtype)
+                       / cache_bytes(config, 1, config.max_seq_len, "bfloat16")
+                       if cache_dtype else None)
+        rows[name] = dict(loss=loss, greedy_agreement=float(np.mean(out == reference)),
+                          weight_bytes=weights.nbytes,
+                          weight_bytes_vs_float32=weights.nbytes / float_weights.nbytes,
+                          cache_bytes_vs_bfloat16=cache_ratio,
+                          seconds=time.perf_counter() - start)
+    float_loss = rows["float"]["loss"]
+    for name, r in rows.items():
+        r["loss_increase"] = r["loss"] / float_loss - 1
+        size = (f"cache {r['cache_bytes_vs_bfloat16']:.3f}x bfloat16"
+                if r["cache_bytes_vs_bfloat16"] else
+                f"weights {r['weight_bytes'] / 1e6:.2f} MB = {r['weight_bytes_vs_float32']:.3f}x")
+        print(f"  {name:>10}: loss {r['loss']:.4f} ({r['loss_increase']:+.2%}), greedy agreement "
+              f"{r['greedy_agreement']:.1%}, {size}")
+    out_path = Path(args.out or f"bench_quant_{run_dir.name}.json")
+    out_path.write_text(json.dumps(dict(run=str(run_dir), step=loaded.step,
+                                        windows=len(windows), prompts=len(prompts),
+                                        prompt_len=args.prompt_len, new_tokens=new_tokens,
+                                        results=rows), indent=1))
+    print(f"wrote {out_path}")
+    return 0
