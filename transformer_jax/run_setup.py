@@ -55,6 +55,9 @@ def check_config(model_config: ModelConfig, train_config: TrainConfig,
       num_devices: devices the batch is split over; ``jax.device_count()`` by default.
     """
     tc = train_config
+    if tc.quant == "fp8" and jax.default_backend() == "cpu":
+        raise ValueError("train.quant=fp8 needs a GPU or TPU (fp8 matmuls); this backend is "
+                         "cpu: use train.quant=int8 (quant_train exports the fp8 step for cuda)")
     if tc.seq_len > model_config.max_seq_len:
         raise ValueError(f"train.seq_len={tc.seq_len} is above the model's max_seq_len="
                          f"{model_config.max_seq_len}")

@@ -35,6 +35,9 @@ from transformer_jax.tokenizer import MODEL_TYPES
 
 logger = logging.getLogger(__name__)
 
+#: ``train.quant``: float training (""), or quantised training (``quant_train``).
+QUANT_SCHEMES = ("", "int8", "fp8")
+
 
 def auto_warmup_steps(decay_length: int) -> int:
     """The warmup of ``warmup_steps=-1``: ``min(100, decay_length // 10)``."""
@@ -97,6 +100,9 @@ class TrainConfig:
       lora_targets: comma-separated LoRA target matrices among q,k,v,o,gate,up,down.
       lora_base_dtype: dtype the frozen LoRA base is stored in (e.g. ``bfloat16``); empty
         means the model's param_dtype.
+      quant: quantised training through qwix (``transformer_jax.quant_train``): ``int8`` (the
+        weight products' operands and gradients int8) or ``fp8`` (GPU/TPU); empty trains in
+        float. Parameters, optimizer state and checkpoints stay in param_dtype.
     """
 
     steps: int = 1000
@@ -133,6 +139,7 @@ class TrainConfig:
     lora_alpha: float = 0.0
     lora_targets: str = "q,k,v,o,gate,up,down"
     lora_base_dtype: str = ""
+    quant: str = ""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "ckpt_every",
@@ -171,6 +178,9 @@ class TrainConfig:
         if self.lora_base_dtype and self.lora_base_dtype not in DTYPES:
             raise ValueError(f"lora_base_dtype must be one of {DTYPES} or empty, got "
                              f"{self.lora_base_dtype!r}")
+        if self.quant not in QUANT_SCHEMES:
+            raise ValueError(f"quant must be one of {QUANT_SCHEMES[1:]} or empty, got "
+                             f"{self.quant!r}")
         try:  # the targets are checked even while lora_rank=0 leaves them unused
             LoraConfig(rank=1, alpha=1.0, targets=self.lora_targets)
         except ValueError as e:

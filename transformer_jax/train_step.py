@@ -187,7 +187,7 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
     ``segment_ids`` (attention stays within a segment) and ``positions`` (restarting per
     segment) to the model.
     """
-    model = Transformer(model_config)
+    model = _training_model(model_config, train_config)
     z_weight, chunk = train_config.z_loss, train_config.loss_chunk
     layout = ParamsLayout.of(train_config)
 
@@ -215,9 +215,9 @@ def make_eval_step(model_config: ModelConfig, train_config: TrainConfig | None =
 
     ``params`` are the train state's (see ``ParamsLayout``; full training without
     ``train_config``); the batch's optional ``mask``, ``segment_ids`` and ``positions`` [B, T]
-    are used as in training.
+    are used as in training, and so is ``train.quant`` (the model evaluated as it trains).
     """
-    model = Transformer(model_config)
+    model = _training_model(model_config, train_config)
     layout = ParamsLayout() if train_config is None else ParamsLayout.of(train_config)
 
     def eval_step(params: Params, batch: Batch) -> Metrics:
@@ -228,3 +228,14 @@ def make_eval_step(model_config: ModelConfig, train_config: TrainConfig | None =
         return {"loss_sum": ce, "tokens": count}
 
     return eval_step
+
+
+def _training_model(model_config: ModelConfig, train_config: TrainConfig | None) -> Transformer:
+    """The model the steps run: with ``train.quant`` its weight products quantised through
+    qwix (``quant_train``; imported only then)."""
+    model = Transformer(model_config)
+    if train_config is None or not train_config.quant:
+        return model
+    from transformer_jax.quant_train import training_model
+
+    return training_model(model, train_config.quant)

@@ -97,18 +97,39 @@ def _as_qwix(w: Any) -> Any:
 
 def einsum(spec: str, a: Any, b: Any, *, preferred_element_type: jnp.dtype | None = None
            ) -> jax.Array:
-    """``jnp.einsum(spec, a, b)``, through ``qwix.einsum`` when either operand is quantised.
+    """``jnp.einsum(spec, a, b)`` of a weight product, through ``qwix.einsum`` when either
+    operand is quantised.
 
     With float activations qwix dequantises the weight and runs the float product (its
     ``dot_general``: XLA can fuse the two on accelerators), so the result equals the float
-    product over the dequantised weight.
+    product over the dequantised weight. Float operands go through ``jax.lax.dot_general``
+    (``dot_general_einsum``): quantised training (``transformer_jax.quant_train``) quantises
+    the ``dot_general`` calls, so the weights' products and not attention's einsums.
     """
     if is_quantized(a) or is_quantized(b):
         import qwix
 
         return qwix.einsum(spec, _as_qwix(a), _as_qwix(b),
                            preferred_element_type=preferred_element_type)
-    return jnp.einsum(spec, a, b, preferred_element_type=preferred_element_type)
+    return dot_general_einsum(spec, a, b, preferred_element_type=preferred_element_type)
+
+
+def dot_general_einsum(spec: str, a: jax.Array, b: jax.Array, *,
+                       preferred_element_type: jnp.dtype | None = None) -> jax.Array:
+    """A two-operand einsum ``"<a>,<b>-><out>"`` (single letters, no ellipsis) as one
+    ``jax.lax.dot_general`` and a transpose: letters of both operands and the output are
+    batch axes, of both and not the output contracted."""
+    inputs, out = spec.split("->")
+    sa, sb = inputs.split(",")
+    batch = [c for c in sa if c in sb and c in out]
+    contract = [c for c in sa if c in sb and c not in out]
+    dims = (([sa.index(c) for c in contract], [sb.index(c) for c in contract]),
+            ([sa.index(c) for c in batch], [sb.index(c) for c in batch]))
+    y = jax.lax.dot_general(a, b, dims, preferred_element_type=preferred_element_type)
+    # dot_general's output order: batch, then a's free axes, then b's.
+    order = batch + [c for c in sa if c not in sb] + [c for c in sb if c not in sa]
+    perm = [order.index(c) for c in out]
+    return y if perm == sorted(perm) else y.transpose(perm)
 
 
 def take_rows(table: Any, ids: jax.Array) -> jax.Array:

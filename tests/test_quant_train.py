@@ -1,0 +1,66 @@
+"""Quantised training (``train.quant``, through qwix's QT): the int8 step quantises the weight
+products and keeps float32 parameters and no state outside ``TrainState`` (so a run resumes
+exactly); the fp8 step lowers for cuda from this CPU and is refused for a CPU run."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import FAST_COMPILE, TINY
+
+from transformer_jax.run_setup import check_config
+from transformer_jax.train_config import TrainConfig
+from transformer_jax.train_step import make_init_fn, make_train_step
+
+B, T = 4, 16
+
+
+def _batch(seed: int) -> dict:
+    tokens = np.random.default_rng(seed).integers(0, TINY.vocab_size, (B, T + 1), np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def _steps(quant: str):
+    tc = TrainConfig(steps=10, batch_size=B, seq_len=T, warmup_steps=1, quant=quant)
+    init = jax.jit(make_init_fn(TINY, tc), compiler_options=FAST_COMPILE)
+    step = jax.jit(make_train_step(TINY, tc), compiler_options=FAST_COMPILE)
+    return init(jax.random.key(0)), step
+
+
+def test_int8_training_quantises_the_products_and_resumes_exactly():
+    state, step = _steps("int8")
+    start = straight = state
+    for i in range(3):
+        straight, metrics = step(straight, _batch(i))
+    # Two steps, the state through the host (as a checkpoint holds it), one more.
+    for i in range(2):
+        state, _ = step(state, _batch(i))
+    state = jax.tree.map(jnp.asarray, jax.device_get(state))
+    state, resumed = step(state, _batch(2))
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(straight), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert resumed["loss"] == metrics["loss"]
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+    # The products run on int8 operands (forward and backward): int8 x int8 dots in the step.
+    hlo = step.lower(start, _batch(0)).as_text()
+    assert len(re.findall(r"dot_general.*tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>", hlo)) >= 3
+
+
+def test_fp8_train_step_lowers_for_cuda_and_a_cpu_run_refuses_it():
+    tc = TrainConfig(batch_size=B, seq_len=T, quant="fp8")
+    state = jax.eval_shape(make_init_fn(TINY, tc), jax.random.key(0))
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _batch(0))
+    exported = jax.export.export(jax.jit(make_train_step(TINY, tc)), platforms=("cuda",))(
+        state, batch)
+    text = exported.mlir_module()
+    assert "f8E4M3FN" in text and "f8E5M2" in text  # forward e4m3, gradients e5m2
+    with pytest.raises(ValueError, match="train.quant=fp8 needs a GPU or TPU"):
+        check_config(TINY, tc, num_devices=1)
+
+
+def test_an_unknown_training_scheme_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"quant must be one of \('int8', 'fp8'\) or empty, "
+                                         "got 'int4'"):
+        TrainConfig(quant="int4")
