@@ -105,7 +105,7 @@ def test_engine_serves_quantised_weights_and_int8_pages_as_generate_does(params)
 
 
 @pytest.mark.parametrize("quant,message", [
-    ("int3", "quant must be one of 'int8', 'int4' or 'int4:G', got 'int3'"),
+    ("int3", "quant must be one of 'int8', 'int4', 'int4:G', 'nf4' or 'nf4:G', got 'int3'"),
     ("int8:32", "quant int8 takes no group size"),
     ("int4:x", "quant int4 group size must be an int, got 'int4:x'"),
     ("int4:3", "group_size must be an even int >= 2"),

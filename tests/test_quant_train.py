@@ -1,6 +1,7 @@
 """Quantised training (``train.quant``, through qwix's QT): the int8 step quantises the weight
 products and keeps float32 parameters and no state outside ``TrainState`` (so a run resumes
-exactly); the fp8 step lowers for cuda from this CPU and is refused for a CPU run."""
+exactly); the fp8 step lowers for cuda from this CPU and is refused for a CPU run. QLoRA
+(``train.lora_base_quant``) keeps the frozen base 4-bit and merges to float for export."""
 
 import re
 
@@ -10,6 +11,10 @@ import numpy as np
 import pytest
 from helpers import FAST_COMPILE, TINY
 
+from transformer_jax import lora
+from transformer_jax.config import ModelConfig, load_toml
+from transformer_jax.model import init_params, param_count
+from transformer_jax.ops.quantized import PackedInt4
 from transformer_jax.run_setup import check_config
 from transformer_jax.train_config import TrainConfig
 from transformer_jax.train_step import make_init_fn, make_train_step
@@ -64,3 +69,35 @@ def test_an_unknown_training_scheme_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"quant must be one of \('int8', 'fp8'\) or empty, "
                                          "got 'int4'"):
         TrainConfig(quant="int4")
+
+
+def test_qlora_keeps_the_base_quantised_trains_the_adapters_and_merges_to_float():
+    def run(base_quant: str):
+        tc = TrainConfig(steps=10, batch_size=B, seq_len=T, warmup_steps=1, lr=1e-2,
+                         lora_rank=4, lora_base_quant=base_quant)
+        state = jax.jit(make_init_fn(TINY, tc), compiler_options=FAST_COMPILE)(
+            jax.random.key(0))
+        step = jax.jit(make_train_step(TINY, tc), compiler_options=FAST_COMPILE)
+        losses = []
+        for _ in range(4):  # the same batch: the loss must fall
+            state, metrics = step(state, _batch(0))
+            losses.append(float(metrics["loss"]))
+        return state, losses, tc
+
+    state, qlora, tc = run("nf4")
+    base = state.params[lora.BASE]
+    assert isinstance(base["blocks_0"]["mlp"]["up"], PackedInt4)  # 4 bits a value, frozen
+    assert qlora[-1] < qlora[0]
+    # The export merges the adapters into full-precision weights.
+    merged = lora.merge_checkpoint_params(state.params, {"lora": tc.lora_config.to_dict()},
+                                          "here")
+    assert {x.dtype for x in jax.tree.leaves(merged)} == {jnp.dtype(jnp.float32)}
+    assert jax.tree.structure(merged) == jax.tree.structure(init_params(TINY, 0))
+
+
+def test_a_4_bit_qlora_base_is_under_0_3x_its_bfloat16_size():
+    config = ModelConfig.from_dict(load_toml("decode_25m")["model"])
+    tc = TrainConfig(lora_rank=8, lora_base_quant="nf4")
+    state = jax.eval_shape(make_init_fn(config, tc), jax.random.key(0))
+    base_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params["base"]))
+    assert base_bytes <= 0.3 * 2 * param_count(config)

@@ -49,6 +49,7 @@ import optax
 
 from transformer_jax.config import ModelConfig
 from transformer_jax.layers import MATRIX_INPUT_AXES
+from transformer_jax.ops.quantized import is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -389,4 +390,9 @@ def merge_checkpoint_params(params: Any, meta: Mapping[str, Any], where: Any,
     lora_config = LoraConfig.from_dict(meta["lora"])
     logger.info("merging LoRA adapters (rank %d, alpha %g, targets %s)", lora_config.rank,
                 lora_config.alpha, ",".join(lora_config.targets))
-    return merge(params[BASE], params[ADAPTERS], lora_config, dtype=dtype)
+    base = params[BASE]
+    if any(is_quantized(x) for x in jax.tree.leaves(base, is_leaf=is_quantized)):
+        from transformer_jax.quant import dequantize_params  # a QLoRA run's quantised base
+
+        base = dequantize_params(base)
+    return merge(base, params[ADAPTERS], lora_config, dtype=dtype)

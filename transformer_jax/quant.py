@@ -12,6 +12,7 @@ products and the embedding lookup take a quantised weight as they take a float o
   values packed two to a byte (``PackedInt4``). G must be even and divide that width, and with
   a tensor split each shard's part of it; ``"int4"`` takes the largest power of two up to 64
   that does.
+- ``"nf4"`` / ``"nf4:G"``: as int4, with the 16 NormalFloat levels of QLoRA (qwix's nf4).
 
 Norm gains and biases stay float (they are a few vectors). With a stacked (scanned) layout each
 layer has its own scales.
@@ -34,7 +35,9 @@ from transformer_jax.ops.quantized import PackedInt4, is_quantized, pack_int4
 
 Params = dict[str, Any]
 
-SCHEMES = ("int8", "int4")
+SCHEMES = ("int8", "int4", "nf4")
+#: The schemes of 4-bit values in groups (packed two to a byte).
+GROUPED = ("int4", "nf4")
 DEFAULT_GROUP_SIZE = 64
 
 
@@ -57,11 +60,11 @@ class WeightQuant:
         if self.scheme == "int8" and self.group_size is not None:
             raise ValueError(f"quant int8 has one scale per output channel; group_size "
                              f"{self.group_size!r} is for int4")
-        if self.scheme == "int4" and self.group_size is not None:
+        if self.scheme in GROUPED and self.group_size is not None:
             g = self.group_size
             if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2:
-                raise ValueError(f"quant int4 group_size must be an even int >= 2 (two values "
-                                 f"pack in a byte), got {g!r}")
+                raise ValueError(f"quant {self.scheme} group_size must be an even int >= 2 "
+                                 f"(two values pack in a byte), got {g!r}")
 
     @property
     def name(self) -> str:
@@ -82,16 +85,17 @@ def parse_quant(quant: str | WeightQuant | None) -> WeightQuant | None:
         raise ValueError(f"quant must be a string such as 'int8' or 'int4:64', got {quant!r}")
     scheme, _, group = quant.partition(":")
     if scheme not in SCHEMES:
-        raise ValueError(f"quant must be one of 'int8', 'int4' or 'int4:G', got {quant!r}")
+        raise ValueError(f"quant must be one of 'int8', 'int4', 'int4:G', 'nf4' or 'nf4:G', "
+                         f"got {quant!r}")
     if scheme == "int8":
         if group:
             raise ValueError(f"quant int8 takes no group size, got {quant!r}")
         return WeightQuant("int8")
     if not group:
-        return WeightQuant("int4")
+        return WeightQuant(scheme)
     if not group.isdigit():
-        raise ValueError(f"quant int4 group size must be an int, got {quant!r}")
-    return WeightQuant("int4", int(group))
+        raise ValueError(f"quant {scheme} group size must be an int, got {quant!r}")
+    return WeightQuant(scheme, int(group))
 
 
 def grouped_widths(config: ModelConfig, shards: int = 1) -> dict[str, int]:
@@ -116,21 +120,21 @@ def for_model(config: ModelConfig, quant: WeightQuant | None, shards: int = 1
     Raises:
       ValueError: int4's group size does not divide a grouped width (per shard).
     """
-    if quant is None or quant.scheme != "int4":
+    if quant is None or quant.scheme not in GROUPED:
         return quant
     if quant.group_size is None:
         widths = grouped_widths(config, shards).values()
         g = DEFAULT_GROUP_SIZE
         while g > 2 and any(w % g for w in widths):
             g //= 2
-        quant = WeightQuant("int4", g)
+        quant = WeightQuant(quant.scheme, g)
     g = quant.group_size
     bad = [f"{name} ({width})" for name, width in grouped_widths(config, shards).items()
            if width % g]
     if bad:
         per = f" per shard of {shards}" if shards > 1 else ""
-        raise ValueError(f"quant int4 group_size={g} does not divide the input width{per} of "
-                         f"{', '.join(bad)}; pick a group size that divides them")
+        raise ValueError(f"quant {quant.scheme} group_size={g} does not divide the input "
+                         f"width{per} of {', '.join(bad)}; pick a group size that divides them")
     return quant
 
 
@@ -159,8 +163,8 @@ def quantize_weight(w: jax.Array, name: str, quant: WeightQuant, *, stacked: boo
     channel, grouped = quantized_axes(name, w.ndim, stacked=stacked, out_first=out_first)
     if quant.scheme == "int8":
         return qwix.quantize(w, jnp.int8, channelwise_axes=channel)
-    q = qwix.quantize(w, jnp.int4, channelwise_axes=channel,
-                      tiled_axes={grouped: quant.group_size})
+    q = qwix.quantize(w, jnp.int4 if quant.scheme == "int4" else "nf4",
+                      channelwise_axes=channel, tiled_axes={grouped: quant.group_size})
     return pack_int4(q, grouped)
 
 

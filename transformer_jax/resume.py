@@ -36,7 +36,8 @@ def data_fingerprint(*token_arrays: np.ndarray) -> str:
 _STATE_TRAIN_KEYS: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
     "grad_clip": lambda v, train: bool(v), "lora_rank": lambda v, train: v,
     "lora_targets": lambda v, train: tuple(t.strip() for t in str(v).split(",") if t.strip())
-    if train.get("lora_rank") else None}
+    if train.get("lora_rank") else None,
+    "lora_base_quant": lambda v, train: v if train.get("lora_rank") else None}
 # Data keys that change the token ids a run sees (named when the data fingerprint differs).
 _DATA_KEYS = {"path": "", "val_fraction": "another train/validation split",
               "max_bytes": "another cap on the default corpus"}
@@ -44,7 +45,8 @@ _DATA_KEYS = {"path": "", "val_fraction": "another train/validation split",
 # run an uninterrupted one would have been.
 _TRAJECTORY_TRAIN_KEYS = ("batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
                           "decay_steps", "weight_decay", "b1", "b2", "eps", "grad_clip",
-                          "z_loss", "seed", "lora_alpha", "lora_base_dtype", "init_from")
+                          "z_loss", "seed", "lora_alpha", "lora_base_dtype", "init_from",
+                          "quant")
 
 
 def _model_dict(saved: dict[str, Any]) -> dict[str, Any]:

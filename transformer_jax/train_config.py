@@ -100,6 +100,9 @@ class TrainConfig:
       lora_targets: comma-separated LoRA target matrices among q,k,v,o,gate,up,down.
       lora_base_dtype: dtype the frozen LoRA base is stored in (e.g. ``bfloat16``); empty
         means the model's param_dtype.
+      lora_base_quant: store the frozen LoRA base quantised (QLoRA): ``int8``, ``int4``,
+        ``nf4`` (or ``int4:G`` / ``nf4:G``, ``transformer_jax.quant``); dequantised inside each
+        step. Exports merge the adapters into full-precision weights. Empty: not quantised.
       quant: quantised training through qwix (``transformer_jax.quant_train``): ``int8`` (the
         weight products' operands and gradients int8) or ``fp8`` (GPU/TPU); empty trains in
         float. Parameters, optimizer state and checkpoints stay in param_dtype.
@@ -139,6 +142,7 @@ class TrainConfig:
     lora_alpha: float = 0.0
     lora_targets: str = "q,k,v,o,gate,up,down"
     lora_base_dtype: str = ""
+    lora_base_quant: str = ""
     quant: str = ""
 
     def __post_init__(self) -> None:
@@ -178,6 +182,16 @@ class TrainConfig:
         if self.lora_base_dtype and self.lora_base_dtype not in DTYPES:
             raise ValueError(f"lora_base_dtype must be one of {DTYPES} or empty, got "
                              f"{self.lora_base_dtype!r}")
+        if self.lora_base_quant:
+            if self.lora_rank == 0:
+                raise ValueError(f"lora_base_quant={self.lora_base_quant!r} quantises a LoRA "
+                                 "base: set lora_rank > 0")
+            if self.lora_base_dtype:
+                raise ValueError("lora_base_quant and lora_base_dtype both store the base: "
+                                 "set one")
+            if self.lora_base_quant.partition(":")[0] not in ("int8", "int4", "nf4"):
+                raise ValueError(f"lora_base_quant must be int8, int4, nf4 (int4:G, nf4:G) or "
+                                 f"empty, got {self.lora_base_quant!r}")
         if self.quant not in QUANT_SCHEMES:
             raise ValueError(f"quant must be one of {QUANT_SCHEMES[1:]} or empty, got "
                              f"{self.quant!r}")

@@ -64,19 +64,30 @@ class ParamsLayout:
     Attributes:
       lora_config: rank, alpha and targets; None for full training.
       base_dtype: dtype the frozen base is stored in; None keeps the param dtype.
+      base_quant: how the frozen base is stored quantised (QLoRA, ``quant.parse_quant``'s
+        spelling), or None.
     """
 
     lora_config: lora.LoraConfig | None = None
     base_dtype: str | None = None
+    base_quant: str | None = None
 
     @classmethod
     def of(cls, train_config: TrainConfig) -> ParamsLayout:
-        """The layout of ``train.lora_rank`` / ``lora_base_dtype``."""
-        return cls(train_config.lora_config, train_config.lora_base_dtype or None)
+        """The layout of ``train.lora_rank`` / ``lora_base_dtype`` / ``lora_base_quant``."""
+        return cls(train_config.lora_config, train_config.lora_base_dtype or None,
+                   train_config.lora_base_quant or None)
 
     def model_params(self, params: Params) -> Params:
-        """The params to run the model with (LoRA: ``W + alpha/R A B``, base without gradient)."""
-        return params if self.lora_config is None else lora.model_params(params, self.lora_config)
+        """The params to run the model with (LoRA: ``W + alpha/R A B``, base without gradient;
+        a quantised base dequantised first)."""
+        if self.lora_config is None:
+            return params
+        if self.base_quant:
+            from transformer_jax.quant import dequantize_params
+
+            params = {**params, lora.BASE: dequantize_params(params[lora.BASE])}
+        return lora.model_params(params, self.lora_config)
 
     def trainable(self, params: Params) -> Params:
         """The trained part of the state's params (differentiated, and the optimizer's)."""
@@ -92,6 +103,11 @@ class ParamsLayout:
         if self.lora_config is None:
             return params
         base = params if self.base_dtype is None else lora.freeze_base(params, self.base_dtype)
+        if self.base_quant:
+            from transformer_jax.quant import for_model, parse_quant, quantize_params
+
+            quant = for_model(model_config, parse_quant(self.base_quant))
+            base = quantize_params(params, quant, out_first=False)
         return {lora.BASE: base,
                 lora.ADAPTERS: lora.init_adapters(model_config, self.lora_config, params, key)}
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class PackedInt4:
-    """int4 values stored two to a byte, with qwix's scales.
+    """4-bit values (int4, or nf4's 16 levels) stored two to a byte, with qwix's scales.
 
     XLA:CPU (and the jax arrays it holds) keeps an ``int4`` array one value per byte, so int4
     would save nothing over int8 in memory; packing pairs of values along the grouped (input)
@@ -30,14 +30,16 @@ class PackedInt4:
 
     Attributes:
       packed: uint8, the weight's shape with ``axis`` halved: value 2i in the low nibble, 2i+1
-        in the high one (two's complement).
+        in the high one (int4 in two's complement, nf4 as its level index 0..15).
       scale: the QArray's scale (a generic broadcast of the weight's shape).
       axis: static; the packed axis, negative (counted from the last).
+      qtype: static; ``"int4"`` or ``"nf4"`` (qwix's qtype of the values).
     """
 
     packed: jax.Array
     scale: jax.Array
     axis: int = flax.struct.field(pytree_node=False, default=-1)
+    qtype: str = flax.struct.field(pytree_node=False, default="int4")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -62,25 +64,32 @@ class PackedInt4:
         """The ``qwix.QArray`` (int4 values, same scales) these bytes hold."""
         import qwix
 
-        signed = self.packed.astype(jnp.int8)
-        low = jnp.left_shift(signed, 4) >> 4  # arithmetic shifts sign-extend the nibbles
-        high = signed >> 4
+        if self.qtype == "nf4":  # level indices: unsigned nibbles
+            low, high = self.packed & 0xF, self.packed >> 4
+            storage, qtype = jnp.uint4, "nf4"
+        else:
+            signed = self.packed.astype(jnp.int8)
+            low = jnp.left_shift(signed, 4) >> 4  # arithmetic shifts sign-extend the nibbles
+            high = signed >> 4
+            storage = qtype = jnp.int4
         axis = self.axis % self.packed.ndim
         pairs = jnp.stack([low, high], axis=axis + 1)
-        values = pairs.reshape(self.shape).astype(jnp.int4)
-        return qwix.QArray(values, self.scale, qtype=jnp.int4)
+        return qwix.QArray(pairs.reshape(self.shape).astype(storage), self.scale, qtype=qtype)
 
 
 def pack_int4(qarray: Any, axis: int) -> PackedInt4:
-    """A ``qwix.QArray`` of int4 values packed two to a byte along ``axis`` (of even size)."""
-    values = qarray.qvalue.astype(jnp.int8)
+    """A ``qwix.QArray`` of int4 (or nf4) values packed two to a byte along ``axis`` (of even
+    size)."""
+    nf4 = qarray.qtype == "nf4"
+    values = qarray.qvalue.astype(jnp.uint8 if nf4 else jnp.int8)
     axis = axis % values.ndim
     shape = values.shape
     pairs = values.reshape(*shape[:axis], shape[axis] // 2, 2, *shape[axis + 1:])
     low = jnp.take(pairs, 0, axis=axis + 1) & 0xF
     high = jnp.left_shift(jnp.take(pairs, 1, axis=axis + 1), 4)
     # Counted from the end: a layer scan slices a stacked weight's leading axis off.
-    return PackedInt4((low | high).astype(jnp.uint8), qarray.scale, axis - values.ndim)
+    return PackedInt4((low | high).astype(jnp.uint8), qarray.scale, axis - values.ndim,
+                      "nf4" if nf4 else "int4")
 
 
 def is_quantized(w: Any) -> bool:
