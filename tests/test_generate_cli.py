@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 from helpers import FAST_COMPILE, FAST_XLA_FLAGS, TINY
 
-from transformer_jax import generation
+from transformer_jax import decode, generation
 from transformer_jax.model import init_params
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
@@ -63,6 +63,15 @@ def test_prompt_ids_json_from_hf_dir(hf_dir, params, capsys):
     assert out["tokens"] == want.tokens
     assert out["lengths"] == [5, 5]
     assert out["prompt_ids"] == [[1, 2, 3], [4, 5]]
+
+
+def test_quantised_weights_and_cache_decode_as_generate_does(hf_dir, params, capsys):
+    argv = ["--checkpoint", str(hf_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "5",
+            "--no-stop", "--json", "--quant", "int8", "--cache-dtype", "int8"]
+    assert cli.main(argv) == 0
+    want = generation.generate(CONFIG, decode.prepare(CONFIG, params, quant="int8"),
+                               [[1, 2, 3]], max_new_tokens=5, cache_dtype="int8")
+    assert json.loads(capsys.readouterr().out)["tokens"] == want.tokens
 
 
 def test_text_prompt_streams_the_decoded_text(hf_dir, params, tokenizer_file, capsys):
@@ -117,6 +126,7 @@ def test_orbax_checkpoint_of_a_training_run(tmp_path, params, tokenizer_file, ca
     (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
     (["--prompt-ids", "1", "--max-new-tokens", "0"], "max_new_tokens"),
     (["--prompt-ids", "1", "--tensor", "3"], "needs 3 devices"),
+    (["--prompt-ids", "1", "--quant", "int3"], "quant must be one of 'int8', 'int4'"),
 ])
 def test_errors_are_reported_with_exit_status_1(hf_dir, argv, message, capsys):
     if "--checkpoint" not in argv:
@@ -152,7 +162,7 @@ def test_package_attribute_generate_is_callable_before_and_after_importing_the_c
     script = textwrap.dedent("""
         import types
         import transformer_jax
-        from transformer_jax import generation
+        from transformer_jax import decode, generation
         from transformer_jax.config import ModelConfig
         from transformer_jax.model import init_params
         config = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=16,
