@@ -24,6 +24,10 @@ through one of two views, both calling the library's attention with masks from p
   gather made a decode step 2-3x slower than the contiguous cache's (decode_25m, 8 rows of
   64 pages of 16: 76-97 ms against 27 ms).
 
+With ``view="auto"`` and ``attention_impl="pallas"`` on a GPU or TPU, ``attend`` reads the pages
+with JAX's Pallas paged kernels instead (``ops/paged_attention.py``: decode, and on TPU prefill
+chunks); an explicit ``"gather"`` or ``"pool"`` view always reads them with XLA.
+
 Page 0 is the null page: never handed out by ``PagePool``, it takes the writes that belong to no
 page (rows not in use, a padded chunk's tail past the pages the table lists), and table entries
 of pages a row does not hold point at it.
@@ -44,6 +48,7 @@ import numpy as np
 
 from transformer_jax.config import ModelConfig
 from transformer_jax.kv_cache import default_keys_transposed
+from transformer_jax.ops import paged_attention
 from transformer_jax.ops.attention import attention, choose_impl, reference_attention
 
 #: The page no sequence owns (see the module docstring).
@@ -183,6 +188,14 @@ class PagedKVCache:
           ([B, T, N, H] attention output, the cache with layer i's pages written).
         """
         cache = self.write(i, k, v, positions)
+        if self.view == "auto":  # impl="pallas": a paged kernel (ops/paged_attention.py)
+            route = paged_attention.plan(impl, q.shape[1], window)
+            if route.kernel is not None:
+                out = paged_attention.paged_attention(
+                    route.kernel, q, cache.k[i], cache.v[i], cache.page_table, positions,
+                    window=window, keys_transposed=self.keys_transposed)
+                return out, cache
+            impl = route.impl
         if cache.pool_view(q, impl):
             return cache._attend_pool(i, q, positions, window), cache
         keys, values = cache.layer(i)
