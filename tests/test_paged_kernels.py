@@ -15,6 +15,7 @@ lowers for its backend.
 
 import contextlib
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -36,11 +37,16 @@ from transformer_jax.serving.paged_cache import NULL_PAGE, PagedKVCache, pages_f
 B, S_MAX = 3, 24  # decode rows, positions a row may hold before its query
 LAYER = 1
 
+SMALL_BLOCKS = dict(GPU_PAGES_PER_BLOCK=2, GPU_MIN_BLOCK_KEYS=1, GPU_MAX_SPLITS=2,
+                    TPU_BLOCK_POSITIONS=4)
 #: The structure of a case (compiled once per kernel); the data vary under hypothesis.
 STRUCTURES = {
-    "page2-gqa-keysT-scan": dict(page_size=2, heads=(4, 2), keys_transposed=True, scan=True),
-    "page4-mqa": dict(page_size=4, heads=(4, 1), keys_transposed=False, scan=False),
-    "page8-mha-keysT": dict(page_size=8, heads=(2, 2), keys_transposed=True, scan=False),
+    # Small kernel blocks: each row's pages in several blocks (and Triton partitions).
+    "page2-gqa-keysT-scan-blocks": dict(page_size=2, heads=(4, 2), keys_transposed=True,
+                                        scan=True, blocks=SMALL_BLOCKS),
+    "page4-mqa": dict(page_size=4, heads=(4, 1), keys_transposed=False, scan=False, blocks={}),
+    "page8-mha-keysT": dict(page_size=8, heads=(2, 2), keys_transposed=True, scan=False,
+                            blocks={}),
 }
 #: kernel -> the backend it is interpreted for.
 INTERPRETED = {"gpu_paged": "gpu", "tpu_paged": "tpu"}
@@ -73,7 +79,8 @@ def _decode_fn(structure, kernel):
         return _RUNS[structure, kernel]
     s = STRUCTURES[structure]
     config = _config(*s["heads"], s["scan"])
-    width = pages_for(S_MAX + 1, s["page_size"]) + 1  # wider than any row needs
+    # Wider than any row needs, a power of two (as the engine's tables).
+    width = 1 << pages_for(S_MAX + 1, s["page_size"]).bit_length()
     num_pages = 1 + B * width
 
     @jax.jit
@@ -82,7 +89,10 @@ def _decode_fn(structure, kernel):
                                   keys_transposed=s["keys_transposed"]).with_table(table, prior)
         cache = cache.write(LAYER, pk, pv, jnp.broadcast_to(jnp.arange(S_MAX), (B, S_MAX)))
         positions = prior[:, None]
-        with pa.kernel_target(INTERPRETED[kernel], interpret=True):
+        # The block sizes are read when the kernel is traced, i.e. here.
+        blocks = mock.patch.multiple(pa, **s["blocks"]) if s["blocks"] else \
+            contextlib.nullcontext()
+        with pa.kernel_target(INTERPRETED[kernel], interpret=True), blocks:
             assert pa.plan("pallas", 1, None).kernel == kernel
             got, _ = cache.attend(LAYER, q, k, v, positions, window=None, impl="pallas")
         want, _ = cache.replace(view="gather").attend(LAYER, q, k, v, positions, window=None,

@@ -50,6 +50,17 @@ INTERPRETABLE = ("gpu_paged", "tpu_paged")
 GPU_BACKENDS = ("gpu", "cuda")
 TARGET_BACKENDS = (*GPU_BACKENDS, "tpu")
 
+# Block sizes, untuned (no GPU or TPU ran them here). The Triton kernel reads up to
+# GPU_PAGES_PER_BLOCK pages per block (more for tiny pages, so a block holds at least
+# GPU_MIN_BLOCK_KEYS keys where W allows: Triton's dot wants 16), its blocks split into up to
+# GPU_MAX_SPLITS partitions run in parallel; the TPU paged kernel reads blocks of up to
+# TPU_BLOCK_POSITIONS positions. Each is the largest divisor of W within its bound (the kernels
+# require divisors).
+GPU_PAGES_PER_BLOCK = 8
+GPU_MIN_BLOCK_KEYS = 16
+GPU_MAX_SPLITS = 16
+TPU_BLOCK_POSITIONS = 512
+
 # The ragged kernel's block sizes where its tuned table cannot be read (it asks the device kind,
 # so only on a TPU): the defaults its lookup takes on TPU v4 (pages per KV block, queries per
 # block), each capped at the size of the call.
@@ -188,8 +199,7 @@ def gpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     The kernel takes the pool as it is stored ([K, P, ps, H]) and the page table; it has no
     softmax scale, so q is scaled by ``1/sqrt(H)`` first (in q's dtype). Its ``block_h`` (16, the
     least it takes) blocks the G query heads of a kv head, padded up to 16: for G < 16 part of
-    each block is idle work. The W table columns are split into ``k_splits`` partitions (the most
-    up to 16 that divide W), each read in blocks of up to 8 pages.
+    each block is idle work. Block sizes: ``GPU_PAGES_PER_BLOCK`` and the bounds beside it.
 
     Args:
       q: [B, N, H] queries.
@@ -204,12 +214,12 @@ def gpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     from jax.experimental.pallas.ops.gpu import paged_attention as gpu  # noqa: PLC0415
 
     w, ps = page_table.shape[1], k_pages.shape[2]
-    k_splits = _divisor_at_most(w, 16)
+    pages_per_block = _divisor_at_most(w, max(GPU_PAGES_PER_BLOCK, -(-GPU_MIN_BLOCK_KEYS // ps)))
     return gpu.paged_attention(
         q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype), k_pages, v_pages,
         page_table.astype(jnp.int32), _decode_lengths(position, page_table, ps), block_h=16,
-        pages_per_compute_block=_divisor_at_most(w // k_splits, 8), k_splits=k_splits,
-        interpret=interpret)
+        pages_per_compute_block=pages_per_block,
+        k_splits=_divisor_at_most(w // pages_per_block, GPU_MAX_SPLITS), interpret=interpret)
 
 
 def tpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -219,8 +229,8 @@ def tpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     The kernel takes the pool as it is stored ([K, P, ps, H]) and DMAs each row's pages from it;
     it has no softmax scale (q is scaled first) and reads every page as bfloat16 (its loader
-    casts), so float32 pages are attended at bfloat16 precision. Pages are read in blocks of the
-    most pages up to 512 positions that divide W.
+    casts), so float32 pages are attended at bfloat16 precision. Pages are read in blocks of up
+    to ``TPU_BLOCK_POSITIONS`` positions.
 
     Args:
       q: [B, N, H] queries.
@@ -243,7 +253,7 @@ def tpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         return tpu_paged(q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype), k_pages, v_pages,
                          _decode_lengths(position, page_table, ps),
                          page_table.astype(jnp.int32),
-                         pages_per_compute_block=_divisor_at_most(w, 512 // ps))
+                         pages_per_compute_block=_divisor_at_most(w, TPU_BLOCK_POSITIONS // ps))
 
 
 def ragged_inputs(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
