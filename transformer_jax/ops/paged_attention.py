@@ -52,10 +52,10 @@ TARGET_BACKENDS = (*GPU_BACKENDS, "tpu")
 
 # Block sizes, untuned (no GPU or TPU ran them here). The Triton kernel reads up to
 # GPU_PAGES_PER_BLOCK pages per block (more for tiny pages, so a block holds at least
-# GPU_MIN_BLOCK_KEYS keys where W allows: Triton's dot wants 16), its blocks split into up to
-# GPU_MAX_SPLITS partitions run in parallel; the TPU paged kernel reads blocks of up to
-# TPU_BLOCK_POSITIONS positions. Each is the largest divisor of W within its bound (the kernels
-# require divisors).
+# GPU_MIN_BLOCK_KEYS keys where W allows: Triton's tl.dot has wanted dimensions of 16 or more),
+# its blocks split into up to GPU_MAX_SPLITS partitions run in parallel; the TPU paged kernel
+# reads blocks of up to TPU_BLOCK_POSITIONS positions. Each is the largest divisor of W within
+# its bound (the kernels require divisors).
 GPU_PAGES_PER_BLOCK = 8
 GPU_MIN_BLOCK_KEYS = 16
 GPU_MAX_SPLITS = 16
