@@ -20,10 +20,11 @@ The adapters take the layout ``PagedKVCache`` stores, one layer's pool: values [
 [K, P, ps, H] or [K, H, P, ps] (``keys_transposed``), the page table [B, W] and the chunk's
 positions [B, T] (consecutive per row, already written into the pages). What each adaptation
 costs is said where it is made; in short: the two paged kernels read the pool in place (keys
-transposed, the CPU layout, cost one copy of the layer's key pool), and the ragged kernel wants
-keys and values interleaved by head in one [P, ps, 2K, H] array, one copy of the layer's whole
-pool per call. Within a layer scan (a stacked cache) ``k[i]`` is a dynamic slice of the stacked
-pool that XLA may materialise as the kernel's operand (not measured: no accelerator here).
+transposed, an option the engine does not take, cost one copy of the layer's key pool), and the
+ragged kernel wants keys and values interleaved by head in one [P, ps, 2K, H] array, one copy of
+the layer's whole pool per call. Within a layer scan (a stacked cache) ``k[i]`` is a dynamic
+slice of the stacked pool that XLA may materialise as the kernel's operand (not measured: no
+accelerator here).
 
 Off an accelerator, ``kernel_target(backend, interpret=...)`` traces the kernels for another
 backend: to export them for it (``jax.export`` from a CPU), or to run the ones Pallas can
@@ -167,7 +168,7 @@ def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.
                          "plan() sends windows elsewhere")
     if keys_transposed:
         # [K, H, P, ps] -> [K, P, ps, H]: the kernels read [ps, H] pages, so this costs one copy
-        # of the layer's key pool per call (the layout is CPU's default, not GPU's or TPU's).
+        # of the layer's key pool per call (the engine stores [ps, H] pages on every backend).
         k_pages = k_pages.transpose(0, 2, 3, 1)
     q = q.astype(v_pages.dtype)
     interpret = current_target().interpret
