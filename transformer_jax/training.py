@@ -281,14 +281,16 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
     compile_start = time.perf_counter()
     part, parts = distributed.process_batch_shard(batch_sharding, tc.batch_size)
 
+    batch_times: list[float] = []  # host seconds of each batch the loop made
+
     def get_batch(step: int) -> Batch:
         start = time.perf_counter()
         rows = data.batch(tc, step, process_index=part, process_count=parts)
-        times["data"] += time.perf_counter() - start
+        batch_times.append(time.perf_counter() - start)
         return distributed.global_batch(rows, batch_sharding, tc.batch_size)
 
     batch = get_batch(start_step)
-    times["data"] = 0.0  # the loop's batches only
+    batch_times.clear()  # the loop's batches only
     train_step = sharding_lib.jit_train_step(make_train_step(model_config, tc), state_shardings,
                                              batch_sharding)
     train_step = train_step.lower(state, batch).compile()
@@ -390,6 +392,9 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
     # 6. Summary.
     latest = ckpt.latest_step()
     train_time = log.train_time
+    # The log times the steps after each process's first (see RunLog); so does this.
+    per_batch = sum(batch_times[1:]) / (len(batch_times) - 1) if len(batch_times) > 1 else 0.0
+    times["data"] = min(per_batch * log.timed_steps, train_time)
     times["train"] = train_time - times["data"]
     wall_time = time.perf_counter() - wall_start
     summary = RunSummary(
@@ -404,10 +409,9 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
         checkpoint=str(ckpt.step_path(latest)) if latest is not None else None,
         interrupted=interrupted, time_s={k: round(v, 3) for k, v in times.items()})
     logger.info("time: %s; wall %.1f s", format_times(summary.time_s), wall_time)
-    if step > start_step + 1:
+    if train_time > 0:
         logger.info("data: %.2f ms of host time per batch, %.1f%% of the train time",
-                    1000 * times["data"] / (step - start_step - 1),
-                    100 * times["data"] / max(train_time, 1e-9))
+                    1000 * per_batch, 100 * times["data"] / train_time)
     if main_process:
         (run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary),
                                                          indent=2))
