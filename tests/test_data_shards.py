@@ -11,6 +11,7 @@ from helpers import TINY, write_chatml_tokenizer
 
 from transformer_jax import data as data_lib
 from transformer_jax import training
+from transformer_jax.checkpoint import ensure_writable_dir
 from transformer_jax.data import build as build_lib
 from transformer_jax.data import shards
 from transformer_jax.run_data import prepare_data, prepare_shard_data
@@ -131,6 +132,8 @@ def test_bad_mixtures_and_a_foreign_tokenizer_are_one_line(builds):
     with pytest.raises(ValueError, match=r"^data.tokenizer=X \(fingerprint \w+\) is not the "
                                          r"tokenizer of the shards in .*/a \("):
         prepare_shard_data(DataConfig(path=builds["a"]), SEQ, other, where="data.tokenizer=X")
+    with pytest.raises(ValueError, match=r"^run directory 'gs://b/run' is on object storage"):
+        ensure_writable_dir("gs://b/run", "run directory")  # not a local dir named gs:
     with pytest.raises(ValueError, match="data.packing=pack reads shard builds"):
         prepare_data(DataConfig(packing="pack", path=str(builds["root"] / "a.jsonl")), 64)
 
