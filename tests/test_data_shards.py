@@ -132,6 +132,12 @@ def test_bad_mixtures_and_a_foreign_tokenizer_are_one_line(builds):
     with pytest.raises(ValueError, match=r"^data.tokenizer=X \(fingerprint \w+\) is not the "
                                          r"tokenizer of the shards in .*/a \("):
         prepare_shard_data(DataConfig(path=builds["a"]), SEQ, other, where="data.tokenizer=X")
+    # What a resume compares: another packing or mixture is other data.
+    prints = {prepare_shard_data(DataConfig(**kw), SEQ, None)[1].fingerprint for kw in (
+        {"path": builds["a"]}, {"path": builds["a"], "packing": "concat"},
+        {"mixture": f"a={builds['a']}:1,b={builds['b']}:1"},
+        {"mixture": f"a={builds['a']}:2,b={builds['b']}:1"})}
+    assert len(prints) == 4
     with pytest.raises(ValueError, match=r"^run directory 'gs://b/run' is on object storage"):
         ensure_writable_dir("gs://b/run", "run directory")  # not a local dir named gs:
     with pytest.raises(ValueError, match="data.packing=pack reads shard builds"):

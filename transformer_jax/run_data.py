@@ -137,7 +137,8 @@ def prepare_shard_data(data_config: DataConfig, seq_len: int, tokenizer: TextTok
                    for name, s in zip(mixture.names, mixture.builds, strict=True)}
                   if len(mixture.names) > 1 else {})
     data = ShardData(mixture, packing, seq_len, train, shards_lib.TokenStream.open(builds, "val"),
-                     source_val, shards_lib.fingerprint(builds))
+                     source_val, shards_lib.fingerprint(builds, [packing, mixture.names,
+                                                                 mixture.weights]))
     logger.info("data: shards %s (%s), %d train / %d val tokens, tokenizer %s", ", ".join(
         f"{n}={'+'.join(b)}:{w:.3g}" for n, b, w in zip(mixture.names, mixture.builds,
                                                          mixture.weights, strict=True)),

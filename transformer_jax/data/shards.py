@@ -344,9 +344,10 @@ def check_tokenizer(builds: Sequence[str], fingerprint: str, where: str) -> None
                              f"{Path(build) / TOKENIZER_DIR} or rebuild the shards")
 
 
-def fingerprint(builds: Sequence[str]) -> str:
-    """A digest of the builds' shard records (what a resumed run must read the same)."""
-    digest = hashlib.sha256()
+def fingerprint(builds: Sequence[str], reading: Any = None) -> str:
+    """A digest of the builds' shard records and of how they are read (``reading``, e.g. the
+    packing and the mixture's weights): what a resumed run must read the same."""
+    digest = hashlib.sha256(json.dumps(reading).encode())
     for build in builds:
         meta = read_metadata(build)
         digest.update(json.dumps([meta["tokenizer"], meta["shards"]], sort_keys=True).encode())
