@@ -149,7 +149,7 @@ def test_a_run_trains_from_a_mixture_with_a_loss_per_source(builds, tmp_path):
                      eval_every=0, eval_batches=1, sample_tokens=0, log_every=1, mesh="1,1,1",
                      peak_flops=1e12)
     dc = DataConfig(mixture=f"a={builds['a']}:1,b={builds['b']}:1")
-    summary = training.run(TINY.replace(max_seq_len=32), tc, dc, progress=False,
+    summary = training.run(TINY.replace(max_seq_len=32, n_layers=1), tc, dc, progress=False,
                            memory_check=False)
     assert summary.final_step == 2 and summary.val_loss is not None
     assert "data" in summary.time_s

@@ -310,19 +310,27 @@ def eval_batches(stream: TokenStream, packing: str, batch_size: int, seq_len: in
                  max_batches: int | None = None, *, process_index: int = 0,
                  process_count: int = 1) -> Iterator[HostBatch]:
     """Validation batches in order: packed rows ``0, 1, ...`` or the windows
-    ``[w T, w T + T]`` of ``data.eval_batches``; a last incomplete batch is dropped."""
+    ``[w T, w T + T]`` of ``data.eval_batches``; a last incomplete batch is dropped. Checked
+    when called (as ``data.eval_batches``): ValueError when not one batch fills."""
     local = batch_size // process_count
     width = seq_len + 1 if packing == "pack" else seq_len
     count = (stream.num_tokens - (packing != "pack")) // width // batch_size
+    if count == 0:
+        raise ValueError(f"the {stream.num_tokens} validation tokens of the shards do not fill "
+                         f"one eval batch of {batch_size} rows of {width} tokens ({packing})")
     if max_batches:
         count = min(count, max_batches)
-    for i in range(count):
-        first = i * batch_size + process_index * local
-        index = np.arange(first, first + local)
-        if packing == "pack":
-            yield packed_rows(stream, index, width)
-        else:
-            yield windows_batch(stream, index * seq_len, seq_len)
+
+    def generate() -> Iterator[HostBatch]:
+        for i in range(count):
+            first = i * batch_size + process_index * local
+            index = np.arange(first, first + local)
+            if packing == "pack":
+                yield packed_rows(stream, index, width)
+            else:
+                yield windows_batch(stream, index * seq_len, seq_len)
+
+    return generate()
 
 
 def eval_tokens(stream: TokenStream, packing: str, seq_len: int) -> int:
