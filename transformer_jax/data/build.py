@@ -28,6 +28,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -193,14 +194,16 @@ def _finished(out: Path, index: int, plan: str) -> dict[str, Any] | None:
     return record
 
 
+_SHARD_FILE = re.compile(r"(?:(?:train|val)-(\d{5})\.(?:arrayrecord|lengths\.npy)"
+                         r"|shard-(\d{5})\.json)")
+
+
 def _remove_beyond(out: Path, count: int) -> None:
-    """Removes the files of shards ``count, count + 1, ...`` left by a bigger earlier plan."""
-    for path in out.glob("*-[0-9][0-9][0-9][0-9][0-9]*"):
-        try:
-            index = int(path.name.split("-")[1][:5])
-        except ValueError:
-            continue
-        if index >= count:
+    """Removes the files of shards ``count, count + 1, ...`` left by a bigger earlier plan (only
+    names a build writes: other files in ``out`` are never touched)."""
+    for path in out.iterdir():
+        match = _SHARD_FILE.fullmatch(path.name)
+        if match and int(match.group(1) or match.group(2)) >= count:
             path.unlink()
 
 
