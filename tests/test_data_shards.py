@@ -132,6 +132,11 @@ def test_bad_mixtures_and_a_foreign_tokenizer_are_one_line(builds):
     with pytest.raises(ValueError, match=r"^data.tokenizer=X \(fingerprint \w+\) is not the "
                                          r"tokenizer of the shards in .*/a \("):
         prepare_shard_data(DataConfig(path=builds["a"]), SEQ, other, where="data.tokenizer=X")
+    unfinished = builds["root"] / "unfinished"
+    unfinished.mkdir()
+    (unfinished / "shard-00000.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="is not a finished shard build"):
+        DataConfig(path=str(unfinished)).is_shards  # noqa: B018
     # What a resume compares: another packing or mixture is other data.
     prints = {prepare_shard_data(DataConfig(**kw), SEQ, None)[1].fingerprint for kw in (
         {"path": builds["a"]}, {"path": builds["a"], "packing": "concat"},

@@ -44,8 +44,18 @@ _MIX_STREAM = 1  # the rng stream of the mixture's draws
 
 
 def is_build(path: str | Path) -> bool:
-    """Whether ``path`` is a shard build directory (holds its ``metadata.json``)."""
-    return (Path(path).expanduser() / METADATA).is_file()
+    """Whether ``path`` is a shard build directory (holds its ``metadata.json``).
+
+    Raises:
+      FileNotFoundError: an unfinished build (shards without ``metadata.json``), which would
+        otherwise be read as a directory of text files.
+    """
+    path = Path(path).expanduser()
+    if (path / METADATA).is_file():
+        return True
+    if path.is_dir() and next(path.glob("shard-[0-9]*.json"), None) is not None:
+        read_metadata(path)  # raises, naming the build command
+    return False
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
