@@ -122,11 +122,13 @@ def _expected(checkpoint, model, prompt, max_tokens, stops):
 def test_completion_greedy_equals_generate(server, served, checkpoint):
     model = served[3]
     prompt = "w3 w1 w4 w1 w5 w9 w2 w6 w5"  # 10 ids with bos: the chat test's bucket
+    # Stops at eos and at the id asked for (the chat test's stops: the same generate program).
     out = _client(server).completions.create(model=NAME, prompt=prompt, max_tokens=12,
-                                             temperature=0, logprobs=1)
+                                             temperature=0, logprobs=1,
+                                             extra_body={"stop_token_ids": [model.turn_end]})
     ids = encode_text(model.tokenizer, prompt)
-    eos = model.tokenizer.eos_id
-    tokens, logprobs, text = _expected(checkpoint, model, ids, 12, [eos, eos])
+    stops = [model.tokenizer.eos_id, model.turn_end]
+    tokens, logprobs, text = _expected(checkpoint, model, ids, 12, stops)
     choice = out.choices[0]
     assert choice.text == text
     assert choice.finish_reason == ("stop" if len(tokens) < 12 else "length")
@@ -134,7 +136,8 @@ def test_completion_greedy_equals_generate(server, served, checkpoint):
     np.testing.assert_allclose(choice.logprobs.token_logprobs, logprobs, atol=1e-4)
     # The same prompt as token ids, through raw HTTP.
     raw = httpx.post(server.url + "/v1/completions", json={
-        "model": NAME, "prompt": ids, "max_tokens": 12, "temperature": 0}).json()
+        "model": NAME, "prompt": ids, "max_tokens": 12, "temperature": 0,
+        "stop_token_ids": [model.turn_end]}).json()
     assert raw["choices"][0]["text"] == text
 
 
@@ -340,6 +343,16 @@ def test_64_concurrent_streams_some_disconnecting(server, served):
         else:
             assert s == p, i
     _wait_idle(runner)
+
+
+def test_bench_http_mode_counts_every_token(server):
+    from transformer_jax.bench.serve import make_workload
+    from transformer_jax.bench.serve_http import run_http
+
+    work = make_workload(6, (2, 12), (3, 9), 1, 50.0, 1.0, TINY.vocab_size, seed=1)
+    out = run_http(server.url, work)
+    assert out["output_tokens"] == sum(work.max_tokens)
+    assert 0 < out["ttft_s"]["median"] <= out["e2e_s"]["median"]
 
 
 # SIGTERM -----------------------------------------------------------------------------------------

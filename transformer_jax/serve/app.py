@@ -117,7 +117,7 @@ def create_app(runner: EngineRunner, model: completions.ModelInfo,
             raise APIError(400, str(e), _param_of(str(e))) from None
         response = completions.Response(prepared, model)
         if req.stream:
-            return StreamingResponse(_sse(stream, response, req.include_usage),
+            return StreamingResponse(_sse(stream, response, req),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await _collect(request, stream, response)
@@ -141,16 +141,17 @@ def create_app(runner: EngineRunner, model: completions.ModelInfo,
         return JSONResponse(response.final())
 
     async def _sse(stream: RequestStream, response: completions.Response,
-                   include_usage: bool) -> AsyncIterator[str]:
+                   req: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[str]:
         first = response.chat
         try:
             while response.finish_reason is None:
                 text, tokens = response.add(await stream.next())
                 if text or first or response.finish_reason is not None:
-                    chunk = response.chunk(text, tokens, response.finish_reason, first)
+                    chunk = response.chunk(text, tokens, response.finish_reason, first,
+                                           req.continuous_usage)
                     first = False
                     yield f"data: {_dumps(chunk)}\n\n"
-            if include_usage:
+            if req.include_usage:
                 yield f"data: {_dumps(response.usage_chunk())}\n\n"
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away (the generator is cancelled)

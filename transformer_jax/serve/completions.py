@@ -205,8 +205,9 @@ class Response:
         return {**self._head(False), "choices": [choice], "usage": self.usage}
 
     def chunk(self, text: str, tokens: list[TokenEvent], finish_reason: str | None,
-              first: bool = False) -> dict[str, Any]:
-        """One stream chunk of ``text`` (the first one of a chat opens the assistant role)."""
+              first: bool = False, usage: bool = False) -> dict[str, Any]:
+        """One stream chunk of ``text`` (the first one of a chat opens the assistant role),
+        with the usage so far when ``usage``."""
         logprobs = self._logprobs([e.token for e in tokens], [e.logprob for e in tokens])
         choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
                                   "finish_reason": finish_reason}
@@ -217,7 +218,8 @@ class Response:
             choice["delta"] = delta
         else:
             choice["text"] = text
-        return {**self._head(True), "choices": [choice], "usage": None}
+        return {**self._head(True), "choices": [choice],
+                "usage": self.usage if usage else None}
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last chunk of a stream with ``stream_options.include_usage``."""
