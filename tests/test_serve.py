@@ -281,6 +281,21 @@ def test_request_timeout_ends_the_request(server, served):
     assert out.usage.completion_tokens < 40
 
 
+def test_a_failing_step_ends_its_requests_and_the_server_goes_on(server, served, monkeypatch):
+    engine = served[2].engine
+    real = engine.step
+
+    def fail_once():
+        monkeypatch.setattr(engine, "step", real)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine, "step", fail_once)
+    body = {"model": NAME, "prompt": "w1", "max_tokens": 5, "temperature": 0}
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+
+
 def test_disconnect_mid_stream_frees_pages(server, served):
     runner = served[2]
     with httpx.stream("POST", server.url + "/v1/completions", json={

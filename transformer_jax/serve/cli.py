@@ -22,6 +22,8 @@ from typing import Any
 
 import uvicorn
 
+from transformer_jax.serving.scheduler import MIN_CONTEXT
+
 #: The environment variable an API key may come from (``--api-key`` wins).
 API_KEY_ENV = "TRANSFORMER_JAX_API_KEY"
 DEFAULT_CACHE_DIR = Path("~/.cache/transformer_jax/xla")
@@ -56,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "memory; default: --pages)")
     e.add_argument("--token-budget", type=int, default=0, help="most tokens per step: a "
                    "decode row per slot plus a prefill chunk (default: 0, slots + 256)")
+    e.add_argument("--min-context", type=int, default=MIN_CONTEXT, help="narrowest page table "
+                   "a step attends over, in positions; each power-of-two width from it to the "
+                   "context is one more set of step shapes to compile (the context itself: one "
+                   "set, fastest start, slower short decodes) (default: %(default)s)")
     e.add_argument("--tensor", type=int, default=1, metavar="T", help="tensor-parallel over T "
                    "devices, as generate --tensor (default: %(default)s)")
     e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
@@ -80,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("slots", "page_size", "max_requests"):
+    for name in ("slots", "page_size", "max_requests", "min_context"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
                              f"{getattr(args, name)}")
@@ -147,6 +153,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     engine = Engine(config, loaded.params, args.slots, pages, args.page_size,
                     args.token_budget or args.slots + 256, mesh,
                     prefix_caching=not args.no_prefix_caching, cache_dtype=args.cache_dtype,
+                    min_context=min(args.min_context, config.max_seq_len),
                     tokenizer=loaded.tokenizer)
     t = time.perf_counter()
     shapes = engine.compile()

@@ -137,13 +137,16 @@ class EngineRunner:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
-            self._expire()
             try:
-                events = self.engine.step()
-            except Exception:  # noqa: BLE001 - a failed step must not end the server
-                logger.exception("engine step failed; ending the requests in flight")
-                events = self._fail_all()
-            self._deliver(events)
+                self._expire()
+                try:
+                    events = self.engine.step()
+                except Exception:  # a failed step must not end the server
+                    logger.exception("engine step failed; ending the requests in flight")
+                    events = self._fail_all()
+                self._deliver(events)
+            except Exception:  # nor a failed hand-over
+                logger.exception("the engine thread's iteration failed; going on")
 
     def _expire(self) -> None:
         now = time.perf_counter()
@@ -180,7 +183,10 @@ class EngineRunner:
                 by_stream.setdefault(stream, []).append(event)
         for stream, got in by_stream.items():
             self._record(stream, got, now)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, got)
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, got)
+            except RuntimeError:  # its event loop has closed: nobody is reading
+                pass
         self.metrics.observe_engine(self.engine, self.in_flight)
 
     def _record(self, stream: RequestStream, events: list[TokenEvent], now: float) -> None:
