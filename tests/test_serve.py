@@ -351,6 +351,7 @@ def test_64_concurrent_streams_some_disconnecting(server, served):
             plain = await asyncio.gather(*(whole(http, i) for i in range(64)))
         return streamed, plain
 
+    threads = threading.active_count()
     streamed, plain = asyncio.run(main())
     for i, (s, p) in enumerate(zip(streamed, plain, strict=True)):
         if i in leaving:
@@ -358,6 +359,7 @@ def test_64_concurrent_streams_some_disconnecting(server, served):
         else:
             assert s == p, i
     _wait_idle(runner)
+    assert threading.active_count() == threads  # no thread left behind
 
 
 def test_bench_http_mode_counts_every_token(server):

@@ -22,8 +22,6 @@ from typing import Any
 
 import uvicorn
 
-from transformer_jax.serving.scheduler import MIN_CONTEXT
-
 #: The environment variable an API key may come from (``--api-key`` wins).
 API_KEY_ENV = "TRANSFORMER_JAX_API_KEY"
 DEFAULT_CACHE_DIR = Path("~/.cache/transformer_jax/xla")
@@ -58,10 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "memory; default: --pages)")
     e.add_argument("--token-budget", type=int, default=0, help="most tokens per step: a "
                    "decode row per slot plus a prefill chunk (default: 0, slots + 256)")
-    e.add_argument("--min-context", type=int, default=MIN_CONTEXT, help="narrowest page table "
-                   "a step attends over, in positions; each power-of-two width from it to the "
-                   "context is one more set of step shapes to compile (the context itself: one "
-                   "set, fastest start, slower short decodes) (default: %(default)s)")
+    e.add_argument("--min-context", type=int, help="narrowest page table a step attends over, "
+                   "in positions; each power-of-two width from it to the context is one more "
+                   "set of step shapes to compile (the context itself: one set, fastest start, "
+                   "slower short decodes) (default: the engine's, 128)")
     e.add_argument("--tensor", type=int, default=1, metavar="T", help="tensor-parallel over T "
                    "devices, as generate --tensor (default: %(default)s)")
     e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
@@ -86,10 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("slots", "page_size", "max_requests", "min_context"):
+    for name in ("slots", "page_size", "max_requests"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
                              f"{getattr(args, name)}")
+    if args.min_context is not None and args.min_context <= 0:
+        raise ValueError(f"--min-context must be positive, got {args.min_context}")
     for name in ("pages", "token_budget", "tensor"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got "
@@ -143,6 +143,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from transformer_jax.serve.metrics import Metrics
     from transformer_jax.serve.runner import EngineRunner
     from transformer_jax.serving import Engine
+    from transformer_jax.serving.scheduler import MIN_CONTEXT
 
     timings = {}
     t = time.perf_counter()
@@ -153,7 +154,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     engine = Engine(config, loaded.params, args.slots, pages, args.page_size,
                     args.token_budget or args.slots + 256, mesh,
                     prefix_caching=not args.no_prefix_caching, cache_dtype=args.cache_dtype,
-                    min_context=min(args.min_context, config.max_seq_len),
+                    min_context=min(args.min_context or MIN_CONTEXT, config.max_seq_len),
                     tokenizer=loaded.tokenizer)
     t = time.perf_counter()
     shapes = engine.compile()
