@@ -362,6 +362,16 @@ def test_64_concurrent_streams_some_disconnecting(server, served):
     assert threading.active_count() == threads  # no thread left behind
 
 
+def test_pool_size_flags():
+    def pages(*flags):
+        return cli.pool_pages(cli.build_parser().parse_args(["--checkpoint", "x", *flags]), TINY)
+
+    assert pages("--slots", "3", "--page-size", "16") == 1 + 3 * 4  # each slot a full context
+    assert pages("--pages", "9") == 9
+    with pytest.raises(ValueError, match="--memory-fraction needs a device"):
+        pages("--memory-fraction", "0.5")  # the CPU reports no memory
+
+
 def test_bench_http_mode_counts_every_token(server):
     from transformer_jax.bench.serve import make_workload
     from transformer_jax.bench.serve_http import run_http
