@@ -106,11 +106,12 @@ def _client(server, key="none"):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
 
 
-def _expected(checkpoint, model, prompt, max_tokens, stops):
-    """``generate`` on the prompt alone (greedy), and the text its tokens add to the prompt."""
+def _expected(checkpoint, model, prompt, max_tokens, stops, **sampling):
+    """``generate`` on the prompt alone (greedy unless ``sampling`` says otherwise), and the
+    text its tokens add to the prompt."""
     tok = model.tokenizer
     out = generation.generate(TINY, checkpoint[1], [prompt], max_new_tokens=max_tokens,
-                              stop_tokens=stops)
+                              stop_tokens=stops, **sampling)
     tokens = out.tokens[0]
     body = tokens[:-1] if tokens and tokens[-1] in stops else tokens
     text = tok.decode(prompt + body)[len(tok.decode(prompt)):]
@@ -139,6 +140,17 @@ def test_completion_greedy_equals_generate(server, served, checkpoint):
         "model": NAME, "prompt": ids, "max_tokens": 12, "temperature": 0,
         "stop_token_ids": [model.turn_end]}).json()
     assert raw["choices"][0]["text"] == text
+
+
+def test_seeded_sampling_equals_generate_with_that_seed(server, served, checkpoint):
+    model = served[3]
+    prompt = "w5 w6 w7"
+    out = _client(server).completions.create(model=NAME, prompt=prompt, max_tokens=8,
+                                             temperature=0.8, seed=5, extra_body={"top_k": 10})
+    ids = encode_text(model.tokenizer, prompt)
+    _, _, text = _expected(checkpoint, model, ids, 8, [model.tokenizer.eos_id],
+                           temperature=0.8, top_k=10, seed=[5])
+    assert out.choices[0].text == text
 
 
 def test_chat_streamed_equals_non_streamed_equals_generate(server, served, checkpoint):
