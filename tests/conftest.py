@@ -47,3 +47,14 @@ def fast_generate_compiles():
                                    static_argnames=decode.GENERATE_STATIC_ARGNAMES)
     yield
     decode._generate_jit = original
+
+
+@pytest.fixture(scope="module")
+def fast_engine_compiles():
+    """The serving engine's step compiles with ``FAST_COMPILE`` for a module."""
+    from transformer_jax.serving import step
+
+    original = step.step_jit
+    step.step_jit = step.jit_step(compiler_options=FAST_COMPILE)
+    yield
+    step.step_jit = original

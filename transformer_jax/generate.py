@@ -164,6 +164,23 @@ def _tensor_mesh(tensor: int) -> Any:
                               devices[:tensor])
 
 
+def load_for_decode(checkpoint: str, tensor: int, tokenizer: str | None = None
+                    ) -> tuple[loading.Loaded, Any]:
+    """Opens ``--checkpoint`` for decoding over ``--tensor T`` devices: the ``Loaded``
+    checkpoint and the mesh (None for one device), the weights placed as the decode splits
+    them. Raises ValueError (a mesh the model cannot be split over), OSError, CheckpointError.
+    """
+    mesh = _tensor_mesh(tensor)
+    source = loading.locate(checkpoint, where=f"--checkpoint {checkpoint!r}")
+    rules = None
+    if mesh is not None:  # before any weight is read
+        decode.check_tensor_parallel(source.model, decode.tensor_shards(mesh))
+        # Placed by the decode's rules (the vocabulary kept whole when T does not divide
+        # it), so that decode.prepare finds the weights on the mesh's devices.
+        rules = decode.decode_rules(source.model, mesh)
+    return loading.load(source, mesh, rules=rules, tokenizer=tokenizer), mesh
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -186,15 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tensor != 1:  # before anything starts JAX's CPU backend
         sharding.configure_cpu_devices(devices=args.tensor)
     try:
-        mesh = _tensor_mesh(args.tensor)
-        source = loading.locate(args.checkpoint, where=f"--checkpoint {args.checkpoint!r}")
-        rules = None
-        if mesh is not None:  # before any weight is read
-            decode.check_tensor_parallel(source.model, decode.tensor_shards(mesh))
-            # Placed by the decode's rules (the vocabulary kept whole when T does not divide
-            # it), so that decode.prepare finds the weights on the mesh's devices.
-            rules = decode.decode_rules(source.model, mesh)
-        loaded = loading.load(source, mesh, rules=rules, tokenizer=args.tokenizer)
+        loaded, mesh = load_for_decode(args.checkpoint, args.tensor, args.tokenizer)
         config, params, tokenizer = loaded.config, loaded.params, loaded.tokenizer
         if args.prompt and tokenizer is None:
             raise ValueError("text prompts need a tokenizer: pass --tokenizer FILE_OR_DIR or "

@@ -64,6 +64,8 @@ def evaluate_and_sample(state: TrainState, step: int, eval_step, data: RunData,
     if data.num_val_tokens:
         val_loss = evaluate(eval_step, state.params, data.eval_batches(**eval_kw))
         log.record_eval(step, val_loss)
+    for name, batches in data.source_eval_batches(**eval_kw).items():  # a mixture's sources
+        log.record_source_eval(step, name, evaluate(eval_step, state.params, batches))
     times["eval"] += time.perf_counter() - start
     # The sample decodes on one host's devices, so it needs the params whole on each process.
     if tc.sample_tokens and jax.process_count() == 1:

@@ -33,6 +33,7 @@ import numpy as np
 
 from transformer_jax import decode, generation
 from transformer_jax import prompts as prompt_lib
+from transformer_jax.bench import serve_stall
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import init_params
 from transformer_jax.serving import Engine, SamplingParams
@@ -228,21 +229,47 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pages", type=int, default=0,
                         help="pages in the pool (0: enough for every slot at its longest)")
     parser.add_argument("--token-budget", type=int, default=264)
-    parser.add_argument("--modes", default="engine,one,batch",
+    parser.add_argument("--modes", default=None,
                         help="comma list of engine, one (generate one at a time), batch "
-                             "(generate in fixed batches), engine-noprefix")
+                             "(generate in fixed batches), engine-noprefix, http (the server "
+                             "at --url; bench/serve_http.py) (default: engine,one,batch; "
+                             "http with --url)")
+    parser.add_argument("--url", help="a running server (python -m transformer_jax.serve) "
+                        "serving a model of --config's vocabulary, for the http mode")
+    parser.add_argument("--api-key", help="the server's API key, if it has one")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--scenario", choices=("load", "stall"), default="load",
+                        help="load: the requests above in every mode; stall: --slots "
+                             "sequences decoding when a --long-prompt arrives, chunked "
+                             "(--token-budget) and unchunked (serve_stall.py)")
+    parser.add_argument("--long-prompt", type=int, default=900,
+                        help="the stall scenario's long prompt, in tokens")
     args = parser.parse_args(argv)
 
     config = ModelConfig.preset(args.config)
+    if args.scenario == "stall":
+        weights = decode.prepare(config, init_params(config, jax.random.key(args.seed)))
+        stall = serve_stall.run_both(config, weights, slots=args.slots,
+                                     token_budget=args.token_budget,
+                                     page_size=args.page_size, long_prompt=args.long_prompt,
+                                     seed=args.seed)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"config": args.config, "dtype": config.dtype,
+                           "backend": jax.default_backend(), "stall": stall}, f, indent=1)
+        return 0
     work = make_workload(args.requests, args.input_len, args.output_len, args.output_multiple,
                          args.rate, args.burstiness, config.vocab_size, args.seed,
                          args.shared_prefix)
-    weights = decode.prepare(config, init_params(config, jax.random.key(args.seed)))
+    modes = (args.modes or ("http" if args.url else "engine,one,batch")).split(",")
+    if "http" in modes and not args.url:
+        print("error: the http mode needs --url", file=sys.stderr)
+        return 2
+    weights = None if modes == ["http"] else decode.prepare(
+        config, init_params(config, jax.random.key(args.seed)))
     longest = max(len(p) + n for p, n in zip(work.prompts, work.max_tokens, strict=True))
     pages = args.pages or 1 + args.slots * -(-longest // args.page_size)
-    modes = args.modes.split(",")
     result: dict[str, Any] = {
         "config": args.config, "dtype": config.dtype, "device": jax.devices()[0].device_kind,
         "backend": jax.default_backend(), "host": platform.node(),
@@ -269,6 +296,10 @@ def main(argv: list[str]) -> int:
             n = compile_generate(config, weights, work, args.slots)
             print(f"  compiled {n} generate shapes in {time.perf_counter() - t:.1f} s")
             r = run_one_at_a_time(config, weights, work)
+        elif mode == "http":
+            from transformer_jax.bench.serve_http import run_http
+
+            r = run_http(args.url, work, args.api_key)
         elif mode == "batch":
             compile_generate(config, weights, work, args.slots)
             r = run_fixed_batches(config, weights, work, args.slots)
@@ -291,6 +322,9 @@ def main(argv: list[str]) -> int:
                 ttft = got[other]["ttft_s"]["median"] / got["engine"]["ttft_s"]["median"]
                 print(f"engine vs {other}: {tput:.2f}x output tokens/s, {ttft:.2f}x lower "
                       f"median TTFT")
+    if "engine" in got and "http" in got:
+        share = got["http"]["output_token_throughput"] / got["engine"]["output_token_throughput"]
+        print(f"http vs engine: {share:.2f}x the engine's output tokens/s through the server")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

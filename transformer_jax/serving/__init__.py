@@ -2,7 +2,8 @@
 
 ``Engine`` (``engine.py``) runs one compiled step at a time (``step.py``) over the model's one
 forward with a ``PagedKVCache`` (``paged_cache.py``), scheduled on the host (``scheduler.py``)
-with shared prefix pages (``prefix_cache.py``).
+with shared prefix pages (``prefix_cache.py``); with a tokenizer, each event's text delta and
+the requests' stop strings come from ``text.py``.
 """
 
 from transformer_jax.serving.engine import Engine

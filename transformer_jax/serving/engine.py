@@ -17,6 +17,7 @@ preempts the newest request (which is recomputed later) instead of failing.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -37,7 +38,6 @@ from transformer_jax.decode import (
     prepare,
     tensor_shards,
 )
-from transformer_jax.kv_cache import default_keys_transposed
 from transformer_jax.prompts import is_int, validate_prompts
 from transformer_jax.serving import step as step_lib
 from transformer_jax.serving.paged_cache import PagedKVCache, pages_for
@@ -49,6 +49,7 @@ from transformer_jax.serving.requests import (
     TokenEvent,
 )
 from transformer_jax.serving.scheduler import MIN_CONTEXT, Scheduler
+from transformer_jax.serving.text import TextStream
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class Engine:
         its longest row (``Scheduler``), one compiled shape per width.
       view: how attention reads the pages: ``"auto"``, ``"gather"`` or ``"pool"``
         (``PagedKVCache``).
+      tokenizer: optional ``TextTokenizer``: every ``TokenEvent`` then carries its text delta
+        (``serving.text``) and requests may have stop strings.
       quant: prepare the parameters with weights quantised (``decode.prepare``'s ``quant``:
         ``"int8"``, ``"int4"``, ``"int4:G"``); given ``DecodeWeights`` must match it.
 
@@ -92,7 +95,7 @@ class Engine:
                  mesh: Mesh | None = None, *, prefix_caching: bool = True,
                  cache_dtype: jnp.dtype | str | None = None,
                  min_context: int = MIN_CONTEXT, view: str = "auto",
-                 quant: str | None = None) -> None:
+                 tokenizer: Any = None, quant: str | None = None) -> None:
         for name, value in (("num_slots", num_slots), ("num_pages", num_pages),
                             ("page_size", page_size), ("token_budget", token_budget),
                             ("min_context", min_context)):
@@ -113,9 +116,10 @@ class Engine:
         self.mesh = self.weights.mesh
         check_tensor_parallel(config, tensor_shards(self.mesh))
         self.config = config
+        self.tokenizer = tokenizer
         self.page_size = page_size
         self.token_budget = token_budget
-        self.keys_transposed = default_keys_transposed()
+        self.keys_transposed = False  # whole pages gather fastest (``PagedKVCache.init``)
         cache = PagedKVCache.init(config, num_pages, page_size, dtype=cache_dtype,
                                   keys_transposed=self.keys_transposed, view=view)
         self.view = view
@@ -156,9 +160,15 @@ class Engine:
         (prompt,) = validate_prompts([prompt_ids], self.config.vocab_size)
         params.validate(self.config.vocab_size)
         self.check_fits(len(prompt), params.max_tokens)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the engine's tokenizer (Engine(tokenizer=...))")
+        req = Request.new(-1, prompt, params, on_token)
+        if self.tokenizer is not None:
+            req.text = TextStream(self.tokenizer, req.tokens, params.stop,
+                                  params.stop_token_ids)
         with self._lock:
-            rid = next(self._ids)
-            self._pending.append(("add", Request.new(rid, prompt, params, on_token)))
+            req.id = rid = next(self._ids)
+            self._pending.append(("add", req))
         return rid
 
     def cancel(self, request_id: int) -> None:
@@ -212,6 +222,8 @@ class Engine:
             self.step_seconds += time.perf_counter() - start
             self.steps += 1
             events += sched.commit(plan, np.asarray(tokens), np.asarray(logprobs))
+        if self.tokenizer is not None:
+            events = [(req, self._with_text(req, event)) for req, event in events]
         for req, event in events:
             if req.state == State.FINISHED:
                 self._requests.pop(req.id, None)
@@ -268,6 +280,20 @@ class Engine:
             events.append((req, TokenEvent(req.id, None, req.num_new,
                                            finish_reason="cancelled")))
         return events
+
+    def _with_text(self, req: Request, event: TokenEvent) -> TokenEvent:
+        """The event with its text delta; a stop string that matched ends the request."""
+        if event.token is None:  # cancelled: the held text is not released
+            return dataclasses.replace(event, text="")
+        text, stopped = req.text.feed(event.token)
+        if stopped:
+            if req.state != State.FINISHED:
+                self.scheduler.cancel(req)
+            req.finish_reason = "stop"
+            return dataclasses.replace(event, text=text, finish_reason="stop")
+        if event.finish_reason is not None:
+            text += req.text.finish()
+        return dataclasses.replace(event, text=text)
 
     def run_until_idle(self, max_steps: int | None = None) -> dict[int, Completion]:
         """Steps until no request is left (or ``max_steps`` steps ran).

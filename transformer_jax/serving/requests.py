@@ -36,6 +36,8 @@ class SamplingParams:
       seed: the request's own PRNG seed, an int in [0, 2**32) (token i is drawn with
         ``fold_in(key(seed), i)``, as ``generate(..., seed=[seed])`` draws it).
       logprobs: whether each ``TokenEvent`` carries the token's log-probability.
+      stop: stop strings: the request ends (reason ``"stop"``) when its text contains one;
+        the text released stops before it (the engine needs a tokenizer, ``serving.text``).
     """
 
     max_tokens: int = 16
@@ -46,6 +48,7 @@ class SamplingParams:
     min_p: float | None = None
     seed: int = 0
     logprobs: bool = False
+    stop: tuple[str, ...] = ()
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the first setting out of range for V tokens."""
@@ -53,6 +56,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if not is_int(self.seed) or not 0 <= self.seed < 2 ** 32:
             raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
+        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s
+                                             for s in self.stop):
+            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
         self.settings().validate(vocab_size)
 
     def settings(self) -> SamplingSettings:
@@ -71,8 +77,10 @@ class TokenEvent:
       token: the new token id, or None for an event that only ends the request (cancelled).
       index: the token's index among the request's new tokens (0 first).
       logprob: its log-probability under the model's raw softmax, when the request asked.
-      finish_reason: None while the request runs; ``"stop"`` (a stop token, included),
-        ``"length"`` (``max_tokens`` reached) or ``"cancelled"`` on its last event.
+      finish_reason: None while the request runs; ``"stop"`` (a stop token, included, or a
+        stop string), ``"length"`` (``max_tokens`` reached) or ``"cancelled"`` on its last event.
+      text: the text this token makes whole (``serving.text``: possibly empty, held back while
+        it may start a stop string), when the engine has a tokenizer; else None.
     """
 
     request_id: int
@@ -80,6 +88,7 @@ class TokenEvent:
     index: int
     logprob: float | None = None
     finish_reason: str | None = None
+    text: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +96,8 @@ class Completion:
     """A finished request: its new tokens (and their log-probabilities) and why it ended.
 
     ``preemptions`` counts the times it was preempted (and recomputed); ``prefix_hit_tokens``
-    the positions it found in the prefix cache instead of computing them (every admission).
+    the positions it found in the prefix cache instead of computing them (every admission);
+    ``text`` the text released (the engine had a tokenizer), else None.
     """
 
     request_id: int
@@ -96,6 +106,7 @@ class Completion:
     finish_reason: str
     preemptions: int = 0
     prefix_hit_tokens: int = 0
+    text: str | None = None
 
 
 class State(enum.Enum):
@@ -123,6 +134,7 @@ class Request:
       prefill_target: positions to prefill before decoding (its tokens when admitted).
       digests: chained digests of its full pages (``prefix_cache.page_digests``).
       named: leading pages already named in the prefix cache (found there or inserted).
+      text: its ``serving.text.TextStream`` when the engine detokenises, else None.
     """
 
     id: int
@@ -142,6 +154,7 @@ class Request:
     finish_reason: str | None = None
     preemptions: int = 0
     prefix_hit_tokens: int = 0
+    text: Any = None
 
     @classmethod
     def new(cls, request_id: int, prompt: np.ndarray, params: SamplingParams,
@@ -157,4 +170,5 @@ class Request:
 
     def completion(self) -> Completion:
         return Completion(self.id, self.tokens[len(self.prompt):], list(self.logprobs),
-                          self.finish_reason or "", self.preemptions, self.prefix_hit_tokens)
+                          self.finish_reason or "", self.preemptions, self.prefix_hit_tokens,
+                          None if self.text is None else self.text.full_text)

@@ -1,0 +1,439 @@
+"""The OpenAI-compatible server, driven by the real ``openai`` client and raw httpx against a
+server started on a free loopback port (in this process, uvicorn on a thread) over a tiny random
+HF checkpoint with a ChatML word tokenizer: completions and chat, streamed and not, equal to
+``generate``; stop strings; every bad input gets its status and error object and the server goes
+on; auth; a full queue; timeouts; disconnects and 64 concurrent streams leave no page behind;
+SIGTERM drains the CLI's server (``serve.cli.main`` in this process's main thread, where
+uvicorn takes the signal) and it returns 0."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+import uvicorn
+from helpers import TINY, write_chatml_tokenizer
+
+from transformer_jax import generation, hf
+from transformer_jax.model import init_params
+from transformer_jax.serve import cli
+from transformer_jax.serve.app import create_app
+from transformer_jax.tokenizer.prompt import encode_chat_prompt, encode_text
+
+pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_compiles")
+
+NAME = "tiny"
+WORDS = [f"w{i}" for i in range(TINY.vocab_size - 5)]  # the tokenizer fills the vocabulary
+ENGINE_ARGS = ["--slots", "8", "--page-size", "16", "--token-budget", "24",
+               "--compilation-cache", ""]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # Random weights of the model's shapes, drawn by numpy (compiling init costs seconds).
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: rng.normal(0, 0.2, x.shape).astype(x.dtype),
+                          jax.eval_shape(lambda key: init_params(TINY, key), jax.random.key(0)))
+    path = tmp_path_factory.mktemp("ckpt") / NAME
+    hf.save(TINY, params, path)
+    write_chatml_tokenizer(path, WORDS)
+    return path, params
+
+
+def _free_socket():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class Served:
+    """uvicorn serving ``app`` on a thread, on a socket bound here (no port race)."""
+
+    def __init__(self, app):
+        sock = _free_socket()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]})
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    args = cli.build_parser().parse_args(["--checkpoint", str(checkpoint[0]), *ENGINE_ARGS])
+    runner, model, _ = cli.build(args)
+    runner.start()
+    runner.ready = True
+    open_server = Served(create_app(runner, model))
+    keyed = Served(create_app(runner, model, api_key="sekrit"))
+    yield open_server, keyed, runner, model
+    open_server.close()
+    keyed.close()
+    runner.stop()
+
+
+@pytest.fixture
+def server(served):
+    """The open server; after the test no request is in flight and every page is back."""
+    yield served[0]
+    runner = served[2]
+    _wait_idle(runner)
+    runner.engine.check_no_leaks()
+
+
+def _wait_idle(runner, timeout=10.0):
+    end = time.monotonic() + timeout
+    while runner.in_flight or not runner.engine.idle:
+        assert time.monotonic() < end, f"{runner.in_flight} requests still in flight"
+        time.sleep(0.01)
+    assert runner.engine.pages_in_use == 0 and runner.engine.num_running == 0
+
+
+def _client(server, key="none"):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+def _expected(checkpoint, model, prompt, max_tokens, stops, **sampling):
+    """``generate`` on the prompt alone (greedy unless ``sampling`` says otherwise), and the
+    text its tokens add to the prompt."""
+    tok = model.tokenizer
+    out = generation.generate(TINY, checkpoint[1], [prompt], max_new_tokens=max_tokens,
+                              stop_tokens=stops, **sampling)
+    tokens = out.tokens[0]
+    body = tokens[:-1] if tokens and tokens[-1] in stops else tokens
+    text = tok.decode(prompt + body)[len(tok.decode(prompt)):]
+    return tokens, out.logprobs[0], text
+
+
+# Completions and chat ----------------------------------------------------------------------------
+
+def test_completion_greedy_equals_generate(server, served, checkpoint):
+    model = served[3]
+    prompt = "w3 w1 w4 w1 w5 w9 w2 w6 w5"  # 10 ids with bos: the chat test's bucket
+    # Stops at eos and at the id asked for (the chat test's stops: the same generate program).
+    out = _client(server).completions.create(model=NAME, prompt=prompt, max_tokens=12,
+                                             temperature=0, logprobs=1,
+                                             extra_body={"stop_token_ids": [model.turn_end]})
+    ids = encode_text(model.tokenizer, prompt)
+    stops = [model.tokenizer.eos_id, model.turn_end]
+    tokens, logprobs, text = _expected(checkpoint, model, ids, 12, stops)
+    choice = out.choices[0]
+    assert choice.text == text
+    assert choice.finish_reason == ("stop" if len(tokens) < 12 else "length")
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(tokens)
+    np.testing.assert_allclose(choice.logprobs.token_logprobs, logprobs, atol=1e-4)
+    # The same prompt as token ids, through raw HTTP.
+    raw = httpx.post(server.url + "/v1/completions", json={
+        "model": NAME, "prompt": ids, "max_tokens": 12, "temperature": 0,
+        "stop_token_ids": [model.turn_end]}).json()
+    assert raw["choices"][0]["text"] == text
+
+
+def test_seeded_sampling_equals_generate_with_that_seed(server, served, checkpoint):
+    model = served[3]
+    prompt = "w5 w6 w7"
+    out = _client(server).completions.create(model=NAME, prompt=prompt, max_tokens=8,
+                                             temperature=0.8, seed=5, extra_body={"top_k": 10})
+    ids = encode_text(model.tokenizer, prompt)
+    _, _, text = _expected(checkpoint, model, ids, 8, [model.tokenizer.eos_id],
+                           temperature=0.8, top_k=10, seed=[5])
+    assert out.choices[0].text == text
+
+
+def test_chat_streamed_equals_non_streamed_equals_generate(server, served, checkpoint):
+    model, client = served[3], _client(server)
+    messages = [{"role": "system", "content": "w7 w8"}, {"role": "user", "content": "w9 w2"}]
+    whole = client.chat.completions.create(model=NAME, messages=messages, temperature=0,
+                                           max_completion_tokens=12)
+    chunks = list(client.chat.completions.create(
+        model=NAME, messages=messages, temperature=0, max_completion_tokens=12, stream=True,
+        stream_options={"include_usage": True}))
+    ids = encode_chat_prompt(model.tokenizer, messages)
+    stops = [model.tokenizer.eos_id, model.turn_end]
+    tokens, _, text = _expected(checkpoint, model, ids, 12, stops)
+    assert whole.choices[0].message.content == text
+    assert whole.choices[0].message.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tokens)
+
+
+def test_stop_strings_cut_before_the_stop(server):
+    client = _client(server)
+    free = client.completions.create(model=NAME, prompt="w11 w12", max_tokens=12,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    text = free.choices[0].text
+    stop = text.split(" ")[3]  # the third word (the text starts with a space)
+    want = text[:text.index(stop)]
+    for stream in (False, True):
+        out = client.completions.create(model=NAME, prompt="w11 w12", max_tokens=12,
+                                        temperature=0, stop=[stop, "zz"], stream=stream,
+                                        extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(out)
+            got = "".join(c.choices[0].text for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            got, reason = out.choices[0].text, out.choices[0].finish_reason
+        assert (got, reason) == (want, "stop")
+
+
+def test_models_health_metrics(server):
+    models = _client(server).models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert httpx.get(server.url + "/health").json() == {"status": "ready"}
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("requests_running", "requests_waiting", "kv_pages_used",
+                 "prefix_cache_hit_rate", "time_to_first_token_seconds_bucket",
+                 "time_per_output_token_seconds_bucket", "prompt_tokens_total"):
+        assert f"transformer_jax_{name}" in text
+    generated = [line for line in text.splitlines()
+                 if line.startswith("transformer_jax_generation_tokens_total")]
+    assert float(generated[0].split()[-1]) > 0
+
+
+# Faults ------------------------------------------------------------------------------------------
+
+BAD = [  # (route, body, param, code)
+    ("completions", b"{not json", None, "invalid_json"),
+    ("completions", b"[1, 2]", None, None),
+    ("completions", {"model": "gpt-4", "prompt": "w1"}, "model", "model_not_found"),
+    ("completions", {"model": NAME, "prompt": "w1", "temperature": "hot"}, "temperature", None),
+    ("completions", {"model": NAME, "prompt": "w1", "max_tokens": True}, "max_tokens", None),
+    ("completions", {"model": NAME, "prompt": "w1", "top_p": 1.5}, "top_p", None),
+    ("completions", {"model": NAME, "prompt": "w1", "temperature": -1}, "temperature", None),
+    ("completions", {"model": NAME, "prompt": "w1", "top_k": 1000}, "top_k", None),
+    ("completions", {"model": NAME, "prompt": "w1", "seed": -3}, "seed", None),
+    ("completions", {"model": NAME, "prompt": "w1", "n": 2}, "n", None),
+    ("completions", {"model": NAME, "prompt": [1, 999]}, "prompt", None),
+    ("completions", {"model": NAME, "prompt": "w1", "max_tokens": 64}, "max_tokens",
+     "context_length_exceeded"),
+    ("completions", {"model": NAME, "prompt": " ".join(["w1"] * 70)}, "prompt",
+     "context_length_exceeded"),
+    ("completions", {"model": NAME}, "prompt", None),
+    ("chat/completions", {"model": NAME, "messages": []}, "messages", None),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "bot", "content": "w1"}]},
+     "messages.0.role", None),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "w1"}],
+                          "max_completion_tokens": 100}, "max_completion_tokens",
+     "context_length_exceeded"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "w1"}],
+                          "stop": [""]}, "stop", None),
+]
+
+
+def test_bad_inputs_get_400_naming_the_field_and_the_server_goes_on(server):
+    with httpx.Client(base_url=server.url + "/v1") as http:
+        for route, body, param, code in BAD:
+            r = (http.post(f"/{route}", content=body) if isinstance(body, bytes)
+                 else http.post(f"/{route}", json=body))
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert (err["param"], err["code"], err["type"]) == (
+                param, code, "invalid_request_error"), (body, err)
+            assert err["message"]
+        r = http.post("/completions", json={"model": NAME, "prompt": "w1", "max_tokens": 2,
+                                            "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        _client(server).completions.create(model=NAME, prompt="w1", top_p=0)
+
+
+def test_auth(served):
+    keyed = served[1]
+    for key, status in (("wrong", 401), ("sekrit", 200)):
+        r = httpx.get(keyed.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == status
+    r = httpx.post(keyed.url + "/v1/completions", json={"model": NAME, "prompt": "w1"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(keyed.url + "/health").status_code == 200  # not under /v1
+    with pytest.raises(openai.AuthenticationError):
+        _client(keyed, "wrong").models.list()
+    out = _client(keyed, "sekrit").completions.create(model=NAME, prompt="w1", max_tokens=2,
+                                                      temperature=0)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_full_queue_gets_429_with_retry_after(server, served):
+    runner = served[2]
+    runner.max_requests, before = 0, runner.max_requests
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": "w1"})
+    finally:
+        runner.max_requests = before
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_exceeded"
+
+
+def test_request_timeout_ends_the_request(server, served):
+    runner = served[2]
+    runner.request_timeout, before = 1e-3, runner.request_timeout
+    try:
+        out = _client(server).completions.create(model=NAME, prompt="w1", max_tokens=40,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+    finally:
+        runner.request_timeout = before
+    assert out.choices[0].finish_reason == "timeout"
+    assert out.usage.completion_tokens < 40
+
+
+def test_a_failing_step_ends_its_requests_and_the_server_goes_on(server, served, monkeypatch):
+    engine = served[2].engine
+    real = engine.step
+
+    def fail_once():
+        monkeypatch.setattr(engine, "step", real)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine, "step", fail_once)
+    body = {"model": NAME, "prompt": "w1", "max_tokens": 5, "temperature": 0}
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+
+
+def test_disconnect_mid_stream_frees_pages(server, served):
+    runner = served[2]
+    with httpx.stream("POST", server.url + "/v1/completions", json={
+            "model": NAME, "prompt": "w1 w2", "max_tokens": 60, "ignore_eos": True,
+            "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert runner.in_flight == 1
+    _wait_idle(runner)  # the server saw the client go and cancelled the request
+    text = httpx.get(server.url + "/metrics").text
+    assert 'transformer_jax_requests_finished_total{finish_reason="cancelled"}' in text
+
+
+def test_64_concurrent_streams_some_disconnecting(server, served):
+    """Every completed stream's text equals the non-streamed response to the same request;
+    the streams that went away are cancelled; nothing is left in flight."""
+    runner = served[2]
+    rng = np.random.default_rng(0)
+    bodies = [{"model": NAME, "prompt": rng.integers(5, TINY.vocab_size, int(n)).tolist(),
+               "max_tokens": int(m), "temperature": 0}
+              for n, m in zip(rng.integers(2, 24, 64), rng.integers(4, 16, 64), strict=True)]
+    leaving = set(range(0, 64, 10))  # 7 of 64 (about 10%) go away after their first chunk
+
+    async def stream(http, i):
+        body = {**bodies[i], "stream": True, "stream_options": {"include_usage": True}}
+        text, usage, last = "", None, None
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                if line == "data: [DONE]":
+                    return text, usage
+                chunk = json.loads(line.removeprefix("data: "))
+                if chunk["choices"]:
+                    text += chunk["choices"][0]["text"]
+                    last = chunk["choices"][0]["finish_reason"] or last
+                    if i in leaving:
+                        return None
+                else:
+                    usage = chunk["usage"]
+        raise AssertionError(f"stream {i} ended without [DONE] ({last})")
+
+    async def whole(http, i):
+        r = await http.post("/v1/completions", json=bodies[i])
+        assert r.status_code == 200
+        return r.json()["choices"][0]["text"], r.json()["usage"]
+
+    async def main():
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60) as http:
+            streamed = await asyncio.gather(*(stream(http, i) for i in range(64)))
+            plain = await asyncio.gather(*(whole(http, i) for i in range(64)))
+        return streamed, plain
+
+    threads = threading.active_count()
+    streamed, plain = asyncio.run(main())
+    for i, (s, p) in enumerate(zip(streamed, plain, strict=True)):
+        if i in leaving:
+            assert s is None
+        else:
+            assert s == p, i
+    _wait_idle(runner)
+    assert threading.active_count() == threads  # no thread left behind
+
+
+def test_pool_size_flags():
+    def pages(*flags):
+        return cli.pool_pages(cli.build_parser().parse_args(["--checkpoint", "x", *flags]), TINY)
+
+    assert pages("--slots", "3", "--page-size", "16") == 1 + 3 * 4  # each slot a full context
+    assert pages("--pages", "9") == 9
+    with pytest.raises(ValueError, match="--memory-fraction needs a device"):
+        pages("--memory-fraction", "0.5")  # the CPU reports no memory
+
+
+def test_bench_http_mode_counts_every_token(server):
+    from transformer_jax.bench.serve import make_workload
+    from transformer_jax.bench.serve_http import run_http
+
+    work = make_workload(6, (2, 12), (3, 9), 1, 50.0, 1.0, TINY.vocab_size, seed=1)
+    out = run_http(server.url, work)
+    assert out["output_tokens"] == sum(work.max_tokens)
+    assert 0 < out["ttft_s"]["median"] <= out["e2e_s"]["median"]
+
+
+# SIGTERM -----------------------------------------------------------------------------------------
+
+def test_sigterm_drains_and_exits_0(checkpoint):
+    """``cli.main`` serves until SIGTERM; the stream in flight then finishes (within the grace
+    period), the port closes, and main returns 0."""
+    sock = _free_socket()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()
+    got = {}
+
+    def client():
+        try:
+            end = time.monotonic() + 60
+            while time.monotonic() < end:
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.05)
+            body = {"model": NAME, "prompt": "w1", "max_tokens": 30, "ignore_eos": True,
+                    "temperature": 0, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                lines = r.iter_lines()
+                got["first"] = next(lines)
+                os.kill(os.getpid(), signal.SIGTERM)
+                got["rest"] = [line for line in lines if line]
+        finally:
+            if "first" not in got:  # never ready: end main anyway
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    rc = cli.main(["--checkpoint", str(checkpoint[0]), "--port", url.rsplit(":", 1)[1],
+                   "--served-model-name", NAME, "--grace-period", "20",
+                   "--log-level", "warning", *ENGINE_ARGS])
+    thread.join(30)
+    assert rc == 0
+    assert got["first"].startswith("data: ") and got["rest"][-1] == "data: [DONE]"
+    last = json.loads(got["rest"][-2].removeprefix("data: "))
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert len(got["rest"]) == 30  # 29 more tokens, then [DONE]: nothing cut off
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/health", timeout=2)

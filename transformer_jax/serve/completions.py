@@ -1,0 +1,226 @@
+"""From a validated OpenAI request to the engine's input, and from its events to OpenAI's
+response objects and stream chunks.
+
+A text prompt is encoded as ``generate`` encodes it (``tokenizer.prompt.encode_text``: bos when
+the tokenizer adds it); chat messages are rendered with the checkpoint's chat template and its
+generation prompt (``encode_chat_prompt``). Generation stops at eos (and, for chat, at the
+token that closes the assistant's turn, ``chat_turn_end_id``), at ``stop`` strings (not
+returned) and at the token limit: ``max_tokens`` (``max_completion_tokens`` for chat; default
+16 for completions, the rest of the context for chat). The defaults of the sampling fields are
+OpenAI's (temperature 1, top_p 1); without ``seed`` a request draws a random one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+import uuid
+from typing import Any
+
+from transformer_jax.prompts import validate_prompts
+from transformer_jax.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from transformer_jax.serving import SamplingParams, TokenEvent
+from transformer_jax.tokenizer.chat import ChatTemplateError
+from transformer_jax.tokenizer.prompt import chat_turn_end_id, encode_chat_prompt, encode_text
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What the endpoints need to know of the served model."""
+
+    name: str
+    vocab_size: int
+    max_len: int
+    tokenizer: Any
+    turn_end: int | None = None  # the token closing an assistant turn (chat stops there)
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def of(cls, name: str, config: Any, tokenizer: Any) -> ModelInfo:
+        chat = tokenizer is not None and bool(tokenizer.chat_template)
+        return cls(name, config.vocab_size, config.max_seq_len, tokenizer,
+                   chat_turn_end_id(tokenizer) if chat else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A request ready for the engine: its prompt ids and sampling parameters."""
+
+    prompt: list[int]
+    params: SamplingParams
+    chat: bool
+
+
+def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) -> Prepared:
+    """The prompt ids and ``SamplingParams`` of a request.
+
+    Raises:
+      APIError: 400 naming the field: unknown model, a prompt the tokenizer or the model
+        cannot take, a chat without a template, prompt + max_tokens above the context.
+    """
+    if req.model != model.name:
+        raise APIError(400, f"model {req.model!r} is not served here; this server serves "
+                       f"{model.name!r}", "model", "model_not_found")
+    tok = model.tokenizer
+    chat = isinstance(req, ChatCompletionRequest)
+    if chat:
+        prompt, where = _chat_prompt(req, tok), "messages"
+    else:
+        prompt, where = _completion_prompt(req, model), "prompt"
+    limit = req.token_limit if chat else req.max_tokens
+    room = model.max_len - len(prompt)
+    if room <= 0 or (limit or 0) > room:
+        asked = f" + max_tokens {limit}" if limit else ""
+        raise APIError(400, f"the prompt has {len(prompt)} tokens{asked}: more than the model's "
+                       f"context of {model.max_len} tokens",
+                       where if room <= 0 or not limit else
+                       ("max_completion_tokens" if chat and req.max_completion_tokens else
+                        "max_tokens"), "context_length_exceeded")
+    stop_ids = list(req.stop_token_ids or [])
+    if tok is not None and tok.eos_id >= 0 and not req.ignore_eos:
+        stop_ids.append(tok.eos_id)
+    if chat and model.turn_end is not None and not req.ignore_eos:
+        stop_ids.append(model.turn_end)
+    if any(not 0 <= i < model.vocab_size for i in stop_ids):
+        raise APIError(400, f"stop_token_ids must be ids in [0, {model.vocab_size}), got "
+                       f"{req.stop_token_ids}", "stop_token_ids")
+    if req.stop_strings and tok is None:
+        raise APIError(400, "stop strings need the model's tokenizer; this checkpoint has "
+                       "none", "stop")
+    top_k = req.top_k if req.top_k and req.top_k > 0 else None
+    if top_k is not None and top_k > model.vocab_size:
+        raise APIError(400, f"top_k must be at most the vocabulary size {model.vocab_size}, "
+                       f"got {top_k}", "top_k")
+    params = SamplingParams(
+        max_tokens=limit or room, stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+        temperature=1.0 if req.temperature is None else req.temperature, top_k=top_k,
+        top_p=req.top_p, min_p=req.min_p or None,
+        seed=secrets.randbelow(2 ** 32) if req.seed is None else req.seed,
+        logprobs=bool(req.logprobs is not None and req.logprobs is not False),
+        stop=req.stop_strings)
+    return Prepared(prompt, params, chat)
+
+
+def _completion_prompt(req: CompletionRequest, model: ModelInfo) -> list[int]:
+    if isinstance(req.prompt, str):
+        if model.tokenizer is None:
+            raise APIError(400, "text prompts need the model's tokenizer; this checkpoint has "
+                           "none: send token ids", "prompt")
+        return encode_text(model.tokenizer, req.prompt)
+    try:
+        (ids,) = validate_prompts([req.prompt], model.vocab_size)
+    except ValueError as e:
+        raise APIError(400, f"prompt: {e}", "prompt") from None
+    return ids.tolist()
+
+
+def _chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+    if tokenizer is None or not tokenizer.chat_template:
+        raise APIError(400, "this model has no chat template: use /v1/completions",
+                       "messages")
+    try:
+        return encode_chat_prompt(tokenizer, [m.as_dict() for m in req.messages])
+    except (ChatTemplateError, TypeError) as e:
+        raise APIError(400, f"messages: {e}", "messages") from None
+
+
+# Responses ---------------------------------------------------------------------------------------
+
+class Response:
+    """Builds one request's OpenAI objects from its engine events.
+
+    Args:
+      prepared: the request as the engine runs it.
+      model: the served model.
+    """
+
+    def __init__(self, prepared: Prepared, model: ModelInfo) -> None:
+        self.chat = prepared.chat
+        self.model = model
+        self.logprobs = prepared.params.logprobs
+        self.prompt_tokens = len(prepared.prompt)
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.completion_tokens = 0
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.token_logprobs: list[float] = []
+        self.finish_reason: str | None = None
+
+    def add(self, events: list[TokenEvent]) -> tuple[str, list[TokenEvent]]:
+        """Takes a step's events; returns their text and the events with a token."""
+        tokens = [e for e in events if e.token is not None]
+        text = "".join(e.text or "" for e in events)
+        self.completion_tokens += len(tokens)
+        self.text.append(text)
+        self.token_ids += [e.token for e in tokens]
+        self.token_logprobs += [e.logprob for e in tokens]
+        for e in events:
+            self.finish_reason = e.finish_reason or self.finish_reason
+        return text, tokens
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else \
+            "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created,
+                "model": self.model.name}
+
+    def _piece(self, token: int) -> str:
+        from transformer_jax.generate import detokenize
+
+        tok = self.model.tokenizer
+        return detokenize(tok, [token]) if tok is not None else f"<{token}>"
+
+    def _logprobs(self, tokens: list[int], logprobs: list[float]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        pieces = [self._piece(t) for t in tokens]
+        if self.chat:
+            return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()),
+                                 "top_logprobs": []} for p, lp in zip(pieces, logprobs,
+                                                                      strict=True)]}
+        offsets, at = [], 0
+        for p in pieces:
+            offsets.append(at)
+            at += len(p)
+        return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": None,
+                "text_offset": offsets}
+
+    def final(self) -> dict[str, Any]:
+        """The whole (non-streamed) response."""
+        logprobs = self._logprobs(self.token_ids, self.token_logprobs)
+        text = "".join(self.text)
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
+                                  "finish_reason": self.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {**self._head(False), "choices": [choice], "usage": self.usage}
+
+    def chunk(self, text: str, tokens: list[TokenEvent], finish_reason: str | None,
+              first: bool = False, usage: bool = False) -> dict[str, Any]:
+        """One stream chunk of ``text`` (the first one of a chat opens the assistant role),
+        with the usage so far when ``usage``."""
+        logprobs = self._logprobs([e.token for e in tokens], [e.logprob for e in tokens])
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
+                                  "finish_reason": finish_reason}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text or first:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+        return {**self._head(True), "choices": [choice],
+                "usage": self.usage if usage else None}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk of a stream with ``stream_options.include_usage``."""
+        return {**self._head(True), "choices": [], "usage": self.usage}

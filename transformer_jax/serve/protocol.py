@@ -1,0 +1,177 @@
+"""The OpenAI wire format: request models (validated strictly, naming the field) and errors.
+
+Requests follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` fields, plus vLLM's
+``top_k`` and ``min_p``; fields this server does not use (``user``, ``presence_penalty`` at 0,
+...) are accepted and ignored, as OpenAI-compatible servers do. Types are strict (a string is not
+a number, a bool not an int); ranges are OpenAI's. Every refusal is an ``APIError``, sent as
+OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class APIError(Exception):
+    """A refused request: HTTP ``status`` and OpenAI's error object.
+
+    Args:
+      status: the HTTP status (400, 401, 404, 429, 503).
+      message: one line saying what is wrong and with which value.
+      param: the request field at fault (dotted path), or None.
+      code: OpenAI's error code (``"context_length_exceeded"``, ``"invalid_api_key"``, ...).
+      headers: extra response headers (``Retry-After``).
+    """
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error",
+             404: "invalid_request_error", 429: "rate_limit_exceeded",
+             503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message,
+                          "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+
+
+class _Sampling(_Strict):
+    """The fields both endpoints share."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (vLLM)
+    min_p: float | None = Field(None, ge=0, le=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False  # vLLM's: do not stop at eos (nor at the chat turn's end)
+    seed: int | None = Field(None, ge=0, lt=2 ** 32)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @model_validator(mode="after")
+    def _supported(self) -> _Sampling:
+        if self.n != 1:
+            raise APIError(400, f"n={self.n} is not supported: this server returns one choice "
+                           "per request; send n separate requests", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise APIError(400, f"{name} is not supported (only 0), got "
+                               f"{getattr(self, name)}", name)
+        stops = self.stop_strings
+        if any(not s for s in stops) or len(stops) > 16:
+            raise APIError(400, f"stop must be at most 16 non-empty strings, got {self.stop!r}",
+                           "stop")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true",
+                           "stream_options")
+        return self
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: one prompt, as text or token ids."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=1)
+    echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            if len(p) != 1:
+                raise APIError(400, f"prompt: {len(p)} prompts in one request are not "
+                               "supported; send one request per prompt", "prompt")
+            self.prompt = p[0]
+        if not self.prompt:
+            raise APIError(400, "prompt is empty", "prompt")
+        for name in ("echo", "suffix"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported", name)
+        return self
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it (text parts joined)."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "".join(part.text for part in self.content)
+        return out
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``: messages rendered with the checkpoint's chat template."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=0)
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """The first pydantic / FastAPI validation error as an ``APIError`` naming its field."""
+    if not errors:
+        return APIError(400, "invalid request")
+    err = errors[0]
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}"
+                        .rstrip(": "), None, "invalid_json")
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    # Union members add their type names to the path (prompt.str, prompt.list[int]).
+    loc = [x for x in loc if not any(c in x for c in "[]") and x not in
+           ("str", "int", "float", "bool", "function-after")]
+    param = ".".join(loc) or None
+    value = err.get("input")
+    shown = "" if isinstance(value, dict) else f", got {value!r}"
+    return APIError(400, f"{param or 'body'}: {err.get('msg', 'invalid')}{shown}"[:500], param)
