@@ -65,10 +65,15 @@ def test_fp8_train_step_lowers_for_cuda_and_a_cpu_run_refuses_it():
         check_config(TINY, tc, num_devices=1)
 
 
-def test_an_unknown_training_scheme_is_refused_naming_it():
-    with pytest.raises(ValueError, match=r"quant must be one of \('int8', 'fp8'\) or empty, "
-                                         "got 'int4'"):
-        TrainConfig(quant="int4")
+@pytest.mark.parametrize("train, message", [
+    (dict(quant="int4"), r"quant must be one of \('int8', 'fp8'\) or empty, got 'int4'"),
+    (dict(lora_base_quant="nf4"), "quantises a LoRA base: set lora_rank > 0"),
+    (dict(lora_rank=2, lora_base_quant="fp4"), "lora_base_quant must be int8, int4, nf4"),
+    (dict(lora_rank=2, lora_base_quant="int8", lora_base_dtype="bfloat16"), "set one"),
+])
+def test_bad_training_quantisation_is_refused_naming_it(train, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**train)
 
 
 def test_qlora_keeps_the_base_quantised_trains_the_adapters_and_merges_to_float():

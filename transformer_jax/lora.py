@@ -273,6 +273,21 @@ def merge(params: Params, adapters: Adapters, lora_config: LoraConfig,
                     lambda w, ab: w.dtype if dtype is None else jnp.dtype(dtype))
 
 
+def check_base_quant(base_quant: str, rank: int, base_dtype: str) -> None:
+    """Raises ValueError for a ``train.lora_base_quant`` (QLoRA) that cannot apply: without
+    adapters, beside ``lora_base_dtype``, or not int8/int4/nf4 (``quant.parse_quant``)."""
+    if not base_quant:
+        return
+    if rank == 0:
+        raise ValueError(f"lora_base_quant={base_quant!r} quantises a LoRA base: set "
+                         "lora_rank > 0")
+    if base_dtype:
+        raise ValueError("lora_base_quant and lora_base_dtype both store the base: set one")
+    if base_quant.partition(":")[0] not in ("int8", "int4", "nf4"):
+        raise ValueError(f"lora_base_quant must be int8, int4, nf4 (int4:G, nf4:G) or empty, "
+                         f"got {base_quant!r}")
+
+
 def freeze_base(params: Params, dtype: Any = jnp.bfloat16) -> Params:
     """The base params cast to ``dtype`` (floating leaves only), to store them smaller.
 

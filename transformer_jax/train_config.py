@@ -30,7 +30,7 @@ from transformer_jax.config import (
 )
 from transformer_jax.config_docs import help_text
 from transformer_jax.loading import Source, locate
-from transformer_jax.lora import LoraConfig
+from transformer_jax.lora import LoraConfig, check_base_quant
 from transformer_jax.tokenizer import MODEL_TYPES
 
 logger = logging.getLogger(__name__)
@@ -182,16 +182,7 @@ class TrainConfig:
         if self.lora_base_dtype and self.lora_base_dtype not in DTYPES:
             raise ValueError(f"lora_base_dtype must be one of {DTYPES} or empty, got "
                              f"{self.lora_base_dtype!r}")
-        if self.lora_base_quant:
-            if self.lora_rank == 0:
-                raise ValueError(f"lora_base_quant={self.lora_base_quant!r} quantises a LoRA "
-                                 "base: set lora_rank > 0")
-            if self.lora_base_dtype:
-                raise ValueError("lora_base_quant and lora_base_dtype both store the base: "
-                                 "set one")
-            if self.lora_base_quant.partition(":")[0] not in ("int8", "int4", "nf4"):
-                raise ValueError(f"lora_base_quant must be int8, int4, nf4 (int4:G, nf4:G) or "
-                                 f"empty, got {self.lora_base_quant!r}")
+        check_base_quant(self.lora_base_quant, self.lora_rank, self.lora_base_dtype)
         if self.quant not in QUANT_SCHEMES:
             raise ValueError(f"quant must be one of {QUANT_SCHEMES[1:]} or empty, got "
                              f"{self.quant!r}")
