@@ -137,6 +137,30 @@ class PackedData:
 # ------------------------------------------------------------------------------------ packing
 
 
+def best_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Best-fit-decreasing bin packing: item ``i`` of ``lengths[i]`` <= ``capacity`` slots.
+
+    Items are placed longest first (ties by index) into the row with the least room that
+    holds them, a new row when none does; deterministic.
+
+    Returns:
+      The rows, each the indices of its items in placement order.
+    """
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row), sorted
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = bisect.bisect_left(free, (lengths[i], -1))
+        if k < len(free):
+            room, row = free.pop(k)
+        else:
+            room, row = capacity, len(rows)
+            rows.append([])
+        rows[row].append(i)
+        if room - lengths[i] > 0:
+            bisect.insort(free, (room - lengths[i], row))
+    return rows
+
+
 def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedData:
     """Packs examples into rows of ``seq_len + 1`` tokens (best-fit decreasing).
 
@@ -188,18 +212,7 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedDa
     examples = fitted
     truncated = long - kinds.get("dropped", 0)
     lengths = [len(e.tokens) for e in examples]
-    rows: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (room left, row), sorted
-    for i in sorted(range(len(examples)), key=lambda i: (-lengths[i], i)):
-        k = bisect.bisect_left(free, (lengths[i], -1))
-        if k < len(free):
-            room, row = free.pop(k)
-        else:
-            room, row = capacity, len(rows)
-            rows.append([])
-        rows[row].append(i)
-        if room - lengths[i] > 0:
-            bisect.insort(free, (room - lengths[i], row))
+    rows = best_fit_rows(lengths, capacity)
 
     shape = (len(rows), capacity)
     tokens = np.full(shape, pad_id, dtype=np.int32)
@@ -340,6 +353,7 @@ __all__ = [
     "InstructionDataError",
     "PackedBatches",
     "PackedData",
+    "best_fit_rows",
     "chat_pieces",
     "count",
     "encode_chat",

@@ -1,0 +1,9 @@
+"""Evaluation with lm-evaluation-harness (the ``eval`` extra).
+
+Modules:
+  scoring  requests -> packed rows with segment ids -> log-likelihoods and greedy flags
+  harness  ``JaxLM``: the harness's ``LM`` (registered as ``transformer_jax``)
+  cli      ``python -m transformer_jax.evaluate --checkpoint PATH --tasks T1,T2 ...``
+
+``scoring`` needs only JAX; ``harness`` and ``cli`` import ``lm_eval``.
+"""
