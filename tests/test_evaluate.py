@@ -121,7 +121,7 @@ def _forward_logprobs(lm: JaxLM, ids: list[int]) -> np.ndarray:
 
 
 def test_multiple_choice_matches_forward_and_hf_backend(lm, hf_lm, instances, tasks_dir,
-                                                        tmp_path):
+                                                        tmp_path, monkeypatch):
     requests = instances["tiny_mc"]
     ours = lm.loglikelihood(requests, disable_tqdm=True)
     theirs = hf_lm.loglikelihood(requests, disable_tqdm=True)
@@ -135,6 +135,10 @@ def test_multiple_choice_matches_forward_and_hf_backend(lm, hf_lm, instances, ta
         assert greedy == hf_greedy
     # The harness's accuracy over our scores == the one of the hf backend's scores.
     out = tmp_path / "results.json"
+    # The harness's environment report runs torch's collect_env in subprocesses (seconds).
+    import lm_eval.evaluator
+
+    monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
     assert evaluate_main(["--checkpoint", str(lm.loaded.source.path), "--tasks", "tiny_mc",
                           "--include-path", str(tasks_dir), "--output", str(out),
                           "--bootstrap-iters", "0"]) == 0
@@ -186,6 +190,7 @@ def test_long_contexts_are_truncated_from_the_left(lm, hf_lm):
     assert lp == pytest.approx(hf_lp, abs=TOL)
 
 
+@pytest.mark.usefixtures("fast_generate_compiles")
 def test_generate_until_stops_at_stop_strings_exactly(lm):
     context = "the cat sat on"
     free, = lm.generate_until([Instance("generate_until", {}, (context, {
