@@ -18,16 +18,14 @@ import jax
 import numpy as np
 import pytest
 from helpers import CHATML_SPECIALS, random_hf_model, write_chatml_tokenizer
+from lm_eval.api.instance import Instance
+from lm_eval.tasks import TaskManager
 
 from transformer_jax.evaluate import scoring
+from transformer_jax.evaluate.cli import main as evaluate_main
+from transformer_jax.evaluate.harness import JaxLM
+from transformer_jax.evaluate.local_tasks import write_multiple_choice_task, write_rolling_task
 from transformer_jax.model import Transformer
-
-lm_eval = pytest.importorskip("lm_eval")
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
-
-from transformer_jax.evaluate.cli import main as evaluate_main  # noqa: E402
-from transformer_jax.evaluate.harness import JaxLM  # noqa: E402
 
 WORDS = "the cat dog sat ran on a mat log red blue big small is yes no one two three".split()
 MAX_LEN = 32  # the model's window, so that the rolling task needs several windows
@@ -59,23 +57,11 @@ def tasks_dir(tmp_path_factory) -> Path:
     log-likelihood of 4 documents, two longer than the window)."""
     directory = tmp_path_factory.mktemp("tasks")
     rng = random.Random(0)
-    mc = [{"question": _sentence(rng, rng.randint(2, 12)),
-           "choices": [_sentence(rng, rng.randint(1, 3)) for _ in range(3)],
-           "answer": rng.randrange(3)} for _ in range(8)]
-    docs = [{"text": _sentence(rng, n)} for n in (5, 20, 45, 70)]
-    for name, rows in (("mc", mc), ("ppl", docs)):
-        (directory / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n"
-              f"    test: {directory}/{{}}.jsonl\ntest_split: test\n")
-    (directory / "mc.yaml").write_text(
-        "task: tiny_mc\n" + common.format("mc") + "output_type: multiple_choice\n"
-        "doc_to_text: \"{{question}} is\"\ndoc_to_choice: \"{{choices}}\"\n"
-        "doc_to_target: \"{{answer}}\"\nmetric_list:\n  - metric: acc\n"
-        "    aggregation: mean\n    higher_is_better: true\n")
-    (directory / "ppl.yaml").write_text(
-        "task: tiny_ppl\n" + common.format("ppl") + "output_type: loglikelihood_rolling\n"
-        "doc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\nmetric_list:\n"
-        "  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")
+    write_multiple_choice_task(directory, "tiny_mc", (
+        {"question": _sentence(rng, rng.randint(2, 12)) + " is",
+         "choices": [_sentence(rng, rng.randint(1, 3)) for _ in range(3)],
+         "answer": rng.randrange(3)} for _ in range(8)))
+    write_rolling_task(directory, "tiny_ppl", [_sentence(rng, n) for n in (5, 20, 45, 70)])
     return directory
 
 
