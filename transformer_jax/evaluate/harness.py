@@ -6,8 +6,9 @@ three request types as its ``hf`` backend does, so the numbers are the same:
 
 * ``loglikelihood``: ``(context, continuation)`` is tokenized as the harness's ``TemplateLM``
   does (the pair encoded whole, then split at the context's length; an empty context is the
-  prefix token: bos, or eos without one). Requests are sorted by length and packed several to
-  a row with segment ids and per-request positions (``scoring``), so padding is small.
+  prefix token: bos, or eos without one; so is a context of only spaces). Requests are
+  sorted by length and packed several to a row with segment ids and per-request positions
+  (``scoring``), so padding is small.
   Returns ``(log-probability of the continuation, whether greedy decoding gives it)``.
 * ``loglikelihood_rolling``: the text's tokens cut into windows of the model's context with
   the harness's own ``get_rolling_token_windows`` / ``make_disjoint_window`` (the first window
@@ -130,6 +131,9 @@ class JaxLM(TemplateLM):
         """Scores ``(cache key, context ids, continuation ids)`` requests (packed rows)."""
         windows = []
         for _, context, continuation in requests:
+            # A context of only spaces (moved to the continuation) encodes to nothing; it
+            # starts from the prefix token, as an empty context does (the hf backend fails).
+            context = context or [self.prefix_token_id]
             if len(context) + len(continuation) > self.max_length + 1:
                 logger.debug("a request of %d tokens loses its first %d (window %d)",
                              len(context) + len(continuation),

@@ -2,7 +2,7 @@
 
 A request is a token sequence and how many of its last targets are scored: the
 continuation's ``n`` tokens after its context. Requests are sorted by length and placed into
-rows of ``W`` slots by best-fit decreasing (``instruct.best_fit_rows``); ``segment_ids``
+rows of ``W`` slots by best-fit decreasing (``instruct.packed_layout``); ``segment_ids``
 number the requests of a row 1, 2, ... (0 = padding) and ``positions`` restart at 0 for each,
 so attention never crosses requests and each one sees exactly what it would alone in a row.
 Rows go through the model ``B`` at a time, one compiled program per ``(B, W)``.
@@ -23,7 +23,7 @@ import numpy as np
 
 from transformer_jax import sharding as sharding_lib
 from transformer_jax.config import ModelConfig
-from transformer_jax.instruct import best_fit_rows
+from transformer_jax.instruct import packed_layout
 from transformer_jax.model import Params, Transformer
 
 #: Rows are at least this many slots (short requests share them), at most the model's window.
@@ -95,23 +95,12 @@ def pack_requests(requests: Sequence[Request], row_len: int, pad_id: int = 0
     lengths = [len(r.inputs) for r in requests]
     if max(lengths) > row_len:
         raise ValueError(f"a request of {max(lengths)} tokens does not fit rows of {row_len}")
-    rows = best_fit_rows(lengths, row_len)
-    shape = (len(rows), row_len)
-    inputs = np.full(shape, pad_id, np.int32)
-    targets = np.full(shape, pad_id, np.int32)
-    segment_ids = np.zeros(shape, np.int32)
-    positions = np.zeros(shape, np.int32)
-    placement: list[tuple[int, int]] = [(0, 0)] * len(requests)
-    for r, members in enumerate(rows):
-        start = 0
-        for segment, i in enumerate(members, start=1):
-            n = lengths[i]
-            inputs[r, start:start + n] = requests[i].inputs
-            targets[r, start:start + n] = requests[i].targets
-            segment_ids[r, start:start + n] = segment
-            positions[r, start:start + n] = np.arange(n)
-            placement[i] = (r, start)
-            start += n
+    segment_ids, positions, placement = packed_layout(lengths, row_len)
+    inputs = np.full(segment_ids.shape, pad_id, np.int32)
+    targets = np.full(segment_ids.shape, pad_id, np.int32)
+    for request, (r, start) in zip(requests, placement, strict=True):
+        inputs[r, start:start + len(request.inputs)] = request.inputs
+        targets[r, start:start + len(request.inputs)] = request.targets
     return PackedRequests(inputs, targets, segment_ids, positions, placement)
 
 
