@@ -189,3 +189,20 @@ def test_generate_until_stops_at_stop_strings_exactly(lm):
     cut, = lm.generate_until([Instance("generate_until", {}, (context, {
         "until": [stop], "max_gen_toks": 12}), 0)], disable_tqdm=True)
     assert cut == free[:free.index(stop)] and stop not in cut
+
+
+def test_text_starts_with_bos_as_transformers_encodes_it(tmp_path):
+    """A SentencePiece tokenizer adds bos (LlamaTokenizer's default) unless the text already
+    starts with the bos piece; its bos decodes to "", which must not count as a prefix."""
+    from types import SimpleNamespace
+
+    from transformer_jax.tokenizer import Tokenizer
+
+    tok = Tokenizer.train(["the quick brown fox <s> jumps. " * 20], tmp_path / "t.model",
+                          vocab_size=40, model_type="char")
+    assert tok.add_bos_token and tok.decode([tok.bos_id]) == ""
+    lm = SimpleNamespace(tok=tok)
+    assert JaxLM.tok_encode(lm, "the fox") == [tok.bos_id, *tok.encode("the fox")]
+    assert JaxLM.tok_encode(lm, "<s>the fox") == tok.encode("<s>the fox")
+    assert JaxLM.tok_encode(lm, "the fox", add_special_tokens=False) == tok.encode("the fox")
+    assert JaxLM.tok_encode(lm, "the fox", left_truncate_len=3) == tok.encode("the fox")[-3:]

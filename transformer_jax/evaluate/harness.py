@@ -113,8 +113,9 @@ class JaxLM(TemplateLM):
         string already starts with bos; none with ``add_special_tokens=False``."""
         specials = add_special_tokens is not False
         bos = specials and self.tok.add_bos_token and self.tok.bos_id >= 0
+        # The bos piece ("<s>"), not its decoding: SentencePiece decodes control tokens to "".
         if bos and add_special_tokens is None and string.startswith(
-                self.tok.decode([self.tok.bos_id])):
+                self.tok.id_to_piece(self.tok.bos_id)):
             bos = False
         eos = specials and self.tok.add_eos_token and self.tok.eos_id >= 0
         ids = self.tok.encode(string, add_bos=bos, add_eos=eos)
