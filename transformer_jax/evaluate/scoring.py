@@ -108,6 +108,9 @@ def token_scores(model: Transformer, params: Params, inputs: jax.Array, targets:
                  positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Each target's log-probability and whether it is the model's argmax.
 
+    The LM head runs one row at a time (``lax.map``), so only one row's [W, V] float32
+    logits exist at once (a 128k vocabulary at W = 2048 is 1 GiB per row).
+
     Args:
       model: the ``Transformer``.
       params: its parameters.
@@ -116,11 +119,18 @@ def token_scores(model: Transformer, params: Params, inputs: jax.Array, targets:
     Returns:
       ``(logprob [B, W] float32, greedy [B, W] bool)``.
     """
-    logits = model.apply({"params": params}, inputs, positions=positions,
-                         segment_ids=segment_ids).logits  # [B, W, V] float32
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    target_lp = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
-    return target_lp, jnp.argmax(logits, axis=-1) == targets
+    hidden = model.apply({"params": params}, inputs, positions=positions,
+                         segment_ids=segment_ids, hidden_only=True).hidden  # [B, W, D]
+    head, layout = model.lm_head(params)
+    spec = "WD,DV->WV" if layout == "DV" else "WD,VD->WV"
+
+    def row(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        x, t = args  # [W, D], [W]
+        logits = jnp.einsum(spec, x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+        target = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+        return target - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == t
+
+    return jax.lax.map(row, (hidden, targets))
 
 
 class Scorer:
