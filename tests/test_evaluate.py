@@ -206,3 +206,15 @@ def test_text_starts_with_bos_as_transformers_encodes_it(tmp_path):
     assert JaxLM.tok_encode(lm, "<s>the fox") == tok.encode("<s>the fox")
     assert JaxLM.tok_encode(lm, "the fox", add_special_tokens=False) == tok.encode("the fox")
     assert JaxLM.tok_encode(lm, "the fox", left_truncate_len=3) == tok.encode("the fox")[-3:]
+
+
+def test_cli_errors_are_one_line(tasks_dir, tmp_path, capsys):
+    out = str(tmp_path / "r.json")
+    assert evaluate_main(["--checkpoint", str(tmp_path), "--tasks", "tiny_mc",
+                          "--include-path", str(tmp_path / "none"), "--output", out]) == 1
+    assert "--include-path" in capsys.readouterr().err
+    assert evaluate_main(["--checkpoint", str(tmp_path / "gone"), "--tasks", "tiny_mc",
+                          "--include-path", str(tasks_dir), "--output", out]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {tmp_path / 'gone'}: {tmp_path / 'gone'} does not exist"]
+    assert evaluate_main(["--checkpoint", str(tmp_path), "--tasks", " , ", "--output", out]) == 2
