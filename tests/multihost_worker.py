@@ -8,7 +8,8 @@ devices, and prints one JSON object on its last stdout line:
            and per-device bytes.
   train    one of several processes joined through jax.distributed: trains a few steps on a
            mesh spanning all processes, then writes one orbax checkpoint collectively (and
-           with --init-from loads a run's params as train.init_from does).
+           with --init-from loads a run's params as train.init_from does; with --shards reads
+           its rows of a shard build's global batches, packed and concat).
   check    one process with all the devices: trains the same steps, then restores that
            checkpoint and compares.
 """
@@ -236,11 +237,23 @@ def mode_train(args) -> dict:
     _save(Path(args.ckpt), state, losses)
     if args.init_from:
         _load_init_from(args.init_from, Path(args.ckpt).parent / "init_from.npz")
+    shard_rows = _shard_rows(args.shards, index, count) if args.shards else None
     return {"process": jax.process_index(), "losses": losses, "batch_shard": [index, count],
+            "shard_rows": shard_rows,
             "tp_batch_shard": list(tp_shard), "main": distributed.is_main_process(),
             "any_last": distributed.any_process(jax.process_index() == args.num_processes - 1),
             "any_none": distributed.any_process(False),
             "local_devices": jax.local_device_count(), "global_devices": jax.device_count()}
+
+
+def _shard_rows(build: str, index: int, count: int) -> dict[str, list]:
+    """This process's rows of a shard build's global batches of steps 0-2 (data.shards)."""
+    from transformer_jax.data import shards
+
+    mixture = shards.Mixture.parse(build, "")
+    return {packing: [shards.ShardBatches(mixture, SEQ, BATCH, packing, 0, index, count)
+                      .get(step)["inputs"].tolist() for step in range(3)]
+            for packing in shards.PACKING}
 
 
 def _load_init_from(path: str, out: Path) -> None:
@@ -298,6 +311,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ckpt")
     parser.add_argument("--init-from", help="train mode: also load this run's params as "
                         "train.init_from does")
+    parser.add_argument("--shards", help="train mode: also read this shard build's rows")
     args = parser.parse_args(argv)
     if args.mode == "meshes":
         result = mode_meshes()

@@ -49,16 +49,35 @@ def _lora_run(root: Path) -> Path:
     return run_dir
 
 
+def _shard_build(root: Path) -> Path:
+    """A small shard build (jsonl documents, a word-level tokenizer) for the processes."""
+    from helpers import write_chatml_tokenizer
+
+    from transformer_jax.data import build
+    from transformer_jax.tokenizer import load_tokenizer
+
+    words = [f"w{i}" for i in range(30)]
+    rng = np.random.default_rng(1)
+    (root / "docs.jsonl").write_text("".join(
+        json.dumps({"text": " ".join(rng.choice(words, rng.integers(1, 30)))}) + "\n"
+        for _ in range(120)))
+    tokenizer = load_tokenizer(write_chatml_tokenizer(root / "tok", words))
+    build.build([str(root / "docs.jsonl")], root / "shards", tokenizer, progress=False,
+                options=build.BuildOptions(shard_bytes=1500))
+    return root / "shards"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("multihost")
     ckpt = root / "ckpt"
     lora_run = _lora_run(root)
+    shards = _shard_build(root)
     coordinator = f"127.0.0.1:{_free_port()}"
     procs = [subprocess.Popen(
         [sys.executable, worker.__file__, "train", "--coordinator", coordinator,
          "--num-processes", str(N_PROCESSES), "--process-id", str(i), "--ckpt", str(ckpt),
-         "--init-from", str(lora_run)],
+         "--init-from", str(lora_run), "--shards", str(shards)],
         cwd=worker.ROOT, env=worker.worker_env(DEVICES_PER_PROCESS), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True) for i in range(N_PROCESSES)]
     results = []
@@ -76,6 +95,7 @@ def runs(tmp_path_factory) -> dict:
     check = worker.run_worker(["check", "--ckpt", str(ckpt)],
                               n_devices=N_PROCESSES * DEVICES_PER_PROCESS)
     return {"processes": results, "single": check, "ckpt": ckpt, "lora_run": lora_run,
+            "shards": shards,
             "init_from": dict(np.load(root / "init_from.npz"))}
 
 
@@ -95,6 +115,20 @@ def test_each_process_loads_only_its_batch_rows(runs):
     for i, r in enumerate(runs["processes"]):
         assert r["batch_shard"] == [i, N_PROCESSES]
         assert r["tp_batch_shard"] == [0, 1]
+
+
+def test_each_process_reads_its_rows_of_the_same_global_shard_batches(runs):
+    # Two real processes, each reading only its half: together the one-process global batch
+    # (packed and concat), step by step.
+    from transformer_jax.data import shards
+
+    mixture = shards.Mixture.parse(str(runs["shards"]), "")
+    for packing in shards.PACKING:
+        one = shards.ShardBatches(mixture, worker.SEQ, worker.BATCH, packing, seed=0)
+        for step in range(3):
+            parts = [np.asarray(r["shard_rows"][packing][step]) for r in runs["processes"]]
+            assert all(len(p) == worker.BATCH // N_PROCESSES for p in parts)
+            assert np.array_equal(np.concatenate(parts), one.get(step)["inputs"]), packing
 
 
 def test_two_processes_reach_the_single_process_losses(runs):

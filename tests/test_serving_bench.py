@@ -4,6 +4,7 @@ every mode on a one-layer model."""
 import json
 import math
 
+import jax
 import pytest
 
 from transformer_jax.bench import serve
@@ -48,3 +49,22 @@ def test_every_mode_serves_every_token(tmp_path):
     for mode in modes:
         assert result["modes"][mode]["output_tokens"] == 3 * 4, mode
     assert result["modes"]["engine"]["peak_running"] == 2
+
+
+def test_stall_scenario_measures_the_prefill_window(tmp_path):
+    from transformer_jax import decode
+    from transformer_jax.bench import serve_stall
+    from transformer_jax.config import ModelConfig
+    from transformer_jax.model import init_params
+
+    path = tmp_path / "one_layer.toml"
+    path.write_text("[model]\nvocab_size = 64\nd_model = 32\nn_layers = 1\nn_heads = 2\n"
+                    "d_ff = 32\nmax_seq_len = 64\n")
+    config = ModelConfig.preset(str(path))
+    weights = decode.prepare(config, init_params(config, jax.random.key(0)))
+    # 3 slots (2 decoding + the long prompt's), so 16 prompt tokens a step: 40 go in 3 steps.
+    r = serve_stall.run_stall(config, weights, slots=2, token_budget=19, page_size=8,
+                              long_prompt=40, prompt_len=8, warmup=4)
+    assert r["prefill_steps"] == 3
+    assert 0 < r["median_step_s"] <= r["itl_max_s"] and r["itl_p99_s"] <= r["itl_max_s"]
+    assert r["long_ttft_s"] >= r["itl_max_s"] * 0.5

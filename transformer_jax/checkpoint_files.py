@@ -43,7 +43,13 @@ def ensure_writable_dir(directory: str | os.PathLike[str], what: str = "director
     Raises:
       PermissionError: if the directory cannot be created or written to (also when a parent
         is a regular file).
+      ValueError: an object-storage URL (``gs://...``): ``Path`` would make it a relative
+        local directory ``gs:/...``, so it is refused in one line instead.
     """
+    if "://" in os.fspath(directory):
+        raise ValueError(f"{what} {os.fspath(directory)!r} is on object storage, which is not "
+                         "written to directly yet: give a local or mounted path (e.g. a "
+                         "gcsfuse mount of the bucket)")
     path = Path(directory).expanduser().absolute()
     try:
         path.mkdir(parents=True, exist_ok=True)

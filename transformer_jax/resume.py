@@ -39,7 +39,8 @@ _STATE_TRAIN_KEYS: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
     if train.get("lora_rank") else None}
 # Data keys that change the token ids a run sees (named when the data fingerprint differs).
 _DATA_KEYS = {"path": "", "val_fraction": "another train/validation split",
-              "max_bytes": "another cap on the default corpus"}
+              "max_bytes": "another cap on the default corpus",
+              "packing": "other rows of the shards", "mixture": "other sources or weights"}
 # Train keys that change the computation: a resume with other values continues, but is not the
 # run an uninterrupted one would have been.
 _TRAJECTORY_TRAIN_KEYS = ("batch_size", "seq_len", "lr", "min_lr", "warmup_steps",

@@ -1,6 +1,7 @@
-"""A run's data: the tokenizer and the token splits of a text corpus, or the packed rows of a
-``.jsonl`` instruction files, and the batches ``training.run`` draws from them (pure in
-(seed, step), so a resumed run sees exactly the batches an uninterrupted one would)."""
+"""A run's data: the tokenizer and the token splits of a text corpus, the packed rows of
+``.jsonl`` instruction files, or shard builds (``data.shards``, read through Grain), and the
+batches ``training.run`` draws from them (pure in (seed, step), so a resumed run sees exactly
+the batches an uninterrupted one would)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 from transformer_jax import corpus
 from transformer_jax import data as data_lib
 from transformer_jax.checkpoint import ensure_writable_dir
+from transformer_jax.data import shards as shards_lib
 from transformer_jax.instruct import (
     PackedBatches,
     PackedData,
@@ -22,7 +24,7 @@ from transformer_jax.instruct import (
     rows_to_batch,
 )
 from transformer_jax.resume import data_fingerprint
-from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, Tokenizer
+from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, Tokenizer, load_tokenizer
 from transformer_jax.train_config import (
     DataConfig,
     TrainConfig,
@@ -51,6 +53,9 @@ def prepare_data(data_config: DataConfig, vocab_size: int,
       ValueError: for an empty corpus or a tokenizer file that does not load.
     """
     dc = data_config
+    if dc.packing == "pack":
+        raise ValueError("data.packing=pack reads shard builds: make them with python -m "
+                         "transformer_jax.data build --out DIR and pass data.path=DIR")
     cache_dir = Path(dc.cache_dir).expanduser()
     if dc.patterns:
         files = corpus.resolve_corpus(dc.patterns)
@@ -71,6 +76,76 @@ def prepare_data(data_config: DataConfig, vocab_size: int,
     return tokenizer, train_tokens, val_tokens
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardData:
+    """A run's shard builds: the mixture, how rows are cut, the validation streams.
+
+    Attributes:
+      mixture: the sources (one, ``data``, for a plain ``data.path``) and their weights.
+      packing: ``pack`` or ``concat``.
+      seq_len: T, the run's row length.
+      num_train_tokens: the train split's size in tokens, all sources.
+      val: the validation stream of all sources together.
+      source_val: each source's validation stream (a mixture's; else empty).
+      fingerprint: what a resumed run must read the same (``shards.fingerprint``).
+    """
+
+    mixture: shards_lib.Mixture
+    packing: str
+    seq_len: int
+    num_train_tokens: int
+    val: shards_lib.TokenStream
+    source_val: dict[str, shards_lib.TokenStream]
+    fingerprint: str
+    _batches: dict = dataclasses.field(default_factory=dict)
+
+    def batches(self, tc: TrainConfig, process_index: int, process_count: int
+                ) -> shards_lib.ShardBatches:
+        """The ``ShardBatches`` of this split over processes (opened once)."""
+        key = (tc.seed, tc.batch_size, tc.seq_len, process_index, process_count)
+        if key not in self._batches:
+            self._batches[key] = shards_lib.ShardBatches(
+                self.mixture, tc.seq_len, tc.batch_size, self.packing, tc.seed,
+                process_index, process_count)
+        return self._batches[key]
+
+
+def prepare_shard_data(data_config: DataConfig, seq_len: int, tokenizer: TextTokenizer | None,
+                       where: str = "data.tokenizer") -> tuple[TextTokenizer, ShardData]:
+    """Opens the shard builds of ``data.path`` / ``data.mixture``.
+
+    Args:
+      data_config: the builds, packing and mixture.
+      seq_len: T, the run's row length.
+      tokenizer: the run's tokenizer (a checkpoint's, or ``data.tokenizer``'s file); None uses
+        the first build's.
+      where: what names ``tokenizer`` in an error.
+
+    Raises:
+      ValueError: a tokenizer that is not the builds' (one line), a bad mixture, builds with
+        different tokenizers.
+    """
+    mixture = shards_lib.Mixture.parse(data_config.path, data_config.mixture)
+    builds = [b for source in mixture.builds for b in source]
+    if tokenizer is None:
+        tokenizer = load_tokenizer(Path(builds[0]).expanduser() / "tokenizer")
+        where = f"the tokenizer of {builds[0]}"
+    shards_lib.check_tokenizer(builds, tokenizer.fingerprint, where)
+    packing = "pack" if data_config.packing == "auto" else data_config.packing
+    train = sum(shards_lib.TokenStream.open(s, "train").num_tokens for s in mixture.builds)
+    source_val = ({name: shards_lib.TokenStream.open(s, "val")
+                   for name, s in zip(mixture.names, mixture.builds, strict=True)}
+                  if len(mixture.names) > 1 else {})
+    data = ShardData(mixture, packing, seq_len, train, shards_lib.TokenStream.open(builds, "val"),
+                     source_val, shards_lib.fingerprint(builds, [packing, mixture.names,
+                                                                 mixture.weights]))
+    logger.info("data: shards %s (%s), %d train / %d val tokens, tokenizer %s", ", ".join(
+        f"{n}={'+'.join(b)}:{w:.3g}" for n, b, w in zip(mixture.names, mixture.builds,
+                                                         mixture.weights, strict=True)),
+                packing, train, data.val.num_tokens, tokenizer)
+    return tokenizer, data
+
+
 @dataclasses.dataclass(frozen=True)
 class RunData:
     """A run's train and validation data: token streams (text) or packed rows (``.jsonl``).
@@ -84,12 +159,14 @@ class RunData:
       val_tokens: [N_val] token ids (text), or None.
       train_rows: packed train rows (instruction data), or None.
       val_rows: packed validation rows, or None.
+      shards: shard builds, or None.
     """
 
     train_tokens: np.ndarray | None = None
     val_tokens: np.ndarray | None = None
     train_rows: PackedData | None = None
     val_rows: PackedData | None = None
+    shards: ShardData | None = None
 
     @property
     def packed(self) -> bool:
@@ -98,11 +175,16 @@ class RunData:
     @property
     def num_train_tokens(self) -> int:
         """Train size in tokens (packed: rows x (T + 1))."""
+        if self.shards is not None:
+            return self.shards.num_train_tokens
         return len(self.train_tokens) if not self.packed else self.train_rows.tokens.size
 
     @property
     def num_val_tokens(self) -> int:
         """Validation size in tokens; packed rows count as ``R x T + 1`` (R windows)."""
+        if self.shards is not None:
+            return shards_lib.eval_tokens(self.shards.val, self.shards.packing,
+                                          self.shards.seq_len)
         if not self.packed:
             return len(self.val_tokens)
         rows = self.val_rows.num_rows if self.val_rows is not None else 0
@@ -110,6 +192,8 @@ class RunData:
 
     def fingerprint(self) -> str:
         """``data_fingerprint`` of the token ids (and, packed, of the loss masks)."""
+        if self.shards is not None:
+            return self.shards.fingerprint
         if not self.packed:
             return data_fingerprint(self.train_tokens, self.val_tokens)
         arrays = [self.train_rows.tokens, self.train_rows.loss_tokens]
@@ -120,6 +204,8 @@ class RunData:
     def batch(self, tc: TrainConfig, step: int, process_index: int = 0, process_count: int = 1
               ) -> dict[str, np.ndarray]:
         """This process's rows of the global batch of ``step``: each key [B / P, T]."""
+        if self.shards is not None:
+            return self.shards.batches(tc, process_index, process_count).get(step)
         if not self.packed:
             return data_lib.get_batch(self.train_tokens, tc.seed, step, tc.batch_size,
                                       tc.seq_len, process_index=process_index,
@@ -133,12 +219,30 @@ class RunData:
                      ) -> Iterator[dict[str, np.ndarray]]:
         """Deterministic validation batches (see ``data.eval_batches``); packed rows are taken
         in order, a last incomplete batch filled with rows of zero mask."""
+        if self.shards is not None:
+            return shards_lib.eval_batches(self.shards.val, self.shards.packing, batch_size,
+                                           seq_len, max_batches, process_index=process_index,
+                                           process_count=process_count)
         if not self.packed:
             return data_lib.eval_batches(self.val_tokens, batch_size, seq_len, max_batches,
                                          process_index=process_index,
                                          process_count=process_count)
         return _packed_eval_batches(self.val_rows, batch_size, max_batches, process_index,
                                     process_count)
+
+    def source_eval_batches(self, batch_size: int, seq_len: int,
+                            max_batches: int | None = None, *, process_index: int = 0,
+                            process_count: int = 1) -> dict[str, Iterator[dict[str, np.ndarray]]]:
+        """Each mixture source's validation batches (as ``eval_batches``), by name; sources
+        whose validation split does not fill one batch are left out."""
+        if self.shards is None:
+            return {}
+        return {name: shards_lib.eval_batches(stream, self.shards.packing, batch_size, seq_len,
+                                              max_batches, process_index=process_index,
+                                              process_count=process_count)
+                for name, stream in self.shards.source_val.items()
+                if shards_lib.eval_tokens(stream, self.shards.packing, seq_len) - 1
+                >= batch_size * seq_len}
 
 
 def split_rows(rows: PackedData, val_fraction: float) -> tuple[PackedData, PackedData | None]:

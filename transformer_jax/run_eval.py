@@ -68,6 +68,8 @@ def evaluate_and_sample(state: TrainState, step: int, eval_step, data: RunData,
     if data.num_val_tokens:
         val_loss = evaluate(eval_step, state.params, data.eval_batches(**eval_kw))
         log.record_eval(step, val_loss)
+    for name, batches in data.source_eval_batches(**eval_kw).items():  # a mixture's sources
+        log.record_source_eval(step, name, evaluate(eval_step, state.params, batches))
     scores = evaluate_sets(lambda batches: evaluate(eval_step, state.params, batches),
                            eval_sets, eval_kw)
     for name, (loss, bpb) in scores.items():

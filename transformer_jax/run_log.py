@@ -226,6 +226,12 @@ class RunLog:
         self._tb.add_scalar(f"eval/{name}/bpb", bpb, step)
         logger.info("step %d: %s loss %.4f, %.4f bits/byte", step, name, loss, bpb)
 
+    def record_source_eval(self, step: int, source: str, val_loss: float) -> None:
+        """One mixture source's validation loss (``split`` ``val/SOURCE``)."""
+        self._write({"step": step, "split": f"val/{source}", "loss": val_loss})
+        self._tb.add_scalar(f"val/{source}/loss", val_loss, step)
+        logger.info("step %d: val loss of %s %.4f", step, source, val_loss)
+
     def record_sample(self, step: int, text: str) -> None:
         self._write({"step": step, "split": "sample", "text": text})
         self._tb.add_text("sample", text, step)

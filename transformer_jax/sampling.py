@@ -368,6 +368,17 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.take_along_axis(log_probs, jnp.asarray(tokens)[:, None], axis=-1)[:, 0]
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+    """[B, V] -> [B] int32 first index of each row's maximum, as ``jnp.argmax``.
+
+    Written as a max and a min because XLA's CPU argmax (one variadic reduce) is not vectorised:
+    this is 2-3x faster, which is 10% of a decode step for small models.
+    """
+    v = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(logits == top, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
+
+
 def _sample(
     logits: jax.Array,
     key: jax.Array | None,
@@ -378,7 +389,7 @@ def _sample(
 ) -> jax.Array:
     batch, vocab = logits.shape
     _check_python_scalars(vocab, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_tokens = argmax(logits)
     if _is_python_number(temperature) and temperature == 0:
         return greedy_tokens
     if key is None:

@@ -244,6 +244,12 @@ class DataConfig:
         ``.jsonl`` file: this fraction of the packed rows, chosen by a fixed permutation).
       cache_dir: where trained tokenizers and token files are cached.
       max_bytes: cap on the size of the default corpus.
+      packing: how shard builds (``data.path`` naming directories made by ``python -m
+        transformer_jax.data build``) become rows: ``pack`` (documents packed with segment
+        ids, positions restarting per document) or ``concat`` (random windows across documents,
+        as a text corpus is read); ``auto`` is ``pack`` for shards and ``concat`` otherwise.
+      mixture: ``name=DIR:weight,...`` shard builds sampled by weight (``DIR1+DIR2`` joins
+        builds into one source); the evaluation reports each source's loss. Excludes ``path``.
     """
 
     path: str = ""
@@ -252,8 +258,15 @@ class DataConfig:
     val_fraction: float = 0.05
     cache_dir: str = "~/.cache/transformer_jax"
     max_bytes: int = corpus.DEFAULT_CORPUS_MAX_BYTES
+    packing: str = "auto"
+    mixture: str = ""
 
     def __post_init__(self) -> None:
+        if self.packing not in ("auto", "pack", "concat"):
+            raise ValueError(f"packing must be one of auto, pack, concat, got {self.packing!r}")
+        if self.mixture and self.path:
+            raise ValueError(f"data.mixture={self.mixture!r} and data.path={self.path!r}: give "
+                             "one (a mixture names its own builds)")
         _check_int("vocab_size", self.vocab_size, minimum=0)
         _check_int("max_bytes", self.max_bytes, minimum=1)
         if not 0 <= self.val_fraction < 1:
@@ -264,6 +277,14 @@ class DataConfig:
     @property
     def patterns(self) -> list[str]:
         return [p.strip() for p in self.path.split(",") if p.strip()]
+
+    @property
+    def is_shards(self) -> bool:
+        """Whether the data are shard builds: ``mixture``, or ``path`` naming only build
+        directories (each holding ``metadata.json``)."""
+        from transformer_jax.data.shards import is_build
+
+        return bool(self.mixture) or bool(self.patterns) and all(map(is_build, self.patterns))
 
     @property
     def is_instruct(self) -> bool:
@@ -279,7 +300,7 @@ class DataConfig:
           FileNotFoundError: a path or pattern that matches no file.
           ValueError: ``.jsonl`` and other files together (one of each named).
         """
-        if not self.patterns:
+        if not self.patterns or self.is_shards:
             return []
         files = corpus.resolve_corpus(self.patterns)
         jsonl = [f for f in files if f.suffix.lower() == ".jsonl"]

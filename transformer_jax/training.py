@@ -47,6 +47,7 @@ from transformer_jax.run_data import (
     RunData,
     prepare_data,
     prepare_instruction_data,
+    prepare_shard_data,
 )
 from transformer_jax.run_eval import (
     EVAL_BATCH_FACTOR,
@@ -88,7 +89,7 @@ Batch = dict[str, jax.Array]
 
 
 #: The parts of a run's wall time in ``RunSummary.time_s`` (seconds).
-TIME_PARTS = ("startup", "compile", "train", "eval", "sample", "plot", "checkpoint")
+TIME_PARTS = ("startup", "compile", "train", "eval", "sample", "plot", "checkpoint", "data")
 
 #: Where a run keeps its copy of the tokenizer (relative to the run directory).
 TOKENIZER_DIR = loading.RUN_TOKENIZER_DIR
@@ -100,7 +101,9 @@ class RunSummary:
 
     ``time_s`` splits the wall time into ``TIME_PARTS``: start-up (directories, data, state,
     the peak measurement), compiling the train step, training steps, evaluation (with its
-    compilation), samples, loss plots and the blocking part of checkpoint saves.
+    compilation), samples, loss plots and the blocking part of checkpoint saves; ``data`` is
+    the host time spent making the train batches (while the device runs the step dispatched
+    before), and ``train`` the rest of the loop's time.
     """
 
     run_dir: str
@@ -184,11 +187,16 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     if source is not None:  # the checkpoint's, unless data.tokenizer is a file
         tokenizer = loading.open_tokenizer(source, given, where=where,
                                            missing="pass data.tokenizer=FILE")
-    elif given is not None and data_config.is_instruct:
+    elif given is not None and (data_config.is_instruct or data_config.is_shards):
         tokenizer = load_tokenizer(given.expanduser())
     else:
-        tokenizer = None  # a text run loads or trains its own in prepare_data
-    if data_config.is_instruct:
+        tokenizer = None  # a text run loads or trains its own in prepare_data (shards: theirs)
+    if data_config.is_shards:
+        tokenizer, shard_data = prepare_shard_data(
+            data_config, tc.seq_len, tokenizer, where=where if source is not None else
+            f"data.tokenizer={data_config.tokenizer}")
+        data = RunData(shards=shard_data)
+    elif data_config.is_instruct:
         if tokenizer is None:
             raise ValueError(f"instruction data ({data_config.path}) needs the model's "
                              "tokenizer: pass train.init_from=CHECKPOINT or data.tokenizer=FILE")
@@ -276,11 +284,16 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
     compile_start = time.perf_counter()
     part, parts = distributed.process_batch_shard(batch_sharding, tc.batch_size)
 
+    batch_times: list[float] = []  # host seconds of each batch the loop made
+
     def get_batch(step: int) -> Batch:
+        start = time.perf_counter()
         rows = data.batch(tc, step, process_index=part, process_count=parts)
+        batch_times.append(time.perf_counter() - start)
         return distributed.global_batch(rows, batch_sharding, tc.batch_size)
 
     batch = get_batch(start_step)
+    batch_times.clear()  # the loop's batches only
     train_step = sharding_lib.jit_train_step(make_train_step(model_config, tc), state_shardings,
                                              batch_sharding)
     train_step = train_step.lower(state, batch).compile()
@@ -382,7 +395,10 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
     # 6. Summary.
     latest = ckpt.latest_step()
     train_time = log.train_time
-    times["train"] = train_time
+    # The log times the steps after each process's first (see RunLog); so does this.
+    per_batch = sum(batch_times[1:]) / (len(batch_times) - 1) if len(batch_times) > 1 else 0.0
+    times["data"] = min(per_batch * log.timed_steps, train_time)
+    times["train"] = train_time - times["data"]
     wall_time = time.perf_counter() - wall_start
     summary = RunSummary(
         run_dir=str(run_dir), start_step=start_step, final_step=step,
@@ -396,6 +412,9 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
         checkpoint=str(ckpt.step_path(latest)) if latest is not None else None,
         interrupted=interrupted, time_s={k: round(v, 3) for k, v in times.items()})
     logger.info("time: %s; wall %.1f s", format_times(summary.time_s), wall_time)
+    if train_time > 0:
+        logger.info("data: %.2f ms of host time per batch, %.1f%% of the train time",
+                    1000 * per_batch, 100 * times["data"] / train_time)
     if main_process:
         (run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary),
                                                          indent=2))

@@ -33,6 +33,7 @@ import numpy as np
 
 from transformer_jax import decode, generation
 from transformer_jax import prompts as prompt_lib
+from transformer_jax.bench import serve_stall
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import init_params
 from transformer_jax.serving import Engine, SamplingParams
@@ -233,9 +234,26 @@ def main(argv: list[str]) -> int:
                              "(generate in fixed batches), engine-noprefix")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--scenario", choices=("load", "stall"), default="load",
+                        help="load: the requests above in every mode; stall: --slots "
+                             "sequences decoding when a --long-prompt arrives, chunked "
+                             "(--token-budget) and unchunked (serve_stall.py)")
+    parser.add_argument("--long-prompt", type=int, default=900,
+                        help="the stall scenario's long prompt, in tokens")
     args = parser.parse_args(argv)
 
     config = ModelConfig.preset(args.config)
+    if args.scenario == "stall":
+        weights = decode.prepare(config, init_params(config, jax.random.key(args.seed)))
+        stall = serve_stall.run_both(config, weights, slots=args.slots,
+                                     token_budget=args.token_budget,
+                                     page_size=args.page_size, long_prompt=args.long_prompt,
+                                     seed=args.seed)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"config": args.config, "dtype": config.dtype,
+                           "backend": jax.default_backend(), "stall": stall}, f, indent=1)
+        return 0
     work = make_workload(args.requests, args.input_len, args.output_len, args.output_multiple,
                          args.rate, args.burstiness, config.vocab_size, args.seed,
                          args.shared_prefix)

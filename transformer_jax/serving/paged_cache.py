@@ -1,8 +1,10 @@
 """The paged KV cache: a second implementation of the model's ``Cache`` interface.
 
 Each layer's keys and values live in a pool of P fixed-size pages, kv head first:
-[K, P, page_size, H] (keys [K, H, P, page_size] with ``keys_transposed``, as ``KVCache`` lays
-them out on CPU), so each kv head's whole pool is one contiguous [P * page_size, H] row. The
+[K, P, page_size, H] (keys [K, H, P, page_size] with ``keys_transposed``, the layout ``KVCache``
+takes on CPU; the pages keep [page_size, H] by default on every backend, because gathering
+whole pages is what costs here: see ``layer``), so each kv head's whole pool is one contiguous
+[P * page_size, H] row. The
 layers are stacked ([L, ...]) for a scanned model and a tuple for an unrolled one, as in
 ``KVCache``. A sequence holds only the pages it has filled: row b of the page table [B, W]
 lists its pages in position order, so position p of row b lives in page
@@ -20,9 +22,14 @@ through one of two views, both calling the library's attention with masks from p
   (``ops.attention.reference_attention``), each row seeing only the pool slots of its own pages
   at positions up to its own: no gathered copy, and the pool is read once for all rows rather
   than once per row. ``"auto"`` takes it for one-token chunks with the reference
-  implementation when the pool is smaller than the gathered view (P < B * W). On XLA:CPU the
-  gather made a decode step 2-3x slower than the contiguous cache's (decode_25m, 8 rows of
-  64 pages of 16: 76-97 ms against 27 ms).
+  implementation when the pool is under twice the gathered view (P < 2 * B * W: the gather
+  writes its view, then attention reads it). On XLA:CPU the gather made a decode step 2-3x
+  slower than the contiguous cache's (decode_25m, 8 rows of 64 pages of 16: 76-97 ms against
+  27 ms).
+
+With ``view="auto"`` and ``attention_impl="pallas"`` on a GPU or TPU, ``attend`` reads the pages
+with JAX's Pallas paged kernels instead (``ops/paged_attention.py``: decode, and on TPU prefill
+chunks); an explicit ``"gather"`` or ``"pool"`` view always reads them with XLA.
 
 Page 0 is the null page: never handed out by ``PagePool``, it takes the writes that belong to no
 page (rows not in use, a padded chunk's tail past the pages the table lists), and table entries
@@ -43,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.config import ModelConfig
-from transformer_jax.kv_cache import default_keys_transposed
+from transformer_jax.ops import paged_attention
 from transformer_jax.ops.attention import attention, choose_impl, reference_attention
 
 #: The page no sequence owns (see the module docstring).
@@ -77,7 +84,7 @@ class PagedKVCache:
     @classmethod
     def init(cls, config: ModelConfig, num_pages: int, page_size: int, batch: int = 1,
              pages_per_row: int = 1, dtype: jnp.dtype | str | None = None,
-             keys_transposed: bool | None = None, view: str = "auto") -> PagedKVCache:
+             keys_transposed: bool = False, view: str = "auto") -> PagedKVCache:
         """Zeroed pages and an all-null page table.
 
         Args:
@@ -87,7 +94,10 @@ class PagedKVCache:
           batch: B rows of the initial page table.
           pages_per_row: W columns of the initial page table.
           dtype: storage dtype; the model's compute dtype by default.
-          keys_transposed: the keys' layout; default ``default_keys_transposed()``.
+          keys_transposed: store keys [K, H, P, page_size]. Off by default: on XLA:CPU the
+            gather of transposed pages (slices of page_size) ran about 2x slower than that of
+            whole [page_size, H] pages, more than the faster [H, S] product gained back
+            (decode_25m's layer, 8 rows of 32 pages of 16, float32: 5.2 against 2.5 ms).
           view: how ``attend`` reads the pages.
         """
         for name, value in (("num_pages", num_pages), ("page_size", page_size),
@@ -99,8 +109,6 @@ class PagedKVCache:
                              f"{num_pages}")
         if view not in VIEWS:
             raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
-        if keys_transposed is None:
-            keys_transposed = default_keys_transposed()
         dtype = jnp.dtype(dtype or config.dtype)
         kv, h = config.n_kv_heads, config.head_dim
         k_shape = (kv, h, num_pages, page_size) if keys_transposed else (
@@ -146,22 +154,24 @@ class PagedKVCache:
           ([B, K, W * page_size, H] keys ([B, K, H, W * page_size] when transposed),
           [B, K, W * page_size, H] values): slot s of row b holds its position s.
         """
-        b, w = self.page_table.shape
-        table = self.page_table
-        if self.stacked:  # (layer, :, pages): the advanced indices apart, so [B, W] leads
-            v_pages = self.v[i, :, table]  # [B, W, K, ps, H]
-            k_pages = self.k[i, :, :, table] if self.keys_transposed else self.k[i, :, table]
-        else:  # (:, pages): [K, B, W, ...] -> [B, W, K, ...]
-            v_pages = jnp.moveaxis(self.v[i][:, table], 0, 2)
-            k_pages = (jnp.moveaxis(self.k[i][:, :, table], (0, 1), (2, 3))
-                       if self.keys_transposed else jnp.moveaxis(self.k[i][:, table], 0, 2))
-        # [B, W, K, ps, H] -> [B, K, W, ps, H] -> [B, K, S, H] (keys: [B, K, H, W, ps] -> S).
-        kv, h = v_pages.shape[2], v_pages.shape[4]
-        values = v_pages.transpose(0, 2, 1, 3, 4).reshape(b, kv, -1, h)
-        if self.keys_transposed:  # [B, W, K, H, ps]
-            keys = k_pages.transpose(0, 2, 3, 1, 4).reshape(b, kv, h, -1)
+        b = self.page_table.shape[0]
+        flat = self.page_table.reshape(-1)
+        k_pool, v_pool = self.k[i], self.v[i]  # [K, P, ps, H] (keys [K, H, P, ps])
+        kv, h = v_pool.shape[0], v_pool.shape[-1]
+        # Whole pages taken along the pool axis ([K, P, ps * H] -> [K, B * W, ps * H]), then B
+        # to the front. On XLA:CPU this ran 2-3x faster than indexing the pool with the
+        # [B, W] table (decode_25m's layer, 8 rows of 32 pages of 16, float32: about 1
+        # against 2.4 ms; 8 ms with the keys transposed).
+        def pages(pool: jax.Array, axis: int) -> jax.Array:  # the table's pages, in order
+            return jnp.take(pool, flat, axis=axis, mode="clip")  # (every index is in range)
+
+        values = pages(v_pool.reshape(kv, v_pool.shape[1], -1), 1)
+        values = values.reshape(kv, b, -1, h).swapaxes(0, 1)
+        if self.keys_transposed:  # [K, H, P, ps] -> [K, H, B * W, ps] -> [B, K, H, S]
+            keys = pages(k_pool, 2).reshape(kv, h, b, -1).transpose(2, 0, 1, 3)
         else:
-            keys = k_pages.transpose(0, 2, 1, 3, 4).reshape(b, kv, -1, h)
+            keys = pages(k_pool.reshape(kv, k_pool.shape[1], -1), 1)
+            keys = keys.reshape(kv, b, -1, h).swapaxes(0, 1)
         return keys, values
 
     def attend(self, i: int | jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
@@ -183,6 +193,14 @@ class PagedKVCache:
           ([B, T, N, H] attention output, the cache with layer i's pages written).
         """
         cache = self.write(i, k, v, positions)
+        if self.view == "auto":  # impl="pallas": a paged kernel (ops/paged_attention.py)
+            route = paged_attention.plan(impl, q.shape[1], window)
+            if route.kernel is not None:
+                out = paged_attention.paged_attention(
+                    route.kernel, q, cache.k[i], cache.v[i], cache.page_table, positions,
+                    window=window, keys_transposed=self.keys_transposed)
+                return out, cache
+            impl = route.impl
         if cache.pool_view(q, impl):
             return cache._attend_pool(i, q, positions, window), cache
         keys, values = cache.layer(i)
@@ -195,7 +213,7 @@ class PagedKVCache:
         if self.view != "auto":
             return self.view == "pool"
         b, w = self.page_table.shape
-        if q.shape[1] != 1 or self.num_pages >= b * w:
+        if q.shape[1] != 1 or self.num_pages >= 2 * b * w:
             return False
         return impl == "xla" or (impl == "auto" and choose_impl(q, q[:, :, :1]) == "xla")
 

@@ -4,6 +4,9 @@
 draw random windows whose global batch is a pure function of (seed, step), so a resumed or
 multi-host run sees exactly the batches an uninterrupted single-host run would;
 ``eval_batches`` walks the validation tokens in order.
+
+The package's modules: ``build`` and ``sources`` (``python -m transformer_jax.data build``: inputs
+-> tokenized ArrayRecord shards) and ``shards`` (shard builds -> packed rows or windows, mixtures).
 """
 
 from __future__ import annotations

@@ -1,0 +1,93 @@
+"""Shard build throughput: tokens/s of ``python -m transformer_jax.data build`` with 1 and N
+worker processes on one generated corpus, and the build's peak memory.
+
+The corpus is the default corpus's files (the standard library's sources) repeated into jsonl
+files of one document per file until it reaches ``--mb``; each worker count builds it into a
+fresh directory with the same tokenizer (``--tokenizer``, or a bpe trained on the default
+corpus). Prints one line per build and the speed-up, where ``peak MB`` is the largest resident
+set of the main process or of a worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from transformer_jax import corpus
+
+
+def make_corpus(directory: Path, megabytes: float, files: int = 8) -> int:
+    """Writes ``files`` jsonl files of standard-library sources, ``megabytes`` in all."""
+    texts = [p.read_text(encoding="utf-8") for p in corpus.default_corpus()]
+    target = int(megabytes * 2**20 / files)
+    total = 0
+    for i in range(files):
+        size = 0
+        with open(directory / f"part-{i:02d}.jsonl", "w") as f:
+            k = i
+            while size < target:
+                line = json.dumps({"text": texts[k % len(texts)]}) + "\n"
+                f.write(line)
+                size += len(line)
+                k += files
+        total += size
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m transformer_jax.bench data",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=float, default=200.0, help="corpus size in MB")
+    parser.add_argument("--workers", type=int, default=2, help="the parallel build's workers")
+    parser.add_argument("--tokenizer", default="", help="tokenizer file/dir (default: a bpe of "
+                        "4096 trained on the default corpus)")
+    parser.add_argument("--shard-mb", type=float, default=8.0)
+    parser.add_argument("--dir", default="", help="work directory (default: a temporary one)")
+    args = parser.parse_args(argv)
+    work = Path(args.dir or tempfile.mkdtemp(prefix="bench-data-"))
+    (work / "corpus").mkdir(parents=True, exist_ok=True)
+    size = make_corpus(work / "corpus", args.mb)
+    tokenizer = args.tokenizer
+    if not tokenizer:
+        from transformer_jax.tokenizer import Tokenizer
+
+        tok = Tokenizer.train_or_load(corpus.default_corpus(), Path("~/.cache/transformer_jax")
+                                      .expanduser(), 4096, "bpe")
+        tokenizer = str(tok.path)
+    print(f"corpus: {size / 2**20:.0f} MB of jsonl in {work / 'corpus'}; tokenizer {tokenizer}")
+    rates = {}
+    for workers in (1, args.workers):
+        out = work / f"out-{workers}"
+        shutil.rmtree(out, ignore_errors=True)
+        start = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "transformer_jax.data", "build", "--input",
+             str(work / "corpus"), "--out", str(out), "--tokenizer", tokenizer, "--workers",
+             str(workers), "--shard-mb", str(args.shard_mb), "--no-progress"],
+            capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+        if proc.returncode:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            return proc.returncode
+        meta = json.loads((out / "metadata.json").read_text())
+        tokens = meta["train_tokens"] + meta["val_tokens"]
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        rates[workers] = tokens / seconds
+        print(f"workers {workers}: {tokens:,} tokens in {seconds:.1f} s = "
+              f"{rates[workers]:,.0f} tokens/s ({size / 2**20 / seconds:.1f} MB/s); "
+              f"{len(meta['shards'])} shards; peak MB so far {peak:.0f}")
+    print(f"speed-up with {args.workers} workers: {rates[args.workers] / rates[1]:.2f}x")
+    if not args.dir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,383 @@
+"""``python -m transformer_jax.data build``: inputs -> tokenized ArrayRecord shards + metadata.
+
+The inputs (``sources``) are cut into pieces and the pieces grouped, in order, into shards of
+about ``--shard-mb`` of input; each shard is tokenized by one of ``--workers`` processes and
+written as ``train-SSSSS.arrayrecord`` / ``val-SSSSS.arrayrecord`` (one record per document: its
+token ids, little-endian ``dtype``) with the documents' lengths beside them
+(``*.lengths.npy``), and then ``shard-SSSSS.json`` (its counts and the plan it was made from).
+Every file is written under a temporary name and renamed, and the json comes last, so a build
+killed at any point and run again redoes only the shards without their json, and ends byte for
+byte equal to an uninterrupted build. ``metadata.json`` (tokenizer fingerprint, documents and
+tokens per shard and split, the sources) is written when every shard is done.
+
+ArrayRecord (with ``group_size:1``, one record per chunk) because Grain reads it by index with
+no extra index file, which is what a batch that is a pure function of (seed, step) needs.
+
+A document is held out (the ``val`` split) when a hash of its text falls below
+``--val-fraction``: by document, never cutting the token stream, and the same document always
+lands in the same split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from transformer_jax.corpus import token_dtype
+from transformer_jax.data import sources as sources_lib
+from transformer_jax.files import atomic_writer
+from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "transformer_jax.shards"
+VERSION = 1
+METADATA = "metadata.json"
+TOKENIZER_DIR = "tokenizer"
+SPLITS = ("train", "val")
+_WRITER_OPTIONS = "group_size:1"
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """How inputs become shards (all part of each shard's plan: a change rebuilds it).
+
+    Attributes:
+      field: the text field of jsonl records, parquet rows and dataset rows.
+      text_docs: ``"file"`` (a text file is one document) or ``"paragraph"`` (blank-line
+        separated paragraphs are documents).
+      val_fraction: the share of documents held out, in ``[0, 1)``.
+      shard_bytes: input bytes per shard (a text file is never split).
+      add_bos: put bos before each document.
+      add_eos: put eos after each document.
+      skip_bad: skip a bad input file (named in a warning and in the metadata) instead of
+        failing the build.
+    """
+
+    field: str = "text"
+    text_docs: str = "file"
+    val_fraction: float = 0.01
+    shard_bytes: int = 64 << 20
+    add_bos: bool = False
+    add_eos: bool = True
+    skip_bad: bool = False
+
+    def __post_init__(self) -> None:
+        if self.text_docs not in sources_lib.TEXT_DOCS:
+            raise ValueError(f"text_docs must be one of {sources_lib.TEXT_DOCS}, got "
+                             f"{self.text_docs!r}")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.shard_bytes <= 0:
+            raise ValueError(f"shard_bytes must be positive, got {self.shard_bytes}")
+
+
+def shard_name(split: str, index: int) -> str:
+    """``train-00003.arrayrecord``: the records of one split of shard ``index``."""
+    return f"{split}-{index:05d}.arrayrecord"
+
+
+def group_shards(pieces: Sequence[sources_lib.Piece], shard_bytes: int
+                 ) -> list[list[sources_lib.Piece]]:
+    """Consecutive pieces grouped into shards of at least ``shard_bytes`` (the last smaller)."""
+    shards: list[list[sources_lib.Piece]] = [[]]
+    size = 0
+    for piece in pieces:
+        if size >= shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(piece)
+        size += piece.size
+    return shards if shards[0] else []
+
+
+def is_held_out(text: str, val_fraction: float) -> bool:
+    """Whether a document is in the ``val`` split: a hash of its text below the fraction."""
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "little") < val_fraction * 2.0**64
+
+
+def build(inputs: Sequence[str], out: str | os.PathLike[str], tokenizer: TextTokenizer, *,
+          options: BuildOptions = BuildOptions(), workers: int = 1, progress: bool = True
+          ) -> dict[str, Any]:
+    """Tokenizes the inputs into shards under ``out`` (see the module docstring).
+
+    Args:
+      inputs: files, directories and globs (``sources.resolve_sources``).
+      out: the build directory (created; a finished shard of an earlier run is kept).
+      tokenizer: the tokenizer (saved to ``out/tokenizer``).
+      options: how documents are read and split.
+      workers: tokenizing processes.
+      progress: show a tqdm bar (shards, tokens/s).
+
+    Returns:
+      The metadata written to ``out/metadata.json``.
+
+    Raises:
+      BadInput: a bad input file (one line naming it) without ``skip_bad``.
+      ValueError: no documents at all, or bad options.
+    """
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(".*.tmp*"):  # of a build killed while it wrote
+        stale.unlink()
+    srcs = sources_lib.resolve_sources(list(inputs))
+    pieces = sources_lib.plan_pieces(srcs, options.shard_bytes)
+    shards = group_shards(pieces, options.shard_bytes)
+    dtype = token_dtype(tokenizer.vocab_size)
+    # The saved copy is what workers and training load; its settings files are part of its
+    # fingerprint, so that is the one recorded.
+    tokenizer = _save_tokenizer(tokenizer, out / TOKENIZER_DIR)
+    settings = {"tokenizer": tokenizer.fingerprint, "dtype": dtype.name,
+                **dataclasses.asdict(options)}
+    settings.pop("shard_bytes")
+    tasks = [(i, [p.key() for p in shard], settings) for i, shard in enumerate(shards)]
+    plans = {i: _plan(keys, settings) for i, keys, settings in tasks}
+    done = {i: _finished(out, i, plans[i]) for i in plans}
+    todo = [t for t in tasks if done[t[0]] is None]
+    _remove_beyond(out, len(shards))
+    logger.info("%d inputs -> %d pieces -> %d shards (%d already built) with %d worker(s)",
+                len(srcs), len(pieces), len(shards), len(shards) - len(todo), workers)
+    bar = _bar(progress, len(shards), len(shards) - len(todo))
+    start, tokens = time.perf_counter(), 0
+    with _pool(workers, str(out)) as imap:
+        for record in imap(_build_shard, todo):
+            done[record["index"]] = record
+            tokens += record["train_tokens"] + record["val_tokens"]
+            bar.update(1)
+            bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):,.0f} tokens/s",
+                                refresh=False)
+    bar.close()
+    seconds = time.perf_counter() - start
+    records = [done[i] for i in range(len(shards))]
+    meta = _metadata(records, srcs, tokenizer, dtype, options)
+    if not meta["train_docs"]:
+        raise ValueError(f"the inputs {list(inputs)} hold no documents for the train split")
+    with atomic_writer(out / METADATA) as f:
+        f.write(json.dumps(meta, indent=1, sort_keys=True).encode())
+    logger.info("built %s: %d shards, %d/%d docs and %d/%d tokens (train/val); %d tokens in "
+                "%.1f s (%.0f tokens/s)", out, len(shards), meta["train_docs"],
+                meta["val_docs"], meta["train_tokens"], meta["val_tokens"], tokens, seconds,
+                tokens / max(seconds, 1e-9))
+    meta["build_tokens"], meta["build_seconds"] = tokens, seconds  # not in the file
+    return meta
+
+
+def _plan(keys: list, settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps([VERSION, keys, settings]).encode()).hexdigest()[:24]
+
+
+def _finished(out: Path, index: int, plan: str) -> dict[str, Any] | None:
+    """The record of shard ``index`` when it was built from this plan and its files exist."""
+    try:
+        record = json.loads((out / f"shard-{index:05d}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    names = [shard_name(s, index) for s in SPLITS]
+    names += [n.replace(".arrayrecord", ".lengths.npy") for n in names]
+    if record.get("plan") != plan or not all((out / n).is_file() for n in names):
+        return None
+    return record
+
+
+_SHARD_FILE = re.compile(r"(?:(?:train|val)-(\d{5})\.(?:arrayrecord|lengths\.npy)"
+                         r"|shard-(\d{5})\.json)")
+
+
+def _remove_beyond(out: Path, count: int) -> None:
+    """Removes the files of shards ``count, count + 1, ...`` left by a bigger earlier plan (only
+    names a build writes: other files in ``out`` are never touched)."""
+    for path in out.iterdir():
+        match = _SHARD_FILE.fullmatch(path.name)
+        if match and int(match.group(1) or match.group(2)) >= count:
+            path.unlink()
+
+
+# Per worker process: the build directory and its tokenizer, loaded once.
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(out: str) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    _WORKER["out"] = Path(out)
+    _WORKER["tokenizer"] = load_tokenizer(Path(out) / TOKENIZER_DIR)
+
+
+def _build_shard(task: tuple[int, list, dict[str, Any]]) -> dict[str, Any]:
+    """Tokenizes one shard's pieces into its files (atomically) and returns its record."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    index, keys, settings = task
+    out, tokenizer = _WORKER["out"], _WORKER["tokenizer"]
+    if tokenizer.fingerprint != settings["tokenizer"]:
+        raise RuntimeError(f"{out / TOKENIZER_DIR} changed during the build")
+    dtype = np.dtype(settings["dtype"]).newbyteorder("<")
+    tmp = {s: out / f".{shard_name(s, index)}.tmp{os.getpid()}" for s in SPLITS}
+    writers = {s: ArrayRecordWriter(str(tmp[s]), _WRITER_OPTIONS) for s in SPLITS}
+    lengths: dict[str, list[int]] = {s: [] for s in SPLITS}
+    skipped = []
+    try:
+        for key in keys:
+            piece = _piece(key)
+            try:
+                # A bad file is read to its end before any of it is written, so skipping it
+                # leaves none of its documents behind.
+                docs = list(sources_lib.documents(piece, settings["field"],
+                                                  settings["text_docs"]))
+            except sources_lib.BadInput as e:
+                if not settings["skip_bad"]:
+                    raise
+                logger.warning("skipped %s", e)
+                skipped.append(str(e))
+                continue
+            for text in docs:
+                ids = np.asarray(tokenizer.encode(text, add_bos=settings["add_bos"],
+                                                  add_eos=settings["add_eos"]), dtype=dtype)
+                split = "val" if is_held_out(text, settings["val_fraction"]) else "train"
+                writers[split].write(ids.tobytes())
+                lengths[split].append(len(ids))
+    finally:
+        for writer in writers.values():
+            writer.close()
+    for split in SPLITS:
+        name = shard_name(split, index)
+        with atomic_writer(out / name.replace(".arrayrecord", ".lengths.npy")) as f:
+            np.save(f, np.asarray(lengths[split], dtype=np.int64))
+        os.replace(tmp[split], out / name)
+    record = {"index": index, "plan": _plan(keys, settings), "skipped": skipped,
+              "pieces": [k[:1] + k[4:] for k in keys]}
+    for split in SPLITS:
+        record[f"{split}_docs"] = len(lengths[split])
+        record[f"{split}_tokens"] = int(sum(lengths[split]))
+    with atomic_writer(out / f"shard-{index:05d}.json") as f:
+        f.write(json.dumps(record, sort_keys=True).encode())
+    return record
+
+
+def _piece(key: list) -> sources_lib.Piece:
+    path, kind, size, _, start, stop = key
+    return sources_lib.Piece(sources_lib.Source(path, kind, size), start, stop, size)
+
+
+@contextlib.contextmanager
+def _pool(workers: int, out: str):
+    """``imap`` over the tasks: in this process for one worker, else a spawned pool (no fork
+    of a process whose tokenizer threads may hold locks)."""
+    if workers <= 1:
+        _init_worker(out)
+        yield lambda fn, tasks: map(fn, tasks)
+        return
+    with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (out,)) as pool:
+        yield lambda fn, tasks: pool.imap_unordered(fn, tasks)
+
+
+def _bar(progress: bool, total: int, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="shard", disable=not progress,
+                dynamic_ncols=True, file=sys.stderr)
+
+
+def _metadata(records: list[dict[str, Any]], srcs: list[sources_lib.Source],
+              tokenizer: TextTokenizer, dtype: np.dtype, options: BuildOptions
+              ) -> dict[str, Any]:
+    shards = [{k: v for k, v in r.items() if k != "plan"} for r in records]
+    meta: dict[str, Any] = {
+        "format": FORMAT, "version": VERSION, "dtype": dtype.name,
+        "tokenizer": {"fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
+                      "dir": TOKENIZER_DIR},
+        "options": dataclasses.asdict(options),
+        "sources": [dataclasses.asdict(s) for s in srcs],
+        "shards": shards,
+        "skipped": [s for r in records for s in r["skipped"]],
+    }
+    for split in SPLITS:
+        meta[f"{split}_docs"] = sum(r[f"{split}_docs"] for r in records)
+        meta[f"{split}_tokens"] = sum(r[f"{split}_tokens"] for r in records)
+    return meta
+
+
+def _save_tokenizer(tokenizer: TextTokenizer, directory: Path) -> TextTokenizer:
+    """Saves the tokenizer to ``directory`` (unless it holds it already); returns the copy."""
+    with contextlib.suppress(OSError, ValueError):
+        saved = load_tokenizer(directory)
+        if saved.fingerprint == tokenizer.fingerprint:
+            return saved
+    tokenizer.save(directory)
+    return load_tokenizer(directory)
+
+
+def resolve_tokenizer(spec: str, inputs: Sequence[str], vocab_size: int, cache_dir: str
+                      ) -> TextTokenizer:
+    """``--tokenizer``: a file or directory to load, or ``bpe``/``unigram``/``char`` to train
+    (cached) on the text files among the inputs."""
+    if spec not in MODEL_TYPES:
+        return load_tokenizer(Path(spec).expanduser())
+    text = [Path(s.path) for s in sources_lib.resolve_sources(list(inputs)) if s.kind == "text"]
+    if not text:
+        raise ValueError(f"--tokenizer {spec} trains on the text files of --input, and there "
+                         "are none: pass --tokenizer FILE|DIR")
+    return Tokenizer.train_or_load(text, Path(cache_dir).expanduser(), vocab_size, spec)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``build`` command line (see ``--help``)."""
+    parser = argparse.ArgumentParser(prog="python -m transformer_jax.data",
+                                     description="Tokenize a corpus into shards for training "
+                                                 "(data.path=OUT).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("build", help="inputs -> ArrayRecord shards + metadata.json")
+    p.add_argument("--input", nargs="+", action="extend", required=True,
+                   help="files, directories, globs, .jsonl, .parquet, or save_to_disk dirs")
+    p.add_argument("--out", required=True, help="the build directory")
+    p.add_argument("--tokenizer", required=True,
+                   help="a tokenizer file/dir, or bpe|unigram|char to train on the text inputs")
+    p.add_argument("--vocab-size", type=int, default=4096, help="of a trained tokenizer")
+    p.add_argument("--cache-dir", default="~/.cache/transformer_jax",
+                   help="where a trained tokenizer is cached")
+    p.add_argument("--field", default="text", help="text field of jsonl/parquet/dataset rows")
+    p.add_argument("--text-docs", choices=sources_lib.TEXT_DOCS, default="file",
+                   help="a text file is one document, or one per blank-line paragraph")
+    p.add_argument("--val-fraction", type=float, default=0.01,
+                   help="share of documents held out (by a hash of each document)")
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    p.add_argument("--shard-mb", type=float, default=64.0, help="input MB per shard")
+    p.add_argument("--bos", action="store_true", help="put bos before each document")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip (and name) a bad input file instead of failing")
+    p.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        options = BuildOptions(field=args.field, text_docs=args.text_docs,
+                               val_fraction=args.val_fraction,
+                               shard_bytes=max(1, int(args.shard_mb * 2**20)),
+                               add_bos=args.bos, skip_bad=args.skip_bad)
+        if args.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {args.workers}")
+        tokenizer = resolve_tokenizer(args.tokenizer, args.input, args.vocab_size,
+                                      args.cache_dir)
+        build(args.input, args.out, tokenizer, options=options, workers=args.workers,
+              progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+__all__ = ["FORMAT", "METADATA", "SPLITS", "BuildOptions", "build", "group_shards",
+           "is_held_out", "main", "resolve_tokenizer", "shard_name"]

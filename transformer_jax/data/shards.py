@@ -1,0 +1,377 @@
+"""Training batches from shard builds: packed rows (in the order of Grain's global shuffle) or
+windows, and mixtures.
+
+A split of one or more builds is a token stream: its documents (ArrayRecord records) one after
+another, in shard order. Two ways to cut it into rows of T + 1 tokens:
+
+* ``pack`` (document packing): row ``r`` is stream tokens ``[r (T + 1), (r + 1)(T + 1))``;
+  ``segment_ids`` number the documents (or parts of one) in the row 1, 2, ... and ``positions``
+  restart at 0 for each, so attention never crosses documents. A document longer than the rest
+  of its row continues in the next row, as that row's first segment: no token is dropped but the
+  stream's last ``< T + 1`` tokens. The loss is on targets of the input's own segment (the
+  first token of a document is not predicted from the previous one). Global row ``i`` of the
+  run (step ``s`` holds ``i = s B .. s B + B - 1``) is row ``shuffle_e(i mod R)`` of epoch
+  ``e = i div R``: Grain's ``MapDataset.shuffle`` (a new permutation each epoch) and
+  ``repeat``.
+* ``concat``: the random windows of ``data.get_batch`` over the stream (documents joined by their
+  eos, attending across them), as a memmap corpus gives.
+
+A mixture (``name=PATH:weight,...``) draws each global row's source from
+``default_rng([seed, step, 1])`` by weight; the row is then global row ``i`` of that source's
+own sequence. Everything is a pure function of (seed, step): a resumed run, or one on another
+number of processes, reads the same global batch; each process reads only its own rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from transformer_jax.data import HostBatch, StepBatches, batch_offsets, check_non_negative
+from transformer_jax.data.build import FORMAT, METADATA, SPLITS, TOKENIZER_DIR, shard_name
+
+logger = logging.getLogger(__name__)
+
+PACKING = ("pack", "concat")
+_MIX_STREAM = 1  # the rng stream of the mixture's draws
+
+
+def is_build(path: str | Path) -> bool:
+    """Whether ``path`` is a shard build directory (holds its ``metadata.json``).
+
+    Raises:
+      FileNotFoundError: an unfinished build (shards without ``metadata.json``), which would
+        otherwise be read as a directory of text files.
+    """
+    path = Path(path).expanduser()
+    if (path / METADATA).is_file():
+        return True
+    if path.is_dir() and next(path.glob("shard-[0-9]*.json"), None) is not None:
+        read_metadata(path)  # raises, naming the build command
+    return False
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """A build's metadata, checked to be one.
+
+    Raises:
+      FileNotFoundError: no ``metadata.json`` (the build is unfinished or not one).
+      ValueError: a ``metadata.json`` of another format or version.
+    """
+    file = Path(path).expanduser() / METADATA
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} is not a finished shard build (no {METADATA}); run "
+                                "python -m transformer_jax.data build --out ... to finish it")
+    meta = json.loads(file.read_text())
+    if meta.get("format") != FORMAT or meta.get("version") != 1:
+        raise ValueError(f"{file} is not a {FORMAT} version 1 metadata file")
+    return meta
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenStream:
+    """One split of one or more builds: documents one after another.
+
+    Records are read with array_record's reader, one batched ``read`` per file and batch
+    (Grain's ``ArrayRecordDataSource.__getitems__`` starts a thread pool on every call: 5 ms a
+    batch of 12 rows here, most of the host's time per batch).
+
+    Attributes:
+      paths: the ArrayRecord files, in order.
+      counts: the number of documents of each file.
+      lengths: each document's token count, [D] int64.
+      dtype: the token dtype of the records.
+    """
+
+    paths: tuple[str, ...]
+    counts: tuple[int, ...]
+    lengths: np.ndarray
+    dtype: np.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_ends", np.cumsum(self.lengths))
+        object.__setattr__(self, "_file_starts", np.cumsum((0, *self.counts)))
+        object.__setattr__(self, "_readers", {})
+
+    def records(self, docs: np.ndarray) -> list[bytes]:
+        """The records of documents ``docs`` (sorted, unique) [n], in that order."""
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        files = np.searchsorted(self._file_starts, docs, side="right") - 1
+        out: list[bytes] = []
+        for f in np.unique(files).tolist():
+            if f not in self._readers:  # random access: no read-ahead
+                self._readers[f] = ArrayRecordReader(self.paths[f], "readahead_buffer_size:0")
+            positions = (docs[files == f] - self._file_starts[f]).tolist()
+            out.extend(self._readers[f].read(positions))
+        return out
+
+    @classmethod
+    def open(cls, builds: Sequence[str | Path], split: str) -> TokenStream:
+        """The ``split`` (``train``/``val``) of the builds, in the given order."""
+        paths, counts, lengths, dtypes = [], [], [], set()
+        for build in builds:
+            build = Path(build).expanduser()
+            meta = read_metadata(build)
+            dtypes.add(meta["dtype"])
+            for shard in meta["shards"]:
+                name = shard_name(split, shard["index"])
+                if shard[f"{split}_docs"]:  # an empty ArrayRecord file is left out
+                    paths.append(str(build / name))
+                    counts.append(shard[f"{split}_docs"])
+                    lengths.append(np.load(build / name.replace(".arrayrecord",
+                                                                ".lengths.npy")))
+        if len(dtypes) != 1:
+            raise ValueError(f"the builds {list(builds)} have different token dtypes {dtypes}")
+        lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        return cls(tuple(paths), tuple(counts), lengths, np.dtype(dtypes.pop()).newbyteorder("<"))
+
+    @property
+    def num_tokens(self) -> int:
+        """N, the stream's length."""
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def read(self, starts: Sequence[int] | np.ndarray, size: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens ``[start, start + size)`` for each start (int32) and the document index of
+        each token (int64), both [R, size]; each record is read once."""
+        starts = np.asarray(starts, dtype=np.int64)
+        first = np.searchsorted(self._ends, starts, side="right")
+        last = np.searchsorted(self._ends, starts + size, side="left")
+        docs = np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(first, last,
+                                                                            strict=True)]))
+        records = dict(zip(docs.tolist(), self.records(docs), strict=True))
+        tokens = np.empty((len(starts), size), dtype=np.int32)
+        doc_ids = np.empty((len(starts), size), dtype=np.int64)
+        for r, (a, b) in enumerate(zip(first.tolist(), last.tolist(), strict=True)):
+            span = np.concatenate([np.frombuffer(records[d], self.dtype) for d in range(a, b + 1)])
+            begin = int(starts[r]) - (int(self._ends[a - 1]) if a else 0)
+            tokens[r] = span[begin:begin + size]
+            doc_ids[r] = np.repeat(np.arange(a, b + 1), self.lengths[a:b + 1])[begin:begin + size]
+        return tokens, doc_ids
+
+
+def packed_rows(stream: TokenStream, rows: Sequence[int] | np.ndarray, width: int) -> HostBatch:
+    """Rows of the packed stream -> the batch: ``inputs``, ``targets``, ``segment_ids`` (1, 2,
+    ... per document part), ``positions`` (from 0 per segment) and ``mask`` (1.0 where the
+    target is in the input's segment), each [R, width - 1]."""
+    tokens, docs = stream.read(np.asarray(rows, dtype=np.int64) * width, width)
+    starts = np.concatenate([np.ones((len(docs), 1), bool), docs[:, 1:] != docs[:, :-1]], 1)
+    segments = np.cumsum(starts, axis=1).astype(np.int32)
+    index = np.arange(width)[None, :]
+    first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    positions = (index - first).astype(np.int32)
+    mask = segments[:, 1:] == segments[:, :-1]
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "segment_ids": segments[:, :-1], "positions": positions[:, :-1],
+            "mask": mask.astype(np.float32)}
+
+
+def windows_batch(stream: TokenStream, offsets: np.ndarray, seq_len: int) -> HostBatch:
+    """The windows of T + 1 tokens at ``offsets`` [B]: ``inputs``/``targets`` [B, T]."""
+    windows = stream.read(offsets, seq_len + 1)[0]
+    return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+class Rows:
+    """The order of a stream's packed rows: Grain's ``MapDataset.range(R).shuffle().repeat()``
+    (a new permutation each epoch, O(1) memory)."""
+
+    def __init__(self, stream: TokenStream, seq_len: int, seed: int):
+        import grain
+
+        self.stream, self.width = stream, seq_len + 1
+        self.num_rows = stream.num_tokens // self.width
+        if self.num_rows == 0:
+            raise ValueError(f"{stream.num_tokens} tokens do not fill one packed row of "
+                             f"train.seq_len + 1 = {self.width} tokens")
+        self.order = grain.MapDataset.range(self.num_rows).shuffle(seed=seed).repeat()
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixture:
+    """Named sources (each a list of build directories) and their weights."""
+
+    names: tuple[str, ...]
+    builds: tuple[tuple[str, ...], ...]
+    weights: tuple[float, ...]
+
+    @classmethod
+    def parse(cls, path: str, mixture: str) -> Mixture:
+        """``data.mixture`` (``name=PATH:weight,...``), or one source of all of ``data.path``.
+
+        Raises:
+          ValueError: a malformed entry, a weight that is not positive, a repeated name.
+        """
+        if not mixture:
+            return cls(("data",), (tuple(p.strip() for p in path.split(",") if p.strip()),),
+                       (1.0,))
+        names, builds, weights = [], [], []
+        for entry in (e.strip() for e in mixture.split(",") if e.strip()):
+            name, eq, rest = entry.partition("=")
+            where, colon, weight = rest.rpartition(":")
+            try:
+                value = float(weight) if colon else float("nan")
+            except ValueError:
+                value = float("nan")
+            if not eq or not name or not where or not value > 0:
+                raise ValueError(f"data.mixture entry {entry!r} is not NAME=PATH:WEIGHT with a "
+                                 "positive weight")
+            if name in names:
+                raise ValueError(f"data.mixture names {name!r} twice")
+            names.append(name)
+            builds.append(tuple(where.split("+")))
+            weights.append(value)
+        total = sum(weights)
+        return cls(tuple(names), tuple(builds), tuple(w / total for w in weights))
+
+
+def mixture_sources(seed: int, step: int, batch_size: int, weights: Sequence[float]
+                    ) -> np.ndarray:
+    """The source of each row of the global batch of (seed, step): [B] int64 in ``[0, K)``."""
+    if len(weights) == 1:
+        return np.zeros(batch_size, dtype=np.int64)
+    rng = np.random.default_rng([seed, step, _MIX_STREAM])
+    return rng.choice(len(weights), size=batch_size, p=np.asarray(weights))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardBatches(StepBatches):
+    """This process's rows of the global batch of (seed, step), read from shard builds.
+
+    Attributes:
+      mixture: the sources and weights.
+      seq_len: T.
+      batch_size: global batch size B.
+      packing: ``"pack"`` or ``"concat"``.
+      seed: data seed.
+      process_index: this process's index p.
+      process_count: number of processes P.
+    """
+
+    mixture: Mixture
+    seq_len: int
+    batch_size: int
+    packing: str = "pack"
+    seed: int = 0
+    process_index: int = 0
+    process_count: int = 1
+
+    def __post_init__(self) -> None:
+        self._check_split()
+        if self.packing not in PACKING:
+            raise ValueError(f"data.packing must be one of {PACKING}, got {self.packing!r}")
+        streams = [TokenStream.open(b, "train") for b in self.mixture.builds]
+        for name, stream in zip(self.mixture.names, streams, strict=True):
+            if stream.num_tokens <= self.seq_len + 1:
+                raise ValueError(f"data source {name!r} has {stream.num_tokens} train tokens, "
+                                 f"fewer than train.seq_len + 1 = {self.seq_len + 1}")
+        object.__setattr__(self, "streams", streams)
+        if self.packing == "pack":
+            rows = [Rows(s, self.seq_len, seed=(self.seed * 1_000_003 + k) % 2**32)
+                    for k, s in enumerate(streams)]
+            object.__setattr__(self, "rows", rows)
+
+    def sources(self, step: int) -> np.ndarray:
+        """The source index of each global row of ``step``, [B]."""
+        return mixture_sources(self.seed, step, self.batch_size, self.mixture.weights)
+
+    def get(self, step: int) -> HostBatch:
+        """``{inputs, targets[, segment_ids, positions, mask]}``, each [B / P, T]."""
+        step = check_non_negative("step", step)
+        slots = self._mine(np.arange(step * self.batch_size, (step + 1) * self.batch_size))
+        sources = self._mine(self.sources(step))
+        if self.packing == "pack":
+            return _by_source(sources, slots, lambda k, i: packed_rows(
+                self.streams[k], [self.rows[k].order[int(j)] for j in i], self.seq_len + 1))
+        offsets = np.empty(len(slots), dtype=np.int64)
+        for k, stream in enumerate(self.streams):
+            drawn = (batch_offsets(self.seed, step, self.batch_size, stream.num_tokens,
+                                   self.seq_len) if k == 0 else
+                     np.random.default_rng([self.seed, step, _MIX_STREAM + 1 + k]).integers(
+                         0, stream.num_tokens - self.seq_len, size=self.batch_size))
+            offsets[sources == k] = self._mine(drawn)[sources == k]
+        return _by_source(sources, offsets,
+                          lambda k, o: windows_batch(self.streams[k], o, self.seq_len))
+
+
+def _by_source(sources: np.ndarray, keys: np.ndarray,
+               read: Callable[[int, np.ndarray], HostBatch]) -> HostBatch:
+    """The batch whose row ``j`` is row ``keys[j]`` of source ``sources[j]``: one
+    ``read(k, keys of source k)`` per source, the rows put back in order."""
+    parts = {int(k): read(int(k), keys[sources == k]) for k in np.unique(sources)}
+    out = {}
+    for name in next(iter(parts.values())):
+        first = next(iter(parts.values()))[name]
+        out[name] = np.empty((len(sources), *first.shape[1:]), first.dtype)
+        for k, part in parts.items():
+            out[name][sources == k] = part[name]
+    return out
+
+
+def eval_batches(stream: TokenStream, packing: str, batch_size: int, seq_len: int,
+                 max_batches: int | None = None, *, process_index: int = 0,
+                 process_count: int = 1) -> Iterator[HostBatch]:
+    """Validation batches in order: packed rows ``0, 1, ...`` or the windows
+    ``[w T, w T + T]`` of ``data.eval_batches``; a last incomplete batch is dropped. Checked
+    when called (as ``data.eval_batches``): ValueError when not one batch fills."""
+    local = batch_size // process_count
+    width = seq_len + 1 if packing == "pack" else seq_len
+    count = (stream.num_tokens - (packing != "pack")) // width // batch_size
+    if count == 0:
+        raise ValueError(f"the {stream.num_tokens} validation tokens of the shards do not fill "
+                         f"one eval batch of {batch_size} rows of {width} tokens ({packing})")
+    if max_batches:
+        count = min(count, max_batches)
+
+    def generate() -> Iterator[HostBatch]:
+        for i in range(count):
+            first = i * batch_size + process_index * local
+            index = np.arange(first, first + local)
+            if packing == "pack":
+                yield packed_rows(stream, index, width)
+            else:
+                yield windows_batch(stream, index * seq_len, seq_len)
+
+    return generate()
+
+
+def eval_tokens(stream: TokenStream, packing: str, seq_len: int) -> int:
+    """The validation size that ``eval_batching`` reads: windows of T over it take
+    ``R T + 1`` tokens for R packed rows."""
+    if packing != "pack":
+        return stream.num_tokens
+    rows = stream.num_tokens // (seq_len + 1)
+    return rows * seq_len + 1 if rows else 0
+
+
+def check_tokenizer(builds: Sequence[str], fingerprint: str, where: str) -> None:
+    """Raises ValueError when a build's tokenizer is not the run's (one line naming both)."""
+    for build in builds:
+        theirs = read_metadata(build)["tokenizer"]["fingerprint"]
+        if theirs != fingerprint:
+            raise ValueError(f"{where} (fingerprint {fingerprint[:12]}) is not the tokenizer "
+                             f"of the shards in {build} (fingerprint {theirs[:12]}); use "
+                             f"{Path(build) / TOKENIZER_DIR} or rebuild the shards")
+
+
+def fingerprint(builds: Sequence[str], reading: Any = None) -> str:
+    """A digest of the builds' shard records and of how they are read (``reading``, e.g. the
+    packing and the mixture's weights): what a resumed run must read the same."""
+    digest = hashlib.sha256(json.dumps(reading).encode())
+    for build in builds:
+        meta = read_metadata(build)
+        digest.update(json.dumps([meta["tokenizer"], meta["shards"]], sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+__all__ = ["PACKING", "SPLITS", "Mixture", "Rows", "ShardBatches", "TokenStream",
+           "check_tokenizer", "eval_batches", "eval_tokens", "fingerprint", "is_build",
+           "mixture_sources", "packed_rows", "read_metadata", "windows_batch"]
