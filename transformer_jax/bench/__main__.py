@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-KINDS = ("train", "decode", "memory", "serve", "data")
+KINDS = ("train", "decode", "memory", "serve", "data", "eval")
 
 
 def describe(kind: str) -> str:
