@@ -137,6 +137,54 @@ class PackedData:
 # ------------------------------------------------------------------------------------ packing
 
 
+def best_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Best-fit-decreasing bin packing: item ``i`` of ``lengths[i]`` <= ``capacity`` slots.
+
+    Items are placed longest first (ties by index) into the row with the least room that
+    holds them, a new row when none does; deterministic.
+
+    Returns:
+      The rows, each the indices of its items in placement order.
+    """
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row), sorted
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = bisect.bisect_left(free, (lengths[i], -1))
+        if k < len(free):
+            room, row = free.pop(k)
+        else:
+            room, row = capacity, len(rows)
+            rows.append([])
+        rows[row].append(i)
+        if room - lengths[i] > 0:
+            bisect.insort(free, (room - lengths[i], row))
+    return rows
+
+
+def packed_layout(lengths: Sequence[int], capacity: int
+                  ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    """Where items of ``lengths`` go in rows of ``capacity`` slots (``best_fit_rows``).
+
+    Returns:
+      ``(segment_ids, positions, slots)``: [R, capacity] int32 item numbers within each row
+      (1, 2, ...; 0 = padding) and positions restarting at 0 for each item, and per item its
+      ``(row, first slot)``.
+    """
+    rows = best_fit_rows(lengths, capacity)
+    segment_ids = np.zeros((len(rows), capacity), dtype=np.int32)
+    positions = np.zeros((len(rows), capacity), dtype=np.int32)
+    slots: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    for r, members in enumerate(rows):
+        start = 0
+        for segment, i in enumerate(members, start=1):
+            n = lengths[i]
+            segment_ids[r, start : start + n] = segment
+            positions[r, start : start + n] = np.arange(n)
+            slots[i] = (r, start)
+            start += n
+    return segment_ids, positions, slots
+
+
 def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedData:
     """Packs examples into rows of ``seq_len + 1`` tokens (best-fit decreasing).
 
@@ -188,39 +236,19 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedDa
     examples = fitted
     truncated = long - kinds.get("dropped", 0)
     lengths = [len(e.tokens) for e in examples]
-    rows: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (room left, row), sorted
-    for i in sorted(range(len(examples)), key=lambda i: (-lengths[i], i)):
-        k = bisect.bisect_left(free, (lengths[i], -1))
-        if k < len(free):
-            room, row = free.pop(k)
-        else:
-            room, row = capacity, len(rows)
-            rows.append([])
-        rows[row].append(i)
-        if room - lengths[i] > 0:
-            bisect.insort(free, (room - lengths[i], row))
-
-    shape = (len(rows), capacity)
-    tokens = np.full(shape, pad_id, dtype=np.int32)
-    segment_ids = np.zeros(shape, dtype=np.int32)
-    positions = np.zeros(shape, dtype=np.int32)
-    loss_tokens = np.zeros(shape, dtype=bool)
-    for r, members in enumerate(rows):
-        start = 0
-        for segment, i in enumerate(members, start=1):
-            n = lengths[i]
-            tokens[r, start : start + n] = examples[i].tokens
-            loss_tokens[r, start : start + n] = examples[i].loss
-            segment_ids[r, start : start + n] = segment
-            positions[r, start : start + n] = np.arange(n)
-            start += n
+    segment_ids, positions, slots = packed_layout(lengths, capacity)
+    tokens = np.full(segment_ids.shape, pad_id, dtype=np.int32)
+    loss_tokens = np.zeros(segment_ids.shape, dtype=bool)
+    for example, (r, start) in zip(examples, slots, strict=True):
+        tokens[r, start : start + len(example.tokens)] = example.tokens
+        loss_tokens[r, start : start + len(example.tokens)] = example.loss
+    rows = segment_ids.shape[0]
     logger.info(
         "packed %s into %s of %d tokens (%.1f%% padding)",
         count(len(examples), "example"),
-        count(len(rows), "row"),
+        count(rows, "row"),
         capacity,
-        100.0 * (1.0 - sum(lengths) / (len(rows) * capacity)),
+        100.0 * (1.0 - sum(lengths) / (rows * capacity)),
     )
     return PackedData(tokens, segment_ids, positions, loss_tokens, len(examples), truncated,
                       kinds.get("dropped", 0))
@@ -340,6 +368,7 @@ __all__ = [
     "InstructionDataError",
     "PackedBatches",
     "PackedData",
+    "best_fit_rows",
     "chat_pieces",
     "count",
     "encode_chat",
@@ -348,6 +377,7 @@ __all__ = [
     "load_examples",
     "load_instruction_data",
     "pack",
+    "packed_layout",
     "read_jsonl",
     "row_indices",
     "rows_to_batch",

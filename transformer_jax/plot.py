@@ -3,8 +3,9 @@
 ``plot_run(run_dir)`` writes ``run_dir/loss.png``: the train loss of every logged step and the
 validation loss of every evaluation against the step (with the tokens seen on a secondary
 axis when the records carry a per-step token count), log-scaled when the loss spans a wide
-range, and the learning rate in a second panel. ``plot_runs(dirs, out)`` draws several runs
-on one figure for comparison. From the shell::
+range, the bits per byte of each ``train.eval_sets`` set (one curve per set) in a panel of
+their own when there are any, and the learning rate in the last panel. ``plot_runs(dirs,
+out)`` draws several runs on one figure for comparison. From the shell::
 
     python -m transformer_jax.plot RUN_DIR [RUN_DIR ...] [--out FILE]
 
@@ -47,6 +48,7 @@ class RunMetrics:
       lr: ``(step, learning rate)`` of the train records that have one.
       tokens_per_step: tokens per train step (the records' ``tokens``), if recorded and
         constant; None otherwise.
+      eval_sets: per ``train.eval_sets`` set, ``(step, bits per byte)`` of its evaluations.
     """
 
     name: str
@@ -54,6 +56,7 @@ class RunMetrics:
     val: list[tuple[int, float]]
     lr: list[tuple[int, float]]
     tokens_per_step: float | None
+    eval_sets: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
 
 
 def read_metrics(run_dir: str | os.PathLike[str]) -> RunMetrics:
@@ -61,7 +64,8 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> RunMetrics:
 
     Records are the JSON objects ``transformer_jax.training`` writes: ``{"step", "split":
     "train", "loss", "lr", "tokens", ...}`` every ``log_every`` steps, ``{"step", "split":
-    "val", "loss", "ppl"}`` at evaluations and ``{"split": "sample", ...}`` (ignored). Keys
+    "val", "loss", "ppl"}`` and ``{"step", "split": "eval_set", "name", "loss", "bpb"}`` at
+    evaluations, and ``{"split": "sample", ...}`` (ignored). Keys
     may be missing (records without ``split`` count as train records; ``val_loss`` is read as
     a validation loss); lines that are not JSON (cut short by a kill) and non-finite values
     are skipped.
@@ -85,6 +89,7 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> RunMetrics:
     train: dict[int, float] = {}
     val: dict[int, float] = {}
     lr: dict[int, float] = {}
+    sets: dict[str, dict[int, float]] = {}
     tokens: list[float] = []
     skipped = 0
     for line in path.read_text(errors="replace").splitlines():
@@ -101,6 +106,8 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> RunMetrics:
         split = record.get("split", "train")
         if split == "val":
             _put(val, step, record.get("loss"))
+        elif split == "eval_set":
+            _put(sets.setdefault(str(record.get("name")), {}), step, record.get("bpb"))
         elif split == "train":
             _put(train, step, record.get("loss"))
             _put(lr, step, record.get("lr"))
@@ -115,7 +122,8 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> RunMetrics:
                          "a training run)")
     return RunMetrics(name=path.parent.name or str(path.parent), train=sorted(train.items()),
                       val=sorted(val.items()), lr=sorted(lr.items()),
-                      tokens_per_step=_constant(tokens))
+                      tokens_per_step=_constant(tokens),
+                      eval_sets={k: sorted(v.items()) for k, v in sets.items() if v})
 
 
 def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None
@@ -166,7 +174,11 @@ def _draw(runs: list[RunMetrics], out: Path, title: str) -> Path:
 
     fig = Figure(figsize=(10, 7), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+    with_sets = any(run.eval_sets for run in runs)
+    if with_sets:
+        loss_ax, bpb_ax, lr_ax = fig.subplots(3, 1, sharex=True, height_ratios=[3, 2, 1])
+    else:
+        loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
     colours = [f"C{i % 10}" for i in range(len(runs))]
     several = len(runs) > 1
     for run, colour in zip(runs, colours, strict=True):
@@ -178,6 +190,10 @@ def _draw(runs: list[RunMetrics], out: Path, title: str) -> Path:
             steps, losses = zip(*run.val, strict=True)
             loss_ax.plot(steps, losses, color=colour, lw=1.2, ls="--", marker="o", ms=4,
                          label=f"{prefix}validation")
+        for k, (set_name, curve) in enumerate(sorted(run.eval_sets.items())):
+            steps, bpb = zip(*curve, strict=True)
+            bpb_ax.plot(steps, bpb, color=colour, lw=1.2, marker="os^vD<>"[k % 7], ms=4,
+                        ls=("-", "--", ":", "-.")[k % 4], label=f"{prefix}{set_name}")
         if run.lr:
             steps, rates = zip(*run.lr, strict=True)
             lr_ax.plot(steps, rates, color=colour, lw=1.2, label=run.name if several else None)
@@ -189,6 +205,11 @@ def _draw(runs: list[RunMetrics], out: Path, title: str) -> Path:
     loss_ax.set_title(title)
     loss_ax.grid(True, which="both", alpha=0.3)
     loss_ax.legend(loc="upper right", fontsize="small")
+
+    if with_sets:
+        bpb_ax.set_ylabel("bits per byte")
+        bpb_ax.grid(True, alpha=0.3)
+        bpb_ax.legend(loc="upper right", fontsize="small")
 
     # Tokens on a second axis, when every run saw the same number per step.
     per_step = {run.tokens_per_step for run in runs}

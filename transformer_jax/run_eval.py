@@ -4,13 +4,14 @@ continuation of ``train.sample_prompt``, and the batching of evaluation (``train
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from transformer_jax.config import ModelConfig
+from transformer_jax.eval_sets import EvalSet, evaluate_sets
 from transformer_jax.run_data import RunData
 from transformer_jax.run_log import RunLog
 from transformer_jax.tokenizer import TextTokenizer
@@ -58,7 +59,10 @@ def placing(step_fn: Callable[[Params, Batch], Metrics], place: Callable[[np.nda
 def evaluate_and_sample(state: TrainState, step: int, eval_step, data: RunData,
                          eval_kw: dict[str, Any], tokenizer: TextTokenizer,
                          model_config: ModelConfig, tc: TrainConfig, log: RunLog,
-                         times: dict[str, float]) -> float | None:
+                         times: dict[str, float], eval_sets: Sequence[EvalSet] = ()
+                         ) -> float | None:
+    """The validation loss (None without a validation split), each of ``eval_sets``' loss and
+    bits per byte, and a sample, all logged."""
     val_loss = None
     start = time.perf_counter()
     if data.num_val_tokens:
@@ -66,6 +70,10 @@ def evaluate_and_sample(state: TrainState, step: int, eval_step, data: RunData,
         log.record_eval(step, val_loss)
     for name, batches in data.source_eval_batches(**eval_kw).items():  # a mixture's sources
         log.record_source_eval(step, name, evaluate(eval_step, state.params, batches))
+    scores = evaluate_sets(lambda batches: evaluate(eval_step, state.params, batches),
+                           eval_sets, eval_kw)
+    for name, (loss, bpb) in scores.items():
+        log.record_eval_set(step, name, loss, bpb)
     times["eval"] += time.perf_counter() - start
     # The sample decodes on one host's devices, so it needs the params whole on each process.
     if tc.sample_tokens and jax.process_count() == 1:

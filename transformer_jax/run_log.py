@@ -218,6 +218,14 @@ class RunLog:
         train = f"train loss {self.last_loss:.4f}, " if self.last_loss is not None else ""
         logger.info("step %d: %sval loss %.4f, ppl %.2f", step, train, val_loss, ppl)
 
+    def record_eval_set(self, step: int, name: str, loss: float, bpb: float) -> None:
+        """One ``train.eval_sets`` set's loss (nats per token) and bits per byte."""
+        self._write({"step": step, "split": "eval_set", "name": name, "loss": loss,
+                     "bpb": bpb})
+        self._tb.add_scalar(f"eval/{name}/loss", loss, step)
+        self._tb.add_scalar(f"eval/{name}/bpb", bpb, step)
+        logger.info("step %d: %s loss %.4f, %.4f bits/byte", step, name, loss, bpb)
+
     def record_source_eval(self, step: int, source: str, val_loss: float) -> None:
         """One mixture source's validation loss (``split`` ``val/SOURCE``)."""
         self._write({"step": step, "split": f"val/{source}", "loss": val_loss})

@@ -72,6 +72,9 @@ class TrainConfig:
       eval_every: evaluate the validation loss every this many steps (and at the end); 0
         evaluates only at the end.
       eval_batches: validation batches per evaluation; 0 means the whole validation split.
+      eval_sets: held-out sets evaluated at every evaluation, ``"name=PATH,..."``: text files
+        (one document) or ``.jsonl`` files (a ``"text"`` per line); each reports its loss in
+        nats per token and bits per byte (``transformer_jax.eval_sets``); empty: none.
       log_every: write train metrics every this many steps.
       ckpt_every: save a checkpoint every this many steps (and at the end / on SIGTERM).
       keep_ckpts: how many recent checkpoints to keep.
@@ -126,6 +129,7 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 250
     eval_batches: int = 20
+    eval_sets: str = ""
     log_every: int = 10
     ckpt_every: int = 250
     keep_ckpts: int = 3
@@ -190,6 +194,9 @@ class TrainConfig:
             LoraConfig(rank=1, alpha=1.0, targets=self.lora_targets)
         except ValueError as e:
             raise ValueError(f"lora_targets={self.lora_targets!r}: {e}") from None
+        from transformer_jax.eval_sets import parse_eval_sets  # (it imports this module)
+
+        parse_eval_sets(self.eval_sets)  # the syntax; the files are read with the tokenizer
         profile = self.profile_range  # raises ValueError naming a bad range
         if profile is not None and profile[1] > self.steps:
             raise ValueError(f"profile_steps={self.profile_steps!r} ends after the last step "

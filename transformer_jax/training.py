@@ -40,6 +40,7 @@ from transformer_jax import sharding as sharding_lib
 from transformer_jax.checkpoint import CheckpointManager, ensure_writable_dir
 from transformer_jax.checkpoint_files import disk_steps
 from transformer_jax.config import ModelConfig
+from transformer_jax.eval_sets import EvalSet, load_eval_sets
 from transformer_jax.perf import flops_per_token
 from transformer_jax.resume import check_resume
 from transformer_jax.run_data import (
@@ -217,6 +218,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     eval_kw = dict(batch_size=eval_batch_size, seq_len=tc.seq_len, max_batches=eval_max_batches)
     if data.num_val_tokens:
         data.eval_batches(**eval_kw)  # raises now if val cannot fill a batch
+    eval_sets = load_eval_sets(tc.eval_sets, tokenizer, tc.seq_len)  # bad files: one line now
     layout = ParamsLayout.of(tc)
     configs = {"model": dataclasses.asdict(model_config), "train": dataclasses.asdict(tc),
                "data": dataclasses.asdict(data_config), "tokenizer": str(tokenizer.path),
@@ -266,6 +268,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         return _train(model_config, tc, data_config, mesh=mesh, run_dir=run_dir, ckpt=ckpt,
                       state=state, state_shardings=state_shardings, start_step=start_step,
                       batch_sharding=batch_sharding, data=data, eval_kw=eval_kw,
+                      eval_sets=eval_sets,
                       tokenizer=tokenizer, configs=configs, progress=progress and main_process,
                       main_process=main_process, times=times, wall_start=wall_start)
 
@@ -273,7 +276,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
 def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, *, mesh: Any,
            run_dir: Path, ckpt: CheckpointManager, state: TrainState, state_shardings: Any,
            start_step: int, batch_sharding: Any, data: RunData, eval_kw: dict[str, Any],
-           tokenizer: TextTokenizer,
+           eval_sets: list[EvalSet], tokenizer: TextTokenizer,
            configs: dict[str, Any], progress: bool, main_process: bool,
            times: dict[str, float], wall_start: float) -> RunSummary:
     """Steps 4-6 of ``run``: compile, loop, summary."""
@@ -350,7 +353,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
                     if evaluate_now:
                         last_val = evaluate_and_sample(state, step, eval_step, data,
                                                         eval_kw, tokenizer, model_config, tc,
-                                                        log, times)
+                                                        log, times, eval_sets)
                         if main_process:
                             _plot(run_dir, times)
                     # A signal that came during the evaluation still saves this step.

@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-KINDS = ("train", "decode", "memory", "serve", "data", "quant")
+KINDS = ("train", "decode", "memory", "serve", "data", "eval", "quant")
 
 
 def describe(kind: str) -> str:

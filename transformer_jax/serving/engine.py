@@ -2,10 +2,10 @@
 
 ``Engine`` owns a model's prepared weights, B sequence slots and a pool of KV pages.
 ``add_request`` and ``cancel`` may be called from any thread: they are queued under a lock and
-applied between steps. Each ``step`` runs one compiled program (``step.py``): a decode token for
-every running sequence and, within the token budget, a chunk of a waiting prompt (long prompts
-go in over several steps, so they do not stall the running sequences); then each new token goes
-to its request's consumer. The scheduling (slots, pages, preemption, prefix reuse) is
+applied between steps. Each ``step`` runs the compiled programs of ``step.py``: a decode token
+for every running sequence and, within the token budget, a chunk of a waiting prompt (long
+prompts go in over several steps, so they do not stall the running sequences); then each new
+token goes to its request's consumer. The scheduling (slots, pages, preemption, prefix reuse) is
 ``scheduler.py``'s.
 
 A request decodes what ``generation.generate`` gives its prompt alone: the same forward, the
@@ -202,8 +202,9 @@ class Engine:
             return not self._pending and self.scheduler.idle
 
     def step(self) -> list[TokenEvent]:
-        """Applies the queued adds and cancels, runs one compiled step and delivers its
-        tokens; returns the events of this step (empty when there was nothing to run)."""
+        """Applies the queued adds and cancels, runs one step (decode rows and/or a prefill
+        chunk) and delivers its tokens; returns the events of this step (empty when there was
+        nothing to run)."""
         return [event for _, event in self._step()]
 
     def _step(self) -> list[tuple[Request, TokenEvent]]:
@@ -213,15 +214,22 @@ class Engine:
         if plan is not None:
             decode, prefill, rows, sampler = sched.inputs(plan, self.config.vocab_size)
             start = time.perf_counter()
-            self._k, self._v, tokens, logprobs = step_lib.step_jit(
-                self.config, self.weights.params, self._k, self._v, decode, prefill, rows,
-                weights_out_first=self.weights.weights_out_first,
-                keys_transposed=self.keys_transposed, sampler=sampler, view=self.view,
-                mesh=self.mesh, quant=self.weights.quant)
-            tokens, logprobs = jax.device_get((tokens, logprobs))
+            b = sched.num_slots
+            # Decode rows, then the chunk: two programs (``step.py`` says why), dispatched
+            # before either result is read.
+            parts = []
+            if plan.decodes:
+                parts.append(self._run(decode, None, _rows(rows, 0, b), sampler))
+            if prefill is not None:
+                parts.append(self._run(None, prefill, _rows(rows, b, b + 1), sampler))
+            parts = jax.device_get(parts)
+            if not plan.decodes:  # the chunk's token goes last, after B ignored rows
+                parts.insert(0, (np.zeros(b, np.int32), np.zeros(b, np.float32)))
+            tokens = np.concatenate([np.asarray(t) for t, _ in parts])
+            logprobs = np.concatenate([np.asarray(lp) for _, lp in parts])
             self.step_seconds += time.perf_counter() - start
             self.steps += 1
-            events += sched.commit(plan, np.asarray(tokens), np.asarray(logprobs))
+            events += sched.commit(plan, tokens, logprobs)
         if self.tokenizer is not None:
             events = [(req, self._with_text(req, event)) for req, event in events]
         for req, event in events:
@@ -231,37 +239,42 @@ class Engine:
                 req.on_token(event)
         return events
 
+    def _run(self, decode: step_lib.DecodeRows | None, prefill: step_lib.PrefillChunk | None,
+             rows: step_lib.RowSampling, sampler: step_lib.Sampler) -> tuple[Any, Any]:
+        """Runs one step program on the engine's pages (updated in place); returns its [R]
+        tokens and log-probabilities, not yet on the host."""
+        self._k, self._v, tokens, logprobs = step_lib.step_jit(
+            self.config, self.weights.params, self._k, self._v, decode, prefill, rows,
+            weights_out_first=self.weights.weights_out_first,
+            keys_transposed=self.keys_transposed, sampler=sampler, view=self.view,
+            mesh=self.mesh, quant=self.weights.quant)
+        return tokens, logprobs
+
     def compile(self) -> int:
         """Compiles the step programs a greedy load runs by running each once on idle rows
-        (which write only into the null page): decode alone and with each prefill bucket, at
-        every page-table width. Sampling steps compile on first use.
+        (which write only into the null page): the decode rows, and a chunk of each prefill
+        bucket, at every page-table width. Sampling steps compile on first use.
 
         Returns:
-          The number of step shapes run.
+          The number of step programs run.
         """
         sched = self.scheduler
         b = sched.num_slots
-        shapes = []
+        shapes: list[tuple[step_lib.DecodeRows | None, step_lib.PrefillChunk | None]] = []
         for w in sched.widths:
-            decode = step_lib.DecodeRows(np.zeros(b, np.int32), np.zeros(b, np.int32),
-                                         np.zeros((b, w), np.int32))
-            shapes.append((decode, None))
+            shapes.append((step_lib.DecodeRows(np.zeros(b, np.int32), np.zeros(b, np.int32),
+                                               np.zeros((b, w), np.int32)), None))
             for bucket in sched.buckets:
-                shapes.append((decode, step_lib.PrefillChunk(
+                shapes.append((None, step_lib.PrefillChunk(
                     np.zeros((1, bucket), np.int32), np.zeros(1, np.int32),
                     np.zeros((1, w), np.int32), np.zeros(1, np.int32))))
         for decode_rows, chunk in shapes:
-            rows = b + (chunk is not None)
+            n = b if chunk is None else 1
             sampling = step_lib.RowSampling(
-                np.zeros((rows, 2), np.uint32), np.zeros(rows, np.int32),
-                np.zeros(rows, np.float32), np.full(rows, self.config.vocab_size, np.int32),
-                np.ones(rows, np.float32), np.zeros(rows, np.float32))
-            self._k, self._v, tokens, _ = step_lib.step_jit(
-                self.config, self.weights.params, self._k, self._v, decode_rows, chunk,
-                sampling, weights_out_first=self.weights.weights_out_first,
-                keys_transposed=self.keys_transposed, sampler=step_lib.Sampler(),
-                view=self.view, mesh=self.mesh, quant=self.weights.quant)
-            jax.block_until_ready(tokens)
+                np.zeros((n, 2), np.uint32), np.zeros(n, np.int32), np.zeros(n, np.float32),
+                np.full(n, self.config.vocab_size, np.int32), np.ones(n, np.float32),
+                np.zeros(n, np.float32))
+            jax.block_until_ready(self._run(decode_rows, chunk, sampling, step_lib.Sampler()))
         return len(shapes)
 
     def _apply_pending(self) -> list[tuple[Request, TokenEvent]]:
@@ -334,3 +347,8 @@ class Engine:
         if held or free != sched.pool.capacity or any(s is not None for s in sched.slots):
             raise AssertionError(f"pages leaked: held {held}, {free} of "
                                  f"{sched.pool.capacity} available, slots {sched.slots}")
+
+
+def _rows(rows: step_lib.RowSampling, lo: int, hi: int) -> step_lib.RowSampling:
+    """Rows [lo, hi) of the step's sampling settings."""
+    return jax.tree.map(lambda x: x[lo:hi], rows)

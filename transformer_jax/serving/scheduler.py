@@ -50,9 +50,10 @@ MIN_CONTEXT = 128
 
 @dataclasses.dataclass
 class StepPlan:
-    """What one step runs: decode rows for ``decodes`` (each in its slot) and, optionally,
-    ``chunk`` tokens of ``prefill``'s prompt from position ``start``, padded to ``bucket``;
-    every row's pages through a table ``width`` pages wide."""
+    """What one step runs: decode rows for ``decodes`` (each in its slot), their pages through a
+    table ``width`` pages wide, and optionally ``chunk`` tokens of ``prefill``'s prompt from
+    position ``start``, padded to ``bucket``, its pages through a table ``chunk_width`` wide
+    (the two run as separate programs, so a long prompt does not widen the decode rows')."""
 
     decodes: list[Request]
     prefill: Request | None = None
@@ -60,6 +61,7 @@ class StepPlan:
     chunk: int = 0
     bucket: int = 0
     width: int = 0
+    chunk_width: int = 0
 
 
 class Scheduler:
@@ -140,9 +142,15 @@ class Scheduler:
                 plan.bucket = self.buckets[bisect.bisect_left(self.buckets, chunk)]
         if not plan.decodes and plan.prefill is None:
             return None
-        need = max(len(r.pages) for r in (*plan.decodes, plan.prefill) if r is not None)
-        plan.width = self.widths[bisect.bisect_left(self.widths, need)]
+        if plan.decodes:
+            plan.width = self._width(max(len(r.pages) for r in plan.decodes))
+        if plan.prefill is not None:
+            plan.chunk_width = self._width(len(plan.prefill.pages))
         return plan
+
+    def _width(self, pages: int) -> int:
+        """The narrowest page-table width bucket that holds ``pages``."""
+        return self.widths[bisect.bisect_left(self.widths, pages)]
 
     def _admit(self) -> Request | None:
         """The oldest waiting request, given a free slot and its prefix pages, when the pool
@@ -230,7 +238,7 @@ class Scheduler:
             tokens = np.zeros((1, plan.bucket), np.int32)
             tokens[0, :plan.chunk] = req.tokens[plan.start:plan.start + plan.chunk]
             prefill = PrefillChunk(tokens, np.asarray([plan.start], np.int32),
-                                   self.page_table[req.slot, None, :plan.width].copy(),
+                                   self.page_table[req.slot, None, :plan.chunk_width].copy(),
                                    np.asarray([plan.chunk - 1], np.int32))
             row_reqs.append(req)
         rows, sampler = _row_sampling(row_reqs, vocab_size)

@@ -1,21 +1,26 @@
 """The engine's compiled step: the model's one forward over the paged cache, then sampling.
 
-One step is one jitted program with one or two calls of the same forward (``Transformer`` with a
-``PagedKVCache``, as ``decode.decode_step`` calls it with a ``KVCache``):
+A step runs the model's one forward (``Transformer`` with a ``PagedKVCache``, as
+``decode.decode_step`` calls it with a ``KVCache``) on one of two kinds of rows, each one jitted
+program:
 
 - decode rows: one token for each of the engine's B slots ([B, 1] at each slot's position; a
   slot without a running request writes into the null page and its token is ignored);
-- optionally a prefill chunk: up to C tokens of one prompt ([1, C], right-padded to a bucket of
-  C), the LM head at its last real token only (``logits_at``), whose logits give the prompt's
-  first token when the chunk ends it.
+- a prefill chunk: up to C tokens of one prompt ([1, C], right-padded to a bucket of C), the LM
+  head at its last real token only (``logits_at``), whose logits give the prompt's first token
+  when the chunk ends it.
+
+An engine step with both runs the decode program, then the chunk's: in one program, XLA:CPU
+copied every layer's page pool to write the chunk in place after the decode rows had read it, a
+cost that grew with the pool (decode_25m, 9 rows of 8 pages and a 16-token chunk: 44, 120 and
+197 ms a step at 80, 562 and 1,200 pages, against 19-29 ms for the decode rows alone).
 
 Then every row's next token is drawn by ``sampling.sample_with_logprobs`` with that row's own
 settings and key ``fold_in(key, token index)``, as ``generate`` draws token i of a prompt. The
-page-table width W, whether a chunk is present (``None`` when not), its bucket and the
-sampler's switches are the compile-time shape of a step, so the engine compiles a small fixed
-set of programs: widths x (1 + chunk buckets) for greedy loads. The decode rows are always
-there (idle when nothing decodes), which keeps that set small. Over a mesh's tensor axis the
-step runs under ``shard_map`` as ``generate`` does, the pages split by kv head.
+page-table width W, the kind of rows, the chunk's bucket and the sampler's switches are the
+compile-time shape of a program, so the engine compiles a small fixed set: widths x (1 + chunk
+buckets) for greedy loads. Over a mesh's tensor axis the step runs under ``shard_map`` as
+``generate`` does, the pages split by kv head.
 """
 
 from __future__ import annotations
@@ -132,19 +137,19 @@ def page_spec(config: ModelConfig) -> P:
 
 
 def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
-                decode: DecodeRows, prefill: PrefillChunk | None, rows: RowSampling, *,
+                decode: DecodeRows | None, prefill: PrefillChunk | None, rows: RowSampling, *,
                 weights_out_first: bool, keys_transposed: bool, sampler: Sampler,
                 view: str = "auto", mesh: Mesh | None = None, quant: Any = None
                 ) -> tuple[Any, Any, jax.Array, jax.Array]:
-    """One engine step (see the module docstring).
+    """One engine program (see the module docstring): decode rows, a prefill chunk, or both.
 
     Args:
       config: the model's config (static).
       params: the prepared weights (``DecodeWeights.params``).
       k_pages, v_pages: the cache's key and value pages (``PagedKVCache.k`` / ``.v``).
-      decode: the slots' decode rows.
-      prefill: the prefill chunk, or None.
-      rows: sampling settings of the R = B + 1 (with a chunk) rows.
+      decode: the slots' decode rows, or None.
+      prefill: the prefill chunk, or None (not both None).
+      rows: sampling settings of the R rows: B decode rows, then the chunk's.
       weights_out_first: static layout of ``params``.
       keys_transposed: static key layout of the pages.
       sampler: static sampling switches.
@@ -168,26 +173,30 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     pages = page_spec(config)
     return jax.shard_map(
         functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
-        in_specs=(weight_specs(config, mesh, weights_out_first, quant), pages, pages, P(),
-                  None if prefill is None else P(), P()),
+        in_specs=(weight_specs(config, mesh, weights_out_first, quant), pages, pages,
+                  None if decode is None else P(), None if prefill is None else P(), P()),
         out_specs=(pages, pages, P(), P()),
     )(params, k_pages, v_pages, decode, prefill, rows)
 
 
 def _step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
-          decode: DecodeRows, prefill: PrefillChunk | None, rows: RowSampling, *,
+          decode: DecodeRows | None, prefill: PrefillChunk | None, rows: RowSampling, *,
           split: TensorSplit | None, weights_out_first: bool, keys_transposed: bool,
           sampler: Sampler, view: str) -> tuple[Any, Any, jax.Array, jax.Array]:
     """``engine_step`` on one shard's weights and pages (all of them without a split)."""
+    if decode is None and prefill is None:
+        raise ValueError("an engine step needs decode rows, a prefill chunk or both")
     model = decode_model(config, split, weights_out_first)
     cache = PagedKVCache(k=k_pages, v=v_pages, page_table=jnp.zeros((1, 1), jnp.int32),
                          lengths=jnp.zeros((1,), jnp.int32), keys_transposed=keys_transposed,
                          view=view)
-    cache = cache.with_table(decode.page_table, decode.positions)
-    out = model.apply({"params": params}, decode.tokens[:, None], decode.positions[:, None],
-                      cache=cache)
-    logits = [out.logits[:, 0]]
-    cache = out.cache
+    logits = []
+    if decode is not None:
+        cache = cache.with_table(decode.page_table, decode.positions)
+        out = model.apply({"params": params}, decode.tokens[:, None],
+                          decode.positions[:, None], cache=cache)
+        logits.append(out.logits[:, 0])
+        cache = out.cache
     if prefill is not None:
         c = prefill.tokens.shape[1]
         positions = prefill.start[:, None] + jnp.arange(c, dtype=jnp.int32)

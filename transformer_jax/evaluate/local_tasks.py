@@ -1,0 +1,71 @@
+"""lm-eval tasks over local JSONL files (offline): the YAML the harness reads with
+``--include-path DIR``.
+
+``dataset_path: json`` makes the harness load the data with the ``datasets`` library's JSON
+builder, which reads the files named in ``dataset_kwargs.data_files`` and needs no network.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+_DATA = """dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+"""
+
+
+def write_jsonl(path: Path, records: Iterable[Mapping[str, Any]]) -> Path:
+    """One JSON object per line."""
+    path.write_text("".join(json.dumps(dict(r)) + "\n" for r in records))
+    return path
+
+
+def write_multiple_choice_task(directory: Path, name: str,
+                               records: Iterable[Mapping[str, Any]]) -> Path:
+    """Task ``name``: records ``{"question", "choices": [...], "answer": index}``; each choice
+    is scored as the continuation of ``"{question}"`` + ``" "``; metric ``acc``.
+
+    Returns:
+      The YAML file written (its data beside it, ``name.jsonl``).
+    """
+    data = write_jsonl(directory / f"{name}.jsonl", records)
+    yaml = directory / f"{name}.yaml"
+    yaml.write_text(f"task: {name}\n" + _DATA.format(path=data.resolve()) +
+                    "output_type: multiple_choice\n"
+                    "doc_to_text: \"{{question}}\"\n"
+                    "doc_to_choice: \"{{choices}}\"\n"
+                    "doc_to_target: \"{{answer}}\"\n"
+                    "target_delimiter: \" \"\n"
+                    "metric_list:\n"
+                    "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    return yaml
+
+
+def write_rolling_task(directory: Path, name: str, texts: Iterable[str]) -> Path:
+    """Task ``name``: the rolling log-likelihood of each text (``{"text"}`` records); metrics
+    word and byte perplexity and bits per byte.
+
+    Returns:
+      The YAML file written (its data beside it, ``name.jsonl``).
+    """
+    data = write_jsonl(directory / f"{name}.jsonl", ({"text": t} for t in texts))
+    yaml = directory / f"{name}.yaml"
+    metrics = "".join(f"  - metric: {m}\n    aggregation: {a}\n    higher_is_better: false\n"
+                      for m, a in (("word_perplexity", "weighted_perplexity"),
+                                   ("byte_perplexity", "weighted_perplexity"),
+                                   ("bits_per_byte", "bits_per_byte")))
+    yaml.write_text(f"task: {name}\n" + _DATA.format(path=data.resolve()) +
+                    "output_type: loglikelihood_rolling\n"
+                    "doc_to_text: \"\"\n"
+                    "doc_to_target: \"{{text}}\"\n"
+                    "metric_list:\n" + metrics)
+    return yaml
+
+
+__all__ = ["write_jsonl", "write_multiple_choice_task", "write_rolling_task"]
