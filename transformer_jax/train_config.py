@@ -18,18 +18,16 @@ from transformer_jax import sharding as sharding_lib
 from transformer_jax.checkpoint_files import CheckpointError
 from transformer_jax.config import (
     DTYPES,
-    Architecture,
-    Execution,
     ModelConfig,
     check_keys,
-    field_names,
     load_toml,
     parse_override,
     plain,
     resolve_config_path,
 )
 from transformer_jax.config_docs import help_text
-from transformer_jax.loading import Source, locate
+from transformer_jax.init_from import init_model_config
+from transformer_jax.loading import locate
 from transformer_jax.lora import LoraConfig, check_base_quant
 from transformer_jax.tokenizer import MODEL_TYPES
 
@@ -326,56 +324,6 @@ class DataConfig:
                              f"({text[0]}{' and more' if len(text) > 1 else ''}); "
                              "give .jsonl files only, or text files only")
         return jsonl
-
-
-def _settable_with_init_from(key: str, value: Any, source: ModelConfig) -> bool:
-    """Whether ``model.KEY=value`` keeps the checkpoint's function: every ``Execution`` field,
-    and a ``max_seq_len`` not above the checkpoint's (the same function on shorter inputs)."""
-    return key in field_names(Execution) or (key == "max_seq_len"
-                                              and value <= source.max_seq_len)
-
-
-def architecture_changes(source: ModelConfig, model: ModelConfig) -> list[str]:
-    """``model.KEY=...`` descriptions of what ``model`` changes in the checkpoint's ``source``
-    architecture (a ``max_seq_len`` lowered excepted)."""
-    return [f"model.{key}={getattr(model, key)!r} (the checkpoint has {getattr(source, key)!r})"
-            for key in field_names(Architecture)
-            if getattr(model, key) != getattr(source, key)
-            and not _settable_with_init_from(key, getattr(model, key), source)]
-
-
-def init_model_config(source: Source, values: dict[str, Any],
-                      preset_keys: frozenset[str] = frozenset()) -> ModelConfig:
-    """The model of a run with ``train.init_from``: the checkpoint's architecture with ``values``
-    (the ``[model]`` table and ``model.*`` overrides) applied to its ``Execution`` fields (and a
-    lower ``max_seq_len``).
-
-    Args:
-      source: the checkpoint (``loading.locate``).
-      values: model keys set by the config file and the overrides.
-      preset_keys: those of ``values`` that come from the config file, not the command line:
-        where they would change the architecture the checkpoint's values are kept instead
-        (logged), since the file was not written for this checkpoint.
-
-    Raises:
-      ValueError: naming each command-line key whose value would change the architecture.
-    """
-    values = dict(values)
-    yielded = sorted(key for key in preset_keys & values.keys()
-                     if not _settable_with_init_from(key, values[key], source.model))
-    if yielded:
-        logger.info("train.init_from=%s: the model's %s come from the checkpoint, not the "
-                    "config file", source.path, ", ".join(yielded))
-        for key in yielded:
-            del values[key]
-    model = ModelConfig.from_dict({**source.model.to_dict(), **values})
-    changes = architecture_changes(source.model, model)
-    if changes:
-        raise ValueError(
-            f"train.init_from={source.path}: {'; '.join(changes)} would change the checkpoint's "
-            f"architecture; with init_from only {', '.join(field_names(Execution))} and "
-            "max_seq_len (not above the checkpoint's) may be set")
-    return model
 
 
 def config_from_dict(cls: type, values: dict[str, Any], section: str) -> Any:

@@ -41,6 +41,7 @@ from transformer_jax.checkpoint import CheckpointManager, ensure_writable_dir
 from transformer_jax.checkpoint_files import disk_steps
 from transformer_jax.config import ModelConfig
 from transformer_jax.eval_sets import EvalSet, load_eval_sets
+from transformer_jax.init_from import architecture_changes
 from transformer_jax.perf import flops_per_token
 from transformer_jax.resume import check_resume
 from transformer_jax.run_data import (
@@ -74,7 +75,7 @@ from transformer_jax.run_setup import (
     params_shardings,
 )
 from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, load_tokenizer
-from transformer_jax.train_config import DataConfig, TrainConfig, architecture_changes
+from transformer_jax.train_config import DataConfig, TrainConfig
 from transformer_jax.train_step import (
     ParamsLayout,
     TrainState,
