@@ -26,9 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from transformer_jax.instruct import PackedData, pack
+from transformer_jax.instruct import PackedData, pack, packed_eval_batches
 from transformer_jax.instruct_records import Example, InstructionDataError, read_jsonl
-from transformer_jax.run_data import _packed_eval_batches
 from transformer_jax.tokenizer import TextTokenizer
 
 FIELD = "train.eval_sets"
@@ -59,7 +58,7 @@ class EvalSet:
                 **_: Any) -> Iterator[dict[str, np.ndarray]]:
         """Every row of the set, in batches of ``batch_size`` rows (the last filled with rows
         of zero mask), this process's share of each."""
-        return _packed_eval_batches(self.rows, batch_size, None, process_index, process_count)
+        return packed_eval_batches(self.rows, batch_size, None, process_index, process_count)
 
     def bits_per_byte(self, loss: float) -> float:
         """Bits per byte of a mean loss in nats per token over this set."""

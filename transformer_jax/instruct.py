@@ -47,7 +47,7 @@ import dataclasses
 import logging
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -362,6 +362,30 @@ class PackedBatches(StepBatches):
         return rows_to_batch(self.data, self._mine(rows))
 
 
+def with_mask(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``instruct``'s ``loss_mask`` as the train/eval step's ``mask``."""
+    batch = dict(batch)
+    batch["mask"] = batch.pop("loss_mask")
+    return batch
+
+
+def packed_eval_batches(rows: PackedData, batch_size: int, max_batches: int | None,
+                        process_index: int, process_count: int
+                        ) -> Iterator[dict[str, np.ndarray]]:
+    """Every row once, in order, in global batches of ``batch_size`` (the last one padded with
+    masked copies of row 0), each process given its own slice; at most ``max_batches``."""
+    local = batch_size // process_count
+    num_batches = -(-rows.num_rows // batch_size)
+    if max_batches:
+        num_batches = min(num_batches, max_batches)
+    for i in range(num_batches):
+        index = np.arange(i * batch_size, (i + 1) * batch_size)
+        real = index < rows.num_rows
+        batch = with_mask(rows_to_batch(rows, np.where(real, index, 0)))
+        batch["mask"] = batch["mask"] * real[:, None]
+        mine = slice(process_index * local, (process_index + 1) * local)
+        yield {k: v[mine] for k, v in batch.items()}
+
 __all__ = [
     "HostBatch",
     "Example",
@@ -380,5 +404,7 @@ __all__ = [
     "packed_layout",
     "read_jsonl",
     "row_indices",
+    "packed_eval_batches",
     "rows_to_batch",
+    "with_mask",
 ]

@@ -21,7 +21,8 @@ from transformer_jax.instruct import (
     PackedData,
     count,
     load_instruction_data,
-    rows_to_batch,
+    packed_eval_batches,
+    with_mask,
 )
 from transformer_jax.resume import data_fingerprint
 from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, Tokenizer, load_tokenizer
@@ -212,7 +213,7 @@ class RunData:
                                       process_count=process_count)
         rows = PackedBatches(self.train_rows, tc.batch_size, tc.seed, process_index,
                              process_count).get(step)
-        return _with_mask(rows)
+        return with_mask(rows)
 
     def eval_batches(self, batch_size: int, seq_len: int, max_batches: int | None = None, *,
                      process_index: int = 0, process_count: int = 1
@@ -227,7 +228,7 @@ class RunData:
             return data_lib.eval_batches(self.val_tokens, batch_size, seq_len, max_batches,
                                          process_index=process_index,
                                          process_count=process_count)
-        return _packed_eval_batches(self.val_rows, batch_size, max_batches, process_index,
+        return packed_eval_batches(self.val_rows, batch_size, max_batches, process_index,
                                     process_count)
 
     def source_eval_batches(self, batch_size: int, seq_len: int,
@@ -285,26 +286,3 @@ def _rows(rows: PackedData, index: np.ndarray) -> PackedData:
     segment_ids = rows.segment_ids[index]
     return PackedData(rows.tokens[index], segment_ids, rows.positions[index],
                       rows.loss_tokens[index], num_examples=int(segment_ids.max(axis=1).sum()))
-
-
-def _with_mask(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``instruct``'s ``loss_mask`` as the train/eval step's ``mask``."""
-    batch = dict(batch)
-    batch["mask"] = batch.pop("loss_mask")
-    return batch
-
-
-def _packed_eval_batches(rows: PackedData, batch_size: int, max_batches: int | None,
-                         process_index: int, process_count: int
-                         ) -> Iterator[dict[str, np.ndarray]]:
-    local = batch_size // process_count
-    num_batches = -(-rows.num_rows // batch_size)
-    if max_batches:
-        num_batches = min(num_batches, max_batches)
-    for i in range(num_batches):
-        index = np.arange(i * batch_size, (i + 1) * batch_size)
-        real = index < rows.num_rows
-        batch = _with_mask(rows_to_batch(rows, np.where(real, index, 0)))
-        batch["mask"] = batch["mask"] * real[:, None]
-        mine = slice(process_index * local, (process_index + 1) * local)
-        yield {k: v[mine] for k, v in batch.items()}

@@ -26,6 +26,7 @@ from transformer_jax.config import (
     resolve_config_path,
 )
 from transformer_jax.config_docs import help_text
+from transformer_jax.eval_sets import parse_eval_sets
 from transformer_jax.init_from import init_model_config
 from transformer_jax.loading import locate
 from transformer_jax.lora import LoraConfig, check_base_quant
@@ -192,8 +193,6 @@ class TrainConfig:
             LoraConfig(rank=1, alpha=1.0, targets=self.lora_targets)
         except ValueError as e:
             raise ValueError(f"lora_targets={self.lora_targets!r}: {e}") from None
-        from transformer_jax.eval_sets import parse_eval_sets  # (it imports this module)
-
         parse_eval_sets(self.eval_sets)  # the syntax; the files are read with the tokenizer
         profile = self.profile_range  # raises ValueError naming a bad range
         if profile is not None and profile[1] > self.steps:

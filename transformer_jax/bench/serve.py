@@ -18,12 +18,10 @@ each request produces exactly its drawn number of tokens in every mode.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from typing import Any
@@ -34,66 +32,10 @@ import numpy as np
 from transformer_jax import decode, generation
 from transformer_jax import prompts as prompt_lib
 from transformer_jax.bench import serve_stall
+from transformer_jax.bench.serve_workload import Workload, make_workload, record, summarize
 from transformer_jax.config import ModelConfig
 from transformer_jax.model import init_params
 from transformer_jax.serving import Engine, SamplingParams
-
-
-@dataclasses.dataclass
-class Workload:
-    """Requests to serve: prompts, their ``max_tokens`` and arrival offsets in seconds."""
-
-    prompts: list[list[int]]
-    max_tokens: list[int]
-    arrivals: list[float]
-
-
-def make_workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int],
-                  output_multiple: int, rate: float, burstiness: float, vocab: int,
-                  seed: int, shared_prefix: int = 0) -> Workload:
-    """n random requests; arrivals all at 0 (``rate`` inf) or with gamma(burstiness) gaps of
-    mean 1/rate (burstiness 1 is Poisson); with ``shared_prefix`` every prompt starts with the
-    same tokens (counted in its input length)."""
-    rng = np.random.default_rng(seed)
-    prefix = rng.integers(0, vocab, shared_prefix).tolist()
-    prompts = [prefix + rng.integers(0, vocab, int(rng.integers(*input_len, endpoint=True))
-                                     - shared_prefix).tolist() for _ in range(n)]
-    outs = rng.integers(*output_len, size=n, endpoint=True)
-    outs = [int(math.ceil(o / output_multiple) * output_multiple) for o in outs]
-    if math.isinf(rate):
-        arrivals = [0.0] * n
-    else:
-        gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), n)
-        arrivals = np.cumsum(gaps).tolist()
-    return Workload(prompts, outs, arrivals)
-
-
-def _record(arrival: float) -> dict[str, Any]:
-    return {"arrival": arrival, "times": []}
-
-
-def summarize(records: list[dict[str, Any]], start: float) -> dict[str, Any]:
-    """Latency percentiles and throughputs of per-request token times (absolute seconds)."""
-    def stats(xs: list[float]) -> dict[str, float]:
-        xs = sorted(xs) or [0.0]
-        return {"mean": statistics.fmean(xs), "median": statistics.median(xs),
-                "p99": xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]}
-
-    ttft, tpot, itl, e2e = [], [], [], []
-    for r in records:
-        t = r["times"]
-        arrival = start + r["arrival"]
-        ttft.append(t[0] - arrival)
-        e2e.append(t[-1] - arrival)
-        if len(t) > 1:
-            tpot.append((t[-1] - t[0]) / (len(t) - 1))
-            itl += np.diff(t).tolist()
-    end = max(r["times"][-1] for r in records)
-    tokens = sum(len(r["times"]) for r in records)
-    return {"ttft_s": stats(ttft), "tpot_s": stats(tpot), "itl_s": stats(itl),
-            "e2e_s": stats(e2e), "duration_s": end - start, "output_tokens": tokens,
-            "request_throughput": len(records) / (end - start),
-            "output_token_throughput": tokens / (end - start)}
 
 
 def _wait_until(t: float) -> None:
@@ -106,7 +48,7 @@ def _wait_until(t: float) -> None:
 
 def run_engine(engine: Engine, work: Workload) -> dict[str, Any]:
     """Serves ``work`` with the engine in real time; token times from its consumers."""
-    records = [_record(a) for a in work.arrivals]
+    records = [record(a) for a in work.arrivals]
     order = sorted(range(len(records)), key=lambda i: work.arrivals[i])
     peak_running = peak_pages = 0
     start = time.perf_counter()
@@ -148,7 +90,7 @@ def _generate(config: ModelConfig, weights: decode.DecodeWeights, prompts: list[
 def run_one_at_a_time(config: ModelConfig, weights: decode.DecodeWeights, work: Workload
                       ) -> dict[str, Any]:
     """``generate`` on each request alone, in arrival order, each once it has arrived."""
-    records = [_record(a) for a in work.arrivals]
+    records = [record(a) for a in work.arrivals]
     start = time.perf_counter()
     for i in sorted(range(len(records)), key=lambda i: work.arrivals[i]):
         _wait_until(start + work.arrivals[i])
@@ -161,7 +103,7 @@ def run_fixed_batches(config: ModelConfig, weights: decode.DecodeWeights, work: 
                       batch: int) -> dict[str, Any]:
     """``generate`` on batches of ``batch`` requests in arrival order, each batch once its
     last request has arrived, run until its longest request is done."""
-    records = [_record(a) for a in work.arrivals]
+    records = [record(a) for a in work.arrivals]
     order = sorted(range(len(records)), key=lambda i: work.arrivals[i])
     start = time.perf_counter()
     for group in _batches(order, batch):

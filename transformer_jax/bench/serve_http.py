@@ -1,11 +1,11 @@
 """HTTP mode of ``bench serve``: the same workload through a running server's streaming API.
 
-``bench serve --url http://127.0.0.1:8000`` sends each request of ``serve.make_workload`` at its
+``bench serve --url http://127.0.0.1:8000`` sends each request of ``make_workload`` at its
 arrival time to ``POST /v1/completions`` (token-id prompt, greedy, ``ignore_eos``, so each
 request produces exactly its drawn number of tokens, as in the engine mode) with ``stream`` and
 ``stream_options.continuous_usage_stats``: every chunk carries the request's token count so
 far, so a token's time is its chunk's arrival even when its text was held back into the next
-chunk. The figures are ``serve.summarize``'s (TTFT, TPOT, ITL, E2E, throughputs). The server
+chunk. The figures are ``summarize``'s (TTFT, TPOT, ITL, E2E, throughputs). The server
 must serve a model with ``--config``'s vocabulary (ids are drawn below its size); the client runs
 in this process, on the same host's cores as the server.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from transformer_jax.bench.serve import Workload, summarize
+from transformer_jax.bench.serve_workload import Workload, summarize
 
 
 def served_model(url: str, api_key: str | None = None) -> dict[str, Any]:

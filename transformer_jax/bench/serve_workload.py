@@ -1,0 +1,69 @@
+"""The load of ``bench serve``: random requests and their arrivals, and the latency figures of
+their token times (shared by the in-process modes and the HTTP client, ``serve_http.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Workload:
+    """Requests to serve: prompts, their ``max_tokens`` and arrival offsets in seconds."""
+
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    arrivals: list[float]
+
+
+def make_workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                  output_multiple: int, rate: float, burstiness: float, vocab: int,
+                  seed: int, shared_prefix: int = 0) -> Workload:
+    """n random requests; arrivals all at 0 (``rate`` inf) or with gamma(burstiness) gaps of
+    mean 1/rate (burstiness 1 is Poisson); with ``shared_prefix`` every prompt starts with the
+    same tokens (counted in its input length)."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, vocab, shared_prefix).tolist()
+    prompts = [prefix + rng.integers(0, vocab, int(rng.integers(*input_len, endpoint=True))
+                                     - shared_prefix).tolist() for _ in range(n)]
+    outs = rng.integers(*output_len, size=n, endpoint=True)
+    outs = [int(math.ceil(o / output_multiple) * output_multiple) for o in outs]
+    if math.isinf(rate):
+        arrivals = [0.0] * n
+    else:
+        gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), n)
+        arrivals = np.cumsum(gaps).tolist()
+    return Workload(prompts, outs, arrivals)
+
+
+def record(arrival: float) -> dict[str, Any]:
+    """A request's record: its arrival offset and, as they come, its token times."""
+    return {"arrival": arrival, "times": []}
+
+
+def summarize(records: list[dict[str, Any]], start: float) -> dict[str, Any]:
+    """Latency percentiles and throughputs of per-request token times (absolute seconds)."""
+    def stats(xs: list[float]) -> dict[str, float]:
+        xs = sorted(xs) or [0.0]
+        return {"mean": statistics.fmean(xs), "median": statistics.median(xs),
+                "p99": xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]}
+
+    ttft, tpot, itl, e2e = [], [], [], []
+    for r in records:
+        t = r["times"]
+        arrival = start + r["arrival"]
+        ttft.append(t[0] - arrival)
+        e2e.append(t[-1] - arrival)
+        if len(t) > 1:
+            tpot.append((t[-1] - t[0]) / (len(t) - 1))
+            itl += np.diff(t).tolist()
+    end = max(r["times"][-1] for r in records)
+    tokens = sum(len(r["times"]) for r in records)
+    return {"ttft_s": stats(ttft), "tpot_s": stats(tpot), "itl_s": stats(itl),
+            "e2e_s": stats(e2e), "duration_s": end - start, "output_tokens": tokens,
+            "request_throughput": len(records) / (end - start),
+            "output_token_throughput": tokens / (end - start)}
