@@ -17,15 +17,14 @@ import contextlib
 import errno
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
 
+from transformer_jax import storage
 from transformer_jax.checkpoint_files import CHECKSUMS_FILE as CHECKSUMS_FILE
 from transformer_jax.checkpoint_files import (
     META_ITEM,
@@ -36,6 +35,7 @@ from transformer_jax.checkpoint_files import (
     ensure_writable_dir,
     read_meta,
     set_aside,
+    unfinished,
     write_checksums,
 )
 from transformer_jax.checkpoint_files import verify_checksums as verify_checksums
@@ -87,7 +87,7 @@ class CheckpointManager:
         self.read_only = read_only
         self._manager: Any = None  # orbax's manager, which writes: not opened to read
         if read_only:
-            self.directory = Path(directory).expanduser().absolute()
+            self.directory = storage.as_path(directory)
             if not self.directory.is_dir():
                 raise FileNotFoundError(f"checkpoint directory {self.directory} does not exist")
         else:
@@ -119,7 +119,7 @@ class CheckpointManager:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def step_path(self, step: int) -> Path:
+    def step_path(self, step: int) -> Any:
         """The directory of the checkpoint of ``step``."""
         return self.directory / str(step)
 
@@ -213,9 +213,10 @@ class CheckpointManager:
         # remove it until it has stayed gone for a few polls (at most about 2 s, failures only).
         quiet = 0
         for _ in range(40):
-            partials = list(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"))
+            partials = [p for p in unfinished(self.directory)
+                        if p.name.split(".", 1)[0] == str(step)]
             for partial in partials:
-                shutil.rmtree(partial, ignore_errors=True)
+                storage.rmtree(partial)
             quiet = 0 if partials else quiet + 1
             if quiet >= 3:
                 return
@@ -238,21 +239,30 @@ class CheckpointManager:
             self._remove_partial(step)
         return step
 
-    def remove_unfinished(self) -> list[str]:
+    def remove_unfinished(self, primary: bool = True) -> list[str]:
         """Deletes the temporary directories of saves that never completed (a process killed
         or aborted while saving); the run's owner calls this before it saves again.
+
+        With several processes every one calls it and only the ``primary`` one deletes; they
+        then meet at a barrier and re-read the step list (in a bucket orbax lists an unfinished
+        step directory as a step, and every process must see the same steps to save together).
 
         Returns:
           The names of the directories removed (logged).
         """
         removed = []
-        for partial in sorted(self.directory.glob("*.orbax-checkpoint-tmp*")):
-            if partial.is_dir():
-                shutil.rmtree(partial, ignore_errors=True)
-                removed.append(partial.name)
+        for partial in unfinished(self.directory) if primary else ():
+            storage.rmtree(partial)
+            removed.append(partial.name)
         if removed:
             logger.info("removed the unfinished save%s %s in %s", "s" if len(removed) > 1 else "",
                         ", ".join(removed), self.directory)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("transformer_jax:remove_unfinished")
+        if self._manager is not None and (removed or jax.process_count() > 1):
+            _retry_listing(self._manager.reload)
         return removed
 
     # Reading ------------------------------------------------------------------------------------

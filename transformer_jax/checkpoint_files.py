@@ -13,43 +13,49 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from transformer_jax import storage
 from transformer_jax.files import atomic_writer
+
+logger = logging.getLogger(__name__)
 
 # Items of a step directory: ``<step>/state`` (the train state) and ``<step>/meta`` (JSON).
 STATE_ITEM = "state"
 META_ITEM = "meta"
 CHECKSUMS_FILE = "CHECKSUMS.json"
 _STEP_METADATA = "_CHECKPOINT_METADATA"
+# On object storage orbax writes a step in place and marks it complete with this file (there
+# is no atomic rename); on a file system it renames ``<step>.orbax-checkpoint-tmp*`` instead.
+COMMIT_FILE = "commit_success.txt"
 
 
-def ensure_writable_dir(directory: str | os.PathLike[str], what: str = "directory") -> Path:
+def ensure_writable_dir(directory: str | os.PathLike[str], what: str = "directory") -> Any:
     """Creates ``directory`` if needed and checks that files can be written in it.
 
     Checked up front so that an unwritable location fails at start-up, not at the first save
-    minutes (or hours) into a run.
+    minutes (or hours) into a run. A remote URL (``gs://...``) is returned as an
+    ``etils.epath.Path`` without a probe (a bucket's permissions show at the first write; a
+    probe object would cost a request per process and could outlive a killed run).
 
     Args:
-      directory: the directory.
+      directory: the directory, local or remote.
       what: what it is for, used in the error message.
 
     Returns:
-      The absolute path.
+      The absolute local path, or the remote ``epath.Path``.
 
     Raises:
       PermissionError: if the directory cannot be created or written to (also when a parent
         is a regular file).
-      ValueError: an object-storage URL (``gs://...``): ``Path`` would make it a relative
-        local directory ``gs:/...``, so it is refused in one line instead.
     """
-    if "://" in os.fspath(directory):
-        raise ValueError(f"{what} {os.fspath(directory)!r} is on object storage, which is not "
-                         "written to directly yet: give a local or mounted path (e.g. a "
-                         "gcsfuse mount of the bucket)")
+    if storage.is_remote(directory):
+        logger.debug("%s %s is on object storage: not probed for writability", what, directory)
+        return storage.as_path(directory)
     path = Path(directory).expanduser().absolute()
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -80,7 +86,13 @@ class DamagedCheckpointError(CheckpointError):
 # Checksums ---------------------------------------------------------------------------------------
 
 def write_checksums(step_dir: Path) -> None:
-    """Records the size and SHA-256 of every file of a complete step directory."""
+    """Records the size and SHA-256 of every file of a complete step directory.
+
+    Not on object storage: the store keeps each object's CRC32C itself, and summing here would
+    read the whole checkpoint back over the network.
+    """
+    if not isinstance(step_dir, Path):
+        return
     sums = {str(f.relative_to(step_dir)): [f.stat().st_size, _sha256(f)]
             for f in sorted(step_dir.rglob("*"))
             if f.is_file() and f.name != CHECKSUMS_FILE and not _is_temporary(f)}
@@ -114,9 +126,9 @@ def verify_checksums(step_dir: Path) -> None:
         f = step_dir / name
         if not f.is_file():
             raise DamagedCheckpointError(step_dir, f"{name} is missing")
-        if f.stat().st_size != size:
+        if (found := storage.size(f)) != size:
             raise DamagedCheckpointError(
-                step_dir, f"{name} has {f.stat().st_size} bytes, {size} were written (truncated?)")
+                step_dir, f"{name} has {found} bytes, {size} were written (truncated?)")
         if _sha256(f) != digest:
             raise DamagedCheckpointError(step_dir, f"{name} differs from what was written "
                                                    "(checksum mismatch)")
@@ -205,10 +217,29 @@ def read_meta(directory: Path, step: int | None = None) -> dict[str, Any]:
 def disk_steps(directory: Path) -> list[int]:
     """Committed steps on disk now: directories named by an integer (orbax writes into
     ``<step>.orbax-checkpoint-tmp*`` and renames only once complete; damaged ones set aside
-    are ``<step>.damaged-<n>``)."""
+    are ``<step>.damaged-<n>``); on object storage, those holding ``commit_success.txt``."""
+    storage.forget_listings(directory)  # another process may have written a step since
     try:
         return sorted(int(p.name) for p in directory.iterdir()
-                      if p.name.isdigit() and p.is_dir())
+                      if p.name.isdigit() and p.is_dir() and is_committed(p))
+    except FileNotFoundError:
+        return []
+
+
+def is_committed(step_dir: Path) -> bool:
+    """Whether orbax finished writing a step directory (named by its step)."""
+    return isinstance(step_dir, Path) or (step_dir / COMMIT_FILE).exists()
+
+
+def unfinished(directory: Path) -> list[Any]:
+    """The directories of saves that never completed: ``*.orbax-checkpoint-tmp*`` on a file
+    system; on object storage, step directories without ``commit_success.txt``."""
+    if isinstance(directory, Path):
+        return [p for p in sorted(directory.glob("*.orbax-checkpoint-tmp*")) if p.is_dir()]
+    storage.forget_listings(directory)
+    try:
+        return [p for p in sorted(directory.iterdir(), key=lambda p: p.name)
+                if p.name.isdigit() and p.is_dir() and not is_committed(p)]
     except FileNotFoundError:
         return []
 

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from transformer_jax import storage
+
 
 def umask() -> int:
     """The process's file mode creation mask (e.g. ``0o022``), without changing it.
@@ -79,7 +81,7 @@ def read_json(path: Path, what: str = "file") -> Any:
       FileNotFoundError: no such file.
       ValueError: not UTF-8 JSON: ``<what> <path> is not valid JSON: <why> (line L, column C)``.
     """
-    path = Path(path)
+    path = storage.as_path(path) if storage.is_remote(path) else Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{what} {path} does not exist")
     try:

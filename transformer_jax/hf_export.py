@@ -35,13 +35,16 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from transformer_jax import hf, loading
+from transformer_jax import hf, loading, storage
 from transformer_jax.config import DTYPES, ModelConfig
 from transformer_jax.model import Params
+
+logger = logging.getLogger(__name__)
 
 
 def _cast(config: ModelConfig, params: Params, dtype: str | None
@@ -116,8 +119,14 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     where = f"--checkpoint {checkpoint}"
     source = loading.locate(checkpoint, where=where)
+    remote = storage.is_remote(out)
+    if remote:  # written locally, then uploaded (HF's files are written whole)
+        url = str(out).rstrip("/")
+        check_remote_out(url, overwrite)
+        out = storage.staging_dir(url, "export")
     out = Path(out).expanduser()
-    check_out(out, overwrite)
+    if not remote:
+        check_out(out, overwrite)
     loaded = loading.load(source, step=step, with_tokenizer=False)
     tok = None
     if use_tokenizer:
@@ -128,7 +137,42 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
         hf.save(config, params, out, tokenizer=tok, max_shard_bytes=max_shard_bytes)
     except OSError as e:
         raise type(e)(f"could not write the export {out}: {e.strerror or e}") from None
+    if remote:
+        return _upload_export(out, url)
     return out
+
+
+def check_remote_out(url: str, overwrite: bool = False) -> None:
+    """``check_out`` for an export into a bucket: never a run's directory or its checkpoints;
+    other files than an earlier export's are replaced only with ``overwrite``.
+
+    Raises:
+      FileExistsError: naming what is there and what to do.
+    """
+    out = storage.as_path(url)
+    if (loading.is_run_dir(out) or loading.is_step_dir(out)
+            or out.parent.name == loading.CHECKPOINTS):
+        raise FileExistsError(f"--out {url} is a training run's directory or inside its "
+                              f"checkpoints; use e.g. --out {url}/hf")
+    if not out.exists() or overwrite:
+        return
+    others = sorted(p.name for p in out.iterdir() if not hf.is_saved_file(p.name))
+    if others:
+        raise FileExistsError(f"--out {url} holds files that are not an earlier export "
+                              f"({', '.join(others[:5])}); pass --overwrite to replace it")
+
+
+def _upload_export(local: Path, url: str) -> Any:
+    """Uploads a finished export and removes what an earlier export left there (e.g. more
+    shards); ``config.json`` goes last, so a reader never finds weights without it."""
+    storage.push(local, url, exclude=("config.json",))
+    storage.push(local, url)
+    ours = {p.name for p in local.iterdir()}
+    for old in storage.as_path(url).iterdir():
+        if old.name not in ours:
+            storage.rmtree(old) if old.is_dir() else old.unlink()
+    logger.info("exported to %s (staged in %s)", url, local)
+    return storage.as_path(url)
 
 
 def build_parser() -> argparse.ArgumentParser:

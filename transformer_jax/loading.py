@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import lora
+from transformer_jax import lora, storage
 from transformer_jax import sharding as sharding_lib
 from transformer_jax.checkpoint_files import META_ITEM, STATE_ITEM, CheckpointError, read_meta
 from transformer_jax.config import ModelConfig
@@ -65,12 +65,15 @@ class Source:
     """A checkpoint as found on disk, before any weight is read.
 
     Attributes:
-      path: the directory given.
+      path: the directory given (an ``epath.Path`` for a URL; a remote HF checkpoint's is its
+        local copy).
       kind: ``HF`` or ``RUN``.
       model: its model config, from ``config.json`` (``param_dtype``/``dtype`` float32 for a
         HF checkpoint: the tensors' dtype is read with them) or the run's ``meta["model"]``.
-      run_dir: the run directory (kind ``RUN``; the parent of a bare checkpoints directory).
-      checkpoints: the run's checkpoints directory (kind ``RUN``).
+      run_dir: the run directory (kind ``RUN``; the parent of a bare checkpoints directory);
+        for a run on object storage, a local copy of its files but the checkpoints.
+      checkpoints: the run's checkpoints directory (kind ``RUN``); on object storage, the
+        remote one (an ``epath.Path``), read in place.
       step: the step the path names; None for the newest intact one.
       meta: the meta of that step (the newest readable one when ``step`` is None) (``RUN``).
       tokenizer: the tokenizer found with the checkpoint (a directory or file), or None.
@@ -160,6 +163,8 @@ def locate(path: str | Path, *, where: str | None = None) -> Source:
         run checkpoint without its model config.
       CheckpointError: no checkpoint of the run has a readable meta.
     """
+    if storage.is_remote(path):
+        return _locate_remote(str(path).rstrip("/"), where or str(path))
     root = Path(path).expanduser()
     where = where or str(root)
     if root.is_file():
@@ -183,6 +188,12 @@ def locate(path: str | Path, *, where: str | None = None) -> Source:
     else:
         raise FileNotFoundError(f"{where}: {root} holds neither a HF checkpoint (config.json + "
                                 "safetensors) nor a training run's checkpoints")
+    return _run_source(root, checkpoints, step, run_dir, where)
+
+
+def _run_source(root: Any, checkpoints: Any, step: int | None, run_dir: Path, where: str
+                ) -> Source:
+    """The ``Source`` of a run's checkpoints (``run_dir`` holds its other files)."""
     try:
         meta = read_meta(checkpoints, step)
     except FileNotFoundError:
@@ -194,6 +205,24 @@ def locate(path: str | Path, *, where: str | None = None) -> Source:
                          "it saved by transformer_jax training?")
     return Source(root, RUN, _run_model(meta), run_dir, checkpoints, step, meta,
                   _run_tokenizer(run_dir, meta))
+
+
+def _locate_remote(url: str, where: str) -> Source:
+    """``locate`` for a URL (``gs://...``): a run's checkpoints are read in place (orbax), its
+    other files (config, tokenizer) and a HF checkpoint from a local copy (``storage``)."""
+    root = storage.as_path(url)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{where}: {url} does not exist")
+    if (root / CHECKPOINTS).is_dir():
+        checkpoints, step, run = root / CHECKPOINTS, None, url
+    elif root.name.isdigit() and is_step_dir(root):
+        checkpoints, step, run = root.parent, int(root.name), str(root.parent.parent)
+    elif is_checkpoints_dir(root):
+        checkpoints, step, run = root, None, str(root.parent)
+    else:  # a HF checkpoint (or nothing loadable, which locate names)
+        return locate(storage.local_copy(url), where=where)
+    run_dir = storage.local_copy(run, exclude=(CHECKPOINTS,))
+    return _run_source(root, checkpoints, step, run_dir, where)
 
 
 def _run_model(meta: dict[str, Any]) -> ModelConfig:

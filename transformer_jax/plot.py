@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from transformer_jax import storage
 from transformer_jax.files import atomic_writer
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> RunMetrics:
       FileNotFoundError: there is no metrics file.
       ValueError: the file holds no train or validation loss.
     """
-    path = Path(run_dir)
+    path = storage.as_path(run_dir) if storage.is_remote(run_dir) else Path(run_dir)
     if path.is_dir() or not path.name.endswith(".jsonl"):
         path = path / METRICS_FILE
     if not path.is_file():
@@ -141,8 +142,14 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
       FileNotFoundError, ValueError: as ``read_metrics``.
       OSError: ``out`` cannot be written (e.g. a read-only run directory), named in one line.
     """
-    out = Path(run_dir) / PLOT_FILE if out is None else Path(out)
-    return _draw([read_metrics(run_dir)], out, title=str(Path(run_dir).name))
+    runs = [read_metrics(run_dir)]
+    target = f"{os.fspath(run_dir).rstrip('/')}/{PLOT_FILE}" if out is None else os.fspath(out)
+    if storage.is_remote(target):  # drawn locally, then one upload
+        local = _draw(runs, storage.staging_dir(target, "plot") / PLOT_FILE, title=runs[0].name)
+        fs, inner = storage.filesystem(target)
+        fs.put_file(str(local), inner)
+        return storage.as_path(target)
+    return _draw(runs, Path(target), title=runs[0].name)
 
 
 def plot_runs(run_dirs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str]) -> Path:

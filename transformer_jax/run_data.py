@@ -126,7 +126,10 @@ def prepare_shard_data(data_config: DataConfig, seq_len: int, tokenizer: TextTok
       ValueError: a tokenizer that is not the builds' (one line), a bad mixture, builds with
         different tokenizers.
     """
-    mixture = shards_lib.Mixture.parse(data_config.path, data_config.mixture)
+    # Builds on object storage are read from a local copy (ArrayRecord's reader opens local
+    # files only); the fingerprints come from their metadata, so a copy reads as the original.
+    given = shards_lib.Mixture.parse(data_config.path, data_config.mixture)
+    mixture = given.fetched()
     builds = [b for source in mixture.builds for b in source]
     if tokenizer is None:
         tokenizer = load_tokenizer(Path(builds[0]).expanduser() / "tokenizer")
@@ -141,8 +144,8 @@ def prepare_shard_data(data_config: DataConfig, seq_len: int, tokenizer: TextTok
                      source_val, shards_lib.fingerprint(builds, [packing, mixture.names,
                                                                  mixture.weights]))
     logger.info("data: shards %s (%s), %d train / %d val tokens, tokenizer %s", ", ".join(
-        f"{n}={'+'.join(b)}:{w:.3g}" for n, b, w in zip(mixture.names, mixture.builds,
-                                                         mixture.weights, strict=True)),
+        f"{n}={'+'.join(b)}:{w:.3g}" for n, b, w in zip(given.names, given.builds,
+                                                         given.weights, strict=True)),
                 packing, train, data.val.num_tokens, tokenizer)
     return tokenizer, data
 

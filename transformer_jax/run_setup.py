@@ -1,16 +1,20 @@
-"""What a run settles before it reads data or compiles anything: the checks of its configs
-against the devices and the data, the shardings of its state, and whether it fits in memory
-(``training.run`` calls these first, so a run that cannot work fails in one line, early)."""
+"""What a run settles before it reads data or compiles anything: where its files go, the
+checks of its configs against the devices and the data, the shardings of its state, and
+whether it fits in memory (``training.run`` calls these first, so a run that cannot work fails
+in one line, early)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 import jax
 
-from transformer_jax import lora
+from transformer_jax import lora, storage
 from transformer_jax import sharding as sharding_lib
+from transformer_jax.checkpoint_files import ensure_writable_dir
 from transformer_jax.config import ModelConfig
 from transformer_jax.run_memory import check_fits
 from transformer_jax.train_config import TrainConfig
@@ -19,6 +23,59 @@ from transformer_jax.train_step import ParamsLayout, make_init_fn
 logger = logging.getLogger(__name__)
 
 Params = dict[str, Any]
+
+CHECKPOINTS = "checkpoints"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDirectory:
+    """Where a run's files go.
+
+    Attributes:
+      name: ``train.run_dir`` as given (a local path or a ``gs://`` URL), for messages.
+      local: the directory the run writes its small files to (``metrics.jsonl``, TensorBoard
+        events, ``loss.png``, ``config.json``, ``summary.json``, the tokenizer copy): the run
+        directory itself, or for a remote one a local mirror of it (``storage``).
+      checkpoints: the checkpoint directory, on the object store for a remote run.
+      remote: whether ``name`` is on object storage.
+    """
+
+    name: str
+    local: Path
+    checkpoints: Any
+    remote: bool
+
+    def sync(self) -> None:
+        """Uploads the mirror's changed files to a remote run directory (each one a whole
+        object); nothing for a local one. Called at every checkpoint and at the end."""
+        if self.remote:
+            sent = storage.push(self.local, self.name, exclude=(CHECKPOINTS,))
+            logger.debug("uploaded %d run file%s to %s", sent, "" if sent == 1 else "s",
+                         self.name)
+
+
+def run_directory(run_dir: str, process_index: int) -> RunDirectory:
+    """Opens ``train.run_dir``: creates and probes a local one; for a remote one fetches its
+    small files (a resumed run appends to its ``metrics.jsonl``) into a local mirror, one per
+    process (the processes of one host do not share it).
+
+    Raises:
+      PermissionError: a local directory that cannot be written.
+      FileNotFoundError: a remote one in a bucket that does not exist.
+    """
+    if not storage.is_remote(run_dir):
+        local = ensure_writable_dir(run_dir, "run directory")
+        return RunDirectory(str(local), local, local / CHECKPOINTS, remote=False)
+    name = run_dir.rstrip("/")
+    storage.check_bucket(name, "train.run_dir")
+    remote = storage.as_path(name)
+    local = storage.staging_dir(name, f"run-{process_index}")
+    if remote.exists():
+        storage.local_copy(name, exclude=(CHECKPOINTS,), purpose=f"run-{process_index}")
+    local.mkdir(parents=True, exist_ok=True)
+    logger.info("run directory %s: checkpoints written in place, the other files through the "
+                "local mirror %s", name, local)
+    return RunDirectory(name, local, remote / CHECKPOINTS, remote=True)
 
 
 def check_run(model_config: ModelConfig, train_config: TrainConfig, num_train_tokens: int,

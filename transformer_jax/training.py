@@ -35,9 +35,9 @@ from typing import Any
 
 import jax
 
-from transformer_jax import distributed, loading, lora
+from transformer_jax import distributed, loading, lora, storage
 from transformer_jax import sharding as sharding_lib
-from transformer_jax.checkpoint import CheckpointManager, ensure_writable_dir
+from transformer_jax.checkpoint import CheckpointManager
 from transformer_jax.checkpoint_files import disk_steps
 from transformer_jax.config import ModelConfig
 from transformer_jax.eval_sets import EvalSet, load_eval_sets
@@ -67,12 +67,14 @@ from transformer_jax.run_log import (
     progress_bar,
 )
 from transformer_jax.run_setup import (
+    RunDirectory,
     attention_used,
     check_config,
     check_dtype,
     check_memory,
     check_run,
     params_shardings,
+    run_directory,
 )
 from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, load_tokenizer
 from transformer_jax.train_config import DataConfig, TrainConfig
@@ -167,7 +169,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     times = dict.fromkeys(TIME_PARTS, 0.0)
 
     # 1. Checks that need no data, before any expensive work (and before checkpoints/ exists).
-    run_dir = ensure_writable_dir(tc.run_dir, "run directory")
+    files = run_directory(tc.run_dir, jax.process_index())
+    run_dir = files.local
     mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh))
     num_batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
     check_config(model_config, tc, num_devices=num_batch_devices)
@@ -184,7 +187,9 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
 
     # 2. Data: tokenizer, token file or packed instruction rows, splits. A fine-tuned model keeps
     # its vocabulary; a model trained from scratch takes the tokenizer's.
-    given = None if data_config.tokenizer in MODEL_TYPES else Path(data_config.tokenizer)
+    given = (None if data_config.tokenizer in MODEL_TYPES
+             else storage.local_copy(data_config.tokenizer) if storage.is_remote(
+                 data_config.tokenizer) else Path(data_config.tokenizer))
     if source is not None:  # the checkpoint's, unless data.tokenizer is a file
         tokenizer = loading.open_tokenizer(source, given, where=where,
                                            missing="pass data.tokenizer=FILE")
@@ -228,9 +233,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     if layout.lora_config is not None:
         configs["lora"] = layout.lora_config.to_dict()  # how loading merges the adapters
 
-    with CheckpointManager(run_dir / "checkpoints", keep=tc.keep_ckpts) as ckpt:
-        if main_process:
-            ckpt.remove_unfinished()  # of a run killed (or aborted) while it saved
+    with CheckpointManager(files.checkpoints, keep=tc.keep_ckpts) as ckpt:
+        ckpt.remove_unfinished(primary=main_process)  # of a run killed while it saved
         # 3. State: restore the newest intact checkpoint after comparing its saved configs with
         # these, or initialise directly sharded over the mesh (parameters and optimizer state
         # by the logical-axis rules; batches over data x fsdp), from init_from's weights if
@@ -262,11 +266,11 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
             state = sharding_lib.shard_init(init, state_shardings)(key)
         start_step = int(state.step)
         if start_step >= tc.steps:
-            return _finished(run_dir, start_step, tc, ckpt, data_config)
+            return _finished(files, start_step, tc, ckpt, data_config)
         if main_process:
             _save_tokenizer(tokenizer, run_dir / TOKENIZER_DIR)
             (run_dir / "config.json").write_text(json.dumps(configs, indent=2))
-        return _train(model_config, tc, data_config, mesh=mesh, run_dir=run_dir, ckpt=ckpt,
+        return _train(model_config, tc, data_config, mesh=mesh, files=files, ckpt=ckpt,
                       state=state, state_shardings=state_shardings, start_step=start_step,
                       batch_sharding=batch_sharding, data=data, eval_kw=eval_kw,
                       eval_sets=eval_sets,
@@ -275,12 +279,13 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
 
 
 def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, *, mesh: Any,
-           run_dir: Path, ckpt: CheckpointManager, state: TrainState, state_shardings: Any,
-           start_step: int, batch_sharding: Any, data: RunData, eval_kw: dict[str, Any],
-           eval_sets: list[EvalSet], tokenizer: TextTokenizer,
+           files: RunDirectory, ckpt: CheckpointManager, state: TrainState,
+           state_shardings: Any, start_step: int, batch_sharding: Any, data: RunData,
+           eval_kw: dict[str, Any], eval_sets: list[EvalSet], tokenizer: TextTokenizer,
            configs: dict[str, Any], progress: bool, main_process: bool,
            times: dict[str, float], wall_start: float) -> RunSummary:
     """Steps 4-6 of ``run``: compile, loop, summary."""
+    run_dir = files.local
     # 4. Compile the step once (ahead of time, so its cost is reported separately).
     compile_start = time.perf_counter()
     part, parts = distributed.process_batch_shard(batch_sharding, tc.batch_size)
@@ -362,6 +367,9 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
                         save_start = time.perf_counter()
                         ckpt.save(step, state, meta=dict(configs, step=step,
                                                          train_loss=log.last_loss))
+                        if main_process:
+                            log.flush_file()
+                            files.sync()  # a remote run's metrics, plot and events
                         times["checkpoint"] += time.perf_counter() - save_start
                     log.start_timer()
                 bar.update(1)
@@ -392,6 +400,11 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
                 jax.profiler.stop_trace()
         bar.close()
         log.close()
+        if main_process:  # a stopped run's remote copy still gets its last metrics
+            try:
+                files.sync()
+            except Exception as e:  # noqa: BLE001 - the run's own error is the one to raise
+                logger.warning("could not upload the run files to %s: %s", files.name, e)
 
     # 6. Summary.
     latest = ckpt.latest_step()
@@ -402,7 +415,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
     times["train"] = train_time - times["data"]
     wall_time = time.perf_counter() - wall_start
     summary = RunSummary(
-        run_dir=str(run_dir), start_step=start_step, final_step=step,
+        run_dir=files.name, start_step=start_step, final_step=step,
         train_loss=log.last_loss, val_loss=last_val,
         val_ppl=math.exp(last_val) if last_val is not None and last_val < 700 else None,
         loss_unit="nats/char" if data_config.tokenizer == "char" else "nats/token",
@@ -419,23 +432,24 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
     if main_process:
         (run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary),
                                                          indent=2))
+        files.sync()
     return summary
 
 
-def _finished(run_dir: Path, step: int, tc: TrainConfig, ckpt: CheckpointManager,
+def _finished(files: RunDirectory, step: int, tc: TrainConfig, ckpt: CheckpointManager,
               data_config: DataConfig) -> RunSummary:
     """A resumed run with no step left: says so and returns the summary it wrote (kept)."""
     logger.info("nothing to do: the run in %s is at step %d of train.steps=%d; raise "
-                "train.steps to train further (its summary.json is kept)", run_dir, step,
+                "train.steps to train further (its summary.json is kept)", files.name, step,
                 tc.steps)
     try:
-        kept = json.loads((run_dir / "summary.json").read_text())
+        kept = json.loads((files.local / "summary.json").read_text())
         if kept.get("final_step") == step:
             return RunSummary(**kept)
     except (OSError, ValueError, TypeError):
         pass  # no summary of this step (the run was killed after its last checkpoint)
     return RunSummary(
-        run_dir=str(run_dir), start_step=step, final_step=step,
+        run_dir=files.name, start_step=step, final_step=step,
         train_loss=ckpt.read_meta().get("train_loss"), val_loss=None, val_ppl=None,
         loss_unit="nats/char" if data_config.tokenizer == "char" else "nats/token",
         tokens_seen=step * tc.tokens_per_step, wall_time_s=0.0, train_time_s=0.0,

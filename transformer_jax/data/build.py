@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from transformer_jax import storage
 from transformer_jax.corpus import token_dtype
 from transformer_jax.data import sources as sources_lib
 from transformer_jax.files import atomic_writer
@@ -131,6 +132,9 @@ def build(inputs: Sequence[str], out: str | os.PathLike[str], tokenizer: TextTok
       BadInput: a bad input file (one line naming it) without ``skip_bad``.
       ValueError: no documents at all, or bad options.
     """
+    if storage.is_remote(out):
+        return _build_remote(inputs, os.fspath(out).rstrip("/"), tokenizer, options=options,
+                             workers=workers, progress=progress)
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(".*.tmp*"):  # of a build killed while it wrote
@@ -174,6 +178,20 @@ def build(inputs: Sequence[str], out: str | os.PathLike[str], tokenizer: TextTok
                 meta["val_docs"], meta["train_tokens"], meta["val_tokens"], tokens, seconds,
                 tokens / max(seconds, 1e-9))
     meta["build_tokens"], meta["build_seconds"] = tokens, seconds  # not in the file
+    return meta
+
+
+def _build_remote(inputs: Sequence[str], url: str, tokenizer: TextTokenizer, **kw: Any
+                  ) -> dict[str, Any]:
+    """``build`` into a bucket: the shards are built in a local staging directory (filled from
+    the bucket first, so a build continued on another machine skips the shards uploaded), then
+    uploaded, ``metadata.json`` last so that a reader never sees a build without its shards."""
+    storage.check_bucket(url, "--out")
+    local = (storage.local_copy(url, purpose="build") if storage.as_path(url).exists()
+             else storage.staging_dir(url, "build"))
+    meta = build(inputs, local, tokenizer, **kw)
+    sent = storage.push(local, url, exclude=(METADATA,)) + storage.push(local, url)
+    logger.info("uploaded %d file%s of the build to %s", sent, "" if sent == 1 else "s", url)
     return meta
 
 

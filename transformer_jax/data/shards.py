@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from transformer_jax import storage
 from transformer_jax.data import HostBatch, StepBatches, batch_offsets, check_non_negative
 from transformer_jax.data.build import FORMAT, METADATA, SPLITS, TOKENIZER_DIR, shard_name
 
@@ -50,7 +51,7 @@ def is_build(path: str | Path) -> bool:
       FileNotFoundError: an unfinished build (shards without ``metadata.json``), which would
         otherwise be read as a directory of text files.
     """
-    path = Path(path).expanduser()
+    path = storage.as_path(path)
     if (path / METADATA).is_file():
         return True
     if path.is_dir() and next(path.glob("shard-[0-9]*.json"), None) is not None:
@@ -231,6 +232,13 @@ class Mixture:
             weights.append(value)
         total = sum(weights)
         return cls(tuple(names), tuple(builds), tuple(w / total for w in weights))
+
+    def fetched(self) -> Mixture:
+        """This mixture with every build on object storage replaced by a local copy of it
+        (``storage.local_copy``: downloaded once per host, then only checked by size)."""
+        return dataclasses.replace(self, builds=tuple(
+            tuple(str(storage.local_copy(b, purpose="data")) for b in source)
+            for source in self.builds))
 
 
 def mixture_sources(seed: int, step: int, batch_size: int, weights: Sequence[float]

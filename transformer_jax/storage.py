@@ -1,0 +1,285 @@
+"""Object storage: which paths are remote, and moving files between them and local disk.
+
+A path with a scheme (``gs://bucket/run``, ``s3://...``, ``memory://...``) is remote: it is
+handled through fsspec (``gcsfs`` for ``gs://``) and ``etils.epath`` (what orbax takes), never
+through ``pathlib`` (``Path("gs://b/run")`` is the relative local directory ``gs:/b/run``) or
+``os`` calls. ``file://`` URLs and plain paths are local.
+
+How each kind of file reaches a bucket:
+
+* **Checkpoints** are written and read in place by orbax (tensorstore for the arrays), from
+  every process, with no local copy.
+* **A run's small files** (``config.json``, ``metrics.jsonl``, TensorBoard events,
+  ``loss.png``, ``summary.json``, the tokenizer copy) live in a local mirror of the run
+  directory (``mirror``), filled from the bucket when the run starts (so a resume truncates
+  and appends to the bucket's ``metrics.jsonl``) and uploaded by ``push`` at every checkpoint
+  and at the end: objects cannot be appended to, and a whole small file is one request.
+* **Directories read whole** (a HF checkpoint, data shards, a tokenizer) are downloaded once
+  into a local cache by ``local_copy`` (files already there with the same size are kept);
+  ArrayRecord's pip build cannot open ``gs://`` paths (its reader sees 0 records), and
+  HuggingFace and SentencePiece read local files only.
+* **Directories written whole** (a HF export, a shard build) are written locally and
+  uploaded by ``push``.
+
+The cache is ``$TRANSFORMER_JAX_CACHE`` or ``~/.cache/transformer_jax``, under ``remote/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_remote(path: str | os.PathLike[str] | Any) -> bool:
+    """True for a URL with a scheme other than ``file://`` (``gs://b/x``, ``s3://...``)."""
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(path)
+    return bool(_SCHEME.match(text)) and not text.startswith("file://")
+
+
+def as_path(path: str | os.PathLike[str]) -> Any:
+    """A path object for ``path``: an ``etils.epath.Path`` for a remote URL (what orbax
+    takes; it supports ``/``, ``exists``, ``is_dir``, ``glob``, ``iterdir``, ``open``,
+    ``read_text``, ``mkdir``, ``rmtree``), else an absolute ``pathlib.Path`` (``~`` expanded,
+    a ``file://`` prefix dropped)."""
+    if is_remote(path):
+        from etils import epath
+
+        return epath.Path(os.fspath(path) if not isinstance(path, str) else path)
+    text = os.fspath(path)
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    return Path(text).expanduser().absolute()
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """``(fsspec filesystem, path within it)`` for a URL.
+
+    For the schemes ``etils.epath`` serves through fsspec (``gs``, ``s3``, ``az``, ``hf``) it is
+    the very filesystem object epath (and so orbax) uses: fsspec caches directory listings per
+    object, and a listing this module changes (a step directory deleted, say) must be
+    forgotten by orbax's object too.
+    """
+    import fsspec
+
+    url = os.fspath(url)
+    if url.split("://", 1)[0] in ("gs", "s3", "az", "hf"):
+        from etils.epath import backend
+
+        fs = backend.fsspec_backend.fs(url)
+        return fs, fs._strip_protocol(url)
+    return fsspec.core.url_to_fs(url)
+
+
+def forget_listings(path: Any) -> None:
+    """Drops every listing fsspec cached for a remote path's filesystem (no-op for a local
+    one): objects written by another process, or by tensorstore, are not in them."""
+    if not isinstance(path, Path) and is_remote(path):
+        filesystem(os.fspath(path))[0].invalidate_cache()
+
+
+def size(path: Any) -> int:
+    """A file's size in bytes, for a ``pathlib`` or ``epath`` path."""
+    if isinstance(path, Path):
+        return path.stat().st_size
+    fs, inner = filesystem(os.fspath(path))
+    return int(fs.size(inner))
+
+
+def rmtree(path: Any) -> None:
+    """Removes a directory tree, local or remote; a missing one is no error."""
+    if isinstance(path, Path):
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    fs, inner = filesystem(os.fspath(path))
+    try:
+        fs.rm(inner, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+def check_bucket(url: str, what: str = "path") -> None:
+    """Fails early, in one line, for a URL whose bucket does not exist (or cannot be seen).
+
+    Raises:
+      FileNotFoundError: naming the bucket and ``what`` the URL is for.
+    """
+    fs, inner = filesystem(url)
+    bucket = inner.split("/", 1)[0]
+    try:
+        found = fs.exists(bucket)
+    except OSError as e:
+        raise FileNotFoundError(f"{what} {url}: cannot reach the bucket {bucket}: {e}") from None
+    if not found:
+        raise FileNotFoundError(f"{what} {url}: the bucket {bucket} does not exist or is not "
+                                "visible with these credentials")
+
+
+def cache_dir() -> Path:
+    """Where remote files are staged: ``$TRANSFORMER_JAX_CACHE/remote`` (default
+    ``~/.cache/transformer_jax/remote``)."""
+    root = os.environ.get("TRANSFORMER_JAX_CACHE") or "~/.cache/transformer_jax"
+    return Path(root).expanduser().absolute() / "remote"
+
+
+def staging_dir(url: str, purpose: str) -> Path:
+    """The local directory that stands for ``url`` (one per URL and purpose, e.g.
+    ``"run"``, ``"read"``): readable name, hashed so two URLs never share one."""
+    digest = hashlib.sha256(f"{purpose}:{url.rstrip('/')}".encode()).hexdigest()[:12]
+    tail = re.sub(r"[^A-Za-z0-9._-]+", "_", url.rstrip("/").split("://", 1)[-1])[-60:]
+    return cache_dir() / purpose / f"{tail}-{digest}"
+
+
+def _remote_files(url: str, exclude: tuple[str, ...] = ()) -> dict[str, int]:
+    """``{relative name: size}`` of every file under a remote directory ({} if none), not
+    looking inside the top-level entries ``exclude`` names.
+
+    The listing is not left in fsspec's cache: orbax lists the same bucket through the same
+    filesystem object while it commits a checkpoint, and a cached listing taken halfway
+    through a save (of ``checkpoints/``, say) would hide its later objects from it.
+    """
+    fs, inner = filesystem(url)
+    inner = inner.rstrip("/")
+    try:
+        top = fs.ls(inner, detail=True)
+    except FileNotFoundError:
+        return {}
+    files = {}
+    try:
+        for entry in top:
+            name = entry["name"].rstrip("/")
+            rel = name[len(inner):].lstrip("/")
+            if not rel or rel.split("/", 1)[0] in exclude:
+                continue
+            if entry.get("type") != "directory":
+                files[rel] = int(entry.get("size") or 0)
+                continue
+            for sub, info in fs.find(name, detail=True).items():
+                if info.get("type") != "directory":
+                    files[sub[len(inner):].lstrip("/")] = int(info.get("size") or 0)
+    finally:
+        fs.invalidate_cache()
+    return files
+
+
+def local_copy(path: str | os.PathLike[str], *, exclude: tuple[str, ...] = (),
+               purpose: str = "read") -> Path:
+    """A local directory with the files of ``path``: ``path`` itself if it is local, else a
+    cached download of the remote directory (of a remote file: the local copy of the file).
+
+    Files already in the cache with the remote size are not fetched again; files no longer
+    in the bucket are removed from the copy.
+
+    Args:
+      path: a local directory or a remote URL.
+      exclude: top-level names not to fetch (e.g. ``("checkpoints",)``: read in place).
+      purpose: which cache the copy goes to (``staging_dir``).
+
+    Raises:
+      FileNotFoundError: a remote URL with no file under it.
+    """
+    if not is_remote(path):
+        return as_path(path)
+    url = os.fspath(path).rstrip("/")
+    fs, inner = filesystem(url)
+    if fs.isfile(inner):  # one file (a tokenizer.json, say): fetched into a directory of its own
+        target = staging_dir(url, purpose) / url.rsplit("/", 1)[-1]
+        if not (target.is_file() and target.stat().st_size == fs.size(inner)):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _fetch(fs, inner, target)
+        return target
+    files = _remote_files(url, exclude)
+    if not files and not as_path(url).exists():
+        raise FileNotFoundError(f"{url} does not exist")
+    local = staging_dir(url, purpose)
+    local.mkdir(parents=True, exist_ok=True)
+    fetched = 0
+    for rel, n in sorted(files.items()):
+        target = local / rel
+        if target.is_file() and target.stat().st_size == n:
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _fetch(fs, f"{inner.rstrip('/')}/{rel}", target)
+        fetched += 1
+    for rel in files:
+        _PUSHED[(url, rel)] = _stamp(local / rel)
+    for stale in [f for f in local.rglob("*") if f.is_file() and not f.name.endswith(".part")]:
+        rel = stale.relative_to(local).as_posix()
+        if rel not in files and rel.split("/", 1)[0] not in exclude:
+            stale.unlink()
+    if fetched:
+        logger.info("fetched %d file%s of %s into %s", fetched, "" if fetched == 1 else "s",
+                    url, local)
+    return local
+
+
+def _fetch(fs: Any, inner: str, target: Path) -> None:
+    """Downloads one object to ``target`` through a temporary name of its own (the processes
+    of one host may fetch the same file at once; a reader never sees half of it)."""
+    fd, part = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    os.close(fd)
+    try:
+        fs.get_file(inner, part)
+        os.replace(part, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(part)
+
+
+def push(local: Path, url: str, *, exclude: tuple[str, ...] = ()) -> int:
+    """Uploads the files of a local directory under ``url`` that differ from the remote copy.
+
+    A file is skipped only when the remote object has its size and this process last
+    uploaded (or downloaded, ``local_copy``) the file as it is now (same size and modification
+    time), so a redrawn ``loss.png`` of the same length is still sent. Each file is one object
+    written whole, so a reader never sees half of one.
+
+    Args:
+      local: the directory.
+      url: the remote directory.
+      exclude: top-level names not to upload.
+
+    Returns:
+      How many files were uploaded.
+    """
+    fs, inner = filesystem(url)
+    inner = inner.rstrip("/")
+    remote = _remote_files(url, exclude)
+    sent = 0
+    for file in sorted(f for f in local.rglob("*") if f.is_file()):
+        rel = file.relative_to(local).as_posix()
+        if rel.split("/", 1)[0] in exclude or file.name.endswith(".part"):
+            continue
+        stamp = _stamp(file)
+        if remote.get(rel) == file.stat().st_size and _PUSHED.get((url, rel)) == stamp:
+            continue
+        fs.put_file(str(file), f"{inner}/{rel}")
+        _PUSHED[(url, rel)] = stamp
+        sent += 1
+    fs.invalidate_cache()
+    return sent
+
+
+_PUSHED: dict[tuple[str, str], tuple[int, int]] = {}  # (url, name) -> _stamp when last in sync
+
+
+def _stamp(file: Path) -> tuple[int, int]:
+    """What says a local file is unchanged: its size and modification time (ns)."""
+    st = file.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+__all__ = ["as_path", "cache_dir", "check_bucket", "filesystem", "forget_listings",
+           "is_remote", "local_copy",
+           "push", "rmtree", "size", "staging_dir"]
