@@ -245,11 +245,11 @@ def test_profile_steps_write_a_trace(tmp_path):
 
 def test_eval_batches_are_up_to_four_micro_batches_over_the_same_windows():
     tc = TrainConfig(batch_size=8, grad_accum=2, seq_len=16, eval_batches=20)
-    assert training._eval_batching(tc, 10_000) == (16, 5)  # 20 micro-batches of 4 in 5
-    assert training._eval_batching(tc, 100) == (4, 20)  # the split fills no larger batch
+    assert training.eval_batching(tc, 10_000) == (16, 5)  # 20 micro-batches of 4 in 5
+    assert training.eval_batching(tc, 100) == (4, 20)  # the split fills no larger batch
     tc = TrainConfig(batch_size=4, seq_len=16, eval_batches=3)
-    assert training._eval_batching(tc, 10_000) == (12, 1)
-    assert training._eval_batching(TrainConfig(batch_size=4, eval_batches=0), 10_000) == (16, None)
+    assert training.eval_batching(tc, 10_000) == (12, 1)
+    assert training.eval_batching(TrainConfig(batch_size=4, eval_batches=0), 10_000) == (16, None)
 
 
 def test_progress_shows_the_latest_logged_loss_and_a_training_eta(tmp_path):

@@ -495,7 +495,5 @@ def _plot(run_dir: Path, times: dict[str, float]) -> None:
     times["plot"] += time.perf_counter() - start
 
 
-_eval_batching = eval_batching  # the name tests and older callers use
-
 __all__ = ["EVAL_BATCH_FACTOR", "TIME_PARTS", "TOKENIZER_DIR", "RunSummary", "check_config",
            "check_run", "evaluate", "format_times", "run", "sample_text"]
