@@ -21,6 +21,7 @@ layer has its own scales.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
@@ -34,6 +35,8 @@ from transformer_jax.layers import EMBEDDING_PARAM, MATRIX_INPUT_AXES
 from transformer_jax.ops.quantized import PackedInt4, is_quantized, pack_int4
 
 Params = dict[str, Any]
+
+logger = logging.getLogger(__name__)
 
 SCHEMES = ("int8", "int4", "nf4")
 #: The schemes of 4-bit values in groups (packed two to a byte).
@@ -123,10 +126,15 @@ def for_model(config: ModelConfig, quant: WeightQuant | None, shards: int = 1
     if quant is None or quant.scheme not in GROUPED:
         return quant
     if quant.group_size is None:
-        widths = grouped_widths(config, shards).values()
+        widths = grouped_widths(config, shards)
         g = DEFAULT_GROUP_SIZE
-        while g > 2 and any(w % g for w in widths):
+        while g > 2 and any(w % g for w in widths.values()):
             g //= 2
+        if g < DEFAULT_GROUP_SIZE:  # one group size for every matrix: the odd width sets it
+            odd = [f"{n} ({w})" for n, w in widths.items() if w % DEFAULT_GROUP_SIZE]
+            logger.info("quant %s: group size %d, not %d, since %d does not divide the input "
+                        "width of %s (smaller groups carry more scales: more bytes per weight)",
+                        quant.scheme, g, DEFAULT_GROUP_SIZE, DEFAULT_GROUP_SIZE, ", ".join(odd))
         quant = WeightQuant(quant.scheme, g)
     g = quant.group_size
     bad = [f"{name} ({width})" for name, width in grouped_widths(config, shards).items()

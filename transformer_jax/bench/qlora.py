@@ -1,0 +1,132 @@
+"""QLoRA on a HF checkpoint: the frozen base's bytes and the fine-tuning loss, against LoRA.
+
+Writes a Llama checkpoint with transformers' ``save_pretrained`` (its own random
+initialisation; ``--hf DIR`` takes an existing one instead), fine-tunes it twice with
+``python train.py --config finetune`` on the same generated corpus, once with a float32 base
+and once with ``train.lora_base_quant`` (nf4 by default), and prints the losses and the saved
+base's bytes over its bfloat16 size. Needs the ``hf`` extra (torch, transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_checkpoint(directory: Path, args: argparse.Namespace) -> None:
+    """A random Llama checkpoint with a word-level tokenizer (``w0`` .. ``wN``)."""
+    import tokenizers
+    import torch
+    import transformers
+
+    words = [f"w{i}" for i in range(args.words)]
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {w: i for i, w in enumerate(specials + words)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                                bos_token="<s>", eos_token="</s>")
+    torch.manual_seed(args.seed)
+    config = transformers.LlamaConfig(
+        vocab_size=len(vocab), hidden_size=args.d_model, intermediate_size=args.d_ff,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, max_position_embeddings=2 * args.seq_len,
+        tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    fast.save_pretrained(directory)
+
+
+def corpus(path: Path, words: int, seed: int) -> None:
+    """Text with something to learn: lines of phrases drawn from 60 fixed 8-word phrases."""
+    rng = np.random.default_rng(seed)
+    vocab = [f"w{i}" for i in range(words)]
+    phrases = [" ".join(rng.choice(vocab, 8)) for _ in range(60)]
+    path.write_text("\n".join(" ".join(rng.choice(phrases, 6)) for _ in range(3000)))
+
+
+def finetune(hf: Path, data: Path, run: Path, args: argparse.Namespace, extra: list[str]
+             ) -> dict[str, Any]:
+    """One LoRA run; its losses and the bytes of the base it saved."""
+    import jax
+
+    from transformer_jax.checkpoint import CheckpointManager
+
+    start = time.perf_counter()
+    command = [sys.executable, str(ROOT / "train.py"), "--no-progress", "--config", "finetune",
+               f"train.init_from={hf}", f"data.path={data}", f"train.lora_rank={args.rank}",
+               f"train.steps={args.steps}", f"train.seq_len={args.seq_len}",
+               "train.batch_size=8", "train.grad_accum=1", f"train.lr={args.lr}",
+               f"train.min_lr={args.lr / 10}", "train.warmup_steps=10",
+               f"train.eval_every={args.steps // 2}", "train.eval_batches=4",
+               f"train.ckpt_every={args.steps}", f"train.run_dir={run}", *extra]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    with CheckpointManager(run / "checkpoints", read_only=True) as reader:
+        params, _ = reader.restore_params(None)
+    return {"first_train_loss": next(r["loss"] for r in rows if r.get("split") == "train"),
+            "last_train_loss": [r["loss"] for r in rows if r.get("split") == "train"][-1],
+            "val_loss": {r["step"]: r["loss"] for r in rows if r.get("split") == "val"},
+            "base_bytes": sum(np.asarray(x).nbytes for x in jax.tree.leaves(params["base"])),
+            "seconds": time.perf_counter() - start}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m transformer_jax.bench qlora",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--hf", default=None, help="an existing HF checkpoint (default: write one)")
+    p.add_argument("--quant", default="nf4", help="train.lora_base_quant (int8, int4, nf4)")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--d-ff", type=int, default=704)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--words", type=int, default=400)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+    p.add_argument("--json", default=None, help="write the results to this file")
+    args = p.parse_args(argv)
+    work = Path(args.dir or tempfile.mkdtemp(prefix="bench-qlora-"))
+    work.mkdir(parents=True, exist_ok=True)
+    hf = Path(args.hf) if args.hf else work / "hf"
+    if not args.hf:
+        write_checkpoint(hf, args)
+    corpus(work / "corpus.txt", args.words, args.seed)
+    from safetensors.numpy import load_file
+
+    values = sum(v.size for f in sorted(hf.glob("*.safetensors")) for v in load_file(f).values())
+    results: dict[str, Any] = {"hf": str(hf), "values": int(values), "bf16_bytes": 2 * values}
+    for name, extra in (("lora", []), (f"qlora_{args.quant}",
+                                       [f"train.lora_base_quant={args.quant}"])):
+        r = finetune(hf, work / "corpus.txt", work / f"run_{name}", args, extra)
+        r["base_vs_bf16"] = r["base_bytes"] / (2 * values)
+        results[name] = r
+        print(f"{name:12s} base {r['base_bytes'] / 1e6:7.2f} MB ({r['base_vs_bf16']:.3f}x its "
+              f"bfloat16 size); train loss {r['first_train_loss']:.4f} -> "
+              f"{r['last_train_loss']:.4f}; val {r['val_loss']}; {r['seconds']:.0f} s",
+              flush=True)
+    q = results[f"qlora_{args.quant}"]
+    results["loss_ratio"] = q["last_train_loss"] / results["lora"]["last_train_loss"]
+    print(f"final train loss {args.quant} / float base: {results['loss_ratio']:.4f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
