@@ -70,8 +70,10 @@ def run_directory(run_dir: str, process_index: int) -> RunDirectory:
     storage.check_bucket(name, "train.run_dir")
     remote = storage.as_path(name)
     local = storage.staging_dir(name, f"run-{process_index}")
-    if remote.exists():
+    if remote.exists():  # the mirror becomes the bucket's files (stale ones removed)
         storage.local_copy(name, exclude=(CHECKPOINTS,), purpose=f"run-{process_index}")
+    else:  # a new run: nothing of an earlier one at this URL may be uploaded with it
+        storage.rmtree(local)
     local.mkdir(parents=True, exist_ok=True)
     logger.info("run directory %s: checkpoints written in place, the other files through the "
                 "local mirror %s", name, local)
