@@ -146,3 +146,20 @@ def write_chatml_tokenizer(directory: Path, words: Sequence[str], **config: obje
     (directory / "tokenizer_config.json").write_text(
         json.dumps({k: v for k, v in settings.items() if v is not None}))
     return directory
+
+
+def write_word_docs(root: Path, num_docs: int, num_words: int = 30, seed: int = 1
+                    ) -> tuple[Path, Path]:
+    """``root/docs.jsonl`` of ``num_docs`` documents of 1-29 random words ``w0 .. w{N-1}``
+    (a ``text`` field each) and a word-level tokenizer of those words in ``root/tok``.
+
+    Returns:
+      ``(docs.jsonl, tokenizer directory)``.
+    """
+    words = [f"w{i}" for i in range(num_words)]
+    rng = np.random.default_rng(seed)
+    docs = root / "docs.jsonl"
+    docs.write_text("".join(
+        json.dumps({"text": " ".join(rng.choice(words, rng.integers(1, 30)))}) + "\n"
+        for _ in range(num_docs)))
+    return docs, write_chatml_tokenizer(root / "tok", words)

@@ -51,18 +51,13 @@ def _lora_run(root: Path) -> Path:
 
 def _shard_build(root: Path) -> Path:
     """A small shard build (jsonl documents, a word-level tokenizer) for the processes."""
-    from helpers import write_chatml_tokenizer
+    from helpers import write_word_docs
 
     from transformer_jax.data import build
     from transformer_jax.tokenizer import load_tokenizer
 
-    words = [f"w{i}" for i in range(30)]
-    rng = np.random.default_rng(1)
-    (root / "docs.jsonl").write_text("".join(
-        json.dumps({"text": " ".join(rng.choice(words, rng.integers(1, 30)))}) + "\n"
-        for _ in range(120)))
-    tokenizer = load_tokenizer(write_chatml_tokenizer(root / "tok", words))
-    build.build([str(root / "docs.jsonl")], root / "shards", tokenizer, progress=False,
+    docs, tok = write_word_docs(root, 120)
+    build.build([str(docs)], root / "shards", load_tokenizer(tok), progress=False,
                 options=build.BuildOptions(shard_bytes=1500))
     return root / "shards"
 

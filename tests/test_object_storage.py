@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import with_fast_flags, write_chatml_tokenizer
+from helpers import with_fast_flags, write_word_docs
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -118,13 +118,8 @@ def pod(bucket, tmp_path_factory):
     from transformer_jax.tokenizer import load_tokenizer
 
     work = tmp_path_factory.mktemp("pod")
-    words = [f"w{i}" for i in range(30)]
-    rng = np.random.default_rng(1)
-    (work / "docs.jsonl").write_text("".join(
-        json.dumps({"text": " ".join(rng.choice(words, rng.integers(1, 30)))}) + "\n"
-        for _ in range(300)))
-    tokenizer = load_tokenizer(write_chatml_tokenizer(work / "tok", words))
-    meta = build.build([str(work / "docs.jsonl")], "gs://bkt/shards", tokenizer, workers=2,
+    docs, tok = write_word_docs(work, 300)
+    meta = build.build([str(docs)], "gs://bkt/shards", load_tokenizer(tok), workers=2,
                        progress=False, options=build.BuildOptions(shard_bytes=3000,
                                                                   val_fraction=0.3))
     two = _train(["train.steps=4", f"train.run_dir={RUN}"], bucket, work, processes=2)

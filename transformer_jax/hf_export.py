@@ -80,6 +80,12 @@ def check_out(out: Path, overwrite: bool = False) -> None:
                                   f"{directory / 'hf'}")
     if out.is_file():
         raise FileExistsError(f"--out {out} is a file, not a directory")
+    _check_only_an_export(out, overwrite)
+
+
+def _check_only_an_export(out: Any, overwrite: bool) -> None:
+    """Refuses an existing ``out`` (local or remote) that holds other files than an earlier
+    export's, unless ``overwrite``."""
     if not out.is_dir() or overwrite:
         return
     others = sorted(p.name for p in out.iterdir() if not hf.is_saved_file(p.name))
@@ -154,12 +160,7 @@ def check_remote_out(url: str, overwrite: bool = False) -> None:
             or out.parent.name == loading.CHECKPOINTS):
         raise FileExistsError(f"--out {url} is a training run's directory or inside its "
                               f"checkpoints; use e.g. --out {url}/hf")
-    if not out.exists() or overwrite:
-        return
-    others = sorted(p.name for p in out.iterdir() if not hf.is_saved_file(p.name))
-    if others:
-        raise FileExistsError(f"--out {url} holds files that are not an earlier export "
-                              f"({', '.join(others[:5])}); pass --overwrite to replace it")
+    _check_only_an_export(out, overwrite)
 
 
 def _upload_export(local: Path, url: str) -> Any:
@@ -170,7 +171,7 @@ def _upload_export(local: Path, url: str) -> Any:
     ours = {p.name for p in local.iterdir()}
     for old in storage.as_path(url).iterdir():
         if old.name not in ours:
-            storage.rmtree(old) if old.is_dir() else old.unlink()
+            storage.rmtree(old)
     logger.info("exported to %s (staged in %s)", url, local)
     return storage.as_path(url)
 

@@ -241,7 +241,7 @@ class RunLog:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
-    def flush_file(self) -> None:
+    def flush_events(self) -> None:
         """Writes out the TensorBoard events buffered so far (``metrics.jsonl`` is flushed at
         every record), so that a copy of the run directory taken now has them."""
         self._tb.flush()

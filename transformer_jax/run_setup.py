@@ -16,6 +16,7 @@ from transformer_jax import lora, storage
 from transformer_jax import sharding as sharding_lib
 from transformer_jax.checkpoint_files import ensure_writable_dir
 from transformer_jax.config import ModelConfig
+from transformer_jax.loading import CHECKPOINTS
 from transformer_jax.run_memory import check_fits
 from transformer_jax.train_config import TrainConfig
 from transformer_jax.train_step import ParamsLayout, make_init_fn
@@ -23,8 +24,6 @@ from transformer_jax.train_step import ParamsLayout, make_init_fn
 logger = logging.getLogger(__name__)
 
 Params = dict[str, Any]
-
-CHECKPOINTS = "checkpoints"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +44,24 @@ class RunDirectory:
     checkpoints: Any
     remote: bool
 
-    def sync(self) -> None:
+    def sync(self, failing: bool = False) -> None:
         """Uploads the mirror's changed files to a remote run directory (each one a whole
-        object); nothing for a local one. Called at every checkpoint and at the end."""
-        if self.remote:
+        object); nothing for a local one. Called at every checkpoint and at the end.
+
+        Args:
+          failing: the run is ending in an error, which is the one to raise: an upload that
+            fails as well is only a warning.
+        """
+        if not self.remote:
+            return
+        try:
             sent = storage.push(self.local, self.name, exclude=(CHECKPOINTS,))
-            logger.debug("uploaded %d run file%s to %s", sent, "" if sent == 1 else "s",
-                         self.name)
+        except Exception as e:
+            if not failing:
+                raise
+            logger.warning("could not upload the run files to %s: %s", self.name, e)
+            return
+        logger.debug("uploaded %d run file%s to %s", sent, "" if sent == 1 else "s", self.name)
 
 
 def run_directory(run_dir: str, process_index: int) -> RunDirectory:

@@ -96,11 +96,14 @@ def size(path: Any) -> int:
 
 
 def rmtree(path: Any) -> None:
-    """Removes a directory tree, local or remote; a missing one is no error."""
+    """Removes a directory tree or a file, local or remote; a missing one is no error."""
     if isinstance(path, Path):
         import shutil
 
-        shutil.rmtree(path, ignore_errors=True)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
         return
     fs, inner = filesystem(os.fspath(path))
     try:
@@ -175,7 +178,8 @@ def _remote_files(url: str, exclude: tuple[str, ...] = ()) -> dict[str, int]:
 
 def local_copy(path: str | os.PathLike[str], *, exclude: tuple[str, ...] = (),
                purpose: str = "read") -> Path:
-    """A local directory with the files of ``path``: ``path`` itself if it is local, else a
+    """A local directory with the files of ``path``: ``path`` itself (``~`` expanded) if it is
+    local, else a
     cached download of the remote directory (of a remote file: the local copy of the file).
 
     Files already in the cache with the remote size are not fetched again; files no longer
@@ -190,7 +194,7 @@ def local_copy(path: str | os.PathLike[str], *, exclude: tuple[str, ...] = (),
       FileNotFoundError: a remote URL with no file under it.
     """
     if not is_remote(path):
-        return as_path(path)
+        return Path(os.fspath(path)).expanduser()
     url = os.fspath(path).rstrip("/")
     fs, inner = filesystem(url)
     if fs.isfile(inner):  # one file (a tokenizer.json, say): fetched into a directory of its own

@@ -188,8 +188,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     # 2. Data: tokenizer, token file or packed instruction rows, splits. A fine-tuned model keeps
     # its vocabulary; a model trained from scratch takes the tokenizer's.
     given = (None if data_config.tokenizer in MODEL_TYPES
-             else storage.local_copy(data_config.tokenizer) if storage.is_remote(
-                 data_config.tokenizer) else Path(data_config.tokenizer))
+             else storage.local_copy(data_config.tokenizer))
     if source is not None:  # the checkpoint's, unless data.tokenizer is a file
         tokenizer = loading.open_tokenizer(source, given, where=where,
                                            missing="pass data.tokenizer=FILE")
@@ -330,6 +329,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
     profile = tc.profile_range
     tracing = False
     bar = progress_bar(progress, start_step, tc.steps)
+    ended = False  # the loop and its last save completed (else the finally uploads the logs)
     try:
         with StopOnSignal() as stop:
             log.start_timer()
@@ -368,7 +368,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
                         ckpt.save(step, state, meta=dict(configs, step=step,
                                                          train_loss=log.last_loss))
                         if main_process:
-                            log.flush_file()
+                            log.flush_events()
                             files.sync()  # a remote run's metrics, plot and events
                         times["checkpoint"] += time.perf_counter() - save_start
                     log.start_timer()
@@ -387,6 +387,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
             times["checkpoint"] += time.perf_counter() - close_start
             if main_process:
                 _plot(run_dir, times)
+        ended = True
     except NonFiniteLossError:
         latest_good = ckpt.latest_step()
         logger.error("stopped without saving; the last good checkpoint is %s",
@@ -400,11 +401,8 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
                 jax.profiler.stop_trace()
         bar.close()
         log.close()
-        if main_process:  # a stopped run's remote copy still gets its last metrics
-            try:
-                files.sync()
-            except Exception as e:  # noqa: BLE001 - the run's own error is the one to raise
-                logger.warning("could not upload the run files to %s: %s", files.name, e)
+        if main_process and not ended:  # a normal end uploads with its summary, below
+            files.sync(failing=True)
 
     # 6. Summary.
     latest = ckpt.latest_step()

@@ -1,10 +1,11 @@
 """QLoRA on a HF checkpoint: the frozen base's bytes and the fine-tuning loss, against LoRA.
 
-Writes a Llama checkpoint with transformers' ``save_pretrained`` (its own random
-initialisation; ``--hf DIR`` takes an existing one instead), fine-tunes it twice with
-``python train.py --config finetune`` on the same generated corpus, once with a float32 base
-and once with ``train.lora_base_quant`` (nf4 by default), and prints the losses and the saved
-base's bytes over its bfloat16 size. Needs the ``hf`` extra (torch, transformers).
+Writes a Llama checkpoint with transformers' ``save_pretrained`` from a random
+initialisation (``bench eval``'s, with a BPE tokenizer trained on the corpus; ``--hf DIR``
+takes an existing one instead), fine-tunes it twice with ``python train.py --config finetune``
+on the same generated corpus, once with a float32 base and once with ``train.lora_base_quant``
+(nf4 by default), and prints the losses and the saved base's bytes over its bfloat16 size.
+Needs the ``hf`` extra (torch, transformers).
 """
 
 from __future__ import annotations
@@ -20,38 +21,20 @@ from typing import Any
 
 import numpy as np
 
+from transformer_jax.bench.eval import write_checkpoint
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def write_checkpoint(directory: Path, args: argparse.Namespace) -> None:
-    """A random Llama checkpoint with a word-level tokenizer (``w0`` .. ``wN``)."""
-    import tokenizers
-    import torch
-    import transformers
-
-    words = [f"w{i}" for i in range(args.words)]
-    specials = ["<unk>", "<s>", "</s>"]
-    vocab = {w: i for i, w in enumerate(specials + words)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
-                                                bos_token="<s>", eos_token="</s>")
-    torch.manual_seed(args.seed)
-    config = transformers.LlamaConfig(
-        vocab_size=len(vocab), hidden_size=args.d_model, intermediate_size=args.d_ff,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=2 * args.seq_len,
-        tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    fast.save_pretrained(directory)
-
-
-def corpus(path: Path, words: int, seed: int) -> None:
-    """Text with something to learn: lines of phrases drawn from 60 fixed 8-word phrases."""
+def corpus(path: Path, words: int, seed: int) -> list[str]:
+    """Text with something to learn: lines of phrases drawn from 60 fixed 8-word phrases
+    (``w0`` .. ``w{N-1}``); returns the lines."""
     rng = np.random.default_rng(seed)
     vocab = [f"w{i}" for i in range(words)]
     phrases = [" ".join(rng.choice(vocab, 8)) for _ in range(60)]
-    path.write_text("\n".join(" ".join(rng.choice(phrases, 6)) for _ in range(3000)))
+    lines = [" ".join(rng.choice(phrases, 6)) for _ in range(3000)]
+    path.write_text("\n".join(lines))
+    return lines
 
 
 def finetune(hf: Path, data: Path, run: Path, args: argparse.Namespace, extra: list[str]
@@ -92,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--words", type=int, default=400)
+    p.add_argument("--words", type=int, default=400, help="distinct words of the corpus")
+    p.add_argument("--vocab", type=int, default=1000, help="the BPE tokenizer's vocabulary")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seq-len", type=int, default=128)
@@ -104,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-qlora-"))
     work.mkdir(parents=True, exist_ok=True)
     hf = Path(args.hf) if args.hf else work / "hf"
-    if not args.hf:
-        write_checkpoint(hf, args)
-    corpus(work / "corpus.txt", args.words, args.seed)
+    lines = corpus(work / "corpus.txt", args.words, args.seed)
+    if not args.hf:  # bench eval's random Llama, with a BPE tokenizer trained on the corpus
+        write_checkpoint(hf, argparse.Namespace(
+            vocab=args.vocab, d_model=args.d_model, d_ff=args.d_ff, layers=args.layers,
+            heads=args.heads, kv_heads=args.kv_heads, max_len=2 * args.seq_len), lines)
     from safetensors.numpy import load_file
 
     values = sum(v.size for f in sorted(hf.glob("*.safetensors")) for v in load_file(f).values())
