@@ -121,3 +121,18 @@ def test_weights_prepared_otherwise_than_asked_are_refused(params):
     with pytest.raises(ValueError, match="are float, not quant='int8'"):
         generation.generate(TINY, decode.prepare(TINY, params), [[1]], max_new_tokens=2,
                             quant="int8")
+
+
+def test_forced_agreement_of_float_with_its_own_greedy_continuation_is_one(params):
+    # bench quant's per-token measure reads the logits one position before each token: float
+    # weights agree with their own greedy tokens everywhere; a changed last token (never an
+    # input) is the one position that disagrees.
+    from transformer_jax.bench.quant import forced_agreement
+
+    weights = decode.prepare(TINY, params)
+    prompts = [[5, 9, 2, 7], [3, 3, 1, 4]]
+    reference = generation.generate(TINY, weights, prompts, max_new_tokens=8).token_array
+    assert forced_agreement(weights, prompts, reference) == 1.0
+    changed = reference.copy()
+    changed[:, -1] = (changed[:, -1] + 1) % TINY.vocab_size
+    assert forced_agreement(weights, prompts, changed) == 1.0 - 1 / reference.shape[1]

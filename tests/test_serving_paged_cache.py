@@ -63,7 +63,11 @@ def _compare_fn(name):
         want, contiguous = contiguous.attend(layer, q, k, v, positions, **attend)
         got, gathered = paged.replace(view="gather").attend(layer, q, k, v, positions, **attend)
         pooled, _ = paged.replace(view="pool").attend(layer, q, k, v, positions, **attend)
-        return (got, pooled), want, gathered.layer(layer), contiguous.layer(layer)
+        blocks, _ = paged.replace(view="blocks").attend(layer, q, k, v, positions, **attend)
+        # Blocks of one page or a few positions: several per row, a window's first skipped.
+        small, _ = paged.replace(view="blocks", block_positions=4).attend(
+            layer, q, k, v, positions, **attend)
+        return (got, pooled, blocks, small), want, gathered.layer(layer), contiguous.layer(layer)
 
     _COMPARE[name] = (run, config, width, num_pages)
     return _COMPARE[name]
@@ -76,8 +80,9 @@ def _compare_fn(name):
        seed=st.integers(0, 2 ** 16))
 def test_paged_attention_equals_contiguous(structure, prior, chunk, seed):
     """Rows with their own prior lengths write a chunk (right-padded to T) and attend: the paged
-    cache (pages in a random order, a table wider than needed), through either view (its pages
-    gathered, or the whole pool read in place), gives the contiguous cache's output at every
+    cache (pages in a random order, a table wider than needed), through every view (its pages
+    gathered, the whole pool read in place, or its pages a block at a time, one block or
+    several), gives the contiguous cache's output at every
     real query, and its pages hold the same keys/values at every position."""
     run, config, width, num_pages = _compare_fn(structure)
     page_size = STRUCTURES[structure]["page_size"]
@@ -92,12 +97,12 @@ def test_paged_attention_equals_contiguous(structure, prior, chunk, seed):
     def normal(*shape):
         return jnp.asarray(rng.normal(size=shape), jnp.float32)
 
-    (got, pooled), want, (keys, values), (want_keys, want_values) = run(
+    views, want, (keys, values), (want_keys, want_values) = run(
         table, np.asarray(prior, np.int32), normal(B, S_MAX, kv, h), normal(B, S_MAX, kv, h),
         normal(B, T, n, h), normal(B, T, kv, h), normal(B, T, kv, h))
     keys_axis = 3 if STRUCTURES[structure]["keys_transposed"] else 2
     for row, (length, c) in enumerate(zip(prior, chunk, strict=True)):
-        for view in (got, pooled):
+        for view in views:
             np.testing.assert_allclose(np.asarray(view[row, :c]), np.asarray(want[row, :c]),
                                        rtol=1e-5, atol=1e-6)
         filled = np.arange(length + c)

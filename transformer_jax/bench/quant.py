@@ -3,8 +3,10 @@
 For a trained run (its checkpoint, tokenizer and the validation split of its own data config),
 the held-out loss with float, int8 and int4 weights (``decode.prepare(quant=...)``) and with an
 int8 KV cache, and the greedy continuations of held-out prompts against float's, as the
-fraction of tokens that agree position for position. Also the bytes of each: prepared weights
-against float32, the int8 cache against a bfloat16 one.
+fraction of tokens that agree position for position; for weights also each continuation token
+judged on its own (the quantised argmax given float's prefix), since one flipped near-tie
+changes the rest of a greedy continuation. Also the bytes of each: prepared weights against
+float32, the int8 cache against a bfloat16 one.
 
 The loss runs the decode forward (``decode.decode_model``) on non-overlapping held-out windows
 of ``max_seq_len`` tokens; the cache's loss runs it with a ``KVCache`` of the window's length,
@@ -60,6 +62,20 @@ def mean_loss(weights: decode.DecodeWeights, windows: np.ndarray, batch: int,
     return total / (used * (windows.shape[1] - 1))
 
 
+def forced_agreement(weights: decode.DecodeWeights, prompts: list[list[int]],
+                     reference: np.ndarray) -> float:
+    """The fraction of the reference continuations' tokens ([B, N], float's greedy tokens) that
+    are also these weights' argmax given the same prompt and reference tokens before them: each
+    position judged on its own, where the greedy agreement counts everything after a first
+    flip as different."""
+    config = weights.config
+    model = decode.decode_model(config, weights_out_first=weights.weights_out_first)
+    tokens = np.concatenate([np.asarray(prompts, np.int32), reference[:, :-1]], axis=1)
+    logits = jax.jit(lambda p, t: model.apply({"params": p}, t).logits)(weights.params, tokens)
+    start = len(prompts[0]) - 1  # the logits at position i predict token i + 1
+    return float(np.mean(np.asarray(jnp.argmax(logits[:, start:], axis=-1)) == reference))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m transformer_jax.bench quant",
                                      description=__doc__.split("\n\n")[0])
@@ -102,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         cache_ratio = (cache_bytes(config, 1, config.max_seq_len, cache_dtype)
                        / cache_bytes(config, 1, config.max_seq_len, "bfloat16")
                        if cache_dtype else None)
+        forced = forced_agreement(weights, prompts, reference) if cache_dtype is None else None
         rows[name] = dict(loss=loss, greedy_agreement=float(np.mean(out == reference)),
+                          forced_agreement=forced,
                           weight_bytes=weights.nbytes,
                           weight_bytes_vs_float32=weights.nbytes / float_weights.nbytes,
                           cache_bytes_vs_bfloat16=cache_ratio,
@@ -113,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         size = (f"cache {r['cache_bytes_vs_bfloat16']:.3f}x bfloat16"
                 if r["cache_bytes_vs_bfloat16"] else
                 f"weights {r['weight_bytes'] / 1e6:.2f} MB = {r['weight_bytes_vs_float32']:.3f}x")
+        forced = ("" if r["forced_agreement"] is None else
+                  f" (each token on float's prefix: {r['forced_agreement']:.1%})")
         print(f"  {name:>10}: loss {r['loss']:.4f} ({r['loss_increase']:+.2%}), greedy agreement "
-              f"{r['greedy_agreement']:.1%}, {size}")
+              f"{r['greedy_agreement']:.1%}{forced}, {size}")
     out_path = Path(args.out or f"bench_quant_{run_dir.name}.json")
     out_path.write_text(json.dumps(dict(run=str(run_dir), step=loaded.step,
                                         windows=len(windows), prompts=len(prompts),

@@ -3,7 +3,8 @@ while a batch decodes.
 
 ``slots`` requests (short prompts, long outputs) decode together; once each has its first
 ``warmup`` tokens, one long prompt arrives. The running sequences' inter-token latency (ITL)
-from that moment until the long prompt's first token says how much its prefill stalls them.
+from that moment until the end of the step that gives the long prompt's first token says how
+much its prefill stalls them.
 It runs twice in one process on the same weights: with chunked prefill (``token_budget``: the
 prompt goes in ``token_budget - slots`` tokens a step, beside the decode rows) and without
 (a budget that takes the whole prompt in one step), and reports each run's median step
@@ -67,15 +68,16 @@ def run_stall(config: ModelConfig, weights: DecodeWeights, *, slots: int, token_
     while long_id not in times:
         engine.step()
         prefill_steps += 1
+    end = time.perf_counter()  # the step that gave its first token has delivered everything
     first = times[long_id][0]
     for r in running:
         engine.cancel(r)
     engine.run_until_idle()
     engine.check_no_leaks()
-    # The running sequences' gaps that end while the long prompt is in (its first token's
-    # step included: the decode rows' tokens of a step are delivered before the prompt's).
+    # The running sequences' gaps that end while the long prompt is in, its first token's step
+    # included (that step delivers the prompt's token first, then the decode rows').
     itl = [b - a for r in running for a, b in itertools.pairwise(times[r])
-           if arrival < b <= first]
+           if arrival < b <= end]
     median = statistics.median(decode_steps)
     itl = sorted(itl) or [0.0]
     p99 = itl[min(len(itl) - 1, int(np.ceil(0.99 * len(itl))) - 1)]

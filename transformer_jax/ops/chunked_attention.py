@@ -166,13 +166,79 @@ def _slice(x, start, size, axis):
     return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
+def online_softmax_init(rows: tuple[int, ...], h: int
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The empty carry of ``online_softmax_step`` for query rows of shape ``rows`` ([..., Q]):
+    (weighted value sum [..., Q, H] zeros, running maximum [..., Q] -inf, sum [..., Q] zeros)."""
+    return (jnp.zeros((*rows, h), jnp.float32), jnp.full(rows, -jnp.inf, jnp.float32),
+            jnp.zeros(rows, jnp.float32))
+
+
+def online_softmax_step(carry: tuple[jax.Array, jax.Array, jax.Array], logits: jax.Array,
+                        values: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One key block of an online softmax (the flash-attention recurrence).
+
+    Args:
+      carry: (acc [..., Q, H], m [..., Q], l [..., Q]) float32 from ``online_softmax_init`` or
+        the previous block: the value sum weighted by ``exp(logit - m)``, the running maximum
+        logit and the running sum of ``exp(logit - m)``.
+      logits: [..., Q, S] float32 scaled logits of this block, -inf at keys a query does not see.
+      values: [..., S, H] this block's values (the same leading dims).
+
+    Returns:
+      The carry with this block folded in.
+    """
+    acc, m, l = carry
+    m_new = jnp.maximum(m, logits.max(-1))
+    # A row with nothing visible yet keeps m = -inf; shift it by 0 so exp gives 0.
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(logits - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    pv = einsum_f32("...QS,...SH->...QH", p.astype(values.dtype), values)
+    return acc * alpha[..., None] + pv, m_new, l * alpha + p.sum(-1)
+
+
+def online_softmax_merge(carry: tuple[jax.Array, jax.Array, jax.Array],
+                         segments: jax.Array, num_segments: int
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Merges ``online_softmax_step`` carries of disjoint key blocks by segment (split-K, as
+    flash-decoding combines its partial results).
+
+    Args:
+      carry: (acc [U, ..., Q, H], m [U, ..., Q], l [U, ..., Q]): U partial carries.
+      segments: [U] int, the segment (query row) each partial belongs to, in [0, num_segments).
+      num_segments: R, the number of merged carries.
+
+    Returns:
+      R carries [R, ...], each as if one loop had run over all of its segment's blocks.
+    """
+    acc, m, l = carry
+    top = jax.ops.segment_max(m, segments, num_segments)
+    top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
+    scale = jnp.exp(m - top_safe[segments])  # 0 for a partial that saw nothing (m = -inf)
+    return (jax.ops.segment_sum(acc * scale[..., None], segments, num_segments), top,
+            jax.ops.segment_sum(l * scale, segments, num_segments))
+
+
+def online_softmax_result(carry: tuple[jax.Array, jax.Array, jax.Array], dtype: jnp.dtype
+                          ) -> tuple[jax.Array, jax.Array]:
+    """The attention output [..., Q, H] in ``dtype`` and the log-sum-exp [..., Q] of a finished
+    ``online_softmax_step`` carry: zeros and lse = +inf for a query that saw no key."""
+    acc, m, l = carry
+    empty = l == 0
+    out = (acc / jnp.where(empty, 1.0, l)[..., None]).astype(dtype)
+    # Rows with no visible key get lse = +inf, so the backward pass gives them p = 0.
+    return out, jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+
+
 def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg):
     """Forward pass; returns the output [B, T, N, H] and its residuals (padded internal layout)."""
     b, t, n, h = q.shape
     qg, kp_, vp, qpos, kpos, qseg, kseg = _prepare(plan, q, k, v, qpos, kpos, qseg, kseg)
     q_range, k_range = _block_ranges(qpos, plan.bq), _block_ranges(kpos, plan.bk)
     bq, bk = plan.bq, plan.bk
-    stats_shape = qg.shape[:3] + (bq,)  # [B, K, G, bq]
+    kv, g = qg.shape[1], qg.shape[2]
+    rows = (b, kv, g * bq)  # each block's G query heads x bq queries, one row axis
 
     def q_block(i, carry):
         out, lse = carry
@@ -181,7 +247,6 @@ def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg):
 
         def k_block(j, c):
             def update(c):
-                acc, m, l = c
                 kj, vj = _slice(kp_, j * bk, bk, 2), _slice(vp, j * bk, bk, 2)
                 valid = j * bk + jnp.arange(bk) < plan.s
                 mask = _block_mask(qp_i, _slice(kpos, j * bk, bk, 1), qs_i,
@@ -189,26 +254,14 @@ def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg):
                                    causal=plan.causal, window=plan.window)
                 logits = einsum_f32("BKGTH,BKSH->BKGTS", qi, kj) * plan.scale
                 logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
-                m_new = jnp.maximum(m, logits.max(-1))
-                # A row with nothing visible yet keeps m = -inf; shift it by 0 so exp gives 0.
-                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-                p = jnp.exp(logits - m_safe[..., None])
-                alpha = jnp.exp(m - m_safe)
-                pv = einsum_f32("BKGTS,BKSH->BKGTH", p.astype(vj.dtype), vj)
-                acc = acc * alpha[..., None] + pv
-                return acc, m_new, l * alpha + p.sum(-1)
+                return online_softmax_step(c, logits.reshape(*rows, bk), vj)
 
             return jax.lax.cond(plan.visible(q_range, k_range, i, j), update, lambda c: c, c)
 
-        init = (jnp.zeros(stats_shape + (h,), jnp.float32),
-                jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32))
-        acc, m, l = _loop(plan.nk, k_block, init)
-        empty = l == 0
-        o_i = (acc / jnp.where(empty, 1.0, l)[..., None]).astype(q.dtype)
-        # Rows with no visible key get lse = +inf, so the backward pass gives them p = 0.
-        lse_i = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-        out = jax.lax.dynamic_update_slice_in_dim(out, o_i, i * bq, 3)
-        lse = jax.lax.dynamic_update_slice_in_dim(lse, lse_i, i * bq, 3)
+        o_i, lse_i = online_softmax_result(_loop(plan.nk, k_block, online_softmax_init(rows, h)),
+                                           q.dtype)
+        out = jax.lax.dynamic_update_slice_in_dim(out, o_i.reshape(b, kv, g, bq, h), i * bq, 3)
+        lse = jax.lax.dynamic_update_slice_in_dim(lse, lse_i.reshape(b, kv, g, bq), i * bq, 3)
         return out, lse
 
     out = jnp.zeros(qg.shape, q.dtype)
@@ -330,4 +383,5 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
 
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "check_qkv", "check_structure", "chunked_attention",
-           "einsum_f32"]
+           "einsum_f32", "online_softmax_init", "online_softmax_merge", "online_softmax_result",
+           "online_softmax_step"]

@@ -78,8 +78,8 @@ class Engine:
       min_context: the narrowest context (positions) a step attends over: each step reads its
         rows' pages through a table of the smallest power-of-two width from this that holds
         its longest row (``Scheduler``), one compiled shape per width.
-      view: how attention reads the pages: ``"auto"``, ``"gather"`` or ``"pool"``
-        (``PagedKVCache``).
+      view: how attention reads the pages: ``"auto"``, ``"gather"``, ``"pool"`` or
+        ``"blocks"`` (``PagedKVCache``).
       tokenizer: optional ``TextTokenizer``: every ``TokenEvent`` then carries its text delta
         (``serving.text``) and requests may have stop strings.
       quant: prepare the parameters with weights quantised (``decode.prepare``'s ``quant``:
@@ -208,28 +208,39 @@ class Engine:
         return [event for _, event in self._step()]
 
     def _step(self) -> list[tuple[Request, TokenEvent]]:
-        events = self._apply_pending()
+        delivered = self._deliver(self._apply_pending())
         sched = self.scheduler
         plan = sched.schedule()
-        if plan is not None:
-            decode, prefill, rows, sampler = sched.inputs(plan, self.config.vocab_size)
-            start = time.perf_counter()
-            b = sched.num_slots
-            # Decode rows, then the chunk: two programs (``step.py`` says why), dispatched
-            # before either result is read.
-            parts = []
-            if plan.decodes:
-                parts.append(self._run(decode, None, _rows(rows, 0, b), sampler))
-            if prefill is not None:
-                parts.append(self._run(None, prefill, _rows(rows, b, b + 1), sampler))
-            parts = jax.device_get(parts)
-            if not plan.decodes:  # the chunk's token goes last, after B ignored rows
-                parts.insert(0, (np.zeros(b, np.int32), np.zeros(b, np.float32)))
-            tokens = np.concatenate([np.asarray(t) for t, _ in parts])
-            logprobs = np.concatenate([np.asarray(lp) for _, lp in parts])
-            self.step_seconds += time.perf_counter() - start
-            self.steps += 1
-            events += sched.commit(plan, tokens, logprobs)
+        if plan is None:
+            return delivered
+        decode, prefill, rows, sampler = sched.inputs(plan, self.config.vocab_size)
+        start = time.perf_counter()
+        b = sched.num_slots
+        # The chunk, then the decode rows: two programs (``step.py`` says why), both dispatched
+        # before either result is read. A prompt's first token goes out as soon as the chunk's
+        # program ends, without waiting for the decode rows (its time to first token is the
+        # chunk's alone).
+        chunk = None if prefill is None else self._run(None, prefill, _rows(rows, b, b + 1),
+                                                       sampler)
+        rows_out = self._run(decode, None, _rows(rows, 0, b), sampler) if plan.decodes else None
+        waited = 0.0
+        if chunk is not None:
+            tokens, logprobs = jax.device_get(chunk)
+            waited = time.perf_counter() - start
+            delivered += self._deliver(sched.commit_prefill(plan, tokens[0], logprobs[0]))
+        if rows_out is not None:
+            resumed = time.perf_counter()
+            tokens, logprobs = jax.device_get(rows_out)
+            waited += time.perf_counter() - resumed
+            delivered += self._deliver(sched.commit_decodes(plan, tokens, logprobs))
+        self.step_seconds += waited
+        self.steps += 1
+        return delivered
+
+    def _deliver(self, events: list[tuple[Request, TokenEvent]]
+                 ) -> list[tuple[Request, TokenEvent]]:
+        """Gives each event its text (with a tokenizer) and to its request's consumer; forgets
+        finished requests."""
         if self.tokenizer is not None:
             events = [(req, self._with_text(req, event)) for req, event in events]
         for req, event in events:

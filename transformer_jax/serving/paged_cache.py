@@ -11,25 +11,40 @@ lists its pages in position order, so position p of row b lives in page
 ``page_table[b, p // page_size]`` at offset ``p % page_size``.
 
 ``attend`` writes the chunk's keys/values into the row's pages at their positions, then attends
-through one of two views, both calling the library's attention with masks from positions:
+through one of three views, each reading the pages with XLA ops:
 
 - ``"gather"`` (the reference, every ``attention_impl``): the row's W pages gathered into a
   contiguous [B, K, W * page_size, H] view, in which slot s holds position s exactly as in
   ``KVCache``, and ``ops.attention.attention`` with the usual structural (position) mask; the
   sliding window works unchanged, and slots past a row's length (stale pages, the null page)
   are hidden by causality.
-- ``"pool"`` (decode): the queries of all rows against the whole pool, read once in place
+- ``"pool"``: the queries of all rows against the whole pool, read once in place
   (``ops.attention.reference_attention``), each row seeing only the pool slots of its own pages
   at positions up to its own: no gathered copy, and the pool is read once for all rows rather
-  than once per row. ``"auto"`` takes it for one-token chunks with the reference
-  implementation when the pool is under twice the gathered view (P < 2 * B * W: the gather
-  writes its view, then attention reads it). On XLA:CPU the gather made a decode step 2-3x
-  slower than the contiguous cache's (decode_25m, 8 rows of 64 pages of 16: 76-97 ms against
-  27 ms).
+  than once per row.
+- ``"blocks"``: each row's own pages, a block of ``block_positions`` positions at a time: the
+  (row, block) pairs each row needs, up to its own furthest query (from the first block its
+  queries see, with a sliding window), go through a loop B pairs at a time, each a partial
+  online softmax (``ops.chunked_attention``'s recurrence), merged per row at the end. No
+  gathered copy of the whole width, and a row costs its own length, not the longest row's.
+
+``"auto"`` takes ``"blocks"`` for one-token chunks (decode rows) with the reference
+implementation on CPU; elsewhere it takes ``"pool"`` for them when the pool is under twice the
+gathered view (P < 2 * B * W: the gather writes its view, then attention reads it), and
+``"gather"`` for every other chunk. Measured on XLA:CPU, decode_25m, float32, pages of 16, the
+serving benchmark's 200 requests (inputs 16-512, outputs 16-256), against the previous rule
+(``"pool"`` there) in one session: 16 slots 350.4 against 203.8 output tokens/s (time per output
+token 42.6 against 71.9 ms), 8 slots 295.0 against 252.8. One step at a width of 64 pages, rows
+of 16 up to 300 / 700 / 1000 positions: 16 rows 27.2 / 36.2 / 41.6 ms, against 29.0 / 46.0 /
+60.0 for one loop over blocks of all rows up to the longest, 63-64 ms for ``"pool"`` (770 pages)
+and 99-111 ms for ``"gather"``. The pool view's cost grows with rows x pool, the blocks' with
+what the rows hold. On a GPU a loop of small gathers costs a kernel launch and a host round trip
+per iteration, so accelerators keep the earlier rule, unmeasured (their fast path is the Pallas
+kernels below).
 
 With ``view="auto"`` and ``attention_impl="pallas"`` on a GPU or TPU, ``attend`` reads the pages
 with JAX's Pallas paged kernels instead (``ops/paged_attention.py``: decode, and on TPU prefill
-chunks); an explicit ``"gather"`` or ``"pool"`` view always reads them with XLA.
+chunks); an explicit ``"gather"``, ``"pool"`` or ``"blocks"`` view always reads them with XLA.
 
 Page 0 is the null page: never handed out by ``PagePool``, it takes the writes that belong to no
 page (rows not in use, a padded chunk's tail past the pages the table lists), and table entries
@@ -55,11 +70,28 @@ import numpy as np
 
 from transformer_jax.config import ModelConfig
 from transformer_jax.ops import kv_quant, paged_attention
-from transformer_jax.ops.attention import attention, choose_impl, reference_attention
+from transformer_jax.ops.attention import (
+    attention,
+    attention_mask,
+    choose_impl,
+    reference_attention,
+)
+from transformer_jax.ops.chunked_attention import (
+    einsum_f32,
+    online_softmax_init,
+    online_softmax_merge,
+    online_softmax_result,
+    online_softmax_step,
+)
 
 #: The page no sequence owns (see the module docstring).
 NULL_PAGE = 0
-VIEWS = ("auto", "gather", "pool")
+VIEWS = ("auto", "gather", "pool", "blocks")
+#: Positions per key block of the ``"blocks"`` view (``max(1, BLOCK_POSITIONS // page_size)``
+#: pages). On XLA:CPU blocks of 32-64 positions ran fastest (decode_25m, 16 rows of up to 500
+#: positions, pages of 16, one loop over every row's blocks, whole step: 32.6 / 33.5 / 39.6 /
+#: 51.6 ms at 32 / 64 / 128 / 256).
+BLOCK_POSITIONS = 64
 
 
 @flax.struct.dataclass
@@ -74,8 +106,10 @@ class PagedKVCache:
         holds none).
       lengths: [B] int32 positions written per row (the model sets them after a chunk).
       keys_transposed: static; the keys' layout.
-      view: static; how ``attend`` reads the pages (``"auto"``, ``"gather"`` or ``"pool"``, see
-        the module docstring).
+      view: static; how ``attend`` reads the pages (one of ``VIEWS``, see the module
+        docstring).
+      block_positions: static; positions per block of the ``"blocks"`` view (whole pages: at
+        least one).
     """
 
     k: jax.Array | tuple[jax.Array, ...]
@@ -84,6 +118,7 @@ class PagedKVCache:
     lengths: jax.Array
     keys_transposed: bool = flax.struct.field(pytree_node=False, default=False)
     view: str = flax.struct.field(pytree_node=False, default="auto")
+    block_positions: int = flax.struct.field(pytree_node=False, default=BLOCK_POSITIONS)
 
     @classmethod
     def init(cls, config: ModelConfig, num_pages: int, page_size: int, batch: int = 1,
@@ -208,8 +243,11 @@ class PagedKVCache:
                     window=window, keys_transposed=self.keys_transposed)
                 return out, cache
             impl = route.impl
-        if cache.pool_view(q, impl):
+        read = cache.read_view(q, impl)
+        if read == "pool":
             return cache._attend_pool(i, q, positions, window), cache
+        if read == "blocks":
+            return cache._attend_blocks(i, q, positions, window), cache
         # Gathered keys are [B, K, S, H] or [B, K, H, S].
         keys, values = cache._dequantized(*cache.layer(i), q.dtype,
                                           key_axis=-2 if self.keys_transposed else -1)
@@ -230,14 +268,18 @@ class PagedKVCache:
             return keys, values
         return kv_quant.decode(keys, dtype, axis=key_axis), kv_quant.decode(values, dtype)
 
-    def pool_view(self, q: jax.Array, impl: str) -> bool:
-        """Whether ``attend`` reads the whole pool for queries q [B, T, N, H] (see ``view``)."""
+    def read_view(self, q: jax.Array, impl: str) -> str:
+        """How ``attend`` reads the pages for queries q [B, T, N, H]: ``"gather"``, ``"pool"``
+        or ``"blocks"`` (``view``, or the ``"auto"`` rule of the module docstring)."""
         if self.view != "auto":
-            return self.view == "pool"
+            return self.view
+        if q.shape[1] != 1 or not (
+                impl == "xla" or (impl == "auto" and choose_impl(q, q[:, :, :1]) == "xla")):
+            return "gather"
+        if jax.default_backend() == "cpu":
+            return "blocks"
         b, w = self.page_table.shape
-        if q.shape[1] != 1 or self.num_pages >= 2 * b * w:
-            return False
-        return impl == "xla" or (impl == "auto" and choose_impl(q, q[:, :, :1]) == "xla")
+        return "pool" if self.num_pages < 2 * b * w else "gather"
 
     def _attend_pool(self, i: int | jax.Array, q: jax.Array, positions: jax.Array,
                      window: int | None) -> jax.Array:
@@ -268,6 +310,85 @@ class PagedKVCache:
                                   mask.reshape(1, b * t, p * ps),
                                   keys_transposed=self.keys_transposed)
         return out.reshape(b, t, n, h)
+
+    def _attend_blocks(self, i: int | jax.Array, q: jax.Array, positions: jax.Array,
+                       window: int | None) -> jax.Array:
+        """Every row's queries over its own pages of layer i, a block of pages at a time
+        (``"blocks"`` view).
+
+        Block j of a row holds its positions [j * bk, (j + 1) * bk). Each row needs its blocks
+        from the first any of its queries sees (0 without a window) to that of its furthest
+        query; these (row, block) items, listed row after row, are taken B at a time in a
+        loop that stops after the last, so a short row costs its own blocks, not the longest
+        row's. Each item gives a partial softmax (``online_softmax_step`` from the empty
+        carry); the partials are merged per row at the end (``online_softmax_merge``).
+        """
+        b, t, n, h = q.shape
+        k_pool, v_pool = self.k[i], self.v[i]  # [K, P, ps, H] (keys [K, H, P, ps])
+        kv, p, ps = v_pool.shape[0], v_pool.shape[1], v_pool.shape[2]
+        g, hs = n // kv, v_pool.shape[-1]  # hs: the stored head axis (H + 2 when int8)
+        per_block = max(1, self.block_positions // ps)
+        bk = per_block * ps
+        num_blocks = -(-self.page_table.shape[1] // per_block)
+        table = jnp.pad(self.page_table,
+                        ((0, 0), (0, num_blocks * per_block - self.page_table.shape[1])),
+                        constant_values=NULL_PAGE)
+        last = jnp.minimum(positions.max(axis=1) // bk, num_blocks - 1)  # [B]
+        first = jnp.zeros_like(last) if window is None else jnp.clip(
+            (positions.min(axis=1) - window + 1) // bk, 0, last)
+        ends = jnp.cumsum(last - first + 1)
+        capacity = b * num_blocks  # the most items: every row at the full width
+        item = jnp.arange(capacity, dtype=jnp.int32)
+        owner = jnp.minimum(jnp.searchsorted(ends, item, side="right"), b - 1)  # [U]
+        live = item < ends[-1]  # the items past the last are masked (and kept in range)
+        block_of = jnp.where(live, first[owner] + item - (ends - (last - first + 1))[owner], 0)
+        dtype = q.dtype if self.int8 else v_pool.dtype
+        qg = q.astype(dtype).reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(
+            b, kv, g * t, h)
+        v_flat = v_pool.reshape(kv, p, ps * hs)
+        k_flat = k_pool if self.keys_transposed else k_pool.reshape(kv, p, ps * hs)
+        spec = "RQH,RHS->RQS" if self.keys_transposed else "RQH,RSH->RQS"
+
+        def items(carry):
+            step, partials = carry
+            at = step * b
+            own = jax.lax.dynamic_slice_in_dim(owner, at, b)
+            blocks = jax.lax.dynamic_slice_in_dim(block_of, at, b)
+            pages = table[own[:, None], blocks[:, None] * per_block + jnp.arange(per_block)]
+            pages = pages.reshape(-1)  # [B * per_block]: the items' pages, item after item
+            # Whole pages along the pool axis, [K, B * per_block, ...] -> [B, K, bk, H].
+            values = jnp.take(v_flat, pages, axis=1, mode="clip").reshape(kv, b, bk, hs)
+            values = values.swapaxes(0, 1)
+            if self.keys_transposed:  # [K, H, B * per_block, ps] -> [B, K, H, bk]
+                keys = jnp.take(k_flat, pages, axis=2, mode="clip").reshape(kv, hs, b, bk)
+                keys = keys.transpose(2, 0, 1, 3)
+            else:
+                keys = jnp.take(k_flat, pages, axis=1, mode="clip").reshape(kv, b, bk, hs)
+                keys = keys.swapaxes(0, 1)
+            keys, values = self._dequantized(keys, values, q.dtype,
+                                             key_axis=-2 if self.keys_transposed else -1)
+            # One batch axis R = items x K of [G * T, H] queries (faster on XLA:CPU than two).
+            logits = einsum_f32(spec, qg[own].reshape(b * kv, g * t, h),
+                                keys.reshape(b * kv, *keys.shape[2:])) * h ** -0.5
+            k_pos = blocks[:, None] * bk + jnp.arange(bk, dtype=jnp.int32)  # [B, bk]
+            mask = attention_mask(positions[own], k_pos, window=window)  # [B, T, bk]
+            mask &= jax.lax.dynamic_slice_in_dim(live, at, b)[:, None, None]
+            logits = jnp.where(mask[:, None, None], logits.reshape(b, kv, g, t, bk), -jnp.inf)
+            part = online_softmax_step(online_softmax_init((b * kv, g * t), h),
+                                       logits.reshape(b * kv, g * t, bk),
+                                       values.reshape(b * kv, bk, h))
+            partials = tuple(jax.lax.dynamic_update_slice_in_dim(whole, x, at * kv, 0)
+                             for whole, x in zip(partials, part, strict=True))
+            return step + 1, partials
+
+        _, partials = jax.lax.while_loop(
+            lambda carry: carry[0] * b < ends[-1], items,
+            (jnp.int32(0), online_softmax_init((capacity * kv, g * t), h)))
+        # Partial r is item r // K's kv head r % K: row owner * K + head. Items the loop did not
+        # reach keep the empty carry, which the merge weighs 0.
+        rows = (owner[:, None] * kv + jnp.arange(kv, dtype=jnp.int32)).reshape(-1)
+        out, _ = online_softmax_result(online_softmax_merge(partials, rows, b * kv), q.dtype)
+        return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
     def write(self, i: int | jax.Array, k: jax.Array, v: jax.Array,
               positions: jax.Array) -> PagedKVCache:

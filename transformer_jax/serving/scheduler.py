@@ -10,9 +10,10 @@ Each step it plans (``schedule``):
    oldest waiting request when a slot is free and the pool has pages for its whole prompt
    (after the full pages the prefix cache already holds for it, which it shares).
 
-Then ``commit`` takes the step's tokens: running requests get theirs, a prompt whose last chunk
-ran gets its first, finished requests give back their pages and slot, and full pages are named
-in the prefix cache. Everything here is plain Python and numpy; ``step.py`` runs the device part.
+Then ``commit_prefill`` and ``commit_decodes`` take the step's tokens: a prompt whose last chunk
+ran gets its first, running requests get theirs, finished requests give back their pages and
+slot, and full pages are named in the prefix cache. Everything here is plain Python and
+numpy; ``step.py`` runs the device part.
 """
 
 from __future__ import annotations
@@ -244,23 +245,30 @@ class Scheduler:
         rows, sampler = _row_sampling(row_reqs, vocab_size)
         return decode, prefill, rows, sampler
 
-    def commit(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray
-               ) -> list[tuple[Request, TokenEvent]]:
-        """Applies the step's [R] tokens and log-probabilities; the events to deliver."""
+    def commit_prefill(self, plan: StepPlan, token: np.integer, logprob: np.floating
+                       ) -> list[tuple[Request, TokenEvent]]:
+        """Applies the step's prefill chunk (its sampled token and log-probability): a prompt
+        whose last chunk ran starts running with its first token; the events to deliver."""
+        req = plan.prefill
+        if req is None:
+            return []
+        req.cached += plan.chunk
+        if req.cached != req.prefill_target:
+            self._name_pages(req)
+            return []
+        self.prefilling = None
+        req.state = State.RUNNING
+        bisect.insort(self.running, req, key=lambda r: r.id)
+        return [self._emit(req, token, logprob)]
+
+    def commit_decodes(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray
+                       ) -> list[tuple[Request, TokenEvent]]:
+        """Applies the step's decode rows ([B] tokens and log-probabilities, by slot); the
+        events to deliver."""
         events = []
         for req in plan.decodes:
             req.cached += 1
             events.append(self._emit(req, tokens[req.slot], logprobs[req.slot]))
-        req = plan.prefill
-        if req is not None:
-            req.cached += plan.chunk
-            if req.cached == req.prefill_target:
-                self.prefilling = None
-                req.state = State.RUNNING
-                bisect.insort(self.running, req, key=lambda r: r.id)
-                events.append(self._emit(req, tokens[-1], logprobs[-1]))
-            else:
-                self._name_pages(req)
         return events
 
     def _emit(self, req: Request, token: np.integer, logprob: np.floating

@@ -10,10 +10,11 @@ program:
   head at its last real token only (``logits_at``), whose logits give the prompt's first token
   when the chunk ends it.
 
-An engine step with both runs the decode program, then the chunk's: in one program, XLA:CPU
-copied every layer's page pool to write the chunk in place after the decode rows had read it, a
-cost that grew with the pool (decode_25m, 9 rows of 8 pages and a 16-token chunk: 44, 120 and
-197 ms a step at 80, 562 and 1,200 pages, against 19-29 ms for the decode rows alone).
+An engine step with both runs them as two programs, the chunk's first (so a prompt's first token
+is out before the decode rows end): in one program, XLA:CPU copied every layer's page pool to
+write the chunk in place after the decode rows had read it, a cost that grew with the pool
+(decode_25m, 9 rows of 8 pages and a 16-token chunk: 44, 120 and 197 ms a step at 80, 562 and
+1,200 pages, against 19-29 ms for the decode rows alone).
 
 Then every row's next token is drawn by ``sampling.sample_with_logprobs`` with that row's own
 settings and key ``fold_in(key, token index)``, as ``generate`` draws token i of a prompt. The
