@@ -60,8 +60,10 @@ def test_quantized_decode_equals_float_decode_over_the_dequantised_weights(param
     config = TINY.replace(tie_embeddings=tied)
     p = {k: v for k, v in params.items() if not (tied and k == "lm_head")}
     weights = decode.prepare(config, p, quant=quant)
-    # int4's group: the largest power of two up to 64 dividing every input width (H = 8).
-    assert weights.quant.group_size == (8 if quant == "int4" else None)
+    # int4's groups, per matrix: the largest power of two up to 64 dividing its input width
+    # (D = 32 for the projections in and the table, H = 8 for o_proj, F = 48 for down).
+    want = {"q_proj": 32, "o_proj": 8, "down": 16, "embedding": 32} if quant == "int4" else {}
+    assert {name: weights.quant.group_for(name) for name in want} == want
     dequantised = decode.DecodeWeights(jax.jit(dequantize_params)(weights.params), config,
                                        None, weights.weights_out_first)
     prompts = [[5, 9, 2, 7, 1], [3, 3]]
@@ -86,6 +88,14 @@ def test_prepared_weights_hold_quantised_values_and_scales_only():
         assert dtypes == {jnp.dtype(jnp.int8 if quant == "int8" else jnp.uint8),
                           jnp.dtype(jnp.float32)}
         assert weights.nbytes / float_bytes <= most, (quant, weights.nbytes / float_bytes)
+    # An FFN width that 64 does not divide (F = 688 = 16 x 43) makes only down's groups smaller.
+    odd = config.replace(d_ff=688)
+    per_matrix = decode.abstract_weights(odd, quant="int4")
+    assert dict(per_matrix.quant.groups)["down"] == 16
+    assert {g for n, g in per_matrix.quant.groups if n != "down"} == {64}
+    ratio = per_matrix.nbytes / decode.abstract_weights(odd).nbytes
+    assert ratio <= 0.15 < decode.abstract_weights(odd, quant="int4:16").nbytes / \
+        decode.abstract_weights(odd).nbytes, ratio
 
 
 def test_engine_serves_quantised_weights_and_int8_pages_as_generate_does(params):

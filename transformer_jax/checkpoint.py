@@ -446,10 +446,12 @@ class CheckpointManager:
 
 def _retry_listing(fn: Callable[[], T], tries: int = 20) -> T:
     """Runs ``fn`` (which lists the step directories) again when a step vanished meanwhile:
-    orbax stats each step it lists, which fails if a live run deletes one in between."""
+    orbax stats each step it lists, which fails if a live run deletes one in between (as
+    FileNotFoundError, or NotADirectoryError when it goes between orbax's ``exists`` and
+    ``is_dir``)."""
     for _ in range(tries - 1):
         try:
             return fn()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             time.sleep(0.02)
     return fn()

@@ -10,8 +10,9 @@ products and the embedding lookup take a quantised weight as they take a float o
 - ``"int4"`` / ``"int4:G"``: one scale per output channel and group of G consecutive inputs
   along the matrix's last input axis (D, or H for o_proj, F for down; the token table's D),
   values packed two to a byte (``PackedInt4``). G must be even and divide that width, and with
-  a tensor split each shard's part of it; ``"int4"`` takes the largest power of two up to 64
-  that does.
+  a tensor split each shard's part of it; ``"int4"`` takes, for each matrix, the largest power
+  of two up to 64 that divides its width (so one odd width, say F = 688, makes only ``down``'s
+  groups smaller).
 - ``"nf4"`` / ``"nf4:G"``: as int4, with the 16 NormalFloat levels of QLoRA (qwix's nf4).
 
 Norm gains and biases stay float (they are a few vectors). With a stacked (scanned) layout each
@@ -50,12 +51,14 @@ class WeightQuant:
 
     Attributes:
       scheme: ``"int8"`` (per output channel) or ``"int4"`` (per output channel and group).
-      group_size: G, int4's group of consecutive inputs sharing a scale; None for int8, and
-        for int4 until ``for_model`` picks it.
+      group_size: G, int4's group of consecutive inputs sharing a scale, for every matrix;
+        None for int8, and for int4 picked per matrix by ``for_model``.
+      groups: ``for_model``'s per-matrix picks, ((leaf name, G), ...) sorted; empty otherwise.
     """
 
     scheme: str = "int8"
     group_size: int | None = None
+    groups: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -71,8 +74,13 @@ class WeightQuant:
 
     @property
     def name(self) -> str:
-        """The spelling ``parse_quant`` reads: ``"int8"`` or ``"int4:G"``."""
+        """The spelling ``parse_quant`` reads: ``"int8"``, ``"int4"`` (groups per matrix) or
+        ``"int4:G"``."""
         return self.scheme if self.group_size is None else f"{self.scheme}:{self.group_size}"
+
+    def group_for(self, name: str) -> int | None:
+        """G of the weight with this leaf name (None for int8)."""
+        return dict(self.groups).get(name, self.group_size)
 
 
 def parse_quant(quant: str | WeightQuant | None) -> WeightQuant | None:
@@ -117,31 +125,36 @@ def grouped_widths(config: ModelConfig, shards: int = 1) -> dict[str, int]:
 
 def for_model(config: ModelConfig, quant: WeightQuant | None, shards: int = 1
               ) -> WeightQuant | None:
-    """``quant`` for this model split over T = ``shards``: int4 without a group size gets the
-    largest power of two up to ``DEFAULT_GROUP_SIZE`` dividing every grouped width.
+    """``quant`` for this model split over T = ``shards``: int4 without a group size gets, for
+    each matrix, the largest power of two up to ``DEFAULT_GROUP_SIZE`` dividing its grouped
+    width (per shard).
 
     Raises:
       ValueError: int4's group size does not divide a grouped width (per shard).
     """
     if quant is None or quant.scheme not in GROUPED:
         return quant
-    if quant.group_size is None:
-        widths = grouped_widths(config, shards)
-        g = DEFAULT_GROUP_SIZE
-        while g > 2 and any(w % g for w in widths.values()):
-            g //= 2
-        if g < DEFAULT_GROUP_SIZE:  # one group size for every matrix: the odd width sets it
-            odd = [f"{n} ({w})" for n, w in widths.items() if w % DEFAULT_GROUP_SIZE]
-            logger.info("quant %s: group size %d, not %d, since %d does not divide the input "
-                        "width of %s (smaller groups carry more scales: more bytes per weight)",
-                        quant.scheme, g, DEFAULT_GROUP_SIZE, DEFAULT_GROUP_SIZE, ", ".join(odd))
-        quant = WeightQuant(quant.scheme, g)
-    g = quant.group_size
-    bad = [f"{name} ({width})" for name, width in grouped_widths(config, shards).items()
-           if width % g]
+    widths = grouped_widths(config, shards)
+    if quant.group_size is None and not quant.groups:
+        picks = {}
+        for name, width in widths.items():
+            g = DEFAULT_GROUP_SIZE
+            while g > 2 and width % g:
+                g //= 2
+            picks[name] = g
+        small = [f"{n} ({widths[n]}: {g})" for n, g in picks.items() if g < DEFAULT_GROUP_SIZE]
+        if small:  # smaller groups carry more scales: more bytes per weight
+            logger.info("quant %s: groups of %d inputs, but fewer for the input widths that "
+                        "%d does not divide: %s", quant.scheme, DEFAULT_GROUP_SIZE,
+                        DEFAULT_GROUP_SIZE, ", ".join(small))
+        quant = WeightQuant(quant.scheme, None, tuple(sorted(picks.items())))
+    bad = [f"{name} ({width})" for name, width in widths.items()
+           if width % quant.group_for(name)]
     if bad:
         per = f" per shard of {shards}" if shards > 1 else ""
-        raise ValueError(f"quant {quant.scheme} group_size={g} does not divide the input "
+        what = (f"group_size={quant.group_size}" if quant.group_size is not None
+                else "a group size (even)")
+        raise ValueError(f"quant {quant.scheme} {what} does not divide the input "
                          f"width{per} of {', '.join(bad)}; pick a group size that divides them")
     return quant
 
@@ -172,7 +185,7 @@ def quantize_weight(w: jax.Array, name: str, quant: WeightQuant, *, stacked: boo
     if quant.scheme == "int8":
         return qwix.quantize(w, jnp.int8, channelwise_axes=channel)
     q = qwix.quantize(w, jnp.int4 if quant.scheme == "int4" else "nf4",
-                      channelwise_axes=channel, tiled_axes={grouped: quant.group_size})
+                      channelwise_axes=channel, tiled_axes={grouped: quant.group_for(name)})
     return pack_int4(q, grouped)
 
 
