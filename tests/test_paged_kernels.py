@@ -32,7 +32,8 @@ from transformer_jax.config import ModelConfig
 from transformer_jax.model import init_params
 from transformer_jax.ops import paged_attention as pa
 from transformer_jax.serving import Engine, SamplingParams, step
-from transformer_jax.serving.paged_cache import NULL_PAGE, PagedKVCache, pages_for
+from transformer_jax.serving.page_pool import NULL_PAGE, pages_for
+from transformer_jax.serving.paged_cache import PagedKVCache
 
 B, S_MAX = 3, 24  # decode rows, positions a row may hold before its query
 LAYER = 1

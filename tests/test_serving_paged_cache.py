@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from transformer_jax.config import ModelConfig
 from transformer_jax.kv_cache import KVCache
-from transformer_jax.serving.paged_cache import NULL_PAGE, PagedKVCache, PagePool, pages_for
+from transformer_jax.serving.page_pool import NULL_PAGE, PagePool, pages_for
+from transformer_jax.serving.paged_cache import PagedKVCache
 from transformer_jax.serving.prefix_cache import PrefixCache, page_digests
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from transformer_jax.config import ModelConfig
 from transformer_jax.decode import DecodeWeights
 from transformer_jax.serving import Engine, SamplingParams
-from transformer_jax.serving.paged_cache import pages_for
+from transformer_jax.serving.page_pool import pages_for
 
 
 def run_stall(config: ModelConfig, weights: DecodeWeights, *, slots: int, token_budget: int,

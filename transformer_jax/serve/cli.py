@@ -123,7 +123,7 @@ def pool_pages(args: argparse.Namespace, config: Any) -> int:
     import jax
 
     from transformer_jax.kv_cache import cache_bytes
-    from transformer_jax.serving.paged_cache import pages_for
+    from transformer_jax.serving.page_pool import pages_for
 
     if args.memory_fraction is None:
         return args.pages or 1 + args.slots * pages_for(config.max_seq_len, args.page_size)

@@ -7,7 +7,8 @@ the requests' stop strings come from ``text.py``.
 """
 
 from transformer_jax.serving.engine import Engine
-from transformer_jax.serving.paged_cache import PagedKVCache, PagePool
+from transformer_jax.serving.page_pool import PagePool
+from transformer_jax.serving.paged_cache import PagedKVCache
 from transformer_jax.serving.prefix_cache import PrefixCache
 from transformer_jax.serving.requests import Completion, SamplingParams, TokenEvent
 

@@ -40,7 +40,8 @@ from transformer_jax.decode import (
 )
 from transformer_jax.prompts import is_int, validate_prompts
 from transformer_jax.serving import step as step_lib
-from transformer_jax.serving.paged_cache import PagedKVCache, pages_for
+from transformer_jax.serving.page_pool import pages_for
+from transformer_jax.serving.paged_cache import PagedKVCache
 from transformer_jax.serving.requests import (
     Completion,
     Request,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from transformer_jax.serving.paged_cache import PagePool
+from transformer_jax.serving.page_pool import PagePool
 
 
 def page_digests(tokens: Sequence[int], page_size: int, known: list[bytes] | None = None

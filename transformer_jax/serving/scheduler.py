@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from transformer_jax.serving.paged_cache import NULL_PAGE, PagePool, pages_for
+from transformer_jax.serving.page_pool import NULL_PAGE, PagePool, pages_for
 from transformer_jax.serving.prefix_cache import PrefixCache, page_digests
 from transformer_jax.serving.requests import Request, State, TokenEvent
 from transformer_jax.serving.step import DecodeRows, PrefillChunk, RowSampling, Sampler
