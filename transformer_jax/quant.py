@@ -152,10 +152,12 @@ def for_model(config: ModelConfig, quant: WeightQuant | None, shards: int = 1
            if width % quant.group_for(name)]
     if bad:
         per = f" per shard of {shards}" if shards > 1 else ""
-        what = (f"group_size={quant.group_size}" if quant.group_size is not None
-                else "a group size (even)")
-        raise ValueError(f"quant {quant.scheme} {what} does not divide the input "
-                         f"width{per} of {', '.join(bad)}; pick a group size that divides them")
+        if quant.group_size is None:  # the picks: an odd width has no even group size
+            raise ValueError(f"quant {quant.scheme} needs an even group size dividing the input "
+                             f"width{per} of {', '.join(bad)}; no such width can be grouped")
+        raise ValueError(f"quant {quant.scheme} group_size={quant.group_size} does not divide "
+                         f"the input width{per} of {', '.join(bad)}; pick a group size that "
+                         "divides them")
     return quant
 
 

@@ -21,7 +21,6 @@ import dataclasses
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -136,7 +135,6 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
         self.steps = 0
-        self.step_seconds = 0.0
 
     # Thread-safe requests --------------------------------------------------------------------
 
@@ -215,7 +213,6 @@ class Engine:
         if plan is None:
             return delivered
         decode, prefill, rows, sampler = sched.inputs(plan, self.config.vocab_size)
-        start = time.perf_counter()
         b = sched.num_slots
         # The chunk, then the decode rows: two programs (``step.py`` says why), both dispatched
         # before either result is read. A prompt's first token goes out as soon as the chunk's
@@ -224,17 +221,12 @@ class Engine:
         chunk = None if prefill is None else self._run(None, prefill, _rows(rows, b, b + 1),
                                                        sampler)
         rows_out = self._run(decode, None, _rows(rows, 0, b), sampler) if plan.decodes else None
-        waited = 0.0
         if chunk is not None:
             tokens, logprobs = jax.device_get(chunk)
-            waited = time.perf_counter() - start
             delivered += self._deliver(sched.commit_prefill(plan, tokens[0], logprobs[0]))
         if rows_out is not None:
-            resumed = time.perf_counter()
             tokens, logprobs = jax.device_get(rows_out)
-            waited += time.perf_counter() - resumed
             delivered += self._deliver(sched.commit_decodes(plan, tokens, logprobs))
-        self.step_seconds += waited
         self.steps += 1
         return delivered
 

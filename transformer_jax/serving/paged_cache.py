@@ -36,11 +36,11 @@ serving benchmark's 200 requests (inputs 16-512, outputs 16-256), against the pr
 (``"pool"`` there) in one session: 16 slots 350.4 against 203.8 output tokens/s (time per output
 token 42.6 against 71.9 ms), 8 slots 295.0 against 252.8. One step at a width of 64 pages, rows
 of 16 up to 300 / 700 / 1000 positions: 16 rows 27.2 / 36.2 / 41.6 ms, against 29.0 / 46.0 /
-60.0 for one loop over blocks of all rows up to the longest, 63-64 ms for ``"pool"`` (770 pages)
-and 99-111 ms for ``"gather"``. The pool view's cost grows with rows x pool, the blocks' with
-what the rows hold. On a GPU a loop of small gathers costs a kernel launch and a host round trip
-per iteration, so accelerators keep the earlier rule, unmeasured (their fast path is the Pallas
-kernels below).
+60.0 for one loop over blocks of all rows up to the longest; in another run, rows of a third up
+to all of 300 / 500 / 700 positions, ``"pool"`` (770 pages) took 63-64 ms and ``"gather"``
+99-111 ms. The pool view's cost grows with rows x pool, the blocks' with what the rows hold. On
+a GPU a loop of small gathers costs a kernel launch and a host round trip per iteration, so
+accelerators keep the earlier rule, unmeasured (their fast path is the Pallas kernels below).
 
 With ``view="auto"`` and ``attention_impl="pallas"`` on a GPU or TPU, ``attend`` reads the pages
 with JAX's Pallas paged kernels instead (``ops/paged_attention.py``: decode, and on TPU prefill
@@ -182,15 +182,22 @@ class PagedKVCache:
         return self.replace(page_table=jnp.asarray(page_table, jnp.int32),
                             lengths=jnp.asarray(lengths, jnp.int32))
 
-    def layer(self, i: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+    def layer(self, i: int | jax.Array, table: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array]:
         """Layer i's keys and values of every row, gathered through the page table.
 
+        Args:
+          i: the layer.
+          table: optional [R, n] pages to gather instead of ``page_table`` (the blocks view
+            gathers a block of pages per item).
+
         Returns:
-          ([B, K, W * page_size, H] keys ([B, K, H, W * page_size] when transposed),
-          [B, K, W * page_size, H] values): slot s of row b holds its position s.
+          ([R, K, n * page_size, H] keys ([R, K, H, n * page_size] when transposed),
+          [R, K, n * page_size, H] values): slot s of row r holds the position s of its pages.
         """
-        b = self.page_table.shape[0]
-        flat = self.page_table.reshape(-1)
+        table = self.page_table if table is None else table
+        b = table.shape[0]
+        flat = table.reshape(-1)
         k_pool, v_pool = self.k[i], self.v[i]  # [K, P, ps, H] (keys [K, H, P, ps])
         kv, h = v_pool.shape[0], v_pool.shape[-1]
         # Whole pages taken along the pool axis ([K, P, ps * H] -> [K, B * W, ps * H]), then B
@@ -319,9 +326,9 @@ class PagedKVCache:
         carry); the partials are merged per row at the end (``online_softmax_merge``).
         """
         b, t, n, h = q.shape
-        k_pool, v_pool = self.k[i], self.v[i]  # [K, P, ps, H] (keys [K, H, P, ps])
-        kv, p, ps = v_pool.shape[0], v_pool.shape[1], v_pool.shape[2]
-        g, hs = n // kv, v_pool.shape[-1]  # hs: the stored head axis (H + 2 when int8)
+        v_pool = self.v[i]  # [K, P, ps, H]
+        kv, ps = v_pool.shape[0], v_pool.shape[2]
+        g = n // kv
         per_block = max(1, self.block_positions // ps)
         bk = per_block * ps
         num_blocks = -(-self.page_table.shape[1] // per_block)
@@ -331,17 +338,16 @@ class PagedKVCache:
         last = jnp.minimum(positions.max(axis=1) // bk, num_blocks - 1)  # [B]
         first = jnp.zeros_like(last) if window is None else jnp.clip(
             (positions.min(axis=1) - window + 1) // bk, 0, last)
-        ends = jnp.cumsum(last - first + 1)
+        counts = last - first + 1  # [B] items per row
+        ends = jnp.cumsum(counts)
         capacity = b * num_blocks  # the most items: every row at the full width
         item = jnp.arange(capacity, dtype=jnp.int32)
         owner = jnp.minimum(jnp.searchsorted(ends, item, side="right"), b - 1)  # [U]
         live = item < ends[-1]  # the items past the last are masked (and kept in range)
-        block_of = jnp.where(live, first[owner] + item - (ends - (last - first + 1))[owner], 0)
+        block_of = jnp.where(live, first[owner] + item - (ends - counts)[owner], 0)
         dtype = q.dtype if self.int8 else v_pool.dtype
         qg = q.astype(dtype).reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(
             b, kv, g * t, h)
-        v_flat = v_pool.reshape(kv, p, ps * hs)
-        k_flat = k_pool if self.keys_transposed else k_pool.reshape(kv, p, ps * hs)
         spec = "RQH,RHS->RQS" if self.keys_transposed else "RQH,RSH->RQS"
 
         def items(carry):
@@ -349,17 +355,9 @@ class PagedKVCache:
             at = step * b
             own = jax.lax.dynamic_slice_in_dim(owner, at, b)
             blocks = jax.lax.dynamic_slice_in_dim(block_of, at, b)
-            pages = table[own[:, None], blocks[:, None] * per_block + jnp.arange(per_block)]
-            pages = pages.reshape(-1)  # [B * per_block]: the items' pages, item after item
-            # Whole pages along the pool axis, [K, B * per_block, ...] -> [B, K, bk, H].
-            values = jnp.take(v_flat, pages, axis=1, mode="clip").reshape(kv, b, bk, hs)
-            values = values.swapaxes(0, 1)
-            if self.keys_transposed:  # [K, H, B * per_block, ps] -> [B, K, H, bk]
-                keys = jnp.take(k_flat, pages, axis=2, mode="clip").reshape(kv, hs, b, bk)
-                keys = keys.transpose(2, 0, 1, 3)
-            else:
-                keys = jnp.take(k_flat, pages, axis=1, mode="clip").reshape(kv, b, bk, hs)
-                keys = keys.swapaxes(0, 1)
+            # The items' pages, [B, per_block] -> [B, K, bk, H] keys and values.
+            keys, values = self.layer(i, table[own[:, None], blocks[:, None] * per_block
+                                               + jnp.arange(per_block)])
             keys, values = self._dequantized(keys, values, q.dtype,
                                              key_axis=-2 if self.keys_transposed else -1)
             # One batch axis R = items x K of [G * T, H] queries (faster on XLA:CPU than two).
