@@ -17,7 +17,7 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from transformer_jax import decode  # noqa: E402
+from transformer_jax.decode import loop as decode  # noqa: E402
 
 __all__ = ["FAST_COMPILE"]
 

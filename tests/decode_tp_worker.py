@@ -15,9 +15,11 @@ import sys
 import jax
 import numpy as np
 
-from transformer_jax import decode, generation, sharding
-from transformer_jax.config import ModelConfig
-from transformer_jax.model import init_params, stack_blocks
+from transformer_jax.decode import generation
+from transformer_jax.decode import loop as decode
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.transformer import init_params, stack_blocks
+from transformer_jax.parallel import sharding
 
 BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=48,
             max_seq_len=64, init_std=0.2)

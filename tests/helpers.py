@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from transformer_jax.config import ModelConfig
+from transformer_jax.model.config import ModelConfig
 
 # The tests check values, not speed: XLA:CPU code generation without LLVM optimisations and
 # without the fusion emitters compiles several times faster and computes the same values (to

@@ -30,13 +30,14 @@ import jax
 import numpy as np
 from helpers import with_fast_flags
 
-from transformer_jax import data, distributed
-from transformer_jax import sharding as sh
-from transformer_jax.checkpoint import CheckpointManager
-from transformer_jax.config import ModelConfig
-from transformer_jax.model import stack_blocks, unstack_blocks
-from transformer_jax.train_config import TrainConfig
-from transformer_jax.train_step import make_init_fn, make_train_step
+from transformer_jax.checkpoint.manager import CheckpointManager
+from transformer_jax.data import batches as data
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.transformer import stack_blocks, unstack_blocks
+from transformer_jax.parallel import distributed
+from transformer_jax.parallel import sharding as sh
+from transformer_jax.train.config import TrainConfig
+from transformer_jax.train.step import make_init_fn, make_train_step
 
 CONFIG = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8,
                      head_dim=8, d_ff=128, max_seq_len=32)
@@ -261,7 +262,7 @@ def _load_init_from(path: str, out: Path) -> None:
     a mesh spanning the processes; process 0 writes the gathered params to ``out``."""
     from jax.experimental import multihost_utils
 
-    from transformer_jax import loading
+    from transformer_jax.checkpoint import loading
 
     source = loading.locate(path)  # files only: fine before or after jax.distributed starts
     mesh = sh.make_mesh(sh.MeshConfig(4, 2, 1))

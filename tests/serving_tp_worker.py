@@ -12,9 +12,9 @@ import json
 import jax
 import numpy as np
 
-from transformer_jax import sharding
-from transformer_jax.config import ModelConfig
-from transformer_jax.model import init_params
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.transformer import init_params
+from transformer_jax.parallel import sharding
 from transformer_jax.serving import Engine, SamplingParams
 
 BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import FAST_COMPILE, numpy_attention
 
-from transformer_jax.ops import attention as attn
+from transformer_jax.model.ops import attention as attn
 
 
 def _rng(seed=0):

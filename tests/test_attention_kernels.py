@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.ops import attention as attn
+from transformer_jax.model.ops import attention as attn
 
 pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
 

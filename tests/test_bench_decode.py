@@ -8,8 +8,8 @@ import math
 
 import multihost_worker as worker
 
-from transformer_jax.config import ModelConfig
-from transformer_jax.kv_cache import cache_bytes
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.kv_cache import cache_bytes
 
 MODEL = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
              d_ff=48, max_seq_len=64)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
-from transformer_jax.checkpoint import (
+from transformer_jax.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
     CheckpointMismatchError,
@@ -38,9 +38,9 @@ def assert_trees_equal(a, b) -> None:
 @pytest.fixture(scope="module")
 def states():
     """A freshly initialised state and the state after 3 train steps (Adam moments non-zero)."""
-    from transformer_jax.config import ModelConfig
-    from transformer_jax.train_config import TrainConfig
-    from transformer_jax.train_step import make_init_fn, make_train_step
+    from transformer_jax.model.config import ModelConfig
+    from transformer_jax.train.config import TrainConfig
+    from transformer_jax.train.step import make_init_fn, make_train_step
 
     MODEL = ModelConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=2, d_ff=64,
                         max_seq_len=16)
@@ -206,13 +206,14 @@ def test_damaged_latest_checkpoint_is_set_aside_and_the_previous_restored(tmp_pa
     save_steps(tmp_path, (1, 2, 3))
     DAMAGE[damage](tmp_path / "3")
     files_before = sorted(str(f.relative_to(tmp_path / "3")) for f in (tmp_path / "3").rglob("*"))
-    with caplog.at_level(logging.WARNING, logger="transformer_jax.checkpoint"), \
+    with caplog.at_level(logging.WARNING, logger="transformer_jax.checkpoint.manager"), \
             CheckpointManager(tmp_path, keep=5) as ckpt:
         state, meta = ckpt.restore(TINY)
     assert meta["step"] == 2
     assert_trees_equal(state, tiny_state(2))
     # One line names the damaged checkpoint and why; one says what was restored instead.
-    messages = [r.getMessage() for r in caplog.records if r.name == "transformer_jax.checkpoint"]
+    messages = [r.getMessage() for r in caplog.records
+                if r.name == "transformer_jax.checkpoint.manager"]
     assert len(messages) == 2 and all("\n" not in m for m in messages), messages
     assert f"{tmp_path / '3'} is damaged" in messages[0] and "3.damaged-1" in messages[0]
     assert str(tmp_path / "2") in messages[1]
@@ -280,9 +281,9 @@ def test_another_model_is_named_before_any_array_is_read(tmp_path):
 
 
 def test_resuming_with_another_model_names_the_differences(tmp_path, states):
-    from transformer_jax.config import ModelConfig
-    from transformer_jax.train_config import TrainConfig
-    from transformer_jax.train_step import make_init_fn
+    from transformer_jax.model.config import ModelConfig
+    from transformer_jax.train.config import TrainConfig
+    from transformer_jax.train.step import make_init_fn
 
     _, _, state, _ = states
     with CheckpointManager(tmp_path, keep=2) as ckpt:

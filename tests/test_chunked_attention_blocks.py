@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import FAST_COMPILE
 
-from transformer_jax.ops import attention as attn
+from transformer_jax.model.ops import attention as attn
 
 # name: (T, S, first query position, block_q, block_k)
 CASES = {

@@ -5,7 +5,6 @@ nothing is accepted silently (``python -m transformer_jax.bench memory``, ``trai
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import jax
@@ -13,13 +12,12 @@ import numpy as np
 import pytest
 
 from transformer_jax.bench import memory as bench_memory
-from transformer_jax.config import ModelConfig
-from transformer_jax.sharding import configure_cpu_devices
-from transformer_jax.train_config import ConfigError, TrainConfig, build_configs, config_help
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.parallel.sharding import configure_cpu_devices
+from transformer_jax.train.config import ConfigError, TrainConfig, build_configs, config_help
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import train  # noqa: E402  (the top-level CLI script)
+from transformer_jax.cli import train  # noqa: E402  (the train command)
 
 SMALL = ["--config", "tiny", "--mesh", "1,1,1", "--batch", "1", "--seq", "16", "--no-compile"]
 
@@ -141,7 +139,7 @@ def test_configure_cpu_devices_refuses_what_it_used_to_change():
 
 
 def test_no_memory_check_reaches_the_run(monkeypatch, capsys):
-    from transformer_jax.training import RunSummary
+    from transformer_jax.train.run import RunSummary
 
     calls = []
 

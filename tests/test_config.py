@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from transformer_jax import ModelConfig, param_count
-from transformer_jax.config import RopeScaling, load_toml, parse_override, preset_names
+from transformer_jax.model.config import RopeScaling, load_toml, parse_override, preset_names
 
 # Published parameter counts of the released checkpoints.
 PUBLISHED = {

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transformer_jax import corpus, data
+from transformer_jax.data import batches as data
+from transformer_jax.data import corpus
 from transformer_jax.tokenizer import Tokenizer, read_utf8
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from helpers import write_chatml_tokenizer
 
+from transformer_jax.cli import data as data_cli
 from transformer_jax.data import build as build_lib
 from transformer_jax.data import shards
 from transformer_jax.data.sources import BadInput
@@ -100,14 +101,15 @@ def test_every_kind_is_read_and_held_out_by_document(corpus, tmp_path):
 
 _SLOW_BUILD = """
 import sys, time
-from transformer_jax.data import build, sources
+from transformer_jax.cli import data as data_cli
+from transformer_jax.data import sources
 documents = sources.documents
 def slow(piece, *a):
     for d in documents(piece, *a):
         time.sleep(0.004)
         yield d
 sources.documents = slow
-sys.exit(build.main(sys.argv[1:]))
+sys.exit(data_cli.main(sys.argv[1:]))
 """
 
 
@@ -117,7 +119,7 @@ def test_a_build_killed_and_run_again_equals_an_uninterrupted_one(corpus, tmp_pa
             str(root / "tok"), "--shard-mb", "0.0005", "--val-fraction", "0.1",
             "--no-progress"]
     whole = tmp_path / "whole"
-    assert build_lib.main([*args, "--out", str(whole)]) == 0
+    assert data_cli.main([*args, "--out", str(whole)]) == 0
     killed = tmp_path / "killed"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_BUILD, *args, "--out", str(killed)],
@@ -130,7 +132,7 @@ def test_a_build_killed_and_run_again_equals_an_uninterrupted_one(corpus, tmp_pa
     partial = _files(killed)
     assert "metadata.json" not in partial and "shard-00001.json" in partial
     assert any(".tmp" in name for name in partial)  # killed while writing a shard
-    assert build_lib.main([*args, "--out", str(killed)]) == 0
+    assert data_cli.main([*args, "--out", str(killed)]) == 0
     assert _files(killed) == _files(whole)
     assert shards.read_metadata(whole)["val_docs"] > 0
 
@@ -148,7 +150,7 @@ def test_bad_inputs_are_named_in_one_line(corpus, tmp_path, capsys):
         build_lib.build([str(tmp_path / "nofield.jsonl")], out, tok, progress=False)
     with pytest.raises(BadInput, match=r"b.parquet: no column 'text' \(columns: body\)"):
         build_lib.build([str(root / "b.parquet")], out, tok, progress=False)
-    code = build_lib.main(["build", "--input", str(tmp_path / "empty.txt"), "--out", str(out),
+    code = data_cli.main(["build", "--input", str(tmp_path / "empty.txt"), "--out", str(out),
                            "--tokenizer", str(root / "tok")])
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()

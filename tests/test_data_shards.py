@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from helpers import TINY, write_chatml_tokenizer
 
-from transformer_jax import data as data_lib
-from transformer_jax import training
-from transformer_jax.checkpoint import ensure_writable_dir
+from transformer_jax.checkpoint.manager import ensure_writable_dir
+from transformer_jax.data import batches as data_lib
 from transformer_jax.data import build as build_lib
 from transformer_jax.data import shards
-from transformer_jax.run_data import prepare_data, prepare_shard_data
 from transformer_jax.tokenizer import load_tokenizer
-from transformer_jax.train_config import DataConfig, TrainConfig
+from transformer_jax.train import run as training
+from transformer_jax.train.config import DataConfig, TrainConfig
+from transformer_jax.train.data import prepare_data, prepare_shard_data
 
 WORDS = [f"w{i}" for i in range(40)]
 SEQ = 16

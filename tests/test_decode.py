@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 from helpers import FAST_COMPILE, TINY
 
-from transformer_jax import decode, generation, kv_cache
-from transformer_jax import prompts as prompt_lib
-from transformer_jax.config import ModelConfig
-from transformer_jax.kv_cache import KVCache
-from transformer_jax.model import Transformer, init_params
+from transformer_jax.decode import generation
+from transformer_jax.decode import loop as decode
+from transformer_jax.decode import prompts as prompt_lib
+from transformer_jax.model import kv_cache
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.kv_cache import KVCache
+from transformer_jax.model.transformer import Transformer, init_params
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
 
@@ -168,7 +170,7 @@ def _prefill_both_ways(config, params, tokens, max_len):
 
 def _layer0_kv(config, params, tokens):
     """Layer 0's [B, T, K, H] keys (rotated) and values, from the ops alone."""
-    from transformer_jax import ops
+    from transformer_jax.model import ops
 
     p = params["blocks"] if config.scan_layers else params["blocks_0"]
     if config.scan_layers:

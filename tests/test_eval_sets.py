@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 from helpers import TINY, write_chatml_tokenizer
 
-from transformer_jax import training
-from transformer_jax.eval_sets import document_windows, load_eval_set, load_eval_sets
-from transformer_jax.model import Transformer, init_params
-from transformer_jax.plot import plot_run, read_metrics
-from transformer_jax.run_data import RunData
-from transformer_jax.run_eval import evaluate, evaluate_and_sample
-from transformer_jax.run_log import RunLog
+from transformer_jax.data.eval_sets import document_windows, load_eval_set, load_eval_sets
+from transformer_jax.model.transformer import Transformer, init_params
 from transformer_jax.tokenizer import load_tokenizer
-from transformer_jax.train_config import DataConfig, TrainConfig
-from transformer_jax.train_step import make_eval_step, make_init_fn
+from transformer_jax.train import run as training
+from transformer_jax.train.config import DataConfig, TrainConfig
+from transformer_jax.train.data import RunData
+from transformer_jax.train.log import RunLog
+from transformer_jax.train.plot import plot_run, read_metrics
+from transformer_jax.train.step import make_eval_step, make_init_fn
+from transformer_jax.train.validation import evaluate, evaluate_and_sample
 
 WORDS = "the cat dog sat ran on a mat red blue big small".split()
 DOCS = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(n))

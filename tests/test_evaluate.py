@@ -21,11 +21,11 @@ from helpers import CHATML_SPECIALS, random_hf_model, write_chatml_tokenizer
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
+from transformer_jax.cli.evaluate import main as evaluate_main
 from transformer_jax.evaluate import scoring
-from transformer_jax.evaluate.cli import main as evaluate_main
 from transformer_jax.evaluate.harness import JaxLM
 from transformer_jax.evaluate.local_tasks import write_multiple_choice_task, write_rolling_task
-from transformer_jax.model import Transformer
+from transformer_jax.model.transformer import Transformer
 
 WORDS = "the cat dog sat ran on a mat log red blue big small is yes no one two three".split()
 MAX_LEN = 32  # the model's window, so that the rolling task needs several windows

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from helpers import FAST_COMPILE, FAST_XLA_FLAGS, TINY
 
-from transformer_jax import decode, export, generation
-from transformer_jax import prompts as prompt_lib
-from transformer_jax.model import init_params
+from transformer_jax.decode import export, generation
+from transformer_jax.decode import loop as decode
+from transformer_jax.decode import prompts as prompt_lib
+from transformer_jax.model.transformer import init_params
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
 
@@ -63,7 +64,7 @@ def test_reloaded_in_a_fresh_process_equals_the_jitted_path(exported, params, tm
         cases.append((tokens, lengths, keys))
     script = textwrap.dedent(f"""
         import flax.serialization, numpy as np
-        from transformer_jax import export
+        from transformer_jax.decode import export
         fn = export.load({str(tmp_path / "generate.export")!r})
         params = flax.serialization.msgpack_restore(
             open({str(tmp_path / "params.msgpack")!r}, "rb").read())

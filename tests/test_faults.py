@@ -17,16 +17,15 @@ import numpy as np
 import pytest
 from helpers import FAST_XLA_FLAGS, TINY_RUN_ARGS
 
-from transformer_jax import training
-from transformer_jax.checkpoint import CheckpointManager
-from transformer_jax.config import ModelConfig
-from transformer_jax.train_config import DataConfig, TrainConfig
+from transformer_jax.checkpoint.manager import CheckpointManager
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.train import run as training
+from transformer_jax.train.config import DataConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import train  # noqa: E402  (the top-level CLI script)
+from transformer_jax.cli import train  # noqa: E402  (the train command)
 
-generate_cli = importlib.import_module("transformer_jax.generate")
+generate_cli = importlib.import_module("transformer_jax.cli.generate")
 
 
 

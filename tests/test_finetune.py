@@ -26,15 +26,18 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-from transformer_jax import hf_export, instruct, loading, lora  # noqa: E402
-from transformer_jax import sharding as sharding_lib  # noqa: E402
-from transformer_jax.checkpoint import CheckpointManager  # noqa: E402
-from transformer_jax.config import ModelConfig  # noqa: E402
-from transformer_jax.model import Transformer, init_params  # noqa: E402
-from transformer_jax.optim import decay_mask  # noqa: E402
-from transformer_jax.train_config import ConfigError, TrainConfig, build_configs  # noqa: E402
-from transformer_jax.train_step import ParamsLayout, make_init_fn, make_loss_fn  # noqa: E402
-from transformer_jax.training import run  # noqa: E402
+from transformer_jax.checkpoint import loading  # noqa: E402
+from transformer_jax.checkpoint.manager import CheckpointManager  # noqa: E402
+from transformer_jax.cli import export as hf_export  # noqa: E402
+from transformer_jax.data import instruct  # noqa: E402
+from transformer_jax.model import lora  # noqa: E402
+from transformer_jax.model.config import ModelConfig  # noqa: E402
+from transformer_jax.model.transformer import Transformer, init_params  # noqa: E402
+from transformer_jax.parallel import sharding as sharding_lib  # noqa: E402
+from transformer_jax.train.config import ConfigError, TrainConfig, build_configs  # noqa: E402
+from transformer_jax.train.optim import decay_mask  # noqa: E402
+from transformer_jax.train.run import run  # noqa: E402
+from transformer_jax.train.step import ParamsLayout, make_init_fn, make_loss_fn  # noqa: E402
 
 # The runs of this module (run() called again, init_from) share compiled programs.
 pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
@@ -150,7 +153,7 @@ def _export_and_compare(run_dir: Path, out: Path) -> None:
     """Export, transformers' logits = ours, and init_from of the export = its weights exactly."""
     # The checkpoints/ directory: hf_export takes a run directory's config.json for a HF one.
     checkpoints = run_dir / "checkpoints"
-    assert hf_export.main(["export", "--checkpoint", str(checkpoints), "--out", str(out)]) == 0
+    assert hf_export.main(["--checkpoint", str(checkpoints), "--out", str(out)]) == 0
     loaded = loading.load(checkpoints, with_tokenizer=False)
     config, merged = loaded.config, loaded.params
     np.testing.assert_allclose(_hf_logits(out), _logits(config, merged), atol=TOL, rtol=0)

@@ -15,13 +15,14 @@ import jax.numpy as jnp
 import pytest
 from helpers import FAST_COMPILE, FAST_XLA_FLAGS, TINY
 
-from transformer_jax import decode, generation
-from transformer_jax.model import init_params
+from transformer_jax.decode import generation
+from transformer_jax.decode import loop as decode
+from transformer_jax.model.transformer import init_params
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
 
 # The package exports the function ``generate``; the CLI is the module of the same name.
-cli = importlib.import_module("transformer_jax.generate")
+cli = importlib.import_module("transformer_jax.cli.generate")
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = TINY
@@ -104,8 +105,8 @@ def test_streamer_prints_each_step_as_it_arrives(capsys):
 
 def test_orbax_checkpoint_of_a_training_run(tmp_path, params, tokenizer_file, capsys):
     optax = pytest.importorskip("optax")
-    from transformer_jax.checkpoint import CheckpointManager
-    from transformer_jax.train_step import TrainState
+    from transformer_jax.checkpoint.manager import CheckpointManager
+    from transformer_jax.train.step import TrainState
 
     state = TrainState(step=jnp.int32(7), params=params, opt_state=optax.adam(1e-3).init(params),
                        rng=jnp.zeros(2, jnp.uint32))
@@ -163,9 +164,10 @@ def test_package_attribute_generate_is_callable_before_and_after_importing_the_c
     script = textwrap.dedent("""
         import types
         import transformer_jax
-        from transformer_jax import decode, generation
-        from transformer_jax.config import ModelConfig
-        from transformer_jax.model import init_params
+        from transformer_jax.decode import loop as decode
+        from transformer_jax.decode import generation
+        from transformer_jax.model.config import ModelConfig
+        from transformer_jax.model.transformer import init_params
         config = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=16,
                              max_seq_len=16)
         params = init_params(config, 0)

@@ -30,8 +30,8 @@ transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from transformer_jax import hf  # noqa: E402  (needs the optional extra checked above)
-from transformer_jax.config import ModelConfig, RopeScaling  # noqa: E402
-from transformer_jax.model import Transformer  # noqa: E402
+from transformer_jax.model.config import ModelConfig, RopeScaling  # noqa: E402
+from transformer_jax.model.transformer import Transformer  # noqa: E402
 
 B, T, V, D = 2, 16, 128, 64
 TOL = 1e-4
@@ -432,7 +432,7 @@ def test_blocks_read_from_the_hf_layout_equal_the_converted_tensor(spec):
 
 
 def test_load_onto_a_one_device_mesh_equals_the_plain_load(base_checkpoint):
-    from transformer_jax import sharding
+    from transformer_jax.parallel import sharding
 
     mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
     for scan in (False, True):
@@ -445,7 +445,7 @@ def test_load_onto_a_one_device_mesh_equals_the_plain_load(base_checkpoint):
 
 
 def test_bad_input_fails_before_any_array_is_made(base_checkpoint, tmp_path, monkeypatch):
-    from transformer_jax import sharding
+    from transformer_jax.parallel import sharding
 
     mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
 

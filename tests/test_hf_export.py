@@ -11,7 +11,6 @@ Needs the ``hf`` extra (torch, transformers, safetensors); skipped without it.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import subprocess
 import sys
@@ -26,12 +25,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from transformer_jax import hf, hf_export, lora  # noqa: E402
-from transformer_jax.checkpoint import CheckpointManager  # noqa: E402
-from transformer_jax.config import ModelConfig, load_toml  # noqa: E402
-from transformer_jax.model import Transformer, init_params, stack_blocks  # noqa: E402
+from transformer_jax import hf  # noqa: E402
+from transformer_jax.checkpoint.manager import CheckpointManager  # noqa: E402
+from transformer_jax.cli import export as hf_export  # noqa: E402
+from transformer_jax.model import lora  # noqa: E402
+from transformer_jax.model.config import ModelConfig, load_toml  # noqa: E402
+from transformer_jax.model.transformer import Transformer, init_params, stack_blocks  # noqa: E402
 from transformer_jax.tokenizer import Tokenizer  # noqa: E402
-from transformer_jax.train_config import build_configs  # noqa: E402
+from transformer_jax.train.config import build_configs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-4
@@ -98,7 +99,7 @@ def test_export_of_a_run_loads_in_transformers_and_back(tmp_path, tokenizer):
     params = init_params(config, jax.random.key(0))
     run = _run_dir(tmp_path / "run", config, params, tokenizer)
     out = tmp_path / "hf"
-    assert hf_export.main(["export", "--checkpoint", str(run), "--out", str(out)]) == 0
+    assert hf_export.main(["--checkpoint", str(run), "--out", str(out)]) == 0
 
     assert float(np.max(np.abs(_theirs(out, config) - _ours(config, params)))) < TOL
     loaded_config, loaded = hf.load(out)
@@ -114,7 +115,7 @@ def test_export_of_a_run_loads_in_transformers_and_back(tmp_path, tokenizer):
     assert saved["eos_token_id"] == tokenizer.eos_id
 
     # The generate CLI finds the tokenizer in the export and runs.
-    generate = importlib.import_module("transformer_jax.generate")  # the package's name is taken
+    from transformer_jax.cli import generate
     assert generate.main(["--checkpoint", str(out), "--prompt", "the quick",
                           "--max-new-tokens", "3", "--json"]) == 0
 
@@ -129,7 +130,7 @@ def test_lora_run_is_merged_on_export(tmp_path, tokenizer):
     tree = {lora.BASE: lora.freeze_base(base, jnp.bfloat16), lora.ADAPTERS: adapters}
     run = _run_dir(tmp_path / "run", config, tree, tokenizer, lora_config=cfg)
     out = tmp_path / "hf"
-    assert hf_export.main(["export", "--checkpoint", str(run / "checkpoints" / "2"),
+    assert hf_export.main(["--checkpoint", str(run / "checkpoints" / "2"),
                            "--out", str(out)]) == 0
 
     merged = jax.tree.map(lambda x: x.astype(jnp.float32),
@@ -158,7 +159,7 @@ def test_reexport_of_a_hf_dir_through_the_module_cli(tmp_path, tokenizer):
 
 
 def test_export_errors_are_named(tmp_path, tokenizer, capsys):
-    assert hf_export.main(["export", "--checkpoint", str(tmp_path / "nope"),
+    assert hf_export.main(["--checkpoint", str(tmp_path / "nope"),
                            "--out", str(tmp_path / "o")]) == 1
     assert "does not exist" in capsys.readouterr().err
     config = _config(tokenizer)
@@ -167,7 +168,7 @@ def test_export_errors_are_named(tmp_path, tokenizer, capsys):
     manager = CheckpointManager(run / "checkpoints", async_save=False)
     manager.save(1, {"params": {lora.BASE: params, lora.ADAPTERS: {}}},
                  meta={"model": dataclasses.asdict(config)})
-    assert hf_export.main(["export", "--checkpoint", str(run), "--out",
+    assert hf_export.main(["--checkpoint", str(run), "--out",
                            str(tmp_path / "o")]) == 1
     assert "no meta['lora']" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

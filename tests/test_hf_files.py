@@ -16,8 +16,8 @@ import pytest
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from transformer_jax import hf  # noqa: E402  (needs the optional extra checked above)
-from transformer_jax.config import ModelConfig  # noqa: E402
-from transformer_jax.files import read_json, replacing_directory  # noqa: E402
+from transformer_jax.model.config import ModelConfig  # noqa: E402
+from transformer_jax.storage.files import read_json, replacing_directory  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32,
                      max_seq_len=64, norm="rms", norm_position="pre", ffn="swiglu",

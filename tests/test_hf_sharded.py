@@ -35,8 +35,9 @@ def _worker_parity(spec: dict) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from transformer_jax import hf, sharding
-    from transformer_jax.model import Transformer
+    from transformer_jax import hf
+    from transformer_jax.model.transformer import Transformer
+    from transformer_jax.parallel import sharding
 
     tokens = jnp.asarray(np.load(spec["tokens"]))
     out: dict = {}
@@ -79,7 +80,8 @@ def _worker_memory(spec: dict) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from transformer_jax import hf, sharding
+    from transformer_jax import hf
+    from transformer_jax.parallel import sharding
 
     mesh = sharding.make_mesh(sharding.MeshConfig(1, 8, 1))
     jax.block_until_ready([jax.device_put(jnp.ones(4), d) for d in jax.devices()])
@@ -135,8 +137,8 @@ import multihost_worker as worker  # noqa: E402
 from helpers import random_hf_model  # noqa: E402
 
 from transformer_jax import hf  # noqa: E402
-from transformer_jax.config import ModelConfig  # noqa: E402
-from transformer_jax.model import abstract_params  # noqa: E402
+from transformer_jax.model.config import ModelConfig  # noqa: E402
+from transformer_jax.model.transformer import abstract_params  # noqa: E402
 
 WORKER = Path(__file__)
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from helpers import CHATML
 
-from transformer_jax import instruct
-from transformer_jax.instruct import (
+from transformer_jax.data import instruct
+from transformer_jax.data.instruct import (
     Example,
     InstructionDataError,
     PackedBatches,
@@ -192,7 +192,7 @@ def test_batch_keys_shift_and_loss_mask_respects_segments():
 
 def test_too_long_example_is_truncated_with_a_warning(caplog):
     examples = make_examples([30, 3])  # loss on tokens 15..29 of the first
-    with caplog.at_level(logging.WARNING, logger="transformer_jax.instruct"):
+    with caplog.at_level(logging.WARNING, logger="transformer_jax.data.instruct"):
         data = pack(examples, seq_len=7)
     assert "1 of 2 examples is longer than seq_len + 1 = 8 tokens" in caplog.text
     assert data.num_truncated == 1

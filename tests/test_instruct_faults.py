@@ -11,11 +11,11 @@ import pytest
 from helpers import write_chatml_tokenizer
 from test_instruct import CharTokenizer, write_jsonl
 
-from transformer_jax import instruct
-from transformer_jax.config import ModelConfig
-from transformer_jax.instruct import InstructionDataError, count, load_examples, pack
-from transformer_jax.run_data import prepare_instruction_data
-from transformer_jax.train_config import DataConfig, TrainConfig
+from transformer_jax.data import instruct
+from transformer_jax.data.instruct import InstructionDataError, count, load_examples, pack
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.train.config import DataConfig, TrainConfig
+from transformer_jax.train.data import prepare_instruction_data
 
 
 def loss_targets(data) -> int:
@@ -30,7 +30,7 @@ def test_a_long_prompt_keeps_the_completion_and_the_bos(tmp_path, caplog):
     records = [{"prompt": f"{i}: " + "long context " * 6, "completion": f" answer {i}"}
                for i in range(30)]
     path = write_jsonl(tmp_path / "long.jsonl", records)
-    with caplog.at_level(logging.WARNING, logger="transformer_jax.instruct"):
+    with caplog.at_level(logging.WARNING, logger="transformer_jax.data.instruct"):
         data = instruct.load_instruction_data(path, tok, seq_len=32)
     assert data.num_examples == 30 and data.num_truncated == 30 and data.num_dropped == 0
     # Every completion and its eos is trained on, whole.
@@ -73,7 +73,7 @@ def _tokenizer_dir(directory: Path) -> Path:
 def test_a_run_whose_data_carry_no_loss_token_is_an_error_before_any_step(tmp_path):
     """A row of 3 tokens holds only the template's head of each conversation: before, the run
     trained 0% of the tokens (loss 0.0000) and exited 0."""
-    from transformer_jax import training
+    from transformer_jax.train import run as training
 
     records = [{"messages": [{"role": "user", "content": "why ? why ?"},
                              {"role": "assistant", "content": "because yes"}]}] * 8

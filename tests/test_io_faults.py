@@ -30,19 +30,24 @@ import pytest
 import read_only
 from helpers import CHATML, FAST_COMPILE, write_chatml_tokenizer
 
-from transformer_jax import files, generation, hf_export, instruct, lora, plot
-from transformer_jax.checkpoint import CHECKSUMS_FILE, CheckpointManager
-from transformer_jax.config import ModelConfig
-from transformer_jax.model import init_params
+from transformer_jax.checkpoint.manager import CHECKSUMS_FILE, CheckpointManager
+from transformer_jax.cli import export as hf_export
+from transformer_jax.data import instruct
+from transformer_jax.decode import generation
+from transformer_jax.model import lora
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.transformer import init_params
+from transformer_jax.storage import files
 from transformer_jax.tokenizer import ChatTemplate, Tokenizer, load_tokenizer
-from transformer_jax.train_config import ConfigError, build_configs
+from transformer_jax.train import plot as plot_lib
+from transformer_jax.train.config import ConfigError, build_configs
 
 pytest.importorskip("safetensors")
 tokenizers = pytest.importorskip("tokenizers")
 from transformer_jax import hf  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
-cli = importlib.import_module("transformer_jax.generate")  # the package's name is the function
+cli = importlib.import_module("transformer_jax.cli.generate")  # the package's name is the function
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -133,7 +138,7 @@ def test_export_never_writes_over_a_run_and_asks_before_replacing_other_files(
     for out in (run, run / "checkpoints", run / "checkpoints" / "2", run / "tokenizer",
                 run / "tb"):
         for extra in ([], ["--overwrite"]):
-            assert hf_export.main(["export", "--checkpoint", str(run), "--out", str(out),
+            assert hf_export.main(["--checkpoint", str(run), "--out", str(out),
                                    *extra]) == 1, out
             assert "training run" in _one_line_error(capsys.readouterr().err)
     assert _tree_state(run) == before  # the run's config.json and every other file untouched
@@ -141,17 +146,17 @@ def test_export_never_writes_over_a_run_and_asks_before_replacing_other_files(
     other = tmp_path / "notes"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    assert hf_export.main(["export", "--checkpoint", str(run), "--out", str(other)]) == 1
+    assert hf_export.main(["--checkpoint", str(run), "--out", str(other)]) == 1
     line = _one_line_error(capsys.readouterr().err)
     assert "notes.txt" in line and "not an earlier export" in line and "--overwrite" in line
     assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
-    assert hf_export.main(["export", "--checkpoint", str(run), "--out", str(other),
+    assert hf_export.main(["--checkpoint", str(run), "--out", str(other),
                            "--overwrite"]) == 0
     assert hf.load(other)[0].n_layers == CONFIG.n_layers
 
     inside = run / "hf"  # beside the run's files, not over them
     for _ in range(2):  # the second time over an earlier export: no --overwrite needed
-        assert hf_export.main(["export", "--checkpoint", str(run), "--out", str(inside)]) == 0
+        assert hf_export.main(["--checkpoint", str(run), "--out", str(inside)]) == 0
     assert sorted(p.name for p in run.iterdir()) == sorted(
         [Path(k).name for k in before if Path(k).parent == run] + ["hf"])
 
@@ -192,10 +197,9 @@ def test_chat_stops_at_the_end_of_the_turn_and_needs_a_template(tmp_path, hf_dir
     assert "chat template" in _one_line_error(capsys.readouterr().err)
 
 
-def test_readme_generates_from_a_fine_tuned_model_with_chat():
-    readme = (ROOT / "README.md").read_text()
-    fine_tuning = readme[readme.index("## Fine-tuning"):readme.index("## Seeing a run")]
-    (line,) = [ln for ln in fine_tuning.splitlines() if "transformer_jax.generate" in ln]
+def test_the_docs_generate_from_a_fine_tuned_model_with_chat():
+    fine_tuning = (ROOT / "docs" / "fine-tuning.md").read_text()
+    (line,) = [ln for ln in fine_tuning.splitlines() if ln.startswith("transformer-jax generate")]
     assert "--chat" in line.split()
 
 
@@ -205,7 +209,7 @@ def test_generate_tensor_parallel_from_training_run_checkpoints(run, lora_run, p
     """--tensor 2 on a run and --tensor 0 (every device: 2 here) on a LoRA run, one process."""
     script = textwrap.dedent(f"""
         import importlib
-        cli = importlib.import_module("transformer_jax.generate")
+        cli = importlib.import_module("transformer_jax.cli.generate")
         common = ["--prompt-ids", "3,1,4", "--prompt-ids", "1,5", "--max-new-tokens", "4",
                   "--no-stop", "--json"]
         assert cli.main(["--checkpoint", {str(run)!r}, "--tensor", "2", *common]) == 0
@@ -236,9 +240,11 @@ def test_generate_export_init_from_and_plot_read_a_read_only_run(tmp_path, param
     before = _tree_state(run)
     script = textwrap.dedent(f"""
         import contextlib, importlib, io, json, traceback
-        from transformer_jax import hf_export, plot, training
-        from transformer_jax.train_config import build_configs
-        generate = importlib.import_module("transformer_jax.generate")
+        from transformer_jax.cli import export as hf_export
+        from transformer_jax.cli import plot as plot_cli
+        from transformer_jax.train import run as training
+        from transformer_jax.train.config import build_configs
+        generate = importlib.import_module("transformer_jax.cli.generate")
         run, out, ro_out = {str(run)!r}, {str(out)!r}, {str(tmp_path / "ro_out")!r}
 
         def init_from():
@@ -252,12 +258,12 @@ def test_generate_export_init_from_and_plot_read_a_read_only_run(tmp_path, param
         calls = {{
             "generate": lambda: generate.main(["--checkpoint", run, "--prompt-ids", "1,2",
                                                "--max-new-tokens", "2", "--json"]),
-            "export": lambda: hf_export.main(["export", "--checkpoint", run,
+            "export": lambda: hf_export.main(["--checkpoint", run,
                                               "--out", out + "/hf"]),
-            "export_to_read_only": lambda: hf_export.main(["export", "--checkpoint", run,
+            "export_to_read_only": lambda: hf_export.main(["--checkpoint", run,
                                                            "--out", ro_out + "/hf"]),
-            "plot": lambda: plot.main([run]),
-            "plot_out": lambda: plot.main([run, "--out", out + "/loss.png"]),
+            "plot": lambda: plot_cli.main([run]),
+            "plot_out": lambda: plot_cli.main([run, "--out", out + "/loss.png"]),
             "init_from": init_from,
         }}
         results = {{}}
@@ -314,7 +320,7 @@ def test_written_files_get_the_umask_mode(tmp_path, umask, params, tokenizer):
     written += list((tmp_path / "sharded").glob("model-*.safetensors"))
     assert len(written) > 5
     run = save_run(tmp_path / "run", params, tokenizer)
-    written += [plot.plot_run(run), run / "checkpoints" / "2" / CHECKSUMS_FILE]
+    written += [plot_lib.plot_run(run), run / "checkpoints" / "2" / CHECKSUMS_FILE]
     assert {str(p): mode(p) for p in written} == {str(p): file_mode for p in written}
 
 
@@ -334,7 +340,7 @@ def test_finetune_preset_seq_len_gives_way_to_a_short_context(tmp_path, params, 
                                                              caplog):
     short = save_run(tmp_path / "short", params, tokenizer, config=CONFIG.replace(max_seq_len=256))
     init = [f"train.init_from={short}", f"data.path={tmp_path / 'chat.jsonl'}"]
-    with caplog.at_level(logging.INFO, logger="transformer_jax.train_config"):
+    with caplog.at_level(logging.INFO, logger="transformer_jax.train.config"):
         model, train, _ = build_configs("finetune", init)
     assert (model.max_seq_len, train.seq_len) == (256, 256)
     assert "seq_len=1024" in caplog.text and "max_seq_len=256" in caplog.text

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from helpers import TINY
 
-from transformer_jax.config import ModelConfig, load_toml
-from transformer_jax.kv_cache import KVCache, cache_bytes
-from transformer_jax.ops import kv_quant
+from transformer_jax.model.config import ModelConfig, load_toml
+from transformer_jax.model.kv_cache import KVCache, cache_bytes
+from transformer_jax.model.ops import kv_quant
 from transformer_jax.serving.paged_cache import PagedKVCache
 
 B, T = 2, 12

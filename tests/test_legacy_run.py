@@ -10,10 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from transformer_jax import hf, training
-from transformer_jax.checkpoint import CheckpointManager
-from transformer_jax.config import ModelConfig
-from transformer_jax.train_config import build_configs
+from transformer_jax import hf
+from transformer_jax.checkpoint.manager import CheckpointManager
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.train import run as training
+from transformer_jax.train.config import build_configs
 
 LEGACY = Path(__file__).parent / "data" / "legacy_run"
 # The command that wrote it (its README), continued to 6 steps.
@@ -60,7 +61,7 @@ def test_a_legacy_run_resumes_where_it_stopped(legacy):
 
 
 def test_a_legacy_run_exports_its_weights(legacy):
-    from transformer_jax.hf_export import export
+    from transformer_jax.cli.export import export
 
     out = export(legacy / "run", legacy / "hf", use_tokenizer=False)
     config, params = hf.load(out)

@@ -7,7 +7,7 @@ import optax
 import pytest
 from helpers import FAST_COMPILE
 
-from transformer_jax.ops.lm_loss import lm_head_cross_entropy_sums
+from transformer_jax.model.ops.lm_loss import lm_head_cross_entropy_sums
 
 
 def _full_sums(x, head, targets, mask, z_loss, head_layout):
@@ -58,7 +58,7 @@ def test_chunked_loss_equals_full_loss_and_gradients(head_layout, chunk_size, ma
 
 
 def test_matches_training_cross_entropy_sums():
-    from transformer_jax.loss import cross_entropy_sums  # noqa: PLC0415
+    from transformer_jax.train.loss import cross_entropy_sums  # noqa: PLC0415
 
     x, head, targets, mask = _inputs(seed=1)
     logits = jnp.einsum("BTD,DV->BTV", x, head)

@@ -24,11 +24,13 @@ import numpy as np
 import pytest
 import read_only
 
-from transformer_jax import checkpoint, loading, lora
-from transformer_jax import sharding as sh
-from transformer_jax.checkpoint import CheckpointError, CheckpointManager
-from transformer_jax.config import ModelConfig
-from transformer_jax.model import init_params, stack_blocks
+from transformer_jax.checkpoint import loading
+from transformer_jax.checkpoint import manager as checkpoint
+from transformer_jax.checkpoint.manager import CheckpointError, CheckpointManager
+from transformer_jax.model import lora
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.transformer import init_params, stack_blocks
+from transformer_jax.parallel import sharding as sh
 from transformer_jax.tokenizer import Tokenizer
 
 pytest.importorskip("safetensors")
@@ -181,7 +183,7 @@ def test_locate_reads_no_weights_and_starts_no_jax_backend(tmp_path, params, tok
             array_file.write_bytes(b"")  # the weights are gone; the metadata stays
     script = textwrap.dedent(f"""
         import jax._src.xla_bridge as xla_bridge
-        from transformer_jax import loading
+        from transformer_jax.checkpoint import loading
         source = loading.locate({str(run)!r})
         assert not xla_bridge.backends_are_initialized()
         print(source.kind, source.meta["step"])
@@ -312,8 +314,8 @@ def test_load_from_a_read_only_mount(tmp_path, run, lora_run, hf_dir, params):
     out.mkdir()
     script = textwrap.dedent(f"""
         import numpy as np, jax
-        from transformer_jax import loading
-        from transformer_jax import sharding as sh
+        from transformer_jax.checkpoint import loading
+        from transformer_jax.parallel import sharding as sh
         mesh = sh.make_mesh(sh.MeshConfig(1, 1, 1))
         for name, path in {{"run": {str(run)!r}, "lora": {str(lora_run[0])!r},
                             "step": {str(run / "checkpoints" / "2")!r},

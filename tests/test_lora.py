@@ -10,10 +10,10 @@ import optax
 import pytest
 from helpers import TINY
 
-from transformer_jax import lora
-from transformer_jax.config import ModelConfig
-from transformer_jax.loss import cross_entropy
-from transformer_jax.model import Transformer, init_params, stack_blocks
+from transformer_jax.model import lora
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.transformer import Transformer, init_params, stack_blocks
+from transformer_jax.train.loss import cross_entropy
 
 CONFIG = TINY.replace(max_seq_len=32)
 D, N, K, H, F, L = 32, 4, 2, 8, 48, 2
@@ -143,7 +143,7 @@ def test_missing_target_param_is_named(base):
 
 
 def test_adapter_shardings_follow_the_target_matrices(base):
-    from transformer_jax import sharding
+    from transformer_jax.parallel import sharding
 
     mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
     config = CONFIG.replace(scan_layers=True)

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transformer_jax import KVCache, ModelConfig, Transformer, init_params
-from transformer_jax.kv_cache import cache_bytes
-from transformer_jax.model import logical_axes, stack_blocks, unstack_blocks
+from transformer_jax.model.kv_cache import cache_bytes
+from transformer_jax.model.transformer import logical_axes, stack_blocks, unstack_blocks
 
 SMALL = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                     max_seq_len=64)

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from helpers import FAST_COMPILE
 
-from transformer_jax import decode
-from transformer_jax.config import ModelConfig
-from transformer_jax.kv_cache import KVCache
-from transformer_jax.loss import cross_entropy_sums
-from transformer_jax.model import Transformer, init_params
-from transformer_jax.ops.lm_loss import lm_head_cross_entropy_sums
-from transformer_jax.train_config import TrainConfig
-from transformer_jax.train_step import make_loss_fn
+from transformer_jax.decode import loop as decode
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.kv_cache import KVCache
+from transformer_jax.model.ops.lm_loss import lm_head_cross_entropy_sums
+from transformer_jax.model.transformer import Transformer, init_params
+from transformer_jax.train.config import TrainConfig
+from transformer_jax.train.loss import cross_entropy_sums
+from transformer_jax.train.step import make_loss_fn
 
 BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=48,
             max_seq_len=64, init_std=0.2)

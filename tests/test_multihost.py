@@ -18,9 +18,9 @@ import multihost_worker as worker
 import numpy as np
 import pytest
 
-from transformer_jax import distributed
-from transformer_jax import sharding as sh
-from transformer_jax.checkpoint import CHECKSUMS_FILE, CheckpointManager, verify_checksums
+from transformer_jax.checkpoint.manager import CHECKSUMS_FILE, CheckpointManager, verify_checksums
+from transformer_jax.parallel import distributed
+from transformer_jax.parallel import sharding as sh
 
 N_PROCESSES, DEVICES_PER_PROCESS = 2, 4
 
@@ -147,7 +147,7 @@ def test_shared_checkpoint_restores_in_one_process(runs):
 def test_init_from_a_lora_run_places_its_merged_params_across_processes(runs):
     # Each process merges the adapters into the base on its host and places its devices'
     # shards; gathered, they are exactly what one process merges.
-    from transformer_jax import loading
+    from transformer_jax.checkpoint import loading
 
     loaded = loading.load(runs["lora_run"], with_tokenizer=False)
     merged = loaded.params

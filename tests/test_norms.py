@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.ops import layer_norm, rms_norm
+from transformer_jax.model.ops import layer_norm, rms_norm
 
 D = 8
 

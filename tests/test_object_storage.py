@@ -101,7 +101,7 @@ def _train(args: list[str], env: dict, cwd: Path, processes: int = 1) -> list[st
 
 
 def _step_params(checkpoints, step: int):
-    from transformer_jax.checkpoint import CheckpointManager
+    from transformer_jax.checkpoint.manager import CheckpointManager
 
     with CheckpointManager(checkpoints, read_only=True) as reader:
         params, _ = reader.restore_params(None, step)
@@ -113,7 +113,7 @@ def pod(bucket, tmp_path_factory):
     from etils import epath
 
     from transformer_jax import storage
-    from transformer_jax.checkpoint_files import disk_steps
+    from transformer_jax.checkpoint.files import disk_steps
     from transformer_jax.data import build
     from transformer_jax.tokenizer import load_tokenizer
 
@@ -173,7 +173,7 @@ def test_two_processes_train_from_the_bucket_with_their_checkpoints_in_it(pod):
 def test_a_resume_on_one_process_skips_the_killed_save_and_equals_a_local_resume(pod):
     from etils import epath
 
-    from transformer_jax.checkpoint_files import disk_steps
+    from transformer_jax.checkpoint.files import disk_steps
 
     log = pod["one"][0]
     assert "resumed from gs://bkt/run/checkpoints/4 (step 4)" in log
@@ -196,10 +196,10 @@ def test_export_and_generate_from_the_bucket(pod, capsys):
 
     from etils import epath
 
-    from transformer_jax import hf_export
+    from transformer_jax.cli import export as hf_export
 
-    generate = importlib.import_module("transformer_jax.generate")
-    assert hf_export.main(["export", "--checkpoint", RUN, "--out", "gs://bkt/hf"]) in (0, None)
+    generate = importlib.import_module("transformer_jax.cli.generate")
+    assert hf_export.main(["--checkpoint", RUN, "--out", "gs://bkt/hf"]) in (0, None)
     names = {p.name for p in epath.Path("gs://bkt/hf").iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
 
@@ -219,8 +219,8 @@ def test_export_and_generate_from_the_bucket(pod, capsys):
 
 
 def test_a_run_in_a_missing_bucket_fails_in_one_line_before_training(bucket):
-    from transformer_jax import training
-    from transformer_jax.train_config import build_configs
+    from transformer_jax.train import run as training
+    from transformer_jax.train.config import build_configs
 
     model, train, data = build_configs("tiny", [*MODEL, "train.steps=1", "train.seq_len=16",
                                                 "train.batch_size=2",

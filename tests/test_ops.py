@@ -11,8 +11,8 @@ from helpers import numpy_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transformer_jax import ops
-from transformer_jax.config import RopeScaling
+from transformer_jax.model import ops
+from transformer_jax.model.config import RopeScaling
 
 SETTINGS = settings(max_examples=30, deadline=None)
 

@@ -27,10 +27,10 @@ from hypothesis import strategies as st
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from transformer_jax import generation
-from transformer_jax.config import ModelConfig
-from transformer_jax.model import init_params
-from transformer_jax.ops import paged_attention as pa
+from transformer_jax.decode import generation
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.ops import paged_attention as pa
+from transformer_jax.model.transformer import init_params
 from transformer_jax.serving import Engine, SamplingParams, step
 from transformer_jax.serving.page_pool import NULL_PAGE, pages_for
 from transformer_jax.serving.paged_cache import PagedKVCache

@@ -14,7 +14,8 @@ import pytest
 pytest.importorskip("matplotlib")
 from matplotlib.image import imread  # noqa: E402
 
-from transformer_jax import plot  # noqa: E402
+from transformer_jax.cli import plot as plot_cli  # noqa: E402
+from transformer_jax.train import plot  # noqa: E402
 
 
 def write_run(run_dir: Path, steps: int = 200, scale: float = 1.0, tokens: int | None = 512,
@@ -111,7 +112,7 @@ def test_cli_with_two_runs_and_a_missing_one(tmp_path):
     assert missing.stderr.strip().splitlines() == [
         f"error: no metrics.jsonl in {tmp_path / 'c'} (is it the run directory of a training "
         "run?)"]
-    assert plot.main([str(a)]) == 0 and (a / "loss.png").is_file()
+    assert plot_cli.main([str(a)]) == 0 and (a / "loss.png").is_file()
     help_text = subprocess.run([*cli, "--help"], capture_output=True, text=True,
                                timeout=120).stdout
     assert "RUN_DIR" in help_text and "--out" in help_text and "examples" in help_text

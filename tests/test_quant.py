@@ -10,11 +10,12 @@ from helpers import FAST_COMPILE, TINY
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transformer_jax import decode, generation
-from transformer_jax.config import ModelConfig, load_toml
-from transformer_jax.model import init_params
-from transformer_jax.ops.quantized import PackedInt4
-from transformer_jax.quant import dequantize, dequantize_params, parse_quant, quantize_weight
+from transformer_jax.decode import generation
+from transformer_jax.decode import loop as decode
+from transformer_jax.model.config import ModelConfig, load_toml
+from transformer_jax.model.ops.quantized import PackedInt4
+from transformer_jax.model.quant import dequantize, dequantize_params, parse_quant, quantize_weight
+from transformer_jax.model.transformer import init_params
 from transformer_jax.serving import Engine, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")

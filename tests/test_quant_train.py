@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from helpers import FAST_COMPILE, TINY
 
-from transformer_jax import lora
-from transformer_jax.config import ModelConfig, load_toml
-from transformer_jax.model import abstract_params, param_count
-from transformer_jax.ops.quantized import PackedInt4
-from transformer_jax.run_setup import check_config
-from transformer_jax.train_config import TrainConfig
-from transformer_jax.train_step import make_init_fn, make_train_step
+from transformer_jax.model import lora
+from transformer_jax.model.config import ModelConfig, load_toml
+from transformer_jax.model.ops.quantized import PackedInt4
+from transformer_jax.model.transformer import abstract_params, param_count
+from transformer_jax.train.checks import check_config
+from transformer_jax.train.config import TrainConfig
+from transformer_jax.train.step import make_init_fn, make_train_step
 
 B, T = 4, 16
 

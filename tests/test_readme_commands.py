@@ -1,5 +1,9 @@
-"""Every ``python train.py ...`` command of README.md runs as written (with a tiny model, a
-tiny corpus and a few steps appended), and every entry point's ``--help`` works."""
+"""Every training command of README.md and docs/*.md runs as written (with a tiny model, a tiny
+corpus and a few steps appended), and every entry point's ``--help`` works.
+
+A training command is a line of a fenced code block that starts ``transformer-jax train`` or
+``python train.py``: the same program (``train.py`` is the alias of ``transformer-jax train``),
+so both are run as ``python ROOT/train.py ARGS``."""
 
 from __future__ import annotations
 
@@ -15,10 +19,13 @@ import pytest
 from helpers import FAST_XLA_FLAGS, with_fast_flags
 
 ROOT = Path(__file__).resolve().parent.parent
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+# How a training command starts, in the documents' two spellings.
+TRAIN_PREFIXES = (("transformer-jax", "train"), ("tjax", "train"), ("python", "train.py"))
 
-# Appended to each README command: later overrides win, so the command's own model size, data
-# and step count are replaced by CI-sized ones (a step count the command gives is kept when it
-# is small, e.g. to reach its profile_steps).
+# Appended to each documented command: later overrides win, so the command's own model size,
+# data and step count are replaced by CI-sized ones (a step count the command gives is kept
+# when it is small, e.g. to reach its profile_steps).
 TINY = ["--no-progress", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
         "model.n_kv_heads=1", "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=16",
         "train.batch_size=8", "train.eval_batches=1", "train.sample_tokens=4",
@@ -26,41 +33,73 @@ TINY = ["--no-progress", "model.d_model=32", "model.n_layers=1", "model.n_heads=
 MAX_STEPS = 30
 
 
-def readme_train_commands() -> list[str]:
-    """The ``python train.py`` lines of README.md's code blocks, comments stripped."""
-    text = (ROOT / "README.md").read_text()
-    commands, fenced = [], False
-    for line in text.splitlines():
-        if line.startswith("```"):
-            fenced = not fenced
-            continue
-        line = line.split("  #")[0].strip()
-        if fenced and line.startswith("python train.py") and "--help" not in line:
-            commands.append(line)
+def train_args(line: str) -> list[str] | None:
+    """The arguments of a training command line (comment stripped), None for another line."""
+    line = line.split("  #")[0].strip()
+    if not line.startswith(tuple(" ".join(prefix) for prefix in TRAIN_PREFIXES)):
+        return None
+    words = shlex.split(line)
+    for prefix in TRAIN_PREFIXES:
+        if tuple(words[:len(prefix)]) == prefix:
+            return words[len(prefix):]
+    return None
+
+
+def documented_train_commands() -> dict[str, tuple[str, ...]]:
+    """``"file: line" -> arguments`` of every training command in the documents' code blocks;
+    one entry per distinct argument list (the README and the docs show some of the same)."""
+    commands: dict[str, tuple[str, ...]] = {}
+    seen: set[tuple[str, ...]] = set()
+    for document in DOCUMENTS:
+        fenced = False
+        for line in document.read_text().splitlines():
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+                continue
+            args = train_args(line) if fenced else None
+            if args is None or "--help" in args or tuple(args) in seen:
+                continue
+            seen.add(tuple(args))
+            commands[f"{document.relative_to(ROOT)}: {line.split('  #')[0].strip()}"] = tuple(args)
     return commands
 
 
+ALL_COMMANDS = documented_train_commands()
 # Commands on a bucket (gs://BUCKET/...) need the GCS emulator and shards in it: their shape is
-# run by test_object_storage (checked below), the rest here as written.
-BUCKET_COMMANDS = [c for c in readme_train_commands() if "gs://" in c]
-COMMANDS = [c for c in readme_train_commands() if "gs://" not in c]
+# run by test_object_storage (checked below). Fine-tuning commands start from a pretrained
+# checkpoint (train.init_from=path/to/hf_model), which test_finetune runs. The rest run here as
+# written.
+BUCKET_COMMANDS = {k: v for k, v in ALL_COMMANDS.items() if any("gs://" in a for a in v)}
+FINETUNE_COMMANDS = {k: v for k, v in ALL_COMMANDS.items()
+                     if k not in BUCKET_COMMANDS and any(a.startswith("train.init_from=")
+                                                         for a in v)}
+COMMANDS = {k: v for k, v in ALL_COMMANDS.items()
+            if k not in BUCKET_COMMANDS and k not in FINETUNE_COMMANDS}
 
 
-def test_the_readme_has_train_commands():
-    assert len(COMMANDS) >= 5
-    assert "python train.py train.steps=50 train.run_dir=runs/quick model.n_layers=2" in COMMANDS
+def test_the_documents_have_train_commands():
+    assert len(COMMANDS) >= 7, list(COMMANDS)
+    assert ("train.steps=50", "train.run_dir=runs/quick", "model.n_layers=2") in COMMANDS.values()
+    readme = [k for k in COMMANDS if k.startswith("README.md: ")]
+    assert "README.md: transformer-jax train train.steps=50 train.run_dir=runs/quick " \
+           "model.n_layers=2" in readme
+    # The commands the multi-device and multi-host branches below exist for.
+    assert any("train.mesh=1,8,1" in v for v in COMMANDS.values())
+    assert any("--coordinator-address" in v for v in COMMANDS.values())
+    assert FINETUNE_COMMANDS and all(("--config", "finetune") == v[:2]
+                                     for v in FINETUNE_COMMANDS.values())
 
 
-def test_the_readme_bucket_commands_are_the_object_storage_tests():
+def test_the_documented_bucket_commands_are_the_object_storage_tests():
     import test_object_storage as storage_test
 
     assert BUCKET_COMMANDS
-    for command in BUCKET_COMMANDS:
+    tested = {a.split("=", 1)[0] for a in (*storage_test.TRAIN,
+                                           f"train.run_dir={storage_test.RUN}")
+              if "=gs://" in a}
+    for command, args in BUCKET_COMMANDS.items():
         # gs://BUCKET/x/y -> the keys set to a bucket path; the storage test sets the same ones.
-        keys = {a.split("=", 1)[0] for a in command.split()[2:] if "=gs://" in a}
-        tested = {a.split("=", 1)[0] for a in (*storage_test.TRAIN,
-                                               f"train.run_dir={storage_test.RUN}")
-                  if "=gs://" in a}
+        keys = {a.split("=", 1)[0] for a in args if "=gs://" in a}
         assert keys and keys <= tested, command
 
 
@@ -79,9 +118,8 @@ def workspace(tmp_path_factory):
     return root, env
 
 
-def ci_sized(command: str, root: Path) -> list[str]:
-    """The README command's arguments plus the tiny overrides."""
-    args = shlex.split(command)[2:]
+def ci_sized(args: tuple[str, ...], root: Path) -> list[str]:
+    """The documented command's arguments plus the tiny overrides."""
     steps = [int(a.split("=", 1)[1]) for a in args if a.startswith("train.steps=")]
     extra = [] if steps and steps[-1] <= MAX_STEPS else ["train.steps=4"]
     return [sys.executable, str(ROOT / "train.py"), *args, *TINY, *extra,
@@ -95,12 +133,13 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_readme_train_command_runs(command, workspace, tmp_path):
+def test_documented_train_command_runs(command, workspace, tmp_path):
     root, env = workspace
-    argv = ci_sized(command, root)
-    if "train.mesh=1,8,1" in command:  # the 8 devices it names, simulated on the CPU
+    args = COMMANDS[command]
+    argv = ci_sized(args, root)
+    if "train.mesh=1,8,1" in args:  # the 8 devices it names, simulated on the CPU
         env = dict(env, XLA_FLAGS=with_fast_flags("--xla_force_host_platform_device_count=8"))
-    if "--coordinator-address" in command:  # host 0 of 2: start host 1 beside it
+    if "--coordinator-address" in args:  # host 0 of 2: start host 1 beside it
         port = str(_free_port())
         argv = [a.replace("127.0.0.1:1234", f"127.0.0.1:{port}") for a in argv]
         other = [a if a != "0" or argv[i - 1] != "--process-id" else "1"
@@ -125,19 +164,27 @@ def test_readme_train_command_runs(command, workspace, tmp_path):
 
 @pytest.mark.parametrize("entry_point", [
     ["train.py"], ["-m", "transformer_jax.generate"], ["-m", "transformer_jax.bench"],
-    ["-m", "transformer_jax.plot"]])
+    ["-m", "transformer_jax.plot"], ["-m", "transformer_jax.cli"],
+    ["-m", "transformer_jax.cli", "train"]], ids=" ".join)
 def test_help_of_every_entry_point(entry_point):
     done = subprocess.run([sys.executable, *entry_point, "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip()
-    if entry_point == ["train.py"]:
+    if entry_point in (["train.py"], ["-m", "transformer_jax.cli", "train"]):
         assert "shakespeare_char" in done.stdout  # the presets
         assert "train.warmup_steps: int = -1" in done.stdout  # key: type = default
         assert "min(100" in done.stdout  # and its meaning, from the docstring
         for section in ("model.", "train.", "data."):
             assert f"  {section}" in done.stdout
+    elif entry_point == ["-m", "transformer_jax.cli"]:
+        from transformer_jax.cli import COMMANDS as SUBCOMMANDS
+
+        for name in ("train", "generate", "serve", "evaluate", "export", "data", "bench",
+                     "plot"):
+            assert name in SUBCOMMANDS
+            assert f"\n  {name} " in done.stdout, name  # the subcommand and what it does
     elif "transformer_jax.bench" in entry_point:
         for kind in ("train", "decode", "memory"):
             assert f"\n  {kind}\n" in done.stdout
@@ -145,3 +192,5 @@ def test_help_of_every_entry_point(entry_point):
         text = " ".join(done.stdout.split())
         assert text.count("(default:") >= 15 and "(default: None)" not in text
         assert "(default: 64)" in text
+    elif "transformer_jax.plot" in entry_point:
+        assert "RUN_DIR" in done.stdout and "--out" in done.stdout

@@ -23,13 +23,14 @@ from helpers import FAST_XLA_FLAGS, TINY_RUN_ARGS
 from jax.experimental.compilation_cache import compilation_cache
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
-from transformer_jax import run_memory, training
-from transformer_jax.checkpoint import CheckpointError, CheckpointManager
-from transformer_jax.config import ModelConfig
-from transformer_jax.ops import attention as attn
-from transformer_jax.resume import check_resume
-from transformer_jax.run_log import RunLog
-from transformer_jax.train_config import DataConfig, TrainConfig
+from transformer_jax.checkpoint.manager import CheckpointError, CheckpointManager
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.ops import attention as attn
+from transformer_jax.train import memory as run_memory
+from transformer_jax.train import run as training
+from transformer_jax.train.config import DataConfig, TrainConfig
+from transformer_jax.train.log import RunLog
+from transformer_jax.train.resume import check_resume
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64,
@@ -118,7 +119,7 @@ def test_a_second_signal_waits_for_the_shutdown_save(tmp_path, monkeypatch, capl
 ABORT = """
 import asyncio, os, runpy, signal, sys, time
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
-from transformer_jax.run_log import RunLog
+from transformer_jax.train.log import RunLog
 sent = []
 push = RunLog.push
 def push_and_interrupt(self, step, metrics):
@@ -226,8 +227,8 @@ def test_a_run_too_big_for_the_machine_is_refused_before_the_data(tmp_path, monk
     assert not (tmp_path / "cache").exists()  # nothing was tokenized
     # The same run passes the check with the memory it needs.
     monkeypatch.setattr(run_memory, "_host_available", lambda: int(2 * need * 2 ** 30))
-    from transformer_jax import sharding as sharding_lib
-    from transformer_jax.run_setup import check_memory
+    from transformer_jax.parallel import sharding as sharding_lib
+    from transformer_jax.train.checks import check_memory
 
     check_memory(model, tc, sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh)))
 
@@ -260,8 +261,8 @@ def test_the_log_names_the_attention_the_run_uses(tmp_path, monkeypatch, caplog)
 def test_initialising_parameters_picks_no_attention(monkeypatch, caplog):
     """The init's dummy forward (8 tokens) logged "'auto' picked 'xla'" for a HF checkpoint's
     model (whose attention_impl is "auto") in a run that uses another implementation."""
-    from transformer_jax import model as model_lib
-    from transformer_jax.train_step import make_init_fn
+    from transformer_jax.model import transformer as model_lib
+    from transformer_jax.train.step import make_init_fn
 
     monkeypatch.setattr(attn, "_logged_choices", set())
     caplog.set_level(logging.INFO, logger=attn.__name__)

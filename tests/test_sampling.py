@@ -17,7 +17,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from transformer_jax import sampling
+from transformer_jax.decode import sampling
 
 B = 8  # batch rows
 V = 32  # vocab for the filter tests

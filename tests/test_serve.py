@@ -3,7 +3,7 @@ server started on a free loopback port (in this process, uvicorn on a thread) ov
 HF checkpoint with a ChatML word tokenizer: completions and chat, streamed and not, equal to
 ``generate``; stop strings; every bad input gets its status and error object and the server goes
 on; auth; a full queue; timeouts; disconnects and 64 concurrent streams leave no page behind;
-SIGTERM drains the CLI's server (``serve.cli.main`` in this process's main thread, where
+SIGTERM drains the CLI's server (``cli.serve.main`` in this process's main thread, where
 uvicorn takes the signal) and it returns 0."""
 
 import asyncio
@@ -22,9 +22,10 @@ import pytest
 import uvicorn
 from helpers import TINY, write_chatml_tokenizer
 
-from transformer_jax import generation, hf
-from transformer_jax.model import init_params
-from transformer_jax.serve import cli
+from transformer_jax import hf
+from transformer_jax.cli import serve as cli
+from transformer_jax.decode import generation
+from transformer_jax.model.transformer import init_params
 from transformer_jax.serve.app import create_app
 from transformer_jax.tokenizer.prompt import encode_chat_prompt, encode_text
 

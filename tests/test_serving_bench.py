@@ -52,10 +52,10 @@ def test_every_mode_serves_every_token(tmp_path):
 
 
 def test_stall_scenario_measures_the_prefill_window(tmp_path):
-    from transformer_jax import decode
     from transformer_jax.bench import serve_stall
-    from transformer_jax.config import ModelConfig
-    from transformer_jax.model import init_params
+    from transformer_jax.decode import loop as decode
+    from transformer_jax.model.config import ModelConfig
+    from transformer_jax.model.transformer import init_params
 
     path = tmp_path / "one_layer.toml"
     path.write_text("[model]\nvocab_size = 64\nd_model = 32\nn_layers = 1\nn_heads = 2\n"

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from helpers import FAST_COMPILE
 
-from transformer_jax import decode, generation
-from transformer_jax.config import ModelConfig
-from transformer_jax.model import init_params
+from transformer_jax.decode import generation
+from transformer_jax.decode import loop as decode
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.transformer import init_params
 from transformer_jax.serving import Engine, SamplingParams, step
 from transformer_jax.serving.requests import State
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transformer_jax.config import ModelConfig
-from transformer_jax.kv_cache import KVCache
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.kv_cache import KVCache
 from transformer_jax.serving.page_pool import NULL_PAGE, PagePool, pages_for
 from transformer_jax.serving.paged_cache import PagedKVCache
 from transformer_jax.serving.prefix_cache import PrefixCache, page_digests

@@ -22,9 +22,14 @@ from hypothesis import strategies as st
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from transformer_jax import sharding as sh
-from transformer_jax.config import ModelConfig
-from transformer_jax.model import abstract_params, init_params, logical_axes, param_count
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.transformer import (
+    abstract_params,
+    init_params,
+    logical_axes,
+    param_count,
+)
+from transformer_jax.parallel import sharding as sh
 
 
 def abstract_mesh(data: int, fsdp: int, tensor: int) -> AbstractMesh:
@@ -250,7 +255,7 @@ def _hand_param_count(c: ModelConfig) -> tuple[int, int]:
 @pytest.mark.parametrize("preset", ["llama2_7b", "mistral_7b", "llama3_8b"])
 def test_memory_report_matches_hand_formula(preset):
     from transformer_jax.bench.memory import state_memory
-    from transformer_jax.train_config import TrainConfig
+    from transformer_jax.train.config import TrainConfig
 
     config = ModelConfig.preset(preset)
     total, norms = _hand_param_count(config)

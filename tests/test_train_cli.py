@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 from helpers import FAST_XLA_FLAGS, with_fast_flags
 
-from transformer_jax.checkpoint import CheckpointManager
-from transformer_jax.config import ModelConfig
+from transformer_jax.checkpoint.manager import CheckpointManager
+from transformer_jax.model.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import train  # noqa: E402  (the top-level CLI script)
+from transformer_jax.cli import train  # noqa: E402  (the train command)
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
         "model.d_ff=64", "model.max_seq_len=32", "model.vocab_size=64", "train.seq_len=16",

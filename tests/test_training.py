@@ -14,15 +14,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transformer_jax import perf, train_step, training
-from transformer_jax.checkpoint import CheckpointManager
-from transformer_jax.config import ModelConfig
-from transformer_jax.loss import cross_entropy
-from transformer_jax.model import Transformer
-from transformer_jax.optim import decay_mask, lr_schedule, make_optimizer
-from transformer_jax.run_log import NonFiniteLossError
-from transformer_jax.train_config import DataConfig, TrainConfig
-from transformer_jax.train_step import make_init_fn, make_train_step
+from transformer_jax.checkpoint.manager import CheckpointManager
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.transformer import Transformer
+from transformer_jax.train import perf
+from transformer_jax.train import run as training
+from transformer_jax.train import step as train_step
+from transformer_jax.train.config import DataConfig, TrainConfig
+from transformer_jax.train.log import NonFiniteLossError
+from transformer_jax.train.loss import cross_entropy
+from transformer_jax.train.optim import decay_mask, lr_schedule, make_optimizer
+from transformer_jax.train.step import make_init_fn, make_train_step
 
 MODEL = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
                     max_seq_len=16)
@@ -253,7 +255,7 @@ def test_eval_batches_are_up_to_four_micro_batches_over_the_same_windows():
 
 
 def test_progress_shows_the_latest_logged_loss_and_a_training_eta(tmp_path):
-    from transformer_jax import run_log
+    from transformer_jax.train import log as run_log
 
     tc = TrainConfig(steps=10, batch_size=2, seq_len=4, log_every=2)
     log = run_log.RunLog(tmp_path, 0, tc, flops=1.0, peak=1e9, log_train=False)
@@ -269,7 +271,7 @@ def test_progress_shows_the_latest_logged_loss_and_a_training_eta(tmp_path):
 
 
 def test_mfu_peak_is_per_device():
-    from transformer_jax import run_log
+    from transformer_jax.train import log as run_log
 
     devices = jax.devices()
     peak, source = run_log.mesh_peak_flops(devices, per_device=2e12)

@@ -25,8 +25,8 @@ def describe(kind: str) -> str:
 
 def usage() -> str:
     """The help text: usage, then each kind with its description."""
-    lines = [f"usage: python -m transformer_jax.bench {{{','.join(KINDS)}}} [options]", "",
-             "Benchmarks (not tests); `python -m transformer_jax.bench KIND --help` lists a "
+    lines = [f"usage: transformer-jax bench {{{','.join(KINDS)}}} [options]", "",
+             "Benchmarks (not tests); `transformer-jax bench KIND --help` lists a "
              "kind's options.", ""]
     for kind in KINDS:
         lines += [f"  {kind}", *textwrap.wrap(describe(kind), 96, initial_indent="    ",

@@ -1,4 +1,4 @@
-"""Shard build throughput: tokens/s of ``python -m transformer_jax.data build`` with 1 and N
+"""Shard build throughput: tokens/s of ``transformer-jax data build`` with 1 and N
 worker processes on one generated corpus, and the build's peak memory.
 
 The corpus is the default corpus's files (the standard library's sources) repeated into jsonl
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from transformer_jax import corpus
+from transformer_jax.data import corpus
 
 
 def make_corpus(directory: Path, megabytes: float, files: int = 8) -> int:
@@ -42,7 +42,7 @@ def make_corpus(directory: Path, megabytes: float, files: int = 8) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m transformer_jax.bench data",
+    parser = argparse.ArgumentParser(prog="transformer-jax bench data",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=200.0, help="corpus size in MB")
     parser.add_argument("--workers", type=int, default=2, help="the parallel build's workers")

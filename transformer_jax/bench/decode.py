@@ -1,4 +1,4 @@
-"""Decode benchmark: ``python -m transformer_jax.bench decode --config NAME``.
+"""Decode benchmark: ``transformer-jax bench decode --config NAME``.
 
 For each (batch, prompt length, new tokens) of the grid, on random weights of the config:
 
@@ -46,13 +46,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import decode, generation, sharding
-from transformer_jax import prompts as prompt_lib
 from transformer_jax.bench import decode_quant
-from transformer_jax.config import ModelConfig, load_toml
-from transformer_jax.kv_cache import cache_bytes
-from transformer_jax.model import Transformer, init_params
-from transformer_jax.ops.dense import dense
+from transformer_jax.decode import generation
+from transformer_jax.decode import loop as decode
+from transformer_jax.decode import prompts as prompt_lib
+from transformer_jax.model.config import ModelConfig, load_toml
+from transformer_jax.model.kv_cache import cache_bytes
+from transformer_jax.model.ops.dense import dense
+from transformer_jax.model.transformer import Transformer, init_params
+from transformer_jax.parallel import sharding
 
 
 def _ints(text: str) -> list[int]:
@@ -324,7 +326,7 @@ def _bench_hf(model: Any, prompts: list[list[int]], n: int, repeats: int) -> dic
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m transformer_jax.bench decode",
+    parser = argparse.ArgumentParser(prog="transformer-jax bench decode",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="decode_25m", help="preset name or TOML path")
     parser.add_argument("--batch", type=_ints, default=[1, 8])

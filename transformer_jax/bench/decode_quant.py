@@ -8,8 +8,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from transformer_jax import decode
-from transformer_jax.config import ModelConfig
+from transformer_jax.decode import loop as decode
+from transformer_jax.model.config import ModelConfig
 
 
 def step_weight_bytes(config: ModelConfig, weights: decode.DecodeWeights) -> int:

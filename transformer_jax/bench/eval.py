@@ -1,4 +1,4 @@
-"""lm-eval benchmark: ``python -m transformer_jax.bench eval [--docs N] [--d-model D] ...``.
+"""lm-eval benchmark: ``transformer-jax bench eval [--docs N] [--d-model D] ...``.
 
 Times the same multiple-choice task's loglikelihood requests through this library's
 ``JaxLM`` (length-sorted requests packed into rows with segment ids, one jitted forward per
@@ -64,7 +64,7 @@ def write_checkpoint(directory: Path, args: argparse.Namespace, corpus: list[str
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m transformer_jax.bench eval",
+    p = argparse.ArgumentParser(prog="transformer-jax bench eval",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--docs", type=int, default=200, help="questions (default: %(default)s)")
     p.add_argument("--choices", type=int, default=4, help="choices per question "

@@ -6,10 +6,10 @@ train step lowered on abstract (``ShapeDtypeStruct``) inputs. The mesh is made o
 devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set by this process before its
 backend starts), so a 7B model on an 8-device mesh can be planned on a laptop.
 
-  python -m transformer_jax.bench memory --config llama2_7b --mesh 1,8,1 --batch 8 --seq 2048
-  python -m transformer_jax.bench memory --config tinyllama_1_1b --mesh 1,1,1 --batch 1 \
+  transformer-jax bench memory --config llama2_7b --mesh 1,8,1 --batch 8 --seq 2048
+  transformer-jax bench memory --config tinyllama_1_1b --mesh 1,1,1 --batch 1 \
       --seq 16384 --remat full --dtype bfloat16 --attention auto --loss-chunk 1024
-  python -m transformer_jax.bench memory --config llama2_7b --compile-time
+  transformer-jax bench memory --config llama2_7b --compile-time
 
 ``--seq`` may exceed the preset's ``max_seq_len`` (it is raised for the report); ``--attention``
 picks the attention implementation (default: the preset's, ``"auto"``) and ``--loss-chunk`` the
@@ -76,8 +76,8 @@ def state_memory(model_config: Any, mesh_sizes: tuple[int, int, int], train_conf
     import jax
     from jax.sharding import AbstractMesh, AxisType
 
-    from transformer_jax import sharding as sh
-    from transformer_jax.train_step import make_init_fn
+    from transformer_jax.parallel import sharding as sh
+    from transformer_jax.train.step import make_init_fn
 
     mesh = AbstractMesh(tuple(mesh_sizes), sh.MESH_AXES,
                         axis_types=(AxisType.Auto,) * len(sh.MESH_AXES))
@@ -105,8 +105,8 @@ def lower_train_step(model_config: Any, train_config: Any, mesh: Any) -> tuple[A
     import jax
     import jax.numpy as jnp
 
-    from transformer_jax import sharding as sh
-    from transformer_jax.train_step import make_init_fn, make_train_step
+    from transformer_jax.parallel import sharding as sh
+    from transformer_jax.train.step import make_init_fn, make_train_step
 
     abstract = jax.eval_shape(make_init_fn(model_config, train_config), jax.random.key(0))
     s_shard = sh.state_shardings(abstract, sh.param_shardings(model_config, mesh))
@@ -143,9 +143,9 @@ def compiled_activations(model_config: Any, train_config: Any, mesh: Any) -> int
     import jax
     import jax.numpy as jnp
 
-    from transformer_jax import sharding as sh
-    from transformer_jax.model import abstract_params
-    from transformer_jax.train_step import make_loss_fn
+    from transformer_jax.model.transformer import abstract_params
+    from transformer_jax.parallel import sharding as sh
+    from transformer_jax.train.step import make_loss_fn
 
     loss_sums = make_loss_fn(model_config, train_config)  # the train step's own objective
 
@@ -175,10 +175,10 @@ def compiled_loss_head(model_config: Any, train_config: Any, mesh: Any) -> int:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    from transformer_jax import sharding as sh
-    from transformer_jax.loss import cross_entropy_sums
-    from transformer_jax.model import Transformer, abstract_params
-    from transformer_jax.ops.lm_loss import lm_head_cross_entropy_sums
+    from transformer_jax.model.ops.lm_loss import lm_head_cross_entropy_sums
+    from transformer_jax.model.transformer import Transformer, abstract_params
+    from transformer_jax.parallel import sharding as sh
+    from transformer_jax.train.loss import cross_entropy_sums
 
     c, chunk = model_config, train_config.loss_chunk
     model = Transformer(c)
@@ -263,8 +263,8 @@ def compile_times(name: str, mesh: Any, batch: int, seq: int, layers: tuple[int,
 
 def _configs(name: str, batch: int, seq: int, loss_chunk: int = 0,
              **model_changes: Any) -> tuple[Any, Any]:
-    from transformer_jax.config import ModelConfig, load_toml
-    from transformer_jax.train_config import TrainConfig
+    from transformer_jax.model.config import ModelConfig, load_toml
+    from transformer_jax.train.config import TrainConfig
 
     if not load_toml(name).get("model"):
         raise ValueError(f"--config {name}: the preset has no [model] table (its model comes "
@@ -309,7 +309,7 @@ def _gib(n: int | None) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m transformer_jax.bench memory",
+    parser = argparse.ArgumentParser(prog="transformer-jax bench memory",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="llama2_7b", help="preset name or TOML path")
     parser.add_argument("--mesh", default="1,8,1", help="data,fsdp,tensor (one may be -1)")
@@ -336,7 +336,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     layers = _check_args(parser, args)
 
-    from transformer_jax import sharding as sh
+    from transformer_jax.parallel import sharding as sh
 
     try:
         mesh_config = sh.MeshConfig.parse(args.mesh)
@@ -393,7 +393,7 @@ def _run(args: argparse.Namespace, mesh_config: Any, sizes: tuple[int, int, int]
          n_devices: int, layers: tuple[int, ...]) -> int:
     import jax
 
-    from transformer_jax import sharding as sh
+    from transformer_jax.parallel import sharding as sh
 
     mesh = sh.make_mesh(mesh_config, jax.devices()[:n_devices])
 
@@ -416,13 +416,13 @@ def _run(args: argparse.Namespace, mesh_config: Any, sizes: tuple[int, int, int]
         report = memory_report(args.config, sizes, args.batch, args.seq, remat=args.remat,
                                dtype=args.dtype, mesh=None if args.no_compile else mesh,
                                attention=args.attention, loss_chunk=args.loss_chunk)
-        from transformer_jax.ops.attention import choose_impl
+        from transformer_jax.model.ops.attention import choose_impl
 
         picked = report.attention
         if picked == "auto":  # what "auto" runs for this shape here (q and k of one device)
             import jax.numpy as jnp
 
-            from transformer_jax.config import ModelConfig
+            from transformer_jax.model.config import ModelConfig
 
             c = ModelConfig.preset(args.config)
             b = max(1, args.batch // (sizes[0] * sizes[1]))

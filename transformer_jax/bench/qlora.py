@@ -2,7 +2,7 @@
 
 Writes a Llama checkpoint with transformers' ``save_pretrained`` from a random
 initialisation (``bench eval``'s, with a BPE tokenizer trained on the corpus; ``--hf DIR``
-takes an existing one instead), fine-tunes it twice with ``python train.py --config finetune``
+takes an existing one instead), fine-tunes it twice with ``transformer-jax train --config finetune``
 on the same generated corpus, once with a float32 base and once with ``train.lora_base_quant``
 (nf4 by default), and prints the losses and the saved base's bytes over its bfloat16 size.
 Needs the ``hf`` extra (torch, transformers).
@@ -42,7 +42,7 @@ def finetune(hf: Path, data: Path, run: Path, args: argparse.Namespace, extra: l
     """One LoRA run; its losses and the bytes of the base it saved."""
     import jax
 
-    from transformer_jax.checkpoint import CheckpointManager
+    from transformer_jax.checkpoint.manager import CheckpointManager
 
     start = time.perf_counter()
     command = [sys.executable, str(ROOT / "train.py"), "--no-progress", "--config", "finetune",
@@ -66,7 +66,7 @@ def finetune(hf: Path, data: Path, run: Path, args: argparse.Namespace, extra: l
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m transformer_jax.bench qlora",
+    p = argparse.ArgumentParser(prog="transformer-jax bench qlora",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--hf", default=None, help="an existing HF checkpoint (default: write one)")
     p.add_argument("--quant", default="nf4", help="train.lora_base_quant (int8, int4, nf4)")

@@ -1,4 +1,4 @@
-"""Quantisation quality benchmark: ``python -m transformer_jax.bench quant --run RUN_DIR``.
+"""Quantisation quality benchmark: ``transformer-jax bench quant --run RUN_DIR``.
 
 For a trained run (its checkpoint, tokenizer and the validation split of its own data config),
 the held-out loss with float, int8 and int4 weights (``decode.prepare(quant=...)``) and with an
@@ -26,10 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import decode, generation, loading
-from transformer_jax.kv_cache import KVCache, cache_bytes
-from transformer_jax.run_data import prepare_data
-from transformer_jax.train_config import DataConfig, config_from_dict
+from transformer_jax.checkpoint import loading
+from transformer_jax.decode import generation
+from transformer_jax.decode import loop as decode
+from transformer_jax.model.kv_cache import KVCache, cache_bytes
+from transformer_jax.train.config import DataConfig, config_from_dict
+from transformer_jax.train.data import prepare_data
 
 
 def held_out_windows(run_dir: Path, loaded: loading.Loaded, length: int, most: int
@@ -77,7 +79,7 @@ def forced_agreement(weights: decode.DecodeWeights, prompts: list[list[int]],
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m transformer_jax.bench quant",
+    parser = argparse.ArgumentParser(prog="transformer-jax bench quant",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", required=True, help="a training run directory")
     parser.add_argument("--quant", default="int8,int4",

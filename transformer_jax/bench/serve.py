@@ -1,4 +1,4 @@
-"""Serving benchmark: ``python -m transformer_jax.bench serve --config NAME``.
+"""Serving benchmark: ``transformer-jax bench serve --config NAME``.
 
 Serves a stream of random requests (input and output lengths drawn from given ranges; all sent
 at once, or with Poisson or gamma arrivals at a given rate) with the ``serving.Engine``, and in
@@ -29,12 +29,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from transformer_jax import decode, generation
-from transformer_jax import prompts as prompt_lib
 from transformer_jax.bench import serve_stall
 from transformer_jax.bench.serve_workload import Workload, make_workload, record, summarize
-from transformer_jax.config import ModelConfig
-from transformer_jax.model import init_params
+from transformer_jax.decode import generation
+from transformer_jax.decode import loop as decode
+from transformer_jax.decode import prompts as prompt_lib
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.transformer import init_params
 from transformer_jax.serving import Engine, SamplingParams
 
 
@@ -152,7 +153,7 @@ def _line(name: str, r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m transformer_jax.bench serve",
+    parser = argparse.ArgumentParser(prog="transformer-jax bench serve",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="decode_25m", help="preset name or TOML path")
     parser.add_argument("--requests", type=int, default=48)
@@ -176,7 +177,7 @@ def main(argv: list[str]) -> int:
                              "(generate in fixed batches), engine-noprefix, http (the server "
                              "at --url; bench/serve_http.py) (default: engine,one,batch; "
                              "http with --url)")
-    parser.add_argument("--url", help="a running server (python -m transformer_jax.serve) "
+    parser.add_argument("--url", help="a running server (transformer-jax serve) "
                         "serving a model of --config's vocabulary, for the http mode")
     parser.add_argument("--api-key", help="the server's API key, if it has one")
     parser.add_argument("--seed", type=int, default=0)

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from transformer_jax.config import ModelConfig
-from transformer_jax.decode import DecodeWeights
+from transformer_jax.decode.loop import DecodeWeights
+from transformer_jax.model.config import ModelConfig
 from transformer_jax.serving import Engine, SamplingParams
 from transformer_jax.serving.page_pool import pages_for
 

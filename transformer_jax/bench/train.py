@@ -1,4 +1,4 @@
-"""Training-step benchmark: ``python -m transformer_jax.bench train --config NAME [k=v ...]``.
+"""Training-step benchmark: ``transformer-jax bench train --config NAME [k=v ...]``.
 
 Times the jitted ``train_step`` of a config on random tokens (no data, tokenizer or disk), and
 reports compile time, step time, tokens/s, peak memory and MFU, where
@@ -22,16 +22,16 @@ import time
 import jax
 import numpy as np
 
-from transformer_jax import sharding as sharding_lib
-from transformer_jax.model import param_count
-from transformer_jax.perf import enable_cpu_fast_math, flops_per_token, measure_matmul_peak
-from transformer_jax.sharding import configure_cpu_devices
-from transformer_jax.train_config import ConfigError, build_configs
-from transformer_jax.train_step import make_init_fn, make_train_step
+from transformer_jax.model.transformer import param_count
+from transformer_jax.parallel import sharding as sharding_lib
+from transformer_jax.parallel.sharding import configure_cpu_devices
+from transformer_jax.train.config import ConfigError, build_configs
+from transformer_jax.train.perf import enable_cpu_fast_math, flops_per_token, measure_matmul_peak
+from transformer_jax.train.step import make_init_fn, make_train_step
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m transformer_jax.bench train",
+    parser = argparse.ArgumentParser(prog="transformer-jax bench train",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="tiny", help="preset name or TOML path")
     parser.add_argument("--steps", type=int, default=20, help="timed steps")

@@ -1,7 +1,8 @@
-"""``python -m transformer_jax.data build ...``: see ``transformer_jax.data.build``."""
+"""``python -m transformer_jax.data build ...``: ``transformer-jax data build`` (cli/data.py)."""
 
 import sys
 
-from transformer_jax.data.build import main
+from transformer_jax.cli.data import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""``python -m transformer_jax.data build``: inputs -> tokenized ArrayRecord shards + metadata.
+"""``transformer-jax data build``: inputs -> tokenized ArrayRecord shards + metadata.
 
 The inputs (``sources``) are cut into pieces and the pieces grouped, in order, into shards of
 about ``--shard-mb`` of input; each shard is tokenized by one of ``--workers`` processes and
@@ -20,7 +20,6 @@ lands in the same split.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -38,9 +37,9 @@ from typing import Any
 import numpy as np
 
 from transformer_jax import storage
-from transformer_jax.corpus import token_dtype
 from transformer_jax.data import sources as sources_lib
-from transformer_jax.files import atomic_writer
+from transformer_jax.data.corpus import token_dtype
+from transformer_jax.storage.files import atomic_writer
 from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -352,50 +351,5 @@ def resolve_tokenizer(spec: str, inputs: Sequence[str], vocab_size: int, cache_d
     return Tokenizer.train_or_load(text, Path(cache_dir).expanduser(), vocab_size, spec)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The ``build`` command line (see ``--help``)."""
-    parser = argparse.ArgumentParser(prog="python -m transformer_jax.data",
-                                     description="Tokenize a corpus into shards for training "
-                                                 "(data.path=OUT).")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("build", help="inputs -> ArrayRecord shards + metadata.json")
-    p.add_argument("--input", nargs="+", action="extend", required=True,
-                   help="files, directories, globs, .jsonl, .parquet, or save_to_disk dirs")
-    p.add_argument("--out", required=True, help="the build directory")
-    p.add_argument("--tokenizer", required=True,
-                   help="a tokenizer file/dir, or bpe|unigram|char to train on the text inputs")
-    p.add_argument("--vocab-size", type=int, default=4096, help="of a trained tokenizer")
-    p.add_argument("--cache-dir", default="~/.cache/transformer_jax",
-                   help="where a trained tokenizer is cached")
-    p.add_argument("--field", default="text", help="text field of jsonl/parquet/dataset rows")
-    p.add_argument("--text-docs", choices=sources_lib.TEXT_DOCS, default="file",
-                   help="a text file is one document, or one per blank-line paragraph")
-    p.add_argument("--val-fraction", type=float, default=0.01,
-                   help="share of documents held out (by a hash of each document)")
-    p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
-    p.add_argument("--shard-mb", type=float, default=64.0, help="input MB per shard")
-    p.add_argument("--bos", action="store_true", help="put bos before each document")
-    p.add_argument("--skip-bad", action="store_true",
-                   help="skip (and name) a bad input file instead of failing")
-    p.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        options = BuildOptions(field=args.field, text_docs=args.text_docs,
-                               val_fraction=args.val_fraction,
-                               shard_bytes=max(1, int(args.shard_mb * 2**20)),
-                               add_bos=args.bos, skip_bad=args.skip_bad)
-        if args.workers < 1:
-            raise ValueError(f"--workers must be at least 1, got {args.workers}")
-        tokenizer = resolve_tokenizer(args.tokenizer, args.input, args.vocab_size,
-                                      args.cache_dir)
-        build(args.input, args.out, tokenizer, options=options, workers=args.workers,
-              progress=not args.no_progress)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
 __all__ = ["FORMAT", "METADATA", "SPLITS", "BuildOptions", "build", "group_shards",
-           "is_held_out", "main", "resolve_tokenizer", "shard_name"]
+           "is_held_out", "resolve_tokenizer", "shard_name"]

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from transformer_jax import storage
-from transformer_jax.data import HostBatch, StepBatches, batch_offsets, check_non_negative
+from transformer_jax.data.batches import HostBatch, StepBatches, batch_offsets, check_non_negative
 from transformer_jax.data.build import FORMAT, METADATA, SPLITS, TOKENIZER_DIR, shard_name
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     file = Path(path).expanduser() / METADATA
     if not file.is_file():
         raise FileNotFoundError(f"{path} is not a finished shard build (no {METADATA}); run "
-                                "python -m transformer_jax.data build --out ... to finish it")
+                                "transformer-jax data build --out ... to finish it")
     meta = json.loads(file.read_text())
     if meta.get("format") != FORMAT or meta.get("version") != 1:
         raise ValueError(f"{file} is not a {FORMAT} version 1 metadata file")

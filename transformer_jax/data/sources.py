@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from transformer_jax import corpus
+from transformer_jax.data import corpus
 
 KINDS = ("text", "jsonl", "parquet", "hf")
 TEXT_DOCS = ("file", "paragraph")

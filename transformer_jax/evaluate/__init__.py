@@ -3,7 +3,7 @@
 Modules:
   scoring  requests -> packed rows with segment ids -> log-likelihoods and greedy flags
   harness  ``JaxLM``: the harness's ``LM`` (registered as ``transformer_jax``)
-  cli      ``python -m transformer_jax.evaluate --checkpoint PATH --tasks T1,T2 ...``
+  cli      ``transformer-jax evaluate --checkpoint PATH --tasks T1,T2 ...``
   local_tasks  task YAML over local JSONL files (offline)
 
 ``scoring`` and ``local_tasks`` need only JAX / the standard library; ``harness`` and ``cli``

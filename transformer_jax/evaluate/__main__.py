@@ -1,8 +1,8 @@
-"""``python -m transformer_jax.evaluate``: see ``transformer_jax.evaluate.cli``."""
+"""``python -m transformer_jax.evaluate``: ``transformer-jax evaluate`` (``cli/evaluate.py``)."""
 
 import sys
 
-from transformer_jax.evaluate.cli import main
+from transformer_jax.cli.evaluate import main
 
 if __name__ == "__main__":
     sys.exit(main())

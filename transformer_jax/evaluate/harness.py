@@ -42,10 +42,11 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
-from transformer_jax import generation, loading
-from transformer_jax.decode import prepare
+from transformer_jax.checkpoint import loading
+from transformer_jax.decode import generation
+from transformer_jax.decode.loop import prepare
 from transformer_jax.evaluate.scoring import Scorer, window
-from transformer_jax.generate import detokenize
+from transformer_jax.tokenizer import detokenize
 
 logger = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import sharding as sharding_lib
-from transformer_jax.config import ModelConfig
-from transformer_jax.instruct import packed_layout
-from transformer_jax.model import Params, Transformer
+from transformer_jax.data.instruct import packed_layout
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.transformer import Params, Transformer
+from transformer_jax.parallel import sharding as sharding_lib
 
 #: Rows are at least this many slots (short requests share them), at most the model's window.
 MIN_ROW_LEN = 256

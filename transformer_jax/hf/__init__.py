@@ -6,13 +6,13 @@
 creates every param sharded over a device mesh by the training's rules, each device's shard read
 on its own from the memory-mapped files. ``save(config, params, dir, tokenizer=tok)`` writes the
 reverse, which ``transformers``' ``from_pretrained`` reads (model and tokenizer).
-``python -m transformer_jax.hf export --checkpoint RUN_DIR --out DIR`` exports a training run
-(``transformer_jax.hf.__main__`` runs ``transformer_jax.hf_export``'s CLI; this package does not
+``transformer-jax export --checkpoint RUN_DIR --out DIR`` exports a training run
+(``transformer_jax.hf.__main__`` runs ``transformer_jax.cli.export``'s CLI; this package does not
 import it).
 
 This module does the file I/O: safetensors headers and blocks, the sharded load onto a mesh,
 the atomic save, tokenizer files. The name, layout and config mapping it applies is pure and
-lives in ``transformer_jax.hf_convert`` (``config_from_hf``/``config_to_hf`` are re-exported
+lives in ``transformer_jax.hf.convert`` (``config_from_hf``/``config_to_hf`` are re-exported
 here). Anything that cannot be represented exactly is refused with a ValueError naming the
 offending setting or tensor (never loaded approximately), including a nonzero ``o_proj`` bias.
 
@@ -36,9 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from transformer_jax.config import DTYPES, ModelConfig
-from transformer_jax.files import read_json, replacing_directory, set_default_mode
-from transformer_jax.hf_convert import (
+from transformer_jax.hf.convert import (
     _IGNORED_TENSOR,
     ARCHITECTURES,
     _flatten,
@@ -50,13 +48,15 @@ from transformer_jax.hf_convert import (
 )
 
 # Re-exported (``x as x``) for tests/test_hf.py, which builds tensor specs by hand as ``hf._same``.
-from transformer_jax.hf_convert import _heads_in as _heads_in
-from transformer_jax.hf_convert import _heads_out as _heads_out
-from transformer_jax.hf_convert import _linear as _linear
-from transformer_jax.hf_convert import _reshaped as _reshaped
-from transformer_jax.hf_convert import _same as _same
-from transformer_jax.model import Params, stack_blocks, unstack_blocks
-from transformer_jax.sharding import LOGICAL_RULES, param_shardings
+from transformer_jax.hf.convert import _heads_in as _heads_in
+from transformer_jax.hf.convert import _heads_out as _heads_out
+from transformer_jax.hf.convert import _linear as _linear
+from transformer_jax.hf.convert import _reshaped as _reshaped
+from transformer_jax.hf.convert import _same as _same
+from transformer_jax.model.config import DTYPES, ModelConfig
+from transformer_jax.model.transformer import Params, stack_blocks, unstack_blocks
+from transformer_jax.parallel.sharding import LOGICAL_RULES, param_shardings
+from transformer_jax.storage.files import read_json, replacing_directory, set_default_mode
 
 if TYPE_CHECKING:  # the tokenizer backends are imported only by callers that have one
     from transformer_jax.tokenizer import TextTokenizer
@@ -368,7 +368,7 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
     are dropped and the new ones written.
 
     With a tokenizer the directory is complete: transformers' ``AutoModelForCausalLM`` and
-    ``AutoTokenizer.from_pretrained``, ``python -m transformer_jax.generate --checkpoint DIR``
+    ``AutoTokenizer.from_pretrained``, ``transformer-jax generate --checkpoint DIR``
     and ``load`` all read it; ``config.json`` and ``generation_config.json`` then carry its
     bos/eos/pad ids.
 

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server on the serving engine: ``python -m transformer_jax.serve``.
+"""An OpenAI-compatible HTTP server on the serving engine: ``transformer-jax serve``.
 
 Modules:
   cli          the command line: load, build and compile the engine, run uvicorn, drain

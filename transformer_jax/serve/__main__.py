@@ -1,8 +1,8 @@
-"""``python -m transformer_jax.serve``: see ``transformer_jax.serve.cli``."""
+"""``python -m transformer_jax.serve``: ``transformer-jax serve`` (``cli/serve.py``)."""
 
 import sys
 
-from transformer_jax.serve.cli import main
+from transformer_jax.cli.serve import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,9 +18,10 @@ import time
 import uuid
 from typing import Any
 
-from transformer_jax.prompts import validate_prompts
+from transformer_jax.decode.prompts import validate_prompts
 from transformer_jax.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from transformer_jax.serving import SamplingParams, TokenEvent
+from transformer_jax.tokenizer import detokenize
 from transformer_jax.tokenizer.chat import ChatTemplateError
 from transformer_jax.tokenizer.prompt import chat_turn_end_id, encode_chat_prompt, encode_text
 
@@ -172,8 +173,6 @@ class Response:
                 "model": self.model.name}
 
     def _piece(self, token: int) -> str:
-        from transformer_jax.generate import detokenize
-
         tok = self.model.tokenizer
         return detokenize(tok, [token]) if tok is not None else f"<{token}>"
 

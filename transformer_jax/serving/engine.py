@@ -29,15 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from transformer_jax.config import ModelConfig
-from transformer_jax.decode import (
+from transformer_jax.decode.loop import (
     DecodeWeights,
     Params,
     check_tensor_parallel,
     prepare,
     tensor_shards,
 )
-from transformer_jax.prompts import is_int, validate_prompts
+from transformer_jax.decode.prompts import is_int, validate_prompts
+from transformer_jax.model.config import ModelConfig
 from transformer_jax.serving import step as step_lib
 from transformer_jax.serving.page_pool import pages_for
 from transformer_jax.serving.paged_cache import PagedKVCache

@@ -64,15 +64,15 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.config import ModelConfig
-from transformer_jax.ops import kv_quant, paged_attention
-from transformer_jax.ops.attention import (
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.ops import kv_quant, paged_attention
+from transformer_jax.model.ops.attention import (
     attention,
     attention_mask,
     choose_impl,
     reference_attention,
 )
-from transformer_jax.ops.chunked_attention import (
+from transformer_jax.model.ops.chunked_attention import (
     einsum_f32,
     online_softmax_init,
     online_softmax_merge,

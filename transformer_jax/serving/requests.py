@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from transformer_jax.decode import SamplingSettings
-from transformer_jax.prompts import is_int, sequence_keys
+from transformer_jax.decode.loop import SamplingSettings
+from transformer_jax.decode.prompts import is_int, sequence_keys
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,9 +36,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from transformer_jax import sampling
-from transformer_jax.config import ModelConfig
-from transformer_jax.decode import (
+from transformer_jax.decode import sampling
+from transformer_jax.decode.loop import (
     TENSOR_AXIS,
     TensorSplit,
     decode_model,
@@ -46,7 +45,8 @@ from transformer_jax.decode import (
     vocab_is_split,
     weight_specs,
 )
-from transformer_jax.layers import shard_config
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.layers import shard_config
 from transformer_jax.serving.paged_cache import PagedKVCache
 
 Params = dict[str, Any]

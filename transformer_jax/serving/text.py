@@ -15,15 +15,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from transformer_jax.tokenizer import detokenize
+
 #: Prompt tokens decoded before the first new token, so that its text is read in context.
 CONTEXT_TOKENS = 5
 _INCOMPLETE = "\ufffd"
 
 
 def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
-    # Imported here: the generate CLI's module is heavier than this one.
-    from transformer_jax.generate import detokenize
-
     return detokenize(tokenizer, list(ids))
 
 

@@ -11,7 +11,7 @@ Modules:
 ``from transformer_jax.tokenizer import Tokenizer`` is the SentencePiece tokenizer, as before.
 """
 
-from transformer_jax.tokenizer.base import TextTokenizer, TokenizerConfig
+from transformer_jax.tokenizer.base import TextTokenizer, TokenizerConfig, detokenize
 from transformer_jax.tokenizer.chat import ChatTemplate, ChatTemplateError, render_chat
 from transformer_jax.tokenizer.hf_backend import HFTokenizer
 from transformer_jax.tokenizer.loader import load_tokenizer
@@ -28,6 +28,7 @@ from transformer_jax.tokenizer.spm_train import (
 )
 
 __all__ = [
+    "detokenize",
     "BOS_ID",
     "DEFAULT_MODEL_FILENAME",
     "EOS_ID",

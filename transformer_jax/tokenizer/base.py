@@ -239,6 +239,19 @@ class TokenizerConfig:
         return path
 
 
+def detokenize(tokenizer: Any, ids: list[int]) -> str:
+    """Decodes ids; ids past the tokenizer's vocabulary (a model's vocab is often padded beyond
+    it) are shown as ``<id>`` instead of failing."""
+    parts, run = [], []
+    for i in ids:
+        if 0 <= i < tokenizer.vocab_size:
+            run.append(i)
+            continue
+        parts.append(tokenizer.decode(run) + f"<{i}>")
+        run = []
+    return "".join(parts) + tokenizer.decode(run)
+
+
 def special_token_ids(
     config: TokenizerConfig, lookup: Any, names: Sequence[str] = ("bos_token", "eos_token")
 ) -> dict[str, int]:

@@ -1,6 +1,6 @@
 """How text becomes the ids a model is trained on and prompted with: one place for both.
 
-Fine-tuning (``transformer_jax.instruct``) and generation (``python -m transformer_jax.generate``)
+Fine-tuning (``transformer_jax.data.instruct``) and generation (``transformer-jax generate``)
 encode through these functions, so a model is prompted in the format it was trained on:
 
 * a plain text prompt gets bos first exactly when the tokenizer's settings say so

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
-from transformer_jax.files import atomic_writer
+from transformer_jax.storage.files import atomic_writer
 from transformer_jax.tokenizer.base import TokenizerConfig, as_id_array, check_ids
 from transformer_jax.tokenizer.spm_train import (
     BOS_ID,
@@ -102,7 +102,6 @@ class Tokenizer:
         self._fingerprint = digest.hexdigest()
         self._marker_byte_ids = self._space_marker_byte_ids()
 
-    # ----------------------------------------------------------------------------- construction
 
     @classmethod
     def load(
@@ -232,9 +231,8 @@ class Tokenizer:
             else:
                 logger.info("loaded cached tokenizer %s", model_path)
                 return tokenizer
-        logger.info(
-            "training %s tokenizer (vocab_size=%d) into %s", model_type, vocab_size, model_path
-        )
+        logger.info("training %s tokenizer (vocab_size=%d) into %s", model_type, vocab_size,
+                    model_path)
         return cls._train(files, texts, model_path, vocab_size, model_type,
                           byte_fallback=byte_fallback, character_coverage=character_coverage,
                           num_threads=num_threads, trainer_options=trainer_options)
@@ -250,15 +248,10 @@ class Tokenizer:
         with atomic_writer(model_path) as f:
             f.write(model)
         tokenizer = cls(spm.SentencePieceProcessor(model_proto=model), model_path)
-        logger.info(
-            "trained %s tokenizer with %d pieces -> %s",
-            model_type,
-            tokenizer.vocab_size,
-            model_path,
-        )
+        logger.info("trained %s tokenizer with %d pieces -> %s", model_type, tokenizer.vocab_size,
+                    model_path)
         return tokenizer
 
-    # ------------------------------------------------------------------------------- properties
 
     @property
     def vocab_size(self) -> int:
@@ -386,7 +379,6 @@ class Tokenizer:
         )
         return [model_path, config_path]
 
-    # --------------------------------------------------------------------------- encode/decode
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         """Encodes text to token ids.
@@ -502,16 +494,5 @@ def _resolve_output(output: str | os.PathLike[str]) -> Path:
     return path.with_name(path.name + ".model")
 
 
-__all__ = [
-    "BOS_ID",
-    "EOS_ID",
-    "DEFAULT_MODEL_FILENAME",
-    "MODEL_TYPES",
-    "PAD_ID",
-    "UNK_ID",
-    "ModelType",
-    "Source",
-    "Tokenizer",
-    "read_utf8",
-    "train_or_load",
-]
+__all__ = ["BOS_ID", "EOS_ID", "DEFAULT_MODEL_FILENAME", "MODEL_TYPES", "PAD_ID", "UNK_ID",
+           "ModelType", "Source", "Tokenizer", "read_utf8", "train_or_load"]

@@ -1,0 +1,139 @@
+"""The package layout: each package imports only the packages before it in the flow, no module
+imports itself back through others, no module outgrows one sitting, and the import paths of
+the modules that moved still give the same module objects."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "transformer_jax"
+
+# The flow, lowest first: a package may import only those before it (and itself).
+LAYERS = ["storage", "model", "tokenizer", "data", "parallel", "decode", "hf", "checkpoint",
+          "train", "serving", "serve", "evaluate", "bench", "cli"]
+# Entry points above every package: ``python -m`` aliases and the package's own front door.
+ENTRY_MODULES = {"transformer_jax", "transformer_jax.generate", "transformer_jax.plot",
+                 "transformer_jax._moved"}
+MAX_LINES = 500
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, known: set[str]) -> set[str]:
+    """The project's modules a file imports, anywhere in it (function bodies included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            if name.split(".")[0] != "transformer_jax":
+                continue
+            while name not in known and "." in name:
+                name = name.rsplit(".", 1)[0]
+            out.add(name)
+    return out
+
+
+MODULES = {module_name(p): p for p in ROOT.rglob("*.py")}
+# A module importing its own package's ``__init__`` (``from transformer_jax.serving import x``)
+# is no circle: the package is initialised before its modules.
+GRAPH = {name: {t for t in imported_modules(path, set(MODULES)) if not name.startswith(t + ".")}
+         - {name} for name, path in MODULES.items()}
+
+
+def layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_every_module_is_in_a_layer_or_an_entry_point():
+    stray = sorted(m for m in MODULES if layer(m) is None and m not in ENTRY_MODULES)
+    assert not stray, f"modules outside the layers {LAYERS}: {stray}"
+
+
+def test_no_package_imports_one_after_it():
+    wrong = []
+    for module, targets in GRAPH.items():
+        own = layer(module)
+        if own is None or module.endswith(".__main__"):  # aliases of the cli: entry points
+            continue
+        for target in targets:
+            other = layer(target)
+            if other is not None and LAYERS.index(other) > LAYERS.index(own):
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports against the flow:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_circles():
+    """Tarjan's strongly connected components of the module graph: all of size one."""
+    index, low, stack, on, circles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in GRAPH.get(v, ()):
+            if w not in MODULES or w == "transformer_jax":
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(MODULES):
+        if v not in index:
+            visit(v)
+    assert not circles, circles
+
+
+def test_modules_are_short():
+    long = {m: n for m, p in MODULES.items()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+@pytest.mark.parametrize("old", ["loading", "train_config", "training", "config", "sharding",
+                                 "ops.attention", "checkpoint_files", "run_log", "hf_export"])
+def test_moved_modules_keep_their_old_import_path(old):
+    from transformer_jax import _moved
+
+    new = _moved.new_name(f"transformer_jax.{old}")
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        module = importlib.import_module(f"transformer_jax.{old}")
+    assert module is importlib.import_module(new)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert importlib.import_module(f"transformer_jax.{old}") is module  # cached, silent
+
+
+def test_the_names_users_import_stay():
+    import transformer_jax
+    from transformer_jax import decode, serving
+    from transformer_jax.model import Transformer
+
+    assert transformer_jax.Transformer is Transformer
+    assert callable(transformer_jax.generate) and callable(decode.prepare)
+    assert serving.Engine.__module__ == "transformer_jax.serving.engine"
+    assert transformer_jax.ModelConfig.__module__ == "transformer_jax.model.config"

@@ -1,0 +1,104 @@
+"""Import paths of modules that moved into packages, kept working for code written before.
+
+The library's modules were once side by side in ``transformer_jax/``; they now live in packages
+that follow the data flow (``model``, ``data``, ``train``, ``checkpoint``, ``decode``, ...).
+``import transformer_jax.train_config`` still works: the finder below answers an old name with
+the module at its new path (the same module object, so ``monkeypatch`` and ``isinstance`` see
+one module) and warns once with a ``DeprecationWarning`` that names the new path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+from typing import Any
+
+PACKAGE = "transformer_jax"
+
+# old name (under transformer_jax.) -> new name; a package's submodules follow it.
+MOVED = {
+    "files": "storage.files",
+    "config": "model.config",
+    "layers": "model.layers",
+    "kv_cache": "model.kv_cache",
+    "ops": "model.ops",
+    "quant": "model.quant",
+    "lora": "model.lora",
+    "corpus": "data.corpus",
+    "instruct": "data.instruct",
+    "instruct_records": "data.instruct_records",
+    "eval_sets": "data.eval_sets",
+    "mesh": "parallel.mesh",
+    "sharding": "parallel.sharding",
+    "distributed": "parallel.distributed",
+    "hf_convert": "hf.convert",
+    "hf_export": "cli.export",
+    "checkpoint_read": "checkpoint.read",
+    "checkpoint_files": "checkpoint.files",
+    "checkpoint_quiet": "checkpoint.quiet",
+    "loading": "checkpoint.loading",
+    "training": "train.run",
+    "train_step": "train.step",
+    "train_config": "train.config",
+    "config_docs": "train.config_docs",
+    "optim": "train.optim",
+    "loss": "train.loss",
+    "resume": "train.resume",
+    "init_from": "train.init_from",
+    "quant_train": "train.quant",
+    "perf": "train.perf",
+    "run_data": "train.data",
+    "run_eval": "train.validation",
+    "run_log": "train.log",
+    "run_memory": "train.memory",
+    "run_setup": "train.checks",
+    "decode_weights": "decode.weights",
+    "sampling": "decode.sampling",
+    "streaming": "decode.streaming",
+    "prompts": "decode.prompts",
+    "generation": "decode.generation",
+    "export": "decode.export",
+}
+
+
+def new_name(fullname: str) -> str | None:
+    """``transformer_jax.OLD[.sub]`` -> its new dotted name; None for a name that did not move."""
+    head, _, rest = fullname.partition(".")
+    if head != PACKAGE or not rest:
+        return None
+    old, _, sub = rest.partition(".")
+    if old not in MOVED:
+        return None
+    return f"{PACKAGE}.{MOVED[old]}" + (f".{sub}" if sub else "")
+
+
+class _Alias(importlib.abc.Loader):
+    def __init__(self, target: str):
+        self.target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return importlib.import_module(self.target)
+
+    def exec_module(self, module: Any) -> None:
+        pass  # the module at the new path is already executed
+
+
+class MovedFinder(importlib.abc.MetaPathFinder):
+    """Finds the old names of moved modules (first on ``sys.meta_path``)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        new = new_name(fullname)
+        if new is None:
+            return None
+        warnings.warn(f"{fullname} moved to {new}; the old path will go in a later release",
+                      DeprecationWarning, stacklevel=2)
+        return importlib.machinery.ModuleSpec(fullname, _Alias(new))
+
+
+def install() -> None:
+    if not any(isinstance(f, MovedFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, MovedFinder())

@@ -1,0 +1,441 @@
+"""Opening checkpoints: what a path is (``locate``), then its model, weights and tokenizer
+(``load``). The one reader behind ``generate``, ``hf export`` and ``train.init_from``.
+
+A checkpoint path is one of
+
+* a HuggingFace directory: ``config.json`` + ``model.safetensors`` (or
+  ``model.safetensors.index.json`` and its shards), read by ``transformer_jax.hf.load``;
+* a training run's directory (it holds ``checkpoints/``): its newest intact step;
+* a ``checkpoints/`` directory (step directories named by their step): the same;
+* one step's directory (``RUN_DIR/checkpoints/200``): that step.
+
+``locate`` tells which from the files alone: it reads ``config.json`` or the step's ``meta``,
+never a weight, and touches no JAX device, so a multi-process run calls it before
+``jax.distributed.initialize``. ``load`` then reads the weights: a LoRA run's adapters merged
+into its base, the layer layout (scanned or unrolled) and dtype asked for, and with a mesh
+every param created sharded over it (a HF checkpoint and a plain run shard by shard; a LoRA run
+or one in the other layer layout merged on each host first, which then places its shards).
+
+Reading is read-only: nothing is created, renamed or probed for writability, and every
+checkpoint manager opened is closed, so a run on a read-only mount, another user's run or one
+still training (its newest step may vanish while read) loads.
+
+A run's tokenizer is, in this order: its copy in the run directory (``meta["tokenizer_dir"]``,
+``tokenizer/``), a ``tokenizer.json`` / ``tokenizer.model`` in the run directory, then the file
+the run recorded (``meta["tokenizer"]``) if it still exists. A HF directory's is its own
+``tokenizer.json`` / ``tokenizer.model``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax import storage
+from transformer_jax.checkpoint.files import META_ITEM, STATE_ITEM, CheckpointError, read_meta
+from transformer_jax.decode.weights import check_tensor_parallel, decode_rules, tensor_shards
+from transformer_jax.model import lora
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.transformer import Params
+from transformer_jax.parallel import sharding as sharding_lib
+from transformer_jax.storage.files import read_json
+
+logger = logging.getLogger(__name__)
+
+#: The kinds of ``Source``: a HF directory or a training run's orbax checkpoints.
+HF, RUN = "hf", "run"
+CHECKPOINTS = "checkpoints"
+HF_CONFIG = "config.json"
+HF_INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+#: Where a run keeps its copy of the tokenizer, relative to its directory (training writes it).
+RUN_TOKENIZER_DIR = "tokenizer"
+#: What training writes in a run directory; nothing else (an export) may write over them.
+RUN_ENTRIES = frozenset({CHECKPOINTS, RUN_TOKENIZER_DIR, "tb", "profile", "config.json",
+                         "metrics.jsonl", "summary.json", "loss.png"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A checkpoint as found on disk, before any weight is read.
+
+    Attributes:
+      path: the directory given (an ``epath.Path`` for a URL; a remote HF checkpoint's is its
+        local copy).
+      kind: ``HF`` or ``RUN``.
+      model: its model config, from ``config.json`` (``param_dtype``/``dtype`` float32 for a
+        HF checkpoint: the tensors' dtype is read with them) or the run's ``meta["model"]``.
+      run_dir: the run directory (kind ``RUN``; the parent of a bare checkpoints directory);
+        for a run on object storage, a local copy of its files but the checkpoints.
+      checkpoints: the run's checkpoints directory (kind ``RUN``); on object storage, the
+        remote one (an ``epath.Path``), read in place.
+      step: the step the path names; None for the newest intact one.
+      meta: the meta of that step (the newest readable one when ``step`` is None) (``RUN``).
+      tokenizer: the tokenizer found with the checkpoint (a directory or file), or None.
+    """
+
+    path: Path
+    kind: str
+    model: ModelConfig
+    run_dir: Path | None = None
+    checkpoints: Path | None = None
+    step: int | None = None
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tokenizer: Path | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A loaded checkpoint.
+
+    Attributes:
+      source: where it came from.
+      config: the model of ``params`` (the layout and dtype asked for).
+      params: the model's param tree (``blocks_{i}`` or scanned ``blocks`` [L, ...]); for a
+        LoRA run loaded with ``merge_lora=False``, ``{"base", "adapters"}`` as saved.
+      step: the step read (kind ``RUN``), else None.
+      meta: that step's meta (kind ``RUN``), else empty.
+      tokenizer: the tokenizer (``TextTokenizer``), or None (none found, or not asked for).
+      tokenizer_path: where it was found, or None.
+    """
+
+    source: Source
+    config: ModelConfig
+    params: Params
+    step: int | None = None
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tokenizer: Any = None
+    tokenizer_path: Path | None = None
+
+
+# Locating ----------------------------------------------------------------------------------------
+
+def is_hf_dir(path: Path) -> bool:
+    """A HF checkpoint: ``config.json`` and weights (a run directory has a config.json too)."""
+    return (path / HF_CONFIG).is_file() and (
+        any(path.glob("*.safetensors")) or (path / HF_INDEX).is_file())
+
+
+def is_step_dir(path: Path) -> bool:
+    """One step's directory of a run's checkpoints (``<step>/state``, ``<step>/meta``)."""
+    return path.name.isdigit() and ((path / STATE_ITEM).is_dir() or (path / META_ITEM).is_dir())
+
+
+def is_checkpoints_dir(path: Path) -> bool:
+    """A directory of step directories (a run's ``checkpoints/``, whatever its name)."""
+    try:
+        return any(is_step_dir(p) for p in path.iterdir())
+    except OSError:
+        return False
+
+
+def is_run_dir(path: Path) -> bool:
+    """A training run's directory: it holds ``checkpoints/`` or the ``config.json`` training
+    writes (``model``, ``train`` and ``data`` tables)."""
+    if (path / CHECKPOINTS).is_dir():
+        return True
+    try:
+        configs = read_json(path / HF_CONFIG)
+    except (OSError, ValueError):
+        return False
+    return isinstance(configs, dict) and {"model", "train", "data"} <= configs.keys()
+
+
+def locate(path: str | Path, *, where: str | None = None) -> Source:
+    """Says what a checkpoint path is, reading files only (no weights, no JAX devices).
+
+    Args:
+      path: a HF directory, a run directory, its ``checkpoints/`` or one step's directory.
+      where: how the errors name the path (e.g. ``"train.init_from=DIR"``); default the path.
+
+    Returns:
+      The ``Source``.
+
+    Raises:
+      FileNotFoundError: no such directory, a file, a config.json without weights, nothing
+        loadable, or a run without a complete checkpoint.
+      ValueError: a HF config this library cannot represent exactly (the setting named), or a
+        run checkpoint without its model config.
+      CheckpointError: no checkpoint of the run has a readable meta.
+    """
+    if storage.is_remote(path):
+        return _locate_remote(str(path).rstrip("/"), where or str(path))
+    root = Path(path).expanduser()
+    where = where or str(root)
+    if root.is_file():
+        raise FileNotFoundError(f"{where} is a file; give a directory: a HF checkpoint "
+                                "(config.json + *.safetensors) or a training run (its run "
+                                "directory, checkpoints/ or one step's directory)")
+    if not root.is_dir():
+        raise FileNotFoundError(f"{where}: {root} does not exist")
+    step = None
+    if (root / CHECKPOINTS).is_dir():
+        checkpoints, run_dir = root / CHECKPOINTS, root
+    elif is_hf_dir(root):
+        return Source(root, HF, _hf_model(root, where), tokenizer=_tokenizer_dir(root))
+    elif is_step_dir(root):
+        checkpoints, step, run_dir = root.parent, int(root.name), root.parent.parent
+    elif (root / HF_CONFIG).is_file() and not is_run_dir(root):
+        raise FileNotFoundError(f"{where}: {root} has a config.json but no weights "
+                                "(model.safetensors or model-*.safetensors)")
+    elif is_checkpoints_dir(root):
+        checkpoints, run_dir = root, root.parent
+    else:
+        raise FileNotFoundError(f"{where}: {root} holds neither a HF checkpoint (config.json + "
+                                "safetensors) nor a training run's checkpoints")
+    return _run_source(root, checkpoints, step, run_dir, where)
+
+
+def _run_source(root: Any, checkpoints: Any, step: int | None, run_dir: Path, where: str
+                ) -> Source:
+    """The ``Source`` of a run's checkpoints (``run_dir`` holds its other files)."""
+    try:
+        meta = read_meta(checkpoints, step)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{where}: no checkpoint (weights) in {checkpoints}") from None
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    if not isinstance(meta.get("model"), dict):
+        raise ValueError(f"{where}: the checkpoint in {checkpoints} has no meta['model']; was "
+                         "it saved by transformer_jax training?")
+    return Source(root, RUN, _run_model(meta), run_dir, checkpoints, step, meta,
+                  _run_tokenizer(run_dir, meta))
+
+
+def _locate_remote(url: str, where: str) -> Source:
+    """``locate`` for a URL (``gs://...``): a run's checkpoints are read in place (orbax), its
+    other files (config, tokenizer) and a HF checkpoint from a local copy (``storage``)."""
+    root = storage.as_path(url)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{where}: {url} does not exist")
+    if (root / CHECKPOINTS).is_dir():
+        checkpoints, step, run = root / CHECKPOINTS, None, url
+    elif root.name.isdigit() and is_step_dir(root):
+        checkpoints, step, run = root.parent, int(root.name), str(root.parent.parent)
+    elif is_checkpoints_dir(root):
+        checkpoints, step, run = root, None, str(root.parent)
+    else:  # a HF checkpoint (or nothing loadable, which locate names)
+        return locate(storage.local_copy(url), where=where)
+    run_dir = storage.local_copy(run, exclude=(CHECKPOINTS,))
+    return _run_source(root, checkpoints, step, run_dir, where)
+
+
+def _run_model(meta: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig a run saved (the one place a run's model is rebuilt from its meta)."""
+    return ModelConfig.from_dict(meta["model"])
+
+
+def _hf_model(root: Path, where: str) -> ModelConfig:
+    from transformer_jax.hf.convert import config_from_hf
+
+    hf_config = read_json(root / HF_CONFIG, "config")
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{where}: {root / HF_CONFIG} is not a JSON object")
+    try:
+        return config_from_hf(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{where}: the checkpoint cannot be represented exactly: {e}") from None
+
+
+def _tokenizer_dir(directory: Path) -> Path | None:
+    """``directory`` if it holds a tokenizer file, else None."""
+    return directory if any((directory / n).is_file() for n in TOKENIZER_FILES) else None
+
+
+def _run_tokenizer(run_dir: Path, meta: dict[str, Any]) -> Path | None:
+    """A run's tokenizer: its copy in the run directory (relative, so a copied run keeps it),
+    one in the run directory itself, else the file it recorded if that still exists."""
+    copy = meta.get("tokenizer_dir") or RUN_TOKENIZER_DIR
+    for directory in (run_dir / str(copy), run_dir):
+        if _tokenizer_dir(directory) is not None:
+            return directory
+    recorded = meta.get("tokenizer")
+    if isinstance(recorded, str) and recorded:
+        file = Path(recorded).expanduser()
+        if file.is_file() or (file.is_dir() and _tokenizer_dir(file) is not None):
+            return file
+    return None
+
+
+# Tokenizer ---------------------------------------------------------------------------------------
+
+def open_tokenizer(source: Source, path: str | Path | None = None, *, where: str | None = None,
+                   missing: str | None = None) -> Any:
+    """Loads the tokenizer of a checkpoint, checked against the model's vocabulary.
+
+    Args:
+      source: the checkpoint.
+      path: a tokenizer file or directory to use instead of the one found with it.
+      where: how the errors name the checkpoint; default its path.
+      missing: what to tell the user when there is none (e.g. ``"pass --tokenizer PATH"``):
+        then a missing tokenizer is an error; None returns None instead.
+
+    Returns:
+      The ``TextTokenizer``, or None.
+
+    Raises:
+      FileNotFoundError: no tokenizer while ``missing`` is given, or a missing file.
+      ValueError: the tokenizer has more tokens than the model's vocabulary.
+    """
+    from transformer_jax.tokenizer import load_tokenizer
+
+    where = where or str(source.path)
+    location = Path(path).expanduser() if path is not None else source.tokenizer
+    if location is None:
+        if missing is None:
+            return None
+        raise FileNotFoundError(f"{where}: no tokenizer found (looked for {RUN_TOKENIZER_DIR}/, "
+                                f"{', '.join(TOKENIZER_FILES)} and the file a run recorded); "
+                                f"{missing}")
+    tokenizer = load_tokenizer(location)
+    if tokenizer.vocab_size > source.model.vocab_size:
+        raise ValueError(f"the tokenizer {location} has {tokenizer.vocab_size} tokens, more than "
+                         f"the vocab_size={source.model.vocab_size} of {where}: its ids would "
+                         "index past the embedding; use the checkpoint's own tokenizer")
+    return tokenizer
+
+
+# Loading -----------------------------------------------------------------------------------------
+
+def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = True,
+         step: int | None = None, scan_layers: bool | None = None, dtype: str | None = None,
+         rules: Sequence[tuple[str, Any]] | None = None, tokenizer: str | Path | None = None,
+         with_tokenizer: bool = True) -> Loaded:
+    """Reads a checkpoint's weights (read-only) and its tokenizer.
+
+    Args:
+      source: a ``Source`` from ``locate``, or a path for it.
+      mesh: if given, every param is created sharded over it by
+        ``sharding.param_shardings(config, mesh, rules)``; None: plain arrays on this
+        process's first device.
+      merge_lora: fold a LoRA run's adapters into its base (``lora.merge``, in float32); False
+        returns its ``{"base", "adapters"}`` tree as saved (not with a mesh).
+      step: a run's step to read (default: the one the path names, else the newest intact).
+      scan_layers: the layer layout of the result (True: ``blocks`` [L, ...]); None keeps the
+        checkpoint's (a HF checkpoint's is unrolled).
+      dtype: the result's ``param_dtype`` and compute ``dtype``; None keeps a run's
+        ``param_dtype`` (every tensor cast to it: a frozen LoRA base may be stored in bfloat16)
+        and a HF checkpoint's stored dtype.
+      rules: the logical -> mesh axis rules of the placement; default the training's.
+      tokenizer: a tokenizer file or directory to use instead of the one found.
+      with_tokenizer: load the tokenizer (``Loaded.tokenizer``; None if there is none).
+
+    Returns:
+      The ``Loaded`` checkpoint.
+
+    Raises:
+      FileNotFoundError: no checkpoint of that step (and the errors of ``locate``).
+      CheckpointError: no intact checkpoint.
+      ValueError: inconsistent LoRA entries, a tokenizer larger than the vocabulary, a mesh
+        that cannot split a param evenly.
+    """
+    if not isinstance(source, Source):
+        source = locate(source)
+    if mesh is not None and not merge_lora:
+        raise ValueError("load(merge_lora=False) returns a LoRA run's tree as saved; it cannot "
+                         "be placed on a mesh")
+    rules = sharding_lib.LOGICAL_RULES if rules is None else rules
+    if source.kind == HF:
+        from transformer_jax import hf
+
+        config, params = hf.load(source.path, mesh=mesh, scan_layers=scan_layers, dtype=dtype,
+                                 rules=rules)
+        loaded = Loaded(source, config, params)
+    else:
+        loaded = _load_run(source, mesh, merge_lora=merge_lora, step=step,
+                           scan_layers=scan_layers, dtype=dtype, rules=rules)
+    if with_tokenizer:
+        found = open_tokenizer(source, tokenizer)
+        location = Path(tokenizer).expanduser() if tokenizer is not None else source.tokenizer
+        loaded = dataclasses.replace(loaded, tokenizer=found,
+                                     tokenizer_path=location if found is not None else None)
+    return loaded
+
+
+def _load_run(source: Source, mesh: Any, *, merge_lora: bool, step: int | None,
+              scan_layers: bool | None, dtype: str | None, rules: Sequence[tuple[str, Any]]
+              ) -> Loaded:
+    """The params of a run's step: restored sharded when they need no change but a cast, else
+    read whole on each host, merged / re-laid out there and then placed."""
+    from transformer_jax.checkpoint.manager import CheckpointManager
+    from transformer_jax.model.transformer import abstract_params, stack_blocks, unstack_blocks
+
+    step = source.step if step is None else step
+    saved = source.model
+    config = saved if scan_layers is None else saved.replace(scan_layers=scan_layers)
+    if dtype is not None:
+        config = config.replace(param_dtype=dtype, dtype=dtype)
+    shardings = None if mesh is None else sharding_lib.param_shardings(config, mesh, rules)
+    direct = (shardings is not None and not source.meta.get("lora")
+              and saved.scan_layers == config.scan_layers)
+    with CheckpointManager(source.checkpoints, read_only=True) as reader:
+        if direct:
+            abstract = sharding_lib.with_shardings(
+                abstract_params(saved), sharding_lib.param_shardings(saved, mesh, rules))
+            params, meta = reader.restore_params(abstract, step)
+        else:
+            # As saved (nested dicts, this process's first device).
+            params, meta = reader.restore_params(None, step)
+    read_step = meta.get("step", step)
+    logger.info("loaded step %s of %s", read_step, source.checkpoints)
+    if not merge_lora:
+        return Loaded(source, saved, params, read_step, meta)
+    params = lora.merge_checkpoint_params(params, meta, source.checkpoints,
+                                          dtype=config.param_dtype)
+    if saved.scan_layers and not config.scan_layers:
+        params = unstack_blocks(params)
+    elif config.scan_layers and not saved.scan_layers:
+        params = stack_blocks(params, saved.n_layers)
+    if shardings is not None and not direct:
+        # Every process holds the whole merged tree; each places the shards of its devices.
+        host = jax.tree.map(np.asarray, params)
+        params = jax.tree.map(
+            lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
+            host, shardings)
+    # One dtype for every tensor, the config's (a frozen LoRA base may be stored in bfloat16).
+    want = jnp.dtype(config.param_dtype)
+    params = jax.tree.map(lambda x: x if x.dtype == want else x.astype(want), params)
+    return Loaded(source, config, params, read_step, meta)
+
+
+
+
+def _tensor_mesh(tensor: int) -> Any:
+    """The mesh for ``--tensor T`` (None for one device); T = 0 takes every device."""
+    devices = jax.devices()
+    tensor = tensor or len(devices)
+    if tensor > len(devices):
+        raise ValueError(f"--tensor {tensor} needs {tensor} devices, {len(devices)} are available "
+                         "(XLA_FLAGS may fix the CPU device count)")
+    if tensor == 1:
+        return None
+    return sharding_lib.make_mesh(sharding_lib.MeshConfig(data=1, fsdp=1, tensor=tensor),
+                                  devices[:tensor])
+
+
+def load_for_decode(checkpoint: str, tensor: int, tokenizer: str | None = None
+                    ) -> tuple[Loaded, Any]:
+    """Opens ``--checkpoint`` for decoding over ``--tensor T`` devices: the ``Loaded``
+    checkpoint and the mesh (None for one device), the weights placed as the decode splits
+    them. Raises ValueError (a mesh the model cannot be split over), OSError, CheckpointError.
+    """
+    mesh = _tensor_mesh(tensor)
+    source = locate(checkpoint, where=f"--checkpoint {checkpoint!r}")
+    rules = None
+    if mesh is not None:  # before any weight is read
+        check_tensor_parallel(source.model, tensor_shards(mesh))
+        # Placed by the decode's rules (the vocabulary kept whole when T does not divide
+        # it), so that ``decode.prepare`` finds the weights on the mesh's devices.
+        rules = decode_rules(source.model, mesh)
+    return load(source, mesh, rules=rules, tokenizer=tokenizer), mesh
+
+
+__all__ = ["HF", "RUN", "RUN_ENTRIES", "Loaded", "Source", "is_checkpoints_dir", "is_hf_dir",
+           "is_run_dir", "is_step_dir", "load", "load_for_decode", "locate", "open_tokenizer"]

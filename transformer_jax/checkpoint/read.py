@@ -1,0 +1,211 @@
+"""Reading one checkpoint step directory into arrays, its saved tree checked first.
+
+``saved_tree`` checks a step's files (``checkpoint_files.check_step_files``) and returns the
+saved state's shapes and dtypes; ``read_state`` and ``read_params`` compare them with the tree
+asked for (``CheckpointMismatchError`` names what differs, before orbax reads anything) and read
+the state, or only its params. Which step to read, and what to do with a damaged or vanishing one,
+is ``CheckpointManager``'s business (``checkpoint/manager.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from transformer_jax.checkpoint.files import (
+    META_ITEM,
+    STATE_ITEM,
+    CheckpointError,
+    DamagedCheckpointError,
+    check_step_files,
+    read_meta_file,
+)
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The saved state has another structure or other shapes than the one asked for (e.g. the
+    checkpoint was written for another model).
+
+    Attributes:
+      path: the step directory.
+      differences: one line per differing entry (path: saved vs requested).
+    """
+
+    def __init__(self, path: Path, differences: list[str]) -> None:
+        shown = "; ".join(differences[:8])
+        more = f"; and {len(differences) - 8} more" if len(differences) > 8 else ""
+        super().__init__(f"checkpoint {path} holds another state than requested: {shown}{more}")
+        self.path, self.differences = path, differences
+
+
+class StepVanished(Exception):
+    """The step directory disappeared while it was being read (a live run rotated it away)."""
+
+
+def read_state(path: Path, abstract_state: Any | None) -> tuple[Any, dict[str, Any]]:
+    """The train state and meta of the step directory ``path``, shaped, typed and placed like
+    ``abstract_state`` (None: the saved tree as it is, on the first device).
+
+    Raises:
+      StepVanished: the directory is gone (a live run rotated it away).
+      DamagedCheckpointError: a file is missing, unreadable or differs from its checksum.
+      CheckpointMismatchError: the saved tree differs from ``abstract_state``.
+    """
+    saved = saved_tree(path)
+    if abstract_state is None:
+        abstract_state = abstract_from_metadata(saved)
+    else:
+        check_same_tree(path, saved, abstract_state)
+    abstract_state = jax.tree.map(as_abstract, abstract_state)
+    args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state),
+                                 META_ITEM: ocp.args.JsonRestore()})
+    try:
+        # A checkpointer of its own, not the manager: the manager re-lists every step
+        # (and fails if a live run deletes one meanwhile).
+        handler = ocp.CompositeCheckpointHandler(**{
+            STATE_ITEM: ocp.StandardCheckpointHandler(),
+            META_ITEM: ocp.JsonCheckpointHandler()})
+        with ocp.Checkpointer(handler) as reader:
+            restored = reader.restore(path, args=args)
+    except Exception as e:
+        if not path.is_dir():
+            raise StepVanished(path) from e
+        raise DamagedCheckpointError(path, reason(e)) from None
+    return restored[STATE_ITEM], dict(restored[META_ITEM] or {})
+
+
+def read_params(path: Path, abstract_params: Any | None) -> tuple[Any, dict[str, Any]]:
+    """Only the ``params`` subtree of the state saved in ``path`` (orbax's partial restore
+    reads just those arrays), and the meta; raises as ``read_state``."""
+    saved = saved_tree(path)
+    if not isinstance(saved, dict) or "params" not in saved:
+        raise CheckpointMismatchError(path, ["the saved state has no 'params' entry"])
+    if abstract_params is None:
+        abstract_params = abstract_from_metadata(saved["params"])
+    else:
+        check_same_tree(path, saved["params"], abstract_params, prefix=("params",))
+    item = {"params": jax.tree.map(as_abstract, abstract_params)}
+    args = ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+        partial_restore=True)
+    try:
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+            restored = reader.restore(path / STATE_ITEM, args=args)
+        meta = read_meta_file(path)
+    except DamagedCheckpointError:
+        raise
+    except Exception as e:
+        if not path.is_dir():
+            raise StepVanished(path) from e
+        raise DamagedCheckpointError(path, reason(e)) from None
+    return restored["params"], meta
+
+
+def saved_tree(path: Path) -> Any:
+    """Checks the files of the step directory ``path`` and returns the saved state's metadata
+    tree (shapes and dtypes, no array read).
+
+    Raises:
+      StepVanished: the directory is gone.
+      DamagedCheckpointError: a metadata file is missing or unreadable, or a file differs
+        from its recorded checksum.
+    """
+    try:
+        check_step_files(path)
+        try:
+            saved = ocp.StandardCheckpointHandler().metadata(path / STATE_ITEM)
+            return getattr(saved, "tree", saved)  # orbax wraps the tree in TreeMetadata
+        except Exception as e:
+            raise DamagedCheckpointError(path, f"unreadable metadata: {reason(e)}") from None
+    except (DamagedCheckpointError, FileNotFoundError) as e:
+        if not path.is_dir():
+            raise StepVanished(path) from e
+        if isinstance(e, FileNotFoundError):
+            raise DamagedCheckpointError(path, reason(e)) from None
+        raise
+
+
+# Helpers -----------------------------------------------------------------------------------------
+
+
+def error_chain(error: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def reason(error: BaseException, limit: int = 200) -> str:
+    """One line about an error: its innermost cause's first line, shortened."""
+    lines = [line for e in error_chain(error) for line in str(e).splitlines()[:1] if line.strip()]
+    # Orbax wraps TensorStore errors in a message that dumps the whole spec; the innermost
+    # cause says what is wrong with the file.
+    text = lines[-1] if lines else type(error).__name__
+    if "TensorStore" in text and len(lines) > 1:
+        text = lines[0]
+    text = text.split(" See full TensorStore details")[0]
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def leaf_paths(tree: Any, is_leaf: Any = None) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{path as strings: shape} of a tree's array leaves (dataclass fields, dict keys and
+    sequence indices all become strings, so a saved dict matches the live dataclass)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        if not hasattr(leaf, "shape"):
+            continue
+        names = tuple(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
+                      for k in path)
+        out[names] = tuple(leaf.shape)
+    return out
+
+
+def is_array_metadata(m: Any) -> bool:
+    return hasattr(m, "shape") and hasattr(m, "dtype")
+
+
+def check_same_tree(path: Path, saved: Any, abstract: Any, prefix: tuple[str, ...] = ()
+                     ) -> None:
+    """Raises CheckpointMismatchError naming the entries that differ in presence or shape."""
+    have = leaf_paths(saved, is_leaf=is_array_metadata)
+    want = leaf_paths(abstract)
+    diffs = []
+    # The params first: they name the model change most directly (the optimizer state
+    # repeats them).
+    for key in sorted(set(have) | set(want), key=lambda k: (k[:1] != ("params",), k)):
+        name = "/".join(prefix + key)
+        if key not in have:
+            diffs.append(f"{name} is not in the checkpoint")
+        elif key not in want:
+            diffs.append(f"{name} {list(have[key])} is saved but not requested")
+        elif have[key] != want[key]:
+            diffs.append(f"{name} is {list(have[key])} in the checkpoint, {list(want[key])} "
+                         "requested")
+    if diffs:
+        raise CheckpointMismatchError(path, diffs)
+
+
+def abstract_from_metadata(metadata: Any) -> Any:
+    # Whatever devices it was saved from, read it onto this process's first device.
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), metadata,
+                        is_leaf=is_array_metadata)
+
+
+def as_abstract(x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        if x.sharding is None:
+            # Without a sharding orbax cannot place the array; default to this process's
+            # first device (jax.devices()[0] belongs to process 0 in a multi-process run).
+            return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                        sharding=jax.sharding.SingleDeviceSharding(
+                                            jax.local_devices()[0]))
+        return x
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return x

@@ -1,0 +1,5 @@
+"""``python -m transformer_jax.cli``: the ``transformer-jax`` command."""
+
+from transformer_jax.cli import console
+
+console()

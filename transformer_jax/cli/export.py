@@ -1,0 +1,214 @@
+"""Export a training run (or re-export a HF directory) as a complete HuggingFace checkpoint.
+
+    transformer-jax export --checkpoint RUN_DIR --out DIR
+
+``--checkpoint`` is a run directory (its ``checkpoints/``, the newest intact step), a
+``checkpoints/`` directory, one step's directory (``RUN_DIR/checkpoints/200``), or a HF
+checkpoint directory (re-export). The result holds ``config.json``, the safetensors weights,
+``generation_config.json`` and the tokenizer, which ``AutoModelForCausalLM`` /
+``AutoTokenizer.from_pretrained``, ``transformer-jax generate --checkpoint DIR`` and
+``hf.load`` read.
+
+Checkpoint format read (what ``training.run`` saves): an orbax train state whose ``params``
+entry is the model's param tree (unrolled ``blocks_{i}`` or scanned ``blocks``), with
+``meta["model"]`` the ``ModelConfig`` as a dict. A LoRA run stores instead
+``params = {"base": model params, "adapters": lora adapters}`` (``transformer_jax.model.lora``'s
+layout, the same block layout as the base) and ``meta["lora"] = {"rank": R, "alpha": A,
+"targets": [...]}``; the adapters are merged into the base (``lora.merge``, in float32) and every
+tensor is cast to the model's ``param_dtype`` (a frozen base may be stored in bfloat16).
+
+The tokenizer is ``--tokenizer`` (a directory or file), else the one found with the checkpoint
+(``checkpoint.loading``: the run's copy ``RUN_DIR/tokenizer/``, a ``tokenizer.json`` or
+``tokenizer.model`` in the run directory, then the file recorded in ``meta["tokenizer"]``).
+Without one the export fails unless ``--no-tokenizer`` is given.
+
+The checkpoint is only read (a run on a read-only mount exports). ``--out`` is checked before
+any weight is read: never a run directory or one of its own entries (``RUN_DIR/hf`` is fine),
+and an existing directory holding other files than an earlier export's only with
+``--overwrite``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from transformer_jax import hf, storage
+from transformer_jax.checkpoint import loading
+from transformer_jax.cli.common import PROG
+from transformer_jax.model.config import DTYPES, ModelConfig
+from transformer_jax.model.transformer import Params
+
+logger = logging.getLogger(__name__)
+
+
+def _cast(config: ModelConfig, params: Params, dtype: str | None
+          ) -> tuple[ModelConfig, Params]:
+    if dtype is None or dtype == config.param_dtype:
+        return config, params
+    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    return config.replace(param_dtype=dtype, dtype=dtype), params
+
+
+def check_out(out: Path, overwrite: bool = False) -> None:
+    """Refuses an export directory that would replace what is not an earlier export.
+
+    A training run's own files are never written over: ``out`` may not be a run directory, a
+    run's checkpoints (or a step of them), or inside one of the entries training writes in a run
+    directory (``loading.RUN_ENTRIES``: ``checkpoints/``, ``config.json``, ``tokenizer/``, ...);
+    ``RUN_DIR/hf`` is fine. An existing ``out`` holding anything but an earlier export's files
+    is replaced only with ``overwrite``.
+
+    Raises:
+      FileExistsError: naming what is there and what to do.
+    """
+    out = out.expanduser().resolve()
+    for directory in (out, *out.parents):
+        inside = out.relative_to(directory).parts
+        if loading.is_step_dir(directory) or loading.is_checkpoints_dir(directory):
+            raise FileExistsError(f"--out {out} is in the checkpoints of a training run "
+                                  f"({directory}); export somewhere else")
+        if loading.is_run_dir(directory) and (not inside or inside[0] in loading.RUN_ENTRIES):
+            what = "is the directory" if not inside else f"is inside {inside[0]} of the directory"
+            raise FileExistsError(f"--out {out} {what} of the training run {directory}, whose "
+                                  "files an export never replaces; use e.g. --out "
+                                  f"{directory / 'hf'}")
+    if out.is_file():
+        raise FileExistsError(f"--out {out} is a file, not a directory")
+    _check_only_an_export(out, overwrite)
+
+
+def _check_only_an_export(out: Any, overwrite: bool) -> None:
+    """Refuses an existing ``out`` (local or remote) that holds other files than an earlier
+    export's, unless ``overwrite``."""
+    if not out.is_dir() or overwrite:
+        return
+    others = sorted(p.name for p in out.iterdir() if not hf.is_saved_file(p.name))
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise FileExistsError(f"--out {out} holds files that are not an earlier export "
+                              f"({shown}); pass --overwrite to replace it")
+
+
+def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | None = None,
+           use_tokenizer: bool = True, step: int | None = None, dtype: str | None = None,
+           max_shard_bytes: int | None = None, overwrite: bool = False) -> Path:
+    """Writes a HF checkpoint directory from a run or a HF directory (read-only).
+
+    Args:
+      checkpoint: run directory, checkpoints directory, step directory or HF directory.
+      out: the HF directory to write (replaced only once complete; see ``check_out``).
+      tokenizer: tokenizer directory or file; default: found next to the checkpoint.
+      use_tokenizer: False exports the model only.
+      step: the run's step to export (default: the newest intact one).
+      dtype: cast the weights to this (``float32``, ``bfloat16``, ``float16``); default: the
+        model's ``param_dtype``.
+      max_shard_bytes: split the weights into shards of at most this many bytes.
+      overwrite: replace an ``out`` that holds other files than an earlier export's (never a
+        training run's own files).
+
+    Returns:
+      The output directory.
+
+    Raises:
+      FileNotFoundError: no checkpoint, or no tokenizer while ``use_tokenizer``.
+      FileExistsError: an ``out`` that ``check_out`` refuses.
+      ValueError: a checkpoint that cannot be exported (the reason named).
+      OSError: ``out`` cannot be written (named in one line).
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    where = f"--checkpoint {checkpoint}"
+    source = loading.locate(checkpoint, where=where)
+    remote = storage.is_remote(out)
+    if remote:  # written locally, then uploaded (HF's files are written whole)
+        url = str(out).rstrip("/")
+        check_remote_out(url, overwrite)
+        out = storage.staging_dir(url, "export")
+    out = Path(out).expanduser()
+    if not remote:
+        check_out(out, overwrite)
+    loaded = loading.load(source, step=step, with_tokenizer=False)
+    tok = None
+    if use_tokenizer:
+        tok = loading.open_tokenizer(source, tokenizer, where=where,
+                                     missing="pass --tokenizer PATH or --no-tokenizer")
+    config, params = _cast(loaded.config, loaded.params, dtype)
+    try:
+        hf.save(config, params, out, tokenizer=tok, max_shard_bytes=max_shard_bytes)
+    except OSError as e:
+        raise type(e)(f"could not write the export {out}: {e.strerror or e}") from None
+    if remote:
+        return _upload_export(out, url)
+    return out
+
+
+def check_remote_out(url: str, overwrite: bool = False) -> None:
+    """``check_out`` for an export into a bucket: never a run's directory or its checkpoints;
+    other files than an earlier export's are replaced only with ``overwrite``.
+
+    Raises:
+      FileExistsError: naming what is there and what to do.
+    """
+    out = storage.as_path(url)
+    if (loading.is_run_dir(out) or loading.is_step_dir(out)
+            or out.parent.name == loading.CHECKPOINTS):
+        raise FileExistsError(f"--out {url} is a training run's directory or inside its "
+                              f"checkpoints; use e.g. --out {url}/hf")
+    _check_only_an_export(out, overwrite)
+
+
+def _upload_export(local: Path, url: str) -> Any:
+    """Uploads a finished export and removes what an earlier export left there (e.g. more
+    shards); ``config.json`` goes last, so a reader never finds weights without it."""
+    storage.push(local, url, exclude=("config.json",))
+    storage.push(local, url)
+    ours = {p.name for p in local.iterdir()}
+    for old in storage.as_path(url).iterdir():
+        if old.name not in ours:
+            storage.rmtree(old)
+    logger.info("exported to %s (staged in %s)", url, local)
+    return storage.as_path(url)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``transformer-jax export ...``."""
+    p = argparse.ArgumentParser(prog=f"{PROG} export", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True,
+                   help="run dir, its checkpoints/ dir, one step's dir, or a HF dir")
+    p.add_argument("--out", required=True, help="HF directory to write")
+    p.add_argument("--tokenizer", help="tokenizer dir or file (default: found with the run)")
+    p.add_argument("--no-tokenizer", action="store_true", help="export the model only")
+    p.add_argument("--step", type=int, help="step to export (default: the newest intact)")
+    p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: param_dtype)")
+    p.add_argument("--max-shard-bytes", type=int, help="write shards of at most this size")
+    p.add_argument("--overwrite", action="store_true", help="replace an --out that holds other "
+                   "files than an earlier export (never a training run's own files)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry; returns the exit status (0, or 1 with the error on stderr)."""
+    from transformer_jax.checkpoint.files import CheckpointError
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        out = export(args.checkpoint, args.out, tokenizer=args.tokenizer,
+                     use_tokenizer=not args.no_tokenizer, step=args.step, dtype=args.dtype,
+                     max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite)
+    except (OSError, ValueError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"exported {args.checkpoint} -> {out}")
+    return 0
+
+
+__all__ = ["build_parser", "check_out", "export", "main"]

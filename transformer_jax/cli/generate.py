@@ -1,0 +1,206 @@
+"""Command line generation: ``transformer-jax generate --checkpoint PATH --prompt TEXT``.
+
+PATH is a HuggingFace checkpoint directory (``config.json`` + safetensors) or an orbax
+checkpoint of this project's training: a run directory, its ``checkpoints/`` directory (the
+latest intact step is used, also while the run is still training) or one step's directory;
+only the parameters are read, read-only (``transformer_jax.checkpoint.loading``). The tokenizer is
+``--tokenizer FILE_OR_DIR``, else the one found with the checkpoint (a HF directory's own, a
+run's copy ``RUN_DIR/tokenizer/``, else the file the run recorded). A text prompt starts with bos
+when the tokenizer's ``add_bos_token`` says so (as fine-tuning encoded prompts); with ``--chat``
+each prompt is a user message rendered with the tokenizer's chat template and its generation
+prompt (as fine-tuning on chat records saw it). Text is streamed as it is generated (one host
+callback per decode step from inside the jitted loop); ``--prompt-ids 1,2,3`` and ``--json``
+are for scripts.
+
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from transformer_jax.checkpoint import loading
+from transformer_jax.checkpoint.files import CheckpointError
+from transformer_jax.cli.common import PROG
+from transformer_jax.decode import generation
+from transformer_jax.parallel import sharding
+from transformer_jax.tokenizer import detokenize
+from transformer_jax.tokenizer.prompt import chat_turn_end_id, encode_chat_prompt, encode_text
+
+# CLI ---------------------------------------------------------------------------------------------
+
+def _ids(text: str) -> list[int]:
+    parts = text.replace(" ", "").split(",")
+    try:
+        return [int(x) for x in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expects comma-separated ints such as 1,2,3, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's arguments; each help states its default once."""
+    p = argparse.ArgumentParser(
+        prog=f"{PROG} generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True,
+                   help="HF checkpoint directory or orbax checkpoint of a training run (run "
+                   "directory, its checkpoints/ or a step directory)")
+    p.add_argument("--tokenizer", help="tokenizer.json, SentencePiece .model or a directory "
+                   "holding one (default: found with the checkpoint)")
+    p.add_argument("--prompt", action="append", default=[],
+                   help="prompt text; repeat for a batch (default: none)")
+    p.add_argument("--prompt-ids", action="append", default=[], type=_ids,
+                   help="prompt as comma-separated token ids; repeat for a batch (default: none)")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens "
+                   "(default: all)")
+    p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens "
+                   "whose probability reaches p (default: 1, off)")
+    p.add_argument("--min-p", type=float, help="drop tokens less likely than min-p times the "
+                   "most likely one (default: 0, off)")
+    p.add_argument("--chat", action="store_true",
+                   help="each --prompt is a user message, rendered with the tokenizer's chat "
+                   "template and its generation prompt (as fine-tuning on chat records saw "
+                   "it); stops at the end of the assistant's turn too (default: plain text)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, a signed 64-bit "
+                   "integer (default: %(default)s)")
+    p.add_argument("--stop-token", type=int, action="append", dest="stop_tokens",
+                   help="id that ends a sequence; repeatable (default: the tokenizer's eos)")
+    p.add_argument("--no-stop", action="store_true", help="ignore eos: always generate "
+                   "--max-new-tokens tokens (default: stop at eos)")
+    p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's bos "
+                   "to text prompts (default: prepend it when the tokenizer's add_bos_token "
+                   "says so, as fine-tuning did)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--cache-dtype", choices=("float32", "bfloat16", "float16", "int8"),
+                   help="KV cache storage dtype; int8 stores a scale per token and kv head "
+                   "(default: the compute dtype)")
+    p.add_argument("--quant", metavar="SCHEME",
+                   help="store the weights quantised: int8 (a scale per output channel), int4 "
+                   "or int4:G (a scale per G inputs, default 64); default: float")
+    p.add_argument("--tensor", type=int, default=1, metavar="T",
+                   help="decode tensor-parallel over T devices (T divides the model's kv heads, "
+                   "heads and FFN width); on CPU the host is split into T devices, 0 = one per "
+                   "core (default: %(default)s)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object with ids, text, logprobs and timings; no "
+                   "streaming (default: stream text)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log at INFO level (default: warnings only)")
+    return p
+
+
+class _TextStreamer:
+    """Prints each sequence's new text as decode steps arrive (one sequence: inline)."""
+
+    def __init__(self, tokenizer: Any, batch: int):
+        self.tokenizer = tokenizer
+        self.ids: list[list[int]] = [[] for _ in range(batch)]
+        self.printed = [""] * batch
+        self.first_token_time: float | None = None
+
+    def __call__(self, step: int, tokens: np.ndarray, active: np.ndarray) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        for b in np.flatnonzero(active):
+            self.ids[b].append(int(tokens[b]))
+        if len(self.ids) != 1:
+            return
+        if self.tokenizer is None:
+            print(f" {int(tokens[0])}" if active[0] else "", end="", flush=True)
+            return
+        text = detokenize(self.tokenizer, self.ids[0])
+        # A piece can end inside a multi-byte character; print only settled text.
+        if not text.endswith("\ufffd") and text.startswith(self.printed[0]):
+            print(text[len(self.printed[0]):], end="", flush=True)
+            self.printed[0] = text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the CLI; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not args.prompt and not args.prompt_ids:
+        print("error: give --prompt TEXT or --prompt-ids 1,2,3", file=sys.stderr)
+        return 2
+    if args.tensor < 0:
+        print(f"error: --tensor must be >= 0, got {args.tensor}", file=sys.stderr)
+        return 2
+    if not -(2**63) <= args.seed < 2**63:
+        print(f"error: --seed must be a signed 64-bit integer (from -2**63 to 2**63 - 1), got "
+              f"{args.seed}", file=sys.stderr)
+        return 2
+    if args.chat and not args.prompt:
+        print("error: --chat renders --prompt texts as user messages; give --prompt TEXT",
+              file=sys.stderr)
+        return 2
+    if args.tensor != 1:  # before anything starts JAX's CPU backend
+        sharding.configure_cpu_devices(devices=args.tensor)
+    try:
+        loaded, mesh = loading.load_for_decode(args.checkpoint, args.tensor, args.tokenizer)
+        config, params, tokenizer = loaded.config, loaded.params, loaded.tokenizer
+        if args.prompt and tokenizer is None:
+            raise ValueError("text prompts need a tokenizer: pass --tokenizer FILE_OR_DIR or "
+                             "use --prompt-ids")
+        if args.chat and not tokenizer.chat_template:
+            raise ValueError(f"--chat needs a chat template; the tokenizer "
+                             f"{loaded.tokenizer_path} has none (chat_template in "
+                             "tokenizer_config.json or chat_template.jinja)")
+        if args.dtype:
+            config = config.replace(dtype=args.dtype)
+        prompts = [encode_chat_prompt(tokenizer, [{"role": "user", "content": text}])
+                   if args.chat else
+                   encode_text(tokenizer, text, bos=False if args.no_bos else None)
+                   for text in args.prompt]
+        prompts.extend(args.prompt_ids)
+        stop = args.stop_tokens or []
+        if not args.stop_tokens and not args.no_stop and tokenizer:
+            stop = [tokenizer.eos_id] if tokenizer.eos_id >= 0 else []
+            turn_end = chat_turn_end_id(tokenizer) if args.chat else None
+            if turn_end is not None and turn_end not in stop:
+                stop.append(turn_end)
+        if args.no_stop:
+            stop = []
+        streamer = None if args.json else _TextStreamer(tokenizer, len(prompts))
+        start = time.perf_counter()
+        result = generation.generate(
+            config, params, prompts, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            min_p=args.min_p, seed=args.seed, stop_tokens=stop, stream=streamer, mesh=mesh,
+            cache_dtype=args.cache_dtype, quant=args.quant)
+        elapsed = time.perf_counter() - start
+    except (ValueError, OSError, CheckpointError) as e:  # OSError: missing/unreadable files
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    texts = [detokenize(tokenizer, t) if tokenizer else None for t in result.tokens]
+    if args.json:
+        print(json.dumps({
+            "prompt_ids": [list(map(int, p)) for p in prompts],
+            "tokens": result.tokens, "text": texts, "logprobs": result.logprobs,
+            "lengths": result.lengths, "seconds": elapsed,
+            "tensor": 1 if mesh is None else mesh.devices.size}))
+        return 0
+    if len(prompts) == 1:
+        if tokenizer is not None:  # whatever the streamer held back (an unfinished character)
+            print(texts[0][len(streamer.printed[0]):], end="")
+        print()
+    else:
+        for i, (p, toks) in enumerate(zip(prompts, result.tokens, strict=True)):
+            shown = texts[i] if tokenizer else " ".join(map(str, toks))
+            print(f"[{i}] {detokenize(tokenizer, p) if tokenizer else p} -> {shown}")
+    n = sum(result.lengths)
+    print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s including compilation]",
+          file=sys.stderr)
+    return 0
+

@@ -1,0 +1,227 @@
+"""``transformer-jax serve --checkpoint PATH``: an OpenAI-compatible HTTP server.
+
+PATH is what ``generate`` takes (a HF directory or a training run, through ``loading.load``).
+Start-up loads the weights, builds the ``serving.Engine`` with the flags' slots, pages, page
+size, token budget, tensor parallelism and cache dtype, compiles its step shapes
+(``Engine.compile``, through JAX's persistent compilation cache, so a restart loads them), and
+only then opens the port: ``/health`` answers ready from the first connection. It logs how long
+each part took. SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight
+finish for ``--grace-period`` seconds, cancels the rest and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from transformer_jax.cli.common import PROG
+
+#: The environment variable an API key may come from (``--api-key`` wins).
+API_KEY_ENV = "TRANSFORMER_JAX_API_KEY"
+DEFAULT_CACHE_DIR = Path("~/.cache/transformer_jax/xla")
+
+logger = logging.getLogger("transformer_jax.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's arguments; each help states its default."""
+    p = argparse.ArgumentParser(prog=f"{PROG} serve",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True,
+                   help="HF checkpoint directory or a training run (run directory, its "
+                   "checkpoints/ or a step directory)")
+    p.add_argument("--tokenizer", help="tokenizer file or directory (default: found with the "
+                   "checkpoint)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the "
+                   "checkpoint directory's name)")
+    p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (default: "
+                   f"${API_KEY_ENV}, else no key)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--slots", type=int, default=8,
+                   help="sequences decoded at once (default: %(default)s)")
+    e.add_argument("--page-size", type=int, default=16,
+                   help="positions per KV page (default: %(default)s)")
+    e.add_argument("--pages", type=int, default=0, help="KV pages in the pool (default: 0, "
+                   "enough for every slot at the full context)")
+    e.add_argument("--memory-fraction", type=float, help="size the pool to this fraction of "
+                   "the device memory left after the weights (a device that reports its "
+                   "memory; default: --pages)")
+    e.add_argument("--token-budget", type=int, default=0, help="most tokens per step: a "
+                   "decode row per slot plus a prefill chunk (default: 0, slots + 256)")
+    e.add_argument("--min-context", type=int, help="narrowest page table a step attends over, "
+                   "in positions; each power-of-two width from it to the context is one more "
+                   "set of step shapes to compile (the context itself: one set, fastest start, "
+                   "slower short decodes) (default: the engine's, 128)")
+    e.add_argument("--tensor", type=int, default=1, metavar="T", help="tensor-parallel over T "
+                   "devices, as generate --tensor (default: %(default)s)")
+    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (default: the checkpoint's)")
+    e.add_argument("--cache-dtype", choices=("float32", "bfloat16", "float16", "int8"),
+                   help="KV page dtype; int8 stores a scale per token and kv head (default: "
+                   "the compute dtype)")
+    e.add_argument("--quant", metavar="SCHEME", help="store the weights quantised: int8, int4 "
+                   "or int4:G, as generate --quant (default: float)")
+    e.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not share prompt pages between requests (default: share)")
+    e.add_argument("--compilation-cache", default=str(DEFAULT_CACHE_DIR),
+                   help="JAX persistent compilation cache directory, '' for none "
+                   "(default: %(default)s)")
+    s = p.add_argument_group("requests")
+    s.add_argument("--max-requests", type=int, default=256, help="requests in flight "
+                   "(running or waiting) beyond which a request gets 429 (default: %(default)s)")
+    s.add_argument("--request-timeout", type=float, help="seconds a request may run; then it "
+                   "ends with finish_reason 'timeout' (default: no limit)")
+    s.add_argument("--grace-period", type=float, default=30.0, help="seconds requests in "
+                   "flight may finish after SIGTERM (default: %(default)s)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="(default: %(default)s)")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("slots", "page_size", "max_requests"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
+                             f"{getattr(args, name)}")
+    if args.min_context is not None and args.min_context <= 0:
+        raise ValueError(f"--min-context must be positive, got {args.min_context}")
+    for name in ("pages", "token_budget", "tensor"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got "
+                             f"{getattr(args, name)}")
+    if args.memory_fraction is not None and not 0 < args.memory_fraction <= 1:
+        raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ValueError(f"--request-timeout must be positive, got {args.request_timeout}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+
+
+def configure_compilation_cache(directory: str) -> None:
+    """Points JAX's persistent compilation cache at ``directory`` (every program cached)."""
+    import jax
+
+    if not directory:
+        return
+    path = Path(directory).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pool_pages(args: argparse.Namespace, config: Any) -> int:
+    """The pool size the flags ask for (page 0, the null page, included)."""
+    import jax
+
+    from transformer_jax.model.kv_cache import cache_bytes
+    from transformer_jax.serving.page_pool import pages_for
+
+    if args.memory_fraction is None:
+        return args.pages or 1 + args.slots * pages_for(config.max_seq_len, args.page_size)
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise ValueError(f"--memory-fraction needs a device that reports its memory; "
+                         f"{jax.devices()[0].device_kind} does not: give --pages")
+    shards = max(1, args.tensor)
+    page_bytes = cache_bytes(config, 1, args.page_size, args.cache_dtype) // shards
+    free = args.memory_fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return max(2, int(free // page_bytes))
+
+
+def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """Loads the checkpoint and compiles the engine: (runner, model info, timings)."""
+    from transformer_jax.checkpoint.loading import load_for_decode
+    from transformer_jax.serve.completions import ModelInfo
+    from transformer_jax.serve.metrics import Metrics
+    from transformer_jax.serve.runner import EngineRunner
+    from transformer_jax.serving import Engine
+    from transformer_jax.serving.scheduler import MIN_CONTEXT
+
+    timings = {}
+    t = time.perf_counter()
+    loaded, mesh = load_for_decode(args.checkpoint, args.tensor, args.tokenizer)
+    config = loaded.config.replace(dtype=args.dtype) if args.dtype else loaded.config
+    timings["load_s"] = time.perf_counter() - t
+    pages = pool_pages(args, config)
+    engine = Engine(config, loaded.params, args.slots, pages, args.page_size,
+                    args.token_budget or args.slots + 256, mesh,
+                    prefix_caching=not args.no_prefix_caching, cache_dtype=args.cache_dtype,
+                    min_context=min(args.min_context or MIN_CONTEXT, config.max_seq_len),
+                    tokenizer=loaded.tokenizer, quant=args.quant)
+    t = time.perf_counter()
+    shapes = engine.compile()
+    timings["compile_s"] = time.perf_counter() - t
+    logger.info("loaded %s in %.1f s; compiled %d step shapes in %.1f s (%d slots, %d pages of "
+                "%d, %.1f MiB of KV pages)", args.checkpoint, timings["load_s"], shapes,
+                timings["compile_s"], args.slots, pages, args.page_size,
+                engine.cache_bytes / 2 ** 20)
+    name = args.served_model_name or Path(args.checkpoint).resolve().name
+    runner = EngineRunner(engine, Metrics(), args.max_requests, args.request_timeout)
+    return runner, ModelInfo.of(name, config, loaded.tokenizer), timings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the server until SIGTERM; returns the exit status."""
+    start = time.perf_counter()
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        _check(args)
+        if args.tensor != 1:  # before anything starts JAX's CPU backend
+            from transformer_jax.parallel import sharding
+
+            sharding.configure_cpu_devices(devices=args.tensor)
+        configure_compilation_cache(args.compilation_cache)
+        runner, model, _ = build(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # CheckpointError and the like: one line, not a traceback
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    from transformer_jax.serve.app import create_app
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    app = create_app(runner, model, api_key)
+    server = DrainingServer(runner, uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=args.grace_period, access_log=False))
+    runner.start()
+    runner.ready = True
+    logger.info("serving %r on http://%s:%d (ready %.1f s after start; auth %s)", model.name,
+                args.host, args.port, time.perf_counter() - start, "on" if api_key else "off")
+    try:
+        server.run()
+    finally:
+        runner.stop()
+    logger.info("stopped")
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server that marks the runner draining on SIGTERM/SIGINT (new requests get
+    503, ``/health`` too) and exits 0: uvicorn itself re-raises the signal once stopped."""
+
+    def __init__(self, runner: Any, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.runner = runner
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:  # a second signal: stop waiting
+            self.force_exit = True
+        self.should_exit = True
+        self.runner.draining = True
+        logger.info("signal %d: draining (grace %.0f s)", sig,
+                    self.config.timeout_graceful_shutdown or 0)

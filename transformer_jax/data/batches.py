@@ -1,0 +1,313 @@
+"""Tokens -> deterministic fixed-length batches (the tokens come from ``data/corpus.py``).
+
+``split`` cuts the flat tokens into contiguous train/val parts; ``get_batch`` / ``Batches``
+draw random windows whose global batch is a pure function of (seed, step), so a resumed or
+multi-host run sees exactly the batches an uninterrupted single-host run would;
+``eval_batches`` walks the validation tokens in order.
+
+The package's modules: ``build`` and ``sources`` (``transformer-jax data build``: inputs
+-> tokenized ArrayRecord shards) and ``shards`` (shard builds -> packed rows or windows, mixtures).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from collections.abc import Iterator
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+#: A batch on the host: numpy arrays by name (``inputs``, ``targets`` ...), before placement.
+HostBatch = dict[str, np.ndarray]
+
+
+def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Splits tokens into contiguous train (first part) and validation (last part) views.
+
+    Args:
+      tokens: Token ids, shape [N].
+      val_fraction: Fraction in ``[0, 1)`` of tokens for validation; its size is
+        ``int(N * val_fraction)``.
+
+    Returns:
+      ``(train, val)`` views of shapes [N - M] and [M] with ``M = int(N * val_fraction)``.
+
+    Raises:
+      ValueError: If ``val_fraction`` is outside ``[0, 1)`` or leaves a part empty that
+        should not be.
+    """
+    tokens = _check_tokens(tokens)
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+    num_val = int(len(tokens) * val_fraction)
+    if val_fraction > 0 and num_val == 0:
+        raise ValueError(
+            f"val_fraction={val_fraction} of {len(tokens)} tokens leaves no validation tokens"
+        )
+    if num_val == len(tokens):
+        raise ValueError(
+            f"val_fraction={val_fraction} of {len(tokens)} tokens leaves no train tokens"
+        )
+    cut = len(tokens) - num_val
+    return tokens[:cut], tokens[cut:]
+
+
+# ------------------------------------------------------------------------------------ batches
+
+
+def batch_offsets(
+    seed: int, step: int, batch_size: int, num_tokens: int, seq_len: int
+) -> np.ndarray:
+    """Start offsets of the windows of the global batch for (seed, step).
+
+    Args:
+      seed: Non-negative data seed.
+      step: Non-negative training step.
+      batch_size: Global batch size B.
+      num_tokens: Length N of the token array.
+      seq_len: Window length T; each window reads T + 1 tokens.
+
+    Returns:
+      Offsets, shape [B], int64, each in ``[0, N - T - 1]``.
+
+    Raises:
+      ValueError: On a negative seed or step, a non-positive size, or ``seq_len >= N``.
+    """
+    seed, step = check_non_negative("seed", seed), check_non_negative("step", step)
+    _check_batch_args(num_tokens, batch_size, seq_len, process_index=0, process_count=1)
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, num_tokens - seq_len, size=batch_size, dtype=np.int64)
+
+
+def get_batch(
+    tokens: np.ndarray,
+    seed: int,
+    step: int,
+    batch_size: int,
+    seq_len: int,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> HostBatch:
+    """This process's rows of the global batch for (seed, step): random windows of the tokens.
+
+    The global batch depends only on (seed, step) and the tokens; process ``p`` of ``P`` gets
+    rows ``[p * B / P, (p + 1) * B / P)``, so concatenating all processes' rows in process order
+    gives the global batch.
+
+    Args:
+      tokens: Token ids, shape [N].
+      seed: Non-negative data seed.
+      step: Non-negative training step.
+      batch_size: Global batch size B, divisible by ``process_count``.
+      seq_len: Window length T, smaller than N.
+      process_index: This process's index p in ``[0, P)``.
+      process_count: Number of processes P.
+
+    Returns:
+      ``{"inputs": [B / P, T] int32, "targets": [B / P, T] int32}`` where
+      ``targets[b, t] == inputs[b, t + 1]`` for ``t < T - 1`` and both come from the same
+      window of T + 1 consecutive tokens.
+
+    Raises:
+      ValueError: On a non-1-D token array, ``seq_len >= N``, indivisible ``batch_size`` or an
+        out-of-range ``process_index``.
+    """
+    tokens = _check_tokens(tokens)
+    local = _check_batch_args(len(tokens), batch_size, seq_len, process_index, process_count)
+    offsets = batch_offsets(seed, step, batch_size, len(tokens), seq_len)
+    mine = offsets[process_index * local : (process_index + 1) * local]
+    return _windows(tokens, mine, seq_len)
+
+
+class StepBatches:
+    """What every batch source of a run shares: ``get(step)`` is this process's part of the
+    global batch of ``batch_size`` rows, a pure function of (seed, step), so a resumed run
+    sees the batches an uninterrupted one would. Process ``p`` of ``P`` takes rows
+    ``[p * B / P, (p + 1) * B / P)``.
+    """
+
+    batch_size: int
+    seed: int
+    process_index: int
+    process_count: int
+
+    def get(self, step: int) -> HostBatch:
+        raise NotImplementedError
+
+    def iterate(self, start_step: int = 0) -> Iterator[HostBatch]:
+        """Yields ``get(step)`` for ``step = start_step, start_step + 1, ...`` without end."""
+        step = check_non_negative("start_step", start_step)
+        while True:
+            yield self.get(step)
+            step += 1
+
+    def _check_split(self) -> int:
+        """Validates the seed and the split over processes; returns B / P."""
+        check_non_negative("seed", self.seed)
+        return check_split(self.batch_size, self.process_index, self.process_count)
+
+    def _mine(self, rows: np.ndarray) -> np.ndarray:
+        """This process's share of the global batch's [B] rows (or offsets)."""
+        local = self.batch_size // self.process_count
+        return rows[self.process_index * local : (self.process_index + 1) * local]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Batches(StepBatches):
+    """``get_batch`` with its fixed arguments bound; validated once at construction.
+
+    Attributes:
+      tokens: Token ids, shape [N].
+      batch_size: Global batch size B.
+      seq_len: Window length T.
+      seed: Data seed.
+      process_index: This process's index p.
+      process_count: Number of processes P.
+    """
+
+    tokens: np.ndarray
+    batch_size: int
+    seq_len: int
+    seed: int = 0
+    process_index: int = 0
+    process_count: int = 1
+
+    def __post_init__(self) -> None:
+        _check_tokens(self.tokens)
+        self._check_split()
+        _check_batch_args(
+            len(self.tokens), self.batch_size, self.seq_len, self.process_index, self.process_count
+        )
+
+    def get(self, step: int) -> HostBatch:
+        """The batch for ``step``: ``{"inputs", "targets"}``, each [B / P, T] int32."""
+        return get_batch(
+            self.tokens,
+            self.seed,
+            step,
+            self.batch_size,
+            self.seq_len,
+            process_index=self.process_index,
+            process_count=self.process_count,
+        )
+
+
+def eval_batches(
+    tokens: np.ndarray,
+    batch_size: int,
+    seq_len: int,
+    max_batches: int | None = None,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> Iterator[HostBatch]:
+    """Deterministic sequential batches over (validation) tokens, for evaluation.
+
+    Window ``w`` reads tokens ``[w * T, w * T + T]`` (non-overlapping inputs); global batch ``i``
+    holds windows ``i * B .. i * B + B - 1``; a final incomplete batch is dropped so every batch
+    has the same shape. Processes take row slices as in ``get_batch``. Arguments are checked
+    when this is called, not on first iteration.
+
+    Args:
+      tokens: Token ids, shape [N].
+      batch_size: Global batch size B, divisible by ``process_count``.
+      seq_len: Window length T, smaller than N.
+      max_batches: Stop after this many batches (None: all full batches).
+      process_index: This process's index p in ``[0, P)``.
+      process_count: Number of processes P.
+
+    Returns:
+      An iterator of ``{"inputs": [B / P, T] int32, "targets": [B / P, T] int32}``.
+
+    Raises:
+      ValueError: On bad arguments or when the tokens do not fill a single batch.
+    """
+    tokens = _check_tokens(tokens)
+    local = _check_batch_args(len(tokens), batch_size, seq_len, process_index, process_count)
+    if max_batches is not None and max_batches <= 0:
+        raise ValueError(f"max_batches must be positive or None, got {max_batches!r}")
+    num_batches = (len(tokens) - 1) // seq_len // batch_size
+    if num_batches == 0:
+        raise ValueError(
+            f"{len(tokens)} tokens do not fill one eval batch of batch_size={batch_size} x "
+            f"seq_len={seq_len} (need at least {batch_size * seq_len + 1})"
+        )
+    if max_batches is not None:
+        num_batches = min(num_batches, max_batches)
+
+    def generate() -> Iterator[HostBatch]:
+        for i in range(num_batches):
+            first_row = i * batch_size + process_index * local
+            offsets = np.arange(first_row, first_row + local, dtype=np.int64) * seq_len
+            yield _windows(tokens, offsets, seq_len)
+
+    return generate()
+
+
+def _windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> HostBatch:
+    index = offsets[:, None] + np.arange(seq_len + 1, dtype=np.int64)[None, :]
+    windows = np.asarray(tokens)[index].astype(np.int32)
+    return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+def _check_tokens(tokens: np.ndarray) -> np.ndarray:
+    tokens = np.asarray(tokens) if not isinstance(tokens, np.ndarray) else tokens
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens must have an integer dtype, got {tokens.dtype}")
+    return tokens
+
+
+def check_non_negative(name: str, value: int) -> int:
+    """``value`` as an int, or ValueError naming it when it is not a non-negative int."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be non-negative, got {value}")
+    return value
+
+
+def _check_batch_args(
+    num_tokens: int, batch_size: int, seq_len: int, process_index: int, process_count: int
+) -> int:
+    """Validates batching arguments; returns the per-process batch size B / P."""
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    if seq_len >= num_tokens:
+        raise ValueError(
+            f"seq_len={seq_len} must be smaller than the number of tokens ({num_tokens})"
+        )
+    return check_split(batch_size, process_index, process_count)
+
+
+def check_split(batch_size: int, process_index: int, process_count: int) -> int:
+    """Validates a global batch split over processes; returns the per-process size B / P."""
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if process_count <= 0:
+        raise ValueError(f"process_count must be positive, got {process_count}")
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} is outside [0, {process_count})")
+    if batch_size % process_count:
+        raise ValueError(
+            f"batch_size={batch_size} is not divisible by process_count={process_count}"
+        )
+    return batch_size // process_count
+
+
+__all__ = [
+    "StepBatches",
+    "HostBatch",
+    "Batches",
+    "batch_offsets",
+    "eval_batches",
+    "get_batch",
+    "split",
+]

@@ -1,0 +1,229 @@
+"""Corpus files -> one flat token memmap, cached on disk.
+
+``resolve_corpus`` / ``default_corpus`` pick the text files (paths, directories, globs; by
+default the Python standard library's own sources, so a run works offline); ``tokenize_corpus``
+encodes them once into a flat token file (one document after another, each followed by eos),
+keyed by the files' contents and the tokenizer, which ``data/batches.py`` then batches.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from transformer_jax.storage.files import atomic_writer
+from transformer_jax.tokenizer import Tokenizer, read_utf8
+
+logger = logging.getLogger(__name__)
+
+# Bump when the token file layout changes so old caches are not reused.
+_TOKEN_CACHE_VERSION = 1
+DEFAULT_CORPUS_MAX_BYTES = 8_000_000
+_STDLIB_SKIP_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+)
+_GLOB_CHARS = frozenset("*?[")
+
+
+def resolve_corpus(
+    patterns: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+) -> list[Path]:
+    """Expands file paths, directories and glob patterns into a sorted list of files.
+
+    Args:
+      patterns: One or more of: a file path; a directory (all non-hidden files below it,
+        recursively); a glob pattern (``**`` recurses), e.g. ``"data/*.txt"``. ``~`` expands.
+
+    Returns:
+      Absolute paths of the matched files, sorted and without duplicates.
+
+    Raises:
+      FileNotFoundError: If a path does not exist or a pattern matches no file.
+      ValueError: If no pattern is given or every matched file is empty.
+    """
+    if isinstance(patterns, str | os.PathLike):
+        patterns = [patterns]
+    patterns = list(patterns)
+    if not patterns:
+        raise ValueError("resolve_corpus needs at least one path or glob pattern")
+    found: set[Path] = set()
+    for pattern in patterns:
+        text = os.path.expanduser(os.fspath(pattern))
+        if any(c in _GLOB_CHARS for c in text):
+            matches = [Path(m) for m in glob.glob(text, recursive=True)]
+            files = [m for m in matches if m.is_file()]
+        elif os.path.isdir(text):
+            files = [
+                p
+                for p in Path(text).rglob("*")
+                if p.is_file()
+                and not any(part.startswith(".") for part in p.relative_to(text).parts)
+            ]
+        elif os.path.isfile(text):
+            files = [Path(text)]
+        else:
+            raise FileNotFoundError(f"corpus path not found: {pattern!r}")
+        if not files:
+            raise FileNotFoundError(f"corpus pattern {pattern!r} matches no files")
+        found.update(f.resolve() for f in files)
+    result = sorted(found)
+    if sum(f.stat().st_size for f in result) == 0:
+        raise ValueError(
+            f"corpus {patterns!r} is empty: all {len(result)} matched files have 0 bytes"
+        )
+    return result
+
+
+def default_corpus(max_bytes: int | None = DEFAULT_CORPUS_MAX_BYTES) -> list[Path]:
+    """Returns the installed Python standard library's ``.py`` sources as an offline corpus.
+
+    Skips ``site-packages``/``dist-packages``, test directories, hidden directories and any file
+    that is empty, unreadable or not valid UTF-8. With a byte cap, files are considered in an
+    order fixed by a hash of their relative path (a spread over the whole library, unlike
+    alphabetical order) and each is taken if it still fits; the same installation always gives
+    the same result.
+
+    Args:
+      max_bytes: Cap on the total size of the returned files, or None for no cap.
+
+    Returns:
+      Absolute paths of the chosen files, sorted.
+
+    Raises:
+      ValueError: If ``max_bytes`` is not positive.
+      FileNotFoundError: If no usable file is found.
+    """
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive or None, got {max_bytes!r}")
+    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    candidates: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith(".")
+        )
+        candidates.extend(
+            Path(dirpath) / name for name in sorted(filenames) if name.endswith(".py")
+        )
+
+    def spread_key(path: Path) -> str:
+        return hashlib.sha256(path.relative_to(root).as_posix().encode()).hexdigest()
+
+    chosen: list[Path] = []
+    total = 0
+    for path in sorted(candidates, key=spread_key):
+        try:
+            size = path.stat().st_size
+            if size == 0 or (max_bytes is not None and total + size > max_bytes):
+                continue
+            read_utf8(path)
+        except (OSError, ValueError):
+            continue
+        chosen.append(path)
+        total += size
+    if not chosen:
+        raise FileNotFoundError(f"no readable .py files found under stdlib directory {root}")
+    logger.info("default corpus: %d stdlib files, %d bytes", len(chosen), total)
+    return sorted(chosen)
+
+
+# ---------------------------------------------------------------------------------- tokenize
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype holding ids in ``[0, vocab_size)``: uint16 up to 2**16, else uint32.
+
+    Args:
+      vocab_size: Number of token ids V.
+
+    Returns:
+      ``np.dtype(np.uint16)`` or ``np.dtype(np.uint32)``.
+
+    Raises:
+      ValueError: If ``vocab_size`` is not in ``[1, 2**32]``.
+    """
+    if vocab_size <= 0 or vocab_size > 2**32:
+        raise ValueError(f"vocab_size must be in [1, 2**32], got {vocab_size}")
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def tokenize_corpus(
+    files: Sequence[str | os.PathLike[str]],
+    tokenizer: Tokenizer,
+    cache_dir: str | os.PathLike[str],
+    *,
+    add_bos: bool = False,
+    add_eos: bool = True,
+) -> np.memmap:
+    """Encodes files into one flat token array, cached on disk and memory-mapped read-only.
+
+    Each non-empty file is one document; documents are concatenated in the given order, each
+    wrapped as ``tokenizer.encode(text, add_bos, add_eos)`` (by default followed by eos, which
+    separates documents). The cache key hashes the file paths and contents, the tokenizer model
+    and these options, so a change to any of them re-tokenizes. The file is written to a
+    temporary name and renamed, so an interrupted run never leaves a partial cache behind.
+
+    Args:
+      files: UTF-8 text files, e.g. from ``resolve_corpus``.
+      tokenizer: The tokenizer to encode with.
+      cache_dir: Directory for token files (created if missing).
+      add_bos: Put bos before every document.
+      add_eos: Put eos after every document.
+
+    Returns:
+      Token ids, shape [N], dtype ``token_dtype(tokenizer.vocab_size)``.
+
+    Raises:
+      ValueError: If ``files`` is empty, a file is not UTF-8, or the corpus yields no tokens.
+      FileNotFoundError: If a file does not exist.
+    """
+    paths = [Path(f).resolve() for f in files]
+    if not paths:
+        raise ValueError("tokenize_corpus needs at least one file")
+    dtype = token_dtype(tokenizer.vocab_size)
+    file_digests = []
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"corpus file not found: {path}")
+        with open(path, "rb") as f:
+            file_digests.append([str(path), hashlib.file_digest(f, "sha256").hexdigest()])
+    payload = json.dumps(
+        {
+            "version": _TOKEN_CACHE_VERSION,
+            "tokenizer": tokenizer.fingerprint,
+            "add_bos": add_bos,
+            "add_eos": add_eos,
+            "dtype": dtype.name,
+            "files": file_digests,
+        }
+    )
+    key = hashlib.sha256(payload.encode()).hexdigest()[:24]
+    cache_path = Path(cache_dir) / f"tokens-{key}.{dtype.name}.bin"
+    if cache_path.is_file():
+        logger.info("reusing token cache %s", cache_path)
+        return np.memmap(cache_path, dtype=dtype, mode="r")
+
+    count = 0
+    with atomic_writer(cache_path) as out:
+        for path in paths:
+            text = read_utf8(path)
+            if not text:
+                continue
+            ids = np.asarray(tokenizer.encode(text, add_bos=add_bos, add_eos=add_eos), dtype=dtype)
+            ids.tofile(out)
+            count += ids.size
+        if count == 0:
+            raise ValueError(f"corpus of {len(paths)} files yields no tokens (all files are empty)")
+    logger.info("tokenized %d files into %d tokens -> %s", len(paths), count, cache_path)
+    return np.memmap(cache_path, dtype=dtype, mode="r")
+
+
+__all__ = ["DEFAULT_CORPUS_MAX_BYTES", "default_corpus", "resolve_corpus", "token_dtype",
+           "tokenize_corpus"]

@@ -1,0 +1,410 @@
+"""Instruction data: JSONL records -> token examples with a loss mask -> packed rows -> batches.
+
+A ``.jsonl`` file holds one record per line (records are read and tokenized in
+``transformer_jax.data.instruct_records``), either
+
+* ``{"prompt": "...", "completion": "..."}``: tokens are ``[bos] + encode(prompt) +
+  encode(completion) + [eos]`` (bos when the tokenizer's ``add_bos_token`` says so); the loss is on
+  the completion and the eos; or
+* ``{"messages": [{"role": "system"|"user"|"assistant"|..., "content": "..."}, ...]}``: the
+  conversation is rendered with the tokenizer's own chat template (as transformers'
+  ``apply_chat_template`` does; no bos is added beyond what the template writes) and the loss is
+  on the assistant turns. A ``content`` is a string or a list of text parts (``[{"type":
+  "text", "text": "..."}]``, concatenated); anything else is an error naming the line.
+
+**Which chat tokens are assistant tokens.** For each assistant message ``i`` the template renders
+the conversation before it with the generation prompt (``P_i``: everything up to where the model
+starts writing) and the conversation through it without (``S_i``). The assistant text is
+``S_i[len(P_i):]``: the reply plus whatever the template closes the turn with (e.g.
+``<|im_end|>``, ``</s>``), so the model learns to end its turn. The rendered text is cut at these
+boundaries into prompt and assistant pieces, and each piece is encoded on its own; this is how
+the model sees the text at inference, where the prompt ``P_i`` is encoded and the reply is
+generated after it. A template whose ``P_i`` or ``S_i`` is not a prefix of the next rendering
+(e.g. one that rewrites earlier turns) cannot be masked this way and raises an error naming the
+record.
+
+**Long records.** An example longer than a row (``seq_len + 1`` tokens) loses the start of its
+prompt, after the template's head (the bos token, or what a chat template writes before the first
+message's content), so that its completion / assistant tokens stay; if the head and the
+completion alone are too long, the completion's end is cut too, and a record with no loss token
+left is dropped. Each case is counted in one log line.
+
+**Packing.** Each example is placed into rows of ``seq_len + 1`` tokens by best-fit-decreasing
+bin packing (deterministic). ``segment_ids`` number the examples in a row 1, 2, ... (0 =
+padding) and ``positions`` restart at 0 for each example, so attention masked by segment never
+crosses examples. A batch row's inputs are the row's first ``seq_len`` tokens and its targets
+the last ``seq_len``.
+
+**Batches** are a pure function of (seed, step): global row ``j`` of step ``s`` is packed row
+``perm_e[(s * B + j) % R]`` of epoch ``e = (s * B + j) // R``, with ``perm_e`` a permutation of
+the R rows drawn from ``np.random.default_rng([seed, e])``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import operator
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from transformer_jax.data.batches import StepBatches, check_non_negative
+from transformer_jax.data.instruct_records import (
+    Example,
+    InstructionDataError,
+    chat_pieces,
+    count,
+    encode_chat,
+    encode_prompt_completion,
+    load_examples,
+    read_jsonl,
+)
+from transformer_jax.tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+#: A batch on the host: numpy arrays by name (``inputs``, ``targets`` ...), before placement.
+HostBatch = dict[str, np.ndarray]
+
+
+def fit(example: Example, capacity: int) -> tuple[Example | None, str]:
+    """``example`` cut to at most ``capacity`` tokens, keeping its loss tokens where it can.
+
+    The prompt loses tokens from its start, after the first ``example.head`` tokens (the
+    template's head) and before the last prompt token (the input of the first target); if that
+    is not enough, the end is cut. An example with no target left is dropped.
+
+    Args:
+      example: the tokenized record; ``head`` is the number of leading tokens to keep.
+      capacity: the row length, ``seq_len + 1``.
+
+    Returns:
+      ``(example or None, what happened)``: ``"kept"`` (it fits), ``"start"`` (the prompt's
+      start was cut), ``"end"`` (the end was cut), ``"both"`` or ``"dropped"``.
+    """
+    n = len(example.tokens)
+    if n <= capacity:
+        return example, "kept"
+    targets = np.flatnonzero(example.loss[1:]) + 1
+    first = int(targets[0]) if len(targets) else n
+    head = min(example.head, first - 1)
+    cut = min(n - capacity, max(first - 1 - head, 0))
+    keep = np.r_[0:head, head + cut:n][:capacity]
+    loss = example.loss[keep]
+    if not loss[1:].any():
+        return None, "dropped"
+    kind = {(True, False): "start", (False, True): "end", (True, True): "both"}[
+        (cut > 0, n - cut > capacity)]
+    return dataclasses.replace(example, tokens=example.tokens[keep], loss=loss), kind
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedData:
+    """Examples packed into R rows of ``seq_len + 1`` tokens.
+
+    Attributes:
+      tokens: Token ids, shape [R, T + 1], int32 (padding is ``pad_id``).
+      segment_ids: Example number within the row, 1, 2, ...; 0 for padding; [R, T + 1] int32.
+      positions: Position of each token within its example (0 for padding), [R, T + 1] int32.
+      loss_tokens: Whether each token is a completion/assistant token, [R, T + 1] bool.
+      num_examples: How many examples were packed.
+      num_truncated: How many of them were cut to ``T + 1`` tokens (see ``fit``).
+      num_dropped: How many examples were left out: no loss token fitted in ``T + 1`` tokens.
+    """
+
+    tokens: np.ndarray
+    segment_ids: np.ndarray
+    positions: np.ndarray
+    loss_tokens: np.ndarray
+    num_examples: int
+    num_truncated: int = 0
+    num_dropped: int = 0
+
+    @property
+    def seq_len(self) -> int:
+        """T, the length of a batch row's inputs and targets."""
+        return self.tokens.shape[1] - 1
+
+    @property
+    def num_rows(self) -> int:
+        """R, the number of packed rows."""
+        return self.tokens.shape[0]
+
+
+# ------------------------------------------------------------------------------------ packing
+
+
+def best_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Best-fit-decreasing bin packing: item ``i`` of ``lengths[i]`` <= ``capacity`` slots.
+
+    Items are placed longest first (ties by index) into the row with the least room that
+    holds them, a new row when none does; deterministic.
+
+    Returns:
+      The rows, each the indices of its items in placement order.
+    """
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row), sorted
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = bisect.bisect_left(free, (lengths[i], -1))
+        if k < len(free):
+            room, row = free.pop(k)
+        else:
+            room, row = capacity, len(rows)
+            rows.append([])
+        rows[row].append(i)
+        if room - lengths[i] > 0:
+            bisect.insort(free, (room - lengths[i], row))
+    return rows
+
+
+def packed_layout(lengths: Sequence[int], capacity: int
+                  ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    """Where items of ``lengths`` go in rows of ``capacity`` slots (``best_fit_rows``).
+
+    Returns:
+      ``(segment_ids, positions, slots)``: [R, capacity] int32 item numbers within each row
+      (1, 2, ...; 0 = padding) and positions restarting at 0 for each item, and per item its
+      ``(row, first slot)``.
+    """
+    rows = best_fit_rows(lengths, capacity)
+    segment_ids = np.zeros((len(rows), capacity), dtype=np.int32)
+    positions = np.zeros((len(rows), capacity), dtype=np.int32)
+    slots: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    for r, members in enumerate(rows):
+        start = 0
+        for segment, i in enumerate(members, start=1):
+            n = lengths[i]
+            segment_ids[r, start : start + n] = segment
+            positions[r, start : start + n] = np.arange(n)
+            slots[i] = (r, start)
+            start += n
+    return segment_ids, positions, slots
+
+
+def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedData:
+    """Packs examples into rows of ``seq_len + 1`` tokens (best-fit decreasing).
+
+    Args:
+      examples: Tokenized examples.
+      seq_len: T; rows hold T + 1 tokens (inputs are the first T, targets the last T).
+      pad_id: Token id written into padding.
+
+    Returns:
+      The packed rows. Examples over T + 1 tokens are cut by ``fit`` (the prompt's start
+      first), or dropped when no loss token fits; one logged warning counts them.
+
+    Raises:
+      ValueError: On a non-positive ``seq_len``, no examples, or none with a loss token that
+        fits.
+    """
+    seq_len = operator.index(seq_len)
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    if not examples:
+        raise ValueError("no examples to pack")
+    capacity = seq_len + 1
+    kinds: dict[str, int] = {}
+    fitted = []
+    for example in examples:
+        kept, kind = fit(example, capacity)
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if kept is not None:
+            fitted.append(kept)
+    long = len(examples) - kinds.get("kept", 0)
+    if long:
+        logger.warning(
+            "%d of %s %s longer than seq_len + 1 = %d tokens: the prompt's start was cut from "
+            "%d (after the template's head), the completion's end from %d, and %d were dropped "
+            "(no completion/assistant token fits)",
+            long,
+            count(len(examples), "example"),
+            "is" if long == 1 else "are",
+            capacity,
+            kinds.get("start", 0) + kinds.get("both", 0),
+            kinds.get("end", 0) + kinds.get("both", 0),
+            kinds.get("dropped", 0),
+        )
+    if not fitted:
+        raise ValueError(
+            f"none of the {count(len(examples), 'example')} has a completion/assistant token "
+            f"within seq_len + 1 = {capacity} tokens; raise train.seq_len"
+        )
+    examples = fitted
+    truncated = long - kinds.get("dropped", 0)
+    lengths = [len(e.tokens) for e in examples]
+    segment_ids, positions, slots = packed_layout(lengths, capacity)
+    tokens = np.full(segment_ids.shape, pad_id, dtype=np.int32)
+    loss_tokens = np.zeros(segment_ids.shape, dtype=bool)
+    for example, (r, start) in zip(examples, slots, strict=True):
+        tokens[r, start : start + len(example.tokens)] = example.tokens
+        loss_tokens[r, start : start + len(example.tokens)] = example.loss
+    rows = segment_ids.shape[0]
+    logger.info(
+        "packed %s into %s of %d tokens (%.1f%% padding)",
+        count(len(examples), "example"),
+        count(rows, "row"),
+        capacity,
+        100.0 * (1.0 - sum(lengths) / (rows * capacity)),
+    )
+    return PackedData(tokens, segment_ids, positions, loss_tokens, len(examples), truncated,
+                      kinds.get("dropped", 0))
+
+
+def load_instruction_data(
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    tokenizer: TextTokenizer,
+    seq_len: int,
+    *,
+    add_eos: bool = True,
+) -> PackedData:
+    """Reads, tokenizes and packs JSONL instruction files (see the module docstring).
+
+    Args:
+      path: The ``.jsonl`` file of prompt/completion or messages records, or several.
+      tokenizer: The model's tokenizer (with its chat template for ``messages`` records).
+      seq_len: T, the training sequence length.
+      add_eos: End prompt/completion examples with eos.
+
+    Returns:
+      The packed data, ready for ``PackedBatches``.
+
+    Raises:
+      FileNotFoundError: If a file does not exist.
+      InstructionDataError: ``FILE:LINE: ...`` for a bad record (see ``load_examples``).
+      ValueError: No record keeps a loss token within ``seq_len + 1`` tokens.
+    """
+    examples = load_examples(path, tokenizer, add_eos=add_eos)
+    try:
+        return pack(examples, seq_len, tokenizer.pad_id)
+    except ValueError as e:
+        paths = [path] if isinstance(path, str | os.PathLike) else list(path)
+        where = paths[0] if len(paths) == 1 else f"{len(paths)} files ({paths[0]}, ...)"
+        raise ValueError(f"{where}: {e}") from None
+
+
+# ------------------------------------------------------------------------------------ batches
+
+
+def row_indices(seed: int, step: int, batch_size: int, num_rows: int) -> np.ndarray:
+    """Packed-row indices of the global batch for (seed, step), shape [B], int64.
+
+    Every epoch (R consecutive global rows) visits each packed row once, in the order of a
+    permutation drawn from ``np.random.default_rng([seed, epoch])``.
+    """
+    seed, step = check_non_negative("seed", seed), check_non_negative("step", step)
+    if batch_size <= 0 or num_rows <= 0:
+        raise ValueError(f"batch_size ({batch_size}) and num_rows ({num_rows}) must be positive")
+    flat = step * batch_size + np.arange(batch_size, dtype=np.int64)
+    epochs, within = np.divmod(flat, num_rows)
+    out = np.empty(batch_size, dtype=np.int64)
+    for epoch in np.unique(epochs):
+        order = np.random.default_rng([seed, int(epoch)]).permutation(num_rows)
+        selected = epochs == epoch
+        out[selected] = order[within[selected]]
+    return out
+
+
+def rows_to_batch(data: PackedData, rows: np.ndarray) -> HostBatch:
+    """The batch of the given packed rows.
+
+    Args:
+      data: Packed rows.
+      rows: Row indices, shape [B].
+
+    Returns:
+      ``inputs``, ``targets`` (int32), ``segment_ids``, ``positions`` (int32; of the inputs) and
+      ``loss_mask`` (float32: 1.0 where ``targets`` is a completion/assistant token of the same
+      example as the input, else 0.0), each [B, T].
+    """
+    tokens = data.tokens[rows]
+    segments = data.segment_ids[rows]
+    same_example = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)
+    loss_mask = data.loss_tokens[rows][:, 1:] & same_example
+    return {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "segment_ids": segments[:, :-1],
+        "positions": data.positions[rows][:, :-1],
+        "loss_mask": loss_mask.astype(np.float32),
+    }
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedBatches(StepBatches):
+    """Deterministic batches of packed instruction rows (``data.StepBatches``: pure in (seed,
+    step), process ``p`` of ``P`` takes its block of the global batch's rows).
+
+    Attributes:
+      data: The packed rows.
+      batch_size: Global batch size B, divisible by ``process_count``.
+      seed: Data seed.
+      process_index: This process's index p.
+      process_count: Number of processes P.
+    """
+
+    data: PackedData
+    batch_size: int
+    seed: int = 0
+    process_index: int = 0
+    process_count: int = 1
+
+    def __post_init__(self) -> None:
+        self._check_split()
+
+    def get(self, step: int) -> HostBatch:
+        """This process's part of the batch for ``step``: each key [B / P, T] (see
+        ``rows_to_batch``)."""
+        rows = row_indices(self.seed, step, self.batch_size, self.data.num_rows)
+        return rows_to_batch(self.data, self._mine(rows))
+
+
+def with_mask(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``instruct``'s ``loss_mask`` as the train/eval step's ``mask``."""
+    batch = dict(batch)
+    batch["mask"] = batch.pop("loss_mask")
+    return batch
+
+
+def packed_eval_batches(rows: PackedData, batch_size: int, max_batches: int | None,
+                        process_index: int, process_count: int
+                        ) -> Iterator[dict[str, np.ndarray]]:
+    """Every row once, in order, in global batches of ``batch_size`` (the last one padded with
+    masked copies of row 0), each process given its own slice; at most ``max_batches``."""
+    local = batch_size // process_count
+    num_batches = -(-rows.num_rows // batch_size)
+    if max_batches:
+        num_batches = min(num_batches, max_batches)
+    for i in range(num_batches):
+        index = np.arange(i * batch_size, (i + 1) * batch_size)
+        real = index < rows.num_rows
+        batch = with_mask(rows_to_batch(rows, np.where(real, index, 0)))
+        batch["mask"] = batch["mask"] * real[:, None]
+        mine = slice(process_index * local, (process_index + 1) * local)
+        yield {k: v[mine] for k, v in batch.items()}
+
+__all__ = [
+    "HostBatch",
+    "Example",
+    "InstructionDataError",
+    "PackedBatches",
+    "PackedData",
+    "best_fit_rows",
+    "chat_pieces",
+    "count",
+    "encode_chat",
+    "encode_prompt_completion",
+    "fit",
+    "load_examples",
+    "load_instruction_data",
+    "pack",
+    "packed_layout",
+    "read_jsonl",
+    "row_indices",
+    "packed_eval_batches",
+    "rows_to_batch",
+    "with_mask",
+]

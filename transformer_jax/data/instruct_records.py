@@ -1,0 +1,301 @@
+"""Instruction records: JSONL lines -> checked records -> token examples with a loss mask.
+
+The record formats, and how chat turns are cut into prompt and assistant pieces, are described
+in ``transformer_jax.data.instruct``, which packs these examples into rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from transformer_jax.tokenizer import ChatTemplate, ChatTemplateError, TextTokenizer
+from transformer_jax.tokenizer.prompt import encode_text
+
+logger = logging.getLogger("transformer_jax.instruct")
+
+
+class InstructionDataError(ValueError):
+    """A bad instruction record; the message starts with ``FILE:LINE:``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One tokenized record.
+
+    Attributes:
+      tokens: Token ids, shape [L], int32.
+      loss: Whether each token is a completion/assistant token to be predicted, shape [L], bool.
+      line: The record's line number in its file (1-based).
+    """
+
+    tokens: np.ndarray
+    loss: np.ndarray
+    line: int
+    head: int = 0
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yields ``(line number, record)`` for each non-blank line of a JSONL file.
+
+    Raises:
+      FileNotFoundError: If the file does not exist.
+      InstructionDataError: ``FILE:LINE: ...`` for a line that is not a JSON object or not UTF-8.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"instruction data file not found: {path}")
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InstructionDataError(f"{path}:{number}: not valid UTF-8: {e}") from e
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InstructionDataError(f"{path}:{number}: not valid JSON: {e}") from e
+            if not isinstance(record, dict):
+                raise InstructionDataError(
+                    f"{path}:{number}: a record must be a JSON object, got {type(record).__name__}"
+                )
+            _check_unicode(record, f"{path}:{number}")
+            yield number, record
+
+
+def _check_unicode(value: Any, where: str) -> None:
+    """Raises for a string holding a lone surrogate (JSON allows ``"\\ud800"``; it is no text)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = value[e.start : e.end].encode("unicode_escape").decode()
+            raise InstructionDataError(
+                f"{where}: a string holds a lone surrogate ({bad}), which is not valid Unicode "
+                "text; write the character itself or its surrogate pair"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, where)
+            _check_unicode(item, where)
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(item, where)
+
+
+def encode_prompt_completion(
+    prompt: str, completion: str, tokenizer: TextTokenizer, add_eos: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens [L] and loss flags [L] of a prompt/completion pair (loss on completion + eos)."""
+    head = encode_text(tokenizer, prompt)  # bos as the tokenizer says, as generation does
+    tail = tokenizer.encode(completion, add_eos=add_eos and tokenizer.eos_id >= 0)
+    tokens = np.asarray(head + tail, dtype=np.int32)
+    loss = np.zeros(len(tokens), dtype=bool)
+    loss[len(head) :] = True
+    return tokens, loss
+
+
+def chat_pieces(
+    template: ChatTemplate, messages: Sequence[Mapping[str, Any]]
+) -> list[tuple[str, bool]]:
+    """Cuts a rendered conversation into ``(text, is_assistant)`` pieces, in order.
+
+    See the module docstring for the method. The pieces concatenate to the full rendering.
+
+    Raises:
+      ChatTemplateError: If the template fails, or its renderings of the conversation's
+        prefixes are not prefixes of each other.
+    """
+    pieces: list[tuple[str, bool]] = []
+    done = ""  # the rendering covered by pieces so far
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before = template.render(messages[:i], add_generation_prompt=True) if i else ""
+        through = template.render(messages[: i + 1])
+        if not before.startswith(done) or not through.startswith(before):
+            raise ChatTemplateError(
+                f"the template does not render the conversation up to message {i} as a prefix of "
+                "the conversation through it, so assistant tokens cannot be located"
+            )
+        pieces.append((before[len(done) :], False))
+        pieces.append((through[len(before) :], True))
+        done = through
+    full = template.render(messages)
+    if not full.startswith(done):
+        raise ChatTemplateError(
+            "the template does not render the conversation's prefixes as prefixes of the whole"
+        )
+    pieces.append((full[len(done) :], False))
+    return [(text, is_assistant) for text, is_assistant in pieces if text]
+
+
+def encode_chat(
+    messages: Sequence[Mapping[str, Any]], tokenizer: TextTokenizer, template: ChatTemplate
+) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens [L] and loss flags [L] of a conversation (loss on the assistant pieces)."""
+    tokens: list[int] = []
+    loss: list[bool] = []
+    for text, is_assistant in chat_pieces(template, messages):
+        ids = tokenizer.encode(text)
+        tokens.extend(ids)
+        loss.extend([is_assistant] * len(ids))
+    return np.asarray(tokens, dtype=np.int32), np.asarray(loss, dtype=bool)
+
+
+def load_examples(
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    tokenizer: TextTokenizer,
+    *,
+    add_eos: bool = True,
+) -> list[Example]:
+    """Reads and tokenizes every record of one or several JSONL files.
+
+    Args:
+      path: The ``.jsonl`` file, or a sequence of them (read in the order given).
+      tokenizer: Encodes the text; its chat template renders ``messages`` records.
+      add_eos: End prompt/completion examples with eos (chat examples end as the template says).
+
+    Returns:
+      The examples in file order; records without any loss token are dropped (logged). Each
+      example's ``head`` is the number of its leading tokens ``fit`` keeps: the bos token, or
+      what the chat template writes before the first message's content.
+
+    Raises:
+      FileNotFoundError: If a file does not exist.
+      InstructionDataError: ``FILE:LINE: ...`` for bad JSON, a record without the fields, a
+        message whose content is not text, or a chat template that fails on the record; also
+        for files with no records.
+    """
+    paths = [path] if isinstance(path, str | os.PathLike) else list(path)
+    template: ChatTemplate | None = None
+    examples: list[Example] = []
+    dropped = 0
+    for file in paths:
+        for line, record in read_jsonl(file):
+            where = f"{file}:{line}"
+            if "messages" in record:
+                messages = _check_messages(record["messages"], where)
+                if template is None:
+                    try:
+                        template = ChatTemplate.of(tokenizer)
+                    except (ValueError, ChatTemplateError) as e:
+                        raise InstructionDataError(f"{where}: chat record: {e}") from e
+                try:
+                    tokens, loss = encode_chat(messages, tokenizer, template)
+                    head = _chat_head(messages, tokenizer, template, tokens)
+                except ChatTemplateError as e:
+                    raise InstructionDataError(f"{where}: {e}") from e
+            elif "prompt" in record and "completion" in record:
+                prompt, completion = record["prompt"], record["completion"]
+                if not isinstance(prompt, str) or not isinstance(completion, str):
+                    raise InstructionDataError(
+                        f'{where}: "prompt" and "completion" must be strings'
+                    )
+                tokens, loss = encode_prompt_completion(prompt, completion, tokenizer, add_eos)
+                head = int(tokenizer.add_bos_token and tokenizer.bos_id >= 0)
+            else:
+                raise InstructionDataError(
+                    f'{where}: a record needs "prompt" and "completion" strings or a "messages" '
+                    f"list; got keys {sorted(record)}"
+                )
+            if not loss[1:].any():  # the first token is never a target
+                dropped += 1
+                continue
+            examples.append(Example(tokens, loss, line, head))
+    where = paths[0] if len(paths) == 1 else f"{len(paths)} files ({paths[0]}, ...)"
+    if dropped:
+        logger.warning(
+            "%s: %s no completion/assistant tokens; skipped",
+            where,
+            count(dropped, "record has", "records have"),
+        )
+    if not examples:
+        raise InstructionDataError(f"{where}: no usable records")
+    return examples
+
+
+def count(n: int, one: str, many: str | None = None) -> str:
+    """``"1 record"``, ``"3 records"``: ``n`` and the noun in its number (``many`` defaults to
+    ``one + "s"``)."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+def _chat_head(
+    messages: Sequence[Mapping[str, Any]],
+    tokenizer: TextTokenizer,
+    template: ChatTemplate,
+    tokens: np.ndarray,
+) -> int:
+    """How many leading tokens of a chat example the template writes before the first
+    message's content (its bos, system header, ...): the common prefix of ``tokens`` and that
+    text's encoding."""
+    content = messages[0]["content"]
+    rendered = template.render(messages)
+    at = rendered.find(content) if content else -1
+    if at <= 0:
+        return 0
+    ids = tokenizer.encode(rendered[:at])
+    same = 0
+    for a, b in zip(ids, tokens.tolist(), strict=False):
+        if a != b:
+            break
+        same += 1
+    return same
+
+
+def _check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
+    """The messages of a chat record with each ``content`` as one string.
+
+    A content is a string, or a list of text parts ``{"type": "text", "text": "..."}`` (the
+    OpenAI form), which are concatenated as the chat templates expect; anything else (numbers,
+    objects, null, image or other parts) is an error naming the record.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise InstructionDataError(f'{where}: "messages" must be a non-empty list')
+    out = []
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InstructionDataError(f'{where}: message {k} needs a string "role"')
+        if "content" not in message:
+            raise InstructionDataError(f'{where}: message {k} has no "content"')
+        content = message["content"]
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise InstructionDataError(
+                        f'{where}: message {k} content part {j} must be {{"type": "text", '
+                        f'"text": "..."}}, got {json.dumps(part)[:80]}'
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise InstructionDataError(
+                f'{where}: message {k} "content" must be a string or a list of text parts, '
+                f"got {json.dumps(content)[:80]}"
+            )
+        out.append({**message, "content": content})
+    return out
+
+
+__all__ = [
+    "Example",
+    "InstructionDataError",
+    "chat_pieces",
+    "count",
+    "encode_chat",
+    "encode_prompt_completion",
+    "load_examples",
+    "read_jsonl",
+]

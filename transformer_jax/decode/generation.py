@@ -1,0 +1,172 @@
+"""Generation on the host: ``generate(config, params, prompts, ...)`` -> ``GenerateResult``.
+
+Validates every argument before any device work (``prompts``), pads the prompts to a length
+bucket so lengths within a bucket share one compiled program, and runs the jitted
+``decode.generate_padded`` (prefill and the whole decode loop in one program).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from transformer_jax.decode import loop as decode
+from transformer_jax.decode import streaming
+from transformer_jax.decode.loop import DecodeWeights, Params, SamplingSettings
+from transformer_jax.decode.prompts import (
+    default_cache_size,
+    is_int,
+    pad_prompts,
+    prompt_bucket,
+    sequence_keys,
+    validate_capacity,
+    validate_prompts,
+)
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.kv_cache import cache_bytes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    """What ``generate`` returns.
+
+    Attributes:
+      tokens: one list per prompt of the newly generated ids, without the prompt and without
+        padding; a stop token that ended the sequence is included as its last id (as in
+        HuggingFace's ``generate``).
+      logprobs: per prompt, the log-probability of each id in ``tokens`` under the model's raw
+        softmax (temperature 1, no filtering).
+      lengths: per prompt, ``len(tokens[b])``.
+      token_array: [B, N] int32, ``tokens`` right-padded with ``pad_id``.
+      logprob_array: [B, N] float32, ``logprobs`` right-padded with 0.
+    """
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    lengths: list[int]
+    token_array: np.ndarray
+    logprob_array: np.ndarray
+
+
+def _float_dtype_name(dtype: Any) -> str:
+    """The name of a floating dtype (a static, hashable argument), or ValueError."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"cache_dtype {dtype!r} is not a dtype") from e
+    if not (jnp.issubdtype(dt, jnp.floating) or dt == jnp.int8):
+        raise ValueError(f"cache_dtype must be a floating dtype or int8, got {dt.name}")
+    return dt.name
+
+
+def generate(config: ModelConfig, params: Params | DecodeWeights,
+             prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, min_p: float | None = None,
+             seed: int | Sequence[int] = 0, stop_tokens: Sequence[int] = (), pad_id: int = 0,
+             cache_size: int | None = None, cache_dtype: jnp.dtype | str | None = None,
+             stream: streaming.StreamFn | None = None,
+             mesh: Mesh | None = None, quant: str | None = None) -> GenerateResult:
+    """Generates up to ``max_new_tokens`` tokens after each prompt, in one jitted call.
+
+    The prefill and the whole decode loop are one compiled program (``generate_padded``); raw
+    parameters are first put in the decode layout by ``prepare`` (its own compiled program,
+    run on every call: pass ``DecodeWeights`` to skip it). Everything is validated before any
+    device work. Prompts are right-padded to a length bucket
+    (``prompt_bucket``), so prompt lengths within a bucket reuse the compiled program; each
+    distinct (config, batch size, bucket, max_new_tokens, sampling settings, cache_size)
+    compiles once.
+
+    Args:
+      config: the model's config.
+      params: the model's parameters (scanned or unrolled layout), prepared on every call; or
+        ``DecodeWeights`` from ``prepare(config, params, mesh)``, prepared once (faster to the
+        first token; with a mesh, each device holds only its block).
+      prompts: B lists of token ids, each non-empty, ids in [0, V).
+      max_new_tokens: N > 0; each prompt length + N must be <= ``config.max_seq_len``.
+      temperature: >= 0; 0 is greedy (argmax).
+      top_k: None, or keep the k most likely tokens.
+      top_p: None, or nucleus sampling with p in (0, 1].
+      min_p: None, or keep tokens with prob >= min_p * max prob.
+      seed: an int, or one int per prompt (then a prompt samples the same in any batch).
+      stop_tokens: ids that end a sequence; the stop token is included in the output.
+      pad_id: id that finished sequences emit in ``token_array``.
+      cache_size: S_max slots of the KV cache; default the padded prompt length + N, capped at
+        ``config.max_seq_len``. Must be >= every prompt length + N.
+      cache_dtype: the KV cache's storage dtype (e.g. ``"bfloat16"`` halves its memory and the
+        bytes each step reads; ``"int8"``, values with a scale per token and kv head, about
+        halves bfloat16's); the model's compute dtype by default.
+      stream: optional ``fn(step, tokens [B], active [B])`` called on the host after every
+        decode step with that step's tokens (``active[b]`` is False for finished sequences).
+      mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1, e.g. from
+        ``sharding.make_mesh``): the decode runs tensor-parallel over it, each device holding
+        K/T kv heads, N/T query heads, F/T FFN units and V/T head rows, so T must divide K, N
+        and F. Raw parameters are prepared and split over it on every call; ``prepare``
+        does that once. With ``DecodeWeights`` the mesh is theirs (None here, or the same).
+      quant: weight quantisation of raw parameters (``decode.prepare``: ``"int8"``,
+        ``"int4"``, ``"int4:G"``); ``DecodeWeights`` must have been prepared with it.
+
+    Returns:
+      A ``GenerateResult`` (``.tokens``, ``.logprobs``, ``.lengths``, and padded arrays).
+
+    Raises:
+      ValueError: for bad prompts, capacity, or sampling settings (before any compute).
+    """
+    vocab = config.vocab_size
+    settings = SamplingSettings(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        stop_tokens=tuple(int(t) if is_int(t) else t for t in stop_tokens), pad_id=pad_id)
+    settings.validate(vocab)
+    if isinstance(params, DecodeWeights):
+        mesh = params.check_for(config, mesh, "generate", quant)
+    decode.check_tensor_parallel(config, decode.tensor_shards(mesh))
+    arrays = validate_prompts(prompts, vocab)
+    lengths = [len(a) for a in arrays]
+    validate_capacity(config, lengths, max_new_tokens, cache_size)
+    if cache_dtype is not None:
+        cache_dtype = _float_dtype_name(cache_dtype)
+    batch = len(arrays)
+    keys = sequence_keys(seed, batch)
+    padded = prompt_bucket(max(lengths))
+    if cache_size is None:
+        cache_size = default_cache_size(config, padded, max_new_tokens)
+    padded = min(padded, cache_size)
+    tokens, lengths_arr = pad_prompts(arrays, padded, pad_id)
+    logger.debug("generate: B=%d T=%d (longest prompt %d) N=%d S_max=%d, cache %.1f MB",
+                 batch, padded, max(lengths), max_new_tokens, cache_size,
+                 cache_bytes(config, batch, cache_size, cache_dtype) / 1e6)
+    if not isinstance(params, DecodeWeights):
+        params = decode.prepare(config, params, mesh, quant=quant)
+    start = time.perf_counter()
+    with streaming.registered(stream) as stream_id:
+        out_tokens, out_logprobs, num = decode._generate_jit(
+            config, params, tokens, lengths_arr, keys, stream_id,
+            max_new_tokens=max_new_tokens, settings=settings, cache_size=cache_size, mesh=mesh,
+            cache_dtype=cache_dtype)
+        out_tokens, out_logprobs, num = jax.device_get((out_tokens, out_logprobs, num))
+    logger.debug("generate took %.3f s", time.perf_counter() - start)
+    return result_from_arrays(out_tokens, out_logprobs, num)
+
+
+def result_from_arrays(tokens: np.ndarray, logprobs: np.ndarray, num_tokens: np.ndarray
+                       ) -> GenerateResult:
+    """A ``GenerateResult`` from ``generate_padded``'s outputs ([B, N], [B, N], [B])."""
+    tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+    num = [int(x) for x in np.asarray(num_tokens)]
+    return GenerateResult(
+        tokens=[tokens[i, :n].tolist() for i, n in enumerate(num)],
+        logprobs=[logprobs[i, :n].tolist() for i, n in enumerate(num)],
+        lengths=num,
+        token_array=tokens,
+        logprob_array=logprobs,
+    )

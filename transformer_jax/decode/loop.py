@@ -1,0 +1,350 @@
+"""Decoding on the device: prefill, then a ``lax.while_loop`` of decode steps over the cache.
+
+Both run the model's one forward, ``Transformer.apply`` with a cache
+(``model/transformer.py``); this module adds only what generation needs around it:
+
+1. **Prefill.** The right-padded [B, T] prompts at positions 0..T-1 from an empty cache of
+   S_max slots. Slot s holds position s, so the junk written at pad slots is hidden by
+   causality and later overwritten. The LM head runs only at each prompt's last real token
+   (``logits_at``); those logits give the first new token.
+2. **Decode.** A ``lax.while_loop`` that stops as soon as every sequence is done. Each step
+   feeds the previous new token of every sequence at its own position and picks the next one
+   (``sampling``). Finished sequences emit padding and their positions stop advancing.
+
+The whole of it, ``generate_padded``, is one traced function (``generation.generate`` calls it
+jitted; ``decode/export.py`` exports it). With ``config.scan_layers`` the model scans its blocks and
+the program's size does not grow with depth.
+
+Weights. ``prepare`` (``decode/weights.py``, re-exported here) is the one parameter transform
+in front of the forward: the compute dtype, the backend's layout and the mesh placement, once.
+
+Tensor parallelism. With a mesh whose ``tensor`` axis has T devices, prefill and decode run
+under ``shard_map``: each device runs the same forward on its block of every matrix, split as
+training splits them (the specs come from the logical-axis rules, ``weight_specs``): N/T heads,
+K/T kv heads and their cache, F/T FFN units, V/T vocabulary rows. The model sums each
+branch's partial output over the axis (two all-reduces per layer, the Megatron split) and
+gathers the logits; every device then samples the same tokens. Each device's attention stays
+the one-device program (its cache rows merged per shard), which XLA's SPMD partitioner could
+not keep split: partitioning the jitted loop from the shardings alone, it gathered q, k and v
+whole on every device each layer (decode_25m, batch 8, 1024 slots: about 96 ms per step over
+two CPU devices, against 20 ms for this). On CPU, one device per core
+(``sharding.configure_cpu_devices``) puts the otherwise single-threaded attention on every core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from transformer_jax.decode import sampling, streaming
+from transformer_jax.decode.prompts import is_int
+from transformer_jax.decode.weights import (  # noqa: F401 (decode.prepare etc. are the API)
+    TENSOR_AXIS,
+    DecodeWeights,
+    abstract_weights,
+    check_tensor_parallel,
+    decode_config,
+    decode_params,
+    decode_rules,
+    default_weights_out_first,
+    prepare,
+    tensor_shards,
+    vocab_is_split,
+    weight_specs,
+)
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.kv_cache import KVCache
+from transformer_jax.model.layers import shard_config
+from transformer_jax.model.transformer import Transformer
+
+Params = dict[str, Any]
+
+@dataclasses.dataclass(frozen=True)
+class TensorSplit:
+    """How the traced decode sees a tensor-parallel split: it runs inside ``shard_map`` over
+    ``axis``, on one shard's weights (and its vocabulary rows when ``vocab``)."""
+
+    axis: str = TENSOR_AXIS
+    vocab: bool = True
+
+
+# Loop state --------------------------------------------------------------------------------------
+
+@flax.struct.dataclass
+class SamplingState:
+    """The carry of the decode loop.
+
+    Attributes:
+      step: [] int32 decode steps taken so far.
+      tokens: [B, N] int32 generated ids (N = max_new_tokens); ``pad_id`` after a sequence
+        stopped.
+      logprobs: [B, N] float32 log-probabilities of ``tokens`` under the model (0 at padding).
+      next_token: [B] int32 token each sequence feeds at the next step.
+      positions: [B] int32 position (= cache slot) of ``next_token``.
+      done: [B] bool sequences that emitted a stop token or N tokens.
+      num_tokens: [B] int32 tokens generated so far (stop token included).
+      keys: [B, 2] uint32 raw PRNG key data, one key per sequence; step i draws with
+        ``fold_in(key, i)``.
+      cache: the ``KVCache``.
+    """
+
+    step: jax.Array
+    tokens: jax.Array
+    logprobs: jax.Array
+    next_token: jax.Array
+    positions: jax.Array
+    done: jax.Array
+    num_tokens: jax.Array
+    keys: jax.Array
+    cache: KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """Static (compile-time) sampling settings; see ``transformer_jax.decode.sampling``.
+
+    Attributes:
+      temperature: >= 0; 0 is greedy.
+      top_k: None or k in [1, V].
+      top_p: None or p in (0, 1].
+      min_p: None or a value in [0, 1].
+      stop_tokens: ids that end a sequence (the stop token is part of the output).
+      pad_id: id emitted by finished sequences.
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    stop_tokens: tuple[int, ...] = ()
+    pad_id: int = 0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raises ValueError for any setting out of range for a vocabulary of V tokens."""
+        sampling.validate_sampling_args(self.temperature, self.top_k, self.top_p, self.min_p,
+                                        vocab_size)
+        for tok in self.stop_tokens:
+            if not is_int(tok) or not 0 <= tok < vocab_size:
+                raise ValueError(f"stop token {tok!r} is not a token id in [0, {vocab_size})")
+        if not is_int(self.pad_id) or not 0 <= self.pad_id < vocab_size:
+            raise ValueError(f"pad_id {self.pad_id!r} is not a token id in [0, {vocab_size})")
+
+
+# Prefill and decode steps ------------------------------------------------------------------------
+
+def decode_model(config: ModelConfig, split: TensorSplit | None = None,
+                 weights_out_first: bool | None = None) -> Transformer:
+    """The model as generation runs it (``decode_config``) on weights in the given layout
+    (default ``default_weights_out_first()``), on one shard with ``split``."""
+    if weights_out_first is None:
+        weights_out_first = default_weights_out_first()
+    axis, vocab = (None, False) if split is None else (split.axis, split.vocab)
+    return Transformer(decode_config(config), tensor_axis=axis, vocab_split=vocab,
+                       weights_out_first=weights_out_first)
+
+
+def prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array,
+            max_len: int | None = None, dtype: jnp.dtype | str | None = None,
+            keys_transposed: bool | None = None, split: TensorSplit | None = None,
+            weights_out_first: bool | None = None) -> tuple[jax.Array, KVCache]:
+    """Runs right-padded prompts through the model into an empty cache.
+
+    Args:
+      config: the model's config (one shard's view, ``shard_config``, under ``split``).
+      params: the parameters (or ``DecodeWeights.params``).
+      tokens: [B, T] int32 prompts, right-padded; position t of row b goes to slot t.
+      lengths: [B] int32 true prompt lengths, each in [1, T].
+      max_len: S_max >= T slots of the returned cache; default T.
+      dtype: the cache's storage dtype; the model's compute dtype by default.
+      keys_transposed: the cache's key layout (``KVCache.init``).
+      split: inside ``shard_map`` over a tensor axis, how (see ``TensorSplit``).
+      weights_out_first: the layout of ``params`` (``decode_params``); default
+        ``default_weights_out_first()``.
+
+    Returns:
+      ([B, V] float32 logits after each prompt's last token, the ``KVCache`` with slots 0..T-1
+      written and ``lengths`` as given: pad slots hold junk that causality hides and the
+      decode overwrites).
+    """
+    b, t = tokens.shape
+    cache = KVCache.init(config, b, max_len or t, dtype, keys_transposed).constrain()
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out = decode_model(config, split, weights_out_first).apply(
+        {"params": params}, tokens, positions, cache=cache,
+        logits_at=lengths.astype(jnp.int32) - 1)
+    return out.logits, out.cache.replace(lengths=lengths.astype(jnp.int32))
+
+
+def decode_step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
+                positions: jax.Array, split: TensorSplit | None = None,
+                weights_out_first: bool | None = None) -> tuple[jax.Array, KVCache]:
+    """One decode step: [B] tokens at [B] positions -> ([B, V] float32 logits, updated cache)
+    (``weights_out_first`` as for ``prefill``)."""
+    out = decode_model(config, split, weights_out_first).apply(
+        {"params": params}, tokens[:, None], positions[:, None], cache=cache)
+    return out.logits[:, 0], out.cache.constrain()
+
+
+def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
+                 first_logits: jax.Array, *, stream_id: jax.Array | None, max_new_tokens: int,
+                 settings: SamplingSettings, split: TensorSplit | None, weights_out_first: bool
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Samples the first token from the prefill's logits, then the ``lax.while_loop`` of
+    decode steps.
+
+    Under ``split`` every shard holds the whole logits and the same keys, so all of them pick
+    the same tokens; the first shard alone calls the stream back.
+
+    ``state.positions`` start at each prompt's last token and ``first_logits`` [B, V] are its
+    next-token logits; the first advance picks the first token from them.
+    """
+    n = max_new_tokens
+    stop = jnp.asarray(settings.stop_tokens, jnp.int32)
+    greedy = settings.temperature == 0
+
+    def cond(s: SamplingState) -> jax.Array:
+        return (s.step < n) & ~jnp.all(s.done)
+
+    def advance(s: SamplingState, logits: jax.Array, cache: KVCache) -> SamplingState:
+        """Picks each sequence's token from its [B, V] logits and records it."""
+        if greedy:
+            tok = sampling.argmax(logits)
+            logprob = sampling.token_logprobs(logits, tok)
+        else:
+            keys = jax.random.wrap_key_data(s.keys)
+            step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, s.step)
+            tok, logprob = sampling.sample_with_logprobs(
+                logits, step_keys, temperature=settings.temperature, top_k=settings.top_k,
+                top_p=settings.top_p, min_p=settings.min_p)
+        active = ~s.done
+        tok = jnp.where(active, tok, settings.pad_id)
+        logprob = jnp.where(active, logprob, 0.0)
+        num_tokens = s.num_tokens + active
+        done = s.done | (num_tokens >= n)
+        if settings.stop_tokens:
+            done |= active & jnp.isin(tok, stop)
+        if stream_id is not None:
+            if split is None:
+                streaming.emit(stream_id, s.step, tok, active)
+            else:  # a program over several devices cannot order effects: the data dependence
+                # of the loop keeps the steps in order
+                jax.lax.cond(jax.lax.axis_index(split.axis) == 0,
+                             lambda: streaming.emit(stream_id, s.step, tok, active,
+                                                    ordered=False),
+                             lambda: None)
+        return SamplingState(
+            step=s.step + 1,
+            tokens=jax.lax.dynamic_update_slice(s.tokens, tok[:, None], (0, s.step)),
+            logprobs=jax.lax.dynamic_update_slice(s.logprobs, logprob[:, None], (0, s.step)),
+            next_token=tok,
+            # A finished sequence keeps its position, so its (ignored) writes stay in range.
+            positions=jnp.where(done, s.positions, s.positions + 1),
+            done=done,
+            num_tokens=num_tokens,
+            keys=s.keys,
+            cache=cache,
+        )
+
+    def body(s: SamplingState) -> SamplingState:
+        return advance(s, *decode_step(config, params, s.cache, s.next_token, s.positions,
+                                       split, weights_out_first))
+
+    state = advance(state, first_logits, state.cache)
+    state = jax.lax.while_loop(cond, body, state)
+    return state.tokens, state.logprobs, state.num_tokens
+
+
+# The traced generate -----------------------------------------------------------------------------
+
+def generate_padded(config: ModelConfig, params: Params | DecodeWeights, tokens: jax.Array,
+                    lengths: jax.Array, key_data: jax.Array, stream_id: jax.Array | None = None,
+                    *, max_new_tokens: int, settings: SamplingSettings = SamplingSettings(),
+                    cache_size: int | None = None, mesh: Mesh | None = None,
+                    cache_dtype: str | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Prefill plus while-loop decode on padded arrays: the traced body of ``generate``.
+
+    Shape-polymorphic in B and T (``decode/export.py`` exports it with symbolic dims). Performs no
+    validation: ``generation.generate`` checks capacity, ids and settings on the host first.
+
+    Args:
+      config: the model's config (static).
+      params: ``DecodeWeights`` from ``prepare`` (for this config and mesh), or the model's
+        parameters in either layout (then prepared here, a transient copy per call).
+      tokens: [B, T] int32 prompts right-padded to T (any in-vocabulary pad id).
+      lengths: [B] int32 true prompt lengths, each in [1, T].
+      key_data: [B, 2] uint32 raw PRNG key per sequence (``jax.random.key_data``).
+      stream_id: optional [] int32 id of a callback registered with ``streaming.registered``;
+        when given, every step calls it on the host with (step, tokens [B], active [B]).
+      max_new_tokens: N (static), the most tokens generated per sequence.
+      settings: static sampling settings.
+      cache_size: static S_max; default ``T + N``. Must be >= T and >= every length + N - 1.
+      mesh: static; with a tensor axis of size T > 1, the program runs under ``shard_map``
+        over it, the weights split by the logical-axis rules (see the module docstring).
+      cache_dtype: static storage dtype name of the KV cache; the compute dtype by default.
+
+    Returns:
+      tokens [B, N] int32 (``pad_id`` after a sequence ends), logprobs [B, N] float32 (0 at
+      padding), num_tokens [B] int32 generated per sequence (stop token included).
+    """
+    shards = tensor_shards(mesh)
+    quant = None
+    if isinstance(params, DecodeWeights):
+        weights, out_first, quant = params.params, params.weights_out_first, params.quant
+    else:  # prepared here, a transient copy per call
+        out_first = default_weights_out_first()
+        weights = decode_params(config, params, out_first)
+    run = functools.partial(_prefill_and_decode, stream_id=stream_id,
+                            max_new_tokens=max_new_tokens, settings=settings,
+                            cache_size=cache_size, cache_dtype=cache_dtype,
+                            weights_out_first=out_first)
+    if shards == 1:
+        return run(config, weights, tokens, lengths, key_data, split=None)
+    split = TensorSplit(TENSOR_AXIS, vocab_is_split(config, mesh))
+    local = shard_config(config, shards, vocab=split.vocab)
+    # Outputs are the same on every shard (each samples from the gathered logits).
+    return jax.shard_map(
+        functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
+        in_specs=(weight_specs(config, mesh, out_first, quant), P(), P(), P()),
+        out_specs=(P(), P(), P()),
+    )(weights, tokens, lengths, key_data)
+
+
+def _prefill_and_decode(config: ModelConfig, weights: Params, tokens: jax.Array,
+                        lengths: jax.Array, key_data: jax.Array, *,
+                        stream_id: jax.Array | None, max_new_tokens: int,
+                        settings: SamplingSettings, cache_size: int | None,
+                        cache_dtype: str | None, split: TensorSplit | None,
+                        weights_out_first: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``generate_padded`` on one shard's weights (all of them without a split)."""
+    b, t = tokens.shape
+    n = max_new_tokens
+    logits, cache = prefill(config, weights, tokens, lengths,
+                            t + n if cache_size is None else cache_size, cache_dtype,
+                            split=split, weights_out_first=weights_out_first)
+    state = SamplingState(
+        step=jnp.zeros((), jnp.int32),
+        tokens=jnp.full((b, n), settings.pad_id, jnp.int32),
+        logprobs=jnp.zeros((b, n), jnp.float32),
+        next_token=jnp.zeros((b,), jnp.int32),  # the first advance sets it
+        positions=lengths.astype(jnp.int32) - 1,
+        done=jnp.zeros((b,), bool),
+        num_tokens=jnp.zeros((b,), jnp.int32),
+        keys=key_data.astype(jnp.uint32),
+        cache=cache,
+    )
+    return _decode_loop(config, weights, state, logits, stream_id=stream_id, max_new_tokens=n,
+                        settings=settings, split=split, weights_out_first=weights_out_first)
+
+
+#: The arguments of ``generate_padded`` that are compile-time constants.
+GENERATE_STATIC_ARGNAMES = ("config", "max_new_tokens", "settings", "cache_size", "mesh",
+                            "cache_dtype")
+_generate_jit = jax.jit(generate_padded, static_argnames=GENERATE_STATIC_ARGNAMES)

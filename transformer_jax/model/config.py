@@ -1,0 +1,405 @@
+"""Model configuration: the architecture, how it runs, and named presets.
+
+``Architecture`` (frozen) holds what defines the function, as a HF ``config.json`` does;
+``Execution`` (frozen) how it is initialised and computed (dtypes, scan, remat, attention
+kernel). ``ModelConfig`` is both in one flat table: what presets, ``model.KEY=`` overrides and
+checkpoints store. Presets live as small TOML files in the top-level ``configs/`` directory;
+the ``[model]`` table of such a file holds overrides of the defaults. Runtime switches (decode
+or not, which positions) and memory layouts tuned for one backend (``decode.prepare``'s weights,
+the ``KVCache``'s layout) are not config fields: they are call arguments or properties of the
+weights and the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+NORMS = ("rms", "layer")
+NORM_POSITIONS = ("pre", "post")
+FFNS = ("swiglu", "geglu", "gelu", "relu")
+POSITIONS = ("rope", "sinusoidal", "none")
+ROPE_PAIRINGS = ("half", "adjacent")
+ROPE_SCALINGS = ("linear", "llama3")
+REMATS = ("none", "full", "save_dots")
+#: Attention implementations (``ops.attention.attention``'s ``impl``).
+ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "pallas", "mosaic")
+DTYPES = ("float32", "bfloat16", "float16")
+
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE frequencies are rescaled for context extension.
+
+    Attributes:
+      kind: ``"linear"`` divides every frequency by ``factor`` (position interpolation);
+        ``"llama3"`` divides only the low frequencies, with a smooth ramp between
+        ``low_freq_factor`` and ``high_freq_factor`` wavelengths (Llama 3.1).
+      factor: the context extension factor (> 0).
+      low_freq_factor: llama3 only: wavelengths above ``original_max_len / low_freq_factor``
+        are fully scaled.
+      high_freq_factor: llama3 only: wavelengths below ``original_max_len / high_freq_factor``
+        are kept.
+      original_max_len: llama3 only: the context length the model was trained with.
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def __post_init__(self) -> None:
+        _check_choice("rope_scaling.kind", self.kind, ROPE_SCALINGS)
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.kind == "llama3":
+            if not 0 < self.low_freq_factor < self.high_freq_factor:
+                raise ValueError(
+                    "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                    f"{self.low_freq_factor} and {self.high_freq_factor}"
+                )
+            if self.original_max_len <= 0:
+                raise ValueError(
+                    f"rope_scaling.original_max_len must be > 0, got {self.original_max_len}"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """The function a decoder-only Transformer computes: what a HF ``config.json`` holds.
+
+    Two models with equal architectures take the same parameters and compute the same logits
+    from them; everything else (dtypes, scan, remat, kernels, initialisation) is ``Execution``.
+
+    Attributes:
+      vocab_size: V, number of token ids.
+      d_model: D, residual stream width.
+      n_layers: L, number of blocks.
+      n_heads: N, query heads.
+      n_kv_heads: K, key/value heads (N for MHA, 1 for MQA, in between for GQA); defaults to N.
+      head_dim: H; defaults to D // N.
+      d_ff: F, hidden width of the feed-forward network.
+      max_seq_len: the largest position the model is used at.
+      norm: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm with bias).
+      norm_eps: epsilon inside the norm's square root.
+      norm_position: ``"pre"`` (norm before each sublayer, LLaMA) or ``"post"`` (norm after the
+        residual add, original Transformer).
+      ffn: ``"swiglu"``, ``"geglu"``, ``"gelu"`` or ``"relu"``.
+      position: ``"rope"`` (rotary, per head on Q and K), ``"sinusoidal"`` (added to the
+        embeddings, original paper) or ``"none"``.
+      rope_base: the RoPE base b in ``theta_i = b^(-2i/H)``.
+      rope_pairing: ``"half"`` rotates ``(x_i, x_{i+H/2})`` (HF LLaMA checkpoints);
+        ``"adjacent"`` rotates ``(x_2i, x_2i+1)`` (RoFormer paper).
+      rope_scaling: optional frequency rescaling (``RopeScaling``).
+      sliding_window: if set, a query sees only the last ``sliding_window`` positions
+        (itself included), as in Mistral; None for full causal attention.
+      qkv_bias: whether the q/k/v projections have biases (Qwen2).
+      tie_embeddings: whether the LM head is the transposed token embedding.
+    """
+
+    vocab_size: int = 512
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    d_ff: int = 512
+    max_seq_len: int = 256
+    norm: str = "rms"
+    norm_eps: float = 1e-5
+    norm_position: str = "pre"
+    ffn: str = "swiglu"
+    position: str = "rope"
+    rope_base: float = 10000.0
+    rope_pairing: str = "half"
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            _check_positive_int(name, getattr(self, name))
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        _check_positive_int("n_kv_heads", self.n_kv_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(
+                    f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
+                    "unless head_dim is given"
+                )
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        _check_positive_int("head_dim", self.head_dim)
+        if self.sliding_window is not None:
+            _check_positive_int("sliding_window", self.sliding_window)
+        _check_positive_number("norm_eps", self.norm_eps)
+        _check_positive_number("rope_base", self.rope_base)
+        _check_choice("norm", self.norm, NORMS)
+        _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
+        _check_choice("ffn", self.ffn, FFNS)
+        _check_choice("position", self.position, POSITIONS)
+        _check_choice("rope_pairing", self.rope_pairing, ROPE_PAIRINGS)
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.position == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"d_model must be even for sinusoidal positions, got {self.d_model}")
+        for name in ("qkv_bias", "tie_embeddings"):
+            _check_bool(name, getattr(self, name))
+
+    @property
+    def queries_per_kv_head(self) -> int:
+        """G = N / K, the number of query heads sharing one key/value head."""
+        return self.n_heads // self.n_kv_heads
+
+
+def _resumable(default: Any) -> Any:
+    """A field a run may change when it resumes from its own checkpoints."""
+    return dataclasses.field(default=default, metadata={"resumable": True})
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How an architecture is initialised and run: numerics, memory and kernels.
+
+    None of these changes what a trained model's weights mean: a checkpoint loads under any of
+    them (``train.init_from`` may set every one).
+
+    Attributes:
+      param_dtype: dtype parameters are stored in.
+      dtype: dtype activations and matmuls are computed in (norms and softmax stay float32;
+        logits are returned in float32).
+      scan_layers: stack the blocks with ``nn.scan`` (compile time independent of depth).
+      remat: rematerialisation of each block in the backward pass: ``"none"``, ``"full"``, or
+        ``"save_dots"`` (keep matmul outputs, recompute the rest).
+      attention_impl: ``"auto"`` (the best for the backend and shape, see
+        ``ops.attention.choose_impl``), ``"xla"`` (the einsum reference), ``"chunked"``
+        (memory linear in the context, any backend), ``"cudnn"`` (GPU), ``"pallas"`` or
+        ``"mosaic"`` (TPU, Hopper GPUs).
+      init_std: standard deviation of the normal initialiser of every matrix.
+    """
+
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    scan_layers: bool = False
+    remat: str = _resumable("none")
+    attention_impl: str = _resumable("auto")
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        _check_positive_number("init_std", self.init_std)
+        _check_choice("remat", self.remat, REMATS)
+        _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _check_choice("param_dtype", self.param_dtype, DTYPES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_bool("scan_layers", self.scan_layers)
+
+    @property
+    def jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def jnp_param_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+
+#: Keys older checkpoints and config files may hold that no longer configure the model:
+#: ``weights_out_first`` is now the layout of the prepared decode weights (``decode.prepare``).
+_RETIRED_KEYS = ("weights_out_first",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(Execution, Architecture):
+    """A model as a run uses it: its ``Architecture`` and its ``Execution``, one flat table.
+
+    The ``[model]`` table of a preset, ``model.KEY=`` overrides and a checkpoint's saved config
+    set both kinds of field; ``architecture`` and ``execution`` give the two parts, so whether a
+    change alters the function is a comparison of types, not a list of keys. See the two
+    classes for every attribute.
+    """
+
+    def __post_init__(self) -> None:
+        Architecture.__post_init__(self)
+        Execution.__post_init__(self)
+
+    @property
+    def architecture(self) -> Architecture:
+        """The fields that define the function (what a HF ``config.json`` holds)."""
+        return Architecture(**_values(self, Architecture))
+
+    @property
+    def execution(self) -> Execution:
+        """The fields that say how it is initialised and run."""
+        return Execution(**_values(self, Execution))
+
+    @classmethod
+    def of(cls, architecture: Architecture, execution: Execution | None = None) -> ModelConfig:
+        """The config of an architecture run with ``execution`` (default: ``Execution()``)."""
+        return cls(**_values(architecture, Architecture),
+                   **_values(execution or Execution(), Execution))
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        """Builds a config from a mapping, rejecting unknown keys with close matches (keys
+        earlier versions wrote, ``_RETIRED_KEYS``, are dropped)."""
+        values = {k: v for k, v in values.items() if k not in _RETIRED_KEYS}
+        check_keys(values, cls, "model")
+        return cls(**values)
+
+    @classmethod
+    def preset(cls, name: str) -> ModelConfig:
+        """The ``[model]`` table of ``configs/NAME.toml`` (e.g. ``"tiny"``, ``"llama2_7b"``)."""
+        return cls.from_dict(load_toml(name).get("model", {}))
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+    """The field names of dataclass ``cls`` (``Architecture``, ``Execution``, ...)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def resumable_keys() -> tuple[str, ...]:
+    """``Execution`` fields a run may change when it resumes (they leave its state as it is)."""
+    return tuple(f.name for f in dataclasses.fields(Execution) if f.metadata.get("resumable"))
+
+
+def _values(config: Any, cls: type) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in field_names(cls)}
+
+
+def preset_names() -> list[str]:
+    """Names of the TOML presets in ``configs/``."""
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
+
+
+def resolve_config_path(name_or_path: str | Path) -> Path:
+    """Maps a preset name or a path to an existing TOML file, or raises FileNotFoundError."""
+    path = Path(name_or_path)
+    candidates = [path, path.with_suffix(".toml"), CONFIGS_DIR / f"{path.name}.toml",
+                  CONFIGS_DIR / path.name]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    close = difflib.get_close_matches(path.stem, preset_names(), n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; presets: {preset_names()}"
+    raise FileNotFoundError(f"no config file or preset named {str(name_or_path)!r}{hint}")
+
+
+def load_toml(name_or_path: str | Path) -> dict[str, Any]:
+    """Reads a config TOML file (by preset name or path)."""
+    with open(resolve_config_path(name_or_path), "rb") as f:
+        return tomllib.load(f)
+
+
+def check_keys(values: dict[str, Any], cls: type, section: str) -> None:
+    """Raises ValueError for keys that are not fields of dataclass ``cls``, naming close ones."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(f"unknown {section} option {key!r}{hint}")
+
+
+def parse_override(cls: type, key: str, text: str) -> Any:
+    """Parses the string ``text`` as the type of dataclass field ``key`` of ``cls``.
+
+    Used for ``key=value`` command-line overrides, so a wrong type is an error at start-up.
+    """
+    check_keys({key: None}, cls, cls.__name__)
+    hints = typing.get_type_hints(cls)
+    return _parse_as(hints[key], text, key)
+
+
+def _parse_as(tp: Any, text: str, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if text.lower() in ("none", "null") and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _parse_as(arg, text, key)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(f"{key}={text!r}: " + "; ".join(errors))
+    if origin in (tuple, list):
+        (item,) = set(typing.get_args(tp)) - {Ellipsis} or {str}
+        parts = [p for p in text.split(",") if p.strip()]
+        return origin(_parse_as(item, p.strip(), key) for p in parts)
+    if tp is bool:
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ValueError(f"{key} expects a bool (true/false), got {text!r}")
+    if tp is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{key} expects an int, got {text!r}") from None
+    if tp is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{key} expects a float, got {text!r}") from None
+    if tp is str:
+        return text
+    if dataclasses.is_dataclass(tp):
+        raise ValueError(f"{key} is a table; set its fields in the config file")
+    raise ValueError(f"{key}: cannot parse type {tp}")
+
+
+def plain(value: Any) -> Any:
+    """``value`` with NumPy scalars as the Python numbers they hold, for error messages
+    (``-1.0``, not ``np.float64(-1.0)``)."""
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "shape", None) == ():
+        return item()
+    return value
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {plain(value)!r}")
+
+
+def _check_positive_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite number, got {plain(value)!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {plain(value)!r}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {plain(value)!r}")

@@ -1,0 +1,287 @@
+"""The KV cache: one explicit, fixed-size pytree passed into the model and returned updated.
+
+Training, prefill and every decode step run the same ``Transformer``; with a cache each block
+calls ``cache.attend``, which writes the chunk's keys/values at their positions and attends over
+the whole layer: the one interface the model's attention uses (``Cache``), so the layout below
+is the cache's own business and another cache (a paged one) plugs in without a branch in the
+model. Its layers
+follow the model's: stacked ([L, ...]) for a scanned model, which carries the cache through its
+layer scan and indexes it with the (traced) layer number, so the decode program does not grow
+with depth; one array per layer for an unrolled model, so a layer reads its own buffer (XLA:CPU
+copied a static slice of a stacked cache before every attention: decode_25m at batch 8 with
+1024 slots took 80 ms per step that way, against 25-35 ms with one array per layer).
+
+Layout. One row per (sequence, kv head): values are [L, B, K, S, H], so attention's batch
+dimensions (B, K) lead and each row's slots are contiguous, which is what the accelerator
+kernels and XLA's batched dots read without a transpose. Keys are the same, or with
+``keys_transposed`` stored [L, B, K, H, S]: on XLA:CPU, q [G, H] @ keys [H, S] streams the cache
+in storage order, while keys [S, H] were read 2-4x slower (decode_25m, batch 8, 1024 slots: a
+decode step over [S, H] keys took about twice as long). It is the default on CPU only
+(``default_keys_transposed``); GPUs and TPUs keep [B, K, S, H].
+
+int8 (``dtype="int8"``). Each token's row of each kv head is stored as its int8 values and its
+scale, H + 2 bytes in the place of H (``ops.kv_quant``), written in the same write and
+dequantised just before attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.model.config import Architecture, ModelConfig
+from transformer_jax.model.ops import kv_quant
+from transformer_jax.model.ops.attention import attention
+
+#: Logical axis names of the cache's [L, B, K, S, H] arrays (the mesh rules shard kv heads over
+#: the tensor axis, as they shard the k/v projections).
+CACHE_AXES = ("layers", "batch", "kv_heads", None, None)
+
+
+def default_keys_transposed() -> bool:
+    """Whether caches store keys [H, S] per row by default: on the CPU backend only."""
+    return jax.default_backend() == "cpu"
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every layer for up to S_max positions per sequence.
+
+    Slot s of sequence b holds the key/value of the token at position s, so the causal mask
+    over slot indices is also the validity mask: slots past a sequence's length are never seen.
+
+    Attributes:
+      k: [L, B, K, S_max, H] keys (already rotated by RoPE), or [L, B, K, H, S_max] when
+        ``keys_transposed``; for an unrolled model a tuple of L arrays [B * K, S_max, H] (or
+        [B * K, H, S_max]), rows (sequence, kv head) merged (``layer`` gives [B, K, ...]).
+      v: [L, B, K, S_max, H] values (a tuple of L [B * K, S_max, H] for an unrolled model).
+      lengths: [B] int32 number of positions written per sequence (the next write position).
+      keys_transposed: static; the keys' layout (see the module docstring).
+    """
+
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...]
+    lengths: jax.Array
+    keys_transposed: bool = flax.struct.field(pytree_node=False, default=False)
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch: int, max_len: int,
+             dtype: jnp.dtype | str | None = None,
+             keys_transposed: bool | None = None) -> KVCache:
+        """An empty cache.
+
+        Args:
+          config: the model's config (gives L, K, H).
+          batch: B.
+          max_len: S_max, the largest number of positions it can hold.
+          dtype: storage dtype (a float dtype, or ``"int8"``: values and a scale per token
+            and kv head, ``ops.kv_quant``); the model's compute dtype by default.
+          keys_transposed: the keys' layout; default ``default_keys_transposed()``.
+        """
+        if batch <= 0 or max_len <= 0:
+            raise ValueError(f"batch and max_len must be positive, got {batch} and {max_len}")
+        if keys_transposed is None:
+            keys_transposed = default_keys_transposed()
+        dtype = jnp.dtype(dtype or config.dtype)
+        rows = (batch, config.n_kv_heads)
+        h = kv_quant.stored_head_dim(config.head_dim, dtype)
+        k_shape = (*rows, h, max_len) if keys_transposed else (*rows, max_len, h)
+        v_shape = (*rows, max_len, h)
+        if config.scan_layers:
+            k = jnp.zeros((config.n_layers, *k_shape), dtype)
+            v = jnp.zeros((config.n_layers, *v_shape), dtype)
+        else:  # rows (sequence, kv head) merged: [B * K, ...] per layer (see _write_rows)
+            k = tuple(jnp.zeros((batch * config.n_kv_heads, *k_shape[2:]), dtype)
+                      for _ in range(config.n_layers))
+            v = tuple(jnp.zeros((batch * config.n_kv_heads, *v_shape[2:]), dtype)
+                      for _ in range(config.n_layers))
+        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32),
+                   keys_transposed=keys_transposed)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the layers are one [L, ...] array (a scanned model) or a tuple."""
+        return not isinstance(self.v, tuple)
+
+    @property
+    def max_len(self) -> int:
+        return self.v.shape[3] if self.stacked else self.v[0].shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def int8(self) -> bool:
+        """Whether rows are stored int8 with their scales (``ops.kv_quant``)."""
+        return kv_quant.is_int8((self.v if self.stacked else self.v[0]).dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V: ``2 * L * B * S_max * K * H * bytes_per_element``."""
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((self.k, self.v)))
+
+    def layer(self, i: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Layer i's (keys, values): [B, K, S, H] each (keys [B, K, H, S] when transposed)."""
+        if self.stacked:
+            return self.k[i], self.v[i]
+        b = self.batch
+        return (self.k[i].reshape(b, -1, *self.k[i].shape[1:]),
+                self.v[i].reshape(b, -1, *self.v[i].shape[1:]))
+
+    def attend(self, i: int | jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+               positions: jax.Array, *, window: int | None, impl: str
+               ) -> tuple[jax.Array, KVCache]:
+        """Layer i's attention with this cache: writes the chunk's keys/values, then attends
+        the queries over every slot of the layer.
+
+        Slot s holds position s, so the causal structure also hides slots not written yet. This
+        is the one call the model's attention makes (``Cache``): another cache (paged, say)
+        plugs in by giving the same.
+
+        Args:
+          i: the layer (a Python int, or a traced index inside a layer scan).
+          q: [B, T, N, H] queries (rotated).
+          k: [B, T, K, H] new keys (rotated) for ``positions``.
+          v: [B, T, K, H] new values.
+          positions: [B, T] int positions, consecutive per row; row b is written at slots
+            ``positions[b, 0] ..``.
+          window: optional sliding window length.
+          impl: the attention implementation (``ops.attention.attention``).
+
+        Returns:
+          ([B, T, N, H] attention output, the cache with layer i written).
+        """
+        cache = self.write(i, k, v, positions[:, 0])
+        keys, values = cache.layer(i)
+        if self.int8:  # dequantised for the reference attention, each row with its own scale
+            keys = kv_quant.decode(keys, q.dtype, axis=-2 if self.keys_transposed else -1)
+            values = kv_quant.decode(values, q.dtype)
+        out = attention(q.astype(keys.dtype), keys, values, q_positions=positions,
+                        window=window, impl=impl, keys_transposed=self.keys_transposed)
+        return out, cache
+
+    def write(self, i: int | jax.Array, k: jax.Array, v: jax.Array,
+              start: jax.Array) -> KVCache:
+        """Writes a chunk of T new keys/values of each sequence at its own start slot.
+
+        Slots past S_max must not be written (callers check capacity): the write promises XLA
+        that indices are in bounds, which keeps it an in-place update of the loop-carried cache.
+
+        Args:
+          i: the layer (a Python int, or a traced index inside a layer scan).
+          k: [B, T, K, H] new keys for positions ``start[b] .. start[b] + T - 1``.
+          v: [B, T, K, H] new values.
+          start: [B] int32 first slot per sequence.
+
+        Returns:
+          The cache with layer i updated (lengths unchanged: the model sets them).
+        """
+        if self.int8:
+            k, v = kv_quant.encode(k), kv_quant.encode(v)
+        if self.stacked:
+            return self.replace(k=_write_stacked(self.k, i, k, start, self.keys_transposed),
+                                v=_write_stacked(self.v, i, v, start, False))
+        new_k, new_v = list(self.k), list(self.v)
+        new_k[i] = _write_rows(self.k[i], k, start, self.keys_transposed)
+        new_v[i] = _write_rows(self.v[i], v, start, False)
+        return self.replace(k=tuple(new_k), v=tuple(new_v))
+
+    def constrain(self) -> KVCache:
+        """The cache with its logical sharding pinned (kv heads over the tensor axis).
+
+        A no-op unless logical-axis rules and a mesh are in context (``sharding.jit_sharded``).
+        """
+        if not self.stacked:
+            # Merged (sequence, kv head) rows do not split by kv head in one block per device:
+            # the partitioner places them from the weights' shardings.
+            return self
+        return self.replace(k=nn.with_logical_constraint(self.k, CACHE_AXES),
+                            v=nn.with_logical_constraint(self.v, CACHE_AXES))
+
+
+class Cache(Protocol):
+    """What the model needs of a cache: ``KVCache`` is one, a paged cache would be another.
+
+    ``lengths`` [B] are the positions written per sequence (the model continues from them and
+    sets them after a chunk, through ``replace``); ``attend`` stores a layer's chunk and
+    attends over the layer's keys and values, in whatever layout the cache keeps them.
+    """
+
+    lengths: jax.Array
+
+    def attend(self, i: int | jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+               positions: jax.Array, *, window: int | None, impl: str
+               ) -> tuple[jax.Array, Cache]: ...
+
+    def replace(self, **changes: Any) -> Cache: ...
+
+
+def _in_storage_order(new: jax.Array, keys_transposed: bool) -> jax.Array:
+    """A chunk [B, T, K, H] -> [B, K, T, H], or [B, K, H, T] for keys stored transposed."""
+    return new.transpose(0, 2, 3, 1) if keys_transposed else new.transpose(0, 2, 1, 3)
+
+
+def _write_stacked(cache: jax.Array, i: int | jax.Array, new: jax.Array, start: jax.Array,
+                   keys_transposed: bool) -> jax.Array:
+    """Layer i's write into a stacked [L, B, K, S, H] (or [L, B, K, H, S]) buffer.
+
+    At B = 1 one dynamic-update-slice (the scatter below would become a bounds-checked select
+    that copies the whole cache there); else a scatter of [B, T] (row, slot) pairs.
+    """
+    b, t = new.shape[:2]
+    new = new.astype(cache.dtype)
+    slot_axis = 4 if keys_transposed else 3
+    if isinstance(b, int) and b == 1:
+        at = [i, 0, 0, 0, 0]
+        at[slot_axis] = start[0]
+        return jax.lax.dynamic_update_slice(cache, _in_storage_order(new, keys_transposed)[None],
+                                            tuple(at))
+    rows = jnp.arange(b)[:, None]
+    slots = start[:, None] + jnp.arange(t, dtype=start.dtype)  # [B, T]
+    index = [i, rows, slice(None), slice(None), slice(None)]
+    index[slot_axis] = slots
+    # The advanced indices (i, rows, slots) broadcast to [B, T] and lead: updates [B, T, K, H].
+    return cache.at[tuple(index)].set(new, mode="promise_in_bounds", unique_indices=True)
+
+
+def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array,
+                keys_transposed: bool) -> jax.Array:
+    """One layer's write into a buffer of merged (sequence, kv head) rows.
+
+    Args:
+      cache: [B * K, S, H] (or [B * K, H, S] for transposed keys).
+      new: [B, T, K, H].
+      start: [B] int32 first slot per sequence.
+
+    A dynamic-update-slice per (sequence, kv head) row, which XLA keeps in place in the loop
+    carry (at B = 1 one plain dynamic-update-slice: the batched form becomes a select copying
+    the whole cache there).
+    """
+    b, t, kv, h = new.shape
+    rows = _in_storage_order(new.astype(cache.dtype), keys_transposed)
+    at = (lambda s: (0, s)) if keys_transposed else (lambda s: (s, 0))
+    # The carried buffers are stored with rows merged: reshaping a [B, K, ...] buffer around
+    # the update kept XLA from doing it in place at B = 1 (about 8 ms of a 16 ms decode_25m
+    # step over 1024 slots was a copy of the cache).
+    rows = rows.reshape(b * kv, *rows.shape[2:])
+    if isinstance(b, int) and b == 1:
+        return jax.lax.dynamic_update_slice(cache, rows, (0, *at(start[0])))
+    row_starts = jnp.repeat(start, kv)
+
+    def one(c: jax.Array, n: jax.Array, s: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice(c, n, at(s))
+
+    return jax.vmap(one)(cache, rows, row_starts)
+
+
+def cache_bytes(config: Architecture, batch: int, max_len: int,
+                dtype: jnp.dtype | str | None = None) -> int:
+    """Size of K and V of a cache, without allocating it (int8: values and scales)."""
+    dtype = jnp.dtype(dtype or config.dtype)
+    h = kv_quant.stored_head_dim(config.head_dim, dtype)
+    return 2 * config.n_layers * batch * max_len * config.n_kv_heads * h * dtype.itemsize

@@ -1,0 +1,332 @@
+"""Thin flax.linen modules: each owns its parameters and calls the pure functions in ``ops``.
+
+Every parameter carries logical axis names (embed, vocab, heads, kv_heads, head_dim, mlp, norm,
+layers), so a mesh can shard it by rules without touching the model.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.model import ops
+from transformer_jax.model.config import ModelConfig, RopeScaling
+from transformer_jax.model.kv_cache import Cache
+from transformer_jax.model.ops.attention import attention
+from transformer_jax.model.ops.dense import dense, out_first_shape
+from transformer_jax.model.ops.quantized import is_quantized
+
+
+#: Names of the parameters that are not matmul weights: norm gains and shifts, projection biases
+#: (``q_bias`` ...). The weight-decay mask, the FLOPs count and the decode's dtype cast read them
+#: from here, in the unrolled and the scanned layout alike.
+def is_vector_param(name: str) -> bool:
+    """Whether a parameter of this (leaf) name is a norm gain/shift or a bias."""
+    return name in ("scale", "bias") or name.endswith("_bias")
+
+
+#: How many leading axes of each matrix (in its in-first layout) are inputs; the rest are
+#: outputs; ``matrix`` declares them, in-first or out-first.
+MATRIX_INPUT_AXES = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate": 1, "up": 1,
+                     "down": 1, "lm_head": 1}
+
+#: The token table's name: a lookup in the forward, a matmul only as a tied LM head.
+EMBEDDING_PARAM = "embedding"
+
+#: What a block passes to the next: the [B, T, D] residual stream and the cache (or None).
+Carry = tuple[jax.Array, Cache | None]
+
+
+def _normal(std: float) -> nn.initializers.Initializer:
+    return nn.initializers.normal(stddev=std)
+
+
+def matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
+           init: nn.initializers.Initializer, *, out_first: bool,
+           param_dtype: jnp.dtype) -> jax.Array:
+    """The one parameter primitive of every matrix of the model.
+
+    Declares matrix ``name`` on ``module`` with its in-first ``shape`` and logical ``axes``
+    (``MATRIX_INPUT_AXES[name]`` leading input axes, e.g. q_proj [D, N, H]); with ``out_first``
+    it is stored output axes first ([N, H, D]), the layout ``to_out_first`` gives and
+    ``ops.dense`` computes with.
+
+    Returns:
+      The stored parameter, in ``param_dtype``; or the quantised weight stored in its place
+      (``transformer_jax.model.quant``), which ``ops.dense`` computes with as it is.
+    """
+    quantized = stored_quantized(module, name)
+    if quantized is not None:
+        return quantized
+    if out_first:
+        n_in = MATRIX_INPUT_AXES[name]
+        shape, axes = out_first_shape(shape, n_in), out_first_shape(axes, n_in)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, param_dtype)
+
+
+def stored_quantized(module: nn.Module, name: str) -> object | None:
+    """Parameter ``name`` of ``module`` when it is stored quantised (``decode.prepare`` with
+    ``quant``), else None. Read as it is: flax's ``param`` would check its packed values'
+    shape against the float declaration."""
+    if module.has_variable("params", name):
+        w = module.get_variable("params", name)
+        if is_quantized(w):
+            return w
+    return None
+
+
+def to_out_first(w: jax.Array, name: str, stacked: bool = False) -> jax.Array:
+    """An in-first matrix ``name`` transposed to the out-first layout ``matrix`` declares
+    (after a leading layers axis when ``stacked``)."""
+    lead, n_in = int(stacked), MATRIX_INPUT_AXES[name]
+    axes = list(range(w.ndim))
+    return w.transpose(axes[:lead] + axes[lead + n_in:] + axes[lead:lead + n_in])
+
+
+class Embed(nn.Module):
+    """Token embedding table [V, D] (also the LM head when tied, ``Transformer.lm_head``).
+
+    With ``vocab_axis`` (inside ``shard_map``) the table is this shard's block of V rows, the
+    blocks in shard order: a lookup takes the rows it holds and sums the blocks' vectors over
+    the axis; as a tied head it gives this shard's block of the logits.
+    """
+
+    vocab_size: int
+    d_model: int
+    init_std: float = 0.02
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+    vocab_axis: str | None = None
+
+    def setup(self) -> None:
+        quantized = stored_quantized(self, EMBEDDING_PARAM)
+        self.embedding = quantized if quantized is not None else self.param(
+            EMBEDDING_PARAM,
+            nn.with_logical_partitioning(_normal(self.init_std), ("vocab", "embed")),
+            (self.vocab_size, self.d_model), self.param_dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """[B, T] ids -> [B, T, D] vectors in the compute dtype."""
+        if self.vocab_axis is None:
+            return ops.embed(tokens, self.embedding).astype(self.dtype)
+        rows = self.embedding.shape[0]
+        ids = tokens - jax.lax.axis_index(self.vocab_axis) * rows
+        mine = (ids >= 0) & (ids < rows)
+        x = ops.embed(jnp.where(mine, ids, 0), self.embedding) * mine[..., None]
+        # One shard holds each id's row, so the sum is exact.
+        return jax.lax.psum(x, self.vocab_axis).astype(self.dtype)
+
+
+class Norm(nn.Module):
+    """RMSNorm (``kind="rms"``) or LayerNorm (``kind="layer"``) over the last axis."""
+
+    kind: str = "rms"
+    eps: float = 1e-5
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d = x.shape[-1]
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                           (d,), self.param_dtype)
+        if self.kind == "rms":
+            return ops.rms_norm(x, scale, self.eps)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
+                          (d,), self.param_dtype)
+        return ops.layer_norm(x, scale, bias, self.eps)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped kv heads, RoPE and an optional KV cache.
+
+    Parameters: ``q_proj`` [D, N, H], ``k_proj`` and ``v_proj`` [D, K, H], ``o_proj`` [N, H, D],
+    and with ``qkv_bias`` also ``q_bias`` [N, H], ``k_bias`` and ``v_bias`` [K, H].
+    """
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    use_rope: bool = True
+    rope_base: float = 10000.0
+    rope_pairing: str = "half"
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    impl: str = "auto"
+    init_std: float = 0.02
+    out_init_std: float = 0.02
+    out_first: bool = False
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    def _matrix(self, name, shape, axes, init):
+        return matrix(self, name, shape, axes, init, out_first=self.out_first,
+                      param_dtype=self.param_dtype).astype(self.dtype)
+
+    def _bias(self, name, shape, axes):
+        return self.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes),
+                          shape, self.param_dtype).astype(self.dtype)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: Cache | None = None,
+                 layer: int | jax.Array = 0, segment_ids: jax.Array | None = None
+                 ) -> tuple[jax.Array, Cache | None]:
+        """Self-attention of x over itself, or over the cache once x's keys are written in.
+
+        Args:
+          x: [B, T, D] normalised input.
+          positions: [B, T] integer positions; with a cache, each row must be consecutive and
+            its first entry is the slot the chunk is written at.
+          cache: optional ``Cache`` (a ``KVCache`` or a paged cache); this block reads and
+            writes its layer ``layer`` through ``cache.attend``.
+          layer: this block's index in the cache (a traced index inside a layer scan).
+          segment_ids: optional [B, T] packed-sequence ids (0 = padding); not with a cache.
+
+        Returns:
+          ([B, T, D] output, the updated cache or None).
+        """
+        d = x.shape[-1]
+        n, kv, h = self.n_heads, self.n_kv_heads, self.head_dim
+        init = _normal(self.init_std)
+        wq = self._matrix("q_proj", (d, n, h), ("embed", "heads", "head_dim"), init)
+        wk = self._matrix("k_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), init)
+        wv = self._matrix("v_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), init)
+        wo = self._matrix("o_proj", (n, h, d), ("heads", "head_dim", "embed"),
+                          _normal(self.out_init_std))
+        q = dense(x, wq, "BTD,DNH->BTNH", out_first=self.out_first)
+        k = dense(x, wk, "BSD,DKH->BSKH", out_first=self.out_first)
+        v = dense(x, wv, "BSD,DKH->BSKH", out_first=self.out_first)
+        if self.qkv_bias:
+            q = q + self._bias("q_bias", (n, h), ("heads", "head_dim"))
+            k = k + self._bias("k_bias", (kv, h), ("kv_heads", "head_dim"))
+            v = v + self._bias("v_bias", (kv, h), ("kv_heads", "head_dim"))
+        if self.use_rope:
+            rope = dict(base=self.rope_base, pairing=self.rope_pairing, scaling=self.rope_scaling)
+            q = ops.apply_rope(q, positions, **rope)
+            k = ops.apply_rope(k, positions, **rope)
+
+        if cache is None:
+            out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                            q_positions=positions, k_positions=positions,
+                            q_segments=segment_ids, k_segments=segment_ids,
+                            window=self.sliding_window, impl=self.impl)
+        else:
+            if segment_ids is not None:
+                raise ValueError("segment_ids cannot be combined with a KV cache")
+            # The cache stores the chunk and attends over what it holds, in its own layout.
+            out, cache = cache.attend(layer, q, k, v, positions, window=self.sliding_window,
+                                      impl=self.impl)
+        return dense(out.astype(self.dtype), wo, "BTNH,NHD->BTD", out_first=self.out_first), cache
+
+
+class MLP(nn.Module):
+    """Feed-forward network: ``gate`` and ``up`` [D, F] (gated kinds), ``down`` [F, D]; each
+    stored [out, in] with ``out_first`` (see ``matrix``)."""
+
+    d_ff: int
+    kind: str = "swiglu"
+    init_std: float = 0.02
+    out_init_std: float = 0.02
+    out_first: bool = False
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """[B, T, D] -> [B, T, D]."""
+        d = x.shape[-1]
+        fn, gated = ops.FFN_FUNCTIONS[self.kind]
+
+        def param(name, shape, axes, std):
+            return matrix(self, name, shape, axes, _normal(std), out_first=self.out_first,
+                          param_dtype=self.param_dtype).astype(self.dtype)
+
+        def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+            return dense(x, w, spec, out_first=self.out_first)
+
+        up = param("up", (d, self.d_ff), ("embed", "mlp"), self.init_std)
+        down = param("down", (self.d_ff, d), ("mlp", "embed"), self.out_init_std)
+        if gated:
+            gate = param("gate", (d, self.d_ff), ("embed", "mlp"), self.init_std)
+            return fn(x, gate, up, down, matmul=matmul)
+        return fn(x, up, down, matmul=matmul)
+
+
+class Block(nn.Module):
+    """One Transformer layer: attention then FFN, each in a residual branch.
+
+    Pre-norm (default): ``x + f(norm(x))``; post-norm (original Transformer):
+    ``norm(x + f(x))``.
+
+    ``weights_out_first``: every matrix is stored output axes first (``matrix``), the layout
+    ``decode.prepare`` gives the weights on CPU.
+
+    With ``tensor_axis`` the block runs inside ``shard_map`` on one shard of a Megatron split:
+    its config counts this shard's heads, kv heads and FFN units (``shard_config``), and each
+    branch's output (a partial sum over the shard's heads or units) is summed over the axis.
+    """
+
+    config: ModelConfig
+    tensor_axis: str | None = None
+    weights_out_first: bool = False
+
+    @nn.compact
+    def __call__(self, carry: Carry, positions: jax.Array, layer: int | jax.Array = 0,
+                 segment_ids: jax.Array | None = None) -> tuple[Carry, None]:
+        """([B, T, D], cache) -> (([B, T, D], updated cache), None).
+
+        The (carry, ...) -> (carry, None) form is ``nn.scan``'s; the unrolled model calls the
+        same block with a Python int ``layer``.
+        """
+        x, cache = carry
+        # The residual stream's only sharding annotation: under a mesh's logical-axis rules it
+        # keeps activations split over the batch axes (so FSDP gathers weights, not
+        # activations); without rules in scope it is a no-op.
+        x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+        c = self.config
+        dtypes = dict(dtype=c.jnp_dtype, param_dtype=c.jnp_param_dtype)
+        # Residual-branch outputs start smaller so the stream's variance does not grow with
+        # depth (GPT-2's scaled initialisation).
+        out_std = c.init_std / (2 * c.n_layers) ** 0.5
+        norm_kw = dict(kind=c.norm, eps=c.norm_eps, param_dtype=c.jnp_param_dtype)
+        attn = Attention(
+            n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+            qkv_bias=c.qkv_bias, use_rope=c.position == "rope", rope_base=c.rope_base,
+            rope_pairing=c.rope_pairing, rope_scaling=c.rope_scaling,
+            sliding_window=c.sliding_window, impl=c.attention_impl, init_std=c.init_std,
+            out_init_std=out_std, out_first=self.weights_out_first, name="attn", **dtypes)
+        mlp = MLP(d_ff=c.d_ff, kind=c.ffn, init_std=c.init_std, out_init_std=out_std,
+                  out_first=self.weights_out_first, name="mlp", **dtypes)
+        attn_norm = Norm(name="attn_norm", **norm_kw)
+        mlp_norm = Norm(name="mlp_norm", **norm_kw)
+
+        def total(y: jax.Array) -> jax.Array:
+            return y if self.tensor_axis is None else jax.lax.psum(y, self.tensor_axis)
+
+        if c.norm_position == "pre":
+            y, cache = attn(attn_norm(x), positions, cache, layer, segment_ids)
+            x = x + total(y)
+            x = x + total(mlp(mlp_norm(x)))
+        else:
+            y, cache = attn(x, positions, cache, layer, segment_ids)
+            x = attn_norm(x + total(y))
+            x = mlp_norm(x + total(mlp(x)))
+        return (x, cache), None
+
+
+def shard_config(config: ModelConfig, shards: int, *, vocab: bool) -> ModelConfig:
+    """The config one shard of a T-way tensor split sees: N/T heads, K/T kv heads, F/T FFN
+    units (and V/T vocabulary rows with ``vocab``), the head size unchanged.
+
+    Contiguous blocks of heads keep the grouping: query head r of shard i is global head
+    i * N/T + r, whose kv head i * K/T + floor(r / G) is this shard's kv head floor(r / G).
+    """
+    c = config
+    for name, value in (("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads), ("d_ff", c.d_ff),
+                        *((("vocab_size", c.vocab_size),) if vocab else ())):
+        if value % shards:
+            raise ValueError(f"{name}={value} does not split over {shards} shards")
+    return c.replace(n_heads=c.n_heads // shards, n_kv_heads=c.n_kv_heads // shards,
+                     head_dim=c.head_dim, d_ff=c.d_ff // shards,
+                     vocab_size=c.vocab_size // shards if vocab else c.vocab_size)

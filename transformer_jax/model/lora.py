@@ -1,0 +1,413 @@
+"""LoRA: low-rank adapters on the attention and MLP matrices, as pure functions over param trees.
+
+A target matrix W (stored [in..., out...], e.g. ``q_proj`` [D, N, H]) gets two factors
+A [in..., R] and B [R, out...] and is used as ``W + (alpha / R) * A @ B``. A starts random and
+B at zero, so an initialised adapter leaves the model unchanged. Only A and B are trained; the
+base weights stay frozen (and may be stored in bfloat16, ``freeze_base``).
+
+Adapters mirror the param tree: ``adapters[block][module][name] = {"a": A, "b": B}``, e.g.
+``adapters["blocks_0"]["attn"]["q_proj"]["a"]``, or in the scanned layout ``adapters["blocks"]
+["attn"]["q_proj"]["a"]`` with a leading L axis. Shapes (R = rank, L = layers when scanned):
+
+  ====== ================= =============== ==============
+  target param             A               B
+  ====== ================= =============== ==============
+  q      attn/q_proj       [L?, D, R]      [L?, R, N, H]
+  k, v   attn/k_proj, ...  [L?, D, R]      [L?, R, K, H]
+  o      attn/o_proj       [L?, N, H, R]   [L?, R, D]
+  gate   mlp/gate, mlp/up  [L?, D, R]      [L?, R, F]
+  down   mlp/down          [L?, F, R]      [L?, R, D]
+  ====== ================= =============== ==============
+
+In a train step, differentiate with respect to the adapters only::
+
+    def loss_fn(adapters, base, batch):
+        params = lora.apply_adapters(base, adapters, lora_config)
+        logits = Transformer(config).apply({"params": params}, batch["inputs"]).logits
+        return cross_entropy(logits, batch["targets"])
+
+    grads = jax.grad(loss_fn)(adapters, base, batch)   # only adapter-sized
+
+or keep both in one tree ``{"base": base, "adapters": adapters}`` (the layout checkpoints of
+LoRA runs use, read by ``checkpoint.loading``) with ``model_params(tree, lora_config)`` in
+the loss and ``optimizer(tx)``, which updates and keeps moments for the adapters only.
+For export, ``merge`` folds the adapters into plain params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import string
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.layers import MATRIX_INPUT_AXES
+from transformer_jax.model.ops.quantized import is_quantized
+
+logger = logging.getLogger(__name__)
+
+Params = dict[str, Any]
+Adapters = dict[str, Any]
+
+#: Keys of a combined ``{"base": ..., "adapters": ...}`` tree.
+BASE = "base"
+ADAPTERS = "adapters"
+
+#: Target name -> (module, param) inside each block.
+TARGETS: dict[str, tuple[str, str]] = {
+    "q": ("attn", "q_proj"),
+    "k": ("attn", "k_proj"),
+    "v": ("attn", "v_proj"),
+    "o": ("attn", "o_proj"),
+    "gate": ("mlp", "gate"),
+    "up": ("mlp", "up"),
+    "down": ("mlp", "down"),
+}
+
+
+def _input_axes(target: str) -> int:
+    """How many leading (input) axes the target's matrix has; the rest are output axes."""
+    return MATRIX_INPUT_AXES[TARGETS[target][1]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Which matrices get adapters, and their rank and scale.
+
+    Attributes:
+      rank: R, the inner dimension of A [in, R] and B [R, out].
+      alpha: the update is scaled by ``alpha / rank``.
+      targets: names from ``q, k, v, o, gate, up, down`` (a list or tuple; a comma-separated
+        string is accepted too).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = tuple(TARGETS)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise ValueError(f"lora rank must be a positive int, got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not (
+                self.alpha > 0):
+            raise ValueError(f"lora alpha must be a positive number, got {self.alpha!r}")
+        targets = self.targets
+        if isinstance(targets, str):
+            targets = [t.strip() for t in targets.split(",") if t.strip()]
+        targets = tuple(targets)
+        if not targets:
+            raise ValueError(f"lora targets must name at least one of {list(TARGETS)}")
+        for name in targets:
+            if name not in TARGETS:
+                close = difflib.get_close_matches(str(name), list(TARGETS), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"unknown lora target {name!r}{hint} (targets: "
+                                 f"{', '.join(TARGETS)})")
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"lora targets repeat a name: {list(targets)}")
+        object.__setattr__(self, "targets", targets)
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``, the factor of ``A @ B``."""
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (a checkpoint's ``meta["lora"]``)."""
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> LoraConfig:
+        """From ``to_dict``'s output; unknown keys are an error."""
+        unknown = sorted(set(values) - {"rank", "alpha", "targets"})
+        if unknown:
+            raise ValueError(f"unknown lora settings {unknown}; expected rank, alpha, targets")
+        return cls(**values)
+
+
+def _blocks(params: Mapping[str, Any]) -> list[tuple[str, bool]]:
+    """(block key, stacked) of every block in the tree: ``blocks`` (scanned) or ``blocks_{i}``."""
+    keys = [(k, k == "blocks") for k in params if k == "blocks" or k.startswith("blocks_")]
+    if not keys:
+        raise ValueError(f"params have no blocks ('blocks' or 'blocks_{{i}}'): keys "
+                         f"{sorted(params)}")
+    return sorted(keys, key=lambda kv: (len(kv[0]), kv[0]))
+
+
+def _target_param(params: Mapping[str, Any], block: str, target: str) -> Any:
+    module, name = TARGETS[target]
+    try:
+        return params[block][module][name]
+    except (KeyError, TypeError):
+        raise ValueError(f"params lack {block}/{module}/{name} for lora target {target!r}"
+                         ) from None
+
+
+def init_adapters(config: ModelConfig, lora_config: LoraConfig, params: Params,
+                  key: jax.Array, dtype: Any = jnp.float32) -> Adapters:
+    """Adapters for every target matrix of ``params``: A ~ N(0, 1/fan_in), B = 0.
+
+    Args:
+      config: the model (checked against the params' layout).
+      lora_config: rank and targets.
+      params: the base params, unrolled or scanned; arrays or ``ShapeDtypeStruct``s (only the
+        shapes are read).
+      key: PRNG key for the A factors.
+      dtype: dtype of A and B (float32 by default, whatever the base's dtype).
+
+    Returns:
+      The adapter tree (see the module docstring for the layout and shapes).
+    """
+    blocks = _blocks(params)
+    if config.scan_layers != blocks[0][1]:
+        logger.info("params are %s while config.scan_layers=%s; following the params",
+                    "scanned" if blocks[0][1] else "unrolled", config.scan_layers)
+    r = lora_config.rank
+    entries = [(b, s, t) for b, s in blocks for t in lora_config.targets]
+    keys = jax.random.split(key, len(entries))
+    adapters: Adapters = {}
+    for (block, stacked, target), k in zip(entries, keys, strict=True):
+        shape = tuple(_target_param(params, block, target).shape)
+        lead, matrix = shape[:int(stacked)], shape[int(stacked):]
+        n_in = _input_axes(target)
+        fan_in = 1
+        for size in matrix[:n_in]:
+            fan_in *= size
+        a = jax.random.normal(k, (*lead, *matrix[:n_in], r), dtype) * fan_in ** -0.5
+        b = jnp.zeros((*lead, r, *matrix[n_in:]), dtype)
+        module, name = TARGETS[target]
+        adapters.setdefault(block, {}).setdefault(module, {})[name] = {"a": a, "b": b}
+    return adapters
+
+
+def delta(a: jax.Array, b: jax.Array, target: str, stacked: bool, scale: float) -> jax.Array:
+    """``scale * A @ B`` in float32, shaped like the target matrix.
+
+    Args:
+      a: [L?, in..., R].
+      b: [L?, R, out...].
+      target: the target name (gives the number of input axes).
+      stacked: whether a leading L axis is present.
+      scale: ``alpha / rank``.
+
+    Returns:
+      [L?, in..., out...] float32.
+    """
+    n_in = _input_axes(target)
+    n_out = b.ndim - 1 - int(stacked)
+    letters = iter(string.ascii_lowercase.replace("r", "").replace("l", ""))
+    ins = "".join(next(letters) for _ in range(n_in))
+    outs = "".join(next(letters) for _ in range(n_out))
+    lead = "l" if stacked else ""
+    spec = f"{lead}{ins}r,{lead}r{outs}->{lead}{ins}{outs}"
+    return scale * jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32),
+                              preferred_element_type=jnp.float32)
+
+
+def _adapted(params: Params, adapters: Adapters, lora_config: LoraConfig,
+             dtype_of: Any) -> Params:
+    out = dict(params)
+    for block, stacked in _blocks(params):
+        if block not in adapters:
+            raise ValueError(f"adapters lack block {block!r} (they have {sorted(adapters)})")
+        out[block] = {m: dict(v) if isinstance(v, Mapping) else v
+                      for m, v in params[block].items()}
+        for target in lora_config.targets:
+            module, name = TARGETS[target]
+            w = _target_param(params, block, target)
+            try:
+                ab = adapters[block][module][name]
+            except (KeyError, TypeError):
+                raise ValueError(f"adapters lack {block}/{module}/{name} (lora target "
+                                 f"{target!r})") from None
+            d = delta(ab["a"], ab["b"], target, stacked, lora_config.scale)
+            if d.shape != w.shape:
+                raise ValueError(f"adapter {block}/{module}/{name} gives shape {d.shape}, the "
+                                 f"param has {w.shape}")
+            out[block][module][name] = (w.astype(jnp.float32) + d).astype(dtype_of(w, ab))
+    return out
+
+
+def apply_adapters(params: Params, adapters: Adapters, lora_config: LoraConfig) -> Params:
+    """The params the model runs with: ``W + (alpha/R) * A @ B`` for every target (pure).
+
+    Differentiable in both arguments; use it inside the loss so that gradients reach the
+    adapters. An adapted matrix gets the wider of the base's and the adapters' dtypes, so a
+    bfloat16 base with float32 adapters yields float32 matrices (the update is not rounded
+    away); the other params are returned as they are.
+
+    Args:
+      params: base params (unrolled or scanned).
+      adapters: from ``init_adapters`` (same layout).
+      lora_config: rank, alpha, targets.
+
+    Returns:
+      A param tree for ``Transformer(config).apply({"params": ...})``.
+    """
+    return _adapted(params, adapters, lora_config,
+                    lambda w, ab: jnp.promote_types(w.dtype, ab["a"].dtype))
+
+
+def merge(params: Params, adapters: Adapters, lora_config: LoraConfig,
+          dtype: Any = None) -> Params:
+    """Folds the adapters into the weights, for export: plain params of the base's structure.
+
+    Args:
+      params: base params.
+      adapters: trained adapters.
+      lora_config: rank, alpha, targets.
+      dtype: dtype of the merged matrices; None keeps each base matrix's dtype. The sum is
+        computed in float32 either way.
+
+    Returns:
+      Params equal to ``apply_adapters``'s (up to the final cast).
+    """
+    return _adapted(params, adapters, lora_config,
+                    lambda w, ab: w.dtype if dtype is None else jnp.dtype(dtype))
+
+
+def check_base_quant(base_quant: str, rank: int, base_dtype: str) -> None:
+    """Raises ValueError for a ``train.lora_base_quant`` (QLoRA) that cannot apply: without
+    adapters, beside ``lora_base_dtype``, or not int8/int4/nf4 (``quant.parse_quant``)."""
+    if not base_quant:
+        return
+    if rank == 0:
+        raise ValueError(f"lora_base_quant={base_quant!r} quantises a LoRA base: set "
+                         "lora_rank > 0")
+    if base_dtype:
+        raise ValueError("lora_base_quant and lora_base_dtype both store the base: set one")
+    if base_quant.partition(":")[0] not in ("int8", "int4", "nf4"):
+        raise ValueError(f"lora_base_quant must be int8, int4, nf4 (int4:G, nf4:G) or empty, "
+                         f"got {base_quant!r}")
+
+
+def freeze_base(params: Params, dtype: Any = jnp.bfloat16) -> Params:
+    """The base params cast to ``dtype`` (floating leaves only), to store them smaller.
+
+    Args:
+      params: base params.
+      dtype: e.g. ``jnp.bfloat16``.
+
+    Returns:
+      The same tree with floating-point leaves in ``dtype``.
+    """
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def model_params(tree: Mapping[str, Any], lora_config: LoraConfig) -> Params:
+    """``apply_adapters`` of a combined ``{"base": ..., "adapters": ...}`` tree.
+
+    The base goes through ``stop_gradient``, so its gradient is zero and never computed.
+    """
+    return apply_adapters(jax.lax.stop_gradient(tree[BASE]), tree[ADAPTERS], lora_config)
+
+
+def trainable_mask(tree: Mapping[str, Any]) -> Any:
+    """True for the leaves under ``"adapters"`` of a combined tree, False for the rest."""
+    return {k: jax.tree.map(lambda _, k=k: k == ADAPTERS, v) for k, v in tree.items()}
+
+
+def optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` on the adapters of a combined ``{"base", "adapters"}`` tree; the base never moves.
+
+    Built with ``optax.multi_transform``: the base gets ``set_to_zero`` (zero updates, no
+    state), so the optimizer state holds moments for the adapters only.
+
+    Args:
+      tx: the optimizer of the adapters (e.g. ``optim.make_optimizer(train_config)``).
+
+    Returns:
+      A transformation to ``init`` on the combined tree.
+    """
+    def labels(tree: Mapping[str, Any]) -> Any:
+        mask = trainable_mask(tree)
+        return jax.tree.map(lambda trainable: "train" if trainable else "frozen", mask)
+
+    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
+
+
+def adapter_shardings(adapters: Adapters, params_shardings: Any) -> Any:
+    """Shardings of the adapters that follow their target matrices' (``param_shardings``).
+
+    A [L?, in..., R] takes the target's sharding of its input axes and B [L?, R, out...] that of
+    its output axes; R stays whole. So under FSDP/tensor rules the factors split like the
+    matrix they adapt, and ``A @ B`` needs no more communication than the matrix itself.
+
+    Args:
+      adapters: from ``init_adapters`` (arrays or ``ShapeDtypeStruct``s).
+      params_shardings: ``sharding.param_shardings(config, mesh)`` of the base params.
+
+    Returns:
+      A tree like ``adapters`` with a ``NamedSharding`` per leaf.
+    """
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    out: dict[str, Any] = {}
+    for block, modules in adapters.items():
+        stacked = block == "blocks"
+        for module, names in modules.items():
+            for name, ab in names.items():
+                target = next(t for t, path in TARGETS.items() if path == (module, name))
+                w = params_shardings[block][module][name]
+                ndim = ab["a"].ndim + ab["b"].ndim - 2 - int(stacked)  # the target's rank
+                spec = tuple(w.spec) + (None,) * (ndim - len(w.spec))
+                lead, matrix = spec[:int(stacked)], spec[int(stacked):]
+                n_in = _input_axes(target)
+                out.setdefault(block, {}).setdefault(module, {})[name] = {
+                    "a": NamedSharding(w.mesh, P(*lead, *matrix[:n_in], None)),
+                    "b": NamedSharding(w.mesh, P(*lead, None, *matrix[n_in:]))}
+    return out
+
+
+def adapter_count(adapters: Adapters) -> int:
+    """Number of trainable adapter parameters."""
+    return sum(int(x.size) for x in jax.tree.leaves(adapters))
+
+
+def parse_targets(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``"q,k,v"`` or a list -> validated target names (as ``LoraConfig`` checks them)."""
+    return LoraConfig(targets=text).targets  # type: ignore[arg-type]
+
+
+__all__ = ["ADAPTERS", "BASE", "TARGETS", "LoraConfig", "adapter_count", "adapter_shardings",
+           "apply_adapters",
+           "delta", "freeze_base", "init_adapters", "merge", "model_params", "optimizer",
+           "parse_targets", "trainable_mask"]
+
+
+def merge_checkpoint_params(params: Any, meta: Mapping[str, Any], where: Any,
+                            dtype: Any = None) -> Any:
+    """The model's parameters from a training checkpoint's params: merged when it holds
+    ``{"base", "adapters"}`` with ``meta["lora"]`` (a LoRA run), as they are otherwise.
+
+    Raises:
+      ValueError: ``meta["lora"]`` without a base/adapters tree, or the reverse (naming
+        ``where``, the checkpoint directory).
+    """
+    is_lora_tree = isinstance(params, Mapping) and set(params) == {BASE, ADAPTERS}
+    if not meta.get("lora"):
+        if is_lora_tree:
+            raise ValueError(f"checkpoint in {where} holds base and adapters but no "
+                             "meta['lora'] (rank, alpha, targets) to merge them with")
+        return params
+    if not is_lora_tree:
+        raise ValueError(f"checkpoint in {where} has meta['lora'] but its params are not "
+                         f"{{'{BASE}', '{ADAPTERS}'}} (got {sorted(params)})")
+    lora_config = LoraConfig.from_dict(meta["lora"])
+    logger.info("merging LoRA adapters (rank %d, alpha %g, targets %s)", lora_config.rank,
+                lora_config.alpha, ",".join(lora_config.targets))
+    base = params[BASE]
+    if any(is_quantized(x) for x in jax.tree.leaves(base, is_leaf=is_quantized)):
+        from transformer_jax.model.quant import dequantize_params  # a QLoRA run's quantised base
+
+        base = dequantize_params(base)
+    return merge(base, params[ADAPTERS], lora_config, dtype=dtype)

@@ -1,0 +1,351 @@
+"""Scaled dot-product attention: masks given as structure (positions, segments, window).
+
+Layout: queries ``q`` are [B, T, N, H]; keys and values ``k``, ``v`` are [B, K, S, H], the KV
+cache's layout (one row per sequence and kv head). Query head r reads kv head
+``group(r) = floor(r / G)`` with G = N / K: the queries are viewed as [B, K, G, T, H] (or
+[B, T, K, G, H]), so K/V heads are never repeated in memory. MHA is K = N, MQA is K = 1.
+
+Which keys a query sees is given by structure, not by a dense mask: a query at position m sees a
+key at position n iff ``n <= m`` (when causal), ``n > m - window`` (with a sliding window), and both
+are in the same non-zero segment (packed sequences; segment 0 is padding). A query with no visible
+key returns exactly zeros.
+
+``attention(..., impl=...)`` is the entry point:
+
+- ``"xla"``: the einsum reference (``reference_attention`` over the dense mask of
+  ``attention_mask``); it materialises [B, N, T, S] float32 logits and is the definition every
+  other implementation is tested against.
+- ``"chunked"``: ``chunked_attention`` (``ops/chunked_attention.py``), blockwise over queries and
+  keys with an online softmax and a hand-written backward pass; memory linear in the context on
+  every backend, CPU included.
+- ``"cudnn"``: cuDNN's fused kernel through ``jax.nn.dot_product_attention`` (GPU).
+- ``"mosaic"``: tokamax's Pallas flash attention (Mosaic TPU on TPU v5+, Mosaic GPU on Hopper or
+  newer), over the dense [B, T, S] bool mask.
+- ``"pallas"``: on TPU, JAX's Pallas TPU flash attention (segment ids natively, causal by index:
+  needs T == S and no window); on GPU, tokamax's Triton flash attention over the dense mask.
+- ``"auto"``: the best of these for the backend and shape (see ``choose_impl``).
+
+``dot_product_attention`` is the previous entry point (dense mask, k/v in [B, S, K, H]); it is
+kept as a thin wrapper until its callers move to ``attention``.
+"""
+
+import logging
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.model.config import ATTENTION_IMPLS
+from transformer_jax.model.ops.chunked_attention import check_qkv as _check_qkv
+from transformer_jax.model.ops.chunked_attention import check_structure as _check_structure
+from transformer_jax.model.ops.chunked_attention import chunked_attention
+from transformer_jax.model.ops.chunked_attention import einsum_f32 as _dot
+
+logger = logging.getLogger(__name__)
+
+
+# Masked logits get this value rather than -inf, so that a row with no visible key stays finite.
+_MASK_VALUE = float(jnp.finfo(jnp.float32).min)
+
+# Backends (``jax.default_backend()``) each accelerator implementation can run on.
+_IMPL_BACKENDS = {"cudnn": ("gpu", "cuda"), "pallas": ("tpu", "gpu", "cuda"),
+                  "mosaic": ("tpu", "gpu", "cuda")}
+
+# "auto" on CPU switches from the einsum reference to the chunked path once the reference's float32
+# logits [B, N, T, S] reach 2^23 elements (32 MiB; its backward keeps about three arrays that big:
+# logits, probabilities, their cotangent). Measured here (2 CPU cores, forward + backward, causal,
+# N = 8, H = 64): at 4M elements (B = 2, T = S = 512) the reference was faster (150 vs 240 ms); at
+# 8M (T = S = 1024) the chunked path took half the time (200 vs 410 ms, it skips the blocks above
+# the diagonal) and at 32M 0.6 vs 1.6 s. Decode steps (T = 1) stay on the reference, which was
+# faster there (92 vs 136 ms at B = 8, S = 32768), until their [B, N, 1, S] logits pass 8M.
+_AUTO_CHUNKED_MIN_LOGITS = 2 ** 23
+
+_logged_choices: set[tuple[str, str]] = set()
+
+
+# Masks -------------------------------------------------------------------------------------------
+
+def attention_mask(q_positions: jax.Array, k_positions: jax.Array, *,
+                   q_segments: jax.Array | None = None,
+                   k_segments: jax.Array | None = None,
+                   k_valid: jax.Array | None = None,
+                   window: int | None = None,
+                   causal: bool = True) -> jax.Array:
+    """Boolean mask of which keys each query may attend to.
+
+    A query at position m sees a key at position n iff ``n <= m`` (when ``causal``), both belong
+    to the same segment (packed sequences; segment 0 means padding and sees nothing), the key is
+    valid, and (with a sliding window) it is among the last ``window`` positions (``n > m -
+    window``).
+
+    Args:
+      q_positions: [B, T] integer positions of the queries.
+      k_positions: [B, S] integer positions of the keys.
+      q_segments: optional [B, T] segment ids of the queries (0 = padding).
+      k_segments: optional [B, S] segment ids of the keys (0 = padding).
+      k_valid: optional [B, S] bool, False for keys that must never be seen.
+      window: optional sliding window: a query at m sees only keys with ``n > m - window``.
+      causal: whether a query sees only keys at positions ``n <= m``.
+
+    Returns:
+      [B, T, S] bool.
+    """
+    chex.assert_rank([q_positions, k_positions], 2)
+    qp, kp = q_positions[:, :, None], k_positions[:, None, :]
+    mask = jnp.ones((qp.shape[0], qp.shape[1], kp.shape[2]), bool)
+    if causal:
+        mask &= kp <= qp
+    if window is not None:
+        mask &= kp > qp - window
+    if (q_segments is None) != (k_segments is None):
+        raise ValueError("q_segments and k_segments must be given together")
+    if q_segments is not None:
+        mask &= q_segments[:, :, None] == k_segments[:, None, :]
+        mask &= (q_segments != 0)[:, :, None]
+    if k_valid is not None:
+        mask &= k_valid[:, None, :]
+    return mask
+
+
+# Reference ---------------------------------------------------------------------------------------
+
+def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None,
+                      scale: float | None = None, *, keys_transposed: bool = False) -> jax.Array:
+    """Softmax attention probabilities, grouped over kv heads.
+
+    Args:
+      q: [B, T, N, H] queries.
+      k: [B, K, S, H] keys, N a multiple of K ([B, K, H, S] with ``keys_transposed``).
+      mask: optional [B, T, S] bool (True = visible).
+      scale: logit scale, default ``1/sqrt(H)`` (keeps the logits' variance near 1).
+      keys_transposed: the keys are stored [H, S] per row (see ``kv_cache``).
+
+    Returns:
+      [B, N, T, S] float32 probabilities: each row sums to 1 over the visible keys and is 0 on
+      masked keys; a row with no visible key is all zeros.
+    """
+    # One batch dimension R = B * K (a row per sequence and kv head, [G * T, H] queries each):
+    # XLA:CPU ran the same contraction with two batch dimensions (B, K) several times slower
+    # (decode_25m, batch 8, 1024 slots: 77 against 25 ms per decode step).
+    if keys_transposed:
+        logits_spec = "RQH,RHS->RQS"
+        k_rows = k.swapaxes(2, 3)  # for the shape checks only
+    else:
+        logits_spec, k_rows = "RQH,RSH->RQS", k
+    _check_qkv(q, k_rows, k_rows, mask)
+    b, t, n, h = q.shape
+    kv, s = k_rows.shape[1], k_rows.shape[2]
+    g = n // kv
+    scale = h ** -0.5 if scale is None else scale
+    qg = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, h)
+    logits = _dot(logits_spec, qg, k.reshape(b * kv, *k.shape[2:])) * scale
+    logits = logits.reshape(b, kv, g, t, s)
+    if mask is not None:
+        logits = jnp.where(mask[:, None, None], logits, _MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if mask is not None:
+        probs = jnp.where(mask[:, None, None], probs, 0.0)
+    return probs.reshape(b, n, t, s)
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
+                        scale: float | None = None, *, keys_transposed: bool = False
+                        ) -> jax.Array:
+    """Attention written out with einsums: ``softmax(q k^T * scale + mask) v``.
+
+    Args:
+      q: [B, T, N, H] queries.
+      k: [B, K, S, H] keys ([B, K, H, S] with ``keys_transposed``).
+      v: [B, K, S, H] values.
+      mask: optional [B, T, S] bool (True = visible).
+      scale: logit scale, default ``1/sqrt(H)``.
+      keys_transposed: the keys are stored [H, S] per row (see ``kv_cache``).
+
+    Returns:
+      [B, T, N, H] in q's dtype.
+    """
+    _check_qkv(q, v, v, mask)
+    b, t, n, h = q.shape
+    kv, s = v.shape[1], v.shape[2]
+    probs = attention_weights(q, k, mask, scale, keys_transposed=keys_transposed).reshape(
+        b, kv, n // kv, t, s)
+    out = _dot("RQS,RSH->RQH", probs.astype(v.dtype).reshape(b * kv, n // kv * t, s),
+               v.reshape(b * kv, s, h))
+    out = out.reshape(b, kv, n // kv, t, h).transpose(0, 3, 1, 2, 4)
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+# Entry point -------------------------------------------------------------------------------------
+
+def _check_backend(impl: str) -> None:
+    backend = jax.default_backend()
+    if backend not in _IMPL_BACKENDS[impl]:
+        raise ValueError(f"attention impl {impl!r} cannot run on backend {backend!r}; it needs "
+                         f"one of {_IMPL_BACKENDS[impl]}. Use impl='auto', 'xla' or 'chunked'.")
+
+
+def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None) -> str:
+    """The implementation ``impl="auto"`` runs for these shapes on ``backend``.
+
+    - CPU (and anything unknown): ``"xla"`` while the [B, N, T, S] float32 logits stay under
+      ``_AUTO_CHUNKED_MIN_LOGITS`` elements, ``"chunked"`` above.
+    - GPU: ``"cudnn"`` for float16/bfloat16 with H a multiple of 8 up to 128 (what cuDNN's
+      fused flash attention accepts), else as on CPU.
+    - TPU: ``"mosaic"`` (tokamax's Pallas flash attention) when T and S are multiples of 128,
+      the kernel's block granularity; else as on CPU.
+
+    Args:
+      q: [B, T, N, H] queries (only shape and dtype are read).
+      k: [B, K, S, H] keys.
+      backend: default ``jax.default_backend()``.
+
+    Returns:
+      One of ``ATTENTION_IMPLS`` other than ``"auto"``.
+    """
+    backend = jax.default_backend() if backend is None else backend
+    b, t, n, h = q.shape
+    s = k.shape[2]
+    if backend in ("gpu", "cuda") and q.dtype in (jnp.bfloat16, jnp.float16) and h % 8 == 0 \
+            and h <= 128:
+        return "cudnn"
+    if backend == "tpu" and t % 128 == 0 and s % 128 == 0:
+        return "mosaic"
+    if not all(isinstance(dim, int) for dim in (b, n, t, s)):
+        # Symbolic shapes (jax.export): the size test cannot be decided at trace time, and the
+        # reference handles every shape.
+        return "xla"
+    return "chunked" if b * n * t * s >= _AUTO_CHUNKED_MIN_LOGITS else "xla"
+
+
+def _kernel_attention(impl, q, k, v, mask, scale):
+    """The library kernels, over a dense [B, T, S] mask; k/v go to their [B, S, K, H] layout."""
+    kt, vt = k.swapaxes(1, 2), v.swapaxes(1, 2)
+    if impl == "cudnn":
+        out = jax.nn.dot_product_attention(q, kt, vt, mask=mask[:, None], scale=scale,
+                                           implementation="cudnn")
+    else:
+        import tokamax  # noqa: PLC0415 - heavy import, only for the kernel paths
+
+        gpu = jax.default_backend() in ("gpu", "cuda")
+        name = "triton" if impl == "pallas" and gpu else "mosaic"
+        out = tokamax.dot_product_attention(q, kt, vt, mask=mask[:, None], scale=scale,
+                                            implementation=name)
+    # The kernels leave a row with no visible key undefined (uniform or NaN); define it as zero.
+    return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, 0).astype(q.dtype)
+
+
+def _pallas_tpu_attention(q, k, v, q_segments, k_segments, *, causal, scale):
+    """JAX's Pallas TPU flash attention (``jax.experimental.pallas.ops.tpu.flash_attention``).
+
+    It takes segment ids natively but decides causality by index, not position, and has no
+    window: callers ensure T == S with positions ascending by one within each segment (training
+    and prefill from an empty cache). It wants equal head counts, so K/V heads are repeated G
+    times (a linear-memory copy); its layout is [B, N, T, H].
+    """
+    from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash  # noqa: PLC0415
+
+    g = q.shape[2] // k.shape[1]
+    segment_ids = None if q_segments is None else tpu_flash.SegmentIds(
+        q_segments.astype(jnp.int32), k_segments.astype(jnp.int32))
+    out = tpu_flash.flash_attention(
+        q.swapaxes(1, 2), jnp.repeat(k, g, axis=1), jnp.repeat(v, g, axis=1),
+        segment_ids=segment_ids, causal=causal,
+        sm_scale=q.shape[-1] ** -0.5 if scale is None else scale).swapaxes(1, 2)
+    if q_segments is not None:  # the kernel lets padding (segment 0) attend to padding
+        out = jnp.where((q_segments != 0)[:, :, None, None], out, 0)
+    return out.astype(q.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
+              k_positions: jax.Array | None = None, q_segments: jax.Array | None = None,
+              k_segments: jax.Array | None = None, window: int | None = None,
+              causal: bool = True, scale: float | None = None, impl: str = "auto",
+              keys_transposed: bool = False) -> jax.Array:
+    """Scaled dot-product attention with grouped kv heads and a structural mask.
+
+    A query at position m sees a key at position n iff ``(not causal or n <= m)`` and ``(window
+    is None or n > m - window)`` and (with segments) ``q_seg == k_seg != 0``.
+
+    Args:
+      q: [B, T, N, H] queries.
+      k: [B, K, S, H] keys (the KV cache layout), N a multiple of K.
+      v: [B, K, S, H] values.
+      q_positions: [B, T] int positions of the queries.
+      k_positions: optional [B, S] int positions of the keys; default ``arange(S)`` in every row
+        (KV cache slot s holds position s).
+      q_segments, k_segments: optional [B, T], [B, S] segment ids of packed sequences (0 =
+        padding, sees nothing); given together.
+      window: optional sliding window length.
+      causal: whether queries see only keys at earlier or equal positions.
+      scale: logit scale, default ``1/sqrt(H)``.
+      impl: one of ``ATTENTION_IMPLS`` (see the module docstring). The accelerator kernels raise
+        ``ValueError`` on a backend that cannot run them rather than falling back.
+      keys_transposed: k is [B, K, H, S] (a CPU cache layout, see ``kv_cache``): the reference
+        reads it as it is; the other implementations take a transposed copy first.
+
+    Returns:
+      [B, T, N, H] in q's dtype; exactly zero for a query with no visible key.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if keys_transposed and impl != "xla" and (impl != "auto" or choose_impl(q, v) != "xla"):
+        k, keys_transposed = k.swapaxes(2, 3), False
+    if impl == "auto":
+        impl = choose_impl(q, v)
+        key = (jax.default_backend(), impl)
+        if key not in _logged_choices:
+            _logged_choices.add(key)
+            logger.info("attention impl='auto' picked %r on backend %r (first seen at q %s, "
+                        "k %s, %s)", impl, key[0], q.shape, k.shape, q.dtype)
+    if impl in _IMPL_BACKENDS:
+        _check_backend(impl)
+    if impl == "chunked":
+        return chunked_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,
+                                 q_segments=q_segments, k_segments=k_segments, window=window,
+                                 causal=causal, scale=scale)
+    q_positions, k_positions = _check_structure(q, v, v, q_positions, k_positions, q_segments,
+                                                k_segments)
+    if impl == "pallas" and jax.default_backend() == "tpu":
+        if window is not None or q.shape[1] != k.shape[2]:
+            raise ValueError("impl='pallas' on TPU (index-causal flash attention) needs T == S "
+                             "and no window; use impl='mosaic' or 'chunked'")
+        return _pallas_tpu_attention(q, k, v, q_segments, k_segments, causal=causal, scale=scale)
+    mask = attention_mask(q_positions, k_positions, q_segments=q_segments, k_segments=k_segments,
+                          window=window, causal=causal)
+    if impl == "xla":
+        return reference_attention(q, k, v, mask, scale, keys_transposed=keys_transposed)
+    return _kernel_attention(impl, q, k, v, mask, scale)
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
+                          *, scale: float | None = None, impl: str = "xla") -> jax.Array:
+    """Previous entry point, kept for existing callers: a dense mask and k/v in [B, S, K, H].
+
+    New code calls ``attention`` (k/v in [B, K, S, H], mask as structure).
+
+    Args:
+      q: [B, T, N, H] queries.
+      k: [B, S, K, H] keys, N a multiple of K.
+      v: [B, S, K, H] values.
+      mask: optional [B, T, S] bool (True = visible).
+      scale: logit scale, default ``1/sqrt(H)``.
+      impl: ``"xla"`` runs the einsum reference; ``"jax"`` calls ``jax.nn.dot_product_attention``
+        (XLA or, where supported, cuDNN). Both return zeros for a query with no visible key.
+
+    Returns:
+      [B, T, N, H] in q's dtype.
+    """
+    _check_qkv(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask)
+    if impl == "xla":
+        return reference_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask, scale)
+    if impl != "jax":
+        raise ValueError(f"impl must be 'xla' or 'jax', got {impl!r}")
+    out = jax.nn.dot_product_attention(
+        q, k, v, mask=None if mask is None else mask[:, None], scale=scale)
+    if mask is not None:
+        out = jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, 0)
+    return out.astype(q.dtype)
+
+
+__all__ = ["ATTENTION_IMPLS", "attention", "attention_mask", "attention_weights",
+           "choose_impl", "chunked_attention", "dot_product_attention", "reference_attention"]

@@ -1,0 +1,41 @@
+"""Token embedding lookup and the tied LM head (the transposed embedding)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.model.ops.quantized import einsum, take_rows
+
+
+def embed(tokens: jax.Array, table: jax.Array) -> jax.Array:
+    """Looks up token vectors: row ``tokens[b, t]`` of the table.
+
+    Args:
+      tokens: [B, T] integer token ids in [0, V).
+      table: [V, D] embedding matrix (or a quantised one, ``ops.quantized``).
+
+    Returns:
+      [B, T, D] in the table's dtype.
+    """
+    chex.assert_rank(tokens, 2)
+    chex.assert_equal(len(table.shape), 2)
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be integers, got {tokens.dtype}")
+    return take_rows(table, tokens)
+
+
+def tied_logits(x: jax.Array, table: jax.Array) -> jax.Array:
+    """LM head with weights tied to the embedding: ``logits = x @ table^T``.
+
+    Args:
+      x: [B, T, D] final hidden states.
+      table: [V, D] the token embedding matrix (or a quantised one).
+
+    Returns:
+      [B, T, V] float32 logits.
+    """
+    chex.assert_rank(x, 3)
+    chex.assert_equal(len(table.shape), 2)
+    chex.assert_equal(x.shape[-1], table.shape[-1])
+    return einsum("BTD,VD->BTV", x, table.astype(x.dtype),
+                      preferred_element_type=jnp.float32)

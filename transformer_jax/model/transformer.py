@@ -1,0 +1,237 @@
+"""The decoder-only Transformer: embed -> L blocks (unrolled or scanned) -> final norm -> logits.
+
+``Transformer(config).apply({"params": params}, tokens).logits`` are [B, T, V] float32 logits.
+Passing a ``KVCache`` also returns the cache (``Output.cache``) with the chunk's keys/values
+written in, which is all prefill and decode need: ``decode/loop.py`` runs this same forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax.model import ops
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.kv_cache import Cache
+from transformer_jax.model.layers import EMBEDDING_PARAM, Block, Embed, Norm, matrix
+from transformer_jax.model.ops.dense import dense
+
+Params = dict[str, Any]
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing inside a block: recompute it all in the backward pass
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@flax.struct.dataclass
+class Output:
+    """What the forward returns.
+
+    Attributes:
+      logits: [B, T, V] float32 next-token logits ([B, V] with ``logits_at``); None with
+        ``hidden_only``.
+      cache: the updated cache when one was given (lengths ``positions[:, -1] + 1``), else None.
+      hidden: the final-normed [B, T, D] hidden states with ``hidden_only``, else None.
+    """
+
+    logits: jax.Array | None = None
+    cache: Any = None
+    hidden: jax.Array | None = None
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model (LLaMA family; Mistral and Qwen2 by config).
+
+    The one forward of the library: training calls it on whole sequences, prefill on padded
+    prompts with an empty cache, and every decode step on one token per sequence with the cache
+    (``decode/loop.py``). The blocks are unrolled, or scanned with ``config.scan_layers`` (then the
+    program, and its compile time, do not grow with depth, decode included).
+
+    ``weights_out_first`` is the layout of the weights it is given, not of the model: every
+    matrix stored output axes first (``layers.matrix``), as ``decode.prepare`` lays them out on
+    CPU where that measured faster.
+
+    Tensor parallelism runs this same forward one of two ways. Under ``jit`` with a mesh and
+    the logical-axis rules in context (training), XLA partitions it from the parameters'
+    shardings. Inside ``shard_map`` (decode), each device runs it on its own block of every
+    matrix: ``config`` is then the shard's view (``layers.shard_config``), ``tensor_axis``
+    names the mesh axis the blocks' branch outputs are summed over, and with ``vocab_split``
+    the embedding rows and head columns are split too (the logits are gathered whole).
+    """
+
+    config: ModelConfig
+    tensor_axis: str | None = None
+    vocab_split: bool = False
+    weights_out_first: bool = False
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 cache: Cache | None = None, segment_ids: jax.Array | None = None,
+                 logits_at: jax.Array | None = None, hidden_only: bool = False) -> Output:
+        """Next-token logits for every position, or for one position per sequence.
+
+        Args:
+          tokens: [B, T] int token ids.
+          positions: [B, T] int positions; default ``arange(T)``, or with a cache
+            ``cache.lengths[:, None] + arange(T)`` (continue each sequence where it stopped).
+          cache: optional cache (``KVCache`` with S_max slots, or another ``Cache`` such as
+            ``serving.PagedKVCache``); the chunk's keys/values are written at
+            slots ``positions[:, 0] ..`` (which must stay below S_max), and queries attend to
+            every slot up to their position.
+          segment_ids: optional [B, T] ids of packed sequences (0 = padding), without a cache.
+          logits_at: optional [B] int index in [0, T) per sequence: the final norm and the LM
+            head run for that token only (a prompt's last real token in prefill), and the
+            logits are [B, V].
+          hidden_only: return the final-normed [B, T, D] hidden states instead of logits, for
+            a loss that applies the LM head itself in chunks (``ops.lm_loss``, with
+            ``lm_head``).
+
+        Returns:
+          An ``Output``: the logits (or hidden states) and the updated cache.
+        """
+        c = self.config
+        chex.assert_rank(tokens, 2)
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            if cache is not None:
+                positions = positions + cache.lengths[:, None]
+        chex.assert_shape(positions, (b, t))
+
+        vocab_axis = self.tensor_axis if self.vocab_split else None
+        embed = Embed(c.vocab_size, c.d_model, init_std=c.init_std, dtype=c.jnp_dtype,
+                      param_dtype=c.jnp_param_dtype, vocab_axis=vocab_axis, name="embed")
+        x = embed(tokens)
+        if c.position == "sinusoidal":
+            x = x + ops.sinusoidal_positions(positions, c.d_model).astype(x.dtype)
+
+        block_cls = Block
+        if c.remat != "none":
+            block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[c.remat],
+                                 prevent_cse=not c.scan_layers)
+        carry = (x, cache)
+        block_args = (c, self.tensor_axis, self.weights_out_first)
+        if c.scan_layers:
+            # The cache rides in the carry and each layer indexes it with its (traced) number,
+            # so XLA updates it in place rather than slicing and restacking it per layer.
+            blocks = nn.scan(
+                block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                in_axes=(nn.broadcast, 0, nn.broadcast), length=c.n_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"})(*block_args, name="blocks")
+            carry, _ = blocks(carry, positions, jnp.arange(c.n_layers), segment_ids)
+        else:
+            for i in range(c.n_layers):
+                carry, _ = block_cls(*block_args, name=f"blocks_{i}")(
+                    carry, positions, i, segment_ids)
+        x, cache = carry
+        if cache is not None:
+            cache = cache.replace(lengths=(positions[:, -1] + 1).astype(jnp.int32))
+
+        if logits_at is not None:
+            x = x[jnp.arange(b), logits_at][:, None]  # [B, 1, D]
+        x = Norm(kind=c.norm, eps=c.norm_eps, param_dtype=c.jnp_param_dtype,
+                 name="final_norm")(x)
+        head = embed.embedding if c.tie_embeddings else self._untied_head()
+        if hidden_only:
+            return Output(cache=cache, hidden=x)
+        table, layout = self.head_layout(head)
+        table = table.astype(c.jnp_dtype)
+        if layout == "VD" and not self.weights_out_first:  # a tied table, trained as stored
+            logits = ops.tied_logits(x, table)
+        else:
+            logits = dense(x, table, "BTD,DV->BTV", out_first=layout == "VD",
+                           preferred_element_type=jnp.float32)
+        if vocab_axis is not None:  # this shard's [.., V/T] block -> the whole [.., V]
+            logits = jax.lax.all_gather(logits, vocab_axis, axis=2, tiled=True)
+        if logits_at is not None:
+            logits = logits[:, 0]
+        return Output(logits=logits, cache=cache)
+
+    def _untied_head(self) -> jax.Array:
+        c = self.config
+        return matrix(self, "lm_head", (c.d_model, c.vocab_size), ("embed", "vocab"),
+                      nn.initializers.normal(c.init_std), out_first=self.weights_out_first,
+                      param_dtype=c.jnp_param_dtype)
+
+    def head_layout(self, head: jax.Array) -> tuple[jax.Array, str]:
+        """(the LM head's table, its layout ``"VD"`` or ``"DV"``) for its stored parameter:
+        the [V, D] token table when tied, else ``lm_head`` [D, V] ([V, D] out-first)."""
+        out_first = self.config.tie_embeddings or self.weights_out_first
+        return head, "VD" if out_first else "DV"
+
+    def lm_head(self, params: Params) -> tuple[jax.Array, str]:
+        """The LM head of ``params`` (this model's parameter tree) and its layout, as the
+        forward applies it to the final hidden states and a chunked loss reads it
+        (``ops.lm_loss``'s ``head_layout``)."""
+        key = (EMBED, EMBEDDING_PARAM) if self.config.tie_embeddings else ("lm_head",)
+        head = params
+        for k in key:
+            head = head[k]
+        return self.head_layout(head)
+
+
+EMBED = "embed"
+
+
+def _boxed_init(config: ModelConfig, rng: jax.Array, weights_out_first: bool = False) -> Params:
+    """The model's parameters with their logical-axis boxes, from an init on a short dummy batch.
+
+    The init runs attention on the reference: parameters do not depend on the implementation,
+    and the dummy forward should neither pick one (``"auto"`` would log its choice for the
+    dummy's shapes, not the run's) nor need a kernel the backend lacks (the real step reports
+    that).
+    """
+    tokens = jnp.zeros((1, min(8, config.max_seq_len)), jnp.int32)
+    model = Transformer(config.replace(attention_impl="xla"), weights_out_first=weights_out_first)
+    return model.init(rng, tokens)["params"]
+
+
+def init_params(config: ModelConfig, rng: jax.Array | int = 0) -> Params:
+    """Randomly initialised parameters (plain arrays, no partitioning boxes)."""
+    if isinstance(rng, int):
+        rng = jax.random.key(rng)
+    return nn.meta.unbox(_boxed_init(config, rng))
+
+
+def abstract_params(config: ModelConfig, weights_out_first: bool = False) -> Params:
+    """Parameter shapes and dtypes as ``jax.ShapeDtypeStruct``s, without allocating them
+    (matrices stored out-first with ``weights_out_first``, see ``layers.matrix``)."""
+    return nn.meta.unbox(jax.eval_shape(
+        lambda: _boxed_init(config, jax.random.key(0), weights_out_first)))
+
+
+def logical_axes(config: ModelConfig, weights_out_first: bool = False) -> Params:
+    """The logical axis names of every parameter, as a tree of ``PartitionSpec``s (in the
+    layout ``weights_out_first`` says)."""
+    return nn.get_partition_spec(jax.eval_shape(
+        lambda: _boxed_init(config, jax.random.key(0), weights_out_first)))
+
+
+def param_count(config: ModelConfig) -> int:
+    """Number of parameters, computed from shapes alone (``jax.eval_shape``)."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params(config)))
+
+
+def stack_blocks(params: Params, n_layers: int) -> Params:
+    """Unrolled layout (``blocks_0`` ..) -> scanned layout (``blocks`` with a leading L axis)."""
+    params = dict(params)
+    layers = [params.pop(f"blocks_{i}") for i in range(n_layers)]
+    params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    return params
+
+
+def unstack_blocks(params: Params) -> Params:
+    """Scanned layout (``blocks``, [L, ...]) -> unrolled layout (``blocks_0`` ..)."""
+    params = dict(params)
+    stacked = params.pop("blocks")
+    n_layers = jax.tree.leaves(stacked)[0].shape[0]
+    for i in range(n_layers):
+        params[f"blocks_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    return params

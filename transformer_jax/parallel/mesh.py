@@ -1,0 +1,166 @@
+"""The device mesh: its three axes (data, fsdp, tensor), their sizes, and the CPU devices a host
+is split into to simulate or to use every core (``parallel/sharding.py`` maps the model onto it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from transformer_jax.model.config import check_keys
+
+logger = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the ``data``, ``fsdp`` and ``tensor`` mesh axes.
+
+    One size may be -1, meaning "all the devices the others leave". The default is pure data
+    parallelism over every device, so the same config runs on 1 device and on a pod.
+
+    Attributes:
+      data: replicas that each hold whole (unsharded-by-fsdp) parameters.
+      fsdp: devices that split parameters and optimizer state along the embed axis.
+      tensor: devices that split heads, FFN width and vocab.
+    """
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        for name in MESH_AXES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or (
+                    value < 1 and value != -1):
+                raise ValueError(f"mesh.{name} must be a positive int or -1, got {value!r}")
+        if self.sizes.count(-1) > 1:
+            raise ValueError(f"at most one mesh axis may be -1, got {self.describe()}")
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) as configured, -1 included."""
+        return (self.data, self.fsdp, self.tensor)
+
+    def describe(self) -> str:
+        """``"data=2 x fsdp=-1 x tensor=2"``, for messages."""
+        return " x ".join(f"{n}={s}" for n, s in zip(MESH_AXES, self.sizes, strict=True))
+
+    def resolve(self, n_devices: int) -> tuple[int, int, int]:
+        """The concrete (data, fsdp, tensor) sizes for ``n_devices`` devices.
+
+        Raises:
+          ValueError: when the sizes do not multiply to ``n_devices`` (or, with a -1, the fixed
+            sizes do not divide it); the message names the mesh and the device count.
+        """
+        fixed = math.prod(s for s in self.sizes if s != -1)
+        if -1 in self.sizes:
+            if n_devices % fixed:
+                raise ValueError(
+                    f"mesh {self.describe()} does not fit {n_devices} devices: the fixed axes "
+                    f"need a multiple of {fixed} devices")
+            return tuple(n_devices // fixed if s == -1 else s for s in self.sizes)
+        if fixed != n_devices:
+            raise ValueError(
+                f"mesh {self.describe()} needs {fixed} devices but {n_devices} are available; "
+                "set one axis to -1 to take the rest")
+        return self.sizes
+
+    @classmethod
+    def parse(cls, text: str) -> MeshConfig:
+        """``"1,8,1"`` -> ``MeshConfig(data=1, fsdp=8, tensor=1)`` (-1 allowed)."""
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) != len(MESH_AXES):
+            raise ValueError(f"mesh {text!r} must be three comma-separated sizes data,fsdp,tensor")
+        try:
+            sizes = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"mesh {text!r} must be three integers data,fsdp,tensor") from None
+        return cls(*sizes)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> MeshConfig:
+        """From a ``[mesh]`` TOML table; unknown keys are an error naming close matches."""
+        check_keys(dict(values), cls, "mesh")
+        return cls(**values)
+
+
+def configure_cpu_devices(divides: int | None = None, devices: int = 0) -> int:
+    """Splits the host CPU into several XLA devices, one per core, to run a mesh across cores.
+
+    XLA:CPU runs the many small ops of a small model's step mostly on one thread; as separate
+    devices, the cores each run their part: training data parallel on their rows of the batch
+    (measured on 2 cores: about 2x the tokens/s of one device), decoding tensor parallel on
+    their heads (``decode``). Sets JAX's ``jax_num_cpu_devices`` unless the user chose a count
+    (that option, ``JAX_NUM_CPU_DEVICES`` or ``--xla_force_host_platform_device_count`` in
+    ``XLA_FLAGS``). Only possible before JAX creates its backends: afterwards (e.g. a second
+    call in one process) it logs that and changes nothing. It does not change which devices a
+    GPU/TPU machine uses, and, unlike setting ``XLA_FLAGS``, it does not leak into
+    subprocesses.
+
+    Args:
+      divides: if given, the chosen device count is reduced until it divides this (the
+        micro-batch rows for data parallelism, the kv heads and FFN width for tensor
+        parallelism); an explicit ``devices`` must divide it.
+      devices: the count to use; 0 means one per available core (at most 16).
+
+    Returns:
+      The device count set (or 0 if the user chose one or JAX had already started).
+
+    Raises:
+      ValueError: ``devices`` is negative, or does not divide ``divides``.
+    """
+    if not isinstance(devices, int) or devices < 0:
+        raise ValueError(f"the CPU device count must be an int >= 0 (0: one per core), got "
+                         f"{devices!r}")
+    if devices and divides is not None and divides % devices:
+        fits = [n for n in range(1, min(divides, 16) + 1) if divides % n == 0]
+        raise ValueError(f"{devices} devices do not divide {divides}; use one of {fits}")
+    if ("xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+            or jax.config.jax_num_cpu_devices != -1):
+        return 0
+    n = devices or min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else os.cpu_count() or 1)
+    while divides is not None and n > 1 and divides % n:
+        n -= 1
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # the backends exist already
+        logger.info("JAX has started: keeping its %d devices instead of %d CPU devices",
+                    jax.device_count(), n)
+        return 0
+    return n
+
+
+def make_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all devices of all processes).
+
+    Axes are of the automatic (GSPMD/Shardy-propagated) kind: shardings are pinned on inputs,
+    outputs and the few constraints in the model, and XLA propagates the rest.
+
+    Args:
+      mesh_config: axis sizes; their product must equal the number of devices.
+      devices: the devices to use; all of them must be used.
+
+    Returns:
+      A ``jax.sharding.Mesh`` with axis names ``MESH_AXES``.
+
+    Raises:
+      ValueError: if the mesh does not fit the device count (naming both).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_config.resolve(len(devices))
+    mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+    logger.info("mesh %s over %d devices (%d processes)",
+                dict(mesh.shape), len(devices), jax.process_count())
+    return mesh

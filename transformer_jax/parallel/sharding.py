@@ -1,0 +1,374 @@
+"""Device mesh, logical-axis rules and sharded jit for data, FSDP and tensor parallelism.
+
+The mesh has three named axes: ``data`` (pure data parallelism: parameters replicated),
+``fsdp`` (data parallelism with parameters and optimizer state sharded, gathered per layer by
+XLA) and ``tensor`` (Megatron-style: heads and FFN columns split, one all-reduce per sublayer).
+The model only names its parameter axes (embed, heads, ...); ``LOGICAL_RULES`` maps those names
+to mesh axes, so changing the parallelism is a change of the mesh sizes, never of the model.
+
+Typical use (the train state is anything whose leaves are parameters, optimizer moments that
+mirror them, and small replicated scalars)::
+
+    mesh = make_mesh(MeshConfig(data=-1, fsdp=8))
+    p_shard = param_shardings(config, mesh)
+    abstract = jax.eval_shape(init_state, rng)
+    s_shard = state_shardings(abstract, p_shard)
+    state = shard_init(init_state, s_shard)(rng)          # created sharded, never whole
+    step = jit_train_step(train_step, s_shard, batch_sharding(mesh))
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.transformer import abstract_params, init_params, logical_axes
+from transformer_jax.parallel.mesh import (  # noqa: F401 (sharding.make_mesh etc. are the API)
+    MESH_AXES,
+    MeshConfig,
+    configure_cpu_devices,
+    make_mesh,
+)
+
+T = TypeVar("T")
+MeshAxes = str | tuple[str, ...] | None
+
+# Logical axis name -> mesh axes. Each name appears once. The batch is split over both data axes;
+# parameters are split over fsdp along their model-width (embed) axis and over tensor along
+# heads / FFN width / vocab, which makes every matmul's tensor-parallel form a Megatron pair
+# (column-split in, row-split out). head_dim, layers and norm scales are small or scanned over and
+# stay whole.
+LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("head_dim", None),
+    ("layers", None),
+    ("norm", None),
+    ("act_embed", None),
+)
+
+# Logical axes of the [B, T, D] residual stream between blocks. Its D ("act_embed", unlike the
+# parameters' "embed") stays whole: fsdp already splits the batch, and tensor parallelism
+# all-reduces back to a whole D after each sublayer. Pinning this at block boundaries is what
+# makes XLA gather the weights (FSDP) instead of gathering the batch.
+RESIDUAL_AXES = ("batch", "length", "act_embed")
+
+
+# ------------------------------------------------------------------------------------- rules
+
+
+def logical_to_mesh_spec(logical: Sequence[str | None],
+                         rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES) -> P:
+    """Maps a tuple of logical axis names to a ``PartitionSpec`` of mesh axes.
+
+    Args:
+      logical: one logical name (or None) per array dimension.
+      rules: (logical name, mesh axes) pairs, each logical name once.
+
+    Returns:
+      The mesh ``PartitionSpec``.
+
+    Raises:
+      ValueError: for a logical name without a rule, or a mesh axis used by two dimensions.
+    """
+    table = dict(rules)
+    out: list[MeshAxes] = []
+    used: dict[str, str] = {}
+    for name in logical:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in table:
+            raise ValueError(f"no sharding rule for logical axis {name!r}; rules cover "
+                             f"{sorted(table)}")
+        axes = table[name]
+        for axis in _as_tuple(axes):
+            if axis in used:
+                raise ValueError(f"mesh axis {axis!r} is used by both logical axes "
+                                 f"{used[axis]!r} and {name!r} of {tuple(logical)}")
+            used[axis] = name
+        out.append(axes)
+    return P(*out)
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh,
+                    rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES, *,
+                    weights_out_first: bool = False) -> Any:
+    """The ``NamedSharding`` of every parameter, from ``model.logical_axes`` and the rules.
+
+    Args:
+      config: the model.
+      mesh: a mesh with (a superset of) the axes the rules name.
+      rules: logical -> mesh axis rules.
+      weights_out_first: for matrices stored output axes first (``decode.prepare``).
+
+    Returns:
+      A tree shaped like the parameters with a ``NamedSharding`` per leaf.
+
+    Raises:
+      ValueError: if a parameter dimension is not divisible by the size of its mesh axes (the
+        message names the parameter, the dimension, its size and the mesh axes).
+    """
+    shapes, logical = _param_layout(config, weights_out_first)
+
+    def one(path, spec: P, shape: jax.ShapeDtypeStruct) -> NamedSharding:
+        mesh_spec = logical_to_mesh_spec(tuple(spec), rules)
+        check_divisible(_path_str(path), shape.shape, mesh_spec, mesh.shape, logical=tuple(spec))
+        return NamedSharding(mesh, mesh_spec)
+
+    return jax.tree_util.tree_map_with_path(one, logical, shapes,
+                                            is_leaf=lambda x: isinstance(x, P))
+
+
+def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_shape: Mapping[str, int],
+                    logical: Sequence[str | None] | None = None) -> None:
+    """Raises ValueError if a dimension of ``shape`` does not split evenly over its mesh axes.
+
+    Args:
+      name: what the array is (for the message), e.g. ``"blocks/attn/k_proj"``.
+      shape: the array's shape.
+      spec: its mesh ``PartitionSpec``.
+      mesh_shape: mesh axis name -> size (``mesh.shape``).
+      logical: the logical axis names, only for the message.
+    """
+    padded = tuple(spec) + (None,) * (len(shape) - len(spec))
+    for dim, (size, axes) in enumerate(zip(shape, padded, strict=True)):
+        if axes is None:
+            continue
+        parts = math.prod(mesh_shape[a] for a in _as_tuple(axes))
+        if size % parts:
+            label = f" ({logical[dim]})" if logical else ""
+            axis_desc = " x ".join(f"{a}={mesh_shape[a]}" for a in _as_tuple(axes))
+            raise ValueError(
+                f"parameter {name} dimension {dim}{label} has size {size}, which is not "
+                f"divisible by mesh axis {axis_desc}; change the mesh or the model shape")
+
+
+def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES
+                   ) -> NamedSharding:
+    """Sharding of every batch array ([B, ...]): the leading B axis split over (data, fsdp)."""
+    return NamedSharding(mesh, logical_to_mesh_spec(("batch",), rules))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A fully replicated sharding (scalars, step counters, RNG keys, metrics)."""
+    return NamedSharding(mesh, P())
+
+
+def state_shardings(abstract_state: Any, params_shardings: Any) -> Any:
+    """Shardings for a whole train state, derived from the parameter shardings.
+
+    Optax states (Adam's mu and nu, accumulated gradients, ...) hold trees that mirror the
+    parameters. A state leaf gets a parameter's sharding when its key path ends with that
+    parameter's full path and it has the parameter's rank and splits evenly like it; every other
+    leaf (step counters, RNG keys, factored statistics of another rank) is replicated. Matching
+    by path suffix works through any wrapper (flax TrainState, optax chains, masked or
+    multi-step states).
+
+    Args:
+      abstract_state: the state, or its ``jax.eval_shape``.
+      params_shardings: ``param_shardings(config, mesh)``.
+
+    Returns:
+      A tree shaped like ``abstract_state`` with a ``NamedSharding`` per leaf.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(params_shardings)
+    if not flat:
+        raise ValueError("params_shardings is empty")
+    mesh = flat[0][1].mesh
+    by_path = {_path_keys(path): sharding for path, sharding in flat}
+
+    def one(path, leaf) -> NamedSharding:
+        keys = _path_keys(path)
+        shape = tuple(np.shape(leaf))
+        for start in range(len(keys)):
+            sharding = by_path.get(keys[start:])
+            if sharding is not None and _fits(sharding, shape):
+                return sharding
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(one, abstract_state)
+
+
+def _fits(sharding: NamedSharding, shape: tuple[int, ...]) -> bool:
+    # ``param_shardings`` gives one spec entry per parameter dimension, so a mirror of the
+    # parameter has exactly that rank and splits evenly; anything else stays replicated.
+    spec = tuple(sharding.spec)
+    if len(spec) != len(shape):
+        return False
+    return all(axes is None or size % math.prod(sharding.mesh.shape[a] for a in _as_tuple(axes))
+               == 0 for size, axes in zip(shape, spec, strict=True))
+
+
+def per_device_bytes(abstract_tree: Any, shardings: Any) -> int:
+    """Bytes one device holds of a sharded tree (the largest shard of each leaf).
+
+    Args:
+      abstract_tree: arrays or ``ShapeDtypeStruct``s.
+      shardings: a matching tree (or prefix) of ``Sharding``s.
+
+    Returns:
+      Sum over leaves of ``prod(shard_shape) * itemsize``.
+    """
+    leaves = jax.tree.leaves(abstract_tree)
+    # Broadcast a prefix tree of shardings to one sharding per leaf.
+    per_leaf = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), shardings,
+                            abstract_tree, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+    shards = jax.tree.leaves(per_leaf, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+    total = 0
+    for x, s in zip(leaves, shards, strict=True):
+        total += math.prod(s.shard_shape(tuple(x.shape))) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def with_shardings(abstract_tree: Any, shardings: Any) -> Any:
+    """``ShapeDtypeStruct``s carrying shardings, for lowering/compiling without allocating.
+
+    Args:
+      abstract_tree: arrays or ``ShapeDtypeStruct``s (e.g. from ``jax.eval_shape``).
+      shardings: a tree of the same structure with a ``Sharding`` per leaf.
+
+    Returns:
+      The tree of sharded ``ShapeDtypeStruct``s.
+    """
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        abstract_tree, shardings)
+
+
+# ------------------------------------------------------------------------------------- jit
+
+
+def shard_init(init_fn: Callable[..., T], out_shardings: Any) -> Callable[..., T]:
+    """``init_fn`` jitted so that its outputs are created directly in their shardings.
+
+    Each device computes only its shards (with the partitionable threefry PRNG the values are
+    those of the unsharded init), so a model larger than one device's memory can be initialised.
+
+    Args:
+      init_fn: e.g. ``lambda rng: init_params(config, rng)`` or the train-state init.
+      out_shardings: a tree (or prefix) of shardings of its outputs.
+
+    Returns:
+      The jitted init function.
+    """
+    return jax.jit(init_fn, out_shardings=out_shardings)
+
+
+def init_params_sharded(config: ModelConfig, mesh: Mesh, rng: jax.Array | int = 0) -> Any:
+    """Model parameters created sharded over ``mesh`` by the rules (see ``shard_init``).
+
+    Args:
+      config: the model.
+      mesh: the device mesh.
+      rng: a PRNG key or an int seed.
+
+    Returns:
+      The parameter tree, each leaf a ``jax.Array`` sharded by ``param_shardings``.
+    """
+    if isinstance(rng, int):
+        rng = jax.random.key(rng)
+    return shard_init(lambda key: init_params(config, key), param_shardings(config, mesh))(rng)
+
+
+def jit_sharded(fn: Callable[..., Any], mesh: Mesh, in_shardings: Any, out_shardings: Any, *,
+                donate_argnums: Sequence[int] = (),
+                rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES) -> Any:
+    """``jax.jit`` with explicit shardings, tracing ``fn`` with the mesh and rules in context.
+
+    While ``fn`` is traced, the abstract mesh and the logical rules are in force, so
+    ``nn.with_logical_constraint`` calls inside the model resolve to mesh axes (without them
+    they are no-ops). Use it for every function that runs the model: train, eval, decode steps.
+
+    Args:
+      fn: the pure function.
+      mesh: the device mesh.
+      in_shardings: shardings (or prefixes) of the positional arguments.
+      out_shardings: shardings (or prefixes) of the outputs.
+      donate_argnums: arguments whose buffers the outputs may reuse.
+      rules: logical -> mesh axis rules.
+
+    Returns:
+      The jitted function (with ``.lower`` for ahead-of-time compilation).
+    """
+    @functools.wraps(fn)
+    def in_context(*args):
+        # Entered at trace time: that is when the model's logical constraints are resolved.
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
+            return fn(*args)
+
+    return jax.jit(in_context, in_shardings=in_shardings, out_shardings=out_shardings,
+                   donate_argnums=tuple(donate_argnums))
+
+
+def jit_train_step(train_step: Callable[[Any, Any], tuple[Any, Any]], state_shardings: Any,
+                   batch_sharding: NamedSharding, *, donate: bool = True,
+                   rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES
+                   ) -> Callable[[Any, Any], tuple[Any, Any]]:
+    """Jits ``train_step(state, batch) -> (state, metrics)`` with explicit shardings.
+
+    The state keeps its shardings across steps (and is donated, so its buffers are reused); the
+    batch is split over (data, fsdp); metrics come back replicated, so every process can read
+    them. See ``jit_sharded`` for the logical rules in context.
+
+    Args:
+      train_step: the pure step function.
+      state_shardings: ``state_shardings(abstract_state, param_shardings(...))``.
+      batch_sharding: ``batch_sharding(mesh)`` (applies to every leaf of the batch).
+      donate: donate the input state's buffers.
+      rules: logical -> mesh axis rules for constraints inside the model.
+
+    Returns:
+      The jitted step (with ``.lower`` for ahead-of-time compilation).
+    """
+    mesh = batch_sharding.mesh
+    return jit_sharded(train_step, mesh, (state_shardings, batch_sharding),
+                       (state_shardings, NamedSharding(mesh, P())),
+                       donate_argnums=(0,) if donate else (), rules=rules)
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+@functools.lru_cache(maxsize=16)
+def _param_layout(config: ModelConfig, weights_out_first: bool = False) -> tuple[Any, Any]:
+    # Each is a trace of the whole model's init; callers ask again for every mesh they try.
+    return (abstract_params(config, weights_out_first),
+            logical_axes(config, weights_out_first))
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _path_keys(path: Sequence[Any]) -> tuple:
+    keys = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            keys.append(k.key)
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            keys.append(k.name)
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            keys.append(k.idx)
+        else:
+            keys.append(str(k))
+    return tuple(keys)
+
+
+def _path_str(path: Sequence[Any]) -> str:
+    return "/".join(str(k) for k in _path_keys(path))

@@ -1,0 +1,11 @@
+"""Training: a run from its configuration to checkpoints.
+
+``config`` (``TrainConfig``, ``DataConfig``, presets and typed overrides; ``config_docs`` turns
+their docstrings into ``--help``), ``checks`` (what is checked before any data or compile) and
+``memory`` (will it fit), ``data`` (the run's batches), ``init_from`` (a run started from a
+checkpoint), ``loss`` and ``optim`` (masked cross-entropy, AdamW and its schedule), ``step``
+(``TrainState`` and the pure init / train / eval steps), ``quant`` (quantised training),
+``validation`` (validation loss and samples), ``log`` (metrics, TensorBoard, signals), ``resume``
+(what a run must share with its checkpoints), ``perf`` (FLOPs, MFU) and ``plot`` (loss curves);
+``run`` puts them together: ``run(model, train, data)``.
+"""

@@ -1,0 +1,71 @@
+"""``--help`` text generated from the config dataclasses: each key's type, default and the
+description its class's docstring gives it (``Attributes:``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import textwrap
+
+from transformer_jax.model.config import CONFIGS_DIR, preset_names
+
+
+def help_text(sections: dict[str, type], width: int = 100) -> str:
+    """Every ``SECTION.KEY`` of the dataclasses in ``sections`` with its type, default and
+    meaning (``train.py --help``).
+
+    Generated from the dataclasses' fields and the Attributes sections of their docstrings
+    (and their bases'), so it cannot drift from the code.
+    """
+    lines = [f"presets (--config NAME; TOML files in {CONFIGS_DIR}): {', '.join(preset_names())}"]
+    for section, cls in sections.items():
+        meanings = _attribute_docs(cls)
+        lines += ["", f"{section}.KEY=VALUE ({cls.__name__}):"]
+        for field in dataclasses.fields(cls):
+            kind = field.type if isinstance(field.type, str) else getattr(
+                field.type, "__name__", str(field.type))
+            if field.default is not dataclasses.MISSING:
+                default = field.default
+            elif field.default_factory is not dataclasses.MISSING:
+                default = field.default_factory()
+            else:
+                default = "required"
+            head = f"  {section}.{field.name}: {kind} = {default!r}"
+            meaning = meanings.get(field.name, "").replace("``", "")
+            lines.append(head)
+            if meaning:
+                lines.extend(textwrap.wrap(meaning, width, initial_indent=" " * 6,
+                                           subsequent_indent=" " * 6))
+    return "\n".join(lines)
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """``{name: description}`` from the ``Attributes:`` sections of the docstrings of ``cls``
+    and its bases (``ModelConfig``'s fields are documented in ``Architecture`` and
+    ``Execution``)."""
+    found: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        found.update(_own_attribute_docs(klass))
+    return found
+
+
+def _own_attribute_docs(cls: type) -> dict[str, str]:
+    doc = cls.__doc__ and inspect.cleandoc(cls.__doc__) or ""
+    found: dict[str, str] = {}
+    inside, name = False, None
+    for line in doc.splitlines():
+        if line.strip() == "Attributes:":
+            inside = True
+            continue
+        if not inside:
+            continue
+        if line and not line.startswith(" "):
+            break  # the next section
+        match = re.match(r"^ {2}(\w+): ?(.*)$", line)
+        if match:
+            name = match.group(1)
+            found[name] = match.group(2).strip()
+        elif name and line.strip():
+            found[name] += " " + line.strip()
+    return found

@@ -1,0 +1,500 @@
+"""The training run, top to bottom: data -> init or restore -> steps with progress, evaluation,
+samples, logs and checkpoints -> summary (``run``).
+
+The pieces it puts together, each in its own module:
+
+* ``train_config`` -- ``TrainConfig`` / ``DataConfig`` and ``build_configs`` (preset + overrides);
+* ``run_setup`` -- the checks before any data or compile (devices, data size, memory: the
+  rough estimate of ``run_memory``) and the state's shardings;
+* ``run_data`` -- the tokenizer and token splits, or packed instruction rows, and their batches;
+* ``run_eval`` -- the validation loss, samples, and evaluation batching;
+* ``resume`` -- what a run must share with its checkpoints to continue;
+* ``loss`` -- masked next-token cross-entropy with z-loss;
+* ``optim`` -- AdamW with warmup + cosine decay, clipping, the weight-decay mask;
+* ``train_step`` -- ``TrainState`` and the pure init / train / eval step functions;
+* ``run_log`` -- metrics checks, ``metrics.jsonl``, TensorBoard, progress bar, signals;
+* ``perf`` -- FLOPs per token and the matmul peak behind MFU.
+
+The state is created directly sharded over the mesh of ``train.mesh`` (data x fsdp x tensor, see
+``sharding``) and each process loads only its rows of the batch; on CPU,
+``sharding.configure_cpu_devices`` makes one device per core, which is what lets a small model's
+step use every core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from transformer_jax import storage
+from transformer_jax.checkpoint import loading
+from transformer_jax.checkpoint.files import disk_steps
+from transformer_jax.checkpoint.manager import CheckpointManager
+from transformer_jax.data.eval_sets import EvalSet, load_eval_sets
+from transformer_jax.model import lora
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.parallel import distributed
+from transformer_jax.parallel import sharding as sharding_lib
+from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, load_tokenizer
+from transformer_jax.train.checks import (
+    RunDirectory,
+    attention_used,
+    check_config,
+    check_dtype,
+    check_memory,
+    check_run,
+    params_shardings,
+    run_directory,
+)
+from transformer_jax.train.config import DataConfig, TrainConfig
+from transformer_jax.train.data import (
+    RunData,
+    prepare_data,
+    prepare_instruction_data,
+    prepare_shard_data,
+)
+from transformer_jax.train.init_from import architecture_changes
+from transformer_jax.train.log import (
+    NonFiniteLossError,
+    RunLog,
+    SaveAborted,
+    StopOnSignal,
+    mesh_peak_flops,
+    progress_bar,
+)
+from transformer_jax.train.perf import flops_per_token
+from transformer_jax.train.resume import check_resume
+from transformer_jax.train.step import (
+    ParamsLayout,
+    TrainState,
+    make_eval_step,
+    make_init_fn,
+    make_train_step,
+)
+from transformer_jax.train.validation import (
+    EVAL_BATCH_FACTOR,
+    eval_batching,
+    evaluate,
+    evaluate_and_sample,
+    placing,
+    sample_text,
+)
+
+logger = logging.getLogger(__name__)
+
+Batch = dict[str, jax.Array]
+
+
+#: The parts of a run's wall time in ``RunSummary.time_s`` (seconds).
+TIME_PARTS = ("startup", "compile", "train", "eval", "sample", "plot", "checkpoint", "data")
+
+#: Where a run keeps its copy of the tokenizer (relative to the run directory).
+TOKENIZER_DIR = loading.RUN_TOKENIZER_DIR
+
+
+@dataclasses.dataclass
+class RunSummary:
+    """What a run did (also written to ``run_dir/summary.json``).
+
+    ``time_s`` splits the wall time into ``TIME_PARTS``: start-up (directories, data, state,
+    the peak measurement), compiling the train step, training steps, evaluation (with its
+    compilation), samples, loss plots and the blocking part of checkpoint saves; ``data`` is
+    the host time spent making the train batches (while the device runs the step dispatched
+    before), and ``train`` the rest of the loop's time.
+    """
+
+    run_dir: str
+    start_step: int
+    final_step: int
+    train_loss: float | None
+    val_loss: float | None
+    val_ppl: float | None
+    loss_unit: str
+    tokens_seen: int
+    wall_time_s: float
+    train_time_s: float
+    compile_time_s: float
+    tokens_per_s: float | None
+    step_time_ms: float | None
+    mfu: float | None
+    checkpoint: str | None
+    interrupted: str | None = None
+    time_s: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig, *,
+        progress: bool = True, memory_check: bool = True) -> RunSummary:
+    """Trains (or resumes) a model; the whole loop, top to bottom.
+
+    Resumes from the newest intact checkpoint in ``run_dir/checkpoints`` if there is one (a
+    damaged newer one is renamed aside with a warning), and then gives exactly the losses and
+    parameters of an uninterrupted run. Before restoring, the saved configs are compared with
+    the current ones: another model, another tokenizer, a train setting that changes the
+    optimizer state's structure, or (without ``train.allow_new_data``) another corpus is
+    refused in one line naming the keys. A run already at ``train.steps`` does nothing (one log
+    line) and returns the summary it wrote. SIGTERM/SIGINT save a checkpoint of the current step
+    and stop (a second signal waits for that save, a third abandons it: ``SaveAborted``); a
+    non-finite loss stops without saving.
+
+    The run directory is self-contained: it keeps a copy of the tokenizer (``tokenizer/``,
+    recorded in ``config.json`` and each checkpoint's meta), ``metrics.jsonl``, ``loss.png``
+    (redrawn at each evaluation), TensorBoard events, ``summary.json`` and, with
+    ``train.profile_steps``, a profiler trace under ``profile/``.
+
+    Args:
+      model_config: the model; its ``vocab_size`` is replaced by the tokenizer's.
+      train_config: optimisation, evaluation, logging and checkpoint settings.
+      data_config: corpus and tokenizer.
+      progress: show a tqdm progress bar (loss, training step rate, tokens/s, MFU, ETA).
+      memory_check: refuse a run whose rough memory estimate (``run_memory``) is above the
+        device's (or, on CPU, the host's available) memory, before any data is read.
+
+    Returns:
+      The run's summary.
+
+    Raises:
+      NonFiniteLossError: the loss became NaN/inf (earlier checkpoints are kept).
+      ValueError, FileNotFoundError, PermissionError: bad input, before any training.
+      CheckpointError: a checkpoint could not be written or none could be read (one line).
+      SaveAborted: a third SIGTERM/SIGINT; the save in flight was abandoned (its files removed).
+    """
+    tc = train_config
+    wall_start = time.perf_counter()
+    times = dict.fromkeys(TIME_PARTS, 0.0)
+
+    # 1. Checks that need no data, before any expensive work (and before checkpoints/ exists).
+    files = run_directory(tc.run_dir, jax.process_index())
+    run_dir = files.local
+    mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh))
+    num_batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    check_config(model_config, tc, num_devices=num_batch_devices)
+    where = f"train.init_from={tc.init_from}"
+    source = loading.locate(tc.init_from, where=where) if tc.init_from else None
+    if source is not None:
+        changes = architecture_changes(source.model, model_config)
+        if changes:
+            raise ValueError(f"train.init_from={tc.init_from}: the model differs from the "
+                             f"checkpoint's: {'; '.join(changes)}")
+    if memory_check:  # from shapes (the preset's vocab_size): before minutes of data work
+        check_memory(model_config, tc, mesh)
+    main_process = distributed.is_main_process()
+
+    # 2. Data: tokenizer, token file or packed instruction rows, splits. A fine-tuned model keeps
+    # its vocabulary; a model trained from scratch takes the tokenizer's.
+    given = (None if data_config.tokenizer in MODEL_TYPES
+             else storage.local_copy(data_config.tokenizer))
+    if source is not None:  # the checkpoint's, unless data.tokenizer is a file
+        tokenizer = loading.open_tokenizer(source, given, where=where,
+                                           missing="pass data.tokenizer=FILE")
+    elif given is not None and (data_config.is_instruct or data_config.is_shards):
+        tokenizer = load_tokenizer(given.expanduser())
+    else:
+        tokenizer = None  # a text run loads or trains its own in prepare_data (shards: theirs)
+    if data_config.is_shards:
+        tokenizer, shard_data = prepare_shard_data(
+            data_config, tc.seq_len, tokenizer, where=where if source is not None else
+            f"data.tokenizer={data_config.tokenizer}")
+        data = RunData(shards=shard_data)
+    elif data_config.is_instruct:
+        if tokenizer is None:
+            raise ValueError(f"instruction data ({data_config.path}) needs the model's "
+                             "tokenizer: pass train.init_from=CHECKPOINT or data.tokenizer=FILE")
+        data = prepare_instruction_data(data_config, tokenizer, tc.seq_len)
+    else:
+        tokenizer, train_tokens, val_tokens = prepare_data(
+            data_config, model_config.vocab_size, tokenizer)
+        data = RunData(train_tokens=train_tokens, val_tokens=val_tokens)
+    if source is None and tokenizer.vocab_size != model_config.vocab_size:
+        logger.info("model vocab_size %d -> %d (the tokenizer's)", model_config.vocab_size,
+                    tokenizer.vocab_size)
+        model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
+    batch_sharding = sharding_lib.batch_sharding(mesh)
+    if data.packed:
+        check_dtype(model_config)
+    else:
+        check_run(model_config, tc, data.num_train_tokens, num_devices=num_batch_devices)
+    eval_batch_size, eval_max_batches = eval_batching(tc, data.num_val_tokens)
+    eval_kw = dict(batch_size=eval_batch_size, seq_len=tc.seq_len, max_batches=eval_max_batches)
+    if data.num_val_tokens:
+        data.eval_batches(**eval_kw)  # raises now if val cannot fill a batch
+    eval_sets = load_eval_sets(tc.eval_sets, tokenizer, tc.seq_len)  # bad files: one line now
+    layout = ParamsLayout.of(tc)
+    configs = {"model": dataclasses.asdict(model_config), "train": dataclasses.asdict(tc),
+               "data": dataclasses.asdict(data_config), "tokenizer": str(tokenizer.path),
+               "tokenizer_dir": TOKENIZER_DIR, "tokenizer_fingerprint": tokenizer.fingerprint,
+               "data_fingerprint": data.fingerprint()}
+    if layout.lora_config is not None:
+        configs["lora"] = layout.lora_config.to_dict()  # how loading merges the adapters
+
+    with CheckpointManager(files.checkpoints, keep=tc.keep_ckpts) as ckpt:
+        ckpt.remove_unfinished(primary=main_process)  # of a run killed while it saved
+        # 3. State: restore the newest intact checkpoint after comparing its saved configs with
+        # these, or initialise directly sharded over the mesh (parameters and optimizer state
+        # by the logical-axis rules; batches over data x fsdp), from init_from's weights if
+        # given (read shard by shard onto the mesh; the optimizer state starts fresh).
+        key = jax.random.key(tc.seed)
+        init = make_init_fn(model_config, tc)
+        abstract_state = jax.eval_shape(init, key)
+        state_shardings = sharding_lib.state_shardings(
+            abstract_state, params_shardings(model_config, mesh, abstract_state.params, layout))
+        if ckpt.all_steps():
+            check_resume(ckpt.read_meta(), configs, ckpt.directory)
+            abstract = sharding_lib.with_shardings(abstract_state, state_shardings)
+            state, _ = ckpt.restore(abstract, quarantine=main_process)
+            logger.info("resumed from %s (step %d)", ckpt.step_path(int(state.step)),
+                        int(state.step))
+        elif source is not None:
+            params = loading.load(source, mesh, scan_layers=model_config.scan_layers,
+                                  dtype=model_config.param_dtype, with_tokenizer=False).params
+            # Full fine-tuning hands the loaded buffers over to the state (no second copy).
+            donate = (1,) if layout.lora_config is None else ()
+            state = jax.jit(init, out_shardings=state_shardings, donate_argnums=donate)(
+                key, params)
+            del params
+            logger.info("initialised from %s (%s)%s", source.path, source.kind,
+                        "" if layout.lora_config is None else
+                        f"; LoRA rank {layout.lora_config.rank}, "
+                        f"{lora.adapter_count(state.params[lora.ADAPTERS]):,} trained params")
+        else:
+            state = sharding_lib.shard_init(init, state_shardings)(key)
+        start_step = int(state.step)
+        if start_step >= tc.steps:
+            return _finished(files, start_step, tc, ckpt, data_config)
+        if main_process:
+            _save_tokenizer(tokenizer, run_dir / TOKENIZER_DIR)
+            (run_dir / "config.json").write_text(json.dumps(configs, indent=2))
+        return _train(model_config, tc, data_config, mesh=mesh, files=files, ckpt=ckpt,
+                      state=state, state_shardings=state_shardings, start_step=start_step,
+                      batch_sharding=batch_sharding, data=data, eval_kw=eval_kw,
+                      eval_sets=eval_sets,
+                      tokenizer=tokenizer, configs=configs, progress=progress and main_process,
+                      main_process=main_process, times=times, wall_start=wall_start)
+
+
+def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, *, mesh: Any,
+           files: RunDirectory, ckpt: CheckpointManager, state: TrainState,
+           state_shardings: Any, start_step: int, batch_sharding: Any, data: RunData,
+           eval_kw: dict[str, Any], eval_sets: list[EvalSet], tokenizer: TextTokenizer,
+           configs: dict[str, Any], progress: bool, main_process: bool,
+           times: dict[str, float], wall_start: float) -> RunSummary:
+    """Steps 4-6 of ``run``: compile, loop, summary."""
+    run_dir = files.local
+    # 4. Compile the step once (ahead of time, so its cost is reported separately).
+    compile_start = time.perf_counter()
+    part, parts = distributed.process_batch_shard(batch_sharding, tc.batch_size)
+
+    batch_times: list[float] = []  # host seconds of each batch the loop made
+
+    def get_batch(step: int) -> Batch:
+        start = time.perf_counter()
+        rows = data.batch(tc, step, process_index=part, process_count=parts)
+        batch_times.append(time.perf_counter() - start)
+        return distributed.global_batch(rows, batch_sharding, tc.batch_size)
+
+    batch = get_batch(start_step)
+    batch_times.clear()  # the loop's batches only
+    train_step = sharding_lib.jit_train_step(make_train_step(model_config, tc), state_shardings,
+                                             batch_sharding)
+    train_step = train_step.lower(state, batch).compile()
+    compile_time = time.perf_counter() - compile_start
+    eval_step = sharding_lib.jit_sharded(
+        make_eval_step(model_config, tc), mesh, (state_shardings.params, batch_sharding),
+        sharding_lib.replicated(mesh))
+    eval_part, eval_parts = distributed.process_batch_shard(batch_sharding,
+                                                            eval_kw["batch_size"])
+    eval_kw = dict(eval_kw, process_index=eval_part, process_count=eval_parts)
+    eval_step = placing(eval_step, functools.partial(
+        distributed.global_batch, sharding=batch_sharding,
+        global_batch_size=eval_kw["batch_size"]))
+    flops = flops_per_token(model_config, tc.seq_len)
+    peak, peak_source = mesh_peak_flops(list(mesh.devices.flat), tc.peak_flops)
+    logger.info("compiled train step in %.1f s; attention %s; %.3g FLOPs/token; peak %.3g "
+                "FLOP/s (%s); mesh %s; eval batch %d", compile_time,
+                attention_used(model_config, tc), flops, peak, peak_source, dict(mesh.shape),
+                eval_kw["batch_size"])
+    times["compile"] = compile_time
+    times["startup"] = time.perf_counter() - wall_start - compile_time
+
+    log = RunLog(run_dir, start_step, tc, flops, peak, log_train=not progress,
+                 write=main_process)
+    last_val: float | None = None
+    interrupted: str | None = None
+    step = start_step
+    profile = tc.profile_range
+    tracing = False
+    bar = progress_bar(progress, start_step, tc.steps)
+    ended = False  # the loop and its last save completed (else the finally uploads the logs)
+    try:
+        with StopOnSignal() as stop:
+            log.start_timer()
+            # 5. The loop: one jitted step per batch; the host reads each step's metrics one
+            # step late, so it never waits for the device while there is work to queue.
+            while step < tc.steps:
+                if profile and not tracing and profile[0] <= step + 1 <= profile[1]:
+                    jax.profiler.start_trace(str(run_dir / "profile"))
+                    tracing = True
+                    logger.info("profiling steps %d-%d into %s", step + 1, profile[1],
+                                run_dir / "profile")
+                state, metrics = train_step(state, batch)
+                step += 1
+                if tracing and step >= profile[1]:
+                    jax.block_until_ready((state, metrics))
+                    jax.profiler.stop_trace()
+                    tracing, profile = False, None
+                log.push(step, metrics)
+                if step < tc.steps:
+                    batch = get_batch(step)
+                log.flush(keep_last=1)
+                last = step == tc.steps
+                evaluate_now = bool(tc.eval_every and step % tc.eval_every == 0) or last
+                if evaluate_now or stop.signal is not None or step % tc.ckpt_every == 0:
+                    log.flush()  # checks every pending loss before anything is saved
+                    log.stop_timer()
+                    if evaluate_now:
+                        last_val = evaluate_and_sample(state, step, eval_step, data,
+                                                        eval_kw, tokenizer, model_config, tc,
+                                                        log, times, eval_sets)
+                        if main_process:
+                            _plot(run_dir, times)
+                    # A signal that came during the evaluation still saves this step.
+                    if stop.signal is not None or last or step % tc.ckpt_every == 0:
+                        save_start = time.perf_counter()
+                        ckpt.save(step, state, meta=dict(configs, step=step,
+                                                         train_loss=log.last_loss))
+                        if main_process:
+                            log.flush_events()
+                            files.sync()  # a remote run's metrics, plot and events
+                        times["checkpoint"] += time.perf_counter() - save_start
+                    log.start_timer()
+                bar.update(1)
+                bar.set_postfix_str(log.postfix(), refresh=False)
+                if stop.signal is not None:
+                    interrupted = stop.signal
+                    logger.warning("%s: saved a checkpoint of step %d and stopped",
+                                   interrupted, step)
+                    break
+            log.flush()
+            # Still under StopOnSignal: a second signal during this save is told to wait, a
+            # third aborts it (SaveAborted).
+            close_start = time.perf_counter()
+            ckpt.wait()  # the last save is complete on disk before the summary names it
+            times["checkpoint"] += time.perf_counter() - close_start
+            if main_process:
+                _plot(run_dir, times)
+        ended = True
+    except NonFiniteLossError:
+        latest_good = ckpt.latest_step()
+        logger.error("stopped without saving; the last good checkpoint is %s",
+                     ckpt.step_path(latest_good) if latest_good is not None else "none")
+        raise
+    except SaveAborted as e:
+        raise _abandon_save(ckpt, e) from None
+    finally:
+        if tracing:
+            with contextlib.suppress(Exception):
+                jax.profiler.stop_trace()
+        bar.close()
+        log.close()
+        if main_process and not ended:  # a normal end uploads with its summary, below
+            files.sync(failing=True)
+
+    # 6. Summary.
+    latest = ckpt.latest_step()
+    train_time = log.train_time
+    # The log times the steps after each process's first (see RunLog); so does this.
+    per_batch = sum(batch_times[1:]) / (len(batch_times) - 1) if len(batch_times) > 1 else 0.0
+    times["data"] = min(per_batch * log.timed_steps, train_time)
+    times["train"] = train_time - times["data"]
+    wall_time = time.perf_counter() - wall_start
+    summary = RunSummary(
+        run_dir=files.name, start_step=start_step, final_step=step,
+        train_loss=log.last_loss, val_loss=last_val,
+        val_ppl=math.exp(last_val) if last_val is not None and last_val < 700 else None,
+        loss_unit="nats/char" if data_config.tokenizer == "char" else "nats/token",
+        tokens_seen=step * tc.tokens_per_step, wall_time_s=wall_time,
+        train_time_s=train_time, compile_time_s=compile_time,
+        tokens_per_s=log.tokens_per_s(overall=True), mfu=log.mfu(overall=True),
+        step_time_ms=1000 * train_time / log.timed_steps if log.timed_steps else None,
+        checkpoint=str(ckpt.step_path(latest)) if latest is not None else None,
+        interrupted=interrupted, time_s={k: round(v, 3) for k, v in times.items()})
+    logger.info("time: %s; wall %.1f s", format_times(summary.time_s), wall_time)
+    if train_time > 0:
+        logger.info("data: %.2f ms of host time per batch, %.1f%% of the train time",
+                    1000 * per_batch, 100 * times["data"] / train_time)
+    if main_process:
+        (run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary),
+                                                         indent=2))
+        files.sync()
+    return summary
+
+
+def _finished(files: RunDirectory, step: int, tc: TrainConfig, ckpt: CheckpointManager,
+              data_config: DataConfig) -> RunSummary:
+    """A resumed run with no step left: says so and returns the summary it wrote (kept)."""
+    logger.info("nothing to do: the run in %s is at step %d of train.steps=%d; raise "
+                "train.steps to train further (its summary.json is kept)", files.name, step,
+                tc.steps)
+    try:
+        kept = json.loads((files.local / "summary.json").read_text())
+        if kept.get("final_step") == step:
+            return RunSummary(**kept)
+    except (OSError, ValueError, TypeError):
+        pass  # no summary of this step (the run was killed after its last checkpoint)
+    return RunSummary(
+        run_dir=files.name, start_step=step, final_step=step,
+        train_loss=ckpt.read_meta().get("train_loss"), val_loss=None, val_ppl=None,
+        loss_unit="nats/char" if data_config.tokenizer == "char" else "nats/token",
+        tokens_seen=step * tc.tokens_per_step, wall_time_s=0.0, train_time_s=0.0,
+        compile_time_s=0.0, tokens_per_s=None, step_time_ms=None, mfu=None,
+        checkpoint=str(ckpt.step_path(ckpt.latest_step())))
+
+
+def _abandon_save(ckpt: CheckpointManager, aborted: SaveAborted) -> SaveAborted:
+    """After a third signal: gives up the save in flight; the error names what is kept."""
+    step = ckpt.abandon()
+    kept = disk_steps(ckpt.directory)
+    newest = (f"the newest checkpoint is {ckpt.step_path(kept[-1])}" if kept
+              else "there is no checkpoint")
+    abandoned = f": the save of step {step} was abandoned" if step is not None else ""
+    return SaveAborted(aborted.signal, f"aborted by a third {aborted.signal}{abandoned}; "
+                                       f"{newest}")
+
+
+def format_times(time_s: dict[str, float]) -> str:
+    """``"startup 1.2 s, compile 3.4 s, ..."`` of ``RunSummary.time_s``."""
+    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in time_s.items())
+
+
+def _save_tokenizer(tokenizer: TextTokenizer, directory: Path) -> None:
+    """Keeps a copy of the tokenizer in the run directory (unless the same one is there)."""
+    try:
+        if load_tokenizer(directory).fingerprint == tokenizer.fingerprint:
+            return
+    except (OSError, ValueError):
+        pass
+    tokenizer.save(directory)
+
+
+def _plot(run_dir: Path, times: dict[str, float]) -> None:
+    """Redraws ``run_dir/loss.png``; a failure is a warning, never the end of the run."""
+    start = time.perf_counter()
+    try:
+        from transformer_jax.train.plot import plot_run
+
+        plot_run(run_dir)
+    except Exception as e:  # noqa: BLE001 - a plot must not stop training
+        logger.warning("could not draw %s: %s", run_dir / "loss.png", e)
+    times["plot"] += time.perf_counter() - start
+
+
+__all__ = ["EVAL_BATCH_FACTOR", "TIME_PARTS", "TOKENIZER_DIR", "RunSummary", "check_config",
+           "check_run", "evaluate", "format_times", "run", "sample_text"]

@@ -1,0 +1,257 @@
+"""``TrainState`` and the pure step functions: ``init(key) -> state``, ``train_step(state,
+batch) -> (state, metrics)`` (gradient accumulation over micro-batches with ``lax.scan``) and
+``eval_step(params, batch) -> sums``, each to be jitted once with the caller's shardings.
+
+Parameters (and so Adam's moments) stay float32; ``ModelConfig.dtype="bfloat16"`` only changes
+the compute.
+
+With ``train.lora_rank > 0`` the state's params are ``{"base": frozen, "adapters": trained}``
+(``ParamsLayout``): the loss runs the model on ``lora.model_params`` of them, the gradient and
+the optimizer (and so its moments) cover the adapters only. The step functions are the same
+for both; the layout's three maps are the only difference."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from transformer_jax.model import lora
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.ops.lm_loss import lm_head_cross_entropy_sums
+from transformer_jax.model.transformer import Transformer, init_params
+from transformer_jax.train.config import TrainConfig
+from transformer_jax.train.loss import cross_entropy_sums
+from transformer_jax.train.optim import lr_schedule, make_optimizer
+
+Params = dict[str, Any]
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything needed to continue training exactly.
+
+    Attributes:
+      step: int32 scalar, number of updates applied so far (also the data position).
+      params: the model's parameters (float32 master weights).
+      opt_state: the optimizer's state.
+      rng: [2] uint32 raw key data of the run's PRNG key (raw, so checkpoints need no
+        typed-key support). No step draws from it today (the model has no dropout); it stays
+        so that the checkpoints of every version have the same layout and resume.
+    """
+
+    step: jax.Array
+    params: Params
+    opt_state: optax.OptState
+    rng: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsLayout:
+    """How a train state's params relate to the model's, and which of them are trained.
+
+    Full training (``lora_config=None``): the state's params are the model's and all trained.
+    LoRA: they are ``{"base": base params, "adapters": adapter tree}`` (``model.lora``);
+    the model runs on ``lora.model_params`` of them and only the adapters are trained.
+
+    Attributes:
+      lora_config: rank, alpha and targets; None for full training.
+      base_dtype: dtype the frozen base is stored in; None keeps the param dtype.
+      base_quant: how the frozen base is stored quantised (QLoRA, ``quant.parse_quant``'s
+        spelling), or None.
+    """
+
+    lora_config: lora.LoraConfig | None = None
+    base_dtype: str | None = None
+    base_quant: str | None = None
+
+    @classmethod
+    def of(cls, train_config: TrainConfig) -> ParamsLayout:
+        """The layout of ``train.lora_rank`` / ``lora_base_dtype`` / ``lora_base_quant``."""
+        return cls(train_config.lora_config, train_config.lora_base_dtype or None,
+                   train_config.lora_base_quant or None)
+
+    def model_params(self, params: Params) -> Params:
+        """The params to run the model with (LoRA: ``W + alpha/R A B``, base without gradient;
+        a quantised base dequantised first)."""
+        if self.lora_config is None:
+            return params
+        if self.base_quant:
+            from transformer_jax.model.quant import dequantize_params
+
+            params = {**params, lora.BASE: dequantize_params(params[lora.BASE])}
+        return lora.model_params(params, self.lora_config)
+
+    def trainable(self, params: Params) -> Params:
+        """The trained part of the state's params (differentiated, and the optimizer's)."""
+        return params if self.lora_config is None else params[lora.ADAPTERS]
+
+    def with_trainable(self, params: Params, trainable: Params) -> Params:
+        """The state's params with their trained part replaced."""
+        return trainable if self.lora_config is None else {**params, lora.ADAPTERS: trainable}
+
+    def from_model_params(self, model_config: ModelConfig, params: Params,
+                          key: jax.Array) -> Params:
+        """The state's params for model params (LoRA: the base, cast, and fresh adapters)."""
+        if self.lora_config is None:
+            return params
+        base = params if self.base_dtype is None else lora.freeze_base(params, self.base_dtype)
+        if self.base_quant:
+            from transformer_jax.model.quant import for_model, parse_quant, quantize_params
+
+            quant = for_model(model_config, parse_quant(self.base_quant))
+            base = quantize_params(params, quant, out_first=False)
+        return {lora.BASE: base,
+                lora.ADAPTERS: lora.init_adapters(model_config, self.lora_config, params, key)}
+
+
+def make_init_fn(model_config: ModelConfig, train_config: TrainConfig
+                 ) -> Callable[..., TrainState]:
+    """A pure ``init(key, params=None) -> TrainState``; jit it (with ``out_shardings`` to shard).
+
+    ``params`` are the model's starting weights (fine-tuning, e.g. from ``hf.load``); None
+    initialises them at random. Either way the optimizer state is fresh and, with LoRA, the
+    adapters are initialised from ``key`` (B = 0: the model starts as ``params``).
+    """
+    tx = make_optimizer(train_config)
+    layout = ParamsLayout.of(train_config)
+
+    def init(key: jax.Array, params: Params | None = None) -> TrainState:
+        param_key, rng_key = jax.random.split(key)
+        if params is None:
+            params = init_params(model_config, param_key)
+        params = layout.from_model_params(model_config, params,
+                                          jax.random.fold_in(param_key, 1))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=tx.init(layout.trainable(params)),
+                          rng=jax.random.key_data(rng_key))
+
+    return init
+
+
+def make_train_step(model_config: ModelConfig, train_config: TrainConfig
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """The pure ``train_step(state, batch) -> (state, metrics)``; jit it once.
+
+    The batch is ``{"inputs": [B, T] int, "targets": [B, T] int}`` and optionally ``"mask"``
+    [B, T] (loss weights), and for packed sequences ``"segment_ids"`` and ``"positions"``
+    [B, T] (see ``make_loss_fn``). With ``grad_accum = A`` the B rows are split into A
+    micro-batches (micro-batch a takes rows a, a + A, ..., so a batch sharded over rows stays
+    sharded) whose summed gradients are divided by the total number of target tokens: exactly
+    one batch's gradient.
+
+    Metrics (float32 scalars): ``loss`` (mean cross-entropy), ``z_loss``, ``grad_norm`` (before
+    clipping), ``lr`` (of this update) and ``tokens`` (target tokens counted).
+    """
+    tx = make_optimizer(train_config)
+    schedule = lr_schedule(train_config)
+    accum = train_config.grad_accum
+    layout = ParamsLayout.of(train_config)
+    loss_sums = make_loss_fn(model_config, train_config)
+    # Differentiated with respect to the trained part only (LoRA: gradients adapter-sized).
+    grad_fn = jax.grad(
+        lambda trainable, params, batch: loss_sums(
+            layout.with_trainable(params, trainable), batch), has_aux=True)
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        trainable = layout.trainable(state.params)
+        if accum == 1:
+            grads, (ce, z, count) = grad_fn(trainable, state.params, batch)
+        else:
+            micro = jax.tree.map(
+                lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1),
+                batch)
+
+            def accumulate(carry, mb):
+                g, aux = grad_fn(trainable, state.params, mb)
+                return jax.tree.map(jnp.add, carry, (g, aux)), None
+
+            zeros = (jax.tree.map(jnp.zeros_like, trainable),
+                     (jnp.zeros((), jnp.float32),) * 3)
+            (grads, (ce, z, count)), _ = jax.lax.scan(accumulate, zeros, micro)
+        denom = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        updates, opt_state = tx.update(grads, state.opt_state, trainable)
+        params = layout.with_trainable(state.params, optax.apply_updates(trainable, updates))
+        metrics = {"loss": ce / denom, "z_loss": z / denom, "grad_norm": optax.tree.norm(grads),
+                   "lr": schedule(state.step), "tokens": count}
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        return new_state, metrics
+
+    return train_step
+
+
+def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
+                 ) -> Callable[[Params, Batch], tuple[jax.Array, tuple]]:
+    """The training objective ``loss_sums(params, batch) -> (ce + z, (ce, z, count))``.
+
+    ``params`` are the train state's (``ParamsLayout``: LoRA's ``{"base", "adapters"}`` run the
+    model on the adapted weights). ``batch["mask"]`` [B, T] weights each target (0 = no loss,
+    e.g. a prompt token), so ``count`` is the number of weighted targets. Sums over the batch's
+    target tokens (``loss.cross_entropy_sums``), to be divided once per step.
+
+    With ``train_config.loss_chunk = C > 0`` the model returns its final hidden states and the
+    LM head and cross-entropy run over chunks of C tokens (``ops.lm_loss``): the same values and
+    gradients without ever holding the [B, T, V] float32 logits. Packed batches pass
+    ``segment_ids`` (attention stays within a segment) and ``positions`` (restarting per
+    segment) to the model.
+    """
+    model = _training_model(model_config, train_config)
+    z_weight, chunk = train_config.z_loss, train_config.loss_chunk
+    layout = ParamsLayout.of(train_config)
+
+    def loss_sums(params: Params, batch: Batch):
+        params = layout.model_params(params)
+        kw = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
+        if not chunk:
+            logits = model.apply({"params": params}, batch["inputs"], **kw).logits
+            ce, z, count = cross_entropy_sums(logits, batch["targets"], batch.get("mask"),
+                                              z_weight)
+            return ce + z, (ce, z, count)
+        hidden = model.apply({"params": params}, batch["inputs"], hidden_only=True, **kw).hidden
+        head, head_layout = model.lm_head(params)
+        ce, z, count = lm_head_cross_entropy_sums(
+            hidden, head.astype(model_config.jnp_dtype), batch["targets"], batch.get("mask"),
+            chunk_size=chunk, z_loss=z_weight, head_layout=head_layout)
+        return ce + z, (ce, z, count)
+
+    return loss_sums
+
+
+def make_eval_step(model_config: ModelConfig, train_config: TrainConfig | None = None
+                   ) -> Callable[[Params, Batch], Metrics]:
+    """A pure ``eval_step(params, batch) -> {"loss_sum", "tokens"}`` (sums, to be pooled).
+
+    ``params`` are the train state's (see ``ParamsLayout``; full training without
+    ``train_config``); the batch's optional ``mask``, ``segment_ids`` and ``positions`` [B, T]
+    are used as in training, and so is ``train.quant`` (the model evaluated as it trains).
+    """
+    model = _training_model(model_config, train_config)
+    layout = ParamsLayout() if train_config is None else ParamsLayout.of(train_config)
+
+    def eval_step(params: Params, batch: Batch) -> Metrics:
+        logits = model.apply({"params": layout.model_params(params)}, batch["inputs"],
+                             positions=batch.get("positions"),
+                             segment_ids=batch.get("segment_ids")).logits
+        ce, _, count = cross_entropy_sums(logits, batch["targets"], batch.get("mask"))
+        return {"loss_sum": ce, "tokens": count}
+
+    return eval_step
+
+
+def _training_model(model_config: ModelConfig, train_config: TrainConfig | None) -> Transformer:
+    """The model the steps run: with ``train.quant`` its weight products quantised through
+    qwix (``quant_train``; imported only then)."""
+    model = Transformer(model_config)
+    if train_config is None or not train_config.quant:
+        return model
+    from transformer_jax.train.quant import training_model
+
+    return training_model(model, train_config.quant)
