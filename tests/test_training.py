@@ -363,3 +363,29 @@ def test_flops_per_token_counts_matmul_weights():
     untied = MODEL.replace(tie_embeddings=False)
     assert perf.flops_per_token(untied, 16) == expected  # lm_head replaces the tied table
     assert optax is not None
+
+
+def test_the_run_log_writes_tensorboard_events_without_importing_torch(tmp_path):
+    """tensorboardX imports torch (and google-cloud-storage) when installed, seconds of every
+    run's start; the run's writer is imported without them, writes events, and leaves both
+    importable afterwards. A fresh process: this one has torch loaded already."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from transformer_jax.train.log import _summary_writer_class
+writer = _summary_writer_class()({str(tmp_path / "tb")!r})
+writer.add_scalar("train/loss", 1.5, 1)
+writer.add_text("sample", "hi", 1)
+writer.close()
+assert "torch" not in sys.modules and "google.cloud.storage" not in sys.modules
+import torch  # still there for whoever needs it
+from google.cloud import storage
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    (events,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    assert events.stat().st_size > 0

@@ -167,7 +167,7 @@ def compiled_loss_head(model_config: Any, train_config: Any, mesh: Any) -> int:
     """Per-device temporaries of the LM head + cross-entropy and their gradient, compiled alone.
 
     The part of the train step that holds the logits: the model's head and loss as
-    ``train_step.make_loss_fn`` applies them (``loss.cross_entropy_sums`` over [B, T, V] float32
+    ``train.step.make_loss_fn`` applies them (``loss.cross_entropy_sums`` over [B, T, V] float32
     logits, or ``ops.lm_loss`` over chunks of ``train_config.loss_chunk`` tokens), differentiated
     with respect to the [B, T, D] final hidden states and the head, on the step's shardings.
     """

@@ -1,6 +1,6 @@
 """Reading one checkpoint step directory into arrays, its saved tree checked first.
 
-``saved_tree`` checks a step's files (``checkpoint_files.check_step_files``) and returns the
+``saved_tree`` checks a step's files (``checkpoint.files.check_step_files``) and returns the
 saved state's shapes and dtypes; ``read_state`` and ``read_params`` compare them with the tree
 asked for (``CheckpointMismatchError`` names what differs, before orbax reads anything) and read
 the state, or only its params. Which step to read, and what to do with a damaged or vanishing one,

@@ -9,7 +9,7 @@ checkpoint directory (re-export). The result holds ``config.json``, the safetens
 ``AutoTokenizer.from_pretrained``, ``transformer-jax generate --checkpoint DIR`` and
 ``hf.load`` read.
 
-Checkpoint format read (what ``training.run`` saves): an orbax train state whose ``params``
+Checkpoint format read (what ``train.run.run`` saves): an orbax train state whose ``params``
 entry is the model's param tree (unrolled ``blocks_{i}`` or scanned ``blocks``), with
 ``meta["model"]`` the ``ModelConfig`` as a dict. A LoRA run stores instead
 ``params = {"base": model params, "adapters": lora adapters}`` (``transformer_jax.model.lora``'s

@@ -1,8 +1,8 @@
 """Data: text -> tokens -> batches, deterministic in (seed, step).
 
 ``corpus`` (files -> a cached flat token memmap), ``batches`` (train/val split and the batches
-of one step, pure in the seed and step), ``instruct_records`` + ``instruct`` (JSONL prompt/
-completion and chat records -> packed rows with loss masks), ``eval_sets`` (held-out sets ->
+of one step, pure in the seed and step), ``data.instruct_records`` + ``instruct`` (JSONL prompt/
+completion and chat records -> packed rows with loss masks), ``data.eval_sets`` (held-out sets ->
 packed windows), ``sources`` + ``build`` (inputs -> ArrayRecord shards) and ``shards`` (shards
 -> packed rows or windows, mixtures).
 """

@@ -1,6 +1,6 @@
 """What a run settles before it reads data or compiles anything: where its files go, the
 checks of its configs against the devices and the data, the shardings of its state, and
-whether it fits in memory (``training.run`` calls these first, so a run that cannot work fails
+whether it fits in memory (``train.run.run`` calls these first, so a run that cannot work fails
 in one line, early)."""
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def params_shardings(model_config: ModelConfig, mesh: Any, abstract_params: Para
 
 def check_memory(model_config: ModelConfig, train_config: TrainConfig, mesh: Any) -> None:
     """Raises ValueError, in one line, for a run whose rough memory estimate does not fit
-    (``run_memory.check_fits``); from shapes alone (``jax.eval_shape`` of the real init)."""
+    (``train.memory.check_fits``); from shapes alone (``jax.eval_shape`` of the real init)."""
     abstract = jax.eval_shape(make_init_fn(model_config, train_config),
                               jax.random.key(train_config.seed))
     layout = ParamsLayout.of(train_config)

@@ -34,7 +34,7 @@ from transformer_jax.train.init_from import init_model_config
 
 logger = logging.getLogger(__name__)
 
-#: ``train.quant``: float training (""), or quantised training (``quant_train``).
+#: ``train.quant``: float training (""), or quantised training (``train.quant``).
 QUANT_SCHEMES = ("", "int8", "fp8")
 
 
@@ -442,7 +442,7 @@ def _fit_preset_warmup(config: str, preset: dict[str, Any], train: dict[str, Any
 
 def config_help(width: int = 100) -> str:
     """Every ``model.``, ``train.`` and ``data.`` key with its type, default and meaning
-    (``config_docs.help_text`` of ``SECTIONS``)."""
+    (``train.config_docs.help_text`` of ``SECTIONS``)."""
     return help_text(SECTIONS, width)
 
 

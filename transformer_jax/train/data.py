@@ -1,6 +1,6 @@
 """A run's data: the tokenizer and the token splits of a text corpus, the packed rows of
 ``.jsonl`` instruction files, or shard builds (``data.shards``, read through Grain), and the
-batches ``training.run`` draws from them (pure in (seed, step), so a resumed run sees exactly
+batches ``train.run.run`` draws from them (pure in (seed, step), so a resumed run sees exactly
 the batches an uninterrupted one would)."""
 
 from __future__ import annotations

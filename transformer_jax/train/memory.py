@@ -1,5 +1,5 @@
 """Will a run fit in memory: a rough per-device estimate from shapes alone, checked before any
-data is read or any array allocated (``training.run``; ``train.py --no-memory-check`` skips it).
+data is read or any array allocated (``train.run.run``; ``train.py --no-memory-check`` skips it).
 
 The estimate is the train state (exact: ``jax.eval_shape`` of the real init, split by the run's
 shardings), the gradients (one copy of the trained parameters), and the activations kept for

@@ -11,7 +11,7 @@ The parameters, the optimizer state, the loss, checkpoints and exports stay in t
 dtype: quantisation is a property of the step, not of the weights.
 
 fp8 (e4m3 forward, e5m2 gradients) needs a backend with fp8 matmuls; on CPU a run refuses it
-(``run_setup.check_config``), while ``jax.export`` lowers its step for ``cuda`` from any host.
+(``train.checks.check_config``), while ``jax.export`` lowers its step for ``cuda`` from any host.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import qwix
 
 from transformer_jax.model.transformer import Transformer
 
-#: Per ``train.quant`` scheme (``train_config.QUANT_SCHEMES``): (the forward qtype of weights
+#: Per ``train.quant`` scheme (``train.config.QUANT_SCHEMES``): (the forward qtype of weights
 #: and activations, the backward qtype of gradients).
 QTYPES = {"int8": (jnp.int8, jnp.int8), "fp8": (jnp.float8_e4m3fn, jnp.float8_e5m2)}
 

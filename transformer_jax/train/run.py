@@ -1,22 +1,15 @@
 """The training run, top to bottom: data -> init or restore -> steps with progress, evaluation,
 samples, logs and checkpoints -> summary (``run``).
 
-The pieces it puts together, each in its own module:
-
-* ``train_config`` -- ``TrainConfig`` / ``DataConfig`` and ``build_configs`` (preset + overrides);
-* ``run_setup`` -- the checks before any data or compile (devices, data size, memory: the
-  rough estimate of ``run_memory``) and the state's shardings;
-* ``run_data`` -- the tokenizer and token splits, or packed instruction rows, and their batches;
-* ``run_eval`` -- the validation loss, samples, and evaluation batching;
-* ``resume`` -- what a run must share with its checkpoints to continue;
-* ``loss`` -- masked next-token cross-entropy with z-loss;
-* ``optim`` -- AdamW with warmup + cosine decay, clipping, the weight-decay mask;
-* ``train_step`` -- ``TrainState`` and the pure init / train / eval step functions;
-* ``run_log`` -- metrics checks, ``metrics.jsonl``, TensorBoard, progress bar, signals;
-* ``perf`` -- FLOPs per token and the matmul peak behind MFU.
+The pieces it puts together, each in its own module of this package: ``config`` (the configs
+and ``build_configs``), ``checks`` (what is checked before any data or compile, with the rough
+estimate of ``memory``), ``data`` (the tokenizer, token splits or packed rows, batches),
+``validation`` (validation loss and samples), ``resume`` (what a run shares with its
+checkpoints), ``loss`` and ``optim``, ``step`` (``TrainState`` and the pure steps), ``log``
+(metrics, TensorBoard, progress, signals) and ``perf`` (FLOPs per token, the matmul peak).
 
 The state is created directly sharded over the mesh of ``train.mesh`` (data x fsdp x tensor, see
-``sharding``) and each process loads only its rows of the batch; on CPU,
+``parallel.sharding``) and each process loads only its rows of the batch; on CPU,
 ``sharding.configure_cpu_devices`` makes one device per core, which is what lets a small model's
 step use every core.
 """
@@ -155,7 +148,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
       train_config: optimisation, evaluation, logging and checkpoint settings.
       data_config: corpus and tokenizer.
       progress: show a tqdm progress bar (loss, training step rate, tokens/s, MFU, ETA).
-      memory_check: refuse a run whose rough memory estimate (``run_memory``) is above the
+      memory_check: refuse a run whose rough memory estimate (``train.memory``) is above the
         device's (or, on CPU, the host's available) memory, before any data is read.
 
     Returns:
@@ -329,6 +322,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
     last_val: float | None = None
     interrupted: str | None = None
     step = start_step
+    plotted_step: int | None = None  # loss.png drawn with the records up to this step
     profile = tc.profile_range
     tracing = False
     bar = progress_bar(progress, start_step, tc.steps)
@@ -365,6 +359,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
                                                         log, times, eval_sets)
                         if main_process:
                             _plot(run_dir, times)
+                            plotted_step = step
                     # A signal that came during the evaluation still saves this step.
                     if stop.signal is not None or last or step % tc.ckpt_every == 0:
                         save_start = time.perf_counter()
@@ -388,7 +383,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
             close_start = time.perf_counter()
             ckpt.wait()  # the last save is complete on disk before the summary names it
             times["checkpoint"] += time.perf_counter() - close_start
-            if main_process:
+            if main_process and plotted_step != step:  # the last step's evaluation drew it
                 _plot(run_dir, times)
         ended = True
     except NonFiniteLossError:

@@ -248,7 +248,7 @@ def make_eval_step(model_config: ModelConfig, train_config: TrainConfig | None =
 
 def _training_model(model_config: ModelConfig, train_config: TrainConfig | None) -> Transformer:
     """The model the steps run: with ``train.quant`` its weight products quantised through
-    qwix (``quant_train``; imported only then)."""
+    qwix (``train.quant``; imported only then)."""
     model = Transformer(model_config)
     if train_config is None or not train_config.quant:
         return model

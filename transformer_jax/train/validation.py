@@ -1,5 +1,5 @@
 """A run's evaluation and samples: the validation loss over deterministic batches, a sampled
-continuation of ``train.sample_prompt``, and the batching of evaluation (``training.run``)."""
+continuation of ``train.sample_prompt``, and the batching of evaluation (``train.run.run``)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def evaluate_and_sample(state: TrainState, step: int, eval_step, data: RunData,
                          model_config: ModelConfig, tc: TrainConfig, log: RunLog,
                          times: dict[str, float], eval_sets: Sequence[EvalSet] = ()
                          ) -> float | None:
-    """The validation loss (None without a validation split), each of ``eval_sets``' loss and
+    """The validation loss (None without a validation split), each of ``data.eval_sets``' loss and
     bits per byte, and a sample, all logged."""
     val_loss = None
     start = time.perf_counter()
