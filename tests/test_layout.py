@@ -114,15 +114,22 @@ def test_modules_are_short():
     assert not long, long
 
 
-@pytest.mark.parametrize("old", ["loading", "train_config", "training", "config", "sharding",
-                                 "ops.attention", "checkpoint_files", "run_log", "hf_export"])
-def test_moved_modules_keep_their_old_import_path(old):
-    from transformer_jax import _moved
+# Old path -> where it moved, and a name it defines (stated here, not read from _moved.MOVED).
+MOVED = [("loading", "checkpoint.loading", "locate"),
+         ("train_config", "train.config", "TrainConfig"), ("training", "train.run", "run"),
+         ("config", "model.config", "ModelConfig"),
+         ("sharding", "parallel.sharding", "param_shardings"),
+         ("ops.attention", "model.ops.attention", "attention"),
+         ("checkpoint_files", "checkpoint.files", "CheckpointError"),
+         ("run_log", "train.log", "RunLog"), ("hf_export", "cli.export", "export")]
 
-    new = _moved.new_name(f"transformer_jax.{old}")
+
+@pytest.mark.parametrize(("old", "new", "name"), MOVED, ids=[m[0] for m in MOVED])
+def test_moved_modules_keep_their_old_import_path(old, new, name):
+    new = f"transformer_jax.{new}"
     with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
         module = importlib.import_module(f"transformer_jax.{old}")
-    assert module is importlib.import_module(new)
+    assert module is importlib.import_module(new) and hasattr(module, name)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert importlib.import_module(f"transformer_jax.{old}") is module  # cached, silent
