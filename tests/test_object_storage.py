@@ -154,8 +154,8 @@ def test_a_build_into_a_bucket_is_read_back_whole(pod):
     assert json.loads((shards_dir / "metadata.json").read_text()) == {
         k: v for k, v in pod["meta"].items() if k not in ("build_tokens", "build_seconds")}
     copy = storage.local_copy("gs://bkt/shards", purpose="data")
-    for rel, size in storage._remote_files("gs://bkt/shards").items():
-        assert (copy / rel).stat().st_size == size
+    for rel, info in storage._remote_files("gs://bkt/shards").items():
+        assert (copy / rel).stat().st_size == info["size"]
 
 
 def test_two_processes_train_from_the_bucket_with_their_checkpoints_in_it(pod):
@@ -227,3 +227,84 @@ def test_a_run_in_a_missing_bucket_fails_in_one_line_before_training(bucket):
                                                 "train.run_dir=gs://no-such-bucket/run"])
     with pytest.raises(FileNotFoundError, match="the bucket no-such-bucket does not exist"):
         training.run(model, train, data, progress=False)
+
+
+def _hf_dir(path: Path, seed: int) -> Path:
+    """A tiny HF checkpoint (no tokenizer) whose weights depend on ``seed``, shapes not."""
+    from helpers import TINY
+
+    from transformer_jax import hf
+    from transformer_jax.model.transformer import abstract_params
+
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(lambda s: rng.normal(0, 0.2, s.shape).astype(s.dtype),
+                          abstract_params(TINY))
+    hf.save(TINY, params, path)
+    return path
+
+
+def test_a_bucket_lists_the_versions_the_cache_is_keyed_by(bucket, tmp_path):
+    from transformer_jax import storage
+    from transformer_jax.storage import versions
+
+    local = tmp_path / "files"
+    local.mkdir()
+    (local / "sub").mkdir(parents=True)
+    (local / "a.bin").write_bytes(b"aaaa")
+    (local / "sub" / "b.bin").write_bytes(b"bbbb")
+    assert storage.push(local, "gs://bkt/versions") == 2
+    listed = storage._remote_files("gs://bkt/versions")
+    for entry in listed.values():  # from ls (a.bin) and from find (sub/b.bin)
+        assert entry["generation"] and entry["crc32c"] and entry["md5Hash"]
+    assert storage.push(local, "gs://bkt/versions") == 0  # the bucket's CRC32C is the file's
+    copy = storage.local_copy("gs://bkt/versions")
+    records = versions.read_records(copy)
+    assert set(records) == {"a.bin", "sub/b.bin"}  # keyed by the objects' versions
+    assert json.loads(records["a.bin"][0])["generation"] == listed["a.bin"]["generation"]
+    single = storage.local_copy("gs://bkt/versions/sub/b.bin")  # one file, from fs.info
+    assert single.read_bytes() == b"bbbb"
+    single_record = versions.read_records(single.parent)["b.bin"]
+    assert json.loads(single_record[0])["generation"] == listed["sub/b.bin"]["generation"]
+
+
+def test_an_export_over_an_export_is_read_back_new_not_from_the_cache(bucket, tmp_path):
+    """Export A to the bucket, read it, export B (same shapes) over it, read it: B."""
+    from transformer_jax.checkpoint import loading
+    from transformer_jax.cli import export as hf_export
+
+    url = "gs://bkt/hf/stale"
+
+    def weights(checkpoint) -> list[np.ndarray]:
+        params = loading.load(str(checkpoint), with_tokenizer=False).params
+        return [np.asarray(leaf) for leaf in jax.tree.leaves(params)]
+
+    run_a, run_b = _hf_dir(tmp_path / "a", 1), _hf_dir(tmp_path / "b", 2)
+    assert hf_export.main(["--checkpoint", str(run_a), "--out", url, "--no-tokenizer"]) == 0
+    for got, want in zip(weights(url), weights(run_a), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert hf_export.main(["--checkpoint", str(run_b), "--out", url, "--no-tokenizer",
+                           "--overwrite"]) == 0
+    for got, want in zip(weights(url), weights(run_b), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_an_export_to_a_missing_bucket_fails_in_one_line_before_writing(bucket, tmp_path,
+                                                                        capsys):
+    from transformer_jax import storage
+    from transformer_jax.cli import export as hf_export
+
+    url = "gs://nobucket/hf"
+    checkpoint = _hf_dir(tmp_path / "a", 1)
+    capsys.readouterr()
+    assert hf_export.main(["--checkpoint", str(checkpoint), "--out", url,
+                           "--no-tokenizer"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the bucket nobucket does not exist" in err, err
+    assert not storage.staging_dir(url, "export").exists()  # nothing written locally
+    # An object where the directory would be is refused before writing as well.
+    (tmp_path / "obj").write_bytes(b"x")
+    storage.filesystem("gs://bkt/an-object")[0].put_file(str(tmp_path / "obj"),
+                                                         "bkt/an-object")
+    with pytest.raises(FileExistsError, match="is a file, not a directory"):
+        hf_export.export(checkpoint, "gs://bkt/an-object", use_tokenizer=False)
+    assert not storage.staging_dir("gs://bkt/an-object", "export").exists()

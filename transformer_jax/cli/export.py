@@ -125,13 +125,13 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    where = f"--checkpoint {checkpoint}"
-    source = loading.locate(checkpoint, where=where)
     remote = storage.is_remote(out)
     if remote:  # written locally, then uploaded (HF's files are written whole)
         url = str(out).rstrip("/")
-        check_remote_out(url, overwrite)
+        check_remote_out(url, overwrite)  # before any work: a missing bucket, say
         out = storage.staging_dir(url, "export")
+    where = f"--checkpoint {checkpoint}"
+    source = loading.locate(checkpoint, where=where)
     out = Path(out).expanduser()
     if not remote:
         check_out(out, overwrite)
@@ -155,8 +155,10 @@ def check_remote_out(url: str, overwrite: bool = False) -> None:
     other files than an earlier export's are replaced only with ``overwrite``.
 
     Raises:
+      FileNotFoundError: the bucket does not exist (named).
       FileExistsError: naming what is there and what to do.
     """
+    storage.check_writable(url, "--out")
     out = storage.as_path(url)
     if (loading.is_run_dir(out) or loading.is_step_dir(out)
             or out.parent.name == loading.CHECKPOINTS):

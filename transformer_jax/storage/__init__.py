@@ -14,12 +14,15 @@ How each kind of file reaches a bucket:
   directory (``mirror``), filled from the bucket when the run starts (so a resume truncates
   and appends to the bucket's ``metrics.jsonl``) and uploaded by ``push`` at every checkpoint
   and at the end: objects cannot be appended to, and a whole small file is one request.
-* **Directories read whole** (a HF checkpoint, data shards, a tokenizer) are downloaded once
-  into a local cache by ``local_copy`` (files already there with the same size are kept);
-  ArrayRecord's pip build cannot open ``gs://`` paths (its reader sees 0 records), and
-  HuggingFace and SentencePiece read local files only.
+* **Directories read whole** (a HF checkpoint, data shards, a tokenizer, a run's small
+  files) are downloaded into a local cache by ``local_copy``; a cached file is kept only while
+  the object is the version it was fetched from (GCS's generation, ``storage.versions``),
+  never because its size matches (retrained weights have the same sizes). ArrayRecord's pip
+  build cannot open ``gs://`` paths (its reader sees 0 records), and HuggingFace and
+  SentencePiece read local files only.
 * **Directories written whole** (a HF export, a shard build) are written locally and
-  uploaded by ``push``.
+  uploaded by ``push``, which skips only the files whose bytes the remote already holds (by
+  the CRC32C or MD5 the store records).
 
 The cache is ``$TRANSFORMER_JAX_CACHE`` or ``~/.cache/transformer_jax``, under ``remote/``.
 """
@@ -32,8 +35,11 @@ import logging
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+
+from transformer_jax.storage import versions
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +135,24 @@ def check_bucket(url: str, what: str = "path") -> None:
                                 "visible with these credentials")
 
 
+def check_writable(url: str, what: str = "--out") -> None:
+    """Fails early, in one line, for a remote directory that cannot be written: a missing (or
+    invisible) bucket, or an object where the directory would be. Call it before any work.
+
+    Raises:
+      FileNotFoundError: the bucket does not exist (named).
+      FileExistsError: ``url`` is a file (an object), not a directory.
+    """
+    check_bucket(url, what)
+    fs, inner = filesystem(url)
+    try:
+        is_file = fs.isfile(inner.rstrip("/"))
+    finally:
+        fs.invalidate_cache()
+    if is_file:
+        raise FileExistsError(f"{what} {url} is a file, not a directory")
+
+
 def cache_dir() -> Path:
     """Where remote files are staged: ``$TRANSFORMER_JAX_CACHE/remote`` (default
     ``~/.cache/transformer_jax/remote``)."""
@@ -144,9 +168,10 @@ def staging_dir(url: str, purpose: str) -> Path:
     return cache_dir() / purpose / f"{tail}-{digest}"
 
 
-def _remote_files(url: str, exclude: tuple[str, ...] = ()) -> dict[str, int]:
-    """``{relative name: size}`` of every file under a remote directory ({} if none), not
-    looking inside the top-level entries ``exclude`` names.
+def _remote_files(url: str, exclude: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """``{relative name: fsspec listing entry}`` (``size`` and whatever version fields the
+    filesystem gives: ``generation``, ``crc32c``, ``md5Hash``...) of every file under a remote
+    directory ({} if none), not looking inside the top-level entries ``exclude`` names.
 
     The listing is not left in fsspec's cache: orbax lists the same bucket through the same
     filesystem object while it commits a checkpoint, and a cached listing taken halfway
@@ -166,11 +191,11 @@ def _remote_files(url: str, exclude: tuple[str, ...] = ()) -> dict[str, int]:
             if not rel or rel.split("/", 1)[0] in exclude:
                 continue
             if entry.get("type") != "directory":
-                files[rel] = int(entry.get("size") or 0)
+                files[rel] = entry
                 continue
             for sub, info in fs.find(name, detail=True).items():
                 if info.get("type") != "directory":
-                    files[sub[len(inner):].lstrip("/")] = int(info.get("size") or 0)
+                    files[sub[len(inner):].lstrip("/")] = info
     finally:
         fs.invalidate_cache()
     return files
@@ -179,11 +204,13 @@ def _remote_files(url: str, exclude: tuple[str, ...] = ()) -> dict[str, int]:
 def local_copy(path: str | os.PathLike[str], *, exclude: tuple[str, ...] = (),
                purpose: str = "read") -> Path:
     """A local directory with the files of ``path``: ``path`` itself (``~`` expanded) if it is
-    local, else a
-    cached download of the remote directory (of a remote file: the local copy of the file).
+    local, else a cached download of the remote directory (of a remote file: the local copy
+    of the file).
 
-    Files already in the cache with the remote size are not fetched again; files no longer
-    in the bucket are removed from the copy.
+    A cached file is fetched again unless the object is still the version it was fetched from
+    (``storage.versions``: GCS's generation and hashes; a filesystem that gives no version,
+    such as ``memory://``, has every file fetched again), and the file is still the one
+    fetched then. Files no longer in the bucket are removed from the copy.
 
     Args:
       path: a local directory or a remote URL.
@@ -197,35 +224,58 @@ def local_copy(path: str | os.PathLike[str], *, exclude: tuple[str, ...] = (),
         return Path(os.fspath(path)).expanduser()
     url = os.fspath(path).rstrip("/")
     fs, inner = filesystem(url)
-    if fs.isfile(inner):  # one file (a tokenizer.json, say): fetched into a directory of its own
-        target = staging_dir(url, purpose) / url.rsplit("/", 1)[-1]
-        if not (target.is_file() and target.stat().st_size == fs.size(inner)):
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _fetch(fs, inner, target)
-        return target
+    try:
+        info = fs.info(inner)
+    except FileNotFoundError:
+        info = None
+    finally:
+        fs.invalidate_cache()
+    if info is not None and info.get("type") == "file":
+        # One file (a tokenizer.json, say): fetched into a directory of its own.
+        local = staging_dir(url, purpose)
+        name = url.rsplit("/", 1)[-1]
+        _sync(fs, {name: info}, inner.rsplit("/", 1)[0], local, url)
+        return local / name
     files = _remote_files(url, exclude)
     if not files and not as_path(url).exists():
         raise FileNotFoundError(f"{url} does not exist")
     local = staging_dir(url, purpose)
-    local.mkdir(parents=True, exist_ok=True)
-    fetched = 0
-    for rel, n in sorted(files.items()):
-        target = local / rel
-        if target.is_file() and target.stat().st_size == n:
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _fetch(fs, f"{inner.rstrip('/')}/{rel}", target)
-        fetched += 1
-    for rel in files:
-        _PUSHED[(url, rel)] = _stamp(local / rel)
+    _sync(fs, files, inner.rstrip("/"), local, url)
     for stale in [f for f in local.rglob("*") if f.is_file() and not f.name.endswith(".part")]:
         rel = stale.relative_to(local).as_posix()
         if rel not in files and rel.split("/", 1)[0] not in exclude:
             stale.unlink()
+    return local
+
+
+def _sync(fs: Any, files: dict[str, dict[str, Any]], inner: str, local: Path, url: str
+          ) -> None:
+    """Fetches into ``local`` each of ``files`` (relative name -> listing entry, under the
+    remote directory ``inner``) whose cached copy is not known to be that object's version,
+    recording each fetched file's version after the file is in place."""
+    local.mkdir(parents=True, exist_ok=True)
+    records = versions.read_records(local)
+    fetched, written = 0, time.monotonic()
+    for rel, info in sorted(files.items()):
+        target = local / rel
+        version = versions.object_version(info)
+        if versions.is_fresh(target, version, records.get(rel)):
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        records.pop(rel, None)
+        _fetch(fs, f"{inner}/{rel}", target)
+        fetched += 1
+        if version is not None:
+            records[rel] = [version, *versions.stamp(target)]
+            if time.monotonic() - written > 2.0:  # a killed copy keeps most of what it got
+                versions.write_records(local, records)
+                written = time.monotonic()
+    kept = {rel: r for rel, r in records.items() if rel in files}
+    if kept != versions.read_records(local):
+        versions.write_records(local, kept)
     if fetched:
         logger.info("fetched %d file%s of %s into %s", fetched, "" if fetched == 1 else "s",
                     url, local)
-    return local
 
 
 def _fetch(fs: Any, inner: str, target: Path) -> None:
@@ -244,10 +294,11 @@ def _fetch(fs: Any, inner: str, target: Path) -> None:
 def push(local: Path, url: str, *, exclude: tuple[str, ...] = ()) -> int:
     """Uploads the files of a local directory under ``url`` that differ from the remote copy.
 
-    A file is skipped only when the remote object has its size and this process last
-    uploaded (or downloaded, ``local_copy``) the file as it is now (same size and modification
-    time), so a redrawn ``loss.png`` of the same length is still sent. Each file is one object
-    written whole, so a reader never sees half of one.
+    A file is skipped only when the remote object's recorded content hash (GCS's CRC32C or
+    MD5) is the local file's, computed from its bytes: neither the size nor a modification
+    time proves a retrained weight file unchanged. Where the remote records no hash (e.g.
+    ``memory://``), every file is sent. Each file is one object written whole, so a reader
+    never sees half of one.
 
     Args:
       local: the directory.
@@ -265,25 +316,14 @@ def push(local: Path, url: str, *, exclude: tuple[str, ...] = ()) -> int:
         rel = file.relative_to(local).as_posix()
         if rel.split("/", 1)[0] in exclude or file.name.endswith(".part"):
             continue
-        stamp = _stamp(file)
-        if remote.get(rel) == file.stat().st_size and _PUSHED.get((url, rel)) == stamp:
+        if rel in remote and versions.same_content(file, remote[rel]):
             continue
         fs.put_file(str(file), f"{inner}/{rel}")
-        _PUSHED[(url, rel)] = stamp
         sent += 1
     fs.invalidate_cache()
     return sent
 
 
-_PUSHED: dict[tuple[str, str], tuple[int, int]] = {}  # (url, name) -> _stamp when last in sync
-
-
-def _stamp(file: Path) -> tuple[int, int]:
-    """What says a local file is unchanged: its size and modification time (ns)."""
-    st = file.stat()
-    return st.st_size, st.st_mtime_ns
-
-
-__all__ = ["as_path", "cache_dir", "check_bucket", "filesystem", "forget_listings",
-           "is_remote", "local_copy",
-           "push", "rmtree", "size", "staging_dir"]
+__all__ = ["as_path", "cache_dir", "check_bucket", "check_writable", "filesystem",
+           "forget_listings", "is_remote", "local_copy", "push", "rmtree", "size",
+           "staging_dir"]
