@@ -73,8 +73,10 @@ def test_every_kind_is_read_and_held_out_by_document(corpus, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes-00007.txt").write_text("not the build's")  # never removed as a stale shard
+    # A directory holding other files is built into only with overwrite, which still replaces
+    # only the build's own files.
     meta = build_lib.build([str(root / "text"), str(root / "a.jsonl")], out, tok, options=opts,
-                           progress=False)
+                           progress=False, overwrite=True)
     assert (out / "notes-00007.txt").read_text() == "not the build's"
     meta2 = build_lib.build([str(root / "b.parquet"), str(root / "hf")], tmp_path / "out2", tok,
                             options=build_lib.BuildOptions(field="body", val_fraction=0.2,

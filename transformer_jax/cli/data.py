@@ -7,12 +7,25 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from collections.abc import Sequence
 
+from transformer_jax import storage
 from transformer_jax.cli.common import PROG
 from transformer_jax.data import sources as sources_lib
 from transformer_jax.data.build import BuildOptions, build, resolve_tokenizer
+
+
+def _shard_mb(text: str) -> float:
+    """``--shard-mb``: a finite number of MB above 0."""
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = math.nan
+    if not (math.isfinite(mb) and mb > 0 and math.isfinite(mb * 2**20)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of MB above 0, got {text!r}")
+    return mb
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,25 +49,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--val-fraction", type=float, default=0.01,
                    help="share of documents held out (by a hash of each document)")
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
-    p.add_argument("--shard-mb", type=float, default=64.0, help="input MB per shard")
+    p.add_argument("--shard-mb", type=_shard_mb, default=64.0,
+                   help="input MB per shard (above 0)")
     p.add_argument("--bos", action="store_true", help="put bos before each document")
     p.add_argument("--skip-bad", action="store_true",
                    help="skip (and name) a bad input file instead of failing")
+    p.add_argument("--overwrite", action="store_true",
+                   help="build into an --out that holds a finished build of other inputs or "
+                        "options, or other files (only the build's own files are replaced)")
     p.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         options = BuildOptions(field=args.field, text_docs=args.text_docs,
                                val_fraction=args.val_fraction,
-                               shard_bytes=max(1, int(args.shard_mb * 2**20)),
+                               shard_bytes=max(1, round(args.shard_mb * 2**20)),
                                add_bos=args.bos, skip_bad=args.skip_bad)
         if args.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {args.workers}")
         tokenizer = resolve_tokenizer(args.tokenizer, args.input, args.vocab_size,
-                                      args.cache_dir)
+                                      args.cache_dir,
+                                      exclude=() if storage.is_remote(args.out) else (args.out,))
         build(args.input, args.out, tokenizer, options=options, workers=args.workers,
-              progress=not args.no_progress)
-    except (ValueError, FileNotFoundError) as e:
+              progress=not args.no_progress, overwrite=args.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

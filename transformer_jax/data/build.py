@@ -10,6 +10,17 @@ killed at any point and run again redoes only the shards without their json, and
 byte equal to an uninterrupted build. ``metadata.json`` (tokenizer fingerprint, documents and
 tokens per shard and split, the sources) is written when every shard is done.
 
+The build owns its directory: it first writes ``.build.json`` (its inputs, options and
+tokenizer), and builds again only into an empty directory, one with its own ``.build.json``
+(the same build is resumed; an unfinished one of other inputs or options, i.e. without
+``metadata.json``, is replaced), or, with ``overwrite``, any other (a finished build of other
+inputs or options, or files that are not a build). Even then only the build's own names are
+replaced or removed: ``metadata.json``, ``.build.json``, ``tokenizer/`` (replaced whole), the
+shard files and the temporary files of these; nothing else in the directory is touched. A
+build holds a lock on the directory (``flock``, released when the process ends, however it
+ends), so a second build into it at the same time is refused. ``--out`` and all under it are
+left out of the inputs.
+
 ArrayRecord (with ``group_size:1``, one record per chunk) because Grain reads it by index with
 no extra index file, which is what a batch that is a pure function of (seed, step) needs.
 
@@ -26,6 +37,7 @@ import hashlib
 import json
 import logging
 import multiprocessing
+import numbers
 import os
 import re
 import sys
@@ -38,15 +50,14 @@ import numpy as np
 
 from transformer_jax import storage
 from transformer_jax.data import sources as sources_lib
+from transformer_jax.data.build_dir import FORMAT, MARKER, METADATA, claim, locked
 from transformer_jax.data.corpus import token_dtype
-from transformer_jax.storage.files import atomic_writer
+from transformer_jax.storage.files import atomic_writer, replacing_directory
 from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "transformer_jax.shards"
 VERSION = 1
-METADATA = "metadata.json"
 TOKENIZER_DIR = "tokenizer"
 SPLITS = ("train", "val")
 _WRITER_OPTIONS = "group_size:1"
@@ -80,10 +91,14 @@ class BuildOptions:
         if self.text_docs not in sources_lib.TEXT_DOCS:
             raise ValueError(f"text_docs must be one of {sources_lib.TEXT_DOCS}, got "
                              f"{self.text_docs!r}")
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.shard_bytes <= 0:
-            raise ValueError(f"shard_bytes must be positive, got {self.shard_bytes}")
+        if (not isinstance(self.val_fraction, numbers.Real)
+                or not 0 <= self.val_fraction < 1):
+            raise ValueError(f"val_fraction must be a number in [0, 1), got "
+                             f"{self.val_fraction!r}")
+        if (isinstance(self.shard_bytes, bool) or not isinstance(self.shard_bytes, numbers.Integral)
+                or self.shard_bytes <= 0):
+            raise ValueError(f"shard_bytes must be a positive whole number of bytes, got "
+                             f"{self.shard_bytes!r}")
 
 
 def shard_name(split: str, index: int) -> str:
@@ -112,33 +127,52 @@ def is_held_out(text: str, val_fraction: float) -> bool:
 
 
 def build(inputs: Sequence[str], out: str | os.PathLike[str], tokenizer: TextTokenizer, *,
-          options: BuildOptions = BuildOptions(), workers: int = 1, progress: bool = True
-          ) -> dict[str, Any]:
+          options: BuildOptions = BuildOptions(), workers: int = 1, progress: bool = True,
+          overwrite: bool = False) -> dict[str, Any]:
     """Tokenizes the inputs into shards under ``out`` (see the module docstring).
 
     Args:
-      inputs: files, directories and globs (``sources.resolve_sources``).
+      inputs: files, directories and globs (``sources.resolve_sources``); whatever lies under
+        ``out`` is left out.
       out: the build directory (created; a finished shard of an earlier run is kept).
       tokenizer: the tokenizer (saved to ``out/tokenizer``).
       options: how documents are read and split.
-      workers: tokenizing processes.
+      workers: tokenizing processes (at most one per shard to build).
       progress: show a tqdm bar (shards, tokens/s).
+      overwrite: build into an ``out`` that holds a finished build of other inputs or options,
+        or files that are not a build (only the build's own names are replaced).
 
     Returns:
       The metadata written to ``out/metadata.json``.
 
     Raises:
       BadInput: a bad input file (one line naming it) without ``skip_bad``.
+      FileExistsError: ``out`` is not this build's (and not ``overwrite``), is a file, or
+        another build is writing into it.
       ValueError: no documents at all, or bad options.
     """
+    if isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 1:
+        raise ValueError(f"workers must be a whole number >= 1, got {workers!r}")
     if storage.is_remote(out):
         return _build_remote(inputs, os.fspath(out).rstrip("/"), tokenizer, options=options,
-                             workers=workers, progress=progress)
+                             workers=workers, progress=progress, overwrite=overwrite)
     out = Path(out).expanduser()
+    srcs = sources_lib.resolve_sources(list(inputs), exclude=[out])
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file, not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(".*.tmp*"):  # of a build killed while it wrote
-        stale.unlink()
-    srcs = sources_lib.resolve_sources(list(inputs))
+    with locked(out):
+        identity = {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer.fingerprint,
+                    "inputs": sorted({os.path.abspath(os.path.expanduser(os.fspath(i)))
+                                      for i in inputs}),
+                    "options": dataclasses.asdict(options)}
+        claim(out, identity, overwrite)
+        return _build_locked(srcs, out, tokenizer, options, workers, progress)
+
+
+def _build_locked(srcs: list[sources_lib.Source], out: Path, tokenizer: TextTokenizer,
+                  options: BuildOptions, workers: int, progress: bool) -> dict[str, Any]:
+    """``build`` once ``out`` is claimed and locked."""
     pieces = sources_lib.plan_pieces(srcs, options.shard_bytes)
     shards = group_shards(pieces, options.shard_bytes)
     dtype = token_dtype(tokenizer.vocab_size)
@@ -152,9 +186,16 @@ def build(inputs: Sequence[str], out: str | os.PathLike[str], tokenizer: TextTok
     plans = {i: _plan(keys, settings) for i, keys, settings in tasks}
     done = {i: _finished(out, i, plans[i]) for i in plans}
     todo = [t for t in tasks if done[t[0]] is None]
-    _remove_beyond(out, len(shards))
-    logger.info("%d inputs -> %d pieces -> %d shards (%d already built) with %d worker(s)",
-                len(srcs), len(pieces), len(shards), len(shards) - len(todo), workers)
+    if todo or _beyond(out, len(shards)):
+        # The shards change under it: a reader never sees it beside other shards.
+        (out / METADATA).unlink(missing_ok=True)
+    for path in _beyond(out, len(shards)):
+        path.unlink()
+    used = max(1, min(workers, len(todo)))
+    logger.info("%d inputs -> %d pieces -> %d shards (%d already built) with %d worker(s)%s",
+                len(srcs), len(pieces), len(shards), len(shards) - len(todo), used,
+                f" (--workers {workers}: one per shard to build)" if used < workers else "")
+    workers = used
     bar = _bar(progress, len(shards), len(shards) - len(todo))
     start, tokens = time.perf_counter(), 0
     with _pool(workers, str(out)) as imap:
@@ -169,7 +210,8 @@ def build(inputs: Sequence[str], out: str | os.PathLike[str], tokenizer: TextTok
     records = [done[i] for i in range(len(shards))]
     meta = _metadata(records, srcs, tokenizer, dtype, options)
     if not meta["train_docs"]:
-        raise ValueError(f"the inputs {list(inputs)} hold no documents for the train split")
+        raise ValueError(f"the inputs {[s.path for s in srcs]} hold no documents for the "
+                         "train split")
     with atomic_writer(out / METADATA) as f:
         f.write(json.dumps(meta, indent=1, sort_keys=True).encode())
     logger.info("built %s: %d shards, %d/%d docs and %d/%d tokens (train/val); %d tokens in "
@@ -188,7 +230,10 @@ def _build_remote(inputs: Sequence[str], url: str, tokenizer: TextTokenizer, **k
     storage.check_bucket(url, "--out")
     local = (storage.local_copy(url, purpose="build") if storage.as_path(url).exists()
              else storage.staging_dir(url, "build"))
-    meta = build(inputs, local, tokenizer, **kw)
+    try:
+        meta = build(inputs, local, tokenizer, **kw)
+    except FileExistsError as e:  # said of the bucket, not of its local copy
+        raise FileExistsError(str(e).replace(str(local), url)) from None
     sent = storage.push(local, url, exclude=(METADATA,)) + storage.push(local, url)
     logger.info("uploaded %d file%s of the build to %s", sent, "" if sent == 1 else "s", url)
     return meta
@@ -215,13 +260,15 @@ _SHARD_FILE = re.compile(r"(?:(?:train|val)-(\d{5})\.(?:arrayrecord|lengths\.npy
                          r"|shard-(\d{5})\.json)")
 
 
-def _remove_beyond(out: Path, count: int) -> None:
-    """Removes the files of shards ``count, count + 1, ...`` left by a bigger earlier plan (only
-    names a build writes: other files in ``out`` are never touched)."""
+def _beyond(out: Path, count: int) -> list[Path]:
+    """The files of shards ``count, count + 1, ...`` left by a bigger earlier plan (only names
+    a build writes: other files in ``out`` are never touched)."""
+    beyond = []
     for path in out.iterdir():
         match = _SHARD_FILE.fullmatch(path.name)
         if match and int(match.group(1) or match.group(2)) >= count:
-            path.unlink()
+            beyond.append(path)
+    return beyond
 
 
 # Per worker process: the build directory and its tokenizer, loaded once.
@@ -280,6 +327,8 @@ def _build_shard(task: tuple[int, list, dict[str, Any]]) -> dict[str, Any]:
     for split in SPLITS:
         record[f"{split}_docs"] = len(lengths[split])
         record[f"{split}_tokens"] = int(sum(lengths[split]))
+        # Its size, so a reader finds a truncated file with a stat (``shard_checks``).
+        record[f"{split}_bytes"] = (out / shard_name(split, index)).stat().st_size
     with atomic_writer(out / f"shard-{index:05d}.json") as f:
         f.write(json.dumps(record, sort_keys=True).encode())
     return record
@@ -329,27 +378,31 @@ def _metadata(records: list[dict[str, Any]], srcs: list[sources_lib.Source],
 
 
 def _save_tokenizer(tokenizer: TextTokenizer, directory: Path) -> TextTokenizer:
-    """Saves the tokenizer to ``directory`` (unless it holds it already); returns the copy."""
+    """Saves the tokenizer to ``directory`` (replaced whole, unless it holds the tokenizer
+    already); returns the copy."""
     with contextlib.suppress(OSError, ValueError):
         saved = load_tokenizer(directory)
         if saved.fingerprint == tokenizer.fingerprint:
             return saved
-    tokenizer.save(directory)
+    with replacing_directory(directory, carry_over=lambda name: False) as tmp:
+        tokenizer.save(tmp)
     return load_tokenizer(directory)
 
 
-def resolve_tokenizer(spec: str, inputs: Sequence[str], vocab_size: int, cache_dir: str
-                      ) -> TextTokenizer:
+def resolve_tokenizer(spec: str, inputs: Sequence[str], vocab_size: int, cache_dir: str,
+                      *, exclude: Sequence[str | os.PathLike[str]] = ()) -> TextTokenizer:
     """``--tokenizer``: a file or directory to load, or ``bpe``/``unigram``/``char`` to train
-    (cached) on the text files among the inputs."""
+    (cached) on the text files among the inputs (less what lies under ``exclude``: the
+    build's ``--out``)."""
     if spec not in MODEL_TYPES:
         return load_tokenizer(Path(spec).expanduser())
-    text = [Path(s.path) for s in sources_lib.resolve_sources(list(inputs)) if s.kind == "text"]
+    srcs = sources_lib.resolve_sources(list(inputs), exclude=exclude)
+    text = [Path(s.path) for s in srcs if s.kind == "text"]
     if not text:
         raise ValueError(f"--tokenizer {spec} trains on the text files of --input, and there "
                          "are none: pass --tokenizer FILE|DIR")
     return Tokenizer.train_or_load(text, Path(cache_dir).expanduser(), vocab_size, spec)
 
 
-__all__ = ["FORMAT", "METADATA", "SPLITS", "BuildOptions", "build", "group_shards",
+__all__ = ["FORMAT", "MARKER", "METADATA", "SPLITS", "BuildOptions", "build", "group_shards",
            "is_held_out", "resolve_tokenizer", "shard_name"]

@@ -35,18 +35,23 @@ _GLOB_CHARS = frozenset("*?[")
 
 def resolve_corpus(
     patterns: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    *,
+    exclude: Sequence[str | os.PathLike[str]] = (),
 ) -> list[Path]:
     """Expands file paths, directories and glob patterns into a sorted list of files.
 
     Args:
       patterns: One or more of: a file path; a directory (all non-hidden files below it,
         recursively); a glob pattern (``**`` recurses), e.g. ``"data/*.txt"``. ``~`` expands.
+      exclude: Files or directories whose files are left out (logged), e.g. a shard build's
+        own output directory when it lies among its inputs.
 
     Returns:
       Absolute paths of the matched files, sorted and without duplicates.
 
     Raises:
-      FileNotFoundError: If a path does not exist or a pattern matches no file.
+      FileNotFoundError: If a path does not exist or a pattern matches no file (or only
+        excluded ones).
       ValueError: If no pattern is given or every matched file is empty.
     """
     if isinstance(patterns, str | os.PathLike):
@@ -54,7 +59,9 @@ def resolve_corpus(
     patterns = list(patterns)
     if not patterns:
         raise ValueError("resolve_corpus needs at least one path or glob pattern")
+    excluded = [Path(os.path.expanduser(os.fspath(e))).resolve() for e in exclude]
     found: set[Path] = set()
+    left_out: set[Path] = set()
     for pattern in patterns:
         text = os.path.expanduser(os.fspath(pattern))
         if any(c in _GLOB_CHARS for c in text):
@@ -73,13 +80,33 @@ def resolve_corpus(
             raise FileNotFoundError(f"corpus path not found: {pattern!r}")
         if not files:
             raise FileNotFoundError(f"corpus pattern {pattern!r} matches no files")
-        found.update(f.resolve() for f in files)
+        files = [f.resolve() for f in files]
+        kept = [f for f in files if not is_under(f, excluded)]
+        left_out.update(f for f in files if f not in kept)
+        if not kept:
+            raise FileNotFoundError(
+                f"corpus pattern {pattern!r} matches only files under "
+                f"{', '.join(map(str, excluded))}, which is left out of the inputs"
+            )
+        found.update(kept)
+    if left_out:
+        logger.info(
+            "left %d file%s under %s out of the inputs",
+            len(left_out),
+            "" if len(left_out) == 1 else "s",
+            ", ".join(map(str, excluded)),
+        )
     result = sorted(found)
     if sum(f.stat().st_size for f in result) == 0:
         raise ValueError(
             f"corpus {patterns!r} is empty: all {len(result)} matched files have 0 bytes"
         )
     return result
+
+
+def is_under(path: Path, directories: Sequence[Path]) -> bool:
+    """Whether ``path`` is one of ``directories`` or lies below one (all absolute, resolved)."""
+    return any(path == d or d in path.parents for d in directories)
 
 
 def default_corpus(max_bytes: int | None = DEFAULT_CORPUS_MAX_BYTES) -> list[Path]:
@@ -225,5 +252,5 @@ def tokenize_corpus(
     return np.memmap(cache_path, dtype=dtype, mode="r")
 
 
-__all__ = ["DEFAULT_CORPUS_MAX_BYTES", "default_corpus", "resolve_corpus", "token_dtype",
-           "tokenize_corpus"]
+__all__ = ["DEFAULT_CORPUS_MAX_BYTES", "default_corpus", "is_under", "resolve_corpus",
+           "token_dtype", "tokenize_corpus"]

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from transformer_jax.data import corpus
+
+logger = logging.getLogger(__name__)
 
 KINDS = ("text", "jsonl", "parquet", "hf")
 TEXT_DOCS = ("file", "paragraph")
@@ -55,20 +58,23 @@ class Piece:
                 self.start, self.stop]
 
 
-def resolve_sources(patterns: Sequence[str]) -> list[Source]:
+def resolve_sources(patterns: Sequence[str],
+                    exclude: Sequence[str | os.PathLike[str]] = ()) -> list[Source]:
     """Files, directories and globs -> sources, sorted by path.
 
     A directory holding ``state.json`` and ``dataset_info.json`` (or ``dataset_dict.json``)
     is a saved HuggingFace dataset (each split of a ``DatasetDict``); other directories are
     searched for files as ``corpus.resolve_corpus`` does. ``.jsonl`` and ``.parquet`` files are
-    read as such, anything else as text.
+    read as such, anything else as text. Whatever lies under ``exclude`` (a build's own output
+    directory) is left out, and said in the log.
 
     Raises:
-      FileNotFoundError: a path or pattern that matches nothing.
+      FileNotFoundError: a path or pattern that matches nothing (or only what is excluded).
       ValueError: no pattern.
     """
     if not patterns:
         raise ValueError("no input: pass --input FILE|DIR|GLOB")
+    excluded = [Path(os.path.expanduser(os.fspath(e))).resolve() for e in exclude]
     found: dict[str, Source] = {}
     for pattern in patterns:
         path = Path(os.path.expanduser(pattern))
@@ -79,13 +85,21 @@ def resolve_sources(patterns: Sequence[str]) -> list[Source]:
             dirs = [path]
         else:
             dirs = []
+        dirs = [d.resolve() for d in dirs]
+        if dirs and all(corpus.is_under(d, excluded) for d in dirs):
+            raise FileNotFoundError(f"--input {pattern!r} is a dataset under "
+                                    f"{', '.join(map(str, excluded))}, which is left out of the "
+                                    "inputs")
         for d in dirs:
-            d = d.resolve()
+            if corpus.is_under(d, excluded):
+                logger.info("left the dataset %s under %s out of the inputs", d,
+                            ", ".join(map(str, excluded)))
+                continue
             size = sum(f.stat().st_size for f in d.glob("*.arrow"))
             found[str(d)] = Source(str(d), "hf", size)
         if dirs:
             continue
-        for file in corpus.resolve_corpus([pattern]):
+        for file in corpus.resolve_corpus([pattern], exclude=excluded):
             suffix = file.suffix.lower()
             kind = {".jsonl": "jsonl", ".parquet": "parquet"}.get(suffix, "text")
             found[str(file)] = Source(str(file), kind, file.stat().st_size)
