@@ -162,3 +162,7 @@ def test_a_run_trains_from_a_mixture_with_a_loss_per_source(builds, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     splits = {r["split"] for r in records}
     assert {"val", "val/a", "val/b"} <= splits
+    # The headline is the sources' mean weighted by the mixture (1:1), not the first's.
+    last = {r["split"]: r["loss"] for r in records if r["split"].startswith("val")}
+    assert last["val"] == pytest.approx((last["val/a"] + last["val/b"]) / 2)
+    assert summary.val_loss == pytest.approx(last["val"])

@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,8 @@ import numpy as np
 
 from transformer_jax import storage
 from transformer_jax.data.batches import HostBatch, StepBatches, batch_offsets, check_non_negative
-from transformer_jax.data.build import FORMAT, METADATA, SPLITS, TOKENIZER_DIR, shard_name
+from transformer_jax.data.build import METADATA, SPLITS, TOKENIZER_DIR, shard_name
+from transformer_jax.data.shard_checks import check_files, read_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -57,23 +59,6 @@ def is_build(path: str | Path) -> bool:
     if path.is_dir() and next(path.glob("shard-[0-9]*.json"), None) is not None:
         read_metadata(path)  # raises, naming the build command
     return False
-
-
-def read_metadata(path: str | Path) -> dict[str, Any]:
-    """A build's metadata, checked to be one.
-
-    Raises:
-      FileNotFoundError: no ``metadata.json`` (the build is unfinished or not one).
-      ValueError: a ``metadata.json`` of another format or version.
-    """
-    file = Path(path).expanduser() / METADATA
-    if not file.is_file():
-        raise FileNotFoundError(f"{path} is not a finished shard build (no {METADATA}); run "
-                                "transformer-jax data build --out ... to finish it")
-    meta = json.loads(file.read_text())
-    if meta.get("format") != FORMAT or meta.get("version") != 1:
-        raise ValueError(f"{file} is not a {FORMAT} version 1 metadata file")
-    return meta
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -116,19 +101,24 @@ class TokenStream:
 
     @classmethod
     def open(cls, builds: Sequence[str | Path], split: str) -> TokenStream:
-        """The ``split`` (``train``/``val``) of the builds, in the given order."""
+        """The ``split`` (``train``/``val``) of the builds, in the given order.
+
+        Every file the metadata lists for the split is checked first (``check_files``), so a
+        damaged build fails here, in one line naming the file, not when a batch reads it.
+        """
         paths, counts, lengths, dtypes = [], [], [], set()
         for build in builds:
             build = Path(build).expanduser()
             meta = read_metadata(build)
             dtypes.add(meta["dtype"])
             for shard in meta["shards"]:
-                name = shard_name(split, shard["index"])
                 if shard[f"{split}_docs"]:  # an empty ArrayRecord file is left out
-                    paths.append(str(build / name))
+                    file = build / shard_name(split, shard["index"])
+                    paths.append(str(file))
                     counts.append(shard[f"{split}_docs"])
-                    lengths.append(np.load(build / name.replace(".arrayrecord",
-                                                                ".lengths.npy")))
+                    lengths.append(check_files(file, shard[f"{split}_docs"],
+                                               shard[f"{split}_tokens"],
+                                               shard.get(f"{split}_bytes")))
         if len(dtypes) != 1:
             raise ValueError(f"the builds {list(builds)} have different token dtypes {dtypes}")
         lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
@@ -207,9 +197,11 @@ class Mixture:
     @classmethod
     def parse(cls, path: str, mixture: str) -> Mixture:
         """``data.mixture`` (``name=PATH:weight,...``), or one source of all of ``data.path``.
+        Reads no file (``DataConfig`` checks the field with it).
 
         Raises:
-          ValueError: a malformed entry, a weight that is not positive, a repeated name.
+          ValueError: a malformed entry, a weight that is not a finite number > 0, weights
+            whose sum is not finite, a repeated name (one line naming ``data.mixture``).
         """
         if not mixture:
             return cls(("data",), (tuple(p.strip() for p in path.split(",") if p.strip()),),
@@ -222,15 +214,23 @@ class Mixture:
                 value = float(weight) if colon else float("nan")
             except ValueError:
                 value = float("nan")
-            if not eq or not name or not where or not value > 0:
-                raise ValueError(f"data.mixture entry {entry!r} is not NAME=PATH:WEIGHT with a "
-                                 "positive weight")
+            if not eq or not name or not where or not colon:
+                raise ValueError(f"data.mixture entry {entry!r} is not NAME=PATH:WEIGHT "
+                                 "(WEIGHT a finite number > 0)")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"data.mixture entry {entry!r}: the weight {weight!r} is not "
+                                 "a finite number > 0 (the weights are relative, e.g. "
+                                 "a=DIR:3,b=DIR:1)")
             if name in names:
                 raise ValueError(f"data.mixture names {name!r} twice")
             names.append(name)
             builds.append(tuple(where.split("+")))
             weights.append(value)
         total = sum(weights)
+        if not math.isfinite(total):
+            raise ValueError(f"data.mixture weights {', '.join(map(repr, weights))} sum to "
+                             f"{total}: their sum must be a finite number (they are relative: "
+                             "1,1 reads the same as 1e308,1e308 would)")
         return cls(tuple(names), tuple(builds), tuple(w / total for w in weights))
 
     def fetched(self) -> Mixture:
@@ -324,18 +324,34 @@ def _by_source(sources: np.ndarray, keys: np.ndarray,
     return out
 
 
+def eval_rows(stream: TokenStream, packing: str, seq_len: int) -> int:
+    """How many validation rows the stream holds: packed rows of T + 1 tokens, or windows
+    ``[w T, w T + T]`` (``concat``)."""
+    if packing == "pack":
+        return stream.num_tokens // (seq_len + 1)
+    return max(stream.num_tokens - 1, 0) // seq_len
+
+
 def eval_batches(stream: TokenStream, packing: str, batch_size: int, seq_len: int,
                  max_batches: int | None = None, *, process_index: int = 0,
-                 process_count: int = 1) -> Iterator[HostBatch]:
-    """Validation batches in order: packed rows ``0, 1, ...`` or the windows
-    ``[w T, w T + T]`` of ``data.eval_batches``; a last incomplete batch is dropped. Checked
-    when called (as ``data.eval_batches``): ValueError when not one batch fills."""
+                 process_count: int = 1, pad: bool = False) -> Iterator[HostBatch]:
+    """Validation batches in order: global batch ``i`` holds packed rows (or the windows
+    ``[w T, w T + T]`` of ``data.eval_batches``) ``i B .. i B + B - 1``, each process its own
+    ``B / P`` of them (process ``p`` rows ``i B + p B / P ..``); at most ``max_batches``.
+
+    A last incomplete batch is dropped; with ``pad`` (a mixture source's batches, so that a
+    source smaller than one batch is still evaluated) it is kept, filled with copies of row 0
+    whose ``mask`` is zero, and every batch has a ``mask``. Checked when called (as
+    ``data.eval_batches``): ValueError when not one batch fills (with ``pad``: not one row).
+    """
     local = batch_size // process_count
     width = seq_len + 1 if packing == "pack" else seq_len
-    count = (stream.num_tokens - (packing != "pack")) // width // batch_size
+    rows = eval_rows(stream, packing, seq_len)
+    count = -(-rows // batch_size) if pad else rows // batch_size
     if count == 0:
         raise ValueError(f"the {stream.num_tokens} validation tokens of the shards do not fill "
-                         f"one eval batch of {batch_size} rows of {width} tokens ({packing})")
+                         f"one eval batch of {1 if pad else batch_size} rows of {width} tokens "
+                         f"({packing})")
     if max_batches:
         count = min(count, max_batches)
 
@@ -343,10 +359,16 @@ def eval_batches(stream: TokenStream, packing: str, batch_size: int, seq_len: in
         for i in range(count):
             first = i * batch_size + process_index * local
             index = np.arange(first, first + local)
+            real = index < rows
+            index = np.where(real, index, 0)
             if packing == "pack":
-                yield packed_rows(stream, index, width)
+                batch = packed_rows(stream, index, width)
             else:
-                yield windows_batch(stream, index * seq_len, seq_len)
+                batch = windows_batch(stream, index * seq_len, seq_len)
+            if pad:
+                mask = batch.get("mask", np.ones(batch["targets"].shape, np.float32))
+                batch["mask"] = mask * real[:, None]
+            yield batch
 
     return generate()
 
@@ -356,7 +378,7 @@ def eval_tokens(stream: TokenStream, packing: str, seq_len: int) -> int:
     ``R T + 1`` tokens for R packed rows."""
     if packing != "pack":
         return stream.num_tokens
-    rows = stream.num_tokens // (seq_len + 1)
+    rows = eval_rows(stream, packing, seq_len)
     return rows * seq_len + 1 if rows else 0
 
 
@@ -381,5 +403,6 @@ def fingerprint(builds: Sequence[str], reading: Any = None) -> str:
 
 
 __all__ = ["PACKING", "SPLITS", "Mixture", "Rows", "ShardBatches", "TokenStream",
-           "check_tokenizer", "eval_batches", "eval_tokens", "fingerprint", "is_build",
-           "mixture_sources", "packed_rows", "read_metadata", "windows_batch"]
+           "check_files", "check_tokenizer", "eval_batches", "eval_rows", "eval_tokens",
+           "fingerprint", "is_build", "mixture_sources", "packed_rows", "read_metadata",
+           "windows_batch"]

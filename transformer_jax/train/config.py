@@ -261,7 +261,9 @@ class DataConfig:
         ids, positions restarting per document) or ``concat`` (random windows across documents,
         as a text corpus is read); ``auto`` is ``pack`` for shards and ``concat`` otherwise.
       mixture: ``name=DIR:weight,...`` shard builds sampled by weight (``DIR1+DIR2`` joins
-        builds into one source); the evaluation reports each source's loss. Excludes ``path``.
+        builds into one source; the weights are relative: finite numbers > 0 with a finite
+        sum); the evaluation reports each source's loss, and the validation loss is their
+        mean weighted by the mixture's weights. Excludes ``path``.
     """
 
     path: str = ""
@@ -279,6 +281,10 @@ class DataConfig:
         if self.mixture and self.path:
             raise ValueError(f"data.mixture={self.mixture!r} and data.path={self.path!r}: give "
                              "one (a mixture names its own builds)")
+        if self.mixture:  # its syntax and weights, now (no file is read)
+            from transformer_jax.data.shards import Mixture
+
+            Mixture.parse("", self.mixture)
         _check_int("vocab_size", self.vocab_size, minimum=0)
         _check_int("max_bytes", self.max_bytes, minimum=1)
         if not 0 <= self.val_fraction < 1:

@@ -87,7 +87,8 @@ class ShardData:
       seq_len: T, the run's row length.
       num_train_tokens: the train split's size in tokens, all sources.
       val: the validation stream of all sources together.
-      source_val: each source's validation stream (a mixture's; else empty).
+      source_val: each source's validation stream (a mixture's; else empty): the validation
+        loss of a mixture is the mean of the sources' losses weighted by their weights.
       fingerprint: what a resumed run must read the same (``shards.fingerprint``).
     """
 
@@ -140,6 +141,11 @@ def prepare_shard_data(data_config: DataConfig, seq_len: int, tokenizer: TextTok
     source_val = ({name: shards_lib.TokenStream.open(s, "val")
                    for name, s in zip(mixture.names, mixture.builds, strict=True)}
                   if len(mixture.names) > 1 else {})
+    for name, stream in source_val.items():
+        if not shards_lib.eval_rows(stream, packing, seq_len):
+            logger.warning("data source %r has %d validation tokens, not one row of %d: it is "
+                           "left out of the validation loss (the weighted mean of the other "
+                           "sources' losses)", name, stream.num_tokens, seq_len + 1)
     data = ShardData(mixture, packing, seq_len, train, shards_lib.TokenStream.open(builds, "val"),
                      source_val, shards_lib.fingerprint(builds, [packing, mixture.names,
                                                                  mixture.weights]))
@@ -237,16 +243,25 @@ class RunData:
     def source_eval_batches(self, batch_size: int, seq_len: int,
                             max_batches: int | None = None, *, process_index: int = 0,
                             process_count: int = 1) -> dict[str, Iterator[dict[str, np.ndarray]]]:
-        """Each mixture source's validation batches (as ``eval_batches``), by name; sources
-        whose validation split does not fill one batch are left out."""
+        """Each mixture source's validation batches (as ``eval_batches``, but a last or only
+        incomplete batch is kept, filled with rows of zero mask: a source smaller than one
+        batch is evaluated on what it has), by name. A source without a single validation
+        row is left out (``prepare_shard_data`` names it in a warning)."""
         if self.shards is None:
             return {}
         return {name: shards_lib.eval_batches(stream, self.shards.packing, batch_size, seq_len,
                                               max_batches, process_index=process_index,
-                                              process_count=process_count)
+                                              process_count=process_count, pad=True)
                 for name, stream in self.shards.source_val.items()
-                if shards_lib.eval_tokens(stream, self.shards.packing, seq_len) - 1
-                >= batch_size * seq_len}
+                if shards_lib.eval_rows(stream, self.shards.packing, seq_len)}
+
+    def source_weights(self) -> dict[str, float]:
+        """A mixture's weights by source name (the validation loss is the mean of the
+        sources' weighted by them); empty for other data."""
+        if self.shards is None or not self.shards.source_val:
+            return {}
+        mixture = self.shards.mixture
+        return dict(zip(mixture.names, mixture.weights, strict=True))
 
 
 def split_rows(rows: PackedData, val_fraction: float) -> tuple[PackedData, PackedData | None]:

@@ -231,13 +231,16 @@ class RunLog:
             parts.append(f"ETA {_duration(self.eta_s() or 0.0)}")
         return ", ".join(parts)
 
-    def record_eval(self, step: int, val_loss: float) -> None:
+    def record_eval(self, step: int, val_loss: float, of: str = "") -> None:
+        """The validation loss (``split`` ``val``); ``of`` says what it is when it is not
+        the loss over one validation split (a mixture's weighted mean), in the log line."""
         ppl = math.exp(val_loss) if val_loss < 700 else math.inf
         self._write({"step": step, "split": "val", "loss": val_loss, "ppl": ppl})
         self._tb.add_scalar("val/loss", val_loss, step)
         self._tb.add_scalar("val/ppl", ppl, step)
         train = f"train loss {self.last_loss:.4f}, " if self.last_loss is not None else ""
-        logger.info("step %d: %sval loss %.4f, ppl %.2f", step, train, val_loss, ppl)
+        logger.info("step %d: %sval loss %.4f, ppl %.2f%s", step, train, val_loss, ppl,
+                    f" ({of})" if of else "")
 
     def record_eval_set(self, step: int, name: str, loss: float, bpb: float) -> None:
         """One ``train.eval_sets`` set's loss (nats per token) and bits per byte."""

@@ -36,6 +36,13 @@ def evaluate(eval_step: Callable[[Params, Batch], Metrics], params: Params,
     return loss_sum / max(tokens, 1.0)
 
 
+def weighted_mean(losses: dict[str, float], weights: dict[str, float]) -> float:
+    """The mean of the sources' ``losses`` weighted by ``weights`` (renormalised over the
+    sources evaluated: one without a validation row has no loss)."""
+    total = sum(weights[name] for name in losses)
+    return sum(weights[name] * loss for name, loss in losses.items()) / total
+
+
 def sample_text(model_config: ModelConfig, params: Params, tokenizer: TextTokenizer, prompt: str,
                 max_new_tokens: int, temperature: float, seed: int) -> str:
     """Generates a continuation of ``prompt`` (KV-cached decode) and returns prompt + it."""
@@ -61,15 +68,21 @@ def evaluate_and_sample(state: TrainState, step: int, eval_step, data: RunData,
                          model_config: ModelConfig, tc: TrainConfig, log: RunLog,
                          times: dict[str, float], eval_sets: Sequence[EvalSet] = ()
                          ) -> float | None:
-    """The validation loss (None without a validation split), each of ``data.eval_sets``' loss and
-    bits per byte, and a sample, all logged."""
+    """The validation loss (None without a validation split; of a mixture, the mean of its
+    sources' losses weighted by the mixture's weights, each source's logged too), each of
+    ``data.eval_sets``' loss and bits per byte, and a sample, all logged."""
     val_loss = None
     start = time.perf_counter()
-    if data.num_val_tokens:
+    sources = {name: evaluate(eval_step, state.params, batches)  # a mixture's
+               for name, batches in data.source_eval_batches(**eval_kw).items()}
+    if sources:
+        val_loss = weighted_mean(sources, data.source_weights())
+        log.record_eval(step, val_loss, of=f"the weighted mean over {len(sources)} sources")
+    elif data.num_val_tokens:
         val_loss = evaluate(eval_step, state.params, data.eval_batches(**eval_kw))
         log.record_eval(step, val_loss)
-    for name, batches in data.source_eval_batches(**eval_kw).items():  # a mixture's sources
-        log.record_source_eval(step, name, evaluate(eval_step, state.params, batches))
+    for name, loss in sources.items():
+        log.record_source_eval(step, name, loss)
     scores = evaluate_sets(lambda batches: evaluate(eval_step, state.params, batches),
                            eval_sets, eval_kw)
     for name, (loss, bpb) in scores.items():
