@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE, TINY
+from helpers import FAST_COMPILE, TINY, run_until_idle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -107,7 +107,7 @@ def test_engine_serves_quantised_weights_and_int8_pages_as_generate_does(params)
     assert engine.weights.quant.name == "int8"
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8]]
     ids = [engine.add_request(p, SamplingParams(max_tokens=6)) for p in prompts]
-    done = engine.run_until_idle()
+    done = run_until_idle(engine)
     want = generation.generate(TINY, weights, prompts, max_new_tokens=6, cache_dtype="int8")
     assert [done[i].tokens for i in ids] == want.tokens
     for rid, logprobs in zip(ids, want.logprobs, strict=True):
@@ -118,8 +118,8 @@ def test_engine_serves_quantised_weights_and_int8_pages_as_generate_does(params)
 @pytest.mark.parametrize("quant,message", [
     ("int3", "quant must be one of 'int8', 'int4', 'int4:G', 'nf4' or 'nf4:G', got 'int3'"),
     ("int8:32", "quant int8 takes no group size"),
-    ("int4:x", "quant int4 group size must be an int, got 'int4:x'"),
-    ("int4:3", "group_size must be an even int >= 2"),
+    ("int4:x", "quant int4:G needs G, the group size, an even integer >= 2"),
+    ("int4:3", r"quant int4:G needs G, .* got 'int4:3'"),
     ("int4:16", r"group_size=16 does not divide the input width of o_proj \(8\)"),
     (8, "quant must be a string"),
 ])
@@ -147,3 +147,76 @@ def test_forced_agreement_of_float_with_its_own_greedy_continuation_is_one(param
     changed = reference.copy()
     changed[:, -1] = (changed[:, -1] + 1) % TINY.vocab_size
     assert forced_agreement(weights, prompts, changed) == 1.0 - 1 / reference.shape[1]
+
+
+# Level spacing and scale placement, per scheme (issue 34) ----------------------------------------
+
+# QLoRA's 16 NormalFloat levels over [-1, 1] (appendix E of the paper), and int4's -8..7 over
+# qwix's range of +-7.5 steps: the values a group's scale multiplies.
+NF4_LEVELS = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                       -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                       0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+                       0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                       0.7229568362236023, 1.0])
+INT4_LEVELS = np.arange(-8, 8) / 7.5
+# (name, shape, stacked, the grouped axis: the last input axis, in-first; o_proj's other input
+# axis, its heads, shares each scale: a group is G consecutive h of every head).
+GROUPED_WEIGHTS = [("down", (16, 3), False, 0, ()), ("o_proj", (2, 16, 5), False, 1, (0,)),
+                   ("q_proj", (3, 16, 2, 3), True, 1, ())]
+
+
+def _magnitudes(rng, shape, axis, block):
+    """A scale 10**U(-3, 3) for each run of ``block`` entries along ``axis`` and each entry
+    of every other axis: neighbouring groups, channels and layers far apart."""
+    coarse = list(shape)
+    coarse[axis] //= block
+    return np.repeat(10.0 ** rng.uniform(-3, 3, coarse), block, axis=axis)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "nf4"])
+@pytest.mark.parametrize("group", [4, 8])
+@pytest.mark.parametrize("name, shape, stacked, axis, shared", GROUPED_WEIGHTS)
+def test_4_bit_round_trip_is_within_half_the_widest_level_gap_times_its_groups_scale(
+        scheme, group, name, shape, stacked, axis, shared):
+    # Each group of G inputs (one output channel, one layer) has its own range, absmax: its
+    # values are the levels times absmax, so each is within half the widest gap between
+    # adjacent levels times its own group's absmax. Groups of other magnitudes (a wrong group
+    # shape, a scale over the wrong axis) break the bound of the small ones.
+    rng = np.random.default_rng(group)
+    w = (rng.standard_normal(shape) * _magnitudes(rng, shape, axis, group)).astype(np.float32)
+    quant = parse_quant(f"{scheme}:{group}")
+    q = quantize_weight(jnp.asarray(w), name, quant, stacked=stacked, out_first=False)
+    assert isinstance(q, PackedInt4) and q.packed.size * 2 == w.size
+    back = np.moveaxis(np.asarray(dequantize(q), np.float64), axis, -1)
+    x = np.moveaxis(w.astype(np.float64), axis, -1)
+    grouped = x.reshape(*x.shape[:-1], -1, group)
+    absmax = np.abs(grouped).max(axis=(-1, *shared), keepdims=True)
+    levels = NF4_LEVELS if scheme == "nf4" else INT4_LEVELS
+    half_gap = np.diff(levels).max() / 2
+    err = np.abs(back.reshape(grouped.shape) - grouped)
+    # (Plus float32 rounding of x / scale: a few eps of the group's range.)
+    assert np.all(err <= (half_gap + 1e-6) * absmax), (err / absmax).max()
+
+
+@pytest.mark.parametrize("name, shape, stacked, channels", [
+    ("q_proj", (8, 2, 4), False, (1, 2)),      # [D, N, H]: a scale per (head, dim)
+    ("o_proj", (2, 4, 6), False, (2,)),        # [N, H, D]: a scale per output d
+    ("q_proj", (3, 8, 2, 4), True, (0, 2, 3)),  # [L, D, N, H]: and per layer
+    ("down", (3, 12, 5), True, (0, 2)),        # [L, F, D]
+])
+def test_int8_has_one_scale_per_output_channel_and_layer(name, shape, stacked, channels):
+    # Output channels (and layers) 10**U(-4, 4) apart: each channel's values, the small ones
+    # included, come back within half a step of its own absmax (absmax / 127 / 2), which a
+    # scale shared with a larger channel or layer misses by orders of magnitude.
+    rng = np.random.default_rng(len(shape))
+    spread = np.ones(shape)
+    coarse = [n if a in channels else 1 for a, n in enumerate(shape)]
+    spread = spread * 10.0 ** rng.uniform(-4, 4, coarse)
+    w = (rng.standard_normal(shape) * spread).astype(np.float32)
+    q = quantize_weight(jnp.asarray(w), name, parse_quant("int8"), stacked=stacked,
+                        out_first=False)
+    assert q.qvalue.dtype == jnp.int8 and q.scale.shape == tuple(coarse)
+    inputs = tuple(a for a in range(len(shape)) if a not in channels)
+    absmax = np.abs(w.astype(np.float64)).max(axis=inputs, keepdims=True)
+    err = np.abs(np.asarray(dequantize(q), np.float64) - w)
+    assert np.all(err <= (0.5 / 127 + 1e-6) * absmax), (err / absmax).max()

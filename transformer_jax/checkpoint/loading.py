@@ -315,8 +315,10 @@ def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = Tr
       mesh: if given, every param is created sharded over it by
         ``sharding.param_shardings(config, mesh, rules)``; None: plain arrays on this
         process's first device.
-      merge_lora: fold a LoRA run's adapters into its base (``lora.merge``, in float32); False
-        returns its ``{"base", "adapters"}`` tree as saved (not with a mesh).
+      merge_lora: fold a LoRA run's adapters into its base (``lora.merge``, in float32; a
+        QLoRA run's quantised base dequantised first); False returns its ``{"base",
+        "adapters"}`` tree as saved (a quantised base as ``PackedInt4`` / ``qwix.QArray``
+        weights; not with a mesh).
       step: a run's step to read (default: the one the path names, else the newest intact).
       scan_layers: the layer layout of the result (True: ``blocks`` [L, ...]); None keeps the
         checkpoint's (a HF checkpoint's is unrolled).
@@ -385,8 +387,10 @@ def _load_run(source: Source, mesh: Any, *, merge_lora: bool, step: int | None,
             params, meta = reader.restore_params(None, step)
     read_step = meta.get("step", step)
     logger.info("loaded step %s of %s", read_step, source.checkpoints)
-    if not merge_lora:
+    if not merge_lora:  # as training held it (a QLoRA base's weights rebuilt from dicts)
+        params = lora.checkpoint_tree(params, meta, source.checkpoints)
         return Loaded(source, saved, params, read_step, meta)
+    # A LoRA run merged (a QLoRA base dequantised first) into float weights.
     params = lora.merge_checkpoint_params(params, meta, source.checkpoints,
                                           dtype=config.param_dtype)
     if saved.scan_layers and not config.scan_layers:

@@ -29,6 +29,7 @@ from transformer_jax.checkpoint import loading
 from transformer_jax.checkpoint.files import CheckpointError
 from transformer_jax.cli.common import PROG
 from transformer_jax.decode import generation
+from transformer_jax.model.quant_spec import parse_quant
 from transformer_jax.parallel import sharding
 from transformer_jax.tokenizer import detokenize
 from transformer_jax.tokenizer.prompt import chat_turn_end_id, encode_chat_prompt, encode_text
@@ -87,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the compute dtype)")
     p.add_argument("--quant", metavar="SCHEME",
                    help="store the weights quantised: int8 (a scale per output channel), int4 "
-                   "or int4:G (a scale per G inputs, default 64); default: float")
+                   "or int4:G (a scale per G inputs, G even, default up to 64), nf4 or nf4:G "
+                   "(QLoRA's 16 levels, grouped as int4); default: float")
     p.add_argument("--tensor", type=int, default=1, metavar="T",
                    help="decode tensor-parallel over T devices (T divides the model's kv heads, "
                    "heads and FFN width); on CPU the host is split into T devices, 0 = one per "
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tensor != 1:  # before anything starts JAX's CPU backend
         sharding.configure_cpu_devices(devices=args.tensor)
     try:
+        parse_quant(args.quant, field="--quant")  # before any weight is read
         loaded, mesh = loading.load_for_decode(args.checkpoint, args.tensor, args.tokenizer)
         config, params, tokenizer = loaded.config, loaded.params, loaded.tokenizer
         if args.prompt and tokenizer is None:

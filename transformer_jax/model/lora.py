@@ -50,11 +50,16 @@ import optax
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import MATRIX_INPUT_AXES
 from transformer_jax.model.ops.quantized import is_quantized
+from transformer_jax.model.quant_spec import ACCEPTS, SCHEMES, is_saved_quantized, parse_quant
 
 logger = logging.getLogger(__name__)
 
 Params = dict[str, Any]
 Adapters = dict[str, Any]
+
+#: The training setting of a QLoRA run's base quantisation, as a checkpoint's meta["train"]
+#: holds it.
+BASE_QUANT_FIELD = "train.lora_base_quant"
 
 #: Keys of a combined ``{"base": ..., "adapters": ...}`` tree.
 BASE = "base"
@@ -275,7 +280,8 @@ def merge(params: Params, adapters: Adapters, lora_config: LoraConfig,
 
 def check_base_quant(base_quant: str, rank: int, base_dtype: str) -> None:
     """Raises ValueError for a ``train.lora_base_quant`` (QLoRA) that cannot apply: without
-    adapters, beside ``lora_base_dtype``, or not int8/int4/nf4 (``quant.parse_quant``)."""
+    adapters, beside ``lora_base_dtype``, or not int8/int4/nf4 (int4:G, nf4:G), as
+    ``quant_spec.parse_quant`` reads it."""
     if not base_quant:
         return
     if rank == 0:
@@ -283,9 +289,11 @@ def check_base_quant(base_quant: str, rank: int, base_dtype: str) -> None:
                          "lora_rank > 0")
     if base_dtype:
         raise ValueError("lora_base_quant and lora_base_dtype both store the base: set one")
-    if base_quant.partition(":")[0] not in ("int8", "int4", "nf4"):
-        raise ValueError(f"lora_base_quant must be int8, int4, nf4 (int4:G, nf4:G) or empty, "
-                         f"got {base_quant!r}")
+    if not isinstance(base_quant, str) or base_quant.partition(":")[0] not in SCHEMES:
+        # The setting's own message: it also takes "" (no quantisation).
+        raise ValueError(f"lora_base_quant must be int8, int4, nf4, int4:G or nf4:G (G an even "
+                         f"integer >= 2) or empty, got {base_quant!r}")
+    parse_quant(base_quant, field=BASE_QUANT_FIELD)
 
 
 def freeze_base(params: Params, dtype: Any = jnp.bfloat16) -> Params:
@@ -378,20 +386,48 @@ def parse_targets(text: str | Sequence[str]) -> tuple[str, ...]:
     return LoraConfig(targets=text).targets  # type: ignore[arg-type]
 
 
-__all__ = ["ADAPTERS", "BASE", "TARGETS", "LoraConfig", "adapter_count", "adapter_shardings",
-           "apply_adapters",
+__all__ = ["ADAPTERS", "BASE", "BASE_QUANT_FIELD", "TARGETS", "LoraConfig", "adapter_count",
+           "adapter_shardings", "apply_adapters", "checkpoint_tree",
            "delta", "freeze_base", "init_adapters", "merge", "model_params", "optimizer",
            "parse_targets", "trainable_mask"]
+
+
+def checkpoint_tree(params: Any, meta: Mapping[str, Any], where: Any) -> Any:
+    """A training checkpoint's params as restored without a target tree, with a QLoRA run's
+    quantised base rebuilt (``quant.from_saved``: orbax gives its weights back as plain dicts)
+    by the scheme its ``meta["train"]["lora_base_quant"]`` names; other params as they are.
+
+    Raises:
+      ValueError: a saved quantised base without that setting, or one that does not fit it
+        (naming ``where``, the checkpoint directory).
+    """
+    if not (isinstance(params, Mapping) and set(params) == {BASE, ADAPTERS}):
+        return params
+    train = meta.get("train")
+    spec = train.get("lora_base_quant") if isinstance(train, Mapping) else None
+    base = params[BASE]
+    if not any(map(is_saved_quantized, jax.tree.leaves(base, is_leaf=is_saved_quantized))):
+        return params
+    if not spec:
+        raise ValueError(f"checkpoint in {where} holds a quantised LoRA base but its meta has "
+                         f"no {BASE_QUANT_FIELD} to read it by ({ACCEPTS})")
+    from transformer_jax.model.quant import from_saved
+
+    parse_quant(spec, field=f"{BASE_QUANT_FIELD} of the checkpoint in {where}")
+    # Training quantises the base as the model stores it: inputs first.
+    return {**params, BASE: from_saved(base, spec, out_first=False, where=where)}
 
 
 def merge_checkpoint_params(params: Any, meta: Mapping[str, Any], where: Any,
                             dtype: Any = None) -> Any:
     """The model's parameters from a training checkpoint's params: merged when it holds
-    ``{"base", "adapters"}`` with ``meta["lora"]`` (a LoRA run), as they are otherwise.
+    ``{"base", "adapters"}`` with ``meta["lora"]`` (a LoRA run), as they are otherwise. A
+    QLoRA run's quantised base (live, or plain dicts as restored, ``checkpoint_tree``) is
+    dequantised first, so the result is float weights of the base's structure.
 
     Raises:
-      ValueError: ``meta["lora"]`` without a base/adapters tree, or the reverse (naming
-        ``where``, the checkpoint directory).
+      ValueError: ``meta["lora"]`` without a base/adapters tree, or the reverse, or a
+        quantised base that cannot be read (naming ``where``, the checkpoint directory).
     """
     is_lora_tree = isinstance(params, Mapping) and set(params) == {BASE, ADAPTERS}
     if not meta.get("lora"):
@@ -405,9 +441,9 @@ def merge_checkpoint_params(params: Any, meta: Mapping[str, Any], where: Any,
     lora_config = LoraConfig.from_dict(meta["lora"])
     logger.info("merging LoRA adapters (rank %d, alpha %g, targets %s)", lora_config.rank,
                 lora_config.alpha, ",".join(lora_config.targets))
-    base = params[BASE]
+    base = checkpoint_tree(params, meta, where)[BASE]
     if any(is_quantized(x) for x in jax.tree.leaves(base, is_leaf=is_quantized)):
         from transformer_jax.model.quant import dequantize_params  # a QLoRA run's quantised base
 
-        base = dequantize_params(base)
+        base = jax.jit(dequantize_params)(base)  # one program, not an op at a time
     return merge(base, params[ADAPTERS], lora_config, dtype=dtype)

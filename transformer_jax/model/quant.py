@@ -17,12 +17,15 @@ products and the embedding lookup take a quantised weight as they take a float o
 
 Norm gains and biases stay float (they are a few vectors). With a stacked (scanned) layout each
 layer has its own scales.
+
+A checkpoint restored without a target tree (a QLoRA run's base, ``train.lora_base_quant``)
+holds each quantised weight as a plain dict of its arrays; ``from_saved`` rebuilds them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -34,79 +37,19 @@ from jax.sharding import PartitionSpec as P
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import EMBEDDING_PARAM, MATRIX_INPUT_AXES
 from transformer_jax.model.ops.quantized import PackedInt4, is_quantized, pack_int4
+from transformer_jax.model.quant_spec import (  # noqa: F401  (the parser's names, re-exported)
+    DEFAULT_GROUP_SIZE,
+    GROUPED,
+    SAVED_PACKED,
+    SCHEMES,
+    WeightQuant,
+    is_saved_quantized,
+    parse_quant,
+)
 
 Params = dict[str, Any]
 
 logger = logging.getLogger(__name__)
-
-SCHEMES = ("int8", "int4", "nf4")
-#: The schemes of 4-bit values in groups (packed two to a byte).
-GROUPED = ("int4", "nf4")
-DEFAULT_GROUP_SIZE = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightQuant:
-    """How ``prepare`` quantises the weights.
-
-    Attributes:
-      scheme: ``"int8"`` (per output channel) or ``"int4"`` (per output channel and group).
-      group_size: G, int4's group of consecutive inputs sharing a scale, for every matrix;
-        None for int8, and for int4 picked per matrix by ``for_model``.
-      groups: ``for_model``'s per-matrix picks, ((leaf name, G), ...) sorted; empty otherwise.
-    """
-
-    scheme: str = "int8"
-    group_size: int | None = None
-    groups: tuple[tuple[str, int], ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.scheme not in SCHEMES:
-            raise ValueError(f"quant scheme must be one of {SCHEMES}, got {self.scheme!r}")
-        if self.scheme == "int8" and self.group_size is not None:
-            raise ValueError(f"quant int8 has one scale per output channel; group_size "
-                             f"{self.group_size!r} is for int4")
-        if self.scheme in GROUPED and self.group_size is not None:
-            g = self.group_size
-            if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2:
-                raise ValueError(f"quant {self.scheme} group_size must be an even int >= 2 "
-                                 f"(two values pack in a byte), got {g!r}")
-
-    @property
-    def name(self) -> str:
-        """The spelling ``parse_quant`` reads: ``"int8"``, ``"int4"`` (groups per matrix) or
-        ``"int4:G"``."""
-        return self.scheme if self.group_size is None else f"{self.scheme}:{self.group_size}"
-
-    def group_for(self, name: str) -> int | None:
-        """G of the weight with this leaf name (None for int8)."""
-        return dict(self.groups).get(name, self.group_size)
-
-
-def parse_quant(quant: str | WeightQuant | None) -> WeightQuant | None:
-    """``"int8"``, ``"int4"`` (G picked by ``for_model``) or ``"int4:G"`` (or a
-    ``WeightQuant``, or None) -> the ``WeightQuant`` (None: float weights).
-
-    Raises:
-      ValueError: an unknown scheme or a bad group size.
-    """
-    if quant is None or isinstance(quant, WeightQuant):
-        return quant
-    if not isinstance(quant, str):
-        raise ValueError(f"quant must be a string such as 'int8' or 'int4:64', got {quant!r}")
-    scheme, _, group = quant.partition(":")
-    if scheme not in SCHEMES:
-        raise ValueError(f"quant must be one of 'int8', 'int4', 'int4:G', 'nf4' or 'nf4:G', "
-                         f"got {quant!r}")
-    if scheme == "int8":
-        if group:
-            raise ValueError(f"quant int8 takes no group size, got {quant!r}")
-        return WeightQuant("int8")
-    if not group:
-        return WeightQuant(scheme)
-    if not group.isdigit():
-        raise ValueError(f"quant {scheme} group size must be an int, got {quant!r}")
-    return WeightQuant(scheme, int(group))
 
 
 def grouped_widths(config: ModelConfig, shards: int = 1) -> dict[str, int]:
@@ -219,6 +162,60 @@ def dequantize(w: Any) -> jax.Array:
 def dequantize_params(params: Params) -> Params:
     """Every quantised weight of ``params`` replaced by its float values (same layout)."""
     return jax.tree.map(dequantize, params, is_leaf=is_quantized)
+
+
+def from_saved(params: Params, quant: str | WeightQuant, *, out_first: bool = False,
+               where: Any = "the checkpoint") -> Params:
+    """``params`` with every quantised weight restored as plain dicts of its arrays (as orbax
+    restores a tree it is given no target for) rebuilt as the ``PackedInt4`` / ``qwix.QArray``
+    that ``quantize_params(..., quant, out_first=out_first)`` made; the rest as given.
+
+    What the dicts lack is recovered from the scheme and the weight's place: a 4-bit weight's
+    packed axis is its grouped axis (``quantized_axes``), its qtype the scheme's (int4 and nf4
+    store alike); the group sizes are read off the saved scales. Weights already rebuilt are
+    kept.
+
+    Raises:
+      ValueError: naming ``where`` and the weight: a saved weight of another scheme than
+        ``quant``, or arrays whose shapes do not fit together.
+    """
+    scheme = parse_quant(quant).scheme
+
+    def rebuild(path: tuple[str, ...], node: Any) -> Any:
+        name, stacked = path[-1], path[0] == "blocks"
+        keys = frozenset(node)
+        what = f"{where}: the quantised weight {'/'.join(path)}"
+        if not is_quantizable(name):
+            raise ValueError(f"{what} is not a matrix or the token table, which alone are "
+                             "quantised")
+        if (keys == SAVED_PACKED) != (scheme in GROUPED):
+            saved = "4-bit (packed)" if keys == SAVED_PACKED else "int8"
+            raise ValueError(f"{what} is saved {saved}, not {scheme} ({quant!r} was given "
+                             "to read it by)")
+        scale = jnp.asarray(node["scale"])
+        values = jnp.asarray(node["packed" if scheme in GROUPED else "qvalue"])
+        if scale.ndim != values.ndim:
+            raise ValueError(f"{what} has values of rank {values.ndim} but scales of rank "
+                             f"{scale.ndim}")
+        if scheme == "int8":
+            zero = node.get("zero_point")
+            return qwix.QArray(values, scale, None if zero is None else jnp.asarray(zero),
+                               qtype=jnp.int8)
+        grouped = quantized_axes(name, values.ndim, stacked=stacked, out_first=out_first)[1]
+        packed = PackedInt4(values, scale, grouped - values.ndim, scheme)
+        if any(n % s for n, s in zip(packed.shape, scale.shape, strict=True)):
+            raise ValueError(f"{what} has values of shape {list(packed.shape)} (unpacked) "
+                             f"that its scales {list(scale.shape)} do not tile")
+        return packed
+
+    def walk(path: tuple[str, ...], node: Any) -> Any:
+        if is_saved_quantized(node) and path:
+            return rebuild(path, node)
+        if isinstance(node, Mapping):
+            return {k: walk((*path, str(k)), v) for k, v in node.items()}
+        return node
+
+    return walk((), params)
 
 
 def quantized_shardings(shardings: Params, quantized: Params) -> Params:
