@@ -2,12 +2,16 @@
 server started on a free loopback port (in this process, uvicorn on a thread) over a tiny random
 HF checkpoint with a ChatML word tokenizer: completions and chat, streamed and not, equal to
 ``generate``; stop strings; every bad input gets its status and error object and the server goes
-on; auth; a full queue; timeouts; disconnects and 64 concurrent streams leave no page behind;
-SIGTERM drains the CLI's server (``cli.serve.main`` in this process's main thread, where
-uvicorn takes the signal) and it returns 0."""
+on (a lone surrogate too); auth, whole keys only; a full queue; timeouts; usage equal to the
+tokens returned; a long prompt tokenised off the event loop; an oversized body refused unread;
+disconnects and 64 concurrent streams leave no page behind; SIGTERM drains the CLI's server
+(``cli.serve.main`` in this process's main thread, where uvicorn takes the signal) and it
+returns 0, and past the grace period the streams end with "abort" and [DONE] and the queued
+requests get 503. (The server's faults that need no model: ``test_faults_serve.py``.)"""
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -26,6 +30,7 @@ from transformer_jax import hf
 from transformer_jax.cli import serve as cli
 from transformer_jax.decode import generation
 from transformer_jax.model.transformer import init_params
+from transformer_jax.serve import app as serve_app
 from transformer_jax.serve.app import create_app
 from transformer_jax.tokenizer.prompt import encode_chat_prompt, encode_text
 
@@ -271,6 +276,17 @@ def test_auth(served):
     assert out.usage.completion_tokens >= 1
 
 
+def test_a_key_that_starts_or_extends_the_real_one_is_refused(served):
+    with httpx.Client(base_url=served[1].url) as http:
+        for header in ("Bearer sekri", "Bearer sekrit2", "Bearer sekritsekrit", "Bearer s",
+                       "sekrit", "Bearer  sekrit", "Basic sekrit", "Bearer sekrit x"):
+            r = http.get("/v1/models", headers={"Authorization": header})
+            assert r.status_code == 401, header
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        r = http.get("/v1/models", headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 200
+
+
 def test_full_queue_gets_429_with_retry_after(server, served):
     runner = served[2]
     runner.max_requests, before = 0, runner.max_requests
@@ -307,6 +323,118 @@ def test_a_failing_step_ends_its_requests_and_the_server_goes_on(server, served,
     r = httpx.post(server.url + "/v1/completions", json=body)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+
+
+def test_usage_counts_the_tokens_returned(server, served):
+    """For length, stop (a stop token) and timeout: completion_tokens is the number of
+    tokens returned (logprobs lists them) and total = prompt + completion."""
+    runner, client = served[2], _client(server)
+    body = {"model": NAME, "prompt": "w11 w12", "max_tokens": 10, "temperature": 0,
+            "logprobs": 1, "extra_body": {"ignore_eos": True}}
+    free = client.completions.create(**body)
+    third = encode_text(served[3].tokenizer, free.choices[0].text.split()[2])[-1]
+    stopped = client.completions.create(**{**body, "extra_body": {
+        "ignore_eos": True, "stop_token_ids": [third]}})
+    runner.request_timeout, before = 1e-3, runner.request_timeout
+    try:
+        timed_out = client.completions.create(**{**body, "max_tokens": 40})
+    finally:
+        runner.request_timeout = before
+    for out, reason in ((free, "length"), (stopped, "stop"), (timed_out, "timeout")):
+        choice, usage = out.choices[0], out.usage
+        assert choice.finish_reason == reason
+        assert usage.completion_tokens == len(choice.logprobs.tokens), reason
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens == (
+            3 + usage.completion_tokens)
+    assert free.usage.completion_tokens == 10
+    assert 0 < stopped.usage.completion_tokens <= 3
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field(server):
+    """JSON escapes \\udc00 decode to a lone surrogate, which no text encoding takes: a 400
+    naming the field (not a 500 and a reset connection), and the connection goes on."""
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "w1"}]}
+    cases = [  # (route, body with a "@" where the escape goes, param)
+        ("completions", {"model": NAME, "prompt": "a@b"}, "prompt"),
+        ("completions", {"model": NAME, "prompt": ["a@b"]}, "prompt.0"),
+        ("chat/completions", {**chat, "messages": [{"role": "user", "content": "w1 @"}]},
+         "messages.0.content"),
+        ("chat/completions", {**chat, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "@"}]}]},
+         "messages.0.content.0.text"),
+        ("chat/completions", {**chat, "stop": ["x", "@"]}, "stop.1"),
+        ("completions", {"model": "@", "prompt": "w1"}, "model"),
+    ]
+    with httpx.Client(base_url=server.url + "/v1", timeout=10) as http:
+        for escape in ("\\udc00", "\\uD800", "\\ude00\\ud83d"):  # low, high, a pair reversed
+            for route, body, param in cases:
+                raw = json.dumps(body).replace("@", escape).encode()
+                r = http.post(f"/{route}", content=raw,
+                              headers={"Content-Type": "application/json"})
+                assert r.status_code == 400, (raw, r.text)
+                err = r.json()["error"]
+                assert err["param"] == param and "not valid Unicode" in err["message"], err
+                assert r.headers.get("connection") != "close"
+        # A pair is one character: accepted (the word tokenizer has no emoji: it is <unk>).
+        raw = json.dumps({"model": NAME, "prompt": "w1 @", "max_tokens": 2,
+                          "temperature": 0}).replace("@", "\\ud83d\\ude00").encode()
+        r = http.post("/completions", content=raw)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
+
+
+def test_tokenising_runs_off_the_event_loop(server, monkeypatch):
+    """While a long prompt is being tokenised, /health answers: the tokeniser runs on a
+    worker thread, and lets go of the GIL (HF ``encode`` holds it for the whole text)."""
+    from transformer_jax.serve import completions
+
+    entered, times = threading.Event(), {}
+    real = completions.encode_text
+
+    def timed_encode(*args, **kwargs):
+        entered.set()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            times["encoded"] = time.monotonic()
+
+    monkeypatch.setattr(completions, "encode_text", timed_encode)
+    prompt = " ".join(WORDS[i % 50] for i in range(200_000))  # 0.5 s or more to encode
+    got = {}
+
+    def post():
+        got["r"] = httpx.post(server.url + "/v1/completions", timeout=60,
+                              json={"model": NAME, "prompt": prompt})
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    try:
+        assert entered.wait(30)
+        health = httpx.get(server.url + "/health", timeout=30)
+        times["health"] = time.monotonic()
+    finally:
+        thread.join(60)
+    assert health.status_code == 200
+    assert times["health"] < times["encoded"], "/health waited for the tokeniser"
+    assert got["r"].status_code == 400  # far above the context
+    assert got["r"].json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(server):
+    """The server's default --max-body-bytes: a Content-Length above it gets 413 (OpenAI's
+    error object) without a byte of the body sent."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.url)
+    with socket.create_connection((url.hostname, url.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % (50 * 2 ** 20))
+        got = b""
+        while b"}}" not in got:  # the whole error object (the server waits for the body)
+            got += sock.recv(65536)
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ") and b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    assert httpx.get(server.url + "/health").status_code == 200
 
 
 def test_disconnect_mid_stream_frees_pages(server, served):
@@ -364,7 +492,7 @@ def test_64_concurrent_streams_some_disconnecting(server, served):
             plain = await asyncio.gather(*(whole(http, i) for i in range(64)))
         return streamed, plain
 
-    threads = threading.active_count()
+    threads = _threads()
     streamed, plain = asyncio.run(main())
     for i, (s, p) in enumerate(zip(streamed, plain, strict=True)):
         if i in leaving:
@@ -372,7 +500,14 @@ def test_64_concurrent_streams_some_disconnecting(server, served):
         else:
             assert s == p, i
     _wait_idle(runner)
-    assert threading.active_count() == threads  # no thread left behind
+    assert _threads() == threads  # no thread left behind
+    parsers = [t for t in threading.enumerate() if t.name.startswith("serve-parse")]
+    assert len(parsers) <= 2 * serve_app.PARSE_THREADS  # the two apps' bounded parse pools
+
+
+def _threads():
+    """The threads alive, but the apps' parse pools' workers (started on demand)."""
+    return sum(not t.name.startswith("serve-parse") for t in threading.enumerate())
 
 
 def test_pool_size_flags():
@@ -438,3 +573,116 @@ def test_sigterm_drains_and_exits_0(checkpoint):
     assert len(got["rest"]) == 30  # 29 more tokens, then [DONE]: nothing cut off
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health", timeout=2)
+
+
+@pytest.mark.parametrize("stuck", [False, True], ids=["engine-steps", "engine-stuck"])
+def test_shutdown_ends_cut_streams_and_refuses_queued_requests(served, monkeypatch, caplog,
+                                                               stuck):
+    """SIGTERM with a grace period shorter than the requests: the eight running streams end
+    with a last chunk (finish_reason "abort", usage equal to the tokens sent) and [DONE]; the
+    two requests still queued (one streamed, one not) get 503 error objects; no traceback or
+    error is logged; the server returns well before uvicorn's own timeout would cancel them.
+    Also when the engine is stuck in a step from the signal on (a first step that compiles):
+    the handlers end their requests themselves. (``DrainingServer`` in this main thread,
+    where uvicorn takes the signal, over the module's engine, its steps slowed to 30 ms.)"""
+    runner, model = served[2], served[3]
+    engine = runner.engine
+    real_step = engine.step
+    hold, release = threading.Event(), threading.Event()
+
+    def slow_step():
+        time.sleep(0.03)
+        if hold.is_set():
+            release.wait(30)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    sock = _free_socket()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    config = uvicorn.Config(create_app(runner, model), log_level="warning",
+                            timeout_graceful_shutdown=0.3)
+    server = cli.DrainingServer(runner, config)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(caplog.handler)
+    body = {"model": NAME, "prompt": "w1", "max_tokens": 50, "ignore_eos": True,
+            "temperature": 0, "logprobs": 1}
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    got = {}
+
+    async def stream(http, i, started):
+        lines = []
+        try:
+            async with http.stream("POST", "/v1/completions", json=streamed) as r:
+                started.add(i)
+                if r.status_code != 200:
+                    return r.status_code, json.loads(await r.aread())
+                async for line in r.aiter_lines():
+                    if line:
+                        lines.append(line)
+            return 200, lines
+        except httpx.HTTPError as e:
+            return type(e).__name__, lines
+
+    async def plain(http):
+        try:
+            r = await http.post("/v1/completions", json=body)
+            return r.status_code, r.json()
+        except httpx.HTTPError as e:
+            return type(e).__name__, None
+
+    async def clients():
+        end = time.monotonic() + 30
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            started = set()
+            running = [asyncio.create_task(stream(http, i, started)) for i in range(8)]
+            while len(started) < 8:  # headers come with the first token: all 8 run
+                assert time.monotonic() < end, f"{len(started)} of 8 streams started"
+                await asyncio.sleep(0.01)
+            queued = [asyncio.create_task(stream(http, 8, started)),
+                      asyncio.create_task(plain(http))]
+            while runner.in_flight < 10:
+                assert time.monotonic() < end, f"{runner.in_flight} requests in flight"
+                await asyncio.sleep(0.01)
+            if stuck:
+                hold.set()
+            got["signal"] = time.monotonic()
+            os.kill(os.getpid(), signal.SIGTERM)
+            got["running"] = await asyncio.gather(*running)
+            got["queued"] = await asyncio.gather(*queued)
+
+    def client():
+        try:
+            asyncio.run(asyncio.wait_for(clients(), 60))
+        except BaseException as e:
+            got["error"] = e
+        finally:
+            server.should_exit = True  # stops the server if no signal came
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    try:
+        server.run(sockets=[sock])
+        stopped = time.monotonic()
+        thread.join(60)
+    finally:
+        release.set()
+        uvicorn_log.removeHandler(caplog.handler)
+        runner.draining, runner.abort_at = False, float("inf")
+        monkeypatch.undo()
+    assert "error" not in got, got.get("error")
+    assert stopped - got["signal"] < 0.3 + 3  # the grace, not uvicorn's timeout (+5 s)
+    for status, lines in got["running"]:
+        assert status == 200 and lines[-1] == "data: [DONE]", (status, lines[-3:])
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+        *text, last, usage = chunks
+        assert last["choices"][0]["finish_reason"] == "abort"
+        assert not any(c["choices"][0]["finish_reason"] for c in text)
+        sent = sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in [*text, last])
+        assert 0 < sent < 50 and usage["usage"]["completion_tokens"] == sent
+    for status, out in got["queued"]:
+        assert status == 503, (status, out)
+        assert out["error"]["code"] == "server_shutting_down"
+    problems = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not problems, [r.getMessage() for r in problems]
+    _wait_idle(runner)
+    engine.check_no_leaks()

@@ -4,9 +4,12 @@ PATH is what ``generate`` takes (a HF directory or a training run, through ``loa
 Start-up loads the weights, builds the ``serving.Engine`` with the flags' slots, pages, page
 size, token budget, tensor parallelism and cache dtype, compiles its step shapes
 (``Engine.compile``, through JAX's persistent compilation cache, so a restart loads them), and
-only then opens the port: ``/health`` answers ready from the first connection. It logs how long
-each part took. SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight
-finish for ``--grace-period`` seconds, cancels the rest and exits 0.
+only then serves: the port is bound and listening before anything is loaded (a busy port fails
+at once, exit 1), connections made meanwhile wait, and ``/health`` answers ready from the first
+one. It logs how long each part took, and warns when it serves beyond loopback without an API
+key. SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish for
+``--grace-period`` seconds, then ends the rest (streams with ``finish_reason`` ``"abort"`` and
+``[DONE]``; requests not started yet get 503) and exits 0.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import uvicorn
 
 from transformer_jax.cli.common import PROG
+from transformer_jax.serve.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from transformer_jax.serve.server import DrainingServer, is_loopback, listen, url_of
 
 #: The environment variable an API key may come from (``--api-key`` wins).
 API_KEY_ENV = "TRANSFORMER_JAX_API_KEY"
@@ -41,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="tokenizer file or directory (default: found with the "
                    "checkpoint)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port, 0 for a free one (default: "
+                   "%(default)s)")
     p.add_argument("--served-model-name", help="the model name clients send (default: the "
                    "checkpoint directory's name)")
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (default: "
@@ -82,7 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-timeout", type=float, help="seconds a request may run; then it "
                    "ends with finish_reason 'timeout' (default: no limit)")
     s.add_argument("--grace-period", type=float, default=30.0, help="seconds requests in "
-                   "flight may finish after SIGTERM (default: %(default)s)")
+                   "flight may finish after SIGTERM; then streams end with finish_reason "
+                   "'abort' and requests not started get 503 (default: %(default)s)")
+    s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body; a larger one gets 413 (default: %(default)s)")
+    s.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="seconds a request's body may take to arrive; then 408 and the "
+                   "connection closes (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="(default: %(default)s)")
     return p
@@ -101,10 +112,22 @@ def _check(args: argparse.Namespace) -> None:
                              f"{getattr(args, name)}")
     if args.memory_fraction is not None and not 0 < args.memory_fraction <= 1:
         raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
-    if args.request_timeout is not None and args.request_timeout <= 0:
+    if args.request_timeout is not None and not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be positive, got {args.request_timeout}")
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535] (0: a free port), got {args.port}")
+    if args.quant:
+        from transformer_jax.model.quant_spec import parse_quant
+
+        parse_quant(args.quant, field="--quant")  # before any weight is read
+    if args.max_body_bytes <= 0:
+        raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
+    if not 0 < args.body_timeout < float("inf"):
+        raise ValueError(f"--body-timeout must be a positive number of seconds, got "
+                         f"{args.body_timeout}")
+    if not 0 <= args.grace_period < float("inf"):
+        raise ValueError(f"--grace-period must be a number of seconds >= 0, got "
+                         f"{args.grace_period}")
 
 
 def configure_compilation_cache(directory: str) -> None:
@@ -177,8 +200,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     try:
         _check(args)
+        sock = listen(args.host, args.port)  # before loading: a busy port fails now
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        if api_key is None and not is_loopback(sock):
+            logger.warning("the API is open to the network: %s serves every interface it is "
+                           "bound to (--host %s) without an API key; anyone who can reach it "
+                           "can use it. Give --api-key KEY (or $%s), or --host 127.0.0.1",
+                           url_of(sock), args.host, API_KEY_ENV)
         if args.tensor != 1:  # before anything starts JAX's CPU backend
             from transformer_jax.parallel import sharding
 
@@ -186,42 +220,32 @@ def main(argv: list[str] | None = None) -> int:
         configure_compilation_cache(args.compilation_cache)
         runner, model, _ = build(args)
     except (ValueError, OSError) as e:
+        sock.close()
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # CheckpointError and the like: one line, not a traceback
+        sock.close()
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     from transformer_jax.serve.app import create_app
 
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = create_app(runner, model, api_key)
+    app = create_app(runner, model, api_key, max_body_bytes=args.max_body_bytes,
+                     body_timeout=args.body_timeout)
+
+    def started() -> None:
+        runner.ready = True
+        logger.info("serving %r on %s (ready %.1f s after start; auth %s)", model.name,
+                    url_of(sock), time.perf_counter() - start, "on" if api_key else "off")
+
     server = DrainingServer(runner, uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=args.grace_period, access_log=False))
+        app, log_level=args.log_level, timeout_graceful_shutdown=args.grace_period,
+        access_log=False), on_started=started)
     runner.start()
-    runner.ready = True
-    logger.info("serving %r on http://%s:%d (ready %.1f s after start; auth %s)", model.name,
-                args.host, args.port, time.perf_counter() - start, "on" if api_key else "off")
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         runner.stop()
+        sock.close()
     logger.info("stopped")
     return 0
 
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server that marks the runner draining on SIGTERM/SIGINT (new requests get
-    503, ``/health`` too) and exits 0: uvicorn itself re-raises the signal once stopped."""
-
-    def __init__(self, runner: Any, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.runner = runner
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit:  # a second signal: stop waiting
-            self.force_exit = True
-        self.should_exit = True
-        self.runner.draining = True
-        logger.info("signal %d: draining (grace %.0f s)", sig,
-                    self.config.timeout_graceful_shutdown or 0)

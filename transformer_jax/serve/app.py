@@ -3,20 +3,27 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health`` (200 once the engine is compiled and serving; 503 while draining) and
 ``GET /metrics`` (Prometheus text). Every refusal is OpenAI's error object with its status
-(400 bad input naming the field, 401 a missing or wrong key, 429 a full queue with
-``Retry-After``, 503 draining); an unexpected failure is a 500 object and the server goes on.
-A stream is ``data: {chunk}`` lines, one per engine step that made text, then the usage chunk
-when asked and ``data: [DONE]``; a client that goes away mid-request has its request
-cancelled (its pages freed before the next step).
+(400 bad input naming the field, 401 a missing or wrong key, 408 a body that is slow to arrive,
+413 a body above the limit, 429 a full queue with ``Retry-After``, 503 draining or shut down
+before the request started); an unexpected failure is a 500 object and the server goes on.
+Bodies are read whole, within their limits, before the routes see them (``limits.py``); the
+JSON is parsed, validated and tokenised on a worker thread, not on the event loop.
+A stream's headers go out with its first engine event (so a request the engine never started
+can still be refused with a status); then it is ``data: {chunk}`` lines, one per engine step
+that made text, the usage chunk when asked and ``data: [DONE]``. A request cut off by a shutdown
+ends with ``finish_reason`` ``"abort"`` (the stream's last chunk, then ``[DONE]``). A client
+that goes away mid-request has its request cancelled (its pages freed before the next step).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -25,13 +32,22 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from transformer_jax.serve import completions
+from transformer_jax.serve.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimits
 from transformer_jax.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    check_unicode,
     validation_error,
 )
-from transformer_jax.serve.runner import EngineRunner, QueueFull, RequestStream
+from transformer_jax.serve.runner import (
+    ABORT,
+    EngineRunner,
+    QueueFull,
+    RequestStream,
+    ShuttingDown,
+)
+from transformer_jax.serving import TokenEvent
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +55,56 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
 #: ``Retry-After`` of a 429, in seconds.
 RETRY_AFTER_S = 1
+#: Worker threads parsing and tokenising request bodies (per app; named ``serve-parse_N``).
+PARSE_THREADS = 4
 
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
+def key_matches(header: str | None, api_key: str) -> bool:
+    """Whether an ``Authorization`` header value is exactly ``Bearer <api_key>`` (compared in
+    constant time: no prefix, extension or other spacing of the key passes)."""
+    given = _wire_bytes(header or "", "latin-1")  # the bytes sent: Starlette decodes latin-1
+    return hmac.compare_digest(given, b"Bearer " + _wire_bytes(api_key, "utf-8"))
+
+
+def _wire_bytes(text: str, encoding: str) -> bytes:
+    """``text`` as bytes: in ``encoding`` when it can be; else as UTF-8 with its surrogates
+    (a key from argv or the environment holds undecodable bytes as surrogates)."""
+    for codec, errors in ((encoding, "strict"), ("utf-8", "surrogateescape")):
+        try:
+            return text.encode(codec, errors)
+        except UnicodeEncodeError:
+            pass
+    return text.encode("utf-8", "surrogatepass")
+
+
 def create_app(runner: EngineRunner, model: completions.ModelInfo,
-               api_key: str | None = None) -> FastAPI:
-    """The app serving ``runner``'s engine as ``model``; with ``api_key``, every ``/v1``
-    route needs ``Authorization: Bearer <api_key>``."""
-    app = FastAPI(title="transformer_jax", docs_url=None, redoc_url=None, openapi_url=None)
+               api_key: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               body_timeout: float | None = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
+    """The app serving ``runner``'s engine as ``model``.
+
+    Args:
+      runner: the engine's runner (started by the caller).
+      model: the served model.
+      api_key: when given, every ``/v1`` route needs ``Authorization: Bearer <api_key>``.
+      max_body_bytes: the largest request body (413 above it).
+      body_timeout: seconds a request's body may take to arrive (408 after); None: no limit.
+    """
+    parsers = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="serve-parse")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        parsers.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="transformer_jax", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
     app.state.runner, app.state.model = runner, model
+    app.add_middleware(BodyLimits, max_bytes=max_body_bytes, timeout=body_timeout,
+                       draining=lambda: runner.draining)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -64,16 +118,14 @@ def create_app(runner: EngineRunner, model: completions.ModelInfo,
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("request %s %s failed", request.method, request.url.path)
-        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}")
-                            .body(), 500)
-
-    expected = f"Bearer {api_key}".encode() if api_key else None
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        message = message.encode("utf-8", "backslashreplace").decode()  # always encodable
+        return JSONResponse(APIError(500, message).body(), 500)
 
     async def authorize(request: Request) -> None:
-        if expected is None:
+        if api_key is None:
             return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
+        if not key_matches(request.headers.get("authorization"), api_key):
             raise APIError(401, "a valid API key is needed: send the header "
                            "'Authorization: Bearer KEY'", None, "invalid_api_key")
 
@@ -97,60 +149,84 @@ def create_app(runner: EngineRunner, model: completions.ModelInfo,
 
     @app.post("/v1/completions", dependencies=v1)
     async def complete(request: Request) -> Response:
-        return await _serve(request, await _parse(request, CompletionRequest))
+        return await _serve(request, CompletionRequest)
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat(request: Request) -> Response:
-        return await _serve(request, await _parse(request, ChatCompletionRequest))
+        return await _serve(request, ChatCompletionRequest)
 
-    async def _serve(request: Request, req: CompletionRequest | ChatCompletionRequest
-                     ) -> Response:
+    def _refuse_if_draining() -> None:
         if runner.draining:
             raise APIError(503, "the server is shutting down", None, "server_shutting_down")
-        prepared = completions.prepare(req, model)
+
+    async def _serve(request: Request, cls: type[CompletionRequest | ChatCompletionRequest]
+                     ) -> Response:
+        _refuse_if_draining()
+        raw = await request.body()  # whole already, within the limits (BodyLimits)
+        # JSON, validation and tokenising cost time in the body's size: not on the loop.
+        req, prepared = await asyncio.get_running_loop().run_in_executor(
+            parsers, _parse_and_prepare, raw, cls, model)
+        _refuse_if_draining()
         try:
             stream = runner.submit(prepared.prompt, prepared.params)
         except QueueFull as e:
             raise APIError(429, str(e), None, "rate_limit_exceeded",
                            {"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ShuttingDown:
+            raise APIError(503, "the server is shutting down", None,
+                           "server_shutting_down") from None
         except ValueError as e:  # what the engine refuses (a prompt above the page pool)
             raise APIError(400, str(e), _param_of(str(e))) from None
         response = completions.Response(prepared, model)
-        if req.stream:
-            return StreamingResponse(_sse(stream, response, req),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await _collect(request, stream, response)
-
-    async def _collect(request: Request, stream: RequestStream,
-                       response: completions.Response) -> JSONResponse:
+        handed_over = False
         try:
+            events = await _next_or_gone(request, stream)
+            if events is None:
+                return JSONResponse({}, 499)
+            text, tokens = response.add(events)
+            _refuse_unstarted(response)
+            if req.stream:
+                handed_over = True  # the stream's generator cancels it from now on
+                return StreamingResponse(_sse(stream, response, req, text, tokens),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
             while response.finish_reason is None:
-                try:
-                    events = await asyncio.wait_for(stream.next(), DISCONNECT_POLL_S)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        logger.info("client of request %d went away", stream.request_id)
-                        return JSONResponse({}, 499)
-                    continue
+                events = await _next_or_gone(request, stream)
+                if events is None:
+                    return JSONResponse({}, 499)
                 response.add(events)
         finally:
-            runner.cancel(stream)
+            if not handed_over:
+                runner.cancel(stream)
         if response.finish_reason == "error":
             raise APIError(500, "the engine failed while running this request")
         return JSONResponse(response.final())
 
+    async def _next_or_gone(request: Request, stream: RequestStream
+                            ) -> list[TokenEvent] | None:
+        """The stream's next events; None once its client has gone away."""
+        while True:
+            try:
+                return await runner.next_events(stream, DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    logger.info("client of request %d went away", stream.request_id)
+                    return None
+
     async def _sse(stream: RequestStream, response: completions.Response,
-                   req: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[str]:
+                   req: CompletionRequest | ChatCompletionRequest, text: str,
+                   tokens: list[TokenEvent]) -> AsyncIterator[str]:
         first = response.chat
         try:
-            while response.finish_reason is None:
-                text, tokens = response.add(await stream.next())
+            while True:
                 if text or first or response.finish_reason is not None:
                     chunk = response.chunk(text, tokens, response.finish_reason, first,
                                            req.continuous_usage)
                     first = False
                     yield f"data: {_dumps(chunk)}\n\n"
+                if response.finish_reason is not None:
+                    break
+                text, tokens = response.add(await runner.next_events(stream))
             if req.include_usage:
                 yield f"data: {_dumps(response.usage_chunk())}\n\n"
             yield "data: [DONE]\n\n"
@@ -160,16 +236,36 @@ def create_app(runner: EngineRunner, model: completions.ModelInfo,
     return app
 
 
-async def _parse(request: Request, cls: type[CompletionRequest | ChatCompletionRequest]
-                 ) -> CompletionRequest | ChatCompletionRequest:
+def _refuse_unstarted(response: completions.Response) -> None:
+    """A request that ended before its first token without running: 503 (cut by a shutdown)
+    or 500 (a failed engine step), as the status of the response."""
+    if response.completion_tokens:
+        return
+    if response.finish_reason == ABORT:
+        raise APIError(503, "the server shut down before this request started", None,
+                       "server_shutting_down")
+    if response.finish_reason == "error":
+        raise APIError(500, "the engine failed while running this request")
+
+
+def _parse_and_prepare(raw: bytes, cls: type[CompletionRequest | ChatCompletionRequest],
+                       model: completions.ModelInfo
+                       ) -> tuple[CompletionRequest | ChatCompletionRequest, completions.Prepared]:
+    """The body as ``cls`` and the engine's input for it (on a worker thread)."""
+    req = parse(raw, cls)
+    return req, completions.prepare(req, model)
+
+
+def parse(raw: bytes, cls: type[CompletionRequest | ChatCompletionRequest]
+          ) -> CompletionRequest | ChatCompletionRequest:
     """The body as ``cls``, or an ``APIError`` naming what is wrong."""
-    raw = await request.body()
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    check_unicode(raw, data)
     try:
         return cls.model_validate(data)
     except ValidationError as e:

@@ -108,7 +108,12 @@ def _completion_prompt(req: CompletionRequest, model: ModelInfo) -> list[int]:
         if model.tokenizer is None:
             raise APIError(400, "text prompts need the model's tokenizer; this checkpoint has "
                            "none: send token ids", "prompt")
-        return encode_text(model.tokenizer, req.prompt)
+        try:
+            return encode_text(releasing_gil(model.tokenizer), req.prompt)
+        except (UnicodeError, TypeError) as e:  # a lone surrogate (app.parse refuses
+            # them before; HF tokenizers raise TypeError for one)
+            raise APIError(400, f"prompt: the text is not valid Unicode: {_reason(e)}",
+                           "prompt") from None
     try:
         (ids,) = validate_prompts([req.prompt], model.vocab_size)
     except ValueError as e:
@@ -121,9 +126,54 @@ def _chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
         raise APIError(400, "this model has no chat template: use /v1/completions",
                        "messages")
     try:
-        return encode_chat_prompt(tokenizer, [m.as_dict() for m in req.messages])
+        return encode_chat_prompt(releasing_gil(tokenizer), [m.as_dict() for m in req.messages])
     except (ChatTemplateError, TypeError) as e:
         raise APIError(400, f"messages: {e}", "messages") from None
+    except UnicodeError as e:
+        raise APIError(400, f"messages: the text is not valid Unicode: {_reason(e)}",
+                       "messages") from None
+
+
+class _ReleasingGIL:
+    """A HF tokenizer (``HFTokenizer``) whose ``encode`` lets other threads run meanwhile.
+
+    ``tokenizers.Tokenizer.encode`` holds the GIL for the whole text (seconds for a long
+    prompt: the event loop would stop for as long, even with the encoding on a worker thread);
+    its ``encode_batch`` releases it and gives the same ids. Everything else is the wrapped
+    tokenizer's.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.wrapped = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.wrapped, name)
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """``HFTokenizer.encode``, through ``encode_batch``."""
+        tok = self.wrapped
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        if (add_bos and tok.bos_id < 0) or (add_eos and tok.eos_id < 0):
+            return tok.encode(text, add_bos, add_eos)  # its error
+        ids = tok.backend.encode_batch([text], add_special_tokens=False)[0].ids if text else []
+        return [tok.bos_id] * add_bos + ids + [tok.eos_id] * add_eos
+
+
+def releasing_gil(tokenizer: Any) -> Any:
+    """``tokenizer``, seen through ``_ReleasingGIL`` when it is a HF one (a ``backend`` that
+    is a ``tokenizers.Tokenizer``); others as they are."""
+    import tokenizers
+
+    if isinstance(getattr(tokenizer, "backend", None), tokenizers.Tokenizer):
+        return _ReleasingGIL(tokenizer)
+    return tokenizer
+
+
+def _reason(error: Exception) -> str:
+    """A Unicode error's message without the character it failed on (which may be a lone
+    surrogate, itself unencodable)."""
+    return str(error).encode("ascii", "backslashreplace").decode()
 
 
 # Responses ---------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -18,7 +19,7 @@ class APIError(Exception):
     """A refused request: HTTP ``status`` and OpenAI's error object.
 
     Args:
-      status: the HTTP status (400, 401, 404, 429, 503).
+      status: the HTTP status (400, 401, 404, 408, 413, 429, 503).
       message: one line saying what is wrong and with which value.
       param: the request field at fault (dotted path), or None.
       code: OpenAI's error code (``"context_length_exceeded"``, ``"invalid_api_key"``, ...).
@@ -26,7 +27,8 @@ class APIError(Exception):
     """
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error",
-             404: "invalid_request_error", 429: "rate_limit_exceeded",
+             404: "invalid_request_error", 408: "invalid_request_error",
+             413: "invalid_request_error", 429: "rate_limit_exceeded",
              503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
@@ -157,6 +159,55 @@ class ChatCompletionRequest(_Sampling):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# What a body holding a lone surrogate must contain: a \\uD800-\\uDFFF escape, or the bytes
+# UTF-8 would give one (json decodes bytes with "surrogatepass").
+_MAY_HOLD_SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def check_unicode(raw: bytes, data: Any) -> None:
+    """Refuses a decoded JSON body with a lone surrogate (a ``"\\udc00"`` escape) in any
+    string, key or value: no text can be encoded from it.
+
+    Args:
+      raw: the body as it came (a quick test: most bodies cannot hold one).
+      data: the body decoded.
+
+    Raises:
+      APIError: 400 naming the field (dotted path) and the character's position.
+    """
+    if not _MAY_HOLD_SURROGATE.search(raw):
+        return
+    found = _find_surrogate(data, [])
+    if found is not None:
+        path, at, char = found
+        param = ".".join(path) or None
+        raise APIError(400, f"{param or 'body'}: the text is not valid Unicode: a lone "
+                       f"surrogate \\u{ord(char):04x} at character {at} (a \\uD800-\\uDFFF "
+                       "escape must be half of a pair)", param)
+
+
+def _find_surrogate(data: Any, path: list[str]) -> tuple[list[str], int, str] | None:
+    if isinstance(data, str):
+        m = _SURROGATE.search(data)
+        return None if m is None else (path, m.start(), m.group())
+    if isinstance(data, dict):
+        for key, value in data.items():
+            m = _SURROGATE.search(key)
+            if m is not None:
+                return [*path, ascii(key)], m.start(), m.group()
+            found = _find_surrogate(value, [*path, key])
+            if found is not None:
+                return found
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            if isinstance(value, str | dict | list):
+                found = _find_surrogate(value, [*path, str(i)])
+                if found is not None:
+                    return found
+    return None
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:

@@ -5,7 +5,9 @@ sleeps when it is idle. Handlers (async, on the event loop) ``submit`` a request
 ``RequestStream``; after every step the thread hands that step's events to the loop in one
 ``loop.call_soon_threadsafe`` call, so each stream is flushed once per engine step. A request
 past the timeout is cancelled by the thread and ends with reason ``"timeout"``; ``cancel`` (a
-client gone) frees its pages before the next step. The runner never dies on a request: a step
+client gone) frees its pages before the next step. ``drain(grace)`` (a shutdown) refuses new
+requests and, ``grace`` seconds later, ends every request still in flight, running or queued,
+with reason ``"abort"`` (vLLM's name for it). The runner never dies on a request: a step
 that raises ends every request in flight with reason ``"error"`` and the engine goes on.
 """
 
@@ -24,6 +26,11 @@ from transformer_jax.serving import Engine, SamplingParams, TokenEvent
 
 logger = logging.getLogger(__name__)
 
+#: The finish reason of a request ended by a shutdown (``EngineRunner.drain``).
+ABORT = "abort"
+#: How often a request waiting for its events checks whether the grace period is over, in s.
+DRAIN_POLL_S = 0.25
+
 
 @dataclasses.dataclass(eq=False)
 class RequestStream:
@@ -40,6 +47,7 @@ class RequestStream:
     tokens: int = 0
     finish_reason: str | None = None
     timed_out: bool = False
+    aborted: bool = False
 
     async def next(self) -> list[TokenEvent]:
         """The events of the next step that concerned this request (ends with a finish)."""
@@ -52,6 +60,10 @@ class RequestStream:
 
 class QueueFull(Exception):
     """More requests in flight than the runner admits."""
+
+
+class ShuttingDown(Exception):
+    """The runner is draining: it takes no new request."""
 
 
 class EngineRunner:
@@ -74,6 +86,8 @@ class EngineRunner:
         self.request_timeout = request_timeout
         self.ready = False
         self.draining = False
+        #: ``time.perf_counter()`` from which the requests in flight are aborted (``drain``).
+        self.abort_at = math.inf
         self._streams: dict[int, RequestStream] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -92,11 +106,14 @@ class EngineRunner:
 
         Raises:
           QueueFull: ``max_requests`` are in flight already.
+          ShuttingDown: the runner is draining.
           ValueError: the engine refused the request (``Engine.add_request``).
         """
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
         with self._lock:
+            if self.draining:
+                raise ShuttingDown("the server is shutting down")
             if len(self._streams) >= self.max_requests:
                 raise QueueFull(f"{len(self._streams)} requests in flight, the most this "
                                 f"server admits (--max-requests {self.max_requests})")
@@ -109,11 +126,58 @@ class EngineRunner:
         self._wake.set()
         return stream
 
+    async def next_events(self, stream: RequestStream, timeout: float | None = None
+                          ) -> list[TokenEvent]:
+        """The stream's next events (``stream.next()``); once the shutdown's grace period is
+        over (``drain``), no later than that: a request the engine has not ended by then is
+        ended here, reason ``"abort"`` (its cancel goes to the engine, which may be in the
+        middle of a long step, or a first one that compiles).
+
+        Raises:
+          TimeoutError: no events came within ``timeout`` seconds.
+        """
+        end = math.inf if timeout is None else time.perf_counter() + timeout
+        while True:
+            if not stream.queue.empty():
+                return stream.queue.get_nowait()
+            now = time.perf_counter()
+            if now >= self.abort_at:
+                with self._lock:
+                    ended = stream.finish_reason is not None  # its last events are coming
+                    stream.aborted = True
+                if not ended:
+                    self.engine.cancel(stream.request_id)
+                    self._wake.set()
+                    return [TokenEvent(stream.request_id, None, stream.tokens,
+                                       finish_reason=ABORT)]
+                wait = DRAIN_POLL_S
+            elif now >= end:
+                raise TimeoutError
+            else:
+                wait = min(end - now, self.abort_at - now, DRAIN_POLL_S)
+            try:
+                return await asyncio.wait_for(stream.next(), wait)
+            except TimeoutError:
+                continue
+
     def cancel(self, stream: RequestStream) -> None:
         """Ends a request that is still running (its client went away)."""
         if not stream.done:
             self.engine.cancel(stream.request_id)
             self._wake.set()
+
+    def drain(self, grace: float) -> None:
+        """Takes no new request from now on, and aborts those still in flight ``grace``
+        seconds from now (each ends with reason ``"abort"``). Thread-safe; a second call
+        does not extend the first's deadline."""
+        with self._lock:
+            self.draining = True
+            self.abort_at = min(self.abort_at, time.perf_counter() + max(0.0, grace))
+            in_flight = len(self._streams)
+        if in_flight:
+            logger.info("draining: %d requests in flight, aborted in %.1f s unless done",
+                        in_flight, max(0.0, grace))
+        self._wake.set()
 
     # The thread ------------------------------------------------------------------------------
 
@@ -151,9 +215,20 @@ class EngineRunner:
     def _expire(self) -> None:
         now = time.perf_counter()
         with self._lock:
-            late = [s for s in self._streams.values() if s.deadline < now and not s.timed_out]
-        for stream in late:
-            stream.timed_out = True
+            if now >= self.abort_at:
+                cut = [s for s in self._streams.values() if not s.aborted]
+                for stream in cut:
+                    stream.aborted = True
+            else:
+                cut = []
+            late = [s for s in self._streams.values()
+                    if s.deadline < now and not s.timed_out and not s.aborted]
+            for stream in late:
+                stream.timed_out = True
+        if cut:
+            logger.info("aborting %d requests still in flight (the grace period is over)",
+                        len(cut))
+        for stream in cut + late:
             self.engine.cancel(stream.request_id)
 
     def _fail_all(self) -> list[TokenEvent]:
@@ -177,8 +252,10 @@ class EngineRunner:
                     if stream.finish_reason is not None:
                         continue  # already ended (a failed step)
                     del self._streams[event.request_id]
-                    if event.finish_reason == "cancelled" and stream.timed_out:
-                        event = dataclasses.replace(event, finish_reason="timeout")
+                    if event.finish_reason == "cancelled" and (stream.aborted or
+                                                                stream.timed_out):
+                        event = dataclasses.replace(
+                            event, finish_reason=ABORT if stream.aborted else "timeout")
                     stream.finish_reason = event.finish_reason
                 by_stream.setdefault(stream, []).append(event)
         for stream, got in by_stream.items():
