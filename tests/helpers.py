@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -163,3 +163,36 @@ def write_word_docs(root: Path, num_docs: int, num_words: int = 30, seed: int = 
         json.dumps({"text": " ".join(rng.choice(words, rng.integers(1, 30)))}) + "\n"
         for _ in range(num_docs)))
     return docs, write_chatml_tokenizer(root / "tok", words)
+
+
+# Engine loops with a step limit (no test can hang) ---------------------------------------------
+
+#: The most steps a test's engine loop runs before it fails: the tests' loads need well under a
+#: hundred, so reaching it means a request that never finishes or pages that never come back.
+ENGINE_STEP_LIMIT = 500
+
+
+def _step_limit_error(engine: object, max_steps: int, what: str) -> AssertionError:
+    return AssertionError(f"step limit: {what} not reached in {max_steps} engine steps "
+                          f"({engine.scheduler.describe()})")
+
+
+def step_until(engine: object, done: Callable[[], bool], max_steps: int = ENGINE_STEP_LIMIT,
+               what: str = "the condition") -> None:
+    """Calls ``engine.step()`` until ``done()`` holds; AssertionError (naming ``what`` and the
+    scheduler's queues) when it still does not after ``max_steps`` steps."""
+    for _ in range(max_steps):
+        if done():
+            return
+        engine.step()
+    if not done():
+        raise _step_limit_error(engine, max_steps, what)
+
+
+def run_until_idle(engine: object, max_steps: int = ENGINE_STEP_LIMIT) -> dict:
+    """``engine.run_until_idle`` with a step limit: its completions, or AssertionError when the
+    engine is still busy after ``max_steps`` steps."""
+    done = engine.run_until_idle(max_steps=max_steps)
+    if not engine.idle:
+        raise _step_limit_error(engine, max_steps, "an idle engine")
+    return done

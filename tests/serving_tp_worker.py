@@ -38,7 +38,9 @@ def run_case(overrides: dict) -> dict:
         engine = Engine(config, params, num_slots=2, num_pages=12, page_size=4,
                         token_budget=18, mesh=mesh)
         ids = [engine.add_request(p, s) for p, s in zip(prompts, PARAMS, strict=True)]
-        done = engine.run_until_idle()
+        done = engine.run_until_idle(max_steps=500)  # a leak fails here rather than hanging
+        if not engine.idle:
+            raise AssertionError(f"not idle after 500 steps: {engine.scheduler.describe()}")
         engine.check_no_leaks()
         leaf = jax.tree.leaves(engine._k)[0]
         out[str(tensor)] = dict(

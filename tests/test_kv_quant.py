@@ -64,6 +64,7 @@ CACHES = {
         c.replace(scan_layers=True), B, 16, d, keys_transposed=False),
     "paged-gather-keys-transposed": lambda c, d: _paged(c, d, True, "gather"),
     "paged-pool": lambda c, d: _paged(c.replace(scan_layers=True), d, False, "pool"),
+    "paged-pool-keys-transposed": lambda c, d: _paged(c, d, True, "pool"),
     "paged-blocks-keys-transposed": lambda c, d: _paged(c, d, True, "blocks").replace(
         block_positions=8),
     "paged-blocks-scanned": lambda c, d: _paged(c.replace(scan_layers=True), d, False,

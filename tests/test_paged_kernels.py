@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE
+from helpers import FAST_COMPILE, run_until_idle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
@@ -281,7 +281,7 @@ def test_engine_on_the_interpreted_triton_kernel_gives_generates_tokens():
     try:
         with pa.kernel_target("gpu", interpret=True):
             ids = [engine.add_request(p, SamplingParams(max_tokens=new)) for p in prompts]
-            done = engine.run_until_idle()
+            done = run_until_idle(engine)
     finally:
         step.step_jit = original
     engine.check_no_leaks()

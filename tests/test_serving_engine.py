@@ -9,7 +9,7 @@ import threading
 import jax
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE
+from helpers import FAST_COMPILE, run_until_idle, step_until
 
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
@@ -137,11 +137,16 @@ def test_greedy_under_load_equals_generate_alone(model, engine):
     thread = threading.Thread(target=arrive)
     thread.start()
     preemptions = engine.scheduler.preemptions
-    while not (added.is_set() and engine.idle):
-        engine.step()
+
+    def finished():
         if len(collect.events.get(cancelled, [])) == 2:
             engine.cancel(cancelled)
-    thread.join()
+        return added.is_set() and engine.idle
+
+    try:
+        step_until(engine, finished, what="every request finished")
+    finally:
+        thread.join()
 
     for rid, prompt in ids.items():
         events = collect.events[rid]
@@ -164,7 +169,7 @@ def test_preemption_takes_the_newest_and_recomputes_it(model, engine):
     prompts = _prompts([40, 40], seed=6)
     params = SamplingParams(max_tokens=N_REF)
     old, new = (engine.add_request(p, params) for p in prompts)
-    done = engine.run_until_idle()
+    done = run_until_idle(engine)
     assert done[old].preemptions == 0 and done[new].preemptions >= 1
     for rid, prompt in zip((old, new), prompts, strict=True):
         assert done[rid].tokens == reference(model, prompt, params)[0]
@@ -178,9 +183,9 @@ def test_prefix_reuse_prefills_only_the_rest(model, engine):
     second = first + _prompts([10], seed=8)[0]
     params = SamplingParams(max_tokens=6)
     a = engine.add_request(first, params)
-    done = engine.run_until_idle()
+    done = run_until_idle(engine)
     b = engine.add_request(second, params)
-    done.update(engine.run_until_idle())
+    done.update(run_until_idle(engine))
     assert done[b].prefix_hit_tokens == 24
     assert done[a].tokens == reference(model, first, params)[0]
     assert done[b].tokens == reference(model, second, params)[0]
@@ -193,12 +198,12 @@ def test_seeded_sampling_is_the_same_alone_and_under_load(model, engine):
     params = SamplingParams(max_tokens=N_REF, temperature=0.9, top_k=20, top_p=0.9, min_p=0.05,
                             seed=1234)
     rid = engine.add_request(prompt, params)
-    alone = engine.run_until_idle()[rid].tokens
+    alone = run_until_idle(engine)[rid].tokens
     others = [engine.add_request(p, SamplingParams(max_tokens=8, temperature=t, seed=s))
               for p, t, s in zip(_prompts([7, 25, 18], seed=10), (0.0, 1.0, 0.7), (1, 2, 3),
                                  strict=True)]
     rid = engine.add_request(prompt, params)
-    done = engine.run_until_idle()
+    done = run_until_idle(engine)
     assert done[rid].tokens == alone
     assert alone == reference(model, prompt, params)[0]
     assert len(done) == 1 + len(others)
@@ -224,8 +229,7 @@ def test_cancel_mid_prefill_waiting_and_mid_decode_frees_everything(engine):
     assert engine.idle and engine.pages_in_use == 0
 
     rid = engine.add_request(short, SamplingParams(max_tokens=10), collect)
-    while len(collect.events.get(rid, [])) < 3:
-        engine.step()
+    step_until(engine, lambda: len(collect.events.get(rid, [])) >= 3, what="3 tokens")
     assert engine.scheduler.running[0].state == State.RUNNING
     engine.cancel(rid)
     engine.cancel(rid)  # twice is harmless, as is an unknown id
@@ -269,7 +273,7 @@ def test_scanned_model_with_a_sliding_window_equals_generate():
     prompts = _prompts([37, 4, 11], seed=12)
     params = SamplingParams(max_tokens=N_REF)
     ids = [engine.add_request(p, params) for p in prompts]
-    done = engine.run_until_idle()
+    done = run_until_idle(engine)
     for rid, prompt in zip(ids, prompts, strict=True):
         assert done[rid].tokens == reference(model, prompt, params)[0]
     engine.check_no_leaks()

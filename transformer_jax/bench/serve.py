@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from transformer_jax.bench import args as args_lib
 from transformer_jax.bench import serve_stall
 from transformer_jax.bench.serve_workload import Workload, make_workload, record, summarize
 from transformer_jax.decode import generation
@@ -64,8 +65,11 @@ def run_engine(engine: Engine, work: Workload) -> dict[str, Any]:
         if engine.idle:
             _wait_until(start + work.arrivals[order[nxt]])
             continue
+        ran = engine.steps
         engine.step()
         sched = engine.scheduler
+        if engine.steps == ran and not sched.idle:  # a stuck engine fails, it does not spin
+            raise RuntimeError(f"the engine cannot make progress: {sched.describe()}")
         peak_running = max(peak_running,
                            len(sched.running) + (sched.prefilling is not None))
         peak_pages = max(peak_pages, engine.pages_in_use)
@@ -139,11 +143,6 @@ def compile_generate(config: ModelConfig, weights: decode.DecodeWeights, work: W
 
 # CLI ---------------------------------------------------------------------------------------------
 
-def _range(text: str) -> tuple[int, int]:
-    lo, hi = (int(x) for x in text.split(","))
-    return lo, hi
-
-
 def _line(name: str, r: dict[str, Any]) -> str:
     ms = {k: r[k] for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s")}
     cells = "  ".join(f"{k[:-2].upper()} {v['mean'] * 1e3:7.1f}/{v['median'] * 1e3:7.1f}/"
@@ -152,45 +151,114 @@ def _line(name: str, r: dict[str, Any]) -> str:
             f"{r['request_throughput']:6.2f} req/s  {cells}")
 
 
-def main(argv: list[str]) -> int:
+MODES = ("engine", "engine-noprefix", "one", "batch", "http")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments, each checked by its type as it is parsed (``bench/args.py``)."""
+    a = args_lib
     parser = argparse.ArgumentParser(prog="transformer-jax bench serve",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="decode_25m", help="preset name or TOML path")
-    parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--input-len", type=_range, default=(16, 256), metavar="MIN,MAX")
-    parser.add_argument("--output-len", type=_range, default=(16, 64), metavar="MIN,MAX")
-    parser.add_argument("--output-multiple", type=int, default=16,
+    parser.add_argument("--config", type=a.model_config, default="decode_25m",
+                        help="preset name or TOML path")
+    parser.add_argument("--requests", type=a.positive_int, default=48)
+    parser.add_argument("--input-len", type=a.int_range, default=(16, 256), metavar="MIN,MAX")
+    parser.add_argument("--output-len", type=a.int_range, default=(16, 64), metavar="MIN,MAX")
+    parser.add_argument("--output-multiple", type=a.positive_int, default=16,
                         help="round output lengths up to a multiple (fewer generate shapes)")
-    parser.add_argument("--rate", type=float, default=math.inf,
+    parser.add_argument("--rate", type=a.positive_float(allow_inf=True), default=math.inf,
                         help="requests per second (inf: all at once)")
-    parser.add_argument("--burstiness", type=float, default=1.0,
+    parser.add_argument("--burstiness", type=a.positive_float(), default=1.0,
                         help="gamma shape of the arrival gaps (1: Poisson)")
-    parser.add_argument("--shared-prefix", type=int, default=0,
+    parser.add_argument("--shared-prefix", type=a.nonnegative_int, default=0,
                         help="tokens every prompt starts with")
-    parser.add_argument("--slots", type=int, default=8)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--pages", type=int, default=0,
+    parser.add_argument("--slots", type=a.positive_int, default=8)
+    parser.add_argument("--page-size", type=a.positive_int, default=16)
+    parser.add_argument("--pages", type=a.nonnegative_int, default=0,
                         help="pages in the pool (0: enough for every slot at its longest)")
-    parser.add_argument("--token-budget", type=int, default=264)
+    parser.add_argument("--token-budget", type=a.positive_int, default=264)
     parser.add_argument("--modes", default=None,
                         help="comma list of engine, one (generate one at a time), batch "
                              "(generate in fixed batches), engine-noprefix, http (the server "
                              "at --url; bench/serve_http.py) (default: engine,one,batch; "
                              "http with --url)")
-    parser.add_argument("--url", help="a running server (transformer-jax serve) "
-                        "serving a model of --config's vocabulary, for the http mode")
+    parser.add_argument("--url", type=a.server_url, help="a running server (transformer-jax "
+                        "serve) serving a model of --config's vocabulary, for the http mode")
     parser.add_argument("--api-key", help="the server's API key, if it has one")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--seed", type=a.nonnegative_int, default=0)
+    parser.add_argument("--json", type=a.output_file, default=None,
+                        help="write the results to this file")
     parser.add_argument("--scenario", choices=("load", "stall"), default="load",
                         help="load: the requests above in every mode; stall: --slots "
                              "sequences decoding when a --long-prompt arrives, chunked "
                              "(--token-budget) and unchunked (serve_stall.py)")
-    parser.add_argument("--long-prompt", type=int, default=900,
+    parser.add_argument("--long-prompt", type=a.positive_int, default=900,
                         help="the stall scenario's long prompt, in tokens")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
+               config: ModelConfig) -> list[str]:
+    """Exits with an argparse error for values that do not fit together or the model (before
+    any weights are made); returns the modes to run."""
+    if args.scenario == "stall":
+        if args.long_prompt + 1 > config.max_seq_len:
+            parser.error(f"--long-prompt {args.long_prompt} + its token must fit the model's "
+                         f"max_seq_len {config.max_seq_len}")
+        if args.token_budget <= args.slots + 1:
+            parser.error(f"--token-budget {args.token_budget} must exceed --slots + 1 = "
+                         f"{args.slots + 1} (the stall scenario's sequences)")
+        return []
+    modes = (args.modes or ("http" if args.url else "engine,one,batch")).split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"--modes: unknown mode(s) {', '.join(map(repr, unknown))}; choose from "
+                     f"{', '.join(MODES)}")
+    if "http" in modes and not args.url:
+        parser.error("the http mode needs --url")
+    if args.shared_prefix > args.input_len[0]:
+        parser.error(f"--shared-prefix {args.shared_prefix} must be at most the shortest "
+                     f"--input-len {args.input_len[0]} (prompts include it)")
+    out_hi = -(-args.output_len[1] // args.output_multiple) * args.output_multiple
+    longest = args.input_len[1] + out_hi
+    if longest > config.max_seq_len:
+        parser.error(f"--input-len max {args.input_len[1]} + --output-len max {out_hi} "
+                     f"(rounded to --output-multiple) = {longest} exceeds the model's "
+                     f"max_seq_len {config.max_seq_len}")
+    if any(m.startswith("engine") for m in modes):
+        if args.token_budget <= args.slots:
+            parser.error(f"--token-budget {args.token_budget} must exceed --slots "
+                         f"{args.slots} (one decode token per slot, the rest prefills)")
+        if args.pages and args.pages - 1 < -(-longest // args.page_size):
+            parser.error(f"--pages {args.pages} cannot hold the longest request ({longest} "
+                         f"positions = {-(-longest // args.page_size)} pages of "
+                         f"{args.page_size}, plus the null page)")
+    if "http" in modes:
+        _check_server(parser, args, longest)
+    return modes
+
+
+def _check_server(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                  longest: int) -> None:
+    """The server at ``--url`` answers ``/v1/models`` and its model fits the workload."""
+    import httpx
+
+    from transformer_jax.bench.serve_http import served_model
+
+    try:
+        model = served_model(args.url, args.api_key)
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as e:
+        parser.error(f"--url {args.url}: GET /v1/models failed: {' '.join(str(e).split())}")
+    if model.get("max_model_len", longest) < longest:
+        parser.error(f"--url {args.url}: the workload needs up to {longest} positions; the "
+                     f"served model has {model['max_model_len']}")
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     config = ModelConfig.preset(args.config)
+    modes = check_args(parser, args, config)
     if args.scenario == "stall":
         weights = decode.prepare(config, init_params(config, jax.random.key(args.seed)))
         stall = serve_stall.run_both(config, weights, slots=args.slots,
@@ -205,10 +273,6 @@ def main(argv: list[str]) -> int:
     work = make_workload(args.requests, args.input_len, args.output_len, args.output_multiple,
                          args.rate, args.burstiness, config.vocab_size, args.seed,
                          args.shared_prefix)
-    modes = (args.modes or ("http" if args.url else "engine,one,batch")).split(",")
-    if "http" in modes and not args.url:
-        print("error: the http mode needs --url", file=sys.stderr)
-        return 2
     weights = None if modes == ["http"] else decode.prepare(
         config, init_params(config, jax.random.key(args.seed)))
     longest = max(len(p) + n for p, n in zip(work.prompts, work.max_tokens, strict=True))
@@ -246,9 +310,8 @@ def main(argv: list[str]) -> int:
         elif mode == "batch":
             compile_generate(config, weights, work, args.slots)
             r = run_fixed_batches(config, weights, work, args.slots)
-        else:
-            print(f"error: unknown mode {mode!r}", file=sys.stderr)
-            return 2
+        else:  # check_args accepts only MODES
+            raise AssertionError(mode)
         result["modes"][mode] = r
         print(_line(mode, r))
         if mode.startswith("engine"):

@@ -40,7 +40,7 @@ from transformer_jax.decode.prompts import is_int, validate_prompts
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.serving import step as step_lib
 from transformer_jax.serving.page_pool import pages_for
-from transformer_jax.serving.paged_cache import PagedKVCache
+from transformer_jax.serving.paged_cache import VIEWS, PagedKVCache, storage_dtype
 from transformer_jax.serving.requests import (
     Completion,
     Request,
@@ -74,7 +74,8 @@ class Engine:
         the weights and K/T kv heads of every page (weights prepared for another mesh are an
         error; ``DecodeWeights`` bring their own mesh when this is None).
       prefix_caching: share full pages between requests with the same prefix.
-      cache_dtype: the pages' storage dtype; the model's compute dtype by default.
+      cache_dtype: the pages' storage dtype: a floating dtype (name), or ``"int8"``
+        (``ops.kv_quant``); the model's compute dtype by default.
       min_context: the narrowest context (positions) a step attends over: each step reads its
         rows' pages through a table of the smallest power-of-two width from this that holds
         its longest row (``Scheduler``), one compiled shape per width.
@@ -86,8 +87,8 @@ class Engine:
         ``"int8"``, ``"int4"``, ``"int4:G"``); given ``DecodeWeights`` must match it.
 
     Raises:
-      ValueError: for sizes out of range (naming them), or a mesh the model cannot be split
-        over (``decode.check_tensor_parallel``).
+      ValueError: for sizes out of range, an unknown ``cache_dtype`` or ``view`` (naming
+        them), or a mesh the model cannot be split over (``decode.check_tensor_parallel``).
     """
 
     def __init__(self, config: ModelConfig, weights_or_params: DecodeWeights | Params,
@@ -108,6 +109,11 @@ class Engine:
             raise ValueError(f"token_budget ({token_budget}) must exceed num_slots "
                              f"({num_slots}): each step decodes one token per slot and "
                              "prefills with the rest")
+        # The cheap checks before the weights are prepared.
+        if cache_dtype is not None:
+            storage_dtype(cache_dtype)
+        if view not in VIEWS:
+            raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
         if isinstance(weights_or_params, DecodeWeights):
             weights_or_params.check_for(config, mesh, "Engine", quant)
             self.weights = weights_or_params
@@ -152,10 +158,14 @@ class Engine:
           The request's id.
 
         Raises:
-          ValueError: for a bad prompt or setting, or a request that can never fit: prompt +
-            max_tokens above the model's context, or its pages above the whole pool.
+          ValueError: for a bad prompt or setting (naming it), or a request that can never
+            fit: prompt + max_tokens above the model's context, or its pages above the whole
+            pool.
+          TypeError: for ``params`` that are not a ``SamplingParams``.
         """
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         (prompt,) = validate_prompts([prompt_ids], self.config.vocab_size)
         params.validate(self.config.vocab_size)
         self.check_fits(len(prompt), params.max_tokens)

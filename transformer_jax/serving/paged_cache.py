@@ -89,6 +89,22 @@ VIEWS = ("auto", "gather", "pool", "blocks")
 BLOCK_POSITIONS = 64
 
 
+def storage_dtype(dtype: jnp.dtype | str) -> jnp.dtype:
+    """A cache's storage dtype: a floating dtype, or int8 (``ops.kv_quant``'s encoding).
+
+    Raises:
+      ValueError: naming ``cache_dtype`` and what it accepts, for anything else.
+    """
+    try:
+        dt = jnp.dtype(dtype)
+    except (TypeError, ValueError):
+        dt = None
+    if dt is None or not (jnp.issubdtype(dt, jnp.floating) or kv_quant.is_int8(dt)):
+        raise ValueError(f"cache_dtype must be a floating dtype name (e.g. 'bfloat16', "
+                         f"'float32') or {kv_quant.INT8!r}, got {dtype!r}")
+    return dt
+
+
 @flax.struct.dataclass
 class PagedKVCache:
     """Keys and values of every layer in pages, and the page table of the rows of one call.
@@ -134,6 +150,10 @@ class PagedKVCache:
             whole [page_size, H] pages, more than the faster [H, S] product gained back
             (decode_25m's layer, 8 rows of 32 pages of 16, float32: 5.2 against 2.5 ms).
           view: how ``attend`` reads the pages.
+
+        Raises:
+          ValueError: for a size out of range, a view not in ``VIEWS`` or a storage dtype that
+            is neither floating nor int8, naming it.
         """
         for name, value in (("num_pages", num_pages), ("page_size", page_size),
                             ("batch", batch), ("pages_per_row", pages_per_row)):
@@ -144,7 +164,7 @@ class PagedKVCache:
                              f"{num_pages}")
         if view not in VIEWS:
             raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
-        dtype = jnp.dtype(dtype or config.dtype)
+        dtype = storage_dtype(config.dtype if dtype is None else dtype)
         kv, h = config.n_kv_heads, kv_quant.stored_head_dim(config.head_dim, dtype)
         k_shape = (kv, h, num_pages, page_size) if keys_transposed else (
             kv, num_pages, page_size, h)
@@ -270,6 +290,13 @@ class PagedKVCache:
             return keys, values
         return kv_quant.decode(keys, dtype, axis=key_axis), kv_quant.decode(values, dtype)
 
+    def pool(self, i: int | jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+        """Layer i's whole pool in place, as the ``"pool"`` view reads it: [K, P, ps, H] keys
+        ([K, H, P, ps] when transposed) and [K, P, ps, H] values, int8 pages dequantised
+        (each token with its own scale) into ``dtype``; float pages as they are."""
+        return self._dequantized(self.k[i], self.v[i], dtype,
+                                 key_axis=1 if self.keys_transposed else -1)
+
     def read_view(self, q: jax.Array, impl: str) -> str:
         """How ``attend`` reads the pages for queries q [B, T, N, H]: ``"gather"``, ``"pool"``
         or ``"blocks"`` (``view``, or the ``"auto"`` rule of the module docstring)."""
@@ -288,9 +315,7 @@ class PagedKVCache:
         """Every row's queries against the whole pool of layer i, each seeing only the slots
         of its own pages at positions up to its own (``"pool"`` view)."""
         b, t, n, h = q.shape
-        # [K, P, ps, H] (keys [K, H, P, ps])
-        k_pool, v_pool = self._dequantized(self.k[i], self.v[i], q.dtype,
-                                           key_axis=1 if self.keys_transposed else -1)
+        k_pool, v_pool = self.pool(i, q.dtype)
         kv, p, ps = v_pool.shape[0], v_pool.shape[1], v_pool.shape[2]
         # owner[b, page]: the page's index in row b's table, -1 for pages b does not hold (the
         # null page included: nobody holds it).

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+import numbers
+from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -27,17 +29,18 @@ class SamplingParams:
     Attributes:
       max_tokens: the most new tokens (> 0); the request finishes with reason ``"length"``
         when it has them.
-      stop_token_ids: ids that end the request (reason ``"stop"``); the stop token is part of
-        the output, as in ``generate``.
+      stop_token_ids: a sequence of token ids in [0, V) that end the request (reason
+        ``"stop"``); the stop token is part of the output, as in ``generate``.
       temperature: >= 0; 0 is greedy.
       top_k: None or k in [1, V].
       top_p: None or p in (0, 1].
       min_p: None or a value in [0, 1].
       seed: the request's own PRNG seed, an int in [0, 2**32) (token i is drawn with
         ``fold_in(key(seed), i)``, as ``generate(..., seed=[seed])`` draws it).
-      logprobs: whether each ``TokenEvent`` carries the token's log-probability.
-      stop: stop strings: the request ends (reason ``"stop"``) when its text contains one;
-        the text released stops before it (the engine needs a tokenizer, ``serving.text``).
+      logprobs: (a bool) whether each ``TokenEvent`` carries the token's log-probability.
+      stop: a sequence of non-empty stop strings: the request ends (reason ``"stop"``) when
+        its text contains one; the text released stops before it (the engine needs a
+        tokenizer, ``serving.text``).
     """
 
     max_tokens: int = 16
@@ -51,14 +54,34 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
     def validate(self, vocab_size: int) -> None:
-        """Raises ValueError naming the first setting out of range for V tokens."""
+        """Raises ValueError naming the first setting of the wrong type or out of range for V
+        tokens (before anything reads them: a bad value never surfaces as a bare TypeError)."""
         if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        stop_ids = self.stop_token_ids
+        if not _is_collection(stop_ids, arrays=True):
+            raise ValueError(f"stop_token_ids must be a sequence of ints, got {stop_ids!r}")
+        for tok in stop_ids:
+            if not is_int(tok) or not 0 <= tok < vocab_size:
+                raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), "
+                                 f"got {tok!r} in {stop_ids!r}")
+        if not _is_real(self.temperature):
+            raise ValueError(f"temperature must be a number >= 0 (0 is greedy), got "
+                             f"{self.temperature!r}")
+        if self.top_k is not None and not is_int(self.top_k):
+            raise ValueError(f"top_k must be None or an int in [1, {vocab_size}], got "
+                             f"{self.top_k!r}")
+        for name, value, accepts in (("top_p", self.top_p, "in (0, 1]"),
+                                     ("min_p", self.min_p, "in [0, 1]")):
+            if value is not None and not _is_real(value):
+                raise ValueError(f"{name} must be None or a number {accepts}, got {value!r}")
         if not is_int(self.seed) or not 0 <= self.seed < 2 ** 32:
             raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
-        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s
-                                             for s in self.stop):
-            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.logprobs, (bool, np.bool_)):
+            raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")
+        stop = self.stop
+        if not _is_collection(stop) or any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be a sequence of non-empty strings, got {stop!r}")
         self.settings().validate(vocab_size)
 
     def settings(self) -> SamplingSettings:
@@ -66,6 +89,18 @@ class SamplingParams:
         return SamplingSettings(temperature=self.temperature, top_k=self.top_k,
                                 top_p=self.top_p, min_p=self.min_p,
                                 stop_tokens=tuple(self.stop_token_ids))
+
+
+def _is_collection(x: Any, arrays: bool = False) -> bool:
+    """A sequence (not a string) or a set (or, with ``arrays``, a numpy array): what a
+    list-valued setting takes."""
+    kinds = (Sequence, AbstractSet, np.ndarray) if arrays else (Sequence, AbstractSet)
+    return isinstance(x, kinds) and not isinstance(x, (str, bytes))
+
+
+def _is_real(x: Any) -> bool:
+    """A real scalar (an int or float, numpy's included), not a bool or an array."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
