@@ -210,11 +210,15 @@ def test_text_starts_with_bos_as_transformers_encodes_it(tmp_path):
 
 def test_cli_errors_are_one_line(tasks_dir, tmp_path, capsys):
     out = str(tmp_path / "r.json")
-    assert evaluate_main(["--checkpoint", str(tmp_path), "--tasks", "tiny_mc",
-                          "--include-path", str(tmp_path / "none"), "--output", out]) == 1
-    assert "--include-path" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # an argument error: argparse's, exit status 2
+        evaluate_main(["--checkpoint", str(tmp_path), "--tasks", "tiny_mc",
+                       "--include-path", str(tmp_path / "none"), "--output", out])
+    assert info.value.code == 2
+    assert "argument --include-path" in capsys.readouterr().err
     assert evaluate_main(["--checkpoint", str(tmp_path / "gone"), "--tasks", "tiny_mc",
                           "--include-path", str(tasks_dir), "--output", out]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {tmp_path / 'gone'}: {tmp_path / 'gone'} does not exist"]
-    assert evaluate_main(["--checkpoint", str(tmp_path), "--tasks", " , ", "--output", out]) == 2
+    with pytest.raises(SystemExit) as info:
+        evaluate_main(["--checkpoint", str(tmp_path), "--tasks", " , ", "--output", out])
+    assert info.value.code == 2

@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from transformer_jax.bench import args as args_lib
 from transformer_jax.data import corpus
 
 
@@ -41,17 +42,39 @@ def make_corpus(directory: Path, megabytes: float, files: int = 8) -> int:
     return total
 
 
+def work_dir(text: str) -> str:
+    """An argparse type: ``--dir``, a directory or a path where one can be made."""
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a directory")
+    try:
+        args_lib.check_output_file(path / "corpus" / "part-00.jsonl")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="transformer-jax bench data",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mb", type=float, default=200.0, help="corpus size in MB")
-    parser.add_argument("--workers", type=int, default=2, help="the parallel build's workers")
-    parser.add_argument("--tokenizer", default="", help="tokenizer file/dir (default: a bpe of "
-                        "4096 trained on the default corpus)")
-    parser.add_argument("--shard-mb", type=float, default=8.0)
-    parser.add_argument("--dir", default="", help="work directory (default: a temporary one)")
+    parser.add_argument("--mb", type=args_lib.megabytes, default=200.0, help="corpus size in MB")
+    parser.add_argument("--workers", type=args_lib.int_at_least(2), default=2,
+                        help="the parallel build's workers (>= 2; 1 is always run)")
+    parser.add_argument("--tokenizer", type=args_lib.existing_path, default=None,
+                        help="tokenizer file/dir (default: a bpe of 4096 trained on the "
+                        "default corpus)")
+    parser.add_argument("--shard-mb", type=args_lib.megabytes, default=8.0)
+    parser.add_argument("--dir", type=work_dir, default=None,
+                        help="work directory, kept (default: a temporary one, removed)")
     args = parser.parse_args(argv)
-    work = Path(args.dir or tempfile.mkdtemp(prefix="bench-data-"))
+    if args.dir:
+        return run(Path(args.dir).expanduser(), args)
+    with tempfile.TemporaryDirectory(prefix="bench-data-") as work:  # removed on any failure
+        return run(Path(work), args)
+
+
+def run(work: Path, args: argparse.Namespace) -> int:
+    """Builds the corpus in ``work`` with 1 and ``args.workers`` workers; prints the rates."""
     (work / "corpus").mkdir(parents=True, exist_ok=True)
     size = make_corpus(work / "corpus", args.mb)
     tokenizer = args.tokenizer
@@ -84,8 +107,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{rates[workers]:,.0f} tokens/s ({size / 2**20 / seconds:.1f} MB/s); "
               f"{len(meta['shards'])} shards; peak MB so far {peak:.0f}")
     print(f"speed-up with {args.workers} workers: {rates[args.workers] / rates[1]:.2f}x")
-    if not args.dir:
-        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -28,7 +28,6 @@ shared: the load average is recorded, and bandwidth is measured before every gri
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import json
@@ -46,19 +45,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.bench import decode_quant
+from transformer_jax.bench import decode_args, decode_quant
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode import prompts as prompt_lib
-from transformer_jax.model.config import ModelConfig, load_toml
+from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import cache_bytes
 from transformer_jax.model.ops.dense import dense
 from transformer_jax.model.transformer import Transformer, init_params
 from transformer_jax.parallel import sharding
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -326,44 +321,13 @@ def _bench_hf(model: Any, prompts: list[list[int]], n: int, repeats: int) -> dic
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="transformer-jax bench decode",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="decode_25m", help="preset name or TOML path")
-    parser.add_argument("--batch", type=_ints, default=[1, 8])
-    parser.add_argument("--prompt-len", type=_ints, default=[16, 512])
-    parser.add_argument("--new-tokens", type=_ints, default=[128])
-    parser.add_argument("--cache-size", type=_ints, default=[0],
-                        help="KV cache slots S_max; 0 = generate's default (padded prompt + new "
-                        "tokens, as tight as the request allows)")
-    parser.add_argument("--tensor", type=_ints, default=[0],
-                        help="tensor-parallel sizes to run (decode.generate's mesh); 0 = one "
-                        "device per CPU core, 1 = a single device")
-    parser.add_argument("--cache-dtype", default=None, choices=("float32", "bfloat16", "int8"),
-                        help="KV cache storage dtype (default: the model's compute dtype)")
-    parser.add_argument("--quant", default=None, metavar="SCHEME",
-                        help="also run every point with the weights quantised (decode.prepare's "
-                        "quant: int8, int4, int4:G) and compare it with the float run")
-    parser.add_argument("--peak-gb-s", type=float, default=None,
-                        help="the device's peak memory bandwidth in GB/s (default: the published "
-                        "figure for known GPUs/TPUs; none on CPU)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-hf", action="store_true", help="skip HuggingFace transformers")
-    parser.add_argument("--no-baseline", action="store_true", help="skip the no-cache baseline")
-    parser.add_argument("--out", "--json", default=None,
-                        help="JSON file (default bench_decode_NAME.json)")
-    parser.add_argument("--compile-time", action="store_true",
-                        help="only measure the lower + compile time of generate at 4 and 32 "
-                        "layers of the config (bfloat16, batch 1, prompt 128, 64 new tokens, "
-                        "from abstract inputs) and write {compile_s, ratio}")
-    args = parser.parse_args(argv)
-
-    config = ModelConfig.from_dict(load_toml(args.config).get("model", {}))
+    args, config = decode_args.parse(argv, __doc__.split("\n\n")[0])
     name = Path(args.config).stem
     if args.compile_time:
         print(f"generate compile time, {name} shapes (scan_layers={config.scan_layers}):")
         result = compile_times(config)
         print(f"32 layers / 4 layers = {result['ratio']:.2f}")
-        out = Path(args.out or f"bench_compile_{name}.json")
+        out = Path(args.out)
         out.write_text(json.dumps(result, indent=1))
         print(f"wrote {out}")
         return 0
@@ -450,7 +414,7 @@ def main(argv: list[str]) -> int:
             ours.pop("tokens")
             records.append(rec)
             _print_record(rec)
-    out = Path(args.out or f"bench_decode_{name}.json")
+    out = Path(args.out)
     out.write_text(json.dumps(dict(config=name, params=n_params, platform=platform.platform(),
                                    jax=jax.__version__, records=records), indent=1))
     print(f"wrote {out}")

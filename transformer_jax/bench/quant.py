@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.bench import args as args_lib
 from transformer_jax.checkpoint import loading
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
@@ -78,26 +79,52 @@ def forced_agreement(weights: decode.DecodeWeights, prompts: list[list[int]],
     return float(np.mean(np.asarray(jnp.argmax(logits[:, start:], axis=-1)) == reference))
 
 
+def training_run(text: str) -> str:
+    """An argparse type: a training run's directory (its ``config.json`` names the data whose
+    validation split is held out)."""
+    args_lib.existing_dir(text)
+    if not (Path(text).expanduser() / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a training run (no config.json)")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="transformer-jax bench quant",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", required=True, help="a training run directory")
-    parser.add_argument("--quant", default="int8,int4",
-                        help="comma-separated weight schemes (decode.prepare's quant)")
-    parser.add_argument("--windows", type=int, default=1024,
+    parser.add_argument("--run", type=training_run, required=True,
+                        help="a training run directory")
+    parser.add_argument("--quant", type=args_lib.quant_schemes, default=["int8", "int4"],
+                        help="comma-separated weight schemes (decode.prepare's quant) "
+                        "(default: int8,int4)")
+    parser.add_argument("--windows", type=args_lib.positive_int, default=1024,
                         help="the most held-out windows the loss runs over")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--prompts", type=int, default=32, help="held-out greedy prompts")
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64,
+    parser.add_argument("--batch", type=args_lib.positive_int, default=32)
+    parser.add_argument("--prompts", type=args_lib.positive_int, default=32,
+                        help="held-out greedy prompts")
+    parser.add_argument("--prompt-len", type=args_lib.positive_int, default=32)
+    parser.add_argument("--new-tokens", type=args_lib.positive_int, default=64,
                         help="tokens per continuation (capped at max_seq_len - prompt-len)")
-    parser.add_argument("--out", default=None, help="JSON file (default bench_quant_RUN.json)")
+    parser.add_argument("--out", type=args_lib.output_file, default=None,
+                        help="JSON file (default bench_quant_RUN.json)")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = f"bench_quant_{Path(args.run).name}.json"
+        try:
+            args_lib.check_output_file(args.out)
+        except ValueError as e:
+            parser.error(f"--out: {e}")
 
-    run_dir = Path(args.run)
+    run_dir = Path(args.run).expanduser()
     loaded = loading.load(run_dir)
     config, params = loaded.config, loaded.params
+    if args.prompt_len >= config.max_seq_len:
+        parser.error(f"--prompt-len {args.prompt_len} leaves no room for a new token in the "
+                     f"model's max_seq_len {config.max_seq_len}")
     windows = held_out_windows(run_dir, loaded, config.max_seq_len, args.windows)
+    if len(windows) < args.batch:
+        parser.error(f"--batch {args.batch}: the run's validation split has only "
+                     f"{len(windows)} windows of {config.max_seq_len} tokens; give a smaller "
+                     "--batch")
     new_tokens = min(args.new_tokens, config.max_seq_len - args.prompt_len)
     prompts = windows[-args.prompts:, :args.prompt_len].tolist()
     print(f"quantisation quality: {run_dir} step {loaded.step}, {config.dtype}, "
@@ -107,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     float_weights = decode.prepare(config, params)
     variants: dict[str, tuple[decode.DecodeWeights, str | None]] = {"float": (float_weights,
                                                                                None)}
-    for scheme in args.quant.split(","):
+    for scheme in args.quant:
         variants[scheme] = (decode.prepare(config, params, quant=scheme), None)
     variants["int8 cache"] = (float_weights, "int8")
     rows, reference = {}, None
@@ -137,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                   f" (each token on float's prefix: {r['forced_agreement']:.1%})")
         print(f"  {name:>10}: loss {r['loss']:.4f} ({r['loss_increase']:+.2%}), greedy agreement "
               f"{r['greedy_agreement']:.1%}{forced}, {size}")
-    out_path = Path(args.out or f"bench_quant_{run_dir.name}.json")
+    out_path = Path(args.out)
     out_path.write_text(json.dumps(dict(run=str(run_dir), step=loaded.step,
                                         windows=len(windows), prompts=len(prompts),
                                         prompt_len=args.prompt_len, new_tokens=new_tokens,

@@ -10,6 +10,12 @@ Progress bars count the requests of each kind.
 ``datasets`` library's JSON builder, which needs no network (set ``HF_DATASETS_OFFLINE=1`` to be
 sure nothing is fetched). When every task named is found under ``--include-path``, the
 harness's hundreds of built-in task files are not even indexed (saves ~15 s).
+
+**Checked first.** Every argument, the ``--output`` file (a directory, a parent that is a file
+or a path this process cannot write is refused), the tasks (a task file that does not parse is
+named with its error) and ``--max-length`` against the checkpoint's config are checked before
+any weights are read: one argparse error line, exit status 2. The results table is printed
+before the JSON is written (whole, or not at all).
 """
 
 from __future__ import annotations
@@ -17,45 +23,92 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
+import re
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+from transformer_jax.bench import args as types
+from transformer_jax.checkpoint import loading
 from transformer_jax.checkpoint.files import CheckpointError
 from transformer_jax.cli.common import PROG
 from transformer_jax.parallel import sharding
 
+#: The harness's seeds go to numpy, which takes [0, 2**32).
+_SEED_LIMIT = 2**32
+
+
+def _limit(text: str) -> int | float:
+    """``--limit``: a count of documents (an integer >= 1) or a share in (0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0 and (value < 1 or value.is_integer())):
+        raise argparse.ArgumentTypeError(f"must be a count of documents (an integer >= 1) or a "
+                                         f"share in (0, 1), got {text!r}")
+    return int(value) if value >= 1 else value
+
+
+def _seed(text: str) -> int:
+    value = types.nonnegative_int(text)
+    if value >= _SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {text!r}")
+    return value
+
+
+def _tasks(text: str) -> list[str]:
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    if not tasks:
+        raise argparse.ArgumentTypeError(f"names no task: {text!r}")
+    return tasks
+
+
+def _mesh(text: str) -> sharding.MeshConfig:
+    try:
+        return sharding.MeshConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
 
 def build_parser() -> argparse.ArgumentParser:
-    """The CLI's arguments; each help states its default once."""
+    """The CLI's arguments, each checked as it is parsed; each help states its default once."""
     p = argparse.ArgumentParser(prog=f"{PROG} evaluate",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="HF checkpoint directory or a training "
                    "run (run directory, its checkpoints/ or a step directory); LoRA runs are "
                    "merged")
-    p.add_argument("--tasks", required=True,
+    p.add_argument("--tasks", type=_tasks, required=True,
                    help="comma-separated lm-eval task (or group) names")
-    p.add_argument("--include-path", action="append", default=[], metavar="DIR",
+    p.add_argument("--include-path", type=types.existing_dir, action="append", default=[],
+                   metavar="DIR",
                    help="directory of task YAML files; repeatable (default: built-in tasks "
                    "only)")
-    p.add_argument("--limit", type=float, help="at most this many documents per task (a "
+    p.add_argument("--limit", type=_limit, help="at most this many documents per task (a "
                    "fraction below 1: that share) (default: all)")
-    p.add_argument("--num-fewshot", type=int, help="few-shot examples (default: the task's)")
-    p.add_argument("--batch-size", type=int, default=8,
+    p.add_argument("--num-fewshot", type=types.nonnegative_int,
+                   help="few-shot examples (default: the task's)")
+    p.add_argument("--batch-size", type=types.positive_int, default=8,
                    help="packed rows per forward and prompts per generate call "
                    "(default: %(default)s)")
-    p.add_argument("--max-length", type=int,
-                   help="context window in tokens (default: the model's max_seq_len)")
-    p.add_argument("--tokenizer", help="tokenizer file or directory (default: the "
-                   "checkpoint's)")
+    p.add_argument("--max-length", type=types.positive_int,
+                   help="context window in tokens, at most the model's max_seq_len (default: "
+                   "its max_seq_len)")
+    p.add_argument("--tokenizer", type=types.existing_path, help="tokenizer file or directory "
+                   "(default: the checkpoint's)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--mesh", help="place the params on a device mesh 'data,fsdp,tensor' "
-                   "(default: one device)")
-    p.add_argument("--output", required=True, help="JSON file the results are written to")
-    p.add_argument("--seed", type=int, default=0, help="the harness's seeds (few-shot "
+    p.add_argument("--mesh", type=_mesh, help="place the params on a device mesh "
+                   "'data,fsdp,tensor' (default: one device)")
+    p.add_argument("--output", type=types.output_file, required=True,
+                   help="JSON file the results are written to (checked before the run)")
+    p.add_argument("--seed", type=_seed, default=0, help="the harness's seeds (few-shot "
                    "sampling) (default: %(default)s)")
-    p.add_argument("--bootstrap-iters", type=int, default=100000,
+    p.add_argument("--bootstrap-iters", type=types.nonnegative_int, default=100000,
                    help="bootstrap resamples of the metrics' standard errors; 0 skips them "
                    "(default: %(default)s, the harness's)")
     p.add_argument("-v", "--verbose", action="store_true",
@@ -63,41 +116,97 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def task_manager(include_paths: list[str], tasks: list[str]):
+def unreadable_task_files(include_paths: list[str]) -> dict[Path, str]:
+    """The task YAML files under ``include_paths`` the harness cannot read (it skips them
+    silently), each with its error on one line."""
+    try:  # the loader the harness's index reads task files with (private: may move)
+        from lm_eval.tasks._yaml_loader import load_yaml
+    except ImportError:
+        return {}
+    bad = {}
+    for root in include_paths:
+        for path in sorted(Path(root).glob("**/*.yaml")):
+            try:
+                load_yaml(path, resolve_func=False, recursive=True)
+            except Exception as e:  # noqa: BLE001 (the harness skips a file for any error)
+                bad[path] = " ".join(str(e).split()) or type(e).__name__
+    return bad
+
+
+def _names_task(path: Path, task: str) -> bool:
+    """Whether an unreadable task file looks like the one defining ``task`` (its name, or a
+    ``task: NAME`` line)."""
+    if path.stem == task:
+        return True
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return False
+    return re.search(rf"^\s*task\s*:\s*['\"]?{re.escape(task)}['\"]?\s*$", text, re.M) is not None
+
+
+def _unreadable_message(bad: dict[Path, str]) -> str:
+    return "; ".join(f"{path} does not parse: {error}" for path, error in bad.items())
+
+
+def task_manager(include_paths: list[str], tasks: list[str]) -> Any:
     """The harness's ``TaskManager``: only ``include_paths`` when they hold every task named
-    (indexing the built-in tasks takes seconds), else those and the built-in ones."""
+    (indexing the built-in tasks takes seconds), else those and the built-in ones.
+
+    Raises:
+      ValueError: a task not found (naming the task files under ``include_paths`` that do not
+        parse, at once if one of them looks like the task's), or not a directory.
+    """
     from lm_eval.tasks import TaskManager
 
     for path in include_paths:
         if not Path(path).is_dir():
-            raise FileNotFoundError(f"--include-path {path}: no such directory")
+            raise ValueError(f"--include-path {path}: no such directory")
+    bad: dict[Path, str] = {}
     if include_paths:
         local = TaskManager(include_path=include_paths, include_defaults=False)
-        if all(local.match_tasks([t]) for t in tasks):
+        missing = [t for t in tasks if not local.match_tasks([t])]
+        if not missing:
             return local
+        bad = unreadable_task_files(include_paths)
+        theirs = {p: e for p, e in bad.items() if any(_names_task(p, t) for t in missing)}
+        if theirs:
+            raise ValueError(f"--tasks: task(s) {', '.join(missing)} not loaded: "
+                             f"{_unreadable_message(theirs)}")
     manager = TaskManager(include_path=include_paths or None)
     missing = [t for t in tasks if not manager.match_tasks([t])]
     if missing:
-        raise ValueError(f"--tasks: unknown task(s) {', '.join(missing)} (not built in"
-                         f"{' nor under ' + ', '.join(include_paths) if include_paths else ''})")
+        where = f" nor under {', '.join(include_paths)}" if include_paths else ""
+        unread = f"; {_unreadable_message(bad)}" if bad else ""
+        raise ValueError(f"--tasks: unknown task(s) {', '.join(missing)} (not built in{where})"
+                         f"{unread}")
     return manager
 
 
+def write_results(output: Path, text: str) -> None:
+    """Writes ``text`` to ``output`` whole or not at all (a temporary file renamed over it)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, output)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs the CLI; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    """Runs the CLI; returns the exit status.
+
+    Every argument, the output path and the tasks are checked before the checkpoint is read
+    (argparse errors, exit status 2); a checkpoint that cannot be read is exit status 1.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if not tasks:
-        print(f"error: --tasks names no task: {args.tasks!r}", file=sys.stderr)
-        return 2
-    if args.limit is not None and not args.limit > 0:
-        print(f"error: --limit must be > 0, got {args.limit}", file=sys.stderr)
-        return 2
-    if args.batch_size < 1:
-        print(f"error: --batch-size must be >= 1, got {args.batch_size}", file=sys.stderr)
-        return 2
+    tasks = args.tasks
     try:
         import lm_eval
         from lm_eval.utils import handle_non_serializable, make_table
@@ -105,15 +214,19 @@ def main(argv: list[str] | None = None) -> int:
         from transformer_jax.evaluate.harness import JaxLM
 
         manager = task_manager(args.include_path, tasks)
-        mesh = None
-        if args.mesh:
-            mesh = sharding.make_mesh(sharding.MeshConfig.parse(args.mesh))
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        source = loading.locate(args.checkpoint)
+        if args.max_length is not None and args.max_length > source.model.max_seq_len:
+            parser.error(f"--max-length {args.max_length} exceeds the model's max_seq_len "
+                         f"{source.model.max_seq_len}")
+        mesh = None if args.mesh is None else sharding.make_mesh(args.mesh)
         start = time.perf_counter()
-        lm = JaxLM(args.checkpoint, mesh=mesh, batch_size=args.batch_size,
+        lm = JaxLM(source, mesh=mesh, batch_size=args.batch_size,
                    max_length=args.max_length, tokenizer=args.tokenizer, dtype=args.dtype)
-        limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
         results = lm_eval.simple_evaluate(
-            model=lm, tasks=tasks, limit=limit, num_fewshot=args.num_fewshot,
+            model=lm, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
             task_manager=manager, log_samples=False, random_seed=args.seed,
             numpy_random_seed=args.seed, torch_random_seed=None,  # no torch here
             fewshot_random_seed=args.seed, bootstrap_iters=args.bootstrap_iters)
@@ -124,11 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     results = dict(results)
     results["transformer_jax"] = {"checkpoint": str(args.checkpoint), "seconds": elapsed,
                                   "batch_size": lm.batch_size, "max_length": lm.max_length}
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(results, indent=2, default=handle_non_serializable))
+    # The table first: the numbers are shown even if the file cannot be written after all.
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
+    output = Path(args.output).expanduser()
+    try:
+        write_results(output, json.dumps(results, indent=2, default=handle_non_serializable))
+    except OSError as e:
+        print(f"error: --output {output}: {e}", file=sys.stderr)
+        return 1
     print(f"[{elapsed:.1f} s; results in {output}]", file=sys.stderr)
     return 0

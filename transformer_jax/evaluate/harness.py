@@ -59,7 +59,7 @@ class JaxLM(TemplateLM):
     """An lm-eval ``LM`` over a ``transformer_jax`` model.
 
     Args:
-      checkpoint: a path ``loading.load`` opens; or pass ``loaded``.
+      checkpoint: a path (or ``loading.Source``) ``loading.load`` opens; or pass ``loaded``.
       loaded: an already loaded checkpoint (``loading.Loaded``) instead of a path.
       mesh: optional device mesh to place the params on (``loading.load``'s).
       batch_size: packed rows per forward (loglikelihood) and prompts per generate call.
@@ -69,8 +69,9 @@ class JaxLM(TemplateLM):
       dtype: compute dtype (default the checkpoint's).
     """
 
-    def __init__(self, checkpoint: str | None = None, *, loaded: loading.Loaded | None = None,
-                 mesh: Any = None, batch_size: int | str = 8, max_length: int | None = None,
+    def __init__(self, checkpoint: str | loading.Source | None = None, *,
+                 loaded: loading.Loaded | None = None, mesh: Any = None,
+                 batch_size: int | str = 8, max_length: int | None = None,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, tokenizer: str | None = None,
                  dtype: str | None = None) -> None:
         super().__init__()
@@ -83,7 +84,7 @@ class JaxLM(TemplateLM):
         config = loaded.config if dtype is None else loaded.config.replace(dtype=dtype)
         self.loaded, self.config, self.mesh = loaded, config, mesh
         self.tok = loaded.tokenizer
-        self.max_length = int(max_length or config.max_seq_len)
+        self.max_length = int(config.max_seq_len if max_length is None else max_length)
         if not 1 <= self.max_length <= config.max_seq_len:
             raise ValueError(f"max_length={self.max_length} must be in [1, max_seq_len="
                              f"{config.max_seq_len}]")
