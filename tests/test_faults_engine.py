@@ -21,10 +21,11 @@ from helpers import FAST_COMPILE, TINY, run_until_idle, step_until
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.model.transformer import init_params
-from transformer_jax.serving import Engine, SamplingParams, step
+from transformer_jax.serving import Engine, SamplingParams
 from transformer_jax.serving.paged_cache import PagedKVCache
 
-pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
+# conftest: generate and the engine's step compile with FAST_COMPILE for the module.
+pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_compiles")
 
 CONTEXT = 16
 CONFIG = TINY.replace(n_layers=1, max_seq_len=CONTEXT)
@@ -32,14 +33,6 @@ CONFIG = TINY.replace(n_layers=1, max_seq_len=CONTEXT)
 # positions exactly (its last token is never written); one page table width, one chunk bucket.
 ENGINE = dict(num_slots=1, num_pages=4, page_size=5, token_budget=9, min_context=CONTEXT)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def fast_step_compiles():
-    """The engine's step compiles with ``FAST_COMPILE`` for this module."""
-    original = step.step_jit
-    step.step_jit = step.jit_step(compiler_options=FAST_COMPILE)
-    yield
-    step.step_jit = original
 
 
 @pytest.fixture(scope="module")

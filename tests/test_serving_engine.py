@@ -15,10 +15,11 @@ from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.transformer import init_params
-from transformer_jax.serving import Engine, SamplingParams, step
+from transformer_jax.serving import Engine, SamplingParams
 from transformer_jax.serving.requests import State
 
-pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
+# conftest: generate and the engine's step compile with FAST_COMPILE for the module.
+pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_compiles")
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
             d_ff=48, max_seq_len=64, init_std=0.2)
@@ -28,14 +29,6 @@ N_REF = 12  # new tokens of every reference generate (requests ask for at most t
 # 16 pages wide.
 ENGINE = dict(num_slots=4, num_pages=25, page_size=4, token_budget=20, min_context=32)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def fast_step_compiles():
-    """The engine's step compiles with ``FAST_COMPILE`` for this module."""
-    original = step.step_jit
-    step.step_jit = step.jit_step(compiler_options=FAST_COMPILE)
-    yield
-    step.step_jit = original
 
 
 @pytest.fixture(scope="module")
