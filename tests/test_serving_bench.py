@@ -68,3 +68,26 @@ def test_stall_scenario_measures_the_prefill_window(tmp_path):
     assert r["prefill_steps"] == 3
     assert 0 < r["median_step_s"] <= r["itl_max_s"] and r["itl_p99_s"] <= r["itl_max_s"]
     assert r["long_ttft_s"] >= r["itl_max_s"] * 0.5
+
+
+def test_the_engine_mode_fails_on_an_engine_that_makes_no_progress():
+    # A leaked page that never frees leaves requests waiting for ever: the benchmark's loop
+    # raises instead of spinning.
+    from transformer_jax.bench.serve_workload import Workload
+
+    class Stuck:
+        steps, idle, pages_in_use = 0, False, 0
+
+        class scheduler:
+            idle, running, prefilling, preemptions = False, [], None, 0
+            describe = staticmethod(lambda: "1 waiting, 0 free pages")
+
+        def add_request(self, *args):
+            return 0
+
+        def step(self):
+            return []
+
+    work = Workload(prompts=[[1, 2]], max_tokens=[2], arrivals=[0.0])
+    with pytest.raises(RuntimeError, match="cannot make progress: 1 waiting"):
+        serve.run_engine(Stuck(), work)
