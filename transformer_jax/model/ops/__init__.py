@@ -9,11 +9,17 @@ from transformer_jax.model.ops.attention import (
     attention_weights,
     dot_product_attention,
     reference_attention,
+    softcap,
 )
 from transformer_jax.model.ops.embedding import embed, tied_logits
 from transformer_jax.model.ops.ffn import FFN_FUNCTIONS, geglu, gelu_ffn, relu_ffn, swiglu
 from transformer_jax.model.ops.norms import layer_norm, rms_norm
-from transformer_jax.model.ops.positions import apply_rope, rope_frequencies, sinusoidal_positions
+from transformer_jax.model.ops.positions import (
+    apply_rope,
+    rope_attention_factor,
+    rope_frequencies,
+    sinusoidal_positions,
+)
 
 __all__ = [
     "FFN_FUNCTIONS",
@@ -28,8 +34,10 @@ __all__ = [
     "reference_attention",
     "relu_ffn",
     "rms_norm",
+    "rope_attention_factor",
     "rope_frequencies",
     "sinusoidal_positions",
+    "softcap",
     "swiglu",
     "tied_logits",
 ]

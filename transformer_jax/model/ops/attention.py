@@ -25,6 +25,11 @@ key returns exactly zeros.
   needs T == S and no window); on GPU, tokamax's Triton flash attention over the dense mask.
 - ``"auto"``: the best of these for the backend and shape (see ``choose_impl``).
 
+``softcap`` (logit soft-capping, ``c tanh(x / c)`` on the scaled logits before the mask and
+softmax) runs on ``"xla"``, ``"chunked"`` and tokamax's kernels (``"mosaic"``, GPU
+``"pallas"``); cuDNN and JAX's Pallas TPU kernel have none and refuse it, and ``"auto"`` does
+not pick them for a capped call.
+
 ``dot_product_attention`` is the previous entry point (dense mask, k/v in [B, S, K, H]); it is
 kept as a thin wrapper until its callers move to ``attention``.
 """
@@ -38,8 +43,9 @@ import jax.numpy as jnp
 from transformer_jax.model.config import ATTENTION_IMPLS
 from transformer_jax.model.ops.chunked_attention import check_qkv as _check_qkv
 from transformer_jax.model.ops.chunked_attention import check_structure as _check_structure
-from transformer_jax.model.ops.chunked_attention import chunked_attention
+from transformer_jax.model.ops.chunked_attention import chunked_attention, softcap
 from transformer_jax.model.ops.chunked_attention import einsum_f32 as _dot
+from transformer_jax.model.ops.chunked_attention import softcap as _softcap  # args shadow it
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +75,7 @@ def attention_mask(q_positions: jax.Array, k_positions: jax.Array, *,
                    q_segments: jax.Array | None = None,
                    k_segments: jax.Array | None = None,
                    k_valid: jax.Array | None = None,
-                   window: int | None = None,
+                   window: int | jax.Array | None = None,
                    causal: bool = True) -> jax.Array:
     """Boolean mask of which keys each query may attend to.
 
@@ -84,7 +90,8 @@ def attention_mask(q_positions: jax.Array, k_positions: jax.Array, *,
       q_segments: optional [B, T] segment ids of the queries (0 = padding).
       k_segments: optional [B, S] segment ids of the keys (0 = padding).
       k_valid: optional [B, S] bool, False for keys that must never be seen.
-      window: optional sliding window: a query at m sees only keys with ``n > m - window``.
+      window: optional sliding window: a query at m sees only keys with ``n > m - window``; a
+        Python int or an int scalar array (possibly traced).
       causal: whether a query sees only keys at positions ``n <= m``.
 
     Returns:
@@ -110,7 +117,8 @@ def attention_mask(q_positions: jax.Array, k_positions: jax.Array, *,
 # Reference ---------------------------------------------------------------------------------------
 
 def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None,
-                      scale: float | None = None, *, keys_transposed: bool = False) -> jax.Array:
+                      scale: float | None = None, *, keys_transposed: bool = False,
+                      softcap: float | None = None) -> jax.Array:
     """Softmax attention probabilities, grouped over kv heads.
 
     Args:
@@ -119,6 +127,8 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None,
       mask: optional [B, T, S] bool (True = visible).
       scale: logit scale, default ``1/sqrt(H)`` (keeps the logits' variance near 1).
       keys_transposed: the keys are stored [H, S] per row (see ``kv_cache``).
+      softcap: optional logit soft-cap c: the scaled logits x become ``c tanh(x / c)`` before
+        the mask and softmax.
 
     Returns:
       [B, N, T, S] float32 probabilities: each row sums to 1 over the visible keys and is 0 on
@@ -139,6 +149,8 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None,
     scale = h ** -0.5 if scale is None else scale
     qg = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, h)
     logits = _dot(logits_spec, qg, k.reshape(b * kv, *k.shape[2:])) * scale
+    if softcap is not None:
+        logits = _softcap(logits, softcap)
     logits = logits.reshape(b, kv, g, t, s)
     if mask is not None:
         logits = jnp.where(mask[:, None, None], logits, _MASK_VALUE)
@@ -149,8 +161,8 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None,
 
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
-                        scale: float | None = None, *, keys_transposed: bool = False
-                        ) -> jax.Array:
+                        scale: float | None = None, *, keys_transposed: bool = False,
+                        softcap: float | None = None) -> jax.Array:
     """Attention written out with einsums: ``softmax(q k^T * scale + mask) v``.
 
     Args:
@@ -160,6 +172,7 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
       mask: optional [B, T, S] bool (True = visible).
       scale: logit scale, default ``1/sqrt(H)``.
       keys_transposed: the keys are stored [H, S] per row (see ``kv_cache``).
+      softcap: optional logit soft-cap (see ``attention_weights``).
 
     Returns:
       [B, T, N, H] in q's dtype.
@@ -167,7 +180,8 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
     _check_qkv(q, v, v, mask)
     b, t, n, h = q.shape
     kv, s = v.shape[1], v.shape[2]
-    probs = attention_weights(q, k, mask, scale, keys_transposed=keys_transposed).reshape(
+    probs = attention_weights(q, k, mask, scale, keys_transposed=keys_transposed,
+                              softcap=softcap).reshape(
         b, kv, n // kv, t, s)
     out = _dot("RQS,RSH->RQH", probs.astype(v.dtype).reshape(b * kv, n // kv * t, s),
                v.reshape(b * kv, s, h))
@@ -184,13 +198,15 @@ def _check_backend(impl: str) -> None:
                          f"one of {_IMPL_BACKENDS[impl]}. Use impl='auto', 'xla' or 'chunked'.")
 
 
-def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None) -> str:
+def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None, *,
+                softcap: float | None = None) -> str:
     """The implementation ``impl="auto"`` runs for these shapes on ``backend``.
 
     - CPU (and anything unknown): ``"xla"`` while the [B, N, T, S] float32 logits stay under
       ``_AUTO_CHUNKED_MIN_LOGITS`` elements, ``"chunked"`` above.
     - GPU: ``"cudnn"`` for float16/bfloat16 with H a multiple of 8 up to 128 (what cuDNN's
-      fused flash attention accepts), else as on CPU.
+      fused flash attention accepts) unless the logits are soft-capped (cuDNN cannot cap),
+      else as on CPU.
     - TPU: ``"mosaic"`` (tokamax's Pallas flash attention) when T and S are multiples of 128,
       the kernel's block granularity; else as on CPU.
 
@@ -198,6 +214,7 @@ def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None) -> str:
       q: [B, T, N, H] queries (only shape and dtype are read).
       k: [B, K, S, H] keys.
       backend: default ``jax.default_backend()``.
+      softcap: the call's logit soft-cap; with one, only implementations that cap are picked.
 
     Returns:
       One of ``ATTENTION_IMPLS`` other than ``"auto"``.
@@ -206,7 +223,7 @@ def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None) -> str:
     b, t, n, h = q.shape
     s = k.shape[2]
     if backend in ("gpu", "cuda") and q.dtype in (jnp.bfloat16, jnp.float16) and h % 8 == 0 \
-            and h <= 128:
+            and h <= 128 and softcap is None:
         return "cudnn"
     if backend == "tpu" and t % 128 == 0 and s % 128 == 0:
         return "mosaic"
@@ -217,8 +234,25 @@ def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None) -> str:
     return "chunked" if b * n * t * s >= _AUTO_CHUNKED_MIN_LOGITS else "xla"
 
 
-def _kernel_attention(impl, q, k, v, mask, scale):
-    """The library kernels, over a dense [B, T, S] mask; k/v go to their [B, S, K, H] layout."""
+def _check_softcap(impl: str, softcap: float | None, backend: str) -> None:
+    """Refuses a soft-cap on the kernels that have none: cuDNN (``jax.nn.dot_product_attention``
+    takes no cap) and JAX's Pallas TPU flash attention."""
+    if softcap is None:
+        return
+    if impl == "cudnn" or (impl == "pallas" and backend == "tpu"):
+        name = "cuDNN" if impl == "cudnn" else "JAX's Pallas TPU flash attention"
+        raise ValueError(f"attention impl={impl!r} ({name}) has no logit softcap (got softcap="
+                         f"{softcap}); use impl='xla' or 'chunked' (or 'mosaic', tokamax's "
+                         "kernel, which caps)")
+
+
+def _kernel_attention(impl, q, k, v, mask, scale, softcap=None):
+    """The library kernels, over a dense [B, T, S] mask; k/v go to their [B, S, K, H] layout.
+
+    tokamax's kernels take the cap (``logits_soft_cap``, on the scaled logits, as here); its
+    Triton kernel (GPU ``"pallas"``) caps in the forward pass only, its backward pass raises
+    ``NotImplementedError`` on a cap (tokamax 0.0.12-0.0.17).
+    """
     kt, vt = k.swapaxes(1, 2), v.swapaxes(1, 2)
     if impl == "cudnn":
         out = jax.nn.dot_product_attention(q, kt, vt, mask=mask[:, None], scale=scale,
@@ -229,7 +263,7 @@ def _kernel_attention(impl, q, k, v, mask, scale):
         gpu = jax.default_backend() in ("gpu", "cuda")
         name = "triton" if impl == "pallas" and gpu else "mosaic"
         out = tokamax.dot_product_attention(q, kt, vt, mask=mask[:, None], scale=scale,
-                                            implementation=name)
+                                            logits_soft_cap=softcap, implementation=name)
     # The kernels leave a row with no visible key undefined (uniform or NaN); define it as zero.
     return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, 0).astype(q.dtype)
 
@@ -258,13 +292,14 @@ def _pallas_tpu_attention(q, k, v, q_segments, k_segments, *, causal, scale):
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
               k_positions: jax.Array | None = None, q_segments: jax.Array | None = None,
-              k_segments: jax.Array | None = None, window: int | None = None,
+              k_segments: jax.Array | None = None, window: int | jax.Array | None = None,
               causal: bool = True, scale: float | None = None, impl: str = "auto",
-              keys_transposed: bool = False) -> jax.Array:
+              keys_transposed: bool = False, softcap: float | None = None) -> jax.Array:
     """Scaled dot-product attention with grouped kv heads and a structural mask.
 
     A query at position m sees a key at position n iff ``(not causal or n <= m)`` and ``(window
-    is None or n > m - window)`` and (with segments) ``q_seg == k_seg != 0``.
+    is None or n > m - window)`` and (with segments) ``q_seg == k_seg != 0``. With ``softcap``
+    c the scaled logits x become ``c tanh(x / c)`` before the mask and softmax.
 
     Args:
       q: [B, T, N, H] queries.
@@ -275,23 +310,29 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
         (KV cache slot s holds position s).
       q_segments, k_segments: optional [B, T], [B, S] segment ids of packed sequences (0 =
         padding, sees nothing); given together.
-      window: optional sliding window length.
+      window: optional sliding window length: a Python int or an int scalar array, which may
+        be traced (a per-layer window carried through a layer scan; a value past every
+        position, e.g. 2**30, is no window) for the ``"xla"``, ``"chunked"`` and tokamax
+        paths (JAX's Pallas TPU kernel refuses any window).
       causal: whether queries see only keys at earlier or equal positions.
       scale: logit scale, default ``1/sqrt(H)``.
       impl: one of ``ATTENTION_IMPLS`` (see the module docstring). The accelerator kernels raise
         ``ValueError`` on a backend that cannot run them rather than falling back.
       keys_transposed: k is [B, K, H, S] (a CPU cache layout, see ``kv_cache``): the reference
         reads it as it is; the other implementations take a transposed copy first.
+      softcap: optional logit soft-cap c (a Python float); ``"cudnn"`` and TPU ``"pallas"``
+        refuse one with ``ValueError``.
 
     Returns:
       [B, T, N, H] in q's dtype; exactly zero for a query with no visible key.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    if keys_transposed and impl != "xla" and (impl != "auto" or choose_impl(q, v) != "xla"):
+    if keys_transposed and impl != "xla" and (
+            impl != "auto" or choose_impl(q, v, softcap=softcap) != "xla"):
         k, keys_transposed = k.swapaxes(2, 3), False
     if impl == "auto":
-        impl = choose_impl(q, v)
+        impl = choose_impl(q, v, softcap=softcap)
         key = (jax.default_backend(), impl)
         if key not in _logged_choices:
             _logged_choices.add(key)
@@ -299,10 +340,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
                         "k %s, %s)", impl, key[0], q.shape, k.shape, q.dtype)
     if impl in _IMPL_BACKENDS:
         _check_backend(impl)
+        _check_softcap(impl, softcap, jax.default_backend())
     if impl == "chunked":
         return chunked_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,
                                  q_segments=q_segments, k_segments=k_segments, window=window,
-                                 causal=causal, scale=scale)
+                                 causal=causal, scale=scale, softcap=softcap)
     q_positions, k_positions = _check_structure(q, v, v, q_positions, k_positions, q_segments,
                                                 k_segments)
     if impl == "pallas" and jax.default_backend() == "tpu":
@@ -313,8 +355,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
     mask = attention_mask(q_positions, k_positions, q_segments=q_segments, k_segments=k_segments,
                           window=window, causal=causal)
     if impl == "xla":
-        return reference_attention(q, k, v, mask, scale, keys_transposed=keys_transposed)
-    return _kernel_attention(impl, q, k, v, mask, scale)
+        return reference_attention(q, k, v, mask, scale, keys_transposed=keys_transposed,
+                                   softcap=softcap)
+    return _kernel_attention(impl, q, k, v, mask, scale, softcap)
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
@@ -348,4 +391,5 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
 
 
 __all__ = ["ATTENTION_IMPLS", "attention", "attention_mask", "attention_weights",
-           "choose_impl", "chunked_attention", "dot_product_attention", "reference_attention"]
+           "choose_impl", "chunked_attention", "dot_product_attention", "reference_attention",
+           "softcap"]

@@ -44,6 +44,15 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) 
         chex.assert_shape(mask, (q.shape[0], q.shape[1], k.shape[2]))
 
 
+def softcap(x: jax.Array, cap: float | jax.Array) -> jax.Array:
+    """Soft-capping ``tanh(x / cap) * cap``: smooth, odd, ~x for |x| << cap, bounded by ``cap``.
+
+    Applied to attention logits (after the scale, before the mask and softmax) and to final LM
+    logits. Any shape; the result has x's shape and dtype.
+    """
+    return jnp.tanh(x / cap) * cap
+
+
 def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """float32-accumulating einsum; on CPU, whose runtime has no bfloat16 x bfloat16 -> float32
     dot, low-precision operands are widened first (exact: their products fit in float32)."""
@@ -108,8 +117,9 @@ class _Plan:
     bq: int
     bk: int
     causal: bool
-    window: int | None
+    windowed: bool
     scale: float
+    softcap: float | None = None
 
     @property
     def nq(self) -> int:
@@ -119,14 +129,20 @@ class _Plan:
     def nk(self) -> int:
         return -(-self.s // self.bk)
 
-    def visible(self, q_range, k_range, i, j):
-        """Whether block (i, j) may hold a visible pair; fully masked blocks are skipped."""
+    def visible(self, q_range, k_range, window, i, j):
+        """Whether block (i, j) may hold a visible pair; fully masked blocks are skipped.
+        ``window`` is the int32 scalar window (traced or not; unused unless ``windowed``)."""
         ok = jnp.bool_(True)
         if self.causal:
             ok &= k_range[0][j] <= q_range[1][i]
-        if self.window is not None:
-            ok &= k_range[1][j] > q_range[0][i] - self.window
+        if self.windowed:
+            ok &= k_range[1][j] > q_range[0][i] - window
         return ok
+
+    def logits(self, q, k):
+        """A block's scaled (and soft-capped) float32 logits [B, K, G, bq, bk]."""
+        logits = einsum_f32("BKGTH,BKSH->BKGTS", q, k) * self.scale
+        return logits if self.softcap is None else softcap(logits, self.softcap)
 
 
 def _prepare(plan, q, k, v, qpos, kpos, qseg, kseg):
@@ -231,7 +247,7 @@ def online_softmax_result(carry: tuple[jax.Array, jax.Array, jax.Array], dtype: 
     return out, jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
 
 
-def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg):
+def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window):
     """Forward pass; returns the output [B, T, N, H] and its residuals (padded internal layout)."""
     b, t, n, h = q.shape
     qg, kp_, vp, qpos, kpos, qseg, kseg = _prepare(plan, q, k, v, qpos, kpos, qseg, kseg)
@@ -250,13 +266,13 @@ def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg):
                 kj, vj = _slice(kp_, j * bk, bk, 2), _slice(vp, j * bk, bk, 2)
                 valid = j * bk + jnp.arange(bk) < plan.s
                 mask = _block_mask(qp_i, _slice(kpos, j * bk, bk, 1), qs_i,
-                                   _slice(kseg, j * bk, bk, 1), valid,
-                                   causal=plan.causal, window=plan.window)
-                logits = einsum_f32("BKGTH,BKSH->BKGTS", qi, kj) * plan.scale
-                logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+                                   _slice(kseg, j * bk, bk, 1), valid, causal=plan.causal,
+                                   window=window if plan.windowed else None)
+                logits = jnp.where(mask[:, None, None], plan.logits(qi, kj), -jnp.inf)
                 return online_softmax_step(c, logits.reshape(*rows, bk), vj)
 
-            return jax.lax.cond(plan.visible(q_range, k_range, i, j), update, lambda c: c, c)
+            return jax.lax.cond(plan.visible(q_range, k_range, window, i, j), update,
+                                lambda c: c, c)
 
         o_i, lse_i = online_softmax_result(_loop(plan.nk, k_block, online_softmax_init(rows, h)),
                                            q.dtype)
@@ -271,7 +287,7 @@ def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg):
     return result, (out, lse)
 
 
-def _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, out, lse, d_out):
+def _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, out, lse, d_out):
     """Backward pass: recomputes each block's probabilities from the saved log-sum-exp, so the
     [T, S] matrix is never stored. Outer loop over key blocks, inner over query blocks; dq is a
     carried [B, K, G, Tp, H] float32 accumulator."""
@@ -295,20 +311,24 @@ def _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, out, lse, d_out):
                 dk_j, dv_j, dq = c
                 qi, do_i = _slice(qg, i * bq, bq, 3), _slice(do, i * bq, bq, 3)
                 mask = _block_mask(_slice(qpos, i * bq, bq, 1), kp_j,
-                                   _slice(qseg, i * bq, bq, 1), ks_j, valid,
-                                   causal=plan.causal, window=plan.window)
-                logits = einsum_f32("BKGTH,BKSH->BKGTS", qi, kj) * plan.scale
+                                   _slice(qseg, i * bq, bq, 1), ks_j, valid, causal=plan.causal,
+                                   window=window if plan.windowed else None)
+                logits = plan.logits(qi, kj)
                 p = jnp.exp(logits - _slice(lse, i * bq, bq, 3)[..., None])
                 p = jnp.where(mask[:, None, None], p, 0.0)
                 dv_j += einsum_f32("BKGTS,BKGTH->BKSH", p.astype(do_i.dtype), do_i)
                 dp = einsum_f32("BKGTH,BKSH->BKGTS", do_i, vj)
-                ds = p * (dp - _slice(delta, i * bq, bq, 3)[..., None]) * plan.scale
+                ds = p * (dp - _slice(delta, i * bq, bq, 3)[..., None])  # d capped logits
+                if plan.softcap is not None:  # d/dx c tanh(x / c) = 1 - tanh(x / c)^2
+                    ds = ds * (1 - jnp.square(logits / plan.softcap))
+                ds = ds * plan.scale
                 dk_j += einsum_f32("BKGTS,BKGTH->BKSH", ds, qi.astype(jnp.float32))
                 dq_i = _slice(dq, i * bq, bq, 3) + einsum_f32(
                     "BKGTS,BKSH->BKGTH", ds, kj.astype(jnp.float32))
                 return dk_j, dv_j, jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * bq, 3)
 
-            return jax.lax.cond(plan.visible(q_range, k_range, i, j), update, lambda c: c, c)
+            return jax.lax.cond(plan.visible(q_range, k_range, window, i, j), update,
+                                lambda c: c, c)
 
         zeros = jnp.zeros(kj.shape, jnp.float32)
         dk_j, dv_j, dq = _loop(plan.nq, q_block, (zeros, zeros, dq))
@@ -325,19 +345,20 @@ def _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, out, lse, d_out):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(plan, q, k, v, qpos, kpos, qseg, kseg):
-    return _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg)[0]
+def _chunked(plan, q, k, v, qpos, kpos, qseg, kseg, window):
+    return _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window)[0]
 
 
-def _chunked_fwd(plan, q, k, v, qpos, kpos, qseg, kseg):
-    result, (out, lse) = _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg)
-    return result, (q, k, v, qpos, kpos, qseg, kseg, out, lse)
+def _chunked_fwd(plan, q, k, v, qpos, kpos, qseg, kseg, window):
+    result, (out, lse) = _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window)
+    return result, (q, k, v, qpos, kpos, qseg, kseg, window, out, lse)
 
 
 def _chunked_bwd(plan, residuals, d_out):
-    q, k, v, qpos, kpos, qseg, kseg, out, lse = residuals
-    dq, dk, dv = _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, out, lse, d_out)
-    return dq, dk, dv, None, None, None, None  # integer inputs have no cotangent
+    q, k, v, qpos, kpos, qseg, kseg, window, out, lse = residuals
+    dq, dk, dv = _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, out, lse,
+                                   d_out)
+    return dq, dk, dv, None, None, None, None, None  # integer inputs have no cotangent
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -346,8 +367,9 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
                       k_positions: jax.Array | None = None,
                       q_segments: jax.Array | None = None,
-                      k_segments: jax.Array | None = None, window: int | None = None,
-                      causal: bool = True, scale: float | None = None,
+                      k_segments: jax.Array | None = None,
+                      window: int | jax.Array | None = None, causal: bool = True,
+                      scale: float | None = None, softcap: float | None = None,
                       block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> jax.Array:
     """Memory-efficient attention on any backend: blockwise with an online softmax.
 
@@ -366,9 +388,14 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
       q_positions: [B, T] int positions of the queries.
       k_positions: optional [B, S] int positions of the keys, default ``arange(S)``.
       q_segments, k_segments: optional [B, T], [B, S] segment ids (0 = padding), given together.
-      window: optional sliding window; a query at m sees keys at ``n > m - window``.
+      window: optional sliding window; a query at m sees keys at ``n > m - window``. A Python
+        int or an int scalar array, possibly traced (a per-layer window carried through a
+        layer scan); the skipped blocks are decided at run time either way.
       causal: whether a query at m sees only keys at ``n <= m``.
       scale: logit scale, default ``1/sqrt(H)``.
+      softcap: optional logit soft-cap c: each block's scaled logits become ``c tanh(x / c)``
+        before the mask and the online softmax (and the backward pass multiplies by the tanh's
+        derivative).
       block_q, block_k: block sizes (clipped to T and S).
 
     Returns:
@@ -378,10 +405,12 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
                                                 k_segments)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     t, s = q.shape[1], k.shape[2]
-    plan = _Plan(t, s, min(block_q, t), min(block_k, s), causal, window, float(scale))
-    return _chunked(plan, q, k, v, q_positions, k_positions, q_segments, k_segments)
+    plan = _Plan(t, s, min(block_q, t), min(block_k, s), causal, window is not None,
+                 float(scale), None if softcap is None else float(softcap))
+    window = jnp.asarray(0 if window is None else window, jnp.int32)
+    return _chunked(plan, q, k, v, q_positions, k_positions, q_segments, k_segments, window)
 
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "check_qkv", "check_structure", "chunked_attention",
            "einsum_f32", "online_softmax_init", "online_softmax_merge", "online_softmax_result",
-           "online_softmax_step"]
+           "online_softmax_step", "softcap"]

@@ -1,5 +1,6 @@
 """Position-wise feed-forward networks: SwiGLU (default), GeGLU, GELU and ReLU."""
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -30,8 +31,9 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
 
 
 def geglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-          matmul: Matmul = jnp.einsum) -> jax.Array:
-    """GeGLU: ``(gelu(x W_gate) * (x W_up)) W_down`` with the exact (erf) GELU.
+          matmul: Matmul = jnp.einsum, approximate: bool = False) -> jax.Array:
+    """GeGLU: ``(gelu(x W_gate) * (x W_up)) W_down``, with the exact (erf) GELU or, with
+    ``approximate``, its tanh approximation.
 
     Args:
       x: [B, T, D] activations.
@@ -40,13 +42,14 @@ def geglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *
       w_down: [F, D] down projection.
       matmul: ``matmul(spec, x, w)``, the product of each projection (``jnp.einsum``, or
         ``dense`` for weights stored output axes first).
+      approximate: the tanh GELU (``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``).
 
     Returns:
       [B, T, D].
     """
     gate = matmul("BTD,DF->BTF", x, w_gate)
     up = matmul("BTD,DF->BTF", x, w_up)
-    return matmul("BTF,FD->BTD", jax.nn.gelu(gate, approximate=False) * up, w_down)
+    return matmul("BTF,FD->BTD", jax.nn.gelu(gate, approximate=approximate) * up, w_down)
 
 
 def gelu_ffn(x: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
@@ -89,6 +92,7 @@ def relu_ffn(x: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
 FFN_FUNCTIONS: dict[str, tuple[Callable[..., jax.Array], bool]] = {
     "swiglu": (swiglu, True),
     "geglu": (geglu, True),
+    "geglu_tanh": (functools.partial(geglu, approximate=True), True),
     "gelu": (gelu_ffn, False),
     "relu": (relu_ffn, False),
 }

@@ -12,13 +12,17 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.model.ops.chunked_attention import softcap
+
 HEAD_LAYOUTS = ("DV", "VD")
 
 
-def _chunk_sums(x, head, targets, weights, *, head_layout, z_loss):
+def _chunk_sums(x, head, targets, weights, *, head_layout, z_loss, logit_softcap):
     """Sums for one chunk of rows: x [C, D], targets [C], weights [C] -> (ce, z) scalars."""
     spec = "CD,DV->CV" if head_layout == "DV" else "CD,VD->CV"
     logits = jnp.einsum(spec, x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    if logit_softcap is not None:
+        logits = softcap(logits, logit_softcap)
     lse = jax.nn.logsumexp(logits, axis=-1)  # [C]
     target_logit = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
     ce = jnp.sum(weights * (lse - target_logit))
@@ -29,12 +33,14 @@ def _chunk_sums(x, head, targets, weights, *, head_layout, z_loss):
 def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array, targets: jax.Array,
                                mask: jax.Array | None = None, *, chunk_size: int,
                                z_loss: float = 0.0, head_layout: str = "DV",
+                               logit_softcap: float | None = None,
                                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Summed next-token cross-entropy and z-loss of ``x @ head``, chunked over tokens.
 
     The same quantities as ``loss.cross_entropy_sums(logits, targets, mask, z_loss)`` on
-    ``logits = x @ head`` (float32), so a caller can swap one for the other; only a
-    [chunk_size, V] block of logits exists at a time, forward or backward.
+    ``logits = x @ head`` (float32; soft-capped to ``c tanh(logits / c)`` with
+    ``logit_softcap`` c), so a caller can swap one for the other; only a [chunk_size, V] block
+    of logits exists at a time, forward or backward.
 
     Args:
       x: [B, T, D] final hidden states (after the final norm).
@@ -46,6 +52,8 @@ def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array, targets: jax.Array
         zero-weight rows.
       z_loss: weight of ``logsumexp(logits)^2``.
       head_layout: ``"DV"`` or ``"VD"``.
+      logit_softcap: optional final-logit soft-cap c, applied to each chunk's float32 logits
+        before the log-sum-exp (the cross-entropy and the z-loss both see the capped logits).
 
     Returns:
       ``(ce_sum, z_sum, count)``: float32 scalars; ``z_sum`` already carries the ``z_loss``
@@ -72,7 +80,7 @@ def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array, targets: jax.Array
 
     # Nothing inside the chunk is saved for the backward pass; its logits are recomputed there.
     chunk = jax.checkpoint(lambda head, xc, tc, wc: _chunk_sums(
-        xc, head, tc, wc, head_layout=head_layout, z_loss=z_loss))
+        xc, head, tc, wc, head_layout=head_layout, z_loss=z_loss, logit_softcap=logit_softcap))
 
     def step(carry, inputs):
         ce, z = chunk(head, *inputs)

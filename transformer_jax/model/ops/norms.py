@@ -5,24 +5,36 @@ import jax
 import jax.numpy as jnp
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5) -> jax.Array:
-    """RMSNorm: ``x / sqrt(mean(x^2) + eps) * scale`` over the last axis.
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5, *, offset: float = 0.0,
+             axis_name: str | None = None) -> jax.Array:
+    """RMSNorm: ``x / sqrt(mean(x^2) + eps) * (offset + scale)`` over the trailing axes.
 
     Args:
-      x: [..., D] activations.
-      scale: [D] learned gain.
+      x: [..., D] activations, or [..., N, H] normalised over both trailing axes when
+        ``scale`` is [N, H] (all of a token's heads together).
+      scale: [D] (or [N, H]) learned gain.
       eps: added to the mean square for stability.
+      offset: added to the gain (1.0 for gains stored as ``w`` of ``(1 + w)``).
+      axis_name: inside ``shard_map`` with x's N heads split over this mesh axis, the mean
+        square is taken over every shard's heads.
 
     Returns:
-      [..., D] in x's dtype (the statistics are float32).
+      x's shape and dtype (the statistics are float32).
     """
-    chex.assert_equal(x.shape[-1:], scale.shape)
+    chex.assert_equal(x.shape[x.ndim - scale.ndim:], scale.shape)
+    axes = tuple(range(x.ndim - scale.ndim, x.ndim))
     x32 = x.astype(jnp.float32)
-    inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    return (x32 * inv_rms * scale.astype(jnp.float32)).astype(x.dtype)
+    square_sum = jnp.sum(jnp.square(x32), axis=axes, keepdims=True)
+    count = scale.size
+    if axis_name is not None:
+        square_sum = jax.lax.psum(square_sum, axis_name)
+        count = count * jax.lax.psum(1, axis_name)
+    inv_rms = jax.lax.rsqrt(square_sum / count + eps)
+    return (x32 * inv_rms * (offset + scale.astype(jnp.float32))).astype(x.dtype)
 
 
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5, *,
+               offset: float = 0.0) -> jax.Array:
     """LayerNorm: ``(x - mean) / sqrt(var + eps) * scale + bias`` over the last axis.
 
     Args:
@@ -30,6 +42,7 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
       scale: [D] learned gain.
       bias: [D] learned shift.
       eps: added to the variance for stability.
+      offset: added to the gain (see ``rms_norm``).
 
     Returns:
       [..., D] in x's dtype (the statistics are float32).
@@ -40,4 +53,4 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
     mean = jnp.mean(x32, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
     y = (x32 - mean) * jax.lax.rsqrt(var + eps)
-    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+    return (y * (offset + scale.astype(jnp.float32)) + bias.astype(jnp.float32)).astype(x.dtype)

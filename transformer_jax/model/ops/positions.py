@@ -17,7 +17,10 @@ def rope_frequencies(head_dim: int, base: float = 10000.0,
       head_dim: H, the (even) size of each head.
       base: the RoPE base.
       scaling: ``linear`` divides every frequency by the factor; ``llama3`` divides only the
-        low frequencies and interpolates smoothly in between (as in Llama 3.1).
+        low frequencies and interpolates smoothly in between (as in Llama 3.1); ``yarn`` divides
+        the frequencies that turn fewer than ``beta_slow`` times over ``original_max_len``,
+        keeps those turning more than ``beta_fast`` times, with a linear ramp over the
+        dimensions in between (YaRN; its cos/sin multiplier is ``rope_attention_factor``).
 
     Returns:
       [H/2] float32 angular frequencies (radians per position).
@@ -30,6 +33,8 @@ def rope_frequencies(head_dim: int, base: float = 10000.0,
         return freqs
     if scaling.kind == "linear":
         return freqs / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn_frequencies(freqs, head_dim, base, scaling)
     # llama3: wavelengths longer than original_len / low_freq_factor are fully interpolated,
     # those shorter than original_len / high_freq_factor are kept, with a linear ramp in
     # 1/wavelength between the two so that no frequency jumps.
@@ -43,12 +48,69 @@ def rope_frequencies(head_dim: int, base: float = 10000.0,
     return jnp.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), ramped, scaled)
 
 
+def _yarn_frequencies(freqs: jax.Array, head_dim: int, base: float,
+                      scaling: RopeScaling) -> jax.Array:
+    """YaRN's [H/2] frequencies from the plain ones ``freqs`` [H/2].
+
+    Frequency pair i turns ``L * theta_i / (2 pi)`` times over the original context L; the
+    (fractional) pair index at which it turns r times is ``H ln(L / (2 pi r)) / (2 ln base)``.
+    Pairs below the index for ``beta_fast`` rotations keep their frequency, pairs above the one
+    for ``beta_slow`` are divided by ``factor``, with a linear ramp between (``truncate`` rounds
+    the two ends outwards to whole pairs). The ends are clipped to [0, H - 1], as the reference
+    implementation does.
+    """
+    def pair_index(rotations: float) -> float:
+        return head_dim * math.log(scaling.original_max_len / (rotations * 2 * math.pi)) / (
+            2 * math.log(base))
+
+    low, high = pair_index(scaling.beta_fast), pair_index(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    # ramp 0: keep the frequency (extrapolate); ramp 1: divide it by the factor (interpolate).
+    return freqs / scaling.factor * ramp + freqs * (1 - ramp)
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """The multiplier of RoPE's cos and sin: 1 except for YaRN.
+
+    YaRN scales them (so every attention logit, by its square) by ``attention_factor`` when
+    given, else by ``m(factor, mscale) / m(factor, mscale_all_dim)`` when both ``mscale`` and
+    ``mscale_all_dim`` are set (non-zero), else by ``m(factor, 1)``, where ``m(f, s) = 0.1 s
+    ln(f) + 1`` for f > 1 and 1 otherwise.
+
+    Args:
+      scaling: the model's RoPE scaling, or None.
+
+    Returns:
+      The factor, a Python float.
+    """
+    if scaling is None or scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+
+    def m(factor: float, mscale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return float(m(scaling.factor, scaling.mscale) / m(scaling.factor, scaling.mscale_all_dim))
+    return float(m(scaling.factor))
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0,
-               pairing: str = "half", scaling: RopeScaling | None = None) -> jax.Array:
+               pairing: str = "half", scaling: RopeScaling | None = None,
+               freqs: jax.Array | None = None,
+               attention_factor: float | jax.Array | None = None) -> jax.Array:
     """Rotates each head's vector by position-dependent angles (RoPE).
 
     Each pair ``(a, b)`` of coordinates at frequency ``theta_i`` is rotated by ``m * theta_i``
-    where m is the token's position, so that ``<R_m q, R_n k>`` depends only on ``n - m``.
+    where m is the token's position, so that ``<R_m q, R_n k>`` depends only on ``n - m``. The
+    rotation's cos and sin are multiplied by the attention factor (1 but for YaRN), so the
+    rotated vector's norm is scaled by it.
 
     Args:
       x: [B, T, N, H] queries or keys (N may be the number of kv heads).
@@ -58,6 +120,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0,
       pairing: ``"half"`` pairs ``x_i`` with ``x_{i+H/2}`` (HF LLaMA layout); ``"adjacent"``
         pairs ``x_2i`` with ``x_2i+1`` (RoFormer paper).
       scaling: optional frequency rescaling.
+      freqs: optional [H/2] float32 frequencies (may be traced, e.g. per layer in a scan), used
+        instead of ``rope_frequencies(H, base, scaling)``.
+      attention_factor: the cos/sin multiplier (a float or a traced scalar); default
+        ``rope_attention_factor(scaling)``.
 
     Returns:
       [B, T, N, H] rotated, in x's dtype (angles are computed in float32).
@@ -66,9 +132,17 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0,
     chex.assert_rank(positions, 2)
     chex.assert_equal(x.shape[:2], positions.shape)
     head_dim = x.shape[-1]
-    freqs = rope_frequencies(head_dim, base, scaling)
+    if freqs is None:
+        freqs = rope_frequencies(head_dim, base, scaling)
+    else:
+        chex.assert_shape(freqs, (head_dim // 2,))
+    if attention_factor is None:
+        attention_factor = rope_attention_factor(scaling)
     angles = positions.astype(jnp.float32)[:, :, None, None] * freqs  # [B, T, 1, H/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if not (isinstance(attention_factor, (int, float)) and attention_factor == 1.0):
+        factor = jnp.asarray(attention_factor, jnp.float32)
+        cos, sin = cos * factor, sin * factor
     x32 = x.astype(jnp.float32)
     if pairing == "half":
         a, b = x32[..., : head_dim // 2], x32[..., head_dim // 2:]
