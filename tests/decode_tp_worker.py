@@ -33,6 +33,17 @@ CASES = {
                                [6, 3], dict(temperature=0.9, top_p=0.9, seed=3), (2,)),
     "sliding-window-gelu": (dict(n_kv_heads=2, ffn="gelu", sliding_window=4), [9, 12], {},
                             (2,)),
+    # QK-norm over whole projections (its statistics span the shards' heads), norms inside
+    # the residual branch, local and global layers in one scan, soft-capped logits.
+    "full-qk-norm-patterned-softcap": (
+        dict(n_kv_heads=2, qk_norm="full", norm_position="post_branch", sliding_window=4,
+             layer_pattern=("local", "global"), scan_layers=True, attn_softcap=3.0,
+             final_softcap=5.0), [9, 3], {}, (2,)),
+    "head-qk-norm-sandwich-offset": (
+        dict(n_kv_heads=2, qk_norm="head", norm_position="sandwich", norm_offset=1.0,
+             scale_embeddings=True, ffn="geglu_tanh", local_rope_base=100.0,
+             sliding_window=4, layer_pattern=("local", "local", "global"), n_layers=3),
+        [10, 4], {}, (2,)),
 }
 
 

@@ -15,6 +15,11 @@ PUBLISHED = {
     "qwen2_0_5b": 494_032_768,
     "tinyllama_1_1b": 1_100_048_384,
     "smollm_135m": 134_515_008,
+    "qwen3_0_6b": 596_049_920,  # Qwen/Qwen3-0.6B ("0.6B, 0.44B non-embedding")
+    "gemma2_2b": 2_614_341_888,  # google/gemma-2-2b
+    "gemma3_1b": 999_885_952,  # google/gemma-3-1b-pt
+    "phi3_mini": 3_821_079_552,  # microsoft/Phi-3-mini-4k-instruct
+    "olmo2_1b": 1_484_916_736,  # allenai/OLMo-2-0425-1B
 }
 
 
@@ -63,7 +68,7 @@ def test_tying_removes_exactly_the_head():
     ({"head_dim": 7}, "head_dim"),
     ({"norm_eps": 0.0}, "norm_eps"),
     ({"sliding_window": 0}, "sliding_window"),
-    ({"rope_scaling": {"kind": "yarn", "factor": 2.0}}, "rope_scaling.kind"),
+    ({"rope_scaling": {"kind": "ntk", "factor": 2.0}}, "rope_scaling.kind"),
     ({"rope_scaling": {"kind": "linear", "factor": 0.0}}, "rope_scaling.factor"),
 ])
 def test_bad_config_names_the_field(changes, field):

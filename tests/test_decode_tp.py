@@ -99,9 +99,16 @@ def test_prepared_weights_are_split_across_the_mesh(runs, case):
     config = ModelConfig(**{**BASE, **OVERRIDES[case]})
     d, f, v = config.d_model, config.d_ff, config.vocab_size
     h, n, kv = config.head_dim, config.n_heads, config.n_kv_heads
-    norms = 4 * (2 * config.n_layers + 1) * d * (2 if config.norm == "layer" else 1)
-    ffn_matrices = 3 if config.ffn in ("swiglu", "geglu") else 2
+    block_norms = {"pre": 2, "post": 2, "sandwich": 4, "post_branch": 2}[config.norm_position]
+    norms = 4 * (block_norms * config.n_layers + 1) * d * (2 if config.norm == "layer" else 1)
+    # Per-head QK-norm gains [H] are whole on every device; whole-projection ones [N, H] and
+    # [K, H] split with their heads.
+    if config.qk_norm == "head":
+        norms += 4 * config.n_layers * 2 * h
+    ffn_matrices = 3 if config.ffn in ("swiglu", "geglu", "geglu_tanh") else 2
     per_layer = 4 * (d * n * h * 2 + 2 * d * kv * h + ffn_matrices * d * f)
+    if config.qk_norm == "full":
+        per_layer += 4 * (n + kv) * h
     biases = 4 * config.n_layers * (n + 2 * kv) * h if config.qkv_bias else 0
     vocab = 4 * v * d * (1 if config.tie_embeddings else 2)
     for key, got in runs[case].items():

@@ -24,11 +24,14 @@ from typing import Any
 import jax.numpy as jnp
 
 NORMS = ("rms", "layer")
-NORM_POSITIONS = ("pre", "post")
-FFNS = ("swiglu", "geglu", "gelu", "relu")
+NORM_POSITIONS = ("pre", "post", "sandwich", "post_branch")
+QK_NORMS = ("head", "full")
+FFNS = ("swiglu", "geglu", "geglu_tanh", "gelu", "relu")
 POSITIONS = ("rope", "sinusoidal", "none")
 ROPE_PAIRINGS = ("half", "adjacent")
-ROPE_SCALINGS = ("linear", "llama3")
+ROPE_SCALINGS = ("linear", "llama3", "yarn")
+#: The kinds of attention layer a ``layer_pattern`` lists.
+LAYER_KINDS = ("global", "local")
 REMATS = ("none", "full", "save_dots")
 #: Attention implementations (``ops.attention.attention``'s ``impl``).
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "pallas", "mosaic")
@@ -44,13 +47,24 @@ class RopeScaling:
     Attributes:
       kind: ``"linear"`` divides every frequency by ``factor`` (position interpolation);
         ``"llama3"`` divides only the low frequencies, with a smooth ramp between
-        ``low_freq_factor`` and ``high_freq_factor`` wavelengths (Llama 3.1).
+        ``low_freq_factor`` and ``high_freq_factor`` wavelengths (Llama 3.1); ``"yarn"``
+        (YaRN, Qwen2.5/3 long context) interpolates the frequencies whose wavelength spans
+        fewer than ``beta_slow`` rotations over ``original_max_len``, keeps those with more
+        than ``beta_fast``, ramps linearly in between, and multiplies cos and sin by
+        ``attention_factor``.
       factor: the context extension factor (> 0).
       low_freq_factor: llama3 only: wavelengths above ``original_max_len / low_freq_factor``
         are fully scaled.
       high_freq_factor: llama3 only: wavelengths below ``original_max_len / high_freq_factor``
         are kept.
-      original_max_len: llama3 only: the context length the model was trained with.
+      original_max_len: llama3 and yarn: the context length the model was trained with.
+      beta_fast: yarn only: rotations over ``original_max_len`` above which a frequency is kept.
+      beta_slow: yarn only: rotations below which a frequency is fully interpolated.
+      attention_factor: yarn only: the cos/sin multiplier; None computes it from ``factor``
+        (and ``mscale``/``mscale_all_dim`` when both are set), ``0.1 ln(factor) + 1``.
+      mscale: yarn only: the numerator's multiplier of ``ln(factor)`` in that formula.
+      mscale_all_dim: yarn only: the denominator's multiplier.
+      truncate: yarn only: round the ramp's ends to whole dimensions.
     """
 
     kind: str
@@ -58,6 +72,12 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_len: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("rope_scaling.kind", self.kind, ROPE_SCALINGS)
@@ -69,10 +89,15 @@ class RopeScaling:
                     "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
                     f"{self.low_freq_factor} and {self.high_freq_factor}"
                 )
-            if self.original_max_len <= 0:
-                raise ValueError(
-                    f"rope_scaling.original_max_len must be > 0, got {self.original_max_len}"
-                )
+        if self.kind in ("llama3", "yarn") and self.original_max_len <= 0:
+            raise ValueError(
+                f"rope_scaling.original_max_len must be > 0, got {self.original_max_len}")
+        if self.kind == "yarn":
+            if not 0 < self.beta_slow < self.beta_fast:
+                raise ValueError("rope_scaling needs 0 < beta_slow < beta_fast, got "
+                                 f"{self.beta_slow} and {self.beta_fast}")
+            if self.attention_factor is not None:
+                _check_positive_number("rope_scaling.attention_factor", self.attention_factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +131,22 @@ class Architecture:
         (itself included), as in Mistral; None for full causal attention.
       qkv_bias: whether the q/k/v projections have biases (Qwen2).
       tie_embeddings: whether the LM head is the transposed token embedding.
+      qk_norm: RMSNorm of the queries and keys before RoPE: None; ``"head"`` normalises each
+        head's H values with one [H] gain shared by the heads (Qwen3, Gemma 3); ``"full"``
+        normalises all N*H (K*H) values of a token's projection together, gains [N, H] and
+        [K, H] (OLMo 2).
+      norm_offset: every norm scales by ``(norm_offset + w)``, its gain w initialised to
+        ``1 - norm_offset`` (1.0 with zero-initialised gains in Gemma 2/3; 0.0 elsewhere).
+      scale_embeddings: multiply the token embeddings by ``sqrt(D)`` (in the compute dtype).
+      attn_softcap: if set, attention logits become ``tanh(x / c) * c`` after scaling.
+      final_softcap: if set, the LM head's logits become ``tanh(x / c) * c``.
+      attn_scale: the attention logits' scale; None for ``1 / sqrt(H)``.
+      layer_pattern: the kinds of attention layer, ``"global"`` (full causal) or ``"local"``
+        (the sliding window), repeated over the depth: ``("local", "global")`` alternates
+        them, layer i is ``layer_pattern[i % len(layer_pattern)]``. Empty: every layer is
+        local when ``sliding_window`` is set (Mistral), global otherwise.
+      local_rope_base: if set, local layers rotate with this base and no ``rope_scaling``
+        while global layers keep ``rope_base`` and the scaling; None: one rotation for all.
     """
 
     vocab_size: int = 512
@@ -127,8 +168,18 @@ class Architecture:
     sliding_window: int | None = None
     qkv_bias: bool = False
     tie_embeddings: bool = False
+    qk_norm: str | None = None
+    norm_offset: float = 0.0
+    scale_embeddings: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    attn_scale: float | None = None
+    layer_pattern: tuple[str, ...] = ()
+    local_rope_base: float | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.layer_pattern, list):
+            object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
@@ -161,8 +212,43 @@ class Architecture:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"d_model must be even for sinusoidal positions, got {self.d_model}")
-        for name in ("qkv_bias", "tie_embeddings"):
+        for name in ("qkv_bias", "tie_embeddings", "scale_embeddings"):
             _check_bool(name, getattr(self, name))
+        if self.qk_norm is not None:
+            _check_choice("qk_norm", self.qk_norm, QK_NORMS)
+        if isinstance(self.norm_offset, bool) or not isinstance(
+                self.norm_offset, int | float) or not math.isfinite(self.norm_offset):
+            raise ValueError(
+                f"norm_offset must be a finite number, got {plain(self.norm_offset)!r}")
+        for name in ("attn_softcap", "final_softcap", "attn_scale", "local_rope_base"):
+            if getattr(self, name) is not None:
+                _check_positive_number(name, getattr(self, name))
+        if not isinstance(self.layer_pattern, tuple):
+            raise ValueError(f"layer_pattern must be a list of {LAYER_KINDS}, got "
+                             f"{self.layer_pattern!r}")
+        for kind in self.layer_pattern:
+            _check_choice("layer_pattern entry", kind, LAYER_KINDS)
+        if "local" in self.layer_pattern and self.sliding_window is None:
+            raise ValueError("layer_pattern has local layers but sliding_window is not set")
+        if self.local_rope_base is not None and self.position != "rope":
+            raise ValueError("local_rope_base needs position='rope'")
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's attention kind, ``"global"`` or ``"local"``: L entries."""
+        pattern = self.layer_pattern or (
+            ("local",) if self.sliding_window is not None else ("global",))
+        return tuple(pattern[i % len(pattern)] for i in range(self.n_layers))
+
+    @property
+    def layers_differ(self) -> bool:
+        """Whether layers attend differently (window or RoPE) by their index: a layer scan
+        then carries each layer's kind as data (``layers.Block``)."""
+        return len(set(self.layer_kinds())) > 1
+
+    @property
+    def local_layers(self) -> int:
+        """How many layers attend within the sliding window."""
+        return self.layer_kinds().count("local")
 
     @property
     def queries_per_kv_head(self) -> int:
@@ -238,6 +324,9 @@ class ModelConfig(Execution, Architecture):
     def __post_init__(self) -> None:
         Architecture.__post_init__(self)
         Execution.__post_init__(self)
+        if self.attn_softcap is not None and self.attention_impl == "cudnn":
+            raise ValueError(f"attn_softcap={self.attn_softcap}: attention_impl='cudnn' cannot "
+                             "soft-cap the logits; use 'auto', 'xla', 'chunked' or 'mosaic'")
 
     @property
     def architecture(self) -> Architecture:

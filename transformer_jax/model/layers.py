@@ -6,15 +6,18 @@ layers), so a mesh can shard it by rules without touching the model.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from transformer_jax.model import ops
-from transformer_jax.model.config import ModelConfig, RopeScaling
+from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import Cache
 from transformer_jax.model.ops.attention import attention
 from transformer_jax.model.ops.dense import dense, out_first_shape
+from transformer_jax.model.ops.positions import rope_attention_factor
 from transformer_jax.model.ops.quantized import is_quantized
 
 
@@ -119,44 +122,111 @@ class Embed(nn.Module):
 
 
 class Norm(nn.Module):
-    """RMSNorm (``kind="rms"``) or LayerNorm (``kind="layer"``) over the last axis."""
+    """RMSNorm (``kind="rms"``) or LayerNorm (``kind="layer"``) over the trailing axes.
+
+    The gain is ``(offset + scale)``, ``scale`` initialised to ``1 - offset``. ``shape`` is the
+    normalised trailing shape (default: x's last axis), e.g. (N, H) for all of a token's query
+    heads together; its logical ``axes`` default to ``("norm",)``. With ``axis_name`` (inside
+    ``shard_map``) the heads are split over that mesh axis and the statistics span them all.
+    """
 
     kind: str = "rms"
     eps: float = 1e-5
+    offset: float = 0.0
+    shape: tuple[int, ...] | None = None
+    axes: tuple[str, ...] = ("norm",)
+    axis_name: str | None = None
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        d = x.shape[-1]
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-                           (d,), self.param_dtype)
+        shape = self.shape or x.shape[-1:]
+        init = nn.initializers.constant(1.0 - self.offset)
+        scale = self.param("scale", nn.with_logical_partitioning(init, self.axes), shape,
+                           self.param_dtype)
         if self.kind == "rms":
-            return ops.rms_norm(x, scale, self.eps)
-        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
-                          (d,), self.param_dtype)
-        return ops.layer_norm(x, scale, bias, self.eps)
+            return ops.rms_norm(x, scale, self.eps, offset=self.offset,
+                                axis_name=self.axis_name)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes),
+                          shape, self.param_dtype)
+        return ops.layer_norm(x, scale, bias, self.eps, offset=self.offset)
+
+
+#: A global layer's window inside a layer scan that carries each layer's window as data: far
+#: beyond any position, so it hides nothing.
+NO_WINDOW = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """How one layer attends: its window and RoPE frequencies, given by its index.
+
+    Static (Python values) when the layer's index is a Python int or every layer attends alike;
+    traced (selected by the traced index) in a layer scan over layers that differ.
+
+    Attributes:
+      window: the sliding window (None: full causal), or a traced int32 (``NO_WINDOW`` for
+        global layers).
+      freqs: [H/2] float32 RoPE frequencies, or None without RoPE.
+      rope_factor: the cos/sin multiplier (YaRN's attention factor; 1.0 otherwise).
+    """
+
+    window: int | jax.Array | None
+    freqs: jax.Array | None
+    rope_factor: float | jax.Array
+
+    @classmethod
+    def of(cls, config: ModelConfig, layer: int | jax.Array) -> LayerKind:
+        c = config
+        kinds = c.layer_kinds()
+        rope = c.position == "rope"
+
+        def rotation(local: bool) -> tuple[jax.Array | None, float]:
+            if not rope:
+                return None, 1.0
+            if local and c.local_rope_base is not None:
+                return ops.rope_frequencies(c.head_dim, c.local_rope_base), 1.0
+            return (ops.rope_frequencies(c.head_dim, c.rope_base, c.rope_scaling),
+                    rope_attention_factor(c.rope_scaling))
+
+        if isinstance(layer, int) or not c.layers_differ:
+            local = kinds[layer if isinstance(layer, int) else 0] == "local"
+            freqs, factor = rotation(local)
+            return cls(c.sliding_window if local else None, freqs, factor)
+        is_local = jnp.asarray([k == "local" for k in kinds])[layer]
+        window = jnp.where(is_local, c.sliding_window, NO_WINDOW).astype(jnp.int32)
+        (local_freqs, local_factor), (global_freqs, global_factor) = rotation(True), \
+            rotation(False)
+        if not rope:
+            return cls(window, None, 1.0)
+        return cls(window, jnp.where(is_local, local_freqs, global_freqs),
+                   jnp.where(is_local, local_factor, global_factor))
 
 
 class Attention(nn.Module):
     """Multi-head attention with grouped kv heads, RoPE and an optional KV cache.
 
     Parameters: ``q_proj`` [D, N, H], ``k_proj`` and ``v_proj`` [D, K, H], ``o_proj`` [N, H, D],
-    and with ``qkv_bias`` also ``q_bias`` [N, H], ``k_bias`` and ``v_bias`` [K, H].
+    with ``qkv_bias`` also ``q_bias`` [N, H], ``k_bias`` and ``v_bias`` [K, H], and with
+    ``qk_norm`` the gains ``q_norm`` and ``k_norm`` ([H] each for ``"head"``, [N, H] and
+    [K, H] for ``"full"``).
     """
 
     n_heads: int
     n_kv_heads: int
     head_dim: int
     qkv_bias: bool = False
-    use_rope: bool = True
-    rope_base: float = 10000.0
+    qk_norm: str | None = None
+    norm_eps: float = 1e-5
+    norm_offset: float = 0.0
+    scale: float | None = None
+    softcap: float | None = None
     rope_pairing: str = "half"
-    rope_scaling: RopeScaling | None = None
-    sliding_window: int | None = None
     impl: str = "auto"
     init_std: float = 0.02
     out_init_std: float = 0.02
     out_first: bool = False
+    tensor_axis: str | None = None
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -168,16 +238,27 @@ class Attention(nn.Module):
         return self.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes),
                           shape, self.param_dtype).astype(self.dtype)
 
+    def _qk_norm(self, name: str, x: jax.Array, heads_axis: str) -> jax.Array:
+        if self.qk_norm == "head":
+            norm = Norm(eps=self.norm_eps, offset=self.norm_offset, shape=(self.head_dim,),
+                        axes=("head_dim",), param_dtype=self.param_dtype, name=name)
+        else:
+            norm = Norm(eps=self.norm_eps, offset=self.norm_offset, shape=x.shape[-2:],
+                        axes=(heads_axis, "head_dim"), axis_name=self.tensor_axis,
+                        param_dtype=self.param_dtype, name=name)
+        return norm(x)
+
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, cache: Cache | None = None,
-                 layer: int | jax.Array = 0, segment_ids: jax.Array | None = None
-                 ) -> tuple[jax.Array, Cache | None]:
+    def __call__(self, x: jax.Array, positions: jax.Array, kind: LayerKind,
+                 cache: Cache | None = None, layer: int | jax.Array = 0,
+                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, Cache | None]:
         """Self-attention of x over itself, or over the cache once x's keys are written in.
 
         Args:
           x: [B, T, D] normalised input.
           positions: [B, T] integer positions; with a cache, each row must be consecutive and
             its first entry is the slot the chunk is written at.
+          kind: this layer's window and RoPE frequencies (``LayerKind.of``).
           cache: optional ``Cache`` (a ``KVCache`` or a paged cache); this block reads and
             writes its layer ``layer`` through ``cache.attend``.
           layer: this block's index in the cache (a traced index inside a layer scan).
@@ -201,22 +282,25 @@ class Attention(nn.Module):
             q = q + self._bias("q_bias", (n, h), ("heads", "head_dim"))
             k = k + self._bias("k_bias", (kv, h), ("kv_heads", "head_dim"))
             v = v + self._bias("v_bias", (kv, h), ("kv_heads", "head_dim"))
-        if self.use_rope:
-            rope = dict(base=self.rope_base, pairing=self.rope_pairing, scaling=self.rope_scaling)
+        if self.qk_norm is not None:
+            q = self._qk_norm("q_norm", q, "heads")
+            k = self._qk_norm("k_norm", k, "kv_heads")
+        if kind.freqs is not None:
+            rope = dict(pairing=self.rope_pairing, freqs=kind.freqs,
+                        attention_factor=kind.rope_factor)
             q = ops.apply_rope(q, positions, **rope)
             k = ops.apply_rope(k, positions, **rope)
 
+        logits = dict(window=kind.window, impl=self.impl, scale=self.scale, softcap=self.softcap)
         if cache is None:
             out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                             q_positions=positions, k_positions=positions,
-                            q_segments=segment_ids, k_segments=segment_ids,
-                            window=self.sliding_window, impl=self.impl)
+                            q_segments=segment_ids, k_segments=segment_ids, **logits)
         else:
             if segment_ids is not None:
                 raise ValueError("segment_ids cannot be combined with a KV cache")
             # The cache stores the chunk and attends over what it holds, in its own layout.
-            out, cache = cache.attend(layer, q, k, v, positions, window=self.sliding_window,
-                                      impl=self.impl)
+            out, cache = cache.attend(layer, q, k, v, positions, **logits)
         return dense(out.astype(self.dtype), wo, "BTNH,NHD->BTD", out_first=self.out_first), cache
 
 
@@ -256,8 +340,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One Transformer layer: attention then FFN, each in a residual branch.
 
-    Pre-norm (default): ``x + f(norm(x))``; post-norm (original Transformer):
-    ``norm(x + f(x))``.
+    ``norm_position``: ``"pre"`` (default) ``x + f(norm(x))``; ``"post"`` (original
+    Transformer) ``norm(x + f(x))``; ``"sandwich"`` ``x + norm_out(f(norm(x)))`` (the four
+    norms of some families); ``"post_branch"`` ``x + norm_out(f(x))``. The layer's window and
+    RoPE come from its index (``LayerKind``), so one block serves layers that differ,
+    unrolled or scanned.
 
     ``weights_out_first``: every matrix is stored output axes first (``matrix``), the layout
     ``decode.prepare`` gives the weights on CPU.
@@ -289,29 +376,41 @@ class Block(nn.Module):
         # Residual-branch outputs start smaller so the stream's variance does not grow with
         # depth (GPT-2's scaled initialisation).
         out_std = c.init_std / (2 * c.n_layers) ** 0.5
-        norm_kw = dict(kind=c.norm, eps=c.norm_eps, param_dtype=c.jnp_param_dtype)
+        norm_kw = dict(kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
+                       param_dtype=c.jnp_param_dtype)
         attn = Attention(
             n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-            qkv_bias=c.qkv_bias, use_rope=c.position == "rope", rope_base=c.rope_base,
-            rope_pairing=c.rope_pairing, rope_scaling=c.rope_scaling,
-            sliding_window=c.sliding_window, impl=c.attention_impl, init_std=c.init_std,
-            out_init_std=out_std, out_first=self.weights_out_first, name="attn", **dtypes)
+            qkv_bias=c.qkv_bias, qk_norm=c.qk_norm, norm_eps=c.norm_eps,
+            norm_offset=c.norm_offset, scale=c.attn_scale, softcap=c.attn_softcap,
+            rope_pairing=c.rope_pairing, impl=c.attention_impl, init_std=c.init_std,
+            out_init_std=out_std, out_first=self.weights_out_first,
+            tensor_axis=self.tensor_axis, name="attn", **dtypes)
         mlp = MLP(d_ff=c.d_ff, kind=c.ffn, init_std=c.init_std, out_init_std=out_std,
                   out_first=self.weights_out_first, name="mlp", **dtypes)
-        attn_norm = Norm(name="attn_norm", **norm_kw)
-        mlp_norm = Norm(name="mlp_norm", **norm_kw)
+        kind = LayerKind.of(c, layer)
 
         def total(y: jax.Array) -> jax.Array:
             return y if self.tensor_axis is None else jax.lax.psum(y, self.tensor_axis)
 
-        if c.norm_position == "pre":
-            y, cache = attn(attn_norm(x), positions, cache, layer, segment_ids)
+        def norm(name: str) -> Norm:
+            return Norm(name=name, **norm_kw)
+
+        if c.norm_position == "pre":  # x + f(norm(x))
+            y, cache = attn(norm("attn_norm")(x), positions, kind, cache, layer, segment_ids)
             x = x + total(y)
-            x = x + total(mlp(mlp_norm(x)))
-        else:
-            y, cache = attn(x, positions, cache, layer, segment_ids)
-            x = attn_norm(x + total(y))
-            x = mlp_norm(x + total(mlp(x)))
+            x = x + total(mlp(norm("mlp_norm")(x)))
+        elif c.norm_position == "sandwich":  # x + norm_out(f(norm(x)))
+            y, cache = attn(norm("attn_norm")(x), positions, kind, cache, layer, segment_ids)
+            x = x + norm("attn_out_norm")(total(y))
+            x = x + norm("mlp_out_norm")(total(mlp(norm("mlp_norm")(x))))
+        elif c.norm_position == "post_branch":  # x + norm_out(f(x))
+            y, cache = attn(x, positions, kind, cache, layer, segment_ids)
+            x = x + norm("attn_out_norm")(total(y))
+            x = x + norm("mlp_out_norm")(total(mlp(x)))
+        else:  # "post": norm(x + f(x))
+            y, cache = attn(x, positions, kind, cache, layer, segment_ids)
+            x = norm("attn_norm")(x + total(y))
+            x = norm("mlp_norm")(x + total(mlp(x)))
         return (x, cache), None
 
 

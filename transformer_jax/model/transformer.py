@@ -47,7 +47,7 @@ class Output:
 
 
 class Transformer(nn.Module):
-    """Decoder-only language model (LLaMA family; Mistral and Qwen2 by config).
+    """Decoder-only language model: every family it runs is a set of ``Architecture`` fields.
 
     The one forward of the library: training calls it on whole sequences, prefill on padded
     prompts with an empty cache, and every decode step on one token per sequence with the cache
@@ -91,7 +91,7 @@ class Transformer(nn.Module):
             logits are [B, V].
           hidden_only: return the final-normed [B, T, D] hidden states instead of logits, for
             a loss that applies the LM head itself in chunks (``ops.lm_loss``, with
-            ``lm_head``).
+            ``lm_head``, and ``final_softcap`` as its ``logit_softcap``).
 
         Returns:
           An ``Output``: the logits (or hidden states) and the updated cache.
@@ -109,6 +109,8 @@ class Transformer(nn.Module):
         embed = Embed(c.vocab_size, c.d_model, init_std=c.init_std, dtype=c.jnp_dtype,
                       param_dtype=c.jnp_param_dtype, vocab_axis=vocab_axis, name="embed")
         x = embed(tokens)
+        if c.scale_embeddings:  # sqrt(D), rounded to the compute dtype as the product is
+            x = x * jnp.asarray(c.d_model ** 0.5, x.dtype)
         if c.position == "sinusoidal":
             x = x + ops.sinusoidal_positions(positions, c.d_model).astype(x.dtype)
 
@@ -136,8 +138,8 @@ class Transformer(nn.Module):
 
         if logits_at is not None:
             x = x[jnp.arange(b), logits_at][:, None]  # [B, 1, D]
-        x = Norm(kind=c.norm, eps=c.norm_eps, param_dtype=c.jnp_param_dtype,
-                 name="final_norm")(x)
+        x = Norm(kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
+                 param_dtype=c.jnp_param_dtype, name="final_norm")(x)
         head = embed.embedding if c.tie_embeddings else self._untied_head()
         if hidden_only:
             return Output(cache=cache, hidden=x)
@@ -148,6 +150,8 @@ class Transformer(nn.Module):
         else:
             logits = dense(x, table, "BTD,DV->BTV", out_first=layout == "VD",
                            preferred_element_type=jnp.float32)
+        if c.final_softcap is not None:
+            logits = ops.softcap(logits, c.final_softcap)
         if vocab_axis is not None:  # this shard's [.., V/T] block -> the whole [.., V]
             logits = jax.lax.all_gather(logits, vocab_axis, axis=2, tiled=True)
         if logits_at is not None:

@@ -219,7 +219,8 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
         head, head_layout = model.lm_head(params)
         ce, z, count = lm_head_cross_entropy_sums(
             hidden, head.astype(model_config.jnp_dtype), batch["targets"], batch.get("mask"),
-            chunk_size=chunk, z_loss=z_weight, head_layout=head_layout)
+            chunk_size=chunk, z_loss=z_weight, head_layout=head_layout,
+            logit_softcap=model_config.final_softcap)
         return ce + z, (ce, z, count)
 
     return loss_sums

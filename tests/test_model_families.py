@@ -1,0 +1,244 @@
+"""The architecture fields of the newer families, as model properties (the HF parity tests are
+in ``test_hf_families.py``): (1 + w) norms, QK-norm over heads or whole projections (split
+over a tensor axis too), embedding scale, final soft-cap, layer patterns that differ in one
+scan, and their compile size flat in depth."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax.model import ops
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.layers import LayerKind
+from transformer_jax.model.transformer import Transformer, init_params, stack_blocks
+
+BASE = dict(vocab_size=97, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64,
+            max_seq_len=64)
+FAMILIES = {
+    "qk_head": dict(qk_norm="head", head_dim=16),
+    "sandwich_softcap": dict(norm_position="sandwich", norm_offset=1.0, scale_embeddings=True,
+                             ffn="geglu_tanh", attn_softcap=5.0, final_softcap=3.0,
+                             attn_scale=0.3, sliding_window=3,
+                             layer_pattern=("local", "global"), tie_embeddings=True),
+    "five_to_one": dict(norm_position="sandwich", norm_offset=1.0, scale_embeddings=True,
+                        qk_norm="head", rope_base=1e6, local_rope_base=1e4, sliding_window=3,
+                        layer_pattern=("local", "local", "global"), n_layers=5),
+    "post_branch": dict(norm_position="post_branch", qk_norm="full"),
+}
+
+
+def _perturbed(config: ModelConfig, seed: int = 0):
+    """Random params with every gain and bias moved off its initial value (so a norm that
+    ignores its gain, or an offset applied twice, shows)."""
+    params = init_params(config, seed)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    return jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape)
+                                     for x, k in zip(leaves, keys, strict=True)])
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 11)))
+
+
+def test_rms_norm_offset_and_heads_against_numpy():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 3, 4, 8)).astype(np.float32)
+    w = rng.normal(size=(4, 8)).astype(np.float32)
+    got = ops.rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6, offset=1.0)
+    ms = np.mean(x.reshape(2, 3, 32) ** 2, axis=-1)[..., None, None]
+    np.testing.assert_allclose(got, x / np.sqrt(ms + 1e-6) * (1.0 + w), rtol=1e-5, atol=1e-6)
+    got = ops.rms_norm(jnp.asarray(x), jnp.asarray(w[0]), 1e-6)
+    ms = np.mean(x ** 2, axis=-1, keepdims=True)
+    np.testing.assert_allclose(got, x / np.sqrt(ms + 1e-6) * w[0], rtol=1e-5, atol=1e-6)
+
+
+def test_whole_projection_norm_split_over_a_tensor_axis_equals_unsplit():
+    """Heads split over an axis (as in a tensor-parallel shard_map): the statistics span
+    every shard, so each shard's output equals its block of the unsplit norm."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(2, 3, 4, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)
+    want = ops.rms_norm(x, w, 1e-6)
+    split = jax.vmap(lambda xs, ws: ops.rms_norm(xs, ws, 1e-6, axis_name="t"),
+                     in_axes=(2, 0), out_axes=2, axis_name="t")
+    got = split(x.reshape(2, 3, 2, 2, 8), w.reshape(2, 2, 8)).reshape(2, 3, 4, 8)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_scanned_equals_unrolled(name, tokens):
+    config = ModelConfig(**{**BASE, **FAMILIES[name]})
+    params = _perturbed(config)
+    def forward(cfg, p):
+        return jax.jit(lambda p: Transformer(cfg).apply({"params": p}, tokens).logits)(p)
+
+    want = forward(config, params)
+    got = forward(config.replace(scan_layers=True), stack_blocks(params, config.n_layers))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_scanned_equals_unrolled_gradient(tokens):
+    config = ModelConfig(**{**BASE, **FAMILIES["five_to_one"], "n_layers": 3})
+    params = _perturbed(config)
+    scanned = config.replace(scan_layers=True)
+
+    def loss(cfg, p):
+        return jnp.mean(Transformer(cfg).apply({"params": p}, tokens).logits ** 2)
+
+    want, want_grad = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(
+        config, params)
+    got, got_grad = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(
+        scanned, stack_blocks(params, config.n_layers))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(stack_blocks(want_grad, config.n_layers)),
+                    jax.tree.leaves(got_grad), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+
+
+def test_each_layer_attends_by_its_kind(tokens):
+    """A patterned model equals the same weights run layer by layer with each layer's own
+    window and RoPE base: the pattern repeats, local layers slide, global layers do not."""
+    config = ModelConfig(**{**BASE, **FAMILIES["five_to_one"]})
+    kinds = [LayerKind.of(config, i) for i in range(config.n_layers)]
+    assert [k.window for k in kinds] == [3, 3, None, 3, 3]
+    local = ops.rope_frequencies(config.head_dim, 1e4)
+    global_ = ops.rope_frequencies(config.head_dim, 1e6)
+    for kind, layer in zip(kinds, config.layer_kinds(), strict=True):
+        np.testing.assert_array_equal(kind.freqs, local if layer == "local" else global_)
+    def traced(i):
+        kind = LayerKind.of(config, i)
+        return kind.window, kind.freqs
+
+    for i in range(config.n_layers):
+        window, freqs = jax.jit(traced)(jnp.int32(i))
+        assert int(window) == (kinds[i].window or 2 ** 30)
+        np.testing.assert_allclose(freqs, kinds[i].freqs, rtol=1e-6)
+
+
+def test_final_softcap_bounds_the_logits(tokens):
+    config = ModelConfig(**{**BASE, **FAMILIES["sandwich_softcap"]})
+    params = jax.tree.map(lambda x: 20 * x, _perturbed(config))
+    capped = Transformer(config).apply({"params": params}, tokens).logits
+    raw = Transformer(config.replace(final_softcap=None)).apply({"params": params},
+                                                                tokens).logits
+    assert float(jnp.abs(raw).max()) > 3.0  # the cap binds
+    np.testing.assert_allclose(capped, 3.0 * np.tanh(np.asarray(raw) / 3.0), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_embedding_scale_is_sqrt_d_in_the_compute_dtype():
+    config = ModelConfig(**{**BASE, "scale_embeddings": True, "n_layers": 1})
+    params = _perturbed(config)
+    tokens = jnp.asarray([[3, 5]])
+    with_scale = Transformer(config).apply({"params": params}, tokens, hidden_only=True)
+    # Zero layers' worth of blocks is not a config, so compare the embedding scale through a
+    # model whose block sees sqrt(D) * e: the same model with the table pre-scaled.
+    scaled = dict(params, embed={"embedding": params["embed"]["embedding"] * 32 ** 0.5})
+    without = Transformer(config.replace(scale_embeddings=False)).apply(
+        {"params": scaled}, tokens, hidden_only=True)
+    np.testing.assert_allclose(with_scale.hidden, without.hidden, rtol=1e-5, atol=1e-6)
+
+
+def _equations(jaxpr) -> int:
+    """Equations of a jaxpr and of every jaxpr inside it (scan bodies, conds, ...)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            count += _equations(sub)
+    return count
+
+
+@pytest.mark.parametrize("depth", [12, 48])
+def test_a_patterned_scanned_model_traces_to_the_same_program_at_any_depth(depth):
+    """Compile time flat in depth: the scanned program of a 5:1 model is the same size at 6
+    layers as at ``depth`` (only the scan's length and the stacked shapes change)."""
+    def program(n_layers: int) -> int:
+        config = ModelConfig(**{**BASE, **FAMILIES["five_to_one"], "n_layers": n_layers,
+                                "layer_pattern": ("local",) * 5 + ("global",),
+                                "scan_layers": True})
+        params = jax.eval_shape(lambda: init_params(config.replace(scan_layers=False), 0))
+        params = jax.eval_shape(lambda p: stack_blocks(p, n_layers), params)
+        tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+        return _equations(jax.make_jaxpr(
+            lambda p, t: Transformer(config).apply({"params": p}, t).logits)(params, tokens).jaxpr)
+
+    assert program(depth) == program(6)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(layer_pattern=("local", "global")), "sliding_window"),
+    (dict(layer_pattern=("local", "sideways"), sliding_window=4), "layer_pattern"),
+    (dict(qk_norm="rms"), "qk_norm"),
+    (dict(attn_softcap=0.0), "attn_softcap"),
+    (dict(final_softcap=-1.0), "final_softcap"),
+    (dict(norm_position="middle"), "norm_position"),
+    (dict(local_rope_base=1e4, position="none"), "local_rope_base"),
+    (dict(attn_softcap=50.0, attention_impl="cudnn"), "attn_softcap.*cudnn"),
+])
+def test_bad_architecture_fields_are_refused_by_name(changes, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**{**BASE, **changes})
+
+
+def _greedy_without_cache(forward, prompt: list[int], n: int, width: int) -> list[int]:
+    """Greedy tokens by running the whole sequence through the forward at every step (padded
+    at the end to one length: causal attention keeps the padding out of earlier positions)."""
+    tokens = list(prompt)
+    for _ in range(n):
+        logits = forward(jnp.asarray([tokens + [0] * (width - len(tokens))]))
+        tokens.append(int(jnp.argmax(logits[0, len(tokens) - 1])))
+    return tokens[len(prompt):]
+
+
+GENERATE_CONFIG = ModelConfig(**{**BASE, **FAMILIES["five_to_one"], "attn_softcap": 4.0,
+                                 "final_softcap": 6.0})
+PROMPTS = [[5, 9, 2, 7, 1, 3, 8], [4, 6]]
+
+
+@pytest.fixture(scope="module")
+def cacheless():
+    params = _perturbed(GENERATE_CONFIG)
+    forward = jax.jit(lambda t: Transformer(GENERATE_CONFIG).apply({"params": params}, t).logits)
+    width = max(map(len, PROMPTS)) + 6
+    return params, [_greedy_without_cache(forward, p, 6, width) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_generate_on_layers_that_differ_equals_the_cacheless_forward(scan, cacheless,
+                                                                     fast_generate_compiles):
+    """The decode loop (prefill, then one token per step through the cache) gives the tokens
+    of recomputing every prefix without a cache, past the window, on ragged prompts."""
+    from transformer_jax.decode.generation import generate
+
+    params, want = cacheless
+    config = GENERATE_CONFIG.replace(scan_layers=scan)
+    got = generate(config, stack_blocks(params, config.n_layers) if scan else params, PROMPTS,
+                   max_new_tokens=6, cache_size=24).tokens
+    assert [list(map(int, g)) for g in got] == want
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_decode_of_layers_that_differ_equals_decode_over_dequantised_weights(
+        quant, cacheless, fast_generate_compiles):
+    """Weight-only quantisation of a patterned model with QK-norm: its gains stay float and
+    the decode equals the float decode over the same weights dequantised explicitly."""
+    from transformer_jax.decode import loop as decode
+    from transformer_jax.decode.generation import generate
+    from transformer_jax.model.quant import dequantize_params
+
+    params, _ = cacheless
+    config = GENERATE_CONFIG.replace(scan_layers=True)
+    weights = decode.prepare(config, params, quant=quant)
+    norm = weights.params["blocks"]["attn"]["q_norm"]["scale"]
+    assert norm.dtype == jnp.float32 and norm.shape == (config.n_layers, config.head_dim)
+    dequantised = decode.DecodeWeights(jax.jit(dequantize_params)(weights.params), config,
+                                       None, weights.weights_out_first)
+    got = generate(config, weights, PROMPTS, max_new_tokens=6)
+    want = generate(config, dequantised, PROMPTS, max_new_tokens=6)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.logprob_array, want.logprob_array, atol=1e-5)
