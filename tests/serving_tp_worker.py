@@ -42,11 +42,15 @@ def run_case(overrides: dict) -> dict:
         if not engine.idle:
             raise AssertionError(f"not idle after 500 steps: {engine.scheduler.describe()}")
         engine.check_no_leaks()
-        leaf = jax.tree.leaves(engine._k)[0]
+        # The kv-head-split storage: the pages, or the rings of a model whose every layer
+        # keeps its window (its pages then hold no layer).
+        rings = engine._rings is not None and not jax.tree.leaves(engine._k)[0].size
+        leaf = jax.tree.leaves(engine._rings if rings else engine._k)[0]
         out[str(tensor)] = dict(
             tokens=[done[i].tokens for i in ids], logprobs=[done[i].logprobs for i in ids],
             preemptions=engine.scheduler.preemptions,
-            block=list(leaf.addressable_shards[0].data.shape), whole=list(leaf.shape))
+            block=list(leaf.addressable_shards[0].data.shape), whole=list(leaf.shape),
+            kv_axis=int(config.scan_layers) + rings)  # [L, ..] stacked; rings [.., S, K, ..]
     return out
 
 

@@ -126,6 +126,11 @@ def test_decode_logits_equal_full_forward_at_every_step(name):
     rows = (2, config.n_kv_heads)
     keys = (config.head_dim, total) if cache.keys_transposed else (total, config.head_dim)
     for i in range(config.n_layers):  # stacked [L, ...] when scanned, one array per layer else
+        if cache.ring is not None and cache.ring.local[i]:  # a ring of the window's W slots
+            w = cache.ring.size
+            keys_w = (config.head_dim, w) if cache.keys_transposed else (w, config.head_dim)
+            chex.assert_shape(cache.layer(i), [(*rows, *keys_w), (*rows, w, config.head_dim)])
+            continue
         chex.assert_shape(cache.layer(i), [(*rows, *keys), (*rows, total, config.head_dim)])
     for b in range(2):
         np.testing.assert_allclose(first[b], want[b, lengths[b] - 1], atol=1e-5,
@@ -210,10 +215,14 @@ def test_prefill_cache_equals_the_models_cached_forward(name):
     keys, values = (np.asarray(x) for x in ours.layer(0))  # [B, K, S, H] ([B, K, H, S])
     if ours.keys_transposed:
         keys = keys.swapaxes(2, 3)
-    np.testing.assert_allclose(keys[:, :, :8], np.asarray(k0).transpose(0, 2, 1, 3), atol=1e-5)
-    np.testing.assert_allclose(values[:, :, :8], np.asarray(v0).transpose(0, 2, 1, 3),
-                               atol=1e-5)
-    assert not np.any(values[:, :, 8:]) and not np.any(keys[:, :, 8:])
+    n, k0, v0 = 8, np.asarray(k0), np.asarray(v0)
+    if ours.ring is not None:  # a window's ring of W slots: positions 8 - W .. 7, p in slot p % W
+        n, held = ours.ring.size, np.arange(8 - ours.ring.size, 8)
+        keys, values = keys[:, :, held % n], values[:, :, held % n]
+        k0, v0 = k0[:, held], v0[:, held]
+    np.testing.assert_allclose(keys[:, :, :n], k0.transpose(0, 2, 1, 3), atol=1e-5)
+    np.testing.assert_allclose(values[:, :, :n], v0.transpose(0, 2, 1, 3), atol=1e-5)
+    assert not np.any(values[:, :, n:]) and not np.any(keys[:, :, n:])
     assert np.abs(keys).max() > 0.1  # something was written
 
 

@@ -31,6 +31,6 @@ def test_tensor_parallel_engine_equals_one_device(runs, case):
     for a, b in zip(two["logprobs"], one["logprobs"], strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5)
     assert one["preemptions"] > 0  # the small pool preempts, on one device and on two
-    kv_axis = 1 if case.startswith("scanned") else 0  # [L, K, ...] or [K, ...] per layer
+    kv_axis = two["kv_axis"]  # pages [L, K, ...] or [K, ...] per layer (rings [.., S, K, ..])
     assert two["block"][kv_axis] * 2 == two["whole"][kv_axis] == 2
     assert one["block"] == one["whole"]

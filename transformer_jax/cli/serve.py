@@ -147,19 +147,24 @@ def pool_pages(args: argparse.Namespace, config: Any) -> int:
     """The pool size the flags ask for (page 0, the null page, included)."""
     import jax
 
-    from transformer_jax.model.kv_cache import cache_bytes
     from transformer_jax.serving.page_pool import pages_for
+    from transformer_jax.serving.paged_cache import page_bytes, ring_bytes
 
+    full = 1 + args.slots * pages_for(config.max_seq_len, args.page_size)
     if args.memory_fraction is None:
-        return args.pages or 1 + args.slots * pages_for(config.max_seq_len, args.page_size)
+        return args.pages or full
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         raise ValueError(f"--memory-fraction needs a device that reports its memory; "
                          f"{jax.devices()[0].device_kind} does not: give --pages")
     shards = max(1, args.tensor)
-    page_bytes = cache_bytes(config, 1, args.page_size, args.cache_dtype) // shards
-    free = args.memory_fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    return max(2, int(free // page_bytes))
+    # Pages hold the global layers; local layers keep a ring per slot beside them.
+    page = page_bytes(config, args.page_size, args.cache_dtype) // shards
+    if page == 0:  # every layer keeps a ring: the pages only count positions
+        return full
+    free = (args.memory_fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            - ring_bytes(config, args.slots, args.cache_dtype) // shards)
+    return max(2, int(free // page))
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:

@@ -171,15 +171,17 @@ def prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax
     Returns:
       ([B, V] float32 logits after each prompt's last token, the ``KVCache`` with slots 0..T-1
       written and ``lengths`` as given: pad slots hold junk that causality hides and the
-      decode overwrites).
+      decode overwrites; local layers' rings hold each prompt's last positions, no padding).
     """
     b, t = tokens.shape
     cache = KVCache.init(config, b, max_len or t, dtype, keys_transposed).constrain()
+    if cache.ring is not None:  # the local layers' rings keep each prompt's own last window
+        cache = cache.replace(ring_end=lengths.astype(jnp.int32))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     out = decode_model(config, split, weights_out_first).apply(
         {"params": params}, tokens, positions, cache=cache,
         logits_at=lengths.astype(jnp.int32) - 1)
-    return out.logits, out.cache.replace(lengths=lengths.astype(jnp.int32))
+    return out.logits, out.cache.replace(lengths=lengths.astype(jnp.int32), ring_end=None)
 
 
 def decode_step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,

@@ -13,6 +13,11 @@ same sampling functions and draws (its key is ``generate(..., seed=[seed])``'s, 
 with ``fold_in(key, i)``), the same prompt validation. A request that can never fit is refused
 when it is added; one that does not fit now waits, and one that runs out of pages while decoding
 preempts the newest request (which is recomputed later) instead of failing.
+
+A model with local (sliding-window) layers keeps them in a ring of W slots per slot and layer
+beside the pool (``PagedKVCache``): pages hold the global layers only, and ``cache_bytes``
+counts both. Prefix caching is off for such a model: a prefix hit skips computing the prefix,
+whose last window the new slot's rings would lack.
 """
 
 from __future__ import annotations
@@ -73,7 +78,8 @@ class Engine:
         takes it: each step runs tensor-parallel over it, every device holding its block of
         the weights and K/T kv heads of every page (weights prepared for another mesh are an
         error; ``DecodeWeights`` bring their own mesh when this is None).
-      prefix_caching: share full pages between requests with the same prefix.
+      prefix_caching: share full pages between requests with the same prefix (off, with a
+        log line, for a model whose local layers keep rings).
       cache_dtype: the pages' storage dtype: a floating dtype (name), or ``"int8"``
         (``ops.kv_quant``); the model's compute dtype by default.
       min_context: the narrowest context (positions) a step attends over: each step reads its
@@ -127,13 +133,24 @@ class Engine:
         self.token_budget = token_budget
         self.keys_transposed = False  # whole pages gather fastest (``PagedKVCache.init``)
         cache = PagedKVCache.init(config, num_pages, page_size, dtype=cache_dtype,
-                                  keys_transposed=self.keys_transposed, view=view)
+                                  keys_transposed=self.keys_transposed, view=view,
+                                  slots=num_slots)
         self.view = view
         self._k, self._v = cache.k, cache.v
+        self._rings = None if cache.ring is None else (cache.k_ring, cache.v_ring)
         if tensor_shards(self.mesh) > 1:  # each device its K/T kv heads of every page
             placed = NamedSharding(self.mesh, step_lib.page_spec(config))
             self._k, self._v = jax.device_put((self._k, self._v), placed)
+            if self._rings is not None:
+                self._rings = jax.device_put(
+                    self._rings, NamedSharding(self.mesh, step_lib.ring_spec(config)))
+        #: Bytes of the pages and the local layers' rings.
         self.cache_bytes = cache.nbytes
+        if cache.ring is not None and prefix_caching:
+            logger.info("prefix caching is off: the %d local layers keep only their window of "
+                        "%d positions per slot, which a prefix hit would not compute",
+                        cache.ring.n_local, cache.ring.window)
+            prefix_caching = False
         self.scheduler = Scheduler(num_slots, num_pages, page_size, config.max_seq_len,
                                    token_budget - num_slots, prefix_caching, min_context)
         self._lock = threading.Lock()
@@ -222,7 +239,8 @@ class Engine:
         plan = sched.schedule()
         if plan is None:
             return delivered
-        decode, prefill, rows, sampler = sched.inputs(plan, self.config.vocab_size)
+        decode, prefill, rows, sampler = sched.inputs(plan, self.config.vocab_size,
+                                                      slot=self._rings is not None)
         b = sched.num_slots
         # The chunk, then the decode rows: two programs (``step.py`` says why), both dispatched
         # before either result is read. A prompt's first token goes out as soon as the chunk's
@@ -257,11 +275,11 @@ class Engine:
              rows: step_lib.RowSampling, sampler: step_lib.Sampler) -> tuple[Any, Any]:
         """Runs one step program on the engine's pages (updated in place); returns its [R]
         tokens and log-probabilities, not yet on the host."""
-        self._k, self._v, tokens, logprobs = step_lib.step_jit(
+        self._k, self._v, tokens, logprobs, self._rings = step_lib.step_jit(
             self.config, self.weights.params, self._k, self._v, decode, prefill, rows,
             weights_out_first=self.weights.weights_out_first,
             keys_transposed=self.keys_transposed, sampler=sampler, view=self.view,
-            mesh=self.mesh, quant=self.weights.quant)
+            mesh=self.mesh, quant=self.weights.quant, rings=self._rings)
         return tokens, logprobs
 
     def compile(self) -> int:
@@ -281,7 +299,8 @@ class Engine:
             for bucket in sched.buckets:
                 shapes.append((None, step_lib.PrefillChunk(
                     np.zeros((1, bucket), np.int32), np.zeros(1, np.int32),
-                    np.zeros((1, w), np.int32), np.zeros(1, np.int32))))
+                    np.zeros((1, w), np.int32), np.zeros(1, np.int32),
+                    None if self._rings is None else np.zeros(1, np.int32))))
         for decode_rows, chunk in shapes:
             n = b if chunk is None else 1
             sampling = step_lib.RowSampling(

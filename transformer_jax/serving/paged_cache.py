@@ -56,6 +56,12 @@ pages a sequence holds; the cache owns only their contents.
 int8 pages (``dtype="int8"``) hold each token's row as its int8 values and its scale, H + 2
 bytes (``ops.kv_quant``), as ``KVCache`` does; both views dequantise what they read (the
 Pallas paged kernels read float pages, so int8 pages always take these views).
+
+Local layers (sliding window W < ``max_seq_len``) keep no pages: each engine slot has a ring of
+W slots per local layer (``k_ring``/``v_ring``, attended as ``model.kv_ring`` says), row b of a
+call using ring row ``ring_rows[b]``; pages (``k``/``v``, and the layer index of ``write``,
+``layer`` and ``pool``) are the global layers'. ``ring_end`` stops a row's ring writes (a
+padded chunk's tail, an idle row: 0).
 """
 
 from __future__ import annotations
@@ -64,21 +70,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.model import kv_ring
 from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.kv_ring import RingLayout
 from transformer_jax.model.ops import kv_quant, paged_attention
-from transformer_jax.model.ops.attention import (
-    attention,
-    attention_mask,
-    choose_impl,
-    reference_attention,
-)
-from transformer_jax.model.ops.chunked_attention import (
-    einsum_f32,
-    online_softmax_init,
-    online_softmax_merge,
-    online_softmax_result,
-    online_softmax_step,
-)
+from transformer_jax.model.ops.attention import attention, choose_impl
+from transformer_jax.serving import paged_views
 from transformer_jax.serving.page_pool import NULL_PAGE
 
 VIEWS = ("auto", "gather", "pool", "blocks")
@@ -105,6 +102,23 @@ def storage_dtype(dtype: jnp.dtype | str) -> jnp.dtype:
     return dt
 
 
+def page_bytes(config: ModelConfig, page_size: int, dtype: jnp.dtype | str | None = None
+               ) -> int:
+    """Bytes of K and V one page takes in every paged layer: the global layers' when local
+    layers keep rings (``PagedKVCache.init``), every layer's otherwise."""
+    dtype = storage_dtype(config.dtype if dtype is None else dtype)
+    ring = RingLayout.of(config, config.max_seq_len)
+    layers = config.n_layers if ring is None else ring.n_global
+    h = kv_quant.stored_head_dim(config.head_dim, dtype)
+    return 2 * layers * page_size * config.n_kv_heads * h * dtype.itemsize
+
+
+def ring_bytes(config: ModelConfig, slots: int, dtype: jnp.dtype | str | None = None) -> int:
+    """Bytes of K and V of the local layers' rings of ``slots`` slots (0 without rings)."""
+    dtype = storage_dtype(config.dtype if dtype is None else dtype)
+    return kv_ring.ring_bytes(config, slots, dtype, RingLayout.of(config, config.max_seq_len))
+
+
 @flax.struct.dataclass
 class PagedKVCache:
     """Keys and values of every layer in pages, and the page table of the rows of one call.
@@ -116,6 +130,11 @@ class PagedKVCache:
       page_table: [B, W] int32 pages of each row in position order (``NULL_PAGE`` where a row
         holds none).
       lengths: [B] int32 positions written per row (the model sets them after a chunk).
+      k_ring: None, or the local layers' key rings [L_local, S, K, W, H] ([L_local, S, K, H, W]
+        when ``keys_transposed``; a tuple of L_local [S, K, ...] when unrolled), S rows.
+      v_ring: None, or their value rings [L_local, S, K, W, H] (or a tuple).
+      ring_rows: None (row b uses ring row b), or [B] int32 each row's ring row.
+      ring_end: None, or [B] int32: a row's rings take no position at or past it.
       keys_transposed: static; the keys' layout.
       view: static; how ``attend`` reads the pages (one of ``VIEWS``, see the module
         docstring).
@@ -127,14 +146,20 @@ class PagedKVCache:
     v: jax.Array | tuple[jax.Array, ...]
     page_table: jax.Array
     lengths: jax.Array
+    k_ring: jax.Array | tuple[jax.Array, ...] | None = None
+    v_ring: jax.Array | tuple[jax.Array, ...] | None = None
+    ring_rows: jax.Array | None = None
+    ring_end: jax.Array | None = None
     keys_transposed: bool = flax.struct.field(pytree_node=False, default=False)
     view: str = flax.struct.field(pytree_node=False, default="auto")
     block_positions: int = flax.struct.field(pytree_node=False, default=BLOCK_POSITIONS)
+    ring: RingLayout | None = flax.struct.field(pytree_node=False, default=None)
 
     @classmethod
     def init(cls, config: ModelConfig, num_pages: int, page_size: int, batch: int = 1,
              pages_per_row: int = 1, dtype: jnp.dtype | str | None = None,
-             keys_transposed: bool = False, view: str = "auto") -> PagedKVCache:
+             keys_transposed: bool = False, view: str = "auto", *, slots: int | None = None,
+             window_rings: bool = True) -> PagedKVCache:
         """Zeroed pages and an all-null page table.
 
         Args:
@@ -150,6 +175,8 @@ class PagedKVCache:
             whole [page_size, H] pages, more than the faster [H, S] product gained back
             (decode_25m's layer, 8 rows of 32 pages of 16, float32: 5.2 against 2.5 ms).
           view: how ``attend`` reads the pages.
+          slots: S, ring rows of the local layers (default ``batch``).
+          window_rings: local layers keep rings (when W < ``max_seq_len``) instead of pages.
 
         Raises:
           ValueError: for a size out of range, a view not in ``VIEWS`` or a storage dtype that
@@ -169,20 +196,28 @@ class PagedKVCache:
         k_shape = (kv, h, num_pages, page_size) if keys_transposed else (
             kv, num_pages, page_size, h)
         v_shape = (kv, num_pages, page_size, h)
-        if config.scan_layers:
-            k = jnp.zeros((config.n_layers, *k_shape), dtype)
-            v = jnp.zeros((config.n_layers, *v_shape), dtype)
-        else:
-            k = tuple(jnp.zeros(k_shape, dtype) for _ in range(config.n_layers))
-            v = tuple(jnp.zeros(v_shape, dtype) for _ in range(config.n_layers))
+        ring = RingLayout.of(config, config.max_seq_len) if window_rings else None
+
+        def arrays(n: int, k_shape: tuple[int, ...], v_shape: tuple[int, ...]) -> tuple:
+            if config.scan_layers:
+                return jnp.zeros((n, *k_shape), dtype), jnp.zeros((n, *v_shape), dtype)
+            return (tuple(jnp.zeros(k_shape, dtype) for _ in range(n)),
+                    tuple(jnp.zeros(v_shape, dtype) for _ in range(n)))
+
+        k, v = arrays(config.n_layers if ring is None else ring.n_global, k_shape, v_shape)
+        rings = {}
+        if ring is not None:
+            rows, w = (batch if slots is None else slots, kv), ring.size
+            rings["k_ring"], rings["v_ring"] = arrays(
+                ring.n_local, (*rows, h, w) if keys_transposed else (*rows, w, h), (*rows, w, h))
         return cls(k=k, v=v, page_table=jnp.zeros((batch, pages_per_row), jnp.int32),
                    lengths=jnp.zeros((batch,), jnp.int32), keys_transposed=keys_transposed,
-                   view=view)
+                   view=view, ring=ring, **rings)
 
     @property
     def stacked(self) -> bool:
         """Whether the layers are one [L, ...] array (a scanned model) or a tuple."""
-        return not isinstance(self.v, tuple)
+        return not isinstance(self.v if self.ring is None else self.v_ring, tuple)
 
     @property
     def num_pages(self) -> int:
@@ -194,8 +229,10 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the key and value pages: ``2 * L * P * page_size * K * H * itemsize``."""
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((self.k, self.v)))
+        """Bytes of the key and value pages (``2 * L * P * page_size * K * H * itemsize``)
+        and rings."""
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+            (self.k, self.v, self.k_ring, self.v_ring)))
 
     def with_table(self, page_table: jax.Array, lengths: jax.Array) -> PagedKVCache:
         """The same pages seen through another page table [B, W] and lengths [B]."""
@@ -237,7 +274,8 @@ class PagedKVCache:
         return keys, values
 
     def attend(self, i: int | jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-               positions: jax.Array, *, window: int | None, impl: str
+               positions: jax.Array, *, window: int | jax.Array | None, impl: str,
+               scale: float | None = None, softcap: float | None = None
                ) -> tuple[jax.Array, PagedKVCache]:
         """Layer i's attention with this cache: writes the chunk into the rows' pages, then
         attends the queries over the rows' pages (the ``Cache`` interface).
@@ -248,39 +286,80 @@ class PagedKVCache:
           k: [B, T, K, H] new keys (rotated) for ``positions``.
           v: [B, T, K, H] new values.
           positions: [B, T] int positions of the chunk (consecutive per row).
-          window: optional sliding window length.
+          window: optional sliding window length (a traced int32 in a scan over layers that
+            differ).
           impl: the attention implementation (``ops.attention.attention``).
+          scale: the logits' scale (default ``1/sqrt(H)``).
+          softcap: optional logit soft-cap (``ops.softcap``).
 
         Returns:
           ([B, T, N, H] attention output, the cache with layer i's pages written).
         """
-        cache = self.write(i, k, v, positions)
+        logits = dict(impl=impl, scale=scale, softcap=softcap)
+        if self.ring is None:
+            cache = self.write(i, k, v, positions)
+            return cache._attend_pages(i, q, positions, window, **logits), cache
+        # The rings take the reference implementations (the paged kernels read pages); in a
+        # scan over layers that differ, a local layer's page write goes to the null page.
+        return kv_ring.attend(
+            self, i, self.ring, q, k, v, positions,
+            read_ring=lambda c, j: c._ring_layer(j),
+            write_ring=lambda c, j, keep: c._write_ring(j, k, v, positions, keep),
+            write_full=lambda c, g, keep: c.write(g, k, v, positions, keep),
+            attend_full=lambda c, g: c._attend_pages(g, q, positions, window, **logits),
+            keys_transposed=self.keys_transposed,
+            **dict(logits, impl="xla" if impl == "pallas" else impl))
+
+    def _attend_pages(self, i: int | jax.Array, q: jax.Array, positions: jax.Array,
+                      window: int | jax.Array | None, *, impl: str, scale: float | None,
+                      softcap: float | None) -> jax.Array:
+        """The queries over the rows' pages of paged layer i (already written)."""
+        logits = dict(scale=scale, softcap=softcap)
         # impl="pallas": a paged kernel (ops/paged_attention.py); they read float pages, so
-        # int8 pages take the dequantising views.
-        if self.view == "auto" and not self.int8:
+        # int8 pages take the dequantising views, and they take neither a scale of their own,
+        # a soft-cap nor a per-layer (traced) window, which take the views too.
+        plain = scale is None and softcap is None and not isinstance(window, jax.Array)
+        if self.view == "auto" and not self.int8 and (plain or impl != "pallas"):
             route = paged_attention.plan(impl, q.shape[1], window)
             if route.kernel is not None:
-                out = paged_attention.paged_attention(
-                    route.kernel, q, cache.k[i], cache.v[i], cache.page_table, positions,
+                return paged_attention.paged_attention(
+                    route.kernel, q, self.k[i], self.v[i], self.page_table, positions,
                     window=window, keys_transposed=self.keys_transposed)
-                return out, cache
             impl = route.impl
-        read = cache.read_view(q, impl)
+        if impl == "pallas":  # a config the paged kernels cannot run: the reference views
+            impl = "xla"
+        read = self.read_view(q, impl)
         if read == "pool":
-            return cache._attend_pool(i, q, positions, window), cache
+            return paged_views.attend_pool(self, i, q, positions, window, **logits)
         if read == "blocks":
-            return cache._attend_blocks(i, q, positions, window), cache
+            return paged_views.attend_blocks(self, i, q, positions, window, **logits)
         # Gathered keys are [B, K, S, H] or [B, K, H, S].
-        keys, values = cache._dequantized(*cache.layer(i), q.dtype,
-                                          key_axis=-2 if self.keys_transposed else -1)
-        out = attention(q.astype(keys.dtype), keys, values, q_positions=positions,
-                        window=window, impl=impl, keys_transposed=self.keys_transposed)
-        return out, cache
+        keys, values = self._dequantized(*self.layer(i), q.dtype,
+                                         key_axis=-2 if self.keys_transposed else -1)
+        return attention(q.astype(keys.dtype), keys, values, q_positions=positions,
+                         window=window, impl=impl, keys_transposed=self.keys_transposed,
+                         **logits)
+
+    def _write_ring(self, j: int | jax.Array, k: jax.Array, v: jax.Array,
+                    positions: jax.Array, keep: jax.Array | None) -> PagedKVCache:
+        """Writes each row's last W positions (below ``ring_end``) into its row of ring j."""
+        k_ring, v_ring = kv_ring.write_rings(
+            self.k_ring, self.v_ring, j, k, v, positions, rows=self.ring_rows,
+            end=self.ring_end, keep=keep, keys_transposed=self.keys_transposed)
+        return self.replace(k_ring=k_ring, v_ring=v_ring)
+
+    def _ring_layer(self, j: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Ring j's rows of this call's rows: [B, K, W, H] keys ([B, K, H, W]) and values."""
+        keys, values = self.k_ring[j], self.v_ring[j]
+        if self.ring_rows is None:
+            return keys, values
+        return keys[self.ring_rows], values[self.ring_rows]
 
     @property
     def int8(self) -> bool:
         """Whether pages hold int8 rows with their scales (``ops.kv_quant``)."""
-        return kv_quant.is_int8((self.v if self.stacked else self.v[0]).dtype)
+        v = self.v if self.ring is None else self.v_ring
+        return kv_quant.is_int8((v if self.stacked else v[0]).dtype)
 
     def _dequantized(self, keys: jax.Array, values: jax.Array, dtype: jnp.dtype, *,
                      key_axis: int) -> tuple[jax.Array, jax.Array]:
@@ -310,106 +389,8 @@ class PagedKVCache:
         b, w = self.page_table.shape
         return "pool" if self.num_pages < 2 * b * w else "gather"
 
-    def _attend_pool(self, i: int | jax.Array, q: jax.Array, positions: jax.Array,
-                     window: int | None) -> jax.Array:
-        """Every row's queries against the whole pool of layer i, each seeing only the slots
-        of its own pages at positions up to its own (``"pool"`` view)."""
-        b, t, n, h = q.shape
-        k_pool, v_pool = self.pool(i, q.dtype)
-        kv, p, ps = v_pool.shape[0], v_pool.shape[1], v_pool.shape[2]
-        # owner[b, page]: the page's index in row b's table, -1 for pages b does not hold (the
-        # null page included: nobody holds it).
-        table = self.page_table
-        rows = jnp.broadcast_to(jnp.arange(b)[:, None], table.shape)
-        index = jnp.broadcast_to(jnp.arange(table.shape[1], dtype=jnp.int32), table.shape)
-        owner = jnp.full((b, p), -1, jnp.int32).at[rows, table].max(
-            jnp.where(table == NULL_PAGE, -1, index))
-        k_pos = owner[:, :, None] * ps + jnp.arange(ps, dtype=jnp.int32)  # [B, P, ps]
-        k_pos = jnp.where(owner[:, :, None] >= 0, k_pos, jnp.iinfo(jnp.int32).max)
-        q_pos = positions[:, :, None, None]  # [B, T, 1, 1]
-        mask = k_pos[:, None] <= q_pos  # [B, T, P, ps]: the row's own slots, causally
-        if window is not None:
-            mask &= k_pos[:, None] > q_pos - window
-        keys = k_pool.reshape(1, kv, h, p * ps) if self.keys_transposed else \
-            k_pool.reshape(1, kv, p * ps, h)
-        out = reference_attention(q.astype(v_pool.dtype).reshape(1, b * t, n, h), keys,
-                                  v_pool.reshape(1, kv, p * ps, h),
-                                  mask.reshape(1, b * t, p * ps),
-                                  keys_transposed=self.keys_transposed)
-        return out.reshape(b, t, n, h)
-
-    def _attend_blocks(self, i: int | jax.Array, q: jax.Array, positions: jax.Array,
-                       window: int | None) -> jax.Array:
-        """Every row's queries over its own pages of layer i, a block of pages at a time
-        (``"blocks"`` view).
-
-        Block j of a row holds its positions [j * bk, (j + 1) * bk). Each row needs its blocks
-        from the first any of its queries sees (0 without a window) to that of its furthest
-        query; these (row, block) items, listed row after row, are taken B at a time in a
-        loop that stops after the last, so a short row costs its own blocks, not the longest
-        row's. Each item gives a partial softmax (``online_softmax_step`` from the empty
-        carry); the partials are merged per row at the end (``online_softmax_merge``).
-        """
-        b, t, n, h = q.shape
-        v_pool = self.v[i]  # [K, P, ps, H]
-        kv, ps = v_pool.shape[0], v_pool.shape[2]
-        g = n // kv
-        per_block = max(1, self.block_positions // ps)
-        bk = per_block * ps
-        num_blocks = -(-self.page_table.shape[1] // per_block)
-        table = jnp.pad(self.page_table,
-                        ((0, 0), (0, num_blocks * per_block - self.page_table.shape[1])),
-                        constant_values=NULL_PAGE)
-        last = jnp.minimum(positions.max(axis=1) // bk, num_blocks - 1)  # [B]
-        first = jnp.zeros_like(last) if window is None else jnp.clip(
-            (positions.min(axis=1) - window + 1) // bk, 0, last)
-        counts = last - first + 1  # [B] items per row
-        ends = jnp.cumsum(counts)
-        capacity = b * num_blocks  # the most items: every row at the full width
-        item = jnp.arange(capacity, dtype=jnp.int32)
-        owner = jnp.minimum(jnp.searchsorted(ends, item, side="right"), b - 1)  # [U]
-        live = item < ends[-1]  # the items past the last are masked (and kept in range)
-        block_of = jnp.where(live, first[owner] + item - (ends - counts)[owner], 0)
-        dtype = q.dtype if self.int8 else v_pool.dtype
-        qg = q.astype(dtype).reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(
-            b, kv, g * t, h)
-        spec = "RQH,RHS->RQS" if self.keys_transposed else "RQH,RSH->RQS"
-
-        def items(carry):
-            step, partials = carry
-            at = step * b
-            own = jax.lax.dynamic_slice_in_dim(owner, at, b)
-            blocks = jax.lax.dynamic_slice_in_dim(block_of, at, b)
-            # The items' pages, [B, per_block] -> [B, K, bk, H] keys and values.
-            keys, values = self.layer(i, table[own[:, None], blocks[:, None] * per_block
-                                               + jnp.arange(per_block)])
-            keys, values = self._dequantized(keys, values, q.dtype,
-                                             key_axis=-2 if self.keys_transposed else -1)
-            # One batch axis R = items x K of [G * T, H] queries (faster on XLA:CPU than two).
-            logits = einsum_f32(spec, qg[own].reshape(b * kv, g * t, h),
-                                keys.reshape(b * kv, *keys.shape[2:])) * h ** -0.5
-            k_pos = blocks[:, None] * bk + jnp.arange(bk, dtype=jnp.int32)  # [B, bk]
-            mask = attention_mask(positions[own], k_pos, window=window)  # [B, T, bk]
-            mask &= jax.lax.dynamic_slice_in_dim(live, at, b)[:, None, None]
-            logits = jnp.where(mask[:, None, None], logits.reshape(b, kv, g, t, bk), -jnp.inf)
-            part = online_softmax_step(online_softmax_init((b * kv, g * t), h),
-                                       logits.reshape(b * kv, g * t, bk),
-                                       values.reshape(b * kv, bk, h))
-            partials = tuple(jax.lax.dynamic_update_slice_in_dim(whole, x, at * kv, 0)
-                             for whole, x in zip(partials, part, strict=True))
-            return step + 1, partials
-
-        _, partials = jax.lax.while_loop(
-            lambda carry: carry[0] * b < ends[-1], items,
-            (jnp.int32(0), online_softmax_init((capacity * kv, g * t), h)))
-        # Partial r is item r // K's kv head r % K: row owner * K + head. Items the loop did not
-        # reach keep the empty carry, which the merge weighs 0.
-        rows = (owner[:, None] * kv + jnp.arange(kv, dtype=jnp.int32)).reshape(-1)
-        out, _ = online_softmax_result(online_softmax_merge(partials, rows, b * kv), q.dtype)
-        return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
-
     def write(self, i: int | jax.Array, k: jax.Array, v: jax.Array,
-              positions: jax.Array) -> PagedKVCache:
+              positions: jax.Array, keep: jax.Array | None = None) -> PagedKVCache:
         """Writes each row's new keys/values at their positions into its pages.
 
         A position whose page index is past the table's W columns goes to ``NULL_PAGE``, as do
@@ -421,6 +402,7 @@ class PagedKVCache:
           k: [B, T, K, H] new keys.
           v: [B, T, K, H] new values.
           positions: [B, T] int positions.
+          keep: optional traced bool: every position goes to ``NULL_PAGE`` where it is True.
 
         Returns:
           The cache with layer i updated (lengths unchanged: the model sets them).
@@ -428,6 +410,8 @@ class PagedKVCache:
         if self.int8:
             k, v = kv_quant.encode(k), kv_quant.encode(v)
         pages, offsets = self.slots(positions)
+        if keep is not None:
+            pages = jnp.where(keep, NULL_PAGE, pages)
         lead = 2 if self.keys_transposed else 1  # the (kv head[, H]) axes before the pages
         index = (*[slice(None)] * lead, pages, offsets)
         v_index = (slice(None), pages, offsets)

@@ -220,10 +220,11 @@ class Scheduler:
 
     # Step inputs and results -----------------------------------------------------------------
 
-    def inputs(self, plan: StepPlan, vocab_size: int
+    def inputs(self, plan: StepPlan, vocab_size: int, slot: bool = False
                ) -> tuple[DecodeRows, PrefillChunk | None, RowSampling, Sampler]:
         """The step's device inputs (numpy) for ``plan``: a decode row per slot (idle ones
-        write into the null page), and the chunk when there is one."""
+        write into the null page), and the chunk when there is one (with its slot when
+        ``slot``: the row of the local layers' rings)."""
         prefill = None
         tokens = np.zeros(self.num_slots, np.int32)
         positions = np.zeros(self.num_slots, np.int32)
@@ -240,7 +241,8 @@ class Scheduler:
             tokens[0, :plan.chunk] = req.tokens[plan.start:plan.start + plan.chunk]
             prefill = PrefillChunk(tokens, np.asarray([plan.start], np.int32),
                                    self.page_table[req.slot, None, :plan.chunk_width].copy(),
-                                   np.asarray([plan.chunk - 1], np.int32))
+                                   np.asarray([plan.chunk - 1], np.int32),
+                                   np.asarray([req.slot], np.int32) if slot else None)
             row_reqs.append(req)
         rows, sampler = _row_sampling(row_reqs, vocab_size)
         return decode, prefill, rows, sampler

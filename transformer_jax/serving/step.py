@@ -22,6 +22,11 @@ page-table width W, the kind of rows, the chunk's bucket and the sampler's switc
 compile-time shape of a program, so the engine compiles a small fixed set: widths x (1 + chunk
 buckets) for greedy loads. Over a mesh's tensor axis the step runs under ``shard_map`` as
 ``generate`` does, the pages split by kv head.
+
+A model with local (sliding-window) layers keeps their keys in a ring per slot beside the pages
+(``rings``, ``PagedKVCache``): the decode rows use ring row b for slot b, the chunk its
+request's slot; a row writes its rings only up to its real tokens (an idle row, whose page
+table is all ``NULL_PAGE``, and a chunk's padding write none).
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ from transformer_jax.decode.loop import (
     weight_specs,
 )
 from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.kv_ring import RingLayout
 from transformer_jax.model.layers import shard_config
+from transformer_jax.serving.page_pool import NULL_PAGE
 from transformer_jax.serving.paged_cache import PagedKVCache
 
 Params = dict[str, Any]
@@ -76,12 +83,15 @@ class PrefillChunk:
       start: [1] int32 position of the first token.
       page_table: [1, W] int32 the sequence's pages.
       last: [1] int32 index in [0, C) of the chunk's last real token.
+      slot: [1] int32 the sequence's slot (its row of the local layers' rings); None for a
+        model without rings.
     """
 
     tokens: jax.Array
     start: jax.Array
     page_table: jax.Array
     last: jax.Array
+    slot: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -137,11 +147,17 @@ def page_spec(config: ModelConfig) -> P:
     return P(None, TENSOR_AXIS) if config.scan_layers else P(TENSOR_AXIS)
 
 
+def ring_spec(config: ModelConfig) -> P:
+    """The ``PartitionSpec`` of the local layers' rings over a tensor-parallel mesh: split by
+    kv head ([S, K, ...] per layer; [L, S, K, ...] stacked)."""
+    return P(None, None, TENSOR_AXIS) if config.scan_layers else P(None, TENSOR_AXIS)
+
+
 def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                 decode: DecodeRows | None, prefill: PrefillChunk | None, rows: RowSampling, *,
                 weights_out_first: bool, keys_transposed: bool, sampler: Sampler,
-                view: str = "auto", mesh: Mesh | None = None, quant: Any = None
-                ) -> tuple[Any, Any, jax.Array, jax.Array]:
+                view: str = "auto", mesh: Mesh | None = None, quant: Any = None,
+                rings: Any = None) -> tuple[Any, Any, jax.Array, jax.Array, Any]:
     """One engine program (see the module docstring): decode rows, a prefill chunk, or both.
 
     Args:
@@ -160,40 +176,57 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
         K/T kv heads of the pages (``page_spec``), the logits gathered whole, so every device
         draws the same tokens.
       quant: static; the weights' quantisation (``DecodeWeights.quant``), for their specs.
+      rings: the local layers' (key rings, value rings) (``PagedKVCache.k_ring`` /
+        ``.v_ring``), or None for a model without them.
 
     Returns:
-      (key pages, value pages, [R] int32 next tokens, [R] float32 their log-probabilities).
+      (key pages, value pages, [R] int32 next tokens, [R] float32 their log-probabilities,
+      the rings).
     """
     run = functools.partial(_step, weights_out_first=weights_out_first,
                             keys_transposed=keys_transposed, sampler=sampler, view=view)
     shards = tensor_shards(mesh)
     if shards == 1:
-        return run(config, params, k_pages, v_pages, decode, prefill, rows, split=None)
+        return run(config, params, k_pages, v_pages, decode, prefill, rows, rings, split=None)
     split = TensorSplit(TENSOR_AXIS, vocab_is_split(config, mesh))
     local = shard_config(config, shards, vocab=split.vocab)
     pages = page_spec(config)
+    ring = None if rings is None else ring_spec(config)
     return jax.shard_map(
         functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
         in_specs=(weight_specs(config, mesh, weights_out_first, quant), pages, pages,
-                  None if decode is None else P(), None if prefill is None else P(), P()),
-        out_specs=(pages, pages, P(), P()),
-    )(params, k_pages, v_pages, decode, prefill, rows)
+                  None if decode is None else P(), None if prefill is None else P(), P(),
+                  ring),
+        out_specs=(pages, pages, P(), P(), ring),
+    )(params, k_pages, v_pages, decode, prefill, rows, rings)
 
 
 def _step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
-          decode: DecodeRows | None, prefill: PrefillChunk | None, rows: RowSampling, *,
-          split: TensorSplit | None, weights_out_first: bool, keys_transposed: bool,
-          sampler: Sampler, view: str) -> tuple[Any, Any, jax.Array, jax.Array]:
+          decode: DecodeRows | None, prefill: PrefillChunk | None, rows: RowSampling,
+          rings: Any, *, split: TensorSplit | None, weights_out_first: bool,
+          keys_transposed: bool, sampler: Sampler, view: str
+          ) -> tuple[Any, Any, jax.Array, jax.Array, Any]:
     """``engine_step`` on one shard's weights and pages (all of them without a split)."""
     if decode is None and prefill is None:
         raise ValueError("an engine step needs decode rows, a prefill chunk or both")
     model = decode_model(config, split, weights_out_first)
+    ring = None if rings is None else RingLayout.of(config, config.max_seq_len)
     cache = PagedKVCache(k=k_pages, v=v_pages, page_table=jnp.zeros((1, 1), jnp.int32),
                          lengths=jnp.zeros((1,), jnp.int32), keys_transposed=keys_transposed,
-                         view=view)
+                         view=view, ring=ring,
+                         **({} if rings is None else dict(k_ring=rings[0], v_ring=rings[1])))
+
+    def rows_of(cache: PagedKVCache, end: jax.Array, rows: jax.Array | None) -> PagedKVCache:
+        # A row writes its rings below its real end; an idle row (no page) nowhere.
+        if ring is None:
+            return cache
+        live = cache.page_table[:, 0] != NULL_PAGE
+        return cache.replace(ring_rows=rows, ring_end=jnp.where(live, end, 0).astype(jnp.int32))
+
     logits = []
     if decode is not None:
-        cache = cache.with_table(decode.page_table, decode.positions)
+        cache = rows_of(cache.with_table(decode.page_table, decode.positions),
+                        decode.positions + 1, None)
         out = model.apply({"params": params}, decode.tokens[:, None],
                           decode.positions[:, None], cache=cache)
         logits.append(out.logits[:, 0])
@@ -201,13 +234,15 @@ def _step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     if prefill is not None:
         c = prefill.tokens.shape[1]
         positions = prefill.start[:, None] + jnp.arange(c, dtype=jnp.int32)
-        cache = cache.with_table(prefill.page_table, prefill.start)
+        cache = rows_of(cache.with_table(prefill.page_table, prefill.start),
+                        prefill.start + prefill.last + 1, prefill.slot)
         out = model.apply({"params": params}, prefill.tokens, positions, cache=cache,
                           logits_at=prefill.last)
         logits.append(out.logits)
         cache = out.cache
     tokens, logprobs = sample_rows(jnp.concatenate(logits), rows, sampler)
-    return cache.k, cache.v, tokens, logprobs
+    return (cache.k, cache.v, tokens, logprobs,
+            None if ring is None else (cache.k_ring, cache.v_ring))
 
 
 STEP_STATIC_ARGNAMES = ("config", "weights_out_first", "keys_transposed", "sampler", "view",
@@ -215,10 +250,10 @@ STEP_STATIC_ARGNAMES = ("config", "weights_out_first", "keys_transposed", "sampl
 
 
 def jit_step(**jit_options: Any) -> Any:
-    """``engine_step`` jitted, its pages donated (updated in place), with extra ``jax.jit``
-    options (e.g. ``compiler_options``)."""
+    """``engine_step`` jitted, its pages and rings donated (updated in place), with extra
+    ``jax.jit`` options (e.g. ``compiler_options``)."""
     return jax.jit(engine_step, static_argnames=STEP_STATIC_ARGNAMES,
-                   donate_argnames=("k_pages", "v_pages"), **jit_options)
+                   donate_argnames=("k_pages", "v_pages", "rings"), **jit_options)
 
 
 #: The step the engine runs: the shapes of its parts and the switches select one of a few
