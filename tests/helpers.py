@@ -87,6 +87,37 @@ HF_CLASSES = {
 }
 
 
+def ragged_inputs(batch: int, length: int, vocab: int, offset: int = 300
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """[B, T] random tokens and their positions; the second row starts at ``offset`` (past a
+    short original context, a window, a YaRN length)."""
+    tokens = np.random.default_rng(0).integers(0, vocab, (batch, length)).astype(np.int32)
+    starts = np.array([[0], [offset]] + [[0]] * (batch - 2))[:batch]
+    return tokens, (np.arange(length)[None] + starts).astype(np.int32)
+
+
+def torch_logits(model, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """A transformers model's float32 logits [B, T, V] at explicit positions."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor(tokens, dtype=torch.long),
+                    position_ids=torch.tensor(positions, dtype=torch.long))
+    return out.logits.float().numpy()
+
+
+def our_logits(config, params, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """``Transformer(config)``'s logits [B, T, V] at explicit positions."""
+    import jax.numpy as jnp
+
+    from transformer_jax.model.transformer import Transformer
+
+    logits = Transformer(config).apply({"params": params}, jnp.asarray(tokens),
+                                       positions=jnp.asarray(positions)).logits
+    assert logits.shape == (*tokens.shape, config.vocab_size)
+    return np.asarray(logits)
+
+
 def random_hf_model(kind: str, seed: int = 0, **config):
     """A tiny transformers model (eager attention, eval mode) with every weight randomised.
 

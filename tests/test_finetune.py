@@ -32,7 +32,11 @@ from transformer_jax.cli import export as hf_export  # noqa: E402
 from transformer_jax.data import instruct  # noqa: E402
 from transformer_jax.model import lora  # noqa: E402
 from transformer_jax.model.config import ModelConfig  # noqa: E402
-from transformer_jax.model.transformer import Transformer, init_params  # noqa: E402
+from transformer_jax.model.transformer import (  # noqa: E402
+    Transformer,
+    init_params,
+    unstack_blocks,
+)
 from transformer_jax.parallel import sharding as sharding_lib  # noqa: E402
 from transformer_jax.train.config import ConfigError, TrainConfig, build_configs  # noqa: E402
 from transformer_jax.train.optim import decay_mask  # noqa: E402
@@ -67,6 +71,13 @@ def _hf_dir(directory: Path, kind: str) -> Path:
     if kind == "llama":
         model = transformers.LlamaForCausalLM(
             transformers.LlamaConfig(**common, tie_word_embeddings=False))
+    elif kind == "gemma3":  # local and global layers, QK-norm, (1 + w) norms, tied
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **common, head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"]))
+    elif kind == "olmo2":  # norms after the sublayers, QK-norm over whole projections
+        model = transformers.Olmo2ForCausalLM(
+            transformers.Olmo2Config(**common, tie_word_embeddings=False))
     else:
         model = transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(**common, tie_word_embeddings=True))
@@ -83,6 +94,16 @@ def llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory) -> Path:
     return _hf_dir(tmp_path_factory.mktemp("qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory) -> Path:
+    return _hf_dir(tmp_path_factory.mktemp("gemma3"), "gemma3")
+
+
+@pytest.fixture(scope="module")
+def olmo2_dir(tmp_path_factory) -> Path:
+    return _hf_dir(tmp_path_factory.mktemp("olmo2"), "olmo2")
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +156,8 @@ def _logits(model: ModelConfig, params) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind,overrides", [
-    ("llama", []), ("qwen2", []), ("llama", ["train.lora_rank=4", "model.scan_layers=true"])])
+    ("llama", []), ("qwen2", []), ("llama", ["train.lora_rank=4", "model.scan_layers=true"]),
+    ("olmo2", [])])
 def test_init_from_hf_gives_its_logits(request, kind, overrides):
     directory = request.getfixturevalue(f"{kind}_dir")
     model, train, state = _initial_state(directory, overrides)
@@ -149,6 +171,10 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [m for m in map(json.loads, lines) if "loss" in m]
 
 
+def _unrolled(params):
+    return unstack_blocks(params) if "blocks" in params else params
+
+
 def _export_and_compare(run_dir: Path, out: Path) -> None:
     """Export, transformers' logits = ours, and init_from of the export = its weights exactly."""
     # The checkpoints/ directory: hf_export takes a run directory's config.json for a HF one.
@@ -157,14 +183,15 @@ def _export_and_compare(run_dir: Path, out: Path) -> None:
     loaded = loading.load(checkpoints, with_tokenizer=False)
     config, merged = loaded.config, loaded.params
     np.testing.assert_allclose(_hf_logits(out), _logits(config, merged), atol=TOL, rtol=0)
+    merged = _unrolled(merged)  # a scanned run's compared in the unrolled layout
     model, _, _ = build_configs("finetune", [f"train.init_from={out}"])
     mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse("1,1,1"))
-    again = _init_params(out, model, mesh)
+    again = _unrolled(_init_params(out, model, mesh))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  again, merged)
     # init_from the run itself (orbax; LoRA adapters merged) gives the same weights.
     model, _, _ = build_configs("finetune", [f"train.init_from={run_dir}"])
-    again = _init_params(run_dir, model, mesh)
+    again = _unrolled(_init_params(run_dir, model, mesh))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  again, merged)
 
@@ -215,6 +242,30 @@ def test_finetune_lora_run_resume_and_export(llama_dir, jsonl, tmp_path):
                                     async_save=False).restore_params(None, 30)
     jax.tree.map(np.testing.assert_array_equal, straight, last)
     _export_and_compare(run_dir, tmp_path / "export")
+
+
+def test_lora_finetune_of_layers_that_differ_exports_to_its_family(gemma3_dir, jsonl,
+                                                                    tmp_path):
+    """A scanned LoRA run from a checkpoint whose layers differ (local and global, QK-norm,
+    (1 + w) norms) trains its adapters only and exports to its own HF class."""
+    run_dir = tmp_path / "lora"
+    model, train, data = build_configs("finetune", [
+        f"train.init_from={gemma3_dir}", f"data.path={jsonl}", f"train.run_dir={run_dir}",
+        "train.steps=6", "train.decay_steps=6", "train.lora_rank=4", "model.scan_layers=true",
+        *SMALL])
+    assert model.layer_kinds() == ("local", "global") and model.qk_norm == "head"
+    assert run(model, train, data, progress=False).final_step == 6
+    manager = CheckpointManager(run_dir / "checkpoints", async_save=False)
+    last, _ = manager.restore_params(None, 6)
+    manager.close()
+    start = _initial_state(gemma3_dir, ["train.lora_rank=4", "model.scan_layers=true"])[2]
+    jax.tree.map(np.testing.assert_array_equal, start.params[lora.BASE], last[lora.BASE])
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), start.params[lora.ADAPTERS],
+                         last[lora.ADAPTERS])
+    assert all(jax.tree.leaves(moved))
+    _export_and_compare(run_dir, tmp_path / "export")
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["architectures"] == ["Gemma3ForCausalLM"]
 
 
 def test_lora_state_moments_are_adapter_sized():

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import HF_CLASSES, random_hf_model
+from helpers import HF_CLASSES, our_logits, ragged_inputs, random_hf_model, torch_logits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +31,6 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from transformer_jax import hf  # noqa: E402  (needs the optional extra checked above)
 from transformer_jax.model.config import ModelConfig, RopeScaling  # noqa: E402
-from transformer_jax.model.transformer import Transformer  # noqa: E402
 
 B, T, V, D = 2, 16, 128, 64
 TOL = 1e-4
@@ -49,25 +48,15 @@ def _hf_model(kind: str, seed: int = 0, **overrides):
 
 def _inputs() -> tuple[np.ndarray, np.ndarray]:
     """[B, T] tokens and positions; the second row starts at position 300."""
-    tokens = np.random.default_rng(0).integers(0, V, (B, T)).astype(np.int32)
-    positions = (np.arange(T)[None] + np.array([[0], [300]])).astype(np.int32)
-    return tokens, positions
+    return ragged_inputs(B, T, V)
 
 
 def _torch_logits(model) -> np.ndarray:
-    tokens, positions = _inputs()
-    with torch.no_grad():
-        out = model(torch.tensor(tokens, dtype=torch.long),
-                    position_ids=torch.tensor(positions, dtype=torch.long))
-    return out.logits.float().numpy()
+    return torch_logits(model, *_inputs())
 
 
 def _our_logits(config: ModelConfig, params) -> np.ndarray:
-    tokens, positions = _inputs()
-    logits = Transformer(config).apply({"params": params}, jnp.asarray(tokens),
-                                       positions=jnp.asarray(positions)).logits
-    chex.assert_shape(logits, (B, T, V))
-    return np.asarray(logits)
+    return our_logits(config, params, *_inputs())
 
 
 def _save_hf(model, path: Path, **kwargs) -> Path:

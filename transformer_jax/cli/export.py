@@ -46,6 +46,9 @@ from transformer_jax.cli.common import PROG
 from transformer_jax.model.config import DTYPES, ModelConfig
 from transformer_jax.model.transformer import Params
 
+#: The HF ``model_type`` values an export can write.
+MODEL_TYPES = tuple(sorted(hf.convert.ARCHITECTURES))
+
 logger = logging.getLogger(__name__)
 
 
@@ -99,7 +102,8 @@ def _check_only_an_export(out: Any, overwrite: bool) -> None:
 
 def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | None = None,
            use_tokenizer: bool = True, step: int | None = None, dtype: str | None = None,
-           max_shard_bytes: int | None = None, overwrite: bool = False) -> Path:
+           max_shard_bytes: int | None = None, overwrite: bool = False,
+           model_type: str | None = None) -> Path:
     """Writes a HF checkpoint directory from a run or a HF directory (read-only).
 
     Args:
@@ -113,6 +117,8 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
       max_shard_bytes: split the weights into shards of at most this many bytes.
       overwrite: replace an ``out`` that holds other files than an earlier export's (never a
         training run's own files).
+      model_type: the HF ``model_type`` to write (e.g. ``"phi3"`` for its fused layout);
+        default: the one the architecture's fields give (``hf.save``).
 
     Returns:
       The output directory.
@@ -125,6 +131,8 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if model_type is not None and model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
     remote = storage.is_remote(out)
     if remote:  # written locally, then uploaded (HF's files are written whole)
         url = str(out).rstrip("/")
@@ -142,7 +150,8 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
                                      missing="pass --tokenizer PATH or --no-tokenizer")
     config, params = _cast(loaded.config, loaded.params, dtype)
     try:
-        hf.save(config, params, out, tokenizer=tok, max_shard_bytes=max_shard_bytes)
+        hf.save(config, params, out, tokenizer=tok, max_shard_bytes=max_shard_bytes,
+                model_type=model_type)
     except OSError as e:
         raise type(e)(f"could not write the export {out}: {e.strerror or e}") from None
     if remote:
@@ -193,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-bytes", type=int, help="write shards of at most this size")
     p.add_argument("--overwrite", action="store_true", help="replace an --out that holds other "
                    "files than an earlier export (never a training run's own files)")
+    p.add_argument("--model-type", choices=MODEL_TYPES, default=None,
+                   help="HF model_type to write (default: the one the architecture gives; "
+                   "phi3 writes Phi-3's fused q/k/v and gate/up)")
     return p
 
 
@@ -205,7 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         out = export(args.checkpoint, args.out, tokenizer=args.tokenizer,
                      use_tokenizer=not args.no_tokenizer, step=args.step, dtype=args.dtype,
-                     max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite)
+                     max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite,
+                     model_type=args.model_type)
     except (OSError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,4 +1,5 @@
-"""HuggingFace checkpoint directories (Llama, Mistral and Qwen2 layouts): load, save, export.
+"""HuggingFace checkpoint directories (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2):
+load, save, export.
 
 ``load(dir)`` reads ``config.json`` plus ``model.safetensors`` (or a sharded
 ``model.safetensors.index.json``) and returns a ``ModelConfig`` and a param tree that
@@ -212,7 +213,7 @@ def _read_config(path: Path) -> tuple[ModelConfig, dict[str, Any]]:
 def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None = None,
          dtype: str | jnp.dtype | None = None, rules: Sequence[tuple[str, Any]] = LOGICAL_RULES
          ) -> tuple[ModelConfig, Params]:
-    """Reads a HF Llama / Mistral / Qwen2 checkpoint directory.
+    """Reads a HF checkpoint directory (any model type of ``ARCHITECTURES``).
 
     Everything is checked from ``config.json`` and the safetensors headers (names, shapes,
     dtypes, mesh divisibility) before any weight is read or any array allocated. Tensors are
@@ -252,7 +253,7 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     config, hf_config = _read_config(path)
     if scan_layers:
         config = config.replace(scan_layers=True)
-    specs = _tensors(config)
+    specs = _tensors(config, hf_config["model_type"])
     files = _weight_files(path)
 
     expected = {s.hf_name for s in specs}
@@ -273,7 +274,7 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
         handles = {file: stack.enter_context(_open_safetensors(file))
                    for file in sorted(set(files.values()))}
         reader = _Reader(files, handles)
-        stored = {reader.check(s.hf_name, s.hf_shape) for s in specs}
+        stored = {reader.check(s.hf_name, s.stored_shape) for s in specs}
         for name in o_biases:
             reader.check(name, (config.d_model,))
         if tied_head is not None:
@@ -295,8 +296,9 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
         if shardings is None:
             params: dict[str, Any] = {}
             for s in specs:
-                _set_path(params, s.path, jnp.asarray(s.to_ours(reader.whole(s.hf_name)),
-                                                      dtype=dtype))
+                hf_value = (reader.whole(s.hf_name) if s.rows is None
+                            else reader.rows(s.hf_name, *s.row_range))  # a fused tensor's part
+                _set_path(params, s.path, jnp.asarray(s.to_ours(hf_value), dtype=dtype))
             if config.scan_layers:
                 params = stack_blocks(params, config.n_layers)
         else:
@@ -356,11 +358,14 @@ def _load_sharded(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
 
 
 def save(config: ModelConfig, params: Params, path: str | Path, *,
-         tokenizer: TextTokenizer | None = None, max_shard_bytes: int | None = None) -> None:
+         tokenizer: TextTokenizer | None = None, max_shard_bytes: int | None = None,
+         model_type: str | None = None) -> None:
     """Writes a HF checkpoint directory that ``load`` and transformers' ``from_pretrained`` read.
 
-    The layout is Qwen2 when ``config.qkv_bias`` (Llama's ``attention_bias`` would also add an
-    ``o_proj`` bias), else Mistral when ``config.sliding_window`` is set, else Llama. Tensors
+    The layout is the one ``config_to_hf`` picks from the fields (Qwen2 when
+    ``config.qkv_bias``, as Llama's ``attention_bias`` would also add an ``o_proj`` bias, else
+    Mistral with a sliding window, else Llama; Qwen3, Gemma 2/3, OLMo 2 by their fields), or
+    ``model_type`` (``"phi3"``: the Llama block with fused q/k/v and gate/up tensors). Tensors
     keep the params' dtype. An existing ``path`` is replaced only once the new export is
     complete (written to a temporary directory beside it, then swapped in), so a failed save
     leaves the previous export untouched; its files other than weights and ``config.json``
@@ -381,6 +386,7 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
         ``tokenizer.save(path)`` writes its files.
       max_shard_bytes: if the tensors take more bytes than this, write shards of at most this
         size (a larger single tensor gets its own) plus ``model.safetensors.index.json``.
+      model_type: the HF model type to write (one of ``ARCHITECTURES``); None picks it.
 
     Raises:
       ValueError: the config has no HF equivalent, or params are missing, unexpected or
@@ -388,13 +394,13 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
       OSError: writing failed (the previous export, if any, is unchanged).
     """
     st = _safetensors()
-    hf_config = config_to_hf(config)
+    hf_config = config_to_hf(config, model_type)
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
     if "blocks" in params:
         params = unstack_blocks(params)
     flat = {"/".join(p): v for p, v in _flatten(params)}
-    specs = _tensors(config)
+    specs = _tensors(config, hf_config["model_type"])
     wanted = {"/".join(s.path) for s in specs}
     missing = sorted(wanted - set(flat))
     if missing:
@@ -409,7 +415,10 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
         if value.shape != s.shape:
             raise ValueError(f"param {'/'.join(s.path)} has shape {list(value.shape)}, expected "
                              f"{list(s.shape)}")
-        tensors[s.hf_name] = np.ascontiguousarray(s.to_hf(value))
+        part = s.to_hf(value)
+        if s.rows is not None and s.hf_name in tensors:  # the next rows of a fused tensor
+            part = np.concatenate([tensors[s.hf_name], part])
+        tensors[s.hf_name] = np.ascontiguousarray(part)
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

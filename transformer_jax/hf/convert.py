@@ -1,4 +1,5 @@
-"""HuggingFace Llama / Mistral / Qwen2 names and layouts <-> ``ModelConfig`` and our param tree.
+"""HuggingFace names and layouts <-> ``ModelConfig`` and our param tree: Llama, Mistral, Qwen2
+(here) and Qwen3, Gemma 2, Gemma 3 text, Phi-3, OLMo 2 (their configs in ``hf.families``).
 
 Pure functions, no file I/O (``transformer_jax.hf`` reads and writes the files):
 ``config_from_hf``/``config_to_hf`` map a ``config.json`` dict to a ``ModelConfig`` and back;
@@ -14,7 +15,9 @@ HF stores torch ``Linear`` weights as [out, in]; our tree stores matrices [in, o
 split out: ``q_proj.weight`` [N*H, D] -> ``q_proj`` [D, N, H], ``o_proj.weight`` [D, N*H] ->
 ``o_proj`` [N, H, D], ``gate/up_proj.weight`` [F, D] -> [D, F], ``down_proj.weight`` [D, F] ->
 [F, D], ``lm_head.weight`` [V, D] -> [D, V]. HF Llama rotates the half-split pairs
-``(x_i, x_{i+H/2})``, which is ``rope_pairing="half"``, so no permutation is needed.
+``(x_i, x_{i+H/2})``, which is ``rope_pairing="half"``, so no permutation is needed. Phi-3 fuses
+``qkv_proj.weight`` [(N+2K)*H, D] and ``gate_up_proj.weight`` [2F, D] (gate rows first): each
+of our params is a row range of the fused tensor (``_Tensor.rows``).
 """
 
 from __future__ import annotations
@@ -27,13 +30,21 @@ from typing import Any
 
 import numpy as np
 
+from transformer_jax.hf import families
+from transformer_jax.hf.families import rope_from_dict, rope_keys
 from transformer_jax.model.config import ModelConfig, RopeScaling
 
-ARCHITECTURES = {
+#: The Llama layouts mapped here; ``ARCHITECTURES`` adds ``families.ARCHITECTURES``.
+LLAMA_LAYOUTS = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
+ARCHITECTURES = {**LLAMA_LAYOUTS, **families.ARCHITECTURES}
+#: The fields of Architecture beyond the Llama layouts', and their values there.
+_LLAMA_DEFAULTS = {"qk_norm": None, "norm_offset": 0.0, "scale_embeddings": False,
+                   "attn_softcap": None, "final_softcap": None, "attn_scale": None,
+                   "local_rope_base": None}
 # HF activation name -> our gated FFN. Only exact matches: "gelu" is the erf GELU; the tanh
 # approximations ("gelu_new", "gelu_pytorch_tanh", ...) would not give the same logits.
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
@@ -47,7 +58,7 @@ _IGNORED_TENSOR = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_f
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """Maps a HF ``config.json`` dict (Llama, Mistral or Qwen2) to a ``ModelConfig``.
+    """Maps a HF ``config.json`` dict (any model type of ``ARCHITECTURES``) to a ``ModelConfig``.
 
     The returned config has float32 ``param_dtype``/``dtype``; ``load`` sets them from the
     weights. Llama's ``attention_bias`` maps to ``qkv_bias`` (``load`` then requires the
@@ -72,6 +83,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
                          f"{model_type!r}; expected [{ARCHITECTURES[model_type]!r}]")
     if hf.get("quantization_config") is not None:
         raise ValueError("quantized checkpoints (quantization_config) are not supported")
+    if model_type in families.ARCHITECTURES:
+        return families.config_from_hf(hf, model_type)
 
     def required(key: str) -> Any:
         if hf.get(key) is None:
@@ -100,7 +113,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         n_kv_heads = required("num_key_value_heads")
     n_layers = required("num_hidden_layers")
     max_seq_len = required("max_position_embeddings")
-    rope_base, rope_scaling = _rope_from_hf(hf, max_seq_len)
+    rope_base, rope_scaling = _rope_from_hf(hf, max_seq_len, model_type)
     return ModelConfig(
         vocab_size=required("vocab_size"),
         d_model=required("hidden_size"),
@@ -124,11 +137,12 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _rope_from_hf(hf: dict[str, Any], max_seq_len: int) -> tuple[float, RopeScaling | None]:
+def _rope_from_hf(hf: dict[str, Any], max_seq_len: int, model_type: str
+                  ) -> tuple[float, RopeScaling | None]:
     """(rope_base, rope_scaling) from legacy ``rope_theta``/``rope_scaling`` or ``rope_parameters``.
 
     As in transformers, a legacy ``rope_scaling`` dict wins over ``rope_parameters``, and a
-    ``rope_theta`` inside the dict wins over the top-level one.
+    ``rope_theta`` inside the dict wins over the top-level one. YaRN is read for Qwen2 only.
     """
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(rope, dict):
@@ -140,29 +154,8 @@ def _rope_from_hf(hf: dict[str, Any], max_seq_len: int) -> tuple[float, RopeScal
         if any(v != variants[0] for v in variants):
             raise ValueError(f"per-layer-type RoPE parameters differ: {rope!r}")
         rope = variants[0]
-    base = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} is not supported (only full RoPE)")
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return base, None
-
-    def key(name: str) -> Any:
-        if rope.get(name) is None:
-            raise ValueError(f"rope_scaling of type {kind!r} lacks {name!r}")
-        return rope[name]
-
-    if kind == "linear":
-        return base, RopeScaling(kind="linear", factor=float(key("factor")))
-    if kind == "llama3":
-        original = rope.get("original_max_position_embeddings") or max_seq_len
-        return base, RopeScaling(
-            kind="llama3", factor=float(key("factor")),
-            low_freq_factor=float(key("low_freq_factor")),
-            high_freq_factor=float(key("high_freq_factor")), original_max_len=int(original))
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, "
-                     "llama3")
+    kinds = ("default", "linear", "llama3", *(("yarn",) if model_type == "qwen2" else ()))
+    return rope_from_dict(rope, hf, max_seq_len, kinds)
 
 
 def _sliding_window_from_hf(hf: dict[str, Any], model_type: str, n_layers: int) -> int | None:
@@ -204,50 +197,62 @@ def _sliding_window_from_hf(hf: dict[str, Any], model_type: str, n_layers: int) 
     return int(window) if kinds == {"sliding_attention"} else None
 
 
-def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """The HF ``config.json`` dict for a config: Llama, Mistral (sliding window) or Qwen2 (biases).
+def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict[str, Any]:
+    """The HF ``config.json`` dict for a config.
 
-    Writes both the legacy ``rope_theta``/``rope_scaling`` keys (transformers 4.x) and
-    ``rope_parameters`` (transformers 5.x).
+    The model type follows from the fields unless given: Qwen2 (q/k/v biases), Mistral (a
+    sliding window) or Llama for the plain pre-norm block; ``qk_norm="head"`` Qwen3;
+    ``norm_position="sandwich"`` Gemma 2, with ``qk_norm="head"`` Gemma 3 (``gemma3_text``);
+    ``"post_branch"`` with ``qk_norm="full"`` OLMo 2. Phi-3 (the Llama block with fused
+    tensors) is written only when ``model_type="phi3"`` is asked for. Writes both the legacy
+    ``rope_theta``/``rope_scaling`` keys (transformers 4.x) and ``rope_parameters`` (5.x).
 
     Args:
       config: the model config.
+      model_type: None (from the fields), or one of ``ARCHITECTURES`` that must represent it.
 
     Returns:
       A JSON-serialisable dict.
 
     Raises:
-      ValueError: naming the setting that HF Llama/Mistral/Qwen2 cannot represent.
+      ValueError: naming the setting that the model type cannot represent.
     """
     c = config
-    fixed = {"norm": "rms", "norm_position": "pre", "position": "rope", "rope_pairing": "half"}
+    fixed = {"norm": "rms", "position": "rope", "rope_pairing": "half"}
     for name, want in fixed.items():
+        if getattr(c, name) != want:
+            raise ValueError(f"HF Llama-family checkpoints need {name}={want!r}, got "
+                             f"{getattr(c, name)!r}")
+    if model_type is not None and model_type not in ARCHITECTURES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: "
+                         f"{sorted(ARCHITECTURES)}")
+    if model_type is None:
+        model_type = families.pick_model_type(c)
+    if model_type in families.ARCHITECTURES:
+        return families.config_to_hf(c, model_type)
+    for name, want in {"norm_position": "pre", **_LLAMA_DEFAULTS}.items():
         if getattr(c, name) != want:
             raise ValueError(f"HF Llama-family checkpoints need {name}={want!r}, got "
                              f"{getattr(c, name)!r}")
     if c.ffn not in _FFN_TO_ACTIVATION:
         raise ValueError(f"HF Llama-family checkpoints need a gated ffn "
                          f"{sorted(_FFN_TO_ACTIVATION)}, got {c.ffn!r}")
-    if c.qkv_bias:
-        model_type = "qwen2"
-    elif c.sliding_window is not None:
-        model_type = "mistral"
-    else:
-        model_type = "llama"
+    if c.layers_differ:
+        raise ValueError("HF llama/mistral/qwen2 checkpoints cannot mix local and global "
+                         f"layers (layer_pattern={c.layer_pattern})")
+    window = c.sliding_window if c.local_layers else None
+    natural = "qwen2" if c.qkv_bias else "mistral" if window is not None else "llama"
+    if model_type not in (None, natural):
+        raise ValueError(f"this config is a {natural} checkpoint, not {model_type} "
+                         f"(qkv_bias={c.qkv_bias}, sliding_window={window})")
+    model_type = natural
     if model_type == "llama" and c.d_model % c.n_heads:
         # transformers' LlamaConfig rejects this even with an explicit head_dim.
         raise ValueError(f"HF LlamaConfig needs d_model ({c.d_model}) divisible by n_heads "
                          f"({c.n_heads})")
-
-    if c.rope_scaling is None:
-        scaling = None
-    elif c.rope_scaling.kind == "linear":
-        scaling = {"rope_type": "linear", "factor": c.rope_scaling.factor}
-    else:
-        scaling = {"rope_type": "llama3", "factor": c.rope_scaling.factor,
-                   "low_freq_factor": c.rope_scaling.low_freq_factor,
-                   "high_freq_factor": c.rope_scaling.high_freq_factor,
-                   "original_max_position_embeddings": c.rope_scaling.original_max_len}
+    if c.rope_scaling is not None and c.rope_scaling.kind == "yarn" and model_type != "qwen2":
+        raise ValueError("rope_scaling of kind 'yarn' is exported as qwen2 or qwen3 only, not "
+                         f"{model_type}")
     hf: dict[str, Any] = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -261,9 +266,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "hidden_act": _FFN_TO_ACTIVATION[c.ffn],
         "max_position_embeddings": c.max_seq_len,
         "rms_norm_eps": c.norm_eps,
-        "rope_theta": c.rope_base,
-        "rope_scaling": scaling,
-        "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": c.rope_base},
+        **rope_keys(c.rope_base, c.rope_scaling),
         "tie_word_embeddings": c.tie_embeddings,
         "torch_dtype": c.param_dtype,
         "dtype": c.param_dtype,
@@ -271,11 +274,11 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if model_type == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
     elif model_type == "mistral":
-        hf.update(sliding_window=c.sliding_window)
+        hf.update(sliding_window=window)
     else:
-        sliding = c.sliding_window is not None
+        sliding = window is not None
         # Qwen2 slides in layers i >= max_window_layers: 0 means all of them, L means none.
-        hf.update(use_sliding_window=sliding, sliding_window=c.sliding_window,
+        hf.update(use_sliding_window=sliding, sliding_window=window,
                   max_window_layers=0 if sliding else c.n_layers)
     return hf
 
@@ -300,6 +303,8 @@ class _Tensor:
       split: ``hf_shape`` with merged dimensions split apart.
       groups: how many split dimensions each HF dimension holds.
       perm: the transpose from ``split`` to our layout.
+      rows: for one part of a fused tensor (Phi-3's ``qkv_proj``), (its first row, the fused
+        tensor's rows) on the first HF dimension; ``hf_shape`` is then the part's shape.
     """
 
     hf_name: str
@@ -308,6 +313,18 @@ class _Tensor:
     split: tuple[int, ...]
     groups: tuple[int, ...]
     perm: tuple[int, ...]
+    rows: tuple[int, int] | None = None
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """Shape of the tensor in the file (the whole fused tensor for a part)."""
+        return self.hf_shape if self.rows is None else (self.rows[1], *self.hf_shape[1:])
+
+    @property
+    def row_range(self) -> tuple[int, int]:
+        """(start, stop) of this part's rows in the stored tensor's first dimension."""
+        start = 0 if self.rows is None else self.rows[0]
+        return start, start + self.hf_shape[0]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -326,7 +343,7 @@ class _Tensor:
         """The block ``ours[index]`` read from the HF tensor, and nothing much more.
 
         Args:
-          tensor: anything indexable by a tuple of slices over ``hf_shape`` that returns a numpy
+          tensor: anything indexable by a tuple of slices over ``stored_shape`` that returns a numpy
             array, e.g. safetensors' ``get_slice`` handle (memory-mapped, reads only the block).
           index: one step-1 slice per dimension of our layout (``shape``).
 
@@ -346,7 +363,8 @@ class _Tensor:
             first += g
             rest = math.prod(self.split[d] for d in dims[1:])
             start, stop = ranges[dims[0]]
-            hf_index.append(slice(start * rest, stop * rest))
+            offset = self.row_range[0] if not hf_index else 0
+            hf_index.append(slice(start * rest + offset, stop * rest + offset))
             block_shape += [stop - start, *(self.split[d] for d in dims[1:])]
             inner += [slice(None), *(slice(*ranges[d]) for d in dims[1:])]
         block = np.asarray(tensor[tuple(hf_index)])
@@ -378,33 +396,67 @@ def _heads_out(hf_name: str, path: tuple[str, ...], d: int, heads: int, h: int) 
     return _Tensor(hf_name, path, (d, heads * h), (d, heads, h), (1, 2), (1, 2, 0))
 
 
-def _tensors(config: ModelConfig) -> list[_Tensor]:
-    """Every tensor of the HF checkpoint of ``config``, in the order HF writes them."""
+def _fused(specs: list[_Tensor], hf_name: str) -> list[_Tensor]:
+    """``specs`` as consecutive row ranges of one fused HF tensor ``hf_name``."""
+    total, out = sum(s.hf_shape[0] for s in specs), []
+    for s in specs:
+        start = sum(p.hf_shape[0] for p in out)
+        out.append(dataclasses.replace(s, hf_name=hf_name, rows=(start, total)))
+    return out
+
+
+#: HF names of each block's norms by ``norm_position``, (HF module, our param): those written
+#: before the attention's tensors, and those before the MLP's (HF's order).
+_BLOCK_NORMS = {
+    "pre": ((("input_layernorm", "attn_norm"),), (("post_attention_layernorm", "mlp_norm"),)),
+    "sandwich": ((("input_layernorm", "attn_norm"),),
+                 (("post_attention_layernorm", "attn_out_norm"),
+                  ("pre_feedforward_layernorm", "mlp_norm"),
+                  ("post_feedforward_layernorm", "mlp_out_norm"))),
+    "post_branch": ((), (("post_attention_layernorm", "attn_out_norm"),
+                         ("post_feedforward_layernorm", "mlp_out_norm"))),
+}
+
+
+def _tensors(config: ModelConfig, model_type: str | None = None) -> list[_Tensor]:
+    """Every tensor of the HF checkpoint of ``config`` (Phi-3's fused ones for
+    ``model_type="phi3"``; the model type's layout otherwise follows from the fields)."""
     c = config
     d, n, kv, h, f, v = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
+    if c.norm_position not in _BLOCK_NORMS:
+        raise ValueError(f"no HF layout has norm_position={c.norm_position!r}")
     out = [_same("model.embed_tokens.weight", ("embed", "embedding"), (v, d))]
     for i in range(c.n_layers):
         hf, ours = f"model.layers.{i}", f"blocks_{i}"
         attn, mlp = f"{hf}.self_attn", f"{hf}.mlp"
-        out += [
-            _same(f"{hf}.input_layernorm.weight", (ours, "attn_norm", "scale"), (d,)),
+        before_attn, before_mlp = ([_same(f"{hf}.{name}.weight", (ours, param, "scale"), (d,))
+                                    for name, param in norms]
+                                   for norms in _BLOCK_NORMS[c.norm_position])
+        out += before_attn
+        qkv = [
             _heads_in(f"{attn}.q_proj.weight", (ours, "attn", "q_proj"), d, n, h),
             _heads_in(f"{attn}.k_proj.weight", (ours, "attn", "k_proj"), d, kv, h),
             _heads_in(f"{attn}.v_proj.weight", (ours, "attn", "v_proj"), d, kv, h),
         ]
+        out += _fused(qkv, f"{attn}.qkv_proj.weight") if model_type == "phi3" else qkv
         if c.qkv_bias:
             out += [
                 _reshaped(f"{attn}.q_proj.bias", (ours, "attn", "q_bias"), (n * h,), (n, h)),
                 _reshaped(f"{attn}.k_proj.bias", (ours, "attn", "k_bias"), (kv * h,), (kv, h)),
                 _reshaped(f"{attn}.v_proj.bias", (ours, "attn", "v_bias"), (kv * h,), (kv, h)),
             ]
-        out += [
-            _heads_out(f"{attn}.o_proj.weight", (ours, "attn", "o_proj"), d, n, h),
-            _same(f"{hf}.post_attention_layernorm.weight", (ours, "mlp_norm", "scale"), (d,)),
-            _linear(f"{mlp}.gate_proj.weight", (ours, "mlp", "gate"), d, f),
-            _linear(f"{mlp}.up_proj.weight", (ours, "mlp", "up"), d, f),
-            _linear(f"{mlp}.down_proj.weight", (ours, "mlp", "down"), f, d),
-        ]
+        if c.qk_norm == "head":
+            out += [_same(f"{attn}.{x}_norm.weight", (ours, "attn", f"{x}_norm", "scale"), (h,))
+                    for x in "qk"]
+        elif c.qk_norm == "full":
+            out += [_reshaped(f"{attn}.{x}_norm.weight", (ours, "attn", f"{x}_norm", "scale"),
+                              (heads * h,), (heads, h)) for x, heads in (("q", n), ("k", kv))]
+        out += [_heads_out(f"{attn}.o_proj.weight", (ours, "attn", "o_proj"), d, n, h),
+                *before_mlp]
+        gate_up = [_linear(f"{mlp}.gate_proj.weight", (ours, "mlp", "gate"), d, f),
+                   _linear(f"{mlp}.up_proj.weight", (ours, "mlp", "up"), d, f)]
+        out += _fused(gate_up, f"{mlp}.gate_up_proj.weight") if model_type == "phi3" else gate_up
+        out.append(_linear(f"{mlp}.down_proj.weight", (ours, "mlp", "down"), f, d))
     out.append(_same("model.norm.weight", ("final_norm", "scale"), (d,)))
     if not c.tie_embeddings:
         out.append(_linear("lm_head.weight", ("lm_head",), d, v))
