@@ -242,3 +242,30 @@ def test_quantized_decode_of_layers_that_differ_equals_decode_over_dequantised_w
     want = generate(config, dequantised, PROMPTS, max_new_tokens=6)
     assert got.tokens == want.tokens
     np.testing.assert_allclose(got.logprob_array, want.logprob_array, atol=1e-5)
+
+
+def test_evaluation_scores_are_the_capped_forwards_log_probabilities(tokens):
+    """The harness's token scores (LM head per row, as ``hidden_only`` gives) apply the
+    final soft-cap as the forward does."""
+    from transformer_jax.evaluate.scoring import token_scores
+
+    config = ModelConfig(**{**BASE, **FAMILIES["sandwich_softcap"]})
+    params = jax.tree.map(lambda x: 20 * x, _perturbed(config))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+    logprob, _ = token_scores(Transformer(config), params, inputs, targets, positions,
+                              jnp.ones_like(inputs))
+    logits = Transformer(config).apply({"params": params}, inputs).logits
+    want = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+    np.testing.assert_allclose(logprob, want, rtol=1e-5, atol=1e-5)
+
+
+def test_norm_gains_start_at_an_effective_one_whatever_the_offset():
+    for offset in (0.0, 1.0):
+        config = ModelConfig(**{**BASE, **FAMILIES["five_to_one"], "norm_offset": offset})
+        params = init_params(config, 0)
+        gains = [x for path, x in jax.tree_util.tree_leaves_with_path(params)
+                 if "norm" in jax.tree_util.keystr(path)]
+        assert len(gains) == 4 * config.n_layers + 2 * config.n_layers + 1  # + q/k norms
+        for g in gains:
+            np.testing.assert_array_equal(g + offset, 1.0)

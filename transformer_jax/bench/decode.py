@@ -325,8 +325,9 @@ def main(argv: list[str]) -> int:
     name = Path(args.config).stem
     if args.compile_time:
         print(f"generate compile time, {name} shapes (scan_layers={config.scan_layers}):")
-        result = compile_times(config)
-        print(f"32 layers / 4 layers = {result['ratio']:.2f}")
+        layers = tuple(args.layers)
+        result = compile_times(config, layers=layers)
+        print(f"{layers[-1]} layers / {layers[0]} layers = {result['ratio']:.2f}")
         out = Path(args.out)
         out.write_text(json.dumps(result, indent=1))
         print(f"wrote {out}")

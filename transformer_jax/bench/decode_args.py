@@ -39,9 +39,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--out", "--json", type=a.output_file, default=None,
                         help="JSON file (default bench_decode_NAME.json)")
     parser.add_argument("--compile-time", action="store_true",
-                        help="only measure the lower + compile time of generate at 4 and 32 "
-                        "layers of the config (bfloat16, batch 1, prompt 128, 64 new tokens, "
+                        help="only measure the lower + compile time of generate at --layers "
+                        "depths of the config (bfloat16, batch 1, prompt 128, 64 new tokens, "
                         "from abstract inputs) and write {compile_s, ratio}")
+    parser.add_argument("--layers", type=a.int_list(1), default=[4, 32],
+                        help="depths for --compile-time (default 4,32; the ratio is the last "
+                        "over the first)")
     return parser
 
 

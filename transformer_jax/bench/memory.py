@@ -304,6 +304,21 @@ def _check_device_count(n: int) -> None:
                            "process")
 
 
+def kv_cache_report(name: str, batch: int, seq: int, dtype: str) -> dict[str, Any]:
+    """Prints and returns the inference KV cache of B sequences of ``seq`` positions: local
+    layers hold only their window (``KVCache``'s rings), against every layer global."""
+    from transformer_jax.model.config import ModelConfig
+    from transformer_jax.model.kv_cache import cache_bytes
+
+    c = ModelConfig.preset(name)
+    held = cache_bytes(c, batch, seq, dtype)
+    full = cache_bytes(c, batch, seq, dtype, window_rings=False)
+    print(f"  KV cache    B={batch} S={seq} {dtype}: {_gib(held)} ({c.local_layers} of "
+          f"{c.n_layers} layers local, window {c.sliding_window}); every layer global "
+          f"{_gib(full)}: {held / full:.3f}x")
+    return {"kv_cache_bytes": held, "kv_cache_all_global_bytes": full}
+
+
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GIB:9.3f} GiB"
 
@@ -447,6 +462,7 @@ def _run(args: argparse.Namespace, mesh_config: Any, sizes: tuple[int, int, int]
             print(f"              head + loss (est.)  {_gib(report.loss_head_bytes)}"
                   f" ({share:.1%} of the peak)")
         result = dataclasses.asdict(report)
+        result.update(kv_cache_report(args.config, args.batch, args.seq, report.dtype))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -36,6 +36,7 @@ from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode import prompts as prompt_lib
 from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.kv_cache import cache_bytes
 from transformer_jax.model.transformer import init_params
 from transformer_jax.serving import Engine, SamplingParams
 
@@ -297,7 +298,10 @@ def main(argv: list[str]) -> int:
             engine.steps = 0
             r = run_engine(engine, work)
             contiguous = (pages - 1) * args.page_size // config.max_seq_len
-            r.update(cache_bytes=engine.cache_bytes, contiguous_slots_same_memory=contiguous)
+            # The same pages with every layer global (no rings for the local layers).
+            all_global = cache_bytes(config, 1, pages * args.page_size, window_rings=False)
+            r.update(cache_bytes=engine.cache_bytes, contiguous_slots_same_memory=contiguous,
+                     cache_bytes_all_global=all_global)
         elif mode == "one":
             t = time.perf_counter()
             n = compile_generate(config, weights, work, args.slots)
@@ -318,7 +322,9 @@ def main(argv: list[str]) -> int:
             print(f"{'':16} peak {r['peak_running']} running, {r['peak_pages']} of {pages - 1} "
                   f"pages; contiguous slots of the same memory: "
                   f"{r['contiguous_slots_same_memory']}; {r['steps']} steps, "
-                  f"{r['preemptions']} preemptions, {r['prefix_hit_pages']} prefix-hit pages")
+                  f"{r['preemptions']} preemptions, {r['prefix_hit_pages']} prefix-hit pages; "
+                  f"KV {r['cache_bytes'] / 2 ** 20:.1f} MiB, "
+                  f"{r['cache_bytes'] / r['cache_bytes_all_global']:.3f}x every layer global")
     got = result["modes"]
     if "engine" in got:
         for other in ("one", "batch", "engine-noprefix"):
