@@ -8,8 +8,9 @@ reshape/transpose between the two layouts (``_Tensor``).
 
 Anything that cannot be represented exactly is refused with a ValueError naming the offending
 setting (never converted approximately): other model types, MLP biases, RoPE scaling other than
-linear/llama3, partial rotary embeddings, mixed sliding/full attention layers, quantized
-weights, approximate GELUs.
+linear/llama3/yarn, partial rotary embeddings, mixed sliding/full attention layers in the
+Llama / Mistral / Qwen2 layouts (Qwen3 and Gemma map them to ``layer_pattern``), quantized
+weights, approximate GELUs there.
 
 HF stores torch ``Linear`` weights as [out, in]; our tree stores matrices [in, out] with heads
 split out: ``q_proj.weight`` [N*H, D] -> ``q_proj`` [D, N, H], ``o_proj.weight`` [D, N*H] ->
