@@ -231,13 +231,8 @@ def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict[str
         model_type = families.pick_model_type(c)
     if model_type in families.ARCHITECTURES:
         return families.config_to_hf(c, model_type)
-    for name, want in {"norm_position": "pre", **_LLAMA_DEFAULTS}.items():
-        if getattr(c, name) != want:
-            raise ValueError(f"HF Llama-family checkpoints need {name}={want!r}, got "
-                             f"{getattr(c, name)!r}")
-    if c.ffn not in _FFN_TO_ACTIVATION:
-        raise ValueError(f"HF Llama-family checkpoints need a gated ffn "
-                         f"{sorted(_FFN_TO_ACTIVATION)}, got {c.ffn!r}")
+    families.require_fields(c, {"norm_position": "pre", **_LLAMA_DEFAULTS}, _FFN_TO_ACTIVATION,
+                            "HF Llama-family")
     if c.layers_differ:
         raise ValueError("HF llama/mistral/qwen2 checkpoints cannot mix local and global "
                          f"layers (layer_pattern={c.layer_pattern})")

@@ -345,6 +345,19 @@ _HAS = {"gemma2": {"attn_softcap", "final_softcap", "attn_scale"},
         "gemma3_text": {"final_softcap", "attn_scale", "local_rope_base"}}
 
 
+def require_fields(config: ModelConfig, wants: dict[str, Any], activations: dict[str, str],
+                   what: str) -> None:
+    """Raises ValueError naming the first field of ``wants`` the config does not have, or an
+    FFN with no entry in ``activations`` (``what`` names the checkpoint kind)."""
+    for name, want in wants.items():
+        if getattr(config, name) != want:
+            raise ValueError(f"{what} checkpoints need {name}={want!r}, got "
+                             f"{getattr(config, name)!r}")
+    if config.ffn not in activations:
+        raise ValueError(f"{what} checkpoints need a gated ffn {sorted(activations)}, got "
+                         f"{config.ffn!r}")
+
+
 def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
     """The ``config.json`` dict of ``config`` as ``model_type`` (one of ``ARCHITECTURES``).
 
@@ -352,15 +365,9 @@ def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
       ValueError: naming the field that ``model_type`` cannot represent.
     """
     c = config
-    for name, want in {**_OPTIONAL, **_FIXED[model_type]}.items():
-        if name in _HAS.get(model_type, ()) and name not in _FIXED[model_type]:
-            continue
-        if getattr(c, name) != want:
-            raise ValueError(f"HF {model_type} checkpoints need {name}={want!r}, got "
-                             f"{getattr(c, name)!r}")
-    if c.ffn not in FFN_TO_ACTIVATION:
-        raise ValueError(f"HF {model_type} checkpoints need a gated ffn "
-                         f"{sorted(FFN_TO_ACTIVATION)}, got {c.ffn!r}")
+    require_fields(c, {name: want for name, want in {**_OPTIONAL, **_FIXED[model_type]}.items()
+                       if name not in _HAS.get(model_type, ()) or name in _FIXED[model_type]},
+                   FFN_TO_ACTIVATION, f"HF {model_type}")
     kinds = set(c.layer_kinds())
     if model_type in ("phi3", "olmo2") and len(kinds) > 1:
         raise ValueError(f"HF {model_type} checkpoints cannot mix local and global layers "
