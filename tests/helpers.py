@@ -84,6 +84,11 @@ HF_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
 }
 
 
@@ -126,7 +131,7 @@ def random_hf_model(kind: str, seed: int = 0, **config):
     the logits visibly.
 
     Args:
-      kind: ``"llama"``, ``"mistral"`` or ``"qwen2"``.
+      kind: a key of ``HF_CLASSES`` (the HF ``model_type``).
       seed: torch's seed for the model's construction and weights.
       **config: the ``transformers`` config's fields (sizes, ``tie_word_embeddings``, ...).
     """
@@ -134,13 +139,14 @@ def random_hf_model(kind: str, seed: int = 0, **config):
     import transformers
 
     config_cls, model_cls = (getattr(transformers, name) for name in HF_CLASSES[kind])
+    gain = 0.0 if kind.startswith("gemma") else 1.0
     torch.manual_seed(seed)
     model = model_cls(config_cls(**config, attn_implementation="eager")).eval()
     assert model.config._attn_implementation == "eager"
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
+            if name.endswith("norm.weight"):  # Gemma stores w of (1 + w)
+                p.copy_(gain + 0.2 * torch.randn_like(p))
             elif p.ndim == 1:  # biases
                 p.copy_(0.2 * torch.randn_like(p))
             else:

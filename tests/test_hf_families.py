@@ -18,7 +18,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import our_logits, ragged_inputs, torch_logits
+from helpers import HF_CLASSES, our_logits, ragged_inputs, random_hf_model, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -48,13 +48,6 @@ class Case:
     ablate: dict  # dropping this must change the logits (the feature is used)
 
 
-CLASSES = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
-}
 
 CASES = {
     # Layers [global, local, local]: the pattern is the whole list.
@@ -98,32 +91,13 @@ CASES = {
 
 
 def _hf_model(family: str, seed: int = 0, **config):
-    """A tiny random transformers model: matrices at std fan_in^-0.5, norm gains 1 +- 0.2
-    (stored as w of (1 + w) in Gemma)."""
-    config_cls, model_cls = (getattr(transformers, name) for name in CLASSES[family])
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**SIZES, **config}, attn_implementation="eager")).eval()
-    offset = 0.0 if family.startswith("gemma") else 1.0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(offset + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    return model
+    """A tiny random transformers model (``helpers.random_hf_model``) of this module's sizes."""
+    return random_hf_model(family, seed, **{**SIZES, **config})
 
 
-def _inputs() -> tuple[np.ndarray, np.ndarray]:
-    """[B, T] tokens and positions; the second row starts at position 300."""
-    return ragged_inputs(B, T, V)
-
-
-def _torch_logits(model) -> np.ndarray:
-    return torch_logits(model, *_inputs())
-
-
-def _our_logits(config: ModelConfig, params) -> np.ndarray:
-    return our_logits(config, params, *_inputs())
+#: [B, T] tokens and positions; the second row starts at position 300 (past YaRN's original
+#: length and the window).
+INPUTS = ragged_inputs(B, T, V)
 
 
 def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -137,7 +111,7 @@ def family(request, tmp_path_factory):
     model = _hf_model(case.family, **case.hf_kwargs)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
-    return request.param, case, model, path, _torch_logits(model)
+    return request.param, case, model, path, torch_logits(model, *INPUTS)
 
 
 def test_logits_match_transformers(family):
@@ -146,9 +120,9 @@ def test_logits_match_transformers(family):
     for field, value in case.expect.items():
         assert getattr(config, field) == value, field
     assert config.n_kv_heads == 2 and config.head_dim == H and config.vocab_size == V
-    diff = _max_diff(_our_logits(config, params), expected)
+    diff = _max_diff(our_logits(config, params, *INPUTS), expected)
     assert diff <= TOL, f"{name}: max abs diff {diff}"
-    ablated = _max_diff(_our_logits(config.replace(**case.ablate), params), expected)
+    ablated = _max_diff(our_logits(config.replace(**case.ablate), params, *INPUTS), expected)
     assert ablated > 100 * TOL, f"{name}: {case.ablate} does not matter ({ablated})"
 
 
@@ -157,27 +131,27 @@ def test_save_is_read_by_transformers_as_the_same_model(family, tmp_path):
     scan = name in ("gemma3", "qwen3-yarn")  # layers that differ, scanned
     config, params = hf.load(path, scan_layers=scan)
     assert ("blocks" in params) == scan
-    ours = _our_logits(config, params)
+    ours = our_logits(config, params, *INPUTS)
     model_type = "phi3" if case.family == "phi3" else None
     hf.save(config, params, tmp_path, model_type=model_type)
     saved = json.loads((tmp_path / hf.CONFIG_FILE).read_text())
     assert saved["model_type"] == case.family
-    assert saved["architectures"] == [CLASSES[case.family][1]]
+    assert saved["architectures"] == [HF_CLASSES[case.family][1]]
     assert hf.config_from_hf(saved) == config.replace(scan_layers=False)
 
-    reread = getattr(transformers, CLASSES[case.family][1]).from_pretrained(
+    reread = getattr(transformers, HF_CLASSES[case.family][1]).from_pretrained(
         tmp_path, attn_implementation="eager").eval()
     theirs, mine = model.state_dict(), reread.state_dict()
     assert theirs.keys() == mine.keys()
     for key in theirs:
         torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=0, msg=key)
-    theirs_logits = _torch_logits(reread)
+    theirs_logits = torch_logits(reread, *INPUTS)
     np.testing.assert_allclose(theirs_logits, expected, rtol=0, atol=1e-6)
     # Two frameworks' float32 rounding: 1e-5 absolute plus 1e-5 relative (logits reach ~4).
     np.testing.assert_allclose(theirs_logits, ours, rtol=1e-5, atol=1e-5)
     config2, params2 = hf.load(tmp_path, scan_layers=scan)
     assert config2 == config
-    assert _max_diff(_our_logits(config2, params2), ours) == 0
+    assert _max_diff(our_logits(config2, params2, *INPUTS), ours) == 0
 
 
 @pytest.mark.parametrize("family, scan", [("qwen3", False), ("gemma2", False), ("gemma3", True)],
@@ -222,8 +196,8 @@ def test_fused_checkpoint_loads_onto_a_mesh_as_without(family):
 
 def _hf_config(family: str, **changes) -> dict:
     """A tiny ``config.json`` dict of ``family`` as transformers writes it, then ``changes``."""
-    config = getattr(transformers, CLASSES[family][0])(**SIZES, num_hidden_layers=2)
-    return {**config.to_dict(), "architectures": [CLASSES[family][1]], **changes}
+    config = getattr(transformers, HF_CLASSES[family][0])(**SIZES, num_hidden_layers=2)
+    return {**config.to_dict(), "architectures": [HF_CLASSES[family][1]], **changes}
 
 
 @pytest.mark.parametrize("family_, changes, message", [
