@@ -15,8 +15,8 @@ import pytest
 from decode_tp_worker import BASE
 from decode_tp_worker import CASES as CASE_SPECS
 
+from transformer_jax.model.block import shard_config
 from transformer_jax.model.config import ModelConfig
-from transformer_jax.model.layers import shard_config
 
 WORKER = Path(__file__).with_name("decode_tp_worker.py")
 CASES = tuple(CASE_SPECS)

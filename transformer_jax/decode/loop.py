@@ -59,9 +59,9 @@ from transformer_jax.decode.weights import (  # noqa: F401 (decode.prepare etc. 
     vocab_is_split,
     weight_specs,
 )
+from transformer_jax.model.block import shard_config
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import KVCache
-from transformer_jax.model.layers import shard_config
 from transformer_jax.model.transformer import Transformer
 
 Params = dict[str, Any]

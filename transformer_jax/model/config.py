@@ -23,81 +23,33 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from transformer_jax.model.fields import (  # noqa: F401 (config.RopeScaling etc. are the API)
+    ROPE_SCALINGS,
+    MoE,
+    RopeScaling,
+    check_bool,
+    check_choice,
+    check_positive_int,
+    check_positive_number,
+    plain,
+)
+
 NORMS = ("rms", "layer")
 NORM_POSITIONS = ("pre", "post", "sandwich", "post_branch")
 QK_NORMS = ("head", "full")
 FFNS = ("swiglu", "geglu", "geglu_tanh", "gelu", "relu")
 POSITIONS = ("rope", "sinusoidal", "none")
 ROPE_PAIRINGS = ("half", "adjacent")
-ROPE_SCALINGS = ("linear", "llama3", "yarn")
 #: The kinds of attention layer a ``layer_pattern`` lists.
 LAYER_KINDS = ("global", "local")
 REMATS = ("none", "full", "save_dots")
 #: Attention implementations (``ops.attention.attention``'s ``impl``).
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "pallas", "mosaic")
+#: How a mixture-of-experts layer computes its experts (``ops.moe.experts_ffn``'s ``impl``).
+MOE_IMPLS = ("auto", "ragged", "gather", "dense", "tokamax", "megablox")
 DTYPES = ("float32", "bfloat16", "float16")
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """How RoPE frequencies are rescaled for context extension.
-
-    Attributes:
-      kind: ``"linear"`` divides every frequency by ``factor`` (position interpolation);
-        ``"llama3"`` divides only the low frequencies, with a smooth ramp between
-        ``low_freq_factor`` and ``high_freq_factor`` wavelengths (Llama 3.1); ``"yarn"``
-        (YaRN, Qwen2.5/3 long context) interpolates the frequencies whose wavelength spans
-        fewer than ``beta_slow`` rotations over ``original_max_len``, keeps those with more
-        than ``beta_fast``, ramps linearly in between, and multiplies cos and sin by
-        ``attention_factor``.
-      factor: the context extension factor (> 0).
-      low_freq_factor: llama3 only: wavelengths above ``original_max_len / low_freq_factor``
-        are fully scaled.
-      high_freq_factor: llama3 only: wavelengths below ``original_max_len / high_freq_factor``
-        are kept.
-      original_max_len: llama3 and yarn: the context length the model was trained with.
-      beta_fast: yarn only: rotations over ``original_max_len`` above which a frequency is kept.
-      beta_slow: yarn only: rotations below which a frequency is fully interpolated.
-      attention_factor: yarn only: the cos/sin multiplier; None computes it from ``factor``
-        (and ``mscale``/``mscale_all_dim`` when both are set), ``0.1 ln(factor) + 1``.
-      mscale: yarn only: the numerator's multiplier of ``ln(factor)`` in that formula.
-      mscale_all_dim: yarn only: the denominator's multiplier.
-      truncate: yarn only: round the ramp's ends to whole dimensions.
-    """
-
-    kind: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_len: int = 8192
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-
-    def __post_init__(self) -> None:
-        _check_choice("rope_scaling.kind", self.kind, ROPE_SCALINGS)
-        if not self.factor > 0:
-            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
-        if self.kind == "llama3":
-            if not 0 < self.low_freq_factor < self.high_freq_factor:
-                raise ValueError(
-                    "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
-                    f"{self.low_freq_factor} and {self.high_freq_factor}"
-                )
-        if self.kind in ("llama3", "yarn") and self.original_max_len <= 0:
-            raise ValueError(
-                f"rope_scaling.original_max_len must be > 0, got {self.original_max_len}")
-        if self.kind == "yarn":
-            if not 0 < self.beta_slow < self.beta_fast:
-                raise ValueError("rope_scaling needs 0 < beta_slow < beta_fast, got "
-                                 f"{self.beta_slow} and {self.beta_fast}")
-            if self.attention_factor is not None:
-                _check_positive_number("rope_scaling.attention_factor", self.attention_factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +99,8 @@ class Architecture:
         local when ``sliding_window`` is set (Mistral), global otherwise.
       local_rope_base: if set, local layers rotate with this base and no ``rope_scaling``
         while global layers keep ``rope_base`` and the scaling; None: one rotation for all.
+      moe: if set, the mixture-of-experts FFN of the sparse layers (``MoE``); None: every
+        FFN dense.
     """
 
     vocab_size: int = 512
@@ -176,17 +130,20 @@ class Architecture:
     attn_scale: float | None = None
     layer_pattern: tuple[str, ...] = ()
     local_rope_base: float | None = None
+    moe: MoE | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoE(**self.moe))
         if isinstance(self.layer_pattern, list):
             object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        _check_positive_int("n_kv_heads", self.n_kv_heads)
+        check_positive_int("n_kv_heads", self.n_kv_heads)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
@@ -198,40 +155,55 @@ class Architecture:
                     "unless head_dim is given"
                 )
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
-        _check_positive_int("head_dim", self.head_dim)
+        check_positive_int("head_dim", self.head_dim)
         if self.sliding_window is not None:
-            _check_positive_int("sliding_window", self.sliding_window)
-        _check_positive_number("norm_eps", self.norm_eps)
-        _check_positive_number("rope_base", self.rope_base)
-        _check_choice("norm", self.norm, NORMS)
-        _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
-        _check_choice("ffn", self.ffn, FFNS)
-        _check_choice("position", self.position, POSITIONS)
-        _check_choice("rope_pairing", self.rope_pairing, ROPE_PAIRINGS)
+            check_positive_int("sliding_window", self.sliding_window)
+        check_positive_number("norm_eps", self.norm_eps)
+        check_positive_number("rope_base", self.rope_base)
+        check_choice("norm", self.norm, NORMS)
+        check_choice("norm_position", self.norm_position, NORM_POSITIONS)
+        check_choice("ffn", self.ffn, FFNS)
+        check_choice("position", self.position, POSITIONS)
+        check_choice("rope_pairing", self.rope_pairing, ROPE_PAIRINGS)
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"d_model must be even for sinusoidal positions, got {self.d_model}")
         for name in ("qkv_bias", "tie_embeddings", "scale_embeddings"):
-            _check_bool(name, getattr(self, name))
+            check_bool(name, getattr(self, name))
         if self.qk_norm is not None:
-            _check_choice("qk_norm", self.qk_norm, QK_NORMS)
+            check_choice("qk_norm", self.qk_norm, QK_NORMS)
         if isinstance(self.norm_offset, bool) or not isinstance(
                 self.norm_offset, int | float) or not math.isfinite(self.norm_offset):
             raise ValueError(
                 f"norm_offset must be a finite number, got {plain(self.norm_offset)!r}")
         for name in ("attn_softcap", "final_softcap", "attn_scale", "local_rope_base"):
             if getattr(self, name) is not None:
-                _check_positive_number(name, getattr(self, name))
+                check_positive_number(name, getattr(self, name))
         if not isinstance(self.layer_pattern, tuple):
             raise ValueError(f"layer_pattern must be a list of {LAYER_KINDS}, got "
                              f"{self.layer_pattern!r}")
         for kind in self.layer_pattern:
-            _check_choice("layer_pattern entry", kind, LAYER_KINDS)
+            check_choice("layer_pattern entry", kind, LAYER_KINDS)
         if "local" in self.layer_pattern and self.sliding_window is None:
             raise ValueError("layer_pattern has local layers but sliding_window is not set")
         if self.local_rope_base is not None and self.position != "rope":
             raise ValueError("local_rope_base needs position='rope'")
+        if self.moe is not None:
+            if not isinstance(self.moe, MoE):
+                raise ValueError(f"moe must be a table of MoE fields, got {self.moe!r}")
+            if self.ffn not in ("swiglu", "geglu", "geglu_tanh"):
+                raise ValueError(f"moe needs a gated ffn (swiglu, geglu), got {self.ffn!r}")
+            if not self.sparse_layers:
+                raise ValueError("moe: no layer is sparse (check moe.sparse_step and "
+                                 "moe.dense_layers)")
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The indices of the layers whose FFN is the mixture of experts (none without moe)."""
+        if self.moe is None:
+            return ()
+        return tuple(i for i in range(self.n_layers) if self.moe.is_sparse(i))
 
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's attention kind, ``"global"`` or ``"local"``: L entries."""
@@ -242,7 +214,7 @@ class Architecture:
     @property
     def layers_differ(self) -> bool:
         """Whether layers attend differently (window or RoPE) by their index: a layer scan
-        then carries each layer's kind as data (``layers.Block``)."""
+        then carries each layer's kind as data (``block.Block``)."""
         return len(set(self.layer_kinds())) > 1
 
     @property
@@ -280,6 +252,10 @@ class Execution:
         (memory linear in the context, any backend), ``"cudnn"`` (GPU), ``"pallas"`` or
         ``"mosaic"`` (TPU, Hopper GPUs).
       init_std: standard deviation of the normal initialiser of every matrix.
+      moe_impl: how mixture-of-experts layers compute (``ops.moe.experts_ffn``): ``"auto"``,
+        ``"ragged"`` (tokens sorted by expert, ``jax.lax.ragged_dot``), ``"gather"`` (each
+        token's chosen experts' weights gathered: decode), ``"dense"`` (every expert on every
+        token, the reference), ``"tokamax"`` or ``"megablox"`` (grouped-matmul kernels).
     """
 
     param_dtype: str = "float32"
@@ -288,14 +264,16 @@ class Execution:
     remat: str = _resumable("none")
     attention_impl: str = _resumable("auto")
     init_std: float = 0.02
+    moe_impl: str = _resumable("auto")
 
     def __post_init__(self) -> None:
-        _check_positive_number("init_std", self.init_std)
-        _check_choice("remat", self.remat, REMATS)
-        _check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
-        _check_choice("param_dtype", self.param_dtype, DTYPES)
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_bool("scan_layers", self.scan_layers)
+        check_positive_number("init_std", self.init_std)
+        check_choice("moe_impl", self.moe_impl, MOE_IMPLS)
+        check_choice("remat", self.remat, REMATS)
+        check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        check_choice("param_dtype", self.param_dtype, DTYPES)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_bool("scan_layers", self.scan_layers)
 
     @property
     def jnp_dtype(self) -> jnp.dtype:
@@ -324,6 +302,11 @@ class ModelConfig(Execution, Architecture):
     def __post_init__(self) -> None:
         Architecture.__post_init__(self)
         Execution.__post_init__(self)
+        if self.scan_layers and self.moe is not None and \
+                len(self.sparse_layers) != self.n_layers:
+            raise ValueError("scan_layers needs every layer's FFN alike, but moe makes layers "
+                             f"{self.sparse_layers} sparse and the rest dense; set "
+                             "scan_layers=false")
         if self.attn_softcap is not None and self.attention_impl == "cudnn":
             raise ValueError(f"attn_softcap={self.attn_softcap}: attention_impl='cudnn' cannot "
                              "soft-cap the logits; use 'auto', 'xla', 'chunked' or 'mosaic'")
@@ -465,30 +448,3 @@ def _parse_as(tp: Any, text: str, key: str) -> Any:
     raise ValueError(f"{key}: cannot parse type {tp}")
 
 
-def plain(value: Any) -> Any:
-    """``value`` with NumPy scalars as the Python numbers they hold, for error messages
-    (``-1.0``, not ``np.float64(-1.0)``)."""
-    item = getattr(value, "item", None)
-    if callable(item) and getattr(value, "shape", None) == ():
-        return item()
-    return value
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {plain(value)!r}")
-
-
-def _check_positive_number(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a positive finite number, got {plain(value)!r}")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {plain(value)!r}")
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {plain(value)!r}")

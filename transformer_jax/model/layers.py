@@ -32,7 +32,7 @@ def is_vector_param(name: str) -> bool:
 #: How many leading axes of each matrix (in its in-first layout) are inputs; the rest are
 #: outputs; ``matrix`` declares them, in-first or out-first.
 MATRIX_INPUT_AXES = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate": 1, "up": 1,
-                     "down": 1, "lm_head": 1}
+                     "down": 1, "lm_head": 1, "router": 1, "shared_gate": 1}
 
 #: The token table's name: a lookup in the forward, a matmul only as a tied LM head.
 EMBEDDING_PARAM = "embedding"
@@ -335,97 +335,3 @@ class MLP(nn.Module):
             gate = param("gate", (d, self.d_ff), ("embed", "mlp"), self.init_std)
             return fn(x, gate, up, down, matmul=matmul)
         return fn(x, up, down, matmul=matmul)
-
-
-class Block(nn.Module):
-    """One Transformer layer: attention then FFN, each in a residual branch.
-
-    ``norm_position``: ``"pre"`` (default) ``x + f(norm(x))``; ``"post"`` (original
-    Transformer) ``norm(x + f(x))``; ``"sandwich"`` ``x + norm_out(f(norm(x)))`` (the four
-    norms of some families); ``"post_branch"`` ``x + norm_out(f(x))``. The layer's window and
-    RoPE come from its index (``LayerKind``), so one block serves layers that differ,
-    unrolled or scanned.
-
-    ``weights_out_first``: every matrix is stored output axes first (``matrix``), the layout
-    ``decode.prepare`` gives the weights on CPU.
-
-    With ``tensor_axis`` the block runs inside ``shard_map`` on one shard of a Megatron split:
-    its config counts this shard's heads, kv heads and FFN units (``shard_config``), and each
-    branch's output (a partial sum over the shard's heads or units) is summed over the axis.
-    """
-
-    config: ModelConfig
-    tensor_axis: str | None = None
-    weights_out_first: bool = False
-
-    @nn.compact
-    def __call__(self, carry: Carry, positions: jax.Array, layer: int | jax.Array = 0,
-                 segment_ids: jax.Array | None = None) -> tuple[Carry, None]:
-        """([B, T, D], cache) -> (([B, T, D], updated cache), None).
-
-        The (carry, ...) -> (carry, None) form is ``nn.scan``'s; the unrolled model calls the
-        same block with a Python int ``layer``.
-        """
-        x, cache = carry
-        # The residual stream's only sharding annotation: under a mesh's logical-axis rules it
-        # keeps activations split over the batch axes (so FSDP gathers weights, not
-        # activations); without rules in scope it is a no-op.
-        x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
-        c = self.config
-        dtypes = dict(dtype=c.jnp_dtype, param_dtype=c.jnp_param_dtype)
-        # Residual-branch outputs start smaller so the stream's variance does not grow with
-        # depth (GPT-2's scaled initialisation).
-        out_std = c.init_std / (2 * c.n_layers) ** 0.5
-        norm_kw = dict(kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
-                       param_dtype=c.jnp_param_dtype)
-        attn = Attention(
-            n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-            qkv_bias=c.qkv_bias, qk_norm=c.qk_norm, norm_eps=c.norm_eps,
-            norm_offset=c.norm_offset, scale=c.attn_scale, softcap=c.attn_softcap,
-            rope_pairing=c.rope_pairing, impl=c.attention_impl, init_std=c.init_std,
-            out_init_std=out_std, out_first=self.weights_out_first,
-            tensor_axis=self.tensor_axis, name="attn", **dtypes)
-        mlp = MLP(d_ff=c.d_ff, kind=c.ffn, init_std=c.init_std, out_init_std=out_std,
-                  out_first=self.weights_out_first, name="mlp", **dtypes)
-        kind = LayerKind.of(c, layer)
-
-        def total(y: jax.Array) -> jax.Array:
-            return y if self.tensor_axis is None else jax.lax.psum(y, self.tensor_axis)
-
-        def norm(name: str) -> Norm:
-            return Norm(name=name, **norm_kw)
-
-        if c.norm_position == "pre":  # x + f(norm(x))
-            y, cache = attn(norm("attn_norm")(x), positions, kind, cache, layer, segment_ids)
-            x = x + total(y)
-            x = x + total(mlp(norm("mlp_norm")(x)))
-        elif c.norm_position == "sandwich":  # x + norm_out(f(norm(x)))
-            y, cache = attn(norm("attn_norm")(x), positions, kind, cache, layer, segment_ids)
-            x = x + norm("attn_out_norm")(total(y))
-            x = x + norm("mlp_out_norm")(total(mlp(norm("mlp_norm")(x))))
-        elif c.norm_position == "post_branch":  # x + norm_out(f(x))
-            y, cache = attn(x, positions, kind, cache, layer, segment_ids)
-            x = x + norm("attn_out_norm")(total(y))
-            x = x + norm("mlp_out_norm")(total(mlp(x)))
-        else:  # "post": norm(x + f(x))
-            y, cache = attn(x, positions, kind, cache, layer, segment_ids)
-            x = norm("attn_norm")(x + total(y))
-            x = norm("mlp_norm")(x + total(mlp(x)))
-        return (x, cache), None
-
-
-def shard_config(config: ModelConfig, shards: int, *, vocab: bool) -> ModelConfig:
-    """The config one shard of a T-way tensor split sees: N/T heads, K/T kv heads, F/T FFN
-    units (and V/T vocabulary rows with ``vocab``), the head size unchanged.
-
-    Contiguous blocks of heads keep the grouping: query head r of shard i is global head
-    i * N/T + r, whose kv head i * K/T + floor(r / G) is this shard's kv head floor(r / G).
-    """
-    c = config
-    for name, value in (("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads), ("d_ff", c.d_ff),
-                        *((("vocab_size", c.vocab_size),) if vocab else ())):
-        if value % shards:
-            raise ValueError(f"{name}={value} does not split over {shards} shards")
-    return c.replace(n_heads=c.n_heads // shards, n_kv_heads=c.n_kv_heads // shards,
-                     head_dim=c.head_dim, d_ff=c.d_ff // shards,
-                     vocab_size=c.vocab_size // shards if vocab else c.vocab_size)

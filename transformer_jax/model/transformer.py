@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.model import ops
+from transformer_jax.model.block import Block
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import Cache
-from transformer_jax.model.layers import EMBEDDING_PARAM, Block, Embed, Norm, matrix
+from transformer_jax.model.layers import EMBEDDING_PARAM, Embed, Norm, matrix
 from transformer_jax.model.ops.dense import dense
 
 Params = dict[str, Any]
@@ -39,11 +40,15 @@ class Output:
         ``hidden_only``.
       cache: the updated cache when one was given (lengths ``positions[:, -1] + 1``), else None.
       hidden: the final-normed [B, T, D] hidden states with ``hidden_only``, else None.
+      moe: with a mixture of experts, its sparse layers' ``moe.RouterStats`` stacked:
+        ``balance`` and ``z`` [L_sparse] (the layers' load-balancing and router z-losses over
+        the valid tokens), ``load`` [L_sparse, E] ((token, slot) pairs per expert); else None.
     """
 
     logits: jax.Array | None = None
     cache: Any = None
     hidden: jax.Array | None = None
+    moe: dict[str, jax.Array] | None = None
 
 
 class Transformer(nn.Module):
@@ -127,11 +132,15 @@ class Transformer(nn.Module):
                 block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                 in_axes=(nn.broadcast, 0, nn.broadcast), length=c.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"})(*block_args, name="blocks")
-            carry, _ = blocks(carry, positions, jnp.arange(c.n_layers), segment_ids)
+            carry, moe_stats = blocks(carry, positions, jnp.arange(c.n_layers), segment_ids)
         else:
+            per_layer = []
             for i in range(c.n_layers):
-                carry, _ = block_cls(*block_args, name=f"blocks_{i}")(
+                carry, stats = block_cls(*block_args, name=f"blocks_{i}")(
                     carry, positions, i, segment_ids)
+                per_layer.append(stats)
+            sparse = [s for s in per_layer if s is not None]
+            moe_stats = jax.tree.map(lambda *xs: jnp.stack(xs), *sparse) if sparse else None
         x, cache = carry
         if cache is not None:
             cache = cache.replace(lengths=(positions[:, -1] + 1).astype(jnp.int32))
@@ -142,7 +151,7 @@ class Transformer(nn.Module):
                  param_dtype=c.jnp_param_dtype, name="final_norm")(x)
         head = embed.embedding if c.tie_embeddings else self._untied_head()
         if hidden_only:
-            return Output(cache=cache, hidden=x)
+            return Output(cache=cache, hidden=x, moe=moe_stats)
         table, layout = self.head_layout(head)
         table = table.astype(c.jnp_dtype)
         if layout == "VD" and not self.weights_out_first:  # a tied table, trained as stored
@@ -156,7 +165,7 @@ class Transformer(nn.Module):
             logits = jax.lax.all_gather(logits, vocab_axis, axis=2, tiled=True)
         if logits_at is not None:
             logits = logits[:, 0]
-        return Output(logits=logits, cache=cache)
+        return Output(logits=logits, cache=cache, moe=moe_stats)
 
     def _untied_head(self) -> jax.Array:
         c = self.config

@@ -50,9 +50,9 @@ from transformer_jax.decode.loop import (
     vocab_is_split,
     weight_specs,
 )
+from transformer_jax.model.block import shard_config
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_ring import RingLayout
-from transformer_jax.model.layers import shard_config
 from transformer_jax.serving.page_pool import NULL_PAGE
 from transformer_jax.serving.paged_cache import PagedKVCache
 

@@ -96,3 +96,11 @@ FFN_FUNCTIONS: dict[str, tuple[Callable[..., jax.Array], bool]] = {
     "gelu": (gelu_ffn, False),
     "relu": (relu_ffn, False),
 }
+
+#: The gate's activation of each gated kind: what a mixture's experts apply
+#: (``ops.moe.experts_ffn``).
+GATE_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "swiglu": jax.nn.silu,
+    "geglu": functools.partial(jax.nn.gelu, approximate=False),
+    "geglu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}

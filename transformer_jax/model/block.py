@@ -1,0 +1,121 @@
+"""One Transformer layer (``Block``): attention then FFN, dense or a mixture of experts, each in
+a residual branch; and the config one shard of a tensor split sees (``shard_config``)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.layers import MLP, Attention, Carry, LayerKind, Norm
+from transformer_jax.model.moe import RouterStats, SparseFFN
+
+
+class Block(nn.Module):
+    """One Transformer layer: attention then FFN, each in a residual branch.
+
+    ``norm_position``: ``"pre"`` (default) ``x + f(norm(x))``; ``"post"`` (original
+    Transformer) ``norm(x + f(x))``; ``"sandwich"`` ``x + norm_out(f(norm(x)))`` (the four
+    norms of some families); ``"post_branch"`` ``x + norm_out(f(x))``. The layer's window and
+    RoPE come from its index (``LayerKind``), so one block serves layers that differ,
+    unrolled or scanned.
+
+    ``weights_out_first``: every matrix is stored output axes first (``matrix``), the layout
+    ``decode.prepare`` gives the weights on CPU.
+
+    With ``tensor_axis`` the block runs inside ``shard_map`` on one shard of a Megatron split:
+    its config counts this shard's heads, kv heads and FFN units (``shard_config``), and each
+    branch's output (a partial sum over the shard's heads or units) is summed over the axis.
+    """
+
+    config: ModelConfig
+    tensor_axis: str | None = None
+    weights_out_first: bool = False
+
+    @nn.compact
+    def __call__(self, carry: Carry, positions: jax.Array, layer: int | jax.Array = 0,
+                 segment_ids: jax.Array | None = None
+                 ) -> tuple[Carry, RouterStats | None]:
+        """([B, T, D], cache) -> (([B, T, D], updated cache), router stats or None).
+
+        The (carry, ...) -> (carry, y) form is ``nn.scan``'s (which stacks the sparse layers'
+        ``RouterStats``); the unrolled model calls the same block with a Python int ``layer``.
+        A dense layer returns None for its stats.
+        """
+        x, cache = carry
+        # The residual stream's only sharding annotation: under a mesh's logical-axis rules it
+        # keeps activations split over the batch axes (so FSDP gathers weights, not
+        # activations); without rules in scope it is a no-op.
+        x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+        c = self.config
+        dtypes = dict(dtype=c.jnp_dtype, param_dtype=c.jnp_param_dtype)
+        # Residual-branch outputs start smaller so the stream's variance does not grow with
+        # depth (GPT-2's scaled initialisation).
+        out_std = c.init_std / (2 * c.n_layers) ** 0.5
+        norm_kw = dict(kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
+                       param_dtype=c.jnp_param_dtype)
+        attn = Attention(
+            n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+            qkv_bias=c.qkv_bias, qk_norm=c.qk_norm, norm_eps=c.norm_eps,
+            norm_offset=c.norm_offset, scale=c.attn_scale, softcap=c.attn_softcap,
+            rope_pairing=c.rope_pairing, impl=c.attention_impl, init_std=c.init_std,
+            out_init_std=out_std, out_first=self.weights_out_first,
+            tensor_axis=self.tensor_axis, name="attn", **dtypes)
+        # In a scan (traced ``layer``) every layer is sparse or none is (the config says so).
+        sparse = c.moe is not None and (not isinstance(layer, int) or c.moe.is_sparse(layer))
+        stats = None
+        if sparse:
+            moe = SparseFFN(moe=c.moe, kind=c.ffn, impl=c.moe_impl, init_std=c.init_std,
+                            out_init_std=out_std, out_first=self.weights_out_first, name="moe",
+                            **dtypes)
+            valid = None if segment_ids is None else segment_ids > 0
+
+            def mlp(h: jax.Array) -> jax.Array:
+                nonlocal stats
+                y, stats = moe(h, valid)
+                return y
+        else:
+            mlp = MLP(d_ff=c.d_ff, kind=c.ffn, init_std=c.init_std, out_init_std=out_std,
+                      out_first=self.weights_out_first, name="mlp", **dtypes)
+        kind = LayerKind.of(c, layer)
+
+        def total(y: jax.Array) -> jax.Array:
+            return y if self.tensor_axis is None else jax.lax.psum(y, self.tensor_axis)
+
+        def norm(name: str) -> Norm:
+            return Norm(name=name, **norm_kw)
+
+        if c.norm_position == "pre":  # x + f(norm(x))
+            y, cache = attn(norm("attn_norm")(x), positions, kind, cache, layer, segment_ids)
+            x = x + total(y)
+            x = x + total(mlp(norm("mlp_norm")(x)))
+        elif c.norm_position == "sandwich":  # x + norm_out(f(norm(x)))
+            y, cache = attn(norm("attn_norm")(x), positions, kind, cache, layer, segment_ids)
+            x = x + norm("attn_out_norm")(total(y))
+            x = x + norm("mlp_out_norm")(total(mlp(norm("mlp_norm")(x))))
+        elif c.norm_position == "post_branch":  # x + norm_out(f(x))
+            y, cache = attn(x, positions, kind, cache, layer, segment_ids)
+            x = x + norm("attn_out_norm")(total(y))
+            x = x + norm("mlp_out_norm")(total(mlp(x)))
+        else:  # "post": norm(x + f(x))
+            y, cache = attn(x, positions, kind, cache, layer, segment_ids)
+            x = norm("attn_norm")(x + total(y))
+            x = norm("mlp_norm")(x + total(mlp(x)))
+        return (x, cache), stats
+
+
+def shard_config(config: ModelConfig, shards: int, *, vocab: bool) -> ModelConfig:
+    """The config one shard of a T-way tensor split sees: N/T heads, K/T kv heads, F/T FFN
+    units (and V/T vocabulary rows with ``vocab``), the head size unchanged.
+
+    Contiguous blocks of heads keep the grouping: query head r of shard i is global head
+    i * N/T + r, whose kv head i * K/T + floor(r / G) is this shard's kv head floor(r / G).
+    """
+    c = config
+    for name, value in (("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads), ("d_ff", c.d_ff),
+                        *((("vocab_size", c.vocab_size),) if vocab else ())):
+        if value % shards:
+            raise ValueError(f"{name}={value} does not split over {shards} shards")
+    return c.replace(n_heads=c.n_heads // shards, n_kv_heads=c.n_kv_heads // shards,
+                     head_dim=c.head_dim, d_ff=c.d_ff // shards,
+                     vocab_size=c.vocab_size // shards if vocab else c.vocab_size)

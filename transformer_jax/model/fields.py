@@ -1,0 +1,159 @@
+"""The nested tables of an ``Architecture`` (``RopeScaling``, ``MoE``) and the value checks every
+config dataclass shares (``config``, ``train.config`` and ``parallel.mesh`` use them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+ROPE_SCALINGS = ("linear", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE frequencies are rescaled for context extension.
+
+    Attributes:
+      kind: ``"linear"`` divides every frequency by ``factor`` (position interpolation);
+        ``"llama3"`` divides only the low frequencies, with a smooth ramp between
+        ``low_freq_factor`` and ``high_freq_factor`` wavelengths (Llama 3.1); ``"yarn"``
+        (YaRN, Qwen2.5/3 long context) interpolates the frequencies whose wavelength spans
+        fewer than ``beta_slow`` rotations over ``original_max_len``, keeps those with more
+        than ``beta_fast``, ramps linearly in between, and multiplies cos and sin by
+        ``attention_factor``.
+      factor: the context extension factor (> 0).
+      low_freq_factor: llama3 only: wavelengths above ``original_max_len / low_freq_factor``
+        are fully scaled.
+      high_freq_factor: llama3 only: wavelengths below ``original_max_len / high_freq_factor``
+        are kept.
+      original_max_len: llama3 and yarn: the context length the model was trained with.
+      beta_fast: yarn only: rotations over ``original_max_len`` above which a frequency is kept.
+      beta_slow: yarn only: rotations below which a frequency is fully interpolated.
+      attention_factor: yarn only: the cos/sin multiplier; None computes it from ``factor``
+        (and ``mscale``/``mscale_all_dim`` when both are set), ``0.1 ln(factor) + 1``.
+      mscale: yarn only: the numerator's multiplier of ``ln(factor)`` in that formula.
+      mscale_all_dim: yarn only: the denominator's multiplier.
+      truncate: yarn only: round the ramp's ends to whole dimensions.
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        check_choice("rope_scaling.kind", self.kind, ROPE_SCALINGS)
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.kind == "llama3":
+            if not 0 < self.low_freq_factor < self.high_freq_factor:
+                raise ValueError(
+                    "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                    f"{self.low_freq_factor} and {self.high_freq_factor}"
+                )
+        if self.kind in ("llama3", "yarn") and self.original_max_len <= 0:
+            raise ValueError(
+                f"rope_scaling.original_max_len must be > 0, got {self.original_max_len}")
+        if self.kind == "yarn":
+            if not 0 < self.beta_slow < self.beta_fast:
+                raise ValueError("rope_scaling needs 0 < beta_slow < beta_fast, got "
+                                 f"{self.beta_slow} and {self.beta_fast}")
+            if self.attention_factor is not None:
+                check_positive_number("rope_scaling.attention_factor", self.attention_factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts FFN: which layers have one and how tokens are routed.
+
+    A sparse layer's FFN is E gated experts of width ``d_ff`` (the architecture's ``ffn``
+    activation) and a router [D, E]; each token goes to the ``top_k`` experts of highest
+    softmax probability, and its output is their outputs weighted by those probabilities
+    (renormalised to sum 1 with ``renormalize``). An optional shared expert (a dense FFN of
+    width ``shared_d_ff``) sees every token, its output scaled by ``sigmoid(x . w)`` with
+    ``shared_gate``. Layers that are not sparse keep the dense FFN of width
+    ``Architecture.d_ff``.
+
+    Attributes:
+      n_experts: E, experts per sparse layer.
+      top_k: k, experts each token is sent to (1 <= k <= E).
+      d_ff: each expert's hidden width.
+      renormalize: divide the k chosen probabilities by their sum (Mixtral, Qwen3-MoE);
+        False keeps the raw softmax values (Qwen2-MoE).
+      shared_d_ff: the shared expert's hidden width; 0 for none.
+      shared_gate: scale the shared expert's output by ``sigmoid(x . w_gate)`` (Qwen2-MoE).
+      sparse_step: layer i is sparse when ``(i + 1) % sparse_step == 0`` ...
+      dense_layers: ... and i is not listed here (HF's ``decoder_sparse_step`` and
+        ``mlp_only_layers``).
+    """
+
+    n_experts: int
+    top_k: int
+    d_ff: int
+    renormalize: bool = True
+    shared_d_ff: int = 0
+    shared_gate: bool = False
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dense_layers, list):
+            object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        for name in ("n_experts", "top_k", "d_ff", "sparse_step"):
+            check_positive_int(f"moe.{name}", getattr(self, name))
+        if self.top_k > self.n_experts:
+            raise ValueError(f"moe.top_k ({self.top_k}) must be at most moe.n_experts "
+                             f"({self.n_experts})")
+        if isinstance(self.shared_d_ff, bool) or not isinstance(self.shared_d_ff, int) or \
+                self.shared_d_ff < 0:
+            raise ValueError(f"moe.shared_d_ff must be an int >= 0, got {plain(self.shared_d_ff)!r}")
+        check_bool("moe.renormalize", self.renormalize)
+        check_bool("moe.shared_gate", self.shared_gate)
+        if self.shared_gate and not self.shared_d_ff:
+            raise ValueError("moe.shared_gate needs a shared expert (moe.shared_d_ff > 0)")
+        if not isinstance(self.dense_layers, tuple) or any(
+                isinstance(i, bool) or not isinstance(i, int) or i < 0
+                for i in self.dense_layers):
+            raise ValueError(f"moe.dense_layers must be a list of layer indices >= 0, got "
+                             f"{self.dense_layers!r}")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s FFN is the mixture (else the dense FFN)."""
+        return (layer + 1) % self.sparse_step == 0 and layer not in self.dense_layers
+
+
+def plain(value: Any) -> Any:
+    """``value`` with NumPy scalars as the Python numbers they hold, for error messages
+    (``-1.0``, not ``np.float64(-1.0)``)."""
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "shape", None) == ():
+        return item()
+    return value
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {plain(value)!r}")
+
+
+def check_positive_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite number, got {plain(value)!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {plain(value)!r}")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {plain(value)!r}")

@@ -1,0 +1,97 @@
+"""The mixture-of-experts FFN module: the router and the experts' stacked matrices, computed by
+``ops.moe``.
+
+Parameters (logical axes in brackets): ``router`` [D, E] (embed, router); ``gate`` and ``up``
+[E, D, F] (experts, expert_embed, expert_mlp); ``down`` [E, F, D]; with a shared expert the
+dense FFN ``shared`` (an ``MLP``) and, with its gate, ``shared_gate`` [D, 1]. The experts' axes
+have their own names so a mesh can split E over an ``expert`` axis while the rest of the model
+uses that axis for data (``parallel/sharding.py``).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.model.fields import MoE
+from transformer_jax.model.layers import MLP, matrix, stored_quantized
+from transformer_jax.model.ops import moe as moe_ops
+from transformer_jax.model.ops.dense import dense
+from transformer_jax.model.ops.ffn import GATE_ACTIVATIONS
+
+#: What a sparse layer reports about its routing (float32): ``balance`` and ``z`` the layer's
+#: load-balancing and router z-losses (scalars), ``load`` [E] the (token, slot) pairs each
+#: expert received. The model stacks them over its sparse layers (``Output.moe``).
+RouterStats = dict[str, jax.Array]
+
+
+class SparseFFN(nn.Module):
+    """A mixture of ``moe.n_experts`` gated FFNs with top-k routing (``MoE`` says which).
+
+    ``out_first`` applies to the router and the shared expert (``layers.matrix``); the
+    experts' [E, ...] stacks are stored in-first in every layout (the decode path gathers
+    whole expert matrices, which the layout does not change).
+    """
+
+    moe: MoE
+    kind: str = "swiglu"
+    impl: str = "auto"
+    init_std: float = 0.02
+    out_init_std: float = 0.02
+    out_first: bool = False
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    def _experts(self, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
+                 std: float) -> jax.Array:
+        quantized = stored_quantized(self, name)
+        if quantized is not None:
+            return quantized
+        return self.param(name, nn.with_logical_partitioning(nn.initializers.normal(std), axes),
+                          shape, self.param_dtype)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None
+                 ) -> tuple[jax.Array, RouterStats]:
+        """[B, T, D] -> ([B, T, D], this layer's ``RouterStats``).
+
+        ``valid`` [B, T] bool marks the tokens the statistics count (None: all).
+        """
+        m = self.moe
+        b, t, d = x.shape
+        e, f = m.n_experts, m.d_ff
+        router = matrix(self, "router", (d, e), ("embed", "router"),
+                        nn.initializers.normal(self.init_std), out_first=self.out_first,
+                        param_dtype=self.param_dtype)
+        gate = self._experts("gate", (e, d, f), ("experts", "expert_embed", "expert_mlp"),
+                             self.init_std)
+        up = self._experts("up", (e, d, f), ("experts", "expert_embed", "expert_mlp"),
+                           self.init_std)
+        down = self._experts("down", (e, f, d), ("experts", "expert_mlp", "expert_embed"),
+                             self.out_init_std)
+
+        tokens = x.reshape(b * t, d)
+        logits = dense(tokens, router.astype(self.dtype), "ND,DE->NE",
+                       out_first=self.out_first, preferred_element_type=jnp.float32)
+        routing = moe_ops.route(logits, m.top_k, m.renormalize)
+        y = moe_ops.experts_ffn(tokens, routing, gate, up, down,
+                                activation=GATE_ACTIVATIONS[self.kind], impl=self.impl)
+        y = y.reshape(b, t, d)
+        if m.shared_d_ff:
+            shared = MLP(d_ff=m.shared_d_ff, kind=self.kind, init_std=self.init_std,
+                         out_init_std=self.out_init_std, out_first=self.out_first,
+                         dtype=self.dtype, param_dtype=self.param_dtype, name="shared")(x)
+            if m.shared_gate:
+                w = matrix(self, "shared_gate", (d, 1), ("embed", "router"),
+                           nn.initializers.normal(self.init_std), out_first=self.out_first,
+                           param_dtype=self.param_dtype)
+                g = dense(x, w.astype(self.dtype), "BTD,DO->BTO", out_first=self.out_first)
+                shared = shared * jax.nn.sigmoid(g)
+            y = y + shared
+
+        mask = jnp.ones((b * t,), bool) if valid is None else valid.reshape(b * t)
+        stats = {"balance": moe_ops.balance_loss(routing, mask),
+                 "z": moe_ops.router_z_loss(routing, mask),
+                 "load": moe_ops.expert_load(routing.experts, mask, e)}
+        return y.astype(self.dtype), stats
