@@ -114,7 +114,8 @@ class MoE:
                              f"({self.n_experts})")
         if isinstance(self.shared_d_ff, bool) or not isinstance(self.shared_d_ff, int) or \
                 self.shared_d_ff < 0:
-            raise ValueError(f"moe.shared_d_ff must be an int >= 0, got {plain(self.shared_d_ff)!r}")
+            raise ValueError(
+                f"moe.shared_d_ff must be an int >= 0, got {plain(self.shared_d_ff)!r}")
         check_bool("moe.renormalize", self.renormalize)
         check_bool("moe.shared_gate", self.shared_gate)
         if self.shared_gate and not self.shared_d_ff:
