@@ -46,7 +46,7 @@ REMATS = ("none", "full", "save_dots")
 #: Attention implementations (``ops.attention.attention``'s ``impl``).
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "pallas", "mosaic")
 #: How a mixture-of-experts layer computes its experts (``ops.moe.experts_ffn``'s ``impl``).
-MOE_IMPLS = ("auto", "ragged", "gather", "dense", "tokamax", "megablox")
+MOE_IMPLS = ("auto", "ragged", "tiled", "gather", "dense", "tokamax", "megablox")
 DTYPES = ("float32", "bfloat16", "float16")
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"

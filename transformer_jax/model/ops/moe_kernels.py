@@ -1,0 +1,71 @@
+"""Grouped-matmul kernels for the mixture of experts on accelerators (``ops.moe``'s
+``"megablox"`` and ``"tokamax"`` implementations).
+
+Both compute ``grouped_matmul``'s product: x [M, A] with its rows grouped by expert (``sizes``
+[E] rows each, in expert order), w [E, A, C] -> [M, C], each group times its expert's matrix,
+with their own backward kernels (the rows' gradient is another grouped product, the weights'
+a transposed one).
+
+- ``"megablox"``: JAX's Pallas TPU grouped matmul (``jax.experimental.pallas.ops.tpu.megablox``),
+  TPU only. Rows are padded to whole tiles of 128 here; A and C must be multiples of 128.
+- ``"tokamax"``: ``tokamax.ragged_dot`` (the ``kernels`` extra), which picks its Mosaic (TPU,
+  Hopper/Blackwell GPUs) or Triton kernel for the backend it runs on. It checks the backend
+  when called, so unlike megablox it cannot be lowered from a CPU host.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+#: The tile megablox multiplies in (rows, contracted, output columns).
+MEGABLOX_TILE = 128
+
+
+def kernel_grouped_matmul(impl: str, x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """The grouped product by kernel ``impl`` (``"megablox"`` or ``"tokamax"``).
+
+    Args:
+      impl: which kernel.
+      x: [M, A] rows grouped by expert.
+      w: [E, A, C] the experts' matrices.
+      sizes: [E] int32 rows per expert (summing to at most M).
+
+    Returns:
+      [M, C] in x's dtype.
+
+    Raises:
+      ValueError: megablox off TPU or with A, C not multiples of 128; tokamax not installed.
+    """
+    backend = jax.default_backend()
+    if impl == "megablox":
+        if backend != "tpu":
+            raise ValueError(f"moe_impl='megablox' runs on TPU only, not {backend!r}; use "
+                             "'auto' (or 'tiled' on CPU, 'ragged' anywhere)")
+        return megablox_matmul(x, w, sizes)
+    if impl == "tokamax":
+        try:
+            import tokamax
+        except ImportError:
+            raise ValueError("moe_impl='tokamax' needs tokamax (pip install "
+                             "'transformer-jax[kernels]'); or use 'auto'") from None
+        return tokamax.ragged_dot(x, w, sizes, preferred_element_type=x.dtype)
+    raise ValueError(f"no grouped-matmul kernel named {impl!r}")
+
+
+def megablox_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """megablox's ``gmm`` with the rows padded to whole tiles (see ``kernel_grouped_matmul``;
+    no backend check, so a CPU host can lower it for TPU)."""
+    from jax.experimental.pallas.ops.tpu import megablox
+
+    m, a = x.shape
+    c = w.shape[-1]
+    if a % MEGABLOX_TILE or c % MEGABLOX_TILE:
+        raise ValueError(f"moe_impl='megablox' needs the model width and expert d_ff to be "
+                         f"multiples of {MEGABLOX_TILE}, got a product [{m}, {a}] x [{a}, {c}]; "
+                         "use 'ragged'")
+    pad = -m % MEGABLOX_TILE
+    rows = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+    y = megablox.gmm(rows, w.astype(x.dtype), sizes, preferred_element_type=x.dtype,
+                     tiling=(MEGABLOX_TILE,) * 3)
+    return y[:m]
