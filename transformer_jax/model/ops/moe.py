@@ -314,16 +314,20 @@ def _tile_loop(layout: TileLayout, fn, init):
     return jax.lax.fori_loop(0, layout.used, fn, init)
 
 
-def _gmm(layout: TileLayout, x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [R, A] in tiles, w [E, A, C] -> [R, C]: each used tile times its expert's matrix."""
+def _gmm(layout: TileLayout, x: jax.Array, w: jax.Array, transpose: bool = False
+         ) -> jax.Array:
+    """x [R, A] in tiles, w [E, A, C] -> [R, C]: each used tile times its expert's matrix
+    (with ``transpose``, w [E, C, A] times its transpose, read as it is stored)."""
     m = layout.tile
+    contract = 1 if transpose else 0
 
     def body(t, out):
         rows = jax.lax.dynamic_slice_in_dim(x, t * m, m)
-        y = rows @ w[layout.tile_expert[t]]
+        y = jax.lax.dot_general(rows, w[layout.tile_expert[t]], (((1,), (contract,)), ((), ())))
         return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), t * m, 0)
 
-    return _tile_loop(layout, body, jnp.zeros((x.shape[0], w.shape[-1]), x.dtype))
+    cols = w.shape[1] if transpose else w.shape[2]
+    return _tile_loop(layout, body, jnp.zeros((x.shape[0], cols), x.dtype))
 
 
 def _tgmm(layout: TileLayout, x: jax.Array, dy: jax.Array, n_experts: int) -> jax.Array:
@@ -352,7 +356,7 @@ def _tiled_fwd(layout, x, w):
 
 def _tiled_bwd(res, dy):
     layout, x, w = res
-    dx = _gmm(layout, dy, w.swapaxes(1, 2))
+    dx = _gmm(layout, dy, w, transpose=True)
     return None, dx, _tgmm(layout, x, dy, w.shape[0])
 
 
