@@ -1,5 +1,5 @@
-"""HuggingFace checkpoint directories (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2):
-load, save, export.
+"""HuggingFace checkpoint directories (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2, and the
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE): load, save, export.
 
 ``load(dir)`` reads ``config.json`` plus ``model.safetensors`` (or a sharded
 ``model.safetensors.index.json``) and returns a ``ModelConfig`` and a param tree that
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from transformer_jax.hf import moe
 from transformer_jax.hf.convert import (
     _IGNORED_TENSOR,
     ARCHITECTURES,
@@ -55,7 +56,7 @@ from transformer_jax.hf.convert import _linear as _linear
 from transformer_jax.hf.convert import _reshaped as _reshaped
 from transformer_jax.hf.convert import _same as _same
 from transformer_jax.model.config import DTYPES, ModelConfig
-from transformer_jax.model.transformer import Params, stack_blocks, unstack_blocks
+from transformer_jax.model.transformer import Params, unstack_blocks
 from transformer_jax.parallel.sharding import LOGICAL_RULES, param_shardings
 from transformer_jax.storage.files import read_json, replacing_directory, set_default_mode
 
@@ -253,10 +254,11 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     config, hf_config = _read_config(path)
     if scan_layers:
         config = config.replace(scan_layers=True)
-    specs = _tensors(config, hf_config["model_type"])
     files = _weight_files(path)
+    specs = _tensors(config, hf_config["model_type"], moe.stacked_experts(files))
+    unused = moe.unused_tensors(config, hf_config["model_type"])
 
-    expected = {s.hf_name for s in specs}
+    expected = {s.hf_name for s in specs} | set(unused)
     o_biases = []
     if hf_config["model_type"] == "llama" and config.qkv_bias:
         # Llama's attention_bias also biases o_proj, which we lack: accept only zero biases.
@@ -275,6 +277,8 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
                    for file in sorted(set(files.values()))}
         reader = _Reader(files, handles)
         stored = {reader.check(s.hf_name, s.stored_shape) for s in specs}
+        for name, shape in unused.items():
+            reader.check(name, shape)
         for name in o_biases:
             reader.check(name, (config.d_model,))
         if tied_head is not None:
@@ -293,16 +297,7 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
             raise ValueError("tie_word_embeddings=True but lm_head.weight differs from "
                              "model.embed_tokens.weight")
 
-        if shardings is None:
-            params: dict[str, Any] = {}
-            for s in specs:
-                hf_value = (reader.whole(s.hf_name) if s.rows is None
-                            else reader.rows(s.hf_name, *s.row_range))  # a fused tensor's part
-                _set_path(params, s.path, jnp.asarray(s.to_ours(hf_value), dtype=dtype))
-            if config.scan_layers:
-                params = stack_blocks(params, config.n_layers)
-        else:
-            params = _load_sharded(config, specs, reader, shardings)
+        params = _load_params(config, specs, reader, shardings)
     logger.info("loaded %s checkpoint from %s: %d layers, %s%s", hf_config["model_type"], path,
                 config.n_layers, dtype, "" if mesh is None else f", sharded over {mesh.shape}")
     return config, params
@@ -316,11 +311,13 @@ def _same_rows(reader: _Reader, a: str, b: str, chunk_bytes: int = 1 << 26) -> b
                for i in range(0, shape[0], rows))
 
 
-def _load_sharded(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
-                  shardings: Any) -> Params:
-    """Every param built shard by shard on this process's devices, straight from the files.
+def _load_params(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
+                 shardings: Any) -> Params:
+    """Every param read straight from the files: whole onto the default device (``shardings``
+    None), or shard by shard on this process's devices.
 
-    A stacked (scanned) param ``blocks/...`` [L, ...] gathers its per-layer tensors' blocks.
+    A param gathers the blocks of its tensors over its leading stacked dimensions: the layers
+    of a scanned ``blocks/...`` [L, ...], the experts stored one tensor each (``stack``).
     Each shard is read, put on its device and dropped before the next is read.
     """
     dtype = jnp.dtype(config.param_dtype)
@@ -328,28 +325,33 @@ def _load_sharded(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
     for s in specs:
         stacked = config.scan_layers and s.path[0].startswith("blocks_")
         layers.setdefault(("blocks", *s.path[1:]) if stacked else s.path, []).append(s)
-    by_path = dict(_flatten(shardings))
-    if set(by_path) != set(layers):  # the model and the HF mapping disagree: a bug here
+    by_path = None if shardings is None else dict(_flatten(shardings))
+    if by_path is not None and set(by_path) != set(layers):  # a bug here: model and HF differ
         raise AssertionError(f"param paths differ: {sorted(set(by_path) ^ set(layers))}")
+
+    def block(reader: _Reader, parts: list[_Tensor], lead: tuple[int, ...],
+              index: tuple[slice, ...]) -> np.ndarray:  # parts row-major over ``lead``
+        if not lead:
+            return reader.block(parts[0], index).astype(dtype, copy=False)
+        start, stop, _ = index[0].indices(lead[0])
+        step = len(parts) // lead[0]
+        return np.stack([block(reader, parts[i * step:(i + 1) * step], lead[1:], index[1:])
+                         for i in range(start, stop)])
 
     params: dict[str, Any] = {}
     for key, parts in layers.items():
-        sharding = by_path[key]
-        stacked = key[0] == "blocks"
-        shape = ((len(parts),) if stacked else ()) + parts[0].shape
-
-        def block(reader: _Reader, index: tuple[slice, ...], parts=parts, stacked=stacked,
-                  shape=shape) -> np.ndarray:
-            if not stacked:
-                return reader.block(parts[0], index).astype(dtype, copy=False)
-            start, stop, _ = index[0].indices(shape[0])
-            return np.stack([reader.block(parts[i], index[1:]).astype(dtype, copy=False)
-                             for i in range(start, stop)])
-
+        lead = (((config.n_layers,) if key[0] == "blocks" else ())
+                + (() if parts[0].stack is None else (parts[0].stack[1],)))
+        shape = lead + parts[0].shape
         with reader.reopened([p.hf_name for p in parts]) as fresh:
-            shards = [jax.device_put(block(fresh, index), device) for device, index
-                      in sharding.addressable_devices_indices_map(shape).items()]
-        _set_path(params, key, jax.make_array_from_single_device_arrays(shape, sharding, shards))
+            if by_path is None:
+                value = jnp.asarray(block(fresh, parts, lead, (slice(None),) * len(shape)))
+            else:
+                sharding = by_path[key]
+                shards = [jax.device_put(block(fresh, parts, lead, index), device) for
+                          device, index in sharding.addressable_devices_indices_map(shape).items()]
+                value = jax.make_array_from_single_device_arrays(shape, sharding, shards)
+        _set_path(params, key, value)
     return params
 
 
@@ -410,15 +412,20 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
         raise ValueError(f"params have entries this config does not use: {_names(unexpected)}")
 
     tensors: dict[str, np.ndarray] = {}
+    host: dict[str, np.ndarray] = {}  # the last param read (its experts' specs follow it)
     for s in specs:
-        value = np.asarray(jax.device_get(flat["/".join(s.path)]))
-        if value.shape != s.shape:
-            raise ValueError(f"param {'/'.join(s.path)} has shape {list(value.shape)}, expected "
-                             f"{list(s.shape)}")
-        part = s.to_hf(value)
+        key = "/".join(s.path)
+        value = host[key] if key in host else np.asarray(jax.device_get(flat[key]))
+        host = {key: value}
+        if value.shape != s.param_shape:
+            raise ValueError(f"param {key} has shape {list(value.shape)}, expected "
+                             f"{list(s.param_shape)}")
+        part = s.to_hf(value if s.stack is None else value[s.stack[0]])
         if s.rows is not None and s.hf_name in tensors:  # the next rows of a fused tensor
-            part = np.concatenate([tensors[s.hf_name], part])
+            part = np.concatenate([tensors[s.hf_name], part], axis=s.axis)
         tensors[s.hf_name] = np.ascontiguousarray(part)
+    for name, shape in moe.unused_tensors(config, hf_config["model_type"]).items():
+        tensors[name] = np.zeros(shape, jnp.dtype(config.param_dtype))
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

@@ -1,10 +1,11 @@
 """HuggingFace names and layouts <-> ``ModelConfig`` and our param tree: Llama, Mistral, Qwen2
-(here) and Qwen3, Gemma 2, Gemma 3 text, Phi-3, OLMo 2 (their configs in ``hf.families``).
+(here) and Qwen3, Gemma 2, Gemma 3 text, Phi-3, OLMo 2 (their configs in ``hf.families``), Mixtral,
+Qwen2-MoE, Qwen3-MoE (their configs and experts' tensors in ``hf.moe``).
 
 Pure functions, no file I/O (``transformer_jax.hf`` reads and writes the files):
 ``config_from_hf``/``config_to_hf`` map a ``config.json`` dict to a ``ModelConfig`` and back;
 ``_tensors(config)`` lists every HF tensor of a config with the param path it becomes and the
-reshape/transpose between the two layouts (``_Tensor``).
+reshape/transpose between the two layouts (``_Tensor``, in ``hf.tensors``).
 
 Anything that cannot be represented exactly is refused with a ValueError naming the offending
 setting (never converted approximately): other model types, MLP biases, RoPE scaling other than
@@ -23,16 +24,22 @@ of our params is a row range of the fused tensor (``_Tensor.rows``).
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
-from collections.abc import Iterator, Mapping
 from typing import Any
 
-import numpy as np
-
-from transformer_jax.hf import families
+from transformer_jax.hf import families, moe
 from transformer_jax.hf.families import rope_from_dict, rope_keys
+from transformer_jax.hf.tensors import (  # noqa: F401  (_flatten, _set_path: re-exported)
+    _flatten,
+    _fused,
+    _heads_in,
+    _heads_out,
+    _linear,
+    _reshaped,
+    _same,
+    _set_path,
+    _Tensor,
+)
 from transformer_jax.model.config import ModelConfig, RopeScaling
 
 #: The Llama layouts mapped here; ``ARCHITECTURES`` adds ``families.ARCHITECTURES``.
@@ -41,7 +48,7 @@ LLAMA_LAYOUTS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
-ARCHITECTURES = {**LLAMA_LAYOUTS, **families.ARCHITECTURES}
+ARCHITECTURES = {**LLAMA_LAYOUTS, **families.ARCHITECTURES, **moe.ARCHITECTURES}
 #: The fields of Architecture beyond the Llama layouts', and their values there.
 _LLAMA_DEFAULTS = {"qk_norm": None, "norm_offset": 0.0, "scale_embeddings": False,
                    "attn_softcap": None, "final_softcap": None, "attn_scale": None,
@@ -86,6 +93,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise ValueError("quantized checkpoints (quantization_config) are not supported")
     if model_type in families.ARCHITECTURES:
         return families.config_from_hf(hf, model_type)
+    if model_type in moe.ARCHITECTURES:
+        return moe.config_from_hf(hf, model_type)
 
     def required(key: str) -> Any:
         if hf.get(key) is None:
@@ -205,7 +214,8 @@ def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict[str
     sliding window) or Llama for the plain pre-norm block; ``qk_norm="head"`` Qwen3;
     ``norm_position="sandwich"`` Gemma 2, with ``qk_norm="head"`` Gemma 3 (``gemma3_text``);
     ``"post_branch"`` with ``qk_norm="full"`` OLMo 2. Phi-3 (the Llama block with fused
-    tensors) is written only when ``model_type="phi3"`` is asked for. Writes both the legacy
+    tensors) is written only when ``model_type="phi3"`` is asked for. A config with ``moe`` is
+    Mixtral, Qwen2-MoE or Qwen3-MoE (``hf.moe.pick_model_type``). Writes both the legacy
     ``rope_theta``/``rope_scaling`` keys (transformers 4.x) and ``rope_parameters`` (5.x).
 
     Args:
@@ -227,6 +237,13 @@ def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict[str
     if model_type is not None and model_type not in ARCHITECTURES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: "
                          f"{sorted(ARCHITECTURES)}")
+    if c.moe is not None:
+        model_type = model_type or moe.pick_model_type(c)
+        if model_type not in moe.ARCHITECTURES:
+            raise ValueError(f"HF {model_type} checkpoints have no mixture of experts, but moe "
+                             f"is set; write one of {sorted(moe.ARCHITECTURES)}")
+    if model_type in moe.ARCHITECTURES:
+        return moe.config_to_hf(c, model_type)
     if model_type is None:
         model_type = families.pick_model_type(c)
     if model_type in families.ARCHITECTURES:
@@ -283,124 +300,6 @@ def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict[str
 # Tensor mapping
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
-    """One HF tensor and the param it becomes.
-
-    Every mapping is a reshape then a transpose: the HF array [hf_shape] is viewed as
-    [split] (each HF dimension ``i`` split into ``groups[i]`` consecutive dimensions), then
-    transposed by ``perm`` (our dimension ``k`` is split dimension ``perm[k]``). Knowing that,
-    ``read`` can fetch any rectangular block of our array from the file without the rest.
-
-    Attributes:
-      hf_name: the safetensors key.
-      path: the param's path in the unrolled tree.
-      hf_shape: shape in the HF checkpoint.
-      split: ``hf_shape`` with merged dimensions split apart.
-      groups: how many split dimensions each HF dimension holds.
-      perm: the transpose from ``split`` to our layout.
-      rows: for one part of a fused tensor (Phi-3's ``qkv_proj``), (its first row, the fused
-        tensor's rows) on the first HF dimension; ``hf_shape`` is then the part's shape.
-    """
-
-    hf_name: str
-    path: tuple[str, ...]
-    hf_shape: tuple[int, ...]
-    split: tuple[int, ...]
-    groups: tuple[int, ...]
-    perm: tuple[int, ...]
-    rows: tuple[int, int] | None = None
-
-    @property
-    def stored_shape(self) -> tuple[int, ...]:
-        """Shape of the tensor in the file (the whole fused tensor for a part)."""
-        return self.hf_shape if self.rows is None else (self.rows[1], *self.hf_shape[1:])
-
-    @property
-    def row_range(self) -> tuple[int, int]:
-        """(start, stop) of this part's rows in the stored tensor's first dimension."""
-        start = 0 if self.rows is None else self.rows[0]
-        return start, start + self.hf_shape[0]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Shape in our tree."""
-        return tuple(self.split[p] for p in self.perm)
-
-    def to_ours(self, x: np.ndarray) -> np.ndarray:
-        """HF array [hf_shape] -> our array [shape]."""
-        return x.reshape(self.split).transpose(self.perm)
-
-    def to_hf(self, x: np.ndarray) -> np.ndarray:
-        """Our array [shape] -> HF array [hf_shape]."""
-        return x.transpose(np.argsort(self.perm)).reshape(self.hf_shape)
-
-    def read(self, tensor: Any, index: tuple[slice, ...]) -> np.ndarray:
-        """The block ``ours[index]`` read from the HF tensor, and nothing much more.
-
-        Args:
-          tensor: anything indexable by a tuple of slices over ``stored_shape`` that returns a numpy
-            array, e.g. safetensors' ``get_slice`` handle (memory-mapped, reads only the block).
-          index: one step-1 slice per dimension of our layout (``shape``).
-
-        Returns:
-          ``to_ours(hf)[index]``. The HF block read is that block exactly whenever the inner
-          dimensions of each merged HF dimension (head_dim) are whole, which every sharding
-          rule here keeps; otherwise those inner dimensions are read whole and cut here.
-        """
-        ranges: list[tuple[int, int]] = [(0, 0)] * len(self.split)
-        for k, p in enumerate(self.perm):
-            start, stop, _ = index[k].indices(self.split[p])
-            ranges[p] = (start, max(start, stop))
-        hf_index, block_shape, inner = [], [], []
-        first = 0
-        for g in self.groups:
-            dims = range(first, first + g)
-            first += g
-            rest = math.prod(self.split[d] for d in dims[1:])
-            start, stop = ranges[dims[0]]
-            offset = self.row_range[0] if not hf_index else 0
-            hf_index.append(slice(start * rest + offset, stop * rest + offset))
-            block_shape += [stop - start, *(self.split[d] for d in dims[1:])]
-            inner += [slice(None), *(slice(*ranges[d]) for d in dims[1:])]
-        block = np.asarray(tensor[tuple(hf_index)])
-        return block.reshape(block_shape)[tuple(inner)].transpose(self.perm)
-
-
-def _same(hf_name: str, path: tuple[str, ...], shape: tuple[int, ...]) -> _Tensor:
-    return _Tensor(hf_name, path, shape, shape, (1,) * len(shape), tuple(range(len(shape))))
-
-
-def _reshaped(hf_name: str, path: tuple[str, ...], hf_shape: tuple[int, ...],
-              shape: tuple[int, ...]) -> _Tensor:
-    """A bias [heads*H] <-> [heads, H]."""
-    return _Tensor(hf_name, path, hf_shape, shape, (len(shape),), tuple(range(len(shape))))
-
-
-def _linear(hf_name: str, path: tuple[str, ...], n_in: int, n_out: int) -> _Tensor:
-    """torch Linear [out, in] <-> [in, out]."""
-    return _Tensor(hf_name, path, (n_out, n_in), (n_out, n_in), (1, 1), (1, 0))
-
-
-def _heads_in(hf_name: str, path: tuple[str, ...], d: int, heads: int, h: int) -> _Tensor:
-    """q/k/v projection: [heads*H, D] <-> [D, heads, H]."""
-    return _Tensor(hf_name, path, (heads * h, d), (heads, h, d), (2, 1), (2, 0, 1))
-
-
-def _heads_out(hf_name: str, path: tuple[str, ...], d: int, heads: int, h: int) -> _Tensor:
-    """Output projection: [D, N*H] <-> [N, H, D]."""
-    return _Tensor(hf_name, path, (d, heads * h), (d, heads, h), (1, 2), (1, 2, 0))
-
-
-def _fused(specs: list[_Tensor], hf_name: str) -> list[_Tensor]:
-    """``specs`` as consecutive row ranges of one fused HF tensor ``hf_name``."""
-    total, out = sum(s.hf_shape[0] for s in specs), []
-    for s in specs:
-        start = sum(p.hf_shape[0] for p in out)
-        out.append(dataclasses.replace(s, hf_name=hf_name, rows=(start, total)))
-    return out
-
-
 #: HF names of each block's norms by ``norm_position``, (HF module, our param): those written
 #: before the attention's tensors, and those before the MLP's (HF's order).
 _BLOCK_NORMS = {
@@ -414,9 +313,11 @@ _BLOCK_NORMS = {
 }
 
 
-def _tensors(config: ModelConfig, model_type: str | None = None) -> list[_Tensor]:
+def _tensors(config: ModelConfig, model_type: str | None = None, stacked_experts: bool = False
+             ) -> list[_Tensor]:
     """Every tensor of the HF checkpoint of ``config`` (Phi-3's fused ones for
-    ``model_type="phi3"``; the model type's layout otherwise follows from the fields)."""
+    ``model_type="phi3"``; the model type's layout otherwise follows from the fields; the
+    sparse layers' in ``hf.moe``, their experts stacked with ``stacked_experts``)."""
     c = config
     d, n, kv, h, f, v = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
     if c.norm_position not in _BLOCK_NORMS:
@@ -449,6 +350,9 @@ def _tensors(config: ModelConfig, model_type: str | None = None) -> list[_Tensor
                               (heads * h,), (heads, h)) for x, heads in (("q", n), ("k", kv))]
         out += [_heads_out(f"{attn}.o_proj.weight", (ours, "attn", "o_proj"), d, n, h),
                 *before_mlp]
+        if c.moe is not None and c.moe.is_sparse(i):
+            out += moe.ffn_tensors(c, i, model_type or moe.pick_model_type(c), stacked_experts)
+            continue
         gate_up = [_linear(f"{mlp}.gate_proj.weight", (ours, "mlp", "gate"), d, f),
                    _linear(f"{mlp}.up_proj.weight", (ours, "mlp", "up"), d, f)]
         out += _fused(gate_up, f"{mlp}.gate_up_proj.weight") if model_type == "phi3" else gate_up
@@ -457,21 +361,6 @@ def _tensors(config: ModelConfig, model_type: str | None = None) -> list[_Tensor
     if not c.tie_embeddings:
         out.append(_linear("lm_head.weight", ("lm_head",), d, v))
     return out
-
-
-def _set_path(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
-def _flatten(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()
-             ) -> Iterator[tuple[tuple[str, ...], Any]]:
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            yield from _flatten(value, (*prefix, key))
-        else:
-            yield (*prefix, key), value
 
 
 __all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf"]

@@ -1,0 +1,347 @@
+"""HF ``config.json`` <-> ``ModelConfig`` and the experts' tensors for the mixture-of-experts
+families: Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+Pure functions, no file I/O; ``transformer_jax.hf.convert`` dispatches here by ``model_type``.
+The attention is the Llama layout's (``convert._tensors``); each family's FFN is our ``MoE``
+table (``model.fields.MoE``):
+
+- ``mixtral``: the Mistral block (one ``sliding_window`` for every layer or none), every layer
+  sparse: ``num_local_experts`` experts of width ``intermediate_size``, top
+  ``num_experts_per_tok``, the k weights renormalised; no shared expert.
+- ``qwen2_moe``: the Qwen2 block (q/k/v biases with ``qkv_bias``, the windows of
+  ``layer_types``); layer i is sparse when ``(i + 1) % decoder_sparse_step == 0`` and i is not
+  in ``mlp_only_layers`` (``MoE.sparse_step`` / ``dense_layers``), the others a dense FFN of
+  width ``intermediate_size``; experts of width ``moe_intermediate_size``, renormalised with
+  ``norm_topk_prob``; a shared expert of width ``shared_expert_intermediate_size`` always
+  gated by ``sigmoid(x . shared_expert_gate)`` (width 0: none, its empty tensors unused).
+- ``qwen3_moe``: the Qwen3 block (per-head QK-norm, one window for every layer with
+  ``use_sliding_window``), ``qwen2_moe``'s layer rule and widths, no shared expert.
+
+A ``num_experts`` of 0 (or every layer in ``mlp_only_layers``) is a dense model (``moe=None``).
+Refused, naming the field: ``router_jitter_noise`` > 0 (training-time noise on the router's
+input, which the model lacks), Qwen3-MoE's ``attention_bias``, a ``num_experts_per_tok``
+outside 1..E, a ``decoder_sparse_step`` < 1, activations and RoPE types without an exact
+equivalent; on export, what the family cannot hold (a shared expert in Mixtral or Qwen3-MoE,
+an ungated one in Qwen2-MoE, Mixtral dense layers or unnormalised weights, mixed windows
+outside Qwen2-MoE). ``router_aux_loss_coef`` and ``output_router_logits`` are training
+settings of transformers' loss, not of the function, and are not read.
+
+Experts' tensors, two layouts, both read (``stacked_experts`` tells which a file has):
+``save_pretrained`` (``save_original_format=True``, its default, and every Hub checkpoint)
+writes one tensor per expert, ``{mlp}.experts.{j}.{gate,up,down}_proj.weight`` (Mixtral:
+``block_sparse_moe.experts.{j}.w1`` gate, ``w3`` up, ``w2`` down, ``block_sparse_moe.gate``
+the router), each [F, D] / [D, F], which ``save`` writes too; transformers 5's in-memory layout
+(``save_original_format=False``) stacks them as ``mlp.experts.gate_up_proj`` [E, 2F, D] (gate
+rows first) and ``mlp.experts.down_proj`` [E, D, F]. Ours: ``moe/gate``, ``moe/up`` [E, D, F],
+``moe/down`` [E, F, D], ``moe/router`` [D, E] (HF ``gate.weight`` [E, D]), ``moe/shared/*``
+a dense FFN, ``moe/shared_gate`` [D, 1] (HF [1, D]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from transformer_jax.hf import families
+from transformer_jax.hf.tensors import _fused, _linear, _Tensor
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.fields import MoE
+
+ARCHITECTURES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+# transformers' class defaults, where config.json may omit the key.
+_DEFAULTS = {
+    "mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, num_local_experts=8,
+                    num_experts_per_tok=2),
+    "qwen2_moe": dict(rms_norm_eps=1e-6, rope_theta=1e4, num_experts=60, num_experts_per_tok=4,
+                      moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                      norm_topk_prob=False, sliding_window=4096, max_window_layers=28),
+    "qwen3_moe": dict(rms_norm_eps=1e-6, rope_theta=1e4, num_experts=128, num_experts_per_tok=8,
+                      moe_intermediate_size=768, norm_topk_prob=False),
+}
+_ROPES = {"mixtral": ("default", "linear", "llama3"), "qwen2_moe": families.ALL_ROPE,
+          "qwen3_moe": families.ALL_ROPE}
+_STACKED = ".experts.gate_up_proj"
+
+
+# ------------------------------------------------------------------------------------------------
+# config.json -> ModelConfig
+
+
+def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
+    """Maps the ``config.json`` of one of ``ARCHITECTURES`` to a ``ModelConfig`` (float32; the
+    generic checks, ``model_type``/``architectures``/``quantization_config``, are the caller's).
+
+    Raises:
+      ValueError: naming the setting that has no exact equivalent.
+    """
+    defaults = _DEFAULTS[model_type]
+
+    def get(key: str) -> Any:
+        return hf.get(key, defaults.get(key))
+
+    def required(key: str) -> Any:
+        if hf.get(key) is None:
+            raise ValueError(f"config.json lacks required key {key!r} (or it is null)")
+        return hf[key]
+
+    act = hf.get("hidden_act", "silu")
+    if act not in families.ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {act!r}; supported: "
+                         f"{sorted(families.ACTIVATIONS)}")
+    if model_type == "qwen3_moe" and hf.get("attention_bias", False):
+        raise ValueError("attention_bias=True is not supported for qwen3_moe (it also biases "
+                         "o_proj, which the model lacks)")
+    jitter = hf.get("router_jitter_noise") or 0.0
+    if jitter:
+        raise ValueError(f"router_jitter_noise={jitter} is not supported (training-time noise "
+                         "on the router's input, which the model lacks); set it to 0.0")
+    n_layers, n_heads = required("num_hidden_layers"), required("num_attention_heads")
+    max_seq_len = required("max_position_embeddings")
+    n_kv_heads = hf.get("num_key_value_heads", "missing")
+    if n_kv_heads is None and model_type == "mixtral":  # MixtralConfig: null means N
+        n_kv_heads = n_heads
+    elif n_kv_heads in (None, "missing"):
+        raise ValueError("config.json lacks required key 'num_key_value_heads' (or it is null)")
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_scaling/rope_parameters must be a dict, got {rope!r}")
+    rope_base, rope_scaling = families.rope_from_dict(
+        rope, hf, max_seq_len, _ROPES[model_type], default_theta=defaults["rope_theta"])
+    window, pattern = families.window_and_pattern(_layer_kinds(hf, model_type, n_layers),
+                                                  _window(hf, model_type))
+    return ModelConfig(
+        vocab_size=required("vocab_size"), d_model=required("hidden_size"), n_layers=n_layers,
+        n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=hf.get("head_dim"),
+        d_ff=required("intermediate_size"), max_seq_len=max_seq_len, norm="rms",
+        norm_eps=float(get("rms_norm_eps")), ffn=families.ACTIVATIONS[act], position="rope",
+        rope_base=rope_base, rope_pairing="half", rope_scaling=rope_scaling,
+        sliding_window=window, layer_pattern=pattern,
+        qk_norm="head" if model_type == "qwen3_moe" else None,
+        qkv_bias=bool(hf.get("qkv_bias", True)) if model_type == "qwen2_moe" else False,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        moe=_moe_from_hf(hf, model_type, n_layers, get))
+
+
+def _window(hf: dict[str, Any], model_type: str) -> int | None:
+    if model_type == "qwen2_moe":
+        return hf.get("sliding_window", 4096)
+    return hf.get("sliding_window")
+
+
+def _layer_kinds(hf: dict[str, Any], model_type: str, n_layers: int) -> list[str]:
+    """Each layer's local/global attention as transformers 5 reads the family's config."""
+    if model_type == "mixtral":  # one window on every layer, or none
+        return ["local" if hf.get("sliding_window") is not None else "global"] * n_layers
+    sliding = bool(hf.get("use_sliding_window", False))
+    if model_type == "qwen3_moe":  # the window, if used, is every layer's
+        if sliding and hf.get("sliding_window") is None:
+            raise ValueError("use_sliding_window=True needs a sliding_window")
+        return ["local" if sliding else "global"] * n_layers
+    layer_types = hf.get("layer_types")
+    if layer_types is None:  # Qwen2MoeConfig's rule: odd-numbered layers below the limit
+        limit = hf.get("max_window_layers", 28)
+        return ["local" if sliding and (i + 1) % 2 and i < limit else "global"
+                for i in range(n_layers)]
+    kinds = families.layer_kinds_from_hf(layer_types, n_layers)
+    if "local" in kinds and not sliding:
+        raise ValueError("layer_types has sliding_attention layers but use_sliding_window is "
+                         "false (transformers then sets their window to 0)")
+    return kinds
+
+
+def _moe_from_hf(hf: dict[str, Any], model_type: str, n_layers: int, get: Any) -> MoE | None:
+    """The ``MoE`` table, or None when no layer is sparse."""
+    if model_type == "qwen2_moe":
+        n_experts = get("num_experts")
+    else:  # transformers maps num_experts to num_local_experts (either name may be written)
+        names = [n for n in ("num_local_experts", "num_experts") if hf.get(n) is not None]
+        values = {hf[n] for n in names}
+        if len(values) > 1:
+            raise ValueError(f"num_local_experts ({hf['num_local_experts']}) and num_experts "
+                             f"({hf['num_experts']}) differ")
+        n_experts = values.pop() if values else _DEFAULTS[model_type].get(
+            "num_local_experts", _DEFAULTS[model_type].get("num_experts"))
+    if isinstance(n_experts, bool) or not isinstance(n_experts, int) or n_experts < 0:
+        raise ValueError(f"num_experts must be an int >= 0, got {n_experts!r}")
+    top_k = get("num_experts_per_tok")
+    if n_experts and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                      or not 1 <= top_k <= n_experts):
+        raise ValueError(f"num_experts_per_tok must be an int in 1..{n_experts} (the experts), "
+                         f"got {top_k!r}")
+    if model_type == "mixtral":
+        return MoE(n_experts=n_experts, top_k=top_k, d_ff=hf["intermediate_size"])
+    step = hf.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"decoder_sparse_step must be an int >= 1, got {step!r}")
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise ValueError(f"mlp_only_layers must be a list of layer indices, got {only!r}")
+    # Canonical: only the listed layers the step would make sparse (transformers ignores the
+    # others, and indices out of range).
+    dense = tuple(sorted({i for i in only if 0 <= i < n_layers and (i + 1) % step == 0}))
+    if not n_experts or len(dense) == len(range(step - 1, n_layers, step)):
+        return None
+    shared = get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise ValueError(f"shared_expert_intermediate_size must be an int >= 0, got {shared!r}")
+    renormalize = get("norm_topk_prob")
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"norm_topk_prob must be a bool, got {renormalize!r}")
+    return MoE(n_experts=n_experts, top_k=top_k, d_ff=get("moe_intermediate_size"),
+               renormalize=renormalize, shared_d_ff=shared, shared_gate=shared > 0,
+               sparse_step=step, dense_layers=dense)
+
+
+# ------------------------------------------------------------------------------------------------
+# ModelConfig -> config.json
+
+
+def pick_model_type(config: ModelConfig) -> str:
+    """The family of a config with ``moe``: Qwen3-MoE with QK-norm, Mixtral when it fits
+    (no q/k/v biases, no shared expert, renormalised, every layer sparse, one window), else
+    Qwen2-MoE."""
+    c, m = config, config.moe
+    if c.qk_norm is not None:
+        return "qwen3_moe"
+    mixtral = (not c.qkv_bias and not m.shared_d_ff and m.renormalize and not c.layers_differ
+               and len(c.sparse_layers) == c.n_layers)
+    return "mixtral" if mixtral else "qwen2_moe"
+
+
+def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
+    """The ``config.json`` dict of ``config`` as ``model_type`` (one of ``ARCHITECTURES``).
+
+    Raises:
+      ValueError: naming the field that ``model_type`` cannot represent.
+    """
+    c, m, what = config, config.moe, f"HF {model_type}"
+    if m is None:
+        raise ValueError(f"{what} checkpoints need moe (a mixture of experts), got moe=None")
+    families.require_fields(c, {
+        "norm_position": "pre", "qk_norm": "head" if model_type == "qwen3_moe" else None,
+        "norm_offset": 0.0, "scale_embeddings": False, "attn_softcap": None,
+        "final_softcap": None, "attn_scale": None, "local_rope_base": None,
+        **({} if model_type == "qwen2_moe" else {"qkv_bias": False})},
+        families.FFN_TO_ACTIVATION, what)
+    if c.rope_scaling is not None and c.rope_scaling.kind not in _ROPES[model_type]:
+        raise ValueError(f"{what} checkpoints cannot have rope_scaling of kind "
+                         f"{c.rope_scaling.kind!r}")
+    if model_type != "qwen2_moe" and c.layers_differ:
+        raise ValueError(f"{what} checkpoints cannot mix local and global layers "
+                         f"(layer_pattern={c.layer_pattern})")
+    if model_type != "qwen2_moe" and m.shared_d_ff:
+        raise ValueError(f"{what} checkpoints have no shared expert, got "
+                         f"moe.shared_d_ff={m.shared_d_ff}")
+    if model_type == "qwen2_moe" and m.shared_d_ff and not m.shared_gate:
+        raise ValueError("HF qwen2_moe checkpoints gate their shared expert: moe.shared_gate "
+                         "must be true with moe.shared_d_ff > 0")
+    local = "local" in c.layer_kinds()
+    hf: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
+        "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim, "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings,
+        "hidden_act": families.FFN_TO_ACTIVATION[c.ffn], "torch_dtype": c.param_dtype,
+        "dtype": c.param_dtype, "bos_token_id": None, "eos_token_id": None,
+        "pad_token_id": None, "num_experts_per_tok": m.top_k,
+        **families.rope_keys(c.rope_base, c.rope_scaling),
+    }
+    if model_type == "mixtral":
+        if not m.renormalize:
+            raise ValueError("HF mixtral checkpoints renormalise the top-k weights: "
+                             "moe.renormalize must be true")
+        if len(c.sparse_layers) != c.n_layers:
+            raise ValueError(f"HF mixtral checkpoints have no dense layers, got "
+                             f"moe.sparse_step={m.sparse_step}, dense_layers={m.dense_layers}")
+        # One width: the experts' (the dense d_ff is unused when every layer is sparse).
+        hf.update(num_local_experts=m.n_experts, intermediate_size=m.d_ff,
+                  router_jitter_noise=0.0, sliding_window=c.sliding_window if local else None)
+        return hf
+    sparse = set(c.sparse_layers)
+    hf.update(num_experts=m.n_experts, intermediate_size=c.d_ff, moe_intermediate_size=m.d_ff,
+              norm_topk_prob=m.renormalize, decoder_sparse_step=m.sparse_step,
+              mlp_only_layers=[i for i in range(m.sparse_step - 1, c.n_layers, m.sparse_step)
+                               if i not in sparse],
+              use_sliding_window=local, sliding_window=c.sliding_window if local else None)
+    if model_type == "qwen2_moe":
+        hf.update(qkv_bias=c.qkv_bias, shared_expert_intermediate_size=m.shared_d_ff,
+                  layer_types=families.layer_types_to_hf(c), max_window_layers=c.n_layers)
+    else:
+        hf.update(attention_bias=False)
+    return hf
+
+
+# ------------------------------------------------------------------------------------------------
+# Tensors
+
+
+def stacked_experts(names: Iterable[str]) -> bool:
+    """Whether a checkpoint's tensor ``names`` hold the experts stacked (transformers 5's
+    ``experts.gate_up_proj``) rather than one tensor per expert."""
+    return any(name.endswith(_STACKED) for name in names)
+
+
+def _ffn_prefix(model_type: str, layer: int, stacked: bool) -> str:
+    block = "block_sparse_moe" if model_type == "mixtral" and not stacked else "mlp"
+    return f"model.layers.{layer}.{block}"
+
+
+def ffn_tensors(config: ModelConfig, layer: int, model_type: str, stacked: bool = False
+                ) -> list[_Tensor]:
+    """The HF tensors of sparse layer ``layer``'s FFN: the router, the experts (one tensor per
+    expert, or ``stacked``), the shared expert and its gate."""
+    c, m = config, config.moe
+    d, e, f = c.d_model, m.n_experts, m.d_ff
+    hf, ours = _ffn_prefix(model_type, layer, stacked), (f"blocks_{layer}", "moe")
+    out = [_linear(f"{hf}.gate.weight", (*ours, "router"), d, e)]
+    if stacked:  # [E, out, in] <-> [E, in, out]
+        def batched(name: str, param: str, n_in: int, n_out: int) -> _Tensor:
+            shape = (e, n_out, n_in)
+            return _Tensor(name, (*ours, param), shape, shape, (1, 1, 1), (0, 2, 1))
+
+        out += _fused([batched("", "gate", d, f), batched("", "up", d, f)],
+                      f"{hf}.experts.gate_up_proj", axis=1)
+        out.append(batched(f"{hf}.experts.down_proj", "down", f, d))
+    else:  # each param's experts in order (``save`` gathers a param once)
+        names = ("w1", "w3", "w2") if model_type == "mixtral" else (
+            "gate_proj", "up_proj", "down_proj")
+        for name, param, n_in, n_out in zip(names, ("gate", "up", "down"), (d, d, f),
+                                            (f, f, d), strict=True):
+            out += [dataclasses.replace(
+                _linear(f"{hf}.experts.{j}.{name}.weight", (*ours, param), n_in, n_out),
+                stack=(j, e)) for j in range(e)]
+    if m.shared_d_ff:
+        shared, s = f"{hf}.shared_expert", m.shared_d_ff
+        out += [_linear(f"{shared}.gate_proj.weight", (*ours, "shared", "gate"), d, s),
+                _linear(f"{shared}.up_proj.weight", (*ours, "shared", "up"), d, s),
+                _linear(f"{shared}.down_proj.weight", (*ours, "shared", "down"), s, d)]
+        if m.shared_gate:
+            out.append(_linear(f"{hf}.shared_expert_gate.weight", (*ours, "shared_gate"), d, 1))
+    return out
+
+
+def unused_tensors(config: ModelConfig, model_type: str) -> dict[str, tuple[int, ...]]:
+    """Tensors a checkpoint has that change nothing, by name, with their shapes: Qwen2-MoE's
+    shared expert of width 0 (empty matrices, and a gate that scales zeros). ``load`` checks
+    their shapes and drops them; ``save`` writes them as zeros."""
+    c, m = config, config.moe
+    if model_type != "qwen2_moe" or m is None or m.shared_d_ff:
+        return {}
+    out: dict[str, tuple[int, ...]] = {}
+    for i in c.sparse_layers:
+        mlp = f"model.layers.{i}.mlp"
+        out.update({f"{mlp}.shared_expert.gate_proj.weight": (0, c.d_model),
+                    f"{mlp}.shared_expert.up_proj.weight": (0, c.d_model),
+                    f"{mlp}.shared_expert.down_proj.weight": (c.d_model, 0),
+                    f"{mlp}.shared_expert_gate.weight": (1, c.d_model)})
+    return out
+
+
+__all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "ffn_tensors", "pick_model_type",
+           "stacked_experts", "unused_tensors"]
