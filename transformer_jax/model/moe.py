@@ -5,7 +5,9 @@ Parameters (logical axes in brackets): ``router`` [D, E] (embed, router); ``gate
 [E, D, F] (experts, expert_embed, expert_mlp); ``down`` [E, F, D]; with a shared expert the
 dense FFN ``shared`` (an ``MLP``) and, with its gate, ``shared_gate`` [D, 1]. The experts' axes
 have their own names so a mesh can split E over an ``expert`` axis while the rest of the model
-uses that axis for data (``parallel/sharding.py``).
+uses that axis for data (``parallel/sharding.py``). When the logical rules in context split E
+over more than one device, the experts run expert-parallel (``ops.moe_dispatch``: each token
+sent to its experts' devices and back by all_to_all); otherwise as ``ops.moe.experts_ffn``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 from transformer_jax.model.fields import MoE
 from transformer_jax.model.layers import MLP, matrix, stored_quantized
 from transformer_jax.model.ops import moe as moe_ops
+from transformer_jax.model.ops import moe_dispatch
 from transformer_jax.model.ops.dense import dense
 from transformer_jax.model.ops.ffn import GATE_ACTIVATIONS
 
@@ -75,8 +78,14 @@ class SparseFFN(nn.Module):
         logits = dense(tokens, router.astype(self.dtype), "ND,DE->NE",
                        out_first=self.out_first, preferred_element_type=jnp.float32)
         routing = moe_ops.route(logits, m.top_k, m.renormalize)
-        y = moe_ops.experts_ffn(tokens, routing, gate, up, down,
-                                activation=GATE_ACTIVATIONS[self.kind], impl=self.impl)
+        split = expert_split()
+        if split is None:
+            y = moe_ops.experts_ffn(tokens, routing, gate, up, down,
+                                    activation=GATE_ACTIVATIONS[self.kind], impl=self.impl)
+        else:
+            y = moe_dispatch.dispatch_experts_ffn(
+                tokens, routing, gate, up, down, split, activation=GATE_ACTIVATIONS[self.kind],
+                impl=self.impl)
         y = y.reshape(b, t, d)
         if m.shared_d_ff:
             shared = MLP(d_ff=m.shared_d_ff, kind=self.kind, init_std=self.init_std,
@@ -95,3 +104,15 @@ class SparseFFN(nn.Module):
                  "z": moe_ops.router_z_loss(routing, mask),
                  "load": moe_ops.expert_load(routing.experts, mask, e)}
         return y.astype(self.dtype), stats
+
+
+def expert_split() -> moe_dispatch.ExpertSplit | None:
+    """How the abstract mesh and logical rules in context (``parallel.sharding.jit_sharded``)
+    split the experts, or None (no mesh, or E not split): ``moe_dispatch.expert_split`` of the
+    mesh axes that ``batch``, ``experts``, ``expert_embed`` and ``expert_mlp`` map to."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    (batch,) = nn.logical_to_mesh_axes(("batch",))
+    experts, embed, mlp = nn.logical_to_mesh_axes(("experts", "expert_embed", "expert_mlp"))
+    return moe_dispatch.expert_split(mesh, batch, experts, embed, mlp)

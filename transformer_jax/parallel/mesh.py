@@ -1,5 +1,6 @@
-"""The device mesh: its three axes (data, fsdp, tensor), their sizes, and the CPU devices a host
-is split into to simulate or to use every core (``parallel/sharding.py`` maps the model onto it)."""
+"""The device mesh: its axes (data, fsdp, tensor, and expert for a mixture of experts), their
+sizes, and the CPU devices a host is split into to simulate or to use every core
+(``parallel/sharding.py`` maps the model onto it)."""
 
 from __future__ import annotations
 
@@ -17,25 +18,36 @@ from transformer_jax.model.config import check_keys
 
 logger = logging.getLogger(__name__)
 
+#: The axes of every mesh without expert parallelism (``MeshConfig.expert == 1``).
 MESH_AXES = ("data", "fsdp", "tensor")
+#: The axes of a mesh with an ``expert`` axis (``MeshConfig.expert > 1``). A mesh without one
+#: keeps the three axes above, so its shardings, specs and checkpoints are those of before.
+#: expert sits inside fsdp and outside tensor: tensor's per-sublayer all-reduces stay on the
+#: closest devices, and each MoE layer's two all_to_alls over expert on the next closest.
+EXPERT_MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the ``data``, ``fsdp`` and ``tensor`` mesh axes.
+    """Sizes of the ``data``, ``fsdp``, ``tensor`` and ``expert`` mesh axes.
 
-    One size may be -1, meaning "all the devices the others leave". The default is pure data
-    parallelism over every device, so the same config runs on 1 device and on a pod.
+    One of data, fsdp and tensor may be -1, meaning "all the devices the others leave". The
+    default is pure data parallelism over every device, so the same config runs on 1 device
+    and on a pod.
 
     Attributes:
       data: replicas that each hold whole (unsharded-by-fsdp) parameters.
       fsdp: devices that split parameters and optimizer state along the embed axis.
       tensor: devices that split heads, FFN width and vocab.
+      expert: devices that split a mixture's experts (each holds E/expert of them and gets
+        its tokens' rows by all_to_all); every other layer uses them as FSDP devices (the
+        batch and the embed axis split over them too). 1 (the default): no expert axis.
     """
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    expert: int = 1
 
     def __post_init__(self) -> None:
         for name in MESH_AXES:
@@ -43,20 +55,29 @@ class MeshConfig:
             if not isinstance(value, int) or isinstance(value, bool) or (
                     value < 1 and value != -1):
                 raise ValueError(f"mesh.{name} must be a positive int or -1, got {value!r}")
+        if not isinstance(self.expert, int) or isinstance(self.expert, bool) or self.expert < 1:
+            raise ValueError(f"mesh.expert must be a positive int (-1 is for data, fsdp or "
+                             f"tensor), got {self.expert!r}")
         if self.sizes.count(-1) > 1:
             raise ValueError(f"at most one mesh axis may be -1, got {self.describe()}")
 
     @property
-    def sizes(self) -> tuple[int, int, int]:
-        """(data, fsdp, tensor) as configured, -1 included."""
-        return (self.data, self.fsdp, self.tensor)
+    def axes(self) -> tuple[str, ...]:
+        """The mesh's axis names: ``MESH_AXES``, or ``EXPERT_MESH_AXES`` when expert > 1."""
+        return EXPERT_MESH_AXES if self.expert > 1 else MESH_AXES
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The sizes of ``axes`` as configured, -1 included: (data, fsdp, tensor), or
+        (data, fsdp, expert, tensor)."""
+        return tuple(getattr(self, name) for name in self.axes)
 
     def describe(self) -> str:
         """``"data=2 x fsdp=-1 x tensor=2"``, for messages."""
-        return " x ".join(f"{n}={s}" for n, s in zip(MESH_AXES, self.sizes, strict=True))
+        return " x ".join(f"{n}={s}" for n, s in zip(self.axes, self.sizes, strict=True))
 
-    def resolve(self, n_devices: int) -> tuple[int, int, int]:
-        """The concrete (data, fsdp, tensor) sizes for ``n_devices`` devices.
+    def resolve(self, n_devices: int) -> tuple[int, ...]:
+        """The concrete sizes of ``axes`` for ``n_devices`` devices.
 
         Raises:
           ValueError: when the sizes do not multiply to ``n_devices`` (or, with a -1, the fixed
@@ -77,15 +98,29 @@ class MeshConfig:
 
     @classmethod
     def parse(cls, text: str) -> MeshConfig:
-        """``"1,8,1"`` -> ``MeshConfig(data=1, fsdp=8, tensor=1)`` (-1 allowed)."""
+        """``"1,8,1"`` -> ``MeshConfig(data=1, fsdp=8, tensor=1)`` (-1 allowed); a fourth size
+        is the expert axis (``"-1,1,1,4"``); named sizes may be given in any order, the rest
+        taking their defaults (``"expert=4,data=-1"``)."""
         parts = [p.strip() for p in text.split(",")]
-        if len(parts) != len(MESH_AXES):
-            raise ValueError(f"mesh {text!r} must be three comma-separated sizes data,fsdp,tensor")
+        form = ("three sizes data,fsdp,tensor (a fourth: expert) or NAME=SIZE,... (names data, "
+                "fsdp, tensor, expert)")
+        if any("=" in p for p in parts):
+            if not all("=" in p for p in parts):
+                raise ValueError(f"mesh {text!r} mixes named and plain sizes; use {form}")
+            names, values = zip(*(p.split("=", 1) for p in parts), strict=True)
+            names = [name.strip() for name in names]
+            check_keys(dict.fromkeys(names), cls, "mesh")
+            if len(set(names)) != len(names):
+                raise ValueError(f"mesh {text!r} names an axis twice")
+        else:
+            if len(parts) not in (3, 4):
+                raise ValueError(f"mesh {text!r} must be {form}")
+            names, values = [*MESH_AXES, "expert"][:len(parts)], parts
         try:
-            sizes = [int(p) for p in parts]
+            sizes = [int(v) for v in values]
         except ValueError:
-            raise ValueError(f"mesh {text!r} must be three integers data,fsdp,tensor") from None
-        return cls(*sizes)
+            raise ValueError(f"mesh {text!r} must be integer {form}") from None
+        return cls(**dict(zip(names, sizes, strict=True)))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> MeshConfig:
@@ -142,7 +177,8 @@ def configure_cpu_devices(divides: int | None = None, devices: int = 0) -> int:
 
 
 def make_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all devices of all processes).
+    """A ``(data, fsdp, tensor)`` mesh, or ``(data, fsdp, expert, tensor)`` with an expert axis,
+    over ``devices`` (default: all devices of all processes).
 
     Axes are of the automatic (GSPMD/Shardy-propagated) kind: shardings are pinned on inputs,
     outputs and the few constraints in the model, and XLA propagates the rest.
@@ -152,15 +188,15 @@ def make_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = No
       devices: the devices to use; all of them must be used.
 
     Returns:
-      A ``jax.sharding.Mesh`` with axis names ``MESH_AXES``.
+      A ``jax.sharding.Mesh`` with axis names ``mesh_config.axes``.
 
     Raises:
       ValueError: if the mesh does not fit the device count (naming both).
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_config.resolve(len(devices))
-    mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    axes = mesh_config.axes
+    mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices)
     logger.info("mesh %s over %d devices (%d processes)",
                 dict(mesh.shape), len(devices), jax.process_count())
     return mesh

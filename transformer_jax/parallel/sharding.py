@@ -1,10 +1,15 @@
-"""Device mesh, logical-axis rules and sharded jit for data, FSDP and tensor parallelism.
+"""Device mesh, logical-axis rules and sharded jit for data, FSDP, tensor and expert
+parallelism.
 
 The mesh has three named axes: ``data`` (pure data parallelism: parameters replicated),
 ``fsdp`` (data parallelism with parameters and optimizer state sharded, gathered per layer by
-XLA) and ``tensor`` (Megatron-style: heads and FFN columns split, one all-reduce per sublayer).
-The model only names its parameter axes (embed, heads, ...); ``LOGICAL_RULES`` maps those names
-to mesh axes, so changing the parallelism is a change of the mesh sizes, never of the model.
+XLA) and ``tensor`` (Megatron-style: heads and FFN columns split, one all-reduce per sublayer);
+with ``MeshConfig.expert > 1`` a fourth, ``expert``, splits a mixture's experts (the model's
+``SparseFFN`` then sends each token to its experts' devices and back by all_to_all,
+``model/ops/moe_dispatch.py``) and acts as FSDP everywhere else. The model only names its
+parameter axes (embed, heads, ...); ``LOGICAL_RULES`` (``EXPERT_RULES`` on a mesh with an
+expert axis, ``rules_for``) maps those names to mesh axes, so changing the parallelism is a
+change of the mesh sizes, never of the model.
 
 Typical use (the train state is anything whose leaves are parameters, optimizer moments that
 mirror them, and small replicated scalars)::
@@ -33,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.transformer import abstract_params, init_params, logical_axes
 from transformer_jax.parallel.mesh import (  # noqa: F401 (sharding.make_mesh etc. are the API)
+    EXPERT_MESH_AXES,
     MESH_AXES,
     MeshConfig,
     configure_cpu_devices,
@@ -59,7 +65,25 @@ LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("layers", None),
     ("norm", None),
     ("act_embed", None),
+    # A mixture's stacked experts [E, D, F]: without an expert axis every device holds all E,
+    # split like an FFN's matrices; the router [D, E] splits only along embed.
+    ("experts", None),
+    ("expert_embed", "fsdp"),
+    ("expert_mlp", "tensor"),
+    ("router", None),
 )
+
+# The rules on a mesh with an ``expert`` axis. The experts' E splits over it; every other
+# layer uses it as more FSDP devices: the batch splits over it (each expert device routes its
+# own tokens, and attention has no idle device) and so does every non-expert weight's embed
+# axis, as MaxText does. Replicating those weights over expert instead would leave E/expert
+# devices each holding a whole copy of attention, embeddings and their Adam moments: with the
+# expert axis as FSDP they cost 1/(fsdp*expert) per device, for an all-gather per layer that
+# the data layers' gradient all-reduce over expert would otherwise cost in a similar volume.
+# The experts' own D stays on fsdp alone (expert already splits their E).
+EXPERT_RULES: tuple[tuple[str, MeshAxes], ...] = tuple(
+    {**dict(LOGICAL_RULES), "batch": ("data", "fsdp", "expert"), "embed": ("fsdp", "expert"),
+     "experts": "expert"}.items())
 
 # Logical axes of the [B, T, D] residual stream between blocks. Its D ("act_embed", unlike the
 # parameters' "embed") stays whole: fsdp already splits the batch, and tensor parallelism
@@ -69,6 +93,20 @@ RESIDUAL_AXES = ("batch", "length", "act_embed")
 
 
 # ------------------------------------------------------------------------------------- rules
+
+
+def rules_for(mesh: Mesh | jax.sharding.AbstractMesh) -> tuple[tuple[str, MeshAxes], ...]:
+    """The logical rules of ``mesh``: ``EXPERT_RULES`` if it has an ``expert`` axis, else
+    ``LOGICAL_RULES`` (which name no expert axis, so meshes without one are as before)."""
+    return EXPERT_RULES if "expert" in mesh.axis_names else LOGICAL_RULES
+
+
+def batch_devices(mesh: Mesh | jax.sharding.AbstractMesh,
+                  rules: Sequence[tuple[str, MeshAxes]] | None = None) -> int:
+    """How many parts the batch splits into on ``mesh`` (data x fsdp, times expert if any):
+    the global batch size must be a multiple of it."""
+    spec = logical_to_mesh_spec(("batch",), rules_for(mesh) if rules is None else rules)
+    return math.prod(mesh.shape[a] for a in _as_tuple(spec[0]))
 
 
 def logical_to_mesh_spec(logical: Sequence[str | None],
@@ -106,14 +144,14 @@ def logical_to_mesh_spec(logical: Sequence[str | None],
 
 
 def param_shardings(config: ModelConfig, mesh: Mesh,
-                    rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES, *,
+                    rules: Sequence[tuple[str, MeshAxes]] | None = None, *,
                     weights_out_first: bool = False) -> Any:
     """The ``NamedSharding`` of every parameter, from ``model.logical_axes`` and the rules.
 
     Args:
       config: the model.
       mesh: a mesh with (a superset of) the axes the rules name.
-      rules: logical -> mesh axis rules.
+      rules: logical -> mesh axis rules (None: ``rules_for(mesh)``).
       weights_out_first: for matrices stored output axes first (``decode.prepare``).
 
     Returns:
@@ -124,6 +162,7 @@ def param_shardings(config: ModelConfig, mesh: Mesh,
         message names the parameter, the dimension, its size and the mesh axes).
     """
     shapes, logical = _param_layout(config, weights_out_first)
+    rules = rules_for(mesh) if rules is None else rules
 
     def one(path, spec: P, shape: jax.ShapeDtypeStruct) -> NamedSharding:
         mesh_spec = logical_to_mesh_spec(tuple(spec), rules)
@@ -158,9 +197,11 @@ def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_shape: Mappin
                 f"divisible by mesh axis {axis_desc}; change the mesh or the model shape")
 
 
-def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES
+def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, MeshAxes]] | None = None
                    ) -> NamedSharding:
-    """Sharding of every batch array ([B, ...]): the leading B axis split over (data, fsdp)."""
+    """Sharding of every batch array ([B, ...]): the leading B axis split over (data, fsdp),
+    and expert if the mesh has it (``rules`` None: ``rules_for(mesh)``)."""
+    rules = rules_for(mesh) if rules is None else rules
     return NamedSharding(mesh, logical_to_mesh_spec(("batch",), rules))
 
 
@@ -286,12 +327,14 @@ def init_params_sharded(config: ModelConfig, mesh: Mesh, rng: jax.Array | int = 
 
 def jit_sharded(fn: Callable[..., Any], mesh: Mesh, in_shardings: Any, out_shardings: Any, *,
                 donate_argnums: Sequence[int] = (),
-                rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES) -> Any:
+                rules: Sequence[tuple[str, MeshAxes]] | None = None) -> Any:
     """``jax.jit`` with explicit shardings, tracing ``fn`` with the mesh and rules in context.
 
     While ``fn`` is traced, the abstract mesh and the logical rules are in force, so
     ``nn.with_logical_constraint`` calls inside the model resolve to mesh axes (without them
-    they are no-ops). Use it for every function that runs the model: train, eval, decode steps.
+    they are no-ops), and a mixture's ``SparseFFN`` sees whether the mesh splits its experts
+    (then it dispatches tokens by all_to_all). Use it for every function that runs the model:
+    train, eval, decode steps.
 
     Args:
       fn: the pure function.
@@ -299,11 +342,13 @@ def jit_sharded(fn: Callable[..., Any], mesh: Mesh, in_shardings: Any, out_shard
       in_shardings: shardings (or prefixes) of the positional arguments.
       out_shardings: shardings (or prefixes) of the outputs.
       donate_argnums: arguments whose buffers the outputs may reuse.
-      rules: logical -> mesh axis rules.
+      rules: logical -> mesh axis rules (None: ``rules_for(mesh)``).
 
     Returns:
       The jitted function (with ``.lower`` for ahead-of-time compilation).
     """
+    rules = rules_for(mesh) if rules is None else rules
+
     @functools.wraps(fn)
     def in_context(*args):
         # Entered at trace time: that is when the model's logical constraints are resolved.
@@ -316,20 +361,21 @@ def jit_sharded(fn: Callable[..., Any], mesh: Mesh, in_shardings: Any, out_shard
 
 def jit_train_step(train_step: Callable[[Any, Any], tuple[Any, Any]], state_shardings: Any,
                    batch_sharding: NamedSharding, *, donate: bool = True,
-                   rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_RULES
+                   rules: Sequence[tuple[str, MeshAxes]] | None = None
                    ) -> Callable[[Any, Any], tuple[Any, Any]]:
     """Jits ``train_step(state, batch) -> (state, metrics)`` with explicit shardings.
 
     The state keeps its shardings across steps (and is donated, so its buffers are reused); the
-    batch is split over (data, fsdp); metrics come back replicated, so every process can read
-    them. See ``jit_sharded`` for the logical rules in context.
+    batch is split over (data, fsdp[, expert]); metrics come back replicated, so every process
+    can read them. See ``jit_sharded`` for the logical rules in context.
 
     Args:
       train_step: the pure step function.
       state_shardings: ``state_shardings(abstract_state, param_shardings(...))``.
       batch_sharding: ``batch_sharding(mesh)`` (applies to every leaf of the batch).
       donate: donate the input state's buffers.
-      rules: logical -> mesh axis rules for constraints inside the model.
+      rules: logical -> mesh axis rules for constraints inside the model (None:
+        ``rules_for`` the mesh).
 
     Returns:
       The jitted step (with ``.lower`` for ahead-of-time compilation).

@@ -1,0 +1,226 @@
+"""Expert parallelism: the ``expert`` mesh axis, its logical rules, and the mixture's tokens
+dispatched to their experts' devices by all_to_all (``model/ops/moe_dispatch.py``).
+
+The multi-device claims run in ONE launch of two processes with 4 simulated CPU devices each,
+joined by ``jax.distributed`` over gloo (``tests/moe_parallel_worker.py``): each process trains
+the single-device reference on its own first device, then the same 20 steps on three 8-device
+meshes spanning both processes (the expert axis at 4 with data 2, at 2 with fsdp 2 and tensor
+2, and at 8, its all_to_alls across the processes). The cheap claims (config, rules, what is
+traced) run here on abstract meshes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import moe_parallel_worker as ep
+import multihost_worker as worker
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
+
+from transformer_jax.model.fields import MoE
+from transformer_jax.model.ops import moe_dispatch
+from transformer_jax.model.transformer import Transformer, init_params
+from transformer_jax.parallel import sharding as sh
+
+N_PROCESSES, DEVICES_PER_PROCESS = 2, 4
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen(
+        [sys.executable, ep.__file__, "--coordinator", coordinator, "--num-processes",
+         str(N_PROCESSES), "--process-id", str(i)],
+        cwd=worker.ROOT, env=worker.worker_env(DEVICES_PER_PROCESS), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for i in range(N_PROCESSES)]
+    outs = []
+    try:
+        for i, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=600)
+            if proc.returncode:
+                pytest.fail(f"process {i} failed:\n{err[-4000:]}")
+            outs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
+def abstract_mesh(**sizes: int) -> AbstractMesh:
+    config = sh.MeshConfig(**sizes)
+    return AbstractMesh(config.sizes, config.axes, axis_types=(AxisType.Auto,) * len(config.axes))
+
+
+# ------------------------------------------------------------ 2 processes x 4 devices (subprocess)
+
+
+@pytest.mark.parametrize("name", list(ep.MESHES))
+def test_expert_parallel_training_equals_one_device_at_every_step(runs, name):
+    """20 real train steps (``make_train_step``, sharded jit): loss and gradient norm of every
+    step as on one device, and the parameters and Adam moments at the end too (a wrong
+    gradient factor, which Adam's normalisation would hide from the loss, shows in mu)."""
+    run, ref = runs["runs"][name], runs["ref"]
+    assert runs["processes"] == N_PROCESSES and runs["devices"] == 8
+    assert len(run["loss"]) == ep.STEPS == len(ref["loss"])
+    assert ref["loss"][-1] < ref["loss"][0] - 0.3  # it trains
+    np.testing.assert_allclose(run["loss"], ref["loss"], rtol=0, atol=2e-4)
+    np.testing.assert_allclose(run["grad_norm"], ref["grad_norm"], rtol=5e-4)
+    assert any("/moe/" in k and "/mu/" in k for k in run["diff"]), "no expert moment compared"
+    worst = max(run["diff"].items(), key=lambda kv: kv[1])
+    assert worst[1] < 3e-3, worst
+
+
+def test_meshes_have_the_expert_axis_and_dispatch_by_all_to_all(runs):
+    expected = {"expert2_fsdp2_tensor2": (1, 2, 2, 2), "expert8": (1, 1, 8, 1)}
+    for name, run in runs["runs"].items():
+        assert tuple(run["mesh"]) == sh.EXPERT_MESH_AXES
+        assert tuple(run["mesh"].values()) == expected[name]
+        # Two exchanges each way per sparse layer and step, forward and backward.
+        assert run["all_to_all"] >= 4 * ep.CONFIG.n_layers, (name, run["all_to_all"])
+
+
+def test_experts_split_over_expert_and_the_rest_over_fsdp_and_expert(runs):
+    specs = runs["runs"]["expert2_fsdp2_tensor2"]["specs"]
+    assert runs["runs"]["expert2_fsdp2_tensor2"]["batch_spec"] == [["data", "fsdp", "expert"]]
+    assert specs["moe/gate"] == ["expert", "fsdp", "tensor"]
+    assert specs["moe/up"] == ["expert", "fsdp", "tensor"]
+    assert specs["moe/down"] == ["expert", "tensor", "fsdp"]
+    assert specs["moe/router"] == [["fsdp", "expert"], None]
+    assert specs["attn/q_proj"] == [["fsdp", "expert"], "tensor", None]
+    assert specs["attn/o_proj"] == ["tensor", None, ["fsdp", "expert"]]
+
+
+@pytest.mark.parametrize("name", ep.FORWARD)
+def test_forward_with_experts_that_receive_no_token_equals_one_device(runs, name):
+    """The routers send every token to experts 0, 1, 6 or 7: with 8 expert devices, devices 2
+    to 5 receive no token at all."""
+    load = np.asarray(runs["ref_load"])
+    assert load.shape == (ep.CONFIG.n_layers, ep.E)
+    assert np.all(load[:, list(ep.EMPTY)] == 0)
+    assert np.all(np.delete(load, list(ep.EMPTY), axis=1) > 0)
+    assert runs["runs"][name]["logits_diff"] < 1e-5
+
+
+# -------------------------------------------------------------------------- this process
+
+
+def test_mesh_config_expert_axis():
+    assert sh.MeshConfig().axes == sh.MESH_AXES  # no expert axis: the mesh of before
+    assert sh.MeshConfig.parse("1,8,1") == sh.MeshConfig(1, 8, 1)
+    config = sh.MeshConfig.parse("-1,1,1,4")
+    assert config == sh.MeshConfig.parse("expert=4, data=-1") == sh.MeshConfig(expert=4)
+    assert config.axes == ("data", "fsdp", "expert", "tensor")
+    assert config.resolve(8) == (2, 1, 4, 1)
+    assert config.describe() == "data=-1 x fsdp=1 x expert=4 x tensor=1"
+    assert sh.MeshConfig.from_dict({"expert": 2, "fsdp": -1, "data": 1}).resolve(8) == (1, 4, 2, 1)
+    mesh = sh.make_mesh(sh.MeshConfig())
+    assert mesh.axis_names == sh.MESH_AXES
+
+
+@pytest.mark.parametrize("text, message", [
+    ("1,1,1,0", "mesh.expert must be a positive int"),
+    ("1,1,1,-1", "mesh.expert must be a positive int"),
+    ("exprt=2", "did you mean 'expert'"),
+    ("expert=2,expert=4", "names an axis twice"),
+    ("1,expert=2", "mixes named and plain sizes"),
+    ("1,2", "three sizes data,fsdp,tensor (a fourth: expert)"),
+    ("expert=x", "must be integer"),
+])
+def test_mesh_config_refuses_bad_expert_sizes(text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sh.MeshConfig.parse(text)
+    with pytest.raises(ValueError, match="needs 8 devices but 4"):
+        sh.MeshConfig(data=1, expert=8).resolve(4)
+
+
+def test_rules_without_an_expert_axis_are_those_of_before():
+    plain = abstract_mesh(data=2, fsdp=2, tensor=2)
+    assert sh.rules_for(plain) is sh.LOGICAL_RULES
+    assert not any("expert" in sh._as_tuple(axes) for _, axes in sh.LOGICAL_RULES)
+    assert sh.batch_sharding(plain).spec == P(("data", "fsdp"))
+    assert sh.batch_devices(plain) == 4
+    table = dict(sh.LOGICAL_RULES)
+    assert (table["experts"], table["expert_embed"], table["expert_mlp"], table["router"]) == (
+        None, "fsdp", "tensor", None)
+
+
+def test_expert_rules_split_experts_and_use_the_axis_as_fsdp_elsewhere():
+    mesh = abstract_mesh(data=2, expert=4)
+    assert sh.rules_for(mesh) is sh.EXPERT_RULES
+    table = dict(sh.EXPERT_RULES)
+    assert table["experts"] == "expert" and table["expert_embed"] == "fsdp"
+    assert table["expert_mlp"] == "tensor" and table["router"] is None
+    assert table["batch"] == ("data", "fsdp", "expert") and table["embed"] == ("fsdp", "expert")
+    assert {k: v for k, v in table.items() if k not in ("batch", "embed", "experts")} == {
+        k: v for k, v in dict(sh.LOGICAL_RULES).items() if k not in ("batch", "embed", "experts")}
+    assert sh.batch_devices(mesh) == 8
+
+
+MOE_MODEL = ep.CONFIG.replace(n_layers=1)
+
+
+def _trace(config, mesh, rules):
+    """The jaxpr of the forward traced under ``mesh`` and ``rules`` (as ``jit_sharded`` does)."""
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((8, 4), jnp.int32)
+
+    def forward(p, x):
+        with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(rules):
+            return Transformer(config).apply({"params": p}, x).logits
+
+    return str(jax.make_jaxpr(forward)(params, tokens))
+
+
+def test_sparse_ffn_dispatches_only_when_the_experts_are_split():
+    expert = abstract_mesh(data=2, expert=4)
+    assert "all_to_all" in _trace(MOE_MODEL, expert, sh.EXPERT_RULES)
+    # No expert axis (or rules that leave the experts whole): no shard_map, no exchange.
+    for mesh, rules in ((abstract_mesh(data=2, fsdp=2, tensor=2), sh.LOGICAL_RULES),
+                        (expert, sh.LOGICAL_RULES)):
+        text = _trace(MOE_MODEL, mesh, rules)
+        assert "all_to_all" not in text and "shard_map" not in text
+
+
+def test_expert_split_is_none_without_a_split_expert_axis():
+    def split(mesh, experts="expert"):
+        return moe_dispatch.expert_split(mesh, ("data", "fsdp"), experts, "fsdp", "tensor")
+
+    assert split(AbstractMesh((), ())) is None
+    assert split(abstract_mesh(data=8)) is None  # the rules name an axis the mesh lacks
+    assert split(abstract_mesh(data=8), experts=None) is None
+    one = AbstractMesh((8, 1), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+    assert split(one) is None
+    manual = AbstractMesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,
+                                                                  AxisType.Manual))
+    assert split(manual) is None  # already inside a shard_map over it
+    got = split(abstract_mesh(data=2, expert=4))
+    # The expert axis joins the token axes: each expert device routes its own tokens.
+    assert (got.tokens, got.experts, got.embed, got.mlp) == (
+        ("data", "fsdp", "expert"), ("expert",), ("fsdp",), ("tensor",))
+    assert (got.n_shards, got.token_shards) == (4, 8)
+
+
+def test_experts_not_divisible_by_the_expert_axis_name_the_field():
+    config = MOE_MODEL.replace(moe=MoE(n_experts=6, top_k=2, d_ff=24))
+    with pytest.raises(ValueError, match=r"moe.n_experts=6 is not divisible by the 4 devices"):
+        _trace(config, abstract_mesh(data=2, expert=4), sh.EXPERT_RULES)
+    with pytest.raises(ValueError, match=r"dimension 0 \(experts\) has size 6.*expert=4"):
+        sh.param_shardings(config, abstract_mesh(data=2, expert=4))

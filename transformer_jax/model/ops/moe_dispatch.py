@@ -1,0 +1,211 @@
+"""Expert parallelism: a mixture's experts split over mesh axes, each token sent to the devices
+of its experts and its results sent back by ``all_to_all``, inside ``shard_map``.
+
+Shape letters: N tokens (B*T flattened), D model width, E experts, k experts per token, F an
+expert's hidden width; per device (inside ``shard_map``): n its tokens, X the devices that split
+the experts (the expert axis), e = E/X its experts, j = min(k, e) the most of one token's k
+experts one device can hold.
+
+Each device routes its own n tokens (the batch is split over the expert axis too). For each
+destination device it packs the tokens that chose one of that device's experts into a region
+of n rows (a dropless bound: every token may choose it), with their j local expert ids and
+routing weights; ``all_to_all`` exchanges the regions; each device applies its e experts to the
+X*n rows it received (``experts_ffn``, the one local grouped product, any ``impl``) and sums
+each token's weighted experts there; a second ``all_to_all`` returns the sums, and each device
+adds up, per token, what the devices sent back. A token's rows travel once per device, not once
+per expert slot, and nothing is dropped; the regions' padding rows carry weight 0. The
+transpose of ``all_to_all`` is ``all_to_all``, so the backward is the same exchange reversed.
+
+Combined with the other axes: the expert matrices' D, split over FSDP axes, is all-gathered
+inside (its gradient is reduce-scattered back); their F, split over tensor axes, makes each
+device's result a partial sum, added up by one ``psum`` before the return trip.
+
+``jax.lax.ragged_all_to_all`` would send only the filled rows, but XLA:CPU does not implement
+it (``UNIMPLEMENTED: HLO opcode ragged-all-to-all``, jax 0.10), so the padded exchange is used
+on every backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import PartitionSpec as P
+
+from transformer_jax.model.ops import moe as moe_ops
+from transformer_jax.model.ops.quantized import is_quantized
+
+Axes = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSplit:
+    """How a mesh splits a mixture's FFN (each field a tuple of mesh axis names).
+
+    Attributes:
+      mesh: the (abstract) mesh.
+      tokens: the axes splitting the N tokens; they include ``experts``.
+      experts: the axes splitting E (the all_to_alls run over them).
+      embed: the axes splitting the expert matrices' D (all-gathered inside).
+      mlp: the axes splitting their F (the experts' outputs summed over them).
+    """
+
+    mesh: AbstractMesh
+    tokens: Axes
+    experts: Axes
+    embed: Axes = ()
+    mlp: Axes = ()
+
+    @property
+    def n_shards(self) -> int:
+        """X, the devices the experts are split over."""
+        return math.prod(self.mesh.shape[a] for a in self.experts)
+
+    @property
+    def token_shards(self) -> int:
+        """The parts the N tokens are split into."""
+        return math.prod(self.mesh.shape[a] for a in self.tokens)
+
+
+def expert_split(mesh: AbstractMesh, tokens: Sequence[str] | str | None,
+                 experts: Sequence[str] | str | None, embed: Sequence[str] | str | None = None,
+                 mlp: Sequence[str] | str | None = None) -> ExpertSplit | None:
+    """The ``ExpertSplit`` of ``mesh`` for these axes (as a logical rule maps them: a name, a
+    tuple of names or None), or None when the experts are not split over more than one device
+    (or already inside a ``shard_map`` over those axes): then nothing is dispatched.
+
+    Axes the mesh does not have are ignored; the expert axes are added to the token axes when
+    the batch rule leaves them out (each expert device must route its own tokens).
+    """
+    def axes(value) -> Axes:
+        names = () if value is None else (value,) if isinstance(value, str) else tuple(value)
+        return tuple(a for a in names if a in mesh.axis_names)
+
+    if mesh.empty:
+        return None
+    experts = axes(experts)
+    if not experts or math.prod(mesh.shape[a] for a in experts) == 1:
+        return None
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    if any(types[a] == AxisType.Manual for a in experts):
+        return None
+    tokens = axes(tokens)
+    tokens = tokens + tuple(a for a in experts if a not in tokens)
+    return ExpertSplit(mesh, tokens, experts, axes(embed), axes(mlp))
+
+
+def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Array,
+                         w_up: jax.Array, w_down: jax.Array, split: ExpertSplit, *,
+                         activation: moe_ops.Activation = jax.nn.silu, impl: str = "auto"
+                         ) -> jax.Array:
+    """``moe.experts_ffn`` with the experts split over ``split.experts`` (see the module
+    docstring); equal to it up to float32 summation order.
+
+    Args:
+      x: [N, D] tokens (a global array inside ``jit``).
+      routing: their ``Routing`` ([N, k] weights and distinct experts per token).
+      w_gate: [E, D, F] gate projections (float; quantised experts are not split).
+      w_up: [E, D, F] up projections.
+      w_down: [E, F, D] down projections.
+      split: the mesh's ``ExpertSplit`` (``expert_split``).
+      activation: the gate's activation.
+      impl: the local grouped product's ``experts_ffn`` implementation.
+
+    Returns:
+      [N, D] in x's dtype.
+
+    Raises:
+      ValueError: E or N not divisible by the devices splitting them, or quantised experts.
+    """
+    n, e = x.shape[0], w_gate.shape[0]
+    if e % split.n_shards:
+        raise ValueError(f"moe.n_experts={e} is not divisible by the {split.n_shards} devices "
+                         f"of mesh axis {'x'.join(split.experts)}; change the mesh or n_experts")
+    if n % split.token_shards:
+        raise ValueError(f"{n} tokens (batch x length) do not split over the "
+                         f"{split.token_shards} devices of mesh axes {'x'.join(split.tokens)}")
+    if any(is_quantized(w) for w in (w_gate, w_up, w_down)):
+        raise ValueError("expert parallelism needs float expert weights; quantised experts "
+                         "run on a mesh without an expert axis")
+    tokens = P(split.tokens)
+    w_in = P(split.experts, split.embed or None, split.mlp or None)
+    w_out = P(split.experts, split.mlp or None, split.embed or None)
+    body = functools.partial(_local, split=split, n_experts=e, activation=activation, impl=impl)
+    # check_vma=False: the local grouped product (``"tiled"``'s loop carry and custom VJP) is
+    # not typed for values that vary over manual axes. The untyped transpose (cotangents of
+    # inputs summed over the axes their spec leaves out, those of outputs divided by them) is
+    # exact here, since the output is the same on the devices its spec leaves out (tensor,
+    # after the psum); the tests compare gradients with one device's.
+    mapped = jax.shard_map(body, mesh=split.mesh,
+                           in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+                           out_specs=tokens, check_vma=False)
+    return mapped(x, routing.weights, routing.experts, w_gate, w_up, w_down)
+
+
+def _local(x, weights, experts, w_gate, w_up, w_down, *, split, n_experts, activation, impl):
+    """One device: x [n, D], weights/experts [n, k], w_gate/w_up [e, D/fsdp, F/tensor],
+    w_down [e, F/tensor, D/fsdp] -> [n, D], this device's tokens' outputs."""
+    if split.embed:
+        w_gate, w_up = (jax.lax.all_gather(w, split.embed, axis=1, tiled=True)
+                        for w in (w_gate, w_up))
+        w_down = jax.lax.all_gather(w_down, split.embed, axis=2, tiled=True)
+    x_shards = split.n_shards
+    per_device = n_experts // x_shards
+    n, k = experts.shape
+    j = min(k, per_device)
+    send = _pack(experts, weights, x_shards, per_device, j)
+    # Region X of the buffers: the tokens for device X (n rows, the first send.count[X] filled).
+    rows = x[send.order] * send.valid[..., None].astype(x.dtype)  # [X, n, D]
+    exchange = functools.partial(jax.lax.all_to_all, axis_name=split.experts, split_axis=0,
+                                 concat_axis=0)
+    got_rows, got_ids, got_weights = exchange(rows), exchange(send.ids), exchange(send.weights)
+    # Region X now: the rows device X sent here. One grouped product over all of them.
+    routing = moe_ops.Routing(weights=got_weights.reshape(x_shards * n, j),
+                              experts=got_ids.reshape(x_shards * n, j), probs=None, logits=None)
+    y = moe_ops.experts_ffn(got_rows.reshape(x_shards * n, -1), routing, w_gate, w_up, w_down,
+                            activation=activation, impl=impl)
+    if split.mlp:
+        y = jax.lax.psum(y, split.mlp)  # each device held F/tensor of every expert
+    back = exchange(y.reshape(x_shards, n, -1))  # region X: from device X, in send.order[X]
+    back = back * send.valid[..., None].astype(back.dtype)
+    # Token i's result from device X sits at the row of i in send.order[X].
+    where = jnp.argsort(send.order, axis=1)  # [X, n], the inverse permutations
+    return jnp.take_along_axis(back, where[..., None], axis=1).sum(0).astype(x.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Send:
+    """The packed send buffers' layout (per device; X destinations, n rows each).
+
+    order: [X, n] the token in each row of each region (the tokens for X first, in index order);
+    valid: [X, n] bool, whether the row is filled; ids / weights: [X, n, j] the row's local
+    expert indices on X and routing weights (0 in unfilled slots).
+    """
+
+    order: jax.Array
+    valid: jax.Array
+    ids: jax.Array
+    weights: jax.Array
+
+
+def _pack(experts: jax.Array, weights: jax.Array, x_shards: int, per_device: int, j: int
+          ) -> _Send:
+    n = experts.shape[0]
+    device = experts // per_device  # [n, k], where each chosen expert lives
+    to = device[:, :, None] == jnp.arange(x_shards)  # [n, k, X]
+    # Slot j of token i on device X: its j-th expert there (distinct experts: at most j).
+    rank = jnp.cumsum(to, axis=1) - 1
+    slot = to[..., None] & (rank[..., None] == jnp.arange(j))  # [n, k, X, j]
+    ids = jnp.einsum("nkxj,nk->nxj", slot.astype(jnp.int32), experts % per_device)
+    w = jnp.einsum("nkxj,nk->nxj", slot.astype(weights.dtype), weights)
+    goes = to.any(1)  # [n, X]
+    order = jnp.argsort(~goes, axis=0, stable=True).T  # [X, n]
+    valid = jnp.arange(n)[None] < goes.sum(0)[:, None]
+    dest = jnp.arange(x_shards)[:, None]
+    return _Send(order, valid, ids[order, dest], w[order, dest] * valid[..., None])
