@@ -20,12 +20,43 @@ PUBLISHED = {
     "gemma3_1b": 999_885_952,  # google/gemma-3-1b-pt
     "phi3_mini": 3_821_079_552,  # microsoft/Phi-3-mini-4k-instruct
     "olmo2_1b": 1_484_916_736,  # allenai/OLMo-2-0425-1B
+    "mixtral_8x7b": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1
+    "qwen3_30b_a3b": 30_532_122_624,  # Qwen/Qwen3-30B-A3B
+    "qwen2_moe_a2_7b": 14_315_784_192,  # Qwen/Qwen1.5-MoE-A2.7B
+}
+
+# The mixture-of-experts presets' published configs (their config.json, the fields that set
+# parameter shapes), counted by HF's own classes on the meta device.
+HF_MOE = {
+    "mixtral_8x7b": ("MixtralForCausalLM", "MixtralConfig", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+        num_experts_per_tok=2, tie_word_embeddings=False)),
+    "qwen3_30b_a3b": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False)),
+    "qwen2_moe_a2_7b": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=60, num_experts_per_tok=4,
+        tie_word_embeddings=False)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_preset_parameter_count_matches_published(name):
     assert param_count(ModelConfig.preset(name)) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", sorted(HF_MOE))
+def test_moe_preset_parameter_count_equals_hf_on_the_meta_device(name):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model_class, config_class, fields = HF_MOE[name]
+    with torch.device("meta"):
+        hf = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields))
+    assert param_count(ModelConfig.preset(name)) == sum(p.numel() for p in hf.parameters())
 
 
 def formula_count(c: ModelConfig) -> int:

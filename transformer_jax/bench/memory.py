@@ -58,6 +58,9 @@ class MemoryReport:
     compiled: dict[str, int] | None = None
     activations_bytes: int | None = None
     loss_head_bytes: int | None = None
+    active_param_count: int | None = None
+    experts_bytes: int = 0
+    rough_activations_bytes: int | None = None
 
 
 def state_memory(model_config: Any, mesh_sizes: tuple[int, int, int], train_config: Any
@@ -70,17 +73,19 @@ def state_memory(model_config: Any, mesh_sizes: tuple[int, int, int], train_conf
       train_config: the ``TrainConfig`` (its optimizer decides the state).
 
     Returns:
-      ``{"param_count", "params", "adam", "state"}``: parameter count and per-device bytes of
-      the parameters, Adam's mu + nu, and the whole state.
+      ``{"param_count", "params", "adam", "state", "experts"}``: parameter count and
+      per-device bytes of the parameters, Adam's mu + nu, the whole state, and the routed
+      experts' part of it (parameters and moments; 0 without a mixture of experts).
     """
     import jax
     from jax.sharding import AbstractMesh, AxisType
 
     from transformer_jax.parallel import sharding as sh
+    from transformer_jax.train.memory import expert_bytes
     from transformer_jax.train.step import make_init_fn
 
-    mesh = AbstractMesh(tuple(mesh_sizes), sh.MESH_AXES,
-                        axis_types=(AxisType.Auto,) * len(sh.MESH_AXES))
+    axes = mesh_axes(mesh_sizes)
+    mesh = AbstractMesh(tuple(mesh_sizes), axes, axis_types=(AxisType.Auto,) * len(axes))
     abstract = jax.eval_shape(make_init_fn(model_config, train_config), jax.random.key(0))
     shardings = sh.state_shardings(abstract, sh.param_shardings(model_config, mesh))
     adam = 0
@@ -93,7 +98,15 @@ def state_memory(model_config: Any, mesh_sizes: tuple[int, int, int], train_conf
         "params": sh.per_device_bytes(abstract.params, shardings.params),
         "adam": adam,
         "state": sh.per_device_bytes(abstract, shardings),
+        "experts": expert_bytes(abstract, shardings),
     }
+
+
+def mesh_axes(mesh_sizes: tuple[int, ...]) -> tuple[str, ...]:
+    """The axis names of a mesh of these sizes (a fourth is the expert axis)."""
+    from transformer_jax.parallel import sharding as sh
+
+    return sh.MESH_AXES if len(mesh_sizes) == 3 else sh.EXPERT_MESH_AXES
 
 
 def lower_train_step(model_config: Any, train_config: Any, mesh: Any) -> tuple[Any, float]:
@@ -224,12 +237,19 @@ def memory_report(name: str, mesh_sizes: tuple[int, int, int], batch: int, seq: 
     """
     model_config, train_config = _configs(name, batch, seq, remat=remat, dtype=dtype,
                                           attention_impl=attention, loss_chunk=loss_chunk)
+    from transformer_jax.train.memory import activation_bytes
+    from transformer_jax.train.perf import param_counts
+
     state = state_memory(model_config, mesh_sizes, train_config)
     report = MemoryReport(config=name, mesh=tuple(mesh_sizes), batch=batch, seq=seq,
                           remat=model_config.remat, dtype=model_config.dtype,
                           attention=model_config.attention_impl, loss_chunk=loss_chunk,
                           param_count=state["param_count"], params_bytes=state["params"],
-                          adam_bytes=state["adam"], state_bytes=state["state"])
+                          adam_bytes=state["adam"], state_bytes=state["state"],
+                          active_param_count=param_counts(model_config)[1],
+                          experts_bytes=state["experts"])
+    report.rough_activations_bytes = activation_bytes(
+        model_config, train_config, dict(zip(mesh_axes(mesh_sizes), mesh_sizes, strict=True)))
     if mesh is not None:
         report.compiled = compiled_memory(model_config, train_config, mesh)
         report.activations_bytes = compiled_activations(model_config, train_config, mesh)
@@ -446,12 +466,19 @@ def _run(args: argparse.Namespace, mesh_config: Any, sizes: tuple[int, int, int]
             k = jax.ShapeDtypeStruct((b, c.n_kv_heads, args.seq, c.head_dim), q.dtype)
             picked = f"auto -> {choose_impl(q, k)}"
         loss = f"chunked by {report.loss_chunk} tokens" if report.loss_chunk else "full logits"
-        print(f"{args.config}: {report.param_count:,} parameters; mesh "
+        active = "" if report.active_param_count == report.param_count else \
+            f" ({report.active_param_count:,} active per token)"
+        print(f"{args.config}: {report.param_count:,} parameters{active}; mesh "
               f"{mesh_config.describe()} = {sizes}; B={args.batch} T={args.seq} "
               f"remat={report.remat} dtype={report.dtype} attention={picked} loss={loss}")
         print(f"  per device  parameters          {_gib(report.params_bytes)}")
         print(f"              Adam mu+nu (f32)    {_gib(report.adam_bytes)}")
         print(f"              train state total   {_gib(report.state_bytes)}")
+        if report.experts_bytes:
+            print(f"              of it experts       {_gib(report.experts_bytes)} "
+                  "(parameters + Adam; their gradients as much again as the parameters)")
+        print(f"  estimated   activations (rough) {_gib(report.rough_activations_bytes)} "
+              "(train.memory, the run's memory check)")
         if report.compiled:
             c = report.compiled
             print(f"  compiled    arguments           {_gib(c['argument'])}")

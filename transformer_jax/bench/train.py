@@ -8,6 +8,10 @@ reports compile time, step time, tokens/s, peak memory and MFU, where
 and the peak is measured on the same device in the same run (``measure_matmul_peak``), so the
 ratio is comparable across machines. Overrides are those of ``train.py`` (``model.x=``,
 ``train.x=``); the model's vocab_size is used as is (a real run takes the tokenizer's).
+The total and active (per token) parameters are printed; FLOPs count the active ones.
+
+``--moe-layer`` times one mixture-of-experts layer against a dense FFN of the same active FLOPs
+instead, per ``moe_impl`` (``bench/moe_layer.py``).
 """
 
 from __future__ import annotations
@@ -22,11 +26,16 @@ import time
 import jax
 import numpy as np
 
-from transformer_jax.model.transformer import param_count
+from transformer_jax.bench import moe_layer
 from transformer_jax.parallel import sharding as sharding_lib
 from transformer_jax.parallel.sharding import configure_cpu_devices
 from transformer_jax.train.config import ConfigError, build_configs
-from transformer_jax.train.perf import enable_cpu_fast_math, flops_per_token, measure_matmul_peak
+from transformer_jax.train.perf import (
+    enable_cpu_fast_math,
+    flops_per_token,
+    measure_matmul_peak,
+    param_counts,
+)
 from transformer_jax.train.step import make_init_fn, make_train_step
 
 
@@ -43,7 +52,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-fast-math", action="store_true",
                         help="keep XLA's exact CPU math (train.py's default is fast math)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    moe_layer.add_arguments(parser)
     args = parser.parse_intermixed_args(argv)
+    if args.moe_layer:
+        if not args.no_fast_math:
+            enable_cpu_fast_math()
+        try:
+            return moe_layer.main(args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         model, tc, _ = build_configs(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
@@ -104,7 +122,7 @@ def main(argv: list[str]) -> int:
                             + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
     result = {
         "config": args.config, "device": str(device), "devices": jax.device_count(),
-        "params": param_count(model),
+        "params": param_counts(model)[0], "active_params": param_counts(model)[1],
         "batch_size": tc.batch_size, "seq_len": tc.seq_len, "grad_accum": tc.grad_accum,
         "compile_s": compile_s, "step_ms": 1000 * step_s,
         "step_ms_min": 1000 * min(times), "tokens_per_s": tokens_per_s,
@@ -119,8 +137,10 @@ def main(argv: list[str]) -> int:
         print(json.dumps(result))
         return 0
     mib = 2 ** 20
+    active = "" if result["active_params"] == result["params"] else \
+        f", {result['active_params']:,} active per token"
     print(f"train benchmark: {args.config} on {jax.device_count()} x {device.platform} "
-          f"device(s) ({result['params']:,} params, "
+          f"device(s) ({result['params']:,} params{active}, "
           f"B={tc.batch_size} T={tc.seq_len} grad_accum={tc.grad_accum}, {model.dtype})")
     print(f"  compile      {compile_s:.2f} s")
     print(f"  step         {result['step_ms']:.1f} ms (median of {args.steps}; "

@@ -64,6 +64,9 @@ class TrainConfig:
       eps: Adam's epsilon.
       grad_clip: clip the gradient's global norm to this; 0 disables clipping.
       z_loss: weight of the ``log(Z)^2`` auxiliary loss (0 disables it).
+      moe_balance_loss: weight of a mixture of experts' load-balancing loss (Switch's
+        ``E * sum_e f_e P_e``, mean over the sparse layers; ignored by a dense model).
+      moe_z_loss: weight of the router z-loss (ST-MoE's mean ``logsumexp(router logits)^2``).
       loss_chunk: 0 computes the LM head and the loss over all [B, T, V] logits at once; N > 0
         computes them over chunks of N tokens with a gradient that recomputes each chunk's
         logits, so the float32 [B, T, V] logits are never held whole (large vocabularies).
@@ -79,7 +82,8 @@ class TrainConfig:
       keep_ckpts: how many recent checkpoints to keep.
       run_dir: where checkpoints, ``metrics.jsonl``, TensorBoard events and the summary go.
       mesh: device mesh sizes ``"data,fsdp,tensor"`` (one may be -1: the rest of the
-        devices); the default is data parallelism over every device.
+        devices), a fourth for a mixture's expert axis (``"-1,1,1,4"``), or named
+        (``"expert=4,data=-1"``); the default is data parallelism over every device.
       sample_tokens: tokens generated at each evaluation (0 disables samples).
       sample_prompt: text the samples start from.
       sample_temperature: sampling temperature of the samples (0 is greedy).
@@ -124,6 +128,8 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     z_loss: float = 0.0
+    moe_balance_loss: float = 0.01
+    moe_z_loss: float = 0.0
     loss_chunk: int = 0
     seed: int = 0
     eval_every: int = 250
@@ -153,7 +159,8 @@ class TrainConfig:
                      "keep_ckpts"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_finite(self, ("lr", "min_lr", "weight_decay", "b1", "b2", "eps", "grad_clip",
-                             "z_loss", "sample_temperature", "peak_flops", "lora_alpha"))
+                             "z_loss", "sample_temperature", "peak_flops", "lora_alpha",
+                             "moe_balance_loss", "moe_z_loss"))
         _check_int("decay_steps", self.decay_steps, minimum=0)
         if self.warmup_steps == -1:
             object.__setattr__(self, "warmup_steps", auto_warmup_steps(self.total_decay_steps))
@@ -169,7 +176,8 @@ class TrainConfig:
         if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, "
                              f"min_lr={self.min_lr}")
-        for name in ("weight_decay", "grad_clip", "z_loss", "sample_temperature", "peak_flops"):
+        for name in ("weight_decay", "grad_clip", "z_loss", "sample_temperature", "peak_flops",
+                     "moe_balance_loss", "moe_z_loss"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("b1", "b2"):

@@ -114,6 +114,9 @@ class RunLog:
     the file reads as if the run had never stopped.
 
     ``peak`` is the FLOP/s of the whole mesh (``mesh_peak_flops``), so ``mfu`` is per device.
+    A mixture of experts' router metrics (``moe_balance``, ``moe_z``,
+    ``moe_load_max_mean/layer_I``: ``step.make_train_step``) go to both, under ``train/`` in
+    TensorBoard.
     """
 
     def __init__(self, run_dir: Path, start_step: int, tc: TrainConfig, flops: float,
@@ -172,7 +175,7 @@ class RunLog:
             record = {"step": step, "split": "train", **m,
                       "tokens_per_s": self._rate, "mfu": self.mfu()}
             self._write(record)
-            for k in ("loss", "lr", "grad_norm"):
+            for k in ("loss", "lr", "grad_norm", *(k for k in m if k.startswith("moe_"))):
                 self._tb.add_scalar(f"train/{k}", m[k], step)
             if self._rate:
                 self._tb.add_scalar("train/tokens_per_s", self._rate, step)

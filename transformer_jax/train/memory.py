@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.ops import moe as moe_ops
 from transformer_jax.parallel import sharding as sharding_lib
 from transformer_jax.train.config import TrainConfig
 
@@ -38,10 +39,14 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
     Per layer and token, with ``D`` the width, ``F`` the FFN width, ``N``/``K`` query/kv heads
     of ``H`` dims: no remat keeps the inputs of the norms and matmuls (4 D + 2 N H + 2 K H +
     3 F values); ``save_dots`` the matmul outputs (2 D + N H + 2 K H + 2 F); ``full`` the block
-    input (D), plus one block recomputed at a time. The einsum attention adds its [N, T, T]
-    float32 probabilities per layer; the loss adds the [T, V] float32 logits and their gradient
-    (or a chunk of them with ``train.loss_chunk``). Head, FFN and vocabulary dimensions are split
-    over ``tensor``, rows over ``data`` x ``fsdp``.
+    input (D), plus one block recomputed at a time. A sparse layer's FFN (``moe_values``) keeps
+    its k sorted rows per token instead of F, and without full remat under FSDP the backward
+    keeps its experts' gathered matrices (3 E D F values: E/k times an active FFN's, the largest
+    term of a big mixture, measured by ``bench memory``'s compiled step). The einsum
+    attention adds its [N, T, T] float32 probabilities per layer; the loss adds the [T, V]
+    float32 logits and their gradient (or a chunk of them with ``train.loss_chunk``). Head,
+    FFN and vocabulary dimensions are split over ``tensor``, rows over ``data`` x ``fsdp``
+    (and ``expert``, which attention uses as data).
 
     Args:
       model_config: the model.
@@ -52,31 +57,73 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
       Bytes per device.
     """
     c, tc = model_config, train_config
-    rows = max(1, tc.micro_batch_size // (mesh_shape["data"] * mesh_shape["fsdp"]))
+    batch_devices = mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape.get("expert", 1)
+    rows = max(1, tc.micro_batch_size // batch_devices)
     tensor = mesh_shape["tensor"]
-    t, d, f, h = tc.seq_len, c.d_model, c.d_ff, c.head_dim
+    t, d, h = tc.seq_len, c.d_model, c.head_dim
     n, k = c.n_heads, c.n_kv_heads
     size = np.dtype(c.dtype).itemsize
-    split = (2 * n * h + 2 * k * h + 3 * f) / tensor
-    every = 4 * d + split  # values per token of one block without remat
-    kept = {"none": every, "save_dots": 2 * d + (n * h + 2 * k * h + 2 * f) / tensor,
-            "full": d}[c.remat]
-    per_layer = rows * t * kept * size
+    dense_ffn = {"none": 3 * c.d_ff / tensor, "save_dots": 2 * c.d_ff / tensor, "full": 0.0}
+    attn = {"none": 4 * d + (2 * n * h + 2 * k * h) / tensor,
+            "save_dots": 2 * d + (n * h + 2 * k * h) / tensor, "full": d}
+    sparse = set(c.sparse_layers)
+    ffn = [moe_values(c, tensor, size, rows * t) if i in sparse else dense_ffn
+           for i in range(c.n_layers)]
+    per_token = sum(attn[c.remat] + f[c.remat] for f in ffn)
+    total = rows * t * per_token * size
     logits = rows * n * t * t
     impl = c.attention_impl
     if impl == "xla" or (impl == "auto" and logits < _XLA_ATTENTION_MAX_LOGITS):
-        per_layer += 4 * logits / tensor
-    total = c.n_layers * per_layer
-    if c.remat == "full":
-        total += rows * t * every * size  # the block being recomputed
+        total += c.n_layers * 4 * logits / tensor
+    if c.remat == "full":  # the block being recomputed
+        total += rows * t * (attn["none"] + max(f["none"] for f in ffn)) * size
+    elif sparse and mesh_shape["fsdp"] > 1:  # each sparse layer's gathered experts, kept
+        m = c.moe
+        total += len(sparse) * 3 * m.n_experts * d * m.d_ff * size / (
+            tensor * mesh_shape.get("expert", 1))
     loss_tokens = rows * (min(tc.loss_chunk, t) if tc.loss_chunk else t)
     total += 2 * 4 * loss_tokens * c.vocab_size / tensor
     return int(total)
 
 
+def moe_values(config: ModelConfig, tensor: int, itemsize: int, tokens: int = 0
+               ) -> dict[str, float]:
+    """Values per token a sparse layer's FFN keeps for the backward pass, by remat policy (in
+    units of ``itemsize`` bytes): no remat the k sorted rows' inputs, gate, up and hidden
+    (k (D + 3 F)), their down outputs sorted and unsorted (2 k D), the float32 router logits
+    and probabilities (2 E) and a shared expert's 3 F_s; ``save_dots`` the products' outputs
+    (k (2 F + D), E, 2 F_s); ``full`` nothing beyond the block input. ``"tiled"`` (XLA:CPU's
+    dropless products) pads the N k sorted rows of ``tokens`` tokens by up to E tiles of m rows
+    (``ops.moe.tile_layout``), which the rows' terms include."""
+    m, d = config.moe, config.d_model
+    f, fs = m.d_ff / tensor, m.shared_d_ff / tensor
+    router = m.n_experts * 4 / itemsize
+    pairs = max(1, tokens * m.top_k)
+    rows = float(m.top_k)
+    if tokens and moe_ops.choose_impl(config.moe_impl, tokens, m.top_k, m.n_experts) == "tiled":
+        tile = min(128, max(8, 1 << max(0, (-(-pairs // m.n_experts) - 1).bit_length())))
+        rows *= (pairs + m.n_experts * tile) / pairs
+    return {"none": rows * (d + 3 * f + 2 * d) + 2 * router + 3 * fs,
+            "save_dots": rows * (2 * f + d) + router + 2 * fs, "full": 0.0}
+
+
+def expert_bytes(abstract_state: Any, state_shardings: Any) -> int:
+    """Per-device bytes of the routed experts' stacked matrices (``moe/gate|up|down``) in a
+    train state: their parameters and Adam moments (a part of ``estimate``'s state)."""
+    flat = dict(jax.tree_util.tree_flatten_with_path(state_shardings)[0])
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
+        keys = sharding_lib._path_keys(path)
+        if len(keys) >= 2 and keys[-2] == "moe" and keys[-1] in ("gate", "up", "down"):
+            total += sharding_lib.per_device_bytes(leaf, flat[path])
+    return total
+
+
 def estimate(model_config: ModelConfig, train_config: TrainConfig, abstract_state: Any,
              state_shardings: Any, mesh_shape: dict[str, int]) -> dict[str, int]:
-    """Per-device bytes of a run: ``{"state", "gradients", "activations", "total"}``.
+    """Per-device bytes of a run: ``{"state", "gradients", "activations", "total"}``, and
+    ``"experts"``: the routed experts' part of the state (parameters and Adam moments; their
+    gradients are in ``gradients`` too).
 
     Args:
       model_config: the model.
@@ -95,7 +142,8 @@ def estimate(model_config: ModelConfig, train_config: TrainConfig, abstract_stat
                                                          state_shardings.params)
     activations = activation_bytes(model_config, train_config, mesh_shape)
     return {"state": state, "gradients": gradients, "activations": activations,
-            "total": state + gradients + activations}
+            "total": state + gradients + activations,
+            "experts": expert_bytes(abstract_state, state_shardings)}
 
 
 def available_bytes(device: jax.Device | None = None) -> tuple[int, int, str] | None:
@@ -163,9 +211,10 @@ def check_fits(model_config: ModelConfig, train_config: TrainConfig, abstract_st
         return need
     per_device = f"{need['total'] / GIB:.1f} GiB per device x {sharing} devices" if sharing > 1 \
         else "per device"
+    experts = f" (experts {need['experts'] / GIB:.1f})" if need["experts"] else ""
     raise ValueError(
         f"this run will not fit in memory: it needs about {total / GIB:.1f} GiB "
-        f"({per_device}: train state {need['state'] / GIB:.1f}, gradients "
+        f"({per_device}: train state {need['state'] / GIB:.1f}{experts}, gradients "
         f"{need['gradients'] / GIB:.1f}, activations {need['activations'] / GIB:.1f} GiB; a "
         f"rough estimate from the shapes) and {where} is {free / GIB:.1f} GiB; use a smaller "
         "model, a shorter train.seq_len, a smaller micro-batch (train.batch_size / "
@@ -173,4 +222,5 @@ def check_fits(model_config: ModelConfig, train_config: TrainConfig, abstract_st
         "over more accelerators (train.mesh), or pass --no-memory-check to try anyway")
 
 
-__all__ = ["activation_bytes", "available_bytes", "check_fits", "estimate"]
+__all__ = ["activation_bytes", "available_bytes", "check_fits", "estimate", "expert_bytes",
+           "moe_values"]

@@ -44,20 +44,48 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: ``6 N`` plus attention, ``12 L T N H`` (PaLM's convention).
 
     N counts the weights that take part in matmuls: every parameter except norms and biases,
-    and the embedding only when it is also the (tied) LM head (a lookup is not a matmul).
+    and the embedding only when it is also the (tied) LM head (a lookup is not a matmul). Of a
+    mixture of experts' routed experts only the k of E a token reaches count (the router and a
+    shared expert count whole): active FLOPs, so MFU is that of the work a token does.
     Attention counts the full T x T score and value matmuls, forward and backward.
     """
-    params = abstract_params(config)
-    n = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    n = 0.0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]:
         name = str(getattr(path[-1], "key", path[-1]))
         if name == EMBEDDING_PARAM and not config.tie_embeddings:
             continue
         if is_vector_param(name):
             continue
-        n += int(np.prod(leaf.shape))
+        n += int(np.prod(leaf.shape)) * _active_fraction(config, path)
     attention = 12 * config.n_layers * seq_len * config.n_heads * config.head_dim
     return 6.0 * n + attention
+
+
+def _active_fraction(config: ModelConfig, path: tuple) -> float:
+    """k/E for a routed expert's stacked matrix (``moe/gate|up|down``), else 1."""
+    keys = [str(getattr(p, "key", p)) for p in path]
+    if config.moe is not None and len(keys) >= 2 and keys[-2] == "moe" and \
+            keys[-1] in ("gate", "up", "down"):
+        return config.moe.top_k / config.moe.n_experts
+    return 1.0
+
+
+def param_counts(config: ModelConfig) -> tuple[int, int]:
+    """``(total, active)`` parameters, from shapes: active counts of the routed experts only
+    the k of E one token uses (the same as total for a dense model)."""
+    total = active = 0.0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]:
+        size = int(np.prod(leaf.shape))
+        total += size
+        active += size * _active_fraction(config, path)
+    return int(total), int(round(active))
+
+
+def describe_params(config: ModelConfig) -> str:
+    """``"6,738,415,616 params"``, or for a mixture of experts ``"46,702,792,704 params,
+    12,879,925,248 active per token"``."""
+    total, active = param_counts(config)
+    return f"{total:,} params" + (f", {active:,} active per token" if active != total else "")
 
 
 def measure_matmul_peak(size: int = 1024, dtype: str = "float32", repeats: int = 10,

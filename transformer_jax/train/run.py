@@ -64,7 +64,7 @@ from transformer_jax.train.log import (
     mesh_peak_flops,
     progress_bar,
 )
-from transformer_jax.train.perf import flops_per_token
+from transformer_jax.train.perf import describe_params, flops_per_token
 from transformer_jax.train.resume import check_resume
 from transformer_jax.train.step import (
     ParamsLayout,
@@ -168,7 +168,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     files = run_directory(tc.run_dir, jax.process_index())
     run_dir = files.local
     mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh))
-    num_batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    num_batch_devices = sharding_lib.batch_devices(mesh)  # data x fsdp (x expert)
     check_config(model_config, tc, num_devices=num_batch_devices)
     where = f"train.init_from={tc.init_from}"
     source = loading.locate(tc.init_from, where=where) if tc.init_from else None
@@ -310,10 +310,10 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
         global_batch_size=eval_kw["batch_size"]))
     flops = flops_per_token(model_config, tc.seq_len)
     peak, peak_source = mesh_peak_flops(list(mesh.devices.flat), tc.peak_flops)
-    logger.info("compiled train step in %.1f s; attention %s; %.3g FLOPs/token; peak %.3g "
-                "FLOP/s (%s); mesh %s; eval batch %d", compile_time,
-                attention_used(model_config, tc), flops, peak, peak_source, dict(mesh.shape),
-                eval_kw["batch_size"])
+    logger.info("compiled train step in %.1f s; attention %s; %s; %.3g FLOPs/token; peak "
+                "%.3g FLOP/s (%s); mesh %s; eval batch %d", compile_time,
+                attention_used(model_config, tc), describe_params(model_config), flops, peak,
+                peak_source, dict(mesh.shape), eval_kw["batch_size"])
     times["compile"] = compile_time
     times["startup"] = time.perf_counter() - wall_start - compile_time
 

@@ -148,7 +148,11 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig
     one batch's gradient.
 
     Metrics (float32 scalars): ``loss`` (mean cross-entropy), ``z_loss``, ``grad_norm`` (before
-    clipping), ``lr`` (of this update) and ``tokens`` (target tokens counted).
+    clipping), ``lr`` (of this update) and ``tokens`` (target tokens counted); with a mixture
+    of experts also ``moe_balance`` and ``moe_z`` (the router losses before their
+    coefficients, see ``make_loss_fn``) and ``moe_load_max_mean/layer_I`` per sparse layer I
+    (its busiest expert's (token, slot) pairs over the mean: 1 is a uniform load, E/k the
+    worst).
     """
     tx = make_optimizer(train_config)
     schedule = lr_schedule(train_config)
@@ -163,7 +167,7 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         trainable = layout.trainable(state.params)
         if accum == 1:
-            grads, (ce, z, count) = grad_fn(trainable, state.params, batch)
+            grads, (ce, z, count, *moe) = grad_fn(trainable, state.params, batch)
         else:
             micro = jax.tree.map(
                 lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1),
@@ -173,15 +177,18 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig
                 g, aux = grad_fn(trainable, state.params, mb)
                 return jax.tree.map(jnp.add, carry, (g, aux)), None
 
-            zeros = (jax.tree.map(jnp.zeros_like, trainable),
-                     (jnp.zeros((), jnp.float32),) * 3)
-            (grads, (ce, z, count)), _ = jax.lax.scan(accumulate, zeros, micro)
+            shapes = jax.eval_shape(grad_fn, trainable, state.params,
+                                    jax.tree.map(lambda x: x[0], micro))
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+            (grads, (ce, z, count, *moe)), _ = jax.lax.scan(accumulate, zeros, micro)
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         updates, opt_state = tx.update(grads, state.opt_state, trainable)
         params = layout.with_trainable(state.params, optax.apply_updates(trainable, updates))
         metrics = {"loss": ce / denom, "z_loss": z / denom, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step), "tokens": count}
+        if moe:
+            metrics.update(moe_metrics(moe[0], denom, model_config.sparse_layers))
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
 
@@ -190,12 +197,22 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig
 
 def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
                  ) -> Callable[[Params, Batch], tuple[jax.Array, tuple]]:
-    """The training objective ``loss_sums(params, batch) -> (ce + z, (ce, z, count))``.
+    """The training objective ``loss_sums(params, batch) -> (objective, (ce, z, count))``, and
+    with a mixture of experts ``(objective, (ce, z, count, moe_sums))``.
 
     ``params`` are the train state's (``ParamsLayout``: LoRA's ``{"base", "adapters"}`` run the
     model on the adapted weights). ``batch["mask"]`` [B, T] weights each target (0 = no loss,
     e.g. a prompt token), so ``count`` is the number of weighted targets. Sums over the batch's
     target tokens (``loss.cross_entropy_sums``), to be divided once per step.
+
+    With a mixture of experts the objective is ``ce + z + count * (train.moe_balance_loss *
+    balance + train.moe_z_loss * router_z)``, ``balance`` and ``router_z`` the means over the
+    sparse layers of the forward's ``Output.moe`` (each a mean over the valid tokens:
+    ``segment_ids > 0``; the loss mask is not the model's, so prompt tokens are routed and
+    counted). Scaled by ``count``, so the step's division leaves each micro-batch's router
+    losses weighted by its share of the targets. ``moe_sums`` holds ``balance`` and ``z``
+    (those terms times ``count``, without the coefficients) and ``load`` [L_sparse, E] (the
+    (token, slot) pairs each expert received).
 
     With ``train_config.loss_chunk = C > 0`` the model returns its final hidden states and the
     LM head and cross-entropy run over chunks of C tokens (``ops.lm_loss``): the same values and
@@ -205,25 +222,46 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
     """
     model = _training_model(model_config, train_config)
     z_weight, chunk = train_config.z_loss, train_config.loss_chunk
+    balance_weight, router_z_weight = train_config.moe_balance_loss, train_config.moe_z_loss
     layout = ParamsLayout.of(train_config)
 
     def loss_sums(params: Params, batch: Batch):
         params = layout.model_params(params)
         kw = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
         if not chunk:
-            logits = model.apply({"params": params}, batch["inputs"], **kw).logits
-            ce, z, count = cross_entropy_sums(logits, batch["targets"], batch.get("mask"),
+            out = model.apply({"params": params}, batch["inputs"], **kw)
+            ce, z, count = cross_entropy_sums(out.logits, batch["targets"], batch.get("mask"),
                                               z_weight)
+        else:
+            out = model.apply({"params": params}, batch["inputs"], hidden_only=True, **kw)
+            head, head_layout = model.lm_head(params)
+            ce, z, count = lm_head_cross_entropy_sums(
+                out.hidden, head.astype(model_config.jnp_dtype), batch["targets"],
+                batch.get("mask"), chunk_size=chunk, z_loss=z_weight, head_layout=head_layout,
+                logit_softcap=model_config.final_softcap)
+        if out.moe is None:
             return ce + z, (ce, z, count)
-        hidden = model.apply({"params": params}, batch["inputs"], hidden_only=True, **kw).hidden
-        head, head_layout = model.lm_head(params)
-        ce, z, count = lm_head_cross_entropy_sums(
-            hidden, head.astype(model_config.jnp_dtype), batch["targets"], batch.get("mask"),
-            chunk_size=chunk, z_loss=z_weight, head_layout=head_layout,
-            logit_softcap=model_config.final_softcap)
-        return ce + z, (ce, z, count)
+        moe = {"balance": count * jnp.mean(out.moe["balance"]),
+               "z": count * jnp.mean(out.moe["z"]), "load": out.moe["load"]}
+        objective = ce + z
+        if balance_weight:
+            objective = objective + balance_weight * moe["balance"]
+        if router_z_weight:
+            objective = objective + router_z_weight * moe["z"]
+        return objective, (ce, z, count, moe)
 
     return loss_sums
+
+
+def moe_metrics(moe: dict[str, jax.Array], count: jax.Array, sparse_layers: tuple[int, ...]
+                ) -> Metrics:
+    """The step's router metrics from the summed ``moe_sums`` of ``make_loss_fn``:
+    ``moe_balance``, ``moe_z`` (token-weighted means) and ``moe_load_max_mean/layer_I`` for each
+    sparse layer I (max over mean of its [E] load)."""
+    load = moe["load"]  # [L_sparse, E]
+    ratio = jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)
+    return {"moe_balance": moe["balance"] / count, "moe_z": moe["z"] / count,
+            **{f"moe_load_max_mean/layer_{i}": ratio[j] for j, i in enumerate(sparse_layers)}}
 
 
 def make_eval_step(model_config: ModelConfig, train_config: TrainConfig | None = None
