@@ -14,8 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transformer_jax.model.ops import moe
-from transformer_jax.model.ops import moe_kernels
+from transformer_jax.model.ops import moe, moe_kernels
 
 D, F = 16, 24
 

@@ -16,6 +16,8 @@ For each (batch, prompt length, new tokens) of the grid, on random weights of th
   (the shortest prefix it would ever recompute, so the ratio is a lower bound on the speedup);
 * with ``--quant``, the same with quantised weights: bytes, step time and greedy agreement
   against the float run;
+* on a mixture-of-experts config, the expert bytes a step reads against all the experts', and
+  the step time against a dense model of the same active parameters (``decode_moe.py``);
 * HuggingFace transformers' ``generate(do_sample=False)`` on the same weights (converted with
   ``transformer_jax.hf.save``; torch threads = 2) when the ``hf`` extra is installed.
 
@@ -45,13 +47,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.bench import decode_args, decode_quant
+from transformer_jax.bench import decode_args, decode_moe, decode_quant
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode import prompts as prompt_lib
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import cache_bytes
 from transformer_jax.model.ops.dense import dense
+from transformer_jax.model.ops.quantized import take_rows
 from transformer_jax.model.transformer import Transformer, init_params
 from transformer_jax.parallel import sharding
 
@@ -182,15 +185,26 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
     def mm(x: jax.Array, w: jax.Array, spec: str, out_first: bool = out_first):
         return dense(x, w, spec, out_first=out_first)
 
-    def layer(x: jax.Array, p: Any) -> jax.Array:
-        a, m = p["attn"], p["mlp"]
-        q = mm(x, a["q_proj"], "BD,DNH->BNH")
-        kv = mm(x, a["k_proj"], "BD,DKH->BKH").mean() + mm(x, a["v_proj"], "BD,DKH->BKH").mean()
-        x = x + mm(q, a["o_proj"], "BNH,NHD->BD") + kv * 1e-6
+    def ffn(x: jax.Array, m: Any) -> jax.Array:
         hidden = mm(x, m["up"], "BD,DF->BF")
         if "gate" in m:
             hidden = hidden * mm(x, m["gate"], "BD,DF->BF")
-        return x + mm(hidden, m["down"], "BF,FD->BD")
+        return mm(hidden, m["down"], "BF,FD->BD")
+
+    def experts(x: jax.Array, m: Any) -> jax.Array:
+        # A mixture's step: k experts' matrices gathered (ids the compiler cannot fold away).
+        ids = jnp.arange(c.moe.top_k) + (x[0, 0] > 1e30).astype(jnp.int32)
+        w = {name: take_rows(m[name], ids).astype(x.dtype) for name in ("gate", "up", "down")}
+        hidden = jnp.einsum("bd,kdf->bkf", x, w["up"]) * jnp.einsum("bd,kdf->bkf", x, w["gate"])
+        y = jnp.einsum("bkf,kfd->bd", hidden, w["down"])
+        return y + ffn(x, m["shared"]) if "shared" in m else y
+
+    def layer(x: jax.Array, p: Any) -> jax.Array:
+        a = p["attn"]
+        q = mm(x, a["q_proj"], "BD,DNH->BNH")
+        kv = mm(x, a["k_proj"], "BD,DKH->BKH").mean() + mm(x, a["v_proj"], "BD,DKH->BKH").mean()
+        x = x + mm(q, a["o_proj"], "BNH,NHD->BD") + kv * 1e-6
+        return x + (experts(x, p["moe"]) if "moe" in p else ffn(x, p["mlp"]))
 
     def chain(blocks: Any, head: jax.Array, x: jax.Array, n: int) -> jax.Array:
         def body(_, x):
@@ -412,6 +426,11 @@ def main(argv: list[str]) -> int:
                                       cache_dtype=args.cache_dtype),
                     functools.partial(_bench_weights_only, config, batch=b, steps=n,
                                       repeats=args.repeats))
+            if config.moe is not None:
+                rec["moe"] = decode_moe.compare(
+                    config, placed[t], ours, b,
+                    lambda c, w, weight_bytes, p=prompts, n=n, s=s_max: _bench_ours(
+                        c, w, p, n, args.repeats, s or None, weight_bytes, args.cache_dtype))
             ours.pop("tokens")
             records.append(rec)
             _print_record(rec)
@@ -443,6 +462,8 @@ def _print_record(r: dict[str, Any]) -> None:
           f"of weights) = {w['vs_weight_bound']:.2f}x the weights' own bound")
     if "quant" in r:
         print(decode_quant.describe(r["quant"]))
+    if "moe" in r:
+        print(decode_moe.describe(r["moe"]))
     if "no_cache" in r:
         print(f"  no-cache baseline {r['no_cache']['step_ms']:.1f} ms/step -> "
               f"{r['speedup_vs_no_cache']:.1f}x")

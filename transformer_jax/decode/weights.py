@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from transformer_jax.decode.prompts import is_int
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import MATRIX_INPUT_AXES, is_vector_param, to_out_first
+from transformer_jax.model.quant_spec import is_expert_stack
 from transformer_jax.model.transformer import abstract_params, stack_blocks, unstack_blocks
 from transformer_jax.parallel import sharding
 
@@ -103,7 +104,8 @@ def decode_params(config: ModelConfig, params: Params, weights_out_first: bool |
     ``blocks_{i}``), whichever layout ``params`` has, every matrix is cast to the compute dtype
     (so no step converts a weight again; norm scales keep their dtype) and, with
     ``weights_out_first`` (default ``default_weights_out_first()``), transposed to be stored
-    output axes first (``layers.to_out_first``).
+    output axes first (``layers.to_out_first``). A mixture's router and shared expert follow
+    the layout; its experts' [E, D, F] / [E, F, D] stacks are cast and kept in-first.
     """
     out_first = default_weights_out_first() if weights_out_first is None else weights_out_first
     if config.scan_layers and "blocks" not in params:
@@ -117,7 +119,8 @@ def decode_params(config: ModelConfig, params: Params, weights_out_first: bool |
         if is_vector_param(name) and "norm" in str(path[-2].key):
             return x
         x = x.astype(config.jnp_dtype)
-        if out_first and name in MATRIX_INPUT_AXES:
+        # The experts' [E, ...] stacks stay in-first in every layout (``model.moe``).
+        if out_first and name in MATRIX_INPUT_AXES and not is_expert_stack(path):
             x = to_out_first(x, name, stacked=str(path[0].key) == "blocks")
         return x
 
@@ -210,13 +213,24 @@ def _weight_shardings(config: ModelConfig, mesh: Mesh, weights_out_first: bool,
     return quantized_shardings(float_shardings, shapes)
 
 
+#: The decode's rules for a mixture's axes: the experts' F split over the tensor axis as the
+#: dense FFN's is (gate/up [E, D, F/T], down [E, F/T, D]), every expert on every device, the
+#: router replicated. (Training may split E over an expert axis; a decode mesh has only
+#: ``tensor``.)
+EXPERT_RULES = (("experts", None), ("expert_embed", None), ("expert_mlp", TENSOR_AXIS),
+                ("router", None))
+
+
 def decode_rules(config: ModelConfig, mesh: Mesh | None) -> tuple:
     """The training's logical-axis rules, with the vocabulary kept whole on every device when
-    the tensor axis does not divide it (the embedding and head are then replicated)."""
-    if vocab_is_split(config, mesh):
-        return sharding.LOGICAL_RULES
-    return tuple((name, None if name == "vocab" else axes)
-                 for name, axes in sharding.LOGICAL_RULES)
+    the tensor axis does not divide it (the embedding and head are then replicated), and a
+    mixture's axes split as ``EXPERT_RULES`` says."""
+    ours = dict(EXPERT_RULES)
+    if not vocab_is_split(config, mesh):
+        ours["vocab"] = None
+    rules = tuple((name, ours.get(name, axes)) for name, axes in sharding.LOGICAL_RULES)
+    have = {name for name, _ in rules}
+    return rules + tuple((name, axes) for name, axes in EXPERT_RULES if name not in have)
 
 
 def vocab_is_split(config: ModelConfig, mesh: Mesh | None) -> bool:
@@ -255,13 +269,16 @@ def tensor_shards(mesh: Mesh | None) -> int:
 
 
 def check_tensor_parallel(config: ModelConfig, shards: int) -> None:
-    """Raises ValueError unless T = ``shards`` divides the kv heads, query heads and FFN width."""
+    """Raises ValueError unless T = ``shards`` divides the kv heads, query heads and FFN width
+    (and a mixture's expert and shared-expert widths)."""
     c = config
     if not is_int(shards) or shards < 1:
         raise ValueError(f"the tensor axis size must be a positive int, got {shards!r}")
-    bad = [f"{name}={value}" for name, value in (("n_kv_heads", c.n_kv_heads),
-                                                 ("n_heads", c.n_heads), ("d_ff", c.d_ff))
-           if value % shards]
+    widths = [("n_kv_heads", c.n_kv_heads), ("n_heads", c.n_heads), ("d_ff", c.d_ff)]
+    if c.moe is not None:
+        widths += [("moe.d_ff", c.moe.d_ff), ("moe.shared_d_ff", c.moe.shared_d_ff)]
+    bad = [f"{name}={value}" for name, value in widths if value % shards]
     if bad:
-        raise ValueError(f"tensor-parallel decode over {shards} shards needs each of n_kv_heads, "
-                         f"n_heads and d_ff divisible by {shards}; got {', '.join(bad)}")
+        names = ", ".join(name for name, _ in widths)
+        raise ValueError(f"tensor-parallel decode over {shards} shards needs each of {names} "
+                         f"divisible by {shards}; got {', '.join(bad)}")

@@ -3,6 +3,8 @@ a residual branch; and the config one shard of a tensor split sees (``shard_conf
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 
@@ -112,10 +114,14 @@ def shard_config(config: ModelConfig, shards: int, *, vocab: bool) -> ModelConfi
     i * N/T + r, whose kv head i * K/T + floor(r / G) is this shard's kv head floor(r / G).
     """
     c = config
+    m = c.moe
     for name, value in (("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads), ("d_ff", c.d_ff),
-                        *((("vocab_size", c.vocab_size),) if vocab else ())):
+                        *((("vocab_size", c.vocab_size),) if vocab else ()),
+                        *((("moe.d_ff", m.d_ff), ("moe.shared_d_ff", m.shared_d_ff)) if m else ())):
         if value % shards:
             raise ValueError(f"{name}={value} does not split over {shards} shards")
+    moe = m and dataclasses.replace(m, d_ff=m.d_ff // shards,
+                                    shared_d_ff=m.shared_d_ff // shards)
     return c.replace(n_heads=c.n_heads // shards, n_kv_heads=c.n_kv_heads // shards,
-                     head_dim=c.head_dim, d_ff=c.d_ff // shards,
+                     head_dim=c.head_dim, d_ff=c.d_ff // shards, moe=moe,
                      vocab_size=c.vocab_size // shards if vocab else c.vocab_size)

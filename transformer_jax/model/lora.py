@@ -19,18 +19,16 @@ Adapters mirror the param tree: ``adapters[block][module][name] = {"a": A, "b": 
   down   mlp/down          [L?, F, R]      [L?, R, D]
   ====== ================= =============== ==============
 
-In a train step, differentiate with respect to the adapters only::
+A mixture's layers (``moe/``) have targets ``experts.{gate,up,down}`` (one adapter per expert:
+``moe/gate`` [L?, E, D, F] gets A [L?, E, D, R], B [L?, E, R, F]) and ``shared.{gate,up,down}``
+(its shared expert). A target adapts the blocks that have its module (``gate`` the dense
+layers' ``mlp``, ``experts.gate`` the sparse layers' ``moe``); the router is not adapted.
 
-    def loss_fn(adapters, base, batch):
-        params = lora.apply_adapters(base, adapters, lora_config)
-        logits = Transformer(config).apply({"params": params}, batch["inputs"]).logits
-        return cross_entropy(logits, batch["targets"])
-
-    grads = jax.grad(loss_fn)(adapters, base, batch)   # only adapter-sized
-
-or keep both in one tree ``{"base": base, "adapters": adapters}`` (the layout checkpoints of
-LoRA runs use, read by ``checkpoint.loading``) with ``model_params(tree, lora_config)`` in
-the loss and ``optimizer(tx)``, which updates and keeps moments for the adapters only.
+In a train step, differentiate the loss of ``Transformer.apply`` on ``apply_adapters(base,
+adapters, lora_config)`` with respect to the adapters only (gradients adapter-sized), or keep
+both in one tree ``{"base": base, "adapters": adapters}`` (the layout checkpoints of LoRA runs
+use, read by ``checkpoint.loading``) with ``model_params(tree, lora_config)`` in the loss and
+``optimizer(tx)``, which updates and keeps moments for the adapters only.
 For export, ``merge`` folds the adapters into plain params.
 """
 
@@ -65,21 +63,28 @@ BASE_QUANT_FIELD = "train.lora_base_quant"
 BASE = "base"
 ADAPTERS = "adapters"
 
-#: Target name -> (module, param) inside each block.
-TARGETS: dict[str, tuple[str, str]] = {
-    "q": ("attn", "q_proj"),
-    "k": ("attn", "k_proj"),
-    "v": ("attn", "v_proj"),
-    "o": ("attn", "o_proj"),
-    "gate": ("mlp", "gate"),
-    "up": ("mlp", "up"),
-    "down": ("mlp", "down"),
+#: Target name -> its path (modules, then the param) inside each block.
+TARGETS: dict[str, tuple[str, ...]] = {
+    "q": ("attn", "q_proj"), "k": ("attn", "k_proj"), "v": ("attn", "v_proj"),
+    "o": ("attn", "o_proj"), "gate": ("mlp", "gate"), "up": ("mlp", "up"),
+    "down": ("mlp", "down"), "experts.gate": ("moe", "gate"), "experts.up": ("moe", "up"),
+    "experts.down": ("moe", "down"), "shared.gate": ("moe", "shared", "gate"),
+    "shared.up": ("moe", "shared", "up"), "shared.down": ("moe", "shared", "down"),
 }
+
+#: The targets of a dense model's matrices, the default.
+DEFAULT_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def _input_axes(target: str) -> int:
-    """How many leading (input) axes the target's matrix has; the rest are output axes."""
-    return MATRIX_INPUT_AXES[TARGETS[target][1]]
+    """How many (input) axes the target's matrix has after its batch axes; the rest are
+    output axes."""
+    return MATRIX_INPUT_AXES[TARGETS[target][-1]]
+
+
+def _batch_axes(target: str) -> int:
+    """Leading axes the adapter keeps per entry: 1 (E) for the experts' stacks, else 0."""
+    return int(target.startswith("experts."))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +94,13 @@ class LoraConfig:
     Attributes:
       rank: R, the inner dimension of A [in, R] and B [R, out].
       alpha: the update is scaled by ``alpha / rank``.
-      targets: names from ``q, k, v, o, gate, up, down`` (a list or tuple; a comma-separated
-        string is accepted too).
+      targets: names from ``TARGETS`` (a list or tuple; a comma-separated string is accepted
+        too); default the attention and dense FFN matrices (``DEFAULT_TARGETS``).
     """
 
     rank: int = 8
     alpha: float = 16.0
-    targets: tuple[str, ...] = tuple(TARGETS)
+    targets: tuple[str, ...] = DEFAULT_TARGETS
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
@@ -147,12 +152,54 @@ def _blocks(params: Mapping[str, Any]) -> list[tuple[str, bool]]:
 
 
 def _target_param(params: Mapping[str, Any], block: str, target: str) -> Any:
-    module, name = TARGETS[target]
-    try:
-        return params[block][module][name]
-    except (KeyError, TypeError):
-        raise ValueError(f"params lack {block}/{module}/{name} for lora target {target!r}"
-                         ) from None
+    node: Any = params[block]
+    for key in TARGETS[target]:
+        try:
+            node = node[key]
+        except (KeyError, TypeError):
+            raise ValueError(f"params lack {block}/{'/'.join(TARGETS[target])} for lora target "
+                             f"{target!r}") from None
+    return node
+
+
+def _applies(params: Mapping[str, Any], block: str, target: str) -> bool:
+    """Whether ``target`` adapts ``block``: the block has the target's module (a dense layer
+    its ``mlp``, a sparse one its ``moe``)."""
+    node = params[block]
+    return isinstance(node, Mapping) and TARGETS[target][0] in node
+
+
+def _entries(params: Mapping[str, Any], lora_config: LoraConfig
+             ) -> list[tuple[str, bool, str]]:
+    """(block, stacked, target) of every adapted matrix.
+
+    Raises:
+      ValueError: a target that no block has the module of (say ``experts.gate`` on a dense
+        model), or a block with the module but not the matrix.
+    """
+    blocks = _blocks(params)
+    entries = [(b, s, t) for b, s in blocks for t in lora_config.targets
+               if _applies(params, b, t)]
+    for target in [t for t in lora_config.targets if t not in {t for _, _, t in entries}]:
+        if TARGETS[target][0] == "mlp" and any(_applies(params, b, "experts.gate")
+                                               for b, _ in blocks):  # every layer sparse
+            logger.info("lora target %r: no dense FFN (every layer is a mixture); skipped",
+                        target)
+            continue
+        raise ValueError(f"lora target {target!r} adapts {'/'.join(TARGETS[target])}, which no "
+                         f"block of the params has (block keys: {sorted(params[blocks[0][0]])})")
+    return entries
+
+
+def _get(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
+    return tree if not path else _get(tree[path[0]], path[1:])
+
+
+def _set(tree: Mapping[str, Any], path: Sequence[str], value: Any) -> dict[str, Any]:
+    """A copy of ``tree`` with ``value`` at ``path`` (the dicts along it copied)."""
+    out = dict(tree)
+    out[path[0]] = value if len(path) == 1 else _set(tree.get(path[0], {}), path[1:], value)
+    return out
 
 
 def init_adapters(config: ModelConfig, lora_config: LoraConfig, params: Params,
@@ -175,20 +222,20 @@ def init_adapters(config: ModelConfig, lora_config: LoraConfig, params: Params,
         logger.info("params are %s while config.scan_layers=%s; following the params",
                     "scanned" if blocks[0][1] else "unrolled", config.scan_layers)
     r = lora_config.rank
-    entries = [(b, s, t) for b, s in blocks for t in lora_config.targets]
+    entries = _entries(params, lora_config)
     keys = jax.random.split(key, len(entries))
     adapters: Adapters = {}
     for (block, stacked, target), k in zip(entries, keys, strict=True):
         shape = tuple(_target_param(params, block, target).shape)
-        lead, matrix = shape[:int(stacked)], shape[int(stacked):]
+        lead = shape[:int(stacked) + _batch_axes(target)]
+        matrix = shape[len(lead):]
         n_in = _input_axes(target)
         fan_in = 1
         for size in matrix[:n_in]:
             fan_in *= size
         a = jax.random.normal(k, (*lead, *matrix[:n_in], r), dtype) * fan_in ** -0.5
         b = jnp.zeros((*lead, r, *matrix[n_in:]), dtype)
-        module, name = TARGETS[target]
-        adapters.setdefault(block, {}).setdefault(module, {})[name] = {"a": a, "b": b}
+        adapters[block] = _set(adapters.get(block, {}), TARGETS[target], {"a": a, "b": b})
     return adapters
 
 
@@ -196,21 +243,22 @@ def delta(a: jax.Array, b: jax.Array, target: str, stacked: bool, scale: float) 
     """``scale * A @ B`` in float32, shaped like the target matrix.
 
     Args:
-      a: [L?, in..., R].
-      b: [L?, R, out...].
+      a: [L?, E?, in..., R] (E: an experts target's, one adapter per expert).
+      b: [L?, E?, R, out...].
       target: the target name (gives the number of input axes).
       stacked: whether a leading L axis is present.
       scale: ``alpha / rank``.
 
     Returns:
-      [L?, in..., out...] float32.
+      [L?, E?, in..., out...] float32.
     """
     n_in = _input_axes(target)
-    n_out = b.ndim - 1 - int(stacked)
-    letters = iter(string.ascii_lowercase.replace("r", "").replace("l", ""))
+    n_batch = _batch_axes(target)
+    n_out = b.ndim - 1 - int(stacked) - n_batch
+    letters = iter(string.ascii_lowercase.replace("r", "").replace("l", "").replace("e", ""))
     ins = "".join(next(letters) for _ in range(n_in))
     outs = "".join(next(letters) for _ in range(n_out))
-    lead = "l" if stacked else ""
+    lead = ("l" if stacked else "") + "e" * n_batch
     spec = f"{lead}{ins}r,{lead}r{outs}->{lead}{ins}{outs}"
     return scale * jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32),
                               preferred_element_type=jnp.float32)
@@ -219,24 +267,20 @@ def delta(a: jax.Array, b: jax.Array, target: str, stacked: bool, scale: float) 
 def _adapted(params: Params, adapters: Adapters, lora_config: LoraConfig,
              dtype_of: Any) -> Params:
     out = dict(params)
-    for block, stacked in _blocks(params):
+    for block, stacked, target in _entries(params, lora_config):
         if block not in adapters:
             raise ValueError(f"adapters lack block {block!r} (they have {sorted(adapters)})")
-        out[block] = {m: dict(v) if isinstance(v, Mapping) else v
-                      for m, v in params[block].items()}
-        for target in lora_config.targets:
-            module, name = TARGETS[target]
-            w = _target_param(params, block, target)
-            try:
-                ab = adapters[block][module][name]
-            except (KeyError, TypeError):
-                raise ValueError(f"adapters lack {block}/{module}/{name} (lora target "
-                                 f"{target!r})") from None
-            d = delta(ab["a"], ab["b"], target, stacked, lora_config.scale)
-            if d.shape != w.shape:
-                raise ValueError(f"adapter {block}/{module}/{name} gives shape {d.shape}, the "
-                                 f"param has {w.shape}")
-            out[block][module][name] = (w.astype(jnp.float32) + d).astype(dtype_of(w, ab))
+        path = TARGETS[target]
+        where = f"{block}/{'/'.join(path)}"
+        w = _target_param(params, block, target)
+        try:
+            ab = _get(adapters[block], path)
+        except (KeyError, TypeError):
+            raise ValueError(f"adapters lack {where} (lora target {target!r})") from None
+        d = delta(ab["a"], ab["b"], target, stacked, lora_config.scale)
+        if d.shape != w.shape:
+            raise ValueError(f"adapter {where} gives shape {d.shape}, the param has {w.shape}")
+        out[block] = _set(out[block], path, (w.astype(jnp.float32) + d).astype(dtype_of(w, ab)))
     return out
 
 
@@ -362,17 +406,20 @@ def adapter_shardings(adapters: Adapters, params_shardings: Any) -> Any:
     out: dict[str, Any] = {}
     for block, modules in adapters.items():
         stacked = block == "blocks"
-        for module, names in modules.items():
-            for name, ab in names.items():
-                target = next(t for t, path in TARGETS.items() if path == (module, name))
-                w = params_shardings[block][module][name]
-                ndim = ab["a"].ndim + ab["b"].ndim - 2 - int(stacked)  # the target's rank
-                spec = tuple(w.spec) + (None,) * (ndim - len(w.spec))
-                lead, matrix = spec[:int(stacked)], spec[int(stacked):]
-                n_in = _input_axes(target)
-                out.setdefault(block, {}).setdefault(module, {})[name] = {
-                    "a": NamedSharding(w.mesh, P(*lead, *matrix[:n_in], None)),
-                    "b": NamedSharding(w.mesh, P(*lead, None, *matrix[n_in:]))}
+        for target, path in TARGETS.items():
+            try:
+                ab = _get(modules, path)
+            except (KeyError, TypeError):
+                continue
+            w = _get(params_shardings[block], path)
+            n_lead = int(stacked) + _batch_axes(target)
+            ndim = ab["a"].ndim + ab["b"].ndim - 2 - n_lead  # the target's rank
+            spec = tuple(w.spec) + (None,) * (ndim - len(w.spec))
+            lead, matrix = spec[:n_lead], spec[n_lead:]
+            n_in = _input_axes(target)
+            out[block] = _set(out.get(block, {}), path, {
+                "a": NamedSharding(w.mesh, P(*lead, *matrix[:n_in], None)),
+                "b": NamedSharding(w.mesh, P(*lead, None, *matrix[n_in:]))})
     return out
 
 
@@ -386,10 +433,10 @@ def parse_targets(text: str | Sequence[str]) -> tuple[str, ...]:
     return LoraConfig(targets=text).targets  # type: ignore[arg-type]
 
 
-__all__ = ["ADAPTERS", "BASE", "BASE_QUANT_FIELD", "TARGETS", "LoraConfig", "adapter_count",
-           "adapter_shardings", "apply_adapters", "checkpoint_tree",
-           "delta", "freeze_base", "init_adapters", "merge", "model_params", "optimizer",
-           "parse_targets", "trainable_mask"]
+__all__ = ["ADAPTERS", "BASE", "BASE_QUANT_FIELD", "DEFAULT_TARGETS", "TARGETS", "LoraConfig",
+           "adapter_count", "adapter_shardings", "apply_adapters", "checkpoint_tree", "delta",
+           "freeze_base", "init_adapters", "merge", "model_params", "optimizer", "parse_targets",
+           "trainable_mask"]
 
 
 def checkpoint_tree(params: Any, meta: Mapping[str, Any], where: Any) -> Any:

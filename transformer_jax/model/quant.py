@@ -15,7 +15,10 @@ products and the embedding lookup take a quantised weight as they take a float o
   groups smaller).
 - ``"nf4"`` / ``"nf4:G"``: as int4, with the 16 NormalFloat levels of QLoRA (qwix's nf4).
 
-Norm gains and biases stay float (they are a few vectors). With a stacked (scanned) layout each
+A mixture's experts are quantised per expert: one scale per expert and output channel (int8),
+or per expert, output channel and group along the expert's input axis (D for gate/up, F for
+down); its router and shared-expert gate stay float (``FLOAT_MATRICES``). Norm gains and
+biases stay float (they are a few vectors). With a stacked (scanned) layout each
 layer has its own scales.
 
 A checkpoint restored without a target tree (a QLoRA run's base, ``train.lora_base_quant``)
@@ -25,7 +28,7 @@ holds each quantised weight as a plain dict of its arrays; ``from_saved`` rebuil
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -39,10 +42,12 @@ from transformer_jax.model.layers import EMBEDDING_PARAM, MATRIX_INPUT_AXES
 from transformer_jax.model.ops.quantized import PackedInt4, is_quantized, pack_int4
 from transformer_jax.model.quant_spec import (  # noqa: F401  (the parser's names, re-exported)
     DEFAULT_GROUP_SIZE,
+    EXPERT_MODULE,
     GROUPED,
     SAVED_PACKED,
     SCHEMES,
     WeightQuant,
+    is_expert_stack,
     is_saved_quantized,
     parse_quant,
 )
@@ -54,16 +59,38 @@ logger = logging.getLogger(__name__)
 
 def grouped_widths(config: ModelConfig, shards: int = 1) -> dict[str, int]:
     """The width of each weight's grouped (last input) axis as one of T = ``shards`` shards
-    holds it: D for the projections in and the head, H for o_proj, F/T for down."""
+    holds it, by its ``group_key``: D for the projections in and the head, H for o_proj, F/T
+    for down (a mixture's experts and shared expert: their own F/T)."""
     c = config
     widths = {"q_proj": c.d_model, "k_proj": c.d_model, "v_proj": c.d_model,
               "o_proj": c.head_dim, "up": c.d_model, "down": c.d_ff // shards,
               EMBEDDING_PARAM: c.d_model}
-    if c.ffn in ("swiglu", "geglu"):
+    gated = c.ffn in ("swiglu", "geglu")
+    if gated:
         widths["gate"] = c.d_model
     if not c.tie_embeddings:
         widths["lm_head"] = c.d_model
+    if c.moe is not None:
+        m = c.moe
+        widths |= {"experts/gate": c.d_model, "experts/up": c.d_model,
+                   "experts/down": m.d_ff // shards}
+        if m.shared_d_ff:
+            widths |= {"shared/up": c.d_model, "shared/down": m.shared_d_ff // shards}
+            if gated:
+                widths["shared/gate"] = c.d_model
     return widths
+
+
+def group_key(path: Sequence[Any]) -> str:
+    """The name a weight's int4 group size is chosen by (``WeightQuant.group_for``): its leaf
+    name, or ``experts/<name>`` for a mixture's expert stacks and ``shared/<name>`` for its
+    shared expert (their widths are not the dense FFN's)."""
+    keys = [str(getattr(p, "key", p)) for p in path]
+    if is_expert_stack(keys):
+        return f"experts/{keys[-1]}"
+    if len(keys) >= 3 and keys[-2] == "shared" and keys[-3] == EXPERT_MODULE:
+        return f"shared/{keys[-1]}"
+    return keys[-1]
 
 
 def for_model(config: ModelConfig, quant: WeightQuant | None, shards: int = 1
@@ -104,16 +131,21 @@ def for_model(config: ModelConfig, quant: WeightQuant | None, shards: int = 1
     return quant
 
 
-def quantized_axes(name: str, ndim: int, *, stacked: bool, out_first: bool
-                   ) -> tuple[tuple[int, ...], int]:
+def quantized_axes(name: str, ndim: int, *, stacked: bool, out_first: bool,
+                   expert: bool = False) -> tuple[tuple[int, ...], int]:
     """(the channelwise axes, the grouped axis) of stored weight ``name`` of rank ``ndim``.
 
     Output axes (and a stacked layout's layers axis) get one scale each entry; the grouped axis
     is the last input axis (a matrix stored in-first has its inputs first, out-first last).
+    An ``expert`` stack ([L?, E, in, out], in-first in every layout) gets one scale per
+    expert and output channel, its groups along the input axis: an expert's bytes and scales
+    are its own rows, so a gather reads only the experts it takes.
     """
     lead = int(stacked)
     n_in = 1 if name == EMBEDDING_PARAM else MATRIX_INPUT_AXES[name]
-    if name == EMBEDDING_PARAM:  # [V, D]: a row per token, never transposed
+    if expert:
+        inputs = (lead + 1,)
+    elif name == EMBEDDING_PARAM:  # [V, D]: a row per token, never transposed
         inputs = (lead + 1,)
     elif out_first:
         inputs = tuple(range(ndim - n_in, ndim))
@@ -124,19 +156,29 @@ def quantized_axes(name: str, ndim: int, *, stacked: bool, out_first: bool
 
 
 def quantize_weight(w: jax.Array, name: str, quant: WeightQuant, *, stacked: bool,
-                    out_first: bool) -> Any:
-    """One stored weight -> a ``qwix.QArray`` (int8) or a ``PackedInt4``, scales in w's dtype."""
-    channel, grouped = quantized_axes(name, w.ndim, stacked=stacked, out_first=out_first)
+                    out_first: bool, expert: bool = False, key: str | None = None) -> Any:
+    """One stored weight -> a ``qwix.QArray`` (int8) or a ``PackedInt4``, scales in w's dtype.
+
+    ``expert``: a mixture's [E, ...] stack (``quantized_axes``); ``key``: the name its group
+    size is picked by (``group_key``; default ``name``).
+    """
+    channel, grouped = quantized_axes(name, w.ndim, stacked=stacked, out_first=out_first,
+                                      expert=expert)
     if quant.scheme == "int8":
         return qwix.quantize(w, jnp.int8, channelwise_axes=channel)
     q = qwix.quantize(w, jnp.int4 if quant.scheme == "int4" else "nf4",
-                      channelwise_axes=channel, tiled_axes={grouped: quant.group_for(name)})
+                      channelwise_axes=channel, tiled_axes={grouped: quant.group_for(key or name)})
     return pack_int4(q, grouped)
+
+
+#: Matrices kept float: a mixture's router and shared-expert gate ([D, E], [D, 1]: a few
+#: vectors, and the routing decisions are sensitive to them).
+FLOAT_MATRICES = ("router", "shared_gate")
 
 
 def is_quantizable(name: str) -> bool:
     """Whether ``quantize_params`` quantises a weight of this leaf name."""
-    return name in MATRIX_INPUT_AXES or name == EMBEDDING_PARAM
+    return (name in MATRIX_INPUT_AXES and name not in FLOAT_MATRICES) or name == EMBEDDING_PARAM
 
 
 def quantize_params(params: Params, quant: WeightQuant, *, out_first: bool) -> Params:
@@ -147,7 +189,8 @@ def quantize_params(params: Params, quant: WeightQuant, *, out_first: bool) -> P
         if not is_quantizable(name):
             return x
         return quantize_weight(x, name, quant, stacked=str(path[0].key) == "blocks",
-                               out_first=out_first)
+                               out_first=out_first, expert=is_expert_stack(path),
+                               key=group_key(path))
 
     return jax.tree_util.tree_map_with_path(one, params)
 
@@ -201,7 +244,8 @@ def from_saved(params: Params, quant: str | WeightQuant, *, out_first: bool = Fa
             zero = node.get("zero_point")
             return qwix.QArray(values, scale, None if zero is None else jnp.asarray(zero),
                                qtype=jnp.int8)
-        grouped = quantized_axes(name, values.ndim, stacked=stacked, out_first=out_first)[1]
+        grouped = quantized_axes(name, values.ndim, stacked=stacked, out_first=out_first,
+                                 expert=is_expert_stack(path))[1]
         packed = PackedInt4(values, scale, grouped - values.ndim, scheme)
         if any(n % s for n, s in zip(packed.shape, scale.shape, strict=True)):
             raise ValueError(f"{what} has values of shape {list(packed.shape)} (unpacked) "

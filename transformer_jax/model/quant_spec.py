@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 SCHEMES = ("int8", "int4", "nf4")
@@ -116,5 +116,23 @@ def is_saved_quantized(node: Any) -> bool:
     return keys == SAVED_PACKED or keys - {"zero_point"} == SAVED_QARRAY
 
 
-__all__ = ["ACCEPTS", "DEFAULT_GROUP_SIZE", "GROUPED", "SAVED_PACKED", "SAVED_QARRAY", "SCHEMES",
-           "WeightQuant", "is_saved_quantized", "parse_quant"]
+#: The leaf names of a mixture's expert stacks (gate, up [E, D, F]; down [E, F, D]), held by
+#: a sparse layer's ``moe`` module (its shared expert's are under ``moe/shared``).
+EXPERT_PARAMS = ("gate", "up", "down")
+EXPERT_MODULE = "moe"
+
+
+def _key(entry: Any) -> str:
+    return str(getattr(entry, "key", entry))
+
+
+def is_expert_stack(path: Sequence[Any]) -> bool:
+    """Whether the parameter at ``path`` (jax tree-path entries or strings, ending with its
+    leaf name) is one of a mixture's [E, ...] expert stacks: ``.../moe/{gate,up,down}``."""
+    return (len(path) >= 2 and _key(path[-1]) in EXPERT_PARAMS
+            and _key(path[-2]) == EXPERT_MODULE)
+
+
+__all__ = ["ACCEPTS", "DEFAULT_GROUP_SIZE", "EXPERT_MODULE", "EXPERT_PARAMS", "GROUPED",
+           "SAVED_PACKED", "SAVED_QARRAY", "SCHEMES", "WeightQuant", "is_expert_stack",
+           "is_saved_quantized", "parse_quant"]

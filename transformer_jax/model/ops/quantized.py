@@ -142,12 +142,18 @@ def dot_general_einsum(spec: str, a: jax.Array, b: jax.Array, *,
 
 
 def take_rows(table: Any, ids: jax.Array) -> jax.Array:
-    """Rows ``ids`` (any shape) of a [V, D] table, dequantised when it is quantised:
-    [..., D]. Only the rows taken (and their scales) are read."""
+    """Rows ``ids`` (any shape) of a [V, ...] table, dequantised when it is quantised:
+    [*ids.shape, ...]. Only the rows taken (and their scales) are read: a 4-bit table's packed
+    bytes are taken before they are unpacked (a [V, D] token table, or a mixture's [E, D, F]
+    expert stack, whose scales are per row too)."""
     if not is_quantized(table):
         return jnp.take(table, ids, axis=0)
     import qwix
 
-    q = _as_qwix(table)  # one scale (or one per group) per row: taken with the row
-    return qwix.dequantize(qwix.QArray(jnp.take(q.qvalue, ids, axis=0),
-                                       jnp.take(q.scale, ids, axis=0), qtype=q.qtype))
+    if isinstance(table, PackedInt4):  # its packed axis is negative: still right once taken
+        q = table.replace(packed=jnp.take(table.packed, ids, axis=0),
+                          scale=jnp.take(table.scale, ids, axis=0)).qarray()
+        return qwix.dequantize(q)
+    # One scale (or one per group) per row: taken with the row.
+    return qwix.dequantize(qwix.QArray(jnp.take(table.qvalue, ids, axis=0),
+                                       jnp.take(table.scale, ids, axis=0), qtype=table.qtype))

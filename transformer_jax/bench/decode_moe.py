@@ -1,0 +1,82 @@
+"""``bench decode`` on a mixture-of-experts config: the expert bytes a step reads and the step
+time against a dense model of the same active parameters, in the same run (``decode.py``).
+
+A decode step of B tokens routes each to k of the E experts of every sparse layer; with
+``moe_impl="auto"`` it gathers the chosen experts' matrices when B*k <= E (``ops.moe``), so it
+reads at most min(B*k, E) experts' bytes (values and scales when quantised) of each sparse layer,
+plus its shared expert, out of all E. The dense twin is the same config with every FFN dense of
+width ``k * moe.d_ff + moe.shared_d_ff`` (the FLOPs and weight bytes a token uses), its step
+timed by the same function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from transformer_jax.bench.decode_quant import step_weight_bytes
+from transformer_jax.decode import loop as decode
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.ops.moe import choose_impl
+from transformer_jax.model.quant_spec import is_expert_stack
+from transformer_jax.model.transformer import init_params
+
+
+def expert_bytes(weights: decode.DecodeWeights) -> tuple[int, int]:
+    """(bytes of every expert stack, bytes of the shared experts) of the prepared weights,
+    quantised values and scales included."""
+    experts = shared = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(weights.params)[0]:
+        keys = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
+        # A quantised weight's leaves sit under its name (``.../moe/gate/packed``).
+        i = next((j for j in range(len(keys), 1, -1) if is_expert_stack(keys[:j])), None)
+        if i is not None:
+            experts += x.nbytes
+        elif "shared" in keys and "moe" in keys:
+            shared += x.nbytes
+    return experts, shared
+
+
+def dense_twin(config: ModelConfig) -> ModelConfig:
+    """The config with every FFN dense, of the mixture's active width ``k F + F_shared``."""
+    m = config.moe
+    return config.replace(moe=None, d_ff=m.top_k * m.d_ff + m.shared_d_ff)
+
+
+def compare(config: ModelConfig, weights: decode.DecodeWeights, moe_rec: dict[str, Any],
+            batch: int, run: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    """The expert bytes of a step at ``batch`` and the dense twin's point ``run(twin_config,
+    twin_weights, weight_bytes=...)`` against the mixture's ``moe_rec``."""
+    m = config.moe
+    experts, shared = expert_bytes(weights)
+    taken = min(batch * m.top_k, m.n_experts)
+    impl = choose_impl("auto", batch, m.top_k, m.n_experts, widths=(config.d_model, m.d_ff))
+    # Gathering reads the taken experts' bytes; any other impl reads every expert.
+    read = (experts * taken // m.n_experts if impl == "gather" else experts) + shared
+    twin = dense_twin(config)
+    twin_weights = decode.prepare(twin, jax.jit(init_params, static_argnums=0)(
+        twin, jax.random.key(0)), weights.mesh,
+        quant=None if weights.quant is None else weights.quant.name)
+    twin_bytes = step_weight_bytes(twin, twin_weights)
+    got = run(twin, twin_weights, weight_bytes=twin_bytes)
+    got.pop("tokens", None)
+    return dict(
+        n_experts=m.n_experts, top_k=m.top_k, expert_d_ff=m.d_ff, shared_d_ff=m.shared_d_ff,
+        impl=impl,
+        expert_bytes_all=experts + shared, expert_bytes_read=read,
+        read_fraction=read / (experts + shared),
+        bound_fraction=(taken * experts / m.n_experts + shared) / (experts + shared),
+        dense_d_ff=twin.d_ff, dense_weight_bytes=twin_bytes, dense_step_ms=got["step_ms"],
+        moe_step_ms=moe_rec["step_ms"], step_vs_dense=moe_rec["step_ms"] / got["step_ms"])
+
+
+def describe(r: dict[str, Any]) -> str:
+    """One line of ``compare``'s record."""
+    return (f"  moe E={r['n_experts']} k={r['top_k']} F={r['expert_d_ff']} shared "
+            f"{r['shared_d_ff']} ({r['impl']}): reads {r['expert_bytes_read'] / 1e6:.2f} of "
+            f"{r['expert_bytes_all'] / 1e6:.2f} MB of experts per step "
+            f"({r['read_fraction']:.0%}; k/E + shared = {r['bound_fraction']:.0%}) | step "
+            f"{r['moe_step_ms']:.2f} ms vs dense twin (d_ff={r['dense_d_ff']}) "
+            f"{r['dense_step_ms']:.2f} ms = {r['step_vs_dense']:.2f}x")
