@@ -343,7 +343,8 @@ def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = Tr
     if mesh is not None and not merge_lora:
         raise ValueError("load(merge_lora=False) returns a LoRA run's tree as saved; it cannot "
                          "be placed on a mesh")
-    rules = sharding_lib.LOGICAL_RULES if rules is None else rules
+    if rules is None:
+        rules = sharding_lib.LOGICAL_RULES if mesh is None else sharding_lib.rules_for(mesh)
     if source.kind == HF:
         from transformer_jax import hf
 

@@ -57,7 +57,7 @@ from transformer_jax.hf.convert import _reshaped as _reshaped
 from transformer_jax.hf.convert import _same as _same
 from transformer_jax.model.config import DTYPES, ModelConfig
 from transformer_jax.model.transformer import Params, unstack_blocks
-from transformer_jax.parallel.sharding import LOGICAL_RULES, param_shardings
+from transformer_jax.parallel.sharding import param_shardings
 from transformer_jax.storage.files import read_json, replacing_directory, set_default_mode
 
 if TYPE_CHECKING:  # the tokenizer backends are imported only by callers that have one
@@ -212,7 +212,7 @@ def _read_config(path: Path) -> tuple[ModelConfig, dict[str, Any]]:
 
 
 def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None = None,
-         dtype: str | jnp.dtype | None = None, rules: Sequence[tuple[str, Any]] = LOGICAL_RULES
+         dtype: str | jnp.dtype | None = None, rules: Sequence[tuple[str, Any]] | None = None
          ) -> tuple[ModelConfig, Params]:
     """Reads a HF checkpoint directory (any model type of ``ARCHITECTURES``).
 
@@ -233,7 +233,7 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
       dtype: the ``param_dtype`` and compute ``dtype`` of the result (``"float32"``,
         ``"bfloat16"``, ``"float16"``); None keeps the checkpoint's dtype when all tensors
         share one, else float32 (an exact upcast).
-      rules: the logical -> mesh axis rules of the placement (default: the training's).
+      rules: the logical -> mesh axis rules of the placement (default: ``rules_for(mesh)``).
 
     Returns:
       ``(config, params)``: ``Transformer(config).apply({"params": params}, tokens)`` gives the
