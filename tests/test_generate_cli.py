@@ -127,6 +127,7 @@ def test_orbax_checkpoint_of_a_training_run(tmp_path, params, tokenizer_file, ca
     (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
     (["--prompt-ids", "1", "--max-new-tokens", "0"], "max_new_tokens"),
     (["--prompt-ids", "1", "--tensor", "3"], "needs 3 devices"),
+    (["--prompt-ids", "1", "--expert", "2"], "--tensor 1 --expert 2 needs 2 devices"),
     (["--prompt-ids", "1", "--max-new-tokens", "4", "--quant", "int3"],
      "quant must be one of 'int8', 'int4'"),
 ])

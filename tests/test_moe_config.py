@@ -53,3 +53,15 @@ def test_the_model_level_refusals():
     ModelConfig(**SMALL, scan_layers=True, moe=MoE(4, 2, 8))  # all sparse: scans
     with pytest.raises(ValueError, match="moe_impl must be one of"):
         ModelConfig(**SMALL, moe_impl="fast")
+
+
+def test_an_expert_axis_is_refused_for_a_dense_model_or_experts_it_does_not_divide():
+    from transformer_jax.decode.weights import check_tensor_parallel
+
+    check_tensor_parallel(ModelConfig(**SMALL, moe=MoE(4, 2, 8)), 1, 2)
+    with pytest.raises(ValueError, match="this model has no moe layers"):
+        check_tensor_parallel(ModelConfig(**SMALL), 1, 2)
+    with pytest.raises(ValueError, match="moe.n_experts divisible by 2; got moe.n_experts=5"):
+        check_tensor_parallel(ModelConfig(**SMALL, moe=MoE(5, 2, 8)), 2, 2)
+    with pytest.raises(ValueError, match="expert axis size must be a positive int"):
+        check_tensor_parallel(ModelConfig(**SMALL, moe=MoE(4, 2, 8)), 1, 0)

@@ -22,6 +22,7 @@ from transformer_jax.decode import loop as decode
 from transformer_jax.model import lora
 from transformer_jax.model.fields import MoE
 from transformer_jax.model.kv_cache import KVCache
+from transformer_jax.model.ops import moe as moe_ops
 from transformer_jax.model.ops.quantized import PackedInt4, take_rows
 from transformer_jax.model.quant import (
     dequantize,
@@ -90,7 +91,7 @@ def test_sampling_is_per_sequence_and_batch_independent(models):
 
 def test_prepare_keeps_the_experts_in_first_and_lays_out_the_router(models):
     params = models[MIXED]
-    w = decode.prepare(MIXED, params, weights_out_first=True).params
+    w = decode.prepare(MIXED, params, weights_out_first=True, experts_split=False).params
     moe, raw = w["blocks_1"]["moe"], params["blocks_1"]["moe"]
     for name in ("gate", "up", "down"):  # [E, D, F] / [E, F, D] as stored: never transposed
         np.testing.assert_array_equal(moe[name], raw[name])
@@ -99,20 +100,45 @@ def test_prepare_keeps_the_experts_in_first_and_lays_out_the_router(models):
     np.testing.assert_array_equal(moe["shared"]["down"], raw["shared"]["down"].T)
     np.testing.assert_array_equal(w["blocks_0"]["mlp"]["down"], params["blocks_0"]["mlp"]["down"].T)
     bf16 = decode.prepare(MIXED.replace(dtype="bfloat16"), params).params["blocks_1"]["moe"]
-    assert {bf16[n].dtype for n in ("gate", "up", "down", "router")} == {jnp.dtype("bfloat16")}
+    assert {x.dtype for n in ("gate", "up", "down") for x in jax.tree.leaves(bf16[n])} | {
+        bf16["router"].dtype} == {jnp.dtype("bfloat16")}
 
 
-def _expert_inputs(jaxpr, shapes):
-    """(primitive, shape) of every equation, nested ones included, that takes an array of one
-    of ``shapes`` (the whole expert stacks) as an input."""
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_split_experts_hold_each_expert_and_decode_as_the_stack(models, scan):
+    # The CPU default stores each expert apart (ExpertList); the same steps, float and int4,
+    # give the stacked layout's logits.
+    config = MOE.replace(scan_layers=scan)
+    assert decode.prepare(config, models[MOE]).experts_split  # the CPU default
+    cache = KVCache.init(config, 2, 16)
+    step = jax.jit(lambda p, c: decode.decode_step(config, p, c, jnp.array([1, 2]),
+                                                   jnp.array([3, 4]))[0])
+    for quant in (None, "int4"):
+        split = decode.prepare(config, models[MOE], quant=quant, experts_split=True)
+        stack = decode.prepare(config, models[MOE], quant=quant, experts_split=False)
+        blocks = split.params["blocks"] if scan else split.params["blocks_0"]
+        gate = blocks["moe"]["gate"]
+        assert isinstance(gate, moe_ops.ExpertList) and len(gate.experts) == E
+        raw = stack.params["blocks"] if scan else stack.params["blocks_0"]
+        for e in (0, E - 1):
+            for a, b in zip(jax.tree.leaves(gate.experts[e]),
+                            jax.tree.leaves(raw["moe"]["gate"]), strict=True):
+                np.testing.assert_array_equal(a, b[:, e] if scan else b[e])
+        np.testing.assert_allclose(step(split.params, cache), step(stack.params, cache),
+                                   atol=2e-6, rtol=1e-5)
+
+
+def _expert_inputs(jaxpr, shapes, inside=()):
+    """(primitive, shape, the containers it sits in) of every equation, nested ones included,
+    that takes an array of one of ``shapes`` (expert matrices) as an input."""
     found = []
     for eqn in jaxpr.eqns:
         for v in eqn.invars:
             shape = tuple(getattr(v.aval, "shape", ()))
             if shape in shapes:
-                found.append((eqn.primitive.name, shape))
+                found.append((eqn.primitive.name, shape, inside))
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _expert_inputs(sub, shapes)
+            found += _expert_inputs(sub, shapes, inside + (eqn.primitive.name,))
     return found
 
 
@@ -121,21 +147,32 @@ CONTAINERS = {"pjit", "jit", "closed_call", "while", "cond", "scan", "custom_jvp
 
 
 @pytest.mark.parametrize("quant", [None, "int8", "int4", "nf4"])
-def test_a_decode_step_reads_only_the_chosen_experts(models, quant):
-    # B = 2 tokens, k = 2: N*k <= E, so "auto" gathers the chosen experts' matrices (and, when
-    # quantised, their bytes and scales before unpacking): no op but a gather touches a whole
-    # [E, ...] stack, in particular no product over every expert.
-    weights = decode.prepare(MOE, models[MOE], quant=quant)
+@pytest.mark.parametrize("split", [False, True], ids=["stacked", "split"])
+def test_a_decode_step_reads_only_the_chosen_experts(models, quant, split):
+    # B = 2 tokens, k = 2: N*k <= E, so "auto" reads only the chosen experts' matrices (and,
+    # when quantised, their bytes and scales before unpacking). Stacked: no op but a gather
+    # touches a whole [E, ...] stack, in particular no product over every expert. Split: each
+    # expert's arrays are used only inside a switch's branch (run for the pairs that chose it).
+    weights = decode.prepare(MOE, models[MOE], quant=quant, experts_split=split)
     cache = KVCache.init(MOE, 2, 16)
     jaxpr = jax.make_jaxpr(lambda p, c: decode.decode_step(
         MOE, p, c, jnp.array([1, 2]), jnp.array([3, 4])))(weights.params, cache).jaxpr
-    stacks = {tuple(x.shape) for name in ("gate", "up", "down")
-              for x in jax.tree.leaves(weights.params["blocks_0"]["moe"][name])
-              if x.shape[0] == E}
-    uses = _expert_inputs(jaxpr, stacks)
-    assert uses and {p for p, _ in uses} - CONTAINERS == {"gather"}, uses
+    moe = weights.params["blocks_0"]["moe"]
+    if split:
+        arrays = {tuple(x.shape) for name in ("gate", "up", "down")  # the values, not the
+                  for x in jax.tree.leaves(moe[name]) if min(x.shape) > 1}  # [1, F] scales
+        uses = _expert_inputs(jaxpr, arrays)
+        outside = [u for u in uses if u[0] not in CONTAINERS and "cond" not in u[2]]
+        assert uses and not outside, outside
+        assert any("cond" in inside for _, _, inside in uses)
+    else:
+        stacks = {tuple(x.shape) for name in ("gate", "up", "down")
+                  for x in jax.tree.leaves(moe[name]) if x.shape[0] == E}
+        uses = _expert_inputs(jaxpr, stacks)
+        assert uses and {p for p, _, _ in uses} - CONTAINERS == {"gather"}, uses
     if quant in ("int4", "nf4"):
-        assert isinstance(weights.params["blocks_0"]["moe"]["gate"], PackedInt4)
+        gate = moe["gate"].experts[0] if split else moe["gate"]
+        assert isinstance(gate, PackedInt4)
 
 
 def _nf4_half_gap() -> float:
@@ -150,7 +187,7 @@ def _nf4_half_gap() -> float:
 def test_quantised_experts_are_within_the_bound_and_decode_as_their_dequantised_floats(
         models, quant):
     params = models[MIXED]
-    weights = decode.prepare(MIXED, params, quant=quant)
+    weights = decode.prepare(MIXED, params, quant=quant, experts_split=False)
     moe = weights.params["blocks_1"]["moe"]
     assert not any(hasattr(moe[n], "scale") for n in ("router", "shared_gate"))  # kept float
     for name, axis in (("gate", 1), ("up", 1), ("down", 1)):  # groups along the input axis
@@ -172,7 +209,8 @@ def test_quantised_experts_are_within_the_bound_and_decode_as_their_dequantised_
         return
     dequantised = decode.DecodeWeights(jax.jit(dequantize_params)(weights.params), MIXED, None,
                                        weights.weights_out_first)
-    got = generation.generate(MIXED, weights, PROMPTS[:2], max_new_tokens=N_NEW)  # gathered
+    split = decode.prepare(MIXED, params, quant=quant, experts_split=True)
+    got = generation.generate(MIXED, split, PROMPTS[:2], max_new_tokens=N_NEW)  # switched
     want = generation.generate(MIXED, dequantised, PROMPTS[:2], max_new_tokens=N_NEW)
     assert got.tokens == want.tokens
     np.testing.assert_allclose(got.logprob_array, want.logprob_array, atol=1e-5)
@@ -189,18 +227,25 @@ def test_the_engine_under_load_equals_generate(models):
     assert [done[i].tokens for i in ids] == want.tokens * 2
 
 
-def test_tensor_parallel_decode_and_engine_equal_one_device():
-    out = worker.run_python([str(Path(__file__).with_name("moe_tp_worker.py"))], n_devices=2,
+def test_tensor_and_expert_parallel_decode_and_engine_equal_one_device():
+    out = worker.run_python([str(Path(__file__).with_name("moe_tp_worker.py"))], n_devices=4,
                             timeout=600)
     runs = json.loads(out.strip().splitlines()[-1])
     one, two = runs["1"], runs["2"]
-    assert two["specs"] == {"gate": "(None, None, 'tensor')", "up": "(None, None, 'tensor')",
-                            "down": "(None, 'tensor', None)", "router": "(None, 'fsdp')"}
-    assert two["block"] == [E, D, F // 2] and one["block"] == [E, D, F]
-    for kind in ("generate", "engine"):
-        assert two[kind] == one[kind] == one["generate"]
-        for a, b in zip(two[f"{kind}_logprobs"], one[f"{kind}_logprobs"], strict=True):
-            np.testing.assert_allclose(a, b, atol=1e-5)
+    # Each expert's own arrays (the CPU layout) split as a dense FFN's: F over the tensor axis.
+    assert two["specs"] == {"gate": "(None, 'tensor')", "up": "(None, 'tensor')",
+                            "down": "('tensor', None)", "router": "(None, 'fsdp')"}
+    assert two["block"] == [D, F // 2] and one["block"] == [D, F]
+    # Over an expert axis the stacks stay whole, E split over it (6 experts: 3 a device).
+    assert runs["e2"]["specs"]["gate"] == "('expert', None, 'tensor')"  # (tensor: 1)
+    assert runs["e2"]["block"] == [3, D, F]
+    assert runs["e2t2"]["specs"]["down"] == "('expert', 'tensor', None)"
+    assert runs["e2t2"]["block"] == [3, D, F // 2]
+    for run in (two, runs["e2"], runs["e2t2"]):
+        for kind in ("generate", "engine"):
+            assert run[kind] == one[kind] == one["generate"]
+            for a, b in zip(run[f"{kind}_logprobs"], one[f"{kind}_logprobs"], strict=True):
+                np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 LORA = lora.LoraConfig(rank=2, alpha=4.0, targets=("q", "down", "experts.gate", "experts.down",

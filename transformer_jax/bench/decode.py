@@ -53,8 +53,8 @@ from transformer_jax.decode import loop as decode
 from transformer_jax.decode import prompts as prompt_lib
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import cache_bytes
+from transformer_jax.model.ops import moe as moe_ops
 from transformer_jax.model.ops.dense import dense
-from transformer_jax.model.ops.quantized import take_rows
 from transformer_jax.model.transformer import Transformer, init_params
 from transformer_jax.parallel import sharding
 
@@ -192,11 +192,13 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
         return mm(hidden, m["down"], "BF,FD->BD")
 
     def experts(x: jax.Array, m: Any) -> jax.Array:
-        # A mixture's step: k experts' matrices gathered (ids the compiler cannot fold away).
-        ids = jnp.arange(c.moe.top_k) + (x[0, 0] > 1e30).astype(jnp.int32)
-        w = {name: take_rows(m[name], ids).astype(x.dtype) for name in ("gate", "up", "down")}
-        hidden = jnp.einsum("bd,kdf->bkf", x, w["up"]) * jnp.einsum("bd,kdf->bkf", x, w["gate"])
-        y = jnp.einsum("bkf,kfd->bd", hidden, w["down"])
+        # A mixture's step: the model's expert op on k experts per row (ids the compiler
+        # cannot fold away).
+        k = c.moe.top_k
+        ids = jnp.arange(batch * k).reshape(batch, k) % c.moe.n_experts
+        routing = moe_ops.Routing(jnp.full((batch, k), 1.0 / k), ids + (
+            x[0, 0] > 1e30).astype(jnp.int32), None, None)
+        y = moe_ops.experts_ffn(x, routing, m["gate"], m["up"], m["down"], impl=c.moe_impl)
         return y + ffn(x, m["shared"]) if "shared" in m else y
 
     def layer(x: jax.Array, p: Any) -> jax.Array:

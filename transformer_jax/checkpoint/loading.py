@@ -40,7 +40,12 @@ import numpy as np
 
 from transformer_jax import storage
 from transformer_jax.checkpoint.files import META_ITEM, STATE_ITEM, CheckpointError, read_meta
-from transformer_jax.decode.weights import check_tensor_parallel, decode_rules, tensor_shards
+from transformer_jax.decode.weights import (
+    check_tensor_parallel,
+    decode_rules,
+    expert_shards,
+    tensor_shards,
+)
 from transformer_jax.model import lora
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.transformer import Params
@@ -412,30 +417,35 @@ def _load_run(source: Source, mesh: Any, *, merge_lora: bool, step: int | None,
 
 
 
-def _tensor_mesh(tensor: int) -> Any:
-    """The mesh for ``--tensor T`` (None for one device); T = 0 takes every device."""
+def _tensor_mesh(tensor: int, expert: int = 1) -> Any:
+    """The mesh for ``--tensor T --expert X`` (None for one device); T = 0 takes every device
+    the expert axis leaves."""
     devices = jax.devices()
-    tensor = tensor or len(devices)
-    if tensor > len(devices):
-        raise ValueError(f"--tensor {tensor} needs {tensor} devices, {len(devices)} are available "
-                         "(XLA_FLAGS may fix the CPU device count)")
-    if tensor == 1:
+    if expert < 1:
+        raise ValueError(f"--expert must be >= 1, got {expert}")
+    tensor = tensor or max(1, len(devices) // expert)
+    if tensor * expert > len(devices):
+        raise ValueError(f"--tensor {tensor} --expert {expert} needs {tensor * expert} devices, "
+                         f"{len(devices)} are available (XLA_FLAGS may fix the CPU device count)")
+    if tensor * expert == 1:
         return None
-    return sharding_lib.make_mesh(sharding_lib.MeshConfig(data=1, fsdp=1, tensor=tensor),
-                                  devices[:tensor])
+    return sharding_lib.make_mesh(
+        sharding_lib.MeshConfig(data=1, fsdp=1, tensor=tensor, expert=expert),
+        devices[:tensor * expert])
 
 
-def load_for_decode(checkpoint: str, tensor: int, tokenizer: str | None = None
-                    ) -> tuple[Loaded, Any]:
-    """Opens ``--checkpoint`` for decoding over ``--tensor T`` devices: the ``Loaded``
-    checkpoint and the mesh (None for one device), the weights placed as the decode splits
-    them. Raises ValueError (a mesh the model cannot be split over), OSError, CheckpointError.
+def load_for_decode(checkpoint: str, tensor: int, tokenizer: str | None = None,
+                    expert: int = 1) -> tuple[Loaded, Any]:
+    """Opens ``--checkpoint`` for decoding over ``--tensor T`` (and ``--expert X``) devices: the
+    ``Loaded`` checkpoint and the mesh (None for one device), the weights placed as the decode
+    splits them. Raises ValueError (a mesh the model cannot be split over), OSError,
+    CheckpointError.
     """
-    mesh = _tensor_mesh(tensor)
+    mesh = _tensor_mesh(tensor, expert)
     source = locate(checkpoint, where=f"--checkpoint {checkpoint!r}")
     rules = None
     if mesh is not None:  # before any weight is read
-        check_tensor_parallel(source.model, tensor_shards(mesh))
+        check_tensor_parallel(source.model, tensor_shards(mesh), expert_shards(mesh))
         # Placed by the decode's rules (the vocabulary kept whole when T does not divide
         # it), so that ``decode.prepare`` finds the weights on the mesh's devices.
         rules = decode_rules(source.model, mesh)

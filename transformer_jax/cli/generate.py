@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode tensor-parallel over T devices (T divides the model's kv heads, "
                    "heads and FFN width); on CPU the host is split into T devices, 0 = one per "
                    "core (default: %(default)s)")
+    p.add_argument("--expert", type=int, default=1, metavar="X",
+                   help="split a mixture's experts over X devices (E/X each; X divides "
+                   "moe.n_experts), times the --tensor devices (default: %(default)s)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with ids, text, logprobs and timings; no "
                    "streaming (default: stream text)")
@@ -139,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tensor < 0:
         print(f"error: --tensor must be >= 0, got {args.tensor}", file=sys.stderr)
         return 2
+    if args.expert < 1:
+        print(f"error: --expert must be >= 1, got {args.expert}", file=sys.stderr)
+        return 2
     if not -(2**63) <= args.seed < 2**63:
         print(f"error: --seed must be a signed 64-bit integer (from -2**63 to 2**63 - 1), got "
               f"{args.seed}", file=sys.stderr)
@@ -147,11 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --chat renders --prompt texts as user messages; give --prompt TEXT",
               file=sys.stderr)
         return 2
-    if args.tensor != 1:  # before anything starts JAX's CPU backend
-        sharding.configure_cpu_devices(devices=args.tensor)
+    if args.tensor * args.expert != 1:  # before anything starts JAX's CPU backend
+        sharding.configure_cpu_devices(devices=args.tensor * args.expert)
     try:
         parse_quant(args.quant, field="--quant")  # before any weight is read
-        loaded, mesh = loading.load_for_decode(args.checkpoint, args.tensor, args.tokenizer)
+        loaded, mesh = loading.load_for_decode(args.checkpoint, args.tensor, args.tokenizer,
+                                                args.expert)
         config, params, tokenizer = loaded.config, loaded.params, loaded.tokenizer
         if args.prompt and tokenizer is None:
             raise ValueError("text prompts need a tokenizer: pass --tokenizer FILE_OR_DIR or "

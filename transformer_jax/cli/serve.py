@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "slower short decodes) (default: the engine's, 128)")
     e.add_argument("--tensor", type=int, default=1, metavar="T", help="tensor-parallel over T "
                    "devices, as generate --tensor (default: %(default)s)")
+    e.add_argument("--expert", type=int, default=1, metavar="X", help="a mixture's experts "
+                   "split over X devices (E/X each), as generate --expert; X x T devices in "
+                   "all (default: %(default)s)")
     e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the checkpoint's)")
     e.add_argument("--cache-dtype", choices=("float32", "bfloat16", "float16", "int8"),
@@ -110,6 +113,8 @@ def _check(args: argparse.Namespace) -> None:
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got "
                              f"{getattr(args, name)}")
+    if args.expert < 1:
+        raise ValueError(f"--expert must be >= 1, got {args.expert}")
     if args.memory_fraction is not None and not 0 < args.memory_fraction <= 1:
         raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
     if args.request_timeout is not None and not args.request_timeout > 0:
@@ -178,7 +183,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
     timings = {}
     t = time.perf_counter()
-    loaded, mesh = load_for_decode(args.checkpoint, args.tensor, args.tokenizer)
+    loaded, mesh = load_for_decode(args.checkpoint, args.tensor, args.tokenizer, args.expert)
     config = loaded.config.replace(dtype=args.dtype) if args.dtype else loaded.config
     timings["load_s"] = time.perf_counter() - t
     pages = pool_pages(args, config)
@@ -218,10 +223,10 @@ def main(argv: list[str] | None = None) -> int:
                            "bound to (--host %s) without an API key; anyone who can reach it "
                            "can use it. Give --api-key KEY (or $%s), or --host 127.0.0.1",
                            url_of(sock), args.host, API_KEY_ENV)
-        if args.tensor != 1:  # before anything starts JAX's CPU backend
+        if args.tensor * args.expert != 1:  # before anything starts JAX's CPU backend
             from transformer_jax.parallel import sharding
 
-            sharding.configure_cpu_devices(devices=args.tensor)
+            sharding.configure_cpu_devices(devices=args.tensor * args.expert)
         configure_compilation_cache(args.compilation_cache)
         runner, model, _ = build(args)
     except (ValueError, OSError) as e:

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from transformer_jax.decode import sampling, streaming
 from transformer_jax.decode.prompts import is_int
 from transformer_jax.decode.weights import (  # noqa: F401 (decode.prepare etc. are the API)
+    EXPERT_AXIS,
     TENSOR_AXIS,
     DecodeWeights,
     abstract_weights,
@@ -54,6 +55,9 @@ from transformer_jax.decode.weights import (  # noqa: F401 (decode.prepare etc. 
     decode_params,
     decode_rules,
     default_weights_out_first,
+    expert_shards,
+    has_expert_lists,
+    is_split,
     prepare,
     tensor_shards,
     vocab_is_split,
@@ -69,10 +73,18 @@ Params = dict[str, Any]
 @dataclasses.dataclass(frozen=True)
 class TensorSplit:
     """How the traced decode sees a tensor-parallel split: it runs inside ``shard_map`` over
-    ``axis``, on one shard's weights (and its vocabulary rows when ``vocab``)."""
+    ``axis``, on one shard's weights (and its vocabulary rows when ``vocab``), and on one
+    shard of a mixture's experts over the ``experts`` axis when set."""
 
     axis: str = TENSOR_AXIS
     vocab: bool = True
+    experts: str | None = None
+
+
+def tensor_split(config: ModelConfig, mesh: Mesh) -> TensorSplit:
+    """The ``TensorSplit`` of a decode over ``mesh`` (``is_split``)."""
+    return TensorSplit(TENSOR_AXIS, vocab_is_split(config, mesh),
+                       EXPERT_AXIS if expert_shards(mesh) > 1 else None)
 
 
 # Loop state --------------------------------------------------------------------------------------
@@ -145,9 +157,10 @@ def decode_model(config: ModelConfig, split: TensorSplit | None = None,
     (default ``default_weights_out_first()``), on one shard with ``split``."""
     if weights_out_first is None:
         weights_out_first = default_weights_out_first()
-    axis, vocab = (None, False) if split is None else (split.axis, split.vocab)
-    return Transformer(decode_config(config), tensor_axis=axis, vocab_split=vocab,
-                       weights_out_first=weights_out_first)
+    if split is None:
+        return Transformer(decode_config(config), weights_out_first=weights_out_first)
+    return Transformer(decode_config(config), tensor_axis=split.axis, vocab_split=split.vocab,
+                       weights_out_first=weights_out_first, expert_axis=split.experts)
 
 
 def prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array,
@@ -307,14 +320,15 @@ def generate_padded(config: ModelConfig, params: Params | DecodeWeights, tokens:
                             max_new_tokens=max_new_tokens, settings=settings,
                             cache_size=cache_size, cache_dtype=cache_dtype,
                             weights_out_first=out_first)
-    if shards == 1:
+    if not is_split(mesh):
         return run(config, weights, tokens, lengths, key_data, split=None)
-    split = TensorSplit(TENSOR_AXIS, vocab_is_split(config, mesh))
+    split = tensor_split(config, mesh)
     local = shard_config(config, shards, vocab=split.vocab)
     # Outputs are the same on every shard (each samples from the gathered logits).
     return jax.shard_map(
         functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
-        in_specs=(weight_specs(config, mesh, out_first, quant), P(), P(), P()),
+        in_specs=(weight_specs(config, mesh, out_first, quant, has_expert_lists(weights)), P(),
+                  P(), P()),
         out_specs=(P(), P(), P()),
     )(weights, tokens, lengths, key_data)
 

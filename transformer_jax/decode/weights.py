@@ -11,6 +11,10 @@ N/T heads, K/T kv heads, F/T FFN units, V/T vocabulary rows when T divides V).
 With ``quant`` the matrices and the token table are stored quantised (``model.quant``:
 int8 per output channel, int4 in groups, through qwix): values and scales only, which the same
 forward computes with.
+
+With ``experts_split`` (the default on CPU for a mixture) each expert stack is stored as an
+``ops.moe.ExpertList``, one array per expert, which the decode's expert products switch between
+instead of gathering from the stack (measured in ``ExpertList``'s docstring).
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ from typing import Any
 
 import flax.struct
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from transformer_jax.decode.prompts import is_int
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import MATRIX_INPUT_AXES, is_vector_param, to_out_first
+from transformer_jax.model.ops.moe import ExpertList
+from transformer_jax.model.ops.quantized import is_quantized
 from transformer_jax.model.quant_spec import is_expert_stack
 from transformer_jax.model.transformer import abstract_params, stack_blocks, unstack_blocks
 from transformer_jax.parallel import sharding
@@ -34,6 +41,8 @@ Params = dict[str, Any]
 
 #: The mesh axis a tensor-parallel decode splits the model over (as in training).
 TENSOR_AXIS = "tensor"
+#: The mesh axis an expert-parallel decode splits a mixture's experts over (as in training).
+EXPERT_AXIS = "expert"
 
 
 @flax.struct.dataclass
@@ -47,6 +56,7 @@ class DecodeWeights:
       mesh: the mesh they are placed on, or None (static).
       weights_out_first: static; every matrix is stored output axes first (``layers.matrix``).
       quant: static; how the matrices are quantised (``quant.WeightQuant``), or None (float).
+      experts_split: static; a mixture's expert stacks are ``ExpertList``s (``split_experts``).
     """
 
     params: Params
@@ -54,12 +64,19 @@ class DecodeWeights:
     mesh: Mesh | None = flax.struct.field(pytree_node=False, default=None)
     weights_out_first: bool = flax.struct.field(pytree_node=False, default=False)
     quant: Any = flax.struct.field(pytree_node=False, default=None)
+    experts_split: bool = flax.struct.field(pytree_node=False, default=False)
 
     @property
     def nbytes(self) -> int:
         """Bytes of all the prepared weights (summed over their shards), quantised values and
         scales included."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
+
+    @property
+    def specs(self) -> Params:
+        """``weight_specs`` of these weights over their mesh (which must be set)."""
+        return weight_specs(self.config, self.mesh, self.weights_out_first, self.quant,
+                            self.experts_split)
 
     def check_for(self, config: ModelConfig, mesh: Mesh | None, caller: str,
                   quant: Any = None) -> Mesh | None:
@@ -96,6 +113,41 @@ def default_weights_out_first() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def default_experts_split(config: ModelConfig) -> bool:
+    """Whether ``prepare`` stores a mixture's experts as ``ExpertList``s by default: on the CPU
+    backend, where a product with a gathered expert copies its matrix first (``ExpertList``)."""
+    return config.moe is not None and jax.default_backend() == "cpu"
+
+
+def split_experts(tree: Params, n_experts: int, take: Callable[[Any, int, int], Any]
+                  ) -> Params:
+    """``tree`` (weights, or their shardings) with each expert stack replaced by an
+    ``ExpertList`` of ``take(stack, axis, e)`` for e < E (``axis``: the stack's E axis, 1
+    after a leading layers axis). A quantised stack is one node (values and scales)."""
+    def one(path: tuple[Any, ...], x: Any) -> Any:
+        if not is_expert_stack(path):
+            return x
+        axis = 1 if str(path[0].key) == "blocks" else 0
+        return ExpertList(tuple(take(x, axis, e) for e in range(n_experts)))
+
+    return jax.tree_util.tree_map_with_path(
+        one, tree, is_leaf=lambda x: is_quantized(x) or isinstance(x, NamedSharding))
+
+
+def _take_expert(stack: Any, axis: int, e: int) -> Any:
+    """Expert e of a float or quantised stack (every leaf has E on ``axis``)."""
+    return jax.tree.map(lambda a: jax.lax.index_in_dim(a, e, axis, keepdims=False), stack)
+
+
+def _expert_sharding(stack: Any, axis: int, e: int) -> Any:
+    """The sharding of expert e of a stack sharded as ``stack`` (its E axis dropped)."""
+    def drop(s: NamedSharding) -> NamedSharding:
+        spec = list(s.spec)
+        return NamedSharding(s.mesh, P(*(spec[:axis] + spec[axis + 1:])))
+
+    return jax.tree.map(drop, stack)
+
+
 def decode_params(config: ModelConfig, params: Params, weights_out_first: bool | None = None
                   ) -> Params:
     """The parameter transform in front of the decode: what ``prepare`` computes.
@@ -128,17 +180,21 @@ def decode_params(config: ModelConfig, params: Params, weights_out_first: bool |
 
 
 def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None, *,
-            weights_out_first: bool | None = None, quant: Any = None) -> DecodeWeights:
+            weights_out_first: bool | None = None, quant: Any = None,
+            experts_split: bool | None = None) -> DecodeWeights:
     """Prepares ``params`` for generation once (``decode_params``, placed on ``mesh``).
 
     Args:
       config: the model's config.
       params: the model's parameters (scanned or unrolled layout), on any device.
-      mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1): each device then
-        holds its block of every matrix, split by the logical-axis rules.
+      mesh: optional mesh with a ``"tensor"`` axis, and for a mixture an ``"expert"`` axis
+        (other axes of size 1): each device then holds its block of every matrix, split by
+        the logical-axis rules, and its E/X experts (their stacks kept whole).
       weights_out_first: the matrix layout; default ``default_weights_out_first()``.
       quant: None (float weights), ``"int8"``, ``"int4"``, ``"int4:G"`` or a
         ``quant.WeightQuant``: store the matrices and token table quantised.
+      experts_split: store a mixture's expert stacks as ``ExpertList``s; default
+        ``default_experts_split(config)``.
 
     Returns:
       The ``DecodeWeights``; pass them to ``generation.generate`` in place of ``params``.
@@ -148,12 +204,21 @@ def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None, *,
         unknown quantisation scheme or an int4 group size that does not divide a width.
     """
     shards = tensor_shards(mesh)
-    check_tensor_parallel(config, shards)
+    check_tensor_parallel(config, shards, expert_shards(mesh))
     quant = _parse_quant(config, quant, shards)
     if weights_out_first is None:
         weights_out_first = default_weights_out_first()
-    return DecodeWeights(_prepare_fn(config, mesh, weights_out_first, quant)(params), config,
-                         mesh, weights_out_first, quant)
+    # Split over an expert axis each device holds its E/X experts' stack: one array spans the
+    # mesh, so a per-expert array could not live on its shard's devices alone.
+    split = _experts_split(config, experts_split) and expert_shards(mesh) == 1
+    return DecodeWeights(_prepare_fn(config, mesh, weights_out_first, quant, split)(params),
+                         config, mesh, weights_out_first, quant, split)
+
+
+def _experts_split(config: ModelConfig, experts_split: bool | None) -> bool:
+    if experts_split is None:
+        return default_experts_split(config)
+    return bool(experts_split) and config.moe is not None
 
 
 def _parse_quant(config: ModelConfig, quant: Any, shards: int) -> Any:
@@ -166,51 +231,60 @@ def _parse_quant(config: ModelConfig, quant: Any, shards: int) -> Any:
 
 
 def abstract_weights(config: ModelConfig, weights_out_first: bool | None = None,
-                     quant: Any = None) -> DecodeWeights:
+                     quant: Any = None, experts_split: bool | None = None) -> DecodeWeights:
     """``prepare``'s result as ``jax.ShapeDtypeStruct``s, without allocating anything (to lower
     and compile ``generate_padded`` from shapes alone)."""
     if weights_out_first is None:
         weights_out_first = default_weights_out_first()
     quant = _parse_quant(config, quant, 1)
-    params = jax.eval_shape(_weights_fn(config, weights_out_first, quant),
+    split = _experts_split(config, experts_split)
+    params = jax.eval_shape(_weights_fn(config, weights_out_first, quant, split),
                             abstract_params(config))
-    return DecodeWeights(params, config, None, weights_out_first, quant)
+    return DecodeWeights(params, config, None, weights_out_first, quant, split)
 
 
-def _weights_fn(config: ModelConfig, weights_out_first: bool, quant: Any
-                ) -> Callable[[Params], Params]:
-    """``decode_params``, then the quantisation ``quant`` asks for."""
-    fn = functools.partial(decode_params, config, weights_out_first=weights_out_first)
-    if quant is None:
-        return fn
-    from transformer_jax.model.quant import quantize_params
+def _weights_fn(config: ModelConfig, weights_out_first: bool, quant: Any,
+                experts_split: bool = False) -> Callable[[Params], Params]:
+    """``decode_params``, then the quantisation ``quant`` asks for, then ``split_experts``."""
+    def fn(params: Params) -> Params:
+        params = decode_params(config, params, weights_out_first)
+        if quant is not None:
+            from transformer_jax.model.quant import quantize_params
 
-    return lambda params: quantize_params(fn(params), quant, out_first=weights_out_first)
+            params = quantize_params(params, quant, out_first=weights_out_first)
+        if experts_split:
+            params = split_experts(params, config.moe.n_experts, _take_expert)
+        return params
+
+    return fn
 
 
 @functools.lru_cache(maxsize=32)
 def _prepare_fn(config: ModelConfig, mesh: Mesh | None, weights_out_first: bool,
-                quant: Any = None) -> Callable[[Params], Params]:
-    """``decode_params`` (and ``quant``) jitted for one config, its outputs placed on the mesh
-    by the rules."""
-    fn = _weights_fn(config, weights_out_first, quant)
+                quant: Any = None, experts_split: bool = False) -> Callable[[Params], Params]:
+    """``decode_params`` (and ``quant``, ``split_experts``) jitted for one config, its outputs
+    placed on the mesh by the rules."""
+    fn = _weights_fn(config, weights_out_first, quant, experts_split)
     if mesh is None:
         return jax.jit(fn)
-    return jax.jit(fn, out_shardings=_weight_shardings(config, mesh, weights_out_first, quant))
+    return jax.jit(fn, out_shardings=_weight_shardings(config, mesh, weights_out_first, quant,
+                                                       experts_split))
 
 
 def _weight_shardings(config: ModelConfig, mesh: Mesh, weights_out_first: bool,
-                      quant: Any = None) -> Params:
-    float_shardings = sharding.param_shardings(decode_config(config), mesh,
-                                               decode_rules(config, mesh),
-                                               weights_out_first=weights_out_first)
-    if quant is None:
-        return float_shardings
-    from transformer_jax.model.quant import quantized_shardings
+                      quant: Any = None, experts_split: bool = False) -> Params:
+    shardings = sharding.param_shardings(decode_config(config), mesh,
+                                         decode_rules(config, mesh),
+                                         weights_out_first=weights_out_first)
+    if quant is not None:
+        from transformer_jax.model.quant import quantized_shardings
 
-    shapes = jax.eval_shape(_weights_fn(config, weights_out_first, quant),
-                            abstract_params(config))
-    return quantized_shardings(float_shardings, shapes)
+        shapes = jax.eval_shape(_weights_fn(config, weights_out_first, quant),
+                                abstract_params(config))
+        shardings = quantized_shardings(shardings, shapes)
+    if experts_split:
+        shardings = split_experts(shardings, config.moe.n_experts, _expert_sharding)
+    return shardings
 
 
 #: The decode's rules for a mixture's axes: the experts' F split over the tensor axis as the
@@ -224,8 +298,11 @@ EXPERT_RULES = (("experts", None), ("expert_embed", None), ("expert_mlp", TENSOR
 def decode_rules(config: ModelConfig, mesh: Mesh | None) -> tuple:
     """The training's logical-axis rules, with the vocabulary kept whole on every device when
     the tensor axis does not divide it (the embedding and head are then replicated), and a
-    mixture's axes split as ``EXPERT_RULES`` says."""
+    mixture's axes split as ``EXPERT_RULES`` says (E over the expert axis when the mesh has
+    one)."""
     ours = dict(EXPERT_RULES)
+    if expert_shards(mesh) > 1:
+        ours["experts"] = EXPERT_AXIS
     if not vocab_is_split(config, mesh):
         ours["vocab"] = None
     rules = tuple((name, ours.get(name, axes)) for name, axes in sharding.LOGICAL_RULES)
@@ -239,14 +316,21 @@ def vocab_is_split(config: ModelConfig, mesh: Mesh | None) -> bool:
 
 
 def weight_specs(config: ModelConfig, mesh: Mesh, weights_out_first: bool | None = None,
-                 quant: Any = None) -> Params:
+                 quant: Any = None, experts_split: bool = False) -> Params:
     """The ``PartitionSpec`` of every prepared weight over ``mesh``: the training's logical-axis
     rules applied to the decode layout (``decode_rules``), as ``prepare`` places them (the
-    quantised values and scales with ``quant``, a parsed ``WeightQuant``)."""
+    quantised values and scales with ``quant``, a parsed ``WeightQuant``; the experts as
+    ``ExpertList``s with ``experts_split``)."""
     if weights_out_first is None:
         weights_out_first = default_weights_out_first()
-    return jax.tree.map(lambda s: s.spec,
-                        _weight_shardings(config, mesh, weights_out_first, quant))
+    return jax.tree.map(lambda s: s.spec, _weight_shardings(config, mesh, weights_out_first,
+                                                            quant, experts_split))
+
+
+def has_expert_lists(params: Params) -> bool:
+    """Whether ``params`` (arrays or tracers) hold ``ExpertList``s (``split_experts``)."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, ExpertList))
+    return any(isinstance(x, ExpertList) for x in leaves)
 
 
 def tensor_shards(mesh: Mesh | None) -> int:
@@ -261,19 +345,39 @@ def tensor_shards(mesh: Mesh | None) -> int:
     if TENSOR_AXIS not in sizes:
         raise ValueError(f"decode needs a mesh with a '{TENSOR_AXIS}' axis, got axes "
                          f"{tuple(sizes)}")
-    others = {k: v for k, v in sizes.items() if k != TENSOR_AXIS and v > 1}
+    others = {k: v for k, v in sizes.items() if k not in (TENSOR_AXIS, EXPERT_AXIS) and v > 1}
     if others:
-        raise ValueError(f"decode splits the model over the '{TENSOR_AXIS}' axis only; the other "
-                         f"mesh axes must have size 1, got {others}")
+        raise ValueError(f"decode splits the model over the '{TENSOR_AXIS}' axis (and a "
+                         f"mixture's experts over '{EXPERT_AXIS}') only; the other mesh axes "
+                         f"must have size 1, got {others}")
     return sizes[TENSOR_AXIS]
 
 
-def check_tensor_parallel(config: ModelConfig, shards: int) -> None:
+def expert_shards(mesh: Mesh | None) -> int:
+    """X, the size of ``mesh``'s expert axis (1 without a mesh or without that axis)."""
+    return 1 if mesh is None else dict(mesh.shape).get(EXPERT_AXIS, 1)
+
+
+def is_split(mesh: Mesh | None) -> bool:
+    """Whether a decode over ``mesh`` runs inside ``shard_map`` (T > 1 or X > 1)."""
+    return tensor_shards(mesh) > 1 or expert_shards(mesh) > 1
+
+
+def check_tensor_parallel(config: ModelConfig, shards: int, experts: int = 1) -> None:
     """Raises ValueError unless T = ``shards`` divides the kv heads, query heads and FFN width
-    (and a mixture's expert and shared-expert widths)."""
+    (and a mixture's expert and shared-expert widths), and X = ``experts`` (an expert axis)
+    is 1 or divides a mixture's experts."""
     c = config
     if not is_int(shards) or shards < 1:
         raise ValueError(f"the tensor axis size must be a positive int, got {shards!r}")
+    if not is_int(experts) or experts < 1:
+        raise ValueError(f"the expert axis size must be a positive int, got {experts!r}")
+    if experts > 1 and c.moe is None:
+        raise ValueError(f"an expert axis of {experts} devices splits a mixture's experts; "
+                         "this model has no moe layers (use the tensor axis)")
+    if experts > 1 and c.moe.n_experts % experts:
+        raise ValueError(f"expert-parallel decode over {experts} devices needs moe.n_experts "
+                         f"divisible by {experts}; got moe.n_experts={c.moe.n_experts}")
     widths = [("n_kv_heads", c.n_kv_heads), ("n_heads", c.n_heads), ("d_ff", c.d_ff)]
     if c.moe is not None:
         widths += [("moe.d_ff", c.moe.d_ff), ("moe.shared_d_ff", c.moe.shared_d_ff)]

@@ -28,11 +28,13 @@ class Block(nn.Module):
     With ``tensor_axis`` the block runs inside ``shard_map`` on one shard of a Megatron split:
     its config counts this shard's heads, kv heads and FFN units (``shard_config``), and each
     branch's output (a partial sum over the shard's heads or units) is summed over the axis.
+    With ``expert_axis`` too, a sparse layer holds one shard of the experts (``SparseFFN``).
     """
 
     config: ModelConfig
     tensor_axis: str | None = None
     weights_out_first: bool = False
+    expert_axis: str | None = None
 
     @nn.compact
     def __call__(self, carry: Carry, positions: jax.Array, layer: int | jax.Array = 0,
@@ -67,7 +69,8 @@ class Block(nn.Module):
         sparse = c.moe is not None and (not isinstance(layer, int) or c.moe.is_sparse(layer))
         stats = None
         if sparse:
-            moe = SparseFFN(moe=c.moe, kind=c.ffn, impl=c.moe_impl, init_std=c.init_std,
+            moe = SparseFFN(moe=c.moe, expert_axis=self.expert_axis, kind=c.ffn,
+                            impl=c.moe_impl, init_std=c.init_std,
                             out_init_std=out_std, out_first=self.weights_out_first, name="moe",
                             **dtypes)
             valid = None if segment_ids is None else segment_ids > 0

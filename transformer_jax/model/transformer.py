@@ -69,12 +69,15 @@ class Transformer(nn.Module):
     matrix: ``config`` is then the shard's view (``layers.shard_config``), ``tensor_axis``
     names the mesh axis the blocks' branch outputs are summed over, and with ``vocab_split``
     the embedding rows and head columns are split too (the logits are gathered whole).
+    ``expert_axis`` names a mesh axis a mixture's experts are split over inside that
+    ``shard_map`` (``model.moe.SparseFFN``).
     """
 
     config: ModelConfig
     tensor_axis: str | None = None
     vocab_split: bool = False
     weights_out_first: bool = False
+    expert_axis: str | None = None
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -124,7 +127,7 @@ class Transformer(nn.Module):
             block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[c.remat],
                                  prevent_cse=not c.scan_layers)
         carry = (x, cache)
-        block_args = (c, self.tensor_axis, self.weights_out_first)
+        block_args = (c, self.tensor_axis, self.weights_out_first, self.expert_axis)
         if c.scan_layers:
             # The cache rides in the carry and each layer indexes it with its (traced) number,
             # so XLA updates it in place rather than slicing and restacking it per layer.

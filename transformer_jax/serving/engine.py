@@ -38,6 +38,8 @@ from transformer_jax.decode.loop import (
     DecodeWeights,
     Params,
     check_tensor_parallel,
+    expert_shards,
+    is_split,
     prepare,
     tensor_shards,
 )
@@ -126,7 +128,7 @@ class Engine:
         else:
             self.weights = prepare(config, weights_or_params, mesh, quant=quant)
         self.mesh = self.weights.mesh
-        check_tensor_parallel(config, tensor_shards(self.mesh))
+        check_tensor_parallel(config, tensor_shards(self.mesh), expert_shards(self.mesh))
         self.config = config
         self.tokenizer = tokenizer
         self.page_size = page_size
@@ -138,7 +140,7 @@ class Engine:
         self.view = view
         self._k, self._v = cache.k, cache.v
         self._rings = None if cache.ring is None else (cache.k_ring, cache.v_ring)
-        if tensor_shards(self.mesh) > 1:  # each device its K/T kv heads of every page
+        if is_split(self.mesh):  # each device its K/T kv heads of every page
             placed = NamedSharding(self.mesh, step_lib.page_spec(config))
             self._k, self._v = jax.device_put((self._k, self._v), placed)
             if self._rings is not None:

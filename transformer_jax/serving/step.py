@@ -46,8 +46,10 @@ from transformer_jax.decode.loop import (
     TENSOR_AXIS,
     TensorSplit,
     decode_model,
+    has_expert_lists,
+    is_split,
     tensor_shards,
-    vocab_is_split,
+    tensor_split,
     weight_specs,
 )
 from transformer_jax.model.block import shard_config
@@ -186,15 +188,16 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     run = functools.partial(_step, weights_out_first=weights_out_first,
                             keys_transposed=keys_transposed, sampler=sampler, view=view)
     shards = tensor_shards(mesh)
-    if shards == 1:
+    if not is_split(mesh):
         return run(config, params, k_pages, v_pages, decode, prefill, rows, rings, split=None)
-    split = TensorSplit(TENSOR_AXIS, vocab_is_split(config, mesh))
+    split = tensor_split(config, mesh)
     local = shard_config(config, shards, vocab=split.vocab)
     pages = page_spec(config)
     ring = None if rings is None else ring_spec(config)
     return jax.shard_map(
         functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
-        in_specs=(weight_specs(config, mesh, weights_out_first, quant), pages, pages,
+        in_specs=(weight_specs(config, mesh, weights_out_first, quant, has_expert_lists(params)),
+                  pages, pages,
                   None if decode is None else P(), None if prefill is None else P(), P(),
                   ring),
         out_specs=(pages, pages, P(), P(), ring),

@@ -12,7 +12,8 @@ weights ``w_j`` (``route``). ``experts_ffn`` computes it:
   groups, the outputs unsorted and weighted. No token is dropped and no capacity is padded.
 - ``"gather"``: each pair's expert matrices gathered ([N, k, D, F]) and applied by a batched
   product. It reads N*k expert matrices, so it is the decode path (few tokens: only the chosen
-  experts' bytes are read), never the training one.
+  experts' bytes are read), never the training one. Over an ``ExpertList`` (the decode layout
+  of the weights) it is a loop over the pairs, each a ``lax.switch`` to its expert's arrays.
 - ``"dense"``: every expert on every token, masked by the routing weights: E/k times the
   FLOPs, the reference the others are tested against.
 - ``"tiled"`` (dropless, the CPU path): the grouped product written in XLA, rows padded to
@@ -25,13 +26,14 @@ weights ``w_j`` (``route``). ``experts_ffn`` computes it:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.model.ops.quantized import is_quantized, take_rows
+from transformer_jax.model.ops.quantized import dequantize, is_quantized, take_rows
 
 #: ``activation(gate)`` of a gated FFN kind.
 Activation = Callable[[jax.Array], jax.Array]
@@ -54,6 +56,35 @@ class Routing:
     experts: jax.Array
     probs: jax.Array
     logits: jax.Array
+
+
+@flax.struct.dataclass
+class ExpertList:
+    """One of a mixture's expert stacks as E separate arrays: a layout of the prepared decode
+    weights (``decode.prepare``), standing in for the [E, ...] stack wherever one is taken.
+
+    On XLA:CPU a product with ``w[e]`` (a dynamic index into the stack, or a gather) first
+    copies the expert's matrix, so its bytes are read three times; a ``lax.switch`` over
+    separate arrays reads each once. Measured on this project's 2-core CPU, float32, one token
+    at D=512, F=640, E=8, k=2: 0.21 ms a layer as separate arrays, 1.2 ms gathered from the
+    stack, 0.20 ms for a dense FFN of the same active width. The math is the same for both
+    layouts (``experts_ffn``); only how an expert's matrix is fetched differs.
+
+    Attributes:
+      experts: E arrays, each one expert's matrix ([D, F] or [F, D]; [L, ...] with the layers
+        stacked), float or quantised.
+    """
+
+    experts: tuple
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The stack's shape, (E, ...)."""
+        return (len(self.experts), *self.experts[0].shape)
+
+    def stacked(self, dtype: jnp.dtype) -> jax.Array:
+        """The [E, ...] stack, dequantised, in ``dtype``."""
+        return jnp.stack([dequantize(w, dtype) for w in self.experts])
 
 
 def route(logits: jax.Array, top_k: int, renormalize: bool) -> Routing:
@@ -104,7 +135,9 @@ def experts_ffn(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.Arr
 
     Args:
       x: [N, D] tokens.
-      routing: their ``Routing`` (k experts each).
+      routing: their ``Routing`` (k experts each). An expert id equal to E marks an empty
+        slot, which adds nothing (an expert-parallel shard's slots for other shards' experts);
+        ``"gather"`` reads no matrix for it.
       w_gate: [E, D, F] gate projections.
       w_up: [E, D, F] up projections.
       w_down: [E, F, D] down projections.
@@ -116,10 +149,17 @@ def experts_ffn(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.Arr
       [N, D] in x's dtype.
     """
     n, k = routing.experts.shape
-    impl = choose_impl(impl, n, k, w_gate.shape[0], widths=w_gate.shape[1:])
+    e = w_gate.shape[0]
+    impl = choose_impl(impl, n, k, e, widths=w_gate.shape[1:])
+    if impl != "gather":  # an empty slot (id E) computes expert 0 with weight 0
+        empty = routing.experts >= e
+        routing = routing.replace(experts=jnp.where(empty, 0, routing.experts),
+                                  weights=jnp.where(empty, 0.0, routing.weights))
     if impl == "dense":
         return _dense(x, routing, w_gate, w_up, w_down, activation)
     if impl == "gather":
+        if isinstance(w_gate, ExpertList):
+            return _switched(x, routing, w_gate, w_up, w_down, activation)
         return _gather(x, routing, w_gate, w_up, w_down, activation)
     if impl == "tiled":
         return _tiled(x, routing, w_gate, w_up, w_down, activation)
@@ -130,6 +170,8 @@ def experts_ffn(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.Arr
 
 def _weights(w: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """A float expert weight in the compute dtype (quantised ones are dequantised)."""
+    if isinstance(w, ExpertList):
+        return w.stacked(dtype)
     if is_quantized(w):
         return take_rows(w, jnp.arange(w.shape[0]))
     return w.astype(dtype)
@@ -147,12 +189,35 @@ def _dense(x, routing, w_gate, w_up, w_down, activation):
 
 def _gather(x, routing, w_gate, w_up, w_down, activation):
     def take(w: jax.Array) -> jax.Array:  # [N, k, ...]: only the chosen experts are read
-        return take_rows(w, routing.experts).astype(x.dtype)
+        return take_rows(w, routing.experts, fill=True).astype(x.dtype)  # empty slots: 0
 
     h = activation(jnp.einsum("nd,nkdf->nkf", x, take(w_gate))) * jnp.einsum(
         "nd,nkdf->nkf", x, take(w_up))
     y = jnp.einsum("nkf,nkfd->nkd", h, take(w_down))
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), routing.weights).astype(x.dtype)
+
+
+def _switched(x, routing, w_gate, w_up, w_down, activation):
+    """``_gather`` over ``ExpertList``s: a loop over the N*k pairs, each switching to its
+    expert's arrays (only the chosen experts are read, each once)."""
+    n, k = routing.experts.shape
+
+    def expert(e: int) -> Callable[[jax.Array], jax.Array]:
+        def ffn(row: jax.Array) -> jax.Array:  # [1, D] -> [1, D]
+            g, u, d = (dequantize(w.experts[e], x.dtype) for w in (w_gate, w_up, w_down))
+            return (activation(row @ g) * (row @ u)) @ d
+        return ffn
+
+    branches = [expert(e) for e in range(w_gate.shape[0])] + [jnp.zeros_like]  # empty slot
+    experts, weights = routing.experts.reshape(-1), routing.weights.reshape(-1)
+
+    def body(p, y):
+        i = p // k
+        out = jax.lax.switch(experts[p], branches, jax.lax.dynamic_slice_in_dim(x, i, 1))
+        return y.at[i].add(out[0].astype(jnp.float32) * weights[p])
+
+    y = jax.lax.fori_loop(0, n * k, body, jnp.zeros(x.shape, jnp.float32))
+    return y.astype(x.dtype)
 
 
 def sort_by_expert(experts: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -316,14 +381,23 @@ def _tile_loop(layout: TileLayout, fn, init):
 
 def _gmm(layout: TileLayout, x: jax.Array, w: jax.Array, transpose: bool = False
          ) -> jax.Array:
-    """x [R, A] in tiles, w [E, A, C] -> [R, C]: each used tile times its expert's matrix
-    (with ``transpose``, w [E, C, A] times its transpose, read as it is stored)."""
+    """x [R, A] in tiles, w [E, A, C] (or an ``ExpertList``) -> [R, C]: each used tile times
+    its expert's matrix (with ``transpose``, w [E, C, A] times its transpose, read as it is
+    stored)."""
     m = layout.tile
     contract = 1 if transpose else 0
 
+    def product(w_e: jax.Array, rows: jax.Array) -> jax.Array:
+        w_e = dequantize(w_e, x.dtype)
+        return jax.lax.dot_general(rows, w_e, (((1,), (contract,)), ((), ())))
+
     def body(t, out):
         rows = jax.lax.dynamic_slice_in_dim(x, t * m, m)
-        y = jax.lax.dot_general(rows, w[layout.tile_expert[t]], (((1,), (contract,)), ((), ())))
+        e = layout.tile_expert[t]
+        if isinstance(w, ExpertList):  # each tile switches to its expert's arrays
+            y = jax.lax.switch(e, [functools.partial(product, w_e) for w_e in w.experts], rows)
+        else:
+            y = product(w[e], rows)
         return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), t * m, 0)
 
     cols = w.shape[1] if transpose else w.shape[2]
@@ -366,12 +440,17 @@ tiled_matmul.defvjp(_tiled_fwd, _tiled_bwd)
 def _tiled(x, routing, w_gate, w_up, w_down, activation):
     n, k = routing.experts.shape
     layout = tile_layout(routing.experts, w_gate.shape[0])
-    w_gate, w_up, w_down = (_weights(w, x.dtype) for w in (w_gate, w_up, w_down))
     # Row r of the buffer holds token row_pair[r] // k; token t's k rows are pair_row[t*k:..].
     src = jnp.where(layout.row_pair < n * k, layout.row_pair // k, n)
     rows = gather_rows(x, src, layout.pair_row.reshape(n, k))
-    # Gate and up in one product: half the loop trips, twice the columns per tile.
-    gate, up = jnp.split(tiled_matmul(layout, rows, jnp.concatenate([w_gate, w_up], -1)), 2, -1)
-    y = tiled_matmul(layout, activation(gate) * up, w_down)
+    if isinstance(w_gate, ExpertList):  # decode weights (no gradient): switched per tile
+        h = activation(_gmm(layout, rows, w_gate)) * _gmm(layout, rows, w_up)
+        y = _gmm(layout, h, w_down)
+    else:
+        w_gate, w_up, w_down = (_weights(w, x.dtype) for w in (w_gate, w_up, w_down))
+        # Gate and up in one product: half the loop trips, twice the columns per tile.
+        gate, up = jnp.split(tiled_matmul(layout, rows, jnp.concatenate([w_gate, w_up], -1)),
+                             2, -1)
+        y = tiled_matmul(layout, activation(gate) * up, w_down)
     y = gather_rows(y, layout.pair_row, layout.row_pair[:, None]).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), routing.weights).astype(x.dtype)

@@ -141,19 +141,33 @@ def dot_general_einsum(spec: str, a: jax.Array, b: jax.Array, *,
     return y if perm == sorted(perm) else y.transpose(perm)
 
 
-def take_rows(table: Any, ids: jax.Array) -> jax.Array:
+def dequantize(w: Any, dtype: jnp.dtype) -> jax.Array:
+    """A weight as a float array of ``dtype``: a quantised one dequantised (all of it)."""
+    if not is_quantized(w):
+        return w.astype(dtype)
+    import qwix
+
+    return qwix.dequantize(_as_qwix(w)).astype(dtype)
+
+
+def take_rows(table: Any, ids: jax.Array, fill: bool = False) -> jax.Array:
     """Rows ``ids`` (any shape) of a [V, ...] table, dequantised when it is quantised:
     [*ids.shape, ...]. Only the rows taken (and their scales) are read: a 4-bit table's packed
     bytes are taken before they are unpacked (a [V, D] token table, or a mixture's [E, D, F]
-    expert stack, whose scales are per row too)."""
+    expert stack, whose scales are per row too). With ``fill`` an id past the table gives a
+    row of zeros (nothing read); otherwise ids must be in range."""
+    def take(a: jax.Array) -> jax.Array:
+        if fill:
+            return jnp.take(a, ids, axis=0, mode="fill", fill_value=0)
+        return jnp.take(a, ids, axis=0)
+
     if not is_quantized(table):
-        return jnp.take(table, ids, axis=0)
+        return take(table)
     import qwix
 
     if isinstance(table, PackedInt4):  # its packed axis is negative: still right once taken
-        q = table.replace(packed=jnp.take(table.packed, ids, axis=0),
-                          scale=jnp.take(table.scale, ids, axis=0)).qarray()
+        q = table.replace(packed=take(table.packed), scale=take(table.scale)).qarray()
         return qwix.dequantize(q)
     # One scale (or one per group) per row: taken with the row.
-    return qwix.dequantize(qwix.QArray(jnp.take(table.qvalue, ids, axis=0),
-                                       jnp.take(table.scale, ids, axis=0), qtype=table.qtype))
+    return qwix.dequantize(qwix.QArray(take(table.qvalue), take(table.scale),
+                                       qtype=table.qtype))
