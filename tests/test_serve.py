@@ -29,7 +29,7 @@ from helpers import TINY, write_chatml_tokenizer
 from transformer_jax import hf
 from transformer_jax.cli import serve as cli
 from transformer_jax.decode import generation
-from transformer_jax.model.transformer import init_params
+from transformer_jax.model.transformer import Transformer, init_params
 from transformer_jax.serve import app as serve_app
 from transformer_jax.serve.app import create_app
 from transformer_jax.tokenizer.prompt import encode_chat_prompt, encode_text
@@ -179,6 +179,46 @@ def test_chat_streamed_equals_non_streamed_equals_generate(server, served, check
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tokens)
 
 
+def _softmax_top(checkpoint, ids, k):
+    """The forward's log_softmax at each position of ``ids``: per position its k most likely
+    (id, log-probability) pairs."""
+    logits = Transformer(TINY).apply({"params": checkpoint[1]}, np.asarray([ids])).logits[0]
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    return [[(int(i), float(row[i])) for i in np.argsort(-row, kind="stable")[:k]]
+            for row in logp]
+
+
+def test_top_logprobs_are_the_softmax_top_k_streamed_or_not(server, served, checkpoint):
+    model, client = served[3], _client(server)
+    tok = model.tokenizer
+    messages = [{"role": "user", "content": "w3 w1 w4"}]
+    kw = dict(model=NAME, messages=messages, temperature=0, max_completion_tokens=6,
+              logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    content = whole.choices[0].logprobs.content
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    prompt = encode_chat_prompt(tok, messages)
+    tokens, _, _ = _expected(checkpoint, model, prompt, 6, [tok.eos_id, model.turn_end])
+    want = _softmax_top(checkpoint, prompt + tokens[:-1], 3)[len(prompt) - 1:]
+    assert len(content) == len(tokens)
+    for entry, top in zip(content, want, strict=True):
+        assert [a.token for a in entry.top_logprobs] == [tok.decode([i]) for i, _ in top]
+        np.testing.assert_allclose([a.logprob for a in entry.top_logprobs],
+                                   [lp for _, lp in top], atol=1e-5)
+        assert entry.token == entry.top_logprobs[0].token  # greedy
+        assert entry.top_logprobs[0].bytes == list(entry.token.encode())
+    # Completions: ``logprobs: k`` gives a {token: logprob} dict per token, likeliest first.
+    done = client.completions.create(model=NAME, prompt=[5, 9, 2], max_tokens=4,
+                                     temperature=0, logprobs=2)
+    lp = done.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) and all(len(d) <= 2 for d in lp.top_logprobs)
+    for d, token in zip(lp.top_logprobs, lp.tokens, strict=True):
+        assert list(d)[0] == token and list(d.values()) == sorted(d.values(), reverse=True)
+
+
 def test_stop_strings_cut_before_the_stop(server):
     client = _client(server)
     free = client.completions.create(model=NAME, prompt="w11 w12", max_tokens=12,
@@ -240,6 +280,11 @@ BAD = [  # (route, body, param, code)
      "context_length_exceeded"),
     ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "w1"}],
                           "stop": [""]}, "stop", None),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "w1"}],
+                          "logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "w1"}],
+                          "top_logprobs": 2}, "top_logprobs", None),
+    ("completions", {"model": NAME, "prompt": "w1", "logprobs": 6}, "logprobs", None),
 ]
 
 

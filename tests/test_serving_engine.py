@@ -14,7 +14,7 @@ from helpers import FAST_COMPILE, run_until_idle, step_until
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.model.config import ModelConfig
-from transformer_jax.model.transformer import init_params
+from transformer_jax.model.transformer import Transformer, init_params
 from transformer_jax.serving import Engine, SamplingParams
 from transformer_jax.serving.requests import State
 
@@ -270,3 +270,56 @@ def test_scanned_model_with_a_sliding_window_equals_generate():
     for rid, prompt in zip(ids, prompts, strict=True):
         assert done[rid].tokens == reference(model, prompt, params)[0]
     engine.check_no_leaks()
+
+
+def test_top_logprobs_are_the_top_k_of_each_steps_full_softmax(model, engine):
+    # Under load (a long prompt beside, chunks and decode rows in the same steps): each
+    # token's K alternatives are the K most likely of the forward's softmax at its position,
+    # most likely first, whatever else shares the step; rows that do not ask get none.
+    config, weights = model
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 64, n).tolist() for n in (5, 23, 9)]
+    asks = [SamplingParams(max_tokens=7, logprobs=True, top_logprobs=5),
+            SamplingParams(max_tokens=6, logprobs=True),
+            SamplingParams(max_tokens=6, temperature=0.9, seed=3, logprobs=True, top_logprobs=2)]
+    ids = [engine.add_request(p, s) for p, s in zip(prompts, asks, strict=True)]
+    done = run_until_idle(engine)
+    forward = jax.jit(lambda p, t: Transformer(config).apply({"params": p}, t).logits)
+    for i, prompt, ask in zip(ids, prompts, asks, strict=True):
+        got = done[i]
+        if not ask.top_logprobs:
+            assert got.top_logprobs is None
+            continue
+        seq = prompt + got.tokens
+        logp = np.asarray(jax.nn.log_softmax(forward(_float_params(model), np.asarray(
+            [seq[:-1]], np.int32))[0], axis=-1))[len(prompt) - 1:]
+        assert len(got.top_logprobs) == len(got.tokens) == len(logp)
+        for top, token, lp, row in zip(got.top_logprobs, got.tokens, got.logprobs, logp,
+                                       strict=True):
+            want = np.argsort(-row, kind="stable")[:ask.top_logprobs]
+            assert [t for t, _ in top] == want.tolist()
+            np.testing.assert_allclose([v for _, v in top], row[want], atol=1e-5)
+            np.testing.assert_allclose(lp, row[token], atol=1e-5)
+        if ask.temperature == 0:  # greedy: the drawn token is the most likely one
+            assert [top[0][0] for top in got.top_logprobs] == got.tokens
+
+
+def _float_params(model):
+    """The module's weights as ``init_params`` made them (before ``decode.prepare``)."""
+    config, _ = model
+    return _INIT.setdefault("params", jax.jit(init_params, static_argnums=0,
+                                              compiler_options=FAST_COMPILE)(
+        config, jax.random.key(0)))
+
+
+_INIT: dict = {}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(top_logprobs=3), "top_logprobs needs logprobs=True"),
+    (dict(logprobs=True, top_logprobs=21), r"top_logprobs must be an int in \[0, 20\]"),
+    (dict(logprobs=True, top_logprobs=2.0), "top_logprobs must be an int"),
+])
+def test_bad_top_logprobs_are_refused_by_name(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request([1, 2], SamplingParams(**kwargs))

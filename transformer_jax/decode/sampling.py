@@ -42,6 +42,7 @@ __all__ = [
     "sample",
     "sample_with_logprobs",
     "token_logprobs",
+    "top_logprobs",
     "top_k_mask",
     "top_p_mask",
     "validate_sampling_args",
@@ -444,6 +445,22 @@ def sample(
             settings (array settings are checked by :func:`validate_sampling_args`).
     """
     return _sample(_as_logits(logits), key, temperature, top_k, top_p, min_p)
+
+
+def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k most likely tokens of each row under the raw softmax, most likely first.
+
+    Args:
+        logits: [B, V] logits.
+        k: how many, at most V.
+
+    Returns:
+        ids: [B, k] int32 token ids.
+        logprobs: [B, k] float32 their ``log_softmax(logits)`` values.
+    """
+    log_probs = jax.nn.log_softmax(_as_logits(logits), axis=-1)
+    values, ids = jax.lax.top_k(log_probs, k)
+    return ids.astype(jnp.int32), values
 
 
 def sample_with_logprobs(

@@ -99,8 +99,17 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) ->
         top_p=req.top_p, min_p=req.min_p or None,
         seed=secrets.randbelow(2 ** 32) if req.seed is None else req.seed,
         logprobs=bool(req.logprobs is not None and req.logprobs is not False),
+        top_logprobs=min(_top_asked(req), model.vocab_size),
         stop=req.stop_strings)
     return Prepared(prompt, params, chat)
+
+
+def _top_asked(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """How many alternatives a request asks for per token: chat's ``top_logprobs``, the
+    completions' ``logprobs: k``."""
+    if isinstance(req, ChatCompletionRequest):
+        return req.top_logprobs or 0
+    return req.logprobs or 0
 
 
 def _completion_prompt(req: CompletionRequest, model: ModelInfo) -> list[int]:
@@ -197,6 +206,7 @@ class Response:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.token_logprobs: list[float] = []
+        self.token_tops: list[Any] = []
         self.finish_reason: str | None = None
 
     def add(self, events: list[TokenEvent]) -> tuple[str, list[TokenEvent]]:
@@ -207,6 +217,7 @@ class Response:
         self.text.append(text)
         self.token_ids += [e.token for e in tokens]
         self.token_logprobs += [e.logprob for e in tokens]
+        self.token_tops += [e.top_logprobs for e in tokens]
         for e in events:
             self.finish_reason = e.finish_reason or self.finish_reason
         return text, tokens
@@ -226,24 +237,33 @@ class Response:
         tok = self.model.tokenizer
         return detokenize(tok, [token]) if tok is not None else f"<{token}>"
 
-    def _logprobs(self, tokens: list[int], logprobs: list[float]) -> dict[str, Any] | None:
+    def _logprobs(self, tokens: list[int], logprobs: list[float], tops: list[Any]
+                  ) -> dict[str, Any] | None:
+        """The ``logprobs`` object of ``tokens`` (``tops``: each one's (id, log-probability)
+        alternatives, or None), in the endpoint's format."""
         if not self.logprobs:
             return None
         pieces = [self._piece(t) for t in tokens]
+        alternatives = [[(self._piece(i), lp) for i, lp in top or ()] for top in tops]
         if self.chat:
-            return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()),
-                                 "top_logprobs": []} for p, lp in zip(pieces, logprobs,
-                                                                      strict=True)]}
+            return {"content": [
+                {"token": p, "logprob": lp, "bytes": list(p.encode()),
+                 "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
+                                  for a, alp in alt]}
+                for p, lp, alt in zip(pieces, logprobs, alternatives, strict=True)]}
         offsets, at = [], 0
         for p in pieces:
             offsets.append(at)
             at += len(p)
-        return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": None,
-                "text_offset": offsets}
+        # A dict per token, as OpenAI's: two ids that decode alike keep the likelier one.
+        top = [dict(reversed(alt)) for alt in alternatives]
+        top = [dict(sorted(t.items(), key=lambda kv: -kv[1])) for t in top]
+        return {"tokens": pieces, "token_logprobs": logprobs,
+                "top_logprobs": top if any(tops) else None, "text_offset": offsets}
 
     def final(self) -> dict[str, Any]:
         """The whole (non-streamed) response."""
-        logprobs = self._logprobs(self.token_ids, self.token_logprobs)
+        logprobs = self._logprobs(self.token_ids, self.token_logprobs, self.token_tops)
         text = "".join(self.text)
         choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
                                   "finish_reason": self.finish_reason}
@@ -257,7 +277,8 @@ class Response:
               first: bool = False, usage: bool = False) -> dict[str, Any]:
         """One stream chunk of ``text`` (the first one of a chat opens the assistant role),
         with the usage so far when ``usage``."""
-        logprobs = self._logprobs([e.token for e in tokens], [e.logprob for e in tokens])
+        logprobs = self._logprobs([e.token for e in tokens], [e.logprob for e in tokens],
+                                  [e.top_logprobs for e in tokens])
         choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
                                   "finish_reason": finish_reason}
         if self.chat:

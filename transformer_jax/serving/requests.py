@@ -21,6 +21,10 @@ import numpy as np
 from transformer_jax.decode.loop import SamplingSettings
 from transformer_jax.decode.prompts import is_int, sequence_keys
 
+#: The most alternatives a request's ``top_logprobs`` may ask for (OpenAI's limit). A step
+#: any of whose rows asks computes this many for every row (one program, whatever K).
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -38,6 +42,8 @@ class SamplingParams:
       seed: the request's own PRNG seed, an int in [0, 2**32) (token i is drawn with
         ``fold_in(key(seed), i)``, as ``generate(..., seed=[seed])`` draws it).
       logprobs: (a bool) whether each ``TokenEvent`` carries the token's log-probability.
+      top_logprobs: K in [0, ``MAX_TOP_LOGPROBS``]: each ``TokenEvent`` also carries the K
+        most likely tokens of that step with their log-probabilities (needs ``logprobs``).
       stop: a sequence of non-empty stop strings: the request ends (reason ``"stop"``) when
         its text contains one; the text released stops before it (the engine needs a
         tokenizer, ``serving.text``).
@@ -51,6 +57,7 @@ class SamplingParams:
     min_p: float | None = None
     seed: int = 0
     logprobs: bool = False
+    top_logprobs: int = 0
     stop: tuple[str, ...] = ()
 
     def validate(self, vocab_size: int) -> None:
@@ -79,6 +86,12 @@ class SamplingParams:
             raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
         if not isinstance(self.logprobs, (bool, np.bool_)):
             raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")
+        k = self.top_logprobs
+        if not is_int(k) or not 0 <= k <= min(MAX_TOP_LOGPROBS, vocab_size):
+            raise ValueError(f"top_logprobs must be an int in [0, "
+                             f"{min(MAX_TOP_LOGPROBS, vocab_size)}], got {k!r}")
+        if k and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=True")
         stop = self.stop
         if not _is_collection(stop) or any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be a sequence of non-empty strings, got {stop!r}")
@@ -112,6 +125,8 @@ class TokenEvent:
       token: the new token id, or None for an event that only ends the request (cancelled).
       index: the token's index among the request's new tokens (0 first).
       logprob: its log-probability under the model's raw softmax, when the request asked.
+      top_logprobs: with ``SamplingParams.top_logprobs`` K, the step's K most likely tokens
+        under that softmax as (token id, log-probability) pairs, most likely first.
       finish_reason: None while the request runs; ``"stop"`` (a stop token, included, or a
         stop string), ``"length"`` (``max_tokens`` reached) or ``"cancelled"`` on its last event.
       text: the text this token makes whole (``serving.text``: possibly empty, held back while
@@ -124,6 +139,7 @@ class TokenEvent:
     logprob: float | None = None
     finish_reason: str | None = None
     text: str | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +148,8 @@ class Completion:
 
     ``preemptions`` counts the times it was preempted (and recomputed); ``prefix_hit_tokens``
     the positions it found in the prefix cache instead of computing them (every admission);
-    ``text`` the text released (the engine had a tokenizer), else None.
+    ``text`` the text released (the engine had a tokenizer), else None; ``top_logprobs`` each
+    new token's ``TokenEvent.top_logprobs`` when the request asked for them, else None.
     """
 
     request_id: int
@@ -142,6 +159,7 @@ class Completion:
     preemptions: int = 0
     prefix_hit_tokens: int = 0
     text: str | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
 
 
 class State(enum.Enum):
@@ -163,6 +181,7 @@ class Request:
       on_token: optional consumer of its ``TokenEvent``s.
       tokens: prompt + new tokens so far (what the cache holds, in order).
       logprobs: the new tokens' log-probabilities.
+      top_logprobs: each new token's top alternatives (``SamplingParams.top_logprobs``).
       slot: the engine slot it decodes in, or None.
       pages: its pages in position order (shared prefix pages first).
       cached: positions of ``tokens`` written in its pages.
@@ -179,6 +198,7 @@ class Request:
     on_token: Callable[[TokenEvent], Any] | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
     state: State = State.WAITING
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
@@ -206,4 +226,5 @@ class Request:
     def completion(self) -> Completion:
         return Completion(self.id, self.tokens[len(self.prompt):], list(self.logprobs),
                           self.finish_reason or "", self.preemptions, self.prefix_hit_tokens,
-                          None if self.text is None else self.text.full_text)
+                          None if self.text is None else self.text.full_text,
+                          list(self.top_logprobs) if self.params.top_logprobs else None)

@@ -25,7 +25,7 @@ import numpy as np
 
 from transformer_jax.serving.page_pool import NULL_PAGE, PagePool, pages_for
 from transformer_jax.serving.prefix_cache import PrefixCache, page_digests
-from transformer_jax.serving.requests import Request, State, TokenEvent
+from transformer_jax.serving.requests import MAX_TOP_LOGPROBS, Request, State, TokenEvent
 from transformer_jax.serving.step import DecodeRows, PrefillChunk, RowSampling, Sampler
 
 
@@ -247,10 +247,11 @@ class Scheduler:
         rows, sampler = _row_sampling(row_reqs, vocab_size)
         return decode, prefill, rows, sampler
 
-    def commit_prefill(self, plan: StepPlan, token: np.integer, logprob: np.floating
+    def commit_prefill(self, plan: StepPlan, token: np.ndarray, logprob: np.ndarray
                        ) -> list[tuple[Request, TokenEvent]]:
-        """Applies the step's prefill chunk (its sampled token and log-probability): a prompt
-        whose last chunk ran starts running with its first token; the events to deliver."""
+        """Applies the step's prefill chunk (its sampled token and log-probability, [] or
+        [1 + K] with the top alternatives, ``step.sample_rows``): a prompt whose last chunk
+        ran starts running with its first token; the events to deliver."""
         req = plan.prefill
         if req is None:
             return []
@@ -265,21 +266,30 @@ class Scheduler:
 
     def commit_decodes(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray
                        ) -> list[tuple[Request, TokenEvent]]:
-        """Applies the step's decode rows ([B] tokens and log-probabilities, by slot); the
-        events to deliver."""
+        """Applies the step's decode rows ([B] tokens and log-probabilities by slot, or
+        [B, 1 + K] with the top alternatives); the events to deliver."""
         events = []
         for req in plan.decodes:
             req.cached += 1
             events.append(self._emit(req, tokens[req.slot], logprobs[req.slot]))
         return events
 
-    def _emit(self, req: Request, token: np.integer, logprob: np.floating
+    def _emit(self, req: Request, token: np.ndarray, logprob: np.ndarray
               ) -> tuple[Request, TokenEvent]:
+        p = req.params
+        top = None
+        if np.ndim(token):  # [1 + K]: the drawn token, then the step's top alternatives
+            if p.top_logprobs:
+                top = tuple(zip(np.asarray(token[1:1 + p.top_logprobs]).tolist(),
+                                np.asarray(logprob[1:1 + p.top_logprobs]).tolist(),
+                                strict=True))
+            token, logprob = token[0], logprob[0]
         token, logprob = int(token), float(logprob)
         index = req.num_new
         req.tokens.append(token)
         req.logprobs.append(logprob)
-        p = req.params
+        if top is not None:
+            req.top_logprobs.append(top)
         if token in p.stop_token_ids:
             req.finish_reason = "stop"
         elif req.num_new >= p.max_tokens:
@@ -289,7 +299,7 @@ class Scheduler:
             self._release(req)
             req.state = State.FINISHED
         return req, TokenEvent(req.id, token, index, logprob if p.logprobs else None,
-                               req.finish_reason)
+                               req.finish_reason, top_logprobs=top)
 
     def _name_pages(self, req: Request) -> None:
         """Names ``req``'s newly full pages in the prefix cache."""
@@ -324,7 +334,9 @@ def _row_sampling(reqs: list[Request | None], vocab_size: int) -> tuple[RowSampl
         if p.min_p is not None:
             min_p[i] = p.min_p
     sampled = bool(np.any(temperature > 0))
+    alternatives = any(req is not None and req.params.top_logprobs for req in reqs)
     sampler = Sampler(sampled=sampled, top_k=sampled and bool(np.any(top_k < vocab_size)),
                       top_p=sampled and bool(np.any(top_p < 1)),
-                      min_p=sampled and bool(np.any(min_p > 0)))
+                      min_p=sampled and bool(np.any(min_p > 0)),
+                      top_logprobs=min(MAX_TOP_LOGPROBS, vocab_size) if alternatives else 0)
     return RowSampling(key_data, token_index, temperature, top_k, top_p, min_p), sampler

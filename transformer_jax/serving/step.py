@@ -126,21 +126,32 @@ class Sampler:
     top_k: bool = False
     top_p: bool = False
     min_p: bool = False
+    top_logprobs: int = 0
 
 
 def sample_rows(logits: jax.Array, rows: RowSampling, sampler: Sampler
                 ) -> tuple[jax.Array, jax.Array]:
     """[R, V] logits -> ([R] int32 tokens, [R] float32 log-probabilities), each row with its
-    own settings and key (``generate``'s draw: ``fold_in(key, token index)``)."""
+    own settings and key (``generate``'s draw: ``fold_in(key, token index)``).
+
+    With ``sampler.top_logprobs`` K both are [R, 1 + K]: column 0 the drawn token, then the K
+    most likely tokens of the raw softmax, most likely first (``sampling.top_logprobs``).
+    """
     if not sampler.sampled:
-        return sampling.sample_with_logprobs(logits, None, temperature=0)
-    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(rows.key_data),
-                                        rows.token_index)
-    return sampling.sample_with_logprobs(
-        logits, keys, temperature=rows.temperature,
-        top_k=rows.top_k if sampler.top_k else None,
-        top_p=rows.top_p if sampler.top_p else None,
-        min_p=rows.min_p if sampler.min_p else None)
+        tokens, logprobs = sampling.sample_with_logprobs(logits, None, temperature=0)
+    else:
+        keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(rows.key_data),
+                                            rows.token_index)
+        tokens, logprobs = sampling.sample_with_logprobs(
+            logits, keys, temperature=rows.temperature,
+            top_k=rows.top_k if sampler.top_k else None,
+            top_p=rows.top_p if sampler.top_p else None,
+            min_p=rows.min_p if sampler.min_p else None)
+    if not sampler.top_logprobs:
+        return tokens, logprobs
+    top_ids, top = sampling.top_logprobs(logits, sampler.top_logprobs)
+    return (jnp.concatenate([tokens[:, None], top_ids], 1),
+            jnp.concatenate([logprobs[:, None], top], 1))
 
 
 def page_spec(config: ModelConfig) -> P:
