@@ -219,6 +219,41 @@ def test_top_logprobs_are_the_softmax_top_k_streamed_or_not(server, served, chec
         assert list(d)[0] == token and list(d.values()) == sorted(d.values(), reverse=True)
 
 
+def test_n_choices_are_the_request_sent_with_seeds_seed_plus_i(server, served):
+    client = _client(server)
+    kw = dict(model=NAME, prompt="w4 w2 w9", max_tokens=6, temperature=1.0)
+    many = client.completions.create(**kw, n=3, seed=7)
+    alone = [client.completions.create(**kw, seed=7 + i) for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in many.choices}) > 1  # the seeds differ, so do the samples
+    assert many.usage.prompt_tokens == alone[0].usage.prompt_tokens  # counted once
+    assert many.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    # Streamed: each chunk names its choice; each choice's text is the non-streamed one's.
+    messages = [{"role": "user", "content": "w5 w6"}]
+    chat = dict(model=NAME, messages=messages, max_completion_tokens=5, n=2, seed=3)
+    whole = client.chat.completions.create(**chat)
+    chunks = list(client.chat.completions.create(**chat, stream=True,
+                                                 stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+def test_n_choices_share_the_prompts_pages(server, served):
+    # The prompt's full pages are computed once: the other choices find them in the prefix
+    # cache (pages of 16 positions: a 40-token prompt has 2 full pages).
+    prefix = served[2].engine.scheduler.prefix
+    hits = prefix.hits
+    prompt = np.random.default_rng(4).integers(0, TINY.vocab_size - 1, 40).tolist()
+    _client(server).completions.create(model=NAME, prompt=prompt, max_tokens=3, n=4,
+                                       temperature=0.7, seed=1)
+    assert prefix.hits - hits >= 3 * 2
+
+
 def test_stop_strings_cut_before_the_stop(server):
     client = _client(server)
     free = client.completions.create(model=NAME, prompt="w11 w12", max_tokens=12,
@@ -265,7 +300,7 @@ BAD = [  # (route, body, param, code)
     ("completions", {"model": NAME, "prompt": "w1", "temperature": -1}, "temperature", None),
     ("completions", {"model": NAME, "prompt": "w1", "top_k": 1000}, "top_k", None),
     ("completions", {"model": NAME, "prompt": "w1", "seed": -3}, "seed", None),
-    ("completions", {"model": NAME, "prompt": "w1", "n": 2}, "n", None),
+    ("completions", {"model": NAME, "prompt": "w1", "n": 17}, "n", None),
     ("completions", {"model": NAME, "prompt": [1, 999]}, "prompt", None),
     ("completions", {"model": NAME, "prompt": "w1", "max_tokens": 64}, "max_tokens",
      "context_length_exceeded"),

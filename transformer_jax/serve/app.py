@@ -167,40 +167,53 @@ def create_app(runner: EngineRunner, model: completions.ModelInfo,
         req, prepared = await asyncio.get_running_loop().run_in_executor(
             parsers, _parse_and_prepare, raw, cls, model)
         _refuse_if_draining()
+        streams = []
         try:
-            stream = runner.submit(prepared.prompt, prepared.params)
+            for i in range(prepared.n):  # choice i: seed + i (``Prepared.choice``)
+                streams.append(runner.submit(prepared.prompt, prepared.choice(i)))
         except QueueFull as e:
+            _cancel(streams)
             raise APIError(429, str(e), None, "rate_limit_exceeded",
                            {"Retry-After": str(RETRY_AFTER_S)}) from None
         except ShuttingDown:
+            _cancel(streams)
             raise APIError(503, "the server is shutting down", None,
                            "server_shutting_down") from None
         except ValueError as e:  # what the engine refuses (a prompt above the page pool)
+            _cancel(streams)
             raise APIError(400, str(e), _param_of(str(e))) from None
-        response = completions.Response(prepared, model)
+        choices = completions.Choices(prepared, model)
+        pairs = list(zip(streams, choices.responses, strict=True))
         handed_over = False
         try:
-            events = await _next_or_gone(request, stream)
-            if events is None:
-                return JSONResponse({}, 499)
-            text, tokens = response.add(events)
-            _refuse_unstarted(response)
-            if req.stream:
-                handed_over = True  # the stream's generator cancels it from now on
-                return StreamingResponse(_sse(stream, response, req, text, tokens),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
-            while response.finish_reason is None:
+            first = []
+            for stream, response in pairs:
                 events = await _next_or_gone(request, stream)
                 if events is None:
                     return JSONResponse({}, 499)
-                response.add(events)
+                first.append(response.add(events))
+                _refuse_unstarted(response)
+            if req.stream:
+                handed_over = True  # the stream's generator cancels them from now on
+                return StreamingResponse(_sse(pairs, choices, req, first),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            for stream, response in pairs:
+                while response.finish_reason is None:
+                    events = await _next_or_gone(request, stream)
+                    if events is None:
+                        return JSONResponse({}, 499)
+                    response.add(events)
         finally:
             if not handed_over:
-                runner.cancel(stream)
-        if response.finish_reason == "error":
+                _cancel(streams)
+        if any(r.finish_reason == "error" for r in choices.responses):
             raise APIError(500, "the engine failed while running this request")
-        return JSONResponse(response.final())
+        return JSONResponse(choices.final())
+
+    def _cancel(streams: list[RequestStream]) -> None:
+        for stream in streams:
+            runner.cancel(stream)
 
     async def _next_or_gone(request: Request, stream: RequestStream
                             ) -> list[TokenEvent] | None:
@@ -213,25 +226,44 @@ def create_app(runner: EngineRunner, model: completions.ModelInfo,
                     logger.info("client of request %d went away", stream.request_id)
                     return None
 
-    async def _sse(stream: RequestStream, response: completions.Response,
-                   req: CompletionRequest | ChatCompletionRequest, text: str,
-                   tokens: list[TokenEvent]) -> AsyncIterator[str]:
-        first = response.chat
+    async def _sse(pairs: list[tuple[RequestStream, completions.Response]],
+                   choices: completions.Choices,
+                   req: CompletionRequest | ChatCompletionRequest,
+                   first: list[tuple[str, list[TokenEvent]]]) -> AsyncIterator[str]:
+        """The chunks of every choice as its events come (each names its choice), then the
+        usage when asked and [DONE]."""
+        def chunks(response: completions.Response, text: str, tokens: list[TokenEvent],
+                   opening: bool) -> list[str]:
+            if not (text or opening or response.finish_reason is not None):
+                return []
+            chunk = response.chunk(text, tokens, response.finish_reason, opening,
+                                   req.continuous_usage)
+            return [f"data: {_dumps(chunk)}\n\n"]
+
+        pending: dict[asyncio.Task, int] = {}
         try:
-            while True:
-                if text or first or response.finish_reason is not None:
-                    chunk = response.chunk(text, tokens, response.finish_reason, first,
-                                           req.continuous_usage)
-                    first = False
-                    yield f"data: {_dumps(chunk)}\n\n"
-                if response.finish_reason is not None:
-                    break
-                text, tokens = response.add(await runner.next_events(stream))
+            for i, ((_, response), (text, tokens)) in enumerate(zip(pairs, first, strict=True)):
+                for line in chunks(response, text, tokens, response.chat):
+                    yield line
+                if response.finish_reason is None:
+                    pending[asyncio.ensure_future(runner.next_events(pairs[i][0]))] = i
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i = pending.pop(task)
+                    stream, response = pairs[i]
+                    text, tokens = response.add(task.result())
+                    for line in chunks(response, text, tokens, False):
+                        yield line
+                    if response.finish_reason is None:
+                        pending[asyncio.ensure_future(runner.next_events(stream))] = i
             if req.include_usage:
-                yield f"data: {_dumps(response.usage_chunk())}\n\n"
+                yield f"data: {_dumps(choices.responses[0].usage_chunk())}\n\n"
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away (the generator is cancelled)
-            runner.cancel(stream)
+            for task in pending:
+                task.cancel()
+            _cancel([stream for stream, _ in pairs])
 
     return app
 

@@ -8,6 +8,10 @@ token that closes the assistant's turn, ``chat_turn_end_id``), at ``stop`` strin
 returned) and at the token limit: ``max_tokens`` (``max_completion_tokens`` for chat; default
 16 for completions, the rest of the context for chat). The defaults of the sampling fields are
 OpenAI's (temperature 1, top_p 1); without ``seed`` a request draws a random one.
+
+With ``n`` > 1 the request runs as n engine requests, choice i with seed ``seed + i`` (mod
+2**32), so each choice equals the same request sent alone with that seed; the prompt's full pages
+are computed once and found in the prefix cache by the others (``Choices``).
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ class Prepared:
     prompt: list[int]
     params: SamplingParams
     chat: bool
+    n: int = 1
+
+    def choice(self, i: int) -> SamplingParams:
+        """The parameters of choice i: the request's, with seed ``seed + i`` (mod 2**32)."""
+        return dataclasses.replace(self.params, seed=(self.params.seed + i) % 2 ** 32)
 
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) -> Prepared:
@@ -101,7 +110,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) ->
         logprobs=bool(req.logprobs is not None and req.logprobs is not False),
         top_logprobs=min(_top_asked(req), model.vocab_size),
         stop=req.stop_strings)
-    return Prepared(prompt, params, chat)
+    return Prepared(prompt, params, chat, req.n)
 
 
 def _top_asked(req: CompletionRequest | ChatCompletionRequest) -> int:
@@ -195,9 +204,11 @@ class Response:
       model: the served model.
     """
 
-    def __init__(self, prepared: Prepared, model: ModelInfo) -> None:
+    def __init__(self, prepared: Prepared, model: ModelInfo, index: int = 0) -> None:
         self.chat = prepared.chat
         self.model = model
+        self.index = index
+        self.group: Choices | None = None
         self.logprobs = prepared.params.logprobs
         self.prompt_tokens = len(prepared.prompt)
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -224,6 +235,9 @@ class Response:
 
     @property
     def usage(self) -> dict[str, int]:
+        """The request's usage (of all its choices: the prompt counted once)."""
+        if self.group is not None:
+            return self.group.usage
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
@@ -261,17 +275,21 @@ class Response:
         return {"tokens": pieces, "token_logprobs": logprobs,
                 "top_logprobs": top if any(tops) else None, "text_offset": offsets}
 
-    def final(self) -> dict[str, Any]:
-        """The whole (non-streamed) response."""
+    def choice(self) -> dict[str, Any]:
+        """This choice of the whole (non-streamed) response."""
         logprobs = self._logprobs(self.token_ids, self.token_logprobs, self.token_tops)
         text = "".join(self.text)
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
+        choice: dict[str, Any] = {"index": self.index, "logprobs": logprobs,
                                   "finish_reason": self.finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return {**self._head(False), "choices": [choice], "usage": self.usage}
+        return choice
+
+    def final(self) -> dict[str, Any]:
+        """The whole (non-streamed) response of a one-choice request."""
+        return {**self._head(False), "choices": [self.choice()], "usage": self.usage}
 
     def chunk(self, text: str, tokens: list[TokenEvent], finish_reason: str | None,
               first: bool = False, usage: bool = False) -> dict[str, Any]:
@@ -279,7 +297,7 @@ class Response:
         with the usage so far when ``usage``."""
         logprobs = self._logprobs([e.token for e in tokens], [e.logprob for e in tokens],
                                   [e.top_logprobs for e in tokens])
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
+        choice: dict[str, Any] = {"index": self.index, "logprobs": logprobs,
                                   "finish_reason": finish_reason}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -294,3 +312,31 @@ class Response:
     def usage_chunk(self) -> dict[str, Any]:
         """The last chunk of a stream with ``stream_options.include_usage``."""
         return {**self._head(True), "choices": [], "usage": self.usage}
+
+
+class Choices:
+    """The n choices of one request, a ``Response`` each: one id, the prompt counted once in
+    the usage, the choices indexed 0..n-1 (in the stream, each chunk names its choice).
+
+    Args:
+      prepared: the request as the engine runs it (``prepared.n`` choices).
+      model: the served model.
+    """
+
+    def __init__(self, prepared: Prepared, model: ModelInfo) -> None:
+        self.responses = [Response(prepared, model, i) for i in range(prepared.n)]
+        first = self.responses[0]
+        for r in self.responses:
+            r.id, r.created, r.group = first.id, first.created, self
+
+    @property
+    def usage(self) -> dict[str, int]:
+        prompt = self.responses[0].prompt_tokens
+        done = sum(r.completion_tokens for r in self.responses)
+        return {"prompt_tokens": prompt, "completion_tokens": done,
+                "total_tokens": prompt + done}
+
+    def final(self) -> dict[str, Any]:
+        """The whole (non-streamed) response."""
+        return {**self.responses[0]._head(False),
+                "choices": [r.choice() for r in self.responses], "usage": self.usage}

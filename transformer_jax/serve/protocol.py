@@ -52,6 +52,10 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
+#: The most choices one request may ask for (``n``).
+MAX_N = 16
+
+
 class _Sampling(_Strict):
     """The fields both endpoints share."""
 
@@ -64,7 +68,7 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False  # vLLM's: do not stop at eos (nor at the chat turn's end)
     seed: int | None = Field(None, ge=0, lt=2 ** 32)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -72,9 +76,6 @@ class _Sampling(_Strict):
 
     @model_validator(mode="after")
     def _supported(self) -> _Sampling:
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported: this server returns one choice "
-                           "per request; send n separate requests", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise APIError(400, f"{name} is not supported (only 0), got "
