@@ -530,6 +530,24 @@ def test_disconnect_mid_stream_frees_pages(server, served):
     assert 'transformer_jax_requests_finished_total{finish_reason="cancelled"}' in text
 
 
+def _cancelled(server) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith('transformer_jax_requests_finished_total{finish_reason="cancelled"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_disconnect_of_an_n_choice_stream_cancels_every_choice(server, served):
+    runner, before = served[2], _cancelled(server)
+    with httpx.stream("POST", server.url + "/v1/completions", json={
+            "model": NAME, "prompt": "w1 w2", "max_tokens": 60, "ignore_eos": True,
+            "temperature": 0.8, "n": 3, "stream": True}) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+        assert runner.in_flight == 3
+    _wait_idle(runner)  # (the fixture then finds every page back)
+    assert _cancelled(server) == before + 3
+
+
 def test_64_concurrent_streams_some_disconnecting(server, served):
     """Every completed stream's text equals the non-streamed response to the same request;
     the streams that went away are cancelled; nothing is left in flight."""
