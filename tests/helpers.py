@@ -236,3 +236,56 @@ def run_until_idle(engine: object, max_steps: int = ENGINE_STEP_LIMIT) -> dict:
     if not engine.idle:
         raise _step_limit_error(engine, max_steps, "an idle engine")
     return done
+
+
+def write_byte_tokenizer(directory: Path, vocab_size: int = 300) -> Path:
+    """``directory`` holding a byte-level BPE ``tokenizer.json`` (every byte a token, so any
+    text, JSON included, can be spelled; merges learnt from a little JSON), the ChatML specials
+    and a ``tokenizer_config.json`` as ``write_chatml_tokenizer`` writes it."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHATML_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    sample = ['{"name": "ab", "id": 12, "tags": ["x", "y"], "ok": true, "v": null}',
+              "user assistant system hello world yes no"]
+    tok.train_from_iterator(sample * 20, trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    settings = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                "pad_token": "</s>", "add_bos_token": True, "chat_template": CHATML}
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    return directory
+
+
+def free_socket():
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class Served:
+    """uvicorn serving ``app`` on a thread, on a socket bound here (no port race)."""
+
+    def __init__(self, app):
+        import threading
+        import time
+
+        import uvicorn
+
+        sock = free_socket()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]})
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(10)

@@ -24,7 +24,7 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
-from helpers import TINY, write_chatml_tokenizer
+from helpers import TINY, Served, free_socket, write_chatml_tokenizer
 
 from transformer_jax import hf
 from transformer_jax.cli import serve as cli
@@ -52,29 +52,6 @@ def checkpoint(tmp_path_factory):
     hf.save(TINY, params, path)
     write_chatml_tokenizer(path, WORDS)
     return path, params
-
-
-def _free_socket():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
-class Served:
-    """uvicorn serving ``app`` on a thread, on a socket bound here (no port race)."""
-
-    def __init__(self, app):
-        sock = _free_socket()
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]})
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -633,7 +610,7 @@ def test_bench_http_mode_counts_every_token(server):
 def test_sigterm_drains_and_exits_0(checkpoint):
     """``cli.main`` serves until SIGTERM; the stream in flight then finishes (within the grace
     period), the port closes, and main returns 0."""
-    sock = _free_socket()
+    sock = free_socket()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     sock.close()
     got = {}
@@ -695,7 +672,7 @@ def test_shutdown_ends_cut_streams_and_refuses_queued_requests(served, monkeypat
         return real_step()
 
     monkeypatch.setattr(engine, "step", slow_step)
-    sock = _free_socket()
+    sock = free_socket()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     config = uvicorn.Config(create_app(runner, model), log_level="warning",
                             timeout_graceful_shutdown=0.3)

@@ -25,6 +25,7 @@ from typing import Any
 from transformer_jax.decode.prompts import validate_prompts
 from transformer_jax.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from transformer_jax.serving import SamplingParams, TokenEvent
+from transformer_jax.serving.grammar import Grammar
 from transformer_jax.tokenizer import detokenize
 from transformer_jax.tokenizer.chat import ChatTemplateError
 from transformer_jax.tokenizer.prompt import chat_turn_end_id, encode_chat_prompt, encode_text
@@ -109,8 +110,41 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) ->
         seed=secrets.randbelow(2 ** 32) if req.seed is None else req.seed,
         logprobs=bool(req.logprobs is not None and req.logprobs is not False),
         top_logprobs=min(_top_asked(req), model.vocab_size),
+        grammar=_grammar(req, model),
         stop=req.stop_strings)
     return Prepared(prompt, params, chat, req.n)
+
+
+def _grammar(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo
+             ) -> Grammar | None:
+    """The request's structured-output grammar (``response_format`` or vLLM's ``guided_*``),
+    checked to compile, or None.
+
+    Raises:
+      APIError: 400 naming the field, for a grammar that does not compile or a model without
+        a tokenizer.
+    """
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        field, grammar = "response_format", Grammar("json_object")
+    elif rf is not None and rf.type == "json_schema":
+        field, grammar = "response_format", Grammar("json_schema", rf.json_schema.schema_)
+    elif req.guided_json is not None:
+        field, grammar = "guided_json", Grammar("json_schema", req.guided_json)
+    elif req.guided_regex is not None:
+        field, grammar = "guided_regex", Grammar("regex", req.guided_regex)
+    elif req.guided_choice is not None:
+        field, grammar = "guided_choice", Grammar("choice", tuple(req.guided_choice))
+    else:
+        return None
+    if model.tokenizer is None:
+        raise APIError(400, f"{field} needs the model's tokenizer; this checkpoint has none",
+                       field)
+    try:
+        grammar.check()
+    except (ValueError, TypeError) as e:  # (json text that does not parse included)
+        raise APIError(400, f"{field}: {e}", field) from None
+    return grammar
 
 
 def _top_asked(req: CompletionRequest | ChatCompletionRequest) -> int:

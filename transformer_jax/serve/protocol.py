@@ -56,6 +56,24 @@ class StreamOptions(_Strict):
 MAX_N = 16
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema and its name (OpenAI's fields)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = "response"
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(_Strict):
     """The fields both endpoints share."""
 
@@ -73,6 +91,10 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's structured-output fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> _Sampling:
@@ -84,6 +106,17 @@ class _Sampling(_Strict):
         if any(not s for s in stops) or len(stops) > 16:
             raise APIError(400, f"stop must be at most 16 non-empty strings, got {self.stop!r}",
                            "stop")
+        guided = [name for name in ("response_format", "guided_json", "guided_regex",
+                                    "guided_choice")
+                  if getattr(self, name) is not None and not (
+                      name == "response_format" and self.response_format.type == "text")]
+        if len(guided) > 1:
+            raise APIError(400, f"give one structured-output field, not {', '.join(guided)}",
+                           guided[1])
+        rf = self.response_format
+        if rf is not None and rf.type == "json_schema" and rf.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema",
+                           "response_format")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true",
                            "stream_options")

@@ -131,6 +131,7 @@ class Engine:
         check_tensor_parallel(config, tensor_shards(self.mesh), expert_shards(self.mesh))
         self.config = config
         self.tokenizer = tokenizer
+        self._grammars: Any = None  # the tokenizer as llguidance reads it, on first use
         self.page_size = page_size
         self.token_budget = token_budget
         self.keys_transposed = False  # whole pages gather fastest (``PagedKVCache.init``)
@@ -191,6 +192,9 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer (Engine(tokenizer=...))")
         req = Request.new(-1, prompt, params, on_token)
+        if params.grammar is not None:
+            req.matcher_of = self._grammar_tokenizer()
+            req.matcher = req.matcher_of.matcher(params.grammar)
         if self.tokenizer is not None:
             req.text = TextStream(self.tokenizer, req.tokens, params.stop,
                                   params.stop_token_ids)
@@ -272,6 +276,17 @@ class Engine:
             if req.on_token is not None:
                 req.on_token(event)
         return events
+
+    def _grammar_tokenizer(self) -> Any:
+        """The ``grammar.GrammarTokenizer`` of the engine's tokenizer (built once)."""
+        if self.tokenizer is None:
+            raise ValueError("a grammar (structured outputs) needs the engine's tokenizer "
+                             "(Engine(tokenizer=...))")
+        if self._grammars is None:
+            from transformer_jax.serving.grammar import GrammarTokenizer
+
+            self._grammars = GrammarTokenizer(self.tokenizer, self.config.vocab_size)
+        return self._grammars
 
     def _run(self, decode: step_lib.DecodeRows | None, prefill: step_lib.PrefillChunk | None,
              rows: step_lib.RowSampling, sampler: step_lib.Sampler) -> tuple[Any, Any]:

@@ -20,6 +20,7 @@ import numpy as np
 
 from transformer_jax.decode.loop import SamplingSettings
 from transformer_jax.decode.prompts import is_int, sequence_keys
+from transformer_jax.serving.grammar import Grammar
 
 #: The most alternatives a request's ``top_logprobs`` may ask for (OpenAI's limit). A step
 #: any of whose rows asks computes this many for every row (one program, whatever K).
@@ -47,6 +48,9 @@ class SamplingParams:
       stop: a sequence of non-empty stop strings: the request ends (reason ``"stop"``) when
         its text contains one; the text released stops before it (the engine needs a
         tokenizer, ``serving.text``).
+      grammar: a ``serving.grammar.Grammar`` the output must follow (structured outputs: the
+        engine masks the tokens it does not allow and ends the request, reason ``"stop"``,
+        once it is complete), or None.
     """
 
     max_tokens: int = 16
@@ -59,6 +63,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     stop: tuple[str, ...] = ()
+    grammar: Grammar | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the first setting of the wrong type or out of range for V
@@ -95,6 +100,9 @@ class SamplingParams:
         stop = self.stop
         if not _is_collection(stop) or any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be a sequence of non-empty strings, got {stop!r}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ValueError(f"grammar must be a serving.grammar.Grammar or None, got "
+                             f"{self.grammar!r:.80}")
         self.settings().validate(vocab_size)
 
     def settings(self) -> SamplingSettings:
@@ -210,6 +218,8 @@ class Request:
     preemptions: int = 0
     prefix_hit_tokens: int = 0
     text: Any = None
+    matcher: Any = None  # its grammar's llguidance matcher, or None
+    matcher_of: Any = None  # the ``grammar.GrammarTokenizer`` that made it
 
     @classmethod
     def new(cls, request_id: int, prompt: np.ndarray, params: SamplingParams,

@@ -290,7 +290,11 @@ class Scheduler:
         req.logprobs.append(logprob)
         if top is not None:
             req.top_logprobs.append(top)
+        if req.matcher is not None:  # structured outputs: the grammar takes the token
+            req.matcher.consume_token(token)
         if token in p.stop_token_ids:
+            req.finish_reason = "stop"
+        elif req.matcher is not None and req.matcher.is_stopped():  # the grammar is complete
             req.finish_reason = "stop"
         elif req.num_new >= p.max_tokens:
             req.finish_reason = "length"
@@ -333,10 +337,17 @@ def _row_sampling(reqs: list[Request | None], vocab_size: int) -> tuple[RowSampl
             top_p[i] = p.top_p
         if p.min_p is not None:
             min_p[i] = p.min_p
+    allowed = None
+    grammars = [i for i, req in enumerate(reqs) if req is not None and req.matcher is not None]
+    if grammars:  # structured outputs: each grammar row's mask, every token for the others
+        allowed = np.full((r, -(-vocab_size // 32)), -1, np.int32)
+        for i in grammars:
+            reqs[i].matcher_of.fill(reqs[i].matcher, allowed, i)
     sampled = bool(np.any(temperature > 0))
     alternatives = any(req is not None and req.params.top_logprobs for req in reqs)
     sampler = Sampler(sampled=sampled, top_k=sampled and bool(np.any(top_k < vocab_size)),
                       top_p=sampled and bool(np.any(top_p < 1)),
                       min_p=sampled and bool(np.any(min_p > 0)),
                       top_logprobs=min(MAX_TOP_LOGPROBS, vocab_size) if alternatives else 0)
-    return RowSampling(key_data, token_index, temperature, top_k, top_p, min_p), sampler
+    return RowSampling(key_data, token_index, temperature, top_k, top_p, min_p,
+                       allowed), sampler

@@ -55,6 +55,7 @@ from transformer_jax.decode.loop import (
 from transformer_jax.model.block import shard_config
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_ring import RingLayout
+from transformer_jax.serving import grammar
 from transformer_jax.serving.page_pool import NULL_PAGE
 from transformer_jax.serving.paged_cache import PagedKVCache
 
@@ -107,6 +108,8 @@ class RowSampling:
       top_k: [R] int32 (V = off).
       top_p: [R] float32 (1 = off).
       min_p: [R] float32 (0 = off).
+      allowed: [R, ceil(V/32)] int32 bitmasks of the tokens each row may draw (structured
+        outputs, ``serving.grammar``; all ones for a row without a grammar), or None.
     """
 
     key_data: jax.Array
@@ -115,6 +118,7 @@ class RowSampling:
     top_k: jax.Array
     top_p: jax.Array
     min_p: jax.Array
+    allowed: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +141,9 @@ def sample_rows(logits: jax.Array, rows: RowSampling, sampler: Sampler
     With ``sampler.top_logprobs`` K both are [R, 1 + K]: column 0 the drawn token, then the K
     most likely tokens of the raw softmax, most likely first (``sampling.top_logprobs``).
     """
+    raw = logits
+    if rows.allowed is not None:  # structured outputs: only the grammars' tokens
+        logits = jnp.where(grammar.allowed(rows.allowed, logits.shape[-1]), logits, -jnp.inf)
     if not sampler.sampled:
         tokens, logprobs = sampling.sample_with_logprobs(logits, None, temperature=0)
     else:
@@ -147,9 +154,11 @@ def sample_rows(logits: jax.Array, rows: RowSampling, sampler: Sampler
             top_k=rows.top_k if sampler.top_k else None,
             top_p=rows.top_p if sampler.top_p else None,
             min_p=rows.min_p if sampler.min_p else None)
+    if rows.allowed is not None:  # the drawn token's log-probability under the raw softmax
+        logprobs = sampling.token_logprobs(raw, tokens)
     if not sampler.top_logprobs:
         return tokens, logprobs
-    top_ids, top = sampling.top_logprobs(logits, sampler.top_logprobs)
+    top_ids, top = sampling.top_logprobs(raw, sampler.top_logprobs)
     return (jnp.concatenate([tokens[:, None], top_ids], 1),
             jnp.concatenate([logprobs[:, None], top], 1))
 
