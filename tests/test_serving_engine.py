@@ -285,13 +285,16 @@ def test_top_logprobs_are_the_top_k_of_each_steps_full_softmax(model, engine):
     ids = [engine.add_request(p, s) for p, s in zip(prompts, asks, strict=True)]
     done = run_until_idle(engine)
     forward = jax.jit(lambda p, t: Transformer(config).apply({"params": p}, t).logits)
+    # The module's weights as ``init_params`` made them (before ``decode.prepare``).
+    params = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)(
+        config, jax.random.key(0))
     for i, prompt, ask in zip(ids, prompts, asks, strict=True):
         got = done[i]
         if not ask.top_logprobs:
             assert got.top_logprobs is None
             continue
         seq = prompt + got.tokens
-        logp = np.asarray(jax.nn.log_softmax(forward(_float_params(model), np.asarray(
+        logp = np.asarray(jax.nn.log_softmax(forward(params, np.asarray(
             [seq[:-1]], np.int32))[0], axis=-1))[len(prompt) - 1:]
         assert len(got.top_logprobs) == len(got.tokens) == len(logp)
         for top, token, lp, row in zip(got.top_logprobs, got.tokens, got.logprobs, logp,
@@ -302,17 +305,6 @@ def test_top_logprobs_are_the_top_k_of_each_steps_full_softmax(model, engine):
             np.testing.assert_allclose(lp, row[token], atol=1e-5)
         if ask.temperature == 0:  # greedy: the drawn token is the most likely one
             assert [top[0][0] for top in got.top_logprobs] == got.tokens
-
-
-def _float_params(model):
-    """The module's weights as ``init_params`` made them (before ``decode.prepare``)."""
-    config, _ = model
-    return _INIT.setdefault("params", jax.jit(init_params, static_argnums=0,
-                                              compiler_options=FAST_COMPILE)(
-        config, jax.random.key(0)))
-
-
-_INIT: dict = {}
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -126,11 +126,10 @@ class SparseFFN(nn.Module):
 
 def _on_shard(routing: moe_ops.Routing, first: jax.Array, local: int) -> moe_ops.Routing:
     """The routing as the shard holding experts ``first .. first + local - 1`` sees it: their
-    local ids, every other slot empty (id ``local``)."""
+    local ids, every other slot empty (id ``local``, which ``experts_ffn`` adds nothing for)."""
     ids = routing.experts - first
     here = (ids >= 0) & (ids < local)
-    return routing.replace(experts=jnp.where(here, ids, local),
-                           weights=jnp.where(here, routing.weights, 0.0))
+    return routing.replace(experts=jnp.where(here, ids, local))
 
 
 def expert_split() -> moe_dispatch.ExpertSplit | None:

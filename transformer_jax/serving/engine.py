@@ -193,8 +193,7 @@ class Engine:
             raise ValueError("stop strings need the engine's tokenizer (Engine(tokenizer=...))")
         req = Request.new(-1, prompt, params, on_token)
         if params.grammar is not None:
-            req.matcher_of = self._grammar_tokenizer()
-            req.matcher = req.matcher_of.matcher(params.grammar)
+            req.matcher = self._grammar_tokenizer().matcher(params.grammar)
         if self.tokenizer is not None:
             req.text = TextStream(self.tokenizer, req.tokens, params.stop,
                                   params.stop_token_ids)

@@ -39,6 +39,13 @@ class Grammar:
     kind: str
     value: Any = None
 
+    def compiled(self) -> str:
+        """``source()``, its errors raised as ValueError naming the kind."""
+        try:
+            return self.source()
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise ValueError(f"{self.kind}: {e}") from None
+
     def source(self) -> str:
         """The llguidance grammar of this one.
 
@@ -75,11 +82,7 @@ class Grammar:
         """Raises ValueError (naming the kind) unless the grammar compiles."""
         from llguidance import LLMatcher
 
-        try:
-            source = self.source()
-        except (ValueError, TypeError, RuntimeError) as e:
-            raise ValueError(f"{self.kind}: {e}") from None
-        failed, messages = LLMatcher.validate_grammar_with_warnings(source)
+        failed, messages = LLMatcher.validate_grammar_with_warnings(self.compiled())
         if failed:
             raise ValueError(f"{self.kind}: {'; '.join(messages)}")
 
@@ -116,17 +119,17 @@ class GrammarTokenizer:
         """
         import llguidance
 
-        grammar.check()
-        m = llguidance.LLMatcher(self._tok, grammar.source())
+        m = llguidance.LLMatcher(self._tok, grammar.compiled())
         if m.is_error():
             raise ValueError(f"{grammar.kind}: {m.get_error()}")
         return m
 
-    def fill(self, matcher: Any, masks: np.ndarray, row: int) -> None:
-        """Row ``row`` of the [R, words] int32 ``masks``: the tokens ``matcher`` allows next."""
-        from llguidance.numpy import fill_next_token_bitmask
 
-        fill_next_token_bitmask(matcher, masks, row)
+def fill_mask(matcher: Any, masks: np.ndarray, row: int) -> None:
+    """Row ``row`` of the [R, ceil(V/32)] int32 ``masks``: the tokens ``matcher`` allows next."""
+    from llguidance.numpy import fill_next_token_bitmask
+
+    fill_next_token_bitmask(matcher, masks, row)
 
 
 def allowed(masks: Any, vocab_size: int) -> Any:

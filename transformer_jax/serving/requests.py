@@ -219,7 +219,6 @@ class Request:
     prefix_hit_tokens: int = 0
     text: Any = None
     matcher: Any = None  # its grammar's llguidance matcher, or None
-    matcher_of: Any = None  # the ``grammar.GrammarTokenizer`` that made it
 
     @classmethod
     def new(cls, request_id: int, prompt: np.ndarray, params: SamplingParams,

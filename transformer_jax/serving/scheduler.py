@@ -23,6 +23,7 @@ import dataclasses
 
 import numpy as np
 
+from transformer_jax.serving.grammar import fill_mask
 from transformer_jax.serving.page_pool import NULL_PAGE, PagePool, pages_for
 from transformer_jax.serving.prefix_cache import PrefixCache, page_digests
 from transformer_jax.serving.requests import MAX_TOP_LOGPROBS, Request, State, TokenEvent
@@ -342,7 +343,7 @@ def _row_sampling(reqs: list[Request | None], vocab_size: int) -> tuple[RowSampl
     if grammars:  # structured outputs: each grammar row's mask, every token for the others
         allowed = np.full((r, -(-vocab_size // 32)), -1, np.int32)
         for i in grammars:
-            reqs[i].matcher_of.fill(reqs[i].matcher, allowed, i)
+            fill_mask(reqs[i].matcher, allowed, i)
     sampled = bool(np.any(temperature > 0))
     alternatives = any(req is not None and req.params.top_logprobs for req in reqs)
     sampler = Sampler(sampled=sampled, top_k=sampled and bool(np.any(top_k < vocab_size)),
