@@ -238,10 +238,12 @@ def run_until_idle(engine: object, max_steps: int = ENGINE_STEP_LIMIT) -> dict:
     return done
 
 
-def write_byte_tokenizer(directory: Path, vocab_size: int = 300) -> Path:
+def write_byte_tokenizer(directory: Path, vocab_size: int = 300, chat_template: str = CHATML
+                         ) -> Path:
     """``directory`` holding a byte-level BPE ``tokenizer.json`` (every byte a token, so any
     text, JSON included, can be spelled; merges learnt from a little JSON), the ChatML specials
-    and a ``tokenizer_config.json`` as ``write_chatml_tokenizer`` writes it."""
+    and a ``tokenizer_config.json`` as ``write_chatml_tokenizer`` writes it (with
+    ``chat_template``: the ChatML one unless given)."""
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -256,7 +258,7 @@ def write_byte_tokenizer(directory: Path, vocab_size: int = 300) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     settings = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-                "pad_token": "</s>", "add_bos_token": True, "chat_template": CHATML}
+                "pad_token": "</s>", "add_bos_token": True, "chat_template": chat_template}
     (directory / "tokenizer_config.json").write_text(json.dumps(settings))
     return directory
 

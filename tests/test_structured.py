@@ -107,7 +107,9 @@ def test_regex_and_choice_replies_match_and_json_object_parses(model, engine):
     (Grammar("json_schema", "[1, 2]"), "json_schema must be a JSON object"),
     (Grammar("regex", "(unclosed"), "regex: "),
     (Grammar("choice", ()), "choice must be a non-empty list"),
-    (Grammar("lark"), "grammar kind must be one of"),
+    (Grammar("lark"), "lark must be a non-empty grammar text"),
+    (Grammar("lark", 'start: "a" undefined_rule'), "lark: "),
+    (Grammar("ebnf"), "grammar kind must be one of"),
 ])
 def test_bad_grammars_are_refused_naming_their_kind(engine, grammar, message):
     with pytest.raises(ValueError, match=message):

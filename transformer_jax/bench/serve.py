@@ -50,7 +50,8 @@ def _wait_until(t: float) -> None:
 # Modes -------------------------------------------------------------------------------------------
 
 def run_engine(engine: Engine, work: Workload) -> dict[str, Any]:
-    """Serves ``work`` with the engine in real time; token times from its consumers."""
+    """Serves ``work`` with the engine in real time; token times from its consumers. With
+    LoRA adapters loaded (``engine.adapter_names``) request i uses adapter i mod N."""
     records = [record(a) for a in work.arrivals]
     order = sorted(range(len(records)), key=lambda i: work.arrivals[i])
     peak_running = peak_pages = 0
@@ -60,7 +61,9 @@ def run_engine(engine: Engine, work: Workload) -> dict[str, Any]:
         now = time.perf_counter() - start
         while nxt < len(order) and work.arrivals[order[nxt]] <= now:
             i = order[nxt]
-            engine.add_request(work.prompts[i], SamplingParams(max_tokens=work.max_tokens[i]),
+            names = engine.adapter_names
+            engine.add_request(work.prompts[i], SamplingParams(
+                max_tokens=work.max_tokens[i], adapter=names[i % len(names)] if names else None),
                                lambda e, r=records[i]: r["times"].append(time.perf_counter()))
             nxt += 1
         if engine.idle:
@@ -152,7 +155,25 @@ def _line(name: str, r: dict[str, Any]) -> str:
             f"{r['request_throughput']:6.2f} req/s  {cells}")
 
 
-MODES = ("engine", "engine-noprefix", "one", "batch", "http")
+MODES = ("engine", "engine-noprefix", "engine-lora", "one", "batch", "http")
+
+
+def random_adapters(config: ModelConfig, params: Any, n: int, rank: int, seed: int
+                    ) -> dict[str, Any]:
+    """``n`` LoRA adapters of rank ``rank`` on every dense matrix, with B random (a trained
+    adapter's cost: an initialised one's B is zero, which costs the same but proves less)."""
+    from transformer_jax.model import lora
+
+    out = {}
+    cfg = lora.LoraConfig(rank=rank, alpha=2.0 * rank)
+    for i in range(n):
+        tree = lora.init_adapters(config, cfg, params, jax.random.key(seed + i + 1))
+        leaves, tree_def = jax.tree.flatten(tree)
+        keys = jax.random.split(jax.random.key(seed + 1000 + i), len(leaves))
+        out[f"lora{i}"] = (jax.tree.unflatten(tree_def, [
+            x + 0.02 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys,
+                                                                          strict=True)]), cfg)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(generate in fixed batches), engine-noprefix, http (the server "
                              "at --url; bench/serve_http.py) (default: engine,one,batch; "
                              "http with --url)")
+    parser.add_argument("--lora", type=a.positive_int, default=4, metavar="N",
+                        help="the engine-lora mode's adapters: requests take them in turn")
+    parser.add_argument("--lora-rank", type=a.positive_int, default=16)
     parser.add_argument("--url", type=a.server_url, help="a running server (transformer-jax "
                         "serve) serving a model of --config's vocabulary, for the http mode")
     parser.add_argument("--api-key", help="the server's API key, if it has one")
@@ -274,8 +298,8 @@ def main(argv: list[str]) -> int:
     work = make_workload(args.requests, args.input_len, args.output_len, args.output_multiple,
                          args.rate, args.burstiness, config.vocab_size, args.seed,
                          args.shared_prefix)
-    weights = None if modes == ["http"] else decode.prepare(
-        config, init_params(config, jax.random.key(args.seed)))
+    params = None if modes == ["http"] else init_params(config, jax.random.key(args.seed))
+    weights = None if params is None else decode.prepare(config, params)
     longest = max(len(p) + n for p, n in zip(work.prompts, work.max_tokens, strict=True))
     pages = args.pages or 1 + args.slots * -(-longest // args.page_size)
     result: dict[str, Any] = {
@@ -290,8 +314,11 @@ def main(argv: list[str]) -> int:
           f"{args.slots} slots, {pages} pages of {args.page_size}, budget {args.token_budget}")
     for mode in modes:
         if mode.startswith("engine"):
+            adapters = None if mode != "engine-lora" else random_adapters(
+                config, params, args.lora, args.lora_rank, args.seed)
             engine = Engine(config, weights, args.slots, pages, args.page_size,
-                            args.token_budget, prefix_caching=mode == "engine")
+                            args.token_budget, prefix_caching=mode != "engine-noprefix",
+                            adapters=adapters)
             t = time.perf_counter()
             n = engine.compile()
             print(f"  compiled {n} engine step shapes in {time.perf_counter() - t:.1f} s")
@@ -327,6 +354,11 @@ def main(argv: list[str]) -> int:
                   f"{r['cache_bytes'] / r['cache_bytes_all_global']:.3f}x every layer global")
     got = result["modes"]
     if "engine" in got:
+        if "engine-lora" in got:
+            tput = got["engine-lora"]["output_token_throughput"] / \
+                got["engine"]["output_token_throughput"]
+            print(f"engine-lora vs engine: {tput:.2f}x output tokens/s ({args.lora} adapters "
+                  f"of rank {args.lora_rank} mixed, against the base alone)")
         for other in ("one", "batch", "engine-noprefix"):
             if other in got:
                 tput = got["engine"]["output_token_throughput"] / \

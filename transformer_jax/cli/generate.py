@@ -10,7 +10,9 @@ when the tokenizer's ``add_bos_token`` says so (as fine-tuning encoded prompts);
 each prompt is a user message rendered with the tokenizer's chat template and its generation
 prompt (as fine-tuning on chat records saw it). Text is streamed as it is generated (one host
 callback per decode step from inside the jitted loop); ``--prompt-ids 1,2,3`` and ``--json``
-are for scripts.
+are for scripts. ``--json-schema``, ``--json-object``, ``--regex`` and ``--choice`` hold every
+prompt's output to a grammar (structured outputs, ``serving.grammar``; the checkpoint's HF
+tokenizer): it ends when the grammar is complete.
 
 """
 
@@ -21,6 +23,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -97,6 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert", type=int, default=1, metavar="X",
                    help="split a mixture's experts over X devices (E/X each; X divides "
                    "moe.n_experts), times the --tensor devices (default: %(default)s)")
+    g = p.add_argument_group("structured outputs (one of these; the checkpoint's HF "
+                             "tokenizer.json)").add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE_OR_JSON",
+                   help="every output is JSON valid under this schema (a file, or the "
+                   "schema's JSON text); ends when the JSON is complete (default: free text)")
+    g.add_argument("--json-object", action="store_true",
+                   help="every output is a JSON object (default: free text)")
+    g.add_argument("--regex", metavar="PATTERN",
+                   help="every output matches this regular expression (default: free text)")
+    g.add_argument("--choice", metavar="A,B,C",
+                   help="every output is one of these comma-separated strings (default: free "
+                   "text)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with ids, text, logprobs and timings; no "
                    "streaming (default: stream text)")
@@ -131,6 +146,61 @@ class _TextStreamer:
             self.printed[0] = text
 
 
+def grammar_from_args(args: argparse.Namespace) -> tuple[str, Any] | None:
+    """The structured-output flag given and its compiled-checked ``serving.grammar.Grammar``,
+    or None without one.
+
+    Raises:
+      ValueError: naming the flag, on one line: a schema that is not JSON (nor a file), a
+        grammar that does not compile.
+    """
+    from transformer_jax.serving.grammar import Grammar
+
+    if args.json_schema is not None:
+        flag, text = "--json-schema", args.json_schema
+        if not text.lstrip().startswith("{"):
+            try:
+                text = Path(text).read_text()
+            except OSError as e:
+                raise ValueError(f"{flag}: neither a JSON object nor a readable file: "
+                                 f"{e.strerror}: {text!r:.80}") from None
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag}: not JSON: {e}") from None
+        grammar = Grammar("json_schema", schema)
+    elif args.json_object:
+        flag, grammar = "--json-object", Grammar("json_object")
+    elif args.regex is not None:
+        flag, grammar = "--regex", Grammar("regex", args.regex)
+    elif args.choice is not None:
+        flag, grammar = "--choice", Grammar("choice", tuple(args.choice.split(",")))
+    else:
+        return None
+    try:
+        grammar.check()
+    except ValueError as e:
+        message = " ".join(str(e).removeprefix(f"{grammar.kind}: ").split())
+        raise ValueError(f"{flag}: {message:.300}") from None
+    return flag, grammar
+
+
+def _matchers(structured: tuple[str, Any], tokenizer: Any, vocab_size: int, batch: int
+              ) -> list[Any]:
+    """One fresh matcher of the flag's grammar per prompt (``generate``'s ``constraints``)."""
+    from transformer_jax.serving.grammar import GrammarTokenizer
+
+    flag, grammar = structured
+    if tokenizer is None:
+        raise ValueError(f"{flag} needs the checkpoint's HF tokenizer (tokenizer.json); pass "
+                         "--tokenizer DIR")
+    try:
+        grammars = GrammarTokenizer(tokenizer, vocab_size)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+    return [grammars.matcher(grammar) for _ in range(batch)]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -152,6 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.chat and not args.prompt:
         print("error: --chat renders --prompt texts as user messages; give --prompt TEXT",
               file=sys.stderr)
+        return 2
+    try:  # before any weight is read
+        structured = grammar_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if structured is not None and args.tensor * args.expert != 1:
+        print(f"error: {structured[0]}: structured outputs decode on one device; drop "
+              "--tensor / --expert", file=sys.stderr)
         return 2
     if args.tensor * args.expert != 1:  # before anything starts JAX's CPU backend
         sharding.configure_cpu_devices(devices=args.tensor * args.expert)
@@ -182,13 +261,16 @@ def main(argv: list[str] | None = None) -> int:
                 stop.append(turn_end)
         if args.no_stop:
             stop = []
+        constraints = None
+        if structured is not None:
+            constraints = _matchers(structured, tokenizer, config.vocab_size, len(prompts))
         streamer = None if args.json else _TextStreamer(tokenizer, len(prompts))
         start = time.perf_counter()
         result = generation.generate(
             config, params, prompts, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             min_p=args.min_p, seed=args.seed, stop_tokens=stop, stream=streamer, mesh=mesh,
-            cache_dtype=args.cache_dtype, quant=args.quant)
+            cache_dtype=args.cache_dtype, quant=args.quant, constraints=constraints)
         elapsed = time.perf_counter() - start
     except (ValueError, OSError, CheckpointError) as e:  # OSError: missing/unreadable files
         print(f"error: {e}", file=sys.stderr)

@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "checkpoint directory's name)")
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (default: "
                    f"${API_KEY_ENV}, else no key)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=RUN_DIR",
+                   help="serve the LoRA adapters of training run RUN_DIR (trained on this "
+                        "checkpoint) as model NAME beside the base; repeat for more. One step "
+                        "batches requests of every adapter (no merge)")
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"),
+                   help="the format of the model's tool calls (default: the chat template's)")
     e = p.add_argument_group("engine")
     e.add_argument("--slots", type=int, default=8,
                    help="sequences decoded at once (default: %(default)s)")
@@ -130,9 +136,31 @@ def _check(args: argparse.Namespace) -> None:
     if not 0 < args.body_timeout < float("inf"):
         raise ValueError(f"--body-timeout must be a positive number of seconds, got "
                          f"{args.body_timeout}")
+    parse_lora(args.lora, args.served_model_name)
     if not 0 <= args.grace_period < float("inf"):
         raise ValueError(f"--grace-period must be a number of seconds >= 0, got "
                          f"{args.grace_period}")
+
+
+def parse_lora(specs: list[str], served_name: str | None = None) -> dict[str, str]:
+    """``--lora NAME=RUN_DIR`` values -> {name: run dir}, in order.
+
+    Raises:
+      ValueError: a value without ``=``, an empty or repeated name, or the base's own name.
+    """
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"--lora takes NAME=RUN_DIR, got {spec!r}")
+        if name in out:
+            raise ValueError(f"--lora names {name!r} twice")
+        if served_name is not None and name == served_name:
+            raise ValueError(f"--lora {spec!r}: {name!r} is the base model's name "
+                             "(--served-model-name)")
+        out[name] = path
+    return out
 
 
 def configure_compilation_cache(directory: str) -> None:
@@ -185,13 +213,19 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     t = time.perf_counter()
     loaded, mesh = load_for_decode(args.checkpoint, args.tensor, args.tokenizer, args.expert)
     config = loaded.config.replace(dtype=args.dtype) if args.dtype else loaded.config
+    adapters = {}
+    for name, path in parse_lora(args.lora, args.served_model_name).items():
+        from transformer_jax.checkpoint.adapters import load_adapter
+
+        found = load_adapter(path, config, loaded.params, name=name)
+        adapters[name] = (found.adapters, found.lora_config)
     timings["load_s"] = time.perf_counter() - t
     pages = pool_pages(args, config)
     engine = Engine(config, loaded.params, args.slots, pages, args.page_size,
                     args.token_budget or args.slots + 256, mesh,
                     prefix_caching=not args.no_prefix_caching, cache_dtype=args.cache_dtype,
                     min_context=min(args.min_context or MIN_CONTEXT, config.max_seq_len),
-                    tokenizer=loaded.tokenizer, quant=args.quant)
+                    tokenizer=loaded.tokenizer, quant=args.quant, adapters=adapters or None)
     t = time.perf_counter()
     shapes = engine.compile()
     timings["compile_s"] = time.perf_counter() - t
@@ -200,8 +234,12 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                 timings["compile_s"], args.slots, pages, args.page_size,
                 engine.cache_bytes / 2 ** 20)
     name = args.served_model_name or Path(args.checkpoint).resolve().name
+    if name in adapters:
+        raise ValueError(f"--lora {name}=...: {name!r} is the base model's name; give the "
+                         "adapter another name or --served-model-name")
     runner = EngineRunner(engine, Metrics(), args.max_requests, args.request_timeout)
-    return runner, ModelInfo.of(name, config, loaded.tokenizer), timings
+    return runner, ModelInfo.of(name, config, loaded.tokenizer, tuple(adapters),
+                                args.tool_call_parser), timings
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,9 +4,12 @@
 decode loop over the KV cache, one traced function), ``sampling`` (greedy, temperature, top-k,
 top-p, min-p), ``streaming`` (tokens to a host callback from inside the loop), ``prompts``
 (validation, length buckets, padding on the host), ``generation`` (``generate()``, the host
-API) and ``export`` (``jax.export`` of the loop with a symbolic batch and prompt length).
+API), ``constrained`` (structured outputs: a host loop over the jitted one-step decode, each row
+held to its grammar's token mask) and ``export`` (``jax.export`` of the loop with a symbolic
+batch and prompt length).
 """
 
+from transformer_jax.decode.constrained import TokenConstraint
 from transformer_jax.decode.generation import GenerateResult, generate
 from transformer_jax.decode.loop import (
     SamplingSettings,
@@ -30,6 +33,7 @@ from transformer_jax.decode.weights import (
 )
 
 __all__ = ["DecodeWeights", "GenerateResult", "SamplingSettings", "SamplingState", "TensorSplit",
+           "TokenConstraint",
            "abstract_weights", "check_tensor_parallel", "decode_config", "decode_model",
            "decode_params", "decode_rules", "decode_step", "generate", "generate_padded",
            "prefill", "prepare", "tensor_shards", "weight_specs"]

@@ -2,7 +2,8 @@
 
 Validates every argument before any device work (``prompts``), pads the prompts to a length
 bucket so lengths within a bucket share one compiled program, and runs the jitted
-``decode.generate_padded`` (prefill and the whole decode loop in one program).
+``decode.generate_padded`` (prefill and the whole decode loop in one program); with
+``constraints`` (structured outputs), the host loop of ``decode.constrained`` instead.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from transformer_jax.decode import constrained, streaming
 from transformer_jax.decode import loop as decode
-from transformer_jax.decode import streaming
+from transformer_jax.decode.constrained import TokenConstraint
 from transformer_jax.decode.loop import DecodeWeights, Params, SamplingSettings
 from transformer_jax.decode.prompts import (
     default_cache_size,
@@ -76,7 +78,8 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
              seed: int | Sequence[int] = 0, stop_tokens: Sequence[int] = (), pad_id: int = 0,
              cache_size: int | None = None, cache_dtype: jnp.dtype | str | None = None,
              stream: streaming.StreamFn | None = None,
-             mesh: Mesh | None = None, quant: str | None = None) -> GenerateResult:
+             mesh: Mesh | None = None, quant: str | None = None,
+             constraints: Sequence[TokenConstraint | None] | None = None) -> GenerateResult:
     """Generates up to ``max_new_tokens`` tokens after each prompt, in one jitted call.
 
     The prefill and the whole decode loop are one compiled program (``generate_padded``); raw
@@ -115,6 +118,13 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         does that once. With ``DecodeWeights`` the mesh is theirs (None here, or the same).
       quant: weight quantisation of raw parameters (``decode.prepare``: ``"int8"``,
         ``"int4"``, ``"int4:G"``); ``DecodeWeights`` must have been prepared with it.
+      constraints: structured outputs: one constraint per prompt (None: that prompt is free),
+        e.g. ``serving.grammar.GrammarTokenizer(tokenizer, V).matcher(grammar)`` for a JSON
+        schema, a regex or a choice. A prompt's tokens are drawn only among those its
+        constraint allows, and it ends as soon as the constraint is stopped (the grammar is
+        complete). The decode is then a host loop over a jitted one-step decode, the same draw
+        with the same keys otherwise (``decode.constrained``); one device (no tensor split).
+        The constraints are advanced in place.
 
     Returns:
       A ``GenerateResult`` (``.tokens``, ``.logprobs``, ``.lengths``, and padded arrays).
@@ -131,6 +141,11 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         mesh = params.check_for(config, mesh, "generate", quant)
     decode.check_tensor_parallel(config, decode.tensor_shards(mesh))
     arrays = validate_prompts(prompts, vocab)
+    if constraints is not None:
+        constraints = constrained.check_constraints(constraints, len(arrays))
+        if decode.is_split(mesh):
+            raise ValueError("constraints: a tensor-parallel mesh is not supported with "
+                             "constraints; decode on one device")
     lengths = [len(a) for a in arrays]
     validate_capacity(config, lengths, max_new_tokens, cache_size)
     if cache_dtype is not None:
@@ -148,6 +163,13 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
     if not isinstance(params, DecodeWeights):
         params = decode.prepare(config, params, mesh, quant=quant)
     start = time.perf_counter()
+    if constraints is not None:
+        out = constrained.generate_constrained(
+            config, params.params, tokens, lengths_arr, keys, constraints,
+            max_new_tokens=max_new_tokens, settings=settings, cache_size=cache_size,
+            cache_dtype=cache_dtype, weights_out_first=params.weights_out_first, stream=stream)
+        logger.debug("constrained generate took %.3f s", time.perf_counter() - start)
+        return result_from_arrays(*out)
     with streaming.registered(stream) as stream_id:
         out_tokens, out_logprobs, num = decode._generate_jit(
             config, params, tokens, lengths_arr, keys, stream_id,

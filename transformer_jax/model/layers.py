@@ -19,6 +19,7 @@ from transformer_jax.model.ops.attention import attention
 from transformer_jax.model.ops.dense import dense, out_first_shape
 from transformer_jax.model.ops.positions import rope_attention_factor
 from transformer_jax.model.ops.quantized import is_quantized
+from transformer_jax.model.ops.row_lora import is_row_adapters
 
 
 #: Names of the parameters that are not matmul weights: norm gains and shifts, projection biases
@@ -70,11 +71,12 @@ def matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str
 
 def stored_quantized(module: nn.Module, name: str) -> object | None:
     """Parameter ``name`` of ``module`` when it is stored quantised (``decode.prepare`` with
-    ``quant``), else None. Read as it is: flax's ``param`` would check its packed values'
-    shape against the float declaration."""
+    ``quant``) or with per-row adapters (``ops.row_lora``, a serving step's), else None. Read
+    as it is: flax's ``param`` would check its packed values' shape against the float
+    declaration."""
     if module.has_variable("params", name):
         w = module.get_variable("params", name)
-        if is_quantized(w):
+        if is_quantized(w) or is_row_adapters(w):
             return w
     return None
 

@@ -143,9 +143,13 @@ def create_app(runner: EngineRunner, model: completions.ModelInfo,
 
     @app.get("/v1/models", dependencies=v1)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": model.name, "object": "model", "created": model.created,
-             "owned_by": "transformer_jax", "max_model_len": model.max_len}]}
+        base = {"id": model.name, "object": "model", "created": model.created,
+                "owned_by": "transformer_jax", "root": model.name, "parent": None,
+                "max_model_len": model.max_len}
+        # A LoRA adapter is a model of its own, whose parent is the base (as vLLM lists them).
+        return {"object": "list", "data": [base] + [
+            {**base, "id": name, "root": name, "parent": model.name}
+            for name in model.adapters]}
 
     @app.post("/v1/completions", dependencies=v1)
     async def complete(request: Request) -> Response:
@@ -234,11 +238,8 @@ def create_app(runner: EngineRunner, model: completions.ModelInfo,
         usage when asked and [DONE]."""
         def chunks(response: completions.Response, text: str, tokens: list[TokenEvent],
                    opening: bool) -> list[str]:
-            if not (text or opening or response.finish_reason is not None):
-                return []
-            chunk = response.chunk(text, tokens, response.finish_reason, opening,
-                                   req.continuous_usage)
-            return [f"data: {_dumps(chunk)}\n\n"]
+            return [f"data: {_dumps(chunk)}\n\n" for chunk in response.chunks(
+                text, tokens, response.finish_reason, opening, req.continuous_usage)]
 
         pending: dict[asyncio.Task, int] = {}
         try:

@@ -12,6 +12,11 @@ OpenAI's (temperature 1, top_p 1); without ``seed`` a request draws a random one
 With ``n`` > 1 the request runs as n engine requests, choice i with seed ``seed + i`` (mod
 2**32), so each choice equals the same request sent alone with that seed; the prompt's full pages
 are computed once and found in the prefix cache by the others (``Choices``).
+
+A chat with ``tools`` renders them through the template; the reply's tool calls are parsed in
+the template's format (``serve.tools``: content and ``tool_calls``, finish reason
+``"tool_calls"``), and ``tool_choice`` ``"required"`` or a named function is enforced by a
+grammar. ``ModelInfo.tool_parser``, when the server sets one, overrides the template's parser.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import uuid
 from typing import Any
 
 from transformer_jax.decode.prompts import validate_prompts
+from transformer_jax.serve import tools
 from transformer_jax.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from transformer_jax.serving import SamplingParams, TokenEvent
 from transformer_jax.serving.grammar import Grammar
@@ -41,12 +47,31 @@ class ModelInfo:
     tokenizer: Any
     turn_end: int | None = None  # the token closing an assistant turn (chat stops there)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    adapters: tuple[str, ...] = ()  # the LoRA adapters' names, each also a model to ask for
+    tool_parser: str | None = None  # the tool calls' format (``serve.tools``); None: the
+    # chat template's
 
     @classmethod
-    def of(cls, name: str, config: Any, tokenizer: Any) -> ModelInfo:
+    def of(cls, name: str, config: Any, tokenizer: Any, adapters: tuple[str, ...] = (),
+           tool_parser: str | None = None) -> ModelInfo:
         chat = tokenizer is not None and bool(tokenizer.chat_template)
         return cls(name, config.vocab_size, config.max_seq_len, tokenizer,
-                   chat_turn_end_id(tokenizer) if chat else None)
+                   chat_turn_end_id(tokenizer) if chat else None, adapters=tuple(adapters),
+                   tool_parser=tool_parser)
+
+    def adapter_of(self, model: str) -> str | None:
+        """The adapter a request's ``model`` names (None: the base).
+
+        Raises:
+          APIError: 404 ``model_not_found`` (OpenAI's answer) for a model not served here.
+        """
+        if model == self.name:
+            return None
+        if model in self.adapters:
+            return model
+        served = ", ".join(repr(m) for m in (self.name, *self.adapters))
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
+                       "model", "model_not_found")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +82,7 @@ class Prepared:
     params: SamplingParams
     chat: bool
     n: int = 1
+    tool_parser: str | None = None  # the reply's tool calls' format (``serve.tools``), or None
 
     def choice(self, i: int) -> SamplingParams:
         """The parameters of choice i: the request's, with seed ``seed + i`` (mod 2**32)."""
@@ -70,15 +96,15 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) ->
       APIError: 400 naming the field: unknown model, a prompt the tokenizer or the model
         cannot take, a chat without a template, prompt + max_tokens above the context.
     """
-    if req.model != model.name:
-        raise APIError(400, f"model {req.model!r} is not served here; this server serves "
-                       f"{model.name!r}", "model", "model_not_found")
+    adapter = model.adapter_of(req.model)
     tok = model.tokenizer
     chat = isinstance(req, ChatCompletionRequest)
     if chat:
         prompt, where = _chat_prompt(req, tok), "messages"
     else:
         prompt, where = _completion_prompt(req, model), "prompt"
+    parser = tools.reply_parser(req, tok.chat_template, model.tool_parser
+                                ) if chat else None
     limit = req.token_limit if chat else req.max_tokens
     room = model.max_len - len(prompt)
     if room <= 0 or (limit or 0) > room:
@@ -110,20 +136,25 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) ->
         seed=secrets.randbelow(2 ** 32) if req.seed is None else req.seed,
         logprobs=bool(req.logprobs is not None and req.logprobs is not False),
         top_logprobs=min(_top_asked(req), model.vocab_size),
-        grammar=_grammar(req, model),
-        stop=req.stop_strings)
-    return Prepared(prompt, params, chat, req.n)
+        grammar=_grammar(req, model, parser),
+        stop=req.stop_strings, adapter=adapter)
+    return Prepared(prompt, params, chat, req.n, parser)
 
 
-def _grammar(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo
-             ) -> Grammar | None:
+def _grammar(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo,
+             tool_parser: str | None = None) -> Grammar | None:
     """The request's structured-output grammar (``response_format`` or vLLM's ``guided_*``),
-    checked to compile, or None.
+    checked to compile, or the grammar enforcing its ``tool_choice`` (in ``tool_parser``'s
+    format), or None.
 
     Raises:
       APIError: 400 naming the field, for a grammar that does not compile or a model without
         a tokenizer.
     """
+    if tool_parser is not None:
+        enforced = tools.tool_grammar(req, tool_parser)
+        if enforced is not None:  # (protocol refuses it beside response_format / guided_*)
+            return enforced
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
         field, grammar = "response_format", Grammar("json_object")
@@ -178,7 +209,8 @@ def _chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
         raise APIError(400, "this model has no chat template: use /v1/completions",
                        "messages")
     try:
-        return encode_chat_prompt(releasing_gil(tokenizer), [m.as_dict() for m in req.messages])
+        return encode_chat_prompt(releasing_gil(tokenizer), [m.as_dict() for m in req.messages],
+                                  tools=tools.template_tools(req))
     except (ChatTemplateError, TypeError) as e:
         raise APIError(400, f"messages: {e}", "messages") from None
     except UnicodeError as e:
@@ -253,6 +285,10 @@ class Response:
         self.token_logprobs: list[float] = []
         self.token_tops: list[Any] = []
         self.finish_reason: str | None = None
+        # The reply's tool calls, parsed as the stream goes (``serve.tools``), and their count.
+        self.tool_parser = prepared.tool_parser if self.chat else None
+        self._calls = tools.make_parser(self.tool_parser) if self.tool_parser else None
+        self._calls_sent = 0
 
     def add(self, events: list[TokenEvent]) -> tuple[str, list[TokenEvent]]:
         """Takes a step's events; returns their text and the events with a token."""
@@ -315,7 +351,14 @@ class Response:
         text = "".join(self.text)
         choice: dict[str, Any] = {"index": self.index, "logprobs": logprobs,
                                   "finish_reason": self.finish_reason}
-        if self.chat:
+        if self.chat and self.tool_parser:
+            content, calls = tools.parse_reply(text, self.tool_parser)
+            choice["message"] = {"role": "assistant", "content": content or None if calls
+                                 else content}
+            if calls:
+                choice["message"]["tool_calls"] = [c.as_openai() for c in calls]
+                choice["finish_reason"] = _with_calls(self.finish_reason)
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
@@ -343,9 +386,51 @@ class Response:
         return {**self._head(True), "choices": [choice],
                 "usage": self.usage if usage else None}
 
+    def chunks(self, text: str, tokens: list[TokenEvent], finish_reason: str | None,
+               first: bool = False, usage: bool = False) -> list[dict[str, Any]]:
+        """The stream chunks of one step's ``text`` (none when there is nothing to send).
+
+        With tools, the text goes through the reply's tool-call parser: content deltas for the
+        text known to be no call, and each call once whole, as OpenAI streams it: a delta with
+        its ``index``, ``id``, ``type`` and name (``arguments`` ""), then one with its
+        arguments. The step's logprobs ride on its first chunk, the finish reason (``"tool_calls"``
+        for ``"stop"`` once calls were sent) and the usage on its last.
+        """
+        if self._calls is None:
+            if not (text or first or finish_reason is not None):
+                return []
+            return [self.chunk(text, tokens, finish_reason, first, usage)]
+        pieces = self._calls.feed(text)
+        if finish_reason is not None:
+            pieces += self._calls.finish()
+        deltas = tools.stream_deltas(pieces, self._calls_sent)
+        self._calls_sent += sum(isinstance(p, tools.ToolCall) for p in pieces)
+        if first:
+            deltas[:1] = [{"role": "assistant", **(deltas[0] if deltas else {})}]
+        logprobs = self._logprobs([e.token for e in tokens], [e.logprob for e in tokens],
+                                  [e.top_logprobs for e in tokens])
+        if not deltas and (finish_reason is not None or (logprobs and tokens)):
+            deltas.append({})
+        if finish_reason is not None and self._calls_sent:
+            finish_reason = _with_calls(finish_reason)
+        out = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            choice = {"index": self.index, "logprobs": logprobs if k == 0 else None,
+                      "finish_reason": finish_reason if last else None, "delta": delta}
+            out.append({**self._head(True), "choices": [choice],
+                        "usage": self.usage if usage and last else None})
+        return out
+
     def usage_chunk(self) -> dict[str, Any]:
         """The last chunk of a stream with ``stream_options.include_usage``."""
         return {**self._head(True), "choices": [], "usage": self.usage}
+
+
+def _with_calls(finish_reason: str | None) -> str | None:
+    """A reply's finish reason once it made tool calls: ``"tool_calls"`` for ``"stop"``
+    (a reply cut at the token limit, or otherwise ended, keeps its reason)."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 class Choices:

@@ -9,10 +9,11 @@ OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class APIError(Exception):
@@ -167,18 +168,73 @@ class ContentPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    """``function`` of an assistant message's tool call: the name and the JSON arguments."""
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Strict):
+    """One of an assistant message's ``tool_calls`` (as a reply gave it)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Strict):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def as_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it (text parts joined)."""
+        """The message as the chat template sees it (text parts joined; a tool call's
+        ``arguments`` as a dict, as vLLM gives them: templates write them with ``tojson``)."""
         out = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             out["content"] = "".join(part.text for part in self.content)
+        for call in out.get("tool_calls", ()):
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
         return out
+
+
+class FunctionDef(_Strict):
+    """A tool's ``function``: its name, description and parameters' JSON schema."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    """One of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming the function to call: ``{"type": "function", "function":
+    {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: _NamedFunction
+
+
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -189,10 +245,81 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, min_length=1)
+    tool_choice: Any = None  # one of TOOL_CHOICES or a NamedToolChoice (checked below)
+    parallel_tool_calls: bool = True
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def tool_mode(self) -> str | NamedToolChoice:
+        """``tool_choice`` as validated: ``"none"``, ``"auto"`` (the default with tools),
+        ``"required"`` or the ``NamedToolChoice``."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or ()]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise APIError(400, f"tools: two functions are named {name!r}",
+                               f"tools.{i}.function.name")
+        for i, tool in enumerate(self.tools or ()):
+            schema = tool.function.parameters
+            if schema is not None and schema.get("type", "object") != "object":
+                raise APIError(400, f"tools.{i}.function.parameters: the schema of function "
+                               f"{tool.function.name!r} must be of type 'object', got "
+                               f"{schema.get('type')!r:.80}", f"tools.{i}.function.parameters")
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            try:
+                choice = self.tool_choice = NamedToolChoice.model_validate(choice)
+            except ValidationError as e:
+                err = validation_error(e.errors())
+                raise APIError(400, f"tool_choice.{err.message}", "tool_choice."
+                               + (err.param or "")) from None
+        elif choice is not None and choice not in TOOL_CHOICES:
+            raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or "
+                           f"{{'type': 'function', 'function': {{'name': ...}}}}, got "
+                           f"{choice!r:.80}", "tool_choice")
+        if choice not in (None, "none") and not self.tools:
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(400, f"tool_choice: no tool is named {choice.function.name!r}; "
+                           f"tools has {', '.join(map(repr, names))}", "tool_choice")
+        guided = [name for name in ("response_format", "guided_json", "guided_regex",
+                                    "guided_choice")
+                  if getattr(self, name) is not None and not (
+                      name == "response_format" and self.response_format.type == "text")]
+        if self.tool_mode != "none" and guided:
+            raise APIError(400, f"tools with tool_choice {_shown(self.tool_mode)} cannot be "
+                           f"combined with {guided[0]}; pass tool_choice 'none' or leave out "
+                           f"{guided[0]}", "tool_choice" if choice is not None else guided[0])
+        for i, m in enumerate(self.messages):
+            for j, call in enumerate(m.tool_calls or ()):
+                where = f"messages.{i}.tool_calls.{j}.function.arguments"
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except json.JSONDecodeError as e:
+                    raise APIError(400, f"{where}: not valid JSON: {e}", where) from None
+                if not isinstance(arguments, dict):
+                    raise APIError(400, f"{where}: must be a JSON object, got "
+                                   f"{call.function.arguments!r:.80}", where)
+            if m.tool_calls is not None and m.role != "assistant":
+                raise APIError(400, f"messages.{i}: only assistant messages have tool_calls",
+                               f"messages.{i}.tool_calls")
+            if m.role == "tool" and m.tool_call_id is None:
+                raise APIError(400, f"messages.{i}: a tool message needs tool_call_id",
+                               f"messages.{i}.tool_call_id")
+        return self
+
+
+def _shown(mode: str | NamedToolChoice) -> str:
+    return repr(mode) if isinstance(mode, str) else f"function {mode.function.name!r}"
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:

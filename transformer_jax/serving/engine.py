@@ -26,13 +26,14 @@ import dataclasses
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from transformer_jax.decode.loop import (
     DecodeWeights,
@@ -44,7 +45,9 @@ from transformer_jax.decode.loop import (
     tensor_shards,
 )
 from transformer_jax.decode.prompts import is_int, validate_prompts
+from transformer_jax.model import multi_lora
 from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.lora import LoraConfig
 from transformer_jax.serving import step as step_lib
 from transformer_jax.serving.page_pool import pages_for
 from transformer_jax.serving.paged_cache import VIEWS, PagedKVCache, storage_dtype
@@ -93,6 +96,10 @@ class Engine:
         (``serving.text``) and requests may have stop strings.
       quant: prepare the parameters with weights quantised (``decode.prepare``'s ``quant``:
         ``"int8"``, ``"int4"``, ``"int4:G"``); given ``DecodeWeights`` must match it.
+      adapters: optional {name: (adapter tree, ``LoraConfig``)} of LoRA adapters trained on
+        these weights: a request names one in ``SamplingParams.adapter``, and one step batches
+        rows of different adapters, each adding its own update to the base's products
+        (``model.multi_lora``; no merge, and which adapter a row uses compiles nothing).
 
     Raises:
       ValueError: for sizes out of range, an unknown ``cache_dtype`` or ``view`` (naming
@@ -104,7 +111,8 @@ class Engine:
                  mesh: Mesh | None = None, *, prefix_caching: bool = True,
                  cache_dtype: jnp.dtype | str | None = None,
                  min_context: int = MIN_CONTEXT, view: str = "auto",
-                 tokenizer: Any = None, quant: str | None = None) -> None:
+                 tokenizer: Any = None, quant: str | None = None,
+                 adapters: Mapping[str, tuple[Any, LoraConfig]] | None = None) -> None:
         for name, value in (("num_slots", num_slots), ("num_pages", num_pages),
                             ("page_size", page_size), ("token_budget", token_budget),
                             ("min_context", min_context)):
@@ -131,6 +139,9 @@ class Engine:
         check_tensor_parallel(config, tensor_shards(self.mesh), expert_shards(self.mesh))
         self.config = config
         self.tokenizer = tokenizer
+        #: The LoRA adapters' names; a row's adapter id is its index here plus one.
+        self.adapter_names: tuple[str, ...] = tuple(adapters or ())
+        self._adapters = None if not adapters else self._stack(adapters)
         self._grammars: Any = None  # the tokenizer as llguidance reads it, on first use
         self.page_size = page_size
         self.token_budget = token_budget
@@ -147,6 +158,12 @@ class Engine:
             if self._rings is not None:
                 self._rings = jax.device_put(
                     self._rings, NamedSharding(self.mesh, step_lib.ring_spec(config)))
+        else:
+            # Committed to the device from the start, as every step's outputs are: with
+            # uncommitted pages beside committed weights (a loaded checkpoint's), the first
+            # call of each program would compile it again for committed pages.
+            self._k, self._v, self._rings = jax.device_put((self._k, self._v, self._rings),
+                                                           jax.devices()[0])
         #: Bytes of the pages and the local layers' rings.
         self.cache_bytes = cache.nbytes
         if cache.ring is not None and prefix_caching:
@@ -161,6 +178,21 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
         self.steps = 0
+
+    def _stack(self, adapters: Mapping[str, tuple[Any, LoraConfig]]) -> Params:
+        """The adapters stacked over the prepared weights, placed as the step splits them."""
+        for name in adapters:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"adapter names must be non-empty strings, got {name!r}")
+        stack = multi_lora.stack_adapters(
+            self.weights.params, list(adapters.values()),
+            out_first=self.weights.weights_out_first, names=list(adapters))
+        if is_split(self.mesh):
+            specs = step_lib.adapter_specs(self.config, self.mesh, stack)
+            return jax.device_put(stack, jax.tree.map(
+                lambda s: NamedSharding(self.mesh, s), specs,
+                is_leaf=lambda x: isinstance(x, P)))
+        return jax.device_put(stack, jax.devices()[0])
 
     # Thread-safe requests --------------------------------------------------------------------
 
@@ -192,6 +224,11 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer (Engine(tokenizer=...))")
         req = Request.new(-1, prompt, params, on_token)
+        if params.adapter is not None:
+            if params.adapter not in self.adapter_names:
+                raise ValueError(f"adapter {params.adapter!r} is not loaded; the engine has "
+                                 f"{list(self.adapter_names) or 'none'}")
+            req.adapter = self.adapter_names.index(params.adapter) + 1
         if params.grammar is not None:
             req.matcher = self._grammar_tokenizer().matcher(params.grammar)
         if self.tokenizer is not None:
@@ -245,7 +282,8 @@ class Engine:
         if plan is None:
             return delivered
         decode, prefill, rows, sampler = sched.inputs(plan, self.config.vocab_size,
-                                                      slot=self._rings is not None)
+                                                      slot=self._rings is not None,
+                                                      adapters=self._adapters is not None)
         b = sched.num_slots
         # The chunk, then the decode rows: two programs (``step.py`` says why), both dispatched
         # before either result is read. A prompt's first token goes out as soon as the chunk's
@@ -295,7 +333,8 @@ class Engine:
             self.config, self.weights.params, self._k, self._v, decode, prefill, rows,
             weights_out_first=self.weights.weights_out_first,
             keys_transposed=self.keys_transposed, sampler=sampler, view=self.view,
-            mesh=self.mesh, quant=self.weights.quant, rings=self._rings)
+            mesh=self.mesh, quant=self.weights.quant, rings=self._rings,
+            adapters=self._adapters)
         return tokens, logprobs
 
     def compile(self) -> int:
@@ -309,14 +348,15 @@ class Engine:
         sched = self.scheduler
         b = sched.num_slots
         shapes: list[tuple[step_lib.DecodeRows | None, step_lib.PrefillChunk | None]] = []
+        ids = (lambda n: None) if self._adapters is None else (lambda n: np.zeros(n, np.int32))
         for w in sched.widths:
             shapes.append((step_lib.DecodeRows(np.zeros(b, np.int32), np.zeros(b, np.int32),
-                                               np.zeros((b, w), np.int32)), None))
+                                               np.zeros((b, w), np.int32), ids(b)), None))
             for bucket in sched.buckets:
                 shapes.append((None, step_lib.PrefillChunk(
                     np.zeros((1, bucket), np.int32), np.zeros(1, np.int32),
                     np.zeros((1, w), np.int32), np.zeros(1, np.int32),
-                    None if self._rings is None else np.zeros(1, np.int32))))
+                    None if self._rings is None else np.zeros(1, np.int32), ids(1))))
         for decode_rows, chunk in shapes:
             n = b if chunk is None else 1
             sampling = step_lib.RowSampling(

@@ -2,12 +2,14 @@
 and the mask of the tokens it allows at each step.
 
 A ``Grammar`` says what the output must be: text matching a JSON schema (``"json_schema"``), any
-JSON object (``"json_object"``), a regular expression (``"regex"``) or one of some strings
-(``"choice"``). The engine gives each request with one a ``llguidance.LLMatcher``. Before a
-step, the matcher fills the request's row of a [R, ceil(V/32)] int32 bitmask (bit v of a row:
-token v is allowed). The sampling program sets every other token's logit to -inf
-(``step.sample_rows``). After the step, the drawn token is fed to the matcher. Once the grammar
-is complete (nothing but its end may follow), the request finishes with reason ``"stop"``.
+JSON object (``"json_object"``), a regular expression (``"regex"``), one of some strings
+(``"choice"``) or a grammar in llguidance's Lark syntax (``"lark"``, which may embed JSON
+schemas as ``%json {...}``: the server's enforced tool calls). The engine gives each request
+with one a ``llguidance.LLMatcher``. Before a step, the matcher fills the request's row of a
+[R, ceil(V/32)] int32 bitmask (bit v of a row: token v is allowed). The sampling program sets
+every other token's logit to -inf (``step.sample_rows``). After the step, the drawn token is
+fed to the matcher. Once the grammar is complete (nothing but its end may follow), the request
+finishes with reason ``"stop"``.
 Rows without a grammar get no mask, and a step with none of them runs the unmasked program.
 
 llguidance (the ``serve`` extra) is imported only when a grammar is used. It needs the HF
@@ -23,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-KINDS = ("json_schema", "json_object", "regex", "choice")
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +35,8 @@ class Grammar:
     Attributes:
       kind: one of ``KINDS``.
       value: the JSON schema (a dict, or its JSON text) for ``"json_schema"``; None for
-        ``"json_object"``; the pattern for ``"regex"``; a tuple of strings for ``"choice"``.
+        ``"json_object"``; the pattern for ``"regex"``; a tuple of strings for ``"choice"``;
+        the grammar's text for ``"lark"``.
     """
 
     kind: str
@@ -50,7 +53,8 @@ class Grammar:
         """The llguidance grammar of this one.
 
         Raises:
-          ValueError: an unknown kind, a schema that is not a JSON object, an empty choice.
+          ValueError: an unknown kind, a schema that is not a JSON object, an empty choice or
+            lark text.
         """
         from llguidance import LLMatcher
 
@@ -76,6 +80,10 @@ class Grammar:
                 raise ValueError(f"choice must be a non-empty list of non-empty strings, got "
                                  f"{choices!r:.80}")
             return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in choices))
+        if self.kind == "lark":
+            if not isinstance(self.value, str) or not self.value.strip():
+                raise ValueError(f"lark must be a non-empty grammar text, got {self.value!r:.80}")
+            return LLMatcher.grammar_from_lark(self.value)
         raise ValueError(f"grammar kind must be one of {KINDS}, got {self.kind!r}")
 
     def check(self) -> None:
@@ -133,9 +141,8 @@ def fill_mask(matcher: Any, masks: np.ndarray, row: int) -> None:
 
 
 def allowed(masks: Any, vocab_size: int) -> Any:
-    """[R, ceil(V/32)] int32 bitmasks -> [R, V] bool (bit v % 32 of word v // 32), in JAX."""
-    import jax.numpy as jnp
+    """[R, ceil(V/32)] int32 bitmasks -> [R, V] bool (bit v % 32 of word v // 32), in JAX: the
+    unpacking ``generate``'s constrained loop applies too (``decode.constrained.allowed``)."""
+    from transformer_jax.decode.constrained import allowed as unpack
 
-    v = jnp.arange(vocab_size)
-    words = jnp.take(masks, v // 32, axis=1)
-    return ((words >> (v % 32).astype(jnp.int32)) & 1).astype(bool)
+    return unpack(masks, vocab_size)

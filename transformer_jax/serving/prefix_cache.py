@@ -24,14 +24,16 @@ import numpy as np
 from transformer_jax.serving.page_pool import PagePool
 
 
-def page_digests(tokens: Sequence[int], page_size: int, known: list[bytes] | None = None
-                 ) -> list[bytes]:
+def page_digests(tokens: Sequence[int], page_size: int, known: list[bytes] | None = None,
+                 root: bytes = b"") -> list[bytes]:
     """The chained digests of every full page of ``tokens``.
 
     Args:
       tokens: the sequence's token ids.
       page_size: positions per page.
       known: digests already computed for the first pages (extended, not recomputed).
+      root: what the chain starts from (a LoRA adapter's name: the pages' keys and values
+        depend on it as on the tokens); empty for the base model.
 
     Returns:
       One 16-byte digest per full page, ``len(tokens) // page_size`` of them.
@@ -39,7 +41,7 @@ def page_digests(tokens: Sequence[int], page_size: int, known: list[bytes] | Non
     digests = list(known or [])
     arr = np.asarray(tokens, np.int64)
     for j in range(len(digests), len(arr) // page_size):
-        h = hashlib.blake2b(digests[-1] if digests else b"", digest_size=16)
+        h = hashlib.blake2b(digests[-1] if digests else root, digest_size=16)
         h.update(arr[j * page_size:(j + 1) * page_size].tobytes())
         digests.append(h.digest())
     return digests

@@ -51,6 +51,8 @@ class SamplingParams:
       grammar: a ``serving.grammar.Grammar`` the output must follow (structured outputs: the
         engine masks the tokens it does not allow and ends the request, reason ``"stop"``,
         once it is complete), or None.
+      adapter: the name of one of the engine's LoRA adapters (``Engine(adapters=...)``) to
+        decode with, or None for the base model.
     """
 
     max_tokens: int = 16
@@ -64,6 +66,7 @@ class SamplingParams:
     top_logprobs: int = 0
     stop: tuple[str, ...] = ()
     grammar: Grammar | None = None
+    adapter: str | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the first setting of the wrong type or out of range for V
@@ -103,6 +106,9 @@ class SamplingParams:
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise ValueError(f"grammar must be a serving.grammar.Grammar or None, got "
                              f"{self.grammar!r:.80}")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise ValueError(f"adapter must be an adapter's name or None, got "
+                             f"{self.adapter!r:.80}")
         self.settings().validate(vocab_size)
 
     def settings(self) -> SamplingSettings:
@@ -197,6 +203,7 @@ class Request:
       digests: chained digests of its full pages (``prefix_cache.page_digests``).
       named: leading pages already named in the prefix cache (found there or inserted).
       text: its ``serving.text.TextStream`` when the engine detokenises, else None.
+      adapter: the index of its LoRA adapter among the engine's (0 = the base model).
     """
 
     id: int
@@ -219,6 +226,13 @@ class Request:
     prefix_hit_tokens: int = 0
     text: Any = None
     matcher: Any = None  # its grammar's llguidance matcher, or None
+    adapter: int = 0
+
+    @property
+    def digest_root(self) -> bytes:
+        """What its page digests chain from: its pages' keys and values depend on the adapter
+        too, so requests of different adapters never share a prefix page."""
+        return b"" if not self.adapter else f"lora:{self.adapter}".encode()
 
     @classmethod
     def new(cls, request_id: int, prompt: np.ndarray, params: SamplingParams,

@@ -161,7 +161,7 @@ class Scheduler:
             return None
         req = self.waiting[0]
         target = len(req.tokens)
-        req.digests = page_digests(req.tokens, self.page_size, req.digests)
+        req.digests = page_digests(req.tokens, self.page_size, req.digests, req.digest_root)
         # The prompt's last token is always computed: its logits give the next token.
         shared = self.prefix.match(req.digests[:(target - 1) // self.page_size])
         if pages_for(target, self.page_size) - len(shared) > self.prefix.num_available:
@@ -221,21 +221,26 @@ class Scheduler:
 
     # Step inputs and results -----------------------------------------------------------------
 
-    def inputs(self, plan: StepPlan, vocab_size: int, slot: bool = False
+    def inputs(self, plan: StepPlan, vocab_size: int, slot: bool = False,
+               adapters: bool = False
                ) -> tuple[DecodeRows, PrefillChunk | None, RowSampling, Sampler]:
         """The step's device inputs (numpy) for ``plan``: a decode row per slot (idle ones
         write into the null page), and the chunk when there is one (with its slot when
-        ``slot``: the row of the local layers' rings)."""
+        ``slot``: the row of the local layers' rings; with ``adapters``, each row's LoRA
+        adapter, 0 for idle rows)."""
         prefill = None
         tokens = np.zeros(self.num_slots, np.int32)
         positions = np.zeros(self.num_slots, np.int32)
         table = np.full((self.num_slots, plan.width), NULL_PAGE, np.int32)
+        adapter = np.zeros(self.num_slots, np.int32) if adapters else None
         row_reqs: list[Request | None] = [None] * self.num_slots
         for req in plan.decodes:
             tokens[req.slot], positions[req.slot] = req.tokens[-1], req.cached
             table[req.slot] = self.page_table[req.slot, :plan.width]
+            if adapter is not None:
+                adapter[req.slot] = req.adapter
             row_reqs[req.slot] = req
-        decode = DecodeRows(tokens, positions, table)
+        decode = DecodeRows(tokens, positions, table, adapter)
         if plan.prefill is not None:
             req = plan.prefill
             tokens = np.zeros((1, plan.bucket), np.int32)
@@ -243,7 +248,8 @@ class Scheduler:
             prefill = PrefillChunk(tokens, np.asarray([plan.start], np.int32),
                                    self.page_table[req.slot, None, :plan.chunk_width].copy(),
                                    np.asarray([plan.chunk - 1], np.int32),
-                                   np.asarray([req.slot], np.int32) if slot else None)
+                                   np.asarray([req.slot], np.int32) if slot else None,
+                                   np.asarray([req.adapter], np.int32) if adapters else None)
             row_reqs.append(req)
         rows, sampler = _row_sampling(row_reqs, vocab_size)
         return decode, prefill, rows, sampler
@@ -312,7 +318,7 @@ class Scheduler:
         if full <= req.named or not self.prefix.enabled:
             return
         req.digests = page_digests(req.tokens[:full * self.page_size], self.page_size,
-                                   req.digests)
+                                   req.digests, req.digest_root)
         for j in range(req.named, full):
             self.prefix.insert(req.digests[j], req.pages[j])
         req.named = full

@@ -52,9 +52,11 @@ from transformer_jax.decode.loop import (
     tensor_split,
     weight_specs,
 )
+from transformer_jax.model import multi_lora
 from transformer_jax.model.block import shard_config
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_ring import RingLayout
+from transformer_jax.model.layers import MATRIX_INPUT_AXES
 from transformer_jax.serving import grammar
 from transformer_jax.serving.page_pool import NULL_PAGE
 from transformer_jax.serving.paged_cache import PagedKVCache
@@ -70,11 +72,14 @@ class DecodeRows:
       tokens: [B] int32 token each slot feeds (its last token).
       positions: [B] int32 its position (the slot's cached length).
       page_table: [B, W] int32 each slot's pages (all ``NULL_PAGE`` for an idle slot).
+      adapter: [B] int32 each slot's LoRA adapter (0 = the base), or None for an engine
+        without adapters.
     """
 
     tokens: jax.Array
     positions: jax.Array
     page_table: jax.Array
+    adapter: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -88,6 +93,7 @@ class PrefillChunk:
       last: [1] int32 index in [0, C) of the chunk's last real token.
       slot: [1] int32 the sequence's slot (its row of the local layers' rings); None for a
         model without rings.
+      adapter: [1] int32 the sequence's LoRA adapter, or None for an engine without adapters.
     """
 
     tokens: jax.Array
@@ -95,6 +101,7 @@ class PrefillChunk:
     page_table: jax.Array
     last: jax.Array
     slot: jax.Array | None = None
+    adapter: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -179,7 +186,8 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                 decode: DecodeRows | None, prefill: PrefillChunk | None, rows: RowSampling, *,
                 weights_out_first: bool, keys_transposed: bool, sampler: Sampler,
                 view: str = "auto", mesh: Mesh | None = None, quant: Any = None,
-                rings: Any = None) -> tuple[Any, Any, jax.Array, jax.Array, Any]:
+                rings: Any = None, adapters: Params | None = None
+                ) -> tuple[Any, Any, jax.Array, jax.Array, Any]:
     """One engine program (see the module docstring): decode rows, a prefill chunk, or both.
 
     Args:
@@ -200,6 +208,8 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
       quant: static; the weights' quantisation (``DecodeWeights.quant``), for their specs.
       rings: the local layers' (key rings, value rings) (``PagedKVCache.k_ring`` /
         ``.v_ring``), or None for a model without them.
+      adapters: the engine's LoRA adapters stacked (``model.multi_lora.stack_adapters``),
+        each row adding its own (``decode.adapter`` / ``prefill.adapter``); or None.
 
     Returns:
       (key pages, value pages, [R] int32 next tokens, [R] float32 their log-probabilities,
@@ -209,7 +219,8 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                             keys_transposed=keys_transposed, sampler=sampler, view=view)
     shards = tensor_shards(mesh)
     if not is_split(mesh):
-        return run(config, params, k_pages, v_pages, decode, prefill, rows, rings, split=None)
+        return run(config, params, k_pages, v_pages, decode, prefill, rows, rings, adapters,
+                   split=None)
     split = tensor_split(config, mesh)
     local = shard_config(config, shards, vocab=split.vocab)
     pages = page_spec(config)
@@ -219,14 +230,15 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
         in_specs=(weight_specs(config, mesh, weights_out_first, quant, has_expert_lists(params)),
                   pages, pages,
                   None if decode is None else P(), None if prefill is None else P(), P(),
-                  ring),
+                  ring, None if adapters is None else adapter_specs(config, mesh, adapters)),
         out_specs=(pages, pages, P(), P(), ring),
-    )(params, k_pages, v_pages, decode, prefill, rows, rings)
+    )(params, k_pages, v_pages, decode, prefill, rows, rings, adapters)
 
 
 def _step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
           decode: DecodeRows | None, prefill: PrefillChunk | None, rows: RowSampling,
-          rings: Any, *, split: TensorSplit | None, weights_out_first: bool,
+          rings: Any, adapters: Params | None, *, split: TensorSplit | None,
+          weights_out_first: bool,
           keys_transposed: bool, sampler: Sampler, view: str
           ) -> tuple[Any, Any, jax.Array, jax.Array, Any]:
     """``engine_step`` on one shard's weights and pages (all of them without a split)."""
@@ -250,7 +262,8 @@ def _step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     if decode is not None:
         cache = rows_of(cache.with_table(decode.page_table, decode.positions),
                         decode.positions + 1, None)
-        out = model.apply({"params": params}, decode.tokens[:, None],
+        out = model.apply({"params": _adapted(params, adapters, decode.adapter)},
+                          decode.tokens[:, None],
                           decode.positions[:, None], cache=cache)
         logits.append(out.logits[:, 0])
         cache = out.cache
@@ -259,13 +272,44 @@ def _step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
         positions = prefill.start[:, None] + jnp.arange(c, dtype=jnp.int32)
         cache = rows_of(cache.with_table(prefill.page_table, prefill.start),
                         prefill.start + prefill.last + 1, prefill.slot)
-        out = model.apply({"params": params}, prefill.tokens, positions, cache=cache,
-                          logits_at=prefill.last)
+        out = model.apply({"params": _adapted(params, adapters, prefill.adapter)},
+                          prefill.tokens, positions, cache=cache, logits_at=prefill.last)
         logits.append(out.logits)
         cache = out.cache
     tokens, logprobs = sample_rows(jnp.concatenate(logits), rows, sampler)
     return (cache.k, cache.v, tokens, logprobs,
             None if ring is None else (cache.k_ring, cache.v_ring))
+
+
+def _adapted(params: Params, adapters: Params | None, ids: jax.Array | None) -> Params:
+    """The params with each row's LoRA adapter beside its matrices, when the rows have them."""
+    if adapters is None or ids is None:
+        return params
+    return multi_lora.with_row_adapters(params, adapters, ids)
+
+
+def adapter_specs(config: ModelConfig, mesh: Mesh, adapters: Params) -> Params:
+    """The ``PartitionSpec`` of every stacked adapter factor over a tensor-parallel mesh: A
+    [L?, Na, in..., R] split as its matrix's input axes, B [L?, Na, R, out...] as its output
+    axes (``model.lora.adapter_shardings``' rule), so each device adds its block of the
+    update where it computes its block of the product (an o/down projection's partial sums
+    are summed over the axis with the product's)."""
+    in_first = weight_specs(config, mesh, False)
+
+    def specs(path: tuple[Any, ...], x: jax.Array) -> P:
+        keys = [str(getattr(k, "key", k)) for k in path]
+        w = in_first
+        for key in keys[:-1]:
+            w = w[key]
+        lead = int(keys[0] == "blocks")
+        n_in = MATRIX_INPUT_AXES[keys[-2]]
+        spec = tuple(w) + (None,) * x.ndim  # trailing Nones the spec may leave out
+        matrix = spec[lead:]
+        if keys[-1] == "a":  # [L?, Na, in..., R]
+            return P(*spec[:lead], None, *matrix[:n_in], None)
+        return P(*spec[:lead], None, None, *matrix[n_in:n_in + x.ndim - lead - 2])
+
+    return jax.tree_util.tree_map_with_path(specs, adapters)
 
 
 STEP_STATIC_ARGNAMES = ("config", "weights_out_first", "keys_transposed", "sampler", "view",

@@ -39,15 +39,21 @@ def encode_text(tokenizer: TextTokenizer, text: str, *, bos: bool | None = None)
     return tokenizer.encode(text, add_bos=add)
 
 
-def encode_chat_prompt(tokenizer: TextTokenizer, messages: Sequence[Mapping[str, Any]]
-                       ) -> list[int]:
+def encode_chat_prompt(tokenizer: TextTokenizer, messages: Sequence[Mapping[str, Any]], *,
+                       tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
     """The ids [T] of a conversation rendered with the tokenizer's chat template and its
     generation prompt, as fine-tuning encoded the text before each assistant turn.
+
+    Args:
+      tokenizer: the model's tokenizer.
+      messages: the conversation.
+      tools: the template's ``tools`` (OpenAI's ``{"type": "function", "function": {...}}``
+        entries, as ``apply_chat_template(tools=...)`` takes them), or None.
 
     Raises:
       ValueError: the tokenizer has no chat template (``ChatTemplateError`` if it fails).
     """
-    text = ChatTemplate.of(tokenizer).render(messages, add_generation_prompt=True)
+    text = ChatTemplate.of(tokenizer).render(messages, add_generation_prompt=True, tools=tools)
     return tokenizer.encode(text)
 
 

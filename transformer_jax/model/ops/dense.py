@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.model.ops.quantized import einsum
+from transformer_jax.model.ops.row_lora import RowAdapters, row_delta
 
 
 def dense(x: jax.Array, w: jax.Array, spec: str, *, out_first: bool = False,
@@ -28,7 +29,8 @@ def dense(x: jax.Array, w: jax.Array, spec: str, *, out_first: bool = False,
       x: the activations, e.g. [B, T, D].
       w: the weight: in ``spec``'s layout (e.g. [D, N, H]), or with ``out_first`` its output
         axes first and its input axes last (e.g. [N, H, D]); a plain array or a quantised
-        one (``ops.quantized``).
+        one (``ops.quantized``), or either with per-row LoRA adapters (``ops.row_lora``:
+        each row of x gets its own adapter's update added).
       spec: the einsum for the in-first layout, ``"<x>,<w>-><out>"``; the weight's input axes
         are the letters it shares with x, its output axes the rest.
       out_first: ``w`` is stored output axes first.
@@ -37,6 +39,10 @@ def dense(x: jax.Array, w: jax.Array, spec: str, *, out_first: bool = False,
     Returns:
       The product in ``spec``'s output layout.
     """
+    if isinstance(w, RowAdapters):
+        y = dense(x, w.w, spec, out_first=out_first,
+                  preferred_element_type=preferred_element_type)
+        return y + row_delta(x, w.a, w.b, w.ids, spec).astype(y.dtype)
     if not out_first:
         return einsum(spec, x, w, preferred_element_type=preferred_element_type)
     inputs, out = spec.split("->")

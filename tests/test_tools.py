@@ -1,0 +1,445 @@
+"""Tool calls (``serve.tools``): the Hermes (Qwen2.5/3) and Llama 3.1 JSON formats parse to
+OpenAI's ``tool_calls`` however the text is cut (streamed = not streamed), the chat template
+receives ``tools``, assistant ``tool_calls`` and ``role: "tool"`` messages, ``tool_choice``
+``"required"`` and a named function always give calls whose arguments validate, even from an
+untrained model, through the server and the real openai client, streamed as not, and every bad
+tool field is a 400 naming it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+
+import jax
+import jsonschema
+import pytest
+from helpers import CHATML, FAST_COMPILE, TINY, Served, write_byte_tokenizer
+
+from transformer_jax.model.transformer import init_params
+from transformer_jax.serve import completions, tools
+from transformer_jax.serve.protocol import APIError, ChatCompletionRequest
+from transformer_jax.serving import SamplingParams, TokenEvent
+from transformer_jax.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_compiles")
+
+CONFIG = TINY.replace(vocab_size=320, max_seq_len=1024)
+
+# A Qwen-style (Hermes) template: the tools as JSON lines in the system turn, calls in
+# <tool_call> blocks, tool results in <tool_response> blocks of a user turn.
+HERMES = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- 'Functions you can call, one signature a line:\\n<tools>\\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
+    "{{- '</tools>\\nTo call one, write <tool_call>\\n{\"name\": <name>, \"arguments\": "
+    "<object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' "
+    "+ (call.function.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# A Llama 3.1-style template: the tools in the system turn, a call as bare JSON with
+# "parameters", tool results in an ipython turn.
+LLAMA = (
+    "{{- bos_token }}"
+    "{%- if tools %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nEnvironment: ipython\\nTo call a "
+    "function, reply {\"name\": function name, \"parameters\": its arguments}, after "
+    "<|python_tag|> if you like.\\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson + '\\n' }}{%- endfor %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- for call in message.tool_calls %}"
+    "{{- '{\"name\": \"' + call.function.name + '\", \"parameters\": ' "
+    "+ (call.function.arguments | tojson) + '}' }}"
+    "{%- endfor %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}"
+    "{%- else %}"
+    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content "
+    "+ '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+           "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+FIND = {"type": "object", "additionalProperties": False, "required": ["q"],
+        "properties": {"q": {"type": "string", "maxLength": 6},
+                       "exact": {"type": "boolean"}}}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The forecast.",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "find", "parameters": FIND}},
+    {"type": "function", "function": {"name": "ping"}},  # no parameters: no arguments
+]
+SCHEMAS = {"get_weather": WEATHER, "find": FIND, "ping": tools.NO_PARAMETERS}
+USER = [{"role": "user", "content": "hello"}]
+
+
+# Parsing --------------------------------------------------------------------------------------
+
+def _call(name: str, arguments: dict) -> tuple[str, dict]:
+    return name, arguments
+
+
+HERMES_CASES = [  # (reply text, content, calls as (name, arguments))
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n'
+     "</tool_call>", "", [_call("get_weather", {"city": "Oslo", "days": 2})]),
+    ('Let me look.\n<tool_call>\n{"name": "find", "arguments": {"q": "é<x>"}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>\n',
+     "Let me look.", [_call("find", {"q": "é<x>"}), _call("ping", {})]),
+    ('a <tool_call>{"name": "ping", "arguments": {}</tool_call> b',  # malformed: text
+     'a <tool_call>{"name": "ping", "arguments": {}</tool_call> b', []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ("no call, only <tool_ and <tool_call", "no call, only <tool_ and <tool_call", []),
+    ('<tool_call>\n{"name": "ping", "arguments": {}}', "", [_call("ping", {})]),  # unclosed
+    ("plain text\n\n", "plain text\n\n", []),
+]
+LLAMA_CASES = [
+    ('{"name": "get_weather", "parameters": {"city": "Lima", "days": 7}}', "",
+     [_call("get_weather", {"city": "Lima", "days": 7})]),
+    ('<|python_tag|>{"name": "find", "parameters": {"q": "a;b"}}; {"name": "ping", '
+     '"parameters": {}}', "", [_call("find", {"q": "a;b"}), _call("ping", {})]),
+    (' {"name": "ping", "parameters": {}} ; then text', "then text", [_call("ping", {})]),
+    ('{"name": "ping", "parameters": {', '{"name": "ping", "parameters": {', []),  # malformed
+    ('{"city": "Oslo"}', '{"city": "Oslo"}', []),  # JSON, but no call
+    ("The answer is {42}.", "The answer is {42}.", []),
+]
+
+
+def _cuts(text: str, seed: int) -> list[list[str]]:
+    """``text`` cut every way a stream might: whole, one character at a time, and at random."""
+    rng = random.Random(seed)
+    ways = [[text], list(text)]
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
+        ways.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
+    return ways
+
+
+@pytest.mark.parametrize("kind, cases", [("hermes", HERMES_CASES), ("llama3_json", LLAMA_CASES)])
+def test_replies_parse_to_content_and_calls_however_the_stream_cuts_them(kind, cases):
+    for i, (text, content, calls) in enumerate(cases):
+        got_content, got_calls = tools.parse_reply(text, kind)
+        assert got_content == content, text
+        assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls, text
+        for pieces in _cuts(text, i):
+            parser = tools.make_parser(kind)
+            out = [p for piece in pieces for p in parser.feed(piece)] + parser.finish()
+            assert "".join(p for p in out if isinstance(p, str)) == content, pieces
+            assert [(c.name, json.loads(c.arguments)) for c in out
+                    if isinstance(c, tools.ToolCall)] == calls, pieces
+
+
+def test_text_that_may_start_a_call_is_held_back_and_the_rest_streams_at_once():
+    parser = tools.make_parser("hermes")
+    assert parser.feed("Hi there <tool") == ["Hi there"]  # " <tool" may begin a call
+    assert parser.feed("box> x") == [" <toolbox> x"]
+    assert parser.feed(' <tool_call>{"name": "ping", "arguments": {}}') == []
+    (call,) = parser.feed("</tool_call>")
+    assert (call.name, call.arguments, call.id[:5]) == ("ping", "{}", "call_")
+    llama = tools.make_parser("llama3_json")
+    assert llama.feed("  <|pyth") == []
+    assert llama.feed("on_tag|>") == []
+    assert llama.feed('{"name": "ping", "parameters": {}}')[0].name == "ping"
+    assert tools.make_parser("llama3_json").feed("Sure: {") == ["Sure: {"]
+
+
+def test_the_parser_follows_the_chat_template():
+    assert tools.parser_for_template(HERMES) == "hermes"
+    assert tools.parser_for_template(LLAMA) == "llama3_json"
+    assert tools.parser_for_template(CHATML) is None
+    with pytest.raises(ValueError, match="tool-call parser must be one of"):
+        tools.make_parser("mistral")
+
+
+# The prompt ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hermes_info(tmp_path_factory):
+    tok = load_tokenizer(write_byte_tokenizer(tmp_path_factory.mktemp("hermes"),
+                                              chat_template=HERMES))
+    return completions.ModelInfo.of("tiny", CONFIG, tok)
+
+
+def _chat(**body) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "tiny", "messages": USER, **body})
+
+
+def test_the_template_gets_tools_assistant_calls_and_tool_messages(hermes_info):
+    history = [
+        {"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain, 4 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "wind"},
+    ]
+    req = ChatCompletionRequest.model_validate({"model": "tiny", "messages": history,
+                                                "tools": TOOLS})
+    prepared = completions.prepare(req, hermes_info)
+    text = hermes_info.tokenizer.decode(prepared.prompt)
+    for tool in TOOLS:  # each tool as the template's tojson writes it, in OpenAI's format
+        assert json.dumps(tool, ensure_ascii=False) + "\n" in text
+    assert ('<|im_start|>assistant\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Oslo", "days": 1}}\n</tool_call><|im_end|>') in text  # a dict, not text
+    assert ("<|im_start|>user\n<tool_response>\nrain, 4 C\n</tool_response>\n<tool_response>"
+            "\nwind\n</tool_response><|im_end|>\n<|im_start|>assistant\n") in text
+    assert prepared.tool_parser == "hermes" and prepared.params.grammar is None  # "auto"
+    bare = completions.prepare(_chat(), hermes_info)
+    assert "get_weather" not in hermes_info.tokenizer.decode(bare.prompt)
+    assert bare.tool_parser is None
+    none = completions.prepare(_chat(tools=TOOLS, tool_choice="none"), hermes_info)
+    assert none.prompt == completions.prepare(_chat(tools=TOOLS), hermes_info).prompt
+    assert none.tool_parser is None  # rendered, not parsed (as vLLM)
+
+
+def test_a_template_without_a_known_format_is_refused_unless_tool_choice_is_none():
+    req = _chat(tools=TOOLS)
+    with pytest.raises(APIError) as bad:
+        tools.reply_parser(req, CHATML)
+    assert (bad.value.status, bad.value.param) == (400, "tools")
+    assert tools.reply_parser(req, CHATML, "llama3_json") == "llama3_json"  # the server's
+    assert tools.reply_parser(_chat(tools=TOOLS, tool_choice="none"), CHATML) is None
+
+
+def _events(pieces: list[str], finish: str) -> list[list[TokenEvent]]:
+    """One engine step per piece, its text on one token."""
+    return [[TokenEvent(0, 7, i, text=p, finish_reason=finish if i == len(pieces) - 1 else None)]
+            for i, p in enumerate(pieces)]
+
+
+def _joined(chunks: list[dict]) -> tuple[str | None, list[tuple[str, str, str]], str]:
+    """A chat stream's content, calls (id, name, arguments) and finish reason, joined; checks
+    that each call's id and name come in its first delta, and only there."""
+    content, calls, finish = None, {}, None
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        delta = choice["delta"]
+        if delta.get("content") is not None:
+            content = (content or "") + delta["content"]
+        for d in delta.get("tool_calls", ()):
+            if d["index"] not in calls:
+                assert d["id"].startswith("call_") and d["type"] == "function", d
+                calls[d["index"]] = [d["id"], d["function"]["name"], d["function"]["arguments"]]
+            else:
+                assert "id" not in d and "name" not in d["function"], d
+                calls[d["index"]][2] += d["function"]["arguments"]
+        finish = choice.get("finish_reason") or finish
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("text", [HERMES_CASES[1][0], HERMES_CASES[2][0], "just words"])
+def test_streamed_chunks_joined_equal_the_whole_reply(hermes_info, text):
+    prepared = completions.Prepared([1, 2], SamplingParams(max_tokens=8), True,
+                                    tool_parser="hermes")
+    for pieces in _cuts(text, 3)[:6]:
+        stream, whole = (completions.Response(prepared, hermes_info) for _ in range(2))
+        chunks = []
+        for i, events in enumerate(_events(pieces, "stop")):
+            got, tokens = stream.add(events)
+            chunks += stream.chunks(got, tokens, stream.finish_reason, first=i == 0)
+            whole.add(events)
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        content, calls, finish = _joined(chunks)
+        message = whole.choice()["message"]
+        assert (content or None) == (message["content"] or None)
+        assert [c[1:] for c in calls] == [(c["function"]["name"], c["function"]["arguments"])
+                                          for c in message.get("tool_calls", ())]
+        assert finish == whole.choice()["finish_reason"] == ("tool_calls" if calls else "stop")
+    _, want_calls = tools.parse_reply(text, "hermes")
+    assert [(c[1], c[2]) for c in calls] == [(c.name, c.arguments) for c in want_calls]
+
+
+# Through the server, with the real openai client -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import numpy as np
+
+    from transformer_jax import hf
+    from transformer_jax.cli import serve as cli
+    from transformer_jax.serve.app import create_app
+
+    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
+    params = init(CONFIG, jax.random.key(5))
+    path = tmp_path_factory.mktemp("ckpt") / "tiny-tools"
+    hf.save(CONFIG, jax.tree.map(np.asarray, params), path)
+    write_byte_tokenizer(path, chat_template=HERMES)
+    args = cli.build_parser().parse_args(["--checkpoint", str(path), "--slots", "4",
+                                          "--page-size", "16", "--token-budget", "48",
+                                          "--compilation-cache", ""])
+    runner, info, _ = cli.build(args)
+    runner.start()
+    runner.ready = True
+    # The same engine behind a Llama 3.1-style template (the tokenizer's ids are the same).
+    llama_dir = tmp_path_factory.mktemp("llama")
+    shutil.copy(path / "tokenizer.json", llama_dir / "tokenizer.json")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (llama_dir / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                 "chat_template": LLAMA}))
+    llama_info = dataclasses.replace(info, tokenizer=load_tokenizer(llama_dir), turn_end=None)
+    served, llama = Served(create_app(runner, info)), Served(create_app(runner, llama_info))
+    yield served, llama, runner
+    served.close()
+    llama.close()
+    runner.stop()
+
+
+def _client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def _check_calls(reply, names: set[str], cut: bool = False) -> list:
+    """The reply's one choice's calls, checked: finish reason, ids, names among ``names``,
+    arguments that validate against the tool's schema; no content. With ``cut``, the reply
+    may also have been cut at the token limit while writing a further call (then that call's
+    text is the content)."""
+    (choice,) = reply.choices
+    calls = choice.message.tool_calls
+    assert calls, choice
+    if not (cut and choice.finish_reason == "length"):
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None
+    else:
+        assert choice.message.content.startswith("<tool_call>"), choice
+    assert len({c.id for c in calls}) == len(calls)
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return calls
+
+
+def test_required_and_named_tool_choice_always_give_valid_calls(server):
+    served, llama, runner = server
+    for url, seeds in ((served.url, (0, 1, 2)), (llama.url, (3,))):
+        client = _client(url)
+        for seed in seeds:
+            calls = _check_calls(client.chat.completions.create(
+                model="tiny-tools", messages=USER, tools=TOOLS, tool_choice="required",
+                parallel_tool_calls=False, seed=seed, temperature=1.0,
+                max_completion_tokens=200), set(SCHEMAS))
+            assert len(calls) == 1
+            calls = _check_calls(client.chat.completions.create(
+                model="tiny-tools", messages=USER, tools=TOOLS, seed=seed, temperature=1.0,
+                tool_choice={"type": "function", "function": {"name": "find"}},
+                max_completion_tokens=200), {"find"})
+            assert len(calls) == 1
+    # Parallel calls (OpenAI's default): an untrained model may go on calling until the token
+    # limit; every call it finished parses and validates.
+    reply = _client(served.url).chat.completions.create(
+        model="tiny-tools", messages=USER, tools=TOOLS, tool_choice="required", seed=0,
+        temperature=1.0, max_completion_tokens=200)
+    assert len(_check_calls(reply, set(SCHEMAS), cut=True)) >= 2  # this seed: several
+    runner.engine.check_no_leaks()
+
+
+def test_a_streamed_required_call_joined_equals_the_non_streamed_one(server):
+    served, _, _ = server
+    client = _client(served.url)
+    ask = dict(model="tiny-tools", messages=USER, tools=TOOLS, tool_choice="required",
+               seed=11, temperature=1.0, max_completion_tokens=200)
+    whole = client.chat.completions.create(**ask)
+    calls = _check_calls(whole, set(SCHEMAS))
+    chunks = [c.model_dump(exclude_none=True)
+              for c in client.chat.completions.create(**ask, stream=True)]
+    content, streamed, finish = _joined(chunks)
+    assert content is None and finish == "tool_calls"
+    assert [c[1:] for c in streamed] == [(c.function.name, c.function.arguments) for c in calls]
+
+
+def test_tool_choice_none_leaves_a_call_shaped_reply_as_text(server):
+    served, _, _ = server
+    shaped = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    reply = _client(served.url).chat.completions.create(
+        model="tiny-tools", messages=USER, tools=TOOLS, tool_choice="none",
+        max_completion_tokens=60, extra_body={"guided_choice": [shaped]})
+    (choice,) = reply.choices
+    assert (choice.message.content, choice.message.tool_calls) == (shaped, None)
+    assert choice.finish_reason == "stop"
+
+
+BAD = [  # (fields of the request, the param the 400 names)
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.function"),
+    ({"tools": []}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]},
+     "tools.0.function.name"),
+    ({"tools": [TOOLS[2], TOOLS[2]]}, "tools.1.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}]}, "tools.0.function.parameters"),
+    ({"tools": [TOOLS[2], {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]},
+     "tools.1.function.parameters"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+    ({"tools": TOOLS, "guided_regex": "a+"}, "guided_regex"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"messages": [*USER, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ({"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                                "function": {"name": "f"}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ({"messages": [*USER, {"role": "tool", "content": "4 C"}]}, "messages.1.tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+     "messages.0.tool_calls"),
+]
+
+
+def test_every_bad_tool_field_is_a_400_naming_it(server):
+    import httpx
+
+    served, _, runner = server
+    with httpx.Client(base_url=served.url) as http:
+        for fields, param in BAD:
+            r = http.post("/v1/chat/completions",
+                          json={"model": "tiny-tools", "messages": USER, **fields})
+            assert r.status_code == 400, (fields, r.text)
+            error = r.json()["error"]
+            assert (error["param"], error["type"]) == (param, "invalid_request_error"), \
+                (fields, error)
+    runner.engine.check_no_leaks()

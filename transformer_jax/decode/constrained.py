@@ -1,0 +1,202 @@
+"""Constrained generation: ``generate(..., constraints=...)``, each row's tokens drawn only from
+those its constraint (a grammar's matcher) allows next.
+
+Which tokens a grammar allows next depends on every token drawn before, and only the host can
+ask the grammar, so a constrained generate cannot be the one fused ``lax.while_loop`` of
+``loop.generate_padded``. It is a host loop over three jitted programs, each compiled once per
+shape: the prefill, the one-step decode (``loop.decode_step``) and ``pick``, which applies a
+[B, ceil(V/32)] int32 bitmask input (bit v % 32 of word v // 32: token v is allowed; every other
+logit set to -inf) before the draw. Step i dispatches the decode of the tokens drawn at step
+i - 1 first and asks the constraints for their masks while the device runs it.
+
+The draw is the unconstrained one: greedy is the argmax, sampling the same filters with the same
+keys (``fold_in(key, i)`` for new token i), and each token's log-probability is under the raw
+softmax, so a row without a constraint (or with one that allows its unconstrained choice) gets
+the tokens ``generate`` gives without constraints. A row ends at a stop token, after
+``max_new_tokens``, or as soon as its constraint is stopped (nothing more may follow).
+
+A constraint is anything with llguidance's ``LLMatcher`` methods ``compute_bitmask``,
+``consume_token`` and ``is_stopped`` (``TokenConstraint``); this module knows nothing of
+grammars or tokenizers. ``serving.grammar.GrammarTokenizer(tokenizer, V).matcher(grammar)``
+makes one from a JSON schema, a regex or a choice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax.decode import sampling
+from transformer_jax.decode.loop import Params, SamplingSettings, decode_step, prefill
+from transformer_jax.decode.streaming import StreamFn
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class TokenConstraint(Protocol):
+    """One row's constraint on its next token, kept on the host (an ``llguidance.LLMatcher``)."""
+
+    def compute_bitmask(self) -> bytes:
+        """The tokens allowed next: at least ceil(V/32) little-endian int32 words, bit v % 32 of
+        word v // 32 set when token v is."""
+
+    def consume_token(self, token: int) -> bool:
+        """Advances past the drawn ``token``; False when it was not allowed."""
+
+    def is_stopped(self) -> bool:
+        """Whether nothing more may follow (the grammar is complete)."""
+
+
+def check_constraints(constraints: Sequence[Any], batch: int) -> list[TokenConstraint | None]:
+    """``constraints`` as a list of B constraints or None, or ValueError naming the bad entry."""
+    if isinstance(constraints, str | bytes) or not isinstance(constraints, Sequence):
+        raise ValueError(f"constraints must be a list of one constraint (or None) per prompt, "
+                         f"got {type(constraints).__name__}")
+    if len(constraints) != batch:
+        raise ValueError(f"constraints must hold one constraint (or None) per prompt: "
+                         f"{len(constraints)} for {batch} prompts")
+    for i, c in enumerate(constraints):
+        if c is not None and not isinstance(c, TokenConstraint):
+            raise ValueError(f"constraints[{i}] must have compute_bitmask, consume_token and "
+                             f"is_stopped (an llguidance.LLMatcher), got {type(c).__name__}")
+        if c is not None and c.is_stopped():
+            raise ValueError(f"constraints[{i}] is already stopped (used before? make a fresh "
+                             "matcher per prompt)")
+    return list(constraints)
+
+
+def allowed(masks: jax.Array, vocab_size: int) -> jax.Array:
+    """[B, ceil(V/32)] int32 bitmasks -> [B, V] bool (bit v % 32 of word v // 32)."""
+    v = jnp.arange(vocab_size)
+    words = jnp.take(masks, v // 32, axis=1)
+    return ((words >> (v % 32).astype(jnp.int32)) & 1).astype(bool)
+
+
+def pick(logits: jax.Array, masks: jax.Array, key_data: jax.Array, index: jax.Array, *,
+         settings: SamplingSettings) -> tuple[jax.Array, jax.Array]:
+    """Each row's token among those its mask allows, drawn as the unconstrained decode draws.
+
+    Args:
+      logits: [B, V] float32 next-token logits.
+      masks: [B, ceil(V/32)] int32 bitmasks (all ones: every token).
+      key_data: [B, 2] uint32 raw PRNG key per row.
+      index: [] int32, which new token this is (the draw uses ``fold_in(key, index)``).
+      settings: static sampling settings.
+
+    Returns:
+      ([B] int32 tokens, [B] float32 their log-probabilities under the raw softmax).
+    """
+    masked = jnp.where(allowed(masks, logits.shape[-1]), logits, -jnp.inf)
+    if settings.temperature == 0:
+        tokens = sampling.argmax(masked)
+    else:
+        keys = jax.vmap(jax.random.fold_in, (0, None))(jax.random.wrap_key_data(key_data), index)
+        tokens = sampling.sample(masked, keys, temperature=settings.temperature,
+                                 top_k=settings.top_k, top_p=settings.top_p,
+                                 min_p=settings.min_p)
+    return tokens, sampling.token_logprobs(logits, tokens)
+
+
+def _prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array, *,
+             cache_size: int, cache_dtype: str | None, weights_out_first: bool
+             ) -> tuple[jax.Array, KVCache]:
+    return prefill(config, params, tokens, lengths, cache_size, cache_dtype,
+                   weights_out_first=weights_out_first)
+
+
+def _decode(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
+            positions: jax.Array, *, weights_out_first: bool) -> tuple[jax.Array, KVCache]:
+    return decode_step(config, params, cache, tokens, positions,
+                       weights_out_first=weights_out_first)
+
+
+def jit_programs(**jit_options: Any) -> tuple[Any, Any, Any]:
+    """The jitted (prefill, decode step, pick) of the loop; ``jit_options`` go to ``jax.jit``
+    (the tests pass cheap ``compiler_options``). The decode step donates the cache."""
+    return (jax.jit(_prefill, static_argnames=("config", "cache_size", "cache_dtype",
+                                               "weights_out_first"), **jit_options),
+            jax.jit(_decode, static_argnames=("config", "weights_out_first"),
+                    donate_argnames=("cache",), **jit_options),
+            jax.jit(pick, static_argnames=("settings",), **jit_options))
+
+
+prefill_jit, decode_jit, pick_jit = jit_programs()
+
+
+def generate_constrained(config: ModelConfig, params: Params, tokens: np.ndarray,
+                         lengths: np.ndarray, key_data: np.ndarray,
+                         constraints: Sequence[TokenConstraint | None], *, max_new_tokens: int,
+                         settings: SamplingSettings, cache_size: int,
+                         cache_dtype: str | None, weights_out_first: bool,
+                         stream: StreamFn | None = None
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The host loop: ``generate_padded``'s outputs with each row held to its constraint.
+
+    Args:
+      config: the model's config.
+      params: prepared weights (``DecodeWeights.params``, one device).
+      tokens: [B, T] int32 right-padded prompts; lengths: [B] int32 their true lengths.
+      key_data: [B, 2] uint32 raw PRNG key per row.
+      constraints: B constraints or None (that row is free); each is advanced in place.
+      max_new_tokens: N; settings: sampling settings, validated.
+      cache_size: S_max slots, >= every length + N - 1; cache_dtype: its storage dtype name.
+      weights_out_first: the layout of ``params``.
+      stream: optional ``fn(step, tokens [B], active [B])`` called after every step.
+
+    Returns:
+      tokens [B, N] int32 (``pad_id`` after a row ends), logprobs [B, N] float32 (0 there),
+      num_tokens [B] int32 generated per row (a stop token included).
+
+    Raises:
+      RuntimeError: a constraint refused the token drawn from its own mask.
+    """
+    b, n = tokens.shape[0], max_new_tokens
+    words = -(-config.vocab_size // 32)
+    out_tokens = np.full((b, n), settings.pad_id, np.int32)
+    out_logprobs = np.zeros((b, n), np.float32)
+    num = np.zeros(b, np.int32)
+    done = np.zeros(b, bool)
+    stop = set(settings.stop_tokens)
+    keys = jnp.asarray(key_data, jnp.uint32)
+    positions = jnp.asarray(lengths, jnp.int32) - 1
+    logits, cache = prefill_jit(config, params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                cache_size=cache_size, cache_dtype=cache_dtype,
+                                weights_out_first=weights_out_first)
+    for step in range(n):
+        masks = np.full((b, words), -1, np.int32)  # asked while the device runs the step
+        for row, c in enumerate(constraints):
+            if c is not None and not done[row]:
+                masks[row] = np.frombuffer(c.compute_bitmask(), np.int32, words)
+        picked, logprob = pick_jit(logits, masks, keys, jnp.int32(step), settings=settings)
+        if step + 1 < n:  # the next forward goes before the host reads this step's tokens
+            # Every row advances, finished ones too (their outputs are dropped): the last
+            # forward is at position length + N - 2, inside the cache.
+            positions = positions + 1
+            logits, cache = decode_jit(config, params, cache, picked, positions,
+                                       weights_out_first=weights_out_first)
+        picked, logprob = np.asarray(picked), np.asarray(logprob)
+        active = ~done
+        for row in np.flatnonzero(active):
+            tok = int(picked[row])
+            out_tokens[row, step], out_logprobs[row, step] = tok, logprob[row]
+            num[row] += 1
+            c = constraints[row]
+            if c is not None and not c.consume_token(tok):
+                raise RuntimeError(f"constraint of row {row} refused token {tok}, drawn from "
+                                   "its own mask")
+            done[row] = (tok in stop or num[row] >= n
+                         or (c is not None and c.is_stopped()))
+        if stream is not None:
+            stream(step, np.where(active, picked, settings.pad_id).astype(np.int32), active)
+        if done.all():
+            break
+    logger.debug("constrained generate: B=%d, %d steps", b, int(num.max()))
+    return out_tokens, out_logprobs, num

@@ -1,0 +1,177 @@
+"""Many LoRA adapters of one base, stacked for a batch whose rows pick different ones.
+
+``stack_adapters`` lays several trained adapters (``model.lora``'s trees, each with its own
+rank, alpha and targets) side by side over the base they were trained on: for every adapted
+matrix, A [L?, Na, in..., R] and B [L?, Na, R, out...], Na = 1 + the number of adapters, entry
+0 all zeros (the base model), every rank zero-padded to the largest R and each B scaled by its
+adapter's ``alpha / rank``. A matrix some adapter does not target gets zeros for it.
+
+``with_row_adapters`` gives the params a forward runs with: each adapted matrix replaced by an
+``ops.row_lora.RowAdapters`` (the matrix, its stack, the rows' adapter ids), so the one forward
+adds each row's own update (``ops.dense``). It is a pure function of traced arrays, called
+inside the step: which adapter a row uses is data, not a compiled shape.
+
+Only the dense matrices (attention q, k, v, o; the dense FFN's gate, up, down) take per-row
+adapters: a mixture's experts compute over tokens regrouped by expert, where a row no longer
+is a request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.model.layers import MATRIX_INPUT_AXES
+from transformer_jax.model.lora import DEFAULT_TARGETS, TARGETS, LoraConfig
+from transformer_jax.model.ops.dense import out_first_shape
+from transformer_jax.model.ops.row_lora import RowAdapters
+from transformer_jax.model.transformer import stack_blocks, unstack_blocks
+
+Params = dict[str, Any]
+#: The targets that take per-row adapters (``DEFAULT_TARGETS``: the dense matrices).
+ROW_TARGETS = DEFAULT_TARGETS
+
+
+def _blocks(params: Mapping[str, Any]) -> list[str]:
+    keys = [k for k in params if k == "blocks" or k.startswith("blocks_")]
+    return sorted(keys, key=lambda k: (len(k), k))
+
+
+def _node(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
+    for key in path:
+        if not isinstance(tree, Mapping) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict[str, Any], path: Sequence[str], value: Any) -> dict[str, Any]:
+    out = dict(tree)
+    out[path[0]] = value if len(path) == 1 else _set(dict(tree.get(path[0], {})), path[1:],
+                                                     value)
+    return out
+
+
+def _in_first_shape(w: Any, name: str, stacked: bool, out_first: bool) -> tuple[int, ...]:
+    """The matrix's in-first shape without its layers axis."""
+    shape = tuple(w.shape)[int(stacked):]
+    if out_first:  # stored (out..., in...): put the inputs back first
+        n_out = len(shape) - MATRIX_INPUT_AXES[name]
+        shape = out_first_shape(shape, n_out)
+    return shape
+
+
+def _layout(adapters: Mapping[str, Any], scanned: bool) -> Mapping[str, Any]:
+    """``adapters`` in the base's layer layout (scanned ``blocks`` or ``blocks_{i}``)."""
+    is_scanned = "blocks" in adapters
+    if is_scanned == scanned:
+        return adapters
+    if scanned:
+        return stack_blocks(dict(adapters), len(_blocks(adapters)))
+    return unstack_blocks(dict(adapters))
+
+
+def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], LoraConfig]],
+                   *, out_first: bool = False, names: Sequence[str] | None = None) -> Params:
+    """The stacked adapters of ``params`` (see the module docstring).
+
+    Args:
+      params: the base params the forward runs with (scanned or unrolled; in-first, or
+        out-first with ``out_first``; float or quantised).
+      adapters: (adapter tree, its ``LoraConfig``) per adapter, in id order from 1; trees in
+        either layer layout (``model.lora.init_adapters``'s form).
+      out_first: the layout of ``params``' matrices (``decode.prepare``'s).
+      names: the adapters' names, for errors (default ``adapter 1`` ...).
+
+    Returns:
+      ``{block: {module: {name: {"a": [L?, Na, in..., R], "b": [L?, Na, R, out...]}}}}``
+      float32, for every matrix any adapter targets.
+
+    Raises:
+      ValueError: an adapter with a target outside ``ROW_TARGETS``, missing a matrix its
+        targets name, or whose shapes do not fit the base (naming the adapter).
+    """
+    if not adapters:
+        raise ValueError("stack_adapters needs at least one adapter")
+    names = list(names) if names is not None else [f"adapter {i + 1}"
+                                                   for i in range(len(adapters))]
+    blocks = _blocks(params)
+    scanned = blocks == ["blocks"]
+    rank = max(cfg.rank for _, cfg in adapters)
+    trees = []
+    for (tree, cfg), name in zip(adapters, names, strict=True):
+        other = [t for t in cfg.targets if t not in ROW_TARGETS]
+        if other:
+            raise ValueError(f"adapter {name!r} targets {other}: a serving batch takes per-row "
+                             f"adapters on the dense matrices only ({', '.join(ROW_TARGETS)})")
+        tree = _layout(tree, scanned)
+        if sorted(_blocks(tree)) != sorted(blocks):
+            raise ValueError(f"adapter {name!r} has blocks {_blocks(tree)[:3]}..., the base "
+                             f"{blocks[:3]}... ({len(_blocks(tree))} vs {len(blocks)} layers)")
+        trees.append((tree, cfg, name))
+    stack: Params = {}
+    for block in blocks:
+        for target in ROW_TARGETS:
+            path = TARGETS[target]
+            w = _node(params[block], path)
+            used = [(t, c, n) for t, c, n in trees if target in c.targets
+                    and _node(t[block], path) is not None]
+            if w is None or not used:
+                continue
+            shape = _in_first_shape(w, path[-1], scanned, out_first)
+            n_in = MATRIX_INPUT_AXES[path[-1]]
+            lead = (tuple(w.shape)[0],) if scanned else ()
+            a = jnp.zeros((*lead, len(trees) + 1, *shape[:n_in], rank), jnp.float32)
+            b = jnp.zeros((*lead, len(trees) + 1, rank, *shape[n_in:]), jnp.float32)
+            for i, (tree, cfg, name) in enumerate(trees, start=1):
+                ab = _node(tree[block], path)
+                if target not in cfg.targets or ab is None:
+                    continue
+                want_a = (*lead, *shape[:n_in], cfg.rank)
+                want_b = (*lead, cfg.rank, *shape[n_in:])
+                if tuple(ab["a"].shape) != want_a or tuple(ab["b"].shape) != want_b:
+                    raise ValueError(
+                        f"adapter {name!r}: {block}/{'/'.join(path)} has A {ab['a'].shape} and "
+                        f"B {ab['b'].shape}; the base's matrix needs {want_a} and {want_b}")
+                at = (slice(None),) * len(lead) + (i,)
+                r = (slice(None),) * len(lead) + (i, slice(0, cfg.rank))
+                a = a.at[(*at, Ellipsis, slice(0, cfg.rank))].set(
+                    jnp.asarray(ab["a"], jnp.float32))
+                b = b.at[r].set(jnp.asarray(ab["b"], jnp.float32) * cfg.scale)
+            stack = _set(stack, (block, *path), {"a": a, "b": b})
+    if not stack:
+        raise ValueError(f"no matrix of the base is adapted by {names}")
+    return stack
+
+
+def with_row_adapters(params: Params, stack: Params, ids: jax.Array) -> Params:
+    """``params`` with each matrix of ``stack`` replaced by a ``RowAdapters`` choosing, for
+    batch row b, adapter ``ids[b]`` (pure; call it inside the jitted step).
+
+    Args:
+      params: the params the forward runs with.
+      stack: ``stack_adapters``'s output for them.
+      ids: [B] int32 adapter of each row (0 = the base).
+
+    Returns:
+      The param tree for ``Transformer.apply`` (in the scanned layout the ids are repeated
+      per layer, [L, B], as the layer scan slices every leaf).
+    """
+    out = dict(params)
+    for block, modules in stack.items():
+        for target in ROW_TARGETS:
+            path = TARGETS[target]
+            ab = _node(modules, path)
+            if ab is None:
+                continue
+            w = _node(params[block], path)
+            rows = ids if block != "blocks" else jnp.broadcast_to(
+                ids, (ab["a"].shape[0], *ids.shape))
+            out[block] = _set(dict(out[block]), path, RowAdapters(w, ab["a"], ab["b"], rows))
+    return out
+
+
+__all__ = ["ROW_TARGETS", "stack_adapters", "with_row_adapters"]

@@ -1,0 +1,381 @@
+"""Tool calls: the reply's calls parsed from the text the model writes, and the grammar that
+makes it write one when ``tool_choice`` asks for it.
+
+The model writes its calls in its chat template's format; the parser follows the template:
+
+* ``"hermes"`` (Qwen2.5 / Qwen3, Hermes 2 Pro; the template mentions ``<tool_call>``): text,
+  then calls as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one per
+  block;
+* ``"llama3_json"`` (Llama 3.1 / 3.2 / 3.3; the template mentions ``<|python_tag|>`` or a
+  ``"parameters"`` format): the reply is the calls, JSON objects ``{"name": ...,
+  "parameters": {...}}`` separated by ``;``, optionally after ``<|python_tag|>``; a reply that
+  does not start so is text.
+
+A call is a JSON object with a string ``name`` and an object ``arguments`` (or
+``parameters``); a block that is not one (malformed JSON, no name) stays in the content as it
+was written. Whitespace next to a call is not content. ``ToolCallParser`` reads the text as
+it streams: it returns text as soon as it cannot be part of a call, and a call once it is
+whole (its closing tag, or the end of the reply), so the streamed pieces joined equal
+``parse_reply`` of the whole text, however the text was cut.
+
+``tool_choice`` ``"required"`` and a named function are enforced: ``tool_grammar`` builds an
+llguidance Lark grammar (``serving.grammar.Grammar("lark", ...)``) of the family's wrapper, a
+``name`` among the tools (or the named one) and ``arguments`` valid against that tool's
+``parameters`` (``%json`` embedded schemas, compact whitespace), so the reply always parses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import secrets
+from typing import Any
+
+from transformer_jax.serve.protocol import APIError, ChatCompletionRequest
+from transformer_jax.serving.grammar import Grammar
+
+logger = logging.getLogger(__name__)
+
+PARSERS = ("hermes", "llama3_json")
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+#: The schema of a function given without ``parameters``: no arguments (OpenAI's meaning).
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def new_call_id() -> str:
+    """A fresh tool-call id, ``call_`` and 24 random hex digits (OpenAI's shape)."""
+    return "call_" + secrets.token_hex(12)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: the function's name and its arguments as JSON text (an object)."""
+
+    name: str
+    arguments: str
+    id: str = dataclasses.field(default_factory=new_call_id, compare=False)
+
+    def as_openai(self) -> dict[str, Any]:
+        """The call as a reply's ``message.tool_calls`` entry."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+Piece = str | ToolCall
+
+
+def parser_for_template(template: str | None) -> str | None:
+    """The parser (one of ``PARSERS``) of the tool calls a chat template's model writes, from
+    the template's text; None when it shows neither format."""
+    if not template:
+        return None
+    if HERMES_OPEN in template:
+        return "hermes"
+    if PYTHON_TAG in template or '"parameters"' in template:
+        return "llama3_json"
+    return None
+
+
+def call_of(obj: Any) -> ToolCall | None:
+    """The call a decoded JSON value is, or None: an object with a non-empty string ``name``
+    and an object ``arguments`` (or ``parameters``; also as JSON text)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters"))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` (it may become it)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolCallParser:
+    """Splits a reply's text, fed as it streams, into content text and ``ToolCall``s.
+
+    ``feed`` returns what is known so far; ``finish`` (at the end of the reply) the rest.
+    """
+
+    def feed(self, text: str) -> list[Piece]:
+        """The pieces ``text`` (the next part of the reply) completes."""
+        raise NotImplementedError
+
+    def finish(self) -> list[Piece]:
+        """The pieces still held back, at the end of the reply."""
+        raise NotImplementedError
+
+
+class HermesParser(ToolCallParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks among text."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._in_call = False
+        self._after_call = False  # whitespace right after a call is not content
+        self._ws = ""  # the whitespace before the open block (content if it is no call)
+
+    def feed(self, text: str) -> list[Piece]:
+        self._buf += text
+        out: list[Piece] = []
+        while True:
+            if self._in_call:
+                end = self._buf.find(HERMES_CLOSE)
+                if end < 0:
+                    return out
+                body, self._buf = self._buf[:end], self._buf[end + len(HERMES_CLOSE):]
+                out += self._block(body, HERMES_CLOSE)
+                continue
+            if self._after_call:
+                self._buf = self._buf.lstrip()
+                if not self._buf:
+                    return out
+                self._after_call = False
+            start = self._buf.find(HERMES_OPEN)
+            if start >= 0:
+                before = self._buf[:start]
+                text_part = before.rstrip()
+                self._ws = before[len(text_part):]
+                if text_part:
+                    out.append(text_part)
+                self._buf, self._in_call = self._buf[start + len(HERMES_OPEN):], True
+                continue
+            held = len(self._buf) - _held_prefix(self._buf, HERMES_OPEN)
+            sure = self._buf[:held].rstrip()  # trailing whitespace may precede a call
+            if sure:
+                out.append(sure)
+            self._buf = self._buf[len(sure):]
+            return out
+
+    def _block(self, body: str, close: str) -> list[Piece]:
+        """A block's pieces: its call, or its text as written."""
+        self._in_call = False
+        try:
+            call = call_of(json.loads(body))
+        except json.JSONDecodeError:
+            call = None
+        ws, self._ws = self._ws, ""
+        if call is None:
+            return [ws + HERMES_OPEN + body + close]
+        self._after_call = True
+        return [call]
+
+    def finish(self) -> list[Piece]:
+        out = self.feed("")
+        if self._in_call:  # never closed: a call if its JSON is whole
+            out += self._block(self._buf, "")
+        elif self._buf:
+            out.append(self._buf)
+        self._buf, self._after_call = "", False
+        return out
+
+
+class Llama3JsonParser(ToolCallParser):
+    """A reply of JSON calls ``{"name": ..., "parameters": {...}}`` separated by ``;``
+    (optionally after ``<|python_tag|>``), or else text."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._state = "start"  # "start" (undecided), "calls", or "text"
+        self._calls = 0
+        self._decoder = json.JSONDecoder()
+
+    def feed(self, text: str) -> list[Piece]:
+        self._buf += text
+        if self._state == "start":
+            head = self._buf.lstrip()
+            if not head or (PYTHON_TAG.startswith(head) and head != PYTHON_TAG):
+                return []  # whitespace, or what may become the tag
+            if head.startswith(PYTHON_TAG) or head.startswith("{"):
+                self._state = "calls"
+            else:
+                self._state = "text"
+        if self._state == "text":
+            out, self._buf = self._buf, ""
+            return [out] if out else []
+        return self._calls_in(final=False)
+
+    def _calls_in(self, final: bool) -> list[Piece]:
+        """The calls whole in the buffer; once something is not one, the rest is text."""
+        out: list[Piece] = []
+        while True:
+            rest = self._buf.lstrip()
+            if self._calls == 0 and rest.startswith(PYTHON_TAG):
+                rest = rest[len(PYTHON_TAG):].lstrip()
+            if self._calls and rest.startswith(";"):
+                rest = rest[1:].lstrip()
+            if not rest:
+                return out
+            call, end = None, 0
+            if rest.startswith("{"):
+                try:
+                    obj, end = self._decoder.raw_decode(rest)
+                    call = call_of(obj)
+                except json.JSONDecodeError:
+                    if not final:
+                        return out  # maybe not whole yet
+            if call is None:  # not a call: all that follows is text
+                text = self._buf if self._calls == 0 else rest
+                self._buf, self._state = "", "text"
+                return [*out, text]
+            out.append(call)
+            self._calls += 1
+            self._buf = rest[end:]
+
+    def finish(self) -> list[Piece]:
+        if self._state == "calls":
+            out = self._calls_in(final=True)
+        else:
+            out = [self._buf] if self._buf else []
+        self._buf, self._state, self._calls = "", "start", 0
+        return out
+
+
+def make_parser(kind: str) -> ToolCallParser:
+    """A fresh streaming parser of ``kind`` (one of ``PARSERS``)."""
+    if kind == "hermes":
+        return HermesParser()
+    if kind == "llama3_json":
+        return Llama3JsonParser()
+    raise ValueError(f"tool-call parser must be one of {PARSERS}, got {kind!r}")
+
+
+def parse_reply(text: str, kind: str) -> tuple[str, list[ToolCall]]:
+    """A whole reply's content (the text outside the calls) and its calls."""
+    parser = make_parser(kind)
+    pieces = parser.feed(text) + parser.finish()
+    return ("".join(p for p in pieces if isinstance(p, str)),
+            [p for p in pieces if isinstance(p, ToolCall)])
+
+
+def stream_deltas(pieces: list[Piece], first_index: int) -> list[dict[str, Any]]:
+    """The chat stream's deltas of parsed pieces, as OpenAI streams them: a run of text one
+    ``content`` delta; each call a delta with its ``index`` (from ``first_index``), ``id``,
+    ``type`` and name (``arguments`` ""), then one with its arguments."""
+    deltas: list[dict[str, Any]] = []
+    index = first_index
+    for piece in pieces:
+        if isinstance(piece, str):
+            if deltas and set(deltas[-1]) == {"content"}:
+                deltas[-1]["content"] += piece
+            else:
+                deltas.append({"content": piece})
+            continue
+        deltas.append({"tool_calls": [{"index": index, "id": piece.id, "type": "function",
+                                       "function": {"name": piece.name, "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": index,
+                                       "function": {"arguments": piece.arguments}}]})
+        index += 1
+    return deltas
+
+
+# Requests ------------------------------------------------------------------------------------
+
+def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The request's ``tools`` as the chat template's ``tools`` variable (OpenAI's format, as
+    ``apply_chat_template(tools=...)`` takes them), or None."""
+    if not req.tools:
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in req.tools]
+
+
+def reply_parser(req: ChatCompletionRequest, template: str | None,
+                 choice: str | None = None) -> str | None:
+    """The parser of the request's reply (None: no tools, or ``tool_choice`` ``"none"``),
+    after checking that every tool's ``parameters`` compile.
+
+    Args:
+      req: the validated request.
+      template: the checkpoint's chat template (its text picks the parser).
+      choice: the server's parser (one of ``PARSERS``), over the template's; None: pick.
+
+    Raises:
+      APIError: 400 naming ``tools.i.function.parameters`` for a schema that does not
+        compile, or ``tools`` when the template writes no format this server parses.
+    """
+    if not req.tools:
+        return None
+    for i, tool in enumerate(req.tools):
+        where = f"tools.{i}.function.parameters"
+        try:
+            Grammar("json_schema", arguments_schema(tool.function.parameters)).check()
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"{where}: the schema of function {tool.function.name!r} "
+                           f"does not compile: {e}", where) from None
+    if req.tool_mode == "none":
+        return None
+    kind = choice or parser_for_template(template)
+    if kind is None:
+        raise APIError(400, "tools: this model's chat template writes no tool-call format "
+                       f"this server parses ({', '.join(PARSERS)}); send tool_choice 'none' "
+                       "to render the tools without parsing the reply", "tools")
+    return kind
+
+
+def arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A tool's ``parameters`` as the schema its arguments are generated by: no arguments
+    when absent; compact JSON (llguidance's ``whitespace_flexible`` off unless it says)."""
+    schema = dict(NO_PARAMETERS if parameters is None else parameters)
+    schema["x-guidance"] = {"whitespace_flexible": False, **schema.get("x-guidance", {})}
+    return schema
+
+
+def tool_grammar(req: ChatCompletionRequest, kind: str) -> Grammar | None:
+    """The grammar enforcing ``tool_choice`` ``"required"`` (one call or more; one with
+    ``parallel_tool_calls: false``) or a named function (one call of it), in ``kind``'s
+    format; None for ``"auto"`` and ``"none"``.
+
+    Raises:
+      APIError: 400 naming ``tool_choice`` if the grammar does not compile.
+    """
+    mode = req.tool_mode
+    if mode in ("auto", "none"):
+        return None
+    tools = [t.function for t in req.tools or ()]
+    if isinstance(mode, str):  # "required"
+        rules = [_call_rule(kind, f.name, f.parameters) for f in tools]
+        many = req.parallel_tool_calls
+    else:
+        rules = [_call_rule(kind, f.name, f.parameters) for f in tools
+                 if f.name == mode.function.name]
+        many = False
+    separator = json.dumps("\n" if kind == "hermes" else "; ")
+    lines = ["%llguidance {}",
+             f"start: call ({separator} call)*" if many else "start: call",
+             "call: " + " | ".join(f"f_{i}" for i in range(len(rules)))]
+    lines += [f"f_{i}: {rule}" for i, rule in enumerate(rules)]
+    grammar = Grammar("lark", "\n".join(lines) + "\n")
+    try:
+        grammar.check()
+    except ValueError as e:
+        raise APIError(400, f"tool_choice: the tools' grammar does not compile: {e}",
+                       "tool_choice") from None
+    return grammar
+
+
+def _call_rule(kind: str, name: str, parameters: dict[str, Any] | None) -> str:
+    """The Lark rule of one call of ``name`` in ``kind``'s format, as the family writes it."""
+    key = "arguments" if kind == "hermes" else "parameters"
+    head = f'{{"name": {json.dumps(name)}, "{key}": '
+    if kind == "hermes":
+        head = f"{HERMES_OPEN}\n{head}"
+    tail = "}\n" + HERMES_CLOSE if kind == "hermes" else "}"
+    schema = json.dumps(arguments_schema(parameters), ensure_ascii=False)
+    return f"{json.dumps(head)} %json {schema} {json.dumps(tail)}"
+
+
+__all__ = ["PARSERS", "HermesParser", "Llama3JsonParser", "ToolCall", "ToolCallParser",
+           "arguments_schema", "call_of", "make_parser", "new_call_id", "parse_reply",
+           "parser_for_template", "reply_parser", "stream_deltas", "template_tools",
+           "tool_grammar"]
