@@ -76,7 +76,7 @@ def test_the_engine_mode_fails_on_an_engine_that_makes_no_progress():
     from transformer_jax.bench.serve_workload import Workload
 
     class Stuck:
-        steps, idle, pages_in_use = 0, False, 0
+        steps, idle, pages_in_use, adapter_names = 0, False, 0, ()
 
         class scheduler:
             idle, running, prefilling, preemptions = False, [], None, 0
