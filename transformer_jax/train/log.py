@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -346,11 +347,16 @@ class StopOnSignal(contextlib.AbstractContextManager):
         self.signal: str | None = None
         self.count = 0
         self._previous: dict[int, Any] = {}
+        self._defer = False
+        self._pending: str | None = None
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         self.count += 1
         if self.count >= 3:
+            if self._defer:  # raised when the block under ``deferred`` ends
+                self._pending = name
+                return
             raise SaveAborted(name)
         if self.count == 2:
             logger.warning("received %s again: saving, please wait; a third signal aborts "
@@ -358,6 +364,19 @@ class StopOnSignal(contextlib.AbstractContextManager):
             return
         logger.warning("received %s: saving a checkpoint and stopping after this step", name)
         self.signal = name
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Holds a third signal back while a save is being started: raised inside orbax's
+        ``save`` it left orbax to finish that save before the abort (seen on a loaded machine),
+        so it is raised as soon as the block ends instead, and the save is then abandoned."""
+        self._defer = True
+        try:
+            yield
+        finally:
+            self._defer = False
+        if self._pending is not None:
+            raise SaveAborted(self._pending)
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():

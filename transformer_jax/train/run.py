@@ -363,8 +363,9 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
                     # A signal that came during the evaluation still saves this step.
                     if stop.signal is not None or last or step % tc.ckpt_every == 0:
                         save_start = time.perf_counter()
-                        ckpt.save(step, state, meta=dict(configs, step=step,
-                                                         train_loss=log.last_loss))
+                        with stop.deferred():
+                            ckpt.save(step, state, meta=dict(configs, step=step,
+                                                             train_loss=log.last_loss))
                         if main_process:
                             log.flush_events()
                             files.sync()  # a remote run's metrics, plot and events
