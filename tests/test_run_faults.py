@@ -352,3 +352,21 @@ def test_resume_names_the_data_setting_that_changed(tmp_path):
     assert "data.val_fraction: 0.05 in the checkpoint, 0.2 now" in message
     assert "train/validation split" in message and "another corpus" not in message
     assert "train.allow_new_data=true" in message
+
+
+def test_a_third_signal_while_a_save_starts_is_raised_when_the_start_returns():
+    from transformer_jax.train.log import SaveAborted, StopOnSignal
+
+    stop = StopOnSignal()
+    started = []
+    with pytest.raises(SaveAborted, match="SIGTERM"):
+        with stop.deferred():
+            for _ in range(3):
+                stop._handle(signal.SIGTERM, None)
+            started.append("save() returned")  # not cut short inside the save's start
+    assert started == ["save() returned"] and stop.signal == "SIGTERM"
+    outside = StopOnSignal()
+    outside._handle(signal.SIGINT, None)
+    outside._handle(signal.SIGINT, None)
+    with pytest.raises(SaveAborted):  # outside a save's start the third signal raises at once
+        outside._handle(signal.SIGINT, None)
