@@ -363,6 +363,9 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
                     # A signal that came during the evaluation still saves this step.
                     if stop.signal is not None or last or step % tc.ckpt_every == 0:
                         save_start = time.perf_counter()
+                        # A third signal while the previous save finishes aborts at once;
+                        # during orbax's start of this one it waits for the start to return.
+                        ckpt.wait()
                         with stop.deferred():
                             ckpt.save(step, state, meta=dict(configs, step=step,
                                                              train_loss=log.last_loss))
