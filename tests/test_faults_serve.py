@@ -274,6 +274,37 @@ def test_prepare_stops_completions_at_eos_and_chat_also_at_the_turn_end(model):
                                          "stop_token_ids": [9]}) == (9,)
 
 
+def test_the_checkpoints_generation_config_eos_ids_stop_every_request(model, tmp_path):
+    """A HF checkpoint's ``generation_config.json`` ``eos_token_id`` list (Llama 3.1 ends a
+    tool call with ``<|eom_id|>``) stops completions and chats, but with ``ignore_eos``; a
+    file that is not an id or a list of them is one error naming it."""
+    from transformer_jax.hf.generation_config import generation_stop_ids
+
+    assert generation_stop_ids(tmp_path) == ()
+    file = tmp_path / "generation_config.json"
+    for eos, ids in ((5, (5,)), ([5, 30, 99], (5, 30, 99)), (None, ())):
+        file.write_text(json.dumps({"eos_token_id": eos}))
+        assert generation_stop_ids(tmp_path) == ids
+    for bad in ("x", [1, -2], True, [1.5]):
+        file.write_text(json.dumps({"eos_token_id": bad}))
+        with pytest.raises(ValueError, match="generation_config.json: eos_token_id"):
+            generation_stop_ids(tmp_path)
+    file.write_text("{")
+    with pytest.raises(ValueError, match="generation_config.json"):
+        generation_stop_ids(tmp_path)
+    config = type("C", (), {"vocab_size": 64, "max_seq_len": 64})
+    info = completions.ModelInfo.of("m", config, model.tokenizer, stop_ids=(30, 99))
+    assert info.stop_ids == (30,)  # an id beyond the vocabulary cannot be drawn
+    eos, turn_end = model.tokenizer.eos_id, model.turn_end
+    text = {"model": "m", "prompt": "w1 w2", "max_tokens": 4}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "w1"}], "max_tokens": 4}
+    stops = lambda cls, body: completions.prepare(  # noqa: E731
+        cls.model_validate(body), info).params.stop_token_ids
+    assert stops(CompletionRequest, text) == (eos, 30)
+    assert stops(ChatCompletionRequest, chat) == (eos, turn_end, 30)
+    assert stops(ChatCompletionRequest, {**chat, "ignore_eos": True}) == ()
+
+
 def _events(tokens, reason, closing):
     """The events of a request that made ``tokens`` (two per step) and ended with ``reason``,
     on its last token or (``closing``) on an event of its own without one."""

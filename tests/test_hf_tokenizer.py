@@ -401,3 +401,47 @@ def test_sentencepiece_save_reloads_in_both(tmp_path):
         assert again.encode(text, add_bos=again.add_bos_token) == theirs.encode(text)
     text = "def f(x):\n\treturn  x  # naïve 🙂"
     assert again.decode(again.encode(text)) == text == theirs.decode(theirs.encode(text)[1:])
+
+
+# A checkpoint's second template for conversations with tools (transformers' "tool_use").
+TOOL_USE = (
+    "{%- if tools %}{{- '<|im_start|>system\\ntools:' }}"
+    "{%- for tool in tools %}{{- ' ' + tool.function.name }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("written_by", ["transformers", "ours"])
+def test_a_tool_use_template_renders_conversations_with_tools(qwen_dir, tmp_path, written_by):
+    """Named templates as transformers writes them (``additional_chat_templates/``) and as we
+    do (the list form): with tools the ``tool_use`` one renders, as ``apply_chat_template``
+    picks it; without, the default; both survive our save and read back in transformers."""
+    from transformer_jax.tokenizer.chat import template_source
+
+    theirs = auto(qwen_dir)
+    theirs.chat_template = {"default": CHATML, "tool_use": TOOL_USE}
+    theirs.save_pretrained(str(tmp_path / "hf"))
+    directory = tmp_path / "hf"
+    if written_by == "ours":
+        assert (directory / "additional_chat_templates" / "tool_use.jinja").is_file()
+        load_tokenizer(directory).save(tmp_path / "ours")
+        directory = tmp_path / "ours"
+        assert not (directory / "additional_chat_templates").exists()
+    ours, theirs = load_tokenizer(directory), auto(directory)
+    assert template_source(ours, TOOLS) == TOOL_USE and template_source(ours) == CHATML
+    assert ours.named_templates == {"tool_use": TOOL_USE}
+    messages = CONVERSATIONS["system"]
+    for tools in (TOOLS, None):
+        expected = theirs.apply_chat_template(messages, tools=tools, tokenize=False,
+                                              add_generation_prompt=True)
+        rendered = ChatTemplate.of(ours, tools).render(messages, add_generation_prompt=True,
+                                                       tools=tools)
+        assert rendered == expected
+    with_tools = ChatTemplate.of(ours, TOOLS).render(messages, tools=TOOLS)
+    assert with_tools.startswith("<|im_start|>system\ntools: get_weather")

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from transformer_jax.bench import args as args_lib
-from transformer_jax.bench import serve_stall
+from transformer_jax.bench import serve_stall, serve_structured
 from transformer_jax.bench.serve_workload import Workload, make_workload, record, summarize
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
@@ -49,9 +49,11 @@ def _wait_until(t: float) -> None:
 
 # Modes -------------------------------------------------------------------------------------------
 
-def run_engine(engine: Engine, work: Workload) -> dict[str, Any]:
+def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None
+               ) -> dict[str, Any]:
     """Serves ``work`` with the engine in real time; token times from its consumers. With
-    LoRA adapters loaded (``engine.adapter_names``) request i uses adapter i mod N."""
+    LoRA adapters loaded (``engine.adapter_names``) request i uses adapter i mod N; with
+    ``grammars``, request i draws under ``grammars[i]`` (a ``Grammar``, or None)."""
     records = [record(a) for a in work.arrivals]
     order = sorted(range(len(records)), key=lambda i: work.arrivals[i])
     peak_running = peak_pages = 0
@@ -63,7 +65,8 @@ def run_engine(engine: Engine, work: Workload) -> dict[str, Any]:
             i = order[nxt]
             names = engine.adapter_names
             engine.add_request(work.prompts[i], SamplingParams(
-                max_tokens=work.max_tokens[i], adapter=names[i % len(names)] if names else None),
+                max_tokens=work.max_tokens[i], adapter=names[i % len(names)] if names else None,
+                grammar=None if grammars is None else grammars[i]),
                                lambda e, r=records[i]: r["times"].append(time.perf_counter()))
             nxt += 1
         if engine.idle:
@@ -78,7 +81,8 @@ def run_engine(engine: Engine, work: Workload) -> dict[str, Any]:
                            len(sched.running) + (sched.prefilling is not None))
         peak_pages = max(peak_pages, engine.pages_in_use)
     out = summarize(records, start)
-    out.update(peak_running=peak_running, peak_pages=peak_pages, steps=engine.steps,
+    out.update(records=records, peak_running=peak_running, peak_pages=peak_pages,
+               steps=engine.steps,
                preemptions=engine.scheduler.preemptions,
                prefix_hit_pages=engine.scheduler.prefix.hits)
     return out
@@ -155,7 +159,8 @@ def _line(name: str, r: dict[str, Any]) -> str:
             f"{r['request_throughput']:6.2f} req/s  {cells}")
 
 
-MODES = ("engine", "engine-noprefix", "engine-lora", "one", "batch", "http")
+MODES = ("engine", "engine-noprefix", "engine-lora", "engine-json", "engine-json-mixed", "one",
+         "batch", "http")
 
 
 def random_adapters(config: ModelConfig, params: Any, n: int, rank: int, seed: int
@@ -201,12 +206,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--token-budget", type=a.positive_int, default=264)
     parser.add_argument("--modes", default=None,
                         help="comma list of engine, one (generate one at a time), batch "
-                             "(generate in fixed batches), engine-noprefix, http (the server "
-                             "at --url; bench/serve_http.py) (default: engine,one,batch; "
-                             "http with --url)")
+                             "(generate in fixed batches), engine-noprefix, engine-lora, "
+                             "engine-json (every request under --response-format), "
+                             "engine-json-mixed (every other one; bench/serve_structured.py), "
+                             "http (the server at --url; bench/serve_http.py) (default: "
+                             "engine,one,batch; http with --url)")
     parser.add_argument("--lora", type=a.positive_int, default=4, metavar="N",
                         help="the engine-lora mode's adapters: requests take them in turn")
     parser.add_argument("--lora-rank", type=a.positive_int, default=16)
+    parser.add_argument("--response-format", default=None, metavar="json_object|SCHEMA",
+                        help="the engine-json modes' grammar: json_object, a JSON schema file "
+                             "or inline JSON (default: an array of exactly --output-len's "
+                             "maximum words, which cannot end early)")
+    parser.add_argument("--tokenizer", type=a.existing_dir, default=None, metavar="DIR",
+                        help="the engine-json modes' HF tokenizer (default: a byte-level BPE "
+                             "made here, padded to the model's vocabulary)")
     parser.add_argument("--url", type=a.server_url, help="a running server (transformer-jax "
                         "serve) serving a model of --config's vocabulary, for the http mode")
     parser.add_argument("--api-key", help="the server's API key, if it has one")
@@ -260,6 +274,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                          f"{args.page_size}, plus the null page)")
     if "http" in modes:
         _check_server(parser, args, longest)
+    if any(m.startswith("engine-json") for m in modes):
+        try:
+            args.grammar = serve_structured.grammar_of(args.response_format, out_hi)
+        except (OSError, ValueError) as e:
+            parser.error(f"--response-format: {e}")
     return modes
 
 
@@ -312,18 +331,34 @@ def main(argv: list[str]) -> int:
     print(f"{args.config} ({config.dtype}, {jax.default_backend()}): {args.requests} requests, "
           f"inputs {args.input_len}, outputs {args.output_len}, rate {args.rate}/s; "
           f"{args.slots} slots, {pages} pages of {args.page_size}, budget {args.token_budget}")
+    # With the structured modes every engine mode detokenizes its tokens as they need to.
+    tokenizer = None if not any(m.startswith("engine-json") for m in modes) else \
+        serve_structured.bench_tokenizer(config.vocab_size, args.tokenizer)
     for mode in modes:
         if mode.startswith("engine"):
             adapters = None if mode != "engine-lora" else random_adapters(
                 config, params, args.lora, args.lora_rank, args.seed)
             engine = Engine(config, weights, args.slots, pages, args.page_size,
                             args.token_budget, prefix_caching=mode != "engine-noprefix",
-                            adapters=adapters)
+                            adapters=adapters, tokenizer=tokenizer)
+            grammars = None
+            if mode.startswith("engine-json"):
+                every = 2 if mode == "engine-json-mixed" else 1
+                grammars = [args.grammar if i % every == 0 else None
+                            for i in range(len(work.prompts))]
             t = time.perf_counter()
-            n = engine.compile()
+            n = engine.compile(structured=mode.startswith("engine-json"))
             print(f"  compiled {n} engine step shapes in {time.perf_counter() - t:.1f} s")
             engine.steps = 0
-            r = run_engine(engine, work)
+            r = run_engine(engine, work, grammars)
+            if mode == "engine-json-mixed":
+                free = [rec for rec, g in zip(r.pop("records"), grammars, strict=True)
+                        if g is None]
+                r["unconstrained_tpot_median_s"] = float(np.median(
+                    [(t[-1] - t[0]) / (len(t) - 1) for t in (x["times"] for x in free)
+                     if len(t) > 1]))
+            else:
+                r.pop("records")
             contiguous = (pages - 1) * args.page_size // config.max_seq_len
             # The same pages with every layer global (no rings for the local layers).
             all_global = cache_bytes(config, 1, pages * args.page_size, window_rings=False)
@@ -366,6 +401,9 @@ def main(argv: list[str]) -> int:
                 ttft = got[other]["ttft_s"]["median"] / got["engine"]["ttft_s"]["median"]
                 print(f"engine vs {other}: {tput:.2f}x output tokens/s, {ttft:.2f}x lower "
                       f"median TTFT")
+    if "engine" in got:
+        for line in serve_structured.compare(got):
+            print(line)
     if "engine" in got and "http" in got:
         share = got["http"]["output_token_throughput"] / got["engine"]["output_token_throughput"]
         print(f"http vs engine: {share:.2f}x the engine's output tokens/s through the server")

@@ -259,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
             turn_end = chat_turn_end_id(tokenizer) if args.chat else None
             if turn_end is not None and turn_end not in stop:
                 stop.append(turn_end)
+        if not args.stop_tokens and not args.no_stop and loaded.source.kind == loading.HF:
+            from transformer_jax.hf.generation_config import generation_stop_ids
+
+            stop = list(dict.fromkeys([*stop, *(  # e.g. Llama 3.1's <|eom_id|>
+                i for i in generation_stop_ids(loaded.source.path) if i < config.vocab_size)]))
         if args.no_stop:
             stop = []
         constraints = None

@@ -202,7 +202,8 @@ def pool_pages(args: argparse.Namespace, config: Any) -> int:
 
 def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """Loads the checkpoint and compiles the engine: (runner, model info, timings)."""
-    from transformer_jax.checkpoint.loading import load_for_decode
+    from transformer_jax.checkpoint.loading import HF, load_for_decode
+    from transformer_jax.hf.generation_config import generation_stop_ids
     from transformer_jax.serve.completions import ModelInfo
     from transformer_jax.serve.metrics import Metrics
     from transformer_jax.serve.runner import EngineRunner
@@ -238,8 +239,11 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise ValueError(f"--lora {name}=...: {name!r} is the base model's name; give the "
                          "adapter another name or --served-model-name")
     runner = EngineRunner(engine, Metrics(), args.max_requests, args.request_timeout)
+    stop_ids = ()
+    if loaded.source.kind == HF:  # e.g. Llama 3.1's <|eom_id|> after a tool call
+        stop_ids = generation_stop_ids(loaded.source.path)
     return runner, ModelInfo.of(name, config, loaded.tokenizer, tuple(adapters),
-                                args.tool_call_parser), timings
+                                args.tool_call_parser, stop_ids), timings
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from transformer_jax.hf import moe
+from transformer_jax.hf import generation_config, moe
 from transformer_jax.hf.convert import (
     _IGNORED_TENSOR,
     ARCHITECTURES,
@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
+GENERATION_CONFIG_FILE = generation_config.FILE
 # Files a tokenizer's ``save`` may write (HF or SentencePiece), replaced as a set by ``save``.
 _TOKENIZER_FILES = frozenset({
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",

@@ -33,7 +33,7 @@ from transformer_jax.serve.protocol import APIError, ChatCompletionRequest, Comp
 from transformer_jax.serving import SamplingParams, TokenEvent
 from transformer_jax.serving.grammar import Grammar
 from transformer_jax.tokenizer import detokenize
-from transformer_jax.tokenizer.chat import ChatTemplateError
+from transformer_jax.tokenizer.chat import ChatTemplateError, template_source
 from transformer_jax.tokenizer.prompt import chat_turn_end_id, encode_chat_prompt, encode_text
 
 
@@ -50,14 +50,17 @@ class ModelInfo:
     adapters: tuple[str, ...] = ()  # the LoRA adapters' names, each also a model to ask for
     tool_parser: str | None = None  # the tool calls' format (``serve.tools``); None: the
     # chat template's
+    stop_ids: tuple[int, ...] = ()  # the checkpoint's generation_config eos ids (every request
+    # stops there but with ignore_eos)
 
     @classmethod
     def of(cls, name: str, config: Any, tokenizer: Any, adapters: tuple[str, ...] = (),
-           tool_parser: str | None = None) -> ModelInfo:
+           tool_parser: str | None = None, stop_ids: tuple[int, ...] = ()) -> ModelInfo:
         chat = tokenizer is not None and bool(tokenizer.chat_template)
         return cls(name, config.vocab_size, config.max_seq_len, tokenizer,
                    chat_turn_end_id(tokenizer) if chat else None, adapters=tuple(adapters),
-                   tool_parser=tool_parser)
+                   tool_parser=tool_parser,
+                   stop_ids=tuple(i for i in stop_ids if 0 <= i < config.vocab_size))
 
     def adapter_of(self, model: str) -> str | None:
         """The adapter a request's ``model`` names (None: the base).
@@ -103,8 +106,8 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) ->
         prompt, where = _chat_prompt(req, tok), "messages"
     else:
         prompt, where = _completion_prompt(req, model), "prompt"
-    parser = tools.reply_parser(req, tok.chat_template, model.tool_parser
-                                ) if chat else None
+    parser = tools.reply_parser(req, template_source(tok, tools.template_tools(req)),
+                                model.tool_parser) if chat else None
     limit = req.token_limit if chat else req.max_tokens
     room = model.max_len - len(prompt)
     if room <= 0 or (limit or 0) > room:
@@ -119,6 +122,8 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) ->
         stop_ids.append(tok.eos_id)
     if chat and model.turn_end is not None and not req.ignore_eos:
         stop_ids.append(model.turn_end)
+    if not req.ignore_eos:
+        stop_ids.extend(model.stop_ids)
     if any(not 0 <= i < model.vocab_size for i in stop_ids):
         raise APIError(400, f"stop_token_ids must be ids in [0, {model.vocab_size}), got "
                        f"{req.stop_token_ids}", "stop_token_ids")

@@ -289,9 +289,19 @@ class Engine:
         # before either result is read. A prompt's first token goes out as soon as the chunk's
         # program ends, without waiting for the decode rows (its time to first token is the
         # chunk's alone).
-        chunk = None if prefill is None else self._run(None, prefill, _rows(rows, b, b + 1),
-                                                       sampler)
-        rows_out = self._run(decode, None, _rows(rows, 0, b), sampler) if plan.decodes else None
+        if sched.has_grammar(plan):  # the masks computed while the device runs the forwards
+            chunk_logits = None if prefill is None else self._forward(None, prefill)
+            logits = self._forward(decode, None) if plan.decodes else None
+            rows = rows.replace(allowed=sched.grammar_masks(plan, self.config.vocab_size))
+            chunk = None if prefill is None else step_lib.sample_jit(
+                chunk_logits, _rows(rows, b, b + 1), sampler)
+            rows_out = None if logits is None else step_lib.sample_jit(
+                logits, _rows(rows, 0, b), sampler)
+        else:
+            chunk = None if prefill is None else self._run(None, prefill,
+                                                           _rows(rows, b, b + 1), sampler)
+            rows_out = (self._run(decode, None, _rows(rows, 0, b), sampler) if plan.decodes
+                        else None)
         if chunk is not None:
             tokens, logprobs = jax.device_get(chunk)
             delivered += self._deliver(sched.commit_prefill(plan, tokens[0], logprobs[0]))
@@ -337,13 +347,26 @@ class Engine:
             adapters=self._adapters)
         return tokens, logprobs
 
-    def compile(self) -> int:
+    def _forward(self, decode: step_lib.DecodeRows | None,
+                 prefill: step_lib.PrefillChunk | None) -> jax.Array:
+        """Runs one step's forward on the engine's pages (updated in place); returns its
+        [R, V] logits, not yet on the host (``step.engine_forward``)."""
+        self._k, self._v, logits, self._rings = step_lib.forward_jit(
+            self.config, self.weights.params, self._k, self._v, decode, prefill,
+            weights_out_first=self.weights.weights_out_first,
+            keys_transposed=self.keys_transposed, view=self.view, mesh=self.mesh,
+            quant=self.weights.quant, rings=self._rings, adapters=self._adapters)
+        return logits
+
+    def compile(self, structured: bool = False) -> int:
         """Compiles the step programs a greedy load runs by running each once on idle rows
         (which write only into the null page): the decode rows, and a chunk of each prefill
-        bucket, at every page-table width. Sampling steps compile on first use.
+        bucket, at every page-table width. With ``structured``, also the forward and masked
+        sampling programs of greedy steps with grammar rows (and the grammars' tokenizer).
+        Sampling steps compile on first use.
 
         Returns:
-          The number of step programs run.
+          The number of step shapes run.
         """
         sched = self.scheduler
         b = sched.num_slots
@@ -364,6 +387,11 @@ class Engine:
                 np.full(n, self.config.vocab_size, np.int32), np.ones(n, np.float32),
                 np.zeros(n, np.float32))
             jax.block_until_ready(self._run(decode_rows, chunk, sampling, step_lib.Sampler()))
+            if structured:
+                masks = np.full((n, self._grammar_tokenizer().words), -1, np.int32)
+                jax.block_until_ready(step_lib.sample_jit(
+                    self._forward(decode_rows, chunk), sampling.replace(allowed=masks),
+                    step_lib.Sampler()))
         return len(shapes)
 
     def _apply_pending(self) -> list[tuple[Request, TokenEvent]]:

@@ -5,11 +5,12 @@ A ``Grammar`` says what the output must be: text matching a JSON schema (``"json
 JSON object (``"json_object"``), a regular expression (``"regex"``), one of some strings
 (``"choice"``) or a grammar in llguidance's Lark syntax (``"lark"``, which may embed JSON
 schemas as ``%json {...}``: the server's enforced tool calls). The engine gives each request
-with one a ``llguidance.LLMatcher``. Before a step, the matcher fills the request's row of a
-[R, ceil(V/32)] int32 bitmask (bit v of a row: token v is allowed). The sampling program sets
-every other token's logit to -inf (``step.sample_rows``). After the step, the drawn token is
-fed to the matcher. Once the grammar is complete (nothing but its end may follow), the request
-finishes with reason ``"stop"``.
+with one a ``llguidance.LLMatcher``. A step with grammar rows runs as two programs: the
+forward is dispatched first, and while the device runs it each matcher fills its request's row
+of a [R, ceil(V/32)] int32 bitmask on the host (bit v of a row: token v is allowed); the
+sampling program then sets every other token's logit to -inf (``step.sample_rows``). After
+the step, the drawn token is fed to the matcher. Once the grammar is complete (nothing but its
+end may follow), the request finishes with reason ``"stop"``.
 Rows without a grammar get no mask, and a step with none of them runs the unmasked program.
 
 llguidance (the ``serve`` extra) is imported only when a grammar is used. It needs the HF

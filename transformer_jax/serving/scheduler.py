@@ -233,13 +233,11 @@ class Scheduler:
         positions = np.zeros(self.num_slots, np.int32)
         table = np.full((self.num_slots, plan.width), NULL_PAGE, np.int32)
         adapter = np.zeros(self.num_slots, np.int32) if adapters else None
-        row_reqs: list[Request | None] = [None] * self.num_slots
         for req in plan.decodes:
             tokens[req.slot], positions[req.slot] = req.tokens[-1], req.cached
             table[req.slot] = self.page_table[req.slot, :plan.width]
             if adapter is not None:
                 adapter[req.slot] = req.adapter
-            row_reqs[req.slot] = req
         decode = DecodeRows(tokens, positions, table, adapter)
         if plan.prefill is not None:
             req = plan.prefill
@@ -250,9 +248,35 @@ class Scheduler:
                                    np.asarray([plan.chunk - 1], np.int32),
                                    np.asarray([req.slot], np.int32) if slot else None,
                                    np.asarray([req.adapter], np.int32) if adapters else None)
-            row_reqs.append(req)
-        rows, sampler = _row_sampling(row_reqs, vocab_size)
+        rows, sampler = _row_sampling(self._row_requests(plan), vocab_size)
         return decode, prefill, rows, sampler
+
+    def grammar_masks(self, plan: StepPlan, vocab_size: int) -> np.ndarray | None:
+        """The [R, ceil(V/32)] int32 bitmasks of the tokens the step's rows may draw (B decode
+        rows, then the chunk's): each grammar row's from its matcher, every token for the
+        others; None when no row has a grammar (``inputs``' sampling leaves them out, so the
+        engine can compute them while the device runs the step's forward)."""
+        reqs = self._row_requests(plan)
+        grammars = [i for i, req in enumerate(reqs) if req is not None and req.matcher is not None]
+        if not grammars:
+            return None
+        allowed = np.full((len(reqs), -(-vocab_size // 32)), -1, np.int32)
+        for i in grammars:
+            fill_mask(reqs[i].matcher, allowed, i)
+        return allowed
+
+    def has_grammar(self, plan: StepPlan) -> bool:
+        """Whether any of the step's rows draws under a grammar (structured outputs)."""
+        return any(req is not None and req.matcher is not None
+                   for req in self._row_requests(plan))
+
+    def _row_requests(self, plan: StepPlan) -> list[Request | None]:
+        """The request of each of the step's rows: B decode rows (None for a slot not
+        decoding), then the chunk's when there is one."""
+        reqs: list[Request | None] = [None] * self.num_slots
+        for req in plan.decodes:
+            reqs[req.slot] = req
+        return reqs if plan.prefill is None else reqs + [plan.prefill]
 
     def commit_prefill(self, plan: StepPlan, token: np.ndarray, logprob: np.ndarray
                        ) -> list[tuple[Request, TokenEvent]]:
@@ -344,17 +368,10 @@ def _row_sampling(reqs: list[Request | None], vocab_size: int) -> tuple[RowSampl
             top_p[i] = p.top_p
         if p.min_p is not None:
             min_p[i] = p.min_p
-    allowed = None
-    grammars = [i for i, req in enumerate(reqs) if req is not None and req.matcher is not None]
-    if grammars:  # structured outputs: each grammar row's mask, every token for the others
-        allowed = np.full((r, -(-vocab_size // 32)), -1, np.int32)
-        for i in grammars:
-            fill_mask(reqs[i].matcher, allowed, i)
     sampled = bool(np.any(temperature > 0))
     alternatives = any(req is not None and req.params.top_logprobs for req in reqs)
     sampler = Sampler(sampled=sampled, top_k=sampled and bool(np.any(top_k < vocab_size)),
                       top_p=sampled and bool(np.any(top_p < 1)),
                       min_p=sampled and bool(np.any(min_p > 0)),
                       top_logprobs=min(MAX_TOP_LOGPROBS, vocab_size) if alternatives else 0)
-    return RowSampling(key_data, token_index, temperature, top_k, top_p, min_p,
-                       allowed), sampler
+    return RowSampling(key_data, token_index, temperature, top_k, top_p, min_p), sampler

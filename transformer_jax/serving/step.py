@@ -20,8 +20,10 @@ Then every row's next token is drawn by ``sampling.sample_with_logprobs`` with t
 settings and key ``fold_in(key, token index)``, as ``generate`` draws token i of a prompt. The
 page-table width W, the kind of rows, the chunk's bucket and the sampler's switches are the
 compile-time shape of a program, so the engine compiles a small fixed set: widths x (1 + chunk
-buckets) for greedy loads. Over a mesh's tensor axis the step runs under ``shard_map`` as
-``generate`` does, the pages split by kv head.
+buckets) for greedy loads. A step with rows under a grammar (structured outputs) runs its
+forward (``engine_forward``) and its sampling (``sample_rows``) as two programs, so the host
+computes the grammars' masks while the device runs the forward. Over a mesh's tensor axis the
+step runs under ``shard_map`` as ``generate`` does, the pages split by kv head.
 
 A model with local (sliding-window) layers keeps their keys in a ring per slot beside the pages
 (``rings``, ``PagedKVCache``): the decode rows use ring row b for slot b, the chunk its
@@ -215,12 +217,61 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
       (key pages, value pages, [R] int32 next tokens, [R] float32 their log-probabilities,
       the rings).
     """
-    run = functools.partial(_step, weights_out_first=weights_out_first,
-                            keys_transposed=keys_transposed, sampler=sampler, view=view)
-    shards = tensor_shards(mesh)
+    def run(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
+            decode: DecodeRows | None, prefill: PrefillChunk | None, rings: Any,
+            adapters: Params | None, rows: RowSampling, *, split: TensorSplit | None
+            ) -> tuple[Any, Any, jax.Array, jax.Array, Any]:
+        k, v, logits, rings = _forward(config, params, k_pages, v_pages, decode, prefill,
+                                       rings, adapters, split=split,
+                                       weights_out_first=weights_out_first,
+                                       keys_transposed=keys_transposed, view=view)
+        tokens, logprobs = sample_rows(logits, rows, sampler)
+        return k, v, tokens, logprobs, rings
+
+    return _on_shards(run, config, params, k_pages, v_pages, decode, prefill, rings, adapters,
+                      (rows,), (P(), P()), mesh=mesh, quant=quant,
+                      weights_out_first=weights_out_first)
+
+
+def engine_forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
+                   decode: DecodeRows | None, prefill: PrefillChunk | None, *,
+                   weights_out_first: bool, keys_transposed: bool, view: str = "auto",
+                   mesh: Mesh | None = None, quant: Any = None, rings: Any = None,
+                   adapters: Params | None = None) -> tuple[Any, Any, jax.Array, Any]:
+    """``engine_step``'s forward without its sampling: the rows' next-token logits, for a
+    step whose rows' sampling needs host work done while the device runs the forward (the
+    grammars' masks of structured outputs, ``sample_jit`` after). Arguments as
+    ``engine_step``'s.
+
+    Returns:
+      (key pages, value pages, [R, V] float32 logits (whole on every device), the rings).
+    """
+    def run(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
+            decode: DecodeRows | None, prefill: PrefillChunk | None, rings: Any,
+            adapters: Params | None, *, split: TensorSplit | None
+            ) -> tuple[Any, Any, jax.Array, Any]:
+        return _forward(config, params, k_pages, v_pages, decode, prefill, rings, adapters,
+                        split=split, weights_out_first=weights_out_first,
+                        keys_transposed=keys_transposed, view=view)
+
+    k, v, logits, rings = _on_shards(run, config, params, k_pages, v_pages, decode, prefill,
+                                     rings, adapters, (), (P(),), mesh=mesh, quant=quant,
+                                     weights_out_first=weights_out_first)
+    return k, v, logits, rings
+
+
+def _on_shards(run: Any, config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
+               decode: DecodeRows | None, prefill: PrefillChunk | None, rings: Any,
+               adapters: Params | None, extra: tuple[Any, ...], extra_out: tuple[P, ...], *,
+               mesh: Mesh | None, quant: Any, weights_out_first: bool) -> Any:
+    """``run(config, params, pages, rows, rings, adapters, *extra, split=)`` on the whole
+    weights, or under ``shard_map`` over a tensor-split mesh (``engine_step`` says how);
+    ``extra`` are replicated inputs, ``extra_out`` the specs of the outputs between the pages
+    and the rings."""
     if not is_split(mesh):
-        return run(config, params, k_pages, v_pages, decode, prefill, rows, rings, adapters,
+        return run(config, params, k_pages, v_pages, decode, prefill, rings, adapters, *extra,
                    split=None)
+    shards = tensor_shards(mesh)
     split = tensor_split(config, mesh)
     local = shard_config(config, shards, vocab=split.vocab)
     pages = page_spec(config)
@@ -229,19 +280,19 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
         functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
         in_specs=(weight_specs(config, mesh, weights_out_first, quant, has_expert_lists(params)),
                   pages, pages,
-                  None if decode is None else P(), None if prefill is None else P(), P(),
-                  ring, None if adapters is None else adapter_specs(config, mesh, adapters)),
-        out_specs=(pages, pages, P(), P(), ring),
-    )(params, k_pages, v_pages, decode, prefill, rows, rings, adapters)
+                  None if decode is None else P(), None if prefill is None else P(),
+                  ring, None if adapters is None else adapter_specs(config, mesh, adapters),
+                  *(P() for _ in extra)),
+        out_specs=(pages, pages, *extra_out, ring),
+    )(params, k_pages, v_pages, decode, prefill, rings, adapters, *extra)
 
 
-def _step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
-          decode: DecodeRows | None, prefill: PrefillChunk | None, rows: RowSampling,
-          rings: Any, adapters: Params | None, *, split: TensorSplit | None,
-          weights_out_first: bool,
-          keys_transposed: bool, sampler: Sampler, view: str
-          ) -> tuple[Any, Any, jax.Array, jax.Array, Any]:
-    """``engine_step`` on one shard's weights and pages (all of them without a split)."""
+def _forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
+             decode: DecodeRows | None, prefill: PrefillChunk | None, rings: Any,
+             adapters: Params | None, *, split: TensorSplit | None, weights_out_first: bool,
+             keys_transposed: bool, view: str) -> tuple[Any, Any, jax.Array, Any]:
+    """The forward of ``engine_step`` on one shard's weights and pages (all of them without a
+    split): (key pages, value pages, [R, V] logits, rings)."""
     if decode is None and prefill is None:
         raise ValueError("an engine step needs decode rows, a prefill chunk or both")
     model = decode_model(config, split, weights_out_first)
@@ -276,8 +327,7 @@ def _step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                           prefill.tokens, positions, cache=cache, logits_at=prefill.last)
         logits.append(out.logits)
         cache = out.cache
-    tokens, logprobs = sample_rows(jnp.concatenate(logits), rows, sampler)
-    return (cache.k, cache.v, tokens, logprobs,
+    return (cache.k, cache.v, jnp.concatenate(logits),
             None if ring is None else (cache.k_ring, cache.v_ring))
 
 
@@ -323,6 +373,17 @@ def jit_step(**jit_options: Any) -> Any:
                    donate_argnames=("k_pages", "v_pages", "rings"), **jit_options)
 
 
+def jit_forward(**jit_options: Any) -> Any:
+    """``engine_forward`` jitted as ``jit_step`` jits the step."""
+    return jax.jit(engine_forward,
+                   static_argnames=tuple(n for n in STEP_STATIC_ARGNAMES if n != "sampler"),
+                   donate_argnames=("k_pages", "v_pages", "rings"), **jit_options)
+
+
 #: The step the engine runs: the shapes of its parts and the switches select one of a few
 #: compiled programs.
 step_jit = jit_step()
+#: A step's forward and its sampling as two programs, for the steps with grammar rows: the
+#: masks are computed on the host between the two dispatches, while the forward runs.
+forward_jit = jit_forward()
+sample_jit = jax.jit(sample_rows, static_argnames=("sampler",))

@@ -26,6 +26,8 @@ import numpy as np
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+#: transformers' directory of a checkpoint's named chat templates besides the default.
+CHAT_TEMPLATES_DIR = "additional_chat_templates"
 
 # The named special tokens of transformers, in its order; chat templates see them as variables.
 NAMED_SPECIAL_TOKENS: tuple[str, ...] = (
@@ -125,6 +127,9 @@ class TokenizerConfig:
       add_bos_token: The config's ``add_bos_token``, None when the config does not say.
       add_eos_token: The config's ``add_eos_token``, None when the config does not say.
       chat_template: The default chat template source, if any.
+      named_templates: The checkpoint's other chat templates by name (``"tool_use"``, which
+        a conversation with tools is rendered with), from a list-form ``chat_template`` or
+        the ``additional_chat_templates/NAME.jinja`` files transformers writes.
       clean_up_tokenization_spaces: The config's decode clean-up switch.
       raw: The whole ``tokenizer_config.json`` as read (written back, updated, on save).
     """
@@ -135,6 +140,7 @@ class TokenizerConfig:
     add_bos_token: bool | None = None
     add_eos_token: bool | None = None
     chat_template: str | None = None
+    named_templates: Mapping[str, str] = dataclasses.field(default_factory=dict)
     clean_up_tokenization_spaces: bool = False
     raw: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -149,7 +155,8 @@ class TokenizerConfig:
 
         As transformers does: ``special_tokens_map.json`` overrides the config's named tokens
         unless the config has ``added_tokens_decoder``; ``chat_template.jinja`` overrides the
-        config's ``chat_template``; a list of named templates yields the ``"default"`` one.
+        config's ``chat_template``; a list of named templates yields the ``"default"`` one
+        and the others by name, as do ``additional_chat_templates/NAME.jinja`` files.
 
         Args:
           directory: The checkpoint (or tokenizer) directory.
@@ -185,12 +192,17 @@ class TokenizerConfig:
             if isinstance(token, Mapping) and token.get("special", False):
                 extra.append(_token_content(token))
         template = raw.get("chat_template")
+        named: dict[str, str] = {}
         if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
             named = {item["name"]: item["template"] for item in template}
-            template = named.get("default")
+            template = named.pop("default", None)
         template_file = directory / CHAT_TEMPLATE_FILE
         if template_file.is_file():
             template = template_file.read_text(encoding="utf-8")
+        templates_dir = directory / CHAT_TEMPLATES_DIR
+        if templates_dir.is_dir():
+            for path in sorted(templates_dir.glob("*.jinja")):
+                named[path.stem] = path.read_text(encoding="utf-8")
         return cls(
             special=special,
             extra_special=tuple(dict.fromkeys(t for t in extra if t not in special.values())),
@@ -198,6 +210,7 @@ class TokenizerConfig:
             add_bos_token=_optional_bool(raw.get("add_bos_token")),
             add_eos_token=_optional_bool(raw.get("add_eos_token")),
             chat_template=template,
+            named_templates=named,
             clean_up_tokenization_spaces=bool(raw.get("clean_up_tokenization_spaces", False)),
             raw=raw,
         )
@@ -223,7 +236,12 @@ class TokenizerConfig:
         if self.extra_special:
             out.pop("additional_special_tokens", None)
             out["extra_special_tokens"] = list(self.extra_special)
-        if self.chat_template is not None:
+        if self.named_templates:  # the list form keeps every template in the one file
+            default = ([] if self.chat_template is None
+                       else [{"name": "default", "template": self.chat_template}])
+            out["chat_template"] = default + [{"name": name, "template": source} for name,
+                                              source in self.named_templates.items()]
+        elif self.chat_template is not None:
             out["chat_template"] = self.chat_template
         out["clean_up_tokenization_spaces"] = self.clean_up_tokenization_spaces
         out.update(overrides)
@@ -308,6 +326,7 @@ def _optional_bool(value: Any) -> bool | None:
 
 __all__ = [
     "CHAT_TEMPLATE_FILE",
+    "CHAT_TEMPLATES_DIR",
     "CONFIG_FILE",
     "NAMED_SPECIAL_TOKENS",
     "SPECIAL_TOKENS_MAP_FILE",

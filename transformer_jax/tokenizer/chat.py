@@ -136,6 +136,18 @@ def render_chat(
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
 
 
+def template_source(tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None
+                    ) -> str | None:
+    """The template a conversation is rendered with, as transformers picks it: a
+    checkpoint's ``"tool_use"`` template when ``tools`` are given (not None) and it has one,
+    its default template otherwise (None if it has none)."""
+    if tools is not None:
+        named = getattr(tokenizer, "named_templates", None) or {}
+        if "tool_use" in named:
+            return named["tool_use"]
+    return getattr(tokenizer, "chat_template", None)
+
+
 class ChatTemplate:
     """A tokenizer's chat template bound to its special tokens.
 
@@ -150,13 +162,15 @@ class ChatTemplate:
         compile_template(source)  # fail early on a syntax error
 
     @classmethod
-    def of(cls, tokenizer: Any) -> ChatTemplate:
-        """The chat template of a tokenizer (``TextTokenizer``).
+    def of(cls, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None
+           ) -> ChatTemplate:
+        """The chat template of a tokenizer (``TextTokenizer``): with ``tools``, its
+        ``"tool_use"`` template when it has one (``template_source``).
 
         Raises:
           ValueError: If the tokenizer has no chat template.
         """
-        source = getattr(tokenizer, "chat_template", None)
+        source = template_source(tokenizer, tools)
         if not source:
             raise ValueError(
                 f"tokenizer {tokenizer!r} has no chat template (no chat_template.jinja or "
@@ -177,4 +191,5 @@ class ChatTemplate:
         )
 
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "Message", "compile_template", "render_chat"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "Message", "compile_template", "render_chat",
+           "template_source"]

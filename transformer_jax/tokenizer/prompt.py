@@ -53,7 +53,8 @@ def encode_chat_prompt(tokenizer: TextTokenizer, messages: Sequence[Mapping[str,
     Raises:
       ValueError: the tokenizer has no chat template (``ChatTemplateError`` if it fails).
     """
-    text = ChatTemplate.of(tokenizer).render(messages, add_generation_prompt=True, tools=tools)
+    text = ChatTemplate.of(tokenizer, tools).render(messages, add_generation_prompt=True,
+                                                    tools=tools)
     return tokenizer.encode(text)
 
 
