@@ -435,7 +435,7 @@ def test_a_tool_use_template_renders_conversations_with_tools(qwen_dir, tmp_path
         assert not (directory / "additional_chat_templates").exists()
     ours, theirs = load_tokenizer(directory), auto(directory)
     assert template_source(ours, TOOLS) == TOOL_USE and template_source(ours) == CHATML
-    assert ours.named_templates == {"tool_use": TOOL_USE}
+    assert ours.config.named_templates == {"tool_use": TOOL_USE}
     messages = CONVERSATIONS["system"]
     for tools in (TOOLS, None):
         expected = theirs.apply_chat_template(messages, tools=tools, tokenize=False,

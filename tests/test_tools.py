@@ -313,10 +313,31 @@ def server(tmp_path_factory):
                                                                  "chat_template": LLAMA}))
     llama_info = dataclasses.replace(info, tokenizer=load_tokenizer(llama_dir), turn_end=None)
     served, llama = Served(create_app(runner, info)), Served(create_app(runner, llama_info))
+    # And behind a Qwen3-style thinking template, with ``--reasoning-parser qwen3``.
+    think_dir = tmp_path_factory.mktemp("think")
+    shutil.copy(path / "tokenizer.json", think_dir / "tokenizer.json")
+    (think_dir / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                 "chat_template": THINKING}))
+    think_info = dataclasses.replace(info, tokenizer=load_tokenizer(think_dir),
+                                     reasoning_parser="qwen3")
+    SERVED["think"] = Served(create_app(runner, think_info))
     yield served, llama, runner
     served.close()
     llama.close()
+    SERVED.pop("think").close()
     runner.stop()
+
+
+SERVED: dict = {}
+
+# Qwen3's way: the generation prompt opens the thinking block, or with enable_thinking false
+# writes an empty one.
+THINKING = HERMES.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}"
+    "{%- endif %}")
 
 
 def _client(url: str):
@@ -443,3 +464,36 @@ def test_every_bad_tool_field_is_a_400_naming_it(server):
             assert (error["param"], error["type"]) == (param, "invalid_request_error"), \
                 (fields, error)
     runner.engine.check_no_leaks()
+
+
+def test_thinking_goes_to_reasoning_content_streamed_as_not(server):
+    """With ``--reasoning-parser qwen3`` the reply's text before ``</think>`` is the message's
+    ``reasoning_content`` (the template opened the block), the rest its content, in the stream
+    as ``reasoning_content`` deltas first; ``chat_template_kwargs`` reach the template, and
+    with thinking off the whole reply is content."""
+    assert THINKING != HERMES
+    client = _client(SERVED["think"].url)
+    ask = dict(model="tiny-tools", messages=USER, temperature=0.0, max_tokens=40)
+    forced = {"guided_regex": "[a-z]{3,6} ?[a-z]{2,4}</think>\n\n[a-z]{2,5}"}
+    reply = client.chat.completions.create(**ask, extra_body=forced).choices[0]
+    thought, answer = reply.message.reasoning_content, reply.message.content
+    assert reply.finish_reason == "stop" and "</think>" not in thought + answer
+    assert thought.replace(" ", "").isalpha() and answer.isalpha(), (thought, answer)
+    chunks = list(client.chat.completions.create(**ask, extra_body=forced, stream=True))
+    streamed = [c.choices[0].delta for c in chunks if c.choices]
+    joined = ["".join(getattr(d, field, None) or "" for d in streamed)
+              for field in ("reasoning_content", "content")]
+    assert joined == [thought, answer]
+    first = [i for i, d in enumerate(streamed) if getattr(d, "reasoning_content", None)]
+    later = [i for i, d in enumerate(streamed) if d.content]
+    assert max(first) < min(later)  # the reasoning streams before the answer
+    off = client.chat.completions.create(**ask, extra_body={
+        "guided_regex": "[a-z]{2,5}", "chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.reasoning_content is None
+    assert off.choices[0].message.content.isalpha()
+    import httpx
+
+    r = httpx.post(SERVED["think"].url + "/v1/chat/completions", json={
+        **ask, "chat_template_kwargs": {"tools": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    server[2].engine.check_no_leaks()

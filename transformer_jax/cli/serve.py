@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "batches requests of every adapter (no merge)")
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"),
                    help="the format of the model's tool calls (default: the chat template's)")
+    p.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"),
+                   help="chat replies' <think> block goes to the message's reasoning_content "
+                        "(serve/reasoning.py; default: left in the content)")
     e = p.add_argument_group("engine")
     e.add_argument("--slots", type=int, default=8,
                    help="sequences decoded at once (default: %(default)s)")
@@ -243,7 +246,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if loaded.source.kind == HF:  # e.g. Llama 3.1's <|eom_id|> after a tool call
         stop_ids = generation_stop_ids(loaded.source.path)
     return runner, ModelInfo.of(name, config, loaded.tokenizer, tuple(adapters),
-                                args.tool_call_parser, stop_ids), timings
+                                args.tool_call_parser, stop_ids, args.reasoning_parser), timings
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,75 +21,19 @@ grammar. ``ModelInfo.tool_parser``, when the server sets one, overrides the temp
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
-import time
-import uuid
 from typing import Any
 
 from transformer_jax.decode.prompts import validate_prompts
-from transformer_jax.serve import tools
+from transformer_jax.serve import reasoning, tools
+from transformer_jax.serve.prepared import ModelInfo, Prepared
 from transformer_jax.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from transformer_jax.serving import SamplingParams, TokenEvent
+from transformer_jax.serve.response import Choices, Response
+from transformer_jax.serving import SamplingParams
 from transformer_jax.serving.grammar import Grammar
 from transformer_jax.tokenizer import detokenize
 from transformer_jax.tokenizer.chat import ChatTemplateError, template_source
-from transformer_jax.tokenizer.prompt import chat_turn_end_id, encode_chat_prompt, encode_text
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelInfo:
-    """What the endpoints need to know of the served model."""
-
-    name: str
-    vocab_size: int
-    max_len: int
-    tokenizer: Any
-    turn_end: int | None = None  # the token closing an assistant turn (chat stops there)
-    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-    adapters: tuple[str, ...] = ()  # the LoRA adapters' names, each also a model to ask for
-    tool_parser: str | None = None  # the tool calls' format (``serve.tools``); None: the
-    # chat template's
-    stop_ids: tuple[int, ...] = ()  # the checkpoint's generation_config eos ids (every request
-    # stops there but with ignore_eos)
-
-    @classmethod
-    def of(cls, name: str, config: Any, tokenizer: Any, adapters: tuple[str, ...] = (),
-           tool_parser: str | None = None, stop_ids: tuple[int, ...] = ()) -> ModelInfo:
-        chat = tokenizer is not None and bool(tokenizer.chat_template)
-        return cls(name, config.vocab_size, config.max_seq_len, tokenizer,
-                   chat_turn_end_id(tokenizer) if chat else None, adapters=tuple(adapters),
-                   tool_parser=tool_parser,
-                   stop_ids=tuple(i for i in stop_ids if 0 <= i < config.vocab_size))
-
-    def adapter_of(self, model: str) -> str | None:
-        """The adapter a request's ``model`` names (None: the base).
-
-        Raises:
-          APIError: 404 ``model_not_found`` (OpenAI's answer) for a model not served here.
-        """
-        if model == self.name:
-            return None
-        if model in self.adapters:
-            return model
-        served = ", ".join(repr(m) for m in (self.name, *self.adapters))
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
-                       "model", "model_not_found")
-
-
-@dataclasses.dataclass(frozen=True)
-class Prepared:
-    """A request ready for the engine: its prompt ids and sampling parameters."""
-
-    prompt: list[int]
-    params: SamplingParams
-    chat: bool
-    n: int = 1
-    tool_parser: str | None = None  # the reply's tool calls' format (``serve.tools``), or None
-
-    def choice(self, i: int) -> SamplingParams:
-        """The parameters of choice i: the request's, with seed ``seed + i`` (mod 2**32)."""
-        return dataclasses.replace(self.params, seed=(self.params.seed + i) % 2 ** 32)
+from transformer_jax.tokenizer.prompt import encode_chat_prompt, encode_text
 
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) -> Prepared:
@@ -143,7 +87,10 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) ->
         top_logprobs=min(_top_asked(req), model.vocab_size),
         grammar=_grammar(req, model, parser),
         stop=req.stop_strings, adapter=adapter)
-    return Prepared(prompt, params, chat, req.n, parser)
+    thinking = None
+    if chat and model.reasoning_parser is not None:  # the prompt's end: a <think> it opened?
+        thinking = reasoning.prompt_opens_thinking(detokenize(tok, prompt[-16:]))
+    return Prepared(prompt, params, chat, req.n, parser, thinking)
 
 
 def _grammar(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo,
@@ -215,7 +162,8 @@ def _chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
                        "messages")
     try:
         return encode_chat_prompt(releasing_gil(tokenizer), [m.as_dict() for m in req.messages],
-                                  tools=tools.template_tools(req))
+                                  tools=tools.template_tools(req),
+                                  template_kwargs=req.chat_template_kwargs)
     except (ChatTemplateError, TypeError) as e:
         raise APIError(400, f"messages: {e}", "messages") from None
     except UnicodeError as e:
@@ -267,200 +215,6 @@ def _reason(error: Exception) -> str:
 
 # Responses ---------------------------------------------------------------------------------------
 
-class Response:
-    """Builds one request's OpenAI objects from its engine events.
 
-    Args:
-      prepared: the request as the engine runs it.
-      model: the served model.
-    """
-
-    def __init__(self, prepared: Prepared, model: ModelInfo, index: int = 0) -> None:
-        self.chat = prepared.chat
-        self.model = model
-        self.index = index
-        self.group: Choices | None = None
-        self.logprobs = prepared.params.logprobs
-        self.prompt_tokens = len(prepared.prompt)
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.completion_tokens = 0
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.token_logprobs: list[float] = []
-        self.token_tops: list[Any] = []
-        self.finish_reason: str | None = None
-        # The reply's tool calls, parsed as the stream goes (``serve.tools``), and their count.
-        self.tool_parser = prepared.tool_parser if self.chat else None
-        self._calls = tools.make_parser(self.tool_parser) if self.tool_parser else None
-        self._calls_sent = 0
-
-    def add(self, events: list[TokenEvent]) -> tuple[str, list[TokenEvent]]:
-        """Takes a step's events; returns their text and the events with a token."""
-        tokens = [e for e in events if e.token is not None]
-        text = "".join(e.text or "" for e in events)
-        self.completion_tokens += len(tokens)
-        self.text.append(text)
-        self.token_ids += [e.token for e in tokens]
-        self.token_logprobs += [e.logprob for e in tokens]
-        self.token_tops += [e.top_logprobs for e in tokens]
-        for e in events:
-            self.finish_reason = e.finish_reason or self.finish_reason
-        return text, tokens
-
-    @property
-    def usage(self) -> dict[str, int]:
-        """The request's usage (of all its choices: the prompt counted once)."""
-        if self.group is not None:
-            return self.group.usage
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
-
-    def _head(self, chunk: bool) -> dict[str, Any]:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else \
-            "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created,
-                "model": self.model.name}
-
-    def _piece(self, token: int) -> str:
-        tok = self.model.tokenizer
-        return detokenize(tok, [token]) if tok is not None else f"<{token}>"
-
-    def _logprobs(self, tokens: list[int], logprobs: list[float], tops: list[Any]
-                  ) -> dict[str, Any] | None:
-        """The ``logprobs`` object of ``tokens`` (``tops``: each one's (id, log-probability)
-        alternatives, or None), in the endpoint's format."""
-        if not self.logprobs:
-            return None
-        pieces = [self._piece(t) for t in tokens]
-        alternatives = [[(self._piece(i), lp) for i, lp in top or ()] for top in tops]
-        if self.chat:
-            return {"content": [
-                {"token": p, "logprob": lp, "bytes": list(p.encode()),
-                 "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
-                                  for a, alp in alt]}
-                for p, lp, alt in zip(pieces, logprobs, alternatives, strict=True)]}
-        offsets, at = [], 0
-        for p in pieces:
-            offsets.append(at)
-            at += len(p)
-        # A dict per token, as OpenAI's: two ids that decode alike keep the likelier one.
-        top = [dict(reversed(alt)) for alt in alternatives]
-        top = [dict(sorted(t.items(), key=lambda kv: -kv[1])) for t in top]
-        return {"tokens": pieces, "token_logprobs": logprobs,
-                "top_logprobs": top if any(tops) else None, "text_offset": offsets}
-
-    def choice(self) -> dict[str, Any]:
-        """This choice of the whole (non-streamed) response."""
-        logprobs = self._logprobs(self.token_ids, self.token_logprobs, self.token_tops)
-        text = "".join(self.text)
-        choice: dict[str, Any] = {"index": self.index, "logprobs": logprobs,
-                                  "finish_reason": self.finish_reason}
-        if self.chat and self.tool_parser:
-            content, calls = tools.parse_reply(text, self.tool_parser)
-            choice["message"] = {"role": "assistant", "content": content or None if calls
-                                 else content}
-            if calls:
-                choice["message"]["tool_calls"] = [c.as_openai() for c in calls]
-                choice["finish_reason"] = _with_calls(self.finish_reason)
-        elif self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return choice
-
-    def final(self) -> dict[str, Any]:
-        """The whole (non-streamed) response of a one-choice request."""
-        return {**self._head(False), "choices": [self.choice()], "usage": self.usage}
-
-    def chunk(self, text: str, tokens: list[TokenEvent], finish_reason: str | None,
-              first: bool = False, usage: bool = False) -> dict[str, Any]:
-        """One stream chunk of ``text`` (the first one of a chat opens the assistant role),
-        with the usage so far when ``usage``."""
-        logprobs = self._logprobs([e.token for e in tokens], [e.logprob for e in tokens],
-                                  [e.top_logprobs for e in tokens])
-        choice: dict[str, Any] = {"index": self.index, "logprobs": logprobs,
-                                  "finish_reason": finish_reason}
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text or first:
-                delta["content"] = text
-            choice["delta"] = delta
-        else:
-            choice["text"] = text
-        return {**self._head(True), "choices": [choice],
-                "usage": self.usage if usage else None}
-
-    def chunks(self, text: str, tokens: list[TokenEvent], finish_reason: str | None,
-               first: bool = False, usage: bool = False) -> list[dict[str, Any]]:
-        """The stream chunks of one step's ``text`` (none when there is nothing to send).
-
-        With tools, the text goes through the reply's tool-call parser: content deltas for the
-        text known to be no call, and each call once whole, as OpenAI streams it: a delta with
-        its ``index``, ``id``, ``type`` and name (``arguments`` ""), then one with its
-        arguments. The step's logprobs ride on its first chunk, the finish reason (``"tool_calls"``
-        for ``"stop"`` once calls were sent) and the usage on its last.
-        """
-        if self._calls is None:
-            if not (text or first or finish_reason is not None):
-                return []
-            return [self.chunk(text, tokens, finish_reason, first, usage)]
-        pieces = self._calls.feed(text)
-        if finish_reason is not None:
-            pieces += self._calls.finish()
-        deltas = tools.stream_deltas(pieces, self._calls_sent)
-        self._calls_sent += sum(isinstance(p, tools.ToolCall) for p in pieces)
-        if first:
-            deltas[:1] = [{"role": "assistant", **(deltas[0] if deltas else {})}]
-        logprobs = self._logprobs([e.token for e in tokens], [e.logprob for e in tokens],
-                                  [e.top_logprobs for e in tokens])
-        if not deltas and (finish_reason is not None or (logprobs and tokens)):
-            deltas.append({})
-        if finish_reason is not None and self._calls_sent:
-            finish_reason = _with_calls(finish_reason)
-        out = []
-        for k, delta in enumerate(deltas):
-            last = k == len(deltas) - 1
-            choice = {"index": self.index, "logprobs": logprobs if k == 0 else None,
-                      "finish_reason": finish_reason if last else None, "delta": delta}
-            out.append({**self._head(True), "choices": [choice],
-                        "usage": self.usage if usage and last else None})
-        return out
-
-    def usage_chunk(self) -> dict[str, Any]:
-        """The last chunk of a stream with ``stream_options.include_usage``."""
-        return {**self._head(True), "choices": [], "usage": self.usage}
-
-
-def _with_calls(finish_reason: str | None) -> str | None:
-    """A reply's finish reason once it made tool calls: ``"tool_calls"`` for ``"stop"``
-    (a reply cut at the token limit, or otherwise ended, keeps its reason)."""
-    return "tool_calls" if finish_reason == "stop" else finish_reason
-
-
-class Choices:
-    """The n choices of one request, a ``Response`` each: one id, the prompt counted once in
-    the usage, the choices indexed 0..n-1 (in the stream, each chunk names its choice).
-
-    Args:
-      prepared: the request as the engine runs it (``prepared.n`` choices).
-      model: the served model.
-    """
-
-    def __init__(self, prepared: Prepared, model: ModelInfo) -> None:
-        self.responses = [Response(prepared, model, i) for i in range(prepared.n)]
-        first = self.responses[0]
-        for r in self.responses:
-            r.id, r.created, r.group = first.id, first.created, self
-
-    @property
-    def usage(self) -> dict[str, int]:
-        prompt = self.responses[0].prompt_tokens
-        done = sum(r.completion_tokens for r in self.responses)
-        return {"prompt_tokens": prompt, "completion_tokens": done,
-                "total_tokens": prompt + done}
-
-    def final(self) -> dict[str, Any]:
-        """The whole (non-streamed) response."""
-        return {**self.responses[0]._head(False),
-                "choices": [r.choice() for r in self.responses], "usage": self.usage}
+__all__ = ["Choices", "ModelInfo", "Prepared", "Response", "encode_text", "prepare",
+           "releasing_gil"]

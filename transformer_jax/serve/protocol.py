@@ -248,6 +248,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = Field(None, min_length=1)
     tool_choice: Any = None  # one of TOOL_CHOICES or a NamedToolChoice (checked below)
     parallel_tool_calls: bool = True
+    # vLLM's: further variables of the chat template (e.g. {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def token_limit(self) -> int | None:
@@ -263,6 +265,11 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _tools(self) -> ChatCompletionRequest:
+        reserved = sorted(set(self.chat_template_kwargs or ()) & {
+            "messages", "tools", "documents", "add_generation_prompt"})
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} are set by the "
+                           "request itself", "chat_template_kwargs")
         names = [t.function.name for t in self.tools or ()]
         for i, name in enumerate(names):
             if name in names[:i]:

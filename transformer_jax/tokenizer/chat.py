@@ -142,7 +142,8 @@ def template_source(tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = 
     checkpoint's ``"tool_use"`` template when ``tools`` are given (not None) and it has one,
     its default template otherwise (None if it has none)."""
     if tools is not None:
-        named = getattr(tokenizer, "named_templates", None) or {}
+        config = getattr(tokenizer, "config", None)  # a TokenizerConfig, or None
+        named = getattr(config, "named_templates", None) or {}
         if "tool_use" in named:
             return named["tool_use"]
     return getattr(tokenizer, "chat_template", None)

@@ -166,11 +166,6 @@ class HFTokenizer:
         return self._config.chat_template
 
     @property
-    def named_templates(self) -> dict[str, str]:
-        """The checkpoint's other chat templates by name (``"tool_use"``), if any."""
-        return dict(self._config.named_templates)
-
-    @property
     def special_tokens(self) -> dict[str, str]:
         """The named special tokens that are set (``bos_token``, ``eos_token``, ...)."""
         return dict(self._config.special)

@@ -40,7 +40,8 @@ def encode_text(tokenizer: TextTokenizer, text: str, *, bos: bool | None = None)
 
 
 def encode_chat_prompt(tokenizer: TextTokenizer, messages: Sequence[Mapping[str, Any]], *,
-                       tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+                       tools: Sequence[Mapping[str, Any]] | None = None,
+                       template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """The ids [T] of a conversation rendered with the tokenizer's chat template and its
     generation prompt, as fine-tuning encoded the text before each assistant turn.
 
@@ -49,12 +50,14 @@ def encode_chat_prompt(tokenizer: TextTokenizer, messages: Sequence[Mapping[str,
       messages: the conversation.
       tools: the template's ``tools`` (OpenAI's ``{"type": "function", "function": {...}}``
         entries, as ``apply_chat_template(tools=...)`` takes them), or None.
+      template_kwargs: further template variables (``apply_chat_template(**kwargs)``: e.g.
+        ``enable_thinking``).
 
     Raises:
       ValueError: the tokenizer has no chat template (``ChatTemplateError`` if it fails).
     """
     text = ChatTemplate.of(tokenizer, tools).render(messages, add_generation_prompt=True,
-                                                    tools=tools)
+                                                    tools=tools, **(template_kwargs or {}))
     return tokenizer.encode(text)
 
 

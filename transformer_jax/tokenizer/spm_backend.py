@@ -317,11 +317,6 @@ class Tokenizer:
         return None if self._config is None else self._config.chat_template
 
     @property
-    def named_templates(self) -> dict[str, str]:
-        """The attached config's other chat templates by name (``"tool_use"``), if any."""
-        return {} if self._config is None else dict(self._config.named_templates)
-
-    @property
     def config(self) -> TokenizerConfig | None:
         """The attached checkpoint settings, or None for a bare model."""
         return self._config

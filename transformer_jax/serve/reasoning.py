@@ -1,0 +1,125 @@
+"""Reasoning in a chat reply: the text a thinking model writes between ``<think>`` and
+``</think>`` (Qwen3, DeepSeek-R1 and the models that copied them) goes to the message's
+``reasoning_content``, the rest to its ``content`` (and through the tool-call parser).
+
+``serve --reasoning-parser qwen3`` (or ``deepseek_r1``: the same tags) turns it on. The rule,
+for a reply streamed or not (``ThinkSplitter`` cuts both):
+
+* text before ``</think>`` is reasoning (a leading ``<think>`` dropped), the text after it is
+  content (the newlines right after the tag dropped);
+* with no ``</think>``: a reply that opened with ``<think>``, or whose prompt did (templates
+  that open the thinking block in the generation prompt), is all reasoning, cut before the
+  model finished thinking; any other reply is all content (e.g. Qwen3 with
+  ``chat_template_kwargs: {"enable_thinking": false}``, whose prompt holds an empty block).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+START, END = "<think>", "</think>"
+#: ``--reasoning-parser`` names (vLLM's) and the tags they read.
+PARSERS = {"qwen3": (START, END), "deepseek_r1": (START, END)}
+
+REASONING, CONTENT = "reasoning", "content"
+
+
+def check_parser(name: str | None) -> None:
+    """Raises ValueError naming the choices for an unknown ``--reasoning-parser``."""
+    if name is not None and name not in PARSERS:
+        raise ValueError(f"--reasoning-parser must be one of {sorted(PARSERS)}, got {name!r}")
+
+
+def prompt_opens_thinking(prompt_text: str) -> bool:
+    """Whether a rendered prompt ends inside a thinking block it opened (the reply then
+    starts with the reasoning, without a ``<think>`` of its own)."""
+    return prompt_text.rstrip().endswith(START)
+
+
+def _held(text: str, tag: str) -> int:
+    """How many of ``text``'s last characters could start ``tag`` (held back from a stream)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ThinkSplitter:
+    """Cuts a reply, fed as it streams, into reasoning and content pieces.
+
+    Args:
+      opened: the prompt opened the thinking block (``prompt_opens_thinking``).
+    """
+
+    def __init__(self, opened: bool = False) -> None:
+        self.state = REASONING if opened else "start"
+        self._buffer = ""
+        self._after_end = False  # right after </think>: newlines still to drop
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        """The pieces ``(REASONING | CONTENT, text)`` that ``text`` completes; text that
+        may still turn out to be a tag is held until the next call."""
+        self._buffer += text
+        out: list[tuple[str, str]] = []
+        while True:
+            if self.state == "start":
+                head = self._buffer.lstrip()
+                if head.startswith(START):
+                    self._buffer, self.state = head[len(START):], REASONING
+                elif head and not START.startswith(head):
+                    self.state = CONTENT
+                else:
+                    return out  # only whitespace or a start of <think> so far
+            elif self.state == REASONING:
+                at = self._buffer.find(END)
+                if at < 0:
+                    keep = _held(self._buffer, END)
+                    piece, self._buffer = (self._buffer[:len(self._buffer) - keep],
+                                           self._buffer[len(self._buffer) - keep:])
+                    _add(out, REASONING, piece)
+                    return out
+                _add(out, REASONING, self._buffer[:at])
+                self._buffer = self._buffer[at + len(END):]
+                self.state, self._after_end = CONTENT, True
+            else:
+                if self._after_end:
+                    self._buffer = self._buffer.lstrip("\n")
+                    if not self._buffer:
+                        return out
+                    self._after_end = False
+                _add(out, CONTENT, self._buffer)
+                self._buffer = ""
+                return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        """The held text once the reply has ended."""
+        text, self._buffer = self._buffer, ""
+        if self.state == "start":  # whitespace or a cut <think>: content as written
+            return [(CONTENT, text)] if text else []
+        if self.state == REASONING:
+            return [(REASONING, text)] if text else []
+        return [] if self._after_end else ([(CONTENT, text)] if text else [])
+
+
+def _add(out: list[tuple[str, str]], kind: str, text: str) -> None:
+    if text:
+        out.append((kind, text))
+
+
+def split(text: str, opened: bool = False) -> tuple[str | None, str]:
+    """A whole reply's ``(reasoning or None, content)``."""
+    splitter = ThinkSplitter(opened)
+    pieces = splitter.feed(text) + splitter.finish()
+    reasoning = "".join(t for kind, t in pieces if kind == REASONING)
+    content = "".join(t for kind, t in pieces if kind == CONTENT)
+    thought = opened or text.lstrip().startswith(START)
+    return (reasoning if thought else None), content
+
+
+def deltas(pieces: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Stream deltas of reasoning pieces: ``{"reasoning_content": text}`` each."""
+    return [{"reasoning_content": t} for kind, t in pieces if kind == REASONING]
+
+
+__all__ = ["END", "PARSERS", "START", "ThinkSplitter", "check_parser", "deltas",
+           "prompt_opens_thinking", "split"]
