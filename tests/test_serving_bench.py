@@ -51,6 +51,22 @@ def test_every_mode_serves_every_token(tmp_path):
     assert result["modes"]["engine"]["peak_running"] == 2
 
 
+def test_the_structured_modes_serve_every_token_and_write_their_results(tmp_path):
+    config = tmp_path / "one_layer.toml"  # a vocabulary the byte-level tokenizer fits in
+    config.write_text("[model]\nvocab_size = 260\nd_model = 16\nn_layers = 1\nn_heads = 2\n"
+                      "d_ff = 16\nmax_seq_len = 16\n")
+    out = tmp_path / "serve.json"
+    assert serve.main(["--config", str(config), "--requests", "2", "--input-len", "3,6",
+                       "--output-len", "4,4", "--output-multiple", "4", "--slots", "2",
+                       "--page-size", "8", "--token-budget", "10",
+                       "--modes", "engine,engine-json-mixed",
+                       "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for mode in ("engine", "engine-json-mixed"):
+        assert result["modes"][mode]["output_tokens"] == 2 * 4, mode
+    assert result["modes"]["engine-json-mixed"]["unconstrained_tpot_median_s"] > 0
+
+
 def test_stall_scenario_measures_the_prefill_window(tmp_path):
     from transformer_jax.bench import serve_stall
     from transformer_jax.decode import loop as decode

@@ -326,7 +326,8 @@ def main(argv: list[str]) -> int:
         "backend": jax.default_backend(), "host": platform.node(),
         "load_avg": os.getloadavg(), "args": {k: (str(v) if isinstance(v, float) and
                                                   math.isinf(v) else v)
-                                              for k, v in vars(args).items()},
+                                              for k, v in vars(args).items()
+                                              if k != "grammar"},  # not JSON; --response-format is
         "pages": pages, "modes": {}}
     print(f"{args.config} ({config.dtype}, {jax.default_backend()}): {args.requests} requests, "
           f"inputs {args.input_len}, outputs {args.output_len}, rate {args.rate}/s; "
