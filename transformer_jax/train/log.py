@@ -176,7 +176,8 @@ class RunLog:
             record = {"step": step, "split": "train", **m,
                       "tokens_per_s": self._rate, "mfu": self.mfu()}
             self._write(record)
-            for k in ("loss", "lr", "grad_norm", *(k for k in m if k.startswith("moe_"))):
+            extra = (k for k in m if k.startswith(("moe_", "rewards/")))
+            for k in ("loss", "lr", "grad_norm", *extra):
                 self._tb.add_scalar(f"train/{k}", m[k], step)
             if self._rate:
                 self._tb.add_scalar("train/tokens_per_s", self._rate, step)

@@ -38,6 +38,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.parallel import distributed
 from transformer_jax.parallel import sharding as sharding_lib
 from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, load_tokenizer
+from transformer_jax.train import preference_run as objective
 from transformer_jax.train.checks import (
     RunDirectory,
     attention_used,
@@ -66,13 +67,7 @@ from transformer_jax.train.log import (
 )
 from transformer_jax.train.perf import describe_params, flops_per_token
 from transformer_jax.train.resume import check_resume
-from transformer_jax.train.step import (
-    ParamsLayout,
-    TrainState,
-    make_eval_step,
-    make_init_fn,
-    make_train_step,
-)
+from transformer_jax.train.step import ParamsLayout, TrainState, make_eval_step, make_init_fn
 from transformer_jax.train.validation import (
     EVAL_BATCH_FACTOR,
     eval_batching,
@@ -170,6 +165,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh))
     num_batch_devices = sharding_lib.batch_devices(mesh)  # data x fsdp (x expert)
     check_config(model_config, tc, num_devices=num_batch_devices)
+    objective.check_objective_data(tc, data_config)  # dpo / orpo need preference pairs
     where = f"train.init_from={tc.init_from}"
     source = loading.locate(tc.init_from, where=where) if tc.init_from else None
     if source is not None:
@@ -201,7 +197,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         if tokenizer is None:
             raise ValueError(f"instruction data ({data_config.path}) needs the model's "
                              "tokenizer: pass train.init_from=CHECKPOINT or data.tokenizer=FILE")
-        data = prepare_instruction_data(data_config, tokenizer, tc.seq_len)
+        data = prepare_instruction_data(data_config, tokenizer, tc.seq_len, tc.objective)
     else:
         tokenizer, train_tokens, val_tokens = prepare_data(
             data_config, model_config.vocab_size, tokenizer)
@@ -265,6 +261,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         if main_process:
             _save_tokenizer(tokenizer, run_dir / TOKENIZER_DIR)
             (run_dir / "config.json").write_text(json.dumps(configs, indent=2))
+        data = objective.attach_reference(data, tc, model_config, state, batch_sharding,
+                                          run_dir, main_process)  # DPO's stored reference
         return _train(model_config, tc, data_config, mesh=mesh, files=files, ckpt=ckpt,
                       state=state, state_shardings=state_shardings, start_step=start_step,
                       batch_sharding=batch_sharding, data=data, eval_kw=eval_kw,
@@ -295,8 +293,8 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
 
     batch = get_batch(start_step)
     batch_times.clear()  # the loop's batches only
-    train_step = sharding_lib.jit_train_step(make_train_step(model_config, tc), state_shardings,
-                                             batch_sharding)
+    step_fn = objective.make_objective_step(model_config, tc, data)  # sft, dpo or orpo
+    train_step = sharding_lib.jit_train_step(step_fn, state_shardings, batch_sharding)
     train_step = train_step.lower(state, batch).compile()
     compile_time = time.perf_counter() - compile_start
     eval_step = sharding_lib.jit_sharded(
