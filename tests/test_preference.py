@@ -1,0 +1,373 @@
+"""Preference training: DPO (sigmoid, IPO) and ORPO losses against their formulas and against
+TRL's computation in torch on a tiny HF Llama, pair packing, the LoRA adapters-off reference,
+bad records, the CLI end to end and exact resume.
+
+TRL itself is not installed in this environment, so the torch side below is TRL 1.16's
+formulas transcribed (``DPOTrainer._compute_loss``: ``sigmoid`` and ``ipo``, per-sequence
+completion log-probs summed; ``ORPOTrainer.odds_ratio_loss`` with ``log1mexp`` and the
+chosen NLL, mean per-token log-probs) on a transformers ``LlamaForCausalLM`` run on padded,
+unpacked sequences: an independent forward, loss and autograd against our packed rows.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import torch.nn.functional as F
+import transformers
+from helpers import write_chatml_tokenizer
+
+from transformer_jax import hf
+from transformer_jax.checkpoint import loading
+from transformer_jax.checkpoint.manager import CheckpointManager
+from transformer_jax.data import preference as pref_data
+from transformer_jax.data.instruct_records import InstructionDataError
+from transformer_jax.model import lora
+from transformer_jax.tokenizer import load_tokenizer
+from transformer_jax.train import preference as P
+from transformer_jax.train import preference_run
+from transformer_jax.train.config import TrainConfig, build_configs
+from transformer_jax.train.run import run
+from transformer_jax.train.step import ParamsLayout, make_init_fn
+
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "the cat dog sat ran on a mat red blue big small yes no one two good bad".split()
+VOCAB = 32
+SMALL = ["train.batch_size=4", "train.grad_accum=1", "train.seq_len=48", "train.lr=5e-3",
+         "train.min_lr=5e-4", "train.warmup_steps=1", "train.decay_steps=12",
+         "train.log_every=1", "train.eval_every=0", "data.val_fraction=0"]
+
+
+def _hf_model_dir(directory: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-5, initializer_range=0.2, tie_word_embeddings=False))
+    model.save_pretrained(directory, safe_serialization=True)
+    write_chatml_tokenizer(directory, ["system", "user", "assistant", *WORDS],
+                           add_eos_token=False)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """(policy, reference): two random tiny Llamas written by save_pretrained."""
+    return (_hf_model_dir(tmp_path_factory.mktemp("policy"), 0),
+            _hf_model_dir(tmp_path_factory.mktemp("reference"), 1))
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory) -> Path:
+    """Text and chat pairs with a learnable preference (chosen says the colour twice)."""
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(24):
+        animal, colour = rng.choice(["cat", "dog"]), rng.choice(["red", "blue"])
+        other = "blue" if colour == "red" else "red"
+        if i % 2:
+            lines.append({"prompt": f"the {animal} sat on a {colour} mat",
+                          "chosen": f" {colour} {colour} good", "rejected": f" {other} bad"})
+        else:
+            lines.append({"prompt": [{"role": "user", "content": f"the {colour} {animal}"}],
+                          "chosen": f"{colour} {colour} good",
+                          "rejected": {"role": "assistant", "content": f"{other} no bad"}})
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------ formulas
+
+
+def test_losses_equal_their_formulas_on_hand_checked_numbers():
+    pc, pr = jnp.array([-3.0, -5.0]), jnp.array([-4.0, -2.0])
+    rc, rr = jnp.array([-3.5, -4.0]), jnp.array([-3.5, -3.0])
+    # d = (pc - rc) - (pr - rr) = [0.5 - (-0.5), -1 - 1] = [1, -2]; beta 0.5 -> [0.5, -1].
+    losses, chosen, rejected = P.dpo_losses(pc, pr, rc, rr, beta=0.5)
+    sig = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+    np.testing.assert_allclose(losses, -np.log(sig(np.array([0.5, -1.0]))), rtol=1e-6)
+    np.testing.assert_allclose(chosen, [0.25, -0.5], rtol=1e-6)
+    np.testing.assert_allclose(rejected, [-0.25, 0.5], rtol=1e-6)
+    smooth, _, _ = P.dpo_losses(pc, pr, rc, rr, beta=0.5, label_smoothing=0.2)
+    x = np.array([0.5, -1.0])
+    np.testing.assert_allclose(smooth, -0.8 * np.log(sig(x)) - 0.2 * np.log(sig(-x)), rtol=1e-6)
+    # IPO: per-token averages: chosen ratio [0.5, -1] / [2, 4], rejected [-0.5, 1] / [1, 2].
+    ipo, _, _ = P.dpo_losses(pc, pr, rc, rr, beta=0.5, loss_type="ipo",
+                             chosen_tokens=jnp.array([2.0, 4.0]),
+                             rejected_tokens=jnp.array([1.0, 2.0]))
+    d = np.array([0.25 + 0.5, -0.25 - 0.5])
+    np.testing.assert_allclose(ipo, (d - 1.0) ** 2, rtol=1e-6)
+    # ORPO: log odds of mean log-probs -0.5, -1: log(p/(1-p)) differences.
+    ratio, log_odds = P.orpo_odds_ratio(jnp.array([-0.5]), jnp.array([-1.0]))
+    odds = lambda lp: np.log(np.exp(lp) / (1 - np.exp(lp)))  # noqa: E731
+    np.testing.assert_allclose(log_odds, [odds(-0.5) - odds(-1.0)], rtol=1e-6)
+    np.testing.assert_allclose(ratio, np.log(sig(log_odds)), rtol=1e-6)
+    np.testing.assert_allclose(P.log1mexp(jnp.array([-1e-3, -0.5, -5.0])),
+                               np.log(1 - np.exp([-1e-3, -0.5, -5.0])), rtol=1e-5)
+    stats = P.reward_stats(chosen, rejected, jnp.array([1.0, 0.0]))
+    assert float(stats["rewards/accuracy"]) == 1.0
+    assert float(stats["rewards/margin"]) == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def test_packing_keeps_the_sides_apart_and_scores_the_completions_only(hf_dirs, pairs_file):
+    tokenizer = load_tokenizer(hf_dirs[0])
+    pairs = pref_data.load_pairs(pairs_file, tokenizer)
+    packed = pref_data.pack_pairs(pairs, seq_len=47)
+    rows = packed.rows
+    assert packed.num_pairs == 24 and rows.num_rows < 24  # several pairs a row
+    seen = set()
+    for r in range(rows.num_rows):
+        for k, pair in enumerate(packed.pair_ids[r]):
+            if pair < 0:
+                continue
+            seen.add(int(pair))
+            for side, example in enumerate(pairs[pair]):
+                at = rows.segment_ids[r] == 2 * k + 1 + side  # one segment per side
+                np.testing.assert_array_equal(rows.tokens[r, at], example.tokens)
+                np.testing.assert_array_equal(rows.loss_tokens[r, at], example.loss)
+                np.testing.assert_array_equal(rows.positions[r, at], np.arange(at.sum()))
+    assert seen == set(range(24))
+    # The loss is on the completion only: a text pair's prompt tokens carry none.
+    chosen = pairs[1][0]
+    prompt = tokenizer.encode("the cat sat on a red mat") or []
+    assert not chosen.loss[:len(prompt)].any() and chosen.loss[-1]
+    text = tokenizer.decode(chosen.tokens[chosen.loss].tolist())
+    assert text.split() == ["red", "red", "good"] or "good" in text
+    # Chat: the loss covers the assistant reply and the template's close, not the user turn.
+    reply = pairs[0][1]
+    scored = tokenizer.decode(reply.tokens[reply.loss].tolist())
+    assert "bad" in scored and "user" not in scored
+
+
+def test_bad_records_name_file_and_line(hf_dirs, tmp_path):
+    tokenizer = load_tokenizer(hf_dirs[0])
+    good = {"prompt": "the cat", "chosen": " red", "rejected": " blue"}
+    cases = [({"prompt": "the cat", "chosen": " red"}, "missing ['rejected']"),
+             ({**good, "chosen": 3}, '"chosen" must be a string'),
+             ({**good, "prompt": 5}, '"prompt" must be a string or a list'),
+             ({**good, "prompt": [{"role": "user"}]}, 'message 0 has no "content"'),
+             ({**good, "prompt": [{"role": "user", "content": "x"}], "rejected": []},
+              '"rejected" must be a string, a message')]
+    for record, message in cases:
+        path = tmp_path / "bad.jsonl"
+        path.write_text(json.dumps(good) + "\n\n" + json.dumps(record) + "\n")
+        with pytest.raises(InstructionDataError) as e:
+            pref_data.load_pairs(path, tokenizer)
+        assert str(e.value).startswith(f"{path}:3: ") and message in str(e.value), e.value
+    # dpo on SFT records, or on text: one line each, before any training.
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text(json.dumps({"prompt": "the cat", "completion": " red"}) + "\n")
+    model, train, data = build_configs("dpo", [f"train.init_from={hf_dirs[0]}",
+                                               f"data.path={sft}", *SMALL,
+                                               f"train.run_dir={tmp_path / 'r'}"])
+    with pytest.raises(ValueError, match=r'objective=dpo needs preference records .*sft.jsonl'):
+        run(model, train, data, progress=False)
+    text = tmp_path / "corpus.txt"
+    text.write_text("the cat sat\n")
+    model, train, data = build_configs("dpo", [f"train.init_from={hf_dirs[0]}",
+                                               f"data.path={text}", *SMALL])
+    with pytest.raises(ValueError, match=r"objective=dpo needs data.path=FILE.jsonl"):
+        run(model, train, data, progress=False)
+    for bad, match in [("train.objective=ppo", "objective must be one of"),
+                       ("train.dpo_loss=hinge", "dpo_loss must be one of"),
+                       ("train.dpo_beta=0", "dpo_beta must be a number > 0"),
+                       ("train.dpo_label_smoothing=0.7", r"dpo_label_smoothing must be in")]:
+        with pytest.raises(ValueError, match=match):
+            build_configs("dpo", [bad])
+
+
+# ------------------------------------------------------------------------------ parity
+
+
+def _torch_logps(model, sequences, average=False):
+    """TRL's per-sequence completion log-probs: right-padded batch, shifted labels."""
+    n = max(len(e.tokens) for e in sequences)
+    ids = torch.zeros((len(sequences), n), dtype=torch.long)
+    attention = torch.zeros((len(sequences), n), dtype=torch.long)
+    completion = torch.zeros((len(sequences), n), dtype=torch.float32)
+    for i, e in enumerate(sequences):
+        ids[i, :len(e.tokens)] = torch.tensor(e.tokens.astype(np.int64))
+        attention[i, :len(e.tokens)] = 1
+        completion[i, :len(e.tokens)] = torch.tensor(e.loss.astype(np.float32))
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+    per_token = torch.gather(logits.log_softmax(-1), 2, ids[:, 1:, None])[..., 0]
+    mask = completion[:, 1:]
+    sums = (per_token * mask).sum(-1)
+    return (sums / mask.sum(-1) if average else sums), mask.sum(-1)
+
+
+def _trl_loss(kind: str, policy, reference, pairs, beta: float):
+    """TRL 1.16's loss and rewards (see the module docstring) on the same tokens."""
+    chosen, rejected = [c for c, _ in pairs], [r for _, r in pairs]
+    if kind == "orpo":
+        pc, _ = _torch_logps(policy, chosen, average=True)
+        pr, _ = _torch_logps(policy, rejected, average=True)
+        sums, count = _torch_logps(policy, chosen)
+        nll = -sums.sum() / count.sum()  # CrossEntropyLoss over every chosen token
+        log1mexp = lambda x: torch.where(  # noqa: E731
+            x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+        log_odds = (pc - pr) - (log1mexp(pc) - log1mexp(pr))
+        loss = nll - (beta * F.logsigmoid(log_odds)).mean()
+        return loss, beta * pc.detach(), beta * pr.detach()
+    (pc, nc), (pr, nr) = _torch_logps(policy, chosen), _torch_logps(policy, rejected)
+    with torch.no_grad():
+        (rc, _), (rr, _) = _torch_logps(reference, chosen), _torch_logps(reference, rejected)
+    chosen_ratio, rejected_ratio = pc - rc, pr - rr
+    if kind == "sigmoid":
+        losses = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+    else:
+        delta = chosen_ratio / nc.clamp(min=1.0) - rejected_ratio / nr.clamp(min=1.0)
+        losses = (delta - 1 / (2 * beta)) ** 2
+    return losses.mean(), beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+@pytest.fixture(scope="module")
+def parity_setup(hf_dirs, pairs_file):
+    tokenizer = load_tokenizer(hf_dirs[0])
+    pairs = pref_data.load_pairs(pairs_file, tokenizer)[:6]
+    packed = pref_data.pack_pairs(pairs, seq_len=47)
+    loaded = [loading.load(d, with_tokenizer=False, dtype="float32") for d in hf_dirs]
+    models = [transformers.LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32,
+                                                            attn_implementation="eager")
+              for d in hf_dirs]
+    return pairs, packed, loaded, models
+
+
+@pytest.mark.parametrize("kind", ["sigmoid", "ipo", "orpo"])
+def test_loss_rewards_and_gradients_equal_trl(parity_setup, kind, tmp_path):
+    pairs, packed, loaded, (policy, reference) = parity_setup
+    config, params = loaded[0].config, loaded[0].params
+    objective = "orpo" if kind == "orpo" else "dpo"
+    beta = 0.3
+    tc = TrainConfig(objective=objective, dpo_loss="sigmoid" if kind == "orpo" else kind,
+                     dpo_beta=beta, orpo_lambda=beta, batch_size=packed.rows.num_rows,
+                     seq_len=47)
+    mesh_sharding = jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
+        jax.sharding.PartitionSpec("data"))
+    ref = preference_run.reference_pass(config, tc, loaded[1].params, packed, mesh_sharding)
+    batch = pref_data.pair_batch(packed, np.arange(packed.rows.num_rows), ref)
+    loss_fn = preference_run.make_preference_loss_fn(config, tc, packed.pairs_per_row)
+
+    def mean_loss(p):
+        total, (_, _, count, stats) = loss_fn(p, batch)
+        return total / count, preference_run.pair_metrics(stats, count)
+
+    (loss, metrics), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+
+    policy.zero_grad()
+    t_loss, t_chosen, t_rejected = _trl_loss(kind, policy, reference, pairs, beta)
+    t_loss.backward()
+    assert float(loss) == pytest.approx(float(t_loss), abs=1e-5)
+    assert float(t_loss) > 0.05  # a loss far from trivially zero
+    np.testing.assert_allclose(metrics["rewards/chosen"], t_chosen.mean().item(), atol=1e-5)
+    np.testing.assert_allclose(metrics["rewards/rejected"], t_rejected.mean().item(),
+                               atol=1e-5)
+    np.testing.assert_allclose(metrics["rewards/margin"],
+                               (t_chosen - t_rejected).mean().item(), atol=1e-5)
+    assert float(metrics["rewards/accuracy"]) == pytest.approx(
+        (t_chosen > t_rejected).float().mean().item())
+    # Our gradients written in HF's layout (names, transposes) by the exporter.
+    hf.save(config, jax.device_get(grads), tmp_path / "grads")
+    ours = safetensors.numpy.load_file(str(tmp_path / "grads" / "model.safetensors"))
+    theirs = {n: p.grad.numpy() for n, p in policy.named_parameters()}
+    assert set(ours) == set(theirs)
+    for name, grad in theirs.items():
+        np.testing.assert_allclose(ours[name], grad, atol=1e-5, rtol=0, err_msg=name)
+    assert max(np.abs(g).max() for g in theirs.values()) > 1e-3  # gradients are not ~zero
+
+
+def test_lora_reference_is_the_frozen_base(parity_setup):
+    """DPO with LoRA (adapters-off reference in the step) equals full-fine-tuning DPO of the
+    merged weights against a stored first pass of a separate frozen copy of the base."""
+    _, packed, loaded, _ = parity_setup
+    config, base = loaded[0].config, loaded[0].params
+    tc = TrainConfig(objective="dpo", lora_rank=2, batch_size=packed.rows.num_rows)
+    state = jax.jit(make_init_fn(config, tc))(jax.random.key(0), base)
+    adapters = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape),
+                            state.params[lora.ADAPTERS])
+    params = {lora.BASE: state.params[lora.BASE], lora.ADAPTERS: adapters}
+    rows = np.arange(packed.rows.num_rows)
+    lora_loss = preference_run.make_preference_loss_fn(config, tc, packed.pairs_per_row)
+    ours, (_, _, _, stats) = lora_loss(params, pref_data.pair_batch(packed, rows))
+
+    frozen = jax.tree.map(lambda x: jnp.array(np.asarray(x)), base)  # a separate copy
+    full = TrainConfig(objective="dpo", batch_size=packed.rows.num_rows)
+    sharding = jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
+        jax.sharding.PartitionSpec("data"))
+    ref = preference_run.reference_pass(config, full, frozen, packed, sharding)
+    merged = ParamsLayout.of(tc).model_params(params)
+    full_loss = preference_run.make_preference_loss_fn(config, full, packed.pairs_per_row)
+    theirs, (_, _, _, full_stats) = full_loss(merged, pref_data.pair_batch(packed, rows, ref))
+    assert float(theirs) > 0.1 and abs(float(stats["rewards/margin"])) > 1e-4
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+    for k in stats:
+        np.testing.assert_allclose(stats[k], full_stats[k], atol=1e-6, err_msg=k)
+
+
+# ------------------------------------------------------------------------------ runs
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [m for m in map(json.loads, lines) if "loss" in m and m.get("split") == "train"]
+
+
+def test_dpo_cli_lora_on_a_two_device_mesh(hf_dirs, pairs_file, tmp_path):
+    """``python train.py --config dpo train.init_from=DIR data.path=pairs.jsonl ...``."""
+    run_dir = tmp_path / "cli"
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", "dpo", "--no-progress",
+           "--cpu-devices", "2", f"train.init_from={hf_dirs[0]}", f"data.path={pairs_file}",
+           f"train.run_dir={run_dir}", "train.steps=12", "train.lora_rank=4",
+           "train.mesh=-1,1,1", *SMALL, "train.lr=2e-2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "reference log-probs: adapters-off" in done.stderr
+    records = _metrics(run_dir)
+    assert len(records) == 12 and records[0]["loss"] == pytest.approx(np.log(2), abs=1e-4)
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracy",
+            "rewards/margin"} <= set(records[0])
+    assert np.mean([m["loss"] for m in records[-3:]]) < 0.5
+    assert records[-1]["rewards/accuracy"] >= 0.75 and records[-1]["rewards/margin"] > 0
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_resume_is_exact(hf_dirs, pairs_file, tmp_path, objective):
+    """Stopped at step 3 and resumed to 6 (the stored first-pass reference restored) = a
+    straight run of 6 steps."""
+    def go(run_dir: Path, steps: int):
+        model, train, data = build_configs("dpo", [
+            f"train.init_from={hf_dirs[0]}", f"data.path={pairs_file}", *SMALL,
+            f"train.objective={objective}", f"train.run_dir={run_dir}", f"train.steps={steps}",
+            "train.ckpt_every=3", "train.mesh=1,1,1"])
+        return run(model, train, data, progress=False)
+
+    go(tmp_path / "a", 3)
+    summary = go(tmp_path / "a", 6)
+    assert (summary.start_step, summary.final_step) == (3, 6)
+    go(tmp_path / "b", 6)
+    a, _ = CheckpointManager(tmp_path / "a" / "checkpoints", async_save=False).restore_params(
+        None, 6)
+    b, _ = CheckpointManager(tmp_path / "b" / "checkpoints", async_save=False).restore_params(
+        None, 6)
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    assert ([m["loss"] for m in _metrics(tmp_path / "a")]
+            == [m["loss"] for m in _metrics(tmp_path / "b")])
+    assert ((tmp_path / "a" / preference_run.REFERENCE_FILE).is_file()
+            == (objective == "dpo"))
