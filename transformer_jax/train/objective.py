@@ -45,6 +45,9 @@ class ObjectiveConfig:
         eps = self.dpo_label_smoothing
         if not (isinstance(eps, int | float) and 0 <= eps < 0.5):
             raise ValueError(f"dpo_label_smoothing must be in [0, 0.5), got {eps!r}")
+        if self.is_preference and getattr(self, "loss_chunk", 0):
+            raise ValueError(f"loss_chunk applies to objective=sft only (objective="
+                             f"{self.objective} reads the full logits); set loss_chunk=0")
         if eps and self.dpo_loss != "sigmoid":
             raise ValueError(f"dpo_label_smoothing={eps} applies to dpo_loss=sigmoid only")
 
