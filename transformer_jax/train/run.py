@@ -30,7 +30,6 @@ import jax
 
 from transformer_jax import storage
 from transformer_jax.checkpoint import loading
-from transformer_jax.checkpoint.files import disk_steps
 from transformer_jax.checkpoint.manager import CheckpointManager
 from transformer_jax.data.eval_sets import EvalSet, load_eval_sets
 from transformer_jax.model import lora
@@ -62,12 +61,19 @@ from transformer_jax.train.log import (
     RunLog,
     SaveAborted,
     StopOnSignal,
+    abandon_save,
     mesh_peak_flops,
     progress_bar,
 )
 from transformer_jax.train.perf import describe_params, flops_per_token
 from transformer_jax.train.resume import check_resume
-from transformer_jax.train.step import ParamsLayout, TrainState, make_eval_step, make_init_fn
+from transformer_jax.train.step import (
+    ParamsLayout,
+    TrainState,
+    make_eval_step,
+    make_init_fn,
+    make_train_step,
+)
 from transformer_jax.train.validation import (
     EVAL_BATCH_FACTOR,
     eval_batching,
@@ -293,7 +299,8 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
 
     batch = get_batch(start_step)
     batch_times.clear()  # the loop's batches only
-    step_fn = objective.make_objective_step(model_config, tc, data)  # sft, dpo or orpo
+    step_fn = (objective.make_objective_step(model_config, tc, data) if tc.is_preference
+               else make_train_step(model_config, tc))  # dpo / orpo, or sft
     train_step = sharding_lib.jit_train_step(step_fn, state_shardings, batch_sharding)
     train_step = train_step.lower(state, batch).compile()
     compile_time = time.perf_counter() - compile_start
@@ -394,7 +401,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
                      ckpt.step_path(latest_good) if latest_good is not None else "none")
         raise
     except SaveAborted as e:
-        raise _abandon_save(ckpt, e) from None
+        raise abandon_save(ckpt, e) from None
     finally:
         if tracing:
             with contextlib.suppress(Exception):
@@ -453,17 +460,6 @@ def _finished(files: RunDirectory, step: int, tc: TrainConfig, ckpt: CheckpointM
         tokens_seen=step * tc.tokens_per_step, wall_time_s=0.0, train_time_s=0.0,
         compile_time_s=0.0, tokens_per_s=None, step_time_ms=None, mfu=None,
         checkpoint=str(ckpt.step_path(ckpt.latest_step())))
-
-
-def _abandon_save(ckpt: CheckpointManager, aborted: SaveAborted) -> SaveAborted:
-    """After a third signal: gives up the save in flight; the error names what is kept."""
-    step = ckpt.abandon()
-    kept = disk_steps(ckpt.directory)
-    newest = (f"the newest checkpoint is {ckpt.step_path(kept[-1])}" if kept
-              else "there is no checkpoint")
-    abandoned = f": the save of step {step} was abandoned" if step is not None else ""
-    return SaveAborted(aborted.signal, f"aborted by a third {aborted.signal}{abandoned}; "
-                                       f"{newest}")
 
 
 def format_times(time_s: dict[str, float]) -> str:
