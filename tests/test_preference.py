@@ -154,7 +154,7 @@ def test_packing_keeps_the_sides_apart_and_scores_the_completions_only(hf_dirs, 
     assert "bad" in scored and "user" not in scored
 
 
-def test_bad_records_name_file_and_line(hf_dirs, tmp_path):
+def test_bad_records_name_file_and_line(hf_dirs, pairs_file, tmp_path):
     tokenizer = load_tokenizer(hf_dirs[0])
     good = {"prompt": "the cat", "chosen": " red", "rejected": " blue"}
     cases = [({"prompt": "the cat", "chosen": " red"}, "missing ['rejected']"),
@@ -177,6 +177,10 @@ def test_bad_records_name_file_and_line(hf_dirs, tmp_path):
                                                f"train.run_dir={tmp_path / 'r'}"])
     with pytest.raises(ValueError, match=r'objective=dpo needs preference records .*sft.jsonl'):
         run(model, train, data, progress=False)
+    model, train, data = build_configs("finetune", [f"train.init_from={hf_dirs[0]}",
+                                                    f"data.path={pairs_file}", *SMALL])
+    with pytest.raises(InstructionDataError, match=r"pairs.jsonl:1: .*train.objective=dpo"):
+        run(model, train, data, progress=False)  # pairs under objective=sft: says what to set
     text = tmp_path / "corpus.txt"
     text.write_text("the cat sat\n")
     model, train, data = build_configs("dpo", [f"train.init_from={hf_dirs[0]}",
