@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
-import torch.nn.functional as F
 import transformers
 from helpers import write_chatml_tokenizer
 
@@ -198,46 +197,62 @@ def test_bad_records_name_file_and_line(hf_dirs, pairs_file, tmp_path):
 # ------------------------------------------------------------------------------ parity
 
 
-def _torch_logps(model, sequences, average=False):
-    """TRL's per-sequence completion log-probs: right-padded batch, shifted labels."""
-    n = max(len(e.tokens) for e in sequences)
-    ids = torch.zeros((len(sequences), n), dtype=torch.long)
-    attention = torch.zeros((len(sequences), n), dtype=torch.long)
-    completion = torch.zeros((len(sequences), n), dtype=torch.float32)
-    for i, e in enumerate(sequences):
-        ids[i, :len(e.tokens)] = torch.tensor(e.tokens.astype(np.int64))
-        attention[i, :len(e.tokens)] = 1
-        completion[i, :len(e.tokens)] = torch.tensor(e.loss.astype(np.float32))
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
-    per_token = torch.gather(logits.log_softmax(-1), 2, ids[:, 1:, None])[..., 0]
-    mask = completion[:, 1:]
-    sums = (per_token * mask).sum(-1)
-    return (sums / mask.sum(-1) if average else sums), mask.sum(-1)
+def _split(example) -> tuple[list[int], list[int]]:
+    """(prompt, completion) token ids of one side: the loss covers a suffix of the tokens."""
+    first = int(np.argmax(example.loss))
+    assert example.loss[first:].all() and not example.loss[:first].any()
+    tokens = [int(t) for t in example.tokens]
+    return tokens[:first], tokens[first:]
 
 
-def _trl_loss(kind: str, policy, reference, pairs, beta: float):
-    """TRL 1.16's loss and rewards (see the module docstring) on the same tokens."""
-    chosen, rejected = [c for c, _ in pairs], [r for _, r in pairs]
+def _trl_trainer(kind: str, policy, reference, tokenizer, beta: float, out: Path):
+    """TRL's own trainer on the local models: ``DPOTrainer`` (``loss_type`` sigmoid or ipo,
+    the reference a separate model) or ``trl.experimental.orpo.ORPOTrainer``. The tiny
+    in-memory datasets.Dataset only lets the trainer build; the batch is made from our tokens
+    by the trainer's own collator (see ``_trl_loss``)."""
+    import datasets
+    from trl import DPOConfig, DPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    common = dict(output_dir=str(out), beta=beta, report_to=[], use_cpu=True,
+                  per_device_train_batch_size=2, save_strategy="no", bf16=False)
+    text = datasets.Dataset.from_list([{"prompt": "the cat", "chosen": " red",
+                                        "rejected": " blue"}])
     if kind == "orpo":
-        pc, _ = _torch_logps(policy, chosen, average=True)
-        pr, _ = _torch_logps(policy, rejected, average=True)
-        sums, count = _torch_logps(policy, chosen)
-        nll = -sums.sum() / count.sum()  # CrossEntropyLoss over every chosen token
-        log1mexp = lambda x: torch.where(  # noqa: E731
-            x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
-        log_odds = (pc - pr) - (log1mexp(pc) - log1mexp(pr))
-        loss = nll - (beta * F.logsigmoid(log_odds)).mean()
-        return loss, beta * pc.detach(), beta * pr.detach()
-    (pc, nc), (pr, nr) = _torch_logps(policy, chosen), _torch_logps(policy, rejected)
-    with torch.no_grad():
-        (rc, _), (rr, _) = _torch_logps(reference, chosen), _torch_logps(reference, rejected)
-    chosen_ratio, rejected_ratio = pc - rc, pr - rr
-    if kind == "sigmoid":
-        losses = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
-    else:
-        delta = chosen_ratio / nc.clamp(min=1.0) - rejected_ratio / nr.clamp(min=1.0)
-        losses = (delta - 1 / (2 * beta)) ** 2
-    return losses.mean(), beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+        return ORPOTrainer(model=policy, args=ORPOConfig(max_length=64, **common),
+                           train_dataset=text, processing_class=tokenizer)
+    return DPOTrainer(model=policy, ref_model=reference, processing_class=tokenizer,
+                      args=DPOConfig(loss_type=[kind], **common), train_dataset=text)
+
+
+def _trl_loss(trainer, kind: str, pairs) -> tuple[torch.Tensor, dict[str, float]]:
+    """TRL's loss (autograd through the policy) and reward metrics on ``pairs``' tokens:
+    ``trainer.data_collator`` pads them, ``trainer.compute_loss`` (DPO: ``_compute_loss``,
+    rewards in ``trainer._metrics["train"]``; ORPO: ``get_batch_loss_metrics``, rewards in
+    ``trainer._stored_metrics["train"]``)."""
+    if kind == "orpo":
+        features = []
+        for chosen, rejected in pairs:
+            feature = {}
+            for side, example in (("chosen", chosen), ("rejected", rejected)):
+                prompt, completion = _split(example)
+                feature[f"{side}_input_ids"] = prompt + completion
+                feature[f"{side}_attention_mask"] = [1] * (len(prompt) + len(completion))
+                feature[f"{side}_labels"] = [-100] * len(prompt) + completion
+            features.append(feature)
+        loss = trainer.compute_loss(trainer.model, trainer.data_collator(features))
+        stored = trainer._stored_metrics["train"]
+        return loss, {k: stored[f"rewards/{k}"][-1]
+                      for k in ("chosen", "rejected", "accuracies", "margins")}
+    features = []
+    for chosen, rejected in pairs:
+        (prompt, c), (prompt_r, r) = _split(chosen), _split(rejected)
+        assert prompt == prompt_r
+        features.append({"prompt_ids": prompt, "chosen_ids": c, "rejected_ids": r})
+    loss = trainer.compute_loss(trainer.model, trainer.data_collator(features))
+    logged = trainer._metrics["train"]
+    return loss, {k: logged[f"rewards/{k}"][-1]
+                  for k in ("chosen", "rejected", "accuracies", "margins")}
 
 
 @pytest.fixture(scope="module")
@@ -246,15 +261,17 @@ def parity_setup(hf_dirs, pairs_file):
     pairs = pref_data.load_pairs(pairs_file, tokenizer)[:6]
     packed = pref_data.pack_pairs(pairs, seq_len=47)
     loaded = [loading.load(d, with_tokenizer=False, dtype="float32") for d in hf_dirs]
-    models = [transformers.LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32,
-                                                            attn_implementation="eager")
-              for d in hf_dirs]
-    return pairs, packed, loaded, models
+    return pairs, packed, loaded
 
 
 @pytest.mark.parametrize("kind", ["sigmoid", "ipo", "orpo"])
-def test_loss_rewards_and_gradients_equal_trl(parity_setup, kind, tmp_path):
-    pairs, packed, loaded, (policy, reference) = parity_setup
+def test_loss_rewards_and_gradients_equal_trl(parity_setup, hf_dirs, kind, tmp_path):
+    """Our jitted loss, rewards and gradients on packed rows = TRL 1.16's own trainer code on
+    the same weights and tokens (right-padded, unpacked): ``DPOTrainer.compute_loss`` (loss
+    types sigmoid and ipo) and ``trl.experimental.orpo.ORPOTrainer.compute_loss``
+    (``get_batch_loss_metrics``), each on a batch from the trainer's own collator, then
+    ``loss.backward()``."""
+    pairs, packed, loaded = parity_setup
     config, params = loaded[0].config, loaded[0].params
     objective = "orpo" if kind == "orpo" else "dpo"
     beta = 0.3
@@ -274,18 +291,21 @@ def test_loss_rewards_and_gradients_equal_trl(parity_setup, kind, tmp_path):
 
     (loss, metrics), grads = jax.jit(jax.value_and_grad(mean_loss, has_aux=True))(params)
 
+    policy, reference = (transformers.LlamaForCausalLM.from_pretrained(
+        d, torch_dtype=torch.float32, attn_implementation="eager") for d in hf_dirs)
+    trainer = _trl_trainer(kind, policy.train(), reference,
+                           transformers.AutoTokenizer.from_pretrained(hf_dirs[0]), beta,
+                           tmp_path / "trl")
     policy.zero_grad()
-    t_loss, t_chosen, t_rejected = _trl_loss(kind, policy, reference, pairs, beta)
+    t_loss, t_rewards = _trl_loss(trainer, kind, pairs)
     t_loss.backward()
     assert float(loss) == pytest.approx(t_loss.item(), abs=1e-5)
     assert t_loss.item() > 0.05  # a loss far from trivially zero
-    np.testing.assert_allclose(metrics["rewards/chosen"], t_chosen.mean().item(), atol=1e-5)
-    np.testing.assert_allclose(metrics["rewards/rejected"], t_rejected.mean().item(),
-                               atol=1e-5)
-    np.testing.assert_allclose(metrics["rewards/margin"],
-                               (t_chosen - t_rejected).mean().item(), atol=1e-5)
-    assert float(metrics["rewards/accuracy"]) == pytest.approx(
-        (t_chosen > t_rejected).float().mean().item())
+    for ours_key, theirs_key in [("chosen", "chosen"), ("rejected", "rejected"),
+                                 ("margin", "margins"), ("accuracy", "accuracies")]:
+        np.testing.assert_allclose(metrics[f"rewards/{ours_key}"], t_rewards[theirs_key],
+                                   atol=1e-5, err_msg=ours_key)
+    assert abs(t_rewards["margins"]) > 1e-4
     # Our gradients written in HF's layout (names, transposes) by the exporter.
     hf.save(config, jax.device_get(grads), tmp_path / "grads")
     ours = safetensors.numpy.load_file(str(tmp_path / "grads" / "model.safetensors"))
@@ -299,7 +319,7 @@ def test_loss_rewards_and_gradients_equal_trl(parity_setup, kind, tmp_path):
 def test_lora_reference_is_the_frozen_base(parity_setup):
     """DPO with LoRA (adapters-off reference in the step) equals full-fine-tuning DPO of the
     merged weights against a stored first pass of a separate frozen copy of the base."""
-    _, packed, loaded, _ = parity_setup
+    _, packed, loaded = parity_setup
     config, base = loaded[0].config, loaded[0].params
     tc = TrainConfig(objective="dpo", lora_rank=2, batch_size=packed.rows.num_rows)
     state = jax.jit(make_init_fn(config, tc))(jax.random.key(0), base)

@@ -293,9 +293,13 @@ def load_preference_data(path: str | os.PathLike[str] | Sequence[str | os.PathLi
 def pair_batch(data: PreferenceRows, rows: np.ndarray, reference: np.ndarray | None = None
                ) -> HostBatch:
     """The batch of packed rows ``rows`` [B]: SFT's keys (``instruct.rows_to_batch`` with
-    ``mask``) plus ``pair_ids`` [B, M] and, given a stored ``reference`` [num_pairs, 2],
+    ``mask``) plus ``sequence_mask`` [B, T] (1 on every target of the input's segment, prompt
+    included: ORPO's NLL), ``pair_ids`` [B, M] and, given a stored ``reference`` [num_pairs, 2],
     ``ref_logps`` [B, M, 2] float32 (chosen, rejected; 0 where there is no pair)."""
     batch = with_mask(rows_to_batch(data.rows, rows))
+    segments = data.rows.segment_ids[rows]
+    batch["sequence_mask"] = ((segments[:, 1:] == segments[:, :-1])
+                              & (segments[:, :-1] > 0)).astype(np.float32)
     ids = data.pair_ids[rows]
     batch["pair_ids"] = ids
     if reference is not None:

@@ -77,14 +77,19 @@ def base_params(layout: ParamsLayout, params: Params) -> Params:
 
 def make_logps_fn(model_config: ModelConfig, tc: TrainConfig, pairs_per_row: int
                   ) -> Callable[[Params, Batch], tuple[jax.Array, jax.Array]]:
-    """``logps(model_params, batch) -> (sums, counts)`` [B, M, 2] of each (pair, side)."""
+    """``logps(model_params, batch, key="mask") -> (sums, counts)`` [B, M, 2] of each (pair,
+    side) over ``batch[key]``'s targets; ``key=("mask", "sequence_mask")`` gives one such
+    pair per key from one forward."""
     model = _training_model(model_config, tc)
 
-    def logps(model_params: Params, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    def logps(model_params: Params, batch: Batch, key: str | tuple[str, ...] = "mask") -> Any:
         logits = model.apply({"params": model_params}, batch["inputs"],
                              positions=batch["positions"], segment_ids=batch["segment_ids"]).logits
-        return sequence_logps(token_logps(logits, batch["targets"]), batch["mask"],
-                              batch["segment_ids"], pairs_per_row)
+        per_token = token_logps(logits, batch["targets"])
+        keys = (key,) if isinstance(key, str) else key
+        out = [sequence_logps(per_token, batch[k], batch["segment_ids"], pairs_per_row)
+               for k in keys]
+        return out[0] if isinstance(key, str) else out
 
     return logps
 
@@ -96,15 +101,20 @@ def make_preference_loss_fn(model_config: ModelConfig, tc: TrainConfig, pairs_pe
 
     ``batch`` has SFT's keys plus ``pair_ids`` [B, M] (and, full-fine-tuning DPO,
     ``ref_logps`` [B, M, 2]). ``stats`` are sums over pairs (``reward_stats``; ORPO also
-    ``nll_loss`` and ``log_odds``) and ``tokens``. ORPO's NLL is the mean over the
-    micro-batch's chosen tokens, weighted by its pairs: with ``grad_accum = 1`` exactly TRL's
+    ``nll_loss`` and ``log_odds``) and ``tokens``. ORPO's NLL is the mean over every target of
+    the micro-batch's chosen sequences, prompt included (``sequence_mask``, as TRL's
+    ``ORPOTrainer``), weighted by its pairs: with ``grad_accum = 1`` exactly TRL's
     ``nll - lambda * mean(log sigmoid(log_odds))``.
     """
     layout = ParamsLayout.of(tc)
     logps = make_logps_fn(model_config, tc, pairs_per_row)
 
     def loss_sums(params: Params, batch: Batch):
-        sums, counts = logps(layout.model_params(params), batch)
+        if tc.objective == "orpo":
+            (sums, counts), (full, full_counts) = logps(layout.model_params(params), batch,
+                                                        ("mask", "sequence_mask"))
+        else:
+            sums, counts = logps(layout.model_params(params), batch)
         valid = (batch["pair_ids"] >= 0).astype(jnp.float32)  # [B, M]
         pairs = jnp.sum(valid)
         tokens = jnp.sum(batch["mask"].astype(jnp.float32))
@@ -122,8 +132,8 @@ def make_preference_loss_fn(model_config: ModelConfig, tc: TrainConfig, pairs_pe
         else:  # orpo; a padded pair's means are set to -1 so nothing there is infinite
             means = jnp.where(valid[..., None] > 0, sums / jnp.maximum(counts, 1.0), -1.0)
             ratio, log_odds = orpo_odds_ratio(means[..., 0], means[..., 1])
-            nll = -jnp.sum(sums[..., 0] * valid) / jnp.maximum(
-                jnp.sum(counts[..., 0] * valid), 1.0)
+            nll = -jnp.sum(full[..., 0] * valid) / jnp.maximum(
+                jnp.sum(full_counts[..., 0] * valid), 1.0)
             objective = pairs * nll - tc.orpo_lambda * jnp.sum(ratio * valid)
             rewards = jax.lax.stop_gradient(tc.orpo_lambda * means)
             stats = {**reward_stats(rewards[..., 0], rewards[..., 1], valid),
