@@ -12,7 +12,8 @@ The formulas follow TRL (``DPOTrainer``'s ``sigmoid`` and ``ipo``, ``ORPOTrainer
 * IPO: the same log-ratios averaged per completion token, loss ``(d_avg - 1 / (2 beta))^2``.
 * ORPO: with mean per-token log-probs ``l_c, l_r``, ``log_odds = (l_c - l_r) -
   (log(1 - exp l_c) - log(1 - exp l_r))``; loss ``nll(chosen) - lambda log sigmoid(log_odds)``
-  (the NLL the mean cross-entropy over the chosen sequences, prompt included, as TRL); rewards ``lambda l``.
+  (the NLL the mean cross-entropy over the chosen sequences, prompt included, as TRL's
+  ``ORPOTrainer``); rewards ``lambda l``.
 """
 
 from __future__ import annotations
