@@ -1,12 +1,13 @@
-"""DPO loss curve against TRL's formulas in torch: a tiny random HF Llama trained for N steps by
-our train step and by a torch loop on the same weights, pairs, data order and learning rate.
+"""DPO loss curve against TRL's own ``DPOTrainer.train()``: a tiny random HF Llama trained for
+N steps by our train step and by TRL on the same weights, pairs, data order and learning rate.
 
-The torch side is TRL 1.16's ``DPOTrainer`` loss (``sigmoid``: summed completion log-probs of
-right-padded, unpacked sequences, a frozen copy of the initial model as the reference) with
-``torch.optim.AdamW`` (no weight decay, no clipping, constant lr); ours is
-``train.preference_run.make_objective_step`` on packed rows with the first-pass reference.
-Prints the loss of both at every step and the largest gap. Needs torch and transformers; TRL
-itself is not needed (its formula is a few lines, written out below).
+The torch side is ``trl.DPOTrainer`` (``loss_type=["sigmoid"]``, a separate frozen copy of the
+initial model as ``ref_model``, ``adamw_torch`` with the same betas and eps, no weight decay,
+no clipping, a constant lr, no warmup, ``logging_steps=1``); its ``_prepare_dataset`` is
+skipped (the pairs are already token ids) and its ``get_train_dataloader`` yields, step by
+step, exactly the pairs of our step (a batch sampler over our order, TRL's own collator).
+Ours is ``train.preference_run.make_objective_step`` on packed rows with the first-pass
+reference. Prints the config, both losses at every logged step and the largest gap.
 
 Run: ``python -m transformer_jax.bench.dpo [--steps 60] [--lr 1e-3]``.
 """
@@ -14,8 +15,8 @@ Run: ``python -m transformer_jax.bench.dpo [--steps 60] [--lr 1e-3]``.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -48,43 +49,51 @@ def make_pairs(n: int, seed: int = 0) -> list[tuple[Example, Example]]:
     return pairs
 
 
-def torch_curve(model, batches_ids, pairs, steps: int, lr: float, beta: float) -> list[float]:
-    """TRL's sigmoid DPO loss per step, AdamW on ``model`` (a frozen copy is the reference)."""
+def trl_curve(model_dir: str, order: list[list[int]], pairs, args: argparse.Namespace,
+              out_dir: str) -> list[float]:
+    """TRL's logged ``loss`` of each step of ``DPOTrainer.train()`` on ``order``'s pairs."""
+    import datasets
+    import tokenizers
     import torch
-    import torch.nn.functional as F
+    import transformers
+    from trl import DPOConfig, DPOTrainer
 
-    reference = copy.deepcopy(model).eval()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8,
-                                  weight_decay=0.0)
+    def split(example) -> tuple[list[int], list[int]]:
+        first = int(np.argmax(example.loss))
+        tokens = [int(t) for t in example.tokens]
+        return tokens[:first], tokens[first:]
 
-    def logps(m, sequences):
-        n = max(len(e.tokens) for e in sequences)
-        ids = torch.zeros((len(sequences), n), dtype=torch.long)
-        attention = torch.zeros_like(ids)
-        completion = torch.zeros((len(sequences), n))
-        for i, e in enumerate(sequences):
-            ids[i, :len(e.tokens)] = torch.tensor(e.tokens.astype(np.int64))
-            attention[i, :len(e.tokens)] = 1
-            completion[i, :len(e.tokens)] = torch.tensor(e.loss.astype(np.float32))
-        logits = m(input_ids=ids, attention_mask=attention).logits[:, :-1]
-        per_token = torch.gather(logits.log_softmax(-1), 2, ids[:, 1:, None])[..., 0]
-        return (per_token * completion[:, 1:]).sum(-1)
+    rows = []
+    for chosen, rejected in pairs:
+        (prompt, c), (_, r) = split(chosen), split(rejected)
+        rows.append({"prompt_ids": prompt, "chosen_ids": c, "rejected_ids": r})
+    dataset = datasets.Dataset.from_list(rows)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, "t2")),
+        pad_token="t0", eos_token="t1", unk_token="t2")
 
-    losses = []
-    for step in range(steps):
-        chosen = [pairs[i][0] for i in batches_ids[step]]
-        rejected = [pairs[i][1] for i in batches_ids[step]]
-        both = logps(model, chosen + rejected)
-        with torch.no_grad():
-            ref = logps(reference, chosen + rejected)
-        k = len(chosen)
-        delta = (both[:k] - ref[:k]) - (both[k:] - ref[k:])
-        loss = -F.logsigmoid(beta * delta).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    class OrderedDPO(DPOTrainer):  # TRL's trainer fed our data order, pre-tokenized
+        def _prepare_dataset(self, dataset, *unused, **unused_kw):
+            return dataset
+
+        def get_train_dataloader(self):
+            return torch.utils.data.DataLoader(self.train_dataset, batch_sampler=order,
+                                               collate_fn=self.data_collator)
+
+    load = lambda: transformers.LlamaForCausalLM.from_pretrained(  # noqa: E731
+        model_dir, dtype=torch.float32, attn_implementation="eager")
+    config = DPOConfig(
+        output_dir=out_dir, loss_type=["sigmoid"], beta=args.beta, learning_rate=args.lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
+        adam_beta2=0.95, adam_epsilon=1e-8, optim="adamw_torch", max_grad_norm=0.0,
+        max_steps=args.steps, logging_steps=1, report_to=[], save_strategy="no",
+        use_cpu=True, bf16=False, remove_unused_columns=False, disable_tqdm=True,
+        per_device_train_batch_size=1)
+    trainer = OrderedDPO(model=load(), ref_model=load(), args=config, train_dataset=dataset,
+                         processing_class=tokenizer)
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,14 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     torch.manual_seed(0)
+    tmp = tempfile.mkdtemp(prefix="bench_dpo_")
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         rms_norm_eps=1e-5, initializer_range=0.2, tie_word_embeddings=False,
         attn_implementation="eager"))
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(Path(tmp), safe_serialization=True)
-        config, params = hf.load(tmp, dtype="float32")
+    model.save_pretrained(Path(tmp) / "model", safe_serialization=True)
+    config, params = hf.load(Path(tmp) / "model", dtype="float32")
     pairs = make_pairs(args.pairs)
     packed = pack_pairs(pairs, seq_len=47)
     tc = TrainConfig(objective="dpo", dpo_beta=args.beta, batch_size=args.batch_size,
@@ -129,13 +138,21 @@ def main(argv: list[str] | None = None) -> int:
         order.append([int(i) for i in batch["pair_ids"].ravel() if i >= 0])
         state, metrics = step_fn(state, batch)
         ours.append(float(metrics["loss"]))
-    theirs = torch_curve(model.train(), order, pairs, args.steps, args.lr, args.beta)
+    theirs = trl_curve(str(Path(tmp) / "model"), order, pairs, args, str(Path(tmp) / "trl"))
+    if len(theirs) != len(ours):
+        raise RuntimeError(f"TRL logged {len(theirs)} losses for {len(ours)} steps")
     gaps = [abs(a - b) for a, b in zip(ours, theirs, strict=True)]
+    print(f"config: tiny Llama (vocab {VOCAB}, d_model 32, 2 layers, 4 heads / 2 kv), "
+          f"{args.pairs} random pairs packed into {packed.rows.num_rows} rows (seq_len 47), "
+          f"batch {tc.batch_size} rows/step ({min(map(len, order))}-{max(map(len, order))} "
+          f"pairs), AdamW lr {args.lr} constant, beta {args.beta}; float32 on "
+          f"{jax.devices()[0].platform} ({len(jax.devices())} device) vs TRL on torch CPU")
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True), start=1):
-        print(f"step {step:3d}: ours {a:.6f}  torch/TRL {b:.6f}  gap {abs(a - b):.2e}")
+        print(f"step {step:3d}: ours {a:.6f}  TRL DPOTrainer {b:.6f}  gap {abs(a - b):.2e}")
     print(json.dumps({"steps": args.steps, "lr": args.lr, "beta": args.beta,
-                      "first_loss": ours[0], "last_loss": ours[-1],
-                      "max_gap": max(gaps)}))
+                      "first_loss": ours[0], "last_loss": ours[-1], "trl_last_loss": theirs[-1],
+                      "max_gap": max(gaps), "target_0.05_met": max(gaps) <= 0.05}))
+    shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
