@@ -69,8 +69,8 @@ def documented_train_commands() -> dict[str, tuple[str, ...]]:
 ALL_COMMANDS = documented_train_commands()
 # Commands on a bucket (gs://BUCKET/...) need the GCS emulator and shards in it: their shape is
 # run by test_object_storage (checked below). Fine-tuning commands start from a pretrained
-# checkpoint (train.init_from=path/to/hf_model), which test_finetune runs. The rest run here as
-# written.
+# checkpoint (train.init_from=path/to/hf_model), which test_finetune and test_preference run.
+# The rest run here as written.
 BUCKET_COMMANDS = {k: v for k, v in ALL_COMMANDS.items() if any("gs://" in a for a in v)}
 FINETUNE_COMMANDS = {k: v for k, v in ALL_COMMANDS.items()
                      if k not in BUCKET_COMMANDS and any(a.startswith("train.init_from=")
@@ -88,7 +88,7 @@ def test_the_documents_have_train_commands():
     # The commands the multi-device and multi-host branches below exist for.
     assert any("train.mesh=1,8,1" in v for v in COMMANDS.values())
     assert any("--coordinator-address" in v for v in COMMANDS.values())
-    assert FINETUNE_COMMANDS and all(("--config", "finetune") == v[:2]
+    assert FINETUNE_COMMANDS and all(v[:2] in (("--config", "finetune"), ("--config", "dpo"))
                                      for v in FINETUNE_COMMANDS.values())
 
 

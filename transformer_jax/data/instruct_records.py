@@ -204,9 +204,11 @@ def load_examples(
                 tokens, loss = encode_prompt_completion(prompt, completion, tokenizer, add_eos)
                 head = int(tokenizer.add_bos_token and tokenizer.bos_id >= 0)
             else:
+                hint = ("; preference pairs train with train.objective=dpo or orpo"
+                        if "chosen" in record and "rejected" in record else "")
                 raise InstructionDataError(
                     f'{where}: a record needs "prompt" and "completion" strings or a "messages" '
-                    f"list; got keys {sorted(record)}"
+                    f"list; got keys {sorted(record)}{hint}"
                 )
             if not loss[1:].any():  # the first token is never a target
                 dropped += 1

@@ -31,6 +31,7 @@ from transformer_jax.parallel import sharding as sharding_lib
 from transformer_jax.tokenizer import MODEL_TYPES
 from transformer_jax.train.config_docs import help_text
 from transformer_jax.train.init_from import init_model_config
+from transformer_jax.train.objective import ObjectiveConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def auto_warmup_steps(decay_length: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(ObjectiveConfig):
     """Optimisation, evaluation, logging and checkpointing of a run (the ``[train]`` table).
 
     Attributes:
@@ -155,6 +156,7 @@ class TrainConfig:
     quant: str = ""
 
     def __post_init__(self) -> None:
+        self.check_objective()
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "ckpt_every",
                      "keep_ckpts"):
             _check_int(name, getattr(self, name), minimum=1)

@@ -24,6 +24,12 @@ from transformer_jax.data.instruct import (
     packed_eval_batches,
     with_mask,
 )
+from transformer_jax.data.preference import (
+    PairBatches,
+    PreferenceRows,
+    is_preference_file,
+    load_preference_data,
+)
 from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, Tokenizer, load_tokenizer
 from transformer_jax.train.config import (
     DataConfig,
@@ -170,6 +176,9 @@ class RunData:
       train_rows: packed train rows (instruction data), or None.
       val_rows: packed validation rows, or None.
       shards: shard builds, or None.
+      pairs: the packed train pairs of a preference objective (``train_rows`` are their
+        rows), or None.
+      reference: DPO's stored reference log-probs [num_pairs, 2], or None.
     """
 
     train_tokens: np.ndarray | None = None
@@ -177,6 +186,8 @@ class RunData:
     train_rows: PackedData | None = None
     val_rows: PackedData | None = None
     shards: ShardData | None = None
+    pairs: PreferenceRows | None = None
+    reference: np.ndarray | None = None
 
     @property
     def packed(self) -> bool:
@@ -220,6 +231,9 @@ class RunData:
             return data_lib.get_batch(self.train_tokens, tc.seed, step, tc.batch_size,
                                       tc.seq_len, process_index=process_index,
                                       process_count=process_count)
+        if self.pairs is not None:
+            return PairBatches(self.pairs, tc.batch_size, tc.seed, process_index, process_count,
+                               self.reference).get(step)
         rows = PackedBatches(self.train_rows, tc.batch_size, tc.seed, process_index,
                              process_count).get(step)
         return with_mask(rows)
@@ -271,17 +285,48 @@ def split_rows(rows: PackedData, val_fraction: float) -> tuple[PackedData, Packe
     Returns:
       ``(train rows, validation rows or None)``, each keeping the rows' original order.
     """
-    count = rows.num_rows
+    train, val = _split_index(rows.num_rows, val_fraction)
+    return _rows(rows, train), None if val is None else _rows(rows, val)
+
+
+def _split_index(count: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray | None]:
+    """The sorted train and validation row indices of ``split_rows``."""
     n_val = min(count - 1, max(1, round(val_fraction * count))) if val_fraction > 0 else 0
     if n_val <= 0:
-        return rows, None
+        return np.arange(count), None
     order = np.random.default_rng(0).permutation(count)
-    return _rows(rows, np.sort(order[n_val:])), _rows(rows, np.sort(order[:n_val]))
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
 
 
-def prepare_instruction_data(data_config: DataConfig, tokenizer: TextTokenizer, seq_len: int
-                             ) -> RunData:
-    """Reads, tokenizes and packs the ``.jsonl`` files of ``data.path`` and splits the rows.
+def prepare_preference_data(files: list[Path], tokenizer: TextTokenizer, seq_len: int,
+                            val_fraction: float, objective: str) -> RunData:
+    """Reads and packs preference pairs (``data.preference``) and splits their rows as
+    ``split_rows`` does.
+
+    Raises:
+      ValueError: a file whose first record is not a pair (one line naming it), or no pair
+        that fits.
+    """
+    for file in files:
+        if not is_preference_file(file):
+            raise ValueError(f"train.objective={objective} needs preference records "
+                             '{"prompt", "chosen", "rejected"}; ' f"{file} holds other records "
+                             "(its first record lacks those keys)")
+    pairs = load_preference_data(files, tokenizer, seq_len)
+    train, val = _split_index(pairs.rows.num_rows, val_fraction)
+    train_pairs = pairs.take(train)
+    val_rows = None if val is None else pairs.take(val).rows
+    logger.info("preference data (%s): %s in %s of %d tokens: %d train / %d val rows",
+                files[0] if len(files) == 1 else f"{len(files)} files",
+                count(pairs.num_pairs, "pair"), count(pairs.rows.num_rows, "packed row"),
+                seq_len + 1, len(train), 0 if val is None else len(val))
+    return RunData(train_rows=train_pairs.rows, val_rows=val_rows, pairs=train_pairs)
+
+
+def prepare_instruction_data(data_config: DataConfig, tokenizer: TextTokenizer, seq_len: int,
+                             objective: str = "sft") -> RunData:
+    """Reads, tokenizes and packs the ``.jsonl`` files of ``data.path`` and splits the rows
+    (``objective`` dpo / orpo: preference pairs, ``prepare_preference_data``).
 
     Raises:
       InstructionDataError: a bad record (``FILE:LINE: ...``).
@@ -289,6 +334,9 @@ def prepare_instruction_data(data_config: DataConfig, tokenizer: TextTokenizer, 
         tokens (``instruct.pack``): nothing would be trained.
     """
     files = data_config.instruction_files()
+    if objective != "sft":
+        return prepare_preference_data(files, tokenizer, seq_len, data_config.val_fraction,
+                                       objective)
     packed = load_instruction_data(files, tokenizer, seq_len)
     train, val = split_rows(packed, data_config.val_fraction)
     where = files[0] if len(files) == 1 else f"{len(files)} files"

@@ -30,6 +30,8 @@ from typing import Any
 
 import jax
 
+from transformer_jax.checkpoint.files import disk_steps
+from transformer_jax.checkpoint.manager import CheckpointManager
 from transformer_jax.train.config import TrainConfig
 from transformer_jax.train.perf import measure_matmul_peak
 
@@ -176,7 +178,8 @@ class RunLog:
             record = {"step": step, "split": "train", **m,
                       "tokens_per_s": self._rate, "mfu": self.mfu()}
             self._write(record)
-            for k in ("loss", "lr", "grad_norm", *(k for k in m if k.startswith("moe_"))):
+            extra = (k for k in m if k.startswith(("moe_", "rewards/")))
+            for k in ("loss", "lr", "grad_norm", *extra):
                 self._tb.add_scalar(f"train/{k}", m[k], step)
             if self._rate:
                 self._tb.add_scalar("train/tokens_per_s", self._rate, step)
@@ -388,3 +391,14 @@ class StopOnSignal(contextlib.AbstractContextManager):
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+def abandon_save(ckpt: CheckpointManager, aborted: SaveAborted) -> SaveAborted:
+    """After a third signal: gives up the save in flight; the error names what is kept."""
+    step = ckpt.abandon()
+    kept = disk_steps(ckpt.directory)
+    newest = (f"the newest checkpoint is {ckpt.step_path(kept[-1])}" if kept
+              else "there is no checkpoint")
+    abandoned = f": the save of step {step} was abandoned" if step is not None else ""
+    return SaveAborted(aborted.signal, f"aborted by a third {aborted.signal}{abandoned}; "
+                                       f"{newest}")

@@ -30,7 +30,6 @@ import jax
 
 from transformer_jax import storage
 from transformer_jax.checkpoint import loading
-from transformer_jax.checkpoint.files import disk_steps
 from transformer_jax.checkpoint.manager import CheckpointManager
 from transformer_jax.data.eval_sets import EvalSet, load_eval_sets
 from transformer_jax.model import lora
@@ -38,6 +37,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.parallel import distributed
 from transformer_jax.parallel import sharding as sharding_lib
 from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, load_tokenizer
+from transformer_jax.train import preference_run as objective
 from transformer_jax.train.checks import (
     RunDirectory,
     attention_used,
@@ -61,6 +61,7 @@ from transformer_jax.train.log import (
     RunLog,
     SaveAborted,
     StopOnSignal,
+    abandon_save,
     mesh_peak_flops,
     progress_bar,
 )
@@ -170,6 +171,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh))
     num_batch_devices = sharding_lib.batch_devices(mesh)  # data x fsdp (x expert)
     check_config(model_config, tc, num_devices=num_batch_devices)
+    objective.check_objective_data(tc, data_config)  # dpo / orpo need preference pairs
     where = f"train.init_from={tc.init_from}"
     source = loading.locate(tc.init_from, where=where) if tc.init_from else None
     if source is not None:
@@ -201,7 +203,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         if tokenizer is None:
             raise ValueError(f"instruction data ({data_config.path}) needs the model's "
                              "tokenizer: pass train.init_from=CHECKPOINT or data.tokenizer=FILE")
-        data = prepare_instruction_data(data_config, tokenizer, tc.seq_len)
+        data = prepare_instruction_data(data_config, tokenizer, tc.seq_len, tc.objective)
     else:
         tokenizer, train_tokens, val_tokens = prepare_data(
             data_config, model_config.vocab_size, tokenizer)
@@ -265,6 +267,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         if main_process:
             _save_tokenizer(tokenizer, run_dir / TOKENIZER_DIR)
             (run_dir / "config.json").write_text(json.dumps(configs, indent=2))
+        data = objective.attach_reference(data, tc, model_config, state, batch_sharding,
+                                          run_dir, main_process)  # DPO's stored reference
         return _train(model_config, tc, data_config, mesh=mesh, files=files, ckpt=ckpt,
                       state=state, state_shardings=state_shardings, start_step=start_step,
                       batch_sharding=batch_sharding, data=data, eval_kw=eval_kw,
@@ -295,8 +299,9 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
 
     batch = get_batch(start_step)
     batch_times.clear()  # the loop's batches only
-    train_step = sharding_lib.jit_train_step(make_train_step(model_config, tc), state_shardings,
-                                             batch_sharding)
+    step_fn = (objective.make_objective_step(model_config, tc, data) if tc.is_preference
+               else make_train_step(model_config, tc))  # dpo / orpo, or sft
+    train_step = sharding_lib.jit_train_step(step_fn, state_shardings, batch_sharding)
     train_step = train_step.lower(state, batch).compile()
     compile_time = time.perf_counter() - compile_start
     eval_step = sharding_lib.jit_sharded(
@@ -396,7 +401,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
                      ckpt.step_path(latest_good) if latest_good is not None else "none")
         raise
     except SaveAborted as e:
-        raise _abandon_save(ckpt, e) from None
+        raise abandon_save(ckpt, e) from None
     finally:
         if tracing:
             with contextlib.suppress(Exception):
@@ -455,17 +460,6 @@ def _finished(files: RunDirectory, step: int, tc: TrainConfig, ckpt: CheckpointM
         tokens_seen=step * tc.tokens_per_step, wall_time_s=0.0, train_time_s=0.0,
         compile_time_s=0.0, tokens_per_s=None, step_time_ms=None, mfu=None,
         checkpoint=str(ckpt.step_path(ckpt.latest_step())))
-
-
-def _abandon_save(ckpt: CheckpointManager, aborted: SaveAborted) -> SaveAborted:
-    """After a third signal: gives up the save in flight; the error names what is kept."""
-    step = ckpt.abandon()
-    kept = disk_steps(ckpt.directory)
-    newest = (f"the newest checkpoint is {ckpt.step_path(kept[-1])}" if kept
-              else "there is no checkpoint")
-    abandoned = f": the save of step {step} was abandoned" if step is not None else ""
-    return SaveAborted(aborted.signal, f"aborted by a third {aborted.signal}{abandoned}; "
-                                       f"{newest}")
 
 
 def format_times(time_s: dict[str, float]) -> str:

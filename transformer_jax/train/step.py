@@ -136,7 +136,9 @@ def make_init_fn(model_config: ModelConfig, train_config: TrainConfig
     return init
 
 
-def make_train_step(model_config: ModelConfig, train_config: TrainConfig
+def make_train_step(model_config: ModelConfig, train_config: TrainConfig,
+                    loss_fn: Callable[[Params, Batch], tuple[jax.Array, tuple]] | None = None,
+                    aux_metrics: Callable[[Any, jax.Array], Metrics] | None = None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """The pure ``train_step(state, batch) -> (state, metrics)``; jit it once.
 
@@ -153,12 +155,17 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig
     coefficients, see ``make_loss_fn``) and ``moe_load_max_mean/layer_I`` per sparse layer I
     (its busiest expert's (token, slot) pairs over the mean: 1 is a uniform load, E/k the
     worst).
+
+    ``loss_fn`` replaces ``make_loss_fn``'s objective (same contract: sums, and ``count`` the
+    divisor; e.g. the pairs of a preference objective) and ``aux_metrics(sums, count)`` turns
+    the summed fourth element of its aux into metrics (default: the router metrics above).
     """
     tx = make_optimizer(train_config)
     schedule = lr_schedule(train_config)
     accum = train_config.grad_accum
     layout = ParamsLayout.of(train_config)
-    loss_sums = make_loss_fn(model_config, train_config)
+    loss_sums = loss_fn or make_loss_fn(model_config, train_config)
+    extra = aux_metrics or (lambda sums, n: moe_metrics(sums, n, model_config.sparse_layers))
     # Differentiated with respect to the trained part only (LoRA: gradients adapter-sized).
     grad_fn = jax.grad(
         lambda trainable, params, batch: loss_sums(
@@ -188,7 +195,7 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig
         metrics = {"loss": ce / denom, "z_loss": z / denom, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step), "tokens": count}
         if moe:
-            metrics.update(moe_metrics(moe[0], denom, model_config.sparse_layers))
+            metrics.update(extra(moe[0], denom))
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
 
