@@ -66,6 +66,31 @@ def test_prompt_ids_json_from_hf_dir(hf_dir, params, capsys):
     assert out["prompt_ids"] == [[1, 2, 3], [4, 5]]
 
 
+def test_the_checkpoints_generation_config_eos_ids_stop_generation(hf_dir, params, tmp_path,
+                                                                     capsys):
+    """``generation_config.json``'s ``eos_token_id`` list (Llama 3.1's ``<|eom_id|>``) stops
+    generation besides the tokenizer's eos; ``--no-stop`` ignores it."""
+    import shutil
+
+    from transformer_jax.tokenizer import load_tokenizer
+
+    free = generation.generate(CONFIG, params, [[1, 2, 3]], max_new_tokens=6).tokens[0]
+    stop = free[1]  # the token greedy decoding draws second
+    path = tmp_path / "hf"
+    shutil.copytree(hf_dir, path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop]}))
+    eos = load_tokenizer(path).eos_id
+    argv = ["--checkpoint", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "6",
+            "--json"]
+    assert cli.main(argv) == 0
+    got = json.loads(capsys.readouterr().out)["tokens"]
+    want = generation.generate(CONFIG, params, [[1, 2, 3]], max_new_tokens=6,
+                               stop_tokens=[eos, stop]).tokens
+    assert got == want and len(got[0]) <= 2 < len(free)
+    assert cli.main([*argv, "--no-stop"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == [free]
+
+
 def test_quantised_weights_and_cache_decode_as_generate_does(hf_dir, params, capsys):
     argv = ["--checkpoint", str(hf_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "5",
             "--no-stop", "--json", "--quant", "int8", "--cache-dtype", "int8"]

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from transformer_jax.serve.tools import held_prefix
+
 START, END = "<think>", "</think>"
 #: ``--reasoning-parser`` names (vLLM's) and the tags they read.
 PARSERS = {"qwen3": (START, END), "deepseek_r1": (START, END)}
@@ -34,14 +36,6 @@ def prompt_opens_thinking(prompt_text: str) -> bool:
     """Whether a rendered prompt ends inside a thinking block it opened (the reply then
     starts with the reasoning, without a ``<think>`` of its own)."""
     return prompt_text.rstrip().endswith(START)
-
-
-def _held(text: str, tag: str) -> int:
-    """How many of ``text``'s last characters could start ``tag`` (held back from a stream)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ThinkSplitter:
@@ -73,7 +67,7 @@ class ThinkSplitter:
             elif self.state == REASONING:
                 at = self._buffer.find(END)
                 if at < 0:
-                    keep = _held(self._buffer, END)
+                    keep = held_prefix(self._buffer, END)
                     piece, self._buffer = (self._buffer[:len(self._buffer) - keep],
                                            self._buffer[len(self._buffer) - keep:])
                     _add(out, REASONING, piece)

@@ -94,7 +94,7 @@ def call_of(obj: Any) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _held_prefix(text: str, tag: str) -> int:
+def held_prefix(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag`` (it may become it)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
@@ -151,7 +151,7 @@ class HermesParser(ToolCallParser):
                     out.append(text_part)
                 self._buf, self._in_call = self._buf[start + len(HERMES_OPEN):], True
                 continue
-            held = len(self._buf) - _held_prefix(self._buf, HERMES_OPEN)
+            held = len(self._buf) - held_prefix(self._buf, HERMES_OPEN)
             sure = self._buf[:held].rstrip()  # trailing whitespace may precede a call
             if sure:
                 out.append(sure)
