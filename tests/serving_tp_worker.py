@@ -49,10 +49,15 @@ def run_case(overrides: dict) -> dict:
     adapters = _adapters(config, params) if with_lora else None
     asks = [dataclasses.replace(p, adapter=a) for p, a in zip(PARAMS, ROW_ADAPTERS,
                                                                   strict=True)
-            ] if with_lora else PARAMS
+            ] if with_lora else list(PARAMS)
     rng = np.random.default_rng(0)
     shared = rng.integers(0, 64, 8).tolist()
     prompts = [shared + rng.integers(0, 64, n).tolist() for n in (3, 20, 9, 30)]
+    if not overrides:  # the unrolled case (the others keep the load that preempts)
+        # The first prompt again, sampled: it forks from the first's prefill (a copy of its
+        # partial page, made on the split pages).
+        prompts.insert(1, prompts[0])
+        asks.insert(1, dataclasses.replace(asks[0], temperature=0.8, seed=9))
     out = {}
     for tensor in (1, 2):
         mesh = None if tensor == 1 else sharding.make_mesh(
@@ -70,7 +75,7 @@ def run_case(overrides: dict) -> dict:
         leaf = jax.tree.leaves(engine._rings if rings else engine._k)[0]
         out[str(tensor)] = dict(
             tokens=[done[i].tokens for i in ids], logprobs=[done[i].logprobs for i in ids],
-            preemptions=engine.scheduler.preemptions,
+            preemptions=engine.scheduler.preemptions, forked=engine.scheduler.forked,
             block=list(leaf.addressable_shards[0].data.shape), whole=list(leaf.shape),
             kv_axis=int(config.scan_layers) + rings)  # [L, ..] stacked; rings [.., S, K, ..]
     return out

@@ -220,15 +220,16 @@ def test_n_choices_are_the_request_sent_with_seeds_seed_plus_i(server, served):
     assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
 
 
-def test_n_choices_share_the_prompts_pages(server, served):
-    # The prompt's full pages are computed once: the other choices find them in the prefix
-    # cache (pages of 16 positions: a 40-token prompt has 2 full pages).
-    prefix = served[2].engine.scheduler.prefix
-    hits = prefix.hits
+def test_n_choices_share_the_prompts_prefill(server, served):
+    # The prompt is computed once: the other choices fork from its last chunk (they share its
+    # full pages, copy its partial page and draw from its logits), each with its own seed.
+    scheduler = served[2].engine.scheduler
+    forked = scheduler.forked
     prompt = np.random.default_rng(4).integers(0, TINY.vocab_size - 1, 40).tolist()
-    _client(server).completions.create(model=NAME, prompt=prompt, max_tokens=3, n=4,
-                                       temperature=0.7, seed=1)
-    assert prefix.hits - hits >= 3 * 2
+    many = _client(server).completions.create(model=NAME, prompt=prompt, max_tokens=3, n=4,
+                                              temperature=0.7, seed=1)
+    assert scheduler.forked - forked == 3
+    assert len({c.text for c in many.choices}) > 1
 
 
 def test_stop_strings_cut_before_the_stop(server):

@@ -67,6 +67,23 @@ def test_the_structured_modes_serve_every_token_and_write_their_results(tmp_path
     assert result["modes"]["engine-json-mixed"]["unconstrained_tpot_median_s"] > 0
 
 
+def test_choices_times_n_choices_with_and_without_forks(tmp_path):
+    from transformer_jax.bench import choices
+
+    config = tmp_path / "one_layer.toml"
+    config.write_text("[model]\nvocab_size = 64\nd_model = 32\nn_layers = 1\nn_heads = 2\n"
+                      "d_ff = 32\nmax_seq_len = 32\n")
+    out = tmp_path / "choices.json"
+    assert choices.main(["--config", str(config), "--prompt-lens", "12,20", "--n", "3",
+                         "--rounds", "2", "--slots", "4", "--page-size", "8",
+                         "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["forked"] == 2 * 3 * 2  # (n - 1) forks in each of the 3 runs with forks
+    for length in ("12", "20"):
+        r = result["lengths"][length]
+        assert r["forks_ratio"] > 0 and r["no_forks_ratio"] > 0
+
+
 def test_stall_scenario_measures_the_prefill_window(tmp_path):
     from transformer_jax.bench import serve_stall
     from transformer_jax.decode import loop as decode

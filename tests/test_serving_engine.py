@@ -184,6 +184,28 @@ def test_prefix_reuse_prefills_only_the_rest(model, engine):
     assert done[b].tokens == reference(model, second, params)[0]
 
 
+@pytest.mark.parametrize("length", [22, 24])  # the last page partial (22 = 5 pages + 2), or full
+def test_identical_prompts_fork_from_one_prefill(model, engine, length):
+    """Requests waiting with the tokens of a prompt whose last chunk runs (``n`` choices) take
+    the free slots (3 of 4), share its full pages, copy its partial page and draw their first
+    token from its logits; each still decodes what generate gives it alone, and the one left
+    without a slot prefills as before (its full pages found in the prefix cache)."""
+    prompt = _prompts([length], seed=30 + length)[0]
+    params = [SamplingParams(max_tokens=N_REF - i, temperature=0.9, top_p=0.9, seed=50 + i,
+                             logprobs=True) for i in range(5)]
+    params[1] = SamplingParams(max_tokens=N_REF, logprobs=True)  # a greedy fork
+    forked = engine.scheduler.forked
+    ids = [engine.add_request(prompt, p) for p in params]
+    done = run_until_idle(engine)
+    assert engine.scheduler.forked - forked == 3
+    assert [done[i].prefix_hit_tokens for i in ids] == [0, length, length, length,
+                                                       length // 4 * 4 - 4 * (length % 4 == 0)]
+    for rid, p in zip(ids, params, strict=True):
+        want, want_logprobs = reference(model, prompt, p)
+        assert done[rid].tokens == want, rid
+        np.testing.assert_allclose(done[rid].logprobs, want_logprobs, atol=1e-4)
+
+
 # Sampling ----------------------------------------------------------------------------------------
 
 def test_seeded_sampling_is_the_same_alone_and_under_load(model, engine):

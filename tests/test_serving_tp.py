@@ -31,6 +31,8 @@ def test_tensor_parallel_engine_equals_one_device(runs, case):
     for a, b in zip(two["logprobs"], one["logprobs"], strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5)
     assert one["preemptions"] > 0  # the small pool preempts, on one device and on two
+    # The unrolled case repeats a prompt, which forks from the first's prefill.
+    assert one["forked"] == two["forked"] == (1 if case == "unrolled" else 0)
     kv_axis = two["kv_axis"]  # pages [L, K, ...] or [K, ...] per layer (rings [.., S, K, ..])
     assert two["block"][kv_axis] * 2 == two["whole"][kv_axis] == 2
     assert one["block"] == one["whole"]

@@ -172,7 +172,8 @@ class Engine:
                         cache.ring.n_local, cache.ring.window)
             prefix_caching = False
         self.scheduler = Scheduler(num_slots, num_pages, page_size, config.max_seq_len,
-                                   token_budget - num_slots, prefix_caching, min_context)
+                                   token_budget - num_slots, prefix_caching, min_context,
+                                   forks=self._rings is None)
         self._lock = threading.Lock()
         self._pending: list[tuple[str, Any]] = []
         self._ids = itertools.count()
@@ -289,12 +290,18 @@ class Engine:
         # before either result is read. A prompt's first token goes out as soon as the chunk's
         # program ends, without waiting for the decode rows (its time to first token is the
         # chunk's alone).
-        if sched.has_grammar(plan):  # the masks computed while the device runs the forwards
+        # Forward and sampling as two programs when rows draw under a grammar (the masks
+        # computed while the device runs the forwards) or forks draw from the chunk's logits.
+        if plan.forks or sched.has_grammar(plan):
             chunk_logits = None if prefill is None else self._forward(None, prefill)
+            if plan.copies:  # the forks' partial pages, before any step writes past the prompt
+                self._k, self._v = step_lib.copy_pages_jit(
+                    self._k, self._v, *step_lib.padded(*np.asarray(plan.copies, np.int32).T),
+                    keys_transposed=self.keys_transposed)
             logits = self._forward(decode, None) if plan.decodes else None
             rows = rows.replace(allowed=sched.grammar_masks(plan, self.config.vocab_size))
             chunk = None if prefill is None else step_lib.sample_jit(
-                chunk_logits, _rows(rows, b, b + 1), sampler)
+                *step_lib.fork_rows(chunk_logits, _rows(rows, b, b + 1 + len(plan.forks))), sampler)
             rows_out = None if logits is None else step_lib.sample_jit(
                 logits, _rows(rows, 0, b), sampler)
         else:
@@ -304,7 +311,7 @@ class Engine:
                         else None)
         if chunk is not None:
             tokens, logprobs = jax.device_get(chunk)
-            delivered += self._deliver(sched.commit_prefill(plan, tokens[0], logprobs[0]))
+            delivered += self._deliver(sched.commit_prefill(plan, tokens, logprobs))
         if rows_out is not None:
             tokens, logprobs = jax.device_get(rows_out)
             delivered += self._deliver(sched.commit_decodes(plan, tokens, logprobs))
@@ -469,3 +476,4 @@ class Engine:
 def _rows(rows: step_lib.RowSampling, lo: int, hi: int) -> step_lib.RowSampling:
     """Rows [lo, hi) of the step's sampling settings."""
     return jax.tree.map(lambda x: x[lo:hi], rows)
+

@@ -8,7 +8,11 @@ Each step it plans (``schedule``):
    its prompt and the tokens it already has (nothing fails, nothing is sent twice);
 2. within the token budget, a chunk of the prompt in prefill: the one being prefilled, or the
    oldest waiting request when a slot is free and the pool has pages for its whole prompt
-   (after the full pages the prefix cache already holds for it, which it shares).
+   (after the full pages the prefix cache already holds for it, which it shares);
+3. with the last chunk of a prompt, the forks: waiting requests with the very same tokens (the
+   ``n`` choices of one API request, or the same prompt sent again) take a free slot each, share
+   the prompt's full pages, get a copy of its last, partial page, and draw their first token from
+   the same logits with their own key, so the prompt is computed once for all of them.
 
 Then ``commit_prefill`` and ``commit_decodes`` take the step's tokens: a prompt whose last chunk
 ran gets its first, running requests get theirs, finished requests give back their pages and
@@ -64,6 +68,8 @@ class StepPlan:
     bucket: int = 0
     width: int = 0
     chunk_width: int = 0
+    forks: list[Request] = dataclasses.field(default_factory=list)
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -76,6 +82,9 @@ class Scheduler:
       max_len: the most positions of one sequence (the model's context).
       max_chunk: the most prefill tokens per step.
       prefix_caching: whether full pages are shared between requests.
+      forks: whether requests waiting with the tokens of a prompt whose last chunk runs fork
+        from it (see the module docstring; the engine turns it off for models whose local
+        layers keep per-slot rings, which a fork would not copy).
       min_context: the narrowest page table a step runs at, in positions. A step attends over
         its rows' first W pages, W the smallest width bucket (powers of two from this) that
         holds its longest row, so short sequences do not read the whole context
@@ -85,8 +94,9 @@ class Scheduler:
 
     def __init__(self, num_slots: int, num_pages: int, page_size: int, max_len: int,
                  max_chunk: int, prefix_caching: bool = True,
-                 min_context: int = MIN_CONTEXT) -> None:
+                 min_context: int = MIN_CONTEXT, forks: bool = True) -> None:
         self.num_slots = num_slots
+        self.forks = forks
         self.page_size = page_size
         self.pages_per_seq = pages_for(max_len, page_size)
         self.buckets = chunk_buckets(max_chunk)
@@ -100,6 +110,7 @@ class Scheduler:
         self.running: list[Request] = []  # by id
         self.prefilling: Request | None = None
         self.preemptions = 0
+        self.forked = 0  # requests that drew their first token from another's prefill
 
     # Queues ----------------------------------------------------------------------------------
 
@@ -142,6 +153,8 @@ class Scheduler:
             if chunk > 0 and self._grow(req, req.cached + chunk, preempt=False):
                 plan.prefill, plan.start, plan.chunk = req, req.cached, chunk
                 plan.bucket = self.buckets[bisect.bisect_left(self.buckets, chunk)]
+                if self.forks and req.cached + chunk == req.prefill_target:
+                    self._fork(plan)
         if not plan.decodes and plan.prefill is None:
             return None
         if plan.decodes:
@@ -177,6 +190,40 @@ class Scheduler:
         self.page_table[slot, :len(shared)] = shared
         self.prefilling = req
         return req
+
+    def _fork(self, plan: StepPlan) -> None:
+        """Admits, as ``plan.forks``, the waiting requests whose tokens are the prefilling
+        prompt's (same adapter): each takes a free slot, holds the prompt's full pages once
+        more and gets a fresh page for its last, partial one (``plan.copies``: (source,
+        destination) pages the engine copies after the chunk's forward), while slots and pages
+        last. Their first tokens come from the chunk's logits (``commit_prefill``)."""
+        leader = plan.prefill
+        target = leader.prefill_target
+        full = target // self.page_size
+        tokens = leader.tokens[:target]
+        for req in list(self.waiting):
+            if None not in self.slots:
+                return
+            if (len(req.tokens) != target or req.adapter != leader.adapter
+                    or req.tokens != tokens):
+                continue
+            fresh: list[int] = []
+            if full < len(leader.pages):  # the partial page: a copy of its own
+                fresh = self.prefix.allocate(1) or []
+                if not fresh:
+                    return
+                plan.copies.append((leader.pages[full], fresh[0]))
+            for page in leader.pages[:full]:
+                self.pool.share(page)
+            self.waiting.remove(req)
+            slot = self.slots.index(None)
+            self.slots[slot] = req
+            req.slot, req.state, req.prefill_target = slot, State.PREFILL, target
+            req.pages = leader.pages[:full] + fresh
+            req.cached, req.named = 0, 0
+            req.digests = list(leader.digests)
+            self.page_table[slot, :len(req.pages)] = req.pages
+            plan.forks.append(req)
 
     def _grow(self, req: Request, length: int, *, preempt: bool) -> bool:
         """Gives ``req`` pages for ``length`` positions; with ``preempt``, preempts the newest
@@ -276,13 +323,14 @@ class Scheduler:
         reqs: list[Request | None] = [None] * self.num_slots
         for req in plan.decodes:
             reqs[req.slot] = req
-        return reqs if plan.prefill is None else reqs + [plan.prefill]
+        return reqs if plan.prefill is None else reqs + [plan.prefill, *plan.forks]
 
-    def commit_prefill(self, plan: StepPlan, token: np.ndarray, logprob: np.ndarray
+    def commit_prefill(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray
                        ) -> list[tuple[Request, TokenEvent]]:
-        """Applies the step's prefill chunk (its sampled token and log-probability, [] or
-        [1 + K] with the top alternatives, ``step.sample_rows``): a prompt whose last chunk
-        ran starts running with its first token; the events to deliver."""
+        """Applies the step's prefill chunk (the sampled tokens and log-probabilities of its
+        rows, the chunk's then its forks', [1 + forks] or [1 + forks, 1 + K] with the top
+        alternatives, ``step.sample_rows``): a prompt whose last chunk ran starts running with
+        its first token, and so does each fork; the events to deliver."""
         req = plan.prefill
         if req is None:
             return []
@@ -291,9 +339,16 @@ class Scheduler:
             self._name_pages(req)
             return []
         self.prefilling = None
-        req.state = State.RUNNING
-        bisect.insort(self.running, req, key=lambda r: r.id)
-        return [self._emit(req, token, logprob)]
+        events = []
+        for i, r in enumerate((req, *plan.forks)):
+            if r is not req:
+                r.cached, r.named = r.prefill_target, r.prefill_target // self.page_size
+                r.prefix_hit_tokens += r.prefill_target
+                self.forked += 1
+            r.state = State.RUNNING
+            bisect.insort(self.running, r, key=lambda x: x.id)
+            events.append(self._emit(r, tokens[i], logprobs[i]))
+        return events
 
     def commit_decodes(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray
                        ) -> list[tuple[Request, TokenEvent]]:

@@ -40,6 +40,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -170,6 +171,48 @@ def sample_rows(logits: jax.Array, rows: RowSampling, sampler: Sampler
     top_ids, top = sampling.top_logprobs(raw, sampler.top_logprobs)
     return (jnp.concatenate([tokens[:, None], top_ids], 1),
             jnp.concatenate([logprobs[:, None], top], 1))
+
+
+def copy_pages(k_pages: Any, v_pages: Any, src: jax.Array, dst: jax.Array, *,
+               keys_transposed: bool = False) -> tuple[Any, Any]:
+    """Copies page ``src[i]`` to page ``dst[i]`` ([M] int32) in every layer's keys and values
+    (a fork's copy of its prompt's last, partial page; ``scheduler.Scheduler``).
+
+    Args:
+      k_pages: [L, K, P, page_size, H] keys ([L, K, H, P, page_size] when
+        ``keys_transposed``), or a tuple of L arrays without the leading axis.
+      v_pages: [L, K, P, page_size, H] values (or a tuple).
+      src: [M] int32 pages to read.
+      dst: [M] int32 pages to write (distinct, or repeating a pair already given).
+
+    Returns:
+      The keys and values with the copies made.
+    """
+    def copy(from_end: int) -> Any:
+        def one(x: jax.Array) -> jax.Array:
+            index = (slice(None),) * (x.ndim - from_end)
+            return x.at[(*index, dst)].set(jnp.take(x, src, axis=x.ndim - from_end))
+        return one
+
+    return (jax.tree.map(copy(2 if keys_transposed else 3), k_pages),
+            jax.tree.map(copy(3), v_pages))
+
+
+def padded(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The [n, ...] ``arrays`` padded to M rows, M the power of two >= n, by repeating their
+    last row (so the programs that take them compile for a few sizes only)."""
+    n = len(arrays[0])
+    rows = np.minimum(np.arange(1 << (n - 1).bit_length()), n - 1)
+    return tuple(np.asarray(x)[rows] for x in arrays)
+
+
+def fork_rows(logits: jax.Array, rows: RowSampling
+              ) -> tuple[jax.Array, RowSampling]:
+    """The chunk's [1, V] logits once per sampling row (the chunk's, then its forks'), rows
+    padded as ``padded`` pads them; the drawn [M] tokens' first rows are the rows'."""
+    leaves, tree = jax.tree.flatten(rows)
+    rows = jax.tree.unflatten(tree, padded(*leaves))
+    return jnp.broadcast_to(logits[:1], (rows.key_data.shape[0], logits.shape[-1])), rows
 
 
 def page_spec(config: ModelConfig) -> P:
@@ -387,3 +430,6 @@ step_jit = jit_step()
 #: masks are computed on the host between the two dispatches, while the forward runs.
 forward_jit = jit_forward()
 sample_jit = jax.jit(sample_rows, static_argnames=("sampler",))
+#: The forks' page copies, the pages donated (updated in place).
+copy_pages_jit = jax.jit(copy_pages, static_argnames=("keys_transposed",),
+                         donate_argnames=("k_pages", "v_pages"))
