@@ -68,10 +68,12 @@ def test_every_schema_reply_parses_and_validates_beside_unconstrained_rows(model
     asks = [(schema, _ask(Grammar("json_schema", schema), temperature=t, seed=s))
             for schema in SCHEMAS for t, s in ((0.0, 0), (1.0, 7))]
     free = [[5, 9, 2], [7, 7, 1, 4]]
+    forked = engine.scheduler.forked
     ids = [engine.add_request(prompt, p) for _, p in asks]
     free_ids = [engine.add_request(p, SamplingParams(max_tokens=8)) for p in free]
     done = run_until_idle(engine, max_steps=3000)
     engine.check_no_leaks()
+    assert engine.scheduler.forked > forked  # one prompt: forks draw their first token too
     checker = GrammarTokenizer(tok, CONFIG.vocab_size)
     for (schema, ask), i in zip(asks, ids, strict=True):
         got = done[i]
