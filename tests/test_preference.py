@@ -315,8 +315,11 @@ def test_loss_rewards_and_gradients_equal_trl(parity_setup, hf_dirs, kind, tmp_p
     ours = safetensors.numpy.load_file(str(tmp_path / "grads" / "model.safetensors"))
     theirs = {n: p.grad.numpy() for n, p in policy.named_parameters()}
     assert set(ours) == set(theirs)
+    # 1e-5 absolute, and relative for the largest entries: an embedding gradient of about 5
+    # summed over the batch in float32 differed by 1.1e-5 (2.4e-6 relative, some 20 ulps)
+    # between torch 2.13 and XLA:CPU here; beta off by 0.1% moves them by 1e-3 relative.
     for name, grad in theirs.items():
-        np.testing.assert_allclose(ours[name], grad, atol=1e-5, rtol=0, err_msg=name)
+        np.testing.assert_allclose(ours[name], grad, atol=1e-5, rtol=1e-5, err_msg=name)
     assert max(np.abs(g).max() for g in theirs.values()) > 1e-3  # gradients are not ~zero
 
 
