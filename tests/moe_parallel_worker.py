@@ -1,8 +1,8 @@
 """Subprocess side of ``test_moe_parallel.py``: expert parallelism on simulated CPU devices.
 
 Run as one of ``--num-processes`` processes (joined through ``jax.distributed`` over gloo when
-more than one) that together hold 8 devices. Each process first runs the single-device
-reference on its own first device (plain ``jax.jit``, no mesh, no sharding code), then the same
+more than one) that together hold 8 devices. Process 0 first runs the single-device reference
+on its own first device (plain ``jax.jit``, no mesh, no sharding code), then every process the same
 20 training steps under each mesh of ``MESHES`` (``parallel.sharding``'s sharded jit, as
 ``train.run`` does), and the forward of a model whose routers leave experts without tokens.
 Process 0 prints one JSON object on its last stdout line.
@@ -90,10 +90,14 @@ def train(state, step_fn, put, data):
     return state, curves
 
 
-def state_diff(state, ref: dict[str, np.ndarray]) -> dict[str, float]:
-    """Max |a - b| over each parameter and Adam moment, divided by max |b| (1 if b is 0)."""
+def state_diff(state, ref: dict[str, np.ndarray] | None) -> dict[str, float]:
+    """Max |a - b| over each parameter and Adam moment, divided by max |b| (1 if b is 0); {}
+    without ``ref`` (a process that does not report still takes part in the gathers)."""
     out = {}
-    for path, x in host({"params": state.params, "opt": state.opt_state}).items():
+    whole = host({"params": state.params, "opt": state.opt_state})
+    if ref is None:
+        return out
+    for path, x in whole.items():
         if "/mu/" in path or "/nu/" in path or path.startswith("params/"):
             scale = float(np.max(np.abs(ref[path]))) or 1.0
             out[path] = float(np.max(np.abs(x - ref[path]))) / scale
@@ -130,18 +134,26 @@ def main(argv: list[str]) -> int:
     data = batches()
     one = jax.local_devices()[0]
 
-    # Reference: one device of this process, plain jit, no mesh.
     state0 = jax.device_get(jax.jit(init)(key))
-    ref_state, ref = train(jax.device_put(state0, one), jax.jit(step),
-                           lambda b: jax.device_put(b, one), data)
-    ref_state = host({"params": ref_state.params, "opt": ref_state.opt_state})
     model = Transformer(CONFIG)
     params, tokens = routed_params(state0.params), data[0]["inputs"]
-    ref_out = jax.device_get(jax.jit(lambda p, x: model.apply({"params": p}, x))(
-        jax.device_put(params, one), jax.device_put(tokens, one)))
+    # Only process 0 reports, so only it runs the reference (one device of its own, plain jit,
+    # no mesh); the others wait for it at a barrier of the coordination service (which, unlike
+    # a collective of the first sharded step, waits as long as it is told to).
+    main_process = jax.process_index() == 0
+    out = {"processes": jax.process_count(), "devices": jax.device_count(), "runs": {}}
+    ref_state = ref_out = None
+    if main_process:
+        ref_state, out["ref"] = train(jax.device_put(state0, one), jax.jit(step),
+                                      lambda b: jax.device_put(b, one), data)
+        ref_state = host({"params": ref_state.params, "opt": ref_state.opt_state})
+        ref_out = jax.device_get(jax.jit(lambda p, x: model.apply({"params": p}, x))(
+            jax.device_put(params, one), jax.device_put(tokens, one)))
+        out["ref_load"] = np.asarray(ref_out.moe["load"]).tolist()
+    if jax.process_count() > 1:
+        from jax._src import distributed as jax_distributed
 
-    out = {"processes": jax.process_count(), "devices": jax.device_count(), "ref": ref,
-           "ref_load": np.asarray(ref_out.moe["load"]).tolist(), "runs": {}}
+        jax_distributed.global_state.client.wait_at_barrier("reference", 600_000)
     abstract = jax.eval_shape(init, key)
     for name, mesh_config in MESHES.items():
         mesh = sh.make_mesh(mesh_config)
@@ -161,7 +173,8 @@ def main(argv: list[str]) -> int:
             fwd = sh.jit_sharded(lambda p, x: model.apply({"params": p}, x).logits, mesh,
                                  (p_shard, b_shard), b_shard)
             logits = host(fwd(place(params, p_shard), place(tokens, b_shard)))[""]
-            run["logits_diff"] = float(np.max(np.abs(logits - ref_out.logits)))
+            if main_process:
+                run["logits_diff"] = float(np.max(np.abs(logits - ref_out.logits)))
         out["runs"][name] = run
     if jax.process_index() == 0:
         print(json.dumps(out))

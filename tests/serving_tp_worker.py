@@ -36,8 +36,10 @@ def _adapters(config: ModelConfig, params: dict) -> dict:
     for seed, cfg in enumerate((lora.LoraConfig(rank=4), lora.LoraConfig(rank=2, alpha=6.0,
                                                                          targets=("q", "v")))):
         tree = lora.init_adapters(config, cfg, params, jax.random.key(seed + 1))
-        out["ab"[seed]] = (jax.tree.map(lambda x, s=seed: x + 0.2 * jax.random.normal(
-            jax.random.key(s + 7), x.shape), tree), cfg)
+        # The noise from numpy: jax.random.normal op by op would compile a program per shape.
+        rng = np.random.default_rng(seed + 7)
+        out["ab"[seed]] = (jax.tree.map(lambda x, r=rng: jax.numpy.asarray(
+            np.asarray(x) + 0.2 * r.standard_normal(x.shape, np.float32)), tree), cfg)
     return out
 
 

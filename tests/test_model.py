@@ -69,7 +69,8 @@ def test_scanned_stack_equals_unrolled(variant):
     scanned = _apply(scanned_c)(scanned_params, tokens)
     np.testing.assert_allclose(unrolled, scanned, rtol=1e-5, atol=1e-5)
     # The scanned layout is what the scanned model initialises to, and round-trips.
-    chex.assert_trees_all_equal_shapes(scanned_params, init_params(scanned_c, 0))
+    chex.assert_trees_all_equal_shapes(scanned_params,
+                                       jax.eval_shape(lambda: init_params(scanned_c, 0)))
     chex.assert_trees_all_equal(unstack_blocks(scanned_params), params)
 
 

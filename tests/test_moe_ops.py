@@ -20,9 +20,10 @@ D, F = 16, 24
 
 
 def _weights(e: int, seed: int = 0):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(ks[0], (e, D, F)) * 0.3, jax.random.normal(ks[1], (e, D, F)) * 0.3,
-            jax.random.normal(ks[2], (e, F, D)) * 0.3)
+    # From numpy: jax.random.normal op by op would compile a program per expert count.
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(shape, np.float32) * np.float32(0.3))
+                 for shape in ((e, D, F), (e, D, F), (e, F, D)))
 
 
 def _routing(rng: np.random.Generator, n: int, k: int, e: int, experts_used: int) -> moe.Routing:

@@ -2,11 +2,11 @@
 dispatched to their experts' devices by all_to_all (``model/ops/moe_dispatch.py``).
 
 The multi-device claims run in ONE launch of two processes with 4 simulated CPU devices each,
-joined by ``jax.distributed`` over gloo (``tests/moe_parallel_worker.py``): each process trains
-the single-device reference on its own first device, then the same 20 steps on three 8-device
-meshes spanning both processes (the expert axis at 4 with data 2, at 2 with fsdp 2 and tensor
-2, and at 8, its all_to_alls across the processes). The cheap claims (config, rules, what is
-traced) run here on abstract meshes.
+joined by ``jax.distributed`` over gloo (``tests/moe_parallel_worker.py``): process 0 trains
+the single-device reference on its own first device, then both the same 20 steps on two 8-device
+meshes spanning both processes (the expert axis at 2 with fsdp 2 and tensor 2, and at 8, its
+all_to_alls across the processes). The cheap claims (config, rules, what is traced, expert x
+data) run here on abstract meshes.
 """
 
 from __future__ import annotations

@@ -44,8 +44,10 @@ def _adapters(params, seed: int, rank: int, alpha: float, targets) -> tuple[dict
     """Adapters with B far from zero (an initialised adapter would change nothing)."""
     cfg = lora.LoraConfig(rank=rank, alpha=alpha, targets=targets)
     tree = lora.init_adapters(CONFIG, cfg, params, jax.random.key(seed))
-    keys = iter(jax.random.split(jax.random.key(seed + 100), len(jax.tree.leaves(tree))))
-    return jax.tree.map(lambda x: x + 0.2 * jax.random.normal(next(keys), x.shape), tree), cfg
+    # The noise from numpy: jax.random.normal op by op would compile a program per shape.
+    rng = np.random.default_rng(seed + 100)
+    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + 0.2 * rng.standard_normal(
+        x.shape, np.float32)), tree), cfg
 
 
 # The math: one forward, each row its own adapter -------------------------------------------------

@@ -118,11 +118,15 @@ def pod(bucket, tmp_path_factory):
     from transformer_jax.tokenizer import load_tokenizer
 
     work = tmp_path_factory.mktemp("pod")
+    # Every program of the runs in a compilation cache of this module: the local reference
+    # resume loads what the bucket resume (same arguments but the run directory) compiled.
+    env = dict(bucket, JAX_COMPILATION_CACHE_DIR=str(work / "xla"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     docs, tok = write_word_docs(work, 300)
     meta = build.build([str(docs)], "gs://bkt/shards", load_tokenizer(tok), workers=2,
                        progress=False, options=build.BuildOptions(shard_bytes=3000,
                                                                   val_fraction=0.3))
-    two = _train(["train.steps=4", f"train.run_dir={RUN}"], bucket, work, processes=2)
+    two = _train(["train.steps=4", f"train.run_dir={RUN}"], env, work, processes=2)
     checkpoints = epath.Path(RUN) / "checkpoints"
     after_two = {"steps": disk_steps(checkpoints),
                  "names": sorted(p.name for p in epath.Path(RUN).iterdir()),
@@ -134,8 +138,8 @@ def pod(bucket, tmp_path_factory):
     fs, _ = storage.filesystem(RUN)
     fs.copy("bkt/run/checkpoints/4/meta", "bkt/run/checkpoints/6/meta", recursive=True)
     assert not (checkpoints / "6" / "commit_success.txt").exists()
-    one = _train(["train.steps=6", f"train.run_dir={RUN}"], bucket, work)
-    _train(["train.steps=6", f"train.run_dir={reference}"], bucket, work)
+    one = _train(["train.steps=6", f"train.run_dir={RUN}"], env, work)
+    _train(["train.steps=6", f"train.run_dir={reference}"], env, work)
     return {"work": work, "meta": meta, "two": two, "after_two": after_two, "one": one,
             "reference": reference, "checkpoints": checkpoints}
 

@@ -96,25 +96,32 @@ def test_plot_runs_compares_several_runs(tmp_path):
     assert not np.array_equal(both, single)
 
 
-def test_cli_with_two_runs_and_a_missing_one(tmp_path):
+def test_cli_with_two_runs_and_a_missing_one(tmp_path, capsys, monkeypatch):
     a = write_run(tmp_path / "a")
     b = write_run(tmp_path / "b", scale=2.0)
     out = tmp_path / "cmp.png"
+    # The module entry point in a process of its own, once; the other cases call the same
+    # main() here (a subprocess each would only import jax again).
     cli = [sys.executable, "-m", "transformer_jax.plot"]
     done = subprocess.run([*cli, str(a), str(b), "--out", str(out)], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(out)
     assert read_png(out).shape[1] >= 400
-    missing = subprocess.run([*cli, str(a), str(tmp_path / "c")], capture_output=True,
-                             text=True, timeout=120, cwd=tmp_path)
-    assert missing.returncode == 2
-    assert missing.stderr.strip().splitlines() == [
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert plot_cli.main([str(a), str(tmp_path / "c")]) == 2
+    missing = capsys.readouterr()
+    assert missing.out == "" and not (tmp_path / "runs.png").exists()
+    assert missing.err.strip().splitlines() == [
         f"error: no metrics.jsonl in {tmp_path / 'c'} (is it the run directory of a training "
         "run?)"]
     assert plot_cli.main([str(a)]) == 0 and (a / "loss.png").is_file()
-    help_text = subprocess.run([*cli, "--help"], capture_output=True, text=True,
-                               timeout=120).stdout
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        plot_cli.main(["--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
     assert "RUN_DIR" in help_text and "--out" in help_text and "examples" in help_text
 
 
