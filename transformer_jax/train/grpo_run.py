@@ -116,6 +116,13 @@ def grpo_batch(prompts: list[np.ndarray], completions: list[list[int]],
     return out
 
 
+def completion_text(tokenizer: Any, tokens: list[int]) -> str:
+    """The text a reward reads: the completion without eos, ids past the tokenizer's
+    vocabulary (a padded embedding's rows) left out."""
+    return tokenizer.decode([t for t in tokens if t != tokenizer.eos_id
+                             and 0 <= t < tokenizer.vocab_size])
+
+
 def make_engine(model_config: Any, params: Any, tc: Any, prompt_len: int) -> Engine:
     """An engine on the first device for one step's rollouts (every completion in a slot)."""
     b = tc.batch_size
@@ -198,8 +205,7 @@ def train_grpo(model_config: Any, tc: Any, data_config: Any, files: Any, ckpt: A
             t1 = time.perf_counter()
             chosen = [prompts[i] for i in prompt_order(len(prompts), per_step, step, tc.seed)]
             rows, completions, lps, owner = sample(engine, chosen, tc, step, tokenizer.eos_id)
-            texts = [tokenizer.decode([t for t in c if t != tokenizer.eos_id])
-                     for c in completions]
+            texts = [completion_text(tokenizer, c) for c in completions]
             reward = np.asarray([score(rewards, text, chosen[o])
                                  for text, o in zip(texts, owner, strict=True)], np.float32)
             t2 = time.perf_counter()
