@@ -69,7 +69,8 @@ def write_model(directory: Path, args: argparse.Namespace) -> None:
 
     torch.manual_seed(args.seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=32, hidden_size=args.width, intermediate_size=2 * args.width,
+        vocab_size=len(SPECIALS) + len(WORDS), hidden_size=args.width,
+        intermediate_size=2 * args.width,
         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=0))
@@ -98,8 +99,7 @@ def evaluate(run_dir: Path, prompts_file: Path, samples: int, max_tokens: int, s
     completions at temperature 1, and of one greedy completion, from ``run_dir``'s weights."""
     from transformer_jax.checkpoint import loading
     from transformer_jax.serving.requests import SamplingParams
-    from transformer_jax.train.grpo_data import load_prompts, score
-    from transformer_jax.train.grpo_data import load_rewards
+    from transformer_jax.train.grpo_data import load_prompts, load_rewards, score
     from transformer_jax.train.grpo_run import completion_text, make_engine
 
     ckpt = loading.load(loading.locate(str(run_dir)))
@@ -136,6 +136,7 @@ def ours(model_dir: Path, prompts: Path, run_dir: Path, steps: int, args: argpar
         f"train.batch_size={args.prompts * args.group}", f"train.grpo_group_size={args.group}",
         f"train.grpo_max_tokens={args.max_tokens}", "train.seq_len=32", f"train.lr={lr}",
         f"train.min_lr={lr}", f"train.grpo_kl_beta={args.beta}", f"train.seed={args.seed}",
+        f"train.warmup_steps={min(args.warmup, steps - 1)}",
         f"train.ckpt_every={ckpt_every}", "train.log_every=10", "train.mesh=1,1,1"])
     run(model, train, data, progress=False)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", type=int, default=8, help="G")
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--warmup", type=int, default=10, help="GRPO lr warmup steps")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--eval-samples", type=int, default=4)
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     write_model(root / "hf", args)
     sft_file, prompts, records = make_task(root, args.max_operand)
     print(f"task: {len(records)} prompts a+b= (a, b < {args.max_operand}), exact match; model "
-          f"Llama {args.layers} layers x {args.width}, vocab 32, float32, CPU; GRPO "
+          f"Llama {args.layers} layers x {args.width}, vocab 19, float32, CPU; GRPO "
           f"{args.prompts} prompts x G={args.group} per step, max {args.max_tokens} tokens, "
           f"temperature 1, beta {args.beta}, clip 0.2, token (DAPO) loss, lr {args.lr}")
     result: dict = {"prompts": len(records), "group": args.group, "batch": args.prompts *
