@@ -13,7 +13,7 @@ the random HF model (same prompts, batch, G, max completion tokens, temperature 
 eps, DAPO token normalisation, constant lr), steady-state steps per minute (the first step, which
 compiles, left out of both) and the ratio. Prints the config, the figures and a JSON line.
 
-Run: ``python -m transformer_jax.bench grpo [--steps 60] [--sft-steps 150]``.
+Run: ``python -m transformer_jax.bench grpo [--steps 300] [--sft-steps 60]``.
 """
 
 from __future__ import annotations
@@ -124,6 +124,27 @@ def evaluate(run_dir: Path, prompts_file: Path, samples: int, max_tokens: int, s
     return out[0], out[1]
 
 
+def logprob_gap(run_dir: Path, prompts_file: Path, args: argparse.Namespace) -> float:
+    """The largest |engine log-prob - trainer log-prob| over one rollout of ``run_dir``'s
+    weights (every sampled completion token of ``--prompts`` prompts x G)."""
+    from transformer_jax.checkpoint import loading
+    from transformer_jax.model.transformer import Transformer
+    from transformer_jax.train.grpo import make_logps_fn
+    from transformer_jax.train.grpo_data import load_prompts
+    from transformer_jax.train.grpo_run import grpo_batch, make_engine, sample
+
+    ckpt = loading.load(loading.locate(str(run_dir)))
+    prompts = load_prompts(prompts_file, ckpt.tokenizer, 28)[:args.prompts]
+    tc = argparse.Namespace(batch_size=args.prompts * args.group, grpo_max_tokens=args.max_tokens,
+                            grpo_group_size=args.group, grpo_temperature=1.0, seed=args.seed)
+    engine = make_engine(ckpt.config, ckpt.params, tc, max(len(p.tokens) for p in prompts))
+    rows, completions, lps, _ = sample(engine, prompts, tc, 0, ckpt.tokenizer.eos_id)
+    batch = grpo_batch(rows, completions, lps, np.zeros(len(rows)), 32)
+    ours = np.asarray(make_logps_fn(Transformer(ckpt.config))(ckpt.params, batch))
+    mask = batch["mask"] > 0
+    return float(np.abs(ours[mask] - batch["old_logps"][mask]).max())
+
+
 def ours(model_dir: Path, prompts: Path, run_dir: Path, steps: int, args: argparse.Namespace,
          lr: float, ckpt_every: int) -> list[dict]:
     """Our GRPO run from ``model_dir``; its metrics records."""
@@ -186,12 +207,12 @@ def trl_step_times(model_dir: Path, records: list[dict], args: argparse.Namespac
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; prints the figures."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--max-operand", type=int, default=20)
-    parser.add_argument("--sft-steps", type=int, default=150)
+    parser.add_argument("--max-operand", type=int, default=10)
+    parser.add_argument("--sft-steps", type=int, default=60)
     parser.add_argument("--sft-lr", type=float, default=3e-3)
-    parser.add_argument("--steps", type=int, default=60, help="GRPO steps of the learning run")
+    parser.add_argument("--steps", type=int, default=300, help="GRPO steps of the learning run")
     parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="G")
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--beta", type=float, default=0.04)
@@ -245,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         refresh = [m["time/refresh_share"] for m in metrics[1:]]
         print(f"weight refresh share of a step (steps 2+): median "
               f"{100 * statistics.median(refresh):.2f}%, max {100 * max(refresh):.2f}%")
-        result.update(sft_steps=args.sft_steps, sft_s=round(sft_s, 1), steps=args.steps,
+        gap = logprob_gap(root / "grpo", prompts, args)
+        print(f"engine vs trainer log-probs (float32), largest gap over a rollout: {gap:.2e}")
+        result.update(logprob_gap=gap, sft_steps=args.sft_steps, sft_s=round(sft_s, 1),
+                      steps=args.steps,
                       grpo_s=round(grpo_s, 1), reward_before=before[0], reward_after=after[0],
                       greedy_before=before[1], greedy_after=after[1], curve=curve,
                       refresh_share_median=statistics.median(refresh))
