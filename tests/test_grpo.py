@@ -1,7 +1,8 @@
 """GRPO: advantages and the clipped objective against direct numpy formulas, the engine's
 sampled log-probs against the trainer's recomputed ones, an in-memory weight refresh that
 changes the engine's outputs and compiles nothing, bad prompt records and reward functions
-(FILE:LINE), exact resume (in process) and the CLI end to end (LoRA on a 2-device mesh)."""
+(FILE:LINE), exact resume (in process) and the CLI end to end (LoRA on a 2-device mesh, then
+the export)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from helpers import write_chatml_tokenizer
 
 from transformer_jax.checkpoint import loading
 from transformer_jax.checkpoint.manager import CheckpointManager
+from transformer_jax.cli import export as hf_export
 from transformer_jax.data.instruct_records import InstructionDataError
 from transformer_jax.model.transformer import Transformer
 from transformer_jax.serving import step as step_lib
@@ -271,3 +273,10 @@ def test_grpo_cli_lora_on_a_two_device_mesh(setup, tmp_path):
                 "time/update_share"):
         assert all(np.isfinite(m[key]) for m in records), key
     assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 3
+    # Exported as any run (LoRA merged): transformers' logits = ours on the run's weights.
+    out = hf_export.export(run_dir / "checkpoints", tmp_path / "export")
+    ours = loading.load(run_dir / "checkpoints", with_tokenizer=False)
+    tokens = np.array([[3, 5, 7, 9, 11]])
+    logits = Transformer(ours.config).apply({"params": ours.params}, tokens).logits
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out)(torch.tensor(tokens)).logits
+    np.testing.assert_allclose(np.asarray(logits), theirs.detach().numpy(), atol=1e-4)

@@ -168,6 +168,7 @@ def train_grpo(model_config: Any, tc: Any, data_config: Any, files: Any, ckpt: A
     # A copy: the state's buffers are donated to the next step, the engine's must survive it.
     to_model = jax.jit(lambda p: jax.tree.map(jnp.copy, layout.model_params(p)))
     engine = make_engine(model_config, to_model(state.params), tc, longest)
+    engine.update_weights(to_model(state.params))  # compiles the refresh before the loop
     loss_fn = make_grpo_loss_fn(model, layout.model_params, loss_type=tc.grpo_loss,
                                 clip_eps=tc.grpo_clip_eps, kl_beta=tc.grpo_kl_beta,
                                 max_tokens=tc.grpo_max_tokens)
