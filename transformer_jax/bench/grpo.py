@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="GRPO lr warmup steps")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--eval-samples", type=int, default=4)
+    parser.add_argument("--eval-samples", type=int, default=16)
     parser.add_argument("--speed-steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", default="", help="comma-separated: learn, speed")
