@@ -88,7 +88,8 @@ def test_the_documents_have_train_commands():
     # The commands the multi-device and multi-host branches below exist for.
     assert any("train.mesh=1,8,1" in v for v in COMMANDS.values())
     assert any("--coordinator-address" in v for v in COMMANDS.values())
-    assert FINETUNE_COMMANDS and all(v[:2] in (("--config", "finetune"), ("--config", "dpo"))
+    assert FINETUNE_COMMANDS and all(v[:2] in (("--config", "finetune"), ("--config", "dpo"),
+                                               ("--config", "grpo"))
                                      for v in FINETUNE_COMMANDS.values())
 
 

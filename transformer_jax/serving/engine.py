@@ -179,6 +179,7 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
         self.steps = 0
+        self._prepare: Callable[[Params], Params] | None = None  # update_weights'
 
     def _stack(self, adapters: Mapping[str, tuple[Any, LoraConfig]]) -> Params:
         """The adapters stacked over the prepared weights, placed as the step splits them."""
@@ -194,6 +195,22 @@ class Engine:
                 lambda s: NamedSharding(self.mesh, s), specs,
                 is_leaf=lambda x: isinstance(x, P)))
         return jax.device_put(stack, jax.devices()[0])
+
+    def update_weights(self, weights_or_params: DecodeWeights | Params) -> None:
+        """Replaces the weights in memory with ones of the same shapes, dtypes and placement
+        (a trainer's new policy: GRPO's rollouts), so no step program compiles again; params
+        go through one jitted ``prepare`` kept by the engine. Empties the prefix cache (its
+        pages hold the old weights' keys and values). ``serving.refresh`` has the checks.
+
+        Raises:
+          RuntimeError: the engine is not idle. ValueError: weights of another layout.
+        """
+        if not self.idle:
+            raise RuntimeError("update_weights needs an idle engine (requests are in flight)")
+        from transformer_jax.serving.refresh import refreshed
+
+        self.weights, self._prepare = refreshed(self.weights, weights_or_params, self._prepare)
+        self.scheduler.prefix.clear()
 
     # Thread-safe requests --------------------------------------------------------------------
 

@@ -1,14 +1,15 @@
-"""The ``train.objective`` keys (SFT / DPO / ORPO) as a base of ``TrainConfig``, validated."""
+"""The ``train.objective`` keys (SFT, DPO, ORPO, GRPO) as a base of ``TrainConfig``."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
+from transformer_jax.train.grpo import GRPO_LOSSES
 from transformer_jax.train.preference import DPO_LOSSES
 
 #: ``train.objective`` values: next-token cross-entropy, or a preference objective.
-OBJECTIVES = ("sft", "dpo", "orpo")
+OBJECTIVES = ("sft", "dpo", "orpo", "grpo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +25,22 @@ class ObjectiveConfig:
       dpo_loss: ``sigmoid`` (DPO) or ``ipo``.
       dpo_label_smoothing: conservative DPO's eps in [0, 0.5) (sigmoid only).
       orpo_lambda: weight of ORPO's odds-ratio term (TRL's ORPO beta).
+      reward: GRPO's reward functions, ``MODULE:FUNCTION`` or ``path/file.py:FUNCTION``, each
+        called as ``fn(completion: str, record: dict) -> float``; several comma-separated
+        are summed, each optionally weighted (``mod:f*0.5``).
+      grpo_group_size: G, completions sampled per prompt (``batch_size`` counts completions:
+        a step takes ``batch_size / G`` prompts).
+      grpo_max_tokens: the most tokens of a completion (``seq_len`` must hold the longest
+        prompt plus these).
+      grpo_temperature: the rollouts' sampling temperature (the trainer's log-probs divide the
+        logits by it, as TRL's).
+      grpo_clip_eps: eps of the clipped ratio ``clip(ratio, 1 - eps, 1 + eps)``.
+      grpo_kl_beta: weight of the k3 KL penalty to the reference (the initial weights, or the
+        LoRA base with the adapters off); 0 skips the reference.
+      grpo_loss: ``token`` (DAPO: mean over the batch's completion tokens), ``sequence``
+        (GRPO: mean per completion, then over completions) or ``dr_grpo`` (sum over
+        ``batch_size * grpo_max_tokens``).
+      grpo_scale_rewards: divide the group-centred rewards by the group's std (Dr. GRPO: false).
     """
 
     objective: str = "sft"
@@ -31,6 +48,14 @@ class ObjectiveConfig:
     dpo_loss: str = "sigmoid"
     dpo_label_smoothing: float = 0.0
     orpo_lambda: float = 0.1
+    reward: str = ""
+    grpo_group_size: int = 8
+    grpo_max_tokens: int = 64
+    grpo_temperature: float = 1.0
+    grpo_clip_eps: float = 0.2
+    grpo_kl_beta: float = 0.04
+    grpo_loss: str = "token"
+    grpo_scale_rewards: bool = True
 
     def check_objective(self) -> None:
         """Raises ValueError naming a bad objective key."""
@@ -45,16 +70,59 @@ class ObjectiveConfig:
         eps = self.dpo_label_smoothing
         if not (isinstance(eps, int | float) and 0 <= eps < 0.5):
             raise ValueError(f"dpo_label_smoothing must be in [0, 0.5), got {eps!r}")
-        if self.is_preference and getattr(self, "loss_chunk", 0):
+        self._check_grpo()
+        if self.objective != "sft" and getattr(self, "loss_chunk", 0):
             raise ValueError(f"loss_chunk applies to objective=sft only (objective="
                              f"{self.objective} reads the full logits); set loss_chunk=0")
         if eps and self.dpo_loss != "sigmoid":
             raise ValueError(f"dpo_label_smoothing={eps} applies to dpo_loss=sigmoid only")
 
+    def _check_grpo(self) -> None:
+        """Raises ValueError naming a bad ``grpo_*`` or ``reward`` key."""
+        if self.grpo_loss not in GRPO_LOSSES:
+            raise ValueError(f"grpo_loss must be one of {GRPO_LOSSES}, got {self.grpo_loss!r}")
+        for name in ("grpo_group_size", "grpo_max_tokens"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("grpo_temperature", "grpo_clip_eps", "grpo_kl_beta"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and not isinstance(value, bool)
+                    and math.isfinite(value) and (value > 0 or name == "grpo_kl_beta"
+                                                  and value == 0)):
+                raise ValueError(f"{name} must be a number {'>= 0' if 'kl' in name else '> 0'}"
+                                 f", got {value!r}")
+        if not isinstance(self.grpo_scale_rewards, bool):
+            raise ValueError(f"grpo_scale_rewards must be true or false, got "
+                             f"{self.grpo_scale_rewards!r}")
+        if not isinstance(self.reward, str):
+            raise ValueError(f"reward must be a string, got {self.reward!r}")
+        if self.reward:
+            from transformer_jax.train.grpo_data import parse_reward_spec
+
+            parse_reward_spec(self.reward)  # syntax only; imported when the run starts
+        if self.objective != "grpo":
+            return
+        if not self.reward:
+            raise ValueError("train.objective=grpo needs train.reward=MODULE:FUNCTION or "
+                             "path/to/file.py:FUNCTION (fn(completion, record) -> float)")
+        if self.grpo_group_size < 2:
+            raise ValueError(f"grpo_group_size must be >= 2 (advantages compare a prompt's "
+                             f"completions), got {self.grpo_group_size}")
+        batch = getattr(self, "batch_size", self.grpo_group_size)
+        if batch % self.grpo_group_size:
+            raise ValueError(f"batch_size ({batch}) counts completions and must be a multiple "
+                             f"of grpo_group_size ({self.grpo_group_size})")
+
     @property
     def is_preference(self) -> bool:
         """Whether the objective trains on preference pairs (``dpo``, ``orpo``)."""
-        return self.objective != "sft"
+        return self.objective in ("dpo", "orpo")
+
+    @property
+    def is_grpo(self) -> bool:
+        """Whether the objective is GRPO (rollouts from the serving engine)."""
+        return self.objective == "grpo"
 
 
 __all__ = ["OBJECTIVES", "ObjectiveConfig"]

@@ -58,10 +58,11 @@ FORWARD_KEYS = ("inputs", "targets", "segment_ids", "positions", "mask")
 
 def check_objective_data(tc: TrainConfig, data_config: DataConfig) -> None:
     """Raises for a preference objective without ``.jsonl`` data (one line)."""
-    if tc.is_preference and not data_config.is_instruct:
+    if (tc.is_preference or tc.is_grpo) and not data_config.is_instruct:
+        records = ('{"messages"} or {"prompt"} (GRPO prompts)' if tc.is_grpo else
+                   '{"prompt", "chosen", "rejected"}')
         raise ValueError(f"train.objective={tc.objective} needs data.path=FILE.jsonl of "
-                         '{"prompt", "chosen", "rejected"} records, got data.path='
-                         f"{data_config.path!r}")
+                         f"{records} records, got data.path={data_config.path!r}")
 
 
 def base_params(layout: ParamsLayout, params: Params) -> Params:

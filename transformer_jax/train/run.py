@@ -37,6 +37,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.parallel import distributed
 from transformer_jax.parallel import sharding as sharding_lib
 from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, load_tokenizer
+from transformer_jax.train import grpo_run
 from transformer_jax.train import preference_run as objective
 from transformer_jax.train.checks import (
     RunDirectory,
@@ -203,7 +204,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         if tokenizer is None:
             raise ValueError(f"instruction data ({data_config.path}) needs the model's "
                              "tokenizer: pass train.init_from=CHECKPOINT or data.tokenizer=FILE")
-        data = prepare_instruction_data(data_config, tokenizer, tc.seq_len, tc.objective)
+        data = (grpo_run.prompt_data(data_config, tokenizer, tc) if tc.is_grpo else
+                prepare_instruction_data(data_config, tokenizer, tc.seq_len, tc.objective))
     else:
         tokenizer, train_tokens, val_tokens = prepare_data(
             data_config, model_config.vocab_size, tokenizer)
@@ -213,7 +215,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
                     tokenizer.vocab_size)
         model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
     batch_sharding = sharding_lib.batch_sharding(mesh)
-    if data.packed:
+    if data.packed or tc.is_grpo:
         check_dtype(model_config)
     else:
         check_run(model_config, tc, data.num_train_tokens, num_devices=num_batch_devices)
@@ -269,6 +271,10 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
             (run_dir / "config.json").write_text(json.dumps(configs, indent=2))
         data = objective.attach_reference(data, tc, model_config, state, batch_sharding,
                                           run_dir, main_process)  # DPO's stored reference
+        if tc.is_grpo:  # engine rollouts and GRPO updates (train.grpo_run)
+            return grpo_run.train_grpo(model_config, tc, data_config, files, ckpt, state,
+                                       batch_sharding, tokenizer, configs, main_process, times,
+                                       wall_start, (init, key, source, mesh, state_shardings))
         return _train(model_config, tc, data_config, mesh=mesh, files=files, ckpt=ckpt,
                       state=state, state_shardings=state_shardings, start_step=start_step,
                       batch_sharding=batch_sharding, data=data, eval_kw=eval_kw,

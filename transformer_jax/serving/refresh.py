@@ -1,0 +1,56 @@
+"""New weights for a running engine (``Engine.update_weights``): prepared in memory by one
+jitted program and checked to have the old weights' layout, so no step program recompiles."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from transformer_jax.decode.weights import DecodeWeights, _prepare_fn
+
+Params = dict[str, Any]
+Prepare = Callable[[Params], Params]
+
+
+def _signature(tree: Params) -> Any:
+    return jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)), tree)
+
+
+def refreshed(old: DecodeWeights, weights_or_params: DecodeWeights | Params,
+              prepare: Prepare | None) -> tuple[DecodeWeights, Prepare | None]:
+    """``(weights, prepare)``: the new ``DecodeWeights`` and the jitted prepare program to keep.
+
+    Args:
+      old: the engine's weights.
+      weights_or_params: prepared weights, or model params (any placement; without a mesh
+        they are put on the old weights' device first, in memory).
+      prepare: the program a previous call returned, or None (built here once, for ``old``'s
+        config, mesh, layout and quantisation).
+
+    Raises:
+      ValueError: the new weights differ from ``old`` in structure, shape, dtype, placement or
+        preparation.
+    """
+    if isinstance(weights_or_params, DecodeWeights):
+        new = weights_or_params
+    else:
+        if prepare is None:
+            prepare = _prepare_fn(old.config, old.mesh, old.weights_out_first, old.quant,
+                                  old.experts_split)
+        params = weights_or_params
+        if old.mesh is None:
+            params = jax.device_put(params, jax.tree.leaves(old.params)[0].sharding)
+        new = dataclasses.replace(old, params=prepare(params))
+    statics = ("config", "mesh", "weights_out_first", "quant", "experts_split")
+    if (jax.tree.structure(new.params) != jax.tree.structure(old.params)
+            or _signature(new.params) != _signature(old.params)
+            or any(getattr(new, k) != getattr(old, k) for k in statics)):
+        raise ValueError("update_weights: the new weights differ from the engine's in "
+                         "structure, shape, dtype, placement or preparation")
+    return new, prepare
+
+
+__all__ = ["refreshed"]

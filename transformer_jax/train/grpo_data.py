@@ -1,0 +1,191 @@
+"""GRPO's inputs: the prompts (a JSONL of chat ``messages`` or ``prompt`` records, with any
+fields the reward reads) and the reward functions of ``train.reward``, called with one clear
+``FILE:LINE`` error for a record they fail on."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import math
+import numbers
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from transformer_jax.data.instruct_records import (
+    InstructionDataError,
+    _check_messages,
+    read_jsonl,
+)
+from transformer_jax.tokenizer.prompt import encode_chat_prompt, encode_text
+
+RewardFn = Callable[[str, dict], float]
+
+_SPEC = re.compile(r"^(?P<target>[^*]+?):(?P<name>[A-Za-z_][A-Za-z0-9_]*)"
+                   r"(?:\*(?P<weight>[-+0-9.eE]+))?$")
+
+
+class RewardError(ValueError):
+    """A reward function failed on a record or returned something that is not a number."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRecord:
+    """One prompt: its token ids, its record (what the reward reads) and ``FILE:LINE``."""
+
+    tokens: np.ndarray
+    record: dict[str, Any]
+    where: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Reward:
+    """One term of ``train.reward``: ``weight * fn(completion, record)``."""
+
+    spec: str
+    fn: RewardFn
+    weight: float
+
+
+def parse_reward_spec(spec: str) -> list[tuple[str, str, float]]:
+    """``[(module or file, function, weight)]`` of ``train.reward`` (comma-separated
+    ``TARGET:FUNCTION[*WEIGHT]``).
+
+    Raises:
+      ValueError: naming ``train.reward`` and the bad term.
+    """
+    out = []
+    for term in (t.strip() for t in spec.split(",")):
+        m = _SPEC.match(term)
+        weight = 1.0
+        if m is not None and m["weight"] is not None:
+            try:
+                weight = float(m["weight"])
+            except ValueError:
+                m = None
+        if m is None or not math.isfinite(weight):
+            raise ValueError(f"train.reward: {term!r} is not MODULE:FUNCTION or "
+                             "path/to/file.py:FUNCTION (optionally *WEIGHT)")
+        out.append((m["target"], m["name"], weight))
+    return out
+
+
+def load_rewards(spec: str) -> list[Reward]:
+    """Imports the reward functions of ``train.reward``.
+
+    Raises:
+      ValueError: naming ``train.reward`` for a module or file that does not import or a name
+        that is not a callable in it.
+    """
+    rewards = []
+    for target, name, weight in parse_reward_spec(spec):
+        term = f"{target}:{name}"
+        try:
+            if target.endswith(".py"):
+                path = Path(target).expanduser().resolve()
+                if not path.is_file():
+                    raise FileNotFoundError(f"no file {path}")
+                module_name = f"_grpo_reward_{abs(hash(str(path)))}"
+                module_spec = importlib.util.spec_from_file_location(module_name, path)
+                module = importlib.util.module_from_spec(module_spec)
+                sys.modules[module_name] = module
+                module_spec.loader.exec_module(module)
+            else:
+                module = importlib.import_module(target)
+        except Exception as e:  # noqa: BLE001 - any import failure is the user's reward's
+            raise ValueError(f"train.reward: cannot import {target!r} ({term}): "
+                             f"{type(e).__name__}: {e}") from e
+        fn = getattr(module, name, None)
+        if not callable(fn):
+            raise ValueError(f"train.reward: {target!r} has no function {name!r} ({term})")
+        rewards.append(Reward(term, fn, weight))
+    return rewards
+
+
+def score(rewards: Sequence[Reward], completion: str, prompt: PromptRecord) -> float:
+    """The weighted sum of the rewards of one completion.
+
+    Raises:
+      RewardError: ``FILE:LINE: reward TERM ...`` when a function raises or returns anything
+        but a finite real number (a bool included).
+    """
+    total = 0.0
+    for reward in rewards:
+        try:
+            value = reward.fn(completion, prompt.record)
+        except Exception as e:  # noqa: BLE001 - named with the record, then raised
+            raise RewardError(f"{prompt.where}: reward {reward.spec} raised "
+                              f"{type(e).__name__}: {e} (completion {completion[:60]!r})"
+                              ) from e
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                or not math.isfinite(float(value))):
+            raise RewardError(f"{prompt.where}: reward {reward.spec} returned {value!r} "
+                              f"({type(value).__name__}), not a finite number (completion "
+                              f"{completion[:60]!r})")
+        total += reward.weight * float(value)
+    return total
+
+
+def load_prompts(path: str | os.PathLike[str], tokenizer: Any, max_prompt_len: int
+                 ) -> list[PromptRecord]:
+    """The prompts of a JSONL file: ``messages`` (a chat, rendered with the tokenizer's chat
+    template and its generation prompt) or ``prompt`` (text, or a list of chat messages); any
+    other fields stay in the record for the reward.
+
+    Raises:
+      InstructionDataError: ``FILE:LINE: ...`` for bad JSON, a record with neither field, or a
+        prompt longer than ``max_prompt_len`` tokens; also for a file with no records.
+    """
+    prompts = []
+    for line, record in read_jsonl(path):
+        where = f"{path}:{line}"
+        value = record.get("messages", record.get("prompt"))
+        if value is None:
+            raise InstructionDataError(f'{where}: a GRPO record needs "messages" (a chat) or '
+                                       f'"prompt"; got keys {sorted(record)}')
+        try:
+            if isinstance(value, str):
+                ids = encode_text(tokenizer, value)
+            else:
+                ids = encode_chat_prompt(tokenizer, _check_messages(value, where))
+        except InstructionDataError:
+            raise
+        except ValueError as e:
+            raise InstructionDataError(f"{where}: {e}") from e
+        if not ids:
+            raise InstructionDataError(f"{where}: the prompt has no tokens")
+        if len(ids) > max_prompt_len:
+            raise InstructionDataError(
+                f"{where}: the prompt has {len(ids)} tokens, more than the {max_prompt_len} "
+                "that train.seq_len leaves beside train.grpo_max_tokens; raise train.seq_len")
+        prompts.append(PromptRecord(np.asarray(ids, np.int32), record, where))
+    if not prompts:
+        raise InstructionDataError(f"{path}: no prompts")
+    return prompts
+
+
+def prompt_order(num_prompts: int, per_step: int, step: int, seed: int) -> np.ndarray:
+    """The [per_step] prompt indices of ``step``: epochs of a seeded permutation, so a step's
+    prompts depend on (seed, step) only (exact resume)."""
+    start = step * per_step
+    out = []
+    while len(out) < per_step:
+        epoch, offset = divmod(start + len(out), num_prompts)
+        perm = np.random.default_rng([seed, epoch]).permutation(num_prompts)
+        out.extend(perm[offset:offset + per_step - len(out)].tolist())
+    return np.asarray(out, np.int64)
+
+
+def rollout_seed(seed: int, step: int, row: int) -> int:
+    """The engine seed of completion ``row`` of ``step`` (a function of the three only)."""
+    return int(np.random.default_rng([seed, step, row, 0x6E90]).integers(0, 2**32))
+
+
+__all__ = ["PromptRecord", "Reward", "RewardError", "load_prompts", "load_rewards",
+           "parse_reward_spec", "prompt_order", "rollout_seed", "score"]
