@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -59,6 +60,7 @@ from transformer_jax.serving.requests import (
     TokenEvent,
 )
 from transformer_jax.serving.scheduler import MIN_CONTEXT, Scheduler
+from transformer_jax.serving.speculation import Speculation
 from transformer_jax.serving.text import TextStream
 
 logger = logging.getLogger(__name__)
@@ -178,6 +180,8 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
         self.steps = 0
+        #: Speculative decoding of the requests that ask for it (``serving.speculation``).
+        self.speculation = Speculation(self)
 
     def _stack(self, adapters: Mapping[str, tuple[Any, LoraConfig]]) -> Params:
         """The adapters stacked over the prepared weights, placed as the step splits them."""
@@ -231,6 +235,8 @@ class Engine:
             req.adapter = self.adapter_names.index(params.adapter) + 1
         if params.grammar is not None:
             req.matcher = self._grammar_tokenizer().matcher(params.grammar)
+        if params.speculative is not None:
+            self.speculation.admit(req)
         if self.tokenizer is not None:
             req.text = TextStream(self.tokenizer, req.tokens, params.stop,
                                   params.stop_token_ids)
@@ -289,6 +295,7 @@ class Engine:
         # before either result is read. A prompt's first token goes out as soon as the chunk's
         # program ends, without waiting for the decode rows (its time to first token is the
         # chunk's alone).
+        verify = None
         if sched.has_grammar(plan):  # the masks computed while the device runs the forwards
             chunk_logits = None if prefill is None else self._forward(None, prefill)
             logits = self._forward(decode, None) if plan.decodes else None
@@ -300,13 +307,19 @@ class Engine:
         else:
             chunk = None if prefill is None else self._run(None, prefill,
                                                            _rows(rows, b, b + 1), sampler)
-            rows_out = (self._run(decode, None, _rows(rows, 0, b), sampler) if plan.decodes
-                        else None)
+            started = time.perf_counter()
+            verify = self.speculation.dispatch(plan, rows, sampler) if plan.decodes else None
+            rows_out = (self._run(decode, None, _rows(rows, 0, b), sampler)
+                        if plan.decodes and verify is None else None)
         if chunk is not None:
             tokens, logprobs = jax.device_get(chunk)
             delivered += self._deliver(sched.commit_prefill(plan, tokens[0], logprobs[0]))
+        if verify is not None:
+            delivered += self.speculation.finish(verify, self._deliver, chunk is not None)
         if rows_out is not None:
             tokens, logprobs = jax.device_get(rows_out)
+            if chunk is None:  # the plain step's time, for speculation's choice
+                self.speculation.record(plan.width, 1, time.perf_counter() - started)
             delivered += self._deliver(sched.commit_decodes(plan, tokens, logprobs))
         self.steps += 1
         return delivered
