@@ -7,7 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-KINDS = ("train", "decode", "memory", "serve", "data", "eval", "quant", "qlora")
+KINDS = ("train", "decode", "memory", "serve", "data", "eval", "quant", "qlora",
+         "speculative")
 
 
 def describe(kind: str) -> str:
