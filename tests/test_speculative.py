@@ -235,3 +235,28 @@ def test_back_off_pauses_a_row_and_lets_it_go():
     acc.record(4, 4)
     assert acc.budget(4) == 4 and acc.acceptance_rate == 4 / 20
     assert acc.mean_accepted == (4 + 5) / 5
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("ngram:k=x", "k must be an int"),
+    ("draft:/some/run:k=2", "the server speculates with ngram only"),
+    ("lookahead", "unknown method 'lookahead'"),
+])
+def test_serve_speculative_flag_errors_are_one_line(flag, message):
+    from transformer_jax.cli import serve as cli
+
+    args = cli.build_parser().parse_args(["--checkpoint", "x", "--speculative", flag])
+    with pytest.raises(ValueError, match=message) as e:
+        cli._check(args)
+    assert "\n" not in str(e.value)
+    cli._check(cli.build_parser().parse_args(["--checkpoint", "x", "--speculative",
+                                              "ngram:k=3:n=2"]))
+
+
+def test_bench_repeat_workload_copies_the_passage():
+    from transformer_jax.bench.speculative import repeat_workload
+
+    ids = np.arange(1000) % 50
+    (prompt,) = repeat_workload(ids, 1, 40, 8, np.random.default_rng(0), [99])
+    assert len(prompt) == 40 + 1 + 8 and prompt[40] == 99
+    assert sum(a != b for a, b in zip(prompt[:8], prompt[41:], strict=True)) == 1
