@@ -35,6 +35,7 @@ from transformer_jax.bench.serve_workload import Workload, make_workload, record
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode import prompts as prompt_lib
+from transformer_jax.decode.speculative import parse_spec
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import cache_bytes
 from transformer_jax.model.transformer import init_params
@@ -263,8 +264,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         return []
     modes = (args.modes or ("http" if args.url else "engine,one,batch")).split(",")
     if args.speculative:
-        from transformer_jax.decode.speculative import parse_spec
-
         try:
             if parse_spec(args.speculative).method != "ngram":
                 parser.error("--speculative: the engine speculates with ngram only")
@@ -386,7 +385,9 @@ def main(argv: list[str]) -> int:
                 grammars = [args.grammar if i % every == 0 else None
                             for i in range(len(work.prompts))]
             t = time.perf_counter()
-            n = engine.compile(structured=mode.startswith("engine-json"))
+            n = engine.compile(structured=mode.startswith("engine-json"),
+                               speculative=parse_spec(args.speculative).k
+                               if mode == "engine-spec" else 0)
             print(f"  compiled {n} engine step shapes in {time.perf_counter() - t:.1f} s")
             engine.steps = 0
             r = run_engine(engine, work, grammars,

@@ -215,6 +215,7 @@ def pool_pages(args: argparse.Namespace, config: Any) -> int:
 def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """Loads the checkpoint and compiles the engine: (runner, model info, timings)."""
     from transformer_jax.checkpoint.loading import HF, load_for_decode
+    from transformer_jax.decode.speculative import parse_spec
     from transformer_jax.hf.generation_config import generation_stop_ids
     from transformer_jax.serve.completions import ModelInfo
     from transformer_jax.serve.metrics import Metrics
@@ -240,7 +241,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                     min_context=min(args.min_context or MIN_CONTEXT, config.max_seq_len),
                     tokenizer=loaded.tokenizer, quant=args.quant, adapters=adapters or None)
     t = time.perf_counter()
-    shapes = engine.compile()
+    shapes = engine.compile(speculative=parse_spec(args.speculative).k if args.speculative
+                            else 0)
     timings["compile_s"] = time.perf_counter() - t
     logger.info("loaded %s in %.1f s; compiled %d step shapes in %.1f s (%d slots, %d pages of "
                 "%d, %.1f MiB of KV pages)", args.checkpoint, timings["load_s"], shapes,

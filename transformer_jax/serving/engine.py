@@ -371,12 +371,13 @@ class Engine:
             quant=self.weights.quant, rings=self._rings, adapters=self._adapters)
         return logits
 
-    def compile(self, structured: bool = False) -> int:
+    def compile(self, structured: bool = False, speculative: int = 0) -> int:
         """Compiles the step programs a greedy load runs by running each once on idle rows
         (which write only into the null page): the decode rows, and a chunk of each prefill
         bucket, at every page-table width. With ``structured``, also the forward and masked
         sampling programs of greedy steps with grammar rows (and the grammars' tokenizer).
-        Sampling steps compile on first use.
+        Sampling steps compile on first use. With ``speculative`` k, also the greedy verify
+        programs of up to k proposals (``serving.speculation``).
 
         Returns:
           The number of step shapes run.
@@ -405,7 +406,7 @@ class Engine:
                 jax.block_until_ready(step_lib.sample_jit(
                     self._forward(decode_rows, chunk), sampling.replace(allowed=masks),
                     step_lib.Sampler()))
-        return len(shapes)
+        return len(shapes) + (self.speculation.compile(speculative) if speculative else 0)
 
     def _apply_pending(self) -> list[tuple[Request, TokenEvent]]:
         with self._lock:

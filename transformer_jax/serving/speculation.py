@@ -247,6 +247,32 @@ class Speculation:
         return Pending(plan, list(plan.decodes), held, {i: len(d) for i, d in drafts.items()},
                        tuple(outputs), t, width, started)
 
+    def compile(self, k: int) -> int:
+        """Runs the verify program once at every page-table width and T up to k proposals, on
+        idle rows (writes only into the null page), greedy; returns the number of shapes."""
+        eng = self.engine
+        sched = eng.scheduler
+        b = sched.num_slots
+        shapes = 0
+        ts = sorted({width_of(j) for j in range(1, k + 1)})
+        for width in sched.widths:
+            for t in ts:
+                rows = VerifyRows(np.zeros((b, t), np.int32), np.zeros(b, np.int32),
+                                  np.zeros(b, np.int32), np.zeros((b, width), np.int32),
+                                  None if eng._adapters is None else np.zeros(b, np.int32))
+                n = b * t
+                sampling = RowSampling(
+                    np.zeros((n, 2), np.uint32), np.zeros(n, np.int32), np.zeros(n, np.float32),
+                    np.full(n, eng.config.vocab_size, np.int32), np.ones(n, np.float32),
+                    np.zeros(n, np.float32))
+                eng._k, eng._v, *out = verify_jit(
+                    eng.config, eng.weights.params, eng._k, eng._v, rows, sampling,
+                    eng._adapters, weights_out_first=eng.weights.weights_out_first,
+                    keys_transposed=eng.keys_transposed, sampler=Sampler(), view=eng.view)
+                jax.block_until_ready(out)
+                shapes += 1
+        return shapes
+
     def _worth_it(self, plan: StepPlan, drafts: dict[int, list[int]], width: int,
                   t: int) -> bool:
         """Whether verification is expected to give more tokens per second than a plain
