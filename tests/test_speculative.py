@@ -62,11 +62,13 @@ def _prompts():
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
     seq = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3]
     assert ngram_lookup(seq, 3, n=3) == [4, 5, 6]  # the latest earlier "1 2 3", not the first
-    assert ngram_lookup(seq, 10, n=3) == [4, 5, 6, 1, 2, 3]  # cut at the end of the context
+    # past the end of the context the match goes on with its own period (6 tokens here)
+    assert ngram_lookup(seq, 8, n=3) == [4, 5, 6, 1, 2, 3, 4, 5]
     assert ngram_lookup([5, 6, 7, 8, 6], 2, n=3) == [7, 8]  # falls back to n = 1
     assert ngram_lookup([5, 6, 7, 8, 6], 2, n=3, min_n=2) == []
     assert ngram_lookup([1, 2, 3], 4) == []
-    assert ngram_lookup([4, 4, 4], 2, n=2) == [4]  # the match may overlap the suffix
+    assert ngram_lookup([4, 4, 4], 3, n=2) == [4, 4, 4]  # the match may overlap the suffix
+    assert ngram_lookup([1, 7, 8, 7, 8], 4, n=2) == [7, 8, 7, 8]
 
 
 @pytest.mark.parametrize("spec, message", [

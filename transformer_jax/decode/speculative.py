@@ -141,7 +141,8 @@ def ngram_lookup(context: Sequence[int] | np.ndarray, k: int, n: int = 3,
       min_n: the shortest suffix to match.
 
     Returns:
-      Up to k ids (fewer when the match is near the end; none without a match).
+      k ids (a match near the end continues its own period, as a repeating pattern would);
+      none without a match.
     """
     seq = np.asarray(context, np.int64)
     length = len(seq)
@@ -154,7 +155,12 @@ def ngram_lookup(context: Sequence[int] | np.ndarray, k: int, n: int = 3,
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + m
-            return seq[start:start + k].tolist()
+            out = seq[start:start + k].tolist()
+            # a match overlapping the suffix (a repeating pattern) goes on copying what it
+            # proposes, as LZ77 copies: position L + j repeats position start + len + j
+            while len(out) < k:
+                out.append(out[len(out) - (length - start)])
+            return out
     return []
 
 
