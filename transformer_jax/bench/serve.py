@@ -366,7 +366,8 @@ def main(argv: list[str]) -> int:
                                               for k, v in vars(args).items()
                                               if k != "grammar"},  # not JSON; --response-format is
         "pages": pages, "modes": {}}
-    print(f"{args.config} ({config.dtype}, {jax.default_backend()}): {args.requests} requests, "
+    print(f"{args.checkpoint or args.config} ({config.dtype}, {jax.default_backend()}): "
+          f"{args.requests} requests, "
           f"inputs {args.input_len}, outputs {args.output_len}, rate {args.rate}/s; "
           f"{args.slots} slots, {pages} pages of {args.page_size}, budget {args.token_budget}")
     # With the structured modes every engine mode detokenizes its tokens as they need to.

@@ -295,7 +295,7 @@ class Engine:
         # before either result is read. A prompt's first token goes out as soon as the chunk's
         # program ends, without waiting for the decode rows (its time to first token is the
         # chunk's alone).
-        verify = None
+        verify, started = None, time.perf_counter()
         if sched.has_grammar(plan):  # the masks computed while the device runs the forwards
             chunk_logits = None if prefill is None else self._forward(None, prefill)
             logits = self._forward(decode, None) if plan.decodes else None
@@ -307,7 +307,7 @@ class Engine:
         else:
             chunk = None if prefill is None else self._run(None, prefill,
                                                            _rows(rows, b, b + 1), sampler)
-            started = time.perf_counter()
+            started = time.perf_counter()  # the decode rows' time, after the chunk's dispatch
             verify = self.speculation.dispatch(plan, rows, sampler) if plan.decodes else None
             rows_out = (self._run(decode, None, _rows(rows, 0, b), sampler)
                         if plan.decodes and verify is None else None)
