@@ -171,7 +171,10 @@ class Speculation:
                              "tensor-parallel mesh)")
         if eng._rings is not None:
             check_no_rings(eng.config, "the model")
-        req.speculation = (spec, Acceptance())
+        # a new request's prior: the engine's acceptance so far (0.5 before any), so that a
+        # batch of new rows is not taken for one whose every proposal will be kept
+        prior = self.accepted / self.proposed if self.proposed else 0.5
+        req.speculation = (spec, Acceptance(rate=prior))
 
     # The step ----------------------------------------------------------------------------------
 
