@@ -55,8 +55,9 @@ from transformer_jax.serving.step import RowSampling, Sampler, _adapted, sample_
 logger = logging.getLogger(__name__)
 
 Params = dict[str, Any]
-#: Refresh a step-time measurement older than this many steps.
-STALE_STEPS = 48
+#: Refresh a step-time measurement older than this many steps (each refresh of a verify
+#: time is a verify step that may not pay: under load, few of them).
+STALE_STEPS = 256
 
 
 @jax.tree_util.register_dataclass
@@ -281,6 +282,8 @@ class Speculation:
         """Whether verification is expected to give more tokens per second than a plain
         step (unmeasured: try it, so that it gets measured)."""
         plain, verify = self._time(plan.width, 1), self._time(width, t)
+        if verify is None and plain is not None:
+            verify = self._estimate(width, t, self._time(width, 1) or plain)
         if plain is None or verify is None:
             # measure the missing one: a plain step when verify was measured, else verify
             return verify is None
@@ -289,6 +292,15 @@ class Speculation:
             d = drafts.get(req.id)
             expected += 1.0 if d is None else expected_tokens(req.speculation[1].rate, len(d))
         return expected / verify > len(plan.decodes) / plain
+
+    def _estimate(self, width: int, t: int, plain: float) -> float | None:
+        """A verify time at (width, t) not measured yet, from one measured at another T of the
+        same width: linear in T from the plain step (each row's T positions cost alike)."""
+        for (w, other), _ in sorted(self.times.items()):
+            measured = self._time(w, other)
+            if w == width and other > 1 and measured is not None:
+                return plain + (measured - plain) * (t - 1) / (other - 1)
+        return None
 
     def finish(self, pending: Pending, deliver: Any, chunk_ran: bool
                ) -> list[tuple[Request, TokenEvent]]:
