@@ -16,7 +16,7 @@ from transformer_jax.serving import Engine, SamplingParams, speculation
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_compiles")
 
-N = 24
+N = 20
 # 4 slots, pages of 4 positions, 24 usable pages: fewer than the load needs, so it preempts.
 ENGINE = dict(num_slots=4, num_pages=25, page_size=4, token_budget=20, min_context=32)
 
@@ -73,12 +73,12 @@ def reference(model, prompt, p: SamplingParams):
 def test_speculating_requests_under_load_equal_generate_alone(model, engine):
     """Greedy and sampled requests, some speculating and some not, arrivals while others
     run, a cancellation, stop ids, and a pool that preempts: each decodes its reference."""
-    prompts = _prompts(1, 10)
+    prompts = _prompts(1, 8)
     params = []
     for i, prompt in enumerate(prompts):
         p = SamplingParams(max_tokens=N - 2 * (i % 3), temperature=0.9 if i % 4 == 3 else 0.0,
                            top_k=16 if i % 4 == 3 else None, seed=i, logprobs=True,
-                           speculative=None if i % 5 == 4 else f"ngram:k={2 + i % 3}")
+                           speculative=None if i % 5 == 4 else f"ngram:k={4 - i % 2}")
         if i == 2:  # stop at the token the reference has at index 5
             stop = reference(model, prompt, p)[0][5]
             p = SamplingParams(**{**p.__dict__, "stop_token_ids": (stop,)})
@@ -87,7 +87,7 @@ def test_speculating_requests_under_load_equal_generate_alone(model, engine):
     for _ in range(3):
         engine.step()
     cancelled = engine.add_request(prompts[0], params[0])
-    ids.update({engine.add_request(prompts[i], params[i]): i for i in range(6, 10)})
+    ids.update({engine.add_request(prompts[i], params[i]): i for i in range(6, 8)})
     engine.step()
     engine.cancel(cancelled)
     before = engine.scheduler.preemptions

@@ -26,6 +26,7 @@ Programs: one per (page-table width, T, sampler), T in {2, 3, 5, 9, 17} up to th
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -58,6 +59,8 @@ Params = dict[str, Any]
 #: Refresh a step-time measurement older than this many steps (each refresh of a verify
 #: time is a verify step that may not pay: under load, few of them).
 STALE_STEPS = 256
+#: Step times kept per (width, T); their median decides.
+MEASUREMENTS = 9
 
 
 @jax.tree_util.register_dataclass
@@ -152,6 +155,7 @@ class Speculation:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.times: dict[tuple[int, int], tuple[float, int]] = {}  # (W, T) -> (s, step)
+        self._recent: dict[tuple[int, int], collections.deque] = {}
         self.backed_off = 0  # steps run plain although some row could propose
         self.verify_steps = 0
         self.verified_rows = 0  # rows that proposed, over all verify steps
@@ -180,10 +184,11 @@ class Speculation:
     # The step ----------------------------------------------------------------------------------
 
     def record(self, width: int, t: int, seconds: float) -> None:
-        """A step's measured time (plain: t = 1)."""
-        old = self.times.get((width, t))
-        s = seconds if old is None else 0.7 * old[0] + 0.3 * seconds
-        self.times[(width, t)] = (s, self.engine.steps)
+        """A step's measured time (plain: t = 1). The choice reads the median of the last
+        ``MEASUREMENTS``, which a shared machine's spikes do not move."""
+        recent = self._recent.setdefault((width, t), collections.deque(maxlen=MEASUREMENTS))
+        recent.append(seconds)
+        self.times[(width, t)] = (float(np.median(recent)), self.engine.steps)
 
     def _time(self, width: int, t: int) -> float | None:
         found = self.times.get((width, t))
