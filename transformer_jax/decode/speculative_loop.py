@@ -335,8 +335,7 @@ def generate_speculative(config: ModelConfig, weights: DecodeWeights, tokens: np
             cache, targets, logprobs, accepted = PROGRAMS["verify"](
                 config, p, cache, chunk, start, num_drafts, keys, index, settings=settings,
                 weights_out_first=out_first)
-            accepted = np.asarray(accepted)
-        targets, logprobs = np.asarray(targets), np.asarray(logprobs)
+        targets, logprobs, accepted = jax.device_get((targets, logprobs, accepted))
         for row in range(b):
             a = int(accepted[row])
             stats[row].record(int(num_drafts[row]), a)
