@@ -253,7 +253,7 @@ class _DraftState:
                 break
         drafts = np.asarray(drafts)
         # the draft also cached its first k - 1 proposals: those the target keeps stay valid
-        self.pending = drafts
+        # (``kept``)
         return [drafts[row, :ks[row]].tolist() for row in range(b)]
 
     def kept(self, row: int, accepted: int) -> None:

@@ -16,10 +16,11 @@ grown for rejected positions and not needed by the kept ones go back to the pool
 Back-off. Per row, ``Acceptance`` pauses a request whose proposals keep failing. Per step, the
 engine measures the wall time of its plain decode steps and of its verify steps (by page-table
 width and T) and speculates only when the expected tokens per second of verification (each
-row's 1 + r + ... + r^k at its recent acceptance r) beat the plain step's rows per second; a
-stale measurement is refreshed by running the other kind once in a while. Under a full batch,
-where verifying T positions of every slot costs about T times a decode step, this falls back
-to plain steps by itself.
+row's 1 + r + ... + r^k at its recent acceptance r) beat the plain step's rows per second
+(the median of each kind's last 9 times; a T not measured yet estimated from another of its
+width, linear in T); a measurement older than 256 steps is refreshed by running that kind
+once. Under a full batch, where verifying T positions of every slot costs about T times a
+decode step, this falls back to plain steps by itself.
 
 Programs: one per (page-table width, T, sampler), T in {2, 3, 5, 9, 17} up to the largest k.
 """
