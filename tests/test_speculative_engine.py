@@ -136,3 +136,20 @@ def test_bad_speculative_settings_are_refused(model, engine):
     with pytest.raises(ValueError, match="'ngram' only"):
         engine.add_request([1, 2, 3], SamplingParams(speculative="draft:/x:k=2"))
     assert engine.idle
+
+
+def test_top_logprobs_are_the_plain_steps(engine):
+    """The kept tokens' top alternatives (taken at every verified position) are what the
+    plain decode reports for the same request."""
+    prompt = [9, 8, 7, 6, 5] * 3
+    done = {}
+    for spec in (None, "ngram:k=4"):
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=12, logprobs=True,
+                                                        top_logprobs=2, speculative=spec))
+        done[spec] = engine.run_until_idle()[rid]
+    plain, spec = done[None], done["ngram:k=4"]
+    assert spec.tokens == plain.tokens and spec.speculative.accepted > 0
+    for a, b in zip(spec.top_logprobs, plain.top_logprobs, strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        np.testing.assert_allclose([x for _, x in a], [x for _, x in b], atol=1e-5)
+    engine.check_no_leaks()
