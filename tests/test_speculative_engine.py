@@ -113,8 +113,9 @@ def test_back_off_engages_and_releases(model, engine, monkeypatch):
     p = SamplingParams(max_tokens=16, speculative="ngram:k=4")
 
     def run(verify_cost: float):
-        spec.times = {(w, t): (verify_cost if t > 1 else 1.0, 10 ** 9)
-                      for w in engine.scheduler.widths for t in (1, 2, 3, 5)}
+        spec.times = {(w, t, c): (verify_cost if t > 1 else 1.0, 10 ** 9)
+                      for w in engine.scheduler.widths for t in (1, 2, 3, 5)
+                      for c in (False, True)}
         engine.steps = 10 ** 9  # the measurements are fresh
         before = (spec.backed_off, spec.verify_steps)
         rid = engine.add_request(prompt, p)
@@ -126,6 +127,7 @@ def test_back_off_engages_and_releases(model, engine, monkeypatch):
     assert backed_off > 0 and verified == 0
     backed_off, verified = run(verify_cost=1.0)
     assert verified > 0 and backed_off == 0
+    spec.times, spec._recent = {}, {}  # the made-up times stay in this test
     engine.check_no_leaks()
 
 

@@ -155,8 +155,9 @@ class Speculation:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.times: dict[tuple[int, int], tuple[float, int]] = {}  # (W, T) -> (s, step)
-        self._recent: dict[tuple[int, int], collections.deque] = {}
+        #: (W, T, chunk ran) -> (median seconds, step measured)
+        self.times: dict[tuple[int, int, bool], tuple[float, int]] = {}
+        self._recent: dict[tuple[int, int, bool], collections.deque] = {}
         self.backed_off = 0  # steps run plain although some row could propose
         self.verify_steps = 0
         self.verified_rows = 0  # rows that proposed, over all verify steps
@@ -184,15 +185,17 @@ class Speculation:
 
     # The step ----------------------------------------------------------------------------------
 
-    def record(self, width: int, t: int, seconds: float) -> None:
-        """A step's measured time (plain: t = 1). The choice reads the median of the last
-        ``MEASUREMENTS``, which a shared machine's spikes do not move."""
-        recent = self._recent.setdefault((width, t), collections.deque(maxlen=MEASUREMENTS))
+    def record(self, width: int, t: int, seconds: float, chunk: bool = False) -> None:
+        """A step's measured time (plain: t = 1; ``chunk``: a prefill chunk ran before its
+        rows, measured apart). The choice reads the median of the last ``MEASUREMENTS``, which
+        a shared machine's spikes do not move."""
+        key = (width, t, chunk)
+        recent = self._recent.setdefault(key, collections.deque(maxlen=MEASUREMENTS))
         recent.append(seconds)
-        self.times[(width, t)] = (float(np.median(recent)), self.engine.steps)
+        self.times[key] = (float(np.median(recent)), self.engine.steps)
 
-    def _time(self, width: int, t: int) -> float | None:
-        found = self.times.get((width, t))
+    def _time(self, width: int, t: int, chunk: bool = False) -> float | None:
+        found = self.times.get((width, t, chunk))
         if found is None or self.engine.steps - found[1] > STALE_STEPS:
             return None
         return found[0]
@@ -287,9 +290,10 @@ class Speculation:
                   t: int) -> bool:
         """Whether verification is expected to give more tokens per second than a plain
         step (unmeasured: try it, so that it gets measured)."""
-        plain, verify = self._time(plan.width, 1), self._time(width, t)
+        chunk = plan.prefill is not None
+        plain, verify = self._time(plan.width, 1, chunk), self._time(width, t, chunk)
         if verify is None and plain is not None:
-            verify = self._estimate(width, t, self._time(width, 1) or plain)
+            verify = self._estimate(width, t, self._time(width, 1, chunk) or plain, chunk)
         if plain is None or verify is None:
             # measure the missing one: a plain step when verify was measured, else verify
             return verify is None
@@ -299,12 +303,12 @@ class Speculation:
             expected += 1.0 if d is None else expected_tokens(req.speculation[1].rate, len(d))
         return expected / verify > len(plan.decodes) / plain
 
-    def _estimate(self, width: int, t: int, plain: float) -> float | None:
+    def _estimate(self, width: int, t: int, plain: float, chunk: bool) -> float | None:
         """A verify time at (width, t) not measured yet, from one measured at another T of the
         same width: linear in T from the plain step (each row's T positions cost alike)."""
-        for (w, other), _ in sorted(self.times.items()):
-            measured = self._time(w, other)
-            if w == width and other > 1 and measured is not None:
+        for (w, other, c), _ in sorted(self.times.items()):
+            measured = self._time(w, other, c)
+            if w == width and c == chunk and other > 1 and measured is not None:
                 return plain + (measured - plain) * (t - 1) / (other - 1)
         return None
 
@@ -314,8 +318,7 @@ class Speculation:
         time (emitted and delivered, so stop ids, stop strings and ``max_tokens`` end it where
         they would), its acceptance recorded, and its pages for rejected positions returned."""
         tokens, logprobs, accepted = jax.device_get(pending.outputs)
-        if not chunk_ran:
-            self.record(pending.width, pending.t, time.perf_counter() - pending.started)
+        self.record(pending.width, pending.t, time.perf_counter() - pending.started, chunk_ran)
         sched = self.engine.scheduler
         self.verify_steps += 1
         delivered = []
