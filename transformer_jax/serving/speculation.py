@@ -13,7 +13,9 @@ time through the scheduler's ``_emit`` (stop ids, ``max_tokens``, logprobs) and 
 delivery (stop strings), so a request ends exactly where it would without speculation; pages
 grown for rejected positions and not needed by the kept ones go back to the pool.
 
-Back-off. Per row, ``Acceptance`` pauses a request whose proposals keep failing. Per step, the
+Back-off. Per row, ``Acceptance`` pauses a request whose proposals keep failing. A step that
+also runs a prefill chunk does not speculate (prompts are waiting: the engine is saturated).
+Per step, the
 engine measures the wall time of its plain decode steps and of its verify steps (by page-table
 width and T) and speculates only when the expected tokens per second of verification (each
 row's 1 + r + ... + r^k at its recent acceptance r) beat the plain step's rows per second
@@ -206,6 +208,11 @@ class Speculation:
         eng = self.engine
         sched = eng.scheduler
         if any(r.matcher is not None for r in plan.decodes):
+            return None
+        if plan.prefill is not None and any(r.speculation for r in plan.decodes):
+            # prompts are waiting to go in: the engine is saturated, and verification would
+            # only take time from them (the cost of a step with a chunk is too noisy to judge)
+            self.backed_off += 1
             return None
         drafts: dict[int, list[int]] = {}
         for req in plan.decodes:
