@@ -318,9 +318,9 @@ class Engine:
             delivered += self.speculation.finish(verify, self._deliver, chunk is not None)
         if rows_out is not None:
             tokens, logprobs = jax.device_get(rows_out)
-            # the plain step's time, for speculation's choice
-            self.speculation.record(plan.width, 1, time.perf_counter() - started,
-                                    chunk is not None)
+            if any(r.speculation is not None for r in plan.decodes):  # for its choice
+                self.speculation.record(plan.width, 1, time.perf_counter() - started,
+                                        chunk is not None)
             delivered += self._deliver(sched.commit_decodes(plan, tokens, logprobs))
         self.steps += 1
         return delivered
