@@ -155,3 +155,16 @@ def test_top_logprobs_are_the_plain_steps(engine):
         assert [t for t, _ in a] == [t for t, _ in b]
         np.testing.assert_allclose([x for _, x in a], [x for _, x in b], atol=1e-5)
     engine.check_no_leaks()
+
+
+def test_metrics_expose_the_acceptance(engine):
+    from transformer_jax.serve.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.observe_engine(engine, 0)
+    text = metrics.text().decode()
+    m = engine.speculation.metrics()
+    assert m["proposed"] > 0  # the earlier tests of the module speculated
+    assert f"transformer_jax_speculative_proposed {float(m['proposed'])}" in text
+    assert "transformer_jax_speculative_acceptance_rate " in text
+    assert "transformer_jax_speculative_mean_accepted_length " in text
