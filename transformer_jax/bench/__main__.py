@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 KINDS = ("train", "decode", "memory", "serve", "choices", "data", "eval", "quant", "qlora",
-         "grpo")
+         "grpo", "speculative")
 
 
 def describe(kind: str) -> str:

@@ -35,6 +35,7 @@ from transformer_jax.bench.serve_workload import Workload, make_workload, record
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode import prompts as prompt_lib
+from transformer_jax.decode.speculative import parse_spec
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import cache_bytes
 from transformer_jax.model.transformer import init_params
@@ -49,11 +50,12 @@ def _wait_until(t: float) -> None:
 
 # Modes -------------------------------------------------------------------------------------------
 
-def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None
-               ) -> dict[str, Any]:
+def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None,
+               speculative: str | None = None) -> dict[str, Any]:
     """Serves ``work`` with the engine in real time; token times from its consumers. With
     LoRA adapters loaded (``engine.adapter_names``) request i uses adapter i mod N; with
-    ``grammars``, request i draws under ``grammars[i]`` (a ``Grammar``, or None)."""
+    ``grammars``, request i draws under ``grammars[i]`` (a ``Grammar``, or None); with
+    ``speculative``, every request speculates so (``SamplingParams.speculative``)."""
     records = [record(a) for a in work.arrivals]
     order = sorted(range(len(records)), key=lambda i: work.arrivals[i])
     peak_running = peak_pages = 0
@@ -66,7 +68,7 @@ def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None
             names = engine.adapter_names
             engine.add_request(work.prompts[i], SamplingParams(
                 max_tokens=work.max_tokens[i], adapter=names[i % len(names)] if names else None,
-                grammar=None if grammars is None else grammars[i]),
+                grammar=None if grammars is None else grammars[i], speculative=speculative),
                                lambda e, r=records[i]: r["times"].append(time.perf_counter()))
             nxt += 1
         if engine.idle:
@@ -85,6 +87,8 @@ def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None
                steps=engine.steps,
                preemptions=engine.scheduler.preemptions,
                prefix_hit_pages=engine.scheduler.prefix.hits)
+    if speculative:
+        out["speculative"] = engine.speculation.metrics()
     return out
 
 
@@ -159,8 +163,8 @@ def _line(name: str, r: dict[str, Any]) -> str:
             f"{r['request_throughput']:6.2f} req/s  {cells}")
 
 
-MODES = ("engine", "engine-noprefix", "engine-lora", "engine-json", "engine-json-mixed", "one",
-         "batch", "http")
+MODES = ("engine", "engine-noprefix", "engine-lora", "engine-json", "engine-json-mixed",
+         "engine-spec", "one", "batch", "http")
 
 
 def random_adapters(config: ModelConfig, params: Any, n: int, rank: int, seed: int
@@ -211,6 +215,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "engine-json-mixed (every other one; bench/serve_structured.py), "
                              "http (the server at --url; bench/serve_http.py) (default: "
                              "engine,one,batch; http with --url)")
+    parser.add_argument("--speculative", default=None, metavar="SPEC",
+                        help="the engine-spec mode's speculation, e.g. ngram:k=4 (added to the "
+                             "modes when given; the same requests as the engine mode)")
+    parser.add_argument("--workload", choices=("random", "repeat"), default="random",
+                        help="repeat: input-heavy prompts, each a random passage then its "
+                             "first --lead tokens again, so the output can copy the input")
+    parser.add_argument("--lead", type=a.positive_int, default=8)
+    parser.add_argument("--checkpoint", default=None,
+                        help="serve a trained checkpoint (its config) instead of random "
+                             "weights of --config")
     parser.add_argument("--lora", type=a.positive_int, default=4, metavar="N",
                         help="the engine-lora mode's adapters: requests take them in turn")
     parser.add_argument("--lora-rank", type=a.positive_int, default=16)
@@ -249,6 +263,16 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                          f"{args.slots + 1} (the stall scenario's sequences)")
         return []
     modes = (args.modes or ("http" if args.url else "engine,one,batch")).split(",")
+    if args.speculative:
+        try:
+            if parse_spec(args.speculative).method != "ngram":
+                parser.error("--speculative: the engine speculates with ngram only")
+        except ValueError as e:
+            parser.error(str(e))
+        if "engine-spec" not in modes:
+            modes.append("engine-spec")
+        if "engine" not in modes:
+            modes.insert(0, "engine")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"--modes: unknown mode(s) {', '.join(map(repr, unknown))}; choose from "
@@ -301,7 +325,14 @@ def _check_server(parser: argparse.ArgumentParser, args: argparse.Namespace,
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    config = ModelConfig.preset(args.config)
+    loaded = None
+    if args.checkpoint:
+        from transformer_jax.checkpoint.loading import load
+
+        loaded = load(args.checkpoint)
+        config = loaded.config
+    else:
+        config = ModelConfig.preset(args.config)
     modes = check_args(parser, args, config)
     if args.scenario == "stall":
         weights = decode.prepare(config, init_params(config, jax.random.key(args.seed)))
@@ -317,7 +348,13 @@ def main(argv: list[str]) -> int:
     work = make_workload(args.requests, args.input_len, args.output_len, args.output_multiple,
                          args.rate, args.burstiness, config.vocab_size, args.seed,
                          args.shared_prefix)
-    params = None if modes == ["http"] else init_params(config, jax.random.key(args.seed))
+    if args.workload == "repeat":
+        rng = np.random.default_rng(args.seed + 1)
+        work.prompts = [p + p[:args.lead] for p in
+                        (rng.integers(0, config.vocab_size, max(1, len(q) - args.lead)).tolist()
+                         for q in work.prompts)]
+    params = None if modes == ["http"] else (
+        loaded.params if loaded is not None else init_params(config, jax.random.key(args.seed)))
     weights = None if params is None else decode.prepare(config, params)
     longest = max(len(p) + n for p, n in zip(work.prompts, work.max_tokens, strict=True))
     pages = args.pages or 1 + args.slots * -(-longest // args.page_size)
@@ -329,7 +366,8 @@ def main(argv: list[str]) -> int:
                                               for k, v in vars(args).items()
                                               if k != "grammar"},  # not JSON; --response-format is
         "pages": pages, "modes": {}}
-    print(f"{args.config} ({config.dtype}, {jax.default_backend()}): {args.requests} requests, "
+    print(f"{args.checkpoint or args.config} ({config.dtype}, {jax.default_backend()}): "
+          f"{args.requests} requests, "
           f"inputs {args.input_len}, outputs {args.output_len}, rate {args.rate}/s; "
           f"{args.slots} slots, {pages} pages of {args.page_size}, budget {args.token_budget}")
     # With the structured modes every engine mode detokenizes its tokens as they need to.
@@ -348,10 +386,13 @@ def main(argv: list[str]) -> int:
                 grammars = [args.grammar if i % every == 0 else None
                             for i in range(len(work.prompts))]
             t = time.perf_counter()
-            n = engine.compile(structured=mode.startswith("engine-json"))
+            n = engine.compile(structured=mode.startswith("engine-json"),
+                               speculative=parse_spec(args.speculative).k
+                               if mode == "engine-spec" else 0)
             print(f"  compiled {n} engine step shapes in {time.perf_counter() - t:.1f} s")
             engine.steps = 0
-            r = run_engine(engine, work, grammars)
+            r = run_engine(engine, work, grammars,
+                           args.speculative if mode == "engine-spec" else None)
             if mode == "engine-json-mixed":
                 free = [rec for rec, g in zip(r.pop("records"), grammars, strict=True)
                         if g is None]
@@ -395,6 +436,15 @@ def main(argv: list[str]) -> int:
                 got["engine"]["output_token_throughput"]
             print(f"engine-lora vs engine: {tput:.2f}x output tokens/s ({args.lora} adapters "
                   f"of rank {args.lora_rank} mixed, against the base alone)")
+        if "engine-spec" in got:
+            spec = got["engine-spec"]
+            tput = spec["output_token_throughput"] / got["engine"]["output_token_throughput"]
+            tpot = got["engine"]["tpot_s"]["median"] / spec["tpot_s"]["median"]
+            m = spec["speculative"]
+            print(f"engine-spec vs engine: {tput:.2f}x output tokens/s, {tpot:.2f}x lower median "
+                  f"TPOT ({args.speculative}: acceptance {m['acceptance_rate']:.2f}, "
+                  f"{m['mean_accepted_length']:.2f} tokens per verification, "
+                  f"{m['verify_steps']} verify steps, {m['backed_off_steps']} backed off)")
         for other in ("one", "batch", "engine-noprefix"):
             if other in got:
                 tput = got["engine"]["output_token_throughput"] / \

@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "or int4:G, as generate --quant (default: float)")
     e.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share prompt pages between requests (default: share)")
+    e.add_argument("--speculative", metavar="SPEC", help="speculative decoding for every "
+                   "request: ngram[:k=K][:n=N] (prompt lookup) (default: off)")
     e.add_argument("--compilation-cache", default=str(DEFAULT_CACHE_DIR),
                    help="JAX persistent compilation cache directory, '' for none "
                    "(default: %(default)s)")
@@ -140,6 +142,13 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--body-timeout must be a positive number of seconds, got "
                          f"{args.body_timeout}")
     parse_lora(args.lora, args.served_model_name)
+    if args.speculative is not None:
+        from transformer_jax.decode.speculative import parse_spec
+
+        spec = parse_spec(args.speculative)
+        if spec.method != "ngram":
+            raise ValueError(f"--speculative {args.speculative!r}: the server speculates with "
+                             "ngram only (a draft model: generate --speculative draft:PATH)")
     if not 0 <= args.grace_period < float("inf"):
         raise ValueError(f"--grace-period must be a number of seconds >= 0, got "
                          f"{args.grace_period}")
@@ -206,6 +215,7 @@ def pool_pages(args: argparse.Namespace, config: Any) -> int:
 def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """Loads the checkpoint and compiles the engine: (runner, model info, timings)."""
     from transformer_jax.checkpoint.loading import HF, load_for_decode
+    from transformer_jax.decode.speculative import parse_spec
     from transformer_jax.hf.generation_config import generation_stop_ids
     from transformer_jax.serve.completions import ModelInfo
     from transformer_jax.serve.metrics import Metrics
@@ -231,7 +241,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                     min_context=min(args.min_context or MIN_CONTEXT, config.max_seq_len),
                     tokenizer=loaded.tokenizer, quant=args.quant, adapters=adapters or None)
     t = time.perf_counter()
-    shapes = engine.compile()
+    shapes = engine.compile(speculative=parse_spec(args.speculative).k if args.speculative
+                            else 0)
     timings["compile_s"] = time.perf_counter() - t
     logger.info("loaded %s in %.1f s; compiled %d step shapes in %.1f s (%d slots, %d pages of "
                 "%d, %.1f MiB of KV pages)", args.checkpoint, timings["load_s"], shapes,
@@ -246,7 +257,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if loaded.source.kind == HF:  # e.g. Llama 3.1's <|eom_id|> after a tool call
         stop_ids = generation_stop_ids(loaded.source.path)
     return runner, ModelInfo.of(name, config, loaded.tokenizer, tuple(adapters),
-                                args.tool_call_parser, stop_ids, args.reasoning_parser), timings
+                                args.tool_call_parser, stop_ids, args.reasoning_parser,
+                                args.speculative), timings
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from transformer_jax.decode import constrained, streaming
+from transformer_jax.decode import constrained, speculative_loop, streaming
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode.constrained import TokenConstraint
 from transformer_jax.decode.loop import DecodeWeights, Params, SamplingSettings
@@ -32,6 +32,7 @@ from transformer_jax.decode.prompts import (
     validate_capacity,
     validate_prompts,
 )
+from transformer_jax.decode.speculative import parse_spec
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import cache_bytes
 
@@ -58,6 +59,7 @@ class GenerateResult:
     lengths: list[int]
     token_array: np.ndarray
     logprob_array: np.ndarray
+    speculative: list[Any] | None = None
 
 
 def _float_dtype_name(dtype: Any) -> str:
@@ -79,7 +81,8 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
              cache_size: int | None = None, cache_dtype: jnp.dtype | str | None = None,
              stream: streaming.StreamFn | None = None,
              mesh: Mesh | None = None, quant: str | None = None,
-             constraints: Sequence[TokenConstraint | None] | None = None) -> GenerateResult:
+             constraints: Sequence[TokenConstraint | None] | None = None,
+             speculative: Any = None, draft: Any = None) -> GenerateResult:
     """Generates up to ``max_new_tokens`` tokens after each prompt, in one jitted call.
 
     The prefill and the whole decode loop are one compiled program (``generate_padded``); raw
@@ -125,6 +128,13 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         complete). The decode is then a host loop over a jitted one-step decode, the same draw
         with the same keys otherwise (``decode.constrained``); one device (no tensor split).
         The constraints are advanced in place.
+      speculative: speculative decoding (``decode.speculative``): a spec string
+        (``"ngram:k=4"``, ``"draft:PATH:k=4"``) or a ``SpeculativeConfig``. The same tokens
+        as without (greedy and sampled, for the same seeds), from a host loop that verifies
+        up to k proposals per row in one forward (``decode.speculative_loop``); one device,
+        no constraints, no sliding-window layers.
+      draft: a ``speculative_loop.DraftModel`` for a ``"draft"`` spec (default: loaded
+        from the spec's path).
 
     Returns:
       A ``GenerateResult`` (``.tokens``, ``.logprobs``, ``.lengths``, and padded arrays).
@@ -146,6 +156,7 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         if decode.is_split(mesh):
             raise ValueError("constraints: a tensor-parallel mesh is not supported with "
                              "constraints; decode on one device")
+    spec = speculative_spec(config, speculative, constraints, mesh)
     lengths = [len(a) for a in arrays]
     validate_capacity(config, lengths, max_new_tokens, cache_size)
     if cache_dtype is not None:
@@ -163,6 +174,17 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
     if not isinstance(params, DecodeWeights):
         params = decode.prepare(config, params, mesh, quant=quant)
     start = time.perf_counter()
+    if spec is not None:
+        if spec.method == "draft":
+            draft = draft if draft is not None else speculative_loop.load_draft(spec.draft)
+            draft.check_against(config)
+        *out, stats = speculative_loop.generate_speculative(
+            config, params, tokens, lengths_arr, keys, max_new_tokens=max_new_tokens,
+            settings=settings, cache_size=cache_size + spec.k + 1, cache_dtype=cache_dtype,
+            spec=spec, draft=draft, stream=stream)
+        logger.debug("speculative generate took %.3f s, acceptance %s",
+                     time.perf_counter() - start, [round(s.acceptance_rate, 3) for s in stats])
+        return dataclasses.replace(result_from_arrays(*out), speculative=stats)
     if constraints is not None:
         out = constrained.generate_constrained(
             config, params.params, tokens, lengths_arr, keys, constraints,
@@ -178,6 +200,21 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         out_tokens, out_logprobs, num = jax.device_get((out_tokens, out_logprobs, num))
     logger.debug("generate took %.3f s", time.perf_counter() - start)
     return result_from_arrays(out_tokens, out_logprobs, num)
+
+
+def speculative_spec(config: ModelConfig, speculative: Any, constraints: Any,
+                     mesh: Mesh | None) -> Any:
+    """The parsed ``speculative`` argument of ``generate`` (None: off), or ValueError."""
+    spec = parse_spec(speculative)
+    if spec is None:
+        return None
+    if constraints is not None:
+        raise ValueError("speculative: not supported together with constraints")
+    if decode.is_split(mesh):
+        raise ValueError("speculative: a tensor-parallel mesh is not supported; decode on one "
+                         "device")
+    speculative_loop.check_no_rings(config, "the model")
+    return spec
 
 
 def result_from_arrays(tokens: np.ndarray, logprobs: np.ndarray, num_tokens: np.ndarray

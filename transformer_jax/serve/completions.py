@@ -86,7 +86,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) ->
         logprobs=bool(req.logprobs is not None and req.logprobs is not False),
         top_logprobs=min(_top_asked(req), model.vocab_size),
         grammar=_grammar(req, model, parser),
-        stop=req.stop_strings, adapter=adapter)
+        stop=req.stop_strings, adapter=adapter, speculative=model.speculative)
     thinking = None
     if chat and model.reasoning_parser is not None:  # the prompt's end: a <think> it opened?
         thinking = reasoning.prompt_opens_thinking(detokenize(tok, prompt[-16:]))

@@ -1,8 +1,9 @@
 """The server's Prometheus metrics (``GET /metrics``), in a registry of its own per server.
 
 Gauges are set by the engine thread after every step (requests running and waiting, pages in
-use, the prefix cache's hit rate); histograms and counters as requests go (time to first token,
-time per output token, end-to-end latency, tokens in and out, requests by finish reason).
+use, the prefix cache's hit rate, speculative decoding's acceptance); histograms and counters
+as requests go (time to first token, time per output token, end-to-end latency, tokens in and
+out, requests by finish reason).
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ class Metrics:
                                          registry=r)
         self.finished = Counter(p + "requests_finished", "Requests ended, by finish reason",
                                 ["finish_reason"], registry=r)
+        self.speculative = {
+            name: Gauge(p + "speculative_" + name, help_, registry=r) for name, help_ in (
+                ("proposed", "Tokens proposed by speculative decoding, since start"),
+                ("accepted", "Proposed tokens the target kept, since start"),
+                ("acceptance_rate", "Accepted / proposed tokens, since start"),
+                ("mean_accepted_length", "Tokens a speculating row gets per verification "
+                 "(its own token included), since start"),
+                ("verify_steps", "Engine steps that verified proposals"),
+                ("backed_off_steps", "Steps run plain although rows proposed (verification "
+                 "measured as not worth it)"))}
 
     def observe_engine(self, engine: Any, in_flight: int) -> None:
         """Sets the gauges from the engine's scheduler (called on the engine thread)."""
@@ -54,6 +65,8 @@ class Metrics:
         self.pages_total.set(sched.pool.capacity)
         prefix = sched.prefix
         self.prefix_hit_rate.set(prefix.hits / prefix.queries if prefix.queries else 0.0)
+        for name, value in engine.speculation.metrics().items():
+            self.speculative[name].set(value)
 
     def text(self) -> bytes:
         """The Prometheus text exposition."""

@@ -30,18 +30,19 @@ class ModelInfo:
     # stops there but with ignore_eos)
     reasoning_parser: str | None = None  # chat replies' <think> block to reasoning_content
     # (``serve.reasoning``), or None
+    speculative: Any = None  # every request's speculative decoding (``--speculative``), or None
 
     @classmethod
     def of(cls, name: str, config: Any, tokenizer: Any, adapters: tuple[str, ...] = (),
            tool_parser: str | None = None, stop_ids: tuple[int, ...] = (),
-           reasoning_parser: str | None = None) -> ModelInfo:
+           reasoning_parser: str | None = None, speculative: Any = None) -> ModelInfo:
         reasoning.check_parser(reasoning_parser)
         chat = tokenizer is not None and bool(tokenizer.chat_template)
         return cls(name, config.vocab_size, config.max_seq_len, tokenizer,
                    chat_turn_end_id(tokenizer) if chat else None, adapters=tuple(adapters),
                    tool_parser=tool_parser,
                    stop_ids=tuple(i for i in stop_ids if 0 <= i < config.vocab_size),
-                   reasoning_parser=reasoning_parser)
+                   reasoning_parser=reasoning_parser, speculative=speculative)
 
     def adapter_of(self, model: str) -> str | None:
         """The adapter a request's ``model`` names (None: the base).

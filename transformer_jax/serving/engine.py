@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -59,6 +60,7 @@ from transformer_jax.serving.requests import (
     TokenEvent,
 )
 from transformer_jax.serving.scheduler import MIN_CONTEXT, Scheduler
+from transformer_jax.serving.speculation import Speculation
 from transformer_jax.serving.text import TextStream
 
 logger = logging.getLogger(__name__)
@@ -180,6 +182,8 @@ class Engine:
         self._requests: dict[int, Request] = {}
         self.steps = 0
         self._prepare: Callable[[Params], Params] | None = None  # update_weights'
+        #: Speculative decoding of the requests that ask for it (``serving.speculation``).
+        self.speculation = Speculation(self)
 
     def _stack(self, adapters: Mapping[str, tuple[Any, LoraConfig]]) -> Params:
         """The adapters stacked over the prepared weights, placed as the step splits them."""
@@ -249,6 +253,8 @@ class Engine:
             req.adapter = self.adapter_names.index(params.adapter) + 1
         if params.grammar is not None:
             req.matcher = self._grammar_tokenizer().matcher(params.grammar)
+        if params.speculative is not None:
+            self.speculation.admit(req)
         if self.tokenizer is not None:
             req.text = TextStream(self.tokenizer, req.tokens, params.stop,
                                   params.stop_token_ids)
@@ -304,11 +310,10 @@ class Engine:
                                                       adapters=self._adapters is not None)
         b = sched.num_slots
         # The chunk, then the decode rows: two programs (``step.py`` says why), both dispatched
-        # before either result is read. A prompt's first token goes out as soon as the chunk's
-        # program ends, without waiting for the decode rows (its time to first token is the
-        # chunk's alone).
-        # Forward and sampling as two programs when rows draw under a grammar (the masks
-        # computed while the device runs the forwards) or forks draw from the chunk's logits.
+        # before either result is read, so a prompt's first token goes out when the chunk's
+        # program ends. Forward and sampling are two programs each when rows draw under a
+        # grammar (masks computed while the forwards run) or forks draw from a chunk's logits.
+        verify, started = None, time.perf_counter()
         if plan.forks or sched.has_grammar(plan):
             chunk_logits = None if prefill is None else self._forward(None, prefill)
             if plan.copies:  # the forks' partial pages, before any step writes past the prompt
@@ -317,20 +322,28 @@ class Engine:
                     keys_transposed=self.keys_transposed)
             logits = self._forward(decode, None) if plan.decodes else None
             rows = rows.replace(allowed=sched.grammar_masks(plan, self.config.vocab_size))
+            forks = step_lib.row_slice(rows, b, b + 1 + len(plan.forks))
             chunk = None if prefill is None else step_lib.sample_jit(
-                *step_lib.fork_rows(chunk_logits, _rows(rows, b, b + 1 + len(plan.forks))), sampler)
+                *step_lib.fork_rows(chunk_logits, forks), sampler)
             rows_out = None if logits is None else step_lib.sample_jit(
-                logits, _rows(rows, 0, b), sampler)
+                logits, step_lib.row_slice(rows, 0, b), sampler)
         else:
-            chunk = None if prefill is None else self._run(None, prefill,
-                                                           _rows(rows, b, b + 1), sampler)
-            rows_out = (self._run(decode, None, _rows(rows, 0, b), sampler) if plan.decodes
-                        else None)
+            chunk = None if prefill is None else self._run(
+                None, prefill, step_lib.row_slice(rows, b, b + 1), sampler)
+            started = time.perf_counter()  # the decode rows' time, after the chunk's dispatch
+            verify = self.speculation.dispatch(plan, rows, sampler) if plan.decodes else None
+            rows_out = (self._run(decode, None, step_lib.row_slice(rows, 0, b), sampler)
+                        if plan.decodes and verify is None else None)
         if chunk is not None:
             tokens, logprobs = jax.device_get(chunk)
             delivered += self._deliver(sched.commit_prefill(plan, tokens, logprobs))
+        if verify is not None:
+            delivered += self.speculation.finish(verify, self._deliver, chunk is not None)
         if rows_out is not None:
             tokens, logprobs = jax.device_get(rows_out)
+            if any(r.speculation is not None for r in plan.decodes):  # for its choice
+                self.speculation.record(plan.width, 1, time.perf_counter() - started,
+                                        chunk is not None)
             delivered += self._deliver(sched.commit_decodes(plan, tokens, logprobs))
         self.steps += 1
         return delivered
@@ -382,12 +395,13 @@ class Engine:
             quant=self.weights.quant, rings=self._rings, adapters=self._adapters)
         return logits
 
-    def compile(self, structured: bool = False) -> int:
+    def compile(self, structured: bool = False, speculative: int = 0) -> int:
         """Compiles the step programs a greedy load runs by running each once on idle rows
         (which write only into the null page): the decode rows, and a chunk of each prefill
         bucket, at every page-table width. With ``structured``, also the forward and masked
         sampling programs of greedy steps with grammar rows (and the grammars' tokenizer).
-        Sampling steps compile on first use.
+        Sampling steps compile on first use. With ``speculative`` k, also the greedy verify
+        programs of up to k proposals (``serving.speculation``).
 
         Returns:
           The number of step shapes run.
@@ -416,7 +430,7 @@ class Engine:
                 jax.block_until_ready(step_lib.sample_jit(
                     self._forward(decode_rows, chunk), sampling.replace(allowed=masks),
                     step_lib.Sampler()))
-        return len(shapes)
+        return len(shapes) + (self.speculation.compile(speculative) if speculative else 0)
 
     def _apply_pending(self) -> list[tuple[Request, TokenEvent]]:
         with self._lock:
@@ -469,7 +483,6 @@ class Engine:
         return done
 
     # Introspection ---------------------------------------------------------------------------
-
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -480,17 +493,8 @@ class Engine:
         return len(self.scheduler.pool.held())
 
     def check_no_leaks(self) -> None:
-        """Raises AssertionError unless an idle engine holds no page: every page is free or
-        parked in the prefix cache, and no slot is taken."""
-        sched = self.scheduler
-        held = sched.pool.held()
-        free = sched.prefix.num_available
-        if held or free != sched.pool.capacity or any(s is not None for s in sched.slots):
-            raise AssertionError(f"pages leaked: held {held}, {free} of "
-                                 f"{sched.pool.capacity} available, slots {sched.slots}")
+        """Raises AssertionError unless an idle engine holds no page or slot
+        (``Scheduler.check_no_leaks``)."""
+        self.scheduler.check_no_leaks()
 
-
-def _rows(rows: step_lib.RowSampling, lo: int, hi: int) -> step_lib.RowSampling:
-    """Rows [lo, hi) of the step's sampling settings."""
-    return jax.tree.map(lambda x: x[lo:hi], rows)
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from transformer_jax.decode.loop import SamplingSettings
 from transformer_jax.decode.prompts import is_int, sequence_keys
+from transformer_jax.decode.speculative import parse_spec
 from transformer_jax.serving.grammar import Grammar
 
 #: The most alternatives a request's ``top_logprobs`` may ask for (OpenAI's limit). A step
@@ -53,6 +54,9 @@ class SamplingParams:
         once it is complete), or None.
       adapter: the name of one of the engine's LoRA adapters (``Engine(adapters=...)``) to
         decode with, or None for the base model.
+      speculative: speculative decoding for this request (``decode.speculative``): a spec
+        string (``"ngram:k=4"``, ``"draft:PATH:k=4"``, the draft the engine's own) or a
+        ``SpeculativeConfig``; the same tokens as without, often several per step.
     """
 
     max_tokens: int = 16
@@ -67,6 +71,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     grammar: Grammar | None = None
     adapter: str | None = None
+    speculative: Any = None
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the first setting of the wrong type or out of range for V
@@ -109,6 +114,8 @@ class SamplingParams:
         if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
             raise ValueError(f"adapter must be an adapter's name or None, got "
                              f"{self.adapter!r:.80}")
+        if self.speculative is not None:
+            parse_spec(self.speculative)
         self.settings().validate(vocab_size)
 
     def settings(self) -> SamplingSettings:
@@ -163,7 +170,9 @@ class Completion:
     ``preemptions`` counts the times it was preempted (and recomputed); ``prefix_hit_tokens``
     the positions it found in the prefix cache instead of computing them (every admission);
     ``text`` the text released (the engine had a tokenizer), else None; ``top_logprobs`` each
-    new token's ``TokenEvent.top_logprobs`` when the request asked for them, else None.
+    new token's ``TokenEvent.top_logprobs`` when the request asked for them, else None;
+    ``speculative`` its ``decode.speculative.Acceptance`` (acceptance rate, mean accepted
+    length) when it speculated, else None.
     """
 
     request_id: int
@@ -174,6 +183,7 @@ class Completion:
     prefix_hit_tokens: int = 0
     text: str | None = None
     top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+    speculative: Any = None
 
 
 class State(enum.Enum):
@@ -227,6 +237,7 @@ class Request:
     text: Any = None
     matcher: Any = None  # its grammar's llguidance matcher, or None
     adapter: int = 0
+    speculation: Any = None  # its (SpeculativeConfig, Acceptance) when it speculates
 
     @property
     def digest_root(self) -> bytes:
@@ -250,4 +261,5 @@ class Request:
         return Completion(self.id, self.tokens[len(self.prompt):], list(self.logprobs),
                           self.finish_reason or "", self.preemptions, self.prefix_hit_tokens,
                           None if self.text is None else self.text.full_text,
-                          list(self.top_logprobs) if self.params.top_logprobs else None)
+                          list(self.top_logprobs) if self.params.top_logprobs else None,
+                          None if self.speculation is None else self.speculation[1])

@@ -118,6 +118,14 @@ class Scheduler:
     def idle(self) -> bool:
         return not (self.waiting or self.running or self.prefilling)
 
+    def check_no_leaks(self) -> None:
+        """Raises AssertionError unless every page is free or parked in the prefix cache and
+        no slot is taken (an idle scheduler)."""
+        held, free = self.pool.held(), self.prefix.num_available
+        if held or free != self.pool.capacity or any(s is not None for s in self.slots):
+            raise AssertionError(f"pages leaked: held {held}, {free} of "
+                                 f"{self.pool.capacity} available, slots {self.slots}")
+
     def describe(self) -> str:
         """One line of the queues and the pool, for logs and errors."""
         return (f"{len(self.waiting)} waiting, {len(self.running)} running, prefilling "

@@ -198,6 +198,11 @@ def copy_pages(k_pages: Any, v_pages: Any, src: jax.Array, dst: jax.Array, *,
             jax.tree.map(copy(3), v_pages))
 
 
+def row_slice(rows: RowSampling, lo: int, hi: int) -> RowSampling:
+    """Rows [lo, hi) of a step's sampling settings."""
+    return jax.tree.map(lambda x: x[lo:hi], rows)
+
+
 def padded(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
     """The [n, ...] ``arrays`` padded to M rows, M the power of two >= n, by repeating their
     last row (so the programs that take them compile for a few sizes only)."""

@@ -1,0 +1,264 @@
+"""Speculative decoding: proposers, the verification forward, the acceptance rule and
+``generate(..., speculative=...)``.
+
+Verification of k + 1 positions in one forward equals k + 1 decode steps (logits and cache);
+the general rejection rule and the point-mass rule keep the target's distribution (chi-square
+at fixed seeds); speculative ``generate`` gives the tokens and log-probabilities of the plain
+one, greedy and sampled, with the n-gram proposer and with a draft model; bad specs and a draft
+with another vocabulary are one-line errors; the back-off pauses a row and lets it go again.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import FAST_COMPILE, TINY
+
+from transformer_jax.decode import generation, speculative_loop
+from transformer_jax.decode import loop as decode
+from transformer_jax.decode.speculative import (
+    Acceptance,
+    SpeculativeConfig,
+    accepted_length,
+    ngram_lookup,
+    parse_spec,
+    rejection_sample,
+)
+from transformer_jax.decode.speculative_loop import DraftModel
+from transformer_jax.model.transformer import init_params
+
+pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_speculative_compiles():
+    original = dict(speculative_loop.PROGRAMS)
+    speculative_loop.PROGRAMS.update(speculative_loop.jit_programs(compiler_options=FAST_COMPILE))
+    yield
+    speculative_loop.PROGRAMS.update(original)
+
+
+@pytest.fixture(scope="module")
+def target():
+    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
+    return TINY, decode.prepare(TINY, init(TINY, jax.random.key(0)))
+
+
+@pytest.fixture(scope="module")
+def draft():
+    config = TINY.replace(n_layers=1)
+    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
+    return DraftModel(config, decode.prepare(config, init(config, jax.random.key(1))))
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, TINY.vocab_size, 6).tolist()
+    return [base * 3, rng.integers(0, TINY.vocab_size, 9).tolist(), base[:3] * 5 + [7]]
+
+
+# Proposers and specs -----------------------------------------------------------------------------
+
+def test_ngram_lookup_proposes_what_followed_the_latest_match():
+    seq = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3]
+    assert ngram_lookup(seq, 3, n=3) == [4, 5, 6]  # the latest earlier "1 2 3", not the first
+    # past the end of the context the match goes on with its own period (6 tokens here)
+    assert ngram_lookup(seq, 8, n=3) == [4, 5, 6, 1, 2, 3, 4, 5]
+    assert ngram_lookup([5, 6, 7, 8, 6], 2, n=3) == [7, 8]  # falls back to n = 1
+    assert ngram_lookup([5, 6, 7, 8, 6], 2, n=3, min_n=2) == []
+    assert ngram_lookup([1, 2, 3], 4) == []
+    assert ngram_lookup([4, 4, 4], 3, n=2) == [4, 4, 4]  # the match may overlap the suffix
+    assert ngram_lookup([1, 7, 8, 7, 8], 4, n=2) == [7, 8, 7, 8]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("", "speculative spec must be"),
+    ("eagle:k=4", "unknown method 'eagle'"),
+    ("ngram:k=0", "k must be a positive int"),
+    ("ngram:k=four", "k must be an int"),
+    ("ngram:k=99", "k must be at most 16"),
+    ("ngram:q=3", "bad option 'q=3'"),
+    ("ngram:n=2:k", "bad option 'k'"),
+    ("draft", "'draft' needs a path"),
+    ("draft:k=4", "'draft' needs a path"),
+    ("draft:/x:n=2", "bad option 'n=2'"),
+])
+def test_bad_specs_are_one_line_errors(spec, message):
+    with pytest.raises(ValueError, match=message) as e:
+        parse_spec(spec)
+    assert "\n" not in str(e.value)
+
+
+def test_specs_parse():
+    assert parse_spec("ngram") == SpeculativeConfig("ngram", 4, 3)
+    assert parse_spec("ngram:k=6:n=2") == SpeculativeConfig("ngram", 6, 2)
+    assert parse_spec("draft:/ckpt/run:k=3") == SpeculativeConfig("draft", 3, draft="/ckpt/run")
+    assert parse_spec(str(parse_spec("draft:/a:k=2"))) == parse_spec("draft:/a:k=2")
+
+
+def test_draft_with_another_vocabulary_is_refused(target, draft):
+    config, weights = target
+    other = DraftModel(draft.config.replace(vocab_size=65), draft.weights)
+    with pytest.raises(ValueError, match=r"vocabulary \(65\) differs from the target's \(64\)"):
+        generation.generate(config, weights, [[1, 2, 3]], max_new_tokens=4,
+                            speculative="draft:x:k=2", draft=other)
+    with pytest.raises(ValueError, match="not supported together with constraints"):
+        generation.generate(config, weights, [[1, 2]], max_new_tokens=2, speculative="ngram",
+                            constraints=[None])
+    with pytest.raises(ValueError, match="sliding-window"):
+        speculative_loop.check_no_rings(config.replace(sliding_window=8), "the model")
+
+
+# Verification ------------------------------------------------------------------------------------
+
+def test_verification_equals_sequential_decode_steps(target):
+    """k + 1 positions in one forward: the logits and the cache of k + 1 decode steps."""
+    config, weights = target
+    p, out_first = weights.params, weights.weights_out_first
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, config.vocab_size, (2, 8)).astype(np.int32)
+    lengths = np.asarray([8, 5], np.int32)
+    _, cache = decode.prefill(config, p, jnp.asarray(tokens), jnp.asarray(lengths), 24,
+                              weights_out_first=out_first)
+    chunk = rng.integers(0, config.vocab_size, (2, 5)).astype(np.int32)
+    start = lengths - 1
+    logits, one = speculative_loop.verify_forward(config, p, cache, jnp.asarray(chunk),
+                                                  jnp.asarray(start), weights_out_first=out_first)
+    steps = cache
+    for i in range(5):
+        step_logits, steps = decode.decode_step(config, p, steps, jnp.asarray(chunk[:, i]),
+                                                jnp.asarray(start + i),
+                                                weights_out_first=out_first)
+        np.testing.assert_allclose(logits[:, i], step_logits, atol=2e-5, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves((one.k, one.v)), jax.tree.leaves((steps.k, steps.v)),
+                    strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
+
+
+def test_accepted_length_is_the_leading_agreement():
+    targets = jnp.asarray([[1, 2, 3, 4], [1, 9, 3, 4], [5, 5, 5, 5], [1, 2, 3, 4]])
+    drafts = jnp.asarray([[1, 2, 3], [1, 2, 3], [0, 5, 5], [1, 2, 3]])
+    np.testing.assert_array_equal(
+        accepted_length(targets, drafts, jnp.asarray([3, 3, 3, 2])), [3, 1, 0, 2])
+
+
+def _chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    from scipy import stats
+
+    probs = np.asarray(probs, np.float64)
+    keep = probs > 1e-6
+    assert counts[~keep].sum() == 0, "a token of probability 0 was drawn"
+    expected = probs[keep] / probs[keep].sum() * counts[keep].sum()
+    return float(stats.chisquare(counts[keep], expected).pvalue)
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Drafts from q, the general rule: the first emitted token is distributed as p, for a q
+    far from p (and zero where p is not); the second as p's next position after a keep."""
+    pytest.importorskip("scipy")
+    v, n = 6, 40_000
+    p = jnp.asarray([[[0.4, 0.3, 0.1, 0.1, 0.1, 0.0], [0.1, 0.1, 0.1, 0.2, 0.2, 0.3]]])
+    q = jnp.asarray([[[0.05, 0.05, 0.2, 0.2, 0.0, 0.5]]])
+
+    def one(key):
+        d_key, r_key = jax.random.split(key)
+        d = jax.random.categorical(d_key, jnp.log(q[:, 0]))[:, None]
+        a, tokens = rejection_sample(p, q, d, r_key)
+        return a[0], tokens[0]
+
+    a, tokens = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(7), n))
+    first = np.bincount(np.asarray(tokens[:, 0]), minlength=v)
+    assert _chi_square_p(first, np.asarray(p[0, 0])) > 1e-3
+    kept = np.asarray(a) == 1
+    second = np.bincount(np.asarray(tokens[kept, 1]), minlength=v)
+    assert _chi_square_p(second, np.asarray(p[0, 1])) > 1e-3
+    # and the acceptance is sum_x min(p, q), what the rule promises
+    assert abs(kept.mean() - float(jnp.minimum(p[0, 0], q[0, 0]).sum())) < 0.01
+
+
+def test_point_mass_rule_accepts_with_p_and_keeps_p():
+    """The n-gram / greedy-draft rule (draw x ~ p with the plain decode's key, keep d iff
+    x == d): d kept with probability p(d), and the emitted token distributed as p."""
+    pytest.importorskip("scipy")
+    from transformer_jax.decode.loop import SamplingSettings
+
+    v, n = 6, 20_000
+    logits = jnp.log(jnp.asarray([0.35, 0.25, 0.2, 0.1, 0.1, 1e-9]))
+    settings = SamplingSettings(temperature=1.0)
+    keys = jax.random.key_data(jax.random.split(jax.random.key(3), n))
+    targets, _ = speculative_loop.draw(jnp.broadcast_to(logits, (n, 2, v)), keys,
+                                       jnp.zeros(n, jnp.int32), settings)
+    drafts = jnp.full((n, 1), 1, jnp.int32)
+    a = np.asarray(accepted_length(targets, drafts, jnp.ones(n, jnp.int32)))
+    assert abs(a.mean() - 0.25) < 0.015
+    emitted = np.where(a == 1, 1, np.asarray(targets[:, 0]))
+    counts = np.bincount(emitted, minlength=v)
+    assert _chi_square_p(counts, np.asarray(jax.nn.softmax(logits))) > 1e-3
+
+
+# generate ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_generate_speculative_gives_the_plain_tokens(target, draft, temperature):
+    """n-gram and draft proposers, greedy and sampled (same seeds), with a stop token: the
+    tokens and log-probabilities of the plain ``generate``; some proposals are accepted."""
+    config, weights = target
+    prompts = _prompts()
+    kw = dict(max_new_tokens=20, temperature=temperature, seed=[1, 2, 3], stop_tokens=[5],
+              top_k=20 if temperature else None)
+    ref = generation.generate(config, weights, prompts, **kw)
+    streamed = []
+    ngram = generation.generate(config, weights, prompts, speculative="ngram:k=4",
+                                stream=lambda i, t, a: streamed.append((i, t.tolist())), **kw)
+    assert ngram.tokens == ref.tokens
+    np.testing.assert_allclose(ngram.logprob_array, ref.logprob_array, atol=1e-5)
+    assert [i for i, _ in streamed] == list(range(max(ref.lengths)))
+    with_draft = generation.generate(config, weights, prompts, speculative="draft:x:k=3",
+                                     draft=draft, **kw)
+    assert with_draft.tokens == ref.tokens
+    if temperature == 0:
+        assert sum(s.accepted for s in ngram.speculative) > 0
+        # the target as its own draft: every greedy proposal kept
+        itself = generation.generate(config, weights, prompts, speculative="draft:x:k=3",
+                                     draft=DraftModel(config, weights), **kw)
+        assert itself.tokens == ref.tokens
+        assert all(s.acceptance_rate == 1.0 for s in itself.speculative if s.proposed)
+
+
+def test_back_off_pauses_a_row_and_lets_it_go():
+    acc = Acceptance(floor=0.3, cooldown=3)
+    assert acc.budget(4) == 4
+    for _ in range(3):
+        acc.record(4, 0)
+    assert acc.paused == 0  # one bad verification is not enough: 0.7, 0.49, 0.343 > 0.3
+    acc.record(4, 0)
+    assert acc.paused == 3
+    assert [acc.budget(4) for _ in range(4)] == [0, 0, 0, 4]  # paused, then probes again
+    acc.record(4, 4)
+    assert acc.budget(4) == 4 and acc.acceptance_rate == 4 / 20
+    assert acc.mean_accepted == (4 + 5) / 5
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("ngram:k=x", "k must be an int"),
+    ("draft:/some/run:k=2", "the server speculates with ngram only"),
+    ("lookahead", "unknown method 'lookahead'"),
+])
+def test_serve_speculative_flag_errors_are_one_line(flag, message):
+    from transformer_jax.cli import serve as cli
+
+    args = cli.build_parser().parse_args(["--checkpoint", "x", "--speculative", flag])
+    with pytest.raises(ValueError, match=message) as e:
+        cli._check(args)
+    assert "\n" not in str(e.value)
+    cli._check(cli.build_parser().parse_args(["--checkpoint", "x", "--speculative",
+                                              "ngram:k=3:n=2"]))
+
+
+def test_bench_repeat_workload_copies_the_passage():
+    from transformer_jax.bench.speculative import repeat_workload
+
+    ids = np.arange(1000) % 50
+    (prompt,) = repeat_workload(ids, 1, 40, 8, np.random.default_rng(0), [99])
+    assert len(prompt) == 40 + 1 + 8 and prompt[40] == 99
+    assert sum(a != b for a, b in zip(prompt[:8], prompt[41:], strict=True)) == 1

@@ -1,0 +1,170 @@
+"""Speculative decoding in the serving engine: every speculating request decodes what
+``generate`` gives its prompt alone (greedy and seeded sampling, logprobs, stop ids, stop
+strings, max_tokens) under concurrent load with arrivals, a cancellation and preemption; no page
+is leaked after rejected tokens; the measured-cost back-off engages and releases; bad specs
+and unsupported setups are refused in one line."""
+
+import jax
+import numpy as np
+import pytest
+from helpers import FAST_COMPILE, TINY
+
+from transformer_jax.decode import generation
+from transformer_jax.decode import loop as decode
+from transformer_jax.model.transformer import init_params
+from transformer_jax.serving import Engine, SamplingParams, speculation
+
+pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_compiles")
+
+N = 20
+# 4 slots, pages of 4 positions, 24 usable pages: fewer than the load needs, so it preempts.
+ENGINE = dict(num_slots=4, num_pages=25, page_size=4, token_budget=20, min_context=32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_verify_compiles():
+    original = speculation.verify_jit
+    speculation.verify_jit = speculation.jit_verify(compiler_options=FAST_COMPILE)
+    yield
+    speculation.verify_jit = original
+
+
+@pytest.fixture(scope="module")
+def model():
+    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
+    return TINY, decode.prepare(TINY, init(TINY, jax.random.key(0)))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    eng = Engine(*model, **ENGINE)
+    yield eng
+    assert eng.idle
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    """Repetitive prompts (an n-gram proposer finds matches) of mixed lengths."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        base = rng.integers(0, TINY.vocab_size, 3 + i % 4).tolist()
+        out.append(base * (2 + i % 3) + rng.integers(0, TINY.vocab_size, i % 3).tolist())
+    return out
+
+
+_REF: dict = {}
+
+
+def reference(model, prompt, p: SamplingParams):
+    key = (tuple(prompt), p.temperature, p.seed, p.top_k)
+    if key not in _REF:
+        out = generation.generate(*model, [prompt], max_new_tokens=N, temperature=p.temperature,
+                                  top_k=p.top_k, seed=[p.seed])
+        _REF[key] = (out.tokens[0], out.logprobs[0])
+    tokens, logprobs = _REF[key]
+    n = p.max_tokens
+    for i, tok in enumerate(tokens[:n]):
+        if tok in p.stop_token_ids:
+            n = i + 1
+            break
+    return tokens[:n], logprobs[:n]
+
+
+def test_speculating_requests_under_load_equal_generate_alone(model, engine):
+    """Greedy and sampled requests, some speculating and some not, arrivals while others
+    run, a cancellation, stop ids, and a pool that preempts: each decodes its reference."""
+    prompts = _prompts(1, 8)
+    params = []
+    for i, prompt in enumerate(prompts):
+        p = SamplingParams(max_tokens=N - 2 * (i % 3), temperature=0.9 if i % 4 == 3 else 0.0,
+                           top_k=16 if i % 4 == 3 else None, seed=i, logprobs=True,
+                           speculative=None if i % 5 == 4 else f"ngram:k={4 - i % 2}")
+        if i == 2:  # stop at the token the reference has at index 5
+            stop = reference(model, prompt, p)[0][5]
+            p = SamplingParams(**{**p.__dict__, "stop_token_ids": (stop,)})
+        params.append(p)
+    ids = {engine.add_request(prompts[i], params[i]): i for i in range(6)}
+    for _ in range(3):
+        engine.step()
+    cancelled = engine.add_request(prompts[0], params[0])
+    ids.update({engine.add_request(prompts[i], params[i]): i for i in range(6, 8)})
+    engine.step()
+    engine.cancel(cancelled)
+    before = engine.scheduler.preemptions
+    done = engine.run_until_idle()
+    assert done[cancelled].finish_reason == "cancelled"
+    for rid, i in ids.items():
+        tokens, logprobs = reference(model, prompts[i], params[i])
+        assert done[rid].tokens == tokens, f"request {i}"
+        np.testing.assert_allclose(done[rid].logprobs, logprobs, atol=1e-5)
+        assert (done[rid].speculative is None) == (params[i].speculative is None)
+    assert engine.scheduler.preemptions > before, "the load was meant to preempt"
+    metrics = engine.speculation.metrics()
+    assert metrics["accepted"] > 0 and metrics["proposed"] > metrics["accepted"]
+    engine.check_no_leaks()
+
+
+def test_back_off_engages_and_releases(model, engine, monkeypatch):
+    """With verification measured as costly, the engine runs plain steps although rows
+    propose; measured as cheap, it verifies again. The tokens stay the reference's."""
+    monkeypatch.setattr(speculation.Speculation, "record", lambda *a: None)
+    spec = engine.speculation
+    prompt = [3, 4, 5, 6] * 4
+    p = SamplingParams(max_tokens=16, speculative="ngram:k=4")
+
+    def run(verify_cost: float):
+        spec.times = {(w, t, c): (verify_cost if t > 1 else 1.0, 10 ** 9)
+                      for w in engine.scheduler.widths for t in (1, 2, 3, 5)
+                      for c in (False, True)}
+        engine.steps = 10 ** 9  # the measurements are fresh
+        before = (spec.backed_off, spec.verify_steps)
+        rid = engine.add_request(prompt, p)
+        done = engine.run_until_idle()
+        assert done[rid].tokens == reference(model, prompt, p)[0]
+        return spec.backed_off - before[0], spec.verify_steps - before[1]
+
+    backed_off, verified = run(verify_cost=100.0)
+    assert backed_off > 0 and verified == 0
+    backed_off, verified = run(verify_cost=1.0)
+    assert verified > 0 and backed_off == 0
+    spec.times, spec._recent = {}, {}  # the made-up times stay in this test
+    engine.check_no_leaks()
+
+
+def test_bad_speculative_settings_are_refused(model, engine):
+    with pytest.raises(ValueError, match="unknown method 'medusa'") as e:
+        engine.add_request([1, 2, 3], SamplingParams(speculative="medusa:k=2"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="'ngram' only"):
+        engine.add_request([1, 2, 3], SamplingParams(speculative="draft:/x:k=2"))
+    assert engine.idle
+
+
+def test_top_logprobs_are_the_plain_steps(engine):
+    """The kept tokens' top alternatives (taken at every verified position) are what the
+    plain decode reports for the same request."""
+    prompt = [9, 8, 7, 6, 5] * 3
+    done = {}
+    for spec in (None, "ngram:k=4"):
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=12, logprobs=True,
+                                                        top_logprobs=2, speculative=spec))
+        done[spec] = engine.run_until_idle()[rid]
+    plain, spec = done[None], done["ngram:k=4"]
+    assert spec.tokens == plain.tokens and spec.speculative.accepted > 0
+    for a, b in zip(spec.top_logprobs, plain.top_logprobs, strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        np.testing.assert_allclose([x for _, x in a], [x for _, x in b], atol=1e-5)
+    engine.check_no_leaks()
+
+
+def test_metrics_expose_the_acceptance(engine):
+    from transformer_jax.serve.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.observe_engine(engine, 0)
+    text = metrics.text().decode()
+    m = engine.speculation.metrics()
+    assert m["proposed"] > 0  # the earlier tests of the module speculated
+    assert f"transformer_jax_speculative_proposed {float(m['proposed'])}" in text
+    assert "transformer_jax_speculative_acceptance_rate " in text
+    assert "transformer_jax_speculative_mean_accepted_length " in text

@@ -1,0 +1,162 @@
+"""Speculative decoding benchmark: ``transformer-jax bench speculative --checkpoint RUN``.
+
+Runs the same requests one at a time (batch 1) through ``generate`` without speculation, with
+the n-gram proposer and with a draft model (``--draft RUN``), each request in every mode in
+turn (so the machine's load falls on all modes alike), and prints output tokens/s, the ratios to
+the plain decode, and the acceptance (accepted / proposed tokens, and tokens per verification).
+Every mode gives the same tokens (greedy; checked), so the ratio is one of times: the total's,
+and the median over requests of each request's own ratio (steadier on a loaded machine).
+
+Workloads (made here from ``--text``, default random ids): ``repeat``: input-heavy requests,
+each a passage of ``--passage`` tokens, a blank line, then the passage again with one token
+changed, cut ``--lead`` tokens in; the model continues (it mostly copies, as in an edit).
+``free``: a passage of the text, the model continues freely (what a draft is for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from transformer_jax.bench import args as args_lib
+
+
+def repeat_workload(ids: np.ndarray, count: int, passage: int, lead: int, rng: Any,
+                    sep: list[int]) -> list[list[int]]:
+    """``count`` prompts: a passage, ``sep``, then the passage again with one token of its
+    first ``lead`` changed (to another id of the text), cut after ``lead`` tokens: the model
+    goes on from there, mostly copying, as in an edit of an input."""
+    out = []
+    vocab = np.unique(ids)
+    for _ in range(count):
+        start = int(rng.integers(0, len(ids) - passage))
+        text = ids[start:start + passage].tolist()
+        copy = text[:lead]
+        spot = int(rng.integers(0, lead))
+        copy[spot] = int(rng.choice(vocab[vocab != copy[spot]]))
+        out.append(text + sep + copy)
+    return out
+
+
+def free_workload(ids: np.ndarray, count: int, passage: int, rng: Any) -> list[list[int]]:
+    """``count`` passages of the text to continue."""
+    starts = rng.integers(0, len(ids) - passage, count)
+    return [ids[s:s + passage].tolist() for s in starts]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    a = args_lib
+    p = argparse.ArgumentParser(prog="transformer-jax bench speculative",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="the target (a run or HF directory)")
+    p.add_argument("--draft", help="a draft model's run or HF directory (the draft mode)")
+    p.add_argument("--text", help="a text file the prompts are cut from (default: random ids)")
+    p.add_argument("--workload", choices=("repeat", "free"), default="repeat")
+    p.add_argument("--requests", type=a.positive_int, default=6)
+    p.add_argument("--passage", type=a.positive_int, default=160)
+    p.add_argument("--lead", type=a.positive_int, default=8)
+    p.add_argument("--output", type=a.positive_int, default=128, help="new tokens per request")
+    p.add_argument("--k", type=a.positive_int, default=4, help="tokens proposed per step")
+    p.add_argument("--ngram-k", type=a.positive_int, default=None,
+                   help="the n-gram mode's k (default: --k)")
+    p.add_argument("--modes", default=None, help="comma list of plain, ngram, draft (default: "
+                   "plain,ngram, and draft with --draft)")
+    p.add_argument("--seed", type=a.nonnegative_int, default=0)
+    p.add_argument("--json", type=a.output_file, default=None)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    import jax
+
+    from transformer_jax.checkpoint.loading import load
+    from transformer_jax.decode import generation
+    from transformer_jax.decode import loop as decode
+    from transformer_jax.decode.speculative_loop import DraftModel
+
+    args = build_parser().parse_args(argv)
+    modes = (args.modes or ("plain,ngram,draft" if args.draft else "plain,ngram")).split(",")
+    if "draft" in modes and not args.draft:
+        raise SystemExit("the draft mode needs --draft")
+    loaded = load(args.checkpoint)
+    config, weights = loaded.config, decode.prepare(loaded.config, loaded.params)
+    draft = None
+    if "draft" in modes:
+        d = load(args.draft)
+        draft = DraftModel(d.config, decode.prepare(d.config, d.params))
+        draft.check_against(config)
+    rng = np.random.default_rng(args.seed)
+    sep: list[int] = []
+    if args.text:
+        if loaded.tokenizer is None:
+            raise SystemExit("--text needs the checkpoint's tokenizer")
+        with open(args.text) as f:
+            ids = np.asarray(loaded.tokenizer.encode(f.read()), np.int64)
+        sep = loaded.tokenizer.encode("\n\n")
+    else:
+        ids = rng.integers(0, config.vocab_size, 100_000)
+    if args.workload == "repeat":
+        prompts = repeat_workload(ids, args.requests + 1, args.passage, args.lead, rng, sep)
+    else:
+        prompts = free_workload(ids, args.requests + 1, args.passage, rng)
+    specs = {"plain": None, "ngram": f"ngram:k={args.ngram_k or args.k}",
+             "draft": f"draft:{args.draft}:k={args.k}"}
+    seconds = dict.fromkeys(modes, 0.0)
+    tokens = dict.fromkeys(modes, 0)
+    stats: dict[str, list[Any]] = {m: [] for m in modes}
+    per_request: dict[str, list[float]] = {m: [] for m in modes}  # each request's seconds
+    for i, prompt in enumerate(prompts):  # prompt 0 compiles every mode, untimed
+        outs = {}
+        for mode in modes:
+            t = time.perf_counter()
+            out = generation.generate(config, weights, [prompt], max_new_tokens=args.output,
+                                      speculative=specs[mode], draft=draft)
+            dt = time.perf_counter() - t
+            outs[mode] = out.tokens[0]
+            if i:
+                seconds[mode] += dt
+                per_request[mode].append(dt)
+                tokens[mode] += out.lengths[0]
+                if out.speculative:
+                    stats[mode] += out.speculative
+        if any(o != outs[modes[0]] for o in outs.values()):
+            raise SystemExit(f"request {i}: the modes' tokens differ")
+    result: dict[str, Any] = {"checkpoint": args.checkpoint, "draft": args.draft,
+                              "dtype": config.dtype, "backend": jax.default_backend(),
+                              "args": vars(args), "modes": {}}
+    print(f"{args.checkpoint} ({config.n_layers} layers, d_model {config.d_model}, "
+          f"{config.dtype}, {jax.default_backend()}), batch 1, {args.requests} requests, "
+          f"workload {args.workload}: prompts of {len(prompts[0])} tokens, {args.output} new")
+    for mode in modes:
+        r: dict[str, Any] = {"tokens": tokens[mode], "seconds": seconds[mode],
+                             "tokens_per_s": tokens[mode] / seconds[mode]}
+        line = f"{mode:<6} {r['tokens_per_s']:8.1f} tok/s"
+        if mode != "plain" and "plain" in modes:
+            r["ratio"] = r["tokens_per_s"] / (tokens["plain"] / seconds["plain"])
+            r["median_request_ratio"] = float(np.median(
+                np.asarray(per_request["plain"]) / np.asarray(per_request[mode])))
+            line += (f"  {r['ratio']:.2f}x plain (median over requests "
+                     f"{r['median_request_ratio']:.2f}x)")
+        if stats[mode]:
+            proposed = sum(s.proposed for s in stats[mode])
+            accepted = sum(s.accepted for s in stats[mode])
+            verifications = sum(s.verifications for s in stats[mode])
+            r.update(acceptance_rate=accepted / max(proposed, 1),
+                     mean_accepted_length=(accepted + verifications) / max(verifications, 1))
+            line += (f"  acceptance {r['acceptance_rate']:.2f}, "
+                     f"{r['mean_accepted_length']:.2f} tokens per verification")
+        result["modes"][mode] = r
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,365 @@
+"""Speculative decoding in the serving engine: a decode step whose rows carry proposals.
+
+A step in which some running request speculates (``SamplingParams.speculative``) runs, instead
+of the one-token decode rows, the *verify rows*: every slot feeds its last token and up to k
+proposals ([B, T], T = k + 1 bucketed to a power of two plus one) through the paged cache at
+its own positions, as a prefill chunk writes several; the target draws its own token at each
+position with the request's key for that token index (``fold_in(key, i)``, the plain draw) and
+keeps the proposals up to the first disagreement plus its own token there
+(``decode.speculative`` says why that is exact, greedy and sampled). A row that does not
+propose feeds one real token and its padding writes past its length (hidden by causality,
+overwritten later; past its pages, into the null page). The accepted tokens go out one at a
+time through the scheduler's ``_emit`` (stop ids, ``max_tokens``, logprobs) and the engine's
+delivery (stop strings), so a request ends exactly where it would without speculation; pages
+grown for rejected positions and not needed by the kept ones go back to the pool.
+
+Back-off. Per row, ``Acceptance`` pauses a request whose proposals keep failing. A step that
+also runs a prefill chunk does not speculate (prompts are waiting: the engine is saturated).
+Per step, the
+engine measures the wall time of its plain decode steps and of its verify steps (by page-table
+width and T) and speculates only when the expected tokens per second of verification (each
+row's 1 + r + ... + r^k at its recent acceptance r) beat the plain step's rows per second
+(the median of each kind's last 9 times; a T not measured yet estimated from another of its
+width, linear in T); a measurement older than 256 steps is refreshed by running that kind
+once. Under a full batch, where verifying T positions of every slot costs about T times a
+decode step, this falls back to plain steps by itself.
+
+Programs: one per (page-table width, T, sampler), T in {2, 3, 5, 9, 17} up to the largest k.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax.decode.loop import decode_model, is_split
+from transformer_jax.decode.speculative import (
+    Acceptance,
+    SpeculativeConfig,
+    accepted_length,
+    expected_tokens,
+    ngram_lookup,
+    parse_spec,
+)
+from transformer_jax.decode.speculative_loop import check_no_rings
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.serving.page_pool import NULL_PAGE, pages_for
+from transformer_jax.serving.paged_cache import PagedKVCache
+from transformer_jax.serving.requests import Request, State, TokenEvent
+from transformer_jax.serving.scheduler import StepPlan
+from transformer_jax.serving.step import RowSampling, Sampler, _adapted, sample_rows
+
+logger = logging.getLogger(__name__)
+
+Params = dict[str, Any]
+#: Refresh a step-time measurement older than this many steps (each refresh of a verify
+#: time is a verify step that may not pay: under load, few of them).
+STALE_STEPS = 256
+#: Step times kept per (width, T); their median decides.
+MEASUREMENTS = 9
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class VerifyRows:
+    """Each slot's last token and proposals.
+
+    Attributes:
+      tokens: [B, T] int32: the slot's last token, then its proposals (padding after).
+      start: [B] int32 the position of ``tokens[:, 0]`` (the slot's cached length).
+      num_drafts: [B] int32 real proposals per slot, in [0, T - 1].
+      page_table: [B, W] int32 each slot's pages (``NULL_PAGE`` for an idle slot).
+      adapter: [B] int32 each slot's LoRA adapter, or None.
+    """
+
+    tokens: jax.Array
+    start: jax.Array
+    num_drafts: jax.Array
+    page_table: jax.Array
+    adapter: jax.Array | None = None
+
+
+def verify_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
+                rows: VerifyRows, sampling: RowSampling, adapters: Params | None, *,
+                weights_out_first: bool, keys_transposed: bool, sampler: Sampler,
+                view: str = "auto") -> tuple[Any, Any, jax.Array, jax.Array, jax.Array]:
+    """The verify rows' forward through the paged cache, the target's draw at every position,
+    and each row's accepted proposals.
+
+    Args:
+      config, params: the target's config (static) and prepared weights.
+      k_pages, v_pages: the cache's pages (updated: all T positions of every row written).
+      rows: the ``VerifyRows``.
+      sampling: [B * T] rows of sampling settings, row b's T positions consecutive (token
+        index ``i + t`` at position t).
+      adapters: the engine's stacked LoRA adapters, or None.
+      weights_out_first, keys_transposed, sampler, view: static, as ``step.engine_step``'s.
+
+    Returns:
+      (key pages, value pages, [B, T] (or [B, T, 1 + K] with top logprobs) tokens, the same
+      shape of log-probabilities, [B] int32 accepted proposals a: row b keeps tokens
+      ``[:a + 1]``).
+    """
+    b, t = rows.tokens.shape
+    model = decode_model(config, None, weights_out_first)
+    cache = PagedKVCache(k=k_pages, v=v_pages, page_table=rows.page_table, lengths=rows.start,
+                         keys_transposed=keys_transposed, view=view)
+    positions = rows.start[:, None] + jnp.arange(t, dtype=jnp.int32)
+    out = model.apply({"params": _adapted(params, adapters, rows.adapter)}, rows.tokens,
+                      positions, cache=cache)
+    tokens, logprobs = sample_rows(out.logits.reshape(b * t, -1), sampling, sampler)
+    tokens = tokens.reshape(b, t, *tokens.shape[1:])
+    logprobs = logprobs.reshape(b, t, *logprobs.shape[1:])
+    targets = tokens if tokens.ndim == 2 else tokens[..., 0]
+    accepted = accepted_length(targets, rows.tokens[:, 1:], rows.num_drafts)
+    return out.cache.k, out.cache.v, tokens, logprobs, accepted
+
+
+def jit_verify(**jit_options: Any) -> Any:
+    """``verify_step`` jitted, its pages donated."""
+    return jax.jit(verify_step, static_argnames=("config", "weights_out_first",
+                                                 "keys_transposed", "sampler", "view"),
+                   donate_argnames=("k_pages", "v_pages"), **jit_options)
+
+
+verify_jit = jit_verify()
+
+
+def width_of(k: int) -> int:
+    """T for up to k proposals: 1 + the smallest power of two >= k."""
+    return 1 + (1 << max(0, (k - 1).bit_length()))
+
+
+@dataclasses.dataclass
+class Pending:
+    """A verify step dispatched and not yet read."""
+
+    plan: StepPlan
+    rows: list[Request]
+    held: dict[int, int]  # request id -> pages held before the step grew them
+    drafts: dict[int, int]  # request id -> proposals
+    outputs: tuple[Any, Any, Any]
+    t: int
+    width: int
+    started: float
+
+
+class Speculation:
+    """The engine's speculation: admission of speculating requests, the per-step choice,
+    the verify program's inputs, and the commit of its results (module docstring)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        #: (W, T, chunk ran) -> (median seconds, step measured)
+        self.times: dict[tuple[int, int, bool], tuple[float, int]] = {}
+        self._recent: dict[tuple[int, int, bool], collections.deque] = {}
+        self.backed_off = 0  # steps run plain although some row could propose
+        self.verify_steps = 0
+        self.verified_rows = 0  # rows that proposed, over all verify steps
+        self.proposed = 0
+        self.accepted = 0
+
+    # Requests ----------------------------------------------------------------------------------
+
+    def admit(self, req: Request) -> None:
+        """Sets up a request that asked to speculate, or raises ValueError (one line)."""
+        spec: SpeculativeConfig = parse_spec(req.params.speculative)
+        eng = self.engine
+        if spec.method == "draft":
+            raise ValueError("the serving engine speculates with 'ngram' only; a draft model "
+                             "is supported by generate(speculative='draft:...')")
+        if is_split(eng.mesh):
+            raise ValueError("speculative decoding in the engine needs one device (no "
+                             "tensor-parallel mesh)")
+        if eng._rings is not None:
+            check_no_rings(eng.config, "the model")
+        # a new request's prior: the engine's acceptance so far (0.5 before any), so that a
+        # batch of new rows is not taken for one whose every proposal will be kept
+        prior = self.accepted / self.proposed if self.proposed else 0.5
+        req.speculation = (spec, Acceptance(rate=prior))
+
+    # The step ----------------------------------------------------------------------------------
+
+    def record(self, width: int, t: int, seconds: float, chunk: bool = False) -> None:
+        """A step's measured time (plain: t = 1; ``chunk``: a prefill chunk ran before its
+        rows, measured apart). The choice reads the median of the last ``MEASUREMENTS``, which
+        a shared machine's spikes do not move."""
+        key = (width, t, chunk)
+        recent = self._recent.setdefault(key, collections.deque(maxlen=MEASUREMENTS))
+        recent.append(seconds)
+        self.times[key] = (float(np.median(recent)), self.engine.steps)
+
+    def _time(self, width: int, t: int, chunk: bool = False) -> float | None:
+        found = self.times.get((width, t, chunk))
+        if found is None or self.engine.steps - found[1] > STALE_STEPS:
+            return None
+        return found[0]
+
+    def dispatch(self, plan: StepPlan, rows: RowSampling, sampler: Sampler) -> Pending | None:
+        """Proposes, decides, grows pages and dispatches the verify step of ``plan``'s decode
+        rows; None when the step should run plain (nothing proposed, or not worth it)."""
+        eng = self.engine
+        sched = eng.scheduler
+        if any(r.matcher is not None for r in plan.decodes):
+            return None
+        if plan.prefill is not None and any(r.speculation for r in plan.decodes):
+            # prompts are waiting to go in: the engine is saturated, and verification would
+            # only take time from them (the cost of a step with a chunk is too noisy to judge)
+            self.backed_off += 1
+            return None
+        drafts: dict[int, list[int]] = {}
+        for req in plan.decodes:
+            if req.speculation is None:
+                continue
+            spec, acc = req.speculation
+            budget = min(acc.budget(spec.k), req.params.max_tokens - req.num_new - 1)
+            if budget > 0:
+                found = ngram_lookup(req.tokens, budget, spec.n, spec.min_n)
+                if found:
+                    drafts[req.id] = found
+        if not drafts:
+            return None
+        t = width_of(max(len(d) for d in drafts.values()))
+        needed = max(pages_for(r.cached + len(drafts.get(r.id, ())) + 1, sched.page_size)
+                     for r in plan.decodes)
+        width = sched._width(min(needed, sched.pages_per_seq))
+        if not self._worth_it(plan, drafts, width, t):
+            self.backed_off += 1
+            return None
+        held = {}
+        for req in plan.decodes:
+            if req.id not in drafts:
+                continue
+            held[req.id] = len(req.pages)
+            want = req.cached + 1 + len(drafts[req.id])
+            if not sched._grow(req, want, preempt=False):  # keep what fits the held pages
+                fit = len(req.pages) * sched.page_size - req.cached - 1
+                drafts[req.id] = drafts[req.id][:max(fit, 0)]
+        b = sched.num_slots
+        tokens = np.zeros((b, t), np.int32)
+        start = np.zeros(b, np.int32)
+        num = np.zeros(b, np.int32)
+        table = np.full((b, width), NULL_PAGE, np.int32)
+        adapter = np.zeros(b, np.int32) if eng._adapters is not None else None
+        for req in plan.decodes:
+            d = drafts.get(req.id, [])
+            tokens[req.slot, 0], tokens[req.slot, 1:1 + len(d)] = req.tokens[-1], d
+            start[req.slot], num[req.slot] = req.cached, len(d)
+            table[req.slot] = sched.page_table[req.slot, :width]
+            if adapter is not None:
+                adapter[req.slot] = req.adapter
+        flat = jax.tree.map(lambda x: np.repeat(np.asarray(x)[:b], t, axis=0), rows)
+        flat = flat.replace(token_index=flat.token_index + np.tile(np.arange(t, dtype=np.int32),
+                                                                   b))
+        started = time.perf_counter()
+        eng._k, eng._v, *outputs = verify_jit(
+            eng.config, eng.weights.params, eng._k, eng._v,
+            VerifyRows(tokens, start, num, table, adapter), flat, eng._adapters,
+            weights_out_first=eng.weights.weights_out_first, keys_transposed=eng.keys_transposed,
+            sampler=sampler, view=eng.view)
+        return Pending(plan, list(plan.decodes), held, {i: len(d) for i, d in drafts.items()},
+                       tuple(outputs), t, width, started)
+
+    def compile(self, k: int) -> int:
+        """Runs the verify program once at every page-table width and T up to k proposals, on
+        idle rows (writes only into the null page), greedy; returns the number of shapes."""
+        eng = self.engine
+        sched = eng.scheduler
+        b = sched.num_slots
+        shapes = 0
+        ts = sorted({width_of(j) for j in range(1, k + 1)})
+        for width in sched.widths:
+            for t in ts:
+                rows = VerifyRows(np.zeros((b, t), np.int32), np.zeros(b, np.int32),
+                                  np.zeros(b, np.int32), np.zeros((b, width), np.int32),
+                                  None if eng._adapters is None else np.zeros(b, np.int32))
+                n = b * t
+                sampling = RowSampling(
+                    np.zeros((n, 2), np.uint32), np.zeros(n, np.int32), np.zeros(n, np.float32),
+                    np.full(n, eng.config.vocab_size, np.int32), np.ones(n, np.float32),
+                    np.zeros(n, np.float32))
+                eng._k, eng._v, *out = verify_jit(
+                    eng.config, eng.weights.params, eng._k, eng._v, rows, sampling,
+                    eng._adapters, weights_out_first=eng.weights.weights_out_first,
+                    keys_transposed=eng.keys_transposed, sampler=Sampler(), view=eng.view)
+                jax.block_until_ready(out)
+                shapes += 1
+        return shapes
+
+    def _worth_it(self, plan: StepPlan, drafts: dict[int, list[int]], width: int,
+                  t: int) -> bool:
+        """Whether verification is expected to give more tokens per second than a plain
+        step (unmeasured: try it, so that it gets measured)."""
+        chunk = plan.prefill is not None
+        plain, verify = self._time(plan.width, 1, chunk), self._time(width, t, chunk)
+        if verify is None and plain is not None:
+            verify = self._estimate(width, t, self._time(width, 1, chunk) or plain, chunk)
+        if plain is None or verify is None:
+            # measure the missing one: a plain step when verify was measured, else verify
+            return verify is None
+        expected = 0.0
+        for req in plan.decodes:
+            d = drafts.get(req.id)
+            expected += 1.0 if d is None else expected_tokens(req.speculation[1].rate, len(d))
+        return expected / verify > len(plan.decodes) / plain
+
+    def _estimate(self, width: int, t: int, plain: float, chunk: bool) -> float | None:
+        """A verify time at (width, t) not measured yet, from one measured at another T of the
+        same width: linear in T from the plain step (each row's T positions cost alike)."""
+        for (w, other, c), _ in sorted(self.times.items()):
+            measured = self._time(w, other, c)
+            if w == width and c == chunk and other > 1 and measured is not None:
+                return plain + (measured - plain) * (t - 1) / (other - 1)
+        return None
+
+    def finish(self, pending: Pending, deliver: Any, chunk_ran: bool
+               ) -> list[tuple[Request, TokenEvent]]:
+        """Reads the verify step's results and commits them: each row's kept tokens one at a
+        time (emitted and delivered, so stop ids, stop strings and ``max_tokens`` end it where
+        they would), its acceptance recorded, and its pages for rejected positions returned."""
+        tokens, logprobs, accepted = jax.device_get(pending.outputs)
+        self.record(pending.width, pending.t, time.perf_counter() - pending.started, chunk_ran)
+        sched = self.engine.scheduler
+        self.verify_steps += 1
+        delivered = []
+        for req in pending.rows:
+            a = int(accepted[req.slot])
+            n = pending.drafts.get(req.id, 0)
+            if req.speculation is not None and n:
+                req.speculation[1].record(n, a)
+                self.verified_rows += 1
+                self.proposed += n
+                self.accepted += a
+            for j in range(a + 1):
+                req.cached += 1
+                delivered += deliver([sched._emit(req, tokens[req.slot, j],
+                                                  logprobs[req.slot, j])])
+                if req.state == State.FINISHED:
+                    break
+            if req.state == State.RUNNING and req.id in pending.held:
+                self._trim(req, pending.held[req.id])
+        return delivered
+
+    def _trim(self, req: Request, held: int) -> None:
+        """Returns the pages grown this step that the kept positions do not use."""
+        sched = self.engine.scheduler
+        keep = max(held, pages_for(req.cached, sched.page_size))
+        if len(req.pages) > keep:
+            sched.prefix.release(req.pages[keep:])
+            sched.page_table[req.slot, keep:len(req.pages)] = NULL_PAGE
+            req.pages = req.pages[:keep]
+
+    def metrics(self) -> dict[str, float]:
+        """Engine-wide figures: proposals, acceptance, verify and backed-off steps."""
+        return {"proposed": self.proposed, "accepted": self.accepted,
+                "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+                "mean_accepted_length": ((self.accepted + self.verified_rows) /
+                                         self.verified_rows if self.verified_rows else 0.0),
+                "verify_steps": self.verify_steps, "backed_off_steps": self.backed_off}
