@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent / "transformer_jax"
 
 # The flow, lowest first: a package may import only those before it (and itself).
 LAYERS = ["storage", "model", "tokenizer", "data", "parallel", "decode", "hf", "checkpoint",
-          "train", "serving", "serve", "evaluate", "bench", "cli"]
+          "serving", "train", "serve", "evaluate", "bench", "cli"]
 # Entry points above every package: ``python -m`` aliases and the package's own front door.
 ENTRY_MODULES = {"transformer_jax", "transformer_jax.generate", "transformer_jax.plot",
                  "transformer_jax._moved"}

@@ -453,4 +453,17 @@ def load_for_decode(checkpoint: str, tensor: int, tokenizer: str | None = None,
 
 
 __all__ = ["HF", "RUN", "RUN_ENTRIES", "Loaded", "Source", "is_checkpoints_dir", "is_hf_dir",
+           "load_draft",
            "is_run_dir", "is_step_dir", "load", "load_for_decode", "locate", "open_tokenizer"]
+
+
+def load_draft(path: str) -> Any:
+    """A draft model for speculative decoding (``decode.speculative_loop.DraftModel``) from a
+    checkpoint directory ``load`` opens: its config and prepared weights on one device, and its
+    tokenizer's path (compared with the target's)."""
+    from transformer_jax.decode.speculative_loop import DraftModel
+    from transformer_jax.decode.weights import prepare
+
+    loaded = load(path)
+    tok = None if loaded.tokenizer_path is None else str(loaded.tokenizer_path)
+    return DraftModel(loaded.config, prepare(loaded.config, loaded.params), tok)

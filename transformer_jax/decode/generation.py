@@ -176,7 +176,9 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
     start = time.perf_counter()
     if spec is not None:
         if spec.method == "draft":
-            draft = draft if draft is not None else speculative_loop.load_draft(spec.draft)
+            if draft is None:
+                raise ValueError(f"speculative draft:{spec.draft}: pass the draft model as draft= "
+                                 "(checkpoint.loading.load_draft(PATH) opens a checkpoint)")
             draft.check_against(config)
         *out, stats = speculative_loop.generate_speculative(
             config, params, tokens, lengths_arr, keys, max_new_tokens=max_new_tokens,

@@ -20,7 +20,6 @@ k + 1 positions; at most 2 after a round that ran it), then takes k - 1 more gre
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -356,14 +355,3 @@ def _stream(stream: StreamFn, step: int, out_tokens: np.ndarray, num: np.ndarray
         stream(step, np.where(active, out_tokens[:, step], pad_id).astype(np.int32), active)
         step += 1
     return step
-
-
-@functools.lru_cache(maxsize=8)
-def load_draft(path: str) -> DraftModel:
-    """A draft model from a checkpoint directory the library opens (prepared, one device)."""
-    from transformer_jax.checkpoint.loading import load
-    from transformer_jax.decode.weights import prepare
-
-    loaded = load(path)
-    tok = None if loaded.tokenizer_path is None else str(loaded.tokenizer_path)
-    return DraftModel(loaded.config, prepare(loaded.config, loaded.params), tok)

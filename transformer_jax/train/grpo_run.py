@@ -41,7 +41,7 @@ from transformer_jax.train.grpo_data import (
     rollout_seed,
     score,
 )
-from transformer_jax.train.log import StopOnSignal
+from transformer_jax.train.log import RunSummary, StopOnSignal
 from transformer_jax.train.preference_run import base_params
 from transformer_jax.train.step import ParamsLayout, _training_model, make_train_step
 
@@ -149,13 +149,11 @@ def initial_model_params(model_config: Any, state: Any, start_step: int, initial
 def train_grpo(model_config: Any, tc: Any, data_config: Any, files: Any, ckpt: Any,
                state: Any, batch_sharding: Any, tokenizer: Any, configs: dict,
                main_process: bool, times: dict, wall_start: float, initial: tuple) -> Any:
-    """The GRPO loop from ``state`` to ``train.steps``; returns ``run.RunSummary``.
+    """The GRPO loop from ``state`` to ``train.steps``; returns ``log.RunSummary``.
 
     ``initial`` is ``(init, key, source, mesh, state_shardings)`` of ``run.run``: the state's
     shardings, and what makes the initial weights again after a resume (the KL reference of
     full fine-tuning)."""
-    from transformer_jax.train.run import RunSummary
-
     run_dir: Path = files.local
     layout = ParamsLayout.of(tc)
     start_step = step = int(state.step)

@@ -60,6 +60,7 @@ from transformer_jax.train.init_from import architecture_changes
 from transformer_jax.train.log import (
     NonFiniteLossError,
     RunLog,
+    RunSummary,
     SaveAborted,
     StopOnSignal,
     abandon_save,
@@ -96,34 +97,6 @@ TIME_PARTS = ("startup", "compile", "train", "eval", "sample", "plot", "checkpoi
 TOKENIZER_DIR = loading.RUN_TOKENIZER_DIR
 
 
-@dataclasses.dataclass
-class RunSummary:
-    """What a run did (also written to ``run_dir/summary.json``).
-
-    ``time_s`` splits the wall time into ``TIME_PARTS``: start-up (directories, data, state,
-    the peak measurement), compiling the train step, training steps, evaluation (with its
-    compilation), samples, loss plots and the blocking part of checkpoint saves; ``data`` is
-    the host time spent making the train batches (while the device runs the step dispatched
-    before), and ``train`` the rest of the loop's time.
-    """
-
-    run_dir: str
-    start_step: int
-    final_step: int
-    train_loss: float | None
-    val_loss: float | None
-    val_ppl: float | None
-    loss_unit: str
-    tokens_seen: int
-    wall_time_s: float
-    train_time_s: float
-    compile_time_s: float
-    tokens_per_s: float | None
-    step_time_ms: float | None
-    mfu: float | None
-    checkpoint: str | None
-    interrupted: str | None = None
-    time_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig, *,
