@@ -105,7 +105,8 @@ def evaluate(run_dir: Path, prompts_file: Path, samples: int, max_tokens: int, s
     ckpt = loading.load(loading.locate(str(run_dir)))
     prompts = load_prompts(prompts_file, ckpt.tokenizer, 48)
     rewards = load_rewards("transformer_jax.bench.grpo:exact_match")
-    settings = argparse.Namespace(batch_size=64, grpo_max_tokens=max_tokens)
+    settings = argparse.Namespace(batch_size=64, grpo_max_tokens=max_tokens,
+                                  grpo_group_size=samples)
     engine = make_engine(ckpt.config, ckpt.params, settings,
                          max(len(p.tokens) for p in prompts))
     out = []
