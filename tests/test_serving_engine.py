@@ -285,12 +285,14 @@ def test_scanned_model_with_a_sliding_window_equals_generate():
     assert engine.scheduler.widths == (2, 4, 8) and engine.scheduler.buckets == (16,)
     assert engine.compile() == 3 * 2  # decode alone and with the chunk, at each width
     engine.check_no_leaks()
-    prompts = _prompts([37, 4, 11], seed=12)
+    long, short, other = _prompts([37, 4, 11], seed=12)
+    prompts = [short, short, long, other]  # the repeat must not fork: its rings are the slot's
     params = SamplingParams(max_tokens=N_REF)
     ids = [engine.add_request(p, params) for p in prompts]
     done = run_until_idle(engine)
     for rid, prompt in zip(ids, prompts, strict=True):
         assert done[rid].tokens == reference(model, prompt, params)[0]
+    assert engine.scheduler.forked == 0
     engine.check_no_leaks()
 
 

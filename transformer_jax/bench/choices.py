@@ -48,7 +48,9 @@ def _timed(engine: Engine, prompt: list[int], n: int, max_tokens: int, seed: int
     for i in range(n):
         engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=1.0,
                                                   seed=seed + i))
-    engine.run_until_idle()
+    engine.run_until_idle(max_steps=n * (len(prompt) + max_tokens + 1))
+    if not engine.idle:
+        raise RuntimeError(f"not idle after the step limit: {engine.scheduler.describe()}")
     return time.perf_counter() - start
 
 

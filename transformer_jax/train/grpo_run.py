@@ -86,7 +86,12 @@ def sample(engine: Engine, prompts: list, tc: Any, step: int, eos_id: int
                                 stop_token_ids=stop)
         ids.append(engine.add_request(prompt.tolist(), params))
         rows.append(prompt)
-    done = engine.run_until_idle()
+    # Each request ends within its prompt's chunks and max_tokens steps: a bound, not a hang.
+    limit = len(ids) * (tc.grpo_max_tokens + 1 + -(-max(map(len, rows)) // 16))
+    done = engine.run_until_idle(max_steps=limit)
+    if not engine.idle:
+        raise RuntimeError(f"rollouts unfinished after {limit} engine steps: "
+                           f"{engine.scheduler.describe()}")
     return (rows, [done[i].tokens for i in ids], [done[i].logprobs for i in ids],
             [r // g for r in range(len(ids))])
 
