@@ -518,8 +518,17 @@ def _cancelled(server) -> float:
     return 0.0
 
 
-def test_disconnect_of_an_n_choice_stream_cancels_every_choice(server, served):
+def test_disconnect_of_an_n_choice_stream_cancels_every_choice(server, served, monkeypatch):
     runner, before = served[2], _cancelled(server)
+    # The choices fork from one prefill and decode together: slowed to 50 ms a step, their 60
+    # tokens outlast the first chunk's round trip, so they are in flight when the client goes.
+    step = runner.engine.step
+
+    def slow_step():
+        time.sleep(0.05)
+        return step()
+
+    monkeypatch.setattr(runner.engine, "step", slow_step)
     with httpx.stream("POST", server.url + "/v1/completions", json={
             "model": NAME, "prompt": "w1 w2", "max_tokens": 60, "ignore_eos": True,
             "temperature": 0.8, "n": 3, "stream": True}) as r:
