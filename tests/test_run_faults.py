@@ -119,8 +119,14 @@ def test_a_second_signal_waits_for_the_shutdown_save(tmp_path, monkeypatch, capl
 ABORT = """
 import asyncio, os, runpy, signal, sys, time
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
-from transformer_jax.train.log import RunLog
+from transformer_jax.train.log import RunLog, StopOnSignal
 sent = []
+handled = []
+handle = StopOnSignal._handle
+def counting_handle(self, signum, frame):
+    handled.append(signum)
+    return handle(self, signum, frame)
+StopOnSignal._handle = counting_handle
 push = RunLog.push
 def push_and_interrupt(self, step, metrics):
     push(self, step, metrics)
@@ -131,8 +137,13 @@ RunLog.push = push_and_interrupt
 async def stuck_save(self, x, directory):
     if sent:  # the shutdown save: two more Ctrl-C while it hangs
         for _ in range(2):
+            # Each one only after the last was handled: two signals sent before the main
+            # thread runs its handler merge into one (as the kernel may do with any signal).
+            seen = len(handled)
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.2)
+            deadline = time.monotonic() + 30
+            while len(handled) == seen and time.monotonic() < deadline:
+                time.sleep(0.01)
         time.sleep(60)
     path = directory / self._filename
     path.write_text(__import__("json").dumps(x))
