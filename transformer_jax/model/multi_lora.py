@@ -2,9 +2,10 @@
 
 ``stack_adapters`` lays several trained adapters (``model.lora``'s trees, each with its own
 rank, alpha and targets) side by side over the base they were trained on: for every adapted
-matrix, A [L?, Na, in..., R] and B [L?, Na, R, out...], Na = 1 + the number of adapters, entry
-0 all zeros (the base model), every rank zero-padded to the largest R and each B scaled by its
-adapter's ``alpha / rank``. A matrix some adapter does not target gets zeros for it.
+matrix, A [L?, Na, in..., R] and B [L?, Na, R, out...] for Na adapters (out-first weights: A
+[L?, Na, R, in...] and B [L?, out..., Na, R], ``ops.row_lora``), every rank zero-padded to the
+largest R and each B scaled by its adapter's ``alpha / rank``. A matrix some adapter does not
+target gets zeros for it. Adapter ids count from 1; id 0 is the base model and has no entry.
 
 ``with_row_adapters`` gives the params a forward runs with: each adapted matrix replaced by an
 ``ops.row_lora.RowAdapters`` (the matrix, its stack, the rows' adapter ids), so the one forward
@@ -83,12 +84,14 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
         out-first with ``out_first``; float or quantised).
       adapters: (adapter tree, its ``LoraConfig``) per adapter, in id order from 1; trees in
         either layer layout (``model.lora.init_adapters``'s form).
-      out_first: the layout of ``params``' matrices (``decode.prepare``'s).
+      out_first: the layout of ``params``' matrices (``decode.prepare``'s); the factors are
+        stored the same way.
       names: the adapters' names, for errors (default ``adapter 1`` ...).
 
     Returns:
       ``{block: {module: {name: {"a": [L?, Na, in..., R], "b": [L?, Na, R, out...]}}}}``
-      float32, for every matrix any adapter targets.
+      (out-first: ``"a"`` [L?, Na, R, in...], ``"b"`` [L?, out..., Na, R]) float32, for every
+      matrix any adapter targets.
 
     Raises:
       ValueError: an adapter with a target outside ``ROW_TARGETS``, missing a matrix its
@@ -124,9 +127,9 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
             shape = _in_first_shape(w, path[-1], scanned, out_first)
             n_in = MATRIX_INPUT_AXES[path[-1]]
             lead = (tuple(w.shape)[0],) if scanned else ()
-            a = jnp.zeros((*lead, len(trees) + 1, *shape[:n_in], rank), jnp.float32)
-            b = jnp.zeros((*lead, len(trees) + 1, rank, *shape[n_in:]), jnp.float32)
-            for i, (tree, cfg, name) in enumerate(trees, start=1):
+            a = jnp.zeros((*lead, len(trees), *shape[:n_in], rank), jnp.float32)
+            b = jnp.zeros((*lead, len(trees), rank, *shape[n_in:]), jnp.float32)
+            for i, (tree, cfg, name) in enumerate(trees):
                 ab = _node(tree[block], path)
                 if target not in cfg.targets or ab is None:
                     continue
@@ -141,6 +144,10 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
                 a = a.at[(*at, Ellipsis, slice(0, cfg.rank))].set(
                     jnp.asarray(ab["a"], jnp.float32))
                 b = b.at[r].set(jnp.asarray(ab["b"], jnp.float32) * cfg.scale)
+            if out_first:  # A [L?, Na, R, in...], B [L?, out..., Na, R]
+                n = len(lead)
+                a = jnp.moveaxis(a, -1, n + 1)
+                b = jnp.moveaxis(b, (n, n + 1), (-2, -1))
             stack = _set(stack, (block, *path), {"a": a, "b": b})
     if not stack:
         raise ValueError(f"no matrix of the base is adapted by {names}")
@@ -154,7 +161,8 @@ def with_row_adapters(params: Params, stack: Params, ids: jax.Array) -> Params:
     Args:
       params: the params the forward runs with.
       stack: ``stack_adapters``'s output for them.
-      ids: [B] int32 adapter of each row (0 = the base).
+      ids: [B] int32 adapter of each row: 1 + its index in ``stack_adapters``' list, 0 for
+        the base.
 
     Returns:
       The param tree for ``Transformer.apply`` (in the scanned layout the ids are repeated

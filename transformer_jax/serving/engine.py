@@ -190,11 +190,11 @@ class Engine:
         for name in adapters:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"adapter names must be non-empty strings, got {name!r}")
-        stack = multi_lora.stack_adapters(
-            self.weights.params, list(adapters.values()),
-            out_first=self.weights.weights_out_first, names=list(adapters))
+        out_first = self.weights.weights_out_first
+        stack = multi_lora.stack_adapters(self.weights.params, list(adapters.values()),
+                                          out_first=out_first, names=list(adapters))
         if is_split(self.mesh):
-            specs = step_lib.adapter_specs(self.config, self.mesh, stack)
+            specs = step_lib.adapter_specs(self.config, self.mesh, stack, out_first)
             return jax.device_put(stack, jax.tree.map(
                 lambda s: NamedSharding(self.mesh, s), specs,
                 is_leaf=lambda x: isinstance(x, P)))

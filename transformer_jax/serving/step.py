@@ -329,7 +329,8 @@ def _on_shards(run: Any, config: ModelConfig, params: Params, k_pages: Any, v_pa
         in_specs=(weight_specs(config, mesh, weights_out_first, quant, has_expert_lists(params)),
                   pages, pages,
                   None if decode is None else P(), None if prefill is None else P(),
-                  ring, None if adapters is None else adapter_specs(config, mesh, adapters),
+                  ring, None if adapters is None else adapter_specs(config, mesh, adapters,
+                                                                   weights_out_first),
                   *(P() for _ in extra)),
         out_specs=(pages, pages, *extra_out, ring),
     )(params, k_pages, v_pages, decode, prefill, rings, adapters, *extra)
@@ -386,12 +387,14 @@ def _adapted(params: Params, adapters: Params | None, ids: jax.Array | None) -> 
     return multi_lora.with_row_adapters(params, adapters, ids)
 
 
-def adapter_specs(config: ModelConfig, mesh: Mesh, adapters: Params) -> Params:
+def adapter_specs(config: ModelConfig, mesh: Mesh, adapters: Params,
+                  out_first: bool = False) -> Params:
     """The ``PartitionSpec`` of every stacked adapter factor over a tensor-parallel mesh: A
-    [L?, Na, in..., R] split as its matrix's input axes, B [L?, Na, R, out...] as its output
-    axes (``model.lora.adapter_shardings``' rule), so each device adds its block of the
-    update where it computes its block of the product (an o/down projection's partial sums
-    are summed over the axis with the product's)."""
+    split as its matrix's input axes, B as its output axes (``model.lora.adapter_shardings``'
+    rule), so each device adds its block of the update where it computes its block of the
+    product (an o/down projection's partial sums are summed over the axis with the product's).
+    The factors' layout is ``stack_adapters``' with ``out_first``: A [L?, Na, in..., R] and B
+    [L?, Na, R, out...], or A [L?, Na, R, in...] and B [L?, out..., Na, R]."""
     in_first = weight_specs(config, mesh, False)
 
     def specs(path: tuple[Any, ...], x: jax.Array) -> P:
@@ -401,11 +404,14 @@ def adapter_specs(config: ModelConfig, mesh: Mesh, adapters: Params) -> Params:
             w = w[key]
         lead = int(keys[0] == "blocks")
         n_in = MATRIX_INPUT_AXES[keys[-2]]
+        n_out = x.ndim - lead - 2 - (n_in if keys[-1] == "a" else 0)
         spec = tuple(w) + (None,) * x.ndim  # trailing Nones the spec may leave out
-        matrix = spec[lead:]
-        if keys[-1] == "a":  # [L?, Na, in..., R]
-            return P(*spec[:lead], None, *matrix[:n_in], None)
-        return P(*spec[:lead], None, None, *matrix[n_in:n_in + x.ndim - lead - 2])
+        matrix, lead_spec = spec[lead:], spec[:lead]
+        if keys[-1] == "a":
+            return P(*lead_spec, None, *((None, *matrix[:n_in]) if out_first
+                                         else (*matrix[:n_in], None)))
+        out = matrix[n_in:n_in + n_out]
+        return P(*lead_spec, *out, None, None) if out_first else P(*lead_spec, None, None, *out)
 
     return jax.tree_util.tree_map_with_path(specs, adapters)
 

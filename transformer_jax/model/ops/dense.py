@@ -39,12 +39,14 @@ def dense(x: jax.Array, w: jax.Array, spec: str, *, out_first: bool = False,
     Returns:
       The product in ``spec``'s output layout.
     """
-    if isinstance(w, RowAdapters):
-        y = dense(x, w.w, spec, out_first=out_first,
-                  preferred_element_type=preferred_element_type)
-        return y + row_delta(x, w.a, w.b, w.ids, spec).astype(y.dtype)
+    adapters = w if isinstance(w, RowAdapters) else None
+    if adapters is not None:
+        w = adapters.w
     if not out_first:
-        return einsum(spec, x, w, preferred_element_type=preferred_element_type)
+        y = einsum(spec, x, w, preferred_element_type=preferred_element_type)
+        if adapters is not None:
+            y = y + row_delta(x, adapters.a, adapters.b, adapters.ids, spec).astype(y.dtype)
+        return y
     inputs, out = spec.split("->")
     x_axes, w_axes = inputs.split(",")
     w_out = "".join(a for a in w_axes if a not in x_axes)
@@ -52,6 +54,9 @@ def dense(x: jax.Array, w: jax.Array, spec: str, *, out_first: bool = False,
     rows = "".join(a for a in out if a not in w_out)  # x's own axes (B, T) in output order
     y = einsum(f"{w_out}{w_in},{x_axes}->{w_out}{rows}", w, x,
                preferred_element_type=preferred_element_type)
+    if adapters is not None:  # the update in the same [out..., rows...] layout
+        y = y + row_delta(x, adapters.a, adapters.b, adapters.ids, spec,
+                          out_first=True).astype(y.dtype)
     y = jax.lax.optimization_barrier(y)
     return jnp.einsum(f"{w_out}{rows}->{out}", y)
 

@@ -5,11 +5,19 @@ the weights would need a copy of the model per adapter (and a program per mix of
 the base product is computed once for every row and each row adds its own adapter's low-rank
 update, chosen by the row's adapter id (the BGMV form, "batched gather matrix-vector"):
 
-    y[b] = x[b] @ W + (x[b] @ A[ids[b]]) @ B[ids[b]]
+    y[b] = x[b] @ W + (x[b] @ A[ids[b] - 1]) @ B[ids[b] - 1]      (nothing added for id 0)
 
-with A [Na, in..., R] and B [Na, R, out...] for Na adapters (B already scaled by its adapter's
-``alpha / rank``; a smaller rank zero-padded to R, which adds nothing). Adapter 0 is by
-convention all zeros: the base model.
+for Na adapters, each B already scaled by its adapter's ``alpha / rank`` and a smaller rank
+zero-padded to R (which adds nothing). Id 0 is the base model: it selects no factors, so the
+stack holds only real adapters.
+
+The factors are stored as the base matrix is (``ops.dense``'s ``out_first``): in-first, A
+[Na, in..., R] and B [Na, R, out...]; out-first, each factor as a matrix with its output axes
+first, A [Na, R, in...] and B [out..., Na, R], and the update is then computed as the base
+product is, [out..., rows] before one transpose. That layout exists for XLA:CPU (as the base
+weights' out-first one does): on decode_25m's seven dense matrices per layer, 8 decode rows, 4
+adapters of rank 16, float32, 2-core CPU, the products with the update took 1.23x the base
+products alone out-first, against 1.57x for the in-first update beside out-first weights.
 
 ``RowAdapters`` carries the matrix with its adapters and the rows' ids, so ``ops.dense`` computes
 the sum where the model computes the product: the model's code is the same with or without them
@@ -32,9 +40,10 @@ class RowAdapters:
 
     Attributes:
       w: the base matrix as the model stores it (in-first or out-first, float or quantised).
-      a: [Na, in..., R] the adapters' A factors (the matrix's input axes, in-first order).
-      b: [Na, R, out...] their B factors, each scaled by its adapter's ``alpha / rank``.
-      ids: [B] int32 the adapter of each batch row (0 = the base: zero factors).
+      a: the adapters' A factors, [Na, in..., R] (in-first) or [Na, R, in...] (out-first).
+      b: their B factors, each scaled by its adapter's ``alpha / rank``: [Na, R, out...]
+        (in-first) or [out..., Na, R] (out-first).
+      ids: [B] int32 the adapter of each batch row: 1 + its index in the stack, 0 = the base.
     """
 
     w: Any
@@ -66,42 +75,57 @@ def is_row_adapters(w: Any) -> bool:
     return isinstance(w, RowAdapters)
 
 
-def row_delta(x: jax.Array, a: jax.Array, b: jax.Array, ids: jax.Array, spec: str) -> jax.Array:
+def row_delta(x: jax.Array, a: jax.Array, b: jax.Array, ids: jax.Array, spec: str, *,
+              out_first: bool = False) -> jax.Array:
     """Each row's adapter update of the product ``spec`` describes, in float32.
 
     Args:
       x: the activations in ``spec``'s layout, batch first (e.g. [B, T, D]).
-      a: [Na, in..., R] A factors (the weight's input axes, as in ``spec``).
-      b: [Na, R, out...] B factors (scaled).
-      ids: [B] int32 adapter of each row.
+      a: A factors, [Na, in..., R], or [Na, R, in...] with ``out_first``.
+      b: B factors (scaled), [Na, R, out...], or [out..., Na, R] with ``out_first``.
+      ids: [B] int32 adapter of each row (1 + its index in the stack; 0 adds nothing).
       spec: the in-first einsum of the product, ``"<x>,<w>-><out>"`` (``ops.dense``'s), e.g.
         ``"BTD,DNH->BTNH"``; x's first letter is its batch axis.
+      out_first: the factors are stored output axes first; the update is then returned as
+        ``ops.dense`` computes an out-first product before its transpose: the weight's output
+        axes, then x's own ones (e.g. [N, H, B, T]).
 
     Returns:
-      The update in ``spec``'s output layout (e.g. [B, T, N, H]), float32.
+      The update in ``spec``'s output layout (e.g. [B, T, N, H]), or with ``out_first`` in
+      [out..., rows...], float32.
     """
     inputs, out = spec.split("->")
     x_axes, w_axes = inputs.split(",")
     w_in = "".join(c for c in w_axes if c in x_axes)
     w_out = "".join(c for c in w_axes if c not in x_axes)
-    rows = "".join(c for c in x_axes if c not in w_in)
+    rows = "".join(c for c in out if c not in w_out)  # x's own axes, batch first
     batch = x_axes[0]
-    if "r" in spec or batch in w_axes:
+    if "r" in spec or "n" in spec or batch in w_axes or rows[0] != batch:
         raise ValueError(f"row_delta needs an upper-case spec whose first x axis is the batch, "
                          f"got {spec!r}")
     f32 = jnp.float32
-    if ids.shape[0] == 1:  # one row (a prefill chunk): its adapter's factors, sliced
-        xa = jnp.einsum(f"{x_axes},{batch}{w_in}r->{rows}r", x, jnp.take(a, ids, axis=0),
-                        preferred_element_type=f32)
-        return jnp.einsum(f"{rows}r,{batch}r{w_out}->{out}", xa,
-                          jnp.take(b, ids, axis=0).astype(f32), preferred_element_type=f32)
-    # Several rows: every adapter's A product at once (Na * R columns, a small matmul), each
-    # row's own kept by a one-hot mask, then one product with all the B factors. Two dense
-    # products, whatever the mix; gathering per-row factors instead ([B, in, R] and [B, R,
-    # out]) ran a decode step of decode_25m (batch 8, 4 adapters of rank 16 on every dense
-    # matrix, float32, 2-core CPU) at 3x the base's time, this form at 1.55x.
     n = a.shape[0]
-    xa = jnp.einsum(f"{x_axes},n{w_in}r->{rows}nr", x, a, preferred_element_type=f32)
-    mask = jax.nn.one_hot(ids, n, dtype=f32).reshape(ids.shape[0], *(1,) * (len(rows) - 1), n, 1)
-    return jnp.einsum(f"{rows}nr,nr{w_out}->{out}", xa * mask, b.astype(f32),
-                      preferred_element_type=f32)
+    y = f"{w_out}{rows}" if out_first else out
+    a_spec = f"nr{w_in}" if out_first else f"n{w_in}r"
+    b_spec = f"{w_out}nr" if out_first else f"nr{w_out}"
+    n_axis = len(w_out) if out_first else 0
+    b = b.astype(f32)
+    if ids.shape[0] == 1:  # one row (a prefill chunk): its adapter's factors, sliced
+        index = jnp.maximum(ids - 1, 0)
+        a_row = jnp.take(a, index, axis=0) * (ids[0] > 0).astype(a.dtype)  # the base adds 0
+        xa = jnp.einsum(f"{x_axes},{a_spec}->{rows}nr", x, a_row, preferred_element_type=f32)
+        return jnp.einsum(f"{rows}nr,{b_spec}->{y}", xa, jnp.take(b, index, axis=n_axis),
+                          preferred_element_type=f32)
+    # Several rows: every adapter's A product at once (Na * R outputs, a small matmul), each
+    # row's own kept by a one-hot mask (all zeros for the base), then one product with all the
+    # B factors. Two dense products, whatever the mix; gathering per-row factors instead ([B,
+    # in, R] and [B, R, out]) ran a decode step of decode_25m (batch 8, 4 adapters of rank 16
+    # on every dense matrix, float32, 2-core CPU) at 3x the base's time, this form at 1.55x.
+    mask = jax.nn.one_hot(ids - 1, n, dtype=f32)  # [B, Na]
+    if out_first:
+        xa = jnp.einsum(f"{a_spec},{x_axes}->nr{rows}", a, x, preferred_element_type=f32)
+        mask = mask.T.reshape(n, 1, ids.shape[0], *(1,) * (len(rows) - 1))
+        return jnp.einsum(f"{b_spec},nr{rows}->{y}", b, xa * mask, preferred_element_type=f32)
+    xa = jnp.einsum(f"{x_axes},{a_spec}->{rows}nr", x, a, preferred_element_type=f32)
+    mask = mask.reshape(ids.shape[0], *(1,) * (len(rows) - 1), n, 1)
+    return jnp.einsum(f"{rows}nr,{b_spec}->{y}", xa * mask, b, preferred_element_type=f32)
