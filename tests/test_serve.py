@@ -774,3 +774,30 @@ def test_shutdown_ends_cut_streams_and_refuses_queued_requests(served, monkeypat
     assert not problems, [r.getMessage() for r in problems]
     _wait_idle(runner)
     engine.check_no_leaks()
+
+
+def test_a_draft_model_speculates_through_the_server(checkpoint):
+    """``--speculative draft:PATH`` (the checkpoint as its own draft, so its proposals are the
+    model's): replies equal ``generate``'s, and ``/metrics`` counts the kept proposals."""
+    args = cli.build_parser().parse_args(["--checkpoint", str(checkpoint[0]), *ENGINE_ARGS,
+                                          "--speculative", f"draft:{checkpoint[0]}:k=3"])
+    runner, model, _ = cli.build(args)
+    runner.start()
+    runner.ready = True
+    served = Served(create_app(runner, model))
+    try:
+        stops = [model.tokenizer.eos_id]
+        for prompt in ("w3 w1 w4 w1 w5 w9 w2 w6 w5", "w7 w7 w2"):
+            out = _client(served).completions.create(model=NAME, prompt=prompt, max_tokens=10,
+                                                     temperature=0)
+            ids = encode_text(model.tokenizer, prompt)
+            assert out.choices[0].text == _expected(checkpoint, model, ids, 10, stops)[2]
+        _wait_idle(runner)
+        metrics = runner.engine.speculation.metrics()
+        assert metrics["accepted"] > 0 and metrics["accepted"] >= 0.9 * metrics["proposed"]
+        text = httpx.get(served.url + "/metrics").text
+        assert f"transformer_jax_speculative_accepted {float(metrics['accepted'])}" in text
+        runner.engine.check_no_leaks()
+    finally:
+        served.close()
+        runner.stop()

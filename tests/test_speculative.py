@@ -241,7 +241,7 @@ def test_back_off_pauses_a_row_and_lets_it_go():
 
 @pytest.mark.parametrize("flag, message", [
     ("ngram:k=x", "k must be an int"),
-    ("draft:/some/run:k=2", "the server speculates with ngram only"),
+    ("draft::k=2", "'draft' needs a path"),
     ("lookahead", "unknown method 'lookahead'"),
 ])
 def test_serve_speculative_flag_errors_are_one_line(flag, message):

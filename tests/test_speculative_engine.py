@@ -11,6 +11,7 @@ from helpers import FAST_COMPILE, TINY
 
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
+from transformer_jax.decode.speculative_loop import DraftModel
 from transformer_jax.model.transformer import init_params
 from transformer_jax.serving import Engine, SamplingParams, speculation
 
@@ -135,7 +136,7 @@ def test_bad_speculative_settings_are_refused(model, engine):
     with pytest.raises(ValueError, match="unknown method 'medusa'") as e:
         engine.add_request([1, 2, 3], SamplingParams(speculative="medusa:k=2"))
     assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match="'ngram' only"):
+    with pytest.raises(ValueError, match="the engine has no draft model"):
         engine.add_request([1, 2, 3], SamplingParams(speculative="draft:/x:k=2"))
     assert engine.idle
 
@@ -168,3 +169,88 @@ def test_metrics_expose_the_acceptance(engine):
     assert f"transformer_jax_speculative_proposed {float(m['proposed'])}" in text
     assert "transformer_jax_speculative_acceptance_rate " in text
     assert "transformer_jax_speculative_mean_accepted_length " in text
+
+
+# A draft model ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_draft():
+    """A 1-layer model of the target's vocabulary, other random weights."""
+    config = TINY.replace(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32)
+    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
+    return DraftModel(config, decode.prepare(config, init(config, jax.random.key(7))))
+
+
+def _verify_always(monkeypatch, eng):
+    """Verification measured as cheap, so every step with proposals verifies."""
+    monkeypatch.setattr(speculation.Speculation, "record", lambda *a: None)
+    eng.speculation.times = {(w, t, c): (1.0, 10 ** 9) for w in eng.scheduler.widths
+                             for t in (1, 2, 3, 5) for c in (False, True)}
+    eng.steps = 10 ** 9
+
+
+def _load(model, eng, prompts, params):
+    """Runs the requests (a third added while the first ones run, one cancelled) and checks
+    each against ``generate`` alone; returns the engine's speculation metrics."""
+    ids = {eng.add_request(prompts[i], params[i]): i for i in range(len(prompts) * 2 // 3)}
+    for _ in range(3):
+        eng.step()
+    cancelled = eng.add_request(prompts[0], params[0])
+    ids.update({eng.add_request(prompts[i], params[i]): i
+                for i in range(len(prompts) * 2 // 3, len(prompts))})
+    eng.step()
+    eng.cancel(cancelled)
+    before = eng.scheduler.preemptions
+    done = eng.run_until_idle()
+    assert done[cancelled].finish_reason == "cancelled"
+    for rid, i in ids.items():
+        tokens, logprobs = reference(model, prompts[i], params[i])
+        assert done[rid].tokens == tokens, f"request {i}"
+        np.testing.assert_allclose(done[rid].logprobs, logprobs, atol=1e-5)
+    assert eng.scheduler.preemptions > before, "the load was meant to preempt"
+    eng.check_no_leaks()
+    return eng.speculation.metrics()
+
+
+def test_a_draft_model_speculates_under_load_as_generate_alone(model, small_draft,
+                                                                monkeypatch):
+    """Draft and n-gram rows, greedy and sampled, repeated prompts (forks, prefix hits),
+    arrivals, a cancel and preemption in one engine: each request decodes its reference."""
+    eng = Engine(*model, **ENGINE, draft=small_draft)
+    _verify_always(monkeypatch, eng)
+    prompts = _prompts(3, 6)
+    prompts = prompts + prompts[:3]  # twins: forks or prefix hits
+    params = [SamplingParams(max_tokens=N - 2 * (i % 3), temperature=0.9 if i % 3 == 1 else 0.0,
+                             top_k=16 if i % 3 == 1 else None, seed=i, logprobs=True,
+                             speculative="ngram:k=3" if i % 4 == 3 else "draft:any:k=4")
+              for i in range(len(prompts))]
+    metrics = _load(model, eng, prompts, params)
+    assert metrics["verify_steps"] > 0 and metrics["proposed"] > 0
+
+
+def test_a_draft_equal_to_the_target_has_its_proposals_kept(model, monkeypatch):
+    """The target as its own draft: the draft's pages must hold what the target's hold
+    (prefill chunks, fork copies, preemption's recompute, prefix hits, and the last proposal
+    of a fully kept verification), or its greedy proposals would be rejected."""
+    eng = Engine(*model, **ENGINE, draft=DraftModel(model[0], model[1]))
+    _verify_always(monkeypatch, eng)
+    prompts = _prompts(4, 6)
+    prompts = prompts + prompts[:3]
+    params = [SamplingParams(max_tokens=N, seed=i, logprobs=True, speculative="draft:x:k=4")
+              for i in range(len(prompts))]
+    metrics = _load(model, eng, prompts, params)
+    assert metrics["verify_steps"] > 5 and metrics["proposed"] > 50
+    assert metrics["acceptance_rate"] > 0.97, metrics
+
+
+def test_draft_setups_that_cannot_work_are_refused(model, small_draft, tmp_path):
+    other = small_draft.config.replace(vocab_size=TINY.vocab_size + 1)
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(*model, **ENGINE, draft=DraftModel(other, small_draft.weights))
+    eng = Engine(*model, **ENGINE, draft=small_draft)
+    eng.speculation.draft.path = str(tmp_path / "draft")
+    with pytest.raises(ValueError, match="the engine's draft model is"):
+        eng.add_request([1, 2, 3], SamplingParams(speculative="draft:/elsewhere:k=2"))
+    eng.add_request([1, 2, 3], SamplingParams(speculative=f"draft:{tmp_path}/draft/:k=2"))
+    eng.run_until_idle()
+    eng.check_no_leaks()

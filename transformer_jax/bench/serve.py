@@ -216,8 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "http (the server at --url; bench/serve_http.py) (default: "
                              "engine,one,batch; http with --url)")
     parser.add_argument("--speculative", default=None, metavar="SPEC",
-                        help="the engine-spec mode's speculation, e.g. ngram:k=4 (added to the "
-                             "modes when given; the same requests as the engine mode)")
+                        help="the engine-spec mode's speculation, e.g. ngram:k=4 or "
+                             "draft:PATH:k=4 (added to the modes when given; the same requests "
+                             "as the engine mode)")
     parser.add_argument("--workload", choices=("random", "repeat"), default="random",
                         help="repeat: input-heavy prompts, each a random passage then its "
                              "first --lead tokens again, so the output can copy the input")
@@ -265,8 +266,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
     modes = (args.modes or ("http" if args.url else "engine,one,batch")).split(",")
     if args.speculative:
         try:
-            if parse_spec(args.speculative).method != "ngram":
-                parser.error("--speculative: the engine speculates with ngram only")
+            parse_spec(args.speculative)
         except ValueError as e:
             parser.error(str(e))
         if "engine-spec" not in modes:
@@ -377,9 +377,11 @@ def main(argv: list[str]) -> int:
         if mode.startswith("engine"):
             adapters = None if mode != "engine-lora" else random_adapters(
                 config, params, args.lora, args.lora_rank, args.seed)
+            spec = parse_spec(args.speculative) if mode == "engine-spec" else None
             engine = Engine(config, weights, args.slots, pages, args.page_size,
                             args.token_budget, prefix_caching=mode != "engine-noprefix",
-                            adapters=adapters, tokenizer=tokenizer)
+                            adapters=adapters, tokenizer=tokenizer,
+                            draft=spec.draft if spec and spec.method == "draft" else None)
             grammars = None
             if mode.startswith("engine-json"):
                 every = 2 if mode == "engine-json-mixed" else 1
@@ -387,8 +389,7 @@ def main(argv: list[str]) -> int:
                             for i in range(len(work.prompts))]
             t = time.perf_counter()
             n = engine.compile(structured=mode.startswith("engine-json"),
-                               speculative=parse_spec(args.speculative).k
-                               if mode == "engine-spec" else 0)
+                               speculative=spec.k if spec else 0)
             print(f"  compiled {n} engine step shapes in {time.perf_counter() - t:.1f} s")
             engine.steps = 0
             r = run_engine(engine, work, grammars,

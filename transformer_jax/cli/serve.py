@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share prompt pages between requests (default: share)")
     e.add_argument("--speculative", metavar="SPEC", help="speculative decoding for every "
-                   "request: ngram[:k=K][:n=N] (prompt lookup) (default: off)")
+                   "request: ngram[:k=K][:n=N] (prompt lookup) or draft:PATH[:k=K] (a draft "
+                   "model sharing the checkpoint's tokenizer) (default: off)")
     e.add_argument("--compilation-cache", default=str(DEFAULT_CACHE_DIR),
                    help="JAX persistent compilation cache directory, '' for none "
                    "(default: %(default)s)")
@@ -145,10 +146,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.speculative is not None:
         from transformer_jax.decode.speculative import parse_spec
 
-        spec = parse_spec(args.speculative)
-        if spec.method != "ngram":
-            raise ValueError(f"--speculative {args.speculative!r}: the server speculates with "
-                             "ngram only (a draft model: generate --speculative draft:PATH)")
+        parse_spec(args.speculative)
     if not 0 <= args.grace_period < float("inf"):
         raise ValueError(f"--grace-period must be a number of seconds >= 0, got "
                          f"{args.grace_period}")
@@ -188,8 +186,9 @@ def configure_compilation_cache(directory: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def pool_pages(args: argparse.Namespace, config: Any) -> int:
-    """The pool size the flags ask for (page 0, the null page, included)."""
+def pool_pages(args: argparse.Namespace, config: Any, draft: Any = None) -> int:
+    """The pool size the flags ask for (page 0, the null page, included); with a draft
+    model's config, each page also holds its pages' bytes (``serving.draft``)."""
     import jax
 
     from transformer_jax.serving.page_pool import pages_for
@@ -205,6 +204,8 @@ def pool_pages(args: argparse.Namespace, config: Any) -> int:
     shards = max(1, args.tensor)
     # Pages hold the global layers; local layers keep a ring per slot beside them.
     page = page_bytes(config, args.page_size, args.cache_dtype) // shards
+    if draft is not None and page:
+        page += page_bytes(draft, args.page_size, None)
     if page == 0:  # every layer keeps a ring: the pages only count positions
         return full
     free = (args.memory_fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -233,16 +234,24 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
         found = load_adapter(path, config, loaded.params, name=name)
         adapters[name] = (found.adapters, found.lora_config)
+    spec = parse_spec(args.speculative)
+    draft = None
+    if spec is not None and spec.method == "draft":
+        from transformer_jax.checkpoint.loading import load_draft
+
+        draft = load_draft(spec.draft)  # its vocabulary checked against the model's
     timings["load_s"] = time.perf_counter() - t
-    pages = pool_pages(args, config)
+    pages = pool_pages(args, config, None if draft is None else draft.config)
     engine = Engine(config, loaded.params, args.slots, pages, args.page_size,
                     args.token_budget or args.slots + 256, mesh,
                     prefix_caching=not args.no_prefix_caching, cache_dtype=args.cache_dtype,
                     min_context=min(args.min_context or MIN_CONTEXT, config.max_seq_len),
-                    tokenizer=loaded.tokenizer, quant=args.quant, adapters=adapters or None)
+                    tokenizer=loaded.tokenizer, quant=args.quant, adapters=adapters or None,
+                    draft=draft)
+    if draft is not None:
+        engine.speculation.draft.path = spec.draft  # requests name it as --speculative does
     t = time.perf_counter()
-    shapes = engine.compile(speculative=parse_spec(args.speculative).k if args.speculative
-                            else 0)
+    shapes = engine.compile(speculative=spec.k if spec is not None else 0)
     timings["compile_s"] = time.perf_counter() - t
     logger.info("loaded %s in %.1f s; compiled %d step shapes in %.1f s (%d slots, %d pages of "
                 "%d, %.1f MiB of KV pages)", args.checkpoint, timings["load_s"], shapes,

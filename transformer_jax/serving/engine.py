@@ -22,7 +22,6 @@ whose last window the new slot's rings would lack.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -58,6 +57,7 @@ from transformer_jax.serving.requests import (
     SamplingParams,
     State,
     TokenEvent,
+    with_text,
 )
 from transformer_jax.serving.scheduler import MIN_CONTEXT, Scheduler
 from transformer_jax.serving.speculation import Speculation
@@ -102,6 +102,9 @@ class Engine:
         these weights: a request names one in ``SamplingParams.adapter``, and one step batches
         rows of different adapters, each adding its own update to the base's products
         (``model.multi_lora``; no merge, and which adapter a row uses compiles nothing).
+      draft: optional draft model for speculative decoding (a ``DraftModel`` or a checkpoint
+        path): requests with ``speculative="draft:..."`` verify its proposals; its pages
+        mirror the pool's (``serving.draft``).
 
     Raises:
       ValueError: for sizes out of range, an unknown ``cache_dtype`` or ``view`` (naming
@@ -114,7 +117,8 @@ class Engine:
                  cache_dtype: jnp.dtype | str | None = None,
                  min_context: int = MIN_CONTEXT, view: str = "auto",
                  tokenizer: Any = None, quant: str | None = None,
-                 adapters: Mapping[str, tuple[Any, LoraConfig]] | None = None) -> None:
+                 adapters: Mapping[str, tuple[Any, LoraConfig]] | None = None,
+                 draft: Any = None) -> None:
         for name, value in (("num_slots", num_slots), ("num_pages", num_pages),
                             ("page_size", page_size), ("token_budget", token_budget),
                             ("min_context", min_context)):
@@ -183,7 +187,7 @@ class Engine:
         self.steps = 0
         self._prepare: Callable[[Params], Params] | None = None  # update_weights'
         #: Speculative decoding of the requests that ask for it (``serving.speculation``).
-        self.speculation = Speculation(self)
+        self.speculation = Speculation(self, draft)
 
     def _stack(self, adapters: Mapping[str, tuple[Any, LoraConfig]]) -> Params:
         """The adapters stacked over the prepared weights, placed as the step splits them."""
@@ -309,6 +313,8 @@ class Engine:
                                                       slot=self._rings is not None,
                                                       adapters=self._adapters is not None)
         b = sched.num_slots
+        if self.speculation.draft is not None:  # the draft's pages follow the pool's
+            self.speculation.draft.mirror(plan, prefill, sched)
         # The chunk, then the decode rows: two programs (``step.py`` says why), both dispatched
         # before either result is read, so a prompt's first token goes out when the chunk's
         # program ends. Forward and sampling are two programs each when rows draw under a
@@ -353,7 +359,8 @@ class Engine:
         """Gives each event its text (with a tokenizer) and to its request's consumer; forgets
         finished requests."""
         if self.tokenizer is not None:
-            events = [(req, self._with_text(req, event)) for req, event in events]
+            events = [(req, with_text(req, event, self.scheduler.cancel))
+                      for req, event in events]
         for req, event in events:
             if req.state == State.FINISHED:
                 self._requests.pop(req.id, None)
@@ -448,20 +455,6 @@ class Engine:
             events.append((req, TokenEvent(req.id, None, req.num_new,
                                            finish_reason="cancelled")))
         return events
-
-    def _with_text(self, req: Request, event: TokenEvent) -> TokenEvent:
-        """The event with its text delta; a stop string that matched ends the request."""
-        if event.token is None:  # cancelled: the held text is not released
-            return dataclasses.replace(event, text="")
-        text, stopped = req.text.feed(event.token)
-        if stopped:
-            if req.state != State.FINISHED:
-                self.scheduler.cancel(req)
-            req.finish_reason = "stop"
-            return dataclasses.replace(event, text=text, finish_reason="stop")
-        if event.finish_reason is not None:
-            text += req.text.finish()
-        return dataclasses.replace(event, text=text)
 
     def run_until_idle(self, max_steps: int | None = None) -> dict[int, Completion]:
         """Steps until no request is left (or ``max_steps`` steps ran).

@@ -263,3 +263,19 @@ class Request:
                           None if self.text is None else self.text.full_text,
                           list(self.top_logprobs) if self.params.top_logprobs else None,
                           None if self.speculation is None else self.speculation[1])
+
+
+def with_text(req: Request, event: TokenEvent, cancel: Callable[[Request], Any]) -> TokenEvent:
+    """The event with its text delta (the request's ``TextStream``); a stop string that
+    matched ends the request (``cancel`` gives back its slot and pages)."""
+    if event.token is None:  # cancelled: the held text is not released
+        return dataclasses.replace(event, text="")
+    text, stopped = req.text.feed(event.token)
+    if stopped:
+        if req.state != State.FINISHED:
+            cancel(req)
+        req.finish_reason = "stop"
+        return dataclasses.replace(event, text=text, finish_reason="stop")
+    if event.finish_reason is not None:
+        text += req.text.finish()
+    return dataclasses.replace(event, text=text)

@@ -50,6 +50,7 @@ from transformer_jax.decode.speculative import (
 )
 from transformer_jax.decode.speculative_loop import check_no_rings
 from transformer_jax.model.config import ModelConfig
+from transformer_jax.serving.draft import EngineDraft, same_path
 from transformer_jax.serving.page_pool import NULL_PAGE, pages_for
 from transformer_jax.serving.paged_cache import PagedKVCache
 from transformer_jax.serving.requests import Request, State, TokenEvent
@@ -155,8 +156,17 @@ class Speculation:
     """The engine's speculation: admission of speculating requests, the per-step choice,
     the verify program's inputs, and the commit of its results (module docstring)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, draft: Any = None) -> None:
         self.engine = engine
+        #: The draft model whose pages mirror the engine's (``serving.draft``), or None.
+        self.draft: EngineDraft | None = None
+        if draft is not None:
+            path = draft if isinstance(draft, str) else None
+            if path is not None:
+                from transformer_jax.checkpoint.loading import load_draft
+
+                draft = load_draft(path)
+            self.draft = EngineDraft(draft, engine, path)
         #: (W, T, chunk ran) -> (median seconds, step measured)
         self.times: dict[tuple[int, int, bool], tuple[float, int]] = {}
         self._recent: dict[tuple[int, int, bool], collections.deque] = {}
@@ -173,8 +183,13 @@ class Speculation:
         spec: SpeculativeConfig = parse_spec(req.params.speculative)
         eng = self.engine
         if spec.method == "draft":
-            raise ValueError("the serving engine speculates with 'ngram' only; a draft model "
-                             "is supported by generate(speculative='draft:...')")
+            if self.draft is None:
+                raise ValueError(f"speculative {req.params.speculative!r}: the engine has no "
+                                 "draft model (Engine(draft=...), serve --speculative "
+                                 "draft:PATH)")
+            if self.draft.path is not None and not same_path(spec.draft, self.draft.path):
+                raise ValueError(f"speculative {req.params.speculative!r}: the engine's draft "
+                                 f"model is {self.draft.path!r}")
         if is_split(eng.mesh):
             raise ValueError("speculative decoding in the engine needs one device (no "
                              "tensor-parallel mesh)")
@@ -220,7 +235,9 @@ class Speculation:
                 continue
             spec, acc = req.speculation
             budget = min(acc.budget(spec.k), req.params.max_tokens - req.num_new - 1)
-            if budget > 0:
+            if budget > 0 and spec.method == "draft":
+                drafts[req.id] = [-1] * budget  # filled by the draft below, if it runs
+            elif budget > 0:
                 found = ngram_lookup(req.tokens, budget, spec.n, spec.min_n)
                 if found:
                     drafts[req.id] = found
@@ -242,6 +259,11 @@ class Speculation:
             if not sched._grow(req, want, preempt=False):  # keep what fits the held pages
                 fit = len(req.pages) * sched.page_size - req.cached - 1
                 drafts[req.id] = drafts[req.id][:max(fit, 0)]
+        if any(d and d[0] < 0 for d in drafts.values()):  # the draft's, pages grown
+            proposed = self.draft.propose(plan, sched, width, t)
+            for req in plan.decodes:
+                if drafts.get(req.id) and drafts[req.id][0] < 0:
+                    drafts[req.id] = proposed[req.slot, :len(drafts[req.id])].tolist()
         b = sched.num_slots
         tokens = np.zeros((b, t), np.int32)
         start = np.zeros(b, np.int32)
@@ -291,7 +313,7 @@ class Speculation:
                     keys_transposed=eng.keys_transposed, sampler=Sampler(), view=eng.view)
                 jax.block_until_ready(out)
                 shapes += 1
-        return shapes
+        return shapes + (0 if self.draft is None else self.draft.compile(sched, ts))
 
     def _worth_it(self, plan: StepPlan, drafts: dict[int, list[int]], width: int,
                   t: int) -> bool:
