@@ -311,34 +311,37 @@ def test_backoff_in_jnp_follows_acceptance():
         assert np.asarray(paused).tolist() == [h.paused for h in host]
 
 
+def _recorder() -> tuple[list, object]:
+    """A stream callback and the (index, tokens, active) it was called with."""
+    calls: list = []
+    return calls, lambda i, t, a: calls.append((i, t.tolist(), a.tolist()))
+
+
 def test_device_loop_gives_the_plain_tokens_on_ragged_batches(target, draft):
-    """Greedy, several ragged batches (repetitive and random prompts of different lengths),
-    n-gram with k = 1, 3, 8 and a draft: the plain tokens and log-probabilities, the same
-    stream, and the acceptance counters add up (kept + one per verification <= tokens)."""
+    """Greedy, ragged batches (repetitive and random prompts of different lengths, with and
+    without a stop token), n-gram with k = 1, 3, 8 and a draft: the plain tokens and
+    log-probabilities, the same stream, and counters that add up."""
     config, weights = target
     rng = np.random.default_rng(11)
     motif = rng.integers(0, config.vocab_size, 5).tolist()
     batches = [
-        [motif * 4, rng.integers(0, config.vocab_size, 3).tolist()],
-        [rng.integers(0, config.vocab_size, int(m)).tolist() for m in (1, 7, 12, 20)],
-        [motif[:2] * 6 + [3]],
+        ([motif * 4, rng.integers(0, config.vocab_size, 3).tolist()], 17, ()),
+        ([rng.integers(0, config.vocab_size, int(m)).tolist() for m in (1, 7, 12, 20)], 25,
+         (int(motif[1]),)),
+        ([motif[:2] * 6 + [3]], 25, (int(motif[0]),)),
     ]
-    for prompts in batches:
-        for max_new, stop in ((17, ()), (25, (int(motif[1]),))):
-            kw = dict(max_new_tokens=max_new, stop_tokens=stop)
-            plain_stream: list = []
-            ref = generation.generate(config, weights, prompts,
-                                      stream=lambda i, t, a: plain_stream.append(
-                                          (i, t.tolist(), a.tolist())), **kw)
-            for spec, kwargs in (("ngram:k=1", {}), ("ngram:k=3:n=2", {}), ("ngram:k=8", {}),
-                                 ("draft:x:k=3", {"draft": draft})):
-                streamed: list = []
-                out = generation.generate(config, weights, prompts, speculative=spec,
-                                          stream=lambda i, t, a: streamed.append(
-                                              (i, t.tolist(), a.tolist())), **kwargs, **kw)
-                assert out.tokens == ref.tokens, (spec, prompts)
-                np.testing.assert_allclose(out.logprob_array, ref.logprob_array, atol=1e-5)
-                assert streamed == plain_stream, spec
-                for row, s in enumerate(out.speculative):
-                    assert s.accepted <= s.proposed
-                    assert s.accepted + s.verifications <= out.lengths[row]
+    for prompts, max_new, stop in batches:
+        kw = dict(max_new_tokens=max_new, stop_tokens=stop)
+        plain_stream, stream = _recorder()
+        ref = generation.generate(config, weights, prompts, stream=stream, **kw)
+        for spec, kwargs in (("ngram:k=1", {}), ("ngram:k=3:n=2", {}), ("ngram:k=8", {}),
+                             ("draft:x:k=3", {"draft": draft})):
+            streamed, stream = _recorder()
+            out = generation.generate(config, weights, prompts, speculative=spec,
+                                      stream=stream, **kwargs, **kw)
+            assert out.tokens == ref.tokens, (spec, prompts)
+            np.testing.assert_allclose(out.logprob_array, ref.logprob_array, atol=1e-5)
+            assert streamed == plain_stream, spec
+            for row, st in enumerate(out.speculative):
+                assert st.accepted <= st.proposed
+                assert st.accepted + st.verifications <= out.lengths[row]

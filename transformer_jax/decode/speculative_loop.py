@@ -260,6 +260,27 @@ def stream_ready(state: SpeculativeState, stream_id: jax.Array, pad_id: int
     return state.replace(streamed=streamed)
 
 
+def run_one_of(pred: jax.Array, if_true: Any, if_false: Any, cache: KVCache
+               ) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
+    """``lax.cond(pred, if_true, if_false, cache)`` as two while loops of 0 or 1 iterations.
+
+    XLA copies a conditional's operands into each branch (the whole cache, every round, on
+    CPU), but updates a while loop's carry in place; each function maps the cache to (cache,
+    [B, k + 1] tokens, [B, k + 1] log-probabilities, [B] accepted).
+    """
+    out = jax.eval_shape(if_true, cache)
+    blank = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out[1:])
+
+    def once(fn: Any, run: jax.Array, carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        def body(c: tuple[Any, ...]) -> tuple[Any, ...]:
+            return (jnp.zeros((), bool), *fn(c[1]))
+        return jax.lax.while_loop(lambda c: c[0], body, (run, *carry))[1:]
+
+    carry = once(if_true, pred, (cache, *blank))
+    carry = once(if_false, ~pred, carry)
+    return carry  # type: ignore[return-value]
+
+
 def speculative_generate_padded(
         config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array,
         key_data: jax.Array, stream_id: jax.Array | None = None,
@@ -348,8 +369,8 @@ def speculative_generate_padded(
             pad = ((0, 0), (0, k))
             return cache, jnp.pad(targets, pad), jnp.pad(logprobs, pad), zeros
 
-        cache, targets, logprobs, a = jax.lax.cond(
-            (num_drafts > 0).any(), verify_round, decode_round, s.cache)
+        cache, targets, logprobs, a = run_one_of((num_drafts > 0).any(), verify_round,
+                                                 decode_round, s.cache)
         rate, paused = backoff_record(s.rate, s.paused, num_drafts, a)
         proposing = num_drafts > 0
         s = s.replace(
