@@ -49,6 +49,16 @@ def free_workload(ids: np.ndarray, count: int, passage: int, rng: Any) -> list[l
     return [ids[s:s + passage].tolist() for s in starts]
 
 
+def describe(config: Any, params: Any) -> str:
+    """A model's shape in a few words: layers, widths, heads, parameters."""
+    import jax
+
+    count = sum(x.size for x in jax.tree.leaves(params))
+    return (f"{config.n_layers} layers, d_model {config.d_model}, {config.n_heads} heads "
+            f"({config.n_kv_heads or config.n_heads} kv), FFN {config.d_ff}, "
+            f"{count / 1e6:.1f}M parameters")
+
+
 def build_parser() -> argparse.ArgumentParser:
     a = args_lib
     p = argparse.ArgumentParser(prog="transformer-jax bench speculative",
@@ -129,9 +139,11 @@ def main(argv: list[str]) -> int:
     result: dict[str, Any] = {"checkpoint": args.checkpoint, "draft": args.draft,
                               "dtype": config.dtype, "backend": jax.default_backend(),
                               "args": vars(args), "modes": {}}
-    print(f"{args.checkpoint} ({config.n_layers} layers, d_model {config.d_model}, "
-          f"{config.dtype}, {jax.default_backend()}), batch 1, {args.requests} requests, "
-          f"workload {args.workload}: prompts of {len(prompts[0])} tokens, {args.output} new")
+    print(f"{args.checkpoint} ({describe(config, weights.params)}, {config.dtype}, "
+          f"{jax.default_backend()}), batch 1, {args.requests} requests, workload "
+          f"{args.workload}: prompts of {len(prompts[0])} tokens, {args.output} new")
+    if draft is not None:
+        print(f"draft {args.draft} ({describe(draft.config, draft.weights.params)})")
     for mode in modes:
         r: dict[str, Any] = {"tokens": tokens[mode], "seconds": seconds[mode],
                              "tokens_per_s": tokens[mode] / seconds[mode]}
