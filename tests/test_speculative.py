@@ -262,3 +262,86 @@ def test_bench_repeat_workload_copies_the_passage():
     (prompt,) = repeat_workload(ids, 1, 40, 8, np.random.default_rng(0), [99])
     assert len(prompt) == 40 + 1 + 8 and prompt[40] == 99
     assert sum(a != b for a, b in zip(prompt[:8], prompt[41:], strict=True)) == 1
+
+
+# The device loop ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, min_n", [(3, 1), (2, 2), (4, 2)])
+def test_ngram_propose_in_jnp_equals_the_host_lookup(n, min_n):
+    """Random sequences over small alphabets (matches, overlaps, none), ragged lengths in one
+    batch: the jnp proposals are ``ngram_lookup``'s, and a row finds one iff it does."""
+    from transformer_jax.decode.speculative import ngram_propose
+
+    rng = np.random.default_rng(n * 10 + min_n)
+    k, s = 6, 40
+    propose = jax.jit(ngram_propose, static_argnums=(2, 3, 4))
+    for trial in range(12):
+        b = 5
+        seq = rng.integers(0, 2 + trial % 6, (b, s)).astype(np.int32)
+        length = rng.integers(1, s + 1, b).astype(np.int32)
+        length[0] = 1  # nothing to match
+        drafts, found = propose(jnp.asarray(seq), jnp.asarray(length), k, n, min_n)
+        for row in range(b):
+            want = ngram_lookup(seq[row, :length[row]], k, n, min_n)
+            assert bool(found[row]) == bool(want), (trial, row)
+            if want:
+                assert np.asarray(drafts[row]).tolist() == want, (trial, row)
+
+
+def test_backoff_in_jnp_follows_acceptance():
+    """``backoff_budget`` / ``backoff_record`` on random verifications: the budget, rate and
+    pause of ``Acceptance`` step for step."""
+    from transformer_jax.decode.speculative import backoff_budget, backoff_record
+
+    rng = np.random.default_rng(5)
+    b, k = 4, 4
+    host = [Acceptance() for _ in range(b)]
+    rate, paused = jnp.ones(b, jnp.float32), jnp.zeros(b, jnp.int32)
+    for _ in range(40):
+        active = rng.random(b) < 0.8
+        may, rate, paused = backoff_budget(rate, paused, jnp.asarray(active))
+        budgets = [h.budget(k) if a else 0 for h, a in zip(host, active, strict=True)]
+        assert np.asarray(may).tolist() == [x > 0 for x in budgets]
+        proposed = np.where(np.asarray(may), rng.integers(0, k + 1, b), 0)
+        accepted = rng.integers(0, proposed + 1)
+        rate, paused = backoff_record(rate, paused, jnp.asarray(proposed), jnp.asarray(accepted))
+        for h, p_, a_ in zip(host, proposed, accepted, strict=True):
+            h.record(int(p_), int(a_))
+        np.testing.assert_allclose(rate, [h.rate for h in host], rtol=1e-5)
+        assert np.asarray(paused).tolist() == [h.paused for h in host]
+
+
+def _recorder() -> tuple[list, object]:
+    """A stream callback and the (index, tokens, active) it was called with."""
+    calls: list = []
+    return calls, lambda i, t, a: calls.append((i, t.tolist(), a.tolist()))
+
+
+def test_device_loop_gives_the_plain_tokens_on_ragged_batches(target, draft):
+    """Greedy, ragged batches (repetitive and random prompts of different lengths, with and
+    without a stop token), n-gram with k = 1, 3, 8 and a draft: the plain tokens and
+    log-probabilities, the same stream, and counters that add up."""
+    config, weights = target
+    rng = np.random.default_rng(11)
+    motif = rng.integers(0, config.vocab_size, 5).tolist()
+    batches = [
+        ([motif * 4, rng.integers(0, config.vocab_size, 3).tolist()], 17, ()),
+        ([rng.integers(0, config.vocab_size, int(m)).tolist() for m in (1, 7, 12, 20)], 25,
+         (int(motif[1]),)),
+        ([motif[:2] * 6 + [3]], 25, (int(motif[0]),)),
+    ]
+    for prompts, max_new, stop in batches:
+        kw = dict(max_new_tokens=max_new, stop_tokens=stop)
+        plain_stream, stream = _recorder()
+        ref = generation.generate(config, weights, prompts, stream=stream, **kw)
+        for spec, kwargs in (("ngram:k=1", {}), ("ngram:k=3:n=2", {}), ("ngram:k=8", {}),
+                             ("draft:x:k=3", {"draft": draft})):
+            streamed, stream = _recorder()
+            out = generation.generate(config, weights, prompts, speculative=spec,
+                                      stream=stream, **kwargs, **kw)
+            assert out.tokens == ref.tokens, (spec, prompts)
+            np.testing.assert_allclose(out.logprob_array, ref.logprob_array, atol=1e-5)
+            assert streamed == plain_stream, spec
+            for row, st in enumerate(out.speculative):
+                assert st.accepted <= st.proposed
+                assert st.accepted + st.verifications <= out.lengths[row]

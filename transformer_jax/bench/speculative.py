@@ -49,11 +49,25 @@ def free_workload(ids: np.ndarray, count: int, passage: int, rng: Any) -> list[l
     return [ids[s:s + passage].tolist() for s in starts]
 
 
+def describe(config: Any, params: Any) -> str:
+    """A model's shape in a few words: layers, widths, heads, parameters."""
+    import jax
+
+    count = sum(x.size for x in jax.tree.leaves(params))
+    return (f"{config.n_layers} layers, d_model {config.d_model}, {config.n_heads} heads "
+            f"({config.n_kv_heads or config.n_heads} kv), FFN {config.d_ff}, "
+            f"{count / 1e6:.1f}M parameters")
+
+
 def build_parser() -> argparse.ArgumentParser:
     a = args_lib
     p = argparse.ArgumentParser(prog="transformer-jax bench speculative",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="the target (a run or HF directory)")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--checkpoint", help="the target (a run or HF directory)")
+    target.add_argument("--config", type=a.model_config, help="a target of this preset or "
+                        "TOML with random weights (its outputs repeat: the loop's cost at an "
+                        "acceptance near 1; random prompts)")
     p.add_argument("--draft", help="a draft model's run or HF directory (the draft mode)")
     p.add_argument("--text", help="a text file the prompts are cut from (default: random ids)")
     p.add_argument("--workload", choices=("repeat", "free"), default="repeat")
@@ -78,13 +92,20 @@ def main(argv: list[str]) -> int:
     from transformer_jax.decode import generation
     from transformer_jax.decode import loop as decode
     from transformer_jax.decode.speculative_loop import DraftModel
+    from transformer_jax.model.config import ModelConfig
+    from transformer_jax.model.transformer import init_params
 
     args = build_parser().parse_args(argv)
     modes = (args.modes or ("plain,ngram,draft" if args.draft else "plain,ngram")).split(",")
     if "draft" in modes and not args.draft:
         raise SystemExit("the draft mode needs --draft")
-    loaded = load(args.checkpoint)
-    config, weights = loaded.config, decode.prepare(loaded.config, loaded.params)
+    if args.checkpoint:
+        loaded = load(args.checkpoint)
+        config, params, tokenizer = loaded.config, loaded.params, loaded.tokenizer
+    else:
+        config, tokenizer = ModelConfig.preset(args.config), None
+        params = init_params(config, jax.random.key(args.seed))
+    weights = decode.prepare(config, params)
     draft = None
     if "draft" in modes:
         d = load(args.draft)
@@ -93,11 +114,11 @@ def main(argv: list[str]) -> int:
     rng = np.random.default_rng(args.seed)
     sep: list[int] = []
     if args.text:
-        if loaded.tokenizer is None:
+        if tokenizer is None:
             raise SystemExit("--text needs the checkpoint's tokenizer")
         with open(args.text) as f:
-            ids = np.asarray(loaded.tokenizer.encode(f.read()), np.int64)
-        sep = loaded.tokenizer.encode("\n\n")
+            ids = np.asarray(tokenizer.encode(f.read()), np.int64)
+        sep = tokenizer.encode("\n\n")
     else:
         ids = rng.integers(0, config.vocab_size, 100_000)
     if args.workload == "repeat":
@@ -126,12 +147,15 @@ def main(argv: list[str]) -> int:
                     stats[mode] += out.speculative
         if any(o != outs[modes[0]] for o in outs.values()):
             raise SystemExit(f"request {i}: the modes' tokens differ")
-    result: dict[str, Any] = {"checkpoint": args.checkpoint, "draft": args.draft,
+    target = args.checkpoint or f"random {args.config}"
+    result: dict[str, Any] = {"checkpoint": target, "draft": args.draft,
                               "dtype": config.dtype, "backend": jax.default_backend(),
                               "args": vars(args), "modes": {}}
-    print(f"{args.checkpoint} ({config.n_layers} layers, d_model {config.d_model}, "
-          f"{config.dtype}, {jax.default_backend()}), batch 1, {args.requests} requests, "
-          f"workload {args.workload}: prompts of {len(prompts[0])} tokens, {args.output} new")
+    print(f"{target} ({describe(config, weights.params)}, {config.dtype}, "
+          f"{jax.default_backend()}), batch 1, {args.requests} requests, workload "
+          f"{args.workload}: prompts of {len(prompts[0])} tokens, {args.output} new")
+    if draft is not None:
+        print(f"draft {args.draft} ({describe(draft.config, draft.weights.params)})")
     for mode in modes:
         r: dict[str, Any] = {"tokens": tokens[mode], "seconds": seconds[mode],
                              "tokens_per_s": tokens[mode] / seconds[mode]}

@@ -130,8 +130,9 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         The constraints are advanced in place.
       speculative: speculative decoding (``decode.speculative``): a spec string
         (``"ngram:k=4"``, ``"draft:PATH:k=4"``) or a ``SpeculativeConfig``. The same tokens
-        as without (greedy and sampled, for the same seeds), from a host loop that verifies
-        up to k proposals per row in one forward (``decode.speculative_loop``); one device,
+        as without (greedy and sampled, for the same seeds), from one jitted device loop
+        that proposes up to k tokens per row and verifies them in one forward
+        (``decode.speculative_loop``); one device,
         no constraints, no sliding-window layers.
       draft: a ``speculative_loop.DraftModel`` for a ``"draft"`` spec (default: loaded
         from the spec's path).

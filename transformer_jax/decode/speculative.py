@@ -164,6 +164,45 @@ def ngram_lookup(context: Sequence[int] | np.ndarray, k: int, n: int = 3,
     return []
 
 
+def ngram_propose(seq: jax.Array, length: jax.Array, k: int, n: int = 3, min_n: int = 1
+                  ) -> tuple[jax.Array, jax.Array]:
+    """``ngram_lookup`` for B rows at once, in ``jnp`` with fixed shapes (inside the device
+    loop): the k tokens that followed the latest earlier occurrence of each row's last m
+    tokens, m from ``n`` down to ``min_n``.
+
+    Args:
+      seq: [B, S] int32 each row's sequence so far (prompt + output) in its first ``length``
+        entries (anything after).
+      length: [B] int32 the rows' lengths L, each in [1, S].
+      k, n, min_n: static, as ``ngram_lookup``'s.
+
+    Returns:
+      ([B, k] int32 proposals, [B] bool whether the row found a match; without one its
+      proposals are meaningless).
+    """
+    b, s = seq.shape
+    j = jnp.arange(s, dtype=jnp.int32)
+    length = length.astype(jnp.int32)
+    found = jnp.zeros((b,), bool)
+    start = jnp.zeros((b,), jnp.int32)  # where the proposals begin in seq
+    for m in range(n, min_n - 1, -1):  # the longest suffix first
+        eq = jnp.ones((b, s), bool)
+        for i in range(m):  # window j matches at offset i: seq[j + i] == seq[L - m + i]
+            shifted = jnp.pad(seq[:, i:], ((0, 0), (0, i)), constant_values=-1)
+            want = jnp.take_along_axis(seq, jnp.maximum(length - m + i, 0)[:, None], axis=1)
+            eq &= shifted == want
+        # windows ending before the suffix itself (starts 0 .. L - m - 1), when m <= L - 1
+        valid = (j[None] <= (length - 1 - m)[:, None]) & (m <= length - 1)[:, None]
+        last = jnp.max(jnp.where(eq & valid, j[None], -1), axis=1)
+        take = ~found & (last >= 0)
+        start = jnp.where(take, last + m, start)
+        found |= take
+    # a match near the end continues its own period p = L - start (LZ77's overlapping copy)
+    period = jnp.maximum(length - start, 1)
+    index = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None] % period[:, None]
+    return jnp.take_along_axis(seq, jnp.minimum(index, s - 1), axis=1), found
+
+
 @dataclasses.dataclass
 class NgramProposer:
     """The n-gram prompt-lookup proposer (no model): ``ngram_lookup`` per row."""
@@ -285,6 +324,37 @@ class Acceptance:
         """Mean tokens kept per verification, the target's own token included."""
         return (self.accepted + self.verifications) / self.verifications \
             if self.verifications else 0.0
+
+
+def backoff_budget(rate: jax.Array, paused: jax.Array, active: jax.Array
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``Acceptance.budget`` for B rows at once, in ``jnp`` (the device loop's back-off).
+
+    Args:
+      rate: [B] float32 each row's recent acceptance; paused: [B] int32 steps left paused.
+      active: [B] bool rows that ask for a budget this step (others are left as they are).
+
+    Returns:
+      ([B] bool may the row propose now, the new rate, the new paused).
+    """
+    was_paused = active & (paused > 0)
+    paused = jnp.where(was_paused, paused - 1, paused)
+    rate = jnp.where(was_paused & (paused == 0), 0.5 * (rate + 1.0), rate)
+    return active & ~was_paused, rate, paused
+
+
+def backoff_record(rate: jax.Array, paused: jax.Array, proposed: jax.Array,
+                   accepted: jax.Array, acceptance: Acceptance | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+    """``Acceptance.record`` for B rows at once, in ``jnp``: [B] rate and paused after a
+    verification of [B] ``proposed`` tokens of which [B] ``accepted`` were kept (rows with
+    nothing proposed are left as they are); floor, cooldown and decay from ``acceptance``."""
+    a = Acceptance() if acceptance is None else acceptance
+    has = proposed > 0
+    new = a.decay * rate + (1 - a.decay) * accepted / jnp.maximum(proposed, 1)
+    rate = jnp.where(has, new, rate)
+    paused = jnp.where(has & (rate < a.floor), a.cooldown, paused)
+    return rate, paused
 
 
 def expected_tokens(rate: float, k: int) -> float:
