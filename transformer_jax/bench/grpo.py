@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -296,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(statistics.median(theirs) / statistics.median(mine))
             print(f"round {r + 1}: ours {statistics.median(mine):.3f} s/step, TRL "
                   f"{statistics.median(theirs):.3f} s/step (medians of {len(mine)} and "
-                  f"{len(theirs)} steps); ratio {rounds[-1]:.2f}")
+                  f"{len(theirs)} steps); ratio {rounds[-1]:.2f}; load average "
+                  f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
             our_times += mine
             trl_times += theirs
         ours_rate = 60 / statistics.median(our_times)
