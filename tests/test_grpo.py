@@ -153,6 +153,40 @@ def test_engine_logps_equal_the_trainers(loaded):
     assert gap < 1e-5, gap
 
 
+def test_the_update_runs_at_the_batchs_bucket_and_changes_nothing(loaded):
+    """A step's batch is as long as its longest row's bucket (powers of two from 16, at most
+    train.seq_len), so the update compiles once per bucket; its objective, gradient and
+    log-probs equal those of the batch padded to seq_len."""
+    assert grpo_run.batch_length([np.zeros(5)], [[1] * 4], 512) == 16  # rows of 8 tokens
+    assert grpo_run.batch_length([np.zeros(9), np.zeros(3)], [[1] * 8, [1]], 512) == 16
+    assert grpo_run.batch_length([np.zeros(9)], [[1] * 9], 512) == 32  # 17
+    assert grpo_run.batch_length([np.zeros(40)], [[1] * 9], 48) == 48  # at most seq_len
+    ckpt, prompts = loaded
+    tc = TrainConfig(objective="grpo", reward="m:f", batch_size=8, grpo_group_size=4,
+                     grpo_max_tokens=6, seq_len=64)
+    engine = grpo_run.make_engine(ckpt.config, ckpt.params, tc, 18)
+    rows, completions, lps, _ = grpo_run.sample(engine, prompts[:2], tc, 0, eos_id=-1)
+    t = grpo_run.batch_length(rows, completions, tc.seq_len)
+    longest = max(len(r) + len(c) for r, c in zip(rows, completions, strict=True)) - 1
+    assert t in (16, 32) and longest <= t < tc.seq_len
+    advantages = np.linspace(-1, 1, 8).astype(np.float32)
+    model = Transformer(ckpt.config)
+    loss_fn = G.make_grpo_loss_fn(model, lambda p: p, loss_type="token", clip_eps=0.2,
+                                  kl_beta=0.1, max_tokens=6)
+    out = []
+    for length in (t, tc.seq_len):
+        batch = grpo_run.grpo_batch(rows, completions, lps, advantages, length)
+        batch["ref_logps"] = batch["old_logps"] * 1.1
+        logps = np.asarray(G.make_logps_fn(model)(ckpt.params, batch))[:, :t]
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(ckpt.params, batch)
+        out.append((logps * batch["mask"][:, :t], loss, aux[2], grads))
+    np.testing.assert_allclose(out[0][0], out[1][0], atol=1e-6)
+    np.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-5)
+    assert out[0][2] == out[1][2] == 8 * 6  # the same completion tokens counted
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), out[0][3],
+                 out[1][3])  # float32 sums over 16 or 64 positions
+
+
 def test_weight_refresh_changes_outputs_and_compiles_nothing(loaded):
     ckpt, prompts = loaded
     tc = TrainConfig(objective="grpo", reward="m:f", batch_size=4, grpo_group_size=4,
@@ -251,6 +285,7 @@ def test_grpo_resume_is_exact(setup, tmp_path, monkeypatch):
     ma, mb = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
     assert [[m[k] for k in keys] for m in ma] == [[m[k] for k in keys] for m in mb]
     assert mb[0]["kl"] == pytest.approx(0, abs=1e-6) and mb[1]["kl"] > 0  # moved off the ref
+    assert {m["batch_len"] for m in ma + mb} <= {16, 24}  # train.seq_len=24's buckets
 
 
 def test_grpo_cli_lora_on_a_two_device_mesh(setup, tmp_path):

@@ -469,3 +469,19 @@ def test_functions_reject_bad_python_scalars_and_shapes():
         sampling.sample(logits, key, temperature=1.0, top_p=np.full(B + 1, 0.5, np.float32))
     with pytest.raises(ValueError, match="logits"):
         sampling.sample(logits[0], key, temperature=1.0)
+
+
+def test_sequence_keys_of_seeds_are_jax_random_keys():
+    """Per-sequence seeds take a numpy path (no device program per serving request): the same
+    raw key data as ``jax.random.key(seed)``, at the ends of the uint32 range too."""
+    from transformer_jax.decode.prompts import sequence_keys
+
+    seeds = [0, 1, 7, 12345, 2 ** 31 - 1, 2 ** 31, 2 ** 32 - 1]
+    got = sequence_keys(seeds, len(seeds))
+    want = np.stack([np.asarray(jax.random.key_data(jax.random.key(np.uint32(s))))
+                     for s in seeds])
+    assert got.dtype == np.uint32 and got.shape == (len(seeds), 2)
+    np.testing.assert_array_equal(got, want)
+    # An int seed folds in the sequence index, unchanged.
+    np.testing.assert_array_equal(sequence_keys(3, 2)[1], np.asarray(jax.random.key_data(
+        jax.random.fold_in(jax.random.key(3), 1))))

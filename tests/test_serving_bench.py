@@ -112,7 +112,7 @@ def test_the_engine_mode_fails_on_an_engine_that_makes_no_progress():
         steps, idle, pages_in_use, adapter_names = 0, False, 0, ()
 
         class scheduler:
-            idle, running, prefilling, preemptions = False, [], None, 0
+            idle, running, prefilling, preemptions = False, [], [], 0
             describe = staticmethod(lambda: "1 waiting, 0 free pages")
 
         def add_request(self, *args):

@@ -232,7 +232,7 @@ def test_cancel_mid_prefill_waiting_and_mid_decode_frees_everything(engine):
     collect = Collector()
     rid = engine.add_request(long_prompt, SamplingParams(max_tokens=4), collect)
     engine.step()  # its first 16-token chunk
-    req = engine.scheduler.prefilling
+    (req,) = engine.scheduler.prefilling
     assert req is not None and req.id == rid and 0 < req.cached < len(long_prompt)
     assert engine.pages_in_use > 0
     waiting = engine.add_request(short, SamplingParams(max_tokens=4), collect)

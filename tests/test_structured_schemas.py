@@ -165,7 +165,8 @@ def server(tmp_path_factory):
     write_byte_tokenizer(path)
     args = cli.build_parser().parse_args([
         "--checkpoint", str(path), "--slots", "16", "--page-size", "16", "--token-budget", "64",
-        "--min-context", "256", "--compilation-cache", ""])  # one width of step shapes
+        "--min-context", "256", "--compilation-cache", "",  # one width of step shapes
+        "--prefill-rows", "4"])  # replies under grammars whose prompts prefill together
     runner, info, _ = cli.build(args)
     runner.start()
     runner.ready = True

@@ -11,7 +11,9 @@ SFT run (``train.reward=transformer_jax.bench.grpo:exact_match``) for ``--steps`
 reward again; (6) speed: ``--speed-steps`` GRPO steps of ours and of ``trl.GRPOTrainer`` from
 the random HF model (same prompts, batch, G, max completion tokens, temperature 1, beta, clip
 eps, DAPO token normalisation, constant lr), steady-state steps per minute (the first step, which
-compiles, left out of both) and the ratio. Prints the config, the figures and a JSON line.
+compiles, left out of both) and the ratio; ``--rounds`` R runs the two R times in turn (ours,
+TRL, ours, ...) and takes each side's median step time over all its rounds, so that a machine
+shared with other work loads both alike. Prints the config, the figures and a JSON line.
 
 Run: ``python -m transformer_jax.bench grpo [--steps 300] [--sft-steps 60]``.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -159,7 +162,8 @@ def ours(model_dir: Path, prompts: Path, run_dir: Path, steps: int, args: argpar
         f"train.grpo_max_tokens={args.max_tokens}", "train.seq_len=32", f"train.lr={lr}",
         f"train.min_lr={lr}", f"train.grpo_kl_beta={args.beta}", f"train.seed={args.seed}",
         f"train.warmup_steps={min(args.warmup, steps - 1)}",
-        f"train.ckpt_every={ckpt_every}", "train.log_every=10", "train.mesh=1,1,1"])
+        f"train.ckpt_every={ckpt_every}", "train.log_every=10", "train.mesh=1,1,1",
+        f"train.grad_accum={args.grad_accum}"])
     run(model, train, data, progress=False)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -189,12 +193,14 @@ def trl_step_times(model_dir: Path, records: list[dict], args: argparse.Namespac
     dataset = datasets.Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]}
                                           for r in records])
     config = GRPOConfig(
-        output_dir=str(out_dir), per_device_train_batch_size=args.prompts * args.group,
+        output_dir=str(out_dir),
+        per_device_train_batch_size=args.prompts * args.group // args.grad_accum,
         num_generations=args.group, max_completion_length=args.max_tokens, temperature=1.0,
         beta=args.beta, epsilon=0.2, loss_type="dapo", learning_rate=args.lr,
         lr_scheduler_type="constant", warmup_steps=0, max_steps=args.speed_steps,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=args.seed,
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        gradient_accumulation_steps=args.grad_accum, steps_per_generation=args.grad_accum,
+        num_iterations=1,
         disable_tqdm=True, dataloader_num_workers=0)
     trainer = GRPOTrainer(
         model=transformers.AutoModelForCausalLM.from_pretrained(model_dir),
@@ -222,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--eval-samples", type=int, default=16)
     parser.add_argument("--speed-steps", type=int, default=8)
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="micro-batches per update, ours and TRL's alike (one generation "
+                             "of the whole batch per step either way)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="speed: run ours and TRL this many times each, alternating")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", default="", help="comma-separated: learn, speed")
     parser.add_argument("--dir", default="", help="work directory (default: a temporary one)")
@@ -276,19 +287,31 @@ def main(argv: list[str] | None = None) -> int:
                       refresh_share_median=statistics.median(refresh))
     if "speed" not in skip:
         n = args.speed_steps
-        metrics = ours(root / "hf", prompts, root / "speed", n, args, args.lr, 10**6)
-        our_times = [m["time/step_s"] for m in metrics[1:]]
-        trl_times = trl_step_times(root / "hf", records, args, root / "trl")[1:]
-        ours_rate, trl_rate = 60 / np.mean(our_times), 60 / np.mean(trl_times)
-        refresh = [m["time/refresh_share"] for m in metrics[1:]]
-        rollout = [m["time/rollout_share"] for m in metrics[1:]]
-        print(f"speed ({n} steps, first left out; batch {args.prompts * args.group}): ours "
-              f"{ours_rate:.1f} steps/min ({np.mean(our_times):.3f} s/step: rollout "
+        our_times, trl_times, refresh, rollout, rounds = [], [], [], [], []
+        for r in range(args.rounds):
+            metrics = ours(root / "hf", prompts, root / f"speed{r}", n, args, args.lr, 10**6)
+            mine = [m["time/step_s"] for m in metrics[1:]]
+            theirs = trl_step_times(root / "hf", records, args, root / f"trl{r}")[1:]
+            refresh += [m["time/refresh_share"] for m in metrics[1:]]
+            rollout += [m["time/rollout_share"] for m in metrics[1:]]
+            rounds.append(statistics.median(theirs) / statistics.median(mine))
+            print(f"round {r + 1}: ours {statistics.median(mine):.3f} s/step, TRL "
+                  f"{statistics.median(theirs):.3f} s/step (medians of {len(mine)} and "
+                  f"{len(theirs)} steps); ratio {rounds[-1]:.2f}; load average "
+                  f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+            our_times += mine
+            trl_times += theirs
+        ours_rate = 60 / statistics.median(our_times)
+        trl_rate = 60 / statistics.median(trl_times)
+        print(f"speed ({args.rounds} rounds of {n} steps each, first left out; batch "
+              f"{args.prompts * args.group}; median step): ours {ours_rate:.1f} steps/min "
+              f"({statistics.median(our_times):.3f} s/step: rollout "
               f"{100 * np.mean(rollout):.0f}%, refresh {100 * np.mean(refresh):.2f}%), TRL "
-              f"GRPOTrainer {trl_rate:.1f} steps/min ({np.mean(trl_times):.3f} s/step); ratio "
-              f"{ours_rate / trl_rate:.2f}")
+              f"GRPOTrainer {trl_rate:.1f} steps/min ({statistics.median(trl_times):.3f} "
+              f"s/step, fastest {min(trl_times):.3f}); ratio {ours_rate / trl_rate:.2f}")
         result.update(ours_steps_per_min=ours_rate, trl_steps_per_min=trl_rate,
-                      ratio=ours_rate / trl_rate, speed_refresh_share=float(np.mean(refresh)))
+                      ratio=ours_rate / trl_rate, round_ratios=rounds,
+                      speed_refresh_share=float(np.mean(refresh)))
     print(json.dumps(result))
     return 0
 

@@ -80,7 +80,7 @@ def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None
         if engine.steps == ran and not sched.idle:  # a stuck engine fails, it does not spin
             raise RuntimeError(f"the engine cannot make progress: {sched.describe()}")
         peak_running = max(peak_running,
-                           len(sched.running) + (sched.prefilling is not None))
+                           len(sched.running) + len(sched.prefilling))
         peak_pages = max(peak_pages, engine.pages_in_use)
     out = summarize(records, start)
     out.update(records=records, peak_running=peak_running, peak_pages=peak_pages,

@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "memory; default: --pages)")
     e.add_argument("--token-budget", type=int, default=0, help="most tokens per step: a "
                    "decode row per slot plus a prefill chunk (default: 0, slots + 256)")
+    e.add_argument("--prefill-rows", type=int, default=1, help="most prompts whose chunks one "
+                   "step prefills together (a burst of short prompts in one step); each R > 1 "
+                   "within the token budget is more step shapes to compile (at the default "
+                   "budget, 16 per page-table width instead of 6) (default: %(default)s)")
     e.add_argument("--min-context", type=int, help="narrowest page table a step attends over, "
                    "in positions; each power-of-two width from it to the context is one more "
                    "set of step shapes to compile (the context itself: one set, fastest start, "
@@ -115,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("slots", "page_size", "max_requests"):
+    for name in ("slots", "page_size", "max_requests", "prefill_rows"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
                              f"{getattr(args, name)}")
@@ -247,7 +251,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                     prefix_caching=not args.no_prefix_caching, cache_dtype=args.cache_dtype,
                     min_context=min(args.min_context or MIN_CONTEXT, config.max_seq_len),
                     tokenizer=loaded.tokenizer, quant=args.quant, adapters=adapters or None,
-                    draft=draft)
+                    max_prefill_rows=args.prefill_rows, draft=draft)
     if draft is not None:
         engine.speculation.draft.path = spec.draft  # requests name it as --speculative does
     t = time.perf_counter()

@@ -58,7 +58,7 @@ class Metrics:
     def observe_engine(self, engine: Any, in_flight: int) -> None:
         """Sets the gauges from the engine's scheduler (called on the engine thread)."""
         sched = engine.scheduler
-        running = len(sched.running) + (sched.prefilling is not None)
+        running = len(sched.running) + len(sched.prefilling)
         self.running.set(running)
         self.waiting.set(max(0, in_flight - running))
         self.pages_used.set(engine.pages_in_use)

@@ -3,10 +3,10 @@
 ``Engine`` owns a model's prepared weights, B sequence slots and a pool of KV pages.
 ``add_request`` and ``cancel`` may be called from any thread: they are queued under a lock and
 applied between steps. Each ``step`` runs the compiled programs of ``step.py``: a decode token
-for every running sequence and, within the token budget, a chunk of a waiting prompt (long
-prompts go in over several steps, so they do not stall the running sequences); then each new
-token goes to its request's consumer. The scheduling (slots, pages, preemption, prefix reuse) is
-``scheduler.py``'s.
+for every running sequence and, within the token budget, chunks of waiting prompts, several
+prompts' in one batch (long prompts go in over several steps, so they do not stall the running
+sequences); then each new token goes to its request's consumer. The scheduling (slots, pages,
+preemption, prefix reuse) is ``scheduler.py``'s.
 
 A request decodes what ``generation.generate`` gives its prompt alone: the same forward, the
 same sampling functions and draws (its key is ``generate(..., seed=[seed])``'s, token i drawn
@@ -79,8 +79,9 @@ class Engine:
       num_pages: P pages in the pool, page 0 included (the null page); the pool holds
         ``(P - 1) * page_size`` positions of every layer.
       page_size: positions per page.
-      token_budget: the most tokens one step runs: B decode rows plus a prefill chunk of up to
-        ``token_budget - B`` tokens.
+      token_budget: the most tokens one step runs: B decode rows plus prompt chunks of up to
+        ``token_budget - B`` tokens, padding included (``scheduler``: R chunk rows padded to a
+        power of two, times the longest chunk's bucket).
       mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1), as ``generate``
         takes it: each step runs tensor-parallel over it, every device holding its block of
         the weights and K/T kv heads of every page (weights prepared for another mesh are an
@@ -105,6 +106,8 @@ class Engine:
       draft: optional draft model for speculative decoding (a ``DraftModel`` or a checkpoint
         path): requests with ``speculative="draft:..."`` verify its proposals; its pages
         mirror the pool's (``serving.draft``).
+      max_prefill_rows: the most prompts one step prefills (default: as many as the token
+        budget holds; 1 prefills one prompt at a time, compiling fewer chunk shapes).
 
     Raises:
       ValueError: for sizes out of range, an unknown ``cache_dtype`` or ``view`` (naming
@@ -118,7 +121,8 @@ class Engine:
                  min_context: int = MIN_CONTEXT, view: str = "auto",
                  tokenizer: Any = None, quant: str | None = None,
                  adapters: Mapping[str, tuple[Any, LoraConfig]] | None = None,
-                 draft: Any = None) -> None:
+                 draft: Any = None,
+                 max_prefill_rows: int | None = None) -> None:
         for name, value in (("num_slots", num_slots), ("num_pages", num_pages),
                             ("page_size", page_size), ("token_budget", token_budget),
                             ("min_context", min_context)):
@@ -179,7 +183,7 @@ class Engine:
             prefix_caching = False
         self.scheduler = Scheduler(num_slots, num_pages, page_size, config.max_seq_len,
                                    token_budget - num_slots, prefix_caching, min_context,
-                                   forks=self._rings is None)
+                                   forks=self._rings is None, max_prefill_rows=max_prefill_rows)
         self._lock = threading.Lock()
         self._pending: list[tuple[str, Any]] = []
         self._ids = itertools.count()
@@ -328,14 +332,14 @@ class Engine:
                     keys_transposed=self.keys_transposed)
             logits = self._forward(decode, None) if plan.decodes else None
             rows = rows.replace(allowed=sched.grammar_masks(plan, self.config.vocab_size))
-            forks = step_lib.row_slice(rows, b, b + 1 + len(plan.forks))
-            chunk = None if prefill is None else step_lib.sample_jit(
-                *step_lib.fork_rows(chunk_logits, forks), sampler)
+            chunk = None if prefill is None else step_lib.sample_from_jit(
+                chunk_logits, sched.sources(plan),
+                step_lib.row_slice(rows, b, b + plan.sample_rows), sampler)
             rows_out = None if logits is None else step_lib.sample_jit(
                 logits, step_lib.row_slice(rows, 0, b), sampler)
         else:
             chunk = None if prefill is None else self._run(
-                None, prefill, step_lib.row_slice(rows, b, b + 1), sampler)
+                None, prefill, step_lib.row_slice(rows, b, b + plan.sample_rows), sampler)
             started = time.perf_counter()  # the decode rows' time, after the chunk's dispatch
             verify = self.speculation.dispatch(plan, rows, sampler) if plan.decodes else None
             rows_out = (self._run(decode, None, step_lib.row_slice(rows, 0, b), sampler)
@@ -404,29 +408,19 @@ class Engine:
 
     def compile(self, structured: bool = False, speculative: int = 0) -> int:
         """Compiles the step programs a greedy load runs by running each once on idle rows
-        (which write only into the null page): the decode rows, and a chunk of each prefill
-        bucket, at every page-table width. With ``structured``, also the forward and masked
-        sampling programs of greedy steps with grammar rows (and the grammars' tokenizer).
+        (which write only into the null page): the decode rows, and the chunks of each (rows,
+        bucket) shape, at every page-table width (``Scheduler.idle_inputs``). With
+        ``structured``, also the forward and masked sampling programs of greedy steps with
+        grammar rows (and the grammars' tokenizer).
         Sampling steps compile on first use. With ``speculative`` k, also the greedy verify
         programs of up to k proposals (``serving.speculation``).
 
         Returns:
           The number of step shapes run.
         """
-        sched = self.scheduler
-        b = sched.num_slots
-        shapes: list[tuple[step_lib.DecodeRows | None, step_lib.PrefillChunk | None]] = []
-        ids = (lambda n: None) if self._adapters is None else (lambda n: np.zeros(n, np.int32))
-        for w in sched.widths:
-            shapes.append((step_lib.DecodeRows(np.zeros(b, np.int32), np.zeros(b, np.int32),
-                                               np.zeros((b, w), np.int32), ids(b)), None))
-            for bucket in sched.buckets:
-                shapes.append((None, step_lib.PrefillChunk(
-                    np.zeros((1, bucket), np.int32), np.zeros(1, np.int32),
-                    np.zeros((1, w), np.int32), np.zeros(1, np.int32),
-                    None if self._rings is None else np.zeros(1, np.int32), ids(1))))
+        shapes = self.scheduler.idle_inputs(self._rings is not None, self._adapters is not None)
         for decode_rows, chunk in shapes:
-            n = b if chunk is None else 1
+            n = len(decode_rows.tokens) if chunk is None else len(chunk.start)
             sampling = step_lib.RowSampling(
                 np.zeros((n, 2), np.uint32), np.zeros(n, np.int32), np.zeros(n, np.float32),
                 np.full(n, self.config.vocab_size, np.int32), np.ones(n, np.float32),

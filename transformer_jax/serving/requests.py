@@ -128,13 +128,16 @@ class SamplingParams:
 def _is_collection(x: Any, arrays: bool = False) -> bool:
     """A sequence (not a string) or a set (or, with ``arrays``, a numpy array): what a
     list-valued setting takes."""
+    if type(x) in (tuple, list):  # the usual case, without the ABCs' checks
+        return True
     kinds = (Sequence, AbstractSet, np.ndarray) if arrays else (Sequence, AbstractSet)
     return isinstance(x, kinds) and not isinstance(x, (str, bytes))
 
 
 def _is_real(x: Any) -> bool:
     """A real scalar (an int or float, numpy's included), not a bool or an array."""
-    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+    return type(x) in (float, int) or (isinstance(x, numbers.Real)
+                                       and not isinstance(x, (bool, np.bool_)))
 
 
 @dataclasses.dataclass(frozen=True)

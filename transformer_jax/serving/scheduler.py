@@ -6,13 +6,18 @@ Each step it plans (``schedule``):
    none (after evicting parked prefix pages) preempts the newest request holding pages, itself
    included: that request's pages are released and it is queued again, to be recomputed from
    its prompt and the tokens it already has (nothing fails, nothing is sent twice);
-2. within the token budget, a chunk of the prompt in prefill: the one being prefilled, or the
-   oldest waiting request when a slot is free and the pool has pages for its whole prompt
-   (after the full pages the prefix cache already holds for it, which it shares);
+2. within the token budget, prompt chunks, several prompts' at once: the next chunk of each
+   prompt in prefill (oldest first), then of the oldest waiting requests while a slot is free and
+   the pool has pages for the whole prompt (after the full pages the prefix cache already holds
+   for it, which it shares, and the pages the prompts in prefill still need). The chunks run as
+   one [R, C] batch, R rows padded to a power of two and C to the longest chunk's bucket, and
+   take chunks while R C stays within the budget (``max_chunk``), so a step of many short
+   prompts costs one program, and the compiled shapes are the few (R, C) with R C <= budget;
 3. with the last chunk of a prompt, the forks: waiting requests with the very same tokens (the
    ``n`` choices of one API request, or the same prompt sent again) take a free slot each, share
    the prompt's full pages, get a copy of its last, partial page, and draw their first token from
-   the same logits with their own key, so the prompt is computed once for all of them.
+   the same logits with their own key, so the prompt is computed once for all of them (a waiting
+   request with the tokens of a prompt still in prefill is not admitted: it forks from it).
 
 Then ``commit_prefill`` and ``commit_decodes`` take the step's tokens: a prompt whose last chunk
 ran gets its first, running requests get theirs, finished requests give back their pages and
@@ -23,53 +28,26 @@ numpy; ``step.py`` runs the device part.
 from __future__ import annotations
 
 import bisect
-import dataclasses
+import functools
 
 import numpy as np
 
 from transformer_jax.serving.grammar import fill_mask
 from transformer_jax.serving.page_pool import NULL_PAGE, PagePool, pages_for
+from transformer_jax.serving.plan import (
+    Chunk,
+    StepPlan,
+    chunk_buckets,
+    row_bucket,
+    row_sampling,
+    width_buckets,
+)
 from transformer_jax.serving.prefix_cache import PrefixCache, page_digests
-from transformer_jax.serving.requests import MAX_TOP_LOGPROBS, Request, State, TokenEvent
+from transformer_jax.serving.requests import Request, State, TokenEvent
 from transformer_jax.serving.step import DecodeRows, PrefillChunk, RowSampling, Sampler
-
-
-def chunk_buckets(max_chunk: int, smallest: int = 16) -> tuple[int, ...]:
-    """The padded prefill chunk lengths: powers of two from ``smallest`` below ``max_chunk``,
-    then ``max_chunk`` (a chunk of c tokens runs in the smallest bucket >= c)."""
-    buckets, b = [], min(smallest, max_chunk)
-    while b < max_chunk:
-        buckets.append(b)
-        b *= 2
-    return (*buckets, max_chunk)
-
-
-def width_buckets(pages_per_seq: int, smallest: int) -> tuple[int, ...]:
-    """The page-table widths a step runs at: powers of two from ``smallest`` below
-    ``pages_per_seq``, then ``pages_per_seq``."""
-    return chunk_buckets(pages_per_seq, smallest)
-
 
 #: The narrowest page table a step runs at by default, in positions (see ``Scheduler``).
 MIN_CONTEXT = 128
-
-
-@dataclasses.dataclass
-class StepPlan:
-    """What one step runs: decode rows for ``decodes`` (each in its slot), their pages through a
-    table ``width`` pages wide, and optionally ``chunk`` tokens of ``prefill``'s prompt from
-    position ``start``, padded to ``bucket``, its pages through a table ``chunk_width`` wide
-    (the two run as separate programs, so a long prompt does not widen the decode rows')."""
-
-    decodes: list[Request]
-    prefill: Request | None = None
-    start: int = 0
-    chunk: int = 0
-    bucket: int = 0
-    width: int = 0
-    chunk_width: int = 0
-    forks: list[Request] = dataclasses.field(default_factory=list)
-    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -85,6 +63,8 @@ class Scheduler:
       forks: whether requests waiting with the tokens of a prompt whose last chunk runs fork
         from it (see the module docstring; the engine turns it off for models whose local
         layers keep per-slot rings, which a fork would not copy).
+      max_prefill_rows: the most prompt chunks one step runs (None: as many as the budget
+        holds; 1: one prompt at a time).
       min_context: the narrowest page table a step runs at, in positions. A step attends over
         its rows' first W pages, W the smallest width bucket (powers of two from this) that
         holds its longest row, so short sequences do not read the whole context
@@ -94,9 +74,11 @@ class Scheduler:
 
     def __init__(self, num_slots: int, num_pages: int, page_size: int, max_len: int,
                  max_chunk: int, prefix_caching: bool = True,
-                 min_context: int = MIN_CONTEXT, forks: bool = True) -> None:
+                 min_context: int = MIN_CONTEXT, forks: bool = True,
+                 max_prefill_rows: int | None = None) -> None:
         self.num_slots = num_slots
         self.forks = forks
+        self.max_prefill_rows = max_prefill_rows
         self.page_size = page_size
         self.pages_per_seq = pages_for(max_len, page_size)
         self.buckets = chunk_buckets(max_chunk)
@@ -108,9 +90,10 @@ class Scheduler:
         self.slots: list[Request | None] = [None] * num_slots
         self.waiting: list[Request] = []  # by id (arrival order), preempted ones included
         self.running: list[Request] = []  # by id
-        self.prefilling: Request | None = None
+        self.prefilling: list[Request] = []  # in admission order
         self.preemptions = 0
         self.forked = 0  # requests that drew their first token from another's prefill
+        self._twins: dict[tuple, list[Request]] | None = None  # ``_fork``'s index of a step
 
     # Queues ----------------------------------------------------------------------------------
 
@@ -129,7 +112,7 @@ class Scheduler:
     def describe(self) -> str:
         """One line of the queues and the pool, for logs and errors."""
         return (f"{len(self.waiting)} waiting, {len(self.running)} running, prefilling "
-                f"{self.prefilling.id if self.prefilling else None}, "
+                f"{[r.id for r in self.prefilling]}, "
                 f"{self.prefix.num_available} of {self.pool.capacity} pages available")
 
     def submit(self, req: Request) -> None:
@@ -151,25 +134,59 @@ class Scheduler:
         for req in list(self.running):
             if req.state == State.RUNNING and self._grow(req, req.cached + 1, preempt=True):
                 decodes.append(req)
-        plan = StepPlan(decodes)
-        req = self.prefilling or self._admit()
-        if req is not None:
-            chunk = min(req.prefill_target - req.cached, self.buckets[-1])
-            # Pages for as much of the chunk as the pool allows (a prefill never preempts).
-            have = len(req.pages) + self.prefix.num_available
-            chunk = min(chunk, have * self.page_size - req.cached)
-            if chunk > 0 and self._grow(req, req.cached + chunk, preempt=False):
-                plan.prefill, plan.start, plan.chunk = req, req.cached, chunk
-                plan.bucket = self.buckets[bisect.bisect_left(self.buckets, chunk)]
-                if self.forks and req.cached + chunk == req.prefill_target:
-                    self._fork(plan)
-        if not plan.decodes and plan.prefill is None:
+        plan, self._twins = StepPlan(decodes), None
+        for req in list(self.prefilling):
+            self._add_chunk(plan, req)
+        while self._fits(plan, self.buckets[-1] if not self.waiting else
+                         min(len(self.waiting[0].tokens), self.buckets[-1])):
+            req = self._admit()
+            if req is None or not self._add_chunk(plan, req):
+                break
+        if not plan.decodes and not plan.chunks:
             return None
         if plan.decodes:
             plan.width = self._width(max(len(r.pages) for r in plan.decodes))
-        if plan.prefill is not None:
-            plan.chunk_width = self._width(len(plan.prefill.pages))
+        if plan.chunks:
+            plan.rows = row_bucket(len(plan.chunks))
+            plan.bucket = self._bucket(max(c.length for c in plan.chunks))
+            plan.chunk_width = self._width(max(len(c.req.pages) for c in plan.chunks))
         return plan
+
+    def _bucket(self, length: int) -> int:
+        """The smallest chunk bucket that holds ``length`` tokens."""
+        return self.buckets[bisect.bisect_left(self.buckets, length)]
+
+    def _fits(self, plan: StepPlan, length: int) -> bool:
+        """Whether a chunk of ``length`` tokens joins ``plan``'s within the budget: rows
+        padded to a power of two, times the bucket of the longest chunk."""
+        n = len(plan.chunks) + 1
+        if self.max_prefill_rows is not None and n > self.max_prefill_rows:
+            return False
+        longest = max([length, *(c.length for c in plan.chunks)])
+        return row_bucket(n) * self._bucket(longest) <= self.buckets[-1]
+
+    def _owed(self, before: Request | None = None) -> int:
+        """Pages the prompts in prefill (those admitted before ``before``, when given) still
+        need for the rest of their prompts."""
+        n = len(self.prefilling) if before is None else self.prefilling.index(before)
+        return sum(max(0, pages_for(r.prefill_target, self.page_size) - len(r.pages))
+                   for r in self.prefilling[:n])
+
+    def _add_chunk(self, plan: StepPlan, req: Request) -> bool:
+        """Adds the next chunk of ``req`` (in prefill) to ``plan`` when it fits the budget and
+        the pool has pages for some of it (a prefill never preempts, and leaves the pages owed
+        to older prompts in prefill); with its last chunk, its forks. Whether it was added."""
+        chunk = min(req.prefill_target - req.cached, self.buckets[-1])
+        have = len(req.pages) + self.prefix.num_available - self._owed(before=req)
+        chunk = min(chunk, have * self.page_size - req.cached)
+        if chunk <= 0 or not self._fits(plan, chunk):
+            return False
+        if not self._grow(req, req.cached + chunk, preempt=False):
+            return False
+        plan.chunks.append(Chunk(req, req.cached, chunk))
+        if self.forks and req.cached + chunk == req.prefill_target:
+            self._fork(plan, plan.chunks[-1])
+        return True
 
     def _width(self, pages: int) -> int:
         """The narrowest page-table width bucket that holds ``pages``."""
@@ -177,15 +194,20 @@ class Scheduler:
 
     def _admit(self) -> Request | None:
         """The oldest waiting request, given a free slot and its prefix pages, when the pool
-        can hold its whole prompt; else None."""
+        can hold its whole prompt besides the pages owed to the prompts in prefill; else None
+        (and None when it has the tokens of a prompt in prefill: it will fork from it)."""
         if not self.waiting or None not in self.slots:
             return None
         req = self.waiting[0]
         target = len(req.tokens)
+        if self.forks and any(r.prefill_target == target and r.adapter == req.adapter
+                              and r.tokens[:target] == req.tokens for r in self.prefilling):
+            return None
         req.digests = page_digests(req.tokens, self.page_size, req.digests, req.digest_root)
         # The prompt's last token is always computed: its logits give the next token.
         shared = self.prefix.match(req.digests[:(target - 1) // self.page_size])
-        if pages_for(target, self.page_size) - len(shared) > self.prefix.num_available:
+        if (pages_for(target, self.page_size) - len(shared)
+                > self.prefix.num_available - self._owed()):
             self.prefix.release(shared)
             return None
         self.waiting.pop(0)
@@ -196,34 +218,39 @@ class Scheduler:
         req.named = len(shared)
         req.prefix_hit_tokens += req.cached
         self.page_table[slot, :len(shared)] = shared
-        self.prefilling = req
+        self.prefilling.append(req)
         return req
 
-    def _fork(self, plan: StepPlan) -> None:
-        """Admits, as ``plan.forks``, the waiting requests whose tokens are the prefilling
+    def _fork(self, plan: StepPlan, chunk: Chunk) -> None:
+        """Admits, as ``chunk.forks``, the waiting requests whose tokens are the chunk's
         prompt's (same adapter): each takes a free slot, holds the prompt's full pages once
         more and gets a fresh page for its last, partial one (``plan.copies``: (source,
-        destination) pages the engine copies after the chunk's forward), while slots and pages
-        last. Their first tokens come from the chunk's logits (``commit_prefill``)."""
-        leader = plan.prefill
+        destination) pages the engine copies after the chunks' forward), while slots and pages
+        (besides those owed to prompts in prefill) last. Their first tokens come from the
+        chunk's logits (``commit_prefill``)."""
+        leader = chunk.req
         target = leader.prefill_target
         full = target // self.page_size
-        tokens = leader.tokens[:target]
-        for req in list(self.waiting):
+        owed, taken = self._owed(), set()
+        if self._twins is None:  # the waiting requests by (adapter, tokens), once a step
+            self._twins = {}
+            for req in self.waiting:
+                self._twins.setdefault((req.adapter, tuple(req.tokens)), []).append(req)
+        for req in self._twins.get((leader.adapter, tuple(leader.tokens[:target])), []):
             if None not in self.slots:
-                return
-            if (len(req.tokens) != target or req.adapter != leader.adapter
-                    or req.tokens != tokens):
+                break
+            if req.state != State.WAITING:  # admitted or forked since
                 continue
             fresh: list[int] = []
             if full < len(leader.pages):  # the partial page: a copy of its own
-                fresh = self.prefix.allocate(1) or []
+                fresh = ((self.prefix.allocate(1) or []) if self.prefix.num_available > owed
+                         else [])
                 if not fresh:
-                    return
+                    break
                 plan.copies.append((leader.pages[full], fresh[0]))
             for page in leader.pages[:full]:
                 self.pool.share(page)
-            self.waiting.remove(req)
+            taken.add(req.id)
             slot = self.slots.index(None)
             self.slots[slot] = req
             req.slot, req.state, req.prefill_target = slot, State.PREFILL, target
@@ -231,7 +258,9 @@ class Scheduler:
             req.cached, req.named = 0, 0
             req.digests = list(leader.digests)
             self.page_table[slot, :len(req.pages)] = req.pages
-            plan.forks.append(req)
+            chunk.forks.append(req)
+        if taken:
+            self.waiting = [r for r in self.waiting if r.id not in taken]
 
     def _grow(self, req: Request, length: int, *, preempt: bool) -> bool:
         """Gives ``req`` pages for ``length`` positions; with ``preempt``, preempts the newest
@@ -246,8 +275,8 @@ class Scheduler:
                 return True
             if not preempt:
                 return False
-            victim = max((r for r in (*self.running, self.prefilling) if r is not None
-                          and r.pages), key=lambda r: r.id, default=req)
+            victim = max((r for r in (*self.running, *self.prefilling) if r.pages),
+                         key=lambda r: r.id, default=req)
             self._preempt(victim)
             if victim is req:
                 return False
@@ -265,8 +294,8 @@ class Scheduler:
         """Takes ``req`` off its slot and gives back its pages."""
         self.prefix.release(req.pages)
         req.pages, req.cached, req.named = [], 0, 0
-        if req is self.prefilling:
-            self.prefilling = None
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         if req in self.running:
             self.running.remove(req)
         if req.slot is not None:
@@ -280,9 +309,9 @@ class Scheduler:
                adapters: bool = False
                ) -> tuple[DecodeRows, PrefillChunk | None, RowSampling, Sampler]:
         """The step's device inputs (numpy) for ``plan``: a decode row per slot (idle ones
-        write into the null page), and the chunk when there is one (with its slot when
-        ``slot``: the row of the local layers' rings; with ``adapters``, each row's LoRA
-        adapter, 0 for idle rows)."""
+        write into the null page), and the chunks' [R, C] rows when there are any (idle rows
+        past them write into the null page; with ``slot``, each row's slot: the row of the
+        local layers' rings; with ``adapters``, each row's LoRA adapter, 0 for idle rows)."""
         prefill = None
         tokens = np.zeros(self.num_slots, np.int32)
         positions = np.zeros(self.num_slots, np.int32)
@@ -294,17 +323,48 @@ class Scheduler:
             if adapter is not None:
                 adapter[req.slot] = req.adapter
         decode = DecodeRows(tokens, positions, table, adapter)
-        if plan.prefill is not None:
-            req = plan.prefill
-            tokens = np.zeros((1, plan.bucket), np.int32)
-            tokens[0, :plan.chunk] = req.tokens[plan.start:plan.start + plan.chunk]
-            prefill = PrefillChunk(tokens, np.asarray([plan.start], np.int32),
-                                   self.page_table[req.slot, None, :plan.chunk_width].copy(),
-                                   np.asarray([plan.chunk - 1], np.int32),
-                                   np.asarray([req.slot], np.int32) if slot else None,
-                                   np.asarray([req.adapter], np.int32) if adapters else None)
-        rows, sampler = _row_sampling(self._row_requests(plan), vocab_size)
+        if plan.chunks:
+            r = plan.rows
+            tokens = np.zeros((r, plan.bucket), np.int32)
+            start, last, slots, ids = (np.zeros(r, np.int32) for _ in range(4))
+            table = np.full((r, plan.chunk_width), NULL_PAGE, np.int32)
+            for i, c in enumerate(plan.chunks):
+                tokens[i, :c.length] = c.req.tokens[c.start:c.start + c.length]
+                start[i], last[i], slots[i], ids[i] = c.start, c.length - 1, c.req.slot, \
+                    c.req.adapter
+                table[i] = self.page_table[c.req.slot, :plan.chunk_width]
+            prefill = PrefillChunk(tokens, start, table, last, slots if slot else None,
+                                   ids if adapters else None)
+        rows, sampler = row_sampling(self._row_requests(plan), vocab_size)
         return decode, prefill, rows, sampler
+
+    def sources(self, plan: StepPlan) -> np.ndarray:
+        """[``plan.sample_rows``] int32: the chunk row each sampling row draws from (row 0
+        past the drawing requests)."""
+        rows = plan.drawing()[1]
+        return np.asarray(rows + [0] * (plan.sample_rows - len(rows)), np.int32)
+
+    def chunk_shapes(self) -> list[tuple[int, int]]:
+        """The (rows, bucket) shapes a step's chunks can take (``_fits``)."""
+        most = row_bucket(self.max_prefill_rows or self.buckets[-1])
+        return [(1 << j, c) for c in self.buckets for j in range(most.bit_length())
+                if (1 << j) * c <= self.buckets[-1]]
+
+    def idle_inputs(self, slot: bool, adapters: bool
+                    ) -> list[tuple[DecodeRows | None, PrefillChunk | None]]:
+        """Inputs of every step shape on idle rows (which write only into the null page): the
+        decode rows, and the chunks of each of ``chunk_shapes``, at every page-table width
+        (with ``slot`` and ``adapters`` as ``inputs``)."""
+        b = self.num_slots
+        zeros = functools.partial(np.zeros, dtype=np.int32)
+        out: list[tuple[DecodeRows | None, PrefillChunk | None]] = []
+        for w in self.widths:
+            out.append((DecodeRows(zeros(b), zeros(b), zeros((b, w)),
+                                   zeros(b) if adapters else None), None))
+            out += [(None, PrefillChunk(zeros((r, c)), zeros(r), zeros((r, w)), zeros(r),
+                                        zeros(r) if slot else None, zeros(r) if adapters else None))
+                    for r, c in self.chunk_shapes()]
+        return out
 
     def grammar_masks(self, plan: StepPlan, vocab_size: int) -> np.ndarray | None:
         """The [R, ceil(V/32)] int32 bitmasks of the tokens the step's rows may draw (B decode
@@ -326,36 +386,43 @@ class Scheduler:
                    for req in self._row_requests(plan))
 
     def _row_requests(self, plan: StepPlan) -> list[Request | None]:
-        """The request of each of the step's rows: B decode rows (None for a slot not
-        decoding), then the chunk's when there is one."""
+        """The request of each of the step's sampling rows: B decode rows (None for a slot not
+        decoding), then, with chunks, ``plan.sample_rows`` rows: the drawing requests
+        (``StepPlan.drawing``), None past them."""
         reqs: list[Request | None] = [None] * self.num_slots
         for req in plan.decodes:
             reqs[req.slot] = req
-        return reqs if plan.prefill is None else reqs + [plan.prefill, *plan.forks]
+        if not plan.chunks:
+            return reqs
+        drawing = plan.drawing()[0]
+        return reqs + drawing + [None] * (plan.sample_rows - len(drawing))
 
     def commit_prefill(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray
                        ) -> list[tuple[Request, TokenEvent]]:
-        """Applies the step's prefill chunk (the sampled tokens and log-probabilities of its
-        rows, the chunk's then its forks', [1 + forks] or [1 + forks, 1 + K] with the top
-        alternatives, ``step.sample_rows``): a prompt whose last chunk ran starts running with
-        its first token, and so does each fork; the events to deliver."""
-        req = plan.prefill
-        if req is None:
-            return []
-        req.cached += plan.chunk
-        if req.cached != req.prefill_target:
-            self._name_pages(req)
-            return []
-        self.prefilling = None
+        """Applies the step's prompt chunks (the sampled tokens and log-probabilities of the
+        drawing requests, ``StepPlan.drawing``'s order, [n] or [n, 1 + K] with the top
+        alternatives, ``step.sample_rows``; rows past them ignored): a prompt whose last chunk
+        ran starts running with its first token, and so does each fork; the events to
+        deliver."""
         events = []
-        for i, r in enumerate((req, *plan.forks)):
-            if r is not req:
-                r.cached, r.named = r.prefill_target, r.prefill_target // self.page_size
-                r.prefix_hit_tokens += r.prefill_target
-                self.forked += 1
-            r.state = State.RUNNING
-            bisect.insort(self.running, r, key=lambda x: x.id)
-            events.append(self._emit(r, tokens[i], logprobs[i]))
+        i = 0
+        for c in plan.chunks:
+            req = c.req
+            req.cached += c.length
+            if req.cached != req.prefill_target:
+                self._name_pages(req)
+                i += 1
+                continue
+            self.prefilling.remove(req)
+            for r in (req, *c.forks):
+                if r is not req:
+                    r.cached, r.named = r.prefill_target, r.prefill_target // self.page_size
+                    r.prefix_hit_tokens += r.prefill_target
+                    self.forked += 1
+                r.state = State.RUNNING
+                bisect.insort(self.running, r, key=lambda x: x.id)
+                events.append(self._emit(r, tokens[i], logprobs[i]))
+                i += 1
         return events
 
     def commit_decodes(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray
@@ -410,31 +477,3 @@ class Scheduler:
             self.prefix.insert(req.digests[j], req.pages[j])
         req.named = full
 
-
-def _row_sampling(reqs: list[Request | None], vocab_size: int) -> tuple[RowSampling, Sampler]:
-    """Per-row sampling arrays (idle rows greedy) and the step's static switches."""
-    r = len(reqs)
-    key_data = np.zeros((r, 2), np.uint32)
-    token_index = np.zeros(r, np.int32)
-    temperature = np.zeros(r, np.float32)
-    top_k = np.full(r, vocab_size, np.int32)
-    top_p = np.ones(r, np.float32)
-    min_p = np.zeros(r, np.float32)
-    for i, req in enumerate(reqs):
-        if req is None:
-            continue
-        p = req.params
-        key_data[i], token_index[i], temperature[i] = req.key_data, req.num_new, p.temperature
-        if p.top_k is not None:
-            top_k[i] = p.top_k
-        if p.top_p is not None:
-            top_p[i] = p.top_p
-        if p.min_p is not None:
-            min_p[i] = p.min_p
-    sampled = bool(np.any(temperature > 0))
-    alternatives = any(req is not None and req.params.top_logprobs for req in reqs)
-    sampler = Sampler(sampled=sampled, top_k=sampled and bool(np.any(top_k < vocab_size)),
-                      top_p=sampled and bool(np.any(top_p < 1)),
-                      min_p=sampled and bool(np.any(min_p > 0)),
-                      top_logprobs=min(MAX_TOP_LOGPROBS, vocab_size) if alternatives else 0)
-    return RowSampling(key_data, token_index, temperature, top_k, top_p, min_p), sampler

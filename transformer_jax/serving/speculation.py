@@ -53,8 +53,8 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.serving.draft import EngineDraft, same_path
 from transformer_jax.serving.page_pool import NULL_PAGE, pages_for
 from transformer_jax.serving.paged_cache import PagedKVCache
+from transformer_jax.serving.plan import StepPlan
 from transformer_jax.serving.requests import Request, State, TokenEvent
-from transformer_jax.serving.scheduler import StepPlan
 from transformer_jax.serving.step import RowSampling, Sampler, _adapted, sample_rows
 
 logger = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class Speculation:
         sched = eng.scheduler
         if any(r.matcher is not None for r in plan.decodes):
             return None
-        if plan.prefill is not None and any(r.speculation for r in plan.decodes):
+        if plan.chunks and any(r.speculation for r in plan.decodes):
             # prompts are waiting to go in: the engine is saturated, and verification would
             # only take time from them (the cost of a step with a chunk is too noisy to judge)
             self.backed_off += 1
@@ -319,7 +319,7 @@ class Speculation:
                   t: int) -> bool:
         """Whether verification is expected to give more tokens per second than a plain
         step (unmeasured: try it, so that it gets measured)."""
-        chunk = plan.prefill is not None
+        chunk = bool(plan.chunks)
         plain, verify = self._time(plan.width, 1, chunk), self._time(width, t, chunk)
         if verify is None and plain is not None:
             verify = self._estimate(width, t, self._time(width, 1, chunk) or plain, chunk)

@@ -6,9 +6,10 @@ program:
 
 - decode rows: one token for each of the engine's B slots ([B, 1] at each slot's position; a
   slot without a running request writes into the null page and its token is ignored);
-- a prefill chunk: up to C tokens of one prompt ([1, C], right-padded to a bucket of C), the LM
-  head at its last real token only (``logits_at``), whose logits give the prompt's first token
-  when the chunk ends it.
+- prefill chunks: up to C tokens of each of R prompts ([R, C], each row right-padded to a
+  bucket of C, its own positions, pages and last real token; rows past the step's chunks idle,
+  writing into the null page), the LM head at each row's last real token only (``logits_at``),
+  whose logits give the prompt's first token when the chunk ends it.
 
 An engine step with both runs them as two programs, the chunk's first (so a prompt's first token
 is out before the decode rows end): in one program, XLA:CPU copied every layer's page pool to
@@ -18,12 +19,13 @@ write the chunk in place after the decode rows had read it, a cost that grew wit
 
 Then every row's next token is drawn by ``sampling.sample_with_logprobs`` with that row's own
 settings and key ``fold_in(key, token index)``, as ``generate`` draws token i of a prompt. The
-page-table width W, the kind of rows, the chunk's bucket and the sampler's switches are the
-compile-time shape of a program, so the engine compiles a small fixed set: widths x (1 + chunk
-buckets) for greedy loads. A step with rows under a grammar (structured outputs) runs its
-forward (``engine_forward``) and its sampling (``sample_rows``) as two programs, so the host
-computes the grammars' masks while the device runs the forward. Over a mesh's tensor axis the
-step runs under ``shard_map`` as ``generate`` does, the pages split by kv head.
+page-table width W, the kind of rows, the chunks' rows and bucket and the sampler's switches
+are the compile-time shape of a program, so the engine compiles a small fixed set: widths x (1
++ the (R, C) chunk shapes, R a power of two, R C within the budget) for greedy loads. A step
+with rows under a grammar (structured outputs) runs its forward (``engine_forward``) and its
+sampling (``sample_rows``) as two programs, so the host computes the grammars' masks while the
+device runs the forward. Over a mesh's tensor axis the step runs under ``shard_map`` as
+``generate`` does, the pages split by kv head.
 
 A model with local (sliding-window) layers keeps their keys in a ring per slot beside the pages
 (``rings``, ``PagedKVCache``): the decode rows use ring row b for slot b, the chunk its
@@ -87,16 +89,17 @@ class DecodeRows:
 
 @flax.struct.dataclass
 class PrefillChunk:
-    """C consecutive prompt tokens of one sequence.
+    """Up to C consecutive prompt tokens of each of R sequences (an idle row: all tokens 0, its
+    page table all ``NULL_PAGE``).
 
     Attributes:
-      tokens: [1, C] int32, right-padded past the chunk's real length.
-      start: [1] int32 position of the first token.
-      page_table: [1, W] int32 the sequence's pages.
-      last: [1] int32 index in [0, C) of the chunk's last real token.
-      slot: [1] int32 the sequence's slot (its row of the local layers' rings); None for a
+      tokens: [R, C] int32, each row right-padded past its chunk's real length.
+      start: [R] int32 position of each row's first token.
+      page_table: [R, W] int32 each sequence's pages.
+      last: [R] int32 index in [0, C) of each chunk's last real token.
+      slot: [R] int32 each sequence's slot (its row of the local layers' rings); None for a
         model without rings.
-      adapter: [1] int32 the sequence's LoRA adapter, or None for an engine without adapters.
+      adapter: [R] int32 each sequence's LoRA adapter, or None for an engine without adapters.
     """
 
     tokens: jax.Array
@@ -211,13 +214,11 @@ def padded(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
     return tuple(np.asarray(x)[rows] for x in arrays)
 
 
-def fork_rows(logits: jax.Array, rows: RowSampling
-              ) -> tuple[jax.Array, RowSampling]:
-    """The chunk's [1, V] logits once per sampling row (the chunk's, then its forks'), rows
-    padded as ``padded`` pads them; the drawn [M] tokens' first rows are the rows'."""
-    leaves, tree = jax.tree.flatten(rows)
-    rows = jax.tree.unflatten(tree, padded(*leaves))
-    return jnp.broadcast_to(logits[:1], (rows.key_data.shape[0], logits.shape[-1])), rows
+def sample_from(logits: jax.Array, source: jax.Array, rows: RowSampling, sampler: Sampler
+                ) -> tuple[jax.Array, jax.Array]:
+    """``sample_rows`` of M rows, row m drawing from the chunks' logits row ``source[m]``
+    ([R, V] logits, [M] int32 sources: a chunk's row for itself and each of its forks)."""
+    return sample_rows(jnp.take(logits, source, axis=0), rows, sampler)
 
 
 def page_spec(config: ModelConfig) -> P:
@@ -441,6 +442,7 @@ step_jit = jit_step()
 #: masks are computed on the host between the two dispatches, while the forward runs.
 forward_jit = jit_forward()
 sample_jit = jax.jit(sample_rows, static_argnames=("sampler",))
+sample_from_jit = jax.jit(sample_from, static_argnames=("sampler",))
 #: The forks' page copies, the pages donated (updated in place).
 copy_pages_jit = jax.jit(copy_pages, static_argnames=("keys_transposed",),
                          donate_argnames=("k_pages", "v_pages"))

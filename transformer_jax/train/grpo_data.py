@@ -182,10 +182,11 @@ def prompt_order(num_prompts: int, per_step: int, step: int, seed: int) -> np.nd
     return np.asarray(out, np.int64)
 
 
-def rollout_seed(seed: int, step: int, row: int) -> int:
-    """The engine seed of completion ``row`` of ``step`` (a function of the three only)."""
-    return int(np.random.default_rng([seed, step, row, 0x6E90]).integers(0, 2**32))
+def rollout_seeds(seed: int, step: int, rows: int) -> list[int]:
+    """The engine seeds of the ``rows`` completions of ``step``: row r's is a function of
+    (seed, step, r) only, drawn for all rows at once (a generator per row cost 40 us each)."""
+    return np.random.default_rng([seed, step, 0x6E90]).integers(0, 2**32, rows).tolist()
 
 
 __all__ = ["PromptRecord", "Reward", "RewardError", "load_prompts", "load_rewards",
-           "parse_reward_spec", "prompt_order", "rollout_seed", "score"]
+           "parse_reward_spec", "prompt_order", "rollout_seeds", "score"]

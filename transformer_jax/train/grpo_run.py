@@ -30,7 +30,9 @@ from transformer_jax.parallel import distributed
 from transformer_jax.parallel import sharding as sharding_lib
 from transformer_jax.serving.engine import Engine
 from transformer_jax.serving.page_pool import pages_for
+from transformer_jax.serving.paged_cache import page_bytes
 from transformer_jax.serving.requests import SamplingParams
+from transformer_jax.serving.scheduler import chunk_buckets, row_bucket
 from transformer_jax.train.data import RunData
 from transformer_jax.train.grpo import group_advantages, make_grpo_loss_fn, make_logps_fn
 from transformer_jax.train.grpo import grpo_metrics as _grpo_metrics
@@ -38,10 +40,11 @@ from transformer_jax.train.grpo_data import (
     load_prompts,
     load_rewards,
     prompt_order,
-    rollout_seed,
+    rollout_seeds,
     score,
 )
 from transformer_jax.train.log import RunSummary, StopOnSignal
+from transformer_jax.train.memory import available_bytes
 from transformer_jax.train.preference_run import base_params
 from transformer_jax.train.step import ParamsLayout, _training_model, make_train_step
 
@@ -49,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 #: Positions per page of the rollout engine's KV pool.
 PAGE_SIZE = 16
+#: The most of one device's memory the rollout engine's pages may take.
+ROLLOUT_MEMORY_SHARE = 0.25
+#: The most prompt tokens (padding included) one rollout engine step prefills.
+MAX_ROLLOUT_CHUNK = 4096
 #: The keys of a GRPO batch (each [B, T], ``advantages`` [B]).
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "mask", "old_logps",
               "advantages")
@@ -79,11 +86,10 @@ def sample(engine: Engine, prompts: list, tc: Any, step: int, eos_id: int
     g = tc.grpo_group_size
     stop = (eos_id,) if eos_id >= 0 else ()
     ids, rows = [], []
-    for r in range(len(prompts) * g):
+    for r, seed in enumerate(rollout_seeds(tc.seed, step, len(prompts) * g)):
         prompt = prompts[r // g].tokens
         params = SamplingParams(max_tokens=tc.grpo_max_tokens, temperature=tc.grpo_temperature,
-                                seed=rollout_seed(tc.seed, step, r), logprobs=True,
-                                stop_token_ids=stop)
+                                seed=seed, logprobs=True, stop_token_ids=stop)
         ids.append(engine.add_request(prompt.tolist(), params))
         rows.append(prompt)
     # Each request ends within its prompt's chunks and max_tokens steps: a bound, not a hang.
@@ -96,12 +102,22 @@ def sample(engine: Engine, prompts: list, tc: Any, step: int, eos_id: int
             [r // g for r in range(len(ids))])
 
 
+def batch_length(prompts: list[np.ndarray], completions: list[list[int]], seq_len: int) -> int:
+    """T of a step's batch: its longest row (prompt + completion, less one) rounded up to a
+    power of two from 16, at most ``seq_len`` (``scheduler.chunk_buckets``), so the update and
+    the log-prob passes compile once per bucket and do not run ``seq_len`` when rows are
+    short (as TRL pads to the batch's longest)."""
+    longest = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True)) - 1
+    buckets = chunk_buckets(seq_len)
+    return next((t for t in buckets if t >= longest), seq_len)
+
+
 def grpo_batch(prompts: list[np.ndarray], completions: list[list[int]],
                logprobs: list[list[float]], advantages: np.ndarray, seq_len: int
                ) -> dict[str, np.ndarray]:
     """The host batch of completions: row b is prompt b + completion b, shifted by one
-    (``inputs`` / ``targets`` [B, T]), ``mask`` 1 on the completion's targets, ``old_logps``
-    the engine's log-probs there, ``advantages`` [B]."""
+    (``inputs`` / ``targets`` [B, T], T = ``seq_len``), ``mask`` 1 on the completion's
+    targets, ``old_logps`` the engine's log-probs there, ``advantages`` [B]."""
     b = len(prompts)
     out = {k: np.zeros((b, seq_len), np.int32) for k in
            ("inputs", "targets", "positions", "segment_ids")}
@@ -128,20 +144,34 @@ def completion_text(tokenizer: Any, tokens: list[int]) -> str:
                              and 0 <= t < tokenizer.vocab_size])
 
 
-def make_engine(model_config: Any, params: Any, tc: Any, prompt_len: int) -> Engine:
-    """An engine on the first device for one step's rollouts.
+def rollout_slots(model_config: Any, tc: Any, prompt_len: int) -> int:
+    """The rollout engine's slots: one per completion of a step (the batch), so that every
+    prompt is prefilled in the first engine steps, its G completions forked from it, and all
+    decode together; fewer (at least G) when their pages would take more than
+    ``ROLLOUT_MEMORY_SHARE`` of the first device's memory."""
+    per_slot = pages_for(prompt_len + tc.grpo_max_tokens, PAGE_SIZE) * page_bytes(
+        model_config, PAGE_SIZE)
+    slots = tc.batch_size
+    available = available_bytes(jax.devices()[0])
+    if available is not None:
+        fit = int(available[0] / available[1] * ROLLOUT_MEMORY_SHARE) // per_slot
+        slots = min(slots, max(tc.grpo_group_size, fit))
+    return slots
 
-    Its slots hold the completions that can run at once: a prompt's G start together (forked
-    from its prefill, one prompt admitted per engine step) and end within
-    ``grpo_max_tokens`` + 1 steps, so about G (max_tokens + 1) are in flight (at most the
-    batch). More slots would only add idle rows to every decode step (at 256 slots for 40 in
-    flight, the rollouts of ``bench grpo`` took 0.43 s a step)."""
-    b = tc.batch_size
-    slots = min(b, tc.grpo_group_size * (tc.grpo_max_tokens + 1))
+
+def make_engine(model_config: Any, params: Any, tc: Any, prompt_len: int) -> Engine:
+    """An engine on the first device for one step's rollouts (``rollout_slots``), whose steps
+    prefill up to all of a step's prompts at once (R rows of the longest prompt's bucket, at
+    most ``MAX_ROLLOUT_CHUNK`` tokens): a step of ``bench grpo`` (32 prompts x G = 8, 4
+    tokens) is a prefill step and 3 decode steps, where one prompt a step took some 35."""
+    slots = rollout_slots(model_config, tc, prompt_len)
     pages = slots * pages_for(prompt_len + tc.grpo_max_tokens, PAGE_SIZE) + 2
+    prompts = -(-tc.batch_size // tc.grpo_group_size)
+    chunk = max(64, min(row_bucket(prompts) * max(16, row_bucket(prompt_len)),
+                        MAX_ROLLOUT_CHUNK))
     weights = prepare(model_config, jax.device_put(params, jax.devices()[0]))
     return Engine(model_config, weights, num_slots=slots, num_pages=pages, page_size=PAGE_SIZE,
-                  token_budget=slots + max(64, prompt_len))
+                  token_budget=slots + chunk)
 
 
 def initial_model_params(model_config: Any, state: Any, start_step: int, initial: tuple
@@ -221,7 +251,8 @@ def train_grpo(model_config: Any, tc: Any, data_config: Any, files: Any, ckpt: A
                                  for text, o in zip(texts, owner, strict=True)], np.float32)
             t2 = time.perf_counter()
             adv = group_advantages(reward, tc.grpo_group_size, tc.grpo_scale_rewards)
-            host = grpo_batch(rows, completions, lps, adv, tc.seq_len)
+            host = grpo_batch(rows, completions, lps, adv,
+                              batch_length(rows, completions, tc.seq_len))
             batch = distributed.global_batch(
                 {k: v[part * local:(part + 1) * local] for k, v in host.items()},
                 batch_sharding, tc.batch_size)
@@ -239,6 +270,7 @@ def train_grpo(model_config: Any, tc: Any, data_config: Any, files: Any, ckpt: A
             last = {"step": step, **metrics, "reward_mean": float(reward.mean()),
                     "reward_std": float(reward.std()), "completion_len": float(lengths.mean()),
                     "rollout_tokens_per_s": float(lengths.sum() / max(t2 - t1, 1e-9)),
+                    "batch_len": int(host["inputs"].shape[1]),
                     "time/step_s": total, "time/refresh_share": (t1 - t0) / total,
                     "time/rollout_share": (t2 - t1) / total,
                     "time/update_share": (t3 - t2) / total}
@@ -297,5 +329,5 @@ def train_grpo(model_config: Any, tc: Any, data_config: Any, files: Any, ckpt: A
     return summary
 
 
-__all__ = ["BATCH_KEYS", "PAGE_SIZE", "grpo_batch", "initial_model_params", "make_engine",
-           "prompt_data", "sample", "train_grpo"]
+__all__ = ["BATCH_KEYS", "PAGE_SIZE", "batch_length", "grpo_batch", "initial_model_params",
+           "make_engine", "prompt_data", "rollout_slots", "sample", "train_grpo"]

@@ -21,8 +21,13 @@ def lr_schedule(config: TrainConfig) -> optax.Schedule:
     """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr``.
 
     Update i (0-based) uses ``schedule(i)``: the first update already has ``lr / warmup_steps``
-    (not 0) and update ``decay_steps - 1`` has ``min_lr``.
+    (not 0) and update ``decay_steps - 1`` has ``min_lr``. Without warmup and with ``min_lr``
+    = ``lr`` it is the constant ``lr``, so the compiled update does not depend on
+    ``train.steps`` (a run stopped and resumed with more steps runs the same program, and
+    XLA:CPU's rounding with it).
     """
+    if not config.warmup_steps and config.min_lr == config.lr:
+        return optax.constant_schedule(config.lr)
     base = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=config.lr, warmup_steps=config.warmup_steps,
         decay_steps=config.total_decay_steps, end_value=config.min_lr)
