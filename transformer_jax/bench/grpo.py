@@ -15,7 +15,7 @@ compiles, left out of both) and the ratio; ``--rounds`` R runs the two R times i
 TRL, ours, ...) and takes each side's median step time over all its rounds, so that a machine
 shared with other work loads both alike. Prints the config, the figures and a JSON line.
 
-Run: ``python -m transformer_jax.bench grpo [--steps 300] [--sft-steps 60]``.
+Run: ``python -m transformer_jax.bench grpo [--steps 600] [--sft-steps 60]``.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-operand", type=int, default=10)
     parser.add_argument("--sft-steps", type=int, default=60)
     parser.add_argument("--sft-lr", type=float, default=3e-3)
-    parser.add_argument("--steps", type=int, default=300, help="GRPO steps of the learning run")
+    parser.add_argument("--steps", type=int, default=600, help="GRPO steps of the learning run")
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="G")
