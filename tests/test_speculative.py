@@ -330,12 +330,14 @@ def test_device_loop_gives_the_plain_tokens_on_ragged_batches(target, draft):
          (int(motif[1]),)),
         ([motif[:2] * 6 + [3]], 25, (int(motif[0]),)),
     ]
-    for prompts, max_new, stop in batches:
+    # Each batch with one of the n-gram settings (each program compiles per batch shape) and
+    # the draft.
+    ngrams = ["ngram:k=1", "ngram:k=3:n=2", "ngram:k=8"]
+    for (prompts, max_new, stop), ngram in zip(batches, ngrams, strict=True):
         kw = dict(max_new_tokens=max_new, stop_tokens=stop)
         plain_stream, stream = _recorder()
         ref = generation.generate(config, weights, prompts, stream=stream, **kw)
-        for spec, kwargs in (("ngram:k=1", {}), ("ngram:k=3:n=2", {}), ("ngram:k=8", {}),
-                             ("draft:x:k=3", {"draft": draft})):
+        for spec, kwargs in ((ngram, {}), ("draft:x:k=3", {"draft": draft})):
             streamed, stream = _recorder()
             out = generation.generate(config, weights, prompts, speculative=spec,
                                       stream=stream, **kwargs, **kw)

@@ -201,8 +201,8 @@ def _load(model, eng, prompts, params):
     eng.step()
     eng.cancel(cancelled)
     before = eng.scheduler.preemptions
-    done = eng.run_until_idle()
-    assert done[cancelled].finish_reason == "cancelled"
+    done = eng.run_until_idle(max_steps=1000)
+    assert eng.idle and done[cancelled].finish_reason == "cancelled"
     for rid, i in ids.items():
         tokens, logprobs = reference(model, prompts[i], params[i])
         assert done[rid].tokens == tokens, f"request {i}"
@@ -252,5 +252,5 @@ def test_draft_setups_that_cannot_work_are_refused(model, small_draft, tmp_path)
     with pytest.raises(ValueError, match="the engine's draft model is"):
         eng.add_request([1, 2, 3], SamplingParams(speculative="draft:/elsewhere:k=2"))
     eng.add_request([1, 2, 3], SamplingParams(speculative=f"draft:{tmp_path}/draft/:k=2"))
-    eng.run_until_idle()
+    eng.run_until_idle(max_steps=100)
     eng.check_no_leaks()
