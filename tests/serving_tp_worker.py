@@ -47,7 +47,8 @@ def run_case(overrides: dict) -> dict:
     overrides = dict(overrides)
     with_lora = overrides.pop("lora", False)
     config = ModelConfig(**{**BASE, **overrides})
-    params = init_params(config, jax.random.key(0))
+    # One compiled init per config, cheaper than compiling each of its ops apart.
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
     adapters = _adapters(config, params) if with_lora else None
     asks = [dataclasses.replace(p, adapter=a) for p, a in zip(PARAMS, ROW_ADAPTERS,
                                                                   strict=True)
