@@ -263,6 +263,36 @@ def test_bench_repeat_workload_copies_the_passage():
     assert len(prompt) == 40 + 1 + 8 and prompt[40] == 99
     assert sum(a != b for a, b in zip(prompt[:8], prompt[41:], strict=True)) == 1
 
+@pytest.mark.parametrize("lines", [False, True])
+def test_bench_copy_corpus_is_made_of_passages_and_their_copies(lines):
+    """Every block of ``copy_corpus`` is a passage of the asked length, then its copy with at
+    most two characters changed (none without edits); random passages use the text's
+    alphabet; the corpus reaches the asked size and a seed makes the same one."""
+    import re
+
+    from transformer_jax.bench.speculative import copy_corpus
+
+    text = "the quick brown fox jumps over the lazy dog " * 50
+    for edits in (True, False):
+        corpus = copy_corpus(text, 20_000, np.random.default_rng(1), 0.5, (10, 30), 0, edits,
+                             lines)
+        assert len(corpus) >= (20_000 if not lines else 16_000)  # lines: 4 fewer per block
+        assert corpus == copy_corpus(text, 20_000, np.random.default_rng(1), 0.5, (10, 30),
+                                     0, edits, lines)
+        sep = "\n" if lines else "\n\n"
+        blocks = re.findall(f"{sep}([^\n]+){sep}([^\n]+)" if not lines else
+                            "([^\n]+)\n([^\n]+)\n", corpus if lines else corpus.replace(
+                                "\n\n\n\n", "\n\n"))
+        assert len(blocks) > 200
+        changed = []
+        for passage, copy in blocks:
+            assert 10 <= len(passage) < 30 and len(copy) == len(passage)
+            assert set(passage) <= set(text) - {"\n"}
+            changed.append(sum(a != b for a, b in zip(passage, copy, strict=True)))
+        assert max(changed) <= (2 if edits else 0)
+        if edits:
+            assert 0.3 < np.mean(np.asarray(changed) > 0) < 0.8  # 60% are edited (less ties)
+
 
 # The device loop ---------------------------------------------------------------------------------
 

@@ -49,6 +49,47 @@ def free_workload(ids: np.ndarray, count: int, passage: int, rng: Any) -> list[l
     return [ids[s:s + passage].tolist() for s in starts]
 
 
+def copy_corpus(text: str, size: int, rng: Any, random_share: float = 0.33,
+                lengths: tuple[int, int] = (24, 200), plain: int = 200, edits: bool = True,
+                lines: bool = False) -> str:
+    """A training text in which copying an input is most of what there is to learn (for a
+    target and a draft that continue the repeat workload by copying, as LLMs do on edits).
+
+    Blocks until ``size`` characters (a block's separators counted as 6): up to ``plain`` - 1
+    characters of ``text``, a blank line, a passage of ``lengths[0]`` to ``lengths[1] - 1``
+    characters, a blank line, the passage again with 0, 1 or 2 characters changed (40/40/20%;
+    none without ``edits``), a blank line; with ``lines``, the passage and its copy on two
+    lines instead. ``random_share`` of the passages are random characters of the text's
+    alphabet, which only copying predicts; the others are cut from ``text``.
+
+    Passages of one fixed length teach a fixed offset rather than copying: a model trained
+    on them keeps the uniform loss on the copy of a passage of another length (measured,
+    docs/benchmarks.md), so a copying model needs varied lengths.
+    """
+    alphabet = sorted(set(text) - {"\n"})
+    out, n, total = [], len(text), 0
+    while total < size:
+        cut = int(rng.integers(0, plain)) if plain else 0
+        s = int(rng.integers(0, n - cut))
+        out.append(text[s:s + cut])
+        p = int(rng.integers(*lengths))
+        if rng.random() < random_share:
+            passage = "".join(alphabet[i] for i in rng.integers(0, len(alphabet), p))
+        else:
+            s = int(rng.integers(0, n - p))
+            passage = text[s:s + p]
+        copy = list(passage)
+        for _ in range(int(rng.choice(3, p=[0.4, 0.4, 0.2])) if edits else 0):
+            i = int(rng.integers(0, p))
+            copy[i] = alphabet[int(rng.integers(0, len(alphabet)))]
+        if lines:
+            out.append(passage + "\n" + "".join(copy) + "\n")
+        else:
+            out.append("\n\n" + passage + "\n\n" + "".join(copy) + "\n\n")
+        total += cut + 2 * p + 6
+    return "".join(out)
+
+
 def describe(config: Any, params: Any) -> str:
     """A model's shape in a few words: layers, widths, heads, parameters."""
     import jax
@@ -63,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = args_lib
     p = argparse.ArgumentParser(prog="transformer-jax bench speculative",
                                 description=__doc__.split("\n\n")[0])
-    target = p.add_mutually_exclusive_group(required=True)
+    target = p.add_mutually_exclusive_group()
     target.add_argument("--checkpoint", help="the target (a run or HF directory)")
     target.add_argument("--config", type=a.model_config, help="a target of this preset or "
                         "TOML with random weights (its outputs repeat: the loop's cost at an "
@@ -82,6 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "plain,ngram, and draft with --draft)")
     p.add_argument("--seed", type=a.nonnegative_int, default=0)
     p.add_argument("--json", type=a.output_file, default=None)
+    p.add_argument("--write-copy-corpus", metavar="FILE", type=a.output_file, default=None,
+                   help="write a copy-dominated training text made from --text (6M "
+                   "characters, ``copy_corpus``) to FILE and exit: text to train a target "
+                   "and a draft that continue the repeat workload by copying")
+    p.add_argument("--copy-random-share", type=float, default=0.33,
+                   help="the share of the corpus's passages that are random characters")
+    p.add_argument("--copy-passage", type=a.int_list(1), default=[24, 200], metavar="MIN,MAX",
+                   help="the corpus's passage lengths, MIN to MAX - 1 characters")
+    p.add_argument("--copy-plain", type=a.nonnegative_int, default=200,
+                   help="at most this many characters of plain text before each block")
+    p.add_argument("--copy-no-edits", action="store_true",
+                   help="copy the corpus's passages exactly (no changed characters)")
+    p.add_argument("--copy-lines", action="store_true",
+                   help="blocks of a passage and its copy on two lines (no blank lines)")
     return p
 
 
@@ -96,6 +151,20 @@ def main(argv: list[str]) -> int:
     from transformer_jax.model.transformer import init_params
 
     args = build_parser().parse_args(argv)
+    if args.write_copy_corpus:
+        if not args.text:
+            raise SystemExit("--write-copy-corpus needs --text")
+        with open(args.text) as f:
+            corpus = copy_corpus(f.read(), 6_000_000, np.random.default_rng(args.seed),
+                                 args.copy_random_share, tuple(args.copy_passage),
+                                 args.copy_plain, not args.copy_no_edits,
+                                 args.copy_lines)
+        with open(args.write_copy_corpus, "w") as f:
+            f.write(corpus)
+        print(f"wrote {len(corpus):,} characters to {args.write_copy_corpus}")
+        return 0
+    if not (args.checkpoint or args.config):
+        raise SystemExit("give the target: --checkpoint RUN or --config NAME")
     modes = (args.modes or ("plain,ngram,draft" if args.draft else "plain,ngram")).split(",")
     if "draft" in modes and not args.draft:
         raise SystemExit("the draft mode needs --draft")
