@@ -32,8 +32,9 @@ def _free_port() -> int:
 
 
 def _lora_run(root: Path) -> Path:
-    """A two-step LoRA run of a tiny model, for the processes to init_from: in this process (its
-    single device), through the library's ``training.run`` as ``train.py`` calls it."""
+    """A two-step LoRA run of a tiny one-layer model, for the processes to init_from: in this
+    process (its single device), through the library's ``training.run`` as ``train.py`` calls
+    it, without its loss plot (nothing here looks at it)."""
     from transformer_jax.train import run as training
     from transformer_jax.train.config import build_configs
 
@@ -43,12 +44,14 @@ def _lora_run(root: Path) -> Path:
                               for _ in range(200)))
     run_dir = root / "lora_run"
     model, train, data = build_configs("tiny", [
-        "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
+        "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64",
         "model.max_seq_len=32", "train.seq_len=16", "train.batch_size=8", "train.steps=2",
         "train.lr=0.05", "train.lora_rank=2", "train.eval_batches=1", "train.sample_tokens=0",
         "data.tokenizer=char", "data.val_fraction=0.2", f"data.path={corpus}",
         f"data.cache_dir={root / 'cache'}", f"train.run_dir={run_dir}"])
-    training.run(model, train, data, progress=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(training, "_plot", lambda run_dir, times: None)
+        training.run(model, train, data, progress=False)
     return run_dir
 
 
