@@ -31,7 +31,7 @@ from helpers import with_fast_flags, write_word_docs
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RUN = "gs://bkt/run"
-MODEL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
+MODEL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64",
          "model.max_seq_len=32"]
 TRAIN = ["train.seq_len=16", "train.batch_size=8", "train.lr=0.01", "train.eval_batches=1",
          "train.sample_tokens=0", "train.ckpt_every=2", "train.eval_every=2",
@@ -105,7 +105,8 @@ def _train(args: list[str], env: dict, cwd: Path, processes: int = 1) -> list[st
 
 def _train_here(args: list[str]) -> str:
     """The one-process ``train.py`` run of ``args`` in this process (its single CPU device), as
-    ``train.py`` makes it: ``build_configs`` then ``training.run``; its log lines."""
+    ``train.py`` makes it: ``build_configs`` then ``training.run`` (without redrawing the loss
+    plot, which the two-process run drew and nothing here looks at again); its log lines."""
     from transformer_jax.train import run as training
     from transformer_jax.train.config import build_configs
 
@@ -118,7 +119,9 @@ def _train_here(args: list[str]) -> str:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        training.run(model, train, data, progress=False)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(training, "_plot", lambda run_dir, times: None)
+            training.run(model, train, data, progress=False)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
