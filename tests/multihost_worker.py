@@ -6,10 +6,11 @@ devices, and prints one JSON object on its last stdout line:
   meshes   8 devices: one reference single-device step, then the same steps under several
            meshes (and scanned/remat variants), reporting losses, state differences, shardings
            and per-device bytes.
-  train    one of several processes joined through jax.distributed: trains a few steps on a
-           mesh spanning all processes, then writes one orbax checkpoint collectively (and
-           with --init-from loads a run's params as train.init_from does; with --shards reads
-           its rows of a shard build's global batches, packed and concat).
+  train    one of several processes joined through jax.distributed: trains a few steps (of
+           PROCESSES_CONFIG, one layer) on a mesh spanning all processes, then writes one
+           orbax checkpoint collectively (and with --init-from loads a run's params as
+           train.init_from does; with --shards reads its rows of a shard build's global
+           batches, packed and concat).
   check    one process with all the devices: trains the same steps, then restores that
            checkpoint and compares.
 """
@@ -45,6 +46,9 @@ BATCH, SEQ, STEPS, LR = 16, 16, 3, 1e-3
 # Constant learning rate from the first update; clipping, weight decay and its mask as in runs.
 TRAIN = TrainConfig(steps=100, batch_size=BATCH, seq_len=SEQ, lr=LR, min_lr=LR, warmup_steps=0,
                     eps=1e-6)
+# The train/check modes' model: one layer (every kind of parameter, sharded as in CONFIG, at
+# about a third less compilation in each of their processes).
+PROCESSES_CONFIG = CONFIG.replace(n_layers=1)
 MESHES = {"dp": (8, 1, 1), "fsdp": (1, 8, 1), "tp": (1, 1, 8), "mixed": (2, 2, 2)}
 # name -> (mesh, scan_layers, remat): every mesh, scanned and unrolled, every remat policy under
 # sharding, in as few compilations as that takes.
@@ -222,10 +226,10 @@ def mode_train(args) -> dict:
     distributed.maybe_initialize(args.coordinator, args.num_processes, args.process_id,
                                  initialization_timeout=120)
     assert jax.process_count() == args.num_processes
-    init_state, train_step = train_fns(CONFIG)
+    init_state, train_step = train_fns(PROCESSES_CONFIG)
     mesh = sh.make_mesh(sh.MeshConfig(*MESHES["mixed"]))
     s_shard = sh.state_shardings(jax.eval_shape(init_state, jax.random.key(0)),
-                                 sh.param_shardings(CONFIG, mesh))
+                                 sh.param_shardings(PROCESSES_CONFIG, mesh))
     b_shard = sh.batch_sharding(mesh)
     index, count = distributed.process_batch_shard(b_shard, BATCH)
     tp_mesh = sh.make_mesh(sh.MeshConfig(1, 1, 8))
@@ -276,10 +280,10 @@ def _load_init_from(path: str, out: Path) -> None:
 
 
 def mode_check(args) -> dict:
-    init_state, train_step = train_fns(CONFIG)
+    init_state, train_step = train_fns(PROCESSES_CONFIG)
     mesh = sh.make_mesh(sh.MeshConfig(*MESHES["mixed"]))
     abstract = jax.eval_shape(init_state, jax.random.key(0))
-    s_shard = sh.state_shardings(abstract, sh.param_shardings(CONFIG, mesh))
+    s_shard = sh.state_shardings(abstract, sh.param_shardings(PROCESSES_CONFIG, mesh))
     b_shard = sh.batch_sharding(mesh)
     state = sh.shard_init(init_state, s_shard)(jax.random.key(0))
     step = sh.jit_train_step(train_step, s_shard, b_shard)

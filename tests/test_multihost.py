@@ -2,7 +2,7 @@
 devices each (gloo collectives) against one process with all 8, plus a shared checkpoint.
 
 Every process is a subprocess running ``tests/multihost_worker.py``; this pytest process keeps
-its single device.
+its single device (on which it trains the LoRA run the processes load).
 """
 
 from __future__ import annotations
@@ -32,20 +32,26 @@ def _free_port() -> int:
 
 
 def _lora_run(root: Path) -> Path:
-    """A two-step LoRA run of a tiny model (one process), for the processes to init_from."""
+    """A two-step LoRA run of a tiny one-layer model, for the processes to init_from: in this
+    process (its single device), through the library's ``training.run`` as ``train.py`` calls
+    it, without its loss plot (nothing here looks at it)."""
+    from transformer_jax.train import run as training
+    from transformer_jax.train.config import build_configs
+
     rng = np.random.default_rng(0)
     corpus = root / "corpus.txt"
     corpus.write_text("".join(" ".join(rng.choice(["ab", "cd", "ef", "gh"], 6)) + "\n"
                               for _ in range(200)))
     run_dir = root / "lora_run"
-    subprocess.run(
-        [sys.executable, str(worker.ROOT / "train.py"), "--no-progress", "--cpu-devices", "1",
-         "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
-         "model.max_seq_len=32", "train.seq_len=16", "train.batch_size=8", "train.steps=2",
-         "train.lr=0.05", "train.lora_rank=2", "train.eval_batches=1", "train.sample_tokens=4",
-         "data.tokenizer=char", "data.val_fraction=0.2", f"data.path={corpus}",
-         f"data.cache_dir={root / 'cache'}", f"train.run_dir={run_dir}"],
-        cwd=worker.ROOT, env=worker.worker_env(1), check=True, capture_output=True, timeout=300)
+    model, train, data = build_configs("tiny", [
+        "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64",
+        "model.max_seq_len=32", "train.seq_len=16", "train.batch_size=8", "train.steps=2",
+        "train.lr=0.05", "train.lora_rank=2", "train.eval_batches=1", "train.sample_tokens=0",
+        "data.tokenizer=char", "data.val_fraction=0.2", f"data.path={corpus}",
+        f"data.cache_dir={root / 'cache'}", f"train.run_dir={run_dir}"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(training, "_plot", lambda run_dir, times: None)
+        training.run(model, train, data, progress=False)
     return run_dir
 
 

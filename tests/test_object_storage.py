@@ -6,12 +6,15 @@ reach it as they would reach GCS. One module fixture does what a pod user does: 
 into the bucket with two workers, trains two ``jax.distributed`` processes from them with the run
 directory (checkpoints included) in the bucket, is killed halfway through a save (left as what a
 kill leaves in a bucket: a step directory without orbax's commit file), resumes on one process,
-exports to the bucket and generates from it.
+exports to the bucket and generates from it. The one-process resumes (from the bucket, and the
+local reference) run in this pytest process through the library's ``training.run``, the call
+``train.py`` makes; only the two-process run needs processes of its own.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -28,7 +31,7 @@ from helpers import with_fast_flags, write_word_docs
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RUN = "gs://bkt/run"
-MODEL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
+MODEL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64",
          "model.max_seq_len=32"]
 TRAIN = ["train.seq_len=16", "train.batch_size=8", "train.lr=0.01", "train.eval_batches=1",
          "train.sample_tokens=0", "train.ckpt_every=2", "train.eval_every=2",
@@ -100,6 +103,31 @@ def _train(args: list[str], env: dict, cwd: Path, processes: int = 1) -> list[st
     return [log.read_text() for log in logs]
 
 
+def _train_here(args: list[str]) -> str:
+    """The one-process ``train.py`` run of ``args`` in this process (its single CPU device), as
+    ``train.py`` makes it: ``build_configs`` then ``training.run`` (without redrawing the loss
+    plot, which the two-process run drew and nothing here looks at again); its log lines."""
+    from transformer_jax.train import run as training
+    from transformer_jax.train.config import build_configs
+
+    model, train, data = build_configs("tiny", [*MODEL, *TRAIN, *args])
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("transformer_jax")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(training, "_plot", lambda run_dir, times: None)
+            training.run(model, train, data, progress=False)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return "\n".join(lines)
+
+
 def _step_params(checkpoints, step: int):
     from transformer_jax.checkpoint.manager import CheckpointManager
 
@@ -118,15 +146,11 @@ def pod(bucket, tmp_path_factory):
     from transformer_jax.tokenizer import load_tokenizer
 
     work = tmp_path_factory.mktemp("pod")
-    # Every program of the runs in a compilation cache of this module: the local reference
-    # resume loads what the bucket resume (same arguments but the run directory) compiled.
-    env = dict(bucket, JAX_COMPILATION_CACHE_DIR=str(work / "xla"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     docs, tok = write_word_docs(work, 300)
     meta = build.build([str(docs)], "gs://bkt/shards", load_tokenizer(tok), workers=2,
                        progress=False, options=build.BuildOptions(shard_bytes=3000,
                                                                   val_fraction=0.3))
-    two = _train(["train.steps=4", f"train.run_dir={RUN}"], env, work, processes=2)
+    two = _train(["train.steps=4", f"train.run_dir={RUN}"], bucket, work, processes=2)
     checkpoints = epath.Path(RUN) / "checkpoints"
     after_two = {"steps": disk_steps(checkpoints),
                  "names": sorted(p.name for p in epath.Path(RUN).iterdir()),
@@ -138,8 +162,8 @@ def pod(bucket, tmp_path_factory):
     fs, _ = storage.filesystem(RUN)
     fs.copy("bkt/run/checkpoints/4/meta", "bkt/run/checkpoints/6/meta", recursive=True)
     assert not (checkpoints / "6" / "commit_success.txt").exists()
-    one = _train(["train.steps=6", f"train.run_dir={RUN}"], env, work)
-    _train(["train.steps=6", f"train.run_dir={reference}"], env, work)
+    one = _train_here(["train.steps=6", f"train.run_dir={RUN}"])
+    _train_here(["train.steps=6", f"train.run_dir={reference}"])
     return {"work": work, "meta": meta, "two": two, "after_two": after_two, "one": one,
             "reference": reference, "checkpoints": checkpoints}
 
@@ -179,7 +203,7 @@ def test_a_resume_on_one_process_skips_the_killed_save_and_equals_a_local_resume
 
     from transformer_jax.checkpoint.files import disk_steps
 
-    log = pod["one"][0]
+    log = pod["one"]
     assert "resumed from gs://bkt/run/checkpoints/4 (step 4)" in log
     assert "removed the unfinished save 6" in log
     assert disk_steps(pod["checkpoints"]) == [2, 4, 6]
