@@ -146,7 +146,7 @@ def test_engine_logps_equal_the_trainers(loaded):
     rows, completions, lps, _ = grpo_run.sample(engine, prompts[:2], tc, 0, eos_id=-1)
     assert len(set(map(tuple, completions))) > 2  # sampled, not all the same
     batch = grpo_run.grpo_batch(rows, completions, lps, np.zeros(8), 24)
-    ours = G.make_logps_fn(Transformer(ckpt.config))(ckpt.params, batch)
+    ours = jax.jit(G.make_logps_fn(Transformer(ckpt.config)))(ckpt.params, batch)
     mask = batch["mask"] > 0
     assert mask.sum() == 8 * 6
     gap = np.abs(np.asarray(ours)[mask] - batch["old_logps"][mask]).max()
@@ -173,12 +173,14 @@ def test_the_update_runs_at_the_batchs_bucket_and_changes_nothing(loaded):
     model = Transformer(ckpt.config)
     loss_fn = G.make_grpo_loss_fn(model, lambda p: p, loss_type="token", clip_eps=0.2,
                                   kl_beta=0.1, max_tokens=6)
+    logps_fn = jax.jit(G.make_logps_fn(model))  # one program per length, as in training
+    grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
     out = []
     for length in (t, tc.seq_len):
         batch = grpo_run.grpo_batch(rows, completions, lps, advantages, length)
         batch["ref_logps"] = batch["old_logps"] * 1.1
-        logps = np.asarray(G.make_logps_fn(model)(ckpt.params, batch))[:, :t]
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(ckpt.params, batch)
+        logps = np.asarray(logps_fn(ckpt.params, batch))[:, :t]
+        (loss, aux), grads = grad_fn(ckpt.params, batch)
         out.append((logps * batch["mask"][:, :t], loss, aux[2], grads))
     np.testing.assert_allclose(out[0][0], out[1][0], atol=1e-6)
     np.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-5)
@@ -312,6 +314,6 @@ def test_grpo_cli_lora_on_a_two_device_mesh(setup, tmp_path):
     out = hf_export.export(run_dir / "checkpoints", tmp_path / "export")
     ours = loading.load(run_dir / "checkpoints", with_tokenizer=False)
     tokens = np.array([[3, 5, 7, 9, 11]])
-    logits = Transformer(ours.config).apply({"params": ours.params}, tokens).logits
+    logits = jax.jit(Transformer(ours.config).apply)({"params": ours.params}, tokens).logits
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out)(torch.tensor(tokens)).logits
     np.testing.assert_allclose(np.asarray(logits), theirs.detach().numpy(), atol=1e-4)
