@@ -25,8 +25,11 @@ CONFIG = TINY.replace(max_seq_len=128)  # room for a prompt of two 64-token chun
 
 N_REF = 8
 # 8 slots, pages of 4 positions, prompt chunks of up to 64 tokens a step (buckets 16, 32, 64):
-# up to 4 prompts of <= 16 tokens, or 2 of <= 32, in one step.
-ENGINE = dict(num_slots=8, num_pages=96, page_size=4, token_budget=8 + 64, min_context=32)
+# up to 4 prompts of <= 16 tokens, or 2 of <= 32, in one step; page tables 16 or 32 pages wide.
+ENGINE = dict(num_slots=8, num_pages=96, page_size=4, token_budget=8 + 64, min_context=64)
+# A small pool (24 pages and the null one: a 78-position request's 20 fit): the small-pool test
+# and the compile test run the same 14 greedy programs.
+SMALL_POOL = {**ENGINE, "num_pages": 25}
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +125,8 @@ def test_forks_of_several_prompts_share_one_step(model):
     4 prompts and forks the other 3 x (G - 1) requests from their logits."""
     base = _prompts([6, 11, 4, 14], seed=2)
     prompts = [p for p in base for _ in range(2)]
-    params = [SamplingParams(max_tokens=N_REF, temperature=1.0, seed=7 + i, logprobs=True)
+    params = [SamplingParams(max_tokens=N_REF, temperature=0.9, top_p=0.9, seed=7 + i,
+                             logprobs=True)
               for i in range(len(prompts))]
     engine = Engine(*model, **ENGINE)
     done, per_step = _serve(engine, prompts, params)
@@ -134,11 +138,11 @@ def test_forks_of_several_prompts_share_one_step(model):
 
 
 def test_a_small_pool_serves_every_prompt_without_leaks(model):
-    """16 pages of 4 positions for 8 slots: admissions leave the pages the prompts in prefill
+    """24 pages of 4 positions for 8 slots: admissions leave the pages the prompts in prefill
     still need, decodes preempt, and everything still equals generate."""
-    prompts = _prompts([20, 3, 30, 9, 25, 12, 6, 17, 28, 4], seed=3)
+    prompts = _prompts([20, 3, 60, 9, 50, 12, 6, 17, 56, 4], seed=3)
     params = [SamplingParams(max_tokens=N_REF) for _ in prompts]
-    engine = Engine(*model, **{**ENGINE, "num_pages": 17})
+    engine = Engine(*model, **SMALL_POOL)
     done, per_step = _serve(engine, prompts, params)
     assert max(per_step) >= 2 and engine.scheduler.preemptions > 0
     for prompt, a, ref in zip(prompts, done, _references(model, prompts, params), strict=True):
@@ -152,9 +156,8 @@ def test_chunk_shapes_are_few_and_compile_covers_a_load(model):
         sched.chunk_shapes()
     assert Scheduler(8, 96, 4, 128, max_chunk=64, max_prefill_rows=1).chunk_shapes() == [
         (1, 16), (1, 32), (1, 64)]
-    # page-table widths of 16 and 32 pages (not ENGINE's 8, 16, 32: 14 programs, not 21); the
-    # load's 70-token prompt takes the 32, the others the 16
-    engine = Engine(*model, **{**ENGINE, "min_context": 64})
+    # the load's 70-token prompt takes the page tables of 32 pages, the others those of 16
+    engine = Engine(*model, **SMALL_POOL)
     assert engine.scheduler.widths == (16, 32)
     assert engine.compile() == 2 * (1 + 6)
     compiled = step_lib.step_jit._cache_size()
@@ -172,7 +175,7 @@ def test_sliding_window_rings_with_several_prompts_per_step():
     prompts = _prompts([5, 13, 9, 3, 30, 11], seed=5)
     params = [SamplingParams(max_tokens=N_REF) for _ in prompts]
     done, per_step = _serve(Engine(*model, num_slots=4, num_pages=40, page_size=8,
-                                   token_budget=4 + 64, min_context=16), prompts, params)
+                                   token_budget=4 + 64, min_context=64), prompts, params)
     assert max(per_step) == 4
     refs = _references(model, prompts, params, pad=False)
     for prompt, a, ref in zip(prompts, done, refs, strict=True):
