@@ -137,13 +137,22 @@ def loaded(setup):
     return ckpt, prompts
 
 
-def test_engine_logps_equal_the_trainers(loaded):
-    """The log-probs the engine reports for its sampled tokens = the training forward's."""
+@pytest.fixture(scope="module")
+def rollouts(loaded):
+    """A step's rollouts of 2 prompts x G=4 (6 tokens each) by ``make_engine``'s engine (which
+    ``train.seq_len`` does not change): (prompt rows, completions, sampled log-probs)."""
     ckpt, prompts = loaded
     tc = TrainConfig(objective="grpo", reward="m:f", batch_size=8, grpo_group_size=4,
                      grpo_max_tokens=6, seq_len=24)
     engine = grpo_run.make_engine(ckpt.config, ckpt.params, tc, 18)
     rows, completions, lps, _ = grpo_run.sample(engine, prompts[:2], tc, 0, eos_id=-1)
+    return rows, completions, lps
+
+
+def test_engine_logps_equal_the_trainers(loaded, rollouts):
+    """The log-probs the engine reports for its sampled tokens = the training forward's."""
+    ckpt, _ = loaded
+    rows, completions, lps = rollouts
     assert len(set(map(tuple, completions))) > 2  # sampled, not all the same
     batch = grpo_run.grpo_batch(rows, completions, lps, np.zeros(8), 24)
     ours = jax.jit(G.make_logps_fn(Transformer(ckpt.config)))(ckpt.params, batch)
@@ -153,7 +162,7 @@ def test_engine_logps_equal_the_trainers(loaded):
     assert gap < 1e-5, gap
 
 
-def test_the_update_runs_at_the_batchs_bucket_and_changes_nothing(loaded):
+def test_the_update_runs_at_the_batchs_bucket_and_changes_nothing(loaded, rollouts):
     """A step's batch is as long as its longest row's bucket (powers of two from 16, at most
     train.seq_len), so the update compiles once per bucket; its objective, gradient and
     log-probs equal those of the batch padded to seq_len."""
@@ -161,14 +170,12 @@ def test_the_update_runs_at_the_batchs_bucket_and_changes_nothing(loaded):
     assert grpo_run.batch_length([np.zeros(9), np.zeros(3)], [[1] * 8, [1]], 512) == 16
     assert grpo_run.batch_length([np.zeros(9)], [[1] * 9], 512) == 32  # 17
     assert grpo_run.batch_length([np.zeros(40)], [[1] * 9], 48) == 48  # at most seq_len
-    ckpt, prompts = loaded
-    tc = TrainConfig(objective="grpo", reward="m:f", batch_size=8, grpo_group_size=4,
-                     grpo_max_tokens=6, seq_len=64)
-    engine = grpo_run.make_engine(ckpt.config, ckpt.params, tc, 18)
-    rows, completions, lps, _ = grpo_run.sample(engine, prompts[:2], tc, 0, eos_id=-1)
-    t = grpo_run.batch_length(rows, completions, tc.seq_len)
+    ckpt, _ = loaded
+    rows, completions, lps = rollouts
+    seq_len = 64  # train.seq_len
+    t = grpo_run.batch_length(rows, completions, seq_len)
     longest = max(len(r) + len(c) for r, c in zip(rows, completions, strict=True)) - 1
-    assert t in (16, 32) and longest <= t < tc.seq_len
+    assert t in (16, 32) and longest <= t < seq_len
     advantages = np.linspace(-1, 1, 8).astype(np.float32)
     model = Transformer(ckpt.config)
     loss_fn = G.make_grpo_loss_fn(model, lambda p: p, loss_type="token", clip_eps=0.2,
@@ -176,7 +183,7 @@ def test_the_update_runs_at_the_batchs_bucket_and_changes_nothing(loaded):
     logps_fn = jax.jit(G.make_logps_fn(model))  # one program per length, as in training
     grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
     out = []
-    for length in (t, tc.seq_len):
+    for length in (t, seq_len):
         batch = grpo_run.grpo_batch(rows, completions, lps, advantages, length)
         batch["ref_logps"] = batch["old_logps"] * 1.1
         logps = np.asarray(logps_fn(ckpt.params, batch))[:, :t]
