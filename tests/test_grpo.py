@@ -137,23 +137,32 @@ def loaded(setup):
     return ckpt, prompts
 
 
-def test_engine_logps_equal_the_trainers(loaded):
-    """The log-probs the engine reports for its sampled tokens = the training forward's."""
+@pytest.fixture(scope="module")
+def rollouts(loaded):
+    """A step's rollouts of 2 prompts x G=4 (6 tokens each) by ``make_engine``'s engine (which
+    ``train.seq_len`` does not change): (prompt rows, completions, sampled log-probs)."""
     ckpt, prompts = loaded
     tc = TrainConfig(objective="grpo", reward="m:f", batch_size=8, grpo_group_size=4,
                      grpo_max_tokens=6, seq_len=24)
     engine = grpo_run.make_engine(ckpt.config, ckpt.params, tc, 18)
     rows, completions, lps, _ = grpo_run.sample(engine, prompts[:2], tc, 0, eos_id=-1)
+    return rows, completions, lps
+
+
+def test_engine_logps_equal_the_trainers(loaded, rollouts):
+    """The log-probs the engine reports for its sampled tokens = the training forward's."""
+    ckpt, _ = loaded
+    rows, completions, lps = rollouts
     assert len(set(map(tuple, completions))) > 2  # sampled, not all the same
     batch = grpo_run.grpo_batch(rows, completions, lps, np.zeros(8), 24)
-    ours = G.make_logps_fn(Transformer(ckpt.config))(ckpt.params, batch)
+    ours = jax.jit(G.make_logps_fn(Transformer(ckpt.config)))(ckpt.params, batch)
     mask = batch["mask"] > 0
     assert mask.sum() == 8 * 6
     gap = np.abs(np.asarray(ours)[mask] - batch["old_logps"][mask]).max()
     assert gap < 1e-5, gap
 
 
-def test_the_update_runs_at_the_batchs_bucket_and_changes_nothing(loaded):
+def test_the_update_runs_at_the_batchs_bucket_and_changes_nothing(loaded, rollouts):
     """A step's batch is as long as its longest row's bucket (powers of two from 16, at most
     train.seq_len), so the update compiles once per bucket; its objective, gradient and
     log-probs equal those of the batch padded to seq_len."""
@@ -161,24 +170,24 @@ def test_the_update_runs_at_the_batchs_bucket_and_changes_nothing(loaded):
     assert grpo_run.batch_length([np.zeros(9), np.zeros(3)], [[1] * 8, [1]], 512) == 16
     assert grpo_run.batch_length([np.zeros(9)], [[1] * 9], 512) == 32  # 17
     assert grpo_run.batch_length([np.zeros(40)], [[1] * 9], 48) == 48  # at most seq_len
-    ckpt, prompts = loaded
-    tc = TrainConfig(objective="grpo", reward="m:f", batch_size=8, grpo_group_size=4,
-                     grpo_max_tokens=6, seq_len=64)
-    engine = grpo_run.make_engine(ckpt.config, ckpt.params, tc, 18)
-    rows, completions, lps, _ = grpo_run.sample(engine, prompts[:2], tc, 0, eos_id=-1)
-    t = grpo_run.batch_length(rows, completions, tc.seq_len)
+    ckpt, _ = loaded
+    rows, completions, lps = rollouts
+    seq_len = 64  # train.seq_len
+    t = grpo_run.batch_length(rows, completions, seq_len)
     longest = max(len(r) + len(c) for r, c in zip(rows, completions, strict=True)) - 1
-    assert t in (16, 32) and longest <= t < tc.seq_len
+    assert t in (16, 32) and longest <= t < seq_len
     advantages = np.linspace(-1, 1, 8).astype(np.float32)
     model = Transformer(ckpt.config)
     loss_fn = G.make_grpo_loss_fn(model, lambda p: p, loss_type="token", clip_eps=0.2,
                                   kl_beta=0.1, max_tokens=6)
+    logps_fn = jax.jit(G.make_logps_fn(model))  # one program per length, as in training
+    grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
     out = []
-    for length in (t, tc.seq_len):
+    for length in (t, seq_len):
         batch = grpo_run.grpo_batch(rows, completions, lps, advantages, length)
         batch["ref_logps"] = batch["old_logps"] * 1.1
-        logps = np.asarray(G.make_logps_fn(model)(ckpt.params, batch))[:, :t]
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(ckpt.params, batch)
+        logps = np.asarray(logps_fn(ckpt.params, batch))[:, :t]
+        (loss, aux), grads = grad_fn(ckpt.params, batch)
         out.append((logps * batch["mask"][:, :t], loss, aux[2], grads))
     np.testing.assert_allclose(out[0][0], out[1][0], atol=1e-6)
     np.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-5)
@@ -312,6 +321,6 @@ def test_grpo_cli_lora_on_a_two_device_mesh(setup, tmp_path):
     out = hf_export.export(run_dir / "checkpoints", tmp_path / "export")
     ours = loading.load(run_dir / "checkpoints", with_tokenizer=False)
     tokens = np.array([[3, 5, 7, 9, 11]])
-    logits = Transformer(ours.config).apply({"params": ours.params}, tokens).logits
+    logits = jax.jit(Transformer(ours.config).apply)({"params": ours.params}, tokens).logits
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out)(torch.tensor(tokens)).logits
     np.testing.assert_allclose(np.asarray(logits), theirs.detach().numpy(), atol=1e-4)

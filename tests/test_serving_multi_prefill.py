@@ -25,14 +25,22 @@ CONFIG = TINY.replace(max_seq_len=128)  # room for a prompt of two 64-token chun
 
 N_REF = 8
 # 8 slots, pages of 4 positions, prompt chunks of up to 64 tokens a step (buckets 16, 32, 64):
-# up to 4 prompts of <= 16 tokens, or 2 of <= 32, in one step.
-ENGINE = dict(num_slots=8, num_pages=96, page_size=4, token_budget=8 + 64, min_context=32)
+# up to 4 prompts of <= 16 tokens, or 2 of <= 32, in one step; page tables 16 or 32 pages wide.
+ENGINE = dict(num_slots=8, num_pages=96, page_size=4, token_budget=8 + 64, min_context=64)
+# A small pool (24 pages and the null one: a 78-position request's 20 fit): the small-pool test
+# and the compile test run the same 14 greedy programs.
+SMALL_POOL = {**ENGINE, "num_pages": 25}
 
 
 @pytest.fixture(scope="module")
-def model():
+def params():
     init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
-    return CONFIG, decode.prepare(CONFIG, init(CONFIG, jax.random.key(0)))
+    return init(CONFIG, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def model(params):
+    return CONFIG, decode.prepare(CONFIG, params)
 
 
 def _prompts(lengths, seed=0):
@@ -40,12 +48,32 @@ def _prompts(lengths, seed=0):
     return [rng.integers(0, TINY.vocab_size, n).tolist() for n in lengths]
 
 
-def _reference(model, prompt, params):
+# ``generate``'s batches: every request's prompt in one batch per sampling setting, padded to
+# REF_ROWS rows with a prompt of REF_LEN tokens, so that the module's references (greedy or top-p)
+# run 2 compiled programs; a prompt's draws follow its own seed in any batch.
+REF_ROWS, REF_LEN = 12, 70
+
+
+def _references(model, prompts, params, pad=True):
+    """``generate``'s (tokens, logprobs) of each prompt under its request's sampling params."""
     config, weights = model
-    out = generation.generate(config, weights, [prompt], max_new_tokens=N_REF,
-                              temperature=params.temperature, top_p=params.top_p,
-                              seed=[params.seed])
-    return out.tokens[0][:params.max_tokens], out.logprobs[0][:params.max_tokens]
+    out = [None] * len(prompts)
+    groups = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.temperature, p.top_p), []).append(i)
+    for (temperature, top_p), rows in groups.items():
+        batch = [prompts[i] for i in rows]
+        seeds = [params[i].seed for i in rows]
+        if pad:
+            assert len(batch) <= REF_ROWS and max(map(len, batch)) <= REF_LEN
+            batch += [[1] * REF_LEN] * (REF_ROWS - len(batch))
+            seeds += [0] * (REF_ROWS - len(seeds))
+        got = generation.generate(config, weights, batch, max_new_tokens=N_REF,
+                                  temperature=temperature, top_p=top_p, seed=seeds)
+        for row, i in enumerate(rows):
+            n = params[i].max_tokens
+            out[i] = got.tokens[row][:n], got.logprobs[row][:n]
+    return out
 
 
 def _serve(engine, prompts, params):
@@ -84,10 +112,10 @@ def test_several_prompts_per_step_equal_one_at_a_time_and_generate(model):
     one, one_per_step = _serve(Engine(*model, **ENGINE, max_prefill_rows=1), prompts, params)
     assert max(per_step) == 4 and max(one_per_step) == 1
     assert sum(per_step) < sum(one_per_step) or len(per_step) < len(one_per_step)
-    for prompt, p, a, b in zip(prompts, params, many, one, strict=True):
+    refs = _references(model, prompts, params)
+    for prompt, a, b, (want, want_logprobs) in zip(prompts, many, one, refs, strict=True):
         assert a.tokens == b.tokens, len(prompt)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
-        want, want_logprobs = _reference(model, prompt, p)
         assert a.tokens == want, len(prompt)
         np.testing.assert_allclose(a.logprobs, want_logprobs, atol=1e-4, rtol=0)
 
@@ -97,27 +125,28 @@ def test_forks_of_several_prompts_share_one_step(model):
     4 prompts and forks the other 3 x (G - 1) requests from their logits."""
     base = _prompts([6, 11, 4, 14], seed=2)
     prompts = [p for p in base for _ in range(2)]
-    params = [SamplingParams(max_tokens=N_REF, temperature=1.0, seed=7 + i, logprobs=True)
+    params = [SamplingParams(max_tokens=N_REF, temperature=0.9, top_p=0.9, seed=7 + i,
+                             logprobs=True)
               for i in range(len(prompts))]
     engine = Engine(*model, **ENGINE)
     done, per_step = _serve(engine, prompts, params)
     assert per_step[0] == 4 and engine.scheduler.forked == 4
     alone, _ = _serve(Engine(*model, **ENGINE, max_prefill_rows=1), prompts, params)
-    for prompt, p, a, b in zip(prompts, params, done, alone, strict=True):
-        assert a.tokens == b.tokens == _reference(model, prompt, p)[0]
+    for a, b, ref in zip(done, alone, _references(model, prompts, params), strict=True):
+        assert a.tokens == b.tokens == ref[0]
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
 def test_a_small_pool_serves_every_prompt_without_leaks(model):
-    """16 pages of 4 positions for 8 slots: admissions leave the pages the prompts in prefill
+    """24 pages of 4 positions for 8 slots: admissions leave the pages the prompts in prefill
     still need, decodes preempt, and everything still equals generate."""
-    prompts = _prompts([20, 3, 30, 9, 25, 12, 6, 17, 28, 4], seed=3)
+    prompts = _prompts([20, 3, 60, 9, 50, 12, 6, 17, 56, 4], seed=3)
     params = [SamplingParams(max_tokens=N_REF) for _ in prompts]
-    engine = Engine(*model, **{**ENGINE, "num_pages": 17})
+    engine = Engine(*model, **SMALL_POOL)
     done, per_step = _serve(engine, prompts, params)
     assert max(per_step) >= 2 and engine.scheduler.preemptions > 0
-    for prompt, p, a in zip(prompts, params, done, strict=True):
-        assert a.tokens == _reference(model, prompt, p)[0], len(prompt)
+    for prompt, a, ref in zip(prompts, done, _references(model, prompts, params), strict=True):
+        assert a.tokens == ref[0], len(prompt)
 
 
 def test_chunk_shapes_are_few_and_compile_covers_a_load(model):
@@ -127,11 +156,12 @@ def test_chunk_shapes_are_few_and_compile_covers_a_load(model):
         sched.chunk_shapes()
     assert Scheduler(8, 96, 4, 128, max_chunk=64, max_prefill_rows=1).chunk_shapes() == [
         (1, 16), (1, 32), (1, 64)]
-    engine = Engine(*model, **ENGINE)
-    assert engine.scheduler.widths == (8, 16, 32)
-    assert engine.compile() == 3 * (1 + 6)
+    # the load's 70-token prompt takes the page tables of 32 pages, the others those of 16
+    engine = Engine(*model, **SMALL_POOL)
+    assert engine.scheduler.widths == (16, 32)
+    assert engine.compile() == 2 * (1 + 6)
     compiled = step_lib.step_jit._cache_size()
-    prompts = _prompts([3, 9, 16, 5, 12, 40, 2, 33, 7, 14], seed=4)
+    prompts = _prompts([3, 9, 16, 5, 12, 70, 2, 33, 7, 14], seed=4)
     _serve(engine, prompts, [SamplingParams(max_tokens=N_REF) for _ in prompts])
     assert step_lib.step_jit._cache_size() == compiled
 
@@ -145,19 +175,20 @@ def test_sliding_window_rings_with_several_prompts_per_step():
     prompts = _prompts([5, 13, 9, 3, 30, 11], seed=5)
     params = [SamplingParams(max_tokens=N_REF) for _ in prompts]
     done, per_step = _serve(Engine(*model, num_slots=4, num_pages=40, page_size=8,
-                                   token_budget=4 + 64, min_context=16), prompts, params)
+                                   token_budget=4 + 64, min_context=64), prompts, params)
     assert max(per_step) == 4
-    for prompt, p, a in zip(prompts, params, done, strict=True):
-        assert a.tokens == _reference(model, prompt, p)[0], len(prompt)
+    refs = _references(model, prompts, params, pad=False)
+    for prompt, a, ref in zip(prompts, done, refs, strict=True):
+        assert a.tokens == ref[0], len(prompt)
 
 
-def test_rows_of_different_adapters_prefill_together(model):
-    config, weights = model
-    base = init_params(config, jax.random.key(0))
+def test_rows_of_different_adapters_prefill_together(model, params):
+    config, _ = model
+    init = jax.jit(lora.init_adapters, static_argnums=(0, 1))
 
     def adapter(seed):
         cfg = lora.LoraConfig(rank=4, alpha=8.0)
-        tree = lora.init_adapters(config, cfg, base, jax.random.key(seed))
+        tree = init(config, cfg, params, jax.random.key(seed))
         rng = np.random.default_rng(seed)
         return jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + 0.2 * rng.standard_normal(
             x.shape, np.float32)), tree), cfg
