@@ -294,6 +294,22 @@ def test_bench_copy_corpus_is_made_of_passages_and_their_copies(lines):
             assert 0.3 < np.mean(np.asarray(changed) > 0) < 0.8  # 60% are edited (less ties)
 
 
+
+def test_bench_write_copy_corpus_passes_every_option(tmp_path):
+    """``bench speculative --write-copy-corpus`` writes ``copy_corpus`` of its options."""
+    from transformer_jax.bench import speculative as bench
+
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 50)
+    out = tmp_path / "copy.txt"
+    assert bench.main(["--write-copy-corpus", str(out), "--text", str(text), "--seed", "3",
+                       "--copy-size", "5000", "--copy-random-share", "0.2",
+                       "--copy-passage", "12,20", "--copy-plain", "7", "--copy-no-edits",
+                       "--copy-lines"]) == 0
+    want = bench.copy_corpus(text.read_text(), 5000, np.random.default_rng(3), 0.2, (12, 20),
+                             7, False, True)
+    assert out.read_text() == want
+
 # The device loop ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n, min_n", [(3, 1), (2, 2), (4, 2)])

@@ -124,9 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=a.nonnegative_int, default=0)
     p.add_argument("--json", type=a.output_file, default=None)
     p.add_argument("--write-copy-corpus", metavar="FILE", type=a.output_file, default=None,
-                   help="write a copy-dominated training text made from --text (6M "
-                   "characters, ``copy_corpus``) to FILE and exit: text to train a target "
+                   help="write a copy-dominated training text made from --text "
+                   "(``copy_corpus``) to FILE and exit: text to train a target "
                    "and a draft that continue the repeat workload by copying")
+    p.add_argument("--copy-size", type=a.positive_int, default=6_000_000,
+                   help="the corpus's size in characters (a block's separators counted as 6)")
     p.add_argument("--copy-random-share", type=float, default=0.33,
                    help="the share of the corpus's passages that are random characters")
     p.add_argument("--copy-passage", type=a.int_list(1), default=[24, 200], metavar="MIN,MAX",
@@ -155,7 +157,7 @@ def main(argv: list[str]) -> int:
         if not args.text:
             raise SystemExit("--write-copy-corpus needs --text")
         with open(args.text) as f:
-            corpus = copy_corpus(f.read(), 6_000_000, np.random.default_rng(args.seed),
+            corpus = copy_corpus(f.read(), args.copy_size, np.random.default_rng(args.seed),
                                  args.copy_random_share, tuple(args.copy_passage),
                                  args.copy_plain, not args.copy_no_edits,
                                  args.copy_lines)
