@@ -2,8 +2,8 @@
 
 Run as ``python tests/decode_tp_worker.py`` with ``--xla_force_host_platform_device_count=4``
 (``multihost_worker.run_python`` sets it); prints one JSON line with, per case and tensor size,
-the generated tokens and log-probabilities, the streamed steps, and the error messages of meshes
-that cannot split the model.
+the generated tokens and log-probabilities, the streamed steps, the collective ops of two of
+those programs, and the error messages of meshes that cannot split the model.
 """
 
 from __future__ import annotations
@@ -14,25 +14,27 @@ import sys
 
 import jax
 import numpy as np
+from helpers import random_params
 
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.model.config import ModelConfig
-from transformer_jax.model.transformer import init_params, stack_blocks
 from transformer_jax.parallel import sharding
 
 BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=48,
             max_seq_len=64, init_std=0.2)
-# name -> (config overrides, batch prompt lengths, sampling kwargs, tensor sizes)
+# name -> (config overrides, batch prompt lengths, sampling kwargs, tensor sizes). Each case
+# compiles generate once per tensor size, so independent variations share a case: sampling
+# goes with multi-head attention (over 2 and 4 devices, 4 not dividing its vocabulary), a batch
+# of one with the sliding window. The scanned layers are the patterned case's and
+# ``quantized``'s.
 CASES = {
     "gqa-ragged-greedy": (dict(n_kv_heads=2), [5, 11, 2], {}, (2,)),
-    "gqa-batch1": (dict(n_kv_heads=2), [7], {}, (2,)),
-    "mha-bias-untied-odd-vocab": (dict(n_kv_heads=4, qkv_bias=True, tie_embeddings=False,
-                                       vocab_size=66), [4, 9], {}, (2, 4)),
-    "scanned-swiglu-sampled": (dict(n_kv_heads=2, scan_layers=True),
-                               [6, 3], dict(temperature=0.9, top_p=0.9, seed=3), (2,)),
-    "sliding-window-gelu": (dict(n_kv_heads=2, ffn="gelu", sliding_window=4), [9, 12], {},
-                            (2,)),
+    "mha-bias-untied-odd-vocab-sampled": (
+        dict(n_kv_heads=4, qkv_bias=True, tie_embeddings=False, vocab_size=66), [4, 9],
+        dict(temperature=0.9, top_p=0.9, seed=3), (2, 4)),
+    "sliding-window-gelu-batch1": (dict(n_kv_heads=2, ffn="gelu", sliding_window=4), [12], {},
+                                   (2,)),
     # QK-norm over whole projections (its statistics span the shards' heads), norms inside
     # the residual branch, local and global layers in one scan, soft-capped logits.
     "full-qk-norm-patterned-softcap": (
@@ -45,6 +47,32 @@ CASES = {
              sliding_window=4, layer_pattern=("local", "local", "global"), n_layers=3),
         [10, 4], {}, (2,)),
 }
+# kind -> (case, tensor size): the collectives are counted in programs of two unrolled 2-layer
+# cases, one whose vocabulary T divides, one whose vocabulary it does not (the embedding and
+# head replicated).
+COLLECTIVE_CASES = {"split_vocab": ("gqa-ragged-greedy", 2),
+                    "whole_vocab": ("mha-bias-untied-odd-vocab-sampled", 4)}
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute")
+
+
+class _Recorder:
+    """``decode._generate_jit`` keeping its last call's arguments, to read that compiled
+    program's HLO back (``lower`` then ``compile`` of the same call hits the jit's cache)."""
+
+    def __init__(self, jitted):
+        self.jitted, self.last = jitted, None
+
+    def __call__(self, *args, **kwargs):
+        self.last = (args, kwargs)
+        return self.jitted(*args, **kwargs)
+
+    def last_hlo(self) -> str:
+        args, kwargs = self.last
+        return self.jitted.lower(*args, **kwargs).compile().as_text()
+
+
+def collective_counts(hlo: str) -> dict[str, int]:
+    return {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
 
 
 def _mesh(tensor: int) -> jax.sharding.Mesh:
@@ -52,16 +80,28 @@ def _mesh(tensor: int) -> jax.sharding.Mesh:
                               jax.devices()[:tensor])
 
 
-def run_case(overrides: dict, lengths: list[int], kwargs: dict, sizes: tuple[int, ...]) -> dict:
+def vocab_edges(vocab: int, sizes: tuple[int, ...]) -> list[int]:
+    """The first and last ids of each shard's block of the vocabulary, over every T in
+    ``sizes`` that splits it (0 and V - 1 always)."""
+    edges = {0, vocab - 1}
+    for t in sizes:
+        if vocab % t == 0:
+            edges |= {k * vocab // t + d for k in range(1, t) for d in (-1, 0)}
+    return sorted(edges)
+
+
+def run_case(overrides: dict, lengths: list[int], kwargs: dict, sizes: tuple[int, ...], *,
+             count_collectives: int = 0) -> dict:
+    """Generate at each tensor size, and the collectives of the ``count_collectives`` one."""
     config = ModelConfig(**{**BASE, **overrides})
-    params = init_params(config.replace(scan_layers=False), jax.random.key(0))
-    if config.qkv_bias:  # zero-initialised: make them matter
-        params = jax.tree_util.tree_map_with_path(
-            lambda p, x: x + 0.3 if "bias" in jax.tree_util.keystr(p) else x, params)
-    if config.scan_layers:
-        params = stack_blocks(params, config.n_layers)
+    params = random_params(config)  # biases and norm gains random too
     rng = np.random.default_rng(len(lengths))
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in lengths]
+    # The longest prompt starts with the ids at the edges of the vocabulary's shards, so that
+    # a shard that looked up a row off by one at an edge would change the output.
+    edges = vocab_edges(config.vocab_size, sizes)
+    longest = max(prompts, key=len)
+    longest[:len(edges)] = edges
     out = {}
     for tensor in (1, *sizes):
         mesh = None if tensor == 1 else _mesh(tensor)
@@ -81,6 +121,8 @@ def run_case(overrides: dict, lengths: list[int], kwargs: dict, sizes: tuple[int
         result = generation.generate(config, weights, prompts, max_new_tokens=6,
                                  stream=lambda *a, s=prepared_steps: record(*a, steps=s),
                                  **kwargs)
+        if tensor == count_collectives:
+            out["collectives"] = collective_counts(decode._generate_jit.last_hlo())
         out[f"{tensor}-prepared"] = dict(
             tokens=result.tokens, logprobs=result.logprobs, stream=prepared_steps,
             bytes_total=weights.nbytes,
@@ -92,7 +134,7 @@ def run_case(overrides: dict, lengths: list[int], kwargs: dict, sizes: tuple[int
 
 def errors() -> dict:
     config = ModelConfig(**{**BASE, "n_kv_heads": 2})
-    params = init_params(config, jax.random.key(0))
+    params = random_params(config)
     found = {}
     meshes = {
         "tensor3": lambda: _mesh(3),
@@ -120,29 +162,12 @@ def errors() -> dict:
     return found
 
 
-def collectives() -> dict:
-    """Collective ops in the compiled tensor=2 generate, for a vocabulary T divides and one it
-    does not (so the embedding and head are replicated)."""
-    found = {}
-    for name, vocab in (("split_vocab", 64), ("whole_vocab", 65)):
-        config = ModelConfig(**{**BASE, "n_kv_heads": 2, "vocab_size": vocab})
-        weights = decode.prepare(config, init_params(config, jax.random.key(0)), _mesh(2))
-        tokens = jax.numpy.ones((3, 5), jax.numpy.int32)
-        hlo = decode._generate_jit.lower(
-            config, weights, tokens, jax.numpy.full((3,), 5, jax.numpy.int32),
-            jax.numpy.zeros((3, 2), jax.numpy.uint32), max_new_tokens=4, mesh=_mesh(2),
-        ).compile().as_text()
-        found[name] = {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo))
-                       for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute")}
-    return found
-
-
 def quantized() -> dict:
     """Generate with int8 and int4 weights prepared on one device and split over 2 (the
     vocabulary split with it), per scheme, plus the quantised bytes on device 0."""
     config = ModelConfig(**{**BASE, "n_kv_heads": 2, "scan_layers": True})
-    params = init_params(config, jax.random.key(1))
-    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    params = random_params(config, seed=1)
+    prompts = [[*vocab_edges(config.vocab_size, (2,)), 5], [9, 2]]
     found = {}
     for quant in ("int8", "int4:8"):
         for tensor in (1, 2):
@@ -155,9 +180,15 @@ def quantized() -> dict:
 
 def main() -> int:
     assert len(jax.devices()) == 4, jax.devices()
-    result = {name: run_case(*case) for name, case in CASES.items()}
+    decode._generate_jit = _Recorder(decode._generate_jit)
+    counted = dict(COLLECTIVE_CASES.values())
+    result = {name: run_case(*case, count_collectives=counted.get(name, 0))
+              for name, case in CASES.items()}
+    # Collective ops in a compiled tensor-parallel generate (the prepared weights' program, the
+    # one the raw parameters' call ran too), for a vocabulary T divides and one it does not.
+    result["collectives"] = {kind: result[name].pop("collectives")
+                             for kind, (name, _) in COLLECTIVE_CASES.items()}
     result["errors"] = errors()
-    result["collectives"] = collectives()
     result["quantized"] = quantized()
     print(json.dumps(result))
     return 0

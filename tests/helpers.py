@@ -1,5 +1,6 @@
 """Helpers shared by the tests (one definition each): the cheap XLA:CPU compile options, the tiny
-model config, a numpy attention reference and a random HuggingFace model builder.
+model config, random parameters drawn with numpy, a numpy attention reference and a random
+HuggingFace model builder.
 
 Importing this module touches no device (``multihost_worker.py`` imports it before
 ``jax.distributed.initialize``) and needs neither torch nor transformers.
@@ -46,6 +47,29 @@ TINY_RUN_ARGS = [
 # that its logits are far from uniform. Tests change fields with ``TINY.replace(...)``.
 TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                    d_ff=48, max_seq_len=64, init_std=0.2)
+
+
+def random_params(config: ModelConfig, seed: int = 0, std: float = 0.2) -> dict:
+    """Random parameters of ``config`` (its layout, scanned or not) as numpy arrays, drawn with
+    numpy from the shapes alone (``abstract_params``): no program compiles, where
+    ``init_params`` op by op compiles one per op and shape. Every leaf is random, biases and
+    norm gains included (gains ``1 - norm_offset`` plus noise), so a shard that used another
+    shard's slice of any of them would change the output.
+    """
+    import jax
+
+    from transformer_jax.model.transformer import abstract_params
+
+    rng = np.random.default_rng(seed)
+
+    def leaf(path: tuple, x: jax.ShapeDtypeStruct) -> np.ndarray:
+        noise = rng.standard_normal(x.shape).astype(x.dtype)
+        if len(path) > 1 and "norm" in str(path[-2].key):
+            center = 1.0 - config.norm_offset if str(path[-1].key) == "scale" else 0.0
+            return center + 0.1 * noise
+        return std * noise
+
+    return jax.tree_util.tree_map_with_path(leaf, abstract_params(config))
 
 
 def numpy_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, *,

@@ -62,7 +62,9 @@ def test_tensor_parallel_program_sums_branches_and_gathers_only_logits(runs):
     # The Megatron split: each layer's attention and FFN outputs are all-reduced (2 layers, in
     # prefill and in the decode loop: 8), plus the embedding lookup when the vocabulary is split
     # (prefill and loop: 2); the only all-gathers are of the split logits. A partitioner that
-    # gathered the activations (q, k, v) would add all-gathers.
+    # gathered the activations (q, k, v) would add all-gathers. Counted in programs that
+    # generate ran, of two unrolled 2-layer cases (``COLLECTIVE_CASES``: tensor=2 with the
+    # vocabulary split, tensor=4 with it whole).
     found = runs["collectives"]
     split, whole = found["split_vocab"], found["whole_vocab"]
     assert split["all-gather"] == 2 and whole["all-gather"] == 0, found
