@@ -310,6 +310,91 @@ def test_bench_write_copy_corpus_passes_every_option(tmp_path):
                              7, False, True)
     assert out.read_text() == want
 
+def test_bench_copy_records_are_the_repeat_workloads_task(tmp_path):
+    """``copy_records``: each prompt is a passage of the asked length, a blank line and the
+    passage's first 1..lead characters with exactly one changed (none without edits); the
+    completion is the rest of the passage, so prompt's copy + completion = passage but for the
+    edit. ``--write-copy-sft`` writes the records of its options as .jsonl."""
+    import json
+
+    from transformer_jax.bench import speculative as bench
+
+    text = "the quick brown fox jumps over the lazy dog. " * 50
+    for edits in (True, False):
+        records = bench.copy_records(text, 400, np.random.default_rng(2), 0.5, (10, 30), 6,
+                                     edits)
+        assert len(records) == 400
+        leads, randoms = [], 0
+        for r in records:
+            passage, head = r["prompt"].split("\n\n") if "\n\n" in r["prompt"] else (None, None)
+            assert passage is not None and 10 <= len(passage) < 30
+            assert 1 <= len(head) <= 6 and passage == passage[:len(head)] + r["completion"]
+            diff = sum(a != b for a, b in zip(head, passage, strict=False))
+            assert diff == (1 if edits else 0)
+            leads.append(len(head))
+            randoms += passage not in text
+        assert set(leads) == set(range(1, 7))
+        assert 150 < randoms < 250  # about half are random characters
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(text)
+    out = tmp_path / "copy.jsonl"
+    assert bench.main(["--write-copy-sft", str(out), "--text", str(text_file), "--seed", "4",
+                       "--copy-records", "30", "--copy-random-share", "0.2",
+                       "--copy-passage", "12,20", "--copy-lead", "5", "--copy-no-edits"]) == 0
+    want = bench.copy_records(text, 30, np.random.default_rng(4), 0.2, (12, 20), 5, False)
+    assert [json.loads(line) for line in out.read_text().splitlines()] == want
+    with pytest.raises(SystemExit, match="3 <= MIN < MAX"):
+        bench.main(["--write-copy-sft", str(out), "--text", str(text_file),
+                    "--copy-passage", "20,12"])
+
+
+def test_bench_distill_records_are_the_targets_greedy_outputs(tmp_path):
+    """``distill_records``: each completion is the target's greedy continuation of its prompt
+    as ``generate`` gives it (bos first, as the tokenizer adds it; in other batches), up to
+    the first special token; the prompts are of both workloads. A tokenizer whose text does
+    not round-trip is a ValueError before any generation."""
+    import dataclasses
+
+    from transformer_jax.bench.speculative import distill_records
+    from transformer_jax.tokenizer.spm_backend import Tokenizer
+
+    text = "the quick brown fox jumps over the lazy dog. " * 20 + "A-Z, 0-9!\n" * 5
+    tok = Tokenizer.train([text], tmp_path / "char.model", 40, "char")
+    assert tok.add_bos_token and tok.decode(tok.encode(text)) == text
+    config = dataclasses.replace(TINY, vocab_size=tok.vocab_size)
+    weights = decode.prepare(config, init_params(config, jax.random.key(3)))
+    ids = np.asarray(tok.encode(text))
+    records = list(distill_records(config, weights, tok, ids, 8, np.random.default_rng(0),
+                                   (6, 12), 3, 5, batch=4))
+    assert len(records) == 8
+    specials = {tok.bos_id, tok.eos_id, tok.pad_id, tok.unk_id} - {-1}
+    prompts = [[tok.bos_id, *tok.encode(r["prompt"])] for r in records]
+    # Regrouped (the programs distill_records compiled, other rows in each batch):
+    stops = sorted(specials)
+    want = [o for group in (prompts[::2], prompts[1::2]) for o in generation.generate(
+        config, weights, group, max_new_tokens=5, stop_tokens=stops).tokens]
+    want = [want[i // 2 + 4 * (i % 2)] for i in range(8)]
+    repeats = cut = 0
+    for r, alone in zip(records, want, strict=True):
+        stop = next((i for i, t in enumerate(alone) if t in specials), len(alone))
+        assert tok.encode(r["completion"]) == alone[:stop]
+        cut += stop < 5
+        repeats += "\n\n" in r["prompt"]
+        assert r["prompt"].split("\n\n")[0] in text
+    assert 0 < repeats < 8 and cut  # the random model emits special tokens: cut there
+
+    class Lossy:  # a tokenizer whose decode loses a character
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def decode(self, ids):
+            return tok.decode(ids).replace("q", "")
+
+    with pytest.raises(ValueError, match="round-trips"):
+        list(distill_records(config, weights, Lossy(), np.asarray(tok.encode("quick " * 3)), 1,
+                             np.random.default_rng(0), (6, 12), 3, 2))
+
+
 # The device loop ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n, min_n", [(3, 1), (2, 2), (4, 2)])

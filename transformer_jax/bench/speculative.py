@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -90,6 +92,94 @@ def copy_corpus(text: str, size: int, rng: Any, random_share: float = 0.33,
     return "".join(out)
 
 
+def copy_records(text: str, count: int, rng: Any, random_share: float = 0.5,
+                 lengths: tuple[int, int] = (16, 200), lead: int = 16, edits: bool = True
+                 ) -> list[dict[str, str]]:
+    """``count`` instruction records of the repeat workload's task, for supervised fine-tuning
+    (the loss on the completion only, each record its own segment): the prompt is a passage of
+    ``lengths[0]`` to ``lengths[1] - 1`` characters, a blank line, and the passage's first 1 to
+    ``lead`` characters again (one of them changed, as the workload's edit; none without
+    ``edits``); the completion is the rest of the passage. ``random_share`` of the passages are
+    random characters of the text's alphabet, which only copying predicts; the others are cut
+    from ``text``. The completion never holds an edit, so all of it is learnable by copying.
+    """
+    alphabet = sorted(set(text) - {"\n"})
+    records = []
+    for _ in range(count):
+        p = int(rng.integers(*lengths))
+        if rng.random() < random_share:
+            passage = "".join(alphabet[i] for i in rng.integers(0, len(alphabet), p))
+        else:
+            s = int(rng.integers(0, len(text) - p))
+            passage = text[s:s + p]
+        cut = int(rng.integers(1, min(lead, p - 1) + 1))
+        head = list(passage[:cut])
+        if edits:
+            i = int(rng.integers(0, cut))
+            head[i] = alphabet[int(rng.choice([j for j, c in enumerate(alphabet)
+                                               if c != head[i]]))]
+        records.append({"prompt": passage + "\n\n" + "".join(head),
+                        "completion": passage[cut:]})
+    return records
+
+
+def distill_records(config: Any, weights: Any, tokenizer: Any, ids: np.ndarray, count: int,
+                    rng: Any, lengths: tuple[int, int] = (32, 161), lead: int = 8,
+                    output: int = 128, batch: int = 64) -> Iterator[dict[str, str]]:
+    """``count`` instruction records whose completions are the target's own greedy outputs, to
+    fine-tune a draft on (sequence-level distillation, as EAGLE and Medusa drafts are trained):
+    a draft that predicts what its target says, not only the text, is accepted more often.
+
+    Half the prompts are the repeat workload's (a passage, a blank line, its first ``lead``
+    tokens again with one changed), half the free workload's (a passage to continue), with
+    passages of ``lengths[0]`` to ``lengths[1] - 1`` tokens of ``ids``; each gets ``output``
+    greedy tokens from ``generate`` (prompts as generate encodes text: bos first when the
+    tokenizer adds one), ``batch`` prompts a call, yielded as each call ends; a completion ends
+    before the first special token the target emits (bos, eos, pad, unk). Prompt and
+    completion are decoded to text, so ``tokenizer`` must round-trip (a character tokenizer
+    does; one that does not is a ValueError).
+    """
+    from transformer_jax.decode import generation
+    from transformer_jax.tokenizer.prompt import adds_bos
+
+    sep = tokenizer.encode("\n\n")
+    prompts = []
+    for _ in range(count):
+        passage = int(rng.integers(*lengths))
+        if rng.random() < 0.5:
+            prompts += repeat_workload(ids, 1, passage, min(lead, passage), rng, sep)
+        else:
+            prompts += free_workload(ids, 1, passage, rng)
+    for p in prompts:  # checked before any generation
+        _check_round_trip(tokenizer, p)
+    bos = [tokenizer.bos_id] if adds_bos(tokenizer) else []
+    specials = {t for t in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id,
+                            getattr(tokenizer, "unk_id", -1)) if t >= 0}
+    cut = 0
+    for i in range(0, count, batch):
+        chunk = prompts[i:i + batch]
+        out = generation.generate(config, weights, [bos + p for p in chunk],
+                                  max_new_tokens=output, stop_tokens=sorted(specials))
+        for p, o in zip(chunk, out.tokens, strict=True):
+            # A text record ends where the target stopped (eos: fine-tuning appends it
+            # again) or emitted another special token, which no text spells.
+            if o and o[-1] in specials:
+                cut += o[-1] != tokenizer.eos_id
+                o = o[:-1]
+            yield {"prompt": tokenizer.decode(p), "completion": _check_round_trip(tokenizer, o)}
+        logging.info("distill_records: %d of %d (%d cut at a special token other than eos)",
+                     i + len(chunk), count, cut)
+
+
+def _check_round_trip(tokenizer: Any, ids: list[int]) -> str:
+    """``ids`` as text, or a ValueError if that text does not encode back to them."""
+    text = tokenizer.decode(ids)
+    if tokenizer.encode(text) != ids:
+        raise ValueError("distill_records needs a tokenizer whose text round-trips (decode "
+                         f"then encode gives the same ids); {text!r} does not")
+    return text
+
+
 def describe(config: Any, params: Any) -> str:
     """A model's shape in a few words: layers, widths, heads, parameters."""
     import jax
@@ -127,6 +217,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a copy-dominated training text made from --text "
                    "(``copy_corpus``) to FILE and exit: text to train a target "
                    "and a draft that continue the repeat workload by copying")
+    p.add_argument("--write-copy-sft", metavar="FILE", type=a.output_file, default=None,
+                   help="write --copy-records instruction records of the repeat workload's "
+                   "task made from --text (``copy_records``: a passage, a blank line, its "
+                   "start edited; the completion copies the rest) to FILE (.jsonl) and exit")
+    p.add_argument("--copy-records", type=a.positive_int, default=50_000,
+                   help="the number of records --write-copy-sft writes")
+    p.add_argument("--copy-lead", type=a.positive_int, default=16,
+                   help="--write-copy-sft's prompts end 1 to this many characters into the copy")
+    p.add_argument("--write-distill-sft", metavar="FILE", type=a.output_file, default=None,
+                   help="write --copy-records instruction records whose completions are the "
+                   "--checkpoint target's greedy outputs (``distill_records``: prompts of both "
+                   "workloads cut from --text, passages of --copy-passage tokens, --output new "
+                   "tokens) to FILE (.jsonl) and exit: data to fine-tune a draft on")
     p.add_argument("--copy-size", type=a.positive_int, default=6_000_000,
                    help="the corpus's size in characters (a block's separators counted as 6)")
     p.add_argument("--copy-random-share", type=float, default=0.33,
@@ -151,6 +254,7 @@ def main(argv: list[str]) -> int:
     from transformer_jax.decode.speculative_loop import DraftModel
     from transformer_jax.model.config import ModelConfig
     from transformer_jax.model.transformer import init_params
+    from transformer_jax.tokenizer.prompt import adds_bos
 
     args = build_parser().parse_args(argv)
     if args.write_copy_corpus:
@@ -164,6 +268,42 @@ def main(argv: list[str]) -> int:
         with open(args.write_copy_corpus, "w") as f:
             f.write(corpus)
         print(f"wrote {len(corpus):,} characters to {args.write_copy_corpus}")
+        return 0
+    if args.write_copy_sft:
+        if not args.text:
+            raise SystemExit("--write-copy-sft needs --text")
+        lengths = tuple(args.copy_passage)
+        if lengths[0] < 3 or lengths[1] <= lengths[0]:
+            raise SystemExit(f"--copy-passage {lengths[0]},{lengths[1]}: --write-copy-sft needs "
+                             "3 <= MIN < MAX")
+        with open(args.text) as f:
+            records = copy_records(f.read(), args.copy_records, np.random.default_rng(args.seed),
+                                   args.copy_random_share, lengths, args.copy_lead,
+                                   not args.copy_no_edits)
+        with open(args.write_copy_sft, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        print(f"wrote {len(records):,} records to {args.write_copy_sft}")
+        return 0
+    if args.write_distill_sft:
+        if not (args.checkpoint and args.text):
+            raise SystemExit("--write-distill-sft needs --checkpoint and --text")
+        loaded = load(args.checkpoint)
+        lengths = tuple(args.copy_passage)
+        if lengths[0] < 1 or lengths[1] <= lengths[0]:
+            raise SystemExit(f"--copy-passage {lengths[0]},{lengths[1]}: --write-distill-sft "
+                             "needs 1 <= MIN < MAX")
+        with open(args.text) as f:
+            ids = np.asarray(loaded.tokenizer.encode(f.read()), np.int64)
+        records = distill_records(loaded.config, decode.prepare(loaded.config, loaded.params),
+                                  loaded.tokenizer, ids, args.copy_records,
+                                  np.random.default_rng(args.seed), lengths, args.lead,
+                                  args.output)
+        written = 0
+        with open(args.write_distill_sft, "w") as f:
+            for record in records:  # written as each batch ends: a long run keeps its part
+                f.write(json.dumps(record) + "\n")
+                written += 1
+        print(f"wrote {written:,} records to {args.write_distill_sft}")
         return 0
     if not (args.checkpoint or args.config):
         raise SystemExit("give the target: --checkpoint RUN or --config NAME")
@@ -196,6 +336,8 @@ def main(argv: list[str]) -> int:
         prompts = repeat_workload(ids, args.requests + 1, args.passage, args.lead, rng, sep)
     else:
         prompts = free_workload(ids, args.requests + 1, args.passage, rng)
+    if tokenizer is not None and adds_bos(tokenizer):  # as generate and fine-tuning encode
+        prompts = [[tokenizer.bos_id, *p] for p in prompts]
     specs = {"plain": None, "ngram": f"ngram:k={args.ngram_k or args.k}",
              "draft": f"draft:{args.draft}:k={args.k}"}
     seconds = dict.fromkeys(modes, 0.0)
