@@ -5,7 +5,9 @@ devices, and prints one JSON object on its last stdout line:
 
   meshes   8 devices: one reference single-device step, then the same steps under several
            meshes (and scanned/remat variants), reporting losses, state differences, shardings
-           and per-device bytes.
+           and per-device bytes. With --bench-memory ARGS (a JSON list) it first runs
+           ``python -m transformer_jax.bench memory ARGS`` in this process, started with one
+           device: the bench must ask for the 8 devices itself (and the meshes use them).
   train    one of several processes joined through jax.distributed: trains a few steps (of
            PROCESSES_CONFIG, one layer) on a mesh spanning all processes, then writes one
            orbax checkpoint collectively (and with --init-from loads a run's params as
@@ -169,8 +171,27 @@ def _run_steps(step_fn, state, put_batch):
 # ---------------------------------------------------------------------------------- modes
 
 
-def mode_meshes() -> dict:
-    assert len(jax.devices()) == 8, jax.devices()
+def bench_memory(argv: list[str]) -> dict:
+    """``python -m transformer_jax.bench memory ARGV`` in this process (before anything has
+    started JAX's backend): its exit status and what it printed."""
+    import contextlib
+    import io
+    import traceback
+
+    from transformer_jax.bench import __main__ as bench
+
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            status = bench.main(["memory", *argv])
+    except Exception:  # noqa: BLE001 - reported to the test, which names it
+        return {"status": None, "printed": printed.getvalue(), "error": traceback.format_exc()}
+    return {"status": status, "printed": printed.getvalue(), "error": None}
+
+
+def mode_meshes(memory_args: list[str] | None = None) -> dict:
+    memory = bench_memory(memory_args) if memory_args is not None else None
+    assert len(jax.devices()) == 8, (jax.devices(), memory)
     init_state, train_step = train_fns(CONFIG)
     rng = jax.random.key(0)
     ref_state0 = jax.device_get(jax.jit(init_state)(rng))
@@ -181,7 +202,7 @@ def mode_meshes() -> dict:
     ref_state, ref_losses = _run_steps(ref_step, jax.device_put(ref_state0, jax.devices()[0]),
                                        lambda i: batches[i])
     ref_state = jax.device_get(ref_state)
-    out = {"ref_losses": ref_losses, "runs": {}}
+    out = {"ref_losses": ref_losses, "runs": {}, "bench_memory": memory}
     abstract = jax.eval_shape(init_state, rng)
 
     def run(name, config, shape, state0, to_ref=lambda s: s):
@@ -317,9 +338,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--init-from", help="train mode: also load this run's params as "
                         "train.init_from does")
     parser.add_argument("--shards", help="train mode: also read this shard build's rows")
+    parser.add_argument("--bench-memory", type=json.loads, default=None,
+                        help="meshes mode: first run bench memory with these arguments (JSON)")
     args = parser.parse_args(argv)
     if args.mode == "meshes":
-        result = mode_meshes()
+        result = mode_meshes(args.bench_memory)
     elif args.mode == "train":
         result = mode_train(args)
     else:

@@ -3,7 +3,7 @@ dispatched to their experts' devices by all_to_all (``model/ops/moe_dispatch.py`
 
 The multi-device claims run in ONE launch of two processes with 4 simulated CPU devices each,
 joined by ``jax.distributed`` over gloo (``tests/moe_parallel_worker.py``): process 0 trains
-the single-device reference on its own first device, then both the same 12 steps on two 8-device
+the single-device reference on its own first device, then both the same steps on two 8-device
 meshes spanning both processes (the expert axis at 2 with fsdp 2 and tensor 2, and at 8, its
 all_to_alls across the processes). The cheap claims (config, rules, what is traced, expert x
 data) run here on abstract meshes.
@@ -74,8 +74,8 @@ def abstract_mesh(**sizes: int) -> AbstractMesh:
 
 @pytest.mark.parametrize("name", list(ep.MESHES))
 def test_expert_parallel_training_equals_one_device_at_every_step(runs, name):
-    """12 real train steps (``make_train_step``, sharded jit): loss and gradient norm of every
-    step as on one device, and the parameters and Adam moments at the end too (a wrong
+    """``ep.STEPS`` real train steps (``make_train_step``, sharded jit): loss and gradient norm
+    of every step as on one device, and the parameters and Adam moments at the end too (a wrong
     gradient factor, which Adam's normalisation would hide from the loss, shows in mu)."""
     run, ref = runs["runs"][name], runs["ref"]
     assert runs["processes"] == N_PROCESSES and runs["devices"] == 8
@@ -174,7 +174,7 @@ def test_expert_rules_split_experts_and_use_the_axis_as_fsdp_elsewhere():
     assert sh.batch_devices(mesh) == 8
 
 
-MOE_MODEL = ep.CONFIG.replace(n_layers=1)
+MOE_MODEL = ep.CONFIG  # one layer
 
 
 def _trace(config, mesh, rules):

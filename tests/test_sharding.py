@@ -2,8 +2,9 @@
 
 The multi-device claims run in ONE subprocess with 8 simulated CPU devices
 (``tests/multihost_worker.py meshes``), because this pytest process must keep its single device
-for the other test files; the cheap claims (config validation, error messages, rule mapping,
-optimizer-state shardings) run here against abstract meshes.
+for the other test files; that process starts with one device and first runs the memory bench's
+CLI, which must ask for the 8 itself. The cheap claims (config validation, error messages, rule
+mapping, optimizer-state shardings) run here against abstract meshes.
 """
 
 from __future__ import annotations
@@ -57,9 +58,27 @@ EXPECTED_SPECS = {
 RUNS = ("dp", "fsdp_scan_full", "tp_scan_save_dots", "mixed", "mixed_scan")
 
 
+# The memory bench's model: small, scanned, remat="full" (a TOML file of these fields).
+MEMORY_MODEL = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                           d_ff=128, max_seq_len=64, scan_layers=True, remat="full")
+MEMORY_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                 "max_seq_len", "scan_layers", "remat")
+
+
 @pytest.fixture(scope="module")
-def meshes() -> dict:
-    return worker.run_worker(["meshes"], n_devices=8)
+def meshes(tmp_path_factory) -> dict:
+    """The worker's meshes mode, after ``bench memory`` (``memory_report`` the path of its
+    JSON report): one process, started with one device, for both."""
+    tmp = tmp_path_factory.mktemp("memory")
+    toml = tmp / "small.toml"
+    toml.write_text("[model]\n" + "".join(
+        f"{k} = {json.dumps(getattr(MEMORY_MODEL, k))}\n" for k in MEMORY_FIELDS))
+    report = tmp / "report.json"
+    memory_args = ["--config", str(toml), "--mesh", "2,2,2", "--batch", "8", "--seq", "64",
+                   "--json", str(report)]
+    result = worker.run_worker(["meshes", "--bench-memory", json.dumps(memory_args)],
+                               n_devices=1)
+    return {**result, "memory_report": report}
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -270,23 +289,15 @@ def test_memory_report_matches_hand_formula(preset):
         assert report["state"] - report["params"] - report["adam"] < 1024  # counters, rng
 
 
-def test_memory_cli_compiles_on_simulated_devices(tmp_path):
-    """The CLI in its own process: 8 simulated devices, a compiled step, per-device numbers."""
-    config = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                         d_ff=128, max_seq_len=64, scan_layers=True, remat="full")
-    toml = tmp_path / "small.toml"
-    toml.write_text("[model]\n" + "".join(
-        f"{k} = {json.dumps(getattr(config, k))}\n" for k in (
-            "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
-            "scan_layers", "remat")))
-    out = tmp_path / "report.json"
+def test_memory_cli_compiles_on_simulated_devices(meshes):
+    """The CLI (``bench``'s main) in a fresh process: 8 simulated devices, a compiled step,
+    per-device numbers."""
     # Started with one device: the bench itself must ask for the 8 it needs.
-    table = worker.run_python(["-m", "transformer_jax.bench", "memory", "--config", str(toml),
-                               "--mesh", "2,2,2", "--batch", "8", "--seq", "64",
-                               "--json", str(out)], n_devices=1)
-    assert "Adam mu+nu" in table
-    report = json.loads(out.read_text())
-    total, norms = _hand_param_count(config)
+    bench = meshes["bench_memory"]
+    assert bench["error"] is None and bench["status"] == 0, bench
+    assert "Adam mu+nu" in bench["printed"]
+    report = json.loads(meshes["memory_report"].read_text())
+    total, norms = _hand_param_count(MEMORY_MODEL)
     assert report["mesh"] == [2, 2, 2] and report["remat"] == "full"
     assert report["param_count"] == total
     assert report["params_bytes"] == 4 * ((total - norms) // 4 + norms)

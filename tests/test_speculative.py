@@ -8,6 +8,8 @@ one, greedy and sampled, with the n-gram proposer and with a draft model; bad sp
 with another vocabulary are one-line errors; the back-off pauses a row and lets it go again.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,6 +51,12 @@ def draft():
     config = TINY.replace(n_layers=1)
     init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
     return DraftModel(config, decode.prepare(config, init(config, jax.random.key(1))))
+
+
+#: The stop token of the greedy and sampled ``generate`` tests (their first row never emits it,
+#: the second does, within a few tokens) and of the device loop's stop batches (one row each),
+#: which so share their plain and draft programs with the greedy test (compiled once).
+STOP = 9
 
 
 def _prompts():
@@ -115,20 +123,25 @@ def test_verification_equals_sequential_decode_steps(target):
     """k + 1 positions in one forward: the logits and the cache of k + 1 decode steps."""
     config, weights = target
     p, out_first = weights.params, weights.weights_out_first
+    # Each compiled once (the steps share one program): op by op, the model's many small
+    # operations cost more than these three compilations.
+    jit = functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+    prefill = jit(decode.prefill, static_argnames=("max_len", "weights_out_first"))
+    verify_forward, decode_step = (jit(f, static_argnames="weights_out_first")
+                                   for f in (speculative_loop.verify_forward, decode.decode_step))
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, config.vocab_size, (2, 8)).astype(np.int32)
     lengths = np.asarray([8, 5], np.int32)
-    _, cache = decode.prefill(config, p, jnp.asarray(tokens), jnp.asarray(lengths), 24,
-                              weights_out_first=out_first)
+    _, cache = prefill(config, p, jnp.asarray(tokens), jnp.asarray(lengths), max_len=24,
+                       weights_out_first=out_first)
     chunk = rng.integers(0, config.vocab_size, (2, 5)).astype(np.int32)
     start = lengths - 1
-    logits, one = speculative_loop.verify_forward(config, p, cache, jnp.asarray(chunk),
-                                                  jnp.asarray(start), weights_out_first=out_first)
+    logits, one = verify_forward(config, p, cache, jnp.asarray(chunk), jnp.asarray(start),
+                                 weights_out_first=out_first)
     steps = cache
     for i in range(5):
-        step_logits, steps = decode.decode_step(config, p, steps, jnp.asarray(chunk[:, i]),
-                                                jnp.asarray(start + i),
-                                                weights_out_first=out_first)
+        step_logits, steps = decode_step(config, p, steps, jnp.asarray(chunk[:, i]),
+                                         jnp.asarray(start + i), weights_out_first=out_first)
         np.testing.assert_allclose(logits[:, i], step_logits, atol=2e-5, rtol=1e-5)
     for a, b in zip(jax.tree.leaves((one.k, one.v)), jax.tree.leaves((steps.k, steps.v)),
                     strict=True):
@@ -200,22 +213,28 @@ def test_point_mass_rule_accepts_with_p_and_keeps_p():
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_generate_speculative_gives_the_plain_tokens(target, draft, temperature):
-    """n-gram and draft proposers, greedy and sampled (same seeds), with a stop token: the
-    tokens and log-probabilities of the plain ``generate``; some proposals are accepted."""
+    """n-gram and draft proposers, greedy and sampled (same seeds), with a stop token (that a
+    row emits): the tokens, log-probabilities and stream of the plain ``generate``; some
+    proposals are accepted."""
     config, weights = target
     prompts = _prompts()
-    kw = dict(max_new_tokens=20, temperature=temperature, seed=[1, 2, 3], stop_tokens=[5],
+    kw = dict(max_new_tokens=20, temperature=temperature, seed=[1, 2, 3], stop_tokens=[STOP],
               top_k=20 if temperature else None)
-    ref = generation.generate(config, weights, prompts, **kw)
-    streamed = []
+    plain_stream, stream = _recorder()
+    ref = generation.generate(config, weights, prompts, stream=stream, **kw)
+    assert ref.lengths[0] == 20 > ref.lengths[1] and ref.tokens[1][-1] == STOP
+    streamed, stream = _recorder()
     ngram = generation.generate(config, weights, prompts, speculative="ngram:k=4",
-                                stream=lambda i, t, a: streamed.append((i, t.tolist())), **kw)
+                                stream=stream, **kw)
     assert ngram.tokens == ref.tokens
     np.testing.assert_allclose(ngram.logprob_array, ref.logprob_array, atol=1e-5)
-    assert [i for i, _ in streamed] == list(range(max(ref.lengths)))
+    assert [i for i, *_ in streamed] == list(range(max(ref.lengths)))
+    assert streamed == plain_stream
+    # (streamed, so that the device loop test's stop batches reuse this draft program)
+    streamed, stream = _recorder()
     with_draft = generation.generate(config, weights, prompts, speculative="draft:x:k=3",
-                                     draft=draft, **kw)
-    assert with_draft.tokens == ref.tokens
+                                     draft=draft, stream=stream, **kw)
+    assert with_draft.tokens == ref.tokens and streamed == plain_stream
     if temperature == 0:
         assert sum(s.accepted for s in ngram.speculative) > 0
         # the target as its own draft: every greedy proposal kept
@@ -449,25 +468,34 @@ def _recorder() -> tuple[list, object]:
 
 
 def test_device_loop_gives_the_plain_tokens_on_ragged_batches(target, draft):
-    """Greedy, ragged batches (repetitive and random prompts of different lengths, with and
-    without a stop token), n-gram with k = 1, 3, 8 and a draft: the plain tokens and
-    log-probabilities, the same stream, and counters that add up."""
+    """Greedy, ragged batches (repetitive and random prompts of lengths 1 to 20, with and
+    without a stop token, rows that stop early among rows that run to the end), n-gram with
+    k = 1, 3, 8 and a draft: the plain tokens and log-probabilities, the same stream, and
+    counters that add up."""
     config, weights = target
     rng = np.random.default_rng(11)
     motif = rng.integers(0, config.vocab_size, 5).tolist()
+
+    def rand(m: int) -> list[int]:
+        return rng.integers(0, config.vocab_size, m).tolist()
+
+    # Every batch 3 rows, prompts padded to 32 and 20 new tokens, as in
+    # test_generate_speculative_gives_the_plain_tokens: the stop batches' plain and draft
+    # programs are that test's greedy ones, the batch without a stop token has its own, and
+    # each n-gram setting (one per batch) compiles once.
     batches = [
-        ([motif * 4, rng.integers(0, config.vocab_size, 3).tolist()], 17, ()),
-        ([rng.integers(0, config.vocab_size, int(m)).tolist() for m in (1, 7, 12, 20)], 25,
-         (int(motif[1]),)),
-        ([motif[:2] * 6 + [3]], 25, (int(motif[0]),)),
+        ([motif * 4, rand(3), rand(1)], (), "ngram:k=1"),
+        ([rand(7), rand(12), rand(20)], (STOP,), "ngram:k=3:n=2"),
+        ([motif[:2] * 6 + [3], motif[2:] * 6, rand(5)], (STOP,), "ngram:k=8"),
     ]
-    # Each batch with one of the n-gram settings (each program compiles per batch shape) and
-    # the draft.
-    ngrams = ["ngram:k=1", "ngram:k=3:n=2", "ngram:k=8"]
-    for (prompts, max_new, stop), ngram in zip(batches, ngrams, strict=True):
-        kw = dict(max_new_tokens=max_new, stop_tokens=stop)
+    for prompts, stop, ngram in batches:
+        kw = dict(max_new_tokens=20, stop_tokens=stop)
         plain_stream, stream = _recorder()
         ref = generation.generate(config, weights, prompts, stream=stream, **kw)
+        # With the stop token a row stops early while another runs to the end; without it
+        # every row runs to the end.
+        early = [n < 20 for n in ref.lengths]
+        assert (any(early) and not all(early)) if stop else not any(early), ref.lengths
         for spec, kwargs in ((ngram, {}), ("draft:x:k=3", {"draft": draft})):
             streamed, stream = _recorder()
             out = generation.generate(config, weights, prompts, speculative=spec,

@@ -20,7 +20,8 @@ from transformer_jax.model.config import ModelConfig
 ROOT = Path(__file__).resolve().parent.parent
 from transformer_jax.cli import train  # noqa: E402  (the train command)
 
-TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
+# One layer: less tracing and compiling in each of the module's five train.py processes.
+TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
         "model.d_ff=64", "model.max_seq_len=32", "model.vocab_size=64", "train.seq_len=16",
         "train.batch_size=4", "train.warmup_steps=2", "train.log_every=1",
         "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0",
