@@ -89,8 +89,17 @@ def workspace(tmp_path_factory):
     return root, env
 
 
-def command(root: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "train.py"), "--no-progress", *TINY,
+# train.py's command (``transformer_jax.cli.train.main``) without the loss plot: drawing it
+# (matplotlib) cost each run here about a second of CPU, and these runs test resuming and
+# signals (the plot has its own tests; the batch test below runs train.py itself).
+NO_PLOT = ("import sys; from transformer_jax.train import run; "
+           "run._plot = lambda run_dir, times: None; "
+           "from transformer_jax.cli.train import main; sys.exit(main())")
+
+
+def command(root: Path, run_dir: Path, *extra: str, plot: bool = False) -> list[str]:
+    entry = [str(ROOT / "train.py")] if plot else ["-c", NO_PLOT]
+    return [sys.executable, *entry, "--no-progress", *TINY,
             f"data.path={root / 'corpus.txt'}", f"data.cache_dir={root / 'cache'}",
             f"train.run_dir={run_dir}", *extra]
 
@@ -194,8 +203,8 @@ def test_sigterm_saves_a_restorable_checkpoint(workspace):
 def test_batch_not_divisible_by_device_count(workspace):
     root, env = workspace
     env = dict(env, XLA_FLAGS=with_fast_flags("--xla_force_host_platform_device_count=2"))
-    done = subprocess.run(command(root, root / "devices", "train.batch_size=3"), env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command(root, root / "devices", "train.batch_size=3", plot=True),
+                          env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert "batch_size=3" in done.stderr and "number of devices (2)" in done.stderr
     assert not (root / "devices" / "checkpoints").exists() or not any(
