@@ -10,6 +10,7 @@ Needs the ``hf`` extra (torch, transformers, safetensors); skipped without it.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import write_chatml_tokenizer
+from helpers import random_params, write_chatml_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,11 +33,7 @@ from transformer_jax.cli import export as hf_export  # noqa: E402
 from transformer_jax.data import instruct  # noqa: E402
 from transformer_jax.model import lora  # noqa: E402
 from transformer_jax.model.config import ModelConfig  # noqa: E402
-from transformer_jax.model.transformer import (  # noqa: E402
-    Transformer,
-    init_params,
-    unstack_blocks,
-)
+from transformer_jax.model.transformer import Transformer, unstack_blocks  # noqa: E402
 from transformer_jax.parallel import sharding as sharding_lib  # noqa: E402
 from transformer_jax.train.config import ConfigError, TrainConfig, build_configs  # noqa: E402
 from transformer_jax.train.optim import decay_mask  # noqa: E402
@@ -54,6 +51,14 @@ VOCAB = 48  # the tiny models' vocabulary (the tokenizer has fewer tokens)
 # Short CI-sized fine-tuning overrides of the finetune preset.
 SMALL = ["train.batch_size=4", "train.grad_accum=1", "train.seq_len=32", "train.lr=3e-3",
          "train.min_lr=3e-4", "train.warmup_steps=2", "train.log_every=1", "train.mesh=1,1,1"]
+
+
+@pytest.fixture
+def no_plots(monkeypatch):
+    """In-process runs draw no loss plot (test_plot's subject; 0.3-1 s a run here)."""
+    from transformer_jax.train import plot
+
+    monkeypatch.setattr(plot, "plot_run", lambda run_dir: None)
 
 
 def _tokenizer_dir(directory: Path, extra_words: int = 0) -> Path:
@@ -150,9 +155,14 @@ def _init_params(path, model: ModelConfig, mesh):
                         with_tokenizer=False).params
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(model: ModelConfig, params, tokens):
+    return Transformer(model).apply({"params": params}, tokens).logits
+
+
 def _logits(model: ModelConfig, params) -> np.ndarray:
-    return np.asarray(Transformer(model).apply({"params": params},
-                                               jnp.asarray(_tokens())).logits)
+    """One compiled forward (op by op, each op of each new model compiles apart)."""
+    return np.asarray(_forward(model, params, jnp.asarray(_tokens())))
 
 
 @pytest.mark.parametrize("kind,overrides", [
@@ -211,7 +221,7 @@ def test_finetune_cli_full(llama_dir, jsonl, tmp_path):
     _export_and_compare(run_dir, tmp_path / "export")
 
 
-def test_finetune_lora_run_resume_and_export(llama_dir, jsonl, tmp_path):
+def test_finetune_lora_run_resume_and_export(llama_dir, jsonl, tmp_path, no_plots):
     run_dir = tmp_path / "lora"
     base = [f"train.init_from={llama_dir}", f"data.path={jsonl}", f"train.run_dir={run_dir}",
             "train.decay_steps=30", "train.ckpt_every=10", "train.keep_ckpts=5",
@@ -245,7 +255,7 @@ def test_finetune_lora_run_resume_and_export(llama_dir, jsonl, tmp_path):
 
 
 def test_lora_finetune_of_layers_that_differ_exports_to_its_family(gemma3_dir, jsonl,
-                                                                    tmp_path):
+                                                                    tmp_path, no_plots):
     """A scanned LoRA run from a checkpoint whose layers differ (local and global, QK-norm,
     (1 + w) norms) trains its adapters only and exports to its own HF class."""
     run_dir = tmp_path / "lora"
@@ -285,7 +295,8 @@ def test_lora_state_moments_are_adapter_sized():
 def _tiny_model() -> tuple[ModelConfig, dict]:
     model = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                         d_ff=64, max_seq_len=32, init_std=0.2)
-    return model, init_params(model, 0)
+    # Drawn with numpy: init_params op by op compiles each of its ops apart.
+    return model, jax.tree.map(jnp.asarray, random_params(model))
 
 
 def test_prompt_tokens_get_zero_gradient():
@@ -297,10 +308,12 @@ def test_prompt_tokens_get_zero_gradient():
     mask = (np.arange(16) >= 9)[None].repeat(2, 0).astype(np.float32)  # prompt: targets 0-8
     other = np.where(mask > 0, targets, (targets + 7) % VOCAB)
 
+    grad = jax.jit(jax.grad(lambda p, batch: loss(p, batch)[0]))  # one program for both
+
     def grads(t):
         batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(t),
                  "mask": jnp.asarray(mask)}
-        return jax.jit(jax.grad(lambda p: loss(p, batch)[0]))(params)
+        return grad(params, batch)
 
     jax.tree.map(np.testing.assert_array_equal, grads(targets), grads(other))
 
@@ -328,10 +341,13 @@ def test_packed_loss_is_the_token_weighted_mean_of_the_examples():
     np.testing.assert_allclose(float(ce) / float(count), ce_sum / tokens, rtol=1e-5)
 
     # No attention across segments: changing one example leaves the others' logits alone.
+    @jax.jit
+    def forward(inputs):
+        return Transformer(model).apply({"params": params}, inputs, positions=batch["positions"],
+                                        segment_ids=batch["segment_ids"]).logits
+
     def logits(inputs):
-        return np.asarray(Transformer(model).apply(
-            {"params": params}, inputs, positions=batch["positions"],
-            segment_ids=batch["segment_ids"]).logits)
+        return np.asarray(forward(inputs))
 
     segments = np.asarray(batch["segment_ids"][0])
     first = segments == segments[0]

@@ -15,7 +15,7 @@ import multihost_worker as worker
 import numpy as np
 import optax
 import pytest
-from helpers import FAST_COMPILE, TINY
+from helpers import FAST_COMPILE, TINY, random_params
 
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
@@ -32,7 +32,7 @@ from transformer_jax.model.quant import (
     parse_quant,
     quantize_params,
 )
-from transformer_jax.model.transformer import Transformer, init_params
+from transformer_jax.model.transformer import Transformer, abstract_params
 from transformer_jax.serving import Engine, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_compiles")
@@ -47,8 +47,8 @@ N_NEW = 6
 
 @pytest.fixture(scope="module")
 def models():
-    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
-    return {c: init(c, jax.random.key(1)) for c in (MOE, MIXED)}
+    # Drawn with numpy (helpers.random_params): no init program compiles (two, 2 s, jitted).
+    return {c: jax.tree.map(jnp.asarray, random_params(c, seed=1)) for c in (MOE, MIXED)}
 
 
 def _forward_fn(config):
@@ -253,8 +253,9 @@ LORA = lora.LoraConfig(rank=2, alpha=4.0, targets=("q", "down", "experts.gate", 
 
 def test_lora_on_the_experts_trains_only_adapters_and_merges_to_the_adapted_forward(models):
     params = models[MIXED]
-    tree = {lora.BASE: params,
-            lora.ADAPTERS: lora.init_adapters(MIXED, LORA, params, jax.random.key(2))}
+    # One compiled init of the adapters (op by op, each A's normal compiles apart).
+    init = jax.jit(lora.init_adapters, static_argnums=(0, 1), compiler_options=FAST_COMPILE)
+    tree = {lora.BASE: params, lora.ADAPTERS: init(MIXED, LORA, params, jax.random.key(2))}
     ad = tree[lora.ADAPTERS]
     assert ad["blocks_1"]["moe"]["gate"]["a"].shape == (E, D, 2)  # one adapter per expert
     assert ad["blocks_1"]["moe"]["down"]["b"].shape == (E, 2, D)
@@ -285,14 +286,16 @@ def test_lora_on_the_experts_trains_only_adapters_and_merges_to_the_adapted_forw
     np.testing.assert_allclose(fwd(merged, tokens), fwd(lora.model_params(new, LORA), tokens),
                                atol=1e-5)
     with pytest.raises(ValueError, match="lora target 'experts.gate' adapts moe/gate"):
-        lora.init_adapters(TINY, LORA, init_params(TINY, jax.random.key(0)), jax.random.key(0))
+        lora.init_adapters(TINY, LORA, abstract_params(TINY), jax.random.key(0))  # shapes only
 
 
 @pytest.mark.parametrize("spec", ["nf4"])
 def test_qlora_base_quantises_the_experts_and_is_rebuilt_from_a_checkpoint(models, spec):
     params = models[MIXED]
     quant = for_model(MIXED, parse_quant(spec))
-    base = quantize_params(params, quant, out_first=False)
+    # One compiled program (op by op, quantising compiles some 200 small ones).
+    base = jax.jit(quantize_params, static_argnums=1, static_argnames="out_first",
+                   compiler_options=FAST_COMPILE)(params, quant, out_first=False)
     gate = base["blocks_1"]["moe"]["gate"]
     assert gate.scale.shape[:1] == (E,) and gate.shape == (E, D, F)
     # As orbax restores it without a target tree: each quantised weight a dict of its arrays.

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-from helpers import TINY, Served, run_until_idle, write_chatml_tokenizer
+from helpers import TINY, Served, random_params, run_until_idle, write_chatml_tokenizer
 
 from transformer_jax import hf
 from transformer_jax.checkpoint.adapters import load_adapter
@@ -25,7 +25,7 @@ from transformer_jax.checkpoint.manager import CheckpointManager
 from transformer_jax.decode import prepare
 from transformer_jax.decode.loop import decode_model
 from transformer_jax.model import lora, multi_lora
-from transformer_jax.model.transformer import Transformer, init_params, stack_blocks
+from transformer_jax.model.transformer import Transformer, stack_blocks
 from transformer_jax.serving import Engine, SamplingParams
 from transformer_jax.serving import step as step_lib
 from transformer_jax.tokenizer.prompt import encode_text
@@ -40,21 +40,31 @@ WRITTEN = {"rank2": (2, 4.0, ("o", "gate", "up")), "rank8": (8, 32.0, lora.DEFAU
            "qk": (4, 8.0, ("q", "k"))}
 
 
+def _base():
+    """The base's params, drawn with numpy (``init_params`` op by op compiles each of its ops
+    apart)."""
+    return jax.tree.map(jnp.asarray, random_params(CONFIG))
+
+
 def _adapters(params, seed: int, rank: int, alpha: float, targets) -> tuple[dict, lora.LoraConfig]:
-    """Adapters with B far from zero (an initialised adapter would change nothing)."""
+    """Adapters with B far from zero (an initialised adapter would change nothing): the layout
+    ``init_adapters`` gives (its shapes, traced, not run), the factors drawn with numpy (A at
+    std 0.25, about an initialised A's plus noise; B at 0.2); jax.random.normal op by op would
+    compile a program per shape."""
     cfg = lora.LoraConfig(rank=rank, alpha=alpha, targets=targets)
-    tree = lora.init_adapters(CONFIG, cfg, params, jax.random.key(seed))
-    # The noise from numpy: jax.random.normal op by op would compile a program per shape.
+    shapes = jax.eval_shape(lambda p: lora.init_adapters(CONFIG, cfg, p, jax.random.key(seed)),
+                            params)
     rng = np.random.default_rng(seed + 100)
-    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + 0.2 * rng.standard_normal(
-        x.shape, np.float32)), tree), cfg
+    return jax.tree_util.tree_map_with_path(lambda path, x: jnp.asarray(
+        (0.25 if str(path[-1].key) == "a" else 0.2) * rng.standard_normal(x.shape, np.float32)),
+        shapes), cfg
 
 
 # The math: one forward, each row its own adapter -------------------------------------------------
 
 @pytest.mark.parametrize("scanned,out_first", [(False, False), (True, True)])
 def test_each_row_gets_its_adapters_merged_logits(scanned, out_first):
-    base = init_params(CONFIG, jax.random.key(0))
+    base = _base()
     ads = [_adapters(base, i, *spec) for i, spec in enumerate(WRITTEN.values(), start=1)]
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 10)), jnp.int32)
     ids = np.asarray([3, 0, 1, 2])
@@ -66,9 +76,9 @@ def test_each_row_gets_its_adapters_merged_logits(scanned, out_first):
     weights = prepare(config, stack_blocks(base, CONFIG.n_layers) if scanned else base,
                       weights_out_first=out_first)
     stack = multi_lora.stack_adapters(weights.params, ads, out_first=out_first)
-    got = decode_model(config, None, out_first).apply(
-        {"params": multi_lora.with_row_adapters(weights.params, stack, jnp.asarray(ids))},
-        tokens).logits
+    got = jax.jit(lambda p, s, i: decode_model(config, None, out_first).apply(  # one program
+        {"params": multi_lora.with_row_adapters(p, s, i)}, tokens).logits)(
+        weights.params, stack, jnp.asarray(ids))
     for r in range(len(ids)):
         np.testing.assert_allclose(got[r], want[r], atol=1e-4, rtol=0)
     # Each adapter changes its rows: the check above would catch a row given the base.
@@ -76,7 +86,7 @@ def test_each_row_gets_its_adapters_merged_logits(scanned, out_first):
 
 
 def test_adapters_that_cannot_be_batched_are_refused():
-    base = init_params(CONFIG, jax.random.key(0))
+    base = _base()
     tree, cfg = _adapters(base, 1, 4, 8.0, ("q",))
     with pytest.raises(ValueError, match="'wide'.*q_proj has A"):
         multi_lora.stack_adapters(base, [(jax.tree.map(lambda x: jnp.concatenate([x, x], -1)
@@ -99,7 +109,7 @@ def test_adapters_that_cannot_be_batched_are_refused():
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("base") / NAME
-    hf.save(CONFIG, jax.tree.map(np.asarray, init_params(CONFIG, jax.random.key(0))), path)
+    hf.save(CONFIG, jax.tree.map(np.asarray, _base()), path)
     write_chatml_tokenizer(path, WORDS)
     return path
 
@@ -119,6 +129,7 @@ def _rewrite(run: Path, out: Path, fn) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(base_dir, tmp_path_factory) -> dict[str, Path]:
+    from transformer_jax.train import plot
     from transformer_jax.train.config import build_configs
     from transformer_jax.train.run import run
 
@@ -133,7 +144,9 @@ def runs(base_dir, tmp_path_factory) -> dict[str, Path]:
         "train.lora_rank=4", "train.lora_targets=q,v,down", "train.batch_size=2",
         "train.grad_accum=1", "train.seq_len=16", "train.mesh=1,1,1", "train.log_every=1",
         "train.ckpt_every=3"])
-    run(model, train, data_cfg, progress=False)
+    with pytest.MonkeyPatch.context() as patch:  # no loss plot drawn (test_plot's subject)
+        patch.setattr(plot, "plot_run", lambda run_dir: None)
+        run(model, train, data_cfg, progress=False)
     out = {"trained": root / "trained"}
     for seed, (name, spec) in enumerate(WRITTEN.items(), start=1):
         def swap(state, meta, spec=spec, seed=seed):
@@ -185,9 +198,13 @@ def test_trained_and_written_adapters_load_with_their_base(loaded):
     assert all(a.base_difference < 1e-6 for a in adapters.values())
 
 
+# The engines serving every adapter (and the server's) alike: the same compiled steps.
+MULTI = dict(num_slots=4, num_pages=48, page_size=8, token_budget=20)
+
+
 def test_one_engine_serves_every_adapter_as_each_merged_alone(loaded, merged):
     base, adapters = loaded
-    engine = Engine(CONFIG, base.params, 4, 48, 8, 20,
+    engine = Engine(CONFIG, base.params, **MULTI,
                     adapters={n: (a.adapters, a.lora_config) for n, a in adapters.items()})
     engine.compile()
     compiled = step_lib.step_jit._cache_size()
@@ -209,9 +226,9 @@ def test_one_engine_serves_every_adapter_as_each_merged_alone(loaded, merged):
 
 def test_prefix_pages_are_shared_within_an_adapter_only(loaded):
     base, adapters = loaded
-    engine = Engine(CONFIG, base.params, 1, 24, 8, 24, adapters={
-        n: (adapters[n].adapters, adapters[n].lora_config) for n in ("trained", "rank8")})
-    prompt = list(range(4, 22))  # two full pages before the last token
+    engine = Engine(CONFIG, base.params, **MULTI,
+                    adapters={n: (a.adapters, a.lora_config) for n, a in adapters.items()})
+    prompt = list(range(4, 22))  # two full pages before the last token, one chunk
     hits = []
     for name in ("trained", "rank8", "trained", None, None):
         rid = engine.add_request(prompt, SamplingParams(max_tokens=2, adapter=name))
@@ -221,14 +238,20 @@ def test_prefix_pages_are_shared_within_an_adapter_only(loaded):
 
 # Through the server ------------------------------------------------------------------------------
 
+# serve's options giving its engine MULTI.
+SERVE_FLAGS = {"num_slots": "--slots", "num_pages": "--pages", "page_size": "--page-size",
+               "token_budget": "--token-budget"}
+
+
 @pytest.fixture(scope="module")
 def server(base_dir, runs):
     from transformer_jax.cli import serve as cli
     from transformer_jax.serve.app import create_app
 
+    engine = [a for k, v in MULTI.items() for a in (SERVE_FLAGS[k], str(v))]
     args = cli.build_parser().parse_args([
-        "--checkpoint", str(base_dir), "--slots", "4", "--page-size", "8", "--pages", "48",
-        "--token-budget", "20", *(a for n, p in runs.items() for a in ("--lora", f"{n}={p}"))])
+        "--checkpoint", str(base_dir), *engine,
+        *(a for n, p in runs.items() for a in ("--lora", f"{n}={p}"))])
     runner, model, _ = cli.build(args)
     runner.start()
     served = Served(create_app(runner, model))

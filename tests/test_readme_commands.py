@@ -3,10 +3,14 @@ corpus and a few steps appended), and every entry point's ``--help`` works.
 
 A training command is a line of a fenced code block that starts ``transformer-jax train`` or
 ``python train.py``: the same program (``train.py`` is the alias of ``transformer-jax train``),
-so both are run as ``python ROOT/train.py ARGS``."""
+so both are run as ``python ROOT/train.py ARGS``. The commands that set nothing of their
+process (its devices, the hosts beside it) run one after another in one process (``DRIVER``:
+``train.py`` executed as ``__main__`` for each, in its own directory), which each of them would
+set up alike; the others run in processes of their own."""
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import shlex
@@ -77,6 +81,19 @@ FINETUNE_COMMANDS = {k: v for k, v in ALL_COMMANDS.items()
                                                          for a in v)}
 COMMANDS = {k: v for k, v in ALL_COMMANDS.items()
             if k not in BUCKET_COMMANDS and k not in FINETUNE_COMMANDS}
+# What sets up a train.py process: its options other than --config (devices, hosts, fast math)
+# and the keys that choose its CPU devices (one per core dividing the micro-batch, a mesh).
+PROCESS_KEYS = ("train.mesh=", "train.batch_size=", "train.grad_accum=")
+
+
+def sets_up_its_process(args: tuple[str, ...]) -> bool:
+    return any((a.startswith("--") and a != "--config") or a.startswith(PROCESS_KEYS)
+               for a in args)
+
+
+# Run in one process, one after another (each would set up its process alike); a process each
+# for the rest.
+SHARED = [k for k, v in COMMANDS.items() if not sets_up_its_process(v)]
 
 
 def test_the_documents_have_train_commands():
@@ -88,6 +105,9 @@ def test_the_documents_have_train_commands():
     # The commands the multi-device and multi-host branches below exist for.
     assert any("train.mesh=1,8,1" in v for v in COMMANDS.values())
     assert any("--coordinator-address" in v for v in COMMANDS.values())
+    # The multi-device and multi-host commands run in processes of their own.
+    assert SHARED and not any("train.mesh=1,8,1" in COMMANDS[k] or "--coordinator-address"
+                              in COMMANDS[k] for k in SHARED)
     assert FINETUNE_COMMANDS and all(v[:2] in (("--config", "finetune"), ("--config", "dpo"),
                                                ("--config", "grpo"))
                                      for v in FINETUNE_COMMANDS.values())
@@ -129,6 +149,57 @@ def ci_sized(args: tuple[str, ...], root: Path) -> list[str]:
             f"data.path={root / 'corpus.txt'}", f"data.cache_dir={root / 'cache'}"]
 
 
+# Runs train.py as ``__main__`` for each of the JSON list on stdin of [name, directory, argv]
+# (argv[0] = train.py), in that directory, with its output captured; prints {name: {returncode,
+# stdout, stderr}} as its last line.
+DRIVER = r"""
+import contextlib, io, json, os, runpy, sys, traceback
+
+results = {}
+for name, cwd, argv in json.load(sys.stdin):
+    os.chdir(cwd)
+    sys.argv = list(argv)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results[name] = {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def shared_runs(workspace, tmp_path_factory) -> dict[str, dict]:
+    """The ``SHARED`` commands run by ``DRIVER`` in one process: name -> its result."""
+    from transformer_jax.train.config import build_configs
+
+    root, env = workspace
+    # Each would pick the same CPU devices in a process of its own (one per core dividing the
+    # micro-batch).
+    micro = {build_configs(*_preset(ci_sized(COMMANDS[k], root)[2:]))[1].micro_batch_size
+             for k in SHARED}
+    assert len(micro) == 1, micro
+    jobs = [(k, str(tmp_path_factory.mktemp("cmd")), ci_sized(COMMANDS[k], root)[1:])
+            for k in SHARED]
+    done = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(jobs), env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _preset(args: list[str]) -> tuple[str, list[str]]:
+    """(preset, overrides) of train.py's arguments (options: --config and flags only)."""
+    preset = args[args.index("--config") + 1] if "--config" in args else "tiny"
+    return preset, [a for i, a in enumerate(args)
+                    if not a.startswith("--") and (i == 0 or args[i - 1] != "--config")]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -136,9 +207,14 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_documented_train_command_runs(command, workspace, tmp_path):
+def test_documented_train_command_runs(command, workspace, tmp_path, request):
     root, env = workspace
     args = COMMANDS[command]
+    if command in SHARED:
+        done = request.getfixturevalue("shared_runs")[command]
+        assert done["returncode"] == 0, f"{command}\n{done['stderr'][-3000:]}"
+        assert "summary" in done["stdout"]
+        return
     argv = ci_sized(args, root)
     if "train.mesh=1,8,1" in args:  # the 8 devices it names, simulated on the CPU
         env = dict(env, XLA_FLAGS=with_fast_flags("--xla_force_host_platform_device_count=8"))
