@@ -86,6 +86,10 @@ def _hf_dir(directory: Path, kind: str) -> Path:
     else:
         model = transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(**common, tie_word_embeddings=True))
+    with torch.no_grad():  # transformers starts biases at 0 and norm gains at 1: a loader
+        for name, p in model.named_parameters():  # that dropped or swapped them would pass
+            if "bias" in name or "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
     model.save_pretrained(directory, safe_serialization=True)
     _tokenizer_dir(directory)
     return directory
