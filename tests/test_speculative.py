@@ -365,6 +365,20 @@ def test_bench_copy_records_are_the_repeat_workloads_task(tmp_path):
     with pytest.raises(SystemExit, match="3 <= MIN < MAX"):
         bench.main(["--write-copy-sft", str(out), "--text", str(text_file),
                     "--copy-passage", "20,12"])
+    with pytest.raises(SystemExit, match="too few for passages of up to 4999"):
+        bench.main(["--write-copy-sft", str(out), "--text", str(text_file),
+                    "--copy-passage", "20,5000"])
+
+
+def test_bench_workload_prompts_start_with_bos_when_given():
+    from transformer_jax.bench.speculative import workload_prompts
+
+    ids = np.arange(500) % 40
+    for workload in ("repeat", "free"):
+        plain = workload_prompts(workload, ids, 3, 20, 4, np.random.default_rng(5), [99])
+        with_bos = workload_prompts(workload, ids, 3, 20, 4, np.random.default_rng(5), [99], 77)
+        assert [[77, *p] for p in plain] == with_bos
+        assert len(plain[0]) == (20 + 1 + 4 if workload == "repeat" else 20)
 
 
 def test_bench_distill_records_are_the_targets_greedy_outputs(tmp_path):

@@ -45,6 +45,17 @@ def repeat_workload(ids: np.ndarray, count: int, passage: int, lead: int, rng: A
     return out
 
 
+def workload_prompts(workload: str, ids: np.ndarray, count: int, passage: int, lead: int,
+                     rng: Any, sep: list[int], bos: int | None = None) -> list[list[int]]:
+    """``count`` prompts of ``workload`` (``repeat_workload`` or ``free_workload``), each with
+    ``bos`` first when given (as ``generate`` encodes a text prompt for such a tokenizer)."""
+    if workload == "repeat":
+        prompts = repeat_workload(ids, count, passage, lead, rng, sep)
+    else:
+        prompts = free_workload(ids, count, passage, rng)
+    return prompts if bos is None else [[bos, *p] for p in prompts]
+
+
 def free_workload(ids: np.ndarray, count: int, passage: int, rng: Any) -> list[list[int]]:
     """``count`` passages of the text to continue."""
     starts = rng.integers(0, len(ids) - passage, count)
@@ -180,6 +191,29 @@ def _check_round_trip(tokenizer: Any, ids: list[int]) -> str:
     return text
 
 
+def _passages(given: list[int], minimum: int, available: int, flag: str, unit: str
+              ) -> tuple[int, int]:
+    """``--copy-passage MIN,MAX`` checked for ``flag`` against a text of ``available`` units."""
+    low, high = given
+    if low < minimum or high <= low:
+        raise SystemExit(f"--copy-passage {low},{high}: {flag} needs {minimum} <= MIN < MAX")
+    if available <= high:
+        raise SystemExit(f"--text has {available:,} {unit}, too few for passages of up to "
+                         f"{high - 1} (--copy-passage {low},{high})")
+    return low, high
+
+
+def _write_jsonl(path: str, records: Any) -> int:
+    """Writes ``records`` one JSON object a line, each as it comes (a long run keeps its
+    part); returns how many."""
+    written = 0
+    with open(path, "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+            written += 1
+    return written
+
+
 def describe(config: Any, params: Any) -> str:
     """A model's shape in a few words: layers, widths, heads, parameters."""
     import jax
@@ -272,37 +306,25 @@ def main(argv: list[str]) -> int:
     if args.write_copy_sft:
         if not args.text:
             raise SystemExit("--write-copy-sft needs --text")
-        lengths = tuple(args.copy_passage)
-        if lengths[0] < 3 or lengths[1] <= lengths[0]:
-            raise SystemExit(f"--copy-passage {lengths[0]},{lengths[1]}: --write-copy-sft needs "
-                             "3 <= MIN < MAX")
         with open(args.text) as f:
-            records = copy_records(f.read(), args.copy_records, np.random.default_rng(args.seed),
-                                   args.copy_random_share, lengths, args.copy_lead,
-                                   not args.copy_no_edits)
-        with open(args.write_copy_sft, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-        print(f"wrote {len(records):,} records to {args.write_copy_sft}")
+            text = f.read()
+        lengths = _passages(args.copy_passage, 3, len(text), "--write-copy-sft", "characters")
+        written = _write_jsonl(args.write_copy_sft, copy_records(
+            text, args.copy_records, np.random.default_rng(args.seed), args.copy_random_share,
+            lengths, args.copy_lead, not args.copy_no_edits))
+        print(f"wrote {written:,} records to {args.write_copy_sft}")
         return 0
     if args.write_distill_sft:
         if not (args.checkpoint and args.text):
             raise SystemExit("--write-distill-sft needs --checkpoint and --text")
         loaded = load(args.checkpoint)
-        lengths = tuple(args.copy_passage)
-        if lengths[0] < 1 or lengths[1] <= lengths[0]:
-            raise SystemExit(f"--copy-passage {lengths[0]},{lengths[1]}: --write-distill-sft "
-                             "needs 1 <= MIN < MAX")
         with open(args.text) as f:
             ids = np.asarray(loaded.tokenizer.encode(f.read()), np.int64)
-        records = distill_records(loaded.config, decode.prepare(loaded.config, loaded.params),
-                                  loaded.tokenizer, ids, args.copy_records,
-                                  np.random.default_rng(args.seed), lengths, args.lead,
-                                  args.output)
-        written = 0
-        with open(args.write_distill_sft, "w") as f:
-            for record in records:  # written as each batch ends: a long run keeps its part
-                f.write(json.dumps(record) + "\n")
-                written += 1
+        lengths = _passages(args.copy_passage, 1, len(ids), "--write-distill-sft", "tokens")
+        written = _write_jsonl(args.write_distill_sft, distill_records(
+            loaded.config, decode.prepare(loaded.config, loaded.params), loaded.tokenizer, ids,
+            args.copy_records, np.random.default_rng(args.seed), lengths, args.lead,
+            args.output))
         print(f"wrote {written:,} records to {args.write_distill_sft}")
         return 0
     if not (args.checkpoint or args.config):
@@ -332,12 +354,9 @@ def main(argv: list[str]) -> int:
         sep = tokenizer.encode("\n\n")
     else:
         ids = rng.integers(0, config.vocab_size, 100_000)
-    if args.workload == "repeat":
-        prompts = repeat_workload(ids, args.requests + 1, args.passage, args.lead, rng, sep)
-    else:
-        prompts = free_workload(ids, args.requests + 1, args.passage, rng)
-    if tokenizer is not None and adds_bos(tokenizer):  # as generate and fine-tuning encode
-        prompts = [[tokenizer.bos_id, *p] for p in prompts]
+    bos = tokenizer is not None and adds_bos(tokenizer)  # as generate and fine-tuning encode
+    prompts = workload_prompts(args.workload, ids, args.requests + 1, args.passage, args.lead,
+                               rng, sep, tokenizer.bos_id if bos else None)
     specs = {"plain": None, "ngram": f"ngram:k={args.ngram_k or args.k}",
              "draft": f"draft:{args.draft}:k={args.k}"}
     seconds = dict.fromkeys(modes, 0.0)
