@@ -365,9 +365,12 @@ def test_bench_copy_records_are_the_repeat_workloads_task(tmp_path):
     with pytest.raises(SystemExit, match="3 <= MIN < MAX"):
         bench.main(["--write-copy-sft", str(out), "--text", str(text_file),
                     "--copy-passage", "20,12"])
-    with pytest.raises(SystemExit, match="too few for passages of up to 4999"):
+    size = len(text)  # the longest passage the text holds: size - 1 characters
+    assert bench.main(["--write-copy-sft", str(out), "--text", str(text_file), "--copy-records",
+                       "50", "--copy-passage", f"{size - 2},{size}"]) == 0
+    with pytest.raises(SystemExit, match=f"too few for passages of up to {size}"):
         bench.main(["--write-copy-sft", str(out), "--text", str(text_file),
-                    "--copy-passage", "20,5000"])
+                    "--copy-passage", f"20,{size + 1}"])
 
 
 def test_bench_workload_prompts_start_with_bos_when_given():

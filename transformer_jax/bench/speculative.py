@@ -197,7 +197,7 @@ def _passages(given: list[int], minimum: int, available: int, flag: str, unit: s
     low, high = given
     if low < minimum or high <= low:
         raise SystemExit(f"--copy-passage {low},{high}: {flag} needs {minimum} <= MIN < MAX")
-    if available <= high:
+    if available < high:  # a passage of high - 1 needs a start in [0, available - high + 1)
         raise SystemExit(f"--text has {available:,} {unit}, too few for passages of up to "
                          f"{high - 1} (--copy-passage {low},{high})")
     return low, high
