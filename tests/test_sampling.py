@@ -482,6 +482,11 @@ def test_sequence_keys_of_seeds_are_jax_random_keys():
                      for s in seeds])
     assert got.dtype == np.uint32 and got.shape == (len(seeds), 2)
     np.testing.assert_array_equal(got, want)
-    # An int seed folds in the sequence index, unchanged.
-    np.testing.assert_array_equal(sequence_keys(3, 2)[1], np.asarray(jax.random.key_data(
-        jax.random.fold_in(jax.random.key(3), 1))))
+    # An int seed folds in the sequence index, unchanged (uint32 seeds through one cached
+    # program, others eagerly).
+    for seed in (0, 3, 2 ** 31, 2 ** 32 - 1, 2 ** 32 + 5, -2):
+        got = sequence_keys(seed, 3)
+        assert got.dtype == np.uint32 and got.shape == (3, 2)
+        for b in range(3):
+            np.testing.assert_array_equal(got[b], np.asarray(jax.random.key_data(
+                jax.random.fold_in(jax.random.key(seed), b))), err_msg=f"seed {seed}, row {b}")
