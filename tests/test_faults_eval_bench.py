@@ -179,6 +179,10 @@ def test_evaluate_output_check_leaves_nothing_behind(evaluate, capsys, tmp_path,
     (["--pages", "1"], "--pages 1 cannot hold the longest request"),
     (["--json", "{dir}"], "argument --json: {dir} is a directory"),
     (["--scenario", "stall", "--long-prompt", "40"], "--long-prompt 40 + its token must fit"),
+    (["--text", "{dir}"], "argument --text: {dir} is a directory, not a file"),
+    (["--text", "{missing}"], "argument --text: {missing}: no such file"),
+    (["--text", "{file}", "--workload", "repeat"], "--text makes the repeat workload's prompts "
+     "with a checkpoint's tokenizer: it needs --workload repeat and --checkpoint"),
 ])
 def test_bench_serve_arguments_are_one_line_errors(monkeypatch, capsys, micro_toml, places,
                                                    argv, message):

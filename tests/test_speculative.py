@@ -384,6 +384,30 @@ def test_bench_workload_prompts_start_with_bos_when_given():
         assert len(plain[0]) == (20 + 1 + 4 if workload == "repeat" else 20)
 
 
+def test_bench_serve_text_repeat_prompts_have_the_asked_lengths(tmp_path):
+    """``bench serve --workload repeat --text``: each prompt is bos, a passage of the text, a
+    blank line and the passage's first ``lead`` tokens with exactly one changed, of the
+    workload's length; a length with no room for a passage is a ValueError naming it."""
+    from transformer_jax.bench.serve import text_repeat_prompts
+    from transformer_jax.tokenizer.spm_backend import Tokenizer
+
+    text = "the quick brown fox jumps over the lazy dog. " * 20 + "A-Z, 0-9!\n" * 5
+    tok = Tokenizer.train([text], tmp_path / "char.model", 40, "char")
+    path = tmp_path / "text.txt"
+    path.write_text(text)
+    sep = tok.encode("\n\n")
+    lengths = [14, 30, 47]
+    prompts = text_repeat_prompts(tok, str(path), lengths, 4, np.random.default_rng(0))
+    assert [len(p) for p in prompts] == lengths
+    for p, n in zip(prompts, lengths, strict=True):
+        passage, rest = p[1:n - 4 - len(sep)], p[n - 4 - len(sep):]
+        assert p[0] == tok.bos_id and rest[:len(sep)] == sep
+        assert tok.decode(passage) in text
+        assert sum(a != b for a, b in zip(rest[len(sep):], passage[:4], strict=True)) == 1
+    with pytest.raises(ValueError, match="an input length of 8 leaves no passage"):
+        text_repeat_prompts(tok, str(path), [8], 4, np.random.default_rng(0))
+
+
 def test_bench_distill_records_are_the_targets_greedy_outputs(tmp_path):
     """``distill_records``: each completion is the target's greedy continuation of its prompt
     as ``generate`` gives it (bos first, as the tokenizer adds it; in other batches), up to

@@ -155,6 +155,16 @@ def existing_dir(text: str) -> str:
     return text
 
 
+def existing_file(text: str) -> str:
+    """A type: a file that exists."""
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise _fail(f"{text}: no such file")
+    if not path.is_file():
+        raise _fail(f"{text} is a directory, not a file")
+    return text
+
+
 def existing_path(text: str) -> str:
     """A type: a file or directory that exists."""
     if not Path(text).expanduser().exists():

@@ -223,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="repeat: input-heavy prompts, each a random passage then its "
                              "first --lead tokens again, so the output can copy the input")
     parser.add_argument("--lead", type=a.positive_int, default=8)
+    parser.add_argument("--text", type=a.existing_file, default=None, metavar="FILE",
+                        help="with --workload repeat and a --checkpoint: cut the passages from "
+                             "this text with the checkpoint's tokenizer, each followed by a "
+                             "blank line and its first --lead tokens with one changed (bench "
+                             "speculative's repeat prompts)")
     parser.add_argument("--checkpoint", default=None,
                         help="serve a trained checkpoint (its config) instead of random "
                              "weights of --config")
@@ -288,6 +293,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error(f"--input-len max {args.input_len[1]} + --output-len max {out_hi} "
                      f"(rounded to --output-multiple) = {longest} exceeds the model's "
                      f"max_seq_len {config.max_seq_len}")
+    if args.text and (args.workload != "repeat" or not args.checkpoint):
+        parser.error("--text makes the repeat workload's prompts with a checkpoint's tokenizer: "
+                     "it needs --workload repeat and --checkpoint")
     if any(m.startswith("engine") for m in modes):
         if args.token_budget <= args.slots:
             parser.error(f"--token-budget {args.token_budget} must exceed --slots "
@@ -322,6 +330,32 @@ def _check_server(parser: argparse.ArgumentParser, args: argparse.Namespace,
                      f"served model has {model['max_model_len']}")
 
 
+def text_repeat_prompts(tokenizer: Any, path: str, lengths: list[int], lead: int, rng: Any
+                        ) -> list[list[int]]:
+    """Input-heavy prompts of the given lengths cut from the text at ``path``:
+    ``speculative.repeat_workload``'s (a passage, a blank line, its first ``lead`` tokens with
+    one changed), bos first when the tokenizer adds one (as ``generate`` encodes text)."""
+    from transformer_jax.bench.speculative import workload_prompts
+    from transformer_jax.tokenizer.prompt import adds_bos
+
+    with open(path) as f:
+        ids = np.asarray(tokenizer.encode(f.read()), np.int64)
+    sep = tokenizer.encode("\n\n")
+    bos = tokenizer.bos_id if adds_bos(tokenizer) else None
+    extra = lead + len(sep) + (bos is not None)
+    prompts = []
+    for n in lengths:
+        passage = n - extra
+        if passage < lead:
+            raise ValueError(f"an input length of {n} leaves no passage of at least --lead "
+                             f"{lead} tokens (the blank line and bos take {extra - lead})")
+        if len(ids) <= passage:
+            raise ValueError(f"--text {path}: {len(ids)} tokens, too short for passages of "
+                             f"{passage}")
+        prompts += workload_prompts("repeat", ids, 1, passage, lead, rng, sep, bos)
+    return prompts
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -350,9 +384,17 @@ def main(argv: list[str]) -> int:
                          args.shared_prefix)
     if args.workload == "repeat":
         rng = np.random.default_rng(args.seed + 1)
-        work.prompts = [p + p[:args.lead] for p in
-                        (rng.integers(0, config.vocab_size, max(1, len(q) - args.lead)).tolist()
-                         for q in work.prompts)]
+        if args.text:
+            try:
+                work.prompts = text_repeat_prompts(loaded.tokenizer, args.text,
+                                                   [len(q) for q in work.prompts], args.lead, rng)
+            except ValueError as e:
+                parser.error(str(e))
+        else:
+            work.prompts = [p + p[:args.lead] for p in
+                            (rng.integers(0, config.vocab_size,
+                                          max(1, len(q) - args.lead)).tolist()
+                             for q in work.prompts)]
     params = None if modes == ["http"] else (
         loaded.params if loaded is not None else init_params(config, jax.random.key(args.seed)))
     weights = None if params is None else decode.prepare(config, params)
