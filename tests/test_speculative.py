@@ -388,7 +388,7 @@ def test_bench_serve_text_repeat_prompts_have_the_asked_lengths(tmp_path):
     """``bench serve --workload repeat --text``: each prompt is bos, a passage of the text, a
     blank line and the passage's first ``lead`` tokens with exactly one changed, of the
     workload's length; a length with no room for a passage is a ValueError naming it."""
-    from transformer_jax.bench.serve import text_repeat_prompts
+    from transformer_jax.bench.serve_workload import text_repeat_prompts
     from transformer_jax.tokenizer.spm_backend import Tokenizer
 
     text = "the quick brown fox jumps over the lazy dog. " * 20 + "A-Z, 0-9!\n" * 5

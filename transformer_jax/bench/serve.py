@@ -31,7 +31,13 @@ import numpy as np
 
 from transformer_jax.bench import args as args_lib
 from transformer_jax.bench import serve_stall, serve_structured
-from transformer_jax.bench.serve_workload import Workload, make_workload, record, summarize
+from transformer_jax.bench.serve_workload import (
+    Workload,
+    make_workload,
+    record,
+    summarize,
+    text_repeat_prompts,
+)
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode import prompts as prompt_lib
@@ -328,32 +334,6 @@ def _check_server(parser: argparse.ArgumentParser, args: argparse.Namespace,
     if model.get("max_model_len", longest) < longest:
         parser.error(f"--url {args.url}: the workload needs up to {longest} positions; the "
                      f"served model has {model['max_model_len']}")
-
-
-def text_repeat_prompts(tokenizer: Any, path: str, lengths: list[int], lead: int, rng: Any
-                        ) -> list[list[int]]:
-    """Input-heavy prompts of the given lengths cut from the text at ``path``:
-    ``speculative.repeat_workload``'s (a passage, a blank line, its first ``lead`` tokens with
-    one changed), bos first when the tokenizer adds one (as ``generate`` encodes text)."""
-    from transformer_jax.bench.speculative import workload_prompts
-    from transformer_jax.tokenizer.prompt import adds_bos
-
-    with open(path) as f:
-        ids = np.asarray(tokenizer.encode(f.read()), np.int64)
-    sep = tokenizer.encode("\n\n")
-    bos = tokenizer.bos_id if adds_bos(tokenizer) else None
-    extra = lead + len(sep) + (bos is not None)
-    prompts = []
-    for n in lengths:
-        passage = n - extra
-        if passage < lead:
-            raise ValueError(f"an input length of {n} leaves no passage of at least --lead "
-                             f"{lead} tokens (the blank line and bos take {extra - lead})")
-        if len(ids) <= passage:
-            raise ValueError(f"--text {path}: {len(ids)} tokens, too short for passages of "
-                             f"{passage}")
-        prompts += workload_prompts("repeat", ids, 1, passage, lead, rng, sep, bos)
-    return prompts
 
 
 def main(argv: list[str]) -> int:

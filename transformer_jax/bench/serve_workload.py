@@ -67,3 +67,29 @@ def summarize(records: list[dict[str, Any]], start: float) -> dict[str, Any]:
             "e2e_s": stats(e2e), "duration_s": end - start, "output_tokens": tokens,
             "request_throughput": len(records) / (end - start),
             "output_token_throughput": tokens / (end - start)}
+
+
+def text_repeat_prompts(tokenizer: Any, path: str, lengths: list[int], lead: int, rng: Any
+                        ) -> list[list[int]]:
+    """Input-heavy prompts of the given lengths cut from the text at ``path``:
+    ``speculative.repeat_workload``'s (a passage, a blank line, its first ``lead`` tokens with
+    one changed), bos first when the tokenizer adds one (as ``generate`` encodes text)."""
+    from transformer_jax.bench.speculative import workload_prompts
+    from transformer_jax.tokenizer.prompt import adds_bos
+
+    with open(path) as f:
+        ids = np.asarray(tokenizer.encode(f.read()), np.int64)
+    sep = tokenizer.encode("\n\n")
+    bos = tokenizer.bos_id if adds_bos(tokenizer) else None
+    extra = lead + len(sep) + (bos is not None)
+    prompts = []
+    for n in lengths:
+        passage = n - extra
+        if passage < lead:
+            raise ValueError(f"an input length of {n} leaves no passage of at least --lead "
+                             f"{lead} tokens (the blank line and bos take {extra - lead})")
+        if len(ids) <= passage:
+            raise ValueError(f"--text {path}: {len(ids)} tokens, too short for passages of "
+                             f"{passage}")
+        prompts += workload_prompts("repeat", ids, 1, passage, lead, rng, sep, bos)
+    return prompts
