@@ -14,6 +14,8 @@ from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode.speculative_loop import DraftModel
 from transformer_jax.serving import Engine, SamplingParams, speculation
+from transformer_jax.serving import draft as draft_lib
+from transformer_jax.serving import step as step_lib
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_compiles")
 
@@ -232,6 +234,26 @@ def test_a_draft_model_speculates_under_load_as_generate_alone(model, small_draf
               for i in range(len(prompts))]
     metrics = _load(model, eng, prompts, params)
     assert metrics["verify_steps"] > 0 and metrics["proposed"] > 0
+
+
+def test_compile_leaves_a_greedy_draft_load_nothing_to_compile(model, small_draft, monkeypatch):
+    """``Engine.compile(speculative=k)`` runs every program a greedy draft load uses, the
+    draft's prefill chunk at each chunk shape among them: prompts of many lengths (chunks of
+    every shape), then decoding with verification, compile nothing more."""
+    eng = Engine(*model, **ENGINE, draft=small_draft)
+    eng.compile(speculative=4)
+    programs = {"step": step_lib.step_jit, "forward": step_lib.forward_jit,
+                "draft_rows": draft_lib.draft_rows, "draft_more": draft_lib.draft_more,
+                "verify": speculation.verify_jit}
+    before = {name: p._cache_size() for name, p in programs.items()}
+    _verify_always(monkeypatch, eng)
+    rng = np.random.default_rng(8)
+    for length in (1, 3, 6, 11, 17, 26):
+        eng.add_request(rng.integers(0, TINY.vocab_size, length).tolist(),
+                        SamplingParams(max_tokens=6, speculative="draft:any:k=4"))
+    eng.run_until_idle(max_steps=500)
+    assert eng.idle and eng.speculation.metrics()["verify_steps"] > 0
+    assert {name: p._cache_size() for name, p in programs.items()} == before
 
 
 def test_a_draft_equal_to_the_target_has_its_proposals_kept(model, monkeypatch):

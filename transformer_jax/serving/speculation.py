@@ -313,7 +313,8 @@ class Speculation:
                     keys_transposed=eng.keys_transposed, sampler=Sampler(), view=eng.view)
                 jax.block_until_ready(out)
                 shapes += 1
-        return shapes + (0 if self.draft is None else self.draft.compile(sched, ts))
+        return shapes + (0 if self.draft is None else self.draft.compile(
+            sched, ts, eng._adapters is not None))
 
     def _worth_it(self, plan: StepPlan, drafts: dict[int, list[int]], width: int,
                   t: int) -> bool:
