@@ -127,6 +127,7 @@ def evaluate(monkeypatch, tmp_path, task_dir):
     (["--mesh", "1,2"], "argument --mesh: mesh '1,2' must be three"),
     (["--tokenizer", "{missing}"], "argument --tokenizer: {missing}: no such file"),
     (["--include-path", "{missing}"], "argument --include-path: {missing}: no such directory"),
+    (["--include-path", "{file}"], "argument --include-path: {file} is a file, not a directory"),
 ])
 def test_evaluate_arguments_are_checked_before_loading(evaluate, capsys, places, argv, message):
     code, line = evaluate(capsys, *(a.format(**vars(places)) for a in argv))

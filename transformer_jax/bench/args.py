@@ -145,24 +145,25 @@ def quant_schemes(text: str) -> list[str]:
     return [quant_scheme(s) for s in schemes]
 
 
+def _existing(text: str, directory: bool) -> str:
+    """``text`` when it names an existing directory (``directory``) or file, else the error."""
+    path, kind, other = Path(text).expanduser(), *(("directory", "file") if directory
+                                                  else ("file", "directory"))
+    if not path.exists():
+        raise _fail(f"{text}: no such {kind}")
+    if path.is_dir() != directory:
+        raise _fail(f"{text} is a {other}, not a {kind}")
+    return text
+
+
 def existing_dir(text: str) -> str:
     """A type: a directory that exists."""
-    path = Path(text).expanduser()
-    if not path.exists():
-        raise _fail(f"{text}: no such directory")
-    if not path.is_dir():
-        raise _fail(f"{text} is a file, not a directory")
-    return text
+    return _existing(text, True)
 
 
 def existing_file(text: str) -> str:
     """A type: a file that exists."""
-    path = Path(text).expanduser()
-    if not path.exists():
-        raise _fail(f"{text}: no such file")
-    if not path.is_file():
-        raise _fail(f"{text} is a directory, not a file")
-    return text
+    return _existing(text, False)
 
 
 def existing_path(text: str) -> str:
