@@ -190,7 +190,9 @@ def test_the_update_runs_at_the_batchs_bucket_and_changes_nothing(loaded, rollou
         (loss, aux), grads = grad_fn(ckpt.params, batch)
         out.append((logps * batch["mask"][:, :t], loss, aux[2], grads))
     np.testing.assert_allclose(out[0][0], out[1][0], atol=1e-6)
-    np.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-5)
+    # The objective sums float32 terms over 16 or 64 positions: another order of the same
+    # sum (differences of 4e-6 on 0.1435 seen) stays well inside rtol 1e-4 + atol 1e-5.
+    np.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-4, atol=1e-5)
     assert out[0][2] == out[1][2] == 8 * 6  # the same completion tokens counted
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), out[0][3],
                  out[1][3])  # float32 sums over 16 or 64 positions
