@@ -123,10 +123,10 @@ def _max_diff(a, b) -> dict[str, float]:
             for k in fa if np.asarray(fa[k]).size}
 
 
-def _stack_state(state, n_layers: int):
+def _stack_state(state, config):
     """Unrolled-layout state -> scanned layout (every parameter-shaped dict is stacked)."""
     def one(t):
-        return stack_blocks(t, n_layers) if _is_params(t, "blocks_0") else t
+        return stack_blocks(t, config) if _is_params(t, "blocks_0") else t
 
     return jax.tree.map(one, state, is_leaf=lambda t: _is_params(t, "blocks_0"))
 
@@ -226,7 +226,7 @@ def mode_meshes(memory_args: list[str] | None = None) -> dict:
     for name, (shape, scan, remat) in RUNS.items():
         config = CONFIG.replace(scan_layers=scan, remat=remat)
         if scan:
-            run(name, config, shape, _stack_state(ref_state0, CONFIG.n_layers),
+            run(name, config, shape, _stack_state(ref_state0, CONFIG),
                 to_ref=_unstack_state)
         else:
             run(name, config, shape, ref_state0)

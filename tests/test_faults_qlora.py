@@ -157,7 +157,7 @@ def test_a_qlora_run_loads_for_decode_as_its_dequantised_base_plus_the_adapters(
     # Placed on a mesh in the other layer layout (as train.init_from=RUN reads it).
     mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig(1, 1, 1))
     placed = loading.load(qlora_run, mesh, scan_layers=True, with_tokenizer=False).params
-    _assert_close(placed, jax.tree.map(np.asarray, stack_blocks(want, 2)))
+    _assert_close(placed, jax.tree.map(np.asarray, stack_blocks(want, loaded.config)))
     # As saved, the base is the quantised weights training held (PackedInt4 / QArray).
     raw = loading.load(qlora_run, merge_lora=False, with_tokenizer=False).params
     assert is_quantized(raw[lora.BASE]["blocks_0"]["mlp"]["down"])

@@ -123,7 +123,7 @@ def test_export_of_a_run_loads_in_transformers_and_back(tmp_path, tokenizer):
 def test_lora_run_is_merged_on_export(tmp_path, tokenizer):
     config = _config(tokenizer, scan_layers=True, qkv_bias=True, tie_embeddings=True)
     base = stack_blocks(init_params(config.replace(scan_layers=False), jax.random.key(0)),
-                        config.n_layers)
+                        config)
     cfg = lora.LoraConfig(rank=2, alpha=4.0, targets=("q", "v", "o", "down"))
     adapters = lora.init_adapters(config, cfg, base, jax.random.key(1))
     adapters = jax.tree.map(lambda x: x + 0.05, adapters)  # as if trained: B != 0

@@ -238,7 +238,7 @@ def test_load_of_a_hf_dir_is_hf_load(hf_dir, params, tokenizer):
     scanned = loading.load(hf_dir, scan_layers=True, dtype="bfloat16", with_tokenizer=False)
     assert (scanned.config.scan_layers, scanned.config.param_dtype) == (True, "bfloat16")
     assert_same(scanned.params, jax.tree.map(lambda x: x.astype(jnp.bfloat16),
-                                             stack_blocks(params[2], CONFIG.n_layers)))
+                                             stack_blocks(params[2], CONFIG)))
 
 
 def test_load_onto_a_mesh_in_either_layout(run, lora_run, params):
@@ -254,11 +254,11 @@ def test_load_onto_a_mesh_in_either_layout(run, lora_run, params):
                                             shardings)) == [True] * len(jax.tree.leaves(shardings))
         if want is not None:
             if scan:
-                want = stack_blocks(want, CONFIG.n_layers)
+                want = stack_blocks(want, CONFIG)
             assert_same(loaded.params, jax.tree.map(lambda x: x.astype(jnp.bfloat16), want))
     merged = loading.load(lora_run[0], with_tokenizer=False).params
     assert_same(loaded.params, jax.tree.map(lambda x: x.astype(jnp.bfloat16),
-                                            stack_blocks(merged, CONFIG.n_layers)))
+                                            stack_blocks(merged, CONFIG)))
 
 
 # read-only ---------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def test_adapter_shapes_unrolled_and_scanned(base):
     }
     unrolled = lora.init_adapters(CONFIG, cfg, base, jax.random.key(1))
     stacked = lora.init_adapters(CONFIG.replace(scan_layers=True), cfg,
-                                 stack_blocks(base, L), jax.random.key(1))
+                                 stack_blocks(base, CONFIG), jax.random.key(1))
     assert sorted(unrolled) == ["blocks_0", "blocks_1"] and list(stacked) == ["blocks"]
     for (module, name), (a, b) in expected.items():
         got = unrolled["blocks_1"][module][name]
@@ -80,8 +80,8 @@ def test_scanned_layout_applies_the_same_update(base):
     adapters = lora.init_adapters(CONFIG, cfg, base, jax.random.key(1))
     adapters = jax.tree.map(lambda x: x + 0.1, adapters)  # nonzero B
     unrolled = lora.apply_adapters(base, adapters, cfg)
-    scanned = lora.apply_adapters(stack_blocks(base, L), stack_blocks(adapters, L), cfg)
-    for name, value in _leaves(stack_blocks(unrolled, L)).items():
+    scanned = lora.apply_adapters(stack_blocks(base, CONFIG), stack_blocks(adapters, CONFIG), cfg)
+    for name, value in _leaves(stack_blocks(unrolled, CONFIG)).items():
         np.testing.assert_allclose(_leaves(scanned)[name], value, rtol=1e-6, atol=1e-6)
     assert not np.array_equal(unrolled["blocks_0"]["attn"]["q_proj"],
                               base["blocks_0"]["attn"]["q_proj"])
@@ -148,7 +148,7 @@ def test_adapter_shardings_follow_the_target_matrices(base):
     mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1), jax.devices()[:1])
     config = CONFIG.replace(scan_layers=True)
     cfg = lora.LoraConfig(rank=2)
-    adapters = lora.init_adapters(config, cfg, stack_blocks(base, L), jax.random.key(0))
+    adapters = lora.init_adapters(config, cfg, stack_blocks(base, CONFIG), jax.random.key(0))
     shardings = lora.adapter_shardings(adapters, sharding.param_shardings(config, mesh))
     specs = jax.tree.map(lambda s: tuple(s.spec), shardings)["blocks"]
     # q_proj [L, D, N, H] is (layers, embed, heads, head_dim) -> (None, fsdp, tensor, None).

@@ -65,7 +65,7 @@ def test_scanned_stack_equals_unrolled(variant):
     tokens = _tokens(2, 12)
     unrolled = _apply(c)(params, tokens)
     scanned_c = c.replace(scan_layers=True)
-    scanned_params = stack_blocks(params, c.n_layers)
+    scanned_params = stack_blocks(params, c)
     scanned = _apply(scanned_c)(scanned_params, tokens)
     np.testing.assert_allclose(unrolled, scanned, rtol=1e-5, atol=1e-5)
     # The scanned layout is what the scanned model initialises to, and round-trips.

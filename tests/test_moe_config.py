@@ -48,9 +48,10 @@ def test_the_model_level_refusals():
     moe = MoE(4, 2, 8, dense_layers=(0,))
     with pytest.raises(ValueError, match="moe needs a gated ffn"):
         ModelConfig(**SMALL, ffn="relu", moe=moe)
-    with pytest.raises(ValueError, match="scan_layers needs every layer's FFN alike"):
-        ModelConfig(**SMALL, scan_layers=True, moe=moe)
-    ModelConfig(**SMALL, scan_layers=True, moe=MoE(4, 2, 8))  # all sparse: scans
+    # Dense and sparse layers scan as separate layer groups (``test_layer_groups``).
+    mixed = ModelConfig(**SMALL, scan_layers=True, moe=moe)
+    assert [(g.period[0].ffn, g.repeats) for g in mixed.layer_groups()] == [
+        ("dense", 1), ("moe", SMALL["n_layers"] - 1)]
     with pytest.raises(ValueError, match="moe_impl must be one of"):
         ModelConfig(**SMALL, moe_impl="fast")
 

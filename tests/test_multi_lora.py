@@ -73,7 +73,7 @@ def test_each_row_gets_its_adapters_merged_logits(scanned, out_first):
     want = [np.asarray(forward(base if i == 0 else merge(base, *ads[i - 1])))[r]
             for r, i in enumerate(ids)]
     config = CONFIG.replace(scan_layers=scanned)
-    weights = prepare(config, stack_blocks(base, CONFIG.n_layers) if scanned else base,
+    weights = prepare(config, stack_blocks(base, CONFIG) if scanned else base,
                       weights_out_first=out_first)
     stack = multi_lora.stack_adapters(weights.params, ads, out_first=out_first)
     got = jax.jit(lambda p, s, i: decode_model(config, None, out_first).apply(  # one program

@@ -3,7 +3,8 @@
 Every query's attention through a ring equals textbook attention over its row's last W
 positions (numpy) and the full cache's (``window_rings=False``), across several wraps of the
 ring, prefill chunks longer than it, decode steps, rows at different positions, a right-padded
-prefill, int8 storage and a traced layer index (a scanned model whose layers differ); a tiny
+prefill, int8 storage and traced layer references (``LayerRef``, as a scanned layer group
+gives them); a tiny
 patterned model decodes the full forward's logits with rings; a Gemma-3-shaped cache at 32K
 takes under a quarter of the bytes; the serving engine on a patterned model gives generate's
 tokens.
@@ -21,7 +22,7 @@ from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import KVCache, cache_bytes
-from transformer_jax.model.layers import NO_WINDOW
+from transformer_jax.model.stack import LayerRef
 from transformer_jax.model.transformer import Transformer, abstract_params, stack_blocks
 from transformer_jax.serving import Engine, SamplingParams
 from transformer_jax.serving.paged_cache import PagedKVCache, page_bytes, ring_bytes
@@ -44,17 +45,16 @@ SCHEDULE = [((0, 0), 12, (12, 7)),
 @functools.partial(jax.jit, static_argnames="traced", compiler_options=FAST_COMPILE)
 def _attend(ring, full, q, k, v, positions, *, traced):
     """Both layers' attention of a chunk with each cache: [2 caches, 2 layers, B, T, N, H] and
-    the caches. ``traced``: the layer index traced as in a scan over layers that differ (the
-    window then traced too, as ``LayerKind`` gives it)."""
+    the caches. ``traced``: each layer read by a ``LayerRef`` of traced indices, as a block
+    of a scanned layer group reads its cache."""
     outs = []
     for cache in (ring, full):
         per_layer = []
         for layer in range(2):
+            i, window = layer, (W if layer == 0 else None)
             if traced:
-                i = jnp.arange(2)[layer + 0 * positions[0, 0]]  # a traced index
-                window = jnp.where(jnp.asarray([True, False])[i], W, NO_WINDOW)
-            else:
-                i, window = layer, (W if layer == 0 else None)
+                zero = 0 * positions[0, 0]  # traced indices
+                i = LayerRef(layer + zero, layer == 0, zero)
             out, cache = cache.attend(i, q[layer], k[layer], v[layer], positions, window=window,
                                       impl="xla")
             per_layer.append(out)
@@ -176,7 +176,7 @@ def patterned_params():
     params = jax.tree.map(lambda x: jnp.asarray(rng.normal(1.0 if x.ndim == 1 else 0.0, 0.2,
                                                            x.shape), x.dtype),
                           abstract_params(PATTERNED))
-    return {False: params, True: stack_blocks(params, PATTERNED.n_layers)}
+    return {False: params, True: stack_blocks(params, PATTERNED)}
 
 
 @pytest.mark.parametrize("scanned", [False, True])

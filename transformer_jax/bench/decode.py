@@ -55,7 +55,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import cache_bytes
 from transformer_jax.model.ops import moe as moe_ops
 from transformer_jax.model.ops.dense import dense
-from transformer_jax.model.transformer import Transformer, init_params
+from transformer_jax.model.transformer import Transformer, init_params, unstack_blocks
 from transformer_jax.parallel import sharding
 
 
@@ -176,8 +176,9 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
     can remove.
     """
     c, params, out_first = config, weights.params, weights.weights_out_first
-    blocks = params["blocks"] if c.scan_layers else [params[f"blocks_{i}"]
-                                                     for i in range(c.n_layers)]
+    scan = "blocks" in params  # one scanned group; any other layout runs unrolled here
+    unrolled = params if scan else unstack_blocks(params)
+    blocks = params["blocks"] if scan else [unrolled[f"blocks_{i}"] for i in range(c.n_layers)]
     # The head as the decode reads it ([V, D] when tied or stored out-first).
     head, head_layout = Transformer(c, weights_out_first=out_first).lm_head(params)
     head_out_first = head_layout == "VD"
@@ -210,7 +211,7 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
 
     def chain(blocks: Any, head: jax.Array, x: jax.Array, n: int) -> jax.Array:
         def body(_, x):
-            if c.scan_layers:
+            if scan:
                 x = jax.lax.scan(lambda x, p: (layer(x, p), None), x, blocks)[0]
             else:
                 for p in blocks:

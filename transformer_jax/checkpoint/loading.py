@@ -402,7 +402,7 @@ def _load_run(source: Source, mesh: Any, *, merge_lora: bool, step: int | None,
     if saved.scan_layers and not config.scan_layers:
         params = unstack_blocks(params)
     elif config.scan_layers and not saved.scan_layers:
-        params = stack_blocks(params, saved.n_layers)
+        params = stack_blocks(params, saved)
     if shardings is not None and not direct:
         # Every process holds the whole merged tree; each places the shards of its devices.
         host = jax.tree.map(np.asarray, params)

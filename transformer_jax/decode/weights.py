@@ -34,7 +34,13 @@ from transformer_jax.model.layers import MATRIX_INPUT_AXES, is_vector_param, to_
 from transformer_jax.model.ops.moe import ExpertList
 from transformer_jax.model.ops.quantized import is_quantized
 from transformer_jax.model.quant_spec import is_expert_stack
-from transformer_jax.model.transformer import abstract_params, stack_blocks, unstack_blocks
+from transformer_jax.model.stack import is_scanned_key
+from transformer_jax.model.transformer import (
+    abstract_params,
+    is_scanned,
+    stack_blocks,
+    unstack_blocks,
+)
 from transformer_jax.parallel import sharding
 
 Params = dict[str, Any]
@@ -127,7 +133,7 @@ def split_experts(tree: Params, n_experts: int, take: Callable[[Any, int, int], 
     def one(path: tuple[Any, ...], x: Any) -> Any:
         if not is_expert_stack(path):
             return x
-        axis = 1 if str(path[0].key) == "blocks" else 0
+        axis = 1 if is_scanned_key(str(path[0].key)) else 0
         return ExpertList(tuple(take(x, axis, e) for e in range(n_experts)))
 
     return jax.tree_util.tree_map_with_path(
@@ -152,17 +158,17 @@ def decode_params(config: ModelConfig, params: Params, weights_out_first: bool |
                   ) -> Params:
     """The parameter transform in front of the decode: what ``prepare`` computes.
 
-    The blocks are put in the config's layout (``blocks`` stacked when ``scan_layers``, else
-    ``blocks_{i}``), whichever layout ``params`` has, every matrix is cast to the compute dtype
+    The blocks are put in the config's layout (its layer groups stacked when ``scan_layers``,
+    else ``blocks_{i}``), whichever layout ``params`` has, every matrix is cast to the compute dtype
     (so no step converts a weight again; norm scales keep their dtype) and, with
     ``weights_out_first`` (default ``default_weights_out_first()``), transposed to be stored
     output axes first (``layers.to_out_first``). A mixture's router and shared expert follow
     the layout; its experts' [E, D, F] / [E, F, D] stacks are cast and kept in-first.
     """
     out_first = default_weights_out_first() if weights_out_first is None else weights_out_first
-    if config.scan_layers and "blocks" not in params:
-        params = stack_blocks(params, config.n_layers)
-    elif not config.scan_layers and "blocks" in params:
+    if config.scan_layers and not is_scanned(params):
+        params = stack_blocks(params, config)
+    elif not config.scan_layers and is_scanned(params):
         params = unstack_blocks(params)
 
     def prepare_leaf(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
@@ -173,7 +179,7 @@ def decode_params(config: ModelConfig, params: Params, weights_out_first: bool |
         x = x.astype(config.jnp_dtype)
         # The experts' [E, ...] stacks stay in-first in every layout (``model.moe``).
         if out_first and name in MATRIX_INPUT_AXES and not is_expert_stack(path):
-            x = to_out_first(x, name, stacked=str(path[0].key) == "blocks")
+            x = to_out_first(x, name, stacked=is_scanned_key(str(path[0].key)))
         return x
 
     return jax.tree_util.tree_map_with_path(prepare_leaf, params)

@@ -56,7 +56,7 @@ from transformer_jax.hf.convert import _linear as _linear
 from transformer_jax.hf.convert import _reshaped as _reshaped
 from transformer_jax.hf.convert import _same as _same
 from transformer_jax.model.config import DTYPES, ModelConfig
-from transformer_jax.model.transformer import Params, unstack_blocks
+from transformer_jax.model.transformer import Params, is_scanned, scanned_places, unstack_blocks
 from transformer_jax.parallel.sharding import param_shardings
 from transformer_jax.storage.files import read_json, replacing_directory, set_default_mode
 
@@ -311,6 +311,11 @@ def _same_rows(reader: _Reader, a: str, b: str, chunk_bytes: int = 1 << 26) -> b
                for i in range(0, shape[0], rows))
 
 
+def _layer_of(path: tuple[str, ...]) -> int:
+    """The layer number of an unrolled param path (``blocks_{i}/...``); -1 outside blocks."""
+    return int(path[0][len("blocks_"):]) if path[0].startswith("blocks_") else -1
+
+
 def _load_params(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
                  shardings: Any) -> Params:
     """Every param read straight from the files: whole onto the default device (``shardings``
@@ -322,9 +327,15 @@ def _load_params(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
     """
     dtype = jnp.dtype(config.param_dtype)
     layers: dict[tuple[str, ...], list[_Tensor]] = {}
-    for s in specs:
-        stacked = config.scan_layers and s.path[0].startswith("blocks_")
-        layers.setdefault(("blocks", *s.path[1:]) if stacked else s.path, []).append(s)
+    places = scanned_places(config) if config.scan_layers else {}
+    repeats: dict[tuple[str, ...], int] = {}
+    for s in sorted(specs, key=lambda s: _layer_of(s.path)):  # layers in order: r along stacks
+        if s.path[0].startswith("blocks_") and places:
+            path = (*places[_layer_of(s.path)][0], *s.path[1:])
+            repeats[path] = repeats.get(path, 0) + 1
+        else:
+            path = s.path
+        layers.setdefault(path, []).append(s)
     by_path = None if shardings is None else dict(_flatten(shardings))
     if by_path is not None and set(by_path) != set(layers):  # a bug here: model and HF differ
         raise AssertionError(f"param paths differ: {sorted(set(by_path) ^ set(layers))}")
@@ -340,7 +351,8 @@ def _load_params(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
 
     params: dict[str, Any] = {}
     for key, parts in layers.items():
-        lead = (((config.n_layers,) if key[0] == "blocks" else ())
+        lead = (((repeats[key] // (1 if parts[0].stack is None else parts[0].stack[1]),)
+                 if key in repeats else ())
                 + (() if parts[0].stack is None else (parts[0].stack[1],)))
         shape = lead + parts[0].shape
         with reader.reopened([p.hf_name for p in parts]) as fresh:
@@ -399,7 +411,7 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
     hf_config = config_to_hf(config, model_type)
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
-    if "blocks" in params:
+    if is_scanned(params):
         params = unstack_blocks(params)
     flat = {"/".join(p): v for p, v in _flatten(params)}
     specs = _tensors(config, hf_config["model_type"])

@@ -1,5 +1,6 @@
 """One Transformer layer (``Block``): attention then FFN, dense or a mixture of experts, each in
-a residual branch; and the config one shard of a tensor split sees (``shard_config``)."""
+a residual branch; the period of a scanned layer group (``Period``); and the config one shard of
+a tensor split sees (``shard_config``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import jax
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import MLP, Attention, Carry, LayerKind, Norm
 from transformer_jax.model.moe import RouterStats, SparseFFN
+from transformer_jax.model.stack import LayerGroup, LayerSpec
 
 
 class Block(nn.Module):
@@ -18,9 +20,9 @@ class Block(nn.Module):
 
     ``norm_position``: ``"pre"`` (default) ``x + f(norm(x))``; ``"post"`` (original
     Transformer) ``norm(x + f(x))``; ``"sandwich"`` ``x + norm_out(f(norm(x)))`` (the four
-    norms of some families); ``"post_branch"`` ``x + norm_out(f(x))``. The layer's window and
-    RoPE come from its index (``LayerKind``), so one block serves layers that differ,
-    unrolled or scanned.
+    norms of some families); ``"post_branch"`` ``x + norm_out(f(x))``. What the layer is
+    (its window and RoPE, dense or sparse FFN) is its ``spec``, a Python value: a layer scan
+    scans runs of the same specs (``stack.LayerGroup``), so one block serves every kind.
 
     ``weights_out_first``: every matrix is stored output axes first (``matrix``), the layout
     ``decode.prepare`` gives the weights on CPU.
@@ -29,12 +31,19 @@ class Block(nn.Module):
     its config counts this shard's heads, kv heads and FFN units (``shard_config``), and each
     branch's output (a partial sum over the shard's heads or units) is summed over the axis.
     With ``expert_axis`` too, a sparse layer holds one shard of the experts (``SparseFFN``).
+
+    In a scan, ``group`` and ``position`` say where the block sits (position ``position`` of
+    the group's period), so that the traced repeat index it is called with becomes the
+    ``LayerRef`` its cache reads.
     """
 
     config: ModelConfig
+    spec: LayerSpec = LayerSpec()
     tensor_axis: str | None = None
     weights_out_first: bool = False
     expert_axis: str | None = None
+    group: LayerGroup | None = None
+    position: int = 0
 
     @nn.compact
     def __call__(self, carry: Carry, positions: jax.Array, layer: int | jax.Array = 0,
@@ -42,9 +51,9 @@ class Block(nn.Module):
                  ) -> tuple[Carry, RouterStats | None]:
         """([B, T, D], cache) -> (([B, T, D], updated cache), router stats or None).
 
-        The (carry, ...) -> (carry, y) form is ``nn.scan``'s (which stacks the sparse layers'
-        ``RouterStats``); the unrolled model calls the same block with a Python int ``layer``.
-        A dense layer returns None for its stats.
+        ``layer`` is the layer's number (unrolled), or with ``group`` the repeat index of a
+        scan (traced). The (carry, ...) -> (carry, y) form is ``nn.scan``'s (which stacks the
+        sparse layers' ``RouterStats``). A dense layer returns None for its stats.
         """
         x, cache = carry
         # The residual stream's only sharding annotation: under a mesh's logical-axis rules it
@@ -65,10 +74,10 @@ class Block(nn.Module):
             rope_pairing=c.rope_pairing, impl=c.attention_impl, init_std=c.init_std,
             out_init_std=out_std, out_first=self.weights_out_first,
             tensor_axis=self.tensor_axis, name="attn", **dtypes)
-        # In a scan (traced ``layer``) every layer is sparse or none is (the config says so).
-        sparse = c.moe is not None and (not isinstance(layer, int) or c.moe.is_sparse(layer))
+        if self.group is not None:
+            layer = self.group.ref(self.position, layer)
         stats = None
-        if sparse:
+        if self.spec.sparse:
             moe = SparseFFN(moe=c.moe, expert_axis=self.expert_axis, kind=c.ffn,
                             impl=c.moe_impl, init_std=c.init_std,
                             out_init_std=out_std, out_first=self.weights_out_first, name="moe",
@@ -82,7 +91,7 @@ class Block(nn.Module):
         else:
             mlp = MLP(d_ff=c.d_ff, kind=c.ffn, init_std=c.init_std, out_init_std=out_std,
                       out_first=self.weights_out_first, name="mlp", **dtypes)
-        kind = LayerKind.of(c, layer)
+        kind = LayerKind.of(c, self.spec)
 
         def total(y: jax.Array) -> jax.Array:
             return y if self.tensor_axis is None else jax.lax.psum(y, self.tensor_axis)
@@ -107,6 +116,36 @@ class Block(nn.Module):
             x = norm("attn_norm")(x + total(y))
             x = norm("mlp_norm")(x + total(mlp(x)))
         return (x, cache), stats
+
+
+class Period(nn.Module):
+    """One repeat of a scanned group's period: its blocks (``layer_{j}``) in order.
+
+    ``nn.scan`` scans it over the group's repeats (``Transformer``); each block keeps its own
+    spec as a Python value, so a 5 local : 1 global period runs five window layers and one
+    full one in the scan body, each reading only its own cache.
+    """
+
+    config: ModelConfig
+    group: LayerGroup
+    block: type[nn.Module] = Block
+    tensor_axis: str | None = None
+    weights_out_first: bool = False
+    expert_axis: str | None = None
+
+    @nn.compact
+    def __call__(self, carry: Carry, positions: jax.Array, r: jax.Array,
+                 segment_ids: jax.Array | None = None
+                 ) -> tuple[Carry, tuple[RouterStats, ...]]:
+        """(carry, positions, repeat index) -> (carry, the sparse blocks' stats in order)."""
+        stats = []
+        for j, spec in enumerate(self.group.period):
+            carry, s = self.block(self.config, spec, self.tensor_axis, self.weights_out_first,
+                                  self.expert_axis, self.group, j, name=f"layer_{j}")(
+                carry, positions, r, segment_ids)
+            if s is not None:
+                stats.append(s)
+        return carry, tuple(stats)
 
 
 def shard_config(config: ModelConfig, shards: int, *, vocab: bool) -> ModelConfig:

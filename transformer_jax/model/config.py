@@ -33,6 +33,7 @@ from transformer_jax.model.fields import (  # noqa: F401 (config.RopeScaling etc
     check_positive_number,
     plain,
 )
+from transformer_jax.model.stack import LayerGroup, LayerSpec, layer_groups
 
 NORMS = ("rms", "layer")
 NORM_POSITIONS = ("pre", "post", "sandwich", "post_branch")
@@ -211,10 +212,20 @@ class Architecture:
             ("local",) if self.sliding_window is not None else ("global",))
         return tuple(pattern[i % len(pattern)] for i in range(self.n_layers))
 
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """Each layer's ``stack.LayerSpec`` (attention and FFN kind): L entries."""
+        sparse = set(self.sparse_layers)
+        return tuple(LayerSpec(kind, "moe" if i in sparse else "dense")
+                     for i, kind in enumerate(self.layer_kinds()))
+
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """The stack cut into groups of a repeated period (``stack.layer_groups``): what a
+        scanned model scans, one group at a time."""
+        return layer_groups(self.layer_specs())
+
     @property
     def layers_differ(self) -> bool:
-        """Whether layers attend differently (window or RoPE) by their index: a layer scan
-        then carries each layer's kind as data (``block.Block``)."""
+        """Whether layers attend differently (window or RoPE) by their index."""
         return len(set(self.layer_kinds())) > 1
 
     @property
@@ -244,7 +255,8 @@ class Execution:
       param_dtype: dtype parameters are stored in.
       dtype: dtype activations and matmuls are computed in (norms and softmax stay float32;
         logits are returned in float32).
-      scan_layers: stack the blocks with ``nn.scan`` (compile time independent of depth).
+      scan_layers: scan the blocks with ``nn.scan``, each group of layers of the stack
+        (``Architecture.layer_groups``) on its own: compile time independent of depth.
       remat: rematerialisation of each block in the backward pass: ``"none"``, ``"full"``, or
         ``"save_dots"`` (keep matmul outputs, recompute the rest).
       attention_impl: ``"auto"`` (the best for the backend and shape, see
@@ -302,11 +314,6 @@ class ModelConfig(Execution, Architecture):
     def __post_init__(self) -> None:
         Architecture.__post_init__(self)
         Execution.__post_init__(self)
-        if self.scan_layers and self.moe is not None and \
-                len(self.sparse_layers) != self.n_layers:
-            raise ValueError("scan_layers needs every layer's FFN alike, but moe makes layers "
-                             f"{self.sparse_layers} sparse and the rest dense; set "
-                             "scan_layers=false")
         if self.attn_softcap is not None and self.attention_impl == "cudnn":
             raise ValueError(f"attn_softcap={self.attn_softcap}: attention_impl='cudnn' cannot "
                              "soft-cap the logits; use 'auto', 'xla', 'chunked' or 'mosaic'")

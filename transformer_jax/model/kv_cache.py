@@ -44,6 +44,7 @@ from transformer_jax.model.config import Architecture, ModelConfig
 from transformer_jax.model.kv_ring import RingLayout
 from transformer_jax.model.ops import kv_quant
 from transformer_jax.model.ops.attention import attention
+from transformer_jax.model.stack import LayerRef
 
 #: Logical axis names of the cache's [L, B, K, S, H] arrays (the mesh rules shard kv heads over
 #: the tensor axis, as they shard the k/v projections).
@@ -163,23 +164,15 @@ class KVCache:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
             (self.k, self.v, self.k_local, self.v_local)))
 
-    def layer(self, i: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+    def layer(self, i: int | jax.Array | LayerRef) -> tuple[jax.Array, jax.Array]:
         """Layer i's (keys, values): [B, K, S, H] each (keys [B, K, H, S] when transposed);
-        a ring layer's S is its W slots. With rings of layers that differ, i is a Python int."""
-        if self.ring is None:
-            return self._full_layer(i)
-        if not isinstance(i, int) and not all(self.ring.local):
-            raise ValueError("a cache with rings of layers that differ reads a layer by a "
-                             "Python int index")
-        return self.ring.dispatch(i, self._ring_layer, self._full_layer)
+        a ring layer's S is its W slots. ``i`` as ``kv_ring.locate`` takes it."""
+        ring, j = kv_ring.locate(self.ring, i)
+        if ring:
+            return _layer_of(self.k_local, self.v_local, j, self.stacked, self.batch)
+        return _layer_of(self.k, self.v, j, self.stacked, self.batch)
 
-    def _full_layer(self, i: int | jax.Array) -> tuple[jax.Array, jax.Array]:
-        return _layer_of(self.k, self.v, i, self.stacked, self.batch)
-
-    def _ring_layer(self, j: int | jax.Array) -> tuple[jax.Array, jax.Array]:
-        return _layer_of(self.k_local, self.v_local, j, self.stacked, self.batch)
-
-    def attend(self, i: int | jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+    def attend(self, i: int | jax.Array | LayerRef, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, *, window: int | jax.Array | None, impl: str,
                scale: float | None = None, softcap: float | None = None
                ) -> tuple[jax.Array, KVCache]:
@@ -191,14 +184,14 @@ class KVCache:
         plugs in by giving the same. A ring layer attends as ``kv_ring.attend`` says.
 
         Args:
-          i: the layer (a Python int, or a traced index inside a layer scan).
+          i: the layer: its number (a Python int, or traced when every layer is alike), or a
+            scanned block's ``LayerRef`` (``kv_ring.locate``).
           q: [B, T, N, H] queries (rotated).
           k: [B, T, K, H] new keys (rotated) for ``positions``.
           v: [B, T, K, H] new values.
           positions: [B, T] int positions, consecutive per row; row b is written at slots
             ``positions[b, 0] ..``.
-          window: optional sliding window length (a traced int32 in a scan over layers that
-            differ).
+          window: optional sliding window length.
           impl: the attention implementation (``ops.attention.attention``).
           scale: the logits' scale (default ``1/sqrt(H)``).
           softcap: optional logit soft-cap (``ops.softcap``).
@@ -207,38 +200,23 @@ class KVCache:
           ([B, T, N, H] attention output, the cache with layer i written).
         """
         logits = dict(impl=impl, scale=scale, softcap=softcap)
-        if self.ring is None:
-            return self._attend_full(i, q, k, v, positions, window=window, **logits)
-        return kv_ring.attend(
-            self, i, self.ring, q, k, v, positions,
-            read_ring=lambda c, j: c._ring_layer(j),
-            write_ring=lambda c, j, keep: c._write_ring(j, k, v, positions, keep),
-            write_full=lambda c, g, keep: c._write_full(g, k, v, positions[:, 0], keep),
-            attend_full=lambda c, g: c._attention_full(g, q, positions, window=window,
-                                                       **logits),
-            keys_transposed=self.keys_transposed, **logits)
-
-    def _attend_full(self, i: int | jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-                     positions: jax.Array, *, window: int | jax.Array | None, impl: str,
-                     scale: float | None, softcap: float | None) -> tuple[jax.Array, KVCache]:
-        """``attend`` on full layer i (of ``k``/``v``): slot s holds position s."""
-        cache = self._write_full(i, k, v, positions[:, 0])
-        return cache._attention_full(i, q, positions, window=window, impl=impl, scale=scale,
-                                     softcap=softcap), cache
-
-    def _attention_full(self, i: int | jax.Array, q: jax.Array, positions: jax.Array, *,
-                        window: int | jax.Array | None, impl: str, scale: float | None,
-                        softcap: float | None) -> jax.Array:
-        """The queries over every slot of full layer i."""
-        keys, values = self._full_layer(i)
+        ring, j = kv_ring.locate(self.ring, i)
+        if ring:
+            return kv_ring.attend(
+                self, j, self.ring, q, k, v, positions,
+                read_ring=lambda c, j: _layer_of(c.k_local, c.v_local, j, c.stacked, c.batch),
+                write_ring=lambda c, j: c._write_ring(j, k, v, positions),
+                keys_transposed=self.keys_transposed, **logits)
+        cache = self._write_full(j, k, v, positions[:, 0])
+        keys, values = _layer_of(cache.k, cache.v, j, cache.stacked, cache.batch)
         if self.int8:  # dequantised for the reference attention, each row with its own scale
             keys = kv_quant.decode(keys, q.dtype, axis=-2 if self.keys_transposed else -1)
             values = kv_quant.decode(values, q.dtype)
         return attention(q.astype(keys.dtype), keys, values, q_positions=positions,
-                         window=window, impl=impl, keys_transposed=self.keys_transposed,
-                         scale=scale, softcap=softcap)
+                         window=window, keys_transposed=self.keys_transposed,
+                         **logits), cache
 
-    def write(self, i: int | jax.Array, k: jax.Array, v: jax.Array,
+    def write(self, i: int | jax.Array | LayerRef, k: jax.Array, v: jax.Array,
               start: jax.Array) -> KVCache:
         """Writes a chunk of T new keys/values of each sequence at its own start slot.
 
@@ -247,8 +225,7 @@ class KVCache:
         A ring layer takes the chunk's last W positions (``ring_end`` applies).
 
         Args:
-          i: the layer (a Python int, or a traced index inside a layer scan; a Python int for
-            a cache with rings of layers that differ).
+          i: the layer, as ``attend`` takes it.
           k: [B, T, K, H] new keys for positions ``start[b] .. start[b] + T - 1``.
           v: [B, T, K, H] new values.
           start: [B] int32 first slot per sequence.
@@ -256,34 +233,28 @@ class KVCache:
         Returns:
           The cache with layer i updated (lengths unchanged: the model sets them).
         """
-        if self.ring is None:
-            return self._write_full(i, k, v, start)
-        if not isinstance(i, int) and not all(self.ring.local):
-            raise ValueError("a cache with rings of layers that differ writes a layer by a "
-                             "Python int index")
-        positions = start[:, None] + jnp.arange(k.shape[1], dtype=start.dtype)
-        return self.ring.dispatch(i, lambda j: self._write_ring(j, k, v, positions),
-                                  lambda g: self._write_full(g, k, v, start))
+        ring, j = kv_ring.locate(self.ring, i)
+        if ring:
+            positions = start[:, None] + jnp.arange(k.shape[1], dtype=start.dtype)
+            return self._write_ring(j, k, v, positions)
+        return self._write_full(j, k, v, start)
 
-    def _write_full(self, i: int | jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
-                    keep: jax.Array | None = None) -> KVCache:
-        """``write`` into full layer i (of ``k``/``v``); with ``keep`` (a traced bool, stacked
-        layers only) the slots are written with what they hold."""
+    def _write_full(self, i: int | jax.Array, k: jax.Array, v: jax.Array, start: jax.Array
+                    ) -> KVCache:
+        """``write`` into full layer i (of ``k``/``v``)."""
         if self.int8:
             k, v = kv_quant.encode(k), kv_quant.encode(v)
         if self.stacked:
-            return self.replace(
-                k=_write_stacked(self.k, i, k, start, self.keys_transposed, keep),
-                v=_write_stacked(self.v, i, v, start, False, keep))
+            return self.replace(k=_write_stacked(self.k, i, k, start, self.keys_transposed),
+                                v=_write_stacked(self.v, i, v, start, False))
         new_k, new_v = list(self.k), list(self.v)
         new_k[i] = _write_rows(self.k[i], k, start, self.keys_transposed)
         new_v[i] = _write_rows(self.v[i], v, start, False)
         return self.replace(k=tuple(new_k), v=tuple(new_v))
 
     def _write_ring(self, j: int | jax.Array, k: jax.Array, v: jax.Array,
-                    positions: jax.Array, keep: jax.Array | None = None) -> KVCache:
-        """Writes the chunk's last W positions (below ``ring_end``) into ring j; nothing
-        changes where ``keep`` (a traced bool, stacked rings only)."""
+                    positions: jax.Array) -> KVCache:
+        """Writes the chunk's last W positions (below ``ring_end``) into ring j."""
         t = positions.shape[1]
         if self.ring_end is None and isinstance(t, int) and t == 1:
             # A decode step: the in-place writes of the full layers, at slot p % W.
@@ -291,15 +262,14 @@ class KVCache:
                 k, v = kv_quant.encode(k), kv_quant.encode(v)
             start, tr = jnp.mod(positions[:, 0], self.ring.size), self.keys_transposed
             if self.stacked:
-                return self.replace(
-                    k_local=_write_stacked(self.k_local, j, k, start, tr, keep),
-                    v_local=_write_stacked(self.v_local, j, v, start, False, keep))
+                return self.replace(k_local=_write_stacked(self.k_local, j, k, start, tr),
+                                    v_local=_write_stacked(self.v_local, j, v, start, False))
             new_k, new_v = list(self.k_local), list(self.v_local)
             new_k[j] = _write_rows(self.k_local[j], k, start, tr)
             new_v[j] = _write_rows(self.v_local[j], v, start, False)
             return self.replace(k_local=tuple(new_k), v_local=tuple(new_v))
         k_local, v_local = kv_ring.write_rings(
-            self.k_local, self.v_local, j, k, v, positions, end=self.ring_end, keep=keep,
+            self.k_local, self.v_local, j, k, v, positions, end=self.ring_end,
             keys_transposed=self.keys_transposed, merged=True)
         return self.replace(k_local=k_local, v_local=v_local)
 
@@ -328,7 +298,7 @@ class Cache(Protocol):
 
     lengths: jax.Array
 
-    def attend(self, i: int | jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+    def attend(self, i: int | jax.Array | LayerRef, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, *, window: int | jax.Array | None, impl: str,
                scale: float | None = None, softcap: float | None = None
                ) -> tuple[jax.Array, Cache]: ...
@@ -342,13 +312,11 @@ def _in_storage_order(new: jax.Array, keys_transposed: bool) -> jax.Array:
 
 
 def _write_stacked(cache: jax.Array, i: int | jax.Array, new: jax.Array, start: jax.Array,
-                   keys_transposed: bool, keep: jax.Array | None = None) -> jax.Array:
+                   keys_transposed: bool) -> jax.Array:
     """Layer i's write into a stacked [L, B, K, S, H] (or [L, B, K, H, S]) buffer.
 
     At B = 1 one dynamic-update-slice (the scatter below would become a bounds-checked select
-    that copies the whole cache there); else a scatter of [B, T] (row, slot) pairs. With
-    ``keep`` (a traced bool) the slots are written with what they hold: an in-place write
-    either way.
+    that copies the whole cache there); else a scatter of [B, T] (row, slot) pairs.
     """
     b, t = new.shape[:2]
     new = new.astype(cache.dtype)
@@ -357,20 +325,13 @@ def _write_stacked(cache: jax.Array, i: int | jax.Array, new: jax.Array, start: 
         at = [i, 0, 0, 0, 0]
         at[slot_axis] = start[0]
         update = _in_storage_order(new, keys_transposed)[None]
-        if keep is not None:
-            update = jnp.where(keep, jax.lax.dynamic_slice(cache, tuple(at), update.shape),
-                               update)
         return jax.lax.dynamic_update_slice(cache, update, tuple(at))
     rows = jnp.arange(b)[:, None]
     slots = start[:, None] + jnp.arange(t, dtype=start.dtype)  # [B, T]
     index = [i, rows, slice(None), slice(None), slice(None)]
     index[slot_axis] = slots
-    index = tuple(index)
-    if keep is not None:
-        new = jnp.where(keep, cache.at[index].get(mode="promise_in_bounds",
-                                                  unique_indices=True), new)
     # The advanced indices (i, rows, slots) broadcast to [B, T] and lead: updates [B, T, K, H].
-    return cache.at[index].set(new, mode="promise_in_bounds", unique_indices=True)
+    return cache.at[tuple(index)].set(new, mode="promise_in_bounds", unique_indices=True)
 
 
 def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array,

@@ -23,14 +23,9 @@ Positions a right-padded chunk holds past its real end (a ragged prefill, an eng
 not overwrite the window the next token needs: a cache's optional ``ring_end`` [B] stops a row's
 ring writes there (padding queries then see junk, and their outputs are ignored).
 
-In a layer scan over layers that differ the layer index is traced. A ``lax.cond`` whose
-branches wrote the caches made XLA:CPU copy the carried full layers every layer (decode of a
-scanned 6-layer model, d_model 256, 5 local : 1 global, window 64, 1024 slots, batch 4,
-float32: 7.2 against 5.8 ms per step with full caches, one run), so ``attend`` writes both kinds
-every layer, the layer of the other kind writing nowhere that is read (``RingLayout.traced``:
-a dropped ring write, a page write into the null page, a full slot written with what it
-holds), and ``lax.cond`` picks only the attention, which reads them: 4.2 against 6.2 ms per
-step with full caches (best of 11 runs of 64 steps, 2 CPU cores; unrolled 4.2 against 7.2).
+A layer scan scans runs of layers of the same kinds (``stack.LayerGroup``): a block knows its
+kind as a Python value and gives the cache a ``LayerRef`` (its traced index among the layers of
+its kind), so each layer writes only the buffer it reads (``locate``).
 """
 
 from __future__ import annotations
@@ -46,6 +41,7 @@ import numpy as np
 from transformer_jax.model.config import Architecture
 from transformer_jax.model.ops import kv_quant
 from transformer_jax.model.ops.attention import attention
+from transformer_jax.model.stack import LayerRef
 
 #: The position of a ring slot never written: past every query, so causality hides it.
 INVALID = int(np.iinfo(np.int32).max)
@@ -101,25 +97,23 @@ class RingLayout:
             counts[is_local] += 1
         return tuple(out)
 
-    def dispatch(self, i: int | jax.Array, local: Callable[[Any], Any],
-                 full: Callable[[Any], Any]) -> Any:
-        """``local(j)`` for a local layer i (j its index among the rings), else ``full(g)`` (g
-        its index among the full layers). i is a Python int, or traced when every layer is
-        local (a scan over layers that differ takes ``traced``)."""
-        if isinstance(i, int):
-            return (local if self.local[i] else full)(self.index[i])
-        if not all(self.local):
-            raise ValueError("a traced layer index over layers that differ: see "
-                             "RingLayout.traced")
-        return local(i)
 
-    def traced(self, i: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """For a traced layer i of a scan over layers that differ: (whether it is local, its
-        ring index, its full-layer index), each index clamped into range for the layers of
-        the other kind (whose writes then go nowhere that is read)."""
-        index = jnp.asarray(self.index, jnp.int32)[i]
-        return (jnp.asarray(self.local)[i], jnp.minimum(index, self.n_local - 1),
-                jnp.minimum(index, max(self.n_global - 1, 0)))
+
+def locate(layout: RingLayout | None, i: int | jax.Array | LayerRef
+           ) -> tuple[bool, int | jax.Array]:
+    """(whether layer i is kept in a ring, its index among the rings or among the full
+    layers). ``i`` is a layer number (a Python int, or traced when every layer is alike), or
+    a scanned block's ``LayerRef``."""
+    if isinstance(i, LayerRef):
+        return (False, i.index) if layout is None else (i.local, i.of_kind)
+    if layout is None:
+        return False, i
+    if isinstance(i, int):
+        return layout.local[i], layout.index[i]
+    if not all(layout.local) and any(layout.local):
+        raise ValueError("a cache of rings and full layers reads a layer by its number (a "
+                         "Python int) or its LayerRef")
+    return all(layout.local), i
 
 
 def ring_positions(last: jax.Array, size: int) -> jax.Array:
@@ -204,61 +198,37 @@ def ring_attention(keys: jax.Array, values: jax.Array, q: jax.Array, k: jax.Arra
                      keys_transposed=keys_transposed, scale=scale, softcap=softcap)
 
 
-def attend(cache: Any, i: int | jax.Array, layout: RingLayout, q: jax.Array, k: jax.Array,
+def attend(cache: Any, j: int | jax.Array, layout: RingLayout, q: jax.Array, k: jax.Array,
            v: jax.Array, positions: jax.Array, *,
            read_ring: Callable[[Any, Any], tuple[jax.Array, jax.Array]],
-           write_ring: Callable[[Any, Any, jax.Array | None], Any],
-           write_full: Callable[[Any, Any, jax.Array | None], Any],
-           attend_full: Callable[[Any, Any], jax.Array], **kwargs: Any
-           ) -> tuple[jax.Array, Any]:
-    """Layer i's attention with a cache of rings and full layers (see the module docstring).
+           write_ring: Callable[[Any, Any], Any], **kwargs: Any) -> tuple[jax.Array, Any]:
+    """Ring j's attention (see the module docstring): the chunk written and attended.
 
     Args:
       cache: the cache (a pytree the callbacks take).
-      i: the layer (a Python int, or traced in a layer scan).
+      j: the ring (``locate``'s index).
       layout: the cache's ``RingLayout``.
       q, k, v, positions: the chunk, as ``ring_attention`` takes it.
       read_ring: (cache, j) -> ring j's rows of the chunk's rows as stored (``ring_attention``'s
         keys and values).
-      write_ring: (cache, j, keep) -> the cache with the chunk written into ring j (nothing
-        written where the traced bool ``keep``; None: written).
-      write_full: (cache, g, keep) -> the cache with the chunk written into full layer g (where
-        ``keep``, nowhere that is read or with what the slots hold).
-      attend_full: (cache, g) -> [B, T, N, H] the queries over full layer g, once written.
+      write_ring: (cache, j) -> the cache with the chunk written into ring j.
       **kwargs: ``ring_attention``'s impl, keys_transposed, scale and softcap.
 
     Returns:
       ([B, T, N, H] attention output, the cache with the chunk written).
     """
     first = writes_first(q.shape[1], layout.size, layout.window)
-
-    def over_ring(c: Any, j: Any) -> jax.Array:
-        return ring_attention(*read_ring(c, j), q, k, v, positions, written=first,
-                              window=layout.window, **kwargs)
-
-    if isinstance(i, int) and not layout.local[i]:
-        cache = write_full(cache, layout.index[i], None)
-        return attend_full(cache, layout.index[i]), cache
-    if isinstance(i, int) or all(layout.local):
-        j = layout.index[i] if isinstance(i, int) else i
-        if first:
-            cache = write_ring(cache, j, None)
-            return over_ring(cache, j), cache
-        return over_ring(cache, j), write_ring(cache, j, None)
-    is_local, j, g = layout.traced(i)
-    cache = write_full(cache, g, is_local)
     if first:
-        cache = write_ring(cache, j, ~is_local)
-    out = jax.lax.cond(is_local, lambda c: over_ring(c, j), lambda c: attend_full(c, g), cache)
-    if not first:
-        cache = write_ring(cache, j, ~is_local)
-    return out, cache
+        cache = write_ring(cache, j)
+    out = ring_attention(*read_ring(cache, j), q, k, v, positions, written=first,
+                         window=layout.window, **kwargs)
+    return out, cache if first else write_ring(cache, j)
 
 
 def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: jax.Array,
                 positions: jax.Array, *, rows: jax.Array | None = None,
-                end: jax.Array | None = None, keep: jax.Array | None = None,
-                keys_transposed: bool, merged: bool = False) -> tuple[Any, Any]:
+                end: jax.Array | None = None, keys_transposed: bool, merged: bool = False
+                ) -> tuple[Any, Any]:
     """Writes each row's last R positions (below ``end``) of a chunk into ring j.
 
     Args:
@@ -271,7 +241,6 @@ def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: j
       positions: [B, T] consecutive positions per row.
       rows: optional [B] ring row of each chunk row (default: row b is ring row b).
       end: optional [B]: positions at or past it are not written.
-      keep: optional traced bool: nothing is written where it is True.
       keys_transposed: the keys' layout.
       merged: the tuple's rings have their (row, kv head) rows merged.
 
@@ -282,8 +251,6 @@ def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: j
     dtype = (v_ring if not isinstance(v_ring, tuple) else v_ring[0]).dtype
     k, v = stored(k, dtype), stored(v, dtype)
     slots = write_slots(positions, size, end)
-    if keep is not None:
-        slots = jnp.where(keep, size, slots)  # out of range: dropped
     rows = jnp.arange(k.shape[0]) if rows is None else rows
     if not isinstance(v_ring, tuple):
         return (scatter_stacked(k_ring, j, rows, k, slots, keys_transposed),

@@ -20,6 +20,7 @@ from transformer_jax.model.ops.dense import dense, out_first_shape
 from transformer_jax.model.ops.positions import rope_attention_factor
 from transformer_jax.model.ops.quantized import is_quantized
 from transformer_jax.model.ops.row_lora import is_row_adapters
+from transformer_jax.model.stack import LayerRef, LayerSpec
 
 
 #: Names of the parameters that are not matmul weights: norm gains and shifts, projection biases
@@ -154,55 +155,34 @@ class Norm(nn.Module):
         return ops.layer_norm(x, scale, bias, self.eps, offset=self.offset)
 
 
-#: A global layer's window inside a layer scan that carries each layer's window as data: far
-#: beyond any position, so it hides nothing.
-NO_WINDOW = 2 ** 30
-
-
 @dataclasses.dataclass(frozen=True)
 class LayerKind:
-    """How one layer attends: its window and RoPE frequencies, given by its index.
-
-    Static (Python values) when the layer's index is a Python int or every layer attends alike;
-    traced (selected by the traced index) in a layer scan over layers that differ.
+    """How one layer attends: its window and RoPE frequencies, from its ``LayerSpec``.
 
     Attributes:
-      window: the sliding window (None: full causal), or a traced int32 (``NO_WINDOW`` for
-        global layers).
+      window: the sliding window (None: full causal).
       freqs: [H/2] float32 RoPE frequencies, or None without RoPE.
       rope_factor: the cos/sin multiplier (YaRN's attention factor; 1.0 otherwise).
     """
 
-    window: int | jax.Array | None
+    window: int | None
     freqs: jax.Array | None
-    rope_factor: float | jax.Array
+    rope_factor: float
 
     @classmethod
-    def of(cls, config: ModelConfig, layer: int | jax.Array) -> LayerKind:
+    def of(cls, config: ModelConfig, spec: LayerSpec) -> LayerKind:
         c = config
-        kinds = c.layer_kinds()
-        rope = c.position == "rope"
-
-        def rotation(local: bool) -> tuple[jax.Array | None, float]:
-            if not rope:
-                return None, 1.0
-            if local and c.local_rope_base is not None:
-                return ops.rope_frequencies(c.head_dim, c.local_rope_base), 1.0
-            return (ops.rope_frequencies(c.head_dim, c.rope_base, c.rope_scaling),
-                    rope_attention_factor(c.rope_scaling))
-
-        if isinstance(layer, int) or not c.layers_differ:
-            local = kinds[layer if isinstance(layer, int) else 0] == "local"
-            freqs, factor = rotation(local)
-            return cls(c.sliding_window if local else None, freqs, factor)
-        is_local = jnp.asarray([k == "local" for k in kinds])[layer]
-        window = jnp.where(is_local, c.sliding_window, NO_WINDOW).astype(jnp.int32)
-        (local_freqs, local_factor), (global_freqs, global_factor) = rotation(True), \
-            rotation(False)
-        if not rope:
-            return cls(window, None, 1.0)
-        return cls(window, jnp.where(is_local, local_freqs, global_freqs),
-                   jnp.where(is_local, local_factor, global_factor))
+        if c.position != "rope":
+            return cls(c.sliding_window if spec.local else None, None, 1.0)
+        if spec.local:
+            if c.local_rope_base is not None:
+                return cls(c.sliding_window, ops.rope_frequencies(c.head_dim, c.local_rope_base),
+                           1.0)
+            window = c.sliding_window
+        else:
+            window = None
+        return cls(window, ops.rope_frequencies(c.head_dim, c.rope_base, c.rope_scaling),
+                   rope_attention_factor(c.rope_scaling))
 
 
 class Attention(nn.Module):
@@ -252,7 +232,7 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, kind: LayerKind,
-                 cache: Cache | None = None, layer: int | jax.Array = 0,
+                 cache: Cache | None = None, layer: int | LayerRef = 0,
                  segment_ids: jax.Array | None = None) -> tuple[jax.Array, Cache | None]:
         """Self-attention of x over itself, or over the cache once x's keys are written in.
 
@@ -263,7 +243,8 @@ class Attention(nn.Module):
           kind: this layer's window and RoPE frequencies (``LayerKind.of``).
           cache: optional ``Cache`` (a ``KVCache`` or a paged cache); this block reads and
             writes its layer ``layer`` through ``cache.attend``.
-          layer: this block's index in the cache (a traced index inside a layer scan).
+          layer: this block's layer number, or inside a layer scan its ``LayerRef`` (what
+            the cache reads it by).
           segment_ids: optional [B, T] packed-sequence ids (0 = padding); not with a cache.
 
         Returns:

@@ -49,6 +49,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import MATRIX_INPUT_AXES
 from transformer_jax.model.ops.quantized import is_quantized
 from transformer_jax.model.quant_spec import ACCEPTS, SCHEMES, is_saved_quantized, parse_quant
+from transformer_jax.model.stack import block_paths
 
 logger = logging.getLogger(__name__)
 
@@ -142,35 +143,38 @@ class LoraConfig:
         return cls(**values)
 
 
-def _blocks(params: Mapping[str, Any]) -> list[tuple[str, bool]]:
-    """(block key, stacked) of every block in the tree: ``blocks`` (scanned) or ``blocks_{i}``."""
-    keys = [(k, k == "blocks") for k in params if k == "blocks" or k.startswith("blocks_")]
+Block = tuple[str, ...]
+
+
+def _blocks(params: Mapping[str, Any]) -> list[tuple[Block, bool]]:
+    """(path, stacked) of every block in the tree (``stack.block_paths``)."""
+    keys = block_paths(params)
     if not keys:
-        raise ValueError(f"params have no blocks ('blocks' or 'blocks_{{i}}'): keys "
-                         f"{sorted(params)}")
-    return sorted(keys, key=lambda kv: (len(kv[0]), kv[0]))
+        raise ValueError(f"params have no blocks ('blocks_{{i}}', 'blocks' or 'scan_{{g}}'): "
+                         f"keys {sorted(params)}")
+    return keys
 
 
-def _target_param(params: Mapping[str, Any], block: str, target: str) -> Any:
-    node: Any = params[block]
+def _target_param(params: Mapping[str, Any], block: Block, target: str) -> Any:
+    node: Any = _get(params, block)
     for key in TARGETS[target]:
         try:
             node = node[key]
         except (KeyError, TypeError):
-            raise ValueError(f"params lack {block}/{'/'.join(TARGETS[target])} for lora target "
+            raise ValueError(f"params lack {'/'.join((*block, *TARGETS[target]))} for lora target "
                              f"{target!r}") from None
     return node
 
 
-def _applies(params: Mapping[str, Any], block: str, target: str) -> bool:
+def _applies(params: Mapping[str, Any], block: Block, target: str) -> bool:
     """Whether ``target`` adapts ``block``: the block has the target's module (a dense layer
     its ``mlp``, a sparse one its ``moe``)."""
-    node = params[block]
+    node = _get(params, block)
     return isinstance(node, Mapping) and TARGETS[target][0] in node
 
 
 def _entries(params: Mapping[str, Any], lora_config: LoraConfig
-             ) -> list[tuple[str, bool, str]]:
+             ) -> list[tuple[Block, bool, str]]:
     """(block, stacked, target) of every adapted matrix.
 
     Raises:
@@ -187,7 +191,8 @@ def _entries(params: Mapping[str, Any], lora_config: LoraConfig
                         target)
             continue
         raise ValueError(f"lora target {target!r} adapts {'/'.join(TARGETS[target])}, which no "
-                         f"block of the params has (block keys: {sorted(params[blocks[0][0]])})")
+                         "block of the params has (block keys: "
+                         f"{sorted(_get(params, blocks[0][0]))})")
     return entries
 
 
@@ -235,7 +240,7 @@ def init_adapters(config: ModelConfig, lora_config: LoraConfig, params: Params,
             fan_in *= size
         a = jax.random.normal(k, (*lead, *matrix[:n_in], r), dtype) * fan_in ** -0.5
         b = jnp.zeros((*lead, r, *matrix[n_in:]), dtype)
-        adapters[block] = _set(adapters.get(block, {}), TARGETS[target], {"a": a, "b": b})
+        adapters = _set(adapters, (*block, *TARGETS[target]), {"a": a, "b": b})
     return adapters
 
 
@@ -268,19 +273,22 @@ def _adapted(params: Params, adapters: Adapters, lora_config: LoraConfig,
              dtype_of: Any) -> Params:
     out = dict(params)
     for block, stacked, target in _entries(params, lora_config):
-        if block not in adapters:
-            raise ValueError(f"adapters lack block {block!r} (they have {sorted(adapters)})")
         path = TARGETS[target]
-        where = f"{block}/{'/'.join(path)}"
+        where = "/".join((*block, *path))
+        try:
+            _get(adapters, block)
+        except (KeyError, TypeError):
+            raise ValueError(f"adapters lack block {'/'.join(block)!r} (they have "
+                             f"{sorted(adapters)})") from None
         w = _target_param(params, block, target)
         try:
-            ab = _get(adapters[block], path)
+            ab = _get(adapters, (*block, *path))
         except (KeyError, TypeError):
             raise ValueError(f"adapters lack {where} (lora target {target!r})") from None
         d = delta(ab["a"], ab["b"], target, stacked, lora_config.scale)
         if d.shape != w.shape:
             raise ValueError(f"adapter {where} gives shape {d.shape}, the param has {w.shape}")
-        out[block] = _set(out[block], path, (w.astype(jnp.float32) + d).astype(dtype_of(w, ab)))
+        out = _set(out, (*block, *path), (w.astype(jnp.float32) + d).astype(dtype_of(w, ab)))
     return out
 
 
@@ -404,20 +412,20 @@ def adapter_shardings(adapters: Adapters, params_shardings: Any) -> Any:
     from jax.sharding import PartitionSpec as P
 
     out: dict[str, Any] = {}
-    for block, modules in adapters.items():
-        stacked = block == "blocks"
+    for block, stacked in _blocks(adapters):
+        modules = _get(adapters, block)
         for target, path in TARGETS.items():
             try:
                 ab = _get(modules, path)
             except (KeyError, TypeError):
                 continue
-            w = _get(params_shardings[block], path)
+            w = _get(params_shardings, (*block, *path))
             n_lead = int(stacked) + _batch_axes(target)
             ndim = ab["a"].ndim + ab["b"].ndim - 2 - n_lead  # the target's rank
             spec = tuple(w.spec) + (None,) * (ndim - len(w.spec))
             lead, matrix = spec[:n_lead], spec[n_lead:]
             n_in = _input_axes(target)
-            out[block] = _set(out.get(block, {}), path, {
+            out = _set(out, (*block, *path), {
                 "a": NamedSharding(w.mesh, P(*lead, *matrix[:n_in], None)),
                 "b": NamedSharding(w.mesh, P(*lead, None, *matrix[n_in:]))})
     return out

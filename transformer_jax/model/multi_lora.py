@@ -29,16 +29,15 @@ from transformer_jax.model.layers import MATRIX_INPUT_AXES
 from transformer_jax.model.lora import DEFAULT_TARGETS, TARGETS, LoraConfig
 from transformer_jax.model.ops.dense import out_first_shape
 from transformer_jax.model.ops.row_lora import RowAdapters
-from transformer_jax.model.transformer import stack_blocks, unstack_blocks
+from transformer_jax.model.stack import block_paths, restack_like
 
 Params = dict[str, Any]
 #: The targets that take per-row adapters (``DEFAULT_TARGETS``: the dense matrices).
 ROW_TARGETS = DEFAULT_TARGETS
 
 
-def _blocks(params: Mapping[str, Any]) -> list[str]:
-    keys = [k for k in params if k == "blocks" or k.startswith("blocks_")]
-    return sorted(keys, key=lambda k: (len(k), k))
+def _blocks(params: Mapping[str, Any]) -> list[tuple[tuple[str, ...], bool]]:
+    return block_paths(params)
 
 
 def _node(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
@@ -63,16 +62,6 @@ def _in_first_shape(w: Any, name: str, stacked: bool, out_first: bool) -> tuple[
         n_out = len(shape) - MATRIX_INPUT_AXES[name]
         shape = out_first_shape(shape, n_out)
     return shape
-
-
-def _layout(adapters: Mapping[str, Any], scanned: bool) -> Mapping[str, Any]:
-    """``adapters`` in the base's layer layout (scanned ``blocks`` or ``blocks_{i}``)."""
-    is_scanned = "blocks" in adapters
-    if is_scanned == scanned:
-        return adapters
-    if scanned:
-        return stack_blocks(dict(adapters), len(_blocks(adapters)))
-    return unstack_blocks(dict(adapters))
 
 
 def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], LoraConfig]],
@@ -102,7 +91,6 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
     names = list(names) if names is not None else [f"adapter {i + 1}"
                                                    for i in range(len(adapters))]
     blocks = _blocks(params)
-    scanned = blocks == ["blocks"]
     rank = max(cfg.rank for _, cfg in adapters)
     trees = []
     for (tree, cfg), name in zip(adapters, names, strict=True):
@@ -110,18 +98,18 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
         if other:
             raise ValueError(f"adapter {name!r} targets {other}: a serving batch takes per-row "
                              f"adapters on the dense matrices only ({', '.join(ROW_TARGETS)})")
-        tree = _layout(tree, scanned)
+        tree = restack_like(tree, params)
         if sorted(_blocks(tree)) != sorted(blocks):
             raise ValueError(f"adapter {name!r} has blocks {_blocks(tree)[:3]}..., the base "
                              f"{blocks[:3]}... ({len(_blocks(tree))} vs {len(blocks)} layers)")
         trees.append((tree, cfg, name))
     stack: Params = {}
-    for block in blocks:
+    for block, scanned in blocks:
         for target in ROW_TARGETS:
             path = TARGETS[target]
-            w = _node(params[block], path)
+            w = _node(params, (*block, *path))
             used = [(t, c, n) for t, c, n in trees if target in c.targets
-                    and _node(t[block], path) is not None]
+                    and _node(t, (*block, *path)) is not None]
             if w is None or not used:
                 continue
             shape = _in_first_shape(w, path[-1], scanned, out_first)
@@ -130,14 +118,14 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
             a = jnp.zeros((*lead, len(trees), *shape[:n_in], rank), jnp.float32)
             b = jnp.zeros((*lead, len(trees), rank, *shape[n_in:]), jnp.float32)
             for i, (tree, cfg, name) in enumerate(trees):
-                ab = _node(tree[block], path)
+                ab = _node(tree, (*block, *path))
                 if target not in cfg.targets or ab is None:
                     continue
                 want_a = (*lead, *shape[:n_in], cfg.rank)
                 want_b = (*lead, cfg.rank, *shape[n_in:])
                 if tuple(ab["a"].shape) != want_a or tuple(ab["b"].shape) != want_b:
                     raise ValueError(
-                        f"adapter {name!r}: {block}/{'/'.join(path)} has A {ab['a'].shape} and "
+                        f"adapter {name!r}: {'/'.join((*block, *path))} has A {ab['a'].shape} and "
                         f"B {ab['b'].shape}; the base's matrix needs {want_a} and {want_b}")
                 at = (slice(None),) * len(lead) + (i,)
                 r = (slice(None),) * len(lead) + (i, slice(0, cfg.rank))
@@ -148,7 +136,7 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
                 n = len(lead)
                 a = jnp.moveaxis(a, -1, n + 1)
                 b = jnp.moveaxis(b, (n, n + 1), (-2, -1))
-            stack = _set(stack, (block, *path), {"a": a, "b": b})
+            stack = _set(stack, (*block, *path), {"a": a, "b": b})
     if not stack:
         raise ValueError(f"no matrix of the base is adapted by {names}")
     return stack
@@ -169,16 +157,14 @@ def with_row_adapters(params: Params, stack: Params, ids: jax.Array) -> Params:
       per layer, [L, B], as the layer scan slices every leaf).
     """
     out = dict(params)
-    for block, modules in stack.items():
+    for block, stacked in _blocks(stack):
         for target in ROW_TARGETS:
-            path = TARGETS[target]
-            ab = _node(modules, path)
+            path = (*block, *TARGETS[target])
+            ab = _node(stack, path)
             if ab is None:
                 continue
-            w = _node(params[block], path)
-            rows = ids if block != "blocks" else jnp.broadcast_to(
-                ids, (ab["a"].shape[0], *ids.shape))
-            out[block] = _set(dict(out[block]), path, RowAdapters(w, ab["a"], ab["b"], rows))
+            rows = jnp.broadcast_to(ids, (ab["a"].shape[0], *ids.shape)) if stacked else ids
+            out = _set(out, path, RowAdapters(_node(params, path), ab["a"], ab["b"], rows))
     return out
 
 

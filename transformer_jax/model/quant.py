@@ -51,6 +51,7 @@ from transformer_jax.model.quant_spec import (  # noqa: F401  (the parser's name
     is_saved_quantized,
     parse_quant,
 )
+from transformer_jax.model.stack import is_scanned_key
 
 Params = dict[str, Any]
 
@@ -188,7 +189,7 @@ def quantize_params(params: Params, quant: WeightQuant, *, out_first: bool) -> P
         name = str(path[-1].key)
         if not is_quantizable(name):
             return x
-        return quantize_weight(x, name, quant, stacked=str(path[0].key) == "blocks",
+        return quantize_weight(x, name, quant, stacked=is_scanned_key(str(path[0].key)),
                                out_first=out_first, expert=is_expert_stack(path),
                                key=group_key(path))
 
@@ -225,7 +226,7 @@ def from_saved(params: Params, quant: str | WeightQuant, *, out_first: bool = Fa
     scheme = parse_quant(quant).scheme
 
     def rebuild(path: tuple[str, ...], node: Any) -> Any:
-        name, stacked = path[-1], path[0] == "blocks"
+        name, stacked = path[-1], is_scanned_key(path[0])
         keys = frozenset(node)
         what = f"{where}: the quantised weight {'/'.join(path)}"
         if not is_quantizable(name):

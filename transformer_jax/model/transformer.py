@@ -17,11 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.model import ops
-from transformer_jax.model.block import Block
-from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.block import Block, Period
+from transformer_jax.model.config import Architecture, ModelConfig
 from transformer_jax.model.kv_cache import Cache
-from transformer_jax.model.layers import EMBEDDING_PARAM, Embed, Norm, matrix
+from transformer_jax.model.layers import EMBEDDING_PARAM, Carry, Embed, Norm, matrix
 from transformer_jax.model.ops.dense import dense
+from transformer_jax.model.stack import group_key, is_scanned_key, restack_like
 
 Params = dict[str, Any]
 
@@ -122,28 +123,7 @@ class Transformer(nn.Module):
         if c.position == "sinusoidal":
             x = x + ops.sinusoidal_positions(positions, c.d_model).astype(x.dtype)
 
-        block_cls = Block
-        if c.remat != "none":
-            block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[c.remat],
-                                 prevent_cse=not c.scan_layers)
-        carry = (x, cache)
-        block_args = (c, self.tensor_axis, self.weights_out_first, self.expert_axis)
-        if c.scan_layers:
-            # The cache rides in the carry and each layer indexes it with its (traced) number,
-            # so XLA updates it in place rather than slicing and restacking it per layer.
-            blocks = nn.scan(
-                block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
-                in_axes=(nn.broadcast, 0, nn.broadcast), length=c.n_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"})(*block_args, name="blocks")
-            carry, moe_stats = blocks(carry, positions, jnp.arange(c.n_layers), segment_ids)
-        else:
-            per_layer = []
-            for i in range(c.n_layers):
-                carry, stats = block_cls(*block_args, name=f"blocks_{i}")(
-                    carry, positions, i, segment_ids)
-                per_layer.append(stats)
-            sparse = [s for s in per_layer if s is not None]
-            moe_stats = jax.tree.map(lambda *xs: jnp.stack(xs), *sparse) if sparse else None
+        carry, moe_stats = self._blocks((x, cache), positions, segment_ids)
         x, cache = carry
         if cache is not None:
             cache = cache.replace(lengths=(positions[:, -1] + 1).astype(jnp.int32))
@@ -169,6 +149,47 @@ class Transformer(nn.Module):
         if logits_at is not None:
             logits = logits[:, 0]
         return Output(logits=logits, cache=cache, moe=moe_stats)
+
+    def _blocks(self, carry: Carry, positions: jax.Array, segment_ids: jax.Array | None
+                ) -> tuple[Carry, dict[str, jax.Array] | None]:
+        """The L blocks over (x, cache): unrolled (``blocks_{i}``), or each layer group
+        scanned over its repeats (``stack.group_key``). Returns the carry and the sparse
+        layers' router stats stacked in layer order (None without sparse layers)."""
+        c = self.config
+        block_cls = Block
+        if c.remat != "none":
+            block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[c.remat],
+                                 prevent_cse=not c.scan_layers)
+        shard = dict(tensor_axis=self.tensor_axis, weights_out_first=self.weights_out_first,
+                     expert_axis=self.expert_axis)
+        stats = []
+        if not c.scan_layers:
+            for i, spec in enumerate(c.layer_specs()):
+                carry, s = block_cls(c, spec, **shard, name=f"blocks_{i}")(
+                    carry, positions, i, segment_ids)
+                stats.append(s)
+        groups = c.layer_groups() if c.scan_layers else ()
+        for g, group in enumerate(groups):
+            # The cache rides in the carry and each block indexes it with its (traced) layer
+            # reference, so XLA updates it in place rather than slicing and restacking it.
+            if len(group.period) == 1:
+                body, args = block_cls, dict(spec=group.period[0], group=group)
+            else:
+                body, args = Period, dict(group=group, block=block_cls)
+            scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
+                           in_axes=(nn.broadcast, 0, nn.broadcast), length=group.repeats,
+                           metadata_params={nn.PARTITION_NAME: "layers"})
+            carry, s = scan(c, **args, **shard, name=group_key(groups, g))(
+                carry, positions, jnp.arange(group.repeats), segment_ids)
+            if isinstance(s, tuple):  # a period's sparse blocks: [R] each -> [R * n] in order
+                s = jax.tree.map(lambda *xs: jnp.stack(xs, 1).reshape(-1, *xs[0].shape[1:]),
+                                 *s) if s else None
+            stats.append(s)
+        sparse = [s for s in stats if s is not None]
+        if not sparse:
+            return carry, None
+        return carry, jax.tree.map(lambda *xs: jnp.concatenate(
+            [x if c.scan_layers else x[None] for x in xs]), *sparse)
 
     def _untied_head(self) -> jax.Array:
         c = self.config
@@ -235,19 +256,37 @@ def param_count(config: ModelConfig) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params(config)))
 
 
-def stack_blocks(params: Params, n_layers: int) -> Params:
-    """Unrolled layout (``blocks_0`` ..) -> scanned layout (``blocks`` with a leading L axis)."""
-    params = dict(params)
-    layers = [params.pop(f"blocks_{i}") for i in range(n_layers)]
-    params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+def stack_blocks(params: Params, config: Architecture) -> Params:
+    """Unrolled layout (``blocks_0`` ..) -> scanned layout: each layer group of ``config``
+    (``Architecture.layer_groups``) under its key (``stack.group_key``), its layers stacked
+    [R, ...] (per period position ``layer_{j}`` when the period is longer than one)."""
+    params, groups = dict(params), config.layer_groups()
+    for g, group in enumerate(groups):
+        stacked = [jax.tree.map(lambda *xs: jnp.stack(xs),
+                                *[params.pop(f"blocks_{i}") for i in group.layers(j)])
+                   for j in range(len(group.period))]
+        params[group_key(groups, g)] = stacked[0] if len(stacked) == 1 else {
+            f"layer_{j}": tree for j, tree in enumerate(stacked)}
     return params
 
 
 def unstack_blocks(params: Params) -> Params:
-    """Scanned layout (``blocks``, [L, ...]) -> unrolled layout (``blocks_0`` ..)."""
-    params = dict(params)
-    stacked = params.pop("blocks")
-    n_layers = jax.tree.leaves(stacked)[0].shape[0]
-    for i in range(n_layers):
-        params[f"blocks_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
-    return params
+    """Scanned layout (``stack_blocks``'s) -> unrolled layout (``blocks_0`` ..); the groups
+    are read off the tree (``stack.stacked_layers``)."""
+    return restack_like(params, {})
+
+
+def is_scanned(params: Params) -> bool:
+    """Whether ``params`` hold their layers in the scanned layout (``stack_blocks``)."""
+    return any(is_scanned_key(k) for k in params)
+
+
+def scanned_places(config: Architecture) -> dict[int, tuple[tuple[str, ...], int]]:
+    """Layer i -> (the scanned params path that stacks it, its index r along that stack), as
+    ``stack_blocks`` lays out ``config``'s layer groups."""
+    groups, out = config.layer_groups(), {}
+    for g, group in enumerate(groups):
+        for j in range(len(group.period)):
+            path = (group_key(groups, g),) + (() if len(group.period) == 1 else (f"layer_{j}",))
+            out.update({i: (path, r) for r, i in enumerate(group.layers(j))})
+    return out

@@ -75,6 +75,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_ring import RingLayout
 from transformer_jax.model.ops import kv_quant, paged_attention
 from transformer_jax.model.ops.attention import attention, choose_impl
+from transformer_jax.model.stack import LayerRef
 from transformer_jax.serving import paged_views
 from transformer_jax.serving.page_pool import NULL_PAGE
 
@@ -273,7 +274,7 @@ class PagedKVCache:
             keys = keys.reshape(kv, b, -1, h).swapaxes(0, 1)
         return keys, values
 
-    def attend(self, i: int | jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+    def attend(self, i: int | jax.Array | LayerRef, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, *, window: int | jax.Array | None, impl: str,
                scale: float | None = None, softcap: float | None = None
                ) -> tuple[jax.Array, PagedKVCache]:
@@ -281,13 +282,12 @@ class PagedKVCache:
         attends the queries over the rows' pages (the ``Cache`` interface).
 
         Args:
-          i: the layer (a Python int, or a traced index inside a layer scan).
+          i: the layer: its number, or a scanned block's ``LayerRef`` (``kv_ring.locate``).
           q: [B, T, N, H] queries (rotated).
           k: [B, T, K, H] new keys (rotated) for ``positions``.
           v: [B, T, K, H] new values.
           positions: [B, T] int positions of the chunk (consecutive per row).
-          window: optional sliding window length (a traced int32 in a scan over layers that
-            differ).
+          window: optional sliding window length.
           impl: the attention implementation (``ops.attention.attention``).
           scale: the logits' scale (default ``1/sqrt(H)``).
           softcap: optional logit soft-cap (``ops.softcap``).
@@ -296,17 +296,15 @@ class PagedKVCache:
           ([B, T, N, H] attention output, the cache with layer i's pages written).
         """
         logits = dict(impl=impl, scale=scale, softcap=softcap)
-        if self.ring is None:
-            cache = self.write(i, k, v, positions)
-            return cache._attend_pages(i, q, positions, window, **logits), cache
-        # The rings take the reference implementations (the paged kernels read pages); in a
-        # scan over layers that differ, a local layer's page write goes to the null page.
+        ring, j = kv_ring.locate(self.ring, i)
+        if not ring:
+            cache = self.write(j, k, v, positions)
+            return cache._attend_pages(j, q, positions, window, **logits), cache
+        # The rings take the reference implementations (the paged kernels read pages).
         return kv_ring.attend(
-            self, i, self.ring, q, k, v, positions,
+            self, j, self.ring, q, k, v, positions,
             read_ring=lambda c, j: c._ring_layer(j),
-            write_ring=lambda c, j, keep: c._write_ring(j, k, v, positions, keep),
-            write_full=lambda c, g, keep: c.write(g, k, v, positions, keep),
-            attend_full=lambda c, g: c._attend_pages(g, q, positions, window, **logits),
+            write_ring=lambda c, j: c._write_ring(j, k, v, positions),
             keys_transposed=self.keys_transposed,
             **dict(logits, impl="xla" if impl == "pallas" else impl))
 
@@ -341,11 +339,11 @@ class PagedKVCache:
                          **logits)
 
     def _write_ring(self, j: int | jax.Array, k: jax.Array, v: jax.Array,
-                    positions: jax.Array, keep: jax.Array | None) -> PagedKVCache:
+                    positions: jax.Array) -> PagedKVCache:
         """Writes each row's last W positions (below ``ring_end``) into its row of ring j."""
         k_ring, v_ring = kv_ring.write_rings(
             self.k_ring, self.v_ring, j, k, v, positions, rows=self.ring_rows,
-            end=self.ring_end, keep=keep, keys_transposed=self.keys_transposed)
+            end=self.ring_end, keys_transposed=self.keys_transposed)
         return self.replace(k_ring=k_ring, v_ring=v_ring)
 
     def _ring_layer(self, j: int | jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -390,7 +388,7 @@ class PagedKVCache:
         return "pool" if self.num_pages < 2 * b * w else "gather"
 
     def write(self, i: int | jax.Array, k: jax.Array, v: jax.Array,
-              positions: jax.Array, keep: jax.Array | None = None) -> PagedKVCache:
+              positions: jax.Array) -> PagedKVCache:
         """Writes each row's new keys/values at their positions into its pages.
 
         A position whose page index is past the table's W columns goes to ``NULL_PAGE``, as do
@@ -398,11 +396,10 @@ class PagedKVCache:
         or an unused row writes nowhere that matters.
 
         Args:
-          i: the layer.
+          i: the paged layer (its index among the layers with pages).
           k: [B, T, K, H] new keys.
           v: [B, T, K, H] new values.
           positions: [B, T] int positions.
-          keep: optional traced bool: every position goes to ``NULL_PAGE`` where it is True.
 
         Returns:
           The cache with layer i updated (lengths unchanged: the model sets them).
@@ -410,8 +407,6 @@ class PagedKVCache:
         if self.int8:
             k, v = kv_quant.encode(k), kv_quant.encode(v)
         pages, offsets = self.slots(positions)
-        if keep is not None:
-            pages = jnp.where(keep, NULL_PAGE, pages)
         lead = 2 if self.keys_transposed else 1  # the (kv head[, H]) axes before the pages
         index = (*[slice(None)] * lead, pages, offsets)
         v_index = (slice(None), pages, offsets)

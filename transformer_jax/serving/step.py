@@ -62,6 +62,7 @@ from transformer_jax.model.block import shard_config
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_ring import RingLayout
 from transformer_jax.model.layers import MATRIX_INPUT_AXES
+from transformer_jax.model.stack import is_scanned_key
 from transformer_jax.serving import grammar
 from transformer_jax.serving.page_pool import NULL_PAGE
 from transformer_jax.serving.paged_cache import PagedKVCache
@@ -403,7 +404,7 @@ def adapter_specs(config: ModelConfig, mesh: Mesh, adapters: Params,
         w = in_first
         for key in keys[:-1]:
             w = w[key]
-        lead = int(keys[0] == "blocks")
+        lead = int(is_scanned_key(keys[0]))
         n_in = MATRIX_INPUT_AXES[keys[-2]]
         n_out = x.ndim - lead - 2 - (n_in if keys[-1] == "a" else 0)
         spec = tuple(w) + (None,) * x.ndim  # trailing Nones the spec may leave out

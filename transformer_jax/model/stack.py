@@ -1,0 +1,206 @@
+"""The layer stack as groups: which block each layer is, and how runs of them are scanned.
+
+Each layer is a ``LayerSpec``: its attention kind (``"global"``: full causal; ``"local"``:
+the sliding window) and its FFN kind (``"dense"`` or ``"moe"``). The stack is cut into
+``LayerGroup``s, each a period of specs repeated: Gemma 3's 26 layers are five local and one
+global layer four times, then two local ones; a DeepSeek-shaped mixture is 3 dense layers,
+then its sparse ones; a uniform model is one group of period 1. A scanned model scans each
+group on its own over its repeats, the period's blocks unrolled in the scan body, so every
+block knows its kinds as Python values: nothing is selected by a traced layer index, and a
+cache writes only what its layer reads.
+
+A block inside a scan addresses its cache with a ``LayerRef``: its kind, and its (traced)
+index among all layers and among the layers of its attention kind, from which a cache finds
+the buffer that holds it (a ring for a local layer, say).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+#: Attention kinds a ``LayerSpec`` names.
+ATTENTION_KINDS = ("global", "local")
+#: FFN kinds a ``LayerSpec`` names.
+FFN_KINDS = ("dense", "moe")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """What one layer is (static, hashable).
+
+    Attributes:
+      attention: ``"global"`` (full causal) or ``"local"`` (the sliding window, its own RoPE
+        base when the architecture gives one).
+      ffn: ``"dense"`` or ``"moe"`` (the mixture of experts).
+    """
+
+    attention: str = "global"
+    ffn: str = "dense"
+
+    @property
+    def local(self) -> bool:
+        return self.attention == "local"
+
+    @property
+    def sparse(self) -> bool:
+        return self.ffn == "moe"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRef:
+    """Where a layer is, as a cache reads it: its attention kind (static) and its indices.
+
+    Attributes:
+      index: the layer's number among all L layers (a Python int, or traced in a scan).
+      local: whether it attends within the sliding window (static).
+      of_kind: its number among the layers of its attention kind (local or global).
+    """
+
+    index: int | jax.Array
+    local: bool
+    of_kind: int | jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """A run of layers: ``period`` repeated ``repeats`` times from layer ``start``.
+
+    Attributes:
+      start: the first layer's number.
+      period: the specs of one repeat, in layer order.
+      repeats: R, how many times the period repeats.
+      before: per attention kind, how many layers of that kind come before the group
+        (``(("global", n), ("local", m))``).
+    """
+
+    start: int
+    period: tuple[LayerSpec, ...]
+    repeats: int
+    before: tuple[tuple[str, int], ...]
+
+    @property
+    def size(self) -> int:
+        """The number of layers of the group, ``len(period) * repeats``."""
+        return len(self.period) * self.repeats
+
+    def ref(self, j: int, r: int | jax.Array) -> LayerRef:
+        """Position ``j`` of repeat ``r``'s ``LayerRef`` (r traced in a scan)."""
+        spec = self.period[j]
+        same = [s.attention == spec.attention for s in self.period]
+        of_kind = (dict(self.before)[spec.attention] + r * sum(same) + sum(same[:j]))
+        return LayerRef(self.start + r * len(self.period) + j, spec.local, of_kind)
+
+    def layers(self, j: int) -> list[int]:
+        """The layer numbers of period position ``j``, one per repeat."""
+        return [self.start + r * len(self.period) + j for r in range(self.repeats)]
+
+
+@functools.cache
+def layer_groups(specs: tuple[LayerSpec, ...]) -> tuple[LayerGroup, ...]:
+    """Cuts a stack into groups: from each layer on, the period that covers the most layers
+    by repeating (the shortest among equals); a run that repeats nothing is one layer.
+
+    Args:
+      specs: each layer's spec, L entries.
+
+    Returns:
+      The groups in layer order, covering every layer once.
+    """
+    groups, start, n = [], 0, len(specs)
+    while start < n:
+        best = (1, 1)  # (period, repeats)
+        for p in range(1, (n - start) // 2 + 1):
+            r = 1
+            while start + (r + 1) * p <= n and \
+                    specs[start + r * p:start + (r + 1) * p] == specs[start:start + p]:
+                r += 1
+            if r > 1 and p * r > best[0] * best[1]:
+                best = (p, r)
+        p, r = best
+        before = tuple((kind, sum(s.attention == kind for s in specs[:start]))
+                       for kind in ATTENTION_KINDS)
+        groups.append(LayerGroup(start, specs[start:start + p], r, before))
+        start += p * r
+    return tuple(groups)
+
+
+def group_key(groups: tuple[LayerGroup, ...], g: int) -> str:
+    """The params key of scanned group ``g``: ``blocks`` for a stack of one group, else
+    ``scan_{g}``. A group of period 1 holds one block's params stacked [R, ...]; a longer
+    period holds ``layer_{j}`` for each position j, each stacked [R, ...]."""
+    return "blocks" if len(groups) == 1 else f"scan_{g}"
+
+
+def is_scanned_key(key: str) -> bool:
+    """Whether a top-level params key holds scanned layers (leaves with a leading repeats
+    axis), as opposed to one layer (``blocks_{i}``) or no layer (``embed``...)."""
+    return key == "blocks" or key.startswith("scan_")
+
+
+def block_paths(params: Mapping[str, Any]) -> list[tuple[tuple[str, ...], bool]]:
+    """(path, stacked) of every block's subtree of a params-shaped tree, in layer order:
+    ``("blocks_3",)`` unrolled; ``("blocks",)`` or ``("scan_1",)`` a scanned group of period
+    1; ``("scan_0", "layer_2")`` a position of a longer period. ``stacked``: its leaves have a
+    leading repeats axis."""
+    def order(key: str) -> tuple[int, str]:
+        return len(key), key
+
+    out = []
+    for key in sorted(params, key=order):
+        if key.startswith("blocks_"):
+            out.append(((key,), False))
+        elif is_scanned_key(key):
+            sub = params[key]
+            if isinstance(sub, Mapping) and sub and all(k.startswith("layer_") for k in sub):
+                out.extend(((key, j), True) for j in sorted(sub, key=order))
+            else:
+                out.append(((key,), True))
+    return out
+
+
+def _get(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def stacked_layers(params: Mapping[str, Any]) -> dict[tuple[str, ...], list[int]]:
+    """Each scanned block path of ``params`` (``block_paths``) -> the layer numbers it
+    stacks, read off the tree itself: a group's P positions and R repeats hold layers
+    ``start + r * P + j``."""
+    paths = [p for p, stacked in block_paths(params) if stacked]
+    out, start = {}, 0
+    for key in dict.fromkeys(p[0] for p in paths):
+        mine = [p for p in paths if p[0] == key]
+        repeats = jax.tree.leaves(_get(params, mine[0]))[0].shape[0]
+        for j, path in enumerate(mine):
+            out[path] = [start + r * len(mine) + j for r in range(repeats)]
+        start += len(mine) * repeats
+    return out
+
+
+def restack_like(tree: Mapping[str, Any], like: Mapping[str, Any]) -> dict[str, Any]:
+    """A params-shaped ``tree`` (adapters, say) in the layer layout of ``like``: unrolled
+    blocks stacked into ``like``'s scanned groups, or scanned groups split into ``blocks_{i}``
+    when ``like`` is unrolled; as it is when the layouts agree."""
+    scanned, want = stacked_layers(tree), stacked_layers(like)
+    if bool(scanned) == bool(want):
+        return dict(tree)
+    out = {k: v for k, v in tree.items()
+           if not (k.startswith("blocks_") or is_scanned_key(k))}
+    for path, layers in want.items():  # unrolled -> scanned
+        node = jax.tree.map(lambda *xs: jax.numpy.stack(xs),
+                            *[tree[f"blocks_{i}"] for i in layers])
+        if len(path) == 1:
+            out[path[0]] = node
+        else:
+            out.setdefault(path[0], {})[path[1]] = node
+    for path, layers in scanned.items():  # scanned -> unrolled
+        for r, i in enumerate(layers):
+            out[f"blocks_{i}"] = jax.tree.map(lambda x, r=r: x[r], _get(tree, path))
+    return out
