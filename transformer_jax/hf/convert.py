@@ -120,9 +120,10 @@ _DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
              "max_position_embeddings", "intermediate_size")
 # Settings no family has: a true value is refused.
-_REFUSED = {"quantization_config": "quantized checkpoints (quantization_config)",
-            "mlp_bias": "mlp_bias=True (the MLP has no biases)",
-            "use_bidirectional_attention": "use_bidirectional_attention=True (causal only)"}
+_REFUSED = {"quantization_config": "quantized checkpoints (quantization_config) are not supported",
+            "mlp_bias": "mlp_bias=True is not supported (the MLP has no biases)",
+            "use_bidirectional_attention": "use_bidirectional_attention=True is not supported "
+                                           "(causal only)"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -154,9 +155,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if architectures is not None and list(architectures) != [family.hf_class]:
         raise ValueError(f"unsupported architectures {architectures!r} for model_type "
                          f"{family.model_type!r}; expected [{family.hf_class!r}]")
-    for key, what in _REFUSED.items():
+    for key, why in _REFUSED.items():
         if hf.get(key):
-            raise ValueError(f"{what} is not supported")
+            raise ValueError(why)
     for key in (*_REQUIRED, *sorted(family.required)):
         required(hf, key)
     for key in sorted(family.present):
@@ -166,10 +167,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     act = cfg.get(family.act_key)
     if act not in family.activations:
         raise ValueError(f"unsupported {family.act_key} {act!r}; supported: "
-                         f"{sorted(family.activations)} (approximate GELUs are exact only "
-                         "where the family's class computes them)")
+                         f"{sorted(family.activations)} (exact matches only)")
     n_layers, max_seq_len = hf["num_hidden_layers"], hf["max_position_embeddings"]
     fields = family.read(cfg, n_layers, max_seq_len)
+    # attention_bias biases o_proj too, which the model lacks: only with q/k/v biases read
+    # (Llama's, ``load`` then requiring zero o_proj biases) is it accepted.
     if hf.get("attention_bias") and not fields.get("qkv_bias"):
         raise ValueError(f"attention_bias=True is not supported for {family.model_type} (it "
                          "also biases o_proj, which the model lacks)")

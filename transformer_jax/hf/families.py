@@ -249,6 +249,7 @@ def layer_types_to_hf(config: ModelConfig) -> list[str]:
     """The config's L layer kinds as HF ``layer_types``."""
     return [_KIND_TO_TYPE[k] for k in config.layer_kinds()]
 
+
 def read_rope(hf: Mapping[str, Any], max_seq_len: int, kinds: Sequence[str]
               ) -> tuple[float, RopeScaling | None]:
     """(rope_base, rope_scaling) from legacy ``rope_theta``/``rope_scaling`` or
@@ -412,4 +413,5 @@ OLMO2 = Family("olmo2", "Olmo2ForCausalLM", lambda hf, n_layers, max_seq_len: {}
                activations=ACTIVATIONS, rope_kinds=ALL_ROPE, defaults=dict(rms_norm_eps=1e-5))
 
 
-__all__ = ["COMMON", "Family", "read_rope", "rope_from_dict", "rope_keys", "window_and_pattern"]
+__all__ = ["COMMON", "GEMMA2", "GEMMA3_TEXT", "OLMO2", "PHI3", "QWEN3", "Family", "read_rope",
+           "rope_from_dict", "rope_keys", "window_and_pattern"]
