@@ -26,8 +26,9 @@ pytest.importorskip("safetensors")
 
 from transformer_jax import hf  # noqa: E402  (needs the optional extra checked above)
 from transformer_jax.decode import generation  # noqa: E402
-from transformer_jax.hf import convert  # noqa: E402
-from transformer_jax.model.config import ModelConfig, RopeScaling  # noqa: E402
+from transformer_jax.hf import convert, families  # noqa: E402
+from transformer_jax.model.config import Architecture, ModelConfig, RopeScaling  # noqa: E402
+from transformer_jax.model.fields import MoE  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
 
@@ -286,8 +287,10 @@ def test_config_to_hf_picks_the_family_and_refuses_what_it_cannot_write():
         (olmo2.replace(norm_offset=1.0), None, "norm_offset"),
         (base.replace(norm_position="sandwich", qk_norm="full"), None, "qk_norm"),
         (base.replace(scale_embeddings=True), None, "scale_embeddings"),
-        (base.replace(sliding_window=8, layer_pattern=("local", "global")), None, "mix"),
-        (base.replace(sliding_window=8, layer_pattern=("local", "global")), "phi3", "mix"),
+        (base.replace(sliding_window=8, layer_pattern=("local", "global")), None,
+         "layer_pattern"),
+        (base.replace(sliding_window=8, layer_pattern=("local", "global")), "phi3",
+         "layer_pattern"),
         (base.replace(rope_scaling=RopeScaling("yarn", 4.0)), None, "yarn"),
         (base.replace(rope_scaling=RopeScaling("linear", 2.0)), "phi3", "rope_scaling"),
         (base.replace(qkv_bias=True), "phi3", "qkv_bias"),
@@ -296,6 +299,81 @@ def test_config_to_hf_picks_the_family_and_refuses_what_it_cannot_write():
     ]:
         with pytest.raises(ValueError, match=message):
             hf.config_to_hf(config, model_type)
+
+
+def _one_per_family() -> dict[str, ModelConfig]:
+    """A config of every family (``convert.FAMILIES``), each as import gives it."""
+    base = ModelConfig(vocab_size=V, d_model=D, n_layers=4, n_heads=4, n_kv_heads=2,
+                       head_dim=H, d_ff=96)
+    gemma2 = base.replace(norm_position="sandwich", norm_offset=1.0, scale_embeddings=True,
+                          ffn="geglu_tanh", attn_softcap=50.0, final_softcap=30.0,
+                          attn_scale=0.0625, sliding_window=8, layer_pattern=("local", "global"))
+    moe = MoE(n_experts=3, top_k=2, d_ff=16)
+    return {
+        "llama": base, "mistral": base.replace(sliding_window=8),
+        "qwen2": base.replace(qkv_bias=True,
+                              rope_scaling=RopeScaling("yarn", 4.0, original_max_len=128)),
+        "qwen3": base.replace(qk_norm="head", sliding_window=8,
+                              layer_pattern=("global", "local")),
+        "gemma2": gemma2,
+        "gemma3_text": gemma2.replace(qk_norm="head", attn_softcap=None, rope_base=1e6,
+                                      local_rope_base=1e4),
+        "olmo2": base.replace(norm_position="post_branch", qk_norm="full"),
+        "phi3": base.replace(sliding_window=8),
+        "mixtral": base.replace(d_ff=16, moe=moe),
+        "qwen3_moe": base.replace(qk_norm="head", moe=dataclasses.replace(
+            moe, renormalize=False, sparse_step=2, dense_layers=(1,))),
+        "qwen2_moe": base.replace(qkv_bias=True, sliding_window=8,
+                                  layer_pattern=("local", "global"),
+                                  moe=dataclasses.replace(moe, shared_d_ff=8, shared_gate=True)),
+    }
+
+
+def test_every_family_round_trips_and_matches_its_own_declaration():
+    configs = _one_per_family()
+    assert list(configs) == list(convert.FAMILIES)  # export tries them in this order
+    for model_type, config in configs.items():
+        assert convert.FAMILIES[model_type].mismatches(config) == [], model_type
+        written = json.loads(json.dumps(hf.config_to_hf(config, model_type)))
+        assert written["model_type"] == model_type
+        assert hf.config_from_hf(written) == config, model_type
+        if model_type != "phi3":  # Phi-3 is the Llama block; written only when asked for
+            assert hf.config_to_hf(config)["model_type"] == model_type
+
+
+def test_a_field_no_family_declares_is_refused_naming_it(monkeypatch):
+    """A new ``Architecture`` (or ``MoE``) field is refused by every family until one declares
+    it: the fields a family must leave at their defaults are the dataclass's, not a list."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Newer(Architecture):
+        new_trick: float = 0.0
+
+    @dataclasses.dataclass(frozen=True)
+    class NewerConfig(ModelConfig):
+        new_trick: float = 0.0
+
+    @dataclasses.dataclass(frozen=True)
+    class NewerMoE(MoE):
+        router_bias: bool = False
+
+    monkeypatch.setattr(families, "Architecture", Newer)
+    monkeypatch.setattr(convert, "Architecture", Newer)
+    for model_type, config in _one_per_family().items():
+        newer = NewerConfig(**config.to_dict())
+        assert hf.config_from_hf(hf.config_to_hf(newer, model_type)) == config  # at its default
+        tricked = dataclasses.replace(newer, new_trick=0.5)
+        with pytest.raises(ValueError, match=rf"HF {model_type} checkpoints .*have no "
+                                             r"new_trick: it must be 0\.0, got new_trick=0\.5"):
+            hf.config_to_hf(tricked, model_type)
+        if model_type != "phi3":
+            with pytest.raises(ValueError, match=r"no HF model type has .*new_trick=0\.5"):
+                hf.config_to_hf(tricked)
+        if config.moe is not None:
+            routed = newer.replace(moe=NewerMoE(**{**config.moe.__dict__, "router_bias": True}))
+            with pytest.raises(ValueError, match=r"have no moe\.router_bias: it must be False, "
+                                                 r"got moe\.router_bias=True"):
+                hf.config_to_hf(routed, model_type)
 
 
 def test_fused_blocks_read_from_the_hf_layout_equal_the_split_tensors():

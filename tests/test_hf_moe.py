@@ -377,13 +377,14 @@ def test_config_to_hf_picks_the_family_and_refuses_what_it_cannot_write():
     for config, model_type, message in [
         (shared.replace(qkv_bias=False), "mixtral", "shared_d_ff"),
         (base.replace(moe=dataclasses.replace(moe, renormalize=False)), "mixtral", "renormalize"),
-        (base.replace(moe=dense), "mixtral", "dense layers"),
+        (base.replace(moe=dense), "mixtral", "moe.sparse_step=2"),
         (base.replace(moe=dataclasses.replace(moe, shared_d_ff=8)), "qwen2_moe", "shared_gate"),
         (shared.replace(qk_norm="head", qkv_bias=False), None, "shared_d_ff"),
-        (base.replace(sliding_window=4, layer_pattern=("local", "global")), "mixtral", "mix"),
+        (base.replace(sliding_window=4, layer_pattern=("local", "global")), "mixtral",
+         "layer_pattern"),
         (base.replace(qkv_bias=True), "mixtral", "qkv_bias"),
-        (base, "qwen3", "no mixture of experts"),
-        (base, "llama", "no mixture of experts"),
+        (base, "qwen3", "have no moe"),
+        (base, "llama", "have no moe"),
         (base.replace(moe=None, d_ff=16), "mixtral", "moe=None"),
         (base.replace(norm_position="sandwich"), None, "norm_position"),
     ]:

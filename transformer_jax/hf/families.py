@@ -1,8 +1,14 @@
-"""HF ``config.json`` <-> ``ModelConfig`` for Qwen3, Gemma 2, Gemma 3 (text), Phi-3 and OLMo 2,
-and the RoPE and layer-type entries every family shares.
+"""Each HF model type declared once (``Family``), the dense families Qwen3, Gemma 2, Gemma 3
+(text), Phi-3 and OLMo 2, and the RoPE and layer-type entries every family shares.
 
-Pure functions, no file I/O; ``transformer_jax.hf.convert`` dispatches here by ``model_type``
-(and maps the tensors). Each family is a set of ``Architecture`` fields:
+Pure functions, no file I/O. A ``Family`` is data: its HF class, the ``Architecture`` fields it
+has (``fixed`` to one value or ``free``), its activations and RoPE kinds, transformers'
+defaults of the keys it reads, its tensor names, and two functions for the ``config.json`` keys
+that are its own. ``transformer_jax.hf.convert`` lists every family (the Llama layouts there,
+the mixtures of experts in ``hf.moe``), reads a ``config.json`` by its family's declaration and
+exports a config as the first family whose declaration matches it. A field of
+``Architecture`` that a family does not declare must keep its dataclass default there, so a
+new field that changes the function is refused by every family until one declares it.
 
 - ``qwen3``: the Llama block with per-head QK-norm (``qk_norm="head"``), mixed sliding/full
   layers from ``layer_types`` (or ``use_sliding_window`` and ``max_window_layers``).
@@ -16,61 +22,143 @@ Pure functions, no file I/O; ``transformer_jax.hf.convert`` dispatches here by `
 - ``olmo2``: ``norm_position="post_branch"`` and QK-norm over whole projections
   (``qk_norm="full"``).
 
-Every ``config.json`` setting these classes use that has no exact equivalent is refused with a
-ValueError naming it. Canonical forms (what ``config_from_hf`` returns, so a load, save and load
-again gives the same config): uniform layers have an empty ``layer_pattern`` (no window when
-every layer is global), otherwise the shortest period of ``layer_types``; ``local_rope_base``
-is None when the local layers rotate as the global ones; Gemma's ``attn_scale`` is always set.
+Canonical forms (what import returns, so a load, save and load again gives the same config):
+uniform layers have an empty ``layer_pattern`` (no window when every layer is global),
+otherwise the shortest period of ``layer_types``; ``local_rope_base`` is None when the local
+layers rotate as the global ones; Gemma's ``attn_scale`` is always set.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections import ChainMap
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
-from transformer_jax.model.config import ModelConfig, RopeScaling
+from transformer_jax.model.config import Architecture, ModelConfig, RopeScaling
 
-ARCHITECTURES = {
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "olmo2": "Olmo2ForCausalLM",
-}
-GEMMAS = ("gemma2", "gemma3_text")
-#: HF activation -> our gated FFN, for the families here (the tanh GELU is exact here).
-ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
-               "gelu_pytorch_tanh": "geglu_tanh"}
-FFN_TO_ACTIVATION = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_pytorch_tanh"}
+#: The ``Architecture`` fields every family maps, through the keys ``convert`` reads and
+#: writes for all of them (``ffn`` and ``rope_scaling`` within a family's ``activations`` and
+#: ``rope_kinds``). Every other field is a family's only where it declares it.
+COMMON = frozenset({"vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                    "d_ff", "max_seq_len", "norm_eps", "ffn", "rope_base", "rope_scaling",
+                    "tie_embeddings"})
+#: HF activation -> our gated FFN, exact matches only: the Llama layouts' (``"gelu"`` is the
+#: erf GELU; they refuse the tanh approximations) and the later families' (the tanh GELU too).
+LLAMA_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
+ACTIVATIONS = {**LLAMA_ACTIVATIONS, "gelu_pytorch_tanh": "geglu_tanh"}
 ALL_ROPE = ("default", "linear", "llama3", "yarn")
 _LAYER_TYPES = {"sliding_attention": "local", "full_attention": "global"}
 _KIND_TO_TYPE = {v: k for k, v in _LAYER_TYPES.items()}
-# transformers' defaults (class attributes) where config.json may omit the key.
-_EPS = {"qwen3": 1e-6, "gemma2": 1e-6, "gemma3_text": 1e-6, "phi3": 1e-5, "olmo2": 1e-5}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One HF model type, declared once: import reads ``config.json`` by it, export writes a
+    config as the first family it matches (``mismatches`` empty).
+
+    Attributes:
+      model_type: the HF ``model_type``.
+      hf_class: its ``architectures`` entry.
+      read: (``config.json`` over ``defaults``, a ``ChainMap`` whose ``maps[0]`` is the file's
+        own keys; L; max_seq_len) -> the family's ``free`` fields (and ``rope_base`` /
+        ``rope_scaling`` where it reads its own RoPE); raises ValueError naming a setting with
+        no exact equivalent.
+      write: config -> the family's own ``config.json`` keys; raises ValueError for what the
+        declaration cannot say (a value's range, a relation between fields).
+      fixed: fields the family has with one value (import sets it, export requires it);
+        ``"moe.x"`` is field x of the ``MoE`` table.
+      free: fields the family has with any value ``write`` accepts. Declaring a ``"moe.x"``
+        field (fixed or free) means the family has the table, with its fields that have no
+        default.
+      activations: HF activation name -> ``ffn``.
+      act_key: the ``config.json`` key of the activation.
+      rope_kinds: the ``rope_scaling`` kinds it has (``"default"``: none).
+      defaults: transformers' class defaults of keys ``config.json`` may omit.
+      required: keys whose class default is a preset's value: they must be set (not null).
+      present: keys that must be there, null allowed, for the same reason.
+      fused: Phi-3's tensors: q/k/v in one ``qkv_proj``, gate/up in one ``gate_up_proj``.
+      experts: a sparse layer's module and its experts' gate, up and down tensor names, as
+        ``save_pretrained`` writes them.
+      picked: whether export picks it by matching; False: only when asked for by name.
+    """
+
+    model_type: str
+    hf_class: str
+    read: Callable[[ChainMap[str, Any], int, int], dict[str, Any]]
+    write: Callable[[ModelConfig], dict[str, Any]]
+    fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    free: frozenset[str] = frozenset()
+    activations: Mapping[str, str] = dataclasses.field(default_factory=lambda: LLAMA_ACTIVATIONS)
+    act_key: str = "hidden_act"
+    rope_kinds: tuple[str, ...] = ("default", "linear", "llama3")
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    required: frozenset[str] = frozenset()
+    present: frozenset[str] = frozenset()
+    fused: bool = False
+    experts: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
+    picked: bool = True
+
+    def mismatches(self, config: Architecture) -> list[str]:
+        """What this family lacks to hold ``config``, one phrase per field, each to follow
+        "HF {model_type} checkpoints" (empty: it holds it)."""
+        out = []
+        if config.ffn not in self.activations.values():
+            out.append(f"need a gated ffn {sorted(set(self.activations.values()))}, got "
+                       f"ffn={config.ffn!r}")
+        kind = "default" if config.rope_scaling is None else config.rope_scaling.kind
+        if kind not in self.rope_kinds:
+            out.append(f"cannot have rope_scaling of kind {kind!r} (only "
+                       f"{', '.join(self.rope_kinds)})")
+        return out + list(self._fields(config, Architecture, ""))
+
+    def _fields(self, table: Any, cls: type, prefix: str) -> Iterator[str]:
+        declared = {*self.fixed, *self.free}
+        for f in dataclasses.fields(cls):
+            name, value = prefix + f.name, getattr(table, f.name)
+            if name in COMMON or name in self.free or f.default is dataclasses.MISSING:
+                continue  # mapped (a table's fields without a default always are)
+            if name in self.fixed:
+                if value != self.fixed[name]:
+                    yield f"need {name}={self.fixed[name]!r}, got {name}={value!r}"
+            elif any(d.startswith(f"{name}.") for d in declared):  # the family has the table
+                if value is None:
+                    yield f"need {name}, got {name}=None"
+                else:
+                    yield from self._fields(value, type(value), f"{name}.")
+            elif value != f.default:
+                yield f"have no {name}: it must be {f.default!r}, got {name}={value!r}"
+
+
+def required(hf: Mapping[str, Any], key: str) -> Any:
+    """``hf[key]``, or a ValueError when it is missing or null."""
+    if hf.get(key) is None:
+        raise ValueError(f"config.json lacks required key {key!r} (or it is null)")
+    return hf[key]
 
 
 # ------------------------------------------------------------------------------------------------
-# RoPE and layer types (shared with the Llama layouts)
+# RoPE and layer types (shared by every family)
 
 
-def rope_from_dict(rope: dict[str, Any], hf: dict[str, Any], max_seq_len: int,
-                   kinds: Sequence[str], *, default_theta: float = 10000.0,
-                   top_original: bool = True, where: str = "rope_scaling"
-                   ) -> tuple[float, RopeScaling | None]:
+def rope_from_dict(rope: dict[str, Any], hf: Mapping[str, Any], max_seq_len: int,
+                   kinds: Sequence[str], *, top_original: bool = True,
+                   where: str = "rope_scaling") -> tuple[float, RopeScaling | None]:
     """(rope_base, rope_scaling) of one flat RoPE dict (``rope_parameters`` or legacy
     ``rope_scaling``), as transformers reads it.
 
     Args:
       rope: the dict (``rope_type`` or legacy ``type``, ``rope_theta``, the scaling's keys).
-      hf: the whole ``config.json`` (top-level ``rope_theta``, ``partial_rotary_factor`` and,
-        with ``top_original``, ``original_max_position_embeddings``, which transformers
-        prefers to the dict's for llama3 and yarn).
+      hf: the whole ``config.json`` over the family's defaults (top-level ``rope_theta``,
+        ``partial_rotary_factor`` and, with ``top_original``,
+        ``original_max_position_embeddings``, which transformers prefers to the dict's for
+        llama3 and yarn).
       max_seq_len: ``max_position_embeddings``, the default original length.
       kinds: the RoPE types this family accepts.
-      default_theta: the base when neither the dict nor ``hf`` has ``rope_theta``.
       where: the setting named in errors.
     """
-    base = float(rope.get("rope_theta", hf.get("rope_theta", default_theta)))
+    base = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial is not None and float(partial) != 1.0:
         raise ValueError(f"partial_rotary_factor={partial} is not supported (only full RoPE)")
@@ -162,99 +250,34 @@ def layer_types_to_hf(config: ModelConfig) -> list[str]:
     return [_KIND_TO_TYPE[k] for k in config.layer_kinds()]
 
 
+def read_rope(hf: Mapping[str, Any], max_seq_len: int, kinds: Sequence[str]
+              ) -> tuple[float, RopeScaling | None]:
+    """(rope_base, rope_scaling) from legacy ``rope_theta``/``rope_scaling`` or
+    ``rope_parameters``: as in transformers, a legacy ``rope_scaling`` dict wins over
+    ``rope_parameters``, and a ``rope_theta`` inside the dict over the top-level one."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_scaling/rope_parameters must be a dict, got {rope!r}")
+    if "rope_type" not in rope and "type" not in rope and rope and all(
+            isinstance(v, dict) for v in rope.values()):
+        # Per-layer-type RoPE (nested by layer type) is fine only if every layer has the same.
+        variants = list(rope.values())
+        if any(v != variants[0] for v in variants):
+            raise ValueError(f"per-layer-type RoPE parameters differ: {rope!r}")
+        rope = variants[0]
+    return rope_from_dict(rope, hf, max_seq_len, kinds)
+
+
 # ------------------------------------------------------------------------------------------------
-# config.json -> ModelConfig
+# Qwen3, Gemma 2 and 3, Phi-3, OLMo 2: each one's own keys
 
 
-def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
-    """Maps the ``config.json`` of one of ``ARCHITECTURES`` to a ``ModelConfig`` (float32; the
-    generic checks, ``model_type``/``architectures``/``quantization_config``, are the caller's).
-
-    Raises:
-      ValueError: naming the setting that has no exact equivalent.
-    """
-
-    def required(key: str) -> Any:
-        if hf.get(key) is None:
-            raise ValueError(f"config.json lacks required key {key!r} (or it is null)")
-        return hf[key]
-
-    def present(key: str) -> Any:  # may be null, but transformers' default is a preset's
-        if key not in hf:
-            raise ValueError(f"{model_type} config.json lacks {key!r} (null for none)")
-        return hf[key]
-
-    gemma = model_type in GEMMAS
-    act_key = "hidden_activation" if gemma else "hidden_act"
-    act = hf.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
-    if act not in ACTIVATIONS:
-        raise ValueError(f"unsupported {act_key} {act!r}; supported: {sorted(ACTIVATIONS)}")
-    if model_type != "phi3" and hf.get("attention_bias", False):
-        raise ValueError(f"attention_bias=True is not supported for {model_type} (it also "
-                         "biases o_proj, which the model lacks)")
-    if hf.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention=True is not supported (causal only)")
-
-    n_layers = required("num_hidden_layers")
-    n_heads = required("num_attention_heads")
-    max_seq_len = required("max_position_embeddings")
-    # Qwen3's and Gemma's classes default these to a preset's values.
-    n_kv_heads = (required("num_key_value_heads") if model_type in ("qwen3", *GEMMAS)
-                  else hf.get("num_key_value_heads") or n_heads)
-    head_dim = required("head_dim") if model_type in ("qwen3", *GEMMAS) else hf.get("head_dim")
-    fields: dict[str, Any] = {}
-    if model_type == "qwen3":
-        fields.update(qk_norm="head")
-        kinds = _qwen_kinds(hf, n_layers)
-        window = hf.get("sliding_window")
-    elif model_type == "phi3":
-        window = hf.get("sliding_window")
-        kinds = ["local" if window is not None else "global"] * n_layers
-    elif model_type == "olmo2":
-        fields.update(norm_position="post_branch", qk_norm="full")
-        kinds, window = ["global"] * n_layers, None
-    else:
-        fields.update(norm_position="sandwich", norm_offset=1.0, scale_embeddings=True,
-                      attn_scale=float(required("query_pre_attn_scalar")) ** -0.5)
-        window = present("sliding_window")
-        layer_types = hf.get("layer_types")
-        if layer_types is None:  # transformers: every `pattern`-th layer is global
-            pattern = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
-            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                           for i in range(n_layers)]
-        kinds = layer_kinds_from_hf(layer_types, n_layers)
-        attn_cap, final_cap = present("attn_logit_softcapping"), present(
-            "final_logit_softcapping")
-        if model_type == "gemma3_text" and attn_cap is not None:
-            raise ValueError(f"attn_logit_softcapping={attn_cap} is not supported for "
-                             "gemma3_text (transformers' Gemma 3 attention ignores it)")
-        fields.update(attn_softcap=None if attn_cap is None else float(attn_cap),
-                      final_softcap=None if final_cap is None else float(final_cap))
-        if model_type == "gemma3_text":
-            fields.update(qk_norm="head")
-    sliding_window, layer_pattern = window_and_pattern(kinds, window)
-
-    if model_type == "gemma3_text":
-        rope_base, rope_scaling, local = _gemma3_rope(hf, max_seq_len)
-        fields.update(local_rope_base=local if "local" in kinds else None)
-    elif model_type == "phi3":
-        rope_base, rope_scaling = _phi3_rope(hf, max_seq_len)
-    else:
-        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-        if not isinstance(rope, dict):
-            raise ValueError(f"rope_scaling/rope_parameters must be a dict, got {rope!r}")
-        rope_base, rope_scaling = rope_from_dict(rope, hf, max_seq_len, ALL_ROPE)
-    return ModelConfig(
-        vocab_size=required("vocab_size"), d_model=required("hidden_size"), n_layers=n_layers,
-        n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-        d_ff=required("intermediate_size"), max_seq_len=max_seq_len, norm="rms",
-        norm_eps=float(hf.get("rms_norm_eps", _EPS[model_type])), ffn=ACTIVATIONS[act],
-        position="rope", rope_base=rope_base, rope_pairing="half", rope_scaling=rope_scaling,
-        sliding_window=sliding_window, layer_pattern=layer_pattern, qkv_bias=False,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)), **fields)
+def _qwen3_read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int) -> dict[str, Any]:
+    window, pattern = window_and_pattern(_qwen_kinds(hf, n_layers), hf.get("sliding_window"))
+    return dict(sliding_window=window, layer_pattern=pattern)
 
 
-def _qwen_kinds(hf: dict[str, Any], n_layers: int) -> list[str]:
+def _qwen_kinds(hf: Mapping[str, Any], n_layers: int) -> list[str]:
     """Qwen3's layer kinds: all global without ``use_sliding_window`` (transformers then drops
     the window), else ``layer_types`` or layers i >= ``max_window_layers`` local."""
     layer_types = hf.get("layer_types")
@@ -271,18 +294,37 @@ def _qwen_kinds(hf: dict[str, Any], n_layers: int) -> list[str]:
     return layer_kinds_from_hf(layer_types, n_layers)
 
 
-def _phi3_rope(hf: dict[str, Any], max_seq_len: int) -> tuple[float, RopeScaling | None]:
-    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    if not isinstance(rope, dict):
-        raise ValueError(f"rope_scaling/rope_parameters must be a dict, got {rope!r}")
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind in ("longrope", "su", "yarn"):  # transformers reads "su" and "yarn" as LongRoPE
-        raise ValueError(f"Phi-3 rope_scaling of type {kind!r} (LongRoPE, rope_type "
-                         "'longrope') is not supported")
-    return rope_from_dict(rope, hf, max_seq_len, ("default",))
+def _qwen3_write(c: ModelConfig) -> dict[str, Any]:
+    local = [k == "local" for k in c.layer_kinds()]
+    return dict(use_sliding_window=any(local), sliding_window=c.sliding_window,
+                max_window_layers=local.index(True) if any(local) else c.n_layers,
+                layer_types=layer_types_to_hf(c))
 
 
-def _gemma3_rope(hf: dict[str, Any], max_seq_len: int
+def _gemma_read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int, *, gemma3: bool
+                ) -> dict[str, Any]:
+    layer_types = hf.get("layer_types")
+    if layer_types is None:  # transformers: every `pattern`-th layer is global
+        pattern = hf.get("sliding_window_pattern", 6) if gemma3 else 2
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                       for i in range(n_layers)]
+    kinds = layer_kinds_from_hf(layer_types, n_layers)
+    window, layer_pattern = window_and_pattern(kinds, hf["sliding_window"])
+    attn_cap, final_cap = hf["attn_logit_softcapping"], hf["final_logit_softcapping"]
+    fields = dict(attn_scale=float(hf["query_pre_attn_scalar"]) ** -0.5, sliding_window=window,
+                  layer_pattern=layer_pattern,
+                  final_softcap=None if final_cap is None else float(final_cap))
+    if not gemma3:
+        return {**fields, "attn_softcap": None if attn_cap is None else float(attn_cap)}
+    if attn_cap is not None:
+        raise ValueError(f"attn_logit_softcapping={attn_cap} is not supported for gemma3_text "
+                         "(transformers' Gemma 3 attention ignores it)")
+    base, scaling, local = _gemma3_rope(hf, max_seq_len)
+    return {**fields, "rope_base": base, "rope_scaling": scaling,
+            "local_rope_base": local if "local" in kinds else None}
+
+
+def _gemma3_rope(hf: Mapping[str, Any], max_seq_len: int
                  ) -> tuple[float, RopeScaling | None, float | None]:
     """(rope_base, rope_scaling, local_rope_base) from Gemma 3's per-layer-type
     ``rope_parameters`` or the legacy ``rope_theta``/``rope_scaling``/``rope_local_base_freq``,
@@ -310,104 +352,7 @@ def _gemma3_rope(hf: dict[str, Any], max_seq_len: int
     return base, scaling, local_base
 
 
-# ------------------------------------------------------------------------------------------------
-# ModelConfig -> config.json
-
-
-def pick_model_type(config: ModelConfig) -> str | None:
-    """The family of these fields, or None for the Llama layouts (``convert`` picks among
-    llama/mistral/qwen2); Phi-3 is never picked (the Llama layout, chosen explicitly)."""
-    c = config
-    if c.norm_position == "pre" and c.qk_norm is None:
-        return None
-    families = {("pre", "head"): "qwen3", ("sandwich", None): "gemma2",
-                ("sandwich", "head"): "gemma3_text", ("post_branch", "full"): "olmo2"}
-    if (c.norm_position, c.qk_norm) not in families:
-        raise ValueError(f"no HF model type has norm_position={c.norm_position!r} with "
-                         f"qk_norm={c.qk_norm!r}")
-    return families[c.norm_position, c.qk_norm]
-
-
-#: Each family's fixed fields (beyond rms/rope/half, checked by ``convert``).
-_FIXED = {
-    "qwen3": dict(norm_position="pre", qk_norm="head", norm_offset=0.0),
-    "phi3": dict(norm_position="pre", qk_norm=None, norm_offset=0.0),
-    "olmo2": dict(norm_position="post_branch", qk_norm="full", norm_offset=0.0),
-    "gemma2": dict(norm_position="sandwich", qk_norm=None, norm_offset=1.0,
-                   scale_embeddings=True),
-    "gemma3_text": dict(norm_position="sandwich", qk_norm="head", norm_offset=1.0,
-                        scale_embeddings=True, attn_softcap=None),
-}
-# Fields only some families have; None/False/() elsewhere.
-_OPTIONAL = {"scale_embeddings": False, "attn_softcap": None, "final_softcap": None,
-             "attn_scale": None, "local_rope_base": None, "qkv_bias": False}
-_HAS = {"gemma2": {"attn_softcap", "final_softcap", "attn_scale"},
-        "gemma3_text": {"final_softcap", "attn_scale", "local_rope_base"}}
-
-
-def require_fields(config: ModelConfig, wants: dict[str, Any], activations: dict[str, str],
-                   what: str) -> None:
-    """Raises ValueError naming the first field of ``wants`` the config does not have, or an
-    FFN with no entry in ``activations`` (``what`` names the checkpoint kind)."""
-    for name, want in wants.items():
-        if getattr(config, name) != want:
-            raise ValueError(f"{what} checkpoints need {name}={want!r}, got "
-                             f"{getattr(config, name)!r}")
-    if config.ffn not in activations:
-        raise ValueError(f"{what} checkpoints need a gated ffn {sorted(activations)}, got "
-                         f"{config.ffn!r}")
-
-
-def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
-    """The ``config.json`` dict of ``config`` as ``model_type`` (one of ``ARCHITECTURES``).
-
-    Raises:
-      ValueError: naming the field that ``model_type`` cannot represent.
-    """
-    c = config
-    require_fields(c, {name: want for name, want in {**_OPTIONAL, **_FIXED[model_type]}.items()
-                       if name not in _HAS.get(model_type, ()) or name in _FIXED[model_type]},
-                   FFN_TO_ACTIVATION, f"HF {model_type}")
-    kinds = set(c.layer_kinds())
-    if model_type in ("phi3", "olmo2") and len(kinds) > 1:
-        raise ValueError(f"HF {model_type} checkpoints cannot mix local and global layers "
-                         f"(layer_pattern={c.layer_pattern})")
-    if model_type == "olmo2" and "local" in kinds:
-        raise ValueError(f"HF olmo2 checkpoints have no sliding window, got "
-                         f"sliding_window={c.sliding_window}")
-    scaling_kinds = {"phi3": (), "gemma3_text": ("linear",)}.get(
-        model_type, ("linear", "llama3", "yarn"))
-    if c.rope_scaling is not None and c.rope_scaling.kind not in scaling_kinds:
-        raise ValueError(f"HF {model_type} checkpoints cannot have rope_scaling of kind "
-                         f"{c.rope_scaling.kind!r}")
-    hf: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
-        "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.d_ff,
-        "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
-        "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
-        "tie_word_embeddings": c.tie_embeddings, "attention_bias": False,
-        "torch_dtype": c.param_dtype, "dtype": c.param_dtype,
-        # Unknown without a tokenizer (``hf.save`` sets them from one): the classes' defaults
-        # are a preset's ids, out of range for a small vocabulary (Phi-3's pad 32000).
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-        "hidden_activation" if model_type in GEMMAS else "hidden_act":
-            FFN_TO_ACTIVATION[c.ffn],
-        **rope_keys(c.rope_base, c.rope_scaling),
-    }
-    if model_type == "qwen3":
-        local = [k == "local" for k in c.layer_kinds()]
-        hf.update(use_sliding_window=any(local), sliding_window=c.sliding_window,
-                  max_window_layers=local.index(True) if any(local) else c.n_layers,
-                  layer_types=layer_types_to_hf(c))
-    elif model_type == "phi3":
-        hf.update(sliding_window=c.sliding_window if "local" in kinds else None)
-    elif model_type in GEMMAS:
-        hf.update(_gemma_to_hf(c, model_type))
-    return hf
-
-
-def _gemma_to_hf(c: ModelConfig, model_type: str) -> dict[str, Any]:
+def _gemma_write(c: ModelConfig, model_type: str) -> dict[str, Any]:
     if c.d_model % c.n_heads:  # transformers' Gemma configs reject this, head_dim or not
         raise ValueError(f"HF {model_type} needs d_model ({c.d_model}) divisible by n_heads "
                          f"({c.n_heads})")
@@ -434,4 +379,39 @@ def _gemma_to_hf(c: ModelConfig, model_type: str) -> dict[str, Any]:
     return out
 
 
-__all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "pick_model_type"]
+def _phi3_read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int) -> dict[str, Any]:
+    return dict(sliding_window=hf.get("sliding_window"))
+
+
+_GEMMA = dict(fixed=dict(norm_position="sandwich", norm_offset=1.0, scale_embeddings=True),
+              activations=ACTIVATIONS, act_key="hidden_activation",
+              defaults=dict(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+              required=frozenset({"num_key_value_heads", "head_dim", "query_pre_attn_scalar"}),
+              present=frozenset({"sliding_window", "attn_logit_softcapping",
+                                 "final_logit_softcapping"}))
+QWEN3 = Family("qwen3", "Qwen3ForCausalLM", _qwen3_read, _qwen3_write,
+               fixed=dict(qk_norm="head"), free=frozenset({"sliding_window", "layer_pattern"}),
+               activations=ACTIVATIONS, rope_kinds=ALL_ROPE,
+               required=frozenset({"num_key_value_heads", "head_dim"}))
+GEMMA2 = Family("gemma2", "Gemma2ForCausalLM", partial(_gemma_read, gemma3=False),
+                partial(_gemma_write, model_type="gemma2"), **_GEMMA,
+                free=frozenset({"attn_softcap", "final_softcap", "attn_scale", "sliding_window",
+                                "layer_pattern"}), rope_kinds=ALL_ROPE)
+GEMMA3_TEXT = Family(
+    "gemma3_text", "Gemma3ForCausalLM", partial(_gemma_read, gemma3=True),
+    partial(_gemma_write, model_type="gemma3_text"),
+    **{**_GEMMA, "fixed": {**_GEMMA["fixed"], "qk_norm": "head"}},
+    free=frozenset({"final_softcap", "attn_scale", "sliding_window", "layer_pattern",
+                    "local_rope_base"}), rope_kinds=("default", "linear"))
+# Phi-3's LongRoPE (rope_type "longrope", read from "su" and "yarn" too) is refused.
+PHI3 = Family("phi3", "Phi3ForCausalLM", _phi3_read,
+              lambda c: dict(sliding_window=c.sliding_window), free=frozenset({"sliding_window"}),
+              activations=ACTIVATIONS, rope_kinds=("default",), defaults=dict(rms_norm_eps=1e-5),
+              fused=True, picked=False)
+OLMO2 = Family("olmo2", "Olmo2ForCausalLM", lambda hf, n_layers, max_seq_len: {},
+               lambda c: {}, fixed=dict(norm_position="post_branch", qk_norm="full"),
+               activations=ACTIVATIONS, rope_kinds=ALL_ROPE, defaults=dict(rms_norm_eps=1e-5))
+
+
+__all__ = ["COMMON", "GEMMA2", "GEMMA3_TEXT", "OLMO2", "PHI3", "QWEN3", "Family", "read_rope",
+           "rope_from_dict", "rope_keys", "window_and_pattern"]

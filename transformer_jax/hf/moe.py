@@ -1,8 +1,9 @@
 """HF ``config.json`` <-> ``ModelConfig`` and the experts' tensors for the mixture-of-experts
 families: Mixtral, Qwen2-MoE and Qwen3-MoE.
 
-Pure functions, no file I/O; ``transformer_jax.hf.convert`` dispatches here by ``model_type``.
-The attention is the Llama layout's (``convert._tensors``); each family's FFN is our ``MoE``
+Pure functions, no file I/O: each family is a ``families.Family`` declaration (``MIXTRAL``,
+``QWEN2_MOE``, ``QWEN3_MOE``) that ``transformer_jax.hf.convert`` reads and matches. The
+attention is the Llama layout's (``convert._tensors``); each family's FFN is our ``MoE``
 table (``model.fields.MoE``):
 
 - ``mixtral``: the Mistral block (one ``sliding_window`` for every layer or none), every layer
@@ -40,100 +41,38 @@ a dense FFN, ``moe/shared_gate`` [D, 1] (HF [1, D]).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections import ChainMap
+from collections.abc import Iterable, Mapping
+from functools import partial
 from typing import Any
 
 from transformer_jax.hf import families
+from transformer_jax.hf.families import ALL_ROPE, Family
 from transformer_jax.hf.tensors import _fused, _linear, _Tensor
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.fields import MoE
 
-ARCHITECTURES = {
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
-# transformers' class defaults, where config.json may omit the key.
-_DEFAULTS = {
-    "mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, num_local_experts=8,
-                    num_experts_per_tok=2),
-    "qwen2_moe": dict(rms_norm_eps=1e-6, rope_theta=1e4, num_experts=60, num_experts_per_tok=4,
-                      moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
-                      norm_topk_prob=False, sliding_window=4096, max_window_layers=28),
-    "qwen3_moe": dict(rms_norm_eps=1e-6, rope_theta=1e4, num_experts=128, num_experts_per_tok=8,
-                      moe_intermediate_size=768, norm_topk_prob=False),
-}
-_ROPES = {"mixtral": ("default", "linear", "llama3"), "qwen2_moe": families.ALL_ROPE,
-          "qwen3_moe": families.ALL_ROPE}
 _STACKED = ".experts.gate_up_proj"
 
 
 # ------------------------------------------------------------------------------------------------
-# config.json -> ModelConfig
+# config.json <-> ModelConfig: each family's own keys
 
 
-def config_from_hf(hf: dict[str, Any], model_type: str) -> ModelConfig:
-    """Maps the ``config.json`` of one of ``ARCHITECTURES`` to a ``ModelConfig`` (float32; the
-    generic checks, ``model_type``/``architectures``/``quantization_config``, are the caller's).
-
-    Raises:
-      ValueError: naming the setting that has no exact equivalent.
-    """
-    defaults = _DEFAULTS[model_type]
-
-    def get(key: str) -> Any:
-        return hf.get(key, defaults.get(key))
-
-    def required(key: str) -> Any:
-        if hf.get(key) is None:
-            raise ValueError(f"config.json lacks required key {key!r} (or it is null)")
-        return hf[key]
-
-    act = hf.get("hidden_act", "silu")
-    if act not in families.ACTIVATIONS:
-        raise ValueError(f"unsupported hidden_act {act!r}; supported: "
-                         f"{sorted(families.ACTIVATIONS)}")
-    if model_type == "qwen3_moe" and hf.get("attention_bias", False):
-        raise ValueError("attention_bias=True is not supported for qwen3_moe (it also biases "
-                         "o_proj, which the model lacks)")
+def _read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int, *, model_type: str
+          ) -> dict[str, Any]:
     jitter = hf.get("router_jitter_noise") or 0.0
     if jitter:
         raise ValueError(f"router_jitter_noise={jitter} is not supported (training-time noise "
                          "on the router's input, which the model lacks); set it to 0.0")
-    n_layers, n_heads = required("num_hidden_layers"), required("num_attention_heads")
-    max_seq_len = required("max_position_embeddings")
-    n_kv_heads = hf.get("num_key_value_heads", "missing")
-    if n_kv_heads is None and model_type == "mixtral":  # MixtralConfig: null means N
-        n_kv_heads = n_heads
-    elif n_kv_heads in (None, "missing"):
-        raise ValueError("config.json lacks required key 'num_key_value_heads' (or it is null)")
-    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    if not isinstance(rope, dict):
-        raise ValueError(f"rope_scaling/rope_parameters must be a dict, got {rope!r}")
-    rope_base, rope_scaling = families.rope_from_dict(
-        rope, hf, max_seq_len, _ROPES[model_type], default_theta=defaults["rope_theta"])
     window, pattern = families.window_and_pattern(_layer_kinds(hf, model_type, n_layers),
-                                                  _window(hf, model_type))
-    return ModelConfig(
-        vocab_size=required("vocab_size"), d_model=required("hidden_size"), n_layers=n_layers,
-        n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=hf.get("head_dim"),
-        d_ff=required("intermediate_size"), max_seq_len=max_seq_len, norm="rms",
-        norm_eps=float(get("rms_norm_eps")), ffn=families.ACTIVATIONS[act], position="rope",
-        rope_base=rope_base, rope_pairing="half", rope_scaling=rope_scaling,
-        sliding_window=window, layer_pattern=pattern,
-        qk_norm="head" if model_type == "qwen3_moe" else None,
-        qkv_bias=bool(hf.get("qkv_bias", True)) if model_type == "qwen2_moe" else False,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        moe=_moe_from_hf(hf, model_type, n_layers, get))
+                                                  hf.get("sliding_window"))
+    out = dict(sliding_window=window, layer_pattern=pattern,
+               moe=_moe_from_hf(hf, model_type, n_layers))
+    return {**out, "qkv_bias": bool(hf["qkv_bias"])} if model_type == "qwen2_moe" else out
 
 
-def _window(hf: dict[str, Any], model_type: str) -> int | None:
-    if model_type == "qwen2_moe":
-        return hf.get("sliding_window", 4096)
-    return hf.get("sliding_window")
-
-
-def _layer_kinds(hf: dict[str, Any], model_type: str, n_layers: int) -> list[str]:
+def _layer_kinds(hf: Mapping[str, Any], model_type: str, n_layers: int) -> list[str]:
     """Each layer's local/global attention as transformers 5 reads the family's config."""
     if model_type == "mixtral":  # one window on every layer, or none
         return ["local" if hf.get("sliding_window") is not None else "global"] * n_layers
@@ -154,21 +93,20 @@ def _layer_kinds(hf: dict[str, Any], model_type: str, n_layers: int) -> list[str
     return kinds
 
 
-def _moe_from_hf(hf: dict[str, Any], model_type: str, n_layers: int, get: Any) -> MoE | None:
+def _moe_from_hf(hf: ChainMap[str, Any], model_type: str, n_layers: int) -> MoE | None:
     """The ``MoE`` table, or None when no layer is sparse."""
     if model_type == "qwen2_moe":
-        n_experts = get("num_experts")
+        n_experts = hf.get("num_experts")
     else:  # transformers maps num_experts to num_local_experts (either name may be written)
-        names = [n for n in ("num_local_experts", "num_experts") if hf.get(n) is not None]
-        values = {hf[n] for n in names}
+        raw = hf.maps[0]
+        values = {raw[n] for n in ("num_local_experts", "num_experts") if raw.get(n) is not None}
         if len(values) > 1:
-            raise ValueError(f"num_local_experts ({hf['num_local_experts']}) and num_experts "
-                             f"({hf['num_experts']}) differ")
-        n_experts = values.pop() if values else _DEFAULTS[model_type].get(
-            "num_local_experts", _DEFAULTS[model_type].get("num_experts"))
+            raise ValueError(f"num_local_experts ({raw['num_local_experts']}) and num_experts "
+                             f"({raw['num_experts']}) differ")
+        n_experts = values.pop() if values else hf["num_experts"]
     if isinstance(n_experts, bool) or not isinstance(n_experts, int) or n_experts < 0:
         raise ValueError(f"num_experts must be an int >= 0, got {n_experts!r}")
-    top_k = get("num_experts_per_tok")
+    top_k = hf.get("num_experts_per_tok")
     if n_experts and (isinstance(top_k, bool) or not isinstance(top_k, int)
                       or not 1 <= top_k <= n_experts):
         raise ValueError(f"num_experts_per_tok must be an int in 1..{n_experts} (the experts), "
@@ -186,95 +124,67 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str, n_layers: int, get: Any) -
     dense = tuple(sorted({i for i in only if 0 <= i < n_layers and (i + 1) % step == 0}))
     if not n_experts or len(dense) == len(range(step - 1, n_layers, step)):
         return None
-    shared = get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
+    shared = hf.get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
     if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
         raise ValueError(f"shared_expert_intermediate_size must be an int >= 0, got {shared!r}")
-    renormalize = get("norm_topk_prob")
+    renormalize = hf.get("norm_topk_prob")
     if not isinstance(renormalize, bool):
         raise ValueError(f"norm_topk_prob must be a bool, got {renormalize!r}")
-    return MoE(n_experts=n_experts, top_k=top_k, d_ff=get("moe_intermediate_size"),
+    return MoE(n_experts=n_experts, top_k=top_k, d_ff=hf.get("moe_intermediate_size"),
                renormalize=renormalize, shared_d_ff=shared, shared_gate=shared > 0,
                sparse_step=step, dense_layers=dense)
 
 
-# ------------------------------------------------------------------------------------------------
-# ModelConfig -> config.json
+def _mixtral_write(c: ModelConfig) -> dict[str, Any]:
+    m = c.moe
+    # One width: the experts' (the dense d_ff is unused when every layer is sparse).
+    return dict(num_local_experts=m.n_experts, num_experts_per_tok=m.top_k,
+                intermediate_size=m.d_ff, router_jitter_noise=0.0,
+                sliding_window=c.sliding_window)
 
 
-def pick_model_type(config: ModelConfig) -> str:
-    """The family of a config with ``moe``: Qwen3-MoE with QK-norm, Mixtral when it fits
-    (no q/k/v biases, no shared expert, renormalised, every layer sparse, one window), else
-    Qwen2-MoE."""
-    c, m = config, config.moe
-    if c.qk_norm is not None:
-        return "qwen3_moe"
-    mixtral = (not c.qkv_bias and not m.shared_d_ff and m.renormalize and not c.layers_differ
-               and len(c.sparse_layers) == c.n_layers)
-    return "mixtral" if mixtral else "qwen2_moe"
-
-
-def config_to_hf(config: ModelConfig, model_type: str) -> dict[str, Any]:
-    """The ``config.json`` dict of ``config`` as ``model_type`` (one of ``ARCHITECTURES``).
-
-    Raises:
-      ValueError: naming the field that ``model_type`` cannot represent.
-    """
-    c, m, what = config, config.moe, f"HF {model_type}"
-    if m is None:
-        raise ValueError(f"{what} checkpoints need moe (a mixture of experts), got moe=None")
-    families.require_fields(c, {
-        "norm_position": "pre", "qk_norm": "head" if model_type == "qwen3_moe" else None,
-        "norm_offset": 0.0, "scale_embeddings": False, "attn_softcap": None,
-        "final_softcap": None, "attn_scale": None, "local_rope_base": None,
-        **({} if model_type == "qwen2_moe" else {"qkv_bias": False})},
-        families.FFN_TO_ACTIVATION, what)
-    if c.rope_scaling is not None and c.rope_scaling.kind not in _ROPES[model_type]:
-        raise ValueError(f"{what} checkpoints cannot have rope_scaling of kind "
-                         f"{c.rope_scaling.kind!r}")
-    if model_type != "qwen2_moe" and c.layers_differ:
-        raise ValueError(f"{what} checkpoints cannot mix local and global layers "
-                         f"(layer_pattern={c.layer_pattern})")
-    if model_type != "qwen2_moe" and m.shared_d_ff:
-        raise ValueError(f"{what} checkpoints have no shared expert, got "
-                         f"moe.shared_d_ff={m.shared_d_ff}")
-    if model_type == "qwen2_moe" and m.shared_d_ff and not m.shared_gate:
+def _qwen_write(c: ModelConfig, *, qwen2: bool) -> dict[str, Any]:
+    m, sparse = c.moe, set(c.sparse_layers)
+    if qwen2 and m.shared_d_ff and not m.shared_gate:
         raise ValueError("HF qwen2_moe checkpoints gate their shared expert: moe.shared_gate "
                          "must be true with moe.shared_d_ff > 0")
-    local = "local" in c.layer_kinds()
-    hf: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
-        "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
-        "head_dim": c.head_dim, "max_position_embeddings": c.max_seq_len,
-        "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings,
-        "hidden_act": families.FFN_TO_ACTIVATION[c.ffn], "torch_dtype": c.param_dtype,
-        "dtype": c.param_dtype, "bos_token_id": None, "eos_token_id": None,
-        "pad_token_id": None, "num_experts_per_tok": m.top_k,
-        **families.rope_keys(c.rope_base, c.rope_scaling),
-    }
-    if model_type == "mixtral":
-        if not m.renormalize:
-            raise ValueError("HF mixtral checkpoints renormalise the top-k weights: "
-                             "moe.renormalize must be true")
-        if len(c.sparse_layers) != c.n_layers:
-            raise ValueError(f"HF mixtral checkpoints have no dense layers, got "
-                             f"moe.sparse_step={m.sparse_step}, dense_layers={m.dense_layers}")
-        # One width: the experts' (the dense d_ff is unused when every layer is sparse).
-        hf.update(num_local_experts=m.n_experts, intermediate_size=m.d_ff,
-                  router_jitter_noise=0.0, sliding_window=c.sliding_window if local else None)
-        return hf
-    sparse = set(c.sparse_layers)
-    hf.update(num_experts=m.n_experts, intermediate_size=c.d_ff, moe_intermediate_size=m.d_ff,
-              norm_topk_prob=m.renormalize, decoder_sparse_step=m.sparse_step,
-              mlp_only_layers=[i for i in range(m.sparse_step - 1, c.n_layers, m.sparse_step)
-                               if i not in sparse],
-              use_sliding_window=local, sliding_window=c.sliding_window if local else None)
-    if model_type == "qwen2_moe":
-        hf.update(qkv_bias=c.qkv_bias, shared_expert_intermediate_size=m.shared_d_ff,
-                  layer_types=families.layer_types_to_hf(c), max_window_layers=c.n_layers)
-    else:
-        hf.update(attention_bias=False)
-    return hf
+    out = dict(num_experts=m.n_experts, num_experts_per_tok=m.top_k,
+               moe_intermediate_size=m.d_ff, norm_topk_prob=m.renormalize,
+               decoder_sparse_step=m.sparse_step,
+               mlp_only_layers=[i for i in range(m.sparse_step - 1, c.n_layers, m.sparse_step)
+                                if i not in sparse],
+               use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window)
+    if qwen2:
+        out.update(qkv_bias=c.qkv_bias, shared_expert_intermediate_size=m.shared_d_ff,
+                   layer_types=families.layer_types_to_hf(c), max_window_layers=c.n_layers)
+    return out
+
+
+# Every sparse layer's experts: the table's n_experts, top_k, d_ff (no default) and these.
+_LAYERS = frozenset({"moe.renormalize", "moe.sparse_step", "moe.dense_layers"})
+# ``defaults``: transformers' class defaults, where config.json may omit the key.
+MIXTRAL = Family(
+    "mixtral", "MixtralForCausalLM", partial(_read, model_type="mixtral"), _mixtral_write,
+    fixed={"moe.renormalize": True}, free=frozenset({"sliding_window"}),
+    activations=families.ACTIVATIONS, present=frozenset({"num_key_value_heads"}),
+    defaults=dict(rms_norm_eps=1e-5, rope_theta=1e6, num_experts=8, num_experts_per_tok=2),
+    experts=("block_sparse_moe", "w1", "w3", "w2"))
+QWEN2_MOE = Family(
+    "qwen2_moe", "Qwen2MoeForCausalLM", partial(_read, model_type="qwen2_moe"),
+    partial(_qwen_write, qwen2=True), rope_kinds=ALL_ROPE, activations=families.ACTIVATIONS,
+    free=_LAYERS | {"qkv_bias", "sliding_window", "layer_pattern", "moe.shared_d_ff",
+                    "moe.shared_gate"},
+    required=frozenset({"num_key_value_heads"}),
+    defaults=dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                  shared_expert_intermediate_size=5632, norm_topk_prob=False,
+                  sliding_window=4096, max_window_layers=28, qkv_bias=True))
+QWEN3_MOE = Family(
+    "qwen3_moe", "Qwen3MoeForCausalLM", partial(_read, model_type="qwen3_moe"),
+    partial(_qwen_write, qwen2=False), fixed=dict(qk_norm="head"),
+    free=_LAYERS | {"sliding_window"}, rope_kinds=ALL_ROPE, activations=families.ACTIVATIONS,
+    required=frozenset({"num_key_value_heads"}),
+    defaults=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                  norm_topk_prob=False))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -287,18 +197,14 @@ def stacked_experts(names: Iterable[str]) -> bool:
     return any(name.endswith(_STACKED) for name in names)
 
 
-def _ffn_prefix(model_type: str, layer: int, stacked: bool) -> str:
-    block = "block_sparse_moe" if model_type == "mixtral" and not stacked else "mlp"
-    return f"model.layers.{layer}.{block}"
-
-
-def ffn_tensors(config: ModelConfig, layer: int, model_type: str, stacked: bool = False
+def ffn_tensors(config: ModelConfig, layer: int, family: Family, stacked: bool = False
                 ) -> list[_Tensor]:
     """The HF tensors of sparse layer ``layer``'s FFN: the router, the experts (one tensor per
     expert, or ``stacked``), the shared expert and its gate."""
     c, m = config, config.moe
     d, e, f = c.d_model, m.n_experts, m.d_ff
-    hf, ours = _ffn_prefix(model_type, layer, stacked), (f"blocks_{layer}", "moe")
+    block = "mlp" if stacked else family.experts[0]  # transformers 5 stacks them in ``mlp``
+    hf, ours = f"model.layers.{layer}.{block}", (f"blocks_{layer}", "moe")
     out = [_linear(f"{hf}.gate.weight", (*ours, "router"), d, e)]
     if stacked:  # [E, out, in] <-> [E, in, out]
         def batched(name: str, param: str, n_in: int, n_out: int) -> _Tensor:
@@ -309,9 +215,7 @@ def ffn_tensors(config: ModelConfig, layer: int, model_type: str, stacked: bool 
                       f"{hf}.experts.gate_up_proj", axis=1)
         out.append(batched(f"{hf}.experts.down_proj", "down", f, d))
     else:  # each param's experts in order (``save`` gathers a param once)
-        names = ("w1", "w3", "w2") if model_type == "mixtral" else (
-            "gate_proj", "up_proj", "down_proj")
-        for name, param, n_in, n_out in zip(names, ("gate", "up", "down"), (d, d, f),
+        for name, param, n_in, n_out in zip(family.experts[1:], ("gate", "up", "down"), (d, d, f),
                                             (f, f, d), strict=True):
             out += [dataclasses.replace(
                 _linear(f"{hf}.experts.{j}.{name}.weight", (*ours, param), n_in, n_out),
@@ -343,5 +247,5 @@ def unused_tensors(config: ModelConfig, model_type: str) -> dict[str, tuple[int,
     return out
 
 
-__all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "ffn_tensors", "pick_model_type",
-           "stacked_experts", "unused_tensors"]
+__all__ = ["MIXTRAL", "QWEN2_MOE", "QWEN3_MOE", "ffn_tensors", "stacked_experts",
+           "unused_tensors"]
