@@ -186,7 +186,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _unrolled(params):
-    return unstack_blocks(params) if "blocks" in params else params
+    return unstack_blocks(params)  # scanned groups split; unrolled params as they are
 
 
 def _export_and_compare(run_dir: Path, out: Path) -> None:

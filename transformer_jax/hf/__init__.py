@@ -7,17 +7,14 @@ mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE): load, save, export.
 creates every param sharded over a device mesh by the training's rules, each device's shard read
 on its own from the memory-mapped files. ``save(config, params, dir, tokenizer=tok)`` writes the
 reverse, which ``transformers``' ``from_pretrained`` reads (model and tokenizer).
-``transformer-jax export --checkpoint RUN_DIR --out DIR`` exports a training run
-(``transformer_jax.hf.__main__`` runs ``transformer_jax.cli.export``'s CLI; this package does not
-import it).
+``transformer-jax export`` (``cli/export.py``, not imported here) exports a training run.
 
 This module does the file I/O: safetensors headers and blocks, the sharded load onto a mesh,
 the atomic save, tokenizer files. The name, layout and config mapping it applies is pure and
 lives in ``transformer_jax.hf.convert`` (``config_from_hf``/``config_to_hf`` are re-exported
 here). Anything that cannot be represented exactly is refused with a ValueError naming the
 offending setting or tensor (never loaded approximately), including a nonzero ``o_proj`` bias.
-
-Needs the ``hf`` extra (``safetensors``); ``torch``/``transformers`` are not used here.
+Needs the ``hf`` extra (``safetensors``); not ``torch``/``transformers``.
 """
 
 from __future__ import annotations
@@ -228,8 +225,8 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
       mesh: if given, every param is created sharded over it by
         ``sharding.param_shardings(config, mesh, rules)``, on this process's devices only (so
         it works multi-host); None: plain arrays on the default device.
-      scan_layers: True returns the scanned layout (``blocks`` with a leading L axis) and a
-        config with ``scan_layers=True``; None or False the unrolled one (``blocks_{i}``).
+      scan_layers: True returns the scanned layout (``model.stack_blocks``'s) and a config
+        with ``scan_layers=True``; None or False the unrolled one (``blocks_{i}``).
       dtype: the ``param_dtype`` and compute ``dtype`` of the result (``"float32"``,
         ``"bfloat16"``, ``"float16"``); None keeps the checkpoint's dtype when all tensors
         share one, else float32 (an exact upcast).
@@ -311,30 +308,22 @@ def _same_rows(reader: _Reader, a: str, b: str, chunk_bytes: int = 1 << 26) -> b
                for i in range(0, shape[0], rows))
 
 
-def _layer_of(path: tuple[str, ...]) -> int:
-    """The layer number of an unrolled param path (``blocks_{i}/...``); -1 outside blocks."""
-    return int(path[0][len("blocks_"):]) if path[0].startswith("blocks_") else -1
-
-
 def _load_params(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
                  shardings: Any) -> Params:
     """Every param read straight from the files: whole onto the default device (``shardings``
     None), or shard by shard on this process's devices.
 
     A param gathers the blocks of its tensors over its leading stacked dimensions: the layers
-    of a scanned ``blocks/...`` [L, ...], the experts stored one tensor each (``stack``).
+    of a scanned group [R, ...], the experts stored one tensor each (``stack``).
     Each shard is read, put on its device and dropped before the next is read.
     """
     dtype = jnp.dtype(config.param_dtype)
     layers: dict[tuple[str, ...], list[_Tensor]] = {}
     places = scanned_places(config) if config.scan_layers else {}
-    repeats: dict[tuple[str, ...], int] = {}
-    for s in sorted(specs, key=lambda s: _layer_of(s.path)):  # layers in order: r along stacks
-        if s.path[0].startswith("blocks_") and places:
-            path = (*places[_layer_of(s.path)][0], *s.path[1:])
-            repeats[path] = repeats.get(path, 0) + 1
-        else:
-            path = s.path
+    repeats: dict[tuple[str, ...], int] = {}  # parts per stacked param
+    for s in sorted(specs, key=lambda s: places.get(s.path[0], ((), 0))[1]):  # r in order
+        path = (*places[s.path[0]][0], *s.path[1:]) if s.path[0] in places else s.path
+        repeats[path] = repeats.get(path, 0) + (s.path[0] in places)
         layers.setdefault(path, []).append(s)
     by_path = None if shardings is None else dict(_flatten(shardings))
     if by_path is not None and set(by_path) != set(layers):  # a bug here: model and HF differ
@@ -352,7 +341,7 @@ def _load_params(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
     params: dict[str, Any] = {}
     for key, parts in layers.items():
         lead = (((repeats[key] // (1 if parts[0].stack is None else parts[0].stack[1]),)
-                 if key in repeats else ())
+                 if repeats[key] else ())
                 + (() if parts[0].stack is None else (parts[0].stack[1],)))
         shape = lead + parts[0].shape
         with reader.reopened([p.hf_name for p in parts]) as fresh:

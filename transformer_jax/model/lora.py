@@ -5,9 +5,9 @@ A [in..., R] and B [R, out...] and is used as ``W + (alpha / R) * A @ B``. A sta
 B at zero, so an initialised adapter leaves the model unchanged. Only A and B are trained; the
 base weights stay frozen (and may be stored in bfloat16, ``freeze_base``).
 
-Adapters mirror the param tree: ``adapters[block][module][name] = {"a": A, "b": B}``, e.g.
-``adapters["blocks_0"]["attn"]["q_proj"]["a"]``, or in the scanned layout ``adapters["blocks"]
-["attn"]["q_proj"]["a"]`` with a leading L axis. Shapes (R = rank, L = layers when scanned):
+Adapters mirror the param tree, block by block (``stack.block_paths``): e.g.
+``adapters["blocks_0"]["attn"]["q_proj"]["a"]``, scanned with a leading L axis (the group's
+repeats). Shapes (R = rank, L = layers when scanned):
 
   ====== ================= =============== ==============
   target param             A               B
@@ -143,15 +143,12 @@ class LoraConfig:
         return cls(**values)
 
 
-Block = tuple[str, ...]
+Block = tuple[str, ...]  # a block's path in the tree (``stack.block_paths``)
 
 
 def _blocks(params: Mapping[str, Any]) -> list[tuple[Block, bool]]:
-    """(path, stacked) of every block in the tree (``stack.block_paths``)."""
-    keys = block_paths(params)
-    if not keys:
-        raise ValueError(f"params have no blocks ('blocks_{{i}}', 'blocks' or 'scan_{{g}}'): "
-                         f"keys {sorted(params)}")
+    if not (keys := block_paths(params)):
+        raise ValueError(f"params have no blocks: keys {sorted(params)}")
     return keys
 
 
@@ -275,16 +272,12 @@ def _adapted(params: Params, adapters: Adapters, lora_config: LoraConfig,
     for block, stacked, target in _entries(params, lora_config):
         path = TARGETS[target]
         where = "/".join((*block, *path))
-        try:
-            _get(adapters, block)
-        except (KeyError, TypeError):
-            raise ValueError(f"adapters lack block {'/'.join(block)!r} (they have "
-                             f"{sorted(adapters)})") from None
         w = _target_param(params, block, target)
         try:
             ab = _get(adapters, (*block, *path))
-        except (KeyError, TypeError):
-            raise ValueError(f"adapters lack {where} (lora target {target!r})") from None
+        except (KeyError, TypeError):  # a missing block, module or matrix
+            raise ValueError(f"adapters lack {where} (lora target {target!r}; they have "
+                             f"{sorted(adapters)})") from None
         d = delta(ab["a"], ab["b"], target, stacked, lora_config.scale)
         if d.shape != w.shape:
             raise ValueError(f"adapter {where} gives shape {d.shape}, the param has {w.shape}")

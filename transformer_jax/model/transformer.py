@@ -281,12 +281,12 @@ def is_scanned(params: Params) -> bool:
     return any(is_scanned_key(k) for k in params)
 
 
-def scanned_places(config: Architecture) -> dict[int, tuple[tuple[str, ...], int]]:
-    """Layer i -> (the scanned params path that stacks it, its index r along that stack), as
-    ``stack_blocks`` lays out ``config``'s layer groups."""
+def scanned_places(config: Architecture) -> dict[str, tuple[tuple[str, ...], int]]:
+    """Unrolled block ``blocks_{i}`` -> (the scanned params path that stacks it, its index r
+    along that stack), as ``stack_blocks`` lays out ``config``'s layer groups."""
     groups, out = config.layer_groups(), {}
     for g, group in enumerate(groups):
         for j in range(len(group.period)):
             path = (group_key(groups, g),) + (() if len(group.period) == 1 else (f"layer_{j}",))
-            out.update({i: (path, r) for r, i in enumerate(group.layers(j))})
+            out.update({f"blocks_{i}": (path, r) for r, i in enumerate(group.layers(j))})
     return out
