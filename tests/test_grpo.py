@@ -26,7 +26,7 @@ from transformer_jax.model.transformer import Transformer
 from transformer_jax.serving import step as step_lib
 from transformer_jax.serving.requests import SamplingParams
 from transformer_jax.train import grpo as G
-from transformer_jax.train import grpo_data, grpo_run
+from transformer_jax.train import grpo_data
 from transformer_jax.train.config import TrainConfig, build_configs
 from transformer_jax.train.run import run
 
@@ -144,8 +144,8 @@ def rollouts(loaded):
     ckpt, prompts = loaded
     tc = TrainConfig(objective="grpo", reward="m:f", batch_size=8, grpo_group_size=4,
                      grpo_max_tokens=6, seq_len=24)
-    engine = grpo_run.make_engine(ckpt.config, ckpt.params, tc, 18)
-    rows, completions, lps, _ = grpo_run.sample(engine, prompts[:2], tc, 0, eos_id=-1)
+    engine = G.make_engine(ckpt.config, ckpt.params, tc, 18)
+    rows, completions, lps = G.sample(engine, prompts[:2], tc, 0, eos_id=-1)
     return rows, completions, lps
 
 
@@ -154,7 +154,7 @@ def test_engine_logps_equal_the_trainers(loaded, rollouts):
     ckpt, _ = loaded
     rows, completions, lps = rollouts
     assert len(set(map(tuple, completions))) > 2  # sampled, not all the same
-    batch = grpo_run.grpo_batch(rows, completions, lps, np.zeros(8), 24)
+    batch = G.grpo_batch(rows, completions, lps, np.zeros(8), 24)
     ours = jax.jit(G.make_logps_fn(Transformer(ckpt.config)))(ckpt.params, batch)
     mask = batch["mask"] > 0
     assert mask.sum() == 8 * 6
@@ -166,14 +166,14 @@ def test_the_update_runs_at_the_batchs_bucket_and_changes_nothing(loaded, rollou
     """A step's batch is as long as its longest row's bucket (powers of two from 16, at most
     train.seq_len), so the update compiles once per bucket; its objective, gradient and
     log-probs equal those of the batch padded to seq_len."""
-    assert grpo_run.batch_length([np.zeros(5)], [[1] * 4], 512) == 16  # rows of 8 tokens
-    assert grpo_run.batch_length([np.zeros(9), np.zeros(3)], [[1] * 8, [1]], 512) == 16
-    assert grpo_run.batch_length([np.zeros(9)], [[1] * 9], 512) == 32  # 17
-    assert grpo_run.batch_length([np.zeros(40)], [[1] * 9], 48) == 48  # at most seq_len
+    assert G.batch_length([np.zeros(5)], [[1] * 4], 512) == 16  # rows of 8 tokens
+    assert G.batch_length([np.zeros(9), np.zeros(3)], [[1] * 8, [1]], 512) == 16
+    assert G.batch_length([np.zeros(9)], [[1] * 9], 512) == 32  # 17
+    assert G.batch_length([np.zeros(40)], [[1] * 9], 48) == 48  # at most seq_len
     ckpt, _ = loaded
     rows, completions, lps = rollouts
     seq_len = 64  # train.seq_len
-    t = grpo_run.batch_length(rows, completions, seq_len)
+    t = G.batch_length(rows, completions, seq_len)
     longest = max(len(r) + len(c) for r, c in zip(rows, completions, strict=True)) - 1
     assert t in (16, 32) and longest <= t < seq_len
     advantages = np.linspace(-1, 1, 8).astype(np.float32)
@@ -184,7 +184,7 @@ def test_the_update_runs_at_the_batchs_bucket_and_changes_nothing(loaded, rollou
     grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
     out = []
     for length in (t, seq_len):
-        batch = grpo_run.grpo_batch(rows, completions, lps, advantages, length)
+        batch = G.grpo_batch(rows, completions, lps, advantages, length)
         batch["ref_logps"] = batch["old_logps"] * 1.1
         logps = np.asarray(logps_fn(ckpt.params, batch))[:, :t]
         (loss, aux), grads = grad_fn(ckpt.params, batch)
@@ -211,8 +211,8 @@ def test_weight_refresh_changes_outputs_and_compiles_nothing(loaded):
         done = engine.run_until_idle()
         return [done[i].tokens for i in ids], [done[i].logprobs for i in ids]
 
-    fresh_other = greedy(grpo_run.make_engine(ckpt.config, other, tc, 18))
-    engine = grpo_run.make_engine(ckpt.config, ckpt.params, tc, 18)
+    fresh_other = greedy(G.make_engine(ckpt.config, other, tc, 18))
+    engine = G.make_engine(ckpt.config, ckpt.params, tc, 18)
     before = greedy(engine)
     engine.update_weights(other)  # compiles the prepare program once
     engine.update_weights(ckpt.params)

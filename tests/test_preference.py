@@ -36,10 +36,9 @@ from transformer_jax.data.instruct_records import InstructionDataError
 from transformer_jax.model import lora
 from transformer_jax.tokenizer import load_tokenizer
 from transformer_jax.train import preference as P
-from transformer_jax.train import preference_run
 from transformer_jax.train.config import TrainConfig, build_configs
-from transformer_jax.train.run import run
-from transformer_jax.train.step import ParamsLayout, make_init_fn
+from transformer_jax.train.run import make_objective, run
+from transformer_jax.train.step import ParamsLayout, make_init_fn, stat_means
 
 pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
 
@@ -285,13 +284,13 @@ def test_loss_rewards_and_gradients_equal_trl(parity_setup, hf_dirs, kind, tmp_p
         jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
         jax.sharding.PartitionSpec("data"))
     ref = (None if kind == "orpo" else  # ORPO has no reference
-           preference_run.reference_pass(config, tc, loaded[1].params, packed, mesh_sharding))
+           P.reference_pass(config, tc, loaded[1].params, packed, mesh_sharding))
     batch = pref_data.pair_batch(packed, np.arange(packed.rows.num_rows), ref)
-    loss_fn = preference_run.make_preference_loss_fn(config, tc, packed.pairs_per_row)
+    loss_fn = make_objective(tc).loss_fn(config, packed.pairs_per_row)
 
     def mean_loss(p):
         total, (_, _, count, stats) = loss_fn(p, batch)
-        return total / count, preference_run.pair_metrics(stats, count)
+        return total / count, stat_means(stats, count)
 
     (loss, metrics), grads = jax.jit(jax.value_and_grad(mean_loss, has_aux=True))(params)
 
@@ -335,7 +334,7 @@ def test_lora_reference_is_the_frozen_base(parity_setup):
                             state.params[lora.ADAPTERS])
     params = {lora.BASE: state.params[lora.BASE], lora.ADAPTERS: adapters}
     rows = np.arange(packed.rows.num_rows)
-    lora_loss = preference_run.make_preference_loss_fn(config, tc, packed.pairs_per_row)
+    lora_loss = make_objective(tc).loss_fn(config, packed.pairs_per_row)
     ours, (_, _, _, stats) = jax.jit(lora_loss)(params, pref_data.pair_batch(packed, rows))
 
     frozen = jax.tree.map(lambda x: jnp.array(np.asarray(x)), base)  # a separate copy
@@ -343,9 +342,9 @@ def test_lora_reference_is_the_frozen_base(parity_setup):
     sharding = jax.sharding.NamedSharding(
         jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
         jax.sharding.PartitionSpec("data"))
-    ref = preference_run.reference_pass(config, full, frozen, packed, sharding)
+    ref = P.reference_pass(config, full, frozen, packed, sharding)
     merged = ParamsLayout.of(tc).model_params(params)
-    full_loss = preference_run.make_preference_loss_fn(config, full, packed.pairs_per_row)
+    full_loss = make_objective(full).loss_fn(config, packed.pairs_per_row)
     theirs, (_, _, _, full_stats) = jax.jit(full_loss)(merged,
                                                       pref_data.pair_batch(packed, rows, ref))
     assert float(theirs) > 0.1 and abs(float(stats["rewards/margin"])) > 1e-4
@@ -397,7 +396,7 @@ def test_dpo_resume_is_exact(hf_dirs, pairs_file, tmp_path, monkeypatch):
         return run(model, train, data, progress=False)
 
     go(tmp_path / "a", 1)
-    reference = tmp_path / "a" / preference_run.REFERENCE_FILE
+    reference = tmp_path / "a" / P.REFERENCE_FILE
     stored = reference.stat().st_mtime_ns
     summary = go(tmp_path / "a", 2)
     assert (summary.start_step, summary.final_step) == (1, 2)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from transformer_jax.checkpoint.manager import CheckpointManager
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.transformer import Transformer
-from transformer_jax.train import perf
+from transformer_jax.train import context, perf
 from transformer_jax.train import run as training
 from transformer_jax.train import step as train_step
 from transformer_jax.train.config import DataConfig, TrainConfig
@@ -309,7 +309,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
             return new_state, metrics
         return step
 
-    monkeypatch.setattr(training, "make_train_step", poisoned)
+    monkeypatch.setattr(context, "make_train_step", poisoned)  # SFT's step
     tc2 = TrainConfig(**{**tc.__dict__, "steps": 9, "ckpt_every": 1})
     with pytest.raises(NonFiniteLossError, match="at step 5"):
         training.run(model, tc2, data, progress=False)

@@ -6,7 +6,7 @@ initial model as ``ref_model``, ``adamw_torch`` with the same betas and eps, no 
 no clipping, a constant lr, no warmup, ``logging_steps=1``); its ``_prepare_dataset`` is
 skipped (the pairs are already token ids) and its ``get_train_dataloader`` yields, step by
 step, exactly the pairs of our step (a batch sampler over our order, TRL's own collator).
-Ours is ``train.preference_run.make_objective_step`` on packed rows with the first-pass
+Ours is the ``train.preference.DPO`` objective's step on packed rows with the first-pass
 reference. Prints the config, both losses at every logged step and the largest gap.
 
 Run: ``python -m transformer_jax.bench.dpo [--steps 60] [--lr 1e-3]``.
@@ -28,7 +28,8 @@ from transformer_jax.data.instruct_records import Example
 from transformer_jax.data.preference import PairBatches, pack_pairs
 from transformer_jax.parallel import sharding as sharding_lib
 from transformer_jax.train.config import TrainConfig
-from transformer_jax.train.preference_run import make_objective_step, reference_pass
+from transformer_jax.train.preference import reference_pass
+from transformer_jax.train.run import make_objective
 from transformer_jax.train.step import make_init_fn
 
 VOCAB = 64
@@ -128,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     source = PairBatches(packed, tc.batch_size, tc.seed, reference=reference)
     state = jax.jit(make_init_fn(config, tc))(jax.random.key(0), params)
 
-    class Data:  # what make_objective_step reads of a run's data
+    class Data:  # what the objective's step_fn reads of a run's data
         pairs = packed
 
-    step_fn = jax.jit(make_objective_step(config, tc, Data))
+    step_fn = jax.jit(make_objective(tc).step_fn(config, Data))
     ours, order = [], []
     for step in range(args.steps):
         batch = source.get(step)

@@ -102,14 +102,14 @@ def evaluate(run_dir: Path, prompts_file: Path, samples: int, max_tokens: int, s
     completions at temperature 1, and of one greedy completion, from ``run_dir``'s weights."""
     from transformer_jax.checkpoint import loading
     from transformer_jax.serving.requests import SamplingParams
+    from transformer_jax.train.config import TrainConfig
+    from transformer_jax.train.grpo import completion_text, make_engine
     from transformer_jax.train.grpo_data import load_prompts, load_rewards, score
-    from transformer_jax.train.grpo_run import completion_text, make_engine
 
     ckpt = loading.load(loading.locate(str(run_dir)))
     prompts = load_prompts(prompts_file, ckpt.tokenizer, 48)
     rewards = load_rewards("transformer_jax.bench.grpo:exact_match")
-    settings = argparse.Namespace(batch_size=64, grpo_max_tokens=max_tokens,
-                                  grpo_group_size=samples)
+    settings = TrainConfig(batch_size=64, grpo_max_tokens=max_tokens, grpo_group_size=samples)
     engine = make_engine(ckpt.config, ckpt.params, settings,
                          max(len(p.tokens) for p in prompts))
     out = []
@@ -133,16 +133,16 @@ def logprob_gap(run_dir: Path, prompts_file: Path, args: argparse.Namespace) -> 
     weights (every sampled completion token of ``--prompts`` prompts x G)."""
     from transformer_jax.checkpoint import loading
     from transformer_jax.model.transformer import Transformer
-    from transformer_jax.train.grpo import make_logps_fn
+    from transformer_jax.train.config import TrainConfig
+    from transformer_jax.train.grpo import grpo_batch, make_engine, make_logps_fn, sample
     from transformer_jax.train.grpo_data import load_prompts
-    from transformer_jax.train.grpo_run import grpo_batch, make_engine, sample
 
     ckpt = loading.load(loading.locate(str(run_dir)))
     prompts = load_prompts(prompts_file, ckpt.tokenizer, 28)[:args.prompts]
-    tc = argparse.Namespace(batch_size=args.prompts * args.group, grpo_max_tokens=args.max_tokens,
-                            grpo_group_size=args.group, grpo_temperature=1.0, seed=args.seed)
+    tc = TrainConfig(batch_size=args.prompts * args.group, grpo_max_tokens=args.max_tokens,
+                     grpo_group_size=args.group, grpo_temperature=1.0, seed=args.seed)
     engine = make_engine(ckpt.config, ckpt.params, tc, max(len(p.tokens) for p in prompts))
-    rows, completions, lps, _ = sample(engine, prompts, tc, 0, ckpt.tokenizer.eos_id)
+    rows, completions, lps = sample(engine, prompts, tc, 0, ckpt.tokenizer.eos_id)
     batch = grpo_batch(rows, completions, lps, np.zeros(len(rows)), 32)
     ours = np.asarray(make_logps_fn(Transformer(ckpt.config))(ckpt.params, batch))
     mask = batch["mask"] > 0

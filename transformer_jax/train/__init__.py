@@ -6,6 +6,7 @@ their docstrings into ``--help``), ``checks`` (what is checked before any data o
 checkpoint), ``loss`` and ``optim`` (masked cross-entropy, AdamW and its schedule), ``step``
 (``TrainState`` and the pure init / train / eval steps), ``quant`` (quantised training),
 ``validation`` (validation loss and samples), ``log`` (metrics, TensorBoard, signals), ``resume``
-(what a run must share with its checkpoints), ``perf`` (FLOPs, MFU) and ``plot`` (loss curves);
-``run`` puts them together: ``run(model, train, data)``.
+(what a run must share with its checkpoints), ``perf`` (FLOPs, MFU), ``plot`` (loss curves) and
+the objectives (``objective``: their keys; ``context``: SFT and their interface; ``preference``:
+DPO, ORPO; ``grpo``, ``grpo_data``); ``run`` drives them in one loop: ``run(model, train, data)``.
 """

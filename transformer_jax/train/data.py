@@ -24,12 +24,7 @@ from transformer_jax.data.instruct import (
     packed_eval_batches,
     with_mask,
 )
-from transformer_jax.data.preference import (
-    PairBatches,
-    PreferenceRows,
-    is_preference_file,
-    load_preference_data,
-)
+from transformer_jax.data.preference import PairBatches, PreferenceRows
 from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, Tokenizer, load_tokenizer
 from transformer_jax.train.config import (
     DataConfig,
@@ -285,12 +280,12 @@ def split_rows(rows: PackedData, val_fraction: float) -> tuple[PackedData, Packe
     Returns:
       ``(train rows, validation rows or None)``, each keeping the rows' original order.
     """
-    train, val = _split_index(rows.num_rows, val_fraction)
+    train, val = split_index(rows.num_rows, val_fraction)
     return _rows(rows, train), None if val is None else _rows(rows, val)
 
 
-def _split_index(count: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray | None]:
-    """The sorted train and validation row indices of ``split_rows``."""
+def split_index(count: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray | None]:
+    """The sorted train and validation row indices of ``split_rows`` (of ``count`` rows)."""
     n_val = min(count - 1, max(1, round(val_fraction * count))) if val_fraction > 0 else 0
     if n_val <= 0:
         return np.arange(count), None
@@ -298,35 +293,9 @@ def _split_index(count: int, val_fraction: float) -> tuple[np.ndarray, np.ndarra
     return np.sort(order[n_val:]), np.sort(order[:n_val])
 
 
-def prepare_preference_data(files: list[Path], tokenizer: TextTokenizer, seq_len: int,
-                            val_fraction: float, objective: str) -> RunData:
-    """Reads and packs preference pairs (``data.preference``) and splits their rows as
-    ``split_rows`` does.
-
-    Raises:
-      ValueError: a file whose first record is not a pair (one line naming it), or no pair
-        that fits.
-    """
-    for file in files:
-        if not is_preference_file(file):
-            raise ValueError(f"train.objective={objective} needs preference records "
-                             '{"prompt", "chosen", "rejected"}; ' f"{file} holds other records "
-                             "(its first record lacks those keys)")
-    pairs = load_preference_data(files, tokenizer, seq_len)
-    train, val = _split_index(pairs.rows.num_rows, val_fraction)
-    train_pairs = pairs.take(train)
-    val_rows = None if val is None else pairs.take(val).rows
-    logger.info("preference data (%s): %s in %s of %d tokens: %d train / %d val rows",
-                files[0] if len(files) == 1 else f"{len(files)} files",
-                count(pairs.num_pairs, "pair"), count(pairs.rows.num_rows, "packed row"),
-                seq_len + 1, len(train), 0 if val is None else len(val))
-    return RunData(train_rows=train_pairs.rows, val_rows=val_rows, pairs=train_pairs)
-
-
-def prepare_instruction_data(data_config: DataConfig, tokenizer: TextTokenizer, seq_len: int,
-                             objective: str = "sft") -> RunData:
-    """Reads, tokenizes and packs the ``.jsonl`` files of ``data.path`` and splits the rows
-    (``objective`` dpo / orpo: preference pairs, ``prepare_preference_data``).
+def prepare_instruction_data(data_config: DataConfig, tokenizer: TextTokenizer, seq_len: int
+                             ) -> RunData:
+    """Reads, tokenizes and packs the ``.jsonl`` files of ``data.path`` and splits the rows.
 
     Raises:
       InstructionDataError: a bad record (``FILE:LINE: ...``).
@@ -334,9 +303,6 @@ def prepare_instruction_data(data_config: DataConfig, tokenizer: TextTokenizer, 
         tokens (``instruct.pack``): nothing would be trained.
     """
     files = data_config.instruction_files()
-    if objective != "sft":
-        return prepare_preference_data(files, tokenizer, seq_len, data_config.val_fraction,
-                                       objective)
     packed = load_instruction_data(files, tokenizer, seq_len)
     train, val = split_rows(packed, data_config.val_fraction)
     where = files[0] if len(files) == 1 else f"{len(files)} files"

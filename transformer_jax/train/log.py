@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,9 +124,14 @@ class RunLog:
     """
 
     def __init__(self, run_dir: Path, start_step: int, tc: TrainConfig, flops: float,
-                 peak: float, log_train: bool, write: bool = True) -> None:
+                 peak: float, log_train: bool, write: bool = True, every_step: bool = False,
+                 describe: Callable[[dict[str, float]], str | None] | None = None) -> None:
+        """``every_step``: a train record each step (the log line stays every ``log_every``);
+        ``describe(metrics)``: a log line's text after ``step N:`` (None: loss, speed, lr...)."""
         SummaryWriter = _summary_writer_class()
         self.tc, self.flops, self.peak = tc, flops, peak
+        self._every = 1 if every_step else tc.log_every
+        self._describe = describe or (lambda m: None)
         # Without a progress bar, train records are logged at INFO so that progress shows.
         self._train_level = logging.INFO if log_train else logging.DEBUG
         # Only one process of a multi-host run writes the logs; the others compute the same
@@ -156,7 +161,9 @@ class RunLog:
     def flush(self, keep_last: int = 0) -> None:
         while len(self._pending) > keep_last:
             step, metrics = self._pending.pop(0)
-            self._record(step, {k: float(v) for k, v in jax.device_get(metrics).items()})
+            values = jax.device_get(metrics)  # a dict's keys come back sorted: keep the order
+            self._record(step, {k: v if isinstance(v := values[k], int) else float(v)
+                                for k in metrics})
 
     def _record(self, step: int, m: dict[str, float]) -> None:
         if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
@@ -173,7 +180,7 @@ class RunLog:
                 self._timer = time.perf_counter()
         else:
             self._interval_steps += 1
-        if step % self.tc.log_every == 0 or step == self.tc.steps:
+        if step % self._every == 0 or step == self.tc.steps:
             self._update_rate()
             self.logged_loss = m["loss"]
             record = {"step": step, "split": "train", **m,
@@ -184,8 +191,12 @@ class RunLog:
                 self._tb.add_scalar(f"train/{k}", m[k], step)
             if self._rate:
                 self._tb.add_scalar("train/tokens_per_s", self._rate, step)
-            logger.log(self._train_level, "step %d: %s, lr %.3g, grad norm %.3g",
-                       step, self.postfix(), m["lr"], m["grad_norm"])
+            text = self._describe(m)
+            if text is None:
+                logger.log(self._train_level, "step %d: %s, lr %.3g, grad norm %.3g",
+                           step, self.postfix(), m["lr"], m["grad_norm"])
+            elif step % self.tc.log_every == 0 or step == self.tc.steps:
+                logger.log(self._train_level, "step %d: %s", step, text)
 
     def _update_rate(self) -> None:
         now = time.perf_counter()

@@ -1,15 +1,17 @@
-"""The ``train.objective`` keys (SFT, DPO, ORPO, GRPO) as a base of ``TrainConfig``."""
+"""The ``train.objective`` keys (SFT, DPO, ORPO, GRPO) as a base of ``TrainConfig`` (the objects
+a run trains with: ``run.make_objective``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from transformer_jax.train.grpo import GRPO_LOSSES
-from transformer_jax.train.preference import DPO_LOSSES
-
 #: ``train.objective`` values: next-token cross-entropy, or a preference objective.
 OBJECTIVES = ("sft", "dpo", "orpo", "grpo")
+#: ``train.dpo_loss`` values.
+DPO_LOSSES = ("sigmoid", "ipo")
+#: ``train.grpo_loss`` values (how the per-token losses are averaged).
+GRPO_LOSSES = ("token", "sequence", "dr_grpo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +65,13 @@ class ObjectiveConfig:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.dpo_loss not in DPO_LOSSES:
             raise ValueError(f"dpo_loss must be one of {DPO_LOSSES}, got {self.dpo_loss!r}")
-        for name in ("dpo_beta", "orpo_lambda"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        for name in ("dpo_beta", "orpo_lambda", "grpo_temperature", "grpo_clip_eps",
+                     "grpo_kl_beta"):
+            value, zero = getattr(self, name), name == "grpo_kl_beta"  # 0: no reference
+            if not (isinstance(value, int | float) and not isinstance(value, bool)
+                    and math.isfinite(value) and (value > 0 or zero and value == 0)):
+                raise ValueError(f"{name} must be a number {'>= 0' if zero else '> 0'}, got "
+                                 f"{value!r}")
         eps = self.dpo_label_smoothing
         if not (isinstance(eps, int | float) and 0 <= eps < 0.5):
             raise ValueError(f"dpo_label_smoothing must be in [0, 0.5), got {eps!r}")
@@ -85,13 +90,6 @@ class ObjectiveConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("grpo_temperature", "grpo_clip_eps", "grpo_kl_beta"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and not isinstance(value, bool)
-                    and math.isfinite(value) and (value > 0 or name == "grpo_kl_beta"
-                                                  and value == 0)):
-                raise ValueError(f"{name} must be a number {'>= 0' if 'kl' in name else '> 0'}"
-                                 f", got {value!r}")
         if not isinstance(self.grpo_scale_rewards, bool):
             raise ValueError(f"grpo_scale_rewards must be true or false, got "
                              f"{self.grpo_scale_rewards!r}")
@@ -114,15 +112,5 @@ class ObjectiveConfig:
             raise ValueError(f"batch_size ({batch}) counts completions and must be a multiple "
                              f"of grpo_group_size ({self.grpo_group_size})")
 
-    @property
-    def is_preference(self) -> bool:
-        """Whether the objective trains on preference pairs (``dpo``, ``orpo``)."""
-        return self.objective in ("dpo", "orpo")
 
-    @property
-    def is_grpo(self) -> bool:
-        """Whether the objective is GRPO (rollouts from the serving engine)."""
-        return self.objective == "grpo"
-
-
-__all__ = ["OBJECTIVES", "ObjectiveConfig"]
+__all__ = ["DPO_LOSSES", "GRPO_LOSSES", "OBJECTIVES", "ObjectiveConfig"]

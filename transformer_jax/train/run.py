@@ -6,7 +6,8 @@ and ``build_configs``), ``checks`` (what is checked before any data or compile, 
 estimate of ``memory``), ``data`` (the tokenizer, token splits or packed rows, batches),
 ``validation`` (validation loss and samples), ``resume`` (what a run shares with its
 checkpoints), ``loss`` and ``optim``, ``step`` (``TrainState`` and the pure steps), ``log``
-(metrics, TensorBoard, progress, signals) and ``perf`` (FLOPs per token, the matmul peak).
+(metrics, TensorBoard, progress, signals) and ``perf`` (FLOPs per token, the matmul peak). The
+objective (``context``: SFT; ``preference``: DPO, ORPO; ``grpo``) gives data, batches and loss.
 
 The state is created directly sharded over the mesh of ``train.mesh`` (data x fsdp x tensor, see
 ``parallel.sharding``) and each process loads only its rows of the batch; on CPU,
@@ -37,8 +38,6 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.parallel import distributed
 from transformer_jax.parallel import sharding as sharding_lib
 from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, load_tokenizer
-from transformer_jax.train import grpo_run
-from transformer_jax.train import preference_run as objective
 from transformer_jax.train.checks import (
     RunDirectory,
     attention_used,
@@ -50,12 +49,9 @@ from transformer_jax.train.checks import (
     run_directory,
 )
 from transformer_jax.train.config import DataConfig, TrainConfig
-from transformer_jax.train.data import (
-    RunData,
-    prepare_data,
-    prepare_instruction_data,
-    prepare_shard_data,
-)
+from transformer_jax.train.context import Batch, Objective, RunContext
+from transformer_jax.train.data import RunData, prepare_data, prepare_shard_data
+from transformer_jax.train.grpo import GRPO
 from transformer_jax.train.init_from import architecture_changes
 from transformer_jax.train.log import (
     NonFiniteLossError,
@@ -68,14 +64,9 @@ from transformer_jax.train.log import (
     progress_bar,
 )
 from transformer_jax.train.perf import describe_params, flops_per_token
+from transformer_jax.train.preference import DPO, ORPO
 from transformer_jax.train.resume import check_resume
-from transformer_jax.train.step import (
-    ParamsLayout,
-    TrainState,
-    make_eval_step,
-    make_init_fn,
-    make_train_step,
-)
+from transformer_jax.train.step import ParamsLayout, TrainState, make_eval_step, make_init_fn
 from transformer_jax.train.validation import (
     EVAL_BATCH_FACTOR,
     eval_batching,
@@ -87,9 +78,6 @@ from transformer_jax.train.validation import (
 
 logger = logging.getLogger(__name__)
 
-Batch = dict[str, jax.Array]
-
-
 #: The parts of a run's wall time in ``RunSummary.time_s`` (seconds).
 TIME_PARTS = ("startup", "compile", "train", "eval", "sample", "plot", "checkpoint", "data")
 
@@ -97,6 +85,11 @@ TIME_PARTS = ("startup", "compile", "train", "eval", "sample", "plot", "checkpoi
 TOKENIZER_DIR = loading.RUN_TOKENIZER_DIR
 
 
+def make_objective(train_config: TrainConfig) -> Objective:
+    """The objective of ``train.objective``: the one place that maps the name to its behaviour
+    (data, loss, metrics, state: ``context.Objective``); the config checks the values."""
+    classes = {"sft": Objective, "dpo": DPO, "orpo": ORPO, "grpo": GRPO}
+    return classes[train_config.objective](train_config)
 
 
 def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataConfig, *,
@@ -138,6 +131,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     tc = train_config
     wall_start = time.perf_counter()
     times = dict.fromkeys(TIME_PARTS, 0.0)
+    objective = make_objective(tc)
 
     # 1. Checks that need no data, before any expensive work (and before checkpoints/ exists).
     files = run_directory(tc.run_dir, jax.process_index())
@@ -145,7 +139,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh))
     num_batch_devices = sharding_lib.batch_devices(mesh)  # data x fsdp (x expert)
     check_config(model_config, tc, num_devices=num_batch_devices)
-    objective.check_objective_data(tc, data_config)  # dpo / orpo need preference pairs
+    objective.check_data(data_config)
     where = f"train.init_from={tc.init_from}"
     source = loading.locate(tc.init_from, where=where) if tc.init_from else None
     if source is not None:
@@ -177,8 +171,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         if tokenizer is None:
             raise ValueError(f"instruction data ({data_config.path}) needs the model's "
                              "tokenizer: pass train.init_from=CHECKPOINT or data.tokenizer=FILE")
-        data = (grpo_run.prompt_data(data_config, tokenizer, tc) if tc.is_grpo else
-                prepare_instruction_data(data_config, tokenizer, tc.seq_len, tc.objective))
+        data = objective.load_data(data_config, tokenizer)
     else:
         tokenizer, train_tokens, val_tokens = prepare_data(
             data_config, model_config.vocab_size, tokenizer)
@@ -187,8 +180,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         logger.info("model vocab_size %d -> %d (the tokenizer's)", model_config.vocab_size,
                     tokenizer.vocab_size)
         model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
-    batch_sharding = sharding_lib.batch_sharding(mesh)
-    if data.packed or tc.is_grpo:
+    if data_config.is_instruct:  # packed rows or GRPO's prompts: no windows of seq_len
         check_dtype(model_config)
     else:
         check_run(model_config, tc, data.num_train_tokens, num_devices=num_batch_devices)
@@ -216,75 +208,70 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         abstract_state = jax.eval_shape(init, key)
         state_shardings = sharding_lib.state_shardings(
             abstract_state, params_shardings(model_config, mesh, abstract_state.params, layout))
+
+        def initial_state(donate: bool = False) -> TrainState:
+            """Step 0's state: init_from's weights (``donate``: handed over) or the seed's."""
+            if source is None:
+                return sharding_lib.shard_init(init, state_shardings)(key)
+            params = loading.load(source, mesh, scan_layers=model_config.scan_layers,
+                                  dtype=model_config.param_dtype, with_tokenizer=False).params
+            return jax.jit(init, out_shardings=state_shardings,
+                           donate_argnums=(1,) if donate else ())(key, params)
+
         if ckpt.all_steps():
             check_resume(ckpt.read_meta(), configs, ckpt.directory)
             abstract = sharding_lib.with_shardings(abstract_state, state_shardings)
             state, _ = ckpt.restore(abstract, quarantine=main_process)
             logger.info("resumed from %s (step %d)", ckpt.step_path(int(state.step)),
                         int(state.step))
-        elif source is not None:
-            params = loading.load(source, mesh, scan_layers=model_config.scan_layers,
-                                  dtype=model_config.param_dtype, with_tokenizer=False).params
-            # Full fine-tuning hands the loaded buffers over to the state (no second copy).
-            donate = (1,) if layout.lora_config is None else ()
-            state = jax.jit(init, out_shardings=state_shardings, donate_argnums=donate)(
-                key, params)
-            del params
-            logger.info("initialised from %s (%s)%s", source.path, source.kind,
-                        "" if layout.lora_config is None else
-                        f"; LoRA rank {layout.lora_config.rank}, "
-                        f"{lora.adapter_count(state.params[lora.ADAPTERS]):,} trained params")
         else:
-            state = sharding_lib.shard_init(init, state_shardings)(key)
+            # Full fine-tuning hands the loaded buffers over to the state.
+            state = initial_state(donate=layout.lora_config is None)
+            if source is not None:
+                logger.info("initialised from %s (%s)%s", source.path, source.kind,
+                            "" if layout.lora_config is None else
+                            f"; LoRA rank {layout.lora_config.rank}, "
+                            f"{lora.adapter_count(state.params[lora.ADAPTERS]):,} trained "
+                            "params")
         start_step = int(state.step)
         if start_step >= tc.steps:
-            return _finished(files, start_step, tc, ckpt, data_config)
+            return _finished(files, start_step, tc, ckpt, objective.loss_unit(data_config))
         if main_process:
             _save_tokenizer(tokenizer, run_dir / TOKENIZER_DIR)
             (run_dir / "config.json").write_text(json.dumps(configs, indent=2))
-        data = objective.attach_reference(data, tc, model_config, state, batch_sharding,
-                                          run_dir, main_process)  # DPO's stored reference
-        if tc.is_grpo:  # engine rollouts and GRPO updates (train.grpo_run)
-            return grpo_run.train_grpo(model_config, tc, data_config, files, ckpt, state,
-                                       batch_sharding, tokenizer, configs, main_process, times,
-                                       wall_start, (init, key, source, mesh, state_shardings))
-        return _train(model_config, tc, data_config, mesh=mesh, files=files, ckpt=ckpt,
-                      state=state, state_shardings=state_shardings, start_step=start_step,
-                      batch_sharding=batch_sharding, data=data, eval_kw=eval_kw,
-                      eval_sets=eval_sets,
-                      tokenizer=tokenizer, configs=configs, progress=progress and main_process,
-                      main_process=main_process, times=times, wall_start=wall_start)
+        context = RunContext(
+            model_config=model_config, tc=tc, data_config=data_config, files=files, mesh=mesh,
+            batch_sharding=sharding_lib.batch_sharding(mesh), state_shardings=state_shardings,
+            tokenizer=tokenizer, data=data, configs=configs, main_process=main_process,
+            initial_state=initial_state)
+        objective.start(context, state)
+        return _train(context, objective, ckpt, state, eval_kw=eval_kw, eval_sets=eval_sets,
+                      progress=progress and main_process, times=times, wall_start=wall_start)
 
 
-def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, *, mesh: Any,
-           files: RunDirectory, ckpt: CheckpointManager, state: TrainState,
-           state_shardings: Any, start_step: int, batch_sharding: Any, data: RunData,
-           eval_kw: dict[str, Any], eval_sets: list[EvalSet], tokenizer: TextTokenizer,
-           configs: dict[str, Any], progress: bool, main_process: bool,
+def _train(run: RunContext, objective: Objective, ckpt: CheckpointManager, state: TrainState,
+           *, eval_kw: dict[str, Any], eval_sets: list[EvalSet], progress: bool,
            times: dict[str, float], wall_start: float) -> RunSummary:
-    """Steps 4-6 of ``run``: compile, loop, summary."""
-    run_dir = files.local
+    """Steps 4-6 of ``run``, the same for every objective: compile, loop, summary."""
+    tc, files, run_dir, main_process = run.tc, run.files, run.files.local, run.main_process
+    model_config, mesh, batch_sharding = run.model_config, run.mesh, run.batch_sharding
+    start_step = int(state.step)
     # 4. Compile the step once (ahead of time, so its cost is reported separately).
     compile_start = time.perf_counter()
-    part, parts = distributed.process_batch_shard(batch_sharding, tc.batch_size)
-
     batch_times: list[float] = []  # host seconds of each batch the loop made
 
-    def get_batch(step: int) -> Batch:
+    def get_batch(step: int, state: TrainState) -> Batch:
         start = time.perf_counter()
-        rows = data.batch(tc, step, process_index=part, process_count=parts)
+        batch = objective.batch(step, state)
         batch_times.append(time.perf_counter() - start)
-        return distributed.global_batch(rows, batch_sharding, tc.batch_size)
+        return batch
 
-    batch = get_batch(start_step)
+    batch: Batch | None = get_batch(start_step, state)
     batch_times.clear()  # the loop's batches only
-    step_fn = (objective.make_objective_step(model_config, tc, data) if tc.is_preference
-               else make_train_step(model_config, tc))  # dpo / orpo, or sft
-    train_step = sharding_lib.jit_train_step(step_fn, state_shardings, batch_sharding)
-    train_step = train_step.lower(state, batch).compile()
+    objective.compile(state, batch)
     compile_time = time.perf_counter() - compile_start
     eval_step = sharding_lib.jit_sharded(
-        make_eval_step(model_config, tc), mesh, (state_shardings.params, batch_sharding),
+        make_eval_step(model_config, tc), mesh, (run.state_shardings.params, batch_sharding),
         sharding_lib.replicated(mesh))
     eval_part, eval_parts = distributed.process_batch_shard(batch_sharding,
                                                             eval_kw["batch_size"])
@@ -302,7 +289,8 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
     times["startup"] = time.perf_counter() - wall_start - compile_time
 
     log = RunLog(run_dir, start_step, tc, flops, peak, log_train=not progress,
-                 write=main_process)
+                 write=main_process, every_step=objective.on_policy,
+                 describe=objective.describe)
     last_val: float | None = None
     interrupted: str | None = None
     step = start_step
@@ -315,32 +303,35 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
         with StopOnSignal() as stop:
             log.start_timer()
             # 5. The loop: one jitted step per batch; the host reads each step's metrics one
-            # step late, so it never waits for the device while there is work to queue.
+            # step late, so it never waits for the device while there is work to queue (an
+            # on-policy objective's batch needs the last update's state: it waits anyway).
             while step < tc.steps:
+                if batch is None:
+                    batch = get_batch(step, state)
                 if profile and not tracing and profile[0] <= step + 1 <= profile[1]:
                     jax.profiler.start_trace(str(run_dir / "profile"))
                     tracing = True
                     logger.info("profiling steps %d-%d into %s", step + 1, profile[1],
                                 run_dir / "profile")
-                state, metrics = train_step(state, batch)
+                state, metrics = objective.update(state, batch)
                 step += 1
                 if tracing and step >= profile[1]:
                     jax.block_until_ready((state, metrics))
                     jax.profiler.stop_trace()
                     tracing, profile = False, None
                 log.push(step, metrics)
-                if step < tc.steps:
-                    batch = get_batch(step)
-                log.flush(keep_last=1)
+                batch = (get_batch(step, state) if step < tc.steps and not objective.on_policy
+                         else None)
+                log.flush(keep_last=0 if objective.on_policy else 1)
                 last = step == tc.steps
                 evaluate_now = bool(tc.eval_every and step % tc.eval_every == 0) or last
                 if evaluate_now or stop.signal is not None or step % tc.ckpt_every == 0:
                     log.flush()  # checks every pending loss before anything is saved
                     log.stop_timer()
                     if evaluate_now:
-                        last_val = evaluate_and_sample(state, step, eval_step, data,
-                                                        eval_kw, tokenizer, model_config, tc,
-                                                        log, times, eval_sets)
+                        last_val = evaluate_and_sample(state, step, eval_step, run.data,
+                                                        eval_kw, run.tokenizer, model_config,
+                                                        tc, log, times, eval_sets)
                         if main_process:
                             _plot(run_dir, times)
                             plotted_step = step
@@ -351,7 +342,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
                         # during orbax's start of this one it waits for the start to return.
                         ckpt.wait()
                         with stop.deferred():
-                            ckpt.save(step, state, meta=dict(configs, step=step,
+                            ckpt.save(step, state, meta=dict(run.configs, step=step,
                                                              train_loss=log.last_loss))
                         if main_process:
                             log.flush_events()
@@ -402,7 +393,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
         run_dir=files.name, start_step=start_step, final_step=step,
         train_loss=log.last_loss, val_loss=last_val,
         val_ppl=math.exp(last_val) if last_val is not None and last_val < 700 else None,
-        loss_unit="nats/char" if data_config.tokenizer == "char" else "nats/token",
+        loss_unit=objective.loss_unit(run.data_config),
         tokens_seen=step * tc.tokens_per_step, wall_time_s=wall_time,
         train_time_s=train_time, compile_time_s=compile_time,
         tokens_per_s=log.tokens_per_s(overall=True), mfu=log.mfu(overall=True),
@@ -421,7 +412,7 @@ def _train(model_config: ModelConfig, tc: TrainConfig, data_config: DataConfig, 
 
 
 def _finished(files: RunDirectory, step: int, tc: TrainConfig, ckpt: CheckpointManager,
-              data_config: DataConfig) -> RunSummary:
+              unit: str) -> RunSummary:
     """A resumed run with no step left: says so and returns the summary it wrote (kept)."""
     logger.info("nothing to do: the run in %s is at step %d of train.steps=%d; raise "
                 "train.steps to train further (its summary.json is kept)", files.name, step,
@@ -435,8 +426,7 @@ def _finished(files: RunDirectory, step: int, tc: TrainConfig, ckpt: CheckpointM
     return RunSummary(
         run_dir=files.name, start_step=step, final_step=step,
         train_loss=ckpt.read_meta().get("train_loss"), val_loss=None, val_ppl=None,
-        loss_unit="nats/char" if data_config.tokenizer == "char" else "nats/token",
-        tokens_seen=step * tc.tokens_per_step, wall_time_s=0.0, train_time_s=0.0,
+        loss_unit=unit, tokens_seen=step * tc.tokens_per_step, wall_time_s=0.0, train_time_s=0.0,
         compile_time_s=0.0, tokens_per_s=None, step_time_ms=None, mfu=None,
         checkpoint=str(ckpt.step_path(ckpt.latest_step())))
 

@@ -137,8 +137,7 @@ def make_init_fn(model_config: ModelConfig, train_config: TrainConfig
 
 
 def make_train_step(model_config: ModelConfig, train_config: TrainConfig,
-                    loss_fn: Callable[[Params, Batch], tuple[jax.Array, tuple]] | None = None,
-                    aux_metrics: Callable[[Any, jax.Array], Metrics] | None = None
+                    loss_fn: Callable[[Params, Batch], tuple[jax.Array, tuple]] | None = None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """The pure ``train_step(state, batch) -> (state, metrics)``; jit it once.
 
@@ -157,15 +156,16 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig,
     worst).
 
     ``loss_fn`` replaces ``make_loss_fn``'s objective (same contract: sums, and ``count`` the
-    divisor; e.g. the pairs of a preference objective) and ``aux_metrics(sums, count)`` turns
-    the summed fourth element of its aux into metrics (default: the router metrics above).
+    divisor; e.g. the pairs of a preference objective); the summed fourth element of its aux,
+    a dict of sums, gives metrics by ``stat_means``.
     """
     tx = make_optimizer(train_config)
     schedule = lr_schedule(train_config)
     accum = train_config.grad_accum
     layout = ParamsLayout.of(train_config)
     loss_sums = loss_fn or make_loss_fn(model_config, train_config)
-    extra = aux_metrics or (lambda sums, n: moe_metrics(sums, n, model_config.sparse_layers))
+    extra = stat_means if loss_fn else (
+        lambda sums, n: moe_metrics(sums, n, model_config.sparse_layers))
     # Differentiated with respect to the trained part only (LoRA: gradients adapter-sized).
     grad_fn = jax.grad(
         lambda trainable, params, batch: loss_sums(
@@ -258,6 +258,11 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
         return objective, (ce, z, count, moe)
 
     return loss_sums
+
+
+def stat_means(stats: dict[str, jax.Array], count: jax.Array) -> Metrics:
+    """A custom loss's summed ``stats`` over its ``count`` (``tokens`` stays a count)."""
+    return {k: v if k == "tokens" else v / count for k, v in stats.items()}
 
 
 def moe_metrics(moe: dict[str, jax.Array], count: jax.Array, sparse_layers: tuple[int, ...]
