@@ -22,6 +22,7 @@ from transformer_jax.decode.speculative import (
     Acceptance,
     SpeculativeConfig,
     accepted_length,
+    forward_chunk,
     ngram_lookup,
     parse_spec,
     rejection_sample,
@@ -127,8 +128,14 @@ def test_verification_equals_sequential_decode_steps(target):
     # operations cost more than these three compilations.
     jit = functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
     prefill = jit(decode.prefill, static_argnames=("max_len", "weights_out_first"))
+
+    def forward(config, params, cache, tokens, start, weights_out_first):
+        out = forward_chunk(decode.decode_model(config, None, weights_out_first), params, cache,
+                            tokens, start)
+        return out.logits, out.cache
+
     verify_forward, decode_step = (jit(f, static_argnames="weights_out_first")
-                                   for f in (speculative_loop.verify_forward, decode.decode_step))
+                                   for f in (forward, decode.decode_step))
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, config.vocab_size, (2, 8)).astype(np.int32)
     lengths = np.asarray([8, 5], np.int32)

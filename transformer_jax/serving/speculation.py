@@ -36,17 +36,16 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.decode.loop import decode_model, is_split
 from transformer_jax.decode.speculative import (
     Acceptance,
     SpeculativeConfig,
-    accepted_length,
     expected_tokens,
-    ngram_lookup,
+    ngram_proposals,
     parse_spec,
+    verify,
 )
 from transformer_jax.decode.speculative_loop import check_no_rings
 from transformer_jax.model.config import ModelConfig
@@ -92,7 +91,8 @@ def verify_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                 weights_out_first: bool, keys_transposed: bool, sampler: Sampler,
                 view: str = "auto") -> tuple[Any, Any, jax.Array, jax.Array, jax.Array]:
     """The verify rows' forward through the paged cache, the target's draw at every position,
-    and each row's accepted proposals.
+    and each row's accepted proposals: ``speculative.verify`` (``generate``'s too) with the
+    engine's per-row sampler.
 
     Args:
       config, params: the target's config (static) and prepared weights.
@@ -109,18 +109,18 @@ def verify_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
       ``[:a + 1]``).
     """
     b, t = rows.tokens.shape
-    model = decode_model(config, None, weights_out_first)
     cache = PagedKVCache(k=k_pages, v=v_pages, page_table=rows.page_table, lengths=rows.start,
                          keys_transposed=keys_transposed, view=view)
-    positions = rows.start[:, None] + jnp.arange(t, dtype=jnp.int32)
-    out = model.apply({"params": _adapted(params, adapters, rows.adapter)}, rows.tokens,
-                      positions, cache=cache)
-    tokens, logprobs = sample_rows(out.logits.reshape(b * t, -1), sampling, sampler)
-    tokens = tokens.reshape(b, t, *tokens.shape[1:])
-    logprobs = logprobs.reshape(b, t, *logprobs.shape[1:])
-    targets = tokens if tokens.ndim == 2 else tokens[..., 0]
-    accepted = accepted_length(targets, rows.tokens[:, 1:], rows.num_drafts)
-    return out.cache.k, out.cache.v, tokens, logprobs, accepted
+
+    def draw(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        tokens, logprobs = sample_rows(logits.reshape(b * t, -1), sampling, sampler)
+        return (tokens.reshape(b, t, *tokens.shape[1:]),
+                logprobs.reshape(b, t, *logprobs.shape[1:]))
+
+    cache, tokens, logprobs, accepted = verify(
+        decode_model(config, None, weights_out_first), _adapted(params, adapters, rows.adapter),
+        cache, rows.tokens, rows.start, rows.num_drafts, draw)
+    return cache.k, cache.v, tokens, logprobs, accepted
 
 
 def jit_verify(**jit_options: Any) -> Any:
@@ -230,6 +230,7 @@ class Speculation:
             self.backed_off += 1
             return None
         drafts: dict[int, list[int]] = {}
+        lookups: dict[tuple[int, int], list[tuple[Request, int]]] = {}  # (n, min_n) -> rows
         for req in plan.decodes:
             if req.speculation is None:
                 continue
@@ -238,9 +239,10 @@ class Speculation:
             if budget > 0 and spec.method == "draft":
                 drafts[req.id] = [-1] * budget  # filled by the draft below, if it runs
             elif budget > 0:
-                found = ngram_lookup(req.tokens, budget, spec.n, spec.min_n)
-                if found:
-                    drafts[req.id] = found
+                lookups.setdefault((spec.n, spec.min_n), []).append((req, budget))
+        for (n, min_n), group in lookups.items():  # one batched lookup, not one per row
+            found = ngram_proposals([r.tokens for r, _ in group], [k for _, k in group], n, min_n)
+            drafts.update((r.id, d) for (r, _), d in zip(group, found, strict=True) if d)
         if not drafts:
             return None
         t = width_of(max(len(d) for d in drafts.values()))
