@@ -206,7 +206,7 @@ def test_point_mass_rule_accepts_with_p_and_keeps_p():
     logits = jnp.log(jnp.asarray([0.35, 0.25, 0.2, 0.1, 0.1, 1e-9]))
     settings = SamplingSettings(temperature=1.0)
     keys = jax.random.key_data(jax.random.split(jax.random.key(3), n))
-    targets, _ = speculative_loop.draw(jnp.broadcast_to(logits, (n, 2, v)), keys,
+    targets, _ = decode.draw(jnp.broadcast_to(logits, (n, 2, v)), keys,
                                        jnp.zeros(n, jnp.int32), settings)
     drafts = jnp.full((n, 1), 1, jnp.int32)
     a = np.asarray(accepted_length(targets, drafts, jnp.ones(n, jnp.int32)))

@@ -44,6 +44,7 @@ from transformer_jax.decode.loop import (
     SamplingSettings,
     decode_model,
     decode_step,
+    draw,
     prefill,
 )
 from transformer_jax.decode.speculative import (
@@ -62,35 +63,6 @@ from transformer_jax.model.kv_cache import KVCache
 from transformer_jax.model.kv_ring import RingLayout
 
 logger = logging.getLogger(__name__)
-
-
-def draw(logits: jax.Array, key_data: jax.Array, index: jax.Array,
-         settings: SamplingSettings) -> tuple[jax.Array, jax.Array]:
-    """The plain decode's draw at T positions per row.
-
-    Args:
-      logits: [B, T, V] float32.
-      key_data: [B, 2] uint32 each row's raw key.
-      index: [B] int32 the new-token index of position 0 (position t draws with
-        ``fold_in(key, index + t)``).
-      settings: static sampling settings.
-
-    Returns:
-      ([B, T] int32 tokens, [B, T] float32 their raw-softmax log-probabilities).
-    """
-    b, t, v = logits.shape
-    flat = logits.reshape(b * t, v)
-    if settings.temperature == 0:
-        tokens = sampling.argmax(flat)
-    else:
-        keys = jax.random.wrap_key_data(jnp.repeat(key_data, t, axis=0))
-        steps = (index[:, None] + jnp.arange(t, dtype=jnp.int32)).reshape(-1)
-        keys = jax.vmap(jax.random.fold_in)(keys, steps)
-        tokens = sampling.sample(flat, keys, temperature=settings.temperature,
-                                 top_k=settings.top_k, top_p=settings.top_p,
-                                 min_p=settings.min_p)
-    return (tokens.reshape(b, t).astype(jnp.int32),
-            sampling.token_logprobs(flat, tokens).reshape(b, t))
 
 
 def draft_propose(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
