@@ -23,7 +23,7 @@ from transformer_jax.decode.speculative import (
     SpeculativeConfig,
     accepted_length,
     forward_chunk,
-    ngram_lookup,
+    ngram_proposals,
     parse_spec,
     rejection_sample,
 )
@@ -67,6 +67,11 @@ def _prompts():
 
 
 # Proposers and specs -----------------------------------------------------------------------------
+
+def ngram_lookup(context, k, n=3, min_n=1):
+    """The engine's host lookup of one sequence."""
+    return ngram_proposals([context], [k], n, min_n)[0]
+
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
     seq = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3]
@@ -497,10 +502,13 @@ def test_backoff_in_jnp_follows_acceptance():
     rate, paused = jnp.ones(b, jnp.float32), jnp.zeros(b, jnp.int32)
     for _ in range(40):
         active = rng.random(b) < 0.8
-        may, rate, paused = backoff_budget(rate, paused, jnp.asarray(active))
-        budgets = [h.budget(k) if a else 0 for h, a in zip(host, active, strict=True)]
-        assert np.asarray(may).tolist() == [x > 0 for x in budgets]
-        proposed = np.where(np.asarray(may), rng.integers(0, k + 1, b), 0)
+        remaining = rng.integers(1, 2 * k, b)
+        budget, rate, paused = backoff_budget(rate, paused, jnp.asarray(active), k,
+                                              jnp.asarray(remaining))
+        budgets = [h.budget(k, int(r)) if a else 0
+                   for h, a, r in zip(host, active, remaining, strict=True)]
+        assert np.asarray(budget).tolist() == budgets
+        proposed = rng.integers(0, np.asarray(budget) + 1)
         accepted = rng.integers(0, proposed + 1)
         rate, paused = backoff_record(rate, paused, jnp.asarray(proposed), jnp.asarray(accepted))
         for h, p_, a_ in zip(host, proposed, accepted, strict=True):

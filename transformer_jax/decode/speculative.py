@@ -25,6 +25,7 @@ Spec strings (``parse_spec``): ``"ngram"``, ``"ngram:k=4"``, ``"ngram:k=4:n=3"``
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -118,17 +119,10 @@ def parse_spec(spec: str | SpeculativeConfig | None) -> SpeculativeConfig | None
 
 # Proposers ---------------------------------------------------------------------------------------
 
-def ngram_lookup(context: Sequence[int] | np.ndarray, k: int, n: int = 3,
-                 min_n: int = 1) -> list[int]:
-    """Prompt lookup for one sequence (the host's ``ngram_propose`` of one row): k ids, or
-    none without a match. Arguments as ``ngram_proposals``'."""
-    return ngram_proposals([context], [k], n, min_n)[0]
-
-
 def ngram_proposals(contexts: Sequence[Sequence[int]], ks: Sequence[int], n: int = 3,
                     min_n: int = 1) -> list[list[int]]:
-    """Prompt lookup on the host for R sequences at once (the engine's): ``ngram_propose``
-    in numpy over the right-padded [R, L] batch, one call per step rather than per row.
+    """Prompt lookup on the host for R sequences at once (the engine's, one call a step):
+    ``ngram_propose`` in numpy over the right-padded [R, L] batch.
 
     Args:
       contexts: R sequences so far (prompt + output), ids.
@@ -151,8 +145,8 @@ def ngram_propose(seq: jax.Array | np.ndarray, length: jax.Array | np.ndarray, k
                   n: int = 3, min_n: int = 1) -> tuple[jax.Array, jax.Array]:
     """Prompt lookup for B rows at once: the k tokens that followed the latest earlier
     occurrence of each row's last m tokens, m from ``n`` down to ``min_n`` (the longest match
-    first). Fixed shapes, in ``jnp`` for ``jnp`` inputs (inside the device loop) and in numpy
-    for numpy ones (the engine's host lookup, ``ngram_lookup``): one rule for both.
+    first). Fixed shapes, in ``jnp`` for ``jnp`` inputs (the device loop) and in numpy for
+    numpy ones (the engine's ``ngram_proposals``): one rule for both.
 
     Args:
       seq: [B, S] int each row's sequence so far (prompt + output) in its first ``length``
@@ -342,10 +336,12 @@ class Acceptance:
         self.verifications += 1
         self.rate, self.paused = backoff_record(self.rate, self.paused, proposed, accepted, self)
 
-    def budget(self, k: int) -> int:
-        """How many tokens the row may propose now (0 while paused); counts a paused step."""
-        may, self.rate, self.paused = backoff_budget(self.rate, self.paused, True)
-        return k if may else 0
+    def budget(self, k: int, remaining: float = math.inf) -> int:
+        """How many tokens the row may propose now, with ``remaining`` tokens still to go
+        (``backoff_budget``: 0 while paused); counts a paused step."""
+        budget, self.rate, self.paused = backoff_budget(self.rate, self.paused, True, k,
+                                                        remaining)
+        return budget
 
     @property
     def acceptance_rate(self) -> float:
@@ -364,7 +360,7 @@ class _Scalar:
     engine's ``Acceptance``, per row and step: numpy's 0-d arrays cost 30x more)."""
 
     where = staticmethod(lambda c, a, b: a if c else b)
-    maximum = staticmethod(max)
+    maximum, minimum = staticmethod(max), staticmethod(min)
     logical_not = staticmethod(lambda x: not x)
 
 
@@ -373,23 +369,27 @@ def _jnp_or_scalar(*values: object) -> Any:
     return _Scalar if all(isinstance(v, (int, float)) for v in values) else jnp
 
 
-def backoff_budget(rate: jax.Array | float, paused: jax.Array | int, active: jax.Array | bool
-                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The back-off's budget for B rows at once (the device loop's, in ``jnp``) or one row
-    (``Acceptance.budget``, in Python numbers): a paused row counts down instead of proposing.
+def backoff_budget(rate: jax.Array | float, paused: jax.Array | int, active: jax.Array | bool,
+                   k: int, remaining: jax.Array | float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The proposal budget of B rows at once (the device loop's, in ``jnp``) or one row
+    (``Acceptance.budget``, in Python numbers): k, but no more than the row could still keep,
+    and none while the back-off pauses it (a paused row counts down instead).
 
     Args:
       rate: [B] float32 each row's recent acceptance; paused: [B] int32 steps left paused.
       active: [B] bool rows that ask for a budget this step (others are left as they are).
+      k: the most proposals; remaining: [B] tokens each row may still emit (the target adds
+        one of its own to the kept proposals).
 
     Returns:
-      ([B] bool may the row propose now, the new rate, the new paused).
+      ([B] int proposals the row may make now, the new rate, the new paused).
     """
-    xp = _jnp_or_scalar(rate, paused, active)
+    xp = _jnp_or_scalar(rate, paused, active, remaining)
     was_paused = active & (paused > 0)
     paused = xp.where(was_paused, paused - 1, paused)
     rate = xp.where(was_paused & (paused == 0), 0.5 * (rate + 1.0), rate)
-    return active & xp.logical_not(was_paused), rate, paused
+    may = active & xp.logical_not(was_paused)
+    return xp.where(may, xp.minimum(k, remaining - 1), 0), rate, paused
 
 
 def backoff_record(rate: jax.Array | float, paused: jax.Array | int, proposed: jax.Array | int,

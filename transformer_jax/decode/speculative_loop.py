@@ -275,11 +275,9 @@ def speculative_generate_padded(
         return s, drafts, jnp.ones((b,), bool)
 
     def body(s: SpeculativeState) -> SpeculativeState:
-        may, rate, paused = backoff_budget(s.rate, s.paused, ~s.done)
+        budget, rate, paused = backoff_budget(s.rate, s.paused, ~s.done, k, n - s.num_tokens)
         s, drafts, found = propose(s.replace(rate=rate, paused=paused))
-        # each row proposes at most what it could still keep (the target adds one more)
-        budget = jnp.minimum(k, n - s.num_tokens - 1)
-        num_drafts = jnp.where(may & found, budget, 0).astype(jnp.int32)
+        num_drafts = jnp.where(found, budget, 0).astype(jnp.int32)
         start = s.length - 1
         last = jnp.take_along_axis(s.seq, start[:, None], axis=1)
         index = s.num_tokens

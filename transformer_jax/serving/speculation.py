@@ -235,7 +235,7 @@ class Speculation:
             if req.speculation is None:
                 continue
             spec, acc = req.speculation
-            budget = min(acc.budget(spec.k), req.params.max_tokens - req.num_new - 1)
+            budget = acc.budget(spec.k, req.params.max_tokens - req.num_new)
             if budget > 0 and spec.method == "draft":
                 drafts[req.id] = [-1] * budget  # filled by the draft below, if it runs
             elif budget > 0:
