@@ -52,7 +52,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.serving.draft import EngineDraft, same_path
 from transformer_jax.serving.page_pool import NULL_PAGE, pages_for
 from transformer_jax.serving.paged_cache import PagedKVCache
-from transformer_jax.serving.plan import StepPlan
+from transformer_jax.serving.plan import StepPlan, row_sampling
 from transformer_jax.serving.requests import Request, State, TokenEvent
 from transformer_jax.serving.step import RowSampling, Sampler, _adapted, sample_rows
 
@@ -304,11 +304,7 @@ class Speculation:
                 rows = VerifyRows(np.zeros((b, t), np.int32), np.zeros(b, np.int32),
                                   np.zeros(b, np.int32), np.zeros((b, width), np.int32),
                                   None if eng._adapters is None else np.zeros(b, np.int32))
-                n = b * t
-                sampling = RowSampling(
-                    np.zeros((n, 2), np.uint32), np.zeros(n, np.int32), np.zeros(n, np.float32),
-                    np.full(n, eng.config.vocab_size, np.int32), np.ones(n, np.float32),
-                    np.zeros(n, np.float32))
+                sampling, _ = row_sampling([None] * (b * t), eng.config.vocab_size)  # greedy
                 eng._k, eng._v, *out = verify_jit(
                     eng.config, eng.weights.params, eng._k, eng._v, rows, sampling,
                     eng._adapters, weights_out_first=eng.weights.weights_out_first,
