@@ -100,7 +100,7 @@ def draft_more(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     return k_pages, v_pages, proposals
 
 
-def _table(plan: Any, scheduler: Any, width: int) -> np.ndarray:
+def decode_table(plan: Any, scheduler: Any, width: int) -> np.ndarray:
     """[B, W] the decode rows' pages, ``NULL_PAGE`` for every other slot (one prefilling a
     prompt holds pages the draft must not write), a copy (the scheduler changes its table
     while the step may still be queued)."""
@@ -166,7 +166,7 @@ class EngineDraft:
                 start[req.slot] = req.cached - 1
             self.k, self.v, self.next = draft_rows(
                 self.config, params, self.k, self.v, tokens, start,
-                _table(plan, scheduler, plan.width), **self._statics())
+                decode_table(plan, scheduler, plan.width), **self._statics())
 
     def _prefill(self, chunk: Any) -> None:
         """Runs a prefill chunk (``scheduler.PrefillChunk``) into the draft's pages."""
@@ -184,7 +184,7 @@ class EngineDraft:
             start[req.slot] = req.cached + 1
         self.k, self.v, proposals = draft_more(
             self.config, self.model.weights.params, self.k, self.v, self.next, start,
-            _table(plan, scheduler, width), steps=t - 2, **self._statics())
+            decode_table(plan, scheduler, width), steps=t - 2, **self._statics())
         return np.asarray(jax.device_get(proposals))
 
     def compile(self, scheduler: Any, ts: list[int], adapters: bool) -> int:

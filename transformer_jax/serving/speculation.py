@@ -49,7 +49,7 @@ from transformer_jax.decode.speculative import (
 )
 from transformer_jax.decode.speculative_loop import check_no_rings
 from transformer_jax.model.config import ModelConfig
-from transformer_jax.serving.draft import EngineDraft, same_path
+from transformer_jax.serving.draft import EngineDraft, decode_table, same_path
 from transformer_jax.serving.page_pool import NULL_PAGE, pages_for
 from transformer_jax.serving.paged_cache import PagedKVCache
 from transformer_jax.serving.plan import StepPlan, row_sampling
@@ -270,13 +270,12 @@ class Speculation:
         tokens = np.zeros((b, t), np.int32)
         start = np.zeros(b, np.int32)
         num = np.zeros(b, np.int32)
-        table = np.full((b, width), NULL_PAGE, np.int32)
+        table = decode_table(plan, sched, width)  # the draft's pages are read through it too
         adapter = np.zeros(b, np.int32) if eng._adapters is not None else None
         for req in plan.decodes:
             d = drafts.get(req.id, [])
             tokens[req.slot, 0], tokens[req.slot, 1:1 + len(d)] = req.tokens[-1], d
             start[req.slot], num[req.slot] = req.cached, len(d)
-            table[req.slot] = sched.page_table[req.slot, :width]
             if adapter is not None:
                 adapter[req.slot] = req.adapter
         flat = jax.tree.map(lambda x: np.repeat(np.asarray(x)[:b], t, axis=0), rows)
