@@ -282,20 +282,19 @@ def speculative_generate_padded(
         last = jnp.take_along_axis(s.seq, start[:, None], axis=1)
         index = s.num_tokens
 
-        def verify_round(cache: KVCache) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
-            return verify(decode_model(config, None, weights_out_first), params, cache,
-                          jnp.concatenate([last, drafts], axis=1), start, num_drafts,
-                          lambda logits: draw(logits, s.keys, index, settings))
+        def round_of(tokens: jax.Array, num: jax.Array) -> Any:
+            """The verification of [B, T] tokens (T = 1: a plain decode step), padded to k + 1."""
+            def run(cache: KVCache) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
+                cache, targets, logprobs, a = verify(
+                    decode_model(config, None, weights_out_first), params, cache, tokens, start,
+                    num, lambda logits: draw(logits, s.keys, index, settings))
+                pad = ((0, 0), (0, k + 1 - tokens.shape[1]))
+                return cache, jnp.pad(targets, pad), jnp.pad(logprobs, pad), a
+            return run
 
-        def decode_round(cache: KVCache) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
-            logits, cache = decode_step(config, params, cache, last[:, 0], start,
-                                        weights_out_first=weights_out_first)
-            targets, logprobs = draw(logits[:, None], s.keys, index, settings)
-            pad = ((0, 0), (0, k))
-            return cache, jnp.pad(targets, pad), jnp.pad(logprobs, pad), zeros
-
-        cache, targets, logprobs, a = run_one_of((num_drafts > 0).any(), verify_round,
-                                                 decode_round, s.cache)
+        cache, targets, logprobs, a = run_one_of(
+            (num_drafts > 0).any(), round_of(jnp.concatenate([last, drafts], axis=1), num_drafts),
+            round_of(last, zeros), s.cache)
         rate, paused = backoff_record(s.rate, s.paused, num_drafts, a)
         proposing = num_drafts > 0
         s = s.replace(
