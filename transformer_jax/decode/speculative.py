@@ -334,13 +334,14 @@ class Acceptance:
         self.proposed += proposed
         self.accepted += accepted
         self.verifications += 1
-        self.rate, self.paused = backoff_record(self.rate, self.paused, proposed, accepted, self)
+        self.rate, self.paused = backoff_record(self.rate, self.paused, proposed, accepted, self,
+                                                _Scalar)
 
     def budget(self, k: int, remaining: float = math.inf) -> int:
         """How many tokens the row may propose now, with ``remaining`` tokens still to go
         (``backoff_budget``: 0 while paused); counts a paused step."""
         budget, self.rate, self.paused = backoff_budget(self.rate, self.paused, True, k,
-                                                        remaining)
+                                                        remaining, _Scalar)
         return budget
 
     @property
@@ -364,13 +365,9 @@ class _Scalar:
     logical_not = staticmethod(lambda x: not x)
 
 
-def _jnp_or_scalar(*values: object) -> Any:
-    """``_Scalar`` for Python numbers, else ``jnp`` (arrays, traced in the device loop)."""
-    return _Scalar if all(isinstance(v, (int, float)) for v in values) else jnp
-
-
 def backoff_budget(rate: jax.Array | float, paused: jax.Array | int, active: jax.Array | bool,
-                   k: int, remaining: jax.Array | float) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   k: int, remaining: jax.Array | float, xp: Any = jnp
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The proposal budget of B rows at once (the device loop's, in ``jnp``) or one row
     (``Acceptance.budget``, in Python numbers): k, but no more than the row could still keep,
     and none while the back-off pauses it (a paused row counts down instead).
@@ -380,11 +377,11 @@ def backoff_budget(rate: jax.Array | float, paused: jax.Array | int, active: jax
       active: [B] bool rows that ask for a budget this step (others are left as they are).
       k: the most proposals; remaining: [B] tokens each row may still emit (the target adds
         one of its own to the kept proposals).
+      xp: ``jnp``, or ``_Scalar`` for one row of Python numbers.
 
     Returns:
       ([B] int proposals the row may make now, the new rate, the new paused).
     """
-    xp = _jnp_or_scalar(rate, paused, active, remaining)
     was_paused = active & (paused > 0)
     paused = xp.where(was_paused, paused - 1, paused)
     rate = xp.where(was_paused & (paused == 0), 0.5 * (rate + 1.0), rate)
@@ -393,14 +390,13 @@ def backoff_budget(rate: jax.Array | float, paused: jax.Array | int, active: jax
 
 
 def backoff_record(rate: jax.Array | float, paused: jax.Array | int, proposed: jax.Array | int,
-                   accepted: jax.Array | int, acceptance: Acceptance | None = None
-                   ) -> tuple[jax.Array, jax.Array]:
+                   accepted: jax.Array | int, acceptance: Acceptance | None = None,
+                   xp: Any = jnp) -> tuple[jax.Array, jax.Array]:
     """The back-off's record of a verification, for B rows (``jnp``) or one (Python numbers,
     as ``backoff_budget``): [B] rate and paused after [B] ``proposed`` tokens of which [B]
     ``accepted`` were kept (rows with nothing proposed are left as they are); floor, cooldown
     and decay from ``acceptance``."""
     a = Acceptance() if acceptance is None else acceptance
-    xp = _jnp_or_scalar(rate, paused, proposed, accepted)
     has = proposed > 0
     new = a.decay * rate + (1 - a.decay) * accepted / xp.maximum(proposed, 1)
     rate = xp.where(has, new, rate)
