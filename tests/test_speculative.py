@@ -22,7 +22,8 @@ from transformer_jax.decode.speculative import (
     Acceptance,
     SpeculativeConfig,
     accepted_length,
-    ngram_lookup,
+    forward_chunk,
+    ngram_proposals,
     parse_spec,
     rejection_sample,
 )
@@ -66,6 +67,11 @@ def _prompts():
 
 
 # Proposers and specs -----------------------------------------------------------------------------
+
+def ngram_lookup(context, k, n=3, min_n=1):
+    """The engine's host lookup of one sequence."""
+    return ngram_proposals([context], [k], n, min_n)[0]
+
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
     seq = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3]
@@ -127,8 +133,14 @@ def test_verification_equals_sequential_decode_steps(target):
     # operations cost more than these three compilations.
     jit = functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
     prefill = jit(decode.prefill, static_argnames=("max_len", "weights_out_first"))
+
+    def forward(config, params, cache, tokens, start, weights_out_first):
+        out = forward_chunk(decode.decode_model(config, None, weights_out_first), params, cache,
+                            tokens, start)
+        return out.logits, out.cache
+
     verify_forward, decode_step = (jit(f, static_argnames="weights_out_first")
-                                   for f in (speculative_loop.verify_forward, decode.decode_step))
+                                   for f in (forward, decode.decode_step))
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, config.vocab_size, (2, 8)).astype(np.int32)
     lengths = np.asarray([8, 5], np.int32)
@@ -199,7 +211,7 @@ def test_point_mass_rule_accepts_with_p_and_keeps_p():
     logits = jnp.log(jnp.asarray([0.35, 0.25, 0.2, 0.1, 0.1, 1e-9]))
     settings = SamplingSettings(temperature=1.0)
     keys = jax.random.key_data(jax.random.split(jax.random.key(3), n))
-    targets, _ = speculative_loop.draw(jnp.broadcast_to(logits, (n, 2, v)), keys,
+    targets, _ = decode.draw(jnp.broadcast_to(logits, (n, 2, v)), keys,
                                        jnp.zeros(n, jnp.int32), settings)
     drafts = jnp.full((n, 1), 1, jnp.int32)
     a = np.asarray(accepted_length(targets, drafts, jnp.ones(n, jnp.int32)))
@@ -490,10 +502,13 @@ def test_backoff_in_jnp_follows_acceptance():
     rate, paused = jnp.ones(b, jnp.float32), jnp.zeros(b, jnp.int32)
     for _ in range(40):
         active = rng.random(b) < 0.8
-        may, rate, paused = backoff_budget(rate, paused, jnp.asarray(active))
-        budgets = [h.budget(k) if a else 0 for h, a in zip(host, active, strict=True)]
-        assert np.asarray(may).tolist() == [x > 0 for x in budgets]
-        proposed = np.where(np.asarray(may), rng.integers(0, k + 1, b), 0)
+        remaining = rng.integers(1, 2 * k, b)
+        budget, rate, paused = backoff_budget(rate, paused, jnp.asarray(active), k,
+                                              jnp.asarray(remaining))
+        budgets = [h.budget(k, int(r)) if a else 0
+                   for h, a, r in zip(host, active, remaining, strict=True)]
+        assert np.asarray(budget).tolist() == budgets
+        proposed = rng.integers(0, np.asarray(budget) + 1)
         accepted = rng.integers(0, proposed + 1)
         rate, paused = backoff_record(rate, paused, jnp.asarray(proposed), jnp.asarray(accepted))
         for h, p_, a_ in zip(host, proposed, accepted, strict=True):

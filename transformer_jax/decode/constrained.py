@@ -18,7 +18,8 @@ the tokens ``generate`` gives without constraints. A row ends at a stop token, a
 A constraint is anything with llguidance's ``LLMatcher`` methods ``compute_bitmask``,
 ``consume_token`` and ``is_stopped`` (``TokenConstraint``); this module knows nothing of
 grammars or tokenizers. ``serving.grammar.GrammarTokenizer(tokenizer, V).matcher(grammar)``
-makes one from a JSON schema, a regex or a choice.
+makes one from a JSON schema, a regex or a choice. The masks (``fill_masks`` on the host,
+``allowed`` / ``mask_logits`` on the device) are the serving engine's too.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.decode import sampling
-from transformer_jax.decode.loop import Params, SamplingSettings, decode_step, prefill
+from transformer_jax.decode.loop import Params, SamplingSettings, decode_step, draw, prefill
 from transformer_jax.decode.streaming import StreamFn
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import KVCache
@@ -73,16 +73,36 @@ def check_constraints(constraints: Sequence[Any], batch: int) -> list[TokenConst
     return list(constraints)
 
 
+# Grammar masks: ``generate``'s constrained loop and the engine's grammar rows both use these.
+
+def fill_masks(constraints: Sequence[TokenConstraint | None], vocab_size: int) -> np.ndarray:
+    """[R, ceil(V/32)] int32 bitmasks of the tokens each of R rows may draw next (bit v % 32 of
+    word v // 32: token v): its constraint's, every token for a row without one (None)."""
+    words = -(-vocab_size // 32)
+    masks = np.full((len(constraints), words), -1, np.int32)
+    for row, c in enumerate(constraints):
+        if c is not None:
+            masks[row] = np.frombuffer(c.compute_bitmask(), np.int32, words)
+    return masks
+
+
 def allowed(masks: jax.Array, vocab_size: int) -> jax.Array:
-    """[B, ceil(V/32)] int32 bitmasks -> [B, V] bool (bit v % 32 of word v // 32)."""
+    """[R, ceil(V/32)] int32 bitmasks -> [R, V] bool (bit v % 32 of word v // 32)."""
     v = jnp.arange(vocab_size)
     words = jnp.take(masks, v // 32, axis=1)
     return ((words >> (v % 32).astype(jnp.int32)) & 1).astype(bool)
 
 
+def mask_logits(logits: jax.Array, masks: jax.Array) -> jax.Array:
+    """[R, V] logits with every token its row's [R, ceil(V/32)] bitmask does not allow at
+    -inf (a draw from them follows the grammar; log-probabilities stay the raw logits')."""
+    return jnp.where(allowed(masks, logits.shape[-1]), logits, -jnp.inf)
+
+
 def pick(logits: jax.Array, masks: jax.Array, key_data: jax.Array, index: jax.Array, *,
          settings: SamplingSettings) -> tuple[jax.Array, jax.Array]:
-    """Each row's token among those its mask allows, drawn as the unconstrained decode draws.
+    """Each row's token among those its mask allows, drawn as the unconstrained decode draws
+    (``loop.draw``).
 
     Args:
       logits: [B, V] float32 next-token logits.
@@ -94,15 +114,10 @@ def pick(logits: jax.Array, masks: jax.Array, key_data: jax.Array, index: jax.Ar
     Returns:
       ([B] int32 tokens, [B] float32 their log-probabilities under the raw softmax).
     """
-    masked = jnp.where(allowed(masks, logits.shape[-1]), logits, -jnp.inf)
-    if settings.temperature == 0:
-        tokens = sampling.argmax(masked)
-    else:
-        keys = jax.vmap(jax.random.fold_in, (0, None))(jax.random.wrap_key_data(key_data), index)
-        tokens = sampling.sample(masked, keys, temperature=settings.temperature,
-                                 top_k=settings.top_k, top_p=settings.top_p,
-                                 min_p=settings.min_p)
-    return tokens, sampling.token_logprobs(logits, tokens)
+    b, v = logits.shape
+    tokens, logprobs = draw(logits[:, None], key_data, jnp.full((b,), index, jnp.int32),
+                            settings, allowed(masks, v)[:, None])
+    return tokens[:, 0], logprobs[:, 0]
 
 
 def _prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array, *,
@@ -159,7 +174,6 @@ def generate_constrained(config: ModelConfig, params: Params, tokens: np.ndarray
       RuntimeError: a constraint refused the token drawn from its own mask.
     """
     b, n = tokens.shape[0], max_new_tokens
-    words = -(-config.vocab_size // 32)
     out_tokens = np.full((b, n), settings.pad_id, np.int32)
     out_logprobs = np.zeros((b, n), np.float32)
     num = np.zeros(b, np.int32)
@@ -171,10 +185,8 @@ def generate_constrained(config: ModelConfig, params: Params, tokens: np.ndarray
                                 cache_size=cache_size, cache_dtype=cache_dtype,
                                 weights_out_first=weights_out_first)
     for step in range(n):
-        masks = np.full((b, words), -1, np.int32)  # asked while the device runs the step
-        for row, c in enumerate(constraints):
-            if c is not None and not done[row]:
-                masks[row] = np.frombuffer(c.compute_bitmask(), np.int32, words)
+        masks = fill_masks([None if done[row] else c for row, c in enumerate(constraints)],
+                           config.vocab_size)  # asked while the device runs the step
         picked, logprob = pick_jit(logits, masks, keys, jnp.int32(step), settings=settings)
         if step + 1 < n:  # the next forward goes before the host reads this step's tokens
             # Every row advances, finished ones too (their outputs are dropped): the last

@@ -207,6 +207,39 @@ def decode_step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax
     return out.logits[:, 0], out.cache.constrain()
 
 
+def draw(logits: jax.Array, key_data: jax.Array, index: jax.Array,
+         settings: SamplingSettings, allowed: jax.Array | None = None
+         ) -> tuple[jax.Array, jax.Array]:
+    """The plain decode's draw at T positions per row: speculative verification's (T = k + 1)
+    and constrained generation's (T = 1, under a grammar's mask).
+
+    Args:
+      logits: [B, T, V] float32.
+      key_data: [B, 2] uint32 each row's raw key.
+      index: [B] int32 the new-token index of position 0 (position t draws with
+        ``fold_in(key, index + t)``).
+      settings: static sampling settings.
+      allowed: optional [B, T, V] bool the tokens that may be drawn (others' logits -inf).
+
+    Returns:
+      ([B, T] int32 tokens, [B, T] float32 their raw-softmax log-probabilities).
+    """
+    b, t, v = logits.shape
+    flat = logits.reshape(b * t, v)
+    masked = flat if allowed is None else jnp.where(allowed.reshape(b * t, v), flat, -jnp.inf)
+    if settings.temperature == 0:
+        tokens = sampling.argmax(masked)
+    else:
+        keys = jax.random.wrap_key_data(jnp.repeat(key_data, t, axis=0))
+        steps = (index[:, None] + jnp.arange(t, dtype=jnp.int32)).reshape(-1)
+        keys = jax.vmap(jax.random.fold_in)(keys, steps)
+        tokens = sampling.sample(masked, keys, temperature=settings.temperature,
+                                 top_k=settings.top_k, top_p=settings.top_p,
+                                 min_p=settings.min_p)
+    return (tokens.reshape(b, t).astype(jnp.int32),
+            sampling.token_logprobs(flat, tokens).reshape(b, t))
+
+
 def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
                  first_logits: jax.Array, *, stream_id: jax.Array | None, max_new_tokens: int,
                  settings: SamplingSettings, split: TensorSplit | None, weights_out_first: bool

@@ -25,12 +25,17 @@ Spec strings (``parse_spec``): ``"ngram"``, ``"ngram:k=4"``, ``"ngram:k=4:n=3"``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Protocol
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from transformer_jax.decode import sampling
+
+Params = dict[str, Any]
 
 #: The most tokens one verification may propose per row.
 MAX_K = 16
@@ -114,108 +119,71 @@ def parse_spec(spec: str | SpeculativeConfig | None) -> SpeculativeConfig | None
 
 # Proposers ---------------------------------------------------------------------------------------
 
-class Proposer(Protocol):
-    """Proposes up to k next tokens for each of B sequences (host side).
-
-    ``propose(contexts, ks)`` gets each row's whole sequence so far (prompt and output) and the
-    most it may propose (0: none), and returns B lists of at most ``ks[b]`` ids. A proposer
-    with a model keeps its own cache keyed by row; ``reset(row)`` forgets one row.
-    """
-
-    def propose(self, contexts: Sequence[Sequence[int]], ks: Sequence[int]) -> list[list[int]]:
-        ...
-
-    def reset(self, row: int) -> None:
-        ...
-
-
-def ngram_lookup(context: Sequence[int] | np.ndarray, k: int, n: int = 3,
-                 min_n: int = 1) -> list[int]:
-    """Prompt lookup: the k tokens that followed the latest earlier occurrence of the
-    context's last n tokens (n from ``n`` down to ``min_n``, the longest match first).
+def ngram_proposals(contexts: Sequence[Sequence[int]], ks: Sequence[int], n: int = 3,
+                    min_n: int = 1) -> list[list[int]]:
+    """Prompt lookup on the host for R sequences at once (the engine's, one call a step):
+    ``ngram_propose`` in numpy over the right-padded [R, L] batch.
 
     Args:
-      context: the sequence so far (prompt + output), L ids.
-      k: the most tokens to propose.
-      n: the longest suffix to match.
-      min_n: the shortest suffix to match.
+      contexts: R sequences so far (prompt + output), ids.
+      ks: the most tokens each may propose; n, min_n: the longest and shortest suffix matched.
 
     Returns:
-      k ids (a match near the end continues its own period, as a repeating pattern would);
-      none without a match.
+      R lists: ``ks[r]`` ids, or none without a match (or with ``ks[r] <= 0``).
     """
-    seq = np.asarray(context, np.int64)
-    length = len(seq)
-    if k <= 0:
-        return []
-    for m in range(min(n, length - 1), min_n - 1, -1):
-        suffix = seq[length - m:]
-        # windows ending before the suffix itself: starts 0 .. L - m - 1
-        windows = np.lib.stride_tricks.sliding_window_view(seq[:length - 1], m)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + m
-            out = seq[start:start + k].tolist()
-            # a match overlapping the suffix (a repeating pattern) goes on copying what it
-            # proposes, as LZ77 copies: position L + j repeats position start + len + j
-            while len(out) < k:
-                out.append(out[len(out) - (length - start)])
-            return out
-    return []
+    lengths = np.asarray([len(c) for c in contexts], np.int32)
+    seq = np.zeros((len(contexts), max(lengths, default=0)), np.int64)
+    for row, c in enumerate(contexts):
+        seq[row, :len(c)] = c
+    if seq.shape[1] < 2:  # nothing before any last token to match
+        return [[] for _ in contexts]
+    drafts, found = ngram_propose(seq, lengths, max(ks), n, min_n)
+    return [drafts[r, :k].tolist() if found[r] and k > 0 else [] for r, k in enumerate(ks)]
 
 
-def ngram_propose(seq: jax.Array, length: jax.Array, k: int, n: int = 3, min_n: int = 1
-                  ) -> tuple[jax.Array, jax.Array]:
-    """``ngram_lookup`` for B rows at once, in ``jnp`` with fixed shapes (inside the device
-    loop): the k tokens that followed the latest earlier occurrence of each row's last m
-    tokens, m from ``n`` down to ``min_n``.
+def ngram_propose(seq: jax.Array | np.ndarray, length: jax.Array | np.ndarray, k: int,
+                  n: int = 3, min_n: int = 1) -> tuple[jax.Array, jax.Array]:
+    """Prompt lookup for B rows at once: the k tokens that followed the latest earlier
+    occurrence of each row's last m tokens, m from ``n`` down to ``min_n`` (the longest match
+    first). Fixed shapes, in ``jnp`` for ``jnp`` inputs (the device loop) and in numpy for
+    numpy ones (the engine's ``ngram_proposals``): one rule for both.
 
     Args:
-      seq: [B, S] int32 each row's sequence so far (prompt + output) in its first ``length``
+      seq: [B, S] int each row's sequence so far (prompt + output) in its first ``length``
         entries (anything after).
-      length: [B] int32 the rows' lengths L, each in [1, S].
-      k, n, min_n: static, as ``ngram_lookup``'s.
+      length: [B] int the rows' lengths L, each in [1, S].
+      k, n, min_n: static: the most tokens proposed, the longest and shortest suffix matched.
 
     Returns:
-      ([B, k] int32 proposals, [B] bool whether the row found a match; without one its
-      proposals are meaningless).
+      ([B, k] proposals, [B] bool whether the row found a match; without one its proposals
+      are meaningless). A match near the end continues its own period, as a repeating pattern
+      would.
     """
+    xp = np if isinstance(seq, np.ndarray) else jnp
     b, s = seq.shape
-    j = jnp.arange(s, dtype=jnp.int32)
-    length = length.astype(jnp.int32)
-    found = jnp.zeros((b,), bool)
-    start = jnp.zeros((b,), jnp.int32)  # where the proposals begin in seq
-    for m in range(n, min_n - 1, -1):  # the longest suffix first
-        eq = jnp.ones((b, s), bool)
-        for i in range(m):  # window j matches at offset i: seq[j + i] == seq[L - m + i]
-            shifted = jnp.pad(seq[:, i:], ((0, 0), (0, i)), constant_values=-1)
-            want = jnp.take_along_axis(seq, jnp.maximum(length - m + i, 0)[:, None], axis=1)
-            eq &= shifted == want
-        # windows ending before the suffix itself (starts 0 .. L - m - 1), when m <= L - 1
-        valid = (j[None] <= (length - 1 - m)[:, None]) & (m <= length - 1)[:, None]
-        last = jnp.max(jnp.where(eq & valid, j[None], -1), axis=1)
+    j = xp.arange(s, dtype=np.int32)
+    length = length.astype(np.int32)
+    found = xp.zeros((b,), bool)
+    start = xp.zeros((b,), np.int32)  # where the proposals begin in seq
+    for m in range(min(n, s - 1), min_n - 1, -1):  # the longest suffix first
+        w = s - m + 1  # windows of m tokens, starting at j < w
+        at = xp.maximum(length[:, None] - m + xp.arange(m, dtype=np.int32)[None], 0)
+        suffix = xp.take_along_axis(seq, at, axis=1)  # [B, m] each row's last m tokens
+        eq = seq[:, :w] == suffix[:, :1]
+        for i in range(1, m):  # window j matches at offset i: seq[j + i] == seq[L - m + i]
+            eq &= seq[:, i:i + w] == suffix[:, i:i + 1]
+        # windows ending before the suffix itself: starts 0 .. L - m - 1 (none when m >= L)
+        valid = j[None, :w] <= (length - 1 - m)[:, None]
+        last = xp.max(xp.where(eq & valid, j[None, :w], -1), axis=1)
         take = ~found & (last >= 0)
-        start = jnp.where(take, last + m, start)
+        start = xp.where(take, last + m, start)
         found |= take
+        if xp is np and found.all():  # the host stops at the longest match
+            break
     # a match near the end continues its own period p = L - start (LZ77's overlapping copy)
-    period = jnp.maximum(length - start, 1)
-    index = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None] % period[:, None]
-    return jnp.take_along_axis(seq, jnp.minimum(index, s - 1), axis=1), found
-
-
-@dataclasses.dataclass
-class NgramProposer:
-    """The n-gram prompt-lookup proposer (no model): ``ngram_lookup`` per row."""
-
-    n: int = 3
-    min_n: int = 1
-
-    def propose(self, contexts: Sequence[Sequence[int]], ks: Sequence[int]) -> list[list[int]]:
-        return [ngram_lookup(c, k, self.n, self.min_n) if k > 0 else []
-                for c, k in zip(contexts, ks, strict=True)]
-
-    def reset(self, row: int) -> None:
-        del row
+    period = xp.maximum(length - start, 1)
+    index = start[:, None] + xp.arange(k, dtype=np.int32)[None] % period[:, None]
+    return xp.take_along_axis(seq, xp.minimum(index, s - 1), axis=1), found
 
 
 # Verification ------------------------------------------------------------------------------------
@@ -235,6 +203,69 @@ def accepted_length(targets: jax.Array, drafts: jax.Array, num_drafts: jax.Array
     k = drafts.shape[1]
     match = (targets[:, :k] == drafts) & (jnp.arange(k) < num_drafts[:, None])
     return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def forward_chunk(model: Any, params: Params, cache: Any, tokens: jax.Array, start: jax.Array,
+                  **kwargs: Any) -> Any:
+    """[B, T] tokens at positions ``start[b] + t`` in one forward of ``model`` (a
+    ``decode_model``) over its cache (contiguous or paged): what T decode steps give, in one.
+    Returns the model's output (logits [B, T, V], or at ``kwargs``' ``logits_at``; the cache
+    with the T positions written)."""
+    positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    return model.apply({"params": params}, tokens, positions, cache=cache, **kwargs)
+
+
+def verify(model: Any, params: Params, cache: Any, tokens: jax.Array, start: jax.Array,
+           num_drafts: jax.Array, draw: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
+           ) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
+    """One verification of every row's last token and proposals, as ``generate``'s device
+    loop and the engine's verify step both run it (on their own caches and samplers).
+
+    Args:
+      model, params: the target (a ``decode_model``) and its weights.
+      cache: its cache (slots before each row's ``start`` valid).
+      tokens: [B, T] int32: the row's last token, then its proposals (padding past
+        ``num_drafts``), T = k + 1.
+      start: [B] int32 the position of ``tokens[:, 0]``.
+      num_drafts: [B] int32 proposals per row, in [0, k].
+      draw: [B, T, V] logits -> the target's own draws ([B, T], or [B, T, 1 + K] with top
+        alternatives after the drawn token) and their log-probabilities (same shape), each
+        with the plain decode's key for its token index.
+
+    Returns:
+      (the cache with all T positions written, the draws, their log-probabilities, [B] int32
+      accepted proposals a: the row's new tokens are the draws at ``[:a + 1]``: the kept
+      proposals and the correction or bonus token).
+    """
+    out = forward_chunk(model, params, cache, tokens, start)
+    drawn, logprobs = draw(out.logits)
+    targets = drawn if drawn.ndim == 2 else drawn[..., 0]
+    return out.cache, drawn, logprobs, accepted_length(targets, tokens[:, 1:], num_drafts)
+
+
+def greedy_proposals(step: Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]],
+                     cache: Any, first: jax.Array, start: jax.Array, steps: int
+                     ) -> tuple[Any, jax.Array]:
+    """A draft model's greedy proposals after its first: ``steps`` more one-token steps.
+
+    Args:
+      step: (cache, [B] tokens, [B] positions) -> ([B, V] logits, cache): the draft's decode
+        step over its own cache (contiguous in ``generate``, paged in the engine).
+      cache: the draft's cache; first: [B] int32 its first proposal, fed at ``start`` [B].
+      steps: static, the further proposals.
+
+    Returns:
+      (the cache, [B, 1 + steps] int32 the proposals, ``first`` included).
+    """
+    def one(carry: tuple[Any, jax.Array], i: jax.Array) -> tuple[tuple[Any, jax.Array],
+                                                                 jax.Array]:
+        cache, token = carry
+        logits, cache = step(cache, token, start + i)
+        nxt = sampling.argmax(logits)
+        return (cache, nxt), nxt
+
+    (cache, _), rest = jax.lax.scan(one, (cache, first), jnp.arange(steps, dtype=jnp.int32))
+    return cache, jnp.concatenate([first[:, None], rest.T], axis=1)
 
 
 def rejection_sample(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Array
@@ -284,6 +315,8 @@ class Acceptance:
     A row whose recent acceptance (an exponential average of accepted / proposed) falls below
     ``floor`` stops proposing for ``cooldown`` verifications' worth of steps, then probes again
     with its average reset halfway to 1 (so a passage that becomes repetitive is found again).
+    The rule is ``backoff_budget`` / ``backoff_record``'s, which the device loop runs for B
+    rows at once; this is one row of it on the host (the engine's).
     """
 
     proposed: int = 0
@@ -301,18 +334,15 @@ class Acceptance:
         self.proposed += proposed
         self.accepted += accepted
         self.verifications += 1
-        self.rate = self.decay * self.rate + (1 - self.decay) * accepted / proposed
-        if self.rate < self.floor:
-            self.paused = self.cooldown
+        self.rate, self.paused = backoff_record(self.rate, self.paused, proposed, accepted, self,
+                                                _Scalar)
 
-    def budget(self, k: int) -> int:
-        """How many tokens the row may propose now (0 while paused); counts a paused step."""
-        if self.paused > 0:
-            self.paused -= 1
-            if self.paused == 0:
-                self.rate = 0.5 * (self.rate + 1.0)
-            return 0
-        return k
+    def budget(self, k: int, remaining: float = math.inf) -> int:
+        """How many tokens the row may propose now, with ``remaining`` tokens still to go
+        (``backoff_budget``: 0 while paused); counts a paused step."""
+        budget, self.rate, self.paused = backoff_budget(self.rate, self.paused, True, k,
+                                                        remaining, _Scalar)
+        return budget
 
     @property
     def acceptance_rate(self) -> float:
@@ -326,34 +356,51 @@ class Acceptance:
             if self.verifications else 0.0
 
 
-def backoff_budget(rate: jax.Array, paused: jax.Array, active: jax.Array
+class _Scalar:
+    """The few ``jnp`` functions the back-off uses, for one host row of Python numbers (the
+    engine's ``Acceptance``, per row and step: numpy's 0-d arrays cost 30x more)."""
+
+    where = staticmethod(lambda c, a, b: a if c else b)
+    maximum, minimum = staticmethod(max), staticmethod(min)
+    logical_not = staticmethod(lambda x: not x)
+
+
+def backoff_budget(rate: jax.Array | float, paused: jax.Array | int, active: jax.Array | bool,
+                   k: int, remaining: jax.Array | float, xp: Any = jnp
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``Acceptance.budget`` for B rows at once, in ``jnp`` (the device loop's back-off).
+    """The proposal budget of B rows at once (the device loop's, in ``jnp``) or one row
+    (``Acceptance.budget``, in Python numbers): k, but no more than the row could still keep,
+    and none while the back-off pauses it (a paused row counts down instead).
 
     Args:
       rate: [B] float32 each row's recent acceptance; paused: [B] int32 steps left paused.
       active: [B] bool rows that ask for a budget this step (others are left as they are).
+      k: the most proposals; remaining: [B] tokens each row may still emit (the target adds
+        one of its own to the kept proposals).
+      xp: ``jnp``, or ``_Scalar`` for one row of Python numbers.
 
     Returns:
-      ([B] bool may the row propose now, the new rate, the new paused).
+      ([B] int proposals the row may make now, the new rate, the new paused).
     """
     was_paused = active & (paused > 0)
-    paused = jnp.where(was_paused, paused - 1, paused)
-    rate = jnp.where(was_paused & (paused == 0), 0.5 * (rate + 1.0), rate)
-    return active & ~was_paused, rate, paused
+    paused = xp.where(was_paused, paused - 1, paused)
+    rate = xp.where(was_paused & (paused == 0), 0.5 * (rate + 1.0), rate)
+    may = active & xp.logical_not(was_paused)
+    return xp.where(may, xp.minimum(k, remaining - 1), 0), rate, paused
 
 
-def backoff_record(rate: jax.Array, paused: jax.Array, proposed: jax.Array,
-                   accepted: jax.Array, acceptance: Acceptance | None = None
-                   ) -> tuple[jax.Array, jax.Array]:
-    """``Acceptance.record`` for B rows at once, in ``jnp``: [B] rate and paused after a
-    verification of [B] ``proposed`` tokens of which [B] ``accepted`` were kept (rows with
-    nothing proposed are left as they are); floor, cooldown and decay from ``acceptance``."""
+def backoff_record(rate: jax.Array | float, paused: jax.Array | int, proposed: jax.Array | int,
+                   accepted: jax.Array | int, acceptance: Acceptance | None = None,
+                   xp: Any = jnp) -> tuple[jax.Array, jax.Array]:
+    """The back-off's record of a verification, for B rows (``jnp``) or one (Python numbers,
+    as ``backoff_budget``): [B] rate and paused after [B] ``proposed`` tokens of which [B]
+    ``accepted`` were kept (rows with nothing proposed are left as they are); floor, cooldown
+    and decay from ``acceptance``."""
     a = Acceptance() if acceptance is None else acceptance
     has = proposed > 0
-    new = a.decay * rate + (1 - a.decay) * accepted / jnp.maximum(proposed, 1)
-    rate = jnp.where(has, new, rate)
-    paused = jnp.where(has & (rate < a.floor), a.cooldown, paused)
+    new = a.decay * rate + (1 - a.decay) * accepted / xp.maximum(proposed, 1)
+    rate = xp.where(has, new, rate)
+    paused = xp.where(has & (rate < a.floor), a.cooldown, paused)
     return rate, paused
 
 

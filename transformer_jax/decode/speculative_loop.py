@@ -6,13 +6,14 @@ draft's own contiguous cache. Each round of the loop, every row
 
 1. proposes up to k tokens: the n-gram match of its last n tokens against its own sequence
    (``speculative.ngram_propose``, fixed shapes in ``jnp``), or the draft model's catch-up on
-   the tokens the target kept (1 or 2) and its k greedy steps (``draft_propose``);
+   the tokens the target kept (1 or 2) and its k greedy steps (``draft_propose``, whose
+   steps are ``speculative.greedy_proposals``, the engine draft's too);
 2. feeds its last token and the proposals ([B, k + 1] at its own positions, one forward:
-   ``verify``); the target draws its own token at each of the k + 1 positions with the plain
-   decode's key for that token (``fold_in(key, token index)``), and the row keeps the
-   proposals up to its first disagreement plus the target's token there
-   (``speculative.accepted_length``). A round in which no row proposes anything (all paused
-   by the back-off, or no n-gram match) runs the one-token decode instead (``lax.cond``);
+   ``speculative.verify``, the engine's verification too); the target draws its own token at
+   each of the k + 1 positions with the plain decode's key for that token (``fold_in(key,
+   token index)``), and the row keeps the proposals up to its first disagreement plus the
+   target's token there. A round in which no row proposes anything (all paused by the
+   back-off, or no n-gram match) runs the one-token decode instead (``lax.cond``);
 3. appends what it kept, up to a stop token or N, and streams every token index all rows
    have reached (``streaming.emit``, as the plain loop does).
 
@@ -43,15 +44,18 @@ from transformer_jax.decode.loop import (
     SamplingSettings,
     decode_model,
     decode_step,
+    draw,
     prefill,
 )
 from transformer_jax.decode.speculative import (
     Acceptance,
     SpeculativeConfig,
-    accepted_length,
     backoff_budget,
     backoff_record,
+    forward_chunk,
+    greedy_proposals,
     ngram_propose,
+    verify,
 )
 from transformer_jax.decode.streaming import StreamFn
 from transformer_jax.model.config import ModelConfig
@@ -61,76 +65,10 @@ from transformer_jax.model.kv_ring import RingLayout
 logger = logging.getLogger(__name__)
 
 
-def draw(logits: jax.Array, key_data: jax.Array, index: jax.Array,
-         settings: SamplingSettings) -> tuple[jax.Array, jax.Array]:
-    """The plain decode's draw at T positions per row.
-
-    Args:
-      logits: [B, T, V] float32.
-      key_data: [B, 2] uint32 each row's raw key.
-      index: [B] int32 the new-token index of position 0 (position t draws with
-        ``fold_in(key, index + t)``).
-      settings: static sampling settings.
-
-    Returns:
-      ([B, T] int32 tokens, [B, T] float32 their raw-softmax log-probabilities).
-    """
-    b, t, v = logits.shape
-    flat = logits.reshape(b * t, v)
-    if settings.temperature == 0:
-        tokens = sampling.argmax(flat)
-    else:
-        keys = jax.random.wrap_key_data(jnp.repeat(key_data, t, axis=0))
-        steps = (index[:, None] + jnp.arange(t, dtype=jnp.int32)).reshape(-1)
-        keys = jax.vmap(jax.random.fold_in)(keys, steps)
-        tokens = sampling.sample(flat, keys, temperature=settings.temperature,
-                                 top_k=settings.top_k, top_p=settings.top_p,
-                                 min_p=settings.min_p)
-    return (tokens.reshape(b, t).astype(jnp.int32),
-            sampling.token_logprobs(flat, tokens).reshape(b, t))
-
-
-def verify(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
-           start: jax.Array, num_drafts: jax.Array, key_data: jax.Array, index: jax.Array, *,
-           settings: SamplingSettings, weights_out_first: bool
-           ) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
-    """One verification forward of every row's last token and proposals.
-
-    Args:
-      config: the target's config; params: its prepared weights.
-      cache: the target's ``KVCache`` (slots up to each row's ``start`` valid).
-      tokens: [B, k + 1] int32: the row's last token, then its proposals (padding past
-        ``num_drafts``).
-      start: [B] int32 the position of ``tokens[:, 0]``.
-      num_drafts: [B] int32 proposals per row, in [0, k].
-      key_data, index: the draw's keys (``draw``).
-      settings: static sampling settings; weights_out_first: static layout of ``params``.
-
-    Returns:
-      (the cache with all k + 1 positions written, [B, k + 1] the target's tokens,
-      [B, k + 1] their log-probabilities, [B] accepted proposals a: the row's new tokens are
-      ``targets[:, :a + 1]``).
-    """
-    logits, cache = verify_forward(config, params, cache, tokens, start,
-                                   weights_out_first=weights_out_first)
-    targets, logprobs = draw(logits, key_data, index, settings)
-    return cache, targets, logprobs, accepted_length(targets, tokens[:, 1:], num_drafts)
-
-
-def verify_forward(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
-                   start: jax.Array, *, weights_out_first: bool) -> tuple[jax.Array, KVCache]:
-    """[B, T] tokens at positions ``start[b] ..`` in one forward -> ([B, T, V] float32 logits,
-    the cache with the T positions written): what T decode steps give, in one."""
-    positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    out = decode_model(config, None, weights_out_first).apply(
-        {"params": params}, tokens, positions, cache=cache)
-    return out.logits, out.cache
-
-
 def draft_propose(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
                   start: jax.Array, counts: jax.Array, *, k: int, weights_out_first: bool
                   ) -> tuple[KVCache, jax.Array]:
-    """The draft's catch-up chunk, then its k greedy proposals.
+    """The draft's catch-up chunk, then its k greedy proposals (``speculative.greedy_proposals``).
 
     Args:
       config, params: the draft's.
@@ -144,25 +82,14 @@ def draft_propose(config: ModelConfig, params: Params, cache: KVCache, tokens: j
     Returns:
       (the cache, [B, k] int32 proposals).
     """
-    model = decode_model(config, None, weights_out_first)
-    c = tokens.shape[1]
-    positions = start[:, None] + jnp.arange(c, dtype=jnp.int32)
-    out = model.apply({"params": params}, tokens, positions, cache=cache,
-                      logits_at=counts - 1)
-    first = sampling.argmax(out.logits)
-    pos = start + counts  # where the first proposal goes
+    out = forward_chunk(decode_model(config, None, weights_out_first), params, cache, tokens,
+                        start, logits_at=counts - 1)
 
-    def body(i: int, carry: tuple[KVCache, jax.Array, jax.Array]
-             ) -> tuple[KVCache, jax.Array, jax.Array]:
-        cache, last, drafts = carry
-        logits, cache = decode_step(config, params, cache, last, pos + i - 1,
-                                    weights_out_first=weights_out_first)
-        nxt = sampling.argmax(logits)
-        return cache, nxt, drafts.at[:, i].set(nxt)
+    def step(cache: KVCache, token: jax.Array, pos: jax.Array) -> tuple[jax.Array, KVCache]:
+        return decode_step(config, params, cache, token, pos,
+                           weights_out_first=weights_out_first)
 
-    drafts = jnp.zeros((tokens.shape[0], k), jnp.int32).at[:, 0].set(first)
-    cache, _, drafts = jax.lax.fori_loop(1, k, body, (out.cache, first, drafts))
-    return cache, drafts
+    return greedy_proposals(step, out.cache, sampling.argmax(out.logits), start + counts, k - 1)
 
 
 @flax.struct.dataclass
@@ -348,29 +275,26 @@ def speculative_generate_padded(
         return s, drafts, jnp.ones((b,), bool)
 
     def body(s: SpeculativeState) -> SpeculativeState:
-        may, rate, paused = backoff_budget(s.rate, s.paused, ~s.done)
+        budget, rate, paused = backoff_budget(s.rate, s.paused, ~s.done, k, n - s.num_tokens)
         s, drafts, found = propose(s.replace(rate=rate, paused=paused))
-        # each row proposes at most what it could still keep (the target adds one more)
-        budget = jnp.minimum(k, n - s.num_tokens - 1)
-        num_drafts = jnp.where(may & found, budget, 0).astype(jnp.int32)
+        num_drafts = jnp.where(found, budget, 0).astype(jnp.int32)
         start = s.length - 1
         last = jnp.take_along_axis(s.seq, start[:, None], axis=1)
         index = s.num_tokens
 
-        def verify_round(cache: KVCache) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
-            return verify(config, params, cache, jnp.concatenate([last, drafts], axis=1),
-                          start, num_drafts, s.keys, index, settings=settings,
-                          weights_out_first=weights_out_first)
+        def round_of(tokens: jax.Array, num: jax.Array) -> Any:
+            """The verification of [B, T] tokens (T = 1: a plain decode step), padded to k + 1."""
+            def run(cache: KVCache) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
+                cache, targets, logprobs, a = verify(
+                    decode_model(config, None, weights_out_first), params, cache, tokens, start,
+                    num, lambda logits: draw(logits, s.keys, index, settings))
+                pad = ((0, 0), (0, k + 1 - tokens.shape[1]))
+                return cache, jnp.pad(targets, pad), jnp.pad(logprobs, pad), a
+            return run
 
-        def decode_round(cache: KVCache) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
-            logits, cache = decode_step(config, params, cache, last[:, 0], start,
-                                        weights_out_first=weights_out_first)
-            targets, logprobs = draw(logits[:, None], s.keys, index, settings)
-            pad = ((0, 0), (0, k))
-            return cache, jnp.pad(targets, pad), jnp.pad(logprobs, pad), zeros
-
-        cache, targets, logprobs, a = run_one_of((num_drafts > 0).any(), verify_round,
-                                                 decode_round, s.cache)
+        cache, targets, logprobs, a = run_one_of(
+            (num_drafts > 0).any(), round_of(jnp.concatenate([last, drafts], axis=1), num_drafts),
+            round_of(last, zeros), s.cache)
         rate, paused = backoff_record(s.rate, s.paused, num_drafts, a)
         proposing = num_drafts > 0
         s = s.replace(

@@ -28,10 +28,11 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.decode import sampling
 from transformer_jax.decode.loop import decode_model
+from transformer_jax.decode.speculative import forward_chunk, greedy_proposals
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.serving import step as step_lib
 from transformer_jax.serving.page_pool import NULL_PAGE
@@ -60,12 +61,11 @@ def draft_rows(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     Returns:
       (key pages, value pages, [B] int32 the draft's next token per row).
     """
-    model = decode_model(config, None, weights_out_first)
     cache = PagedKVCache(k=k_pages, v=v_pages, page_table=page_table, lengths=start,
                          keys_transposed=keys_transposed, view=view)
-    positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    out = model.apply({"params": params}, tokens, positions, cache=cache)
-    return out.cache.k, out.cache.v, jnp.argmax(out.logits[:, -1], axis=-1).astype(jnp.int32)
+    out = forward_chunk(decode_model(config, None, weights_out_first), params, cache, tokens,
+                        start)
+    return out.cache.k, out.cache.v, sampling.argmax(out.logits[:, -1])
 
 
 @functools.partial(jax.jit, static_argnames=(*STATICS, "steps"),
@@ -74,7 +74,8 @@ def draft_more(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                first: jax.Array, start: jax.Array, page_table: jax.Array, *, steps: int,
                weights_out_first: bool, keys_transposed: bool, view: str = "auto"
                ) -> tuple[Any, Any, jax.Array]:
-    """``steps`` more greedy draft steps from each row's first proposal.
+    """``steps`` more greedy draft steps from each row's first proposal
+    (``speculative.greedy_proposals``, ``generate``'s draft's too).
 
     Args:
       first: [B] int32 the first proposal (``draft_rows``' token), fed at ``start``.
@@ -87,21 +88,19 @@ def draft_more(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     """
     model = decode_model(config, None, weights_out_first)
 
-    def one(carry: tuple[Any, Any, jax.Array], i: jax.Array) -> tuple[Any, jax.Array]:
-        k, v, token = carry
-        cache = PagedKVCache(k=k, v=v, page_table=page_table, lengths=start + i,
+    def step(pages: tuple[Any, Any], token: jax.Array, pos: jax.Array
+             ) -> tuple[jax.Array, tuple[Any, Any]]:
+        cache = PagedKVCache(k=pages[0], v=pages[1], page_table=page_table, lengths=pos,
                              keys_transposed=keys_transposed, view=view)
-        out = model.apply({"params": params}, token[:, None], (start + i)[:, None],
-                          cache=cache)
-        nxt = jnp.argmax(out.logits[:, -1], axis=-1).astype(jnp.int32)
-        return (out.cache.k, out.cache.v, nxt), nxt
+        out = model.apply({"params": params}, token[:, None], pos[:, None], cache=cache)
+        return out.logits[:, -1], (out.cache.k, out.cache.v)
 
-    (k_pages, v_pages, _), rest = jax.lax.scan(one, (k_pages, v_pages, first),
-                                               jnp.arange(steps, dtype=jnp.int32))
-    return k_pages, v_pages, jnp.concatenate([first[:, None], rest.T], axis=1)
+    (k_pages, v_pages), proposals = greedy_proposals(step, (k_pages, v_pages), first, start,
+                                                     steps)
+    return k_pages, v_pages, proposals
 
 
-def _table(plan: Any, scheduler: Any, width: int) -> np.ndarray:
+def decode_table(plan: Any, scheduler: Any, width: int) -> np.ndarray:
     """[B, W] the decode rows' pages, ``NULL_PAGE`` for every other slot (one prefilling a
     prompt holds pages the draft must not write), a copy (the scheduler changes its table
     while the step may still be queued)."""
@@ -167,7 +166,7 @@ class EngineDraft:
                 start[req.slot] = req.cached - 1
             self.k, self.v, self.next = draft_rows(
                 self.config, params, self.k, self.v, tokens, start,
-                _table(plan, scheduler, plan.width), **self._statics())
+                decode_table(plan, scheduler, plan.width), **self._statics())
 
     def _prefill(self, chunk: Any) -> None:
         """Runs a prefill chunk (``scheduler.PrefillChunk``) into the draft's pages."""
@@ -185,7 +184,7 @@ class EngineDraft:
             start[req.slot] = req.cached + 1
         self.k, self.v, proposals = draft_more(
             self.config, self.model.weights.params, self.k, self.v, self.next, start,
-            _table(plan, scheduler, width), steps=t - 2, **self._statics())
+            decode_table(plan, scheduler, width), steps=t - 2, **self._statics())
         return np.asarray(jax.device_get(proposals))
 
     def compile(self, scheduler: Any, ts: list[int], adapters: bool) -> int:

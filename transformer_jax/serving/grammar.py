@@ -8,7 +8,8 @@ schemas as ``%json {...}``: the server's enforced tool calls). The engine gives 
 with one a ``llguidance.LLMatcher``. A step with grammar rows runs as two programs: the
 forward is dispatched first, and while the device runs it each matcher fills its request's row
 of a [R, ceil(V/32)] int32 bitmask on the host (bit v of a row: token v is allowed); the
-sampling program then sets every other token's logit to -inf (``step.sample_rows``). After
+sampling program then sets every other token's logit to -inf (``step.sample_rows``; the masks
+are ``decode.constrained``'s, which ``generate``'s constrained loop uses too). After
 the step, the drawn token is fed to the matcher. Once the grammar is complete (nothing but its
 end may follow), the request finishes with reason ``"stop"``.
 Rows without a grammar get no mask, and a step with none of them runs the unmasked program.
@@ -23,8 +24,6 @@ import dataclasses
 import json
 import re
 from typing import Any
-
-import numpy as np
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 
@@ -132,18 +131,3 @@ class GrammarTokenizer:
         if m.is_error():
             raise ValueError(f"{grammar.kind}: {m.get_error()}")
         return m
-
-
-def fill_mask(matcher: Any, masks: np.ndarray, row: int) -> None:
-    """Row ``row`` of the [R, ceil(V/32)] int32 ``masks``: the tokens ``matcher`` allows next."""
-    from llguidance.numpy import fill_next_token_bitmask
-
-    fill_next_token_bitmask(matcher, masks, row)
-
-
-def allowed(masks: Any, vocab_size: int) -> Any:
-    """[R, ceil(V/32)] int32 bitmasks -> [R, V] bool (bit v % 32 of word v // 32), in JAX: the
-    unpacking ``generate``'s constrained loop applies too (``decode.constrained.allowed``)."""
-    from transformer_jax.decode.constrained import allowed as unpack
-
-    return unpack(masks, vocab_size)

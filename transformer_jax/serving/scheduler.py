@@ -32,7 +32,7 @@ import functools
 
 import numpy as np
 
-from transformer_jax.serving.grammar import fill_mask
+from transformer_jax.decode.constrained import fill_masks
 from transformer_jax.serving.page_pool import NULL_PAGE, PagePool, pages_for
 from transformer_jax.serving.plan import (
     Chunk,
@@ -371,14 +371,10 @@ class Scheduler:
         rows, then the chunk's): each grammar row's from its matcher, every token for the
         others; None when no row has a grammar (``inputs``' sampling leaves them out, so the
         engine can compute them while the device runs the step's forward)."""
-        reqs = self._row_requests(plan)
-        grammars = [i for i, req in enumerate(reqs) if req is not None and req.matcher is not None]
-        if not grammars:
+        matchers = [None if req is None else req.matcher for req in self._row_requests(plan)]
+        if all(m is None for m in matchers):
             return None
-        allowed = np.full((len(reqs), -(-vocab_size // 32)), -1, np.int32)
-        for i in grammars:
-            fill_mask(reqs[i].matcher, allowed, i)
-        return allowed
+        return fill_masks(matchers, vocab_size)
 
     def has_grammar(self, plan: StepPlan) -> bool:
         """Whether any of the step's rows draws under a grammar (structured outputs)."""

@@ -36,24 +36,23 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.decode.loop import decode_model, is_split
 from transformer_jax.decode.speculative import (
     Acceptance,
     SpeculativeConfig,
-    accepted_length,
     expected_tokens,
-    ngram_lookup,
+    ngram_proposals,
     parse_spec,
+    verify,
 )
 from transformer_jax.decode.speculative_loop import check_no_rings
 from transformer_jax.model.config import ModelConfig
-from transformer_jax.serving.draft import EngineDraft, same_path
+from transformer_jax.serving.draft import EngineDraft, decode_table, same_path
 from transformer_jax.serving.page_pool import NULL_PAGE, pages_for
 from transformer_jax.serving.paged_cache import PagedKVCache
-from transformer_jax.serving.plan import StepPlan
+from transformer_jax.serving.plan import StepPlan, row_sampling
 from transformer_jax.serving.requests import Request, State, TokenEvent
 from transformer_jax.serving.step import RowSampling, Sampler, _adapted, sample_rows
 
@@ -92,7 +91,8 @@ def verify_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                 weights_out_first: bool, keys_transposed: bool, sampler: Sampler,
                 view: str = "auto") -> tuple[Any, Any, jax.Array, jax.Array, jax.Array]:
     """The verify rows' forward through the paged cache, the target's draw at every position,
-    and each row's accepted proposals.
+    and each row's accepted proposals: ``speculative.verify`` (``generate``'s too) with the
+    engine's per-row sampler.
 
     Args:
       config, params: the target's config (static) and prepared weights.
@@ -109,18 +109,18 @@ def verify_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
       ``[:a + 1]``).
     """
     b, t = rows.tokens.shape
-    model = decode_model(config, None, weights_out_first)
     cache = PagedKVCache(k=k_pages, v=v_pages, page_table=rows.page_table, lengths=rows.start,
                          keys_transposed=keys_transposed, view=view)
-    positions = rows.start[:, None] + jnp.arange(t, dtype=jnp.int32)
-    out = model.apply({"params": _adapted(params, adapters, rows.adapter)}, rows.tokens,
-                      positions, cache=cache)
-    tokens, logprobs = sample_rows(out.logits.reshape(b * t, -1), sampling, sampler)
-    tokens = tokens.reshape(b, t, *tokens.shape[1:])
-    logprobs = logprobs.reshape(b, t, *logprobs.shape[1:])
-    targets = tokens if tokens.ndim == 2 else tokens[..., 0]
-    accepted = accepted_length(targets, rows.tokens[:, 1:], rows.num_drafts)
-    return out.cache.k, out.cache.v, tokens, logprobs, accepted
+
+    def draw(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        tokens, logprobs = sample_rows(logits.reshape(b * t, -1), sampling, sampler)
+        return (tokens.reshape(b, t, *tokens.shape[1:]),
+                logprobs.reshape(b, t, *logprobs.shape[1:]))
+
+    cache, tokens, logprobs, accepted = verify(
+        decode_model(config, None, weights_out_first), _adapted(params, adapters, rows.adapter),
+        cache, rows.tokens, rows.start, rows.num_drafts, draw)
+    return cache.k, cache.v, tokens, logprobs, accepted
 
 
 def jit_verify(**jit_options: Any) -> Any:
@@ -230,17 +230,19 @@ class Speculation:
             self.backed_off += 1
             return None
         drafts: dict[int, list[int]] = {}
+        lookups: dict[tuple[int, int], list[tuple[Request, int]]] = {}  # (n, min_n) -> rows
         for req in plan.decodes:
             if req.speculation is None:
                 continue
             spec, acc = req.speculation
-            budget = min(acc.budget(spec.k), req.params.max_tokens - req.num_new - 1)
+            budget = acc.budget(spec.k, req.params.max_tokens - req.num_new)
             if budget > 0 and spec.method == "draft":
                 drafts[req.id] = [-1] * budget  # filled by the draft below, if it runs
             elif budget > 0:
-                found = ngram_lookup(req.tokens, budget, spec.n, spec.min_n)
-                if found:
-                    drafts[req.id] = found
+                lookups.setdefault((spec.n, spec.min_n), []).append((req, budget))
+        for (n, min_n), group in lookups.items():  # one batched lookup, not one per row
+            found = ngram_proposals([r.tokens for r, _ in group], [k for _, k in group], n, min_n)
+            drafts.update((r.id, d) for (r, _), d in zip(group, found, strict=True) if d)
         if not drafts:
             return None
         t = width_of(max(len(d) for d in drafts.values()))
@@ -268,13 +270,12 @@ class Speculation:
         tokens = np.zeros((b, t), np.int32)
         start = np.zeros(b, np.int32)
         num = np.zeros(b, np.int32)
-        table = np.full((b, width), NULL_PAGE, np.int32)
+        table = decode_table(plan, sched, width)  # the draft's pages are read through it too
         adapter = np.zeros(b, np.int32) if eng._adapters is not None else None
         for req in plan.decodes:
             d = drafts.get(req.id, [])
             tokens[req.slot, 0], tokens[req.slot, 1:1 + len(d)] = req.tokens[-1], d
             start[req.slot], num[req.slot] = req.cached, len(d)
-            table[req.slot] = sched.page_table[req.slot, :width]
             if adapter is not None:
                 adapter[req.slot] = req.adapter
         flat = jax.tree.map(lambda x: np.repeat(np.asarray(x)[:b], t, axis=0), rows)
@@ -302,11 +303,7 @@ class Speculation:
                 rows = VerifyRows(np.zeros((b, t), np.int32), np.zeros(b, np.int32),
                                   np.zeros(b, np.int32), np.zeros((b, width), np.int32),
                                   None if eng._adapters is None else np.zeros(b, np.int32))
-                n = b * t
-                sampling = RowSampling(
-                    np.zeros((n, 2), np.uint32), np.zeros(n, np.int32), np.zeros(n, np.float32),
-                    np.full(n, eng.config.vocab_size, np.int32), np.ones(n, np.float32),
-                    np.zeros(n, np.float32))
+                sampling, _ = row_sampling([None] * (b * t), eng.config.vocab_size)  # greedy
                 eng._k, eng._v, *out = verify_jit(
                     eng.config, eng.weights.params, eng._k, eng._v, rows, sampling,
                     eng._adapters, weights_out_first=eng.weights.weights_out_first,

@@ -47,6 +47,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from transformer_jax.decode import sampling
+from transformer_jax.decode.constrained import mask_logits
 from transformer_jax.decode.loop import (
     TENSOR_AXIS,
     TensorSplit,
@@ -63,7 +64,6 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_ring import RingLayout
 from transformer_jax.model.layers import MATRIX_INPUT_AXES
 from transformer_jax.model.stack import is_scanned_key
-from transformer_jax.serving import grammar
 from transformer_jax.serving.page_pool import NULL_PAGE
 from transformer_jax.serving.paged_cache import PagedKVCache
 
@@ -123,7 +123,8 @@ class RowSampling:
       top_p: [R] float32 (1 = off).
       min_p: [R] float32 (0 = off).
       allowed: [R, ceil(V/32)] int32 bitmasks of the tokens each row may draw (structured
-        outputs, ``serving.grammar``; all ones for a row without a grammar), or None.
+        outputs, ``decode.constrained.fill_masks``; all ones for a row without a grammar), or
+        None.
     """
 
     key_data: jax.Array
@@ -157,7 +158,7 @@ def sample_rows(logits: jax.Array, rows: RowSampling, sampler: Sampler
     """
     raw = logits
     if rows.allowed is not None:  # structured outputs: only the grammars' tokens
-        logits = jnp.where(grammar.allowed(rows.allowed, logits.shape[-1]), logits, -jnp.inf)
+        logits = mask_logits(logits, rows.allowed)
     if not sampler.sampled:
         tokens, logprobs = sampling.sample_with_logprobs(logits, None, temperature=0)
     else:
