@@ -21,7 +21,7 @@ from transformer_jax.checkpoint.loading import RUN, load, locate
 from transformer_jax.model import lora
 from transformer_jax.model.config import Architecture, ModelConfig, field_names
 from transformer_jax.model.ops.quantized import is_quantized
-from transformer_jax.model.stack import restack_like
+from transformer_jax.model.stack import restack
 from transformer_jax.model.transformer import Params
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class LoadedAdapter:
 
 
 def _unrolled(params: Mapping[str, Any]) -> dict[str, Any]:
-    return restack_like(params, {})
+    return restack(params, {})
 
 
 def _leaves(tree: Any) -> dict[str, Any]:

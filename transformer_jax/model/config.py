@@ -224,11 +224,6 @@ class Architecture:
         return layer_groups(self.layer_specs())
 
     @property
-    def layers_differ(self) -> bool:
-        """Whether layers attend differently (window or RoPE) by their index."""
-        return len(set(self.layer_kinds())) > 1
-
-    @property
     def local_layers(self) -> int:
         """How many layers attend within the sliding window."""
         return self.layer_kinds().count("local")

@@ -29,7 +29,7 @@ from transformer_jax.model.layers import MATRIX_INPUT_AXES
 from transformer_jax.model.lora import DEFAULT_TARGETS, TARGETS, LoraConfig
 from transformer_jax.model.ops.dense import out_first_shape
 from transformer_jax.model.ops.row_lora import RowAdapters
-from transformer_jax.model.stack import block_paths, restack_like
+from transformer_jax.model.stack import block_paths, restack, stacked_layers
 
 Params = dict[str, Any]
 #: The targets that take per-row adapters (``DEFAULT_TARGETS``: the dense matrices).
@@ -98,7 +98,7 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
         if other:
             raise ValueError(f"adapter {name!r} targets {other}: a serving batch takes per-row "
                              f"adapters on the dense matrices only ({', '.join(ROW_TARGETS)})")
-        tree = restack_like(tree, params)
+        tree = restack(tree, stacked_layers(params))
         if sorted(_blocks(tree)) != sorted(blocks):
             raise ValueError(f"adapter {name!r} has blocks {_blocks(tree)[:3]}..., the base "
                              f"{blocks[:3]}... ({len(_blocks(tree))} vs {len(blocks)} layers)")

@@ -23,10 +23,8 @@ from typing import Any
 
 import jax
 
-#: Attention kinds a ``LayerSpec`` names.
+#: Attention kinds a ``LayerSpec`` names (its FFN kind: ``"dense"`` or ``"moe"``).
 ATTENTION_KINDS = ("global", "local")
-#: FFN kinds a ``LayerSpec`` names.
-FFN_KINDS = ("dense", "moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,11 +182,21 @@ def stacked_layers(params: Mapping[str, Any]) -> dict[tuple[str, ...], list[int]
     return out
 
 
-def restack_like(tree: Mapping[str, Any], like: Mapping[str, Any]) -> dict[str, Any]:
-    """A params-shaped ``tree`` (adapters, say) in the layer layout of ``like``: unrolled
-    blocks stacked into ``like``'s scanned groups, or scanned groups split into ``blocks_{i}``
-    when ``like`` is unrolled; as it is when the layouts agree."""
-    scanned, want = stacked_layers(tree), stacked_layers(like)
+def group_layers(groups: tuple[LayerGroup, ...]) -> dict[tuple[str, ...], list[int]]:
+    """``stacked_layers`` of the scanned params of a stack cut into ``groups``."""
+    out = {}
+    for g, group in enumerate(groups):
+        for j in range(len(group.period)):
+            tail = () if len(group.period) == 1 else (f"layer_{j}",)
+            out[(group_key(groups, g), *tail)] = group.layers(j)
+    return out
+
+
+def restack(tree: Mapping[str, Any], want: dict[tuple[str, ...], list[int]]) -> dict[str, Any]:
+    """A params-shaped ``tree`` (params, adapters, moments) in the layer layout ``want`` says
+    (``group_layers``, another tree's ``stacked_layers``; empty: unrolled ``blocks_{i}``); as
+    it is when it has that layout already."""
+    scanned = stacked_layers(tree)
     if bool(scanned) == bool(want):
         return dict(tree)
     out = {k: v for k, v in tree.items()

@@ -22,7 +22,7 @@ from transformer_jax.model.config import Architecture, ModelConfig
 from transformer_jax.model.kv_cache import Cache
 from transformer_jax.model.layers import EMBEDDING_PARAM, Carry, Embed, Norm, matrix
 from transformer_jax.model.ops.dense import dense
-from transformer_jax.model.stack import group_key, is_scanned_key, restack_like
+from transformer_jax.model.stack import group_key, group_layers, is_scanned_key, restack
 
 Params = dict[str, Any]
 
@@ -186,10 +186,8 @@ class Transformer(nn.Module):
                                  *s) if s else None
             stats.append(s)
         sparse = [s for s in stats if s is not None]
-        if not sparse:
-            return carry, None
         return carry, jax.tree.map(lambda *xs: jnp.concatenate(
-            [x if c.scan_layers else x[None] for x in xs]), *sparse)
+            [x if c.scan_layers else x[None] for x in xs]), *sparse) if sparse else None
 
     def _untied_head(self) -> jax.Array:
         c = self.config
@@ -260,20 +258,12 @@ def stack_blocks(params: Params, config: Architecture) -> Params:
     """Unrolled layout (``blocks_0`` ..) -> scanned layout: each layer group of ``config``
     (``Architecture.layer_groups``) under its key (``stack.group_key``), its layers stacked
     [R, ...] (per period position ``layer_{j}`` when the period is longer than one)."""
-    params, groups = dict(params), config.layer_groups()
-    for g, group in enumerate(groups):
-        stacked = [jax.tree.map(lambda *xs: jnp.stack(xs),
-                                *[params.pop(f"blocks_{i}") for i in group.layers(j)])
-                   for j in range(len(group.period))]
-        params[group_key(groups, g)] = stacked[0] if len(stacked) == 1 else {
-            f"layer_{j}": tree for j, tree in enumerate(stacked)}
-    return params
+    return restack(params, group_layers(config.layer_groups()))
 
 
 def unstack_blocks(params: Params) -> Params:
-    """Scanned layout (``stack_blocks``'s) -> unrolled layout (``blocks_0`` ..); the groups
-    are read off the tree (``stack.stacked_layers``)."""
-    return restack_like(params, {})
+    """Scanned layout (``stack_blocks``'s, read off the tree) -> unrolled (``blocks_0`` ..)."""
+    return restack(params, {})
 
 
 def is_scanned(params: Params) -> bool:
@@ -284,9 +274,5 @@ def is_scanned(params: Params) -> bool:
 def scanned_places(config: Architecture) -> dict[str, tuple[tuple[str, ...], int]]:
     """Unrolled block ``blocks_{i}`` -> (the scanned params path that stacks it, its index r
     along that stack), as ``stack_blocks`` lays out ``config``'s layer groups."""
-    groups, out = config.layer_groups(), {}
-    for g, group in enumerate(groups):
-        for j in range(len(group.period)):
-            path = (group_key(groups, g),) + (() if len(group.period) == 1 else (f"layer_{j}",))
-            out.update({f"blocks_{i}": (path, r) for r, i in enumerate(group.layers(j))})
-    return out
+    return {f"blocks_{i}": (path, r) for path, layers in
+            group_layers(config.layer_groups()).items() for r, i in enumerate(layers)}

@@ -52,40 +52,29 @@ def geglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *
     return matmul("BTF,FD->BTD", jax.nn.gelu(gate, approximate=approximate) * up, w_down)
 
 
-def gelu_ffn(x: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-             matmul: Matmul = jnp.einsum) -> jax.Array:
-    """Two-layer FFN with the exact GELU: ``gelu(x W_up) W_down``.
+def plain_ffn(x: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+              activation: Callable[[jax.Array], jax.Array],
+              matmul: Matmul = jnp.einsum) -> jax.Array:
+    """Two-layer FFN: ``activation(x W_up) W_down`` (``gelu_ffn``: the exact GELU;
+    ``relu_ffn``: the original Transformer's ReLU).
 
     Args:
       x: [B, T, D] activations.
       w_up: [D, F] up projection.
       w_down: [F, D] down projection.
+      activation: the elementwise nonlinearity.
       matmul: ``matmul(spec, x, w)``, the product of each projection (``jnp.einsum``, or
         ``dense`` for weights stored output axes first).
 
     Returns:
       [B, T, D].
     """
-    hidden = jax.nn.gelu(matmul("BTD,DF->BTF", x, w_up), approximate=False)
-    return matmul("BTF,FD->BTD", hidden, w_down)
+    return matmul("BTF,FD->BTD", activation(matmul("BTD,DF->BTF", x, w_up)), w_down)
 
 
-def relu_ffn(x: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-             matmul: Matmul = jnp.einsum) -> jax.Array:
-    """Two-layer FFN of the original Transformer: ``relu(x W_up) W_down``.
-
-    Args:
-      x: [B, T, D] activations.
-      w_up: [D, F] up projection.
-      w_down: [F, D] down projection.
-      matmul: ``matmul(spec, x, w)``, the product of each projection (``jnp.einsum``, or
-        ``dense`` for weights stored output axes first).
-
-    Returns:
-      [B, T, D].
-    """
-    hidden = jax.nn.relu(matmul("BTD,DF->BTF", x, w_up))
-    return matmul("BTF,FD->BTD", hidden, w_down)
+gelu_ffn = functools.partial(plain_ffn, activation=functools.partial(jax.nn.gelu,
+                                                                     approximate=False))
+relu_ffn = functools.partial(plain_ffn, activation=jax.nn.relu)
 
 
 # Gated variants take (x, w_gate, w_up, w_down); plain ones (x, w_up, w_down).
