@@ -315,3 +315,23 @@ class Served:
     def close(self):
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def jaxpr_equations(jaxpr) -> int:
+    """Equations of a jaxpr and of every jaxpr inside it (scan bodies, conds, ...)."""
+    import jax  # here: importing helpers must not start JAX before conftest sets its flags
+
+    return sum(1 + sum(jaxpr_equations(sub) for sub in jax.extend.core.jaxprs_in_params(
+        eqn.params)) for eqn in jaxpr.eqns)
+
+
+def jaxpr_primitives(jaxpr) -> set[str]:
+    """The primitive names of a jaxpr and of every jaxpr inside it."""
+    import jax
+
+    out = set()
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out |= jaxpr_primitives(sub)
+    return out

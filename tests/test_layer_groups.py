@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import FAST_COMPILE, TINY
+from helpers import FAST_COMPILE, TINY, jaxpr_equations, jaxpr_primitives
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -98,15 +98,6 @@ def test_a_dense_then_sparse_stack_trains_and_generates_scanned(fast_generate_co
     assert generate(scanned, stacked, prompts, max_new_tokens=5).tokens == want
 
 
-def _equations(jaxpr) -> int:
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += 1
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            count += _equations(sub)
-    return count
-
-
 def test_a_dense_then_sparse_program_does_not_grow_with_depth():
     """The train step's and a decode step's programs are the same at 8 and 64 layers: each
     group scans, nothing is unrolled per layer."""
@@ -119,18 +110,9 @@ def test_a_dense_then_sparse_program_does_not_grow_with_depth():
         step = jax.make_jaxpr(lambda p, t, c: Transformer(config).apply(
             {"params": p}, t, cache=c).logits)(params, jax.ShapeDtypeStruct((2, 1), jnp.int32),
                                                cache)
-        return _equations(train.jaxpr), _equations(step.jaxpr)
+        return jaxpr_equations(train.jaxpr), jaxpr_equations(step.jaxpr)
 
     assert programs(8) == programs(64)
-
-
-def _primitives(jaxpr) -> set[str]:
-    out = set()
-    for eqn in jaxpr.eqns:
-        out.add(eqn.primitive.name)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            out |= _primitives(sub)
-    return out
 
 
 def test_a_five_to_one_cache_holds_per_layer_only_what_it_reads():
@@ -161,5 +143,5 @@ def test_a_five_to_one_cache_holds_per_layer_only_what_it_reads():
     cache = jax.eval_shape(lambda: KVCache.init(scanned, b, s_max))
     step = jax.make_jaxpr(lambda p, t, c: Transformer(scanned).apply(
         {"params": p}, t, cache=c).logits)(params, jax.ShapeDtypeStruct((b, 1), jnp.int32), cache)
-    names = _primitives(step.jaxpr)
+    names = jaxpr_primitives(step.jaxpr)
     assert "scan" in names and "cond" not in names

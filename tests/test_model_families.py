@@ -8,6 +8,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import jaxpr_equations
 
 from transformer_jax.model import ops
 from transformer_jax.model.config import ModelConfig
@@ -135,16 +136,6 @@ def test_embedding_scale_is_sqrt_d_in_the_compute_dtype():
     np.testing.assert_allclose(with_scale.hidden, without.hidden, rtol=1e-5, atol=1e-6)
 
 
-def _equations(jaxpr) -> int:
-    """Equations of a jaxpr and of every jaxpr inside it (scan bodies, conds, ...)."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += 1
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            count += _equations(sub)
-    return count
-
-
 @pytest.mark.parametrize("depth", [18, 48])
 def test_a_patterned_scanned_model_traces_to_the_same_program_at_any_depth(depth):
     """Compile time flat in depth: the scanned program of a 5:1 model (one layer group, its
@@ -157,7 +148,7 @@ def test_a_patterned_scanned_model_traces_to_the_same_program_at_any_depth(depth
         params = jax.eval_shape(lambda: init_params(config.replace(scan_layers=False), 0))
         params = jax.eval_shape(lambda p: stack_blocks(p, config), params)
         tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-        return _equations(jax.make_jaxpr(
+        return jaxpr_equations(jax.make_jaxpr(
             lambda p, t: Transformer(config).apply({"params": p}, t).logits)(params, tokens).jaxpr)
 
     assert program(depth) == program(12)

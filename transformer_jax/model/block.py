@@ -24,9 +24,7 @@ class Block(nn.Module):
     (its window and RoPE, dense or sparse FFN) is its ``spec``, a Python value: a layer scan
     scans runs of the same specs (``stack.LayerGroup``), so one block serves every kind.
 
-    ``weights_out_first``: every matrix is stored output axes first (``matrix``), the layout
-    ``decode.prepare`` gives the weights on CPU.
-
+    ``weights_out_first``: every matrix is stored output axes first (``layers.matrix``).
     With ``tensor_axis`` the block runs inside ``shard_map`` on one shard of a Megatron split:
     its config counts this shard's heads, kv heads and FFN units (``shard_config``), and each
     branch's output (a partial sum over the shard's heads or units) is summed over the axis.
