@@ -88,14 +88,30 @@ def test_a_dense_then_sparse_stack_trains_and_generates_scanned(fast_generate_co
                        compiler_options=FAST_COMPILE)(p)
 
     (want_loss, want_grad), (got_loss, got_grad) = grad(unrolled, params), grad(scanned, stacked)
-    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+    # Scanned and unrolled programs fuse differently: float32 sums in another order.
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6),
                  unstack_blocks(got_grad), want_grad)
     out = Transformer(scanned).apply({"params": stacked}, tokens)
     assert out.moe["load"].shape == (2, 4)  # the two sparse layers' stats, in layer order
     prompts = [[5, 9, 2, 7, 1], [4, 6]]
     want = generate(unrolled, params, prompts, max_new_tokens=5).tokens
     assert generate(scanned, stacked, prompts, max_new_tokens=5).tokens == want
+
+
+def test_a_periods_sparse_layers_report_their_router_stats_in_layer_order():
+    """A period with several sparse blocks (2 local : 1 global, every FFN a mixture, scanned
+    twice): the stacked router stats follow the layers, as the unrolled model gives them."""
+    config = TINY.replace(n_layers=6, sliding_window=3, layer_pattern=("local", "local", "global"),
+                          moe=MoE(n_experts=4, top_k=1, d_ff=16), moe_impl="dense")
+    scanned = config.replace(scan_layers=True)
+    assert [(len(g.period), g.repeats) for g in scanned.layer_groups()] == [(3, 2)]
+    params = init_params(config, 1)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 9)), jnp.int32)
+    want = Transformer(config).apply({"params": params}, tokens).moe
+    got = Transformer(scanned).apply({"params": stack_blocks(params, scanned)}, tokens).moe
+    assert not np.array_equal(want["load"][0], want["load"][1])  # the layers route apart
+    np.testing.assert_array_equal(got["load"], want["load"])  # counts: exact
 
 
 def test_a_dense_then_sparse_program_does_not_grow_with_depth():

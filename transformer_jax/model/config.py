@@ -33,7 +33,7 @@ from transformer_jax.model.fields import (  # noqa: F401 (config.RopeScaling etc
     check_positive_number,
     plain,
 )
-from transformer_jax.model.stack import LayerGroup, LayerSpec, layer_groups
+from transformer_jax.model.stack import ATTENTION_KINDS, LayerGroup, LayerSpec, layer_groups
 
 NORMS = ("rms", "layer")
 NORM_POSITIONS = ("pre", "post", "sandwich", "post_branch")
@@ -42,7 +42,7 @@ FFNS = ("swiglu", "geglu", "geglu_tanh", "gelu", "relu")
 POSITIONS = ("rope", "sinusoidal", "none")
 ROPE_PAIRINGS = ("half", "adjacent")
 #: The kinds of attention layer a ``layer_pattern`` lists.
-LAYER_KINDS = ("global", "local")
+LAYER_KINDS = ATTENTION_KINDS
 REMATS = ("none", "full", "save_dots")
 #: Attention implementations (``ops.attention.attention``'s ``impl``).
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "pallas", "mosaic")
