@@ -335,3 +335,10 @@ def jaxpr_primitives(jaxpr) -> set[str]:
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             out |= jaxpr_primitives(sub)
     return out
+
+
+def keys_in_order(keys):
+    """A cache's keys as [..., S, H], whether stored so or ``SlotsLast`` ([..., H, S])."""
+    from transformer_jax.model.ops.layouts import SlotsLast
+
+    return keys.k.swapaxes(-1, -2) if isinstance(keys, SlotsLast) else keys

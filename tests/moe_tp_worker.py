@@ -53,7 +53,7 @@ def main() -> dict:
         out[name] = dict(
             generate=gen.tokens, generate_logprobs=gen.logprobs,
             engine=[done[i].tokens for i in ids], engine_logprobs=[done[i].logprobs for i in ids],
-            specs={k: str(tuple(getattr(moe[k].sharding, "spec", ())))
+            specs={k: str(tuple(getattr(getattr(moe[k], "w", moe[k]).sharding, "spec", ())))
                    for k in ("gate", "up", "down", "router")},
             block=list(moe["gate"].addressable_shards[0].data.shape))
     return out

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE, TINY
+from helpers import FAST_COMPILE, TINY, keys_in_order
 
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
@@ -124,14 +124,16 @@ def test_decode_logits_equal_full_forward_at_every_step(name):
     first, got, want, cache = _cached_and_full_logits(config, params, seqs, lengths,
                                                       prompt_lib.prompt_bucket(6))
     rows = (2, config.n_kv_heads)
-    keys = (config.head_dim, total) if cache.keys_transposed else (total, config.head_dim)
+    keys = (config.head_dim, total) if cache.slots_last else (total, config.head_dim)
     for i in range(config.n_layers):  # stacked [L, ...] when scanned, one array per layer else
         if cache.ring is not None and cache.ring.local[i]:  # a ring of the window's W slots
             w = cache.ring.size
-            keys_w = (config.head_dim, w) if cache.keys_transposed else (w, config.head_dim)
-            chex.assert_shape(cache.layer(i), [(*rows, *keys_w), (*rows, w, config.head_dim)])
+            keys_w = (config.head_dim, w) if cache.slots_last else (w, config.head_dim)
+            chex.assert_shape(list(jax.tree.leaves(cache.layer(i))),
+                              [(*rows, *keys_w), (*rows, w, config.head_dim)])
             continue
-        chex.assert_shape(cache.layer(i), [(*rows, *keys), (*rows, total, config.head_dim)])
+        chex.assert_shape(list(jax.tree.leaves(cache.layer(i))),
+                          [(*rows, *keys), (*rows, total, config.head_dim)])
     for b in range(2):
         np.testing.assert_allclose(first[b], want[b, lengths[b] - 1], atol=1e-5,
                                    err_msg=f"prefill logits, row {b}")
@@ -141,20 +143,20 @@ def test_decode_logits_equal_full_forward_at_every_step(name):
                                        err_msg=f"row {b} position {pos}")
 
 
-@pytest.mark.parametrize("keys_transposed", [False, True])
-def test_decode_cache_layout_and_bytes(keys_transposed):
+@pytest.mark.parametrize("platform", ["gpu", "cpu"])
+def test_decode_cache_layout_and_bytes(platform):
     config, params = _model(n_kv_heads=2)
-    prefill = functools.partial(decode.prefill, config, max_len=20,
-                                keys_transposed=keys_transposed)
+    prefill = functools.partial(decode.prefill, config, max_len=20, platform=platform)
     logits, cache = jax.eval_shape(prefill, decode.decode_params(config, params),
                                    jnp.zeros((3, 8), jnp.int32), jnp.ones((3,), jnp.int32))
     chex.assert_shape(logits, (3, config.vocab_size))
-    # One row per (sequence, kv head) in every layer; keys optionally stored [H, S]; one array
-    # per layer for this unrolled model.
+    # One row per (sequence, kv head) in every layer; keys stored [H, S] for a CPU target; one
+    # array per layer for this unrolled model.
     # (stored with the (sequence, kv head) rows merged).
-    assert not cache.stacked and len(cache.k) == len(cache.v) == config.n_layers
-    chex.assert_shape(list(cache.k), [(6, 8, 20) if keys_transposed else (6, 20, 8)]
-                      * config.n_layers)
+    assert not cache.stacked and len(jax.tree.leaves(cache.k)) == len(cache.v) == config.n_layers
+    assert cache.slots_last == (platform == "cpu")
+    chex.assert_shape(list(jax.tree.leaves(cache.k)),
+                      [(6, 8, 20) if platform == "cpu" else (6, 20, 8)] * config.n_layers)
     chex.assert_shape(list(cache.v), [(6, 20, 8)] * config.n_layers)
     assert cache.nbytes == 2 * config.n_layers * 3 * 20 * 2 * 8 * 4
     assert cache.nbytes == kv_cache.cache_bytes(config, 3, 20)
@@ -212,9 +214,8 @@ def test_prefill_cache_equals_the_models_cached_forward(name):
     chex.assert_trees_all_close(ours.k, model.k, atol=1e-5)
     chex.assert_trees_all_close(ours.v, model.v, atol=1e-5)
     np.testing.assert_allclose(logits, want_logits, atol=1e-5)
-    keys, values = (np.asarray(x) for x in ours.layer(0))  # [B, K, S, H] ([B, K, H, S])
-    if ours.keys_transposed:
-        keys = keys.swapaxes(2, 3)
+    keys, values = ours.layer(0)  # [B, K, S, H] each (keys maybe stored [B, K, H, S])
+    keys, values = np.asarray(keys_in_order(keys)), np.asarray(values)
     n, k0, v0 = 8, np.asarray(k0), np.asarray(v0)
     if ours.ring is not None:  # a window's ring of W slots: positions 8 - W .. 7, p in slot p % W
         n, held = ours.ring.size, np.arange(8 - ours.ring.size, 8)
@@ -236,11 +237,11 @@ def test_prepared_weights_generate_the_greedy_reference_and_check_their_config()
         tokens, logprobs = _greedy_reference(config, params, prompt, N_NEW)
         assert got.tokens[i] == tokens, f"prompt {i}"
         np.testing.assert_allclose(got.logprobs[i], logprobs, atol=1e-5)
-    # A parameter transform: the same tree and sizes (matrices transposed where the decode
-    # stores them output axes first), in the compute dtype.
-    chex.assert_trees_all_equal_structs(weights.params, params)
-    assert jax.tree.map(lambda x: x.size, weights.params) == jax.tree.map(lambda x: x.size,
-                                                                           params)
+    # A parameter transform: the same leaves and sizes (for this CPU target every matrix an
+    # OutFirst leaf, stored output axes first), in the compute dtype.
+    assert weights.out_first
+    assert [x.size for x in jax.tree.leaves(weights.params)] == [
+        x.size for x in jax.tree.leaves(params)]
     assert weights.nbytes == sum(x.nbytes for x in jax.tree.leaves(params))
     with pytest.raises(ValueError, match="different config"):
         generation.generate(config.replace(n_kv_heads=4), weights, prompts, max_new_tokens=2)

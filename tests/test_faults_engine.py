@@ -208,11 +208,11 @@ def test_a_stop_token_at_the_last_allowed_position_ends_with_stop(engine, prompt
         assert (early.tokens, early.finish_reason) == (first.tokens[:-1], "stop")
 
 
-# int8 pages: the pool view with transposed keys --------------------------------------------------
+# int8 pages: the pool view ----------------------------------------------------------------------
 
-def test_int8_pool_view_with_transposed_keys_reads_each_tokens_own_scale():
-    """Tokens whose rows differ by up to six orders of magnitude, written into int8 pages with
-    the keys transposed ([K, H + 2, P, ps]) through a table of out-of-order pages: the pool the
+def test_int8_pool_view_reads_each_tokens_own_scale():
+    """Tokens whose rows differ by up to six orders of magnitude, written into int8 pages ([K,
+    P, ps, H + 2]) through a table of out-of-order pages: the pool the
     ``"pool"`` view reads gives every token's key and value within half a step of its own
     scale (max|row| / 127). Pages of H + 2 positions and P = H + 2 pages make every axis of
     the key pool the same size, so reading the scales along the wrong axis (another token's
@@ -223,9 +223,8 @@ def test_int8_pool_view_with_transposed_keys_reads_each_tokens_own_scale():
     b, t = 2, 2 * ps
     table = np.array([[7, 2], [4, 9]], np.int32)
     cache = PagedKVCache.init(config, num_pages, ps, batch=b, pages_per_row=2, dtype="int8",
-                              keys_transposed=True, view="pool").with_table(
-                                  table, np.zeros(b, np.int32))
-    assert cache.k[1].shape == (2, h + 2, num_pages, ps) and cache.int8
+                              view="pool").with_table(table, np.zeros(b, np.int32))
+    assert cache.k[1].shape == (2, num_pages, ps, h + 2) and cache.int8
     rng = np.random.default_rng(0)
 
     def rows():
@@ -240,11 +239,11 @@ def test_int8_pool_view_with_transposed_keys_reads_each_tokens_own_scale():
         return cache.write(1, k, v, positions).pool(1, jnp.float32)
 
     keys, values = (np.asarray(x) for x in write_and_read(cache, k, v))
-    assert keys.shape == (2, h, num_pages, ps) and values.shape == (2, num_pages, ps, h)
+    assert keys.shape == values.shape == (2, num_pages, ps, h)
     for row in range(b):
         for pos in range(t):
             page, offset = table[row, pos // ps], pos % ps
-            for name, got, want in (("key", keys[:, :, page, offset], k[row, pos]),
+            for name, got, want in (("key", keys[:, page, offset], k[row, pos]),
                                     ("value", values[:, page, offset], v[row, pos])):
                 step_size = np.abs(want).max(-1, keepdims=True) / 127  # [K, 1]: its own
                 err = np.abs(got - want)

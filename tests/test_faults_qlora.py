@@ -216,7 +216,7 @@ def _random_params(config) -> dict:
 def test_a_saved_quantised_base_is_rebuilt_as_quantize_params_made_it(spec, scanned):
     config = TINY.replace(scan_layers=scanned)
     quant = for_model(config, parse_quant(spec))
-    made = jax.jit(lambda p: quantize_params(p, quant, out_first=False),
+    made = jax.jit(lambda p: quantize_params(p, quant),
                    compiler_options=FAST_COMPILE)(_random_params(config))
     rebuilt = quantization.from_saved(_as_saved(made), spec)  # new: not on base
     assert jax.tree.structure(rebuilt) == jax.tree.structure(made)

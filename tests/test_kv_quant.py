@@ -50,25 +50,22 @@ def _chunk(config: ModelConfig, seed: int):
     return q, keys, values, positions
 
 
-def _paged(config: ModelConfig, dtype, keys_transposed: bool, view: str) -> PagedKVCache:
+def _paged(config: ModelConfig, dtype, view: str) -> PagedKVCache:
     # Pages handed out out of order, the two rows' interleaved.
     cache = PagedKVCache.init(config, num_pages=9, page_size=4, batch=B, pages_per_row=4,
-                              dtype=dtype, keys_transposed=keys_transposed, view=view)
+                              dtype=dtype, view=view)
     return cache.with_table(np.array([[5, 2, 7, 0], [3, 8, 1, 0]]), np.zeros(B, np.int32))
 
 
 CACHES = {
-    "contiguous-unrolled-keys-transposed": lambda c, d: KVCache.init(
-        c, B, 16, d, keys_transposed=True),
+    "contiguous-unrolled-slots-last": lambda c, d: KVCache.init(c, B, 16, d, platform="cpu"),
     "contiguous-scanned": lambda c, d: KVCache.init(
-        c.replace(scan_layers=True), B, 16, d, keys_transposed=False),
-    "paged-gather-keys-transposed": lambda c, d: _paged(c, d, True, "gather"),
-    "paged-pool": lambda c, d: _paged(c.replace(scan_layers=True), d, False, "pool"),
-    "paged-pool-keys-transposed": lambda c, d: _paged(c, d, True, "pool"),
-    "paged-blocks-keys-transposed": lambda c, d: _paged(c, d, True, "blocks").replace(
-        block_positions=8),
-    "paged-blocks-scanned": lambda c, d: _paged(c.replace(scan_layers=True), d, False,
-                                                "blocks"),
+        c.replace(scan_layers=True), B, 16, d, platform="gpu"),
+    "paged-gather": lambda c, d: _paged(c, d, "gather"),
+    "paged-pool": lambda c, d: _paged(c.replace(scan_layers=True), d, "pool"),
+    "paged-pool-unrolled": lambda c, d: _paged(c, d, "pool"),
+    "paged-blocks": lambda c, d: _paged(c, d, "blocks").replace(block_positions=8),
+    "paged-blocks-scanned": lambda c, d: _paged(c.replace(scan_layers=True), d, "blocks"),
 }
 
 

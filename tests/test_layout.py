@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import warnings
 from pathlib import Path
 
@@ -144,3 +145,32 @@ def test_the_names_users_import_stay():
     assert callable(transformer_jax.generate) and callable(decode.prepare)
     assert serving.Engine.__module__ == "transformer_jax.serving.engine"
     assert transformer_jax.ModelConfig.__module__ == "transformer_jax.model.config"
+
+
+# A CPU layout lives in the prepared weights (``ops.layouts.OutFirst``) and the cache
+# (``SlotsLast``), chosen for the target platform by ``decode.prepare`` and the caches'
+# constructors: no function or module of the model takes one as an argument or a field.
+LAYOUT_NAME = re.compile(r"(out|in)_first|transposed|slots_last|head_layout|keys_layout")
+
+
+def layout_parameters(root: Path) -> list[str]:
+    """``file:line name`` of every function parameter and class field under ``root`` whose
+    name says it is a layout."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                a = node.args
+                names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs,
+                                         *filter(None, (a.vararg, a.kwarg)))]
+            elif isinstance(node, ast.ClassDef):  # dataclass and flax module fields
+                names = [s.target.id for s in node.body
+                         if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+            found += [f"{path.relative_to(root.parent)}:{node.lineno} {n}" for n in names
+                      if LAYOUT_NAME.search(n)]
+    return found
+
+
+def test_no_model_function_or_module_takes_a_layout():
+    assert layout_parameters(ROOT / "model") == []

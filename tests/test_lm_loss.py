@@ -7,6 +7,7 @@ import optax
 import pytest
 from helpers import FAST_COMPILE
 
+from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.ops.lm_loss import lm_head_cross_entropy_sums
 
 
@@ -45,8 +46,9 @@ def test_chunked_loss_equals_full_loss_and_gradients(head_layout, chunk_size, ma
         grad_fn = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
         return jax.jit(grad_fn, compiler_options=FAST_COMPILE)(x, head)
 
-    (_, got), got_grads = total(lambda x, h: lm_head_cross_entropy_sums(
-        x, h, targets, mask, chunk_size=chunk_size, z_loss=z_loss, head_layout=head_layout))
+    (_, got), got_grads = total(lambda x, h: lm_head_cross_entropy_sums(  # VD: a tied table
+        x, OutFirst(h) if head_layout == "VD" else h, targets, mask, chunk_size=chunk_size,
+        z_loss=z_loss))
     (_, want), want_grads = total(lambda x, h: _full_sums(x, h, targets, mask, z_loss,
                                                           head_layout))
     for g, w in zip(got, want, strict=True):
@@ -91,7 +93,9 @@ def test_backward_does_not_store_the_logits():
 
 def test_rejects_bad_arguments():
     x, head, targets, _ = _inputs()
-    with pytest.raises(ValueError, match="head_layout"):
-        lm_head_cross_entropy_sums(x, head, targets, chunk_size=4, head_layout="dv")
+    with pytest.raises(ValueError, match="chunk_size"):
+        lm_head_cross_entropy_sums(x, head, targets, chunk_size=0)
     with pytest.raises(AssertionError):
         lm_head_cross_entropy_sums(x, head.T, targets, chunk_size=4)
+    with pytest.raises(AssertionError):  # a [D, V] head is no [V, D] table
+        lm_head_cross_entropy_sums(x, OutFirst(head), targets, chunk_size=4)

@@ -17,6 +17,7 @@ from helpers import FAST_COMPILE
 from transformer_jax.decode import loop as decode
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import KVCache
+from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.ops.lm_loss import lm_head_cross_entropy_sums
 from transformer_jax.model.transformer import Transformer, init_params
 from transformer_jax.train.config import TrainConfig
@@ -78,8 +79,8 @@ def test_chunked_attention_model_equals_the_reference(name):
     chex.assert_trees_all_close(got_grads, want_grads, atol=1e-5)
 
 
-@pytest.mark.parametrize("keys_transposed", [False, True])
-def test_chunked_attention_over_a_cache_equals_the_reference(keys_transposed):
+@pytest.mark.parametrize("platform", ["gpu", "cpu"])  # keys [S, H], or [H, S] (SlotsLast)
+def test_chunked_attention_over_a_cache_equals_the_reference(platform):
     """Prefill into a partly empty cache, then a chunk of 3 tokens attending over it."""
     config = ModelConfig(**BASE, n_kv_heads=2, attention_impl="xla")
     params = init_params(config, 0)
@@ -87,7 +88,7 @@ def test_chunked_attention_over_a_cache_equals_the_reference(keys_transposed):
     out = {}
     for impl in ("xla", "chunked"):
         apply = jax.jit(Transformer(config.replace(attention_impl=impl)).apply)
-        cache = KVCache.init(config, 2, 20, keys_transposed=keys_transposed)
+        cache = KVCache.init(config, 2, 20, platform=platform)
         first = apply({"params": params}, tokens[:, :9], cache=cache)
         second = apply({"params": params}, tokens[:, 9:], cache=first.cache)
         out[impl] = (first.logits, second.logits)
@@ -115,20 +116,21 @@ def test_chunked_loss_equals_the_full_loss_and_its_gradients(tied):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_lm_head_of_out_first_weights_gives_the_forwards_logits(tied):
-    """``Transformer.lm_head`` names the head's table and layout for weights stored out-first
-    (``decode.prepare`` on CPU): the chunked loss over it equals the loss of the logits."""
+    """``Transformer.lm_head`` gives the head of weights prepared for a CPU target (matrices
+    ``OutFirst``): the [V, D] table as an out-first head; the chunked loss over it equals the
+    loss of the forward's logits."""
     config = ModelConfig(**BASE, n_kv_heads=2, tie_embeddings=tied)
-    params = decode.decode_params(config, init_params(config, 0), weights_out_first=True)
-    model = Transformer(config, weights_out_first=True)
+    params = decode.decode_params(config, init_params(config, 0), out_first=True)
+    model = Transformer(config)
     tokens, _, _ = _batch(t=20, seed=3)
-    head, layout = model.lm_head(params)
-    assert layout == "VD" and head.shape == (config.vocab_size, config.d_model)
+    head = model.lm_head(params)
+    assert isinstance(head, OutFirst) and head.shape == (config.vocab_size, config.d_model)
 
     @jax.jit
     def losses(params):
         hidden = model.apply({"params": params}, tokens[:, :-1], hidden_only=True).hidden
-        chunked = lm_head_cross_entropy_sums(hidden, model.lm_head(params)[0], tokens[:, 1:],
-                                             chunk_size=7, head_layout=layout)
+        chunked = lm_head_cross_entropy_sums(hidden, model.lm_head(params), tokens[:, 1:],
+                                             chunk_size=7)
         logits = model.apply({"params": params}, tokens[:, :-1]).logits
         return chunked, cross_entropy_sums(logits, tokens[:, 1:])
 

@@ -221,7 +221,7 @@ def test_quantized_decode_of_layers_that_differ_equals_decode_over_dequantised_w
     norm = weights.params["scan_0"]["attn"]["q_norm"]["scale"]  # layers 0 and 1 (local)
     assert norm.dtype == jnp.float32 and norm.shape == (2, config.head_dim)
     dequantised = decode.DecodeWeights(jax.jit(dequantize_params)(weights.params), config,
-                                       None, weights.weights_out_first)
+                                       None, weights.out_first)
     got = generate(config, weights, PROMPTS, max_new_tokens=6)
     want = generate(config, dequantised, PROMPTS, max_new_tokens=6)
     assert got.tokens == want.tokens

@@ -74,9 +74,10 @@ def test_each_row_gets_its_adapters_merged_logits(scanned, out_first):
             for r, i in enumerate(ids)]
     config = CONFIG.replace(scan_layers=scanned)
     weights = prepare(config, stack_blocks(base, CONFIG) if scanned else base,
-                      weights_out_first=out_first)
-    stack = multi_lora.stack_adapters(weights.params, ads, out_first=out_first)
-    got = jax.jit(lambda p, s, i: decode_model(config, None, out_first).apply(  # one program
+                      platform="cpu" if out_first else "gpu")  # matrices OutFirst for a CPU
+    assert weights.out_first == out_first
+    stack = multi_lora.stack_adapters(weights.params, ads)
+    got = jax.jit(lambda p, s, i: decode_model(config).apply(  # one program
         {"params": multi_lora.with_row_adapters(p, s, i)}, tokens).logits)(
         weights.params, stack, jnp.asarray(ids))
     for r in range(len(ids)):

@@ -180,14 +180,19 @@ def _qkv(b=2, t=5, s=7, n=4, kv=2, h=8, seed=0):
             r.normal(size=(b, s, kv, h)).astype(np.float32))
 
 
+def _attend(q, k, v, mask, scale=None):
+    """``ops.reference_attention`` on k/v given [B, S, K, H] (it takes the cache's [B, K, S, H])."""
+    k, v = (jnp.asarray(x).swapaxes(1, 2) for x in (k, v))
+    return ops.reference_attention(jnp.asarray(q), k, v,
+                                   None if mask is None else jnp.asarray(mask), scale)
+
+
 @pytest.mark.parametrize("kv", [4, 2, 1])
-@pytest.mark.parametrize("impl", ["xla", "jax"])
-def test_attention_matches_numpy_reference(kv, impl):
+def test_attention_matches_numpy_reference(kv):
     q, k, v = _qkv(kv=kv)
     mask = _rng(3).random((2, 5, 7)) < 0.7
     mask[0, 2] = False  # a fully-masked row
-    got = ops.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                    jnp.asarray(mask), impl=impl)
+    got = _attend(q, k, v, mask)
     np.testing.assert_allclose(got, numpy_attention(q, k, v, mask, kv_layout="BSKH"),
                                rtol=1e-5, atol=1e-5)
 
@@ -195,36 +200,31 @@ def test_attention_matches_numpy_reference(kv, impl):
 def test_fully_masked_rows_are_zero_not_nan():
     q, k, v = _qkv()
     mask = np.zeros((2, 5, 7), bool)
-    for impl in ("xla", "jax"):
-        out = ops.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                        jnp.asarray(mask), impl=impl)
-        assert np.isfinite(out).all() and (np.asarray(out) == 0).all()
+    out = _attend(q, k, v, mask)
+    assert np.isfinite(out).all() and (np.asarray(out) == 0).all()
 
 
 def test_gqa_with_g_equal_h_is_mha_and_equals_repeated_heads():
     q, k, v = _qkv(n=6, kv=3)
     pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
     mask = ops.attention_mask(pos[:, :5], pos)
-    gqa = ops.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask)
+    gqa = _attend(q, k, v, mask)
     # Repeat K/V by the group map group(r) = floor(r / (N/K)) and run plain MHA (K = N).
     group = np.arange(6) // 2
-    mha = ops.dot_product_attention(jnp.asarray(q), jnp.asarray(k[:, :, group]),
-                                    jnp.asarray(v[:, :, group]), mask)
+    mha = _attend(q, k[:, :, group], v[:, :, group], mask)
     np.testing.assert_allclose(gqa, mha, rtol=1e-6, atol=1e-6)
     # Per-head MHA: each query head alone against its own K/V head.
     for r in range(6):
-        one = ops.dot_product_attention(jnp.asarray(q[:, :, r:r + 1]),
-                                        jnp.asarray(k[:, :, group[r]:group[r] + 1]),
-                                        jnp.asarray(v[:, :, group[r]:group[r] + 1]), mask)
+        one = _attend(q[:, :, r:r + 1], k[:, :, group[r]:group[r] + 1],
+                      v[:, :, group[r]:group[r] + 1], mask)
         np.testing.assert_allclose(gqa[:, :, r], one[:, :, 0], rtol=1e-6, atol=1e-6)
 
 
 def test_mqa_is_gqa_with_one_kv_head():
     q, k, v = _qkv(n=4, kv=1)
     mask = jnp.ones((2, 5, 7), bool)
-    mqa = ops.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask)
-    rep = ops.dot_product_attention(jnp.asarray(q), jnp.asarray(np.repeat(k, 4, 2)),
-                                    jnp.asarray(np.repeat(v, 4, 2)), mask)
+    mqa = _attend(q, k, v, mask)
+    rep = _attend(q, np.repeat(k, 4, 2), np.repeat(v, 4, 2), mask)
     np.testing.assert_allclose(mqa, rep, rtol=1e-6, atol=1e-6)
 
 
@@ -246,20 +246,18 @@ def test_attention_scale_is_inverse_sqrt_head_dim():
     # Scaling q by c must match an explicit scale of c / sqrt(H).
     q, k, v = _qkv(h=16)
     mask = jnp.ones((2, 5, 7), bool)
-    a = ops.dot_product_attention(jnp.asarray(q) * 3.0, jnp.asarray(k), jnp.asarray(v), mask)
-    b = ops.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
-                                  scale=3.0 / 4.0)
+    a = _attend(q * 3.0, k, v, mask)
+    b = _attend(q, k, v, mask, scale=3.0 / 4.0)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_attention_rejects_bad_shapes():
     q, k, v = _qkv(n=5, kv=2)
     with pytest.raises(ValueError, match="multiple"):
-        ops.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), None)
+        _attend(q, k, v, None)
     q, k, v = _qkv()
     with pytest.raises(AssertionError):
-        ops.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                  jnp.ones((2, 5, 6), bool))
+        _attend(q, k, v, jnp.ones((2, 5, 6), bool))
 
 
 # Embedding and FFN ------------------------------------------------------------------------------
@@ -306,6 +304,6 @@ def test_ops_are_jittable():
     def f(q, k, v):
         q = ops.apply_rope(q, pos)
         mask = ops.attention_mask(pos, jnp.broadcast_to(jnp.arange(7), (2, 7)))
-        return ops.dot_product_attention(q, k, v, mask)
+        return _attend(q, k, v, mask)
 
     chex.assert_shape(f(q, k, v), (2, 5, 4, 8))

@@ -43,11 +43,9 @@ SMALL_BLOCKS = dict(GPU_PAGES_PER_BLOCK=2, GPU_MIN_BLOCK_KEYS=1, GPU_MAX_SPLITS=
 #: The structure of a case (compiled once per kernel); the data vary under hypothesis.
 STRUCTURES = {
     # Small kernel blocks: each row's pages in several blocks (and Triton partitions).
-    "page2-gqa-keysT-scan-blocks": dict(page_size=2, heads=(4, 2), keys_transposed=True,
-                                        scan=True, blocks=SMALL_BLOCKS),
-    "page4-mqa": dict(page_size=4, heads=(4, 1), keys_transposed=False, scan=False, blocks={}),
-    "page8-mha-keysT": dict(page_size=8, heads=(2, 2), keys_transposed=True, scan=False,
-                            blocks={}),
+    "page2-gqa-scan-blocks": dict(page_size=2, heads=(4, 2), scan=True, blocks=SMALL_BLOCKS),
+    "page4-mqa": dict(page_size=4, heads=(4, 1), scan=False, blocks={}),
+    "page8-mha": dict(page_size=8, heads=(2, 2), scan=False, blocks={}),
 }
 #: kernel -> the backend it is interpreted for.
 INTERPRETED = {"gpu_paged": "gpu", "tpu_paged": "tpu"}
@@ -86,8 +84,7 @@ def _decode_fn(structure, kernel):
 
     @jax.jit
     def run(table, prior, pk, pv, q, k, v):
-        cache = PagedKVCache.init(config, num_pages, s["page_size"],
-                                  keys_transposed=s["keys_transposed"]).with_table(table, prior)
+        cache = PagedKVCache.init(config, num_pages, s["page_size"]).with_table(table, prior)
         cache = cache.write(LAYER, pk, pv, jnp.broadcast_to(jnp.arange(S_MAX), (B, S_MAX)))
         positions = prior[:, None]
         # The block sizes are read when the kernel is traced, i.e. here.
@@ -151,7 +148,7 @@ def test_ragged_operands_give_the_gather_reference(page_size, heads, window, chu
 
     @jax.jit
     def run(pk, pv, q, k, v):
-        cache = PagedKVCache.init(config, num_pages, page_size, keys_transposed=False)
+        cache = PagedKVCache.init(config, num_pages, page_size)
         cache = cache.with_table(table, prior)
         cache = cache.write(LAYER, pk, pv, jnp.broadcast_to(jnp.arange(S_MAX), (B, S_MAX)))
         want, written = cache.replace(view="gather").attend(LAYER, q, k, v, positions,
@@ -190,7 +187,7 @@ def test_kernel_lowers_for_its_backend(case):
     backend, platform, t, window, call, name = LOWERINGS[case]
     config = _config(8, 2, False, head_dim=128, dtype="bfloat16")
     b, w, ps, num_pages = 4, 8, 16, 33
-    cache = PagedKVCache.init(config, num_pages, ps, keys_transposed=False)
+    cache = PagedKVCache.init(config, num_pages, ps)
 
     def attend(k_pages, v_pages, table, q, k, v, start):
         paged = PagedKVCache(k=k_pages, v=v_pages, page_table=table, lengths=start)
@@ -228,7 +225,7 @@ def test_engine_step_lowers_for_tpu_with_the_kernels():
                          attention_impl="pallas")
     params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     b, w, ps, c = 4, 8, 16, 32
-    k_pages = jax.eval_shape(lambda: PagedKVCache.init(config, 33, ps, keys_transposed=False))
+    k_pages = jax.eval_shape(lambda: PagedKVCache.init(config, 33, ps))
     i32 = jnp.int32
     decode_rows = step.DecodeRows(*(jax.ShapeDtypeStruct(s, i32) for s in ((b,), (b,), (b, w))))
     chunk = step.PrefillChunk(*(jax.ShapeDtypeStruct(s, i32) for s in ((1, c), (1,), (1, w),
@@ -242,8 +239,7 @@ def test_engine_step_lowers_for_tpu_with_the_kernels():
         exported = jax.export.export(
             jax.jit(step.engine_step, static_argnames=step.STEP_STATIC_ARGNAMES),
             platforms=["tpu"])(config, params, k_pages.k, k_pages.v, decode_rows, chunk,
-                               sampling, weights_out_first=False, keys_transposed=False,
-                               sampler=step.Sampler())
+                               sampling, sampler=step.Sampler())
     module = exported.mlir_module()
     assert "paged_flash_attention_kernel" in module
     assert "ragged_paged_attention_kernel" in module

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.model.config import ModelConfig, load_toml
+from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.ops.quantized import PackedInt4
 from transformer_jax.model.quant import dequantize, dequantize_params, parse_quant, quantize_weight
 from transformer_jax.model.transformer import init_params
@@ -39,7 +40,10 @@ def test_dequantised_weight_is_within_half_a_step_of_its_group(scheme, rows, col
     quant = parse_quant(scheme)
     w = np.random.default_rng(seed).standard_normal((rows, cols)) * 10.0 ** log_range
     w = (w.T if out_first else w).astype(np.float32)
-    q = quantize_weight(jnp.asarray(w), "down", quant, stacked=False, out_first=out_first)
+    w_stored = OutFirst(jnp.asarray(w)) if out_first else jnp.asarray(w)
+    q = quantize_weight(w_stored, "down", quant, stacked=False)
+    assert isinstance(q, OutFirst) == out_first  # quantised as stored
+    q = q.w if out_first else q
     back = np.asarray(dequantize(q))
     groups = rows if quant.group_size is None else quant.group_size
     qmax = 127 if quant.scheme == "int8" else 7
@@ -66,7 +70,7 @@ def test_quantized_decode_equals_float_decode_over_the_dequantised_weights(param
     want = {"q_proj": 32, "o_proj": 8, "down": 16, "embedding": 32} if quant == "int4" else {}
     assert {name: weights.quant.group_for(name) for name in want} == want
     dequantised = decode.DecodeWeights(jax.jit(dequantize_params)(weights.params), config,
-                                       None, weights.weights_out_first)
+                                       None, weights.out_first)
     prompts = [[5, 9, 2, 7, 1], [3, 3]]
     got = generation.generate(config, weights, prompts, max_new_tokens=8)
     want = generation.generate(config, dequantised, prompts, max_new_tokens=8)
@@ -185,7 +189,7 @@ def test_4_bit_round_trip_is_within_half_the_widest_level_gap_times_its_groups_s
     rng = np.random.default_rng(group)
     w = (rng.standard_normal(shape) * _magnitudes(rng, shape, axis, group)).astype(np.float32)
     quant = parse_quant(f"{scheme}:{group}")
-    q = quantize_weight(jnp.asarray(w), name, quant, stacked=stacked, out_first=False)
+    q = quantize_weight(jnp.asarray(w), name, quant, stacked=stacked)
     assert isinstance(q, PackedInt4) and q.packed.size * 2 == w.size
     back = np.moveaxis(np.asarray(dequantize(q), np.float64), axis, -1)
     x = np.moveaxis(w.astype(np.float64), axis, -1)
@@ -213,8 +217,7 @@ def test_int8_has_one_scale_per_output_channel_and_layer(name, shape, stacked, c
     coarse = [n if a in channels else 1 for a, n in enumerate(shape)]
     spread = spread * 10.0 ** rng.uniform(-4, 4, coarse)
     w = (rng.standard_normal(shape) * spread).astype(np.float32)
-    q = quantize_weight(jnp.asarray(w), name, parse_quant("int8"), stacked=stacked,
-                        out_first=False)
+    q = quantize_weight(jnp.asarray(w), name, parse_quant("int8"), stacked=stacked)
     assert q.qvalue.dtype == jnp.int8 and q.scale.shape == tuple(coarse)
     inputs = tuple(a for a in range(len(shape)) if a not in channels)
     absmax = np.abs(w.astype(np.float64)).max(axis=inputs, keepdims=True)

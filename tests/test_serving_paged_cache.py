@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import keys_in_order
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,15 +27,15 @@ B, T, S_MAX = 3, 4, 24  # rows, chunk (right-padded), positions per row
 
 #: The structure of a case (compiled once each); the data vary under hypothesis.
 STRUCTURES = {
-    "page1-mha-scan": dict(page_size=1, heads=(2, 2), window=None, keys_transposed=False,
+    "page1-mha-scan": dict(page_size=1, heads=(2, 2), window=None, slots_last=False,
                            scan_layers=True, impl="xla"),
-    "page3-gqa-window7-keysT": dict(page_size=3, heads=(4, 2), window=7, keys_transposed=True,
+    "page3-gqa-window7-keysT": dict(page_size=3, heads=(4, 2), window=7, slots_last=True,
                                     scan_layers=False, impl="xla"),
     "page4-mqa-window3-chunked": dict(page_size=4, heads=(4, 1), window=3,
-                                      keys_transposed=False, scan_layers=False,
+                                      slots_last=False, scan_layers=False,
                                       impl="chunked"),
     "page8-gqa-keysT-scan-chunked": dict(page_size=8, heads=(4, 2), window=None,
-                                         keys_transposed=True, scan_layers=True,
+                                         slots_last=True, scan_layers=True,
                                          impl="chunked"),
 }
 _COMPARE: dict = {}
@@ -52,9 +53,10 @@ def _compare_fn(name):
 
     @jax.jit
     def run(table, prior, pk, pv, q, k, v):
-        contiguous = KVCache.init(config, B, S_MAX + T, keys_transposed=s["keys_transposed"])
-        paged = PagedKVCache.init(config, num_pages, s["page_size"],
-                                  keys_transposed=s["keys_transposed"]).with_table(table, prior)
+        # The contiguous cache for a CPU target stores its keys slots last.
+        contiguous = KVCache.init(config, B, S_MAX + T,
+                                  platform="cpu" if s["slots_last"] else "gpu")
+        paged = PagedKVCache.init(config, num_pages, s["page_size"]).with_table(table, prior)
         # The rows' earlier positions, through each cache's own write: positions past a row's
         # prior length go to pages it holds (overwritten by the chunk) or to the null page.
         contiguous = contiguous.write(layer, pk, pv, jnp.zeros((B,), jnp.int32))
@@ -68,7 +70,9 @@ def _compare_fn(name):
         # Blocks of one page or a few positions: several per row, a window's first skipped.
         small, _ = paged.replace(view="blocks", block_positions=4).attend(
             layer, q, k, v, positions, **attend)
-        return (got, pooled, blocks, small), want, gathered.layer(layer), contiguous.layer(layer)
+        want_keys, want_values = contiguous.layer(layer)
+        return ((got, pooled, blocks, small), want, gathered.layer(layer),
+                (keys_in_order(want_keys), want_values))
 
     _COMPARE[name] = (run, config, width, num_pages)
     return _COMPARE[name]
@@ -101,7 +105,6 @@ def test_paged_attention_equals_contiguous(structure, prior, chunk, seed):
     views, want, (keys, values), (want_keys, want_values) = run(
         table, np.asarray(prior, np.int32), normal(B, S_MAX, kv, h), normal(B, S_MAX, kv, h),
         normal(B, T, n, h), normal(B, T, kv, h), normal(B, T, kv, h))
-    keys_axis = 3 if STRUCTURES[structure]["keys_transposed"] else 2
     for row, (length, c) in enumerate(zip(prior, chunk, strict=True)):
         for view in views:
             np.testing.assert_allclose(np.asarray(view[row, :c]), np.asarray(want[row, :c]),
@@ -109,15 +112,15 @@ def test_paged_attention_equals_contiguous(structure, prior, chunk, seed):
         filled = np.arange(length + c)
         np.testing.assert_array_equal(np.asarray(values[row])[:, filled],
                                       np.asarray(want_values[row])[:, filled])
-        np.testing.assert_array_equal(np.take(np.asarray(keys[row]), filled, keys_axis - 1),
-                                      np.take(np.asarray(want_keys[row]), filled, keys_axis - 1))
+        np.testing.assert_array_equal(np.take(np.asarray(keys[row]), filled, 1),
+                                      np.take(np.asarray(want_keys[row]), filled, 1))
 
 
 def test_writes_outside_a_rows_pages_go_to_the_null_page():
     """A padded chunk past the row's pages (and past the table) leaves every other page as it
     was: only the null page takes those writes."""
     config = _config(2, 2, True)
-    cache = PagedKVCache.init(config, 6, 2, keys_transposed=False)
+    cache = PagedKVCache.init(config, 6, 2)
     cache = cache.with_table(np.asarray([[3, NULL_PAGE]]), np.asarray([0]))
     k = jnp.ones((1, 8, 2, 8))
     cache = cache.write(0, k, k, jnp.arange(8, dtype=jnp.int32)[None])

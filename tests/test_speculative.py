@@ -128,32 +128,28 @@ def test_draft_with_another_vocabulary_is_refused(target, draft):
 def test_verification_equals_sequential_decode_steps(target):
     """k + 1 positions in one forward: the logits and the cache of k + 1 decode steps."""
     config, weights = target
-    p, out_first = weights.params, weights.weights_out_first
+    p = weights.params
     # Each compiled once (the steps share one program): op by op, the model's many small
     # operations cost more than these three compilations.
     jit = functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
-    prefill = jit(decode.prefill, static_argnames=("max_len", "weights_out_first"))
+    prefill = jit(decode.prefill, static_argnames=("max_len",))
 
-    def forward(config, params, cache, tokens, start, weights_out_first):
-        out = forward_chunk(decode.decode_model(config, None, weights_out_first), params, cache,
-                            tokens, start)
+    def forward(config, params, cache, tokens, start):
+        out = forward_chunk(decode.decode_model(config), params, cache, tokens, start)
         return out.logits, out.cache
 
-    verify_forward, decode_step = (jit(f, static_argnames="weights_out_first")
-                                   for f in (forward, decode.decode_step))
+    verify_forward, decode_step = (jit(f) for f in (forward, decode.decode_step))
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, config.vocab_size, (2, 8)).astype(np.int32)
     lengths = np.asarray([8, 5], np.int32)
-    _, cache = prefill(config, p, jnp.asarray(tokens), jnp.asarray(lengths), max_len=24,
-                       weights_out_first=out_first)
+    _, cache = prefill(config, p, jnp.asarray(tokens), jnp.asarray(lengths), max_len=24)
     chunk = rng.integers(0, config.vocab_size, (2, 5)).astype(np.int32)
     start = lengths - 1
-    logits, one = verify_forward(config, p, cache, jnp.asarray(chunk), jnp.asarray(start),
-                                 weights_out_first=out_first)
+    logits, one = verify_forward(config, p, cache, jnp.asarray(chunk), jnp.asarray(start))
     steps = cache
     for i in range(5):
         step_logits, steps = decode_step(config, p, steps, jnp.asarray(chunk[:, i]),
-                                         jnp.asarray(start + i), weights_out_first=out_first)
+                                         jnp.asarray(start + i))
         np.testing.assert_allclose(logits[:, i], step_logits, atol=2e-5, rtol=1e-5)
     for a, b in zip(jax.tree.leaves((one.k, one.v)), jax.tree.leaves((steps.k, steps.v)),
                     strict=True):

@@ -63,36 +63,36 @@ def _attend(ring, full, q, k, v, positions, *, traced):
     return jnp.stack([ring_out, full_out]), ring, full
 
 
-def _caches(paged, scanned, dtype, keys_transposed):
+def _caches(paged, scanned, dtype, platform):
     """(the cache with rings, the cache without) for B rows of up to S_MAX positions."""
     config = LAYERS.replace(scan_layers=scanned)
     if not paged:
-        return tuple(KVCache.init(config, B, S_MAX, dtype, keys_transposed, window_rings=rings)
-                     for rings in (True, False))
+        return tuple(KVCache.init(config, B, S_MAX, dtype, platform=platform,
+                                  window_rings=rings) for rings in (True, False))
     per_row = S_MAX // 4
     table = 1 + np.arange(B * per_row, dtype=np.int32).reshape(B, per_row)
     # The gather view: the global layer's reads are not what this tests (the engine's are).
     caches = tuple(PagedKVCache.init(config, 1 + B * per_row, 4, B, per_row, dtype,
-                                     keys_transposed, "gather", slots=B, window_rings=rings)
+                                     "gather", slots=B, window_rings=rings)
                    .with_table(table, np.zeros(B, np.int32)) for rings in (True, False))
     # Batch row b uses ring row 1 - b.
     return caches[0].replace(ring_rows=jnp.asarray([1, 0], jnp.int32)), caches[1]
 
 
-# (paged, scanned: stacked layers and a traced index, dtype, keys transposed). The unrolled
-# contiguous cache (keys transposed, CPU's default) decodes the patterned model below.
+# (paged, scanned: stacked layers and a traced index, dtype, the contiguous cache's target
+# platform: keys slots last for CPU). The unrolled contiguous cache (for this CPU) decodes the
+# patterned model below.
 VARIANTS = {
-    "contiguous-scanned-int8": (False, True, "int8", True),
-    "paged": (True, False, "float32", False),
-    "paged-scanned-int8": (True, True, "int8", False),
+    "contiguous-scanned-int8": (False, True, "int8", "cpu"),
+    "paged": (True, False, "float32", None),
+    "paged-scanned-int8": (True, True, "int8", None),
 }
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_ring_attention_equals_full_cache_and_numpy_at_every_position(name):
-    paged, scanned, dtype, keys_transposed = VARIANTS[name]
-    assert not paged or not keys_transposed  # the engine's page layout
-    ring, full = _caches(paged, scanned, dtype, keys_transposed)
+    paged, scanned, dtype, platform = VARIANTS[name]
+    ring, full = _caches(paged, scanned, dtype, platform)
     assert ring.ring is not None and full.ring is None
     rng = np.random.default_rng(0)
     history = {(layer, b): ({}, {}) for layer in range(2) for b in range(B)}  # position -> k, v

@@ -55,6 +55,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import cache_bytes
 from transformer_jax.model.ops import moe as moe_ops
 from transformer_jax.model.ops.dense import dense
+from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.transformer import Transformer, init_params, unstack_blocks
 from transformer_jax.parallel import sharding
 
@@ -175,16 +176,17 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
     the weights costs at this batch size on this machine, the part of a step no cache layout
     can remove.
     """
-    c, params, out_first = config, weights.params, weights.weights_out_first
+    c, params = config, weights.params
     scan = "blocks" in params  # one scanned group; any other layout runs unrolled here
     unrolled = params if scan else unstack_blocks(params)
     blocks = params["blocks"] if scan else [unrolled[f"blocks_{i}"] for i in range(c.n_layers)]
-    # The head as the decode reads it ([V, D] when tied or stored out-first).
-    head, head_layout = Transformer(c, weights_out_first=out_first).lm_head(params)
-    head_out_first = head_layout == "VD"
+    # The head as the decode reads it (a tied [V, D] table is the [D, V] head out-first).
+    head = params["embed"]["embedding"] if c.tie_embeddings else params["lm_head"]
+    if c.tie_embeddings and not isinstance(head, OutFirst):
+        head = OutFirst(head)
 
-    def mm(x: jax.Array, w: jax.Array, spec: str, out_first: bool = out_first):
-        return dense(x, w, spec, out_first=out_first)
+    def mm(x: jax.Array, w: Any, spec: str) -> jax.Array:
+        return dense(x, w, spec)
 
     def ffn(x: jax.Array, m: Any) -> jax.Array:
         hidden = mm(x, m["up"], "BD,DF->BF")
@@ -216,7 +218,7 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
             else:
                 for p in blocks:
                     x = layer(x, p)
-            return x + jnp.mean(mm(x, head, "BD,DV->BV", head_out_first)) * 1e-6
+            return x + jnp.mean(mm(x, head, "BD,DV->BV")) * 1e-6
         return jax.lax.fori_loop(0, n, body, x)
 
     fn = jax.jit(chain, static_argnums=3)

@@ -188,15 +188,15 @@ def compiled_loss_head(model_config: Any, train_config: Any, mesh: Any) -> int:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    from transformer_jax.model.ops.lm_loss import lm_head_cross_entropy_sums
+    from transformer_jax.model.ops.lm_loss import head_logits, lm_head_cross_entropy_sums
     from transformer_jax.model.transformer import Transformer, abstract_params
     from transformer_jax.parallel import sharding as sh
     from transformer_jax.train.loss import cross_entropy_sums
 
     c, chunk = model_config, train_config.loss_chunk
     model = Transformer(c)
-    head, layout = model.lm_head(abstract_params(c))
-    head_shard, _ = model.lm_head(sh.param_shardings(c, mesh))
+    head = model.lm_head(abstract_params(c))
+    head_shard = model.lm_head(sh.param_shardings(c, mesh))
     b, t = train_config.micro_batch_size, train_config.seq_len
     x_shard = NamedSharding(mesh, sh.logical_to_mesh_spec(("batch", "length", "act_embed")))
     x = jax.ShapeDtypeStruct((b, t, c.d_model), c.jnp_dtype, sharding=x_shard)
@@ -207,9 +207,9 @@ def compiled_loss_head(model_config: Any, train_config: Any, mesh: Any) -> int:
         w = head.astype(c.jnp_dtype)
         if chunk:
             ce, z, _ = lm_head_cross_entropy_sums(x, w, targets, chunk_size=chunk,
-                                                  z_loss=train_config.z_loss, head_layout=layout)
+                                                  z_loss=train_config.z_loss)
         else:
-            logits = jnp.einsum(f"BTD,{layout}->BTV", x, w, preferred_element_type=jnp.float32)
+            logits = head_logits(x, w)
             ce, z, _ = cross_entropy_sums(logits, targets, None, train_config.z_loss)
         return ce + z
 

@@ -49,7 +49,7 @@ def mean_loss(weights: decode.DecodeWeights, windows: np.ndarray, batch: int,
               cache_dtype: str | None) -> float:
     """Mean next-token cross-entropy (nats) over the windows, through the decode forward."""
     config = weights.config
-    model = decode.decode_model(config, weights_out_first=weights.weights_out_first)
+    model = decode.decode_model(config)
 
     @jax.jit
     def loss(params: Any, tokens: jax.Array) -> jax.Array:
@@ -72,7 +72,7 @@ def forced_agreement(weights: decode.DecodeWeights, prompts: list[list[int]],
     position judged on its own, where the greedy agreement counts everything after a first
     flip as different."""
     config = weights.config
-    model = decode.decode_model(config, weights_out_first=weights.weights_out_first)
+    model = decode.decode_model(config)
     tokens = np.concatenate([np.asarray(prompts, np.int32), reference[:, :-1]], axis=1)
     logits = jax.jit(lambda p, t: model.apply({"params": p}, t).logits)(weights.params, tokens)
     start = len(prompts[0]) - 1  # the logits at position i predict token i + 1

@@ -35,7 +35,6 @@ import numpy as np
 from transformer_jax.decode.loop import Params, SamplingSettings, decode_step, draw, prefill
 from transformer_jax.decode.streaming import StreamFn
 from transformer_jax.model.config import ModelConfig
-from transformer_jax.model.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -120,26 +119,12 @@ def pick(logits: jax.Array, masks: jax.Array, key_data: jax.Array, index: jax.Ar
     return tokens[:, 0], logprobs[:, 0]
 
 
-def _prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array, *,
-             cache_size: int, cache_dtype: str | None, weights_out_first: bool
-             ) -> tuple[jax.Array, KVCache]:
-    return prefill(config, params, tokens, lengths, cache_size, cache_dtype,
-                   weights_out_first=weights_out_first)
-
-
-def _decode(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
-            positions: jax.Array, *, weights_out_first: bool) -> tuple[jax.Array, KVCache]:
-    return decode_step(config, params, cache, tokens, positions,
-                       weights_out_first=weights_out_first)
-
-
 def jit_programs(**jit_options: Any) -> tuple[Any, Any, Any]:
     """The jitted (prefill, decode step, pick) of the loop; ``jit_options`` go to ``jax.jit``
     (the tests pass cheap ``compiler_options``). The decode step donates the cache."""
-    return (jax.jit(_prefill, static_argnames=("config", "cache_size", "cache_dtype",
-                                               "weights_out_first"), **jit_options),
-            jax.jit(_decode, static_argnames=("config", "weights_out_first"),
-                    donate_argnames=("cache",), **jit_options),
+    return (jax.jit(prefill, static_argnames=("config", "max_len", "dtype"), **jit_options),
+            jax.jit(decode_step, static_argnames=("config",), donate_argnames=("cache",),
+                    **jit_options),
             jax.jit(pick, static_argnames=("settings",), **jit_options))
 
 
@@ -150,8 +135,7 @@ def generate_constrained(config: ModelConfig, params: Params, tokens: np.ndarray
                          lengths: np.ndarray, key_data: np.ndarray,
                          constraints: Sequence[TokenConstraint | None], *, max_new_tokens: int,
                          settings: SamplingSettings, cache_size: int,
-                         cache_dtype: str | None, weights_out_first: bool,
-                         stream: StreamFn | None = None
+                         cache_dtype: str | None, stream: StreamFn | None = None
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The host loop: ``generate_padded``'s outputs with each row held to its constraint.
 
@@ -163,7 +147,6 @@ def generate_constrained(config: ModelConfig, params: Params, tokens: np.ndarray
       constraints: B constraints or None (that row is free); each is advanced in place.
       max_new_tokens: N; settings: sampling settings, validated.
       cache_size: S_max slots, >= every length + N - 1; cache_dtype: its storage dtype name.
-      weights_out_first: the layout of ``params``.
       stream: optional ``fn(step, tokens [B], active [B])`` called after every step.
 
     Returns:
@@ -182,8 +165,7 @@ def generate_constrained(config: ModelConfig, params: Params, tokens: np.ndarray
     keys = jnp.asarray(key_data, jnp.uint32)
     positions = jnp.asarray(lengths, jnp.int32) - 1
     logits, cache = prefill_jit(config, params, jnp.asarray(tokens), jnp.asarray(lengths),
-                                cache_size=cache_size, cache_dtype=cache_dtype,
-                                weights_out_first=weights_out_first)
+                                max_len=cache_size, dtype=cache_dtype)
     for step in range(n):
         masks = fill_masks([None if done[row] else c for row, c in enumerate(constraints)],
                            config.vocab_size)  # asked while the device runs the step
@@ -192,8 +174,7 @@ def generate_constrained(config: ModelConfig, params: Params, tokens: np.ndarray
             # Every row advances, finished ones too (their outputs are dropped): the last
             # forward is at position length + N - 2, inside the cache.
             positions = positions + 1
-            logits, cache = decode_jit(config, params, cache, picked, positions,
-                                       weights_out_first=weights_out_first)
+            logits, cache = decode_jit(config, params, cache, picked, positions)
         picked, logprob = np.asarray(picked), np.asarray(logprob)
         active = ~done
         for row in np.flatnonzero(active):

@@ -192,7 +192,7 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         out = constrained.generate_constrained(
             config, params.params, tokens, lengths_arr, keys, constraints,
             max_new_tokens=max_new_tokens, settings=settings, cache_size=cache_size,
-            cache_dtype=cache_dtype, weights_out_first=params.weights_out_first, stream=stream)
+            cache_dtype=cache_dtype, stream=stream)
         logger.debug("constrained generate took %.3f s", time.perf_counter() - start)
         return result_from_arrays(*out)
     with streaming.registered(stream) as stream_id:

@@ -56,11 +56,13 @@ from transformer_jax.decode.weights import (  # noqa: F401 (decode.prepare etc. 
     decode_config,
     decode_params,
     decode_rules,
-    default_weights_out_first,
     expert_shards,
     has_expert_lists,
+    has_out_first,
     is_split,
+    out_first_for,
     prepare,
+    target_platform,
     tensor_shards,
     vocab_is_split,
     weight_specs,
@@ -153,35 +155,29 @@ class SamplingSettings:
 
 # Prefill and decode steps ------------------------------------------------------------------------
 
-def decode_model(config: ModelConfig, split: TensorSplit | None = None,
-                 weights_out_first: bool | None = None) -> Transformer:
-    """The model as generation runs it (``decode_config``) on weights in the given layout
-    (default ``default_weights_out_first()``), on one shard with ``split``."""
-    if weights_out_first is None:
-        weights_out_first = default_weights_out_first()
+def decode_model(config: ModelConfig, split: TensorSplit | None = None) -> Transformer:
+    """The model as generation runs it (``decode_config``), on one shard with ``split``."""
     if split is None:
-        return Transformer(decode_config(config), weights_out_first=weights_out_first)
+        return Transformer(decode_config(config))
     return Transformer(decode_config(config), tensor_axis=split.axis, vocab_split=split.vocab,
-                       weights_out_first=weights_out_first, expert_axis=split.experts)
+                       expert_axis=split.experts)
 
 
 def prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array,
             max_len: int | None = None, dtype: jnp.dtype | str | None = None,
-            keys_transposed: bool | None = None, split: TensorSplit | None = None,
-            weights_out_first: bool | None = None) -> tuple[jax.Array, KVCache]:
+            platform: str | None = None, split: TensorSplit | None = None
+            ) -> tuple[jax.Array, KVCache]:
     """Runs right-padded prompts through the model into an empty cache.
 
     Args:
       config: the model's config (one shard's view, ``shard_config``, under ``split``).
-      params: the parameters (or ``DecodeWeights.params``).
+      params: the parameters (or ``DecodeWeights.params``, prepared leaves included).
       tokens: [B, T] int32 prompts, right-padded; position t of row b goes to slot t.
       lengths: [B] int32 true prompt lengths, each in [1, T].
       max_len: S_max >= T slots of the returned cache; default T.
       dtype: the cache's storage dtype; the model's compute dtype by default.
-      keys_transposed: the cache's key layout (``KVCache.init``).
+      platform: the platform the cache's layout is chosen for (``KVCache.init``).
       split: inside ``shard_map`` over a tensor axis, how (see ``TensorSplit``).
-      weights_out_first: the layout of ``params`` (``decode_params``); default
-        ``default_weights_out_first()``.
 
     Returns:
       ([B, V] float32 logits after each prompt's last token, the ``KVCache`` with slots 0..T-1
@@ -189,22 +185,21 @@ def prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax
       decode overwrites; local layers' rings hold each prompt's last positions, no padding).
     """
     b, t = tokens.shape
-    cache = KVCache.init(config, b, max_len or t, dtype, keys_transposed).constrain()
+    cache = KVCache.init(config, b, max_len or t, dtype, platform=platform).constrain()
     if cache.ring is not None:  # the local layers' rings keep each prompt's own last window
         cache = cache.replace(ring_end=lengths.astype(jnp.int32))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = decode_model(config, split, weights_out_first).apply(
+    out = decode_model(config, split).apply(
         {"params": params}, tokens, positions, cache=cache,
         logits_at=lengths.astype(jnp.int32) - 1)
     return out.logits, out.cache.replace(lengths=lengths.astype(jnp.int32), ring_end=None)
 
 
 def decode_step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
-                positions: jax.Array, split: TensorSplit | None = None,
-                weights_out_first: bool | None = None) -> tuple[jax.Array, KVCache]:
-    """One decode step: [B] tokens at [B] positions -> ([B, V] float32 logits, updated cache)
-    (``weights_out_first`` as for ``prefill``)."""
-    out = decode_model(config, split, weights_out_first).apply(
+                positions: jax.Array, split: TensorSplit | None = None
+                ) -> tuple[jax.Array, KVCache]:
+    """One decode step: [B] tokens at [B] positions -> ([B, V] float32 logits, updated cache)."""
+    out = decode_model(config, split).apply(
         {"params": params}, tokens[:, None], positions[:, None], cache=cache)
     return out.logits[:, 0], out.cache.constrain()
 
@@ -244,7 +239,7 @@ def draw(logits: jax.Array, key_data: jax.Array, index: jax.Array,
 
 def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
                  first_logits: jax.Array, *, stream_id: jax.Array | None, max_new_tokens: int,
-                 settings: SamplingSettings, split: TensorSplit | None, weights_out_first: bool
+                 settings: SamplingSettings, split: TensorSplit | None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Samples the first token from the prefill's logits, then the ``lax.while_loop`` of
     decode steps.
@@ -304,7 +299,7 @@ def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
 
     def body(s: SamplingState) -> SamplingState:
         return advance(s, *decode_step(config, params, s.cache, s.next_token, s.positions,
-                                       split, weights_out_first))
+                                       split))
 
     state = advance(state, first_logits, state.cache)
     state = jax.lax.while_loop(cond, body, state)
@@ -345,16 +340,15 @@ def generate_padded(config: ModelConfig, params: Params | DecodeWeights, tokens:
       padding), num_tokens [B] int32 generated per sequence (stop token included).
     """
     shards = tensor_shards(mesh)
-    quant = None
+    quant, platform = None, target_platform(mesh)
     if isinstance(params, DecodeWeights):
-        weights, out_first, quant = params.params, params.weights_out_first, params.quant
+        weights, out_first, quant = params.params, params.out_first, params.quant
     else:  # prepared here, a transient copy per call
-        out_first = default_weights_out_first()
+        out_first = out_first_for(platform)
         weights = decode_params(config, params, out_first)
     run = functools.partial(_prefill_and_decode, stream_id=stream_id,
                             max_new_tokens=max_new_tokens, settings=settings,
-                            cache_size=cache_size, cache_dtype=cache_dtype,
-                            weights_out_first=out_first)
+                            cache_size=cache_size, cache_dtype=cache_dtype, platform=platform)
     if not is_split(mesh):
         return run(config, weights, tokens, lengths, key_data, split=None)
     split = tensor_split(config, mesh)
@@ -373,13 +367,13 @@ def _prefill_and_decode(config: ModelConfig, weights: Params, tokens: jax.Array,
                         stream_id: jax.Array | None, max_new_tokens: int,
                         settings: SamplingSettings, cache_size: int | None,
                         cache_dtype: str | None, split: TensorSplit | None,
-                        weights_out_first: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        platform: str) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``generate_padded`` on one shard's weights (all of them without a split)."""
     b, t = tokens.shape
     n = max_new_tokens
     logits, cache = prefill(config, weights, tokens, lengths,
                             t + n if cache_size is None else cache_size, cache_dtype,
-                            split=split, weights_out_first=weights_out_first)
+                            platform=platform, split=split)
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
         tokens=jnp.full((b, n), settings.pad_id, jnp.int32),
@@ -392,7 +386,7 @@ def _prefill_and_decode(config: ModelConfig, weights: Params, tokens: jax.Array,
         cache=cache,
     )
     return _decode_loop(config, weights, state, logits, stream_id=stream_id, max_new_tokens=n,
-                        settings=settings, split=split, weights_out_first=weights_out_first)
+                        settings=settings, split=split)
 
 
 #: The arguments of ``generate_padded`` that are compile-time constants.

@@ -66,7 +66,7 @@ logger = logging.getLogger(__name__)
 
 
 def draft_propose(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
-                  start: jax.Array, counts: jax.Array, *, k: int, weights_out_first: bool
+                  start: jax.Array, counts: jax.Array, *, k: int
                   ) -> tuple[KVCache, jax.Array]:
     """The draft's catch-up chunk, then its k greedy proposals (``speculative.greedy_proposals``).
 
@@ -77,17 +77,15 @@ def draft_propose(config: ModelConfig, params: Params, cache: KVCache, tokens: j
       start: [B] int32 the position of ``tokens[:, 0]``.
       counts: [B] int32 real tokens in each row's chunk, in [1, C].
       k: static, proposals per row.
-      weights_out_first: static layout.
 
     Returns:
       (the cache, [B, k] int32 proposals).
     """
-    out = forward_chunk(decode_model(config, None, weights_out_first), params, cache, tokens,
-                        start, logits_at=counts - 1)
+    out = forward_chunk(decode_model(config), params, cache, tokens, start,
+                        logits_at=counts - 1)
 
     def step(cache: KVCache, token: jax.Array, pos: jax.Array) -> tuple[jax.Array, KVCache]:
-        return decode_step(config, params, cache, token, pos,
-                           weights_out_first=weights_out_first)
+        return decode_step(config, params, cache, token, pos)
 
     return greedy_proposals(step, out.cache, sampling.argmax(out.logits), start + counts, k - 1)
 
@@ -213,8 +211,7 @@ def speculative_generate_padded(
         key_data: jax.Array, stream_id: jax.Array | None = None,
         draft_params: Params | None = None, *, draft_config: ModelConfig | None,
         spec: SpeculativeConfig, max_new_tokens: int, settings: SamplingSettings,
-        cache_size: int, cache_dtype: str | None, weights_out_first: bool,
-        draft_out_first: bool) -> tuple[jax.Array, ...]:
+        cache_size: int, cache_dtype: str | None) -> tuple[jax.Array, ...]:
     """Prefill, then the speculative ``while_loop``: the traced body of
     ``generate_speculative``.
 
@@ -229,7 +226,6 @@ def speculative_generate_padded(
       max_new_tokens: N; settings: static sampling settings.
       cache_size: S >= every length + N + k (proposals are written past the end).
       cache_dtype: the target cache's storage dtype name.
-      weights_out_first, draft_out_first: static layouts of the two models' weights.
 
     Returns:
       tokens [B, N], logprobs [B, N], num_tokens [B], and the rows' [B] proposed, accepted,
@@ -239,12 +235,10 @@ def speculative_generate_padded(
     n, k = max_new_tokens, spec.k
     lengths = lengths.astype(jnp.int32)
     key_data = key_data.astype(jnp.uint32)
-    logits, cache = prefill(config, params, tokens, lengths, cache_size, cache_dtype,
-                            weights_out_first=weights_out_first)
+    logits, cache = prefill(config, params, tokens, lengths, cache_size, cache_dtype)
     draft_cache = None
     if draft_params is not None:
-        _, draft_cache = prefill(draft_config, draft_params, tokens, lengths, cache_size + 1,
-                                 None, weights_out_first=draft_out_first)
+        _, draft_cache = prefill(draft_config, draft_params, tokens, lengths, cache_size + 1)
     zeros = jnp.zeros((b,), jnp.int32)
     state = SpeculativeState(
         seq=jnp.zeros((b, cache_size), jnp.int32).at[:, :t].set(tokens),
@@ -269,8 +263,7 @@ def speculative_generate_padded(
         index = jnp.minimum(start[:, None] + jnp.arange(2, dtype=jnp.int32), s.seq.shape[1] - 1)
         chunk = jnp.take_along_axis(s.seq, index, axis=1)
         draft_cache, drafts = draft_propose(draft_config, draft_params, s.draft_cache, chunk,
-                                            start, counts, k=k,
-                                            weights_out_first=draft_out_first)
+                                            start, counts, k=k)
         s = s.replace(draft_cache=draft_cache, draft_length=start + counts)
         return s, drafts, jnp.ones((b,), bool)
 
@@ -286,7 +279,7 @@ def speculative_generate_padded(
             """The verification of [B, T] tokens (T = 1: a plain decode step), padded to k + 1."""
             def run(cache: KVCache) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
                 cache, targets, logprobs, a = verify(
-                    decode_model(config, None, weights_out_first), params, cache, tokens, start,
+                    decode_model(config), params, cache, tokens, start,
                     num, lambda logits: draw(logits, s.keys, index, settings))
                 pad = ((0, 0), (0, k + 1 - tokens.shape[1]))
                 return cache, jnp.pad(targets, pad), jnp.pad(logprobs, pad), a
@@ -317,7 +310,7 @@ def jit_programs(**jit_options: Any) -> dict[str, Any]:
     return dict(generate=jax.jit(
         speculative_generate_padded,
         static_argnames=("config", "draft_config", "spec", "max_new_tokens", "settings",
-                         "cache_size", "cache_dtype", "weights_out_first", "draft_out_first"),
+                         "cache_size", "cache_dtype"),
         **jit_options))
 
 
@@ -389,8 +382,7 @@ def generate_speculative(config: ModelConfig, weights: DecodeWeights, tokens: np
             None if use_draft is None else use_draft.weights.params,
             draft_config=None if use_draft is None else use_draft.config, spec=spec,
             max_new_tokens=max_new_tokens, settings=settings, cache_size=cache_size,
-            cache_dtype=cache_dtype, weights_out_first=weights.weights_out_first,
-            draft_out_first=False if use_draft is None else use_draft.weights.weights_out_first)
+            cache_dtype=cache_dtype)
         out = jax.device_get(out)
     out_tokens, out_logprobs, num, proposed, accepted, verifications, rate, paused = out
     stats = [Acceptance(proposed=int(proposed[r]), accepted=int(accepted[r]),

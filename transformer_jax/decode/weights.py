@@ -2,8 +2,9 @@
 
 ``prepare`` is the one parameter transform in front of the forward (``decode/loop.py``): it puts the
 blocks in the config's layer layout, casts the matrices to the compute dtype once (so no step
-re-casts them), lays them out for the backend (``weights_out_first`` on CPU, see ``ops.dense``:
-a property of the prepared weights, which the forward is told, not a model setting) and places
+re-casts them), lays them out for the target platform (on CPU each matrix an ``OutFirst`` leaf,
+stored output axes first, see ``ops.dense``: a property of the prepared weights, which the
+forward computes with as they are; the model has no layout setting) and places
 them on a mesh by the same logical-axis rules as training (``sharding.param_shardings``). With a
 ``tensor`` axis of T devices each device holds its block of every matrix (``weight_specs``:
 N/T heads, K/T kv heads, F/T FFN units, V/T vocabulary rows when T divides V).
@@ -25,12 +26,14 @@ from typing import Any
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer_jax.decode.prompts import is_int
 from transformer_jax.model.config import ModelConfig
-from transformer_jax.model.layers import MATRIX_INPUT_AXES, is_vector_param, to_out_first
+from transformer_jax.model.layers import EMBEDDING_PARAM, MATRIX_INPUT_AXES, is_vector_param
+from transformer_jax.model.ops.layouts import OutFirst, out_first_order
 from transformer_jax.model.ops.moe import ExpertList
 from transformer_jax.model.ops.quantized import is_quantized
 from transformer_jax.model.quant_spec import is_expert_stack
@@ -60,7 +63,8 @@ class DecodeWeights:
         placed on the mesh by the logical-axis rules when there is one.
       config: the config they were prepared for (static).
       mesh: the mesh they are placed on, or None (static).
-      weights_out_first: static; every matrix is stored output axes first (``layers.matrix``).
+      out_first: static; every matrix is an ``ops.layouts.OutFirst`` leaf (and a tied token
+        table the head's), as ``prepare`` lays them out for a CPU target.
       quant: static; how the matrices are quantised (``quant.WeightQuant``), or None (float).
       experts_split: static; a mixture's expert stacks are ``ExpertList``s (``split_experts``).
     """
@@ -68,7 +72,7 @@ class DecodeWeights:
     params: Params
     config: ModelConfig = flax.struct.field(pytree_node=False)
     mesh: Mesh | None = flax.struct.field(pytree_node=False, default=None)
-    weights_out_first: bool = flax.struct.field(pytree_node=False, default=False)
+    out_first: bool = flax.struct.field(pytree_node=False, default=False)
     quant: Any = flax.struct.field(pytree_node=False, default=None)
     experts_split: bool = flax.struct.field(pytree_node=False, default=False)
 
@@ -81,7 +85,7 @@ class DecodeWeights:
     @property
     def specs(self) -> Params:
         """``weight_specs`` of these weights over their mesh (which must be set)."""
-        return weight_specs(self.config, self.mesh, self.weights_out_first, self.quant,
+        return weight_specs(self.config, self.mesh, self.out_first, self.quant,
                             self.experts_split)
 
     def check_for(self, config: ModelConfig, mesh: Mesh | None, caller: str,
@@ -113,16 +117,23 @@ def decode_config(config: ModelConfig) -> ModelConfig:
     return config.replace(remat="none")
 
 
-def default_weights_out_first() -> bool:
-    """The matrix layout ``prepare`` gives by default: output axes first on the CPU backend,
-    where decode steps measured faster that way (``ops.dense``); in-first elsewhere."""
-    return jax.default_backend() == "cpu"
+def target_platform(mesh: Mesh | None = None) -> str:
+    """The platform a decode runs on: the mesh's devices', else the default backend's."""
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    return jax.default_backend()
 
 
-def default_experts_split(config: ModelConfig) -> bool:
-    """Whether ``prepare`` stores a mixture's experts as ``ExpertList``s by default: on the CPU
-    backend, where a product with a gathered expert copies its matrix first (``ExpertList``)."""
-    return config.moe is not None and jax.default_backend() == "cpu"
+def out_first_for(platform: str) -> bool:
+    """Whether ``prepare`` stores the matrices output axes first for a ``platform`` target: on
+    CPU only, where decode steps measured faster that way (``ops.dense``)."""
+    return platform == "cpu"
+
+
+def default_experts_split(config: ModelConfig, platform: str | None = None) -> bool:
+    """Whether ``prepare`` stores a mixture's experts as ``ExpertList``s by default: for a CPU
+    target, where a product with a gathered expert copies its matrix first (``ExpertList``)."""
+    return config.moe is not None and (platform or jax.default_backend()) == "cpu"
 
 
 def split_experts(tree: Params, n_experts: int, take: Callable[[Any, int, int], Any]
@@ -154,18 +165,18 @@ def _expert_sharding(stack: Any, axis: int, e: int) -> Any:
     return jax.tree.map(drop, stack)
 
 
-def decode_params(config: ModelConfig, params: Params, weights_out_first: bool | None = None
+def decode_params(config: ModelConfig, params: Params, out_first: bool | None = None
                   ) -> Params:
     """The parameter transform in front of the decode: what ``prepare`` computes.
 
     The blocks are put in the config's layout (its layer groups stacked when ``scan_layers``,
     else ``blocks_{i}``), whichever layout ``params`` has, every matrix is cast to the compute dtype
-    (so no step converts a weight again; norm scales keep their dtype) and, with
-    ``weights_out_first`` (default ``default_weights_out_first()``), transposed to be stored
-    output axes first (``layers.to_out_first``). A mixture's router and shared expert follow
-    the layout; its experts' [E, D, F] / [E, F, D] stacks are cast and kept in-first.
+    (so no step converts a weight again; norm scales keep their dtype) and, with ``out_first``
+    (default: for the default backend, ``out_first_for``), stored output axes first as
+    ``OutFirst`` leaves (``out_first_layout``).
     """
-    out_first = default_weights_out_first() if weights_out_first is None else weights_out_first
+    if out_first is None:
+        out_first = out_first_for(jax.default_backend())
     if config.scan_layers and not is_scanned(params):
         params = stack_blocks(params, config)
     elif not config.scan_layers and is_scanned(params):
@@ -176,17 +187,40 @@ def decode_params(config: ModelConfig, params: Params, weights_out_first: bool |
         # Norm gains/shifts keep their dtype (norms compute in float32); the rest is cast.
         if is_vector_param(name) and "norm" in str(path[-2].key):
             return x
-        x = x.astype(config.jnp_dtype)
-        # The experts' [E, ...] stacks stay in-first in every layout (``model.moe``).
-        if out_first and name in MATRIX_INPUT_AXES and not is_expert_stack(path):
-            x = to_out_first(x, name, stacked=is_scanned_key(str(path[0].key)))
-        return x
+        return x.astype(config.jnp_dtype)
 
-    return jax.tree_util.tree_map_with_path(prepare_leaf, params)
+    params = jax.tree_util.tree_map_with_path(prepare_leaf, params)
+    return out_first_layout(config, params, jnp.transpose) if out_first else params
+
+
+def _permuted(s: NamedSharding, order: tuple[int, ...]) -> NamedSharding:
+    return NamedSharding(s.mesh, P(*(tuple(s.spec)[i] for i in order)))
+
+
+def out_first_layout(config: ModelConfig, tree: Params,
+                     permute: Callable[[Any, tuple[int, ...]], Any]) -> Params:
+    """``tree`` (weights, or their shardings) with every matrix an ``OutFirst`` leaf of
+    ``permute(leaf, order)`` (``ops.layouts.out_first_order``), and a tied token table the
+    head's ``OutFirst`` as it is (the [V, D] table is the [D, V] head stored output axes
+    first). A mixture's router and shared expert follow; its experts' [E, D, F] / [E, F, D]
+    stacks stay in-first (``model.moe``)."""
+    def one(path: tuple[Any, ...], x: Any) -> Any:
+        name = str(path[-1].key)
+        if name == EMBEDDING_PARAM and config.tie_embeddings:
+            return OutFirst(x)
+        if name not in MATRIX_INPUT_AXES or is_expert_stack(path):
+            return x
+        # A sharding's spec has an entry per axis (``sharding.param_shardings``).
+        rank = len(x.spec) if isinstance(x, NamedSharding) else x.ndim
+        lead = int(is_scanned_key(str(path[0].key)))
+        return OutFirst(permute(x, out_first_order(rank, MATRIX_INPUT_AXES[name], lead)))
+
+    return jax.tree_util.tree_map_with_path(
+        one, tree, is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
 def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None, *,
-            weights_out_first: bool | None = None, quant: Any = None,
+            platform: str | None = None, quant: Any = None,
             experts_split: bool | None = None) -> DecodeWeights:
     """Prepares ``params`` for generation once (``decode_params``, placed on ``mesh``).
 
@@ -196,11 +230,12 @@ def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None, *,
       mesh: optional mesh with a ``"tensor"`` axis, and for a mixture an ``"expert"`` axis
         (other axes of size 1): each device then holds its block of every matrix, split by
         the logical-axis rules, and its E/X experts (their stacks kept whole).
-      weights_out_first: the matrix layout; default ``default_weights_out_first()``.
+      platform: the platform the decode targets, which picks the layouts (``out_first_for``,
+        ``default_experts_split``); default ``target_platform(mesh)``.
       quant: None (float weights), ``"int8"``, ``"int4"``, ``"int4:G"`` or a
         ``quant.WeightQuant``: store the matrices and token table quantised.
       experts_split: store a mixture's expert stacks as ``ExpertList``s; default
-        ``default_experts_split(config)``.
+        ``default_experts_split(config, platform)``.
 
     Returns:
       The ``DecodeWeights``; pass them to ``generation.generate`` in place of ``params``.
@@ -212,18 +247,18 @@ def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None, *,
     shards = tensor_shards(mesh)
     check_tensor_parallel(config, shards, expert_shards(mesh))
     quant = _parse_quant(config, quant, shards)
-    if weights_out_first is None:
-        weights_out_first = default_weights_out_first()
+    platform = platform or target_platform(mesh)
+    out_first = out_first_for(platform)
     # Split over an expert axis each device holds its E/X experts' stack: one array spans the
     # mesh, so a per-expert array could not live on its shard's devices alone.
-    split = _experts_split(config, experts_split) and expert_shards(mesh) == 1
-    return DecodeWeights(_prepare_fn(config, mesh, weights_out_first, quant, split)(params),
-                         config, mesh, weights_out_first, quant, split)
+    split = _experts_split(config, experts_split, platform) and expert_shards(mesh) == 1
+    return DecodeWeights(_prepare_fn(config, mesh, out_first, quant, split)(params),
+                         config, mesh, out_first, quant, split)
 
 
-def _experts_split(config: ModelConfig, experts_split: bool | None) -> bool:
+def _experts_split(config: ModelConfig, experts_split: bool | None, platform: str) -> bool:
     if experts_split is None:
-        return default_experts_split(config)
+        return default_experts_split(config, platform)
     return bool(experts_split) and config.moe is not None
 
 
@@ -236,28 +271,29 @@ def _parse_quant(config: ModelConfig, quant: Any, shards: int) -> Any:
     return quantization.for_model(config, quantization.parse_quant(quant), shards)
 
 
-def abstract_weights(config: ModelConfig, weights_out_first: bool | None = None,
+def abstract_weights(config: ModelConfig, platform: str | None = None,
                      quant: Any = None, experts_split: bool | None = None) -> DecodeWeights:
-    """``prepare``'s result as ``jax.ShapeDtypeStruct``s, without allocating anything (to lower
-    and compile ``generate_padded`` from shapes alone)."""
-    if weights_out_first is None:
-        weights_out_first = default_weights_out_first()
+    """``prepare``'s result for a ``platform`` target (default: the default backend) as
+    ``jax.ShapeDtypeStruct``s, without allocating anything (to lower and compile
+    ``generate_padded`` from shapes alone)."""
+    platform = platform or target_platform()
+    out_first = out_first_for(platform)
     quant = _parse_quant(config, quant, 1)
-    split = _experts_split(config, experts_split)
-    params = jax.eval_shape(_weights_fn(config, weights_out_first, quant, split),
+    split = _experts_split(config, experts_split, platform)
+    params = jax.eval_shape(_weights_fn(config, out_first, quant, split),
                             abstract_params(config))
-    return DecodeWeights(params, config, None, weights_out_first, quant, split)
+    return DecodeWeights(params, config, None, out_first, quant, split)
 
 
-def _weights_fn(config: ModelConfig, weights_out_first: bool, quant: Any,
+def _weights_fn(config: ModelConfig, out_first: bool, quant: Any,
                 experts_split: bool = False) -> Callable[[Params], Params]:
     """``decode_params``, then the quantisation ``quant`` asks for, then ``split_experts``."""
     def fn(params: Params) -> Params:
-        params = decode_params(config, params, weights_out_first)
+        params = decode_params(config, params, out_first)
         if quant is not None:
             from transformer_jax.model.quant import quantize_params
 
-            params = quantize_params(params, quant, out_first=weights_out_first)
+            params = quantize_params(params, quant)
         if experts_split:
             params = split_experts(params, config.moe.n_experts, _take_expert)
         return params
@@ -266,26 +302,27 @@ def _weights_fn(config: ModelConfig, weights_out_first: bool, quant: Any,
 
 
 @functools.lru_cache(maxsize=32)
-def _prepare_fn(config: ModelConfig, mesh: Mesh | None, weights_out_first: bool,
+def _prepare_fn(config: ModelConfig, mesh: Mesh | None, out_first: bool,
                 quant: Any = None, experts_split: bool = False) -> Callable[[Params], Params]:
     """``decode_params`` (and ``quant``, ``split_experts``) jitted for one config, its outputs
     placed on the mesh by the rules."""
-    fn = _weights_fn(config, weights_out_first, quant, experts_split)
+    fn = _weights_fn(config, out_first, quant, experts_split)
     if mesh is None:
         return jax.jit(fn)
-    return jax.jit(fn, out_shardings=_weight_shardings(config, mesh, weights_out_first, quant,
+    return jax.jit(fn, out_shardings=_weight_shardings(config, mesh, out_first, quant,
                                                        experts_split))
 
 
-def _weight_shardings(config: ModelConfig, mesh: Mesh, weights_out_first: bool,
+def _weight_shardings(config: ModelConfig, mesh: Mesh, out_first: bool,
                       quant: Any = None, experts_split: bool = False) -> Params:
     shardings = sharding.param_shardings(decode_config(config), mesh,
-                                         decode_rules(config, mesh),
-                                         weights_out_first=weights_out_first)
+                                         decode_rules(config, mesh))
+    if out_first:
+        shardings = out_first_layout(config, shardings, _permuted)
     if quant is not None:
         from transformer_jax.model.quant import quantized_shardings
 
-        shapes = jax.eval_shape(_weights_fn(config, weights_out_first, quant),
+        shapes = jax.eval_shape(_weights_fn(config, out_first, quant),
                                 abstract_params(config))
         shardings = quantized_shardings(shardings, shapes)
     if experts_split:
@@ -321,15 +358,15 @@ def vocab_is_split(config: ModelConfig, mesh: Mesh | None) -> bool:
     return config.vocab_size % tensor_shards(mesh) == 0
 
 
-def weight_specs(config: ModelConfig, mesh: Mesh, weights_out_first: bool | None = None,
+def weight_specs(config: ModelConfig, mesh: Mesh, out_first: bool | None = None,
                  quant: Any = None, experts_split: bool = False) -> Params:
     """The ``PartitionSpec`` of every prepared weight over ``mesh``: the training's logical-axis
     rules applied to the decode layout (``decode_rules``), as ``prepare`` places them (the
     quantised values and scales with ``quant``, a parsed ``WeightQuant``; the experts as
     ``ExpertList``s with ``experts_split``)."""
-    if weights_out_first is None:
-        weights_out_first = default_weights_out_first()
-    return jax.tree.map(lambda s: s.spec, _weight_shardings(config, mesh, weights_out_first,
+    if out_first is None:
+        out_first = out_first_for(target_platform(mesh))
+    return jax.tree.map(lambda s: s.spec, _weight_shardings(config, mesh, out_first,
                                                             quant, experts_split))
 
 
@@ -392,3 +429,9 @@ def check_tensor_parallel(config: ModelConfig, shards: int, experts: int = 1) ->
         names = ", ".join(name for name, _ in widths)
         raise ValueError(f"tensor-parallel decode over {shards} shards needs each of {names} "
                          f"divisible by {shards}; got {', '.join(bad)}")
+
+
+def has_out_first(params: Params) -> bool:
+    """Whether ``params`` (arrays or tracers) hold ``OutFirst`` matrices (``out_first_layout``)."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, OutFirst))
+    return any(isinstance(x, OutFirst) for x in leaves)

@@ -24,6 +24,7 @@ import numpy as np
 from transformer_jax.data.instruct import packed_layout
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.ops import softcap
+from transformer_jax.model.ops.lm_loss import head_logits
 from transformer_jax.model.transformer import Params, Transformer
 from transformer_jax.parallel import sharding as sharding_lib
 
@@ -122,13 +123,12 @@ def token_scores(model: Transformer, params: Params, inputs: jax.Array, targets:
     """
     hidden = model.apply({"params": params}, inputs, positions=positions,
                          segment_ids=segment_ids, hidden_only=True).hidden  # [B, W, D]
-    head, layout = model.lm_head(params)
-    spec = "WD,DV->WV" if layout == "DV" else "WD,VD->WV"
+    head = model.lm_head(params)
     cap = model.config.final_softcap
 
     def row(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         x, t = args  # [W, D], [W]
-        logits = jnp.einsum(spec, x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+        logits = head_logits(x, head)
         if cap is not None:
             logits = softcap(logits, cap)
         target = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]

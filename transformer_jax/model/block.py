@@ -24,7 +24,6 @@ class Block(nn.Module):
     (its window and RoPE, dense or sparse FFN) is its ``spec``, a Python value: a layer scan
     scans runs of the same specs (``stack.LayerGroup``), so one block serves every kind.
 
-    ``weights_out_first``: every matrix is stored output axes first (``layers.matrix``).
     With ``tensor_axis`` the block runs inside ``shard_map`` on one shard of a Megatron split:
     its config counts this shard's heads, kv heads and FFN units (``shard_config``), and each
     branch's output (a partial sum over the shard's heads or units) is summed over the axis.
@@ -38,7 +37,6 @@ class Block(nn.Module):
     config: ModelConfig
     spec: LayerSpec = LayerSpec()
     tensor_axis: str | None = None
-    weights_out_first: bool = False
     expert_axis: str | None = None
     group: LayerGroup | None = None
     position: int = 0
@@ -70,15 +68,14 @@ class Block(nn.Module):
             qkv_bias=c.qkv_bias, qk_norm=c.qk_norm, norm_eps=c.norm_eps,
             norm_offset=c.norm_offset, scale=c.attn_scale, softcap=c.attn_softcap,
             rope_pairing=c.rope_pairing, impl=c.attention_impl, init_std=c.init_std,
-            out_init_std=out_std, out_first=self.weights_out_first,
-            tensor_axis=self.tensor_axis, name="attn", **dtypes)
+            out_init_std=out_std, tensor_axis=self.tensor_axis, name="attn", **dtypes)
         if self.group is not None:
             layer = self.group.ref(self.position, layer)
         stats = None
         if self.spec.sparse:
             moe = SparseFFN(moe=c.moe, expert_axis=self.expert_axis, kind=c.ffn,
                             impl=c.moe_impl, init_std=c.init_std,
-                            out_init_std=out_std, out_first=self.weights_out_first, name="moe",
+                            out_init_std=out_std, name="moe",
                             **dtypes)
             valid = None if segment_ids is None else segment_ids > 0
 
@@ -88,7 +85,7 @@ class Block(nn.Module):
                 return y
         else:
             mlp = MLP(d_ff=c.d_ff, kind=c.ffn, init_std=c.init_std, out_init_std=out_std,
-                      out_first=self.weights_out_first, name="mlp", **dtypes)
+                      name="mlp", **dtypes)
         kind = LayerKind.of(c, self.spec)
 
         def total(y: jax.Array) -> jax.Array:
@@ -128,7 +125,6 @@ class Period(nn.Module):
     group: LayerGroup
     block: type[nn.Module] = Block
     tensor_axis: str | None = None
-    weights_out_first: bool = False
     expert_axis: str | None = None
 
     @nn.compact
@@ -138,8 +134,8 @@ class Period(nn.Module):
         """(carry, positions, repeat index) -> (carry, the sparse blocks' stats in order)."""
         stats = []
         for j, spec in enumerate(self.group.period):
-            carry, s = self.block(self.config, spec, self.tensor_axis, self.weights_out_first,
-                                  self.expert_axis, self.group, j, name=f"layer_{j}")(
+            carry, s = self.block(self.config, spec, self.tensor_axis, self.expert_axis,
+                                  self.group, j, name=f"layer_{j}")(
                 carry, positions, r, segment_ids)
             if s is not None:
                 stats.append(s)

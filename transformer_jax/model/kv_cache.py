@@ -13,11 +13,12 @@ copied a static slice of a stacked cache before every attention: decode_25m at b
 
 Layout. One row per (sequence, kv head): values are [L, B, K, S, H], so attention's batch
 dimensions (B, K) lead and each row's slots are contiguous, which is what the accelerator
-kernels and XLA's batched dots read without a transpose. Keys are the same, or with
-``keys_transposed`` stored [L, B, K, H, S]: on XLA:CPU, q [G, H] @ keys [H, S] streams the cache
-in storage order, while keys [S, H] were read 2-4x slower (decode_25m, batch 8, 1024 slots: a
-decode step over [S, H] keys took about twice as long). It is the default on CPU only
-(``default_keys_transposed``); GPUs and TPUs keep [B, K, S, H].
+kernels and XLA's batched dots read without a transpose. Keys are the same, or for a CPU target
+an ``ops.layouts.SlotsLast`` buffer stored [L, B, K, H, S]: on XLA:CPU, q [G, H] @ keys [H, S]
+streams the cache in storage order, while keys [S, H] were read 2-4x slower (decode_25m, batch
+8, 1024 slots: a decode step over [S, H] keys took about twice as long). ``init`` picks it from
+the target platform (``slots_last_for``); GPUs and TPUs keep [B, K, S, H]. Only this cache and
+the attention ops know: the model hands the cache its chunk and gets the attention back.
 
 int8 (``dtype="int8"``). Each token's row of each kv head is stored as its int8 values and its
 scale, H + 2 bytes in the place of H (``ops.kv_quant``), written in the same write and
@@ -44,6 +45,7 @@ from transformer_jax.model.config import Architecture, ModelConfig
 from transformer_jax.model.kv_ring import RingLayout
 from transformer_jax.model.ops import kv_quant
 from transformer_jax.model.ops.attention import attention
+from transformer_jax.model.ops.layouts import SlotsLast, stored_keys
 from transformer_jax.model.stack import LayerRef
 
 #: Logical axis names of the cache's [L, B, K, S, H] arrays (the mesh rules shard kv heads over
@@ -51,9 +53,10 @@ from transformer_jax.model.stack import LayerRef
 CACHE_AXES = ("layers", "batch", "kv_heads", None, None)
 
 
-def default_keys_transposed() -> bool:
-    """Whether caches store keys [H, S] per row by default: on the CPU backend only."""
-    return jax.default_backend() == "cpu"
+def slots_last_for(platform: str | None = None) -> bool:
+    """Whether a cache for a ``platform`` target (default: the default backend) stores its
+    keys [H, S] per row (``ops.layouts.SlotsLast``): for CPU only."""
+    return (platform or jax.default_backend()) == "cpu"
 
 
 @flax.struct.dataclass
@@ -65,34 +68,32 @@ class KVCache:
     A local layer with a ring (``ring``) holds position p in slot ``p % W`` of its own arrays.
 
     Attributes:
-      k: [L, B, K, S_max, H] keys (already rotated by RoPE), or [L, B, K, H, S_max] when
-        ``keys_transposed``; for an unrolled model a tuple of L arrays [B * K, S_max, H] (or
-        [B * K, H, S_max]), rows (sequence, kv head) merged (``layer`` gives [B, K, ...]).
-        With rings, L counts the global layers only.
+      k: [L, B, K, S_max, H] keys (already rotated by RoPE); for an unrolled model a tuple of
+        L arrays [B * K, S_max, H], rows (sequence, kv head) merged (``layer`` gives [B, K,
+        ...]). Either as an ``ops.layouts.SlotsLast`` ([L, B, K, H, S_max], or a tuple of
+        [B * K, H, S_max]) for a CPU target. With rings, L counts the global layers only.
       v: [L, B, K, S_max, H] values (a tuple of L [B * K, S_max, H] for an unrolled model).
       lengths: [B] int32 number of positions written per sequence (the next write position).
-      k_local: None, or the local layers' key rings: [L_local, B, K, W, H] ([L_local, B, K, H,
-        W] when ``keys_transposed``), a tuple of L_local [B * K, W, H] for an unrolled model.
+      k_local: None, or the local layers' key rings: [L_local, B, K, W, H], a tuple of L_local
+        [B * K, W, H] for an unrolled model (``SlotsLast`` as ``k`` is).
       v_local: None, or the local layers' value rings, [L_local, B, K, W, H] (or a tuple).
       ring_end: None, or [B] int32: the rings take no position at or past it (a right-padded
         prefill sets each prompt's length, so its padding does not overwrite the window).
-      keys_transposed: static; the keys' layout (see the module docstring).
       ring: static; which layers are rings (``kv_ring.RingLayout``), None without.
     """
 
-    k: jax.Array | tuple[jax.Array, ...]
+    k: jax.Array | tuple[jax.Array, ...] | SlotsLast
     v: jax.Array | tuple[jax.Array, ...]
     lengths: jax.Array
-    k_local: jax.Array | tuple[jax.Array, ...] | None = None
+    k_local: jax.Array | tuple[jax.Array, ...] | SlotsLast | None = None
     v_local: jax.Array | tuple[jax.Array, ...] | None = None
     ring_end: jax.Array | None = None
-    keys_transposed: bool = flax.struct.field(pytree_node=False, default=False)
     ring: RingLayout | None = flax.struct.field(pytree_node=False, default=None)
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int,
-             dtype: jnp.dtype | str | None = None,
-             keys_transposed: bool | None = None, *, window_rings: bool = True) -> KVCache:
+             dtype: jnp.dtype | str | None = None, *, platform: str | None = None,
+             window_rings: bool = True) -> KVCache:
         """An empty cache.
 
         Args:
@@ -101,39 +102,39 @@ class KVCache:
           max_len: S_max, the largest number of positions it can hold.
           dtype: storage dtype (a float dtype, or ``"int8"``: values and a scale per token
             and kv head, ``ops.kv_quant``); the model's compute dtype by default.
-          keys_transposed: the keys' layout; default ``default_keys_transposed()``.
+          platform: the platform the cache is for, which picks its key layout
+            (``slots_last_for``); default the default backend.
           window_rings: local layers keep a ring of their window (``kv_ring``) when it is
             shorter than S_max; False gives every layer S_max slots.
         """
         if batch <= 0 or max_len <= 0:
             raise ValueError(f"batch and max_len must be positive, got {batch} and {max_len}")
-        if keys_transposed is None:
-            keys_transposed = default_keys_transposed()
+        slots_last = slots_last_for(platform)
         dtype = jnp.dtype(dtype or config.dtype)
         ring = RingLayout.of(config, max_len) if window_rings else None
         rows = (batch, config.n_kv_heads)
         h = kv_quant.stored_head_dim(config.head_dim, dtype)
 
         def arrays(n_layers: int, slots: int) -> tuple[Any, Any]:
-            k_shape = (*rows, h, slots) if keys_transposed else (*rows, slots, h)
+            k_shape = (*rows, h, slots) if slots_last else (*rows, slots, h)
             v_shape = (*rows, slots, h)
             if config.scan_layers:
-                return (jnp.zeros((n_layers, *k_shape), dtype),
-                        jnp.zeros((n_layers, *v_shape), dtype))
-            # rows (sequence, kv head) merged: [B * K, ...] per layer (see _write_rows)
-            return (tuple(jnp.zeros((batch * config.n_kv_heads, *k_shape[2:]), dtype)
-                          for _ in range(n_layers)),
-                    tuple(jnp.zeros((batch * config.n_kv_heads, *v_shape[2:]), dtype)
-                          for _ in range(n_layers)))
+                k = jnp.zeros((n_layers, *k_shape), dtype)
+                v = jnp.zeros((n_layers, *v_shape), dtype)
+            else:  # rows (sequence, kv head) merged: [B * K, ...] per layer (see _write_rows)
+                k = tuple(jnp.zeros((batch * config.n_kv_heads, *k_shape[2:]), dtype)
+                          for _ in range(n_layers))
+                v = tuple(jnp.zeros((batch * config.n_kv_heads, *v_shape[2:]), dtype)
+                          for _ in range(n_layers))
+            return SlotsLast(k) if slots_last else k, v
 
         lengths = jnp.zeros((batch,), jnp.int32)
         if ring is None:
             k, v = arrays(config.n_layers, max_len)
-            return cls(k=k, v=v, lengths=lengths, keys_transposed=keys_transposed)
+            return cls(k=k, v=v, lengths=lengths)
         k, v = arrays(ring.n_global, max_len)
         k_local, v_local = arrays(ring.n_local, ring.size)
-        return cls(k=k, v=v, lengths=lengths, k_local=k_local, v_local=v_local,
-                   keys_transposed=keys_transposed, ring=ring)
+        return cls(k=k, v=v, lengths=lengths, k_local=k_local, v_local=v_local, ring=ring)
 
     @property
     def stacked(self) -> bool:
@@ -146,6 +147,11 @@ class KVCache:
         if self.stacked:
             return self.v.shape[3]
         return self.v[0].shape[1] if self.v else None
+
+    @property
+    def slots_last(self) -> bool:
+        """Whether the keys are stored [H, S] per row (``ops.layouts.SlotsLast``)."""
+        return isinstance(self.k if self.ring is None else self.k_local, SlotsLast)
 
     @property
     def batch(self) -> int:
@@ -165,8 +171,8 @@ class KVCache:
             (self.k, self.v, self.k_local, self.v_local)))
 
     def layer(self, i: int | jax.Array | LayerRef) -> tuple[jax.Array, jax.Array]:
-        """Layer i's (keys, values): [B, K, S, H] each (keys [B, K, H, S] when transposed);
-        a ring layer's S is its W slots. ``i`` as ``kv_ring.locate`` takes it."""
+        """Layer i's (keys, values): [B, K, S, H] each (keys a ``SlotsLast`` [B, K, H, S] in
+        that layout); a ring layer's S is its W slots. ``i`` as ``kv_ring.locate`` takes it."""
         ring, j = kv_ring.locate(self.ring, i)
         if ring:
             return _layer_of(self.k_local, self.v_local, j, self.stacked, self.batch)
@@ -205,16 +211,15 @@ class KVCache:
             return kv_ring.attend(
                 self, j, self.ring, q, k, v, positions,
                 read_ring=lambda c, j: _layer_of(c.k_local, c.v_local, j, c.stacked, c.batch),
-                write_ring=lambda c, j: c._write_ring(j, k, v, positions),
-                keys_transposed=self.keys_transposed, **logits)
+                write_ring=lambda c, j: c._write_ring(j, k, v, positions), **logits)
         cache = self._write_full(j, k, v, positions[:, 0])
         keys, values = _layer_of(cache.k, cache.v, j, cache.stacked, cache.batch)
         if self.int8:  # dequantised for the reference attention, each row with its own scale
-            keys = kv_quant.decode(keys, q.dtype, axis=-2 if self.keys_transposed else -1)
-            values = kv_quant.decode(values, q.dtype)
-        return attention(q.astype(keys.dtype), keys, values, q_positions=positions,
-                         window=window, keys_transposed=self.keys_transposed,
-                         **logits), cache
+            raw, slots_last = stored_keys(keys)
+            raw = kv_quant.decode(raw, q.dtype, axis=-2 if slots_last else -1)
+            keys, values = SlotsLast(raw) if slots_last else raw, kv_quant.decode(values, q.dtype)
+        return attention(q.astype(values.dtype), keys, values, q_positions=positions,
+                         window=window, **logits), cache
 
     def write(self, i: int | jax.Array | LayerRef, k: jax.Array, v: jax.Array,
               start: jax.Array) -> KVCache:
@@ -244,13 +249,8 @@ class KVCache:
         """``write`` into full layer i (of ``k``/``v``)."""
         if self.int8:
             k, v = kv_quant.encode(k), kv_quant.encode(v)
-        if self.stacked:
-            return self.replace(k=_write_stacked(self.k, i, k, start, self.keys_transposed),
-                                v=_write_stacked(self.v, i, v, start, False))
-        new_k, new_v = list(self.k), list(self.v)
-        new_k[i] = _write_rows(self.k[i], k, start, self.keys_transposed)
-        new_v[i] = _write_rows(self.v[i], v, start, False)
-        return self.replace(k=tuple(new_k), v=tuple(new_v))
+        write = _write_stacked if self.stacked else _write_layer
+        return self.replace(k=write(self.k, i, k, start), v=write(self.v, i, v, start))
 
     def _write_ring(self, j: int | jax.Array, k: jax.Array, v: jax.Array,
                     positions: jax.Array) -> KVCache:
@@ -260,17 +260,12 @@ class KVCache:
             # A decode step: the in-place writes of the full layers, at slot p % W.
             if self.int8:
                 k, v = kv_quant.encode(k), kv_quant.encode(v)
-            start, tr = jnp.mod(positions[:, 0], self.ring.size), self.keys_transposed
-            if self.stacked:
-                return self.replace(k_local=_write_stacked(self.k_local, j, k, start, tr),
-                                    v_local=_write_stacked(self.v_local, j, v, start, False))
-            new_k, new_v = list(self.k_local), list(self.v_local)
-            new_k[j] = _write_rows(self.k_local[j], k, start, tr)
-            new_v[j] = _write_rows(self.v_local[j], v, start, False)
-            return self.replace(k_local=tuple(new_k), v_local=tuple(new_v))
+            start = jnp.mod(positions[:, 0], self.ring.size)
+            write = _write_stacked if self.stacked else _write_layer
+            return self.replace(k_local=write(self.k_local, j, k, start),
+                                v_local=write(self.v_local, j, v, start))
         k_local, v_local = kv_ring.write_rings(
-            self.k_local, self.v_local, j, k, v, positions, end=self.ring_end,
-            keys_transposed=self.keys_transposed, merged=True)
+            self.k_local, self.v_local, j, k, v, positions, end=self.ring_end, merged=True)
         return self.replace(k_local=k_local, v_local=v_local)
 
     def constrain(self) -> KVCache:
@@ -282,7 +277,10 @@ class KVCache:
             # Merged (sequence, kv head) rows do not split by kv head in one block per device:
             # the partitioner places them from the weights' shardings.
             return self
-        pinned = {name: nn.with_logical_constraint(getattr(self, name), CACHE_AXES)
+        def pin(x: jax.Array) -> jax.Array:
+            return nn.with_logical_constraint(x, CACHE_AXES)
+
+        pinned = {name: jax.tree.map(pin, getattr(self, name))
                   for name in ("k", "v", "k_local", "v_local")
                   if getattr(self, name) is not None}
         return self.replace(**pinned)
@@ -306,40 +304,49 @@ class Cache(Protocol):
     def replace(self, **changes: Any) -> Cache: ...
 
 
-def _in_storage_order(new: jax.Array, keys_transposed: bool) -> jax.Array:
-    """A chunk [B, T, K, H] -> [B, K, T, H], or [B, K, H, T] for keys stored transposed."""
-    return new.transpose(0, 2, 3, 1) if keys_transposed else new.transpose(0, 2, 1, 3)
-
-
-def _write_stacked(cache: jax.Array, i: int | jax.Array, new: jax.Array, start: jax.Array,
-                   keys_transposed: bool) -> jax.Array:
-    """Layer i's write into a stacked [L, B, K, S, H] (or [L, B, K, H, S]) buffer.
+def _write_stacked(cache: jax.Array | SlotsLast, i: int | jax.Array, new: jax.Array,
+                   start: jax.Array) -> jax.Array | SlotsLast:
+    """Layer i's write into a stacked [L, B, K, S, H] buffer (a ``SlotsLast`` one: [L, B, K,
+    H, S]), returned in its layout.
 
     At B = 1 one dynamic-update-slice (the scatter below would become a bounds-checked select
     that copies the whole cache there); else a scatter of [B, T] (row, slot) pairs.
     """
+    buf, slots_last = stored_keys(cache)
     b, t = new.shape[:2]
-    new = new.astype(cache.dtype)
-    slot_axis = 4 if keys_transposed else 3
+    new = new.astype(buf.dtype)
+    slot_axis = 4 if slots_last else 3
     if isinstance(b, int) and b == 1:
         at = [i, 0, 0, 0, 0]
         at[slot_axis] = start[0]
-        update = _in_storage_order(new, keys_transposed)[None]
-        return jax.lax.dynamic_update_slice(cache, update, tuple(at))
-    rows = jnp.arange(b)[:, None]
-    slots = start[:, None] + jnp.arange(t, dtype=start.dtype)  # [B, T]
-    index = [i, rows, slice(None), slice(None), slice(None)]
-    index[slot_axis] = slots
-    # The advanced indices (i, rows, slots) broadcast to [B, T] and lead: updates [B, T, K, H].
-    return cache.at[tuple(index)].set(new, mode="promise_in_bounds", unique_indices=True)
+        update = new.transpose(0, 2, 3, 1) if slots_last else new.transpose(0, 2, 1, 3)
+        out = jax.lax.dynamic_update_slice(buf, update[None], tuple(at))
+    else:
+        rows = jnp.arange(b)[:, None]
+        slots = start[:, None] + jnp.arange(t, dtype=start.dtype)  # [B, T]
+        index = [i, rows, slice(None), slice(None), slice(None)]
+        index[slot_axis] = slots
+        # The advanced indices (i, rows, slots) broadcast to [B, T] and lead: updates [B, T,
+        # K, H].
+        out = buf.at[tuple(index)].set(new, mode="promise_in_bounds", unique_indices=True)
+    return SlotsLast(out) if slots_last else out
 
 
-def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array,
-                keys_transposed: bool) -> jax.Array:
-    """One layer's write into a buffer of merged (sequence, kv head) rows.
+def _write_layer(cache: tuple[jax.Array, ...] | SlotsLast, i: int, new: jax.Array,
+                 start: jax.Array) -> tuple[jax.Array, ...] | SlotsLast:
+    """Layer i's write into a tuple of merged-row buffers (``_write_rows``), in its layout."""
+    layers, slots_last = stored_keys(cache)
+    written = _write_rows(SlotsLast(layers[i]) if slots_last else layers[i], new, start)
+    out = (*layers[:i], written, *layers[i + 1:])
+    return SlotsLast(out) if slots_last else out
+
+
+def _write_rows(cache: jax.Array | SlotsLast, new: jax.Array, start: jax.Array) -> jax.Array:
+    """One layer's write into a buffer of merged (sequence, kv head) rows; returns the stored
+    array.
 
     Args:
-      cache: [B * K, S, H] (or [B * K, H, S] for transposed keys).
+      cache: [B * K, S, H] (or a ``SlotsLast`` [B * K, H, S]).
       new: [B, T, K, H].
       start: [B] int32 first slot per sequence.
 
@@ -347,9 +354,11 @@ def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array,
     carry (at B = 1 one plain dynamic-update-slice: the batched form becomes a select copying
     the whole cache there).
     """
+    cache, slots_last = stored_keys(cache)
     b, t, kv, h = new.shape
-    rows = _in_storage_order(new.astype(cache.dtype), keys_transposed)
-    at = (lambda s: (0, s)) if keys_transposed else (lambda s: (s, 0))
+    new = new.astype(cache.dtype)
+    rows = new.transpose(0, 2, 3, 1) if slots_last else new.transpose(0, 2, 1, 3)
+    at = (lambda s: (0, s)) if slots_last else (lambda s: (s, 0))
     # The carried buffers are stored with rows merged: reshaping a [B, K, ...] buffer around
     # the update kept XLA from doing it in place at B = 1 (about 8 ms of a 16 ms decode_25m
     # step over 1024 slots was a copy of the cache).
@@ -378,9 +387,10 @@ def cache_bytes(config: Architecture, batch: int, max_len: int,
 
 
 def _layer_of(k: Any, v: Any, i: int | jax.Array, stacked: bool, b: int
-              ) -> tuple[jax.Array, jax.Array]:
-    """Layer i of stacked ([L, B, K, ...]) or merged-row ([B * K, ...] per layer) arrays, as
-    [B, K, ...] each."""
+              ) -> tuple[Any, jax.Array]:
+    """Layer i of stacked ([L, B, K, ...]) or merged-row ([B * K, ...] per layer) buffers, as
+    [B, K, ...] each (keys in their layout)."""
     if stacked:
         return k[i], v[i]
-    return k[i].reshape(b, -1, *k[i].shape[1:]), v[i].reshape(b, -1, *v[i].shape[1:])
+    rows = jax.tree.map(lambda x: x.reshape(b, -1, *x.shape[1:]), k[i])
+    return rows, v[i].reshape(b, -1, *v[i].shape[1:])

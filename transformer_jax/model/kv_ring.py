@@ -41,6 +41,7 @@ import numpy as np
 from transformer_jax.model.config import Architecture
 from transformer_jax.model.ops import kv_quant
 from transformer_jax.model.ops.attention import attention
+from transformer_jax.model.ops.layouts import SlotsLast, stored_keys
 from transformer_jax.model.stack import LayerRef
 
 #: The position of a ring slot never written: past every query, so causality hides it.
@@ -156,15 +157,16 @@ def writes_first(t: Any, size: int, window: int) -> bool:
     return isinstance(t, int) and t <= size - window + 1
 
 
-def ring_attention(keys: jax.Array, values: jax.Array, q: jax.Array, k: jax.Array,
+def ring_attention(keys: jax.Array | SlotsLast, values: jax.Array, q: jax.Array, k: jax.Array,
                    v: jax.Array, positions: jax.Array, *, written: bool, window: int,
-                   impl: str, keys_transposed: bool, scale: float | None = None,
-                   softcap: float | None = None) -> jax.Array:
+                   impl: str, scale: float | None = None, softcap: float | None = None
+                   ) -> jax.Array:
     """A local layer's queries over its ring rows (see the module docstring).
 
     Args:
-      keys: [B, K, R, H] ([B, K, H, R] with ``keys_transposed``) the chunk rows' ring keys as
-        stored (int8: H + 2), after the chunk's write when ``written``, before it otherwise.
+      keys: [B, K, R, H] the chunk rows' ring keys as stored (``SlotsLast`` [B, K, H, R] in a
+        CPU layout; int8: H + 2), after the chunk's write when ``written``, before it
+        otherwise.
       values: [B, K, R, H] their values.
       q: [B, T, N, H] queries (rotated).
       k: [B, T, K, H] the chunk's keys (rotated): attended after the ring unless ``written``.
@@ -173,7 +175,6 @@ def ring_attention(keys: jax.Array, values: jax.Array, q: jax.Array, k: jax.Arra
       written: whether the ring already holds the chunk (``writes_first``).
       window: W (static).
       impl: the attention implementation (``ops.attention.attention``).
-      keys_transposed: the ring's key layout.
       scale: the logits' scale.
       softcap: optional logit soft-cap.
 
@@ -181,21 +182,22 @@ def ring_attention(keys: jax.Array, values: jax.Array, q: jax.Array, k: jax.Arra
       [B, T, N, H] attention output.
     """
     size = values.shape[-2]
+    keys, slots_last = stored_keys(keys)
     if written:
         k_positions = ring_positions(positions[:, 0] + q.shape[1] - 1, size)
     else:
         new_k, new_v = stored(k, keys.dtype), stored(v, values.dtype)
-        new_k = new_k.transpose(0, 2, 3, 1) if keys_transposed else new_k.transpose(0, 2, 1, 3)
-        keys = jnp.concatenate([keys, new_k], axis=-1 if keys_transposed else -2)
+        new_k = new_k.transpose(0, 2, 3, 1) if slots_last else new_k.transpose(0, 2, 1, 3)
+        keys = jnp.concatenate([keys, new_k], axis=-1 if slots_last else -2)
         values = jnp.concatenate([values, new_v.transpose(0, 2, 1, 3)], axis=-2)
         k_positions = jnp.concatenate(
             [ring_positions(positions[:, 0] - 1, size), positions.astype(jnp.int32)], axis=1)
     if kv_quant.is_int8(values.dtype):
-        keys = kv_quant.decode(keys, q.dtype, axis=-2 if keys_transposed else -1)
+        keys = kv_quant.decode(keys, q.dtype, axis=-2 if slots_last else -1)
         values = kv_quant.decode(values, q.dtype)
-    return attention(q.astype(keys.dtype), keys, values, q_positions=positions,
-                     k_positions=k_positions, window=window, impl=impl,
-                     keys_transposed=keys_transposed, scale=scale, softcap=softcap)
+    return attention(q.astype(keys.dtype), SlotsLast(keys) if slots_last else keys, values,
+                     q_positions=positions, k_positions=k_positions, window=window, impl=impl,
+                     scale=scale, softcap=softcap)
 
 
 def attend(cache: Any, j: int | jax.Array, layout: RingLayout, q: jax.Array, k: jax.Array,
@@ -212,7 +214,7 @@ def attend(cache: Any, j: int | jax.Array, layout: RingLayout, q: jax.Array, k: 
       read_ring: (cache, j) -> ring j's rows of the chunk's rows as stored (``ring_attention``'s
         keys and values).
       write_ring: (cache, j) -> the cache with the chunk written into ring j.
-      **kwargs: ``ring_attention``'s impl, keys_transposed, scale and softcap.
+      **kwargs: ``ring_attention``'s impl, scale and softcap.
 
     Returns:
       ([B, T, N, H] attention output, the cache with the chunk written).
@@ -227,13 +229,12 @@ def attend(cache: Any, j: int | jax.Array, layout: RingLayout, q: jax.Array, k: 
 
 def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: jax.Array,
                 positions: jax.Array, *, rows: jax.Array | None = None,
-                end: jax.Array | None = None, keys_transposed: bool, merged: bool = False
-                ) -> tuple[Any, Any]:
+                end: jax.Array | None = None, merged: bool = False) -> tuple[Any, Any]:
     """Writes each row's last R positions (below ``end``) of a chunk into ring j.
 
     Args:
-      k_ring: stacked key rings [L, B', K, R, H] ([L, B', K, H, R] with ``keys_transposed``),
-        or a tuple of L [B', K, R, H] (``merged``: [B' * K, R, H]).
+      k_ring: stacked key rings [L, B', K, R, H], or a tuple of L [B', K, R, H] (``merged``:
+        [B' * K, R, H]); either as a ``SlotsLast`` (slots and H swapped).
       v_ring: the value rings, alike.
       j: the ring (traced only when stacked).
       k: [B, T, K, H] new keys.
@@ -241,7 +242,6 @@ def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: j
       positions: [B, T] consecutive positions per row.
       rows: optional [B] ring row of each chunk row (default: row b is ring row b).
       end: optional [B]: positions at or past it are not written.
-      keys_transposed: the keys' layout.
       merged: the tuple's rings have their (row, kv head) rows merged.
 
     Returns:
@@ -253,45 +253,51 @@ def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: j
     slots = write_slots(positions, size, end)
     rows = jnp.arange(k.shape[0]) if rows is None else rows
     if not isinstance(v_ring, tuple):
-        return (scatter_stacked(k_ring, j, rows, k, slots, keys_transposed),
-                scatter_stacked(v_ring, j, rows, v, slots, False))
+        return (scatter_stacked(k_ring, j, rows, k, slots),
+                scatter_stacked(v_ring, j, rows, v, slots))
     out = []
-    for ring, new, transposed in ((k_ring, k, keys_transposed), (v_ring, v, False)):
+    for typed, new in ((k_ring, k), (v_ring, v)):
+        ring, slots_last = stored_keys(typed)
         layer = ring[j]
         shaped = layer.reshape(k.shape[0], -1, *layer.shape[1:]) if merged else layer
-        written = scatter_rows(shaped, rows, new, slots, transposed).reshape(layer.shape)
-        out.append((*ring[:j], written, *ring[j + 1:]))
+        written = scatter_rows(SlotsLast(shaped) if slots_last else shaped, rows, new, slots)
+        written = stored_keys(written)[0].reshape(layer.shape)
+        ring = (*ring[:j], written, *ring[j + 1:])
+        out.append(SlotsLast(ring) if slots_last else ring)
     return out[0], out[1]
 
 
-def scatter_stacked(ring: jax.Array, j: int | jax.Array, rows: jax.Array, new: jax.Array,
-                    slots: jax.Array, keys_transposed: bool) -> jax.Array:
+def scatter_stacked(ring: jax.Array | SlotsLast, j: int | jax.Array, rows: jax.Array,
+                    new: jax.Array, slots: jax.Array) -> jax.Array | SlotsLast:
     """Writes chunk rows into one layer of stacked rings, dropping slots out of range.
 
     Args:
-      ring: [L, B', K, R, H] ([L, B', K, H, R] with ``keys_transposed``).
+      ring: [L, B', K, R, H] (or a ``SlotsLast`` [L, B', K, H, R]).
       j: the layer.
       rows: [B] ring row of each chunk row (broadcast against slots).
       new: [B, T, K, H] (stored dtype).
       slots: [B, T] slot per position (R: not written).
-      keys_transposed: the layout.
 
     Returns:
-      The rings with layer j written.
+      The rings with layer j written, in their layout.
     """
+    ring, slots_last = stored_keys(ring)
     index = [j, rows[:, None], slice(None), slice(None), slice(None)]
-    index[4 if keys_transposed else 3] = slots
+    index[4 if slots_last else 3] = slots
     # The advanced indices (j, rows, slots) broadcast to [B, T] and lead: updates [B, T, K, H].
-    return ring.at[tuple(index)].set(new.astype(ring.dtype), mode="drop")
+    ring = ring.at[tuple(index)].set(new.astype(ring.dtype), mode="drop")
+    return SlotsLast(ring) if slots_last else ring
 
 
-def scatter_rows(ring: jax.Array, rows: jax.Array, new: jax.Array, slots: jax.Array,
-                 keys_transposed: bool) -> jax.Array:
-    """Writes chunk rows into one layer's rings [B', K, R, H] ([B', K, H, R]), dropping slots
-    out of range (``scatter_stacked`` without the layer axis)."""
+def scatter_rows(ring: jax.Array | SlotsLast, rows: jax.Array, new: jax.Array,
+                 slots: jax.Array) -> jax.Array | SlotsLast:
+    """Writes chunk rows into one layer's rings [B', K, R, H] (``SlotsLast``: [B', K, H, R]),
+    dropping slots out of range (``scatter_stacked`` without the layer axis)."""
+    ring, slots_last = stored_keys(ring)
     index = [rows[:, None], slice(None), slice(None), slice(None)]
-    index[3 if keys_transposed else 2] = slots
-    return ring.at[tuple(index)].set(new.astype(ring.dtype), mode="drop")
+    index[3 if slots_last else 2] = slots
+    ring = ring.at[tuple(index)].set(new.astype(ring.dtype), mode="drop")
+    return SlotsLast(ring) if slots_last else ring
 
 
 def ring_bytes(config: Architecture, rows: int, dtype: jnp.dtype | str,

@@ -7,6 +7,7 @@ layers), so a mesh can shard it by rules without touching the model.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -16,7 +17,8 @@ from transformer_jax.model import ops
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import Cache
 from transformer_jax.model.ops.attention import attention
-from transformer_jax.model.ops.dense import dense, out_first_shape
+from transformer_jax.model.ops.dense import dense
+from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.ops.positions import rope_attention_factor
 from transformer_jax.model.ops.quantized import is_quantized
 from transformer_jax.model.ops.row_lora import is_row_adapters
@@ -48,46 +50,33 @@ def _normal(std: float) -> nn.initializers.Initializer:
 
 
 def matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
-           init: nn.initializers.Initializer, *, out_first: bool,
-           param_dtype: jnp.dtype) -> jax.Array:
+           init: nn.initializers.Initializer, *, param_dtype: jnp.dtype) -> Any:
     """The one parameter primitive of every matrix of the model.
 
     Declares matrix ``name`` on ``module`` with its in-first ``shape`` and logical ``axes``
-    (``MATRIX_INPUT_AXES[name]`` leading input axes, e.g. q_proj [D, N, H]); with ``out_first``
-    it is stored output axes first ([N, H, D]), the layout ``to_out_first`` gives and
-    ``ops.dense`` computes with.
+    (``MATRIX_INPUT_AXES[name]`` leading input axes, e.g. q_proj [D, N, H]).
 
     Returns:
-      The stored parameter, in ``param_dtype``; or the quantised weight stored in its place
-      (``transformer_jax.model.quant``), which ``ops.dense`` computes with as it is.
+      The stored parameter, in ``param_dtype``; or the weight prepared in its place (a
+      quantised one, an ``OutFirst`` one, one with per-row adapters: ``stored_as_is``), which
+      ``ops.dense`` computes with as it is.
     """
-    quantized = stored_quantized(module, name)
-    if quantized is not None:
-        return quantized
-    if out_first:
-        n_in = MATRIX_INPUT_AXES[name]
-        shape, axes = out_first_shape(shape, n_in), out_first_shape(axes, n_in)
+    prepared = stored_as_is(module, name)
+    if prepared is not None:
+        return prepared
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, param_dtype)
 
 
-def stored_quantized(module: nn.Module, name: str) -> object | None:
-    """Parameter ``name`` of ``module`` when it is stored quantised (``decode.prepare`` with
-    ``quant``) or with per-row adapters (``ops.row_lora``, a serving step's), else None. Read
-    as it is: flax's ``param`` would check its packed values' shape against the float
-    declaration."""
+def stored_as_is(module: nn.Module, name: str) -> Any:
+    """Parameter ``name`` of ``module`` when ``decode.prepare`` or a serving step stored it as
+    a typed leaf (quantised: ``model.quant``; output axes first: ``ops.layouts.OutFirst``;
+    with per-row adapters: ``ops.row_lora``), else None. Read as it is: flax's ``param``
+    would check the stored arrays' shapes against the float, in-first declaration."""
     if module.has_variable("params", name):
         w = module.get_variable("params", name)
-        if is_quantized(w) or is_row_adapters(w):
+        if is_quantized(w) or is_row_adapters(w) or isinstance(w, OutFirst):
             return w
     return None
-
-
-def to_out_first(w: jax.Array, name: str, stacked: bool = False) -> jax.Array:
-    """An in-first matrix ``name`` transposed to the out-first layout ``matrix`` declares
-    (after a leading layers axis when ``stacked``)."""
-    lead, n_in = int(stacked), MATRIX_INPUT_AXES[name]
-    axes = list(range(w.ndim))
-    return w.transpose(axes[:lead] + axes[lead + n_in:] + axes[lead:lead + n_in])
 
 
 class Embed(nn.Module):
@@ -106,20 +95,22 @@ class Embed(nn.Module):
     vocab_axis: str | None = None
 
     def setup(self) -> None:
-        quantized = stored_quantized(self, EMBEDDING_PARAM)
-        self.embedding = quantized if quantized is not None else self.param(
+        prepared = stored_as_is(self, EMBEDDING_PARAM)
+        self.embedding = prepared if prepared is not None else self.param(
             EMBEDDING_PARAM,
             nn.with_logical_partitioning(_normal(self.init_std), ("vocab", "embed")),
             (self.vocab_size, self.d_model), self.param_dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """[B, T] ids -> [B, T, D] vectors in the compute dtype."""
+        # A tied table prepared as an out-first head (``ops.layouts``) is still the [V, D] table.
+        table = self.embedding.w if isinstance(self.embedding, OutFirst) else self.embedding
         if self.vocab_axis is None:
-            return ops.embed(tokens, self.embedding).astype(self.dtype)
-        rows = self.embedding.shape[0]
+            return ops.embed(tokens, table).astype(self.dtype)
+        rows = table.shape[0]
         ids = tokens - jax.lax.axis_index(self.vocab_axis) * rows
         mine = (ids >= 0) & (ids < rows)
-        x = ops.embed(jnp.where(mine, ids, 0), self.embedding) * mine[..., None]
+        x = ops.embed(jnp.where(mine, ids, 0), table) * mine[..., None]
         # One shard holds each id's row, so the sum is exact.
         return jax.lax.psum(x, self.vocab_axis).astype(self.dtype)
 
@@ -207,13 +198,12 @@ class Attention(nn.Module):
     impl: str = "auto"
     init_std: float = 0.02
     out_init_std: float = 0.02
-    out_first: bool = False
     tensor_axis: str | None = None
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
     def _matrix(self, name, shape, axes, init):
-        return matrix(self, name, shape, axes, init, out_first=self.out_first,
+        return matrix(self, name, shape, axes, init,
                       param_dtype=self.param_dtype).astype(self.dtype)
 
     def _bias(self, name, shape, axes):
@@ -258,9 +248,9 @@ class Attention(nn.Module):
         wv = self._matrix("v_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), init)
         wo = self._matrix("o_proj", (n, h, d), ("heads", "head_dim", "embed"),
                           _normal(self.out_init_std))
-        q = dense(x, wq, "BTD,DNH->BTNH", out_first=self.out_first)
-        k = dense(x, wk, "BSD,DKH->BSKH", out_first=self.out_first)
-        v = dense(x, wv, "BSD,DKH->BSKH", out_first=self.out_first)
+        q = dense(x, wq, "BTD,DNH->BTNH")
+        k = dense(x, wk, "BSD,DKH->BSKH")
+        v = dense(x, wv, "BSD,DKH->BSKH")
         if self.qkv_bias:
             q = q + self._bias("q_bias", (n, h), ("heads", "head_dim"))
             k = k + self._bias("k_bias", (kv, h), ("kv_heads", "head_dim"))
@@ -284,18 +274,16 @@ class Attention(nn.Module):
                 raise ValueError("segment_ids cannot be combined with a KV cache")
             # The cache stores the chunk and attends over what it holds, in its own layout.
             out, cache = cache.attend(layer, q, k, v, positions, **logits)
-        return dense(out.astype(self.dtype), wo, "BTNH,NHD->BTD", out_first=self.out_first), cache
+        return dense(out.astype(self.dtype), wo, "BTNH,NHD->BTD"), cache
 
 
 class MLP(nn.Module):
-    """Feed-forward network: ``gate`` and ``up`` [D, F] (gated kinds), ``down`` [F, D]; each
-    stored [out, in] with ``out_first`` (see ``matrix``)."""
+    """Feed-forward network: ``gate`` and ``up`` [D, F] (gated kinds), ``down`` [F, D]."""
 
     d_ff: int
     kind: str = "swiglu"
     init_std: float = 0.02
     out_init_std: float = 0.02
-    out_first: bool = False
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -306,11 +294,11 @@ class MLP(nn.Module):
         fn, gated = ops.FFN_FUNCTIONS[self.kind]
 
         def param(name, shape, axes, std):
-            return matrix(self, name, shape, axes, _normal(std), out_first=self.out_first,
+            return matrix(self, name, shape, axes, _normal(std),
                           param_dtype=self.param_dtype).astype(self.dtype)
 
         def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-            return dense(x, w, spec, out_first=self.out_first)
+            return dense(x, w, spec)
 
         up = param("up", (d, self.d_ff), ("embed", "mlp"), self.init_std)
         down = param("down", (self.d_ff, d), ("mlp", "embed"), self.out_init_std)

@@ -463,7 +463,7 @@ def checkpoint_tree(params: Any, meta: Mapping[str, Any], where: Any) -> Any:
 
     parse_quant(spec, field=f"{BASE_QUANT_FIELD} of the checkpoint in {where}")
     # Training quantises the base as the model stores it: inputs first.
-    return {**params, BASE: from_saved(base, spec, out_first=False, where=where)}
+    return {**params, BASE: from_saved(base, spec, where=where)}
 
 
 def merge_checkpoint_params(params: Any, meta: Mapping[str, Any], where: Any,

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.model.fields import MoE
-from transformer_jax.model.layers import MLP, matrix, stored_quantized
+from transformer_jax.model.layers import MLP, matrix, stored_as_is
 from transformer_jax.model.ops import moe as moe_ops
 from transformer_jax.model.ops import moe_dispatch
 from transformer_jax.model.ops.dense import dense
@@ -32,7 +32,7 @@ RouterStats = dict[str, jax.Array]
 class SparseFFN(nn.Module):
     """A mixture of ``moe.n_experts`` gated FFNs with top-k routing (``MoE`` says which).
 
-    ``out_first`` applies to the router and the shared expert (``layers.matrix``); the
+    The router and the shared expert may be prepared out-first (``ops.layouts.OutFirst``); the
     experts' [E, ...] stacks are stored in-first in every layout (the decode path gathers
     whole expert matrices, which the layout does not change). Prepared decode weights may hold
     each stack as an ``ops.moe.ExpertList`` (one array per expert), taken as it is.
@@ -49,15 +49,14 @@ class SparseFFN(nn.Module):
     impl: str = "auto"
     init_std: float = 0.02
     out_init_std: float = 0.02
-    out_first: bool = False
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
     def _experts(self, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
                  std: float) -> jax.Array:
-        quantized = stored_quantized(self, name)
-        if quantized is not None:
-            return quantized
+        prepared = stored_as_is(self, name)
+        if prepared is not None:
+            return prepared
         if self.has_variable("params", name):  # the decode layout: one array per expert
             stored = self.get_variable("params", name)
             if isinstance(stored, moe_ops.ExpertList):
@@ -78,7 +77,7 @@ class SparseFFN(nn.Module):
         shards = 1 if self.expert_axis is None else jax.lax.axis_size(self.expert_axis)
         local = e // shards  # the experts this module holds
         router = matrix(self, "router", (d, e), ("embed", "router"),
-                        nn.initializers.normal(self.init_std), out_first=self.out_first,
+                        nn.initializers.normal(self.init_std),
                         param_dtype=self.param_dtype)
         gate = self._experts("gate", (local, d, f),
                              ("experts", "expert_embed", "expert_mlp"), self.init_std)
@@ -89,7 +88,7 @@ class SparseFFN(nn.Module):
 
         tokens = x.reshape(b * t, d)
         logits = dense(tokens, router.astype(self.dtype), "ND,DE->NE",
-                       out_first=self.out_first, preferred_element_type=jnp.float32)
+                       preferred_element_type=jnp.float32)
         routing = moe_ops.route(logits, m.top_k, m.renormalize)
         split = expert_split()
         if self.expert_axis is not None:
@@ -107,13 +106,13 @@ class SparseFFN(nn.Module):
         y = y.reshape(b, t, d)
         if m.shared_d_ff:
             shared = MLP(d_ff=m.shared_d_ff, kind=self.kind, init_std=self.init_std,
-                         out_init_std=self.out_init_std, out_first=self.out_first,
+                         out_init_std=self.out_init_std,
                          dtype=self.dtype, param_dtype=self.param_dtype, name="shared")(x)
             if m.shared_gate:
                 w = matrix(self, "shared_gate", (d, 1), ("embed", "router"),
-                           nn.initializers.normal(self.init_std), out_first=self.out_first,
+                           nn.initializers.normal(self.init_std),
                            param_dtype=self.param_dtype)
-                g = dense(x, w.astype(self.dtype), "BTD,DO->BTO", out_first=self.out_first)
+                g = dense(x, w.astype(self.dtype), "BTD,DO->BTO")
                 shared = shared * jax.nn.sigmoid(g)
             y = y + shared
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from transformer_jax.model.layers import MATRIX_INPUT_AXES
 from transformer_jax.model.lora import DEFAULT_TARGETS, TARGETS, LoraConfig
-from transformer_jax.model.ops.dense import out_first_shape
+from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.ops.row_lora import RowAdapters
 from transformer_jax.model.stack import block_paths, restack, stacked_layers
 
@@ -55,26 +55,24 @@ def _set(tree: dict[str, Any], path: Sequence[str], value: Any) -> dict[str, Any
     return out
 
 
-def _in_first_shape(w: Any, name: str, stacked: bool, out_first: bool) -> tuple[int, ...]:
+def _in_first_shape(w: Any, name: str, stacked: bool) -> tuple[int, ...]:
     """The matrix's in-first shape without its layers axis."""
     shape = tuple(w.shape)[int(stacked):]
-    if out_first:  # stored (out..., in...): put the inputs back first
+    if isinstance(w, OutFirst):  # stored (out..., in...): put the inputs back first
         n_out = len(shape) - MATRIX_INPUT_AXES[name]
-        shape = out_first_shape(shape, n_out)
+        shape = shape[n_out:] + shape[:n_out]
     return shape
 
 
 def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], LoraConfig]],
-                   *, out_first: bool = False, names: Sequence[str] | None = None) -> Params:
+                   *, names: Sequence[str] | None = None) -> Params:
     """The stacked adapters of ``params`` (see the module docstring).
 
     Args:
-      params: the base params the forward runs with (scanned or unrolled; in-first, or
-        out-first with ``out_first``; float or quantised).
+      params: the base params the forward runs with (scanned or unrolled; float or quantised;
+        each matrix in-first or an ``ops.layouts.OutFirst``, the layout its factors take).
       adapters: (adapter tree, its ``LoraConfig``) per adapter, in id order from 1; trees in
         either layer layout (``model.lora.init_adapters``'s form).
-      out_first: the layout of ``params``' matrices (``decode.prepare``'s); the factors are
-        stored the same way.
       names: the adapters' names, for errors (default ``adapter 1`` ...).
 
     Returns:
@@ -112,7 +110,7 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
                     and _node(t, (*block, *path)) is not None]
             if w is None or not used:
                 continue
-            shape = _in_first_shape(w, path[-1], scanned, out_first)
+            shape = _in_first_shape(w, path[-1], scanned)
             n_in = MATRIX_INPUT_AXES[path[-1]]
             lead = (tuple(w.shape)[0],) if scanned else ()
             a = jnp.zeros((*lead, len(trees), *shape[:n_in], rank), jnp.float32)
@@ -132,7 +130,7 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
                 a = a.at[(*at, Ellipsis, slice(0, cfg.rank))].set(
                     jnp.asarray(ab["a"], jnp.float32))
                 b = b.at[r].set(jnp.asarray(ab["b"], jnp.float32) * cfg.scale)
-            if out_first:  # A [L?, Na, R, in...], B [L?, out..., Na, R]
+            if isinstance(w, OutFirst):  # A [L?, Na, R, in...], B [L?, out..., Na, R]
                 n = len(lead)
                 a = jnp.moveaxis(a, -1, n + 1)
                 b = jnp.moveaxis(b, (n, n + 1), (-2, -1))

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import EMBEDDING_PARAM, MATRIX_INPUT_AXES
+from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.ops.quantized import PackedInt4, is_quantized, pack_int4
 from transformer_jax.model.quant_spec import (  # noqa: F401  (the parser's names, re-exported)
     DEFAULT_GROUP_SIZE,
@@ -132,9 +133,10 @@ def for_model(config: ModelConfig, quant: WeightQuant | None, shards: int = 1
     return quant
 
 
-def quantized_axes(name: str, ndim: int, *, stacked: bool, out_first: bool,
-                   expert: bool = False) -> tuple[tuple[int, ...], int]:
-    """(the channelwise axes, the grouped axis) of stored weight ``name`` of rank ``ndim``.
+def quantized_axes(name: str, w: Any, *, stacked: bool, expert: bool = False
+                   ) -> tuple[tuple[int, ...], int]:
+    """(the channelwise axes, the grouped axis) of stored weight ``name``, ``w`` (an array, or
+    an ``ops.layouts.OutFirst`` one: the axes are its stored array's).
 
     Output axes (and a stacked layout's layers axis) get one scale each entry; the grouped axis
     is the last input axis (a matrix stored in-first has its inputs first, out-first last).
@@ -142,13 +144,13 @@ def quantized_axes(name: str, ndim: int, *, stacked: bool, out_first: bool,
     expert and output channel, its groups along the input axis: an expert's bytes and scales
     are its own rows, so a gather reads only the experts it takes.
     """
-    lead = int(stacked)
+    lead, ndim = int(stacked), len(w.shape)
     n_in = 1 if name == EMBEDDING_PARAM else MATRIX_INPUT_AXES[name]
     if expert:
         inputs = (lead + 1,)
     elif name == EMBEDDING_PARAM:  # [V, D]: a row per token, never transposed
         inputs = (lead + 1,)
-    elif out_first:
+    elif isinstance(w, OutFirst):
         inputs = tuple(range(ndim - n_in, ndim))
     else:
         inputs = tuple(range(lead, lead + n_in))
@@ -156,19 +158,26 @@ def quantized_axes(name: str, ndim: int, *, stacked: bool, out_first: bool,
     return channel, inputs[-1]
 
 
-def quantize_weight(w: jax.Array, name: str, quant: WeightQuant, *, stacked: bool,
-                    out_first: bool, expert: bool = False, key: str | None = None) -> Any:
-    """One stored weight -> a ``qwix.QArray`` (int8) or a ``PackedInt4``, scales in w's dtype.
+def quantize_weight(w: Any, name: str, quant: WeightQuant, *, stacked: bool,
+                    expert: bool = False, key: str | None = None) -> Any:
+    """One stored weight -> a ``qwix.QArray`` (int8) or a ``PackedInt4``, scales in w's dtype;
+    an ``OutFirst`` one stays out-first, its stored array quantised.
 
     ``expert``: a mixture's [E, ...] stack (``quantized_axes``); ``key``: the name its group
     size is picked by (``group_key``; default ``name``).
     """
-    channel, grouped = quantized_axes(name, w.ndim, stacked=stacked, out_first=out_first,
-                                      expert=expert)
+    channel, grouped = quantized_axes(name, w, stacked=stacked, expert=expert)
+    if isinstance(w, OutFirst):
+        return OutFirst(_quantize(w.w, quant, channel, grouped, key or name))
+    return _quantize(w, quant, channel, grouped, key or name)
+
+
+def _quantize(w: jax.Array, quant: WeightQuant, channel: tuple[int, ...], grouped: int,
+              key: str) -> Any:
     if quant.scheme == "int8":
         return qwix.quantize(w, jnp.int8, channelwise_axes=channel)
     q = qwix.quantize(w, jnp.int4 if quant.scheme == "int4" else "nf4",
-                      channelwise_axes=channel, tiled_axes={grouped: quant.group_for(key or name)})
+                      channelwise_axes=channel, tiled_axes={grouped: quant.group_for(key)})
     return pack_int4(q, grouped)
 
 
@@ -182,18 +191,18 @@ def is_quantizable(name: str) -> bool:
     return (name in MATRIX_INPUT_AXES and name not in FLOAT_MATRICES) or name == EMBEDDING_PARAM
 
 
-def quantize_params(params: Params, quant: WeightQuant, *, out_first: bool) -> Params:
-    """Decode params (``decode_params``' layout) with every matrix and the token table
-    quantised (``quantize_weight``); the rest as given."""
-    def one(path: tuple[Any, ...], x: jax.Array) -> Any:
+def quantize_params(params: Params, quant: WeightQuant) -> Params:
+    """Params (``decode_params``' layout, in-first or with ``OutFirst`` matrices) with every
+    matrix and the token table quantised (``quantize_weight``); the rest as given."""
+    def one(path: tuple[Any, ...], x: Any) -> Any:
         name = str(path[-1].key)
         if not is_quantizable(name):
             return x
         return quantize_weight(x, name, quant, stacked=is_scanned_key(str(path[0].key)),
-                               out_first=out_first, expert=is_expert_stack(path),
-                               key=group_key(path))
+                               expert=is_expert_stack(path), key=group_key(path))
 
-    return jax.tree_util.tree_map_with_path(one, params)
+    return jax.tree_util.tree_map_with_path(one, params,
+                                            is_leaf=lambda x: isinstance(x, OutFirst))
 
 
 def dequantize(w: Any) -> jax.Array:
@@ -208,11 +217,11 @@ def dequantize_params(params: Params) -> Params:
     return jax.tree.map(dequantize, params, is_leaf=is_quantized)
 
 
-def from_saved(params: Params, quant: str | WeightQuant, *, out_first: bool = False,
-               where: Any = "the checkpoint") -> Params:
+def from_saved(params: Params, quant: str | WeightQuant, *, where: Any = "the checkpoint"
+               ) -> Params:
     """``params`` with every quantised weight restored as plain dicts of its arrays (as orbax
     restores a tree it is given no target for) rebuilt as the ``PackedInt4`` / ``qwix.QArray``
-    that ``quantize_params(..., quant, out_first=out_first)`` made; the rest as given.
+    that ``quantize_params(params, quant)`` made of in-first weights; the rest as given.
 
     What the dicts lack is recovered from the scheme and the weight's place: a 4-bit weight's
     packed axis is its grouped axis (``quantized_axes``), its qtype the scheme's (int4 and nf4
@@ -245,7 +254,7 @@ def from_saved(params: Params, quant: str | WeightQuant, *, out_first: bool = Fa
             zero = node.get("zero_point")
             return qwix.QArray(values, scale, None if zero is None else jnp.asarray(zero),
                                qtype=jnp.int8)
-        grouped = quantized_axes(name, values.ndim, stacked=stacked, out_first=out_first,
+        grouped = quantized_axes(name, values, stacked=stacked,
                                  expert=is_expert_stack(path))[1]
         packed = PackedInt4(values, scale, grouped - values.ndim, scheme)
         if any(n % s for n, s in zip(packed.shape, scale.shape, strict=True)):

@@ -22,6 +22,7 @@ from transformer_jax.model.config import Architecture, ModelConfig
 from transformer_jax.model.kv_cache import Cache
 from transformer_jax.model.layers import EMBEDDING_PARAM, Carry, Embed, Norm, matrix
 from transformer_jax.model.ops.dense import dense
+from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.stack import group_key, group_layers, is_scanned_key, restack
 
 Params = dict[str, Any]
@@ -60,9 +61,8 @@ class Transformer(nn.Module):
     (``decode/loop.py``). The blocks are unrolled, or scanned with ``config.scan_layers`` (then the
     program, and its compile time, do not grow with depth, decode included).
 
-    ``weights_out_first`` is the layout of the weights it is given, not of the model: every
-    matrix stored output axes first (``layers.matrix``), as ``decode.prepare`` lays them out on
-    CPU where that measured faster.
+    The weights it is given may be prepared leaves (``decode.prepare``: quantised, stored output
+    axes first for a CPU target, ``ops.layouts``); the model computes with them as they are.
 
     Tensor parallelism runs this same forward one of two ways. Under ``jit`` with a mesh and
     the logical-axis rules in context (training), XLA partitions it from the parameters'
@@ -77,7 +77,6 @@ class Transformer(nn.Module):
     config: ModelConfig
     tensor_axis: str | None = None
     vocab_split: bool = False
-    weights_out_first: bool = False
     expert_axis: str | None = None
 
     @nn.compact
@@ -135,12 +134,10 @@ class Transformer(nn.Module):
         head = embed.embedding if c.tie_embeddings else self._untied_head()
         if hidden_only:
             return Output(cache=cache, hidden=x, moe=moe_stats)
-        table, layout = self.head_layout(head)
-        table = table.astype(c.jnp_dtype)
-        if layout == "VD" and not self.weights_out_first:  # a tied table, trained as stored
-            logits = ops.tied_logits(x, table)
-        else:
-            logits = dense(x, table, "BTD,DV->BTV", out_first=layout == "VD",
+        if c.tie_embeddings and not isinstance(head, OutFirst):  # the table, trained as stored
+            logits = ops.tied_logits(x, head.astype(c.jnp_dtype))
+        else:  # [D, V], or prepared: a tied table as an out-first head (``ops.layouts``)
+            logits = dense(x, head.astype(c.jnp_dtype), "BTD,DV->BTV",
                            preferred_element_type=jnp.float32)
         if c.final_softcap is not None:
             logits = ops.softcap(logits, c.final_softcap)
@@ -160,8 +157,7 @@ class Transformer(nn.Module):
         if c.remat != "none":
             block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[c.remat],
                                  prevent_cse=not c.scan_layers)
-        shard = dict(tensor_axis=self.tensor_axis, weights_out_first=self.weights_out_first,
-                     expert_axis=self.expert_axis)
+        shard = dict(tensor_axis=self.tensor_axis, expert_axis=self.expert_axis)
         stats = []
         if not c.scan_layers:
             for i, spec in enumerate(c.layer_specs()):
@@ -192,30 +188,22 @@ class Transformer(nn.Module):
     def _untied_head(self) -> jax.Array:
         c = self.config
         return matrix(self, "lm_head", (c.d_model, c.vocab_size), ("embed", "vocab"),
-                      nn.initializers.normal(c.init_std), out_first=self.weights_out_first,
-                      param_dtype=c.jnp_param_dtype)
+                      nn.initializers.normal(c.init_std), param_dtype=c.jnp_param_dtype)
 
-    def head_layout(self, head: jax.Array) -> tuple[jax.Array, str]:
-        """(the LM head's table, its layout ``"VD"`` or ``"DV"``) for its stored parameter:
-        the [V, D] token table when tied, else ``lm_head`` [D, V] ([V, D] out-first)."""
-        out_first = self.config.tie_embeddings or self.weights_out_first
-        return head, "VD" if out_first else "DV"
-
-    def lm_head(self, params: Params) -> tuple[jax.Array, str]:
-        """The LM head of ``params`` (this model's parameter tree) and its layout, as the
+    def lm_head(self, params: Params) -> jax.Array | OutFirst:
+        """The LM head of ``params`` (this model's parameter tree) as a [D, V] matrix, as the
         forward applies it to the final hidden states and a chunked loss reads it
-        (``ops.lm_loss``'s ``head_layout``)."""
-        key = (EMBED, EMBEDDING_PARAM) if self.config.tie_embeddings else ("lm_head",)
-        head = params
-        for k in key:
-            head = head[k]
-        return self.head_layout(head)
+        (``ops.lm_loss``): ``lm_head``, or the tied [V, D] token table as an ``OutFirst``."""
+        if not self.config.tie_embeddings:
+            return params["lm_head"]
+        table = params[EMBED][EMBEDDING_PARAM]
+        return table if isinstance(table, OutFirst) else OutFirst(table)
 
 
 EMBED = "embed"
 
 
-def _boxed_init(config: ModelConfig, rng: jax.Array, weights_out_first: bool = False) -> Params:
+def _boxed_init(config: ModelConfig, rng: jax.Array) -> Params:
     """The model's parameters with their logical-axis boxes, from an init on a short dummy batch.
 
     The init runs attention on the reference: parameters do not depend on the implementation,
@@ -224,7 +212,7 @@ def _boxed_init(config: ModelConfig, rng: jax.Array, weights_out_first: bool = F
     that).
     """
     tokens = jnp.zeros((1, min(8, config.max_seq_len)), jnp.int32)
-    model = Transformer(config.replace(attention_impl="xla"), weights_out_first=weights_out_first)
+    model = Transformer(config.replace(attention_impl="xla"))
     return model.init(rng, tokens)["params"]
 
 
@@ -235,18 +223,14 @@ def init_params(config: ModelConfig, rng: jax.Array | int = 0) -> Params:
     return nn.meta.unbox(_boxed_init(config, rng))
 
 
-def abstract_params(config: ModelConfig, weights_out_first: bool = False) -> Params:
-    """Parameter shapes and dtypes as ``jax.ShapeDtypeStruct``s, without allocating them
-    (matrices stored out-first with ``weights_out_first``, see ``layers.matrix``)."""
-    return nn.meta.unbox(jax.eval_shape(
-        lambda: _boxed_init(config, jax.random.key(0), weights_out_first)))
+def abstract_params(config: ModelConfig) -> Params:
+    """Parameter shapes and dtypes as ``jax.ShapeDtypeStruct``s, without allocating them."""
+    return nn.meta.unbox(jax.eval_shape(lambda: _boxed_init(config, jax.random.key(0))))
 
 
-def logical_axes(config: ModelConfig, weights_out_first: bool = False) -> Params:
-    """The logical axis names of every parameter, as a tree of ``PartitionSpec``s (in the
-    layout ``weights_out_first`` says)."""
-    return nn.get_partition_spec(jax.eval_shape(
-        lambda: _boxed_init(config, jax.random.key(0), weights_out_first)))
+def logical_axes(config: ModelConfig) -> Params:
+    """The logical axis names of every parameter, as a tree of ``PartitionSpec``s."""
+    return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(config, jax.random.key(0))))
 
 
 def param_count(config: ModelConfig) -> int:

@@ -144,15 +144,13 @@ def logical_to_mesh_spec(logical: Sequence[str | None],
 
 
 def param_shardings(config: ModelConfig, mesh: Mesh,
-                    rules: Sequence[tuple[str, MeshAxes]] | None = None, *,
-                    weights_out_first: bool = False) -> Any:
+                    rules: Sequence[tuple[str, MeshAxes]] | None = None) -> Any:
     """The ``NamedSharding`` of every parameter, from ``model.logical_axes`` and the rules.
 
     Args:
       config: the model.
       mesh: a mesh with (a superset of) the axes the rules name.
       rules: logical -> mesh axis rules (None: ``rules_for(mesh)``).
-      weights_out_first: for matrices stored output axes first (``decode.prepare``).
 
     Returns:
       A tree shaped like the parameters with a ``NamedSharding`` per leaf.
@@ -161,7 +159,7 @@ def param_shardings(config: ModelConfig, mesh: Mesh,
       ValueError: if a parameter dimension is not divisible by the size of its mesh axes (the
         message names the parameter, the dimension, its size and the mesh axes).
     """
-    shapes, logical = _param_layout(config, weights_out_first)
+    shapes, logical = _param_layout(config)
     rules = rules_for(mesh) if rules is None else rules
 
     def one(path, spec: P, shape: jax.ShapeDtypeStruct) -> NamedSharding:
@@ -390,10 +388,9 @@ def jit_train_step(train_step: Callable[[Any, Any], tuple[Any, Any]], state_shar
 
 
 @functools.lru_cache(maxsize=16)
-def _param_layout(config: ModelConfig, weights_out_first: bool = False) -> tuple[Any, Any]:
+def _param_layout(config: ModelConfig) -> tuple[Any, Any]:
     # Each is a trace of the whole model's init; callers ask again for every mesh they try.
-    return (abstract_params(config, weights_out_first),
-            logical_axes(config, weights_out_first))
+    return abstract_params(config), logical_axes(config)
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:

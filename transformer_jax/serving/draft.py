@@ -39,14 +39,13 @@ from transformer_jax.serving.page_pool import NULL_PAGE
 from transformer_jax.serving.paged_cache import PagedKVCache
 
 Params = dict[str, Any]
-STATICS = ("config", "weights_out_first", "keys_transposed", "view")
+STATICS = ("config", "view")
 
 
 @functools.partial(jax.jit, static_argnames=STATICS, donate_argnames=("k_pages", "v_pages"))
 def draft_rows(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                tokens: jax.Array, start: jax.Array, page_table: jax.Array, *,
-               weights_out_first: bool, keys_transposed: bool, view: str = "auto"
-               ) -> tuple[Any, Any, jax.Array]:
+               view: str = "auto") -> tuple[Any, Any, jax.Array]:
     """The draft's forward at the decode rows: each row's last two tokens written into its
     pages, and its greedy next token.
 
@@ -56,15 +55,13 @@ def draft_rows(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
       tokens: [B, 2] int32 each row's token before its last, and its last.
       start: [B] int32 the position of ``tokens[:, 0]`` (the row's cached length - 1).
       page_table: [B, W] int32 each row's pages (``NULL_PAGE`` for an idle slot).
-      weights_out_first, keys_transposed, view: static layouts.
+      view: static; how attention reads the pages (``PagedKVCache.view``).
 
     Returns:
       (key pages, value pages, [B] int32 the draft's next token per row).
     """
-    cache = PagedKVCache(k=k_pages, v=v_pages, page_table=page_table, lengths=start,
-                         keys_transposed=keys_transposed, view=view)
-    out = forward_chunk(decode_model(config, None, weights_out_first), params, cache, tokens,
-                        start)
+    cache = PagedKVCache(k=k_pages, v=v_pages, page_table=page_table, lengths=start, view=view)
+    out = forward_chunk(decode_model(config), params, cache, tokens, start)
     return out.cache.k, out.cache.v, sampling.argmax(out.logits[:, -1])
 
 
@@ -72,8 +69,7 @@ def draft_rows(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                    donate_argnames=("k_pages", "v_pages"))
 def draft_more(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                first: jax.Array, start: jax.Array, page_table: jax.Array, *, steps: int,
-               weights_out_first: bool, keys_transposed: bool, view: str = "auto"
-               ) -> tuple[Any, Any, jax.Array]:
+               view: str = "auto") -> tuple[Any, Any, jax.Array]:
     """``steps`` more greedy draft steps from each row's first proposal
     (``speculative.greedy_proposals``, ``generate``'s draft's too).
 
@@ -86,12 +82,12 @@ def draft_more(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     Returns:
       (key pages, value pages, [B, 1 + steps] int32 the proposals, ``first`` included).
     """
-    model = decode_model(config, None, weights_out_first)
+    model = decode_model(config)
 
     def step(pages: tuple[Any, Any], token: jax.Array, pos: jax.Array
              ) -> tuple[jax.Array, tuple[Any, Any]]:
         cache = PagedKVCache(k=pages[0], v=pages[1], page_table=page_table, lengths=pos,
-                             keys_transposed=keys_transposed, view=view)
+                             view=view)
         out = model.apply({"params": params}, token[:, None], pos[:, None], cache=cache)
         return out.logits[:, -1], (out.cache.k, out.cache.v)
 
@@ -144,8 +140,7 @@ class EngineDraft:
         self.next: jax.Array | None = None
 
     def _statics(self) -> dict[str, Any]:
-        return dict(weights_out_first=self.model.weights.weights_out_first,
-                    keys_transposed=False, view=self.view)
+        return dict(view=self.view)
 
     def mirror(self, plan: Any, prefill: Any, scheduler: Any) -> None:
         """Runs the step's prefill chunk, fork copies and decode rows into the draft's pages;
@@ -155,8 +150,7 @@ class EngineDraft:
             self._prefill(prefill)
         if plan.copies:
             self.k, self.v = step_lib.copy_pages_jit(
-                self.k, self.v, *step_lib.padded(*np.asarray(plan.copies, np.int32).T),
-                keys_transposed=False)
+                self.k, self.v, *step_lib.padded(*np.asarray(plan.copies, np.int32).T))
         self.next = None
         if plan.decodes:
             b = scheduler.num_slots

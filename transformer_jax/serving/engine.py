@@ -155,9 +155,7 @@ class Engine:
         self._grammars: Any = None  # the tokenizer as llguidance reads it, on first use
         self.page_size = page_size
         self.token_budget = token_budget
-        self.keys_transposed = False  # whole pages gather fastest (``PagedKVCache.init``)
-        cache = PagedKVCache.init(config, num_pages, page_size, dtype=cache_dtype,
-                                  keys_transposed=self.keys_transposed, view=view,
+        cache = PagedKVCache.init(config, num_pages, page_size, dtype=cache_dtype, view=view,
                                   slots=num_slots)
         self.view = view
         self._k, self._v = cache.k, cache.v
@@ -198,11 +196,10 @@ class Engine:
         for name in adapters:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"adapter names must be non-empty strings, got {name!r}")
-        out_first = self.weights.weights_out_first
         stack = multi_lora.stack_adapters(self.weights.params, list(adapters.values()),
-                                          out_first=out_first, names=list(adapters))
+                                          names=list(adapters))
         if is_split(self.mesh):
-            specs = step_lib.adapter_specs(self.config, self.mesh, stack, out_first)
+            specs = step_lib.adapter_specs(self.config, self.mesh, stack, self.weights.out_first)
             return jax.device_put(stack, jax.tree.map(
                 lambda s: NamedSharding(self.mesh, s), specs,
                 is_leaf=lambda x: isinstance(x, P)))
@@ -328,8 +325,7 @@ class Engine:
             chunk_logits = None if prefill is None else self._forward(None, prefill)
             if plan.copies:  # the forks' partial pages, before any step writes past the prompt
                 self._k, self._v = step_lib.copy_pages_jit(
-                    self._k, self._v, *step_lib.padded(*np.asarray(plan.copies, np.int32).T),
-                    keys_transposed=self.keys_transposed)
+                    self._k, self._v, *step_lib.padded(*np.asarray(plan.copies, np.int32).T))
             logits = self._forward(decode, None) if plan.decodes else None
             rows = rows.replace(allowed=sched.grammar_masks(plan, self.config.vocab_size))
             chunk = None if prefill is None else step_lib.sample_from_jit(
@@ -389,10 +385,8 @@ class Engine:
         tokens and log-probabilities, not yet on the host."""
         self._k, self._v, tokens, logprobs, self._rings = step_lib.step_jit(
             self.config, self.weights.params, self._k, self._v, decode, prefill, rows,
-            weights_out_first=self.weights.weights_out_first,
-            keys_transposed=self.keys_transposed, sampler=sampler, view=self.view,
-            mesh=self.mesh, quant=self.weights.quant, rings=self._rings,
-            adapters=self._adapters)
+            sampler=sampler, view=self.view, mesh=self.mesh, quant=self.weights.quant,
+            rings=self._rings, adapters=self._adapters)
         return tokens, logprobs
 
     def _forward(self, decode: step_lib.DecodeRows | None,
@@ -401,8 +395,7 @@ class Engine:
         [R, V] logits, not yet on the host (``step.engine_forward``)."""
         self._k, self._v, logits, self._rings = step_lib.forward_jit(
             self.config, self.weights.params, self._k, self._v, decode, prefill,
-            weights_out_first=self.weights.weights_out_first,
-            keys_transposed=self.keys_transposed, view=self.view, mesh=self.mesh,
+            view=self.view, mesh=self.mesh,
             quant=self.weights.quant, rings=self._rings, adapters=self._adapters)
         return logits
 

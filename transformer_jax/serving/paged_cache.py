@@ -1,10 +1,10 @@
 """The paged KV cache: a second implementation of the model's ``Cache`` interface.
 
 Each layer's keys and values live in a pool of P fixed-size pages, kv head first:
-[K, P, page_size, H] (keys [K, H, P, page_size] with ``keys_transposed``, the layout ``KVCache``
-takes on CPU; the pages keep [page_size, H] by default on every backend, because gathering
-whole pages is what costs here: see ``layer``), so each kv head's whole pool is one contiguous
-[P * page_size, H] row. The
+[K, P, page_size, H] on every backend (keys too: on XLA:CPU, pages of keys stored [H,
+page_size] gathered about 2x slower than whole [page_size, H] pages, more than the faster [H, S]
+product gained back: decode_25m's layer, 8 rows of 32 pages of 16, float32: 5.2 against 2.5 ms),
+so each kv head's whole pool is one contiguous [P * page_size, H] row. The
 layers are stacked ([L, ...]) for a scanned model and a tuple for an unrolled one, as in
 ``KVCache``. A sequence holds only the pages it has filled: row b of the page table [B, W]
 lists its pages in position order, so position p of row b lives in page
@@ -125,18 +125,17 @@ class PagedKVCache:
     """Keys and values of every layer in pages, and the page table of the rows of one call.
 
     Attributes:
-      k: [L, K, P, page_size, H] key pages (rotated by RoPE), [L, K, H, P, page_size] when
-        ``keys_transposed``; for an unrolled model a tuple of L arrays [K, ...].
+      k: [L, K, P, page_size, H] key pages (rotated by RoPE); for an unrolled model a tuple of
+        L arrays [K, ...].
       v: [L, K, P, page_size, H] value pages (a tuple of L [K, P, page_size, H] when unrolled).
       page_table: [B, W] int32 pages of each row in position order (``NULL_PAGE`` where a row
         holds none).
       lengths: [B] int32 positions written per row (the model sets them after a chunk).
-      k_ring: None, or the local layers' key rings [L_local, S, K, W, H] ([L_local, S, K, H, W]
-        when ``keys_transposed``; a tuple of L_local [S, K, ...] when unrolled), S rows.
+      k_ring: None, or the local layers' key rings [L_local, S, K, W, H] (a tuple of L_local
+        [S, K, W, H] when unrolled), S rows.
       v_ring: None, or their value rings [L_local, S, K, W, H] (or a tuple).
       ring_rows: None (row b uses ring row b), or [B] int32 each row's ring row.
       ring_end: None, or [B] int32: a row's rings take no position at or past it.
-      keys_transposed: static; the keys' layout.
       view: static; how ``attend`` reads the pages (one of ``VIEWS``, see the module
         docstring).
       block_positions: static; positions per block of the ``"blocks"`` view (whole pages: at
@@ -151,7 +150,6 @@ class PagedKVCache:
     v_ring: jax.Array | tuple[jax.Array, ...] | None = None
     ring_rows: jax.Array | None = None
     ring_end: jax.Array | None = None
-    keys_transposed: bool = flax.struct.field(pytree_node=False, default=False)
     view: str = flax.struct.field(pytree_node=False, default="auto")
     block_positions: int = flax.struct.field(pytree_node=False, default=BLOCK_POSITIONS)
     ring: RingLayout | None = flax.struct.field(pytree_node=False, default=None)
@@ -159,7 +157,7 @@ class PagedKVCache:
     @classmethod
     def init(cls, config: ModelConfig, num_pages: int, page_size: int, batch: int = 1,
              pages_per_row: int = 1, dtype: jnp.dtype | str | None = None,
-             keys_transposed: bool = False, view: str = "auto", *, slots: int | None = None,
+             view: str = "auto", *, slots: int | None = None,
              window_rings: bool = True) -> PagedKVCache:
         """Zeroed pages and an all-null page table.
 
@@ -171,10 +169,6 @@ class PagedKVCache:
           pages_per_row: W columns of the initial page table.
           dtype: storage dtype (a float dtype, or ``"int8"``, ``ops.kv_quant``); the model's
             compute dtype by default.
-          keys_transposed: store keys [K, H, P, page_size]. Off by default: on XLA:CPU the
-            gather of transposed pages (slices of page_size) ran about 2x slower than that of
-            whole [page_size, H] pages, more than the faster [H, S] product gained back
-            (decode_25m's layer, 8 rows of 32 pages of 16, float32: 5.2 against 2.5 ms).
           view: how ``attend`` reads the pages.
           slots: S, ring rows of the local layers (default ``batch``).
           window_rings: local layers keep rings (when W < ``max_seq_len``) instead of pages.
@@ -194,26 +188,22 @@ class PagedKVCache:
             raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
         dtype = storage_dtype(config.dtype if dtype is None else dtype)
         kv, h = config.n_kv_heads, kv_quant.stored_head_dim(config.head_dim, dtype)
-        k_shape = (kv, h, num_pages, page_size) if keys_transposed else (
-            kv, num_pages, page_size, h)
-        v_shape = (kv, num_pages, page_size, h)
+        shape = (kv, num_pages, page_size, h)
         ring = RingLayout.of(config, config.max_seq_len) if window_rings else None
 
-        def arrays(n: int, k_shape: tuple[int, ...], v_shape: tuple[int, ...]) -> tuple:
+        def arrays(n: int, shape: tuple[int, ...]) -> tuple:
             if config.scan_layers:
-                return jnp.zeros((n, *k_shape), dtype), jnp.zeros((n, *v_shape), dtype)
-            return (tuple(jnp.zeros(k_shape, dtype) for _ in range(n)),
-                    tuple(jnp.zeros(v_shape, dtype) for _ in range(n)))
+                return jnp.zeros((n, *shape), dtype), jnp.zeros((n, *shape), dtype)
+            return (tuple(jnp.zeros(shape, dtype) for _ in range(n)),
+                    tuple(jnp.zeros(shape, dtype) for _ in range(n)))
 
-        k, v = arrays(config.n_layers if ring is None else ring.n_global, k_shape, v_shape)
+        k, v = arrays(config.n_layers if ring is None else ring.n_global, shape)
         rings = {}
         if ring is not None:
             rows, w = (batch if slots is None else slots, kv), ring.size
-            rings["k_ring"], rings["v_ring"] = arrays(
-                ring.n_local, (*rows, h, w) if keys_transposed else (*rows, w, h), (*rows, w, h))
+            rings["k_ring"], rings["v_ring"] = arrays(ring.n_local, (*rows, w, h))
         return cls(k=k, v=v, page_table=jnp.zeros((batch, pages_per_row), jnp.int32),
-                   lengths=jnp.zeros((batch,), jnp.int32), keys_transposed=keys_transposed,
-                   view=view, ring=ring, **rings)
+                   lengths=jnp.zeros((batch,), jnp.int32), view=view, ring=ring, **rings)
 
     @property
     def stacked(self) -> bool:
@@ -250,29 +240,23 @@ class PagedKVCache:
             gathers a block of pages per item).
 
         Returns:
-          ([R, K, n * page_size, H] keys ([R, K, H, n * page_size] when transposed),
-          [R, K, n * page_size, H] values): slot s of row r holds the position s of its pages.
+          ([R, K, n * page_size, H] keys, [R, K, n * page_size, H] values): slot s of row r
+          holds the position s of its pages.
         """
         table = self.page_table if table is None else table
         b = table.shape[0]
         flat = table.reshape(-1)
-        k_pool, v_pool = self.k[i], self.v[i]  # [K, P, ps, H] (keys [K, H, P, ps])
+        k_pool, v_pool = self.k[i], self.v[i]  # [K, P, ps, H]
         kv, h = v_pool.shape[0], v_pool.shape[-1]
         # Whole pages taken along the pool axis ([K, P, ps * H] -> [K, B * W, ps * H]), then B
         # to the front. On XLA:CPU this ran 2-3x faster than indexing the pool with the
         # [B, W] table (decode_25m's layer, 8 rows of 32 pages of 16, float32: about 1
-        # against 2.4 ms; 8 ms with the keys transposed).
-        def pages(pool: jax.Array, axis: int) -> jax.Array:  # the table's pages, in order
-            return jnp.take(pool, flat, axis=axis, mode="clip")  # (every index is in range)
+        # against 2.4 ms).
+        def rows(pool: jax.Array) -> jax.Array:  # [K, P, ps, H] -> [B, K, W * ps, H]
+            taken = jnp.take(pool.reshape(kv, pool.shape[1], -1), flat, axis=1, mode="clip")
+            return taken.reshape(kv, b, -1, h).swapaxes(0, 1)  # (every index is in range)
 
-        values = pages(v_pool.reshape(kv, v_pool.shape[1], -1), 1)
-        values = values.reshape(kv, b, -1, h).swapaxes(0, 1)
-        if self.keys_transposed:  # [K, H, P, ps] -> [K, H, B * W, ps] -> [B, K, H, S]
-            keys = pages(k_pool, 2).reshape(kv, h, b, -1).transpose(2, 0, 1, 3)
-        else:
-            keys = pages(k_pool.reshape(kv, k_pool.shape[1], -1), 1)
-            keys = keys.reshape(kv, b, -1, h).swapaxes(0, 1)
-        return keys, values
+        return rows(k_pool), rows(v_pool)
 
     def attend(self, i: int | jax.Array | LayerRef, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, *, window: int | jax.Array | None, impl: str,
@@ -305,7 +289,6 @@ class PagedKVCache:
             self, j, self.ring, q, k, v, positions,
             read_ring=lambda c, j: c._ring_layer(j),
             write_ring=lambda c, j: c._write_ring(j, k, v, positions),
-            keys_transposed=self.keys_transposed,
             **dict(logits, impl="xla" if impl == "pallas" else impl))
 
     def _attend_pages(self, i: int | jax.Array, q: jax.Array, positions: jax.Array,
@@ -322,7 +305,7 @@ class PagedKVCache:
             if route.kernel is not None:
                 return paged_attention.paged_attention(
                     route.kernel, q, self.k[i], self.v[i], self.page_table, positions,
-                    window=window, keys_transposed=self.keys_transposed)
+                    window=window)
             impl = route.impl
         if impl == "pallas":  # a config the paged kernels cannot run: the reference views
             impl = "xla"
@@ -331,23 +314,20 @@ class PagedKVCache:
             return paged_views.attend_pool(self, i, q, positions, window, **logits)
         if read == "blocks":
             return paged_views.attend_blocks(self, i, q, positions, window, **logits)
-        # Gathered keys are [B, K, S, H] or [B, K, H, S].
-        keys, values = self._dequantized(*self.layer(i), q.dtype,
-                                         key_axis=-2 if self.keys_transposed else -1)
+        keys, values = self._dequantized(*self.layer(i), q.dtype)  # [B, K, S, H] each
         return attention(q.astype(keys.dtype), keys, values, q_positions=positions,
-                         window=window, impl=impl, keys_transposed=self.keys_transposed,
-                         **logits)
+                         window=window, impl=impl, **logits)
 
     def _write_ring(self, j: int | jax.Array, k: jax.Array, v: jax.Array,
                     positions: jax.Array) -> PagedKVCache:
         """Writes each row's last W positions (below ``ring_end``) into its row of ring j."""
         k_ring, v_ring = kv_ring.write_rings(
             self.k_ring, self.v_ring, j, k, v, positions, rows=self.ring_rows,
-            end=self.ring_end, keys_transposed=self.keys_transposed)
+            end=self.ring_end)
         return self.replace(k_ring=k_ring, v_ring=v_ring)
 
     def _ring_layer(self, j: int | jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Ring j's rows of this call's rows: [B, K, W, H] keys ([B, K, H, W]) and values."""
+        """Ring j's rows of this call's rows: [B, K, W, H] keys and values."""
         keys, values = self.k_ring[j], self.v_ring[j]
         if self.ring_rows is None:
             return keys, values
@@ -359,20 +339,19 @@ class PagedKVCache:
         v = self.v if self.ring is None else self.v_ring
         return kv_quant.is_int8((v if self.stacked else v[0]).dtype)
 
-    def _dequantized(self, keys: jax.Array, values: jax.Array, dtype: jnp.dtype, *,
-                     key_axis: int) -> tuple[jax.Array, jax.Array]:
-        """Keys (head axis ``key_axis``) and values (head axis last) read from int8 pages, in
-        float ``dtype``; float pages as they are."""
+    def _dequantized(self, keys: jax.Array, values: jax.Array, dtype: jnp.dtype
+                     ) -> tuple[jax.Array, jax.Array]:
+        """Keys and values (head axis last) read from int8 pages, in float ``dtype``; float
+        pages as they are."""
         if not self.int8:
             return keys, values
-        return kv_quant.decode(keys, dtype, axis=key_axis), kv_quant.decode(values, dtype)
+        return kv_quant.decode(keys, dtype), kv_quant.decode(values, dtype)
 
     def pool(self, i: int | jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
         """Layer i's whole pool in place, as the ``"pool"`` view reads it: [K, P, ps, H] keys
-        ([K, H, P, ps] when transposed) and [K, P, ps, H] values, int8 pages dequantised
-        (each token with its own scale) into ``dtype``; float pages as they are."""
-        return self._dequantized(self.k[i], self.v[i], dtype,
-                                 key_axis=1 if self.keys_transposed else -1)
+        and values, int8 pages dequantised (each token with its own scale) into ``dtype``;
+        float pages as they are."""
+        return self._dequantized(self.k[i], self.v[i], dtype)
 
     def read_view(self, q: jax.Array, impl: str) -> str:
         """How ``attend`` reads the pages for queries q [B, T, N, H]: ``"gather"``, ``"pool"``
@@ -407,20 +386,17 @@ class PagedKVCache:
         if self.int8:
             k, v = kv_quant.encode(k), kv_quant.encode(v)
         pages, offsets = self.slots(positions)
-        lead = 2 if self.keys_transposed else 1  # the (kv head[, H]) axes before the pages
-        index = (*[slice(None)] * lead, pages, offsets)
-        v_index = (slice(None), pages, offsets)
+        index = (slice(None), pages, offsets)
         if self.stacked:
-            # (layer, :, .., pages, offsets): the advanced indices are apart, so their [B, T]
+            # (layer, :, pages, offsets): the advanced indices are apart, so their [B, T]
             # leads and the updates are the chunk's [B, T, K, H] as they are.
             return self.replace(k=self.k.at[(i, *index)].set(k.astype(self.k.dtype)),
-                                v=self.v.at[(i, *v_index)].set(v.astype(self.v.dtype)))
-        # (:, .., pages, offsets): adjacent advanced indices stay in place, so the updates are
-        # [K, B, T, H] (keys transposed: [K, H, B, T]).
-        k_new = k.transpose(2, 3, 0, 1) if self.keys_transposed else k.transpose(2, 0, 1, 3)
+                                v=self.v.at[(i, *index)].set(v.astype(self.v.dtype)))
+        # (:, pages, offsets): adjacent advanced indices stay in place, so the updates are
+        # [K, B, T, H].
         new_k, new_v = list(self.k), list(self.v)
-        new_k[i] = self.k[i].at[index].set(k_new.astype(self.k[i].dtype))
-        new_v[i] = self.v[i].at[v_index].set(v.transpose(2, 0, 1, 3).astype(self.v[i].dtype))
+        new_k[i] = self.k[i].at[index].set(k.transpose(2, 0, 1, 3).astype(self.k[i].dtype))
+        new_v[i] = self.v[i].at[index].set(v.transpose(2, 0, 1, 3).astype(self.v[i].dtype))
         return self.replace(k=tuple(new_k), v=tuple(new_v))
 
     def slots(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

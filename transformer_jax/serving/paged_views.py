@@ -45,12 +45,9 @@ def attend_pool(cache: Any, i: int | jax.Array, q: jax.Array, positions: jax.Arr
     mask = k_pos[:, None] <= q_pos  # [B, T, P, ps]: the row's own slots, causally
     if window is not None:
         mask &= k_pos[:, None] > q_pos - window
-    keys = k_pool.reshape(1, kv, h, p * ps) if cache.keys_transposed else \
-        k_pool.reshape(1, kv, p * ps, h)
-    out = reference_attention(q.astype(v_pool.dtype).reshape(1, b * t, n, h), keys,
-                              v_pool.reshape(1, kv, p * ps, h),
-                              mask.reshape(1, b * t, p * ps), scale,
-                              keys_transposed=cache.keys_transposed, softcap=softcap)
+    out = reference_attention(q.astype(v_pool.dtype).reshape(1, b * t, n, h),
+                              k_pool.reshape(1, kv, p * ps, h), v_pool.reshape(1, kv, p * ps, h),
+                              mask.reshape(1, b * t, p * ps), scale, softcap=softcap)
     return out.reshape(b, t, n, h)
 
 
@@ -90,7 +87,6 @@ def attend_blocks(cache: Any, i: int | jax.Array, q: jax.Array, positions: jax.A
     dtype = q.dtype if cache.int8 else v_pool.dtype
     qg = q.astype(dtype).reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(
         b, kv, g * t, h)
-    spec = "RQH,RHS->RQS" if cache.keys_transposed else "RQH,RSH->RQS"
 
     def items(carry):
         step, partials = carry
@@ -100,10 +96,9 @@ def attend_blocks(cache: Any, i: int | jax.Array, q: jax.Array, positions: jax.A
         # The items' pages, [B, per_block] -> [B, K, bk, H] keys and values.
         keys, values = cache.layer(i, table[own[:, None], blocks[:, None] * per_block
                                             + jnp.arange(per_block)])
-        keys, values = cache._dequantized(keys, values, q.dtype,
-                                          key_axis=-2 if cache.keys_transposed else -1)
+        keys, values = cache._dequantized(keys, values, q.dtype)
         # One batch axis R = items x K of [G * T, H] queries (faster on XLA:CPU than two).
-        logits = einsum_f32(spec, qg[own].reshape(b * kv, g * t, h),
+        logits = einsum_f32("RQH,RSH->RQS", qg[own].reshape(b * kv, g * t, h),
                             keys.reshape(b * kv, *keys.shape[2:])) * (
             h ** -0.5 if scale is None else scale)
         if softcap is not None:

@@ -38,13 +38,13 @@ def refreshed(old: DecodeWeights, weights_or_params: DecodeWeights | Params,
         new = weights_or_params
     else:
         if prepare is None:
-            prepare = _prepare_fn(old.config, old.mesh, old.weights_out_first, old.quant,
+            prepare = _prepare_fn(old.config, old.mesh, old.out_first, old.quant,
                                   old.experts_split)
         params = weights_or_params
         if old.mesh is None:
             params = jax.device_put(params, jax.tree.leaves(old.params)[0].sharding)
         new = dataclasses.replace(old, params=prepare(params))
-    statics = ("config", "mesh", "weights_out_first", "quant", "experts_split")
+    statics = ("config", "mesh", "out_first", "quant", "experts_split")
     if (jax.tree.structure(new.params) != jax.tree.structure(old.params)
             or _signature(new.params) != _signature(old.params)
             or any(getattr(new, k) != getattr(old, k) for k in statics)):

@@ -88,8 +88,8 @@ class VerifyRows:
 
 def verify_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                 rows: VerifyRows, sampling: RowSampling, adapters: Params | None, *,
-                weights_out_first: bool, keys_transposed: bool, sampler: Sampler,
-                view: str = "auto") -> tuple[Any, Any, jax.Array, jax.Array, jax.Array]:
+                sampler: Sampler, view: str = "auto"
+                ) -> tuple[Any, Any, jax.Array, jax.Array, jax.Array]:
     """The verify rows' forward through the paged cache, the target's draw at every position,
     and each row's accepted proposals: ``speculative.verify`` (``generate``'s too) with the
     engine's per-row sampler.
@@ -101,7 +101,7 @@ def verify_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
       sampling: [B * T] rows of sampling settings, row b's T positions consecutive (token
         index ``i + t`` at position t).
       adapters: the engine's stacked LoRA adapters, or None.
-      weights_out_first, keys_transposed, sampler, view: static, as ``step.engine_step``'s.
+      sampler, view: static, as ``step.engine_step``'s.
 
     Returns:
       (key pages, value pages, [B, T] (or [B, T, 1 + K] with top logprobs) tokens, the same
@@ -110,7 +110,7 @@ def verify_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     """
     b, t = rows.tokens.shape
     cache = PagedKVCache(k=k_pages, v=v_pages, page_table=rows.page_table, lengths=rows.start,
-                         keys_transposed=keys_transposed, view=view)
+                         view=view)
 
     def draw(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         tokens, logprobs = sample_rows(logits.reshape(b * t, -1), sampling, sampler)
@@ -118,15 +118,14 @@ def verify_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                 logprobs.reshape(b, t, *logprobs.shape[1:]))
 
     cache, tokens, logprobs, accepted = verify(
-        decode_model(config, None, weights_out_first), _adapted(params, adapters, rows.adapter),
+        decode_model(config), _adapted(params, adapters, rows.adapter),
         cache, rows.tokens, rows.start, rows.num_drafts, draw)
     return cache.k, cache.v, tokens, logprobs, accepted
 
 
 def jit_verify(**jit_options: Any) -> Any:
     """``verify_step`` jitted, its pages donated."""
-    return jax.jit(verify_step, static_argnames=("config", "weights_out_first",
-                                                 "keys_transposed", "sampler", "view"),
+    return jax.jit(verify_step, static_argnames=("config", "sampler", "view"),
                    donate_argnames=("k_pages", "v_pages"), **jit_options)
 
 
@@ -285,7 +284,6 @@ class Speculation:
         eng._k, eng._v, *outputs = verify_jit(
             eng.config, eng.weights.params, eng._k, eng._v,
             VerifyRows(tokens, start, num, table, adapter), flat, eng._adapters,
-            weights_out_first=eng.weights.weights_out_first, keys_transposed=eng.keys_transposed,
             sampler=sampler, view=eng.view)
         return Pending(plan, list(plan.decodes), held, {i: len(d) for i, d in drafts.items()},
                        tuple(outputs), t, width, started)
@@ -306,8 +304,7 @@ class Speculation:
                 sampling, _ = row_sampling([None] * (b * t), eng.config.vocab_size)  # greedy
                 eng._k, eng._v, *out = verify_jit(
                     eng.config, eng.weights.params, eng._k, eng._v, rows, sampling,
-                    eng._adapters, weights_out_first=eng.weights.weights_out_first,
-                    keys_transposed=eng.keys_transposed, sampler=Sampler(), view=eng.view)
+                    eng._adapters, sampler=Sampler(), view=eng.view)
                 jax.block_until_ready(out)
                 shapes += 1
         return shapes + (0 if self.draft is None else self.draft.compile(

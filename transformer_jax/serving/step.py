@@ -53,6 +53,7 @@ from transformer_jax.decode.loop import (
     TensorSplit,
     decode_model,
     has_expert_lists,
+    has_out_first,
     is_split,
     tensor_shards,
     tensor_split,
@@ -178,14 +179,13 @@ def sample_rows(logits: jax.Array, rows: RowSampling, sampler: Sampler
             jnp.concatenate([logprobs[:, None], top], 1))
 
 
-def copy_pages(k_pages: Any, v_pages: Any, src: jax.Array, dst: jax.Array, *,
-               keys_transposed: bool = False) -> tuple[Any, Any]:
+def copy_pages(k_pages: Any, v_pages: Any, src: jax.Array, dst: jax.Array
+               ) -> tuple[Any, Any]:
     """Copies page ``src[i]`` to page ``dst[i]`` ([M] int32) in every layer's keys and values
     (a fork's copy of its prompt's last, partial page; ``scheduler.Scheduler``).
 
     Args:
-      k_pages: [L, K, P, page_size, H] keys ([L, K, H, P, page_size] when
-        ``keys_transposed``), or a tuple of L arrays without the leading axis.
+      k_pages: [L, K, P, page_size, H] keys, or a tuple of L arrays without the leading axis.
       v_pages: [L, K, P, page_size, H] values (or a tuple).
       src: [M] int32 pages to read.
       dst: [M] int32 pages to write (distinct, or repeating a pair already given).
@@ -193,14 +193,11 @@ def copy_pages(k_pages: Any, v_pages: Any, src: jax.Array, dst: jax.Array, *,
     Returns:
       The keys and values with the copies made.
     """
-    def copy(from_end: int) -> Any:
-        def one(x: jax.Array) -> jax.Array:
-            index = (slice(None),) * (x.ndim - from_end)
-            return x.at[(*index, dst)].set(jnp.take(x, src, axis=x.ndim - from_end))
-        return one
+    def copy(x: jax.Array) -> jax.Array:
+        index = (slice(None),) * (x.ndim - 3)
+        return x.at[(*index, dst)].set(jnp.take(x, src, axis=x.ndim - 3))
 
-    return (jax.tree.map(copy(2 if keys_transposed else 3), k_pages),
-            jax.tree.map(copy(3), v_pages))
+    return jax.tree.map(copy, k_pages), jax.tree.map(copy, v_pages)
 
 
 def row_slice(rows: RowSampling, lo: int, hi: int) -> RowSampling:
@@ -237,7 +234,7 @@ def ring_spec(config: ModelConfig) -> P:
 
 def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                 decode: DecodeRows | None, prefill: PrefillChunk | None, rows: RowSampling, *,
-                weights_out_first: bool, keys_transposed: bool, sampler: Sampler,
+                sampler: Sampler,
                 view: str = "auto", mesh: Mesh | None = None, quant: Any = None,
                 rings: Any = None, adapters: Params | None = None
                 ) -> tuple[Any, Any, jax.Array, jax.Array, Any]:
@@ -250,8 +247,6 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
       decode: the slots' decode rows, or None.
       prefill: the prefill chunk, or None (not both None).
       rows: sampling settings of the R rows: B decode rows, then the chunk's.
-      weights_out_first: static layout of ``params``.
-      keys_transposed: static key layout of the pages.
       sampler: static sampling switches.
       view: static; how attention reads the pages (``PagedKVCache.view``).
       mesh: static; with a tensor axis of T > 1 the step runs under ``shard_map`` as
@@ -273,20 +268,17 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
             adapters: Params | None, rows: RowSampling, *, split: TensorSplit | None
             ) -> tuple[Any, Any, jax.Array, jax.Array, Any]:
         k, v, logits, rings = _forward(config, params, k_pages, v_pages, decode, prefill,
-                                       rings, adapters, split=split,
-                                       weights_out_first=weights_out_first,
-                                       keys_transposed=keys_transposed, view=view)
+                                       rings, adapters, split=split, view=view)
         tokens, logprobs = sample_rows(logits, rows, sampler)
         return k, v, tokens, logprobs, rings
 
     return _on_shards(run, config, params, k_pages, v_pages, decode, prefill, rings, adapters,
-                      (rows,), (P(), P()), mesh=mesh, quant=quant,
-                      weights_out_first=weights_out_first)
+                      (rows,), (P(), P()), mesh=mesh, quant=quant)
 
 
 def engine_forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                    decode: DecodeRows | None, prefill: PrefillChunk | None, *,
-                   weights_out_first: bool, keys_transposed: bool, view: str = "auto",
+                   view: str = "auto",
                    mesh: Mesh | None = None, quant: Any = None, rings: Any = None,
                    adapters: Params | None = None) -> tuple[Any, Any, jax.Array, Any]:
     """``engine_step``'s forward without its sampling: the rows' next-token logits, for a
@@ -302,19 +294,17 @@ def engine_forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: A
             adapters: Params | None, *, split: TensorSplit | None
             ) -> tuple[Any, Any, jax.Array, Any]:
         return _forward(config, params, k_pages, v_pages, decode, prefill, rings, adapters,
-                        split=split, weights_out_first=weights_out_first,
-                        keys_transposed=keys_transposed, view=view)
+                        split=split, view=view)
 
     k, v, logits, rings = _on_shards(run, config, params, k_pages, v_pages, decode, prefill,
-                                     rings, adapters, (), (P(),), mesh=mesh, quant=quant,
-                                     weights_out_first=weights_out_first)
+                                     rings, adapters, (), (P(),), mesh=mesh, quant=quant)
     return k, v, logits, rings
 
 
 def _on_shards(run: Any, config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                decode: DecodeRows | None, prefill: PrefillChunk | None, rings: Any,
                adapters: Params | None, extra: tuple[Any, ...], extra_out: tuple[P, ...], *,
-               mesh: Mesh | None, quant: Any, weights_out_first: bool) -> Any:
+               mesh: Mesh | None, quant: Any) -> Any:
     """``run(config, params, pages, rows, rings, adapters, *extra, split=)`` on the whole
     weights, or under ``shard_map`` over a tensor-split mesh (``engine_step`` says how);
     ``extra`` are replicated inputs, ``extra_out`` the specs of the outputs between the pages
@@ -329,11 +319,12 @@ def _on_shards(run: Any, config: ModelConfig, params: Params, k_pages: Any, v_pa
     ring = None if rings is None else ring_spec(config)
     return jax.shard_map(
         functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
-        in_specs=(weight_specs(config, mesh, weights_out_first, quant, has_expert_lists(params)),
+        in_specs=(weight_specs(config, mesh, has_out_first(params), quant,
+                               has_expert_lists(params)),
                   pages, pages,
                   None if decode is None else P(), None if prefill is None else P(),
                   ring, None if adapters is None else adapter_specs(config, mesh, adapters,
-                                                                   weights_out_first),
+                                                                   has_out_first(params)),
                   *(P() for _ in extra)),
         out_specs=(pages, pages, *extra_out, ring),
     )(params, k_pages, v_pages, decode, prefill, rings, adapters, *extra)
@@ -341,17 +332,16 @@ def _on_shards(run: Any, config: ModelConfig, params: Params, k_pages: Any, v_pa
 
 def _forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
              decode: DecodeRows | None, prefill: PrefillChunk | None, rings: Any,
-             adapters: Params | None, *, split: TensorSplit | None, weights_out_first: bool,
-             keys_transposed: bool, view: str) -> tuple[Any, Any, jax.Array, Any]:
+             adapters: Params | None, *, split: TensorSplit | None, view: str
+             ) -> tuple[Any, Any, jax.Array, Any]:
     """The forward of ``engine_step`` on one shard's weights and pages (all of them without a
     split): (key pages, value pages, [R, V] logits, rings)."""
     if decode is None and prefill is None:
         raise ValueError("an engine step needs decode rows, a prefill chunk or both")
-    model = decode_model(config, split, weights_out_first)
+    model = decode_model(config, split)
     ring = None if rings is None else RingLayout.of(config, config.max_seq_len)
     cache = PagedKVCache(k=k_pages, v=v_pages, page_table=jnp.zeros((1, 1), jnp.int32),
-                         lengths=jnp.zeros((1,), jnp.int32), keys_transposed=keys_transposed,
-                         view=view, ring=ring,
+                         lengths=jnp.zeros((1,), jnp.int32), view=view, ring=ring,
                          **({} if rings is None else dict(k_ring=rings[0], v_ring=rings[1])))
 
     def rows_of(cache: PagedKVCache, end: jax.Array, rows: jax.Array | None) -> PagedKVCache:
@@ -419,8 +409,7 @@ def adapter_specs(config: ModelConfig, mesh: Mesh, adapters: Params,
     return jax.tree_util.tree_map_with_path(specs, adapters)
 
 
-STEP_STATIC_ARGNAMES = ("config", "weights_out_first", "keys_transposed", "sampler", "view",
-                        "mesh", "quant")
+STEP_STATIC_ARGNAMES = ("config", "sampler", "view", "mesh", "quant")
 
 
 def jit_step(**jit_options: Any) -> Any:
@@ -446,5 +435,4 @@ forward_jit = jit_forward()
 sample_jit = jax.jit(sample_rows, static_argnames=("sampler",))
 sample_from_jit = jax.jit(sample_from, static_argnames=("sampler",))
 #: The forks' page copies, the pages donated (updated in place).
-copy_pages_jit = jax.jit(copy_pages, static_argnames=("keys_transposed",),
-                         donate_argnames=("k_pages", "v_pages"))
+copy_pages_jit = jax.jit(copy_pages, donate_argnames=("k_pages", "v_pages"))

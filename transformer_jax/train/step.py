@@ -107,7 +107,7 @@ class ParamsLayout:
             from transformer_jax.model.quant import for_model, parse_quant, quantize_params
 
             quant = for_model(model_config, parse_quant(self.base_quant))
-            base = quantize_params(params, quant, out_first=False)
+            base = quantize_params(params, quant)
         return {lora.BASE: base,
                 lora.ADAPTERS: lora.init_adapters(model_config, self.lora_config, params, key)}
 
@@ -241,10 +241,9 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
                                               z_weight)
         else:
             out = model.apply({"params": params}, batch["inputs"], hidden_only=True, **kw)
-            head, head_layout = model.lm_head(params)
             ce, z, count = lm_head_cross_entropy_sums(
-                out.hidden, head.astype(model_config.jnp_dtype), batch["targets"],
-                batch.get("mask"), chunk_size=chunk, z_loss=z_weight, head_layout=head_layout,
+                out.hidden, model.lm_head(params).astype(model_config.jnp_dtype),
+                batch["targets"], batch.get("mask"), chunk_size=chunk, z_loss=z_weight,
                 logit_softcap=model_config.final_softcap)
         if out.moe is None:
             return ce + z, (ce, z, count)

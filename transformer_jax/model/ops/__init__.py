@@ -7,7 +7,6 @@ G query heads per kv head, H head dim, F FFN width, V vocab, L layers.
 from transformer_jax.model.ops.attention import (
     attention_mask,
     attention_weights,
-    dot_product_attention,
     reference_attention,
     softcap,
 )
@@ -26,7 +25,6 @@ __all__ = [
     "apply_rope",
     "attention_mask",
     "attention_weights",
-    "dot_product_attention",
     "embed",
     "geglu",
     "gelu_ffn",

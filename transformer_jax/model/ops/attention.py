@@ -29,9 +29,6 @@ key returns exactly zeros.
 softmax) runs on ``"xla"``, ``"chunked"`` and tokamax's kernels (``"mosaic"``, GPU
 ``"pallas"``); cuDNN and JAX's Pallas TPU kernel have none and refuse it, and ``"auto"`` does
 not pick them for a capped call.
-
-``dot_product_attention`` is the previous entry point (dense mask, k/v in [B, S, K, H]); it is
-kept as a thin wrapper until its callers move to ``attention``.
 """
 
 import logging
@@ -46,6 +43,7 @@ from transformer_jax.model.ops.chunked_attention import check_structure as _chec
 from transformer_jax.model.ops.chunked_attention import chunked_attention, softcap
 from transformer_jax.model.ops.chunked_attention import einsum_f32 as _dot
 from transformer_jax.model.ops.chunked_attention import softcap as _softcap  # args shadow it
+from transformer_jax.model.ops.layouts import SlotsLast, stored_keys
 
 logger = logging.getLogger(__name__)
 
@@ -116,17 +114,17 @@ def attention_mask(q_positions: jax.Array, k_positions: jax.Array, *,
 
 # Reference ---------------------------------------------------------------------------------------
 
-def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None,
-                      scale: float | None = None, *, keys_transposed: bool = False,
-                      softcap: float | None = None) -> jax.Array:
+def attention_weights(q: jax.Array, k: jax.Array | SlotsLast, mask: jax.Array | None,
+                      scale: float | None = None, *, softcap: float | None = None
+                      ) -> jax.Array:
     """Softmax attention probabilities, grouped over kv heads.
 
     Args:
       q: [B, T, N, H] queries.
-      k: [B, K, S, H] keys, N a multiple of K ([B, K, H, S] with ``keys_transposed``).
+      k: [B, K, S, H] keys, N a multiple of K, or ``SlotsLast`` ones stored [B, K, H, S] (a
+        CPU cache layout, ``ops.layouts``), read as they are.
       mask: optional [B, T, S] bool (True = visible).
       scale: logit scale, default ``1/sqrt(H)`` (keeps the logits' variance near 1).
-      keys_transposed: the keys are stored [H, S] per row (see ``kv_cache``).
       softcap: optional logit soft-cap c: the scaled logits x become ``c tanh(x / c)`` before
         the mask and softmax.
 
@@ -137,7 +135,8 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None,
     # One batch dimension R = B * K (a row per sequence and kv head, [G * T, H] queries each):
     # XLA:CPU ran the same contraction with two batch dimensions (B, K) several times slower
     # (decode_25m, batch 8, 1024 slots: 77 against 25 ms per decode step).
-    if keys_transposed:
+    k, slots_last = stored_keys(k)
+    if slots_last:
         logits_spec = "RQH,RHS->RQS"
         k_rows = k.swapaxes(2, 3)  # for the shape checks only
     else:
@@ -160,18 +159,17 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None,
     return probs.reshape(b, n, t, s)
 
 
-def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
-                        scale: float | None = None, *, keys_transposed: bool = False,
+def reference_attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array,
+                        mask: jax.Array | None, scale: float | None = None, *,
                         softcap: float | None = None) -> jax.Array:
     """Attention written out with einsums: ``softmax(q k^T * scale + mask) v``.
 
     Args:
       q: [B, T, N, H] queries.
-      k: [B, K, S, H] keys ([B, K, H, S] with ``keys_transposed``).
+      k: [B, K, S, H] keys (or ``SlotsLast`` ones, see ``attention_weights``).
       v: [B, K, S, H] values.
       mask: optional [B, T, S] bool (True = visible).
       scale: logit scale, default ``1/sqrt(H)``.
-      keys_transposed: the keys are stored [H, S] per row (see ``kv_cache``).
       softcap: optional logit soft-cap (see ``attention_weights``).
 
     Returns:
@@ -180,9 +178,7 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
     _check_qkv(q, v, v, mask)
     b, t, n, h = q.shape
     kv, s = v.shape[1], v.shape[2]
-    probs = attention_weights(q, k, mask, scale, keys_transposed=keys_transposed,
-                              softcap=softcap).reshape(
-        b, kv, n // kv, t, s)
+    probs = attention_weights(q, k, mask, scale, softcap=softcap).reshape(b, kv, n // kv, t, s)
     out = _dot("RQS,RSH->RQH", probs.astype(v.dtype).reshape(b * kv, n // kv * t, s),
                v.reshape(b * kv, s, h))
     out = out.reshape(b, kv, n // kv, t, h).transpose(0, 3, 1, 2, 4)
@@ -290,11 +286,11 @@ def _pallas_tpu_attention(q, k, v, q_segments, k_segments, *, causal, scale):
     return out.astype(q.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Array,
+def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positions: jax.Array,
               k_positions: jax.Array | None = None, q_segments: jax.Array | None = None,
               k_segments: jax.Array | None = None, window: int | jax.Array | None = None,
               causal: bool = True, scale: float | None = None, impl: str = "auto",
-              keys_transposed: bool = False, softcap: float | None = None) -> jax.Array:
+              softcap: float | None = None) -> jax.Array:
     """Scaled dot-product attention with grouped kv heads and a structural mask.
 
     A query at position m sees a key at position n iff ``(not causal or n <= m)`` and ``(window
@@ -303,7 +299,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
 
     Args:
       q: [B, T, N, H] queries.
-      k: [B, K, S, H] keys (the KV cache layout), N a multiple of K.
+      k: [B, K, S, H] keys (the KV cache layout), N a multiple of K; or ``SlotsLast`` keys
+        stored [B, K, H, S] (a CPU cache layout, ``ops.layouts``): the reference reads them as
+        they are, the other implementations take a transposed copy first.
       v: [B, K, S, H] values.
       q_positions: [B, T] int positions of the queries.
       k_positions: optional [B, S] int positions of the keys; default ``arange(S)`` in every row
@@ -318,8 +316,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
       scale: logit scale, default ``1/sqrt(H)``.
       impl: one of ``ATTENTION_IMPLS`` (see the module docstring). The accelerator kernels raise
         ``ValueError`` on a backend that cannot run them rather than falling back.
-      keys_transposed: k is [B, K, H, S] (a CPU cache layout, see ``kv_cache``): the reference
-        reads it as it is; the other implementations take a transposed copy first.
       softcap: optional logit soft-cap c (a Python float); ``"cudnn"`` and TPU ``"pallas"``
         refuse one with ``ValueError``.
 
@@ -328,9 +324,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    if keys_transposed and impl != "xla" and (
+    if isinstance(k, SlotsLast) and impl != "xla" and (
             impl != "auto" or choose_impl(q, v, softcap=softcap) != "xla"):
-        k, keys_transposed = k.swapaxes(2, 3), False
+        k = k.k.swapaxes(2, 3)
     if impl == "auto":
         impl = choose_impl(q, v, softcap=softcap)
         key = (jax.default_backend(), impl)
@@ -355,41 +351,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: jax.Arra
     mask = attention_mask(q_positions, k_positions, q_segments=q_segments, k_segments=k_segments,
                           window=window, causal=causal)
     if impl == "xla":
-        return reference_attention(q, k, v, mask, scale, keys_transposed=keys_transposed,
-                                   softcap=softcap)
+        return reference_attention(q, k, v, mask, scale, softcap=softcap)
     return _kernel_attention(impl, q, k, v, mask, scale, softcap)
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
-                          *, scale: float | None = None, impl: str = "xla") -> jax.Array:
-    """Previous entry point, kept for existing callers: a dense mask and k/v in [B, S, K, H].
-
-    New code calls ``attention`` (k/v in [B, K, S, H], mask as structure).
-
-    Args:
-      q: [B, T, N, H] queries.
-      k: [B, S, K, H] keys, N a multiple of K.
-      v: [B, S, K, H] values.
-      mask: optional [B, T, S] bool (True = visible).
-      scale: logit scale, default ``1/sqrt(H)``.
-      impl: ``"xla"`` runs the einsum reference; ``"jax"`` calls ``jax.nn.dot_product_attention``
-        (XLA or, where supported, cuDNN). Both return zeros for a query with no visible key.
-
-    Returns:
-      [B, T, N, H] in q's dtype.
-    """
-    _check_qkv(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask)
-    if impl == "xla":
-        return reference_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), mask, scale)
-    if impl != "jax":
-        raise ValueError(f"impl must be 'xla' or 'jax', got {impl!r}")
-    out = jax.nn.dot_product_attention(
-        q, k, v, mask=None if mask is None else mask[:, None], scale=scale)
-    if mask is not None:
-        out = jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, 0)
-    return out.astype(q.dtype)
-
-
 __all__ = ["ATTENTION_IMPLS", "attention", "attention_mask", "attention_weights",
-           "choose_impl", "chunked_attention", "dot_product_attention", "reference_attention",
+           "choose_impl", "chunked_attention", "reference_attention",
            "softcap"]

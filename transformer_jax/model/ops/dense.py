@@ -2,9 +2,9 @@
 
 Every matmul of the model is written as an einsum for weights stored input axes first
 (``"BTD,DNH->BTNH"`` for q_proj [D, N, H]). ``dense`` computes the same product for a weight
-stored with its output axes first ([N, H, D]) when ``out_first`` is set: a layout switch, not a
-second copy of the math (``layers.matrix`` declares either layout; ``decode.prepare`` picks
-out-first on CPU only, a property of the prepared weights).
+stored with its output axes first ([N, H, D]), an ``ops.layouts.OutFirst`` leaf: a property of
+the prepared weights, not a second copy of the math (``decode.prepare`` stores them so for a
+CPU target only).
 
 Why it exists. XLA:CPU streams an [out, in] matrix 1.4-2.3x faster in a product with a few rows
 (decode's B tokens) when the product is materialised as [out, B] rather than [B, out]; the
@@ -14,26 +14,28 @@ would switch it to the slow orientation. Measured on decode_25m at batch 8 with 
 them out-first. GPUs and TPUs keep the in-first layout (and no barriers).
 """
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.model.ops.layouts import OutFirst, split_spec
 from transformer_jax.model.ops.quantized import einsum
 from transformer_jax.model.ops.row_lora import RowAdapters, row_delta
 
 
-def dense(x: jax.Array, w: jax.Array, spec: str, *, out_first: bool = False,
+def dense(x: jax.Array, w: Any, spec: str, *,
           preferred_element_type: jnp.dtype | None = None) -> jax.Array:
-    """``jnp.einsum(spec, x, w)``, with ``w`` stored as ``spec`` says or output axes first.
+    """``jnp.einsum(spec, x, w)`` for a weight stored as ``spec`` says or output axes first.
 
     Args:
       x: the activations, e.g. [B, T, D].
-      w: the weight: in ``spec``'s layout (e.g. [D, N, H]), or with ``out_first`` its output
-        axes first and its input axes last (e.g. [N, H, D]); a plain array or a quantised
-        one (``ops.quantized``), or either with per-row LoRA adapters (``ops.row_lora``:
-        each row of x gets its own adapter's update added).
+      w: the weight: in ``spec``'s layout (e.g. [D, N, H]), or an ``OutFirst`` leaf storing it
+        output axes first (e.g. [N, H, D]); a plain array or a quantised one
+        (``ops.quantized``), or either with per-row LoRA adapters (``ops.row_lora``: each row
+        of x gets its own adapter's update added).
       spec: the einsum for the in-first layout, ``"<x>,<w>-><out>"``; the weight's input axes
         are the letters it shares with x, its output axes the rest.
-      out_first: ``w`` is stored output axes first.
       preferred_element_type: the accumulation / output dtype.
 
     Returns:
@@ -42,25 +44,15 @@ def dense(x: jax.Array, w: jax.Array, spec: str, *, out_first: bool = False,
     adapters = w if isinstance(w, RowAdapters) else None
     if adapters is not None:
         w = adapters.w
-    if not out_first:
+    if not isinstance(w, OutFirst):
         y = einsum(spec, x, w, preferred_element_type=preferred_element_type)
         if adapters is not None:
-            y = y + row_delta(x, adapters.a, adapters.b, adapters.ids, spec).astype(y.dtype)
+            y = y + row_delta(x, adapters, spec).astype(y.dtype)
         return y
-    inputs, out = spec.split("->")
-    x_axes, w_axes = inputs.split(",")
-    w_out = "".join(a for a in w_axes if a not in x_axes)
-    w_in = "".join(a for a in w_axes if a in x_axes)
-    rows = "".join(a for a in out if a not in w_out)  # x's own axes (B, T) in output order
-    y = einsum(f"{w_out}{w_in},{x_axes}->{w_out}{rows}", w, x,
+    x_axes, w_in, w_out, rows, out = split_spec(spec)
+    y = einsum(f"{w_out}{w_in},{x_axes}->{w_out}{rows}", w.w, x,
                preferred_element_type=preferred_element_type)
     if adapters is not None:  # the update in the same [out..., rows...] layout
-        y = y + row_delta(x, adapters.a, adapters.b, adapters.ids, spec,
-                          out_first=True).astype(y.dtype)
+        y = y + row_delta(x, adapters, spec).astype(y.dtype)
     y = jax.lax.optimization_barrier(y)
     return jnp.einsum(f"{w_out}{rows}->{out}", y)
-
-
-def out_first_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
-    """The out-first storage shape of an in-first weight whose first ``n_in`` axes are inputs."""
-    return (*shape[n_in:], *shape[:n_in])

@@ -13,14 +13,22 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.model.ops.chunked_attention import softcap
+from transformer_jax.model.ops.layouts import OutFirst
 
-HEAD_LAYOUTS = ("DV", "VD")
+
+def head_logits(x: jax.Array, head: jax.Array | OutFirst) -> jax.Array:
+    """[..., D] hidden states -> [..., V] float32 logits through ``head``: [D, V], or an
+    ``OutFirst`` [V, D] (a tied token table), cast to x's dtype."""
+    if isinstance(head, OutFirst):
+        return jnp.einsum("...D,VD->...V", x, head.w.astype(x.dtype),
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum("...D,DV->...V", x, head.astype(x.dtype),
+                      preferred_element_type=jnp.float32)
 
 
-def _chunk_sums(x, head, targets, weights, *, head_layout, z_loss, logit_softcap):
+def _chunk_sums(x, head, targets, weights, *, z_loss, logit_softcap):
     """Sums for one chunk of rows: x [C, D], targets [C], weights [C] -> (ce, z) scalars."""
-    spec = "CD,DV->CV" if head_layout == "DV" else "CD,VD->CV"
-    logits = jnp.einsum(spec, x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    logits = head_logits(x, head)
     if logit_softcap is not None:
         logits = softcap(logits, logit_softcap)
     lse = jax.nn.logsumexp(logits, axis=-1)  # [C]
@@ -30,10 +38,9 @@ def _chunk_sums(x, head, targets, weights, *, head_layout, z_loss, logit_softcap
     return ce, z
 
 
-def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array, targets: jax.Array,
+def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array | OutFirst, targets: jax.Array,
                                mask: jax.Array | None = None, *, chunk_size: int,
-                               z_loss: float = 0.0, head_layout: str = "DV",
-                               logit_softcap: float | None = None,
+                               z_loss: float = 0.0, logit_softcap: float | None = None,
                                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Summed next-token cross-entropy and z-loss of ``x @ head``, chunked over tokens.
 
@@ -44,14 +51,14 @@ def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array, targets: jax.Array
 
     Args:
       x: [B, T, D] final hidden states (after the final norm).
-      head: [D, V] output projection, or [V, D] (a tied embedding) with ``head_layout="VD"``;
-        cast to x's dtype for the matmul, which accumulates in float32.
+      head: [D, V] output projection, or an ``OutFirst`` [V, D] (a tied embedding,
+        ``Transformer.lm_head``); cast to x's dtype for the matmul, which accumulates in
+        float32.
       targets: [B, T] int target ids.
       mask: optional [B, T] weights (bool or float; 1 = target counts, 0 = padding).
       chunk_size: token rows per chunk (of the flattened B*T); the last chunk is padded with
         zero-weight rows.
       z_loss: weight of ``logsumexp(logits)^2``.
-      head_layout: ``"DV"`` or ``"VD"``.
       logit_softcap: optional final-logit soft-cap c, applied to each chunk's float32 logits
         before the log-sum-exp (the cross-entropy and the z-loss both see the capped logits).
 
@@ -59,14 +66,13 @@ def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array, targets: jax.Array
       ``(ce_sum, z_sum, count)``: float32 scalars; ``z_sum`` already carries the ``z_loss``
       weight and ``count`` is the sum of the weights.
     """
-    if head_layout not in HEAD_LAYOUTS:
-        raise ValueError(f"head_layout must be one of {HEAD_LAYOUTS}, got {head_layout!r}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    chex.assert_rank([x, head, targets], [3, 2, 2])
+    chex.assert_rank([x, targets], [3, 2])
+    chex.assert_equal(len(head.shape), 2)
     b, t, d = x.shape
     chex.assert_shape(targets, (b, t))
-    chex.assert_equal(head.shape[0 if head_layout == "DV" else 1], d)
+    chex.assert_equal(head.shape[1 if isinstance(head, OutFirst) else 0], d)
     weights = jnp.ones((b, t), jnp.float32) if mask is None else mask.astype(jnp.float32)
     chex.assert_shape(weights, (b, t))
 
@@ -80,7 +86,7 @@ def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array, targets: jax.Array
 
     # Nothing inside the chunk is saved for the backward pass; its logits are recomputed there.
     chunk = jax.checkpoint(lambda head, xc, tc, wc: _chunk_sums(
-        xc, head, tc, wc, head_layout=head_layout, z_loss=z_loss, logit_softcap=logit_softcap))
+        xc, head, tc, wc, z_loss=z_loss, logit_softcap=logit_softcap))
 
     def step(carry, inputs):
         ce, z = chunk(head, *inputs)

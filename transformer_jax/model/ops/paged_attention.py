@@ -17,14 +17,12 @@ the cache's XLA views. On any other backend ``"pallas"`` is a ``ValueError``, as
 ``ops.attention`` raises for a kernel the backend cannot run.
 
 The adapters take the layout ``PagedKVCache`` stores, one layer's pool: values [K, P, ps, H], keys
-[K, P, ps, H] or [K, H, P, ps] (``keys_transposed``), the page table [B, W] and the chunk's
-positions [B, T] (consecutive per row, already written into the pages). What each adaptation
-costs is said where it is made; in short: the two paged kernels read the pool in place (keys
-transposed, an option the engine does not take, cost one copy of the layer's key pool), and the
-ragged kernel wants keys and values interleaved by head in one [P, ps, 2K, H] array, one copy of
-the layer's whole pool per call. Within a layer scan (a stacked cache) ``k[i]`` is a dynamic
-slice of the stacked pool that XLA may materialise as the kernel's operand (not measured: no
-accelerator here).
+[K, P, ps, H], the page table [B, W] and the chunk's positions [B, T] (consecutive per row,
+already written into the pages). What each adaptation costs is said where it is made; in short:
+the two paged kernels read the pool in place, and the ragged kernel wants keys and values
+interleaved by head in one [P, ps, 2K, H] array, one copy of the layer's whole pool per call.
+Within a layer scan (a stacked cache) ``k[i]`` is a dynamic slice of the stacked pool that XLA
+may materialise as the kernel's operand (not measured: no accelerator here).
 
 Off an accelerator, ``kernel_target(backend, interpret=...)`` traces the kernels for another
 backend: to export them for it (``jax.export`` from a CPU), or to run the ones Pallas can
@@ -141,8 +139,8 @@ def plan(impl: str, t: int, window: int | None) -> Plan:
 
 
 def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                    page_table: jax.Array, positions: jax.Array, *, window: int | None = None,
-                    keys_transposed: bool = False) -> jax.Array:
+                    page_table: jax.Array, positions: jax.Array, *, window: int | None = None
+                    ) -> jax.Array:
     """One layer's attention of each row's queries over its own pages, with ``kernel``.
 
     A query at position m of row b sees the keys of row b's positions n <= m (and n > m -
@@ -151,12 +149,11 @@ def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.
     Args:
       kernel: one of ``KERNELS`` (``plan``'s choice).
       q: [B, T, N, H] queries (rotated), N a multiple of K.
-      k_pages: [K, P, ps, H] the layer's key pool ([K, H, P, ps] with ``keys_transposed``).
+      k_pages: [K, P, ps, H] the layer's key pool.
       v_pages: [K, P, ps, H] the layer's value pool.
       page_table: [B, W] int32 each row's pages in position order.
       positions: [B, T] int positions of the chunk, consecutive per row, already written.
       window: optional sliding window length (``"tpu_ragged"`` only).
-      keys_transposed: the keys' layout.
 
     Returns:
       [B, T, N, H] in the pages' dtype.
@@ -166,10 +163,6 @@ def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.
     if window is not None and kernel != "tpu_ragged":
         raise ValueError(f"kernel {kernel!r} has no sliding window (window={window}); "
                          "plan() sends windows elsewhere")
-    if keys_transposed:
-        # [K, H, P, ps] -> [K, P, ps, H]: the kernels read [ps, H] pages, so this costs one copy
-        # of the layer's key pool per call (the engine stores [ps, H] pages on every backend).
-        k_pages = k_pages.transpose(0, 2, 3, 1)
     q = q.astype(v_pages.dtype)
     interpret = current_target().interpret
     if kernel == "tpu_ragged":

@@ -11,7 +11,7 @@ for Na adapters, each B already scaled by its adapter's ``alpha / rank`` and a s
 zero-padded to R (which adds nothing). Id 0 is the base model: it selects no factors, so the
 stack holds only real adapters.
 
-The factors are stored as the base matrix is (``ops.dense``'s ``out_first``): in-first, A
+The factors are stored as the base matrix is (an ``ops.layouts.OutFirst`` leaf or not): in-first, A
 [Na, in..., R] and B [Na, R, out...]; out-first, each factor as a matrix with its output axes
 first, A [Na, R, in...] and B [out..., Na, R], and the update is then computed as the base
 product is, [out..., rows] before one transpose. That layout exists for XLA:CPU (as the base
@@ -33,9 +33,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.model.ops.layouts import OutFirst, Wrapped, split_spec
+
 
 @flax.struct.dataclass
-class RowAdapters:
+class RowAdapters(Wrapped):
     """A matrix as stored, beside Na adapters of it and each row's choice of one.
 
     Attributes:
@@ -51,56 +53,32 @@ class RowAdapters:
     b: jax.Array
     ids: jax.Array
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The base matrix's (stored) shape."""
-        return tuple(self.w.shape)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def dtype(self) -> jnp.dtype:
-        return self.w.dtype
-
-    def astype(self, dtype: Any) -> RowAdapters:
-        """The base matrix in ``dtype``; the factors keep theirs (the update is computed in
-        float32 whatever the compute dtype)."""
-        return self.replace(w=self.w.astype(dtype))
-
 
 def is_row_adapters(w: Any) -> bool:
     """Whether ``w`` is a matrix with per-row adapters (``RowAdapters``)."""
     return isinstance(w, RowAdapters)
 
 
-def row_delta(x: jax.Array, a: jax.Array, b: jax.Array, ids: jax.Array, spec: str, *,
-              out_first: bool = False) -> jax.Array:
+def row_delta(x: jax.Array, adapters: RowAdapters, spec: str) -> jax.Array:
     """Each row's adapter update of the product ``spec`` describes, in float32.
 
     Args:
       x: the activations in ``spec``'s layout, batch first (e.g. [B, T, D]).
-      a: A factors, [Na, in..., R], or [Na, R, in...] with ``out_first``.
-      b: B factors (scaled), [Na, R, out...], or [out..., Na, R] with ``out_first``.
-      ids: [B] int32 adapter of each row (1 + its index in the stack; 0 adds nothing).
+      adapters: the matrix with its adapters (``RowAdapters``); their factors are stored as
+        the matrix is (see the module docstring).
       spec: the in-first einsum of the product, ``"<x>,<w>-><out>"`` (``ops.dense``'s), e.g.
         ``"BTD,DNH->BTNH"``; x's first letter is its batch axis.
-      out_first: the factors are stored output axes first; the update is then returned as
-        ``ops.dense`` computes an out-first product before its transpose: the weight's output
-        axes, then x's own ones (e.g. [N, H, B, T]).
 
     Returns:
-      The update in ``spec``'s output layout (e.g. [B, T, N, H]), or with ``out_first`` in
-      [out..., rows...], float32.
+      The update in ``spec``'s output layout (e.g. [B, T, N, H]); for an out-first matrix as
+      ``ops.dense`` computes its product before the transpose: the weight's output axes, then
+      x's own ones (e.g. [N, H, B, T]). float32.
     """
-    inputs, out = spec.split("->")
-    x_axes, w_axes = inputs.split(",")
-    w_in = "".join(c for c in w_axes if c in x_axes)
-    w_out = "".join(c for c in w_axes if c not in x_axes)
-    rows = "".join(c for c in out if c not in w_out)  # x's own axes, batch first
+    a, b, ids = adapters.a, adapters.b, adapters.ids
+    out_first = isinstance(adapters.w, OutFirst)
+    x_axes, w_in, w_out, rows, out = split_spec(spec)
     batch = x_axes[0]
-    if "r" in spec or "n" in spec or batch in w_axes or rows[0] != batch:
+    if "r" in spec or "n" in spec or batch in w_in + w_out or rows[0] != batch:
         raise ValueError(f"row_delta needs an upper-case spec whose first x axis is the batch, "
                          f"got {spec!r}")
     f32 = jnp.float32
