@@ -199,7 +199,7 @@ class Architecture:
             past = [i for i in self.moe.dense_layers if i >= self.n_layers]
             if past:
                 raise ValueError(f"moe.dense_layers lists {past}, past the last layer (the "
-                                 f"model has n_layers={self.n_layers}: indices 0..."
+                                 f"model has n_layers={self.n_layers}: indices 0.."
                                  f"{self.n_layers - 1})")
             if not self.sparse_layers:
                 raise ValueError("moe: no layer is sparse (check moe.sparse_step and "
