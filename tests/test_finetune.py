@@ -83,6 +83,9 @@ def _hf_dir(directory: Path, kind: str) -> Path:
     elif kind == "olmo2":  # norms after the sublayers, QK-norm over whole projections
         model = transformers.Olmo2ForCausalLM(
             transformers.Olmo2Config(**common, tie_word_embeddings=False))
+    elif kind == "phi3":  # the Llama block with fused q/k/v and gate/up tensors
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+            **common, pad_token_id=0, tie_word_embeddings=False))
     else:
         model = transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(**common, tie_word_embeddings=True))
@@ -280,6 +283,30 @@ def test_lora_finetune_of_layers_that_differ_exports_to_its_family(gemma3_dir, j
     _export_and_compare(run_dir, tmp_path / "export")
     exported = json.loads((tmp_path / "export" / "config.json").read_text())
     assert exported["architectures"] == ["Gemma3ForCausalLM"]
+
+
+def test_a_phi3_fine_tune_exports_as_phi3(tmp_path, jsonl, no_plots):
+    """A Phi-3 checkpoint's config is the plain Llama block, which export would write as
+    ``llama``: a run started from it records its family, and export writes ``phi3`` (fused
+    tensors) by default, with transformers' logits equal to ours."""
+    phi3_dir = _hf_dir(tmp_path / "phi3", "phi3")
+    run_dir = tmp_path / "run"
+    model, train, data = build_configs("finetune", [
+        f"train.init_from={phi3_dir}", f"data.path={jsonl}", f"train.run_dir={run_dir}",
+        "train.steps=2", *SMALL, "train.warmup_steps=0"])
+    assert run(model, train, data, progress=False).final_step == 2
+    out = tmp_path / "export"
+    assert hf_export.main(["--checkpoint", str(run_dir), "--out", str(out)]) == 0
+    exported = json.loads((out / "config.json").read_text())
+    assert (exported["model_type"], exported["architectures"]) == ("phi3", ["Phi3ForCausalLM"])
+    assert loading.locate(run_dir).hf_model_type == "phi3"  # from the checkpoints' meta
+    loaded = loading.load(run_dir, with_tokenizer=False)
+    np.testing.assert_allclose(_hf_logits(out), _logits(loaded.config, loaded.params),
+                               atol=TOL, rtol=0)
+    # --model-type still names another family.
+    assert hf_export.main(["--checkpoint", str(run_dir), "--out", str(tmp_path / "llama"),
+                           "--model-type", "llama"]) == 0
+    assert json.loads((tmp_path / "llama" / "config.json").read_text())["model_type"] == "llama"
 
 
 def test_lora_state_moments_are_adapter_sized():

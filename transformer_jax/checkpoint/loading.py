@@ -84,6 +84,9 @@ class Source:
       step: the step the path names; None for the newest intact one.
       meta: the meta of that step (the newest readable one when ``step`` is None) (``RUN``).
       tokenizer: the tokenizer found with the checkpoint (a directory or file), or None.
+      hf_model_type: the HF family the weights were loaded as: a HF checkpoint's
+        ``model_type``, a run's ``meta["hf_model_type"]`` (recorded by a run started from a
+        HF checkpoint or from such a run), else None. Export writes this family by default.
     """
 
     path: Path
@@ -94,6 +97,7 @@ class Source:
     step: int | None = None
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     tokenizer: Path | None = None
+    hf_model_type: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +188,8 @@ def locate(path: str | Path, *, where: str | None = None) -> Source:
     if (root / CHECKPOINTS).is_dir():
         checkpoints, run_dir = root / CHECKPOINTS, root
     elif is_hf_dir(root):
-        return Source(root, HF, _hf_model(root, where), tokenizer=_tokenizer_dir(root))
+        model, model_type = _hf_model(root, where)
+        return Source(root, HF, model, tokenizer=_tokenizer_dir(root), hf_model_type=model_type)
     elif is_step_dir(root):
         checkpoints, step, run_dir = root.parent, int(root.name), root.parent.parent
     elif (root / HF_CONFIG).is_file() and not is_run_dir(root):
@@ -210,8 +215,10 @@ def _run_source(root: Any, checkpoints: Any, step: int | None, run_dir: Path, wh
     if not isinstance(meta.get("model"), dict):
         raise ValueError(f"{where}: the checkpoint in {checkpoints} has no meta['model']; was "
                          "it saved by transformer_jax training?")
+    model_type = meta.get("hf_model_type")
     return Source(root, RUN, _run_model(meta), run_dir, checkpoints, step, meta,
-                  _run_tokenizer(run_dir, meta))
+                  _run_tokenizer(run_dir, meta),
+                  model_type if isinstance(model_type, str) else None)
 
 
 def _locate_remote(url: str, where: str) -> Source:
@@ -237,14 +244,15 @@ def _run_model(meta: dict[str, Any]) -> ModelConfig:
     return ModelConfig.from_dict(meta["model"])
 
 
-def _hf_model(root: Path, where: str) -> ModelConfig:
+def _hf_model(root: Path, where: str) -> tuple[ModelConfig, str]:
+    """A HF checkpoint's model config and its ``model_type``."""
     from transformer_jax.hf.convert import config_from_hf
 
     hf_config = read_json(root / HF_CONFIG, "config")
     if not isinstance(hf_config, dict):
         raise ValueError(f"{where}: {root / HF_CONFIG} is not a JSON object")
     try:
-        return config_from_hf(hf_config)
+        return config_from_hf(hf_config), hf_config["model_type"]
     except ValueError as e:
         raise ValueError(f"{where}: the checkpoint cannot be represented exactly: {e}") from None
 
@@ -340,8 +348,8 @@ def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = Tr
     Raises:
       FileNotFoundError: no checkpoint of that step (and the errors of ``locate``).
       CheckpointError: no intact checkpoint.
-      ValueError: inconsistent LoRA entries, a tokenizer larger than the vocabulary, a mesh
-        that cannot split a param evenly.
+      ValueError: inconsistent LoRA entries, weights holding NaN or inf, a tokenizer larger
+        than the vocabulary, a mesh that cannot split a param evenly.
     """
     if not isinstance(source, Source):
         source = locate(source)
@@ -359,12 +367,29 @@ def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = Tr
     else:
         loaded = _load_run(source, mesh, merge_lora=merge_lora, step=step,
                            scan_layers=scan_layers, dtype=dtype, rules=rules)
+    check_finite(loaded.params, source.path)
     if with_tokenizer:
         found = open_tokenizer(source, tokenizer)
         location = Path(tokenizer).expanduser() if tokenizer is not None else source.tokenizer
         loaded = dataclasses.replace(loaded, tokenizer=found,
                                      tokenizer_path=location if found is not None else None)
     return loaded
+
+
+def check_finite(params: Any, where: Any, limit: int = 3) -> None:
+    """Raises ValueError naming the floating-point params of ``params`` that hold NaN or inf
+    (a corrupt file or a diverged run: decoding them gives NaN logits and arbitrary ids).
+    Integer leaves (packed quantised weights) are not checked."""
+    leaves = [(path, x) for path, x in jax.tree_util.tree_leaves_with_path(params)
+              if jnp.issubdtype(getattr(x, "dtype", np.int8), jnp.floating)]
+    flags = jax.device_get([jnp.isfinite(x).all() for _, x in leaves])
+    bad = [jax.tree_util.keystr(path, simple=True, separator="/")
+           for (path, _), ok in zip(leaves, flags, strict=True) if not ok]
+    if bad:
+        more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
+        raise ValueError(f"{where}: the weights hold NaN or inf ({', '.join(bad[:limit])}{more}):"
+                         " the checkpoint is corrupt or its training diverged; refusing to "
+                         "load it")
 
 
 def _load_run(source: Source, mesh: Any, *, merge_lora: bool, step: int | None,
@@ -452,7 +477,8 @@ def load_for_decode(checkpoint: str, tensor: int, tokenizer: str | None = None,
     return load(source, mesh, rules=rules, tokenizer=tokenizer), mesh
 
 
-__all__ = ["HF", "RUN", "RUN_ENTRIES", "Loaded", "Source", "is_checkpoints_dir", "is_hf_dir",
+__all__ = ["HF", "RUN", "RUN_ENTRIES", "Loaded", "Source", "check_finite", "is_checkpoints_dir",
+           "is_hf_dir",
            "load_draft",
            "is_run_dir", "is_step_dir", "load", "load_for_decode", "locate", "open_tokenizer"]
 

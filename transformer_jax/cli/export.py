@@ -118,7 +118,9 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
       overwrite: replace an ``out`` that holds other files than an earlier export's (never a
         training run's own files).
       model_type: the HF ``model_type`` to write (e.g. ``"phi3"`` for its fused layout);
-        default: the one the architecture's fields give (``hf.save``).
+        default: the family the checkpoint was loaded as (``Source.hf_model_type``: a HF
+        directory's own, a run started from a HF checkpoint records it), else the one the
+        architecture's fields give (``hf.save``).
 
     Returns:
       The output directory.
@@ -133,6 +135,9 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if model_type is not None and model_type not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+    if tokenizer is not None and not use_tokenizer:
+        raise ValueError(f"--tokenizer {tokenizer} and --no-tokenizer contradict each other: "
+                         "give one")
     remote = storage.is_remote(out)
     if remote:  # written locally, then uploaded (HF's files are written whole)
         url = str(out).rstrip("/")
@@ -149,6 +154,10 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
         tok = loading.open_tokenizer(source, tokenizer, where=where,
                                      missing="pass --tokenizer PATH or --no-tokenizer")
     config, params = _cast(loaded.config, loaded.params, dtype)
+    if model_type is None and source.hf_model_type is not None:
+        model_type = source.hf_model_type
+        logger.info("exporting as HF %s, the family %s was loaded as (--model-type sets "
+                    "another)", model_type, checkpoint)
     try:
         hf.save(config, params, out, tokenizer=tok, max_shard_bytes=max_shard_bytes,
                 model_type=model_type)
@@ -195,16 +204,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True,
                    help="run dir, its checkpoints/ dir, one step's dir, or a HF dir")
     p.add_argument("--out", required=True, help="HF directory to write")
-    p.add_argument("--tokenizer", help="tokenizer dir or file (default: found with the run)")
-    p.add_argument("--no-tokenizer", action="store_true", help="export the model only")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer", help="tokenizer dir or file (default: found with the run)")
+    tok.add_argument("--no-tokenizer", action="store_true", help="export the model only")
     p.add_argument("--step", type=int, help="step to export (default: the newest intact)")
     p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: param_dtype)")
     p.add_argument("--max-shard-bytes", type=int, help="write shards of at most this size")
     p.add_argument("--overwrite", action="store_true", help="replace an --out that holds other "
                    "files than an earlier export (never a training run's own files)")
     p.add_argument("--model-type", choices=MODEL_TYPES, default=None,
-                   help="HF model_type to write (default: the one the architecture gives; "
-                   "phi3 writes Phi-3's fused q/k/v and gate/up)")
+                   help="HF model_type to write (default: the family the checkpoint was "
+                   "loaded as, a run started from a HF checkpoint records it; else the first "
+                   "the architecture matches; phi3 writes Phi-3's fused q/k/v and gate/up)")
     return p
 
 

@@ -148,11 +148,13 @@ def load_pairs(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     Raises:
       FileNotFoundError: a missing file.
       InstructionDataError: ``FILE:LINE: ...`` for a record without the three keys, of the
-        wrong types, whose template fails, or a side with no loss token; also for no pairs.
+        wrong types, whose template fails, or a side with no loss token; also for no pairs,
+        or for pairs whose sides are all equal (some equal ones: a warning names them).
     """
     paths = [path] if isinstance(path, str | os.PathLike) else list(path)
     template: ChatTemplate | None = None
     pairs: list[tuple[Example, Example]] = []
+    same: list[str] = []  # FILE:LINE of pairs whose sides are equal
     for file in paths:
         for line, record in read_jsonl(file):
             where = f"{file}:{line}"
@@ -194,11 +196,28 @@ def load_pairs(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                 if not example.loss[1:].any():
                     raise InstructionDataError(f'{where}: "{side}" has no tokens to score '
                                                "(empty, or no assistant turn)")
+            if np.array_equal(sides[0].tokens, sides[1].tokens):
+                same.append(where)
             pairs.append((sides[0], sides[1]))
     if not pairs:
         where = paths[0] if len(paths) == 1 else f"{len(paths)} files ({paths[0]}, ...)"
         raise InstructionDataError(f"{where}: no preference records")
+    _check_ties(same, len(pairs))
     return pairs
+
+
+def _check_ties(same: list[str], num_pairs: int, limit: int = 3) -> None:
+    """Warns of pairs whose two sides are the same tokens (``FILE:LINE`` of the first few):
+    their preference loss is constant, so they teach nothing and dilute the batch; raises
+    InstructionDataError when every pair is one."""
+    if not same:
+        return
+    what = 'the same tokens in "chosen" and "rejected": the pair has no preference to learn'
+    if len(same) == num_pairs:
+        raise InstructionDataError(f"{same[0]}: every pair has {what}")
+    more = f" and {len(same) - limit} more" if len(same) > limit else ""
+    logger.warning("%s of %d have %s (%s%s)", count(len(same), "pair"), num_pairs, what,
+                   ", ".join(same[:limit]), more)
 
 
 def fit_pair(chosen: Example, rejected: Example, capacity: int

@@ -39,6 +39,8 @@ Params = dict[str, Any]
 
 #: The most tokens one verification may propose per row.
 MAX_K = 16
+#: The longest n-gram suffix matched (the device loop unrolls n (n + 1) / 2 comparisons).
+MAX_N = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +50,8 @@ class SpeculativeConfig:
     Attributes:
       method: ``"ngram"`` (prompt lookup) or ``"draft"`` (a small model).
       k: tokens proposed per verification, in [1, ``MAX_K``].
-      n: (n-gram) the longest suffix matched; shorter ones down to ``min_n`` are tried next.
+      n: (n-gram) the longest suffix matched, in [1, ``MAX_N``]; shorter ones down to
+        ``min_n`` are tried next.
       min_n: (n-gram) the shortest suffix matched.
       draft: (draft) the draft checkpoint's path.
     """
@@ -69,6 +72,8 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative {name} must be a positive int, got {value!r}")
         if self.k > MAX_K:
             raise ValueError(f"speculative k must be at most {MAX_K}, got {self.k}")
+        if self.n > MAX_N:
+            raise ValueError(f"speculative n must be at most {MAX_N}, got {self.n}")
         if self.min_n > self.n:
             raise ValueError(f"speculative min_n ({self.min_n}) exceeds n ({self.n})")
         if self.method == "draft" and not self.draft:
@@ -109,6 +114,8 @@ def parse_spec(spec: str | SpeculativeConfig | None) -> SpeculativeConfig | None
         if not eq or name not in allowed:
             raise ValueError(f"speculative spec {spec!r}: bad option {item!r} (options: "
                              f"{', '.join(a + '=INT' for a in allowed)})")
+        if name in fields:
+            raise ValueError(f"speculative spec {spec!r}: {name} is given twice")
         try:
             fields[name] = int(value)
         except ValueError:

@@ -135,11 +135,12 @@ class Architecture:
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
-            object.__setattr__(self, "moe", MoE(**self.moe))
+            object.__setattr__(self, "moe", _table(MoE, self.moe, "moe"))
         if isinstance(self.layer_pattern, list):
             object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
         if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+            object.__setattr__(self, "rope_scaling",
+                               _table(RopeScaling, self.rope_scaling, "rope_scaling"))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             check_positive_int(name, getattr(self, name))
         if self.n_kv_heads is None:
@@ -195,6 +196,11 @@ class Architecture:
                 raise ValueError(f"moe must be a table of MoE fields, got {self.moe!r}")
             if self.ffn not in ("swiglu", "geglu", "geglu_tanh"):
                 raise ValueError(f"moe needs a gated ffn (swiglu, geglu), got {self.ffn!r}")
+            past = [i for i in self.moe.dense_layers if i >= self.n_layers]
+            if past:
+                raise ValueError(f"moe.dense_layers lists {past}, past the last layer (the "
+                                 f"model has n_layers={self.n_layers}: indices 0.."
+                                 f"{self.n_layers - 1})")
             if not self.sparse_layers:
                 raise ValueError("moe: no layer is sparse (check moe.sparse_step and "
                                  "moe.dense_layers)")
@@ -260,7 +266,8 @@ class Execution:
         ``"mosaic"`` (TPU, Hopper GPUs).
       init_std: standard deviation of the normal initialiser of every matrix.
       moe_impl: how mixture-of-experts layers compute (``ops.moe.experts_ffn``): ``"auto"``,
-        ``"ragged"`` (tokens sorted by expert, ``jax.lax.ragged_dot``), ``"gather"`` (each
+        ``"ragged"`` (tokens sorted by expert, ``jax.lax.ragged_dot``), ``"tiled"`` (the
+        grouped product written in XLA, rows padded to tiles: the CPU's), ``"gather"`` (each
         token's chosen experts' weights gathered: decode), ``"dense"`` (every expert on every
         token, the reference), ``"tokamax"`` or ``"megablox"`` (grouped-matmul kernels).
     """
@@ -396,6 +403,17 @@ def check_keys(values: dict[str, Any], cls: type, section: str) -> None:
             close = difflib.get_close_matches(key, fields, n=3)
             hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
             raise ValueError(f"unknown {section} option {key!r}{hint}")
+
+
+def _table(cls: type, values: dict[str, Any], section: str) -> Any:
+    """``cls(**values)`` for a sub-table of the model config (``[model.moe]``), with one-line
+    errors naming an unknown key (and close ones) or the missing required keys."""
+    check_keys(values, cls, f"model.{section}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in values
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"model.{section} needs {', '.join(missing)} (missing)")
+    return cls(**values)
 
 
 def parse_override(cls: type, key: str, text: str) -> Any:

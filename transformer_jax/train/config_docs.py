@@ -8,7 +8,21 @@ import inspect
 import re
 import textwrap
 
+from transformer_jax.model import config as model_config
 from transformer_jax.model.config import CONFIGS_DIR, preset_names
+from transformer_jax.train import objective
+
+#: Keys whose value is one of a tuple that their validation checks: ``--help`` lists the tuple
+#: after the key's meaning, so the two cannot drift apart.
+CHOICES: dict[str, tuple[str, ...]] = {
+    **{f"model.{name}": getattr(model_config, const) for name, const in (
+        ("norm", "NORMS"), ("norm_position", "NORM_POSITIONS"), ("qk_norm", "QK_NORMS"),
+        ("ffn", "FFNS"), ("position", "POSITIONS"), ("rope_pairing", "ROPE_PAIRINGS"),
+        ("remat", "REMATS"), ("attention_impl", "ATTENTION_IMPLS"), ("moe_impl", "MOE_IMPLS"),
+        ("param_dtype", "DTYPES"), ("dtype", "DTYPES"))},
+    "train.objective": objective.OBJECTIVES, "train.dpo_loss": objective.DPO_LOSSES,
+    "train.grpo_loss": objective.GRPO_LOSSES,
+}
 
 
 def help_text(sections: dict[str, type], width: int = 100) -> str:
@@ -16,7 +30,8 @@ def help_text(sections: dict[str, type], width: int = 100) -> str:
     meaning (``train.py --help``).
 
     Generated from the dataclasses' fields and the Attributes sections of their docstrings
-    (and their bases'), so it cannot drift from the code.
+    (and their bases'), and a key of ``CHOICES`` lists the values its validation accepts, so
+    it cannot drift from the code.
     """
     lines = [f"presets (--config NAME; TOML files in {CONFIGS_DIR}): {', '.join(preset_names())}"]
     for section, cls in sections.items():
@@ -33,6 +48,9 @@ def help_text(sections: dict[str, type], width: int = 100) -> str:
                 default = "required"
             head = f"  {section}.{field.name}: {kind} = {default!r}"
             meaning = meanings.get(field.name, "").replace("``", "")
+            choices = CHOICES.get(f"{section}.{field.name}")
+            if choices:
+                meaning += f" One of: {', '.join(choices)}."
             lines.append(head)
             if meaning:
                 lines.extend(textwrap.wrap(meaning, width, initial_indent=" " * 6,

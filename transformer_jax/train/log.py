@@ -166,9 +166,11 @@ class RunLog:
                                 for k in metrics})
 
     def _record(self, step: int, m: dict[str, float]) -> None:
-        if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
-            raise NonFiniteLossError(f"non-finite loss {m['loss']} (grad norm {m['grad_norm']}) "
-                                     f"at step {step}")
+        if not math.isfinite(m["loss"]):
+            raise NonFiniteLossError(f"non-finite loss {m['loss']} at step {step}")
+        if not math.isfinite(m["grad_norm"]):
+            raise NonFiniteLossError(f"non-finite gradient (grad norm {m['grad_norm']}, loss "
+                                     f"{m['loss']:.4g}) at step {step}")
         self.last_loss = m["loss"]
         self.step = step
         if not self._warm:

@@ -20,9 +20,10 @@ class ObjectiveConfig:
 
     Attributes:
       objective: ``sft`` (next-token cross-entropy, the default), ``dpo`` or ``orpo`` (both on
-        a .jsonl of ``{"prompt", "chosen", "rejected"}`` pairs). DPO's reference is the
-        initial weights' log-probs, computed in a first pass and stored in the run directory
-        (full fine-tuning), or the frozen base with the adapters off (LoRA).
+        a .jsonl of ``{"prompt", "chosen", "rejected"}`` pairs), or ``grpo`` (online RL on a
+        .jsonl of prompts, scored by ``reward``). DPO's reference is the initial weights'
+        log-probs, computed in a first pass and stored in the run directory (full
+        fine-tuning), or the frozen base with the adapters off (LoRA).
       dpo_beta: DPO's beta (IPO: its tau).
       dpo_loss: ``sigmoid`` (DPO) or ``ipo``.
       dpo_label_smoothing: conservative DPO's eps in [0, 0.5) (sigmoid only).
@@ -34,8 +35,9 @@ class ObjectiveConfig:
         a step takes ``batch_size / G`` prompts).
       grpo_max_tokens: the most tokens of a completion (``seq_len`` must hold the longest
         prompt plus these).
-      grpo_temperature: the rollouts' sampling temperature (the trainer's log-probs divide the
-        logits by it, as TRL's).
+      grpo_temperature: the rollouts' sampling temperature. The log-probs of the ratio and
+        the KL are the model's at temperature 1, as the engine reports them (not divided by
+        it, unlike TRL's).
       grpo_clip_eps: eps of the clipped ratio ``clip(ratio, 1 - eps, 1 + eps)``.
       grpo_kl_beta: weight of the k3 KL penalty to the reference (the initial weights, or the
         LoRA base with the adapters off); 0 skips the reference.
@@ -86,10 +88,12 @@ class ObjectiveConfig:
         """Raises ValueError naming a bad ``grpo_*`` or ``reward`` key."""
         if self.grpo_loss not in GRPO_LOSSES:
             raise ValueError(f"grpo_loss must be one of {GRPO_LOSSES}, got {self.grpo_loss!r}")
-        for name in ("grpo_group_size", "grpo_max_tokens"):
+        grpo = self.objective == "grpo"
+        for name, least in (("grpo_group_size", 2 if grpo else 1), ("grpo_max_tokens", 1)):
             value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+                why = "; advantages compare a prompt's completions" if least == 2 else ""
+                raise ValueError(f"{name} must be >= {least} (an int{why}), got {value!r}")
         if not isinstance(self.grpo_scale_rewards, bool):
             raise ValueError(f"grpo_scale_rewards must be true or false, got "
                              f"{self.grpo_scale_rewards!r}")
@@ -104,9 +108,12 @@ class ObjectiveConfig:
         if not self.reward:
             raise ValueError("train.objective=grpo needs train.reward=MODULE:FUNCTION or "
                              "path/to/file.py:FUNCTION (fn(completion, record) -> float)")
-        if self.grpo_group_size < 2:
-            raise ValueError(f"grpo_group_size must be >= 2 (advantages compare a prompt's "
-                             f"completions), got {self.grpo_group_size}")
+        seq_len = getattr(self, "seq_len", None)
+        if seq_len is not None and self.grpo_max_tokens >= seq_len:
+            raise ValueError(f"grpo_max_tokens ({self.grpo_max_tokens}) must be below seq_len "
+                             f"({seq_len}): a row holds the prompt and the completion, so "
+                             "this leaves no room for a prompt; raise train.seq_len or lower "
+                             "train.grpo_max_tokens")
         batch = getattr(self, "batch_size", self.grpo_group_size)
         if batch % self.grpo_group_size:
             raise ValueError(f"batch_size ({batch}) counts completions and must be a multiple "

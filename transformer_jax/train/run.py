@@ -196,6 +196,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
                "data_fingerprint": data.fingerprint()}
     if layout.lora_config is not None:
         configs["lora"] = layout.lora_config.to_dict()  # how loading merges the adapters
+    if source is not None and source.hf_model_type:  # the family export writes by default
+        configs["hf_model_type"] = source.hf_model_type
 
     with CheckpointManager(files.checkpoints, keep=tc.keep_ckpts) as ckpt:
         ckpt.remove_unfinished(primary=main_process)  # of a run killed while it saved
