@@ -122,6 +122,17 @@ def test_losses_equal_their_formulas_on_hand_checked_numbers():
     assert float(stats["rewards/margin"]) == pytest.approx(0.5)
 
 
+def test_reward_accuracy_counts_a_tie_as_no_win():
+    """``rewards/accuracy`` counts chosen > rejected strictly, as TRL: a tie is not a win. Ties
+    are every pair of full DPO's step 1 (policy = reference: both rewards 0), logged 0 there."""
+    chosen = jnp.array([0.0, 0.5, -1.0, 2.0, 0.0])
+    rejected = jnp.array([0.0, 0.5, -2.0, 3.0, 0.0])  # tie, tie, win, loss, tie (padding)
+    stats = P.reward_stats(chosen, rejected, jnp.array([1.0, 1.0, 1.0, 1.0, 0.0]))
+    assert float(stats["rewards/accuracy"]) == 1.0  # the one win of the 4 valid pairs
+    zeros = jnp.zeros(3)
+    assert float(P.reward_stats(zeros, zeros, jnp.ones(3))["rewards/accuracy"]) == 0.0
+
+
 # ------------------------------------------------------------------------------ data
 
 
@@ -410,3 +421,7 @@ def test_dpo_resume_is_exact(hf_dirs, pairs_file, tmp_path, monkeypatch):
     losses = [m["loss"] for m in _metrics(tmp_path / "b")]
     assert [m["loss"] for m in _metrics(tmp_path / "a")] == losses
     assert losses[0] == pytest.approx(np.log(2), abs=1e-5) and losses[1] != losses[0]
+    # Step 1: the policy is the reference, so every pair ties at rewards 0 (TRL logs 0 there).
+    first = _metrics(tmp_path / "b")[0]
+    assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margin"] == 0
+    assert first["rewards/accuracy"] == 0
