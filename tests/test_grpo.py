@@ -319,6 +319,11 @@ def test_grpo_resume_is_exact(setup, tmp_path, monkeypatch):
     resumed_seeds = seeds[:]
     del seeds[:]
     go(tmp_path / "b", 2)
+    # 8 rollouts a step; the seeds of step 2 are not step 1's (a step reusing them samples
+    # the same completions again), and the resumed run's step 2 drew exactly the straight one's.
+    assert len(seeds) == 16 and len(set(seeds[:8])) == 8 and len(set(seeds[8:])) == 8
+    assert not set(seeds[:8]) & set(seeds[8:])
+    assert resumed_seeds == seeds[8:]
     a, _ = CheckpointManager(tmp_path / "a" / "checkpoints", async_save=False).restore_params(
         None, 2)
     b, _ = CheckpointManager(tmp_path / "b" / "checkpoints", async_save=False).restore_params(
@@ -330,11 +335,6 @@ def test_grpo_resume_is_exact(setup, tmp_path, monkeypatch):
     assert [m["step"] for m in ma] == [1, 2]  # the killed run's record of step 2 not kept twice
     assert mb[0]["kl"] == pytest.approx(0, abs=1e-6) and mb[1]["kl"] > 0  # moved off the ref
     assert {m["batch_len"] for m in ma + mb} <= {16, 24}  # train.seq_len=24's buckets
-    # 8 rollouts a step; the seeds of step 2 are not step 1's (a step reusing them samples
-    # the same completions again), and the resumed run's step 2 drew exactly the straight one's.
-    assert len(seeds) == 16 and len(set(seeds[:8])) == 8 and len(set(seeds[8:])) == 8
-    assert not set(seeds[:8]) & set(seeds[8:])
-    assert resumed_seeds == seeds[8:]
 
 
 def test_grpo_cli_lora_on_a_two_device_mesh(setup, tmp_path):
