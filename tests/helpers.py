@@ -342,3 +342,26 @@ def keys_in_order(keys):
     from transformer_jax.model.ops.layouts import SlotsLast
 
     return keys.k.swapaxes(-1, -2) if isinstance(keys, SlotsLast) else keys
+
+
+def must_not_run(what: str) -> Callable[..., None]:
+    """A stand-in for an expensive function (a model build, a load, a training run) that
+    fails the test when called: the bad argument was not refused before it."""
+    def fail(*args, **kwargs):
+        raise AssertionError(f"{what} ran: the bad argument was not refused first")
+    return fail
+
+
+def exit_and_line(capsys, call: Callable[[list[str]], int | None], *argv: str
+                  ) -> tuple[int | str | None, str]:
+    """Runs ``call(argv)`` (a command's ``main``): its exit status (returned or raised) and its
+    one error line (asserted: no traceback, exactly one line holding ``error: ``)."""
+    try:
+        code = call(list(argv))
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if "error: " in line]
+    assert len(lines) == 1, err[-3000:]
+    return code, lines[0]

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers import exit_and_line, must_not_run
 
 from transformer_jax.bench import data as bench_data
 from transformer_jax.bench import decode as bench_decode
@@ -26,25 +27,6 @@ from transformer_jax.model.config import ModelConfig
 
 MICRO = ("[model]\nvocab_size = 64\nd_model = 32\nn_layers = 1\nn_heads = 2\nd_ff = 32\n"
          "max_seq_len = 32\n")
-
-
-def _must_not_run(what: str):
-    def fail(*args, **kwargs):
-        raise AssertionError(f"{what} ran: the bad argument was not refused first")
-    return fail
-
-
-def _exit_and_line(capsys, call, *argv: str) -> tuple[int, str]:
-    """Runs ``call(argv)``: its exit status (returned or raised) and its one error line."""
-    try:
-        code = call(list(argv))
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err[-3000:]
-    lines = [line for line in err.splitlines() if "error: " in line]
-    assert len(lines) == 1, err[-3000:]
-    return code, lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -99,13 +81,13 @@ def evaluate(monkeypatch, tmp_path, task_dir):
 
     source = loading.Source(tmp_path, loading.HF, ModelConfig(vocab_size=64, max_seq_len=32))
     monkeypatch.setattr(loading, "locate", lambda *a, **k: source)
-    monkeypatch.setattr(loading, "load", _must_not_run("loading.load"))
-    monkeypatch.setattr(harness, "JaxLM", _must_not_run("JaxLM"))
+    monkeypatch.setattr(loading, "load", must_not_run("loading.load"))
+    monkeypatch.setattr(harness, "JaxLM", must_not_run("JaxLM"))
 
     def call(capsys, *argv: str, tasks: str = "tiny_mc") -> tuple[int, str]:
         base = ["--checkpoint", str(tmp_path), "--tasks", tasks, "--include-path",
                 str(task_dir), "--output", str(tmp_path / "out" / "r.json")]
-        return _exit_and_line(capsys, main, *base, *argv)
+        return exit_and_line(capsys, main, *base, *argv)
 
     return call
 
@@ -187,12 +169,12 @@ def test_evaluate_output_check_leaves_nothing_behind(evaluate, capsys, tmp_path,
 ])
 def test_bench_serve_arguments_are_one_line_errors(monkeypatch, capsys, micro_toml, places,
                                                    argv, message):
-    monkeypatch.setattr(bench_serve, "init_params", _must_not_run("init_params"))
-    monkeypatch.setattr(bench_serve.decode, "prepare", _must_not_run("decode.prepare"))
-    monkeypatch.setattr(bench_serve, "Engine", _must_not_run("Engine"))
+    monkeypatch.setattr(bench_serve, "init_params", must_not_run("init_params"))
+    monkeypatch.setattr(bench_serve.decode, "prepare", must_not_run("decode.prepare"))
+    monkeypatch.setattr(bench_serve, "Engine", must_not_run("Engine"))
     base = ["--config", str(micro_toml), "--input-len", "3,10", "--output-len", "2,4",
             "--output-multiple", "4", "--slots", "2", "--page-size", "8", "--token-budget", "18"]
-    code, line = _exit_and_line(capsys, bench_serve.main,
+    code, line = exit_and_line(capsys, bench_serve.main,
                                 *base, *(a.format(**vars(places)) for a in argv))
     assert code == 2
     assert message.format(**vars(places)) in line, line
@@ -217,12 +199,12 @@ def test_bench_serve_arguments_are_one_line_errors(monkeypatch, capsys, micro_to
 ])
 def test_bench_decode_arguments_are_one_line_errors(monkeypatch, capsys, micro_toml, places,
                                                     argv, message):
-    monkeypatch.setattr(bench_decode, "init_params", _must_not_run("init_params"))
+    monkeypatch.setattr(bench_decode, "init_params", must_not_run("init_params"))
     monkeypatch.setattr(bench_decode.sharding, "configure_cpu_devices",
-                        _must_not_run("configure_cpu_devices"))
+                        must_not_run("configure_cpu_devices"))
     base = ["--config", str(micro_toml), "--batch", "2", "--prompt-len", "5", "--new-tokens",
             "6", "--tensor", "1", "--no-hf"]
-    code, line = _exit_and_line(capsys, bench_decode.main,
+    code, line = exit_and_line(capsys, bench_decode.main,
                                 *base, *(a.format(**vars(places)) for a in argv))
     assert code == 2
     assert message.format(**vars(places)) in line, line
@@ -250,8 +232,8 @@ def run_dir(tmp_path_factory) -> Path:
 ])
 def test_bench_quant_arguments_are_one_line_errors(monkeypatch, capsys, run_dir, places, argv,
                                                    message):
-    monkeypatch.setattr(bench_quant.loading, "load", _must_not_run("loading.load"))
-    code, line = _exit_and_line(capsys, bench_quant.main,
+    monkeypatch.setattr(bench_quant.loading, "load", must_not_run("loading.load"))
+    code, line = exit_and_line(capsys, bench_quant.main,
                                 "--run", str(run_dir), *(a.format(**vars(places)) for a in argv))
     assert code == 2
     assert message.format(**vars(places)) in line, line
@@ -268,8 +250,8 @@ def test_bench_quant_checks_the_run_before_compiling(monkeypatch, capsys, run_di
     monkeypatch.setattr(bench_quant.loading, "load", lambda *a, **k: loaded)
     monkeypatch.setattr(bench_quant, "held_out_windows",
                         lambda *a, **k: np.zeros((2, 16), np.int32))
-    monkeypatch.setattr(bench_quant.decode, "prepare", _must_not_run("decode.prepare"))
-    code, line = _exit_and_line(capsys, bench_quant.main, "--run", str(run_dir), "--batch", "1",
+    monkeypatch.setattr(bench_quant.decode, "prepare", must_not_run("decode.prepare"))
+    code, line = exit_and_line(capsys, bench_quant.main, "--run", str(run_dir), "--batch", "1",
                                 "--prompt-len", "4", *argv)
     assert code == 2
     assert message in line, line
@@ -298,9 +280,9 @@ def bench_tmp(monkeypatch, tmp_path) -> Path:
 ])
 def test_bench_data_arguments_are_checked_before_the_corpus(monkeypatch, capsys, bench_tmp,
                                                             places, argv, message):
-    monkeypatch.setattr(bench_data, "make_corpus", _must_not_run("make_corpus"))
-    monkeypatch.setattr(bench_data.subprocess, "run", _must_not_run("the build"))
-    code, line = _exit_and_line(capsys, bench_data.main,
+    monkeypatch.setattr(bench_data, "make_corpus", must_not_run("make_corpus"))
+    monkeypatch.setattr(bench_data.subprocess, "run", must_not_run("the build"))
+    code, line = exit_and_line(capsys, bench_data.main,
                                 "--mb", "0.01", *(a.format(**vars(places)) for a in argv))
     assert code == 2
     assert message.format(**vars(places)) in line, line

@@ -7,6 +7,7 @@ the export)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,12 @@ def raises(completion, record):
 
 def text(completion, record):
     return "high"
+
+def huge(completion, record):
+    return 1e300
+
+def big(completion, record):
+    return 3e38
 '''
 SMALL = ["train.batch_size=8", "train.grpo_group_size=4", "train.grpo_max_tokens=6",
          "train.seq_len=24", "train.lr=1e-2", "train.min_lr=1e-2", "train.log_every=1",
@@ -246,6 +253,16 @@ def test_bad_records_and_rewards_name_the_record(setup, loaded, tmp_path):
         rewards = grpo_data.load_rewards(f"{rewards_file}:{name}")
         with pytest.raises(grpo_data.RewardError, match=rf"{prompts_file}:2: {match}"):
             grpo_data.score(rewards, "yes", prompts[1])
+    # Finite in Python, inf in float32 (the update's): refused as NaN and inf are, naming the
+    # reward, not left to end the run as a non-finite loss; so is a weighted or summed one.
+    for spec, match in (("huge", r"reward .*:huge returned 1e\+300, beyond float32's range"),
+                        ("big*2", r"reward .*:big returned 3e\+38 \(weighted 6e\+38\), "
+                                  "beyond float32's range"),
+                        ("big,{f}:big", r"the rewards .*:big, .*:big sum to 6e\+38, beyond")):
+        rewards = grpo_data.load_rewards(f"{rewards_file}:" + spec.format(f=rewards_file))
+        with pytest.raises(grpo_data.RewardError, match=rf"{prompts_file}:2: {match}"):
+            grpo_data.score(rewards, "yes", prompts[1])
+    assert grpo_data.score(grpo_data.load_rewards(f"{rewards_file}:big"), "", prompts[0]) == 3e38
     both = grpo_data.load_rewards(f"{rewards_file}:says_yes,{rewards_file}:says_yes*0.5")
     assert grpo_data.score(both, "yes", prompts[0]) == 1.5
     for spec, match in (("nocolon", "not MODULE:FUNCTION"), ("os:nope", "no function 'nope'"),
@@ -272,9 +289,19 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def test_grpo_resume_is_exact(setup, tmp_path, monkeypatch):
-    """Stopped at step 1 and resumed to 2 = a straight run of 2 (rollouts, rewards, losses and
-    weights), full fine-tuning with the KL to the initial weights made again on resume."""
+    """Killed after step 2's record but before its checkpoint (kill -9; the checkpoint of step 2
+    removed), resumed from step 1 to 2 = a straight run of 2 (rollouts, rewards, losses and
+    weights; ``metrics.jsonl`` holds each step once), full fine-tuning with the KL to the initial
+    weights made again on resume. Each step samples its rollouts with seeds of its own."""
     hf_dir, prompts_file, rewards_file = setup
+    seeds: list[int] = []  # the engine seed of every rollout request, in order
+    add_request = G.Engine.add_request
+
+    def recording(engine, prompt, params):
+        seeds.append(params.seed)
+        return add_request(engine, prompt, params)
+
+    monkeypatch.setattr(G.Engine, "add_request", recording)
 
     def go(run_dir: Path, steps: int):
         model, train, data = build_configs("grpo", [
@@ -283,18 +310,29 @@ def test_grpo_resume_is_exact(setup, tmp_path, monkeypatch):
             f"train.steps={steps}", "train.ckpt_every=1", "train.mesh=1,1,1"])
         return run(model, train, data, progress=False)
 
-    go(tmp_path / "a", 1)
+    go(tmp_path / "a", 2)
+    shutil.rmtree(tmp_path / "a" / "checkpoints" / "2")  # killed before step 2's checkpoint
+    assert [m["step"] for m in _metrics(tmp_path / "a")] == [1, 2]
+    del seeds[:]
     summary = go(tmp_path / "a", 2)
     assert (summary.start_step, summary.final_step) == (1, 2)
+    resumed_seeds = seeds[:]
+    del seeds[:]
     go(tmp_path / "b", 2)
+    # 8 rollouts a step; the seeds of step 2 are not step 1's (a step reusing them samples
+    # the same completions again), and the resumed run's step 2 drew exactly the straight one's.
+    assert len(seeds) == 16 and len(set(seeds[:8])) == 8 and len(set(seeds[8:])) == 8
+    assert not set(seeds[:8]) & set(seeds[8:])
+    assert resumed_seeds == seeds[8:]
     a, _ = CheckpointManager(tmp_path / "a" / "checkpoints", async_save=False).restore_params(
         None, 2)
     b, _ = CheckpointManager(tmp_path / "b" / "checkpoints", async_save=False).restore_params(
         None, 2)
     jax.tree.map(np.testing.assert_array_equal, a, b)
-    keys = ("loss", "reward_mean", "kl", "completion_len", "grad_norm")
+    keys = ("step", "loss", "reward_mean", "kl", "completion_len", "grad_norm")
     ma, mb = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
     assert [[m[k] for k in keys] for m in ma] == [[m[k] for k in keys] for m in mb]
+    assert [m["step"] for m in ma] == [1, 2]  # the killed run's record of step 2 not kept twice
     assert mb[0]["kl"] == pytest.approx(0, abs=1e-6) and mb[1]["kl"] > 0  # moved off the ref
     assert {m["batch_len"] for m in ma + mb} <= {16, 24}  # train.seq_len=24's buckets
 

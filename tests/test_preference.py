@@ -15,6 +15,7 @@ and unpacked by the trainer's own ``data_collator``) goes through the trainer's
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +123,17 @@ def test_losses_equal_their_formulas_on_hand_checked_numbers():
     assert float(stats["rewards/margin"]) == pytest.approx(0.5)
 
 
+def test_reward_accuracy_counts_a_tie_as_no_win():
+    """``rewards/accuracy`` counts chosen > rejected strictly, as TRL: a tie is not a win. Ties
+    are every pair of full DPO's step 1 (policy = reference: both rewards 0), logged 0 there."""
+    chosen = jnp.array([0.0, 0.5, -1.0, 2.0, 0.0])
+    rejected = jnp.array([0.0, 0.5, -2.0, 3.0, 0.0])  # tie, tie, win, loss, tie (padding)
+    stats = P.reward_stats(chosen, rejected, jnp.array([1.0, 1.0, 1.0, 1.0, 0.0]))
+    assert float(stats["rewards/accuracy"]) == 1.0  # the one win of the 4 valid pairs
+    zeros = jnp.zeros(3)
+    assert float(P.reward_stats(zeros, zeros, jnp.ones(3))["rewards/accuracy"]) == 0.0
+
+
 # ------------------------------------------------------------------------------ data
 
 
@@ -153,6 +165,50 @@ def test_packing_keeps_the_sides_apart_and_scores_the_completions_only(hf_dirs, 
     reply = pairs[0][1]
     scored = tokenizer.decode(reply.tokens[reply.loss].tolist())
     assert "bad" in scored and "user" not in scored
+
+
+def test_pairs_grouped_by_step_give_every_step_its_pairs(hf_dirs, pairs_file):
+    """``train.pairs_per_step`` (``group_pairs``): each step's batch holds exactly N pairs (the
+    epoch's last the rest), each pair's tokens as ``load_pairs`` made them (sides apart), in
+    batches of one shape whose rows the devices x micro-batches divide; an epoch trains on
+    every pair once, and the grouping is a function of the seed."""
+    tokenizer = load_tokenizer(hf_dirs[0])
+    pairs = pref_data.load_pairs(pairs_file, tokenizer)
+    packed = pref_data.pack_pairs(pairs, seq_len=47)
+    grouped = pref_data.group_pairs(packed, 5, seed=3, multiple=2)
+    step_rows = grouped.step_rows
+    assert step_rows % 2 == 0 and grouped.rows.num_rows == 5 * step_rows  # 24 pairs: 5 steps
+    batches = pref_data.PairBatches(grouped, step_rows, seed=7)
+    epochs = []
+    for epoch in range(2):
+        ids = [batches.get(step)["pair_ids"] for step in range(5 * epoch, 5 * epoch + 5)]
+        assert sorted((i >= 0).sum() for i in ids) == [4, 5, 5, 5, 5]
+        assert sorted(int(p) for i in ids for p in i.ravel() if p >= 0) == list(range(24))
+        epochs.append([frozenset(i[i >= 0].tolist()) for i in ids])
+    assert set(epochs[0]) == set(epochs[1]) and epochs[0] != epochs[1]  # groups reshuffled
+    rows = grouped.rows
+    for r in range(rows.num_rows):
+        for k, pair in enumerate(grouped.pair_ids[r]):
+            if pair < 0:
+                continue
+            for side, example in enumerate(pairs[pair]):
+                at = rows.segment_ids[r] == 2 * k + 1 + side
+                np.testing.assert_array_equal(rows.tokens[r, at], example.tokens)
+                np.testing.assert_array_equal(rows.loss_tokens[r, at], example.loss)
+                np.testing.assert_array_equal(rows.positions[r, at], np.arange(at.sum()))
+        used = rows.segment_ids[r] > 0  # the pairs, then padding only
+        n = sum(len(e.tokens) for p in grouped.pair_ids[r] if p >= 0 for e in pairs[p])
+        np.testing.assert_array_equal(used, np.arange(len(used)) < n)
+    again = pref_data.group_pairs(packed, 5, seed=3, multiple=2)
+    np.testing.assert_array_equal(again.rows.tokens, rows.tokens)
+    other = pref_data.group_pairs(packed, 5, seed=4, multiple=2)
+    assert not np.array_equal(other.pair_ids, grouped.pair_ids)
+    with pytest.raises(ValueError, match="rows a step, not batch_size=3"):
+        pref_data.PairBatches(grouped, 3)
+    for key, value, match in (("pairs_per_step", -1, "pairs_per_step must be an int >= 0"),
+                              ("objective", "sft", "pairs_per_step=4 applies to objective=dpo")):
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**{"objective": "dpo", "pairs_per_step": 4, key: value})
 
 
 def test_bad_records_name_file_and_line(hf_dirs, pairs_file, tmp_path):
@@ -372,7 +428,10 @@ def test_dpo_cli_lora_on_a_two_device_mesh(hf_dirs, pairs_file, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "reference log-probs: adapters-off" in done.stderr
+    # train.batch_size counts packed rows (4), each of one pair or more: the pairs are logged.
+    assert "train.batch_size=4 packed rows a step hold " in done.stderr
     records = _metrics(run_dir)
+    assert all(m["pairs"] >= 4 and m["pairs"] == int(m["pairs"]) for m in records)
     assert len(records) == 6 and records[0]["loss"] == pytest.approx(np.log(2), abs=1e-4)
     assert {"rewards/chosen", "rewards/rejected", "rewards/accuracy",
             "rewards/margin"} <= set(records[0])
@@ -382,17 +441,20 @@ def test_dpo_cli_lora_on_a_two_device_mesh(hf_dirs, pairs_file, tmp_path):
     assert summary["final_step"] == 6 and summary["val_loss"] is not None  # completions' CE
 
 
-def test_dpo_resume_is_exact(hf_dirs, pairs_file, tmp_path, monkeypatch):
-    """Full fine-tuning DPO stopped at step 1 and resumed to 2 (the stored first-pass reference
-    restored, not recomputed) = a straight run of 2 steps, in process (no loss plots drawn)."""
+def test_dpo_resume_is_exact(hf_dirs, pairs_file, tmp_path, monkeypatch, caplog):
+    """Full fine-tuning DPO of ``train.pairs_per_step=5`` (TRL's batch: 5 pairs a step, logged)
+    stopped at step 1 and resumed to 2 (the stored first-pass reference restored, not
+    recomputed) = a straight run of 2 steps, in process (no loss plots drawn)."""
     from transformer_jax.train import plot
 
     monkeypatch.setattr(plot, "plot_run", lambda run_dir: None)
+    caplog.set_level(logging.INFO, logger=P.__name__)
+
     def go(run_dir: Path, steps: int):
         model, train, data = build_configs("dpo", [
             f"train.init_from={hf_dirs[0]}", f"data.path={pairs_file}", *SMALL,
             f"train.run_dir={run_dir}", f"train.steps={steps}", "train.ckpt_every=1",
-            "train.mesh=1,1,1"])
+            "train.mesh=1,1,1", "train.pairs_per_step=5"])
         return run(model, train, data, progress=False)
 
     go(tmp_path / "a", 1)
@@ -410,3 +472,11 @@ def test_dpo_resume_is_exact(hf_dirs, pairs_file, tmp_path, monkeypatch):
     losses = [m["loss"] for m in _metrics(tmp_path / "b")]
     assert [m["loss"] for m in _metrics(tmp_path / "a")] == losses
     assert losses[0] == pytest.approx(np.log(2), abs=1e-5) and losses[1] != losses[0]
+    # Step 1: the policy is the reference, so every pair ties at rewards 0 (TRL logs 0 there).
+    first = _metrics(tmp_path / "b")[0]
+    assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margin"] == 0
+    assert first["rewards/accuracy"] == 0
+    # 24 pairs, 5 a step: an epoch is 5 steps, the last on 4 pairs.
+    assert ("train.pairs_per_step=5: each step trains on 5 pairs (the last of each epoch's 5 "
+            "steps on 4), packed into train.batch_size=") in caplog.text
+    assert {m["pairs"] for m in _metrics(tmp_path / "b")} <= {4, 5}

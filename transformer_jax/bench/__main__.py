@@ -42,6 +42,9 @@ def main(argv: list[str]) -> int:
         return 0
     if not argv or argv[0] not in KINDS:
         print(usage(), file=sys.stderr)
+        if argv:
+            print(f"\nbench: error: unknown kind {argv[0]!r}; choose from {', '.join(KINDS)}",
+                  file=sys.stderr)
         return 2
     module = importlib.import_module(f"transformer_jax.bench.{argv[0]}")
     return module.main(argv[1:]) or 0

@@ -173,6 +173,18 @@ def existing_path(text: str) -> str:
     return text
 
 
+def checkpoint(text: str) -> str:
+    """A type: a checkpoint ``loading.locate`` recognises (a HF directory or a training run,
+    its ``checkpoints/`` or one step's directory; files only are read, no weights)."""
+    from transformer_jax.checkpoint import loading
+
+    try:
+        loading.locate(text)
+    except (OSError, ValueError) as e:  # FileNotFoundError, CheckpointError, a bad config
+        raise _fail(" ".join(str(e).split())) from None
+    return text
+
+
 def check_output_file(path: str | Path) -> None:
     """Raises ValueError unless ``path`` can be written as a file: not a directory, under a
     directory (or one that can be made) this process may write to, and if it exists, writable.

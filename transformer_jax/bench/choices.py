@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from transformer_jax import decode
+from transformer_jax.bench import args as a
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.transformer import init_params
 from transformer_jax.serving import Engine, SamplingParams
@@ -29,18 +30,39 @@ from transformer_jax.serving import Engine, SamplingParams
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="transformer-jax bench choices", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="decode_25m", help="model preset (random weights)")
-    p.add_argument("--prompt-lens", default="256,512", help="comma-separated prompt lengths")
-    p.add_argument("--n", type=int, default=4, help="choices per request")
-    p.add_argument("--max-tokens", type=int, default=1, help="tokens per choice")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds (median taken)")
-    p.add_argument("--slots", type=int, default=8)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--token-budget", type=int, default=None,
+    p.add_argument("--config", type=a.model_config, default="decode_25m",
+                   help="model preset (random weights)")
+    p.add_argument("--prompt-lens", type=a.int_list(1), default=[256, 512],
+                   help="comma-separated prompt lengths")
+    p.add_argument("--n", type=a.int_at_least(2), default=4, help="choices per request")
+    p.add_argument("--max-tokens", type=a.positive_int, default=1, help="tokens per choice")
+    p.add_argument("--rounds", type=a.positive_int, default=5,
+                   help="timed rounds (median taken)")
+    p.add_argument("--slots", type=a.positive_int, default=8)
+    p.add_argument("--page-size", type=a.positive_int, default=16)
+    p.add_argument("--token-budget", type=a.positive_int, default=None,
                    help="default: slots + the longest prompt (one chunk per prompt)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--seed", type=a.nonnegative_int, default=0)
+    p.add_argument("--json", type=a.output_file, default=None,
+                   help="also write the results to this file")
     return p
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
+               config: ModelConfig) -> None:
+    """Refuses (``parser.error``: one line, exit 2) what the engine would refuse after the
+    weights are made: more choices than slots, a budget of no more than the slots, a prompt
+    and its tokens beyond the model's ``max_seq_len``."""
+    if args.n > args.slots:
+        parser.error(f"argument --n: must be <= --slots ({args.slots}), got {args.n}")
+    if args.token_budget is not None and args.token_budget <= args.slots:
+        parser.error(f"argument --token-budget: must exceed --slots ({args.slots}): each step "
+                     f"decodes one token per slot, got {args.token_budget}")
+    need = max(args.prompt_lens) + args.max_tokens
+    if need > config.max_seq_len:
+        parser.error(f"argument --prompt-lens: the longest prompt ({max(args.prompt_lens)}) "
+                     f"and --max-tokens ({args.max_tokens}) need {need} positions, more than "
+                     f"{args.config}'s max_seq_len {config.max_seq_len}")
 
 
 def _timed(engine: Engine, prompt: list[int], n: int, max_tokens: int, seed: int) -> float:
@@ -55,11 +77,11 @@ def _timed(engine: Engine, prompt: list[int], n: int, max_tokens: int, seed: int
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    lengths = [int(x) for x in args.prompt_lens.split(",")]
-    if args.n < 2 or args.n > args.slots:
-        raise SystemExit(f"--n must be in [2, --slots={args.slots}], got {args.n}")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    lengths = args.prompt_lens
     config = ModelConfig.preset(args.config)
+    check_args(parser, args, config)
     weights = decode.prepare(config, init_params(config, jax.random.key(args.seed)))
     longest = max(lengths)
     budget = args.token_budget or args.slots + longest

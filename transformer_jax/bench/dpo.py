@@ -9,7 +9,8 @@ step, exactly the pairs of our step (a batch sampler over our order, TRL's own c
 Ours is the ``train.preference.DPO`` objective's step on packed rows with the first-pass
 reference. Prints the config, both losses at every logged step and the largest gap.
 
-Run: ``python -m transformer_jax.bench.dpo [--steps 60] [--lr 1e-3]``.
+Run: ``python -m transformer_jax.bench.dpo [--steps 60] [--lr 1e-3] [--pairs-per-step N]``
+(N pairs a step, ``train.pairs_per_step``: TRL's batch size; default 4 packed rows a step).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import jax
 import numpy as np
 
 from transformer_jax import hf
+from transformer_jax.bench import args as arg_types
 from transformer_jax.data.instruct_records import Example
-from transformer_jax.data.preference import PairBatches, pack_pairs
+from transformer_jax.data.preference import PairBatches, group_pairs, pack_pairs
 from transformer_jax.parallel import sharding as sharding_lib
 from transformer_jax.train.config import TrainConfig
 from transformer_jax.train.preference import reference_pass
@@ -100,11 +102,15 @@ def trl_curve(model_dir: str, order: list[list[int]], pairs, args: argparse.Name
 def main(argv: list[str] | None = None) -> int:
     """Runs both curves; prints per-step losses and the max gap as JSON on the last line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--beta", type=float, default=0.1)
-    parser.add_argument("--pairs", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=4, help="packed rows per step")
+    parser.add_argument("--steps", type=arg_types.positive_int, default=60)
+    parser.add_argument("--lr", type=arg_types.positive_float(), default=1e-3)
+    parser.add_argument("--beta", type=arg_types.positive_float(), default=0.1)
+    parser.add_argument("--pairs", type=arg_types.positive_int, default=64)
+    parser.add_argument("--batch-size", type=arg_types.positive_int, default=4,
+                        help="packed rows per step (without --pairs-per-step)")
+    parser.add_argument("--pairs-per-step", type=arg_types.nonnegative_int, default=0,
+                        help="N > 0: exactly N pairs a step (train.pairs_per_step), TRL's "
+                             "batch; 0: --batch-size packed rows")
     args = parser.parse_args(argv)
     import torch
     import transformers
@@ -120,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     config, params = hf.load(Path(tmp) / "model", dtype="float32")
     pairs = make_pairs(args.pairs)
     packed = pack_pairs(pairs, seq_len=47)
+    if args.pairs_per_step:  # as train.pairs_per_step: grouped by step, the rows they take
+        packed = group_pairs(packed, args.pairs_per_step, seed=0)
+        args.batch_size = packed.step_rows
     tc = TrainConfig(objective="dpo", dpo_beta=args.beta, batch_size=args.batch_size,
                      seq_len=47, steps=args.steps, lr=args.lr, min_lr=args.lr, warmup_steps=0,
                      weight_decay=0.0, grad_clip=0.0, b1=0.9, b2=0.95, eps=1e-8)
@@ -144,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         raise RuntimeError(f"TRL logged {len(theirs)} losses for {len(ours)} steps")
     gaps = [abs(a - b) for a, b in zip(ours, theirs, strict=True)]
     print(f"config: tiny Llama (vocab {VOCAB}, d_model 32, 2 layers, 4 heads / 2 kv), "
-          f"{args.pairs} random pairs packed into {packed.rows.num_rows} rows (seq_len 47), "
+          f"{args.pairs} random pairs packed into {packed.rows.num_rows} rows (seq_len 47"
+          f"{'; grouped by step' if packed.step_rows else ''}), "
           f"batch {tc.batch_size} rows/step ({min(map(len, order))}-{max(map(len, order))} "
           f"pairs), AdamW lr {args.lr} constant, beta {args.beta}; float32 on "
           f"{jax.devices()[0].platform} ({len(jax.devices())} device) vs TRL on torch CPU")

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from transformer_jax.bench import args as a
+
 WORDS = ("the of and to in is was for on as with by at from his her they this that which "
          "time year people way day man thing woman life child world school state family "
          "student group country problem hand part place case week company system program "
@@ -63,25 +65,38 @@ def write_checkpoint(directory: Path, args: argparse.Namespace, corpus: list[str
     transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
 
 
+def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses (``parser.error``) a Llama shape ``write_checkpoint`` cannot build: heads that do
+    not divide ``--d-model`` into even head sizes, kv heads that do not divide the heads."""
+    if args.d_model % args.heads or args.d_model // args.heads % 2:
+        parser.error(f"argument --heads: must divide --d-model ({args.d_model}) into heads of "
+                     f"an even size (rotary embeddings), got {args.heads}")
+    if args.heads % args.kv_heads:
+        parser.error(f"argument --kv-heads: must divide --heads ({args.heads}), got "
+                     f"{args.kv_heads}")
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="transformer-jax bench eval",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--docs", type=int, default=200, help="questions (default: %(default)s)")
-    p.add_argument("--choices", type=int, default=4, help="choices per question "
+    positive = a.positive_int
+    p.add_argument("--docs", type=positive, default=200, help="questions (default: %(default)s)")
+    p.add_argument("--choices", type=a.int_at_least(2), default=4, help="choices per question "
                    "(default: %(default)s)")
-    p.add_argument("--d-model", type=int, default=256, help="(default: %(default)s)")
-    p.add_argument("--d-ff", type=int, default=0, help="(default: 4 x d-model)")
-    p.add_argument("--layers", type=int, default=4, help="(default: %(default)s)")
-    p.add_argument("--heads", type=int, default=8, help="(default: %(default)s)")
-    p.add_argument("--kv-heads", type=int, default=4, help="(default: %(default)s)")
-    p.add_argument("--vocab", type=int, default=2000, help="BPE vocabulary "
+    p.add_argument("--d-model", type=positive, default=256, help="(default: %(default)s)")
+    p.add_argument("--d-ff", type=a.nonnegative_int, default=0, help="(default: 4 x d-model)")
+    p.add_argument("--layers", type=positive, default=4, help="(default: %(default)s)")
+    p.add_argument("--heads", type=positive, default=8, help="(default: %(default)s)")
+    p.add_argument("--kv-heads", type=positive, default=4, help="(default: %(default)s)")
+    p.add_argument("--vocab", type=positive, default=2000, help="BPE vocabulary "
                    "(default: %(default)s)")
-    p.add_argument("--max-len", type=int, default=512, help="the model's window "
+    p.add_argument("--max-len", type=positive, default=512, help="the model's window "
                    "(default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=8, help="our packed rows per forward and "
-                   "the hf backend's requests per batch (default: %(default)s)")
+    p.add_argument("--batch-size", type=positive, default=8, help="our packed rows per forward "
+                   "and the hf backend's requests per batch (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    check_model_args(p, args)
 
     import torch
     from lm_eval.models.huggingface import HFLM

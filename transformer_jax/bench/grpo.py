@@ -24,12 +24,16 @@ import argparse
 import json
 import logging
 import os
+import signal
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from transformer_jax.bench import args as arg_types
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -149,13 +153,10 @@ def logprob_gap(run_dir: Path, prompts_file: Path, args: argparse.Namespace) -> 
     return float(np.abs(ours[mask] - batch["old_logps"][mask]).max())
 
 
-def ours(model_dir: Path, prompts: Path, run_dir: Path, steps: int, args: argparse.Namespace,
-         lr: float, ckpt_every: int) -> list[dict]:
-    """Our GRPO run from ``model_dir``; its metrics records."""
-    from transformer_jax.train.config import build_configs
-    from transformer_jax.train.run import run
-
-    model, train, data = build_configs("grpo", [
+def grpo_overrides(model_dir: Path, prompts: Path, run_dir: Path, steps: int,
+                   args: argparse.Namespace, lr: float, ckpt_every: int) -> list[str]:
+    """The ``grpo`` preset's overrides of our GRPO run from ``model_dir``."""
+    return [
         f"train.init_from={model_dir}", f"data.path={prompts}", f"train.run_dir={run_dir}",
         "train.reward=transformer_jax.bench.grpo:exact_match", f"train.steps={steps}",
         f"train.batch_size={args.prompts * args.group}", f"train.grpo_group_size={args.group}",
@@ -163,8 +164,73 @@ def ours(model_dir: Path, prompts: Path, run_dir: Path, steps: int, args: argpar
         f"train.min_lr={lr}", f"train.grpo_kl_beta={args.beta}", f"train.seed={args.seed}",
         f"train.warmup_steps={min(args.warmup, steps - 1)}",
         f"train.ckpt_every={ckpt_every}", "train.log_every=10", "train.mesh=1,1,1",
-        f"train.grad_accum={args.grad_accum}"])
-    run(model, train, data, progress=False)
+        f"train.grad_accum={args.grad_accum}"]
+
+
+def sft_overrides(root: Path, sft_file: Path, args: argparse.Namespace) -> list[str]:
+    """The ``finetune`` preset's overrides of the SFT run before GRPO."""
+    return [f"train.init_from={root / 'hf'}", f"data.path={sft_file}",
+            f"train.run_dir={root / 'sft'}", f"train.steps={args.sft_steps}",
+            "train.batch_size=32", "train.seq_len=32", f"train.lr={args.sft_lr}",
+            f"train.min_lr={args.sft_lr / 10}", "train.warmup_steps=10", "train.eval_every=0",
+            "train.sample_tokens=0", "data.val_fraction=0", "train.mesh=1,1,1",
+            f"train.ckpt_every={args.sft_steps}", "train.weight_decay=0"]
+
+
+def check_runs(args: argparse.Namespace, skip: set[str]) -> None:
+    """Builds the configs of every run the benchmark will start (checkpoint paths left out:
+    they are written later), so that a setting they refuse is one error before any work.
+
+    Raises:
+      ConfigError: naming the setting (``train.grpo_group_size``, ``train.grad_accum``, ...).
+    """
+    from transformer_jax.train.config import build_configs
+
+    here = Path("unused")
+    without_paths = lambda overrides: [o for o in overrides  # noqa: E731
+                                       if not o.startswith("train.init_from=")]
+    if "learn" not in skip:
+        build_configs("finetune", without_paths(sft_overrides(here, here, args)))
+        build_configs("grpo", without_paths(grpo_overrides(here, here, here, args.steps, args,
+                                                           args.lr, args.steps)))
+    if "speed" not in skip:
+        build_configs("grpo", without_paths(grpo_overrides(here, here, here, args.speed_steps,
+                                                           args, args.lr, 10**6)))
+
+
+class Stopped(Exception):
+    """One of the benchmark's runs was stopped by SIGTERM/SIGINT (``RunSummary.interrupted``)."""
+
+    def __init__(self, what: str, summary: Any, planned: int,
+                 records: list[dict] | None = None) -> None:
+        super().__init__(f"{what} stopped by {summary.interrupted} after "
+                         f"{summary.final_step} of {planned} steps")
+        self.what, self.summary, self.records = what, summary, records or []
+
+
+def train(preset: str, overrides: list[str], what: str, planned: int) -> Any:
+    """``train.run`` of ``preset`` with ``overrides``; its summary.
+
+    Raises:
+      Stopped: the run was stopped by a signal (a checkpoint of its last step saved).
+    """
+    from transformer_jax.train.config import build_configs
+    from transformer_jax.train.run import run
+
+    model, train_config, data = build_configs(preset, overrides)
+    summary = run(model, train_config, data, progress=False)
+    if summary.interrupted:
+        records = [json.loads(line) for line in
+                   (Path(train_config.run_dir) / "metrics.jsonl").read_text().splitlines()]
+        raise Stopped(what, summary, planned, records)
+    return summary
+
+
+def ours(model_dir: Path, prompts: Path, run_dir: Path, steps: int, args: argparse.Namespace,
+         lr: float, ckpt_every: int, what: str = "GRPO") -> list[dict]:
+    """Our GRPO run from ``model_dir``; its metrics records (``Stopped`` by a signal)."""
+    train("grpo", grpo_overrides(model_dir, prompts, run_dir, steps, args, lr, ckpt_every),
+          what, steps)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -211,85 +277,132 @@ def trl_step_times(model_dir: Path, records: list[dict], args: argparse.Namespac
     return times
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the benchmark; prints the figures."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--max-operand", type=int, default=10)
-    parser.add_argument("--sft-steps", type=int, default=60)
-    parser.add_argument("--sft-lr", type=float, default=3e-3)
-    parser.add_argument("--steps", type=int, default=600, help="GRPO steps of the learning run")
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
-    parser.add_argument("--group", type=int, default=8, help="G")
-    parser.add_argument("--max-tokens", type=int, default=4)
+#: What ``--skip`` may name.
+PHASES = ("learn", "speed")
+
+
+def phases(text: str) -> set[str]:
+    """A type: comma-separated ``PHASES`` (or none)."""
+    names = {p.strip() for p in text.split(",") if p.strip()}
+    unknown = sorted(names - set(PHASES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"must be comma-separated phases among "
+                                         f"{', '.join(PHASES)}, got {', '.join(unknown)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's arguments, each checked when parsed (``bench.args``)."""
+    parser = argparse.ArgumentParser(prog="transformer-jax bench grpo",
+                                     description=__doc__.split("\n\n")[0])
+    positive, rate = arg_types.positive_int, arg_types.positive_float()
+    parser.add_argument("--max-operand", type=positive, default=10)
+    parser.add_argument("--sft-steps", type=positive, default=60)
+    parser.add_argument("--sft-lr", type=rate, default=3e-3)
+    parser.add_argument("--steps", type=positive, default=600,
+                        help="GRPO steps of the learning run")
+    parser.add_argument("--lr", type=rate, default=5e-4)
+    parser.add_argument("--prompts", type=positive, default=32, help="prompts per step")
+    parser.add_argument("--group", type=arg_types.int_at_least(2), default=8, help="G")
+    parser.add_argument("--max-tokens", type=positive, default=4)
     parser.add_argument("--beta", type=float, default=0.04)
-    parser.add_argument("--warmup", type=int, default=10, help="GRPO lr warmup steps")
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--eval-samples", type=int, default=16)
-    parser.add_argument("--speed-steps", type=int, default=8)
-    parser.add_argument("--grad-accum", type=int, default=1,
+    parser.add_argument("--warmup", type=arg_types.nonnegative_int, default=10,
+                        help="GRPO lr warmup steps")
+    parser.add_argument("--width", type=positive, default=64, help="a multiple of 4 (heads)")
+    parser.add_argument("--layers", type=positive, default=2)
+    parser.add_argument("--eval-samples", type=positive, default=16)
+    parser.add_argument("--speed-steps", type=arg_types.int_at_least(2), default=8,
+                        help="the first (compiling) step is left out of the timing")
+    parser.add_argument("--grad-accum", type=positive, default=1,
                         help="micro-batches per update, ours and TRL's alike (one generation "
                              "of the whole batch per step either way)")
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--rounds", type=positive, default=2,
                         help="speed: run ours and TRL this many times each, alternating")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip", default="", help="comma-separated: learn, speed")
+    parser.add_argument("--seed", type=arg_types.nonnegative_int, default=0)
+    parser.add_argument("--skip", type=phases, default=set(),
+                        help=f"comma-separated phases to skip: {', '.join(PHASES)}")
     parser.add_argument("--dir", default="", help="work directory (default: a temporary one)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark; prints the figures. A run stopped by SIGTERM/SIGINT ends the
+    benchmark there: the steps that ran are reported (JSON ``interrupted``) and the exit status
+    is 128 + the signal's number."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.width % 4 or args.width // 4 % 2:
+        parser.error(f"argument --width: must be a multiple of 8 (4 heads of an even size), got "
+                     f"{args.width}")
+    if args.prompts * args.group % args.grad_accum:
+        parser.error(f"argument --grad-accum: must divide the batch, --prompts x --group = "
+                     f"{args.prompts * args.group}, got {args.grad_accum}")
+    skip = args.skip
+    try:
+        check_runs(args, skip)
+    except ValueError as e:  # ConfigError: the setting named
+        parser.error(" ".join(str(e).split()))
     logging.basicConfig(level=logging.WARNING)
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_grpo_"))
     root.mkdir(parents=True, exist_ok=True)
-    skip = set(filter(None, args.skip.split(",")))
+    result: dict = {}
+    try:
+        return measure(args, skip, root, result)
+    except Stopped as e:
+        print(f"{e}; the benchmark stops here")
+        if e.what == "GRPO":
+            curve = [round(m["reward_mean"], 3) for m in e.records if "reward_mean" in m]
+            print(f"rollout reward per step: {curve}")
+            result.update(steps=e.summary.final_step, curve=curve)
+        result.update(interrupted=e.summary.interrupted, stopped_in=e.what,
+                      stopped_at_step=e.summary.final_step)
+        print(json.dumps(result))
+        return 128 + signal.Signals[e.summary.interrupted].value
+
+
+def measure(args: argparse.Namespace, skip: set[str], root: Path, result: dict) -> int:
+    """The benchmark's phases (``main``'s), filling ``result``."""
     write_model(root / "hf", args)
     sft_file, prompts, records = make_task(root, args.max_operand)
     print(f"task: {len(records)} prompts a+b= (a, b < {args.max_operand}), exact match; model "
           f"Llama {args.layers} layers x {args.width}, vocab 19, float32, CPU; GRPO "
           f"{args.prompts} prompts x G={args.group} per step, max {args.max_tokens} tokens, "
           f"temperature 1, beta {args.beta}, clip 0.2, token (DAPO) loss, lr {args.lr}")
-    result: dict = {"prompts": len(records), "group": args.group, "batch": args.prompts *
-                    args.group, "max_tokens": args.max_tokens}
+    result.update({"prompts": len(records), "group": args.group, "batch": args.prompts *
+                   args.group, "max_tokens": args.max_tokens})
     if "learn" not in skip:
-        from transformer_jax.train.config import build_configs
-        from transformer_jax.train.run import run
-
         start = time.perf_counter()
-        model, train, data = build_configs("finetune", [
-            f"train.init_from={root / 'hf'}", f"data.path={sft_file}",
-            f"train.run_dir={root / 'sft'}", f"train.steps={args.sft_steps}",
-            "train.batch_size=32", "train.seq_len=32", f"train.lr={args.sft_lr}",
-            f"train.min_lr={args.sft_lr / 10}", "train.warmup_steps=10", "train.eval_every=0",
-            "train.sample_tokens=0", "data.val_fraction=0", "train.mesh=1,1,1",
-            f"train.ckpt_every={args.sft_steps}", "train.weight_decay=0"])
-        run(model, train, data, progress=False)
+        train("finetune", sft_overrides(root, sft_file, args), "SFT", args.sft_steps)
         sft_s = time.perf_counter() - start
         before = evaluate(root / "sft", prompts, args.eval_samples, args.max_tokens, 1)
         print(f"SFT {args.sft_steps} steps ({sft_s:.0f} s): reward sampled {before[0]:.3f}, "
               f"greedy {before[1]:.3f}")
+        result.update(sft_steps=args.sft_steps, sft_s=round(sft_s, 1), reward_before=before[0],
+                      greedy_before=before[1])
         start = time.perf_counter()
         metrics = ours(root / "sft", prompts, root / "grpo", args.steps, args, args.lr,
                        args.steps)
         grpo_s = time.perf_counter() - start
         after = evaluate(root / "grpo", prompts, args.eval_samples, args.max_tokens, 2)
         curve = [round(m["reward_mean"], 3) for m in metrics]
-        print(f"GRPO {args.steps} steps ({grpo_s:.0f} s): reward sampled {before[0]:.3f} -> "
+        print(f"GRPO {len(metrics)} steps ({grpo_s:.0f} s): reward sampled {before[0]:.3f} -> "
               f"{after[0]:.3f}, greedy {before[1]:.3f} -> {after[1]:.3f}")
         print(f"rollout reward per step: {curve}")
         refresh = [m["time/refresh_share"] for m in metrics[1:]]
-        print(f"weight refresh share of a step (steps 2+): median "
-              f"{100 * statistics.median(refresh):.2f}%, max {100 * max(refresh):.2f}%")
+        if refresh:
+            print(f"weight refresh share of a step (steps 2+): median "
+                  f"{100 * statistics.median(refresh):.2f}%, max {100 * max(refresh):.2f}%")
         gap = logprob_gap(root / "grpo", prompts, args)
         print(f"engine vs trainer log-probs (float32), largest gap over a rollout: {gap:.2e}")
-        result.update(logprob_gap=gap, sft_steps=args.sft_steps, sft_s=round(sft_s, 1),
-                      steps=args.steps,
-                      grpo_s=round(grpo_s, 1), reward_before=before[0], reward_after=after[0],
-                      greedy_before=before[1], greedy_after=after[1], curve=curve,
-                      refresh_share_median=statistics.median(refresh))
+        result.update(logprob_gap=gap, steps=len(metrics), grpo_s=round(grpo_s, 1),
+                      reward_after=after[0], greedy_after=after[1], curve=curve,
+                      refresh_share_median=statistics.median(refresh) if refresh else None)
     if "speed" not in skip:
         n = args.speed_steps
         our_times, trl_times, refresh, rollout, rounds = [], [], [], [], []
         for r in range(args.rounds):
-            metrics = ours(root / "hf", prompts, root / f"speed{r}", n, args, args.lr, 10**6)
+            metrics = ours(root / "hf", prompts, root / f"speed{r}", n, args, args.lr, 10**6,
+                           what=f"speed round {r + 1}")
             mine = [m["time/step_s"] for m in metrics[1:]]
             theirs = trl_step_times(root / "hf", records, args, root / f"trl{r}")[1:]
             refresh += [m["time/refresh_share"] for m in metrics[1:]]
@@ -314,7 +427,6 @@ def main(argv: list[str] | None = None) -> int:
                       speed_refresh_share=float(np.mean(refresh)))
     print(json.dumps(result))
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

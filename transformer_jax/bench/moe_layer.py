@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.bench.args import positive_float, positive_int
 from transformer_jax.model.fields import MoE
 from transformer_jax.model.layers import MLP
 from transformer_jax.model.moe import SparseFFN
@@ -36,15 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="time one MoE layer against a dense FFN of the same active FLOPs")
     g.add_argument("--impls", default="dense,ragged,gather,tiled",
                    help="moe_impl values to time, comma-separated")
-    g.add_argument("--tokens", type=int, default=2048, help="N, tokens of the batch (B*T)")
-    g.add_argument("--d-model", type=int, default=512, help="D")
-    g.add_argument("--expert-ff", type=int, default=1024, help="F, one expert's width")
-    g.add_argument("--experts", type=int, default=8, help="E")
-    g.add_argument("--top-k", type=int, default=2, help="k (the dense FFN's width is k F)")
+    g.add_argument("--tokens", type=positive_int, default=2048, help="N, tokens of the batch (B*T)")
+    g.add_argument("--d-model", type=positive_int, default=512, help="D")
+    g.add_argument("--expert-ff", type=positive_int, default=1024, help="F, one expert's width")
+    g.add_argument("--experts", type=positive_int, default=8, help="E")
+    g.add_argument("--top-k", type=positive_int, default=2, help="k (the dense FFN's width is k F)")
     g.add_argument("--compile-experts", default="8,64",
                    help="the two E of the compile-time comparison ('' skips it)")
-    g.add_argument("--repeats", type=int, default=5, help="timed runs (the median counts)")
-    g.add_argument("--gather-max-gib", type=float, default=2.0,
+    g.add_argument("--repeats", type=positive_int, default=5, help="timed runs (the median counts)")
+    g.add_argument("--gather-max-gib", type=positive_float(allow_inf=True), default=2.0,
                    help="skip 'gather' when its [N, k, D, F] gathered weights exceed this")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
 

@@ -21,9 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from transformer_jax.bench.eval import write_checkpoint
+from transformer_jax.bench import args as a
+from transformer_jax.bench.eval import check_model_args, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The runs' learning-rate warmup steps.
+WARMUP = 10
 
 
 def corpus(path: Path, words: int, seed: int) -> list[str]:
@@ -37,6 +40,17 @@ def corpus(path: Path, words: int, seed: int) -> list[str]:
     return lines
 
 
+def finetune_overrides(hf: Path, data: Path, run: Path, args: argparse.Namespace,
+                       extra: list[str]) -> list[str]:
+    """The ``finetune`` preset's overrides of one LoRA run."""
+    return [f"train.init_from={hf}", f"data.path={data}", f"train.lora_rank={args.rank}",
+            f"train.steps={args.steps}", f"train.seq_len={args.seq_len}",
+            "train.batch_size=8", "train.grad_accum=1", f"train.lr={args.lr}",
+            f"train.min_lr={args.lr / 10}", f"train.warmup_steps={WARMUP}",
+            f"train.eval_every={args.steps // 2}", "train.eval_batches=4",
+            f"train.ckpt_every={args.steps}", f"train.run_dir={run}", *extra]
+
+
 def finetune(hf: Path, data: Path, run: Path, args: argparse.Namespace, extra: list[str]
              ) -> dict[str, Any]:
     """One LoRA run; its losses and the bytes of the base it saved."""
@@ -46,12 +60,7 @@ def finetune(hf: Path, data: Path, run: Path, args: argparse.Namespace, extra: l
 
     start = time.perf_counter()
     command = [sys.executable, str(ROOT / "train.py"), "--no-progress", "--config", "finetune",
-               f"train.init_from={hf}", f"data.path={data}", f"train.lora_rank={args.rank}",
-               f"train.steps={args.steps}", f"train.seq_len={args.seq_len}",
-               "train.batch_size=8", "train.grad_accum=1", f"train.lr={args.lr}",
-               f"train.min_lr={args.lr / 10}", "train.warmup_steps=10",
-               f"train.eval_every={args.steps // 2}", "train.eval_batches=4",
-               f"train.ckpt_every={args.steps}", f"train.run_dir={run}", *extra]
+               *finetune_overrides(hf, data, run, args, extra)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if done.returncode:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
@@ -65,26 +74,52 @@ def finetune(hf: Path, data: Path, run: Path, args: argparse.Namespace, extra: l
             "seconds": time.perf_counter() - start}
 
 
+def check_runs(args: argparse.Namespace) -> None:
+    """Builds the two runs' configs (the checkpoint and corpus left out: written later), so
+    that a setting they refuse (``--quant``, ``--steps`` within the warmup, ...) is one error
+    before the checkpoint is written.
+
+    Raises:
+      ConfigError: naming the setting.
+    """
+    from transformer_jax.train.config import build_configs
+
+    here = Path("unused")
+    for extra in ([], [f"train.lora_base_quant={args.quant}"]):
+        build_configs("finetune", [o for o in finetune_overrides(here, here, here, args, extra)
+                                   if not o.startswith("train.init_from=")])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="transformer-jax bench qlora",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--hf", default=None, help="an existing HF checkpoint (default: write one)")
-    p.add_argument("--quant", default="nf4", help="train.lora_base_quant (int8, int4, nf4)")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--d-ff", type=int, default=704)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--words", type=int, default=400, help="distinct words of the corpus")
-    p.add_argument("--vocab", type=int, default=1000, help="the BPE tokenizer's vocabulary")
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    positive = a.positive_int
+    p.add_argument("--hf", type=a.checkpoint, default=None,
+                   help="an existing HF checkpoint (default: write one)")
+    p.add_argument("--quant", type=a.quant_scheme, default="nf4",
+                   help="train.lora_base_quant (int8, int4, nf4, int4:G, nf4:G)")
+    p.add_argument("--d-model", type=positive, default=256)
+    p.add_argument("--d-ff", type=positive, default=704)
+    p.add_argument("--layers", type=positive, default=4)
+    p.add_argument("--heads", type=positive, default=4)
+    p.add_argument("--kv-heads", type=positive, default=2)
+    p.add_argument("--words", type=positive, default=400, help="distinct words of the corpus")
+    p.add_argument("--vocab", type=positive, default=1000, help="the BPE tokenizer's vocabulary")
+    p.add_argument("--rank", type=positive, default=8)
+    p.add_argument("--steps", type=a.int_at_least(WARMUP + 1), default=200,
+                   help=f"(more than the {WARMUP} warmup steps)")
+    p.add_argument("--seq-len", type=positive, default=128)
+    p.add_argument("--lr", type=a.positive_float(), default=3e-3)
+    p.add_argument("--seed", type=a.nonnegative_int, default=0)
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
-    p.add_argument("--json", default=None, help="write the results to this file")
+    p.add_argument("--json", type=a.output_file, default=None,
+                   help="write the results to this file")
     args = p.parse_args(argv)
+    check_model_args(p, args)
+    try:
+        check_runs(args)
+    except ValueError as e:  # ConfigError: the setting named
+        p.error(" ".join(str(e).split()))
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-qlora-"))
     work.mkdir(parents=True, exist_ok=True)
     hf = Path(args.hf) if args.hf else work / "hf"

@@ -224,17 +224,33 @@ def describe(config: Any, params: Any) -> str:
             f"{count / 1e6:.1f}M parameters")
 
 
+#: The decoding modes the benchmark compares.
+MODES = ("plain", "ngram", "draft")
+
+
+def mode_list(text: str) -> list[str]:
+    """A type: comma-separated ``MODES``, each once (at least one)."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names or set(names) - set(MODES) or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"must be comma-separated modes among "
+                                         f"{', '.join(MODES)}, each once, got {text!r}")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     a = args_lib
     p = argparse.ArgumentParser(prog="transformer-jax bench speculative",
                                 description=__doc__.split("\n\n")[0])
     target = p.add_mutually_exclusive_group()
-    target.add_argument("--checkpoint", help="the target (a run or HF directory)")
+    target.add_argument("--checkpoint", type=a.checkpoint,
+                        help="the target (a run or HF directory)")
     target.add_argument("--config", type=a.model_config, help="a target of this preset or "
                         "TOML with random weights (its outputs repeat: the loop's cost at an "
                         "acceptance near 1; random prompts)")
-    p.add_argument("--draft", help="a draft model's run or HF directory (the draft mode)")
-    p.add_argument("--text", help="a text file the prompts are cut from (default: random ids)")
+    p.add_argument("--draft", type=a.checkpoint,
+                   help="a draft model's run or HF directory (the draft mode)")
+    p.add_argument("--text", type=a.existing_file,
+                   help="a text file the prompts are cut from (default: random ids)")
     p.add_argument("--workload", choices=("repeat", "free"), default="repeat")
     p.add_argument("--requests", type=a.positive_int, default=6)
     p.add_argument("--passage", type=a.positive_int, default=160)
@@ -243,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=a.positive_int, default=4, help="tokens proposed per step")
     p.add_argument("--ngram-k", type=a.positive_int, default=None,
                    help="the n-gram mode's k (default: --k)")
-    p.add_argument("--modes", default=None, help="comma list of plain, ngram, draft (default: "
-                   "plain,ngram, and draft with --draft)")
+    p.add_argument("--modes", type=mode_list, default=None, help="comma list of plain, ngram, "
+                   "draft (default: plain,ngram, and draft with --draft)")
     p.add_argument("--seed", type=a.nonnegative_int, default=0)
     p.add_argument("--json", type=a.output_file, default=None)
     p.add_argument("--write-copy-corpus", metavar="FILE", type=a.output_file, default=None,
@@ -290,7 +306,8 @@ def main(argv: list[str]) -> int:
     from transformer_jax.model.transformer import init_params
     from transformer_jax.tokenizer.prompt import adds_bos
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.write_copy_corpus:
         if not args.text:
             raise SystemExit("--write-copy-corpus needs --text")
@@ -328,10 +345,15 @@ def main(argv: list[str]) -> int:
         print(f"wrote {written:,} records to {args.write_distill_sft}")
         return 0
     if not (args.checkpoint or args.config):
-        raise SystemExit("give the target: --checkpoint RUN or --config NAME")
-    modes = (args.modes or ("plain,ngram,draft" if args.draft else "plain,ngram")).split(",")
+        parser.error("give the target: --checkpoint RUN or --config NAME")
+    modes = args.modes or (["plain", "ngram", "draft"] if args.draft else ["plain", "ngram"])
     if "draft" in modes and not args.draft:
-        raise SystemExit("the draft mode needs --draft")
+        parser.error("argument --modes: the draft mode needs --draft")
+    if args.text and not args.checkpoint:
+        parser.error("argument --text: needs the target's tokenizer: give --checkpoint")
+    if args.workload == "repeat" and args.lead > args.passage:
+        parser.error(f"argument --lead: must be at most --passage ({args.passage}), got "
+                     f"{args.lead}")
     if args.checkpoint:
         loaded = load(args.checkpoint)
         config, params, tokenizer = loaded.config, loaded.params, loaded.tokenizer

@@ -26,6 +26,7 @@ import time
 import jax
 import numpy as np
 
+from transformer_jax.bench import args as a
 from transformer_jax.bench import moe_layer
 from transformer_jax.parallel import sharding as sharding_lib
 from transformer_jax.parallel.sharding import configure_cpu_devices
@@ -43,11 +44,13 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="transformer-jax bench train",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="tiny", help="preset name or TOML path")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
-    parser.add_argument("--peak-size", type=int, default=1024, help="n of the n x n matmul")
+    parser.add_argument("--steps", type=a.positive_int, default=20, help="timed steps")
+    parser.add_argument("--warmup", type=a.nonnegative_int, default=3,
+                        help="untimed steps after compiling")
+    parser.add_argument("--peak-size", type=a.positive_int, default=1024,
+                        help="n of the n x n matmul")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--cpu-devices", type=int, default=0, metavar="N",
+    parser.add_argument("--cpu-devices", type=a.nonnegative_int, default=0, metavar="N",
                         help="CPU devices for data parallelism, as train.py (0: per core)")
     parser.add_argument("--no-fast-math", action="store_true",
                         help="keep XLA's exact CPU math (train.py's default is fast math)")

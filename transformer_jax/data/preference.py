@@ -74,11 +74,19 @@ class PreferenceRows:
         pair k of a row is segments 2k + 1 and 2k + 2).
       pair_ids: [R, M] int32, the index of each row's k-th pair among all pairs, -1 for none.
       num_pairs: how many pairs the files gave (pair ids run over ``range(num_pairs)``).
+      step_rows: 0, or S when the rows are grouped by step (``group_pairs``): rows
+        ``[g S, (g + 1) S)`` hold group g's pairs, and a batch is one group.
     """
 
     rows: PackedData
     pair_ids: np.ndarray
     num_pairs: int
+    step_rows: int = 0
+
+    @property
+    def row_pairs(self) -> np.ndarray:
+        """[R] how many pairs each row holds."""
+        return (self.pair_ids >= 0).sum(axis=1)
 
     @property
     def pairs_per_row(self) -> int:
@@ -86,7 +94,7 @@ class PreferenceRows:
         return self.pair_ids.shape[1]
 
     def take(self, index: np.ndarray) -> PreferenceRows:
-        """The rows ``index`` (in that order)."""
+        """The rows ``index`` (in that order; not grouped by step)."""
         r = self.rows
         segment_ids = r.segment_ids[index]
         rows = PackedData(r.tokens[index], segment_ids, r.positions[index],
@@ -298,6 +306,69 @@ def pack_pairs(pairs: Sequence[tuple[Example, Example]], seq_len: int, pad_id: i
     return PreferenceRows(packed, pair_ids, len(pairs))
 
 
+def group_pairs(data: PreferenceRows, pairs_per_step: int, seed: int, multiple: int = 1
+                ) -> PreferenceRows:
+    """The pairs of ``data`` grouped by step, so that a step trains on exactly
+    ``pairs_per_step`` pairs (TRL's batch) and the batches keep one shape.
+
+    The pairs (in pair-id order) are permuted once by ``seed`` and cut into groups of N =
+    ``pairs_per_step`` (the last holds the rest); each group is packed into rows of the same
+    length (``best_fit_rows``; both sides of a pair in one row, as ``pack_pairs``) and padded
+    with empty rows to S, the most rows a group takes rounded up to ``multiple`` (the
+    devices x micro-batches the batch splits over). Each epoch visits every group once
+    (``PairBatches``), so the groups, not the pairs, are reshuffled between epochs.
+
+    Returns:
+      Rows ``[g S, (g + 1) S)`` of group g, ``step_rows`` = S.
+
+    Raises:
+      ValueError: ``pairs_per_step`` or ``multiple`` below 1.
+    """
+    if pairs_per_step < 1 or multiple < 1:
+        raise ValueError(f"pairs_per_step ({pairs_per_step}) and multiple ({multiple}) must "
+                         "be >= 1")
+    rows = data.rows
+    capacity = rows.tokens.shape[1]
+    m = data.pair_ids.shape[1]
+    # Tokens of each (row, segment): a pair k spans segments 2k + 1 and 2k + 2, in order.
+    sizes = np.stack([np.bincount(seg, minlength=2 * m + 1) for seg in rows.segment_ids])
+    ends = np.cumsum(sizes[:, 1:], axis=1)  # [R, 2M]: where segment s + 1 ends
+    row, k = np.nonzero(data.pair_ids >= 0)
+    ids = data.pair_ids[row, k]
+    in_order = np.argsort(ids, kind="stable")
+    row, k, ids = row[in_order], k[in_order], ids[in_order]
+    start = np.where(k > 0, ends[row, np.maximum(2 * k - 1, 0)], 0)
+    length = ends[row, 2 * k + 1] - start
+    order = np.random.default_rng([seed, 0x9A125]).permutation(len(ids))
+    groups = [order[i:i + pairs_per_step] for i in range(0, len(order), pairs_per_step)]
+    layouts = [best_fit_rows(length[g].tolist(), capacity) for g in groups]
+    step_rows = -(-max(map(len, layouts)) // multiple) * multiple
+    width = max(len(members) for layout in layouts for members in layout)
+    shape = (len(groups) * step_rows, capacity)
+    pad = rows.tokens[rows.segment_ids == 0]  # pack_pairs' pad_id, where any row has room
+    tokens = np.full(shape, pad[0] if pad.size else 0, np.int32)
+    segment_ids, positions = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    loss_tokens = np.zeros(shape, bool)
+    pair_ids = np.full((shape[0], width), -1, np.int32)
+    for g, (group, layout) in enumerate(zip(groups, layouts, strict=True)):
+        for j, members in enumerate(layout):
+            out, at = g * step_rows + j, 0
+            for slot, item in enumerate(members):
+                p = group[item]
+                r, n, first = row[p], length[p], start[p]
+                span = slice(first, first + n)
+                tokens[out, at:at + n] = rows.tokens[r, span]
+                positions[out, at:at + n] = rows.positions[r, span]
+                loss_tokens[out, at:at + n] = rows.loss_tokens[r, span]
+                # Segment 2k + 1 / 2k + 2 of the source row becomes 2 slot + 1 / 2 slot + 2.
+                segment_ids[out, at:at + n] = rows.segment_ids[r, span] - 2 * (k[p] - slot)
+                pair_ids[out, slot] = ids[p]
+                at += n
+    packed = PackedData(tokens, segment_ids, positions, loss_tokens, 2 * len(ids),
+                        rows.num_truncated, rows.num_dropped)
+    return PreferenceRows(packed, pair_ids, data.num_pairs, step_rows)
+
+
 def load_preference_data(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                          tokenizer: TextTokenizer, seq_len: int) -> PreferenceRows:
     """Reads, tokenizes and packs JSONL preference files (see the module docstring)."""
@@ -349,13 +420,24 @@ class PairBatches(StepBatches):
 
     def __post_init__(self) -> None:
         self._check_split()
+        step_rows = self.data.step_rows
+        if step_rows and self.batch_size != step_rows:
+            raise ValueError(f"pairs grouped by step take {step_rows} rows a step, not "
+                             f"batch_size={self.batch_size}")
 
     def get(self, step: int) -> HostBatch:
-        """This process's part of the batch for ``step``: each key [B / P, ...]."""
-        rows = row_indices(self.seed, step, self.batch_size, self.data.rows.num_rows)
-        return pair_batch(self.data, self._mine(rows), self.reference)
+        """This process's part of the batch for ``step``: each key [B / P, ...]; pairs grouped
+        by step: the rows of group ``row_indices(seed, step, 1, groups)`` (each epoch visits
+        every group once)."""
+        data, size = self.data, self.batch_size
+        if data.step_rows:
+            group = row_indices(self.seed, step, 1, data.rows.num_rows // size)[0]
+            rows = group * size + np.arange(size)
+        else:
+            rows = row_indices(self.seed, step, size, data.rows.num_rows)
+        return pair_batch(data, self._mine(rows), self.reference)
 
 
 __all__ = ["PAIR_KEYS", "PairBatches", "PreferenceRows", "encode_answer", "fit_pair",
-           "is_preference_file", "load_pairs", "load_preference_data", "pack_pairs",
+           "group_pairs", "is_preference_file", "load_pairs", "load_preference_data", "pack_pairs",
            "pair_batch"]

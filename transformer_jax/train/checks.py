@@ -132,7 +132,8 @@ def check_config(model_config: ModelConfig, train_config: TrainConfig,
         raise ValueError(f"train.seq_len={tc.seq_len} is above the model's max_seq_len="
                          f"{model_config.max_seq_len}")
     num_devices = jax.device_count() if num_devices is None else num_devices
-    if tc.micro_batch_size % num_devices:
+    # With train.pairs_per_step the batch's rows are derived from the data, a multiple of these.
+    if tc.micro_batch_size % num_devices and not tc.pairs_per_step:
         raise ValueError(f"train.batch_size={tc.batch_size} (micro-batch "
                          f"{tc.micro_batch_size} with grad_accum={tc.grad_accum}) is not "
                          f"divisible by the number of devices ({num_devices})")

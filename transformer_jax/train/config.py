@@ -50,7 +50,8 @@ class TrainConfig(ObjectiveConfig):
 
     Attributes:
       steps: optimizer steps of the whole run (a resumed run continues up to this).
-      batch_size: sequences per optimizer step (global, all devices and micro-batches).
+      batch_size: sequences per optimizer step (global, all devices and micro-batches); DPO
+        and ORPO: packed rows of pairs (see ``pairs_per_step``), GRPO: completions.
       seq_len: T, tokens per sequence; at most the model's ``max_seq_len``.
       grad_accum: split each step's batch into this many micro-batches whose gradients are
         summed before one update (same result as one big batch, less memory).
@@ -169,7 +170,7 @@ class TrainConfig(ObjectiveConfig):
         for name in ("warmup_steps", "seed", "eval_every", "eval_batches",
                      "sample_tokens", "loss_chunk", "lora_rank"):
             _check_int(name, getattr(self, name), minimum=0)
-        if self.batch_size % self.grad_accum:
+        if self.batch_size % self.grad_accum and not self.pairs_per_step:  # else derived
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by grad_accum "
                              f"({self.grad_accum})")
         if self.warmup_steps >= self.total_decay_steps:

@@ -68,6 +68,13 @@ class Objective:
         """The run's data from the ``.jsonl`` files of ``data.path`` (text, shards: alike)."""
         return prepare_instruction_data(data_config, tokenizer, self.tc.seq_len)
 
+    def settle(self, data: RunData, num_batch_devices: int) -> tuple[RunData, TrainConfig]:
+        """The run's data and train config once the data is read (before any state): as given
+        here; DPO/ORPO's ``train.pairs_per_step`` groups the pairs by step and sets
+        ``train.batch_size`` to the rows a step takes (``num_batch_devices`` x ``grad_accum``
+        divides them)."""
+        return data, self.tc
+
     def start(self, run: RunContext, state: TrainState) -> None:
         """Sets up what the objective needs besides the train state, before the first batch."""
         self.run = run

@@ -27,6 +27,9 @@ from transformer_jax.tokenizer.prompt import encode_chat_prompt, encode_text
 
 RewardFn = Callable[[str, dict], float]
 
+#: The largest reward magnitude: the rewards and advantages are float32 in the update.
+MAX_REWARD = float(np.finfo(np.float32).max)
+
 _SPEC = re.compile(r"^(?P<target>[^*]+?):(?P<name>[A-Za-z_][A-Za-z0-9_]*)"
                    r"(?:\*(?P<weight>[-+0-9.eE]+))?$")
 
@@ -113,7 +116,8 @@ def score(rewards: Sequence[Reward], completion: str, prompt: PromptRecord) -> f
 
     Raises:
       RewardError: ``FILE:LINE: reward TERM ...`` when a function raises or returns anything
-        but a finite real number (a bool included).
+        but a finite real number (a bool included), or one beyond float32's range
+        (``MAX_REWARD``: ``1e300`` is finite in Python, inf in the update), weighted or summed.
     """
     total = 0.0
     for reward in rewards:
@@ -128,7 +132,18 @@ def score(rewards: Sequence[Reward], completion: str, prompt: PromptRecord) -> f
             raise RewardError(f"{prompt.where}: reward {reward.spec} returned {value!r} "
                               f"({type(value).__name__}), not a finite number (completion "
                               f"{completion[:60]!r})")
-        total += reward.weight * float(value)
+        weighted = reward.weight * float(value)
+        if not abs(weighted) <= MAX_REWARD:
+            raise RewardError(f"{prompt.where}: reward {reward.spec} returned {value!r}"
+                              f"{'' if reward.weight == 1 else f' (weighted {weighted:.3g})'}, "
+                              f"beyond float32's range (|reward| <= {MAX_REWARD:.3g}: the "
+                              f"update is float32) (completion {completion[:60]!r})")
+        total += weighted
+    if not abs(total) <= MAX_REWARD:
+        raise RewardError(f"{prompt.where}: the rewards {', '.join(r.spec for r in rewards)} "
+                          f"sum to {total:.3g}, beyond float32's range (|reward| <= "
+                          f"{MAX_REWARD:.3g}: the update is float32) (completion "
+                          f"{completion[:60]!r})")
     return total
 
 
@@ -188,5 +203,5 @@ def rollout_seeds(seed: int, step: int, rows: int) -> list[int]:
     return np.random.default_rng([seed, step, 0x6E90]).integers(0, 2**32, rows).tolist()
 
 
-__all__ = ["PromptRecord", "Reward", "RewardError", "load_prompts", "load_rewards",
+__all__ = ["MAX_REWARD", "PromptRecord", "Reward", "RewardError", "load_prompts", "load_rewards",
            "parse_reward_spec", "prompt_order", "rollout_seeds", "score"]

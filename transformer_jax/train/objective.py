@@ -8,6 +8,8 @@ import math
 
 #: ``train.objective`` values: next-token cross-entropy, or a preference objective.
 OBJECTIVES = ("sft", "dpo", "orpo", "grpo")
+#: The objectives that train on preference pairs.
+PREFERENCE_OBJECTIVES = ("dpo", "orpo")
 #: ``train.dpo_loss`` values.
 DPO_LOSSES = ("sigmoid", "ipo")
 #: ``train.grpo_loss`` values (how the per-token losses are averaged).
@@ -28,6 +30,11 @@ class ObjectiveConfig:
       dpo_loss: ``sigmoid`` (DPO) or ``ipo``.
       dpo_label_smoothing: conservative DPO's eps in [0, 0.5) (sigmoid only).
       orpo_lambda: weight of ORPO's odds-ratio term (TRL's ORPO beta).
+      pairs_per_step: DPO/ORPO: N > 0 trains every step on exactly N pairs (TRL's batch: its
+        ``per_device_train_batch_size x gradient_accumulation_steps x devices``), the last
+        step of each epoch on the rest; ``batch_size`` then becomes the packed rows the most
+        pair-filled step needs (padding rows hold none). 0 (the default): ``batch_size``
+        counts packed rows, each holding as many pairs as fit, so a step's pairs vary.
       reward: GRPO's reward functions, ``MODULE:FUNCTION`` or ``path/file.py:FUNCTION``, each
         called as ``fn(completion: str, record: dict) -> float``; several comma-separated
         are summed, each optionally weighted (``mod:f*0.5``).
@@ -52,6 +59,7 @@ class ObjectiveConfig:
     dpo_loss: str = "sigmoid"
     dpo_label_smoothing: float = 0.0
     orpo_lambda: float = 0.1
+    pairs_per_step: int = 0
     reward: str = ""
     grpo_group_size: int = 8
     grpo_max_tokens: int = 64
@@ -77,6 +85,12 @@ class ObjectiveConfig:
         eps = self.dpo_label_smoothing
         if not (isinstance(eps, int | float) and 0 <= eps < 0.5):
             raise ValueError(f"dpo_label_smoothing must be in [0, 0.5), got {eps!r}")
+        pairs = self.pairs_per_step
+        if not (isinstance(pairs, int) and not isinstance(pairs, bool) and pairs >= 0):
+            raise ValueError(f"pairs_per_step must be an int >= 0, got {pairs!r}")
+        if pairs and self.objective not in PREFERENCE_OBJECTIVES:
+            raise ValueError(f"pairs_per_step={pairs} applies to objective=dpo or orpo (it "
+                             f"counts preference pairs), not objective={self.objective}")
         self._check_grpo()
         if self.objective != "sft" and getattr(self, "loss_chunk", 0):
             raise ValueError(f"loss_chunk applies to objective=sft only (objective="
@@ -120,4 +134,4 @@ class ObjectiveConfig:
                              f"of grpo_group_size ({self.grpo_group_size})")
 
 
-__all__ = ["DPO_LOSSES", "GRPO_LOSSES", "OBJECTIVES", "ObjectiveConfig"]
+__all__ = ["DPO_LOSSES", "GRPO_LOSSES", "OBJECTIVES", "PREFERENCE_OBJECTIVES", "ObjectiveConfig"]

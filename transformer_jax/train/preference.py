@@ -44,9 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.data.instruct import count
+from transformer_jax.data.instruct import count, row_indices
 from transformer_jax.data.preference import (
     PreferenceRows,
+    group_pairs,
     is_preference_file,
     load_preference_data,
     pair_batch,
@@ -235,6 +236,35 @@ class Preference(Objective):
         return RunData(train_rows=kept.rows, val_rows=None if val is None else
                        pairs.take(val).rows, pairs=kept)
 
+    def settle(self, data: RunData, num_batch_devices: int) -> tuple[RunData, TrainConfig]:
+        """With ``train.pairs_per_step`` N: the pairs grouped by step (``group_pairs``) and
+        ``train.batch_size`` the rows a step takes; logs how many pairs a step trains on (a TRL
+        recipe's batch counts pairs, ours packed rows unless N is given)."""
+        tc, pairs = self.tc, data.pairs
+        kept = int(pairs.row_pairs.sum())
+        if not tc.pairs_per_step:
+            per_step = step_pair_counts(pairs, tc)
+            logger.info("train.batch_size=%d packed rows a step hold %d-%d pairs (%.1f on "
+                        "average over the first %s; up to %d a row): a TRL recipe's batch "
+                        "counts pairs, train.pairs_per_step=N trains on exactly N a step",
+                        tc.batch_size, per_step.min(), per_step.max(), per_step.mean(),
+                        count(len(per_step), "step"), pairs.pairs_per_row)
+            return data, tc
+        n = tc.pairs_per_step
+        grouped = group_pairs(pairs, n, tc.seed, num_batch_devices * tc.grad_accum)
+        self.tc = tc = dataclasses.replace(tc, batch_size=grouped.step_rows)
+        steps, rest = -(-kept // n), kept % n
+        if kept <= n:
+            which = f"all {kept} pairs of the data (fewer than {n}: an epoch is one step)"
+        else:
+            which = f"{n} pairs" + (f" (the last of each epoch's {steps} steps on {rest})"
+                                    if rest else f" (an epoch is {steps} steps)")
+        logger.info("train.pairs_per_step=%d: each step trains on %s, packed into "
+                    "train.batch_size=%d rows of %d tokens (%.1f hold pairs, on average; "
+                    "the others are padding)", n, which, tc.batch_size, tc.seq_len + 1,
+                    (grouped.row_pairs > 0).sum() / steps)
+        return dataclasses.replace(data, pairs=grouped), tc
+
     def step_fn(self, model_config: ModelConfig, data: RunData) -> Callable[..., Any]:
         loss_fn = self.loss_fn(model_config, data.pairs.pairs_per_row)
         return make_train_step(model_config, self.tc, loss_fn=loss_fn)
@@ -249,6 +279,7 @@ class Preference(Objective):
             valid = (batch["pair_ids"] >= 0).astype(jnp.float32)  # [B, M]
             objective, stats = self.pair_loss(logps, layout, params, batch, valid)
             stats["tokens"] = jnp.sum(batch["mask"].astype(jnp.float32))
+            stats["pairs"] = jnp.sum(valid)
             return objective, (objective, jnp.zeros((), jnp.float32), jnp.sum(valid), stats)
 
         return loss_sums
@@ -342,6 +373,16 @@ class ORPO(Preference):
         return pairs * nll - lam * jnp.sum(ratio * valid), stats
 
 
+def step_pair_counts(pairs: PreferenceRows, tc: TrainConfig, most: int = 10_000
+                     ) -> np.ndarray:
+    """[S] the pairs of each of the first S steps' batches of packed rows (an epoch, at most
+    ``train.steps`` or ``most``)."""
+    per_row = pairs.row_pairs
+    steps = min(-(-len(per_row) // tc.batch_size), tc.steps, most)
+    return np.asarray([per_row[row_indices(tc.seed, s, tc.batch_size, len(per_row))].sum()
+                       for s in range(steps)])
+
+
 def reference_pass(model_config: ModelConfig, tc: TrainConfig, params: Params,
                    pairs: PreferenceRows, batch_sharding: Any) -> np.ndarray:
     """Summed completion log-probs of every pair under ``params`` (a train state's), rows in
@@ -372,4 +413,4 @@ def reference_pass(model_config: ModelConfig, tc: TrainConfig, params: Params,
 
 __all__ = ["DPO", "DPO_LOSSES", "ORPO", "REFERENCE_FILE", "Preference", "base_params",
            "dpo_losses", "log1mexp", "make_logps_fn", "make_token_logps_fn", "orpo_odds_ratio",
-           "reference_pass", "reward_stats", "sequence_logps", "token_logps"]
+           "reference_pass", "reward_stats", "sequence_logps", "step_pair_counts", "token_logps"]

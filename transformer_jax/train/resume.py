@@ -47,7 +47,7 @@ _DATA_KEYS = {"path": "", "val_fraction": "another train/validation split",
 _TRAJECTORY_TRAIN_KEYS = ("batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
                           "decay_steps", "weight_decay", "b1", "b2", "eps", "grad_clip",
                           "z_loss", "seed", "lora_alpha", "lora_base_dtype", "init_from",
-                          "quant", "moe_balance_loss", "moe_z_loss")
+                          "quant", "moe_balance_loss", "moe_z_loss", "pairs_per_step")
 
 
 def _model_dict(saved: dict[str, Any]) -> dict[str, Any]:

@@ -147,8 +147,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         if changes:
             raise ValueError(f"train.init_from={tc.init_from}: the model differs from the "
                              f"checkpoint's: {'; '.join(changes)}")
-    if memory_check:  # from shapes (the preset's vocab_size): before minutes of data work
-        check_memory(model_config, tc, mesh)
+    if memory_check and not tc.pairs_per_step:  # from shapes (the preset's vocab_size):
+        check_memory(model_config, tc, mesh)  # before minutes of data work
     main_process = distributed.is_main_process()
 
     # 2. Data: tokenizer, token file or packed instruction rows, splits. A fine-tuned model keeps
@@ -180,6 +180,11 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         logger.info("model vocab_size %d -> %d (the tokenizer's)", model_config.vocab_size,
                     tokenizer.vocab_size)
         model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
+    data, settled = objective.settle(data, num_batch_devices)
+    if settled is not tc:  # train.pairs_per_step: the batch's rows, known from the data now
+        tc = settled
+        if memory_check:
+            check_memory(model_config, tc, mesh)
     if data_config.is_instruct:  # packed rows or GRPO's prompts: no windows of seq_len
         check_dtype(model_config)
     else:

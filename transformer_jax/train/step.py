@@ -259,9 +259,13 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
     return loss_sums
 
 
+#: The stats of a custom loss that stay counts (``stat_means``).
+COUNT_STATS = ("tokens", "pairs")
+
+
 def stat_means(stats: dict[str, jax.Array], count: jax.Array) -> Metrics:
-    """A custom loss's summed ``stats`` over its ``count`` (``tokens`` stays a count)."""
-    return {k: v if k == "tokens" else v / count for k, v in stats.items()}
+    """A custom loss's summed ``stats`` over its ``count`` (``COUNT_STATS`` stay counts)."""
+    return {k: v if k in COUNT_STATS else v / count for k, v in stats.items()}
 
 
 def moe_metrics(moe: dict[str, jax.Array], count: jax.Array, sparse_layers: tuple[int, ...]
