@@ -1,8 +1,9 @@
 """Speculative decoding in the serving engine: every speculating request decodes what
 ``generate`` gives its prompt alone (greedy and seeded sampling, logprobs, stop ids, stop
 strings, max_tokens) under concurrent load with arrivals, a cancellation and preemption; no page
-is leaked after rejected tokens; the measured-cost back-off engages and releases; bad specs
-and unsupported setups are refused in one line."""
+is leaked after rejected tokens; the measured-cost back-off engages and releases; the budget
+leaves room for the target's own token; bad specs and unsupported setups are refused in one
+line (by ``compile`` and ``serve`` before anything compiles)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,8 +1,10 @@
 """Structured outputs in the engine (``serving.grammar``): every reply of an untrained model under
 a JSON schema parses and validates (objects, nested objects, arrays, enums, bounded numbers,
 strings, booleans, null, required and optional keys), regexes and choices match, every drawn
-token is one the grammar allowed, a completed grammar ends the request, rows without a grammar
-decode as ``generate`` in the same steps, and bad grammars are refused naming their kind."""
+token is one the grammar allowed, a completed grammar ends the request (a refused token with
+``"error"``), the alternatives of ``top_logprobs`` are the unmasked softmax's, rows without a
+grammar decode as ``generate`` in the same steps, and bad grammars are refused naming their
+kind."""
 
 from __future__ import annotations
 

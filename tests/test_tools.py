@@ -2,8 +2,9 @@
 OpenAI's ``tool_calls`` however the text is cut (streamed = not streamed), the chat template
 receives ``tools``, assistant ``tool_calls`` and ``role: "tool"`` messages, ``tool_choice``
 ``"required"`` and a named function always give calls whose arguments validate, even from an
-untrained model, through the server and the real openai client, streamed as not, and every bad
-tool field is a 400 naming it."""
+untrained model, through the server and the real openai client, streamed as not (the tokenizer
+holds Qwen's ``<tool_call>`` and ``<think>`` as added tokens; a template with no tool-call
+format gets vLLM's JSON calls), and every bad tool field is a 400 naming it."""
 
 from __future__ import annotations
 

@@ -129,7 +129,7 @@ class GrammarTokenizer:
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)
         full = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
-                                      eos_token=tokenizer.eos_id)
+                                      eos_token=tokenizer.eos_id, slices=[])  # only read
         self._tok = llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(_TextTokenizer(full, backend, tokenizer.bos_id)),
             n_vocab=vocab_size, eos_token=tokenizer.eos_id)
