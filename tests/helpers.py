@@ -262,12 +262,19 @@ def run_until_idle(engine: object, max_steps: int = ENGINE_STEP_LIMIT) -> dict:
     return done
 
 
-def write_byte_tokenizer(directory: Path, vocab_size: int = 300, chat_template: str = CHATML
-                         ) -> Path:
+#: Qwen2.5/3's added tokens for tool calls and thinking, as (text, special): ids 300-303 after
+#: ``write_byte_tokenizer``'s 300 (Qwen marks them not special; two here are, to cover both).
+QWEN_ADDED = (("<tool_call>", False), ("</tool_call>", False), ("<think>", True),
+              ("</think>", True))
+
+
+def write_byte_tokenizer(directory: Path, vocab_size: int = 300, chat_template: str = CHATML,
+                         added: Sequence[tuple[str, bool]] = ()) -> Path:
     """``directory`` holding a byte-level BPE ``tokenizer.json`` (every byte a token, so any
     text, JSON included, can be spelled; merges learnt from a little JSON), the ChatML specials
     and a ``tokenizer_config.json`` as ``write_chatml_tokenizer`` writes it (with
-    ``chat_template``: the ChatML one unless given)."""
+    ``chat_template``: the ChatML one unless given); ``added`` tokens (text, special) after
+    the ``vocab_size`` ids, e.g. ``QWEN_ADDED``."""
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -279,6 +286,8 @@ def write_byte_tokenizer(directory: Path, vocab_size: int = 300, chat_template: 
     sample = ['{"name": "ab", "id": 12, "tags": ["x", "y"], "ok": true, "v": null}',
               "user assistant system hello world yes no"]
     tok.train_from_iterator(sample * 20, trainer)
+    for text, special in added:
+        tok.add_tokens([tokenizers.AddedToken(text, special=special)])
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     settings = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",

@@ -16,7 +16,7 @@ import jax
 import jsonschema
 import numpy as np
 import pytest
-from helpers import CHATML_SPECIALS, FAST_COMPILE, TINY, write_byte_tokenizer
+from helpers import CHATML_SPECIALS, FAST_COMPILE, QWEN_ADDED, TINY, write_byte_tokenizer
 
 from transformer_jax.decode import constrained, generation
 from transformer_jax.model.transformer import init_params
@@ -219,7 +219,7 @@ def hf_dir(model, tmp_path_factory):
     params, _, _ = model
     path = tmp_path_factory.mktemp("hf")
     hf.save(CONFIG, jax.tree.map(np.asarray, params), path)
-    write_byte_tokenizer(path)
+    write_byte_tokenizer(path, added=QWEN_ADDED)  # Qwen's <think> and <tool_call>
     return path
 
 
@@ -251,6 +251,15 @@ def test_cli_regex_and_choice(hf_dir, capsys, flags, check):
     texts, out = _run(hf_dir, capsys, *flags)
     assert all(n < N for n in out["lengths"]), out["lengths"]
     assert all(check(text) for text in texts), texts
+
+
+def test_cli_choice_that_spells_added_tokens(hf_dir, capsys):
+    """``--choice "<think>"``: the text of an added token is written (as ordinary tokens), not
+    a traceback over the added token the grammar's mask let through."""
+    for choice in ("<think>", "<tool_call>"):  # an added special token and one not special
+        texts, out = _run(hf_dir, capsys, "--choice", choice)
+        assert all(n < N for n in out["lengths"]), out["lengths"]
+        assert texts == [choice, choice], texts
 
 
 def test_cli_json_object(hf_dir, capsys):

@@ -24,7 +24,7 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
-from helpers import TINY, Served, free_socket, write_chatml_tokenizer
+from helpers import FAST_COMPILE, TINY, Served, free_socket, write_chatml_tokenizer
 
 from transformer_jax import hf
 from transformer_jax.cli import serve as cli
@@ -194,6 +194,28 @@ def test_top_logprobs_are_the_softmax_top_k_streamed_or_not(server, served, chec
     assert len(lp.top_logprobs) == len(lp.tokens) and all(len(d) <= 2 for d in lp.top_logprobs)
     for d, token in zip(lp.top_logprobs, lp.tokens, strict=True):
         assert list(d)[0] == token and list(d.values()) == sorted(d.values(), reverse=True)
+
+
+def test_completions_logprobs_0_is_each_tokens_logprob_without_alternatives(server, served,
+                                                                           checkpoint):
+    """OpenAI's ``logprobs: 0`` turns log-probabilities on, with no alternatives: each token's
+    log-probability under the forward's softmax (greedy: its top token)."""
+    ids = [5, 9, 2]
+    done = _client(server).completions.create(model=NAME, prompt=ids, max_tokens=4,
+                                              temperature=0, logprobs=0)
+    lp = done.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None, done.choices[0]
+    assert len(lp.token_logprobs) == len(lp.tokens) == done.usage.completion_tokens >= 1
+    assert not any(lp.top_logprobs or ())
+    tok = served[3].tokenizer
+    tokens = [tok.token_to_id(piece.strip()) for piece in lp.tokens]
+    forward = jax.jit(lambda p, x: Transformer(TINY).apply({"params": p}, x).logits,
+                      compiler_options=FAST_COMPILE)
+    logp = np.asarray(jax.nn.log_softmax(forward(checkpoint[1], np.asarray(
+        [ids + tokens[:-1]]))[0], axis=-1))[len(ids) - 1:]
+    assert logp.argmax(-1).tolist() == tokens  # greedy
+    np.testing.assert_allclose(lp.token_logprobs, logp[np.arange(len(tokens)), tokens],
+                               atol=1e-4)
 
 
 def test_n_choices_are_the_request_sent_with_seeds_seed_plus_i(server, served):

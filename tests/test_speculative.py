@@ -266,6 +266,20 @@ def test_back_off_pauses_a_row_and_lets_it_go():
     assert acc.mean_accepted == (4 + 5) / 5
 
 
+def test_the_budget_leaves_room_for_the_targets_own_token(target):
+    """A verification adds the target's own token to the proposals it keeps, so a row with r
+    tokens to go proposes at most r - 1 (``backoff_budget``, the host's and the device
+    loop's): ``generate`` with max_new_tokens=2 proposes nothing and verifies nothing."""
+    assert [Acceptance().budget(4, r) for r in (1, 2, 3, 5, 9)] == [0, 1, 2, 4, 4]
+    config, weights = target
+    prompt = list(range(config.vocab_size - 2))  # nearly every token: the lookup finds one
+    out = generation.generate(config, weights, [prompt], max_new_tokens=2,
+                              speculative="ngram:k=4")
+    assert ngram_lookup(prompt + out.tokens[0][:1], 4), "no proposal to withhold"
+    assert (out.speculative[0].proposed, out.speculative[0].verifications) == (0, 0)
+    assert out.lengths == [2]
+
+
 @pytest.mark.parametrize("flag, message", [
     ("ngram:k=x", "k must be an int"),
     ("draft::k=2", "'draft' needs a path"),

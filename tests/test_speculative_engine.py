@@ -1,17 +1,19 @@
 """Speculative decoding in the serving engine: every speculating request decodes what
 ``generate`` gives its prompt alone (greedy and seeded sampling, logprobs, stop ids, stop
 strings, max_tokens) under concurrent load with arrivals, a cancellation and preemption; no page
-is leaked after rejected tokens; the measured-cost back-off engages and releases; bad specs
-and unsupported setups are refused in one line."""
+is leaked after rejected tokens; the measured-cost back-off engages and releases; the budget
+leaves room for the target's own token; bad specs and unsupported setups are refused in one
+line (by ``compile`` and ``serve`` before anything compiles)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE, TINY, random_params
+from helpers import FAST_COMPILE, TINY, random_params, write_chatml_tokenizer
 
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
+from transformer_jax.decode.speculative import ngram_proposals
 from transformer_jax.decode.speculative_loop import DraftModel
 from transformer_jax.serving import Engine, SamplingParams, speculation
 from transformer_jax.serving import draft as draft_lib
@@ -148,6 +150,78 @@ def test_bad_speculative_settings_are_refused(model, engine):
     with pytest.raises(ValueError, match="the engine has no draft model"):
         engine.add_request([1, 2, 3], SamplingParams(speculative="draft:/x:k=2"))
     assert engine.idle
+
+
+def test_the_budget_leaves_room_for_the_targets_own_token(model, engine, monkeypatch):
+    """A verification keeps its accepted proposals and adds the target's own token, so a row
+    with r tokens to go proposes at most r - 1: a max_tokens=2 request (one token left after
+    the prefill's) proposes nothing and runs no verify step, and a request's accepted +
+    verifications never exceed its tokens after the first."""
+    _verify_always(monkeypatch, engine)  # every step with proposals verifies
+    spec = engine.speculation
+    prompt = list(range(TINY.vocab_size - 2))  # nearly every token: the lookup finds its first
+    plain = engine.add_request(prompt, SamplingParams(max_tokens=2))
+    plain = engine.run_until_idle()[plain].tokens
+    before = spec.verify_steps, spec.proposed
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=2, speculative="ngram:k=4"))
+    got = engine.run_until_idle()[rid]
+    assert got.tokens == plain
+    assert ngram_proposals([prompt + got.tokens[:1]], [4])[0], "no proposal to withhold"
+    assert (spec.verify_steps, spec.proposed) == before
+    assert (got.speculative.proposed, got.speculative.verifications) == (0, 0)
+    for max_tokens in (5, 7, 12):  # a periodic prompt: proposals kept up to the last token
+        p = SamplingParams(max_tokens=max_tokens, speculative="ngram:k=4")
+        prompt = [9, 8, 7, 6, 5] * 3
+        rid = engine.add_request(prompt, p)
+        got = engine.run_until_idle()[rid]
+        assert got.tokens == reference(model, prompt, p)[0]
+        acc = got.speculative
+        assert acc.accepted + acc.verifications <= len(got.tokens) - 1, (max_tokens, acc)
+    spec.times, spec._recent = {}, {}  # the made-up times stay in this test
+    engine.check_no_leaks()
+
+
+def test_an_engine_that_cannot_speculate_refuses_before_compiling(model, monkeypatch):
+    """Sliding-window (ring) layers: ``compile(speculative=k)`` refuses in one line before
+    any step program runs (it used to compile, then fail with an IndexError), as
+    ``add_request`` does."""
+    def compiled(*args, **kwargs):
+        raise AssertionError("a step program ran")
+
+    config = TINY.replace(sliding_window=8, layer_pattern=("local", "global"))
+    eng = Engine(config, decode.prepare(config, _params(config, 2)), **ENGINE)
+    monkeypatch.setattr(step_lib, "step_jit", compiled)
+    monkeypatch.setattr(speculation, "verify_jit", compiled)
+    with pytest.raises(ValueError, match="sliding-window") as e:
+        eng.compile(speculative=4)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="sliding-window"):
+        eng.add_request([1, 2, 3], SamplingParams(speculative="ngram:k=4"))
+
+
+def test_serve_refuses_speculation_it_cannot_run_at_start_up(model, tmp_path, capsys):
+    """``serve --speculative`` with ``--tensor``/``--expert`` above 1 (checked before the
+    checkpoint loads), or on a sliding-window model: exit 1 with one line, never a server
+    that reports healthy and answers 400 to every request."""
+    from transformer_jax import hf
+    from transformer_jax.cli import serve as cli
+
+    for flags in (["--tensor", "2"], ["--expert", "2"]):
+        args = cli.build_parser().parse_args(["--checkpoint", "x", "--speculative",
+                                              "ngram:k=4", *flags])
+        with pytest.raises(ValueError, match="needs one device") as e:
+            cli._check(args)
+        assert "\n" not in str(e.value)
+    config = TINY.replace(sliding_window=8)  # Mistral's window (Gemma 2's: the test above)
+    path = tmp_path / "windowed"
+    hf.save(config, random_params(config, 3), path)
+    write_chatml_tokenizer(path, [f"w{i}" for i in range(TINY.vocab_size - 5)])
+    code = cli.main(["--checkpoint", str(path), "--speculative", "ngram:k=4", "--port", "0",
+                     "--slots", "2", "--compilation-cache", ""])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 1 and "Traceback" not in err and len(lines) == 1, err
+    assert "sliding-window" in lines[0], lines[0]
 
 
 def test_top_logprobs_are_the_plain_steps(engine):

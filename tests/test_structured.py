@@ -1,8 +1,10 @@
 """Structured outputs in the engine (``serving.grammar``): every reply of an untrained model under
 a JSON schema parses and validates (objects, nested objects, arrays, enums, bounded numbers,
 strings, booleans, null, required and optional keys), regexes and choices match, every drawn
-token is one the grammar allowed, a completed grammar ends the request, rows without a grammar
-decode as ``generate`` in the same steps, and bad grammars are refused naming their kind."""
+token is one the grammar allowed, a completed grammar ends the request (a refused token with
+``"error"``), the alternatives of ``top_logprobs`` are the unmasked softmax's, rows without a
+grammar decode as ``generate`` in the same steps, and bad grammars are refused naming their
+kind."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import re
 
 import jax
 import jsonschema
+import numpy as np
 import pytest
-from helpers import FAST_COMPILE, TINY, Served, run_until_idle, write_byte_tokenizer
+from helpers import FAST_COMPILE, QWEN_ADDED, TINY, Served, run_until_idle, write_byte_tokenizer
 
 from transformer_jax.decode import generation
-from transformer_jax.model.transformer import init_params
+from transformer_jax.model.transformer import Transformer, init_params
 from transformer_jax.serving import Engine, SamplingParams
 from transformer_jax.serving.grammar import Grammar, GrammarTokenizer
 from transformer_jax.tokenizer import load_tokenizer
@@ -46,7 +49,7 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    tok = load_tokenizer(write_byte_tokenizer(tmp_path_factory.mktemp("tok")))
+    tok = load_tokenizer(write_byte_tokenizer(tmp_path_factory.mktemp("tok"), added=QWEN_ADDED))
     init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
     return init(CONFIG, jax.random.key(3)), tok
 
@@ -102,6 +105,73 @@ def test_regex_and_choice_replies_match_and_json_object_parses(model, engine):
         assert isinstance(json.loads(tok.decode(got.tokens)), dict)
     else:
         assert tok.decode(got.tokens).startswith("{")
+
+
+def test_top_logprobs_under_a_grammar_are_the_unmasked_softmax_top_k(model, engine):
+    """A grammar row's alternatives are the K most likely tokens of the forward's softmax
+    (tokens the grammar forbids among them), not of the masked logits; the drawn token's
+    log-probability is the raw softmax's too."""
+    params, tok = model
+    prompt = tok.encode("hello")
+    k = 5
+    asks = [_ask(Grammar("regex", r"[a-c]{2,4}-[0-9]"), logprobs=True, top_logprobs=k),
+            _ask(Grammar("choice", ("<think>", "no")), temperature=1.0, seed=4, logprobs=True,
+                 top_logprobs=2)]
+    ids = [engine.add_request(prompt, ask) for ask in asks]
+    done = run_until_idle(engine)
+    engine.check_no_leaks()
+    forward = jax.jit(lambda p, t: Transformer(CONFIG).apply({"params": p}, t).logits)
+    forbidden = 0
+    for i, ask in zip(ids, asks, strict=True):
+        got = done[i]
+        assert got.finish_reason == "stop", got
+        seq = prompt + got.tokens
+        logp = np.asarray(jax.nn.log_softmax(forward(params, np.asarray(
+            [seq[:-1]], np.int32))[0], axis=-1))[len(prompt) - 1:]
+        assert len(got.top_logprobs) == len(got.tokens) == len(logp)
+        for top, token, lp, row in zip(got.top_logprobs, got.tokens, got.logprobs, logp,
+                                       strict=True):
+            want = np.argsort(-row, kind="stable")[:ask.top_logprobs]
+            assert [t for t, _ in top] == want.tolist()
+            np.testing.assert_allclose([v for _, v in top], row[want], atol=1e-5)
+            np.testing.assert_allclose(lp, row[token], atol=1e-5)
+            forbidden += token not in want  # the grammar kept the draw off the likeliest
+    assert forbidden > 0  # the masked and unmasked top K differ somewhere
+
+
+def test_a_grammar_that_refuses_its_own_token_ends_the_request_with_an_error(model, engine,
+                                                                            monkeypatch):
+    """A matcher that refuses a token drawn from its own mask (llguidance then reports
+    itself stopped) is the engine's fault: the request ends with ``"error"``, not ``"stop"``
+    as if its grammar were complete."""
+
+    class Refusing:
+        def __init__(self, matcher):
+            self.matcher, self.refused = matcher, False
+
+        def compute_bitmask(self):
+            return self.matcher.compute_bitmask()
+
+        def consume_token(self, token):
+            self.refused = True
+            return False
+
+        def is_stopped(self):
+            return self.refused
+
+        def is_error(self):
+            return self.refused
+
+        def get_error(self):
+            return "refused"
+
+    grammars = engine._grammar_tokenizer()
+    monkeypatch.setattr(grammars, "matcher", lambda g, made=grammars.matcher: Refusing(made(g)))
+    _, tok = model
+    rid = engine.add_request(tok.encode("hello"), _ask(Grammar("choice", ("yes", "no"))))
+    got = run_until_idle(engine)[rid]
+    assert (got.finish_reason, len(got.tokens)) == ("error", 1)
+    engine.check_no_leaks()
 
 
 @pytest.mark.parametrize("grammar, message", [

@@ -2,25 +2,28 @@
 OpenAI's ``tool_calls`` however the text is cut (streamed = not streamed), the chat template
 receives ``tools``, assistant ``tool_calls`` and ``role: "tool"`` messages, ``tool_choice``
 ``"required"`` and a named function always give calls whose arguments validate, even from an
-untrained model, through the server and the real openai client, streamed as not, and every bad
-tool field is a 400 naming it."""
+untrained model, through the server and the real openai client, streamed as not (the tokenizer
+holds Qwen's ``<tool_call>`` and ``<think>`` as added tokens; a template with no tool-call
+format gets vLLM's JSON calls), and every bad tool field is a 400 naming it."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import random
+import re
 import shutil
 
 import jax
 import jsonschema
 import pytest
-from helpers import CHATML, FAST_COMPILE, TINY, Served, write_byte_tokenizer
+from helpers import CHATML, FAST_COMPILE, QWEN_ADDED, TINY, Served, write_byte_tokenizer
 
 from transformer_jax.model.transformer import init_params
 from transformer_jax.serve import completions, tools
 from transformer_jax.serve.protocol import APIError, ChatCompletionRequest
 from transformer_jax.serving import SamplingParams, TokenEvent
+from transformer_jax.serving.grammar import GrammarTokenizer
 from transformer_jax.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_compiles")
@@ -137,6 +140,23 @@ LLAMA_CASES = [
     ('{"city": "Oslo"}', '{"city": "Oslo"}', []),  # JSON, but no call
     ("The answer is {42}.", "The answer is {42}.", []),
 ]
+# Enforced calls on a template with no format: a JSON list of calls, or the named function's
+# arguments ("json:find").
+JSON_CASES = [
+    ('[{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}]', "",
+     [_call("get_weather", {"city": "Oslo", "days": 2})]),
+    ('[{"name": "find", "arguments": {"q": "a,]"}}, {"name": "ping", "arguments": {}}]', "",
+     [_call("find", {"q": "a,]"}), _call("ping", {})]),
+    ('[{"name": "find", "arguments": {"q": "a"}}, {"name": "pi',  # cut by max_tokens
+     '{"name": "pi', [_call("find", {"q": "a"})]),
+    ('{"name": "ping", "arguments": {}}', '{"name": "ping", "arguments": {}}', []),  # no list
+    ("[1, 2]", "[1, 2]", []),
+]
+NAMED_CASES = [
+    ('{"q": "x", "exact": true}', "", [_call("find", {"q": "x", "exact": True})]),
+    ('{"q": "x"', '{"q": "x"', []),  # cut
+    ("[1]", "[1]", []),
+]
 
 
 def _cuts(text: str, seed: int) -> list[list[str]]:
@@ -149,7 +169,8 @@ def _cuts(text: str, seed: int) -> list[list[str]]:
     return ways
 
 
-@pytest.mark.parametrize("kind, cases", [("hermes", HERMES_CASES), ("llama3_json", LLAMA_CASES)])
+@pytest.mark.parametrize("kind, cases", [("hermes", HERMES_CASES), ("llama3_json", LLAMA_CASES),
+                                         ("json", JSON_CASES), ("json:find", NAMED_CASES)])
 def test_replies_parse_to_content_and_calls_however_the_stream_cuts_them(kind, cases):
     for i, (text, content, calls) in enumerate(cases):
         got_content, got_calls = tools.parse_reply(text, kind)
@@ -226,13 +247,42 @@ def test_the_template_gets_tools_assistant_calls_and_tool_messages(hermes_info):
     assert none.tool_parser is None  # rendered, not parsed (as vLLM)
 
 
-def test_a_template_without_a_known_format_is_refused_unless_tool_choice_is_none():
+def test_a_template_without_a_known_format_is_refused_only_for_tool_choice_auto():
     req = _chat(tools=TOOLS)
     with pytest.raises(APIError) as bad:
         tools.reply_parser(req, CHATML)
     assert (bad.value.status, bad.value.param) == (400, "tools")
     assert tools.reply_parser(req, CHATML, "llama3_json") == "llama3_json"  # the server's
     assert tools.reply_parser(_chat(tools=TOOLS, tool_choice="none"), CHATML) is None
+    # Enforced calls need no format (as vLLM): JSON, the grammar's whole reply.
+    assert tools.reply_parser(_chat(tools=TOOLS, tool_choice="required"), CHATML) == "json"
+    named = {"type": "function", "function": {"name": "find"}}
+    assert tools.reply_parser(_chat(tools=TOOLS, tool_choice=named), CHATML) == "json:find"
+    assert tools.reply_parser(_chat(tools=TOOLS, tool_choice=named), HERMES) == "hermes"
+
+
+def test_a_hermes_grammar_takes_the_tags_as_their_added_tokens_or_as_text(tmp_path):
+    """Qwen writes ``<tool_call>`` as one added token: the enforced grammar takes it so, or
+    spelled out; either way the call parses."""
+    from transformer_jax.serving.grammar import added_token_ids
+
+    tok = load_tokenizer(write_byte_tokenizer(tmp_path, chat_template=HERMES, added=QWEN_ADDED))
+    open_id, close_id = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
+    assert tok.encode("<tool_call>") == [open_id] and open_id >= 300  # an added token
+    grammar = tools.tool_grammar(_chat(tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False), "hermes",
+                                 added_token_ids(tok))
+    grammars = GrammarTokenizer(tok, CONFIG.vocab_size)
+    body = tok.encode('\n{"name": "ping", "arguments": {}}\n')
+    spelled = [tok.encode("<") + tok.encode(tag[1:]) for tag in ("<tool_call>", "</tool_call>")]
+    assert open_id not in spelled[0] and close_id not in spelled[1]
+    for head, tail in (([open_id], [close_id]), spelled):
+        matcher = grammars.matcher(grammar)
+        ids = head + body + tail
+        accepted = [matcher.consume_token(t) for t in ids]
+        assert all(accepted) and matcher.is_stopped(), (tok.decode(ids), accepted)
+        _, calls = tools.parse_reply(tok.decode(ids), "hermes")
+        assert [(c.name, c.arguments) for c in calls] == [("ping", "{}")]
 
 
 def _events(pieces: list[str], finish: str) -> list[list[TokenEvent]]:
@@ -298,7 +348,8 @@ def server(tmp_path_factory):
     params = init(CONFIG, jax.random.key(5))
     path = tmp_path_factory.mktemp("ckpt") / "tiny-tools"
     hf.save(CONFIG, jax.tree.map(np.asarray, params), path)
-    write_byte_tokenizer(path, chat_template=HERMES)
+    # Qwen's tokenizer: <tool_call>, </tool_call>, <think> and </think> are added tokens.
+    write_byte_tokenizer(path, chat_template=HERMES, added=QWEN_ADDED)
     args = cli.build_parser().parse_args(["--checkpoint", str(path), "--slots", "4",
                                           "--page-size", "16", "--token-budget", "48",
                                           "--compilation-cache", ""])
@@ -321,10 +372,18 @@ def server(tmp_path_factory):
     think_info = dataclasses.replace(info, tokenizer=load_tokenizer(think_dir),
                                      reasoning_parser="qwen3")
     SERVED["think"] = Served(create_app(runner, think_info))
+    # And behind a template that writes no tool-call format (ChatML without tools).
+    plain_dir = tmp_path_factory.mktemp("plain")
+    shutil.copy(path / "tokenizer.json", plain_dir / "tokenizer.json")
+    (plain_dir / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                 "chat_template": CHATML}))
+    SERVED["plain"] = Served(create_app(runner, dataclasses.replace(
+        info, tokenizer=load_tokenizer(plain_dir))))
     yield served, llama, runner
     served.close()
     llama.close()
     SERVED.pop("think").close()
+    SERVED.pop("plain").close()
     runner.stop()
 
 
@@ -395,14 +454,111 @@ def test_a_streamed_required_call_joined_equals_the_non_streamed_one(server):
     served, _, _ = server
     client = _client(served.url)
     ask = dict(model="tiny-tools", messages=USER, tools=TOOLS, tool_choice="required",
-               seed=11, temperature=1.0, max_completion_tokens=200)
+               seed=15, temperature=1.0, max_completion_tokens=200)
     whole = client.chat.completions.create(**ask)
     calls = _check_calls(whole, set(SCHEMAS))
+    assert len(calls) >= 2  # this seed: several, then the end
     chunks = [c.model_dump(exclude_none=True)
               for c in client.chat.completions.create(**ask, stream=True)]
     content, streamed, finish = _joined(chunks)
     assert content is None and finish == "tool_calls"
     assert [c[1:] for c in streamed] == [(c.function.name, c.function.arguments) for c in calls]
+
+
+def test_enforced_calls_with_added_token_tags_in_every_variant(server):
+    """The tokenizer holds ``<tool_call>`` as an added token (Qwen's): ``n`` choices, greedy,
+    streamed and not, named and required, all give calls (none ends with the tag as text)."""
+    served, _, runner = server
+    client = _client(served.url)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    ask = dict(model="tiny-tools", messages=USER, tools=TOOLS, max_completion_tokens=200)
+    reply = client.chat.completions.create(**ask, tool_choice="required", n=3, seed=2,
+                                           temperature=1.0, parallel_tool_calls=False)
+    assert len(reply.choices) == 3
+    for choice in reply.choices:
+        calls = _check_calls(type(reply)(**{**reply.model_dump(), "choices": [
+            choice.model_dump()]}), set(SCHEMAS))
+        assert len(calls) == 1
+    greedy = dict(ask, tool_choice=named, temperature=0.0)
+    whole = client.chat.completions.create(**greedy)
+    (call,) = _check_calls(whole, {"get_weather"})
+    chunks = [c.model_dump(exclude_none=True)
+              for c in client.chat.completions.create(**greedy, stream=True)]
+    content, streamed, finish = _joined(chunks)
+    assert (content, finish) == (None, "tool_calls")
+    assert [c[1:] for c in streamed] == [(call.function.name, call.function.arguments)]
+    runner.engine.check_no_leaks()
+
+
+def test_grammar_text_that_spells_an_added_token_is_written(server):
+    """``guided_choice`` / ``guided_regex`` whose text spells ``<think>`` or ``<tool_call>``
+    (added tokens): the reply is that text, finish reason ``stop``, streamed as not."""
+    import httpx
+
+    served, _, runner = server
+    with httpx.Client(base_url=served.url, timeout=60) as http:
+        for guided, check in (({"guided_choice": ["<think>"]}, lambda t: t == "<think>"),
+                              ({"guided_regex": "<tool_call>\n[a-z]{2,4}</think>"},
+                               lambda t: re.fullmatch("<tool_call>\n[a-z]{2,4}</think>", t))):
+            body = {"model": "tiny-tools", "prompt": "hello", "max_tokens": 40, "seed": 3,
+                    **guided}
+            whole = http.post("/v1/completions", json=body).json()
+            (choice,) = whole["choices"]
+            assert choice["finish_reason"] == "stop" and check(choice["text"]), whole
+            lines = [line[6:] for line in http.post(
+                "/v1/completions", json={**body, "stream": True}).text.splitlines()
+                if line.startswith("data: {")]
+            chunks = [json.loads(line)["choices"] for line in lines]
+            assert "".join(c[0]["text"] for c in chunks if c) == choice["text"]
+    runner.engine.check_no_leaks()
+
+
+def _check_json_calls(reply, names: set[str]) -> list:
+    """The calls of a reply enforced as JSON (no template format): as ``_check_calls``, and
+    a reply cut at the token limit keeps the calls it finished (the rest is the content)."""
+    (choice,) = reply.choices
+    calls = choice.message.tool_calls
+    assert calls, choice
+    assert choice.finish_reason == "tool_calls" or choice.finish_reason == "length", choice
+    if choice.finish_reason == "tool_calls":
+        assert choice.message.content is None, choice
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return calls
+
+
+def test_enforced_calls_on_a_template_without_a_tool_call_format(server):
+    """A chat template that writes no format (ChatML): ``"required"`` is enforced as a JSON
+    list of calls, a named function as its arguments (vLLM's way), streamed as not;
+    ``"auto"`` is still a 400 naming ``tools``."""
+    client = _client(SERVED["plain"].url)
+    ask = dict(model="tiny-tools", messages=USER, tools=TOOLS, temperature=1.0,
+               max_completion_tokens=200)
+    for seed in (0, 1):
+        calls = _check_json_calls(client.chat.completions.create(
+            **ask, tool_choice="required", parallel_tool_calls=False, seed=seed), set(SCHEMAS))
+        assert len(calls) == 1
+        named = {"type": "function", "function": {"name": "find"}}
+        calls = _check_json_calls(client.chat.completions.create(
+            **ask, tool_choice=named, seed=seed), {"find"})
+        assert len(calls) == 1
+    whole = client.chat.completions.create(**ask, tool_choice="required", seed=5)
+    calls = _check_json_calls(whole, set(SCHEMAS))
+    chunks = [c.model_dump(exclude_none=True)
+              for c in client.chat.completions.create(**ask, tool_choice="required", seed=5,
+                                                      stream=True)]
+    content, streamed, finish = _joined(chunks)
+    assert finish == whole.choices[0].finish_reason
+    assert (content or None) == (whole.choices[0].message.content or None)
+    assert [c[1:] for c in streamed] == [(c.function.name, c.function.arguments) for c in calls]
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(**ask)  # "auto"
+    assert bad.value.body["param"] == "tools"
+    server[2].engine.check_no_leaks()
 
 
 def test_tool_choice_none_leaves_a_call_shaped_reply_as_text(server):

@@ -151,6 +151,9 @@ def _check(args: argparse.Namespace) -> None:
         from transformer_jax.decode.speculative import parse_spec
 
         parse_spec(args.speculative)
+        if args.tensor > 1 or args.expert > 1:  # before the checkpoint loads
+            raise ValueError(f"--speculative {args.speculative}: speculative decoding in the "
+                             "engine needs one device; drop --tensor and --expert")
     if not 0 <= args.grace_period < float("inf"):
         raise ValueError(f"--grace-period must be a number of seconds >= 0, got "
                          f"{args.grace_period}")

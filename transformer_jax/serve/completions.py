@@ -16,7 +16,8 @@ are computed once and found in the prefix cache by the others (``Choices``).
 A chat with ``tools`` renders them through the template; the reply's tool calls are parsed in
 the template's format (``serve.tools``: content and ``tool_calls``, finish reason
 ``"tool_calls"``), and ``tool_choice`` ``"required"`` or a named function is enforced by a
-grammar. ``ModelInfo.tool_parser``, when the server sets one, overrides the template's parser.
+grammar (in the template's format, or where it shows none as JSON: ``tools.JSON_CALLS``).
+``ModelInfo.tool_parser``, when the server sets one, overrides the template's parser.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from transformer_jax.serve.prepared import ModelInfo, Prepared
 from transformer_jax.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from transformer_jax.serve.response import Choices, Response
 from transformer_jax.serving import SamplingParams
-from transformer_jax.serving.grammar import Grammar
+from transformer_jax.serving.grammar import Grammar, added_token_ids
 from transformer_jax.tokenizer import detokenize
 from transformer_jax.tokenizer.chat import ChatTemplateError, template_source
 from transformer_jax.tokenizer.prompt import encode_chat_prompt, encode_text
@@ -104,7 +105,7 @@ def _grammar(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo,
         a tokenizer.
     """
     if tool_parser is not None:
-        enforced = tools.tool_grammar(req, tool_parser)
+        enforced = tools.tool_grammar(req, tool_parser, added_token_ids(model.tokenizer))
         if enforced is not None:  # (protocol refuses it beside response_format / guided_*)
             return enforced
     rf = req.response_format

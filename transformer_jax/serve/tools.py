@@ -22,6 +22,14 @@ whole (its closing tag, or the end of the reply), so the streamed pieces joined 
 llguidance Lark grammar (``serving.grammar.Grammar("lark", ...)``) of the family's wrapper, a
 ``name`` among the tools (or the named one) and ``arguments`` valid against that tool's
 ``parameters`` (``%json`` embedded schemas, compact whitespace), so the reply always parses.
+A wrapper tag that the tokenizer holds as one added token (Qwen's ``<tool_call>``) may be
+written as that token, as the model learnt it, or as its text.
+
+A template that shows neither format still gets enforced calls, as vLLM serves them on any
+model: no format is parsed, the grammar is the reply's whole shape (``JSON_CALLS``):
+``"required"`` makes the reply a JSON list of ``{"name": ..., "arguments": {...}}`` objects
+(one with ``parallel_tool_calls: false``), a named function makes it that function's
+arguments object. ``"auto"`` needs a format the server parses.
 """
 
 from __future__ import annotations
@@ -33,13 +41,16 @@ import secrets
 from typing import Any
 
 from transformer_jax.serve.protocol import APIError, ChatCompletionRequest
-from transformer_jax.serving.grammar import Grammar
+from transformer_jax.serving.grammar import Grammar, token_ref
 
 logger = logging.getLogger(__name__)
 
 PARSERS = ("hermes", "llama3_json")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+#: The format of enforced calls where the template shows none (module docstring): the reply
+#: is a JSON list of calls (``"json"``), or with ``":NAME"`` the named function's arguments.
+JSON_CALLS = "json"
 #: The schema of a function given without ``parameters``: no arguments (OpenAI's meaning).
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -242,12 +253,71 @@ class Llama3JsonParser(ToolCallParser):
         return out
 
 
+class JsonCallsParser(ToolCallParser):
+    """The reply of an enforced call where the template shows no format (``JSON_CALLS``):
+    a JSON list of calls, or with ``name`` that function's arguments object. The calls come
+    once the reply is whole (``finish``); a reply cut short gives the calls whole in it, and
+    the rest as text."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self._name = name
+        self._buf = ""
+
+    def feed(self, text: str) -> list[Piece]:
+        self._buf += text
+        return []
+
+    def finish(self) -> list[Piece]:
+        text, self._buf = self._buf, ""
+        if self._name is not None:
+            try:
+                args = json.loads(text)
+            except json.JSONDecodeError:
+                args = None
+            if isinstance(args, dict):
+                return [ToolCall(self._name, json.dumps(args, ensure_ascii=False))]
+            return [text] if text else []
+        return _listed_calls(text)
+
+
+def _listed_calls(text: str) -> list[Piece]:
+    """The calls of a JSON list of them, in order, then whatever follows the last whole one
+    (a list cut short, or text that is no list) as text."""
+    decoder = json.JSONDecoder()
+    calls: list[Piece] = []
+    rest = text.lstrip()
+    if not rest.startswith("["):
+        return [text] if text else []
+    rest = rest[1:]
+    while True:
+        item = rest.lstrip()
+        try:
+            obj, end = decoder.raw_decode(item)
+        except json.JSONDecodeError:
+            break
+        call = call_of(obj)
+        if call is None:
+            break
+        calls.append(call)
+        rest = item[end:].lstrip()
+        if rest.startswith("]") and not rest[1:].strip():
+            return calls
+        if not rest.startswith(","):
+            break
+        rest = rest[1:]
+    tail = rest.strip() if calls else text
+    return [*calls, tail] if tail else calls
+
+
 def make_parser(kind: str) -> ToolCallParser:
-    """A fresh streaming parser of ``kind`` (one of ``PARSERS``)."""
+    """A fresh streaming parser of ``kind`` (one of ``PARSERS``, or ``JSON_CALLS`` with an
+    optional ``":NAME"``)."""
     if kind == "hermes":
         return HermesParser()
     if kind == "llama3_json":
         return Llama3JsonParser()
+    if kind == JSON_CALLS or kind.startswith(JSON_CALLS + ":"):
+        return JsonCallsParser(kind.partition(":")[2] or None)
     raise ValueError(f"tool-call parser must be one of {PARSERS}, got {kind!r}")
 
 
@@ -300,9 +370,14 @@ def reply_parser(req: ChatCompletionRequest, template: str | None,
       template: the checkpoint's chat template (its text picks the parser).
       choice: the server's parser (one of ``PARSERS``), over the template's; None: pick.
 
+    Returns:
+      One of ``PARSERS``; where neither names one and ``tool_choice`` is ``"required"``,
+      ``JSON_CALLS``, or for a named function ``JSON_CALLS:NAME`` (module docstring).
+
     Raises:
       APIError: 400 naming ``tools.i.function.parameters`` for a schema that does not
-        compile, or ``tools`` when the template writes no format this server parses.
+        compile, or ``tools`` for ``"auto"`` when the template writes no format this server
+        parses.
     """
     if not req.tools:
         return None
@@ -316,10 +391,17 @@ def reply_parser(req: ChatCompletionRequest, template: str | None,
     if req.tool_mode == "none":
         return None
     kind = choice or parser_for_template(template)
+    mode = req.tool_mode
+    if kind is None and mode == "required":
+        return JSON_CALLS
+    if kind is None and not isinstance(mode, str):  # a named function
+        return f"{JSON_CALLS}:{mode.function.name}"
     if kind is None:
         raise APIError(400, "tools: this model's chat template writes no tool-call format "
-                       f"this server parses ({', '.join(PARSERS)}); send tool_choice 'none' "
-                       "to render the tools without parsing the reply", "tools")
+                       f"this server parses ({', '.join(PARSERS)}), which tool_choice 'auto' "
+                       "needs; send tool_choice 'required' or a named function (enforced "
+                       "calls), or 'none' to render the tools without parsing the reply",
+                       "tools")
     return kind
 
 
@@ -331,10 +413,17 @@ def arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
     return schema
 
 
-def tool_grammar(req: ChatCompletionRequest, kind: str) -> Grammar | None:
+def tool_grammar(req: ChatCompletionRequest, kind: str,
+                 added: dict[str, int] | None = None) -> Grammar | None:
     """The grammar enforcing ``tool_choice`` ``"required"`` (one call or more; one with
     ``parallel_tool_calls: false``) or a named function (one call of it), in ``kind``'s
-    format; None for ``"auto"`` and ``"none"``.
+    format (``reply_parser``'s); None for ``"auto"`` and ``"none"``.
+
+    Args:
+      req: the validated request.
+      kind: the reply's format.
+      added: {text: id} of the tokenizer's added tokens (``grammar.added_token_ids``): a
+        wrapper tag among them may also be written as that one token.
 
     Raises:
       APIError: 400 naming ``tool_choice`` if the grammar does not compile.
@@ -343,19 +432,27 @@ def tool_grammar(req: ChatCompletionRequest, kind: str) -> Grammar | None:
     if mode in ("auto", "none"):
         return None
     tools = [t.function for t in req.tools or ()]
+    if kind.startswith(JSON_CALLS + ":"):  # the reply is the named function's arguments
+        (named,) = [f for f in tools if f.name == mode.function.name]
+        return _checked(Grammar("json_schema", arguments_schema(named.parameters)))
     if isinstance(mode, str):  # "required"
-        rules = [_call_rule(kind, f.name, f.parameters) for f in tools]
+        rules = [_call_rule(kind, f.name, f.parameters, added or {}) for f in tools]
         many = req.parallel_tool_calls
     else:
-        rules = [_call_rule(kind, f.name, f.parameters) for f in tools
+        rules = [_call_rule(kind, f.name, f.parameters, added or {}) for f in tools
                  if f.name == mode.function.name]
         many = False
-    separator = json.dumps("\n" if kind == "hermes" else "; ")
+    separator = json.dumps({"hermes": "\n", JSON_CALLS: ", "}.get(kind, "; "))
+    calls = f"call ({separator} call)*" if many else "call"
     lines = ["%llguidance {}",
-             f"start: call ({separator} call)*" if many else "start: call",
+             f'start: "[" {calls} "]"' if kind == JSON_CALLS else f"start: {calls}",
              "call: " + " | ".join(f"f_{i}" for i in range(len(rules)))]
     lines += [f"f_{i}: {rule}" for i, rule in enumerate(rules)]
-    grammar = Grammar("lark", "\n".join(lines) + "\n")
+    return _checked(Grammar("lark", "\n".join(lines) + "\n"))
+
+
+def _checked(grammar: Grammar) -> Grammar:
+    """``grammar``, or APIError (400 naming ``tool_choice``) if it does not compile."""
     try:
         grammar.check()
     except ValueError as e:
@@ -364,18 +461,27 @@ def tool_grammar(req: ChatCompletionRequest, kind: str) -> Grammar | None:
     return grammar
 
 
-def _call_rule(kind: str, name: str, parameters: dict[str, Any] | None) -> str:
-    """The Lark rule of one call of ``name`` in ``kind``'s format, as the family writes it."""
-    key = "arguments" if kind == "hermes" else "parameters"
-    head = f'{{"name": {json.dumps(name)}, "{key}": '
+def _call_rule(kind: str, name: str, parameters: dict[str, Any] | None,
+               added: dict[str, int]) -> str:
+    """The Lark rule of one call of ``name`` in ``kind``'s format, as the family writes it
+    (a wrapper tag in ``added`` also as its one token)."""
+    key = "parameters" if kind == "llama3_json" else "arguments"
+    head = json.dumps(f'{{"name": {json.dumps(name)}, "{key}": ')
+    tail = json.dumps("}")
     if kind == "hermes":
-        head = f"{HERMES_OPEN}\n{head}"
-    tail = "}\n" + HERMES_CLOSE if kind == "hermes" else "}"
+        head = f'{_tag(HERMES_OPEN, added)} "\\n" {head}'
+        tail = json.dumps("}\n") + " " + _tag(HERMES_CLOSE, added)
     schema = json.dumps(arguments_schema(parameters), ensure_ascii=False)
-    return f"{json.dumps(head)} %json {schema} {json.dumps(tail)}"
+    return f"{head} %json {schema} {tail}"
 
 
-__all__ = ["PARSERS", "HermesParser", "Llama3JsonParser", "ToolCall", "ToolCallParser",
-           "arguments_schema", "call_of", "make_parser", "new_call_id", "parse_reply",
-           "parser_for_template", "reply_parser", "stream_deltas", "template_tools",
-           "tool_grammar"]
+def _tag(tag: str, added: dict[str, int]) -> str:
+    """The Lark of a wrapper tag: its text, or the added token that is it."""
+    text = json.dumps(tag)
+    return f"({text} | {token_ref(added[tag])})" if tag in added else text
+
+
+__all__ = ["JSON_CALLS", "PARSERS", "HermesParser", "JsonCallsParser", "Llama3JsonParser",
+           "ToolCall", "ToolCallParser", "arguments_schema", "call_of", "make_parser",
+           "new_call_id", "parse_reply", "parser_for_template", "reply_parser", "stream_deltas",
+           "template_tools", "tool_grammar"]

@@ -410,7 +410,13 @@ class Engine:
 
         Returns:
           The number of step shapes run.
+
+        Raises:
+          ValueError: ``speculative`` on an engine that cannot speculate (several devices,
+            sliding-window layers), before anything compiles.
         """
+        if speculative:
+            self.speculation.check_engine()
         shapes = self.scheduler.idle_inputs(self._rings is not None, self._adapters is not None)
         for decode_rows, chunk in shapes:
             n = len(decode_rows.tokens) if chunk is None else len(chunk.start)

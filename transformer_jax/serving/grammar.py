@@ -11,19 +11,31 @@ of a [R, ceil(V/32)] int32 bitmask on the host (bit v of a row: token v is allow
 sampling program then sets every other token's logit to -inf (``step.sample_rows``; the masks
 are ``decode.constrained``'s, which ``generate``'s constrained loop uses too). After
 the step, the drawn token is fed to the matcher. Once the grammar is complete (nothing but its
-end may follow), the request finishes with reason ``"stop"``.
+end may follow), the request finishes with reason ``"stop"``; a token the matcher refuses
+(drawn from its own mask: the engine's fault, never the model's) ends it with ``"error"``.
 Rows without a grammar get no mask, and a step with none of them runs the unmasked program.
 
 llguidance (the ``serve`` extra) is imported only when a grammar is used. It needs the HF
 ``tokenizers`` tokenizer of the checkpoint (``tokenizer.json``), whose bytes it reads.
+
+A grammar's text is text: llguidance takes every added token (``<|im_end|>``, and Qwen's
+``<tool_call>`` or ``<think>`` although they are not "special") for a special token, which no
+text matches, so text that spells one is drawn as the ordinary tokens that write it. The
+tokenizer llguidance is given therefore tokenizes without the added tokens (where it forces
+text, ``tokenizers``' own tokenization would split ``"<think>"`` into the added token, which
+its matcher then refuses). A grammar that wants the added token itself names it as llguidance
+does, ``<[id]>`` (``token_ref``; the enforced tool calls allow it beside the text).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 
@@ -116,8 +128,11 @@ class GrammarTokenizer:
                              f"{type(tokenizer).__name__}")
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)
-        self._tok = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
-                                           eos_token=tokenizer.eos_id)
+        full = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                                      eos_token=tokenizer.eos_id, slices=[])  # only read
+        self._tok = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_TextTokenizer(full, backend, tokenizer.bos_id)),
+            n_vocab=vocab_size, eos_token=tokenizer.eos_id)
 
     def matcher(self, grammar: Grammar) -> Any:
         """A fresh ``llguidance.LLMatcher`` of ``grammar``.
@@ -131,3 +146,59 @@ class GrammarTokenizer:
         if m.is_error():
             raise ValueError(f"{grammar.kind}: {m.get_error()}")
         return m
+
+
+class _TextTokenizer:
+    """The tokenizer as ``llguidance.TokenizerWrapper`` takes it: ``full``'s tokens (bytes and
+    special ids, as llguidance reads ``tokenizer.json``), text tokenized without the added
+    tokens (module docstring).
+
+    Args:
+      full: the ``llguidance.LLTokenizer`` of the whole ``tokenizer.json``.
+      backend: the ``tokenizers.Tokenizer`` it was read from.
+      bos_id: the bos id, or -1 for none.
+    """
+
+    def __init__(self, full: Any, backend: Any, bos_id: int) -> None:
+        n = full.vocab_size
+        self.eos_token_id = full.eos_token
+        self.bos_token_id = bos_id if bos_id >= 0 else None
+        self.tokens = [full.decode_bytes([i]) for i in range(n)]
+        self.special_token_ids = [i for i in range(n) if full.is_special_token(i)]
+        self._special = frozenset(self.special_token_ids)
+        self._full = full
+        spec = json.loads(backend.to_str())
+        spec["added_tokens"] = []
+        import tokenizers
+
+        try:
+            self._plain = tokenizers.Tokenizer.from_str(json.dumps(spec))
+        except Exception as e:  # the Rust side raises plain Exception
+            logger.warning("grammars tokenize forced text greedily: the tokenizer without its "
+                           "added tokens does not load (%s)", e)
+            self._plain = None
+
+    def __call__(self, text: str) -> list[int]:
+        """Ids [T] of ``text`` (a str: bytes are refused, so llguidance passes text)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        if self._plain is None:
+            return self._full.greedy_tokenize(text)
+        ids = self._plain.encode(text, add_special_tokens=False).ids
+        if any(i in self._special for i in ids):  # a model vocabulary that holds one
+            return self._full.greedy_tokenize(text)
+        return ids
+
+
+def token_ref(token_id: int) -> str:
+    """The Lark reference to the one token ``token_id`` (llguidance's ``<[id]>``)."""
+    return f"<[{int(token_id)}]>"
+
+
+def added_token_ids(tokenizer: Any) -> dict[str, int]:
+    """{text: id} of the added tokens of an ``HFTokenizer`` (special or not: ``<|im_end|>``,
+    Qwen's ``<tool_call>``); empty for any other tokenizer."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
+        return {}
+    return {t.content: i for i, t in backend.get_added_tokens_decoder().items()}

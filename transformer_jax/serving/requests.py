@@ -152,7 +152,8 @@ class TokenEvent:
       top_logprobs: with ``SamplingParams.top_logprobs`` K, the step's K most likely tokens
         under that softmax as (token id, log-probability) pairs, most likely first.
       finish_reason: None while the request runs; ``"stop"`` (a stop token, included, or a
-        stop string), ``"length"`` (``max_tokens`` reached) or ``"cancelled"`` on its last event.
+        stop string), ``"length"`` (``max_tokens`` reached), ``"cancelled"`` or ``"error"`` (its
+        grammar refused a token drawn from its own mask: the engine's fault) on its last event.
       text: the text this token makes whole (``serving.text``: possibly empty, held back while
         it may start a stop string), when the engine has a tokenizer; else None.
     """

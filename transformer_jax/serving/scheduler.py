@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import logging
 
 import numpy as np
 
@@ -45,6 +46,8 @@ from transformer_jax.serving.plan import (
 from transformer_jax.serving.prefix_cache import PrefixCache, page_digests
 from transformer_jax.serving.requests import Request, State, TokenEvent
 from transformer_jax.serving.step import DecodeRows, PrefillChunk, RowSampling, Sampler
+
+logger = logging.getLogger(__name__)
 
 #: The narrowest page table a step runs at by default, in positions (see ``Scheduler``).
 MIN_CONTEXT = 128
@@ -447,9 +450,15 @@ class Scheduler:
         req.logprobs.append(logprob)
         if top is not None:
             req.top_logprobs.append(top)
-        if req.matcher is not None:  # structured outputs: the grammar takes the token
-            req.matcher.consume_token(token)
-        if token in p.stop_token_ids:
+        if req.matcher is not None and not req.matcher.consume_token(token):
+            # structured outputs: a token drawn from the grammar's own mask that the grammar
+            # refuses is the engine's fault; the reply would not follow the grammar
+            logger.error("request %d: its grammar refused token %d, drawn from its own mask "
+                         "(%s); the request ends with an error", req.id, token,
+                         req.matcher.get_error().splitlines()[0] if req.matcher.is_error()
+                         else "no error given")
+            req.finish_reason = "error"
+        elif token in p.stop_token_ids:
             req.finish_reason = "stop"
         elif req.matcher is not None and req.matcher.is_stopped():  # the grammar is complete
             req.finish_reason = "stop"

@@ -180,7 +180,6 @@ class Speculation:
     def admit(self, req: Request) -> None:
         """Sets up a request that asked to speculate, or raises ValueError (one line)."""
         spec: SpeculativeConfig = parse_spec(req.params.speculative)
-        eng = self.engine
         if spec.method == "draft":
             if self.draft is None:
                 raise ValueError(f"speculative {req.params.speculative!r}: the engine has no "
@@ -189,15 +188,21 @@ class Speculation:
             if self.draft.path is not None and not same_path(spec.draft, self.draft.path):
                 raise ValueError(f"speculative {req.params.speculative!r}: the engine's draft "
                                  f"model is {self.draft.path!r}")
+        self.check_engine()
+        # a new request's prior: the engine's acceptance so far (0.5 before any), so that a
+        # batch of new rows is not taken for one whose every proposal will be kept
+        prior = self.accepted / self.proposed if self.proposed else 0.5
+        req.speculation = (spec, Acceptance(rate=prior))
+
+    def check_engine(self) -> None:
+        """Raises ValueError (one line) unless the engine can speculate: one device (no
+        tensor- or expert-parallel mesh), no sliding-window (ring) layers."""
+        eng = self.engine
         if is_split(eng.mesh):
             raise ValueError("speculative decoding in the engine needs one device (no "
                              "tensor-parallel mesh)")
         if eng._rings is not None:
             check_no_rings(eng.config, "the model")
-        # a new request's prior: the engine's acceptance so far (0.5 before any), so that a
-        # batch of new rows is not taken for one whose every proposal will be kept
-        prior = self.accepted / self.proposed if self.proposed else 0.5
-        req.speculation = (spec, Acceptance(rate=prior))
 
     # The step ----------------------------------------------------------------------------------
 
