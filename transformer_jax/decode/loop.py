@@ -70,6 +70,7 @@ from transformer_jax.decode.weights import (  # noqa: F401 (decode.prepare etc. 
 from transformer_jax.model.block import shard_config
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import KVCache
+from transformer_jax.model.ops import target
 from transformer_jax.model.transformer import Transformer
 
 Params = dict[str, Any]
@@ -349,17 +350,18 @@ def generate_padded(config: ModelConfig, params: Params | DecodeWeights, tokens:
     run = functools.partial(_prefill_and_decode, stream_id=stream_id,
                             max_new_tokens=max_new_tokens, settings=settings,
                             cache_size=cache_size, cache_dtype=cache_dtype, platform=platform)
-    if not is_split(mesh):
-        return run(config, weights, tokens, lengths, key_data, split=None)
-    split = tensor_split(config, mesh)
-    local = shard_config(config, shards, vocab=split.vocab)
-    # Outputs are the same on every shard (each samples from the gathered logits).
-    return jax.shard_map(
-        functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
-        in_specs=(weight_specs(config, mesh, out_first, quant, has_expert_lists(weights)), P(),
-                  P(), P()),
-        out_specs=(P(), P(), P()),
-    )(weights, tokens, lengths, key_data)
+    with target.targeting(target.of_mesh(mesh)):  # kernel choices: the mesh's devices'
+        if not is_split(mesh):
+            return run(config, weights, tokens, lengths, key_data, split=None)
+        split = tensor_split(config, mesh)
+        local = shard_config(config, shards, vocab=split.vocab)
+        # Outputs are the same on every shard (each samples from the gathered logits).
+        return jax.shard_map(
+            functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
+            in_specs=(weight_specs(config, mesh, out_first, quant, has_expert_lists(weights)), P(),
+                      P(), P()),
+            out_specs=(P(), P(), P()),
+        )(weights, tokens, lengths, key_data)
 
 
 def _prefill_and_decode(config: ModelConfig, weights: Params, tokens: jax.Array,

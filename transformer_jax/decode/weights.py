@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from transformer_jax.decode.prompts import is_int
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import EMBEDDING_PARAM, MATRIX_INPUT_AXES, is_vector_param
+from transformer_jax.model.ops import target
 from transformer_jax.model.ops.layouts import OutFirst, out_first_order
 from transformer_jax.model.ops.moe import ExpertList
 from transformer_jax.model.ops.quantized import is_quantized
@@ -118,10 +119,9 @@ def decode_config(config: ModelConfig) -> ModelConfig:
 
 
 def target_platform(mesh: Mesh | None = None) -> str:
-    """The platform a decode runs on: the mesh's devices', else the default backend's."""
-    if mesh is not None:
-        return mesh.devices.flat[0].platform
-    return jax.default_backend()
+    """The platform a decode runs on: the mesh's devices', else the traced target's
+    (``ops.target``: the default backend unless set)."""
+    return target.of_mesh(mesh) or target.platform()
 
 
 def out_first_for(platform: str) -> bool:
@@ -133,7 +133,7 @@ def out_first_for(platform: str) -> bool:
 def default_experts_split(config: ModelConfig, platform: str | None = None) -> bool:
     """Whether ``prepare`` stores a mixture's experts as ``ExpertList``s by default: for a CPU
     target, where a product with a gathered expert copies its matrix first (``ExpertList``)."""
-    return config.moe is not None and (platform or jax.default_backend()) == "cpu"
+    return config.moe is not None and (platform or target.platform()) == "cpu"
 
 
 def split_experts(tree: Params, n_experts: int, take: Callable[[Any, int, int], Any]
@@ -176,7 +176,7 @@ def decode_params(config: ModelConfig, params: Params, out_first: bool | None = 
     ``OutFirst`` leaves (``out_first_layout``).
     """
     if out_first is None:
-        out_first = out_first_for(jax.default_backend())
+        out_first = out_first_for(target.platform())
     if config.scan_layers and not is_scanned(params):
         params = stack_blocks(params, config)
     elif not config.scan_layers and is_scanned(params):

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from transformer_jax.model import kv_ring
 from transformer_jax.model.config import Architecture, ModelConfig
 from transformer_jax.model.kv_ring import RingLayout
-from transformer_jax.model.ops import kv_quant
+from transformer_jax.model.ops import kv_quant, target
 from transformer_jax.model.ops.attention import attention
 from transformer_jax.model.ops.layouts import SlotsLast, stored_keys
 from transformer_jax.model.stack import LayerRef
@@ -54,9 +54,10 @@ CACHE_AXES = ("layers", "batch", "kv_heads", None, None)
 
 
 def slots_last_for(platform: str | None = None) -> bool:
-    """Whether a cache for a ``platform`` target (default: the default backend) stores its
-    keys [H, S] per row (``ops.layouts.SlotsLast``): for CPU only."""
-    return (platform or jax.default_backend()) == "cpu"
+    """Whether a cache for a ``platform`` target (default: the traced target's,
+    ``ops.target.platform()``) stores its keys [H, S] per row (``ops.layouts.SlotsLast``): for
+    CPU only."""
+    return (platform or target.platform()) == "cpu"
 
 
 @flax.struct.dataclass
@@ -103,7 +104,7 @@ class KVCache:
           dtype: storage dtype (a float dtype, or ``"int8"``: values and a scale per token
             and kv head, ``ops.kv_quant``); the model's compute dtype by default.
           platform: the platform the cache is for, which picks its key layout
-            (``slots_last_for``); default the default backend.
+            (``slots_last_for``); default the traced target's.
           window_rings: local layers keep a ring of their window (``kv_ring``) when it is
             shorter than S_max; False gives every layer S_max slots.
         """

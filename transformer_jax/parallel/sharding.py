@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.ops import target
 from transformer_jax.model.transformer import abstract_params, init_params, logical_axes
 from transformer_jax.parallel.mesh import (  # noqa: F401 (sharding.make_mesh etc. are the API)
     EXPERT_MESH_AXES,
@@ -328,7 +329,8 @@ def jit_sharded(fn: Callable[..., Any], mesh: Mesh, in_shardings: Any, out_shard
                 rules: Sequence[tuple[str, MeshAxes]] | None = None) -> Any:
     """``jax.jit`` with explicit shardings, tracing ``fn`` with the mesh and rules in context.
 
-    While ``fn`` is traced, the abstract mesh and the logical rules are in force, so
+    While ``fn`` is traced, the abstract mesh, the logical rules and the mesh's platform as
+    the target (``model.ops.target``: kernel choices follow it) are in force, so
     ``nn.with_logical_constraint`` calls inside the model resolve to mesh axes (without them
     they are no-ops), and a mixture's ``SparseFFN`` sees whether the mesh splits its experts
     (then it dispatches tokens by all_to_all). Use it for every function that runs the model:
@@ -350,7 +352,8 @@ def jit_sharded(fn: Callable[..., Any], mesh: Mesh, in_shardings: Any, out_shard
     @functools.wraps(fn)
     def in_context(*args):
         # Entered at trace time: that is when the model's logical constraints are resolved.
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules), \
+                target.targeting(target.of_mesh(mesh)):
             return fn(*args)
 
     return jax.jit(in_context, in_shardings=in_shardings, out_shardings=out_shardings,

@@ -73,7 +73,7 @@ import jax.numpy as jnp
 from transformer_jax.model import kv_ring
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_ring import RingLayout
-from transformer_jax.model.ops import kv_quant, paged_attention
+from transformer_jax.model.ops import kv_quant, paged_attention, target
 from transformer_jax.model.ops.attention import attention, choose_impl
 from transformer_jax.model.stack import LayerRef
 from transformer_jax.serving import paged_views
@@ -361,7 +361,7 @@ class PagedKVCache:
         if q.shape[1] != 1 or not (
                 impl == "xla" or (impl == "auto" and choose_impl(q, q[:, :, :1]) == "xla")):
             return "gather"
-        if jax.default_backend() == "cpu":
+        if target.platform() == "cpu":
             return "blocks"
         b, w = self.page_table.shape
         return "pool" if self.num_pages < 2 * b * w else "gather"

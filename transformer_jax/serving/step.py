@@ -64,6 +64,7 @@ from transformer_jax.model.block import shard_config
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_ring import RingLayout
 from transformer_jax.model.layers import MATRIX_INPUT_AXES
+from transformer_jax.model.ops import target
 from transformer_jax.model.stack import is_scanned_key
 from transformer_jax.serving.page_pool import NULL_PAGE
 from transformer_jax.serving.paged_cache import PagedKVCache
@@ -309,25 +310,26 @@ def _on_shards(run: Any, config: ModelConfig, params: Params, k_pages: Any, v_pa
     weights, or under ``shard_map`` over a tensor-split mesh (``engine_step`` says how);
     ``extra`` are replicated inputs, ``extra_out`` the specs of the outputs between the pages
     and the rings."""
-    if not is_split(mesh):
-        return run(config, params, k_pages, v_pages, decode, prefill, rings, adapters, *extra,
-                   split=None)
-    shards = tensor_shards(mesh)
-    split = tensor_split(config, mesh)
-    local = shard_config(config, shards, vocab=split.vocab)
-    pages = page_spec(config)
-    ring = None if rings is None else ring_spec(config)
-    return jax.shard_map(
-        functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
-        in_specs=(weight_specs(config, mesh, has_out_first(params), quant,
-                               has_expert_lists(params)),
-                  pages, pages,
-                  None if decode is None else P(), None if prefill is None else P(),
-                  ring, None if adapters is None else adapter_specs(config, mesh, adapters,
-                                                                   has_out_first(params)),
-                  *(P() for _ in extra)),
-        out_specs=(pages, pages, *extra_out, ring),
-    )(params, k_pages, v_pages, decode, prefill, rings, adapters, *extra)
+    with target.targeting(target.of_mesh(mesh)):  # kernel choices: the mesh's devices'
+        if not is_split(mesh):
+            return run(config, params, k_pages, v_pages, decode, prefill, rings, adapters, *extra,
+                       split=None)
+        shards = tensor_shards(mesh)
+        split = tensor_split(config, mesh)
+        local = shard_config(config, shards, vocab=split.vocab)
+        pages = page_spec(config)
+        ring = None if rings is None else ring_spec(config)
+        return jax.shard_map(
+            functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
+            in_specs=(weight_specs(config, mesh, has_out_first(params), quant,
+                                   has_expert_lists(params)),
+                      pages, pages,
+                      None if decode is None else P(), None if prefill is None else P(),
+                      ring, None if adapters is None else adapter_specs(config, mesh, adapters,
+                                                                       has_out_first(params)),
+                      *(P() for _ in extra)),
+            out_specs=(pages, pages, *extra_out, ring),
+        )(params, k_pages, v_pages, decode, prefill, rings, adapters, *extra)
 
 
 def _forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.model.config import ATTENTION_IMPLS
+from transformer_jax.model.ops import target
 from transformer_jax.model.ops.chunked_attention import check_qkv as _check_qkv
 from transformer_jax.model.ops.chunked_attention import check_structure as _check_structure
 from transformer_jax.model.ops.chunked_attention import chunked_attention, softcap
@@ -51,7 +52,7 @@ logger = logging.getLogger(__name__)
 # Masked logits get this value rather than -inf, so that a row with no visible key stays finite.
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 
-# Backends (``jax.default_backend()``) each accelerator implementation can run on.
+# Platforms (``ops.target.platform()``) each accelerator implementation can run on.
 _IMPL_BACKENDS = {"cudnn": ("gpu", "cuda"), "pallas": ("tpu", "gpu", "cuda"),
                   "mosaic": ("tpu", "gpu", "cuda")}
 
@@ -188,7 +189,7 @@ def reference_attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array,
 # Entry point -------------------------------------------------------------------------------------
 
 def _check_backend(impl: str) -> None:
-    backend = jax.default_backend()
+    backend = target.platform()
     if backend not in _IMPL_BACKENDS[impl]:
         raise ValueError(f"attention impl {impl!r} cannot run on backend {backend!r}; it needs "
                          f"one of {_IMPL_BACKENDS[impl]}. Use impl='auto', 'xla' or 'chunked'.")
@@ -209,13 +210,13 @@ def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None, *,
     Args:
       q: [B, T, N, H] queries (only shape and dtype are read).
       k: [B, K, S, H] keys.
-      backend: default ``jax.default_backend()``.
+      backend: default the target's (``ops.target.platform()``).
       softcap: the call's logit soft-cap; with one, only implementations that cap are picked.
 
     Returns:
       One of ``ATTENTION_IMPLS`` other than ``"auto"``.
     """
-    backend = jax.default_backend() if backend is None else backend
+    backend = target.platform() if backend is None else backend
     b, t, n, h = q.shape
     s = k.shape[2]
     if backend in ("gpu", "cuda") and q.dtype in (jnp.bfloat16, jnp.float16) and h % 8 == 0 \
@@ -256,7 +257,7 @@ def _kernel_attention(impl, q, k, v, mask, scale, softcap=None):
     else:
         import tokamax  # noqa: PLC0415 - heavy import, only for the kernel paths
 
-        gpu = jax.default_backend() in ("gpu", "cuda")
+        gpu = target.platform() in ("gpu", "cuda")
         name = "triton" if impl == "pallas" and gpu else "mosaic"
         out = tokamax.dot_product_attention(q, kt, vt, mask=mask[:, None], scale=scale,
                                             logits_soft_cap=softcap, implementation=name)
@@ -329,21 +330,21 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
         k = k.k.swapaxes(2, 3)
     if impl == "auto":
         impl = choose_impl(q, v, softcap=softcap)
-        key = (jax.default_backend(), impl)
+        key = (target.platform(), impl)
         if key not in _logged_choices:
             _logged_choices.add(key)
             logger.info("attention impl='auto' picked %r on backend %r (first seen at q %s, "
                         "k %s, %s)", impl, key[0], q.shape, k.shape, q.dtype)
     if impl in _IMPL_BACKENDS:
         _check_backend(impl)
-        _check_softcap(impl, softcap, jax.default_backend())
+        _check_softcap(impl, softcap, target.platform())
     if impl == "chunked":
         return chunked_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,
                                  q_segments=q_segments, k_segments=k_segments, window=window,
                                  causal=causal, scale=scale, softcap=softcap)
     q_positions, k_positions = _check_structure(q, v, v, q_positions, k_positions, q_segments,
                                                 k_segments)
-    if impl == "pallas" and jax.default_backend() == "tpu":
+    if impl == "pallas" and target.platform() == "tpu":
         if window is not None or q.shape[1] != k.shape[2]:
             raise ValueError("impl='pallas' on TPU (index-causal flash attention) needs T == S "
                              "and no window; use impl='mosaic' or 'chunked'")

@@ -23,6 +23,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.model.ops import target
+
 # Default blocks: [B, N, 256, 512] float32 logits per step (512 KiB per sequence and head), large
 # enough that each einsum is efficient and small enough to stay in cache.
 BLOCK_Q = 256
@@ -56,7 +58,7 @@ def softcap(x: jax.Array, cap: float | jax.Array) -> jax.Array:
 def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """float32-accumulating einsum; on CPU, whose runtime has no bfloat16 x bfloat16 -> float32
     dot, low-precision operands are widened first (exact: their products fit in float32)."""
-    if jax.default_backend() == "cpu":
+    if target.platform() == "cpu":
         a, b = a.astype(jnp.promote_types(a.dtype, jnp.float32)), b.astype(
             jnp.promote_types(b.dtype, jnp.float32))
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)

@@ -33,6 +33,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.model.ops import target
 from transformer_jax.model.ops.quantized import dequantize, is_quantized, take_rows
 
 #: ``activation(gate)`` of a gated FFN kind.
@@ -109,7 +110,7 @@ def route(logits: jax.Array, top_k: int, renormalize: bool) -> Routing:
 def choose_impl(impl: str, n_tokens: int, top_k: int, n_experts: int,
                 backend: str | None = None, widths: tuple[int, int] = (0, 0)) -> str:
     """The implementation ``"auto"`` stands for at these (static) sizes on ``backend``
-    (default: JAX's).
+    (default: the traced target's, ``ops.target``).
 
     ``"gather"`` when the token-expert pairs are no more than the experts (each chosen matrix
     read once costs no more than reading them all: decode). Otherwise the backend's grouped
@@ -120,7 +121,7 @@ def choose_impl(impl: str, n_tokens: int, top_k: int, n_experts: int,
         return impl
     if n_tokens * top_k <= n_experts:
         return "gather"
-    backend = backend or jax.default_backend()
+    backend = backend or target.platform()
     if backend == "cpu":
         return "tiled"
     if backend == "tpu" and widths[0] and not (widths[0] % 128 or widths[1] % 128):

@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.model.ops import target
+
 #: The tile megablox multiplies in (rows, contracted, output columns).
 MEGABLOX_TILE = 128
 
@@ -37,7 +39,7 @@ def kernel_grouped_matmul(impl: str, x: jax.Array, w: jax.Array, sizes: jax.Arra
     Raises:
       ValueError: megablox off TPU or with A, C not multiples of 128; tokamax not installed.
     """
-    backend = jax.default_backend()
+    backend = target.platform()
     if impl == "megablox":
         if backend != "tpu":
             raise ValueError(f"moe_impl='megablox' runs on TPU only, not {backend!r}; use "

@@ -42,6 +42,8 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.model.ops import target
+
 #: The paged kernels ``plan`` may choose.
 KERNELS = ("gpu_paged", "tpu_paged", "tpu_ragged")
 #: Those Pallas can interpret on a CPU (see the module docstring).
@@ -92,7 +94,7 @@ def kernel_target(backend: str, *, interpret: bool = False) -> Iterator[KernelTa
 
 def current_target() -> KernelTarget:
     """The ``kernel_target`` in force, else the default backend without interpretation."""
-    return _TARGET.value or KernelTarget(jax.default_backend())
+    return _TARGET.value or KernelTarget(target.platform())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +314,7 @@ def tpu_ragged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     b, t, n, h = q.shape
     args = ragged_inputs(q, k_pages, v_pages, page_table, positions)
     blocks = {}
-    if jax.default_backend() != "tpu":
+    if current_target().backend != "tpu":
         pages, queries = _RAGGED_UNTUNED_BLOCKS
         blocks = dict(num_kv_pages_per_block=min(pages, args[3].shape[1]),
                       num_queries_per_block=min(queries, b * t))

@@ -1,0 +1,50 @@
+"""The platform a program is traced for: kernel and layout choices follow it, not the process.
+
+Compiled ahead of time for a TPU pod from a CPU host (``jit(f).lower(...).compile()`` over a
+mesh of TPU device descriptions), a program is traced in a process whose
+``jax.default_backend()`` is ``"cpu"``; what it picks (the attention kernel, the MoE grouped
+product, the CPU-only layouts) must be the target's. ``targeting(platform)`` sets the target
+for the traces inside it (``parallel.sharding.jit_sharded`` sets it from its mesh's devices,
+``generate`` and the engine from theirs); ``platform()`` reads it, else the default backend.
+The target is part of jit's cache key (``jax.make_user_context``), so one function traced for
+two targets compiles twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+#: The platforms a target may name (``jax.Device.platform``'s values).
+PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
+
+_TARGET = jax.make_user_context(None)
+
+
+@contextlib.contextmanager
+def targeting(platform: str | None) -> Iterator[None]:
+    """Traces inside are for ``platform`` (None: leaves the target as it is).
+
+    Raises:
+      ValueError: a platform not in ``PLATFORMS``.
+    """
+    if platform is None:
+        yield
+        return
+    if platform not in PLATFORMS:
+        raise ValueError(f"target platform must be one of {PLATFORMS}, got {platform!r}")
+    with _TARGET(platform):
+        yield
+
+
+def platform() -> str:
+    """The platform traces are for: ``targeting``'s, else ``jax.default_backend()``."""
+    return _TARGET.value or jax.default_backend()
+
+
+def of_mesh(mesh: Any) -> str | None:
+    """The platform of a mesh's devices (None without a mesh)."""
+    return None if mesh is None else mesh.devices.flat[0].platform
