@@ -5,10 +5,13 @@ Verification of k + 1 positions in one forward equals k + 1 decode steps (logits
 the general rejection rule and the point-mass rule keep the target's distribution (chi-square
 at fixed seeds); speculative ``generate`` gives the tokens and log-probabilities of the plain
 one, greedy and sampled, with the n-gram proposer and with a draft model; bad specs and a draft
-with another vocabulary are one-line errors; the back-off pauses a row and lets it go again.
+with another vocabulary are one-line errors; the cost rule stops proposing where a verify
+round cannot pay and starts again when the acceptance rises, and the round's cost is timed on
+the program itself.
 """
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +19,7 @@ import numpy as np
 import pytest
 from helpers import FAST_COMPILE, TINY
 
-from transformer_jax.decode import generation, speculative_loop
+from transformer_jax.decode import generation, speculative, speculative_loop
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode.speculative import (
     Acceptance,
@@ -39,6 +42,18 @@ def fast_speculative_compiles():
     speculative_loop.PROGRAMS.update(speculative_loop.jit_programs(compiler_options=FAST_COMPILE))
     yield
     speculative_loop.PROGRAMS.update(original)
+
+
+MEASURED_ROUND_COST = speculative_loop.round_cost
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cheap_verification():
+    """A verify round costs one plain round: every row with proposals verifies them (the
+    exactness tests' subject). Tests of the cost rule set their own cost."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(speculative_loop, "round_cost", lambda *a: 1.0)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -252,19 +267,43 @@ def test_generate_speculative_gives_the_plain_tokens(target, draft, temperature)
         assert all(s.acceptance_rate == 1.0 for s in itself.speculative if s.proposed)
 
 
-def test_back_off_pauses_a_row_and_lets_it_go():
-    acc = Acceptance(floor=0.3, cooldown=3)
-    assert acc.budget(4) == 4
-    for _ in range(3):
-        acc.record(4, 0)
-    assert acc.paused == 0  # one bad verification is not enough: 0.7, 0.49, 0.343 > 0.3
-    acc.record(4, 0)
-    assert acc.paused == 3
-    assert [acc.budget(4) for _ in range(4)] == [0, 0, 0, 4]  # paused, then probes again
-    acc.record(4, 4)
-    assert acc.budget(4) == 4 and acc.acceptance_rate == 4 / 20
-    assert acc.mean_accepted == (4 + 5) / 5
+def test_cost_rule_stops_where_a_round_cannot_pay_and_starts_again():
+    """A row verifies while a round's expected tokens (1 + r + ... + r^k at its recent
+    acceptance r) exceed the round's cost in plain steps; stopped, it starts again only above
+    the cost times 1 + RESTART_MARGIN, on the evidence of the proposals it watched."""
+    from transformer_jax.decode.speculative import RESTART_MARGIN, expected_tokens, pays
 
+    for r, k in ((0.0, 4), (0.5, 4), (0.9, 16), (1.0, 3), (0.3, 0)):
+        assert expected_tokens(r, k) == pytest.approx(sum(r ** i for i in range(k + 1)),
+                                                      rel=2e-3)
+    acc = Acceptance()  # the prior: acceptance 1/2, 1.94 tokens from 4 proposals
+    assert acc.rate == 0.5 and acc.decide(4, cost=1.5)
+    assert not acc.decide(4, cost=2.5) and acc.declined == 1
+    between = expected_tokens(0.5, 4) / (1 + RESTART_MARGIN / 2)  # within the hysteresis
+    assert not acc.decide(4, between)
+    acc.proposing = True
+    assert acc.decide(4, between)  # ... where a row that proposes goes on
+    acc = Acceptance()
+    assert not acc.decide(4, cost=2.5)
+    acc.watch([5, 6, 7, 8])  # not verified: plain steps check it as a verification would
+    acc.watch([1, 1, 1, 1])  # (one proposal at a time)
+    for token in (5, 6, 7):
+        acc.observe(token)
+    assert (acc.hits, acc.tries) == (1, 2) and acc.matched == 3  # nothing counted mid-watch
+    acc.observe(8)  # all four kept: as a verification keeping 4 of 4
+    assert (acc.hits, acc.tries) == pytest.approx((0.8 + 4, 1.6 + 4)) and not acc.watched
+    assert acc.decide(4, cost=2.5)  # 1 + r + ... + r^4 at r = 4.8 / 5.6: 3.76 > 2.5 * 1.15
+    acc.watch([1, 2, 3])
+    acc.observe(1)
+    acc.observe(9)  # fails at its second: 1 kept of 2 tried
+    assert (acc.hits, acc.tries) == pytest.approx((0.8 * 4.8 + 1, 0.8 * 5.6 + 2))
+    acc.record(4, 2)  # a verification keeping 2 of 4: 2 hits of 3 tries
+    assert acc.tries == pytest.approx(0.8 * (0.8 * 5.6 + 2) + 3)
+    assert (acc.proposed, acc.accepted, acc.mean_accepted) == (4, 2, 3.0)
+    # the rule in jnp, as the device loop runs it for B rows
+    expected, cost = jnp.asarray([3.0, 3.0, 1.2, 2.6]), 2.5
+    got = pays(expected, cost, jnp.asarray([True, False, True, False]))
+    assert got.tolist() == [True, True, False, False]
 
 def test_the_budget_leaves_room_for_the_targets_own_token(target):
     """A verification adds the target's own token to the proposals it keeps, so a row with r
@@ -501,31 +540,79 @@ def test_ngram_propose_in_jnp_equals_the_host_lookup(n, min_n):
                 assert np.asarray(drafts[row]).tolist() == want, (trial, row)
 
 
-def test_backoff_in_jnp_follows_acceptance():
-    """``backoff_budget`` / ``backoff_record`` on random verifications: the budget, rate and
-    pause of ``Acceptance`` step for step."""
-    from transformer_jax.decode.speculative import backoff_budget, backoff_record
+def test_round_cost_is_timed_on_the_program_less_its_prefill(caplog):
+    """``measure_round_cost`` times the program forced plain, forced to verify and with no
+    round, and divides the rounds' times (fastest of its repeats: a spike only adds time; the
+    first call, which compiles, not timed); ``round_cost`` keeps it per shape."""
+    from transformer_jax.decode.speculative import measure_round_cost
 
-    rng = np.random.default_rng(5)
-    b, k = 4, 4
-    host = [Acceptance() for _ in range(b)]
-    rate, paused = jnp.ones(b, jnp.float32), jnp.zeros(b, jnp.int32)
-    for _ in range(40):
-        active = rng.random(b) < 0.8
-        remaining = rng.integers(1, 2 * k, b)
-        budget, rate, paused = backoff_budget(rate, paused, jnp.asarray(active), k,
-                                              jnp.asarray(remaining))
-        budgets = [h.budget(k, int(r)) if a else 0
-                   for h, a, r in zip(host, active, remaining, strict=True)]
-        assert np.asarray(budget).tolist() == budgets
-        proposed = rng.integers(0, np.asarray(budget) + 1)
-        accepted = rng.integers(0, proposed + 1)
-        rate, paused = backoff_record(rate, paused, jnp.asarray(proposed), jnp.asarray(accepted))
-        for h, p_, a_ in zip(host, proposed, accepted, strict=True):
-            h.record(int(p_), int(a_))
-        np.testing.assert_allclose(rate, [h.rate for h in host], rtol=1e-5)
-        assert np.asarray(paused).tolist() == [h.paused for h in host]
+    calls = []
 
+    def run(verify: bool, rounds: int) -> tuple[float, tuple[int, int]]:
+        # prefill 5 s, a plain round 1 s, a verify round 3 s; two plain rounds where every
+        # row has run out of proposals; the first call compiles, the fourth is slowed down
+        counts = (min(rounds, 2), max(rounds - 2, 0)) if verify else (rounds, 0)
+        calls.append((verify, rounds))
+        spike = 100.0 if len(calls) == 1 else 50.0 if len(calls) == 4 else 0.0
+        return 5.0 + counts[0] + 3.0 * counts[1] + spike, counts
+
+    assert measure_round_cost(run, 16) == pytest.approx(3.0)
+    assert calls[0] == (False, 0) and {(True, 16), (False, 16), (False, 0)} == set(calls[1:])
+    assert measure_round_cost(run, 0) is None  # N = 1: no round to time
+    speculative_loop.ROUND_COSTS.pop("key", None)
+    with caplog.at_level(logging.INFO, "transformer_jax.decode.speculative_loop"):
+        assert MEASURED_ROUND_COST("key", run, 4, 64) == pytest.approx(3.0)
+        assert MEASURED_ROUND_COST("key", None, 4, 64) == pytest.approx(3.0)  # kept
+    assert sum("costs 3.00 plain rounds" in r.message for r in caplog.records) == 1
+    speculative_loop.ROUND_COSTS.pop("key")
+
+
+def test_generate_measures_the_round_and_gives_the_plain_tokens(target, monkeypatch):
+    """Speculative greedy decoding with the cost measured on this machine: the plain tokens;
+    the program's first call measured it, the second did not."""
+    config, weights = target
+    monkeypatch.setattr(speculative_loop, "round_cost", MEASURED_ROUND_COST)
+    monkeypatch.setattr(speculative_loop, "ROUND_COSTS", {})
+    measured = []
+    monkeypatch.setattr(speculative_loop, "measure_round_cost",
+                        lambda *a: measured.append(speculative.measure_round_cost(*a)) or
+                        measured[-1])
+    kw = dict(max_new_tokens=20, seed=[1, 2, 3], stop_tokens=[STOP])
+    ref = generation.generate(config, weights, _prompts(), **kw)
+    for _ in range(2):
+        out = generation.generate(config, weights, _prompts(), speculative="ngram:k=4", **kw)
+        assert out.tokens == ref.tokens
+        np.testing.assert_allclose(out.logprob_array, ref.logprob_array, atol=1e-5)
+    assert len(measured) == 1 and measured[0] is not None and measured[0] > 0
+    assert list(speculative_loop.ROUND_COSTS.values()) == measured
+
+
+def test_generate_stops_where_it_cannot_pay_and_starts_again(target, draft, monkeypatch,
+                                                             caplog):
+    """A verify round measured at 2.5 plain rounds: a random draft's rows stop after the
+    prior (1.9 tokens expected from 3 proposals), watch their proposals fail and never
+    verify; the target as its own draft stops too, watches its proposals kept, and starts
+    again. One log line per program; the plain tokens."""
+    config, weights = target
+    monkeypatch.setattr(speculative_loop, "round_cost", lambda *a: 2.5)
+    monkeypatch.setattr(speculative_loop, "_STOP_LOGGED", set())
+    kw = dict(max_new_tokens=20, temperature=0.0, seed=[1, 2, 3], stop_tokens=[STOP],
+              top_k=None)  # test_generate_speculative_gives_the_plain_tokens' programs
+    ref = generation.generate(config, weights, _prompts(), **kw)
+    with caplog.at_level(logging.INFO, "transformer_jax.decode.speculative_loop"):
+        for _ in range(2):
+            weak = generation.generate(config, weights, _prompts(),
+                                       speculative="draft:x:k=3", draft=draft, **kw)
+            assert weak.tokens == ref.tokens
+            assert all(s.verifications == 0 and s.declined > 0 for s in weak.speculative)
+    stops = [r.message for r in caplog.records if "speculation stopped" in r.message]
+    assert len(stops) == 1 and "costs 2.50 plain steps" in stops[0]
+    itself = generation.generate(config, weights, _prompts(), speculative="draft:x:k=3",
+                                 draft=DraftModel(config, weights), **kw)
+    assert itself.tokens == ref.tokens
+    for row, s in enumerate(itself.speculative):
+        if ref.lengths[row] == 20:  # (the row that stops at once has no time to)
+            assert s.declined > 0 and s.verifications > 0 and s.acceptance_rate == 1.0
 
 def _recorder() -> tuple[list, object]:
     """A stream callback and the (index, tokens, active) it was called with."""

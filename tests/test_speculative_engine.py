@@ -1,9 +1,13 @@
 """Speculative decoding in the serving engine: every speculating request decodes what
 ``generate`` gives its prompt alone (greedy and seeded sampling, logprobs, stop ids, stop
 strings, max_tokens) under concurrent load with arrivals, a cancellation and preemption; no page
-is leaked after rejected tokens; the measured-cost back-off engages and releases; the budget
-leaves room for the target's own token; bad specs and unsupported setups are refused in one
-line (by ``compile`` and ``serve`` before anything compiles)."""
+is leaked after rejected tokens; the measured-cost rule stops a request where verification
+cannot pay (one log line) and starts it again when its watched proposals are kept; compile
+leaves a sampled load no verify program to compile; the budget leaves room for the target's own
+token; bad specs and unsupported setups are refused in one line (by ``compile`` and ``serve``
+before anything compiles)."""
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +22,7 @@ from transformer_jax.decode.speculative_loop import DraftModel
 from transformer_jax.serving import Engine, SamplingParams, speculation
 from transformer_jax.serving import draft as draft_lib
 from transformer_jax.serving import step as step_lib
+from transformer_jax.serving.step import Sampler
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_compiles")
 
@@ -116,31 +121,61 @@ def test_speculating_requests_under_load_equal_generate_alone(model, engine):
     engine.check_no_leaks()
 
 
-def test_back_off_engages_and_releases(model, engine, monkeypatch):
-    """With verification measured as costly, the engine runs plain steps although rows
-    propose; measured as cheap, it verifies again. The tokens stay the reference's."""
+def _measured(monkeypatch, eng, verify_cost: float) -> None:
+    """Every verify step measured at ``verify_cost`` plain steps (greedy steps), fresh."""
     monkeypatch.setattr(speculation.Speculation, "record", lambda *a: None)
+    eng.speculation.times = {(w, t, c, Sampler()): (verify_cost if t > 1 else 1.0, 10 ** 9)
+                             for w in eng.scheduler.widths for t in (1, 2, 3, 5, 9, 17)
+                             for c in (False, True)}
+    eng.steps = 10 ** 9
+
+
+def test_back_off_engages_and_releases(model, engine, monkeypatch, caplog):
+    """With verification measured as costly, the engine runs plain steps although rows
+    propose, and says so once; measured as cheap, it verifies again. The tokens stay the
+    reference's."""
     spec = engine.speculation
     prompt = [3, 4, 5, 6] * 4
     p = SamplingParams(max_tokens=16, speculative="ngram:k=4")
 
     def run(verify_cost: float):
-        spec.times = {(w, t, c): (verify_cost if t > 1 else 1.0, 10 ** 9)
-                      for w in engine.scheduler.widths for t in (1, 2, 3, 5)
-                      for c in (False, True)}
-        engine.steps = 10 ** 9  # the measurements are fresh
+        _measured(monkeypatch, engine, verify_cost)
         before = (spec.backed_off, spec.verify_steps)
         rid = engine.add_request(prompt, p)
         done = engine.run_until_idle()
         assert done[rid].tokens == reference(model, prompt, p)[0]
         return spec.backed_off - before[0], spec.verify_steps - before[1]
 
-    backed_off, verified = run(verify_cost=100.0)
+    monkeypatch.setattr(spec, "_stopped", False)
+    with caplog.at_level(logging.INFO, "transformer_jax.serving.speculation"):
+        backed_off, verified = run(verify_cost=100.0)
     assert backed_off > 0 and verified == 0
+    stops = [r.message for r in caplog.records if "speculation stopped" in r.message]
+    assert len(stops) == 1 and "costs 100.00 plain steps" in stops[0], stops
     backed_off, verified = run(verify_cost=1.0)
     assert verified > 0 and backed_off == 0
     spec.times, spec._recent = {}, {}  # the made-up times stay in this test
     engine.check_no_leaks()
+
+
+def test_a_request_stops_where_it_cannot_pay_and_starts_again(model, small_draft,
+                                                              monkeypatch):
+    """A verify step measured at 2.5 plain steps: a request whose draft is the target stops
+    after its prior (1.9 tokens expected from 4 proposals), watches its draft's proposals on
+    plain steps, finds them kept and verifies again; one whose draft disagrees never does."""
+    for draft, again in ((DraftModel(*model), True), (small_draft, False)):
+        eng = Engine(*model, **ENGINE, draft=draft)
+        _measured(monkeypatch, eng, verify_cost=2.5)
+        prompt = _prompts(5, 1)[0]
+        p = SamplingParams(max_tokens=N, speculative="draft:x:k=4")
+        rid = eng.add_request(prompt, p)
+        done = eng.run_until_idle()[rid]
+        assert done.tokens == reference(model, prompt, p)[0]
+        acc = done.speculative
+        assert acc.declined > 0 and (acc.verifications > 0) == again
+        if again:
+            assert acc.acceptance_rate == 1.0
+        eng.check_no_leaks()
 
 
 def test_bad_speculative_settings_are_refused(model, engine):
@@ -264,11 +299,10 @@ def small_draft():
 
 
 def _verify_always(monkeypatch, eng):
-    """Verification measured as cheap, so every step with proposals verifies."""
+    """Verification never measured (nor anything else), so every step with proposals runs it
+    to measure it."""
     monkeypatch.setattr(speculation.Speculation, "record", lambda *a: None)
-    eng.speculation.times = {(w, t, c): (1.0, 10 ** 9) for w in eng.scheduler.widths
-                             for t in (1, 2, 3, 5) for c in (False, True)}
-    eng.steps = 10 ** 9
+    eng.speculation.times = {}
 
 
 def _load(model, eng, prompts, params):
@@ -328,6 +362,15 @@ def test_compile_leaves_a_greedy_draft_load_nothing_to_compile(model, small_draf
     eng.run_until_idle(max_steps=500)
     assert eng.idle and eng.speculation.metrics()["verify_steps"] > 0
     assert {name: p._cache_size() for name, p in programs.items()} == before
+    # a sampled load (a server's requests by default) finds its verify programs compiled
+    verify_steps = eng.speculation.metrics()["verify_steps"]
+    for i, length in enumerate((2, 9, 23)):
+        eng.add_request(rng.integers(0, TINY.vocab_size, length).tolist(),
+                        SamplingParams(max_tokens=8, temperature=1.0, seed=i,
+                                       speculative="ngram:k=4"))
+    eng.run_until_idle(max_steps=500)
+    assert eng.speculation.metrics()["verify_steps"] > verify_steps
+    assert speculation.verify_jit._cache_size() == before["verify"]
 
 
 def test_a_draft_equal_to_the_target_has_its_proposals_kept(model, monkeypatch):

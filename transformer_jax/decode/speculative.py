@@ -18,6 +18,14 @@ sampled, whatever else is in the batch, not merely the same distribution. ``reje
 is the general rule for a proposer with a non-degenerate q (a sampled draft, EAGLE-style heads),
 kept here with its statistical test.
 
+Cost. A verify round of T = k + 1 positions costs c plain steps, c measured on the model at
+hand (``generate`` times its own program's rounds once per shape, the engine its steps). A row
+proposes only while the tokens a round is expected to give it (``expected_tokens`` at its
+recent acceptance) exceed c (``pays``, with hysteresis), and a batch verifies only when its
+rows' expected tokens beat c plain steps of all of them. A row that stopped keeps measuring its
+acceptance on plain steps (its first proposal against the target's own token: ``evidence``), so
+it starts again when its acceptance rises.
+
 Spec strings (``parse_spec``): ``"ngram"``, ``"ngram:k=4"``, ``"ngram:k=4:n=3"``,
 ``"draft:PATH"``, ``"draft:PATH:k=4"``.
 """
@@ -25,7 +33,6 @@ Spec strings (``parse_spec``): ``"ngram"``, ``"ngram:k=4"``, ``"ngram:k=4:n=3"``
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -313,43 +320,117 @@ def rejection_sample(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Arr
     return a, tokens
 
 
-# Back-off ----------------------------------------------------------------------------------------
+# Cost model ------------------------------------------------------------------------------------
+
+#: Per round, the weight the acceptance evidence keeps (older rounds fade).
+DECAY = 0.8
+#: The evidence before any: an acceptance of 1/2 worth 2 tries.
+PRIOR_HITS, PRIOR_TRIES = 1.0, 2.0
+#: A row that stopped proposing starts again only when its proposals are expected to give this
+#: much more than the round costs (hysteresis: near the break-even a row does not flip every
+#: round on noise).
+RESTART_MARGIN = 0.15
+
+
+def expected_tokens(rate: Any, k: Any) -> Any:
+    """Tokens a verify round of k proposals gives on average when each is accepted with
+    probability ``rate`` (the target's own token included): 1 + r + ... + r^k, as
+    ``(1 - r^(k + 1)) / (1 - r)`` so that it takes [B] arrays (``jnp``: k traced) as well as
+    Python numbers (r capped just below 1)."""
+    r = rate * (1 - 1e-4)
+    return (1 - r ** (k + 1)) / (1 - r)
+
+
+def pays(expected: Any, cost: Any, proposing: Any) -> Any:
+    """Whether a row proposes (the cost rule, for [B] arrays or one row's Python numbers).
+
+    Args:
+      expected: tokens a verify round is expected to give the row (``expected_tokens``).
+      cost: what a verify round costs, in plain steps, measured on the model at hand.
+      proposing: whether the row proposed last time: it goes on while ``expected > cost``;
+        a row that stopped starts again above ``cost * (1 + RESTART_MARGIN)``.
+    """
+    return expected > cost * (1 + RESTART_MARGIN * (1 - proposing))
+
+
+def evidence(hits: Any, tries: Any, new_hits: Any, new_tries: Any) -> tuple[Any, Any]:
+    """Acceptance evidence after a verification: decayed hits and tries plus its own. One of
+    n proposals of which a were kept tried ``a + (a < n)`` positions and hit a. A proposal
+    not verified is watched instead: plain steps check it against the target's tokens one by
+    one, and where it fails (or is all kept) it counts as that verification would have (what
+    lets a row that stopped proposing see its acceptance rise without a verification)."""
+    return DECAY * hits + new_hits, DECAY * tries + new_tries
+
 
 @dataclasses.dataclass
 class Acceptance:
-    """One row's acceptance record, for its metrics and its back-off.
+    """One row's speculation record: its counters, its acceptance evidence (``evidence``) and
+    the cost rule's state (``pays``). The device loop keeps the same fields for B rows in
+    ``jnp``; the engine keeps one per request.
 
-    A row whose recent acceptance (an exponential average of accepted / proposed) falls below
-    ``floor`` stops proposing for ``cooldown`` verifications' worth of steps, then probes again
-    with its average reset halfway to 1 (so a passage that becomes repetitive is found again).
-    The rule is ``backoff_budget`` / ``backoff_record``'s, which the device loop runs for B
-    rows at once; this is one row of it on the host (the engine's).
+    Attributes:
+      proposed, accepted, verifications: proposals verified, proposals kept, verify rounds.
+      hits, tries: decayed acceptance evidence; ``rate`` = hits / tries.
+      proposing: the cost rule's last answer.
+      declined: rounds in which the row had proposals that the cost rule did not verify.
+      watched, matched: a proposal not verified that plain steps check (``evidence``), and
+        its tokens matched so far.
     """
 
     proposed: int = 0
     accepted: int = 0
     verifications: int = 0
-    rate: float = 1.0
-    paused: int = 0
-    floor: float = 0.3
-    cooldown: int = 8
-    decay: float = 0.7
+    hits: float = PRIOR_HITS
+    tries: float = PRIOR_TRIES
+    proposing: bool = True
+    declined: int = 0
+    watched: list[int | None] = dataclasses.field(default_factory=list)
+    matched: int = 0
+
+    @classmethod
+    def with_prior(cls, rate: float) -> Acceptance:
+        """A new row whose evidence is a prior acceptance ``rate`` worth ``PRIOR_TRIES``."""
+        return cls(hits=rate * PRIOR_TRIES)
+
+    @property
+    def rate(self) -> float:
+        """The recent acceptance of one proposal (decayed hits / tries)."""
+        return self.hits / self.tries
 
     def record(self, proposed: int, accepted: int) -> None:
+        """A verification of ``proposed`` proposals of which ``accepted`` were kept."""
         if proposed <= 0:
             return
         self.proposed += proposed
         self.accepted += accepted
         self.verifications += 1
-        self.rate, self.paused = backoff_record(self.rate, self.paused, proposed, accepted, self,
-                                                _Scalar)
+        self.hits, self.tries = evidence(self.hits, self.tries, accepted,
+                                         accepted + (accepted < proposed))
+        self.watched = []
 
-    def budget(self, k: int, remaining: float = math.inf) -> int:
-        """How many tokens the row may propose now, with ``remaining`` tokens still to go
-        (``backoff_budget``: 0 while paused); counts a paused step."""
-        budget, self.rate, self.paused = backoff_budget(self.rate, self.paused, True, k,
-                                                        remaining, _Scalar)
-        return budget
+    def watch(self, proposals: Sequence[int | None]) -> None:
+        """Watches proposals the cost rule did not verify (unless it watches some already);
+        None for a draft's, whose next proposal each step gives (``observe``'s ``expect``)."""
+        if not self.watched:
+            self.watched, self.matched = list(proposals), 0
+
+    def observe(self, token: int, expect: int | None = None) -> None:
+        """A plain step's token against the watched proposal's next one (or ``expect``)."""
+        if not self.watched:
+            return
+        hit = token == (self.watched[self.matched] if expect is None else expect)
+        self.matched += hit
+        if not hit or self.matched == len(self.watched):
+            self.hits, self.tries = evidence(self.hits, self.tries, self.matched,
+                                             self.matched + (not hit))
+            self.watched = []
+
+    def decide(self, k: int, cost: float) -> bool:
+        """Whether the row should verify k proposals in a round costing ``cost`` plain steps
+        (``pays``, with its hysteresis); a no counts as declined."""
+        self.proposing = bool(pays(expected_tokens(self.rate, k), cost, self.proposing))
+        self.declined += not self.proposing
+        return self.proposing
 
     @property
     def acceptance_rate(self) -> float:
@@ -363,55 +444,39 @@ class Acceptance:
             if self.verifications else 0.0
 
 
-class _Scalar:
-    """The few ``jnp`` functions the back-off uses, for one host row of Python numbers (the
-    engine's ``Acceptance``, per row and step: numpy's 0-d arrays cost 30x more)."""
-
-    where = staticmethod(lambda c, a, b: a if c else b)
-    maximum, minimum = staticmethod(max), staticmethod(min)
-    logical_not = staticmethod(lambda x: not x)
-
-
-def backoff_budget(rate: jax.Array | float, paused: jax.Array | int, active: jax.Array | bool,
-                   k: int, remaining: jax.Array | float, xp: Any = jnp
-                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The proposal budget of B rows at once (the device loop's, in ``jnp``) or one row
-    (``Acceptance.budget``, in Python numbers): k, but no more than the row could still keep,
-    and none while the back-off pauses it (a paused row counts down instead).
+def measure_round_cost(run: Callable[[bool, int], tuple[float, Sequence[int]]], rounds: int,
+                       repeats: int = 3) -> float | None:
+    """What a verify round costs in plain rounds, timed on a decode program itself.
 
     Args:
-      rate: [B] float32 each row's recent acceptance; paused: [B] int32 steps left paused.
-      active: [B] bool rows that ask for a budget this step (others are left as they are).
-      k: the most proposals; remaining: [B] tokens each row may still emit (the target adds
-        one of its own to the kept proposals).
-      xp: ``jnp``, or ``_Scalar`` for one row of Python numbers.
+      run: ``(verify, max_rounds) -> (seconds, (plain rounds, verify rounds) run)``: the
+        program on real inputs with every round verifying (as far as rows can propose) or every
+        round plain, for at most ``max_rounds`` rounds.
+      rounds: the rounds of each timed run; repeats: the timed triples.
 
     Returns:
-      ([B] int proposals the row may make now, the new rate, the new paused).
+      The verify rounds' time per round against the plain rounds', each less a run of no
+      round (the prefill and the first token); each time the fastest of ``repeats`` (on a
+      shared machine, load only ever adds time); None when nothing was measured (no round to
+      run, or noise beyond the rounds' own time).
     """
-    was_paused = active & (paused > 0)
-    paused = xp.where(was_paused, paused - 1, paused)
-    rate = xp.where(was_paused & (paused == 0), 0.5 * (rate + 1.0), rate)
-    may = active & xp.logical_not(was_paused)
-    return xp.where(may, xp.minimum(k, remaining - 1), 0), rate, paused
+    if rounds <= 0:
+        return None
+    run(False, 0)  # compiles, untimed
+    times: dict[tuple[bool, int], float] = {}
+    counts = {}
+    for _ in range(repeats):  # back to back, so that the load falls on all three alike
+        for verify, r in ((False, 0), (False, rounds), (True, rounds)):
+            seconds, counts[verify, r] = run(verify, r)
+            times[verify, r] = min(times.get((verify, r), np.inf), seconds)
+    (plain_n, _), (mixed_n, verify_n) = counts[False, rounds], counts[True, rounds]
+    plain = (times[False, rounds] - times[False, 0]) / max(int(plain_n), 1)
+    verify = (times[True, rounds] - times[False, 0] - int(mixed_n) * plain) / max(int(verify_n), 1)
+    return verify / plain if plain_n and verify_n and plain > 0 and verify > 0 else None
 
 
-def backoff_record(rate: jax.Array | float, paused: jax.Array | int, proposed: jax.Array | int,
-                   accepted: jax.Array | int, acceptance: Acceptance | None = None,
-                   xp: Any = jnp) -> tuple[jax.Array, jax.Array]:
-    """The back-off's record of a verification, for B rows (``jnp``) or one (Python numbers,
-    as ``backoff_budget``): [B] rate and paused after [B] ``proposed`` tokens of which [B]
-    ``accepted`` were kept (rows with nothing proposed are left as they are); floor, cooldown
-    and decay from ``acceptance``."""
-    a = Acceptance() if acceptance is None else acceptance
-    has = proposed > 0
-    new = a.decay * rate + (1 - a.decay) * accepted / xp.maximum(proposed, 1)
-    rate = xp.where(has, new, rate)
-    paused = xp.where(has & (rate < a.floor), a.cooldown, paused)
-    return rate, paused
-
-
-def expected_tokens(rate: float, k: int) -> float:
-    """Tokens a verification of k proposals gives on average when each is accepted with
-    probability ``rate`` independently: 1 + r + ... + r^k."""
-    return float(sum(rate ** i for i in range(k + 1)))
+def stop_message(where: str, cost: float, t: int, rate: float, expected: float) -> str:
+    """The one log line of a speculation that stopped proposing because it would not pay."""
+    return (f"{where}: speculation stopped: a verify round of {t} positions costs {cost:.2f} "
+            f"plain steps on this model (measured) and gives {expected:.2f} tokens at the recent "
+            f"acceptance {rate:.2f}; plain steps until the acceptance rises")

@@ -1,35 +1,38 @@
-"""Speculative ``generate`` on the device: one jitted ``lax.while_loop`` per call.
+"""Speculative ``generate`` on the device: one jitted program per call.
 
-The carry (``SpeculativeState``) holds the target's cache, every row's sequence so far (prompt
-and output), its outputs, keys, acceptance counters and back-off, and with a draft model the
-draft's own contiguous cache. Each round of the loop, every row
+The carry (``SpeculativeState``) holds the target's cache, every row's sequence so far, its
+outputs, keys, counters and acceptance evidence, the next round's proposals, and with a draft
+model the draft's own contiguous cache. After each round every row proposes up to k tokens (the
+n-gram match of its last n tokens in its own sequence, ``speculative.ngram_propose`` in
+``jnp``; or the draft's catch-up on the 1 or 2 tokens the target added, whose greedy token is
+its first proposal), and the cost rule decides (``speculative.pays``: the round's expected
+tokens at the row's recent acceptance against ``cost``, a verify round's cost in plain rounds
+measured on the host by ``round_cost``; the batch verifies when its rows' expected tokens
+beat ``cost`` plain rounds of all of them).
 
-1. proposes up to k tokens: the n-gram match of its last n tokens against its own sequence
-   (``speculative.ngram_propose``, fixed shapes in ``jnp``), or the draft model's catch-up on
-   the tokens the target kept (1 or 2) and its k greedy steps (``draft_propose``, whose
-   steps are ``speculative.greedy_proposals``, the engine draft's too);
-2. feeds its last token and the proposals ([B, k + 1] at its own positions, one forward:
-   ``speculative.verify``, the engine's verification too); the target draws its own token at
-   each of the k + 1 positions with the plain decode's key for that token (``fold_in(key,
-   token index)``), and the row keeps the proposals up to its first disagreement plus the
-   target's token there. A round in which no row proposes anything (all paused by the
-   back-off, or no n-gram match) runs the one-token decode instead (``lax.cond``);
-3. appends what it kept, up to a stop token or N, and streams every token index all rows
-   have reached (``streaming.emit``, as the plain loop does).
+The rounds run in two ``while_loop`` phases, in turn: verify rounds while the rule says so
+(every row's last token and proposals, [B, k + 1] at its own positions, in one forward:
+``speculative.verify``, the engine's too; a draft first makes its k - 1 further greedy
+proposals, ``speculative.greedy_proposals``), then plain rounds (one ``decode_step``, as cheap
+as the plain decode's: choosing between the two forwards every round cost 0.6 plain steps on
+CPU, the cache copied into each branch). The target draws each position's token with the plain
+decode's key for it (``fold_in(key, token index)``); a row keeps its proposals up to the first
+disagreement plus the target's token there. A proposal not verified is watched: plain rounds
+check it against the target's tokens as a verification would (evidence for a stopped row to
+start again). Kept tokens are appended up to a stop token or N and streamed in order.
 
 Rejected positions need no undo: slot s holds position s, so their stale keys sit past the
-row's length, hidden by causality, and the next round overwrites them.
-
-The draft proposes greedily, so its q is a point mass and the target's draw decides (the module
-docstring of ``speculative``). After a round it holds the row's tokens up to its length minus 1
-or 2: it cached its own first k - 1 proposals, of which the target kept a, and the target added
-one token (two uncached tokens only after a = k). So its catch-up is a chunk of 2 positions.
+row's length, hidden by causality, and are overwritten. The draft proposes greedily (a point
+mass: the target's draw decides, ``speculative``'s docstring). It caches its first k - 1
+proposals, of which the target keeps a, and the target adds one token: so it lacks 1 or 2.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
@@ -48,13 +51,18 @@ from transformer_jax.decode.loop import (
     prefill,
 )
 from transformer_jax.decode.speculative import (
+    PRIOR_HITS,
+    PRIOR_TRIES,
     Acceptance,
     SpeculativeConfig,
-    backoff_budget,
-    backoff_record,
+    evidence,
+    expected_tokens,
     forward_chunk,
     greedy_proposals,
+    measure_round_cost,
     ngram_propose,
+    pays,
+    stop_message,
     verify,
 )
 from transformer_jax.decode.streaming import StreamFn
@@ -65,29 +73,24 @@ from transformer_jax.model.kv_ring import RingLayout
 logger = logging.getLogger(__name__)
 
 
-def draft_propose(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
-                  start: jax.Array, counts: jax.Array, *, k: int
-                  ) -> tuple[KVCache, jax.Array]:
-    """The draft's catch-up chunk, then its k greedy proposals (``speculative.greedy_proposals``).
-
-    Args:
-      config, params: the draft's.
-      cache: the draft's ``KVCache``.
-      tokens: [B, C] int32 the tokens the draft has not cached yet (right-padded).
-      start: [B] int32 the position of ``tokens[:, 0]``.
-      counts: [B] int32 real tokens in each row's chunk, in [1, C].
-      k: static, proposals per row.
-
-    Returns:
-      (the cache, [B, k] int32 proposals).
-    """
+def draft_first(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
+                start: jax.Array, counts: jax.Array) -> tuple[KVCache, jax.Array]:
+    """The draft's catch-up: the first ``counts`` [B] of [B, C] tokens it has not cached yet,
+    at positions from ``start`` [B], through its ``KVCache``; returns (the cache, [B] int32
+    its greedy next token: its first proposal)."""
     out = forward_chunk(decode_model(config), params, cache, tokens, start,
                         logits_at=counts - 1)
+    return out.cache, sampling.argmax(out.logits)
 
+
+def draft_rest(config: ModelConfig, params: Params, cache: KVCache, first: jax.Array,
+               start: jax.Array, *, k: int) -> tuple[KVCache, jax.Array]:
+    """The draft's k - 1 further greedy proposals after ``first`` [B], fed at ``start`` [B]
+    (``speculative.greedy_proposals``); returns (the cache, [B, k] int32 proposals)."""
     def step(cache: KVCache, token: jax.Array, pos: jax.Array) -> tuple[jax.Array, KVCache]:
         return decode_step(config, params, cache, token, pos)
 
-    return greedy_proposals(step, out.cache, sampling.argmax(out.logits), start + counts, k - 1)
+    return greedy_proposals(step, cache, first, start, k - 1)
 
 
 @flax.struct.dataclass
@@ -102,12 +105,15 @@ class SpeculativeState:
       num_tokens: [B] int32 tokens generated so far (stop token included).
       done: [B] bool rows that emitted a stop token or N tokens.
       keys: [B, 2] uint32 raw PRNG key per row; token i draws with ``fold_in(key, i)``.
-      cache: the target's ``KVCache``.
-      draft_cache: the draft model's ``KVCache`` (None for the n-gram proposer).
+      cache, draft_cache: the target's and the draft's ``KVCache`` (None for the n-gram).
       draft_length: [B] int32 positions the draft's cache holds.
-      proposed, accepted, verifications: [B] int32 the rows' acceptance counters.
-      rate: [B] float32 and paused: [B] int32, the back-off (``Acceptance``).
-      streamed: [] int32 token indices streamed so far.
+      drafts: [B, k] int32 the next round's proposals (a draft's first only: it makes the
+        others in a verify round); found: [B] bool rows that have some.
+      watched, watch_n, matched: [B, k] a proposal plain rounds check as a verification would
+        (a draft's: its latest first proposal), [B] its length (0: none), [B] matched so far.
+      want: [B] bool rows verifying in the next round; verify: [] bool whether it verifies.
+      proposed, accepted, verifications, declined, hits, tries, proposing: [B] the rows'
+        ``Acceptance``; rounds: [2] int32 plain and verify rounds; streamed: [] int32.
     """
 
     seq: jax.Array
@@ -120,11 +126,21 @@ class SpeculativeState:
     cache: KVCache
     draft_cache: KVCache | None
     draft_length: jax.Array
+    drafts: jax.Array
+    found: jax.Array
+    watched: jax.Array
+    watch_n: jax.Array
+    matched: jax.Array
+    want: jax.Array
+    verify: jax.Array
     proposed: jax.Array
     accepted: jax.Array
     verifications: jax.Array
-    rate: jax.Array
-    paused: jax.Array
+    declined: jax.Array
+    hits: jax.Array
+    tries: jax.Array
+    proposing: jax.Array
+    rounds: jax.Array
     streamed: jax.Array
 
 
@@ -185,124 +201,162 @@ def stream_ready(state: SpeculativeState, stream_id: jax.Array, pad_id: int
     return state.replace(streamed=streamed)
 
 
-def run_one_of(pred: jax.Array, if_true: Any, if_false: Any, cache: KVCache
-               ) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
-    """``lax.cond(pred, if_true, if_false, cache)`` as two while loops of 0 or 1 iterations.
-
-    XLA copies a conditional's operands into each branch (the whole cache, every round, on
-    CPU), but updates a while loop's carry in place; each function maps the cache to (cache,
-    [B, k + 1] tokens, [B, k + 1] log-probabilities, [B] accepted).
-    """
-    out = jax.eval_shape(if_true, cache)
-    blank = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out[1:])
-
-    def once(fn: Any, run: jax.Array, carry: tuple[Any, ...]) -> tuple[Any, ...]:
-        def body(c: tuple[Any, ...]) -> tuple[Any, ...]:
-            return (jnp.zeros((), bool), *fn(c[1]))
-        return jax.lax.while_loop(lambda c: c[0], body, (run, *carry))[1:]
-
-    carry = once(if_true, pred, (cache, *blank))
-    carry = once(if_false, ~pred, carry)
-    return carry  # type: ignore[return-value]
+#: ``force`` of the program: the cost rule decides; every round plain; every round verifies
+#: (the last two for ``measure_round_cost``).
+AUTO, PLAIN, VERIFY = 0, 1, 2
 
 
 def speculative_generate_padded(
         config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array,
-        key_data: jax.Array, stream_id: jax.Array | None = None,
-        draft_params: Params | None = None, *, draft_config: ModelConfig | None,
-        spec: SpeculativeConfig, max_new_tokens: int, settings: SamplingSettings,
-        cache_size: int, cache_dtype: str | None) -> tuple[jax.Array, ...]:
-    """Prefill, then the speculative ``while_loop``: the traced body of
+        key_data: jax.Array, cost: jax.Array, force: jax.Array, max_rounds: jax.Array,
+        stream_id: jax.Array | None = None, draft_params: Params | None = None, *,
+        draft_config: ModelConfig | None, spec: SpeculativeConfig, max_new_tokens: int,
+        settings: SamplingSettings, cache_size: int, cache_dtype: str | None
+        ) -> tuple[jax.Array, ...]:
+    """Prefill, then the rounds (verify and plain phases): the traced body of
     ``generate_speculative``.
 
     Args:
-      config, params: the target's config (static) and prepared weights.
-      tokens: [B, T] int32 right-padded prompts; lengths: [B] their true lengths.
-      key_data: [B, 2] uint32 raw key per row.
+      config, params, tokens, lengths, key_data: as ``generate_speculative``'s (config static).
+      cost: [] float32 what a verify round costs in plain rounds (the cost rule's).
+      force: [] int32 ``AUTO``, or every round ``PLAIN`` or ``VERIFY`` (as far as rows can
+        propose: ``measure_round_cost``'s runs); max_rounds: [] int32 the most rounds run.
       stream_id: optional [] int32 id of a ``streaming.registered`` callback.
       draft_params: the draft's prepared weights (None: the n-gram proposer).
-      draft_config: static, the draft's config (None with the n-gram proposer).
-      spec: static, the speculation (k; the n-gram's n and min_n).
-      max_new_tokens: N; settings: static sampling settings.
-      cache_size: S >= every length + N + k (proposals are written past the end).
-      cache_dtype: the target cache's storage dtype name.
+      draft_config, spec, max_new_tokens (N), settings, cache_dtype: static, as
+        ``generate_speculative``'s; cache_size: S >= every length + N + k.
 
     Returns:
-      tokens [B, N], logprobs [B, N], num_tokens [B], and the rows' [B] proposed, accepted,
-      verifications, rate and paused (``Acceptance``).
+      tokens [B, N], logprobs [B, N], num_tokens [B]; the rows' [B] proposed, accepted,
+      verifications, declined, hits, tries and proposing (``Acceptance``); [2] plain and verify
+      rounds run.
     """
     b, t = tokens.shape
     n, k = max_new_tokens, spec.k
     lengths = lengths.astype(jnp.int32)
     key_data = key_data.astype(jnp.uint32)
+    cost = jnp.asarray(cost, jnp.float32)
     logits, cache = prefill(config, params, tokens, lengths, cache_size, cache_dtype)
     draft_cache = None
     if draft_params is not None:
         _, draft_cache = prefill(draft_config, draft_params, tokens, lengths, cache_size + 1)
-    zeros = jnp.zeros((b,), jnp.int32)
+    zeros, no = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
     state = SpeculativeState(
         seq=jnp.zeros((b, cache_size), jnp.int32).at[:, :t].set(tokens),
         length=lengths, tokens=jnp.full((b, n), settings.pad_id, jnp.int32),
-        logprobs=jnp.zeros((b, n), jnp.float32), num_tokens=zeros,
-        done=jnp.zeros((b,), bool), keys=key_data, cache=cache, draft_cache=draft_cache,
-        draft_length=lengths, proposed=zeros, accepted=zeros, verifications=zeros,
-        rate=jnp.ones((b,), jnp.float32), paused=zeros, streamed=jnp.zeros((), jnp.int32))
+        logprobs=jnp.zeros((b, n), jnp.float32), num_tokens=zeros, done=no, keys=key_data,
+        cache=cache, draft_cache=draft_cache, draft_length=lengths,
+        drafts=jnp.zeros((b, k), jnp.int32), found=no, watched=jnp.zeros((b, k), jnp.int32),
+        watch_n=zeros, matched=zeros, want=no, verify=jnp.zeros((), bool),
+        proposed=zeros, accepted=zeros, verifications=zeros, declined=zeros,
+        hits=jnp.full((b,), PRIOR_HITS, jnp.float32),
+        tries=jnp.full((b,), PRIOR_TRIES, jnp.float32), proposing=~no,
+        rounds=jnp.zeros((2,), jnp.int32), streamed=jnp.zeros((), jnp.int32))
     first, first_lp = draw(logits[:, None], key_data, zeros, settings)
     state = append(state, first, first_lp, jnp.ones((b,), jnp.int32), settings)
     if stream_id is not None:
         state = stream_ready(state, stream_id, settings.pad_id)
+    model = decode_model(config)
 
-    def propose(s: SpeculativeState) -> tuple[SpeculativeState, jax.Array, jax.Array]:
-        """[B, k] proposals and [B] whether each row has any; the draft's cache advanced."""
+    def budget_of(s: SpeculativeState) -> jax.Array:
+        """[B] the most proposals a row may verify: k, but no more than it can keep (the
+        target adds one token of its own); none once done."""
+        return jnp.where(s.done, 0, jnp.clip(n - s.num_tokens - 1, 0, k)).astype(jnp.int32)
+
+    def decide(s: SpeculativeState) -> SpeculativeState:
+        """The next round's proposals (the draft's cache caught up), and the cost rule's
+        choice: which rows verify, and whether the round does."""
         if draft_params is None:
             drafts, found = ngram_propose(s.seq, s.length, k, spec.n, spec.min_n)
-            return s, drafts, found
-        # the draft's catch-up: the 1 or 2 tokens it lacks (at least the last token)
-        start = jnp.minimum(s.draft_length, s.length - 1)
-        counts = jnp.clip(s.length - s.draft_length, 1, 2).astype(jnp.int32)
-        index = jnp.minimum(start[:, None] + jnp.arange(2, dtype=jnp.int32), s.seq.shape[1] - 1)
-        chunk = jnp.take_along_axis(s.seq, index, axis=1)
-        draft_cache, drafts = draft_propose(draft_config, draft_params, s.draft_cache, chunk,
-                                            start, counts, k=k)
-        s = s.replace(draft_cache=draft_cache, draft_length=start + counts)
-        return s, drafts, jnp.ones((b,), bool)
+        else:  # the draft's catch-up: the 1 or 2 tokens it lacks (at least the last token)
+            start = jnp.minimum(s.draft_length, s.length - 1)
+            counts = jnp.clip(s.length - s.draft_length, 1, 2).astype(jnp.int32)
+            index = jnp.minimum(start[:, None] + jnp.arange(2, dtype=jnp.int32),
+                                s.seq.shape[1] - 1)
+            draft_cache, first = draft_first(
+                draft_config, draft_params, s.draft_cache,
+                jnp.take_along_axis(s.seq, index, axis=1), start, counts)
+            s = s.replace(draft_cache=draft_cache, draft_length=start + counts)
+            drafts, found = jnp.zeros((b, k), jnp.int32).at[:, 0].set(first), ~no
+        active, budget = ~s.done, budget_of(s)
+        can = active & found & (budget > 0)
+        expected = expected_tokens(s.hits / s.tries, budget)
+        proposing = jnp.where(can, pays(expected, cost, s.proposing), s.proposing)
+        want = can & proposing
+        # one forward serves the batch: the rows' tokens per round against cost plain rounds
+        gain = jnp.sum(jnp.where(want, expected, 1.0) * active)
+        verify_now = want.any() & (gain > cost * jnp.sum(active))
+        want = jnp.where(force == VERIFY, active & (budget > 0), want)
+        verify_now = jnp.where(force == AUTO, verify_now, (force == VERIFY) & want.any())
+        want &= verify_now
+        # a proposal not verified is watched instead (a draft's: from its first proposal on)
+        watch = can & ~want & (s.watch_n == 0)
+        return s.replace(drafts=drafts, found=found, want=want, verify=verify_now,
+                         watched=jnp.where(watch[:, None], drafts, s.watched),
+                         watch_n=jnp.where(watch, budget, s.watch_n),
+                         matched=jnp.where(watch, 0, s.matched),
+                         proposing=proposing, declined=s.declined + (can & ~want))
 
-    def body(s: SpeculativeState) -> SpeculativeState:
-        budget, rate, paused = backoff_budget(s.rate, s.paused, ~s.done, k, n - s.num_tokens)
-        s, drafts, found = propose(s.replace(rate=rate, paused=paused))
-        num_drafts = jnp.where(found, budget, 0).astype(jnp.int32)
-        start = s.length - 1
-        last = jnp.take_along_axis(s.seq, start[:, None], axis=1)
-        index = s.num_tokens
-
-        def round_of(tokens: jax.Array, num: jax.Array) -> Any:
-            """The verification of [B, T] tokens (T = 1: a plain decode step), padded to k + 1."""
-            def run(cache: KVCache) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
-                cache, targets, logprobs, a = verify(
-                    decode_model(config), params, cache, tokens, start,
-                    num, lambda logits: draw(logits, s.keys, index, settings))
-                pad = ((0, 0), (0, k + 1 - tokens.shape[1]))
-                return cache, jnp.pad(targets, pad), jnp.pad(logprobs, pad), a
-            return run
-
-        cache, targets, logprobs, a = run_one_of(
-            (num_drafts > 0).any(), round_of(jnp.concatenate([last, drafts], axis=1), num_drafts),
-            round_of(last, zeros), s.cache)
-        rate, paused = backoff_record(s.rate, s.paused, num_drafts, a)
-        proposing = num_drafts > 0
-        s = s.replace(
-            cache=cache, rate=rate, paused=paused, proposed=s.proposed + num_drafts,
-            accepted=s.accepted + a, verifications=s.verifications + proposing,
-            # the draft cached its first k - 1 proposals: those the target kept stay valid
-            draft_length=s.draft_length + jnp.minimum(a, k - 1))
+    def after(s: SpeculativeState, targets: jax.Array, logprobs: jax.Array, a: jax.Array,
+              num_drafts: jax.Array, kind: int) -> SpeculativeState:
+        """A round's [B, T] draws (row keeps ``a + 1``): evidence (a verification's, or a
+        watched proposal's that ends), counters, the kept tokens appended and streamed, and the
+        next round's choice."""
+        verified = num_drafts > 0
+        watching = (s.watch_n > 0) & ~verified & ~s.done  # it takes one token of the target's
+        expect = s.drafts[:, 0] if draft_params is not None else jnp.take_along_axis(
+            s.watched, jnp.minimum(s.matched, k - 1)[:, None], axis=1)[:, 0]
+        hit = watching & (targets[:, 0] == expect)
+        matched = s.matched + hit
+        ends = watching & (~hit | (matched >= s.watch_n))
+        hits, tries = evidence(s.hits, s.tries, jnp.where(verified, a, matched),
+                               jnp.where(verified, a + (a < num_drafts), matched + ~hit))
+        touched = verified | ends
+        s = s.replace(hits=jnp.where(touched, hits, s.hits),
+                      tries=jnp.where(touched, tries, s.tries), matched=matched,
+                      watch_n=jnp.where(touched | s.done, 0, s.watch_n),
+                      proposed=s.proposed + num_drafts, accepted=s.accepted + a,
+                      verifications=s.verifications + (num_drafts > 0),
+                      rounds=s.rounds.at[kind].add(1))
         s = append(s, targets, logprobs, a + 1, settings)
         if stream_id is not None:
             s = stream_ready(s, stream_id, settings.pad_id)
-        return s
+        return decide(s)
 
-    state = jax.lax.while_loop(lambda s: ~s.done.all(), body, state)
+    def last_token(s: SpeculativeState) -> tuple[jax.Array, jax.Array]:
+        return s.length - 1, jnp.take_along_axis(s.seq, s.length[:, None] - 1, axis=1)
+
+    def verify_round(s: SpeculativeState) -> SpeculativeState:
+        num_drafts = jnp.where(s.want, budget_of(s), 0)
+        if draft_params is not None:  # the draft's further proposals after its first
+            draft_cache, drafts = draft_rest(draft_config, draft_params, s.draft_cache,
+                                             s.drafts[:, 0], s.draft_length, k=k)
+            s = s.replace(draft_cache=draft_cache, drafts=drafts)
+        start, last = last_token(s)
+        cache, targets, logprobs, a = verify(
+            model, params, s.cache, jnp.concatenate([last, s.drafts], axis=1), start,
+            num_drafts, lambda logits: draw(logits, s.keys, s.num_tokens, settings))
+        # the draft cached its first k - 1 proposals: those the target kept stay valid
+        s = s.replace(cache=cache, draft_length=s.draft_length + jnp.minimum(a, k - 1))
+        return after(s, targets, logprobs, a, num_drafts, 1)
+
+    def plain_round(s: SpeculativeState) -> SpeculativeState:
+        start, last = last_token(s)
+        logits, cache = decode_step(config, params, s.cache, last[:, 0], start)
+        return after(s.replace(cache=cache), *draw(logits[:, None], s.keys, s.num_tokens,
+                                                   settings), zeros, zeros, 0)
+
+    def going(s: SpeculativeState) -> jax.Array:
+        return ~s.done.all() & (s.rounds.sum() < max_rounds)
+
+    def phases(s: SpeculativeState) -> SpeculativeState:  # verify rounds, then plain ones
+        s = jax.lax.while_loop(lambda s: going(s) & s.verify, verify_round, s)
+        return jax.lax.while_loop(lambda s: going(s) & ~s.verify, plain_round, s)
+
+    state = jax.lax.while_loop(going, phases, decide(state))
     return (state.tokens, state.logprobs, state.num_tokens, state.proposed, state.accepted,
-            state.verifications, state.rate, state.paused)
+            state.verifications, state.declined, state.hits, state.tries, state.proposing,
+            state.rounds)
 
 
 def jit_programs(**jit_options: Any) -> dict[str, Any]:
@@ -315,6 +369,28 @@ def jit_programs(**jit_options: Any) -> dict[str, Any]:
 
 
 PROGRAMS = jit_programs()
+
+#: What a verify round costs in plain rounds, per compiled shape (``round_cost``).
+ROUND_COSTS: dict[Any, float] = {}
+#: Rounds of each timed run of ``measure_round_cost`` (at most N - 1): many, to outweigh the
+#: prefill that every run repeats.
+CALIBRATION_ROUNDS = 64
+_STOP_LOGGED: set[Any] = set()
+
+
+def round_cost(key: Any, run: Callable[[bool, int], tuple[float, np.ndarray]], k: int,
+               max_new_tokens: int) -> float:
+    """The verify-round cost of the program ``key`` names: measured on its first call
+    (``measure_round_cost`` of ``run``) and kept, with one log line; k + 1 (T positions cost T
+    steps: nothing pays) when it cannot be measured."""
+    cost = ROUND_COSTS.get(key)
+    if cost is None:
+        measured = measure_round_cost(run, min(CALIBRATION_ROUNDS, max_new_tokens - 1))
+        ROUND_COSTS[key] = cost = float(k + 1) if measured is None else measured
+        logger.info("speculative generate: a verify round of %d positions costs %.2f plain "
+                    "rounds on this model (%s)", k + 1, cost,
+                    "measured" if measured is not None else "not measurable: assumed")
+    return cost
 
 
 @dataclasses.dataclass
@@ -357,14 +433,15 @@ def generate_speculative(config: ModelConfig, weights: DecodeWeights, tokens: np
                          stream: StreamFn | None = None
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Acceptance]]:
     """Speculative decoding in one device program: ``generate_padded``'s outputs, the same
-    tokens.
+    tokens. The program's first call for a shape measures its verify-round cost
+    (``round_cost``); a row proposes only where that pays (``speculative.pays``), and one log
+    line per shape says when proposals stopped.
 
     Args:
       config, weights: the target's config and prepared weights (one device).
       tokens: [B, T] int32 right-padded prompts; lengths: [B] their true lengths.
-      key_data: [B, 2] uint32 raw key per row.
-      max_new_tokens: N; settings: validated sampling settings.
-      cache_size: S_max >= every length + N + k (the proposals are written past the end).
+      key_data: [B, 2] uint32 raw key per row; max_new_tokens: N; settings: validated.
+      cache_size: S_max >= every length + N + k (the proposals are written past the end);
       cache_dtype: the target cache's storage dtype name.
       spec: the speculation; draft: the draft model when ``spec.method == "draft"``.
       stream: optional ``fn(step, tokens [B], active [B])``, called once per new token index.
@@ -375,19 +452,38 @@ def generate_speculative(config: ModelConfig, weights: DecodeWeights, tokens: np
     if spec.method == "draft" and draft is None:
         raise ValueError("speculative method 'draft' needs a DraftModel")
     use_draft = draft if spec.method == "draft" else None
+    statics = dict(
+        draft_config=use_draft and use_draft.config, spec=spec, max_new_tokens=max_new_tokens,
+        settings=settings, cache_size=cache_size, cache_dtype=cache_dtype)
+    inputs = (config, weights.params, jnp.asarray(tokens), jnp.asarray(lengths),
+              jnp.asarray(key_data, jnp.uint32))
+    draft_params = use_draft and use_draft.weights.params
+
+    def call(stream_id: Any, cost: float, force: int, max_rounds: int) -> Any:
+        return PROGRAMS["generate"](*inputs, np.float32(cost), np.int32(force),
+                                    np.int32(max_rounds), stream_id, draft_params, **statics)
+
+    def timed(verify: bool, max_rounds: int) -> tuple[float, np.ndarray]:
+        # the same program (a stream id that no callback has, when the call streams)
+        start = time.perf_counter()
+        out = jax.block_until_ready(call(None if stream is None else np.int32(0), 1.0,
+                                         VERIFY if verify else PLAIN, max_rounds))
+        return time.perf_counter() - start, np.asarray(out[-1])
+
+    key = (config, np.shape(tokens), stream is None, *statics.values())
+    cost = round_cost(key, timed, spec.k, max_new_tokens)
     with streaming.registered(stream) as stream_id:
-        out = PROGRAMS["generate"](
-            config, weights.params, jnp.asarray(tokens), jnp.asarray(lengths),
-            jnp.asarray(key_data, jnp.uint32), stream_id,
-            None if use_draft is None else use_draft.weights.params,
-            draft_config=None if use_draft is None else use_draft.config, spec=spec,
-            max_new_tokens=max_new_tokens, settings=settings, cache_size=cache_size,
-            cache_dtype=cache_dtype)
-        out = jax.device_get(out)
-    out_tokens, out_logprobs, num, proposed, accepted, verifications, rate, paused = out
-    stats = [Acceptance(proposed=int(proposed[r]), accepted=int(accepted[r]),
-                        verifications=int(verifications[r]), rate=float(rate[r]),
-                        paused=int(paused[r])) for r in range(len(num))]
-    logger.debug("speculative generate: B=%d, %s", len(num),
-                 [f"{s.acceptance_rate:.2f}" for s in stats])
+        out = jax.device_get(call(stream_id, cost, AUTO, np.iinfo(np.int32).max))
+    (out_tokens, out_logprobs, num, proposed, accepted, verifications, declined, hits, tries,
+     proposing, rounds) = out
+    stats = [Acceptance(int(proposed[r]), int(accepted[r]), int(verifications[r]), float(hits[r]),
+                        float(tries[r]), bool(proposing[r]), int(declined[r]))
+             for r in range(len(num))]
+    if declined.any() and key not in _STOP_LOGGED:
+        _STOP_LOGGED.add(key)
+        row = stats[int(np.argmax(declined))]
+        logger.info(stop_message("speculative generate", cost, spec.k + 1, row.rate,
+                                 expected_tokens(row.rate, spec.k)))
+    logger.debug("speculative generate: B=%d, %d plain and %d verify rounds, acceptance %s",
+                 len(num), rounds[0], rounds[1], [f"{s.acceptance_rate:.2f}" for s in stats])
     return out_tokens, out_logprobs, num, stats

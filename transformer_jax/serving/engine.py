@@ -348,8 +348,8 @@ class Engine:
         if rows_out is not None:
             tokens, logprobs = jax.device_get(rows_out)
             if any(r.speculation is not None for r in plan.decodes):  # for its choice
-                self.speculation.record(plan.width, 1, time.perf_counter() - started,
-                                        chunk is not None)
+                self.speculation.plain_step(plan, tokens, time.perf_counter() - started,
+                                            chunk is not None, sampler)
             delivered += self._deliver(sched.commit_decodes(plan, tokens, logprobs))
         self.steps += 1
         return delivered
@@ -405,8 +405,8 @@ class Engine:
         bucket) shape, at every page-table width (``Scheduler.idle_inputs``). With
         ``structured``, also the forward and masked sampling programs of greedy steps with
         grammar rows (and the grammars' tokenizer).
-        Sampling steps compile on first use. With ``speculative`` k, also the greedy verify
-        programs of up to k proposals (``serving.speculation``).
+        Sampling steps compile on first use. With ``speculative`` k, also the verify programs
+        of up to k proposals, greedy and sampled (``serving.speculation``).
 
         Returns:
           The number of step shapes run.

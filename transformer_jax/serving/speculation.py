@@ -13,24 +13,28 @@ time through the scheduler's ``_emit`` (stop ids, ``max_tokens``, logprobs) and 
 delivery (stop strings), so a request ends exactly where it would without speculation; pages
 grown for rejected positions and not needed by the kept ones go back to the pool.
 
-Back-off. Per row, ``Acceptance`` pauses a request whose proposals keep failing. A step that
-also runs a prefill chunk does not speculate (prompts are waiting: the engine is saturated).
-Per step, the
-engine measures the wall time of its plain decode steps and of its verify steps (by page-table
-width and T) and speculates only when the expected tokens per second of verification (each
-row's 1 + r + ... + r^k at its recent acceptance r) beat the plain step's rows per second
-(the median of each kind's last 9 times; a T not measured yet estimated from another of its
-width, linear in T); a measurement older than 256 steps is refreshed by running that kind
-once. Under a full batch, where verifying T positions of every slot costs about T times a
-decode step, this falls back to plain steps by itself.
+Cost. The engine measures the wall time of its plain decode steps and of its verify steps
+(from the proposals on, by page-table width, T and sampler: a sampled step costs more; the
+median of each kind's last 9 times, the first of each not counted, as it may compile; a T not
+measured yet estimated from another of its width, linear in T; one older than 256 steps
+refreshed by running that kind once). Their ratio is the cost rule's (``speculative.pays``, the
+same rule as ``generate``'s): a row verifies only while its expected tokens per round at its
+recent acceptance exceed it, and the step only when its rows' expected tokens beat that many
+plain steps of all of them. A row that does not verify watches its proposal on plain steps
+(``Acceptance.observe``), so it starts again when its acceptance rises. One log line says when
+speculation first stops. A step that also runs a prefill chunk does not speculate (prompts are
+waiting: the engine is saturated). Under a full batch, where verifying T positions of every
+slot costs about T times a decode step, this falls back to plain steps by itself.
 
-Programs: one per (page-table width, T, sampler), T in {2, 3, 5, 9, 17} up to the largest k.
+Programs: one per (page-table width, T, sampler), T in {2, 3, 5, 9, 17} up to the largest k;
+``compile`` runs the greedy and the sampled (temperature only) ones.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import time
 from typing import Any
@@ -45,6 +49,7 @@ from transformer_jax.decode.speculative import (
     expected_tokens,
     ngram_proposals,
     parse_spec,
+    stop_message,
     verify,
 )
 from transformer_jax.decode.speculative_loop import check_no_rings
@@ -149,6 +154,7 @@ class Pending:
     t: int
     width: int
     started: float
+    sampler: Sampler
 
 
 class Speculation:
@@ -166,14 +172,16 @@ class Speculation:
 
                 draft = load_draft(path)
             self.draft = EngineDraft(draft, engine, path)
-        #: (W, T, chunk ran) -> (median seconds, step measured)
-        self.times: dict[tuple[int, int, bool], tuple[float, int]] = {}
-        self._recent: dict[tuple[int, int, bool], collections.deque] = {}
+        #: (W, T, chunk ran, sampler) -> (median seconds, step measured)
+        self.times: dict[tuple[int, int, bool, Sampler], tuple[float, int]] = {}
+        self._recent: dict[tuple[int, int, bool, Sampler], collections.deque] = {}
         self.backed_off = 0  # steps run plain although some row could propose
         self.verify_steps = 0
         self.verified_rows = 0  # rows that proposed, over all verify steps
         self.proposed = 0
         self.accepted = 0
+        self.tried = 0  # proposals verified up to the first rejection, that one included
+        self._stopped = False  # whether the stop was logged
 
     # Requests ----------------------------------------------------------------------------------
 
@@ -191,8 +199,8 @@ class Speculation:
         self.check_engine()
         # a new request's prior: the engine's acceptance so far (0.5 before any), so that a
         # batch of new rows is not taken for one whose every proposal will be kept
-        prior = self.accepted / self.proposed if self.proposed else 0.5
-        req.speculation = (spec, Acceptance(rate=prior))
+        prior = self.accepted / self.tried if self.tried else 0.5
+        req.speculation = (spec, Acceptance.with_prior(prior))
 
     def check_engine(self) -> None:
         """Raises ValueError (one line) unless the engine can speculate: one device (no
@@ -206,17 +214,38 @@ class Speculation:
 
     # The step ----------------------------------------------------------------------------------
 
-    def record(self, width: int, t: int, seconds: float, chunk: bool = False) -> None:
+    def record(self, width: int, t: int, seconds: float, chunk: bool, sampler: Sampler
+               ) -> None:
         """A step's measured time (plain: t = 1; ``chunk``: a prefill chunk ran before its
         rows, measured apart). The choice reads the median of the last ``MEASUREMENTS``, which
-        a shared machine's spikes do not move."""
-        key = (width, t, chunk)
-        recent = self._recent.setdefault(key, collections.deque(maxlen=MEASUREMENTS))
-        recent.append(seconds)
-        self.times[key] = (float(np.median(recent)), self.engine.steps)
+        a shared machine's spikes do not move; the first of each kind is not kept (it may have
+        compiled its program)."""
+        key = (width, t, chunk, sampler)
+        if key not in self._recent:
+            self._recent[key] = collections.deque(maxlen=MEASUREMENTS)
+            return
+        self._recent[key].append(seconds)
+        self.times[key] = (float(np.median(self._recent[key])), self.engine.steps)
 
-    def _time(self, width: int, t: int, chunk: bool = False) -> float | None:
-        found = self.times.get((width, t, chunk))
+    def plain_step(self, plan: StepPlan, tokens: np.ndarray, seconds: float, chunk: bool,
+                   sampler: Sampler) -> None:
+        """After a plain step whose rows speculate: its time recorded (``record``), and each
+        row's watched proposal checked against its [B] token (a draft's: against the draft's
+        next token of the step, ``EngineDraft.next``)."""
+        self.record(plan.width, 1, seconds, chunk, sampler)
+        nxt = None
+        for req in plan.decodes:
+            if req.speculation is None or not req.speculation[1].watched:
+                continue
+            expect = None
+            if req.speculation[0].method == "draft" and self.draft is not None:
+                if nxt is None:
+                    nxt = np.asarray(jax.device_get(self.draft.next))
+                expect = int(nxt[req.slot])
+            req.speculation[1].observe(int(np.ravel(tokens[req.slot])[0]), expect)
+
+    def _time(self, width: int, t: int, chunk: bool, sampler: Sampler) -> float | None:
+        found = self.times.get((width, t, chunk, sampler))
         if found is None or self.engine.steps - found[1] > STALE_STEPS:
             return None
         return found[0]
@@ -224,6 +253,7 @@ class Speculation:
     def dispatch(self, plan: StepPlan, rows: RowSampling, sampler: Sampler) -> Pending | None:
         """Proposes, decides, grows pages and dispatches the verify step of ``plan``'s decode
         rows; None when the step should run plain (nothing proposed, or not worth it)."""
+        started = time.perf_counter()  # a plain step's time runs from here too (``Engine``)
         eng = self.engine
         sched = eng.scheduler
         if any(r.matcher is not None for r in plan.decodes):
@@ -239,7 +269,8 @@ class Speculation:
             if req.speculation is None:
                 continue
             spec, acc = req.speculation
-            budget = acc.budget(spec.k, req.params.max_tokens - req.num_new)
+            # the target adds a token of its own to those kept
+            budget = min(spec.k, req.params.max_tokens - req.num_new - 1)
             if budget > 0 and spec.method == "draft":
                 drafts[req.id] = [-1] * budget  # filled by the draft below, if it runs
             elif budget > 0:
@@ -249,13 +280,17 @@ class Speculation:
             drafts.update((r.id, d) for (r, _), d in zip(group, found, strict=True) if d)
         if not drafts:
             return None
-        t = width_of(max(len(d) for d in drafts.values()))
-        needed = max(pages_for(r.cached + len(drafts.get(r.id, ())) + 1, sched.page_size)
-                     for r in plan.decodes)
-        width = sched._width(min(needed, sched.pages_per_seq))
-        if not self._worth_it(plan, drafts, width, t):
+        t, width = self._shape(plan, drafts)
+        plain, verify = self._times(plan, width, t, sampler)
+        if plain is not None and verify is not None:  # the cost rule
+            drafts = self._decide(plan, drafts, verify / plain, t)
+        elif verify is not None:  # a plain step's time is missing: run one
+            drafts = self._decide(plan, drafts, None, t)
+        # (else verification was not measured at this shape: it runs, and so is)
+        if not drafts:
             self.backed_off += 1
             return None
+        t, width = self._shape(plan, drafts)
         held = {}
         for req in plan.decodes:
             if req.id not in drafts:
@@ -291,53 +326,83 @@ class Speculation:
             VerifyRows(tokens, start, num, table, adapter), flat, eng._adapters,
             sampler=sampler, view=eng.view)
         return Pending(plan, list(plan.decodes), held, {i: len(d) for i, d in drafts.items()},
-                       tuple(outputs), t, width, started)
+                       tuple(outputs), t, width, started, sampler)
 
     def compile(self, k: int) -> int:
         """Runs the verify program once at every page-table width and T up to k proposals, on
-        idle rows (writes only into the null page), greedy; returns the number of shapes."""
+        idle rows (writes only into the null page), greedy and sampled (temperature only, as a
+        server's request by default); returns the number of shapes."""
         eng = self.engine
         sched = eng.scheduler
         b = sched.num_slots
         shapes = 0
         ts = sorted({width_of(j) for j in range(1, k + 1)})
-        for width in sched.widths:
-            for t in ts:
-                rows = VerifyRows(np.zeros((b, t), np.int32), np.zeros(b, np.int32),
-                                  np.zeros(b, np.int32), np.zeros((b, width), np.int32),
-                                  None if eng._adapters is None else np.zeros(b, np.int32))
-                sampling, _ = row_sampling([None] * (b * t), eng.config.vocab_size)  # greedy
-                eng._k, eng._v, *out = verify_jit(
-                    eng.config, eng.weights.params, eng._k, eng._v, rows, sampling,
-                    eng._adapters, sampler=Sampler(), view=eng.view)
-                jax.block_until_ready(out)
-                shapes += 1
+        for width, t, sampled in itertools.product(sched.widths, ts, (False, True)):
+            rows = VerifyRows(np.zeros((b, t), np.int32), np.zeros(b, np.int32),
+                              np.zeros(b, np.int32), np.zeros((b, width), np.int32),
+                              None if eng._adapters is None else np.zeros(b, np.int32))
+            sampling, _ = row_sampling([None] * (b * t), eng.config.vocab_size)  # greedy
+            sampling = sampling.replace(temperature=np.full(b * t, float(sampled), np.float32))
+            eng._k, eng._v, *out = verify_jit(
+                eng.config, eng.weights.params, eng._k, eng._v, rows, sampling,
+                eng._adapters, sampler=Sampler(sampled=sampled), view=eng.view)
+            jax.block_until_ready(out)
+            shapes += 1
         return shapes + (0 if self.draft is None else self.draft.compile(
             sched, ts, eng._adapters is not None))
 
-    def _worth_it(self, plan: StepPlan, drafts: dict[int, list[int]], width: int,
-                  t: int) -> bool:
-        """Whether verification is expected to give more tokens per second than a plain
-        step (unmeasured: try it, so that it gets measured)."""
-        chunk = bool(plan.chunks)
-        plain, verify = self._time(plan.width, 1, chunk), self._time(width, t, chunk)
+    def _shape(self, plan: StepPlan, drafts: dict[int, list[int]]) -> tuple[int, int]:
+        """The verify step's T and page-table width for these proposals."""
+        sched = self.engine.scheduler
+        needed = max(pages_for(r.cached + len(drafts.get(r.id, ())) + 1, sched.page_size)
+                     for r in plan.decodes)
+        return (width_of(max(len(d) for d in drafts.values())),
+                sched._width(min(needed, sched.pages_per_seq)))
+
+    def _times(self, plan: StepPlan, width: int, t: int, sampler: Sampler
+               ) -> tuple[float | None, float | None]:
+        """The plain step's and the verify step's measured times (a verify time not measured
+        yet estimated from another T), or None."""
+        plain, verify = self._time(plan.width, 1, False, sampler), self._time(width, t, False,
+                                                                              sampler)
         if verify is None and plain is not None:
-            verify = self._estimate(width, t, self._time(width, 1, chunk) or plain, chunk)
-        if plain is None or verify is None:
-            # measure the missing one: a plain step when verify was measured, else verify
-            return verify is None
-        expected = 0.0
+            verify = self._estimate(width, t, self._time(width, 1, False, sampler) or plain,
+                                    sampler)
+        return plain, verify
+
+    def _decide(self, plan: StepPlan, drafts: dict[int, list[int]], cost: float | None,
+                t: int) -> dict[int, list[int]]:
+        """The cost rule (``speculative.pays``) for a verify step that costs ``cost`` plain
+        steps (None: a plain step, no choice): each row's own choice, then the step's (its
+        rows' expected tokens against ``cost`` plain steps of all of them). Returns the
+        proposals to verify ({}: a plain step); the others are watched
+        (``Acceptance.watch``)."""
+        kept, gain = {}, float(len(plan.decodes) - len(drafts))
         for req in plan.decodes:
             d = drafts.get(req.id)
-            expected += 1.0 if d is None else expected_tokens(req.speculation[1].rate, len(d))
-        return expected / verify > len(plan.decodes) / plain
-
-    def _estimate(self, width: int, t: int, plain: float, chunk: bool) -> float | None:
+            if d is not None and cost is not None and req.speculation[1].decide(len(d), cost):
+                kept[req.id] = d
+                gain += expected_tokens(req.speculation[1].rate, len(d))
+            elif d is not None:
+                gain += 1.0
+        if kept and gain <= cost * len(plan.decodes):
+            kept = {}
+        for req in plan.decodes:
+            if req.id in drafts and req.id not in kept:
+                d = drafts[req.id]
+                req.speculation[1].watch([None] * len(d) if d[0] < 0 else d)
+        if not kept and cost is not None and not self._stopped:
+            self._stopped = True
+            acc = next(r.speculation[1] for r in plan.decodes if r.id in drafts)
+            logger.info(stop_message("serving engine", cost, t, acc.rate,
+                                     expected_tokens(acc.rate, t - 1)))
+        return kept
+    def _estimate(self, width: int, t: int, plain: float, sampler: Sampler) -> float | None:
         """A verify time at (width, t) not measured yet, from one measured at another T of the
         same width: linear in T from the plain step (each row's T positions cost alike)."""
-        for (w, other, c), _ in sorted(self.times.items()):
-            measured = self._time(w, other, c)
-            if w == width and c == chunk and other > 1 and measured is not None:
+        for w, other, c, smp in sorted(self.times, key=lambda key: key[:3]):
+            measured = self._time(w, other, c, smp)
+            if (w, c, smp) == (width, False, sampler) and other > 1 and measured is not None:
                 return plain + (measured - plain) * (t - 1) / (other - 1)
         return None
 
@@ -347,7 +412,8 @@ class Speculation:
         time (emitted and delivered, so stop ids, stop strings and ``max_tokens`` end it where
         they would), its acceptance recorded, and its pages for rejected positions returned."""
         tokens, logprobs, accepted = jax.device_get(pending.outputs)
-        self.record(pending.width, pending.t, time.perf_counter() - pending.started, chunk_ran)
+        self.record(pending.width, pending.t, time.perf_counter() - pending.started, chunk_ran,
+                    pending.sampler)
         sched = self.engine.scheduler
         self.verify_steps += 1
         delivered = []
@@ -359,6 +425,7 @@ class Speculation:
                 self.verified_rows += 1
                 self.proposed += n
                 self.accepted += a
+                self.tried += a + (a < n)
             for j in range(a + 1):
                 req.cached += 1
                 delivered += deliver([sched._emit(req, tokens[req.slot, j],
