@@ -307,9 +307,8 @@ def test_cost_rule_stops_where_a_round_cannot_pay_and_starts_again():
 
 def test_the_budget_leaves_room_for_the_targets_own_token(target):
     """A verification adds the target's own token to the proposals it keeps, so a row with r
-    tokens to go proposes at most r - 1 (``backoff_budget``, the host's and the device
-    loop's): ``generate`` with max_new_tokens=2 proposes nothing and verifies nothing."""
-    assert [Acceptance().budget(4, r) for r in (1, 2, 3, 5, 9)] == [0, 1, 2, 4, 4]
+    tokens to go proposes at most r - 1 (the device loop's budget): ``generate`` with
+    max_new_tokens=2 proposes nothing and verifies nothing."""
     config, weights = target
     prompt = list(range(config.vocab_size - 2))  # nearly every token: the lookup finds one
     out = generation.generate(config, weights, [prompt], max_new_tokens=2,
