@@ -314,7 +314,7 @@ def tpu_ragged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     b, t, n, h = q.shape
     args = ragged_inputs(q, k_pages, v_pages, page_table, positions)
     blocks = {}
-    if current_target().backend != "tpu":
+    if jax.default_backend() != "tpu":  # the tuned sizes query the TPU this runs on
         pages, queries = _RAGGED_UNTUNED_BLOCKS
         blocks = dict(num_kv_pages_per_block=min(pages, args[3].shape[1]),
                       num_queries_per_block=min(queries, b * t))
