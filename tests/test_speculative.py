@@ -98,6 +98,8 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     assert ngram_lookup([1, 2, 3], 4) == []
     assert ngram_lookup([4, 4, 4], 3, n=2) == [4, 4, 4]  # the match may overlap the suffix
     assert ngram_lookup([1, 7, 8, 7, 8], 4, n=2) == [7, 8, 7, 8]
+    # the bytes of 7 and 256 hold a 0's across their boundary: the lookup matches whole tokens
+    assert ngram_lookup([0, 7, 256, 1, 0], 3, n=1) == [7, 256, 1]
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -135,8 +135,9 @@ def parse_spec(spec: str | SpeculativeConfig | None) -> SpeculativeConfig | None
 
 def ngram_proposals(contexts: Sequence[Sequence[int]], ks: Sequence[int], n: int = 3,
                     min_n: int = 1) -> list[list[int]]:
-    """Prompt lookup on the host for R sequences at once (the engine's, one call a step):
-    ``ngram_propose`` in numpy over the right-padded [R, L] batch.
+    """Prompt lookup on the host for R sequences (the engine's, every step): ``ngram_propose``'s
+    rule, each row's latest match found by a byte search (``bytes.rfind``; numpy over the
+    padded batch took 0.4 ms a step on this CPU, a fifth of a small model's step).
 
     Args:
       contexts: R sequences so far (prompt + output), ids.
@@ -145,22 +146,29 @@ def ngram_proposals(contexts: Sequence[Sequence[int]], ks: Sequence[int], n: int
     Returns:
       R lists: ``ks[r]`` ids, or none without a match (or with ``ks[r] <= 0``).
     """
-    lengths = np.asarray([len(c) for c in contexts], np.int32)
-    seq = np.zeros((len(contexts), max(lengths, default=0)), np.int64)
-    for row, c in enumerate(contexts):
-        seq[row, :len(c)] = c
-    if seq.shape[1] < 2:  # nothing before any last token to match
-        return [[] for _ in contexts]
-    drafts, found = ngram_propose(seq, lengths, max(ks), n, min_n)
-    return [drafts[r, :k].tolist() if found[r] and k > 0 else [] for r, k in enumerate(ks)]
+    out = []
+    for context, k in zip(contexts, ks, strict=True):
+        length, proposals = len(context), []
+        buf = np.asarray(context, np.int32).tobytes() if k > 0 and length > 1 else b""
+        for m in range(min(n, length - 1), min_n - 1, -1) if buf else ():
+            suffix = buf[4 * (length - m):]
+            at = buf.rfind(suffix, 0, 4 * (length - 1))  # windows before the last token
+            while at > 0 and at % 4:  # a match across token boundaries: look further back
+                at = buf.rfind(suffix, 0, at + len(suffix) - 1)
+            if at >= 0:  # go on from it, with its own period past the context's end
+                start = at // 4 + m
+                proposals = [int(context[start + i % (length - start)]) for i in range(k)]
+                break
+        out.append(proposals)
+    return out
 
 
-def ngram_propose(seq: jax.Array | np.ndarray, length: jax.Array | np.ndarray, k: int,
-                  n: int = 3, min_n: int = 1) -> tuple[jax.Array, jax.Array]:
-    """Prompt lookup for B rows at once: the k tokens that followed the latest earlier
-    occurrence of each row's last m tokens, m from ``n`` down to ``min_n`` (the longest match
-    first). Fixed shapes, in ``jnp`` for ``jnp`` inputs (the device loop) and in numpy for
-    numpy ones (the engine's ``ngram_proposals``): one rule for both.
+def ngram_propose(seq: jax.Array, length: jax.Array, k: int, n: int = 3, min_n: int = 1
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Prompt lookup for B rows at once, in fixed shapes (the device loop's): the k tokens that
+    followed the latest earlier occurrence of each row's last m tokens, m from ``n`` down to
+    ``min_n`` (the longest match first); the engine's ``ngram_proposals`` follows the same rule
+    on the host.
 
     Args:
       seq: [B, S] int each row's sequence so far (prompt + output) in its first ``length``
@@ -173,31 +181,28 @@ def ngram_propose(seq: jax.Array | np.ndarray, length: jax.Array | np.ndarray, k
       are meaningless). A match near the end continues its own period, as a repeating pattern
       would.
     """
-    xp = np if isinstance(seq, np.ndarray) else jnp
     b, s = seq.shape
-    j = xp.arange(s, dtype=np.int32)
-    length = length.astype(np.int32)
-    found = xp.zeros((b,), bool)
-    start = xp.zeros((b,), np.int32)  # where the proposals begin in seq
+    j = jnp.arange(s, dtype=jnp.int32)
+    length = length.astype(jnp.int32)
+    found = jnp.zeros((b,), bool)
+    start = jnp.zeros((b,), jnp.int32)  # where the proposals begin in seq
     for m in range(min(n, s - 1), min_n - 1, -1):  # the longest suffix first
         w = s - m + 1  # windows of m tokens, starting at j < w
-        at = xp.maximum(length[:, None] - m + xp.arange(m, dtype=np.int32)[None], 0)
-        suffix = xp.take_along_axis(seq, at, axis=1)  # [B, m] each row's last m tokens
+        at = jnp.maximum(length[:, None] - m + jnp.arange(m, dtype=jnp.int32)[None], 0)
+        suffix = jnp.take_along_axis(seq, at, axis=1)  # [B, m] each row's last m tokens
         eq = seq[:, :w] == suffix[:, :1]
         for i in range(1, m):  # window j matches at offset i: seq[j + i] == seq[L - m + i]
             eq &= seq[:, i:i + w] == suffix[:, i:i + 1]
         # windows ending before the suffix itself: starts 0 .. L - m - 1 (none when m >= L)
         valid = j[None, :w] <= (length - 1 - m)[:, None]
-        last = xp.max(xp.where(eq & valid, j[None, :w], -1), axis=1)
+        last = jnp.max(jnp.where(eq & valid, j[None, :w], -1), axis=1)
         take = ~found & (last >= 0)
-        start = xp.where(take, last + m, start)
+        start = jnp.where(take, last + m, start)
         found |= take
-        if xp is np and found.all():  # the host stops at the longest match
-            break
     # a match near the end continues its own period p = L - start (LZ77's overlapping copy)
-    period = xp.maximum(length - start, 1)
-    index = start[:, None] + xp.arange(k, dtype=np.int32)[None] % period[:, None]
-    return xp.take_along_axis(seq, xp.minimum(index, s - 1), axis=1), found
+    period = jnp.maximum(length - start, 1)
+    index = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None] % period[:, None]
+    return jnp.take_along_axis(seq, jnp.minimum(index, s - 1), axis=1), found
 
 
 # Verification ------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ grown for rejected positions and not needed by the kept ones go back to the pool
 Cost. The engine measures the wall time of its plain decode steps and of its verify steps
 (from the proposals on, by page-table width, T and sampler: a sampled step costs more; the
 median of each kind's last 9 times, the first of each not counted, as it may compile; a T not
-measured yet estimated from another of its width, linear in T; one older than 256 steps
-refreshed by running that kind once). Their ratio is the cost rule's (``speculative.pays``, the
+measured yet estimated from another of its width, linear in T, or from another width's at the
+same cost in plain steps; one older than 256 steps refreshed by running that kind once). Their ratio is the cost rule's (``speculative.pays``, the
 same rule as ``generate``'s): a row verifies only while its expected tokens per round at its
 recent acceptance exceed it, and the step only when its rows' expected tokens beat that many
 plain steps of all of them. A row that does not verify watches its proposal on plain steps
@@ -36,6 +36,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import statistics
 import time
 from typing import Any
 
@@ -225,7 +226,8 @@ class Speculation:
             self._recent[key] = collections.deque(maxlen=MEASUREMENTS)
             return
         self._recent[key].append(seconds)
-        self.times[key] = (float(np.median(self._recent[key])), self.engine.steps)
+        # (statistics, not numpy: 0.1 ms a step)
+        self.times[key] = (statistics.median(self._recent[key]), self.engine.steps)
 
     def plain_step(self, plan: StepPlan, tokens: np.ndarray, seconds: float, chunk: bool,
                    sampler: Sampler) -> None:
@@ -398,13 +400,20 @@ class Speculation:
                                      expected_tokens(acc.rate, t - 1)))
         return kept
     def _estimate(self, width: int, t: int, plain: float, sampler: Sampler) -> float | None:
-        """A verify time at (width, t) not measured yet, from one measured at another T of the
-        same width: linear in T from the plain step (each row's T positions cost alike)."""
+        """A verify time at (width, t) not measured yet: from one measured at another T of the
+        same width, linear in T from the plain step (each row's T positions cost alike); else
+        from the same T at another width, the same number of plain steps there."""
+        other_width = None
         for w, other, c, smp in sorted(self.times, key=lambda key: key[:3]):
             measured = self._time(w, other, c, smp)
-            if (w, c, smp) == (width, False, sampler) and other > 1 and measured is not None:
+            if c or smp != sampler or other == 1 or measured is None:
+                continue
+            if w == width:
                 return plain + (measured - plain) * (t - 1) / (other - 1)
-        return None
+            base = self._time(w, 1, False, sampler)
+            if other == t and base is not None:
+                other_width = plain * measured / base
+        return other_width
 
     def finish(self, pending: Pending, deliver: Any, chunk_ran: bool
                ) -> list[tuple[Request, TokenEvent]]:
