@@ -7,6 +7,7 @@ this pytest process and of the subprocesses it starts (which inherit the environ
 An ``XLA_FLAGS`` that already sets ``xla_backend_optimization_level`` is left as it is.
 """
 
+import gc
 import os
 import shutil
 import tempfile
@@ -29,6 +30,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Python's cyclic garbage collector less often: tracing allocates millions of small objects, and
+# with the default thresholds (700, 10, 10) a pytest process that has imported torch,
+# transformers and every test module spent some 5% of its CPU in collections that free little
+# (measured with gc.callbacks on test_decode: 2.2 s of 37 s; 0.6 s with these).
+gc.set_threshold(20000, 20, 20)
 
 from transformer_jax.decode import loop as decode  # noqa: E402
 
