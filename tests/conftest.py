@@ -80,6 +80,39 @@ def fast_engine_compiles():
     step.step_jit = original
 
 
+# The modules that take longest (CPU seconds of each run alone on the 2-core machine, measured
+# before the suite's last speed-ups), heaviest first. ``pytest -n 2 --dist loadfile`` hands each
+# worker one module at a time in collection order, and pytest-xdist by default reorders the
+# modules by their number of tests, which left long modules of few tests (a subprocess each:
+# test_serving_tp, test_bench_decode) to the end while the other worker sat idle. Longest first
+# (and xdist's reordering off) leaves the short modules for the end, where they even out the two
+# workers. A module not listed runs after these, in collection order.
+LONGEST_FIRST = (
+    "test_moe_decode", "test_model_families", "test_readme_commands", "test_speculative",
+    "test_finetune", "test_grpo", "test_decode", "test_preference", "test_object_storage",
+    "test_decode_tp", "test_moe_parallel", "test_model", "test_faults", "test_generate_cli",
+    "test_serve", "test_training", "test_train_cli", "test_model_backends",
+    "test_serving_multi_prefill", "test_io_faults", "test_serving_engine", "test_quant",
+    "test_speculative_engine", "test_sharding", "test_multihost", "test_faults_qlora",
+    "test_hf_export", "test_run_faults", "test_tools", "test_moe_train", "test_hf_moe",
+    "test_hf_sharded", "test_hf_families", "test_serving_tp", "test_layer_groups",
+    "test_multi_lora", "test_paged_kernels", "test_structured", "test_window_cache",
+    "test_serving_bench", "test_hf", "test_export", "test_loading", "test_lora",
+    "test_generate_structured", "test_moe_ops", "test_attention", "test_structured_schemas",
+    "test_quant_train", "test_config", "test_ops", "test_serving_paged_cache", "test_checkpoint",
+    "test_evaluate", "test_bench_decode", "test_sampling")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --loadscope-reorder
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: modules intact
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _RUN_CACHE is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
         shutil.rmtree(_RUN_CACHE, ignore_errors=True)
