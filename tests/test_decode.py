@@ -35,7 +35,7 @@ def _model(**overrides):
     (``helpers.random_params``), so that no init program compiles (one per config, ~1 s)."""
     config = _config(**overrides)
     if config not in _PARAMS:
-        _PARAMS[config] = jax.tree.map(jnp.asarray, random_params(config))
+        _PARAMS[config] = jax.device_put(random_params(config))
     return config, _PARAMS[config]
 
 

@@ -90,7 +90,7 @@ def test_a_dense_then_sparse_stack_trains_and_generates_scanned(fast_generate_co
     unrolled = _deepseek(5, scan=False)
     scanned = unrolled.replace(scan_layers=True)
     # Every leaf random (numpy, helpers.random_params): no init program compiles.
-    params = jax.tree.map(jnp.asarray, random_params(unrolled, seed=0))
+    params = jax.device_put(random_params(unrolled, seed=0))
     stacked = _stack(params, scanned)
     assert [p for p, _ in block_paths(stacked)] == [("scan_0",), ("scan_1",)]
     assert stacked["scan_0"]["mlp"]["up"].shape[0] == 3  # three dense layers
@@ -120,7 +120,7 @@ def test_a_periods_sparse_layers_report_their_router_stats_in_layer_order():
                           moe=MoE(n_experts=4, top_k=1, d_ff=16), moe_impl="dense")
     scanned = config.replace(scan_layers=True)
     assert [(len(g.period), g.repeats) for g in scanned.layer_groups()] == [(3, 2)]
-    params = jax.tree.map(jnp.asarray, random_params(config, seed=1))
+    params = jax.device_put(random_params(config, seed=1))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 9)), jnp.int32)
     want = _router_stats(config, params, tokens)
     got = _router_stats(scanned, _stack(params, scanned), tokens)

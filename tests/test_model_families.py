@@ -35,7 +35,7 @@ def _perturbed(config: ModelConfig, seed: int = 0, scale: float = 1.0):
     ignores its gain, or an offset applied twice, shows), times ``scale``: matrices and biases
     N(0, 0.3), gains 1 - norm_offset plus noise. Drawn with numpy from the shapes alone
     (``helpers.random_params``): ``init_params`` op by op compiles a program per op and shape."""
-    return jax.tree.map(lambda x: jnp.asarray(scale * x), random_params(config, seed, std=0.3))
+    return jax.device_put(jax.tree.map(lambda x: scale * x, random_params(config, seed, std=0.3)))
 
 
 # Jitted (one program each): eagerly, the restacking and the forward compile op by op.
