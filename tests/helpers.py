@@ -19,13 +19,17 @@ from transformer_jax.model.config import ModelConfig
 
 # The tests check values, not speed: XLA:CPU code generation without LLVM optimisations and
 # without the fusion emitters compiles several times faster and computes the same values (to
-# float rounding). ``FAST_COMPILE`` is for ``jax.jit(..., compiler_options=FAST_COMPILE)``;
+# float rounding). One LLVM module per program, not split 32 ways for parallel code generation:
+# the tiny programs' parts cost more to set up than they save, and the suite keeps both cores
+# busy (about an eighth less compile CPU, same values). ``FAST_COMPILE`` is for
+# ``jax.jit(..., compiler_options=FAST_COMPILE)``;
 # ``FAST_XLA_FLAGS`` is the same as ``XLA_FLAGS`` text, for subprocesses (and this pytest
 # process: conftest.py adds it to ``XLA_FLAGS`` before JAX creates its CPU backend).
 FAST_COMPILE: dict[str, int | bool] = {
     "xla_backend_optimization_level": 0,
     "xla_llvm_disable_expensive_passes": True,
     "xla_cpu_use_fusion_emitters": False,
+    "xla_cpu_parallel_codegen_split_count": 1,
 }
 FAST_XLA_FLAGS = " ".join(f"--{key}={str(value).lower()}" for key, value in FAST_COMPILE.items())
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE, TINY, keys_in_order
+from helpers import FAST_COMPILE, TINY, keys_in_order, random_params
 
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
@@ -16,7 +16,7 @@ from transformer_jax.decode import prompts as prompt_lib
 from transformer_jax.model import kv_cache
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import KVCache
-from transformer_jax.model.transformer import Transformer, init_params
+from transformer_jax.model.transformer import Transformer
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
 
@@ -31,11 +31,11 @@ _PARAMS: dict = {}
 
 
 def _model(**overrides):
-    """(config, params) of a tiny random model, cached per config."""
+    """(config, params) of a tiny random model, cached per config: every leaf drawn with numpy
+    (``helpers.random_params``), so that no init program compiles (one per config, ~1 s)."""
     config = _config(**overrides)
     if config not in _PARAMS:
-        init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
-        _PARAMS[config] = init(config, jax.random.key(0))
+        _PARAMS[config] = jax.device_put(random_params(config))
     return config, _PARAMS[config]
 
 
@@ -115,7 +115,7 @@ def _cached_and_full_logits(config, params, seqs, lengths, bucket):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_decode_logits_equal_full_forward_at_every_step(name):
     config, params = _model(**VARIANTS[name])
-    if config.qkv_bias:  # zero-initialised: make them matter
+    if config.qkv_bias:  # large enough to matter
         params = jax.tree_util.tree_map_with_path(
             lambda p, x: x + 0.3 if "bias" in jax.tree_util.keystr(p) else x, params)
     total = 14

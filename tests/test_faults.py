@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import importlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -39,16 +40,13 @@ def write_corpus(path: Path, seed: int = 0, words: tuple[str, ...] = (
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """A corpus, caches shared by the runs of this module, and a 4-step run (checkpoints 2, 4)
-    that each test copies."""
+    """A corpus, the environment of this module's train.py processes, and a 4-step run
+    (checkpoints 2, 4) that each test copies, made in this process (``run_here``)."""
     root = tmp_path_factory.mktemp("faults")
     write_corpus(root / "corpus.txt")
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(root / "xla"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=FAST_XLA_FLAGS)  # cheaper XLA:CPU code generation
-    done = subprocess.run(command(root, root / "base", "train.steps=4"), env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # The run-wide compilation cache (conftest), and cheaper XLA:CPU code generation.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA_FLAGS)
+    run_here(root, root / "base", "train.steps=4")
     return root, env
 
 
@@ -56,6 +54,19 @@ def command(root: Path, run_dir: Path, *extra: str) -> list[str]:
     return [sys.executable, str(ROOT / "train.py"), *TINY_RUN_ARGS,
             f"data.path={root / 'corpus.txt'}", f"data.cache_dir={root / 'cache'}",
             f"train.run_dir={run_dir}", *extra]
+
+
+def run_here(root: Path, run_dir: Path, *extra: str):
+    """``command(root, run_dir, *extra)``'s run in this process, as train.py makes it
+    (``build_configs`` then ``training.run``) but on this process's one device and without
+    the loss plot: a train.py process costs its start and compiles (some 5 s of CPU) that this
+    module's other in-process runs share. Where the command's own exit code and error line
+    are the point, the tests below run train.py."""
+    overrides = [a for a in command(root, run_dir, *extra)[2:] if not a.startswith("--")]
+    model, train_config, data_config = train.build_configs("tiny", overrides)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(training, "_plot", lambda run_dir, times: None)
+        return training.run(model, train_config, data_config, progress=False)
 
 
 def copy_run(root: Path, name: str) -> Path:
@@ -85,15 +96,14 @@ def damage(step_dir: Path) -> None:
     target.write_bytes(bytes(data))
 
 
-def test_damaged_latest_checkpoint_resumes_from_the_older_one(workspace):
-    root, env = workspace
+def test_damaged_latest_checkpoint_resumes_from_the_older_one(workspace, caplog):
+    root, _ = workspace
     run_dir = copy_run(root, "damaged")
     damage(run_dir / "checkpoints" / "4")
-    done = subprocess.run(command(root, run_dir, "train.steps=6"), env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "checkpoints/4 is damaged" in done.stderr and "moved it to 4.damaged-" in done.stderr
-    assert "(step 2)" in done.stderr  # "resumed from .../2 (step 2)"
+    with caplog.at_level(logging.INFO, logger="transformer_jax"):
+        run_here(root, run_dir, "train.steps=6")
+    assert "checkpoints/4 is damaged" in caplog.text and "moved it to 4.damaged-" in caplog.text
+    assert "(step 2)" in caplog.text  # "resumed from .../2 (step 2)"
     assert (run_dir / "checkpoints" / "4.damaged-1").is_dir()  # set aside, not deleted
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["start_step"] == 2 and summary["final_step"] == 6
@@ -152,10 +162,7 @@ def test_resuming_on_another_corpus_needs_allow_new_data(workspace):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert "train.allow_new_data=true" in error_line(done.stderr)
-    done = subprocess.run(command(root, run_dir, "train.steps=6", *same_tokenizer,
-                                  "train.allow_new_data=true"),
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_here(root, run_dir, "train.steps=6", *same_tokenizer, "train.allow_new_data=true")
     assert json.loads((run_dir / "summary.json").read_text())["start_step"] == 4
 
 

@@ -327,7 +327,7 @@ def _tiny_model() -> tuple[ModelConfig, dict]:
     model = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                         d_ff=64, max_seq_len=32, init_std=0.2)
     # Drawn with numpy: init_params op by op compiles each of its ops apart.
-    return model, jax.tree.map(jnp.asarray, random_params(model))
+    return model, jax.device_put(random_params(model))
 
 
 def test_prompt_tokens_get_zero_gradient():

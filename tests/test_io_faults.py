@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 import read_only
-from helpers import CHATML, FAST_COMPILE, write_chatml_tokenizer
+from helpers import CHATML, FAST_COMPILE, FAST_XLA_FLAGS, write_chatml_tokenizer
 
 from transformer_jax.checkpoint.manager import CHECKSUMS_FILE, CheckpointManager
 from transformer_jax.cli import export as hf_export
@@ -54,7 +54,7 @@ CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_head
                      d_ff=48, max_seq_len=64, init_std=0.2)
 LORA = lora.LoraConfig(rank=2, alpha=4.0, targets=("q", "v", "down"))
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-           XLA_FLAGS="--xla_backend_optimization_level=0")
+           XLA_FLAGS=FAST_XLA_FLAGS)
 TEXT = "the quick brown fox jumps over the lazy dog"
 WORDS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "user", "assistant", "the", "cat",
          "sat", "on", "a", "mat", "what", "is", "jax"]

@@ -5,10 +5,12 @@ holds per layer only what that layer reads."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import FAST_COMPILE, TINY, jaxpr_equations, jaxpr_primitives
+from helpers import FAST_COMPILE, TINY, jaxpr_equations, jaxpr_primitives, random_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,17 +73,29 @@ def _loss(config: ModelConfig, params, tokens):
     return cross_entropy(logits, tokens[:, 1:])
 
 
+# Jitted (one program each), not op by op: run eagerly, the restacking and the forward compile
+# one small program per operation and shape (some 350 in the test below).
+_stack = jax.jit(stack_blocks, static_argnums=1, compiler_options=FAST_COMPILE)
+_unstack = jax.jit(unstack_blocks, compiler_options=FAST_COMPILE)
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+def _router_stats(config: ModelConfig, params, tokens):
+    return Transformer(config).apply({"params": params}, tokens).moe
+
+
 def test_a_dense_then_sparse_stack_trains_and_generates_scanned(fast_generate_compiles):
     from transformer_jax.decode.generation import generate
 
     unrolled = _deepseek(5, scan=False)
     scanned = unrolled.replace(scan_layers=True)
-    params = jax.tree.map(lambda x: x + 0.05 * jnp.sin(7 * x + 1), init_params(unrolled, 0))
-    stacked = stack_blocks(params, scanned)
+    # Every leaf random (numpy, helpers.random_params): no init program compiles.
+    params = jax.device_put(random_params(unrolled, seed=0))
+    stacked = _stack(params, scanned)
     assert [p for p, _ in block_paths(stacked)] == [("scan_0",), ("scan_1",)]
     assert stacked["scan_0"]["mlp"]["up"].shape[0] == 3  # three dense layers
     assert stacked["scan_1"]["moe"]["up"].shape[:2] == (2, 4)  # two sparse layers, 4 experts
-    jax.tree.map(np.testing.assert_array_equal, unstack_blocks(stacked), params)
+    jax.tree.map(np.testing.assert_array_equal, _unstack(stacked), params)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 12)), jnp.int32)
     def grad(config, p):
         return jax.jit(jax.value_and_grad(lambda p: _loss(config, p, tokens)),
@@ -91,9 +105,9 @@ def test_a_dense_then_sparse_stack_trains_and_generates_scanned(fast_generate_co
     # Scanned and unrolled programs fuse differently: float32 sums in another order.
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6),
-                 unstack_blocks(got_grad), want_grad)
-    out = Transformer(scanned).apply({"params": stacked}, tokens)
-    assert out.moe["load"].shape == (2, 4)  # the two sparse layers' stats, in layer order
+                 _unstack(got_grad), want_grad)
+    stats = _router_stats(scanned, stacked, tokens)
+    assert stats["load"].shape == (2, 4)  # the two sparse layers' stats, in layer order
     prompts = [[5, 9, 2, 7, 1], [4, 6]]
     want = generate(unrolled, params, prompts, max_new_tokens=5).tokens
     assert generate(scanned, stacked, prompts, max_new_tokens=5).tokens == want
@@ -106,10 +120,10 @@ def test_a_periods_sparse_layers_report_their_router_stats_in_layer_order():
                           moe=MoE(n_experts=4, top_k=1, d_ff=16), moe_impl="dense")
     scanned = config.replace(scan_layers=True)
     assert [(len(g.period), g.repeats) for g in scanned.layer_groups()] == [(3, 2)]
-    params = init_params(config, 1)
+    params = jax.device_put(random_params(config, seed=1))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 9)), jnp.int32)
-    want = Transformer(config).apply({"params": params}, tokens).moe
-    got = Transformer(scanned).apply({"params": stack_blocks(params, scanned)}, tokens).moe
+    want = _router_stats(config, params, tokens)
+    got = _router_stats(scanned, _stack(params, scanned), tokens)
     assert not np.array_equal(want["load"][0], want["load"][1])  # the layers route apart
     np.testing.assert_array_equal(got["load"], want["load"])  # counts: exact
 

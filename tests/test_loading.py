@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import read_only
+from helpers import FAST_XLA_FLAGS
 
 from transformer_jax.checkpoint import loading
 from transformer_jax.checkpoint import manager as checkpoint
@@ -42,7 +43,7 @@ CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_head
 TEXT = "the lazy dog jumps over the quick brown fox"
 LORA = lora.LoraConfig(rank=2, alpha=4.0, targets=("q", "v", "down"))
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-           XLA_FLAGS="--xla_backend_optimization_level=0")
+           XLA_FLAGS=FAST_XLA_FLAGS)
 
 
 def _flat(tree) -> dict[str, np.ndarray]:

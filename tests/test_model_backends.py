@@ -12,14 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE
+from helpers import FAST_COMPILE, random_params
 
 from transformer_jax.decode import loop as decode
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import KVCache
 from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.ops.lm_loss import lm_head_cross_entropy_sums
-from transformer_jax.model.transformer import Transformer, init_params
+from transformer_jax.model.transformer import Transformer
 from transformer_jax.train.config import TrainConfig
 from transformer_jax.train.loss import cross_entropy_sums
 from transformer_jax.train.step import make_loss_fn
@@ -34,6 +34,12 @@ VARIANTS = {
     "sinusoidal-geglu-tied": dict(n_kv_heads=1, position="sinusoidal", ffn="geglu",
                                   tie_embeddings=True),
 }
+
+
+def _params(config: ModelConfig) -> dict:
+    """Random parameters, every leaf drawn with numpy from the shapes (``helpers.random_params``):
+    ``init_params`` op by op would compile a program per op and shape."""
+    return jax.device_put(random_params(config))
 
 
 def _batch(b=2, t=24, vocab=64, seed=0):
@@ -65,7 +71,7 @@ def _logits_and_grads(config, params, tokens, segments, positions):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_chunked_attention_model_equals_the_reference(name):
     config = ModelConfig(**BASE, **VARIANTS[name], attention_impl="xla")
-    params = init_params(config, 0)
+    params = _params(config)
     if config.qkv_bias:
         params = jax.tree_util.tree_map_with_path(
             lambda p, x: x + 0.3 if "bias" in jax.tree_util.keystr(p) else x, params)
@@ -83,7 +89,7 @@ def test_chunked_attention_model_equals_the_reference(name):
 def test_chunked_attention_over_a_cache_equals_the_reference(platform):
     """Prefill into a partly empty cache, then a chunk of 3 tokens attending over it."""
     config = ModelConfig(**BASE, n_kv_heads=2, attention_impl="xla")
-    params = init_params(config, 0)
+    params = _params(config)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 12)), jnp.int32)
     out = {}
     for impl in ("xla", "chunked"):
@@ -98,7 +104,7 @@ def test_chunked_attention_over_a_cache_equals_the_reference(platform):
 @pytest.mark.parametrize("tied", [False, True])
 def test_chunked_loss_equals_the_full_loss_and_its_gradients(tied):
     config = ModelConfig(**BASE, n_kv_heads=2, tie_embeddings=tied)
-    params = init_params(config, 0)
+    params = _params(config)
     tokens, _, _ = _batch(t=20, seed=3)
     mask = jnp.asarray(np.random.default_rng(4).random((2, 20)) > 0.3, jnp.float32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
@@ -120,7 +126,7 @@ def test_lm_head_of_out_first_weights_gives_the_forwards_logits(tied):
     ``OutFirst``): the [V, D] table as an out-first head; the chunked loss over it equals the
     loss of the forward's logits."""
     config = ModelConfig(**BASE, n_kv_heads=2, tie_embeddings=tied)
-    params = decode.decode_params(config, init_params(config, 0), out_first=True)
+    params = decode.decode_params(config, _params(config), out_first=True)
     model = Transformer(config)
     tokens, _, _ = _batch(t=20, seed=3)
     head = model.lm_head(params)

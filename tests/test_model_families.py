@@ -8,7 +8,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import jaxpr_equations
+from helpers import FAST_COMPILE, jaxpr_equations, random_params
 
 from transformer_jax.model import ops
 from transformer_jax.model.config import ModelConfig
@@ -30,14 +30,22 @@ FAMILIES = {
 }
 
 
-def _perturbed(config: ModelConfig, seed: int = 0):
+def _perturbed(config: ModelConfig, seed: int = 0, scale: float = 1.0):
     """Random params with every gain and bias moved off its initial value (so a norm that
-    ignores its gain, or an offset applied twice, shows)."""
-    params = init_params(config, seed)
-    # The noise from numpy: jax.random.normal op by op would compile a program per shape.
-    rng = np.random.default_rng(seed + 1)
-    return jax.tree.map(lambda x: jnp.asarray(
-        np.asarray(x) + 0.3 * rng.standard_normal(x.shape, np.float32)), params)
+    ignores its gain, or an offset applied twice, shows), times ``scale``: matrices and biases
+    N(0, 0.3), gains 1 - norm_offset plus noise. Drawn with numpy from the shapes alone
+    (``helpers.random_params``): ``init_params`` op by op compiles a program per op and shape."""
+    return jax.device_put(jax.tree.map(lambda x: scale * x, random_params(config, seed, std=0.3)))
+
+
+# Jitted (one program each): eagerly, the restacking and the forward compile op by op.
+_stack = jax.jit(stack_blocks, static_argnums=1, compiler_options=FAST_COMPILE)
+
+
+def _forward(config: ModelConfig, **kwargs):
+    """The model's jitted forward ``(params, tokens) -> output``."""
+    return jax.jit(lambda p, t: Transformer(config).apply({"params": p}, t, **kwargs),
+                   compiler_options=FAST_COMPILE)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +86,7 @@ def test_scanned_equals_unrolled(name, tokens):
         return jax.jit(lambda p: Transformer(cfg).apply({"params": p}, tokens).logits)(p)
 
     want = forward(config, params)
-    got = forward(config.replace(scan_layers=True), stack_blocks(params, config))
+    got = forward(config.replace(scan_layers=True), _stack(params, config))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -93,9 +101,9 @@ def test_scanned_equals_unrolled_gradient(tokens):
     want, want_grad = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(
         config, params)
     got, got_grad = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(
-        scanned, stack_blocks(params, config))
+        scanned, _stack(params, config))
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(stack_blocks(want_grad, config)),
+    for a, b in zip(jax.tree.leaves(_stack(want_grad, config)),
                     jax.tree.leaves(got_grad), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
 
@@ -114,10 +122,9 @@ def test_each_layer_attends_by_its_kind(tokens):
 
 def test_final_softcap_bounds_the_logits(tokens):
     config = ModelConfig(**{**BASE, **FAMILIES["sandwich_softcap"]})
-    params = jax.tree.map(lambda x: 20 * x, _perturbed(config))
-    capped = Transformer(config).apply({"params": params}, tokens).logits
-    raw = Transformer(config.replace(final_softcap=None)).apply({"params": params},
-                                                                tokens).logits
+    params = _perturbed(config, scale=20.0)
+    capped = _forward(config)(params, tokens).logits
+    raw = _forward(config.replace(final_softcap=None))(params, tokens).logits
     assert float(jnp.abs(raw).max()) > 3.0  # the cap binds
     np.testing.assert_allclose(capped, 3.0 * np.tanh(np.asarray(raw) / 3.0), rtol=1e-5,
                                atol=1e-5)
@@ -127,12 +134,11 @@ def test_embedding_scale_is_sqrt_d_in_the_compute_dtype():
     config = ModelConfig(**{**BASE, "scale_embeddings": True, "n_layers": 1})
     params = _perturbed(config)
     tokens = jnp.asarray([[3, 5]])
-    with_scale = Transformer(config).apply({"params": params}, tokens, hidden_only=True)
+    with_scale = _forward(config, hidden_only=True)(params, tokens)
     # Zero layers' worth of blocks is not a config, so compare the embedding scale through a
     # model whose block sees sqrt(D) * e: the same model with the table pre-scaled.
     scaled = dict(params, embed={"embedding": params["embed"]["embedding"] * 32 ** 0.5})
-    without = Transformer(config.replace(scale_embeddings=False)).apply(
-        {"params": scaled}, tokens, hidden_only=True)
+    without = _forward(config.replace(scale_embeddings=False), hidden_only=True)(scaled, tokens)
     np.testing.assert_allclose(with_scale.hidden, without.hidden, rtol=1e-5, atol=1e-6)
 
 
@@ -201,7 +207,7 @@ def test_generate_on_layers_that_differ_equals_the_cacheless_forward(scan, cache
 
     params, want = cacheless
     config = GENERATE_CONFIG.replace(scan_layers=scan)
-    got = generate(config, stack_blocks(params, config) if scan else params, PROMPTS,
+    got = generate(config, _stack(params, config) if scan else params, PROMPTS,
                    max_new_tokens=6, cache_size=24).tokens
     assert [list(map(int, g)) for g in got] == want
 
@@ -234,12 +240,13 @@ def test_evaluation_scores_are_the_capped_forwards_log_probabilities(tokens):
     from transformer_jax.evaluate.scoring import token_scores
 
     config = ModelConfig(**{**BASE, **FAMILIES["sandwich_softcap"]})
-    params = jax.tree.map(lambda x: 20 * x, _perturbed(config))
+    params = _perturbed(config, scale=20.0)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-    logprob, _ = token_scores(Transformer(config), params, inputs, targets, positions,
-                              jnp.ones_like(inputs))
-    logits = Transformer(config).apply({"params": params}, inputs).logits
+    logprob, _ = jax.jit(lambda p: token_scores(Transformer(config), p, inputs, targets,
+                                                positions, jnp.ones_like(inputs)),
+                         compiler_options=FAST_COMPILE)(params)
+    logits = _forward(config)(params, inputs).logits
     want = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
     np.testing.assert_allclose(logprob, want, rtol=1e-5, atol=1e-5)
 

@@ -5,6 +5,7 @@ to generate, tensor parallelism (2 simulated devices), and LoRA on the experts."
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -48,9 +49,10 @@ N_NEW = 6
 @pytest.fixture(scope="module")
 def models():
     # Drawn with numpy (helpers.random_params): no init program compiles (two, 2 s, jitted).
-    return {c: jax.tree.map(jnp.asarray, random_params(c, seed=1)) for c in (MOE, MIXED)}
+    return {c: jax.device_put(random_params(c, seed=1)) for c in (MOE, MIXED)}
 
 
+@functools.cache  # one jitted forward (traced, compiled once) per config
 def _forward_fn(config):
     return jax.jit(lambda p, t: Transformer(config).apply({"params": p}, t).logits,
                    compiler_options=FAST_COMPILE)
@@ -282,11 +284,12 @@ def test_lora_on_the_experts_trains_only_adapters_and_merges_to_the_adapted_forw
     jax.tree.map(np.testing.assert_array_equal, new[lora.BASE], params)  # the base never moves
     moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), new[lora.ADAPTERS], ad)
     assert all(jax.tree.leaves(moved))  # every factor moved (B leaves zero after a step)
-    merged = lora.merge(params, new[lora.ADAPTERS], LORA)
+    # Jitted: op by op, merging and applying the adapters compile a program per op and shape.
+    merged = jax.jit(lambda p, a: lora.merge(p, a, LORA))(params, new[lora.ADAPTERS])
     assert not np.allclose(merged["blocks_1"]["moe"]["gate"], params["blocks_1"]["moe"]["gate"])
     fwd = _forward_fn(MIXED)
-    np.testing.assert_allclose(fwd(merged, tokens), fwd(lora.model_params(new, LORA), tokens),
-                               atol=1e-5)
+    adapted = jax.jit(lambda t: lora.model_params(t, LORA))(new)
+    np.testing.assert_allclose(fwd(merged, tokens), fwd(adapted, tokens), atol=1e-5)
     with pytest.raises(ValueError, match="lora target 'experts.gate' adapts moe/gate"):
         lora.init_adapters(TINY, LORA, abstract_params(TINY), jax.random.key(0))  # shapes only
 

@@ -43,7 +43,7 @@ WRITTEN = {"rank2": (2, 4.0, ("o", "gate", "up")), "rank8": (8, 32.0, lora.DEFAU
 def _base():
     """The base's params, drawn with numpy (``init_params`` op by op compiles each of its ops
     apart)."""
-    return jax.tree.map(jnp.asarray, random_params(CONFIG))
+    return jax.device_put(random_params(CONFIG))
 
 
 def _adapters(params, seed: int, rank: int, alpha: float, targets) -> tuple[dict, lora.LoraConfig]:

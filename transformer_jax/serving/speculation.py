@@ -17,8 +17,9 @@ Cost. The engine measures the wall time of its plain decode steps and of its ver
 (from the proposals on, by page-table width, T and sampler: a sampled step costs more; the
 median of each kind's last 9 times, the first of each not counted, as it may compile; a T not
 measured yet estimated from another of its width, linear in T, or from another width's at the
-same cost in plain steps; one older than 256 steps refreshed by running that kind once). Their ratio is the cost rule's (``speculative.pays``, the
-same rule as ``generate``'s): a row verifies only while its expected tokens per round at its
+same cost in plain steps; one older than 256 steps refreshed by running that kind once).
+Their ratio is the cost rule's (``speculative.pays``, the same rule as ``generate``'s): a row
+verifies only while its expected tokens per round at its
 recent acceptance exceed it, and the step only when its rows' expected tokens beat that many
 plain steps of all of them. A row that does not verify watches its proposal on plain steps
 (``Acceptance.observe``), so it starts again when its acceptance rises. One log line says when
