@@ -378,3 +378,26 @@ def exit_and_line(capsys, call: Callable[[list[str]], int | None], *argv: str
     lines = [line for line in err.splitlines() if "error: " in line]
     assert len(lines) == 1, err[-3000:]
     return code, lines[0]
+
+
+def check_top_logprobs(got, rows, k: int) -> list[list[int]]:
+    """Asserts a reply's per-token log-probabilities against an independent forward's.
+
+    ``got`` has ``tokens``, ``logprobs`` and ``top_logprobs`` (per token, K (id, logprob)
+    pairs); ``rows`` [N, V] are the reference log-softmax rows at the reply's positions. The
+    alternatives must be the K likeliest in order: their reference values equal the row's
+    sorted top K (within 1e-5, so two logits closer than that may swap places: the two
+    forwards add in different orders), and each reported value is its token's. Returns each
+    position's alternative ids.
+    """
+    assert len(got.top_logprobs) == len(got.tokens) == len(rows)
+    ids_per_position = []
+    for top, token, lp, row in zip(got.top_logprobs, got.tokens, got.logprobs, rows,
+                                   strict=True):
+        ids = [t for t, _ in top]
+        assert len(set(ids)) == len(ids) == k, top
+        np.testing.assert_allclose(row[ids], np.sort(row)[::-1][:k], atol=1e-5)
+        np.testing.assert_allclose([v for _, v in top], row[ids], atol=1e-5)
+        np.testing.assert_allclose(lp, row[token], atol=1e-5)
+        ids_per_position.append(ids)
+    return ids_per_position

@@ -9,7 +9,7 @@ import threading
 import jax
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE, run_until_idle, step_until
+from helpers import FAST_COMPILE, check_top_logprobs, run_until_idle, step_until
 
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
@@ -320,13 +320,7 @@ def test_top_logprobs_are_the_top_k_of_each_steps_full_softmax(model, engine):
         seq = prompt + got.tokens
         logp = np.asarray(jax.nn.log_softmax(forward(params, np.asarray(
             [seq[:-1]], np.int32))[0], axis=-1))[len(prompt) - 1:]
-        assert len(got.top_logprobs) == len(got.tokens) == len(logp)
-        for top, token, lp, row in zip(got.top_logprobs, got.tokens, got.logprobs, logp,
-                                       strict=True):
-            want = np.argsort(-row, kind="stable")[:ask.top_logprobs]
-            assert [t for t, _ in top] == want.tolist()
-            np.testing.assert_allclose([v for _, v in top], row[want], atol=1e-5)
-            np.testing.assert_allclose(lp, row[token], atol=1e-5)
+        check_top_logprobs(got, logp, ask.top_logprobs)
         if ask.temperature == 0:  # greedy: the drawn token is the most likely one
             assert [top[0][0] for top in got.top_logprobs] == got.tokens
 
