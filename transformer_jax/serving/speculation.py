@@ -19,13 +19,13 @@ median of each kind's last 9 times, the first of each not counted, as it may com
 measured yet estimated from another of its width, linear in T, or from another width's at the
 same cost in plain steps; one older than 256 steps refreshed by running that kind once).
 Their ratio is the cost rule's (``speculative.pays``, the same rule as ``generate``'s): a row
-verifies only while its expected tokens per round at its
-recent acceptance exceed it, and the step only when its rows' expected tokens beat that many
-plain steps of all of them. A row that does not verify watches its proposal on plain steps
-(``Acceptance.observe``), so it starts again when its acceptance rises. One log line says when
-speculation first stops. A step that also runs a prefill chunk does not speculate (prompts are
-waiting: the engine is saturated). Under a full batch, where verifying T positions of every
-slot costs about T times a decode step, this falls back to plain steps by itself.
+verifies only while its expected tokens per round at its recent acceptance exceed it, and the
+step only when its rows' expected tokens beat that many plain steps of all of them. A row
+that does not verify watches its proposal on plain steps (``Acceptance.observe``), so it starts
+again when its acceptance rises. One log line says when speculation first stops. A step that
+also runs a prefill chunk does not speculate (prompts are waiting: the engine is saturated).
+Under a full batch, where verifying T positions of every slot costs about T times a decode
+step, this falls back to plain steps by itself.
 
 Programs: one per (page-table width, T, sampler), T in {2, 3, 5, 9, 17} up to the largest k;
 ``compile`` runs the greedy and the sampled (temperature only) ones.
@@ -284,10 +284,10 @@ class Speculation:
         if not drafts:
             return None
         t, width = self._shape(plan, drafts)
-        plain, verify = self._times(plan, width, t, sampler)
-        if plain is not None and verify is not None:  # the cost rule
-            drafts = self._decide(plan, drafts, verify / plain, t)
-        elif verify is not None:  # a plain step's time is missing: run one
+        plain_s, verify_s = self._times(plan, width, t, sampler)
+        if plain_s is not None and verify_s is not None:  # the cost rule
+            drafts = self._decide(plan, drafts, verify_s / plain_s, t)
+        elif verify_s is not None:  # a plain step's time is missing: run one
             drafts = self._decide(plan, drafts, None, t)
         # (else verification was not measured at this shape: it runs, and so is)
         if not drafts:
@@ -365,9 +365,9 @@ class Speculation:
     def _times(self, plan: StepPlan, width: int, t: int, sampler: Sampler
                ) -> tuple[float | None, float | None]:
         """The plain step's and the verify step's measured times (a verify time not measured
-        yet estimated from another T), or None."""
-        plain, verify = self._time(plan.width, 1, False, sampler), self._time(width, t, False,
-                                                                              sampler)
+        yet estimated: ``_estimate``), or None."""
+        plain = self._time(plan.width, 1, False, sampler)
+        verify = self._time(width, t, False, sampler)
         if verify is None and plain is not None:
             verify = self._estimate(width, t, self._time(width, 1, False, sampler) or plain,
                                     sampler)
@@ -400,6 +400,7 @@ class Speculation:
             logger.info(stop_message("serving engine", cost, t, acc.rate,
                                      expected_tokens(acc.rate, t - 1)))
         return kept
+
     def _estimate(self, width: int, t: int, plain: float, sampler: Sampler) -> float | None:
         """A verify time at (width, t) not measured yet: from one measured at another T of the
         same width, linear in T from the plain step (each row's T positions cost alike); else
