@@ -7,12 +7,11 @@ this pytest process and of the subprocesses it starts (which inherit the environ
 An ``XLA_FLAGS`` that already sets ``xla_backend_optimization_level`` is left as it is.
 """
 
-import gc
 import os
 import shutil
 import tempfile
 
-from helpers import FAST_COMPILE, with_fast_flags
+from helpers import FAST_COMPILE, with_fast_flags  # (and its GC thresholds)
 
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = with_fast_flags(os.environ.get("XLA_FLAGS", ""))
@@ -30,12 +29,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-
-# Python's cyclic garbage collector less often: tracing allocates millions of small objects, and
-# with the default thresholds (700, 10, 10) a pytest process that has imported torch,
-# transformers and every test module spent some 5% of its CPU in collections that free little
-# (measured with gc.callbacks on test_decode: 2.2 s of 37 s; 0.6 s with these).
-gc.set_threshold(20000, 20, 20)
 
 from transformer_jax.decode import loop as decode  # noqa: E402
 

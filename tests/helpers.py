@@ -8,6 +8,7 @@ Importing this module touches no device (``multihost_worker.py`` imports it befo
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -32,6 +33,15 @@ FAST_COMPILE: dict[str, int | bool] = {
     "xla_cpu_parallel_codegen_split_count": 1,
 }
 FAST_XLA_FLAGS = " ".join(f"--{key}={str(value).lower()}" for key, value in FAST_COMPILE.items())
+
+
+# Python's cyclic garbage collector less often, in every process that imports this module (the
+# pytest processes through conftest.py, and the multi-device worker scripts): tracing allocates
+# millions of small objects, and with the default thresholds (700, 10, 10) a pytest process that
+# has imported torch, transformers and every test module spent some 5% of its CPU in collections
+# that free little (measured with gc.callbacks on test_decode: 2.2 s of 37 s; 0.7 s with these).
+GC_THRESHOLDS = (20000, 20, 20)
+gc.set_threshold(*GC_THRESHOLDS)
 
 
 def with_fast_flags(xla_flags: str = "") -> str:
