@@ -38,9 +38,17 @@ __all__ = ["FAST_COMPILE"]
 @pytest.fixture(scope="module")
 def shared_compilation_cache(tmp_path_factory):
     """A persistent compilation cache for a module: runs that build new closures of the same
-    programs (``training.run`` called again) load them instead of compiling them again."""
+    programs (``training.run`` called again) load them instead of compiling them again. That
+    is the run's cache (above) when there is one, every program cached: a module's own cache
+    would hide the programs other modules (and the other xdist worker) compiled."""
     from jax.experimental.compilation_cache import compilation_cache
 
+    if jax.config.jax_compilation_cache_dir:
+        old = jax.config.jax_persistent_cache_min_compile_time_secs
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        yield
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", old)
+        return
     old = (jax.config.jax_compilation_cache_dir,
            jax.config.jax_persistent_cache_min_compile_time_secs)
     jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla")))
