@@ -11,10 +11,15 @@ import os
 import shutil
 import tempfile
 
-from helpers import FAST_COMPILE, with_fast_flags  # (and its GC thresholds)
+from helpers import FAST_COMPILE, FAST_XLA_FLAGS, with_fast_flags  # (and its GC thresholds)
 
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = with_fast_flags(os.environ.get("XLA_FLAGS", ""))
+# Whether every program of this process compiles with FAST_COMPILE's options already. Then the
+# fixtures below leave the library's jitted functions as they are: a jit given the same options
+# explicitly is another cache entry (in memory and in the persistent cache), so a program that
+# modules with and without the fixture both ran compiled twice.
+FAST_EVERYWHERE = FAST_XLA_FLAGS in os.environ.get("XLA_FLAGS", "")
 
 # One persistent compilation cache for the whole run, empty at its start: the pytest-xdist
 # workers and every subprocess a test starts inherit it, so a program that several of them
@@ -62,7 +67,11 @@ def shared_compilation_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fast_generate_compiles():
-    """``decode.generate`` compiles with ``FAST_COMPILE`` (same static arguments) for a module."""
+    """``decode.generate`` compiles with ``FAST_COMPILE`` (same static arguments) for a module
+    (as every program does when ``FAST_EVERYWHERE``)."""
+    if FAST_EVERYWHERE:
+        yield
+        return
     original = decode._generate_jit
     decode._generate_jit = jax.jit(decode.generate_padded, compiler_options=FAST_COMPILE,
                                    static_argnames=decode.GENERATE_STATIC_ARGNAMES)
@@ -72,9 +81,13 @@ def fast_generate_compiles():
 
 @pytest.fixture(scope="module")
 def fast_engine_compiles():
-    """The serving engine's step compiles with ``FAST_COMPILE`` for a module."""
+    """The serving engine's step compiles with ``FAST_COMPILE`` for a module (as every program
+    does when ``FAST_EVERYWHERE``)."""
     from transformer_jax.serving import step
 
+    if FAST_EVERYWHERE:
+        yield
+        return
     original = step.step_jit
     step.step_jit = step.jit_step(compiler_options=FAST_COMPILE)
     yield
