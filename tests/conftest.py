@@ -11,15 +11,12 @@ import os
 import shutil
 import tempfile
 
-from helpers import FAST_COMPILE, FAST_XLA_FLAGS, with_fast_flags  # (and its GC thresholds)
+from helpers import FAST_COMPILE, fast_everywhere, with_fast_flags  # (and its GC thresholds)
 
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = with_fast_flags(os.environ.get("XLA_FLAGS", ""))
-# Whether every program of this process compiles with FAST_COMPILE's options already. Then the
-# fixtures below leave the library's jitted functions as they are: a jit given the same options
-# explicitly is another cache entry (in memory and in the persistent cache), so a program that
-# modules with and without the fixture both ran compiled twice.
-FAST_EVERYWHERE = FAST_XLA_FLAGS in os.environ.get("XLA_FLAGS", "")
+# Then the fixtures below leave the library's jitted functions as they are (helpers).
+FAST_EVERYWHERE = fast_everywhere()
 
 # One persistent compilation cache for the whole run, empty at its start: the pytest-xdist
 # workers and every subprocess a test starts inherit it, so a program that several of them

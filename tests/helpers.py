@@ -49,6 +49,17 @@ def with_fast_flags(xla_flags: str = "") -> str:
     return f"{xla_flags} {FAST_XLA_FLAGS}".strip()
 
 
+def fast_everywhere() -> bool:
+    """Whether every program of this process compiles with ``FAST_COMPILE``'s options already
+    (``XLA_FLAGS`` carries them: conftest.py puts them there). Then a fixture that re-jits a
+    library function with them should leave it alone: a jit given the same options explicitly
+    is another cache entry (in memory and in the persistent cache), so a program that modules
+    with and without the fixture both ran would compile twice."""
+    import os
+
+    return FAST_XLA_FLAGS in os.environ.get("XLA_FLAGS", "")
+
+
 # train.py arguments of a tiny, fast run (char tokenizer, checkpoints every 2 steps), to which
 # tests add the corpus, the run directory and the steps.
 TINY_RUN_ARGS = [
