@@ -7,15 +7,16 @@ this pytest process and of the subprocesses it starts (which inherit the environ
 An ``XLA_FLAGS`` that already sets ``xla_backend_optimization_level`` is left as it is.
 """
 
-import gc
 import os
 import shutil
 import tempfile
 
-from helpers import FAST_COMPILE, with_fast_flags
+from helpers import FAST_COMPILE, fast_everywhere, with_fast_flags  # (and its GC thresholds)
 
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = with_fast_flags(os.environ.get("XLA_FLAGS", ""))
+# Then the fixtures below leave the library's jitted functions as they are (helpers).
+FAST_EVERYWHERE = fast_everywhere()
 
 # One persistent compilation cache for the whole run, empty at its start: the pytest-xdist
 # workers and every subprocess a test starts inherit it, so a program that several of them
@@ -31,12 +32,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# Python's cyclic garbage collector less often: tracing allocates millions of small objects, and
-# with the default thresholds (700, 10, 10) a pytest process that has imported torch,
-# transformers and every test module spent some 5% of its CPU in collections that free little
-# (measured with gc.callbacks on test_decode: 2.2 s of 37 s; 0.6 s with these).
-gc.set_threshold(20000, 20, 20)
-
 from transformer_jax.decode import loop as decode  # noqa: E402
 
 __all__ = ["FAST_COMPILE"]
@@ -45,9 +40,17 @@ __all__ = ["FAST_COMPILE"]
 @pytest.fixture(scope="module")
 def shared_compilation_cache(tmp_path_factory):
     """A persistent compilation cache for a module: runs that build new closures of the same
-    programs (``training.run`` called again) load them instead of compiling them again."""
+    programs (``training.run`` called again) load them instead of compiling them again. That
+    is the run's cache (above) when there is one, every program cached: a module's own cache
+    would hide the programs other modules (and the other xdist worker) compiled."""
     from jax.experimental.compilation_cache import compilation_cache
 
+    if jax.config.jax_compilation_cache_dir:
+        old = jax.config.jax_persistent_cache_min_compile_time_secs
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        yield
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", old)
+        return
     old = (jax.config.jax_compilation_cache_dir,
            jax.config.jax_persistent_cache_min_compile_time_secs)
     jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla")))
@@ -61,7 +64,11 @@ def shared_compilation_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fast_generate_compiles():
-    """``decode.generate`` compiles with ``FAST_COMPILE`` (same static arguments) for a module."""
+    """``decode.generate`` compiles with ``FAST_COMPILE`` (same static arguments) for a module
+    (as every program does when ``FAST_EVERYWHERE``)."""
+    if FAST_EVERYWHERE:
+        yield
+        return
     original = decode._generate_jit
     decode._generate_jit = jax.jit(decode.generate_padded, compiler_options=FAST_COMPILE,
                                    static_argnames=decode.GENERATE_STATIC_ARGNAMES)
@@ -71,9 +78,13 @@ def fast_generate_compiles():
 
 @pytest.fixture(scope="module")
 def fast_engine_compiles():
-    """The serving engine's step compiles with ``FAST_COMPILE`` for a module."""
+    """The serving engine's step compiles with ``FAST_COMPILE`` for a module (as every program
+    does when ``FAST_EVERYWHERE``)."""
     from transformer_jax.serving import step
 
+    if FAST_EVERYWHERE:
+        yield
+        return
     original = step.step_jit
     step.step_jit = step.jit_step(compiler_options=FAST_COMPILE)
     yield

@@ -15,6 +15,7 @@ import json
 import sys
 
 # Importing jax before jax.distributed.initialize is fine; touching a device is not.
+import helpers  # noqa: F401  (its GC thresholds, for this process too)
 import jax
 import numpy as np
 from jax.experimental import multihost_utils

@@ -36,11 +36,17 @@ def _inputs(n: int, kv: int, packed: bool):
 
 
 def _outputs_and_grads(fn, q, k, v):
-    # A weighting of the output's features makes every gradient entry matter.
+    # A weighting of the output's features makes every gradient entry matter. One jitted
+    # program: op by op, the interpreter dispatches each operation of every block apart.
     weights = jnp.linspace(-1.0, 1.0, H)
-    out = fn(q, k, v)
-    grads = jax.grad(lambda *a: (fn(*a) * weights).sum(), argnums=(0, 1, 2))(q, k, v)
-    return [np.asarray(x) for x in (out, *grads)]
+
+    @jax.jit
+    def both(q, k, v):
+        out = fn(q, k, v)
+        grads = jax.grad(lambda *a: (fn(*a) * weights).sum(), argnums=(0, 1, 2))(q, k, v)
+        return out, *grads
+
+    return [np.asarray(x) for x in both(q, k, v)]
 
 
 def test_pallas_tpu_kernel_interpreted_equals_reference():

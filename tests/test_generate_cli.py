@@ -189,14 +189,19 @@ def test_cli_tensor_parallel_over_two_cpu_devices_gives_the_same_tokens(hf_dir, 
 def test_package_attribute_generate_is_callable_before_and_after_importing_the_cli():
     script = textwrap.dedent("""
         import types
+        import jax
+        import numpy as np
         import transformer_jax
         from transformer_jax.decode import loop as decode
         from transformer_jax.decode import generation
         from transformer_jax.model.config import ModelConfig
-        from transformer_jax.model.transformer import init_params
+        from transformer_jax.model.transformer import abstract_params
         config = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=16,
                              max_seq_len=16)
-        params = init_params(config, 0)
+        # Random weights from the shapes (init_params op by op compiles each of its ops).
+        rng = np.random.default_rng(0)
+        params = jax.tree.map(lambda x: 0.2 * rng.standard_normal(x.shape, x.dtype),
+                              abstract_params(config))
         kw = dict(max_new_tokens=3)
         want = generation.generate(config, params, [[1, 2]], **kw).tokens
         assert transformer_jax.generate(config, params, [[1, 2]], **kw).tokens == want

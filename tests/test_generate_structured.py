@@ -16,7 +16,14 @@ import jax
 import jsonschema
 import numpy as np
 import pytest
-from helpers import CHATML_SPECIALS, FAST_COMPILE, QWEN_ADDED, TINY, write_byte_tokenizer
+from helpers import (
+    CHATML_SPECIALS,
+    FAST_COMPILE,
+    QWEN_ADDED,
+    TINY,
+    fast_everywhere,
+    write_byte_tokenizer,
+)
 
 from transformer_jax.decode import constrained, generation
 from transformer_jax.model.transformer import init_params
@@ -53,7 +60,11 @@ CHOICES = ("yes", "no", "maybe")
 
 @pytest.fixture(scope="module")
 def fast_constrained_compiles():
-    """The constrained loop's programs compile with ``FAST_COMPILE`` for the module."""
+    """The constrained loop's programs compile with ``FAST_COMPILE`` for the module (as every
+    program does when ``helpers.fast_everywhere()``)."""
+    if fast_everywhere():
+        yield
+        return
     original = constrained.prefill_jit, constrained.decode_jit, constrained.pick_jit
     (constrained.prefill_jit, constrained.decode_jit,
      constrained.pick_jit) = constrained.jit_programs(compiler_options=FAST_COMPILE)

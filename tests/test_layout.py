@@ -5,6 +5,7 @@ the modules that moved still give the same module objects."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 import warnings
@@ -47,10 +48,17 @@ def imported_modules(path: Path, known: set[str]) -> set[str]:
 
 
 MODULES = {module_name(p): p for p in ROOT.rglob("*.py")}
-# A module importing its own package's ``__init__`` (``from transformer_jax.serving import x``)
-# is no circle: the package is initialised before its modules.
-GRAPH = {name: {t for t in imported_modules(path, set(MODULES)) if not name.startswith(t + ".")}
-         - {name} for name, path in MODULES.items()}
+
+
+@functools.cache
+def graph() -> dict[str, set[str]]:
+    """Each module -> the project's modules it imports. Parsed on first use, not at import
+    (every pytest-xdist worker imports every test module). A module importing its own
+    package's ``__init__`` (``from transformer_jax.serving import x``) is no circle: the
+    package is initialised before its modules."""
+    return {name: {t for t in imported_modules(path, set(MODULES))
+                   if not name.startswith(t + ".")} - {name}
+            for name, path in MODULES.items()}
 
 
 def layer(module: str) -> str | None:
@@ -65,7 +73,7 @@ def test_every_module_is_in_a_layer_or_an_entry_point():
 
 def test_no_package_imports_one_after_it():
     wrong = []
-    for module, targets in GRAPH.items():
+    for module, targets in graph().items():
         own = layer(module)
         if own is None or module.endswith(".__main__"):  # aliases of the cli: entry points
             continue
@@ -84,7 +92,7 @@ def test_no_import_circles():
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w in GRAPH.get(v, ()):
+        for w in graph().get(v, ()):
             if w not in MODULES or w == "transformer_jax":
                 continue
             if w not in index:

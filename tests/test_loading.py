@@ -23,14 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import read_only
-from helpers import FAST_XLA_FLAGS
+from helpers import FAST_XLA_FLAGS, random_params
 
 from transformer_jax.checkpoint import loading
 from transformer_jax.checkpoint import manager as checkpoint
 from transformer_jax.checkpoint.manager import CheckpointError, CheckpointManager
 from transformer_jax.model import lora
 from transformer_jax.model.config import ModelConfig
-from transformer_jax.model.transformer import init_params, stack_blocks
+from transformer_jax.model.transformer import stack_blocks
 from transformer_jax.parallel import sharding as sh
 from transformer_jax.tokenizer import Tokenizer
 
@@ -87,7 +87,10 @@ def save_run(run_dir: Path, steps: dict[int, dict], tokenizer: Tokenizer | None,
 
 @pytest.fixture(scope="module")
 def params() -> dict:
-    return {2: init_params(CONFIG, 0), 4: init_params(CONFIG, 1)}
+    # Random weights from the shapes (helpers.random_params): init_params op by op compiles a
+    # program per op and shape.
+    return {2: jax.device_put(random_params(CONFIG, 0)),
+            4: jax.device_put(random_params(CONFIG, 1))}
 
 
 @pytest.fixture(scope="module")

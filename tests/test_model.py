@@ -1,5 +1,7 @@
 """The assembled Transformer: causality, layouts, remat, dtypes, cache, logical axes."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -39,9 +41,12 @@ def test_public_api_shapes_and_dtypes():
     chex.assert_tree_all_finite(logits)
 
 
-_CAUSAL_PARAMS = init_params(SMALL, 1)
-_forward = jax.jit(lambda tokens: Transformer(SMALL).apply({"params": _CAUSAL_PARAMS},
-                                                          tokens).logits)
+@functools.cache
+def _causal_forward():
+    """A jitted forward of fixed random weights, made on first use (not at import, which
+    every pytest-xdist worker does for every module, whether it runs this one or not)."""
+    params = init_params(SMALL, 1)
+    return jax.jit(lambda tokens: Transformer(SMALL).apply({"params": params}, tokens).logits)
 
 
 @settings(max_examples=15, deadline=None)
@@ -49,6 +54,7 @@ _forward = jax.jit(lambda tokens: Transformer(SMALL).apply({"params": _CAUSAL_PA
 def test_future_tokens_never_change_past_logits(i, seed):
     tokens = _tokens(2, 16, seed)
     changed = tokens.at[:, i + 1:].set(_tokens(2, 16, seed + 1)[:, i + 1:])
+    _forward = _causal_forward()
     a, b = _forward(tokens), _forward(changed)
     np.testing.assert_array_equal(a[:, : i + 1], b[:, : i + 1])
     if i < 15 and not np.array_equal(tokens, changed):

@@ -238,19 +238,9 @@ def _events(tb: Path) -> dict[str, list[float]]:
 
 
 @pytest.fixture
-def compilation_cache(tmp_path):
-    """A persistent compilation cache, so the resumed run loads the first run's programs."""
-    from jax.experimental.compilation_cache import compilation_cache as cache
-
-    old = (jax.config.jax_compilation_cache_dir,
-           jax.config.jax_persistent_cache_min_compile_time_secs)
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    cache.reset_cache()
-    yield
-    jax.config.update("jax_compilation_cache_dir", old[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
-    cache.reset_cache()
+def compilation_cache(shared_compilation_cache):
+    """A persistent compilation cache (conftest's), so the resumed run loads the first run's
+    programs."""
 
 
 def test_an_moe_run_logs_the_router_metrics_and_resumes_exactly(tmp_path, compilation_cache):

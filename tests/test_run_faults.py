@@ -20,7 +20,6 @@ import jax
 import numpy as np
 import pytest
 from helpers import FAST_XLA_FLAGS, TINY_RUN_ARGS
-from jax.experimental.compilation_cache import compilation_cache
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
 from transformer_jax.checkpoint.manager import CheckpointError, CheckpointManager
@@ -37,18 +36,8 @@ MODEL = ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, n_kv_heads
                     max_seq_len=32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def shared_compilation_cache(tmp_path_factory):
-    """Shares compiled programs between the in-process runs of this module."""
-    old = (jax.config.jax_compilation_cache_dir,
-           jax.config.jax_persistent_cache_min_compile_time_secs)
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    compilation_cache.reset_cache()
-    yield
-    jax.config.update("jax_compilation_cache_dir", old[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
-    compilation_cache.reset_cache()
+# Shares compiled programs between the in-process runs of this module (conftest).
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")
 
 
 def write_corpus(path: Path) -> Path:
