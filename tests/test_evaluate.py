@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 from helpers import CHATML_SPECIALS, random_hf_model, write_chatml_tokenizer
 from lm_eval.api.instance import Instance
-from lm_eval.tasks import TaskManager
 
 from transformer_jax.cli.evaluate import main as evaluate_main
 from transformer_jax.evaluate import scoring
@@ -80,6 +79,10 @@ def hf_lm(checkpoint):
 @pytest.fixture(scope="module")
 def instances(tasks_dir) -> dict[str, list[Instance]]:
     """The requests the harness builds for each task."""
+    # Imported here, not with the module: lm_eval.tasks (datasets, pandas) costs every
+    # pytest-xdist worker about 2 s of CPU at collection, also the one that does not run this.
+    from lm_eval.tasks import TaskManager
+
     tasks = TaskManager(include_path=str(tasks_dir), include_defaults=False).load(
         ["tiny_mc", "tiny_ppl"])["tasks"]
     out = {}

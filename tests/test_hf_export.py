@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import random_params
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -30,7 +31,7 @@ from transformer_jax.checkpoint.manager import CheckpointManager  # noqa: E402
 from transformer_jax.cli import export as hf_export  # noqa: E402
 from transformer_jax.model import lora  # noqa: E402
 from transformer_jax.model.config import ModelConfig, load_toml  # noqa: E402
-from transformer_jax.model.transformer import Transformer, init_params, stack_blocks  # noqa: E402
+from transformer_jax.model.transformer import Transformer  # noqa: E402
 from transformer_jax.tokenizer import Tokenizer  # noqa: E402
 from transformer_jax.train.config import build_configs  # noqa: E402
 
@@ -55,6 +56,12 @@ def _config(tokenizer: Tokenizer, **changes) -> ModelConfig:
     return ModelConfig(vocab_size=tokenizer.vocab_size, d_model=32, n_layers=2, n_heads=4,
                        n_kv_heads=2, head_dim=8, d_ff=48, max_seq_len=64, init_std=0.3,
                        **changes)
+
+
+def _params(config: ModelConfig, seed: int):
+    """Random parameters at the config's init_std, drawn with numpy (helpers.random_params):
+    an op-by-op ``init_params`` compiles a program per op and shape."""
+    return jax.device_put(random_params(config, seed, std=config.init_std))
 
 
 def _run_dir(path: Path, config: ModelConfig, params, tokenizer: Tokenizer, step: int = 2,
@@ -96,7 +103,7 @@ def _assert_identical(a, b) -> None:
 
 def test_export_of_a_run_loads_in_transformers_and_back(tmp_path, tokenizer):
     config = _config(tokenizer)
-    params = init_params(config, jax.random.key(0))
+    params = _params(config, 0)
     run = _run_dir(tmp_path / "run", config, params, tokenizer)
     out = tmp_path / "hf"
     assert hf_export.main(["--checkpoint", str(run), "--out", str(out)]) == 0
@@ -122,11 +129,13 @@ def test_export_of_a_run_loads_in_transformers_and_back(tmp_path, tokenizer):
 
 def test_lora_run_is_merged_on_export(tmp_path, tokenizer):
     config = _config(tokenizer, scan_layers=True, qkv_bias=True, tie_embeddings=True)
-    base = stack_blocks(init_params(config.replace(scan_layers=False), jax.random.key(0)),
-                        config)
+    base = _params(config, 0)  # the scanned layout
     cfg = lora.LoraConfig(rank=2, alpha=4.0, targets=("q", "v", "o", "down"))
-    adapters = lora.init_adapters(config, cfg, base, jax.random.key(1))
-    adapters = jax.tree.map(lambda x: x + 0.05, adapters)  # as if trained: B != 0
+    # Adapters as if trained (B != 0): init_adapters' layout, drawn with numpy.
+    shapes = jax.eval_shape(lambda p: lora.init_adapters(config, cfg, p, jax.random.key(1)), base)
+    rng = np.random.default_rng(1)
+    adapters = jax.device_put(jax.tree.map(
+        lambda x: (0.05 + 0.1 * rng.standard_normal(x.shape)).astype(x.dtype), shapes))
     tree = {lora.BASE: lora.freeze_base(base, jnp.bfloat16), lora.ADAPTERS: adapters}
     run = _run_dir(tmp_path / "run", config, tree, tokenizer, lora_config=cfg)
     out = tmp_path / "hf"
@@ -143,7 +152,7 @@ def test_lora_run_is_merged_on_export(tmp_path, tokenizer):
 
 def test_reexport_of_a_hf_dir_through_the_module_cli(tmp_path, tokenizer):
     config = _config(tokenizer)
-    params = init_params(config, jax.random.key(2))
+    params = _params(config, 2)
     first = tmp_path / "first"
     hf.save(config, params, first, tokenizer=tokenizer)
     second = tmp_path / "second"
@@ -163,7 +172,7 @@ def test_export_errors_are_named(tmp_path, tokenizer, capsys):
                            "--out", str(tmp_path / "o")]) == 1
     assert "does not exist" in capsys.readouterr().err
     config = _config(tokenizer)
-    params = init_params(config, jax.random.key(0))
+    params = _params(config, 0)
     run = tmp_path / "run"
     manager = CheckpointManager(run / "checkpoints", async_save=False)
     manager.save(1, {"params": {lora.BASE: params, lora.ADAPTERS: {}}},

@@ -3,16 +3,18 @@ merging equals applying, and the optimizer keeps moments for the adapters only."
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import TINY
+from helpers import TINY, random_params
 
 from transformer_jax.model import lora
 from transformer_jax.model.config import ModelConfig
-from transformer_jax.model.transformer import Transformer, init_params, stack_blocks
+from transformer_jax.model.transformer import Transformer, stack_blocks
 from transformer_jax.train.loss import cross_entropy
 
 CONFIG = TINY.replace(max_seq_len=32)
@@ -20,8 +22,14 @@ D, N, K, H, F, L = 32, 4, 2, 8, 48, 2
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)), jnp.int32)
 
 
+@functools.cache
+def _forward(config: ModelConfig):
+    """The config's forward of TOKENS, jitted (flax op by op compiles each of its ops)."""
+    return jax.jit(lambda params: Transformer(config).apply({"params": params}, TOKENS).logits)
+
+
 def _logits(config: ModelConfig, params) -> np.ndarray:
-    return np.asarray(Transformer(config).apply({"params": params}, TOKENS).logits)
+    return np.asarray(_forward(config)(params))
 
 
 def _leaves(tree) -> dict[str, np.ndarray]:
@@ -31,7 +39,8 @@ def _leaves(tree) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def base():
-    return init_params(CONFIG, jax.random.key(0))
+    """Drawn with numpy (helpers.random_params): init_params op by op compiles each op."""
+    return jax.device_put(random_params(CONFIG))
 
 
 def test_config_validates_targets():

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import random_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +30,13 @@ def _apply(config):
         Transformer(config).apply({"params": params}, *args, **kw)))
 
 
+def _params(config, seed):
+    """Random parameters drawn with numpy (helpers.random_params, every leaf random):
+    ``init_params`` op by op compiles each of its ops (the public-API and parameter-dtype
+    tests below still call it)."""
+    return jax.device_put(random_params(config, seed))
+
+
 def _tokens(b, t, seed=0, vocab=97):
     return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (b, t)), jnp.int32)
 
@@ -45,7 +53,7 @@ def test_public_api_shapes_and_dtypes():
 def _causal_forward():
     """A jitted forward of fixed random weights, made on first use (not at import, which
     every pytest-xdist worker does for every module, whether it runs this one or not)."""
-    params = init_params(SMALL, 1)
+    params = _params(SMALL, 1)
     return jax.jit(lambda tokens: Transformer(SMALL).apply({"params": params}, tokens).logits)
 
 
@@ -67,7 +75,7 @@ def test_future_tokens_never_change_past_logits(i, seed):
 ])
 def test_scanned_stack_equals_unrolled(variant):
     c = SMALL.replace(**variant)
-    params = init_params(c, 2)
+    params = _params(c, 2)
     tokens = _tokens(2, 12)
     unrolled = _apply(c)(params, tokens)
     scanned_c = c.replace(scan_layers=True)
@@ -83,7 +91,7 @@ def test_scanned_stack_equals_unrolled(variant):
 @pytest.mark.parametrize("remat, scan", [("full", False), ("save_dots", True)])
 def test_remat_changes_neither_outputs_nor_gradients(remat, scan):
     base = SMALL.replace(scan_layers=scan)
-    params = init_params(base, 3)
+    params = _params(base, 3)
     tokens = _tokens(2, 12)
 
     def loss(p, c):
@@ -109,7 +117,7 @@ def test_bfloat16_compute_with_float32_params_returns_float32_logits():
 
 def test_explicit_positions_shift_invariance_with_rope():
     # With RoPE alone, shifting every position by the same offset leaves the logits unchanged.
-    params = init_params(SMALL, 5)
+    params = _params(SMALL, 5)
     tokens = _tokens(1, 10)
     pos = jnp.arange(10)[None]
     fwd = _apply(SMALL)
@@ -122,7 +130,7 @@ def test_explicit_positions_shift_invariance_with_rope():
                                      {"scan_layers": True}])
 def test_prefill_then_decode_equals_full_forward(variant):
     c = SMALL.replace(**variant)
-    params = init_params(c, 6)
+    params = _params(c, 6)
     tokens = _tokens(2, 14)
     fwd = _apply(c)
     full = fwd(params, tokens)
@@ -137,7 +145,7 @@ def test_prefill_then_decode_equals_full_forward(variant):
 
 def test_ragged_positions_in_one_batch():
     # Row 1 continues from a shorter prefix than row 0; each equals its own full forward.
-    params = init_params(SMALL, 7)
+    params = _params(SMALL, 7)
     fwd = _apply(SMALL)
     tokens = _tokens(2, 10)
     cache = KVCache.init(SMALL, 2, 16)
@@ -186,7 +194,7 @@ def test_every_parameter_has_logical_axes():
 
 
 def test_wrong_parameter_shapes_are_rejected():
-    params = init_params(SMALL, 0)
+    params = _params(SMALL, 0)
     bigger = SMALL.replace(d_ff=128)
     with pytest.raises(Exception, match="shape"):
         Transformer(bigger).apply({"params": params}, _tokens(1, 4))

@@ -22,6 +22,12 @@ from transformer_jax.serving import Engine, SamplingParams
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
 
 
+# A weight quantised, and dequantised, by one jitted program each: op by op, each weight shape
+# compiled every one of their operations apart.
+_quantize = jax.jit(quantize_weight, static_argnums=(1, 2), static_argnames="stacked")
+_dequantize = jax.jit(dequantize)
+
+
 @pytest.fixture(scope="module")
 def params():
     init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
@@ -41,10 +47,10 @@ def test_dequantised_weight_is_within_half_a_step_of_its_group(scheme, rows, col
     w = np.random.default_rng(seed).standard_normal((rows, cols)) * 10.0 ** log_range
     w = (w.T if out_first else w).astype(np.float32)
     w_stored = OutFirst(jnp.asarray(w)) if out_first else jnp.asarray(w)
-    q = quantize_weight(w_stored, "down", quant, stacked=False)
+    q = _quantize(w_stored, "down", quant, stacked=False)
     assert isinstance(q, OutFirst) == out_first  # quantised as stored
     q = q.w if out_first else q
-    back = np.asarray(dequantize(q))
+    back = np.asarray(_dequantize(q))
     groups = rows if quant.group_size is None else quant.group_size
     qmax = 127 if quant.scheme == "int8" else 7
     w_in = w.T if out_first else w  # [F, D]: groups along F
@@ -189,9 +195,9 @@ def test_4_bit_round_trip_is_within_half_the_widest_level_gap_times_its_groups_s
     rng = np.random.default_rng(group)
     w = (rng.standard_normal(shape) * _magnitudes(rng, shape, axis, group)).astype(np.float32)
     quant = parse_quant(f"{scheme}:{group}")
-    q = quantize_weight(jnp.asarray(w), name, quant, stacked=stacked)
+    q = _quantize(jnp.asarray(w), name, quant, stacked=stacked)
     assert isinstance(q, PackedInt4) and q.packed.size * 2 == w.size
-    back = np.moveaxis(np.asarray(dequantize(q), np.float64), axis, -1)
+    back = np.moveaxis(np.asarray(_dequantize(q), np.float64), axis, -1)
     x = np.moveaxis(w.astype(np.float64), axis, -1)
     grouped = x.reshape(*x.shape[:-1], -1, group)
     absmax = np.abs(grouped).max(axis=(-1, *shared), keepdims=True)
@@ -217,9 +223,9 @@ def test_int8_has_one_scale_per_output_channel_and_layer(name, shape, stacked, c
     coarse = [n if a in channels else 1 for a, n in enumerate(shape)]
     spread = spread * 10.0 ** rng.uniform(-4, 4, coarse)
     w = (rng.standard_normal(shape) * spread).astype(np.float32)
-    q = quantize_weight(jnp.asarray(w), name, parse_quant("int8"), stacked=stacked)
+    q = _quantize(jnp.asarray(w), name, parse_quant("int8"), stacked=stacked)
     assert q.qvalue.dtype == jnp.int8 and q.scale.shape == tuple(coarse)
     inputs = tuple(a for a in range(len(shape)) if a not in channels)
     absmax = np.abs(w.astype(np.float64)).max(axis=inputs, keepdims=True)
-    err = np.abs(np.asarray(dequantize(q), np.float64) - w)
+    err = np.abs(np.asarray(_dequantize(q), np.float64) - w)
     assert np.all(err <= (0.5 / 127 + 1e-6) * absmax), (err / absmax).max()
