@@ -8,13 +8,11 @@ those programs, and the error messages of meshes that cannot split the model.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from helpers import random_params
 
@@ -185,37 +183,6 @@ def quantized() -> dict:
     return found
 
 
-def per_device_attention() -> dict:
-    """What a kernel's per-device run does (``ops.attention``: XLA cannot partition a Pallas
-    or cuDNN call), with the reference in the kernel's place, over tensor=2 under a decode's
-    context: the largest difference from the unsplit reference, and whether the traced
-    program mapped it over the heads."""
-    from transformer_jax.model.ops import attention as attn
-
-    config = ModelConfig(**{**BASE, "n_kv_heads": 2})
-    mesh = _mesh(2)
-    rng = np.random.default_rng(5)
-    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32)
-               for s in ((3, 5, 4, 8), (3, 2, 7, 8), (3, 2, 7, 8)))
-    positions = jnp.broadcast_to(jnp.arange(2, 7), (3, 5))
-    want = attn.attention(q, k, v, q_positions=positions, impl="xla")
-
-    def split(q, k, v, positions):
-        with decode.decode_context(config, mesh):
-            where = attn._heads_split(q.shape[0], k.shape[1])
-            return attn._per_device(where, functools.partial(attn.attention, impl="xla"),
-                                    q, k, v, q_positions=positions, window=3)
-
-    placed = jax.device_put((q, k, v, positions),
-                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    got = jax.jit(split)(*placed)
-    windowed = attn.attention(q, k, v, q_positions=positions, impl="xla", window=3)
-    text = jax.jit(split).lower(*placed).as_text()
-    return dict(max_diff=float(jnp.max(jnp.abs(got - windowed))),
-                differs_without_window=float(jnp.max(jnp.abs(want - windowed))),
-                mapped="shard_map" in text or "manual" in text.lower())
-
-
 def main() -> int:
     assert len(jax.devices()) == 4, jax.devices()
     decode._generate_jit = _Recorder(decode._generate_jit)
@@ -228,7 +195,6 @@ def main() -> int:
                              for kind, (name, _) in COLLECTIVE_CASES.items()}
     result["errors"] = errors()
     result["quantized"] = quantized()
-    result["per_device_attention"] = per_device_attention()
     print(json.dumps(result))
     return 0
 

@@ -61,27 +61,28 @@ def test_tensor_parallel_program_sums_branches_and_gathers_nothing(runs):
     # The Megatron split, as XLA partitions the jitted program: each layer's attention and FFN
     # outputs are all-reduced, [B, T, D] (2 layers, in prefill and in the decode loop: 4 each
     # at T = 1 and at the prompts' padded length), plus the embedding lookup when the
-    # vocabulary is split (once at each). The only all-gathers are of the split logits, [B, V]
-    # in prefill and in the loop (``decode.whole_logits``: on a CPU target one gather costs
-    # less than sampling's per-row reductions). A partitioner that gathered the activations
-    # (q, k, v) or the cache would add all-gathers. Counted in programs that generate ran, of
-    # two unrolled 2-layer cases (``COLLECTIVE_CASES``: B = 3 at tensor=2 with the vocabulary
-    # split, B = 2 at tensor=4 with it whole).
+    # vocabulary is split (once at each). With the vocabulary split, sampling reduces per-row
+    # values across it (B elements: the argmax, the softmax's sum) instead of gathering [B, V]
+    # logits. Nothing is gathered: a partitioner that gathered the activations (q, k, v) or the
+    # cache would add all-gathers. Counted in programs that generate ran, of two unrolled
+    # 2-layer cases (``COLLECTIVE_CASES``: B = 3 at tensor=2 with the vocabulary split, B = 2
+    # at tensor=4 with it whole).
     found = runs["collectives"]
     for counts in found.values():
-        assert counts["all-to-all"] == counts["collective-permute"] == [], found
-    d, v = BASE["d_model"], BASE["vocab_size"]
-    whole, split = found["whole_vocab"], found["split_vocab"]
+        assert counts["all-gather"] == counts["all-to-all"] == counts["collective-permute"] == [], \
+            found
+    d = BASE["d_model"]
 
     def residual_sums(sizes: list[int], b: int, per_length: int) -> None:
-        big = sorted(sizes)
+        big = sorted(n for n in sizes if n > b)
         assert len(big) == 2 * per_length and big[:per_length] == [b * d] * per_length, found
         assert len(set(big[per_length:])) == 1 and big[-1] % (b * d) == 0 and big[-1] > b * d, found
 
-    residual_sums(whole["all-reduce"], 2, 4)
-    assert whole["all-gather"] == [], found
-    residual_sums(split["all-reduce"], 3, 5)
-    assert split["all-gather"] == [3 * v] * 2, found
+    residual_sums(found["whole_vocab"]["all-reduce"], 2, 4)
+    assert all(n > 2 for n in found["whole_vocab"]["all-reduce"]), found
+    split = found["split_vocab"]["all-reduce"]
+    residual_sums(split, 3, 5)
+    assert 0 < sum(n <= 3 for n in split) <= 8, found
 
 
 def test_meshes_that_cannot_split_the_model_are_refused_with_the_reason(runs):
@@ -121,13 +122,3 @@ def test_prepared_weights_are_split_across_the_mesh(runs, case):
         want = norms + (config.n_layers * per_layer + biases) // t + (
             vocab // t if v % t == 0 else vocab)
         assert got["bytes_device0"] == want, key
-
-
-def test_a_kernel_runs_per_device_over_a_kv_head_split(runs):
-    """An attention kernel, which XLA cannot partition, runs under shard_map on each device's
-    rows and heads when the context splits the kv heads (here the reference stands in for
-    the kernel, a window passed through): the same output as unsplit."""
-    got = runs["per_device_attention"]
-    assert got["mapped"], got
-    assert got["differs_without_window"] > 1e-3  # the window reached the per-device call
-    assert got["max_diff"] < 1e-5, got

@@ -194,8 +194,7 @@ def prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax
     out = decode_model(config).apply(
         {"params": params}, tokens, positions, cache=cache,
         logits_at=lengths.astype(jnp.int32) - 1)
-    return whole_logits(out.logits), out.cache.replace(lengths=lengths.astype(jnp.int32),
-                                                       ring_end=None)
+    return out.logits, out.cache.replace(lengths=lengths.astype(jnp.int32), ring_end=None)
 
 
 def decode_step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
@@ -203,18 +202,7 @@ def decode_step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax
     """One decode step: [B] tokens at [B] positions -> ([B, V] float32 logits, updated cache)."""
     out = decode_model(config).apply(
         {"params": params}, tokens[:, None], positions[:, None], cache=cache)
-    return whole_logits(out.logits[:, 0]), out.cache.constrain()
-
-
-def whole_logits(logits: jax.Array) -> jax.Array:
-    """[B, V] logits to sample from, whole on every device for a CPU target over a split
-    vocabulary: one all-gather there cost less than the per-row all-reduces (the argmax, the
-    softmax's sum) that XLA partitions sampling into, each a CPU collective's latency
-    (decode_25m, batch 1, tensor=2: about 7% of a step). On an accelerator the reductions
-    stay (they move B values, not B x V). As they are without a mesh in context."""
-    if target.platform() != "cpu" or jax.sharding.get_abstract_mesh().empty:
-        return logits
-    return nn.with_logical_constraint(logits, (None, None))
+    return out.logits[:, 0], out.cache.constrain()
 
 
 def draw(logits: jax.Array, key_data: jax.Array, index: jax.Array,

@@ -55,7 +55,6 @@ from transformer_jax.decode.loop import (
     is_split,
     on_mesh,
     weight_specs,
-    whole_logits,
 )
 from transformer_jax.model import multi_lora
 from transformer_jax.model.config import ModelConfig
@@ -365,7 +364,7 @@ def _forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                           prefill.tokens, positions, cache=cache, logits_at=prefill.last)
         logits.append(out.logits)
         cache = out.cache
-    return (cache.k, cache.v, whole_logits(jnp.concatenate(logits)),
+    return (cache.k, cache.v, jnp.concatenate(logits),
             None if ring is None else (cache.k_ring, cache.v_ring))
 
 
