@@ -405,6 +405,16 @@ def _client(url: str):
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
 
+def _valid_calls(calls: list, names: set[str]) -> list:
+    """``calls``, each checked: a function call with an id, a name among ``names``, arguments
+    that validate against the tool's schema."""
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return calls
+
+
 def _check_calls(reply, names: set[str], cut: bool = False) -> list:
     """The reply's one choice's calls, checked: finish reason, ids, names among ``names``,
     arguments that validate against the tool's schema; no content. With ``cut``, the reply
@@ -419,11 +429,7 @@ def _check_calls(reply, names: set[str], cut: bool = False) -> list:
     else:
         assert choice.message.content.startswith("<tool_call>"), choice
     assert len({c.id for c in calls}) == len(calls)
-    for call in calls:
-        assert call.type == "function" and call.id.startswith("call_")
-        assert call.function.name in names
-        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-    return calls
+    return _valid_calls(calls, names)
 
 
 def test_required_and_named_tool_choice_always_give_valid_calls(server):
@@ -522,11 +528,7 @@ def _check_json_calls(reply, names: set[str]) -> list:
     assert choice.finish_reason == "tool_calls" or choice.finish_reason == "length", choice
     if choice.finish_reason == "tool_calls":
         assert choice.message.content is None, choice
-    for call in calls:
-        assert call.type == "function" and call.id.startswith("call_")
-        assert call.function.name in names
-        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-    return calls
+    return _valid_calls(calls, names)
 
 
 def test_enforced_calls_on_a_template_without_a_tool_call_format(server):
