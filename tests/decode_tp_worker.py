@@ -8,11 +8,13 @@ those programs, and the error messages of meshes that cannot split the model.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from helpers import random_params
 
@@ -71,8 +73,13 @@ class _Recorder:
         return self.jitted.lower(*args, **kwargs).compile().as_text()
 
 
-def collective_counts(hlo: str) -> dict[str, int]:
-    return {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
+def collective_counts(hlo: str) -> dict[str, list[int]]:
+    """Per collective op, the element count of each of its results in a compiled program."""
+    found: dict[str, list[int]] = {op: [] for op in COLLECTIVES}
+    for op in COLLECTIVES:
+        for dims in re.findall(rf"= \w+\[([\d,]*)\]\S* {op}(?:-start)?\(", hlo):
+            found[op].append(int(np.prod([int(d) for d in dims.split(",") if d])))
+    return found
 
 
 def _mesh(tensor: int) -> jax.sharding.Mesh:
@@ -91,8 +98,10 @@ def vocab_edges(vocab: int, sizes: tuple[int, ...]) -> list[int]:
 
 
 def run_case(overrides: dict, lengths: list[int], kwargs: dict, sizes: tuple[int, ...], *,
-             count_collectives: int = 0) -> dict:
-    """Generate at each tensor size, and the collectives of the ``count_collectives`` one."""
+             count_collectives: int = 0, raw: bool = True) -> dict:
+    """Generate at each tensor size, and the collectives of the ``count_collectives`` one;
+    on a mesh from the raw parameters (prepared inside the program) only with ``raw``, from
+    weights prepared once always."""
     config = ModelConfig(**{**BASE, **overrides})
     params = random_params(config)  # biases and norm gains random too
     rng = np.random.default_rng(len(lengths))
@@ -110,9 +119,10 @@ def run_case(overrides: dict, lengths: list[int], kwargs: dict, sizes: tuple[int
         def record(step, tokens, active, steps=steps):
             steps.append([int(step), *np.asarray(tokens).tolist()])
 
-        result = generation.generate(config, params, prompts, max_new_tokens=6, mesh=mesh,
-                                 stream=record, **kwargs)
-        out[str(tensor)] = dict(tokens=result.tokens, logprobs=result.logprobs, stream=steps)
+        if mesh is None or raw:
+            result = generation.generate(config, params, prompts, max_new_tokens=6, mesh=mesh,
+                                         stream=record, **kwargs)
+            out[str(tensor)] = dict(tokens=result.tokens, logprobs=result.logprobs, stream=steps)
         if mesh is None:
             continue
         # The same through weights prepared once on the mesh (each device holds its block).
@@ -178,11 +188,45 @@ def quantized() -> dict:
     return found
 
 
+def per_device_attention() -> dict:
+    """What a kernel's per-device run does (``ops.attention``: XLA cannot partition a Pallas
+    or cuDNN call), with the reference in the kernel's place, over tensor=2 under a decode's
+    context: the largest difference from the unsplit reference, and whether the traced
+    program mapped it over the heads."""
+    from transformer_jax.model.ops import attention as attn
+
+    config = ModelConfig(**{**BASE, "n_kv_heads": 2})
+    mesh = _mesh(2)
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32)
+               for s in ((3, 5, 4, 8), (3, 2, 7, 8), (3, 2, 7, 8)))
+    positions = jnp.broadcast_to(jnp.arange(2, 7), (3, 5))
+    want = attn.attention(q, k, v, q_positions=positions, impl="xla")
+
+    def split(q, k, v, positions):
+        with decode.decode_context(config, mesh):
+            where = attn._heads_split(q.shape[0], k.shape[1])
+            return attn._per_device(where, functools.partial(attn.attention, impl="xla"),
+                                    q, k, v, q_positions=positions, window=3)
+
+    placed = jax.device_put((q, k, v, positions),
+                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    got = jax.jit(split)(*placed)
+    windowed = attn.attention(q, k, v, q_positions=positions, impl="xla", window=3)
+    text = jax.jit(split).lower(*placed).as_text()
+    return dict(max_diff=float(jnp.max(jnp.abs(got - windowed))),
+                differs_without_window=float(jnp.max(jnp.abs(want - windowed))),
+                mapped="shard_map" in text or "manual" in text.lower())
+
+
 def main() -> int:
     assert len(jax.devices()) == 4, jax.devices()
     decode._generate_jit = _Recorder(decode._generate_jit)
     counted = dict(COLLECTIVE_CASES.values())
-    result = {name: run_case(*case, count_collectives=counted.get(name, 0))
+    # The raw parameters' path on a mesh (the same program with the preparation traced in) is
+    # run by the two collective cases; the others run prepared weights only.
+    result = {name: run_case(*case, count_collectives=counted.get(name, 0),
+                             raw=name in counted)
               for name, case in CASES.items()}
     # Collective ops in a compiled tensor-parallel generate (the prepared weights' program, the
     # one the raw parameters' call ran too), for a vocabulary T divides and one it does not.
@@ -190,6 +234,7 @@ def main() -> int:
                              for kind, (name, _) in COLLECTIVE_CASES.items()}
     result["errors"] = errors()
     result["quantized"] = quantized()
+    result["per_device_attention"] = per_device_attention()
     print(json.dumps(result))
     return 0
 

@@ -150,14 +150,13 @@ def test_decode_cache_layout_and_bytes(platform):
     logits, cache = jax.eval_shape(prefill, decode.decode_params(config, params),
                                    jnp.zeros((3, 8), jnp.int32), jnp.ones((3,), jnp.int32))
     chex.assert_shape(logits, (3, config.vocab_size))
-    # One row per (sequence, kv head) in every layer; keys stored [H, S] for a CPU target; one
-    # array per layer for this unrolled model.
-    # (stored with the (sequence, kv head) rows merged).
+    # One row per (sequence, kv head) in every layer, [B, K, ...]; keys stored [H, S] for a CPU
+    # target; one array per layer for this unrolled model.
     assert not cache.stacked and len(jax.tree.leaves(cache.k)) == len(cache.v) == config.n_layers
     assert cache.slots_last == (platform == "cpu")
     chex.assert_shape(list(jax.tree.leaves(cache.k)),
-                      [(6, 8, 20) if platform == "cpu" else (6, 20, 8)] * config.n_layers)
-    chex.assert_shape(list(cache.v), [(6, 20, 8)] * config.n_layers)
+                      [(3, 2, 8, 20) if platform == "cpu" else (3, 2, 20, 8)] * config.n_layers)
+    chex.assert_shape(list(cache.v), [(3, 2, 20, 8)] * config.n_layers)
     assert cache.nbytes == 2 * config.n_layers * 3 * 20 * 2 * 8 * 4
     assert cache.nbytes == kv_cache.cache_bytes(config, 3, 20)
 

@@ -173,7 +173,10 @@ def test_cache_size_formula():
     chex.assert_shape(jax.tree.leaves(stacked.k)[0], (2, 3, 2, *keys))
     assert stacked.nbytes == cache.nbytes
     unrolled = KVCache.init(c.replace(scan_layers=False), batch=3, max_len=40)
-    chex.assert_shape(jax.tree.leaves(unrolled.k), [(3 * 2, *keys)] * 2)  # (sequence, kv head)
+    chex.assert_shape(jax.tree.leaves(unrolled.k), [(3, 2, *keys)] * 2)  # (sequence, kv head)
+    one = KVCache.init(c.replace(scan_layers=False), batch=1, max_len=40)  # no size-1 axis
+    chex.assert_shape(jax.tree.leaves(one.k), [(2, *keys)] * 2)
+    chex.assert_shape(jax.tree.leaves(one.layer(1)[0])[0], (1, 2, *keys))
     chex.assert_shape(jax.tree.leaves(unrolled.layer(1)[0])[0], (3, 2, *keys))
 
 

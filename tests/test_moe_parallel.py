@@ -211,11 +211,16 @@ def test_expert_split_is_none_without_a_split_expert_axis():
     manual = AbstractMesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,
                                                                   AxisType.Manual))
     assert split(manual) is None  # already inside a shard_map over it
-    got = split(abstract_mesh(data=2, expert=4))
-    # The expert axis joins the token axes: each expert device routes its own tokens.
-    assert (got.tokens, got.experts, got.embed, got.mlp) == (
-        ("data", "fsdp", "expert"), ("expert",), ("fsdp",), ("tensor",))
+    # The batch split over the expert axis too (training's rules): tokens are exchanged.
+    got = moe_dispatch.expert_split(abstract_mesh(data=2, expert=4), ("data", "fsdp", "expert"),
+                                    "expert", "fsdp", "tensor")
+    assert (got.tokens, got.experts, got.embed, got.mlp, got.exchange) == (
+        ("data", "fsdp", "expert"), ("expert",), ("fsdp",), ("tensor",), True)
     assert (got.n_shards, got.token_shards) == (4, 8)
+    # A batch rule without the expert axis (a decode's): each device its experts' share.
+    got = split(abstract_mesh(data=2, expert=4))
+    assert (got.tokens, got.exchange, got.n_shards, got.token_shards) == (
+        ("data", "fsdp"), False, 4, 2)
 
 
 def test_experts_not_divisible_by_the_expert_axis_name_the_field():

@@ -14,7 +14,7 @@ from transformer_jax.decode.generation import GenerateResult, generate
 from transformer_jax.decode.loop import (
     SamplingSettings,
     SamplingState,
-    TensorSplit,
+    decode_context,
     decode_model,
     decode_step,
     generate_padded,
@@ -32,8 +32,8 @@ from transformer_jax.decode.weights import (
     weight_specs,
 )
 
-__all__ = ["DecodeWeights", "GenerateResult", "SamplingSettings", "SamplingState", "TensorSplit",
-           "TokenConstraint",
-           "abstract_weights", "check_tensor_parallel", "decode_config", "decode_model",
+__all__ = ["DecodeWeights", "GenerateResult", "SamplingSettings", "SamplingState",
+           "TokenConstraint", "abstract_weights", "check_tensor_parallel", "decode_config",
+           "decode_context", "decode_model",
            "decode_params", "decode_rules", "decode_step", "generate", "generate_padded",
            "prefill", "prepare", "tensor_shards", "weight_specs"]

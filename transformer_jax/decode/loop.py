@@ -18,32 +18,29 @@ the program's size does not grow with depth.
 Weights. ``prepare`` (``decode/weights.py``, re-exported here) is the one parameter transform
 in front of the forward: the compute dtype, the backend's layout and the mesh placement, once.
 
-Tensor parallelism. With a mesh whose ``tensor`` axis has T devices, prefill and decode run
-under ``shard_map``: each device runs the same forward on its block of every matrix, split as
-training splits them (the specs come from the logical-axis rules, ``weight_specs``): N/T heads,
-K/T kv heads and their cache, F/T FFN units, V/T vocabulary rows. The model sums each
-branch's partial output over the axis (two all-reduces per layer, the Megatron split) and
-gathers the logits; every device then samples the same tokens. Each device's attention stays
-the one-device program (its cache rows merged per shard), which XLA's SPMD partitioner could
-not keep split: partitioning the jitted loop from the shardings alone, it gathered q, k and v
-whole on every device each layer (decode_25m, batch 8, 1024 slots: about 96 ms per step over
-two CPU devices, against 20 ms for this; compiled for a TPU v5e:2x2, 33 all-gathers of 67 MB
-a step against 1 of 0.26 MB). The row merge is the cause: with B and K kept apart the
-partitioned program equals this one (docs/generation.md). On CPU, one device per core
-(``sharding.configure_cpu_devices``) puts the otherwise single-threaded attention on every core.
+Tensor parallelism. With a mesh whose ``tensor`` axis has T devices (and a mixture's
+``expert`` axis), the program is traced as training's is (``decode_context``): the mesh and the
+logical-axis rules in context, the weights split by those rules (``weight_specs``: N/T heads,
+K/T kv heads and their cache, F/T FFN units, V/T vocabulary rows), and XLA partitions the
+forward from these shardings: two all-reduces per layer (the Megatron split), the logits
+gathered for sampling, every device drawing the same tokens. The attention reads each
+(sequence, kv head) row of the cache where it lives, so no activation is gathered. On CPU, one
+device per core (``sharding.configure_cpu_devices``) puts the otherwise single-threaded
+attention on every core.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
+from collections.abc import Iterator
 from typing import Any
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from transformer_jax.decode import sampling, streaming
 from transformer_jax.decode.prompts import is_int
@@ -65,9 +62,9 @@ from transformer_jax.decode.weights import (  # noqa: F401 (decode.prepare etc. 
     target_platform,
     tensor_shards,
     vocab_is_split,
+    weight_shardings,
     weight_specs,
 )
-from transformer_jax.model.block import shard_config
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import KVCache
 from transformer_jax.model.ops import target
@@ -75,21 +72,30 @@ from transformer_jax.model.transformer import Transformer
 
 Params = dict[str, Any]
 
-@dataclasses.dataclass(frozen=True)
-class TensorSplit:
-    """How the traced decode sees a tensor-parallel split: it runs inside ``shard_map`` over
-    ``axis``, on one shard's weights (and its vocabulary rows when ``vocab``), and on one
-    shard of a mixture's experts over the ``experts`` axis when set."""
+@contextlib.contextmanager
+def decode_context(config: ModelConfig, mesh: Mesh | None) -> Iterator[None]:
+    """What a decode over ``mesh`` is traced under: the mesh's platform as the target (kernel
+    and layout choices), and with a mesh its abstract mesh and ``decode_rules``, so that the
+    model's logical constraints resolve to mesh axes and XLA partitions the forward from the
+    weights' and the cache's shardings (as ``sharding.jit_sharded`` does for training)."""
+    with target.targeting(target.of_mesh(mesh)):
+        if mesh is None:
+            yield
+            return
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), \
+                nn.logical_axis_rules(decode_rules(config, mesh)):
+            yield
 
-    axis: str = TENSOR_AXIS
-    vocab: bool = True
-    experts: str | None = None
 
-
-def tensor_split(config: ModelConfig, mesh: Mesh) -> TensorSplit:
-    """The ``TensorSplit`` of a decode over ``mesh`` (``is_split``)."""
-    return TensorSplit(TENSOR_AXIS, vocab_is_split(config, mesh),
-                       EXPERT_AXIS if expert_shards(mesh) > 1 else None)
+def on_mesh(config: ModelConfig, mesh: Mesh | None, weights: Params, quant: Any = None
+            ) -> Params:
+    """``weights`` (prepared: ``DecodeWeights.params``, traced) pinned to ``weight_specs`` over
+    ``mesh``; as they are without a mesh."""
+    if mesh is None:
+        return weights
+    shardings = weight_shardings(config, mesh, has_out_first(weights), quant,
+                                 has_expert_lists(weights))
+    return jax.lax.with_sharding_constraint(weights, shardings)
 
 
 # Loop state --------------------------------------------------------------------------------------
@@ -156,29 +162,24 @@ class SamplingSettings:
 
 # Prefill and decode steps ------------------------------------------------------------------------
 
-def decode_model(config: ModelConfig, split: TensorSplit | None = None) -> Transformer:
-    """The model as generation runs it (``decode_config``), on one shard with ``split``."""
-    if split is None:
-        return Transformer(decode_config(config))
-    return Transformer(decode_config(config), tensor_axis=split.axis, vocab_split=split.vocab,
-                       expert_axis=split.experts)
+def decode_model(config: ModelConfig) -> Transformer:
+    """The model as generation runs it (``decode_config``)."""
+    return Transformer(decode_config(config))
 
 
 def prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array,
             max_len: int | None = None, dtype: jnp.dtype | str | None = None,
-            platform: str | None = None, split: TensorSplit | None = None
-            ) -> tuple[jax.Array, KVCache]:
+            platform: str | None = None) -> tuple[jax.Array, KVCache]:
     """Runs right-padded prompts through the model into an empty cache.
 
     Args:
-      config: the model's config (one shard's view, ``shard_config``, under ``split``).
+      config: the model's config.
       params: the parameters (or ``DecodeWeights.params``, prepared leaves included).
       tokens: [B, T] int32 prompts, right-padded; position t of row b goes to slot t.
       lengths: [B] int32 true prompt lengths, each in [1, T].
       max_len: S_max >= T slots of the returned cache; default T.
       dtype: the cache's storage dtype; the model's compute dtype by default.
       platform: the platform the cache's layout is chosen for (``KVCache.init``).
-      split: inside ``shard_map`` over a tensor axis, how (see ``TensorSplit``).
 
     Returns:
       ([B, V] float32 logits after each prompt's last token, the ``KVCache`` with slots 0..T-1
@@ -190,19 +191,30 @@ def prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax
     if cache.ring is not None:  # the local layers' rings keep each prompt's own last window
         cache = cache.replace(ring_end=lengths.astype(jnp.int32))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = decode_model(config, split).apply(
+    out = decode_model(config).apply(
         {"params": params}, tokens, positions, cache=cache,
         logits_at=lengths.astype(jnp.int32) - 1)
-    return out.logits, out.cache.replace(lengths=lengths.astype(jnp.int32), ring_end=None)
+    return whole_logits(out.logits), out.cache.replace(lengths=lengths.astype(jnp.int32),
+                                                       ring_end=None)
 
 
 def decode_step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
-                positions: jax.Array, split: TensorSplit | None = None
-                ) -> tuple[jax.Array, KVCache]:
+                positions: jax.Array) -> tuple[jax.Array, KVCache]:
     """One decode step: [B] tokens at [B] positions -> ([B, V] float32 logits, updated cache)."""
-    out = decode_model(config, split).apply(
+    out = decode_model(config).apply(
         {"params": params}, tokens[:, None], positions[:, None], cache=cache)
-    return out.logits[:, 0], out.cache.constrain()
+    return whole_logits(out.logits[:, 0]), out.cache.constrain()
+
+
+def whole_logits(logits: jax.Array) -> jax.Array:
+    """[B, V] logits to sample from, whole on every device for a CPU target over a split
+    vocabulary: one all-gather there cost less than the per-row all-reduces (the argmax, the
+    softmax's sum) that XLA partitions sampling into, each a CPU collective's latency
+    (decode_25m, batch 1, tensor=2: about 7% of a step). On an accelerator the reductions
+    stay (they move B values, not B x V). As they are without a mesh in context."""
+    if target.platform() != "cpu" or jax.sharding.get_abstract_mesh().empty:
+        return logits
+    return nn.with_logical_constraint(logits, (None, None))
 
 
 def draw(logits: jax.Array, key_data: jax.Array, index: jax.Array,
@@ -240,13 +252,14 @@ def draw(logits: jax.Array, key_data: jax.Array, index: jax.Array,
 
 def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
                  first_logits: jax.Array, *, stream_id: jax.Array | None, max_new_tokens: int,
-                 settings: SamplingSettings, split: TensorSplit | None
+                 settings: SamplingSettings, ordered: bool = True
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Samples the first token from the prefill's logits, then the ``lax.while_loop`` of
     decode steps.
 
-    Under ``split`` every shard holds the whole logits and the same keys, so all of them pick
-    the same tokens; the first shard alone calls the stream back.
+    Over a mesh every device draws the same tokens from the whole logits and keys; the stream's
+    callback is not ``ordered`` there (a program over several devices cannot order effects):
+    the loop's data dependence keeps the steps in order.
 
     ``state.positions`` start at each prompt's last token and ``first_logits`` [B, V] are its
     next-token logits; the first advance picks the first token from them.
@@ -277,14 +290,7 @@ def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
         if settings.stop_tokens:
             done |= active & jnp.isin(tok, stop)
         if stream_id is not None:
-            if split is None:
-                streaming.emit(stream_id, s.step, tok, active)
-            else:  # a program over several devices cannot order effects: the data dependence
-                # of the loop keeps the steps in order
-                jax.lax.cond(jax.lax.axis_index(split.axis) == 0,
-                             lambda: streaming.emit(stream_id, s.step, tok, active,
-                                                    ordered=False),
-                             lambda: None)
+            streaming.emit(stream_id, s.step, tok, active, ordered=ordered)
         return SamplingState(
             step=s.step + 1,
             tokens=jax.lax.dynamic_update_slice(s.tokens, tok[:, None], (0, s.step)),
@@ -299,8 +305,7 @@ def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
         )
 
     def body(s: SamplingState) -> SamplingState:
-        return advance(s, *decode_step(config, params, s.cache, s.next_token, s.positions,
-                                       split))
+        return advance(s, *decode_step(config, params, s.cache, s.next_token, s.positions))
 
     state = advance(state, first_logits, state.cache)
     state = jax.lax.while_loop(cond, body, state)
@@ -332,50 +337,40 @@ def generate_padded(config: ModelConfig, params: Params | DecodeWeights, tokens:
       max_new_tokens: N (static), the most tokens generated per sequence.
       settings: static sampling settings.
       cache_size: static S_max; default ``T + N``. Must be >= T and >= every length + N - 1.
-      mesh: static; with a tensor axis of size T > 1, the program runs under ``shard_map``
-        over it, the weights split by the logical-axis rules (see the module docstring).
+      mesh: static; with a tensor (or expert) axis of more than one device, the program is
+        partitioned over it, the weights split by the logical-axis rules (see the module
+        docstring).
       cache_dtype: static storage dtype name of the KV cache; the compute dtype by default.
 
     Returns:
       tokens [B, N] int32 (``pad_id`` after a sequence ends), logprobs [B, N] float32 (0 at
       padding), num_tokens [B] int32 generated per sequence (stop token included).
     """
-    shards = tensor_shards(mesh)
     quant, platform = None, target_platform(mesh)
     if isinstance(params, DecodeWeights):
-        weights, out_first, quant = params.params, params.out_first, params.quant
+        weights, quant = params.params, params.quant
     else:  # prepared here, a transient copy per call
-        out_first = out_first_for(platform)
-        weights = decode_params(config, params, out_first)
-    run = functools.partial(_prefill_and_decode, stream_id=stream_id,
-                            max_new_tokens=max_new_tokens, settings=settings,
-                            cache_size=cache_size, cache_dtype=cache_dtype, platform=platform)
-    with target.targeting(target.of_mesh(mesh)):  # kernel choices: the mesh's devices'
-        if not is_split(mesh):
-            return run(config, weights, tokens, lengths, key_data, split=None)
-        split = tensor_split(config, mesh)
-        local = shard_config(config, shards, vocab=split.vocab)
-        # Outputs are the same on every shard (each samples from the gathered logits).
-        return jax.shard_map(
-            functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
-            in_specs=(weight_specs(config, mesh, out_first, quant, has_expert_lists(weights)), P(),
-                      P(), P()),
-            out_specs=(P(), P(), P()),
-        )(weights, tokens, lengths, key_data)
+        weights = decode_params(config, params, out_first_for(platform))
+    with decode_context(config, mesh):
+        return _prefill_and_decode(
+            config, on_mesh(config, mesh, weights, quant), tokens, lengths, key_data,
+            stream_id=stream_id, max_new_tokens=max_new_tokens, settings=settings,
+            cache_size=cache_size, cache_dtype=cache_dtype, platform=platform,
+            ordered=not is_split(mesh))
 
 
 def _prefill_and_decode(config: ModelConfig, weights: Params, tokens: jax.Array,
                         lengths: jax.Array, key_data: jax.Array, *,
                         stream_id: jax.Array | None, max_new_tokens: int,
                         settings: SamplingSettings, cache_size: int | None,
-                        cache_dtype: str | None, split: TensorSplit | None,
-                        platform: str) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``generate_padded`` on one shard's weights (all of them without a split)."""
+                        cache_dtype: str | None, platform: str, ordered: bool
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``generate_padded``'s program, traced in its ``decode_context``."""
     b, t = tokens.shape
     n = max_new_tokens
     logits, cache = prefill(config, weights, tokens, lengths,
                             t + n if cache_size is None else cache_size, cache_dtype,
-                            platform=platform, split=split)
+                            platform=platform)
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
         tokens=jnp.full((b, n), settings.pad_id, jnp.int32),
@@ -388,7 +383,7 @@ def _prefill_and_decode(config: ModelConfig, weights: Params, tokens: jax.Array,
         cache=cache,
     )
     return _decode_loop(config, weights, state, logits, stream_id=stream_id, max_new_tokens=n,
-                        settings=settings, split=split)
+                        settings=settings, ordered=ordered)
 
 
 #: The arguments of ``generate_padded`` that are compile-time constants.

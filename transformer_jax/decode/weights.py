@@ -309,12 +309,13 @@ def _prepare_fn(config: ModelConfig, mesh: Mesh | None, out_first: bool,
     fn = _weights_fn(config, out_first, quant, experts_split)
     if mesh is None:
         return jax.jit(fn)
-    return jax.jit(fn, out_shardings=_weight_shardings(config, mesh, out_first, quant,
+    return jax.jit(fn, out_shardings=weight_shardings(config, mesh, out_first, quant,
                                                        experts_split))
 
 
-def _weight_shardings(config: ModelConfig, mesh: Mesh, out_first: bool,
+def weight_shardings(config: ModelConfig, mesh: Mesh, out_first: bool,
                       quant: Any = None, experts_split: bool = False) -> Params:
+    """The ``NamedSharding`` of every prepared weight over ``mesh`` (``weight_specs``)."""
     shardings = sharding.param_shardings(decode_config(config), mesh,
                                          decode_rules(config, mesh))
     if out_first:
@@ -366,7 +367,7 @@ def weight_specs(config: ModelConfig, mesh: Mesh, out_first: bool | None = None,
     ``ExpertList``s with ``experts_split``)."""
     if out_first is None:
         out_first = out_first_for(target_platform(mesh))
-    return jax.tree.map(lambda s: s.spec, _weight_shardings(config, mesh, out_first,
+    return jax.tree.map(lambda s: s.spec, weight_shardings(config, mesh, out_first,
                                                             quant, experts_split))
 
 
@@ -402,7 +403,7 @@ def expert_shards(mesh: Mesh | None) -> int:
 
 
 def is_split(mesh: Mesh | None) -> bool:
-    """Whether a decode over ``mesh`` runs inside ``shard_map`` (T > 1 or X > 1)."""
+    """Whether a decode over ``mesh`` is split over several devices (T > 1 or X > 1)."""
     return tensor_shards(mesh) > 1 or expert_shards(mesh) > 1
 
 

@@ -70,13 +70,14 @@ class KVCache:
 
     Attributes:
       k: [L, B, K, S_max, H] keys (already rotated by RoPE); for an unrolled model a tuple of
-        L arrays [B * K, S_max, H], rows (sequence, kv head) merged (``layer`` gives [B, K,
-        ...]). Either as an ``ops.layouts.SlotsLast`` ([L, B, K, H, S_max], or a tuple of
-        [B * K, H, S_max]) for a CPU target. With rings, L counts the global layers only.
-      v: [L, B, K, S_max, H] values (a tuple of L [B * K, S_max, H] for an unrolled model).
+        L arrays [B, K, S_max, H] ([K, S_max, H] for one sequence, ``_write``; ``layer``
+        gives [B, K, ...]). Either as an ``ops.layouts.SlotsLast`` ([L, B, K, H, S_max], or a
+        tuple of [B, K, H, S_max]) for a CPU target. With rings, L counts the global layers
+        only.
+      v: [L, B, K, S_max, H] values (a tuple of L [B, K, S_max, H] for an unrolled model).
       lengths: [B] int32 number of positions written per sequence (the next write position).
       k_local: None, or the local layers' key rings: [L_local, B, K, W, H], a tuple of L_local
-        [B * K, W, H] for an unrolled model (``SlotsLast`` as ``k`` is).
+        [B, K, W, H] for an unrolled model (``SlotsLast`` as ``k`` is).
       v_local: None, or the local layers' value rings, [L_local, B, K, W, H] (or a tuple).
       ring_end: None, or [B] int32: the rings take no position at or past it (a right-padded
         prefill sets each prompt's length, so its padding does not overwrite the window).
@@ -122,11 +123,10 @@ class KVCache:
             if config.scan_layers:
                 k = jnp.zeros((n_layers, *k_shape), dtype)
                 v = jnp.zeros((n_layers, *v_shape), dtype)
-            else:  # rows (sequence, kv head) merged: [B * K, ...] per layer (see _write_rows)
-                k = tuple(jnp.zeros((batch * config.n_kv_heads, *k_shape[2:]), dtype)
-                          for _ in range(n_layers))
-                v = tuple(jnp.zeros((batch * config.n_kv_heads, *v_shape[2:]), dtype)
-                          for _ in range(n_layers))
+            else:  # one array per layer, [B, K, ...], or [K, ...] at B = 1 (see _write)
+                drop = 1 if batch == 1 else 0
+                k = tuple(jnp.zeros(k_shape[drop:], dtype) for _ in range(n_layers))
+                v = tuple(jnp.zeros(v_shape[drop:], dtype) for _ in range(n_layers))
             return SlotsLast(k) if slots_last else k, v
 
         lengths = jnp.zeros((batch,), jnp.int32)
@@ -147,7 +147,7 @@ class KVCache:
         """S_max, the slots of the full layers (None when every layer is a ring)."""
         if self.stacked:
             return self.v.shape[3]
-        return self.v[0].shape[1] if self.v else None
+        return self.v[0].shape[-2] if self.v else None
 
     @property
     def slots_last(self) -> bool:
@@ -176,8 +176,8 @@ class KVCache:
         that layout); a ring layer's S is its W slots. ``i`` as ``kv_ring.locate`` takes it."""
         ring, j = kv_ring.locate(self.ring, i)
         if ring:
-            return _layer_of(self.k_local, self.v_local, j, self.stacked, self.batch)
-        return _layer_of(self.k, self.v, j, self.stacked, self.batch)
+            return _layer_of(self.k_local, self.v_local, j, self.batch)
+        return _layer_of(self.k, self.v, j, self.batch)
 
     def attend(self, i: int | jax.Array | LayerRef, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, *, window: int | jax.Array | None, impl: str,
@@ -211,10 +211,10 @@ class KVCache:
         if ring:
             return kv_ring.attend(
                 self, j, self.ring, q, k, v, positions,
-                read_ring=lambda c, j: _layer_of(c.k_local, c.v_local, j, c.stacked, c.batch),
+                read_ring=lambda c, j: _layer_of(c.k_local, c.v_local, j, c.batch),
                 write_ring=lambda c, j: c._write_ring(j, k, v, positions), **logits)
         cache = self._write_full(j, k, v, positions[:, 0])
-        keys, values = _layer_of(cache.k, cache.v, j, cache.stacked, cache.batch)
+        keys, values = _layer_of(cache.k, cache.v, j, cache.batch)
         if self.int8:  # dequantised for the reference attention, each row with its own scale
             raw, slots_last = stored_keys(keys)
             raw = kv_quant.decode(raw, q.dtype, axis=-2 if slots_last else -1)
@@ -250,8 +250,7 @@ class KVCache:
         """``write`` into full layer i (of ``k``/``v``)."""
         if self.int8:
             k, v = kv_quant.encode(k), kv_quant.encode(v)
-        write = _write_stacked if self.stacked else _write_layer
-        return self.replace(k=write(self.k, i, k, start), v=write(self.v, i, v, start))
+        return self.replace(k=_write(self.k, i, k, start), v=_write(self.v, i, v, start))
 
     def _write_ring(self, j: int | jax.Array, k: jax.Array, v: jax.Array,
                     positions: jax.Array) -> KVCache:
@@ -262,11 +261,10 @@ class KVCache:
             if self.int8:
                 k, v = kv_quant.encode(k), kv_quant.encode(v)
             start = jnp.mod(positions[:, 0], self.ring.size)
-            write = _write_stacked if self.stacked else _write_layer
-            return self.replace(k_local=write(self.k_local, j, k, start),
-                                v_local=write(self.v_local, j, v, start))
+            return self.replace(k_local=_write(self.k_local, j, k, start),
+                                v_local=_write(self.v_local, j, v, start))
         k_local, v_local = kv_ring.write_rings(
-            self.k_local, self.v_local, j, k, v, positions, end=self.ring_end, merged=True)
+            self.k_local, self.v_local, j, k, v, positions, end=self.ring_end)
         return self.replace(k_local=k_local, v_local=v_local)
 
     def constrain(self) -> KVCache:
@@ -274,12 +272,10 @@ class KVCache:
 
         A no-op unless logical-axis rules and a mesh are in context (``sharding.jit_sharded``).
         """
-        if not self.stacked:
-            # Merged (sequence, kv head) rows do not split by kv head in one block per device:
-            # the partitioner places them from the weights' shardings.
+        if jax.sharding.get_abstract_mesh().empty:
             return self
-        def pin(x: jax.Array) -> jax.Array:
-            return nn.with_logical_constraint(x, CACHE_AXES)
+        def pin(x: jax.Array) -> jax.Array:  # per layer [B, K, ...] or [K, ...]
+            return nn.with_logical_constraint(x, CACHE_AXES[len(CACHE_AXES) - x.ndim:])
 
         pinned = {name: jax.tree.map(pin, getattr(self, name))
                   for name in ("k", "v", "k_local", "v_local")
@@ -305,73 +301,63 @@ class Cache(Protocol):
     def replace(self, **changes: Any) -> Cache: ...
 
 
-def _write_stacked(cache: jax.Array | SlotsLast, i: int | jax.Array, new: jax.Array,
-                   start: jax.Array) -> jax.Array | SlotsLast:
-    """Layer i's write into a stacked [L, B, K, S, H] buffer (a ``SlotsLast`` one: [L, B, K,
-    H, S]), returned in its layout.
+def _write(cache: Any, i: int | jax.Array, new: jax.Array, start: jax.Array) -> Any:
+    """Layer i's write into stacked [L, B, K, S, H] buffers or a tuple of per-layer ones
+    ([B, K, S, H], [K, S, H] at B = 1; keys a ``SlotsLast`` of either, [.., H, S]),
+    returned in their layout.
+
+    A per-layer buffer of one sequence is stored without its size-1 axis: XLA:CPU copied the
+    whole of every layer's cache each step around a write into a buffer with one
+    (decode_25m, batch 1, 1024 slots: 20 against 11 ms a step).
+    """
+    buf, slots_last = stored_keys(cache)
+    if not isinstance(buf, tuple):
+        return _write_rows(cache, (i,), new, start)
+    layer = SlotsLast(buf[i]) if slots_last else buf[i]
+    if buf[i].ndim == 4:
+        written = _write_rows(layer, (), new, start)
+    else:  # one sequence: [K, T, H] (SlotsLast: [K, H, T]) at its start slot
+        update = (new[0].transpose(1, 2, 0) if slots_last else new[0].transpose(1, 0, 2))
+        at = (0, 0, start[0]) if slots_last else (0, start[0], 0)
+        written = jax.lax.dynamic_update_slice(buf[i], update.astype(buf[i].dtype), at)
+    out = (*buf[:i], stored_keys(written)[0], *buf[i + 1:])
+    return SlotsLast(out) if slots_last else out
+
+
+def _write_rows(cache: jax.Array | SlotsLast, lead: tuple[Any, ...], new: jax.Array,
+                start: jax.Array) -> jax.Array | SlotsLast:
+    """Writes a chunk into buffer ``cache[lead]`` ([B, K, S, H], a ``SlotsLast`` one [B, K,
+    H, S]); returns the whole buffer in its layout.
+
+    Args:
+      cache: the buffer, with ``len(lead)`` leading axes (the layer of a stacked cache).
+      lead: the leading indices, ``(i,)`` or ``()``.
+      new: [B, T, K, H] the chunk.
+      start: [B] int32 first slot per sequence.
 
     At B = 1 one dynamic-update-slice (the scatter below would become a bounds-checked select
-    that copies the whole cache there); else a scatter of [B, T] (row, slot) pairs.
+    that copies the whole cache there); else a scatter of [B, T] (row, slot) pairs. Both keep
+    the loop-carried buffer in place and leave a split of the K axis on its devices.
     """
     buf, slots_last = stored_keys(cache)
     b, t = new.shape[:2]
     new = new.astype(buf.dtype)
-    slot_axis = 4 if slots_last else 3
+    slot_axis = len(lead) + (3 if slots_last else 2)
     if isinstance(b, int) and b == 1:
-        at = [i, 0, 0, 0, 0]
+        at = [*lead, 0, 0, 0, 0]
         at[slot_axis] = start[0]
         update = new.transpose(0, 2, 3, 1) if slots_last else new.transpose(0, 2, 1, 3)
-        out = jax.lax.dynamic_update_slice(buf, update[None], tuple(at))
+        out = jax.lax.dynamic_update_slice(buf, update.reshape((1,) * len(lead) + update.shape),
+                                           tuple(at))
     else:
         rows = jnp.arange(b)[:, None]
         slots = start[:, None] + jnp.arange(t, dtype=start.dtype)  # [B, T]
-        index = [i, rows, slice(None), slice(None), slice(None)]
+        index = [*lead, rows, slice(None), slice(None), slice(None)]
         index[slot_axis] = slots
-        # The advanced indices (i, rows, slots) broadcast to [B, T] and lead: updates [B, T,
+        # The advanced indices ([i,] rows, slots) broadcast to [B, T] and lead: updates [B, T,
         # K, H].
         out = buf.at[tuple(index)].set(new, mode="promise_in_bounds", unique_indices=True)
     return SlotsLast(out) if slots_last else out
-
-
-def _write_layer(cache: tuple[jax.Array, ...] | SlotsLast, i: int, new: jax.Array,
-                 start: jax.Array) -> tuple[jax.Array, ...] | SlotsLast:
-    """Layer i's write into a tuple of merged-row buffers (``_write_rows``), in its layout."""
-    layers, slots_last = stored_keys(cache)
-    written = _write_rows(SlotsLast(layers[i]) if slots_last else layers[i], new, start)
-    out = (*layers[:i], written, *layers[i + 1:])
-    return SlotsLast(out) if slots_last else out
-
-
-def _write_rows(cache: jax.Array | SlotsLast, new: jax.Array, start: jax.Array) -> jax.Array:
-    """One layer's write into a buffer of merged (sequence, kv head) rows; returns the stored
-    array.
-
-    Args:
-      cache: [B * K, S, H] (or a ``SlotsLast`` [B * K, H, S]).
-      new: [B, T, K, H].
-      start: [B] int32 first slot per sequence.
-
-    A dynamic-update-slice per (sequence, kv head) row, which XLA keeps in place in the loop
-    carry (at B = 1 one plain dynamic-update-slice: the batched form becomes a select copying
-    the whole cache there).
-    """
-    cache, slots_last = stored_keys(cache)
-    b, t, kv, h = new.shape
-    new = new.astype(cache.dtype)
-    rows = new.transpose(0, 2, 3, 1) if slots_last else new.transpose(0, 2, 1, 3)
-    at = (lambda s: (0, s)) if slots_last else (lambda s: (s, 0))
-    # The carried buffers are stored with rows merged: reshaping a [B, K, ...] buffer around
-    # the update kept XLA from doing it in place at B = 1 (about 8 ms of a 16 ms decode_25m
-    # step over 1024 slots was a copy of the cache).
-    rows = rows.reshape(b * kv, *rows.shape[2:])
-    if isinstance(b, int) and b == 1:
-        return jax.lax.dynamic_update_slice(cache, rows, (0, *at(start[0])))
-    row_starts = jnp.repeat(start, kv)
-
-    def one(c: jax.Array, n: jax.Array, s: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_update_slice(c, n, at(s))
-
-    return jax.vmap(one)(cache, rows, row_starts)
 
 
 def cache_bytes(config: Architecture, batch: int, max_len: int,
@@ -387,11 +373,7 @@ def cache_bytes(config: Architecture, batch: int, max_len: int,
             + kv_ring.ring_bytes(config, batch, dtype, ring))
 
 
-def _layer_of(k: Any, v: Any, i: int | jax.Array, stacked: bool, b: int
-              ) -> tuple[Any, jax.Array]:
-    """Layer i of stacked ([L, B, K, ...]) or merged-row ([B * K, ...] per layer) buffers, as
-    [B, K, ...] each (keys in their layout)."""
-    if stacked:
-        return k[i], v[i]
-    rows = jax.tree.map(lambda x: x.reshape(b, -1, *x.shape[1:]), k[i])
-    return rows, v[i].reshape(b, -1, *v[i].shape[1:])
+def _layer_of(k: Any, v: Any, i: int | jax.Array, b: int) -> tuple[Any, jax.Array]:
+    """Layer i of stacked ([L, B, K, ...]) or per-layer buffers, as [B, K, ...] each (keys
+    in their layout)."""
+    return jax.tree.map(lambda x: x.reshape(b, *x.shape[-3:]), (k[i], v[i]))

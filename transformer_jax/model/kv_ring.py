@@ -229,12 +229,13 @@ def attend(cache: Any, j: int | jax.Array, layout: RingLayout, q: jax.Array, k: 
 
 def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: jax.Array,
                 positions: jax.Array, *, rows: jax.Array | None = None,
-                end: jax.Array | None = None, merged: bool = False) -> tuple[Any, Any]:
+                end: jax.Array | None = None) -> tuple[Any, Any]:
     """Writes each row's last R positions (below ``end``) of a chunk into ring j.
 
     Args:
-      k_ring: stacked key rings [L, B', K, R, H], or a tuple of L [B', K, R, H] (``merged``:
-        [B' * K, R, H]); either as a ``SlotsLast`` (slots and H swapped).
+      k_ring: stacked key rings [L, B', K, R, H], or a tuple of L [B', K, R, H] ([K, R, H] at
+        B' = 1, ``KVCache``'s per-layer layout); either as a ``SlotsLast`` (slots and H
+        swapped).
       v_ring: the value rings, alike.
       j: the ring (traced only when stacked).
       k: [B, T, K, H] new keys.
@@ -242,7 +243,6 @@ def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: j
       positions: [B, T] consecutive positions per row.
       rows: optional [B] ring row of each chunk row (default: row b is ring row b).
       end: optional [B]: positions at or past it are not written.
-      merged: the tuple's rings have their (row, kv head) rows merged.
 
     Returns:
       (key rings, value rings) with ring j written.
@@ -258,10 +258,11 @@ def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: j
     out = []
     for typed, new in ((k_ring, k), (v_ring, v)):
         ring, slots_last = stored_keys(typed)
-        layer = ring[j]
-        shaped = layer.reshape(k.shape[0], -1, *layer.shape[1:]) if merged else layer
-        written = scatter_rows(SlotsLast(shaped) if slots_last else shaped, rows, new, slots)
-        written = stored_keys(written)[0].reshape(layer.shape)
+        layer = ring[j].reshape(-1, *ring[j].shape[-3:])  # [B', K, ...]
+        index = [rows[:, None], slice(None), slice(None), slice(None)]
+        index[3 if slots_last else 2] = slots
+        # The advanced indices (rows, slots) broadcast to [B, T] and lead: updates [B, T, K, H].
+        written = layer.at[tuple(index)].set(new, mode="drop").reshape(ring[j].shape)
         ring = (*ring[:j], written, *ring[j + 1:])
         out.append(SlotsLast(ring) if slots_last else ring)
     return out[0], out[1]
@@ -285,17 +286,6 @@ def scatter_stacked(ring: jax.Array | SlotsLast, j: int | jax.Array, rows: jax.A
     index = [j, rows[:, None], slice(None), slice(None), slice(None)]
     index[4 if slots_last else 3] = slots
     # The advanced indices (j, rows, slots) broadcast to [B, T] and lead: updates [B, T, K, H].
-    ring = ring.at[tuple(index)].set(new.astype(ring.dtype), mode="drop")
-    return SlotsLast(ring) if slots_last else ring
-
-
-def scatter_rows(ring: jax.Array | SlotsLast, rows: jax.Array, new: jax.Array,
-                 slots: jax.Array) -> jax.Array | SlotsLast:
-    """Writes chunk rows into one layer's rings [B', K, R, H] (``SlotsLast``: [B', K, H, R]),
-    dropping slots out of range (``scatter_stacked`` without the layer axis)."""
-    ring, slots_last = stored_keys(ring)
-    index = [rows[:, None], slice(None), slice(None), slice(None)]
-    index[3 if slots_last else 2] = slots
     ring = ring.at[tuple(index)].set(new.astype(ring.dtype), mode="drop")
     return SlotsLast(ring) if slots_last else ring
 

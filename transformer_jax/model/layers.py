@@ -80,19 +80,13 @@ def stored_as_is(module: nn.Module, name: str) -> Any:
 
 
 class Embed(nn.Module):
-    """Token embedding table [V, D] (also the LM head when tied, ``Transformer.lm_head``).
-
-    With ``vocab_axis`` (inside ``shard_map``) the table is this shard's block of V rows, the
-    blocks in shard order: a lookup takes the rows it holds and sums the blocks' vectors over
-    the axis; as a tied head it gives this shard's block of the logits.
-    """
+    """Token embedding table [V, D] (also the LM head when tied, ``Transformer.lm_head``)."""
 
     vocab_size: int
     d_model: int
     init_std: float = 0.02
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
-    vocab_axis: str | None = None
 
     def setup(self) -> None:
         prepared = stored_as_is(self, EMBEDDING_PARAM)
@@ -105,14 +99,7 @@ class Embed(nn.Module):
         """[B, T] ids -> [B, T, D] vectors in the compute dtype."""
         # A tied table prepared as an out-first head (``ops.layouts``) is still the [V, D] table.
         table = self.embedding.w if isinstance(self.embedding, OutFirst) else self.embedding
-        if self.vocab_axis is None:
-            return ops.embed(tokens, table).astype(self.dtype)
-        rows = table.shape[0]
-        ids = tokens - jax.lax.axis_index(self.vocab_axis) * rows
-        mine = (ids >= 0) & (ids < rows)
-        x = ops.embed(jnp.where(mine, ids, 0), table) * mine[..., None]
-        # One shard holds each id's row, so the sum is exact.
-        return jax.lax.psum(x, self.vocab_axis).astype(self.dtype)
+        return ops.embed(tokens, table).astype(self.dtype)
 
 
 class Norm(nn.Module):
@@ -120,8 +107,7 @@ class Norm(nn.Module):
 
     The gain is ``(offset + scale)``, ``scale`` initialised to ``1 - offset``. ``shape`` is the
     normalised trailing shape (default: x's last axis), e.g. (N, H) for all of a token's query
-    heads together; its logical ``axes`` default to ``("norm",)``. With ``axis_name`` (inside
-    ``shard_map``) the heads are split over that mesh axis and the statistics span them all.
+    heads together; its logical ``axes`` default to ``("norm",)``.
     """
 
     kind: str = "rms"
@@ -129,7 +115,6 @@ class Norm(nn.Module):
     offset: float = 0.0
     shape: tuple[int, ...] | None = None
     axes: tuple[str, ...] = ("norm",)
-    axis_name: str | None = None
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
@@ -139,8 +124,7 @@ class Norm(nn.Module):
         scale = self.param("scale", nn.with_logical_partitioning(init, self.axes), shape,
                            self.param_dtype)
         if self.kind == "rms":
-            return ops.rms_norm(x, scale, self.eps, offset=self.offset,
-                                axis_name=self.axis_name)
+            return ops.rms_norm(x, scale, self.eps, offset=self.offset)
         bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes),
                           shape, self.param_dtype)
         return ops.layer_norm(x, scale, bias, self.eps, offset=self.offset)
@@ -198,7 +182,6 @@ class Attention(nn.Module):
     impl: str = "auto"
     init_std: float = 0.02
     out_init_std: float = 0.02
-    tensor_axis: str | None = None
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -216,8 +199,7 @@ class Attention(nn.Module):
                         axes=("head_dim",), param_dtype=self.param_dtype, name=name)
         else:
             norm = Norm(eps=self.norm_eps, offset=self.norm_offset, shape=x.shape[-2:],
-                        axes=(heads_axis, "head_dim"), axis_name=self.tensor_axis,
-                        param_dtype=self.param_dtype, name=name)
+                        axes=(heads_axis, "head_dim"), param_dtype=self.param_dtype, name=name)
         return norm(x)
 
     @nn.compact

@@ -37,14 +37,11 @@ class SparseFFN(nn.Module):
     whole expert matrices, which the layout does not change). Prepared decode weights may hold
     each stack as an ``ops.moe.ExpertList`` (one array per expert), taken as it is.
 
-    With ``expert_axis`` the module runs inside ``shard_map`` on one shard of the experts (a
-    decode split, ``decode.TensorSplit``): the stacks hold this shard's E/X experts, the
-    tokens and the router are whole on every shard, each shard computes the pairs that chose
-    its experts (the others are empty slots) and the routed outputs are summed over the axis.
+    Under a mesh whose rules split E over devices (``expert_split``), the routed tokens go
+    through ``ops.moe_dispatch``; otherwise XLA partitions the product from the shardings.
     """
 
     moe: MoE
-    expert_axis: str | None = None
     kind: str = "swiglu"
     impl: str = "auto"
     init_std: float = 0.02
@@ -74,16 +71,14 @@ class SparseFFN(nn.Module):
         m = self.moe
         b, t, d = x.shape
         e, f = m.n_experts, m.d_ff
-        shards = 1 if self.expert_axis is None else jax.lax.axis_size(self.expert_axis)
-        local = e // shards  # the experts this module holds
         router = matrix(self, "router", (d, e), ("embed", "router"),
                         nn.initializers.normal(self.init_std),
                         param_dtype=self.param_dtype)
-        gate = self._experts("gate", (local, d, f),
+        gate = self._experts("gate", (e, d, f),
                              ("experts", "expert_embed", "expert_mlp"), self.init_std)
-        up = self._experts("up", (local, d, f), ("experts", "expert_embed", "expert_mlp"),
+        up = self._experts("up", (e, d, f), ("experts", "expert_embed", "expert_mlp"),
                            self.init_std)
-        down = self._experts("down", (local, f, d), ("experts", "expert_mlp", "expert_embed"),
+        down = self._experts("down", (e, f, d), ("experts", "expert_mlp", "expert_embed"),
                              self.out_init_std)
 
         tokens = x.reshape(b * t, d)
@@ -91,12 +86,7 @@ class SparseFFN(nn.Module):
                        preferred_element_type=jnp.float32)
         routing = moe_ops.route(logits, m.top_k, m.renormalize)
         split = expert_split()
-        if self.expert_axis is not None:
-            y = jax.lax.psum(moe_ops.experts_ffn(
-                tokens, _on_shard(routing, jax.lax.axis_index(self.expert_axis) * local, local),
-                gate, up, down, activation=GATE_ACTIVATIONS[self.kind], impl=self.impl),
-                self.expert_axis)
-        elif split is None:
+        if split is None:
             y = moe_ops.experts_ffn(tokens, routing, gate, up, down,
                                     activation=GATE_ACTIVATIONS[self.kind], impl=self.impl)
         else:
@@ -121,14 +111,6 @@ class SparseFFN(nn.Module):
                  "z": moe_ops.router_z_loss(routing, mask),
                  "load": moe_ops.expert_load(routing.experts, mask, e)}
         return y.astype(self.dtype), stats
-
-
-def _on_shard(routing: moe_ops.Routing, first: jax.Array, local: int) -> moe_ops.Routing:
-    """The routing as the shard holding experts ``first .. first + local - 1`` sees it: their
-    local ids, every other slot empty (id ``local``, which ``experts_ffn`` adds nothing for)."""
-    ids = routing.experts - first
-    here = (ids >= 0) & (ids < local)
-    return routing.replace(experts=jnp.where(here, ids, local))
 
 
 def expert_split() -> moe_dispatch.ExpertSplit | None:

@@ -64,20 +64,14 @@ class Transformer(nn.Module):
     The weights it is given may be prepared leaves (``decode.prepare``: quantised, stored output
     axes first for a CPU target, ``ops.layouts``); the model computes with them as they are.
 
-    Tensor parallelism runs this same forward one of two ways. Under ``jit`` with a mesh and
-    the logical-axis rules in context (training), XLA partitions it from the parameters'
-    shardings. Inside ``shard_map`` (decode), each device runs it on its own block of every
-    matrix: ``config`` is then the shard's view (``layers.shard_config``), ``tensor_axis``
-    names the mesh axis the blocks' branch outputs are summed over, and with ``vocab_split``
-    the embedding rows and head columns are split too (the logits are gathered whole).
-    ``expert_axis`` names a mesh axis a mixture's experts are split over inside that
-    ``shard_map`` (``model.moe.SparseFFN``).
+    Sharded, it runs under ``jit`` with a mesh and the logical-axis rules in context
+    (``parallel.sharding.jit_sharded``; generate and the engine enter the same context): XLA
+    partitions it from the parameters' and the cache's shardings, training and inference
+    alike. The only hand-written collectives are inside ops that need them (a mixture's
+    expert dispatch, ``ops.moe_dispatch``).
     """
 
     config: ModelConfig
-    tensor_axis: str | None = None
-    vocab_split: bool = False
-    expert_axis: str | None = None
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -113,9 +107,8 @@ class Transformer(nn.Module):
                 positions = positions + cache.lengths[:, None]
         chex.assert_shape(positions, (b, t))
 
-        vocab_axis = self.tensor_axis if self.vocab_split else None
         embed = Embed(c.vocab_size, c.d_model, init_std=c.init_std, dtype=c.jnp_dtype,
-                      param_dtype=c.jnp_param_dtype, vocab_axis=vocab_axis, name="embed")
+                      param_dtype=c.jnp_param_dtype, name="embed")
         x = embed(tokens)
         if c.scale_embeddings:  # sqrt(D), rounded to the compute dtype as the product is
             x = x * jnp.asarray(c.d_model ** 0.5, x.dtype)
@@ -141,8 +134,6 @@ class Transformer(nn.Module):
                            preferred_element_type=jnp.float32)
         if c.final_softcap is not None:
             logits = ops.softcap(logits, c.final_softcap)
-        if vocab_axis is not None:  # this shard's [.., V/T] block -> the whole [.., V]
-            logits = jax.lax.all_gather(logits, vocab_axis, axis=2, tiled=True)
         if logits_at is not None:
             logits = logits[:, 0]
         return Output(logits=logits, cache=cache, moe=moe_stats)
@@ -157,11 +148,10 @@ class Transformer(nn.Module):
         if c.remat != "none":
             block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[c.remat],
                                  prevent_cse=not c.scan_layers)
-        shard = dict(tensor_axis=self.tensor_axis, expert_axis=self.expert_axis)
         stats = []
         if not c.scan_layers:
             for i, spec in enumerate(c.layer_specs()):
-                carry, s = block_cls(c, spec, **shard, name=f"blocks_{i}")(
+                carry, s = block_cls(c, spec, name=f"blocks_{i}")(
                     carry, positions, i, segment_ids)
                 stats.append(s)
         groups = c.layer_groups() if c.scan_layers else ()
@@ -175,7 +165,7 @@ class Transformer(nn.Module):
             scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
                            in_axes=(nn.broadcast, 0, nn.broadcast), length=group.repeats,
                            metadata_params={nn.PARTITION_NAME: "layers"})
-            carry, s = scan(c, **args, **shard, name=group_key(groups, g))(
+            carry, s = scan(c, **args, name=group_key(groups, g))(
                 carry, positions, jnp.arange(group.repeats), segment_ids)
             if isinstance(s, tuple):  # a period's sparse blocks: [R] each -> [R * n] in order
                 s = jax.tree.map(lambda *xs: jnp.stack(xs, 1).reshape(-1, *xs[0].shape[1:]),

@@ -97,9 +97,8 @@ def attend_blocks(cache: Any, i: int | jax.Array, q: jax.Array, positions: jax.A
         keys, values = cache.layer(i, table[own[:, None], blocks[:, None] * per_block
                                             + jnp.arange(per_block)])
         keys, values = cache._dequantized(keys, values, q.dtype)
-        # One batch axis R = items x K of [G * T, H] queries (faster on XLA:CPU than two).
-        logits = einsum_f32("RQH,RSH->RQS", qg[own].reshape(b * kv, g * t, h),
-                            keys.reshape(b * kv, *keys.shape[2:])) * (
+        # Batch axes (item, kv head), [G * T, H] queries each: a split of K stays put.
+        logits = einsum_f32("BKQH,BKSH->BKQS", qg[own], keys) * (
             h ** -0.5 if scale is None else scale)
         if softcap is not None:
             logits = ops_softcap(logits, softcap)
@@ -107,18 +106,16 @@ def attend_blocks(cache: Any, i: int | jax.Array, q: jax.Array, positions: jax.A
         mask = attention_mask(positions[own], k_pos, window=window)  # [B, T, bk]
         mask &= jax.lax.dynamic_slice_in_dim(live, at, b)[:, None, None]
         logits = jnp.where(mask[:, None, None], logits.reshape(b, kv, g, t, bk), -jnp.inf)
-        part = online_softmax_step(online_softmax_init((b * kv, g * t), h),
-                                   logits.reshape(b * kv, g * t, bk),
-                                   values.reshape(b * kv, bk, h))
-        partials = tuple(jax.lax.dynamic_update_slice_in_dim(whole, x, at * kv, 0)
+        part = online_softmax_step(online_softmax_init((b, kv, g * t), h),
+                                   logits.reshape(b, kv, g * t, bk), values)
+        partials = tuple(jax.lax.dynamic_update_slice_in_dim(whole, x, at, 0)
                          for whole, x in zip(partials, part, strict=True))
         return step + 1, partials
 
     _, partials = jax.lax.while_loop(
         lambda carry: carry[0] * b < ends[-1], items,
-        (jnp.int32(0), online_softmax_init((capacity * kv, g * t), h)))
-    # Partial r is item r // K's kv head r % K: row owner * K + head. Items the loop did not
-    # reach keep the empty carry, which the merge weighs 0.
-    rows = (owner[:, None] * kv + jnp.arange(kv, dtype=jnp.int32)).reshape(-1)
-    out, _ = online_softmax_result(online_softmax_merge(partials, rows, b * kv), q.dtype)
+        (jnp.int32(0), online_softmax_init((capacity, kv, g * t), h)))
+    # Item u's partials [K, G * T, H] belong to row owner[u]. Items the loop did not reach keep
+    # the empty carry, which the merge weighs 0.
+    out, _ = online_softmax_result(online_softmax_merge(partials, owner, b), q.dtype)
     return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)

@@ -24,8 +24,8 @@ are the compile-time shape of a program, so the engine compiles a small fixed se
 + the (R, C) chunk shapes, R a power of two, R C within the budget) for greedy loads. A step
 with rows under a grammar (structured outputs) runs its forward (``engine_forward``) and its
 sampling (``sample_rows``) as two programs, so the host computes the grammars' masks while the
-device runs the forward. Over a mesh's tensor axis the step runs under ``shard_map`` as
-``generate`` does, the pages split by kv head.
+device runs the forward. Over a mesh's tensor axis the step is partitioned as ``generate``'s
+program is (``decode.decode_context``), the pages split by kv head.
 
 A model with local (sliding-window) layers keeps their keys in a ring per slot beside the pages
 (``rings``, ``PagedKVCache``): the decode rows use ring row b for slot b, the chunk its
@@ -36,35 +36,31 @@ table is all ``NULL_PAGE``, and a chunk's padding write none).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer_jax.decode import sampling
 from transformer_jax.decode.constrained import mask_logits
 from transformer_jax.decode.loop import (
     TENSOR_AXIS,
-    TensorSplit,
+    decode_context,
     decode_model,
-    has_expert_lists,
     has_out_first,
     is_split,
-    tensor_shards,
-    tensor_split,
+    on_mesh,
     weight_specs,
+    whole_logits,
 )
 from transformer_jax.model import multi_lora
-from transformer_jax.model.block import shard_config
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_ring import RingLayout
 from transformer_jax.model.layers import MATRIX_INPUT_AXES
-from transformer_jax.model.ops import target
 from transformer_jax.model.stack import is_scanned_key
 from transformer_jax.serving.page_pool import NULL_PAGE
 from transformer_jax.serving.paged_cache import PagedKVCache
@@ -250,10 +246,10 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
       rows: sampling settings of the R rows: B decode rows, then the chunk's.
       sampler: static sampling switches.
       view: static; how attention reads the pages (``PagedKVCache.view``).
-      mesh: static; with a tensor axis of T > 1 the step runs under ``shard_map`` as
-        ``generate`` does: each device runs the forward on its block of every matrix and its
-        K/T kv heads of the pages (``page_spec``), the logits gathered whole, so every device
-        draws the same tokens.
+      mesh: static; with a tensor axis of T > 1 the step is partitioned as ``generate``'s
+        program is: each device holds its block of every matrix and its K/T kv heads of the
+        pages (``page_spec``), the logits are gathered whole, and every device draws the same
+        tokens.
       quant: static; the weights' quantisation (``DecodeWeights.quant``), for their specs.
       rings: the local layers' (key rings, value rings) (``PagedKVCache.k_ring`` /
         ``.v_ring``), or None for a model without them.
@@ -266,15 +262,15 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     """
     def run(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
             decode: DecodeRows | None, prefill: PrefillChunk | None, rings: Any,
-            adapters: Params | None, rows: RowSampling, *, split: TensorSplit | None
-            ) -> tuple[Any, Any, jax.Array, jax.Array, Any]:
+            adapters: Params | None, rows: RowSampling) -> tuple[Any, Any, jax.Array, jax.Array,
+                                                                 Any]:
         k, v, logits, rings = _forward(config, params, k_pages, v_pages, decode, prefill,
-                                       rings, adapters, split=split, view=view)
+                                       rings, adapters, view=view)
         tokens, logprobs = sample_rows(logits, rows, sampler)
         return k, v, tokens, logprobs, rings
 
-    return _on_shards(run, config, params, k_pages, v_pages, decode, prefill, rings, adapters,
-                      (rows,), (P(), P()), mesh=mesh, quant=quant)
+    return _on_mesh(run, config, params, k_pages, v_pages, decode, prefill, rings, adapters,
+                    (rows,), mesh=mesh, quant=quant)
 
 
 def engine_forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
@@ -292,55 +288,53 @@ def engine_forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: A
     """
     def run(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
             decode: DecodeRows | None, prefill: PrefillChunk | None, rings: Any,
-            adapters: Params | None, *, split: TensorSplit | None
-            ) -> tuple[Any, Any, jax.Array, Any]:
+            adapters: Params | None) -> tuple[Any, Any, jax.Array, Any]:
         return _forward(config, params, k_pages, v_pages, decode, prefill, rings, adapters,
-                        split=split, view=view)
+                        view=view)
 
-    k, v, logits, rings = _on_shards(run, config, params, k_pages, v_pages, decode, prefill,
-                                     rings, adapters, (), (P(),), mesh=mesh, quant=quant)
+    k, v, logits, rings = _on_mesh(run, config, params, k_pages, v_pages, decode, prefill,
+                                   rings, adapters, (), mesh=mesh, quant=quant)
     return k, v, logits, rings
 
 
-def _on_shards(run: Any, config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
-               decode: DecodeRows | None, prefill: PrefillChunk | None, rings: Any,
-               adapters: Params | None, extra: tuple[Any, ...], extra_out: tuple[P, ...], *,
-               mesh: Mesh | None, quant: Any) -> Any:
-    """``run(config, params, pages, rows, rings, adapters, *extra, split=)`` on the whole
-    weights, or under ``shard_map`` over a tensor-split mesh (``engine_step`` says how);
-    ``extra`` are replicated inputs, ``extra_out`` the specs of the outputs between the pages
-    and the rings."""
-    with target.targeting(target.of_mesh(mesh)):  # kernel choices: the mesh's devices'
+def _on_mesh(run: Any, config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
+             decode: DecodeRows | None, prefill: PrefillChunk | None, rings: Any,
+             adapters: Params | None, extra: tuple[Any, ...], *, mesh: Mesh | None,
+             quant: Any) -> Any:
+    """``run(config, params, pages, rows, rings, adapters, *extra)`` traced in the mesh's
+    ``decode_context``; over a split mesh the weights, pages, rings and adapters pinned to
+    their shardings (``engine_step`` says which), and the pages and rings returned in them
+    (the step donates them: they stay where they are)."""
+    with decode_context(config, mesh):
         if not is_split(mesh):
-            return run(config, params, k_pages, v_pages, decode, prefill, rings, adapters, *extra,
-                       split=None)
-        shards = tensor_shards(mesh)
-        split = tensor_split(config, mesh)
-        local = shard_config(config, shards, vocab=split.vocab)
-        pages = page_spec(config)
-        ring = None if rings is None else ring_spec(config)
-        return jax.shard_map(
-            functools.partial(run, local, split=split), mesh=mesh, check_vma=False,
-            in_specs=(weight_specs(config, mesh, has_out_first(params), quant,
-                                   has_expert_lists(params)),
-                      pages, pages,
-                      None if decode is None else P(), None if prefill is None else P(),
-                      ring, None if adapters is None else adapter_specs(config, mesh, adapters,
-                                                                       has_out_first(params)),
-                      *(P() for _ in extra)),
-            out_specs=(pages, pages, *extra_out, ring),
-        )(params, k_pages, v_pages, decode, prefill, rings, adapters, *extra)
+            return run(config, params, k_pages, v_pages, decode, prefill, rings, adapters,
+                       *extra)
+        pages = NamedSharding(mesh, page_spec(config))
+        ring = NamedSharding(mesh, ring_spec(config))
+
+        def pin(pages_k: Any, pages_v: Any, rings: Any) -> tuple[Any, Any, Any]:
+            pinned = jax.lax.with_sharding_constraint((pages_k, pages_v), (pages, pages))
+            return (*pinned, None if rings is None else jax.lax.with_sharding_constraint(
+                rings, ring))
+
+        k_pages, v_pages, rings = pin(k_pages, v_pages, rings)
+        if adapters is not None:
+            specs = adapter_specs(config, mesh, adapters, has_out_first(params))
+            adapters = jax.lax.with_sharding_constraint(
+                adapters, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+        out = run(config, on_mesh(config, mesh, params, quant), k_pages, v_pages, decode,
+                  prefill, rings, adapters, *extra)
+        k, v, ring_out = pin(out[0], out[1], out[-1])
+        return (k, v, *out[2:-1], ring_out)
 
 
 def _forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
              decode: DecodeRows | None, prefill: PrefillChunk | None, rings: Any,
-             adapters: Params | None, *, split: TensorSplit | None, view: str
-             ) -> tuple[Any, Any, jax.Array, Any]:
-    """The forward of ``engine_step`` on one shard's weights and pages (all of them without a
-    split): (key pages, value pages, [R, V] logits, rings)."""
+             adapters: Params | None, *, view: str) -> tuple[Any, Any, jax.Array, Any]:
+    """The forward of ``engine_step``: (key pages, value pages, [R, V] logits, rings)."""
     if decode is None and prefill is None:
         raise ValueError("an engine step needs decode rows, a prefill chunk or both")
-    model = decode_model(config, split)
+    model = decode_model(config)
     ring = None if rings is None else RingLayout.of(config, config.max_seq_len)
     cache = PagedKVCache(k=k_pages, v=v_pages, page_table=jnp.zeros((1, 1), jnp.int32),
                          lengths=jnp.zeros((1,), jnp.int32), view=view, ring=ring,
@@ -371,7 +365,7 @@ def _forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                           prefill.tokens, positions, cache=cache, logits_at=prefill.last)
         logits.append(out.logits)
         cache = out.cache
-    return (cache.k, cache.v, jnp.concatenate(logits),
+    return (cache.k, cache.v, whole_logits(jnp.concatenate(logits)),
             None if ring is None else (cache.k_ring, cache.v_ring))
 
 

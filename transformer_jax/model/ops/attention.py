@@ -31,11 +31,16 @@ softmax) runs on ``"xla"``, ``"chunked"`` and tokamax's kernels (``"mosaic"``, G
 not pick them for a capped call.
 """
 
+import functools
 import logging
+import math
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from transformer_jax.model.config import ATTENTION_IMPLS
 from transformer_jax.model.ops import target
@@ -133,22 +138,22 @@ def attention_weights(q: jax.Array, k: jax.Array | SlotsLast, mask: jax.Array | 
       [B, N, T, S] float32 probabilities: each row sums to 1 over the visible keys and is 0 on
       masked keys; a row with no visible key is all zeros.
     """
-    # One batch dimension R = B * K (a row per sequence and kv head, [G * T, H] queries each):
-    # XLA:CPU ran the same contraction with two batch dimensions (B, K) several times slower
-    # (decode_25m, batch 8, 1024 slots: 77 against 25 ms per decode step).
+    # Two batch dimensions (B, K), each [G * T, H] queries against one kv head's keys: a
+    # tensor split of the kv heads keeps every row on its device (the partitioner adds no
+    # collective), and XLA:CPU runs it as fast as one merged batch dimension R = B * K.
     k, slots_last = stored_keys(k)
     if slots_last:
-        logits_spec = "RQH,RHS->RQS"
+        logits_spec = "BKQH,BKHS->BKQS"
         k_rows = k.swapaxes(2, 3)  # for the shape checks only
     else:
-        logits_spec, k_rows = "RQH,RSH->RQS", k
+        logits_spec, k_rows = "BKQH,BKSH->BKQS", k
     _check_qkv(q, k_rows, k_rows, mask)
     b, t, n, h = q.shape
     kv, s = k_rows.shape[1], k_rows.shape[2]
     g = n // kv
     scale = h ** -0.5 if scale is None else scale
-    qg = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, h)
-    logits = _dot(logits_spec, qg, k.reshape(b * kv, *k.shape[2:])) * scale
+    qg = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
+    logits = _dot(logits_spec, qg, k) * scale
     if softcap is not None:
         logits = _softcap(logits, softcap)
     logits = logits.reshape(b, kv, g, t, s)
@@ -180,8 +185,7 @@ def reference_attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array,
     b, t, n, h = q.shape
     kv, s = v.shape[1], v.shape[2]
     probs = attention_weights(q, k, mask, scale, softcap=softcap).reshape(b, kv, n // kv, t, s)
-    out = _dot("RQS,RSH->RQH", probs.astype(v.dtype).reshape(b * kv, n // kv * t, s),
-               v.reshape(b * kv, s, h))
+    out = _dot("BKQS,BKSH->BKQH", probs.astype(v.dtype).reshape(b, kv, n // kv * t, s), v)
     out = out.reshape(b, kv, n // kv, t, h).transpose(0, 3, 1, 2, 4)
     return out.reshape(b, t, n, h).astype(q.dtype)
 
@@ -338,6 +342,12 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
     if impl in _IMPL_BACKENDS:
         _check_backend(impl)
         _check_softcap(impl, softcap, target.platform())
+        split = _heads_split(q.shape[0], v.shape[1])
+        if split is not None:  # XLA cannot partition a kernel: each device runs it on its heads
+            return _per_device(split, functools.partial(
+                attention, causal=causal, scale=scale, impl=impl, softcap=softcap), q, k, v,
+                q_positions=q_positions, k_positions=k_positions, q_segments=q_segments,
+                k_segments=k_segments, window=window)
     if impl == "chunked":
         return chunked_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,
                                  q_segments=q_segments, k_segments=k_segments, window=window,
@@ -354,6 +364,47 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
     if impl == "xla":
         return reference_attention(q, k, v, mask, scale, softcap=softcap)
     return _kernel_attention(impl, q, k, v, mask, scale, softcap)
+
+
+def _heads_split(b: int, kv: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...],
+                                          tuple[str, ...]] | None:
+    """(mesh, batch axes, kv-head axes) when the mesh and logical rules in context
+    (``parallel.sharding.jit_sharded``, ``decode.decode_context``) split the K kv heads over
+    more than one device and both axes divide; None otherwise (no mesh, heads whole, or
+    already inside a ``shard_map`` over those axes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+
+    def axes(value) -> tuple[str, ...]:
+        names = () if value is None else (value,) if isinstance(value, str) else tuple(value)
+        return tuple(a for a in names if a in types and mesh.shape[a] > 1)
+
+    batch, heads = (axes(a) for a in nn.logical_to_mesh_axes(("batch", "kv_heads")))
+    if not heads or any(types[a] == AxisType.Manual for a in (*batch, *heads)):
+        return None
+    if kv % math.prod(mesh.shape[a] for a in heads) or b % math.prod(
+            mesh.shape[a] for a in batch):
+        return None
+    return mesh, batch, heads
+
+
+def _per_device(split, fn, q, k, v, **structure) -> jax.Array:
+    """``fn(q, k, v, **structure)`` under ``shard_map``: each device its rows and kv heads
+    (and their query heads), the structure's [B, ...] arrays split as the rows."""
+    mesh, batch, heads = split
+    rows, by_head = batch or None, heads
+    arrays = {name: x for name, x in structure.items() if isinstance(x, jax.Array)}
+    specs = {name: P() if x.ndim == 0 else P(rows) for name, x in arrays.items()}
+
+    def body(q, k, v, arrays):
+        return fn(q, k, v, **{**structure, **arrays})
+
+    return jax.shard_map(body, mesh=mesh, check_vma=False,
+                         in_specs=(P(rows, None, by_head), P(rows, by_head), P(rows, by_head),
+                                   specs),
+                         out_specs=P(rows, None, by_head))(q, k, v, arrays)
 
 
 __all__ = ["ATTENTION_IMPLS", "attention", "attention_mask", "attention_weights",

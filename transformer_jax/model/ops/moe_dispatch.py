@@ -20,6 +20,11 @@ Combined with the other axes: the expert matrices' D, split over FSDP axes, is a
 inside (its gradient is reduce-scattered back); their F, split over tensor axes, makes each
 device's result a partial sum, added up by one ``psum`` before the return trip.
 
+When the tokens are not split over the expert axes (a decode: the batch rule leaves them out,
+and a step has too few tokens to split), there is no exchange: every expert device sees all of
+its n tokens, applies its e experts to the token slots that chose them (the others are empty)
+and one ``psum`` over the expert and tensor axes adds up each token's experts.
+
 ``jax.lax.ragged_all_to_all`` would send only the filled rows, but XLA:CPU does not implement
 it (``UNIMPLEMENTED: HLO opcode ragged-all-to-all``, jax 0.10), so the padded exchange is used
 on every backend.
@@ -49,10 +54,14 @@ class ExpertSplit:
 
     Attributes:
       mesh: the (abstract) mesh.
-      tokens: the axes splitting the N tokens; they include ``experts``.
+      tokens: the axes splitting the N tokens; they include ``experts`` unless the tokens are
+        replicated over them (``exchange`` False).
       experts: the axes splitting E (the all_to_alls run over them).
       embed: the axes splitting the expert matrices' D (all-gathered inside).
       mlp: the axes splitting their F (the experts' outputs summed over them).
+      exchange: tokens go to their experts' devices by ``all_to_all`` (the batch is split over
+        the expert axes); False when the batch rule leaves the expert axes out: each device
+        computes its experts' share of every token, summed by one ``psum``.
     """
 
     mesh: AbstractMesh
@@ -60,6 +69,7 @@ class ExpertSplit:
     experts: Axes
     embed: Axes = ()
     mlp: Axes = ()
+    exchange: bool = True
 
     @property
     def n_shards(self) -> int:
@@ -79,8 +89,8 @@ def expert_split(mesh: AbstractMesh, tokens: Sequence[str] | str | None,
     tuple of names or None), or None when the experts are not split over more than one device
     (or already inside a ``shard_map`` over those axes): then nothing is dispatched.
 
-    Axes the mesh does not have are ignored; the expert axes are added to the token axes when
-    the batch rule leaves them out (each expert device must route its own tokens).
+    Axes the mesh does not have are ignored. When the batch rule leaves the expert axes out,
+    the tokens stay where they are (``ExpertSplit.exchange`` False).
     """
     def axes(value) -> Axes:
         names = () if value is None else (value,) if isinstance(value, str) else tuple(value)
@@ -95,8 +105,8 @@ def expert_split(mesh: AbstractMesh, tokens: Sequence[str] | str | None,
     if any(types[a] == AxisType.Manual for a in experts):
         return None
     tokens = axes(tokens)
-    tokens = tokens + tuple(a for a in experts if a not in tokens)
-    return ExpertSplit(mesh, tokens, experts, axes(embed), axes(mlp))
+    exchange = all(a in tokens for a in experts)
+    return ExpertSplit(mesh, tokens, experts, axes(embed), axes(mlp), exchange)
 
 
 def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Array,
@@ -135,7 +145,8 @@ def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Arr
     tokens = P(split.tokens)
     w_in = P(split.experts, split.embed or None, split.mlp or None)
     w_out = P(split.experts, split.mlp or None, split.embed or None)
-    body = functools.partial(_local, split=split, n_experts=e, activation=activation, impl=impl)
+    body = functools.partial(_local if split.exchange else _local_shares, split=split,
+                             n_experts=e, activation=activation, impl=impl)
     # check_vma=False: the local grouped product (``"tiled"``'s loop carry and custom VJP) is
     # not typed for values that vary over manual axes. The untyped transpose (cotangents of
     # inputs summed over the axes their spec leaves out, those of outputs divided by them) is
@@ -147,13 +158,35 @@ def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Arr
     return mapped(x, routing.weights, routing.experts, w_gate, w_up, w_down)
 
 
-def _local(x, weights, experts, w_gate, w_up, w_down, *, split, n_experts, activation, impl):
-    """One device: x [n, D], weights/experts [n, k], w_gate/w_up [e, D/fsdp, F/tensor],
-    w_down [e, F/tensor, D/fsdp] -> [n, D], this device's tokens' outputs."""
+def _gathered(split: ExpertSplit, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The expert matrices with their D whole (all-gathered over ``split.embed``)."""
     if split.embed:
         w_gate, w_up = (jax.lax.all_gather(w, split.embed, axis=1, tiled=True)
                         for w in (w_gate, w_up))
         w_down = jax.lax.all_gather(w_down, split.embed, axis=2, tiled=True)
+    return w_gate, w_up, w_down
+
+
+def _local_shares(x, weights, experts, w_gate, w_up, w_down, *, split, n_experts, activation,
+                  impl):
+    """One device, tokens not exchanged: x [n, D], weights/experts [n, k] -> [n, D], every
+    token's sum over all experts (this device's e experts' share, then the ``psum``)."""
+    w_gate, w_up, w_down = _gathered(split, w_gate, w_up, w_down)
+    per_device = n_experts // split.n_shards
+    ids = experts - jax.lax.axis_index(split.experts) * per_device
+    here = (ids >= 0) & (ids < per_device)
+    # A slot whose expert lives elsewhere names the empty expert e, which adds nothing.
+    routing = moe_ops.Routing(weights=weights, experts=jnp.where(here, ids, per_device),
+                              probs=None, logits=None)
+    y = moe_ops.experts_ffn(x, routing, w_gate, w_up, w_down, activation=activation, impl=impl)
+    return jax.lax.psum(y, split.experts + split.mlp).astype(x.dtype)
+
+
+def _local(x, weights, experts, w_gate, w_up, w_down, *, split, n_experts, activation, impl):
+    """One device: x [n, D], weights/experts [n, k], w_gate/w_up [e, D/fsdp, F/tensor],
+    w_down [e, F/tensor, D/fsdp] -> [n, D], this device's tokens' outputs."""
+    w_gate, w_up, w_down = _gathered(split, w_gate, w_up, w_down)
     x_shards = split.n_shards
     per_device = n_experts // x_shards
     n, k = experts.shape

@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5, *, offset: float = 0.0,
-             axis_name: str | None = None) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5, *, offset: float = 0.0
+             ) -> jax.Array:
     """RMSNorm: ``x / sqrt(mean(x^2) + eps) * (offset + scale)`` over the trailing axes.
 
     Args:
@@ -15,8 +15,6 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5, *, offset: float
       scale: [D] (or [N, H]) learned gain.
       eps: added to the mean square for stability.
       offset: added to the gain (1.0 for gains stored as ``w`` of ``(1 + w)``).
-      axis_name: inside ``shard_map`` with x's N heads split over this mesh axis, the mean
-        square is taken over every shard's heads.
 
     Returns:
       x's shape and dtype (the statistics are float32).
@@ -25,11 +23,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5, *, offset: float
     axes = tuple(range(x.ndim - scale.ndim, x.ndim))
     x32 = x.astype(jnp.float32)
     square_sum = jnp.sum(jnp.square(x32), axis=axes, keepdims=True)
-    count = scale.size
-    if axis_name is not None:
-        square_sum = jax.lax.psum(square_sum, axis_name)
-        count = count * jax.lax.psum(1, axis_name)
-    inv_rms = jax.lax.rsqrt(square_sum / count + eps)
+    inv_rms = jax.lax.rsqrt(square_sum / scale.size + eps)
     return (x32 * inv_rms * (offset + scale.astype(jnp.float32))).astype(x.dtype)
 
 
