@@ -367,6 +367,9 @@ def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = Tr
     else:
         loaded = _load_run(source, mesh, merge_lora=merge_lora, step=step,
                            scan_layers=scan_layers, dtype=dtype, rules=rules)
+    # Every leaf's cast and placement done before a program that spans the mesh runs: see
+    # _all_finite.
+    jax.block_until_ready(loaded.params)
     check_finite(loaded.params, source.path)
     if with_tokenizer:
         found = open_tokenizer(source, tokenizer)
@@ -376,13 +379,26 @@ def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = Tr
     return loaded
 
 
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> jax.Array:
+    """[L] bool: whether each leaf holds only finite values, in one program.
+
+    XLA:CPU bounds the programs in flight on a device. Launched leaf by leaf, a mesh's
+    reductions (each with an all-reduce) could fill one device's slots while its first
+    collective program already held a thread on the other device and waited there for a
+    partner whose launch waited for a free slot: the process aborted after the rendezvous
+    timeout. One program, launched once the loaded leaves are ready, cannot queue behind them.
+    """
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves])
+
+
 def check_finite(params: Any, where: Any, limit: int = 3) -> None:
     """Raises ValueError naming the floating-point params of ``params`` that hold NaN or inf
     (a corrupt file or a diverged run: decoding them gives NaN logits and arbitrary ids).
     Integer leaves (packed quantised weights) are not checked."""
     leaves = [(path, x) for path, x in jax.tree_util.tree_leaves_with_path(params)
               if jnp.issubdtype(getattr(x, "dtype", np.int8), jnp.floating)]
-    flags = jax.device_get([jnp.isfinite(x).all() for _, x in leaves])
+    flags = jax.device_get(_all_finite([x for _, x in leaves])) if leaves else []
     bad = [jax.tree_util.keystr(path, simple=True, separator="/")
            for (path, _), ok in zip(leaves, flags, strict=True) if not ok]
     if bad:
