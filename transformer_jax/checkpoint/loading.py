@@ -40,6 +40,7 @@ import numpy as np
 
 from transformer_jax import storage
 from transformer_jax.checkpoint.files import META_ITEM, STATE_ITEM, CheckpointError, read_meta
+from transformer_jax.checkpoint.read import check_finite
 from transformer_jax.decode.weights import (
     check_tensor_parallel,
     decode_rules,
@@ -377,35 +378,6 @@ def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = Tr
         loaded = dataclasses.replace(loaded, tokenizer=found,
                                      tokenizer_path=location if found is not None else None)
     return loaded
-
-
-@jax.jit
-def _all_finite(leaves: list[jax.Array]) -> jax.Array:
-    """[L] bool: whether each leaf holds only finite values, in one program.
-
-    XLA:CPU bounds the programs in flight on a device. Launched leaf by leaf, a mesh's
-    reductions (each with an all-reduce) could fill one device's slots while its first
-    collective program already held a thread on the other device and waited there for a
-    partner whose launch waited for a free slot: the process aborted after the rendezvous
-    timeout. One program, launched once the loaded leaves are ready, cannot queue behind them.
-    """
-    return jnp.stack([jnp.isfinite(x).all() for x in leaves])
-
-
-def check_finite(params: Any, where: Any, limit: int = 3) -> None:
-    """Raises ValueError naming the floating-point params of ``params`` that hold NaN or inf
-    (a corrupt file or a diverged run: decoding them gives NaN logits and arbitrary ids).
-    Integer leaves (packed quantised weights) are not checked."""
-    leaves = [(path, x) for path, x in jax.tree_util.tree_leaves_with_path(params)
-              if jnp.issubdtype(getattr(x, "dtype", np.int8), jnp.floating)]
-    flags = jax.device_get(_all_finite([x for _, x in leaves])) if leaves else []
-    bad = [jax.tree_util.keystr(path, simple=True, separator="/")
-           for (path, _), ok in zip(leaves, flags, strict=True) if not ok]
-    if bad:
-        more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
-        raise ValueError(f"{where}: the weights hold NaN or inf ({', '.join(bad[:limit])}{more}):"
-                         " the checkpoint is corrupt or its training diverged; refusing to "
-                         "load it")
 
 
 def _load_run(source: Source, mesh: Any, *, merge_lora: bool, step: int | None,

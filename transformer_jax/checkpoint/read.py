@@ -4,7 +4,8 @@
 saved state's shapes and dtypes; ``read_state`` and ``read_params`` compare them with the tree
 asked for (``CheckpointMismatchError`` names what differs, before orbax reads anything) and read
 the state, or only its params. Which step to read, and what to do with a damaged or vanishing one,
-is ``CheckpointManager``'s business (``checkpoint/manager.py``).
+is ``CheckpointManager``'s business (``checkpoint/manager.py``). ``check_finite`` refuses
+loaded weights that hold NaN or inf.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from transformer_jax.checkpoint.files import (
@@ -209,3 +212,33 @@ def as_abstract(x: Any) -> Any:
     if isinstance(x, jax.Array):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     return x
+
+
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> jax.Array:
+    """[L] bool: whether each leaf holds only finite values, in one program.
+
+    XLA:CPU bounds the programs in flight on a device. Launched leaf by leaf, a mesh's
+    reductions (each with an all-reduce) could fill one device's slots while its first
+    collective program already held a thread on the other device and waited there for a
+    partner whose launch waited for a free slot: the process aborted after the rendezvous
+    timeout. One program, launched once the leaves are ready (``block_until_ready`` first),
+    cannot queue behind them.
+    """
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves])
+
+
+def check_finite(params: Any, where: Any, limit: int = 3) -> None:
+    """Raises ValueError naming the floating-point params of ``params`` that hold NaN or inf
+    (a corrupt file or a diverged run: decoding them gives NaN logits and arbitrary ids).
+    Integer leaves (packed quantised weights) are not checked."""
+    leaves = [(path, x) for path, x in jax.tree_util.tree_leaves_with_path(params)
+              if jnp.issubdtype(getattr(x, "dtype", np.int8), jnp.floating)]
+    flags = jax.device_get(_all_finite([x for _, x in leaves])) if leaves else []
+    bad = [jax.tree_util.keystr(path, simple=True, separator="/")
+           for (path, _), ok in zip(leaves, flags, strict=True) if not ok]
+    if bad:
+        more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
+        raise ValueError(f"{where}: the weights hold NaN or inf ({', '.join(bad[:limit])}{more}):"
+                         " the checkpoint is corrupt or its training diverged; refusing to "
+                         "load it")
