@@ -150,13 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="TPU topology, e.g. v5e:2x2, v5p:4x4x4, v6e:16x16")
     parser.add_argument("--slices", type=int, default=1, help="slices joined by DCN")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--serve", action="store_true",
-                        help="(not yet) compile generate and the engine's step instead")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override one field of the config, as for train")
     args = parser.parse_intermixed_args(argv)
-    if args.serve:
-        parser.error("--serve is not built yet: only the train step is compiled")
     if args.slices < 1:
         parser.error(f"--slices must be >= 1, got {args.slices}")
     from transformer_jax.train.config import ConfigError
