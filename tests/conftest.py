@@ -13,6 +13,10 @@ import tempfile
 
 from helpers import FAST_COMPILE, fast_everywhere, with_fast_flags  # (and its GC thresholds)
 
+# The suite runs on the CPU (several devices are simulated there). With libtpu installed (the
+# tpu extra: the TPU compiler for tests/test_tpu_compile.py), JAX would otherwise look for a TPU
+# in every process and write its failure to stderr.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = with_fast_flags(os.environ.get("XLA_FLAGS", ""))
 # Then the fixtures below leave the library's jitted functions as they are (helpers).

@@ -99,7 +99,9 @@ def test_stall_scenario_measures_the_prefill_window(tmp_path):
     r = serve_stall.run_stall(config, weights, slots=2, token_budget=19, page_size=8,
                               long_prompt=40, prompt_len=8, warmup=4)
     assert r["prefill_steps"] == 3
-    assert 0 < r["median_step_s"] <= r["itl_max_s"] and r["itl_p99_s"] <= r["itl_max_s"]
+    # (Timings only as orders: a decode-only step may take longer than a prefill window's gap
+    # on a loaded machine.)
+    assert r["median_step_s"] > 0 and 0 < r["itl_p99_s"] <= r["itl_max_s"]
     assert r["long_ttft_s"] >= r["itl_max_s"] * 0.5
 
 

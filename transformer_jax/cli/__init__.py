@@ -6,6 +6,7 @@
     transformer-jax evaluate --checkpoint PATH --tasks NAMES
     transformer-jax export --checkpoint RUN_DIR --out HF_DIR
     transformer-jax data build --input ... --out DIR --tokenizer TOK
+    transformer-jax compile --topology v5p:2x2x2 [--config NAME] [section.key=value ...]
     transformer-jax bench KIND [options]
     transformer-jax plot RUN_DIR [RUN_DIR ...]
 
@@ -31,6 +32,7 @@ COMMANDS = {
     "evaluate": ("cli.evaluate", "lm-evaluation-harness tasks on a checkpoint"),
     "export": ("cli.export", "write a run's checkpoint as a HuggingFace model directory"),
     "data": ("cli.data", "build tokenized ArrayRecord shards (data build)"),
+    "compile": ("cli.compile", "compile the train step for a TPU topology (no TPU needed)"),
     "bench": ("bench.__main__", "benchmarks: train, decode, memory, serve, data, eval, ..."),
     "plot": ("cli.plot", "loss curves of one or several runs"),
 }

@@ -1,0 +1,205 @@
+"""The train step compiled by the real TPU compiler for TPU topologies, on this CPU host
+(``transformer-jax compile``): memory per chip, the collectives a mesh implies, slices, errors.
+
+Needs libtpu (the ``tpu`` extra, installed by the README's test command); the rest of the suite
+does not. Every compile is of a 2-layer toy model, shared by module-scoped fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+# Several processes (pytest-xdist workers, two compiles) may load libtpu at once: it compiles
+# here and never claims a chip, so its one-process lock is not needed.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+from transformer_jax.cli import compile as compile_cli  # noqa: E402
+from transformer_jax.parallel import collectives as coll  # noqa: E402
+
+TOY = ["model.vocab_size=256", "model.d_model=512", "model.d_ff=512", "model.n_layers=2",
+       "model.n_heads=4", "model.n_kv_heads=4", "model.scan_layers=true",
+       "model.attention_impl=xla", "train.batch_size=8", "train.seq_len=128"]
+
+
+def _report(topology: str, *extra: str, slices: int = 1) -> dict:
+    return compile_cli.compile_report("tiny", [*TOY, *extra], topology, slices)
+
+
+@pytest.fixture(scope="module")
+def fsdp4():
+    return _report("v5e:2x2")  # train.mesh unset: fsdp over the 4 chips
+
+
+@pytest.fixture(scope="module")
+def data4():
+    return _report("v5e:2x2", "train.mesh=4,1,1")
+
+
+@pytest.fixture(scope="module")
+def tensor4():
+    return _report("v5e:2x2", "train.mesh=1,1,4")
+
+
+@pytest.fixture(scope="module")
+def two_slices():
+    return _report("v5e:2x2", slices=2)
+
+
+def _axes(report: dict) -> set[str]:
+    return {key.split(" over ")[1] for key in report["collectives"]["by_axis"]}
+
+
+def _kinds(report: dict) -> set[str]:
+    return set(report["collectives"]["by_kind"])
+
+
+@pytest.mark.parametrize("name", ["fsdp4", "data4", "tensor4", "two_slices"])
+def test_memory_figures_are_consistent(name, request):
+    r = request.getfixturevalue(name)
+    m = r["memory"]
+    assert r["fits"] and r["target"] == "tpu" and r["device_kind"] == "TPU v5 lite"
+    assert r["hbm_bytes"] == 16 * 2**30
+    assert min(m["argument"], m["output"]) > 0 and m["alias"] <= m["output"]
+    assert 0 < m["peak"] <= r["hbm_bytes"]
+    assert m["peak"] >= m["argument"] + m["temp"] - 1
+
+
+def test_fsdp_splits_the_state_data_replicates_it(fsdp4, data4):
+    # Parameters, Adam's moments and step: fsdp=4 holds about a quarter of each on a chip
+    # (small replicated leaves, e.g. norm scales, keep it a little above).
+    ratio = fsdp4["memory"]["argument"] / data4["memory"]["argument"]
+    assert 0.24 <= ratio <= 0.35, ratio
+
+
+def test_fsdp_gathers_weights_and_reduces_gradients_over_fsdp(fsdp4):
+    assert _axes(fsdp4) == {"fsdp"}
+    kinds = fsdp4["collectives"]["by_kind"]
+    assert kinds["all-gather"]["count"] >= 2 * 4  # each layer's weights, forward and backward
+    assert {"reduce-scatter", "all-reduce"} & set(kinds)  # the gradients' reduction
+
+
+def test_data_parallel_only_reduces_gradients(data4):
+    assert _axes(data4) == {"data"}
+    assert "all-gather" not in _kinds(data4)
+    # The reduced gradients are the parameters' size (float32), a third of params + mu + nu.
+    reduced = data4["collectives"]["by_kind"]["all-reduce"]["bytes"]
+    assert 0.25 <= reduced / data4["memory"]["argument"] <= 0.45
+
+
+def test_tensor_parallel_all_reduces_over_tensor(tensor4):
+    assert _axes(tensor4) == {"tensor"}
+    # Per layer: the attention and MLP outputs forward, their inputs' gradients backward.
+    assert tensor4["collectives"]["by_kind"]["all-reduce"]["count"] >= 2 * 2 * 2
+
+
+def test_two_slices_cross_only_for_data_parallel_reductions(two_slices):
+    assert two_slices["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+    c = two_slices["collectives"]
+    crossing = c["cross_slice"]
+    assert set(crossing) <= {"all-reduce", "all-gather"} and "all-reduce" in crossing
+    # ICI collectives stay within a slice, over fsdp: the same weight gathers as one slice.
+    assert {k.split(" over ")[1] for k in c["by_axis"]} == {"fsdp", "data (dcn)"}
+    ici = {k: v for k, v in c["by_axis"].items() if "dcn" not in k}
+    assert ici["all-gather over fsdp"]["count"] >= 2 * 2  # each layer's weights, both passes
+    # Over DCN: the fsdp-sharded gradients (a third of params + mu + nu per chip).
+    dcn = crossing["all-reduce"]["bytes"] + crossing.get("all-gather", {"bytes": 0})["bytes"]
+    assert 0.25 <= dcn / two_slices["memory"]["argument"] <= 0.45
+
+
+def test_cli_json_on_v5p(capsys):
+    code = compile_cli.main(["--topology", "v5p:2x2x1", "--json", *TOY])
+    r = json.loads(capsys.readouterr().out)
+    assert code == 0 and r["device_kind"] == "TPU v5" and r["hbm_bytes"] == 95 * 2**30
+    assert r["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1} and r["fits"]
+    assert r["memory"]["peak"] <= r["hbm_bytes"] and r["compile_s"] > 0
+    assert _axes(r) == {"fsdp"}
+
+
+def test_cli_overflow_is_one_line(capsys):
+    code = compile_cli.main(["--topology", "v5e:2x2", *TOY, "train.batch_size=512",
+                             "train.seq_len=2048", "model.max_seq_len=2048",
+                             "model.vocab_size=32768"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == compile_cli.EXIT_DOES_NOT_FIT
+    assert err.startswith("error: does not fit on v5e:2x2") and "RESOURCE_EXHAUSTED" in err
+
+
+@pytest.mark.parametrize("argv", [["--topology", "v9x:2x2"], ["--topology", "nonsense"],
+                                  ["--topology", "v5e:2x2", "train.mesh=3,1,1"]])
+def test_cli_bad_input_is_one_line(argv, capsys):
+    assert compile_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "Traceback" not in "".join(err)
+
+
+def test_attention_auto_picks_the_tpu_kernel_for_a_tpu_mesh():
+    import jax
+    import jax.numpy as jnp
+
+    from transformer_jax.model.ops import target
+    from transformer_jax.model.ops.attention import choose_impl
+    from transformer_jax.parallel import pod
+    from transformer_jax.parallel.mesh import MeshConfig
+
+    mesh = pod.pod_mesh(MeshConfig(1, 4, 1), pod.topology_devices("v5e:2x2"))
+    q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 4, 256, 64), jnp.bfloat16)
+    with target.targeting(target.of_mesh(mesh)):
+        assert choose_impl(q, k) == "mosaic"
+    assert choose_impl(q, k) != "mosaic"  # this process's backend is the CPU
+
+
+# ----------------------------------------------------- the HLO reading, on hand-made programs
+
+
+def test_replica_group_forms_name_the_mesh_axes():
+    ids = np.arange(8).reshape(2, 2, 2)
+    names = ("data", "fsdp", "tensor")
+    # data pairs i with i + 4, fsdp i with i + 2, tensor i with i + 1 (row-major ids).
+    assert coll.mesh_axes_of(coll.parse_groups("{{0,4},{1,5},{2,6},{3,7}}", 8), ids,
+                             names) == "data"
+    assert coll.mesh_axes_of(coll.parse_groups("[4,2]<=[2,2,2]T(0,2,1)", 8), ids,
+                             names) == "fsdp"
+    assert coll.mesh_axes_of(coll.parse_groups("[2,4]<=[8]", 8), ids, names) == "fsdp+tensor"
+    assert coll.mesh_axes_of(coll.parse_groups("{}", 8), ids, names) == "data+fsdp+tensor"
+    assert coll.mesh_axes_of(coll.parse_groups(
+        "mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", 8), ids, names) == "data"
+    assert coll.mesh_axes_of([[0, 3], [1, 2], [4, 7], [5, 6]], ids, names) == "other"
+    assert coll.pair_axes("{{0,1},{1,0},{2,3},{3,2}}", ids, names) == "tensor"
+
+
+HLO = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %g = f32[32]{0} all-gather(%x), replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %t = (s32[], f32[8]) tuple(%i, %x)
+}
+
+%all-reduce-scatter.1 (a: f32[32]) -> f32[8] {
+  %a = f32[32]{0} parameter(0)
+  %r = f32[32]{0} all-reduce(%a), replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %s = f32[8]{0} dynamic-slice(%r, %o), dynamic_slice_sizes={8}
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %f = f32[8]{0} fusion(%y), kind=kCustom, calls=%all-reduce-scatter.1
+  %s = (bf16[4,8]{1,0}, u32[], token[]) send(%z, %t), channel_id=3, is_host_transfer=true, frontend_attributes={_xla_host_transfer_rendezvous="all-reduce.7_0",_xla_megascale_transfer_type="ALL_REDUCE"}
+  ROOT %o = f32[8]{0} add(%f, %f)
+}
+"""  # noqa: E501 (HLO lines as the compiler writes them)
+
+
+def test_loop_bodies_count_per_trip_and_fusions_name_reduce_scatters():
+    found = coll.summarize(coll.collectives(HLO, np.arange(4).reshape(1, 4, 1),
+                                            ("data", "fsdp", "tensor")))
+    assert found["by_kind"]["all-gather"] == {"count": 5, "bytes": 5 * 32 * 4}
+    assert found["by_kind"]["reduce-scatter"] == {"count": 1, "bytes": 32 * 4}
+    assert found["cross_slice"] == {"all-reduce": {"count": 1, "bytes": 4 * 8 * 2}}
+    assert found["by_axis"]["all-gather over fsdp"]["count"] == 5

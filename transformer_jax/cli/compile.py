@@ -1,0 +1,179 @@
+"""Compile a run's train step for a TPU pod on this host: ``transformer-jax compile``.
+
+  transformer-jax compile --config llama3_8b --topology v5p:2x2x2 train.batch_size=8 \\
+      train.seq_len=8192 model.dtype=bfloat16 model.remat=full
+  transformer-jax compile --config tiny --topology v5e:2x2 --slices 2 --json
+
+The run's config and ``section.key=value`` overrides are ``transformer-jax train``'s. The mesh
+is the run's ``train.mesh`` when the config or an override sets it; otherwise every chip is an
+FSDP device (with ``--slices N``: data=N over the slices, FSDP within each). The slices always
+split the data axis. Nothing runs: the train step is lowered on abstract sharded inputs and
+compiled by the TPU compiler (libtpu, the ``tpu`` extra) for the topology's devices, traced for
+the TPU target (kernel choices such as attention ``auto`` are the TPU's). Printed per chip:
+arguments, output, temporaries, the peak against the chip's HBM, whether it fits, the compile
+time, and the collectives of one step by kind and by mesh axis, and those crossing slices.
+A program that does not fit is one line with the compiler's figures (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from transformer_jax.cli.common import PROG
+
+GIB = 2.0**30
+EXIT_DOES_NOT_FIT = 1
+
+
+def _mesh_config(config: str, overrides: list[str], train: Any, slices: int) -> tuple[Any, str]:
+    """The mesh the run asks for, or FSDP over every chip; with a line saying which."""
+    from transformer_jax.model.config import load_toml
+    from transformer_jax.parallel.mesh import MeshConfig
+    from transformer_jax.parallel.pod import default_mesh
+
+    given = any(o.split("=", 1)[0].strip() == "train.mesh" for o in overrides) or \
+        "mesh" in load_toml(config).get("train", {})
+    if given:
+        return MeshConfig.parse(train.mesh), f"train.mesh={train.mesh}"
+    return default_mesh(0, slices), "train.mesh unset: every chip an FSDP device" + (
+        f", data={slices} over the slices" if slices > 1 else "")
+
+
+def compile_report(config: str, overrides: list[str], topology: str, slices: int = 1
+                   ) -> dict[str, Any]:
+    """Compiles the run's train step for ``topology`` and returns the per-chip report.
+
+    Returns:
+      A JSON-ready dict: ``fits`` False (with ``error``, the compiler's line) when the
+      compiler ran out of memory; else memory per chip in bytes, ``compile_s`` and
+      ``collectives`` (``parallel.collectives.summarize``).
+
+    Raises:
+      ConfigError / ValueError: a bad config, override, mesh or batch split.
+      TopologyError: no libtpu, or a topology libtpu does not know.
+    """
+    import jax
+
+    from transformer_jax.bench.memory import lower_train_step
+    from transformer_jax.model.ops import target
+    from transformer_jax.parallel import collectives, pod
+    from transformer_jax.train.config import build_configs
+
+    model, train, _ = build_configs(config, overrides)
+    devices = pod.topology_devices(topology, slices)
+    mesh_config, mesh_note = _mesh_config(config, overrides, train, slices)
+    mesh = pod.pod_mesh(mesh_config, devices, slices)
+    per_chip = pod.devices_per_chip(devices)
+    hbm = pod.hbm_bytes(devices[0])
+    hbm = hbm // per_chip if hbm else None
+    report: dict[str, Any] = {
+        "config": config, "overrides": overrides, "topology": topology, "slices": slices,
+        "device_kind": devices[0].device_kind, "devices": len(devices),
+        "mesh": dict(mesh.shape), "mesh_from": mesh_note, "target": target.of_mesh(mesh),
+        "batch_size": train.batch_size, "seq_len": train.seq_len, "dtype": model.dtype,
+        "remat": model.remat, "attention": model.attention_impl, "hbm_bytes": hbm}
+    lowered, report["lower_s"] = lower_train_step(model, train, mesh)
+    start = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        text = str(e).splitlines()[0]
+        if "RESOURCE_EXHAUSTED" not in text:
+            raise
+        report.update(fits=False, error=text, compile_s=time.perf_counter() - start)
+        return report
+    report["compile_s"] = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    memory = {n: int(getattr(stats, f"{n}_size_in_bytes", 0) or 0)
+              for n in ("argument", "output", "alias", "temp", "generated_code")}
+    # Donated state is aliased to the output: live at once are the arguments, the outputs
+    # not aliased to them, and the temporaries.
+    memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
+    report["memory"] = memory
+    report["fits"] = hbm is None or memory["peak"] <= hbm
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    # XLA counts a while body (the scanned layer stack) once, not once per layer.
+    report["flops_hlo"] = float((cost or {}).get("flops", 0.0))
+    ids, axes = pod.slice_mesh(mesh)
+    report["collectives"] = collectives.summarize(
+        collectives.collectives(compiled.as_text(), ids, axes))
+    return report
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GIB:.3f} GiB"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """The report as the lines the command prints."""
+    mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
+    lines = [f"{r['config']} on {r['topology']}" + (f" x {r['slices']} slices"
+                                                    if r["slices"] > 1 else "") +
+             f" ({r['devices']} x {r['device_kind']}, {_gib(r['hbm_bytes'])} HBM each), "
+             f"target {r['target']}",
+             f"  mesh {mesh} ({r['mesh_from']}); B={r['batch_size']} T={r['seq_len']} "
+             f"dtype={r['dtype']} remat={r['remat']} attention={r['attention']}",
+             f"  lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s"]
+    m = r["memory"]
+    share = f" = {m['peak'] / r['hbm_bytes']:.1%} of HBM" if r["hbm_bytes"] else ""
+    lines += ["  per chip", f"    arguments    {_gib(m['argument'])}",
+              f"    output       {_gib(m['output'])} ({_gib(m['alias'])} of it aliased to the "
+              "donated arguments)", f"    temporaries  {_gib(m['temp'])}",
+              f"    peak         {_gib(m['peak'])} of {_gib(r['hbm_bytes'])}{share}: "
+              + ("fits" if r["fits"] else "DOES NOT FIT"),
+              f"  flops per chip (HLO; a scanned layer body counted once): {r['flops_hlo']:.3e}",
+              "  collectives of one step (count, bytes per chip)"]
+    c = r["collectives"]
+    for key, row in sorted(c["by_axis"].items()):
+        lines.append(f"    {key:<40} {row['count']:6d}  {row['bytes'] / 2**20:12.2f} MiB")
+    if not c["by_axis"]:
+        lines.append("    none")
+    if r["slices"] > 1:
+        crossing = ", ".join(f"{k} x{v['count']} ({v['bytes'] / 2**20:.2f} MiB)"
+                             for k, v in c["cross_slice"].items()) or "none"
+        lines.append(f"  crossing slices (DCN): {crossing}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"{PROG} compile", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="tiny", help="preset name or TOML path")
+    parser.add_argument("--topology", required=True,
+                        help="TPU topology, e.g. v5e:2x2, v5p:4x4x4, v6e:16x16")
+    parser.add_argument("--slices", type=int, default=1, help="slices joined by DCN")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="override one field of the config, as for train")
+    args = parser.parse_intermixed_args(argv)
+    if args.slices < 1:
+        parser.error(f"--slices must be >= 1, got {args.slices}")
+    from transformer_jax.train.config import ConfigError
+
+    # It only compiles, never claims a chip: two compiles at once need not exclude each other.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        report = compile_report(args.config, args.overrides, args.topology, args.slices)
+    except (ConfigError, ValueError, FileNotFoundError, ModuleNotFoundError,
+            NotImplementedError) as e:
+        # ModuleNotFoundError: a kernel's library (tokamax: attention auto/mosaic on TPU);
+        # NotImplementedError: a kernel XLA cannot partition over this mesh.
+        hint = (" (model.attention_impl=chunked or xla avoids the TPU kernels)"
+                if isinstance(e, ModuleNotFoundError | NotImplementedError) else "")
+        print(f"error: {str(e).splitlines()[0]}{hint}", file=sys.stderr)
+        return 2
+    if not report["fits"] and "error" in report:
+        print(f"error: does not fit on {args.topology} ({report['device_kind']}): "
+              f"{report['error']}", file=sys.stderr)
+        if args.json:
+            print(json.dumps(report))
+        return EXIT_DOES_NOT_FIT
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0 if report["fits"] else EXIT_DOES_NOT_FIT

@@ -1,0 +1,133 @@
+"""TPU pods without a TPU: a topology's device descriptions, a mesh over them, each chip's HBM.
+
+With libtpu installed (the ``tpu`` extra), ``jax.experimental.topologies`` describes the devices
+of any TPU topology on a CPU host, and ``jit(f).lower(...).compile()`` over a mesh of them runs
+the real TPU compiler: its memory analysis, and a program that does not fit fails with the
+compiler's RESOURCE_EXHAUSTED as it would on the pod. Nothing here imports libtpu before it is
+asked for, so a plain (CPU) install keeps working without it.
+
+Several slices (``num_slices``) are joined by DCN, not ICI: the mesh puts the slices on its
+``data`` axis (each slice holds ``data / slices`` of it and all of the other axes), so only the
+data-parallel gradient reduction crosses slices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from transformer_jax.parallel.mesh import MeshConfig
+
+GIB = 2**30
+
+#: HBM of one TPU chip by ``jax.Device.device_kind``, in GiB (published figures).
+HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5": 95, "TPU v5p": 95,
+           "TPU v6 lite": 32, "TPU v6e": 32}
+
+
+class TopologyError(ValueError):
+    """A topology that cannot be described here: no libtpu, or a bad name."""
+
+
+def topology_devices(name: str, slices: int = 1) -> list[Any]:
+    """The TPU device descriptions of topology ``name`` (``"v5e:2x2"``, ``"v5p:4x4x4"``, ...).
+
+    Args:
+      name: ``VERSION:AxBxC``, as ``jax.experimental.topologies`` takes it.
+      slices: how many such slices, joined by DCN.
+
+    Returns:
+      ``slices`` x chips devices (``platform == "tpu"``; ``slice_index`` tells their slice).
+
+    Raises:
+      TopologyError: libtpu is not installed (the ``tpu`` extra), or the name is not a
+        topology libtpu knows (the compiler's message).
+    """
+    if slices < 1:
+        raise TopologyError(f"--slices must be >= 1, got {slices}")
+    import jax
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                            num_slices=slices)
+    except RuntimeError as e:
+        if isinstance(e, jax.errors.JaxRuntimeError):
+            raise TopologyError(f"topology {name!r}: {str(e).splitlines()[0]}") from None
+        raise TopologyError(f"topology {name!r} needs libtpu, which is not installed: "
+                            "pip install -e '.[tpu]' (the jax[tpu] of this jax)") from None
+    return list(topo.devices)
+
+
+def hbm_bytes(device: Any) -> int | None:
+    """HBM of one device of this kind, in bytes (a chip's HBM shared by its devices); None for
+    a kind not in ``HBM_GIB``."""
+    gib = HBM_GIB.get(device.device_kind)
+    return None if gib is None else int(gib * GIB)
+
+
+def devices_per_chip(devices: Sequence[Any]) -> int:
+    """How many devices each chip shows (2 where each TensorCore is a device, e.g. v4)."""
+    chips = {(getattr(d, "slice_index", 0), tuple(d.coords)) for d in devices}
+    return max(1, len(devices) // len(chips))
+
+
+def pod_mesh(mesh_config: MeshConfig, devices: Sequence[Any], slices: int = 1) -> Mesh:
+    """A mesh of ``mesh_config``'s axes over a topology's devices.
+
+    One slice: ``parallel.mesh.make_mesh``'s device order (ICI-aware). Several: each slice
+    holds ``data / slices`` of the data axis and all of the others
+    (``mesh_utils.create_hybrid_device_mesh``), so slices differ only along ``data``.
+
+    Raises:
+      ValueError: the sizes do not fit the devices, or data is not a multiple of the slices.
+    """
+    from transformer_jax.parallel.mesh import make_mesh
+
+    if slices == 1:
+        return make_mesh(mesh_config, devices)
+    from jax.experimental import mesh_utils
+
+    sizes = mesh_config.resolve(len(devices))
+    axes = mesh_config.axes
+    if sizes[0] % slices:
+        raise ValueError(f"mesh {dict(zip(axes, sizes, strict=True))} over {slices} slices: "
+                         f"the slices split the data axis, so data ({sizes[0]}) must be a "
+                         f"multiple of {slices}")
+    per_slice = (sizes[0] // slices, *sizes[1:])
+    dcn = (slices,) + (1,) * (len(sizes) - 1)
+    grid = mesh_utils.create_hybrid_device_mesh(per_slice, dcn, devices)
+    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
+def default_mesh(n_devices: int, slices: int = 1) -> MeshConfig:
+    """The mesh of a run that sets none, on a pod: every chip an FSDP device, the slices (if
+    several) on the data axis."""
+    del n_devices
+    return MeshConfig(data=slices, fsdp=-1, tensor=1)
+
+
+def slice_mesh(mesh: Mesh) -> tuple[np.ndarray, tuple[str, ...]]:
+    """The first slice's part of ``mesh`` (``pod_mesh``'s: slices along ``data``, outermost) as
+    an [axis sizes] array of partition ids, with the axis names.
+
+    A multi-slice program is compiled per slice: its collectives name that slice's devices,
+    0 .. chips-1 in mesh order; the slices' own exchange goes over DCN.
+    """
+    shape = mesh.devices.shape
+    shape = (shape[0] // slice_count(mesh), *shape[1:])
+    return np.arange(math.prod(shape)).reshape(shape), tuple(mesh.axis_names)
+
+
+def slice_count(mesh: Mesh) -> int:
+    """How many slices the mesh's devices span."""
+    return len({getattr(d, "slice_index", 0) for d in mesh.devices.flat})
+
+
+def chips(mesh: Mesh) -> int:
+    """Number of devices of the mesh."""
+    return math.prod(mesh.devices.shape)
