@@ -4,6 +4,8 @@ gradients, and the reference itself against a numpy loop."""
 import logging
 import math
 import re
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import pytest
 from helpers import FAST_COMPILE, numpy_attention
 
 from transformer_jax.model.ops import attention as attn
+from transformer_jax.model.ops import target
 
 
 def _rng(seed=0):
@@ -227,7 +230,34 @@ def test_auto_choices_by_backend_and_size():
     assert attn.choose_impl(long, long_k, "cpu") == "chunked"
     assert attn.choose_impl(small, small_k, "gpu") == "cudnn"
     assert attn.choose_impl(long, long_k, "gpu") == "chunked"  # float32: not cuDNN's
-    assert attn.choose_impl(small, small_k, "tpu") == "mosaic"
+
+
+def test_auto_on_tpu_falls_back_to_jax_pallas_kernel_without_tokamax(monkeypatch, caplog):
+    q = jax.ShapeDtypeStruct((1, 256, 8, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 2, 256, 64), jnp.bfloat16)
+    longer_k = jax.ShapeDtypeStruct((1, 2, 512, 64), jnp.bfloat16)
+    monkeypatch.setitem(sys.modules, "tokamax", types.SimpleNamespace())  # installed
+    assert attn.choose_impl(q, k, "tpu") == "mosaic"
+    assert attn.choose_impl(q, k, "tpu", window=64, aligned=False, softcap=5.0) == "mosaic"
+    monkeypatch.setitem(sys.modules, "tokamax", None)  # as if not installed
+    assert attn.choose_impl(q, k, "tpu") == "pallas"
+    # What JAX's kernel (causal by index, no window, no cap) cannot do goes to the XLA paths.
+    for kwargs in (dict(window=64), dict(aligned=False), dict(softcap=5.0)):
+        assert attn.choose_impl(q, k, "tpu", **kwargs) == "xla", kwargs
+    assert attn.choose_impl(q, longer_k, "tpu") == "xla"
+    # attention() says which it picked and why; aligned = the keys' positions are the queries'.
+    monkeypatch.setattr(attn, "_logged_choices", set())
+    monkeypatch.setattr(attn, "_pallas_tpu_attention", lambda q, *a, **kw: q)
+    caplog.set_level(logging.INFO, logger=attn.__name__)
+    x = jnp.zeros((1, 128, 2, 8))
+    pos = jnp.arange(128)[None]
+    with target.targeting("tpu"):
+        assert attn.attention(x, x.swapaxes(1, 2), x.swapaxes(1, 2), q_positions=pos,
+                              k_positions=pos) is x
+        attn.attention(x, x.swapaxes(1, 2), x.swapaxes(1, 2), q_positions=pos)  # reference
+    picks = [r.getMessage() for r in caplog.records if "picked" in r.getMessage()]
+    assert len(picks) == 2 and "'pallas'" in picks[0] and "tokamax" in picks[0], picks
+    assert "'xla'" in picks[1], picks
 
 
 # Memory and lowering -----------------------------------------------------------------------------

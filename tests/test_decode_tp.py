@@ -131,3 +131,13 @@ def test_a_kernel_runs_per_device_over_a_kv_head_split(runs):
     assert got["mapped"], got
     assert got["differs_without_window"] > 1e-3  # the window reached the per-device call
     assert got["max_diff"] < 1e-5, got
+
+
+def test_a_tpu_kernel_runs_per_device_over_batch_and_kv_head_splits(runs):
+    """JAX's Pallas TPU flash attention (interpreted), traced for a TPU target with the batch
+    split over fsdp=2 and the kv heads over tensor=2: each device runs it on its rows and
+    heads, and the output and the gradients of q, k, v are the unsplit reference's."""
+    got = runs["per_device_kernel"]
+    assert got["mapped"], got
+    for name, diff in got["rel_diff"].items():
+        assert diff < 1e-5, (name, got)

@@ -126,7 +126,10 @@ def test_kernels_without_a_cap_refuse_it_and_auto_avoids_them(monkeypatch):
     k = jnp.zeros((1, 2, 128, 64), jnp.bfloat16)
     assert attn.choose_impl(q, k, "gpu") == "cudnn"
     assert attn.choose_impl(q, k, "gpu", softcap=CAP) == "xla"
+    monkeypatch.setitem(sys.modules, "tokamax", types.SimpleNamespace())  # as if installed
     assert attn.choose_impl(q, k, "tpu", softcap=CAP) == "mosaic"  # tokamax caps
+    monkeypatch.setitem(sys.modules, "tokamax", None)  # JAX's TPU kernel cannot cap
+    assert attn.choose_impl(q, k, "tpu", softcap=CAP) == "xla"
     assert attn.choose_impl(q, k, "cpu", softcap=CAP) == "xla"
 
 

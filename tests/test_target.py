@@ -30,7 +30,9 @@ def test_choices_follow_the_target_not_the_default_backend():
                         prepared="cpu")
     with target.targeting("tpu"):
         tpu = _choices()
-    assert tpu == dict(platform="tpu", attention="mosaic", moe="megablox", slots_last=False,
+    # attention: tokamax's kernel, or JAX's Pallas TPU kernel where tokamax is not installed.
+    kernel = "mosaic" if attention._have_tokamax() else "pallas"
+    assert tpu == dict(platform="tpu", attention=kernel, moe="megablox", slots_last=False,
                        prepared="tpu")
     with target.targeting("gpu"):
         assert _choices()["attention"] == "cudnn" and not slots_last_for()

@@ -44,14 +44,15 @@ def _mesh_config(config: str, overrides: list[str], train: Any, slices: int) -> 
         f", data={slices} over the slices" if slices > 1 else "")
 
 
-def compile_report(config: str, overrides: list[str], topology: str, slices: int = 1
-                   ) -> dict[str, Any]:
+def compile_report(config: str, overrides: list[str], topology: str, slices: int = 1, *,
+                   hlo: bool = False) -> dict[str, Any]:
     """Compiles the run's train step for ``topology`` and returns the per-chip report.
 
     Returns:
       A JSON-ready dict: ``fits`` False (with ``error``, the compiler's line) when the
       compiler ran out of memory; else memory per chip in bytes, ``compile_s`` and
-      ``collectives`` (``parallel.collectives.summarize``).
+      ``collectives`` (``parallel.collectives.summarize``), ``mosaic_calls`` (the Pallas TPU
+      kernels' custom calls in the program) and, with ``hlo``, the compiled program's text.
 
     Raises:
       ConfigError / ValueError: a bad config, override, mesh or batch split.
@@ -101,8 +102,11 @@ def compile_report(config: str, overrides: list[str], topology: str, slices: int
     # XLA counts a while body (the scanned layer stack) once, not once per layer.
     report["flops_hlo"] = float((cost or {}).get("flops", 0.0))
     ids, axes = pod.slice_mesh(mesh)
-    report["collectives"] = collectives.summarize(
-        collectives.collectives(compiled.as_text(), ids, axes))
+    text = compiled.as_text()
+    report["collectives"] = collectives.summarize(collectives.collectives(text, ids, axes))
+    report["mosaic_calls"] = text.count('custom_call_target="tpu_custom_call"')
+    if hlo:
+        report["hlo"] = text
     return report
 
 
@@ -128,6 +132,7 @@ def format_report(r: dict[str, Any]) -> str:
               f"    peak         {_gib(m['peak'])} of {_gib(r['hbm_bytes'])}{share}: "
               + ("fits" if r["fits"] else "DOES NOT FIT"),
               f"  flops per chip (HLO; a scanned layer body counted once): {r['flops_hlo']:.3e}",
+              f"  Mosaic kernel calls in the program: {r['mosaic_calls']}",
               "  collectives of one step (count, bytes per chip)"]
     c = r["collectives"]
     for key, row in sorted(c["by_axis"].items()):

@@ -23,7 +23,13 @@ key returns exactly zeros.
   newer), over the dense [B, T, S] bool mask.
 - ``"pallas"``: on TPU, JAX's Pallas TPU flash attention (segment ids natively, causal by index:
   needs T == S and no window); on GPU, tokamax's Triton flash attention over the dense mask.
-- ``"auto"``: the best of these for the backend and shape (see ``choose_impl``).
+- ``"auto"``: the best of these for the backend and shape (see ``choose_impl``); on TPU without
+  tokamax, JAX's Pallas TPU kernel where it applies.
+
+Under a mesh (``parallel.sharding.jit_sharded``, ``decode.decode_context``) the kernels XLA
+cannot partition (``"pallas"``, ``"cudnn"``, ``"mosaic"``) run per device under ``shard_map``
+over every split the inputs carry: the mesh axes the logical-axis rules give the batch (data,
+fsdp, expert) and the kv heads (tensor); each device runs the kernel on its rows and heads.
 
 ``softcap`` (logit soft-capping, ``c tanh(x / c)`` on the scaled logits before the mask and
 softmax) runs on ``"xla"``, ``"chunked"`` and tokamax's kernels (``"mosaic"``, GPU
@@ -32,8 +38,10 @@ not pick them for a capped call.
 """
 
 import functools
+import importlib.util
 import logging
 import math
+import sys
 
 import chex
 import flax.linen as nn
@@ -199,8 +207,16 @@ def _check_backend(impl: str) -> None:
                          f"one of {_IMPL_BACKENDS[impl]}. Use impl='auto', 'xla' or 'chunked'.")
 
 
+def _have_tokamax() -> bool:
+    """Whether tokamax (the ``kernels`` extra) can be imported, without importing it."""
+    if "tokamax" in sys.modules:
+        return sys.modules["tokamax"] is not None
+    return importlib.util.find_spec("tokamax") is not None
+
+
 def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None, *,
-                softcap: float | None = None) -> str:
+                softcap: float | None = None, window: int | jax.Array | None = None,
+                aligned: bool = True) -> str:
     """The implementation ``impl="auto"`` runs for these shapes on ``backend``.
 
     - CPU (and anything unknown): ``"xla"`` while the [B, N, T, S] float32 logits stay under
@@ -209,13 +225,18 @@ def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None, *,
       fused flash attention accepts) unless the logits are soft-capped (cuDNN cannot cap),
       else as on CPU.
     - TPU: ``"mosaic"`` (tokamax's Pallas flash attention) when T and S are multiples of 128,
-      the kernel's block granularity; else as on CPU.
+      the kernel's block granularity. Without tokamax, ``"pallas"`` (JAX's Pallas TPU flash
+      attention) when it applies too (``aligned`` queries and keys, no window, no cap); else as
+      on CPU.
 
     Args:
       q: [B, T, N, H] queries (only shape and dtype are read).
       k: [B, K, S, H] keys.
       backend: default the target's (``ops.target.platform()``).
       softcap: the call's logit soft-cap; with one, only implementations that cap are picked.
+      window: the call's sliding window (JAX's Pallas TPU kernel has none).
+      aligned: queries and keys are the same positions (training, a prefill from an empty
+        cache), as JAX's Pallas TPU kernel needs (it is causal by index).
 
     Returns:
       One of ``ATTENTION_IMPLS`` other than ``"auto"``.
@@ -227,7 +248,10 @@ def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None, *,
             and h <= 128 and softcap is None:
         return "cudnn"
     if backend == "tpu" and t % 128 == 0 and s % 128 == 0:
-        return "mosaic"
+        if _have_tokamax():
+            return "mosaic"
+        if aligned and t == s and window is None and softcap is None:
+            return "pallas"
     if not all(isinstance(dim, int) for dim in (b, n, t, s)):
         # Symbolic shapes (jax.export): the size test cannot be decided at trace time, and the
         # reference handles every shape.
@@ -329,21 +353,25 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    if isinstance(k, SlotsLast) and impl != "xla" and (
-            impl != "auto" or choose_impl(q, v, softcap=softcap) != "xla"):
+    pick = functools.partial(choose_impl, q, v, softcap=softcap, window=window,
+                             aligned=k_positions is not None and k_positions is q_positions)
+    if isinstance(k, SlotsLast) and impl != "xla" and (impl != "auto" or pick() != "xla"):
         k = k.k.swapaxes(2, 3)
     if impl == "auto":
-        impl = choose_impl(q, v, softcap=softcap)
+        impl = pick()
         key = (target.platform(), impl)
         if key not in _logged_choices:
             _logged_choices.add(key)
-            logger.info("attention impl='auto' picked %r on backend %r (first seen at q %s, "
-                        "k %s, %s)", impl, key[0], q.shape, k.shape, q.dtype)
+            fallback = (" (tokamax, the kernels extra, is not installed: JAX's Pallas TPU "
+                        "flash attention instead of its 'mosaic')"
+                        if key == ("tpu", "pallas") else "")
+            logger.info("attention impl='auto' picked %r on backend %r%s (first seen at q %s, "
+                        "k %s, %s)", impl, key[0], fallback, q.shape, k.shape, q.dtype)
     if impl in _IMPL_BACKENDS:
         _check_backend(impl)
         _check_softcap(impl, softcap, target.platform())
-        split = _heads_split(q.shape[0], v.shape[1])
-        if split is not None:  # XLA cannot partition a kernel: each device runs it on its heads
+        split = _kernel_split(q.shape[0], v.shape[1])
+        if split is not None:  # XLA cannot partition a kernel: each device runs its part
             return _per_device(split, functools.partial(
                 attention, causal=causal, scale=scale, impl=impl, softcap=softcap), q, k, v,
                 q_positions=q_positions, k_positions=k_positions, q_segments=q_segments,
@@ -366,35 +394,37 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
     return _kernel_attention(impl, q, k, v, mask, scale, softcap)
 
 
-def _heads_split(b: int, kv: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...],
-                                          tuple[str, ...]] | None:
-    """(mesh, batch axes, kv-head axes) when the mesh and logical rules in context
-    (``parallel.sharding.jit_sharded``, ``decode.decode_context``) split the K kv heads over
-    more than one device and both axes divide; None otherwise (no mesh, heads whole, or
-    already inside a ``shard_map`` over those axes)."""
+def _kernel_split(b: int, kv: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...],
+                                           tuple[str, ...]] | None:
+    """(mesh, batch axes, kv-head axes) over which a kernel runs per device: the mesh axes of
+    more than one device that the mesh and logical rules in context
+    (``parallel.sharding.jit_sharded``, ``decode.decode_context``) give the batch ("batch":
+    data, fsdp, and expert where the rules split it) and the K kv heads ("kv_heads": tensor).
+    A split that does not divide B or K is left out (XLA gathers that dimension for the
+    kernel). None when nothing is split: no mesh, every axis of one device, or already inside
+    a ``shard_map`` over those axes."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
 
-    def axes(value) -> tuple[str, ...]:
+    def axes(value, size: int) -> tuple[str, ...]:
         names = () if value is None else (value,) if isinstance(value, str) else tuple(value)
-        return tuple(a for a in names if a in types and mesh.shape[a] > 1)
+        names = tuple(a for a in names if a in types and mesh.shape[a] > 1)
+        if any(types[a] == AxisType.Manual for a in names):
+            return ()
+        return names if size % math.prod(mesh.shape[a] for a in names) == 0 else ()
 
-    batch, heads = (axes(a) for a in nn.logical_to_mesh_axes(("batch", "kv_heads")))
-    if not heads or any(types[a] == AxisType.Manual for a in (*batch, *heads)):
-        return None
-    if kv % math.prod(mesh.shape[a] for a in heads) or b % math.prod(
-            mesh.shape[a] for a in batch):
-        return None
-    return mesh, batch, heads
+    batch_rule, heads_rule = nn.logical_to_mesh_axes(("batch", "kv_heads"))
+    batch, heads = axes(batch_rule, b), axes(heads_rule, kv)
+    return (mesh, batch, heads) if batch or heads else None
 
 
 def _per_device(split, fn, q, k, v, **structure) -> jax.Array:
     """``fn(q, k, v, **structure)`` under ``shard_map``: each device its rows and kv heads
     (and their query heads), the structure's [B, ...] arrays split as the rows."""
     mesh, batch, heads = split
-    rows, by_head = batch or None, heads
+    rows, by_head = batch or None, heads or None
     arrays = {name: x for name, x in structure.items() if isinstance(x, jax.Array)}
     specs = {name: P() if x.ndim == 0 else P(rows) for name, x in arrays.items()}
 
