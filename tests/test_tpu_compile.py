@@ -238,3 +238,54 @@ def test_loop_bodies_count_per_trip_and_fusions_name_reduce_scatters():
     assert found["by_kind"]["reduce-scatter"] == {"count": 1, "bytes": 32 * 4}
     assert found["cross_slice"] == {"all-reduce": {"count": 1, "bytes": 4 * 8 * 2}}
     assert found["by_axis"]["all-gather over fsdp"]["count"] == 5
+
+
+# ------------------------------------------------------------ the largest batch that fits
+
+
+@pytest.mark.parametrize("most", [1, 5, 64])
+def test_largest_fitting_finds_the_limit_a_brute_force_finds(most):
+    from transformer_jax.parallel.pod import largest_fitting
+
+    for limit in range(0, 70):
+        asked = []
+
+        def fits(n, limit=limit, asked=asked):
+            asked.append(n)
+            return n <= limit
+
+        best, probes = largest_fitting(fits, most)
+        assert best == max([n for n in range(1, most + 1) if n <= limit], default=0)
+        assert [n for n, _ in probes] == asked and len(set(asked)) == len(asked)
+        assert all(1 <= n <= most for n in asked) and len(asked) <= 2 * most.bit_length() + 1
+
+
+def test_find_batch_sets_each_probes_batch_and_policy(monkeypatch, capsys):
+    # compile_report stands in for the compiler here (the compiles themselves are tested
+    # above): a step "fits" while its global batch is at most 40.
+    asked = []
+
+    def report(config, overrides, topology, slices):
+        o = dict(x.split("=", 1) for x in overrides)
+        asked.append((o["model.remat"], int(o["train.batch_size"])))
+        batch = int(o["train.batch_size"])
+        return {"fits": batch <= 40, "hbm_bytes": 16 * 2**30, "memory": {"peak": 1000 * batch}}
+
+    monkeypatch.setattr(compile_cli, "compile_report", report)
+    code = compile_cli.main(["--topology", "v5e:2x2", "--find-batch", "--remat", "full",
+                             "--remat", "none", "--json", *TOY, "train.grad_accum=2"])
+    found = json.loads(capsys.readouterr().out)
+    # fsdp=4 splits the batch; 2 micro-batches a step: a probe of n a chip is 8 n sequences.
+    assert code == 0 and found["batch_devices"] == 4
+    for remat in ("full", "none"):
+        row = found["policies"][remat]
+        assert row["per_chip"] == 5 and row["batch_size"] == 40 and row["peak"] == 40_000
+        assert [n for n, _ in row["probes"]] == [1, 2, 4, 8, 6, 5]
+        assert [b for r, b in asked if r == remat] == [8, 16, 32, 64, 48, 40]
+
+
+@pytest.mark.parametrize("argv", [["--remat", "full"], ["--find-batch", "--remat", "some"]])
+def test_find_batch_options_are_checked(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        compile_cli.main(["--topology", "v5e:2x2", *argv])
+    assert exit_info.value.code == 2 and "--remat" in capsys.readouterr().err

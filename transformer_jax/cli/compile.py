@@ -3,6 +3,7 @@
   transformer-jax compile --config llama3_8b --topology v5p:2x2x2 train.batch_size=8 \\
       train.seq_len=8192 model.dtype=bfloat16 model.remat=full
   transformer-jax compile --config tiny --topology v5e:2x2 --slices 2 --json
+  transformer-jax compile --config llama3_8b --topology v5p:2x2x2 --find-batch --remat full
 
 The run's config and ``section.key=value`` overrides are ``transformer-jax train``'s. The mesh
 is the run's ``train.mesh`` when the config or an override sets it; otherwise every chip is an
@@ -110,6 +111,63 @@ def compile_report(config: str, overrides: list[str], topology: str, slices: int
     return report
 
 
+def find_batch(config: str, overrides: list[str], topology: str, slices: int = 1,
+               remats: tuple[str, ...] = ("none", "full"), most: int = 4096
+               ) -> dict[str, Any]:
+    """For each remat policy, the largest per-chip batch whose train step fits a chip.
+
+    The per-chip batch is the micro-batch over the devices that split the batch (data x fsdp,
+    x expert on a mesh with one); ``train.batch_size`` is set to it times those devices times
+    ``train.grad_accum``. Each probe is a compile (``compile_report``); the search doubles
+    from 1 and then bisects (``pod.largest_fitting``).
+
+    Returns:
+      ``{remat: {"per_chip", "batch_size", "peak" (bytes, of the largest that fits, or None),
+      "probes" [[per_chip, fits], ...], "seconds"}}``, with ``"hbm_bytes"`` and the mesh.
+    """
+    from transformer_jax.parallel import pod
+    from transformer_jax.train.config import build_configs
+
+    _, train, _ = build_configs(config, overrides)
+    devices = pod.topology_devices(topology, slices)
+    mesh_config, _ = _mesh_config(config, overrides, train, slices)
+    sizes = dict(zip(mesh_config.axes, mesh_config.resolve(len(devices)), strict=True))
+    split = sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)
+    out: dict[str, Any] = {"mesh": sizes, "batch_devices": split, "policies": {}}
+    for remat in remats:
+        peaks: dict[int, int] = {}
+
+        def fits(per_chip: int, remat: str = remat, peaks: dict[int, int] = peaks) -> bool:
+            batch = per_chip * split * train.grad_accum
+            r = compile_report(config, [*overrides, f"model.remat={remat}",
+                                        f"train.batch_size={batch}"], topology, slices)
+            out["hbm_bytes"] = r["hbm_bytes"]
+            if r["fits"]:
+                peaks[per_chip] = r["memory"]["peak"]
+            return r["fits"]
+
+        start = time.perf_counter()
+        best, probes = pod.largest_fitting(fits, most)
+        out["policies"][remat] = {
+            "per_chip": best, "batch_size": best * split * train.grad_accum,
+            "peak": peaks.get(best), "probes": [list(p) for p in probes],
+            "seconds": time.perf_counter() - start}
+    return out
+
+
+def format_batches(found: dict[str, Any], topology: str) -> str:
+    """``find_batch``'s result as the lines the command prints."""
+    mesh = " x ".join(f"{k}={v}" for k, v in found["mesh"].items())
+    lines = [f"largest per-chip batch on {topology} (mesh {mesh}; the batch splits over "
+             f"{found['batch_devices']} devices; {_gib(found.get('hbm_bytes'))} HBM a chip)"]
+    for remat, row in found["policies"].items():
+        probes = " ".join(f"{n}{'' if ok else 'x'}" for n, ok in row["probes"])
+        fit = (f"{row['per_chip']} (train.batch_size={row['batch_size']}, peak "
+               f"{_gib(row['peak'])})" if row["per_chip"] else "none fits")
+        lines.append(f"  remat={remat:<10} {fit}; probes {probes} ({row['seconds']:.0f} s)")
+    return "\n".join(lines)
+
+
 def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / GIB:.3f} GiB"
 
@@ -155,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="TPU topology, e.g. v5e:2x2, v5p:4x4x4, v6e:16x16")
     parser.add_argument("--slices", type=int, default=1, help="slices joined by DCN")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--find-batch", action="store_true",
+                        help="find the largest per-chip batch that fits, for each remat policy "
+                        "(one compile a probe)")
+    parser.add_argument("--remat", action="append",
+                        help="with --find-batch: the policies to search (repeatable; default "
+                        "all)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override one field of the config, as for train")
     args = parser.parse_intermixed_args(argv)
@@ -164,7 +228,19 @@ def main(argv: list[str] | None = None) -> int:
 
     # It only compiles, never claims a chip: two compiles at once need not exclude each other.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if args.remat and not args.find_batch:
+        parser.error("--remat goes with --find-batch")
+    from transformer_jax.model.config import REMATS
+
+    for remat in args.remat or ():
+        if remat not in REMATS:
+            parser.error(f"--remat must be one of {', '.join(REMATS)}, got {remat!r}")
     try:
+        if args.find_batch:
+            found = find_batch(args.config, args.overrides, args.topology, args.slices,
+                               tuple(args.remat or REMATS))
+            print(json.dumps(found) if args.json else format_batches(found, args.topology))
+            return 0
         report = compile_report(args.config, args.overrides, args.topology, args.slices)
     except (ConfigError, ValueError, FileNotFoundError, ModuleNotFoundError,
             NotImplementedError) as e:

@@ -14,7 +14,7 @@ data-parallel gradient reduction crosses slices.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -131,3 +131,33 @@ def slice_count(mesh: Mesh) -> int:
 def chips(mesh: Mesh) -> int:
     """Number of devices of the mesh."""
     return math.prod(mesh.devices.shape)
+
+
+def largest_fitting(fits: Callable[[int], bool], most: int = 4096
+                    ) -> tuple[int, list[tuple[int, bool]]]:
+    """The largest ``n`` in [1, ``most``] for which ``fits(n)``, for a ``fits`` that holds up to
+    some limit and not beyond (memory grows with the batch): doubling from 1, then bisection.
+
+    Returns:
+      ``(n, probes)``: 0 when ``fits(1)`` is False; ``probes`` the ``(n, fits(n))`` asked, in
+      order (each a compile, for the caller's report).
+    """
+    probes: list[tuple[int, bool]] = []
+
+    def probe(n: int) -> bool:
+        probes.append((n, fits(n)))
+        return probes[-1][1]
+
+    lo, hi, n = 0, None, 1
+    while hi is None:
+        if probe(n):
+            lo = n
+            if n == most:
+                return lo, probes
+            n = min(2 * n, most)
+        else:
+            hi = n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if probe(mid) else (lo, mid)
+    return lo, probes
