@@ -1,5 +1,6 @@
-"""The train step compiled by the real TPU compiler for TPU topologies, on this CPU host
-(``transformer-jax compile``): memory per chip, the collectives a mesh implies, slices, errors.
+"""The train step (and generate, ``--serve``) compiled by the real TPU compiler for TPU
+topologies, on this CPU host (``transformer-jax compile``): memory per chip, the collectives a
+mesh implies, slices, errors.
 
 Needs libtpu (the ``tpu`` extra, installed by the README's test command); the rest of the suite
 does not. Every compile is of a 2-layer toy model, shared by module-scoped fixtures.
@@ -7,6 +8,8 @@ does not. Every compile is of a 2-layer toy model, shared by module-scoped fixtu
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -20,6 +23,7 @@ import pytest
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from transformer_jax.cli import compile as compile_cli  # noqa: E402
+from transformer_jax.cli import compile_serve  # noqa: E402
 from transformer_jax.parallel import collectives as coll  # noqa: E402
 
 TOY = ["model.vocab_size=256", "model.d_model=512", "model.d_ff=512", "model.n_layers=2",
@@ -289,3 +293,87 @@ def test_find_batch_options_are_checked(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         compile_cli.main(["--topology", "v5e:2x2", *argv])
     assert exit_info.value.code == 2 and "--remat" in capsys.readouterr().err
+
+
+# ``--serve``: generate of the toy (4 kv heads of 128, 2 layers, float32) over tensor=4, with a
+# KV cache too large for the chip's VMEM, so that the compiler keeps it in HBM, where its
+# temporaries count it (a cache that fits VMEM, 128 MiB on v5e, is not in the HBM figures).
+SERVE = ["--topology", "v5e:2x2", "--serve", "--tensor", "4", "--batch", "8",
+         "--prompt-len", "8", "--new-tokens", "8", *TOY[:-2]]
+SMALL_S, LARGE_S = 16384, 24576
+
+
+def _serve_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = compile_cli.main([*SERVE, *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def serve_small():
+    code, out, _ = _serve_cli("--cache-size", str(SMALL_S), "--json")
+    assert code == 0
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def serve_large():
+    return compile_serve.serve_report("tiny", TOY[:-2], "v5e:2x2", tensor=4, batch=8,
+                                      prompt_len=8, new_tokens=8, cache_size=LARGE_S, hlo=True)
+
+
+def _toy_cache_bytes_per_chip(s: int, tensor: int = 4) -> int:
+    # K and V, 2 layers, B=8, S slots, 4 kv heads of 512 / 4 = 128, float32; kv heads split.
+    return 2 * 2 * 8 * s * 4 * 128 * 4 // tensor
+
+
+def test_serve_generate_fits_and_all_reduces_over_tensor(serve_large):
+    r = serve_large
+    assert r["program"] == "generate" and r["mesh"]["tensor"] == 4 and r["devices"] == 4
+    assert r["fits"] and 0 < r["memory"]["peak"] <= r["hbm_bytes"] == 16 * 2**30
+    assert r["cache_bytes_per_chip"] == _toy_cache_bytes_per_chip(LARGE_S)
+    assert _axes(r) == {"tensor"}
+    # Per layer: the attention and MLP outputs, in the prefill and in the decode step.
+    assert r["collectives"]["by_kind"]["all-reduce"]["count"] >= 2 * 2 * 2
+    # No weight is gathered: the largest matrix shard of a chip is 512 x 512 / 4 floats.
+    weight_shard = 512 * 512 * 4 // 4
+    assert all(math.prod(s) * 4 < weight_shard for s in _all_gathered_shapes(r["hlo"]))
+    # Each chip holds its quarter of the weights (and the small inputs).
+    assert r["weight_bytes"] / 4 <= r["memory"]["argument"] <= r["weight_bytes"] / 4 + 2**20
+
+
+def test_serve_cache_size_raises_temporaries_by_the_cache_bytes(serve_small, serve_large):
+    assert serve_small["memory"]["temp"] >= _toy_cache_bytes_per_chip(SMALL_S)
+    grown = serve_large["memory"]["temp"] - serve_small["memory"]["temp"]
+    implied = _toy_cache_bytes_per_chip(LARGE_S) - _toy_cache_bytes_per_chip(SMALL_S)
+    assert 0.95 <= grown / implied <= 1.1
+    assert serve_large["memory"]["argument"] == serve_small["memory"]["argument"]
+
+
+def test_serve_report_prints(serve_large):
+    text = compile_serve.format_serve_report(serve_large)
+    assert "generate of tiny on v5e:2x2" in text and "all-reduce over tensor" in text
+    assert f"S={LARGE_S}" in text and "fits" in text
+
+
+def test_serve_overflow_is_one_line():
+    code, _, err = _serve_cli("--cache-size", str(2**20))
+    assert code == compile_cli.EXIT_DOES_NOT_FIT
+    err = err.strip().splitlines()[-1]
+    assert err.startswith("error: does not fit on v5e:2x2") and "RESOURCE_EXHAUSTED" in err
+
+
+@pytest.mark.parametrize("argv", [["--tensor", "3"], ["--cache-size", "4"]])
+def test_serve_bad_input_is_one_line(argv):
+    code, _, err = _serve_cli(*argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and lines[-1].startswith("error: ") and "Traceback" not in err
+    if argv[0] == "--tensor":
+        assert "n_kv_heads=4" in lines[-1]
+
+
+def test_serve_options_need_serve(capsys):
+    with pytest.raises(SystemExit) as e:
+        compile_cli.main(["--topology", "v5e:2x2", "--tensor", "4"])
+    assert e.value.code == 2 and "--tensor go with --serve" in capsys.readouterr().err

@@ -4,6 +4,7 @@
       train.seq_len=8192 model.dtype=bfloat16 model.remat=full
   transformer-jax compile --config tiny --topology v5e:2x2 --slices 2 --json
   transformer-jax compile --config llama3_8b --topology v5p:2x2x2 --find-batch --remat full
+  transformer-jax compile --config decode_25m --topology v5e:2x2 --serve --tensor 4 --batch 8
 
 The run's config and ``section.key=value`` overrides are ``transformer-jax train``'s. The mesh
 is the run's ``train.mesh`` when the config or an override sets it; otherwise every chip is an
@@ -14,6 +15,11 @@ the TPU target (kernel choices such as attention ``auto`` are the TPU's). Printe
 arguments, output, temporaries, the peak against the chip's HBM, whether it fits, the compile
 time, and the collectives of one step by kind and by mesh axis, and those crossing slices.
 A program that does not fit is one line with the compiler's figures (exit 1).
+
+With ``--serve``, ``generate`` (prefill and the decode loop) is compiled instead, over a decode
+mesh (``--tensor``, default every chip, and ``--expert``), for ``--batch`` prompts of
+``--prompt-len`` tokens, ``--new-tokens`` new ones and ``--cache-size`` KV cache slots; the
+report adds the KV cache bytes a chip the config implies (``cli.compile_serve``).
 """
 
 from __future__ import annotations
@@ -59,9 +65,9 @@ def compile_report(config: str, overrides: list[str], topology: str, slices: int
       ConfigError / ValueError: a bad config, override, mesh or batch split.
       TopologyError: no libtpu, or a topology libtpu does not know.
     """
-    import jax
 
     from transformer_jax.bench.memory import lower_train_step
+    from transformer_jax.cli.compile_serve import compile_memory
     from transformer_jax.model.ops import target
     from transformer_jax.parallel import collectives, pod
     from transformer_jax.train.config import build_configs
@@ -80,23 +86,11 @@ def compile_report(config: str, overrides: list[str], topology: str, slices: int
         "batch_size": train.batch_size, "seq_len": train.seq_len, "dtype": model.dtype,
         "remat": model.remat, "attention": model.attention_impl, "hbm_bytes": hbm}
     lowered, report["lower_s"] = lower_train_step(model, train, mesh)
-    start = time.perf_counter()
-    try:
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as e:
-        text = str(e).splitlines()[0]
-        if "RESOURCE_EXHAUSTED" not in text:
-            raise
-        report.update(fits=False, error=text, compile_s=time.perf_counter() - start)
+    compiled, fields = compile_memory(lowered)
+    report.update(fields)
+    if compiled is None:
         return report
-    report["compile_s"] = time.perf_counter() - start
-    stats = compiled.memory_analysis()
-    memory = {n: int(getattr(stats, f"{n}_size_in_bytes", 0) or 0)
-              for n in ("argument", "output", "alias", "temp", "generated_code")}
-    # Donated state is aliased to the output: live at once are the arguments, the outputs
-    # not aliased to them, and the temporaries.
-    memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
-    report["memory"] = memory
+    memory = report["memory"]
     report["fits"] = hbm is None or memory["peak"] <= hbm
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -219,6 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remat", action="append",
                         help="with --find-batch: the policies to search (repeatable; default "
                         "all)")
+    serve = parser.add_argument_group(
+        "--serve", "compile generate (prefill and the decode loop) instead of the train step")
+    serve.add_argument("--serve", action="store_true", help="compile generate")
+    serve.add_argument("--tensor", type=int, help="tensor axis of the decode mesh (default: "
+                       "every chip); must divide the kv heads")
+    serve.add_argument("--expert", type=int, default=1, help="expert axis (a mixture's)")
+    serve.add_argument("--batch", type=int, default=8, help="B, sequences (default 8)")
+    serve.add_argument("--prompt-len", type=int, default=128, help="T, prompt length (128)")
+    serve.add_argument("--new-tokens", type=int, default=128, help="N, new tokens (128)")
+    serve.add_argument("--cache-size", type=int, help="S, KV cache slots (default T + N)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override one field of the config, as for train")
     args = parser.parse_intermixed_args(argv)
@@ -228,6 +232,15 @@ def main(argv: list[str] | None = None) -> int:
 
     # It only compiles, never claims a chip: two compiles at once need not exclude each other.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    given = [f"--{k.replace('_', '-')}" for k in ("tensor", "cache_size")
+             if getattr(args, k) is not None]
+    given += [f"--{k.replace('_', '-')}" for k, v in (("expert", 1), ("batch", 8),
+                                                       ("prompt_len", 128), ("new_tokens", 128))
+              if getattr(args, k) != v]
+    if given and not args.serve:
+        parser.error(f"{', '.join(given)} go with --serve")
+    if args.serve and (args.find_batch or args.slices != 1):
+        parser.error("--serve compiles generate on one slice; not with --find-batch or --slices")
     if args.remat and not args.find_batch:
         parser.error("--remat goes with --find-batch")
     from transformer_jax.model.config import REMATS
@@ -241,7 +254,15 @@ def main(argv: list[str] | None = None) -> int:
                                tuple(args.remat or REMATS))
             print(json.dumps(found) if args.json else format_batches(found, args.topology))
             return 0
-        report = compile_report(args.config, args.overrides, args.topology, args.slices)
+        if args.serve:
+            from transformer_jax.cli.compile_serve import serve_report
+
+            report = serve_report(args.config, args.overrides, args.topology, tensor=args.tensor,
+                                  expert=args.expert, batch=args.batch,
+                                  prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                  cache_size=args.cache_size)
+        else:
+            report = compile_report(args.config, args.overrides, args.topology, args.slices)
     except (ConfigError, ValueError, FileNotFoundError, ModuleNotFoundError,
             NotImplementedError) as e:
         # ModuleNotFoundError: a kernel's library (tokamax: attention auto/mosaic on TPU);
@@ -256,5 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(report))
         return EXIT_DOES_NOT_FIT
-    print(json.dumps(report) if args.json else format_report(report))
+    if args.json:
+        print(json.dumps(report))
+    elif args.serve:
+        from transformer_jax.cli.compile_serve import format_serve_report
+
+        print(format_serve_report(report))
+    else:
+        print(format_report(report))
     return 0 if report["fits"] else EXIT_DOES_NOT_FIT

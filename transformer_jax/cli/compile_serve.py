@@ -1,0 +1,173 @@
+"""``transformer-jax compile --serve``: ``generate`` compiled for a TPU pod on this host.
+
+The jitted decode (``decode.loop.generate_padded``: prefill, then the while loop of decode steps
+over the KV cache) is lowered on abstract inputs, the prepared weights for a TPU target
+(``decode.weights.abstract_weights``) placed by ``weight_shardings`` over a decode mesh
+(``tensor`` over the chips, optionally ``expert``; ``train.mesh`` is not the decode's), and
+[B, T] prompts, [B] lengths and [B, 2] key data replicated, then compiled by the TPU compiler
+for the topology's devices. XLA partitions it from the weights' shardings (and the cache's, by
+the decode's logical-axis rules), as on a pod.
+
+The compiler's memory analysis counts HBM only: a KV cache small enough for the chip's VMEM
+(128 MiB on v5e), which the compiler may keep there for the whole decode, is not among the
+temporaries (measured on v5e: decode_25m's 8 MiB cache a chip at S=256 shows 0 temporaries).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+GIB = 2.0**30
+
+
+def compile_memory(lowered: Any) -> tuple[Any, dict[str, Any]]:
+    """Compiles ``lowered``; returns ``(compiled, fields)``: ``compile_s`` and the per-device
+    ``memory`` (bytes; ``peak`` = arguments + non-aliased output + temporaries), or
+    ``(None, {"fits": False, "error": line, "compile_s"})`` when the compiler runs out of
+    memory (RESOURCE_EXHAUSTED). Other compiler errors propagate."""
+    import jax
+
+    start = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        text = str(e).splitlines()[0]
+        if "RESOURCE_EXHAUSTED" not in text:
+            raise
+        return None, {"fits": False, "error": text, "compile_s": time.perf_counter() - start}
+    fields: dict[str, Any] = {"compile_s": time.perf_counter() - start}
+    stats = compiled.memory_analysis()
+    memory = {n: int(getattr(stats, f"{n}_size_in_bytes", 0) or 0)
+              for n in ("argument", "output", "alias", "temp", "generated_code")}
+    memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
+    fields["memory"] = memory
+    return compiled, fields
+
+
+def serve_report(config: str, overrides: list[str], topology: str, *, tensor: int | None = None,
+                 expert: int = 1, batch: int = 8, prompt_len: int = 128, new_tokens: int = 128,
+                 cache_size: int | None = None, hlo: bool = False) -> dict[str, Any]:
+    """Compiles ``generate`` for ``topology`` over a decode mesh and returns the per-chip report.
+
+    Args:
+      config, overrides: the run's config (preset or TOML) and ``section.key=value`` overrides;
+        only the model section matters.
+      topology: a TPU topology (``"v5e:2x2"``).
+      tensor: T, the tensor axis (default: every chip over ``expert``); must divide the kv
+        heads, heads and FFN widths (``decode.check_tensor_parallel``).
+      expert: X, a mixture's expert axis (1: none). The mesh takes the first T x X devices.
+      batch, prompt_len, new_tokens: B, T and N of the compiled program.
+      cache_size: S, the KV cache's slots (default T + N).
+      hlo: include the compiled program's text.
+
+    Returns:
+      A JSON-ready dict: ``fits`` False (with ``error``) when the compiler ran out of memory;
+      else ``memory`` per chip in bytes, ``compile_s``, ``collectives``
+      (``parallel.collectives.summarize``), and ``cache_bytes_per_chip`` (the KV cache the
+      config implies, ``model.kv_cache.cache_bytes``, over the T shards of its kv heads).
+
+    Raises:
+      ConfigError / ValueError: a bad config, override, mesh size or B, T, N, S.
+      TopologyError: no libtpu, or a topology libtpu does not know.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from transformer_jax.decode import loop as decode
+    from transformer_jax.decode.prompts import validate_capacity
+    from transformer_jax.model.kv_cache import cache_bytes
+    from transformer_jax.parallel import collectives, pod
+    from transformer_jax.parallel.mesh import MeshConfig
+    from transformer_jax.train.config import build_configs
+
+    model, _, _ = build_configs(config, overrides)
+    for name, value in (("--batch", batch), ("--prompt-len", prompt_len),
+                        ("--new-tokens", new_tokens), ("--expert", expert)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    cache_size = prompt_len + new_tokens if cache_size is None else cache_size
+    validate_capacity(model, [prompt_len], new_tokens, cache_size)
+    devices = pod.topology_devices(topology)
+    if tensor is None:
+        tensor = max(1, len(devices) // expert)
+    if tensor < 1 or tensor * expert > len(devices):
+        raise ValueError(f"--tensor {tensor} x --expert {expert} devices: {topology} has "
+                         f"{len(devices)}")
+    decode.check_tensor_parallel(model, tensor, expert)
+    mesh = pod.pod_mesh(MeshConfig(data=1, fsdp=1, tensor=tensor, expert=expert),
+                        devices[:tensor * expert])
+    per_chip = pod.devices_per_chip(devices)
+    hbm = pod.hbm_bytes(devices[0])
+    hbm = hbm // per_chip if hbm else None
+    cache = cache_bytes(model, batch, cache_size)
+    report: dict[str, Any] = {
+        "program": "generate", "config": config, "overrides": overrides, "topology": topology,
+        "device_kind": devices[0].device_kind, "devices": tensor * expert,
+        "topology_devices": len(devices), "mesh": dict(mesh.shape), "dtype": model.dtype,
+        "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+        "cache_size": cache_size, "attention": model.attention_impl, "hbm_bytes": hbm,
+        "cache_bytes": cache, "cache_bytes_per_chip": cache // tensor}
+
+    aw = decode.abstract_weights(model, platform="tpu")
+    shardings = decode.weight_shardings(model, mesh, aw.out_first, aw.quant, aw.experts_split)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          aw.params, shardings)
+    weights = decode.DecodeWeights(params, model, mesh, aw.out_first, aw.quant,
+                                   aw.experts_split)
+    report["weight_bytes"] = weights.nbytes
+    rep = NamedSharding(mesh, P())
+    inputs = (jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=rep),
+              jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rep),
+              jax.ShapeDtypeStruct((batch, 2), jnp.uint32, sharding=rep))
+    start = time.perf_counter()
+    lowered = decode._generate_jit.lower(model, weights, *inputs, max_new_tokens=new_tokens,
+                                         cache_size=cache_size, mesh=mesh)
+    report["lower_s"] = time.perf_counter() - start
+    compiled, fields = compile_memory(lowered)
+    report.update(fields)
+    if compiled is None:
+        return report
+    report["fits"] = hbm is None or report["memory"]["peak"] <= hbm
+    ids, axes = pod.slice_mesh(mesh)
+    text = compiled.as_text()
+    report["collectives"] = collectives.summarize(collectives.collectives(text, ids, axes))
+    report["mosaic_calls"] = text.count('custom_call_target="tpu_custom_call"')
+    if hlo:
+        report["hlo"] = text
+    return report
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GIB:.3f} GiB"
+
+
+def format_serve_report(r: dict[str, Any]) -> str:
+    """``serve_report``'s result as the lines the command prints."""
+    mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1 or k == "tensor")
+    m = r["memory"]
+    share = f" = {m['peak'] / r['hbm_bytes']:.1%} of HBM" if r["hbm_bytes"] else ""
+    lines = [f"generate of {r['config']} on {r['topology']} ({r['devices']} of "
+             f"{r['topology_devices']} x {r['device_kind']}, {_gib(r['hbm_bytes'])} HBM each)",
+             f"  mesh {mesh}; B={r['batch']} T={r['prompt_len']} N={r['new_tokens']} "
+             f"S={r['cache_size']} dtype={r['dtype']} attention={r['attention']}",
+             f"  lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s",
+             "  per chip",
+             f"    arguments    {_gib(m['argument'])} (the weights {_gib(r['weight_bytes'])} "
+             "over the mesh, and the inputs)",
+             f"    output       {_gib(m['output'])}",
+             f"    temporaries  {_gib(m['temp'])} (the KV cache, "
+             f"{_gib(r['cache_bytes_per_chip'])} a chip, is here unless it fits VMEM)",
+             f"    peak         {_gib(m['peak'])} of {_gib(r['hbm_bytes'])}{share}: "
+             + ("fits" if r["fits"] else "DOES NOT FIT"),
+             f"  Mosaic kernel calls in the program: {r['mosaic_calls']}",
+             "  collectives of one generate (count, bytes per chip; the decode loop's body "
+             "counted once)"]
+    c = r["collectives"]
+    for key, row in sorted(c["by_axis"].items()):
+        lines.append(f"    {key:<40} {row['count']:6d}  {row['bytes'] / 2**20:12.2f} MiB")
+    if not c["by_axis"]:
+        lines.append("    none")
+    return "\n".join(lines)
