@@ -87,9 +87,8 @@ class TrainConfig(ObjectiveConfig):
         devices), a fourth for a mixture's expert axis (``"-1,1,1,4"``), or named
         (``"expert=4,data=-1"``); the default is data parallelism over every device. Sizes
         of the whole mesh, over all slices of a multi-slice pod (docs/pods.md).
-      dcn_mesh: on several TPU slices, how many slices each mesh axis spans, ``mesh``'s
-        syntax (``"1,2,1"``, ``"fsdp=2"``; their product the slice count; one may be -1); an
-        axis of size S over D slices has S/D devices per slice. Default: all on data.
+      dcn_mesh: on several TPU slices, how many slices each mesh axis spans (``mesh``'s syntax,
+        ``"fsdp=2"``; product: the slice count); S/D devices per slice. Default: all on data.
       sample_tokens: tokens generated at each evaluation (0 disables samples).
       sample_prompt: text the samples start from.
       sample_temperature: sampling temperature of the samples (0 is greedy).
