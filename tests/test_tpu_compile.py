@@ -25,6 +25,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 from transformer_jax.cli import compile as compile_cli  # noqa: E402
 from transformer_jax.cli import compile_serve  # noqa: E402
 from transformer_jax.parallel import collectives as coll  # noqa: E402
+from transformer_jax.parallel import mesh as mesh_lib  # noqa: E402
 
 TOY = ["model.vocab_size=256", "model.d_model=512", "model.d_ff=512", "model.n_layers=2",
        "model.n_heads=4", "model.n_kv_heads=4", "model.scan_layers=true",
@@ -66,6 +67,11 @@ def two_slices():
     return _report("v5e:2x2", slices=2)
 
 
+@pytest.fixture(scope="module")
+def fsdp_over_slices():
+    return _report("v5e:2x2", "train.dcn_mesh=fsdp=2", slices=2)
+
+
 def _axes(report: dict) -> set[str]:
     return {key.split(" over ")[1] for key in report["collectives"]["by_axis"]}
 
@@ -74,7 +80,8 @@ def _kinds(report: dict) -> set[str]:
     return set(report["collectives"]["by_kind"])
 
 
-@pytest.mark.parametrize("name", ["fsdp4", "data4", "tensor4", "data2_tensor2", "two_slices"])
+@pytest.mark.parametrize("name", ["fsdp4", "data4", "tensor4", "data2_tensor2", "two_slices",
+                                  "fsdp_over_slices"])
 def test_memory_figures_are_consistent(name, request):
     r = request.getfixturevalue(name)
     m = r["memory"]
@@ -149,6 +156,62 @@ def test_two_slices_cross_only_for_data_parallel_reductions(two_slices):
     assert 0.25 <= dcn / two_slices["memory"]["argument"] <= 0.45
 
 
+def test_fsdp_over_slices_crosses_slices_for_fsdp_collectives(fsdp_over_slices, two_slices):
+    r = fsdp_over_slices
+    # The unset mesh: fsdp over every chip; train.dcn_mesh puts the two slices on it.
+    assert r["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert r["dcn_mesh"] == {"data": 1, "fsdp": 2, "tensor": 1}
+    assert two_slices["dcn_mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
+    crossing = r["collectives"]["cross_slice"]
+    by_axis = r["collectives"]["by_axis"]
+    assert {k.split(" over ")[1] for k in by_axis} == {"fsdp", "fsdp (dcn)"}
+    # The weight gathers now cross slices (each layer's weights, both passes), where over
+    # data only the gradient reductions did (and no gather as often).
+    assert crossing["all-gather"]["count"] >= 2 * 2
+    assert crossing["all-gather"]["count"] > two_slices["collectives"]["cross_slice"].get(
+        "all-gather", {"count": 0})["count"]
+    assert not any("fsdp (dcn)" in k for k in two_slices["collectives"]["by_axis"])
+    # The parameters and optimizer state split 8 ways instead of 4.
+    assert r["memory"]["argument"] < 0.6 * two_slices["memory"]["argument"]
+
+
+def _devices(n: int, slices: int) -> list:
+    """Fake devices of ``slices`` slices (only ``slice_index`` is read before the mesh)."""
+    return [type("D", (), {"slice_index": i * slices // n})() for i in range(n)]
+
+
+@pytest.mark.parametrize(("mesh", "dcn", "slices"), [
+    ("1,16,1", "fsdp=2", 2), ("-1,1,1", "-1,1,1", 4), ("2,2,2,2", "1,2,1,2", 4),
+    ("-1,2,1", "data=2,fsdp=2", 4), ("-1,1,1", "-1,1,1", 1)])
+def test_hybrid_sizes_split_each_axis_into_ici_and_dcn(mesh, dcn, slices):
+    config, dcn_config = mesh_lib.MeshConfig.parse(mesh), mesh_lib.MeshConfig.parse(dcn)
+    ici, over = mesh_lib.hybrid_sizes(config, dcn_config, 16, slices)
+    whole = config.resolve(16)
+    assert tuple(i * d for i, d in zip(ici, over, strict=True)) == whole
+    assert math.prod(over) == slices and math.prod(ici) == 16 // slices
+    assert mesh_lib.slice_count(_devices(16, slices)) == slices
+
+
+@pytest.mark.parametrize(("mesh", "dcn", "match"), [
+    ("1,8,1", "2,2,1", "multiply to the slice count"), ("1,8,1", "3,-1,1", "multiply"),
+    ("-1,1,1", "1,1,2", "tensor=1 cannot span 2 slices"),
+    ("1,-1,1", "expert=2,data=-1", "expert axis"), ("3,1,1", "-1,1,1", "needs 3 devices")])
+def test_bad_dcn_meshes_are_one_clear_error(mesh, dcn, match):
+    config, dcn_config = mesh_lib.MeshConfig.parse(mesh), mesh_lib.MeshConfig.parse(dcn)
+    with pytest.raises(ValueError, match=match):
+        mesh_lib.make_mesh(config, _devices(8, 2), dcn_config)
+
+
+def test_dcn_mesh_on_one_slice_or_in_a_config_is_checked():
+    with pytest.raises(ValueError, match=r"dcn_mesh data=2 x .* 1 slice\(s\)"):
+        mesh_lib.make_mesh(mesh_lib.MeshConfig(), _devices(8, 1)[:1],
+                           mesh_lib.MeshConfig.parse("2,1,1"))
+    from transformer_jax.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="'1,x,1' must be integer"):
+        TrainConfig(dcn_mesh="1,x,1")
+
+
 def test_cli_json_on_v5p(capsys):
     code = compile_cli.main(["--topology", "v5p:2x2x1", "--json", *TOY])
     r = json.loads(capsys.readouterr().out)
@@ -168,7 +231,9 @@ def test_cli_overflow_is_one_line(capsys):
 
 
 @pytest.mark.parametrize("argv", [["--topology", "v9x:2x2"], ["--topology", "nonsense"],
-                                  ["--topology", "v5e:2x2", "train.mesh=3,1,1"]])
+                                  ["--topology", "v5e:2x2", "train.mesh=3,1,1"],
+                                  ["--topology", "v5e:2x2", "--slices", "2",
+                                   "train.dcn_mesh=1,1,2"]])
 def test_cli_bad_input_is_one_line(argv, capsys):
     assert compile_cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

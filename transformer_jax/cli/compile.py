@@ -8,12 +8,14 @@
 
 The run's config and ``section.key=value`` overrides are ``transformer-jax train``'s. The mesh
 is the run's ``train.mesh`` when the config or an override sets it; otherwise every chip is an
-FSDP device (with ``--slices N``: data=N over the slices, FSDP within each). The slices always
-split the data axis. Nothing runs: the train step is lowered on abstract sharded inputs and
-compiled by the TPU compiler (libtpu, the ``tpu`` extra) for the topology's devices, traced for
-the TPU target (kernel choices such as attention ``auto`` are the TPU's). Printed per chip:
-arguments, output, temporaries, the peak against the chip's HBM, whether it fits, the compile
-time, and the collectives of one step by kind and by mesh axis, and those crossing slices.
+FSDP device (with ``--slices N``: data=N over the slices, FSDP within each). The slices split
+the axes ``train.dcn_mesh`` gives them (default: data; ``train.dcn_mesh=fsdp=2``: fsdp, and an
+unset mesh then has fsdp over every chip). Nothing runs: the train step is lowered on abstract
+sharded inputs and compiled by the TPU compiler (libtpu, the ``tpu`` extra) for the topology's
+devices, traced for the TPU target (kernel choices such as attention ``auto`` are the TPU's).
+Printed per chip: arguments, output, temporaries, the peak against the chip's HBM, whether it
+fits, the compile time, and the collectives of one step by kind and by mesh axis, and those
+crossing slices.
 A program that does not fit is one line with the compiler's figures (exit 1).
 
 With ``--serve``, ``generate`` (prefill and the decode loop) is compiled instead, over a decode
@@ -37,18 +39,22 @@ GIB = 2.0**30
 EXIT_DOES_NOT_FIT = 1
 
 
-def _mesh_config(config: str, overrides: list[str], train: Any, slices: int) -> tuple[Any, str]:
-    """The mesh the run asks for, or FSDP over every chip; with a line saying which."""
+def _mesh_config(config: str, overrides: list[str], train: Any, slices: int
+                 ) -> tuple[Any, Any, str]:
+    """The mesh the run asks for, or FSDP over every chip, and its DCN mesh
+    (``train.dcn_mesh``); with a line saying which."""
     from transformer_jax.model.config import load_toml
     from transformer_jax.parallel.mesh import MeshConfig
     from transformer_jax.parallel.pod import default_mesh
 
+    dcn = MeshConfig.parse(train.dcn_mesh)
     given = any(o.split("=", 1)[0].strip() == "train.mesh" for o in overrides) or \
         "mesh" in load_toml(config).get("train", {})
     if given:
-        return MeshConfig.parse(train.mesh), f"train.mesh={train.mesh}"
-    return default_mesh(0, slices), "train.mesh unset: every chip an FSDP device" + (
-        f", data={slices} over the slices" if slices > 1 else "")
+        return MeshConfig.parse(train.mesh), dcn, f"train.mesh={train.mesh}"
+    mesh = default_mesh(0, slices, dcn)
+    return mesh, dcn, "train.mesh unset: every chip an FSDP device" + (
+        f", data={mesh.data} over the slices" if mesh.data > 1 else "")
 
 
 def compile_report(config: str, overrides: list[str], topology: str, slices: int = 1, *,
@@ -74,15 +80,17 @@ def compile_report(config: str, overrides: list[str], topology: str, slices: int
 
     model, train, _ = build_configs(config, overrides)
     devices = pod.topology_devices(topology, slices)
-    mesh_config, mesh_note = _mesh_config(config, overrides, train, slices)
-    mesh = pod.pod_mesh(mesh_config, devices, slices)
+    mesh_config, dcn_config, mesh_note = _mesh_config(config, overrides, train, slices)
+    mesh = pod.pod_mesh(mesh_config, devices, slices, dcn_config)
     per_chip = pod.devices_per_chip(devices)
     hbm = pod.hbm_bytes(devices[0])
     hbm = hbm // per_chip if hbm else None
     report: dict[str, Any] = {
         "config": config, "overrides": overrides, "topology": topology, "slices": slices,
         "device_kind": devices[0].device_kind, "devices": len(devices),
-        "mesh": dict(mesh.shape), "mesh_from": mesh_note, "target": target.of_mesh(mesh),
+        "mesh": dict(mesh.shape), "mesh_from": mesh_note,
+        "dcn_mesh": dict(zip(mesh.axis_names, pod.dcn_sizes(mesh), strict=True)),
+        "target": target.of_mesh(mesh),
         "batch_size": train.batch_size, "seq_len": train.seq_len, "dtype": model.dtype,
         "remat": model.remat, "attention": model.attention_impl, "hbm_bytes": hbm}
     lowered, report["lower_s"] = lower_train_step(model, train, mesh)
@@ -98,7 +106,8 @@ def compile_report(config: str, overrides: list[str], topology: str, slices: int
     report["flops_hlo"] = float((cost or {}).get("flops", 0.0))
     ids, axes = pod.slice_mesh(mesh)
     text = compiled.as_text()
-    report["collectives"] = collectives.summarize(collectives.collectives(text, ids, axes))
+    report["collectives"] = collectives.summarize(collectives.collectives(
+        text, ids, axes, pod.dcn_axes(mesh) or "data"))
     report["mosaic_calls"] = text.count('custom_call_target="tpu_custom_call"')
     if hlo:
         report["hlo"] = text
@@ -124,7 +133,7 @@ def find_batch(config: str, overrides: list[str], topology: str, slices: int = 1
 
     _, train, _ = build_configs(config, overrides)
     devices = pod.topology_devices(topology, slices)
-    mesh_config, _ = _mesh_config(config, overrides, train, slices)
+    mesh_config, _, _ = _mesh_config(config, overrides, train, slices)
     sizes = dict(zip(mesh_config.axes, mesh_config.resolve(len(devices)), strict=True))
     split = sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)
     out: dict[str, Any] = {"mesh": sizes, "batch_devices": split, "policies": {}}
@@ -173,7 +182,9 @@ def format_report(r: dict[str, Any]) -> str:
                                                     if r["slices"] > 1 else "") +
              f" ({r['devices']} x {r['device_kind']}, {_gib(r['hbm_bytes'])} HBM each), "
              f"target {r['target']}",
-             f"  mesh {mesh} ({r['mesh_from']}); B={r['batch_size']} T={r['seq_len']} "
+             f"  mesh {mesh} ({r['mesh_from']}" + ("; over DCN " + " x ".join(
+                 f"{k}={v}" for k, v in r["dcn_mesh"].items() if v > 1) if r["slices"] > 1
+                 else "") + f"); B={r['batch_size']} T={r['seq_len']} "
              f"dtype={r['dtype']} remat={r['remat']} attention={r['attention']}",
              f"  lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s"]
     m = r["memory"]

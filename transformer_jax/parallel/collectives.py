@@ -167,17 +167,19 @@ def _multiplicity(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     return {name: count(name) for name in comps}
 
 
-def collectives(hlo: str, ids: np.ndarray, axis_names: tuple[str, ...]) -> list[dict[str, Any]]:
+def collectives(hlo: str, ids: np.ndarray, axis_names: tuple[str, ...], dcn: str = "data"
+                ) -> list[dict[str, Any]]:
     """Every collective of one run of a compiled program.
 
     Args:
       hlo: the compiled program's text (``compiled.as_text()``).
       ids: [axis sizes] partition ids of one slice in mesh order (``pod.slice_mesh``).
       axis_names: the mesh's axis names.
+      dcn: the mesh axes that span slices (``pod.dcn_axes``), naming the DCN transfers.
 
     Returns:
       One dict per collective instruction: ``kind`` (one of ``KINDS``), ``axes`` (the mesh
-      axes it runs over, ``"+"``-joined; ``"data (dcn)"`` between slices), ``bytes`` (its
+      axes it runs over, ``"+"``-joined; ``"<dcn> (dcn)"`` between slices), ``bytes`` (its
       result on one device), ``count`` (times one run executes it) and ``cross_slice``.
     """
     comps, entry = _computations(hlo)
@@ -193,7 +195,8 @@ def collectives(hlo: str, ids: np.ndarray, axis_names: tuple[str, ...]) -> list[
             type_text, op = m.group(2), m.group(3)
             if op == "send" and (t := _MEGASCALE.search(line)):
                 rendezvous = _RENDEZVOUS.search(line)
-                found.append({"kind": t.group(1).lower().replace("_", "-"), "axes": "data (dcn)",
+                found.append({"kind": t.group(1).lower().replace("_", "-"),
+                              "axes": f"{dcn} (dcn)",
                               "bytes": array_bytes(_ARRAY.search(type_text).group(0)),
                               "count": times[name], "cross_slice": True,
                               "name": rendezvous.group(1) if rendezvous else m.group(1)})

@@ -176,27 +176,87 @@ def configure_cpu_devices(divides: int | None = None, devices: int = 0) -> int:
     return n
 
 
-def make_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+#: The DCN mesh of a run that sets none: every slice on the data axis (``train.dcn_mesh``).
+DEFAULT_DCN = "-1,1,1"
+
+
+def slice_count(devices: Sequence[Any]) -> int:
+    """How many slices (TPU slices joined by DCN: distinct ``slice_index``) the devices span; 1
+    for devices without one (CPU, GPU)."""
+    return len({getattr(d, "slice_index", 0) for d in devices})
+
+
+def hybrid_sizes(mesh_config: MeshConfig, dcn_config: MeshConfig, n_devices: int,
+                 slices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each axis of ``mesh_config.axes`` split into its size within a slice (ICI) and the number
+    of slices it spans (DCN).
+
+    ``mesh_config`` gives the whole mesh's sizes (over all ``n_devices``); ``dcn_config`` how
+    many slices each axis spans (their product: ``slices``; a -1 takes the rest). An axis of
+    size S over D slices holds S / D devices of each slice.
+
+    Returns:
+      ``(ici, dcn)``, both in ``mesh_config.axes`` order; ``ici[i] * dcn[i]`` is axis i's size.
+
+    Raises:
+      ValueError: the mesh does not fit the devices, the DCN sizes do not multiply to the
+        slice count, name an expert axis the mesh lacks, or do not divide their axis.
+    """
+    sizes = mesh_config.resolve(n_devices)
+    axes = mesh_config.axes
+    where = f"dcn_mesh {dcn_config.describe()}"
+    if dcn_config.expert > 1 and "expert" not in axes:
+        raise ValueError(f"{where} spans slices with an expert axis, but the mesh "
+                         f"{mesh_config.describe()} has none")
+    try:
+        by_axis = dict(zip(dcn_config.axes, dcn_config.resolve(slices), strict=True))
+    except ValueError:
+        raise ValueError(f"{where} does not fit the devices' {slices} slice(s): its sizes must "
+                         "multiply to the slice count (one may be -1: the rest)") from None
+    dcn = tuple(by_axis.get(a, 1) for a in axes)
+    for axis, size, d in zip(axes, sizes, dcn, strict=True):
+        if size % d:
+            raise ValueError(f"{where}: mesh axis {axis}={size} cannot span {d} slices; make "
+                             f"{axis} a multiple of {d} (train.mesh gives whole-mesh sizes)")
+    return tuple(s // d for s, d in zip(sizes, dcn, strict=True)), dcn
+
+
+def make_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None,
+              dcn_config: MeshConfig | None = None) -> Mesh:
     """A ``(data, fsdp, tensor)`` mesh, or ``(data, fsdp, expert, tensor)`` with an expert axis,
     over ``devices`` (default: all devices of all processes).
 
     Axes are of the automatic (GSPMD/Shardy-propagated) kind: shardings are pinned on inputs,
-    outputs and the few constraints in the model, and XLA propagates the rest.
+    outputs and the few constraints in the model, and XLA propagates the rest. Devices of
+    several TPU slices (``slice_index``) make a hybrid mesh: each axis spans the slices
+    ``dcn_config`` gives it (default ``DEFAULT_DCN``: all on data), and within a slice the
+    ICI-aware order (``mesh_utils.create_hybrid_device_mesh``); see ``hybrid_sizes``.
 
     Args:
-      mesh_config: axis sizes; their product must equal the number of devices.
+      mesh_config: whole-mesh axis sizes; their product must equal the number of devices.
       devices: the devices to use; all of them must be used.
+      dcn_config: slices spanned per axis (``train.dcn_mesh``); None: all on data.
 
     Returns:
       A ``jax.sharding.Mesh`` with axis names ``mesh_config.axes``.
 
     Raises:
-      ValueError: if the mesh does not fit the device count (naming both).
+      ValueError: if the mesh does not fit the device count (naming both), or the DCN sizes
+        do not fit the slices or the axes (``hybrid_sizes``).
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = mesh_config.resolve(len(devices))
+    slices = slice_count(devices)
+    ici, dcn = hybrid_sizes(mesh_config, dcn_config or MeshConfig.parse(DEFAULT_DCN),
+                            len(devices), slices)
     axes = mesh_config.axes
-    mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices)
+    types = (AxisType.Auto,) * len(axes)
+    if slices == 1:
+        mesh = jax.make_mesh(ici, axes, axis_types=types, devices=devices)
+    else:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+        mesh = Mesh(grid, axes, axis_types=types)
     logger.info("mesh %s over %d devices (%d processes)",
                 dict(mesh.shape), len(devices), jax.process_count())
     return mesh

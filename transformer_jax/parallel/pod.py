@@ -6,9 +6,10 @@ the real TPU compiler: its memory analysis, and a program that does not fit fail
 compiler's RESOURCE_EXHAUSTED as it would on the pod. Nothing here imports libtpu before it is
 asked for, so a plain (CPU) install keeps working without it.
 
-Several slices (``num_slices``) are joined by DCN, not ICI: the mesh puts the slices on its
-``data`` axis (each slice holds ``data / slices`` of it and all of the other axes), so only the
-data-parallel gradient reduction crosses slices.
+Several slices (``num_slices``) are joined by DCN, not ICI: the mesh is a hybrid one whose axes
+span the slices ``train.dcn_mesh`` gives them (``parallel.mesh.hybrid_sizes``). By default the
+slices are on the ``data`` axis (each slice holds ``data / slices`` of it and all of the other
+axes), so only the data-parallel gradient reduction crosses slices.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
 from transformer_jax.parallel.mesh import MeshConfig
 
@@ -76,50 +77,55 @@ def devices_per_chip(devices: Sequence[Any]) -> int:
     return max(1, len(devices) // len(chips))
 
 
-def pod_mesh(mesh_config: MeshConfig, devices: Sequence[Any], slices: int = 1) -> Mesh:
-    """A mesh of ``mesh_config``'s axes over a topology's devices.
+def pod_mesh(mesh_config: MeshConfig, devices: Sequence[Any], slices: int = 1,
+             dcn_config: MeshConfig | None = None) -> Mesh:
+    """A mesh of ``mesh_config``'s axes over a topology's devices: ``parallel.mesh.make_mesh``.
 
-    One slice: ``parallel.mesh.make_mesh``'s device order (ICI-aware). Several: each slice
-    holds ``data / slices`` of the data axis and all of the others
-    (``mesh_utils.create_hybrid_device_mesh``), so slices differ only along ``data``.
+    One slice: its ICI-aware device order. Several (``slices``, as the devices'
+    ``slice_index`` tell): a hybrid mesh, each axis spanning the slices ``dcn_config`` gives it
+    (default: all on data, so slices differ only along ``data``).
 
     Raises:
-      ValueError: the sizes do not fit the devices, or data is not a multiple of the slices.
+      ValueError: the sizes do not fit the devices, or the DCN sizes the slices or the axes.
     """
-    from transformer_jax.parallel.mesh import make_mesh
+    from transformer_jax.parallel.mesh import make_mesh, slice_count
 
-    if slices == 1:
-        return make_mesh(mesh_config, devices)
-    from jax.experimental import mesh_utils
-
-    sizes = mesh_config.resolve(len(devices))
-    axes = mesh_config.axes
-    if sizes[0] % slices:
-        raise ValueError(f"mesh {dict(zip(axes, sizes, strict=True))} over {slices} slices: "
-                         f"the slices split the data axis, so data ({sizes[0]}) must be a "
-                         f"multiple of {slices}")
-    per_slice = (sizes[0] // slices, *sizes[1:])
-    dcn = (slices,) + (1,) * (len(sizes) - 1)
-    grid = mesh_utils.create_hybrid_device_mesh(per_slice, dcn, devices)
-    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+    if slice_count(devices) != slices:
+        raise ValueError(f"the devices span {slice_count(devices)} slices, not {slices}")
+    return make_mesh(mesh_config, devices, dcn_config)
 
 
-def default_mesh(n_devices: int, slices: int = 1) -> MeshConfig:
-    """The mesh of a run that sets none, on a pod: every chip an FSDP device, the slices (if
-    several) on the data axis."""
+def default_mesh(n_devices: int, slices: int = 1, dcn_config: MeshConfig | None = None
+                 ) -> MeshConfig:
+    """The mesh of a run that sets none, on a pod: every chip an FSDP device, but for the slices
+    the DCN mesh puts on data (default: all of them)."""
     del n_devices
-    return MeshConfig(data=slices, fsdp=-1, tensor=1)
+    data = slices
+    if dcn_config is not None:
+        data = dict(zip(dcn_config.axes, dcn_config.resolve(slices), strict=True))["data"]
+    return MeshConfig(data=data, fsdp=-1, tensor=1)
+
+
+def dcn_sizes(mesh: Mesh) -> tuple[int, ...]:
+    """How many slices each axis of ``mesh`` spans (all 1 on one slice)."""
+    ids = np.vectorize(lambda d: getattr(d, "slice_index", 0), otypes=[int])(mesh.devices)
+    return tuple(len(set(np.moveaxis(ids, i, 0)[(slice(None),) + (0,) * (ids.ndim - 1)]))
+                 for i in range(ids.ndim))
+
+
+def dcn_axes(mesh: Mesh) -> str:
+    """The mesh axes that span slices, ``"+"``-joined (``"data"``; ``""`` on one slice)."""
+    return "+".join(a for a, d in zip(mesh.axis_names, dcn_sizes(mesh), strict=True) if d > 1)
 
 
 def slice_mesh(mesh: Mesh) -> tuple[np.ndarray, tuple[str, ...]]:
-    """The first slice's part of ``mesh`` (``pod_mesh``'s: slices along ``data``, outermost) as
-    an [axis sizes] array of partition ids, with the axis names.
+    """The first slice's part of ``mesh`` (a hybrid mesh: each axis's slices outermost) as an
+    [per-slice axis sizes] array of partition ids, with the axis names.
 
     A multi-slice program is compiled per slice: its collectives name that slice's devices,
     0 .. chips-1 in mesh order; the slices' own exchange goes over DCN.
     """
-    shape = mesh.devices.shape
-    shape = (shape[0] // slice_count(mesh), *shape[1:])
+    shape = tuple(s // d for s, d in zip(mesh.devices.shape, dcn_sizes(mesh), strict=True))
     return np.arange(math.prod(shape)).reshape(shape), tuple(mesh.axis_names)
 
 

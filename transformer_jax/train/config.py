@@ -85,7 +85,10 @@ class TrainConfig(ObjectiveConfig):
       run_dir: where checkpoints, ``metrics.jsonl``, TensorBoard events and the summary go.
       mesh: device mesh sizes ``"data,fsdp,tensor"`` (one may be -1: the rest of the
         devices), a fourth for a mixture's expert axis (``"-1,1,1,4"``), or named
-        (``"expert=4,data=-1"``); the default is data parallelism over every device.
+        (``"expert=4,data=-1"``); the default is data parallelism over every device. Sizes
+        of the whole mesh, over all slices of a multi-slice pod (docs/pods.md).
+      dcn_mesh: on several TPU slices, how many slices each mesh axis spans (``mesh``'s syntax,
+        ``"fsdp=2"``; product: the slice count); S/D devices per slice. Default: all on data.
       sample_tokens: tokens generated at each evaluation (0 disables samples).
       sample_prompt: text the samples start from.
       sample_temperature: sampling temperature of the samples (0 is greedy).
@@ -142,6 +145,7 @@ class TrainConfig(ObjectiveConfig):
     keep_ckpts: int = 3
     run_dir: str = "runs/default"
     mesh: str = "-1,1,1"
+    dcn_mesh: str = "-1,1,1"
     sample_tokens: int = 64
     sample_prompt: str = "\n"
     sample_temperature: float = 0.8
@@ -190,7 +194,8 @@ class TrainConfig(ObjectiveConfig):
             raise ValueError(f"eps must be > 0, got {self.eps}")
         if not self.run_dir:
             raise ValueError("run_dir must not be empty")
-        sharding_lib.MeshConfig.parse(self.mesh)  # raises ValueError naming a bad mesh
+        for mesh in (self.mesh, self.dcn_mesh):  # raises ValueError naming a bad mesh
+            sharding_lib.MeshConfig.parse(mesh)
         if not self.lora_alpha >= 0:
             raise ValueError(f"lora_alpha must be >= 0, got {self.lora_alpha}")
         if self.lora_base_dtype and self.lora_base_dtype not in DTYPES:

@@ -136,7 +136,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     # 1. Checks that need no data, before any expensive work (and before checkpoints/ exists).
     files = run_directory(tc.run_dir, jax.process_index())
     run_dir = files.local
-    mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh))
+    mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh),
+                                  dcn_config=sharding_lib.MeshConfig.parse(tc.dcn_mesh))
     num_batch_devices = sharding_lib.batch_devices(mesh)  # data x fsdp (x expert)
     check_config(model_config, tc, num_devices=num_batch_devices)
     objective.check_data(data_config)
