@@ -177,6 +177,8 @@ def _gib(n: int | None) -> str:
 
 def format_report(r: dict[str, Any]) -> str:
     """The report as the lines the command prints."""
+    from transformer_jax.parallel import collectives
+
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     lines = [f"{r['config']} on {r['topology']}" + (f" x {r['slices']} slices"
                                                     if r["slices"] > 1 else "") +
@@ -198,10 +200,7 @@ def format_report(r: dict[str, Any]) -> str:
               f"  Mosaic kernel calls in the program: {r['mosaic_calls']}",
               "  collectives of one step (count, bytes per chip)"]
     c = r["collectives"]
-    for key, row in sorted(c["by_axis"].items()):
-        lines.append(f"    {key:<40} {row['count']:6d}  {row['bytes'] / 2**20:12.2f} MiB")
-    if not c["by_axis"]:
-        lines.append("    none")
+    lines += collectives.table_lines(c)
     if r["slices"] > 1:
         crossing = ", ".join(f"{k} x{v['count']} ({v['bytes'] / 2**20:.2f} MiB)"
                              for k, v in c["cross_slice"].items()) or "none"

@@ -146,6 +146,8 @@ def _gib(n: int | None) -> str:
 
 def format_serve_report(r: dict[str, Any]) -> str:
     """``serve_report``'s result as the lines the command prints."""
+    from transformer_jax.parallel import collectives
+
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1 or k == "tensor")
     m = r["memory"]
     share = f" = {m['peak'] / r['hbm_bytes']:.1%} of HBM" if r["hbm_bytes"] else ""
@@ -166,8 +168,5 @@ def format_serve_report(r: dict[str, Any]) -> str:
              "  collectives of one generate (count, bytes per chip; the decode loop's body "
              "counted once)"]
     c = r["collectives"]
-    for key, row in sorted(c["by_axis"].items()):
-        lines.append(f"    {key:<40} {row['count']:6d}  {row['bytes'] / 2**20:12.2f} MiB")
-    if not c["by_axis"]:
-        lines.append("    none")
+    lines += collectives.table_lines(c)
     return "\n".join(lines)

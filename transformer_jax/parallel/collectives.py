@@ -241,3 +241,11 @@ def summarize(found: list[dict[str, Any]]) -> dict[str, Any]:
         if c["cross_slice"]:
             add(out["cross_slice"], c["kind"], c)
     return out
+
+
+def table_lines(summary: dict[str, Any]) -> list[str]:
+    """``summarize``'s collectives by mesh axis as indented report lines: kind and axis, count,
+    MiB per chip ("none" when the program holds none)."""
+    rows = [f"    {key:<40} {row['count']:6d}  {row['bytes'] / 2**20:12.2f} MiB"
+            for key, row in sorted(summary["by_axis"].items())]
+    return rows or ["    none"]
