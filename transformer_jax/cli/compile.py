@@ -52,7 +52,7 @@ def _mesh_config(config: str, overrides: list[str], train: Any, slices: int
         "mesh" in load_toml(config).get("train", {})
     if given:
         return MeshConfig.parse(train.mesh), dcn, f"train.mesh={train.mesh}"
-    mesh = default_mesh(0, slices, dcn)
+    mesh = default_mesh(slices, dcn)
     return mesh, dcn, "train.mesh unset: every chip an FSDP device" + (
         f", data={mesh.data} over the slices" if mesh.data > 1 else "")
 
@@ -73,7 +73,6 @@ def compile_report(config: str, overrides: list[str], topology: str, slices: int
     """
 
     from transformer_jax.bench.memory import lower_train_step
-    from transformer_jax.cli.compile_serve import compile_memory
     from transformer_jax.model.ops import target
     from transformer_jax.parallel import collectives, pod
     from transformer_jax.train.config import build_configs
@@ -94,7 +93,7 @@ def compile_report(config: str, overrides: list[str], topology: str, slices: int
         "batch_size": train.batch_size, "seq_len": train.seq_len, "dtype": model.dtype,
         "remat": model.remat, "attention": model.attention_impl, "hbm_bytes": hbm}
     lowered, report["lower_s"] = lower_train_step(model, train, mesh)
-    compiled, fields = compile_memory(lowered)
+    compiled, fields = pod.compile_memory(lowered)
     report.update(fields)
     if compiled is None:
         return report

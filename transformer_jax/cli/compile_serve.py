@@ -21,30 +21,6 @@ from typing import Any
 GIB = 2.0**30
 
 
-def compile_memory(lowered: Any) -> tuple[Any, dict[str, Any]]:
-    """Compiles ``lowered``; returns ``(compiled, fields)``: ``compile_s`` and the per-device
-    ``memory`` (bytes; ``peak`` = arguments + non-aliased output + temporaries), or
-    ``(None, {"fits": False, "error": line, "compile_s"})`` when the compiler runs out of
-    memory (RESOURCE_EXHAUSTED). Other compiler errors propagate."""
-    import jax
-
-    start = time.perf_counter()
-    try:
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as e:
-        text = str(e).splitlines()[0]
-        if "RESOURCE_EXHAUSTED" not in text:
-            raise
-        return None, {"fits": False, "error": text, "compile_s": time.perf_counter() - start}
-    fields: dict[str, Any] = {"compile_s": time.perf_counter() - start}
-    stats = compiled.memory_analysis()
-    memory = {n: int(getattr(stats, f"{n}_size_in_bytes", 0) or 0)
-              for n in ("argument", "output", "alias", "temp", "generated_code")}
-    memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
-    fields["memory"] = memory
-    return compiled, fields
-
-
 def serve_report(config: str, overrides: list[str], topology: str, *, tensor: int | None = None,
                  expert: int = 1, batch: int = 8, prompt_len: int = 128, new_tokens: int = 128,
                  cache_size: int | None = None, hlo: bool = False) -> dict[str, Any]:
@@ -126,7 +102,7 @@ def serve_report(config: str, overrides: list[str], topology: str, *, tensor: in
     lowered = decode._generate_jit.lower(model, weights, *inputs, max_new_tokens=new_tokens,
                                          cache_size=cache_size, mesh=mesh)
     report["lower_s"] = time.perf_counter() - start
-    compiled, fields = compile_memory(lowered)
+    compiled, fields = pod.compile_memory(lowered)
     report.update(fields)
     if compiled is None:
         return report

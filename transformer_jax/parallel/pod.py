@@ -15,6 +15,7 @@ axes), so only the data-parallel gradient reduction crosses slices.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -95,11 +96,9 @@ def pod_mesh(mesh_config: MeshConfig, devices: Sequence[Any], slices: int = 1,
     return make_mesh(mesh_config, devices, dcn_config)
 
 
-def default_mesh(n_devices: int, slices: int = 1, dcn_config: MeshConfig | None = None
-                 ) -> MeshConfig:
+def default_mesh(slices: int = 1, dcn_config: MeshConfig | None = None) -> MeshConfig:
     """The mesh of a run that sets none, on a pod: every chip an FSDP device, but for the slices
     the DCN mesh puts on data (default: all of them)."""
-    del n_devices
     data = slices
     if dcn_config is not None:
         data = dict(zip(dcn_config.axes, dcn_config.resolve(slices), strict=True))["data"]
@@ -167,3 +166,27 @@ def largest_fitting(fits: Callable[[int], bool], most: int = 4096
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if probe(mid) else (lo, mid)
     return lo, probes
+
+
+def compile_memory(lowered: Any) -> tuple[Any, dict[str, Any]]:
+    """Compiles ``lowered``; returns ``(compiled, fields)``: ``compile_s`` and the per-device
+    ``memory`` (bytes; ``peak`` = arguments + non-aliased output + temporaries), or
+    ``(None, {"fits": False, "error": line, "compile_s"})`` when the compiler runs out of
+    memory (RESOURCE_EXHAUSTED). Other compiler errors propagate."""
+    import jax
+
+    start = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        text = str(e).splitlines()[0]
+        if "RESOURCE_EXHAUSTED" not in text:
+            raise
+        return None, {"fits": False, "error": text, "compile_s": time.perf_counter() - start}
+    fields: dict[str, Any] = {"compile_s": time.perf_counter() - start}
+    stats = compiled.memory_analysis()
+    memory = {n: int(getattr(stats, f"{n}_size_in_bytes", 0) or 0)
+              for n in ("argument", "output", "alias", "temp", "generated_code")}
+    memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
+    fields["memory"] = memory
+    return compiled, fields
