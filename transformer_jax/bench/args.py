@@ -10,12 +10,14 @@ to a bad path at its end), ``server_url`` that something accepts connections the
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 #: Seconds ``server_url`` waits for a connection.
@@ -41,7 +43,6 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
             raise _fail(f"must be an integer >= {minimum}, got {text!r}")
         return value
 
-    parse.__name__ = f"int_at_least_{minimum}"
     return parse
 
 
@@ -53,18 +54,14 @@ nonnegative_int = int_at_least(0)
 def int_list(minimum: int) -> Callable[[str], list[int]]:
     """A type: comma-separated integers, each >= ``minimum`` (at least one)."""
     def parse(text: str) -> list[int]:
-        parts = [p.strip() for p in text.split(",") if p.strip()]
-        if not parts:
-            raise _fail(f"must be comma-separated integers >= {minimum}, got {text!r}")
         try:
-            values = [int(p) for p in parts]
+            values = [int(p) for p in text.split(",") if p.strip()]
         except ValueError:
-            raise _fail(f"must be comma-separated integers >= {minimum}, got {text!r}") from None
-        if min(values) < minimum:
+            values = []
+        if not values or min(values) < minimum:
             raise _fail(f"must be comma-separated integers >= {minimum}, got {text!r}")
         return values
 
-    parse.__name__ = f"int_list_{minimum}"
     return parse
 
 
@@ -93,7 +90,6 @@ def positive_float(*, allow_inf: bool = False) -> Callable[[str], float]:
             raise _fail(f"must be {what}, got {text!r}")
         return value
 
-    parse.__name__ = "positive_float"
     return parse
 
 
@@ -240,3 +236,26 @@ def server_url(text: str) -> str:
                     f"({reason}); start one with `transformer-jax serve`") from None
     return text
 
+
+
+def parser(kind: str, doc: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """The parser of ``transformer-jax bench KIND``, described by ``doc``'s first paragraph."""
+    return argparse.ArgumentParser(prog=f"transformer-jax bench {kind}",
+                                   description=doc.split("\n\n")[0], **kwargs)
+
+
+def default_output(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str) -> None:
+    """Fills in ``args.out`` with ``name`` when not given, or exits with a parser error when
+    that file cannot be written (``check_output_file``)."""
+    if args.out is None:
+        args.out = name
+        try:
+            check_output_file(name)
+        except ValueError as e:
+            parser.error(f"--out: {e}")
+
+
+def write_json(path: str | None, result: Any, indent: int = 1) -> None:
+    """Writes ``result`` as JSON to the file ``path``; nothing when ``path`` is None."""
+    if path:
+        Path(path).write_text(json.dumps(result, indent=indent))

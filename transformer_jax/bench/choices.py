@@ -12,7 +12,6 @@ Prints the median time of each and the ratios to one choice, per prompt length.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
@@ -28,8 +27,7 @@ from transformer_jax.serving import Engine, SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="transformer-jax bench choices", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = a.parser("choices", __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=a.model_config, default="decode_25m",
                    help="model preset (random weights)")
     p.add_argument("--prompt-lens", type=a.int_list(1), default=[256, 512],
@@ -116,7 +114,5 @@ def main(argv: list[str]) -> int:
               f"{med['no_forks'] * 1e3:.1f} ms ({med['no_forks'] / med['one']:.2f}x)")
     engine.check_no_leaks()
     result["forked"] = engine.scheduler.forked  # (n - 1) per timed run with forks
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    a.write_json(args.json, result)
     return 0

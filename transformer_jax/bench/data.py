@@ -55,8 +55,7 @@ def work_dir(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="transformer-jax bench data",
-                                     description=__doc__.split("\n\n")[0])
+    parser = args_lib.parser("data", __doc__)
     parser.add_argument("--mb", type=args_lib.megabytes, default=200.0, help="corpus size in MB")
     parser.add_argument("--workers", type=args_lib.int_at_least(2), default=2,
                         help="the parallel build's workers (>= 2; 1 is always run)")

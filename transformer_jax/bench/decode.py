@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import math
 import os
 import platform
@@ -47,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.bench import args as args_lib
 from transformer_jax.bench import decode_args, decode_moe, decode_quant
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
@@ -185,14 +185,11 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
     if c.tie_embeddings and not isinstance(head, OutFirst):
         head = OutFirst(head)
 
-    def mm(x: jax.Array, w: Any, spec: str) -> jax.Array:
-        return dense(x, w, spec)
-
     def ffn(x: jax.Array, m: Any) -> jax.Array:
-        hidden = mm(x, m["up"], "BD,DF->BF")
+        hidden = dense(x, m["up"], "BD,DF->BF")
         if "gate" in m:
-            hidden = hidden * mm(x, m["gate"], "BD,DF->BF")
-        return mm(hidden, m["down"], "BF,FD->BD")
+            hidden = hidden * dense(x, m["gate"], "BD,DF->BF")
+        return dense(hidden, m["down"], "BF,FD->BD")
 
     def experts(x: jax.Array, m: Any) -> jax.Array:
         # A mixture's step: the model's expert op on k experts per row (ids the compiler
@@ -206,9 +203,10 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
 
     def layer(x: jax.Array, p: Any) -> jax.Array:
         a = p["attn"]
-        q = mm(x, a["q_proj"], "BD,DNH->BNH")
-        kv = mm(x, a["k_proj"], "BD,DKH->BKH").mean() + mm(x, a["v_proj"], "BD,DKH->BKH").mean()
-        x = x + mm(q, a["o_proj"], "BNH,NHD->BD") + kv * 1e-6
+        q = dense(x, a["q_proj"], "BD,DNH->BNH")
+        kv = (dense(x, a["k_proj"], "BD,DKH->BKH").mean()
+              + dense(x, a["v_proj"], "BD,DKH->BKH").mean())
+        x = x + dense(q, a["o_proj"], "BNH,NHD->BD") + kv * 1e-6
         return x + (experts(x, p["moe"]) if "moe" in p else ffn(x, p["mlp"]))
 
     def chain(blocks: Any, head: jax.Array, x: jax.Array, n: int) -> jax.Array:
@@ -218,7 +216,7 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
             else:
                 for p in blocks:
                     x = layer(x, p)
-            return x + jnp.mean(mm(x, head, "BD,DV->BV")) * 1e-6
+            return x + jnp.mean(dense(x, head, "BD,DV->BV")) * 1e-6
         return jax.lax.fori_loop(0, n, body, x)
 
     fn = jax.jit(chain, static_argnums=3)
@@ -331,9 +329,7 @@ def _bench_hf(model: Any, prompts: list[list[int]], n: int, repeats: int) -> dic
 
     run()  # warm-up
     runs = [run() for _ in range(repeats)]
-    total = statistics.median(r[0] for r in runs)
-    ttft = statistics.median(r[1] for r in runs)
-    step = statistics.median(r[2] for r in runs)
+    total, ttft, step = (statistics.median(r[i] for r in runs) for i in range(3))
     out = runs[-1][3][:, len(prompts[0]):].tolist()
     return dict(ttft_s=ttft, total_s=total, step_ms=step * 1e3,
                 decode_tok_s=len(prompts) / step, tokens=out)
@@ -347,9 +343,8 @@ def main(argv: list[str]) -> int:
         layers = tuple(args.layers)
         result = compile_times(config, layers=layers)
         print(f"{layers[-1]} layers / {layers[0]} layers = {result['ratio']:.2f}")
-        out = Path(args.out)
-        out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {out}")
+        args_lib.write_json(args.out, result)
+        print(f"wrote {args.out}")
         return 0
     # Before JAX starts its CPU backend: one device per core (the count divides K, N and F).
     cores = sharding.configure_cpu_devices(math.gcd(config.n_kv_heads, config.d_ff))
@@ -439,10 +434,10 @@ def main(argv: list[str]) -> int:
             ours.pop("tokens")
             records.append(rec)
             _print_record(rec)
-    out = Path(args.out)
-    out.write_text(json.dumps(dict(config=name, params=n_params, platform=platform.platform(),
-                                   jax=jax.__version__, records=records), indent=1))
-    print(f"wrote {out}")
+    args_lib.write_json(args.out, dict(config=name, params=n_params,
+                                            platform=platform.platform(), jax=jax.__version__,
+                                            records=records))
+    print(f"wrote {args.out}")
     return 0
 
 

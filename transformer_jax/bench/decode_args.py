@@ -12,8 +12,7 @@ from transformer_jax.model.config import ModelConfig, load_toml
 
 def build_parser(description: str) -> argparse.ArgumentParser:
     """The benchmark's arguments, each checked by its type."""
-    parser = argparse.ArgumentParser(prog="transformer-jax bench decode",
-                                     description=description)
+    parser = a.parser("decode", description)
     parser.add_argument("--config", type=a.model_config, default="decode_25m",
                         help="preset name or TOML path")
     parser.add_argument("--batch", type=a.int_list(1), default=[1, 8])
@@ -54,13 +53,8 @@ def parse(argv: list[str], description: str) -> tuple[argparse.Namespace, ModelC
     parser = build_parser(description)
     args = parser.parse_args(argv)
     config = ModelConfig.from_dict(load_toml(args.config)["model"])  # checked by its type
-    if args.out is None:
-        name = Path(args.config).stem
-        args.out = f"bench_{'compile' if args.compile_time else 'decode'}_{name}.json"
-        try:
-            a.check_output_file(args.out)
-        except ValueError as e:
-            parser.error(f"--out: {e}")
+    kind = "compile" if args.compile_time else "decode"
+    a.default_output(parser, args, f"bench_{kind}_{Path(args.config).stem}.json")
     if not args.compile_time:
         check_grid(parser, args, config)
     return args, config

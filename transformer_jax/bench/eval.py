@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,25 +37,35 @@ def _text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def write_checkpoint(directory: Path, args: argparse.Namespace, corpus: list[str]) -> None:
-    """A random Llama (``save_pretrained``) and a byte-level BPE tokenizer trained on
-    ``corpus`` (bos ``<s>``, eos ``</s>``)."""
+def write_bpe(directory: Path, corpus: list[str], vocab_size: int, pad_to: int = 0) -> Any:
+    """A byte-level BPE tokenizer of ``vocab_size`` trained on ``corpus`` (bos ``<s>``, eos
+    ``</s>``; with ``pad_to``, padded with added tokens to that many), saved in ``directory``
+    as an HF tokenizer; returns it."""
     import tokenizers
-    import torch
-    import transformers
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=args.vocab, special_tokens=["<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens([f"<x{i}>" for i in range(pad_to - tok.get_vocab_size())])
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}))
+    return tok
+
+
+def write_checkpoint(directory: Path, args: argparse.Namespace, corpus: list[str]) -> None:
+    """A random Llama (``save_pretrained``) and a byte-level BPE tokenizer trained on
+    ``corpus`` (``write_bpe``)."""
+    import torch
+    import transformers
+
+    tok = write_bpe(directory, corpus, args.vocab)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=args.d_model,
@@ -77,8 +88,7 @@ def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="transformer-jax bench eval",
-                                description=__doc__.split("\n\n")[0])
+    p = a.parser("eval", __doc__)
     positive = a.positive_int
     p.add_argument("--docs", type=positive, default=200, help="questions (default: %(default)s)")
     p.add_argument("--choices", type=a.int_at_least(2), default=4, help="choices per question "

@@ -177,7 +177,7 @@ def sft_overrides(root: Path, sft_file: Path, args: argparse.Namespace) -> list[
             f"train.ckpt_every={args.sft_steps}", "train.weight_decay=0"]
 
 
-def check_runs(args: argparse.Namespace, skip: set[str]) -> None:
+def check_runs(args: argparse.Namespace) -> None:
     """Builds the configs of every run the benchmark will start (checkpoint paths left out:
     they are written later), so that a setting they refuse is one error before any work.
 
@@ -189,11 +189,11 @@ def check_runs(args: argparse.Namespace, skip: set[str]) -> None:
     here = Path("unused")
     without_paths = lambda overrides: [o for o in overrides  # noqa: E731
                                        if not o.startswith("train.init_from=")]
-    if "learn" not in skip:
+    if "learn" not in args.skip:
         build_configs("finetune", without_paths(sft_overrides(here, here, args)))
         build_configs("grpo", without_paths(grpo_overrides(here, here, here, args.steps, args,
                                                            args.lr, args.steps)))
-    if "speed" not in skip:
+    if "speed" not in args.skip:
         build_configs("grpo", without_paths(grpo_overrides(here, here, here, args.speed_steps,
                                                            args, args.lr, 10**6)))
 
@@ -293,8 +293,7 @@ def phases(text: str) -> set[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's arguments, each checked when parsed (``bench.args``)."""
-    parser = argparse.ArgumentParser(prog="transformer-jax bench grpo",
-                                     description=__doc__.split("\n\n")[0])
+    parser = arg_types.parser("grpo", __doc__)
     positive, rate = arg_types.positive_int, arg_types.positive_float()
     parser.add_argument("--max-operand", type=positive, default=10)
     parser.add_argument("--sft-steps", type=positive, default=60)
@@ -337,9 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompts * args.group % args.grad_accum:
         parser.error(f"argument --grad-accum: must divide the batch, --prompts x --group = "
                      f"{args.prompts * args.group}, got {args.grad_accum}")
-    skip = args.skip
     try:
-        check_runs(args, skip)
+        check_runs(args)
     except ValueError as e:  # ConfigError: the setting named
         parser.error(" ".join(str(e).split()))
     logging.basicConfig(level=logging.WARNING)
@@ -347,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     result: dict = {}
     try:
-        return measure(args, skip, root, result)
+        return measure(args, root, result)
     except Stopped as e:
         print(f"{e}; the benchmark stops here")
         if e.what == "GRPO":
@@ -360,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.Signals[e.summary.interrupted].value
 
 
-def measure(args: argparse.Namespace, skip: set[str], root: Path, result: dict) -> int:
+def measure(args: argparse.Namespace, root: Path, result: dict) -> int:
     """The benchmark's phases (``main``'s), filling ``result``."""
     write_model(root / "hf", args)
     sft_file, prompts, records = make_task(root, args.max_operand)
@@ -370,7 +368,7 @@ def measure(args: argparse.Namespace, skip: set[str], root: Path, result: dict) 
           f"temperature 1, beta {args.beta}, clip 0.2, token (DAPO) loss, lr {args.lr}")
     result.update({"prompts": len(records), "group": args.group, "batch": args.prompts *
                    args.group, "max_tokens": args.max_tokens})
-    if "learn" not in skip:
+    if "learn" not in args.skip:
         start = time.perf_counter()
         train("finetune", sft_overrides(root, sft_file, args), "SFT", args.sft_steps)
         sft_s = time.perf_counter() - start
@@ -397,7 +395,7 @@ def measure(args: argparse.Namespace, skip: set[str], root: Path, result: dict) 
         result.update(logprob_gap=gap, steps=len(metrics), grpo_s=round(grpo_s, 1),
                       reward_after=after[0], greedy_after=after[1], curve=curve,
                       refresh_share_median=statistics.median(refresh) if refresh else None)
-    if "speed" not in skip:
+    if "speed" not in args.skip:
         n = args.speed_steps
         our_times, trl_times, refresh, rollout, rounds = [], [], [], [], []
         for r in range(args.rounds):

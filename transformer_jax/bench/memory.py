@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import re
 import sys
 import time
 from typing import Any
+
+from transformer_jax.bench import args as args_lib
 
 GIB = 2.0 ** 30
 
@@ -344,8 +345,7 @@ def _gib(n: int | None) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="transformer-jax bench memory",
-                                     description=__doc__.split("\n\n")[0])
+    parser = args_lib.parser("memory", __doc__)
     parser.add_argument("--config", default="llama2_7b", help="preset name or TOML path")
     parser.add_argument("--mesh", default="1,8,1", help="data,fsdp,tensor (one may be -1)")
     parser.add_argument("--devices", type=int, default=None,
@@ -407,11 +407,10 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tu
     """Exits with an argparse error for a value no report can use; returns the ``--layers``."""
     for flag, value, minimum in (("--seq", args.seq, 1), ("--batch", args.batch, 1),
                                  ("--loss-chunk", args.loss_chunk, 0),
-                                 ("--repeats", args.repeats, 1)):
+                                 ("--repeats", args.repeats, 1),
+                                 ("--devices", 1 if args.devices is None else args.devices, 1)):
         if value < minimum:
             parser.error(f"{flag} must be >= {minimum}, got {value}")
-    if args.devices is not None and args.devices < 1:
-        parser.error(f"--devices must be >= 1, got {args.devices}")
     if args.attention in ("cudnn", "pallas", "mosaic"):
         parser.error(f"--attention {args.attention} is a GPU/TPU kernel; this bench compiles on "
                      "simulated CPU devices: use auto, xla or chunked")
@@ -490,9 +489,7 @@ def _run(args: argparse.Namespace, mesh_config: Any, sizes: tuple[int, int, int]
                   f" ({share:.1%} of the peak)")
         result = dataclasses.asdict(report)
         result.update(kv_cache_report(args.config, args.batch, args.seq, report.dtype))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    args_lib.write_json(args.json, result, indent=2)
     return 0
 
 

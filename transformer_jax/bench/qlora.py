@@ -91,8 +91,7 @@ def check_runs(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="transformer-jax bench qlora",
-                                description=__doc__.split("\n\n")[0])
+    p = a.parser("qlora", __doc__)
     positive = a.positive_int
     p.add_argument("--hf", type=a.checkpoint, default=None,
                    help="an existing HF checkpoint (default: write one)")
@@ -144,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     q = results[f"qlora_{args.quant}"]
     results["loss_ratio"] = q["last_train_loss"] / results["lora"]["last_train_loss"]
     print(f"final train loss {args.quant} / float base: {results['loss_ratio']:.4f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    a.write_json(args.json, results)
     return 0
 
 

@@ -89,8 +89,7 @@ def training_run(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="transformer-jax bench quant",
-                                     description=__doc__.split("\n\n")[0])
+    parser = args_lib.parser("quant", __doc__)
     parser.add_argument("--run", type=training_run, required=True,
                         help="a training run directory")
     parser.add_argument("--quant", type=args_lib.quant_schemes, default=["int8", "int4"],
@@ -107,12 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=args_lib.output_file, default=None,
                         help="JSON file (default bench_quant_RUN.json)")
     args = parser.parse_args(argv)
-    if args.out is None:
-        args.out = f"bench_quant_{Path(args.run).name}.json"
-        try:
-            args_lib.check_output_file(args.out)
-        except ValueError as e:
-            parser.error(f"--out: {e}")
+    args_lib.default_output(parser, args, f"bench_quant_{Path(args.run).name}.json")
 
     run_dir = Path(args.run).expanduser()
     loaded = loading.load(run_dir)
@@ -132,11 +126,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(prompts)} prompts of {args.prompt_len} x {new_tokens} new tokens")
 
     float_weights = decode.prepare(config, params)
-    variants: dict[str, tuple[decode.DecodeWeights, str | None]] = {"float": (float_weights,
-                                                                               None)}
-    for scheme in args.quant:
-        variants[scheme] = (decode.prepare(config, params, quant=scheme), None)
-    variants["int8 cache"] = (float_weights, "int8")
+    variants: dict[str, tuple[decode.DecodeWeights, str | None]] = {
+        "float": (float_weights, None),
+        **{s: (decode.prepare(config, params, quant=s), None) for s in args.quant},
+        "int8 cache": (float_weights, "int8")}
     rows, reference = {}, None
     for name, (weights, cache_dtype) in variants.items():
         start = time.perf_counter()
@@ -164,10 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                   f" (each token on float's prefix: {r['forced_agreement']:.1%})")
         print(f"  {name:>10}: loss {r['loss']:.4f} ({r['loss_increase']:+.2%}), greedy agreement "
               f"{r['greedy_agreement']:.1%}{forced}, {size}")
-    out_path = Path(args.out)
-    out_path.write_text(json.dumps(dict(run=str(run_dir), step=loaded.step,
-                                        windows=len(windows), prompts=len(prompts),
-                                        prompt_len=args.prompt_len, new_tokens=new_tokens,
-                                        results=rows), indent=1))
-    print(f"wrote {out_path}")
+    args_lib.write_json(args.out, dict(run=str(run_dir), step=loaded.step, windows=len(windows),
+                                       prompts=len(prompts), prompt_len=args.prompt_len,
+                                       new_tokens=new_tokens, results=rows))
+    print(f"wrote {args.out}")
     return 0

@@ -18,7 +18,6 @@ each request produces exactly its drawn number of tokens in every mode.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -110,22 +109,11 @@ def _generate(config: ModelConfig, weights: decode.DecodeWeights, prompts: list[
     generation.generate(config, weights, prompts, max_new_tokens=n, stream=stream)
 
 
-def run_one_at_a_time(config: ModelConfig, weights: decode.DecodeWeights, work: Workload
-                      ) -> dict[str, Any]:
-    """``generate`` on each request alone, in arrival order, each once it has arrived."""
-    records = [record(a) for a in work.arrivals]
-    start = time.perf_counter()
-    for i in sorted(range(len(records)), key=lambda i: work.arrivals[i]):
-        _wait_until(start + work.arrivals[i])
-        _generate(config, weights, [work.prompts[i]], work.max_tokens[i], [records[i]],
-                  [work.max_tokens[i]])
-    return summarize(records, start)
-
-
 def run_fixed_batches(config: ModelConfig, weights: decode.DecodeWeights, work: Workload,
                       batch: int) -> dict[str, Any]:
     """``generate`` on batches of ``batch`` requests in arrival order, each batch once its
-    last request has arrived, run until its longest request is done."""
+    last request has arrived, run until its longest request is done (``batch`` 1: each
+    request alone, once it has arrived)."""
     records = [record(a) for a in work.arrivals]
     order = sorted(range(len(records)), key=lambda i: work.arrivals[i])
     start = time.perf_counter()
@@ -147,9 +135,7 @@ def compile_generate(config: ModelConfig, weights: decode.DecodeWeights, work: W
     will run, so their timed runs do not compile; returns the number of shapes."""
     shapes = set()
     order = sorted(range(len(work.prompts)), key=lambda i: work.arrivals[i])
-    for i in order:
-        shapes.add((1, prompt_lib.prompt_bucket(len(work.prompts[i])), work.max_tokens[i]))
-    for group in _batches(order, batch):
+    for group in _batches(order, 1) + _batches(order, batch):
         longest = max(len(work.prompts[i]) for i in group)
         shapes.add((len(group), prompt_lib.prompt_bucket(longest),
                     max(work.max_tokens[i] for i in group)))
@@ -194,8 +180,7 @@ def random_adapters(config: ModelConfig, params: Any, n: int, rank: int, seed: i
 def build_parser() -> argparse.ArgumentParser:
     """The arguments, each checked by its type as it is parsed (``bench/args.py``)."""
     a = args_lib
-    parser = argparse.ArgumentParser(prog="transformer-jax bench serve",
-                                     description=__doc__.split("\n\n")[0])
+    parser = a.parser("serve", __doc__)
     parser.add_argument("--config", type=a.model_config, default="decode_25m",
                         help="preset name or TOML path")
     parser.add_argument("--requests", type=a.positive_int, default=48)
@@ -354,10 +339,8 @@ def main(argv: list[str]) -> int:
                                      token_budget=args.token_budget,
                                      page_size=args.page_size, long_prompt=args.long_prompt,
                                      seed=args.seed)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"config": args.config, "dtype": config.dtype,
-                           "backend": jax.default_backend(), "stall": stall}, f, indent=1)
+        args_lib.write_json(args.json, {"config": args.config, "dtype": config.dtype,
+                                        "backend": jax.default_backend(), "stall": stall})
         return 0
     work = make_workload(args.requests, args.input_len, args.output_len, args.output_multiple,
                          args.rate, args.burstiness, config.vocab_size, args.seed,
@@ -429,20 +412,16 @@ def main(argv: list[str]) -> int:
             all_global = cache_bytes(config, 1, pages * args.page_size, window_rings=False)
             r.update(cache_bytes=engine.cache_bytes, contiguous_slots_same_memory=contiguous,
                      cache_bytes_all_global=all_global)
-        elif mode == "one":
-            t = time.perf_counter()
-            n = compile_generate(config, weights, work, args.slots)
-            print(f"  compiled {n} generate shapes in {time.perf_counter() - t:.1f} s")
-            r = run_one_at_a_time(config, weights, work)
         elif mode == "http":
             from transformer_jax.bench.serve_http import run_http
 
             r = run_http(args.url, work, args.api_key)
-        elif mode == "batch":
-            compile_generate(config, weights, work, args.slots)
-            r = run_fixed_batches(config, weights, work, args.slots)
-        else:  # check_args accepts only MODES
-            raise AssertionError(mode)
+        else:  # one or batch (check_args accepts only MODES)
+            t = time.perf_counter()
+            n = compile_generate(config, weights, work, args.slots)
+            if mode == "one":
+                print(f"  compiled {n} generate shapes in {time.perf_counter() - t:.1f} s")
+            r = run_fixed_batches(config, weights, work, 1 if mode == "one" else args.slots)
         result["modes"][mode] = r
         print(_line(mode, r))
         if mode.startswith("engine"):
@@ -475,15 +454,14 @@ def main(argv: list[str]) -> int:
                 ttft = got[other]["ttft_s"]["median"] / got["engine"]["ttft_s"]["median"]
                 print(f"engine vs {other}: {tput:.2f}x output tokens/s, {ttft:.2f}x lower "
                       f"median TTFT")
-    if "engine" in got:
         for line in serve_structured.compare(got):
             print(line)
-    if "engine" in got and "http" in got:
-        share = got["http"]["output_token_throughput"] / got["engine"]["output_token_throughput"]
-        print(f"http vs engine: {share:.2f}x the engine's output tokens/s through the server")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        if "http" in got:
+            share = (got["http"]["output_token_throughput"]
+                     / got["engine"]["output_token_throughput"])
+            print(f"http vs engine: {share:.2f}x the engine's output tokens/s through the "
+                  "server")
+    args_lib.write_json(args.json, result)
     return 0
 
 

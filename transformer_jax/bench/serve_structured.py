@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from transformer_jax.bench.eval import write_bpe
 from transformer_jax.serving.grammar import Grammar
 
 WORDS = ("alpha", "beta", "gamma", "delta", "north", "south", "river", "stone", "light",
@@ -64,31 +65,13 @@ def bench_tokenizer(vocab_size: int, directory: str | None) -> Any:
 
     if directory is None:
         directory = tempfile.mkdtemp(prefix="bench-serve-tokenizer-")
-        _write_bpe(Path(directory), vocab_size)
+        write_bpe(Path(directory), [json.dumps(list(WORDS)), '{"a": [1, 2.5, true, null]}'] * 20,
+                  min(vocab_size, 512), pad_to=vocab_size)
     tok = load_tokenizer(directory)
     if tok.vocab_size > vocab_size:
         raise ValueError(f"--tokenizer {directory}: {tok.vocab_size} tokens, more than the "
                          f"model's vocab_size {vocab_size}")
     return tok
-
-
-def _write_bpe(directory: Path, vocab_size: int) -> None:
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 512),
-                                  special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator([json.dumps(list(WORDS)), '{"a": [1, 2.5, true, null]}'] * 20,
-                            trainer)
-    tok.add_tokens([f"<x{i}>" for i in range(vocab_size - tok.get_vocab_size())])
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}))
 
 
 def compare(got: dict[str, Any]) -> list[str]:

@@ -21,6 +21,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -239,8 +240,7 @@ def mode_list(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     a = args_lib
-    p = argparse.ArgumentParser(prog="transformer-jax bench speculative",
-                                description=__doc__.split("\n\n")[0])
+    p = a.parser("speculative", __doc__)
     target = p.add_mutually_exclusive_group()
     target.add_argument("--checkpoint", type=a.checkpoint,
                         help="the target (a run or HF directory)")
@@ -308,23 +308,18 @@ def main(argv: list[str]) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    writer = next((f for f in ("copy_corpus", "copy_sft") if getattr(args, f"write_{f}")), None)
+    if writer and not args.text:
+        raise SystemExit(f"--write-{writer.replace('_', '-')} needs --text")
+    text = Path(args.text).read_text() if writer else ""
     if args.write_copy_corpus:
-        if not args.text:
-            raise SystemExit("--write-copy-corpus needs --text")
-        with open(args.text) as f:
-            corpus = copy_corpus(f.read(), args.copy_size, np.random.default_rng(args.seed),
-                                 args.copy_random_share, tuple(args.copy_passage),
-                                 args.copy_plain, not args.copy_no_edits,
-                                 args.copy_lines)
-        with open(args.write_copy_corpus, "w") as f:
-            f.write(corpus)
+        corpus = copy_corpus(text, args.copy_size, np.random.default_rng(args.seed),
+                             args.copy_random_share, tuple(args.copy_passage), args.copy_plain,
+                             not args.copy_no_edits, args.copy_lines)
+        Path(args.write_copy_corpus).write_text(corpus)
         print(f"wrote {len(corpus):,} characters to {args.write_copy_corpus}")
         return 0
     if args.write_copy_sft:
-        if not args.text:
-            raise SystemExit("--write-copy-sft needs --text")
-        with open(args.text) as f:
-            text = f.read()
         lengths = _passages(args.copy_passage, 3, len(text), "--write-copy-sft", "characters")
         written = _write_jsonl(args.write_copy_sft, copy_records(
             text, args.copy_records, np.random.default_rng(args.seed), args.copy_random_share,
@@ -381,7 +376,6 @@ def main(argv: list[str]) -> int:
                                rng, sep, tokenizer.bos_id if bos else None)
     specs = {"plain": None, "ngram": f"ngram:k={args.ngram_k or args.k}",
              "draft": f"draft:{args.draft}:k={args.k}"}
-    seconds = dict.fromkeys(modes, 0.0)
     tokens = dict.fromkeys(modes, 0)
     stats: dict[str, list[Any]] = {m: [] for m in modes}
     per_request: dict[str, list[float]] = {m: [] for m in modes}  # each request's seconds
@@ -394,7 +388,6 @@ def main(argv: list[str]) -> int:
             dt = time.perf_counter() - t
             outs[mode] = out.tokens[0]
             if i:
-                seconds[mode] += dt
                 per_request[mode].append(dt)
                 tokens[mode] += out.lengths[0]
                 if out.speculative:
@@ -410,6 +403,7 @@ def main(argv: list[str]) -> int:
           f"{args.workload}: prompts of {len(prompts[0])} tokens, {args.output} new")
     if draft is not None:
         print(f"draft {args.draft} ({describe(draft.config, draft.weights.params)})")
+    seconds = {mode: sum(per_request[mode], 0.0) for mode in modes}
     for mode in modes:
         r: dict[str, Any] = {"tokens": tokens[mode], "seconds": seconds[mode],
                              "tokens_per_s": tokens[mode] / seconds[mode]}
@@ -430,9 +424,7 @@ def main(argv: list[str]) -> int:
                      f"{r['mean_accepted_length']:.2f} tokens per verification")
         result["modes"][mode] = r
         print(line)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    args_lib.write_json(args.json, result)
     return 0
 
 

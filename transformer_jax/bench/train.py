@@ -16,7 +16,6 @@ instead, per ``moe_impl`` (``bench/moe_layer.py``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -30,7 +29,7 @@ from transformer_jax.bench import args as a
 from transformer_jax.bench import moe_layer
 from transformer_jax.parallel import sharding as sharding_lib
 from transformer_jax.parallel.sharding import configure_cpu_devices
-from transformer_jax.train.config import ConfigError, build_configs
+from transformer_jax.train.config import build_configs
 from transformer_jax.train.perf import (
     enable_cpu_fast_math,
     flops_per_token,
@@ -41,8 +40,7 @@ from transformer_jax.train.step import make_init_fn, make_train_step
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="transformer-jax bench train",
-                                     description=__doc__.split("\n\n")[0])
+    parser = a.parser("train", __doc__)
     parser.add_argument("--config", default="tiny", help="preset name or TOML path")
     parser.add_argument("--steps", type=a.positive_int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=a.nonnegative_int, default=3,
@@ -57,30 +55,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     moe_layer.add_arguments(parser)
     args = parser.parse_intermixed_args(argv)
-    if args.moe_layer:
-        if not args.no_fast_math:
+    try:
+        if args.moe_layer:
+            if not args.no_fast_math:
+                enable_cpu_fast_math()
+            return moe_layer.main(args)
+        model, tc, _ = build_configs(args.config, args.overrides)
+        if tc.seq_len > model.max_seq_len:
+            raise ValueError(f"train.seq_len={tc.seq_len} > model.max_seq_len="
+                             f"{model.max_seq_len}")
+        if not args.no_fast_math:  # as train.py does, before the backend starts
             enable_cpu_fast_math()
         try:
-            return moe_layer.main(args)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    try:
-        model, tc, _ = build_configs(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as e:
+            configure_cpu_devices(tc.micro_batch_size, args.cpu_devices)
+        except ValueError as e:  # a negative count, or one that does not divide the micro-batch
+            raise ValueError(f"--cpu-devices {args.cpu_devices}: {e}") from None
+    except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    # As train.py does, before the backend starts.
-    if not args.no_fast_math:
-        enable_cpu_fast_math()
-    try:
-        configure_cpu_devices(tc.micro_batch_size, args.cpu_devices)
-    except ValueError as e:  # a negative count, or one that does not divide the micro-batch
-        print(f"error: --cpu-devices {args.cpu_devices}: {e}", file=sys.stderr)
-        return 2
-    if tc.seq_len > model.max_seq_len:
-        print(f"error: train.seq_len={tc.seq_len} > model.max_seq_len={model.max_seq_len}",
-              file=sys.stderr)
         return 2
 
     device = jax.devices()[0]
@@ -118,11 +109,9 @@ def main(argv: list[str]) -> int:
     mfu = flops * tokens_per_s / peak
 
     stats = device.memory_stats() or {}
-    analysis = compiled.memory_analysis()
-    program_bytes = None
-    if analysis is not None:
-        program_bytes = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-                            + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
+    m = compiled.memory_analysis()
+    program_bytes = None if m is None else int(m.argument_size_in_bytes + m.output_size_in_bytes
+                                               + m.temp_size_in_bytes - m.alias_size_in_bytes)
     result = {
         "config": args.config, "device": str(device), "devices": jax.device_count(),
         "params": param_counts(model)[0], "active_params": param_counts(model)[1],
