@@ -118,7 +118,7 @@ def evaluate(run_dir: Path, prompts_file: Path, samples: int, max_tokens: int, s
                          max(len(p.tokens) for p in prompts))
     out = []
     for temperature, n in ((1.0, samples), (0.0, 1)):
-        total = count = 0
+        total = 0
         for start in range(0, len(prompts), 64 // n):
             chunk = prompts[start:start + 64 // n]
             ids = [(p, engine.add_request(p.tokens.tolist(), SamplingParams(
@@ -127,8 +127,7 @@ def evaluate(run_dir: Path, prompts_file: Path, samples: int, max_tokens: int, s
             done = engine.run_until_idle()
             for p, rid in ids:
                 total += score(rewards, completion_text(ckpt.tokenizer, done[rid].tokens), p)
-                count += 1
-        out.append(total / count)
+        out.append(total / (n * len(prompts)))
     return out[0], out[1]
 
 

@@ -103,8 +103,7 @@ def main(argv: list[str]) -> int:
         times.append(time.perf_counter() - start)
     step_s = float(np.median(times))
     tokens_per_s = tc.tokens_per_step / step_s
-    peak = measure_matmul_peak(args.peak_size, "float32" if model.dtype == "float32"
-                               else model.dtype, device=device)
+    peak = measure_matmul_peak(args.peak_size, model.dtype, device=device)
     flops = flops_per_token(model, tc.seq_len)
     mfu = flops * tokens_per_s / peak
 
