@@ -389,10 +389,6 @@ def main(argv: list[str]) -> int:
         if n < 2:
             print(f"skip N={n}: the step time needs at least 2 new tokens")
             continue
-        if p + n > min(config.max_seq_len, s_max or config.max_seq_len):
-            print(f"skip B={b} P={p} N={n} S_max={s_max}: exceeds max_seq_len "
-                  f"{config.max_seq_len} or the cache size")
-            continue
         prompts = rng.integers(0, config.vocab_size, (b, p)).tolist()
         point: dict[str, Any] = dict(batch=b, prompt_len=p, new_tokens=n, load_avg=_load(),
                                      weight_bytes=weight_bytes)

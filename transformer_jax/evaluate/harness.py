@@ -137,11 +137,10 @@ class JaxLM(TemplateLM):
             # A context of only spaces (moved to the continuation) encodes to nothing; it
             # starts from the prefix token, as an empty context does (the hf backend fails).
             context = context or [self.prefix_token_id]
-            if len(context) + len(continuation) > self.max_length + 1:
-                logger.debug("a request of %d tokens loses its first %d (window %d)",
-                             len(context) + len(continuation),
-                             len(context) + len(continuation) - self.max_length - 1,
-                             self.max_length)
+            length = len(context) + len(continuation)
+            if length > self.max_length + 1:
+                logger.debug("a request of %d tokens loses its first %d (window %d)", length,
+                             length - self.max_length - 1, self.max_length)
             windows.append(window(context, continuation, self.max_length))
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
                    desc="Running loglikelihood requests")
