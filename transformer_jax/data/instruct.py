@@ -55,8 +55,10 @@ from transformer_jax.data.batches import StepBatches, check_non_negative
 from transformer_jax.data.instruct_records import (
     Example,
     InstructionDataError,
+    as_paths,
     chat_pieces,
     count,
+    describe_paths,
     encode_chat,
     encode_prompt_completion,
     load_examples,
@@ -132,6 +134,12 @@ class PackedData:
     def num_rows(self) -> int:
         """R, the number of packed rows."""
         return self.tokens.shape[0]
+
+    def take(self, index: np.ndarray) -> PackedData:
+        """The rows ``index`` [R'] (in that order), counting the examples they hold."""
+        segment_ids = self.segment_ids[index]
+        return PackedData(self.tokens[index], segment_ids, self.positions[index],
+                          self.loss_tokens[index], int(segment_ids.max(axis=1).sum()))
 
 
 # ------------------------------------------------------------------------------------ packing
@@ -219,20 +227,13 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedDa
         logger.warning(
             "%d of %s %s longer than seq_len + 1 = %d tokens: the prompt's start was cut from "
             "%d (after the template's head), the completion's end from %d, and %d were dropped "
-            "(no completion/assistant token fits)",
-            long,
-            count(len(examples), "example"),
-            "is" if long == 1 else "are",
-            capacity,
-            kinds.get("start", 0) + kinds.get("both", 0),
-            kinds.get("end", 0) + kinds.get("both", 0),
-            kinds.get("dropped", 0),
-        )
+            "(no completion/assistant token fits)", long, count(len(examples), "example"),
+            "is" if long == 1 else "are", capacity, kinds.get("start", 0) + kinds.get("both", 0),
+            kinds.get("end", 0) + kinds.get("both", 0), kinds.get("dropped", 0))
     if not fitted:
         raise ValueError(
             f"none of the {count(len(examples), 'example')} has a completion/assistant token "
-            f"within seq_len + 1 = {capacity} tokens; raise train.seq_len"
-        )
+            f"within seq_len + 1 = {capacity} tokens; raise train.seq_len")
     examples = fitted
     truncated = long - kinds.get("dropped", 0)
     lengths = [len(e.tokens) for e in examples]
@@ -243,24 +244,15 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedDa
         tokens[r, start : start + len(example.tokens)] = example.tokens
         loss_tokens[r, start : start + len(example.tokens)] = example.loss
     rows = segment_ids.shape[0]
-    logger.info(
-        "packed %s into %s of %d tokens (%.1f%% padding)",
-        count(len(examples), "example"),
-        count(rows, "row"),
-        capacity,
-        100.0 * (1.0 - sum(lengths) / (rows * capacity)),
-    )
+    logger.info("packed %s into %s of %d tokens (%.1f%% padding)", count(len(examples), "example"),
+                count(rows, "row"), capacity, 100.0 * (1.0 - sum(lengths) / (rows * capacity)))
     return PackedData(tokens, segment_ids, positions, loss_tokens, len(examples), truncated,
                       kinds.get("dropped", 0))
 
 
-def load_instruction_data(
-    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-    tokenizer: TextTokenizer,
-    seq_len: int,
-    *,
-    add_eos: bool = True,
-) -> PackedData:
+def load_instruction_data(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                          tokenizer: TextTokenizer, seq_len: int, *, add_eos: bool = True
+                          ) -> PackedData:
     """Reads, tokenizes and packs JSONL instruction files (see the module docstring).
 
     Args:
@@ -281,9 +273,7 @@ def load_instruction_data(
     try:
         return pack(examples, seq_len, tokenizer.pad_id)
     except ValueError as e:
-        paths = [path] if isinstance(path, str | os.PathLike) else list(path)
-        where = paths[0] if len(paths) == 1 else f"{len(paths)} files ({paths[0]}, ...)"
-        raise ValueError(f"{where}: {e}") from None
+        raise ValueError(f"{describe_paths(as_paths(path))}: {e}") from None
 
 
 # ------------------------------------------------------------------------------------ batches
@@ -324,13 +314,8 @@ def rows_to_batch(data: PackedData, rows: np.ndarray) -> HostBatch:
     segments = data.segment_ids[rows]
     same_example = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)
     loss_mask = data.loss_tokens[rows][:, 1:] & same_example
-    return {
-        "inputs": tokens[:, :-1],
-        "targets": tokens[:, 1:],
-        "segment_ids": segments[:, :-1],
-        "positions": data.positions[rows][:, :-1],
-        "loss_mask": loss_mask.astype(np.float32),
-    }
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments[:, :-1],
+            "positions": data.positions[rows][:, :-1], "loss_mask": loss_mask.astype(np.float32)}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -386,25 +371,7 @@ def packed_eval_batches(rows: PackedData, batch_size: int, max_batches: int | No
         mine = slice(process_index * local, (process_index + 1) * local)
         yield {k: v[mine] for k, v in batch.items()}
 
-__all__ = [
-    "HostBatch",
-    "Example",
-    "InstructionDataError",
-    "PackedBatches",
-    "PackedData",
-    "best_fit_rows",
-    "chat_pieces",
-    "count",
-    "encode_chat",
-    "encode_prompt_completion",
-    "fit",
-    "load_examples",
-    "load_instruction_data",
-    "pack",
-    "packed_layout",
-    "read_jsonl",
-    "row_indices",
-    "packed_eval_batches",
-    "rows_to_batch",
-    "with_mask",
-]
+__all__ = ["HostBatch", "Example", "InstructionDataError", "PackedBatches", "PackedData",
+           "best_fit_rows", "chat_pieces", "count", "encode_chat", "encode_prompt_completion",
+           "fit", "load_examples", "load_instruction_data", "pack", "packed_layout", "read_jsonl",
+           "row_indices", "packed_eval_batches", "rows_to_batch", "with_mask"]

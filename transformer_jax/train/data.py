@@ -281,7 +281,7 @@ def split_rows(rows: PackedData, val_fraction: float) -> tuple[PackedData, Packe
       ``(train rows, validation rows or None)``, each keeping the rows' original order.
     """
     train, val = split_index(rows.num_rows, val_fraction)
-    return _rows(rows, train), None if val is None else _rows(rows, val)
+    return rows.take(train), None if val is None else rows.take(val)
 
 
 def split_index(count: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray | None]:
@@ -312,9 +312,3 @@ def prepare_instruction_data(data_config: DataConfig, tokenizer: TextTokenizer, 
                 count(packed.num_rows, "packed row"), seq_len + 1, train.num_rows,
                 0 if val is None else val.num_rows, 100 * packed.loss_tokens.mean())
     return RunData(train_rows=train, val_rows=val)
-
-
-def _rows(rows: PackedData, index: np.ndarray) -> PackedData:
-    segment_ids = rows.segment_ids[index]
-    return PackedData(rows.tokens[index], segment_ids, rows.positions[index],
-                      rows.loss_tokens[index], num_examples=int(segment_ids.max(axis=1).sum()))
