@@ -51,7 +51,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from transformer_jax.data.batches import StepBatches, check_non_negative
+from transformer_jax.data.batches import StepBatches, check_non_negative, eval_row_batches
 from transformer_jax.data.instruct_records import (
     Example,
     InstructionDataError,
@@ -194,12 +194,8 @@ def packed_layout(lengths: Sequence[int], capacity: int
 
 
 def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedData:
-    """Packs examples into rows of ``seq_len + 1`` tokens (best-fit decreasing).
-
-    Args:
-      examples: Tokenized examples.
-      seq_len: T; rows hold T + 1 tokens (inputs are the first T, targets the last T).
-      pad_id: Token id written into padding.
+    """Packs examples into rows of ``seq_len + 1`` tokens (best-fit decreasing): the inputs
+    are a row's first T = ``seq_len`` tokens, the targets its last T; ``pad_id`` pads.
 
     Returns:
       The packed rows. Examples over T + 1 tokens are cut by ``fit`` (the prompt's start
@@ -255,11 +251,7 @@ def load_instruction_data(path: str | os.PathLike[str] | Sequence[str | os.PathL
                           ) -> PackedData:
     """Reads, tokenizes and packs JSONL instruction files (see the module docstring).
 
-    Args:
-      path: The ``.jsonl`` file of prompt/completion or messages records, or several.
-      tokenizer: The model's tokenizer (with its chat template for ``messages`` records).
-      seq_len: T, the training sequence length.
-      add_eos: End prompt/completion examples with eos.
+    Args: as ``load_examples``'s, and T = ``seq_len``, the training sequence length.
 
     Returns:
       The packed data, ready for ``PackedBatches``.
@@ -299,11 +291,7 @@ def row_indices(seed: int, step: int, batch_size: int, num_rows: int) -> np.ndar
 
 
 def rows_to_batch(data: PackedData, rows: np.ndarray) -> HostBatch:
-    """The batch of the given packed rows.
-
-    Args:
-      data: Packed rows.
-      rows: Row indices, shape [B].
+    """The batch of the packed rows ``rows`` [B] of ``data``.
 
     Returns:
       ``inputs``, ``targets`` (int32), ``segment_ids``, ``positions`` (int32; of the inputs) and
@@ -359,17 +347,9 @@ def packed_eval_batches(rows: PackedData, batch_size: int, max_batches: int | No
                         ) -> Iterator[dict[str, np.ndarray]]:
     """Every row once, in order, in global batches of ``batch_size`` (the last one padded with
     masked copies of row 0), each process given its own slice; at most ``max_batches``."""
-    local = batch_size // process_count
-    num_batches = -(-rows.num_rows // batch_size)
-    if max_batches:
-        num_batches = min(num_batches, max_batches)
-    for i in range(num_batches):
-        index = np.arange(i * batch_size, (i + 1) * batch_size)
-        real = index < rows.num_rows
-        batch = with_mask(rows_to_batch(rows, np.where(real, index, 0)))
-        batch["mask"] = batch["mask"] * real[:, None]
-        mine = slice(process_index * local, (process_index + 1) * local)
-        yield {k: v[mine] for k, v in batch.items()}
+    return eval_row_batches(rows.num_rows, batch_size, max_batches,
+                            lambda index: with_mask(rows_to_batch(rows, index)), process_index,
+                            batch_size // process_count, pad=True)
 
 __all__ = ["HostBatch", "Example", "InstructionDataError", "PackedBatches", "PackedData",
            "best_fit_rows", "chat_pieces", "count", "encode_chat", "encode_prompt_completion",

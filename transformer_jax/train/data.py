@@ -26,10 +26,7 @@ from transformer_jax.data.instruct import (
 )
 from transformer_jax.data.preference import PairBatches, PreferenceRows
 from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, Tokenizer, load_tokenizer
-from transformer_jax.train.config import (
-    DataConfig,
-    TrainConfig,
-)
+from transformer_jax.train.config import DataConfig, TrainConfig
 from transformer_jax.train.resume import data_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -59,10 +56,8 @@ def prepare_data(data_config: DataConfig, vocab_size: int,
         raise ValueError("data.packing=pack reads shard builds: make them with python -m "
                          "transformer_jax.data build --out DIR and pass data.path=DIR")
     cache_dir = Path(dc.cache_dir).expanduser()
-    if dc.patterns:
-        files = corpus.resolve_corpus(dc.patterns)
-    else:
-        files = corpus.default_corpus(dc.max_bytes)
+    files = (corpus.resolve_corpus(dc.patterns) if dc.patterns
+             else corpus.default_corpus(dc.max_bytes))
     ensure_writable_dir(cache_dir, "data cache directory")
     if tokenizer is not None:
         pass
@@ -229,9 +224,8 @@ class RunData:
         if self.pairs is not None:
             return PairBatches(self.pairs, tc.batch_size, tc.seed, process_index, process_count,
                                self.reference).get(step)
-        rows = PackedBatches(self.train_rows, tc.batch_size, tc.seed, process_index,
-                             process_count).get(step)
-        return with_mask(rows)
+        return with_mask(PackedBatches(self.train_rows, tc.batch_size, tc.seed, process_index,
+                                       process_count).get(step))
 
     def eval_batches(self, batch_size: int, seq_len: int, max_batches: int | None = None, *,
                      process_index: int = 0, process_count: int = 1
