@@ -4,9 +4,6 @@
 draw random windows whose global batch is a pure function of (seed, step), so a resumed or
 multi-host run sees exactly the batches an uninterrupted single-host run would;
 ``eval_batches`` walks the validation tokens in order.
-
-The package's modules: ``build`` and ``sources`` (``transformer-jax data build``: inputs
--> tokenized ArrayRecord shards) and ``shards`` (shard builds -> packed rows or windows, mixtures).
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -27,30 +24,24 @@ HostBatch = dict[str, np.ndarray]
 def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """Splits tokens into contiguous train (first part) and validation (last part) views.
 
-    Args:
-      tokens: Token ids, shape [N].
-      val_fraction: Fraction in ``[0, 1)`` of tokens for validation; its size is
-        ``int(N * val_fraction)``.
-
     Returns:
-      ``(train, val)`` views of shapes [N - M] and [M] with ``M = int(N * val_fraction)``.
+      ``(train, val)`` views of tokens [N], shapes [N - M] and [M], ``M = int(N *
+      val_fraction)``.
 
     Raises:
-      ValueError: If ``val_fraction`` is outside ``[0, 1)`` or leaves a part empty that
-        should not be.
+      ValueError: ``val_fraction`` outside ``[0, 1)``, or leaving a part empty that should not
+        be.
     """
     tokens = _check_tokens(tokens)
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
     num_val = int(len(tokens) * val_fraction)
     if val_fraction > 0 and num_val == 0:
-        raise ValueError(
-            f"val_fraction={val_fraction} of {len(tokens)} tokens leaves no validation tokens"
-        )
+        raise ValueError(f"val_fraction={val_fraction} of {len(tokens)} tokens leaves no "
+                         "validation tokens")
     if num_val == len(tokens):
-        raise ValueError(
-            f"val_fraction={val_fraction} of {len(tokens)} tokens leaves no train tokens"
-        )
+        raise ValueError(f"val_fraction={val_fraction} of {len(tokens)} tokens leaves no train "
+                         "tokens")
     cut = len(tokens) - num_val
     return tokens[:cut], tokens[cut:]
 
@@ -58,20 +49,10 @@ def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarr
 # ------------------------------------------------------------------------------------ batches
 
 
-def batch_offsets(
-    seed: int, step: int, batch_size: int, num_tokens: int, seq_len: int
-) -> np.ndarray:
-    """Start offsets of the windows of the global batch for (seed, step).
-
-    Args:
-      seed: Non-negative data seed.
-      step: Non-negative training step.
-      batch_size: Global batch size B.
-      num_tokens: Length N of the token array.
-      seq_len: Window length T; each window reads T + 1 tokens.
-
-    Returns:
-      Offsets, shape [B], int64, each in ``[0, N - T - 1]``.
+def batch_offsets(seed: int, step: int, batch_size: int, num_tokens: int, seq_len: int
+                  ) -> np.ndarray:
+    """Start offsets [B] int64, each in ``[0, N - T - 1]``, of the windows (T + 1 tokens of
+    N) of the global batch of B rows for (seed, step).
 
     Raises:
       ValueError: On a negative seed or step, a non-positive size, or ``seq_len >= N``.
@@ -82,30 +63,13 @@ def batch_offsets(
     return rng.integers(0, num_tokens - seq_len, size=batch_size, dtype=np.int64)
 
 
-def get_batch(
-    tokens: np.ndarray,
-    seed: int,
-    step: int,
-    batch_size: int,
-    seq_len: int,
-    *,
-    process_index: int = 0,
-    process_count: int = 1,
-) -> HostBatch:
+def get_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_len: int, *,
+              process_index: int = 0, process_count: int = 1) -> HostBatch:
     """This process's rows of the global batch for (seed, step): random windows of the tokens.
 
-    The global batch depends only on (seed, step) and the tokens; process ``p`` of ``P`` gets
-    rows ``[p * B / P, (p + 1) * B / P)``, so concatenating all processes' rows in process order
-    gives the global batch.
-
-    Args:
-      tokens: Token ids, shape [N].
-      seed: Non-negative data seed.
-      step: Non-negative training step.
-      batch_size: Global batch size B, divisible by ``process_count``.
-      seq_len: Window length T, smaller than N.
-      process_index: This process's index p in ``[0, P)``.
-      process_count: Number of processes P.
+    The global batch of B rows (divisible by P) depends only on (seed, step) and the tokens
+    [N]; process ``p`` of ``P`` gets rows ``[p * B / P, (p + 1) * B / P)``, so concatenating
+    all processes' rows in process order gives the global batch. T < N is the window length.
 
     Returns:
       ``{"inputs": [B / P, T] int32, "targets": [B / P, T] int32}`` where
@@ -179,46 +143,25 @@ class Batches(StepBatches):
     def __post_init__(self) -> None:
         _check_tokens(self.tokens)
         self._check_split()
-        _check_batch_args(
-            len(self.tokens), self.batch_size, self.seq_len, self.process_index, self.process_count
-        )
+        _check_batch_args(len(self.tokens), self.batch_size, self.seq_len, self.process_index,
+                          self.process_count)
 
     def get(self, step: int) -> HostBatch:
         """The batch for ``step``: ``{"inputs", "targets"}``, each [B / P, T] int32."""
-        return get_batch(
-            self.tokens,
-            self.seed,
-            step,
-            self.batch_size,
-            self.seq_len,
-            process_index=self.process_index,
-            process_count=self.process_count,
-        )
+        return get_batch(self.tokens, self.seed, step, self.batch_size, self.seq_len,
+                         process_index=self.process_index, process_count=self.process_count)
 
 
-def eval_batches(
-    tokens: np.ndarray,
-    batch_size: int,
-    seq_len: int,
-    max_batches: int | None = None,
-    *,
-    process_index: int = 0,
-    process_count: int = 1,
-) -> Iterator[HostBatch]:
-    """Deterministic sequential batches over (validation) tokens, for evaluation.
+def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
+                 max_batches: int | None = None, *, process_index: int = 0,
+                 process_count: int = 1) -> Iterator[HostBatch]:
+    """Deterministic sequential batches over (validation) tokens [N], for evaluation.
 
-    Window ``w`` reads tokens ``[w * T, w * T + T]`` (non-overlapping inputs); global batch ``i``
-    holds windows ``i * B .. i * B + B - 1``; a final incomplete batch is dropped so every batch
-    has the same shape. Processes take row slices as in ``get_batch``. Arguments are checked
-    when this is called, not on first iteration.
-
-    Args:
-      tokens: Token ids, shape [N].
-      batch_size: Global batch size B, divisible by ``process_count``.
-      seq_len: Window length T, smaller than N.
-      max_batches: Stop after this many batches (None: all full batches).
-      process_index: This process's index p in ``[0, P)``.
-      process_count: Number of processes P.
+    Window ``w`` reads tokens ``[w * T, w * T + T]`` (non-overlapping inputs, T < N); global
+    batch ``i`` holds windows ``i * B .. i * B + B - 1``; a final incomplete batch is dropped
+    so every batch has the same shape; at most ``max_batches`` (None: all full batches).
+    Processes take row slices as in ``get_batch``. Arguments are checked when this is called,
+    not on first iteration.
 
     Returns:
       An iterator of ``{"inputs": [B / P, T] int32, "targets": [B / P, T] int32}``.
@@ -232,20 +175,34 @@ def eval_batches(
         raise ValueError(f"max_batches must be positive or None, got {max_batches!r}")
     num_batches = (len(tokens) - 1) // seq_len // batch_size
     if num_batches == 0:
-        raise ValueError(
-            f"{len(tokens)} tokens do not fill one eval batch of batch_size={batch_size} x "
-            f"seq_len={seq_len} (need at least {batch_size * seq_len + 1})"
-        )
-    if max_batches is not None:
-        num_batches = min(num_batches, max_batches)
+        raise ValueError(f"{len(tokens)} tokens do not fill one eval batch of batch_size="
+                         f"{batch_size} x seq_len={seq_len} (need at least "
+                         f"{batch_size * seq_len + 1})")
+    return eval_row_batches((len(tokens) - 1) // seq_len, batch_size, max_batches,
+                            lambda rows: _windows(tokens, rows * seq_len, seq_len),
+                            process_index, local)
 
-    def generate() -> Iterator[HostBatch]:
-        for i in range(num_batches):
-            first_row = i * batch_size + process_index * local
-            offsets = np.arange(first_row, first_row + local, dtype=np.int64) * seq_len
-            yield _windows(tokens, offsets, seq_len)
 
-    return generate()
+def eval_row_batches(num_rows: int, batch_size: int, max_batches: int | None,
+                     read: Callable[[np.ndarray], HostBatch], process_index: int, local: int,
+                     pad: bool = False) -> Iterator[HostBatch]:
+    """Every one of ``num_rows`` rows once, in order: global batch ``i`` holds rows ``i B ..
+    i B + B - 1``, this process its ``local`` = B / P of them (from ``i B + p B / P``), read
+    by ``read(row indices [B / P])``; at most ``max_batches`` (None or 0: all).
+
+    A last incomplete batch is dropped; with ``pad`` it is kept, filled with copies of row 0
+    whose ``mask`` is zero (every batch then has a ``mask``, 1 where absent)."""
+    count = -(-num_rows // batch_size) if pad else num_rows // batch_size
+    if max_batches:
+        count = min(count, max_batches)
+    for i in range(count):
+        index = i * batch_size + process_index * local + np.arange(local, dtype=np.int64)
+        real = index < num_rows
+        batch = read(np.where(real, index, 0))
+        if pad:
+            mask = batch.get("mask", np.ones(batch["targets"].shape, np.float32))
+            batch["mask"] = mask * real[:, None]
+        yield batch
 
 
 def _windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> HostBatch:
@@ -274,16 +231,14 @@ def check_non_negative(name: str, value: int) -> int:
     return value
 
 
-def _check_batch_args(
-    num_tokens: int, batch_size: int, seq_len: int, process_index: int, process_count: int
-) -> int:
+def _check_batch_args(num_tokens: int, batch_size: int, seq_len: int, process_index: int,
+                      process_count: int) -> int:
     """Validates batching arguments; returns the per-process batch size B / P."""
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     if seq_len >= num_tokens:
-        raise ValueError(
-            f"seq_len={seq_len} must be smaller than the number of tokens ({num_tokens})"
-        )
+        raise ValueError(f"seq_len={seq_len} must be smaller than the number of tokens "
+                         f"({num_tokens})")
     return check_split(batch_size, process_index, process_count)
 
 
@@ -296,18 +251,10 @@ def check_split(batch_size: int, process_index: int, process_count: int) -> int:
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index={process_index} is outside [0, {process_count})")
     if batch_size % process_count:
-        raise ValueError(
-            f"batch_size={batch_size} is not divisible by process_count={process_count}"
-        )
+        raise ValueError(f"batch_size={batch_size} is not divisible by process_count="
+                         f"{process_count}")
     return batch_size // process_count
 
 
-__all__ = [
-    "StepBatches",
-    "HostBatch",
-    "Batches",
-    "batch_offsets",
-    "eval_batches",
-    "get_batch",
-    "split",
-]
+__all__ = ["StepBatches", "HostBatch", "Batches", "batch_offsets", "eval_batches", "get_batch",
+           "split"]

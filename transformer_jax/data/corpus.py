@@ -27,17 +27,13 @@ logger = logging.getLogger(__name__)
 # Bump when the token file layout changes so old caches are not reused.
 _TOKEN_CACHE_VERSION = 1
 DEFAULT_CORPUS_MAX_BYTES = 8_000_000
-_STDLIB_SKIP_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-)
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test",
+                               "__pycache__"})
 _GLOB_CHARS = frozenset("*?[")
 
 
-def resolve_corpus(
-    patterns: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-    *,
-    exclude: Sequence[str | os.PathLike[str]] = (),
-) -> list[Path]:
+def resolve_corpus(patterns: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
+                   exclude: Sequence[str | os.PathLike[str]] = ()) -> list[Path]:
     """Expands file paths, directories and glob patterns into a sorted list of files.
 
     Args:
@@ -68,12 +64,8 @@ def resolve_corpus(
             matches = [Path(m) for m in glob.glob(text, recursive=True)]
             files = [m for m in matches if m.is_file()]
         elif os.path.isdir(text):
-            files = [
-                p
-                for p in Path(text).rglob("*")
-                if p.is_file()
-                and not any(part.startswith(".") for part in p.relative_to(text).parts)
-            ]
+            files = [p for p in Path(text).rglob("*") if p.is_file()
+                     and not any(part.startswith(".") for part in p.relative_to(text).parts)]
         elif os.path.isfile(text):
             files = [Path(text)]
         else:
@@ -84,23 +76,17 @@ def resolve_corpus(
         kept = [f for f in files if not is_under(f, excluded)]
         left_out.update(f for f in files if f not in kept)
         if not kept:
-            raise FileNotFoundError(
-                f"corpus pattern {pattern!r} matches only files under "
-                f"{', '.join(map(str, excluded))}, which is left out of the inputs"
-            )
+            raise FileNotFoundError(f"corpus pattern {pattern!r} matches only files under "
+                                    f"{', '.join(map(str, excluded))}, which is left out of the "
+                                    "inputs")
         found.update(kept)
     if left_out:
-        logger.info(
-            "left %d file%s under %s out of the inputs",
-            len(left_out),
-            "" if len(left_out) == 1 else "s",
-            ", ".join(map(str, excluded)),
-        )
+        logger.info("left %d file%s under %s out of the inputs", len(left_out),
+                    "" if len(left_out) == 1 else "s", ", ".join(map(str, excluded)))
     result = sorted(found)
     if sum(f.stat().st_size for f in result) == 0:
-        raise ValueError(
-            f"corpus {patterns!r} is empty: all {len(result)} matched files have 0 bytes"
-        )
+        raise ValueError(f"corpus {patterns!r} is empty: all {len(result)} matched files have 0 "
+                         "bytes")
     return result
 
 
@@ -118,11 +104,8 @@ def default_corpus(max_bytes: int | None = DEFAULT_CORPUS_MAX_BYTES) -> list[Pat
     alphabetical order) and each is taken if it still fits; the same installation always gives
     the same result.
 
-    Args:
-      max_bytes: Cap on the total size of the returned files, or None for no cap.
-
     Returns:
-      Absolute paths of the chosen files, sorted.
+      Absolute paths of the chosen files (at most ``max_bytes`` in all; None: no cap), sorted.
 
     Raises:
       ValueError: If ``max_bytes`` is not positive.
@@ -133,12 +116,10 @@ def default_corpus(max_bytes: int | None = DEFAULT_CORPUS_MAX_BYTES) -> list[Pat
     root = Path(sysconfig.get_paths()["stdlib"]).resolve()
     candidates: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(
-            d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith(".")
-        )
-        candidates.extend(
-            Path(dirpath) / name for name in sorted(filenames) if name.endswith(".py")
-        )
+        dirnames[:] = sorted(d for d in dirnames
+                             if d not in _STDLIB_SKIP_DIRS and not d.startswith("."))
+        candidates.extend(Path(dirpath) / name for name in sorted(filenames)
+                          if name.endswith(".py"))
 
     def spread_key(path: Path) -> str:
         return hashlib.sha256(path.relative_to(root).as_posix().encode()).hexdigest()
@@ -165,13 +146,7 @@ def default_corpus(max_bytes: int | None = DEFAULT_CORPUS_MAX_BYTES) -> list[Pat
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest unsigned dtype holding ids in ``[0, vocab_size)``: uint16 up to 2**16, else uint32.
-
-    Args:
-      vocab_size: Number of token ids V.
-
-    Returns:
-      ``np.dtype(np.uint16)`` or ``np.dtype(np.uint32)``.
+    """Smallest unsigned dtype holding ids in ``[0, V)``: uint16 up to 2**16, else uint32.
 
     Raises:
       ValueError: If ``vocab_size`` is not in ``[1, 2**32]``.
@@ -181,14 +156,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def tokenize_corpus(
-    files: Sequence[str | os.PathLike[str]],
-    tokenizer: Tokenizer,
-    cache_dir: str | os.PathLike[str],
-    *,
-    add_bos: bool = False,
-    add_eos: bool = True,
-) -> np.memmap:
+def tokenize_corpus(files: Sequence[str | os.PathLike[str]], tokenizer: Tokenizer,
+                    cache_dir: str | os.PathLike[str], *, add_bos: bool = False,
+                    add_eos: bool = True) -> np.memmap:
     """Encodes files into one flat token array, cached on disk and memory-mapped read-only.
 
     Each non-empty file is one document; documents are concatenated in the given order, each
@@ -197,15 +167,9 @@ def tokenize_corpus(
     and these options, so a change to any of them re-tokenizes. The file is written to a
     temporary name and renamed, so an interrupted run never leaves a partial cache behind.
 
-    Args:
-      files: UTF-8 text files, e.g. from ``resolve_corpus``.
-      tokenizer: The tokenizer to encode with.
-      cache_dir: Directory for token files (created if missing).
-      add_bos: Put bos before every document.
-      add_eos: Put eos after every document.
-
     Returns:
-      Token ids, shape [N], dtype ``token_dtype(tokenizer.vocab_size)``.
+      Token ids of the UTF-8 ``files`` (e.g. from ``resolve_corpus``), shape [N], dtype
+      ``token_dtype(tokenizer.vocab_size)``, cached in ``cache_dir`` (created if missing).
 
     Raises:
       ValueError: If ``files`` is empty, a file is not UTF-8, or the corpus yields no tokens.
@@ -221,16 +185,9 @@ def tokenize_corpus(
             raise FileNotFoundError(f"corpus file not found: {path}")
         with open(path, "rb") as f:
             file_digests.append([str(path), hashlib.file_digest(f, "sha256").hexdigest()])
-    payload = json.dumps(
-        {
-            "version": _TOKEN_CACHE_VERSION,
-            "tokenizer": tokenizer.fingerprint,
-            "add_bos": add_bos,
-            "add_eos": add_eos,
-            "dtype": dtype.name,
-            "files": file_digests,
-        }
-    )
+    payload = json.dumps({"version": _TOKEN_CACHE_VERSION, "tokenizer": tokenizer.fingerprint,
+                          "add_bos": add_bos, "add_eos": add_eos, "dtype": dtype.name,
+                          "files": file_digests})
     key = hashlib.sha256(payload.encode()).hexdigest()[:24]
     cache_path = Path(cache_dir) / f"tokens-{key}.{dtype.name}.bin"
     if cache_path.is_file():

@@ -51,12 +51,14 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from transformer_jax.data.batches import StepBatches, check_non_negative
+from transformer_jax.data.batches import StepBatches, check_non_negative, eval_row_batches
 from transformer_jax.data.instruct_records import (
     Example,
     InstructionDataError,
+    as_paths,
     chat_pieces,
     count,
+    describe_paths,
     encode_chat,
     encode_prompt_completion,
     load_examples,
@@ -133,6 +135,12 @@ class PackedData:
         """R, the number of packed rows."""
         return self.tokens.shape[0]
 
+    def take(self, index: np.ndarray) -> PackedData:
+        """The rows ``index`` [R'] (in that order), counting the examples they hold."""
+        segment_ids = self.segment_ids[index]
+        return PackedData(self.tokens[index], segment_ids, self.positions[index],
+                          self.loss_tokens[index], int(segment_ids.max(axis=1).sum()))
+
 
 # ------------------------------------------------------------------------------------ packing
 
@@ -186,12 +194,8 @@ def packed_layout(lengths: Sequence[int], capacity: int
 
 
 def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedData:
-    """Packs examples into rows of ``seq_len + 1`` tokens (best-fit decreasing).
-
-    Args:
-      examples: Tokenized examples.
-      seq_len: T; rows hold T + 1 tokens (inputs are the first T, targets the last T).
-      pad_id: Token id written into padding.
+    """Packs examples into rows of ``seq_len + 1`` tokens (best-fit decreasing): the inputs
+    are a row's first T = ``seq_len`` tokens, the targets its last T; ``pad_id`` pads.
 
     Returns:
       The packed rows. Examples over T + 1 tokens are cut by ``fit`` (the prompt's start
@@ -219,20 +223,13 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedDa
         logger.warning(
             "%d of %s %s longer than seq_len + 1 = %d tokens: the prompt's start was cut from "
             "%d (after the template's head), the completion's end from %d, and %d were dropped "
-            "(no completion/assistant token fits)",
-            long,
-            count(len(examples), "example"),
-            "is" if long == 1 else "are",
-            capacity,
-            kinds.get("start", 0) + kinds.get("both", 0),
-            kinds.get("end", 0) + kinds.get("both", 0),
-            kinds.get("dropped", 0),
-        )
+            "(no completion/assistant token fits)", long, count(len(examples), "example"),
+            "is" if long == 1 else "are", capacity, kinds.get("start", 0) + kinds.get("both", 0),
+            kinds.get("end", 0) + kinds.get("both", 0), kinds.get("dropped", 0))
     if not fitted:
         raise ValueError(
             f"none of the {count(len(examples), 'example')} has a completion/assistant token "
-            f"within seq_len + 1 = {capacity} tokens; raise train.seq_len"
-        )
+            f"within seq_len + 1 = {capacity} tokens; raise train.seq_len")
     examples = fitted
     truncated = long - kinds.get("dropped", 0)
     lengths = [len(e.tokens) for e in examples]
@@ -243,31 +240,18 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedDa
         tokens[r, start : start + len(example.tokens)] = example.tokens
         loss_tokens[r, start : start + len(example.tokens)] = example.loss
     rows = segment_ids.shape[0]
-    logger.info(
-        "packed %s into %s of %d tokens (%.1f%% padding)",
-        count(len(examples), "example"),
-        count(rows, "row"),
-        capacity,
-        100.0 * (1.0 - sum(lengths) / (rows * capacity)),
-    )
+    logger.info("packed %s into %s of %d tokens (%.1f%% padding)", count(len(examples), "example"),
+                count(rows, "row"), capacity, 100.0 * (1.0 - sum(lengths) / (rows * capacity)))
     return PackedData(tokens, segment_ids, positions, loss_tokens, len(examples), truncated,
                       kinds.get("dropped", 0))
 
 
-def load_instruction_data(
-    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-    tokenizer: TextTokenizer,
-    seq_len: int,
-    *,
-    add_eos: bool = True,
-) -> PackedData:
+def load_instruction_data(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                          tokenizer: TextTokenizer, seq_len: int, *, add_eos: bool = True
+                          ) -> PackedData:
     """Reads, tokenizes and packs JSONL instruction files (see the module docstring).
 
-    Args:
-      path: The ``.jsonl`` file of prompt/completion or messages records, or several.
-      tokenizer: The model's tokenizer (with its chat template for ``messages`` records).
-      seq_len: T, the training sequence length.
-      add_eos: End prompt/completion examples with eos.
+    Args: as ``load_examples``'s, and T = ``seq_len``, the training sequence length.
 
     Returns:
       The packed data, ready for ``PackedBatches``.
@@ -281,9 +265,7 @@ def load_instruction_data(
     try:
         return pack(examples, seq_len, tokenizer.pad_id)
     except ValueError as e:
-        paths = [path] if isinstance(path, str | os.PathLike) else list(path)
-        where = paths[0] if len(paths) == 1 else f"{len(paths)} files ({paths[0]}, ...)"
-        raise ValueError(f"{where}: {e}") from None
+        raise ValueError(f"{describe_paths(as_paths(path))}: {e}") from None
 
 
 # ------------------------------------------------------------------------------------ batches
@@ -309,11 +291,7 @@ def row_indices(seed: int, step: int, batch_size: int, num_rows: int) -> np.ndar
 
 
 def rows_to_batch(data: PackedData, rows: np.ndarray) -> HostBatch:
-    """The batch of the given packed rows.
-
-    Args:
-      data: Packed rows.
-      rows: Row indices, shape [B].
+    """The batch of the packed rows ``rows`` [B] of ``data``.
 
     Returns:
       ``inputs``, ``targets`` (int32), ``segment_ids``, ``positions`` (int32; of the inputs) and
@@ -324,13 +302,8 @@ def rows_to_batch(data: PackedData, rows: np.ndarray) -> HostBatch:
     segments = data.segment_ids[rows]
     same_example = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)
     loss_mask = data.loss_tokens[rows][:, 1:] & same_example
-    return {
-        "inputs": tokens[:, :-1],
-        "targets": tokens[:, 1:],
-        "segment_ids": segments[:, :-1],
-        "positions": data.positions[rows][:, :-1],
-        "loss_mask": loss_mask.astype(np.float32),
-    }
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments[:, :-1],
+            "positions": data.positions[rows][:, :-1], "loss_mask": loss_mask.astype(np.float32)}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -374,37 +347,11 @@ def packed_eval_batches(rows: PackedData, batch_size: int, max_batches: int | No
                         ) -> Iterator[dict[str, np.ndarray]]:
     """Every row once, in order, in global batches of ``batch_size`` (the last one padded with
     masked copies of row 0), each process given its own slice; at most ``max_batches``."""
-    local = batch_size // process_count
-    num_batches = -(-rows.num_rows // batch_size)
-    if max_batches:
-        num_batches = min(num_batches, max_batches)
-    for i in range(num_batches):
-        index = np.arange(i * batch_size, (i + 1) * batch_size)
-        real = index < rows.num_rows
-        batch = with_mask(rows_to_batch(rows, np.where(real, index, 0)))
-        batch["mask"] = batch["mask"] * real[:, None]
-        mine = slice(process_index * local, (process_index + 1) * local)
-        yield {k: v[mine] for k, v in batch.items()}
+    return eval_row_batches(rows.num_rows, batch_size, max_batches,
+                            lambda index: with_mask(rows_to_batch(rows, index)), process_index,
+                            batch_size // process_count, pad=True)
 
-__all__ = [
-    "HostBatch",
-    "Example",
-    "InstructionDataError",
-    "PackedBatches",
-    "PackedData",
-    "best_fit_rows",
-    "chat_pieces",
-    "count",
-    "encode_chat",
-    "encode_prompt_completion",
-    "fit",
-    "load_examples",
-    "load_instruction_data",
-    "pack",
-    "packed_layout",
-    "read_jsonl",
-    "row_indices",
-    "packed_eval_batches",
-    "rows_to_batch",
-    "with_mask",
-]
+__all__ = ["HostBatch", "Example", "InstructionDataError", "PackedBatches", "PackedData",
+           "best_fit_rows", "chat_pieces", "count", "encode_chat", "encode_prompt_completion",
+           "fit", "load_examples", "load_instruction_data", "pack", "packed_layout", "read_jsonl",
+           "row_indices", "packed_eval_batches", "rows_to_batch", "with_mask"]

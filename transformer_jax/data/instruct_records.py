@@ -42,6 +42,16 @@ class Example:
     head: int = 0
 
 
+def as_paths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list:
+    """One path or several as a list."""
+    return [path] if isinstance(path, str | os.PathLike) else list(path)
+
+
+def describe_paths(paths: Sequence[str | os.PathLike[str]]) -> str:
+    """``FILE`` for one file, ``"N files (FILE, ...)"`` for several (the start of an error)."""
+    return str(paths[0]) if len(paths) == 1 else f"{len(paths)} files ({paths[0]}, ...)"
+
+
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yields ``(line number, record)`` for each non-blank line of a JSONL file.
 
@@ -65,9 +75,8 @@ def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, An
             except json.JSONDecodeError as e:
                 raise InstructionDataError(f"{path}:{number}: not valid JSON: {e}") from e
             if not isinstance(record, dict):
-                raise InstructionDataError(
-                    f"{path}:{number}: a record must be a JSON object, got {type(record).__name__}"
-                )
+                raise InstructionDataError(f"{path}:{number}: a record must be a JSON object, "
+                                           f"got {type(record).__name__}")
             _check_unicode(record, f"{path}:{number}")
             yield number, record
 
@@ -81,8 +90,7 @@ def _check_unicode(value: Any, where: str) -> None:
             bad = value[e.start : e.end].encode("unicode_escape").decode()
             raise InstructionDataError(
                 f"{where}: a string holds a lone surrogate ({bad}), which is not valid Unicode "
-                "text; write the character itself or its surrogate pair"
-            ) from None
+                "text; write the character itself or its surrogate pair") from None
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_unicode(key, where)
@@ -92,9 +100,8 @@ def _check_unicode(value: Any, where: str) -> None:
             _check_unicode(item, where)
 
 
-def encode_prompt_completion(
-    prompt: str, completion: str, tokenizer: TextTokenizer, add_eos: bool = True
-) -> tuple[np.ndarray, np.ndarray]:
+def encode_prompt_completion(prompt: str, completion: str, tokenizer: TextTokenizer,
+                             add_eos: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Tokens [L] and loss flags [L] of a prompt/completion pair (loss on completion + eos)."""
     head = encode_text(tokenizer, prompt)  # bos as the tokenizer says, as generation does
     tail = tokenizer.encode(completion, add_eos=add_eos and tokenizer.eos_id >= 0)
@@ -104,9 +111,15 @@ def encode_prompt_completion(
     return tokens, loss
 
 
-def chat_pieces(
-    template: ChatTemplate, messages: Sequence[Mapping[str, Any]]
-) -> list[tuple[str, bool]]:
+def prompt_completion_example(prompt: str, completion: str, tokenizer: TextTokenizer,
+                              add_eos: bool, line: int) -> Example:
+    """``encode_prompt_completion`` as an ``Example`` whose head is the bos, if any."""
+    tokens, loss = encode_prompt_completion(prompt, completion, tokenizer, add_eos)
+    return Example(tokens, loss, line, int(tokenizer.add_bos_token and tokenizer.bos_id >= 0))
+
+
+def chat_pieces(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]
+                ) -> list[tuple[str, bool]]:
     """Cuts a rendered conversation into ``(text, is_assistant)`` pieces, in order.
 
     See the module docstring for the method. The pieces concatenate to the full rendering.
@@ -125,39 +138,58 @@ def chat_pieces(
         if not before.startswith(done) or not through.startswith(before):
             raise ChatTemplateError(
                 f"the template does not render the conversation up to message {i} as a prefix of "
-                "the conversation through it, so assistant tokens cannot be located"
-            )
+                "the conversation through it, so assistant tokens cannot be located")
         pieces.append((before[len(done) :], False))
         pieces.append((through[len(before) :], True))
         done = through
     full = template.render(messages)
     if not full.startswith(done):
         raise ChatTemplateError(
-            "the template does not render the conversation's prefixes as prefixes of the whole"
-        )
+            "the template does not render the conversation's prefixes as prefixes of the whole")
     pieces.append((full[len(done) :], False))
     return [(text, is_assistant) for text, is_assistant in pieces if text]
 
 
-def encode_chat(
-    messages: Sequence[Mapping[str, Any]], tokenizer: TextTokenizer, template: ChatTemplate
-) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens [L] and loss flags [L] of a conversation (loss on the assistant pieces)."""
+def encode_chat(messages: Sequence[Mapping[str, Any]], tokenizer: TextTokenizer,
+                template: ChatTemplate, scored_from: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens [L] and loss flags [L] of a conversation: the loss on the assistant pieces after
+    the first ``scored_from`` (a preference pair's prompt turns carry none)."""
     tokens: list[int] = []
     loss: list[bool] = []
+    seen = 0
     for text, is_assistant in chat_pieces(template, messages):
         ids = tokenizer.encode(text)
+        seen += is_assistant
         tokens.extend(ids)
-        loss.extend([is_assistant] * len(ids))
+        loss.extend([is_assistant and seen > scored_from] * len(ids))
     return np.asarray(tokens, dtype=np.int32), np.asarray(loss, dtype=bool)
 
 
-def load_examples(
-    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-    tokenizer: TextTokenizer,
-    *,
-    add_eos: bool = True,
-) -> list[Example]:
+def chat_example(messages: Sequence[Mapping[str, Any]], tokenizer: TextTokenizer,
+                 template: ChatTemplate | None, where: str, line: int, scored_from: int = 0
+                 ) -> tuple[Example, ChatTemplate]:
+    """The example of a record's checked ``messages`` (``encode_chat``; ``head`` the tokens
+    the template writes before the first content) and the template: ``template``, or the
+    tokenizer's when None (loaded once per file set).
+
+    Raises:
+      InstructionDataError: ``where: ...`` when the tokenizer has no chat template or it fails.
+    """
+    try:
+        if template is None:
+            template = ChatTemplate.of(tokenizer)
+    except (ValueError, ChatTemplateError) as e:
+        raise InstructionDataError(f"{where}: chat record: {e}") from e
+    try:
+        tokens, loss = encode_chat(messages, tokenizer, template, scored_from)
+        head = _chat_head(messages, tokenizer, template, tokens)
+    except ChatTemplateError as e:
+        raise InstructionDataError(f"{where}: {e}") from e
+    return Example(tokens, loss, line, head), template
+
+
+def load_examples(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                  tokenizer: TextTokenizer, *, add_eos: bool = True) -> list[Example]:
     """Reads and tokenizes every record of one or several JSONL files.
 
     Args:
@@ -176,7 +208,7 @@ def load_examples(
         message whose content is not text, or a chat template that fails on the record; also
         for files with no records.
     """
-    paths = [path] if isinstance(path, str | os.PathLike) else list(path)
+    paths = as_paths(path)
     template: ChatTemplate | None = None
     examples: list[Example] = []
     dropped = 0
@@ -185,42 +217,27 @@ def load_examples(
             where = f"{file}:{line}"
             if "messages" in record:
                 messages = _check_messages(record["messages"], where)
-                if template is None:
-                    try:
-                        template = ChatTemplate.of(tokenizer)
-                    except (ValueError, ChatTemplateError) as e:
-                        raise InstructionDataError(f"{where}: chat record: {e}") from e
-                try:
-                    tokens, loss = encode_chat(messages, tokenizer, template)
-                    head = _chat_head(messages, tokenizer, template, tokens)
-                except ChatTemplateError as e:
-                    raise InstructionDataError(f"{where}: {e}") from e
+                example, template = chat_example(messages, tokenizer, template, where, line)
             elif "prompt" in record and "completion" in record:
                 prompt, completion = record["prompt"], record["completion"]
                 if not isinstance(prompt, str) or not isinstance(completion, str):
                     raise InstructionDataError(
-                        f'{where}: "prompt" and "completion" must be strings'
-                    )
-                tokens, loss = encode_prompt_completion(prompt, completion, tokenizer, add_eos)
-                head = int(tokenizer.add_bos_token and tokenizer.bos_id >= 0)
+                        f'{where}: "prompt" and "completion" must be strings')
+                example = prompt_completion_example(prompt, completion, tokenizer, add_eos, line)
             else:
                 hint = ("; preference pairs train with train.objective=dpo or orpo"
                         if "chosen" in record and "rejected" in record else "")
                 raise InstructionDataError(
                     f'{where}: a record needs "prompt" and "completion" strings or a "messages" '
-                    f"list; got keys {sorted(record)}{hint}"
-                )
-            if not loss[1:].any():  # the first token is never a target
+                    f"list; got keys {sorted(record)}{hint}")
+            if not example.loss[1:].any():  # the first token is never a target
                 dropped += 1
                 continue
-            examples.append(Example(tokens, loss, line, head))
-    where = paths[0] if len(paths) == 1 else f"{len(paths)} files ({paths[0]}, ...)"
+            examples.append(example)
+    where = describe_paths(paths)
     if dropped:
-        logger.warning(
-            "%s: %s no completion/assistant tokens; skipped",
-            where,
-            count(dropped, "record has", "records have"),
-        )
+        logger.warning("%s: %s no completion/assistant tokens; skipped", where,
+                       count(dropped, "record has", "records have"))
     if not examples:
         raise InstructionDataError(f"{where}: no usable records")
     return examples
@@ -232,12 +249,8 @@ def count(n: int, one: str, many: str | None = None) -> str:
     return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
-def _chat_head(
-    messages: Sequence[Mapping[str, Any]],
-    tokenizer: TextTokenizer,
-    template: ChatTemplate,
-    tokens: np.ndarray,
-) -> int:
+def _chat_head(messages: Sequence[Mapping[str, Any]], tokenizer: TextTokenizer,
+               template: ChatTemplate, tokens: np.ndarray) -> int:
     """How many leading tokens of a chat example the template writes before the first
     message's content (its bos, system header, ...): the common prefix of ``tokens`` and that
     text's encoding."""
@@ -278,26 +291,17 @@ def _check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
                         and isinstance(part.get("text"), str)):
                     raise InstructionDataError(
                         f'{where}: message {k} content part {j} must be {{"type": "text", '
-                        f'"text": "..."}}, got {json.dumps(part)[:80]}'
-                    )
+                        f'"text": "..."}}, got {json.dumps(part)[:80]}')
                 texts.append(part["text"])
             content = "".join(texts)
         elif not isinstance(content, str):
             raise InstructionDataError(
                 f'{where}: message {k} "content" must be a string or a list of text parts, '
-                f"got {json.dumps(content)[:80]}"
-            )
+                f"got {json.dumps(content)[:80]}")
         out.append({**message, "content": content})
     return out
 
 
-__all__ = [
-    "Example",
-    "InstructionDataError",
-    "chat_pieces",
-    "count",
-    "encode_chat",
-    "encode_prompt_completion",
-    "load_examples",
-    "read_jsonl",
-]
+__all__ = ["Example", "InstructionDataError", "as_paths", "chat_example", "chat_pieces", "count",
+           "describe_paths", "encode_chat", "encode_prompt_completion", "load_examples",
+           "prompt_completion_example", "read_jsonl"]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -50,14 +50,15 @@ from transformer_jax.data.instruct import (
 from transformer_jax.data.instruct_records import (
     Example,
     InstructionDataError,
-    _chat_head,
     _check_messages,
-    chat_pieces,
+    as_paths,
+    chat_example,
     count,
-    encode_prompt_completion,
+    describe_paths,
+    prompt_completion_example,
     read_jsonl,
 )
-from transformer_jax.tokenizer import ChatTemplate, ChatTemplateError, TextTokenizer
+from transformer_jax.tokenizer import ChatTemplate, TextTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +96,7 @@ class PreferenceRows:
 
     def take(self, index: np.ndarray) -> PreferenceRows:
         """The rows ``index`` (in that order; not grouped by step)."""
-        r = self.rows
-        segment_ids = r.segment_ids[index]
-        rows = PackedData(r.tokens[index], segment_ids, r.positions[index],
-                          r.loss_tokens[index], num_examples=int(segment_ids.max(axis=1).sum()))
-        return PreferenceRows(rows, self.pair_ids[index], self.num_pairs)
+        return PreferenceRows(self.rows.take(index), self.pair_ids[index], self.num_pairs)
 
 
 def is_preference_file(path: str | os.PathLike[str]) -> bool:
@@ -121,30 +118,6 @@ def _answer(value: Any, where: str, side: str) -> list[dict[str, Any]]:
     return value
 
 
-def encode_answer(prompt: Sequence[Mapping[str, Any]], answer: Sequence[Mapping[str, Any]],
-                  tokenizer: TextTokenizer, template: ChatTemplate) -> Example:
-    """Tokens and loss flags of ``prompt + answer`` rendered by the chat template, the loss on
-    the answer's assistant turns only (``chat_pieces`` cuts the rendering as SFT does).
-
-    Raises:
-      ChatTemplateError: the template fails or does not render prefixes as prefixes.
-    """
-    messages = [*prompt, *answer]
-    in_prompt = sum(m.get("role") == "assistant" for m in prompt)
-    tokens: list[int] = []
-    loss: list[bool] = []
-    seen = 0
-    for text, is_assistant in chat_pieces(template, messages):
-        ids = tokenizer.encode(text)
-        if is_assistant:
-            seen += 1
-        tokens.extend(ids)
-        loss.extend([is_assistant and seen > in_prompt] * len(ids))
-    out = np.asarray(tokens, dtype=np.int32)
-    return Example(out, np.asarray(loss, dtype=bool), 0,
-                   _chat_head(messages, tokenizer, template, out))
-
-
 def load_pairs(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                tokenizer: TextTokenizer, *, add_eos: bool = True
                ) -> list[tuple[Example, Example]]:
@@ -159,7 +132,7 @@ def load_pairs(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         wrong types, whose template fails, or a side with no loss token; also for no pairs,
         or for pairs whose sides are all equal (some equal ones: a warning names them).
     """
-    paths = [path] if isinstance(path, str | os.PathLike) else list(path)
+    paths = as_paths(path)
     template: ChatTemplate | None = None
     pairs: list[tuple[Example, Example]] = []
     same: list[str] = []  # FILE:LINE of pairs whose sides are equal
@@ -171,35 +144,26 @@ def load_pairs(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                 raise InstructionDataError(
                     f'{where}: a preference record needs "prompt", "chosen" and "rejected"; '
                     f"missing {missing} (got keys {sorted(record)})")
-            prompt = record["prompt"]
-            if isinstance(prompt, str):
-                sides = []
-                for side in ("chosen", "rejected"):
+            prompt, sides = record["prompt"], []
+            if isinstance(prompt, list):
+                messages = _check_messages(prompt, where)
+                in_prompt = sum(m.get("role") == "assistant" for m in messages)
+            elif not isinstance(prompt, str):
+                raise InstructionDataError(f'{where}: "prompt" must be a string or a list of '
+                                           f"messages, got {type(prompt).__name__}")
+            for side in ("chosen", "rejected"):
+                if isinstance(prompt, str):
                     if not isinstance(record[side], str):
                         raise InstructionDataError(
                             f'{where}: with a text "prompt", "{side}" must be a string')
-                    tokens, loss = encode_prompt_completion(prompt, record[side], tokenizer,
-                                                            add_eos)
-                    sides.append(Example(tokens, loss, line, int(
-                        tokenizer.add_bos_token and tokenizer.bos_id >= 0)))
-            elif isinstance(prompt, list):
-                messages = _check_messages(prompt, where)
-                if template is None:
-                    try:
-                        template = ChatTemplate.of(tokenizer)
-                    except (ValueError, ChatTemplateError) as e:
-                        raise InstructionDataError(f"{where}: chat record: {e}") from e
-                sides = []
-                for side in ("chosen", "rejected"):
-                    answer = _check_messages(_answer(record[side], where, side), where)
-                    try:
-                        example = encode_answer(messages, answer, tokenizer, template)
-                    except ChatTemplateError as e:
-                        raise InstructionDataError(f"{where}: {e}") from e
-                    sides.append(dataclasses.replace(example, line=line))
-            else:
-                raise InstructionDataError(f'{where}: "prompt" must be a string or a list of '
-                                           f"messages, got {type(prompt).__name__}")
+                    sides.append(prompt_completion_example(prompt, record[side], tokenizer,
+                                                           add_eos, line))
+                    continue
+                answer = _check_messages(_answer(record[side], where, side), where)
+                # The answer's assistant turns carry the loss, the prompt's none.
+                example, template = chat_example([*messages, *answer], tokenizer, template,
+                                                 where, line, scored_from=in_prompt)
+                sides.append(example)
             for side, example in zip(("chosen", "rejected"), sides, strict=True):
                 if not example.loss[1:].any():
                     raise InstructionDataError(f'{where}: "{side}" has no tokens to score '
@@ -208,8 +172,7 @@ def load_pairs(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                 same.append(where)
             pairs.append((sides[0], sides[1]))
     if not pairs:
-        where = paths[0] if len(paths) == 1 else f"{len(paths)} files ({paths[0]}, ...)"
-        raise InstructionDataError(f"{where}: no preference records")
+        raise InstructionDataError(f"{describe_paths(paths)}: no preference records")
     _check_ties(same, len(pairs))
     return pairs
 
@@ -251,6 +214,48 @@ def fit_pair(chosen: Example, rejected: Example, capacity: int
     return (out[0], out[1]), True
 
 
+Pair = tuple[int, tuple[Example, Example]]  # (pair id, (chosen, rejected))
+
+
+def _pack_groups(groups: Sequence[Sequence[Pair]], capacity: int, pad_id: int,
+                 multiple: int = 0) -> tuple[PackedData, np.ndarray, int]:
+    """Each group's pairs packed into rows of ``capacity`` tokens (``best_fit_rows``, both
+    sides of a pair in one row: pair k of a row is segments 2k + 1 and 2k + 2, ``positions``
+    from 0 for each side); with ``multiple``, every group padded with empty rows to S rows,
+    the most any group takes rounded up to ``multiple``.
+
+    Returns:
+      ``(rows, pair_ids [R, M], S or 0)``; ``rows.num_examples`` counts the sides.
+    """
+    layouts = [best_fit_rows([len(c.tokens) + len(r.tokens) for _, (c, r) in group], capacity)
+               for group in groups]
+    step_rows = -(-max(map(len, layouts)) // multiple) * multiple if multiple else 0
+    num_rows = len(groups) * step_rows if multiple else sum(map(len, layouts))
+    shape = (num_rows, capacity)
+    tokens = np.full(shape, pad_id, np.int32)
+    segment_ids, positions = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    loss_tokens = np.zeros(shape, bool)
+    width = max(len(members) for layout in layouts for members in layout)
+    pair_ids = np.full((num_rows, width), -1, np.int32)
+    first = 0  # the group's first row
+    for group, layout in zip(groups, layouts, strict=True):
+        for row, members in enumerate(layout, start=first):
+            at = 0
+            for slot, item in enumerate(members):
+                pair_ids[row, slot], pair = group[item]
+                for side, example in enumerate(pair):
+                    span = slice(at, at + len(example.tokens))
+                    tokens[row, span] = example.tokens
+                    segment_ids[row, span] = 2 * slot + 1 + side
+                    positions[row, span] = np.arange(len(example.tokens))
+                    loss_tokens[row, span] = example.loss
+                    at = span.stop
+        first += step_rows or len(layout)
+    num_sides = 2 * sum(map(len, groups))
+    return (PackedData(tokens, segment_ids, positions, loss_tokens, num_sides), pair_ids,
+            step_rows)
+
+
 def pack_pairs(pairs: Sequence[tuple[Example, Example]], seq_len: int, pad_id: int = 0
                ) -> PreferenceRows:
     """Packs pairs into rows of ``seq_len + 1`` tokens, both sides of a pair in one row.
@@ -261,7 +266,7 @@ def pack_pairs(pairs: Sequence[tuple[Example, Example]], seq_len: int, pad_id: i
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     capacity = seq_len + 1
-    kept: list[tuple[int, tuple[Example, Example]]] = []
+    kept: list[Pair] = []
     cut = dropped = 0
     for i, (chosen, rejected) in enumerate(pairs):
         pair, was_cut = fit_pair(chosen, rejected, capacity)
@@ -277,32 +282,12 @@ def pack_pairs(pairs: Sequence[tuple[Example, Example]], seq_len: int, pad_id: i
     if not kept:
         raise ValueError(f"none of the {count(len(pairs), 'pair')} fits both sides with a "
                          f"scored token in seq_len + 1 = {capacity} tokens; raise train.seq_len")
-    lengths = [len(c.tokens) + len(r.tokens) for _, (c, r) in kept]
-    rows = best_fit_rows(lengths, capacity)
-    m = max(len(members) for members in rows)
-    shape = (len(rows), capacity)
-    tokens = np.full(shape, pad_id, dtype=np.int32)
-    segment_ids = np.zeros(shape, dtype=np.int32)
-    positions = np.zeros(shape, dtype=np.int32)
-    loss_tokens = np.zeros(shape, dtype=bool)
-    pair_ids = np.full((len(rows), m), -1, dtype=np.int32)
-    for r, members in enumerate(rows):
-        start = 0
-        for k, item in enumerate(members):
-            index, pair = kept[item]
-            pair_ids[r, k] = index
-            for side, example in enumerate(pair):
-                n = len(example.tokens)
-                tokens[r, start:start + n] = example.tokens
-                segment_ids[r, start:start + n] = 2 * k + 1 + side
-                positions[r, start:start + n] = np.arange(n)
-                loss_tokens[r, start:start + n] = example.loss
-                start += n
+    rows, pair_ids, _ = _pack_groups([kept], capacity, pad_id)
+    used = sum(len(c.tokens) + len(r.tokens) for _, (c, r) in kept)
     logger.info("packed %s into %s of %d tokens (%.1f%% padding, at most %d pairs a row)",
-                count(len(kept), "pair"), count(len(rows), "row"), capacity,
-                100.0 * (1.0 - sum(lengths) / (len(rows) * capacity)), m)
-    packed = PackedData(tokens, segment_ids, positions, loss_tokens, 2 * len(kept), cut,
-                        dropped)
+                count(len(kept), "pair"), count(rows.num_rows, "row"), capacity,
+                100.0 * (1.0 - used / rows.tokens.size), pair_ids.shape[1])
+    packed = dataclasses.replace(rows, num_truncated=cut, num_dropped=dropped)
     return PreferenceRows(packed, pair_ids, len(pairs))
 
 
@@ -328,44 +313,25 @@ def group_pairs(data: PreferenceRows, pairs_per_step: int, seed: int, multiple: 
         raise ValueError(f"pairs_per_step ({pairs_per_step}) and multiple ({multiple}) must "
                          "be >= 1")
     rows = data.rows
-    capacity = rows.tokens.shape[1]
-    m = data.pair_ids.shape[1]
-    # Tokens of each (row, segment): a pair k spans segments 2k + 1 and 2k + 2, in order.
-    sizes = np.stack([np.bincount(seg, minlength=2 * m + 1) for seg in rows.segment_ids])
+    # Where each (row, segment) ends: a pair k spans segments 2k + 1 and 2k + 2, in order.
+    sizes = np.stack([np.bincount(seg, minlength=2 * data.pairs_per_row + 1)
+                      for seg in rows.segment_ids])
     ends = np.cumsum(sizes[:, 1:], axis=1)  # [R, 2M]: where segment s + 1 ends
-    row, k = np.nonzero(data.pair_ids >= 0)
-    ids = data.pair_ids[row, k]
-    in_order = np.argsort(ids, kind="stable")
-    row, k, ids = row[in_order], k[in_order], ids[in_order]
-    start = np.where(k > 0, ends[row, np.maximum(2 * k - 1, 0)], 0)
-    length = ends[row, 2 * k + 1] - start
-    order = np.random.default_rng([seed, 0x9A125]).permutation(len(ids))
-    groups = [order[i:i + pairs_per_step] for i in range(0, len(order), pairs_per_step)]
-    layouts = [best_fit_rows(length[g].tolist(), capacity) for g in groups]
-    step_rows = -(-max(map(len, layouts)) // multiple) * multiple
-    width = max(len(members) for layout in layouts for members in layout)
-    shape = (len(groups) * step_rows, capacity)
+    pairs: list[Pair] = []
+    for r, k in zip(*np.nonzero(data.pair_ids >= 0), strict=True):
+        a, b, c = ends[r, 2 * k - 1] if k else 0, ends[r, 2 * k], ends[r, 2 * k + 1]
+        sides = [Example(rows.tokens[r, i:j], rows.loss_tokens[r, i:j], 0)
+                 for i, j in ((a, b), (b, c))]
+        pairs.append((int(data.pair_ids[r, k]), (sides[0], sides[1])))
+    pairs.sort(key=lambda pair: pair[0])
+    order = np.random.default_rng([seed, 0x9A125]).permutation(len(pairs))
+    groups = [[pairs[p] for p in order[i:i + pairs_per_step]]
+              for i in range(0, len(order), pairs_per_step)]
     pad = rows.tokens[rows.segment_ids == 0]  # pack_pairs' pad_id, where any row has room
-    tokens = np.full(shape, pad[0] if pad.size else 0, np.int32)
-    segment_ids, positions = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
-    loss_tokens = np.zeros(shape, bool)
-    pair_ids = np.full((shape[0], width), -1, np.int32)
-    for g, (group, layout) in enumerate(zip(groups, layouts, strict=True)):
-        for j, members in enumerate(layout):
-            out, at = g * step_rows + j, 0
-            for slot, item in enumerate(members):
-                p = group[item]
-                r, n, first = row[p], length[p], start[p]
-                span = slice(first, first + n)
-                tokens[out, at:at + n] = rows.tokens[r, span]
-                positions[out, at:at + n] = rows.positions[r, span]
-                loss_tokens[out, at:at + n] = rows.loss_tokens[r, span]
-                # Segment 2k + 1 / 2k + 2 of the source row becomes 2 slot + 1 / 2 slot + 2.
-                segment_ids[out, at:at + n] = rows.segment_ids[r, span] - 2 * (k[p] - slot)
-                pair_ids[out, slot] = ids[p]
-                at += n
-    packed = PackedData(tokens, segment_ids, positions, loss_tokens, 2 * len(ids),
-                        rows.num_truncated, rows.num_dropped)
+    packed, pair_ids, step_rows = _pack_groups(groups, rows.tokens.shape[1],
+                                               int(pad[0]) if pad.size else 0, multiple)
+    packed = dataclasses.replace(packed, num_truncated=rows.num_truncated,
+                                 num_dropped=rows.num_dropped)
     return PreferenceRows(packed, pair_ids, data.num_pairs, step_rows)
 
 
@@ -376,8 +342,7 @@ def load_preference_data(path: str | os.PathLike[str] | Sequence[str | os.PathLi
     try:
         return pack_pairs(pairs, seq_len, tokenizer.pad_id)
     except ValueError as e:
-        paths = [path] if isinstance(path, str | os.PathLike) else list(path)
-        raise ValueError(f"{paths[0]}: {e}") from None
+        raise ValueError(f"{as_paths(path)[0]}: {e}") from None
 
 
 def pair_batch(data: PreferenceRows, rows: np.ndarray, reference: np.ndarray | None = None
@@ -438,6 +403,6 @@ class PairBatches(StepBatches):
         return pair_batch(data, self._mine(rows), self.reference)
 
 
-__all__ = ["PAIR_KEYS", "PairBatches", "PreferenceRows", "encode_answer", "fit_pair",
+__all__ = ["PAIR_KEYS", "PairBatches", "PreferenceRows", "fit_pair",
            "group_pairs", "is_preference_file", "load_pairs", "load_preference_data", "pack_pairs",
            "pair_batch"]

@@ -36,7 +36,13 @@ from typing import Any
 import numpy as np
 
 from transformer_jax import storage
-from transformer_jax.data.batches import HostBatch, StepBatches, batch_offsets, check_non_negative
+from transformer_jax.data.batches import (
+    HostBatch,
+    StepBatches,
+    batch_offsets,
+    check_non_negative,
+    eval_row_batches,
+)
 from transformer_jax.data.build import METADATA, SPLITS, TOKENIZER_DIR, shard_name
 from transformer_jax.data.shard_checks import check_files, read_metadata
 
@@ -352,25 +358,13 @@ def eval_batches(stream: TokenStream, packing: str, batch_size: int, seq_len: in
         raise ValueError(f"the {stream.num_tokens} validation tokens of the shards do not fill "
                          f"one eval batch of {1 if pad else batch_size} rows of {width} tokens "
                          f"({packing})")
-    if max_batches:
-        count = min(count, max_batches)
 
-    def generate() -> Iterator[HostBatch]:
-        for i in range(count):
-            first = i * batch_size + process_index * local
-            index = np.arange(first, first + local)
-            real = index < rows
-            index = np.where(real, index, 0)
-            if packing == "pack":
-                batch = packed_rows(stream, index, width)
-            else:
-                batch = windows_batch(stream, index * seq_len, seq_len)
-            if pad:
-                mask = batch.get("mask", np.ones(batch["targets"].shape, np.float32))
-                batch["mask"] = mask * real[:, None]
-            yield batch
+    def read(index: np.ndarray) -> HostBatch:
+        if packing == "pack":
+            return packed_rows(stream, index, width)
+        return windows_batch(stream, index * seq_len, seq_len)
 
-    return generate()
+    return eval_row_batches(rows, batch_size, max_batches, read, process_index, local, pad)
 
 
 def eval_tokens(stream: TokenStream, packing: str, seq_len: int) -> int:

@@ -111,11 +111,10 @@ def plan_pieces(sources: Sequence[Source], piece_bytes: int) -> list[Piece]:
     file is cut at byte offsets, each line read by the piece it starts in)."""
     pieces = []
     for source in sources:
+        units = _units(source)
         if source.kind == "text" or source.size <= piece_bytes:
-            units = _units(source)
             pieces.append(Piece(source, 0, units, source.size))
             continue
-        units = _units(source)
         count = min(units, math.ceil(source.size / piece_bytes))
         bounds = [round(i * units / count) for i in range(count + 1)]
         for start, stop in zip(bounds, bounds[1:], strict=False):

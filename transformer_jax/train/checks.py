@@ -93,14 +93,9 @@ def run_directory(run_dir: str, process_index: int) -> RunDirectory:
 
 def check_run(model_config: ModelConfig, train_config: TrainConfig, num_train_tokens: int,
               num_devices: int | None = None) -> None:
-    """Raises a clear ValueError for a run that cannot work, before anything is compiled.
-
-    Args:
-      model_config: the model (with its final vocab size).
-      train_config: the run.
-      num_train_tokens: size of the train split.
-      num_devices: devices the batch is split over; ``jax.device_count()`` by default.
-    """
+    """Raises a clear ValueError for a run that cannot work, before anything is compiled:
+    ``model_config`` with its final vocab size, ``num_train_tokens`` the train split's size,
+    ``num_devices`` those the batch is split over (``jax.device_count()`` by default)."""
     check_config(model_config, train_config, num_devices)
     tc = train_config
     if num_train_tokens <= tc.seq_len:
@@ -117,13 +112,7 @@ def check_dtype(model_config: ModelConfig) -> None:
 
 def check_config(model_config: ModelConfig, train_config: TrainConfig,
                  num_devices: int | None = None) -> None:
-    """The checks of ``check_run`` that need no data (run before the corpus is tokenized).
-
-    Args:
-      model_config: the model.
-      train_config: the run.
-      num_devices: devices the batch is split over; ``jax.device_count()`` by default.
-    """
+    """The checks of ``check_run`` that need no data (run before the corpus is tokenized)."""
     tc = train_config
     if tc.quant == "fp8" and jax.default_backend() == "cpu":
         raise ValueError("train.quant=fp8 needs a GPU or TPU (fp8 matmuls); this backend is "

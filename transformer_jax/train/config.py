@@ -184,7 +184,7 @@ class TrainConfig(ObjectiveConfig):
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, "
                              f"min_lr={self.min_lr}")
         for name in ("weight_decay", "grad_clip", "z_loss", "sample_temperature", "peak_flops",
-                     "moe_balance_loss", "moe_z_loss"):
+                     "moe_balance_loss", "moe_z_loss", "lora_alpha"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("b1", "b2"):
@@ -196,8 +196,6 @@ class TrainConfig(ObjectiveConfig):
             raise ValueError("run_dir must not be empty")
         for mesh in (self.mesh, self.dcn_mesh):  # raises ValueError naming a bad mesh
             sharding_lib.MeshConfig.parse(mesh)
-        if not self.lora_alpha >= 0:
-            raise ValueError(f"lora_alpha must be >= 0, got {self.lora_alpha}")
         if self.lora_base_dtype and self.lora_base_dtype not in DTYPES:
             raise ValueError(f"lora_base_dtype must be one of {DTYPES} or empty, got "
                              f"{self.lora_base_dtype!r}")

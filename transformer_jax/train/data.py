@@ -26,10 +26,7 @@ from transformer_jax.data.instruct import (
 )
 from transformer_jax.data.preference import PairBatches, PreferenceRows
 from transformer_jax.tokenizer import MODEL_TYPES, TextTokenizer, Tokenizer, load_tokenizer
-from transformer_jax.train.config import (
-    DataConfig,
-    TrainConfig,
-)
+from transformer_jax.train.config import DataConfig, TrainConfig
 from transformer_jax.train.resume import data_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -59,10 +56,8 @@ def prepare_data(data_config: DataConfig, vocab_size: int,
         raise ValueError("data.packing=pack reads shard builds: make them with python -m "
                          "transformer_jax.data build --out DIR and pass data.path=DIR")
     cache_dir = Path(dc.cache_dir).expanduser()
-    if dc.patterns:
-        files = corpus.resolve_corpus(dc.patterns)
-    else:
-        files = corpus.default_corpus(dc.max_bytes)
+    files = (corpus.resolve_corpus(dc.patterns) if dc.patterns
+             else corpus.default_corpus(dc.max_bytes))
     ensure_writable_dir(cache_dir, "data cache directory")
     if tokenizer is not None:
         pass
@@ -229,9 +224,8 @@ class RunData:
         if self.pairs is not None:
             return PairBatches(self.pairs, tc.batch_size, tc.seed, process_index, process_count,
                                self.reference).get(step)
-        rows = PackedBatches(self.train_rows, tc.batch_size, tc.seed, process_index,
-                             process_count).get(step)
-        return with_mask(rows)
+        return with_mask(PackedBatches(self.train_rows, tc.batch_size, tc.seed, process_index,
+                                       process_count).get(step))
 
     def eval_batches(self, batch_size: int, seq_len: int, max_batches: int | None = None, *,
                      process_index: int = 0, process_count: int = 1
@@ -281,7 +275,7 @@ def split_rows(rows: PackedData, val_fraction: float) -> tuple[PackedData, Packe
       ``(train rows, validation rows or None)``, each keeping the rows' original order.
     """
     train, val = split_index(rows.num_rows, val_fraction)
-    return _rows(rows, train), None if val is None else _rows(rows, val)
+    return rows.take(train), None if val is None else rows.take(val)
 
 
 def split_index(count: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray | None]:
@@ -312,9 +306,3 @@ def prepare_instruction_data(data_config: DataConfig, tokenizer: TextTokenizer, 
                 count(packed.num_rows, "packed row"), seq_len + 1, train.num_rows,
                 0 if val is None else val.num_rows, 100 * packed.loss_tokens.mean())
     return RunData(train_rows=train, val_rows=val)
-
-
-def _rows(rows: PackedData, index: np.ndarray) -> PackedData:
-    segment_ids = rows.segment_ids[index]
-    return PackedData(rows.tokens[index], segment_ids, rows.positions[index],
-                      rows.loss_tokens[index], num_examples=int(segment_ids.max(axis=1).sum()))

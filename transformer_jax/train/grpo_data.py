@@ -18,11 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from transformer_jax.data.instruct_records import (
-    InstructionDataError,
-    _check_messages,
-    read_jsonl,
-)
+from transformer_jax.data.instruct import row_indices
+from transformer_jax.data.instruct_records import InstructionDataError, _check_messages, read_jsonl
 from transformer_jax.tokenizer.prompt import encode_chat_prompt, encode_text
 
 RewardFn = Callable[[str, dict], float]
@@ -119,31 +116,29 @@ def score(rewards: Sequence[Reward], completion: str, prompt: PromptRecord) -> f
         but a finite real number (a bool included), or one beyond float32's range
         (``MAX_REWARD``: ``1e300`` is finite in Python, inf in the update), weighted or summed.
     """
+    tail = f"(completion {completion[:60]!r})"
+    beyond = (f"beyond float32's range (|reward| <= {MAX_REWARD:.3g}: the update is float32) "
+              f"{tail}")
     total = 0.0
     for reward in rewards:
         try:
             value = reward.fn(completion, prompt.record)
         except Exception as e:  # noqa: BLE001 - named with the record, then raised
             raise RewardError(f"{prompt.where}: reward {reward.spec} raised "
-                              f"{type(e).__name__}: {e} (completion {completion[:60]!r})"
-                              ) from e
+                              f"{type(e).__name__}: {e} {tail}") from e
         if (isinstance(value, bool) or not isinstance(value, numbers.Real)
                 or not math.isfinite(float(value))):
             raise RewardError(f"{prompt.where}: reward {reward.spec} returned {value!r} "
-                              f"({type(value).__name__}), not a finite number (completion "
-                              f"{completion[:60]!r})")
+                              f"({type(value).__name__}), not a finite number {tail}")
         weighted = reward.weight * float(value)
         if not abs(weighted) <= MAX_REWARD:
             raise RewardError(f"{prompt.where}: reward {reward.spec} returned {value!r}"
                               f"{'' if reward.weight == 1 else f' (weighted {weighted:.3g})'}, "
-                              f"beyond float32's range (|reward| <= {MAX_REWARD:.3g}: the "
-                              f"update is float32) (completion {completion[:60]!r})")
+                              f"{beyond}")
         total += weighted
     if not abs(total) <= MAX_REWARD:
         raise RewardError(f"{prompt.where}: the rewards {', '.join(r.spec for r in rewards)} "
-                          f"sum to {total:.3g}, beyond float32's range (|reward| <= "
-                          f"{MAX_REWARD:.3g}: the update is float32) (completion "
-                          f"{completion[:60]!r})")
+                          f"sum to {total:.3g}, {beyond}")
     return total
 
 
@@ -187,14 +182,9 @@ def load_prompts(path: str | os.PathLike[str], tokenizer: Any, max_prompt_len: i
 
 def prompt_order(num_prompts: int, per_step: int, step: int, seed: int) -> np.ndarray:
     """The [per_step] prompt indices of ``step``: epochs of a seeded permutation, so a step's
-    prompts depend on (seed, step) only (exact resume)."""
-    start = step * per_step
-    out = []
-    while len(out) < per_step:
-        epoch, offset = divmod(start + len(out), num_prompts)
-        perm = np.random.default_rng([seed, epoch]).permutation(num_prompts)
-        out.extend(perm[offset:offset + per_step - len(out)].tolist())
-    return np.asarray(out, np.int64)
+    prompts depend on (seed, step) only (exact resume); the order of SFT's packed rows
+    (``instruct.row_indices``)."""
+    return row_indices(seed, step, per_step, num_prompts)
 
 
 def rollout_seeds(seed: int, step: int, rows: int) -> list[int]:

@@ -220,10 +220,8 @@ class RunLog:
             self._timer = None
 
     def tokens_per_s(self, overall: bool = False) -> float | None:
-        """Training tokens/s over the last log interval, or over the whole run."""
-        if overall:
-            if not self.timed_steps or not self.train_time:
-                return self._rate
+        """Training tokens/s over the last log interval, or over the whole run (once timed)."""
+        if overall and self.timed_steps and self.train_time:
             return self.timed_steps * self.tc.tokens_per_step / self.train_time
         return self._rate
 
@@ -242,14 +240,10 @@ class RunLog:
 
     def postfix(self) -> str:
         """The loss of the latest train record, training speed, MFU and the training ETA."""
-        parts = []
-        if self.logged_loss is not None:
-            parts.append(f"loss {self.logged_loss:.4f}")
+        parts = [] if self.logged_loss is None else [f"loss {self.logged_loss:.4f}"]
         if self._rate:
-            parts.append(f"{self.steps_per_s():.2f} step/s")
-            parts.append(f"{self._rate:,.0f} tok/s")
-            parts.append(f"MFU {100 * self.mfu():.1f}%")
-            parts.append(f"ETA {_duration(self.eta_s() or 0.0)}")
+            parts += [f"{self.steps_per_s():.2f} step/s", f"{self._rate:,.0f} tok/s",
+                      f"MFU {100 * self.mfu():.1f}%", f"ETA {_duration(self.eta_s() or 0.0)}"]
         return ", ".join(parts)
 
     def record_eval(self, step: int, val_loss: float, of: str = "") -> None:
@@ -312,17 +306,6 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def set_postfix_str(self, s: str, refresh: bool = True) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _duration(seconds: float) -> str:
     minutes, sec = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
@@ -331,12 +314,12 @@ def _duration(seconds: float) -> str:
 
 def progress_bar(enabled: bool, start: int, total: int) -> Any:
     """A tqdm bar of steps without tqdm's own rate and ETA: those would count evaluation,
-    samples and checkpoints as training time; ``RunLog.postfix`` shows the training ones."""
-    if not enabled:
-        return _NoBar()
+    samples and checkpoints as training time; ``RunLog.postfix`` shows the training ones.
+    Disabled, it shows nothing."""
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
+                disable=not enabled,
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
                            "[{elapsed}{postfix}]")
 

@@ -34,16 +34,7 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None,
                   z_loss: float = 0.0) -> jax.Array:
-    """Mean cross-entropy (plus z-loss) over the target tokens that ``mask`` keeps.
-
-    Args:
-      logits: [B, T, V] logits.
-      targets: [B, T] int target ids.
-      mask: optional [B, T] weights.
-      z_loss: weight of ``logsumexp(logits)^2``.
-
-    Returns:
-      float32 scalar in nats per token.
-    """
+    """Mean cross-entropy (plus z-loss) over the target tokens that ``mask`` keeps: a float32
+    scalar in nats per token (arguments as ``cross_entropy_sums``'s)."""
     ce_sum, z_sum, count = cross_entropy_sums(logits, targets, mask, z_loss)
     return (ce_sum + z_sum) / jnp.maximum(count, 1.0)

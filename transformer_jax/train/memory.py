@@ -123,15 +123,9 @@ def estimate(model_config: ModelConfig, train_config: TrainConfig, abstract_stat
              state_shardings: Any, mesh_shape: dict[str, int]) -> dict[str, int]:
     """Per-device bytes of a run: ``{"state", "gradients", "activations", "total"}``, and
     ``"experts"``: the routed experts' part of the state (parameters and Adam moments; their
-    gradients are in ``gradients`` too).
-
-    Args:
-      model_config: the model.
-      train_config: the run.
-      abstract_state: ``jax.eval_shape`` of the run's init.
-      state_shardings: its shardings (``sharding.state_shardings``).
-      mesh_shape: the mesh's axis sizes.
-    """
+    gradients are in ``gradients`` too), from ``abstract_state`` (``jax.eval_shape`` of the
+    run's init), its ``state_shardings`` (``sharding.state_shardings``) and the mesh's axis
+    sizes."""
     state = sharding_lib.per_device_bytes(abstract_state, state_shardings)
     # Adam's first moment mirrors the trained parameters: one gradient's worth of bytes.
     flat = dict(jax.tree_util.tree_flatten_with_path(state_shardings)[0])
@@ -183,14 +177,8 @@ def _host_available() -> int | None:
 
 def check_fits(model_config: ModelConfig, train_config: TrainConfig, abstract_state: Any,
                state_shardings: Any, mesh_shape: dict[str, int]) -> dict[str, int] | None:
-    """Raises ValueError, in one line, for a run that will not fit in memory.
-
-    Args:
-      model_config: the model.
-      train_config: the run.
-      abstract_state: ``jax.eval_shape`` of the run's init.
-      state_shardings: its shardings.
-      mesh_shape: the mesh's axis sizes.
+    """Raises ValueError, in one line, for a run that will not fit in memory (arguments as
+    ``estimate``'s).
 
     Returns:
       The estimate (``estimate``), or None when the available memory is unknown.

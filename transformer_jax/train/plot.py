@@ -100,8 +100,6 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> RunMetrics:
         except (ValueError, KeyError, TypeError):
             skipped += 1
             continue
-        if not isinstance(record, dict):
-            continue
         split = record.get("split", "train")
         if split == "val":
             _put(val, step, record.get("loss"))

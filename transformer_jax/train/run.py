@@ -1,13 +1,7 @@
 """The training run, top to bottom: data -> init or restore -> steps with progress, evaluation,
-samples, logs and checkpoints -> summary (``run``).
-
-The pieces it puts together, each in its own module of this package: ``config`` (the configs
-and ``build_configs``), ``checks`` (what is checked before any data or compile, with the rough
-estimate of ``memory``), ``data`` (the tokenizer, token splits or packed rows, batches),
-``validation`` (validation loss and samples), ``resume`` (what a run shares with its
-checkpoints), ``loss`` and ``optim``, ``step`` (``TrainState`` and the pure steps), ``log``
-(metrics, TensorBoard, progress, signals) and ``perf`` (FLOPs per token, the matmul peak). The
-objective (``context``: SFT; ``preference``: DPO, ORPO; ``grpo``) gives data, batches and loss.
+samples, logs and checkpoints -> summary (``run``), from the pieces the package's other modules
+hold (``transformer_jax.train``'s docstring lists them); the objective (``context``: SFT;
+``preference``: DPO, ORPO; ``grpo``) gives data, batches and loss.
 
 The state is created directly sharded over the mesh of ``train.mesh`` (data x fsdp x tensor, see
 ``parallel.sharding``) and each process loads only its rows of the batch; on CPU,
