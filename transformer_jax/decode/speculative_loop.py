@@ -30,6 +30,7 @@ proposals, of which the target keeps a, and the target adds one token: so it lac
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -71,26 +72,6 @@ from transformer_jax.model.kv_cache import KVCache
 from transformer_jax.model.kv_ring import RingLayout
 
 logger = logging.getLogger(__name__)
-
-
-def draft_first(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
-                start: jax.Array, counts: jax.Array) -> tuple[KVCache, jax.Array]:
-    """The draft's catch-up: the first ``counts`` [B] of [B, C] tokens it has not cached yet,
-    at positions from ``start`` [B], through its ``KVCache``; returns (the cache, [B] int32
-    its greedy next token: its first proposal)."""
-    out = forward_chunk(decode_model(config), params, cache, tokens, start,
-                        logits_at=counts - 1)
-    return out.cache, sampling.argmax(out.logits)
-
-
-def draft_rest(config: ModelConfig, params: Params, cache: KVCache, first: jax.Array,
-               start: jax.Array, *, k: int) -> tuple[KVCache, jax.Array]:
-    """The draft's k - 1 further greedy proposals after ``first`` [B], fed at ``start`` [B]
-    (``speculative.greedy_proposals``); returns (the cache, [B, k] int32 proposals)."""
-    def step(cache: KVCache, token: jax.Array, pos: jax.Array) -> tuple[jax.Array, KVCache]:
-        return decode_step(config, params, cache, token, pos)
-
-    return greedy_proposals(step, cache, first, start, k - 1)
 
 
 @flax.struct.dataclass
@@ -273,10 +254,11 @@ def speculative_generate_padded(
             counts = jnp.clip(s.length - s.draft_length, 1, 2).astype(jnp.int32)
             index = jnp.minimum(start[:, None] + jnp.arange(2, dtype=jnp.int32),
                                 s.seq.shape[1] - 1)
-            draft_cache, first = draft_first(
-                draft_config, draft_params, s.draft_cache,
-                jnp.take_along_axis(s.seq, index, axis=1), start, counts)
-            s = s.replace(draft_cache=draft_cache, draft_length=start + counts)
+            out = forward_chunk(decode_model(draft_config), draft_params, s.draft_cache,
+                                jnp.take_along_axis(s.seq, index, axis=1), start,
+                                logits_at=counts - 1)
+            s = s.replace(draft_cache=out.cache, draft_length=start + counts)
+            first = sampling.argmax(out.logits)  # the draft's greedy next token
             drafts, found = jnp.zeros((b, k), jnp.int32).at[:, 0].set(first), ~no
         active, budget = ~s.done, budget_of(s)
         can = active & found & (budget > 0)
@@ -329,8 +311,9 @@ def speculative_generate_padded(
     def verify_round(s: SpeculativeState) -> SpeculativeState:
         num_drafts = jnp.where(s.want, budget_of(s), 0)
         if draft_params is not None:  # the draft's further proposals after its first
-            draft_cache, drafts = draft_rest(draft_config, draft_params, s.draft_cache,
-                                             s.drafts[:, 0], s.draft_length, k=k)
+            draft_cache, drafts = greedy_proposals(
+                functools.partial(decode_step, draft_config, draft_params), s.draft_cache,
+                s.drafts[:, 0], s.draft_length, k - 1)
             s = s.replace(draft_cache=draft_cache, drafts=drafts)
         start, last = last_token(s)
         cache, targets, logprobs, a = verify(

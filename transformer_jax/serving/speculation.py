@@ -179,9 +179,7 @@ class Speculation:
         self._recent: dict[tuple[int, int, bool, Sampler], collections.deque] = {}
         self.backed_off = 0  # steps run plain although some row could propose
         self.verify_steps = 0
-        self.verified_rows = 0  # rows that proposed, over all verify steps
-        self.proposed = 0
-        self.accepted = 0
+        self.total = Acceptance()  # every row's verifications, over all verify steps
         self.tried = 0  # proposals verified up to the first rejection, that one included
         self._stopped = False  # whether the stop was logged
 
@@ -201,7 +199,7 @@ class Speculation:
         self.check_engine()
         # a new request's prior: the engine's acceptance so far (0.5 before any), so that a
         # batch of new rows is not taken for one whose every proposal will be kept
-        prior = self.accepted / self.tried if self.tried else 0.5
+        prior = self.total.accepted / self.tried if self.tried else 0.5
         req.speculation = (spec, Acceptance.with_prior(prior))
 
     def check_engine(self) -> None:
@@ -433,9 +431,7 @@ class Speculation:
             n = pending.drafts.get(req.id, 0)
             if req.speculation is not None and n:
                 req.speculation[1].record(n, a)
-                self.verified_rows += 1
-                self.proposed += n
-                self.accepted += a
+                self.total.record(n, a)
                 self.tried += a + (a < n)
             for j in range(a + 1):
                 req.cached += 1
@@ -458,8 +454,8 @@ class Speculation:
 
     def metrics(self) -> dict[str, float]:
         """Engine-wide figures: proposals, acceptance, verify and backed-off steps."""
-        return {"proposed": self.proposed, "accepted": self.accepted,
-                "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-                "mean_accepted_length": ((self.accepted + self.verified_rows) /
-                                         self.verified_rows if self.verified_rows else 0.0),
+        total = self.total
+        return {"proposed": total.proposed, "accepted": total.accepted,
+                "acceptance_rate": total.acceptance_rate,
+                "mean_accepted_length": total.mean_accepted,
                 "verify_steps": self.verify_steps, "backed_off_steps": self.backed_off}
