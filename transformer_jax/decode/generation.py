@@ -157,7 +157,14 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         if decode.is_split(mesh):
             raise ValueError("constraints: a tensor-parallel mesh is not supported with "
                              "constraints; decode on one device")
-    spec = speculative_spec(config, speculative, constraints, mesh)
+    spec = parse_spec(speculative)
+    if spec is not None:
+        if constraints is not None:
+            raise ValueError("speculative: not supported together with constraints")
+        if decode.is_split(mesh):
+            raise ValueError("speculative: a tensor-parallel mesh is not supported; decode on "
+                             "one device")
+        speculative_loop.check_no_rings(config, "the model")
     lengths = [len(a) for a in arrays]
     validate_capacity(config, lengths, max_new_tokens, cache_size)
     if cache_dtype is not None:
@@ -203,21 +210,6 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         out_tokens, out_logprobs, num = jax.device_get((out_tokens, out_logprobs, num))
     logger.debug("generate took %.3f s", time.perf_counter() - start)
     return result_from_arrays(out_tokens, out_logprobs, num)
-
-
-def speculative_spec(config: ModelConfig, speculative: Any, constraints: Any,
-                     mesh: Mesh | None) -> Any:
-    """The parsed ``speculative`` argument of ``generate`` (None: off), or ValueError."""
-    spec = parse_spec(speculative)
-    if spec is None:
-        return None
-    if constraints is not None:
-        raise ValueError("speculative: not supported together with constraints")
-    if decode.is_split(mesh):
-        raise ValueError("speculative: a tensor-parallel mesh is not supported; decode on one "
-                         "device")
-    speculative_loop.check_no_rings(config, "the model")
-    return spec
 
 
 def result_from_arrays(tokens: np.ndarray, logprobs: np.ndarray, num_tokens: np.ndarray

@@ -281,7 +281,7 @@ def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
             done |= active & jnp.isin(tok, stop)
         if stream_id is not None:
             streaming.emit(stream_id, s.step, tok, active, ordered=ordered)
-        return SamplingState(
+        return s.replace(
             step=s.step + 1,
             tokens=jax.lax.dynamic_update_slice(s.tokens, tok[:, None], (0, s.step)),
             logprobs=jax.lax.dynamic_update_slice(s.logprobs, logprob[:, None], (0, s.step)),
@@ -290,7 +290,6 @@ def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
             positions=jnp.where(done, s.positions, s.positions + 1),
             done=done,
             num_tokens=num_tokens,
-            keys=s.keys,
             cache=cache,
         )
 

@@ -46,6 +46,7 @@ import numpy as np
 
 from transformer_jax.decode.loop import decode_model, is_split
 from transformer_jax.decode.speculative import (
+    PRIOR_TRIES,
     Acceptance,
     SpeculativeConfig,
     expected_tokens,
@@ -197,10 +198,11 @@ class Speculation:
                 raise ValueError(f"speculative {req.params.speculative!r}: the engine's draft "
                                  f"model is {self.draft.path!r}")
         self.check_engine()
-        # a new request's prior: the engine's acceptance so far (0.5 before any), so that a
-        # batch of new rows is not taken for one whose every proposal will be kept
+        # a new request's prior: the engine's acceptance so far (0.5 before any) worth
+        # PRIOR_TRIES, so that a batch of new rows is not taken for one whose every proposal
+        # will be kept
         prior = self.total.accepted / self.tried if self.tried else 0.5
-        req.speculation = (spec, Acceptance.with_prior(prior))
+        req.speculation = (spec, Acceptance(hits=prior * PRIOR_TRIES))
 
     def check_engine(self) -> None:
         """Raises ValueError (one line) unless the engine can speculate: one device (no
@@ -336,7 +338,6 @@ class Speculation:
         eng = self.engine
         sched = eng.scheduler
         b = sched.num_slots
-        shapes = 0
         ts = sorted({width_of(j) for j in range(1, k + 1)})
         for width, t, sampled in itertools.product(sched.widths, ts, (False, True)):
             rows = VerifyRows(np.zeros((b, t), np.int32), np.zeros(b, np.int32),
@@ -348,7 +349,7 @@ class Speculation:
                 eng.config, eng.weights.params, eng._k, eng._v, rows, sampling,
                 eng._adapters, sampler=Sampler(sampled=sampled), view=eng.view)
             jax.block_until_ready(out)
-            shapes += 1
+        shapes = len(sched.widths) * len(ts) * 2
         return shapes + (0 if self.draft is None else self.draft.compile(
             sched, ts, eng._adapters is not None))
 
