@@ -89,7 +89,7 @@ class SpeculativeState:
       cache, draft_cache: the target's and the draft's ``KVCache`` (None for the n-gram).
       draft_length: [B] int32 positions the draft's cache holds.
       drafts: [B, k] int32 the next round's proposals (a draft's first only: it makes the
-        others in a verify round); found: [B] bool rows that have some.
+        others in a verify round).
       watched, watch_n, matched: [B, k] a proposal plain rounds check as a verification would
         (a draft's: its latest first proposal), [B] its length (0: none), [B] matched so far.
       want: [B] bool rows verifying in the next round; verify: [] bool whether it verifies.
@@ -108,7 +108,6 @@ class SpeculativeState:
     draft_cache: KVCache | None
     draft_length: jax.Array
     drafts: jax.Array
-    found: jax.Array
     watched: jax.Array
     watch_n: jax.Array
     matched: jax.Array
@@ -227,7 +226,7 @@ def speculative_generate_padded(
         length=lengths, tokens=jnp.full((b, n), settings.pad_id, jnp.int32),
         logprobs=jnp.zeros((b, n), jnp.float32), num_tokens=zeros, done=no, keys=key_data,
         cache=cache, draft_cache=draft_cache, draft_length=lengths,
-        drafts=jnp.zeros((b, k), jnp.int32), found=no, watched=jnp.zeros((b, k), jnp.int32),
+        drafts=jnp.zeros((b, k), jnp.int32), watched=jnp.zeros((b, k), jnp.int32),
         watch_n=zeros, matched=zeros, want=no, verify=jnp.zeros((), bool),
         proposed=zeros, accepted=zeros, verifications=zeros, declined=zeros,
         hits=jnp.full((b,), PRIOR_HITS, jnp.float32),
@@ -273,7 +272,7 @@ def speculative_generate_padded(
         want &= verify_now
         # a proposal not verified is watched instead (a draft's: from its first proposal on)
         watch = can & ~want & (s.watch_n == 0)
-        return s.replace(drafts=drafts, found=found, want=want, verify=verify_now,
+        return s.replace(drafts=drafts, want=want, verify=verify_now,
                          watched=jnp.where(watch[:, None], drafts, s.watched),
                          watch_n=jnp.where(watch, budget, s.watch_n),
                          matched=jnp.where(watch, 0, s.matched),

@@ -149,7 +149,6 @@ def width_of(k: int) -> int:
 class Pending:
     """A verify step dispatched and not yet read."""
 
-    plan: StepPlan
     rows: list[Request]
     held: dict[int, int]  # request id -> pages held before the step grew them
     drafts: dict[int, int]  # request id -> proposals
@@ -256,7 +255,6 @@ class Speculation:
     def dispatch(self, plan: StepPlan, rows: RowSampling, sampler: Sampler) -> Pending | None:
         """Proposes, decides, grows pages and dispatches the verify step of ``plan``'s decode
         rows; None when the step should run plain (nothing proposed, or not worth it)."""
-        started = time.perf_counter()  # a plain step's time runs from here too (``Engine``)
         eng = self.engine
         sched = eng.scheduler
         if any(r.matcher is not None for r in plan.decodes):
@@ -328,7 +326,7 @@ class Speculation:
             eng.config, eng.weights.params, eng._k, eng._v,
             VerifyRows(tokens, start, num, table, adapter), flat, eng._adapters,
             sampler=sampler, view=eng.view)
-        return Pending(plan, list(plan.decodes), held, {i: len(d) for i, d in drafts.items()},
+        return Pending(list(plan.decodes), held, {i: len(d) for i, d in drafts.items()},
                        tuple(outputs), t, width, started, sampler)
 
     def compile(self, k: int) -> int:
