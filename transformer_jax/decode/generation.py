@@ -88,10 +88,9 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
     The prefill and the whole decode loop are one compiled program (``generate_padded``); raw
     parameters are first put in the decode layout by ``prepare`` (its own compiled program,
     run on every call: pass ``DecodeWeights`` to skip it). Everything is validated before any
-    device work. Prompts are right-padded to a length bucket
-    (``prompt_bucket``), so prompt lengths within a bucket reuse the compiled program; each
-    distinct (config, batch size, bucket, max_new_tokens, sampling settings, cache_size)
-    compiles once.
+    device work. Prompts are right-padded to a length bucket (``prompt_bucket``), so prompt
+    lengths within a bucket reuse the compiled program; each distinct (config, batch size,
+    bucket, max_new_tokens, sampling settings, cache_size) compiles once.
 
     Args:
       config: the model's config.
@@ -132,8 +131,7 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         (``"ngram:k=4"``, ``"draft:PATH:k=4"``) or a ``SpeculativeConfig``. The same tokens
         as without (greedy and sampled, for the same seeds), from one jitted device loop
         that proposes up to k tokens per row and verifies them in one forward
-        (``decode.speculative_loop``); one device,
-        no constraints, no sliding-window layers.
+        (``decode.speculative_loop``); one device, no constraints, no sliding-window layers.
       draft: a ``speculative_loop.DraftModel`` for a ``"draft"`` spec (default: loaded
         from the spec's path).
 
