@@ -269,7 +269,7 @@ class Speculation:
         for req in plan.decodes:
             if req.speculation is None:
                 continue
-            spec, acc = req.speculation
+            spec = req.speculation[0]
             # the target adds a token of its own to those kept
             budget = min(spec.k, req.params.max_tokens - req.num_new - 1)
             if budget > 0 and spec.method == "draft":
@@ -283,10 +283,8 @@ class Speculation:
             return None
         t, width = self._shape(plan, drafts)
         plain_s, verify_s = self._times(plan, width, t, sampler)
-        if plain_s is not None and verify_s is not None:  # the cost rule
-            drafts = self._decide(plan, drafts, verify_s / plain_s, t)
-        elif verify_s is not None:  # a plain step's time is missing: run one
-            drafts = self._decide(plan, drafts, None, t)
+        if verify_s is not None:  # the cost rule (no plain step's time yet: run one)
+            drafts = self._decide(plan, drafts, None if plain_s is None else verify_s / plain_s, t)
         # (else verification was not measured at this shape: it runs, and so is)
         if not drafts:
             self.backed_off += 1
