@@ -200,12 +200,12 @@ def test_the_budget_leaves_room_for_the_targets_own_token(model, engine, monkeyp
     prompt = list(range(TINY.vocab_size - 2))  # nearly every token: the lookup finds its first
     plain = engine.add_request(prompt, SamplingParams(max_tokens=2))
     plain = engine.run_until_idle()[plain].tokens
-    before = spec.verify_steps, spec.proposed
+    before = spec.verify_steps, spec.total.proposed
     rid = engine.add_request(prompt, SamplingParams(max_tokens=2, speculative="ngram:k=4"))
     got = engine.run_until_idle()[rid]
     assert got.tokens == plain
     assert ngram_proposals([prompt + got.tokens[:1]], [4])[0], "no proposal to withhold"
-    assert (spec.verify_steps, spec.proposed) == before
+    assert (spec.verify_steps, spec.total.proposed) == before
     assert (got.speculative.proposed, got.speculative.verifications) == (0, 0)
     for max_tokens in (5, 7, 12):  # a periodic prompt: proposals kept up to the last token
         p = SamplingParams(max_tokens=max_tokens, speculative="ngram:k=4")

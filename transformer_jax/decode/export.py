@@ -140,12 +140,8 @@ def export_generate(config: ModelConfig, *, max_new_tokens: int, temperature: fl
     Args:
       config: the model config (its ``scan_layers`` decides the params layout expected).
       max_new_tokens: N, fixed in the program; must leave room: N < ``config.max_seq_len``.
-      temperature: sampling settings fixed in the program (as in ``generation.generate``).
-      top_k: see ``generation.generate``.
-      top_p: see ``generation.generate``.
-      min_p: see ``generation.generate``.
-      stop_tokens: see ``generation.generate``.
-      pad_id: see ``generation.generate``.
+      temperature, top_k, top_p, min_p, stop_tokens, pad_id: the sampling settings fixed in
+        the program (as ``generation.generate`` takes them).
       platforms: platforms to export for (e.g. ``["cpu", "cuda"]``); default the current one.
 
     Returns:

@@ -88,10 +88,9 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
     The prefill and the whole decode loop are one compiled program (``generate_padded``); raw
     parameters are first put in the decode layout by ``prepare`` (its own compiled program,
     run on every call: pass ``DecodeWeights`` to skip it). Everything is validated before any
-    device work. Prompts are right-padded to a length bucket
-    (``prompt_bucket``), so prompt lengths within a bucket reuse the compiled program; each
-    distinct (config, batch size, bucket, max_new_tokens, sampling settings, cache_size)
-    compiles once.
+    device work. Prompts are right-padded to a length bucket (``prompt_bucket``), so prompt
+    lengths within a bucket reuse the compiled program; each distinct (config, batch size,
+    bucket, max_new_tokens, sampling settings, cache_size) compiles once.
 
     Args:
       config: the model's config.
@@ -132,8 +131,7 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         (``"ngram:k=4"``, ``"draft:PATH:k=4"``) or a ``SpeculativeConfig``. The same tokens
         as without (greedy and sampled, for the same seeds), from one jitted device loop
         that proposes up to k tokens per row and verifies them in one forward
-        (``decode.speculative_loop``); one device,
-        no constraints, no sliding-window layers.
+        (``decode.speculative_loop``); one device, no constraints, no sliding-window layers.
       draft: a ``speculative_loop.DraftModel`` for a ``"draft"`` spec (default: loaded
         from the spec's path).
 
@@ -157,7 +155,14 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         if decode.is_split(mesh):
             raise ValueError("constraints: a tensor-parallel mesh is not supported with "
                              "constraints; decode on one device")
-    spec = speculative_spec(config, speculative, constraints, mesh)
+    spec = parse_spec(speculative)
+    if spec is not None:
+        if constraints is not None:
+            raise ValueError("speculative: not supported together with constraints")
+        if decode.is_split(mesh):
+            raise ValueError("speculative: a tensor-parallel mesh is not supported; decode on "
+                             "one device")
+        speculative_loop.check_no_rings(config, "the model")
     lengths = [len(a) for a in arrays]
     validate_capacity(config, lengths, max_new_tokens, cache_size)
     if cache_dtype is not None:
@@ -203,21 +208,6 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         out_tokens, out_logprobs, num = jax.device_get((out_tokens, out_logprobs, num))
     logger.debug("generate took %.3f s", time.perf_counter() - start)
     return result_from_arrays(out_tokens, out_logprobs, num)
-
-
-def speculative_spec(config: ModelConfig, speculative: Any, constraints: Any,
-                     mesh: Mesh | None) -> Any:
-    """The parsed ``speculative`` argument of ``generate`` (None: off), or ValueError."""
-    spec = parse_spec(speculative)
-    if spec is None:
-        return None
-    if constraints is not None:
-        raise ValueError("speculative: not supported together with constraints")
-    if decode.is_split(mesh):
-        raise ValueError("speculative: a tensor-parallel mesh is not supported; decode on one "
-                         "device")
-    speculative_loop.check_no_rings(config, "the model")
-    return spec
 
 
 def result_from_arrays(tokens: np.ndarray, logprobs: np.ndarray, num_tokens: np.ndarray

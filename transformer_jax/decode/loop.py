@@ -45,7 +45,6 @@ from jax.sharding import Mesh
 from transformer_jax.decode import sampling, streaming
 from transformer_jax.decode.prompts import is_int
 from transformer_jax.decode.weights import (  # noqa: F401 (decode.prepare etc. are the API)
-    EXPERT_AXIS,
     TENSOR_AXIS,
     DecodeWeights,
     abstract_weights,
@@ -61,7 +60,6 @@ from transformer_jax.decode.weights import (  # noqa: F401 (decode.prepare etc. 
     prepare,
     target_platform,
     tensor_shards,
-    vocab_is_split,
     weight_shardings,
     weight_specs,
 )
@@ -220,8 +218,8 @@ def whole_logits(logits: jax.Array) -> jax.Array:
 def draw(logits: jax.Array, key_data: jax.Array, index: jax.Array,
          settings: SamplingSettings, allowed: jax.Array | None = None
          ) -> tuple[jax.Array, jax.Array]:
-    """The plain decode's draw at T positions per row: speculative verification's (T = k + 1)
-    and constrained generation's (T = 1, under a grammar's mask).
+    """The plain decode's draw at T positions per row: the decode loop's (T = 1), speculative
+    verification's (T = k + 1) and constrained generation's (T = 1, under a grammar's mask).
 
     Args:
       logits: [B, T, V] float32.
@@ -266,22 +264,14 @@ def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
     """
     n = max_new_tokens
     stop = jnp.asarray(settings.stop_tokens, jnp.int32)
-    greedy = settings.temperature == 0
 
     def cond(s: SamplingState) -> jax.Array:
         return (s.step < n) & ~jnp.all(s.done)
 
     def advance(s: SamplingState, logits: jax.Array, cache: KVCache) -> SamplingState:
         """Picks each sequence's token from its [B, V] logits and records it."""
-        if greedy:
-            tok = sampling.argmax(logits)
-            logprob = sampling.token_logprobs(logits, tok)
-        else:
-            keys = jax.random.wrap_key_data(s.keys)
-            step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, s.step)
-            tok, logprob = sampling.sample_with_logprobs(
-                logits, step_keys, temperature=settings.temperature, top_k=settings.top_k,
-                top_p=settings.top_p, min_p=settings.min_p)
+        index = jnp.broadcast_to(s.step, s.done.shape)
+        tok, logprob = (x[:, 0] for x in draw(logits[:, None], s.keys, index, settings))
         active = ~s.done
         tok = jnp.where(active, tok, settings.pad_id)
         logprob = jnp.where(active, logprob, 0.0)
@@ -291,7 +281,7 @@ def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
             done |= active & jnp.isin(tok, stop)
         if stream_id is not None:
             streaming.emit(stream_id, s.step, tok, active, ordered=ordered)
-        return SamplingState(
+        return s.replace(
             step=s.step + 1,
             tokens=jax.lax.dynamic_update_slice(s.tokens, tok[:, None], (0, s.step)),
             logprobs=jax.lax.dynamic_update_slice(s.logprobs, logprob[:, None], (0, s.step)),
@@ -300,7 +290,6 @@ def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
             positions=jnp.where(done, s.positions, s.positions + 1),
             done=done,
             num_tokens=num_tokens,
-            keys=s.keys,
             cache=cache,
         )
 
@@ -351,39 +340,26 @@ def generate_padded(config: ModelConfig, params: Params | DecodeWeights, tokens:
         weights, quant = params.params, params.quant
     else:  # prepared here, a transient copy per call
         weights = decode_params(config, params, out_first_for(platform))
-    with decode_context(config, mesh):
-        return _prefill_and_decode(
-            config, on_mesh(config, mesh, weights, quant), tokens, lengths, key_data,
-            stream_id=stream_id, max_new_tokens=max_new_tokens, settings=settings,
-            cache_size=cache_size, cache_dtype=cache_dtype, platform=platform,
-            ordered=not is_split(mesh))
-
-
-def _prefill_and_decode(config: ModelConfig, weights: Params, tokens: jax.Array,
-                        lengths: jax.Array, key_data: jax.Array, *,
-                        stream_id: jax.Array | None, max_new_tokens: int,
-                        settings: SamplingSettings, cache_size: int | None,
-                        cache_dtype: str | None, platform: str, ordered: bool
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``generate_padded``'s program, traced in its ``decode_context``."""
     b, t = tokens.shape
     n = max_new_tokens
-    logits, cache = prefill(config, weights, tokens, lengths,
-                            t + n if cache_size is None else cache_size, cache_dtype,
-                            platform=platform)
-    state = SamplingState(
-        step=jnp.zeros((), jnp.int32),
-        tokens=jnp.full((b, n), settings.pad_id, jnp.int32),
-        logprobs=jnp.zeros((b, n), jnp.float32),
-        next_token=jnp.zeros((b,), jnp.int32),  # the first advance sets it
-        positions=lengths.astype(jnp.int32) - 1,
-        done=jnp.zeros((b,), bool),
-        num_tokens=jnp.zeros((b,), jnp.int32),
-        keys=key_data.astype(jnp.uint32),
-        cache=cache,
-    )
-    return _decode_loop(config, weights, state, logits, stream_id=stream_id, max_new_tokens=n,
-                        settings=settings, ordered=ordered)
+    with decode_context(config, mesh):
+        weights = on_mesh(config, mesh, weights, quant)
+        logits, cache = prefill(config, weights, tokens, lengths,
+                                t + n if cache_size is None else cache_size, cache_dtype,
+                                platform=platform)
+        state = SamplingState(
+            step=jnp.zeros((), jnp.int32),
+            tokens=jnp.full((b, n), settings.pad_id, jnp.int32),
+            logprobs=jnp.zeros((b, n), jnp.float32),
+            next_token=jnp.zeros((b,), jnp.int32),  # the first advance sets it
+            positions=lengths.astype(jnp.int32) - 1,
+            done=jnp.zeros((b,), bool),
+            num_tokens=jnp.zeros((b,), jnp.int32),
+            keys=key_data.astype(jnp.uint32),
+            cache=cache,
+        )
+        return _decode_loop(config, weights, state, logits, stream_id=stream_id,
+                            max_new_tokens=n, settings=settings, ordered=not is_split(mesh))
 
 
 #: The arguments of ``generate_padded`` that are compile-time constants.

@@ -113,20 +113,17 @@ def validate_sampling_args(
     Raises:
         ValueError: naming the first offending argument and value.
     """
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
-        raise ValueError(f"vocab_size must be a positive integer; got {vocab_size!r}")
-    if vocab_size <= 0:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) \
+            or vocab_size <= 0:
         raise ValueError(f"vocab_size must be a positive integer; got {vocab_size!r}")
     if temperature is None:
         raise ValueError("temperature must be given (use 0 for greedy decoding); got None")
     values = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
     for name, value in values.items():
-        if value is None:
-            continue
         if isinstance(value, jax.core.Tracer):
             logger.debug("Skipping validation of traced %s", name)
-            continue
-        _check_arg(name, value, vocab_size)
+        elif value is not None:
+            _check_arg(name, value, vocab_size)
 
 
 def _check_arg(name: str, value: Any, vocab_size: int) -> None:
@@ -208,8 +205,7 @@ def _top_k(logits: jax.Array, k: Any) -> tuple[jax.Array, jax.Array]:
     """Returns (masked logits [B, V], descending kept values [B, k or V] padded with -inf)."""
     vocab = logits.shape[-1]
     if isinstance(k, numbers.Integral) and not isinstance(k, bool):
-        if not 1 <= k <= vocab:
-            raise ValueError(f"top_k must be in [1, vocab_size={vocab}]; got {k}")
+        _check_top_k(k, vocab)
         values = jax.lax.top_k(logits, int(k))[0]  # [B, k], descending; no full sort needed.
         return _keep_at_least(logits, values[:, -1:]), values
     # Per-row k cannot use lax.top_k (k must be static), so fall back to a full sort.
@@ -480,11 +476,7 @@ def sample_with_logprobs(
 
     Args:
         logits: [B, V] logits.
-        key: as for :func:`sample`.
-        temperature: as for :func:`sample`.
-        top_k: as for :func:`sample`.
-        top_p: as for :func:`sample`.
-        min_p: as for :func:`sample`.
+        key, temperature, top_k, top_p, min_p: as for :func:`sample`.
 
     Returns:
         tokens: [B] int32 sampled token ids.

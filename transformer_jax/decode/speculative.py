@@ -392,11 +392,6 @@ class Acceptance:
     watched: list[int | None] = dataclasses.field(default_factory=list)
     matched: int = 0
 
-    @classmethod
-    def with_prior(cls, rate: float) -> Acceptance:
-        """A new row whose evidence is a prior acceptance ``rate`` worth ``PRIOR_TRIES``."""
-        return cls(hits=rate * PRIOR_TRIES)
-
     @property
     def rate(self) -> float:
         """The recent acceptance of one proposal (decayed hits / tries)."""

@@ -30,6 +30,7 @@ proposals, of which the target keeps a, and the target adds one token: so it lac
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -73,26 +74,6 @@ from transformer_jax.model.kv_ring import RingLayout
 logger = logging.getLogger(__name__)
 
 
-def draft_first(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
-                start: jax.Array, counts: jax.Array) -> tuple[KVCache, jax.Array]:
-    """The draft's catch-up: the first ``counts`` [B] of [B, C] tokens it has not cached yet,
-    at positions from ``start`` [B], through its ``KVCache``; returns (the cache, [B] int32
-    its greedy next token: its first proposal)."""
-    out = forward_chunk(decode_model(config), params, cache, tokens, start,
-                        logits_at=counts - 1)
-    return out.cache, sampling.argmax(out.logits)
-
-
-def draft_rest(config: ModelConfig, params: Params, cache: KVCache, first: jax.Array,
-               start: jax.Array, *, k: int) -> tuple[KVCache, jax.Array]:
-    """The draft's k - 1 further greedy proposals after ``first`` [B], fed at ``start`` [B]
-    (``speculative.greedy_proposals``); returns (the cache, [B, k] int32 proposals)."""
-    def step(cache: KVCache, token: jax.Array, pos: jax.Array) -> tuple[jax.Array, KVCache]:
-        return decode_step(config, params, cache, token, pos)
-
-    return greedy_proposals(step, cache, first, start, k - 1)
-
-
 @flax.struct.dataclass
 class SpeculativeState:
     """The carry of the speculative loop.
@@ -108,7 +89,7 @@ class SpeculativeState:
       cache, draft_cache: the target's and the draft's ``KVCache`` (None for the n-gram).
       draft_length: [B] int32 positions the draft's cache holds.
       drafts: [B, k] int32 the next round's proposals (a draft's first only: it makes the
-        others in a verify round); found: [B] bool rows that have some.
+        others in a verify round).
       watched, watch_n, matched: [B, k] a proposal plain rounds check as a verification would
         (a draft's: its latest first proposal), [B] its length (0: none), [B] matched so far.
       want: [B] bool rows verifying in the next round; verify: [] bool whether it verifies.
@@ -127,7 +108,6 @@ class SpeculativeState:
     draft_cache: KVCache | None
     draft_length: jax.Array
     drafts: jax.Array
-    found: jax.Array
     watched: jax.Array
     watch_n: jax.Array
     matched: jax.Array
@@ -246,7 +226,7 @@ def speculative_generate_padded(
         length=lengths, tokens=jnp.full((b, n), settings.pad_id, jnp.int32),
         logprobs=jnp.zeros((b, n), jnp.float32), num_tokens=zeros, done=no, keys=key_data,
         cache=cache, draft_cache=draft_cache, draft_length=lengths,
-        drafts=jnp.zeros((b, k), jnp.int32), found=no, watched=jnp.zeros((b, k), jnp.int32),
+        drafts=jnp.zeros((b, k), jnp.int32), watched=jnp.zeros((b, k), jnp.int32),
         watch_n=zeros, matched=zeros, want=no, verify=jnp.zeros((), bool),
         proposed=zeros, accepted=zeros, verifications=zeros, declined=zeros,
         hits=jnp.full((b,), PRIOR_HITS, jnp.float32),
@@ -273,10 +253,11 @@ def speculative_generate_padded(
             counts = jnp.clip(s.length - s.draft_length, 1, 2).astype(jnp.int32)
             index = jnp.minimum(start[:, None] + jnp.arange(2, dtype=jnp.int32),
                                 s.seq.shape[1] - 1)
-            draft_cache, first = draft_first(
-                draft_config, draft_params, s.draft_cache,
-                jnp.take_along_axis(s.seq, index, axis=1), start, counts)
-            s = s.replace(draft_cache=draft_cache, draft_length=start + counts)
+            out = forward_chunk(decode_model(draft_config), draft_params, s.draft_cache,
+                                jnp.take_along_axis(s.seq, index, axis=1), start,
+                                logits_at=counts - 1)
+            s = s.replace(draft_cache=out.cache, draft_length=start + counts)
+            first = sampling.argmax(out.logits)  # the draft's greedy next token
             drafts, found = jnp.zeros((b, k), jnp.int32).at[:, 0].set(first), ~no
         active, budget = ~s.done, budget_of(s)
         can = active & found & (budget > 0)
@@ -291,7 +272,7 @@ def speculative_generate_padded(
         want &= verify_now
         # a proposal not verified is watched instead (a draft's: from its first proposal on)
         watch = can & ~want & (s.watch_n == 0)
-        return s.replace(drafts=drafts, found=found, want=want, verify=verify_now,
+        return s.replace(drafts=drafts, want=want, verify=verify_now,
                          watched=jnp.where(watch[:, None], drafts, s.watched),
                          watch_n=jnp.where(watch, budget, s.watch_n),
                          matched=jnp.where(watch, 0, s.matched),
@@ -329,8 +310,9 @@ def speculative_generate_padded(
     def verify_round(s: SpeculativeState) -> SpeculativeState:
         num_drafts = jnp.where(s.want, budget_of(s), 0)
         if draft_params is not None:  # the draft's further proposals after its first
-            draft_cache, drafts = draft_rest(draft_config, draft_params, s.draft_cache,
-                                             s.drafts[:, 0], s.draft_length, k=k)
+            draft_cache, drafts = greedy_proposals(
+                functools.partial(decode_step, draft_config, draft_params), s.draft_cache,
+                s.drafts[:, 0], s.draft_length, k - 1)
             s = s.replace(draft_cache=draft_cache, drafts=drafts)
         start, last = last_token(s)
         cache, targets, logprobs, a = verify(

@@ -58,9 +58,3 @@ def emit(stream_id: jax.Array, step: jax.Array, tokens: jax.Array, active: jax.A
     cannot order effects, and there the loop's data dependence keeps the steps in order.
     """
     jax.debug.callback(_call, stream_id, step, tokens, active, ordered=ordered)
-
-
-def active_streams() -> int:
-    """How many callbacks are registered (0 between generate calls)."""
-    with _STREAM_LOCK:
-        return len(_STREAMS)

@@ -139,9 +139,6 @@ class EngineDraft:
         #: The decode rows' next draft token of the running step ([B], on the device).
         self.next: jax.Array | None = None
 
-    def _statics(self) -> dict[str, Any]:
-        return dict(view=self.view)
-
     def mirror(self, plan: Any, prefill: Any, scheduler: Any) -> None:
         """Runs the step's prefill chunk, fork copies and decode rows into the draft's pages;
         keeps the decode rows' next draft token in ``next``."""
@@ -160,13 +157,13 @@ class EngineDraft:
                 start[req.slot] = req.cached - 1
             self.k, self.v, self.next = draft_rows(
                 self.config, params, self.k, self.v, tokens, start,
-                decode_table(plan, scheduler, plan.width), **self._statics())
+                decode_table(plan, scheduler, plan.width), view=self.view)
 
     def _prefill(self, chunk: Any) -> None:
         """Runs a prefill chunk (``scheduler.PrefillChunk``) into the draft's pages."""
         self.k, self.v, _, _ = step_lib.forward_jit(
             self.config, self.model.weights.params, self.k, self.v, None, chunk,
-            quant=self.model.weights.quant, **self._statics())
+            quant=self.model.weights.quant, view=self.view)
 
     def propose(self, plan: Any, scheduler: Any, width: int, t: int) -> np.ndarray:
         """Each slot's T - 1 greedy proposals, continuing the mirrored decode rows ([B, T - 1]
@@ -178,7 +175,7 @@ class EngineDraft:
             start[req.slot] = req.cached + 1
         self.k, self.v, proposals = draft_more(
             self.config, self.model.weights.params, self.k, self.v, self.next, start,
-            decode_table(plan, scheduler, width), steps=t - 2, **self._statics())
+            decode_table(plan, scheduler, width), steps=t - 2, view=self.view)
         return np.asarray(jax.device_get(proposals))
 
     def compile(self, scheduler: Any, ts: list[int], adapters: bool) -> int:
@@ -196,12 +193,12 @@ class EngineDraft:
             table = np.zeros((b, width), np.int32)
             self.k, self.v, self.next = draft_rows(
                 self.config, self.model.weights.params, self.k, self.v,
-                np.zeros((b, 2), np.int32), np.zeros(b, np.int32), table, **self._statics())
+                np.zeros((b, 2), np.int32), np.zeros(b, np.int32), table, view=self.view)
             shapes += 1
             for t in ts:
                 self.k, self.v, out = draft_more(
                     self.config, self.model.weights.params, self.k, self.v, self.next,
-                    np.zeros(b, np.int32), table, steps=t - 2, **self._statics())
+                    np.zeros(b, np.int32), table, steps=t - 2, view=self.view)
                 jax.block_until_ready(out)
                 shapes += 1
         return shapes

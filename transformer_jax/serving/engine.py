@@ -51,6 +51,7 @@ from transformer_jax.model.lora import LoraConfig
 from transformer_jax.serving import step as step_lib
 from transformer_jax.serving.page_pool import pages_for
 from transformer_jax.serving.paged_cache import VIEWS, PagedKVCache, storage_dtype
+from transformer_jax.serving.plan import row_sampling
 from transformer_jax.serving.requests import (
     Completion,
     Request,
@@ -420,10 +421,7 @@ class Engine:
         shapes = self.scheduler.idle_inputs(self._rings is not None, self._adapters is not None)
         for decode_rows, chunk in shapes:
             n = len(decode_rows.tokens) if chunk is None else len(chunk.start)
-            sampling = step_lib.RowSampling(
-                np.zeros((n, 2), np.uint32), np.zeros(n, np.int32), np.zeros(n, np.float32),
-                np.full(n, self.config.vocab_size, np.int32), np.ones(n, np.float32),
-                np.zeros(n, np.float32))
+            sampling, _ = row_sampling([None] * n, self.config.vocab_size)  # greedy, idle
             jax.block_until_ready(self._run(decode_rows, chunk, sampling, step_lib.Sampler()))
             if structured:
                 masks = np.full((n, self._grammar_tokenizer().words), -1, np.int32)

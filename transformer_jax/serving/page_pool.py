@@ -49,9 +49,6 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def refcount(self, page: int) -> int:
-        return int(self._refs[page])
-
     def allocate(self, n: int) -> list[int] | None:
         """n free pages, each with count 1; None (and nothing taken) when fewer are free."""
         if n > len(self._free):

@@ -46,6 +46,7 @@ import numpy as np
 
 from transformer_jax.decode.loop import decode_model, is_split
 from transformer_jax.decode.speculative import (
+    PRIOR_TRIES,
     Acceptance,
     SpeculativeConfig,
     expected_tokens,
@@ -148,7 +149,6 @@ def width_of(k: int) -> int:
 class Pending:
     """A verify step dispatched and not yet read."""
 
-    plan: StepPlan
     rows: list[Request]
     held: dict[int, int]  # request id -> pages held before the step grew them
     drafts: dict[int, int]  # request id -> proposals
@@ -179,9 +179,7 @@ class Speculation:
         self._recent: dict[tuple[int, int, bool, Sampler], collections.deque] = {}
         self.backed_off = 0  # steps run plain although some row could propose
         self.verify_steps = 0
-        self.verified_rows = 0  # rows that proposed, over all verify steps
-        self.proposed = 0
-        self.accepted = 0
+        self.total = Acceptance()  # every row's verifications, over all verify steps
         self.tried = 0  # proposals verified up to the first rejection, that one included
         self._stopped = False  # whether the stop was logged
 
@@ -199,10 +197,11 @@ class Speculation:
                 raise ValueError(f"speculative {req.params.speculative!r}: the engine's draft "
                                  f"model is {self.draft.path!r}")
         self.check_engine()
-        # a new request's prior: the engine's acceptance so far (0.5 before any), so that a
-        # batch of new rows is not taken for one whose every proposal will be kept
-        prior = self.accepted / self.tried if self.tried else 0.5
-        req.speculation = (spec, Acceptance.with_prior(prior))
+        # a new request's prior: the engine's acceptance so far (0.5 before any) worth
+        # PRIOR_TRIES, so that a batch of new rows is not taken for one whose every proposal
+        # will be kept
+        prior = self.total.accepted / self.tried if self.tried else 0.5
+        req.speculation = (spec, Acceptance(hits=prior * PRIOR_TRIES))
 
     def check_engine(self) -> None:
         """Raises ValueError (one line) unless the engine can speculate: one device (no
@@ -256,7 +255,6 @@ class Speculation:
     def dispatch(self, plan: StepPlan, rows: RowSampling, sampler: Sampler) -> Pending | None:
         """Proposes, decides, grows pages and dispatches the verify step of ``plan``'s decode
         rows; None when the step should run plain (nothing proposed, or not worth it)."""
-        started = time.perf_counter()  # a plain step's time runs from here too (``Engine``)
         eng = self.engine
         sched = eng.scheduler
         if any(r.matcher is not None for r in plan.decodes):
@@ -271,7 +269,7 @@ class Speculation:
         for req in plan.decodes:
             if req.speculation is None:
                 continue
-            spec, acc = req.speculation
+            spec = req.speculation[0]
             # the target adds a token of its own to those kept
             budget = min(spec.k, req.params.max_tokens - req.num_new - 1)
             if budget > 0 and spec.method == "draft":
@@ -285,10 +283,8 @@ class Speculation:
             return None
         t, width = self._shape(plan, drafts)
         plain_s, verify_s = self._times(plan, width, t, sampler)
-        if plain_s is not None and verify_s is not None:  # the cost rule
-            drafts = self._decide(plan, drafts, verify_s / plain_s, t)
-        elif verify_s is not None:  # a plain step's time is missing: run one
-            drafts = self._decide(plan, drafts, None, t)
+        if verify_s is not None:  # the cost rule (no plain step's time yet: run one)
+            drafts = self._decide(plan, drafts, None if plain_s is None else verify_s / plain_s, t)
         # (else verification was not measured at this shape: it runs, and so is)
         if not drafts:
             self.backed_off += 1
@@ -328,7 +324,7 @@ class Speculation:
             eng.config, eng.weights.params, eng._k, eng._v,
             VerifyRows(tokens, start, num, table, adapter), flat, eng._adapters,
             sampler=sampler, view=eng.view)
-        return Pending(plan, list(plan.decodes), held, {i: len(d) for i, d in drafts.items()},
+        return Pending(list(plan.decodes), held, {i: len(d) for i, d in drafts.items()},
                        tuple(outputs), t, width, started, sampler)
 
     def compile(self, k: int) -> int:
@@ -338,7 +334,6 @@ class Speculation:
         eng = self.engine
         sched = eng.scheduler
         b = sched.num_slots
-        shapes = 0
         ts = sorted({width_of(j) for j in range(1, k + 1)})
         for width, t, sampled in itertools.product(sched.widths, ts, (False, True)):
             rows = VerifyRows(np.zeros((b, t), np.int32), np.zeros(b, np.int32),
@@ -350,7 +345,7 @@ class Speculation:
                 eng.config, eng.weights.params, eng._k, eng._v, rows, sampling,
                 eng._adapters, sampler=Sampler(sampled=sampled), view=eng.view)
             jax.block_until_ready(out)
-            shapes += 1
+        shapes = len(sched.widths) * len(ts) * 2
         return shapes + (0 if self.draft is None else self.draft.compile(
             sched, ts, eng._adapters is not None))
 
@@ -433,9 +428,7 @@ class Speculation:
             n = pending.drafts.get(req.id, 0)
             if req.speculation is not None and n:
                 req.speculation[1].record(n, a)
-                self.verified_rows += 1
-                self.proposed += n
-                self.accepted += a
+                self.total.record(n, a)
                 self.tried += a + (a < n)
             for j in range(a + 1):
                 req.cached += 1
@@ -458,8 +451,8 @@ class Speculation:
 
     def metrics(self) -> dict[str, float]:
         """Engine-wide figures: proposals, acceptance, verify and backed-off steps."""
-        return {"proposed": self.proposed, "accepted": self.accepted,
-                "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-                "mean_accepted_length": ((self.accepted + self.verified_rows) /
-                                         self.verified_rows if self.verified_rows else 0.0),
+        total = self.total
+        return {"proposed": total.proposed, "accepted": total.accepted,
+                "acceptance_rate": total.acceptance_rate,
+                "mean_accepted_length": total.mean_accepted,
                 "verify_steps": self.verify_steps, "backed_off_steps": self.backed_off}

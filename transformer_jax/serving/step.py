@@ -36,6 +36,7 @@ table is all ``NULL_PAGE``, and a chunk's padding write none).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.struct
@@ -260,14 +261,9 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
       (key pages, value pages, [R] int32 next tokens, [R] float32 their log-probabilities,
       the rings).
     """
-    def run(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
-            decode: DecodeRows | None, prefill: PrefillChunk | None, rings: Any,
-            adapters: Params | None, rows: RowSampling) -> tuple[Any, Any, jax.Array, jax.Array,
-                                                                 Any]:
-        k, v, logits, rings = _forward(config, params, k_pages, v_pages, decode, prefill,
-                                       rings, adapters, view=view)
-        tokens, logprobs = sample_rows(logits, rows, sampler)
-        return k, v, tokens, logprobs, rings
+    def run(*args: Any) -> tuple[Any, Any, jax.Array, jax.Array, Any]:
+        k, v, logits, rings = _forward(*args[:-1], view=view)  # args[-1]: the rows' sampling
+        return (k, v, *sample_rows(logits, args[-1], sampler), rings)
 
     return _on_mesh(run, config, params, k_pages, v_pages, decode, prefill, rings, adapters,
                     (rows,), mesh=mesh, quant=quant)
@@ -286,15 +282,8 @@ def engine_forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: A
     Returns:
       (key pages, value pages, [R, V] float32 logits (whole on every device), the rings).
     """
-    def run(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
-            decode: DecodeRows | None, prefill: PrefillChunk | None, rings: Any,
-            adapters: Params | None) -> tuple[Any, Any, jax.Array, Any]:
-        return _forward(config, params, k_pages, v_pages, decode, prefill, rings, adapters,
-                        view=view)
-
-    k, v, logits, rings = _on_mesh(run, config, params, k_pages, v_pages, decode, prefill,
-                                   rings, adapters, (), mesh=mesh, quant=quant)
-    return k, v, logits, rings
+    return _on_mesh(functools.partial(_forward, view=view), config, params, k_pages, v_pages,
+                    decode, prefill, rings, adapters, (), mesh=mesh, quant=quant)
 
 
 def _on_mesh(run: Any, config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
