@@ -169,8 +169,7 @@ class TokenizerConfig:
         raw = _read_json(directory / CONFIG_FILE)
         settings = dict(raw)
         if "added_tokens_decoder" not in raw:
-            for key, value in _read_json(directory / SPECIAL_TOKENS_MAP_FILE).items():
-                settings[key] = value
+            settings.update(_read_json(directory / SPECIAL_TOKENS_MAP_FILE))
         special = {
             key: _token_content(settings[key])
             for key in NAMED_SPECIAL_TOKENS
@@ -195,10 +194,8 @@ class TokenizerConfig:
         template_file = directory / CHAT_TEMPLATE_FILE
         if template_file.is_file():
             template = template_file.read_text(encoding="utf-8")
-        templates_dir = directory / CHAT_TEMPLATES_DIR
-        if templates_dir.is_dir():
-            for path in sorted(templates_dir.glob("*.jinja")):
-                named[path.stem] = path.read_text(encoding="utf-8")
+        for path in sorted((directory / CHAT_TEMPLATES_DIR).glob("*.jinja")):
+            named[path.stem] = path.read_text(encoding="utf-8")
         return cls(
             special=special,
             extra_special=tuple(dict.fromkeys(t for t in extra if t not in special.values())),
@@ -220,13 +217,9 @@ class TokenizerConfig:
           A JSON-serialisable dict. Keys that transformers would resolve to other files
           (``tokenizer_file``, ``vocab_file``, ``name_or_path``) are dropped.
         """
-        out = {
-            k: v
-            for k, v in self.raw.items()
-            if k not in ("tokenizer_file", "vocab_file", "name_or_path", "auto_map")
-        }
-        for key in NAMED_SPECIAL_TOKENS:
-            out.pop(key, None)
+        dropped = ("tokenizer_file", "vocab_file", "name_or_path", "auto_map",
+                   *NAMED_SPECIAL_TOKENS)  # the named ones: set from ``special`` below
+        out = {k: v for k, v in self.raw.items() if k not in dropped}
         out.update(self.special)
         if self.extra_special:
             out.pop("additional_special_tokens", None)
@@ -267,9 +260,11 @@ def detokenize(tokenizer: Any, ids: list[int]) -> str:
 
 class TokenizerBackend:
     """What both backends share: ``encode`` and ``decode`` around a backend's own
-    ``_encode_ids`` (text without bos/eos -> ids) and ``_decode_ids`` (checked ids -> text)."""
+    ``_encode_ids`` (text without bos/eos -> ids) and ``_decode_ids`` (checked ids -> text),
+    ``pad_id`` and ``fingerprint``."""
 
     path: Path | None
+    _own_pad_id: int  # the pad token's id, -1 if none
     #: What the backend calls a vocabulary entry, in its error messages.
     ENTRY = "token"
 
@@ -296,6 +291,19 @@ class TokenizerBackend:
                 raise ValueError(f"tokenizer {self.path} has no {name} {self.ENTRY}; cannot "
                                  f"add_{name}")
         return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
+
+    @property
+    def pad_id(self) -> int:
+        """Id to pad with: the tokenizer's pad token (3 in trained SentencePiece models) if it
+        has one, else ``eos_id``, else ``unk_id``, else 0 (the Llama 2 tokenizer has no pad).
+        Padded positions must be masked out of the loss anyway, so reusing a real id is
+        harmless."""
+        return next((i for i in (self._own_pad_id, self.eos_id, self.unk_id) if i >= 0), 0)
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 hex digest of the serialised model and the special tokens it encodes."""
+        return self._fingerprint
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         """Decodes ids [T] to text (as the backend's ``_decode_ids`` says).

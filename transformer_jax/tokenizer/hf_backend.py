@@ -63,7 +63,7 @@ class HFTokenizer(TokenizerBackend):
         self._bos = ids.get("bos_token")
         self._eos = ids.get("eos_token")
         self._unk = ids.get("unk_token")
-        self._pad = ids.get("pad_token")
+        self._own_pad_id = -1 if ids.get("pad_token") is None else ids["pad_token"]
         self._add_bos, self._add_eos = self._default_bos_eos()
         serialised = self._tok.to_str()
         self._model_type = json.loads(serialised)["model"].get("type")
@@ -136,19 +136,6 @@ class HFTokenizer(TokenizerBackend):
         return -1 if self._unk is None else self._unk
 
     @property
-    def pad_id(self) -> int:
-        """Id of ``pad_token``, else eos, else unk, else 0."""
-        for candidate in (self._pad, self._eos, self._unk):
-            if candidate is not None:
-                return candidate
-        return 0
-
-    @property
-    def fingerprint(self) -> str:
-        """SHA-256 of the serialised tokenizer and its named special tokens."""
-        return self._fingerprint
-
-    @property
     def add_bos_token(self) -> bool:
         """Whether transformers' ``tokenizer(text)`` prepends bos: the config's
         ``add_bos_token`` if set, else what ``tokenizer.json``'s post-processor does."""
@@ -211,17 +198,9 @@ class HFTokenizer(TokenizerBackend):
         directory.mkdir(parents=True, exist_ok=True)
         file = directory / TOKENIZER_FILE
         self._tok.save(str(file))
-        added = {
-            str(i): {
-                "content": t.content,
-                "lstrip": t.lstrip,
-                "rstrip": t.rstrip,
-                "normalized": t.normalized,
-                "single_word": t.single_word,
-                "special": t.special,
-            }
-            for i, t in sorted(self._tok.get_added_tokens_decoder().items())
-        }
+        fields = ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
+        added = {str(i): {f: getattr(t, f) for f in fields}
+                 for i, t in sorted(self._tok.get_added_tokens_decoder().items())}
         overrides: dict[str, object] = {
             "tokenizer_class": self._config.raw.get("tokenizer_class", DEFAULT_TOKENIZER_CLASS),
             "added_tokens_decoder": added,

@@ -85,15 +85,13 @@ class Tokenizer(TokenizerBackend):
         if processor.get_piece_size() <= 0:
             raise ValueError(f"SentencePiece model {path or '<in memory>'} has no pieces")
         self._sp = processor
+        self._own_pad_id = processor.pad_id()
         self.path = path
         self._config = config
         digest = hashlib.sha256(processor.serialized_model_proto())
-        self._special_pieces: dict[str, int] = {}
-        if config is not None:
-            for token in config.all_special:
-                token_id = self.token_to_id(token)
-                if token_id is not None and token:
-                    self._special_pieces[token] = token_id
+        specials = [] if config is None else config.all_special
+        self._special_pieces = {token: i for token in specials
+                                if token and (i := self.token_to_id(token)) is not None}
         self._special_re: re.Pattern[str] | None = None
         if self._special_pieces:
             # Longest first, so that a special token containing another one wins.
@@ -262,24 +260,6 @@ class Tokenizer(TokenizerBackend):
         return self._sp.eos_id()
 
     @property
-    def pad_id(self) -> int:
-        """Id to pad with: the model's pad piece (3 in trained models) if it has one.
-
-        Models without a pad piece (the Llama 2 tokenizer has ``pad_id == -1``) fall back to
-        ``eos_id``, or to ``unk_id`` if there is no eos either. Padded positions must be masked
-        out of the loss anyway, so reusing a real id is harmless.
-        """
-        for candidate in (self._sp.pad_id(), self._sp.eos_id(), self._sp.unk_id()):
-            if candidate >= 0:
-                return candidate
-        return 0
-
-    @property
-    def fingerprint(self) -> str:
-        """SHA-256 hex digest of the serialized model; equal models have equal fingerprints."""
-        return self._fingerprint
-
-    @property
     def processor(self) -> spm.SentencePieceProcessor:
         """The wrapped ``SentencePieceProcessor``."""
         return self._sp
@@ -288,16 +268,14 @@ class Tokenizer(TokenizerBackend):
     def add_bos_token(self) -> bool:
         """Whether transformers prepends bos: the config's ``add_bos_token``, else True if the
         model has a bos piece (``LlamaTokenizer``'s default)."""
-        if self._config is not None and self._config.add_bos_token is not None:
-            return self._config.add_bos_token and self.bos_id >= 0
-        return self.bos_id >= 0
+        setting = None if self._config is None else self._config.add_bos_token
+        return (True if setting is None else setting) and self.bos_id >= 0
 
     @property
     def add_eos_token(self) -> bool:
         """Whether transformers appends eos: the config's ``add_eos_token``, else False."""
-        if self._config is not None and self._config.add_eos_token is not None:
-            return self._config.add_eos_token and self.eos_id >= 0
-        return False
+        setting = None if self._config is None else self._config.add_eos_token
+        return bool(setting) and self.eos_id >= 0
 
     @property
     def chat_template(self) -> str | None:
