@@ -292,16 +292,10 @@ class Tokenizer(TokenizerBackend):
         """Named special tokens: the config's, else the model's own unk/bos/eos/pad pieces."""
         if self._config is not None and self._config.special:
             return dict(self._config.special)
-        out = {}
-        for name, token_id in (
-            ("bos_token", self._sp.bos_id()),
-            ("eos_token", self._sp.eos_id()),
-            ("unk_token", self._sp.unk_id()),
-            ("pad_token", self._sp.pad_id()),
-        ):
-            if 0 <= token_id < self.vocab_size:
-                out[name] = self._sp.id_to_piece(token_id)
-        return out
+        ids = {"bos_token": self.bos_id, "eos_token": self.eos_id, "unk_token": self.unk_id,
+               "pad_token": self._own_pad_id}
+        return {name: self._sp.id_to_piece(i) for name, i in ids.items()
+                if 0 <= i < self.vocab_size}
 
     def id_to_piece(self, token_id: int) -> str:
         """Returns the piece string of ``token_id`` (validated to be in ``[0, V)``)."""

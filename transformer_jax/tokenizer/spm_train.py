@@ -116,11 +116,7 @@ def train_model(
         )
 
     def documents() -> Iterator[str]:
-        if files is not None:
-            for file in files:
-                yield read_utf8(file)
-        else:
-            yield from texts or ()
+        return map(read_utf8, files) if files is not None else iter(texts or ())
 
     options: dict[str, Any] = {
         "model_type": model_type,
