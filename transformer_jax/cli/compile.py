@@ -33,9 +33,8 @@ import sys
 import time
 from typing import Any
 
-from transformer_jax.cli.common import PROG
+from transformer_jax.cli.common import PROG, gib
 
-GIB = 2.0**30
 EXIT_DOES_NOT_FIT = 1
 
 
@@ -161,17 +160,13 @@ def format_batches(found: dict[str, Any], topology: str) -> str:
     """``find_batch``'s result as the lines the command prints."""
     mesh = " x ".join(f"{k}={v}" for k, v in found["mesh"].items())
     lines = [f"largest per-chip batch on {topology} (mesh {mesh}; the batch splits over "
-             f"{found['batch_devices']} devices; {_gib(found.get('hbm_bytes'))} HBM a chip)"]
+             f"{found['batch_devices']} devices; {gib(found.get('hbm_bytes'))} HBM a chip)"]
     for remat, row in found["policies"].items():
         probes = " ".join(f"{n}{'' if ok else 'x'}" for n, ok in row["probes"])
         fit = (f"{row['per_chip']} (train.batch_size={row['batch_size']}, peak "
-               f"{_gib(row['peak'])})" if row["per_chip"] else "none fits")
+               f"{gib(row['peak'])})" if row["per_chip"] else "none fits")
         lines.append(f"  remat={remat:<10} {fit}; probes {probes} ({row['seconds']:.0f} s)")
     return "\n".join(lines)
-
-
-def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / GIB:.3f} GiB"
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -181,7 +176,7 @@ def format_report(r: dict[str, Any]) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     lines = [f"{r['config']} on {r['topology']}" + (f" x {r['slices']} slices"
                                                     if r["slices"] > 1 else "") +
-             f" ({r['devices']} x {r['device_kind']}, {_gib(r['hbm_bytes'])} HBM each), "
+             f" ({r['devices']} x {r['device_kind']}, {gib(r['hbm_bytes'])} HBM each), "
              f"target {r['target']}",
              f"  mesh {mesh} ({r['mesh_from']}" + ("; over DCN " + " x ".join(
                  f"{k}={v}" for k, v in r["dcn_mesh"].items() if v > 1) if r["slices"] > 1
@@ -190,10 +185,10 @@ def format_report(r: dict[str, Any]) -> str:
              f"  lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s"]
     m = r["memory"]
     share = f" = {m['peak'] / r['hbm_bytes']:.1%} of HBM" if r["hbm_bytes"] else ""
-    lines += ["  per chip", f"    arguments    {_gib(m['argument'])}",
-              f"    output       {_gib(m['output'])} ({_gib(m['alias'])} of it aliased to the "
-              "donated arguments)", f"    temporaries  {_gib(m['temp'])}",
-              f"    peak         {_gib(m['peak'])} of {_gib(r['hbm_bytes'])}{share}: "
+    lines += ["  per chip", f"    arguments    {gib(m['argument'])}",
+              f"    output       {gib(m['output'])} ({gib(m['alias'])} of it aliased to the "
+              "donated arguments)", f"    temporaries  {gib(m['temp'])}",
+              f"    peak         {gib(m['peak'])} of {gib(r['hbm_bytes'])}{share}: "
               + ("fits" if r["fits"] else "DOES NOT FIT"),
               f"  flops per chip (HLO; a scanned layer body counted once): {r['flops_hlo']:.3e}",
               f"  Mosaic kernel calls in the program: {r['mosaic_calls']}",

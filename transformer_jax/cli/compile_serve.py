@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-GIB = 2.0**30
+from transformer_jax.cli.common import gib
 
 
 def serve_report(config: str, overrides: list[str], topology: str, *, tensor: int | None = None,
@@ -116,10 +116,6 @@ def serve_report(config: str, overrides: list[str], topology: str, *, tensor: in
     return report
 
 
-def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / GIB:.3f} GiB"
-
-
 def format_serve_report(r: dict[str, Any]) -> str:
     """``serve_report``'s result as the lines the command prints."""
     from transformer_jax.parallel import collectives
@@ -128,17 +124,17 @@ def format_serve_report(r: dict[str, Any]) -> str:
     m = r["memory"]
     share = f" = {m['peak'] / r['hbm_bytes']:.1%} of HBM" if r["hbm_bytes"] else ""
     lines = [f"generate of {r['config']} on {r['topology']} ({r['devices']} of "
-             f"{r['topology_devices']} x {r['device_kind']}, {_gib(r['hbm_bytes'])} HBM each)",
+             f"{r['topology_devices']} x {r['device_kind']}, {gib(r['hbm_bytes'])} HBM each)",
              f"  mesh {mesh}; B={r['batch']} T={r['prompt_len']} N={r['new_tokens']} "
              f"S={r['cache_size']} dtype={r['dtype']} attention={r['attention']}",
              f"  lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s",
              "  per chip",
-             f"    arguments    {_gib(m['argument'])} (the weights {_gib(r['weight_bytes'])} "
+             f"    arguments    {gib(m['argument'])} (the weights {gib(r['weight_bytes'])} "
              "over the mesh, and the inputs)",
-             f"    output       {_gib(m['output'])}",
-             f"    temporaries  {_gib(m['temp'])} (the KV cache, "
-             f"{_gib(r['cache_bytes_per_chip'])} a chip, is here unless it fits VMEM)",
-             f"    peak         {_gib(m['peak'])} of {_gib(r['hbm_bytes'])}{share}: "
+             f"    output       {gib(m['output'])}",
+             f"    temporaries  {gib(m['temp'])} (the KV cache, "
+             f"{gib(r['cache_bytes_per_chip'])} a chip, is here unless it fits VMEM)",
+             f"    peak         {gib(m['peak'])} of {gib(r['hbm_bytes'])}{share}: "
              + ("fits" if r["fits"] else "DOES NOT FIT"),
              f"  Mosaic kernel calls in the program: {r['mosaic_calls']}",
              "  collectives of one generate (count, bytes per chip; the decode loop's body "

@@ -8,11 +8,10 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import sys
 from collections.abc import Sequence
 
 from transformer_jax import storage
-from transformer_jax.cli.common import PROG
+from transformer_jax.cli.common import PROG, fail
 from transformer_jax.data import sources as sources_lib
 from transformer_jax.data.build import BuildOptions, build, resolve_tokenizer
 
@@ -73,6 +72,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         build(args.input, args.out, tokenizer, options=options, workers=args.workers,
               progress=not args.no_progress, overwrite=args.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     return 0

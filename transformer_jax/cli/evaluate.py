@@ -35,7 +35,7 @@ from typing import Any
 from transformer_jax.bench import args as types
 from transformer_jax.checkpoint import loading
 from transformer_jax.checkpoint.files import CheckpointError
-from transformer_jax.cli.common import PROG
+from transformer_jax.cli.common import PROG, fail
 from transformer_jax.parallel import sharding
 
 #: The harness's seeds go to numpy, which takes [0, 2**32).
@@ -232,8 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             fewshot_random_seed=args.seed, bootstrap_iters=args.bootstrap_iters)
         elapsed = time.perf_counter() - start
     except (ValueError, OSError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return fail(str(e), 1)
     results = dict(results)
     results["transformer_jax"] = {"checkpoint": str(args.checkpoint), "seconds": elapsed,
                                   "batch_size": lm.batch_size, "max_length": lm.max_length}
@@ -245,7 +244,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         write_results(output, json.dumps(results, indent=2, default=handle_non_serializable))
     except OSError as e:
-        print(f"error: --output {output}: {e}", file=sys.stderr)
-        return 1
+        return fail(f"--output {output}: {e}", 1)
     print(f"[{elapsed:.1f} s; results in {output}]", file=sys.stderr)
     return 0

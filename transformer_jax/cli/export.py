@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ import jax.numpy as jnp
 
 from transformer_jax import hf, storage
 from transformer_jax.checkpoint import loading
-from transformer_jax.cli.common import PROG
+from transformer_jax.cli.common import PROG, fail
 from transformer_jax.model.config import DTYPES, ModelConfig
 from transformer_jax.model.transformer import Params
 
@@ -231,8 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite,
                      model_type=args.model_type)
     except (OSError, ValueError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return fail(str(e), 1)
     print(f"exported {args.checkpoint} -> {out}")
     return 0
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from transformer_jax.checkpoint import loading
 from transformer_jax.checkpoint.files import CheckpointError
-from transformer_jax.cli.common import PROG
+from transformer_jax.cli.common import PROG, fail
 from transformer_jax.decode import generation
 from transformer_jax.model.quant_spec import parse_quant
 from transformer_jax.parallel import sharding
@@ -207,31 +207,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if not args.prompt and not args.prompt_ids:
-        print("error: give --prompt TEXT or --prompt-ids 1,2,3", file=sys.stderr)
-        return 2
+        return fail("give --prompt TEXT or --prompt-ids 1,2,3")
     if args.tensor < 0:
-        print(f"error: --tensor must be >= 0, got {args.tensor}", file=sys.stderr)
-        return 2
+        return fail(f"--tensor must be >= 0, got {args.tensor}")
     if args.expert < 1:
-        print(f"error: --expert must be >= 1, got {args.expert}", file=sys.stderr)
-        return 2
+        return fail(f"--expert must be >= 1, got {args.expert}")
     if not -(2**63) <= args.seed < 2**63:
-        print(f"error: --seed must be a signed 64-bit integer (from -2**63 to 2**63 - 1), got "
-              f"{args.seed}", file=sys.stderr)
-        return 2
+        return fail(f"--seed must be a signed 64-bit integer (from -2**63 to 2**63 - 1), got "
+                    f"{args.seed}")
     if args.chat and not args.prompt:
-        print("error: --chat renders --prompt texts as user messages; give --prompt TEXT",
-              file=sys.stderr)
-        return 2
+        return fail("--chat renders --prompt texts as user messages; give --prompt TEXT")
     try:  # before any weight is read
         structured = grammar_from_args(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     if structured is not None and args.tensor * args.expert != 1:
-        print(f"error: {structured[0]}: structured outputs decode on one device; drop "
-              "--tensor / --expert", file=sys.stderr)
-        return 2
+        return fail(f"{structured[0]}: structured outputs decode on one device; drop "
+                    "--tensor / --expert")
     if args.tensor * args.expert != 1:  # before anything starts JAX's CPU backend
         sharding.configure_cpu_devices(devices=args.tensor * args.expert)
     try:
@@ -253,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                    encode_text(tokenizer, text, bos=False if args.no_bos else None)
                    for text in args.prompt]
         prompts.extend(args.prompt_ids)
-        stop = args.stop_tokens or []
+        stop = [] if args.no_stop else args.stop_tokens or []
         if not args.stop_tokens and not args.no_stop and tokenizer:
             stop = [tokenizer.eos_id] if tokenizer.eos_id >= 0 else []
             turn_end = chat_turn_end_id(tokenizer) if args.chat else None
@@ -264,8 +256,6 @@ def main(argv: list[str] | None = None) -> int:
 
             stop = list(dict.fromkeys([*stop, *(  # e.g. Llama 3.1's <|eom_id|>
                 i for i in generation_stop_ids(loaded.source.path) if i < config.vocab_size)]))
-        if args.no_stop:
-            stop = []
         constraints = None
         if structured is not None:
             constraints = _matchers(structured, tokenizer, config.vocab_size, len(prompts))
@@ -278,8 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             cache_dtype=args.cache_dtype, quant=args.quant, constraints=constraints)
         elapsed = time.perf_counter() - start
     except (ValueError, OSError, CheckpointError) as e:  # OSError: missing/unreadable files
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return fail(str(e), 1)
     texts = [detokenize(tokenizer, t) if tokenizer else None for t in result.tokens]
     if args.json:
         print(json.dumps({

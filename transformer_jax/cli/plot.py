@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
-from transformer_jax.cli.common import PROG
+from transformer_jax.cli.common import PROG, fail
 from transformer_jax.train.plot import plot_run, plot_runs
 
 
@@ -36,12 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             out = plot_runs(args.run_dirs, args.out or "runs.png")
     except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     except OSError as e:  # e.g. loss.png into a read-only run directory
         hint = "" if args.out else "; pass --out FILE to write the plot elsewhere"
-        print(f"error: {e}{hint}", file=sys.stderr)
-        return 2
+        return fail(f"{e}{hint}")
     print(out)
     return 0
 

@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 
-from transformer_jax.cli.common import PROG
+from transformer_jax.cli.common import PROG, fail
 from transformer_jax.serve.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from transformer_jax.serve.server import DrainingServer, is_loopback, listen, url_of
 
@@ -119,12 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("slots", "page_size", "max_requests", "prefill_rows"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
-                             f"{getattr(args, name)}")
-    if args.min_context is not None and args.min_context <= 0:
-        raise ValueError(f"--min-context must be positive, got {args.min_context}")
+    for name in ("slots", "page_size", "max_requests", "prefill_rows", "min_context"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
     for name in ("pages", "token_budget", "tensor"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got "
@@ -269,9 +266,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise ValueError(f"--lora {name}=...: {name!r} is the base model's name; give the "
                          "adapter another name or --served-model-name")
     runner = EngineRunner(engine, Metrics(), args.max_requests, args.request_timeout)
-    stop_ids = ()
-    if loaded.source.kind == HF:  # e.g. Llama 3.1's <|eom_id|> after a tool call
-        stop_ids = generation_stop_ids(loaded.source.path)
+    # The checkpoint's generation_config eos ids: e.g. Llama 3.1's <|eom_id|> after a tool call.
+    stop_ids = generation_stop_ids(loaded.source.path) if loaded.source.kind == HF else ()
     return runner, ModelInfo.of(name, config, loaded.tokenizer, tuple(adapters),
                                 args.tool_call_parser, stop_ids, args.reasoning_parser,
                                 args.speculative), timings
@@ -288,8 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         _check(args)
         sock = listen(args.host, args.port)  # before loading: a busy port fails now
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return fail(str(e), 1)
     try:
         if api_key is None and not is_loopback(sock):
             logger.warning("the API is open to the network: %s serves every interface it is "
@@ -304,12 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         runner, model, _ = build(args)
     except (ValueError, OSError) as e:
         sock.close()
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return fail(str(e), 1)
     except Exception as e:  # CheckpointError and the like: one line, not a traceback
         sock.close()
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        return fail(f"{type(e).__name__}: {e}", 1)
     from transformer_jax.serve.app import create_app
 
     app = create_app(runner, model, api_key, max_body_bytes=args.max_body_bytes,

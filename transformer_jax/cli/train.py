@@ -28,7 +28,7 @@ import traceback
 import jax
 
 from transformer_jax.checkpoint.manager import CheckpointError
-from transformer_jax.cli.common import PROG
+from transformer_jax.cli.common import PROG, fail
 from transformer_jax.parallel import distributed
 from transformer_jax.parallel.sharding import configure_cpu_devices
 from transformer_jax.train.config import ConfigError, build_configs, config_help
@@ -61,10 +61,6 @@ def _setup_logging(verbose: bool) -> None:
 
 def _enable_compilation_cache(cache_dir: str) -> None:
     """Keeps compiled programs on disk, so a restarted or repeated run starts in seconds."""
-    import os
-
-    import jax
-
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         jax.config.update("jax_compilation_cache_dir",
                           os.path.join(os.path.expanduser(cache_dir), "xla"))
@@ -124,24 +120,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, train, data = build_configs(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     # Both before JAX creates its CPU backend, which reads the flags.
     if not args.no_fast_math:
         enable_cpu_fast_math()
     try:
         configure_cpu_devices(train.micro_batch_size, args.cpu_devices)
     except ValueError as e:
-        print(f"error: --cpu-devices {args.cpu_devices}: the micro-batch of "
-              f"{train.micro_batch_size} rows (train.batch_size / train.grad_accum) is split "
-              f"over the devices: {e}", file=sys.stderr)
-        return 2
+        return fail(f"--cpu-devices {args.cpu_devices}: the micro-batch of "
+                    f"{train.micro_batch_size} rows (train.batch_size / train.grad_accum) is split "
+                    f"over the devices: {e}")
     try:
         several = distributed.maybe_initialize(args.coordinator_address, args.num_processes,
                                                args.process_id)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     _setup_logging(args.verbose)
     if not distributed.is_main_process():  # logs and progress come from process 0 only
         logging.getLogger().setLevel(logging.WARNING)

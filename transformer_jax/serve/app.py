@@ -175,16 +175,15 @@ def create_app(runner: EngineRunner, model: completions.ModelInfo,
         try:
             for i in range(prepared.n):  # choice i: seed + i (``Prepared.choice``)
                 streams.append(runner.submit(prepared.prompt, prepared.choice(i)))
-        except QueueFull as e:
+        except (QueueFull, ShuttingDown, ValueError) as e:
             _cancel(streams)
-            raise APIError(429, str(e), None, "rate_limit_exceeded",
-                           {"Retry-After": str(RETRY_AFTER_S)}) from None
-        except ShuttingDown:
-            _cancel(streams)
-            raise APIError(503, "the server is shutting down", None,
-                           "server_shutting_down") from None
-        except ValueError as e:  # what the engine refuses (a prompt above the page pool)
-            _cancel(streams)
+            if isinstance(e, QueueFull):
+                raise APIError(429, str(e), None, "rate_limit_exceeded",
+                               {"Retry-After": str(RETRY_AFTER_S)}) from None
+            if isinstance(e, ShuttingDown):
+                raise APIError(503, "the server is shutting down", None,
+                               "server_shutting_down") from None
+            # What the engine refuses (a prompt above the page pool).
             raise APIError(400, str(e), _param_of(str(e))) from None
         choices = completions.Choices(prepared, model)
         pairs = list(zip(streams, choices.responses, strict=True))

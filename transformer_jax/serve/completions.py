@@ -33,6 +33,7 @@ from transformer_jax.serve.response import Choices, Response
 from transformer_jax.serving import SamplingParams
 from transformer_jax.serving.grammar import Grammar, added_token_ids
 from transformer_jax.tokenizer import detokenize
+from transformer_jax.tokenizer.base import TokenizerBackend
 from transformer_jax.tokenizer.chat import ChatTemplateError, template_source
 from transformer_jax.tokenizer.prompt import encode_chat_prompt, encode_text
 
@@ -85,7 +86,8 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) ->
         top_p=req.top_p, min_p=req.min_p or None,
         seed=secrets.randbelow(2 ** 32) if req.seed is None else req.seed,
         logprobs=bool(req.logprobs is not None and req.logprobs is not False),
-        top_logprobs=min(_top_asked(req), model.vocab_size),
+        # Alternatives per token: chat's top_logprobs, the completions' logprobs: k.
+        top_logprobs=min((req.top_logprobs if chat else req.logprobs) or 0, model.vocab_size),
         grammar=_grammar(req, model, parser),
         stop=req.stop_strings, adapter=adapter, speculative=model.speculative)
     thinking = None
@@ -129,14 +131,6 @@ def _grammar(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo,
     except (ValueError, TypeError) as e:  # (json text that does not parse included)
         raise APIError(400, f"{field}: {e}", field) from None
     return grammar
-
-
-def _top_asked(req: CompletionRequest | ChatCompletionRequest) -> int:
-    """How many alternatives a request asks for per token: chat's ``top_logprobs``, the
-    completions' ``logprobs: k``."""
-    if isinstance(req, ChatCompletionRequest):
-        return req.top_logprobs or 0
-    return req.logprobs or 0
 
 
 def _completion_prompt(req: CompletionRequest, model: ModelInfo) -> list[int]:
@@ -187,15 +181,12 @@ class _ReleasingGIL:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.wrapped, name)
 
-    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """``HFTokenizer.encode``, through ``encode_batch``."""
-        tok = self.wrapped
-        if not isinstance(text, str):
-            raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        if (add_bos and tok.bos_id < 0) or (add_eos and tok.eos_id < 0):
-            return tok.encode(text, add_bos, add_eos)  # its error
-        ids = tok.backend.encode_batch([text], add_special_tokens=False)[0].ids if text else []
-        return [tok.bos_id] * add_bos + ids + [tok.eos_id] * add_eos
+    encode = TokenizerBackend.encode  # ``HFTokenizer.encode``, with the ``_encode_ids`` below
+
+    def _encode_ids(self, text: str) -> list[int]:
+        if not text:
+            return []
+        return self.wrapped.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def releasing_gil(tokenizer: Any) -> Any:
@@ -212,9 +203,6 @@ def _reason(error: Exception) -> str:
     """A Unicode error's message without the character it failed on (which may be a lone
     surrogate, itself unencodable)."""
     return str(error).encode("ascii", "backslashreplace").decode()
-
-
-# Responses ---------------------------------------------------------------------------------------
 
 
 __all__ = ["Choices", "ModelInfo", "Prepared", "Response", "encode_text", "prepare",

@@ -35,12 +35,6 @@ DEFAULT_BODY_TIMEOUT_S = 30.0
 POLL_S = 0.25
 
 
-class _Refused(Exception):
-    def __init__(self, error: APIError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
 class _Gone(Exception):
     """The client went away before its body was whole."""
 
@@ -74,9 +68,9 @@ class BodyLimits:
         try:
             self._check_length(scope)
             body = await self._read(receive, None if self.timeout is None else deadline)
-        except _Refused as e:
-            await _refuse(send, e.error)
-            if e.error.status == 413:
+        except APIError as e:  # a refusal
+            await _refuse(send, e)
+            if e.status == 413:
                 await self._drop_rest(receive, deadline)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
@@ -93,10 +87,9 @@ class BodyLimits:
 
         await self.app(scope, replay, send)
 
-    def _too_large(self, size: str) -> _Refused:
-        return _Refused(APIError(413, f"the request body is {size}: more than this server's "
-                                 f"limit of {self.max_bytes} bytes (--max-body-bytes)", None,
-                                 "request_too_large"))
+    def _too_large(self, size: str) -> APIError:
+        return APIError(413, f"the request body is {size}: more than this server's limit of "
+                        f"{self.max_bytes} bytes (--max-body-bytes)", None, "request_too_large")
 
     def _check_length(self, scope: Scope) -> None:
         for name, value in scope.get("headers", ()):
@@ -105,8 +98,8 @@ class BodyLimits:
             try:
                 length = int(value)
             except ValueError:
-                raise _Refused(APIError(400, f"Content-Length must be a byte count, got "
-                                        f"{value[:40]!r}", None, "invalid_request")) from None
+                raise APIError(400, f"Content-Length must be a byte count, got "
+                               f"{value[:40]!r}", None, "invalid_request") from None
             if length > self.max_bytes:
                 raise self._too_large(f"{length} bytes (Content-Length)")
 
@@ -134,11 +127,11 @@ class BodyLimits:
                 message = await self._next(receive, deadline)
                 if message["type"] != "http.request" or not message.get("more_body", False):
                     return
-        except _Refused:
+        except APIError:
             return
 
     async def _next(self, receive: Receive, deadline: float | None) -> Message:
-        """The next message, or ``_Refused`` once ``deadline`` passes or the server drains."""
+        """The next message, or ``APIError`` once ``deadline`` passes or the server drains."""
         loop = asyncio.get_running_loop()
         task = asyncio.ensure_future(receive())
         try:
@@ -149,12 +142,12 @@ class BodyLimits:
                 if done:
                     return task.result()
                 if self.draining():
-                    raise _Refused(APIError(503, "the server is shutting down", None,
-                                            "server_shutting_down"))
+                    raise APIError(503, "the server is shutting down", None,
+                                   "server_shutting_down")
                 if deadline is not None and loop.time() >= deadline:
-                    raise _Refused(APIError(408, f"the request body did not arrive within "
-                                            f"{self.timeout:g} s (--body-timeout)", None,
-                                            "request_timeout"))
+                    raise APIError(408, f"the request body did not arrive within "
+                                   f"{self.timeout:g} s (--body-timeout)", None,
+                                   "request_timeout")
         finally:
             if not task.done():
                 task.cancel()

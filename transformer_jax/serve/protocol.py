@@ -107,10 +107,7 @@ class _Sampling(_Strict):
         if any(not s for s in stops) or len(stops) > 16:
             raise APIError(400, f"stop must be at most 16 non-empty strings, got {self.stop!r}",
                            "stop")
-        guided = [name for name in ("response_format", "guided_json", "guided_regex",
-                                    "guided_choice")
-                  if getattr(self, name) is not None and not (
-                      name == "response_format" and self.response_format.type == "text")]
+        guided = self.guided_fields
         if len(guided) > 1:
             raise APIError(400, f"give one structured-output field, not {', '.join(guided)}",
                            guided[1])
@@ -122,6 +119,14 @@ class _Sampling(_Strict):
             raise APIError(400, "stream_options is only allowed with stream: true",
                            "stream_options")
         return self
+
+    @property
+    def guided_fields(self) -> list[str]:
+        """The structured-output fields given (a ``response_format`` of type text is none)."""
+        return [name for name in ("response_format", "guided_json", "guided_regex",
+                                  "guided_choice")
+                if getattr(self, name) is not None and not (
+                    name == "response_format" and self.response_format.type == "text")]
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -298,10 +303,7 @@ class ChatCompletionRequest(_Sampling):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise APIError(400, f"tool_choice: no tool is named {choice.function.name!r}; "
                            f"tools has {', '.join(map(repr, names))}", "tool_choice")
-        guided = [name for name in ("response_format", "guided_json", "guided_regex",
-                                    "guided_choice")
-                  if getattr(self, name) is not None and not (
-                      name == "response_format" and self.response_format.type == "text")]
+        guided = self.guided_fields
         if self.tool_mode != "none" and guided:
             raise APIError(400, f"tools with tool_choice {_shown(self.tool_mode)} cannot be "
                            f"combined with {guided[0]}; pass tool_choice 'none' or leave out "
@@ -327,12 +329,6 @@ class ChatCompletionRequest(_Sampling):
 
 def _shown(mode: str | NamedToolChoice) -> str:
     return repr(mode) if isinstance(mode, str) else f"function {mode.function.name!r}"
-
-    @model_validator(mode="after")
-    def _top_needs_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        return self
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -367,20 +363,15 @@ def _find_surrogate(data: Any, path: list[str]) -> tuple[list[str], int, str] | 
     if isinstance(data, str):
         m = _SURROGATE.search(data)
         return None if m is None else (path, m.start(), m.group())
-    if isinstance(data, dict):
-        for key, value in data.items():
-            m = _SURROGATE.search(key)
-            if m is not None:
-                return [*path, ascii(key)], m.start(), m.group()
-            found = _find_surrogate(value, [*path, key])
-            if found is not None:
-                return found
-    elif isinstance(data, list):
-        for i, value in enumerate(data):
-            if isinstance(value, str | dict | list):
-                found = _find_surrogate(value, [*path, str(i)])
-                if found is not None:
-                    return found
+    items = (data.items() if isinstance(data, dict)
+             else enumerate(data) if isinstance(data, list) else ())
+    for key, value in items:
+        m = _SURROGATE.search(key) if isinstance(key, str) else None
+        if m is not None:
+            return [*path, ascii(key)], m.start(), m.group()
+        found = _find_surrogate(value, [*path, str(key)])
+        if found is not None:
+            return found
     return None
 
 

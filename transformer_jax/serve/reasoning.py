@@ -67,10 +67,9 @@ class ThinkSplitter:
             elif self.state == REASONING:
                 at = self._buffer.find(END)
                 if at < 0:
-                    keep = held_prefix(self._buffer, END)
-                    piece, self._buffer = (self._buffer[:len(self._buffer) - keep],
-                                           self._buffer[len(self._buffer) - keep:])
-                    _add(out, REASONING, piece)
+                    cut = len(self._buffer) - held_prefix(self._buffer, END)
+                    _add(out, REASONING, self._buffer[:cut])
+                    self._buffer = self._buffer[cut:]
                     return out
                 _add(out, REASONING, self._buffer[:at])
                 self._buffer = self._buffer[at + len(END):]
@@ -87,12 +86,10 @@ class ThinkSplitter:
 
     def finish(self) -> list[tuple[str, str]]:
         """The held text once the reply has ended."""
-        text, self._buffer = self._buffer, ""
-        if self.state == "start":  # whitespace or a cut <think>: content as written
-            return [(CONTENT, text)] if text else []
-        if self.state == REASONING:
-            return [(REASONING, text)] if text else []
-        return [] if self._after_end else ([(CONTENT, text)] if text else [])
+        text, self._buffer = self._buffer, ""  # (none right after </think>: feed drops it)
+        # In state "start": whitespace or a cut <think>, content as written.
+        kind = REASONING if self.state == REASONING else CONTENT
+        return [(kind, text)] if text else []
 
 
 def _add(out: list[tuple[str, str]], kind: str, text: str) -> None:

@@ -34,9 +34,7 @@ class Response:
         self.created = int(time.time())
         self.completion_tokens = 0
         self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.token_logprobs: list[float] = []
-        self.token_tops: list[Any] = []
+        self.tokens: list[TokenEvent] = []  # the events with a token
         self.finish_reason: str | None = None
         # The reply's tool calls, parsed as the stream goes (``serve.tools``), and their count.
         self.tool_parser = prepared.tool_parser if self.chat else None
@@ -52,9 +50,7 @@ class Response:
         text = "".join(e.text or "" for e in events)
         self.completion_tokens += len(tokens)
         self.text.append(text)
-        self.token_ids += [e.token for e in tokens]
-        self.token_logprobs += [e.logprob for e in tokens]
-        self.token_tops += [e.top_logprobs for e in tokens]
+        self.tokens += tokens
         for e in events:
             self.finish_reason = e.finish_reason or self.finish_reason
         return text, tokens
@@ -77,14 +73,14 @@ class Response:
         tok = self.model.tokenizer
         return detokenize(tok, [token]) if tok is not None else f"<{token}>"
 
-    def _logprobs(self, tokens: list[int], logprobs: list[float], tops: list[Any]
-                  ) -> dict[str, Any] | None:
-        """The ``logprobs`` object of ``tokens`` (``tops``: each one's (id, log-probability)
-        alternatives, or None), in the endpoint's format."""
+    def _logprobs(self, tokens: list[TokenEvent]) -> dict[str, Any] | None:
+        """The ``logprobs`` object of ``tokens`` (events with a token; their ``top_logprobs``:
+        the (id, log-probability) alternatives, or None), in the endpoint's format."""
         if not self.logprobs:
             return None
-        pieces = [self._piece(t) for t in tokens]
-        alternatives = [[(self._piece(i), lp) for i, lp in top or ()] for top in tops]
+        pieces = [self._piece(e.token) for e in tokens]
+        logprobs = [e.logprob for e in tokens]
+        alternatives = [[(self._piece(i), lp) for i, lp in e.top_logprobs or ()] for e in tokens]
         if self.chat:
             return {"content": [
                 {"token": p, "logprob": lp, "bytes": list(p.encode()),
@@ -99,11 +95,12 @@ class Response:
         top = [dict(reversed(alt)) for alt in alternatives]
         top = [dict(sorted(t.items(), key=lambda kv: -kv[1])) for t in top]
         return {"tokens": pieces, "token_logprobs": logprobs,
-                "top_logprobs": top if any(tops) else None, "text_offset": offsets}
+                "top_logprobs": top if any(e.top_logprobs for e in tokens) else None,
+                "text_offset": offsets}
 
     def choice(self) -> dict[str, Any]:
         """This choice of the whole (non-streamed) response."""
-        logprobs = self._logprobs(self.token_ids, self.token_logprobs, self.token_tops)
+        logprobs = self._logprobs(self.tokens)
         text = "".join(self.text)
         choice: dict[str, Any] = {"index": self.index, "logprobs": logprobs,
                                   "finish_reason": self.finish_reason}
@@ -133,8 +130,7 @@ class Response:
               first: bool = False, usage: bool = False) -> dict[str, Any]:
         """One stream chunk of ``text`` (the first one of a chat opens the assistant role),
         with the usage so far when ``usage``."""
-        logprobs = self._logprobs([e.token for e in tokens], [e.logprob for e in tokens],
-                                  [e.top_logprobs for e in tokens])
+        logprobs = self._logprobs(tokens)
         choice: dict[str, Any] = {"index": self.index, "logprobs": logprobs,
                                   "finish_reason": finish_reason}
         if self.chat:
@@ -179,8 +175,7 @@ class Response:
         self._calls_sent += sum(isinstance(p, tools.ToolCall) for p in pieces)
         if first:
             deltas[:1] = [{"role": "assistant", **(deltas[0] if deltas else {})}]
-        logprobs = self._logprobs([e.token for e in tokens], [e.logprob for e in tokens],
-                                  [e.top_logprobs for e in tokens])
+        logprobs = self._logprobs(tokens)
         if not deltas and (finish_reason is not None or (logprobs and tokens)):
             deltas.append({})
         if finish_reason is not None and self._calls_sent:

@@ -34,7 +34,8 @@ DRAIN_POLL_S = 0.25
 
 @dataclasses.dataclass(eq=False)
 class RequestStream:
-    """A request's events as the handler reads them (``await next()``), and its figures."""
+    """A request's events as the handler reads them (``queue``: a list of events per engine
+    step that concerned it, the last with its finish), and its figures."""
 
     request_id: int
     prompt_tokens: int
@@ -48,14 +49,6 @@ class RequestStream:
     finish_reason: str | None = None
     timed_out: bool = False
     aborted: bool = False
-
-    async def next(self) -> list[TokenEvent]:
-        """The events of the next step that concerned this request (ends with a finish)."""
-        return await self.queue.get()
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
 
 
 class QueueFull(Exception):
@@ -128,7 +121,7 @@ class EngineRunner:
 
     async def next_events(self, stream: RequestStream, timeout: float | None = None
                           ) -> list[TokenEvent]:
-        """The stream's next events (``stream.next()``); once the shutdown's grace period is
+        """The stream's next events (from ``stream.queue``); once the shutdown's grace period is
         over (``drain``), no later than that: a request the engine has not ended by then is
         ended here, reason ``"abort"`` (its cancel goes to the engine, which may be in the
         middle of a long step, or a first one that compiles).
@@ -156,13 +149,13 @@ class EngineRunner:
             else:
                 wait = min(end - now, self.abort_at - now, DRAIN_POLL_S)
             try:
-                return await asyncio.wait_for(stream.next(), wait)
+                return await asyncio.wait_for(stream.queue.get(), wait)
             except TimeoutError:
                 continue
 
     def cancel(self, stream: RequestStream) -> None:
         """Ends a request that is still running (its client went away)."""
-        if not stream.done:
+        if stream.finish_reason is None:
             self.engine.cancel(stream.request_id)
             self._wake.set()
 
@@ -215,12 +208,9 @@ class EngineRunner:
     def _expire(self) -> None:
         now = time.perf_counter()
         with self._lock:
-            if now >= self.abort_at:
-                cut = [s for s in self._streams.values() if not s.aborted]
-                for stream in cut:
-                    stream.aborted = True
-            else:
-                cut = []
+            cut = [s for s in self._streams.values() if not s.aborted and now >= self.abort_at]
+            for stream in cut:
+                stream.aborted = True
             late = [s for s in self._streams.values()
                     if s.deadline < now and not s.timed_out and not s.aborted]
             for stream in late:

@@ -208,10 +208,7 @@ class Llama3JsonParser(ToolCallParser):
             head = self._buf.lstrip()
             if not head or (PYTHON_TAG.startswith(head) and head != PYTHON_TAG):
                 return []  # whitespace, or what may become the tag
-            if head.startswith(PYTHON_TAG) or head.startswith("{"):
-                self._state = "calls"
-            else:
-                self._state = "text"
+            self._state = "calls" if head.startswith((PYTHON_TAG, "{")) else "text"
         if self._state == "text":
             out, self._buf = self._buf, ""
             return [out] if out else []
@@ -269,15 +266,10 @@ class JsonCallsParser(ToolCallParser):
 
     def finish(self) -> list[Piece]:
         text, self._buf = self._buf, ""
-        if self._name is not None:
-            try:
-                args = json.loads(text)
-            except json.JSONDecodeError:
-                args = None
-            if isinstance(args, dict):
-                return [ToolCall(self._name, json.dumps(args, ensure_ascii=False))]
-            return [text] if text else []
-        return _listed_calls(text)
+        if self._name is None:
+            return _listed_calls(text)
+        call = call_of({"name": self._name, "arguments": text})
+        return [call] if call is not None else [text] if text else []
 
 
 def _listed_calls(text: str) -> list[Piece]:
@@ -435,13 +427,10 @@ def tool_grammar(req: ChatCompletionRequest, kind: str,
     if kind.startswith(JSON_CALLS + ":"):  # the reply is the named function's arguments
         (named,) = [f for f in tools if f.name == mode.function.name]
         return _checked(Grammar("json_schema", arguments_schema(named.parameters)))
-    if isinstance(mode, str):  # "required"
-        rules = [_call_rule(kind, f.name, f.parameters, added or {}) for f in tools]
-        many = req.parallel_tool_calls
-    else:
-        rules = [_call_rule(kind, f.name, f.parameters, added or {}) for f in tools
-                 if f.name == mode.function.name]
-        many = False
+    named = None if isinstance(mode, str) else mode.function.name  # None: "required"
+    rules = [_call_rule(kind, f.name, f.parameters, added or {}) for f in tools
+             if named in (None, f.name)]
+    many = named is None and req.parallel_tool_calls
     separator = json.dumps({"hermes": "\n", JSON_CALLS: ", "}.get(kind, "; "))
     calls = f"call ({separator} call)*" if many else "call"
     lines = ["%llguidance {}",

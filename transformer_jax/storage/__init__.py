@@ -112,10 +112,8 @@ def rmtree(path: Any) -> None:
             path.unlink(missing_ok=True)
         return
     fs, inner = filesystem(os.fspath(path))
-    try:
+    with contextlib.suppress(FileNotFoundError):
         fs.rm(inner, recursive=True)
-    except FileNotFoundError:
-        pass
 
 
 def check_bucket(url: str, what: str = "path") -> None:
@@ -230,16 +228,15 @@ def local_copy(path: str | os.PathLike[str], *, exclude: tuple[str, ...] = (),
         info = None
     finally:
         fs.invalidate_cache()
+    local = staging_dir(url, purpose)
     if info is not None and info.get("type") == "file":
         # One file (a tokenizer.json, say): fetched into a directory of its own.
-        local = staging_dir(url, purpose)
         name = url.rsplit("/", 1)[-1]
         _sync(fs, {name: info}, inner.rsplit("/", 1)[0], local, url)
         return local / name
     files = _remote_files(url, exclude)
     if not files and not as_path(url).exists():
         raise FileNotFoundError(f"{url} does not exist")
-    local = staging_dir(url, purpose)
     _sync(fs, files, inner.rstrip("/"), local, url)
     for stale in [f for f in local.rglob("*") if f.is_file() and not f.name.endswith(".part")]:
         rel = stale.relative_to(local).as_posix()

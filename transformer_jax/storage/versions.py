@@ -85,15 +85,9 @@ def same_content(file: Path, info: dict[str, Any]) -> bool:
     the sizes differ or the remote records no hash (nothing proves them equal)."""
     if info.get("size") is None or int(info["size"]) != file.stat().st_size:
         return False
-    remote_crc = info.get("crc32c")
-    if remote_crc:
-        local_crc = crc32c(file)
-        if local_crc is not None:
-            return local_crc == remote_crc
-    remote_md5 = info.get("md5Hash")
-    if remote_md5:
-        return md5(file) == remote_md5
-    return False
+    if info.get("crc32c") and (local_crc := crc32c(file)) is not None:
+        return local_crc == info["crc32c"]
+    return bool(info.get("md5Hash")) and md5(file) == info["md5Hash"]
 
 
 def records_file(local: Path) -> Path:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -123,7 +123,6 @@ class TokenizerConfig:
       special: The named special tokens that are set (``bos_token``, ``eos_token``, ...).
       extra_special: Further special strings (``additional_special_tokens`` /
         ``extra_special_tokens`` and special entries of ``added_tokens_decoder``), in order.
-      added_tokens: ``added_tokens_decoder`` of the config: id -> token string.
       add_bos_token: The config's ``add_bos_token``, None when the config does not say.
       add_eos_token: The config's ``add_eos_token``, None when the config does not say.
       chat_template: The default chat template source, if any.
@@ -136,7 +135,6 @@ class TokenizerConfig:
 
     special: Mapping[str, str] = dataclasses.field(default_factory=dict)
     extra_special: tuple[str, ...] = ()
-    added_tokens: Mapping[int, str] = dataclasses.field(default_factory=dict)
     add_bos_token: bool | None = None
     add_eos_token: bool | None = None
     chat_template: str | None = None
@@ -171,8 +169,7 @@ class TokenizerConfig:
         raw = _read_json(directory / CONFIG_FILE)
         settings = dict(raw)
         if "added_tokens_decoder" not in raw:
-            for key, value in _read_json(directory / SPECIAL_TOKENS_MAP_FILE).items():
-                settings[key] = value
+            settings.update(_read_json(directory / SPECIAL_TOKENS_MAP_FILE))
         special = {
             key: _token_content(settings[key])
             for key in NAMED_SPECIAL_TOKENS
@@ -186,9 +183,7 @@ class TokenizerConfig:
                     special.setdefault(str(name), _token_content(token))
             else:
                 extra.extend(_token_content(token) for token in value)
-        added: dict[int, str] = {}
-        for index, token in (raw.get("added_tokens_decoder") or {}).items():
-            added[int(index)] = _token_content(token)
+        for token in (raw.get("added_tokens_decoder") or {}).values():
             if isinstance(token, Mapping) and token.get("special", False):
                 extra.append(_token_content(token))
         template = raw.get("chat_template")
@@ -199,14 +194,11 @@ class TokenizerConfig:
         template_file = directory / CHAT_TEMPLATE_FILE
         if template_file.is_file():
             template = template_file.read_text(encoding="utf-8")
-        templates_dir = directory / CHAT_TEMPLATES_DIR
-        if templates_dir.is_dir():
-            for path in sorted(templates_dir.glob("*.jinja")):
-                named[path.stem] = path.read_text(encoding="utf-8")
+        for path in sorted((directory / CHAT_TEMPLATES_DIR).glob("*.jinja")):
+            named[path.stem] = path.read_text(encoding="utf-8")
         return cls(
             special=special,
             extra_special=tuple(dict.fromkeys(t for t in extra if t not in special.values())),
-            added_tokens=added,
             add_bos_token=_optional_bool(raw.get("add_bos_token")),
             add_eos_token=_optional_bool(raw.get("add_eos_token")),
             chat_template=template,
@@ -225,13 +217,9 @@ class TokenizerConfig:
           A JSON-serialisable dict. Keys that transformers would resolve to other files
           (``tokenizer_file``, ``vocab_file``, ``name_or_path``) are dropped.
         """
-        out = {
-            k: v
-            for k, v in self.raw.items()
-            if k not in ("tokenizer_file", "vocab_file", "name_or_path", "auto_map")
-        }
-        for key in NAMED_SPECIAL_TOKENS:
-            out.pop(key, None)
+        dropped = ("tokenizer_file", "vocab_file", "name_or_path", "auto_map",
+                   *NAMED_SPECIAL_TOKENS)  # the named ones: set from ``special`` below
+        out = {k: v for k, v in self.raw.items() if k not in dropped}
         out.update(self.special)
         if self.extra_special:
             out.pop("additional_special_tokens", None)
@@ -270,16 +258,67 @@ def detokenize(tokenizer: Any, ids: list[int]) -> str:
     return "".join(parts) + tokenizer.decode(run)
 
 
-def special_token_ids(
-    config: TokenizerConfig, lookup: Any, names: Sequence[str] = ("bos_token", "eos_token")
-) -> dict[str, int]:
-    """Ids of named special tokens via ``lookup(token) -> int | None``; -1 when unset/unknown."""
-    out = {}
-    for name in names:
-        token = config.special.get(name)
-        token_id = lookup(token) if token is not None else None
-        out[name] = -1 if token_id is None else int(token_id)
-    return out
+class TokenizerBackend:
+    """What both backends share: ``encode`` and ``decode`` around a backend's own
+    ``_encode_ids`` (text without bos/eos -> ids) and ``_decode_ids`` (checked ids -> text),
+    ``pad_id`` and ``fingerprint``."""
+
+    path: Path | None
+    _own_pad_id: int  # the pad token's id, -1 if none
+    #: What the backend calls a vocabulary entry, in its error messages.
+    ENTRY = "token"
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Encodes text; special-token strings in it become their ids.
+
+        Args:
+          text: Any string.
+          add_bos: Prepend ``bos_id``.
+          add_eos: Append ``eos_id``.
+
+        Returns:
+          Token ids [T], each in ``[0, V)``.
+
+        Raises:
+          TypeError: If ``text`` is not a str.
+          ValueError: If bos/eos is requested but the tokenizer has none.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        ids = self._encode_ids(text)
+        for wanted, name in ((add_bos, "bos"), (add_eos, "eos")):
+            if wanted and getattr(self, f"{name}_id") < 0:
+                raise ValueError(f"tokenizer {self.path} has no {name} {self.ENTRY}; cannot "
+                                 f"add_{name}")
+        return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
+
+    @property
+    def pad_id(self) -> int:
+        """Id to pad with: the tokenizer's pad token (3 in trained SentencePiece models) if it
+        has one, else ``eos_id``, else ``unk_id``, else 0 (the Llama 2 tokenizer has no pad).
+        Padded positions must be masked out of the loss anyway, so reusing a real id is
+        harmless."""
+        return next((i for i in (self._own_pad_id, self.eos_id, self.unk_id) if i >= 0), 0)
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 hex digest of the serialised model and the special tokens it encodes."""
+        return self._fingerprint
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        """Decodes ids [T] to text (as the backend's ``_decode_ids`` says).
+
+        Raises:
+          ValueError: If ``ids`` is not 1-D integers or holds an id outside ``[0, V)``.
+        """
+        array = as_id_array(ids)
+        if array.size == 0:
+            return ""
+        check_ids(array, self.vocab_size)
+        return self._decode_ids(array.tolist())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(path={str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
 def check_ids(array: np.ndarray, vocab_size: int) -> None:
@@ -331,8 +370,8 @@ __all__ = [
     "NAMED_SPECIAL_TOKENS",
     "SPECIAL_TOKENS_MAP_FILE",
     "TextTokenizer",
+    "TokenizerBackend",
     "TokenizerConfig",
     "as_id_array",
     "check_ids",
-    "special_token_ids",
 ]

@@ -13,13 +13,12 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import tokenizers
 
-from transformer_jax.tokenizer.base import TokenizerConfig, as_id_array, check_ids
+from transformer_jax.tokenizer.base import TokenizerBackend, TokenizerConfig, check_ids
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +28,7 @@ TOKENIZER_FILE = "tokenizer.json"
 DEFAULT_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 
-class HFTokenizer:
+class HFTokenizer(TokenizerBackend):
     """A ``tokenizers.Tokenizer`` with the checkpoint's special tokens and settings.
 
     Attributes:
@@ -60,11 +59,11 @@ class HFTokenizer:
             # transformers adds every named/extra special token that is not an added token yet.
             self._tok.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in missing])
             logger.info("added special tokens %s to %s", missing, path or "tokenizer")
-        ids = {name: self._lookup(token) for name, token in self._config.special.items()}
+        ids = {name: self.token_to_id(token) for name, token in self._config.special.items()}
         self._bos = ids.get("bos_token")
         self._eos = ids.get("eos_token")
         self._unk = ids.get("unk_token")
-        self._pad = ids.get("pad_token")
+        self._own_pad_id = -1 if ids.get("pad_token") is None else ids["pad_token"]
         self._add_bos, self._add_eos = self._default_bos_eos()
         serialised = self._tok.to_str()
         self._model_type = json.loads(serialised)["model"].get("type")
@@ -137,19 +136,6 @@ class HFTokenizer:
         return -1 if self._unk is None else self._unk
 
     @property
-    def pad_id(self) -> int:
-        """Id of ``pad_token``, else eos, else unk, else 0."""
-        for candidate in (self._pad, self._eos, self._unk):
-            if candidate is not None:
-                return candidate
-        return 0
-
-    @property
-    def fingerprint(self) -> str:
-        """SHA-256 of the serialised tokenizer and its named special tokens."""
-        return self._fingerprint
-
-    @property
     def add_bos_token(self) -> bool:
         """Whether transformers' ``tokenizer(text)`` prepends bos: the config's
         ``add_bos_token`` if set, else what ``tokenizer.json``'s post-processor does."""
@@ -180,49 +166,17 @@ class HFTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         """The id of vocabulary string ``token``, or None."""
-        return self._lookup(token)
+        token_id = self._tok.token_to_id(token)
+        return None if token_id is None else int(token_id)
 
     # --------------------------------------------------------------------------- encode/decode
 
-    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """Encodes text; special-token strings in it become their ids.
+    def _encode_ids(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids if text else []
 
-        Args:
-          text: Any string.
-          add_bos: Prepend ``bos_id``.
-          add_eos: Append ``eos_id``.
-
-        Returns:
-          Token ids [T], each in ``[0, V)``.
-
-        Raises:
-          TypeError: If ``text`` is not a str.
-          ValueError: If bos/eos is requested but the tokenizer has none.
-        """
-        if not isinstance(text, str):
-            raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        ids = self._tok.encode(text, add_special_tokens=False).ids if text else []
-        if add_bos:
-            if self._bos is None:
-                raise ValueError(f"tokenizer {self.path} has no bos token; cannot add_bos")
-            ids.insert(0, self._bos)
-        if add_eos:
-            if self._eos is None:
-                raise ValueError(f"tokenizer {self.path} has no eos token; cannot add_eos")
-            ids.append(self._eos)
-        return ids
-
-    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
-        """Decodes ids [T] to text, special tokens included, as ``tokenizer.decode(ids)`` does.
-
-        Raises:
-          ValueError: If ``ids`` is not 1-D integers or holds an id outside ``[0, V)``.
-        """
-        array = as_id_array(ids)
-        if array.size == 0:
-            return ""
-        check_ids(array, self.vocab_size)
-        text = self._tok.decode(array.tolist(), skip_special_tokens=False)
+    def _decode_ids(self, ids: list[int]) -> str:
+        """Special tokens kept, as transformers' ``tokenizer.decode(ids)`` does."""
+        text = self._tok.decode(ids, skip_special_tokens=False)
         # transformers skips the clean-up for BPE models, where it would corrupt the text.
         if self._config.clean_up_tokenization_spaces and self._model_type != "BPE":
             text = _clean_up_tokenization(text)
@@ -244,17 +198,9 @@ class HFTokenizer:
         directory.mkdir(parents=True, exist_ok=True)
         file = directory / TOKENIZER_FILE
         self._tok.save(str(file))
-        added = {
-            str(i): {
-                "content": t.content,
-                "lstrip": t.lstrip,
-                "rstrip": t.rstrip,
-                "normalized": t.normalized,
-                "single_word": t.single_word,
-                "special": t.special,
-            }
-            for i, t in sorted(self._tok.get_added_tokens_decoder().items())
-        }
+        fields = ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
+        added = {str(i): {f: getattr(t, f) for f in fields}
+                 for i, t in sorted(self._tok.get_added_tokens_decoder().items())}
         overrides: dict[str, object] = {
             "tokenizer_class": self._config.raw.get("tokenizer_class", DEFAULT_TOKENIZER_CLASS),
             "added_tokens_decoder": added,
@@ -265,10 +211,6 @@ class HFTokenizer:
         return [file, self._config.write(directory, **overrides)]
 
     # -------------------------------------------------------------------------------- internals
-
-    def _lookup(self, token: str) -> int | None:
-        token_id = self._tok.token_to_id(token)
-        return None if token_id is None else int(token_id)
 
     def _default_bos_eos(self) -> tuple[bool, bool]:
         """What transformers adds around ``tokenizer(text)`` for this checkpoint.
@@ -289,9 +231,6 @@ class HFTokenizer:
         add_bos = extra > 0 and self._bos is not None and full[0] == self._bos
         add_eos = extra - int(add_bos) > 0 and self._eos is not None and full[-1] == self._eos
         return add_bos, add_eos
-
-    def __repr__(self) -> str:
-        return f"HFTokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
 def _clean_up_tokenization(text: str) -> str:

@@ -49,11 +49,8 @@ def load_tokenizer(path: str | os.PathLike[str]) -> TextTokenizer:
     else:
         raise FileNotFoundError(f"tokenizer not found: {path}")
     config = TokenizerConfig.read(directory)
-    tokenizer: TextTokenizer
-    if file.suffix == ".json":
-        tokenizer = HFTokenizer.load(file, config=config)
-    else:
-        tokenizer = Tokenizer.load(file, config=config)
+    backend = HFTokenizer if file.suffix == ".json" else Tokenizer
+    tokenizer: TextTokenizer = backend.load(file, config=config)
     logger.info(
         "loaded tokenizer %r (bos=%d, eos=%d, add_bos=%s, chat template: %s)",
         tokenizer,

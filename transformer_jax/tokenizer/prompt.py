@@ -73,9 +73,8 @@ def chat_turn_end_id(tokenizer: TextTokenizer) -> int | None:
     user = {"role": "user", "content": "x"}
     before = template.render([user], add_generation_prompt=True)
     through = template.render([user, {"role": "assistant", "content": _PROBE_REPLY}])
-    if not through.startswith(before + _PROBE_REPLY):
-        return None
-    closing = through[len(before) + len(_PROBE_REPLY):].split()
+    closing = (through[len(before) + len(_PROBE_REPLY):].split()
+               if through.startswith(before + _PROBE_REPLY) else [])
     if not closing:
         return None
     token_id = tokenizer.token_to_id(closing[0])

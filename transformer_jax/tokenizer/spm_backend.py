@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ import numpy as np
 import sentencepiece as spm
 
 from transformer_jax.storage.files import atomic_writer
-from transformer_jax.tokenizer.base import TokenizerConfig, as_id_array, check_ids
+from transformer_jax.tokenizer.base import TokenizerBackend, TokenizerConfig, check_ids
 from transformer_jax.tokenizer.spm_train import (
     BOS_ID,
     EOS_ID,
@@ -54,7 +53,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_FILENAME = "tokenizer.model"
 
 
-class Tokenizer:
+class Tokenizer(TokenizerBackend):
     """A SentencePiece model with exact-round-trip encode/decode and a fixed id layout.
 
     Build one with ``Tokenizer.load``, ``Tokenizer.train`` or ``Tokenizer.train_or_load``.
@@ -62,6 +61,8 @@ class Tokenizer:
     Attributes:
       path: The ``.model`` file this tokenizer was loaded from or written to, or None.
     """
+
+    ENTRY = "piece"
 
     def __init__(
         self,
@@ -84,20 +85,18 @@ class Tokenizer:
         if processor.get_piece_size() <= 0:
             raise ValueError(f"SentencePiece model {path or '<in memory>'} has no pieces")
         self._sp = processor
+        self._own_pad_id = processor.pad_id()
         self.path = path
         self._config = config
         digest = hashlib.sha256(processor.serialized_model_proto())
-        self._special_pieces: dict[str, int] = {}
-        if config is not None:
-            for token in config.all_special:
-                token_id = self.token_to_id(token)
-                if token_id is not None and token:
-                    self._special_pieces[token] = token_id
+        specials = [] if config is None else config.all_special
+        self._special_pieces = {token: i for token in specials
+                                if token and (i := self.token_to_id(token)) is not None}
         self._special_re: re.Pattern[str] | None = None
         if self._special_pieces:
             # Longest first, so that a special token containing another one wins.
             alternatives = sorted(self._special_pieces, key=len, reverse=True)
-            self._special_re = re.compile("|".join(map(re.escape, alternatives)))
+            self._special_re = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
             digest.update(json.dumps(sorted(self._special_pieces.items())).encode())
         self._fingerprint = digest.hexdigest()
         self._marker_byte_ids = self._space_marker_byte_ids()
@@ -180,7 +179,7 @@ class Tokenizer:
         files, texts = split_source(source)
         return cls._train(files, texts, output, vocab_size, model_type,
                           byte_fallback=byte_fallback, character_coverage=character_coverage,
-                          num_threads=num_threads, trainer_options=trainer_options)
+                          num_threads=num_threads, **trainer_options)
 
     @classmethod
     def train_or_load(
@@ -189,11 +188,7 @@ class Tokenizer:
         cache_dir: str | os.PathLike[str],
         vocab_size: int,
         model_type: ModelType = "bpe",
-        *,
-        byte_fallback: bool | None = None,
-        character_coverage: float | None = None,
-        num_threads: int | None = None,
-        **trainer_options: Any,
+        **options: Any,
     ) -> Tokenizer:
         """Loads a cached tokenizer for this corpus and settings, training it on a cache miss.
 
@@ -204,12 +199,8 @@ class Tokenizer:
         Args:
           source: The corpus, as for ``Tokenizer.train``.
           cache_dir: Directory holding cached models (created if missing).
-          vocab_size: As for ``Tokenizer.train``.
-          model_type: As for ``Tokenizer.train``.
-          byte_fallback: As for ``Tokenizer.train``.
-          character_coverage: As for ``Tokenizer.train``.
-          num_threads: As for ``Tokenizer.train``.
-          **trainer_options: As for ``Tokenizer.train``.
+          vocab_size, model_type, **options: As for ``Tokenizer.train`` (``byte_fallback``,
+            ``character_coverage``, ``num_threads`` and trainer options).
 
         Returns:
           The cached or freshly trained tokenizer; its ``path`` is the cached model file.
@@ -217,12 +208,9 @@ class Tokenizer:
         files, texts = split_source(source)
         if model_type not in MODEL_TYPES:
             raise ValueError(f"unknown model_type {model_type!r}; expected one of {MODEL_TYPES}")
-        options = {
-            "byte_fallback": byte_fallback,
-            "character_coverage": character_coverage,
-            **trainer_options,
-        }
-        model_path = cached_model_path(cache_dir, files, texts, vocab_size, model_type, options)
+        key = {"byte_fallback": None, "character_coverage": None, **options}
+        key.pop("num_threads", None)
+        model_path = cached_model_path(cache_dir, files, texts, vocab_size, model_type, key)
         if model_path.is_file():
             try:
                 tokenizer = cls.load(model_path)
@@ -233,17 +221,15 @@ class Tokenizer:
                 return tokenizer
         logger.info("training %s tokenizer (vocab_size=%d) into %s", model_type, vocab_size,
                     model_path)
-        return cls._train(files, texts, model_path, vocab_size, model_type,
-                          byte_fallback=byte_fallback, character_coverage=character_coverage,
-                          num_threads=num_threads, trainer_options=trainer_options)
+        return cls._train(files, texts, model_path, vocab_size, model_type, **options)
 
     @classmethod
     def _train(cls, files: list[Path] | None, texts: list[str] | None,
                output: str | os.PathLike[str], vocab_size: int, model_type: str,
-               **settings: Any) -> Tokenizer:
-        """``spm_train.train_model`` (``settings`` are its keyword options), then the model
+               **options: Any) -> Tokenizer:
+        """``spm_train.train_model`` (``options`` are its keyword options), then the model
         written to ``output`` atomically and loaded."""
-        model = train_model(files, texts, vocab_size, model_type, **settings)
+        model = train_model(files, texts, vocab_size, model_type, **options)
         model_path = _resolve_output(output)
         with atomic_writer(model_path) as f:
             f.write(model)
@@ -274,24 +260,6 @@ class Tokenizer:
         return self._sp.eos_id()
 
     @property
-    def pad_id(self) -> int:
-        """Id to pad with: the model's pad piece (3 in trained models) if it has one.
-
-        Models without a pad piece (the Llama 2 tokenizer has ``pad_id == -1``) fall back to
-        ``eos_id``, or to ``unk_id`` if there is no eos either. Padded positions must be masked
-        out of the loss anyway, so reusing a real id is harmless.
-        """
-        for candidate in (self._sp.pad_id(), self._sp.eos_id(), self._sp.unk_id()):
-            if candidate >= 0:
-                return candidate
-        return 0
-
-    @property
-    def fingerprint(self) -> str:
-        """SHA-256 hex digest of the serialized model; equal models have equal fingerprints."""
-        return self._fingerprint
-
-    @property
     def processor(self) -> spm.SentencePieceProcessor:
         """The wrapped ``SentencePieceProcessor``."""
         return self._sp
@@ -300,16 +268,14 @@ class Tokenizer:
     def add_bos_token(self) -> bool:
         """Whether transformers prepends bos: the config's ``add_bos_token``, else True if the
         model has a bos piece (``LlamaTokenizer``'s default)."""
-        if self._config is not None and self._config.add_bos_token is not None:
-            return self._config.add_bos_token and self.bos_id >= 0
-        return self.bos_id >= 0
+        setting = None if self._config is None else self._config.add_bos_token
+        return (True if setting is None else setting) and self.bos_id >= 0
 
     @property
     def add_eos_token(self) -> bool:
         """Whether transformers appends eos: the config's ``add_eos_token``, else False."""
-        if self._config is not None and self._config.add_eos_token is not None:
-            return self._config.add_eos_token and self.eos_id >= 0
-        return False
+        setting = None if self._config is None else self._config.add_eos_token
+        return bool(setting) and self.eos_id >= 0
 
     @property
     def chat_template(self) -> str | None:
@@ -326,20 +292,14 @@ class Tokenizer:
         """Named special tokens: the config's, else the model's own unk/bos/eos/pad pieces."""
         if self._config is not None and self._config.special:
             return dict(self._config.special)
-        out = {}
-        for name, token_id in (
-            ("bos_token", self._sp.bos_id()),
-            ("eos_token", self._sp.eos_id()),
-            ("unk_token", self._sp.unk_id()),
-            ("pad_token", self._sp.pad_id()),
-        ):
-            if 0 <= token_id < self.vocab_size:
-                out[name] = self._sp.id_to_piece(token_id)
-        return out
+        ids = {"bos_token": self.bos_id, "eos_token": self.eos_id, "unk_token": self.unk_id,
+               "pad_token": self._own_pad_id}
+        return {name: self._sp.id_to_piece(i) for name, i in ids.items()
+                if 0 <= i < self.vocab_size}
 
     def id_to_piece(self, token_id: int) -> str:
         """Returns the piece string of ``token_id`` (validated to be in ``[0, V)``)."""
-        self._check_ids(np.asarray([token_id]))
+        check_ids(np.asarray([token_id]), self.vocab_size)
         return self._sp.id_to_piece(int(token_id))
 
     def token_to_id(self, token: str) -> int | None:
@@ -380,79 +340,34 @@ class Tokenizer:
         return [model_path, config_path]
 
 
-    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """Encodes text to token ids.
-
-        Args:
-          text: Any string.
-          add_bos: Prepend ``bos_id``.
-          add_eos: Append ``eos_id``.
-
-        Returns:
-          Token ids, each in ``[0, V)``.
-
-        Raises:
-          TypeError: If ``text`` is not a str.
-          ValueError: If bos/eos is requested but the model has none.
-        """
-        if not isinstance(text, str):
-            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+    def _encode_ids(self, text: str) -> list[int]:
+        """Encodes text, the config's special-token strings in it to their ids."""
         if self._special_re is None:
-            ids = self._encode_text(text)
-        else:
-            ids = []
-            start = 0
-            for match in self._special_re.finditer(text):
-                if match.start() > start:
-                    ids.extend(self._encode_text(text[start : match.start()]))
-                ids.append(self._special_pieces[match.group()])
-                start = match.end()
-            if start < len(text):
-                ids.extend(self._encode_text(text[start:]))
-        if add_bos:
-            if self.bos_id < 0:
-                raise ValueError(f"tokenizer {self.path} has no bos piece; cannot add_bos")
-            ids.insert(0, self.bos_id)
-        if add_eos:
-            if self.eos_id < 0:
-                raise ValueError(f"tokenizer {self.path} has no eos piece; cannot add_eos")
-            ids.append(self.eos_id)
+            return self._encode_plain(text)
+        ids: list[int] = []
+        for i, part in enumerate(self._special_re.split(text)):  # odd parts: the specials
+            if i % 2:
+                ids.append(self._special_pieces[part])
+            elif part:
+                ids.extend(self._encode_plain(part))
         return ids
 
-    def _encode_text(self, text: str) -> list[int]:
+    def _encode_plain(self, text: str) -> list[int]:
         """Encodes text that holds no special token."""
-        if self._marker_byte_ids and SPACE_MARKER in text:
-            # Encode the literal U+2581 as its bytes so it does not come back as a space.
-            ids: list[int] = []
-            for i, part in enumerate(text.split(SPACE_MARKER)):
-                if i:
-                    ids.extend(self._marker_byte_ids)
-                if part:
-                    ids.extend(self._sp.encode(part))
-        else:
-            ids = self._sp.encode(text)
+        if not (self._marker_byte_ids and SPACE_MARKER in text):
+            return self._sp.encode(text)
+        # Encode the literal U+2581 as its bytes so it does not come back as a space.
+        ids: list[int] = []
+        for i, part in enumerate(text.split(SPACE_MARKER)):
+            if i:
+                ids.extend(self._marker_byte_ids)
+            if part:
+                ids.extend(self._sp.encode(part))
         return ids
 
-    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
-        """Decodes token ids to text; bos/eos/pad decode to nothing, unk to `` ⁇ ``.
-
-        Args:
-          ids: A sequence or 1-D array of ids, shape [T].
-
-        Returns:
-          The decoded text.
-
-        Raises:
-          ValueError: If ``ids`` is not 1-D or holds an id outside ``[0, V)``.
-        """
-        array = as_id_array(ids)
-        if array.size == 0:
-            return ""
-        self._check_ids(array)
-        return self._sp.decode(array.tolist())
-
-    def _check_ids(self, array: np.ndarray) -> None:
-        check_ids(array, self.vocab_size)
+    def _decode_ids(self, ids: list[int]) -> str:
+        """bos/eos/pad decode to nothing, unk to `` ⁇ ``."""
+        return self._sp.decode(ids)
 
     def _has_dummy_prefix(self) -> bool:
         """Whether the model prepends a space marker to the text (``add_dummy_prefix``)."""
@@ -461,17 +376,11 @@ class Tokenizer:
 
     def _space_marker_byte_ids(self) -> list[int]:
         """Byte-piece ids spelling U+2581, if the model can use them without side effects."""
-        marker_bytes = [f"<0x{b:02X}>" for b in SPACE_MARKER.encode("utf-8")]
-        ids = [self._sp.piece_to_id(piece) for piece in marker_bytes]
-        if not all(self._sp.is_byte(i) for i in ids):
-            return []
+        ids = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in SPACE_MARKER.encode("utf-8")]
         # With a dummy prefix every separately encoded part would gain a leading space.
-        if self._has_dummy_prefix():
+        if not all(self._sp.is_byte(i) for i in ids) or self._has_dummy_prefix():
             return []
         return ids
-
-    def __repr__(self) -> str:
-        return f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
 def train_or_load(

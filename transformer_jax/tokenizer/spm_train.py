@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import logging
 import os
@@ -70,11 +71,12 @@ def train_model(
     texts: list[str] | None,
     vocab_size: int,
     model_type: str,
+    /,
     *,
     byte_fallback: bool | None = None,
     character_coverage: float | None = None,
     num_threads: int | None = None,
-    trainer_options: dict[str, Any],
+    **trainer_options: Any,
 ) -> bytes:
     """Trains a SentencePiece model on a corpus.
 
@@ -83,7 +85,7 @@ def train_model(
       texts: The corpus documents, or None if ``files`` is given (see ``split_source``).
       vocab_size, model_type, byte_fallback, character_coverage, num_threads: As for
         ``Tokenizer.train``.
-      trainer_options: Further ``SentencePieceTrainer`` options; not the reserved ones.
+      **trainer_options: Further ``SentencePieceTrainer`` options; not the reserved ones.
 
     Returns:
       The serialized model (the bytes of a ``.model`` file).
@@ -114,11 +116,7 @@ def train_model(
         )
 
     def documents() -> Iterator[str]:
-        if files is not None:
-            for file in files:
-                yield read_utf8(file)
-        else:
-            yield from texts or ()
+        return map(read_utf8, files) if files is not None else iter(texts or ())
 
     options: dict[str, Any] = {
         "model_type": model_type,
@@ -164,7 +162,7 @@ def train_model(
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=_prepend(first, sentences), model_writer=model, **options
+            sentence_iterator=itertools.chain([first], sentences), model_writer=model, **options
         )
     except RuntimeError as e:
         raise ValueError(
@@ -276,8 +274,3 @@ def _training_sentences(documents: Iterable[str]) -> Iterator[str]:
                 continue  # The trainer would strip it to nothing.
             for start in range(0, len(segment), _MAX_SENTENCE_CHARS):
                 yield segment[start : start + _MAX_SENTENCE_CHARS]
-
-
-def _prepend(first: str, rest: Iterator[str]) -> Iterator[str]:
-    yield first
-    yield from rest
