@@ -53,12 +53,9 @@ class RopeScaling:
         check_choice("rope_scaling.kind", self.kind, ROPE_SCALINGS)
         if not self.factor > 0:
             raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
-        if self.kind == "llama3":
-            if not 0 < self.low_freq_factor < self.high_freq_factor:
-                raise ValueError(
-                    "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
-                    f"{self.low_freq_factor} and {self.high_freq_factor}"
-                )
+        if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError("rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                             f"{self.low_freq_factor} and {self.high_freq_factor}")
         if self.kind in ("llama3", "yarn") and self.original_max_len <= 0:
             raise ValueError(
                 f"rope_scaling.original_max_len must be > 0, got {self.original_max_len}")

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import string
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -232,10 +233,8 @@ def init_adapters(config: ModelConfig, lora_config: LoraConfig, params: Params,
         lead = shape[:int(stacked) + _batch_axes(target)]
         matrix = shape[len(lead):]
         n_in = _input_axes(target)
-        fan_in = 1
-        for size in matrix[:n_in]:
-            fan_in *= size
-        a = jax.random.normal(k, (*lead, *matrix[:n_in], r), dtype) * fan_in ** -0.5
+        a = jax.random.normal(k, (*lead, *matrix[:n_in], r), dtype) * math.prod(
+            matrix[:n_in]) ** -0.5
         b = jnp.zeros((*lead, r, *matrix[n_in:]), dtype)
         adapters = _set(adapters, (*block, *TARGETS[target]), {"a": a, "b": b})
     return adapters
@@ -381,8 +380,8 @@ def optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
       A transformation to ``init`` on the combined tree.
     """
     def labels(tree: Mapping[str, Any]) -> Any:
-        mask = trainable_mask(tree)
-        return jax.tree.map(lambda trainable: "train" if trainable else "frozen", mask)
+        return jax.tree.map(lambda trainable: "train" if trainable else "frozen",
+                            trainable_mask(tree))
 
     return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
 

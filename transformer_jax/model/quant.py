@@ -146,10 +146,8 @@ def quantized_axes(name: str, w: Any, *, stacked: bool, expert: bool = False
     """
     lead, ndim = int(stacked), len(w.shape)
     n_in = 1 if name == EMBEDDING_PARAM else MATRIX_INPUT_AXES[name]
-    if expert:
-        inputs = (lead + 1,)
-    elif name == EMBEDDING_PARAM:  # [V, D]: a row per token, never transposed
-        inputs = (lead + 1,)
+    if expert or name == EMBEDDING_PARAM:  # the token table [V, D]: a row per token, never
+        inputs = (lead + 1,)  # transposed
     elif isinstance(w, OutFirst):
         inputs = tuple(range(ndim - n_in, ndim))
     else:

@@ -320,11 +320,8 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
               k_segments: jax.Array | None = None, window: int | jax.Array | None = None,
               causal: bool = True, scale: float | None = None, impl: str = "auto",
               softcap: float | None = None) -> jax.Array:
-    """Scaled dot-product attention with grouped kv heads and a structural mask.
-
-    A query at position m sees a key at position n iff ``(not causal or n <= m)`` and ``(window
-    is None or n > m - window)`` and (with segments) ``q_seg == k_seg != 0``. With ``softcap``
-    c the scaled logits x become ``c tanh(x / c)`` before the mask and softmax.
+    """Scaled dot-product attention with grouped kv heads and a structural mask (which keys
+    a query sees, and ``softcap``: see the module docstring).
 
     Args:
       q: [B, T, N, H] queries.
@@ -437,6 +434,5 @@ def _per_device(split, fn, q, k, v, **structure) -> jax.Array:
                          out_specs=P(rows, None, by_head))(q, k, v, arrays)
 
 
-__all__ = ["ATTENTION_IMPLS", "attention", "attention_mask", "attention_weights",
-           "choose_impl", "chunked_attention", "reference_attention",
-           "softcap"]
+__all__ = ["ATTENTION_IMPLS", "attention", "attention_mask", "attention_weights", "choose_impl",
+           "chunked_attention", "reference_attention", "softcap"]

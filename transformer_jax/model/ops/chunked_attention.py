@@ -2,9 +2,7 @@
 
 Layout and mask semantics are ``ops.attention``'s: queries ``q`` [B, T, N, H], keys and values
 [B, K, S, H] (the KV cache's layout), G = N / K query heads per kv head (never repeated in
-memory); a query at position m sees a key at position n iff ``n <= m`` (when causal), ``n > m -
-window`` (with a sliding window), and both are in the same non-zero segment. A query with no
-visible key returns exactly zeros.
+memory); a query with no visible key returns exactly zeros.
 
 The queries and keys are cut into blocks; each query block runs over the key blocks keeping a
 running maximum, sum and weighted value sum (an online softmax), and key blocks that no query of
