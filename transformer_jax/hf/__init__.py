@@ -458,17 +458,13 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
                 st.numpy.save_file(shard, str(new / file), metadata=metadata)
                 set_default_mode(new / file)
                 weight_map.update(dict.fromkeys(shard, file))
-            with open(new / INDEX_FILE, "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
-                          indent=2)
-        with open(new / CONFIG_FILE, "w") as f:
-            json.dump(hf_config, f, indent=2, sort_keys=True)
-            f.write("\n")
+            (new / INDEX_FILE).write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (new / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         if tokenizer is not None:
             tokenizer.save(new)
-            with open(new / GENERATION_CONFIG_FILE, "w") as f:
-                json.dump(ids, f, indent=2, sort_keys=True)
-                f.write("\n")
+            (new / GENERATION_CONFIG_FILE).write_text(
+                json.dumps(ids, indent=2, sort_keys=True) + "\n")
     logger.info("saved %s checkpoint to %s: %d file(s), %.1f MiB", hf_config["model_type"], path,
                 len(shards), total / 2**20)
 
