@@ -237,14 +237,12 @@ def unused_tensors(config: ModelConfig, model_type: str) -> dict[str, tuple[int,
     c, m = config, config.moe
     if model_type != "qwen2_moe" or m is None or m.shared_d_ff:
         return {}
-    out: dict[str, tuple[int, ...]] = {}
-    for i in c.sparse_layers:
-        mlp = f"model.layers.{i}.mlp"
-        out.update({f"{mlp}.shared_expert.gate_proj.weight": (0, c.d_model),
-                    f"{mlp}.shared_expert.up_proj.weight": (0, c.d_model),
-                    f"{mlp}.shared_expert.down_proj.weight": (c.d_model, 0),
-                    f"{mlp}.shared_expert_gate.weight": (1, c.d_model)})
-    return out
+    d = c.d_model
+    return {f"model.layers.{i}.mlp.{name}": shape for i in c.sparse_layers
+            for name, shape in (("shared_expert.gate_proj.weight", (0, d)),
+                                ("shared_expert.up_proj.weight", (0, d)),
+                                ("shared_expert.down_proj.weight", (d, 0)),
+                                ("shared_expert_gate.weight", (1, d)))}
 
 
 __all__ = ["MIXTRAL", "QWEN2_MOE", "QWEN3_MOE", "ffn_tensors", "stacked_experts",

@@ -186,9 +186,8 @@ class KVCache:
         """Layer i's attention with this cache: writes the chunk's keys/values, then attends
         the queries over every slot of the layer.
 
-        Slot s holds position s, so the causal structure also hides slots not written yet. This
-        is the one call the model's attention makes (``Cache``): another cache (paged, say)
-        plugs in by giving the same. A ring layer attends as ``kv_ring.attend`` says.
+        Slot s holds position s, so the causal structure also hides slots not written yet (a
+        ring layer: as ``kv_ring.attend`` says).
 
         Args:
           i: the layer: its number (a Python int, or traced when every layer is alike), or a

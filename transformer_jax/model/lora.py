@@ -110,10 +110,8 @@ class LoraConfig:
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not (
                 self.alpha > 0):
             raise ValueError(f"lora alpha must be a positive number, got {self.alpha!r}")
-        targets = self.targets
-        if isinstance(targets, str):
-            targets = [t.strip() for t in targets.split(",") if t.strip()]
-        targets = tuple(targets)
+        targets = tuple([t.strip() for t in self.targets.split(",") if t.strip()]
+                        if isinstance(self.targets, str) else self.targets)
         if not targets:
             raise ValueError(f"lora targets must name at least one of {list(TARGETS)}")
         for name in targets:

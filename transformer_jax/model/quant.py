@@ -28,6 +28,7 @@ holds each quantised weight as a plain dict of its arrays; ``from_saved`` rebuil
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -108,12 +109,9 @@ def for_model(config: ModelConfig, quant: WeightQuant | None, shards: int = 1
         return quant
     widths = grouped_widths(config, shards)
     if quant.group_size is None and not quant.groups:
-        picks = {}
-        for name, width in widths.items():
-            g = DEFAULT_GROUP_SIZE
-            while g > 2 and width % g:
-                g //= 2
-            picks[name] = g
+        # The largest power of two up to DEFAULT_GROUP_SIZE (a power of two) dividing each
+        # width, at least 2 (an odd width then fails the check below).
+        picks = {n: max(2, math.gcd(width, DEFAULT_GROUP_SIZE)) for n, width in widths.items()}
         small = [f"{n} ({widths[n]}: {g})" for n, g in picks.items() if g < DEFAULT_GROUP_SIZE]
         if small:  # smaller groups carry more scales: more bytes per weight
             logger.info("quant %s: groups of %d inputs, but fewer for the input widths that "

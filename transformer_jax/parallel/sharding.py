@@ -248,10 +248,9 @@ def _fits(sharding: NamedSharding, shape: tuple[int, ...]) -> bool:
     # ``param_shardings`` gives one spec entry per parameter dimension, so a mirror of the
     # parameter has exactly that rank and splits evenly; anything else stays replicated.
     spec = tuple(sharding.spec)
-    if len(spec) != len(shape):
-        return False
-    return all(axes is None or size % math.prod(sharding.mesh.shape[a] for a in _as_tuple(axes))
-               == 0 for size, axes in zip(shape, spec, strict=True))
+    return len(spec) == len(shape) and all(
+        axes is None or size % math.prod(sharding.mesh.shape[a] for a in _as_tuple(axes)) == 0
+        for size, axes in zip(shape, spec, strict=True))
 
 
 def per_device_bytes(abstract_tree: Any, shardings: Any) -> int:

@@ -150,11 +150,8 @@ def attention_weights(q: jax.Array, k: jax.Array | SlotsLast, mask: jax.Array | 
     # tensor split of the kv heads keeps every row on its device (the partitioner adds no
     # collective), and XLA:CPU runs it as fast as one merged batch dimension R = B * K.
     k, slots_last = stored_keys(k)
-    if slots_last:
-        logits_spec = "BKQH,BKHS->BKQS"
-        k_rows = k.swapaxes(2, 3)  # for the shape checks only
-    else:
-        logits_spec, k_rows = "BKQH,BKSH->BKQS", k
+    logits_spec, k_rows = (("BKQH,BKHS->BKQS", k.swapaxes(2, 3)) if slots_last  # k_rows: for
+                           else ("BKQH,BKSH->BKQS", k))  # the shape checks only
     _check_qkv(q, k_rows, k_rows, mask)
     b, t, n, h = q.shape
     kv, s = k_rows.shape[1], k_rows.shape[2]
