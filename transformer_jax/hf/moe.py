@@ -222,9 +222,8 @@ def ffn_tensors(config: ModelConfig, layer: int, family: Family, stacked: bool =
                 stack=(j, e)) for j in range(e)]
     if m.shared_d_ff:
         shared, s = f"{hf}.shared_expert", m.shared_d_ff
-        out += [_linear(f"{shared}.gate_proj.weight", (*ours, "shared", "gate"), d, s),
-                _linear(f"{shared}.up_proj.weight", (*ours, "shared", "up"), d, s),
-                _linear(f"{shared}.down_proj.weight", (*ours, "shared", "down"), s, d)]
+        out += [_linear(f"{shared}.{p}_proj.weight", (*ours, "shared", p), *dims)
+                for p, dims in (("gate", (d, s)), ("up", (d, s)), ("down", (s, d)))]
         if m.shared_gate:
             out.append(_linear(f"{hf}.shared_expert_gate.weight", (*ours, "shared_gate"), d, 1))
     return out

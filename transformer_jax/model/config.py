@@ -134,13 +134,11 @@ class Architecture:
     moe: MoE | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.moe, dict):
-            object.__setattr__(self, "moe", _table(MoE, self.moe, "moe"))
+        for name, table in (("moe", MoE), ("rope_scaling", RopeScaling)):  # TOML sub-tables
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, _table(table, getattr(self, name), name))
         if isinstance(self.layer_pattern, list):
             object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
-        if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling",
-                               _table(RopeScaling, self.rope_scaling, "rope_scaling"))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             check_positive_int(name, getattr(self, name))
         if self.n_kv_heads is None:

@@ -109,10 +109,9 @@ class MoE:
         if self.top_k > self.n_experts:
             raise ValueError(f"moe.top_k ({self.top_k}) must be at most moe.n_experts "
                              f"({self.n_experts})")
-        if isinstance(self.shared_d_ff, bool) or not isinstance(self.shared_d_ff, int) or \
-                self.shared_d_ff < 0:
-            raise ValueError(
-                f"moe.shared_d_ff must be an int >= 0, got {plain(self.shared_d_ff)!r}")
+        shared = self.shared_d_ff
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ValueError(f"moe.shared_d_ff must be an int >= 0, got {plain(shared)!r}")
         check_bool("moe.renormalize", self.renormalize)
         check_bool("moe.shared_gate", self.shared_gate)
         if self.shared_gate and not self.shared_d_ff:
