@@ -98,7 +98,7 @@ RESIDUAL_AXES = ("batch", "length", "act_embed")
 
 def rules_for(mesh: Mesh | jax.sharding.AbstractMesh) -> tuple[tuple[str, MeshAxes], ...]:
     """The logical rules of ``mesh``: ``EXPERT_RULES`` if it has an ``expert`` axis, else
-    ``LOGICAL_RULES`` (which name no expert axis, so meshes without one are as before)."""
+    ``LOGICAL_RULES`` (which name no expert axis)."""
     return EXPERT_RULES if "expert" in mesh.axis_names else LOGICAL_RULES
 
 
