@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -21,8 +20,7 @@ from transformer_jax.checkpoint.loading import RUN, load, locate
 from transformer_jax.model import lora
 from transformer_jax.model.config import Architecture, ModelConfig, field_names
 from transformer_jax.model.ops.quantized import is_quantized
-from transformer_jax.model.stack import restack
-from transformer_jax.model.transformer import Params
+from transformer_jax.model.transformer import Params, unstack_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +42,6 @@ class LoadedAdapter:
     base_difference: float
 
 
-def _unrolled(params: Mapping[str, Any]) -> dict[str, Any]:
-    return restack(params, {})
-
-
 def _leaves(tree: Any) -> dict[str, Any]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {"/".join(str(getattr(k, "key", k)) for k in path): x for path, x in flat}
@@ -60,7 +54,7 @@ def base_difference(base: Params, served: Params) -> tuple[float, str]:
     Raises:
       ValueError: trees with different weights or shapes (naming the first).
     """
-    mine, theirs = _leaves(_unrolled(base)), _leaves(_unrolled(served))
+    mine, theirs = _leaves(unstack_blocks(base)), _leaves(unstack_blocks(served))
     if mine.keys() != theirs.keys():
         extra = sorted(set(mine) ^ set(theirs))[:3]
         raise ValueError(f"the adapter's base has other weights than the served model: {extra}")

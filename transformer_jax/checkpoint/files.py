@@ -95,14 +95,11 @@ def write_checksums(step_dir: Path) -> None:
         return
     sums = {str(f.relative_to(step_dir)): [f.stat().st_size, _sha256(f)]
             for f in sorted(step_dir.rglob("*"))
-            if f.is_file() and f.name != CHECKSUMS_FILE and not _is_temporary(f)}
+            # (not a file ``atomic_writer`` has yet to rename into place, ``.NAME.XXXX.tmp``)
+            if f.is_file() and f.name != CHECKSUMS_FILE
+            and not (f.name.startswith(".") and f.name.endswith(".tmp"))}
     with atomic_writer(step_dir / CHECKSUMS_FILE) as out:
         out.write(json.dumps(sums, indent=0).encode())
-
-
-def _is_temporary(f: Path) -> bool:
-    """A file ``atomic_writer`` has not yet renamed into place (``.NAME.XXXX.tmp``)."""
-    return f.name.startswith(".") and f.name.endswith(".tmp")
 
 
 def verify_checksums(step_dir: Path) -> None:

@@ -217,7 +217,7 @@ def _run_source(root: Any, checkpoints: Any, step: int | None, run_dir: Path, wh
         raise ValueError(f"{where}: the checkpoint in {checkpoints} has no meta['model']; was "
                          "it saved by transformer_jax training?")
     model_type = meta.get("hf_model_type")
-    return Source(root, RUN, _run_model(meta), run_dir, checkpoints, step, meta,
+    return Source(root, RUN, ModelConfig.from_dict(meta["model"]), run_dir, checkpoints, step, meta,
                   _run_tokenizer(run_dir, meta),
                   model_type if isinstance(model_type, str) else None)
 
@@ -238,11 +238,6 @@ def _locate_remote(url: str, where: str) -> Source:
         return locate(storage.local_copy(url), where=where)
     run_dir = storage.local_copy(run, exclude=(CHECKPOINTS,))
     return _run_source(root, checkpoints, step, run_dir, where)
-
-
-def _run_model(meta: dict[str, Any]) -> ModelConfig:
-    """The ModelConfig a run saved (the one place a run's model is rebuilt from its meta)."""
-    return ModelConfig.from_dict(meta["model"])
 
 
 def _hf_model(root: Path, where: str) -> tuple[ModelConfig, str]:
@@ -428,8 +423,6 @@ def _load_run(source: Source, mesh: Any, *, merge_lora: bool, step: int | None,
     return Loaded(source, config, params, read_step, meta)
 
 
-
-
 def _tensor_mesh(tensor: int, expert: int = 1) -> Any:
     """The mesh for ``--tensor T --expert X`` (None for one device); T = 0 takes every device
     the expert axis leaves."""
@@ -465,12 +458,6 @@ def load_for_decode(checkpoint: str, tensor: int, tokenizer: str | None = None,
     return load(source, mesh, rules=rules, tokenizer=tokenizer), mesh
 
 
-__all__ = ["HF", "RUN", "RUN_ENTRIES", "Loaded", "Source", "check_finite", "is_checkpoints_dir",
-           "is_hf_dir",
-           "load_draft",
-           "is_run_dir", "is_step_dir", "load", "load_for_decode", "locate", "open_tokenizer"]
-
-
 def load_draft(path: str) -> Any:
     """A draft model for speculative decoding (``decode.speculative_loop.DraftModel``) from a
     checkpoint directory ``load`` opens: its config and prepared weights on one device, and its
@@ -481,3 +468,8 @@ def load_draft(path: str) -> Any:
     loaded = load(path)
     tok = None if loaded.tokenizer_path is None else str(loaded.tokenizer_path)
     return DraftModel(loaded.config, prepare(loaded.config, loaded.params), tok)
+
+
+__all__ = ["HF", "RUN", "RUN_ENTRIES", "Loaded", "Source", "check_finite", "is_checkpoints_dir",
+           "is_hf_dir", "is_run_dir", "is_step_dir", "load", "load_draft", "load_for_decode",
+           "locate", "open_tokenizer"]

@@ -314,11 +314,8 @@ class CheckpointManager:
             ``abstract_state`` (not treated as damage).
           CheckpointError: every checkpoint is damaged (or kept vanishing).
         """
-        def read(s: int) -> tuple[Any, dict[str, Any]]:
-            return read_state(self.step_path(s), abstract_state)
-
-        return self._read_newest(read, step, quarantine=quarantine and not self.read_only,
-                                 attempts=attempts)
+        return self._read_newest(lambda s: read_state(self.step_path(s), abstract_state), step,
+                                 quarantine=quarantine and not self.read_only, attempts=attempts)
 
     def restore_params(self, abstract_params: Any | None = None, step: int | None = None, *,
                        attempts: int = 20) -> tuple[Any, dict[str, Any]]:
@@ -340,10 +337,8 @@ class CheckpointManager:
         Raises:
           CheckpointMismatchError: the state has no ``params``; and the errors of ``restore``.
         """
-        def read(s: int) -> tuple[Any, dict[str, Any]]:
-            return read_params(self.step_path(s), abstract_params)
-
-        return self._read_newest(read, step, quarantine=False, attempts=attempts)
+        return self._read_newest(lambda s: read_params(self.step_path(s), abstract_params), step,
+                                 quarantine=False, attempts=attempts)
 
     def _read_newest(self, read: Any, step: int | None, *, quarantine: bool, attempts: int
                      ) -> tuple[Any, dict[str, Any]]:

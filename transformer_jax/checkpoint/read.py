@@ -159,14 +159,10 @@ def reason(error: BaseException, limit: int = 200) -> str:
 def leaf_paths(tree: Any, is_leaf: Any = None) -> dict[tuple[str, ...], tuple[int, ...]]:
     """{path as strings: shape} of a tree's array leaves (dataclass fields, dict keys and
     sequence indices all become strings, so a saved dict matches the live dataclass)."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
-        if not hasattr(leaf, "shape"):
-            continue
-        names = tuple(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
-                      for k in path)
-        out[names] = tuple(leaf.shape)
-    return out
+    return {tuple(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path):
+            tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+            if hasattr(leaf, "shape")}
 
 
 def is_array_metadata(m: Any) -> bool:
@@ -201,14 +197,11 @@ def abstract_from_metadata(metadata: Any) -> Any:
 
 
 def as_abstract(x: Any) -> Any:
-    if isinstance(x, jax.ShapeDtypeStruct):
-        if x.sharding is None:
-            # Without a sharding orbax cannot place the array; default to this process's
-            # first device (jax.devices()[0] belongs to process 0 in a multi-process run).
-            return jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                        sharding=jax.sharding.SingleDeviceSharding(
-                                            jax.local_devices()[0]))
-        return x
+    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+        # Without a sharding orbax cannot place the array; default to this process's first
+        # device (jax.devices()[0] belongs to process 0 in a multi-process run).
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(
+            jax.local_devices()[0]))
     if isinstance(x, jax.Array):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     return x

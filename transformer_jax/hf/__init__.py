@@ -256,10 +256,9 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     unused = moe.unused_tensors(config, hf_config["model_type"])
 
     expected = {s.hf_name for s in specs} | set(unused)
-    o_biases = []
-    if hf_config["model_type"] == "llama" and config.qkv_bias:
-        # Llama's attention_bias also biases o_proj, which we lack: accept only zero biases.
-        o_biases = [f"model.layers.{i}.self_attn.o_proj.bias" for i in range(config.n_layers)]
+    # Llama's attention_bias also biases o_proj, which we lack: accept only zero biases.
+    o_biases = ([f"model.layers.{i}.self_attn.o_proj.bias" for i in range(config.n_layers)]
+                if hf_config["model_type"] == "llama" and config.qkv_bias else [])
     tied_head = "lm_head.weight" if config.tie_embeddings and "lm_head.weight" in files else None
     missing = sorted((expected | set(o_biases)) - set(files))
     if missing:
@@ -365,11 +364,8 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
          model_type: str | None = None) -> None:
     """Writes a HF checkpoint directory that ``load`` and transformers' ``from_pretrained`` read.
 
-    The layout is the one ``config_to_hf`` picks from the fields (Qwen2 when
-    ``config.qkv_bias``, as Llama's ``attention_bias`` would also add an ``o_proj`` bias, else
-    Mistral with a sliding window, else Llama; Qwen3, Gemma 2/3, OLMo 2 by their fields), or
-    ``model_type`` (``"phi3"``: the Llama block with fused q/k/v and gate/up tensors). Tensors
-    keep the params' dtype. An existing ``path`` is replaced only once the new export is
+    The layout is the family ``config_to_hf`` picks from the fields, or ``model_type``'s.
+    Tensors keep the params' dtype. An existing ``path`` is replaced only once the new export is
     complete (written to a temporary directory beside it, then swapped in), so a failed save
     leaves the previous export untouched; its files other than weights and ``config.json``
     (a tokenizer, say) are kept, unless a ``tokenizer`` is given: then the old tokenizer files
@@ -442,9 +438,6 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
     hf_config.update(ids)
     path = Path(path)
     keep = _not_weights if tokenizer is None else _not_weights_or_tokenizer
-    # Everything is written to a new directory that replaces the old one only when complete,
-    # so a failed save (a full disk, a kill) leaves the previous export as it was. Files of
-    # the old directory that are not weights (a tokenizer, a README) are carried over.
     with replacing_directory(path, carry_over=keep) as new:
         metadata = {"format": "pt"}  # transformers requires it on safetensors files
         # safetensors writes its files 0o600; they get the mode open() gives, as the rest.
@@ -458,17 +451,13 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
                 st.numpy.save_file(shard, str(new / file), metadata=metadata)
                 set_default_mode(new / file)
                 weight_map.update(dict.fromkeys(shard, file))
-            with open(new / INDEX_FILE, "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
-                          indent=2)
-        with open(new / CONFIG_FILE, "w") as f:
-            json.dump(hf_config, f, indent=2, sort_keys=True)
-            f.write("\n")
+            (new / INDEX_FILE).write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (new / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         if tokenizer is not None:
             tokenizer.save(new)
-            with open(new / GENERATION_CONFIG_FILE, "w") as f:
-                json.dump(ids, f, indent=2, sort_keys=True)
-                f.write("\n")
+            (new / GENERATION_CONFIG_FILE).write_text(
+                json.dumps(ids, indent=2, sort_keys=True) + "\n")
     logger.info("saved %s checkpoint to %s: %d file(s), %.1f MiB", hf_config["model_type"], path,
                 len(shards), total / 2**20)
 

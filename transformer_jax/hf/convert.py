@@ -60,27 +60,20 @@ def _window_read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int, *, qwe
     """Mistral's and Qwen2's window: the one every layer uses, or None; mixed sliding/full
     layers are refused."""
     window = hf.get("sliding_window")
-    layer_types = hf.get("layer_types")
     if qwen2:
         if not hf.get("use_sliding_window", False):
             return dict(sliding_window=None)
-        if window is None:
-            raise ValueError("use_sliding_window=True needs a sliding_window")
-        if layer_types is None:
-            if "max_window_layers" not in hf:
-                raise ValueError("use_sliding_window=True needs max_window_layers or layer_types")
-            # transformers: layer i slides iff i >= max_window_layers.
-            layer_types = ["sliding_attention" if i >= hf["max_window_layers"]
-                           else "full_attention" for i in range(n_layers)]
-    elif window is None or layer_types is None:
+        kinds = families._qwen_kinds(hf, n_layers)  # Qwen3's rule: the same keys
+    elif window is None or hf.get("layer_types") is None:
         return dict(sliding_window=window)
-    kinds = set(families.layer_kinds_from_hf(layer_types, n_layers))
-    if len(kinds) > 1:
+    else:
+        kinds = families.layer_kinds_from_hf(hf["layer_types"], n_layers)
+    if len(set(kinds)) > 1:
         raise ValueError(
             f"mixed sliding-window and full-attention layers are not supported: layer_types="
-            f"{layer_types} (Qwen2 max_window_layers={hf.get('max_window_layers')}, "
-            f"num_hidden_layers={n_layers})")
-    return dict(sliding_window=int(window) if kinds == {"local"} else None)
+            f"{[families._KIND_TO_TYPE[k] for k in kinds]} (Qwen2 max_window_layers="
+            f"{hf.get('max_window_layers')}, num_hidden_layers={n_layers})")
+    return dict(sliding_window=int(window) if set(kinds) == {"local"} else None)
 
 
 def _llama_write(c: ModelConfig) -> dict[str, Any]:
@@ -291,18 +284,13 @@ def _tensors(config: ModelConfig, model_type: str | None = None, stacked_experts
                                     for name, param in norms]
                                    for norms in _BLOCK_NORMS[c.norm_position])
         out += before_attn
-        qkv = [
-            _heads_in(f"{attn}.q_proj.weight", (ours, "attn", "q_proj"), d, n, h),
-            _heads_in(f"{attn}.k_proj.weight", (ours, "attn", "k_proj"), d, kv, h),
-            _heads_in(f"{attn}.v_proj.weight", (ours, "attn", "v_proj"), d, kv, h),
-        ]
+        projections = (("q", n), ("k", kv), ("v", kv))
+        qkv = [_heads_in(f"{attn}.{x}_proj.weight", (ours, "attn", f"{x}_proj"), d, nh, h)
+               for x, nh in projections]
         out += _fused(qkv, f"{attn}.qkv_proj.weight") if family.fused else qkv
         if c.qkv_bias:
-            out += [
-                _reshaped(f"{attn}.q_proj.bias", (ours, "attn", "q_bias"), (n * h,), (n, h)),
-                _reshaped(f"{attn}.k_proj.bias", (ours, "attn", "k_bias"), (kv * h,), (kv, h)),
-                _reshaped(f"{attn}.v_proj.bias", (ours, "attn", "v_bias"), (kv * h,), (kv, h)),
-            ]
+            out += [_reshaped(f"{attn}.{x}_proj.bias", (ours, "attn", f"{x}_bias"), (nh * h,),
+                              (nh, h)) for x, nh in projections]
         if c.qk_norm == "head":
             out += [_same(f"{attn}.{x}_norm.weight", (ours, "attn", f"{x}_norm", "scale"), (h,))
                     for x in "qk"]

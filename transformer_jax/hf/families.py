@@ -206,10 +206,9 @@ def rope_to_dict(scaling: RopeScaling | None) -> dict[str, Any] | None:
     out = {"rope_type": "yarn", "factor": s.factor,
            "original_max_position_embeddings": s.original_max_len, "beta_fast": s.beta_fast,
            "beta_slow": s.beta_slow, "truncate": s.truncate}
-    for name in ("attention_factor", "mscale", "mscale_all_dim"):
-        if getattr(s, name) is not None:
-            out[name] = getattr(s, name)
-    return out
+    return {**out, **{name: getattr(s, name) for name in ("attention_factor", "mscale",
+                                                          "mscale_all_dim")
+                      if getattr(s, name) is not None}}
 
 
 def rope_keys(base: float, scaling: RopeScaling | None) -> dict[str, Any]:
@@ -379,10 +378,6 @@ def _gemma_write(c: ModelConfig, model_type: str) -> dict[str, Any]:
     return out
 
 
-def _phi3_read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int) -> dict[str, Any]:
-    return dict(sliding_window=hf.get("sliding_window"))
-
-
 _GEMMA = dict(fixed=dict(norm_position="sandwich", norm_offset=1.0, scale_embeddings=True),
               activations=ACTIVATIONS, act_key="hidden_activation",
               defaults=dict(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
@@ -404,7 +399,8 @@ GEMMA3_TEXT = Family(
     free=frozenset({"final_softcap", "attn_scale", "sliding_window", "layer_pattern",
                     "local_rope_base"}), rope_kinds=("default", "linear"))
 # Phi-3's LongRoPE (rope_type "longrope", read from "su" and "yarn" too) is refused.
-PHI3 = Family("phi3", "Phi3ForCausalLM", _phi3_read,
+PHI3 = Family("phi3", "Phi3ForCausalLM",
+              lambda hf, n_layers, max_seq_len: dict(sliding_window=hf.get("sliding_window")),
               lambda c: dict(sliding_window=c.sliding_window), free=frozenset({"sliding_window"}),
               activations=ACTIVATIONS, rope_kinds=("default",), defaults=dict(rms_norm_eps=1e-5),
               fused=True, picked=False)

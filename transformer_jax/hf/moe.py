@@ -222,9 +222,8 @@ def ffn_tensors(config: ModelConfig, layer: int, family: Family, stacked: bool =
                 stack=(j, e)) for j in range(e)]
     if m.shared_d_ff:
         shared, s = f"{hf}.shared_expert", m.shared_d_ff
-        out += [_linear(f"{shared}.gate_proj.weight", (*ours, "shared", "gate"), d, s),
-                _linear(f"{shared}.up_proj.weight", (*ours, "shared", "up"), d, s),
-                _linear(f"{shared}.down_proj.weight", (*ours, "shared", "down"), s, d)]
+        out += [_linear(f"{shared}.{p}_proj.weight", (*ours, "shared", p), *dims)
+                for p, dims in (("gate", (d, s)), ("up", (d, s)), ("down", (s, d)))]
         if m.shared_gate:
             out.append(_linear(f"{hf}.shared_expert_gate.weight", (*ours, "shared_gate"), d, 1))
     return out
@@ -237,14 +236,12 @@ def unused_tensors(config: ModelConfig, model_type: str) -> dict[str, tuple[int,
     c, m = config, config.moe
     if model_type != "qwen2_moe" or m is None or m.shared_d_ff:
         return {}
-    out: dict[str, tuple[int, ...]] = {}
-    for i in c.sparse_layers:
-        mlp = f"model.layers.{i}.mlp"
-        out.update({f"{mlp}.shared_expert.gate_proj.weight": (0, c.d_model),
-                    f"{mlp}.shared_expert.up_proj.weight": (0, c.d_model),
-                    f"{mlp}.shared_expert.down_proj.weight": (c.d_model, 0),
-                    f"{mlp}.shared_expert_gate.weight": (1, c.d_model)})
-    return out
+    d = c.d_model
+    return {f"model.layers.{i}.mlp.{name}": shape for i in c.sparse_layers
+            for name, shape in (("shared_expert.gate_proj.weight", (0, d)),
+                                ("shared_expert.up_proj.weight", (0, d)),
+                                ("shared_expert.down_proj.weight", (d, 0)),
+                                ("shared_expert_gate.weight", (1, d)))}
 
 
 __all__ = ["MIXTRAL", "QWEN2_MOE", "QWEN3_MOE", "ffn_tensors", "stacked_experts",

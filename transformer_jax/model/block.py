@@ -63,10 +63,8 @@ class Block(nn.Module):
             layer = self.group.ref(self.position, layer)
         stats = None
         if self.spec.sparse:
-            moe = SparseFFN(moe=c.moe, kind=c.ffn,
-                            impl=c.moe_impl, init_std=c.init_std,
-                            out_init_std=out_std, name="moe",
-                            **dtypes)
+            moe = SparseFFN(moe=c.moe, kind=c.ffn, impl=c.moe_impl, init_std=c.init_std,
+                            out_init_std=out_std, name="moe", **dtypes)
             valid = None if segment_ids is None else segment_ids > 0
 
             def mlp(h: jax.Array) -> jax.Array:

@@ -134,13 +134,11 @@ class Architecture:
     moe: MoE | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.moe, dict):
-            object.__setattr__(self, "moe", _table(MoE, self.moe, "moe"))
+        for name, table in (("moe", MoE), ("rope_scaling", RopeScaling)):  # TOML sub-tables
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, _table(table, getattr(self, name), name))
         if isinstance(self.layer_pattern, list):
             object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
-        if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling",
-                               _table(RopeScaling, self.rope_scaling, "rope_scaling"))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             check_positive_int(name, getattr(self, name))
         if self.n_kv_heads is None:
@@ -162,11 +160,8 @@ class Architecture:
             check_positive_int("sliding_window", self.sliding_window)
         check_positive_number("norm_eps", self.norm_eps)
         check_positive_number("rope_base", self.rope_base)
-        check_choice("norm", self.norm, NORMS)
-        check_choice("norm_position", self.norm_position, NORM_POSITIONS)
-        check_choice("ffn", self.ffn, FFNS)
-        check_choice("position", self.position, POSITIONS)
-        check_choice("rope_pairing", self.rope_pairing, ROPE_PAIRINGS)
+        _check_choices(self, norm=NORMS, norm_position=NORM_POSITIONS, ffn=FFNS,
+                       position=POSITIONS, rope_pairing=ROPE_PAIRINGS)
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.position == "sinusoidal" and self.d_model % 2:
@@ -240,6 +235,12 @@ class Architecture:
         return self.n_heads // self.n_kv_heads
 
 
+def _check_choices(config: Any, **choices: tuple[str, ...]) -> None:
+    """``check_choice`` of each named field of ``config`` against its allowed values."""
+    for name, allowed in choices.items():
+        check_choice(name, getattr(config, name), allowed)
+
+
 def _resumable(default: Any) -> Any:
     """A field a run may change when it resumes from its own checkpoints."""
     return dataclasses.field(default=default, metadata={"resumable": True})
@@ -282,11 +283,8 @@ class Execution:
 
     def __post_init__(self) -> None:
         check_positive_number("init_std", self.init_std)
-        check_choice("moe_impl", self.moe_impl, MOE_IMPLS)
-        check_choice("remat", self.remat, REMATS)
-        check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
-        check_choice("param_dtype", self.param_dtype, DTYPES)
-        check_choice("dtype", self.dtype, DTYPES)
+        _check_choices(self, moe_impl=MOE_IMPLS, remat=REMATS, attention_impl=ATTENTION_IMPLS,
+                       param_dtype=DTYPES, dtype=DTYPES)
         check_bool("scan_layers", self.scan_layers)
 
     @property
@@ -433,9 +431,7 @@ def _parse_as(tp: Any, text: str, key: str) -> Any:
         if text.lower() in ("none", "null") and type(None) in args:
             return None
         errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        for arg in (a for a in args if a is not type(None)):
             try:
                 return _parse_as(arg, text, key)
             except ValueError as e:
@@ -451,16 +447,12 @@ def _parse_as(tp: Any, text: str, key: str) -> Any:
         if text.lower() in ("false", "0", "no"):
             return False
         raise ValueError(f"{key} expects a bool (true/false), got {text!r}")
-    if tp is int:
+    if tp in (int, float):
         try:
-            return int(text)
+            return tp(text)
         except ValueError:
-            raise ValueError(f"{key} expects an int, got {text!r}") from None
-    if tp is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"{key} expects a float, got {text!r}") from None
+            article = "an" if tp is int else "a"
+            raise ValueError(f"{key} expects {article} {tp.__name__}, got {text!r}") from None
     if tp is str:
         return text
     if dataclasses.is_dataclass(tp):

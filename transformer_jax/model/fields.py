@@ -53,12 +53,9 @@ class RopeScaling:
         check_choice("rope_scaling.kind", self.kind, ROPE_SCALINGS)
         if not self.factor > 0:
             raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
-        if self.kind == "llama3":
-            if not 0 < self.low_freq_factor < self.high_freq_factor:
-                raise ValueError(
-                    "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
-                    f"{self.low_freq_factor} and {self.high_freq_factor}"
-                )
+        if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError("rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                             f"{self.low_freq_factor} and {self.high_freq_factor}")
         if self.kind in ("llama3", "yarn") and self.original_max_len <= 0:
             raise ValueError(
                 f"rope_scaling.original_max_len must be > 0, got {self.original_max_len}")
@@ -112,10 +109,9 @@ class MoE:
         if self.top_k > self.n_experts:
             raise ValueError(f"moe.top_k ({self.top_k}) must be at most moe.n_experts "
                              f"({self.n_experts})")
-        if isinstance(self.shared_d_ff, bool) or not isinstance(self.shared_d_ff, int) or \
-                self.shared_d_ff < 0:
-            raise ValueError(
-                f"moe.shared_d_ff must be an int >= 0, got {plain(self.shared_d_ff)!r}")
+        shared = self.shared_d_ff
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ValueError(f"moe.shared_d_ff must be an int >= 0, got {plain(shared)!r}")
         check_bool("moe.renormalize", self.renormalize)
         check_bool("moe.shared_gate", self.shared_gate)
         if self.shared_gate and not self.shared_d_ff:

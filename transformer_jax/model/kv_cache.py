@@ -24,11 +24,8 @@ int8 (``dtype="int8"``). Each token's row of each kv head is stored as its int8 
 scale, H + 2 bytes in the place of H (``ops.kv_quant``), written in the same write and
 dequantised just before attention.
 
-Local layers. When the model has sliding-window layers (``Architecture.layer_kinds``) and the
-window is shorter than S_max, each local layer keeps a ring of W slots per row instead of S_max
-(``kv_ring``): ``k``/``v`` then hold the global layers only and ``k_local``/``v_local`` the
-rings, in the same layouts; ``ring`` (static) says which layer is where. Without local layers
-(``ring`` None) the cache and its program are what they were.
+Local layers. A sliding-window layer whose window W is shorter than S_max keeps a ring of W
+slots per row instead (``kv_ring``; ``KVCache.k_local``/``v_local``, in the same layouts).
 """
 
 from __future__ import annotations
@@ -118,16 +115,14 @@ class KVCache:
         h = kv_quant.stored_head_dim(config.head_dim, dtype)
 
         def arrays(n_layers: int, slots: int) -> tuple[Any, Any]:
-            k_shape = (*rows, h, slots) if slots_last else (*rows, slots, h)
-            v_shape = (*rows, slots, h)
-            if config.scan_layers:
-                k = jnp.zeros((n_layers, *k_shape), dtype)
-                v = jnp.zeros((n_layers, *v_shape), dtype)
-            else:  # one array per layer, [B, K, ...], or [K, ...] at B = 1 (see _write)
-                drop = 1 if batch == 1 else 0
-                k = tuple(jnp.zeros(k_shape[drop:], dtype) for _ in range(n_layers))
-                v = tuple(jnp.zeros(v_shape[drop:], dtype) for _ in range(n_layers))
-            return SlotsLast(k) if slots_last else k, v
+            def zeros(shape: tuple[int, ...]) -> Any:
+                if config.scan_layers:
+                    return jnp.zeros((n_layers, *shape), dtype)
+                # One array per layer, [B, K, ...], or [K, ...] at B = 1 (see _write).
+                return tuple(jnp.zeros(shape[int(batch == 1):], dtype) for _ in range(n_layers))
+
+            k = zeros((*rows, h, slots) if slots_last else (*rows, slots, h))
+            return SlotsLast(k) if slots_last else k, zeros((*rows, slots, h))
 
         lengths = jnp.zeros((batch,), jnp.int32)
         if ring is None:
@@ -186,9 +181,8 @@ class KVCache:
         """Layer i's attention with this cache: writes the chunk's keys/values, then attends
         the queries over every slot of the layer.
 
-        Slot s holds position s, so the causal structure also hides slots not written yet. This
-        is the one call the model's attention makes (``Cache``): another cache (paged, say)
-        plugs in by giving the same. A ring layer attends as ``kv_ring.attend`` says.
+        Slot s holds position s, so the causal structure also hides slots not written yet (a
+        ring layer: as ``kv_ring.attend`` says).
 
         Args:
           i: the layer: its number (a Python int, or traced when every layer is alike), or a

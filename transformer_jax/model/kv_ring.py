@@ -91,13 +91,7 @@ class RingLayout:
     @property
     def index(self) -> tuple[int, ...]:
         """Per layer, its index among the layers of its own kind."""
-        counts = [0, 0]
-        out = []
-        for is_local in self.local:
-            out.append(counts[is_local])
-            counts[is_local] += 1
-        return tuple(out)
-
+        return tuple(self.local[:i].count(kind) for i, kind in enumerate(self.local))
 
 
 def locate(layout: RingLayout | None, i: int | jax.Array | LayerRef

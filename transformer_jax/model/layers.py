@@ -89,11 +89,9 @@ class Embed(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     def setup(self) -> None:
-        prepared = stored_as_is(self, EMBEDDING_PARAM)
-        self.embedding = prepared if prepared is not None else self.param(
-            EMBEDDING_PARAM,
-            nn.with_logical_partitioning(_normal(self.init_std), ("vocab", "embed")),
-            (self.vocab_size, self.d_model), self.param_dtype)
+        self.embedding = matrix(self, EMBEDDING_PARAM, (self.vocab_size, self.d_model),
+                                ("vocab", "embed"), _normal(self.init_std),
+                                param_dtype=self.param_dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """[B, T] ids -> [B, T, D] vectors in the compute dtype."""
@@ -147,15 +145,11 @@ class LayerKind:
     @classmethod
     def of(cls, config: ModelConfig, spec: LayerSpec) -> LayerKind:
         c = config
+        window = c.sliding_window if spec.local else None
         if c.position != "rope":
-            return cls(c.sliding_window if spec.local else None, None, 1.0)
-        if spec.local:
-            if c.local_rope_base is not None:
-                return cls(c.sliding_window, ops.rope_frequencies(c.head_dim, c.local_rope_base),
-                           1.0)
-            window = c.sliding_window
-        else:
-            window = None
+            return cls(window, None, 1.0)
+        if spec.local and c.local_rope_base is not None:
+            return cls(window, ops.rope_frequencies(c.head_dim, c.local_rope_base), 1.0)
         return cls(window, ops.rope_frequencies(c.head_dim, c.rope_base, c.rope_scaling),
                    rope_attention_factor(c.rope_scaling))
 
@@ -194,13 +188,10 @@ class Attention(nn.Module):
                           shape, self.param_dtype).astype(self.dtype)
 
     def _qk_norm(self, name: str, x: jax.Array, heads_axis: str) -> jax.Array:
-        if self.qk_norm == "head":
-            norm = Norm(eps=self.norm_eps, offset=self.norm_offset, shape=(self.head_dim,),
-                        axes=("head_dim",), param_dtype=self.param_dtype, name=name)
-        else:
-            norm = Norm(eps=self.norm_eps, offset=self.norm_offset, shape=x.shape[-2:],
-                        axes=(heads_axis, "head_dim"), param_dtype=self.param_dtype, name=name)
-        return norm(x)
+        shape, axes = (((self.head_dim,), ("head_dim",)) if self.qk_norm == "head"
+                       else (x.shape[-2:], (heads_axis, "head_dim")))
+        return Norm(eps=self.norm_eps, offset=self.norm_offset, shape=shape, axes=axes,
+                    param_dtype=self.param_dtype, name=name)(x)
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, kind: LayerKind,

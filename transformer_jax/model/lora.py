@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import string
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -109,10 +110,8 @@ class LoraConfig:
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not (
                 self.alpha > 0):
             raise ValueError(f"lora alpha must be a positive number, got {self.alpha!r}")
-        targets = self.targets
-        if isinstance(targets, str):
-            targets = [t.strip() for t in targets.split(",") if t.strip()]
-        targets = tuple(targets)
+        targets = tuple([t.strip() for t in self.targets.split(",") if t.strip()]
+                        if isinstance(self.targets, str) else self.targets)
         if not targets:
             raise ValueError(f"lora targets must name at least one of {list(TARGETS)}")
         for name in targets:
@@ -232,10 +231,8 @@ def init_adapters(config: ModelConfig, lora_config: LoraConfig, params: Params,
         lead = shape[:int(stacked) + _batch_axes(target)]
         matrix = shape[len(lead):]
         n_in = _input_axes(target)
-        fan_in = 1
-        for size in matrix[:n_in]:
-            fan_in *= size
-        a = jax.random.normal(k, (*lead, *matrix[:n_in], r), dtype) * fan_in ** -0.5
+        a = jax.random.normal(k, (*lead, *matrix[:n_in], r), dtype) * math.prod(
+            matrix[:n_in]) ** -0.5
         b = jnp.zeros((*lead, r, *matrix[n_in:]), dtype)
         adapters = _set(adapters, (*block, *TARGETS[target]), {"a": a, "b": b})
     return adapters
@@ -381,8 +378,8 @@ def optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
       A transformation to ``init`` on the combined tree.
     """
     def labels(tree: Mapping[str, Any]) -> Any:
-        mask = trainable_mask(tree)
-        return jax.tree.map(lambda trainable: "train" if trainable else "frozen", mask)
+        return jax.tree.map(lambda trainable: "train" if trainable else "frozen",
+                            trainable_mask(tree))
 
     return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
 

@@ -74,10 +74,9 @@ class SparseFFN(nn.Module):
         router = matrix(self, "router", (d, e), ("embed", "router"),
                         nn.initializers.normal(self.init_std),
                         param_dtype=self.param_dtype)
-        gate = self._experts("gate", (e, d, f),
-                             ("experts", "expert_embed", "expert_mlp"), self.init_std)
-        up = self._experts("up", (e, d, f), ("experts", "expert_embed", "expert_mlp"),
-                           self.init_std)
+        in_axes = ("experts", "expert_embed", "expert_mlp")
+        gate = self._experts("gate", (e, d, f), in_axes, self.init_std)
+        up = self._experts("up", (e, d, f), in_axes, self.init_std)
         down = self._experts("down", (e, f, d), ("experts", "expert_mlp", "expert_embed"),
                              self.out_init_std)
 
@@ -85,14 +84,12 @@ class SparseFFN(nn.Module):
         logits = dense(tokens, router.astype(self.dtype), "ND,DE->NE",
                        preferred_element_type=jnp.float32)
         routing = moe_ops.route(logits, m.top_k, m.renormalize)
+        ffn = dict(activation=GATE_ACTIVATIONS[self.kind], impl=self.impl)
         split = expert_split()
         if split is None:
-            y = moe_ops.experts_ffn(tokens, routing, gate, up, down,
-                                    activation=GATE_ACTIVATIONS[self.kind], impl=self.impl)
+            y = moe_ops.experts_ffn(tokens, routing, gate, up, down, **ffn)
         else:
-            y = moe_dispatch.dispatch_experts_ffn(
-                tokens, routing, gate, up, down, split, activation=GATE_ACTIVATIONS[self.kind],
-                impl=self.impl)
+            y = moe_dispatch.dispatch_experts_ffn(tokens, routing, gate, up, down, split, **ffn)
         y = y.reshape(b, t, d)
         if m.shared_d_ff:
             shared = MLP(d_ff=m.shared_d_ff, kind=self.kind, init_std=self.init_std,

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.model.layers import MATRIX_INPUT_AXES
-from transformer_jax.model.lora import DEFAULT_TARGETS, TARGETS, LoraConfig
+from transformer_jax.model.lora import DEFAULT_TARGETS, TARGETS, LoraConfig, _set
 from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.ops.row_lora import RowAdapters
 from transformer_jax.model.stack import block_paths, restack, stacked_layers
@@ -36,23 +36,12 @@ Params = dict[str, Any]
 ROW_TARGETS = DEFAULT_TARGETS
 
 
-def _blocks(params: Mapping[str, Any]) -> list[tuple[tuple[str, ...], bool]]:
-    return block_paths(params)
-
-
 def _node(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
     for key in path:
         if not isinstance(tree, Mapping) or key not in tree:
             return None
         tree = tree[key]
     return tree
-
-
-def _set(tree: dict[str, Any], path: Sequence[str], value: Any) -> dict[str, Any]:
-    out = dict(tree)
-    out[path[0]] = value if len(path) == 1 else _set(dict(tree.get(path[0], {})), path[1:],
-                                                     value)
-    return out
 
 
 def _in_first_shape(w: Any, name: str, stacked: bool) -> tuple[int, ...]:
@@ -88,7 +77,7 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
         raise ValueError("stack_adapters needs at least one adapter")
     names = list(names) if names is not None else [f"adapter {i + 1}"
                                                    for i in range(len(adapters))]
-    blocks = _blocks(params)
+    blocks = block_paths(params)
     rank = max(cfg.rank for _, cfg in adapters)
     trees = []
     for (tree, cfg), name in zip(adapters, names, strict=True):
@@ -97,9 +86,9 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
             raise ValueError(f"adapter {name!r} targets {other}: a serving batch takes per-row "
                              f"adapters on the dense matrices only ({', '.join(ROW_TARGETS)})")
         tree = restack(tree, stacked_layers(params))
-        if sorted(_blocks(tree)) != sorted(blocks):
-            raise ValueError(f"adapter {name!r} has blocks {_blocks(tree)[:3]}..., the base "
-                             f"{blocks[:3]}... ({len(_blocks(tree))} vs {len(blocks)} layers)")
+        if sorted(block_paths(tree)) != sorted(blocks):
+            raise ValueError(f"adapter {name!r} has blocks {block_paths(tree)[:3]}..., the base "
+                             f"{blocks[:3]}... ({len(block_paths(tree))} vs {len(blocks)} layers)")
         trees.append((tree, cfg, name))
     stack: Params = {}
     for block, scanned in blocks:
@@ -155,7 +144,7 @@ def with_row_adapters(params: Params, stack: Params, ids: jax.Array) -> Params:
       per layer, [L, B], as the layer scan slices every leaf).
     """
     out = dict(params)
-    for block, stacked in _blocks(stack):
+    for block, stacked in block_paths(stack):
         for target in ROW_TARGETS:
             path = (*block, *TARGETS[target])
             ab = _node(stack, path)

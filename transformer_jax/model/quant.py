@@ -28,6 +28,7 @@ holds each quantised weight as a plain dict of its arrays; ``from_saved`` rebuil
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -108,12 +109,9 @@ def for_model(config: ModelConfig, quant: WeightQuant | None, shards: int = 1
         return quant
     widths = grouped_widths(config, shards)
     if quant.group_size is None and not quant.groups:
-        picks = {}
-        for name, width in widths.items():
-            g = DEFAULT_GROUP_SIZE
-            while g > 2 and width % g:
-                g //= 2
-            picks[name] = g
+        # The largest power of two up to DEFAULT_GROUP_SIZE (a power of two) dividing each
+        # width, at least 2 (an odd width then fails the check below).
+        picks = {n: max(2, math.gcd(width, DEFAULT_GROUP_SIZE)) for n, width in widths.items()}
         small = [f"{n} ({widths[n]}: {g})" for n, g in picks.items() if g < DEFAULT_GROUP_SIZE]
         if small:  # smaller groups carry more scales: more bytes per weight
             logger.info("quant %s: groups of %d inputs, but fewer for the input widths that "
@@ -146,10 +144,8 @@ def quantized_axes(name: str, w: Any, *, stacked: bool, expert: bool = False
     """
     lead, ndim = int(stacked), len(w.shape)
     n_in = 1 if name == EMBEDDING_PARAM else MATRIX_INPUT_AXES[name]
-    if expert:
-        inputs = (lead + 1,)
-    elif name == EMBEDDING_PARAM:  # [V, D]: a row per token, never transposed
-        inputs = (lead + 1,)
+    if expert or name == EMBEDDING_PARAM:  # the token table [V, D]: a row per token, never
+        inputs = (lead + 1,)  # transposed
     elif isinstance(w, OutFirst):
         inputs = tuple(range(ndim - n_in, ndim))
     else:

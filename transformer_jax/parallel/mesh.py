@@ -20,10 +20,9 @@ logger = logging.getLogger(__name__)
 
 #: The axes of every mesh without expert parallelism (``MeshConfig.expert == 1``).
 MESH_AXES = ("data", "fsdp", "tensor")
-#: The axes of a mesh with an ``expert`` axis (``MeshConfig.expert > 1``). A mesh without one
-#: keeps the three axes above, so its shardings, specs and checkpoints are those of before.
-#: expert sits inside fsdp and outside tensor: tensor's per-sublayer all-reduces stay on the
-#: closest devices, and each MoE layer's two all_to_alls over expert on the next closest.
+#: The axes of a mesh with an ``expert`` axis (``MeshConfig.expert > 1``). expert sits inside
+#: fsdp and outside tensor: tensor's per-sublayer all-reduces stay on the closest devices, and
+#: each MoE layer's two all_to_alls over expert on the next closest.
 EXPERT_MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 

@@ -99,9 +99,8 @@ def pod_mesh(mesh_config: MeshConfig, devices: Sequence[Any], slices: int = 1,
 def default_mesh(slices: int = 1, dcn_config: MeshConfig | None = None) -> MeshConfig:
     """The mesh of a run that sets none, on a pod: every chip an FSDP device, but for the slices
     the DCN mesh puts on data (default: all of them)."""
-    data = slices
-    if dcn_config is not None:
-        data = dict(zip(dcn_config.axes, dcn_config.resolve(slices), strict=True))["data"]
+    data = slices if dcn_config is None else dict(
+        zip(dcn_config.axes, dcn_config.resolve(slices), strict=True))["data"]
     return MeshConfig(data=data, fsdp=-1, tensor=1)
 
 

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.ops import target
-from transformer_jax.model.transformer import abstract_params, init_params, logical_axes
+from transformer_jax.model.transformer import abstract_params, logical_axes
 from transformer_jax.parallel.mesh import (  # noqa: F401 (sharding.make_mesh etc. are the API)
     EXPERT_MESH_AXES,
     MESH_AXES,
@@ -98,7 +98,7 @@ RESIDUAL_AXES = ("batch", "length", "act_embed")
 
 def rules_for(mesh: Mesh | jax.sharding.AbstractMesh) -> tuple[tuple[str, MeshAxes], ...]:
     """The logical rules of ``mesh``: ``EXPERT_RULES`` if it has an ``expert`` axis, else
-    ``LOGICAL_RULES`` (which name no expert axis, so meshes without one are as before)."""
+    ``LOGICAL_RULES`` (which name no expert axis)."""
     return EXPERT_RULES if "expert" in mesh.axis_names else LOGICAL_RULES
 
 
@@ -248,10 +248,9 @@ def _fits(sharding: NamedSharding, shape: tuple[int, ...]) -> bool:
     # ``param_shardings`` gives one spec entry per parameter dimension, so a mirror of the
     # parameter has exactly that rank and splits evenly; anything else stays replicated.
     spec = tuple(sharding.spec)
-    if len(spec) != len(shape):
-        return False
-    return all(axes is None or size % math.prod(sharding.mesh.shape[a] for a in _as_tuple(axes))
-               == 0 for size, axes in zip(shape, spec, strict=True))
+    return len(spec) == len(shape) and all(
+        axes is None or size % math.prod(sharding.mesh.shape[a] for a in _as_tuple(axes)) == 0
+        for size, axes in zip(shape, spec, strict=True))
 
 
 def per_device_bytes(abstract_tree: Any, shardings: Any) -> int:
@@ -269,10 +268,8 @@ def per_device_bytes(abstract_tree: Any, shardings: Any) -> int:
     per_leaf = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), shardings,
                             abstract_tree, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
     shards = jax.tree.leaves(per_leaf, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
-    total = 0
-    for x, s in zip(leaves, shards, strict=True):
-        total += math.prod(s.shard_shape(tuple(x.shape))) * np.dtype(x.dtype).itemsize
-    return total
+    return sum(math.prod(s.shard_shape(tuple(x.shape))) * np.dtype(x.dtype).itemsize
+               for x, s in zip(leaves, shards, strict=True))
 
 
 def with_shardings(abstract_tree: Any, shardings: Any) -> Any:
@@ -306,22 +303,6 @@ def shard_init(init_fn: Callable[..., T], out_shardings: Any) -> Callable[..., T
       The jitted init function.
     """
     return jax.jit(init_fn, out_shardings=out_shardings)
-
-
-def init_params_sharded(config: ModelConfig, mesh: Mesh, rng: jax.Array | int = 0) -> Any:
-    """Model parameters created sharded over ``mesh`` by the rules (see ``shard_init``).
-
-    Args:
-      config: the model.
-      mesh: the device mesh.
-      rng: a PRNG key or an int seed.
-
-    Returns:
-      The parameter tree, each leaf a ``jax.Array`` sharded by ``param_shardings``.
-    """
-    if isinstance(rng, int):
-        rng = jax.random.key(rng)
-    return shard_init(lambda key: init_params(config, key), param_shardings(config, mesh))(rng)
 
 
 def jit_sharded(fn: Callable[..., Any], mesh: Mesh, in_shardings: Any, out_shardings: Any, *,
@@ -402,18 +383,13 @@ def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+_KEY_ATTRS = {jax.tree_util.DictKey: "key", jax.tree_util.GetAttrKey: "name",
+              jax.tree_util.SequenceKey: "idx"}
+
+
 def _path_keys(path: Sequence[Any]) -> tuple:
-    keys = []
-    for k in path:
-        if isinstance(k, jax.tree_util.DictKey):
-            keys.append(k.key)
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            keys.append(k.name)
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            keys.append(k.idx)
-        else:
-            keys.append(str(k))
-    return tuple(keys)
+    return tuple(getattr(k, _KEY_ATTRS[type(k)]) if type(k) in _KEY_ATTRS else str(k)
+                 for k in path)
 
 
 def _path_str(path: Sequence[Any]) -> str:

@@ -20,22 +20,7 @@ from transformer_jax.model.ops.positions import (
     sinusoidal_positions,
 )
 
-__all__ = [
-    "FFN_FUNCTIONS",
-    "apply_rope",
-    "attention_mask",
-    "attention_weights",
-    "embed",
-    "geglu",
-    "gelu_ffn",
-    "layer_norm",
-    "reference_attention",
-    "relu_ffn",
-    "rms_norm",
-    "rope_attention_factor",
-    "rope_frequencies",
-    "sinusoidal_positions",
-    "softcap",
-    "swiglu",
-    "tied_logits",
-]
+__all__ = ["FFN_FUNCTIONS", "apply_rope", "attention_mask", "attention_weights", "embed", "geglu",
+           "gelu_ffn", "layer_norm", "reference_attention", "relu_ffn", "rms_norm",
+           "rope_attention_factor", "rope_frequencies", "sinusoidal_positions", "softcap", "swiglu",
+           "tied_logits"]

@@ -150,11 +150,8 @@ def attention_weights(q: jax.Array, k: jax.Array | SlotsLast, mask: jax.Array | 
     # tensor split of the kv heads keeps every row on its device (the partitioner adds no
     # collective), and XLA:CPU runs it as fast as one merged batch dimension R = B * K.
     k, slots_last = stored_keys(k)
-    if slots_last:
-        logits_spec = "BKQH,BKHS->BKQS"
-        k_rows = k.swapaxes(2, 3)  # for the shape checks only
-    else:
-        logits_spec, k_rows = "BKQH,BKSH->BKQS", k
+    logits_spec, k_rows = (("BKQH,BKHS->BKQS", k.swapaxes(2, 3)) if slots_last  # k_rows: for
+                           else ("BKQH,BKSH->BKQS", k))  # the shape checks only
     _check_qkv(q, k_rows, k_rows, mask)
     b, t, n, h = q.shape
     kv, s = k_rows.shape[1], k_rows.shape[2]
@@ -320,11 +317,8 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
               k_segments: jax.Array | None = None, window: int | jax.Array | None = None,
               causal: bool = True, scale: float | None = None, impl: str = "auto",
               softcap: float | None = None) -> jax.Array:
-    """Scaled dot-product attention with grouped kv heads and a structural mask.
-
-    A query at position m sees a key at position n iff ``(not causal or n <= m)`` and ``(window
-    is None or n > m - window)`` and (with segments) ``q_seg == k_seg != 0``. With ``softcap``
-    c the scaled logits x become ``c tanh(x / c)`` before the mask and softmax.
+    """Scaled dot-product attention with grouped kv heads and a structural mask (which keys
+    a query sees, and ``softcap``: see the module docstring).
 
     Args:
       q: [B, T, N, H] queries.
@@ -437,6 +431,5 @@ def _per_device(split, fn, q, k, v, **structure) -> jax.Array:
                          out_specs=P(rows, None, by_head))(q, k, v, arrays)
 
 
-__all__ = ["ATTENTION_IMPLS", "attention", "attention_mask", "attention_weights",
-           "choose_impl", "chunked_attention", "reference_attention",
-           "softcap"]
+__all__ = ["ATTENTION_IMPLS", "attention", "attention_mask", "attention_weights", "choose_impl",
+           "chunked_attention", "reference_attention", "softcap"]

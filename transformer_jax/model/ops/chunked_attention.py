@@ -2,9 +2,7 @@
 
 Layout and mask semantics are ``ops.attention``'s: queries ``q`` [B, T, N, H], keys and values
 [B, K, S, H] (the KV cache's layout), G = N / K query heads per kv head (never repeated in
-memory); a query at position m sees a key at position n iff ``n <= m`` (when causal), ``n > m -
-window`` (with a sliding window), and both are in the same non-zero segment. A query with no
-visible key returns exactly zeros.
+memory); a query with no visible key returns exactly zeros.
 
 The queries and keys are cut into blocks; each query block runs over the key blocks keeping a
 running maximum, sum and weighted value sum (an online softmax), and key blocks that no query of
@@ -373,15 +371,9 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
                       window: int | jax.Array | None = None, causal: bool = True,
                       scale: float | None = None, softcap: float | None = None,
                       block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> jax.Array:
-    """Memory-efficient attention on any backend: blockwise with an online softmax.
-
-    Queries and keys are cut into blocks of ``block_q`` and ``block_k``; each query block runs
-    over the key blocks keeping a running maximum, sum and weighted value sum (flash attention in
-    plain JAX). Key blocks that no query of the block can see (from the blocks' position ranges:
-    causal, window) are skipped with ``lax.cond``. The gradient is a custom VJP that recomputes
-    each block's probabilities from the saved per-row log-sum-exp, so neither direction stores
-    anything of size [T, S]: memory is linear in the context, plus one [B, N, block_q, block_k]
-    block of float32 logits at a time. K/V heads are shared by their G query heads, never repeated.
+    """Memory-efficient attention on any backend: blockwise with an online softmax, as the
+    module docstring says (blocks nothing sees skipped with ``lax.cond``); memory is linear in
+    the context, plus one [B, N, block_q, block_k] block of float32 logits at a time.
 
     Args:
       q: [B, T, N, H] queries.

@@ -10,15 +10,18 @@ import jax.numpy as jnp
 Matmul = Callable[[str, jax.Array, jax.Array], jax.Array]
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-           matmul: Matmul = jnp.einsum) -> jax.Array:
-    """SwiGLU: ``(silu(x W_gate) * (x W_up)) W_down``.
+def gated_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+              activation: Callable[[jax.Array], jax.Array],
+              matmul: Matmul = jnp.einsum) -> jax.Array:
+    """Gated FFN: ``(activation(x W_gate) * (x W_up)) W_down`` (``swiglu``: silu; ``geglu``:
+    GELU).
 
     Args:
       x: [B, T, D] activations.
       w_gate: [D, F] gate projection.
       w_up: [D, F] up projection.
       w_down: [F, D] down projection.
+      activation: the gate's elementwise nonlinearity.
       matmul: ``matmul(spec, x, w)``, the product of each projection (``jnp.einsum``, or
         ``dense`` for weights stored output axes first).
 
@@ -27,29 +30,18 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
     """
     gate = matmul("BTD,DF->BTF", x, w_gate)
     up = matmul("BTD,DF->BTF", x, w_up)
-    return matmul("BTF,FD->BTD", jax.nn.silu(gate) * up, w_down)
+    return matmul("BTF,FD->BTD", activation(gate) * up, w_down)
+
+
+swiglu = functools.partial(gated_ffn, activation=jax.nn.silu)
 
 
 def geglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
           matmul: Matmul = jnp.einsum, approximate: bool = False) -> jax.Array:
-    """GeGLU: ``(gelu(x W_gate) * (x W_up)) W_down``, with the exact (erf) GELU or, with
-    ``approximate``, its tanh approximation.
-
-    Args:
-      x: [B, T, D] activations.
-      w_gate: [D, F] gate projection.
-      w_up: [D, F] up projection.
-      w_down: [F, D] down projection.
-      matmul: ``matmul(spec, x, w)``, the product of each projection (``jnp.einsum``, or
-        ``dense`` for weights stored output axes first).
-      approximate: the tanh GELU (``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``).
-
-    Returns:
-      [B, T, D].
-    """
-    gate = matmul("BTD,DF->BTF", x, w_gate)
-    up = matmul("BTD,DF->BTF", x, w_up)
-    return matmul("BTF,FD->BTD", jax.nn.gelu(gate, approximate=approximate) * up, w_down)
+    """GeGLU: ``gated_ffn`` (same shapes) with the exact (erf) GELU or, with ``approximate``,
+    its tanh approximation (``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``)."""
+    return gated_ffn(x, w_gate, w_up, w_down, matmul=matmul,
+                     activation=functools.partial(jax.nn.gelu, approximate=approximate))
 
 
 def plain_ffn(x: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
@@ -63,8 +55,7 @@ def plain_ffn(x: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
       w_up: [D, F] up projection.
       w_down: [F, D] down projection.
       activation: the elementwise nonlinearity.
-      matmul: ``matmul(spec, x, w)``, the product of each projection (``jnp.einsum``, or
-        ``dense`` for weights stored output axes first).
+      matmul: as in ``gated_ffn``.
 
     Returns:
       [B, T, D].
@@ -76,20 +67,18 @@ gelu_ffn = functools.partial(plain_ffn, activation=functools.partial(jax.nn.gelu
                                                                      approximate=False))
 relu_ffn = functools.partial(plain_ffn, activation=jax.nn.relu)
 
-
-# Gated variants take (x, w_gate, w_up, w_down); plain ones (x, w_up, w_down).
-FFN_FUNCTIONS: dict[str, tuple[Callable[..., jax.Array], bool]] = {
-    "swiglu": (swiglu, True),
-    "geglu": (geglu, True),
-    "geglu_tanh": (functools.partial(geglu, approximate=True), True),
-    "gelu": (gelu_ffn, False),
-    "relu": (relu_ffn, False),
-}
-
 #: The gate's activation of each gated kind: what a mixture's experts apply
 #: (``ops.moe.experts_ffn``).
 GATE_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "swiglu": jax.nn.silu,
     "geglu": functools.partial(jax.nn.gelu, approximate=False),
     "geglu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+# Gated variants take (x, w_gate, w_up, w_down); plain ones (x, w_up, w_down).
+FFN_FUNCTIONS: dict[str, tuple[Callable[..., jax.Array], bool]] = {
+    **{kind: (functools.partial(gated_ffn, activation=act), True)
+       for kind, act in GATE_ACTIVATIONS.items()},
+    "gelu": (gelu_ffn, False),
+    "relu": (relu_ffn, False),
 }

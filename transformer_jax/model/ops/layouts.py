@@ -90,6 +90,4 @@ class SlotsLast:
 
 def stored_keys(keys: Any) -> tuple[Any, bool]:
     """(the stored array(s) of ``keys``, whether they are stored slots last)."""
-    if isinstance(keys, SlotsLast):
-        return keys.k, True
-    return keys, False
+    return (keys.k, True) if isinstance(keys, SlotsLast) else (keys, False)

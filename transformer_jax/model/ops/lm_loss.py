@@ -19,11 +19,8 @@ from transformer_jax.model.ops.layouts import OutFirst
 def head_logits(x: jax.Array, head: jax.Array | OutFirst) -> jax.Array:
     """[..., D] hidden states -> [..., V] float32 logits through ``head``: [D, V], or an
     ``OutFirst`` [V, D] (a tied token table), cast to x's dtype."""
-    if isinstance(head, OutFirst):
-        return jnp.einsum("...D,VD->...V", x, head.w.astype(x.dtype),
-                          preferred_element_type=jnp.float32)
-    return jnp.einsum("...D,DV->...V", x, head.astype(x.dtype),
-                      preferred_element_type=jnp.float32)
+    w, spec = (head.w, "...D,VD->...V") if isinstance(head, OutFirst) else (head, "...D,DV->...V")
+    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 def _chunk_sums(x, head, targets, weights, *, z_loss, logit_softcap):

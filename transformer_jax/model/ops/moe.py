@@ -335,7 +335,8 @@ def tile_layout(experts: jax.Array, n_experts: int, tile: int | None = None) -> 
     n, k = experts.shape
     pairs = n * k
     if tile is None:
-        tile = int(min(128, max(8, _next_pow2(-(-pairs // n_experts)))))
+        per_expert = -(-pairs // n_experts)  # rounded up to a power of two
+        tile = int(min(128, max(8, 1 << max(0, int(per_expert - 1).bit_length()))))
     order, sizes = sort_by_expert(experts, n_experts)
     tiles = (sizes + tile - 1) // tile
     tile_end = jnp.cumsum(tiles)
@@ -350,10 +351,6 @@ def tile_layout(experts: jax.Array, n_experts: int, tile: int | None = None) -> 
     row_pair = jnp.full((n_tiles * tile,), pairs, jnp.int32).at[pair_row].set(
         jnp.arange(pairs, dtype=jnp.int32), unique_indices=True)
     return TileLayout(pair_row, row_pair, tile_expert, tile_end[-1].astype(jnp.int32), tile)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x - 1).bit_length())
 
 
 @jax.custom_vjp
@@ -374,10 +371,6 @@ def _gather_rows_bwd(inverse, ct):
 
 
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
-
-
-def _tile_loop(layout: TileLayout, fn, init):
-    return jax.lax.fori_loop(0, layout.used, fn, init)
 
 
 def _gmm(layout: TileLayout, x: jax.Array, w: jax.Array, transpose: bool = False
@@ -402,7 +395,7 @@ def _gmm(layout: TileLayout, x: jax.Array, w: jax.Array, transpose: bool = False
         return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), t * m, 0)
 
     cols = w.shape[1] if transpose else w.shape[2]
-    return _tile_loop(layout, body, jnp.zeros((x.shape[0], cols), x.dtype))
+    return jax.lax.fori_loop(0, layout.used, body, jnp.zeros((x.shape[0], cols), x.dtype))
 
 
 def _tgmm(layout: TileLayout, x: jax.Array, dy: jax.Array, n_experts: int) -> jax.Array:
@@ -415,7 +408,8 @@ def _tgmm(layout: TileLayout, x: jax.Array, dy: jax.Array, n_experts: int) -> ja
         e = layout.tile_expert[t]
         return acc.at[e].add((rows.T @ grads).astype(acc.dtype))
 
-    return _tile_loop(layout, body, jnp.zeros((n_experts, x.shape[1], dy.shape[1]), x.dtype))
+    return jax.lax.fori_loop(0, layout.used, body,
+                             jnp.zeros((n_experts, x.shape[1], dy.shape[1]), x.dtype))
 
 
 @jax.custom_vjp

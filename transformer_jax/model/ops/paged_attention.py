@@ -226,17 +226,8 @@ def tpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     The kernel takes the pool as it is stored ([K, P, ps, H]) and DMAs each row's pages from it;
     it has no softmax scale (q is scaled first) and reads every page as bfloat16 (its loader
     casts), so float32 pages are attended at bfloat16 precision. Pages are read in blocks of up
-    to ``TPU_BLOCK_POSITIONS`` positions.
-
-    Args:
-      q: [B, N, H] queries.
-      k_pages, v_pages: [K, P, ps, H].
-      page_table: [B, W] int32.
-      position: [B] int position of each row's query.
-      interpret: run under ``pltpu.force_tpu_interpret_mode`` (on a CPU).
-
-    Returns:
-      [B, N, H] in q's dtype.
+    to ``TPU_BLOCK_POSITIONS`` positions. Args and result as ``gpu_paged_attention``'s
+    (``interpret``: run under ``pltpu.force_tpu_interpret_mode``, on a CPU).
     """
     from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
     from jax.experimental.pallas.ops.tpu.paged_attention import (  # noqa: PLC0415
