@@ -95,27 +95,31 @@ def fast_engine_compiles():
     step.step_jit = original
 
 
-# The modules that take longest (CPU seconds of each run alone on the 2-core machine, measured
-# before the suite's last speed-ups), heaviest first. ``pytest -n 2 --dist loadfile`` hands each
-# worker one module at a time in collection order, and pytest-xdist by default reorders the
-# modules by their number of tests, which left long modules of few tests (a subprocess each:
-# test_serving_tp, test_bench_decode) to the end while the other worker sat idle. Longest first
-# (and xdist's reordering off) leaves the short modules for the end, where they even out the two
-# workers. A module not listed runs after these, in collection order.
+# The modules that take longest (seconds of their tests, fixtures included, summed over both
+# workers of a fresh-clone run of the whole suite on the 2-core machine), heaviest first.
+# ``pytest -n 2 --dist loadfile`` hands each worker one module at a time in collection order,
+# and pytest-xdist by default reorders the modules by their number of tests, which left long
+# modules of few tests (a subprocess each: test_decode_tp, test_tpu_compile's TPU compiles) to
+# the end while the other worker sat idle. Longest first (and xdist's reordering off) leaves the
+# short modules for the end, where they even out the two workers: from that run's figures, the
+# later worker ends 21 s sooner in this order than with test_tpu_compile in collection order. A
+# module not listed (each takes under 2 s) runs after these, in collection order.
 LONGEST_FIRST = (
-    "test_moe_decode", "test_model_families", "test_readme_commands", "test_speculative",
-    "test_finetune", "test_grpo", "test_decode", "test_preference", "test_object_storage",
-    "test_decode_tp", "test_moe_parallel", "test_model", "test_faults", "test_generate_cli",
-    "test_serve", "test_training", "test_train_cli", "test_model_backends",
-    "test_serving_multi_prefill", "test_io_faults", "test_serving_engine", "test_quant",
-    "test_speculative_engine", "test_sharding", "test_multihost", "test_faults_qlora",
-    "test_hf_export", "test_run_faults", "test_tools", "test_moe_train", "test_hf_moe",
-    "test_hf_sharded", "test_hf_families", "test_serving_tp", "test_layer_groups",
-    "test_multi_lora", "test_paged_kernels", "test_structured", "test_window_cache",
-    "test_serving_bench", "test_hf", "test_export", "test_loading", "test_lora",
-    "test_generate_structured", "test_moe_ops", "test_attention", "test_structured_schemas",
-    "test_quant_train", "test_config", "test_ops", "test_serving_paged_cache", "test_checkpoint",
-    "test_evaluate", "test_bench_decode", "test_sampling")
+    "test_tpu_compile", "test_speculative", "test_moe_decode", "test_training", "test_finetune",
+    "test_readme_commands", "test_train_cli", "test_grpo", "test_decode", "test_decode_tp",
+    "test_serve", "test_model_families", "test_speculative_engine", "test_preference",
+    "test_generate_cli", "test_serving_multi_prefill", "test_object_storage", "test_sharding",
+    "test_moe_parallel", "test_run_faults", "test_serving_engine", "test_tools", "test_moe_train",
+    "test_multihost", "test_hf_sharded", "test_io_faults", "test_multi_lora", "test_faults_qlora",
+    "test_hf_families", "test_model_backends", "test_faults", "test_attention", "test_hf_moe",
+    "test_model", "test_serving_tp", "test_ops", "test_loading", "test_moe_ops",
+    "test_window_cache", "test_bench_decode", "test_sampling", "test_quant", "test_layer_groups",
+    "test_checkpoint", "test_paged_kernels", "test_export", "test_serving_bench", "test_hf",
+    "test_hf_export", "test_structured", "test_quant_train", "test_generate_structured",
+    "test_attention_kernels", "test_serving_paged_cache", "test_docs", "test_lora",
+    "test_structured_schemas", "test_plot", "test_config", "test_kv_quant", "test_evaluate",
+    "test_eval_sets", "test_legacy_run", "test_no_hang", "test_lm_loss", "test_data_shards",
+    "test_ops_softcap_yarn", "test_tokenizer", "test_data_build", "test_faults_serve")
 
 
 def pytest_configure(config):
