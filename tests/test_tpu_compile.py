@@ -27,8 +27,8 @@ from transformer_jax.cli import compile_serve  # noqa: E402
 from transformer_jax.parallel import collectives as coll  # noqa: E402
 from transformer_jax.parallel import mesh as mesh_lib  # noqa: E402
 
-TOY = ["model.vocab_size=256", "model.d_model=512", "model.d_ff=512", "model.n_layers=2",
-       "model.n_heads=4", "model.n_kv_heads=4", "model.scan_layers=true",
+TOY = ["model.vocab_size=256", "model.d_model=128", "model.d_ff=128", "model.n_layers=2",
+       "model.n_heads=4", "model.n_kv_heads=4", "model.head_dim=128", "model.scan_layers=true",
        "model.attention_impl=xla", "train.batch_size=8", "train.seq_len=128"]
 
 
@@ -389,7 +389,7 @@ def serve_large():
 
 
 def _toy_cache_bytes_per_chip(s: int, tensor: int = 4) -> int:
-    # K and V, 2 layers, B=8, S slots, 4 kv heads of 512 / 4 = 128, float32; kv heads split.
+    # K and V, 2 layers, B=8, S slots, 4 kv heads of 128, float32; kv heads split.
     return 2 * 2 * 8 * s * 4 * 128 * 4 // tensor
 
 
@@ -401,8 +401,9 @@ def test_serve_generate_fits_and_all_reduces_over_tensor(serve_large):
     assert _axes(r) == {"tensor"}
     # Per layer: the attention and MLP outputs, in the prefill and in the decode step.
     assert r["collectives"]["by_kind"]["all-reduce"]["count"] >= 2 * 2 * 2
-    # No weight is gathered: the largest matrix shard of a chip is 512 x 512 / 4 floats.
-    weight_shard = 512 * 512 * 4 // 4
+    # No weight is gathered: the largest matrix shard of a chip is 128 x 512 / 4 floats (q, k,
+    # v and o: d_model 128 to 4 heads of 128).
+    weight_shard = 128 * 512 * 4 // 4
     assert all(math.prod(s) * 4 < weight_shard for s in _all_gathered_shapes(r["hlo"]))
     # Each chip holds its quarter of the weights (and the small inputs).
     assert r["weight_bytes"] / 4 <= r["memory"]["argument"] <= r["weight_bytes"] / 4 + 2**20
