@@ -33,7 +33,11 @@ def gated_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
     return matmul("BTF,FD->BTD", activation(gate) * up, w_down)
 
 
-swiglu = functools.partial(gated_ffn, activation=jax.nn.silu)
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+           matmul: Matmul = jnp.einsum) -> jax.Array:
+    """SwiGLU: ``gated_ffn`` (same shapes) with the SiLU gate,
+    ``(silu(x W_gate) * (x W_up)) W_down``."""
+    return gated_ffn(x, w_gate, w_up, w_down, matmul=matmul, activation=jax.nn.silu)
 
 
 def geglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
