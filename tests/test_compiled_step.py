@@ -138,3 +138,15 @@ def test_a_step_compiled_for_a_tpu_topology_is_saved_and_refused_here(base, tmp_
     with pytest.raises(ValueError, match="compiled for other devices: device_kind 'TPU v5 "
                        f"lite' there, 'cpu' here; devices 4 there, {jax.device_count()} here"):
         executable.check_header(path, model, tc, make_mesh(MeshConfig.parse("-1,1,1")))
+
+
+def test_the_step_may_be_read_from_object_storage(tmp_path, monkeypatch):
+    import fsspec
+
+    monkeypatch.setenv("TRANSFORMER_JAX_CACHE", str(tmp_path / "cache"))
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/compiled-step-test/step.bin", executable.MAGIC + b'{"devices": 4}\n' + b"\x80")
+    try:
+        assert executable.read_header("memory://compiled-step-test/step.bin") == {"devices": 4}
+    finally:
+        fs.rm("/compiled-step-test", recursive=True)

@@ -92,11 +92,23 @@ def save(path: str | Path, compiled: Any, header: dict[str, Any]) -> int:
     return path.stat().st_size
 
 
+def _local(path: str | Path) -> Path:
+    """``path``, or the local copy of a remote one (``gs://...``: ``storage.local_copy``)."""
+    from transformer_jax import storage
+
+    try:
+        return storage.local_copy(path)
+    except (FileNotFoundError, OSError) as e:
+        raise ValueError(f"train.compiled_step={path}: cannot read it: {e.strerror or e}"
+                         ) from None
+
+
 def read_header(path: str | Path) -> dict[str, Any]:
-    """The header of a file ``save`` wrote. Raises ValueError (one line) for another file."""
+    """The header of a file ``save`` wrote (local or remote). Raises ValueError (one line) for
+    another file."""
     where = f"train.compiled_step={path}"
     try:
-        with open(path, "rb") as f:
+        with open(_local(path), "rb") as f:
             magic, line = f.readline(), f.readline()
     except OSError as e:
         raise ValueError(f"{where}: cannot read it: {e.strerror or e}") from None
@@ -172,7 +184,7 @@ def load(path: str | Path, model_config: Any, train_config: Any, mesh: Any, stat
         more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
         raise ValueError(f"train.compiled_step={path} was compiled for other inputs: "
                          f"{'; '.join(diffs[:3])}{more}")
-    with open(path, "rb") as f:
+    with open(_local(path), "rb") as f:
         f.readline(), f.readline()
         serialized, in_tree, out_tree = pickle.loads(f.read())
     client = mesh.devices.flat[0].client
