@@ -5,6 +5,7 @@ in one line, and a step compiled for a TPU topology is saved (loading it needs t
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -65,9 +66,15 @@ def test_a_run_with_the_saved_step_gives_the_losses_of_one_that_compiles_it(base
         return lambda state, batch: calls.append(1) or step(state, batch)
 
     monkeypatch.setattr(executable, "load", counting_load)
-    _train([*overrides, f"train.compiled_step={path}"], tmp / "loaded")
+    # A checkpoint at step 2 too (a run-only key: the step is the same program).
+    loaded = [*overrides, f"train.compiled_step={path}", "train.ckpt_every=2"]
+    _train(loaded, tmp / "loaded")
     assert len(calls) == 3  # every step ran the loaded program
     assert _losses(tmp / "loaded") == losses  # bit for bit
+    # Resumed from step 2 (the last checkpoint lost), the loaded step gives step 3 again.
+    shutil.rmtree(tmp / "loaded" / "checkpoints" / "3")
+    summary = _train(loaded, tmp / "loaded")
+    assert (summary.start_step, summary.train_loss, len(calls)) == (2, losses[-1], 4)
 
 
 @pytest.mark.parametrize("change, message", [

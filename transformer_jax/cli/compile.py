@@ -22,6 +22,11 @@ With ``--serve``, ``generate`` (prefill and the decode loop) is compiled instead
 mesh (``--tensor``, default every chip, and ``--expert``), for ``--batch`` prompts of
 ``--prompt-len`` tokens, ``--new-tokens`` new ones and ``--cache-size`` KV cache slots; the
 report adds the KV cache bytes a chip the config implies (``cli.compile_serve``).
+
+With ``--save PATH`` the compiled train step is written to PATH with what it was compiled for,
+for ``train train.compiled_step=PATH`` on those devices (``train.executable``; a TPU
+topology's step loads on that pod only). Without ``--topology`` (or ``--topology cpu``) the step
+is compiled for this host's devices over the run's own ``train.mesh``, as ``train`` would.
 """
 
 from __future__ import annotations
@@ -277,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--save saves the train step; not with --serve or --find-batch")
     if args.topology in (None, "cpu") and (args.serve or args.find_batch or args.slices != 1):
         parser.error("--serve, --find-batch and --slices need a TPU --topology")
+    if args.topology not in (None, "cpu") and (args.cpu_devices or args.no_fast_math):
+        parser.error("--cpu-devices and --no-fast-math are for this host's CPU (no --topology)")
     if args.topology in (None, "cpu"):
         code = _local_devices(args)
         if code:
