@@ -22,6 +22,11 @@ With ``--serve``, ``generate`` (prefill and the decode loop) is compiled instead
 mesh (``--tensor``, default every chip, and ``--expert``), for ``--batch`` prompts of
 ``--prompt-len`` tokens, ``--new-tokens`` new ones and ``--cache-size`` KV cache slots; the
 report adds the KV cache bytes a chip the config implies (``cli.compile_serve``).
+
+With ``--save PATH`` the compiled train step is written to PATH with what it was compiled for,
+for ``train train.compiled_step=PATH`` on those devices (``train.executable``; a TPU
+topology's step loads on that pod only). Without ``--topology`` (or ``--topology cpu``) the step
+is compiled for this host's devices over the run's own ``train.mesh``, as ``train`` would.
 """
 
 from __future__ import annotations
@@ -56,9 +61,14 @@ def _mesh_config(config: str, overrides: list[str], train: Any, slices: int
         f", data={mesh.data} over the slices" if mesh.data > 1 else "")
 
 
-def compile_report(config: str, overrides: list[str], topology: str, slices: int = 1, *,
-                   hlo: bool = False) -> dict[str, Any]:
+def compile_report(config: str, overrides: list[str], topology: str | None, slices: int = 1, *,
+                   hlo: bool = False, save: str | None = None) -> dict[str, Any]:
     """Compiles the run's train step for ``topology`` and returns the per-chip report.
+
+    ``topology`` None (or ``"cpu"``: this host's CPU devices) compiles for this process's
+    devices over the run's own mesh (``train.mesh``, as ``train`` makes it). ``save`` writes
+    the compiled step and what it was compiled for to that file (``train.executable``), for
+    ``train.compiled_step``; the report's ``saved`` gives its path and bytes.
 
     Returns:
       A JSON-ready dict: ``fits`` False (with ``error``, the compiler's line) when the
@@ -77,10 +87,19 @@ def compile_report(config: str, overrides: list[str], topology: str, slices: int
     from transformer_jax.train.config import build_configs
 
     model, train, _ = build_configs(config, overrides)
-    devices = pod.topology_devices(topology, slices)
-    mesh_config, dcn_config, mesh_note = _mesh_config(config, overrides, train, slices)
-    mesh = pod.pod_mesh(mesh_config, devices, slices, dcn_config)
-    per_chip = pod.devices_per_chip(devices)
+    if topology in (None, "cpu"):
+        import jax
+
+        from transformer_jax.parallel.mesh import MeshConfig, make_mesh
+
+        devices = jax.devices(topology)
+        mesh = make_mesh(MeshConfig.parse(train.mesh), devices, MeshConfig.parse(train.dcn_mesh))
+        mesh_note, per_chip, topology = f"train.mesh={train.mesh}", 1, topology or "local"
+    else:
+        devices = pod.topology_devices(topology, slices)
+        mesh_config, dcn_config, mesh_note = _mesh_config(config, overrides, train, slices)
+        mesh = pod.pod_mesh(mesh_config, devices, slices, dcn_config)
+        per_chip = pod.devices_per_chip(devices)
     hbm = pod.hbm_bytes(devices[0])
     hbm = hbm // per_chip if hbm else None
     report: dict[str, Any] = {
@@ -96,6 +115,12 @@ def compile_report(config: str, overrides: list[str], topology: str, slices: int
     report.update(fields)
     if compiled is None:
         return report
+    if save:
+        from transformer_jax.train import executable
+
+        header = executable.describe(compiled, model, train, mesh, config=config,
+                                     overrides=overrides, topology=topology, slices=slices)
+        report["saved"] = {"path": save, "bytes": executable.save(save, compiled, header)}
     memory = report["memory"]
     report["fits"] = hbm is None or memory["peak"] <= hbm
     cost = compiled.cost_analysis()
@@ -207,10 +232,16 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="tiny", help="preset name or TOML path")
-    parser.add_argument("--topology", required=True,
-                        help="TPU topology, e.g. v5e:2x2, v5p:4x4x4, v6e:16x16")
+    parser.add_argument("--topology", help="TPU topology, e.g. v5e:2x2, v5p:4x4x4, v6e:16x16; "
+                        "default (or cpu): this host's devices, over the run's train.mesh")
     parser.add_argument("--slices", type=int, default=1, help="slices joined by DCN")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--save", metavar="PATH", help="write the compiled train step to PATH, "
+                        "for train.compiled_step=PATH (loads on the devices it was compiled for)")
+    parser.add_argument("--cpu-devices", type=int, default=0, metavar="N",
+                        help="compiling for this host's CPU: as train's --cpu-devices")
+    parser.add_argument("--no-fast-math", action="store_true",
+                        help="compiling for this host's CPU: as train's --no-fast-math")
     parser.add_argument("--find-batch", action="store_true",
                         help="find the largest per-chip batch that fits, for each remat policy "
                         "(one compile a probe)")
@@ -247,6 +278,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--serve compiles generate on one slice; not with --find-batch or --slices")
     if args.remat and not args.find_batch:
         parser.error("--remat goes with --find-batch")
+    if args.save and (args.serve or args.find_batch):
+        parser.error("--save saves the train step; not with --serve or --find-batch")
+    if args.topology in (None, "cpu") and (args.serve or args.find_batch or args.slices != 1):
+        parser.error("--serve, --find-batch and --slices need a TPU --topology")
+    if args.topology not in (None, "cpu") and (args.cpu_devices or args.no_fast_math):
+        parser.error("--cpu-devices and --no-fast-math are for this host's CPU (no --topology)")
+    if args.topology in (None, "cpu"):
+        code = _local_devices(args)
+        if code:
+            return code
     from transformer_jax.model.config import REMATS
 
     for remat in args.remat or ():
@@ -266,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                                   prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                                   cache_size=args.cache_size)
         else:
-            report = compile_report(args.config, args.overrides, args.topology, args.slices)
+            report = compile_report(args.config, args.overrides, args.topology, args.slices,
+                                    save=args.save)
     except (ConfigError, ValueError, FileNotFoundError, ModuleNotFoundError,
             NotImplementedError) as e:
         # ModuleNotFoundError: a kernel's library (tokamax: attention auto/mosaic on TPU);
@@ -289,4 +331,25 @@ def main(argv: list[str] | None = None) -> int:
         print(format_serve_report(report))
     else:
         print(format_report(report))
+        if "saved" in report:
+            print(f"  saved the compiled train step to {args.save} "
+                  f"({report['saved']['bytes'] / 2**20:.1f} MiB): train.compiled_step={args.save}")
     return 0 if report["fits"] else EXIT_DOES_NOT_FIT
+
+
+def _local_devices(args: argparse.Namespace) -> int:
+    """Before JAX starts: the CPU devices and fast math ``train`` would use for this config
+    (a saved step loads only where both match); 2 and a line for a bad config."""
+    from transformer_jax.parallel.sharding import configure_cpu_devices
+    from transformer_jax.train.config import ConfigError, build_configs
+    from transformer_jax.train.perf import enable_cpu_fast_math
+
+    try:
+        _, train, _ = build_configs(args.config, args.overrides)
+        if not args.no_fast_math:
+            enable_cpu_fast_math()
+        configure_cpu_devices(train.micro_batch_size, args.cpu_devices)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    return 0

@@ -117,6 +117,7 @@ class TrainConfig(ObjectiveConfig):
       quant: quantised training through qwix (``transformer_jax.train.quant``): ``int8`` (the
         weight products' operands and gradients int8) or ``fp8`` (GPU/TPU); empty trains in
         float. Parameters, optimizer state and checkpoints stay in param_dtype.
+      compiled_step: load the train step ``transformer-jax compile --save PATH`` wrote.
     """
 
     steps: int = 1000
@@ -159,6 +160,7 @@ class TrainConfig(ObjectiveConfig):
     lora_base_dtype: str = ""
     lora_base_quant: str = ""
     quant: str = ""
+    compiled_step: str = ""
 
     def __post_init__(self) -> None:
         self.check_objective()

@@ -85,8 +85,15 @@ class Objective:
         return make_train_step(model_config, self.tc)
 
     def compile(self, state: TrainState, batch: Batch) -> None:
-        """Compiles the step, for ``batch``'s shapes ahead of time with ``fixed_shapes``."""
+        """Compiles the step, for ``batch``'s shapes ahead of time with ``fixed_shapes``; with
+        ``train.compiled_step`` loads it (``executable.load``: checked against this run)."""
         run = self.run
+        if self.tc.compiled_step:
+            from transformer_jax.train import executable
+
+            self.train_step = executable.load(self.tc.compiled_step, run.model_config, self.tc,
+                                              run.mesh, state, batch)
+            return
         step = sharding_lib.jit_train_step(self.step_fn(run.model_config, run.data),
                                            run.state_shardings, run.batch_sharding)
         self.train_step = step.lower(state, batch).compile() if self.fixed_shapes else step

@@ -45,6 +45,7 @@ from transformer_jax.train.checks import (
 from transformer_jax.train.config import DataConfig, TrainConfig
 from transformer_jax.train.context import Batch, Objective, RunContext
 from transformer_jax.train.data import RunData, prepare_data, prepare_shard_data
+from transformer_jax.train.executable import check_header
 from transformer_jax.train.grpo import GRPO
 from transformer_jax.train.init_from import architecture_changes
 from transformer_jax.train.log import (
@@ -134,6 +135,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
                                   dcn_config=sharding_lib.MeshConfig.parse(tc.dcn_mesh))
     num_batch_devices = sharding_lib.batch_devices(mesh)  # data x fsdp (x expert)
     check_config(model_config, tc, num_devices=num_batch_devices)
+    if tc.compiled_step:  # the tokenizer may still change vocab_size: checked again at compile
+        check_header(tc.compiled_step, model_config, tc, mesh, skip_model=("vocab_size",))
     objective.check_data(data_config)
     where = f"train.init_from={tc.init_from}"
     source = loading.locate(tc.init_from, where=where) if tc.init_from else None
@@ -283,8 +286,9 @@ def _train(run: RunContext, objective: Objective, ckpt: CheckpointManager, state
         global_batch_size=eval_kw["batch_size"]))
     flops = flops_per_token(model_config, tc.seq_len)
     peak, peak_source = mesh_peak_flops(list(mesh.devices.flat), tc.peak_flops)
-    logger.info("compiled train step in %.1f s; attention %s; %s; %.3g FLOPs/token; peak "
-                "%.3g FLOP/s (%s); mesh %s; eval batch %d", compile_time,
+    logger.info("%s train step in %.1f s; attention %s; %s; %.3g FLOPs/token; peak "
+                "%.3g FLOP/s (%s); mesh %s; eval batch %d",
+                "loaded" if tc.compiled_step else "compiled", compile_time,
                 attention_used(model_config, tc), describe_params(model_config), flops, peak,
                 peak_source, dict(mesh.shape), eval_kw["batch_size"])
     times["compile"] = compile_time
