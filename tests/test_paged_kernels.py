@@ -258,6 +258,16 @@ def test_pallas_needs_a_backend_with_a_paged_kernel():
             pass
 
 
+def test_tpu_kernels_only_for_head_dims_they_compile():
+    # Compiled for a TPU (jax 0.10.2), both kernels refuse H = 64 (tests/test_tpu_compile.py
+    # compiles them at 128): the XLA views instead; interpreted, the paged kernel runs any H.
+    with pa.kernel_target("tpu"):
+        assert [pa.plan("pallas", t, None, h).kernel for t in (1, 16) for h in (64, 128, 256)
+                ] == [None, "tpu_paged", "tpu_paged", None, "tpu_ragged", "tpu_ragged"]
+    with pa.kernel_target("tpu", interpret=True):
+        assert pa.plan("pallas", 1, None, 64).kernel == "tpu_paged"
+
+
 # The engine on the kernel ------------------------------------------------------------------------
 
 @pytest.mark.usefixtures("fast_generate_compiles")

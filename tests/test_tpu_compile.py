@@ -377,7 +377,7 @@ def _serve_cli(*argv: str) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def serve_small():
-    code, out, _ = _serve_cli("--cache-size", str(SMALL_S), "--json")
+    code, out, _ = _serve_cli("--cache-size", str(SMALL_S), "--only", "generate", "--json")
     assert code == 0
     return json.loads(out)
 
@@ -443,3 +443,57 @@ def test_serve_options_need_serve(capsys):
     with pytest.raises(SystemExit) as e:
         compile_cli.main(["--topology", "v5e:2x2", "--tensor", "4"])
     assert e.value.code == 2 and "--tensor go with --serve" in capsys.readouterr().err
+
+
+# The engine's step programs (``compile_engine``): decode rows for 8 slots and a prefill chunk of
+# 32 tokens over a pool of POOL pages of 16, with the paged attention the engine picks for a TPU
+# with ``attention_impl=pallas``: the Mosaic paged (decode) and ragged (prefill) kernels.
+POOL = 300
+
+
+@pytest.fixture(scope="module")
+def engine():
+    code, out, _ = _serve_cli("--only", "engine", "--chunk", "32", "--pages", str(POOL),
+                              "--json", "model.attention_impl=pallas")
+    assert code == 0 and "program" not in json.loads(out)  # generate not compiled
+    return json.loads(out)["engine"]
+
+
+def test_engine_steps_fit_all_reduce_over_tensor_and_hold_mosaic_kernels(engine):
+    import jax
+
+    assert jax.default_backend() == "cpu"  # the kernels follow the mesh's devices instead
+    assert engine["kernels"] == {"decode": "tpu_paged", "prefill": "tpu_ragged"}
+    assert engine["fits"] and engine["mesh"]["tensor"] == 4
+    assert set(engine["programs"]) == {"decode", "prefill"}
+    for p in engine["programs"].values():
+        assert p["fits"] and 0 < p["memory"]["peak"] <= engine["hbm_bytes"] == 16 * 2**30
+        assert _axes(p) == {"tensor"} and _kinds(p) == {"all-reduce"}  # nothing gathered
+        assert p["collectives"]["by_kind"]["all-reduce"]["count"] >= 2 * 2  # attention, MLP
+        assert p["mosaic_calls"] >= 1  # per device (an unsplit Mosaic call cannot compile)
+
+
+def test_engine_pool_bytes_per_chip_follow_the_config(engine):
+    # K and V, 2 layers, P pages of 16 positions, 4 kv heads of 128, float32, over 4 chips.
+    assert engine["pages"] == POOL
+    assert engine["pool_bytes_per_chip"] == 2 * 2 * POOL * 16 * 4 * 128 * 4 // 4
+    for p in engine["programs"].values():  # donated: in the arguments, aliased by the output
+        m = p["memory"]
+        assert m["alias"] >= engine["pool_bytes_per_chip"] <= m["argument"]
+        assert m["argument"] <= engine["pool_bytes_per_chip"] + engine["weight_bytes"] / 4 + 2**20
+
+
+def test_engine_report_prints_and_overflows_in_one_line(engine):
+    from transformer_jax.cli.compile_engine import format_engine_report
+
+    text = format_engine_report(engine)
+    assert "decode [8, 1]" in text and "prefill [1, 32]" in text and "tpu_ragged" in text
+    code, _, err = _serve_cli("--only", "engine", "--pages", str(2**20))
+    assert code == compile_cli.EXIT_DOES_NOT_FIT and len(err.strip().splitlines()) == 1
+    assert "the engine's decode step: RESOURCE_EXHAUSTED" in err
+
+
+@pytest.mark.parametrize("argv", [["--pages", "1"], ["--chunk", "0"], ["--page-size", "0"]])
+def test_engine_bad_input_is_one_line(argv):
+    code, _, err = _serve_cli("--only", "engine", *argv)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: ")

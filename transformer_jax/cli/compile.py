@@ -21,7 +21,12 @@ A program that does not fit is one line with the compiler's figures (exit 1).
 With ``--serve``, ``generate`` (prefill and the decode loop) is compiled instead, over a decode
 mesh (``--tensor``, default every chip, and ``--expert``), for ``--batch`` prompts of
 ``--prompt-len`` tokens, ``--new-tokens`` new ones and ``--cache-size`` KV cache slots; the
-report adds the KV cache bytes a chip the config implies (``cli.compile_serve``).
+report adds the KV cache bytes a chip the config implies (``cli.compile_serve``). Then the
+serving engine's step programs, decode rows for ``--batch`` slots and a ``--chunk`` prefill
+chunk over a pool of ``--pages`` pages of ``--page-size``, each reported alike, with the pool's
+bytes a chip (``cli.compile_engine``; JSON: ``"engine"``). ``--only generate`` or ``--only
+engine`` compiles one of the two (``model.attention_impl=pallas``, the engine's Mosaic paged
+kernels, has no kernel for ``generate``'s prefill over its cache).
 
 With ``--save PATH`` the compiled train step is written to PATH with what it was compiled for,
 for ``train train.compiled_step=PATH`` on those devices (``train.executable``; a TPU
@@ -227,6 +232,24 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _with_engine(report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """``generate``'s report with the engine's step programs (``compile_engine``) as
+    ``"engine"``; ``fits`` both's, and an engine program's overflow as the report's ``error``
+    (naming the program)."""
+    from transformer_jax.cli.compile_engine import engine_report
+
+    engine = engine_report(args.config, args.overrides, args.topology, tensor=args.tensor,
+                           expert=args.expert, slots=args.batch, pages=args.pages,
+                           page_size=args.page_size, chunk=args.chunk)
+    report["engine"] = engine
+    report.setdefault("device_kind", engine["device_kind"])
+    report["fits"] = engine["fits"]
+    for name, program in engine["programs"].items():
+        if "error" in program:
+            report["error"] = f"the engine's {name} step: {program['error']}"
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"{PROG} compile", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
@@ -258,6 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--prompt-len", type=int, default=128, help="T, prompt length (128)")
     serve.add_argument("--new-tokens", type=int, default=128, help="N, new tokens (128)")
     serve.add_argument("--cache-size", type=int, help="S, KV cache slots (default T + N)")
+    serve.add_argument("--only", choices=("generate", "engine"),
+                       help="compile only generate, or only the engine's step programs")
+    serve.add_argument("--pages", type=int, help="the engine's pool: P pages (default: every "
+                       "slot, --batch, at the full context)")
+    serve.add_argument("--page-size", type=int, default=16, help="positions per page (16)")
+    serve.add_argument("--chunk", type=int, default=256, help="C, the engine's prefill chunk "
+                       "(its token budget less the slots; 256)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override one field of the config, as for train")
     args = parser.parse_intermixed_args(argv)
@@ -267,10 +297,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # It only compiles, never claims a chip: two compiles at once need not exclude each other.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    given = [f"--{k.replace('_', '-')}" for k in ("tensor", "cache_size")
+    given = [f"--{k.replace('_', '-')}" for k in ("tensor", "cache_size", "pages", "only")
              if getattr(args, k) is not None]
     given += [f"--{k.replace('_', '-')}" for k, v in (("expert", 1), ("batch", 8),
-                                                       ("prompt_len", 128), ("new_tokens", 128))
+                                                       ("prompt_len", 128), ("new_tokens", 128),
+                                                       ("page_size", 16), ("chunk", 256))
               if getattr(args, k) != v]
     if given and not args.serve:
         parser.error(f"{', '.join(given)} go with --serve")
@@ -302,10 +333,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.serve:
             from transformer_jax.cli.compile_serve import serve_report
 
-            report = serve_report(args.config, args.overrides, args.topology, tensor=args.tensor,
-                                  expert=args.expert, batch=args.batch,
-                                  prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                                  cache_size=args.cache_size)
+            report = {"fits": True}
+            if args.only != "engine":
+                report = serve_report(args.config, args.overrides, args.topology,
+                                      tensor=args.tensor, expert=args.expert, batch=args.batch,
+                                      prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                      cache_size=args.cache_size)
+            if report["fits"] and args.only != "generate":
+                report = _with_engine(report, args)
         else:
             report = compile_report(args.config, args.overrides, args.topology, args.slices,
                                     save=args.save)
@@ -317,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(e, ModuleNotFoundError | NotImplementedError) else "")
         print(f"error: {str(e).splitlines()[0]}{hint}", file=sys.stderr)
         return 2
-    if not report["fits"] and "error" in report:
+    if not report["fits"] and "error" in report:  # generate's, or an engine program's
         print(f"error: does not fit on {args.topology} ({report['device_kind']}): "
               f"{report['error']}", file=sys.stderr)
         if args.json:
@@ -326,9 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report))
     elif args.serve:
+        from transformer_jax.cli.compile_engine import format_engine_report
         from transformer_jax.cli.compile_serve import format_serve_report
 
-        print(format_serve_report(report))
+        print("\n".join(([format_serve_report(report)] if "program" in report else [])
+                        + ([format_engine_report(report["engine"])] if "engine" in report
+                           else [])))
     else:
         print(format_report(report))
         if "saved" in report:

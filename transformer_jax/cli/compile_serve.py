@@ -55,8 +55,6 @@ def serve_report(config: str, overrides: list[str], topology: str, *, tensor: in
     from transformer_jax.decode import loop as decode
     from transformer_jax.decode.prompts import validate_capacity
     from transformer_jax.model.kv_cache import cache_bytes
-    from transformer_jax.parallel import collectives, pod
-    from transformer_jax.parallel.mesh import MeshConfig
     from transformer_jax.train.config import build_configs
 
     model, _, _ = build_configs(config, overrides)
@@ -66,6 +64,45 @@ def serve_report(config: str, overrides: list[str], topology: str, *, tensor: in
             raise ValueError(f"{name} must be >= 1, got {value}")
     cache_size = prompt_len + new_tokens if cache_size is None else cache_size
     validate_capacity(model, [prompt_len], new_tokens, cache_size)
+    devices, mesh, hbm, weights = decode_setup(model, topology, tensor, expert)
+    tensor = mesh.shape["tensor"]
+    cache = cache_bytes(model, batch, cache_size)
+    report: dict[str, Any] = {
+        "program": "generate", "config": config, "overrides": overrides, "topology": topology,
+        "device_kind": devices[0].device_kind, "devices": tensor * expert,
+        "topology_devices": len(devices), "mesh": dict(mesh.shape), "dtype": model.dtype,
+        "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+        "cache_size": cache_size, "attention": model.attention_impl, "hbm_bytes": hbm,
+        "cache_bytes": cache, "cache_bytes_per_chip": cache // tensor,
+        "weight_bytes": weights.nbytes}
+    rep = NamedSharding(mesh, P())
+    inputs = (jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=rep),
+              jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rep),
+              jax.ShapeDtypeStruct((batch, 2), jnp.uint32, sharding=rep))
+    start = time.perf_counter()
+    lowered = decode._generate_jit.lower(model, weights, *inputs, max_new_tokens=new_tokens,
+                                         cache_size=cache_size, mesh=mesh)
+    report["lower_s"] = time.perf_counter() - start
+    return compiled_report(report, lowered, mesh, hlo)
+
+
+def decode_setup(model: Any, topology: str, tensor: int | None, expert: int
+                 ) -> tuple[list[Any], Any, int | None, Any]:
+    """The topology's devices, the decode mesh (T x X of them), a chip's HBM per device, and
+    ``prepare``'s weights for a TPU target as ``ShapeDtypeStruct``s placed over the mesh
+    (``DecodeWeights``), as ``generate`` and the engine take them.
+
+    Raises:
+      ValueError: a mesh the topology or the model cannot take. TopologyError: no libtpu.
+    """
+    import jax
+
+    from transformer_jax.decode import loop as decode
+    from transformer_jax.parallel import pod
+    from transformer_jax.parallel.mesh import MeshConfig
+
+    if expert < 1:
+        raise ValueError(f"--expert must be >= 1, got {expert}")
     devices = pod.topology_devices(topology)
     if tensor is None:
         tensor = max(1, len(devices) // expert)
@@ -75,37 +112,29 @@ def serve_report(config: str, overrides: list[str], topology: str, *, tensor: in
     decode.check_tensor_parallel(model, tensor, expert)
     mesh = pod.pod_mesh(MeshConfig(data=1, fsdp=1, tensor=tensor, expert=expert),
                         devices[:tensor * expert])
-    per_chip = pod.devices_per_chip(devices)
     hbm = pod.hbm_bytes(devices[0])
-    hbm = hbm // per_chip if hbm else None
-    cache = cache_bytes(model, batch, cache_size)
-    report: dict[str, Any] = {
-        "program": "generate", "config": config, "overrides": overrides, "topology": topology,
-        "device_kind": devices[0].device_kind, "devices": tensor * expert,
-        "topology_devices": len(devices), "mesh": dict(mesh.shape), "dtype": model.dtype,
-        "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-        "cache_size": cache_size, "attention": model.attention_impl, "hbm_bytes": hbm,
-        "cache_bytes": cache, "cache_bytes_per_chip": cache // tensor}
-
+    hbm = hbm // pod.devices_per_chip(devices) if hbm else None
     aw = decode.abstract_weights(model, platform="tpu")
     shardings = decode.weight_shardings(model, mesh, aw.out_first, aw.quant, aw.experts_split)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           aw.params, shardings)
     weights = decode.DecodeWeights(params, model, mesh, aw.out_first, aw.quant,
                                    aw.experts_split)
-    report["weight_bytes"] = weights.nbytes
-    rep = NamedSharding(mesh, P())
-    inputs = (jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=rep),
-              jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rep),
-              jax.ShapeDtypeStruct((batch, 2), jnp.uint32, sharding=rep))
-    start = time.perf_counter()
-    lowered = decode._generate_jit.lower(model, weights, *inputs, max_new_tokens=new_tokens,
-                                         cache_size=cache_size, mesh=mesh)
-    report["lower_s"] = time.perf_counter() - start
+    return devices, mesh, hbm, weights
+
+
+def compiled_report(report: dict[str, Any], lowered: Any, mesh: Any, hlo: bool
+                    ) -> dict[str, Any]:
+    """``report`` with the compile of ``lowered`` added: ``compile_s`` and ``memory`` per
+    chip, ``fits``, ``collectives`` by kind and mesh axis, ``mosaic_calls`` and, with ``hlo``,
+    the program's text (or ``fits`` False and the compiler's ``error`` line)."""
+    from transformer_jax.parallel import collectives, pod
+
     compiled, fields = pod.compile_memory(lowered)
     report.update(fields)
     if compiled is None:
         return report
+    hbm = report["hbm_bytes"]
     report["fits"] = hbm is None or report["memory"]["peak"] <= hbm
     ids, axes = pod.slice_mesh(mesh)
     text = compiled.as_text()

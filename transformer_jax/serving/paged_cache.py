@@ -301,7 +301,7 @@ class PagedKVCache:
         # a soft-cap nor a per-layer (traced) window, which take the views too.
         plain = scale is None and softcap is None and not isinstance(window, jax.Array)
         if self.view == "auto" and not self.int8 and (plain or impl != "pallas"):
-            route = paged_attention.plan(impl, q.shape[1], window)
+            route = paged_attention.plan(impl, q.shape[1], window, q.shape[-1])
             if route.kernel is not None:
                 return paged_attention.paged_attention(
                     route.kernel, q, self.k[i], self.v[i], self.page_table, positions,

@@ -24,6 +24,10 @@ interleaved by head in one [P, ps, 2K, H] array, one copy of the layer's whole p
 Within a layer scan (a stacked cache) ``k[i]`` is a dynamic slice of the stacked pool that XLA
 may materialise as the kernel's operand (not measured: no accelerator here).
 
+Over a mesh whose logical rules split the kv heads (the engine's tensor axis, ``decode_context``)
+a kernel runs per device under ``shard_map``, on its K/T kv heads of the pool and their query
+heads (XLA cannot partition a Mosaic or Triton call), as ``ops.attention`` runs its kernels.
+
 Off an accelerator, ``kernel_target(backend, interpret=...)`` traces the kernels for another
 backend: to export them for it (``jax.export`` from a CPU), or to run the ones Pallas can
 interpret on a CPU (the Triton kernel with ``interpret=True``, the TPU paged kernel under
@@ -37,12 +41,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from transformer_jax.model.ops import target
+from transformer_jax.model.ops.attention import _kernel_split
 
 #: The paged kernels ``plan`` may choose.
 KERNELS = ("gpu_paged", "tpu_paged", "tpu_ragged")
@@ -61,6 +68,8 @@ GPU_PAGES_PER_BLOCK = 8
 GPU_MIN_BLOCK_KEYS = 16
 GPU_MAX_SPLITS = 16
 TPU_BLOCK_POSITIONS = 512
+#: The TPU kernels' head size must be a multiple of this (the vector lanes; ``plan``).
+TPU_LANES = 128
 
 # The ragged kernel's block sizes where its tuned table cannot be read (it asks the device kind,
 # so only on a TPU): the defaults its lookup takes on TPU v4 (pages per KV block, queries per
@@ -110,13 +119,16 @@ class Plan:
     impl: str
 
 
-def plan(impl: str, t: int, window: int | None) -> Plan:
+def plan(impl: str, t: int, window: int | None, head_dim: int | None = None) -> Plan:
     """The kernel (or view implementation) for a chunk of T queries per row.
 
     Args:
       impl: the config's ``attention_impl``.
       t: T, queries per row (1 for decode rows).
       window: the sliding window, or None.
+      head_dim: H; compiled for a TPU, both kernels need H a multiple of ``TPU_LANES`` (jax
+        0.10.2: at H = 64 the paged kernel's block shapes are refused and the ragged kernel
+        fails an assertion while tracing), so other head sizes take the XLA views there.
 
     Raises:
       ValueError: ``impl="pallas"`` on a backend with no paged kernel (CPU: use
@@ -136,6 +148,9 @@ def plan(impl: str, t: int, window: int | None) -> Plan:
                          f"impl='auto', 'xla' or 'chunked' (or ops.paged_attention."
                          f"kernel_target to interpret or export the kernels).")
     if target.interpret and kernel not in INTERPRETABLE:
+        return Plan(None, "xla")
+    if target.backend == "tpu" and not target.interpret and head_dim is not None \
+            and head_dim % TPU_LANES:
         return Plan(None, "xla")
     return Plan(kernel, "pallas")
 
@@ -165,6 +180,14 @@ def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.
     if window is not None and kernel != "tpu_ragged":
         raise ValueError(f"kernel {kernel!r} has no sliding window (window={window}); "
                          "plan() sends windows elsewhere")
+    split = _head_split(q.shape[0], k_pages.shape[0])
+    if split is not None:  # Mosaic and Triton calls are not partitioned by XLA: per device
+        mesh, heads = split
+        body = functools.partial(paged_attention, kernel, window=window)
+        return jax.shard_map(body, mesh=mesh, check_vma=False,
+                             in_specs=(P(None, None, heads), P(heads), P(heads), P(), P()),
+                             out_specs=P(None, None, heads))(q, k_pages, v_pages, page_table,
+                                                              positions)
     q = q.astype(v_pages.dtype)
     interpret = current_target().interpret
     if kernel == "tpu_ragged":
@@ -174,6 +197,15 @@ def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.
     fn = gpu_paged_attention if kernel == "gpu_paged" else tpu_paged_attention
     return fn(q[:, 0], k_pages, v_pages, page_table, positions[:, 0],
               interpret=interpret)[:, None]
+
+
+def _head_split(b: int, kv: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...]] | None:
+    """(mesh, kv-head axes) over which a paged kernel runs per device: the axes the mesh and
+    logical rules in context (``decode.decode_context``) split the K kv heads over (tensor),
+    as ``ops.attention`` runs its kernels. The pool is every row's, so a row split is not one
+    (the engine's mesh splits only heads). None when the heads are not split."""
+    split = _kernel_split(b, kv)
+    return None if split is None or not split[2] else (split[0], split[2])
 
 
 def _divisor_at_most(n: int, cap: int) -> int:
