@@ -403,3 +403,5 @@ def test_step_times_account_for_each_steps_time(engine):
     assert s["host_share"] == pytest.approx(host / (host + device))
     assert s["host_share"] == pytest.approx(times.host_share)
     assert s["phases"]["device"]["mean"] > 0
+    assert any(times.prefill) and not any(list(times.prefill)[-len(walls):])
+    assert s["decode_only"]["steps"] == len(times.prefill) - sum(times.prefill)

@@ -436,7 +436,8 @@ def main(argv: list[str]) -> int:
                   f"{r['preemptions']} preemptions, {r['prefix_hit_pages']} prefix-hit pages; "
                   f"KV {r['cache_bytes'] / 2 ** 20:.1f} MiB, "
                   f"{r['cache_bytes'] / r['cache_bytes_all_global']:.3f}x every layer global")
-            print(f"{'':16} {step_times_lib.table(r['step_times'])}")
+            for line in step_times_lib.table(r["step_times"]):
+                print(f"{'':16} {line}")
     got = result["modes"]
     if "engine" in got:
         if "engine-lora" in got:

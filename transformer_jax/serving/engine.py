@@ -360,7 +360,7 @@ class Engine:
                                             chunk is not None, sampler)
             delivered += self._deliver(sched.commit_decodes(plan, tokens, logprobs))
         self.steps += 1
-        self.step_times.record(clock)
+        self.step_times.record(clock, prefill=chunk is not None)
         return delivered
 
     def _deliver(self, events: list[tuple[Request, TokenEvent]]

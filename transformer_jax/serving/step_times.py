@@ -58,18 +58,22 @@ class StepTimes:
     def __init__(self, keep: int = 1 << 16) -> None:
         #: The kept steps' laps: each a list of seconds by phase (``PHASES``' order).
         self.steps: collections.deque[list[float]] = collections.deque(maxlen=keep)
+        #: Whether each kept step ran a prompt chunk (the others decode only).
+        self.prefill: collections.deque[bool] = collections.deque(maxlen=keep)
         self.totals = [0.0] * len(PHASES)
         self.count = 0
 
     def reset(self) -> None:
         """Forgets every step timed so far."""
         self.steps.clear()
+        self.prefill.clear()
         self.totals = [0.0] * len(PHASES)
         self.count = 0
 
-    def record(self, clock: StepClock) -> None:
-        """Adds one finished step's laps."""
+    def record(self, clock: StepClock, prefill: bool = False) -> None:
+        """Adds one finished step's laps (``prefill``: it ran a prompt chunk)."""
         self.steps.append(clock.spans)
+        self.prefill.append(prefill)
         self.totals = [a + b for a, b in zip(self.totals, clock.spans, strict=True)]
         self.count += 1
 
@@ -83,29 +87,48 @@ class StepTimes:
     def summary(self) -> dict[str, Any]:
         """Per step, in seconds, over the kept steps: ``phases`` {phase: {mean, median}},
         ``host`` and ``device`` {mean, median}, ``host_share`` (host / (host + device) of
-        the steps' sums) and ``steps`` (how many)."""
-        if not self.steps:
-            return {"steps": 0, "phases": {}, "host": None, "device": None, "host_share": None}
-        spans = np.asarray(self.steps)  # [steps, phases]
-        host = spans[:, [_INDEX[p] for p in HOST_PHASES]].sum(1)
-        device = spans[:, _INDEX["device"]]
-
-        def stats(x: np.ndarray) -> dict[str, float]:
-            return {"mean": float(np.mean(x)), "median": float(np.median(x))}
-
-        return {"steps": len(spans), "phases": {p: stats(spans[:, i]) for i, p in
-                                                enumerate(PHASES)},
-                "host": stats(host), "device": stats(device),
-                "host_share": float(host.sum() / max(host.sum() + device.sum(), 1e-12))}
+        the steps' sums) and ``steps`` (how many); ``decode_only``: the same over the steps
+        that ran no prompt chunk (None without any)."""
+        return _summary(np.asarray(self.steps).reshape(-1, len(PHASES)),
+                        ~np.asarray(self.prefill, bool))
 
 
-def table(summary: dict[str, Any]) -> str:
-    """``summary`` as one printed line: each phase's mean/median ms per step, then host,
-    device and the host share."""
+def _summary(spans: np.ndarray, decode_only: np.ndarray | None) -> dict[str, Any]:
+    """``StepTimes.summary`` of [steps, phases] laps; with ``decode_only`` [steps] bool, also
+    of those steps."""
+    if not len(spans):
+        return {"steps": 0, "phases": {}, "host": None, "device": None, "host_share": None,
+                "decode_only": None}
+    host = spans[:, [_INDEX[p] for p in HOST_PHASES]].sum(1)
+    device = spans[:, _INDEX["device"]]
+
+    def stats(x: np.ndarray) -> dict[str, float]:
+        return {"mean": float(np.mean(x)), "median": float(np.median(x))}
+
+    return {"steps": len(spans), "phases": {p: stats(spans[:, i]) for i, p in
+                                            enumerate(PHASES)},
+            "host": stats(host), "device": stats(device),
+            "host_share": float(host.sum() / max(host.sum() + device.sum(), 1e-12)),
+            "decode_only": None if decode_only is None or not decode_only.any() else
+            _summary(spans[decode_only], None)}
+
+
+def table(summary: dict[str, Any]) -> list[str]:
+    """``summary`` as printed lines: each phase's mean/median ms per step, then host, device
+    and the host share, of every step and of the decode-only ones."""
     if not summary["steps"]:
-        return "no steps timed"
-    ms = " ".join(f"{p} {s['mean'] * 1e3:.2f}/{s['median'] * 1e3:.2f}"
-                  for p, s in summary["phases"].items())
-    return (f"per step (ms, mean/median) {ms}; host {summary['host']['mean'] * 1e3:.2f}/"
-            f"{summary['host']['median'] * 1e3:.2f}, device {summary['device']['mean'] * 1e3:.2f}/"
-            f"{summary['device']['median'] * 1e3:.2f}; host share {summary['host_share']:.3f}")
+        return ["no steps timed"]
+    ms = "  ".join(f"{p} {s['mean'] * 1e3:.2f}/{s['median'] * 1e3:.2f}"
+                   for p, s in summary["phases"].items())
+    lines = [f"per step (ms, mean/median): {ms}", f"{summary['steps']} steps: {_shares(summary)}"]
+    if summary.get("decode_only"):
+        only = summary["decode_only"]
+        lines.append(f"{only['steps']} decode-only steps: {_shares(only)}")
+    return lines
+
+
+def _shares(summary: dict[str, Any]) -> str:
+    host, device = summary["host"], summary["device"]
+    return (f"host {host['mean'] * 1e3:.2f}/{host['median'] * 1e3:.2f} ms, device "
+            f"{device['mean'] * 1e3:.2f}/{device['median'] * 1e3:.2f} ms, host share "
+            f"{summary['host_share']:.3f}")
