@@ -286,6 +286,10 @@ def test_models_health_metrics(server):
     generated = [line for line in text.splitlines()
                  if line.startswith("transformer_jax_generation_tokens_total")]
     assert float(generated[0].split()[-1]) > 0
+    device = [line for line in text.splitlines()  # the engine's steps, timed by phase
+              if line.startswith('transformer_jax_engine_step_seconds{phase="device"}')]
+    assert float(device[0].split()[-1]) > 0
+    assert "transformer_jax_engine_step_host_share" in text
 
 
 # Faults ------------------------------------------------------------------------------------------

@@ -49,6 +49,11 @@ def test_every_mode_serves_every_token(tmp_path):
     for mode in modes:
         assert result["modes"][mode]["output_tokens"] == 3 * 4, mode
     assert result["modes"]["engine"]["peak_running"] == 2
+    times = result["modes"]["engine"]["step_times"]  # every step timed, phase by phase
+    assert times["steps"] == result["modes"]["engine"]["steps"]
+    assert 0 < times["host_share"] < 1
+    assert sum(p["mean"] for p in times["phases"].values()) == pytest.approx(
+        times["host"]["mean"] + times["device"]["mean"])
 
 
 def test_the_structured_modes_serve_every_token_and_write_their_results(tmp_path):

@@ -5,6 +5,7 @@ alone and under load; cancelling frees everything; requests that can never fit a
 After every test the pool holds all its pages again."""
 
 import threading
+import time
 
 import jax
 import numpy as np
@@ -333,3 +334,74 @@ def test_top_logprobs_are_the_top_k_of_each_steps_full_softmax(model, engine):
 def test_bad_top_logprobs_are_refused_by_name(engine, kwargs, message):
     with pytest.raises(ValueError, match=message):
         engine.add_request([1, 2], SamplingParams(**kwargs))
+
+
+def _steady(engine, params: SamplingParams, n: int = 3) -> None:
+    """Starts ``n`` requests and steps until they all decode (none waiting or in prefill)."""
+    for i in range(n):
+        engine.add_request([5, 6, 7 + i], params)
+    sched = engine.scheduler
+    step_until(engine, lambda: len(sched.running) == n and not sched.prefilling,
+               what="every request decoding")
+    engine.step()  # one more: the decode program has run on these inputs' shapes
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_steady_decode_step_uploads_its_inputs_and_downloads_once(engine, capfd,
+                                                                    monkeypatch, sampled):
+    """A decode step with no request to admit makes only the transfers its design needs:
+    uploads of the inputs that change every step (tokens, positions, page table; with sampled
+    rows also their keys, token indices and temperatures: the other settings are compiled
+    out) as the program's arguments, and one download: the sampled tokens and log-probs, fetched
+    together. Uploads are counted by JAX's transfer guard (its log), downloads by counting
+    arrays fetched to the host (the CPU backend's guard does not see them)."""
+    params = SamplingParams(max_tokens=10, temperature=0.8 if sampled else 0.0, seed=3)
+    _steady(engine, params)
+    cls = type(jax.numpy.zeros(()))
+    value, get, fetched, gets = cls._value, jax.device_get, [], []
+
+    def counted(arr):
+        if arr._npy_value is None:  # not on the host yet
+            fetched.append(arr.shape)
+        return value.fget(arr)
+
+    monkeypatch.setattr(cls, "_value", property(counted))
+    monkeypatch.setattr(jax, "device_get", lambda x: gets.append(1) or get(x))
+    with jax.transfer_guard("log_explicit"):
+        capfd.readouterr()
+        jax.device_put(np.zeros(2, np.int32))  # the log's control: one upload, one line
+        control = capfd.readouterr().err.count("host-to-device transfer")
+        events = engine.step()
+        uploads = capfd.readouterr().err.count("host-to-device transfer")
+    monkeypatch.undo()
+    assert control == 1, "JAX's transfer guard log is not visible (TF_CPP_MIN_LOG_LEVEL?)"
+    assert len(events) == 3 and all(e.finish_reason is None for e in events)
+    assert uploads == (6 if sampled else 3)
+    assert len(gets) == 1 and fetched == [(4,), (4,)]  # [B] tokens and log-probs, once
+    run_until_idle(engine)
+
+
+def test_step_times_account_for_each_steps_time(engine):
+    """Every step's phases are timed: their laps add up to the step's time as measured around
+    it, each phase non-negative; the summary's host share is host / (host + device)."""
+    engine.step_times.reset()
+    _steady(engine, SamplingParams(max_tokens=8))
+    walls = []
+    while not engine.idle:
+        t = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t)
+    times = engine.step_times
+    assert times.count == len(times.steps) > len(walls)
+    steps = np.asarray(times.steps)[-len(walls):]
+    assert (steps >= 0).all()
+    assert np.all(steps.sum(1) <= np.asarray(walls))
+    assert np.all(steps.sum(1) >= np.asarray(walls) - 1e-3)
+    s = times.summary()
+    host = s["host"]["mean"] * s["steps"]
+    device = s["device"]["mean"] * s["steps"]
+    assert s["host_share"] == pytest.approx(host / (host + device))
+    assert s["host_share"] == pytest.approx(times.host_share)
+    assert s["phases"]["device"]["mean"] > 0
+    assert any(times.prefill) and not any(list(times.prefill)[-len(walls):])
+    assert s["decode_only"]["steps"] == len(times.prefill) - sum(times.prefill)

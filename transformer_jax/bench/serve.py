@@ -8,7 +8,9 @@ first token (TTFT), time per output token (TPOT, ``(E2E - TTFT) / (tokens - 1)``
 latency (ITL) and end-to-end latency (E2E) as mean, median and p99, request and output-token
 throughput; for the engine also the peak of running sequences and of pages in use, and how many
 sequences contiguous slots of the same KV memory would hold (each reserving the model's whole
-context). It prints the ratios; ``--json`` writes everything.
+context), and where its steps' time went: each host phase and the wait for the device, mean
+and median per step, and the host's share (``serving.step_times``). It prints the ratios;
+``--json`` writes everything.
 
 Every program is compiled before the clock starts (the engine's step shapes, one ``generate``
 per request shape), on random weights of the config; outputs are greedy with no stop token, so
@@ -45,6 +47,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import cache_bytes
 from transformer_jax.model.transformer import init_params
 from transformer_jax.serving import Engine, SamplingParams
+from transformer_jax.serving import step_times as step_times_lib
 
 
 def _wait_until(t: float) -> None:
@@ -91,7 +94,8 @@ def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None
     out.update(records=records, peak_running=peak_running, peak_pages=peak_pages,
                steps=engine.steps,
                preemptions=engine.scheduler.preemptions,
-               prefix_hit_pages=engine.scheduler.prefix.hits)
+               prefix_hit_pages=engine.scheduler.prefix.hits,
+               step_times=engine.step_times.summary())
     if speculative:
         out["speculative"] = engine.speculation.metrics()
     return out
@@ -397,6 +401,7 @@ def main(argv: list[str]) -> int:
                                speculative=spec.k if spec else 0)
             print(f"  compiled {n} engine step shapes in {time.perf_counter() - t:.1f} s")
             engine.steps = 0
+            engine.step_times.reset()
             r = run_engine(engine, work, grammars,
                            args.speculative if mode == "engine-spec" else None)
             if mode == "engine-json-mixed":
@@ -431,6 +436,8 @@ def main(argv: list[str]) -> int:
                   f"{r['preemptions']} preemptions, {r['prefix_hit_pages']} prefix-hit pages; "
                   f"KV {r['cache_bytes'] / 2 ** 20:.1f} MiB, "
                   f"{r['cache_bytes'] / r['cache_bytes_all_global']:.3f}x every layer global")
+            for line in step_times_lib.table(r["step_times"]):
+                print(f"{'':16} {line}")
     got = result["modes"]
     if "engine" in got:
         if "engine-lora" in got:

@@ -1,7 +1,8 @@
 """The server's Prometheus metrics (``GET /metrics``), in a registry of its own per server.
 
 Gauges are set by the engine thread after every step (requests running and waiting, pages in
-use, the prefix cache's hit rate, speculative decoding's acceptance); histograms and counters
+use, the prefix cache's hit rate, speculative decoding's acceptance, the steps' time by phase
+and the host's share of it); histograms and counters
 as requests go (time to first token, time per output token, end-to-end latency, tokens in and
 out, requests by finish reason).
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from transformer_jax.serving.step_times import PHASES
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
             30.0, 60.0)
@@ -44,6 +47,11 @@ class Metrics:
                                          registry=r)
         self.finished = Counter(p + "requests_finished", "Requests ended, by finish reason",
                                 ["finish_reason"], registry=r)
+        self.step_seconds = Gauge(p + "engine_step_seconds", "Engine steps' time since start, "
+                                  "by phase: the host's and the wait for the device "
+                                  "(serving.step_times)", ["phase"], registry=r)
+        self.host_share = Gauge(p + "engine_step_host_share", "Host time / (host + device) of "
+                                "the engine's steps since start", registry=r)
         self.speculative = {
             name: Gauge(p + "speculative_" + name, help_, registry=r) for name, help_ in (
                 ("proposed", "Tokens proposed by speculative decoding, since start"),
@@ -65,6 +73,10 @@ class Metrics:
         self.pages_total.set(sched.pool.capacity)
         prefix = sched.prefix
         self.prefix_hit_rate.set(prefix.hits / prefix.queries if prefix.queries else 0.0)
+        times = engine.step_times
+        for phase, total in zip(PHASES, times.totals, strict=True):
+            self.step_seconds.labels(phase).set(total)
+        self.host_share.set(times.host_share)
         for name, value in engine.speculation.metrics().items():
             self.speculative[name].set(value)
 

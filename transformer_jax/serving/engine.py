@@ -62,6 +62,7 @@ from transformer_jax.serving.requests import (
 )
 from transformer_jax.serving.scheduler import MIN_CONTEXT, Scheduler
 from transformer_jax.serving.speculation import Speculation
+from transformer_jax.serving.step_times import StepClock, StepTimes
 from transformer_jax.serving.text import TextStream
 
 logger = logging.getLogger(__name__)
@@ -188,6 +189,8 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
         self.steps = 0
+        #: Where the steps' time went (``serving.step_times``), and the running step's clock.
+        self.step_times, self.step_clock = StepTimes(), StepClock()
         self._prepare: Callable[[Params], Params] | None = None  # update_weights'
         #: Speculative decoding of the requests that ask for it (``serving.speculation``).
         self.speculation = Speculation(self, draft)
@@ -306,9 +309,10 @@ class Engine:
         return [event for _, event in self._step()]
 
     def _step(self) -> list[tuple[Request, TokenEvent]]:
-        delivered = self._deliver(self._apply_pending())
+        clock = self.step_clock = StepClock()  # the phases' laps (``step_times``)
+        delivered = self._deliver(clock.lap("schedule", self._apply_pending()))
         sched = self.scheduler
-        plan = sched.schedule()
+        plan = clock.lap("schedule", sched.schedule())
         if plan is None:
             return delivered
         decode, prefill, rows, sampler = sched.inputs(plan, self.config.vocab_size,
@@ -317,6 +321,7 @@ class Engine:
         b = sched.num_slots
         if self.speculation.draft is not None:  # the draft's pages follow the pool's
             self.speculation.draft.mirror(plan, prefill, sched)
+        clock.lap("inputs")
         # The chunk, then the decode rows: two programs (``step.py`` says why), both dispatched
         # before either result is read, so a prompt's first token goes out when the chunk's
         # program ends. Forward and sampling are two programs each when rows draw under a
@@ -327,8 +332,9 @@ class Engine:
             if plan.copies:  # the forks' partial pages, before any step writes past the prompt
                 self._k, self._v = step_lib.copy_pages_jit(
                     self._k, self._v, *step_lib.padded(*np.asarray(plan.copies, np.int32).T))
-            logits = self._forward(decode, None) if plan.decodes else None
+            logits = clock.lap("dispatch", self._forward(decode, None) if plan.decodes else None)
             rows = rows.replace(allowed=sched.grammar_masks(plan, self.config.vocab_size))
+            clock.lap("inputs")
             chunk = None if prefill is None else step_lib.sample_from_jit(
                 chunk_logits, sched.sources(plan),
                 step_lib.row_slice(rows, b, b + plan.sample_rows), sampler)
@@ -341,24 +347,27 @@ class Engine:
             verify = self.speculation.dispatch(plan, rows, sampler) if plan.decodes else None
             rows_out = (self._run(decode, None, step_lib.row_slice(rows, 0, b), sampler)
                         if plan.decodes and verify is None else None)
+        clock.lap("dispatch")
         if chunk is not None:
-            tokens, logprobs = jax.device_get(chunk)
+            tokens, logprobs = clock.lap("device", jax.device_get(chunk))
             delivered += self._deliver(sched.commit_prefill(plan, tokens, logprobs))
         if verify is not None:
             delivered += self.speculation.finish(verify, self._deliver, chunk is not None)
         if rows_out is not None:
-            tokens, logprobs = jax.device_get(rows_out)
+            tokens, logprobs = clock.lap("device", jax.device_get(rows_out))
             if any(r.speculation is not None for r in plan.decodes):  # for its choice
                 self.speculation.plain_step(plan, tokens, time.perf_counter() - started,
                                             chunk is not None, sampler)
             delivered += self._deliver(sched.commit_decodes(plan, tokens, logprobs))
         self.steps += 1
+        self.step_times.record(clock, prefill=chunk is not None)
         return delivered
 
     def _deliver(self, events: list[tuple[Request, TokenEvent]]
                  ) -> list[tuple[Request, TokenEvent]]:
         """Gives each event its text (with a tokenizer) and to its request's consumer; forgets
-        finished requests."""
+        finished requests. The step's time since its last lap was the scheduler's commit."""
+        self.step_clock.lap("commit")
         if self.tokenizer is not None:
             events = [(req, with_text(req, event, self.scheduler.cancel))
                       for req, event in events]
@@ -367,6 +376,7 @@ class Engine:
                 self._requests.pop(req.id, None)
             if req.on_token is not None:
                 req.on_token(event)
+        self.step_clock.lap("deliver")
         return events
 
     def _grammar_tokenizer(self) -> Any:

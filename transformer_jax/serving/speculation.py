@@ -417,7 +417,8 @@ class Speculation:
         """Reads the verify step's results and commits them: each row's kept tokens one at a
         time (emitted and delivered, so stop ids, stop strings and ``max_tokens`` end it where
         they would), its acceptance recorded, and its pages for rejected positions returned."""
-        tokens, logprobs, accepted = jax.device_get(pending.outputs)
+        tokens, logprobs, accepted = self.engine.step_clock.lap(
+            "device", jax.device_get(pending.outputs))
         self.record(pending.width, pending.t, time.perf_counter() - pending.started, chunk_ran,
                     pending.sampler)
         sched = self.engine.scheduler
