@@ -133,3 +133,8 @@ def test_cache_paths_take_sinks(inputs, impl):
         last, _ = cache.attend(layer, qt[:, -1:], kt[:, -1:], vt[:, -1:], positions[:, -1:],
                                **logits)
         np.testing.assert_allclose(jnp.concatenate([out, last], 1), want, atol=2e-5)
+
+
+def test_config_refuses_sinks_with_a_kernel():
+    with pytest.raises(ValueError, match="attn_sinks: attention_impl='cudnn' has no"):
+        ModelConfig(attn_sinks=True, attention_impl="cudnn")

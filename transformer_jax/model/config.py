@@ -347,6 +347,9 @@ class ModelConfig(Execution, Architecture):
         if self.attn_softcap is not None and self.attention_impl == "cudnn":
             raise ValueError(f"attn_softcap={self.attn_softcap}: attention_impl='cudnn' cannot "
                              "soft-cap the logits; use 'auto', 'xla', 'chunked' or 'mosaic'")
+        if self.attn_sinks and self.attention_impl in ("cudnn", "pallas", "mosaic"):
+            raise ValueError(f"attn_sinks: attention_impl={self.attention_impl!r} has no "
+                             "attention sinks; use 'auto', 'xla' or 'chunked'")
 
     @property
     def architecture(self) -> Architecture:
