@@ -326,6 +326,11 @@ def _one_per_family() -> dict[str, ModelConfig]:
         "qwen2_moe": base.replace(qkv_bias=True, sliding_window=8,
                                   layer_pattern=("local", "global"),
                                   moe=dataclasses.replace(moe, shared_d_ff=8, shared_gate=True)),
+        "gpt_oss": base.replace(d_ff=16, qkv_bias=True, o_bias=True, attn_sinks=True,
+                                sliding_window=8, layer_pattern=("local", "global"),
+                                swiglu_limit=7.0, swiglu_alpha=1.702, swiglu_up_offset=1.0,
+                                moe=dataclasses.replace(moe, router_bias=True,
+                                                        expert_bias=True)),
     }
 
 
@@ -355,7 +360,7 @@ def test_a_field_no_family_declares_is_refused_naming_it(monkeypatch):
 
     @dataclasses.dataclass(frozen=True)
     class NewerMoE(MoE):
-        router_bias: bool = False
+        router_jitter: bool = False
 
     monkeypatch.setattr(families, "Architecture", Newer)
     monkeypatch.setattr(convert, "Architecture", Newer)
@@ -370,9 +375,10 @@ def test_a_field_no_family_declares_is_refused_naming_it(monkeypatch):
             with pytest.raises(ValueError, match=r"no HF model type has .*new_trick=0\.5"):
                 hf.config_to_hf(tricked)
         if config.moe is not None:
-            routed = newer.replace(moe=NewerMoE(**{**config.moe.__dict__, "router_bias": True}))
-            with pytest.raises(ValueError, match=r"have no moe\.router_bias: it must be False, "
-                                                 r"got moe\.router_bias=True"):
+            routed = newer.replace(moe=NewerMoE(**{**config.moe.__dict__,
+                                                   "router_jitter": True}))
+            with pytest.raises(ValueError, match=r"have no moe\.router_jitter: it must be "
+                                                 r"False, got moe\.router_jitter=True"):
                 hf.config_to_hf(routed, model_type)
 
 

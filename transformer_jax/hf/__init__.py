@@ -418,7 +418,9 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
             raise ValueError(f"param {key} has shape {list(value.shape)}, expected "
                              f"{list(s.param_shape)}")
         part = s.to_hf(value if s.stack is None else value[s.stack[0]])
-        if s.rows is not None and s.hf_name in tensors:  # the next rows of a fused tensor
+        if s.interleave is not None:  # its entries alternate with the other parts'
+            part = s.place(tensors.get(s.hf_name), part)
+        elif s.rows is not None and s.hf_name in tensors:  # the next rows of a fused tensor
             part = np.concatenate([tensors[s.hf_name], part], axis=s.axis)
         tensors[s.hf_name] = np.ascontiguousarray(part)
     for name, shape in moe.unused_tensors(config, hf_config["model_type"]).items():

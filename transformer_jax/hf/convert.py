@@ -106,7 +106,7 @@ QWEN2 = Family("qwen2", "Qwen2ForCausalLM", partial(_window_read, qwen2=True), _
 #: Every family by model type, in the order export tries them (the first that matches).
 FAMILIES = {f.model_type: f for f in (
     LLAMA, MISTRAL, QWEN2, families.QWEN3, families.GEMMA2, families.GEMMA3_TEXT,
-    families.OLMO2, families.PHI3, moe.MIXTRAL, moe.QWEN3_MOE, moe.QWEN2_MOE)}
+    families.OLMO2, families.PHI3, moe.MIXTRAL, moe.QWEN3_MOE, moe.QWEN2_MOE, moe.GPT_OSS)}
 ARCHITECTURES = {name: f.hf_class for name, f in FAMILIES.items()}
 # transformers' defaults of keys every family may omit (``Family.defaults`` override them).
 _DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}
@@ -297,8 +297,12 @@ def _tensors(config: ModelConfig, model_type: str | None = None, stacked_experts
         elif c.qk_norm == "full":
             out += [_reshaped(f"{attn}.{x}_norm.weight", (ours, "attn", f"{x}_norm", "scale"),
                               (heads * h,), (heads, h)) for x, heads in (("q", n), ("k", kv))]
-        out += [_heads_out(f"{attn}.o_proj.weight", (ours, "attn", "o_proj"), d, n, h),
-                *before_mlp]
+        out.append(_heads_out(f"{attn}.o_proj.weight", (ours, "attn", "o_proj"), d, n, h))
+        if c.o_bias:
+            out.append(_same(f"{attn}.o_proj.bias", (ours, "attn", "o_bias"), (d,)))
+        if c.attn_sinks:
+            out.append(_same(f"{attn}.sinks", (ours, "attn", "sinks"), (n,)))
+        out += before_mlp
         if c.moe is not None and c.moe.is_sparse(i):
             out += moe.ffn_tensors(c, i, family, stacked_experts)
             continue

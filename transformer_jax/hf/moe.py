@@ -1,5 +1,5 @@
 """HF ``config.json`` <-> ``ModelConfig`` and the experts' tensors for the mixture-of-experts
-families: Mixtral, Qwen2-MoE and Qwen3-MoE.
+families: Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS.
 
 Pure functions, no file I/O: each family is a ``families.Family`` declaration (``MIXTRAL``,
 ``QWEN2_MOE``, ``QWEN3_MOE``) that ``transformer_jax.hf.convert`` reads and matches. The
@@ -17,6 +17,15 @@ table (``model.fields.MoE``):
   gated by ``sigmoid(x . shared_expert_gate)`` (width 0: none, its empty tensors unused).
 - ``qwen3_moe``: the Qwen3 block (per-head QK-norm, one window for every layer with
   ``use_sliding_window``), ``qwen2_moe``'s layer rule and widths, no shared expert.
+- ``gpt_oss``: biases on q/k/v and o (``attention_bias``: ``qkv_bias`` and ``o_bias``
+  together), a sink logit per head (``attn_sinks``), sliding and full ``layer_types``, every
+  layer sparse with a biased router (top-k, softmax over the chosen: ``renormalize``) and
+  biased experts (``moe.expert_bias``) whose SwiGLU is clamped (``swiglu_limit``,
+  ``swiglu_alpha``, ``swiglu_up_offset`` 1). Its experts are stored in-first and stacked,
+  ``mlp.experts.gate_up_proj`` [E, D, 2F] with gate and up columns alternating (and its bias
+  [E, 2F] likewise), ``down_proj`` [E, F, D], ``down_proj_bias`` [E, D]; the router is
+  ``mlp.router.{weight,bias}``. The published checkpoints' MXFP4 experts (``*_blocks``,
+  ``*_scales`` with a ``quantization_config``) are refused, as every quantised checkpoint.
 
 A ``num_experts`` of 0 (or every layer in ``mlp_only_layers``) is a dense model (``moe=None``).
 Refused, naming the field: ``router_jitter_noise`` > 0 (training-time noise on the router's
@@ -48,7 +57,7 @@ from typing import Any
 
 from transformer_jax.hf import families
 from transformer_jax.hf.families import ALL_ROPE, Family
-from transformer_jax.hf.tensors import _fused, _linear, _Tensor
+from transformer_jax.hf.tensors import _fused, _linear, _same, _Tensor
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.fields import MoE
 
@@ -111,7 +120,7 @@ def _moe_from_hf(hf: ChainMap[str, Any], model_type: str, n_layers: int) -> MoE 
                       or not 1 <= top_k <= n_experts):
         raise ValueError(f"num_experts_per_tok must be an int in 1..{n_experts} (the experts), "
                          f"got {top_k!r}")
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "gpt_oss"):  # every layer sparse, one width
         return MoE(n_experts=n_experts, top_k=top_k, d_ff=hf["intermediate_size"])
     step = hf.get("decoder_sparse_step", 1)
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
@@ -160,6 +169,34 @@ def _qwen_write(c: ModelConfig, *, qwen2: bool) -> dict[str, Any]:
     return out
 
 
+def _gpt_oss_read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int) -> dict[str, Any]:
+    kinds = (families.layer_kinds_from_hf(hf["layer_types"], n_layers)
+             if hf.get("layer_types") is not None
+             else ["local" if i % 2 == 0 else "global" for i in range(n_layers)])
+    window, pattern = families.window_and_pattern(kinds, hf.get("sliding_window"))
+    bias = bool(hf.get("attention_bias"))
+    moe = _moe_from_hf(hf, "gpt_oss", n_layers)
+    if moe is None:
+        raise ValueError("gpt_oss needs num_local_experts > 0")
+    return dict(sliding_window=window, layer_pattern=pattern, qkv_bias=bias, o_bias=bias,
+                moe=dataclasses.replace(moe, router_bias=True, expert_bias=True),
+                swiglu_limit=float(hf["swiglu_limit"]), swiglu_alpha=float(hf["swiglu_alpha"]))
+
+
+def _gpt_oss_write(c: ModelConfig) -> dict[str, Any]:
+    if c.qkv_bias != c.o_bias:
+        raise ValueError("HF gpt_oss checkpoints bias q/k/v and o together (attention_bias): "
+                         f"got qkv_bias={c.qkv_bias}, o_bias={c.o_bias}")
+    if c.swiglu_limit is None:
+        raise ValueError("HF gpt_oss checkpoints clamp their SwiGLU: swiglu_limit must be set")
+    m = c.moe
+    return dict(num_local_experts=m.n_experts, num_experts_per_tok=m.top_k,
+                intermediate_size=m.d_ff, attention_bias=c.qkv_bias,
+                layer_types=families.layer_types_to_hf(c), sliding_window=c.sliding_window,
+                swiglu_limit=c.swiglu_limit, swiglu_alpha=c.swiglu_alpha,
+                router_aux_loss_coef=0.0)
+
+
 # Every sparse layer's experts: the table's n_experts, top_k, d_ff (no default) and these.
 _LAYERS = frozenset({"moe.renormalize", "moe.sparse_step", "moe.dense_layers"})
 # ``defaults``: transformers' class defaults, where config.json may omit the key.
@@ -185,6 +222,17 @@ QWEN3_MOE = Family(
     required=frozenset({"num_key_value_heads"}),
     defaults=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                   norm_topk_prob=False))
+GPT_OSS = Family(
+    "gpt_oss", "GptOssForCausalLM", _gpt_oss_read, _gpt_oss_write,
+    fixed={"attn_sinks": True, "swiglu_up_offset": 1.0, "moe.renormalize": True,
+           "moe.router_bias": True, "moe.expert_bias": True},
+    free=frozenset({"qkv_bias", "o_bias", "sliding_window", "layer_pattern", "swiglu_limit",
+                    "swiglu_alpha"}),
+    rope_kinds=ALL_ROPE, activations={"silu": "swiglu"},
+    required=frozenset({"num_key_value_heads"}),
+    defaults=dict(num_local_experts=128, num_experts_per_tok=4, rms_norm_eps=1e-5,
+                  attention_bias=True, sliding_window=128, swiglu_limit=7.0,
+                  swiglu_alpha=1.702, tie_word_embeddings=False))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -205,6 +253,8 @@ def ffn_tensors(config: ModelConfig, layer: int, family: Family, stacked: bool =
     d, e, f = c.d_model, m.n_experts, m.d_ff
     block = "mlp" if stacked else family.experts[0]  # transformers 5 stacks them in ``mlp``
     hf, ours = f"model.layers.{layer}.{block}", (f"blocks_{layer}", "moe")
+    if m.expert_bias:  # GPT-OSS's layout (the one HF layout with expert biases)
+        return _interleaved_experts(f"model.layers.{layer}.mlp", ours, d, e, f)
     out = [_linear(f"{hf}.gate.weight", (*ours, "router"), d, e)]
     if stacked:  # [E, out, in] <-> [E, in, out]
         def batched(name: str, param: str, n_in: int, n_out: int) -> _Tensor:
@@ -229,6 +279,25 @@ def ffn_tensors(config: ModelConfig, layer: int, family: Family, stacked: bool =
     return out
 
 
+def _interleaved_experts(hf: str, ours: tuple[str, ...], d: int, e: int, f: int
+                         ) -> list[_Tensor]:
+    """GPT-OSS's sparse layer: router and its bias, experts in-first with gate and up columns
+    alternating in ``gate_up_proj`` and its bias, then ``down_proj`` and its bias."""
+    def part(name: str, param: str, shape: tuple[int, ...], index: int) -> _Tensor:
+        return dataclasses.replace(_same(name, (*ours, param), shape),
+                                   axis=len(shape) - 1, interleave=(index, 2))
+
+    experts = f"{hf}.experts"
+    return [_linear(f"{hf}.router.weight", (*ours, "router"), d, e),
+            _same(f"{hf}.router.bias", (*ours, "router_bias"), (e,)),
+            part(f"{experts}.gate_up_proj", "gate", (e, d, f), 0),
+            part(f"{experts}.gate_up_proj", "up", (e, d, f), 1),
+            part(f"{experts}.gate_up_proj_bias", "gate_bias", (e, f), 0),
+            part(f"{experts}.gate_up_proj_bias", "up_bias", (e, f), 1),
+            _same(f"{experts}.down_proj", (*ours, "down"), (e, f, d)),
+            _same(f"{experts}.down_proj_bias", (*ours, "down_bias"), (e, d))]
+
+
 def unused_tensors(config: ModelConfig, model_type: str) -> dict[str, tuple[int, ...]]:
     """Tensors a checkpoint has that change nothing, by name, with their shapes: Qwen2-MoE's
     shared expert of width 0 (empty matrices, and a gate that scales zeros). ``load`` checks
@@ -244,5 +313,5 @@ def unused_tensors(config: ModelConfig, model_type: str) -> dict[str, tuple[int,
                                 ("shared_expert_gate.weight", (1, d)))}
 
 
-__all__ = ["MIXTRAL", "QWEN2_MOE", "QWEN3_MOE", "ffn_tensors", "stacked_experts",
+__all__ = ["GPT_OSS", "MIXTRAL", "QWEN2_MOE", "QWEN3_MOE", "ffn_tensors", "stacked_experts",
            "unused_tensors"]

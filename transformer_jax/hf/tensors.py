@@ -38,6 +38,9 @@ class _Tensor:
       stack: for one of several HF tensors stacked into one param (the experts of a sparse
         layer stored one by one), (its index, their number) on the param's first dimension:
         ``shape`` is then this tensor's slice ``param[index]``, and ``param_shape`` the whole.
+      interleave: for one part of a tensor whose parts alternate on HF dimension ``axis``
+        (GPT-OSS's ``gate_up_proj``: gate, up, gate, ...), (its index, the number of parts):
+        the part is entries ``index::count`` there; ``hf_shape`` is then the part's shape.
     """
 
     hf_name: str
@@ -49,14 +52,26 @@ class _Tensor:
     rows: tuple[int, int] | None = None
     axis: int = 0
     stack: tuple[int, int] | None = None
+    interleave: tuple[int, int] | None = None
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
         """Shape of the tensor in the file (the whole fused tensor for a part)."""
+        a = self.axis
+        if self.interleave is not None:
+            return (*self.hf_shape[:a], self.hf_shape[a] * self.interleave[1],
+                    *self.hf_shape[a + 1:])
         if self.rows is None:
             return self.hf_shape
-        a = self.axis
         return (*self.hf_shape[:a], self.rows[1], *self.hf_shape[a + 1:])
+
+    def place(self, stored: np.ndarray | None, part: np.ndarray) -> np.ndarray:
+        """The stored tensor with this interleaved part written in (``stored`` None: zeros
+        of ``stored_shape`` first)."""
+        out = np.zeros(self.stored_shape, part.dtype) if stored is None else stored
+        index, count = self.interleave
+        np.moveaxis(out, self.axis, 0)[index::count] = np.moveaxis(part, self.axis, 0)
+        return out
 
     @property
     def row_range(self) -> tuple[int, int]:
@@ -107,6 +122,14 @@ class _Tensor:
             rest = math.prod(self.split[d] for d in dims[1:])
             start, stop = ranges[dims[0]]
             offset = self.row_range[0] if len(hf_index) == self.axis else 0
+            if self.interleave is not None and len(hf_index) == self.axis:
+                index, count = self.interleave  # (``axis`` is one split dimension)
+                first = start * count + index  # stop at the last entry read (in bounds)
+                hf_index.append(slice(first, first + max(0, (stop - start - 1) * count + 1),
+                                      count))
+                block_shape.append(stop - start)
+                inner.append(slice(None))
+                continue
             hf_index.append(slice(start * rest + offset, stop * rest + offset))
             block_shape += [stop - start, *(self.split[d] for d in dims[1:])]
             inner += [slice(None), *(slice(*ranges[d]) for d in dims[1:])]

@@ -55,7 +55,8 @@ class Block(nn.Module):
                        param_dtype=c.jnp_param_dtype)
         attn = Attention(
             n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-            qkv_bias=c.qkv_bias, qk_norm=c.qk_norm, norm_eps=c.norm_eps,
+            qkv_bias=c.qkv_bias, o_bias=c.o_bias, sinks=c.attn_sinks, qk_norm=c.qk_norm,
+            norm_eps=c.norm_eps,
             norm_offset=c.norm_offset, scale=c.attn_scale, softcap=c.attn_softcap,
             rope_pairing=c.rope_pairing, impl=c.attention_impl, init_std=c.init_std,
             out_init_std=out_std, name="attn", **dtypes)
@@ -63,8 +64,8 @@ class Block(nn.Module):
             layer = self.group.ref(self.position, layer)
         stats = None
         if self.spec.sparse:
-            moe = SparseFFN(moe=c.moe, kind=c.ffn, impl=c.moe_impl, init_std=c.init_std,
-                            out_init_std=out_std, name="moe", **dtypes)
+            moe = SparseFFN(moe=c.moe, kind=c.ffn, swiglu=c.swiglu, impl=c.moe_impl,
+                            init_std=c.init_std, out_init_std=out_std, name="moe", **dtypes)
             valid = None if segment_ids is None else segment_ids > 0
 
             def mlp(h: jax.Array) -> jax.Array:
@@ -72,8 +73,8 @@ class Block(nn.Module):
                 y, stats = moe(h, valid)
                 return y
         else:
-            mlp = MLP(d_ff=c.d_ff, kind=c.ffn, init_std=c.init_std, out_init_std=out_std,
-                      name="mlp", **dtypes)
+            mlp = MLP(d_ff=c.d_ff, kind=c.ffn, swiglu=c.swiglu, init_std=c.init_std,
+                      out_init_std=out_std, name="mlp", **dtypes)
         kind = LayerKind.of(c, self.spec)
 
         def norm(name: str) -> Norm:

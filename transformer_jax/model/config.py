@@ -83,6 +83,9 @@ class Architecture:
       sliding_window: if set, a query sees only the last ``sliding_window`` positions
         (itself included), as in Mistral; None for full causal attention.
       qkv_bias: whether the q/k/v projections have biases (Qwen2).
+      o_bias: whether the attention's output projection has a bias [D].
+      attn_sinks: a learned sink logit per query head (``sinks`` [N]) joins every attention
+        softmax's denominator, taking probability mass and adding no value.
       tie_embeddings: whether the LM head is the transposed token embedding.
       qk_norm: RMSNorm of the queries and keys before RoPE: None; ``"head"`` normalises each
         head's H values with one [H] gain shared by the heads (Qwen3, Gemma 3); ``"full"``
@@ -102,6 +105,11 @@ class Architecture:
         while global layers keep ``rope_base`` and the scaling; None: one rotation for all.
       moe: if set, the mixture-of-experts FFN of the sparse layers (``MoE``); None: every
         FFN dense.
+      swiglu_limit: ``"swiglu"`` only: if set, the gate is clamped to at most this value and
+        the up projection to [-limit, limit] before they are combined.
+      swiglu_alpha: ``"swiglu"`` only: the gate's activation is ``g sigmoid(alpha g)`` (1.0:
+        SiLU).
+      swiglu_up_offset: ``"swiglu"`` only: the gated product is ``act(g) (up + offset)``.
     """
 
     vocab_size: int = 512
@@ -122,6 +130,8 @@ class Architecture:
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
     qkv_bias: bool = False
+    o_bias: bool = False
+    attn_sinks: bool = False
     tie_embeddings: bool = False
     qk_norm: str | None = None
     norm_offset: float = 0.0
@@ -132,6 +142,9 @@ class Architecture:
     layer_pattern: tuple[str, ...] = ()
     local_rope_base: float | None = None
     moe: MoE | None = None
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+    swiglu_up_offset: float = 0.0
 
     def __post_init__(self) -> None:
         for name, table in (("moe", MoE), ("rope_scaling", RopeScaling)):  # TOML sub-tables
@@ -166,7 +179,7 @@ class Architecture:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"d_model must be even for sinusoidal positions, got {self.d_model}")
-        for name in ("qkv_bias", "tie_embeddings", "scale_embeddings"):
+        for name in ("qkv_bias", "o_bias", "attn_sinks", "tie_embeddings", "scale_embeddings"):
             check_bool(name, getattr(self, name))
         if self.qk_norm is not None:
             check_choice("qk_norm", self.qk_norm, QK_NORMS)
@@ -174,9 +187,19 @@ class Architecture:
                 self.norm_offset, int | float) or not math.isfinite(self.norm_offset):
             raise ValueError(
                 f"norm_offset must be a finite number, got {plain(self.norm_offset)!r}")
-        for name in ("attn_softcap", "final_softcap", "attn_scale", "local_rope_base"):
+        for name in ("attn_softcap", "final_softcap", "attn_scale", "local_rope_base",
+                     "swiglu_limit"):
             if getattr(self, name) is not None:
                 check_positive_number(name, getattr(self, name))
+        check_positive_number("swiglu_alpha", self.swiglu_alpha)
+        if isinstance(self.swiglu_up_offset, bool) or not isinstance(
+                self.swiglu_up_offset, int | float) or not math.isfinite(self.swiglu_up_offset):
+            raise ValueError(f"swiglu_up_offset must be a finite number, got "
+                             f"{plain(self.swiglu_up_offset)!r}")
+        if self.ffn != "swiglu" and (self.swiglu_limit is not None or self.swiglu_alpha != 1.0
+                                     or self.swiglu_up_offset != 0.0):
+            raise ValueError(f"swiglu_limit, swiglu_alpha and swiglu_up_offset need "
+                             f"ffn='swiglu', got ffn={self.ffn!r}")
         if not isinstance(self.layer_pattern, tuple):
             raise ValueError(f"layer_pattern must be a list of {LAYER_KINDS}, got "
                              f"{self.layer_pattern!r}")
@@ -223,6 +246,13 @@ class Architecture:
         """The stack cut into groups of a repeated period (``stack.layer_groups``): what a
         scanned model scans, one group at a time."""
         return layer_groups(self.layer_specs())
+
+    @property
+    def swiglu(self) -> tuple[float | None, float, float] | None:
+        """The SwiGLU's (clamp limit, gate slope, up offset) when any differs from plain
+        SwiGLU's (``ops.ffn.swiglu_glu``), else None."""
+        values = (self.swiglu_limit, self.swiglu_alpha, self.swiglu_up_offset)
+        return None if values == (None, 1.0, 0.0) else values
 
     @property
     def local_layers(self) -> int:
@@ -317,6 +347,9 @@ class ModelConfig(Execution, Architecture):
         if self.attn_softcap is not None and self.attention_impl == "cudnn":
             raise ValueError(f"attn_softcap={self.attn_softcap}: attention_impl='cudnn' cannot "
                              "soft-cap the logits; use 'auto', 'xla', 'chunked' or 'mosaic'")
+        if self.attn_sinks and self.attention_impl in ("cudnn", "pallas", "mosaic"):
+            raise ValueError(f"attn_sinks: attention_impl={self.attention_impl!r} has no "
+                             "attention sinks; use 'auto', 'xla' or 'chunked'")
 
     @property
     def architecture(self) -> Architecture:

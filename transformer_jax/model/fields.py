@@ -90,6 +90,9 @@ class MoE:
       sparse_step: layer i is sparse when ``(i + 1) % sparse_step == 0`` ...
       dense_layers: ... and i is not listed here (HF's ``decoder_sparse_step`` and
         ``mlp_only_layers``).
+      router_bias: the router's logits have a bias [E].
+      expert_bias: each expert's gate, up and down projections have biases ([E, F], [E, F],
+        [E, D]).
     """
 
     n_experts: int
@@ -100,6 +103,8 @@ class MoE:
     shared_gate: bool = False
     sparse_step: int = 1
     dense_layers: tuple[int, ...] = ()
+    router_bias: bool = False
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.dense_layers, list):
@@ -114,6 +119,8 @@ class MoE:
             raise ValueError(f"moe.shared_d_ff must be an int >= 0, got {plain(shared)!r}")
         check_bool("moe.renormalize", self.renormalize)
         check_bool("moe.shared_gate", self.shared_gate)
+        check_bool("moe.router_bias", self.router_bias)
+        check_bool("moe.expert_bias", self.expert_bias)
         if self.shared_gate and not self.shared_d_ff:
             raise ValueError("moe.shared_gate needs a shared expert (moe.shared_d_ff > 0)")
         if not isinstance(self.dense_layers, tuple) or any(

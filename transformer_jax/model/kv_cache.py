@@ -176,8 +176,8 @@ class KVCache:
 
     def attend(self, i: int | jax.Array | LayerRef, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, *, window: int | jax.Array | None, impl: str,
-               scale: float | None = None, softcap: float | None = None
-               ) -> tuple[jax.Array, KVCache]:
+               scale: float | None = None, softcap: float | None = None,
+               sinks: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """Layer i's attention with this cache: writes the chunk's keys/values, then attends
         the queries over every slot of the layer.
 
@@ -196,11 +196,12 @@ class KVCache:
           impl: the attention implementation (``ops.attention.attention``).
           scale: the logits' scale (default ``1/sqrt(H)``).
           softcap: optional logit soft-cap (``ops.softcap``).
+          sinks: optional [N] attention sink logits (``ops.attention.attention``).
 
         Returns:
           ([B, T, N, H] attention output, the cache with layer i written).
         """
-        logits = dict(impl=impl, scale=scale, softcap=softcap)
+        logits = dict(impl=impl, scale=scale, softcap=softcap, sinks=sinks)
         ring, j = kv_ring.locate(self.ring, i)
         if ring:
             return kv_ring.attend(
@@ -289,8 +290,8 @@ class Cache(Protocol):
 
     def attend(self, i: int | jax.Array | LayerRef, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, *, window: int | jax.Array | None, impl: str,
-               scale: float | None = None, softcap: float | None = None
-               ) -> tuple[jax.Array, Cache]: ...
+               scale: float | None = None, softcap: float | None = None,
+               sinks: jax.Array | None = None) -> tuple[jax.Array, Cache]: ...
 
     def replace(self, **changes: Any) -> Cache: ...
 

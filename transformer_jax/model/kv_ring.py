@@ -153,8 +153,8 @@ def writes_first(t: Any, size: int, window: int) -> bool:
 
 def ring_attention(keys: jax.Array | SlotsLast, values: jax.Array, q: jax.Array, k: jax.Array,
                    v: jax.Array, positions: jax.Array, *, written: bool, window: int,
-                   impl: str, scale: float | None = None, softcap: float | None = None
-                   ) -> jax.Array:
+                   impl: str, scale: float | None = None, softcap: float | None = None,
+                   sinks: jax.Array | None = None) -> jax.Array:
     """A local layer's queries over its ring rows (see the module docstring).
 
     Args:
@@ -171,6 +171,7 @@ def ring_attention(keys: jax.Array | SlotsLast, values: jax.Array, q: jax.Array,
       impl: the attention implementation (``ops.attention.attention``).
       scale: the logits' scale.
       softcap: optional logit soft-cap.
+      sinks: optional [N] attention sink logits.
 
     Returns:
       [B, T, N, H] attention output.
@@ -191,7 +192,7 @@ def ring_attention(keys: jax.Array | SlotsLast, values: jax.Array, q: jax.Array,
         values = kv_quant.decode(values, q.dtype)
     return attention(q.astype(keys.dtype), SlotsLast(keys) if slots_last else keys, values,
                      q_positions=positions, k_positions=k_positions, window=window, impl=impl,
-                     scale=scale, softcap=softcap)
+                     scale=scale, softcap=softcap, sinks=sinks)
 
 
 def attend(cache: Any, j: int | jax.Array, layout: RingLayout, q: jax.Array, k: jax.Array,

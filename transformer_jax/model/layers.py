@@ -7,6 +7,7 @@ layers), so a mesh can shard it by rules without touching the model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -18,6 +19,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import Cache
 from transformer_jax.model.ops.attention import attention
 from transformer_jax.model.ops.dense import dense
+from transformer_jax.model.ops.ffn import swiglu_glu
 from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.ops.positions import rope_attention_factor
 from transformer_jax.model.ops.quantized import is_quantized
@@ -30,7 +32,7 @@ from transformer_jax.model.stack import LayerRef, LayerSpec
 #: from here, in the unrolled and the scanned layout alike.
 def is_vector_param(name: str) -> bool:
     """Whether a parameter of this (leaf) name is a norm gain/shift or a bias."""
-    return name in ("scale", "bias") or name.endswith("_bias")
+    return name in ("scale", "bias", "sinks") or name.endswith("_bias")
 
 
 #: How many leading axes of each matrix (in its in-first layout) are inputs; the rest are
@@ -158,15 +160,18 @@ class Attention(nn.Module):
     """Multi-head attention with grouped kv heads, RoPE and an optional KV cache.
 
     Parameters: ``q_proj`` [D, N, H], ``k_proj`` and ``v_proj`` [D, K, H], ``o_proj`` [N, H, D],
-    with ``qkv_bias`` also ``q_bias`` [N, H], ``k_bias`` and ``v_bias`` [K, H], and with
-    ``qk_norm`` the gains ``q_norm`` and ``k_norm`` ([H] each for ``"head"``, [N, H] and
-    [K, H] for ``"full"``).
+    with ``qkv_bias`` also ``q_bias`` [N, H], ``k_bias`` and ``v_bias`` [K, H], with ``o_bias``
+    ``o_bias`` [D], with ``sinks`` the sink logits ``sinks`` [N], and with ``qk_norm`` the
+    gains ``q_norm`` and ``k_norm`` ([H] each for ``"head"``, [N, H] and [K, H] for
+    ``"full"``).
     """
 
     n_heads: int
     n_kv_heads: int
     head_dim: int
     qkv_bias: bool = False
+    o_bias: bool = False
+    sinks: bool = False
     qk_norm: str | None = None
     norm_eps: float = 1e-5
     norm_offset: float = 0.0
@@ -237,7 +242,11 @@ class Attention(nn.Module):
             q = ops.apply_rope(q, positions, **rope)
             k = ops.apply_rope(k, positions, **rope)
 
-        logits = dict(window=kind.window, impl=self.impl, scale=self.scale, softcap=self.softcap)
+        sinks = None if not self.sinks else self.param(
+            "sinks", nn.with_logical_partitioning(nn.initializers.zeros, ("heads",)), (n,),
+            self.param_dtype).astype(jnp.float32)
+        logits = dict(window=kind.window, impl=self.impl, scale=self.scale, softcap=self.softcap,
+                      sinks=sinks)
         if cache is None:
             out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                             q_positions=positions, k_positions=positions,
@@ -247,14 +256,20 @@ class Attention(nn.Module):
                 raise ValueError("segment_ids cannot be combined with a KV cache")
             # The cache stores the chunk and attends over what it holds, in its own layout.
             out, cache = cache.attend(layer, q, k, v, positions, **logits)
-        return dense(out.astype(self.dtype), wo, "BTNH,NHD->BTD"), cache
+        out = dense(out.astype(self.dtype), wo, "BTNH,NHD->BTD")
+        if self.o_bias:
+            out = out + self._bias("o_bias", (d,), ("embed",))
+        return out, cache
 
 
 class MLP(nn.Module):
-    """Feed-forward network: ``gate`` and ``up`` [D, F] (gated kinds), ``down`` [F, D]."""
+    """Feed-forward network: ``gate`` and ``up`` [D, F] (gated kinds), ``down`` [F, D].
+
+    ``swiglu``: (limit, alpha, up_offset) of a clamped SwiGLU (``ops.ffn.swiglu_glu``)."""
 
     d_ff: int
     kind: str = "swiglu"
+    swiglu: tuple[float | None, float, float] | None = None
     init_std: float = 0.02
     out_init_std: float = 0.02
     dtype: jnp.dtype = jnp.float32
@@ -277,5 +292,12 @@ class MLP(nn.Module):
         down = param("down", (self.d_ff, d), ("mlp", "embed"), self.out_init_std)
         if gated:
             gate = param("gate", (d, self.d_ff), ("embed", "mlp"), self.init_std)
-            return fn(x, gate, up, down, matmul=matmul)
+            glu = None if self.swiglu is None else swiglu_glu_of(self.swiglu)
+            return fn(x, gate, up, down, matmul=matmul, glu=glu)
         return fn(x, up, down, matmul=matmul)
+
+
+def swiglu_glu_of(swiglu: tuple[float | None, float, float]) -> Any:
+    """``ops.ffn.swiglu_glu`` with (limit, alpha, up_offset) bound."""
+    limit, alpha, offset = swiglu
+    return functools.partial(swiglu_glu, limit=limit, alpha=alpha, up_offset=offset)

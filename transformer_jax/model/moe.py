@@ -3,7 +3,9 @@
 
 Parameters (logical axes in brackets): ``router`` [D, E] (embed, router); ``gate`` and ``up``
 [E, D, F] (experts, expert_embed, expert_mlp); ``down`` [E, F, D]; with a shared expert the
-dense FFN ``shared`` (an ``MLP``) and, with its gate, ``shared_gate`` [D, 1]. The experts' axes
+dense FFN ``shared`` (an ``MLP``) and, with its gate, ``shared_gate`` [D, 1]; with
+``router_bias`` ``router_bias`` [E], with ``expert_bias`` ``gate_bias`` and ``up_bias`` [E, F]
+and ``down_bias`` [E, D]. The experts' axes
 have their own names so a mesh can split E over an ``expert`` axis while the rest of the model
 uses that axis for data (``parallel/sharding.py``). When the logical rules in context split E
 over more than one device, the experts run expert-parallel (``ops.moe_dispatch``: each token
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.model.fields import MoE
-from transformer_jax.model.layers import MLP, matrix, stored_as_is
+from transformer_jax.model.layers import MLP, matrix, stored_as_is, swiglu_glu_of
 from transformer_jax.model.ops import moe as moe_ops
 from transformer_jax.model.ops import moe_dispatch
 from transformer_jax.model.ops.dense import dense
@@ -43,6 +45,7 @@ class SparseFFN(nn.Module):
 
     moe: MoE
     kind: str = "swiglu"
+    swiglu: tuple[float | None, float, float] | None = None
     impl: str = "auto"
     init_std: float = 0.02
     out_init_std: float = 0.02
@@ -60,6 +63,10 @@ class SparseFFN(nn.Module):
                 return stored
         return self.param(name, nn.with_logical_partitioning(nn.initializers.normal(std), axes),
                           shape, self.param_dtype)
+
+    def _bias(self, name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
+        return self.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes),
+                          shape, self.param_dtype).astype(self.dtype)
 
     @nn.compact
     def __call__(self, x: jax.Array, valid: jax.Array | None = None
@@ -83,16 +90,29 @@ class SparseFFN(nn.Module):
         tokens = x.reshape(b * t, d)
         logits = dense(tokens, router.astype(self.dtype), "ND,DE->NE",
                        preferred_element_type=jnp.float32)
+        if m.router_bias:
+            logits = logits + self._bias("router_bias", (e,), ("router",)).astype(jnp.float32)
         routing = moe_ops.route(logits, m.top_k, m.renormalize)
         ffn = dict(activation=GATE_ACTIVATIONS[self.kind], impl=self.impl)
+        if self.swiglu is not None:
+            ffn["glu"] = swiglu_glu_of(self.swiglu)
+        biases = None
+        if m.expert_bias:
+            biases = (self._bias("gate_bias", (e, f), ("experts", "expert_mlp")),
+                      self._bias("up_bias", (e, f), ("experts", "expert_mlp")),
+                      self._bias("down_bias", (e, d), ("experts", "expert_embed")))
         split = expert_split()
         if split is None:
-            y = moe_ops.experts_ffn(tokens, routing, gate, up, down, **ffn)
+            y = moe_ops.experts_ffn(tokens, routing, gate, up, down, biases=biases, **ffn)
+        elif biases is not None:
+            raise ValueError("moe.expert_bias does not run expert-parallel yet; use a mesh "
+                             "without an expert axis")
         else:
             y = moe_dispatch.dispatch_experts_ffn(tokens, routing, gate, up, down, split, **ffn)
         y = y.reshape(b, t, d)
         if m.shared_d_ff:
-            shared = MLP(d_ff=m.shared_d_ff, kind=self.kind, init_std=self.init_std,
+            shared = MLP(d_ff=m.shared_d_ff, kind=self.kind, swiglu=self.swiglu,
+                         init_std=self.init_std,
                          out_init_std=self.out_init_std,
                          dtype=self.dtype, param_dtype=self.param_dtype, name="shared")(x)
             if m.shared_gate:

@@ -260,8 +260,8 @@ class PagedKVCache:
 
     def attend(self, i: int | jax.Array | LayerRef, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, *, window: int | jax.Array | None, impl: str,
-               scale: float | None = None, softcap: float | None = None
-               ) -> tuple[jax.Array, PagedKVCache]:
+               scale: float | None = None, softcap: float | None = None,
+               sinks: jax.Array | None = None) -> tuple[jax.Array, PagedKVCache]:
         """Layer i's attention with this cache: writes the chunk into the rows' pages, then
         attends the queries over the rows' pages (the ``Cache`` interface).
 
@@ -275,11 +275,12 @@ class PagedKVCache:
           impl: the attention implementation (``ops.attention.attention``).
           scale: the logits' scale (default ``1/sqrt(H)``).
           softcap: optional logit soft-cap (``ops.softcap``).
+          sinks: optional [N] attention sink logits (``ops.attention.attention``).
 
         Returns:
           ([B, T, N, H] attention output, the cache with layer i's pages written).
         """
-        logits = dict(impl=impl, scale=scale, softcap=softcap)
+        logits = dict(impl=impl, scale=scale, softcap=softcap, sinks=sinks)
         ring, j = kv_ring.locate(self.ring, i)
         if not ring:
             cache = self.write(j, k, v, positions)
@@ -293,8 +294,14 @@ class PagedKVCache:
 
     def _attend_pages(self, i: int | jax.Array, q: jax.Array, positions: jax.Array,
                       window: int | jax.Array | None, *, impl: str, scale: float | None,
-                      softcap: float | None) -> jax.Array:
-        """The queries over the rows' pages of paged layer i (already written)."""
+                      softcap: float | None, sinks: jax.Array | None = None) -> jax.Array:
+        """The queries over the rows' pages of paged layer i (already written). Sinks take
+        the gathered rows and the reference implementations (no kernel or view has them)."""
+        if sinks is not None:
+            keys, values = self._dequantized(*self.layer(i), q.dtype)
+            return attention(q.astype(keys.dtype), keys, values, q_positions=positions,
+                             window=window, impl="xla" if impl == "pallas" else impl,
+                             scale=scale, softcap=softcap, sinks=sinks)
         logits = dict(scale=scale, softcap=softcap)
         # impl="pallas": a paged kernel (ops/paged_attention.py); they read float pages, so
         # int8 pages take the dequantising views, and they take neither a scale of their own,

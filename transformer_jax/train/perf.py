@@ -62,10 +62,11 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
 
 
 def _active_fraction(config: ModelConfig, path: tuple) -> float:
-    """k/E for a routed expert's stacked matrix (``moe/gate|up|down``), else 1."""
+    """k/E for a routed expert's stacked matrix or bias (``moe/gate|up|down[_bias]``), else
+    1."""
     keys = [str(getattr(p, "key", p)) for p in path]
     if config.moe is not None and len(keys) >= 2 and keys[-2] == "moe" and \
-            keys[-1] in ("gate", "up", "down"):
+            keys[-1] in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"):
         return config.moe.top_k / config.moe.n_experts
     return 1.0
 

@@ -129,8 +129,8 @@ def attention_mask(q_positions: jax.Array, k_positions: jax.Array, *,
 # Reference ---------------------------------------------------------------------------------------
 
 def attention_weights(q: jax.Array, k: jax.Array | SlotsLast, mask: jax.Array | None,
-                      scale: float | None = None, *, softcap: float | None = None
-                      ) -> jax.Array:
+                      scale: float | None = None, *, softcap: float | None = None,
+                      sinks: jax.Array | None = None) -> jax.Array:
     """Softmax attention probabilities, grouped over kv heads.
 
     Args:
@@ -141,10 +141,13 @@ def attention_weights(q: jax.Array, k: jax.Array | SlotsLast, mask: jax.Array | 
       scale: logit scale, default ``1/sqrt(H)`` (keeps the logits' variance near 1).
       softcap: optional logit soft-cap c: the scaled logits x become ``c tanh(x / c)`` before
         the mask and softmax.
+      sinks: optional [N] sink logits, one per query head: each joins its head's softmax
+        denominator as one more (always visible) key whose value is zero.
 
     Returns:
-      [B, N, T, S] float32 probabilities: each row sums to 1 over the visible keys and is 0 on
-      masked keys; a row with no visible key is all zeros.
+      [B, N, T, S] float32 probabilities: each row sums to 1 over the visible keys (less the
+      sink's share with ``sinks``) and is 0 on masked keys; a row with no visible key is all
+      zeros.
     """
     # Two batch dimensions (B, K), each [G * T, H] queries against one kv head's keys: a
     # tensor split of the kv heads keeps every row on its device (the partitioner adds no
@@ -164,7 +167,13 @@ def attention_weights(q: jax.Array, k: jax.Array | SlotsLast, mask: jax.Array | 
     logits = logits.reshape(b, kv, g, t, s)
     if mask is not None:
         logits = jnp.where(mask[:, None, None], logits, _MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(logits, axis=-1)
+    else:  # the sink: one more logit in the denominator, with no value
+        sink = sinks.astype(jnp.float32).reshape(1, kv, g, 1, 1)
+        top = jax.lax.stop_gradient(jnp.maximum(logits.max(-1, keepdims=True), sink))
+        e = jnp.exp(logits - top)
+        probs = e / (e.sum(-1, keepdims=True) + jnp.exp(sink - top))
     if mask is not None:
         probs = jnp.where(mask[:, None, None], probs, 0.0)
     return probs.reshape(b, n, t, s)
@@ -172,7 +181,8 @@ def attention_weights(q: jax.Array, k: jax.Array | SlotsLast, mask: jax.Array | 
 
 def reference_attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array,
                         mask: jax.Array | None, scale: float | None = None, *,
-                        softcap: float | None = None) -> jax.Array:
+                        softcap: float | None = None, sinks: jax.Array | None = None
+                        ) -> jax.Array:
     """Attention written out with einsums: ``softmax(q k^T * scale + mask) v``.
 
     Args:
@@ -182,6 +192,7 @@ def reference_attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array,
       mask: optional [B, T, S] bool (True = visible).
       scale: logit scale, default ``1/sqrt(H)``.
       softcap: optional logit soft-cap (see ``attention_weights``).
+      sinks: optional [N] sink logits (see ``attention_weights``).
 
     Returns:
       [B, T, N, H] in q's dtype.
@@ -189,7 +200,8 @@ def reference_attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array,
     _check_qkv(q, v, v, mask)
     b, t, n, h = q.shape
     kv, s = v.shape[1], v.shape[2]
-    probs = attention_weights(q, k, mask, scale, softcap=softcap).reshape(b, kv, n // kv, t, s)
+    probs = attention_weights(q, k, mask, scale, softcap=softcap, sinks=sinks).reshape(
+        b, kv, n // kv, t, s)
     out = _dot("BKQS,BKSH->BKQH", probs.astype(v.dtype).reshape(b, kv, n // kv * t, s), v)
     out = out.reshape(b, kv, n // kv, t, h).transpose(0, 3, 1, 2, 4)
     return out.reshape(b, t, n, h).astype(q.dtype)
@@ -268,6 +280,13 @@ def _check_softcap(impl: str, softcap: float | None, backend: str) -> None:
                          "kernel, which caps)")
 
 
+def _check_sinks(impl: str, sinks: jax.Array | None) -> None:
+    """Refuses attention sinks on the kernels, which have no extra softmax term."""
+    if sinks is not None and impl in _IMPL_BACKENDS:
+        raise ValueError(f"attention impl={impl!r} has no attention sinks; use impl='auto', "
+                         "'xla' or 'chunked'")
+
+
 def _kernel_attention(impl, q, k, v, mask, scale, softcap=None):
     """The library kernels, over a dense [B, T, S] mask; k/v go to their [B, S, K, H] layout.
 
@@ -316,7 +335,7 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
               k_positions: jax.Array | None = None, q_segments: jax.Array | None = None,
               k_segments: jax.Array | None = None, window: int | jax.Array | None = None,
               causal: bool = True, scale: float | None = None, impl: str = "auto",
-              softcap: float | None = None) -> jax.Array:
+              softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Scaled dot-product attention with grouped kv heads and a structural mask (which keys
     a query sees, and ``softcap``: see the module docstring).
 
@@ -341,6 +360,10 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
         ``ValueError`` on a backend that cannot run them rather than falling back.
       softcap: optional logit soft-cap c (a Python float); ``"cudnn"`` and TPU ``"pallas"``
         refuse one with ``ValueError``.
+      sinks: optional [N] learned sink logits, one per query head, joining every softmax's
+        denominator with no value (a query with no visible key still returns zeros); only
+        ``"xla"`` and ``"chunked"`` take them (``"auto"`` picks one of the two), the kernels
+        refuse them with ``ValueError``.
 
     Returns:
       [B, T, N, H] in q's dtype; exactly zero for a query with no visible key.
@@ -348,7 +371,8 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     pick = functools.partial(choose_impl, q, v, softcap=softcap, window=window,
-                             aligned=k_positions is not None and k_positions is q_positions)
+                             aligned=k_positions is not None and k_positions is q_positions,
+                             backend=None if sinks is None else "cpu")  # no kernel has sinks
     if isinstance(k, SlotsLast) and impl != "xla" and (impl != "auto" or pick() != "xla"):
         k = k.k.swapaxes(2, 3)
     if impl == "auto":
@@ -362,6 +386,7 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
             logger.info("attention impl='auto' picked %r on backend %r%s (first seen at q %s, "
                         "k %s, %s)", impl, key[0], fallback, q.shape, k.shape, q.dtype)
     if impl in _IMPL_BACKENDS:
+        _check_sinks(impl, sinks)
         _check_backend(impl)
         _check_softcap(impl, softcap, target.platform())
         split = _kernel_split(q.shape[0], v.shape[1])
@@ -373,7 +398,7 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
     if impl == "chunked":
         return chunked_attention(q, k, v, q_positions=q_positions, k_positions=k_positions,
                                  q_segments=q_segments, k_segments=k_segments, window=window,
-                                 causal=causal, scale=scale, softcap=softcap)
+                                 causal=causal, scale=scale, softcap=softcap, sinks=sinks)
     q_positions, k_positions = _check_structure(q, v, v, q_positions, k_positions, q_segments,
                                                 k_segments)
     if impl == "pallas" and target.platform() == "tpu":
@@ -384,7 +409,7 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
     mask = attention_mask(q_positions, k_positions, q_segments=q_segments, k_segments=k_segments,
                           window=window, causal=causal)
     if impl == "xla":
-        return reference_attention(q, k, v, mask, scale, softcap=softcap)
+        return reference_attention(q, k, v, mask, scale, softcap=softcap, sinks=sinks)
     return _kernel_attention(impl, q, k, v, mask, scale, softcap)
 
 

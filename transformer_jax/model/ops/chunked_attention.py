@@ -120,6 +120,7 @@ class _Plan:
     windowed: bool
     scale: float
     softcap: float | None = None
+    sinks: bool = False
 
     @property
     def nq(self) -> int:
@@ -236,6 +237,17 @@ def online_softmax_merge(carry: tuple[jax.Array, jax.Array, jax.Array],
             jax.ops.segment_sum(l * scale, segments, num_segments))
 
 
+def online_softmax_sink(carry: tuple[jax.Array, jax.Array, jax.Array], sink: jax.Array
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Folds a sink logit into a finished ``online_softmax_step`` carry: one more term of
+    the denominator with no value (an attention sink). ``sink`` broadcasts against m [..., Q];
+    a row that saw no key keeps a zero output and gets the sink's lse."""
+    acc, m, l = carry
+    m_new = jnp.maximum(m, sink)
+    alpha = jnp.exp(m - m_new)  # 0 where m = -inf
+    return acc * alpha[..., None], m_new, l * alpha + jnp.exp(sink - m_new)
+
+
 def online_softmax_result(carry: tuple[jax.Array, jax.Array, jax.Array], dtype: jnp.dtype
                           ) -> tuple[jax.Array, jax.Array]:
     """The attention output [..., Q, H] in ``dtype`` and the log-sum-exp [..., Q] of a finished
@@ -247,7 +259,13 @@ def online_softmax_result(carry: tuple[jax.Array, jax.Array, jax.Array], dtype: 
     return out, jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
 
 
-def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window):
+def _row_sinks(plan, sinks, b, kv, g):
+    """The [N] sinks as each block row's [B, K, G * bq] sink."""
+    return jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv, g, 1),
+                            (b, kv, g, plan.bq)).reshape(b, kv, g * plan.bq)
+
+
+def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks):
     """Forward pass; returns the output [B, T, N, H] and its residuals (padded internal layout)."""
     b, t, n, h = q.shape
     qg, kp_, vp, qpos, kpos, qseg, kseg = _prepare(plan, q, k, v, qpos, kpos, qseg, kseg)
@@ -274,8 +292,10 @@ def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window):
             return jax.lax.cond(plan.visible(q_range, k_range, window, i, j), update,
                                 lambda c: c, c)
 
-        o_i, lse_i = online_softmax_result(_loop(plan.nk, k_block, online_softmax_init(rows, h)),
-                                           q.dtype)
+        carry = _loop(plan.nk, k_block, online_softmax_init(rows, h))
+        if plan.sinks:
+            carry = online_softmax_sink(carry, _row_sinks(plan, sinks, b, kv, g))
+        o_i, lse_i = online_softmax_result(carry, q.dtype)
         out = jax.lax.dynamic_update_slice_in_dim(out, o_i.reshape(b, kv, g, bq, h), i * bq, 3)
         lse = jax.lax.dynamic_update_slice_in_dim(lse, lse_i.reshape(b, kv, g, bq), i * bq, 3)
         return out, lse
@@ -287,7 +307,7 @@ def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window):
     return result, (out, lse)
 
 
-def _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, out, lse, d_out):
+def _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks, out, lse, d_out):
     """Backward pass: recomputes each block's probabilities from the saved log-sum-exp, so the
     [T, S] matrix is never stored. Outer loop over key blocks, inner over query blocks; dq is a
     carried [B, K, G, Tp, H] float32 accumulator."""
@@ -341,24 +361,29 @@ def _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, out, lse, d
     dq, dk, dv = _loop(plan.nk, k_block, init)
     dq = dq[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
     s = k.shape[2]
-    return dq, dk[:, :, :s].astype(k.dtype), dv[:, :, :s].astype(v.dtype)
+    # A sink's probability is exp(sink - lse) and its value zero: d sink = -sum p_sink D.
+    d_sinks = jnp.zeros_like(sinks)
+    if plan.sinks:
+        p_sink = jnp.exp(sinks.astype(jnp.float32).reshape(1, kv, n // kv, 1) - lse)
+        d_sinks = -jnp.sum(p_sink * delta, axis=(0, 3)).reshape(n).astype(sinks.dtype)
+    return dq, dk[:, :, :s].astype(k.dtype), dv[:, :, :s].astype(v.dtype), d_sinks
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(plan, q, k, v, qpos, kpos, qseg, kseg, window):
-    return _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window)[0]
+def _chunked(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks):
+    return _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks)[0]
 
 
-def _chunked_fwd(plan, q, k, v, qpos, kpos, qseg, kseg, window):
-    result, (out, lse) = _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window)
-    return result, (q, k, v, qpos, kpos, qseg, kseg, window, out, lse)
+def _chunked_fwd(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks):
+    result, (out, lse) = _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks)
+    return result, (q, k, v, qpos, kpos, qseg, kseg, window, sinks, out, lse)
 
 
 def _chunked_bwd(plan, residuals, d_out):
-    q, k, v, qpos, kpos, qseg, kseg, window, out, lse = residuals
-    dq, dk, dv = _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, out, lse,
-                                   d_out)
-    return dq, dk, dv, None, None, None, None, None  # integer inputs have no cotangent
+    q, k, v, qpos, kpos, qseg, kseg, window, sinks, out, lse = residuals
+    dq, dk, dv, d_sinks = _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window,
+                                            sinks, out, lse, d_out)
+    return dq, dk, dv, None, None, None, None, None, d_sinks  # integers have no cotangent
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -370,6 +395,7 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
                       k_segments: jax.Array | None = None,
                       window: int | jax.Array | None = None, causal: bool = True,
                       scale: float | None = None, softcap: float | None = None,
+                      sinks: jax.Array | None = None,
                       block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> jax.Array:
     """Memory-efficient attention on any backend: blockwise with an online softmax, as the
     module docstring says (blocks nothing sees skipped with ``lax.cond``); memory is linear in
@@ -390,6 +416,8 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
       softcap: optional logit soft-cap c: each block's scaled logits become ``c tanh(x / c)``
         before the mask and the online softmax (and the backward pass multiplies by the tanh's
         derivative).
+      sinks: optional [N] sink logits, one per query head: a term of each softmax's
+        denominator with no value, folded in after the key blocks (differentiable).
       block_q, block_k: block sizes (clipped to T and S).
 
     Returns:
@@ -400,11 +428,16 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     t, s = q.shape[1], k.shape[2]
     plan = _Plan(t, s, min(block_q, t), min(block_k, s), causal, window is not None,
-                 float(scale), None if softcap is None else float(softcap))
+                 float(scale), None if softcap is None else float(softcap), sinks is not None)
     window = jnp.asarray(0 if window is None else window, jnp.int32)
-    return _chunked(plan, q, k, v, q_positions, k_positions, q_segments, k_segments, window)
+    if sinks is None:
+        sinks = jnp.zeros((q.shape[2],), jnp.float32)
+    else:
+        chex.assert_shape(sinks, (q.shape[2],))
+    return _chunked(plan, q, k, v, q_positions, k_positions, q_segments, k_segments, window,
+                    sinks)
 
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "check_qkv", "check_structure", "chunked_attention",
            "einsum_f32", "online_softmax_init", "online_softmax_merge", "online_softmax_result",
-           "online_softmax_step", "softcap"]
+           "online_softmax_sink", "online_softmax_step", "softcap"]

@@ -10,9 +10,20 @@ import jax.numpy as jnp
 Matmul = Callable[[str, jax.Array, jax.Array], jax.Array]
 
 
+def swiglu_glu(gate: jax.Array, up: jax.Array, *, limit: float | None = None,
+               alpha: float = 1.0, up_offset: float = 0.0) -> jax.Array:
+    """SwiGLU's gated hidden, optionally clamped: with ``limit`` the gate is clamped to at most
+    ``limit`` and up to [-limit, limit]; then ``gate sigmoid(alpha gate) (up + up_offset)``
+    (plain SwiGLU, ``silu(gate) up``, at the defaults). gate, up: [..., F] -> [..., F]."""
+    if limit is not None:
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return gate * jax.nn.sigmoid(alpha * gate) * (up + up_offset)
+
+
 def gated_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
               activation: Callable[[jax.Array], jax.Array],
-              matmul: Matmul = jnp.einsum) -> jax.Array:
+              matmul: Matmul = jnp.einsum,
+              glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> jax.Array:
     """Gated FFN: ``(activation(x W_gate) * (x W_up)) W_down`` (``swiglu``: silu; ``geglu``:
     GELU).
 
@@ -24,13 +35,15 @@ def gated_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
       activation: the gate's elementwise nonlinearity.
       matmul: ``matmul(spec, x, w)``, the product of each projection (``jnp.einsum``, or
         ``dense`` for weights stored output axes first).
+      glu: optional ``glu(gate, up)`` in place of ``activation(gate) * up`` (``swiglu_glu``).
 
     Returns:
       [B, T, D].
     """
     gate = matmul("BTD,DF->BTF", x, w_gate)
     up = matmul("BTD,DF->BTF", x, w_up)
-    return matmul("BTF,FD->BTD", activation(gate) * up, w_down)
+    h = activation(gate) * up if glu is None else glu(gate, up)
+    return matmul("BTF,FD->BTD", h, w_down)
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,

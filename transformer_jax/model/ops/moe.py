@@ -38,6 +38,9 @@ from transformer_jax.model.ops.quantized import dequantize, is_quantized, take_r
 
 #: ``activation(gate)`` of a gated FFN kind.
 Activation = Callable[[jax.Array], jax.Array]
+#: ``glu(gate, up)``: the gated hidden from the gate and up projections (default
+#: ``activation(gate) * up``).
+Glu = Callable[[jax.Array, jax.Array], jax.Array]
 
 IMPLS = ("auto", "ragged", "tiled", "gather", "dense", "tokamax", "megablox")
 
@@ -131,7 +134,8 @@ def choose_impl(impl: str, n_tokens: int, top_k: int, n_experts: int,
 
 def experts_ffn(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.Array,
                 w_down: jax.Array, *, activation: Activation = jax.nn.silu,
-                impl: str = "auto") -> jax.Array:
+                impl: str = "auto", glu: Glu | None = None,
+                biases: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
     """The routed experts' gated FFN, ``sum_j w_j (act(x G_e) * (x U_e)) D_e``.
 
     Args:
@@ -145,10 +149,36 @@ def experts_ffn(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.Arr
       activation: the gate's activation (silu for SwiGLU experts).
       impl: ``"auto"`` (``choose_impl``), ``"ragged"``, ``"gather"``, ``"dense"``,
         ``"tokamax"`` or ``"megablox"`` (see the module docstring).
+      glu: optional ``glu(gate, up)`` in place of ``activation(gate) * up`` (a clamped one).
+      biases: optional ([E, F] gate, [E, F] up, [E, D] down) biases of each expert's
+        projections, each added to its product.
 
     Returns:
       [N, D] in x's dtype.
     """
+    y = _experts_ffn(x, routing, w_gate, w_up, w_down, activation, impl, glu, biases)
+    if biases is None:
+        return y
+    # The down biases, weighted as their experts' outputs are (an empty slot's weight is 0).
+    down = jnp.take(biases[2], routing.experts, axis=0, mode="fill", fill_value=0)
+    return (y + jnp.einsum("nk,nkd->nd", routing.weights, down.astype(jnp.float32))
+            ).astype(x.dtype)
+
+
+def _glu_of(activation, glu, biases, dtype):
+    """``glu(gate, up, ids)``: the gated hidden of rows whose experts are ``ids`` (their
+    gate and up biases added first; ids of E take none)."""
+    def combine(gate, up, ids):
+        if biases is not None:
+            def bias(b):
+                return jnp.take(b.astype(dtype), ids, axis=0, mode="fill", fill_value=0)
+            gate, up = gate + bias(biases[0]), up + bias(biases[1])
+        return activation(gate) * up if glu is None else glu(gate, up)
+    return combine
+
+
+def _experts_ffn(x, routing, w_gate, w_up, w_down, activation, impl, glu, biases):
+    activation = _glu_of(activation, glu, biases, x.dtype)
     n, k = routing.experts.shape
     e = w_gate.shape[0]
     impl = choose_impl(impl, n, k, e, widths=w_gate.shape[1:])
@@ -181,7 +211,8 @@ def _weights(w: jax.Array, dtype: jnp.dtype) -> jax.Array:
 def _dense(x, routing, w_gate, w_up, w_down, activation):
     n, e = x.shape[0], w_gate.shape[0]
     w_gate, w_up, w_down = (_weights(w, x.dtype) for w in (w_gate, w_up, w_down))
-    h = activation(jnp.einsum("nd,edf->nef", x, w_gate)) * jnp.einsum("nd,edf->nef", x, w_up)
+    h = activation(jnp.einsum("nd,edf->nef", x, w_gate), jnp.einsum("nd,edf->nef", x, w_up),
+                   jnp.arange(e))
     y = jnp.einsum("nef,efd->ned", h, w_down)
     combine = jnp.zeros((n, e), jnp.float32).at[
         jnp.arange(n)[:, None], routing.experts].add(routing.weights)
@@ -192,8 +223,8 @@ def _gather(x, routing, w_gate, w_up, w_down, activation):
     def take(w: jax.Array) -> jax.Array:  # [N, k, ...]: only the chosen experts are read
         return take_rows(w, routing.experts, fill=True).astype(x.dtype)  # empty slots: 0
 
-    h = activation(jnp.einsum("nd,nkdf->nkf", x, take(w_gate))) * jnp.einsum(
-        "nd,nkdf->nkf", x, take(w_up))
+    h = activation(jnp.einsum("nd,nkdf->nkf", x, take(w_gate)),
+                   jnp.einsum("nd,nkdf->nkf", x, take(w_up)), routing.experts)
     y = jnp.einsum("nkf,nkfd->nkd", h, take(w_down))
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), routing.weights).astype(x.dtype)
 
@@ -206,7 +237,7 @@ def _switched(x, routing, w_gate, w_up, w_down, activation):
     def expert(e: int) -> Callable[[jax.Array], jax.Array]:
         def ffn(row: jax.Array) -> jax.Array:  # [1, D] -> [1, D]
             g, u, d = (dequantize(w.experts[e], x.dtype) for w in (w_gate, w_up, w_down))
-            return (activation(row @ g) * (row @ u)) @ d
+            return activation(row @ g, row @ u, e) @ d
         return ffn
 
     branches = [expert(e) for e in range(w_gate.shape[0])] + [jnp.zeros_like]  # empty slot
@@ -253,8 +284,8 @@ def _sorted(x, routing, w_gate, w_up, w_down, activation, impl):
     order, sizes = sort_by_expert(routing.experts, w_gate.shape[0])
     rows = x[order // k]  # [N*k, D], grouped by expert
     w_gate, w_up, w_down = (_weights(w, x.dtype) for w in (w_gate, w_up, w_down))
-    h = activation(grouped_matmul(impl, rows, w_gate, sizes)) * grouped_matmul(
-        impl, rows, w_up, sizes)
+    h = activation(grouped_matmul(impl, rows, w_gate, sizes),
+                   grouped_matmul(impl, rows, w_up, sizes), routing.experts.reshape(-1)[order])
     y = grouped_matmul(impl, h, w_down, sizes)  # [N*k, D] in the sorted order
     y = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), routing.weights).astype(x.dtype)
@@ -438,14 +469,16 @@ def _tiled(x, routing, w_gate, w_up, w_down, activation):
     # Row r of the buffer holds token row_pair[r] // k; token t's k rows are pair_row[t*k:..].
     src = jnp.where(layout.row_pair < n * k, layout.row_pair // k, n)
     rows = gather_rows(x, src, layout.pair_row.reshape(n, k))
+    ids = jnp.take(routing.experts.reshape(-1), layout.row_pair, mode="fill",
+                   fill_value=w_gate.shape[0])  # each buffer row's expert (padding: E)
     if isinstance(w_gate, ExpertList):  # decode weights (no gradient): switched per tile
-        h = activation(_gmm(layout, rows, w_gate)) * _gmm(layout, rows, w_up)
+        h = activation(_gmm(layout, rows, w_gate), _gmm(layout, rows, w_up), ids)
         y = _gmm(layout, h, w_down)
     else:
         w_gate, w_up, w_down = (_weights(w, x.dtype) for w in (w_gate, w_up, w_down))
         # Gate and up in one product: half the loop trips, twice the columns per tile.
         gate, up = jnp.split(tiled_matmul(layout, rows, jnp.concatenate([w_gate, w_up], -1)),
                              2, -1)
-        y = tiled_matmul(layout, activation(gate) * up, w_down)
+        y = tiled_matmul(layout, activation(gate, up, ids), w_down)
     y = gather_rows(y, layout.pair_row, layout.row_pair[:, None]).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), routing.weights).astype(x.dtype)
