@@ -116,13 +116,17 @@ def compile_report(config: str, overrides: list[str], topology: str | None, slic
         "batch_size": train.batch_size, "seq_len": train.seq_len, "dtype": model.dtype,
         "remat": model.remat, "attention": model.attention_impl, "hbm_bytes": hbm}
     lowered, report["lower_s"] = lower_train_step(model, train, mesh)
-    compiled, fields = pod.compile_memory(lowered)
+    if save:
+        from transformer_jax.train import executable
+
+        with executable.uncached():
+            compiled, fields = pod.compile_memory(lowered)
+    else:
+        compiled, fields = pod.compile_memory(lowered)
     report.update(fields)
     if compiled is None:
         return report
     if save:
-        from transformer_jax.train import executable
-
         header = executable.describe(compiled, model, train, mesh, config=config,
                                      overrides=overrides, topology=topology, slices=slices)
         report["saved"] = {"path": save, "bytes": executable.save(save, compiled, header)}

@@ -14,11 +14,13 @@ for: a file compiled for a TPU topology loads only on that pod.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,23 @@ def describe(compiled: Any, model_config: Any, train_config: Any, mesh: Any,
     config, overrides and topology, for people)."""
     return {**_versions(), **_mesh_fields(mesh), "model": dataclasses.asdict(model_config),
             "train": _train_keys(train_config), "inputs": _inputs(compiled.args_info), **extra}
+
+
+@contextlib.contextmanager
+def uncached() -> Iterator[None]:
+    """Compiles inside skip JAX's persistent compilation cache: an XLA:CPU executable loaded
+    from that cache serializes without its code (loading it then fails with "Function ... not
+    found"), so a step to be saved is compiled afresh."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # jax decides once whether to use the cache: again
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        compilation_cache.reset_cache()
 
 
 def save(path: str | Path, compiled: Any, header: dict[str, Any]) -> int:
