@@ -57,11 +57,15 @@ def documented_train_commands() -> dict[str, tuple[str, ...]]:
     commands: dict[str, tuple[str, ...]] = {}
     seen: set[tuple[str, ...]] = set()
     for document in DOCUMENTS:
-        fenced = False
+        fenced, held = False, ""
         for line in document.read_text().splitlines():
             if line.lstrip().startswith("```"):
-                fenced = not fenced
+                fenced, held = not fenced, ""
                 continue
+            if fenced and line.rstrip().endswith("\\"):  # continued on the next line
+                held += line.rstrip()[:-1]
+                continue
+            line, held = held + line, ""
             args = train_args(line) if fenced else None
             if args is None or "--help" in args or tuple(args) in seen:
                 continue
@@ -79,8 +83,13 @@ BUCKET_COMMANDS = {k: v for k, v in ALL_COMMANDS.items() if any("gs://" in a for
 FINETUNE_COMMANDS = {k: v for k, v in ALL_COMMANDS.items()
                      if k not in BUCKET_COMMANDS and any(a.startswith("train.init_from=")
                                                          for a in v)}
+# Commands that load a step compiled for a pod (train.compiled_step=..., written by `compile
+# --save` there) need that file: test_compiled_step runs their shape on this host's devices.
+COMPILED_COMMANDS = {k: v for k, v in ALL_COMMANDS.items()
+                     if any(a.startswith("train.compiled_step=") for a in v)}
 COMMANDS = {k: v for k, v in ALL_COMMANDS.items()
-            if k not in BUCKET_COMMANDS and k not in FINETUNE_COMMANDS}
+            if k not in BUCKET_COMMANDS and k not in FINETUNE_COMMANDS
+            and k not in COMPILED_COMMANDS}
 # What sets up a train.py process: its options other than --config (devices, hosts, fast math)
 # and the keys that choose its CPU devices (one per core dividing the micro-batch, a mesh).
 PROCESS_KEYS = ("train.mesh=", "train.batch_size=", "train.grad_accum=")
@@ -108,6 +117,7 @@ def test_the_documents_have_train_commands():
     # The multi-device and multi-host commands run in processes of their own.
     assert SHARED and not any("train.mesh=1,8,1" in COMMANDS[k] or "--coordinator-address"
                               in COMMANDS[k] for k in SHARED)
+    assert COMPILED_COMMANDS  # docs/pods.md's, a continued line
     assert FINETUNE_COMMANDS and all(v[:2] in (("--config", "finetune"), ("--config", "dpo"),
                                                ("--config", "grpo"))
                                      for v in FINETUNE_COMMANDS.values())
