@@ -10,6 +10,7 @@ from transformer_jax.model.config import RopeScaling, load_toml, parse_override,
 # Published parameter counts of the released checkpoints.
 PUBLISHED = {
     "llama2_7b": 6_738_415_616,
+    "llama2_70b": 68_976_648_192,  # meta-llama/Llama-2-70b-hf
     "llama3_8b": 8_030_261_248,
     "mistral_7b": 7_241_732_096,
     "qwen2_0_5b": 494_032_768,
