@@ -247,14 +247,12 @@ def test_cancel_mid_prefill_waiting_and_mid_decode_frees_everything(engine):
     rid = engine.add_request(short, SamplingParams(max_tokens=10), collect)
     step_until(engine, lambda: len(collect.events.get(rid, [])) >= 3, what="3 tokens")
     assert engine.scheduler.running[0].state == State.RUNNING
-    got = len(collect.tokens(rid))  # 3, or more from a multi-step round (``serving.multistep``)
-    assert 3 <= got < 10
     engine.cancel(rid)
     engine.cancel(rid)  # twice is harmless, as is an unknown id
     engine.cancel(10 ** 6)
     assert engine.step() == [collect.events[rid][-1]]
     assert collect.events[rid][-1].finish_reason == "cancelled"
-    assert len(collect.tokens(rid)) == got and engine.idle
+    assert len(collect.tokens(rid)) == 3 and engine.idle
 
 
 # Refusals ----------------------------------------------------------------------------------------
@@ -358,7 +356,6 @@ def test_a_steady_decode_step_uploads_its_inputs_and_downloads_once(engine, capf
     together. Uploads are counted by JAX's transfer guard (its log), downloads by counting
     arrays fetched to the host (the CPU backend's guard does not see them)."""
     params = SamplingParams(max_tokens=10, temperature=0.8 if sampled else 0.0, seed=3)
-    monkeypatch.setattr(engine.multistep, "max_steps", 1)  # single steps (until undo)
     _steady(engine, params)
     cls = type(jax.numpy.zeros(()))
     value, get, fetched, gets = cls._value, jax.device_get, [], []
@@ -426,6 +423,7 @@ def test_multi_step_rounds_equal_single_steps_and_generate(model, engine, monkey
     rounds; with rows stopping on a stop token and by length inside a round, every request's
     tokens and log-probs equal generate's alone and the single-step engine's, and its consumer
     gets one event per token, in order."""
+    monkeypatch.setattr(engine.multistep, "max_steps", 8)
     prompts = _prompts([5, 9, 3, 7], seed=40)
     params = [SamplingParams(max_tokens=N_REF, logprobs=True),
               SamplingParams(max_tokens=5, logprobs=True, temperature=0.8, seed=7),

@@ -204,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pages", type=a.nonnegative_int, default=0,
                         help="pages in the pool (0: enough for every slot at its longest)")
     parser.add_argument("--token-budget", type=a.positive_int, default=264)
+    parser.add_argument("--multi-steps", type=a.positive_int, default=1,
+                        help="the engine's most decode steps per host round (serving.multistep)")
     parser.add_argument("--modes", default=None,
                         help="comma list of engine, one (generate one at a time), batch "
                              "(generate in fixed batches), engine-noprefix, engine-lora, "
@@ -392,6 +394,7 @@ def main(argv: list[str]) -> int:
                             args.token_budget, prefix_caching=mode != "engine-noprefix",
                             adapters=adapters, tokenizer=tokenizer,
                             draft=spec.draft if spec and spec.method == "draft" else None)
+            engine.multistep.max_steps = args.multi_steps
             grammars = None
             if mode.startswith("engine-json"):
                 every = 2 if mode == "engine-json-mixed" else 1
