@@ -405,3 +405,53 @@ def test_step_times_account_for_each_steps_time(engine):
     assert s["phases"]["device"]["mean"] > 0
     assert any(times.prefill) and not any(list(times.prefill)[-len(walls):])
     assert s["decode_only"]["steps"] == len(times.prefill) - sum(times.prefill)
+
+
+# Multi-step rounds (``serving.multistep``) -------------------------------------------------------
+
+def _run_load(engine, prompts, params):
+    """Serves the requests, all added at once; each request's events, and each step's."""
+    collect, steps = Collector(), []
+    ids = [engine.add_request(p, q, collect) for p, q in zip(prompts, params, strict=True)]
+    while not engine.idle:
+        steps.append(engine.step())
+    return [collect.events[i] for i in ids], steps
+
+
+def test_multi_step_rounds_equal_single_steps_and_generate(model, engine, monkeypatch):
+    """Under a steady load (every slot decoding, none waiting) the engine runs multi-step
+    rounds; with rows stopping on a stop token and by length inside a round, every request's
+    tokens and log-probs equal generate's alone and the single-step engine's, and its consumer
+    gets one event per token, in order."""
+    monkeypatch.setattr(engine.multistep, "max_steps", 8)
+    prompts = _prompts([5, 9, 3, 7], seed=40)
+    params = [SamplingParams(max_tokens=N_REF, logprobs=True),
+              SamplingParams(max_tokens=5, logprobs=True, temperature=0.8, seed=7),
+              SamplingParams(max_tokens=N_REF, logprobs=True, temperature=0.9, seed=8),
+              SamplingParams(max_tokens=N_REF, logprobs=True)]
+    for i in (2, 3):  # stop at the token the reference has at index 7
+        stop = reference(model, prompts[i], params[i])[0][7]
+        params[i] = params[i].__class__(**{**params[i].__dict__, "stop_token_ids": (stop,)})
+    rounds = engine.multistep.rounds
+    got, steps = _run_load(engine, prompts, params)
+    assert engine.multistep.rounds > rounds
+    ended_inside = set()  # requests whose last token came before their round's last step
+    for events in steps:
+        count = {}
+        for e in events:
+            count[e.request_id] = count.get(e.request_id, 0) + 1
+        ended_inside |= {e.request_id for e in events if e.finish_reason is not None
+                         and count[e.request_id] < max(count.values())}
+    monkeypatch.setattr(engine.multistep, "max_steps", 1)
+    single, single_steps = _run_load(engine, prompts, params)
+    assert len(steps) < len(single_steps)
+    for events, alone, prompt, p in zip(got, single, prompts, params, strict=True):
+        tokens = [e.token for e in events]
+        want, want_logprobs = reference(model, prompt, p)
+        assert tokens == want
+        np.testing.assert_allclose([e.logprob for e in events], want_logprobs, atol=1e-4)
+        assert [(e.token, e.logprob) for e in events] == [(e.token, e.logprob) for e in alone]
+        stopped = p.stop_token_ids and tokens[-1] in p.stop_token_ids
+        _check_events(events, tokens, "stop" if stopped else "length")
+    reasons = {e[-1].request_id: e[-1].finish_reason for e in got}
+    assert {reasons[i] for i in ended_inside} == {"stop", "length"}

@@ -92,7 +92,8 @@ def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None
         peak_pages = max(peak_pages, engine.pages_in_use)
     out = summarize(records, start)
     out.update(records=records, peak_running=peak_running, peak_pages=peak_pages,
-               steps=engine.steps,
+               steps=engine.steps, rounds=engine.multistep.rounds,
+               round_tokens=engine.multistep.round_tokens,
                preemptions=engine.scheduler.preemptions,
                prefix_hit_pages=engine.scheduler.prefix.hits,
                step_times=engine.step_times.summary())
@@ -203,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pages", type=a.nonnegative_int, default=0,
                         help="pages in the pool (0: enough for every slot at its longest)")
     parser.add_argument("--token-budget", type=a.positive_int, default=264)
+    parser.add_argument("--multi-steps", type=a.positive_int, default=1,
+                        help="the engine's most decode steps per host round (serving.multistep)")
     parser.add_argument("--modes", default=None,
                         help="comma list of engine, one (generate one at a time), batch "
                              "(generate in fixed batches), engine-noprefix, engine-lora, "
@@ -391,6 +394,7 @@ def main(argv: list[str]) -> int:
                             args.token_budget, prefix_caching=mode != "engine-noprefix",
                             adapters=adapters, tokenizer=tokenizer,
                             draft=spec.draft if spec and spec.method == "draft" else None)
+            engine.multistep.max_steps = args.multi_steps
             grammars = None
             if mode.startswith("engine-json"):
                 every = 2 if mode == "engine-json-mixed" else 1
@@ -399,8 +403,10 @@ def main(argv: list[str]) -> int:
             t = time.perf_counter()
             n = engine.compile(structured=mode.startswith("engine-json"),
                                speculative=spec.k if spec else 0)
-            print(f"  compiled {n} engine step shapes in {time.perf_counter() - t:.1f} s")
-            engine.steps = 0
+            m = engine.multistep.compile()  # the greedy rounds
+            print(f"  compiled {n} engine step shapes and {m} multi-step rounds in "
+                  f"{time.perf_counter() - t:.1f} s")
+            engine.steps = engine.multistep.rounds = engine.multistep.round_tokens = 0
             engine.step_times.reset()
             r = run_engine(engine, work, grammars,
                            args.speculative if mode == "engine-spec" else None)
@@ -432,7 +438,8 @@ def main(argv: list[str]) -> int:
         if mode.startswith("engine"):
             print(f"{'':16} peak {r['peak_running']} running, {r['peak_pages']} of {pages - 1} "
                   f"pages; contiguous slots of the same memory: "
-                  f"{r['contiguous_slots_same_memory']}; {r['steps']} steps, "
+                  f"{r['contiguous_slots_same_memory']}; {r['steps']} steps ({r['rounds']} "
+                  f"multi-step rounds: {r['round_tokens']} tokens), "
                   f"{r['preemptions']} preemptions, {r['prefix_hit_pages']} prefix-hit pages; "
                   f"KV {r['cache_bytes'] / 2 ** 20:.1f} MiB, "
                   f"{r['cache_bytes'] / r['cache_bytes_all_global']:.3f}x every layer global")

@@ -256,6 +256,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         engine.speculation.draft.path = spec.draft  # requests name it as --speculative does
     t = time.perf_counter()
     shapes = engine.compile(speculative=spec.k if spec is not None else 0)
+    shapes += engine.multistep.compile()  # the greedy multi-step rounds
     timings["compile_s"] = time.perf_counter() - t
     logger.info("loaded %s in %.1f s; compiled %d step shapes in %.1f s (%d slots, %d pages of "
                 "%d, %.1f MiB of KV pages)", args.checkpoint, timings["load_s"], shapes,

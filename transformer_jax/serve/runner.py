@@ -250,8 +250,9 @@ class EngineRunner:
                 by_stream.setdefault(stream, []).append(event)
         for stream, got in by_stream.items():
             self._record(stream, got, now)
-            try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, got)
+            try:  # one item per token (a multi-step round brings several): one chunk each
+                for event in got:
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, [event])
             except RuntimeError:  # its event loop has closed: nobody is reading
                 pass
         self.metrics.observe_engine(self.engine, self.in_flight)

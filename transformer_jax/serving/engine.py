@@ -49,6 +49,7 @@ from transformer_jax.model import multi_lora
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.lora import LoraConfig
 from transformer_jax.serving import step as step_lib
+from transformer_jax.serving.multistep import MultiStep
 from transformer_jax.serving.page_pool import pages_for
 from transformer_jax.serving.paged_cache import VIEWS, PagedKVCache, storage_dtype
 from transformer_jax.serving.plan import row_sampling
@@ -194,6 +195,8 @@ class Engine:
         self._prepare: Callable[[Params], Params] | None = None  # update_weights'
         #: Speculative decoding of the requests that ask for it (``serving.speculation``).
         self.speculation = Speculation(self, draft)
+        #: Several decode steps per host round when the load allows (``serving.multistep``).
+        self.multistep = MultiStep(self)
 
     def _stack(self, adapters: Mapping[str, tuple[Any, LoraConfig]]) -> Params:
         """The adapters stacked over the prepared weights, placed as the step splits them."""
@@ -312,6 +315,8 @@ class Engine:
         clock = self.step_clock = StepClock()  # the phases' laps (``step_times``)
         delivered = self._deliver(clock.lap("schedule", self._apply_pending()))
         sched = self.scheduler
+        if (events := self.multistep.round(clock)) is not None:  # several decode steps
+            return delivered + events
         plan = clock.lap("schedule", sched.schedule())
         if plan is None:
             return delivered
