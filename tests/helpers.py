@@ -98,7 +98,7 @@ def random_params(config: ModelConfig, seed: int = 0, std: float = 0.2) -> dict:
 
 
 def numpy_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, *,
-                    kv_layout: str = "BKSH") -> np.ndarray:
+                    kv_layout: str = "BKSH", sinks: np.ndarray | None = None) -> np.ndarray:
     """Per-head textbook attention, one query at a time; head r reads kv head floor(r / (N/K)).
 
     Args:
@@ -106,6 +106,8 @@ def numpy_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarra
       k, v: [B, K, S, H] (``kv_layout="BKSH"``, the KV cache's layout) or [B, S, K, H]
         (``"BSKH"``) keys and values.
       mask: [B, T, S] bool, whether query t sees key s.
+      sinks: optional [N] sink logits: each joins its head's softmax as one more logit with
+        no value.
 
     Returns:
       [B, T, N, H] float64; zeros for a query that sees no key.
@@ -124,8 +126,9 @@ def numpy_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarra
                 if not mask[bi, ti].any():
                     continue
                 logits = np.where(mask[bi, ti], k[bi, g] @ q[bi, ti, r] / math.sqrt(h), -np.inf)
+                logits = np.append(logits, [] if sinks is None else [sinks[r]])
                 w = np.exp(logits - logits.max())
-                out[bi, ti, r] = (w / w.sum()) @ v[bi, g]
+                out[bi, ti, r] = (w / w.sum())[:k.shape[2]] @ v[bi, g]
     return out
 
 

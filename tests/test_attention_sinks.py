@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import numpy_attention
 
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import KVCache
@@ -18,24 +19,6 @@ from transformer_jax.model.ops import attention as attn
 from transformer_jax.model.ops.chunked_attention import chunked_attention
 
 B, T, N, K, H = 2, 11, 4, 2, 8
-
-
-def numpy_sink_attention(q, k, v, mask, sinks):
-    """[B, T, N, H] float64: per head, softmax over [logits of the visible keys, sink]."""
-    b, t, n, h = q.shape
-    kv = k.shape[1]
-    out = np.zeros((b, t, n, h))
-    for bi in range(b):
-        for r in range(n):
-            g = r // (n // kv)
-            for ti in range(t):
-                seen = mask[bi, ti]
-                logits = np.concatenate([k[bi, g][seen] @ q[bi, ti, r] / math.sqrt(h),
-                                         [sinks[r]]])
-                w = np.exp(logits - logits.max())
-                w = w / w.sum()
-                out[bi, ti, r] = w[:-1] @ v[bi, g][seen]
-    return out
 
 
 def dense_sink_attention(q, k, v, mask, sinks):
@@ -76,7 +59,8 @@ def test_sinks_match_numpy(inputs, impl, window):
         got = chunked_attention(q, k, v, block_q=4, block_k=4, **kw)
     else:
         got = attn.attention(q, k, v, impl=impl, **kw)
-    want = numpy_sink_attention(*map(np.asarray, (q, k, v, mask, sinks)))
+    q_, k_, v_, mask_, sinks_ = map(np.asarray, (q, k, v, mask, sinks))
+    want = numpy_attention(q_, k_, v_, mask_, sinks=sinks_)
     np.testing.assert_allclose(got, want, atol=2e-5)
     # The sink changes the result (it takes mass), and padding stays exactly zero.
     plain = attn.attention(q, k, v, impl="xla", **{**kw, "sinks": None})
