@@ -5,6 +5,7 @@ dropped after the softmax, as the GPT-OSS reference does), in the reference and 
 paths (forward and gradients), with windows, packed segments and through the KV cache's full
 layers and window rings."""
 
+import functools
 import math
 
 import jax
@@ -107,16 +108,22 @@ def test_cache_paths_take_sinks(inputs, impl):
     config = ModelConfig(n_layers=2, n_heads=N, n_kv_heads=K, head_dim=H, d_model=32,
                          sliding_window=4, layer_pattern=("global", "local"))
     qt, kt, vt = q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # k, v as [B, T, K, H]
-    for layer, window in ((0, None), (1, 4)):
+
+    @functools.partial(jax.jit, static_argnums=(0, 1))  # one program each, not op by op
+    def prefill_then_decode(layer, window, qt, kt, vt, positions, sinks):
         cache = KVCache.init(config, B, 16)
-        want = attn.attention(q, k, v, q_positions=positions, k_positions=positions,
-                              window=window, impl="xla", sinks=sinks)
         logits = dict(window=window, impl=impl, sinks=sinks)
         out, cache = cache.attend(layer, qt[:, :-1], kt[:, :-1], vt[:, :-1], positions[:, :-1],
                                   **logits)
         last, _ = cache.attend(layer, qt[:, -1:], kt[:, -1:], vt[:, -1:], positions[:, -1:],
                                **logits)
-        np.testing.assert_allclose(jnp.concatenate([out, last], 1), want, atol=2e-5)
+        return jnp.concatenate([out, last], 1)
+
+    for layer, window in ((0, None), (1, 4)):
+        want = attn.attention(q, k, v, q_positions=positions, k_positions=positions,
+                              window=window, impl="xla", sinks=sinks)
+        got = prefill_then_decode(layer, window, qt, kt, vt, positions, sinks)
+        np.testing.assert_allclose(got, want, atol=2e-5)
 
 
 def test_config_refuses_sinks_with_a_kernel():
