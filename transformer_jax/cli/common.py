@@ -8,8 +8,10 @@ PROG = "transformer-jax"
 
 
 def fail(message: str, code: int = 2) -> int:
-    """Prints ``error: <message>`` to stderr; returns the exit status ``code`` (2: bad input)."""
-    print(f"error: {message}", file=sys.stderr)
+    """Writes ``error: <message>`` on the console's stderr (a command's answer to its user, for
+    the commands' ``main`` only: the library logs); returns the exit status ``code`` (2: bad
+    input)."""
+    sys.stderr.write(f"error: {message}\n")
     return code
 
 
