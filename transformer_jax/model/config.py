@@ -16,8 +16,6 @@ import dataclasses
 import difflib
 import math
 import tomllib
-import types
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +27,10 @@ from transformer_jax.model.fields import (  # noqa: F401 (config.RopeScaling etc
     RopeScaling,
     check_bool,
     check_choice,
+    check_keys,
     check_positive_int,
     check_positive_number,
+    parse_override,
     plain,
 )
 from transformer_jax.model.stack import ATTENTION_KINDS, LayerGroup, LayerSpec, layer_groups
@@ -426,16 +426,6 @@ def load_toml(name_or_path: str | Path) -> dict[str, Any]:
         return tomllib.load(f)
 
 
-def check_keys(values: dict[str, Any], cls: type, section: str) -> None:
-    """Raises ValueError for keys that are not fields of dataclass ``cls``, naming close ones."""
-    fields = [f.name for f in dataclasses.fields(cls)]
-    for key in values:
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=3)
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise ValueError(f"unknown {section} option {key!r}{hint}")
-
-
 def _table(cls: type, values: dict[str, Any], section: str) -> Any:
     """``cls(**values)`` for a sub-table of the model config (``[model.moe]``), with one-line
     errors naming an unknown key (and close ones) or the missing required keys."""
@@ -445,51 +435,3 @@ def _table(cls: type, values: dict[str, Any], section: str) -> Any:
     if missing:
         raise ValueError(f"model.{section} needs {', '.join(missing)} (missing)")
     return cls(**values)
-
-
-def parse_override(cls: type, key: str, text: str) -> Any:
-    """Parses the string ``text`` as the type of dataclass field ``key`` of ``cls``.
-
-    Used for ``key=value`` command-line overrides, so a wrong type is an error at start-up.
-    """
-    check_keys({key: None}, cls, cls.__name__)
-    hints = typing.get_type_hints(cls)
-    return _parse_as(hints[key], text, key)
-
-
-def _parse_as(tp: Any, text: str, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if text.lower() in ("none", "null") and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _parse_as(arg, text, key)
-            except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(f"{key}={text!r}: " + "; ".join(errors))
-    if origin in (tuple, list):
-        (item,) = set(typing.get_args(tp)) - {Ellipsis} or {str}
-        parts = [p for p in text.split(",") if p.strip()]
-        return origin(_parse_as(item, p.strip(), key) for p in parts)
-    if tp is bool:
-        if text.lower() in ("true", "1", "yes"):
-            return True
-        if text.lower() in ("false", "0", "no"):
-            return False
-        raise ValueError(f"{key} expects a bool (true/false), got {text!r}")
-    if tp in (int, float):
-        try:
-            return tp(text)
-        except ValueError:
-            article = "an" if tp is int else "a"
-            raise ValueError(f"{key} expects {article} {tp.__name__}, got {text!r}") from None
-    if tp is str:
-        return text
-    if dataclasses.is_dataclass(tp):
-        raise ValueError(f"{key} is a table; set its fields in the config file")
-    raise ValueError(f"{key}: cannot parse type {tp}")
-
-

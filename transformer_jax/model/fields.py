@@ -1,10 +1,14 @@
 """The nested tables of an ``Architecture`` (``RopeScaling``, ``MoE``) and the value checks every
-config dataclass shares (``config``, ``train.config`` and ``parallel.mesh`` use them)."""
+config dataclass shares (``config``, ``train.config`` and ``parallel.mesh`` use them), and the
+parsing of ``key=value`` overrides by a field's type."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import types
+import typing
 from typing import Any
 
 ROPE_SCALINGS = ("linear", "llama3", "yarn")
@@ -161,3 +165,59 @@ def check_bool(name: str, value: Any) -> None:
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {plain(value)!r}")
+
+
+def check_keys(values: dict[str, Any], cls: type, section: str) -> None:
+    """Raises ValueError for keys that are not fields of dataclass ``cls``, naming close ones."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(f"unknown {section} option {key!r}{hint}")
+
+
+def parse_override(cls: type, key: str, text: str) -> Any:
+    """Parses the string ``text`` as the type of dataclass field ``key`` of ``cls``.
+
+    Used for ``key=value`` command-line overrides, so a wrong type is an error at start-up.
+    """
+    check_keys({key: None}, cls, cls.__name__)
+    hints = typing.get_type_hints(cls)
+    return _parse_as(hints[key], text, key)
+
+
+def _parse_as(tp: Any, text: str, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if text.lower() in ("none", "null") and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _parse_as(arg, text, key)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(f"{key}={text!r}: " + "; ".join(errors))
+    if origin in (tuple, list):
+        (item,) = set(typing.get_args(tp)) - {Ellipsis} or {str}
+        parts = [p for p in text.split(",") if p.strip()]
+        return origin(_parse_as(item, p.strip(), key) for p in parts)
+    if tp is bool:
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ValueError(f"{key} expects a bool (true/false), got {text!r}")
+    if tp in (int, float):
+        try:
+            return tp(text)
+        except ValueError:
+            article = "an" if tp is int else "a"
+            raise ValueError(f"{key} expects {article} {tp.__name__}, got {text!r}") from None
+    if tp is str:
+        return text
+    if dataclasses.is_dataclass(tp):
+        raise ValueError(f"{key} is a table; set its fields in the config file")
+    raise ValueError(f"{key}: cannot parse type {tp}")
