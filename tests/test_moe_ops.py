@@ -106,11 +106,14 @@ def test_one_expert_takes_every_token_and_one_each():
 def test_route_matches_torch_topk_and_renormalises():
     torch = pytest.importorskip("torch")
     logits = np.random.default_rng(1).normal(size=(64, 7)).astype(np.float32)
-    for k in (1, 2, 7):
-        probs = torch.softmax(torch.from_numpy(logits), dim=-1)
-        values, indices = torch.topk(probs, k, dim=-1)
+    for k, score in ((1, "softmax"), (2, "softmax"), (7, "softmax"), (1, "sigmoid"),
+                     (3, "sigmoid")):
+        scores = (torch.softmax(torch.from_numpy(logits), dim=-1) if score == "softmax"
+                  else torch.sigmoid(torch.from_numpy(logits)))
+        values, indices = torch.topk(scores, k, dim=-1)
+        probs = scores
         for renorm in (False, True):
-            r = moe.route(jnp.asarray(logits), k, renorm)
+            r = moe.route(jnp.asarray(logits), k, renorm, score)
             np.testing.assert_array_equal(r.experts, indices.numpy())
             want = values / values.sum(-1, keepdim=True) if renorm else values
             np.testing.assert_allclose(r.weights, want.numpy(), atol=1e-6)

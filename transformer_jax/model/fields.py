@@ -12,6 +12,8 @@ import typing
 from typing import Any
 
 ROPE_SCALINGS = ("linear", "llama3", "yarn")
+#: How a mixture's router turns logits into expert scores (``MoE.score``).
+MOE_SCORES = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +99,8 @@ class MoE:
       router_bias: the router's logits have a bias [E].
       expert_bias: each expert's gate, up and down projections have biases ([E, F], [E, F],
         [E, D]).
+      score: the experts' scores from the router logits: ``"softmax"`` over the E experts, or
+        ``"sigmoid"`` of each logit on its own (top-k then picks the k highest either way).
     """
 
     n_experts: int
@@ -109,6 +113,7 @@ class MoE:
     dense_layers: tuple[int, ...] = ()
     router_bias: bool = False
     expert_bias: bool = False
+    score: str = "softmax"
 
     def __post_init__(self) -> None:
         if isinstance(self.dense_layers, list):
@@ -125,6 +130,7 @@ class MoE:
         check_bool("moe.shared_gate", self.shared_gate)
         check_bool("moe.router_bias", self.router_bias)
         check_bool("moe.expert_bias", self.expert_bias)
+        check_choice("moe.score", self.score, MOE_SCORES)
         if self.shared_gate and not self.shared_d_ff:
             raise ValueError("moe.shared_gate needs a shared expert (moe.shared_d_ff > 0)")
         if not isinstance(self.dense_layers, tuple) or any(

@@ -92,7 +92,7 @@ class SparseFFN(nn.Module):
                        preferred_element_type=jnp.float32)
         if m.router_bias:
             logits = logits + self._bias("router_bias", (e,), ("router",)).astype(jnp.float32)
-        routing = moe_ops.route(logits, m.top_k, m.renormalize)
+        routing = moe_ops.route(logits, m.top_k, m.renormalize, m.score)
         ffn = dict(activation=GATE_ACTIVATIONS[self.kind], impl=self.impl)
         if self.swiglu is not None:
             ffn["glu"] = swiglu_glu_of(self.swiglu)

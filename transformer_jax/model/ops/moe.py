@@ -52,7 +52,8 @@ class Routing:
     Attributes:
       weights: [N, k] float32 routing weights of the chosen experts.
       experts: [N, k] int32 expert indices, in decreasing probability (ties: lower index first).
-      probs: [N, E] float32 softmax of the router logits (for the balance loss).
+      probs: [N, E] float32 scores of the router logits, softmax or sigmoid (for the balance
+        loss).
       logits: [N, E] float32 router logits (for the z-loss).
     """
 
@@ -91,19 +92,20 @@ class ExpertList:
         return jnp.stack([dequantize(w, dtype) for w in self.experts])
 
 
-def route(logits: jax.Array, top_k: int, renormalize: bool) -> Routing:
-    """Softmax top-k routing.
+def route(logits: jax.Array, top_k: int, renormalize: bool, score: str = "softmax") -> Routing:
+    """Top-k routing on the experts' scores.
 
     Args:
-      logits: [N, E] router logits (any float dtype; the softmax runs in float32).
+      logits: [N, E] router logits (any float dtype; the scores are float32).
       top_k: k, experts per token.
-      renormalize: divide the k chosen probabilities by their sum.
+      renormalize: divide the k chosen scores by their sum.
+      score: ``"softmax"`` over the E logits, or ``"sigmoid"`` of each logit on its own.
 
     Returns:
       The ``Routing``.
     """
     logits = logits.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
     weights, experts = jax.lax.top_k(probs, top_k)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
