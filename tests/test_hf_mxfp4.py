@@ -253,3 +253,52 @@ def test_export_writes_the_dequantised_experts_unquantised(checkpoint, loaded, o
                                       dequantised(t[name + "_blocks"], t[name + "_scales"]))
     np.testing.assert_allclose(torch_logits(reread, *INPUTS), ours,
                                rtol=0, atol=1e-5)
+
+
+def test_quantize_takes_the_nearest_value_of_the_ocp_scale():
+    """Every value becomes the nearest of its block's grid (transformers' e2m1 values times the
+    block's scale, whose largest magnitude there is in [4, 8)); a value MXFP4 holds comes back
+    exactly."""
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((2, 64, 6)) * np.exp2(rng.integers(-30, 30, (2, 1, 6))))
+    w = w.astype(np.float32)
+    w[0, :32, 0] = 0.0  # a zero block
+    blocks, scales = mxfp4.quantize(w)
+    got = dequantised(blocks, scales)
+    step = np.exp2(np.repeat(np.swapaxes(scales.astype(np.float64) - 127, -1, -2), 32, axis=1))
+    grid = np.array(mxfp4_integration.FP4_VALUES)
+    best = np.abs(w[..., None] - grid * step[..., None]).min(-1)
+    np.testing.assert_array_equal(np.abs(w - got), best)
+    amax = np.abs(np.swapaxes(w, -1, -2).reshape(2, 6, 2, 32)).max(-1)
+    ratio = amax / np.exp2(scales.astype(np.float64) - 127)
+    assert np.all((ratio >= 4) & (ratio < 8) | (amax == 0))
+    np.testing.assert_array_equal(dequantised(*mxfp4.quantize(got)), got)
+
+
+def test_mxfp4_export_round_trips(checkpoint, loaded, tmp_path):
+    """``transformer-jax export --mxfp4`` of the MXFP4 checkpoint writes MXFP4 experts that
+    hold the same values: ``hf.load`` reads back the same params, transformers the logits."""
+    from transformer_jax.cli import export
+
+    assert export.main(["--checkpoint", str(checkpoint.path), "--out", str(tmp_path),
+                        "--no-tokenizer", "--mxfp4"]) == 0
+    saved = json.loads((tmp_path / hf.CONFIG_FILE).read_text())
+    assert saved["quantization_config"] == mxfp4.CONFIG
+    names = safetensors_numpy.load_file(str(tmp_path / hf.SINGLE_FILE)).keys()
+    assert {n + s for n in PACKED for s in ("_blocks", "_scales")} <= set(names)
+    assert not set(PACKED) & set(names)
+    config, params = hf.load(tmp_path)
+    assert config == loaded[0]
+    jax.tree.map(np.testing.assert_array_equal, params, loaded[1])
+    theirs = transformers.GptOssForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", dtype=torch.float32,
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    np.testing.assert_array_equal(torch_logits(theirs, *INPUTS), checkpoint.logits)
+
+
+def test_mxfp4_export_is_refused_for_other_families(tmp_path):
+    config = hf.config_from_hf(dict(
+        model_type="llama", vocab_size=V, hidden_size=D, num_hidden_layers=1,
+        num_attention_heads=4, max_position_embeddings=64, intermediate_size=F))
+    with pytest.raises(ValueError, match="HF llama checkpoints have no MXFP4 experts"):
+        hf.save(config, {}, tmp_path, mxfp4_experts=True)

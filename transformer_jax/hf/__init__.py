@@ -40,6 +40,7 @@ from transformer_jax.hf import generation_config, moe, mxfp4
 from transformer_jax.hf.convert import (
     _IGNORED_TENSOR,
     ARCHITECTURES,
+    FAMILIES,
     _flatten,
     _set_path,
     _Tensor,
@@ -286,7 +287,7 @@ def _load_params(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
 
 def save(config: ModelConfig, params: Params, path: str | Path, *,
          tokenizer: TextTokenizer | None = None, max_shard_bytes: int | None = None,
-         model_type: str | None = None) -> None:
+         model_type: str | None = None, mxfp4_experts: bool = False) -> None:
     """Writes a HF checkpoint directory that ``load`` and transformers' ``from_pretrained`` read.
 
     The layout is the family ``config_to_hf`` picks from the fields, or ``model_type``'s.
@@ -311,6 +312,10 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
       max_shard_bytes: if the tensors take more bytes than this, write shards of at most this
         size (a larger single tensor gets its own) plus ``model.safetensors.index.json``.
       model_type: the HF model type to write (one of ``ARCHITECTURES``); None picks it.
+      mxfp4_experts: store the experts' ``gate_up_proj`` / ``down_proj`` in MXFP4, as the
+        published GPT-OSS checkpoints (``hf.mxfp4.quantize``: exact for the values an MXFP4
+        checkpoint loaded with, rounded otherwise), with their ``quantization_config``; only
+        for a family that has such checkpoints (GPT-OSS).
 
     Raises:
       ValueError: the config has no HF equivalent, or params are missing, unexpected or
@@ -319,6 +324,9 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
     """
     st = _safetensors()
     hf_config = config_to_hf(config, model_type)
+    if mxfp4_experts and mxfp4.METHOD not in FAMILIES[hf_config["model_type"]].quant_methods:
+        raise ValueError(f"HF {hf_config['model_type']} checkpoints have no MXFP4 experts "
+                         "(only gpt_oss's)")
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
     if is_scanned(params):
@@ -350,6 +358,11 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
         tensors[s.hf_name] = np.ascontiguousarray(part)
     for name, shape in moe.unused_tensors(config, hf_config["model_type"]).items():
         tensors[name] = np.zeros(shape, jnp.dtype(config.param_dtype))
+    if mxfp4_experts:
+        for name in [name for name in tensors if mxfp4.packable(name)]:
+            tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4.quantize(
+                tensors.pop(name), name)
+        hf_config["quantization_config"] = mxfp4.CONFIG
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

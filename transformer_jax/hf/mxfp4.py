@@ -33,6 +33,9 @@ DTYPE_CODE = "U8"  # both parts' safetensors dtype
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
 # The tensors transformers' MXFP4 quantizer packs (``Mxfp4HfQuantizer.serialized_names``).
 _PACKABLE = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+#: ``config.json``'s ``quantization_config`` of an MXFP4 export: the published GPT-OSS one.
+CONFIG = {"quant_method": METHOD, "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
 
 
 def _e2m1(code: int) -> float:
@@ -76,6 +79,42 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, name: str = "tensor") -> 
     return out.reshape(*blocks.shape[:-2], -1)
 
 
+def quantize(value: np.ndarray, name: str = "tensor") -> tuple[np.ndarray, np.ndarray]:
+    """A tensor's value -> its MXFP4 blocks and scales, as the OCP MX spec converts: a block's
+    scale is ``2^(floor(log2 amax) - 2)`` (its largest magnitude then in [4, 8)), each value the
+    nearest e2m1 (ties to the even code; above 6: 6). Values MXFP4 holds exactly (those
+    ``dequantize`` gives) come back exactly; others are rounded.
+
+    Args:
+      value: [..., I, O] (I a multiple of 32), finite.
+      name: the tensor, for errors.
+
+    Returns:
+      ``(blocks, scales)``: uint8 [..., O, I/32, 16] and [..., O, I/32].
+
+    Raises:
+      ValueError: I is not a multiple of 32, or a value is not finite (named).
+    """
+    packed_shapes(name, value.shape)
+    x = np.swapaxes(np.asarray(value, np.float32), -1, -2)
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"tensor {name} has values that are not finite; MXFP4 cannot hold them")
+    x = x.reshape(*x.shape[:-1], -1, BLOCK)
+    amax = np.abs(x).max(-1)
+    exponent = np.floor(np.log2(np.where(amax > 0, amax, 1.0))) - 2
+    exponent = np.clip(np.where(amax > 0, exponent, -SCALE_BIAS), -SCALE_BIAS, SCALE_BIAS)
+    magnitude = np.abs(x) / np.exp2(exponent)[..., None]
+    grid = E2M1[:8]
+    low = np.clip(np.searchsorted(grid, magnitude, side="right") - 1, 0, 7)
+    high = np.minimum(low + 1, 7)
+    above = magnitude - grid[low] > grid[high] - magnitude
+    tie = (magnitude - grid[low] == grid[high] - magnitude) & (low % 2 == 1)
+    codes = np.where(above | tie, high, low).astype(np.uint8) | (np.signbit(x) << 3).astype(
+        np.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.astype(np.uint8), (exponent + SCALE_BIAS).astype(np.uint8)
+
+
 def packed_shapes(name: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shapes of ``name``'s ``_blocks`` and ``_scales`` for its value's ``shape`` [..., I, O].
 
@@ -90,6 +129,12 @@ def packed_shapes(name: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], t
     return (*lead, n_out, groups, BLOCK // 2), (*lead, n_out, groups)
 
 
+def packable(name: str) -> bool:
+    """Whether a tensor is one MXFP4 checkpoints store packed (an experts' ``gate_up_proj`` or
+    ``down_proj``)."""
+    return _PACKABLE.search(name) is not None
+
+
 def packed_tensors(hf_config: Mapping[str, Any], names: Collection[str],
                    stored: Collection[str]) -> dict[str, tuple[str, str]]:
     """The tensors of ``names`` an MXFP4 checkpoint stores packed: name -> (blocks, scales).
@@ -102,7 +147,7 @@ def packed_tensors(hf_config: Mapping[str, Any], names: Collection[str],
     if not isinstance(quant, Mapping) or quant.get("quant_method") != METHOD:
         return {}
     return {name: (name + BLOCKS_SUFFIX, name + SCALES_SUFFIX) for name in sorted(names)
-            if _PACKABLE.search(name) and name not in stored
+            if packable(name) and name not in stored
             and (name + BLOCKS_SUFFIX in stored or name + SCALES_SUFFIX in stored)}
 
 
@@ -140,4 +185,5 @@ class Packed:
         return np.swapaxes(values, -1, -2)
 
 
-__all__ = ["BLOCK", "E2M1", "METHOD", "Packed", "dequantize", "packed_shapes", "packed_tensors"]
+__all__ = ["BLOCK", "CONFIG", "E2M1", "METHOD", "Packed", "dequantize", "packable",
+           "packed_shapes", "packed_tensors", "quantize"]
