@@ -302,3 +302,17 @@ def test_mxfp4_export_is_refused_for_other_families(tmp_path):
         num_attention_heads=4, max_position_embeddings=64, intermediate_size=F))
     with pytest.raises(ValueError, match="HF llama checkpoints have no MXFP4 experts"):
         hf.save(config, {}, tmp_path, mxfp4_experts=True)
+
+
+@pytest.mark.parametrize("preset, experts", [("gpt_oss_20b", 32), ("gpt_oss_120b", 128)])
+def test_presets_expect_the_published_blocks_and_scales(preset, experts):
+    """openai/gpt-oss-20b and -120b store gate_up_proj_blocks [E, 5760, 90, 16] (2F rows, D/32
+    blocks of D = 2880) and down_proj_blocks [E, 2880, 90, 16], scales without the last axis."""
+    from transformer_jax.model.config import ModelConfig
+
+    config = ModelConfig.preset(preset).replace(n_layers=1)
+    shapes = {s.hf_name: mxfp4.packed_shapes(s.hf_name, s.stored_shape)
+              for s in hf._tensors(config, "gpt_oss") if mxfp4.packable(s.hf_name)}
+    assert shapes == {
+        "model.layers.0.mlp.experts.gate_up_proj": ((experts, 5760, 90, 16), (experts, 5760, 90)),
+        "model.layers.0.mlp.experts.down_proj": ((experts, 2880, 90, 16), (experts, 2880, 90))}

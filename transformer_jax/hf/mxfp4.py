@@ -67,12 +67,12 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, name: str = "tensor") -> 
       ValueError: a value is not finite (a NaN scale 255, or past float32's range), naming it.
     """
     blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
-    values = np.empty((*blocks.shape, 2), np.float32)
-    values[..., 0] = E2M1[blocks & 0x0F]
-    values[..., 1] = E2M1[blocks >> 4]
+    out = np.empty((*blocks.shape[:-1], 2 * blocks.shape[-1]), np.float32)  # [..., G, 32]
+    out[..., 0::2] = E2M1[blocks & 0x0F]
+    out[..., 1::2] = E2M1[blocks >> 4]
     exponents = scales.astype(np.int32) - SCALE_BIAS
     with np.errstate(over="ignore"):  # refused below
-        out = np.ldexp(values.reshape(*blocks.shape[:-1], -1), exponents[..., None])
+        np.ldexp(out, exponents[..., None], out=out)  # in place: one float32 copy in all
     if not np.all(np.isfinite(out)):
         raise ValueError(f"tensor {name} has MXFP4 values that are not finite (a scale byte of "
                          "255, e8m0's NaN, or values past float32's range)")
