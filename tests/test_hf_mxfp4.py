@@ -127,9 +127,17 @@ def ours(loaded) -> np.ndarray:
     return our_logits(*loaded)
 
 
-def test_e2m1_values_are_transformers():
+def test_e2m1_values_and_extreme_scales_are_transformers():
+    """The e2m1 table, and every byte at the smallest scales (subnormal float32 values) and the
+    largest that stays finite (2^125), equal transformers' dequantisation."""
     np.testing.assert_array_equal(mxfp4.E2M1, np.array(mxfp4_integration.FP4_VALUES, np.float32))
     assert list(np.signbit(mxfp4.E2M1)) == [False] * 8 + [True] * 8
+    blocks = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (1, 6, 1, 1))
+    scales = np.tile(np.array([0, 1, 2, 126, 127, 252], np.uint8)[:, None], (1, 1, 16))
+    ours = mxfp4.dequantize(blocks, scales)  # [1, 6, 512]
+    np.testing.assert_array_equal(np.swapaxes(ours, -1, -2), dequantised(blocks, scales))
+    with pytest.raises(ValueError, match="tensor w has MXFP4 values that are not finite"):
+        mxfp4.dequantize(blocks, scales + 1, "w")  # 2^126 * 4 overflows, 255 is NaN
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

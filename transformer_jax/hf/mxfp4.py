@@ -50,6 +50,12 @@ def _e2m1(code: int) -> float:
 
 #: The 16 e2m1 values by code: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (-0.0 for 8).
 E2M1 = np.array([_e2m1(code) for code in range(16)], np.float32)
+# A byte's two values (low nibble first) as one 8-byte item: one gather decodes a byte, about
+# twice as fast as a gather per nibble. And each scale byte's 2^(s - 127) (255: inf, refused).
+_BYTES = np.arange(256)
+_PAIRS = np.stack([E2M1[_BYTES & 0x0F], E2M1[_BYTES >> 4]], -1).view(np.uint64)[:, 0]
+with np.errstate(over="ignore"):
+    _SCALES = np.exp2(_BYTES - SCALE_BIAS).astype(np.float32)
 
 
 def dequantize(blocks: np.ndarray, scales: np.ndarray, name: str = "tensor") -> np.ndarray:
@@ -67,12 +73,9 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, name: str = "tensor") -> 
       ValueError: a value is not finite (a NaN scale 255, or past float32's range), naming it.
     """
     blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
-    out = np.empty((*blocks.shape[:-1], 2 * blocks.shape[-1]), np.float32)  # [..., G, 32]
-    out[..., 0::2] = E2M1[blocks & 0x0F]
-    out[..., 1::2] = E2M1[blocks >> 4]
-    exponents = scales.astype(np.int32) - SCALE_BIAS
-    with np.errstate(over="ignore"):  # refused below
-        np.ldexp(out, exponents[..., None], out=out)  # in place: one float32 copy in all
+    out = _PAIRS[blocks].view(np.float32)  # [..., G, 32]
+    with np.errstate(over="ignore", invalid="ignore"):  # refused below
+        out *= _SCALES[scales][..., None]  # exact: a power of two, in place
     if not np.all(np.isfinite(out)):
         raise ValueError(f"tensor {name} has MXFP4 values that are not finite (a scale byte of "
                          "255, e8m0's NaN, or values past float32's range)")
