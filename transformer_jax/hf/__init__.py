@@ -12,11 +12,11 @@ reads (model and tokenizer).
 ``transformer-jax export`` (``cli/export.py``, not imported here) exports a training run.
 
 This module does the file I/O (``hf.reader`` reads the files): the checks of the tensors
-against the config, the sharded load onto a mesh,
-the atomic save, tokenizer files. The name, layout and config mapping it applies is pure and
-lives in ``transformer_jax.hf.convert`` (``config_from_hf``/``config_to_hf`` are re-exported
-here). Anything that cannot be represented exactly is refused with a ValueError naming the
-offending setting or tensor (never loaded approximately), including a nonzero ``o_proj`` bias.
+against the config, the sharded load onto a mesh, the atomic save, tokenizer files. The name,
+layout and config mapping it applies is pure and lives in ``transformer_jax.hf.convert``
+(``config_from_hf``/``config_to_hf`` are re-exported here). Anything that cannot be represented
+exactly is refused with a ValueError naming the offending setting or tensor (never loaded
+approximately), including a nonzero ``o_proj`` bias.
 Needs the ``hf`` extra (``safetensors``); not ``torch``/``transformers``.
 """
 

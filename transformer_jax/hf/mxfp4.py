@@ -98,8 +98,13 @@ def quantize(value: np.ndarray, name: str = "tensor") -> tuple[np.ndarray, np.nd
     Raises:
       ValueError: I is not a multiple of 32, or a value is not finite (named).
     """
-    packed_shapes(name, value.shape)
-    x = np.swapaxes(np.asarray(value, np.float32), -1, -2)
+    blocks_shape, scales_shape = packed_shapes(name, value.shape)
+    if value.ndim > 2:  # one leading index (an expert) at a time: small temporaries
+        blocks, scales = np.empty(blocks_shape, np.uint8), np.empty(scales_shape, np.uint8)
+        for i in range(value.shape[0]):
+            blocks[i], scales[i] = quantize(value[i], name)
+        return blocks, scales
+    x = np.asarray(value, np.float32).T
     if not np.all(np.isfinite(x)):
         raise ValueError(f"tensor {name} has values that are not finite; MXFP4 cannot hold them")
     x = x.reshape(*x.shape[:-1], -1, BLOCK)
