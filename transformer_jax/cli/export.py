@@ -102,7 +102,7 @@ def _check_only_an_export(out: Any, overwrite: bool) -> None:
 def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | None = None,
            use_tokenizer: bool = True, step: int | None = None, dtype: str | None = None,
            max_shard_bytes: int | None = None, overwrite: bool = False,
-           model_type: str | None = None) -> Path:
+           model_type: str | None = None, mxfp4: bool = False) -> Path:
     """Writes a HF checkpoint directory from a run or a HF directory (read-only).
 
     Args:
@@ -120,6 +120,8 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
         default: the family the checkpoint was loaded as (``Source.hf_model_type``: a HF
         directory's own, a run started from a HF checkpoint records it), else the one the
         architecture's fields give (``hf.save``).
+      mxfp4: store GPT-OSS's experts in MXFP4 as its published checkpoints do
+        (``hf.save(mxfp4_experts=True)``; rounds values MXFP4 does not hold); default: unquantised.
 
     Returns:
       The output directory.
@@ -159,7 +161,7 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
                     "another)", model_type, checkpoint)
     try:
         hf.save(config, params, out, tokenizer=tok, max_shard_bytes=max_shard_bytes,
-                model_type=model_type)
+                model_type=model_type, mxfp4_experts=mxfp4)
     except OSError as e:
         raise type(e)(f"could not write the export {out}: {e.strerror or e}") from None
     if remote:
@@ -215,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF model_type to write (default: the family the checkpoint was "
                    "loaded as, a run started from a HF checkpoint records it; else the first "
                    "the architecture matches; phi3 writes Phi-3's fused q/k/v and gate/up)")
+    p.add_argument("--mxfp4", action="store_true", help="store GPT-OSS's experts in MXFP4, as "
+                   "its published checkpoints (rounds values MXFP4 does not hold; default: "
+                   "unquantised, in the weights' dtype)")
     return p
 
 
@@ -228,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = export(args.checkpoint, args.out, tokenizer=args.tokenizer,
                      use_tokenizer=not args.no_tokenizer, step=args.step, dtype=args.dtype,
                      max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite,
-                     model_type=args.model_type)
+                     model_type=args.model_type, mxfp4=args.mxfp4)
     except (OSError, ValueError, CheckpointError) as e:
         return fail(str(e), 1)
     print(f"exported {args.checkpoint} -> {out}")

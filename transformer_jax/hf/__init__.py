@@ -1,30 +1,32 @@
 """HuggingFace checkpoint directories (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2, and the
-mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE): load, save, export.
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS): load, save, export.
 
 ``load(dir)`` reads ``config.json`` plus ``model.safetensors`` (or a sharded
 ``model.safetensors.index.json``) and returns a ``ModelConfig`` and a param tree that
 ``Transformer(config).apply`` runs with the same logits as the HF model; ``load(dir, mesh=mesh)``
 creates every param sharded over a device mesh by the training's rules, each device's shard read
-on its own from the memory-mapped files. ``save(config, params, dir, tokenizer=tok)`` writes the
-reverse, which ``transformers``' ``from_pretrained`` reads (model and tokenizer).
+on its own from the memory-mapped files; MXFP4 experts (GPT-OSS's published checkpoints) are
+dequantised exactly as they are read (``hf.mxfp4``). ``save(config, params, dir,
+tokenizer=tok)`` writes the reverse (unquantised), which ``transformers``' ``from_pretrained``
+reads (model and tokenizer).
 ``transformer-jax export`` (``cli/export.py``, not imported here) exports a training run.
 
-This module does the file I/O: safetensors headers and blocks, the sharded load onto a mesh,
-the atomic save, tokenizer files. The name, layout and config mapping it applies is pure and
-lives in ``transformer_jax.hf.convert`` (``config_from_hf``/``config_to_hf`` are re-exported
-here). Anything that cannot be represented exactly is refused with a ValueError naming the
-offending setting or tensor (never loaded approximately), including a nonzero ``o_proj`` bias.
+This module does the file I/O (``hf.reader`` reads the files): the checks of the tensors
+against the config, the sharded load onto a mesh, the atomic save, tokenizer files. The name,
+layout and config mapping it applies is pure and lives in ``transformer_jax.hf.convert``
+(``config_from_hf``/``config_to_hf`` are re-exported here). Anything that cannot be represented
+exactly is refused with a ValueError naming the offending setting or tensor (never loaded
+approximately), including a nonzero ``o_proj`` bias.
 Needs the ``hf`` extra (``safetensors``); not ``torch``/``transformers``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,10 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from transformer_jax.hf import generation_config, moe
+from transformer_jax.hf import generation_config, moe, mxfp4
 from transformer_jax.hf.convert import (
     _IGNORED_TENSOR,
     ARCHITECTURES,
+    FAMILIES,
     _flatten,
     _set_path,
     _Tensor,
@@ -52,6 +55,7 @@ from transformer_jax.hf.convert import _heads_out as _heads_out
 from transformer_jax.hf.convert import _linear as _linear
 from transformer_jax.hf.convert import _reshaped as _reshaped
 from transformer_jax.hf.convert import _same as _same
+from transformer_jax.hf.reader import _open_safetensors, _Reader, _safetensors
 from transformer_jax.model.config import DTYPES, ModelConfig
 from transformer_jax.model.transformer import Params, is_scanned, scanned_places, unstack_blocks
 from transformer_jax.parallel.sharding import param_shardings
@@ -71,8 +75,6 @@ _TOKENIZER_FILES = frozenset({
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
     "chat_template.jinja", "added_tokens.json", GENERATION_CONFIG_FILE})
 
-# safetensors dtype codes we read, and the ModelConfig dtype names they become.
-_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
@@ -83,16 +85,6 @@ def _names(names: list[str], limit: int = 5) -> str:
 
 # ------------------------------------------------------------------------------------------------
 # Loading
-
-
-def _safetensors() -> Any:
-    try:
-        import safetensors
-        import safetensors.numpy  # noqa: F401  (loads the numpy save/load API)
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("transformer_jax.hf needs the 'hf' extra: pip install "
-                          "'transformer_jax[hf]' (safetensors)") from e
-    return safetensors
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -115,20 +107,6 @@ def _weight_files(path: Path) -> dict[str, Path]:
                             "checkpoints are supported)")
 
 
-def _open_safetensors(file: Path) -> Any:
-    """``safe_open`` of one file; a truncated or garbage file is a ValueError naming it."""
-    try:
-        return _safetensors().safe_open(str(file), framework="numpy")
-    except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
-        raise ValueError(f"{file} is not a readable safetensors file ({_first_line(e)}); "
-                         "it may be truncated or corrupt") from None
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
-
-
 def _dtype_name(dtype: Any) -> str:
     try:
         name = jnp.dtype(dtype).name
@@ -137,65 +115,6 @@ def _dtype_name(dtype: Any) -> str:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     return name
-
-
-class _Reader:
-    """Reads tensors, or blocks of them, from open safetensors files; errors name the file."""
-
-    def __init__(self, files: dict[str, Path], handles: dict[Path, Any]) -> None:
-        self.files = files
-        self.handles = handles
-        self.stored = {file: set(handle.keys()) for file, handle in handles.items()}
-
-    def check(self, name: str, shape: tuple[int, ...]) -> str:
-        """Checks a tensor's presence, shape and dtype from the header; returns its dtype name."""
-        file = self.files[name]
-        if name not in self.stored[file]:
-            raise ValueError(f"tensor {name} is not in {file.name} as the index says")
-        info = self.handles[file].get_slice(name)
-        found = tuple(info.get_shape())
-        if found != shape:
-            raise ValueError(f"tensor {name} has shape {list(found)}, expected {list(shape)}")
-        code = info.get_dtype()
-        if code not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"tensor {name} has unsupported dtype {code}; supported: "
-                             f"{sorted(_SAFETENSORS_DTYPES)}")
-        return _SAFETENSORS_DTYPES[code]
-
-    @contextlib.contextmanager
-    def reopened(self, names: Sequence[str]) -> Iterator[_Reader]:
-        """A reader over fresh handles of the files holding ``names``, closed on exit.
-
-        Pages of a memory-mapped file count in the process's resident set while it stays
-        mapped; reopening per param and closing after lets them go, so a load never keeps
-        the whole file resident on top of the arrays it built.
-        """
-        files = {name: self.files[name] for name in names}
-        with ExitStack() as stack:
-            handles = {file: stack.enter_context(_open_safetensors(file))
-                       for file in sorted(set(files.values()))}
-            yield _Reader(files, handles)
-
-    def whole(self, name: str) -> np.ndarray:
-        """The whole tensor, as stored."""
-        return self._guard(name, lambda handle: handle.get_tensor(name))
-
-    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows ``start:stop`` of the tensor's first dimension."""
-        return self._guard(name, lambda handle: handle.get_slice(name)[start:stop])
-
-    def block(self, spec: _Tensor, index: tuple[slice, ...]) -> np.ndarray:
-        """``spec.to_ours(tensor)[index]``, reading only that block from the memory-mapped file."""
-        return self._guard(spec.hf_name,
-                           lambda handle: spec.read(handle.get_slice(spec.hf_name), index))
-
-    def _guard(self, name: str, read: Callable[[Any], np.ndarray]) -> np.ndarray:
-        file = self.files[name]
-        try:
-            return read(self.handles[file])
-        except Exception as e:  # data cut short or unreadable
-            raise ValueError(f"{file}: tensor {name} is unreadable ({_first_line(e)}); the file "
-                             "may be truncated or corrupt") from None
 
 
 def _read_config(path: Path) -> tuple[ModelConfig, dict[str, Any]]:
@@ -218,6 +137,9 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     then read one at a time; with a ``mesh``, each device's shard is read on its own from the
     memory-mapped file (a scanned layout's [L, ...] shard from the per-layer tensors), so the
     host never holds more than one shard in flight, never the whole model or a whole tensor.
+    An MXFP4 checkpoint's (``quantization_config`` ``{"quant_method": "mxfp4"}``) experts,
+    stored as ``*_blocks`` and ``*_scales``, are read block by block the same way and
+    dequantised exactly (``hf.mxfp4``), to ``dtype``.
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` or
@@ -229,7 +151,8 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
         with ``scan_layers=True``; None or False the unrolled one (``blocks_{i}``).
       dtype: the ``param_dtype`` and compute ``dtype`` of the result (``"float32"``,
         ``"bfloat16"``, ``"float16"``); None keeps the checkpoint's dtype when all tensors
-        share one, else float32 (an exact upcast).
+        share one (MXFP4 tensors aside: bfloat16 for the published GPT-OSS checkpoints),
+        else float32 (an exact upcast).
       rules: the logical -> mesh axis rules of the placement (default: ``rules_for(mesh)``).
 
     Returns:
@@ -241,7 +164,8 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     Raises:
       FileNotFoundError: no config.json or no weights.
       ValueError: a setting or tensor with no exact equivalent, or missing, unexpected or
-        misshapen tensors (named); a ``config.json``/index that is not JSON or a truncated or
+        misshapen tensors (named; an MXFP4 tensor's blocks or scales too, or its value not
+        finite); a ``config.json``/index that is not JSON or a truncated or
         corrupt safetensors file (the file named); a param the mesh cannot split evenly.
     """
     _safetensors()  # the ImportError with install advice, before any work
@@ -256,6 +180,8 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     unused = moe.unused_tensors(config, hf_config["model_type"])
 
     expected = {s.hf_name for s in specs} | set(unused)
+    packed = mxfp4.packed_tensors(hf_config, expected, files)  # read as their values
+    expected = (expected - set(packed)) | {part for parts in packed.values() for part in parts}
     # Llama's attention_bias also biases o_proj, which we lack: accept only zero biases.
     o_biases = ([f"model.layers.{i}.self_attn.o_proj.bias" for i in range(config.n_layers)]
                 if hf_config["model_type"] == "llama" and config.qkv_bias else [])
@@ -271,8 +197,8 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     with ExitStack() as stack:
         handles = {file: stack.enter_context(_open_safetensors(file))
                    for file in sorted(set(files.values()))}
-        reader = _Reader(files, handles)
-        stored = {reader.check(s.hf_name, s.stored_shape) for s in specs}
+        reader = _Reader(files, handles, packed)
+        stored = {reader.check(s.hf_name, s.stored_shape) for s in specs} - {None}
         for name, shape in unused.items():
             reader.check(name, shape)
         for name in o_biases:
@@ -361,7 +287,7 @@ def _load_params(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
 
 def save(config: ModelConfig, params: Params, path: str | Path, *,
          tokenizer: TextTokenizer | None = None, max_shard_bytes: int | None = None,
-         model_type: str | None = None) -> None:
+         model_type: str | None = None, mxfp4_experts: bool = False) -> None:
     """Writes a HF checkpoint directory that ``load`` and transformers' ``from_pretrained`` read.
 
     The layout is the family ``config_to_hf`` picks from the fields, or ``model_type``'s.
@@ -386,6 +312,10 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
       max_shard_bytes: if the tensors take more bytes than this, write shards of at most this
         size (a larger single tensor gets its own) plus ``model.safetensors.index.json``.
       model_type: the HF model type to write (one of ``ARCHITECTURES``); None picks it.
+      mxfp4_experts: store the experts' ``gate_up_proj`` / ``down_proj`` in MXFP4, as the
+        published GPT-OSS checkpoints (``hf.mxfp4.quantize``: exact for the values an MXFP4
+        checkpoint loaded with, rounded otherwise), with their ``quantization_config``; only
+        for a family that has such checkpoints (GPT-OSS).
 
     Raises:
       ValueError: the config has no HF equivalent, or params are missing, unexpected or
@@ -394,6 +324,9 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
     """
     st = _safetensors()
     hf_config = config_to_hf(config, model_type)
+    if mxfp4_experts and mxfp4.METHOD not in FAMILIES[hf_config["model_type"]].quant_methods:
+        raise ValueError(f"HF {hf_config['model_type']} checkpoints have no MXFP4 experts "
+                         "(only gpt_oss's)")
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
     if is_scanned(params):
@@ -425,6 +358,11 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
         tensors[s.hf_name] = np.ascontiguousarray(part)
     for name, shape in moe.unused_tensors(config, hf_config["model_type"]).items():
         tensors[name] = np.zeros(shape, jnp.dtype(config.param_dtype))
+    if mxfp4_experts:
+        for name in [name for name in tensors if mxfp4.packable(name)]:
+            tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4.quantize(
+                tensors.pop(name), name)
+        hf_config["quantization_config"] = mxfp4.CONFIG
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

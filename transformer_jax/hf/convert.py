@@ -12,8 +12,9 @@ Anything that cannot be represented exactly is refused with a ValueError naming 
 setting (never converted approximately): other model types, MLP biases, RoPE scaling other than
 linear/llama3/yarn, partial rotary embeddings, mixed sliding/full attention layers in the
 Llama / Mistral / Qwen2 layouts (Qwen3 and Gemma map them to ``layer_pattern``), quantized
-weights, approximate GELUs there, and on export any ``Architecture`` field the family does not
-declare set to other than its default.
+weights (but GPT-OSS's MXFP4 experts, dequantised exactly on load), approximate GELUs there,
+and on export any ``Architecture`` field the family does not declare set to other than its
+default.
 
 HF stores torch ``Linear`` weights as [out, in]; our tree stores matrices [in, out] with heads
 split out: ``q_proj.weight`` [N*H, D] -> ``q_proj`` [D, N, H], ``o_proj.weight`` [D, N*H] ->
@@ -113,8 +114,7 @@ _DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
              "max_position_embeddings", "intermediate_size")
 # Settings no family has: a true value is refused.
-_REFUSED = {"quantization_config": "quantized checkpoints (quantization_config) are not supported",
-            "mlp_bias": "mlp_bias=True is not supported (the MLP has no biases)",
+_REFUSED = {"mlp_bias": "mlp_bias=True is not supported (the MLP has no biases)",
             "use_bidirectional_attention": "use_bidirectional_attention=True is not supported "
                                            "(causal only)"}
 
@@ -151,6 +151,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     for key, why in _REFUSED.items():
         if hf.get(key):
             raise ValueError(why)
+    _check_quantization(hf.get("quantization_config"), family)
     for key in (*_REQUIRED, *sorted(family.required)):
         required(hf, key)
     for key in sorted(family.present):
@@ -179,6 +180,18 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         norm_eps=float(cfg["rms_norm_eps"]), ffn=family.activations[act],
         tie_embeddings=bool(cfg["tie_word_embeddings"]),
         **{k: v for k, v in family.fixed.items() if "." not in k}, **fields)
+
+
+def _check_quantization(quant: Any, family: Family) -> None:
+    """Refuses a ``quantization_config`` whose method the family's checkpoints cannot have."""
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method not in family.quant_methods:
+        only = (f"; {family.model_type} reads {', '.join(sorted(family.quant_methods))}"
+                if family.quant_methods else "")
+        raise ValueError(f"quantized checkpoints (quantization_config with quant_method "
+                         f"{method!r}) are not supported{only}")
 
 
 def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict[str, Any]:

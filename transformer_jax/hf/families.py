@@ -82,6 +82,8 @@ class Family:
       experts: a sparse layer's module and its experts' gate, up and down tensor names, as
         ``save_pretrained`` writes them.
       picked: whether export picks it by matching; False: only when asked for by name.
+      quant_methods: the ``quantization_config`` methods its checkpoints may have (``load``
+        dequantises them); any other quantised checkpoint is refused.
     """
 
     model_type: str
@@ -99,6 +101,7 @@ class Family:
     fused: bool = False
     experts: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
     picked: bool = True
+    quant_methods: frozenset[str] = frozenset()
 
     def mismatches(self, config: Architecture) -> list[str]:
         """What this family lacks to hold ``config``, one phrase per field, each to follow

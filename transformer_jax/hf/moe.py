@@ -24,8 +24,10 @@ table (``model.fields.MoE``):
   ``swiglu_alpha``, ``swiglu_up_offset`` 1). Its experts are stored in-first and stacked,
   ``mlp.experts.gate_up_proj`` [E, D, 2F] with gate and up columns alternating (and its bias
   [E, 2F] likewise), ``down_proj`` [E, F, D], ``down_proj_bias`` [E, D]; the router is
-  ``mlp.router.{weight,bias}``. The published checkpoints' MXFP4 experts (``*_blocks``,
-  ``*_scales`` with a ``quantization_config``) are refused, as every quantised checkpoint.
+  ``mlp.router.{weight,bias}``. The published checkpoints store ``gate_up_proj`` and
+  ``down_proj`` in MXFP4 (``*_blocks``, ``*_scales``, with ``quantization_config``
+  ``{"quant_method": "mxfp4"}``): ``load`` dequantises them exactly (``hf.mxfp4``), and export
+  writes them unquantised (the layout above).
 
 A ``num_experts`` of 0 (or every layer in ``mlp_only_layers``) is a dense model (``moe=None``).
 Refused, naming the field: ``router_jitter_noise`` > 0 (training-time noise on the router's
@@ -229,7 +231,7 @@ GPT_OSS = Family(
     free=frozenset({"qkv_bias", "o_bias", "sliding_window", "layer_pattern", "swiglu_limit",
                     "swiglu_alpha"}),
     rope_kinds=ALL_ROPE, activations={"silu": "swiglu"},
-    required=frozenset({"num_key_value_heads"}),
+    required=frozenset({"num_key_value_heads"}), quant_methods=frozenset({"mxfp4"}),
     defaults=dict(num_local_experts=128, num_experts_per_tok=4, rms_norm_eps=1e-5,
                   attention_bias=True, sliding_window=128, swiglu_limit=7.0,
                   swiglu_alpha=1.702, tie_word_embeddings=False))
