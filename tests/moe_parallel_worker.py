@@ -37,11 +37,12 @@ E, K = 8, 2
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
                      head_dim=8, d_ff=48, max_seq_len=32, init_std=0.2,
                      moe=MoE(n_experts=E, top_k=K, d_ff=24, score="sigmoid",
-                             correction_bias=True, n_groups=4, top_groups=2, routed_scale=2.0,
-                             shared_d_ff=16))
+                             correction_bias=True, n_groups=4, top_groups=2, routed_scale=1.5,
+                             shared_d_ff=8))
 # Every step across the processes costs both of them gloo collectives (most of a step's time on
-# a 2-core CPU): 6 steps at 4e-2 train (the reference's loss falls by 0.50) and leave the meshes
-# close to it (largest relative state difference 5e-4, against the test's bound of 3e-3).
+# a 2-core CPU): 6 steps at 4e-2 train (the reference's loss falls by 0.56) and leave the meshes
+# close to it (largest relative state difference 1e-4, against the test's bound of 3e-3; the
+# correction bias, moved by up to 0.02, equal).
 B, T, STEPS, LR = 8, 16, 6, 4e-2
 TRAIN = TrainConfig(steps=100, batch_size=B, seq_len=T, lr=LR, min_lr=LR, warmup_steps=0,
                     eps=1e-6, moe_balance_loss=0.1, moe_bias_update_rate=1e-2)
