@@ -84,6 +84,9 @@ def test_expert_parallel_training_equals_one_device_at_every_step(runs, name):
     np.testing.assert_allclose(run["loss"], ref["loss"], rtol=0, atol=2e-4)
     np.testing.assert_allclose(run["grad_norm"], ref["grad_norm"], rtol=5e-4)
     assert any("/moe/" in k and "/mu/" in k for k in run["diff"]), "no expert moment compared"
+    # The correction bias, moved by the balancing update, is the reference's on every mesh.
+    assert run["diff"]["params/blocks_0/moe/correction_bias"] == 0.0
+    assert np.abs(runs["ref_bias"]).max() > 0.015
     worst = max(run["diff"].items(), key=lambda kv: kv[1])
     assert worst[1] < 3e-3, worst
 

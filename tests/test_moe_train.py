@@ -1,7 +1,8 @@
 """Training a mixture of experts: the router losses (``train.moe_balance_loss``,
 ``train.moe_z_loss``) against a numpy formula on a real forward's routing, in the objective and
 its gradient, weighted by tokens over micro-batches; the router metrics; and a run that logs
-them and resumes exactly."""
+them and resumes exactly (with DeepSeek-V3's routing and its correction biases' balancing
+update)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from helpers import FAST_COMPILE, TINY
 
+from transformer_jax.checkpoint.read import read_params
 from transformer_jax.model.fields import MoE
 from transformer_jax.model.transformer import Transformer, init_params
 from transformer_jax.train import run as training
@@ -251,13 +253,16 @@ def test_an_moe_run_logs_the_router_metrics_and_resumes_exactly(tmp_path, compil
                               for _ in range(300)))
     data = DataConfig(path=str(corpus), tokenizer="char", cache_dir=str(tmp_path / "cache"),
                       val_fraction=0.1)
-    model = MODEL.replace(moe=MoE(n_experts=E, top_k=K, d_ff=24), scan_layers=True)
+    # DeepSeek-V3's routing, with the correction biases updated by the balancing rule: the
+    # resumed run must carry them on exactly.
+    model = MODEL.replace(moe=MoE(n_experts=E, top_k=K, d_ff=24, score="sigmoid",
+                                  correction_bias=True, routed_scale=2.0), scan_layers=True)
 
     def run(name: str) -> Path:
         tc = TrainConfig(steps=4, batch_size=4, seq_len=16, warmup_steps=1, eval_every=0,
                          eval_batches=1, log_every=1, ckpt_every=2, sample_tokens=0,
                          run_dir=str(tmp_path / name), peak_flops=1e9, moe_balance_loss=0.1,
-                         moe_z_loss=0.01, grad_accum=2)
+                         moe_z_loss=0.01, grad_accum=2, moe_bias_update_rate=0.05)
         training.run(model, tc, data, progress=False, memory_check=False)
         return tmp_path / name
 
@@ -279,6 +284,11 @@ def test_an_moe_run_logs_the_router_metrics_and_resumes_exactly(tmp_path, compil
     for got, want in zip(records(resumed), expected, strict=True):
         assert {k: v for k, v in got.items() if k not in timing} == \
             {k: v for k, v in want.items() if k not in timing}
+    biases = [read_params(run / "checkpoints" / "4", None)[0]["blocks"]["moe"]["correction_bias"]
+              for run in (straight, resumed)]
+    np.testing.assert_array_equal(biases[1], biases[0])
+    # 4 steps of +-0.05 (or 0) from 0, not all alike: the loads moved them.
+    assert np.abs(biases[0]).max() > 0.09 and len(np.unique(np.round(biases[0] / 0.05))) > 2
     tags = _events(straight / "tb")
     assert {f"train/{k}" for k in keys} <= set(tags)
     assert tags["train/moe_balance"] == pytest.approx([r["moe_balance"] for r in expected])

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from transformer_jax.decode.prompts import is_int
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import EMBEDDING_PARAM, MATRIX_INPUT_AXES, is_vector_param
+from transformer_jax.model.moe import CORRECTION_BIAS
 from transformer_jax.model.ops import target
 from transformer_jax.model.ops.layouts import OutFirst, out_first_order
 from transformer_jax.model.ops.moe import ExpertList
@@ -171,9 +172,9 @@ def decode_params(config: ModelConfig, params: Params, out_first: bool | None = 
 
     The blocks are put in the config's layout (its layer groups stacked when ``scan_layers``,
     else ``blocks_{i}``), whichever layout ``params`` has, every matrix is cast to the compute dtype
-    (so no step converts a weight again; norm scales keep their dtype) and, with ``out_first``
-    (default: for the default backend, ``out_first_for``), stored output axes first as
-    ``OutFirst`` leaves (``out_first_layout``).
+    (so no step converts a weight again; norm scales and correction biases keep their dtype)
+    and, with ``out_first`` (default: for the default backend, ``out_first_for``), stored output
+    axes first as ``OutFirst`` leaves (``out_first_layout``).
     """
     if out_first is None:
         out_first = out_first_for(target.platform())
@@ -184,8 +185,9 @@ def decode_params(config: ModelConfig, params: Params, out_first: bool | None = 
 
     def prepare_leaf(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
         name = str(path[-1].key)
-        # Norm gains/shifts keep their dtype (norms compute in float32); the rest is cast.
-        if is_vector_param(name) and "norm" in str(path[-2].key):
+        # Norm gains/shifts keep their dtype (norms compute in float32), and so does a
+        # router's correction bias (it chooses experts in float32); the rest is cast.
+        if is_vector_param(name) and "norm" in str(path[-2].key) or name == CORRECTION_BIAS:
             return x
         return x.astype(config.jnp_dtype)
 

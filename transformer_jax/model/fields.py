@@ -101,6 +101,16 @@ class MoE:
         [E, D]).
       score: the experts' scores from the router logits: ``"softmax"`` over the E experts, or
         ``"sigmoid"`` of each logit on its own (top-k then picks the k highest either way).
+      correction_bias: a bias [E] (``correction_bias``, DeepSeek-V3's
+        ``e_score_correction_bias``) added to the scores for choosing the experts only; the
+        routing weights are the unbiased scores. No gradient trains it: the balancing update
+        ``train.moe_bias_update_rate`` does.
+      n_groups: group-limited routing: the E experts are ``n_groups`` groups of E/n_groups
+        (each at least 2), each group scored by the sum of its two highest (biased) scores ...
+      top_groups: ... and each token chooses its k experts within its ``top_groups`` best
+        groups (DeepSeek-V3's ``n_group`` / ``topk_group``; 1 group: no limit).
+      routed_scale: the routed experts' weights are multiplied by this after any
+        renormalisation (DeepSeek-V3's ``routed_scaling_factor``); a shared expert is not.
     """
 
     n_experts: int
@@ -114,11 +124,15 @@ class MoE:
     router_bias: bool = False
     expert_bias: bool = False
     score: str = "softmax"
+    correction_bias: bool = False
+    n_groups: int = 1
+    top_groups: int = 1
+    routed_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.dense_layers, list):
             object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
-        for name in ("n_experts", "top_k", "d_ff", "sparse_step"):
+        for name in ("n_experts", "top_k", "d_ff", "sparse_step", "n_groups", "top_groups"):
             check_positive_int(f"moe.{name}", getattr(self, name))
         if self.top_k > self.n_experts:
             raise ValueError(f"moe.top_k ({self.top_k}) must be at most moe.n_experts "
@@ -131,6 +145,9 @@ class MoE:
         check_bool("moe.router_bias", self.router_bias)
         check_bool("moe.expert_bias", self.expert_bias)
         check_choice("moe.score", self.score, MOE_SCORES)
+        check_bool("moe.correction_bias", self.correction_bias)
+        check_positive_number("moe.routed_scale", self.routed_scale)
+        self._check_groups()
         if self.shared_gate and not self.shared_d_ff:
             raise ValueError("moe.shared_gate needs a shared expert (moe.shared_d_ff > 0)")
         if not isinstance(self.dense_layers, tuple) or any(
@@ -138,6 +155,17 @@ class MoE:
                 for i in self.dense_layers):
             raise ValueError(f"moe.dense_layers must be a list of layer indices >= 0, got "
                              f"{self.dense_layers!r}")
+
+    def _check_groups(self) -> None:
+        n, top, e = self.n_groups, self.top_groups, self.n_experts
+        if top > n:
+            raise ValueError(f"moe.top_groups ({top}) must be at most moe.n_groups ({n})")
+        if n > 1 and (e % n or e // n < 2):
+            raise ValueError(f"moe.n_groups={n} must split moe.n_experts={e} into equal groups "
+                             "of at least 2 experts (a group is scored by its top two)")
+        if top * (e // n) < self.top_k:
+            raise ValueError(f"moe.top_k={self.top_k} is more than the {top * (e // n)} experts "
+                             f"of moe.top_groups={top} groups")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer ``layer``'s FFN is the mixture (else the dense FFN)."""

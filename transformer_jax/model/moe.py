@@ -5,7 +5,8 @@ Parameters (logical axes in brackets): ``router`` [D, E] (embed, router); ``gate
 [E, D, F] (experts, expert_embed, expert_mlp); ``down`` [E, F, D]; with a shared expert the
 dense FFN ``shared`` (an ``MLP``) and, with its gate, ``shared_gate`` [D, 1]; with
 ``router_bias`` ``router_bias`` [E], with ``expert_bias`` ``gate_bias`` and ``up_bias`` [E, F]
-and ``down_bias`` [E, D]. The experts' axes
+and ``down_bias`` [E, D], with ``correction_bias`` ``correction_bias`` [E] (router: not
+trained by gradient, updated by ``balance_correction_bias``). The experts' axes
 have their own names so a mesh can split E over an ``expert`` axis while the rest of the model
 uses that axis for data (``parallel/sharding.py``). When the logical rules in context split E
 over more than one device, the experts run expert-parallel (``ops.moe_dispatch``: each token
@@ -24,6 +25,10 @@ from transformer_jax.model.ops import moe as moe_ops
 from transformer_jax.model.ops import moe_dispatch
 from transformer_jax.model.ops.dense import dense
 from transformer_jax.model.ops.ffn import GATE_ACTIVATIONS
+from transformer_jax.model.stack import block_paths, stacked_layers
+
+#: The parameter name of a router's correction bias (``MoE.correction_bias``).
+CORRECTION_BIAS = "correction_bias"
 
 #: What a sparse layer reports about its routing (float32): ``balance`` and ``z`` the layer's
 #: load-balancing and router z-losses (scalars), ``load`` [E] the (token, slot) pairs each
@@ -92,7 +97,14 @@ class SparseFFN(nn.Module):
                        preferred_element_type=jnp.float32)
         if m.router_bias:
             logits = logits + self._bias("router_bias", (e,), ("router",)).astype(jnp.float32)
-        routing = moe_ops.route(logits, m.top_k, m.renormalize, m.score)
+        choice_bias = None
+        if m.correction_bias:  # float32 as stored (decode.prepare keeps its dtype)
+            choice_bias = self.param(
+                CORRECTION_BIAS, nn.with_logical_partitioning(nn.initializers.zeros, ("router",)),
+                (e,), self.param_dtype).astype(jnp.float32)
+        routing = moe_ops.route(logits, m.top_k, m.renormalize, m.score,
+                                choice_bias=choice_bias, n_groups=m.n_groups,
+                                top_groups=m.top_groups, scale=m.routed_scale)
         ffn = dict(activation=GATE_ACTIVATIONS[self.kind], impl=self.impl)
         if self.swiglu is not None:
             ffn["glu"] = swiglu_glu_of(self.swiglu)
@@ -140,3 +152,50 @@ def expert_split() -> moe_dispatch.ExpertSplit | None:
     (batch,) = nn.logical_to_mesh_axes(("batch",))
     experts, embed, mlp = nn.logical_to_mesh_axes(("experts", "expert_embed", "expert_mlp"))
     return moe_dispatch.expert_split(mesh, batch, experts, embed, mlp)
+
+
+def balance_correction_bias(params: dict, load: jax.Array, rate: float,
+                            sparse_layers: tuple[int, ...]) -> dict:
+    """The auxiliary-loss-free balancing update (DeepSeek-V3) of every sparse layer's
+    ``correction_bias``: ``bias += rate * sign(mean(load) - load)``, raising the bias of the
+    experts that received fewer (token, slot) pairs than the mean and lowering the others'.
+
+    Args:
+      params: the model's params (unrolled ``blocks_{i}`` or scanned layer groups).
+      load: [L_sparse, E] each sparse layer's expert load (``Output.moe["load"]``, summed over
+        a step's micro-batches), the layers in the order of ``sparse_layers``.
+      rate: the update's step (MaxText's ``routed_bias_update_rate``).
+      sparse_layers: the sparse layers' numbers (``Architecture.sparse_layers``).
+
+    Returns:
+      ``params`` with each ``correction_bias`` updated (float32 arithmetic, stored in its
+      dtype); the rest as given.
+    """
+    step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)  # [L_sparse, E]
+    row = {layer: j for j, layer in enumerate(sparse_layers)}
+    stacked = stacked_layers(params)
+    out = dict(params)
+    for path, is_stacked in block_paths(params):
+        moe = _get(params, path).get("moe", {})
+        if CORRECTION_BIAS not in moe:
+            continue
+        layers = stacked[path] if is_stacked else [int(path[0].removeprefix("blocks_"))]
+        delta = step[jnp.asarray([row[i] for i in layers])]
+        bias = moe[CORRECTION_BIAS]
+        new = (bias.astype(jnp.float32) + (delta if is_stacked else delta[0])).astype(bias.dtype)
+        _set(out, (*path, "moe", CORRECTION_BIAS), new)
+    return out
+
+
+def _get(tree: dict, path: tuple[str, ...]) -> dict:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value: jax.Array) -> None:
+    """Sets ``tree[path]``, copying each dict on the way (the input trees are not changed)."""
+    for key in path[:-1]:
+        tree[key] = dict(tree[key])
+        tree = tree[key]
+    tree[path[-1]] = value

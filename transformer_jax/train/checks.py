@@ -120,6 +120,10 @@ def check_config(model_config: ModelConfig, train_config: TrainConfig,
     if tc.seq_len > model_config.max_seq_len:
         raise ValueError(f"train.seq_len={tc.seq_len} is above the model's max_seq_len="
                          f"{model_config.max_seq_len}")
+    if tc.moe_bias_update_rate and not (model_config.moe and model_config.moe.correction_bias):
+        raise ValueError(f"train.moe_bias_update_rate={tc.moe_bias_update_rate} updates a "
+                         "router's correction bias, which this model lacks (model.moe."
+                         "correction_bias=false); set it to 0")
     num_devices = jax.device_count() if num_devices is None else num_devices
     # With train.pairs_per_step the batch's rows are derived from the data, a multiple of these.
     if tc.micro_batch_size % num_devices and not tc.pairs_per_step:

@@ -1,6 +1,5 @@
 """The ``[train]`` and ``[data]`` tables of a run and ``build_configs``: a TOML preset plus
-type-checked ``model.x=`` / ``train.x=`` / ``data.x=`` overrides (``train.py``, the training
-benchmark)."""
+type-checked ``model.x=`` / ``train.x=`` / ``data.x=`` overrides (``train.py``, benchmarks)."""
 
 from __future__ import annotations
 
@@ -69,6 +68,8 @@ class TrainConfig(ObjectiveConfig):
       moe_balance_loss: weight of a mixture of experts' load-balancing loss (Switch's
         ``E * sum_e f_e P_e``, mean over the sparse layers; ignored by a dense model).
       moe_z_loss: weight of the router z-loss (ST-MoE's mean ``logsumexp(router logits)^2``).
+      moe_bias_update_rate: after each sft step, ``moe.correction_bias += rate * sign(mean
+        load - load)`` per sparse layer (DeepSeek-V3's loss-free balancing); 0: off.
       loss_chunk: 0 computes the LM head and the loss over all [B, T, V] logits at once; N > 0
         computes them over chunks of N tokens with a gradient that recomputes each chunk's
         logits, so the float32 [B, T, V] logits are never held whole (large vocabularies).
@@ -136,6 +137,7 @@ class TrainConfig(ObjectiveConfig):
     z_loss: float = 0.0
     moe_balance_loss: float = 0.01
     moe_z_loss: float = 0.0
+    moe_bias_update_rate: float = 0.0
     loss_chunk: int = 0
     seed: int = 0
     eval_every: int = 250
@@ -169,7 +171,7 @@ class TrainConfig(ObjectiveConfig):
             _check_int(name, getattr(self, name), minimum=1)
         _check_finite(self, ("lr", "min_lr", "weight_decay", "b1", "b2", "eps", "grad_clip",
                              "z_loss", "sample_temperature", "peak_flops", "lora_alpha",
-                             "moe_balance_loss", "moe_z_loss"))
+                             "moe_balance_loss", "moe_z_loss", "moe_bias_update_rate"))
         _check_int("decay_steps", self.decay_steps, minimum=0)
         if self.warmup_steps == -1:
             object.__setattr__(self, "warmup_steps", auto_warmup_steps(self.total_decay_steps))
@@ -186,16 +188,14 @@ class TrainConfig(ObjectiveConfig):
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, "
                              f"min_lr={self.min_lr}")
         for name in ("weight_decay", "grad_clip", "z_loss", "sample_temperature", "peak_flops",
-                     "moe_balance_loss", "moe_z_loss", "lora_alpha"):
+                     "moe_balance_loss", "moe_z_loss", "lora_alpha", "moe_bias_update_rate"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("b1", "b2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps}")
-        if not self.run_dir:
-            raise ValueError("run_dir must not be empty")
+        if not self.eps > 0 or not self.run_dir:
+            raise ValueError(f"need eps > 0 and a run_dir, got {self.eps}, {self.run_dir!r}")
         for mesh in (self.mesh, self.dcn_mesh):  # raises ValueError naming a bad mesh
             sharding_lib.MeshConfig.parse(mesh)
         if self.lora_base_dtype and self.lora_base_dtype not in DTYPES:

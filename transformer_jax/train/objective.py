@@ -95,6 +95,10 @@ class ObjectiveConfig:
         if self.objective != "sft" and getattr(self, "loss_chunk", 0):
             raise ValueError(f"loss_chunk applies to objective=sft only (objective="
                              f"{self.objective} reads the full logits); set loss_chunk=0")
+        if getattr(self, "moe_bias_update_rate", 0) and (
+                self.objective != "sft" or getattr(self, "lora_rank", 0)):
+            raise ValueError("moe_bias_update_rate updates the model's correction biases in "
+                             "full sft training only; set it to 0 with LoRA or another objective")
         if eps and self.dpo_loss != "sigmoid":
             raise ValueError(f"dpo_label_smoothing={eps} applies to dpo_loss=sigmoid only")
 

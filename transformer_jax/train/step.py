@@ -23,6 +23,7 @@ import optax
 
 from transformer_jax.model import lora
 from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.moe import balance_correction_bias
 from transformer_jax.model.ops.lm_loss import lm_head_cross_entropy_sums
 from transformer_jax.model.transformer import Transformer, init_params
 from transformer_jax.train.config import TrainConfig
@@ -155,6 +156,11 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig,
     (its busiest expert's (token, slot) pairs over the mean: 1 is a uniform load, E/k the
     worst).
 
+    With ``train.moe_bias_update_rate`` > 0 the step then updates each sparse layer's
+    ``moe.correction_bias`` from the step's expert loads (``moe.balance_correction_bias``). The
+    optimizer never changes that bias: it gets no gradient (it only chooses experts), so Adam's
+    moments for it stay 0, and it is a vector, so it gets no weight decay (``decay_mask``).
+
     ``loss_fn`` replaces ``make_loss_fn``'s objective (same contract: sums, and ``count`` the
     divisor; e.g. the pairs of a preference objective); the summed fourth element of its aux,
     a dict of sums, gives metrics by ``stat_means``.
@@ -163,6 +169,7 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig,
     schedule = lr_schedule(train_config)
     accum = train_config.grad_accum
     layout = ParamsLayout.of(train_config)
+    bias_rate = train_config.moe_bias_update_rate if loss_fn is None else 0.0
     loss_sums = loss_fn or make_loss_fn(model_config, train_config)
     extra = stat_means if loss_fn else (
         lambda sums, n: moe_metrics(sums, n, model_config.sparse_layers))
@@ -192,6 +199,9 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig,
         grads = jax.tree.map(lambda g: g / denom, grads)
         updates, opt_state = tx.update(grads, state.opt_state, trainable)
         params = layout.with_trainable(state.params, optax.apply_updates(trainable, updates))
+        if bias_rate and moe:
+            params = balance_correction_bias(params, moe[0]["load"], bias_rate,
+                                             model_config.sparse_layers)
         metrics = {"loss": ce / denom, "z_loss": z / denom, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step), "tokens": count}
         if moe:

@@ -1,5 +1,5 @@
-"""Mixture of experts: the router, the experts' gated FFNs computed three ways, and the
-router's losses.
+"""Mixture of experts: the experts' gated FFNs computed several ways (the router, ``route``,
+and its losses are ``ops.router``'s, re-exported here).
 
 Shape letters: N tokens (B*T flattened), D model width, E experts, k experts per token, F an
 expert's hidden width.
@@ -35,6 +35,13 @@ import jax.numpy as jnp
 
 from transformer_jax.model.ops import target
 from transformer_jax.model.ops.quantized import dequantize, is_quantized, take_rows
+from transformer_jax.model.ops.router import (  # noqa: F401  (the router, re-exported)
+    Routing,
+    balance_loss,
+    expert_load,
+    route,
+    router_z_loss,
+)
 
 #: ``activation(gate)`` of a gated FFN kind.
 Activation = Callable[[jax.Array], jax.Array]
@@ -43,24 +50,6 @@ Activation = Callable[[jax.Array], jax.Array]
 Glu = Callable[[jax.Array, jax.Array], jax.Array]
 
 IMPLS = ("auto", "ragged", "tiled", "gather", "dense", "tokamax", "megablox")
-
-
-@flax.struct.dataclass
-class Routing:
-    """Where each token goes and with what weight.
-
-    Attributes:
-      weights: [N, k] float32 routing weights of the chosen experts.
-      experts: [N, k] int32 expert indices, in decreasing probability (ties: lower index first).
-      probs: [N, E] float32 scores of the router logits, softmax or sigmoid (for the balance
-        loss).
-      logits: [N, E] float32 router logits (for the z-loss).
-    """
-
-    weights: jax.Array
-    experts: jax.Array
-    probs: jax.Array
-    logits: jax.Array
 
 
 @flax.struct.dataclass
@@ -90,26 +79,6 @@ class ExpertList:
     def stacked(self, dtype: jnp.dtype) -> jax.Array:
         """The [E, ...] stack, dequantised, in ``dtype``."""
         return jnp.stack([dequantize(w, dtype) for w in self.experts])
-
-
-def route(logits: jax.Array, top_k: int, renormalize: bool, score: str = "softmax") -> Routing:
-    """Top-k routing on the experts' scores.
-
-    Args:
-      logits: [N, E] router logits (any float dtype; the scores are float32).
-      top_k: k, experts per token.
-      renormalize: divide the k chosen scores by their sum.
-      score: ``"softmax"`` over the E logits, or ``"sigmoid"`` of each logit on its own.
-
-    Returns:
-      The ``Routing``.
-    """
-    logits = logits.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
-    weights, experts = jax.lax.top_k(probs, top_k)
-    if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return Routing(weights, experts.astype(jnp.int32), probs, logits)
 
 
 def choose_impl(impl: str, n_tokens: int, top_k: int, n_experts: int,
@@ -291,46 +260,6 @@ def _sorted(x, routing, w_gate, w_up, w_down, activation, impl):
     y = grouped_matmul(impl, h, w_down, sizes)  # [N*k, D] in the sorted order
     y = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), routing.weights).astype(x.dtype)
-
-
-def expert_load(experts: jax.Array, valid: jax.Array, n_experts: int) -> jax.Array:
-    """[E] float32: how many valid (token, slot) pairs each expert received.
-
-    Args:
-      experts: [N, k] expert indices.
-      valid: [N] bool, the tokens that count (False: padding).
-      n_experts: E.
-    """
-    onehot = jax.nn.one_hot(experts, n_experts, dtype=jnp.float32)  # [N, k, E]
-    return jnp.einsum("nke,n->e", onehot, valid.astype(jnp.float32))
-
-
-def balance_loss(routing: Routing, valid: jax.Array) -> jax.Array:
-    """The load-balancing loss ``E * sum_e f_e P_e`` (Switch Transformer, as HF's
-    ``load_balancing_loss_func`` computes it for one layer): ``f_e`` the fraction of valid
-    tokens that chose expert e among their k (so the f's sum to k), ``P_e`` the mean router
-    probability of e over the valid tokens. Its minimum, k, is a uniform load.
-
-    Args:
-      routing: the layer's ``Routing`` ([N, E] probs, [N, k] experts).
-      valid: [N] bool.
-
-    Returns:
-      A float32 scalar (0 with no valid token).
-    """
-    e = routing.probs.shape[-1]
-    count = jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0)
-    f = expert_load(routing.experts, valid, e) / count
-    p = jnp.einsum("ne,n->e", routing.probs, valid.astype(jnp.float32)) / count
-    return e * jnp.sum(f * p)
-
-
-def router_z_loss(routing: Routing, valid: jax.Array) -> jax.Array:
-    """ST-MoE's router z-loss: the mean over valid tokens of ``logsumexp(logits)^2``
-    (float32 scalar), which keeps the router's logits small."""
-    z = jax.nn.logsumexp(routing.logits, axis=-1) ** 2
-    valid = valid.astype(jnp.float32)
-    return jnp.sum(z * valid) / jnp.maximum(jnp.sum(valid), 1.0)
 
 
 # --------------------------------------------------- "tiled": the grouped matmul for XLA:CPU
