@@ -82,6 +82,9 @@ class Family:
       experts: a sparse layer's module and its experts' gate, up and down tensor names, as
         ``save_pretrained`` writes them.
       picked: whether export picks it by matching; False: only when asked for by name.
+      ffn_module: the HF module of each layer's FFN (a dense layer's ``{gate,up,down}_proj``).
+      sparse_tensors: (config, layer) -> a sparse layer's FFN tensors, for a family whose
+        layout is its own; None: ``hf.moe.ffn_tensors``.
     """
 
     model_type: str
@@ -99,6 +102,8 @@ class Family:
     fused: bool = False
     experts: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
     picked: bool = True
+    ffn_module: str = "mlp"
+    sparse_tensors: Callable[[ModelConfig, int], list[Any]] | None = None
 
     def mismatches(self, config: Architecture) -> list[str]:
         """What this family lacks to hold ``config``, one phrase per field, each to follow

@@ -186,6 +186,10 @@ class PagedKVCache:
                              f"{num_pages}")
         if view not in VIEWS:
             raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
+        if "chunked" in config.layer_kinds():
+            raise ValueError(f"the paged cache (the serving engine) has no chunked-attention "
+                             f"layers yet (attention_chunk={config.attention_chunk}); run this "
+                             "model with generate")
         dtype = storage_dtype(config.dtype if dtype is None else dtype)
         kv, h = config.n_kv_heads, kv_quant.stored_head_dim(config.head_dim, dtype)
         shape = (kv, num_pages, page_size, h)

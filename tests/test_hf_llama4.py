@@ -1,0 +1,185 @@
+"""Llama 4 text (``llama4_text``) against transformers: a tiny random ``Llama4ForCausalLM``
+written by ``save_pretrained`` loads with its logits (chunked layers, a NoPE layer with the
+query temperature, the weightless QK-norm, MoE layers interleaved with dense ones, the
+input-scaled top-1 experts and the shared expert), each feature moves them, export reads back
+in transformers, greedy generation equals transformers', and the chunked layers' cache holds
+only their chunk."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import FAST_COMPILE, ragged_inputs
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from transformer_jax import hf  # noqa: E402
+from transformer_jax.decode import generation  # noqa: E402
+from transformer_jax.decode import loop as decode  # noqa: E402
+from transformer_jax.model.fields import MoE  # noqa: E402
+from transformer_jax.model.kv_cache import KVCache  # noqa: E402
+from transformer_jax.model.transformer import Transformer  # noqa: E402
+from transformer_jax.serving import Engine  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
+
+B, T, V, D, H, F, F_MLP = 2, 12, 97, 32, 8, 16, 24
+CHUNK, FLOOR = 4, 2  # a chunk shorter than T; a temperature that changes every 2 positions
+TOL = 1e-4
+INPUTS = ragged_inputs(B, T, V)  # the second row starts at position 300 (a chunk boundary)
+
+
+def random_llama4(seed: int = 0):
+    """Tiny Llama4ForCausalLM (eager attention, unit-scale random weights): layers 0-2
+    chunked with RoPE and QK-norm, layer 3 NoPE and global; layers 1 and 3 sparse."""
+    torch.manual_seed(seed)
+    config = transformers.Llama4TextConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=F, intermediate_size_mlp=F_MLP,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=H,
+        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+        attention_chunk_size=CHUNK, floor_scale=FLOOR, attn_scale=0.1,
+        max_position_embeddings=1024, bos_token_id=None, eos_token_id=None,
+        attn_implementation="eager")
+    model = transformers.Llama4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, p.shape[-2 if "experts" in name else -1] ** -0.5)
+    return model
+
+
+def hf_logits(model, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """transformers' logits, each row at its own start position p: run behind p masked
+    padding tokens (transformers' query temperature and chunks count the cache's slots)."""
+    rows = []
+    for row, pos in zip(tokens, positions, strict=True):
+        pad = int(pos[0])
+        ids = torch.tensor([[0] * pad + row.tolist()])
+        mask = torch.tensor([[0] * pad + [1] * len(row)])
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, position_ids=torch.arange(pad + len(row))[None])
+        rows.append(out.logits[0, pad:].float().numpy())
+    return np.stack(rows)
+
+
+def _logits(config, params, tokens=INPUTS[0], positions=INPUTS[1]) -> np.ndarray:
+    def run(params, tokens, positions):
+        return Transformer(config).apply({"params": params}, tokens, positions=positions).logits
+
+    return np.asarray(jax.jit(run, compiler_options=FAST_COMPILE)(
+        params, jnp.asarray(tokens), jnp.asarray(positions)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    model: object
+    path: object
+    logits: np.ndarray  # transformers'
+    config: object
+    params: dict
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory) -> Loaded:
+    model = random_llama4()
+    path = tmp_path_factory.mktemp("llama4")
+    model.save_pretrained(path)
+    config, params = hf.load(path)
+    return Loaded(model, path, hf_logits(model, *INPUTS), config, params)
+
+
+def test_config_reads_every_feature(llama4):
+    c = llama4.config
+    assert c.moe == MoE(n_experts=4, top_k=1, d_ff=F, renormalize=False, shared_d_ff=F,
+                        sparse_step=2, score="sigmoid", scale_input=True)
+    assert (c.d_ff, c.rope_pairing, c.qk_norm) == (F_MLP, "adjacent", "weightless")
+    assert c.layer_pattern == ("chunked", "chunked", "chunked", "global")
+    assert (c.attention_chunk, c.nope_layers) == (CHUNK, (3,))
+    assert (c.nope_temperature_floor, c.nope_temperature_scale) == (FLOOR, 0.1)
+    assert c.sparse_layers == (1, 3)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_logits_match_transformers(llama4, scan):
+    config, params = hf.load(llama4.path, scan_layers=scan) if scan else (
+        llama4.config, llama4.params)
+    diff = float(np.max(np.abs(_logits(config, params) - llama4.logits)))
+    assert diff <= TOL, diff
+
+
+def _without(params, *names):
+    """params with the named leaves (at any depth) dropped."""
+    if not isinstance(params, dict):
+        return params
+    return {k: _without(v, *names) for k, v in params.items() if k not in names}
+
+
+@pytest.mark.parametrize("change", ["chunks", "nope", "temperature", "qk_norm", "scale_input",
+                                    "shared_expert"])
+def test_each_feature_moves_the_logits(llama4, change):
+    c, p = llama4.config, llama4.params
+    config, params = {
+        "chunks": (c.replace(layer_pattern=(), attention_chunk=None), p),
+        "nope": (c.replace(nope_layers=(), nope_temperature_floor=None), p),
+        "temperature": (c.replace(nope_temperature_floor=None), p),
+        "qk_norm": (c.replace(qk_norm=None), p),
+        "scale_input": (c.replace(moe=dataclasses.replace(c.moe, scale_input=False)), p),
+        "shared_expert": (c.replace(moe=dataclasses.replace(c.moe, shared_d_ff=0)),
+                          _without(p, "shared")),
+    }[change]
+    assert float(np.max(np.abs(_logits(config, params) - llama4.logits))) > 1e-2
+
+
+def test_export_reads_back_in_transformers(llama4, tmp_path):
+    hf.save(llama4.config, llama4.params, tmp_path)
+    saved = json.loads((tmp_path / hf.CONFIG_FILE).read_text())
+    assert (saved["model_type"], saved["architectures"]) == ("llama4_text",
+                                                             ["Llama4ForCausalLM"])
+    reread = transformers.Llama4ForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager").eval()
+    theirs, mine = llama4.model.state_dict(), reread.state_dict()
+    assert theirs.keys() == mine.keys()
+    for key in theirs:
+        torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=0, msg=key)
+    ours = _logits(llama4.config, llama4.params)
+    np.testing.assert_allclose(hf_logits(reread, *INPUTS), ours, rtol=0, atol=1e-5)
+    assert hf.load(tmp_path)[0] == llama4.config
+
+
+def test_greedy_generation_equals_transformers(llama4):
+    """Prefill + cached decode (the chunk rings, the NoPE layer's temperature) on ragged
+    prompts, generating across chunk boundaries; transformers runs each prompt alone (its
+    temperature counts left padding as positions)."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, V, n).tolist() for n in (3, 7)]
+    new = 7
+    ours = generation.generate(llama4.config, llama4.params, prompts, max_new_tokens=new)
+    for prompt, tokens in zip(prompts, ours.tokens, strict=True):
+        with torch.no_grad():
+            out = llama4.model.generate(torch.tensor([prompt]), max_new_tokens=new,
+                                        do_sample=False, pad_token_id=0, eos_token_id=None)
+        assert out[0, len(prompt):].tolist() == tokens
+
+
+def test_chunked_layers_cache_only_their_chunk(llama4):
+    cache = KVCache.init(llama4.config, batch=2, max_len=64)
+    assert cache.ring is not None and cache.ring.local == (True, True, True, False)
+    rings = jax.tree.leaves((cache.k_local, cache.v_local))
+    full = jax.tree.leaves((cache.k, cache.v))
+    assert len(rings) == 6 and all(x.shape[-2] == CHUNK or x.shape[-1] == CHUNK
+                                   for x in rings)
+    assert len(full) == 2 and all(64 in x.shape for x in full)
+
+
+def test_engine_refuses_chunked_layers_in_one_line(llama4):
+    with pytest.raises(ValueError, match="chunked-attention") as info:
+        Engine(llama4.config, decode.prepare(llama4.config, llama4.params), num_slots=2,
+               num_pages=8, page_size=4, token_budget=8)
+    assert "\n" not in str(info.value)
