@@ -35,13 +35,14 @@ INPUTS = ragged_inputs(B, T, V)  # the second row starts at position 300 (a chun
 
 
 def random_llama4(seed: int = 0):
-    """Tiny Llama4ForCausalLM (eager attention, unit-scale random weights): layers 0-2
-    chunked with RoPE and QK-norm, layer 3 NoPE and global; layers 1 and 3 sparse."""
+    """Tiny Llama4ForCausalLM (eager attention, unit-scale random weights): layers 0 and 2
+    chunked with RoPE and QK-norm and dense, layers 1 and 3 NoPE, global and sparse."""
     torch.manual_seed(seed)
     config = transformers.Llama4TextConfig(
         vocab_size=V, hidden_size=D, intermediate_size=F, intermediate_size_mlp=F_MLP,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=H,
         num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+        no_rope_layer_interval=2,
         attention_chunk_size=CHUNK, floor_scale=FLOOR, attn_scale=0.1,
         max_position_embeddings=1024, bos_token_id=None, eos_token_id=None,
         attn_implementation="eager")
@@ -100,8 +101,8 @@ def test_config_reads_every_feature(llama4):
     assert c.moe == MoE(n_experts=4, top_k=1, d_ff=F, renormalize=False, shared_d_ff=F,
                         sparse_step=2, score="sigmoid", scale_input=True)
     assert (c.d_ff, c.rope_pairing, c.qk_norm) == (F_MLP, "adjacent", "weightless")
-    assert c.layer_pattern == ("chunked", "chunked", "chunked", "global")
-    assert (c.attention_chunk, c.nope_layers) == (CHUNK, (3,))
+    assert c.layer_pattern == ("chunked", "global")
+    assert (c.attention_chunk, c.nope_layers) == (CHUNK, (1, 3))
     assert (c.nope_temperature_floor, c.nope_temperature_scale) == (FLOOR, 0.1)
     assert c.sparse_layers == (1, 3)
 
@@ -170,16 +171,48 @@ def test_greedy_generation_equals_transformers(llama4):
 
 def test_chunked_layers_cache_only_their_chunk(llama4):
     cache = KVCache.init(llama4.config, batch=2, max_len=64)
-    assert cache.ring is not None and cache.ring.local == (True, True, True, False)
+    assert cache.ring is not None and cache.ring.local == (True, False, True, False)
     rings = jax.tree.leaves((cache.k_local, cache.v_local))
     full = jax.tree.leaves((cache.k, cache.v))
-    assert len(rings) == 6 and all(x.shape[-2] == CHUNK or x.shape[-1] == CHUNK
+    assert len(rings) == 4 and all(x.shape[-2] == CHUNK or x.shape[-1] == CHUNK
                                    for x in rings)
-    assert len(full) == 2 and all(64 in x.shape for x in full)
+    assert len(full) == 4 and all(64 in x.shape for x in full)
 
 
 def test_engine_refuses_chunked_layers_in_one_line(llama4):
     with pytest.raises(ValueError, match="chunked-attention") as info:
         Engine(llama4.config, decode.prepare(llama4.config, llama4.params), num_slots=2,
                num_pages=8, page_size=4, token_budget=8)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name, total, active", [
+    # transformers' Llama4ForCausalLM built on the meta device from each preset's config.json:
+    # the text models of Llama-4-Scout-17B-16E (published 109B with its vision tower, 17B
+    # active) and Llama-4-Maverick-17B-128E (400B, 17B active).
+    ("llama4_scout", 107_769_861_120, 17_172_894_720),
+    ("llama4_maverick", 400_711_848_960, 17_184_691_200),
+])
+def test_presets_have_the_published_parameter_counts(name, total, active):
+    from transformer_jax.model.config import ModelConfig
+    from transformer_jax.train.perf import param_counts
+
+    config = ModelConfig.preset(name)
+    assert param_counts(config) == (total, active)
+    assert hf.config_to_hf(config)["model_type"] == "llama4_text"
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(attention_chunk=4, sliding_window=8), "attention_chunk and sliding_window"),
+    (dict(layer_pattern=("chunked", "global")), "attention_chunk is not set"),
+    (dict(attention_chunk=0), "attention_chunk"),
+    (dict(nope_layers=(4,)), "nope_layers"),
+    (dict(nope_temperature_floor=8), "needs nope_layers"),
+    (dict(moe=dict(n_experts=4, top_k=2, d_ff=8, scale_input=True)), "scale_input needs"),
+])
+def test_bad_fields_are_refused_in_one_line(changes, message):
+    from transformer_jax.model.config import ModelConfig
+
+    with pytest.raises(ValueError, match=message) as info:
+        ModelConfig(n_layers=4, **changes)
     assert "\n" not in str(info.value)
