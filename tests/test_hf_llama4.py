@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE, ragged_inputs
+from helpers import FAST_COMPILE, ragged_inputs, run_until_idle
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -24,9 +24,9 @@ from transformer_jax.decode import loop as decode  # noqa: E402
 from transformer_jax.model.fields import MoE  # noqa: E402
 from transformer_jax.model.kv_cache import KVCache  # noqa: E402
 from transformer_jax.model.transformer import Transformer  # noqa: E402
-from transformer_jax.serving import Engine  # noqa: E402
+from transformer_jax.serving import Engine, SamplingParams  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
+pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_compiles")
 
 B, T, V, D, H, F, F_MLP = 2, 12, 97, 32, 8, 16, 24
 CHUNK, FLOOR = 4, 2  # a chunk shorter than T; a temperature that changes every 2 positions
@@ -154,19 +154,48 @@ def test_export_reads_back_in_transformers(llama4, tmp_path):
     assert hf.load(tmp_path)[0] == llama4.config
 
 
-def test_greedy_generation_equals_transformers(llama4):
-    """Prefill + cached decode (the chunk rings, the NoPE layer's temperature) on ragged
-    prompts, generating across chunk boundaries; transformers runs each prompt alone (its
-    temperature counts left padding as positions)."""
+@pytest.mark.parametrize("scan", [False, True])
+def test_greedy_generation_equals_transformers(llama4, scan):
+    """Prefill + cached decode (the chunk rings, found by ``LayerRef`` in a scan; the NoPE
+    layers' temperature) on ragged prompts, generating across chunk boundaries; transformers
+    runs each prompt alone (its temperature counts left padding as positions)."""
+    config, params = hf.load(llama4.path, scan_layers=True) if scan else (
+        llama4.config, llama4.params)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, V, n).tolist() for n in (3, 7)]
     new = 7
-    ours = generation.generate(llama4.config, llama4.params, prompts, max_new_tokens=new)
+    ours = generation.generate(config, params, prompts, max_new_tokens=new)
     for prompt, tokens in zip(prompts, ours.tokens, strict=True):
         with torch.no_grad():
             out = llama4.model.generate(torch.tensor([prompt]), max_new_tokens=new,
                                         do_sample=False, pad_token_id=0, eos_token_id=None)
         assert out[0, len(prompt):].tolist() == tokens
+
+
+@pytest.mark.parametrize("impl", ["xla", "chunked"])
+def test_chunk_mask_equals_numpy(impl):
+    """``attention(chunk=C)`` against a numpy softmax over the mask ``n <= m``,
+    ``n // C == m // C`` (and equal packed segments)."""
+    from transformer_jax.model.ops.attention import attention
+
+    rng = np.random.default_rng(0)
+    b, t, n, k, h, c = 2, 10, 4, 2, 8, 3
+    q = rng.standard_normal((b, t, n, h)).astype(np.float32)
+    keys, values = (rng.standard_normal((b, k, t, h)).astype(np.float32) for _ in range(2))
+    pos = np.stack([np.arange(t), np.r_[np.arange(6), np.arange(4)] + 5]).astype(np.int32)
+    seg = np.array([[1] * t, [1] * 6 + [2] * 4], np.int32)
+    out = np.asarray(attention(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values),
+                               q_positions=jnp.asarray(pos), k_positions=jnp.asarray(pos),
+                               q_segments=jnp.asarray(seg), k_segments=jnp.asarray(seg),
+                               chunk=c, impl=impl))
+    mask = ((pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] // c == pos[:, :, None] // c)
+            & (seg[:, None, :] == seg[:, :, None]))  # [B, T, S]
+    kv = np.repeat(keys, n // k, axis=1), np.repeat(values, n // k, axis=1)
+    logits = np.einsum("btnh,bnsh->bnts", q, kv[0]) / np.sqrt(h)
+    logits = np.where(mask[:, None], logits, -np.inf)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    want = np.einsum("bnts,bnsh->btnh", probs / probs.sum(-1, keepdims=True), kv[1])
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
 def test_chunked_layers_cache_only_their_chunk(llama4):
@@ -179,11 +208,19 @@ def test_chunked_layers_cache_only_their_chunk(llama4):
     assert len(full) == 4 and all(64 in x.shape for x in full)
 
 
-def test_engine_refuses_chunked_layers_in_one_line(llama4):
-    with pytest.raises(ValueError, match="chunked-attention") as info:
-        Engine(llama4.config, decode.prepare(llama4.config, llama4.params), num_slots=2,
-               num_pages=8, page_size=4, token_budget=8)
-    assert "\n" not in str(info.value)
+def test_engine_equals_generate(llama4):
+    """The serving engine (chunk rings per slot, paged NoPE layers, a prompt prefilled in
+    pieces, decode across chunks) gives each prompt what generate gives it alone."""
+    config, params = llama4.config, llama4.params
+    engine = Engine(config, decode.prepare(config, params), num_slots=2, num_pages=12,
+                    page_size=4, token_budget=10, min_context=16)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, V, n).tolist() for n in (13, 3, 6)]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=5)) for p in prompts]
+    done = run_until_idle(engine)
+    want = generation.generate(config, params, prompts, max_new_tokens=5).tokens
+    assert [done[rid].tokens for rid in ids] == want
+    engine.check_no_leaks()
 
 
 @pytest.mark.parametrize("name, total, active", [
