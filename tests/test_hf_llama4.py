@@ -253,3 +253,25 @@ def test_bad_fields_are_refused_in_one_line(changes, message):
     with pytest.raises(ValueError, match=message) as info:
         ModelConfig(n_layers=4, **changes)
     assert "\n" not in str(info.value)
+
+
+def test_llama3_rope_with_equal_factors_equals_transformers():
+    """Scout's RoPE scaling (llama3, factor 16, low and high frequency factors both 1: no
+    ramp) against transformers' frequencies."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from transformer_jax.model.ops import rope_frequencies
+    from transformer_jax.model.ops.positions import RopeScaling
+
+    rope = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0, "original_max_position_embeddings": 8192,
+            "rope_theta": 500000.0}
+    config = transformers.Llama4TextConfig(head_dim=128, hidden_size=256,
+                                           num_attention_heads=2, rope_parameters=rope)
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = rope_frequencies(128, 500000.0, RopeScaling("llama3", 16.0, low_freq_factor=1.0,
+                                                       high_freq_factor=1.0))
+    np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), rtol=1e-6)
+    plain = np.asarray(rope_frequencies(128, 500000.0))
+    divided = np.isclose(np.asarray(ours), plain / 16.0, rtol=1e-6)
+    assert divided.any() and not divided.all()  # the long wavelengths only
