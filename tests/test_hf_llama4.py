@@ -275,3 +275,19 @@ def test_llama3_rope_with_equal_factors_equals_transformers():
     plain = np.asarray(rope_frequencies(128, 500000.0))
     divided = np.isclose(np.asarray(ours), plain / 16.0, rtol=1e-6)
     assert divided.any() and not divided.all()  # the long wavelengths only
+
+
+def test_text_model_of_a_vision_checkpoint_loads(llama4, tmp_path):
+    """A ``Llama4ForConditionalGeneration`` directory (a tiny vision tower beside the text
+    model's weights) loads as its text model: the config and params of the text checkpoint."""
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=32, image_size=28, patch_size=14, vision_output_dim=16,
+                  projector_input_dim=16, projector_output_dim=16, pixel_shuffle_ratio=0.5)
+    config = transformers.Llama4Config(text_config=llama4.model.config.to_dict(),
+                                       vision_config=vision)
+    model = transformers.Llama4ForConditionalGeneration(config)
+    model.language_model.load_state_dict(llama4.model.state_dict(), strict=True)
+    model.save_pretrained(tmp_path)
+    loaded, params = hf.load(tmp_path)
+    assert loaded == llama4.config
+    jax.tree.map(np.testing.assert_array_equal, params, llama4.params)

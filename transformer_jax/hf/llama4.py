@@ -23,10 +23,15 @@ Tensors: ``feed_forward`` holds each layer's FFN; a sparse layer's ``router.weig
 ``experts.down_proj`` [E, F, D] and ``shared_expert.{gate,up,down}_proj.weight``.
 Refused: ``attention_bias``, ``router_jitter_noise`` > 0, ``num_experts_per_tok`` other than 1,
 chunked layers without ``attention_chunk_size``.
+
+The published checkpoints are ``Llama4ForConditionalGeneration`` ones (``model_type``
+``llama4``): their text model loads (``text_model``: its ``text_config``, its tensors under
+``language_model.``; the vision tower's are left unread) and exports as ``llama4_text``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import ChainMap
 from typing import Any
 
@@ -164,4 +169,28 @@ LLAMA4_TEXT = Family(
     required=frozenset({"num_key_value_heads", "head_dim"}),
     ffn_module="feed_forward", sparse_tensors=sparse_tensors)
 
-__all__ = ["LLAMA4_TEXT", "sparse_tensors"]
+#: The key ``text_model`` adds to the text config it returns: its tensors' name prefix.
+PREFIX_KEY = "_tensor_prefix"
+
+
+def text_model(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """A ``Llama4ForConditionalGeneration`` ``config.json``'s text model, as the
+    ``llama4_text`` config it is, with ``PREFIX_KEY`` giving its tensors' prefix
+    (``language_model.``); any other config as it is."""
+    if hf_config.get("model_type") != "llama4":
+        return hf_config
+    text = hf_config.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError("llama4 config.json lacks its text_config (a dict)")
+    return {**text, "model_type": "llama4_text", "architectures": ["Llama4ForCausalLM"],
+            PREFIX_KEY: "language_model."}
+
+
+def prefixed(specs: list[_Tensor], hf_config: dict[str, Any]) -> list[_Tensor]:
+    """``specs`` with the tensor name prefix ``text_model`` recorded in ``hf_config``."""
+    prefix = hf_config.get(PREFIX_KEY, "")
+    return [dataclasses.replace(s, hf_name=prefix + s.hf_name) for s in specs] if prefix \
+        else specs
+
+
+__all__ = ["LLAMA4_TEXT", "PREFIX_KEY", "prefixed", "sparse_tensors", "text_model"]
