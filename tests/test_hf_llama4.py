@@ -210,9 +210,10 @@ def test_chunked_layers_cache_only_their_chunk(llama4):
 
 def test_engine_equals_generate(llama4):
     """The serving engine (chunk rings per slot, paged NoPE layers, a prompt prefilled in
-    pieces, decode across chunks) gives each prompt what generate gives it alone."""
+    pieces, decode across chunks, a pool small enough to preempt) gives each prompt what
+    generate gives it alone."""
     config, params = llama4.config, llama4.params
-    engine = Engine(config, decode.prepare(config, params), num_slots=2, num_pages=12,
+    engine = Engine(config, decode.prepare(config, params), num_slots=2, num_pages=7,
                     page_size=4, token_budget=10, min_context=16)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(1, V, n).tolist() for n in (13, 3, 6)]
@@ -220,6 +221,7 @@ def test_engine_equals_generate(llama4):
     done = run_until_idle(engine)
     want = generation.generate(config, params, prompts, max_new_tokens=5).tokens
     assert [done[rid].tokens for rid in ids] == want
+    assert engine.scheduler.preemptions > 0
     engine.check_no_leaks()
 
 
