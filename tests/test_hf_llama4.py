@@ -154,20 +154,18 @@ def test_export_reads_back_in_transformers(llama4, tmp_path):
     assert hf.load(tmp_path)[0] == llama4.config
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_greedy_generation_equals_transformers(llama4, scan):
-    """Prefill + cached decode (the chunk rings, found by ``LayerRef`` in a scan; the NoPE
-    layers' temperature) on ragged prompts, generating across chunk boundaries; transformers
-    runs each prompt alone (its temperature counts left padding as positions)."""
-    config, params = hf.load(llama4.path, scan_layers=True) if scan else (
-        llama4.config, llama4.params)
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(1, V, n).tolist() for n in (3, 7)]
-    new = 7
-    ours = generation.generate(config, params, prompts, max_new_tokens=new)
-    for prompt, tokens in zip(prompts, ours.tokens, strict=True):
+PROMPTS = [np.random.default_rng(3).integers(1, V, n).tolist() for n in (3, 7)]
+NEW = 7  # past the prompts' chunks
+
+
+def test_greedy_generation_equals_transformers(llama4):
+    """Prefill + cached decode (the chunk rings, the NoPE layers' temperature) on ragged
+    prompts, generating across chunk boundaries; transformers runs each prompt alone (its
+    temperature counts left padding as positions)."""
+    ours = generation.generate(llama4.config, llama4.params, PROMPTS, max_new_tokens=NEW)
+    for prompt, tokens in zip(PROMPTS, ours.tokens, strict=True):
         with torch.no_grad():
-            out = llama4.model.generate(torch.tensor([prompt]), max_new_tokens=new,
+            out = llama4.model.generate(torch.tensor([prompt]), max_new_tokens=NEW,
                                         do_sample=False, pad_token_id=0, eos_token_id=None)
         assert out[0, len(prompt):].tolist() == tokens
 
@@ -209,18 +207,16 @@ def test_chunked_layers_cache_only_their_chunk(llama4):
 
 
 def test_engine_equals_generate(llama4):
-    """The serving engine (chunk rings per slot, paged NoPE layers, a prompt prefilled in
-    pieces, decode across chunks, a pool small enough to preempt) gives each prompt what
-    generate gives it alone."""
-    config, params = llama4.config, llama4.params
-    engine = Engine(config, decode.prepare(config, params), num_slots=2, num_pages=7,
-                    page_size=4, token_budget=10, min_context=16)
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(1, V, n).tolist() for n in (13, 3, 6)]
-    ids = [engine.add_request(p, SamplingParams(max_tokens=5)) for p in prompts]
+    """The serving engine on the scanned stack (chunk rings per slot found by ``LayerRef``,
+    paged NoPE layers, decode across chunks, a pool small enough to preempt) gives each
+    prompt what generate gives it."""
+    config, params = hf.load(llama4.path, scan_layers=True)
+    engine = Engine(config, decode.prepare(config, params), num_slots=2, num_pages=5,
+                    page_size=4, token_budget=6, min_context=16)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=NEW)) for p in PROMPTS]
     done = run_until_idle(engine)
-    want = generation.generate(config, params, prompts, max_new_tokens=5).tokens
-    assert [done[rid].tokens for rid in ids] == want
+    want = generation.generate(llama4.config, llama4.params, PROMPTS, max_new_tokens=NEW)
+    assert [done[rid].tokens for rid in ids] == want.tokens
     assert engine.scheduler.preemptions > 0
     engine.check_no_leaks()
 
