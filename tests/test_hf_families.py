@@ -331,6 +331,12 @@ def _one_per_family() -> dict[str, ModelConfig]:
                                 swiglu_limit=7.0, swiglu_alpha=1.702, swiglu_up_offset=1.0,
                                 moe=dataclasses.replace(moe, router_bias=True,
                                                         expert_bias=True)),
+        "llama4_text": base.replace(
+            rope_pairing="adjacent", qk_norm="weightless", attention_chunk=8,
+            layer_pattern=("chunked", "global"), nope_layers=(1, 3), nope_temperature_floor=16,
+            nope_temperature_scale=0.2,
+            moe=MoE(n_experts=3, top_k=1, d_ff=16, renormalize=False, shared_d_ff=16,
+                    score="sigmoid", scale_input=True, sparse_step=2)),
     }
 
 

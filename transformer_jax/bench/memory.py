@@ -334,8 +334,10 @@ def kv_cache_report(name: str, batch: int, seq: int, dtype: str) -> dict[str, An
     c = ModelConfig.preset(name)
     held = cache_bytes(c, batch, seq, dtype)
     full = cache_bytes(c, batch, seq, dtype, window_rings=False)
-    print(f"  KV cache    B={batch} S={seq} {dtype}: {_gib(held)} ({c.local_layers} of "
-          f"{c.n_layers} layers local, window {c.sliding_window}); every layer global "
+    kept = (f"{c.local_layers} of {c.n_layers} layers local, window {c.sliding_window}"
+            if c.attention_chunk is None else f"{c.layer_kinds().count('chunked')} of "
+            f"{c.n_layers} layers chunked, chunk {c.attention_chunk}")
+    print(f"  KV cache    B={batch} S={seq} {dtype}: {_gib(held)} ({kept}); every layer global "
           f"{_gib(full)}: {held / full:.3f}x")
     return {"kv_cache_bytes": held, "kv_cache_all_global_bytes": full}
 

@@ -243,11 +243,13 @@ def _locate_remote(url: str, where: str) -> Source:
 def _hf_model(root: Path, where: str) -> tuple[ModelConfig, str]:
     """A HF checkpoint's model config and its ``model_type``."""
     from transformer_jax.hf.convert import config_from_hf
+    from transformer_jax.hf.llama4 import text_model
 
     hf_config = read_json(root / HF_CONFIG, "config")
     if not isinstance(hf_config, dict):
         raise ValueError(f"{where}: {root / HF_CONFIG} is not a JSON object")
     try:
+        hf_config = text_model(hf_config)  # a Llama 4 with vision: its text model
         return config_from_hf(hf_config), hf_config["model_type"]
     except ValueError as e:
         raise ValueError(f"{where}: the checkpoint cannot be represented exactly: {e}") from None

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from transformer_jax.hf import generation_config, moe, mxfp4
+from transformer_jax.hf import generation_config, llama4, moe, mxfp4
 from transformer_jax.hf.convert import (
     _IGNORED_TENSOR,
     ARCHITECTURES,
@@ -124,6 +124,7 @@ def _read_config(path: Path) -> tuple[ModelConfig, dict[str, Any]]:
     hf_config = read_json(config_file, "config")
     if not isinstance(hf_config, dict):
         raise ValueError(f"config {config_file} is not a JSON object")
+    hf_config = llama4.text_model(hf_config)  # a Llama 4 with vision: its text model
     return config_from_hf(hf_config), hf_config
 
 
@@ -176,7 +177,8 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     if scan_layers:
         config = config.replace(scan_layers=True)
     files = _weight_files(path)
-    specs = _tensors(config, hf_config["model_type"], moe.stacked_experts(files))
+    specs = llama4.prefixed(_tensors(config, hf_config["model_type"],
+                                     moe.stacked_experts(files)), hf_config)
     unused = moe.unused_tensors(config, hf_config["model_type"])
 
     expected = {s.hf_name for s in specs} | set(unused)
@@ -190,7 +192,8 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     if missing:
         raise ValueError(f"checkpoint in {path} is missing tensors: {_names(missing)}")
     known = expected | set(o_biases) | {tied_head}
-    unexpected = sorted(n for n in files if n not in known and not _IGNORED_TENSOR.match(n))
+    unexpected = sorted(n for n in files if n not in known and not _IGNORED_TENSOR.match(n)
+                        and n.startswith(hf_config.get(llama4.PREFIX_KEY, "")))
     if unexpected:
         raise ValueError(f"checkpoint in {path} has unexpected tensors: {_names(unexpected)}")
 

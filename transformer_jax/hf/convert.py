@@ -33,7 +33,7 @@ from collections import ChainMap
 from functools import partial
 from typing import Any
 
-from transformer_jax.hf import families, moe
+from transformer_jax.hf import families, llama4, moe
 from transformer_jax.hf.families import COMMON, Family, required
 from transformer_jax.hf.tensors import (  # noqa: F401  (_flatten, _set_path: re-exported)
     _flatten,
@@ -107,7 +107,8 @@ QWEN2 = Family("qwen2", "Qwen2ForCausalLM", partial(_window_read, qwen2=True), _
 #: Every family by model type, in the order export tries them (the first that matches).
 FAMILIES = {f.model_type: f for f in (
     LLAMA, MISTRAL, QWEN2, families.QWEN3, families.GEMMA2, families.GEMMA3_TEXT,
-    families.OLMO2, families.PHI3, moe.MIXTRAL, moe.QWEN3_MOE, moe.QWEN2_MOE, moe.GPT_OSS)}
+    families.OLMO2, families.PHI3, moe.MIXTRAL, moe.QWEN3_MOE, moe.QWEN2_MOE, moe.GPT_OSS,
+    llama4.LLAMA4_TEXT)}
 ARCHITECTURES = {name: f.hf_class for name, f in FAMILIES.items()}
 # transformers' defaults of keys every family may omit (``Family.defaults`` override them).
 _DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}
@@ -172,14 +173,16 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if "rope_base" not in fields:
         fields["rope_base"], fields["rope_scaling"] = families.read_rope(
             cfg, max_seq_len, family.rope_kinds)
-    return ModelConfig(
+    common = dict(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=n_layers,
         n_heads=hf["num_attention_heads"],
         n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim"), d_ff=hf["intermediate_size"], max_seq_len=max_seq_len,
         norm_eps=float(cfg["rms_norm_eps"]), ffn=family.activations[act],
-        tie_embeddings=bool(cfg["tie_word_embeddings"]),
-        **{k: v for k, v in family.fixed.items() if "." not in k}, **fields)
+        tie_embeddings=bool(cfg["tie_word_embeddings"]))
+    # A family's own reading of a common key (Llama 4's dense d_ff) wins.
+    return ModelConfig(**{**common, **{k: v for k, v in family.fixed.items() if "." not in k},
+                          **fields})
 
 
 def _check_quantization(quant: Any, family: Family) -> None:
@@ -232,8 +235,10 @@ def _canonical(c: ModelConfig) -> ModelConfig:
     """``c`` with what its layers do not use dropped, as import gives it: no window, pattern
     or local RoPE base without local layers, no pattern for uniform layers."""
     kinds = set(c.layer_kinds())
+    if "chunked" not in kinds:
+        c = c.replace(attention_chunk=None)
     if "local" not in kinds:
-        return c.replace(sliding_window=None, layer_pattern=(), local_rope_base=None)
+        c = c.replace(sliding_window=None, local_rope_base=None)
     return c.replace(layer_pattern=()) if len(kinds) == 1 else c
 
 
@@ -292,7 +297,7 @@ def _tensors(config: ModelConfig, model_type: str | None = None, stacked_experts
     out = [_same("model.embed_tokens.weight", ("embed", "embedding"), (v, d))]
     for i in range(c.n_layers):
         hf, ours = f"model.layers.{i}", f"blocks_{i}"
-        attn, mlp = f"{hf}.self_attn", f"{hf}.mlp"
+        attn, mlp = f"{hf}.self_attn", f"{hf}.{family.ffn_module}"
         before_attn, before_mlp = ([_same(f"{hf}.{name}.weight", (ours, param, "scale"), (d,))
                                     for name, param in norms]
                                    for norms in _BLOCK_NORMS[c.norm_position])
@@ -317,7 +322,8 @@ def _tensors(config: ModelConfig, model_type: str | None = None, stacked_experts
             out.append(_same(f"{attn}.sinks", (ours, "attn", "sinks"), (n,)))
         out += before_mlp
         if c.moe is not None and c.moe.is_sparse(i):
-            out += moe.ffn_tensors(c, i, family, stacked_experts)
+            out += (family.sparse_tensors(c, i) if family.sparse_tensors
+                    else moe.ffn_tensors(c, i, family, stacked_experts))
             continue
         gate_up = [_linear(f"{mlp}.gate_proj.weight", (ours, "mlp", "gate"), d, f),
                    _linear(f"{mlp}.up_proj.weight", (ours, "mlp", "up"), d, f)]

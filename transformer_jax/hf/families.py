@@ -84,6 +84,9 @@ class Family:
       picked: whether export picks it by matching; False: only when asked for by name.
       quant_methods: the ``quantization_config`` methods its checkpoints may have (``load``
         dequantises them); any other quantised checkpoint is refused.
+      ffn_module: the HF module of each layer's FFN (a dense layer's ``{gate,up,down}_proj``).
+      sparse_tensors: (config, layer) -> a sparse layer's FFN tensors, for a family whose
+        layout is its own; None: ``hf.moe.ffn_tensors``.
     """
 
     model_type: str
@@ -102,6 +105,8 @@ class Family:
     experts: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
     picked: bool = True
     quant_methods: frozenset[str] = frozenset()
+    ffn_module: str = "mlp"
+    sparse_tensors: Callable[[ModelConfig, int], list[Any]] | None = None
 
     def mismatches(self, config: Architecture) -> list[str]:
         """What this family lacks to hold ``config``, one phrase per field, each to follow

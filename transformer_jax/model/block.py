@@ -55,7 +55,8 @@ class Block(nn.Module):
                        param_dtype=c.jnp_param_dtype)
         attn = Attention(
             n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-            qkv_bias=c.qkv_bias, o_bias=c.o_bias, sinks=c.attn_sinks, qk_norm=c.qk_norm,
+            qkv_bias=c.qkv_bias, o_bias=c.o_bias, sinks=c.attn_sinks,
+            qk_norm=c.qk_norm if self.spec.rope else None,
             norm_eps=c.norm_eps,
             norm_offset=c.norm_offset, scale=c.attn_scale, softcap=c.attn_softcap,
             rope_pairing=c.rope_pairing, impl=c.attention_impl, init_std=c.init_std,

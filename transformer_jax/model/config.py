@@ -37,7 +37,7 @@ from transformer_jax.model.stack import ATTENTION_KINDS, LayerGroup, LayerSpec, 
 
 NORMS = ("rms", "layer")
 NORM_POSITIONS = ("pre", "post", "sandwich", "post_branch")
-QK_NORMS = ("head", "full")
+QK_NORMS = ("head", "full", "weightless")
 FFNS = ("swiglu", "geglu", "geglu_tanh", "gelu", "relu")
 POSITIONS = ("rope", "sinusoidal", "none")
 ROPE_PAIRINGS = ("half", "adjacent")
@@ -90,7 +90,8 @@ class Architecture:
       qk_norm: RMSNorm of the queries and keys before RoPE: None; ``"head"`` normalises each
         head's H values with one [H] gain shared by the heads (Qwen3, Gemma 3); ``"full"``
         normalises all N*H (K*H) values of a token's projection together, gains [N, H] and
-        [K, H] (OLMo 2).
+        [K, H] (OLMo 2); ``"weightless"`` normalises each head's H values after RoPE, with no
+        gain. Layers of ``nope_layers`` have none.
       norm_offset: every norm scales by ``(norm_offset + w)``, its gain w initialised to
         ``1 - norm_offset`` (1.0 with zero-initialised gains in Gemma 2/3; 0.0 elsewhere).
       scale_embeddings: multiply the token embeddings by ``sqrt(D)`` (in the compute dtype).
@@ -100,7 +101,8 @@ class Architecture:
       layer_pattern: the kinds of attention layer, ``"global"`` (full causal) or ``"local"``
         (the sliding window), repeated over the depth: ``("local", "global")`` alternates
         them, layer i is ``layer_pattern[i % len(layer_pattern)]``. Empty: every layer is
-        local when ``sliding_window`` is set (Mistral), global otherwise.
+        local when ``sliding_window`` is set (Mistral), chunked when ``attention_chunk`` is,
+        global otherwise. ``"chunked"`` layers attend causally within their chunk.
       local_rope_base: if set, local layers rotate with this base and no ``rope_scaling``
         while global layers keep ``rope_base`` and the scaling; None: one rotation for all.
       moe: if set, the mixture-of-experts FFN of the sparse layers (``MoE``); None: every
@@ -110,6 +112,14 @@ class Architecture:
       swiglu_alpha: ``"swiglu"`` only: the gate's activation is ``g sigmoid(alpha g)`` (1.0:
         SiLU).
       swiglu_up_offset: ``"swiglu"`` only: the gated product is ``act(g) (up + offset)``.
+      attention_chunk: C for ``"chunked"`` layers: a query at position m sees the keys at
+        positions n <= m with ``n // C == m // C`` (their cache keeps a ring of C slots).
+        Not with ``sliding_window``; None when no layer is chunked.
+      nope_layers: the layers that do not rotate q and k (NoPE) and have no ``qk_norm``.
+      nope_temperature_floor: if set (f), the NoPE layers scale their queries at position m by
+        ``1 + nope_temperature_scale * log(1 + floor((m + 1) / f))`` (attention temperature
+        tuning for long contexts).
+      nope_temperature_scale: that scale.
     """
 
     vocab_size: int = 512
@@ -145,13 +155,18 @@ class Architecture:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
     swiglu_up_offset: float = 0.0
+    attention_chunk: int | None = None
+    nope_layers: tuple[int, ...] = ()
+    nope_temperature_floor: int | None = None
+    nope_temperature_scale: float = 0.1
 
     def __post_init__(self) -> None:
         for name, table in (("moe", MoE), ("rope_scaling", RopeScaling)):  # TOML sub-tables
             if isinstance(getattr(self, name), dict):
                 object.__setattr__(self, name, _table(table, getattr(self, name), name))
-        if isinstance(self.layer_pattern, list):
-            object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
+        for name in ("layer_pattern", "nope_layers"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             check_positive_int(name, getattr(self, name))
         if self.n_kv_heads is None:
@@ -207,6 +222,7 @@ class Architecture:
             check_choice("layer_pattern entry", kind, LAYER_KINDS)
         if "local" in self.layer_pattern and self.sliding_window is None:
             raise ValueError("layer_pattern has local layers but sliding_window is not set")
+        self._check_chunks_and_nope()
         if self.local_rope_base is not None and self.position != "rope":
             raise ValueError("local_rope_base needs position='rope'")
         if self.moe is not None:
@@ -223,6 +239,29 @@ class Architecture:
                 raise ValueError("moe: no layer is sparse (check moe.sparse_step and "
                                  "moe.dense_layers)")
 
+    def _check_chunks_and_nope(self) -> None:
+        """Validates ``attention_chunk``, ``nope_layers`` and the NoPE temperature."""
+        if self.attention_chunk is not None:
+            check_positive_int("attention_chunk", self.attention_chunk)
+            if self.sliding_window is not None:
+                raise ValueError("attention_chunk and sliding_window cannot both be set (the "
+                                 "caches keep one ring size)")
+        if "chunked" in self.layer_pattern and self.attention_chunk is None:
+            raise ValueError("layer_pattern has chunked layers but attention_chunk is not set")
+        if not isinstance(self.nope_layers, tuple) or any(
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers
+                for i in self.nope_layers):
+            raise ValueError(f"nope_layers must list layer indices in 0..{self.n_layers - 1}, "
+                             f"got {self.nope_layers!r}")
+        if self.nope_layers and self.position != "rope":
+            raise ValueError("nope_layers needs position='rope'")
+        if self.nope_temperature_floor is not None:
+            check_positive_int("nope_temperature_floor", self.nope_temperature_floor)
+            if not self.nope_layers:
+                raise ValueError("nope_temperature_floor needs nope_layers (it scales their "
+                                 "queries)")
+        check_positive_number("nope_temperature_scale", self.nope_temperature_scale)
+
     @property
     def sparse_layers(self) -> tuple[int, ...]:
         """The indices of the layers whose FFN is the mixture of experts (none without moe)."""
@@ -231,15 +270,17 @@ class Architecture:
         return tuple(i for i in range(self.n_layers) if self.moe.is_sparse(i))
 
     def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's attention kind, ``"global"`` or ``"local"``: L entries."""
+        """Each layer's attention kind, ``"global"``, ``"local"`` or ``"chunked"``: L
+        entries."""
         pattern = self.layer_pattern or (
-            ("local",) if self.sliding_window is not None else ("global",))
+            ("local",) if self.sliding_window is not None
+            else ("chunked",) if self.attention_chunk is not None else ("global",))
         return tuple(pattern[i % len(pattern)] for i in range(self.n_layers))
 
     def layer_specs(self) -> tuple[LayerSpec, ...]:
         """Each layer's ``stack.LayerSpec`` (attention and FFN kind): L entries."""
-        sparse = set(self.sparse_layers)
-        return tuple(LayerSpec(kind, "moe" if i in sparse else "dense")
+        sparse, nope = set(self.sparse_layers), set(self.nope_layers)
+        return tuple(LayerSpec(kind, "moe" if i in sparse else "dense", i not in nope)
                      for i, kind in enumerate(self.layer_kinds()))
 
     def layer_groups(self) -> tuple[LayerGroup, ...]:

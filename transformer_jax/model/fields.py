@@ -59,8 +59,8 @@ class RopeScaling:
         check_choice("rope_scaling.kind", self.kind, ROPE_SCALINGS)
         if not self.factor > 0:
             raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
-        if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ValueError("rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+        if self.kind == "llama3" and not 0 < self.low_freq_factor <= self.high_freq_factor:
+            raise ValueError("rope_scaling needs 0 < low_freq_factor <= high_freq_factor, got "
                              f"{self.low_freq_factor} and {self.high_freq_factor}")
         if self.kind in ("llama3", "yarn") and self.original_max_len <= 0:
             raise ValueError(
@@ -111,6 +111,8 @@ class MoE:
         groups (DeepSeek-V3's ``n_group`` / ``topk_group``; 1 group: no limit).
       routed_scale: the routed experts' weights are multiplied by this after any
         renormalisation (DeepSeek-V3's ``routed_scaling_factor``); a shared expert is not.
+      scale_input: the chosen expert's weight scales the token going into it, not the
+        expert's output (Llama 4); needs ``top_k`` 1.
     """
 
     n_experts: int
@@ -128,6 +130,7 @@ class MoE:
     n_groups: int = 1
     top_groups: int = 1
     routed_scale: float = 1.0
+    scale_input: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.dense_layers, list):
@@ -148,6 +151,10 @@ class MoE:
         check_bool("moe.correction_bias", self.correction_bias)
         check_positive_number("moe.routed_scale", self.routed_scale)
         self._check_groups()
+        check_bool("moe.scale_input", self.scale_input)
+        if self.scale_input and self.top_k != 1:
+            raise ValueError(f"moe.scale_input needs moe.top_k 1 (one expert per token), got "
+                             f"{self.top_k}")
         if self.shared_gate and not self.shared_d_ff:
             raise ValueError("moe.shared_gate needs a shared expert (moe.shared_d_ff > 0)")
         if not isinstance(self.dense_layers, tuple) or any(

@@ -177,7 +177,8 @@ class KVCache:
     def attend(self, i: int | jax.Array | LayerRef, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, *, window: int | jax.Array | None, impl: str,
                scale: float | None = None, softcap: float | None = None,
-               sinks: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+               sinks: jax.Array | None = None, chunk: int | None = None
+               ) -> tuple[jax.Array, KVCache]:
         """Layer i's attention with this cache: writes the chunk's keys/values, then attends
         the queries over every slot of the layer.
 
@@ -197,11 +198,12 @@ class KVCache:
           scale: the logits' scale (default ``1/sqrt(H)``).
           softcap: optional logit soft-cap (``ops.softcap``).
           sinks: optional [N] attention sink logits (``ops.attention.attention``).
+          chunk: a chunked layer's C (``ops.attention.attention``), or None.
 
         Returns:
           ([B, T, N, H] attention output, the cache with layer i written).
         """
-        logits = dict(impl=impl, scale=scale, softcap=softcap, sinks=sinks)
+        logits = dict(impl=impl, scale=scale, softcap=softcap, sinks=sinks, chunk=chunk)
         ring, j = kv_ring.locate(self.ring, i)
         if ring:
             return kv_ring.attend(
@@ -291,7 +293,8 @@ class Cache(Protocol):
     def attend(self, i: int | jax.Array | LayerRef, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, *, window: int | jax.Array | None, impl: str,
                scale: float | None = None, softcap: float | None = None,
-               sinks: jax.Array | None = None) -> tuple[jax.Array, Cache]: ...
+               sinks: jax.Array | None = None, chunk: int | None = None
+               ) -> tuple[jax.Array, Cache]: ...
 
     def replace(self, **changes: Any) -> Cache: ...
 

@@ -3,8 +3,11 @@
 A local layer (``Architecture.layer_kinds``, window W) never reads a key more than W - 1
 positions behind its query, so both caches (``KVCache`` and ``serving.PagedKVCache``) keep each
 local layer's keys and values in a ring of R = W slots per row (position p in slot ``p % R``)
-instead of a slot per position; global layers keep their full layout. ``RingLayout`` says which
-layers are rings and where each layer lives; the caches call ``attend`` here for a local layer.
+instead of a slot per position; global layers keep their full layout. A chunked layer (chunk C)
+never reads a key outside its query's chunk, so at most C - 1 positions behind: it keeps a ring
+of C slots the same way (W = C), its chunk given to the attention as a mask on top.
+``RingLayout`` says which layers are rings and where each layer lives; the caches call
+``attend`` here for a ring layer.
 
 Attending a chunk of T positions ``start .. start + T - 1`` of a row (consecutive, as always):
 
@@ -42,7 +45,7 @@ from transformer_jax.model.config import Architecture
 from transformer_jax.model.ops import kv_quant
 from transformer_jax.model.ops.attention import attention
 from transformer_jax.model.ops.layouts import SlotsLast, stored_keys
-from transformer_jax.model.stack import LayerRef
+from transformer_jax.model.stack import RING_KINDS, LayerRef
 
 #: The position of a ring slot never written: past every query, so causality hides it.
 INVALID = int(np.iinfo(np.int32).max)
@@ -53,8 +56,9 @@ class RingLayout:
     """Which layers of a cache are rings, and where each layer is stored (static, hashable).
 
     Attributes:
-      window: W, the local layers' window; also R, the ring's slots per row.
-      local: per layer, whether it is a local (ring) layer.
+      window: W, the local layers' window (the chunked layers' chunk); also R, the ring's
+        slots per row.
+      local: per layer, whether it is a ring layer (local or chunked).
     """
 
     window: int
@@ -66,14 +70,16 @@ class RingLayout:
         a window that holds every position anyway (``max_len <= W``: the full layout is no
         bigger). A symbolic ``max_len`` (``jax.export``) that may exceed W takes rings."""
         kinds = config.layer_kinds()
-        if "local" not in kinds or config.sliding_window is None:
+        window = config.sliding_window if "local" in kinds else (
+            config.attention_chunk if "chunked" in kinds else None)
+        if window is None:
             return None
         try:
-            if max_len <= config.sliding_window:
+            if max_len <= window:
                 return None
         except jax.errors.InconclusiveDimensionOperation:  # symbolic: rings hold any length
             pass
-        return cls(config.sliding_window, tuple(k == "local" for k in kinds))
+        return cls(window, tuple(k in RING_KINDS for k in kinds))
 
     @property
     def size(self) -> int:
@@ -154,7 +160,7 @@ def writes_first(t: Any, size: int, window: int) -> bool:
 def ring_attention(keys: jax.Array | SlotsLast, values: jax.Array, q: jax.Array, k: jax.Array,
                    v: jax.Array, positions: jax.Array, *, written: bool, window: int,
                    impl: str, scale: float | None = None, softcap: float | None = None,
-                   sinks: jax.Array | None = None) -> jax.Array:
+                   sinks: jax.Array | None = None, chunk: int | None = None) -> jax.Array:
     """A local layer's queries over its ring rows (see the module docstring).
 
     Args:
@@ -172,6 +178,7 @@ def ring_attention(keys: jax.Array | SlotsLast, values: jax.Array, q: jax.Array,
       scale: the logits' scale.
       softcap: optional logit soft-cap.
       sinks: optional [N] attention sink logits.
+      chunk: a chunked layer's C (its queries see only their own chunk), or None.
 
     Returns:
       [B, T, N, H] attention output.
@@ -192,7 +199,7 @@ def ring_attention(keys: jax.Array | SlotsLast, values: jax.Array, q: jax.Array,
         values = kv_quant.decode(values, q.dtype)
     return attention(q.astype(keys.dtype), SlotsLast(keys) if slots_last else keys, values,
                      q_positions=positions, k_positions=k_positions, window=window, impl=impl,
-                     scale=scale, softcap=softcap, sinks=sinks)
+                     scale=scale, softcap=softcap, sinks=sinks, chunk=chunk)
 
 
 def attend(cache: Any, j: int | jax.Array, layout: RingLayout, q: jax.Array, k: jax.Array,

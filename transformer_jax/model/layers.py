@@ -138,22 +138,29 @@ class LayerKind:
       window: the sliding window (None: full causal).
       freqs: [H/2] float32 RoPE frequencies, or None without RoPE.
       rope_factor: the cos/sin multiplier (YaRN's attention factor; 1.0 otherwise).
+      chunk: a chunked layer's C (its queries see only their own chunk), else None.
+      temperature: (floor f, scale s) of a NoPE layer's query temperature, else None.
     """
 
     window: int | None
     freqs: jax.Array | None
     rope_factor: float
+    chunk: int | None = None
+    temperature: tuple[int, float] | None = None
 
     @classmethod
     def of(cls, config: ModelConfig, spec: LayerSpec) -> LayerKind:
         c = config
         window = c.sliding_window if spec.local else None
-        if c.position != "rope":
-            return cls(window, None, 1.0)
+        chunk = c.attention_chunk if spec.attention == "chunked" else None
+        if c.position != "rope" or not spec.rope:
+            temperature = None if c.nope_temperature_floor is None or spec.rope else (
+                c.nope_temperature_floor, c.nope_temperature_scale)
+            return cls(window, None, 1.0, chunk, temperature)
         if spec.local and c.local_rope_base is not None:
-            return cls(window, ops.rope_frequencies(c.head_dim, c.local_rope_base), 1.0)
+            return cls(window, ops.rope_frequencies(c.head_dim, c.local_rope_base), 1.0, chunk)
         return cls(window, ops.rope_frequencies(c.head_dim, c.rope_base, c.rope_scaling),
-                   rope_attention_factor(c.rope_scaling))
+                   rope_attention_factor(c.rope_scaling), chunk)
 
 
 class Attention(nn.Module):
@@ -163,7 +170,7 @@ class Attention(nn.Module):
     with ``qkv_bias`` also ``q_bias`` [N, H], ``k_bias`` and ``v_bias`` [K, H], with ``o_bias``
     ``o_bias`` [D], with ``sinks`` the sink logits ``sinks`` [N], and with ``qk_norm`` the
     gains ``q_norm`` and ``k_norm`` ([H] each for ``"head"``, [N, H] and [K, H] for
-    ``"full"``).
+    ``"full"``; none for ``"weightless"``, applied after RoPE).
     """
 
     n_heads: int
@@ -233,7 +240,7 @@ class Attention(nn.Module):
             q = q + self._bias("q_bias", (n, h), ("heads", "head_dim"))
             k = k + self._bias("k_bias", (kv, h), ("kv_heads", "head_dim"))
             v = v + self._bias("v_bias", (kv, h), ("kv_heads", "head_dim"))
-        if self.qk_norm is not None:
+        if self.qk_norm in ("head", "full"):
             q = self._qk_norm("q_norm", q, "heads")
             k = self._qk_norm("k_norm", k, "kv_heads")
         if kind.freqs is not None:
@@ -241,12 +248,21 @@ class Attention(nn.Module):
                         attention_factor=kind.rope_factor)
             q = ops.apply_rope(q, positions, **rope)
             k = ops.apply_rope(k, positions, **rope)
+        if self.qk_norm == "weightless":
+            unit = jnp.ones((h,), jnp.float32)
+            q, k = (ops.rms_norm(x, unit, self.norm_eps) for x in (q, k))
+        if kind.temperature is not None:  # 1 + s log(1 + floor((m + 1) / f)) per query
+            floor, slope = kind.temperature
+            steps = jnp.floor((positions.astype(jnp.float32) + 1.0) / floor)
+            q = (q * (jnp.log1p(steps) * slope + 1.0)[:, :, None, None]).astype(q.dtype)
 
         sinks = None if not self.sinks else self.param(
             "sinks", nn.with_logical_partitioning(nn.initializers.zeros, ("heads",)), (n,),
             self.param_dtype).astype(jnp.float32)
         logits = dict(window=kind.window, impl=self.impl, scale=self.scale, softcap=self.softcap,
                       sinks=sinks)
+        if kind.chunk is not None:  # only then: a cache without chunked layers takes none
+            logits["chunk"] = kind.chunk
         if cache is None:
             out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                             q_positions=positions, k_positions=positions,

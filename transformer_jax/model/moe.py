@@ -105,6 +105,10 @@ class SparseFFN(nn.Module):
         routing = moe_ops.route(logits, m.top_k, m.renormalize, m.score,
                                 choice_bias=choice_bias, n_groups=m.n_groups,
                                 top_groups=m.top_groups, scale=m.routed_scale)
+        routed, inputs = routing, tokens
+        if m.scale_input:  # one expert per token: its weight scales what goes in, not out
+            inputs = tokens * routing.weights.astype(tokens.dtype)
+            routed = routing.replace(weights=jnp.ones_like(routing.weights))
         ffn = dict(activation=GATE_ACTIVATIONS[self.kind], impl=self.impl)
         if self.swiglu is not None:
             ffn["glu"] = swiglu_glu_of(self.swiglu)
@@ -115,12 +119,12 @@ class SparseFFN(nn.Module):
                       self._bias("down_bias", (e, d), ("experts", "expert_embed")))
         split = expert_split()
         if split is None:
-            y = moe_ops.experts_ffn(tokens, routing, gate, up, down, biases=biases, **ffn)
+            y = moe_ops.experts_ffn(inputs, routed, gate, up, down, biases=biases, **ffn)
         elif biases is not None:
             raise ValueError("moe.expert_bias does not run expert-parallel yet; use a mesh "
                              "without an expert axis")
         else:
-            y = moe_dispatch.dispatch_experts_ffn(tokens, routing, gate, up, down, split, **ffn)
+            y = moe_dispatch.dispatch_experts_ffn(inputs, routed, gate, up, down, split, **ffn)
         y = y.reshape(b, t, d)
         if m.shared_d_ff:
             shared = MLP(d_ff=m.shared_d_ff, kind=self.kind, swiglu=self.swiglu,

@@ -1,7 +1,8 @@
 """The layer stack as groups: which block each layer is, and how runs of them are scanned.
 
 Each layer is a ``LayerSpec``: its attention kind (``"global"``: full causal; ``"local"``:
-the sliding window) and its FFN kind (``"dense"`` or ``"moe"``). The stack is cut into
+the sliding window; ``"chunked"``: causal within its chunk of positions), its FFN kind
+(``"dense"`` or ``"moe"``) and whether it rotates by RoPE. The stack is cut into
 ``LayerGroup``s, each a period of specs repeated: Gemma 3's 26 layers are five local and one
 global layer four times, then two local ones; a DeepSeek-shaped mixture is 3 dense layers,
 then its sparse ones; a uniform model is one group of period 1. A scanned model scans each
@@ -24,7 +25,9 @@ from typing import Any
 import jax
 
 #: Attention kinds a ``LayerSpec`` names (its FFN kind: ``"dense"`` or ``"moe"``).
-ATTENTION_KINDS = ("global", "local")
+ATTENTION_KINDS = ("global", "local", "chunked")
+#: The kinds whose caches keep a ring of their last positions (``kv_ring``), not every one.
+RING_KINDS = ("local", "chunked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,17 +35,25 @@ class LayerSpec:
     """What one layer is (static, hashable).
 
     Attributes:
-      attention: ``"global"`` (full causal) or ``"local"`` (the sliding window, its own RoPE
-        base when the architecture gives one).
+      attention: ``"global"`` (full causal), ``"local"`` (the sliding window, its own RoPE
+        base when the architecture gives one) or ``"chunked"`` (a query sees the keys of its
+        own chunk of ``attention_chunk`` positions, causally).
       ffn: ``"dense"`` or ``"moe"`` (the mixture of experts).
+      rope: whether the layer rotates q and k (False: a NoPE layer, ``nope_layers``).
     """
 
     attention: str = "global"
     ffn: str = "dense"
+    rope: bool = True
 
     @property
     def local(self) -> bool:
         return self.attention == "local"
+
+    @property
+    def ring(self) -> bool:
+        """Whether its cache is a ring of its last positions (``RING_KINDS``)."""
+        return self.attention in RING_KINDS
 
     @property
     def sparse(self) -> bool:
@@ -55,8 +66,8 @@ class LayerRef:
 
     Attributes:
       index: the layer's number among all L layers (a Python int, or traced in a scan).
-      local: whether it attends within the sliding window (static).
-      of_kind: its number among the layers of its attention kind (local or global).
+      local: whether its cache is a ring (a local or chunked layer, static).
+      of_kind: its number among the layers of its attention kind.
     """
 
     index: int | jax.Array
@@ -91,7 +102,7 @@ class LayerGroup:
         spec = self.period[j]
         same = [s.attention == spec.attention for s in self.period]
         of_kind = (dict(self.before)[spec.attention] + r * sum(same) + sum(same[:j]))
-        return LayerRef(self.start + r * len(self.period) + j, spec.local, of_kind)
+        return LayerRef(self.start + r * len(self.period) + j, spec.ring, of_kind)
 
     def layers(self, j: int) -> list[int]:
         """The layer numbers of period position ``j``, one per repeat."""

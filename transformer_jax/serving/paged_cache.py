@@ -261,9 +261,11 @@ class PagedKVCache:
     def attend(self, i: int | jax.Array | LayerRef, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, *, window: int | jax.Array | None, impl: str,
                scale: float | None = None, softcap: float | None = None,
-               sinks: jax.Array | None = None) -> tuple[jax.Array, PagedKVCache]:
+               sinks: jax.Array | None = None, chunk: int | None = None
+               ) -> tuple[jax.Array, PagedKVCache]:
         """Layer i's attention with this cache: writes the chunk into the rows' pages, then
-        attends the queries over the rows' pages (the ``Cache`` interface).
+        attends the queries over the rows' pages (the ``Cache`` interface). A chunked layer
+        (``chunk``) is a ring like a local one (``kv_ring``), or reads its gathered rows.
 
         Args:
           i: the layer: its number, or a scanned block's ``LayerRef`` (``kv_ring.locate``).
@@ -276,12 +278,19 @@ class PagedKVCache:
           scale: the logits' scale (default ``1/sqrt(H)``).
           softcap: optional logit soft-cap (``ops.softcap``).
           sinks: optional [N] attention sink logits (``ops.attention.attention``).
+          chunk: a chunked layer's C (``ops.attention.attention``), or None.
 
         Returns:
           ([B, T, N, H] attention output, the cache with layer i's pages written).
         """
         logits = dict(impl=impl, scale=scale, softcap=softcap, sinks=sinks)
         ring, j = kv_ring.locate(self.ring, i)
+        if not ring and chunk is not None:  # no kernel or view masks chunks: the rows
+            cache = self.write(j, k, v, positions)
+            keys, values = cache._dequantized(*cache.layer(j), q.dtype)
+            return attention(q.astype(keys.dtype), keys, values, q_positions=positions,
+                             chunk=chunk, **dict(logits, impl="xla" if impl == "pallas"
+                                                 else impl)), cache
         if not ring:
             cache = self.write(j, k, v, positions)
             return cache._attend_pages(j, q, positions, window, **logits), cache
@@ -289,7 +298,7 @@ class PagedKVCache:
         return kv_ring.attend(
             self, j, self.ring, q, k, v, positions,
             read_ring=lambda c, j: c._ring_layer(j),
-            write_ring=lambda c, j: c._write_ring(j, k, v, positions),
+            write_ring=lambda c, j: c._write_ring(j, k, v, positions), chunk=chunk,
             **dict(logits, impl="xla" if impl == "pallas" else impl))
 
     def _attend_pages(self, i: int | jax.Array, q: jax.Array, positions: jax.Array,

@@ -8,7 +8,9 @@ cache's layout (one row per sequence and kv head). Query head r reads kv head
 Which keys a query sees is given by structure, not by a dense mask: a query at position m sees a
 key at position n iff ``n <= m`` (when causal), ``n > m - window`` (with a sliding window), and both
 are in the same non-zero segment (packed sequences; segment 0 is padding). A query with no visible
-key returns exactly zeros.
+key returns exactly zeros. Chunked attention (``chunk`` C: only keys with ``n // C == m // C``)
+is segments too: each chunk of positions its own (``chunk_segments``), so every implementation
+takes it.
 
 ``attention(..., impl=...)`` is the entry point:
 
@@ -58,6 +60,7 @@ from transformer_jax.model.ops.chunked_attention import chunked_attention, softc
 from transformer_jax.model.ops.chunked_attention import einsum_f32 as _dot
 from transformer_jax.model.ops.chunked_attention import softcap as _softcap  # args shadow it
 from transformer_jax.model.ops.layouts import SlotsLast, stored_keys
+from transformer_jax.model.ops.positions import chunk_segments
 
 logger = logging.getLogger(__name__)
 
@@ -335,7 +338,8 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
               k_positions: jax.Array | None = None, q_segments: jax.Array | None = None,
               k_segments: jax.Array | None = None, window: int | jax.Array | None = None,
               causal: bool = True, scale: float | None = None, impl: str = "auto",
-              softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
+              softcap: float | None = None, sinks: jax.Array | None = None,
+              chunk: int | None = None) -> jax.Array:
     """Scaled dot-product attention with grouped kv heads and a structural mask (which keys
     a query sees, and ``softcap``: see the module docstring).
 
@@ -364,12 +368,20 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
         denominator with no value (a query with no visible key still returns zeros); only
         ``"xla"`` and ``"chunked"`` take them (``"auto"`` picks one of the two), the kernels
         refuse them with ``ValueError``.
+      chunk: optional C (a Python int): a query at m sees only keys with ``n // C == m // C``
+        (``chunk_segments``).
 
     Returns:
       [B, T, N, H] in q's dtype; exactly zero for a query with no visible key.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if chunk is not None:
+        if k_positions is None:
+            k_positions = jnp.broadcast_to(jnp.arange(v.shape[2], dtype=jnp.int32),
+                                           (v.shape[0], v.shape[2]))
+        q_segments, k_segments = chunk_segments(q_positions, k_positions, chunk, q_segments,
+                                                k_segments)
     pick = functools.partial(choose_impl, q, v, softcap=softcap, window=window,
                              aligned=k_positions is not None and k_positions is q_positions,
                              backend=None if sinks is None else "cpu")  # no kernel has sinks

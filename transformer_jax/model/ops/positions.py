@@ -41,8 +41,9 @@ def rope_frequencies(head_dim: int, base: float = 10000.0,
     wavelen = 2 * math.pi / freqs
     low_wavelen = scaling.original_max_len / scaling.low_freq_factor
     high_wavelen = scaling.original_max_len / scaling.high_freq_factor
+    # Equal factors (Llama 4) leave no ramp: every frequency is kept or divided.
     smooth = (scaling.original_max_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
+        (scaling.high_freq_factor - scaling.low_freq_factor) or 1.0)
     ramped = (1 - smooth) * freqs / scaling.factor + smooth * freqs
     scaled = jnp.where(wavelen > low_wavelen, freqs / scaling.factor, freqs)
     return jnp.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), ramped, scaled)
@@ -174,3 +175,27 @@ def sinusoidal_positions(positions: jax.Array, dim: int, base: float = 10000.0) 
     freqs = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))  # [D/2]
     angles = positions.astype(jnp.float32)[..., None] * freqs  # [B, T, D/2]
     return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(*positions.shape, dim)
+
+
+def chunk_segments(q_positions: jax.Array, k_positions: jax.Array, chunk: int,
+                   q_segments: jax.Array | None = None, k_segments: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Segment ids under which a query sees only the keys of its own chunk of positions.
+
+    Args:
+      q_positions: [B, T] int positions of the queries.
+      k_positions: [B, S] int positions of the keys (past every chunk for a never-written
+        slot: its own segment).
+      chunk: C; a query at m and a key at n share a segment iff ``m // C == n // C`` (and
+        their packed segments are equal).
+      q_segments, k_segments: optional [B, T], [B, S] packed-sequence ids (0 = padding).
+
+    Returns:
+      ([B, T], [B, S]) int32 segment ids, non-zero except where the packed ones are 0.
+    """
+    q_ids, k_ids = q_positions // chunk + 1, k_positions // chunk + 1
+    if q_segments is None:
+        return q_ids.astype(jnp.int32), k_ids.astype(jnp.int32)
+    stride = jnp.maximum(jnp.max(q_ids), jnp.max(k_ids)) + 1  # chunk ids per packed segment
+    return (jnp.where(q_segments == 0, 0, q_segments * stride + q_ids).astype(jnp.int32),
+            jnp.where(k_segments == 0, 0, k_segments * stride + k_ids).astype(jnp.int32))
