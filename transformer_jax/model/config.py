@@ -22,6 +22,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from transformer_jax.model.fields import (  # noqa: F401 (config.RopeScaling etc. are the API)
+    MLA,
     ROPE_SCALINGS,
     MoE,
     RopeScaling,
@@ -33,7 +34,7 @@ from transformer_jax.model.fields import (  # noqa: F401 (config.RopeScaling etc
     parse_override,
     plain,
 )
-from transformer_jax.model.stack import ATTENTION_KINDS, LayerGroup, LayerSpec, layer_groups
+from transformer_jax.model.stack import LayerGroup, LayerSpec, layer_groups
 
 NORMS = ("rms", "layer")
 NORM_POSITIONS = ("pre", "post", "sandwich", "post_branch")
@@ -42,7 +43,7 @@ FFNS = ("swiglu", "geglu", "geglu_tanh", "gelu", "relu")
 POSITIONS = ("rope", "sinusoidal", "none")
 ROPE_PAIRINGS = ("half", "adjacent")
 #: The kinds of attention layer a ``layer_pattern`` lists.
-LAYER_KINDS = ATTENTION_KINDS
+LAYER_KINDS = ("global", "local")
 REMATS = ("none", "full", "save_dots")
 #: Attention implementations (``ops.attention.attention``'s ``impl``).
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "pallas", "mosaic")
@@ -110,6 +111,9 @@ class Architecture:
       swiglu_alpha: ``"swiglu"`` only: the gate's activation is ``g sigmoid(alpha g)`` (1.0:
         SiLU).
       swiglu_up_offset: ``"swiglu"`` only: the gated product is ``act(g) (up + offset)``.
+      mla: if set, every layer is multi-head latent attention (``MLA``: the ``"latent"``
+        attention kind, whose cache holds a latent and a rope key per token); ``head_dim`` is
+        then its rope width (``mla.qk_rope_head_dim``) and ``n_kv_heads`` is ``n_heads``.
     """
 
     vocab_size: int = 512
@@ -145,15 +149,18 @@ class Architecture:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
     swiglu_up_offset: float = 0.0
+    mla: MLA | None = None
 
     def __post_init__(self) -> None:
-        for name, table in (("moe", MoE), ("rope_scaling", RopeScaling)):  # TOML sub-tables
+        for name, table in (("moe", MoE), ("rope_scaling", RopeScaling), ("mla", MLA)):
             if isinstance(getattr(self, name), dict):
                 object.__setattr__(self, name, _table(table, getattr(self, name), name))
         if isinstance(self.layer_pattern, list):
             object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             check_positive_int(name, getattr(self, name))
+        if self.mla is not None:
+            self._check_mla()
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         check_positive_int("n_kv_heads", self.n_kv_heads)
@@ -223,6 +230,31 @@ class Architecture:
                 raise ValueError("moe: no layer is sparse (check moe.sparse_step and "
                                  "moe.dense_layers)")
 
+    def _check_mla(self) -> None:
+        """Validates ``mla`` against the other fields and sets ``head_dim`` / ``n_kv_heads``
+        (None) to the rope width and ``n_heads``."""
+        m = self.mla
+        if not isinstance(m, MLA):
+            raise ValueError(f"mla must be a table of MLA fields, got {m!r}")
+        if self.position != "rope":
+            raise ValueError(f"mla needs position='rope', got {self.position!r}")
+        for name, value in (("head_dim", m.qk_rope_head_dim), ("n_kv_heads", self.n_heads)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+            elif getattr(self, name) != value:
+                raise ValueError(f"mla: {name} must be {value} (the rope width / n_heads) or "
+                                 f"unset, got {name}={getattr(self, name)}")
+        unsupported = [name for name in ("sliding_window", "qkv_bias", "qk_norm", "attn_softcap",
+                                         "local_rope_base") if getattr(self, name) is not None
+                       and getattr(self, name) is not False]
+        if self.attn_sinks:
+            unsupported.append("attn_sinks")
+        if self.o_bias:
+            unsupported.append("o_bias")
+        if unsupported:
+            raise ValueError(f"mla (latent attention) cannot be combined with "
+                             f"{', '.join(unsupported)}")
+
     @property
     def sparse_layers(self) -> tuple[int, ...]:
         """The indices of the layers whose FFN is the mixture of experts (none without moe)."""
@@ -231,7 +263,10 @@ class Architecture:
         return tuple(i for i in range(self.n_layers) if self.moe.is_sparse(i))
 
     def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's attention kind, ``"global"`` or ``"local"``: L entries."""
+        """Each layer's attention kind, ``"global"``, ``"local"`` or ``"latent"`` (every layer
+        with ``mla``): L entries."""
+        if self.mla is not None:
+            return ("latent",) * self.n_layers
         pattern = self.layer_pattern or (
             ("local",) if self.sliding_window is not None else ("global",))
         return tuple(pattern[i % len(pattern)] for i in range(self.n_layers))

@@ -1,10 +1,11 @@
 """The layer stack as groups: which block each layer is, and how runs of them are scanned.
 
 Each layer is a ``LayerSpec``: its attention kind (``"global"``: full causal; ``"local"``:
-the sliding window) and its FFN kind (``"dense"`` or ``"moe"``). The stack is cut into
-``LayerGroup``s, each a period of specs repeated: Gemma 3's 26 layers are five local and one
-global layer four times, then two local ones; a DeepSeek-shaped mixture is 3 dense layers,
-then its sparse ones; a uniform model is one group of period 1. A scanned model scans each
+the sliding window; ``"latent"``: multi-head latent attention) and its FFN kind (``"dense"``
+or ``"moe"``). The stack is cut into ``LayerGroup``s, each a period of specs repeated: Gemma
+3's 26 layers are five local and one global layer four times, then two local ones; a
+DeepSeek-shaped mixture is 3 dense layers, then its sparse ones; a uniform model is one group
+of period 1. A scanned model scans each
 group on its own over its repeats, the period's blocks unrolled in the scan body, so every
 block knows its kinds as Python values: nothing is selected by a traced layer index, and a
 cache writes only what its layer reads.
@@ -24,7 +25,7 @@ from typing import Any
 import jax
 
 #: Attention kinds a ``LayerSpec`` names (its FFN kind: ``"dense"`` or ``"moe"``).
-ATTENTION_KINDS = ("global", "local")
+ATTENTION_KINDS = ("global", "local", "latent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +33,9 @@ class LayerSpec:
     """What one layer is (static, hashable).
 
     Attributes:
-      attention: ``"global"`` (full causal) or ``"local"`` (the sliding window, its own RoPE
-        base when the architecture gives one).
+      attention: ``"global"`` (full causal), ``"local"`` (the sliding window, its own RoPE
+        base when the architecture gives one) or ``"latent"`` (multi-head latent attention,
+        ``fields.MLA``: its cache holds a latent per token).
       ffn: ``"dense"`` or ``"moe"`` (the mixture of experts).
     """
 
