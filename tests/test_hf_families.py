@@ -28,7 +28,7 @@ from transformer_jax import hf  # noqa: E402  (needs the optional extra checked 
 from transformer_jax.decode import generation  # noqa: E402
 from transformer_jax.hf import convert, families  # noqa: E402
 from transformer_jax.model.config import Architecture, ModelConfig, RopeScaling  # noqa: E402
-from transformer_jax.model.fields import MoE  # noqa: E402
+from transformer_jax.model.fields import MLA, MoE  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
 
@@ -331,6 +331,9 @@ def _one_per_family() -> dict[str, ModelConfig]:
                                 swiglu_limit=7.0, swiglu_alpha=1.702, swiglu_up_offset=1.0,
                                 moe=dataclasses.replace(moe, router_bias=True,
                                                         expert_bias=True)),
+        "deepseek_v3": base.replace(n_kv_heads=4, head_dim=4, rope_pairing="adjacent",
+                                    mla=MLA(kv_lora_rank=16, qk_nope_head_dim=8,
+                                            qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12)),
     }
 
 
