@@ -333,10 +333,12 @@ def kv_cache_report(name: str, batch: int, seq: int, dtype: str) -> dict[str, An
 
     c = ModelConfig.preset(name)
     held = cache_bytes(c, batch, seq, dtype)
-    full = cache_bytes(c, batch, seq, dtype, window_rings=False)
+    full = cache_bytes(c if c.mla is None else c.replace(  # latent layers: N heads' K and V
+        mla=None, head_dim=(c.mla.qk_head_dim + c.mla.v_head_dim) // 2), batch, seq, dtype,
+        window_rings=False)
     print(f"  KV cache    B={batch} S={seq} {dtype}: {_gib(held)} ({c.local_layers} of "
-          f"{c.n_layers} layers local, window {c.sliding_window}); every layer global "
-          f"{_gib(full)}: {held / full:.3f}x")
+          f"{c.n_layers} layers local, window {c.sliding_window}, mla {c.mla is not None}); "
+          f"every layer global and expanded {_gib(full)}: {held / full:.3f}x")
     return {"kv_cache_bytes": held, "kv_cache_all_global_bytes": full}
 
 
