@@ -221,3 +221,22 @@ def test_engine_refuses_latent_layers_in_one_line(deepseek):
     with pytest.raises(ValueError, match="latent attention") as e:
         Engine(d.config, d.params, num_slots=2, num_pages=8, page_size=4, token_budget=8)
     assert "\n" not in str(e.value)
+
+
+def test_latent_attention_config_is_checked_in_one_line():
+    from transformer_jax.model.config import ModelConfig
+
+    mla = dict(kv_lora_rank=R, qk_nope_head_dim=NOPE, qk_rope_head_dim=P, v_head_dim=VD)
+    base = dict(vocab_size=V, d_model=D, n_layers=L, n_heads=4, d_ff=48, mla=mla)
+    config = ModelConfig(**base)
+    assert (config.head_dim, config.n_kv_heads) == (P, 4)
+    for extra, message in [(dict(sliding_window=4), "sliding_window"),
+                           (dict(head_dim=8), "head_dim must be 4"),
+                           (dict(n_kv_heads=2), "n_kv_heads must be 4"),
+                           (dict(mla={**mla, "qk_rope_head_dim": 3}), "must be even"),
+                           (dict(mla={**mla, "rank": 3}), "unknown model.mla option")]:
+        with pytest.raises(ValueError, match=message) as e:
+            ModelConfig(**{**base, **extra})
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="int8 is not supported"):
+        KVCache.init(config, 1, 8, "int8")
