@@ -28,7 +28,7 @@ from transformer_jax import hf  # noqa: E402  (needs the optional extra checked 
 from transformer_jax.decode import generation  # noqa: E402
 from transformer_jax.hf import convert, families  # noqa: E402
 from transformer_jax.model.config import Architecture, ModelConfig, RopeScaling  # noqa: E402
-from transformer_jax.model.fields import MoE  # noqa: E402
+from transformer_jax.model.fields import MLA, MoE  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
 
@@ -337,6 +337,9 @@ def _one_per_family() -> dict[str, ModelConfig]:
             nope_temperature_scale=0.2,
             moe=MoE(n_experts=3, top_k=1, d_ff=16, renormalize=False, shared_d_ff=16,
                     score="sigmoid", scale_input=True, sparse_step=2)),
+        "deepseek_v3": base.replace(n_kv_heads=4, head_dim=4, rope_pairing="adjacent",
+                                    mla=MLA(kv_lora_rank=16, qk_nope_head_dim=8,
+                                            qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12)),
     }
 
 

@@ -201,12 +201,24 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
         y = moe_ops.experts_ffn(x, routing, m["gate"], m["up"], m["down"], impl=c.moe_impl)
         return y + ffn(x, m["shared"]) if "shared" in m else y
 
+    def latent(x: jax.Array, a: Any) -> jax.Array:
+        # A latent attention step's matrices: the query, the latent, its up-projection
+        # (absorbed into the query and the output in the model), the output.
+        q = (dense(x, a["q_proj"], "BD,DNH->BNH") if "q_proj" in a else dense(
+            dense(x, a["q_a_proj"], "BD,DQ->BQ"), a["q_b_proj"], "BQ,QNH->BNH"))
+        c_t = dense(x, a["kv_a_proj"], "BD,DE->BE")[:, :c.mla.kv_lora_rank]
+        v = dense(c_t, a["kv_b_proj"], "BR,RNH->BNH")[..., c.mla.qk_nope_head_dim:]
+        return dense(v + q.mean() * 1e-6, a["o_proj"], "BNH,NHD->BD")
+
     def layer(x: jax.Array, p: Any) -> jax.Array:
         a = p["attn"]
-        q = dense(x, a["q_proj"], "BD,DNH->BNH")
-        kv = (dense(x, a["k_proj"], "BD,DKH->BKH").mean()
-              + dense(x, a["v_proj"], "BD,DKH->BKH").mean())
-        x = x + dense(q, a["o_proj"], "BNH,NHD->BD") + kv * 1e-6
+        if c.mla is not None:
+            x = x + latent(x, a)
+        else:
+            q = dense(x, a["q_proj"], "BD,DNH->BNH")
+            kv = (dense(x, a["k_proj"], "BD,DKH->BKH").mean()
+                  + dense(x, a["v_proj"], "BD,DKH->BKH").mean())
+            x = x + dense(q, a["o_proj"], "BNH,NHD->BD") + kv * 1e-6
         return x + (experts(x, p["moe"]) if "moe" in p else ffn(x, p["mlp"]))
 
     def chain(blocks: Any, head: jax.Array, x: jax.Array, n: int) -> jax.Array:

@@ -333,12 +333,16 @@ def kv_cache_report(name: str, batch: int, seq: int, dtype: str) -> dict[str, An
 
     c = ModelConfig.preset(name)
     held = cache_bytes(c, batch, seq, dtype)
-    full = cache_bytes(c, batch, seq, dtype, window_rings=False)
+    full = cache_bytes(c if c.mla is None else c.replace(  # latent layers: N heads' K and V
+        mla=None, head_dim=(c.mla.qk_head_dim + c.mla.v_head_dim) // 2), batch, seq, dtype,
+        window_rings=False)
     kept = (f"{c.local_layers} of {c.n_layers} layers local, window {c.sliding_window}"
             if c.attention_chunk is None else f"{c.layer_kinds().count('chunked')} of "
             f"{c.n_layers} layers chunked, chunk {c.attention_chunk}")
+    if c.mla is not None:
+        kept = f"{c.n_layers} latent layers"
     print(f"  KV cache    B={batch} S={seq} {dtype}: {_gib(held)} ({kept}); every layer global "
-          f"{_gib(full)}: {held / full:.3f}x")
+          f"and expanded {_gib(full)}: {held / full:.3f}x")
     return {"kv_cache_bytes": held, "kv_cache_all_global_bytes": full}
 
 

@@ -1,6 +1,7 @@
 """HuggingFace names and layouts <-> ``ModelConfig`` and our param tree: every family, each
 declared once as a ``families.Family`` (Llama, Mistral, Qwen2 here; Qwen3, Gemma 2, Gemma 3
-text, Phi-3, OLMo 2 in ``hf.families``; Mixtral, Qwen2-MoE, Qwen3-MoE in ``hf.moe``).
+text, Phi-3, OLMo 2 in ``hf.families``; Mixtral, Qwen2-MoE, Qwen3-MoE in ``hf.moe``;
+DeepSeek-V3's latent attention in ``hf.deepseek``).
 
 Pure functions, no file I/O (``transformer_jax.hf`` reads and writes the files):
 ``config_from_hf``/``config_to_hf`` map a ``config.json`` dict to a ``ModelConfig`` and back by
@@ -33,7 +34,7 @@ from collections import ChainMap
 from functools import partial
 from typing import Any
 
-from transformer_jax.hf import families, llama4, moe
+from transformer_jax.hf import deepseek, families, llama4, moe
 from transformer_jax.hf.families import COMMON, Family, required
 from transformer_jax.hf.tensors import (  # noqa: F401  (_flatten, _set_path: re-exported)
     _flatten,
@@ -108,7 +109,7 @@ QWEN2 = Family("qwen2", "Qwen2ForCausalLM", partial(_window_read, qwen2=True), _
 FAMILIES = {f.model_type: f for f in (
     LLAMA, MISTRAL, QWEN2, families.QWEN3, families.GEMMA2, families.GEMMA3_TEXT,
     families.OLMO2, families.PHI3, moe.MIXTRAL, moe.QWEN3_MOE, moe.QWEN2_MOE, moe.GPT_OSS,
-    llama4.LLAMA4_TEXT)}
+    llama4.LLAMA4_TEXT, deepseek.DEEPSEEK_V3)}
 ARCHITECTURES = {name: f.hf_class for name, f in FAMILIES.items()}
 # transformers' defaults of keys every family may omit (``Family.defaults`` override them).
 _DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}
@@ -302,7 +303,9 @@ def _tensors(config: ModelConfig, model_type: str | None = None, stacked_experts
                                     for name, param in norms]
                                    for norms in _BLOCK_NORMS[c.norm_position])
         out += before_attn
-        projections = (("q", n), ("k", kv), ("v", kv))
+        if c.mla is not None:
+            out += deepseek.attention_tensors(c, attn, (ours,))
+        projections = () if c.mla is not None else (("q", n), ("k", kv), ("v", kv))
         qkv = [_heads_in(f"{attn}.{x}_proj.weight", (ours, "attn", f"{x}_proj"), d, nh, h)
                for x, nh in projections]
         out += _fused(qkv, f"{attn}.qkv_proj.weight") if family.fused else qkv
@@ -315,7 +318,8 @@ def _tensors(config: ModelConfig, model_type: str | None = None, stacked_experts
         elif c.qk_norm == "full":
             out += [_reshaped(f"{attn}.{x}_norm.weight", (ours, "attn", f"{x}_norm", "scale"),
                               (heads * h,), (heads, h)) for x, heads in (("q", n), ("k", kv))]
-        out.append(_heads_out(f"{attn}.o_proj.weight", (ours, "attn", "o_proj"), d, n, h))
+        if c.mla is None:
+            out.append(_heads_out(f"{attn}.o_proj.weight", (ours, "attn", "o_proj"), d, n, h))
         if c.o_bias:
             out.append(_same(f"{attn}.o_proj.bias", (ours, "attn", "o_bias"), (d,)))
         if c.attn_sinks:

@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 
 from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.latent import LatentAttention
 from transformer_jax.model.layers import MLP, Attention, Carry, LayerKind, Norm
 from transformer_jax.model.moe import RouterStats, SparseFFN
 from transformer_jax.model.stack import LayerGroup, LayerSpec
@@ -53,14 +54,21 @@ class Block(nn.Module):
         out_std = c.init_std / (2 * c.n_layers) ** 0.5
         norm_kw = dict(kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
                        param_dtype=c.jnp_param_dtype)
-        attn = Attention(
-            n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-            qkv_bias=c.qkv_bias, o_bias=c.o_bias, sinks=c.attn_sinks,
-            qk_norm=c.qk_norm if self.spec.rope else None,
-            norm_eps=c.norm_eps,
-            norm_offset=c.norm_offset, scale=c.attn_scale, softcap=c.attn_softcap,
-            rope_pairing=c.rope_pairing, impl=c.attention_impl, init_std=c.init_std,
-            out_init_std=out_std, name="attn", **dtypes)
+        if self.spec.attention == "latent":
+            scale = c.attn_scale if c.attn_scale is not None else c.mla.scale(c.rope_scaling)
+            attn = LatentAttention(
+                n_heads=c.n_heads, mla=c.mla, scale=scale, rope_pairing=c.rope_pairing,
+                impl=c.attention_impl, init_std=c.init_std, out_init_std=out_std, name="attn",
+                **dtypes)
+        else:
+            attn = Attention(
+                n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                qkv_bias=c.qkv_bias, o_bias=c.o_bias, sinks=c.attn_sinks,
+                qk_norm=c.qk_norm if self.spec.rope else None,
+                norm_eps=c.norm_eps,
+                norm_offset=c.norm_offset, scale=c.attn_scale, softcap=c.attn_softcap,
+                rope_pairing=c.rope_pairing, impl=c.attention_impl, init_std=c.init_std,
+                out_init_std=out_std, name="attn", **dtypes)
         if self.group is not None:
             layer = self.group.ref(self.position, layer)
         stats = None

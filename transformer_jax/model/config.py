@@ -21,7 +21,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from transformer_jax.model import attention_checks
 from transformer_jax.model.fields import (  # noqa: F401 (config.RopeScaling etc. are the API)
+    MLA,
     ROPE_SCALINGS,
     MoE,
     RopeScaling,
@@ -33,7 +35,7 @@ from transformer_jax.model.fields import (  # noqa: F401 (config.RopeScaling etc
     parse_override,
     plain,
 )
-from transformer_jax.model.stack import ATTENTION_KINDS, LayerGroup, LayerSpec, layer_groups
+from transformer_jax.model.stack import LayerGroup, LayerSpec, layer_groups
 
 NORMS = ("rms", "layer")
 NORM_POSITIONS = ("pre", "post", "sandwich", "post_branch")
@@ -42,7 +44,7 @@ FFNS = ("swiglu", "geglu", "geglu_tanh", "gelu", "relu")
 POSITIONS = ("rope", "sinusoidal", "none")
 ROPE_PAIRINGS = ("half", "adjacent")
 #: The kinds of attention layer a ``layer_pattern`` lists.
-LAYER_KINDS = ATTENTION_KINDS
+LAYER_KINDS = ("global", "local", "chunked")  # latent layers: every layer with mla
 REMATS = ("none", "full", "save_dots")
 #: Attention implementations (``ops.attention.attention``'s ``impl``).
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "pallas", "mosaic")
@@ -120,6 +122,9 @@ class Architecture:
         ``1 + nope_temperature_scale * log(1 + floor((m + 1) / f))`` (attention temperature
         tuning for long contexts).
       nope_temperature_scale: that scale.
+      mla: if set, every layer is multi-head latent attention (``MLA``: the ``"latent"``
+        attention kind, whose cache holds a latent and a rope key per token); ``head_dim`` is
+        then its rope width (``mla.qk_rope_head_dim``) and ``n_kv_heads`` is ``n_heads``.
     """
 
     vocab_size: int = 512
@@ -159,9 +164,10 @@ class Architecture:
     nope_layers: tuple[int, ...] = ()
     nope_temperature_floor: int | None = None
     nope_temperature_scale: float = 0.1
+    mla: MLA | None = None
 
     def __post_init__(self) -> None:
-        for name, table in (("moe", MoE), ("rope_scaling", RopeScaling)):  # TOML sub-tables
+        for name, table in (("moe", MoE), ("rope_scaling", RopeScaling), ("mla", MLA)):
             if isinstance(getattr(self, name), dict):
                 object.__setattr__(self, name, _table(table, getattr(self, name), name))
         for name in ("layer_pattern", "nope_layers"):
@@ -169,6 +175,8 @@ class Architecture:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             check_positive_int(name, getattr(self, name))
+        if self.mla is not None:
+            attention_checks.check_mla(self)
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         check_positive_int("n_kv_heads", self.n_kv_heads)
@@ -222,7 +230,7 @@ class Architecture:
             check_choice("layer_pattern entry", kind, LAYER_KINDS)
         if "local" in self.layer_pattern and self.sliding_window is None:
             raise ValueError("layer_pattern has local layers but sliding_window is not set")
-        self._check_chunks_and_nope()
+        attention_checks.check_chunks_and_nope(self)
         if self.local_rope_base is not None and self.position != "rope":
             raise ValueError("local_rope_base needs position='rope'")
         if self.moe is not None:
@@ -239,29 +247,6 @@ class Architecture:
                 raise ValueError("moe: no layer is sparse (check moe.sparse_step and "
                                  "moe.dense_layers)")
 
-    def _check_chunks_and_nope(self) -> None:
-        """Validates ``attention_chunk``, ``nope_layers`` and the NoPE temperature."""
-        if self.attention_chunk is not None:
-            check_positive_int("attention_chunk", self.attention_chunk)
-            if self.sliding_window is not None:
-                raise ValueError("attention_chunk and sliding_window cannot both be set (the "
-                                 "caches keep one ring size)")
-        if "chunked" in self.layer_pattern and self.attention_chunk is None:
-            raise ValueError("layer_pattern has chunked layers but attention_chunk is not set")
-        if not isinstance(self.nope_layers, tuple) or any(
-                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers
-                for i in self.nope_layers):
-            raise ValueError(f"nope_layers must list layer indices in 0..{self.n_layers - 1}, "
-                             f"got {self.nope_layers!r}")
-        if self.nope_layers and self.position != "rope":
-            raise ValueError("nope_layers needs position='rope'")
-        if self.nope_temperature_floor is not None:
-            check_positive_int("nope_temperature_floor", self.nope_temperature_floor)
-            if not self.nope_layers:
-                raise ValueError("nope_temperature_floor needs nope_layers (it scales their "
-                                 "queries)")
-        check_positive_number("nope_temperature_scale", self.nope_temperature_scale)
-
     @property
     def sparse_layers(self) -> tuple[int, ...]:
         """The indices of the layers whose FFN is the mixture of experts (none without moe)."""
@@ -270,8 +255,10 @@ class Architecture:
         return tuple(i for i in range(self.n_layers) if self.moe.is_sparse(i))
 
     def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's attention kind, ``"global"``, ``"local"`` or ``"chunked"``: L
-        entries."""
+        """Each layer's attention kind, ``"global"``, ``"local"``, ``"chunked"`` or
+        ``"latent"`` (every layer with ``mla``): L entries."""
+        if self.mla is not None:
+            return ("latent",) * self.n_layers
         pattern = self.layer_pattern or (
             ("local",) if self.sliding_window is not None
             else ("chunked",) if self.attention_chunk is not None else ("global",))

@@ -1,6 +1,6 @@
-"""The nested tables of an ``Architecture`` (``RopeScaling``, ``MoE``) and the value checks every
-config dataclass shares (``config``, ``train.config`` and ``parallel.mesh`` use them), and the
-parsing of ``key=value`` overrides by a field's type."""
+"""The nested tables of an ``Architecture`` (``RopeScaling``, ``MoE``, ``MLA``) and the value
+checks every config dataclass shares (``config``, ``train.config`` and ``parallel.mesh`` use
+them), and the parsing of ``key=value`` overrides by a field's type."""
 
 from __future__ import annotations
 
@@ -177,6 +177,72 @@ class MoE:
     def is_sparse(self, layer: int) -> bool:
         """Whether layer ``layer``'s FFN is the mixture (else the dense FFN)."""
         return (layer + 1) % self.sparse_step == 0 and layer not in self.dense_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention: keys and values from a small per-token latent.
+
+    A token's query is ``q_b(norm(q_a(x)))`` ([N, nope + rope] per token; ``q_proj(x)``
+    without ``q_lora_rank``). ``kv_a_proj(x)`` gives a latent c [kv_lora_rank], RMS-normed
+    (``kv_a_norm``), and one rope key [rope] shared by every head; ``kv_b_proj(c)`` gives each
+    head's key part without position [nope] and its value [v_head_dim]. RoPE (the
+    architecture's ``rope_base``, ``rope_scaling`` and ``rope_pairing``; ``"adjacent"`` is the
+    interleaved pairing) turns the rope parts only, and a head's key is [its nope part, the
+    shared rope key]. So a cache holds c and the rotated rope key, ``kv_lora_rank + rope``
+    values per token per layer, and a decode step can attend in the latent space: the query's
+    nope part times the key up-projection, the weighted sum of latents times the value one.
+    The softmax scale is ``attn_scale`` when set, else ``(nope + rope) ** -0.5`` times ``m^2``
+    with ``m = 0.1 mscale_all_dim ln(factor) + 1`` when ``rope_scaling`` has a
+    ``mscale_all_dim`` (and factor > 1): YaRN's scale of the whole logit, not only of the
+    rotated part. The architecture's ``head_dim`` is the rope width.
+
+    Attributes:
+      kv_lora_rank: the latent's width.
+      qk_nope_head_dim: each head's query/key width without position.
+      qk_rope_head_dim: the rotated width (of the queries and the shared key).
+      v_head_dim: each head's value width.
+      q_lora_rank: the query's low-rank width (``q_a_proj``, ``q_a_norm``, ``q_b_proj``); None:
+        one ``q_proj``.
+      norm_eps: the epsilon of the latents' RMSNorms (``q_a_norm``, ``kv_a_norm``).
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            check_positive_int(f"mla.{name}", getattr(self, name))
+        if self.q_lora_rank is not None:
+            check_positive_int("mla.q_lora_rank", self.q_lora_rank)
+        check_positive_number("mla.norm_eps", self.norm_eps)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"mla.qk_rope_head_dim must be even for RoPE, got "
+                             f"{self.qk_rope_head_dim}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """A head's query/key width, nope + rope."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def entry_dim(self) -> int:
+        """What a cache holds per token per layer: the latent and the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def scale(self, rope_scaling: RopeScaling | None) -> float:
+        """The softmax scale without ``attn_scale``: ``qk_head_dim ** -0.5``, times YaRN's
+        ``m(factor, mscale_all_dim)^2`` when the scaling has a ``mscale_all_dim``."""
+        scale = self.qk_head_dim ** -0.5
+        s = rope_scaling
+        if s is not None and s.mscale_all_dim and s.factor > 1:
+            m = 0.1 * s.mscale_all_dim * math.log(s.factor) + 1.0
+            scale *= m * m
+        return scale
 
 
 def plain(value: Any) -> Any:

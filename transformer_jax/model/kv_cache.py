@@ -26,6 +26,10 @@ dequantised just before attention.
 
 Local layers. A sliding-window layer whose window W is shorter than S_max keeps a ring of W
 slots per row instead (``kv_ring``; ``KVCache.k_local``/``v_local``, in the same layouts).
+
+Latent layers (``fields.MLA``). A multi-head latent attention layer keeps one entry per token,
+its normed latent and its rotated rope key (R + P values, ``KVCache.latent`` [L, B, S, R + P]),
+not N heads' keys and values; the layer attends over them itself (``attend_latent``).
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class KVCache:
       ring_end: None, or [B] int32: the rings take no position at or past it (a right-padded
         prefill sets each prompt's length, so its padding does not overwrite the window).
       ring: static; which layers are rings (``kv_ring.RingLayout``), None without.
+      latent: None, or the latent layers' entries (``fields.MLA``): [L, B, S_max, R + P], a
+        tuple of L [B, S_max, R + P] for an unrolled model; ``k`` and ``v`` then hold no layer.
     """
 
     k: jax.Array | tuple[jax.Array, ...] | SlotsLast
@@ -88,6 +94,7 @@ class KVCache:
     v_local: jax.Array | tuple[jax.Array, ...] | None = None
     ring_end: jax.Array | None = None
     ring: RingLayout | None = flax.struct.field(pytree_node=False, default=None)
+    latent: jax.Array | tuple[jax.Array, ...] | None = None
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int,
@@ -125,6 +132,15 @@ class KVCache:
             return SlotsLast(k) if slots_last else k, zeros((*rows, slots, h))
 
         lengths = jnp.zeros((batch,), jnp.int32)
+        if config.mla is not None:
+            if kv_quant.is_int8(dtype):
+                raise ValueError("a latent (MLA) cache stores floats: int8 is not supported, "
+                                 "use the compute dtype or bfloat16")
+            k, v = arrays(0, max_len)
+            shape = (batch, max_len, config.mla.entry_dim)
+            latent = (jnp.zeros((config.n_layers, *shape), dtype) if config.scan_layers else
+                      tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)))
+            return cls(k=k, v=v, lengths=lengths, latent=latent)
         if ring is None:
             k, v = arrays(config.n_layers, max_len)
             return cls(k=k, v=v, lengths=lengths)
@@ -140,6 +156,8 @@ class KVCache:
     @property
     def max_len(self) -> int | None:
         """S_max, the slots of the full layers (None when every layer is a ring)."""
+        if self.latent is not None:
+            return self.latent.shape[-2] if self.stacked else self.latent[0].shape[-2]
         if self.stacked:
             return self.v.shape[3]
         return self.v[0].shape[-2] if self.v else None
@@ -156,6 +174,8 @@ class KVCache:
     @property
     def int8(self) -> bool:
         """Whether rows are stored int8 with their scales (``ops.kv_quant``)."""
+        if self.latent is not None:
+            return False
         v = self.v if self.ring is None else self.v_local
         return kv_quant.is_int8((v if self.stacked else v[0]).dtype)
 
@@ -164,7 +184,7 @@ class KVCache:
         """Bytes of K and V (rings included): ``2 * L * B * S_max * K * H * bytes_per_element``
         without rings."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
-            (self.k, self.v, self.k_local, self.v_local)))
+            (self.k, self.v, self.k_local, self.v_local, self.latent)))
 
     def layer(self, i: int | jax.Array | LayerRef) -> tuple[jax.Array, jax.Array]:
         """Layer i's (keys, values): [B, K, S, H] each (keys a ``SlotsLast`` [B, K, H, S] in
@@ -218,6 +238,34 @@ class KVCache:
             keys, values = SlotsLast(raw) if slots_last else raw, kv_quant.decode(values, q.dtype)
         return attention(q.astype(values.dtype), keys, values, q_positions=positions,
                          window=window, **logits), cache
+
+    def attend_latent(self, i: int | jax.Array | LayerRef, entries: jax.Array,
+                      positions: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Latent layer i's cache: writes the chunk's entries at their positions and returns
+        every slot's (the layer attends over them, ``model.latent``).
+
+        Args:
+          i: the layer, as ``attend`` takes it.
+          entries: [B, T, R + P] the chunk's [latent, rope key] per token.
+          positions: [B, T] int positions, consecutive per row (row b at slots
+            ``positions[b, 0] ..``).
+
+        Returns:
+          ([B, S_max, R + P] the layer's entries, slot s holding position s; the cache with
+          them written).
+        """
+        _, j = kv_ring.locate(None, i)
+        start = positions[:, 0]
+        buf = self.latent
+        if isinstance(buf, tuple):
+            layer = _write_entries(buf[j], entries, start)
+            return layer, self.replace(latent=(*buf[:j], layer, *buf[j + 1:]))
+        b, t = entries.shape[:2]
+        rows = jnp.arange(b)[:, None]
+        slots = start[:, None] + jnp.arange(t, dtype=start.dtype)
+        buf = buf.at[j, rows, slots].set(entries.astype(buf.dtype), mode="promise_in_bounds",
+                                         unique_indices=True)
+        return buf[j], self.replace(latent=buf)
 
     def write(self, i: int | jax.Array | LayerRef, k: jax.Array, v: jax.Array,
               start: jax.Array) -> KVCache:
@@ -277,6 +325,9 @@ class KVCache:
         pinned = {name: jax.tree.map(pin, getattr(self, name))
                   for name in ("k", "v", "k_local", "v_local")
                   if getattr(self, name) is not None}
+        if self.latent is not None:  # [L, B, S, E] or per layer [B, S, E]
+            pinned["latent"] = jax.tree.map(lambda x: nn.with_logical_constraint(
+                x, ("layers", "batch", None, None)[4 - x.ndim:]), self.latent)
         return self.replace(**pinned)
 
 
@@ -297,6 +348,17 @@ class Cache(Protocol):
                ) -> tuple[jax.Array, Cache]: ...
 
     def replace(self, **changes: Any) -> Cache: ...
+
+
+def _write_entries(buf: jax.Array, entries: jax.Array, start: jax.Array) -> jax.Array:
+    """[B, T, E] entries written into one latent layer [B, S, E] at each row's start slot."""
+    b, t = entries.shape[:2]
+    entries = entries.astype(buf.dtype)
+    if isinstance(b, int) and b == 1:
+        return jax.lax.dynamic_update_slice(buf, entries, (0, start[0], 0))
+    rows = jnp.arange(b)[:, None]
+    slots = start[:, None] + jnp.arange(t, dtype=start.dtype)
+    return buf.at[rows, slots].set(entries, mode="promise_in_bounds", unique_indices=True)
 
 
 def _write(cache: Any, i: int | jax.Array, new: jax.Array, start: jax.Array) -> Any:
@@ -364,6 +426,8 @@ def cache_bytes(config: Architecture, batch: int, max_len: int,
     allocating it (int8: values and scales; local layers' rings of W slots, as ``init`` makes
     them with ``window_rings``)."""
     dtype = jnp.dtype(dtype or config.dtype)
+    if config.mla is not None:  # one [latent, rope key] entry per token per layer
+        return config.n_layers * batch * max_len * config.mla.entry_dim * dtype.itemsize
     h = kv_quant.stored_head_dim(config.head_dim, dtype)
     ring = RingLayout.of(config, max_len) if window_rings else None
     full = config.n_layers if ring is None else ring.n_global

@@ -1,14 +1,14 @@
 """The layer stack as groups: which block each layer is, and how runs of them are scanned.
 
 Each layer is a ``LayerSpec``: its attention kind (``"global"``: full causal; ``"local"``:
-the sliding window; ``"chunked"``: causal within its chunk of positions), its FFN kind
-(``"dense"`` or ``"moe"``) and whether it rotates by RoPE. The stack is cut into
-``LayerGroup``s, each a period of specs repeated: Gemma 3's 26 layers are five local and one
-global layer four times, then two local ones; a DeepSeek-shaped mixture is 3 dense layers,
-then its sparse ones; a uniform model is one group of period 1. A scanned model scans each
-group on its own over its repeats, the period's blocks unrolled in the scan body, so every
-block knows its kinds as Python values: nothing is selected by a traced layer index, and a
-cache writes only what its layer reads.
+the sliding window; ``"chunked"``: causal within its chunk of positions; ``"latent"``:
+multi-head latent attention), its FFN kind (``"dense"`` or ``"moe"``) and whether it rotates by
+RoPE. The stack is cut into ``LayerGroup``s, each a period of specs repeated: Gemma 3's 26
+layers are five local and one global layer four times, then two local ones; a DeepSeek-shaped
+mixture is 3 dense layers, then its sparse ones; a uniform model is one group of period 1. A
+scanned model scans each group on its own over its repeats, the period's blocks unrolled in the
+scan body, so every block knows its kinds as Python values: nothing is selected by a traced
+layer index, and a cache writes only what its layer reads.
 
 A block inside a scan addresses its cache with a ``LayerRef``: its kind, and its (traced)
 index among all layers and among the layers of its attention kind, from which a cache finds
@@ -25,7 +25,7 @@ from typing import Any
 import jax
 
 #: Attention kinds a ``LayerSpec`` names (its FFN kind: ``"dense"`` or ``"moe"``).
-ATTENTION_KINDS = ("global", "local", "chunked")
+ATTENTION_KINDS = ("global", "local", "chunked", "latent")
 #: The kinds whose caches keep a ring of their last positions (``kv_ring``), not every one.
 RING_KINDS = ("local", "chunked")
 
@@ -36,8 +36,9 @@ class LayerSpec:
 
     Attributes:
       attention: ``"global"`` (full causal), ``"local"`` (the sliding window, its own RoPE
-        base when the architecture gives one) or ``"chunked"`` (a query sees the keys of its
-        own chunk of ``attention_chunk`` positions, causally).
+        base when the architecture gives one), ``"chunked"`` (a query sees the keys of its
+        own chunk of ``attention_chunk`` positions, causally) or ``"latent"`` (multi-head
+        latent attention, ``fields.MLA``: its cache holds a latent per token).
       ffn: ``"dense"`` or ``"moe"`` (the mixture of experts).
       rope: whether the layer rotates q and k (False: a NoPE layer, ``nope_layers``).
     """

@@ -51,7 +51,7 @@ from transformer_jax.model.lora import LoraConfig
 from transformer_jax.serving import step as step_lib
 from transformer_jax.serving.multistep import MultiStep
 from transformer_jax.serving.page_pool import pages_for
-from transformer_jax.serving.paged_cache import VIEWS, PagedKVCache, storage_dtype
+from transformer_jax.serving.paged_cache import VIEWS, PagedKVCache, check_pageable
 from transformer_jax.serving.plan import row_sampling
 from transformer_jax.serving.requests import (
     Completion,
@@ -139,8 +139,7 @@ class Engine:
                              f"({num_slots}): each step decodes one token per slot and "
                              "prefills with the rest")
         # The cheap checks before the weights are prepared.
-        if cache_dtype is not None:
-            storage_dtype(cache_dtype)
+        check_pageable(config, cache_dtype)
         if view not in VIEWS:
             raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
         if isinstance(weights_or_params, DecodeWeights):

@@ -103,6 +103,17 @@ def storage_dtype(dtype: jnp.dtype | str) -> jnp.dtype:
     return dt
 
 
+def check_pageable(config: ModelConfig, cache_dtype: jnp.dtype | str | None = None) -> None:
+    """Raises ValueError (one line) for a model the pool cannot page (latent attention layers,
+    ``fields.MLA``: their pages would hold latents, not yet) or a ``cache_dtype`` that
+    ``storage_dtype`` refuses."""
+    if config.mla is not None:
+        raise ValueError("the serving engine's paged cache has no latent attention (mla) layers "
+                         "yet: generate this model with decode.generate")
+    if cache_dtype is not None:
+        storage_dtype(cache_dtype)
+
+
 def page_bytes(config: ModelConfig, page_size: int, dtype: jnp.dtype | str | None = None
                ) -> int:
     """Bytes of K and V one page takes in every paged layer: the global layers' when local
@@ -177,6 +188,7 @@ class PagedKVCache:
           ValueError: for a size out of range, a view not in ``VIEWS`` or a storage dtype that
             is neither floating nor int8, naming it.
         """
+        check_pageable(config)
         for name, value in (("num_pages", num_pages), ("page_size", page_size),
                             ("batch", batch), ("pages_per_row", pages_per_row)):
             if not isinstance(value, int) or value <= 0:

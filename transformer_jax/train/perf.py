@@ -47,7 +47,8 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     and the embedding only when it is also the (tied) LM head (a lookup is not a matmul). Of a
     mixture of experts' routed experts only the k of E a token reaches count (the router and a
     shared expert count whole): active FLOPs, so MFU is that of the work a token does.
-    Attention counts the full T x T score and value matmuls, forward and backward.
+    Attention counts the full T x T score and value matmuls, forward and backward (a latent
+    layer's with its query/key and value head widths).
     """
     n = 0.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]:
@@ -57,7 +58,9 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
         if is_vector_param(name):
             continue
         n += int(np.prod(leaf.shape)) * _active_fraction(config, path)
-    attention = 12 * config.n_layers * seq_len * config.n_heads * config.head_dim
+    qk, v = ((config.mla.qk_head_dim, config.mla.v_head_dim) if config.mla is not None
+             else (config.head_dim, config.head_dim))
+    attention = 6 * config.n_layers * seq_len * config.n_heads * (qk + v)
     return 6.0 * n + attention
 
 

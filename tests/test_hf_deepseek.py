@@ -1,0 +1,242 @@
+"""DeepSeek-V3's multi-head latent attention (``deepseek_v3``, ``fields.MLA``) against
+transformers: tiny random all-dense ``DeepseekV3ForCausalLM`` checkpoints written by
+``save_pretrained`` (the query's low rank set and unset, interleaved and half RoPE pairs, YaRN
+with ``mscale_all_dim``) load with their logits, unrolled and scanned; each feature moves them;
+export reads back in transformers; greedy generation equals transformers'; the cached decode
+(attention over the latents, the up-projections absorbed) equals the cacheless forward; the
+cache holds kv_lora_rank + qk_rope_head_dim values per token per layer."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import FAST_COMPILE, ragged_inputs, torch_logits
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from transformer_jax import hf  # noqa: E402
+from transformer_jax.decode import generation  # noqa: E402
+from transformer_jax.model.fields import MLA  # noqa: E402
+from transformer_jax.model.kv_cache import KVCache, cache_bytes  # noqa: E402
+from transformer_jax.model.ops import latent_attention  # noqa: E402
+from transformer_jax.model.transformer import Transformer  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
+
+B, T, V, D, L = 2, 10, 97, 32, 2
+R, NOPE, P, VD, Q = 16, 8, 4, 6, 12  # kv_lora_rank, qk_nope, qk_rope, v_head_dim, q_lora_rank
+TOL = 1e-4
+INPUTS = ragged_inputs(B, T, V)  # the second row starts at 300: past YaRN's original length
+VARIANTS = {"q_lora": dict(q_lora_rank=Q, rope_interleave=True),
+            "q_proj": dict(q_lora_rank=None, rope_interleave=False)}
+
+
+def random_deepseek(q_lora_rank, rope_interleave, seed=0):
+    """Tiny all-dense DeepseekV3ForCausalLM (first_k_dense_replace = L), eager attention,
+    unit-scale random weights, YaRN with mscale and mscale_all_dim."""
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV3Config(
+        vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=L,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=R, q_lora_rank=q_lora_rank,
+        qk_nope_head_dim=NOPE, qk_rope_head_dim=P, v_head_dim=VD, first_k_dense_replace=L,
+        rope_interleave=rope_interleave, max_position_embeddings=1024,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=256, mscale=0.8,
+                             mscale_all_dim=0.6),
+        attn_implementation="eager")
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    return model
+
+
+def _logits(config, params, tokens=INPUTS[0], positions=INPUTS[1]) -> np.ndarray:
+    def run(params, tokens, positions):
+        return Transformer(config).apply({"params": params}, tokens, positions=positions).logits
+
+    return np.asarray(jax.jit(run, compiler_options=FAST_COMPILE)(
+        params, jnp.asarray(tokens), jnp.asarray(positions)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    model: object
+    path: object
+    logits: np.ndarray  # transformers'
+    config: object
+    params: dict
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> dict[str, Loaded]:
+    out = {}
+    for name, kw in VARIANTS.items():
+        model = random_deepseek(**kw)
+        path = tmp_path_factory.mktemp(f"deepseek_{name}")
+        model.save_pretrained(path)
+        config, params = hf.load(path)
+        out[name] = Loaded(model, path, torch_logits(model, *INPUTS), config, params)
+    return out
+
+
+def test_config_reads_every_feature(deepseek):
+    for name, kw in VARIANTS.items():
+        c = deepseek[name].config
+        assert c.mla == MLA(kv_lora_rank=R, qk_nope_head_dim=NOPE, qk_rope_head_dim=P,
+                            v_head_dim=VD, q_lora_rank=kw["q_lora_rank"])
+        assert c.rope_pairing == ("adjacent" if kw["rope_interleave"] else "half")
+        assert c.rope_scaling.kind == "yarn" and c.rope_scaling.mscale_all_dim == 0.6
+        assert set(c.layer_kinds()) == {"latent"} and c.moe is None
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("scan", [False, True])
+def test_logits_match_transformers(deepseek, variant, scan):
+    d = deepseek[variant]
+    config, params = hf.load(d.path, scan_layers=True) if scan else (d.config, d.params)
+    diff = float(np.max(np.abs(_logits(config, params) - d.logits)))
+    assert diff <= TOL, diff
+
+
+@pytest.mark.parametrize("change", ["pairing", "mscale_all_dim", "yarn"])
+def test_each_feature_moves_the_logits(deepseek, change):
+    d = deepseek["q_lora"]
+    c = d.config
+    config = {
+        "pairing": c.replace(rope_pairing="half"),
+        "mscale_all_dim": c.replace(
+            rope_scaling=dataclasses.replace(c.rope_scaling, mscale_all_dim=None)),
+        "yarn": c.replace(rope_scaling=None),
+    }[change]
+    assert float(np.max(np.abs(_logits(config, d.params) - d.logits))) > 1e-2
+
+
+def test_export_reads_back_in_transformers(deepseek, tmp_path):
+    d = deepseek["q_lora"]
+    hf.save(d.config, d.params, tmp_path)
+    saved = json.loads((tmp_path / hf.CONFIG_FILE).read_text())
+    assert (saved["model_type"], saved["architectures"]) == (
+        "deepseek_v3", ["DeepseekV3ForCausalLM"])
+    reread = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager").eval()
+    theirs, mine = d.model.state_dict(), reread.state_dict()
+    assert theirs.keys() == mine.keys()
+    for key in theirs:
+        torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=0, msg=key)
+    np.testing.assert_allclose(torch_logits(reread, *INPUTS), _logits(d.config, d.params),
+                               rtol=0, atol=1e-5)
+    assert hf.load(tmp_path)[0] == d.config
+
+
+def test_moe_checkpoint_is_refused_in_one_line(deepseek, tmp_path):
+    raw = json.loads((deepseek["q_lora"].path / hf.CONFIG_FILE).read_text())
+    raw["first_k_dense_replace"] = 1
+    with pytest.raises(ValueError, match="mixture-of-experts layers") as e:
+        hf.config_from_hf(raw)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_generation_equals_transformers(deepseek, variant):
+    """Prefill (expanded) + cached decode (absorbed) on ragged, left-padded prompts."""
+    d = deepseek[variant]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, V, n).tolist() for n in (3, 7)]
+    new = 6
+    ours = generation.generate(d.config, d.params, prompts, max_new_tokens=new)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = d.model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                               pad_token_id=0, eos_token_id=None)
+    assert [out[i, width:].tolist() for i in range(len(prompts))] == ours.tokens
+
+
+def test_absorbed_decode_equals_the_expanded_forward(deepseek):
+    """A 4-token prefill then one-token steps through the scanned model's stacked latent cache
+    (generate covers the unrolled one's) give the cacheless forward's logits at every
+    position; the cache holds R + P values per token per layer."""
+    d = deepseek["q_lora"]
+    config, params = hf.load(d.path, scan_layers=True)
+    tokens = jnp.asarray(INPUTS[0])
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    model = Transformer(config)
+    run = jax.jit(lambda p, t, pos, c=None: model.apply({"params": p}, t, positions=pos,
+                                                        cache=c),
+                  compiler_options=FAST_COMPILE)
+    want = np.asarray(run(params, tokens, positions).logits)
+    start, slots = 4, 16
+    out = run(params, tokens[:, :start], positions[:, :start], KVCache.init(config, B, slots))
+    got = [np.asarray(out.logits)]
+    for t in range(start, T):
+        out = run(params, tokens[:, t:t + 1], positions[:, t:t + 1], out.cache)
+        got.append(np.asarray(out.logits))
+    np.testing.assert_allclose(np.concatenate(got, 1), want, rtol=0, atol=1e-5)
+    cache = out.cache
+    per_token = sum(x.size for x in jax.tree.leaves(cache.latent)) // (B * slots * L)
+    assert per_token == R + P  # not N * 2 * head widths
+    assert sum(x.size for x in jax.tree.leaves((cache.k, cache.v))) == 0
+    assert cache.nbytes == cache_bytes(config, B, slots) == L * B * slots * (R + P) * 4
+
+
+def test_absorbed_equals_expanded_op():
+    """The two orders of the products, on random entries with a causal mask."""
+    rng = np.random.default_rng(0)
+    n, s = 3, 9
+    q_nope, q_rope = (jnp.asarray(rng.normal(size=(2, s, n, w)), jnp.float32)
+                      for w in (NOPE, P))
+    entries = jnp.asarray(rng.normal(size=(2, s, R + P)), jnp.float32)
+    kv_b = jnp.asarray(rng.normal(size=(R, n, NOPE + VD)) / 4, jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(s), (2, s))
+    a, e = (jax.jit(lambda *x, f=f: f(*x, q_positions=pos, scale=0.3, impl="xla"),
+                    compiler_options=FAST_COMPILE)(q_nope, q_rope, entries, kv_b)
+            for f in (latent_attention.absorbed, latent_attention.expanded))
+    # A textbook softmax over explicit per-head keys and values.
+    k = np.concatenate([np.einsum("bsr,rnk->bnsk", entries[..., :R], kv_b[..., :NOPE]),
+                        np.broadcast_to(np.asarray(entries[:, None, :, R:]), (2, n, s, P))], -1)
+    v = np.einsum("bsr,rnv->bnsv", entries[..., :R], kv_b[..., NOPE:])
+    q = np.concatenate([q_nope, q_rope], -1)
+    logits = np.einsum("btnk,bnsk->bnts", q, k) * 0.3
+    logits = np.where(np.tril(np.ones((s, s), bool)), logits, -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    want = np.einsum("bnts,bnsv->btnv", w / w.sum(-1, keepdims=True), v)
+    np.testing.assert_allclose(np.asarray(e), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(a), want, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_refuses_latent_layers_in_one_line(deepseek):
+    from transformer_jax.serving import Engine
+
+    d = deepseek["q_proj"]
+    with pytest.raises(ValueError, match="latent attention") as e:
+        Engine(d.config, d.params, num_slots=2, num_pages=8, page_size=4, token_budget=8)
+    assert "\n" not in str(e.value)
+
+
+def test_latent_attention_config_is_checked_in_one_line():
+    from transformer_jax.model.config import ModelConfig
+
+    mla = dict(kv_lora_rank=R, qk_nope_head_dim=NOPE, qk_rope_head_dim=P, v_head_dim=VD)
+    base = dict(vocab_size=V, d_model=D, n_layers=L, n_heads=4, d_ff=48, mla=mla)
+    config = ModelConfig(**base)
+    assert (config.head_dim, config.n_kv_heads) == (P, 4)
+    for extra, message in [(dict(sliding_window=4), "sliding_window"),
+                           (dict(head_dim=8), "head_dim must be 4"),
+                           (dict(n_kv_heads=2), "n_kv_heads must be 4"),
+                           (dict(mla={**mla, "qk_rope_head_dim": 3}), "must be even"),
+                           (dict(mla={**mla, "rank": 3}), "unknown model.mla option")]:
+        with pytest.raises(ValueError, match=message) as e:
+            ModelConfig(**{**base, **extra})
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="int8 is not supported"):
+        KVCache.init(config, 1, 8, "int8")
