@@ -11,9 +11,8 @@ backend starts), so a 7B model on an 8-device mesh can be planned on a laptop.
       --seq 16384 --remat full --dtype bfloat16 --attention auto --loss-chunk 1024
   transformer-jax bench memory --config llama2_7b --compile-time
 
-``--seq`` may exceed the preset's ``max_seq_len`` (it is raised for the report); ``--attention``
-picks the attention implementation (default: the preset's, ``"auto"``) and ``--loss-chunk`` the
-chunked LM head + loss (``train.loss_chunk``).
+``--seq`` may exceed the preset's ``max_seq_len`` (raised for the report); ``--attention`` picks
+the attention (default the preset's) and ``--loss-chunk`` the chunked LM head + loss.
 
 Reported per device: parameters, Adam state (mu + nu, float32), the whole train state; from the
 compiled train step its arguments and temporaries (gradients, optimizer scratch, activations) and
@@ -326,23 +325,21 @@ def _check_device_count(n: int) -> None:
 
 
 def kv_cache_report(name: str, batch: int, seq: int, dtype: str) -> dict[str, Any]:
-    """Prints and returns the inference KV cache of B sequences of ``seq`` positions: local
-    layers hold only their window (``KVCache``'s rings), against every layer global."""
+    """Prints and returns the inference KV cache of B sequences of ``seq`` positions (local and
+    chunked layers a ring, latent layers a latent) against every layer global and expanded."""
     from transformer_jax.model.config import ModelConfig
     from transformer_jax.model.kv_cache import cache_bytes
 
     c = ModelConfig.preset(name)
     held = cache_bytes(c, batch, seq, dtype)
-    full = cache_bytes(c if c.mla is None else c.replace(  # latent layers: N heads' K and V
-        mla=None, head_dim=(c.mla.qk_head_dim + c.mla.v_head_dim) // 2), batch, seq, dtype,
-        window_rings=False)
-    kept = (f"{c.local_layers} of {c.n_layers} layers local, window {c.sliding_window}"
-            if c.attention_chunk is None else f"{c.layer_kinds().count('chunked')} of "
-            f"{c.n_layers} layers chunked, chunk {c.attention_chunk}")
-    if c.mla is not None:
-        kept = f"{c.n_layers} latent layers"
-    print(f"  KV cache    B={batch} S={seq} {dtype}: {_gib(held)} ({kept}); every layer global "
-          f"and expanded {_gib(full)}: {held / full:.3f}x")
+    expanded = c if c.mla is None else c.replace(  # latent layers as N heads' K and V
+        mla=None, head_dim=(c.mla.qk_head_dim + c.mla.v_head_dim) // 2)
+    full = cache_bytes(expanded, batch, seq, dtype, window_rings=False)
+    kinds = c.layer_kinds()
+    kept = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))  # "22 local, 4 global"
+    print(f"  KV cache    B={batch} S={seq} {dtype}: {_gib(held)} ({kept} layers; window "
+          f"{c.sliding_window}, chunk {c.attention_chunk}); every layer global and expanded "
+          f"{_gib(full)}: {held / full:.3f}x")
     return {"kv_cache_bytes": held, "kv_cache_all_global_bytes": full}
 
 
