@@ -212,6 +212,31 @@ def test_dcn_mesh_on_one_slice_or_in_a_config_is_checked():
         TrainConfig(dcn_mesh="1,x,1")
 
 
+# ``train.loss_chunk``: the toy's head untied (a [D, V] = [128, 256] matrix of its own), T = 128
+# in chunks of 32 positions: 4 chunks, 2 layers.
+LOSS_CHUNKS, LOSS_LAYERS = 4, 2
+
+
+@pytest.fixture(scope="module")
+def loss_chunked():
+    return _report("v5e:2x2", "train.loss_chunk=32", "model.tie_embeddings=false")
+
+
+def test_chunked_loss_reduces_the_heads_gradient_once_not_per_chunk(loss_chunked):
+    r = loss_chunked
+    assert r["fits"] and r["mesh"]["fsdp"] == 4
+    found = coll.collectives(r["hlo"], np.arange(4).reshape(1, 4, 1), ("data", "fsdp", "tensor"))
+    # Nothing runs once a chunk: each collective once a step or once a layer (the scanned stack).
+    assert max(f["count"] for f in found) <= LOSS_LAYERS < LOSS_CHUNKS, sorted(
+        (f["count"], f["kind"]) for f in found)
+    # The head's float32 gradient, summed over the chunks on each chip, is reduced once.
+    lines = {m.group(1): line for line in r["hlo"].splitlines()
+             if (m := re.match(r"\s*(?:ROOT )?%([\w.-]+) = ", line))}
+    head = [f for f in found if f["kind"] in ("all-reduce", "reduce-scatter")
+            and "f32[128,256]" in lines[f["name"]]]
+    assert sum(f["count"] for f in head) == 1, head
+
+
 def test_cli_json_on_v5p(capsys):
     code = compile_cli.main(["--topology", "v5p:2x2x1", "--json", *TOY])
     r = json.loads(capsys.readouterr().out)
