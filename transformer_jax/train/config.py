@@ -70,10 +70,8 @@ class TrainConfig(ObjectiveConfig):
         ``E * sum_e f_e P_e``, mean over the sparse layers; ignored by a dense model).
       moe_z_loss: weight of the router z-loss (ST-MoE's mean ``logsumexp(router logits)^2``).
       loss_chunk: 0 computes the LM head and the loss over all [B, T, V] logits at once; N > 0
-        computes them over chunks of N positions of every sequence ([B, N] tokens, the batch
-        kept split over the devices) with a gradient that recomputes each chunk's logits, so
-        the float32 [B, T, V] logits are never held whole (large vocabularies); the head's
-        gradient is reduced across devices once a step, not once a chunk.
+        over [B, N] chunks (N positions of every sequence) with a gradient that recomputes each
+        chunk's logits, so the float32 [B, T, V] logits are never held whole (``ops.lm_loss``).
       seed: seeds the parameters, the data order and the RNG.
       eval_every: evaluate the validation loss every this many steps (and at the end); 0
         evaluates only at the end.
