@@ -334,6 +334,34 @@ def test_loop_bodies_count_per_trip_and_fusions_name_reduce_scatters():
     assert found["by_axis"]["all-gather over fsdp"]["count"] == 5
 
 
+# Over 64 chips the TPU compiler writes FSDP's weight gathers as all-reduces of each shard placed
+# in a zero buffer, combined with the gradients' all-reduces (v5p:4x4x4, fsdp=64).
+GATHER_AS_ALL_REDUCE = """HloModule m
+
+ENTRY %main (a: f32[2,8]) -> f32[8,8] {
+  %z = bf16[8,8]{1,0} broadcast(%c), dimensions={}
+  %u = bf16[8,8]{1,0} dynamic-update-slice(%z, %w, %i, %j)
+  %f = bf16[8,16]{1,0} fusion(%x, %y), kind=kLoop, calls=%fused
+  %copy_dynamic-update-slice_fusion.3 = bf16[8,16]{1,0} fusion(%x), kind=kLoop, calls=%fused.2
+  %s = (bf16[8,16]{1,0}, u32[]) copy-start(%copy_dynamic-update-slice_fusion.3)
+  %d = bf16[8,16]{1,0} copy-done(%s)
+  %g = f32[8,8]{1,0} fusion(%p, %q), kind=kOutput, calls=%fused.3
+  %r = (bf16[8,8]{1,0}, bf16[8,16]{1,0}, f32[8,8]{1,0}) all-reduce(%u, %d, %g), replica_groups={{0,1,2,3}}, to_apply=%add
+  %t = bf16[8,16]{1,0} all-reduce(%f), replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %o = f32[8,8]{1,0} get-tuple-element(%r), index=2
+}
+"""  # noqa: E501 (HLO lines as the compiler writes them)
+
+
+def test_all_gathers_written_as_all_reduces_are_counted_as_all_gathers():
+    found = coll.summarize(coll.collectives(GATHER_AS_ALL_REDUCE, np.arange(4).reshape(1, 4, 1),
+                                            ("data", "fsdp", "tensor")))
+    # The tuple's two zero-buffer operands are gathers; its gradient and the plain all-reduce
+    # of a fusion stay all-reduces.
+    assert found["by_kind"]["all-gather"] == {"count": 1, "bytes": 8 * 8 * 2 + 8 * 16 * 2}
+    assert found["by_kind"]["all-reduce"] == {"count": 2, "bytes": 8 * 8 * 4 + 8 * 16 * 2}
+
+
 # ------------------------------------------------------------ the largest batch that fits
 
 
