@@ -338,14 +338,23 @@ def test_loop_bodies_count_per_trip_and_fusions_name_reduce_scatters():
 # in a zero buffer, combined with the gradients' all-reduces (v5p:4x4x4, fsdp=64).
 GATHER_AS_ALL_REDUCE = """HloModule m
 
+%placed (p0: bf16[8,16], p1: bf16[2,16], p2: s32[]) -> bf16[8,16] {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  ROOT %u2 = bf16[8,16]{1,0} dynamic-update-slice(%p0, %p1, %p2, %c0)
+}
+
+%product (q0: bf16[8,2], q1: bf16[2,16]) -> bf16[8,16] {
+  ROOT %dot = bf16[8,16]{1,0} convolution(%q0, %q1), dim_labels=bf_io->bf
+}
+
 ENTRY %main (a: f32[2,8]) -> f32[8,8] {
   %z = bf16[8,8]{1,0} broadcast(%c), dimensions={}
   %u = bf16[8,8]{1,0} dynamic-update-slice(%z, %w, %i, %j)
-  %f = bf16[8,16]{1,0} fusion(%x, %y), kind=kLoop, calls=%fused
-  %copy_dynamic-update-slice_fusion.3 = bf16[8,16]{1,0} fusion(%x), kind=kLoop, calls=%fused.2
-  %s = (bf16[8,16]{1,0}, u32[]) copy-start(%copy_dynamic-update-slice_fusion.3)
+  %f = bf16[8,16]{1,0} fusion(%x, %y), kind=kOutput, calls=%product
+  %v = bf16[8,16]{1,0} fusion(%z2, %x, %k), kind=kLoop, calls=%placed
+  %s = (bf16[8,16]{1,0}, u32[]) copy-start(%v)
   %d = bf16[8,16]{1,0} copy-done(%s)
-  %g = f32[8,8]{1,0} fusion(%p, %q), kind=kOutput, calls=%fused.3
+  %g = f32[8,8]{1,0} add(%p, %q)
   %r = (bf16[8,8]{1,0}, bf16[8,16]{1,0}, f32[8,8]{1,0}) all-reduce(%u, %d, %g), replica_groups={{0,1,2,3}}, to_apply=%add
   %t = bf16[8,16]{1,0} all-reduce(%f), replica_groups={{0,1,2,3}}, to_apply=%add
   ROOT %o = f32[8,8]{1,0} get-tuple-element(%r), index=2
@@ -356,8 +365,8 @@ ENTRY %main (a: f32[2,8]) -> f32[8,8] {
 def test_all_gathers_written_as_all_reduces_are_counted_as_all_gathers():
     found = coll.summarize(coll.collectives(GATHER_AS_ALL_REDUCE, np.arange(4).reshape(1, 4, 1),
                                             ("data", "fsdp", "tensor")))
-    # The tuple's two zero-buffer operands are gathers; its gradient and the plain all-reduce
-    # of a fusion stay all-reduces.
+    # The tuple's two zero-buffer operands are gathers (one a fusion whose root places the
+    # shard, through a copy); its gradient and the all-reduce of a product stay all-reduces.
     assert found["by_kind"]["all-gather"] == {"count": 1, "bytes": 8 * 8 * 2 + 8 * 16 * 2}
     assert found["by_kind"]["all-reduce"] == {"count": 2, "bytes": 8 * 8 * 4 + 8 * 16 * 2}
 

@@ -6,9 +6,9 @@ all-to-all and collective-permute, counts each as often as one run of the progra
 names the mesh axes its device groups run over. The TPU compiler writes a reduce-scatter as an
 all-reduce inside an ``all-reduce-scatter`` fusion; it is counted as a reduce-scatter. Over
 large groups (64 chips and more, e.g. FSDP over v5p:4x4x4 or v5e:8x8) it writes an all-gather
-as an all-reduce of each shard placed in a zero buffer (a ``dynamic-update-slice``), often in
-one tuple all-reduce with gradients: those operands are counted as an all-gather (``"as":
-"all-reduce"``), the rest as the all-reduce. In a
+as an all-reduce of each shard placed in a zero buffer (a ``dynamic-update-slice``, or a fusion
+whose root is one), often in one tuple all-reduce with gradients: those operands are counted
+as an all-gather (``"as": "all-reduce"``), the rest as the all-reduce. In a
 multi-slice program the exchange between slices (DCN) is a host transfer (``send`` with a
 ``_xla_megascale_transfer_type``), counted as crossing slices.
 
@@ -221,7 +221,7 @@ def collectives(hlo: str, ids: np.ndarray, axis_names: tuple[str, ...], dcn: str
             nbytes = array_bytes(type_text, largest=op.endswith("-start") and base != "all-reduce")
             entry_ = {"kind": kind, "axes": axes, "bytes": nbytes, "count": times[name],
                       "cross_slice": False, "name": m.group(1)}
-            gathered = _gathered_bytes(line, type_text, defs) if kind == "all-reduce" else 0
+            gathered = _gathered_bytes(line, type_text, defs, comps) if kind == "all-reduce" else 0
             if gathered:
                 found.append({**entry_, "kind": "all-gather", "bytes": gathered,
                               "as": "all-reduce"})
@@ -230,10 +230,11 @@ def collectives(hlo: str, ids: np.ndarray, axis_names: tuple[str, ...], dcn: str
     return found
 
 
-def _gathered_bytes(line: str, type_text: str, defs: dict[str, str]) -> int:
+def _gathered_bytes(line: str, type_text: str, defs: dict[str, str],
+                    comps: dict[str, list[str]]) -> int:
     """Bytes of an all-reduce's operands that are all-gathers written as an all-reduce: a shard
-    placed in a zero buffer by a ``dynamic-update-slice`` (or a fusion the compiler names after
-    one), through any copies."""
+    placed in a zero buffer by a ``dynamic-update-slice``, or a fusion whose root is one,
+    through any copies."""
     operands = re.search(r" all-reduce(?:-start)?\(([^)]*)\)", line)
     names = re.findall(r"%([\w.-]+)", operands.group(1)) if operands else []
     arrays = _ARRAY.findall(type_text)
@@ -246,9 +247,14 @@ def _gathered_bytes(line: str, type_text: str, defs: dict[str, str]) -> int:
             if d is None or d.group(3) not in ("copy", "copy-start", "copy-done"):
                 break
             operand = re.search(rf" {d.group(3)}\(%([\w.-]+)", defs[operand]).group(1)
-        if d is not None and (d.group(3) == "dynamic-update-slice" or (
-                d.group(3) == "fusion" and d.group(1).split(".")[0].endswith(
-                    "dynamic-update-slice_fusion"))):
+        if d is None:
+            continue
+        op = d.group(3)
+        if op == "fusion" and (called := re.search(r"\bcalls=%([\w.-]+)", defs[operand])):
+            root = next((r for r in comps.get(called.group(1), [])
+                         if r.lstrip().startswith("ROOT ")), "")
+            op = r.group(3) if (r := _INSTRUCTION.match(root)) else op
+        if op == "dynamic-update-slice":
             total += array_bytes(f"{dtype}[{dims}]")
     return total
 
