@@ -189,6 +189,57 @@ def bench_memory(argv: list[str]) -> dict:
     return {"status": status, "printed": printed.getvalue(), "error": None}
 
 
+def lm_loss_diffs() -> dict:
+    """``ops.lm_loss`` (chunked along T, per device under the mesh's batch axes) against the
+    full [B, T, V] logits' loss on one device, written independently: the value and the
+    gradients of x and the head (padding weights, z-loss, a ragged last chunk), on fsdp=4 (a
+    [D, V] head) and data x fsdp x tensor = 2 x 2 x 2 (a tied [V, D] table)."""
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from transformer_jax.model.ops.layouts import OutFirst
+    from transformer_jax.model.ops.lm_loss import lm_head_cross_entropy_sums
+
+    b, t, d, v, chunk, z_loss = 8, 12, 16, 64, 5, 1e-2
+    r = np.random.default_rng(0)
+    x = r.normal(size=(b, t, d)).astype(np.float32)
+    table = (r.normal(size=(v, d)) * 0.3).astype(np.float32)
+    targets = r.integers(0, v, (b, t)).astype(np.int32)
+    mask = (r.random((b, t)) < 0.7).astype(np.float32)
+
+    def full(x, table, targets, mask):
+        logits = jnp.einsum("BTD,VD->BTV", x, table)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        return jnp.sum(mask * ce) + z_loss * jnp.sum(mask * lse ** 2)
+
+    def chunked(tied):
+        def loss(x, table, targets, mask):
+            head = OutFirst(table) if tied else table.T
+            ce, z, _ = lm_head_cross_entropy_sums(x, head, targets, mask, chunk_size=chunk,
+                                                  z_loss=z_loss)
+            return ce + z
+        return loss
+
+    want = jax.device_get(jax.jit(jax.value_and_grad(full, argnums=(0, 1)))(
+        x, table, targets, mask))
+    out = {}
+    for name, shape, tied in (("fsdp", (1, 4, 1), False), ("mixed", (2, 2, 2), True)):
+        mesh = sh.make_mesh(sh.MeshConfig(*shape), jax.devices()[:math.prod(shape)])
+        rows, w = NamedSharding(mesh, P(("data", "fsdp"))), NamedSharding(mesh, P("tensor", "fsdp"))
+        fn = sh.jit_sharded(jax.value_and_grad(chunked(tied), argnums=(0, 1)), mesh,
+                            (rows, w, rows, rows), (None, (rows, w)))
+        args = (x, table, targets, mask)
+        got = jax.device_get(fn(*args))
+        out[name] = {"value": abs(float(got[0]) - float(want[0])) / abs(float(want[0])),
+                     "grad_x": float(np.max(np.abs(got[1][0] - want[1][0]))),
+                     "grad_head": float(np.max(np.abs(got[1][1] - want[1][1]))),
+                     "per_device": "shard_map" in str(fn.trace(*args).jaxpr)}
+    return out
+
+
 def mode_meshes(memory_args: list[str] | None = None) -> dict:
     memory = bench_memory(memory_args) if memory_args is not None else None
     assert len(jax.devices()) == 8, (jax.devices(), memory)
@@ -202,7 +253,8 @@ def mode_meshes(memory_args: list[str] | None = None) -> dict:
     ref_state, ref_losses = _run_steps(ref_step, jax.device_put(ref_state0, jax.devices()[0]),
                                        lambda i: batches[i])
     ref_state = jax.device_get(ref_state)
-    out = {"ref_losses": ref_losses, "runs": {}, "bench_memory": memory}
+    out = {"ref_losses": ref_losses, "runs": {}, "bench_memory": memory,
+           "lm_loss": lm_loss_diffs()}
     abstract = jax.eval_shape(init_state, rng)
 
     def run(name, config, shape, state0, to_ref=lambda s: s):

@@ -109,7 +109,7 @@ def test_chunked_loss_equals_the_full_loss_and_its_gradients(tied):
     mask = jnp.asarray(np.random.default_rng(4).random((2, 20)) > 0.3, jnp.float32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
     results = {}
-    for chunk in (0, 7):  # 40 tokens: chunks of 7 leave a ragged last chunk
+    for chunk in (0, 7):  # T = 20: chunks of 7 positions leave a ragged last chunk
         fn = make_loss_fn(config, TrainConfig(loss_chunk=chunk, z_loss=1e-3))
         results[chunk] = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, batch)
     (full, full_aux), full_grads = results[0]

@@ -177,7 +177,7 @@ def test_traced_window_equals_static_window(inputs):
 # LM-head loss ------------------------------------------------------------------------------------
 
 def test_capped_lm_loss_equals_unchunked_capped_loss():
-    """A ragged last chunk (21 rows in chunks of 4), a tied [V, D] head."""
+    """A ragged last chunk (T = 7 in chunks of 4), a tied [V, D] head."""
     b, t, dm, vocab, cap, z_loss = 3, 7, 16, 50, 5.0, 1e-2
     head_layout, chunk_size = "VD", 4
     r = np.random.default_rng(1)

@@ -127,6 +127,16 @@ def test_per_device_parameter_bytes_shrink_by_fsdp_and_tensor(meshes):
     assert meshes["runs"]["dp"]["param_bytes"] == total
 
 
+@pytest.mark.parametrize("mesh", ["fsdp", "mixed"])
+def test_chunked_lm_loss_under_a_mesh_equals_the_full_loss(meshes, mesh):
+    """``train.loss_chunk``'s loss per device (its rows, chunked along T) vs the full logits on
+    one device: value, and the gradients of x and the head (``multihost_worker.lm_loss_diffs``)."""
+    r = meshes["lm_loss"][mesh]
+    assert r["per_device"]  # the batch axes split B: the shard_map path was the one checked
+    assert r["value"] < 1e-6
+    assert r["grad_x"] < 1e-5 and r["grad_head"] < 1e-5, r
+
+
 def test_shard_init_creates_the_single_device_values_in_place(meshes):
     assert meshes["shard_init"]["specs_match"]
     assert max(meshes["shard_init"]["diff"].values()) == 0.0

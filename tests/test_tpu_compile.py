@@ -212,6 +212,31 @@ def test_dcn_mesh_on_one_slice_or_in_a_config_is_checked():
         TrainConfig(dcn_mesh="1,x,1")
 
 
+# ``train.loss_chunk``: the toy's head untied (a [D, V] = [128, 256] matrix of its own), T = 128
+# in chunks of 32 positions: 4 chunks, 2 layers.
+LOSS_CHUNKS, LOSS_LAYERS = 4, 2
+
+
+@pytest.fixture(scope="module")
+def loss_chunked():
+    return _report("v5e:2x2", "train.loss_chunk=32", "model.tie_embeddings=false")
+
+
+def test_chunked_loss_reduces_the_heads_gradient_once_not_per_chunk(loss_chunked):
+    r = loss_chunked
+    assert r["fits"] and r["mesh"]["fsdp"] == 4
+    found = coll.collectives(r["hlo"], np.arange(4).reshape(1, 4, 1), ("data", "fsdp", "tensor"))
+    # Nothing runs once a chunk: each collective once a step or once a layer (the scanned stack).
+    assert max(f["count"] for f in found) <= LOSS_LAYERS < LOSS_CHUNKS, sorted(
+        (f["count"], f["kind"]) for f in found)
+    # The head's float32 gradient, summed over the chunks on each chip, is reduced once.
+    lines = {m.group(1): line for line in r["hlo"].splitlines()
+             if (m := re.match(r"\s*(?:ROOT )?%([\w.-]+) = ", line))}
+    head = [f for f in found if f["kind"] in ("all-reduce", "reduce-scatter")
+            and "f32[128,256]" in lines[f["name"]]]
+    assert sum(f["count"] for f in head) == 1, head
+
+
 def test_cli_json_on_v5p(capsys):
     code = compile_cli.main(["--topology", "v5p:2x2x1", "--json", *TOY])
     r = json.loads(capsys.readouterr().out)
@@ -307,6 +332,43 @@ def test_loop_bodies_count_per_trip_and_fusions_name_reduce_scatters():
     assert found["by_kind"]["reduce-scatter"] == {"count": 1, "bytes": 32 * 4}
     assert found["cross_slice"] == {"all-reduce": {"count": 1, "bytes": 4 * 8 * 2}}
     assert found["by_axis"]["all-gather over fsdp"]["count"] == 5
+
+
+# Over 64 chips the TPU compiler writes FSDP's weight gathers as all-reduces of each shard placed
+# in a zero buffer, combined with the gradients' all-reduces (v5p:4x4x4, fsdp=64).
+GATHER_AS_ALL_REDUCE = """HloModule m
+
+%placed (p0: bf16[8,16], p1: bf16[2,16], p2: s32[]) -> bf16[8,16] {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  ROOT %u2 = bf16[8,16]{1,0} dynamic-update-slice(%p0, %p1, %p2, %c0)
+}
+
+%product (q0: bf16[8,2], q1: bf16[2,16]) -> bf16[8,16] {
+  ROOT %dot = bf16[8,16]{1,0} convolution(%q0, %q1), dim_labels=bf_io->bf
+}
+
+ENTRY %main (a: f32[2,8]) -> f32[8,8] {
+  %z = bf16[8,8]{1,0} broadcast(%c), dimensions={}
+  %u = bf16[8,8]{1,0} dynamic-update-slice(%z, %w, %i, %j)
+  %f = bf16[8,16]{1,0} fusion(%x, %y), kind=kOutput, calls=%product
+  %v = bf16[8,16]{1,0} fusion(%z2, %x, %k), kind=kLoop, calls=%placed
+  %s = (bf16[8,16]{1,0}, u32[]) copy-start(%v)
+  %d = bf16[8,16]{1,0} copy-done(%s)
+  %g = f32[8,8]{1,0} add(%p, %q)
+  %r = (bf16[8,8]{1,0}, bf16[8,16]{1,0}, f32[8,8]{1,0}) all-reduce(%u, %d, %g), replica_groups={{0,1,2,3}}, to_apply=%add
+  %t = bf16[8,16]{1,0} all-reduce(%f), replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %o = f32[8,8]{1,0} get-tuple-element(%r), index=2
+}
+"""  # noqa: E501 (HLO lines as the compiler writes them)
+
+
+def test_all_gathers_written_as_all_reduces_are_counted_as_all_gathers():
+    found = coll.summarize(coll.collectives(GATHER_AS_ALL_REDUCE, np.arange(4).reshape(1, 4, 1),
+                                            ("data", "fsdp", "tensor")))
+    # The tuple's two zero-buffer operands are gathers (one a fusion whose root places the
+    # shard, through a copy); its gradient and the all-reduce of a product stay all-reduces.
+    assert found["by_kind"]["all-gather"] == {"count": 1, "bytes": 8 * 8 * 2 + 8 * 16 * 2}
+    assert found["by_kind"]["all-reduce"] == {"count": 2, "bytes": 8 * 8 * 4 + 8 * 16 * 2}
 
 
 # ------------------------------------------------------------ the largest batch that fits

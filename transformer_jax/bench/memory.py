@@ -19,7 +19,7 @@ compiled train step its arguments and temporaries (gradients, optimizer scratch,
 a peak estimate; "activations (est.)", the temporaries of the forward + backward pass compiled
 alone (what the remat policy keeps, gathered weights, XLA scratch); and "head + loss (est.)",
 the temporaries of the LM head, cross-entropy and their gradient compiled alone (the logits:
-[B, T, V] float32 with the full loss, one [C, V] block at a time with ``--loss-chunk C``), with
+[B, T, V] float32 with the full loss, one [B, C, V] block at a time with ``--loss-chunk C``), with
 its share of the peak.
 """
 
@@ -181,7 +181,7 @@ def compiled_loss_head(model_config: Any, train_config: Any, mesh: Any) -> int:
 
     The part of the train step that holds the logits: the model's head and loss as
     ``train.step.make_loss_fn`` applies them (``loss.cross_entropy_sums`` over [B, T, V] float32
-    logits, or ``ops.lm_loss`` over chunks of ``train_config.loss_chunk`` tokens), differentiated
+    logits, or ``ops.lm_loss`` over chunks of ``train_config.loss_chunk`` positions), differentiated
     with respect to the [B, T, D] final hidden states and the head, on the step's shardings.
     """
     import jax
@@ -362,7 +362,8 @@ def main(argv: list[str]) -> int:
                         choices=("auto", "xla", "chunked", "cudnn", "pallas", "mosaic"),
                         help="attention implementation (default: the preset's)")
     parser.add_argument("--loss-chunk", type=int, default=0,
-                        help="tokens per chunk of the LM head + loss (0: full logits)")
+                        help="positions of each sequence per chunk of the LM head + loss "
+                             "(0: full logits)")
     parser.add_argument("--no-compile", action="store_true",
                         help="only the eval_shape numbers (seconds instead of minutes)")
     parser.add_argument("--compile-time", action="store_true",
@@ -467,7 +468,8 @@ def _run(args: argparse.Namespace, mesh_config: Any, sizes: tuple[int, int, int]
                                      jnp.dtype(report.dtype))
             k = jax.ShapeDtypeStruct((b, c.n_kv_heads, args.seq, c.head_dim), q.dtype)
             picked = f"auto -> {choose_impl(q, k)}"
-        loss = f"chunked by {report.loss_chunk} tokens" if report.loss_chunk else "full logits"
+        loss = f"chunked by {report.loss_chunk} positions" if report.loss_chunk else \
+            "full logits"
         active = "" if report.active_param_count == report.param_count else \
             f" ({report.active_param_count:,} active per token)"
         print(f"{args.config}: {report.param_count:,} parameters{active}; mesh "

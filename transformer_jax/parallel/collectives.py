@@ -4,7 +4,11 @@
 all-to-all and collective-permute, counts each as often as one run of the program executes it
 (a ``while`` body, e.g. a scanned layer stack, once per iteration of its known trip count), and
 names the mesh axes its device groups run over. The TPU compiler writes a reduce-scatter as an
-all-reduce inside an ``all-reduce-scatter`` fusion; it is counted as a reduce-scatter. In a
+all-reduce inside an ``all-reduce-scatter`` fusion; it is counted as a reduce-scatter. Over
+large groups (64 chips and more, e.g. FSDP over v5p:4x4x4 or v5e:8x8) it writes an all-gather
+as an all-reduce of each shard placed in a zero buffer (a ``dynamic-update-slice``, or a fusion
+whose root is one), often in one tuple all-reduce with gradients: those operands are counted
+as an all-gather (``"as": "all-reduce"``), the rest as the all-reduce. In a
 multi-slice program the exchange between slices (DCN) is a host transfer (``send`` with a
 ``_xla_megascale_transfer_type``), counted as crossing slices.
 
@@ -188,6 +192,7 @@ def collectives(hlo: str, ids: np.ndarray, axis_names: tuple[str, ...], dcn: str
     for name, lines in comps.items():
         if not times.get(name):
             continue
+        defs = {m.group(1): line for line in lines if (m := _INSTRUCTION.match(line))}
         for line in lines:
             m = _INSTRUCTION.match(line)
             if m is None:
@@ -214,9 +219,44 @@ def collectives(hlo: str, ids: np.ndarray, axis_names: tuple[str, ...], dcn: str
                 groups = parse_groups(g.group(1), ids.size) if g else [list(range(ids.size))]
                 axes = "other" if groups is None else mesh_axes_of(groups, ids, axis_names)
             nbytes = array_bytes(type_text, largest=op.endswith("-start") and base != "all-reduce")
-            found.append({"kind": kind, "axes": axes, "bytes": nbytes, "count": times[name],
-                          "cross_slice": False, "name": m.group(1)})
+            entry_ = {"kind": kind, "axes": axes, "bytes": nbytes, "count": times[name],
+                      "cross_slice": False, "name": m.group(1)}
+            gathered = _gathered_bytes(line, type_text, defs, comps) if kind == "all-reduce" else 0
+            if gathered:
+                found.append({**entry_, "kind": "all-gather", "bytes": gathered,
+                              "as": "all-reduce"})
+            if nbytes > gathered:
+                found.append({**entry_, "bytes": nbytes - gathered})
     return found
+
+
+def _gathered_bytes(line: str, type_text: str, defs: dict[str, str],
+                    comps: dict[str, list[str]]) -> int:
+    """Bytes of an all-reduce's operands that are all-gathers written as an all-reduce: a shard
+    placed in a zero buffer by a ``dynamic-update-slice``, or a fusion whose root is one,
+    through any copies."""
+    operands = re.search(r" all-reduce(?:-start)?\(([^)]*)\)", line)
+    names = re.findall(r"%([\w.-]+)", operands.group(1)) if operands else []
+    arrays = _ARRAY.findall(type_text)
+    if not names or len(names) != len(arrays):
+        return 0
+    total = 0
+    for operand, (dtype, dims) in zip(names, arrays, strict=True):
+        for _ in range(8):  # through copy-start / copy-done / copy
+            d = _INSTRUCTION.match(defs.get(operand, ""))
+            if d is None or d.group(3) not in ("copy", "copy-start", "copy-done"):
+                break
+            operand = re.search(rf" {d.group(3)}\(%([\w.-]+)", defs[operand]).group(1)
+        if d is None:
+            continue
+        op = d.group(3)
+        if op == "fusion" and (called := re.search(r"\bcalls=%([\w.-]+)", defs[operand])):
+            root = next((r for r in comps.get(called.group(1), [])
+                         if r.lstrip().startswith("ROOT ")), "")
+            op = r.group(3) if (r := _INSTRUCTION.match(root)) else op
+        if op == "dynamic-update-slice":
+            total += array_bytes(f"{dtype}[{dims}]")
+    return total
 
 
 def summarize(found: list[dict[str, Any]]) -> dict[str, Any]:

@@ -71,8 +71,8 @@ class TrainConfig(ObjectiveConfig):
       moe_bias_update_rate: after each sft step, ``moe.correction_bias += rate * sign(mean
         load - load)`` per sparse layer (DeepSeek-V3's loss-free balancing); 0: off.
       loss_chunk: 0 computes the LM head and the loss over all [B, T, V] logits at once; N > 0
-        computes them over chunks of N tokens with a gradient that recomputes each chunk's
-        logits, so the float32 [B, T, V] logits are never held whole (large vocabularies).
+        over [B, N] chunks (N positions of every sequence) with a gradient that recomputes each
+        chunk's logits, so the float32 [B, T, V] logits are never held whole (``ops.lm_loss``).
       seed: seeds the parameters, the data order and the RNG.
       eval_every: evaluate the validation loss every this many steps (and at the end); 0
         evaluates only at the end.

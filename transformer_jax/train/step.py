@@ -232,8 +232,9 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
     (token, slot) pairs each expert received).
 
     With ``train_config.loss_chunk = C > 0`` the model returns its final hidden states and the
-    LM head and cross-entropy run over chunks of C tokens (``ops.lm_loss``): the same values and
-    gradients without ever holding the [B, T, V] float32 logits. Packed batches pass
+    LM head and cross-entropy run over chunks of C positions of every sequence (``ops.lm_loss``:
+    [B, C] tokens, per device over its rows): the same values and gradients without ever
+    holding the [B, T, V] float32 logits. Packed batches pass
     ``segment_ids`` (attention stays within a segment) and ``positions`` (restarting per
     segment) to the model.
     """

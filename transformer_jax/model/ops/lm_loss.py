@@ -2,15 +2,29 @@
 
 The full loss computes ``logits = x @ head`` for every token, [B, T, V] float32 (at B*T = 64k
 tokens and V = 128k that is 32 GiB), keeps it for the backward pass, and then takes a log-softmax.
-Here the B*T token rows are cut into chunks of ``chunk_size``; a ``lax.scan`` computes one chunk's
-logits, its log-sum-exp and target logit, and adds them to running sums. The chunk body is wrapped
-in ``jax.checkpoint``, so the backward pass recomputes each chunk's logits instead of storing
-them: peak memory is one [chunk_size, V] float32 block plus the inputs.
+Here each sequence is cut along T into chunks of ``chunk_size`` positions, every chunk keeping the
+whole batch: a ``lax.scan`` computes one [B, C] chunk's logits, its log-sum-exp and target logit,
+and sums them. The chunk body is wrapped in ``jax.checkpoint``, so the backward pass recomputes
+each chunk's logits instead of storing them: peak memory is one [B, C, V] float32 block (a
+device's rows of it) plus the inputs.
+
+Under a mesh whose batch axes (the logical rule of ``"batch"``: data, fsdp) split B, the loss
+runs per device under ``shard_map`` over those axes: each device scans its own rows with the
+whole head (gathered once), accumulates the head's gradient over the chunks locally, and the
+gradient is reduced across devices once, after the scan. Left to the partitioner, a scan whose
+chunks contract the sharded batch reduces the head's float32 gradient in every iteration (and a
+chunk of the flattened B*T rows lives on one device's rows, so every other device waits).
 """
 
+import functools
+import math
+
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from transformer_jax.model.ops.chunked_attention import softcap
 from transformer_jax.model.ops.layouts import OutFirst
@@ -24,12 +38,12 @@ def head_logits(x: jax.Array, head: jax.Array | OutFirst) -> jax.Array:
 
 
 def _chunk_sums(x, head, targets, weights, *, z_loss, logit_softcap):
-    """Sums for one chunk of rows: x [C, D], targets [C], weights [C] -> (ce, z) scalars."""
+    """Sums for one chunk: x [B, C, D], targets [B, C], weights [B, C] -> (ce, z) scalars."""
     logits = head_logits(x, head)
     if logit_softcap is not None:
         logits = softcap(logits, logit_softcap)
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [C]
-    target_logit = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, C]
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     ce = jnp.sum(weights * (lse - target_logit))
     z = z_loss * jnp.sum(weights * jnp.square(lse)) if z_loss else jnp.zeros((), jnp.float32)
     return ce, z
@@ -39,12 +53,14 @@ def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array | OutFirst, targets
                                mask: jax.Array | None = None, *, chunk_size: int,
                                z_loss: float = 0.0, logit_softcap: float | None = None,
                                ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Summed next-token cross-entropy and z-loss of ``x @ head``, chunked over tokens.
+    """Summed next-token cross-entropy and z-loss of ``x @ head``, chunked along the sequence.
 
     The same quantities as ``loss.cross_entropy_sums(logits, targets, mask, z_loss)`` on
     ``logits = x @ head`` (float32; soft-capped to ``c tanh(logits / c)`` with
-    ``logit_softcap`` c), so a caller can swap one for the other; only a [chunk_size, V] block
-    of logits exists at a time, forward or backward.
+    ``logit_softcap`` c), so a caller can swap one for the other; only a [B, chunk_size, V]
+    block of logits exists at a time, forward or backward (a device's rows of it under a mesh
+    that splits the batch, where the head's gradient is reduced once: see the module
+    docstring).
 
     Args:
       x: [B, T, D] final hidden states (after the final norm).
@@ -53,8 +69,8 @@ def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array | OutFirst, targets
         float32.
       targets: [B, T] int target ids.
       mask: optional [B, T] weights (bool or float; 1 = target counts, 0 = padding).
-      chunk_size: token rows per chunk (of the flattened B*T); the last chunk is padded with
-        zero-weight rows.
+      chunk_size: positions of each sequence per chunk (C: each chunk is [B, C] tokens); T is
+        padded with zero-weight positions to a multiple of it.
       z_loss: weight of ``logsumexp(logits)^2``.
       logit_softcap: optional final-logit soft-cap c, applied to each chunk's float32 logits
         before the log-sum-exp (the cross-entropy and the z-loss both see the capped logits).
@@ -73,22 +89,62 @@ def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array | OutFirst, targets
     weights = jnp.ones((b, t), jnp.float32) if mask is None else mask.astype(jnp.float32)
     chex.assert_shape(weights, (b, t))
 
-    rows = b * t
-    chunk_size = min(chunk_size, rows)
-    n_chunks = -(-rows // chunk_size)
-    pad = n_chunks * chunk_size - rows
-    xs = jnp.pad(x.reshape(rows, d), ((0, pad), (0, 0))).reshape(n_chunks, chunk_size, d)
-    ts = jnp.pad(targets.reshape(rows), (0, pad)).reshape(n_chunks, chunk_size)
-    ws = jnp.pad(weights.reshape(rows), (0, pad)).reshape(n_chunks, chunk_size)
+    sums = functools.partial(_scanned_sums, chunk_size=chunk_size, z_loss=z_loss,
+                             logit_softcap=logit_softcap)
+    split = batch_split(b)
+    if split is None:
+        ce_sum, z_sum = sums(x, head, targets, weights)
+    else:
+        mesh, axes = split
+        rows = P(axes)
+
+        def local(x, head, targets, weights):  # this device's rows, the whole head
+            return jax.tree.map(lambda s: jax.lax.psum(s, axes),
+                                sums(x, head, targets, weights))
+
+        # The head enters whole over the batch axes (gathered once); its gradient, summed over
+        # this device's chunks by the scan, is the transpose of that: one sum over the axes.
+        ce_sum, z_sum = jax.shard_map(local, mesh=mesh, axis_names=frozenset(axes),
+                                      in_specs=(rows, P(), rows, rows), out_specs=P())(
+            x, head, targets, weights)
+    return ce_sum, z_sum, jnp.sum(weights)
+
+
+def _scanned_sums(x, head, targets, weights, *, chunk_size, z_loss, logit_softcap):
+    """(ce, z) sums over x [B, T, D] in [B, chunk_size] chunks along T (a ``lax.scan``)."""
+    b, t, _ = x.shape
+    chunk_size = min(chunk_size, t)
+    n_chunks = -(-t // chunk_size)
+    pad = n_chunks * chunk_size - t
+
+    def chunks(a):  # [B, T, ...] -> [n_chunks, B, chunk_size, ...], padded along T
+        a = jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(b, n_chunks, chunk_size, *a.shape[2:]), 1, 0)
 
     # Nothing inside the chunk is saved for the backward pass; its logits are recomputed there.
     chunk = jax.checkpoint(lambda head, xc, tc, wc: _chunk_sums(
         xc, head, tc, wc, z_loss=z_loss, logit_softcap=logit_softcap))
 
-    def step(carry, inputs):
-        ce, z = chunk(head, *inputs)
-        return (carry[0] + ce, carry[1] + z), None
+    # Per-chunk sums as the scan's outputs, not a carry: nothing needs a typed zero carry
+    # (under shard_map the sums vary over the batch axes, a zero does not).
+    _, (ce, z) = jax.lax.scan(lambda _, inputs: (None, chunk(head, *inputs)), None,
+                              (chunks(x), chunks(targets), chunks(weights)))
+    return jnp.sum(ce), jnp.sum(z)
 
-    zero = jnp.zeros((), jnp.float32)
-    (ce_sum, z_sum), _ = jax.lax.scan(step, (zero, zero), (xs, ts, ws))
-    return ce_sum, z_sum, jnp.sum(weights)
+
+def batch_split(b: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...]] | None:
+    """(mesh, axes): the mesh axes of more than one device that the mesh and logical rules in
+    context (``parallel.sharding.jit_sharded``) give the batch (``"batch"``: data, fsdp), when
+    they split B rows evenly; None without such axes (no mesh, B not split evenly, or already
+    inside a ``shard_map`` over them)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    rule = nn.logical_to_mesh_axes(("batch",))[0]
+    names = () if rule is None else (rule,) if isinstance(rule, str) else tuple(rule)
+    names = tuple(a for a in names if a in types and mesh.shape[a] > 1)
+    if not names or any(types[a] == AxisType.Manual for a in names) or \
+            b % math.prod(mesh.shape[a] for a in names):
+        return None
+    return mesh, names
