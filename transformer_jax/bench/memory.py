@@ -362,8 +362,7 @@ def main(argv: list[str]) -> int:
                         choices=("auto", "xla", "chunked", "cudnn", "pallas", "mosaic"),
                         help="attention implementation (default: the preset's)")
     parser.add_argument("--loss-chunk", type=int, default=0,
-                        help="positions of each sequence per chunk of the LM head + loss "
-                             "(0: full logits)")
+                        help="positions a sequence per chunk of LM head + loss (0: all)")
     parser.add_argument("--no-compile", action="store_true",
                         help="only the eval_shape numbers (seconds instead of minutes)")
     parser.add_argument("--compile-time", action="store_true",
@@ -468,8 +467,7 @@ def _run(args: argparse.Namespace, mesh_config: Any, sizes: tuple[int, int, int]
                                      jnp.dtype(report.dtype))
             k = jax.ShapeDtypeStruct((b, c.n_kv_heads, args.seq, c.head_dim), q.dtype)
             picked = f"auto -> {choose_impl(q, k)}"
-        loss = f"chunked by {report.loss_chunk} positions" if report.loss_chunk else \
-            "full logits"
+        loss = f"chunked by {report.loss_chunk} positions" if report.loss_chunk else "full"
         active = "" if report.active_param_count == report.param_count else \
             f" ({report.active_param_count:,} active per token)"
         print(f"{args.config}: {report.param_count:,} parameters{active}; mesh "
