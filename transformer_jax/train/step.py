@@ -26,6 +26,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.moe import balance_correction_bias
 from transformer_jax.model.ops.lm_loss import lm_head_cross_entropy_sums
 from transformer_jax.model.transformer import Transformer, init_params
+from transformer_jax.parallel.context import balance_batch
 from transformer_jax.train.config import TrainConfig
 from transformer_jax.train.loss import cross_entropy_sums
 from transformer_jax.train.optim import lr_schedule, make_optimizer
@@ -235,7 +236,8 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
     LM head and cross-entropy run over chunks of C tokens (``ops.lm_loss``): the same values and
     gradients without ever holding the [B, T, V] float32 logits. Packed batches pass
     ``segment_ids`` (attention stays within a segment) and ``positions`` (restarting per
-    segment) to the model.
+    segment) to the model. Traced under a mesh that splits the sequence (``context``), the
+    batch is first put in load-balanced order (``parallel.context.balance_batch``).
     """
     model = _training_model(model_config, train_config)
     z_weight, chunk = train_config.z_loss, train_config.loss_chunk
@@ -244,6 +246,7 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
 
     def loss_sums(params: Params, batch: Batch):
         params = layout.model_params(params)
+        batch = balance_batch(batch)  # context parallelism: load-balanced order (else as is)
         kw = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
         if not chunk:
             out = model.apply({"params": params}, batch["inputs"], **kw)
@@ -301,6 +304,7 @@ def make_eval_step(model_config: ModelConfig, train_config: TrainConfig | None =
     layout = ParamsLayout() if train_config is None else ParamsLayout.of(train_config)
 
     def eval_step(params: Params, batch: Batch) -> Metrics:
+        batch = balance_batch(batch)
         logits = model.apply({"params": layout.model_params(params)}, batch["inputs"],
                              positions=batch.get("positions"),
                              segment_ids=batch.get("segment_ids")).logits
