@@ -3,8 +3,9 @@
 The reference is the loss and gradients of a plain ``jax.jit`` on one device (no mesh, no
 sharding code, the batch in its natural order); each mesh of ``MESHES`` computes them with the
 sharded jit ``train.run`` uses (the batch split along T over ``context``, permuted inside the
-step). The model has a sliding-window layer and a global one, and the batch packed segments,
-a padded tail (segment 0) and loss weights. Prints one JSON object on its last stdout line.
+step; on context=2 x fsdp=2 the LM-head loss chunked per device, ``parallel.context``). The
+model has a sliding-window layer and a global one, and the batch packed segments, a padded
+tail (segment 0) and loss weights. Prints one JSON object on its last stdout line.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_head
                      layer_pattern=("local", "global"))
 B, T = 2, 32
 TRAIN = TrainConfig(steps=10, batch_size=B, seq_len=T, lr=1e-2, warmup_steps=0)
-#: name -> (mesh, attention impl): 4 devices each.
+#: name -> (mesh, attention impl, train.loss_chunk): 4 devices each. The reference computes
+#: the logits whole (no loss chunk).
 MESHES = {
-    "context4": (sh.MeshConfig(data=1, context=4), "xla"),
-    "context2_fsdp2": (sh.MeshConfig(data=1, fsdp=2, context=2), "chunked"),
+    "context4": (sh.MeshConfig(data=1, context=4), "xla", 0),
+    "context2_fsdp2": (sh.MeshConfig(data=1, fsdp=2, context=2), "chunked", 4),
 }
 
 
@@ -62,10 +64,12 @@ def main() -> int:
     params = jax.jit(make_init_fn(CONFIG, TRAIN))(jax.random.key(0)).params
     data = batch()
     out: dict = {"meshes": {}}
-    for name, (mesh_config, impl) in MESHES.items():
+    for name, (mesh_config, impl, chunk) in MESHES.items():
         config = dataclasses.replace(CONFIG, attention_impl=impl)
-        grad = jax.value_and_grad(make_loss_fn(config, TRAIN), has_aux=True)
-        (ref_loss, ref_aux), ref_grads = jax.jit(grad)(params, data)  # one device, no mesh
+        ref_grad = jax.value_and_grad(make_loss_fn(config, TRAIN), has_aux=True)
+        (ref_loss, ref_aux), ref_grads = jax.jit(ref_grad)(params, data)  # one device, no mesh
+        grad = jax.value_and_grad(
+            make_loss_fn(config, dataclasses.replace(TRAIN, loss_chunk=chunk)), has_aux=True)
         mesh = sh.make_mesh(mesh_config)
         p_shard = sh.param_shardings(config, mesh)
         b_shard = sh.batch_sharding(mesh)

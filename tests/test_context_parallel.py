@@ -138,3 +138,16 @@ def test_check_context_refuses_index_causal_pallas_and_passes_the_rest():
     check_context(cp.CONFIG, tc)
     with pytest.raises(ValueError, match="attention_impl='pallas'"):
         check_context(ModelConfig(**{**cp.CONFIG.__dict__, "attention_impl": "pallas"}), tc)
+
+
+def test_memory_estimate_counts_a_device_its_part_of_the_sequence():
+    from transformer_jax.train.memory import activation_bytes
+
+    tc = TrainConfig(batch_size=1, seq_len=4096, loss_chunk=256)
+    config = ModelConfig(**{**cp.CONFIG.__dict__, "max_seq_len": 4096,
+                            "attention_impl": "chunked", "remat": "full"})
+    one = activation_bytes(config, tc, {"data": 1, "fsdp": 1, "tensor": 1})
+    four = activation_bytes(config, tc, {"data": 1, "fsdp": 1, "tensor": 1, "context": 4})
+    # every per-token term splits 4 ways; only the loss chunk's logits (256 tokens) do not
+    loss = 2 * 4 * 256 * config.vocab_size
+    assert four - loss == pytest.approx((one - loss) / 4, rel=1e-6)

@@ -13,6 +13,7 @@ for both; the layout's three maps are the only difference."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.moe import balance_correction_bias
 from transformer_jax.model.ops.lm_loss import lm_head_cross_entropy_sums
 from transformer_jax.model.transformer import Transformer, init_params
-from transformer_jax.parallel.context import balance_batch
+from transformer_jax.parallel.context import balance_batch, per_part_loss
 from transformer_jax.train.config import TrainConfig
 from transformer_jax.train.loss import cross_entropy_sums
 from transformer_jax.train.optim import lr_schedule, make_optimizer
@@ -254,10 +255,11 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
                                               z_weight)
         else:
             out = model.apply({"params": params}, batch["inputs"], hidden_only=True, **kw)
-            ce, z, count = lm_head_cross_entropy_sums(
+            ce, z, count = per_part_loss(
+                functools.partial(lm_head_cross_entropy_sums, chunk_size=chunk,
+                                  z_loss=z_weight, logit_softcap=model_config.final_softcap),
                 out.hidden, model.lm_head(params).astype(model_config.jnp_dtype),
-                batch["targets"], batch.get("mask"), chunk_size=chunk, z_loss=z_weight,
-                logit_softcap=model_config.final_softcap)
+                batch["targets"], batch.get("mask"))
         if out.moe is None:
             return ce + z, (ce, z, count)
         moe = {"balance": count * jnp.mean(out.moe["balance"]),
