@@ -385,13 +385,14 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
                                            (v.shape[0], v.shape[2]))
         q_segments, k_segments = chunk_segments(q_positions, k_positions, chunk, q_segments,
                                                 k_segments)
-    split = (None if isinstance(k, SlotsLast) or q.shape[1] != v.shape[2]
-             else context_split(q.shape[0], v.shape[1], q.shape[1]))
+    # Self-attention of a sequence over itself (training's: keys at the queries' positions);
+    # a KV cache's keys are never split.
+    split = (context_split(q.shape[0], v.shape[1], q.shape[1])
+             if k_positions is q_positions and q.shape[1] == v.shape[2]
+             and not isinstance(k, SlotsLast) else None)
     if split is not None:  # the sequence is split over devices: keys and values gathered
         return gathered_attention(
-            split, attention, q, k, v, q_positions=q_positions,
-            k_positions=jnp.broadcast_to(jnp.arange(v.shape[2]), q_positions.shape)
-            if k_positions is None else k_positions,
+            split, attention, q, k, v, q_positions=q_positions, k_positions=k_positions,
             q_segments=q_segments, k_segments=k_segments, sinks=sinks, window=window,
             causal=causal, scale=scale, impl=impl, softcap=softcap)
     pick = functools.partial(choose_impl, q, v, softcap=softcap, window=window,
