@@ -9,6 +9,7 @@ processes, a mesh spans them, and each process feeds only the batch rows its own
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -146,7 +147,11 @@ def process_batch_shard(sharding: Sharding, global_batch_size: int) -> tuple[int
       ValueError: if B does not split over the batch axes, or this process's rows are not one
         contiguous block.
     """
-    index_map = sharding.addressable_devices_indices_map((global_batch_size,))
+    # A sharding that also splits T (context parallelism) is asked about [B, parts of T] rows.
+    extra = tuple(math.prod(sharding.mesh.shape[a] for a in
+                            ((axes,) if isinstance(axes, str) else axes or ()))
+                  for axes in tuple(getattr(sharding, "spec", ()))[1:])
+    index_map = sharding.addressable_devices_indices_map((global_batch_size, *extra))
     rows = set()
     for index in index_map.values():
         start, stop, step = index[0].indices(global_batch_size)

@@ -1,6 +1,6 @@
-"""The device mesh: its axes (data, fsdp, tensor, and expert for a mixture of experts), their
-sizes, and the CPU devices a host is split into to simulate or to use every core
-(``parallel/sharding.py`` maps the model onto it)."""
+"""The device mesh: its axes (data, fsdp, tensor, expert for a mixture of experts, and context
+for sequences split across devices), their sizes, and the CPU devices a host is split into to
+simulate or to use every core (``parallel/sharding.py`` maps the model onto it)."""
 
 from __future__ import annotations
 
@@ -24,11 +24,16 @@ MESH_AXES = ("data", "fsdp", "tensor")
 #: fsdp and outside tensor: tensor's per-sublayer all-reduces stay on the closest devices, and
 #: each MoE layer's two all_to_alls over expert on the next closest.
 EXPERT_MESH_AXES = ("data", "fsdp", "expert", "tensor")
+#: The axes of a mesh with a ``context`` axis (``MeshConfig.context > 1``): each device holds
+#: T / context of every sequence. context sits inside fsdp and outside tensor, as in MaxText:
+#: attention all-gathers keys and values over it in every layer (more often than fsdp gathers
+#: weights), while tensor's per-sublayer all-reduces stay on the closest devices.
+CONTEXT_MESH_AXES = ("data", "fsdp", "context", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the ``data``, ``fsdp``, ``tensor`` and ``expert`` mesh axes.
+    """Sizes of the ``data``, ``fsdp``, ``tensor``, ``expert`` and ``context`` mesh axes.
 
     One of data, fsdp and tensor may be -1, meaning "all the devices the others leave". The
     default is pure data parallelism over every device, so the same config runs on 1 device
@@ -41,12 +46,17 @@ class MeshConfig:
       expert: devices that split a mixture's experts (each holds E/expert of them and gets
         its tokens' rows by all_to_all); every other layer uses them as FSDP devices (the
         batch and the embed axis split over them too). 1 (the default): no expert axis.
+      context: devices that split every sequence (T) of a training batch, for sequences
+        longer than one device's memory allows (context parallelism: ``parallel.context``);
+        the parameters' embed axis splits over them too (they act as FSDP devices for the
+        weights). 1 (the default): no context axis.
     """
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
     expert: int = 1
+    context: int = 1
 
     def __post_init__(self) -> None:
         for name in MESH_AXES:
@@ -54,21 +64,29 @@ class MeshConfig:
             if not isinstance(value, int) or isinstance(value, bool) or (
                     value < 1 and value != -1):
                 raise ValueError(f"mesh.{name} must be a positive int or -1, got {value!r}")
-        if not isinstance(self.expert, int) or isinstance(self.expert, bool) or self.expert < 1:
-            raise ValueError(f"mesh.expert must be a positive int (-1 is for data, fsdp or "
-                             f"tensor), got {self.expert!r}")
+        for name in ("expert", "context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"mesh.{name} must be a positive int (-1 is for data, fsdp or "
+                                 f"tensor), got {value!r}")
+        if self.expert > 1 and self.context > 1:
+            raise ValueError(f"mesh expert={self.expert} with context={self.context} is not "
+                             "supported: split the sequence (context) or the experts (expert)")
         if self.sizes.count(-1) > 1:
             raise ValueError(f"at most one mesh axis may be -1, got {self.describe()}")
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """The mesh's axis names: ``MESH_AXES``, or ``EXPERT_MESH_AXES`` when expert > 1."""
+        """The mesh's axis names: ``MESH_AXES``, or ``EXPERT_MESH_AXES`` when expert > 1, or
+        ``CONTEXT_MESH_AXES`` when context > 1."""
+        if self.context > 1:
+            return CONTEXT_MESH_AXES
         return EXPERT_MESH_AXES if self.expert > 1 else MESH_AXES
 
     @property
     def sizes(self) -> tuple[int, ...]:
         """The sizes of ``axes`` as configured, -1 included: (data, fsdp, tensor), or
-        (data, fsdp, expert, tensor)."""
+        (data, fsdp, expert, tensor), or (data, fsdp, context, tensor)."""
         return tuple(getattr(self, name) for name in self.axes)
 
     def describe(self) -> str:
@@ -99,10 +117,11 @@ class MeshConfig:
     def parse(cls, text: str) -> MeshConfig:
         """``"1,8,1"`` -> ``MeshConfig(data=1, fsdp=8, tensor=1)`` (-1 allowed); a fourth size
         is the expert axis (``"-1,1,1,4"``); named sizes may be given in any order, the rest
-        taking their defaults (``"expert=4,data=-1"``)."""
+        taking their defaults (``"expert=4,data=-1"``, ``"context=4,fsdp=2,data=1"``: the
+        context axis is only named)."""
         parts = [p.strip() for p in text.split(",")]
         form = ("three sizes data,fsdp,tensor (a fourth: expert) or NAME=SIZE,... (names data, "
-                "fsdp, tensor, expert)")
+                "fsdp, tensor, expert, context)")
         if any("=" in p for p in parts):
             if not all("=" in p for p in parts):
                 raise ValueError(f"mesh {text!r} mixes named and plain sizes; use {form}")
@@ -204,9 +223,10 @@ def hybrid_sizes(mesh_config: MeshConfig, dcn_config: MeshConfig, n_devices: int
     sizes = mesh_config.resolve(n_devices)
     axes = mesh_config.axes
     where = f"dcn_mesh {dcn_config.describe()}"
-    if dcn_config.expert > 1 and "expert" not in axes:
-        raise ValueError(f"{where} spans slices with an expert axis, but the mesh "
-                         f"{mesh_config.describe()} has none")
+    for name in ("expert", "context"):
+        if getattr(dcn_config, name) > 1 and name not in axes:
+            raise ValueError(f"{where} spans slices with an {name} axis, but the mesh "
+                             f"{mesh_config.describe()} has none")
     try:
         by_axis = dict(zip(dcn_config.axes, dcn_config.resolve(slices), strict=True))
     except ValueError:

@@ -39,6 +39,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.ops import target
 from transformer_jax.model.transformer import abstract_params, logical_axes
 from transformer_jax.parallel.mesh import (  # noqa: F401 (sharding.make_mesh etc. are the API)
+    CONTEXT_MESH_AXES,
     EXPERT_MESH_AXES,
     MESH_AXES,
     MeshConfig,
@@ -86,6 +87,15 @@ EXPERT_RULES: tuple[tuple[str, MeshAxes], ...] = tuple(
     {**dict(LOGICAL_RULES), "batch": ("data", "fsdp", "expert"), "embed": ("fsdp", "expert"),
      "experts": "expert"}.items())
 
+# The rules on a mesh with a ``context`` axis (context parallelism, ``parallel.context``): the
+# sequence axis of the batch and of every activation splits over it (``length``), and so does
+# every weight's embed axis, as MaxText does: context devices act as FSDP devices for the
+# weights and their Adam moments (each holds 1/(fsdp*context) of them, gathered per layer) rather
+# than each holding a whole copy, and the weights' gradients are reduce-scattered over context.
+# Attention gathers the keys and values over context (``ops.attention``); queries stay split.
+CONTEXT_RULES: tuple[tuple[str, MeshAxes], ...] = tuple(
+    {**dict(LOGICAL_RULES), "length": "context", "embed": ("fsdp", "context")}.items())
+
 # Logical axes of the [B, T, D] residual stream between blocks. Its D ("act_embed", unlike the
 # parameters' "embed") stays whole: fsdp already splits the batch, and tensor parallelism
 # all-reduces back to a whole D after each sublayer. Pinning this at block boundaries is what
@@ -97,8 +107,11 @@ RESIDUAL_AXES = ("batch", "length", "act_embed")
 
 
 def rules_for(mesh: Mesh | jax.sharding.AbstractMesh) -> tuple[tuple[str, MeshAxes], ...]:
-    """The logical rules of ``mesh``: ``EXPERT_RULES`` if it has an ``expert`` axis, else
-    ``LOGICAL_RULES`` (which name no expert axis)."""
+    """The logical rules of ``mesh``: ``EXPERT_RULES`` if it has an ``expert`` axis,
+    ``CONTEXT_RULES`` if it has a ``context`` axis, else ``LOGICAL_RULES`` (which name
+    neither)."""
+    if "context" in mesh.axis_names:
+        return CONTEXT_RULES
     return EXPERT_RULES if "expert" in mesh.axis_names else LOGICAL_RULES
 
 
@@ -198,10 +211,13 @@ def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_shape: Mappin
 
 def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, MeshAxes]] | None = None
                    ) -> NamedSharding:
-    """Sharding of every batch array ([B, ...]): the leading B axis split over (data, fsdp),
-    and expert if the mesh has it (``rules`` None: ``rules_for(mesh)``)."""
+    """Sharding of every batch array ([B, ...]; [B, T] with a context axis): the leading B
+    axis split over (data, fsdp), and expert if the mesh has it; where the rules split the
+    sequence (``length``: context parallelism) T splits over those axes too (``rules`` None:
+    ``rules_for(mesh)``)."""
     rules = rules_for(mesh) if rules is None else rules
-    return NamedSharding(mesh, logical_to_mesh_spec(("batch",), rules))
+    logical = ("batch", "length") if dict(rules).get("length") else ("batch",)
+    return NamedSharding(mesh, logical_to_mesh_spec(logical, rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

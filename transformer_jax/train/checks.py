@@ -124,12 +124,34 @@ def check_config(model_config: ModelConfig, train_config: TrainConfig,
         raise ValueError(f"train.moe_bias_update_rate={tc.moe_bias_update_rate} updates a "
                          "router's correction bias, which this model lacks (model.moe."
                          "correction_bias=false); set it to 0")
+    check_context(model_config, tc)
     num_devices = jax.device_count() if num_devices is None else num_devices
     # With train.pairs_per_step the batch's rows are derived from the data, a multiple of these.
     if tc.micro_batch_size % num_devices and not tc.pairs_per_step:
         raise ValueError(f"train.batch_size={tc.batch_size} (micro-batch "
                          f"{tc.micro_batch_size} with grad_accum={tc.grad_accum}) is not "
                          f"divisible by the number of devices ({num_devices})")
+
+
+def check_context(model_config: ModelConfig, train_config: TrainConfig) -> None:
+    """Raises ValueError, in one line, for what context parallelism (``train.mesh``'s
+    ``context=C``, ``parallel.context``) cannot train: a sequence length that is not a multiple
+    of 2C (the load-balancing chunks), an objective other than sft (DPO, ORPO and GRPO score
+    each sequence by its own loss functions, which do not take the permuted order), and
+    ``attention_impl="pallas"`` (on TPU causal by index, which a permuted sequence is not)."""
+    tc = train_config
+    context = sharding_lib.MeshConfig.parse(tc.mesh).context
+    if context == 1:
+        return
+    where = f"train.mesh={tc.mesh} (context parallelism)"
+    if tc.seq_len % (2 * context):
+        raise ValueError(f"{where} needs train.seq_len a multiple of 2 x context = "
+                         f"{2 * context}, got {tc.seq_len}")
+    if tc.objective != "sft":
+        raise ValueError(f"{where} trains only train.objective=sft, got {tc.objective}")
+    if model_config.attention_impl == "pallas":
+        raise ValueError(f"{where} cannot use attention_impl='pallas' (causal by index on TPU); "
+                         "use 'auto', 'mosaic', 'chunked' or 'xla'")
 
 
 def params_shardings(model_config: ModelConfig, mesh: Any, abstract_params: Params,

@@ -46,7 +46,8 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
     attention adds its [N, T, T] float32 probabilities per layer; the loss adds the [T, V]
     float32 logits and their gradient (or a chunk of them with ``train.loss_chunk``). Head,
     FFN and vocabulary dimensions are split over ``tensor``, rows over ``data`` x ``fsdp``
-    (and ``expert``, which attention uses as data).
+    (and ``expert``, which attention uses as data), and each sequence over ``context`` (a
+    device's queries read the whole sequence's keys).
 
     Args:
       model_config: the model.
@@ -60,7 +61,8 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
     batch_devices = mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape.get("expert", 1)
     rows = max(1, tc.micro_batch_size // batch_devices)
     tensor = mesh_shape["tensor"]
-    t, d, h = tc.seq_len, c.d_model, c.head_dim
+    s, d, h = tc.seq_len, c.d_model, c.head_dim
+    t = s // mesh_shape.get("context", 1)  # the tokens of a sequence a device holds
     n, k = c.n_heads, c.n_kv_heads
     size = np.dtype(c.dtype).itemsize
     dense_ffn = {"none": 3 * c.d_ff / tensor, "save_dots": 2 * c.d_ff / tensor, "full": 0.0}
@@ -71,7 +73,7 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
            for i in range(c.n_layers)]
     per_token = sum(attn[c.remat] + f[c.remat] for f in ffn)
     total = rows * t * per_token * size
-    logits = rows * n * t * t
+    logits = rows * n * t * s
     impl = c.attention_impl
     if impl == "xla" or (impl == "auto" and logits < _XLA_ATTENTION_MAX_LOGITS):
         total += c.n_layers * 4 * logits / tensor

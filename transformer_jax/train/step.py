@@ -13,6 +13,7 @@ for both; the layout's three maps are the only difference."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.moe import balance_correction_bias
 from transformer_jax.model.ops.lm_loss import lm_head_cross_entropy_sums
 from transformer_jax.model.transformer import Transformer, init_params
+from transformer_jax.parallel.context import balance_batch, per_part_loss
 from transformer_jax.train.config import TrainConfig
 from transformer_jax.train.loss import cross_entropy_sums
 from transformer_jax.train.optim import lr_schedule, make_optimizer
@@ -236,7 +238,8 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
     [B, C] tokens, per device over its rows): the same values and gradients without ever
     holding the [B, T, V] float32 logits. Packed batches pass
     ``segment_ids`` (attention stays within a segment) and ``positions`` (restarting per
-    segment) to the model.
+    segment) to the model. Traced under a mesh that splits the sequence (``context``), the
+    batch is first put in load-balanced order (``parallel.context.balance_batch``).
     """
     model = _training_model(model_config, train_config)
     z_weight, chunk = train_config.z_loss, train_config.loss_chunk
@@ -245,6 +248,7 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
 
     def loss_sums(params: Params, batch: Batch):
         params = layout.model_params(params)
+        batch = balance_batch(batch)  # context parallelism: load-balanced order (else as is)
         kw = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
         if not chunk:
             out = model.apply({"params": params}, batch["inputs"], **kw)
@@ -252,10 +256,11 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
                                               z_weight)
         else:
             out = model.apply({"params": params}, batch["inputs"], hidden_only=True, **kw)
-            ce, z, count = lm_head_cross_entropy_sums(
+            ce, z, count = per_part_loss(
+                functools.partial(lm_head_cross_entropy_sums, chunk_size=chunk,
+                                  z_loss=z_weight, logit_softcap=model_config.final_softcap),
                 out.hidden, model.lm_head(params).astype(model_config.jnp_dtype),
-                batch["targets"], batch.get("mask"), chunk_size=chunk, z_loss=z_weight,
-                logit_softcap=model_config.final_softcap)
+                batch["targets"], batch.get("mask"))
         if out.moe is None:
             return ce + z, (ce, z, count)
         moe = {"balance": count * jnp.mean(out.moe["balance"]),
@@ -302,6 +307,7 @@ def make_eval_step(model_config: ModelConfig, train_config: TrainConfig | None =
     layout = ParamsLayout() if train_config is None else ParamsLayout.of(train_config)
 
     def eval_step(params: Params, batch: Batch) -> Metrics:
+        batch = balance_batch(batch)
         logits = model.apply({"params": layout.model_params(params)}, batch["inputs"],
                              positions=batch.get("positions"),
                              segment_ids=batch.get("segment_ids")).logits

@@ -32,6 +32,8 @@ Under a mesh (``parallel.sharding.jit_sharded``, ``decode.decode_context``) the 
 cannot partition (``"pallas"``, ``"cudnn"``, ``"mosaic"``) run per device under ``shard_map``
 over every split the inputs carry: the mesh axes the logical-axis rules give the batch (data,
 fsdp, expert) and the kv heads (tensor); each device runs the kernel on its rows and heads.
+Where the rules split the sequence (``context``), self-attention runs per device with its own
+queries and the whole sequence's keys and values, all-gathered (``ops.context_attention``).
 
 ``softcap`` (logit soft-capping, ``c tanh(x / c)`` on the scaled logits before the mask and
 softmax) runs on ``"xla"``, ``"chunked"`` and tokamax's kernels (``"mosaic"``, GPU
@@ -59,6 +61,7 @@ from transformer_jax.model.ops.chunked_attention import check_structure as _chec
 from transformer_jax.model.ops.chunked_attention import chunked_attention, softcap
 from transformer_jax.model.ops.chunked_attention import einsum_f32 as _dot
 from transformer_jax.model.ops.chunked_attention import softcap as _softcap  # args shadow it
+from transformer_jax.model.ops.context_attention import context_split, gathered_attention
 from transformer_jax.model.ops.layouts import SlotsLast, stored_keys
 from transformer_jax.model.ops.positions import chunk_segments
 
@@ -382,6 +385,16 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
                                            (v.shape[0], v.shape[2]))
         q_segments, k_segments = chunk_segments(q_positions, k_positions, chunk, q_segments,
                                                 k_segments)
+    # Self-attention of a sequence over itself (training's: keys at the queries' positions);
+    # a KV cache's keys are never split.
+    split = (context_split(q.shape[0], v.shape[1], q.shape[1])
+             if k_positions is q_positions and q.shape[1] == v.shape[2]
+             and not isinstance(k, SlotsLast) else None)
+    if split is not None:  # the sequence is split over devices: keys and values gathered
+        return gathered_attention(
+            split, attention, q, k, v, q_positions=q_positions, k_positions=k_positions,
+            q_segments=q_segments, k_segments=k_segments, sinks=sinks, window=window,
+            causal=causal, scale=scale, impl=impl, softcap=softcap)
     pick = functools.partial(choose_impl, q, v, softcap=softcap, window=window,
                              aligned=k_positions is not None and k_positions is q_positions,
                              backend=None if sinks is None else "cpu")  # no kernel has sinks
