@@ -105,10 +105,11 @@ def per_part_loss(loss: Callable[..., tuple[jax.Array, ...]], hidden: jax.Array,
     own rows and part of the sequence, the sums added up (as ``loss`` itself without a
     context split).
 
-    ``ops.lm_loss`` chunks the flattened B x T tokens: on a split sequence each chunk would lie
-    on one device and the compiler would move it to all of them (measured for ``llama3_8b`` at
-    131,072 tokens over context=8 on v5p: an all-reduce of every [chunk, V] float32 block of
-    logits, 141 GiB a chip a step). Here the tokens are viewed as [B, C, T / C] (each row and
+    ``ops.lm_loss`` splits only the batch axes among devices and chunks along T: on a sequence
+    split over context each chunk would lie on one device and the compiler would move it to all
+    of them (measured for ``llama3_8b`` at 131,072 tokens over context=8 on v5p, before the
+    chunks were per device: an all-reduce of every [chunk, V] float32 block of logits, 141 GiB
+    a chip a step). Here the tokens are viewed as [B, C, T / C] (each row and
     part on its device) and ``loss`` is mapped over B and C: every chunk step computes one
     chunk on every device.
 
