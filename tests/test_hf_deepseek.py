@@ -291,3 +291,25 @@ def test_latent_attention_config_is_checked_in_one_line():
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="int8 is not supported"):
         KVCache.init(config, 1, 8, "int8")
+
+
+@pytest.mark.parametrize("name, published", [("deepseek_v3", (671e9, 37e9)),
+                                             ("kimi_k2", (1.0e12, 32e9))])
+def test_presets_active_counts_and_export(name, published):
+    """Total (transformers' count: tests/test_config.py) and active parameters: the total less
+    the E - k routed experts a token does not use in each sparse layer; both within 3% of the
+    published round figures; the preset exports as a deepseek_v3 checkpoint."""
+    from transformer_jax.model.config import ModelConfig
+    from transformer_jax.train.perf import param_counts
+
+    c = ModelConfig.preset(name)
+    m = c.moe
+    total, active = param_counts(c)
+    unused = len(c.sparse_layers) * (m.n_experts - m.top_k) * 3 * c.d_model * m.d_ff
+    assert active == total - unused
+    assert all(abs(ours / theirs - 1) < 0.03
+               for ours, theirs in zip((total, active), published, strict=True))
+    out = hf.config_to_hf(c)
+    assert (out["model_type"], out["first_k_dense_replace"]) == (
+        "deepseek_v3", len(m.dense_layers))
+    assert hf.config_from_hf(out) == c.replace(scan_layers=False)
