@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE, ragged_inputs, torch_logits
+from helpers import FAST_COMPILE, ragged_inputs, run_until_idle, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -265,12 +265,37 @@ def test_absorbed_equals_expanded_op():
     np.testing.assert_allclose(np.asarray(a), want, rtol=1e-5, atol=1e-5)
 
 
-def test_engine_refuses_latent_layers_in_one_line(deepseek):
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_engine_equals_generate(deepseek, scan):
+    """The serving engine's latent pages (R + P values a token a layer), absorbed decode
+    through them and expanded prefill chunks, on the MoE model with a pool small enough to
+    preempt: each prompt gets what generate gives it."""
+    from transformer_jax.decode import loop as decode
+    from transformer_jax.serving import Engine, SamplingParams
+    from transformer_jax.serving.paged_cache import page_bytes
+
+    d = deepseek["moe"]
+    config, params = hf.load(d.path, scan_layers=True) if scan else (d.config, d.params)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, V, n).tolist() for n in (3, 7)]
+    engine = Engine(config, decode.prepare(config, params), num_slots=2, num_pages=5,
+                    page_size=4, token_budget=6, min_context=16)
+    assert engine.cache_bytes == 5 * page_bytes(config, 4) == 5 * 4 * 4 * (R + P) * 4
+    ids = [engine.add_request(p, SamplingParams(max_tokens=7)) for p in prompts]
+    done = run_until_idle(engine)
+    want = generation.generate(d.config, d.params, prompts, max_new_tokens=7)
+    assert [done[rid].tokens for rid in ids] == want.tokens
+    assert engine.scheduler.preemptions > 0
+    engine.check_no_leaks()
+
+
+def test_engine_refuses_int8_latent_pages_in_one_line(deepseek):
     from transformer_jax.serving import Engine
 
     d = deepseek["q_proj"]
     with pytest.raises(ValueError, match="latent attention") as e:
-        Engine(d.config, d.params, num_slots=2, num_pages=8, page_size=4, token_budget=8)
+        Engine(d.config, d.params, num_slots=2, num_pages=8, page_size=4, token_budget=8,
+               cache_dtype="int8")
     assert "\n" not in str(e.value)
 
 
@@ -313,3 +338,30 @@ def test_presets_active_counts_and_export(name, published):
     assert (out["model_type"], out["first_k_dense_replace"]) == (
         "deepseek_v3", len(m.dense_layers))
     assert hf.config_from_hf(out) == c.replace(scan_layers=False)
+
+
+def test_lora_adapts_the_latent_projections(deepseek):
+    """LoRA targets q_a/q_b/kv_a/kv_b (and o): adapter shapes per matrix, and the adapted
+    model's logits equal those of the weights plus (alpha / r) A @ B computed with numpy."""
+    from transformer_jax.model import lora
+
+    d = deepseek["q_lora"]
+    cfg = lora.LoraConfig(rank=2, alpha=4.0, targets=("q_a", "q_b", "kv_a", "kv_b", "o"))
+    adapters = lora.init_adapters(d.config, cfg, d.params, jax.random.key(0))
+    ab = adapters["blocks_1"]["attn"]
+    assert {k: (v["a"].shape, v["b"].shape) for k, v in ab.items()} == {
+        "q_a_proj": ((D, 2), (2, Q)), "q_b_proj": ((Q, 2), (2, 4, NOPE + P)),
+        "kv_a_proj": ((D, 2), (2, R + P)), "kv_b_proj": ((R, 2), (2, 4, NOPE + VD)),
+        "o_proj": ((4, VD, 2), (2, D))}
+    rng = np.random.default_rng(1)
+    adapters = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.3, x.dtype),
+                            adapters)
+    want = jax.tree.map(np.asarray, d.params)
+    for block, mods in adapters.items():
+        for name, f in mods["attn"].items():
+            a, b = np.asarray(f["a"]), np.asarray(f["b"])
+            w = want[block]["attn"][name]
+            want[block]["attn"][name] = w + 2.0 * np.tensordot(a, b, axes=1)
+    got = _logits(d.config, lora.apply_adapters(d.params, adapters, cfg))
+    np.testing.assert_allclose(got, _logits(d.config, want), rtol=0, atol=1e-4)
+    assert float(np.max(np.abs(got - d.logits))) > 1e-2
