@@ -4,9 +4,10 @@ transformers: tiny random all-dense ``DeepseekV3ForCausalLM`` checkpoints writte
 with ``mscale_all_dim``) and one with 2 dense then 2 mixture-of-experts layers (grouped sigmoid
 routing with a non-zero correction bias, shared experts) load with their logits, unrolled and
 scanned; each feature moves them; export reads back in transformers; greedy generation equals
-transformers'; the cached decode
-(attention over the latents, the up-projections absorbed) equals the cacheless forward; the
-cache holds kv_lora_rank + qk_rope_head_dim values per token per layer."""
+transformers'; the cached decode (attention over the latents, the up-projections absorbed)
+equals the cacheless forward; the cache holds kv_lora_rank + qk_rope_head_dim values per token
+per layer, in generate and in the serving engine's pages (the engine equals generate with
+preemption); the presets' active counts; LoRA on the latent projections."""
 
 import dataclasses
 import json
