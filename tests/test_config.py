@@ -24,6 +24,11 @@ PUBLISHED = {
     "mixtral_8x7b": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1
     "qwen3_30b_a3b": 30_532_122_624,  # Qwen/Qwen3-30B-A3B
     "qwen2_moe_a2_7b": 14_315_784_192,  # Qwen/Qwen1.5-MoE-A2.7B
+    # deepseek-ai/DeepSeek-V3 ("671B"; without the multi-token-prediction layer) and
+    # moonshotai/Kimi-K2-Instruct ("1T"): transformers' parameters plus the 58 and 60 sparse
+    # layers' correction biases (256 and 384 each), buffers there, parameters here.
+    "deepseek_v3": 671_026_404_352 + 58 * 256,
+    "kimi_k2": 1_026_408_209_408 + 60 * 384,
 }
 
 # The mixture-of-experts presets' published configs (their config.json, the fields that set
@@ -42,6 +47,18 @@ HF_MOE = {
         shared_expert_intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
         num_key_value_heads=16, num_experts=60, num_experts_per_tok=4,
         tie_word_embeddings=False)),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8, n_group=8,
+        topk_group=4, first_k_dense_replace=3, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, tie_word_embeddings=False)),
+    "kimi_k2": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
+        n_shared_experts=1, n_routed_experts=384, num_experts_per_tok=8, n_group=1,
+        topk_group=1, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, tie_word_embeddings=False)),
 }
 
 
@@ -57,7 +74,11 @@ def test_moe_preset_parameter_count_equals_hf_on_the_meta_device(name):
     model_class, config_class, fields = HF_MOE[name]
     with torch.device("meta"):
         hf = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields))
-    assert param_count(ModelConfig.preset(name)) == sum(p.numel() for p in hf.parameters())
+    # DeepSeek-V3's correction biases are buffers in transformers, parameters here.
+    buffers = sum(b.numel() for n, b in hf.named_buffers()
+                  if n.endswith("e_score_correction_bias"))
+    assert param_count(ModelConfig.preset(name)) == sum(
+        p.numel() for p in hf.parameters()) + buffers
 
 
 def formula_count(c: ModelConfig) -> int:

@@ -8,9 +8,18 @@ which transformers rotates then de-interleaves, q and k alike, so every logit is
 YaRN's ``mscale_all_dim`` scales the whole softmax (``MLA.scale``, as transformers'
 ``yarn_apply_mscale``); the latents' RMSNorms have transformers' fixed epsilon 1e-6.
 
-The mixture-of-experts layers (``first_k_dense_replace`` < ``num_hidden_layers``: grouped
-sigmoid routing with a correction bias) are refused in one line until the routing lands; a
-checkpoint whose every layer is dense loads and exports.
+The mixture of experts (``model.fields.MoE``) on layers ``first_k_dense_replace`` and on
+(``moe.dense_layers`` = the first ones; none sparse, ``first_k_dense_replace`` >= L or no
+``n_routed_experts``: ``moe=None``): ``n_routed_experts`` experts of width
+``moe_intermediate_size``, sigmoid scores (``moe.score``) with the correction bias
+``mlp.gate.e_score_correction_bias`` (a float32 buffer in transformers: ``moe.correction_bias``)
+choosing the ``num_experts_per_tok`` experts within the ``topk_group`` best of ``n_group``
+groups (``moe.top_groups`` / ``moe.n_groups``), renormalised with ``norm_topk_prob``, times
+``routed_scaling_factor`` (``moe.routed_scale``); an ungated shared expert of width
+``moe_intermediate_size * n_shared_experts`` (``moe.shared_d_ff``, a multiple of ``moe.d_ff``
+on export). Its experts' tensors are Qwen2-MoE's layout (``hf.moe.ffn_tensors``: one tensor per
+expert as ``save_pretrained`` writes them, or stacked), the router ``mlp.gate.weight``, the
+shared expert ``mlp.shared_experts.{gate,up,down}_proj``.
 
 Tensors (``attention_tensors``): ``self_attn.q_proj`` [N*(nope+P), D] -> ``q_proj`` [D, N,
 nope+P], or ``q_a_proj`` [Q, D] -> [D, Q], ``q_a_layernorm`` -> ``q_a_norm``, ``q_b_proj``
@@ -27,30 +36,66 @@ from typing import Any
 from transformer_jax.hf.families import Family
 from transformer_jax.hf.tensors import _heads_in, _heads_out, _linear, _same, _Tensor
 from transformer_jax.model.config import ModelConfig
-from transformer_jax.model.fields import MLA
+from transformer_jax.model.fields import MLA, MoE
 
 _MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
+def _int(hf: ChainMap[str, Any], key: str, low: int) -> int:
+    value = hf.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{key} must be an int >= {low}, got {value!r}")
+    return value
+
+
 def _read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int) -> dict[str, Any]:
-    dense = hf.get("first_k_dense_replace")
-    experts = hf.get("n_routed_experts")
-    if experts and (dense is None or dense < n_layers):
-        raise ValueError(f"deepseek_v3 checkpoints with mixture-of-experts layers "
-                         f"(first_k_dense_replace={dense} < num_hidden_layers={n_layers}, "
-                         f"n_routed_experts={experts}) are not supported yet: only all-dense "
-                         "ones load")
     q_rank = hf.get("q_lora_rank")
     mla = MLA(**{k: hf[k] for k in _MLA_KEYS}, q_lora_rank=q_rank)
     interleave = hf.get("rope_interleave")
-    return dict(mla=mla, rope_pairing="adjacent" if interleave else "half")
+    return dict(mla=mla, rope_pairing="adjacent" if interleave else "half",
+                moe=_moe(hf, n_layers))
+
+
+def _moe(hf: ChainMap[str, Any], n_layers: int) -> MoE | None:
+    """The ``MoE`` table of layers ``first_k_dense_replace`` on, None when none is sparse."""
+    dense = _int(hf, "first_k_dense_replace", 0)
+    if not hf.get("n_routed_experts") or dense >= n_layers:
+        return None
+    e, f = _int(hf, "n_routed_experts", 1), _int(hf, "moe_intermediate_size", 1)
+    groups = 1 if hf.get("n_group") is None else _int(hf, "n_group", 1)
+    top_groups = groups if hf.get("topk_group") is None else _int(hf, "topk_group", 1)
+    renormalize = hf.get("norm_topk_prob")
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"norm_topk_prob must be a bool, got {renormalize!r}")
+    return MoE(n_experts=e, top_k=_int(hf, "num_experts_per_tok", 1), d_ff=f,
+               renormalize=renormalize, shared_d_ff=f * _int(hf, "n_shared_experts", 0),
+               score="sigmoid", correction_bias=True, n_groups=groups, top_groups=top_groups,
+               routed_scale=float(hf["routed_scaling_factor"]),
+               dense_layers=tuple(range(dense)))
 
 
 def _write(c: ModelConfig) -> dict[str, Any]:
     m = c.mla
-    return dict(**{k: getattr(m, k) for k in _MLA_KEYS}, q_lora_rank=m.q_lora_rank,
-                rope_interleave=c.rope_pairing == "adjacent", first_k_dense_replace=c.n_layers,
-                attention_bias=False)
+    out = dict(**{k: getattr(m, k) for k in _MLA_KEYS}, q_lora_rank=m.q_lora_rank,
+               rope_interleave=c.rope_pairing == "adjacent", first_k_dense_replace=c.n_layers,
+               attention_bias=False)
+    e = c.moe
+    if e is None:
+        return out
+    first = len(e.dense_layers)
+    if e.dense_layers != tuple(range(first)) or first >= c.n_layers:
+        raise ValueError(f"HF deepseek_v3 checkpoints have their dense layers first "
+                         f"(first_k_dense_replace) and a sparse one after: moe.dense_layers must "
+                         f"be 0..k-1 for some k < {c.n_layers}, got {list(e.dense_layers)}")
+    if e.shared_d_ff % e.d_ff:
+        raise ValueError(f"HF deepseek_v3 checkpoints' shared expert is n_shared_experts times "
+                         f"moe.d_ff ({e.d_ff}) wide: moe.shared_d_ff={e.shared_d_ff} is not a "
+                         "multiple")
+    return {**out, "first_k_dense_replace": first, "n_routed_experts": e.n_experts,
+            "num_experts_per_tok": e.top_k, "moe_intermediate_size": e.d_ff,
+            "n_shared_experts": e.shared_d_ff // e.d_ff, "n_group": e.n_groups,
+            "topk_group": e.top_groups, "routed_scaling_factor": e.routed_scale,
+            "norm_topk_prob": e.renormalize}
 
 
 def attention_tensors(c: ModelConfig, attn: str, ours: tuple[str, ...]) -> list[_Tensor]:
@@ -78,9 +123,14 @@ def attention_tensors(c: ModelConfig, attn: str, ours: tuple[str, ...]) -> list[
 
 DEEPSEEK_V3 = Family(
     "deepseek_v3", "DeepseekV3ForCausalLM", _read, _write,
-    fixed={"mla.norm_eps": 1e-6},
-    free=frozenset({"rope_pairing", *(f"mla.{k}" for k in (*_MLA_KEYS, "q_lora_rank"))}),
+    fixed={"mla.norm_eps": 1e-6, "moe.score": "sigmoid", "moe.correction_bias": True},
+    free=frozenset({"rope_pairing", *(f"mla.{k}" for k in (*_MLA_KEYS, "q_lora_rank")),
+                    *(f"moe.{k}" for k in ("renormalize", "shared_d_ff", "dense_layers",
+                                           "n_groups", "top_groups", "routed_scale"))}),
     activations={"silu": "swiglu"}, rope_kinds=("default", "yarn"),
     defaults=dict(kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
                   qk_nope_head_dim=128, first_k_dense_replace=3, n_routed_experts=256,
-                  rope_interleave=True, rms_norm_eps=1e-6))
+                  num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                  n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+                  rope_interleave=True, rms_norm_eps=1e-6),
+    optional=frozenset({"moe"}), shared_expert="shared_experts")

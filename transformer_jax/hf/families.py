@@ -87,6 +87,8 @@ class Family:
       ffn_module: the HF module of each layer's FFN (a dense layer's ``{gate,up,down}_proj``).
       sparse_tensors: (config, layer) -> a sparse layer's FFN tensors, for a family whose
         layout is its own; None: ``hf.moe.ffn_tensors``.
+      shared_expert: the HF module of a sparse layer's shared expert (``hf.moe.ffn_tensors``).
+      optional: tables (``"moe"``) the family declares that a config may also lack (None).
     """
 
     model_type: str
@@ -107,6 +109,8 @@ class Family:
     quant_methods: frozenset[str] = frozenset()
     ffn_module: str = "mlp"
     sparse_tensors: Callable[[ModelConfig, int], list[Any]] | None = None
+    shared_expert: str = "shared_expert"
+    optional: frozenset[str] = frozenset()
 
     def mismatches(self, config: Architecture) -> list[str]:
         """What this family lacks to hold ``config``, one phrase per field, each to follow
@@ -131,6 +135,8 @@ class Family:
                 if value != self.fixed[name]:
                     yield f"need {name}={self.fixed[name]!r}, got {name}={value!r}"
             elif any(d.startswith(f"{name}.") for d in declared):  # the family has the table
+                if value is None and name in self.optional:
+                    continue
                 if value is None:
                     yield f"need {name}, got {name}=None"
                 else:

@@ -46,7 +46,9 @@ the router), each [F, D] / [D, F], which ``save`` writes too; transformers 5's i
 (``save_original_format=False``) stacks them as ``mlp.experts.gate_up_proj`` [E, 2F, D] (gate
 rows first) and ``mlp.experts.down_proj`` [E, D, F]. Ours: ``moe/gate``, ``moe/up`` [E, D, F],
 ``moe/down`` [E, F, D], ``moe/router`` [D, E] (HF ``gate.weight`` [E, D]), ``moe/shared/*``
-a dense FFN, ``moe/shared_gate`` [D, 1] (HF [1, D]).
+a dense FFN, ``moe/shared_gate`` [D, 1] (HF [1, D]), ``moe/correction_bias`` [E] (HF
+``gate.e_score_correction_bias``; ``hf.deepseek``'s family, whose shared expert is
+``shared_experts``).
 """
 
 from __future__ import annotations
@@ -258,6 +260,8 @@ def ffn_tensors(config: ModelConfig, layer: int, family: Family, stacked: bool =
     if m.expert_bias:  # GPT-OSS's layout (the one HF layout with expert biases)
         return _interleaved_experts(f"model.layers.{layer}.mlp", ours, d, e, f)
     out = [_linear(f"{hf}.gate.weight", (*ours, "router"), d, e)]
+    if m.correction_bias:  # DeepSeek-V3's, a float32 buffer of transformers' router
+        out.append(_same(f"{hf}.gate.e_score_correction_bias", (*ours, "correction_bias"), (e,)))
     if stacked:  # [E, out, in] <-> [E, in, out]
         def batched(name: str, param: str, n_in: int, n_out: int) -> _Tensor:
             shape = (e, n_out, n_in)
@@ -273,7 +277,7 @@ def ffn_tensors(config: ModelConfig, layer: int, family: Family, stacked: bool =
                 _linear(f"{hf}.experts.{j}.{name}.weight", (*ours, param), n_in, n_out),
                 stack=(j, e)) for j in range(e)]
     if m.shared_d_ff:
-        shared, s = f"{hf}.shared_expert", m.shared_d_ff
+        shared, s = f"{hf}.{family.shared_expert}", m.shared_d_ff
         out += [_linear(f"{shared}.{p}_proj.weight", (*ours, "shared", p), *dims)
                 for p, dims in (("gate", (d, s)), ("up", (d, s)), ("down", (s, d)))]
         if m.shared_gate:

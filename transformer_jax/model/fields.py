@@ -66,8 +66,9 @@ class RopeScaling:
             raise ValueError(
                 f"rope_scaling.original_max_len must be > 0, got {self.original_max_len}")
         if self.kind == "yarn":
-            if not 0 < self.beta_slow < self.beta_fast:
-                raise ValueError("rope_scaling needs 0 < beta_slow < beta_fast, got "
+            # Equal betas (Kimi K2's 1 and 1): a ramp of one pair, as transformers takes them.
+            if not 0 < self.beta_slow <= self.beta_fast:
+                raise ValueError("rope_scaling needs 0 < beta_slow <= beta_fast, got "
                                  f"{self.beta_slow} and {self.beta_fast}")
             if self.attention_factor is not None:
                 check_positive_number("rope_scaling.attention_factor", self.attention_factor)

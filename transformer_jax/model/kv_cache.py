@@ -347,6 +347,9 @@ class Cache(Protocol):
                sinks: jax.Array | None = None, chunk: int | None = None
                ) -> tuple[jax.Array, Cache]: ...
 
+    def attend_latent(self, i: int | jax.Array | LayerRef, entries: jax.Array,
+                      positions: jax.Array) -> tuple[jax.Array, Cache]: ...
+
     def replace(self, **changes: Any) -> Cache: ...
 
 

@@ -17,6 +17,10 @@ repeats). Shapes (R = rank, L = layers when scanned):
   o      attn/o_proj       [L?, N, H, R]   [L?, R, D]
   gate   mlp/gate, mlp/up  [L?, D, R]      [L?, R, F]
   down   mlp/down          [L?, F, R]      [L?, R, D]
+  q_a    attn/q_a_proj     [L?, D, R]      [L?, R, Q]             (latent attention's
+  q_b    attn/q_b_proj     [L?, Q, R]      [L?, R, N, nope + P]   ``fields.MLA``, whose q
+  kv_a   attn/kv_a_proj    [L?, D, R]      [L?, R, R_kv + P]      and o are its q_proj and
+  kv_b   attn/kv_b_proj    [L?, R_kv, R]   [L?, R, N, nope + V]   o_proj)
   ====== ================= =============== ==============
 
 A mixture's layers (``moe/``) have targets ``experts.{gate,up,down}`` (one adapter per expert:
@@ -72,6 +76,8 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "down": ("mlp", "down"), "experts.gate": ("moe", "gate"), "experts.up": ("moe", "up"),
     "experts.down": ("moe", "down"), "shared.gate": ("moe", "shared", "gate"),
     "shared.up": ("moe", "shared", "up"), "shared.down": ("moe", "shared", "down"),
+    "q_a": ("attn", "q_a_proj"), "q_b": ("attn", "q_b_proj"), "kv_a": ("attn", "kv_a_proj"),
+    "kv_b": ("attn", "kv_b_proj"),  # latent attention's (one input axis, unlisted below)
 }
 
 #: The targets of a dense model's matrices, the default.
@@ -81,7 +87,7 @@ DEFAULT_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 def _input_axes(target: str) -> int:
     """How many (input) axes the target's matrix has after its batch axes; the rest are
     output axes."""
-    return MATRIX_INPUT_AXES[TARGETS[target][-1]]
+    return MATRIX_INPUT_AXES.get(TARGETS[target][-1], 1)
 
 
 def _batch_axes(target: str) -> int:

@@ -57,6 +57,14 @@ int8 pages (``dtype="int8"``) hold each token's row as its int8 values and its s
 bytes (``ops.kv_quant``), as ``KVCache`` does; both views dequantise what they read (the
 Pallas paged kernels read float pages, so int8 pages always take these views).
 
+Latent layers (multi-head latent attention, ``fields.MLA``) page one entry per token, the
+normed latent and the rotated rope key (R + P values a token a layer): their key pages are
+[L, 1, P, page_size, R + P] (one "kv head" of width R + P) and their value pages are empty
+([..., 0]), so the pages travel, copy and are counted as every model's do. ``attend_latent``
+writes a chunk's entries and returns the row's pages gathered ([B, W * page_size, R + P], slot
+s holding position s): the layer attends over them itself, absorbed for one-token decode rows
+and expanded for prefill chunks (``model.latent``). They store floats (no int8).
+
 Local layers (sliding window W < ``max_seq_len``) keep no pages: each engine slot has a ring of
 W slots per local layer (``k_ring``/``v_ring``, attended as ``model.kv_ring`` says), row b of a
 call using ring row ``ring_rows[b]``; pages (``k``/``v``, and the layer index of ``write``,
@@ -107,14 +115,12 @@ def storage_dtype(dtype: jnp.dtype | str) -> jnp.dtype:
 
 
 def check_pageable(config: ModelConfig, cache_dtype: jnp.dtype | str | None = None) -> None:
-    """Raises ValueError (one line) for a model the pool cannot page (latent attention layers,
-    ``fields.MLA``: their pages would hold latents, not yet) or a ``cache_dtype`` that
-    ``storage_dtype`` refuses."""
-    if config.mla is not None:
-        raise ValueError("the serving engine's paged cache has no latent attention (mla) layers "
-                         "yet: generate this model with decode.generate")
-    if cache_dtype is not None:
-        storage_dtype(cache_dtype)
+    """Raises ValueError (one line) for a ``cache_dtype`` that ``storage_dtype`` refuses, or
+    int8 pages for latent attention layers (``fields.MLA``: their entries stay floats)."""
+    if cache_dtype is not None and kv_quant.is_int8(storage_dtype(cache_dtype)) and \
+            config.mla is not None:
+        raise ValueError("latent attention (mla) pages store floats: cache_dtype int8 is not "
+                         "supported, use a float dtype")
 
 
 def page_bytes(config: ModelConfig, page_size: int, dtype: jnp.dtype | str | None = None
@@ -124,6 +130,8 @@ def page_bytes(config: ModelConfig, page_size: int, dtype: jnp.dtype | str | Non
     dtype = storage_dtype(config.dtype if dtype is None else dtype)
     ring = RingLayout.of(config, config.max_seq_len)
     layers = config.n_layers if ring is None else ring.n_global
+    if config.mla is not None:  # one [latent, rope key] entry a token a layer
+        return layers * page_size * config.mla.entry_dim * dtype.itemsize
     h = kv_quant.stored_head_dim(config.head_dim, dtype)
     return 2 * layers * page_size * config.n_kv_heads * h * dtype.itemsize
 
@@ -191,7 +199,7 @@ class PagedKVCache:
           ValueError: for a size out of range, a view not in ``VIEWS`` or a storage dtype that
             is neither floating nor int8, naming it.
         """
-        check_pageable(config)
+        check_pageable(config, dtype)
         for name, value in (("num_pages", num_pages), ("page_size", page_size),
                             ("batch", batch), ("pages_per_row", pages_per_row)):
             if not isinstance(value, int) or value <= 0:
@@ -206,12 +214,17 @@ class PagedKVCache:
         shape = (kv, num_pages, page_size, h)
         ring = RingLayout.of(config, config.max_seq_len) if window_rings else None
 
-        def arrays(n: int, shape: tuple[int, ...]) -> tuple:
+        def arrays(n: int, shape: tuple[int, ...], v_width: int | None = None) -> tuple:
+            v_shape = shape if v_width is None else (*shape[:-1], v_width)
             if config.scan_layers:
-                return jnp.zeros((n, *shape), dtype), jnp.zeros((n, *shape), dtype)
+                return jnp.zeros((n, *shape), dtype), jnp.zeros((n, *v_shape), dtype)
             return (tuple(jnp.zeros(shape, dtype) for _ in range(n)),
-                    tuple(jnp.zeros(shape, dtype) for _ in range(n)))
+                    tuple(jnp.zeros(v_shape, dtype) for _ in range(n)))
 
+        if config.mla is not None:  # entry pages as keys of one head, no values
+            k, v = arrays(config.n_layers, (1, num_pages, page_size, config.mla.entry_dim), 0)
+            return cls(k=k, v=v, page_table=jnp.zeros((batch, pages_per_row), jnp.int32),
+                       lengths=jnp.zeros((batch,), jnp.int32), view=view)
         k, v = arrays(config.n_layers if ring is None else ring.n_global, shape)
         rings = {}
         if ring is not None:
@@ -245,14 +258,15 @@ class PagedKVCache:
         return self.replace(page_table=jnp.asarray(page_table, jnp.int32),
                             lengths=jnp.asarray(lengths, jnp.int32))
 
-    def layer(self, i: int | jax.Array, table: jax.Array | None = None
-              ) -> tuple[jax.Array, jax.Array]:
+    def layer(self, i: int | jax.Array, table: jax.Array | None = None, *,
+              keys_only: bool = False) -> tuple[jax.Array, jax.Array | None]:
         """Layer i's keys and values of every row, gathered through the page table.
 
         Args:
           i: the layer.
           table: optional [R, n] pages to gather instead of ``page_table`` (the blocks view
             gathers a block of pages per item).
+          keys_only: gather the keys only (values None): latent layers' entry pages.
 
         Returns:
           ([R, K, n * page_size, H] keys, [R, K, n * page_size, H] values): slot s of row r
@@ -261,26 +275,27 @@ class PagedKVCache:
         table = self.page_table if table is None else table
         b = table.shape[0]
         flat = table.reshape(-1)
-        kv, h = (self.v if self.stacked else self.v[0]).shape[-4::3]  # K, H
+        kv = (self.v if self.stacked else self.v[0]).shape[-4]  # K (H: each pool's own)
         if self.stacked and _GATHER_STACKED:
             # One gather from the [L, K, P, ps, H] stack: layer i's pages read where they are.
             # Slicing layer i out first (``self.k[i]``, i traced in a scan) copied the layer's
             # whole pool every layer and step, a cost that grew with the pool, not the rows.
             def rows(pool: jax.Array) -> jax.Array:  # -> [B, K, W * ps, H]
+                h = pool.shape[-1]
                 taken = pool.reshape(*pool.shape[:3], -1)[i, :, flat]  # [B * W, K, ps * H]
                 return taken.reshape(b, -1, kv, pool.shape[3], h).transpose(
                     0, 2, 1, 3, 4).reshape(b, kv, -1, h)
 
-            return rows(self.k), rows(self.v)
+            return rows(self.k), None if keys_only else rows(self.v)
         # Whole pages taken along the pool axis ([K, P, ps * H] -> [K, B * W, ps * H]), then B
         # to the front. On XLA:CPU this ran 2-3x faster than indexing the pool with the
         # [B, W] table (decode_25m's layer, 8 rows of 32 pages of 16, float32: about 1
         # against 2.4 ms).
         def rows_of(pool: jax.Array) -> jax.Array:  # [K, P, ps, H] -> [B, K, W * ps, H]
             taken = jnp.take(pool.reshape(kv, pool.shape[1], -1), flat, axis=1, mode="clip")
-            return taken.reshape(kv, b, -1, h).swapaxes(0, 1)  # (every index is in range)
+            return taken.reshape(kv, b, -1, pool.shape[-1]).swapaxes(0, 1)  # (all in range)
 
-        return rows_of(self.k[i]), rows_of(self.v[i])
+        return rows_of(self.k[i]), None if keys_only else rows_of(self.v[i])
 
     def attend(self, i: int | jax.Array | LayerRef, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, *, window: int | jax.Array | None, impl: str,
@@ -324,6 +339,18 @@ class PagedKVCache:
             read_ring=lambda c, j: c._ring_layer(j),
             write_ring=lambda c, j: c._write_ring(j, k, v, positions), chunk=chunk,
             **dict(logits, impl="xla" if impl == "pallas" else impl))
+
+    def attend_latent(self, i: int | jax.Array | LayerRef, entries: jax.Array,
+                      positions: jax.Array) -> tuple[jax.Array, PagedKVCache]:
+        """Latent layer i: writes the chunk's entries [B, T, R + P] into the rows' pages at
+        their positions and returns the rows' pages gathered, [B, W * page_size, R + P] (slot
+        s holding position s; slots past a row's length are hidden by causality), with the
+        cache written (the ``Cache`` interface, ``KVCache.attend_latent``)."""
+        _, j = kv_ring.locate(None, i)
+        b, t = entries.shape[:2]
+        cache = self.write(j, entries[:, :, None], jnp.zeros((b, t, 1, 0), entries.dtype),
+                           positions)
+        return cache.layer(j, keys_only=True)[0][:, 0], cache
 
     def _attend_pages(self, i: int | jax.Array, q: jax.Array, positions: jax.Array,
                       window: int | jax.Array | None, *, impl: str, scale: float | None,

@@ -220,7 +220,11 @@ def sample_from(logits: jax.Array, source: jax.Array, rows: RowSampling, sampler
 
 def page_spec(config: ModelConfig) -> P:
     """The ``PartitionSpec`` of each layer's pages over a tensor-parallel mesh: split by kv
-    head, the pool's leading axis ([K, ...]; [L, K, ...] stacked), as the k/v projections."""
+    head, the pool's leading axis ([K, ...]; [L, K, ...] stacked), as the k/v projections.
+    Latent layers' entry pages (one entry a token, shared by every head) are whole on every
+    device."""
+    if config.mla is not None:
+        return P()
     return P(None, TENSOR_AXIS) if config.scan_layers else P(TENSOR_AXIS)
 
 
