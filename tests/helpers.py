@@ -8,6 +8,7 @@ Importing this module touches no device (``multihost_worker.py`` imports it befo
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import math
@@ -176,6 +177,32 @@ def our_logits(config, params, tokens: np.ndarray, positions: np.ndarray) -> np.
                                        positions=jnp.asarray(positions)).logits
     assert logits.shape == (*tokens.shape, config.vocab_size)
     return np.asarray(logits)
+
+
+def jit_logits(config, params, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """``our_logits`` as one jitted program (``FAST_COMPILE``): one compile, not one per op."""
+    import jax
+    import jax.numpy as jnp
+
+    from transformer_jax.model.transformer import Transformer
+
+    def run(params, tokens, positions):
+        return Transformer(config).apply({"params": params}, tokens, positions=positions).logits
+
+    return np.asarray(jax.jit(run, compiler_options=FAST_COMPILE)(
+        params, jnp.asarray(tokens), jnp.asarray(positions)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedHF:
+    """A random HF model written with ``save_pretrained``, its logits on a test's inputs, and
+    the checkpoint as ``hf.load`` reads it."""
+
+    model: object
+    path: object
+    logits: np.ndarray  # transformers'
+    config: object
+    params: dict
 
 
 def random_hf_model(kind: str, seed: int = 0, **config):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE, ragged_inputs, run_until_idle, torch_logits
+from helpers import FAST_COMPILE, LoadedHF, jit_logits, ragged_inputs, run_until_idle, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -74,20 +74,10 @@ def random_deepseek(q_lora_rank, rope_interleave, seed=0, **moe):
 
 
 def _logits(config, params, tokens=INPUTS[0], positions=INPUTS[1]) -> np.ndarray:
-    def run(params, tokens, positions):
-        return Transformer(config).apply({"params": params}, tokens, positions=positions).logits
-
-    return np.asarray(jax.jit(run, compiler_options=FAST_COMPILE)(
-        params, jnp.asarray(tokens), jnp.asarray(positions)))
+    return jit_logits(config, params, tokens, positions)
 
 
-@dataclasses.dataclass(frozen=True)
-class Loaded:
-    model: object
-    path: object
-    logits: np.ndarray  # transformers'
-    config: object
-    params: dict
+Loaded = LoadedHF
 
 
 @pytest.fixture(scope="module")
@@ -366,3 +356,17 @@ def test_lora_adapts_the_latent_projections(deepseek):
     got = _logits(d.config, lora.apply_adapters(d.params, adapters, cfg))
     np.testing.assert_allclose(got, _logits(d.config, want), rtol=0, atol=1e-4)
     assert float(np.max(np.abs(got - d.logits))) > 1e-2
+
+
+@pytest.mark.parametrize("field, value", [("sliding_window", 8), ("attention_chunk", 8),
+                                          ("nope_layers", (1,)), ("attn_sinks", True)])
+def test_latent_attention_refuses_the_other_kinds_fields_in_one_line(field, value):
+    from transformer_jax.model.config import ModelConfig
+
+    mla = MLA(kv_lora_rank=R, qk_nope_head_dim=NOPE, qk_rope_head_dim=P, v_head_dim=VD)
+    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64)
+    ModelConfig(**base, mla=mla)  # the plain latent model is accepted
+    with pytest.raises(ValueError, match=f"mla .*cannot be combined with {field}"):
+        ModelConfig(**base, mla=mla, **{field: value})
+    with pytest.raises(ValueError, match="layer_pattern entry"):  # latent layers: only mla's
+        ModelConfig(**base, layer_pattern=("latent",))

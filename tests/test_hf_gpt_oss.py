@@ -6,11 +6,9 @@ reads back in transformers, and greedy generation equals transformers'."""
 import dataclasses
 import json
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE, ragged_inputs, run_until_idle, torch_logits
+from helpers import LoadedHF, jit_logits, ragged_inputs, run_until_idle, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -20,7 +18,6 @@ from transformer_jax import hf  # noqa: E402
 from transformer_jax.decode import generation  # noqa: E402
 from transformer_jax.decode import loop as decode  # noqa: E402
 from transformer_jax.model.fields import MoE  # noqa: E402
-from transformer_jax.model.transformer import Transformer  # noqa: E402
 from transformer_jax.serving import Engine, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_compiles")
@@ -54,20 +51,10 @@ def random_gpt_oss(seed: int = 0):
 
 
 def _logits(config, params, tokens=INPUTS[0], positions=INPUTS[1]) -> np.ndarray:
-    def run(params, tokens, positions):
-        return Transformer(config).apply({"params": params}, tokens, positions=positions).logits
-
-    return np.asarray(jax.jit(run, compiler_options=FAST_COMPILE)(
-        params, jnp.asarray(tokens), jnp.asarray(positions)))
+    return jit_logits(config, params, tokens, positions)
 
 
-@dataclasses.dataclass(frozen=True)
-class Loaded:
-    model: object
-    path: object
-    logits: np.ndarray  # transformers'
-    config: object
-    params: dict
+Loaded = LoadedHF
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE, ragged_inputs, run_until_idle
+from helpers import LoadedHF, jit_logits, ragged_inputs, run_until_idle
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -23,7 +23,6 @@ from transformer_jax.decode import generation  # noqa: E402
 from transformer_jax.decode import loop as decode  # noqa: E402
 from transformer_jax.model.fields import MoE  # noqa: E402
 from transformer_jax.model.kv_cache import KVCache  # noqa: E402
-from transformer_jax.model.transformer import Transformer  # noqa: E402
 from transformer_jax.serving import Engine, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_compiles")
@@ -71,20 +70,10 @@ def hf_logits(model, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 
 def _logits(config, params, tokens=INPUTS[0], positions=INPUTS[1]) -> np.ndarray:
-    def run(params, tokens, positions):
-        return Transformer(config).apply({"params": params}, tokens, positions=positions).logits
-
-    return np.asarray(jax.jit(run, compiler_options=FAST_COMPILE)(
-        params, jnp.asarray(tokens), jnp.asarray(positions)))
+    return jit_logits(config, params, tokens, positions)
 
 
-@dataclasses.dataclass(frozen=True)
-class Loaded:
-    model: object
-    path: object
-    logits: np.ndarray  # transformers'
-    config: object
-    params: dict
+Loaded = LoadedHF
 
 
 @pytest.fixture(scope="module")
