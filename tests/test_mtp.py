@@ -1,0 +1,195 @@
+"""Multi-token prediction (``mtp_depth``, ``model.mtp``): a tiny DeepseekV3 checkpoint (a dense
+then a mixture-of-experts layer) written by ``save_pretrained``, to which the test adds a random
+module as HF layer L (``model.layers.2.*``: the decoder layer's tensors, ``enorm``, ``hnorm``,
+``eh_proj``, ``shared_head``, ``embed_tokens``), loads with ``mtp_depth`` 1; the module's logits
+equal the formula written here in torch over transformers' own decoder layer with those weights;
+``mtp_depth=0`` drops it; export writes every tensor back equal."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import FAST_COMPILE
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from transformer_jax import hf  # noqa: E402
+from transformer_jax.model.transformer import Transformer  # noqa: E402
+
+B, T, V, D, L = 2, 9, 97, 32, 2
+TOL = 1e-4
+
+
+def _tiny_deepseek() -> "transformers.DeepseekV3ForCausalLM":
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=V, hidden_size=D, intermediate_size=48, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True, max_position_embeddings=256,
+        num_hidden_layers=L, first_k_dense_replace=1, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=16,
+        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        num_nextn_predict_layers=1, attn_implementation="eager")
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    return model
+
+
+def _mtp_tensors(state: dict[str, torch.Tensor], gen: torch.Generator
+                 ) -> dict[str, torch.Tensor]:
+    """A random module as HF layer L: layer L-1's tensor names and shapes in the saved file
+    (a sparse layer), renamed, plus the module's own; ``embed_tokens`` a copy of the main
+    table."""
+    def rand(shape, vector=False):
+        if vector:
+            return 1.0 + 0.2 * torch.randn(shape, generator=gen)
+        return torch.randn(shape, generator=gen) * shape[-1] ** -0.5
+
+    last, new = f"model.layers.{L - 1}.", f"model.layers.{L}."
+    out = {new + name[len(last):]: (0.3 * torch.randn(t.shape, generator=gen)
+                                    if name.endswith("e_score_correction_bias")
+                                    else rand(t.shape, t.ndim == 1))
+           for name, t in state.items() if name.startswith(last)}
+    out.update({new + "enorm.weight": rand((D,), True), new + "hnorm.weight": rand((D,), True),
+                new + "eh_proj.weight": rand((D, 2 * D)),
+                new + "shared_head.norm.weight": rand((D,), True),
+                new + "shared_head.head.weight": rand((V, D)),
+                new + "embed_tokens.weight": state["model.embed_tokens.weight"].clone()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(transformers model, its MTP layer's tensors, the directory)."""
+    model = _tiny_deepseek()
+    path = tmp_path_factory.mktemp("deepseek_mtp")
+    model.save_pretrained(path)
+    weights = safetensors_torch.load_file(path / "model.safetensors")
+    extra = _mtp_tensors(weights, torch.Generator().manual_seed(1))
+    safetensors_torch.save_file({**weights, **extra}, path / "model.safetensors",
+                                metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return model, extra, path
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    return hf.load(checkpoint[2])
+
+
+def _tokens(seed=0):
+    return np.random.default_rng(seed).integers(0, V, (B, T))
+
+
+def reference_mtp_logits(model, extra, tokens) -> np.ndarray:
+    """Module 1's logits [B, T, V], the formula in torch: h'_i = eh_proj([enorm(emb(t_{i+1}));
+    hnorm(h_i)]) (h the main model's final-normed hidden states), transformers' decoder layer
+    with the module's weights over h' (causal, positions 0..T-1), then shared_head's norm
+    and head. Entry T-1 (no token i+1) embeds zeros."""
+    cfg = model.config
+    layer = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer(
+        cfg, L).eval()
+    prefix = f"model.layers.{L}."
+    state = {k[len(prefix):]: v for k, v in extra.items() if k.split(".")[3] in (
+        "self_attn", "mlp", "input_layernorm", "post_attention_layernorm")}
+    experts = range(cfg.n_routed_experts)  # the file's one tensor per expert, stacked
+
+    def pop(j, name):
+        return state.pop(f"mlp.experts.{j}.{name}.weight")
+
+    state["mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([pop(j, "gate_proj"), pop(j, "up_proj")]) for j in experts])
+    state["mlp.experts.down_proj"] = torch.stack([pop(j, "down_proj") for j in experts])
+    layer.load_state_dict(state)
+
+    def rms(x, w):
+        x = x.float()
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps))
+
+    with torch.no_grad():
+        ids = torch.tensor(tokens, dtype=torch.long)
+        h = model.model(ids).last_hidden_state  # final-normed
+        emb = torch.nn.functional.pad(model.model.embed_tokens(ids)[:, 1:], (0, 0, 0, 1))
+        x = torch.cat([rms(emb, extra[prefix + "enorm.weight"]),
+                       rms(h, extra[prefix + "hnorm.weight"])], -1)
+        x = x @ extra[prefix + "eh_proj.weight"].T
+        positions = torch.arange(T)[None].expand(B, T)
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None].expand(B, 1, T, T)
+        x = layer(x, attention_mask=mask, position_ids=positions,
+                  position_embeddings=model.model.rotary_emb(x, positions))
+        x = x[0] if isinstance(x, tuple) else x
+        y = rms(x, extra[prefix + "shared_head.norm.weight"])
+        return (y @ extra[prefix + "shared_head.head.weight"].T).numpy()
+
+
+def _mtp_logits(config, params, tokens):
+    def run(params, tokens):
+        out = Transformer(config).apply({"params": params}, tokens, mtp=True)
+        return out.logits, out.mtp
+
+    logits, mtp = jax.jit(run, compiler_options=FAST_COMPILE)(params, jnp.asarray(tokens))
+    return np.asarray(logits), np.asarray(mtp)
+
+
+def test_module_logits_equal_the_formula_over_transformers_layer(checkpoint, loaded):
+    model, extra, _ = checkpoint
+    config, params = loaded
+    assert config.mtp_depth == 1 and "mtp_0" in params
+    tokens = _tokens()
+    logits, mtp = _mtp_logits(config, params, tokens)
+    with torch.no_grad():
+        want_main = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(logits, want_main, atol=TOL, rtol=0)  # the main model unchanged
+    want = reference_mtp_logits(model, extra, tokens)
+    assert mtp.shape == (1, B, T, V)
+    np.testing.assert_allclose(mtp[0], want, atol=TOL, rtol=0)
+    # The concatenation's order matters: swapping the halves of eh_proj moves the logits.
+    swapped = jax.tree.map(lambda x: x, params)
+    w = params["mtp_0"]["eh_proj"]
+    swapped["mtp_0"] = {**params["mtp_0"], "eh_proj": jnp.concatenate([w[D:], w[:D]])}
+    assert np.abs(_mtp_logits(config, swapped, tokens)[1][0] - want).max() > 1e-2
+
+
+def test_mtp_depth_zero_drops_the_module_in_one_log_line(checkpoint, loaded, caplog):
+    with caplog.at_level("INFO", logger="transformer_jax.hf"):
+        config, params = hf.load(checkpoint[2], mtp_depth=0)
+    assert config.mtp_depth == 0 and not any(k.startswith("mtp_") for k in params)
+    assert sum("multi-token prediction" in r.message for r in caplog.records) == 1
+    np.testing.assert_array_equal(params["lm_head"], loaded[1]["lm_head"])
+    with pytest.raises(ValueError, match=r"^mtp_depth=2: the checkpoint .* has 1 multi-token"):
+        hf.load(checkpoint[2], mtp_depth=2)
+
+
+def test_a_module_table_unlike_the_main_one_is_refused_in_one_line(checkpoint, tmp_path):
+    _, _, path = checkpoint
+    weights = safetensors_torch.load_file(path / "model.safetensors")
+    weights[f"model.layers.{L}.embed_tokens.weight"] = weights[
+        f"model.layers.{L}.embed_tokens.weight"] + 1.0
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    safetensors_torch.save_file(weights, tmp_path / "model.safetensors",
+                                metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"^model\.layers\.2\.embed_tokens\.weight differs"):
+        hf.load(tmp_path)
+
+
+def test_export_writes_every_tensor_back_equal(checkpoint, loaded, tmp_path):
+    config, params = loaded
+    hf.save(config, params, tmp_path)
+    before = safetensors_torch.load_file(checkpoint[2] / "model.safetensors")
+    after = safetensors_torch.load_file(tmp_path / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert torch.equal(tensor, after[name]), name
+    assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    again, _ = hf.load(tmp_path)
+    assert again == config
