@@ -3,7 +3,8 @@ then a mixture-of-experts layer) written by ``save_pretrained``, to which the te
 module as HF layer L (``model.layers.2.*``: the decoder layer's tensors, ``enorm``, ``hnorm``,
 ``eh_proj``, ``shared_head``, ``embed_tokens``), loads with ``mtp_depth`` 1; the module's logits
 equal the formula written here in torch over transformers' own decoder layer with those weights;
-``mtp_depth=0`` drops it; export writes every tensor back equal."""
+``mtp_depth=0`` drops it; export writes every tensor back equal; the training objective adds
+``mtp_weight`` times the modules' cross-entropy computed from those reference logits."""
 
 import json
 
@@ -19,6 +20,9 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from transformer_jax import hf  # noqa: E402
 from transformer_jax.model.transformer import Transformer  # noqa: E402
+from transformer_jax.train.checks import check_config  # noqa: E402
+from transformer_jax.train.config import TrainConfig  # noqa: E402
+from transformer_jax.train.step import make_loss_fn  # noqa: E402
 
 B, T, V, D, L = 2, 9, 97, 32, 2
 TOL = 1e-4
@@ -193,3 +197,46 @@ def test_export_writes_every_tensor_back_equal(checkpoint, loaded, tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
     again, _ = hf.load(tmp_path)
     assert again == config
+
+
+def _log_softmax_ce(logits: np.ndarray, targets: np.ndarray, weights: np.ndarray) -> float:
+    logits = logits.astype(np.float64)
+    z = logits.max(-1, keepdims=True)
+    logp = logits - z - np.log(np.exp(logits - z).sum(-1, keepdims=True))
+    ce = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    return float((ce * weights).sum() / weights.sum())
+
+
+def test_training_loss_adds_the_modules_weighted_cross_entropy(checkpoint, loaded):
+    model, extra, _ = checkpoint
+    config, params = loaded
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, V, (B, T + 1))
+    mask = np.ones((B, T), np.float32)
+    mask[0, :3] = 0  # a prompt: its targets carry no loss, the modules' shifted ones neither
+    mask[1, -2:] = 0
+    batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
+             "mask": jnp.asarray(mask)}
+    weight = 0.3
+    with_mtp, without = (jax.jit(make_loss_fn(config, TrainConfig(mtp_weight=w)),
+                                 compiler_options=FAST_COMPILE)(params, batch)
+                         for w in (weight, 0.0))
+    (objective, (ce, _, count, sums)), (plain, (ce0, _, count0, *_)) = with_mtp, without
+    np.testing.assert_allclose(ce, ce0, rtol=1e-6)
+    assert count == count0 == mask.sum()
+    # Module 1 at position i predicts token i + 2 = targets[i + 1], weighted by mask[i + 1].
+    ref = reference_mtp_logits(model, extra, tokens[:, :-1])
+    want = _log_softmax_ce(ref[:, :-1], tokens[:, 2:], mask[:, 1:])
+    np.testing.assert_allclose(float(sums["mtp"]) / float(count), want, rtol=1e-4)
+    np.testing.assert_allclose(float(objective) - float(plain), weight * float(sums["mtp"]),
+                               rtol=1e-4)
+
+
+def test_mtp_weight_is_refused_where_it_cannot_apply_in_one_line(loaded):
+    with pytest.raises(ValueError, match=r"^mtp_weight trains .* full sft training only"):
+        TrainConfig(mtp_weight=0.1, lora_rank=4)
+    with pytest.raises(ValueError, match=r"^mtp_weight must be a number >= 0"):
+        TrainConfig(mtp_weight=-1.0)
+    with pytest.raises(ValueError, match=r"model\.mtp_depth=0\); set it to 0$"):
+        check_config(loaded[0].replace(mtp_depth=0), TrainConfig(mtp_weight=0.1, seq_len=8),
+                     num_devices=1)
