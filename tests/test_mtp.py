@@ -12,13 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE
+from helpers import FAST_COMPILE, exit_and_line, fast_everywhere
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from transformer_jax import hf  # noqa: E402
+from transformer_jax.decode import speculative_loop, speculative_mtp  # noqa: E402
+from transformer_jax.decode.generation import generate  # noqa: E402
+from transformer_jax.decode.speculative import parse_spec  # noqa: E402
 from transformer_jax.model.transformer import Transformer  # noqa: E402
 from transformer_jax.train.checks import check_config  # noqa: E402
 from transformer_jax.train.config import TrainConfig  # noqa: E402
@@ -69,6 +72,23 @@ def _mtp_tensors(state: dict[str, torch.Tensor], gen: torch.Generator
                 new + "shared_head.head.weight": rand((V, D)),
                 new + "embed_tokens.weight": state["model.embed_tokens.weight"].clone()})
     return out
+
+
+pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cheap_verification():
+    """A verify round costs one plain round (not timed): rows with proposals verify them; the
+    speculative program compiles with ``FAST_COMPILE``."""
+    original = dict(speculative_loop.PROGRAMS)
+    if not fast_everywhere():
+        speculative_loop.PROGRAMS.update(
+            speculative_loop.jit_programs(compiler_options=FAST_COMPILE))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(speculative_loop, "round_cost", lambda *a: 1.0)
+        yield
+    speculative_loop.PROGRAMS.update(original)
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +260,73 @@ def test_mtp_weight_is_refused_where_it_cannot_apply_in_one_line(loaded):
     with pytest.raises(ValueError, match=r"model\.mtp_depth=0\); set it to 0$"):
         check_config(loaded[0].replace(mtp_depth=0), TrainConfig(mtp_weight=0.1, seq_len=8),
                      num_devices=1)
+
+
+def test_the_draft_proposes_what_the_cacheless_module_predicts(loaded):
+    """The draft's cached rounds (the prompt, a verification keeping its proposal, a plain
+    step) propose the argmax of the module's whole-sequence logits at the row's last kept
+    position: the hidden states, tokens, positions and cache line up."""
+    config, params = loaded
+    seq = jnp.asarray(_tokens(5))
+    n, b = 5, seq.shape[0]
+
+    def truth(start):  # a draw that gives the sequence's own next tokens
+        return lambda logits: (seq[:, start + 1:start + 1 + logits.shape[1]],
+                               jnp.zeros(logits.shape[:2]))
+
+    def rounds(params, seq):
+        full = Transformer(config).apply({"params": params}, seq, mtp=True).mtp[0]
+        lengths = jnp.full((b,), n, jnp.int32)
+        _, cache, hidden = speculative_mtp.prefill_with_hidden(
+            config, params, seq[:, :n], lengths, T + 2, None)
+        first, draft_cache = speculative_mtp.first_proposal(
+            config, params, hidden, seq[:, :n], seq[:, n], lengths, T + 2, None)
+        start = jnp.full((b,), n, jnp.int32)
+        cache, draft_cache, kept, _, _, a = speculative_mtp.verify(
+            config, params, cache, draft_cache, seq[:, n:n + 2], start,
+            jnp.ones((b,), jnp.int32), truth(n))
+        *_, plain, _, _, _ = speculative_mtp.verify(
+            config, params, cache, draft_cache, seq[:, n + 2:n + 3], start + 2,
+            jnp.zeros((b,), jnp.int32), truth(n + 2))
+        return full.argmax(-1), first, kept, a, plain
+
+    want, first, kept, a, plain = jax.jit(rounds, compiler_options=FAST_COMPILE)(params, seq)
+    want = np.asarray(want)  # [B, T]: position j predicts token j + 2
+    np.testing.assert_array_equal(first, want[:, n - 1])
+    np.testing.assert_array_equal(a, 1)  # the proposal was the sequence's token: kept
+    np.testing.assert_array_equal(kept, want[:, n + 1])
+    np.testing.assert_array_equal(plain, want[:, n + 2])
+
+
+def test_mtp_speculative_generate_equals_plain_greedy(loaded, caplog):
+    config, params = loaded
+    prompts = [[5, 17, 3, 60, 2], [9, 1]]
+    plain = generate(config, params, prompts, max_new_tokens=12, temperature=0.0)
+    with caplog.at_level("INFO", logger="transformer_jax.decode.generation"):
+        spec = generate(config, params, prompts, max_new_tokens=12, temperature=0.0,
+                        speculative="mtp")
+    assert [list(t) for t in spec.tokens] == [list(t) for t in plain.tokens]
+    assert sum(s.verifications for s in spec.speculative) > 0
+    assert any("speculative generate (mtp:k=1)" in r.message and "acceptance" in r.message
+               for r in caplog.records)
+
+
+def test_mtp_speculation_is_refused_in_one_line_where_it_cannot_apply(loaded):
+    config, params = loaded
+    with pytest.raises(ValueError, match=r"^speculative mtp drafts with the model's multi-token"):
+        generate(config.replace(mtp_depth=0), params, [[1, 2]], max_new_tokens=2,
+                 speculative="mtp")
+    with pytest.raises(ValueError, match=r"^speculative mtp proposes one token a round"):
+        parse_spec("mtp:k=2")
+    assert str(parse_spec("mtp")) == str(parse_spec("mtp:k=1")) == "mtp:k=1"
+
+
+def test_serve_refuses_mtp_speculation_at_start_up_in_one_line(capsys):
+    from transformer_jax.cli import serve as cli
+    from transformer_jax.serving.requests import SamplingParams
+
+    code, line = exit_and_line(capsys, cli.main, "--checkpoint", "unused",
+                               "--compilation-cache", "", "--speculative", "mtp")
+    assert code == 1 and "speculative mtp: the serving engine does not draft" in line
+    with pytest.raises(ValueError, match=r"^speculative mtp: the serving engine"):
+        SamplingParams(max_tokens=4, speculative="mtp").validate(V)

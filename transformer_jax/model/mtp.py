@@ -52,10 +52,11 @@ class MTPModule(nn.Module):
 
     @nn.compact
     def __call__(self, hidden: jax.Array, emb: jax.Array, positions: jax.Array,
-                 cache: Any = None, layer: int = 0, segment_ids: jax.Array | None = None
-                 ) -> tuple[jax.Array, jax.Array, Any]:
+                 cache: Any = None, layer: int = 0, segment_ids: jax.Array | None = None,
+                 logits_at: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Any]:
         """([B, T, D] previous hidden, [B, T, D] embeddings of the tokens k ahead, [B, T]
-        positions) -> ([B, T, D] block output, [B, T, V] float32 logits, updated cache)."""
+        positions) -> ([B, T, D] block output, [B, T, V] float32 logits (or [B, V] at the
+        optional [B] index ``logits_at`` per row), updated cache)."""
         c = self.config
         norm_kw = dict(kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
                        param_dtype=c.jnp_param_dtype)
@@ -67,14 +68,15 @@ class MTPModule(nn.Module):
                   w.astype(c.jnp_dtype), "BTI,ID->BTD")
         (x, cache), _ = Block(c, c.mtp_spec(), name="block")((x, cache), positions, layer,
                                                              segment_ids)
-        y = Norm(name="head_norm", **norm_kw)(x)
+        y = x if logits_at is None else x[jnp.arange(x.shape[0]), logits_at][:, None]
+        y = Norm(name="head_norm", **norm_kw)(y)
         head = matrix(self, "lm_head", (c.d_model, c.vocab_size), ("embed", "vocab"),
                       nn.initializers.normal(c.init_std), param_dtype=c.jnp_param_dtype)
         logits = dense(y, head.astype(c.jnp_dtype), "BTD,DV->BTV",
                        preferred_element_type=jnp.float32)
         if c.final_softcap is not None:
             logits = ops.softcap(logits, c.final_softcap)
-        return x, logits, cache
+        return x, logits if logits_at is None else logits[:, 0], cache
 
 
 def mtp_logits(config: ModelConfig, hidden: jax.Array, emb: jax.Array, positions: jax.Array,

@@ -42,7 +42,8 @@ class Output:
       logits: [B, T, V] float32 next-token logits ([B, V] with ``logits_at``); None with
         ``hidden_only``.
       cache: the updated cache when one was given (lengths ``positions[:, -1] + 1``), else None.
-      hidden: the final-normed [B, T, D] hidden states with ``hidden_only``, else None.
+      hidden: the final-normed [B, T, D] hidden states with ``hidden_only`` or
+        ``with_hidden``, else None.
       mtp: with ``mtp=True``, the multi-token prediction modules' [D_mtp, B, T, V] float32
         logits (``model.mtp``); else None.
       moe: with a mixture of experts, its sparse layers' ``moe.RouterStats`` stacked:
@@ -81,7 +82,7 @@ class Transformer(nn.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  cache: Cache | None = None, segment_ids: jax.Array | None = None,
                  logits_at: jax.Array | None = None, hidden_only: bool = False,
-                 mtp: bool = False) -> Output:
+                 mtp: bool = False, with_hidden: bool = False) -> Output:
         """Next-token logits for every position, or for one position per sequence.
 
         Args:
@@ -102,6 +103,9 @@ class Transformer(nn.Module):
           mtp: also run the multi-token prediction modules (``config.mtp_depth`` > 0) over
             the whole sequences (``Output.mtp``), for the training loss; not with
             ``logits_at`` or a cache. The modules' params exist whenever ``mtp_depth`` > 0.
+          with_hidden: also return the final-normed [B, T, D] hidden states of every position
+            (``logits_at`` included) beside the logits: what a multi-token prediction draft
+            reads (``decode.speculative_mtp``).
 
         Returns:
           An ``Output``: the logits (or hidden states) and the updated cache.
@@ -129,10 +133,15 @@ class Transformer(nn.Module):
         if cache is not None:
             cache = cache.replace(lengths=(positions[:, -1] + 1).astype(jnp.int32))
 
+        final_norm = Norm(kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
+                          param_dtype=c.jnp_param_dtype, name="final_norm")
+        hidden = None
+        if with_hidden:  # every position's; the norm is per token, so slicing after it is exact
+            x = hidden = final_norm(x)
         if logits_at is not None:
             x = x[jnp.arange(b), logits_at][:, None]  # [B, 1, D]
-        x = Norm(kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
-                 param_dtype=c.jnp_param_dtype, name="final_norm")(x)
+        if hidden is None:
+            x = final_norm(x)
         head = embed.embedding if c.tie_embeddings else self._untied_head()
         mtp_out = None
         if c.mtp_depth and (mtp or self.is_initializing()):
@@ -151,7 +160,7 @@ class Transformer(nn.Module):
             logits = ops.softcap(logits, c.final_softcap)
         if logits_at is not None:
             logits = logits[:, 0]
-        return Output(logits=logits, cache=cache, moe=moe_stats, mtp=mtp_out)
+        return Output(logits=logits, cache=cache, moe=moe_stats, mtp=mtp_out, hidden=hidden)
 
     def _blocks(self, carry: Carry, positions: jax.Array, segment_ids: jax.Array | None
                 ) -> tuple[Carry, dict[str, jax.Array] | None]:
