@@ -142,8 +142,7 @@ def parse_spec(spec: str | SpeculativeConfig | None) -> SpeculativeConfig | None
 
 
 def check_engine(spec: SpeculativeConfig | None) -> None:
-    """Refuses, in one line, what the serving engine cannot speculate with (the model's own
-    multi-token prediction module: ``generate`` only, ``decode.speculative_mtp``)."""
+    """Refuses (one line) the serving engine's missing method: ``mtp`` (``generate`` only)."""
     if spec is not None and spec.method == "mtp":
         raise ValueError("speculative mtp: the serving engine does not draft with the model's "
                          "multi-token prediction module yet (decode.generate does); use ngram "
