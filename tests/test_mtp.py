@@ -19,12 +19,14 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from transformer_jax import hf  # noqa: E402
+from transformer_jax.checkpoint import loading  # noqa: E402
 from transformer_jax.decode import speculative_loop, speculative_mtp  # noqa: E402
 from transformer_jax.decode.generation import generate  # noqa: E402
 from transformer_jax.decode.speculative import parse_spec  # noqa: E402
 from transformer_jax.model.transformer import Transformer  # noqa: E402
 from transformer_jax.train.checks import check_config  # noqa: E402
 from transformer_jax.train.config import TrainConfig  # noqa: E402
+from transformer_jax.train.init_from import init_model_config  # noqa: E402
 from transformer_jax.train.step import make_loss_fn  # noqa: E402
 
 B, T, V, D, L = 2, 9, 97, 32, 2
@@ -330,3 +332,21 @@ def test_serve_refuses_mtp_speculation_at_start_up_in_one_line(capsys):
     assert code == 1 and "speculative mtp: the serving engine does not draft" in line
     with pytest.raises(ValueError, match=r"^speculative mtp: the serving engine"):
         SamplingParams(max_tokens=4, speculative="mtp").validate(V)
+
+
+def test_a_run_from_the_checkpoint_may_drop_the_modules(checkpoint, tmp_path):
+    """``train.init_from``: the checkpoint's model has its module, ``model.mtp_depth=0`` drops
+    it (the main model unchanged), another depth is refused; a checkpoint whose config says
+    ``num_nextn_predict_layers`` 1 without the tensors (``save_pretrained``'s) has none."""
+    source = loading.locate(checkpoint[2])
+    assert source.model.mtp_depth == 1
+    assert init_model_config(source, {"mtp_depth": 0}).mtp_depth == 0
+    with pytest.raises(ValueError, match=r"model\.mtp_depth=2 \(the checkpoint has 1\)"):
+        init_model_config(source, {"mtp_depth": 2})
+    assert "mtp_0" not in loading.load(source, mtp_depth=0, with_tokenizer=False).params
+    weights = safetensors_torch.load_file(checkpoint[2] / "model.safetensors")
+    safetensors_torch.save_file({k: v for k, v in weights.items()
+                                 if not k.startswith(f"model.layers.{L}.")},
+                                tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((checkpoint[2] / "config.json").read_text())
+    assert loading.locate(tmp_path).model.mtp_depth == hf.load(tmp_path)[0].mtp_depth == 0

@@ -239,13 +239,28 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     return config, params
 
 
+def stored_mtp_depth(config: ModelConfig, names: Any) -> int:
+    """The multi-token prediction modules a checkpoint holds: ``config.mtp_depth`` (its
+    ``num_nextn_predict_layers``) when tensor ``names`` include layer L's, else 0
+    (transformers' ``save_pretrained`` writes ``num_nextn_predict_layers`` 1 and no tensors)."""
+    if config.mtp_depth and any(n.startswith(f"model.layers.{config.n_layers}.") for n in names):
+        return config.mtp_depth
+    return 0
+
+
+def stored_mtp_modules(path: str | Path, config: ModelConfig) -> ModelConfig:
+    """``config`` (a HF checkpoint's, ``config_from_hf``) with the ``mtp_depth`` its weights
+    hold (``stored_mtp_depth``, from the safetensors headers or index only)."""
+    if not config.mtp_depth:
+        return config
+    return config.replace(mtp_depth=stored_mtp_depth(config, _weight_files(Path(path))))
+
+
 def _mtp_modules(config: ModelConfig, files: dict[str, Path], depth: int | None,
                  path: Path) -> tuple[ModelConfig, set[str]]:
     """The config with the multi-token prediction modules ``load`` reads (``mtp_depth``),
     and the checkpoint's tensors of those it drops."""
-    have = config.mtp_depth
-    if have and not any(n.startswith(f"model.layers.{config.n_layers}.") for n in files):
-        have = 0  # transformers' save_pretrained writes num_nextn_predict_layers, no tensors
+    have = stored_mtp_depth(config, files)
     if depth is not None and depth not in (0, have):
         raise ValueError(f"mtp_depth={depth}: the checkpoint in {path} has {have} multi-token "
                          "prediction modules; load them all (None) or none (0)")
