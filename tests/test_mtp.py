@@ -309,6 +309,14 @@ def test_mtp_speculative_generate_equals_plain_greedy(loaded, caplog):
                         speculative="mtp")
     assert [list(t) for t in spec.tokens] == [list(t) for t in plain.tokens]
     assert sum(s.verifications for s in spec.speculative) > 0
+    # Zero gains on the two final norms: both heads see zeros, so the target draws token 0
+    # and the module proposes it: every proposal kept (two tokens a round), the same tokens.
+    agree = {**params, "final_norm": {"scale": jnp.zeros(D)},
+             "mtp_0": {**params["mtp_0"], "head_norm": {"scale": jnp.zeros(D)}}}
+    kept = generate(config, agree, prompts, max_new_tokens=12, temperature=0.0,
+                    speculative="mtp")
+    assert [list(t) for t in kept.tokens] == [[0] * 12] * 2
+    assert all(s.accepted >= 4 and s.accepted == s.proposed for s in kept.speculative)
     assert any("speculative generate (mtp:k=1)" in r.message and "acceptance" in r.message
                for r in caplog.records)
 
