@@ -39,8 +39,8 @@ def _tiny_deepseek() -> "transformers.DeepseekV3ForCausalLM":
         vocab_size=V, hidden_size=D, intermediate_size=48, num_attention_heads=4,
         num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8,
         qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True, max_position_embeddings=256,
-        num_hidden_layers=L, first_k_dense_replace=1, n_routed_experts=8,
-        num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=16,
+        num_hidden_layers=L, first_k_dense_replace=1, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=16,
         n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         num_nextn_predict_layers=1, attn_implementation="eager")
     model = transformers.DeepseekV3ForCausalLM(config).eval()
