@@ -44,6 +44,8 @@ DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config default, and th
 # The Linear weights ``save(fp8=True)`` quantises: the attention and FFN projections (the
 # experts' too); norms, embeddings, lm_head, routers and shared-expert gates stay unquantised.
 _QUANTIZABLE = re.compile(r"^model\.layers\.\d+\..*(_proj|_proj_with_mqa|\.w[123])\.weight$")
+# The 256 e4m3fn values by byte: a gather decodes 4x faster than ml_dtypes' cast.
+_VALUES = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
 
 
 def block_size(quant: Mapping[str, Any]) -> tuple[int, int]:
@@ -92,8 +94,16 @@ def _expand(scales: np.ndarray, rows: np.ndarray, cols: np.ndarray, block: tuple
             ) -> np.ndarray:
     """Each entry's block scale: ``scales`` [..., g0, g1] (the grid from ``rows[0]``'s and
     ``cols[0]``'s blocks) at rows x cols -> [..., len(rows), len(cols)]."""
-    r, c = rows // block[0], cols // block[1]
-    return scales[..., (r - r.min())[:, None], (c - c.min())[None, :]]
+    return _spread(_spread(scales, rows, block[0], -2), cols, block[1], -1)
+
+
+def _spread(x: np.ndarray, index: np.ndarray, size: int, axis: int) -> np.ndarray:
+    """``x`` with each entry repeated ``size`` times on ``axis``, at ``index`` (whose first
+    block is ``x``'s first): a slice where ``index`` is one (a copy, not a gather)."""
+    x, at = np.repeat(x, size, axis), index - index.min() // size * size
+    if at[-1] - at[0] + 1 == at.size:
+        return x[(Ellipsis, slice(at[0], at[-1] + 1)) + (slice(None),) * (-1 - axis)]
+    return np.take(x, at, axis)
 
 
 def dequantize(weight: np.ndarray, scales: np.ndarray, block: tuple[int, int],
@@ -112,11 +122,16 @@ def dequantize(weight: np.ndarray, scales: np.ndarray, block: tuple[int, int],
     Raises:
       ValueError: a value is not finite (e4m3fn's NaN, or a scale that is not finite), named.
     """
-    values = np.asarray(weight).astype(np.float32)
+    values = _decode(weight)
     rows, cols = np.arange(values.shape[-2]), np.arange(values.shape[-1])
     if not (rows.size and cols.size):
         return values
     return _scaled(values, _expand(np.asarray(scales, np.float32), rows, cols, block), name)
+
+
+def _decode(weight: np.ndarray) -> np.ndarray:
+    """e4m3fn values (any 1-byte view of them) -> float32."""
+    return np.take(_VALUES, np.asarray(weight).view(np.uint8))
 
 
 def _scaled(values: np.ndarray, scales: np.ndarray, name: str) -> np.ndarray:
@@ -214,7 +229,7 @@ class Scaled:
         *lead, rows, cols = index
         r = np.arange(*rows.indices(self.shape[-2]))
         c = np.arange(*cols.indices(self.shape[-1]))
-        values = np.asarray(self._weight(index)).astype(np.float32)
+        values = _decode(self._weight(index))
         if not (r.size and c.size):
             return values
         r0, c0 = r.min() // self.block[0], c.min() // self.block[1]
