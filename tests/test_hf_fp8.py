@@ -146,6 +146,16 @@ def test_loads_as_the_dequantised_checkpoint_with_transformers_logits(checkpoint
     assert np.abs(torch_logits(original, *INPUTS) - theirs).max() > 100 * TOL
 
 
+def test_export_quantises_what_the_checkpoint_had(checkpoint, tmp_path):
+    """``save(fp8_block=BLOCK)`` of the loaded params quantises the same tensors (projections,
+    experts one by one, shared experts; not the router) and reads back bit for bit."""
+    config, params = hf.load(checkpoint.path, dtype="float32")
+    hf.save(config, params, tmp_path, fp8_block=BLOCK)
+    stored = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(n for n in stored if n + "_scale_inv" in stored) == checkpoint.quantised
+    assert_same(hf.load(tmp_path, dtype="float32")[1], params)
+
+
 def test_default_dtype_is_the_unquantised_tensors(qwen3, tmp_path):
     """Without ``dtype`` the params take the unquantised tensors' dtype (bfloat16 here, as
     the published checkpoints): the float32 products rounded once more."""
