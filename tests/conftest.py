@@ -116,6 +116,7 @@ LONGEST_FIRST = (
     "test_run_faults", "test_serving_engine", "test_tools", "test_moe_train", "test_multihost",
     "test_hf_sharded", "test_io_faults", "test_multi_lora", "test_faults_qlora",
     "test_hf_llama4", "test_hf_gpt_oss", "test_hf_deepseek", "test_mtp", "test_hf_families",
+    "test_hf_fp8",
     "test_model_backends", "test_faults", "test_attention", "test_hf_moe", "test_model",
     "test_serving_tp", "test_ops", "test_loading", "test_compiled_step", "test_moe_deepseek",
     "test_moe_ops", "test_window_cache", "test_bench_decode", "test_sampling", "test_quant",

@@ -239,7 +239,8 @@ def test_mxfp4_is_refused_for_other_families():
     config = dict(model_type="llama", vocab_size=V, hidden_size=D, num_hidden_layers=1,
                   num_attention_heads=4, max_position_embeddings=64, intermediate_size=F,
                   quantization_config=QUANT)
-    with pytest.raises(ValueError, match="quant_method 'mxfp4'\\) are not supported$"):
+    with pytest.raises(ValueError,
+                       match="quant_method 'mxfp4'\\) are not supported; llama reads fp8$"):
         hf.config_from_hf(config)
 
 

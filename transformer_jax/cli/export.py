@@ -102,7 +102,7 @@ def _check_only_an_export(out: Any, overwrite: bool) -> None:
 def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | None = None,
            use_tokenizer: bool = True, step: int | None = None, dtype: str | None = None,
            max_shard_bytes: int | None = None, overwrite: bool = False,
-           model_type: str | None = None, mxfp4: bool = False) -> Path:
+           model_type: str | None = None, mxfp4: bool = False, fp8: bool = False) -> Path:
     """Writes a HF checkpoint directory from a run or a HF directory (read-only).
 
     Args:
@@ -122,6 +122,10 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
         architecture's fields give (``hf.save``).
       mxfp4: store GPT-OSS's experts in MXFP4 as its published checkpoints do
         (``hf.save(mxfp4_experts=True)``; rounds values MXFP4 does not hold); default: unquantised.
+      fp8: store each layer's projection weights in block-scaled FP8 (e4m3, one float32
+        scale per 128 x 128 block) as DeepSeek-V3's published checkpoints do
+        (``hf.save(fp8_block=(128, 128))``; rounds to e4m3's 4 significant bits); refused for
+        GPT-OSS and Llama 4 (their experts are MXFP4 / 3-D) and with ``mxfp4``.
 
     Returns:
       The output directory.
@@ -161,7 +165,8 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
                     "another)", model_type, checkpoint)
     try:
         hf.save(config, params, out, tokenizer=tok, max_shard_bytes=max_shard_bytes,
-                model_type=model_type, mxfp4_experts=mxfp4)
+                model_type=model_type, mxfp4_experts=mxfp4,
+                fp8_block=hf.fp8.DEFAULT_BLOCK if fp8 else None)
     except OSError as e:
         raise type(e)(f"could not write the export {out}: {e.strerror or e}") from None
     if remote:
@@ -217,9 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF model_type to write (default: the family the checkpoint was "
                    "loaded as, a run started from a HF checkpoint records it; else the first "
                    "the architecture matches; phi3 writes Phi-3's fused q/k/v and gate/up)")
-    p.add_argument("--mxfp4", action="store_true", help="store GPT-OSS's experts in MXFP4, as "
-                   "its published checkpoints (rounds values MXFP4 does not hold; default: "
-                   "unquantised, in the weights' dtype)")
+    quant = p.add_mutually_exclusive_group()
+    quant.add_argument("--mxfp4", action="store_true", help="store GPT-OSS's experts in MXFP4, "
+                       "as its published checkpoints (rounds values MXFP4 does not hold; "
+                       "default: unquantised, in the weights' dtype)")
+    quant.add_argument("--fp8", action="store_true", help="store the layers' projection "
+                       "weights in FP8 e4m3 with a float32 scale per 128x128 block, as "
+                       "DeepSeek-V3's published checkpoints (rounds to e4m3; not for gpt_oss "
+                       "or llama4)")
     return p
 
 
@@ -233,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = export(args.checkpoint, args.out, tokenizer=args.tokenizer,
                      use_tokenizer=not args.no_tokenizer, step=args.step, dtype=args.dtype,
                      max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite,
-                     model_type=args.model_type, mxfp4=args.mxfp4)
+                     model_type=args.model_type, mxfp4=args.mxfp4, fp8=args.fp8)
     except (OSError, ValueError, CheckpointError) as e:
         return fail(str(e), 1)
     print(f"exported {args.checkpoint} -> {out}")

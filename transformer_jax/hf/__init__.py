@@ -6,9 +6,11 @@ mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS): load, save, export.
 ``Transformer(config).apply`` runs with the same logits as the HF model; ``load(dir, mesh=mesh)``
 creates every param sharded over a device mesh by the training's rules, each device's shard read
 on its own from the memory-mapped files; MXFP4 experts (GPT-OSS's published checkpoints) are
-dequantised exactly as they are read (``hf.mxfp4``). ``save(config, params, dir,
-tokenizer=tok)`` writes the reverse (unquantised), which ``transformers``' ``from_pretrained``
-reads (model and tokenizer).
+dequantised exactly as they are read (``hf.mxfp4``), block-scaled FP8 Linear weights
+(DeepSeek-V3's, Kimi K2's, Qwen3-*-FP8's) to the run's dtype (``hf.fp8``).
+``save(config, params, dir, tokenizer=tok)`` writes the reverse (unquantised unless asked:
+``mxfp4_experts``, ``fp8_block``), which ``transformers``' ``from_pretrained`` reads (model and
+tokenizer).
 ``transformer-jax export`` (``cli/export.py``, not imported here) exports a training run.
 
 This module does the file I/O (``hf.reader`` reads the files): the checks of the tensors
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from transformer_jax.hf import deepseek, generation_config, llama4, moe, mxfp4
+from transformer_jax.hf import deepseek, fp8, generation_config, llama4, moe, mxfp4
 from transformer_jax.hf.convert import (
     _IGNORED_TENSOR,
     ARCHITECTURES,
@@ -140,7 +142,9 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     host never holds more than one shard in flight, never the whole model or a whole tensor.
     An MXFP4 checkpoint's (``quantization_config`` ``{"quant_method": "mxfp4"}``) experts,
     stored as ``*_blocks`` and ``*_scales``, are read block by block the same way and
-    dequantised exactly (``hf.mxfp4``), to ``dtype``.
+    dequantised exactly (``hf.mxfp4``), to ``dtype``; so are a block-scaled FP8 checkpoint's
+    (``{"quant_method": "fp8"}``) e4m3 Linear weights with their ``*.weight_scale_inv``
+    (``hf.fp8``: ``float32(e4m3) * scale``, then cast to ``dtype``).
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` or
@@ -152,8 +156,8 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
         with ``scan_layers=True``; None or False the unrolled one (``blocks_{i}``).
       dtype: the ``param_dtype`` and compute ``dtype`` of the result (``"float32"``,
         ``"bfloat16"``, ``"float16"``); None keeps the checkpoint's dtype when all tensors
-        share one (MXFP4 tensors aside: bfloat16 for the published GPT-OSS checkpoints),
-        else float32 (an exact upcast).
+        share one (quantised tensors aside: bfloat16 for the published GPT-OSS and
+        DeepSeek-V3 checkpoints), else float32 (an exact upcast).
       rules: the logical -> mesh axis rules of the placement (default: ``rules_for(mesh)``).
       mtp_depth: None loads the multi-token prediction modules the checkpoint has
         (``num_nextn_predict_layers``, ``hf.deepseek``; none when their tensors are absent, as
@@ -168,9 +172,11 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     Raises:
       FileNotFoundError: no config.json or no weights.
       ValueError: a setting or tensor with no exact equivalent, or missing, unexpected or
-        misshapen tensors (named; an MXFP4 tensor's blocks or scales too, or its value not
-        finite); a ``config.json``/index that is not JSON or a truncated or
-        corrupt safetensors file (the file named); a param the mesh cannot split evenly.
+        misshapen tensors (named; an MXFP4 tensor's blocks or scales too, an FP8 weight's
+        scales, or a quantised value not finite); an FP8 ``quantization_config`` it does not
+        read (another format, static activation scales, per-tensor scales); a
+        ``config.json``/index that is not JSON or a truncated or corrupt safetensors file (the
+        file named); a param the mesh cannot split evenly.
     """
     _safetensors()  # the ImportError with install advice, before any work
     if dtype is not None:
@@ -180,15 +186,19 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     if scan_layers:
         config = config.replace(scan_layers=True)
     files = _weight_files(path)
-    config, dropped = _mtp_modules(config, files, mtp_depth, path)
+    config, dropped = deepseek.mtp_modules(config, files, mtp_depth, path)
+    if dropped:
+        logger.info("dropped the multi-token prediction modules of %s (%d tensors): "
+                    "mtp_depth=0", path, len(dropped))
     mtp_embeds = deepseek.mtp_embeddings(config)
     specs = llama4.prefixed(_tensors(config, hf_config["model_type"],
                                      moe.stacked_experts(files)), hf_config)
     unused = moe.unused_tensors(config, hf_config["model_type"])
 
     expected = {s.hf_name for s in specs} | set(unused)
-    packed = mxfp4.packed_tensors(hf_config, expected, files)  # read as their values
-    expected = (expected - set(packed)) | {part for parts in packed.values() for part in parts}
+    packed = {**mxfp4.packed_tensors(hf_config, expected, files),  # read as their values
+              **fp8.packed_tensors(hf_config, expected, files)}
+    expected = (expected - set(packed)) | {part for p in packed.values() for part in p.parts}
     # Llama's attention_bias also biases o_proj, which we lack: accept only zero biases.
     o_biases = ([f"model.layers.{i}.self_attn.o_proj.bias" for i in range(config.n_layers)]
                 if hf_config["model_type"] == "llama" and config.qkv_bias else [])
@@ -239,38 +249,12 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     return config, params
 
 
-def stored_mtp_depth(config: ModelConfig, names: Any) -> int:
-    """The multi-token prediction modules a checkpoint holds: ``config.mtp_depth`` (its
-    ``num_nextn_predict_layers``) when tensor ``names`` include layer L's, else 0
-    (transformers' ``save_pretrained`` writes ``num_nextn_predict_layers`` 1 and no tensors)."""
-    if config.mtp_depth and any(n.startswith(f"model.layers.{config.n_layers}.") for n in names):
-        return config.mtp_depth
-    return 0
-
-
 def stored_mtp_modules(path: str | Path, config: ModelConfig) -> ModelConfig:
     """``config`` (a HF checkpoint's, ``config_from_hf``) with the ``mtp_depth`` its weights
-    hold (``stored_mtp_depth``, from the safetensors headers or index only)."""
+    hold (``deepseek.stored_mtp_depth``, from the safetensors headers or index only)."""
     if not config.mtp_depth:
         return config
-    return config.replace(mtp_depth=stored_mtp_depth(config, _weight_files(Path(path))))
-
-
-def _mtp_modules(config: ModelConfig, files: dict[str, Path], depth: int | None,
-                 path: Path) -> tuple[ModelConfig, set[str]]:
-    """The config with the multi-token prediction modules ``load`` reads (``mtp_depth``),
-    and the checkpoint's tensors of those it drops."""
-    have = stored_mtp_depth(config, files)
-    if depth is not None and depth not in (0, have):
-        raise ValueError(f"mtp_depth={depth}: the checkpoint in {path} has {have} multi-token "
-                         "prediction modules; load them all (None) or none (0)")
-    keep = have if depth is None else depth
-    prefixes = tuple(f"model.layers.{config.n_layers + k}." for k in range(keep, have))
-    dropped = {n for n in files if n.startswith(prefixes)} if prefixes else set()
-    if dropped:
-        logger.info("dropped the %d multi-token prediction module(s) of %s (%d tensors): "
-                    "mtp_depth=0", have, path, len(dropped))
-    return config.replace(mtp_depth=keep), dropped
+    return config.replace(mtp_depth=deepseek.stored_mtp_depth(config, _weight_files(Path(path))))
 
 
 def _same_rows(reader: _Reader, a: str, b: str, chunk_bytes: int = 1 << 26) -> bool:
@@ -335,7 +319,8 @@ def _load_params(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
 
 def save(config: ModelConfig, params: Params, path: str | Path, *,
          tokenizer: TextTokenizer | None = None, max_shard_bytes: int | None = None,
-         model_type: str | None = None, mxfp4_experts: bool = False) -> None:
+         model_type: str | None = None, mxfp4_experts: bool = False,
+         fp8_block: tuple[int, int] | None = None) -> None:
     """Writes a HF checkpoint directory that ``load`` and transformers' ``from_pretrained`` read.
 
     The layout is the family ``config_to_hf`` picks from the fields, or ``model_type``'s.
@@ -364,6 +349,12 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
         published GPT-OSS checkpoints (``hf.mxfp4.quantize``: exact for the values an MXFP4
         checkpoint loaded with, rounded otherwise), with their ``quantization_config``; only
         for a family that has such checkpoints (GPT-OSS).
+      fp8_block: store each layer's 2-D projection weights (``fp8.quantizable``) in
+        block-scaled FP8 with blocks of this [B0, B1] (``fp8.quantize``: each block's scale
+        its max |w| / 448, the values rounded to e4m3), with their ``quantization_config``, as
+        DeepSeek-V3's published checkpoints ((128, 128)); not for a family whose checkpoints
+        have no such format (GPT-OSS's are MXFP4, Llama 4's experts are 3-D), nor with
+        ``mxfp4_experts``.
 
     Raises:
       ValueError: the config has no HF equivalent, or params are missing, unexpected or
@@ -375,6 +366,8 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
     if mxfp4_experts and mxfp4.METHOD not in FAMILIES[hf_config["model_type"]].quant_methods:
         raise ValueError(f"HF {hf_config['model_type']} checkpoints have no MXFP4 experts "
                          "(only gpt_oss's)")
+    if fp8_block is not None:
+        _check_fp8_export(hf_config, fp8_block, mxfp4_experts)
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
     if is_scanned(params):
@@ -413,6 +406,11 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
             tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4.quantize(
                 tensors.pop(name), name)
         hf_config["quantization_config"] = mxfp4.CONFIG
+    if fp8_block is not None:
+        for name in [n for n, t in tensors.items() if fp8.quantizable(n, t.shape)]:
+            tensors[name], tensors[name + fp8.SCALE_SUFFIX] = fp8.quantize(
+                tensors[name], fp8_block, name)
+        hf_config["quantization_config"] = fp8.config(fp8_block)
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -450,6 +448,19 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
                 json.dumps(ids, indent=2, sort_keys=True) + "\n")
     logger.info("saved %s checkpoint to %s: %d file(s), %.1f MiB", hf_config["model_type"], path,
                 len(shards), total / 2**20)
+
+
+def _check_fp8_export(hf_config: dict[str, Any], block: tuple[int, int], mxfp4_experts: bool
+                      ) -> None:
+    """Refuses an FP8 export ``save`` cannot write as its family's checkpoints would be."""
+    model_type = hf_config["model_type"]
+    if mxfp4_experts:
+        raise ValueError("an export is either MXFP4 or FP8, not both (one quantization_config)")
+    if fp8.METHOD not in FAMILIES[model_type].quant_methods:
+        why = ("its experts are MXFP4 (--mxfp4)" if mxfp4.METHOD in
+               FAMILIES[model_type].quant_methods else "its experts are 3-D fused tensors")
+        raise ValueError(f"HF {model_type} checkpoints are not block-scaled FP8: {why}")
+    fp8.block_size(fp8.config(tuple(block)))  # (two positive ints)
 
 
 def is_saved_file(name: str) -> bool:

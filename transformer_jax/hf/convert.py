@@ -13,7 +13,8 @@ Anything that cannot be represented exactly is refused with a ValueError naming 
 setting (never converted approximately): other model types, MLP biases, RoPE scaling other than
 linear/llama3/yarn, partial rotary embeddings, mixed sliding/full attention layers in the
 Llama / Mistral / Qwen2 layouts (Qwen3 and Gemma map them to ``layer_pattern``), quantized
-weights (but GPT-OSS's MXFP4 experts, dequantised exactly on load), approximate GELUs there,
+weights (but GPT-OSS's MXFP4 experts, dequantised exactly on load, and block-scaled FP8 Linear
+weights, dequantised on load: ``hf.fp8``), approximate GELUs there,
 and on export any ``Architecture`` field the family does not declare set to other than its
 default.
 
@@ -34,7 +35,7 @@ from collections import ChainMap
 from functools import partial
 from typing import Any
 
-from transformer_jax.hf import deepseek, families, llama4, moe
+from transformer_jax.hf import deepseek, families, fp8, llama4, moe
 from transformer_jax.hf.families import COMMON, Family, required
 from transformer_jax.hf.tensors import (  # noqa: F401  (_flatten, _set_path: re-exported)
     _flatten,
@@ -188,7 +189,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def _check_quantization(quant: Any, family: Family) -> None:
-    """Refuses a ``quantization_config`` whose method the family's checkpoints cannot have."""
+    """Refuses a ``quantization_config`` whose method the family's checkpoints cannot have, or
+    an FP8 one whose settings ``load`` does not read (``fp8.block_size``)."""
     if not quant:
         return
     method = quant.get("quant_method") if isinstance(quant, dict) else None
@@ -197,6 +199,8 @@ def _check_quantization(quant: Any, family: Family) -> None:
                 if family.quant_methods else "")
         raise ValueError(f"quantized checkpoints (quantization_config with quant_method "
                          f"{method!r}) are not supported{only}")
+    if method == fp8.METHOD:
+        fp8.block_size(quant)
 
 
 def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict[str, Any]:

@@ -152,6 +152,29 @@ def mtp_embeddings(c: ModelConfig) -> list[str]:
     return [f"model.layers.{c.n_layers + k}.embed_tokens.weight" for k in range(c.mtp_depth)]
 
 
+def stored_mtp_depth(config: ModelConfig, names: Any) -> int:
+    """The modules a checkpoint holds: ``config.mtp_depth`` (its ``num_nextn_predict_layers``)
+    when the tensor ``names`` include layer L's, else 0 (transformers' ``save_pretrained``
+    writes ``num_nextn_predict_layers`` 1 and no tensors)."""
+    if config.mtp_depth and any(n.startswith(f"model.layers.{config.n_layers}.") for n in names):
+        return config.mtp_depth
+    return 0
+
+
+def mtp_modules(config: ModelConfig, names: Any, depth: int | None, path: Any
+                ) -> tuple[ModelConfig, set[str]]:
+    """The config with the modules ``hf.load`` reads (``depth``: None all it holds, 0 none),
+    and the checkpoint's tensor names of those it drops; ValueError for another depth."""
+    have = stored_mtp_depth(config, names)
+    if depth is not None and depth not in (0, have):
+        raise ValueError(f"mtp_depth={depth}: the checkpoint in {path} has {have} multi-token "
+                         "prediction modules; load them all (None) or none (0)")
+    keep = have if depth is None else depth
+    prefixes = tuple(f"model.layers.{config.n_layers + k}." for k in range(keep, have))
+    return (config.replace(mtp_depth=keep),
+            {n for n in names if n.startswith(prefixes)} if prefixes else set())
+
+
 DEEPSEEK_V3 = Family(
     "deepseek_v3", "DeepseekV3ForCausalLM", _read, _write,
     fixed={"mla.norm_eps": 1e-6, "moe.score": "sigmoid", "moe.correction_bias": True},

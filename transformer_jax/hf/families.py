@@ -83,7 +83,9 @@ class Family:
         ``save_pretrained`` writes them.
       picked: whether export picks it by matching; False: only when asked for by name.
       quant_methods: the ``quantization_config`` methods its checkpoints may have (``load``
-        dequantises them); any other quantised checkpoint is refused.
+        dequantises them, ``save`` can write them); any other quantised checkpoint is refused.
+        Block-scaled FP8 (``hf.fp8``) by default: it stores Linear weights, which every family
+        but those with 3-D fused experts (GPT-OSS, Llama 4) keeps all of in 2-D tensors.
       ffn_module: the HF module of each layer's FFN (a dense layer's ``{gate,up,down}_proj``).
       sparse_tensors: (config, layer) -> a sparse layer's FFN tensors, for a family whose
         layout is its own; None: ``hf.moe.ffn_tensors``.
@@ -106,7 +108,7 @@ class Family:
     fused: bool = False
     experts: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
     picked: bool = True
-    quant_methods: frozenset[str] = frozenset()
+    quant_methods: frozenset[str] = frozenset({"fp8"})
     ffn_module: str = "mlp"
     sparse_tensors: Callable[[ModelConfig, int], list[Any]] | None = None
     shared_expert: str = "shared_expert"

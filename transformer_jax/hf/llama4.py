@@ -167,7 +167,7 @@ LLAMA4_TEXT = Family(
                   use_qk_norm=True, no_rope_layer_interval=4, attention_chunk_size=8192,
                   attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1),
     required=frozenset({"num_key_value_heads", "head_dim"}),
-    ffn_module="feed_forward", sparse_tensors=sparse_tensors)
+    ffn_module="feed_forward", sparse_tensors=sparse_tensors, quant_methods=frozenset())
 
 #: The key ``text_model`` adds to the text config it returns: its tensors' name prefix.
 PREFIX_KEY = "_tensor_prefix"

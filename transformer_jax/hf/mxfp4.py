@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from transformer_jax.hf.tensors import Packing, PartLayout, Read
 
 METHOD = "mxfp4"
 BLOCK = 32  # values per block (and per scale)
@@ -144,8 +146,9 @@ def packable(name: str) -> bool:
 
 
 def packed_tensors(hf_config: Mapping[str, Any], names: Collection[str],
-                   stored: Collection[str]) -> dict[str, tuple[str, str]]:
-    """The tensors of ``names`` an MXFP4 checkpoint stores packed: name -> (blocks, scales).
+                   stored: Collection[str]) -> dict[str, Packing]:
+    """The tensors of ``names`` an MXFP4 checkpoint stores packed: name -> its ``Packing``
+    (parts: its blocks, its scales).
 
     A packable tensor (the experts' ``gate_up_proj``, ``down_proj``) is packed when it is not
     ``stored`` itself but its blocks or its scales are (the other then must be, or ``load``
@@ -154,12 +157,20 @@ def packed_tensors(hf_config: Mapping[str, Any], names: Collection[str],
     quant = hf_config.get("quantization_config")
     if not isinstance(quant, Mapping) or quant.get("quant_method") != METHOD:
         return {}
-    return {name: (name + BLOCKS_SUFFIX, name + SCALES_SUFFIX) for name in sorted(names)
+    return {name: _packing(name) for name in sorted(names)
             if packable(name) and name not in stored
             and (name + BLOCKS_SUFFIX in stored or name + SCALES_SUFFIX in stored)}
 
 
-Read = Callable[[tuple[slice, ...]], np.ndarray]
+def _packing(name: str) -> Packing:
+    def layout(shape: tuple[int, ...]) -> PartLayout:
+        codes = frozenset({DTYPE_CODE})
+        return tuple((part, codes) for part in packed_shapes(name, shape))
+
+    def view(shape: tuple[int, ...], reads: Sequence[Read]) -> Packed:
+        return Packed(name, shape, *reads)
+
+    return Packing(METHOD, (name + BLOCKS_SUFFIX, name + SCALES_SUFFIX), layout, view)
 
 
 class Packed:

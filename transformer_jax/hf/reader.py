@@ -1,23 +1,29 @@
 """Reading a checkpoint's safetensors files: headers, whole tensors, rows and blocks of them,
-and MXFP4-packed tensors as their dequantised values (``hf.mxfp4``). Errors name the file or the
-tensor. ``transformer_jax.hf.load`` builds on it.
+and quantised tensors (``tensors.Packing``: ``hf.mxfp4``'s, ``hf.fp8``'s) as their dequantised
+values. Errors name the file or the tensor. ``transformer_jax.hf.load`` builds on it.
+
+numpy has no float8, and safetensors' numpy reader refuses such tensors: those (``_RAW``) are
+read from the memory-mapped bytes by their header's offsets, as ``ml_dtypes`` arrays.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
-from transformer_jax.hf import mxfp4
-from transformer_jax.hf.tensors import _Tensor
+from transformer_jax.hf.tensors import Packing, Read, _Tensor
 
 # safetensors dtype codes we read, and the ModelConfig dtype names they become.
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+# Codes safetensors' numpy reader cannot read (numpy has no such dtype): read from the bytes.
+_RAW = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2)}
 
 
 def _safetensors() -> Any:
@@ -47,29 +53,35 @@ def _first_line(error: BaseException) -> str:
 class _Reader:
     """Reads tensors, or blocks of them, from open safetensors files; errors name the file.
 
-    ``packed`` names the tensors stored as MXFP4 (name -> its blocks' and scales' names, which
+    ``packed`` names the tensors stored quantised (name -> its ``Packing``, whose parts
     ``files`` maps): they are read as their float32 values, never as stored.
     """
 
     def __init__(self, files: dict[str, Path], handles: dict[Path, Any],
-                 packed: Mapping[str, tuple[str, str]] | None = None) -> None:
+                 packed: Mapping[str, Packing] | None = None) -> None:
         self.files = files
         self.handles = handles
         self.packed = dict(packed or {})
         self.stored = {file: set(handle.keys()) for file, handle in handles.items()}
+        self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}  # (data offset, header)
 
     def check(self, name: str, shape: tuple[int, ...]) -> str | None:
         """Checks a tensor's presence, shape and dtype from the header; returns its dtype name
-        (None for an MXFP4 tensor, whose parts' shapes and uint8 dtype it checks)."""
+        (None for a quantised tensor, whose parts' shapes and dtypes it checks)."""
         if name in self.packed:
-            for part, part_shape in zip(self.packed[name], mxfp4.packed_shapes(name, shape),
-                                        strict=True):
+            packing = self.packed[name]
+            for part, (part_shape, codes) in zip(packing.parts, packing.layout(shape),
+                                                 strict=True):
                 code = self._header(part, part_shape)
-                if code != mxfp4.DTYPE_CODE:
+                if code not in codes:
                     raise ValueError(f"tensor {part} has dtype {code}, expected "
-                                     f"{mxfp4.DTYPE_CODE} (MXFP4)")
+                                     f"{' or '.join(sorted(codes))} ({packing.method})")
             return None
         code = self._header(name, shape)
+        if code in _RAW:
+            raise ValueError(f"tensor {name} is {code} without block scales "
+                             f"({name}_scale_inv) and a quantization_config of quant_method "
+                             "'fp8' naming them; only block-scaled FP8 checkpoints are read")
         if code not in _SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {name} has unsupported dtype {code}; supported: "
                              f"{sorted(_SAFETENSORS_DTYPES)}")
@@ -95,7 +107,7 @@ class _Reader:
         the whole file resident on top of the arrays it built.
         """
         files = {part: self.files[part] for name in names
-                 for part in self.packed.get(name, (name,))}
+                 for part in (self.packed[name].parts if name in self.packed else (name,))}
         with ExitStack() as stack:
             handles = {file: stack.enter_context(_open_safetensors(file))
                        for file in sorted(set(files.values()))}
@@ -111,16 +123,37 @@ class _Reader:
 
     def block(self, spec: _Tensor, index: tuple[slice, ...]) -> np.ndarray:
         """``spec.to_ours(tensor)[index]``, reading only that block from the memory-mapped file
-        (of an MXFP4 tensor: the 32-value blocks covering it, dequantised)."""
+        (of a quantised tensor: the blocks of its parts covering it, dequantised)."""
         name = spec.hf_name
         if name in self.packed:
-            def part(stored: str) -> mxfp4.Read:
-                return lambda i: self._guard(stored, lambda handle: handle.get_slice(stored)[i])
+            packing = self.packed[name]
+            reads = [self._slicer(part) for part in packing.parts]
+            return spec.read(packing.view(spec.stored_shape, reads), index)
+        return self._guard(name, lambda handle: spec.read(self._sliceable(name, handle), index))
 
-            blocks, scales = self.packed[name]
-            return spec.read(mxfp4.Packed(name, spec.stored_shape, part(blocks), part(scales)),
-                             index)
-        return self._guard(name, lambda handle: spec.read(handle.get_slice(name), index))
+    def _slicer(self, name: str) -> Read:
+        """A ``Read`` of a stored tensor's blocks, as stored (float8 as ``ml_dtypes``)."""
+        return lambda i: self._guard(name, lambda handle: self._sliceable(name, handle)[i])
+
+    def _sliceable(self, name: str, handle: Any) -> Any:
+        """The tensor indexable by slices: safetensors' lazy slice, or for a dtype numpy lacks
+        (``_RAW``) the memory-mapped bytes viewed as it (only the pages a block touches are
+        read; the map goes with the last view of it)."""
+        info = handle.get_slice(name)
+        dtype = _RAW.get(info.get_dtype())
+        if dtype is None:
+            return info
+        file = self.files[name]
+        if file not in self._headers:
+            with open(file, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self._headers[file] = 8 + size, json.loads(f.read(size))
+        data, header = self._headers[file]
+        (start, stop), shape = header[name]["data_offsets"], tuple(header[name]["shape"])
+        if stop == start:
+            return np.zeros(shape, dtype)
+        raw = np.memmap(file, np.uint8, "r", offset=data + start, shape=(stop - start,))
+        return raw.view(dtype).reshape(shape)
 
     def _guard(self, name: str, read: Callable[[Any], np.ndarray]) -> np.ndarray:
         file = self.files[name]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -135,6 +135,33 @@ class _Tensor:
             inner += [slice(None), *(slice(*ranges[d]) for d in dims[1:])]
         block = np.asarray(tensor[tuple(hf_index)])
         return block.reshape(block_shape)[tuple(inner)].transpose(self.perm)
+
+
+#: A reading function over one stored tensor: a tuple of slices -> that block, as stored.
+Read = Callable[[tuple[slice, ...]], np.ndarray]
+#: Each stored part's shape and the safetensors dtype codes it may have.
+PartLayout = tuple[tuple[tuple[int, ...], frozenset[str]], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How a quantised checkpoint stores one HF tensor as several (``hf.mxfp4``'s blocks and
+    scales, ``hf.fp8``'s e4m3 weight and block scales), read back as its float32 value.
+
+    Attributes:
+      method: the ``quantization_config`` method (for errors).
+      parts: the stored tensors' names, in the order ``layout`` and ``view`` take them.
+      layout: the tensor's (value's) shape -> each part's shape and accepted dtype codes;
+        raises ValueError, naming the tensor, for a shape the format cannot hold.
+      view: (the value's shape, one ``Read`` per part) -> an object indexable by a tuple of
+        slices over that shape, as a safetensors slice is, giving that block of the value as
+        float32 and reading only the parts' blocks it needs (``_Tensor.read`` takes it).
+    """
+
+    method: str
+    parts: tuple[str, ...]
+    layout: Callable[[tuple[int, ...]], PartLayout]
+    view: Callable[[tuple[int, ...], Sequence[Read]], Any]
 
 
 def _same(hf_name: str, path: tuple[str, ...], shape: tuple[int, ...]) -> _Tensor:
