@@ -42,7 +42,7 @@ from transformer_jax.bench.serve_workload import (
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode import prompts as prompt_lib
-from transformer_jax.decode.speculative import parse_spec
+from transformer_jax.decode.speculative import check_engine, parse_spec
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import cache_bytes
 from transformer_jax.model.transformer import init_params
@@ -269,7 +269,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
     modes = (args.modes or ("http" if args.url else "engine,one,batch")).split(",")
     if args.speculative:
         try:
-            parse_spec(args.speculative)
+            check_engine(parse_spec(args.speculative))
         except ValueError as e:
             parser.error(str(e))
         if "engine-spec" not in modes:

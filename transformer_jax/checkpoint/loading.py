@@ -250,7 +250,12 @@ def _hf_model(root: Path, where: str) -> tuple[ModelConfig, str]:
         raise ValueError(f"{where}: {root / HF_CONFIG} is not a JSON object")
     try:
         hf_config = text_model(hf_config)  # a Llama 4 with vision: its text model
-        return config_from_hf(hf_config), hf_config["model_type"]
+        model = config_from_hf(hf_config)
+        if model.mtp_depth:  # as ``hf.load`` reads it: none where the weights hold none
+            from transformer_jax.hf import stored_mtp_modules
+
+            model = stored_mtp_modules(root, model)
+        return model, hf_config["model_type"]
     except ValueError as e:
         raise ValueError(f"{where}: the checkpoint cannot be represented exactly: {e}") from None
 
@@ -318,7 +323,7 @@ def open_tokenizer(source: Source, path: str | Path | None = None, *, where: str
 def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = True,
          step: int | None = None, scan_layers: bool | None = None, dtype: str | None = None,
          rules: Sequence[tuple[str, Any]] | None = None, tokenizer: str | Path | None = None,
-         with_tokenizer: bool = True) -> Loaded:
+         with_tokenizer: bool = True, mtp_depth: int | None = None) -> Loaded:
     """Reads a checkpoint's weights (read-only) and its tokenizer.
 
     Args:
@@ -339,6 +344,8 @@ def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = Tr
       rules: the logical -> mesh axis rules of the placement; default the training's.
       tokenizer: a tokenizer file or directory to use instead of the one found.
       with_tokenizer: load the tokenizer (``Loaded.tokenizer``; None if there is none).
+      mtp_depth: 0 drops the multi-token prediction modules (``hf.load``'s; a run's are
+        dropped once read); None keeps them.
 
     Returns:
       The ``Loaded`` checkpoint.
@@ -360,11 +367,15 @@ def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = Tr
         from transformer_jax import hf
 
         config, params = hf.load(source.path, mesh=mesh, scan_layers=scan_layers, dtype=dtype,
-                                 rules=rules)
+                                 rules=rules, mtp_depth=mtp_depth)
         loaded = Loaded(source, config, params)
     else:
         loaded = _load_run(source, mesh, merge_lora=merge_lora, step=step,
                            scan_layers=scan_layers, dtype=dtype, rules=rules)
+        if mtp_depth == 0 and loaded.config.mtp_depth:
+            loaded = dataclasses.replace(
+                loaded, config=loaded.config.replace(mtp_depth=0),
+                params={k: v for k, v in loaded.params.items() if not k.startswith("mtp_")})
     # Every leaf's cast and placement done before a program that spans the mesh runs: see
     # _all_finite.
     jax.block_until_ready(loaded.params)

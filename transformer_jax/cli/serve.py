@@ -145,9 +145,9 @@ def _check(args: argparse.Namespace) -> None:
                          f"{args.body_timeout}")
     parse_lora(args.lora, args.served_model_name)
     if args.speculative is not None:
-        from transformer_jax.decode.speculative import parse_spec
+        from transformer_jax.decode.speculative import check_engine, parse_spec
 
-        parse_spec(args.speculative)
+        check_engine(parse_spec(args.speculative))
         if args.tensor > 1 or args.expert > 1:  # before the checkpoint loads
             raise ValueError(f"--speculative {args.speculative}: speculative decoding in the "
                              "engine needs one device; drop --tensor and --expert")

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from transformer_jax.decode import constrained, speculative_loop, streaming
+from transformer_jax.decode import constrained, speculative_loop, speculative_mtp, streaming
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode.constrained import TokenConstraint
 from transformer_jax.decode.loop import DecodeWeights, Params, SamplingSettings
@@ -128,7 +128,8 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
         with the same keys otherwise (``decode.constrained``); one device (no tensor split).
         The constraints are advanced in place.
       speculative: speculative decoding (``decode.speculative``): a spec string
-        (``"ngram:k=4"``, ``"draft:PATH:k=4"``) or a ``SpeculativeConfig``. The same tokens
+        (``"ngram:k=4"``, ``"draft:PATH:k=4"``, ``"mtp"``: the model's own multi-token
+        prediction module, ``decode.speculative_mtp``) or a ``SpeculativeConfig``. The same tokens
         as without (greedy and sampled, for the same seeds), from one jitted device loop
         that proposes up to k tokens per row and verifies them in one forward
         (``decode.speculative_loop``); one device, no constraints, no sliding-window layers.
@@ -163,6 +164,8 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
             raise ValueError("speculative: a tensor-parallel mesh is not supported; decode on "
                              "one device")
         speculative_loop.check_no_rings(config, "the model")
+        if spec.method == "mtp":
+            speculative_mtp.check_mtp(config, spec.k)
     lengths = [len(a) for a in arrays]
     validate_capacity(config, lengths, max_new_tokens, cache_size)
     if cache_dtype is not None:
@@ -190,8 +193,9 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
             config, params, tokens, lengths_arr, keys, max_new_tokens=max_new_tokens,
             settings=settings, cache_size=cache_size + spec.k + 1, cache_dtype=cache_dtype,
             spec=spec, draft=draft, stream=stream)
-        logger.debug("speculative generate took %.3f s, acceptance %s",
-                     time.perf_counter() - start, [round(s.acceptance_rate, 3) for s in stats])
+        logger.log(logging.INFO if spec.method == "mtp" else logging.DEBUG,
+                   "speculative generate (%s) took %.3f s, acceptance %s", spec,
+                   time.perf_counter() - start, [round(s.acceptance_rate, 3) for s in stats])
         return dataclasses.replace(result_from_arrays(*out), speculative=stats)
     if constraints is not None:
         out = constrained.generate_constrained(

@@ -27,7 +27,8 @@ acceptance on plain steps (its first proposal against the target's own token: ``
 it starts again when its acceptance rises.
 
 Spec strings (``parse_spec``): ``"ngram"``, ``"ngram:k=4"``, ``"ngram:k=4:n=3"``,
-``"draft:PATH"``, ``"draft:PATH:k=4"``.
+``"draft:PATH"``, ``"draft:PATH:k=4"``, ``"mtp"`` / ``"mtp:k=1"`` (the target's own
+multi-token prediction module drafts one token a round: ``decode.speculative_mtp``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class SpeculativeConfig:
     """How a request (or ``generate``) speculates.
 
     Attributes:
-      method: ``"ngram"`` (prompt lookup) or ``"draft"`` (a small model).
+      method: ``"ngram"`` (prompt lookup), ``"draft"`` (a small model) or ``"mtp"`` (the
+        target's multi-token prediction module; k = 1).
       k: tokens proposed per verification, in [1, ``MAX_K``].
       n: (n-gram) the longest suffix matched, in [1, ``MAX_N``]; shorter ones down to
         ``min_n`` are tried next.
@@ -70,8 +72,8 @@ class SpeculativeConfig:
     draft: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft"):
-            raise ValueError(f"speculative method must be 'ngram' or 'draft', got "
+        if self.method not in ("ngram", "draft", "mtp"):
+            raise ValueError(f"speculative method must be 'ngram', 'draft' or 'mtp', got "
                              f"{self.method!r}")
         for name in ("k", "n", "min_n"):
             value = getattr(self, name)
@@ -83,6 +85,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative n must be at most {MAX_N}, got {self.n}")
         if self.min_n > self.n:
             raise ValueError(f"speculative min_n ({self.min_n}) exceeds n ({self.n})")
+        if self.method == "mtp" and self.k != 1:
+            raise ValueError(f"speculative mtp proposes one token a round (mtp:k=1), got "
+                             f"k={self.k}")
         if self.method == "draft" and not self.draft:
             raise ValueError("speculative method 'draft' needs a checkpoint path "
                              "(draft:PATH:k=4)")
@@ -90,6 +95,8 @@ class SpeculativeConfig:
     def __str__(self) -> str:
         if self.method == "draft":
             return f"draft:{self.draft}:k={self.k}"
+        if self.method == "mtp":
+            return f"mtp:k={self.k}"
         return f"ngram:k={self.k}:n={self.n}"
 
 
@@ -103,7 +110,8 @@ def parse_spec(spec: str | SpeculativeConfig | None) -> SpeculativeConfig | None
     if spec is None or isinstance(spec, SpeculativeConfig):
         return spec
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"speculative spec must be 'ngram[:k=K][:n=N]' or 'draft:PATH[:k=K]', "
+        raise ValueError(f"speculative spec must be 'ngram[:k=K][:n=N]', 'draft:PATH[:k=K]' or "
+                         f"'mtp[:k=1]', "
                          f"got {spec!r}")
     method, *rest = spec.strip().split(":")
     fields: dict[str, object] = {"method": method}
@@ -112,10 +120,10 @@ def parse_spec(spec: str | SpeculativeConfig | None) -> SpeculativeConfig | None
             raise ValueError(f"speculative spec {spec!r}: 'draft' needs a path, as "
                              "draft:PATH:k=4")
         fields["draft"], rest = rest[0], rest[1:]
-    elif method != "ngram":
+    elif method not in ("ngram", "mtp"):
         raise ValueError(f"speculative spec {spec!r}: unknown method {method!r} (expected "
-                         "'ngram' or 'draft')")
-    allowed = ("k",) if method == "draft" else ("k", "n")
+                         "'ngram', 'draft' or 'mtp')")
+    allowed = ("k",) if method in ("draft", "mtp") else ("k", "n")
     for item in rest:
         name, eq, value = item.partition("=")
         if not eq or name not in allowed:
@@ -128,7 +136,17 @@ def parse_spec(spec: str | SpeculativeConfig | None) -> SpeculativeConfig | None
         except ValueError:
             raise ValueError(f"speculative spec {spec!r}: {name} must be an int, got "
                              f"{value!r}") from None
+    if method == "mtp":
+        fields.setdefault("k", 1)
     return SpeculativeConfig(**fields)  # type: ignore[arg-type]
+
+
+def check_engine(spec: SpeculativeConfig | None) -> None:
+    """Refuses (one line) the serving engine's missing method: ``mtp`` (``generate`` only)."""
+    if spec is not None and spec.method == "mtp":
+        raise ValueError("speculative mtp: the serving engine does not draft with the model's "
+                         "multi-token prediction module yet (decode.generate does); use ngram "
+                         "or draft:PATH")
 
 
 # Proposers ---------------------------------------------------------------------------------------

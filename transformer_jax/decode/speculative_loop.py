@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.decode import sampling, streaming
+from transformer_jax.decode import sampling, speculative_mtp, streaming
 from transformer_jax.decode.loop import (
     DecodeWeights,
     Params,
@@ -216,7 +216,12 @@ def speculative_generate_padded(
     lengths = lengths.astype(jnp.int32)
     key_data = key_data.astype(jnp.uint32)
     cost = jnp.asarray(cost, jnp.float32)
-    logits, cache = prefill(config, params, tokens, lengths, cache_size, cache_dtype)
+    mtp = spec.method == "mtp"  # the target's own module drafts (``speculative_mtp``)
+    if mtp:
+        logits, cache, hidden = speculative_mtp.prefill_with_hidden(
+            config, params, tokens, lengths, cache_size, cache_dtype)
+    else:
+        logits, cache = prefill(config, params, tokens, lengths, cache_size, cache_dtype)
     draft_cache = None
     if draft_params is not None:
         _, draft_cache = prefill(draft_config, draft_params, tokens, lengths, cache_size + 1)
@@ -234,6 +239,10 @@ def speculative_generate_padded(
         rounds=jnp.zeros((2,), jnp.int32), streamed=jnp.zeros((), jnp.int32))
     first, first_lp = draw(logits[:, None], key_data, zeros, settings)
     state = append(state, first, first_lp, jnp.ones((b,), jnp.int32), settings)
+    if mtp:
+        proposal, draft_cache = speculative_mtp.first_proposal(
+            config, params, hidden, tokens, first[:, 0], lengths, cache_size, cache_dtype)
+        state = state.replace(draft_cache=draft_cache, drafts=state.drafts.at[:, 0].set(proposal))
     if stream_id is not None:
         state = stream_ready(state, stream_id, settings.pad_id)
     model = decode_model(config)
@@ -246,7 +255,9 @@ def speculative_generate_padded(
     def decide(s: SpeculativeState) -> SpeculativeState:
         """The next round's proposals (the draft's cache caught up), and the cost rule's
         choice: which rows verify, and whether the round does."""
-        if draft_params is None:
+        if mtp:  # proposed by the round that drew the last token
+            drafts, found = s.drafts, ~no
+        elif draft_params is None:
             drafts, found = ngram_propose(s.seq, s.length, k, spec.n, spec.min_n)
         else:  # the draft's catch-up: the 1 or 2 tokens it lacks (at least the last token)
             start = jnp.minimum(s.draft_length, s.length - 1)
@@ -285,7 +296,7 @@ def speculative_generate_padded(
         next round's choice."""
         verified = num_drafts > 0
         watching = (s.watch_n > 0) & ~verified & ~s.done  # it takes one token of the target's
-        expect = s.drafts[:, 0] if draft_params is not None else jnp.take_along_axis(
+        expect = s.drafts[:, 0] if draft_params is not None or mtp else jnp.take_along_axis(
             s.watched, jnp.minimum(s.matched, k - 1)[:, None], axis=1)[:, 0]
         hit = watching & (targets[:, 0] == expect)
         matched = s.matched + hit
@@ -315,6 +326,8 @@ def speculative_generate_padded(
                 s.drafts[:, 0], s.draft_length, k - 1)
             s = s.replace(draft_cache=draft_cache, drafts=drafts)
         start, last = last_token(s)
+        if mtp:
+            return mtp_round(s, jnp.concatenate([last, s.drafts], axis=1), start, num_drafts)
         cache, targets, logprobs, a = verify(
             model, params, s.cache, jnp.concatenate([last, s.drafts], axis=1), start,
             num_drafts, lambda logits: draw(logits, s.keys, s.num_tokens, settings))
@@ -322,8 +335,19 @@ def speculative_generate_padded(
         s = s.replace(cache=cache, draft_length=s.draft_length + jnp.minimum(a, k - 1))
         return after(s, targets, logprobs, a, num_drafts, 1)
 
+    def mtp_round(s: SpeculativeState, chunk: jax.Array, start: jax.Array,
+                  num_drafts: jax.Array) -> SpeculativeState:  # a verification, or plain
+        cache, draft_cache, proposal, targets, logprobs, a = speculative_mtp.verify(
+            config, params, s.cache, s.draft_cache, chunk, start, num_drafts,
+            lambda logits: draw(logits, s.keys, s.num_tokens, settings))
+        s = s.replace(cache=cache, draft_cache=draft_cache,
+                      drafts=s.drafts.at[:, 0].set(proposal))
+        return after(s, targets, logprobs, a, num_drafts, int(chunk.shape[1] > 1))
+
     def plain_round(s: SpeculativeState) -> SpeculativeState:
         start, last = last_token(s)
+        if mtp:
+            return mtp_round(s, last, start, zeros)
         logits, cache = decode_step(config, params, s.cache, last[:, 0], start)
         return after(s.replace(cache=cache), *draw(logits[:, None], s.keys, s.num_tokens,
                                                    settings), zeros, zeros, 0)

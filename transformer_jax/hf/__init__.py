@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from transformer_jax.hf import fp8, generation_config, llama4, moe, mxfp4
+from transformer_jax.hf import deepseek, fp8, generation_config, llama4, moe, mxfp4
 from transformer_jax.hf.convert import (
     _IGNORED_TENSOR,
     ARCHITECTURES,
@@ -131,8 +131,8 @@ def _read_config(path: Path) -> tuple[ModelConfig, dict[str, Any]]:
 
 
 def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None = None,
-         dtype: str | jnp.dtype | None = None, rules: Sequence[tuple[str, Any]] | None = None
-         ) -> tuple[ModelConfig, Params]:
+         dtype: str | jnp.dtype | None = None, rules: Sequence[tuple[str, Any]] | None = None,
+         mtp_depth: int | None = None) -> tuple[ModelConfig, Params]:
     """Reads a HF checkpoint directory (any model type of ``ARCHITECTURES``).
 
     Everything is checked from ``config.json`` and the safetensors headers (names, shapes,
@@ -159,6 +159,9 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
         share one (quantised tensors aside: bfloat16 for the published GPT-OSS and
         DeepSeek-V3 checkpoints), else float32 (an exact upcast).
       rules: the logical -> mesh axis rules of the placement (default: ``rules_for(mesh)``).
+      mtp_depth: None loads the multi-token prediction modules the checkpoint has
+        (``num_nextn_predict_layers``, ``hf.deepseek``; none when their tensors are absent, as
+        in ``save_pretrained``'s); 0 drops them (one log line): the main model only.
 
     Returns:
       ``(config, params)``: ``Transformer(config).apply({"params": params}, tokens)`` gives the
@@ -183,6 +186,11 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     if scan_layers:
         config = config.replace(scan_layers=True)
     files = _weight_files(path)
+    config, dropped = deepseek.mtp_modules(config, files, mtp_depth, path)
+    if dropped:
+        logger.info("dropped the multi-token prediction modules of %s (%d tensors): "
+                    "mtp_depth=0", path, len(dropped))
+    mtp_embeds = deepseek.mtp_embeddings(config)
     specs = llama4.prefixed(_tensors(config, hf_config["model_type"],
                                      moe.stacked_experts(files)), hf_config)
     unused = moe.unused_tensors(config, hf_config["model_type"])
@@ -195,10 +203,10 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     o_biases = ([f"model.layers.{i}.self_attn.o_proj.bias" for i in range(config.n_layers)]
                 if hf_config["model_type"] == "llama" and config.qkv_bias else [])
     tied_head = "lm_head.weight" if config.tie_embeddings and "lm_head.weight" in files else None
-    missing = sorted((expected | set(o_biases)) - set(files))
+    missing = sorted((expected | set(o_biases) | set(mtp_embeds)) - set(files))
     if missing:
         raise ValueError(f"checkpoint in {path} is missing tensors: {_names(missing)}")
-    known = expected | set(o_biases) | {tied_head}
+    known = expected | set(o_biases) | {tied_head} | set(mtp_embeds) | dropped
     unexpected = sorted(n for n in files if n not in known and not _IGNORED_TENSOR.match(n)
                         and n.startswith(hf_config.get(llama4.PREFIX_KEY, "")))
     if unexpected:
@@ -215,6 +223,8 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
             reader.check(name, (config.d_model,))
         if tied_head is not None:
             reader.check(tied_head, (config.vocab_size, config.d_model))
+        for name in mtp_embeds:
+            reader.check(name, (config.vocab_size, config.d_model))
         if dtype is None:
             dtype = stored.pop() if len(stored) == 1 else "float32"
         config = config.replace(param_dtype=dtype, dtype=dtype)
@@ -228,6 +238,10 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
                                                     "model.embed_tokens.weight"):
             raise ValueError("tie_word_embeddings=True but lm_head.weight differs from "
                              "model.embed_tokens.weight")
+        for name in mtp_embeds:
+            if not _same_rows(reader, name, "model.embed_tokens.weight"):
+                raise ValueError(f"{name} differs from model.embed_tokens.weight (the "
+                                 "multi-token prediction modules share the main token table)")
 
         params = _load_params(config, specs, reader, shardings)
     logger.info("loaded %s checkpoint from %s: %d layers, %s%s", hf_config["model_type"], path,
@@ -235,12 +249,20 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     return config, params
 
 
+def stored_mtp_modules(path: str | Path, config: ModelConfig) -> ModelConfig:
+    """``config`` (a HF checkpoint's, ``config_from_hf``) with the ``mtp_depth`` its weights
+    hold (``deepseek.stored_mtp_depth``, from the safetensors headers or index only)."""
+    if not config.mtp_depth:
+        return config
+    return config.replace(mtp_depth=deepseek.stored_mtp_depth(config, _weight_files(Path(path))))
+
+
 def _same_rows(reader: _Reader, a: str, b: str, chunk_bytes: int = 1 << 26) -> bool:
     """Whether two [V, D] tensors are equal, compared a chunk of rows at a time."""
     shape = reader.handles[reader.files[a]].get_slice(a).get_shape()
     rows = max(1, chunk_bytes // (4 * math.prod(shape[1:])))
-    return all(np.array_equal(reader.rows(a, i, i + rows), reader.rows(b, i, i + rows))
-               for i in range(0, shape[0], rows))
+    ends = [(i, min(i + rows, shape[0])) for i in range(0, shape[0], rows)]
+    return all(np.array_equal(reader.rows(a, i, j), reader.rows(b, i, j)) for i, j in ends)
 
 
 def _load_params(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
@@ -375,6 +397,8 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
         elif s.rows is not None and s.hf_name in tensors:  # the next rows of a fused tensor
             part = np.concatenate([tensors[s.hf_name], part], axis=s.axis)
         tensors[s.hf_name] = np.ascontiguousarray(part)
+    for name in deepseek.mtp_embeddings(config):  # copies of the main token table
+        tensors[name] = tensors["model.embed_tokens.weight"].copy()
     for name, shape in moe.unused_tensors(config, hf_config["model_type"]).items():
         tensors[name] = np.zeros(shape, jnp.dtype(config.param_dtype))
     if mxfp4_experts:

@@ -49,6 +49,7 @@ from transformer_jax.hf.tensors import (  # noqa: F401  (_flatten, _set_path: re
     _Tensor,
 )
 from transformer_jax.model.config import Architecture, ModelConfig
+from transformer_jax.model.mtp import module_key
 
 # Buffers some older checkpoints carry that are recomputed from the config.
 _IGNORED_TENSOR = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
@@ -289,6 +290,50 @@ _BLOCK_NORMS = {
 }
 
 
+def _layer_tensors(c: ModelConfig, family: Family, i: int, stacked_experts: bool
+                   ) -> list[_Tensor]:
+    """Layer i's HF tensors (``model.layers.{i}``), as params of ``blocks_{i}``."""
+    d, n, kv, h, f = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff
+    out: list[_Tensor] = []
+    hf, ours = f"model.layers.{i}", f"blocks_{i}"
+    attn, mlp = f"{hf}.self_attn", f"{hf}.{family.ffn_module}"
+    before_attn, before_mlp = ([_same(f"{hf}.{name}.weight", (ours, param, "scale"), (d,))
+                                for name, param in norms]
+                               for norms in _BLOCK_NORMS[c.norm_position])
+    out += before_attn
+    if c.mla is not None:
+        out += deepseek.attention_tensors(c, attn, (ours,))
+    projections = () if c.mla is not None else (("q", n), ("k", kv), ("v", kv))
+    qkv = [_heads_in(f"{attn}.{x}_proj.weight", (ours, "attn", f"{x}_proj"), d, nh, h)
+           for x, nh in projections]
+    out += _fused(qkv, f"{attn}.qkv_proj.weight") if family.fused else qkv
+    if c.qkv_bias:
+        out += [_reshaped(f"{attn}.{x}_proj.bias", (ours, "attn", f"{x}_bias"), (nh * h,),
+                          (nh, h)) for x, nh in projections]
+    if c.qk_norm == "head":
+        out += [_same(f"{attn}.{x}_norm.weight", (ours, "attn", f"{x}_norm", "scale"), (h,))
+                for x in "qk"]
+    elif c.qk_norm == "full":
+        out += [_reshaped(f"{attn}.{x}_norm.weight", (ours, "attn", f"{x}_norm", "scale"),
+                          (heads * h,), (heads, h)) for x, heads in (("q", n), ("k", kv))]
+    if c.mla is None:
+        out.append(_heads_out(f"{attn}.o_proj.weight", (ours, "attn", "o_proj"), d, n, h))
+    if c.o_bias:
+        out.append(_same(f"{attn}.o_proj.bias", (ours, "attn", "o_bias"), (d,)))
+    if c.attn_sinks:
+        out.append(_same(f"{attn}.sinks", (ours, "attn", "sinks"), (n,)))
+    out += before_mlp
+    if c.moe is not None and c.moe.is_sparse(i):
+        out += (family.sparse_tensors(c, i) if family.sparse_tensors
+                else moe.ffn_tensors(c, i, family, stacked_experts))
+        return out
+    gate_up = [_linear(f"{mlp}.gate_proj.weight", (ours, "mlp", "gate"), d, f),
+               _linear(f"{mlp}.up_proj.weight", (ours, "mlp", "up"), d, f)]
+    out += _fused(gate_up, f"{mlp}.gate_up_proj.weight") if family.fused else gate_up
+    out.append(_linear(f"{mlp}.down_proj.weight", (ours, "mlp", "down"), f, d))
+    return out
+
+
 def _tensors(config: ModelConfig, model_type: str | None = None, stacked_experts: bool = False
              ) -> list[_Tensor]:
     """Every tensor of the HF checkpoint of ``config`` as ``model_type`` (None: the family
@@ -296,47 +341,17 @@ def _tensors(config: ModelConfig, model_type: str | None = None, stacked_experts
     ``stacked_experts``."""
     c = config
     family = FAMILIES[model_type] if model_type else _family(_canonical(c), None)
-    d, n, kv, h, f, v = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
+    d, v = c.d_model, c.vocab_size
     if c.norm_position not in _BLOCK_NORMS:
         raise ValueError(f"no HF layout has norm_position={c.norm_position!r}")
     out = [_same("model.embed_tokens.weight", ("embed", "embedding"), (v, d))]
     for i in range(c.n_layers):
-        hf, ours = f"model.layers.{i}", f"blocks_{i}"
-        attn, mlp = f"{hf}.self_attn", f"{hf}.{family.ffn_module}"
-        before_attn, before_mlp = ([_same(f"{hf}.{name}.weight", (ours, param, "scale"), (d,))
-                                    for name, param in norms]
-                                   for norms in _BLOCK_NORMS[c.norm_position])
-        out += before_attn
-        if c.mla is not None:
-            out += deepseek.attention_tensors(c, attn, (ours,))
-        projections = () if c.mla is not None else (("q", n), ("k", kv), ("v", kv))
-        qkv = [_heads_in(f"{attn}.{x}_proj.weight", (ours, "attn", f"{x}_proj"), d, nh, h)
-               for x, nh in projections]
-        out += _fused(qkv, f"{attn}.qkv_proj.weight") if family.fused else qkv
-        if c.qkv_bias:
-            out += [_reshaped(f"{attn}.{x}_proj.bias", (ours, "attn", f"{x}_bias"), (nh * h,),
-                              (nh, h)) for x, nh in projections]
-        if c.qk_norm == "head":
-            out += [_same(f"{attn}.{x}_norm.weight", (ours, "attn", f"{x}_norm", "scale"), (h,))
-                    for x in "qk"]
-        elif c.qk_norm == "full":
-            out += [_reshaped(f"{attn}.{x}_norm.weight", (ours, "attn", f"{x}_norm", "scale"),
-                              (heads * h,), (heads, h)) for x, heads in (("q", n), ("k", kv))]
-        if c.mla is None:
-            out.append(_heads_out(f"{attn}.o_proj.weight", (ours, "attn", "o_proj"), d, n, h))
-        if c.o_bias:
-            out.append(_same(f"{attn}.o_proj.bias", (ours, "attn", "o_bias"), (d,)))
-        if c.attn_sinks:
-            out.append(_same(f"{attn}.sinks", (ours, "attn", "sinks"), (n,)))
-        out += before_mlp
-        if c.moe is not None and c.moe.is_sparse(i):
-            out += (family.sparse_tensors(c, i) if family.sparse_tensors
-                    else moe.ffn_tensors(c, i, family, stacked_experts))
-            continue
-        gate_up = [_linear(f"{mlp}.gate_proj.weight", (ours, "mlp", "gate"), d, f),
-                   _linear(f"{mlp}.up_proj.weight", (ours, "mlp", "up"), d, f)]
-        out += _fused(gate_up, f"{mlp}.gate_up_proj.weight") if family.fused else gate_up
-        out.append(_linear(f"{mlp}.down_proj.weight", (ours, "mlp", "down"), f, d))
+        out += _layer_tensors(c, family, i, stacked_experts)
+    for k in range(1, c.mtp_depth + 1):  # module k's block is HF layer L + k - 1
+        i = c.n_layers + k - 1
+        block = [dataclasses.replace(t, path=(module_key(k), "block", *t.path[1:]))
+                 for t in _layer_tensors(c, family, i, stacked_experts)]
+        out += deepseek.mtp_tensors(c, i, (module_key(k),), block)
     out.append(_same("model.norm.weight", ("final_norm", "scale"), (d,)))
     if not c.tie_embeddings:
         out.append(_linear("lm_head.weight", ("lm_head",), d, v))

@@ -26,6 +26,15 @@ nope+P], or ``q_a_proj`` [Q, D] -> [D, Q], ``q_a_layernorm`` -> ``q_a_norm``, ``
 [N*(nope+P), Q] -> [Q, N, nope+P]; ``kv_a_proj_with_mqa`` [R+P, D] -> ``kv_a_proj`` [D, R+P],
 ``kv_a_layernorm`` -> ``kv_a_norm``, ``kv_b_proj`` [N*(nope+V), R] -> [R, N, nope+V];
 ``o_proj`` [D, N*V] -> [N, V, D].
+
+Multi-token prediction (``num_nextn_predict_layers`` -> ``mtp_depth``; ``model.mtp``): module
+k's tensors are HF layer ``L + k - 1``'s: a full decoder layer (the main layers' names) ->
+``mtp_{k-1}/block``, ``enorm`` -> ``emb_norm``, ``hnorm`` -> ``hidden_norm``, ``eh_proj``
+[D, 2D] -> [2D, D] (the embedding's half first), ``shared_head.norm`` -> ``head_norm``,
+``shared_head.head`` [V, D] -> ``lm_head`` [D, V], and ``embed_tokens``, a copy of the main
+table (``load`` checks it equal, ``save`` writes it). transformers' model has no such modules
+and ``save_pretrained`` writes no such tensors (with ``num_nextn_predict_layers`` 1 in the
+config): ``load`` reads a checkpoint without them as ``mtp_depth`` 0.
 """
 
 from __future__ import annotations
@@ -52,8 +61,11 @@ def _read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int) -> dict[str, 
     q_rank = hf.get("q_lora_rank")
     mla = MLA(**{k: hf[k] for k in _MLA_KEYS}, q_lora_rank=q_rank)
     interleave = hf.get("rope_interleave")
+    depth = hf.maps[0].get("num_nextn_predict_layers") or 0
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise ValueError(f"num_nextn_predict_layers must be an int >= 0, got {depth!r}")
     return dict(mla=mla, rope_pairing="adjacent" if interleave else "half",
-                moe=_moe(hf, n_layers))
+                moe=_moe(hf, n_layers), mtp_depth=depth)
 
 
 def _moe(hf: ChainMap[str, Any], n_layers: int) -> MoE | None:
@@ -78,7 +90,7 @@ def _write(c: ModelConfig) -> dict[str, Any]:
     m = c.mla
     out = dict(**{k: getattr(m, k) for k in _MLA_KEYS}, q_lora_rank=m.q_lora_rank,
                rope_interleave=c.rope_pairing == "adjacent", first_k_dense_replace=c.n_layers,
-               attention_bias=False)
+               attention_bias=False, num_nextn_predict_layers=c.mtp_depth)
     e = c.moe
     if e is None:
         return out
@@ -121,10 +133,52 @@ def attention_tensors(c: ModelConfig, attn: str, ours: tuple[str, ...]) -> list[
         _heads_out(f"{attn}.o_proj.weight", path("o_proj"), d, n, m.v_head_dim)]
 
 
+def mtp_tensors(c: ModelConfig, i: int, ours: tuple[str, ...], block: list[_Tensor]
+                ) -> list[_Tensor]:
+    """A multi-token prediction module's tensors, HF layer ``i``'s, params under ``ours``
+    (``mtp_{k-1}``): its norms, ``eh_proj`` and head around ``block`` (its decoder layer's
+    tensors, already under ``ours``/block). The layer's ``embed_tokens`` is ``load``'s and
+    ``save``'s (a copy of the main table)."""
+    hf, d = f"model.layers.{i}", c.d_model
+    return [_same(f"{hf}.enorm.weight", (*ours, "emb_norm", "scale"), (d,)),
+            _same(f"{hf}.hnorm.weight", (*ours, "hidden_norm", "scale"), (d,)),
+            _linear(f"{hf}.eh_proj.weight", (*ours, "eh_proj"), 2 * d, d), *block,
+            _same(f"{hf}.shared_head.norm.weight", (*ours, "head_norm", "scale"), (d,)),
+            _linear(f"{hf}.shared_head.head.weight", (*ours, "lm_head"), d, c.vocab_size)]
+
+
+def mtp_embeddings(c: ModelConfig) -> list[str]:
+    """The HF names of the modules' copies of the token table (``embed_tokens``)."""
+    return [f"model.layers.{c.n_layers + k}.embed_tokens.weight" for k in range(c.mtp_depth)]
+
+
+def stored_mtp_depth(config: ModelConfig, names: Any) -> int:
+    """The modules a checkpoint holds: ``config.mtp_depth`` (its ``num_nextn_predict_layers``)
+    when the tensor ``names`` include layer L's, else 0 (transformers' ``save_pretrained``
+    writes ``num_nextn_predict_layers`` 1 and no tensors)."""
+    if config.mtp_depth and any(n.startswith(f"model.layers.{config.n_layers}.") for n in names):
+        return config.mtp_depth
+    return 0
+
+
+def mtp_modules(config: ModelConfig, names: Any, depth: int | None, path: Any
+                ) -> tuple[ModelConfig, set[str]]:
+    """The config with the modules ``hf.load`` reads (``depth``: None all it holds, 0 none),
+    and the checkpoint's tensor names of those it drops; ValueError for another depth."""
+    have = stored_mtp_depth(config, names)
+    if depth is not None and depth not in (0, have):
+        raise ValueError(f"mtp_depth={depth}: the checkpoint in {path} has {have} multi-token "
+                         "prediction modules; load them all (None) or none (0)")
+    keep = have if depth is None else depth
+    prefixes = tuple(f"model.layers.{config.n_layers + k}." for k in range(keep, have))
+    return (config.replace(mtp_depth=keep),
+            {n for n in names if n.startswith(prefixes)} if prefixes else set())
+
+
 DEEPSEEK_V3 = Family(
     "deepseek_v3", "DeepseekV3ForCausalLM", _read, _write,
     fixed={"mla.norm_eps": 1e-6, "moe.score": "sigmoid", "moe.correction_bias": True},
-    free=frozenset({"rope_pairing", *(f"mla.{k}" for k in (*_MLA_KEYS, "q_lora_rank")),
+    free=frozenset({"rope_pairing", "mtp_depth", *(f"mla.{k}" for k in (*_MLA_KEYS, "q_lora_rank")),
                     *(f"moe.{k}" for k in ("renormalize", "shared_d_ff", "dense_layers",
                                            "n_groups", "top_groups", "routed_scale"))}),
     activations={"silu": "swiglu"}, rope_kinds=("default", "yarn"),

@@ -125,6 +125,11 @@ class Architecture:
       mla: if set, every layer is multi-head latent attention (``MLA``: the ``"latent"``
         attention kind, whose cache holds a latent and a rope key per token); ``head_dim`` is
         then its rope width (``mla.qk_rope_head_dim``) and ``n_kv_heads`` is ``n_heads``.
+      mtp_depth: D, the multi-token prediction modules after the stack (0: none). Module k
+        (1..D) at position i projects ``[norm(emb(t_{i+k})); norm(h_i^{k-1})]`` [2D] -> [D]
+        (``eh_proj``; ``h^0`` the final-normed hidden state, ``h^{k-1}`` module k-1's block
+        output), runs one more block (``mtp_spec``) over the sequence and its own final norm and
+        LM head: logits for token i+k+1 (``model.mtp``).
     """
 
     vocab_size: int = 512
@@ -165,6 +170,7 @@ class Architecture:
     nope_temperature_floor: int | None = None
     nope_temperature_scale: float = 0.1
     mla: MLA | None = None
+    mtp_depth: int = 0
 
     def __post_init__(self) -> None:
         for name, table in (("moe", MoE), ("rope_scaling", RopeScaling), ("mla", MLA)):
@@ -175,6 +181,9 @@ class Architecture:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             check_positive_int(name, getattr(self, name))
+        if not isinstance(self.mtp_depth, int) or isinstance(self.mtp_depth, bool) \
+                or self.mtp_depth < 0:
+            raise ValueError(f"mtp_depth must be an int >= 0, got {plain(self.mtp_depth)!r}")
         if self.mla is not None:
             attention_checks.check_mla(self)
         if self.n_kv_heads is None:
@@ -269,6 +278,11 @@ class Architecture:
         sparse, nope = set(self.sparse_layers), set(self.nope_layers)
         return tuple(LayerSpec(kind, "moe" if i in sparse else "dense", i not in nope)
                      for i, kind in enumerate(self.layer_kinds()))
+
+    def mtp_spec(self) -> LayerSpec:
+        """The block spec of the multi-token prediction modules: layer L's, as if the stack had
+        one more layer (DeepSeek-V3's: latent attention and the mixture of experts)."""
+        return dataclasses.replace(self, n_layers=self.n_layers + 1).layer_specs()[-1]
 
     def layer_groups(self) -> tuple[LayerGroup, ...]:
         """The stack cut into groups of a repeated period (``stack.layer_groups``): what a

@@ -38,7 +38,8 @@ def is_vector_param(name: str) -> bool:
 #: How many leading axes of each matrix (in its in-first layout) are inputs; the rest are
 #: outputs; ``matrix`` declares them, in-first or out-first.
 MATRIX_INPUT_AXES = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate": 1, "up": 1,
-                     "down": 1, "lm_head": 1, "router": 1, "shared_gate": 1}
+                     "down": 1, "lm_head": 1, "router": 1, "shared_gate": 1,
+                     "eh_proj": 1}
 
 #: The token table's name: a lookup in the forward, a matmul only as a tied LM head.
 EMBEDDING_PARAM = "embedding"

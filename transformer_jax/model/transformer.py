@@ -21,6 +21,7 @@ from transformer_jax.model.block import Block, Period
 from transformer_jax.model.config import Architecture, ModelConfig
 from transformer_jax.model.kv_cache import Cache
 from transformer_jax.model.layers import EMBEDDING_PARAM, Carry, Embed, Norm, matrix
+from transformer_jax.model.mtp import mtp_logits
 from transformer_jax.model.ops.dense import dense
 from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.stack import group_key, group_layers, is_scanned_key, restack
@@ -41,7 +42,10 @@ class Output:
       logits: [B, T, V] float32 next-token logits ([B, V] with ``logits_at``); None with
         ``hidden_only``.
       cache: the updated cache when one was given (lengths ``positions[:, -1] + 1``), else None.
-      hidden: the final-normed [B, T, D] hidden states with ``hidden_only``, else None.
+      hidden: the final-normed [B, T, D] hidden states with ``hidden_only`` or
+        ``with_hidden``, else None.
+      mtp: with ``mtp=True``, the multi-token prediction modules' [D_mtp, B, T, V] float32
+        logits (``model.mtp``); else None.
       moe: with a mixture of experts, its sparse layers' ``moe.RouterStats`` stacked:
         ``balance`` and ``z`` [L_sparse] (the layers' load-balancing and router z-losses over
         the valid tokens), ``load`` [L_sparse, E] ((token, slot) pairs per expert); else None.
@@ -51,6 +55,7 @@ class Output:
     cache: Any = None
     hidden: jax.Array | None = None
     moe: dict[str, jax.Array] | None = None
+    mtp: jax.Array | None = None
 
 
 class Transformer(nn.Module):
@@ -76,7 +81,8 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  cache: Cache | None = None, segment_ids: jax.Array | None = None,
-                 logits_at: jax.Array | None = None, hidden_only: bool = False) -> Output:
+                 logits_at: jax.Array | None = None, hidden_only: bool = False,
+                 mtp: bool = False, with_hidden: bool = False) -> Output:
         """Next-token logits for every position, or for one position per sequence.
 
         Args:
@@ -94,6 +100,12 @@ class Transformer(nn.Module):
           hidden_only: return the final-normed [B, T, D] hidden states instead of logits, for
             a loss that applies the LM head itself in chunks (``ops.lm_loss``, with
             ``lm_head``, and ``final_softcap`` as its ``logit_softcap``).
+          mtp: also run the multi-token prediction modules (``config.mtp_depth`` > 0) over
+            the whole sequences (``Output.mtp``), for the training loss; not with
+            ``logits_at`` or a cache. The modules' params exist whenever ``mtp_depth`` > 0.
+          with_hidden: also return the final-normed [B, T, D] hidden states of every position
+            (``logits_at`` included) beside the logits: what a multi-token prediction draft
+            reads (``decode.speculative_mtp``).
 
         Returns:
           An ``Output``: the logits (or hidden states) and the updated cache.
@@ -112,6 +124,7 @@ class Transformer(nn.Module):
         x = embed(tokens)
         if c.scale_embeddings:  # sqrt(D), rounded to the compute dtype as the product is
             x = x * jnp.asarray(c.d_model ** 0.5, x.dtype)
+        token_embeddings = x
         if c.position == "sinusoidal":
             x = x + ops.sinusoidal_positions(positions, c.d_model).astype(x.dtype)
 
@@ -120,13 +133,24 @@ class Transformer(nn.Module):
         if cache is not None:
             cache = cache.replace(lengths=(positions[:, -1] + 1).astype(jnp.int32))
 
+        final_norm = Norm(kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
+                          param_dtype=c.jnp_param_dtype, name="final_norm")
+        hidden = None
+        if with_hidden:  # every position's; the norm is per token, so slicing after it is exact
+            x = hidden = final_norm(x)
         if logits_at is not None:
             x = x[jnp.arange(b), logits_at][:, None]  # [B, 1, D]
-        x = Norm(kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
-                 param_dtype=c.jnp_param_dtype, name="final_norm")(x)
+        if hidden is None:
+            x = final_norm(x)
         head = embed.embedding if c.tie_embeddings else self._untied_head()
+        mtp_out = None
+        if c.mtp_depth and (mtp or self.is_initializing()):
+            if logits_at is not None or cache is not None:
+                raise ValueError("mtp=True runs over whole sequences: not with logits_at or a "
+                                 "cache")
+            mtp_out = mtp_logits(c, x, token_embeddings, positions, segment_ids)
         if hidden_only:
-            return Output(cache=cache, hidden=x, moe=moe_stats)
+            return Output(cache=cache, hidden=x, moe=moe_stats, mtp=mtp_out)
         if c.tie_embeddings and not isinstance(head, OutFirst):  # the table, trained as stored
             logits = ops.tied_logits(x, head.astype(c.jnp_dtype))
         else:  # [D, V], or prepared: a tied table as an out-first head (``ops.layouts``)
@@ -136,7 +160,7 @@ class Transformer(nn.Module):
             logits = ops.softcap(logits, c.final_softcap)
         if logits_at is not None:
             logits = logits[:, 0]
-        return Output(logits=logits, cache=cache, moe=moe_stats)
+        return Output(logits=logits, cache=cache, moe=moe_stats, mtp=mtp_out, hidden=hidden)
 
     def _blocks(self, carry: Carry, positions: jax.Array, segment_ids: jax.Array | None
                 ) -> tuple[Carry, dict[str, jax.Array] | None]:

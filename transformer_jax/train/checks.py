@@ -124,6 +124,9 @@ def check_config(model_config: ModelConfig, train_config: TrainConfig,
         raise ValueError(f"train.moe_bias_update_rate={tc.moe_bias_update_rate} updates a "
                          "router's correction bias, which this model lacks (model.moe."
                          "correction_bias=false); set it to 0")
+    if tc.mtp_weight and not model_config.mtp_depth:
+        raise ValueError(f"train.mtp_weight={tc.mtp_weight} trains multi-token prediction "
+                         "modules, which this model lacks (model.mtp_depth=0); set it to 0")
     check_context(model_config, tc)
     num_devices = jax.device_count() if num_devices is None else num_devices
     # With train.pairs_per_step the batch's rows are derived from the data, a multiple of these.
@@ -149,6 +152,9 @@ def check_context(model_config: ModelConfig, train_config: TrainConfig) -> None:
                          f"{2 * context}, got {tc.seq_len}")
     if tc.objective != "sft":
         raise ValueError(f"{where} trains only train.objective=sft, got {tc.objective}")
+    if tc.mtp_weight:
+        raise ValueError(f"{where} cannot train train.mtp_weight (its targets are the tokens "
+                         "k ahead in the unpermuted order); set it to 0")
     if model_config.attention_impl == "pallas":
         raise ValueError(f"{where} cannot use attention_impl='pallas' (causal by index on TPU); "
                          "use 'auto', 'mosaic', 'chunked' or 'xla'")

@@ -14,9 +14,11 @@ logger = logging.getLogger(__name__)
 
 def _settable_with_init_from(key: str, value: Any, source: ModelConfig) -> bool:
     """Whether ``model.KEY=value`` keeps the checkpoint's function: every ``Execution`` field,
-    and a ``max_seq_len`` not above the checkpoint's (the same function on shorter inputs)."""
+    a ``max_seq_len`` not above the checkpoint's (the same function on shorter inputs), and
+    ``mtp_depth`` 0 (its multi-token prediction modules dropped)."""
     return key in field_names(Execution) or (key == "max_seq_len"
-                                              and value <= source.max_seq_len)
+                                              and value <= source.max_seq_len) or (
+        key == "mtp_depth" and value == 0)  # the modules dropped: the main model unchanged
 
 
 def architecture_changes(source: ModelConfig, model: ModelConfig) -> list[str]:

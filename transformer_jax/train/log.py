@@ -119,8 +119,8 @@ class RunLog:
 
     ``peak`` is the FLOP/s of the whole mesh (``mesh_peak_flops``), so ``mfu`` is per device.
     A mixture of experts' router metrics (``moe_balance``, ``moe_z``,
-    ``moe_load_max_mean/layer_I``: ``step.make_train_step``) go to both, under ``train/`` in
-    TensorBoard.
+    ``moe_load_max_mean/layer_I``: ``step.make_train_step``) and the multi-token prediction
+    loss (``mtp_loss``) go to both, under ``train/`` in TensorBoard.
     """
 
     def __init__(self, run_dir: Path, start_step: int, tc: TrainConfig, flops: float,
@@ -188,7 +188,7 @@ class RunLog:
             record = {"step": step, "split": "train", **m,
                       "tokens_per_s": self._rate, "mfu": self.mfu()}
             self._write(record)
-            extra = (k for k in m if k.startswith(("moe_", "rewards/")))
+            extra = (k for k in m if k.startswith(("moe_", "mtp_", "rewards/")))
             for k in ("loss", "lr", "grad_norm", *extra):
                 self._tb.add_scalar(f"train/{k}", m[k], step)
             if self._rate:

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from transformer_jax.model.mtp import mtp_targets
+
 
 def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None,
                        z_loss: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -38,3 +40,25 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None 
     scalar in nats per token (arguments as ``cross_entropy_sums``'s)."""
     ce_sum, z_sum, count = cross_entropy_sums(logits, targets, mask, z_loss)
     return (ce_sum + z_sum) / jnp.maximum(count, 1.0)
+
+
+def mtp_loss(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None,
+             segment_ids: jax.Array | None = None) -> jax.Array:
+    """The multi-token prediction modules' mean cross-entropy ``sum_k CE_k / D``.
+
+    Args:
+      logits: [D, B, T, V] the modules' logits (``Output.mtp``), module k's entry i
+        predicting token i + k + 1.
+      targets: [B, T] the next-token targets (targets[i] = t_{i+1}).
+      mask: optional [B, T] weights of ``targets``.
+      segment_ids: optional [B, T] packed segments (a target in another segment is dropped).
+
+    Returns:
+      A float32 scalar: each module's mean over its targets (``mtp.mtp_targets``), averaged.
+    """
+    means = []
+    for k in range(1, logits.shape[0] + 1):
+        t, w = mtp_targets(targets, mask, segment_ids, k)
+        ce, _, count = cross_entropy_sums(logits[k - 1], t, w)
+        means.append(ce / jnp.maximum(count, 1.0))
+    return jnp.mean(jnp.stack(means))

@@ -52,6 +52,11 @@ class ObjectiveConfig:
         (GRPO: mean per completion, then over completions) or ``dr_grpo`` (sum over
         ``batch_size * grpo_max_tokens``).
       grpo_scale_rewards: divide the group-centred rewards by the group's std (Dr. GRPO: false).
+      mtp_weight: lambda of the multi-token prediction loss (a model with ``mtp_depth`` D > 0,
+        ``model.mtp``; sft, full training): the objective is the cross-entropy plus
+        ``lambda / D * sum_k CE_k``, CE_k module k's mean cross-entropy of token i+k+1 (the
+        DeepSeek-V3 report uses 0.3, then 0.1); logged as ``mtp_loss``, ``sum_k CE_k / D``.
+        0: the modules are not trained (nor run).
     """
 
     objective: str = "sft"
@@ -68,6 +73,7 @@ class ObjectiveConfig:
     grpo_kl_beta: float = 0.04
     grpo_loss: str = "token"
     grpo_scale_rewards: bool = True
+    mtp_weight: float = 0.0
 
     def check_objective(self) -> None:
         """Raises ValueError naming a bad objective key."""
@@ -99,6 +105,12 @@ class ObjectiveConfig:
                 self.objective != "sft" or getattr(self, "lora_rank", 0)):
             raise ValueError("moe_bias_update_rate updates the model's correction biases in "
                              "full sft training only; set it to 0 with LoRA or another objective")
+        mtp = self.mtp_weight
+        if isinstance(mtp, bool) or not isinstance(mtp, int | float) or not 0 <= mtp < math.inf:
+            raise ValueError(f"mtp_weight must be a number >= 0, got {mtp!r}")
+        if mtp and (self.objective != "sft" or getattr(self, "lora_rank", 0)):
+            raise ValueError("mtp_weight trains the multi-token prediction modules in full sft "
+                             "training only; set it to 0 with LoRA or another objective")
         if eps and self.dpo_loss != "sigmoid":
             raise ValueError(f"dpo_label_smoothing={eps} applies to dpo_loss=sigmoid only")
 

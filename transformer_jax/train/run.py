@@ -219,7 +219,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
             if source is None:
                 return sharding_lib.shard_init(init, state_shardings)(key)
             params = loading.load(source, mesh, scan_layers=model_config.scan_layers,
-                                  dtype=model_config.param_dtype, with_tokenizer=False).params
+                                  dtype=model_config.param_dtype, with_tokenizer=False,
+                                  mtp_depth=None if model_config.mtp_depth else 0).params
             return jax.jit(init, out_shardings=state_shardings,
                            donate_argnums=(1,) if donate else ())(key, params)
 

@@ -29,7 +29,7 @@ from transformer_jax.model.ops.lm_loss import lm_head_cross_entropy_sums
 from transformer_jax.model.transformer import Transformer, init_params
 from transformer_jax.parallel.context import balance_batch, per_part_loss
 from transformer_jax.train.config import TrainConfig
-from transformer_jax.train.loss import cross_entropy_sums
+from transformer_jax.train.loss import cross_entropy_sums, mtp_loss
 from transformer_jax.train.optim import lr_schedule, make_optimizer
 
 Params = dict[str, Any]
@@ -156,7 +156,7 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig,
     of experts also ``moe_balance`` and ``moe_z`` (the router losses before their
     coefficients, see ``make_loss_fn``) and ``moe_load_max_mean/layer_I`` per sparse layer I
     (its busiest expert's (token, slot) pairs over the mean: 1 is a uniform load, E/k the
-    worst).
+    worst); with ``train.mtp_weight`` ``mtp_loss`` (``loss.mtp_loss``, before the weight).
 
     With ``train.moe_bias_update_rate`` > 0 the step then updates each sparse layer's
     ``moe.correction_bias`` from the step's expert loads (``moe.balance_correction_bias``). The
@@ -201,7 +201,7 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig,
         grads = jax.tree.map(lambda g: g / denom, grads)
         updates, opt_state = tx.update(grads, state.opt_state, trainable)
         params = layout.with_trainable(state.params, optax.apply_updates(trainable, updates))
-        if bias_rate and moe:
+        if bias_rate and moe and "load" in moe[0]:
             params = balance_correction_bias(params, moe[0]["load"], bias_rate,
                                              model_config.sparse_layers)
         metrics = {"loss": ce / denom, "z_loss": z / denom, "grad_norm": optax.tree.norm(grads),
@@ -224,14 +224,15 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
     e.g. a prompt token), so ``count`` is the number of weighted targets. Sums over the batch's
     target tokens (``loss.cross_entropy_sums``), to be divided once per step.
 
-    With a mixture of experts the objective is ``ce + z + count * (train.moe_balance_loss *
-    balance + train.moe_z_loss * router_z)``, ``balance`` and ``router_z`` the means over the
-    sparse layers of the forward's ``Output.moe`` (each a mean over the valid tokens:
-    ``segment_ids > 0``; the loss mask is not the model's, so prompt tokens are routed and
-    counted). Scaled by ``count``, so the step's division leaves each micro-batch's router
-    losses weighted by its share of the targets. ``moe_sums`` holds ``balance`` and ``z``
-    (those terms times ``count``, without the coefficients) and ``load`` [L_sparse, E] (the
-    (token, slot) pairs each expert received).
+    With ``train.mtp_weight`` (lambda) the forward also runs the multi-token prediction modules and
+    the objective adds ``lambda * count * loss.mtp_loss`` (its sum ``mtp`` in the aux's dict, as the
+    router's). With a mixture of experts the objective is ``ce + z + count * (train.moe_balance_loss
+    * balance + train.moe_z_loss * router_z)``, ``balance`` and ``router_z`` the means over the
+    sparse layers of the forward's ``Output.moe`` (each a mean over the valid tokens: ``segment_ids
+    > 0``; the loss mask is not the model's, so prompt tokens are routed and counted). Scaled by
+    ``count``, so the step's division leaves each micro-batch's router losses weighted by its share
+    of the targets. ``moe_sums`` holds ``balance`` and ``z`` (those terms times ``count``, without
+    the coefficients) and ``load`` [L_sparse, E] (the (token, slot) pairs each expert received).
 
     With ``train_config.loss_chunk = C > 0`` the model returns its final hidden states and the
     LM head and cross-entropy run over chunks of C positions of every sequence (``ops.lm_loss``:
@@ -244,12 +245,15 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
     model = _training_model(model_config, train_config)
     z_weight, chunk = train_config.z_loss, train_config.loss_chunk
     balance_weight, router_z_weight = train_config.moe_balance_loss, train_config.moe_z_loss
+    mtp_weight = train_config.mtp_weight
     layout = ParamsLayout.of(train_config)
 
     def loss_sums(params: Params, batch: Batch):
         params = layout.model_params(params)
         batch = balance_batch(batch)  # context parallelism: load-balanced order (else as is)
         kw = dict(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
+        if mtp_weight:
+            kw["mtp"] = True
         if not chunk:
             out = model.apply({"params": params}, batch["inputs"], **kw)
             ce, z, count = cross_entropy_sums(out.logits, batch["targets"], batch.get("mask"),
@@ -261,11 +265,15 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
                                   z_loss=z_weight, logit_softcap=model_config.final_softcap),
                 out.hidden, model.lm_head(params).astype(model_config.jnp_dtype),
                 batch["targets"], batch.get("mask"))
+        objective, sums = ce + z, {}
+        if mtp_weight:  # count * the modules' mean CE: the step's division leaves the mean
+            sums["mtp"] = count * mtp_loss(out.mtp, batch["targets"], batch.get("mask"),
+                                           batch.get("segment_ids"))
+            objective = objective + mtp_weight * sums["mtp"]
         if out.moe is None:
-            return ce + z, (ce, z, count)
-        moe = {"balance": count * jnp.mean(out.moe["balance"]),
+            return objective, (ce, z, count, sums) if sums else (ce, z, count)
+        moe = {**sums, "balance": count * jnp.mean(out.moe["balance"]),
                "z": count * jnp.mean(out.moe["z"]), "load": out.moe["load"]}
-        objective = ce + z
         if balance_weight:
             objective = objective + balance_weight * moe["balance"]
         if router_z_weight:
@@ -289,9 +297,12 @@ def moe_metrics(moe: dict[str, jax.Array], count: jax.Array, sparse_layers: tupl
     """The step's router metrics from the summed ``moe_sums`` of ``make_loss_fn``:
     ``moe_balance``, ``moe_z`` (token-weighted means) and ``moe_load_max_mean/layer_I`` for each
     sparse layer I (max over mean of its [E] load)."""
+    out = {} if "mtp" not in moe else {"mtp_loss": moe["mtp"] / count}
+    if "load" not in moe:
+        return out
     load = moe["load"]  # [L_sparse, E]
     ratio = jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)
-    return {"moe_balance": moe["balance"] / count, "moe_z": moe["z"] / count,
+    return {**out, "moe_balance": moe["balance"] / count, "moe_z": moe["z"] / count,
             **{f"moe_load_max_mean/layer_{i}": ratio[j] for j, i in enumerate(sparse_layers)}}
 
 
