@@ -313,8 +313,8 @@ class Engine:
         clock = self.step_clock = StepClock()  # the phases' laps (``step_times``)
         delivered = self._deliver(clock.lap("schedule", self._apply_pending()))
         sched = self.scheduler
-        if (events := self.overlap.step(clock)) is not None:  # a step ahead, the last read
-            return delivered + events
+        if self.overlap.step(clock, delivered):  # a step dispatched ahead, the last one read
+            return delivered
         if (events := self.multistep.round(clock)) is not None:  # several decode steps
             return delivered + events
         plan = clock.lap("schedule", sched.schedule())
@@ -422,8 +422,8 @@ class Engine:
         ``structured``, also the forward and masked sampling programs of greedy steps with
         grammar rows (and the grammars' tokenizer).
         Sampling steps compile on first use. With ``speculative`` k, also the verify programs
-        of up to k proposals, greedy and sampled (``serving.speculation``). Not the lagged
-        decode steps' (``overlap.compile()``) nor the multi-step rounds'.
+        of up to k proposals, greedy and sampled (``serving.speculation``). Also the decode
+        steps from a step's tokens on the device (``serving.overlap``; not counted).
 
         Returns:
           The number of step shapes run.
@@ -444,6 +444,7 @@ class Engine:
                 jax.block_until_ready(step_lib.sample_jit(
                     self._forward(decode_rows, chunk), sampling.replace(allowed=masks),
                     step_lib.Sampler()))
+        self.overlap.compile()
         return len(shapes) + (self.speculation.compile(speculative) if speculative else 0)
 
     def _apply_pending(self) -> list[tuple[Request, TokenEvent]]:
@@ -493,8 +494,7 @@ class Engine:
         return len(self.scheduler.pool.held())
 
     def check_no_leaks(self) -> None:
-        """Raises AssertionError unless an idle engine holds no page or slot
-        (``Scheduler.check_no_leaks``)."""
+        """AssertionError unless an idle engine holds no page or slot (``Scheduler``'s)."""
         self.scheduler.check_no_leaks()
 
 

@@ -86,25 +86,30 @@ class Overlap:
             return False
         return not e.multistep.steps_for()
 
-    def step(self, clock: StepClock) -> list[tuple[Request, TokenEvent]] | None:
+    def step(self, clock: StepClock, delivered: list[tuple[Request, TokenEvent]]) -> bool:
         """One engine step of the lag: dispatches the next decode step when the engine is
-        steady (the chain's first from the host's tokens) and reads the step in flight; its
-        events, delivered. None when there is no step in flight and the engine is not steady
-        (the engine then runs a synchronous step)."""
+        steady (the chain's first from the host's tokens) and reads the step in flight, its
+        events delivered and added to ``delivered``.
+
+        Returns:
+          Whether the engine's step is done. Not done: nothing was in flight and the engine is
+          not steady, or the engine stopped being steady and the step in flight was read (its
+          laps go to the synchronous step that follows).
+        """
         steady = self.steady()
         if self.flight is None:
             if not steady or (first := self._dispatch(clock, None)) is None:
-                return None
+                return False
             self.flight = first
         flight = self.flight
         ahead = self._dispatch(clock, flight) if steady else None
         self.lagged += ahead is not None
-        events = self._read(flight, clock)
+        delivered += self._read(flight, clock, record=steady)
         if ahead is not None and all(r.state == State.FINISHED for r in ahead.rows):
             self.discarded += len(ahead.rows)  # every row finished: not worth reading
             ahead = None
         self.flight = ahead
-        return events
+        return steady
 
     def _dispatch(self, clock: StepClock, after: Flight | None) -> Flight | None:
         """Dispatches a decode step of the running requests: after ``after`` (in flight, its
@@ -145,9 +150,11 @@ class Overlap:
         clock.lap("dispatch")
         return Flight(rows, *out)
 
-    def _read(self, flight: Flight, clock: StepClock) -> list[tuple[Request, TokenEvent]]:
+    def _read(self, flight: Flight, clock: StepClock, record: bool
+              ) -> list[tuple[Request, TokenEvent]]:
         """Waits for ``flight``'s tokens and commits them (rows of requests finished meanwhile
-        discarded); the events, delivered. The step's laps are recorded."""
+        discarded); the events, delivered. With ``record``, the engine's step ends here (its
+        laps recorded)."""
         e, sched = self.engine, self.engine.scheduler
         live = [r for r in flight.rows if r.state == State.RUNNING]
         self.discarded += len(flight.rows) - len(live)
@@ -159,18 +166,19 @@ class Overlap:
                 req.cached += 1
                 events.append(sched._emit(req, tokens[req.slot], logprobs[req.slot]))
         delivered = e._deliver(events)
-        e.steps += 1
-        e.step_times.record(clock)
+        if record:
+            e.steps += 1
+            e.step_times.record(clock)
         return delivered
 
-    def compile(self) -> int:
-        """Compiles the lagged decode steps of a greedy load (their input tokens are a step's
-        output, placed on the device, so not the programs ``Engine.compile`` ran from host
-        tokens), each page-table width, on idle rows (which write only into the null page);
-        returns how many (0 when the lag is off)."""
+    def compile(self) -> None:
+        """Compiles the lagged decode steps of a greedy load at each page-table width, on idle
+        rows (which write only into the null page): their input tokens are a step's output,
+        placed on the device, so JAX compiles them apart from the steps from host tokens
+        (``Engine.compile`` calls this)."""
         e, sched = self.engine, self.engine.scheduler
         if not self.enabled or e._rings is not None or is_split(e.mesh):
-            return 0
+            return
         b = sched.num_slots
         rows, sampler = row_sampling([None] * b, e.config.vocab_size)
         adapter = None if e._adapters is None else np.zeros(b, np.int32)
@@ -179,4 +187,3 @@ class Overlap:
             decode = step_lib.DecodeRows(zeros, zeros, np.zeros((b, w), np.int32), adapter)
             tokens, _ = e._run(decode, None, rows, sampler)
             jax.block_until_ready(e._run(decode.replace(tokens=tokens), None, rows, sampler))
-        return len(sched.widths)
