@@ -352,15 +352,19 @@ def _steady(engine, params: SamplingParams, n: int = 3) -> None:
     engine.step()  # one more: the decode program has run on these inputs' shapes
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["lagged", "synchronous"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_a_steady_decode_step_uploads_its_inputs_and_downloads_once(engine, capfd,
-                                                                    monkeypatch, sampled):
+                                                                    monkeypatch, sampled,
+                                                                    overlap):
     """A decode step with no request to admit makes only the transfers its design needs:
     uploads of the inputs that change every step (tokens, positions, page table; with sampled
     rows also their keys, token indices and temperatures: the other settings are compiled
     out) as the program's arguments, and one download: the sampled tokens and log-probs, fetched
-    together. Uploads are counted by JAX's transfer guard (its log), downloads by counting
-    arrays fetched to the host (the CPU backend's guard does not see them)."""
+    together. A lagged step (``serving.overlap``) takes its tokens from the previous step on the
+    device: one upload fewer. Uploads are counted by JAX's transfer guard (its log), downloads
+    by counting arrays fetched to the host (the CPU backend's guard does not see them)."""
+    monkeypatch.setattr(engine.overlap, "enabled", overlap)
     params = SamplingParams(max_tokens=10, temperature=0.8 if sampled else 0.0, seed=3)
     _steady(engine, params)
     cls = type(jax.numpy.zeros(()))
@@ -382,7 +386,7 @@ def test_a_steady_decode_step_uploads_its_inputs_and_downloads_once(engine, capf
     monkeypatch.undo()
     assert control == 1, "JAX's transfer guard log is not visible (TF_CPP_MIN_LOG_LEVEL?)"
     assert len(events) == 3 and all(e.finish_reason is None for e in events)
-    assert uploads == (6 if sampled else 3)
+    assert uploads == (6 if sampled else 3) - overlap
     assert len(gets) == 1 and fetched == [(4,), (4,)]  # [B] tokens and log-probs, once
     run_until_idle(engine)
 
@@ -465,3 +469,37 @@ def test_multi_step_rounds_equal_single_steps_and_generate(model, engine, monkey
         _check_events(events, tokens, "stop" if stopped else "length")
     reasons = {e[-1].request_id: e[-1].finish_reason for e in got}
     assert {reasons[i] for i in ended_inside} == {"stop", "length"}
+
+
+# Lagged steps (``serving.overlap``) --------------------------------------------------------------
+
+def test_lagged_steps_discard_one_token_at_a_stop_and_none_at_max_tokens(model, engine):
+    """In a steady decode each step is dispatched before the previous one's tokens are read
+    (its input tokens taken on the device); a request that draws its stop token at step t has
+    had a row in step t+1, whose token is discarded (exactly one), and one ending by
+    ``max_tokens`` none (known on the host); every token and log-prob is generate's (a sampled
+    row checks the lagged rows' token index), and every page comes back."""
+    prompts = _prompts([5, 7, 6], seed=50)
+    params = [SamplingParams(max_tokens=N_REF, logprobs=True),
+              SamplingParams(max_tokens=6, logprobs=True),
+              SamplingParams(max_tokens=N_REF, logprobs=True, temperature=0.8, seed=5)]
+    stop = reference(model, prompts[0], params[0])[0][5]
+    params[0] = SamplingParams(max_tokens=N_REF, logprobs=True, stop_token_ids=(stop,))
+    lag = engine.overlap
+    lagged, discarded = lag.lagged, lag.discarded
+    collect, in_flight = Collector(), []
+    ids = [engine.add_request(p, q, collect) for p, q in zip(prompts, params, strict=True)]
+    while not engine.idle:
+        assert len(in_flight) < ENGINE_STEP_LIMIT, "step limit: the engine never went idle"
+        engine.step()
+        in_flight.append(lag.flight is not None)
+    assert lag.lagged - lagged >= 5 and any(in_flight) and not in_flight[-1]
+    assert lag.discarded - discarded == 1
+    assert engine.pages_in_use == 0
+    for rid, prompt, p in zip(ids, prompts, params, strict=True):
+        events = collect.events[rid]
+        want, want_logprobs = reference(model, prompt, p)
+        assert [e.token for e in events] == want
+        np.testing.assert_allclose([e.logprob for e in events], want_logprobs, atol=1e-4)
+    assert [collect.events[i][-1].finish_reason for i in ids] == ["stop", "length", "length"]
+    assert len(collect.events[ids[0]]) == 6

@@ -93,7 +93,8 @@ def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None
     out = summarize(records, start)
     out.update(records=records, peak_running=peak_running, peak_pages=peak_pages,
                steps=engine.steps, rounds=engine.multistep.rounds,
-               round_tokens=engine.multistep.round_tokens,
+               round_tokens=engine.multistep.round_tokens, lagged=engine.overlap.lagged,
+               discarded=engine.overlap.discarded,
                preemptions=engine.scheduler.preemptions,
                prefix_hit_pages=engine.scheduler.prefix.hits,
                step_times=engine.step_times.summary())
@@ -160,8 +161,8 @@ def _line(name: str, r: dict[str, Any]) -> str:
             f"{r['request_throughput']:6.2f} req/s  {cells}")
 
 
-MODES = ("engine", "engine-noprefix", "engine-lora", "engine-json", "engine-json-mixed",
-         "engine-spec", "one", "batch", "http")
+MODES = ("engine", "engine-sync", "engine-noprefix", "engine-lora", "engine-json",
+         "engine-json-mixed", "engine-spec", "one", "batch", "http")
 
 
 def random_adapters(config: ModelConfig, params: Any, n: int, rank: int, seed: int
@@ -208,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the engine's most decode steps per host round (serving.multistep)")
     parser.add_argument("--modes", default=None,
                         help="comma list of engine, one (generate one at a time), batch "
-                             "(generate in fixed batches), engine-noprefix, engine-lora, "
+                             "(generate in fixed batches), engine-sync (no lagged steps, "
+                             "serving.overlap), engine-noprefix, engine-lora, "
                              "engine-json (every request under --response-format), "
                              "engine-json-mixed (every other one; bench/serve_structured.py), "
                              "http (the server at --url; bench/serve_http.py) (default: "
@@ -393,6 +395,7 @@ def main(argv: list[str]) -> int:
             engine = Engine(config, weights, args.slots, pages, args.page_size,
                             args.token_budget, prefix_caching=mode != "engine-noprefix",
                             adapters=adapters, tokenizer=tokenizer,
+                            overlap=mode != "engine-sync",
                             draft=spec.draft if spec and spec.method == "draft" else None)
             engine.multistep.max_steps = args.multi_steps
             grammars = None
@@ -407,6 +410,7 @@ def main(argv: list[str]) -> int:
             print(f"  compiled {n} engine step shapes and {m} multi-step rounds in "
                   f"{time.perf_counter() - t:.1f} s")
             engine.steps = engine.multistep.rounds = engine.multistep.round_tokens = 0
+            engine.overlap.lagged = engine.overlap.discarded = 0
             engine.step_times.reset()
             r = run_engine(engine, work, grammars,
                            args.speculative if mode == "engine-spec" else None)
@@ -439,7 +443,8 @@ def main(argv: list[str]) -> int:
             print(f"{'':16} peak {r['peak_running']} running, {r['peak_pages']} of {pages - 1} "
                   f"pages; contiguous slots of the same memory: "
                   f"{r['contiguous_slots_same_memory']}; {r['steps']} steps ({r['rounds']} "
-                  f"multi-step rounds: {r['round_tokens']} tokens), "
+                  f"multi-step rounds: {r['round_tokens']} tokens; {r['lagged']} lagged, "
+                  f"{r['discarded']} tokens discarded), "
                   f"{r['preemptions']} preemptions, {r['prefix_hit_pages']} prefix-hit pages; "
                   f"KV {r['cache_bytes'] / 2 ** 20:.1f} MiB, "
                   f"{r['cache_bytes'] / r['cache_bytes_all_global']:.3f}x every layer global")
@@ -461,7 +466,7 @@ def main(argv: list[str]) -> int:
                   f"TPOT ({args.speculative}: acceptance {m['acceptance_rate']:.2f}, "
                   f"{m['mean_accepted_length']:.2f} tokens per verification, "
                   f"{m['verify_steps']} verify steps, {m['backed_off_steps']} backed off)")
-        for other in ("one", "batch", "engine-noprefix"):
+        for other in ("one", "batch", "engine-noprefix", "engine-sync"):
             if other in got:
                 tput = got["engine"]["output_token_throughput"] / \
                     got[other]["output_token_throughput"]

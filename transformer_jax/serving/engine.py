@@ -14,10 +14,8 @@ with ``fold_in(key, i)``), the same prompt validation. A request that can never 
 when it is added; one that does not fit now waits, and one that runs out of pages while decoding
 preempts the newest request (which is recomputed later) instead of failing.
 
-A model with local (sliding-window) layers keeps them in a ring of W slots per slot and layer
-beside the pool (``PagedKVCache``): pages hold the global layers only, and ``cache_bytes``
-counts both. Prefix caching is off for such a model: a prefix hit skips computing the prefix,
-whose last window the new slot's rings would lack.
+Steady decode steps are dispatched one step ahead of reading their tokens (``overlap.py``).
+Local (sliding-window) layers keep rings beside the pool (``PagedKVCache``; no prefix caching).
 """
 
 from __future__ import annotations
@@ -50,6 +48,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.lora import LoraConfig
 from transformer_jax.serving import step as step_lib
 from transformer_jax.serving.multistep import MultiStep
+from transformer_jax.serving.overlap import Overlap
 from transformer_jax.serving.page_pool import pages_for
 from transformer_jax.serving.paged_cache import VIEWS, PagedKVCache, check_pageable
 from transformer_jax.serving.plan import row_sampling
@@ -111,6 +110,8 @@ class Engine:
         mirror the pool's (``serving.draft``).
       max_prefill_rows: the most prompts one step prefills (default: as many as the token
         budget holds; 1 prefills one prompt at a time, compiling fewer chunk shapes).
+      overlap: dispatch steady decode steps one step ahead of reading their tokens
+        (``serving.overlap``; ``overlap.compile()`` compiles their programs).
 
     Raises:
       ValueError: for sizes out of range, an unknown ``cache_dtype`` or ``view`` (naming
@@ -122,10 +123,9 @@ class Engine:
                  mesh: Mesh | None = None, *, prefix_caching: bool = True,
                  cache_dtype: jnp.dtype | str | None = None,
                  min_context: int = MIN_CONTEXT, view: str = "auto",
-                 tokenizer: Any = None, quant: str | None = None,
+                 tokenizer: Any = None, quant: str | None = None, draft: Any = None,
                  adapters: Mapping[str, tuple[Any, LoraConfig]] | None = None,
-                 draft: Any = None,
-                 max_prefill_rows: int | None = None) -> None:
+                 max_prefill_rows: int | None = None, overlap: bool = True) -> None:
         for name, value in (("num_slots", num_slots), ("num_pages", num_pages),
                             ("page_size", page_size), ("token_budget", token_budget),
                             ("min_context", min_context)):
@@ -186,16 +186,15 @@ class Engine:
                                    forks=self._rings is None, max_prefill_rows=max_prefill_rows)
         self._lock = threading.Lock()
         self._pending: list[tuple[str, Any]] = []
-        self._ids = itertools.count()
         self._requests: dict[int, Request] = {}
-        self.steps = 0
+        self._ids, self.steps = itertools.count(), 0  # request ids; steps run
         #: Where the steps' time went (``serving.step_times``), and the running step's clock.
         self.step_times, self.step_clock = StepTimes(), StepClock()
         self._prepare: Callable[[Params], Params] | None = None  # update_weights'
-        #: Speculative decoding of the requests that ask for it (``serving.speculation``).
-        self.speculation = Speculation(self, draft)
-        #: Several decode steps per host round when the load allows (``serving.multistep``).
-        self.multistep = MultiStep(self)
+        #: Speculative decoding (``serving.speculation``), several decode steps per host round
+        #: (``serving.multistep``), steady decode steps dispatched a step ahead (``overlap``).
+        self.speculation, self.multistep = Speculation(self, draft), MultiStep(self)
+        self.overlap = Overlap(self, overlap)
 
     def _stack(self, adapters: Mapping[str, tuple[Any, LoraConfig]]) -> Params:
         """The adapters stacked over the prepared weights, placed as the step splits them."""
@@ -314,6 +313,8 @@ class Engine:
         clock = self.step_clock = StepClock()  # the phases' laps (``step_times``)
         delivered = self._deliver(clock.lap("schedule", self._apply_pending()))
         sched = self.scheduler
+        if self.overlap.step(clock, delivered):  # a step dispatched ahead, the last one read
+            return delivered
         if (events := self.multistep.round(clock)) is not None:  # several decode steps
             return delivered + events
         plan = clock.lap("schedule", sched.schedule())
@@ -421,7 +422,8 @@ class Engine:
         ``structured``, also the forward and masked sampling programs of greedy steps with
         grammar rows (and the grammars' tokenizer).
         Sampling steps compile on first use. With ``speculative`` k, also the verify programs
-        of up to k proposals, greedy and sampled (``serving.speculation``).
+        of up to k proposals, greedy and sampled (``serving.speculation``). Also the decode
+        steps from a step's tokens on the device (``serving.overlap``; not counted).
 
         Returns:
           The number of step shapes run.
@@ -442,6 +444,7 @@ class Engine:
                 jax.block_until_ready(step_lib.sample_jit(
                     self._forward(decode_rows, chunk), sampling.replace(allowed=masks),
                     step_lib.Sampler()))
+        self.overlap.compile()
         return len(shapes) + (self.speculation.compile(speculative) if speculative else 0)
 
     def _apply_pending(self) -> list[tuple[Request, TokenEvent]]:
@@ -491,8 +494,7 @@ class Engine:
         return len(self.scheduler.pool.held())
 
     def check_no_leaks(self) -> None:
-        """Raises AssertionError unless an idle engine holds no page or slot
-        (``Scheduler.check_no_leaks``)."""
+        """AssertionError unless an idle engine holds no page or slot (``Scheduler``'s)."""
         self.scheduler.check_no_leaks()
 
 

@@ -1,0 +1,189 @@
+"""Overlapping the host with the device: steady decode steps dispatched one step ahead.
+
+A synchronous engine step dispatches its programs, then waits for their tokens before it
+schedules the next, so the device idles while the host commits, streams and schedules. In a
+steady decode (``Overlap.steady``: every running request decodes, none can be admitted, nothing
+is in prefill) the engine instead dispatches step t+1 before it reads step t's tokens: t+1's
+input tokens are t's sampled tokens as they lie on the device (no round trip), its positions,
+pages and sampling settings are known on the host one step ahead, and the host then reads step
+t's tokens and commits them (stop checks, pages named and freed, detokenising, streaming) while
+the device runs t+1. This is vLLM's async scheduling, and what JetStream and tpu-inference do.
+
+Each ``Engine.step`` of the lag dispatches one step and reads the previous one, so it still
+returns one token per running request (the first dispatches two: the chain's first step, from
+the host's tokens, and the next). The tokens are the synchronous steps': the same program on the
+same rows, positions, pages and keys (token i drawn with ``fold_in(key, i)``).
+
+A request that turns out finished at step t (a stop token, a stop string, a cancel) has already
+been given a row in step t+1: that token is computed and discarded (``discarded`` counts them);
+its position's key and value go into a page the request frees with its others when step t is
+read (the page holding the position after its last token is never a full, named page), and any
+later owner of the page runs after t+1 on the device, which writes its pages in program order.
+A request whose ``max_tokens`` ends at step t is known on the host and gets no row in t+1 (its
+slot writes into the null page), so it costs nothing.
+
+Not steady, so the engine reads the step in flight and runs its synchronous steps (the lag
+resumes at the next steady step): a request waiting with a slot free (an admission), a prompt
+in prefill, adds or cancels queued, a row under a grammar (structured outputs: its mask needs
+the last token on the host) or speculating, a draft model, sliding-window rings, a multi-step
+round that can run (``serving.multistep``), and too few free pages for every row's next
+position (the synchronous step preempts). A split mesh is not lagged either (not measured).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from transformer_jax.decode.loop import is_split
+from transformer_jax.serving import step as step_lib
+from transformer_jax.serving.page_pool import NULL_PAGE, pages_for
+from transformer_jax.serving.plan import row_sampling
+from transformer_jax.serving.requests import Request, State, TokenEvent
+from transformer_jax.serving.step_times import StepClock
+
+
+@dataclasses.dataclass
+class Flight:
+    """A decode step dispatched whose tokens the host has not read: its ``rows`` (each at its
+    slot) and its [B] tokens and log-probs ([B, 1 + K] with top log-probs) on the device."""
+
+    rows: list[Request]
+    tokens: jax.Array
+    logprobs: jax.Array
+
+
+class Overlap:
+    """An engine's lagged decode steps (see the module docstring); ``engine`` is the ``Engine``.
+
+    Attributes:
+      enabled: whether steady decode steps run one step ahead (``Engine(overlap=...)``).
+      flight: the step dispatched and not read yet, or None.
+      lagged: steps dispatched before the previous step's tokens were read.
+      discarded: tokens computed for requests that had finished meanwhile, thrown away.
+    """
+
+    def __init__(self, engine: Any, enabled: bool = True) -> None:
+        self.engine = engine
+        self.enabled = enabled
+        self.flight: Flight | None = None
+        self.lagged = 0
+        self.discarded = 0
+
+    def steady(self) -> bool:
+        """Whether the next decode step may be dispatched before the last one is read."""
+        e = self.engine
+        sched = e.scheduler
+        if (not self.enabled or not sched.running or sched.prefilling or e._pending
+                or (sched.waiting and None in sched.slots) or e._rings is not None
+                or e.speculation.draft is not None or is_split(e.mesh)):
+            return False
+        if any(r.state != State.RUNNING or r.matcher is not None or r.speculation is not None
+               for r in sched.running):
+            return False
+        return not e.multistep.steps_for()
+
+    def step(self, clock: StepClock, delivered: list[tuple[Request, TokenEvent]]) -> bool:
+        """One engine step of the lag: dispatches the next decode step when the engine is
+        steady (the chain's first from the host's tokens) and reads the step in flight, its
+        events delivered and added to ``delivered``.
+
+        Returns:
+          Whether the engine's step is done. Not done: nothing was in flight and the engine is
+          not steady, or the engine stopped being steady and the step in flight was read (its
+          laps go to the synchronous step that follows).
+        """
+        steady = self.steady()
+        if self.flight is None:
+            if not steady or (first := self._dispatch(clock, None)) is None:
+                return False
+            self.flight = first
+        flight = self.flight
+        ahead = self._dispatch(clock, flight) if steady else None
+        self.lagged += ahead is not None
+        delivered += self._read(flight, clock, record=steady)
+        if ahead is not None and all(r.state == State.FINISHED for r in ahead.rows):
+            self.discarded += len(ahead.rows)  # every row finished: not worth reading
+            ahead = None
+        self.flight = ahead
+        return steady
+
+    def _dispatch(self, clock: StepClock, after: Flight | None) -> Flight | None:
+        """Dispatches a decode step of the running requests: after ``after`` (in flight, its
+        tokens the inputs, each row one position further), or from the host's tokens. None
+        when no row decodes or the pool lacks a page for some row's position (nothing taken)."""
+        sched = self.engine.scheduler
+        lag = int(after is not None)
+        rows = [r for r in sched.running if not lag or r.num_new + 1 < r.params.max_tokens]
+        need = sum(max(0, pages_for(r.cached + lag + 1, sched.page_size) - len(r.pages))
+                   for r in rows)
+        if not rows or need > sched.prefix.num_available:
+            return None
+        for req in rows:  # counted free above: no preemption
+            sched._grow(req, req.cached + lag + 1, preempt=False)
+        clock.lap("schedule")
+        e, b = self.engine, sched.num_slots
+        width = sched._width(max(len(r.pages) for r in rows))
+        positions = np.zeros(b, np.int32)
+        table = np.full((b, width), NULL_PAGE, np.int32)
+        adapter = None if e._adapters is None else np.zeros(b, np.int32)
+        reqs: list[Request | None] = [None] * b
+        for req in rows:
+            reqs[req.slot], positions[req.slot] = req, req.cached + lag
+            table[req.slot] = sched.page_table[req.slot, :width]
+            if adapter is not None:
+                adapter[req.slot] = req.adapter
+        sampling, sampler = row_sampling(reqs, e.config.vocab_size)
+        if after is None:
+            tokens = np.zeros(b, np.int32)
+            for req in rows:
+                tokens[req.slot] = req.tokens[-1]
+        else:  # the previous step's tokens, where they are
+            tokens = after.tokens if after.tokens.ndim == 1 else after.tokens[:, 0]
+            sampling.token_index[[r.slot for r in rows]] += 1
+        clock.lap("inputs")
+        out = e._run(step_lib.DecodeRows(tokens, positions, table, adapter), None, sampling,
+                     sampler)
+        clock.lap("dispatch")
+        return Flight(rows, *out)
+
+    def _read(self, flight: Flight, clock: StepClock, record: bool
+              ) -> list[tuple[Request, TokenEvent]]:
+        """Waits for ``flight``'s tokens and commits them (rows of requests finished meanwhile
+        discarded); the events, delivered. With ``record``, the engine's step ends here (its
+        laps recorded)."""
+        e, sched = self.engine, self.engine.scheduler
+        live = [r for r in flight.rows if r.state == State.RUNNING]
+        self.discarded += len(flight.rows) - len(live)
+        events = []
+        if live:
+            tokens, logprobs = clock.lap("device",
+                                         jax.device_get((flight.tokens, flight.logprobs)))
+            for req in live:
+                req.cached += 1
+                events.append(sched._emit(req, tokens[req.slot], logprobs[req.slot]))
+        delivered = e._deliver(events)
+        if record:
+            e.steps += 1
+            e.step_times.record(clock)
+        return delivered
+
+    def compile(self) -> None:
+        """Compiles the lagged decode steps of a greedy load at each page-table width, on idle
+        rows (which write only into the null page): their input tokens are a step's output,
+        placed on the device, so JAX compiles them apart from the steps from host tokens
+        (``Engine.compile`` calls this)."""
+        e, sched = self.engine, self.engine.scheduler
+        if not self.enabled or e._rings is not None or is_split(e.mesh):
+            return
+        b = sched.num_slots
+        rows, sampler = row_sampling([None] * b, e.config.vocab_size)
+        adapter = None if e._adapters is None else np.zeros(b, np.int32)
+        zeros = np.zeros(b, np.int32)
+        for w in sched.widths:
+            decode = step_lib.DecodeRows(zeros, zeros, np.zeros((b, w), np.int32), adapter)
+            tokens, _ = e._run(decode, None, rows, sampler)
+            jax.block_until_ready(e._run(decode.replace(tokens=tokens), None, rows, sampler))
