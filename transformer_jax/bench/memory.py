@@ -348,8 +348,6 @@ def _gib(n: int | None) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from transformer_jax.model.remat import REMATS
-
     parser = args_lib.parser("memory", __doc__)
     parser.add_argument("--config", default="llama2_7b", help="preset name or TOML path")
     parser.add_argument("--mesh", default="1,8,1", help="data,fsdp,tensor (one may be -1)")
@@ -357,7 +355,7 @@ def main(argv: list[str]) -> int:
                         help="simulated devices (default: the mesh's product, or 8 with -1)")
     parser.add_argument("--batch", type=int, default=8, help="global batch size B")
     parser.add_argument("--seq", type=int, default=2048, help="sequence length T")
-    parser.add_argument("--remat", choices=REMATS, default=None)
+    parser.add_argument("--remat", default=None, help="model.remat (default: the preset's)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (parameters and Adam state stay float32)")
     parser.add_argument("--attention", default=None,
