@@ -39,3 +39,25 @@ def test_an_offloading_policy_moves_its_activations_to_the_host():
     b, t, width = 8 // 4, 128, 2 * 128
     assert r["memory"]["host_temp"] >= 3 * b * t * width * 4
     assert "S(5)" not in _report("full")["hlo"]
+
+
+def test_find_batch_searches_every_policy_and_reports_host_memory(monkeypatch, capsys):
+    # compile_report stands in for the compiler (the compiles are tested above): a policy
+    # fits twice as many sequences a chip as the one before it in REMATS, and the offloading
+    # ones put 1 KiB a sequence on the host.
+    from transformer_jax.model.config import REMATS
+
+    def report(config, overrides, topology, slices):
+        o = dict(x.split("=", 1) for x in overrides)
+        batch, remat = int(o["train.batch_size"]), o["model.remat"]
+        host = 1024 * batch if remat.startswith("offload") else 0
+        return {"fits": batch <= 4 * 2 ** REMATS.index(remat), "hbm_bytes": 2**30,
+                "memory": {"peak": batch, "host_temp": host}}
+
+    monkeypatch.setattr(compile_cli, "compile_report", report)
+    assert compile_cli.main(["--topology", "v5e:2x2", "--find-batch", *TOY]) == 0
+    out = capsys.readouterr().out
+    for i, remat in enumerate(REMATS):  # fsdp=4: 2 ** i sequences a chip
+        line = next(x for x in out.splitlines() if f"remat={remat} " in x)
+        assert f" {2 ** i} (train.batch_size={4 * 2 ** i}" in line
+        assert ("on the host" in line) == remat.startswith("offload")

@@ -182,7 +182,7 @@ def find_batch(config: str, overrides: list[str], topology: str, slices: int = 1
             out["hbm_bytes"] = r["hbm_bytes"]
             if r["fits"]:
                 peaks[per_chip] = r["memory"]["peak"]
-                hosts[per_chip] = r["memory"]["host_temp"]
+                hosts[per_chip] = r["memory"].get("host_temp", 0)
             return r["fits"]
 
         start = time.perf_counter()
