@@ -108,7 +108,7 @@ def fast_engine_compiles():
 # later worker ends 21 s sooner in this order than with test_tpu_compile in collection order. A
 # module not listed (each takes under 2 s) runs after these, in collection order.
 LONGEST_FIRST = (
-    "test_tpu_compile", "test_speculative", "test_moe_decode", "test_training",
+    "test_tpu_compile", "test_tpu_remat", "test_speculative", "test_moe_decode", "test_training",
     "test_finetune", "test_readme_commands", "test_train_cli", "test_grpo", "test_decode",
     "test_decode_tp", "test_serve", "test_model_families", "test_speculative_engine",
     "test_preference", "test_generate_cli", "test_serving_multi_prefill",

@@ -1,6 +1,8 @@
 """The assembled Transformer: causality, layouts, remat, dtypes, cache, logical axes."""
 
 import functools
+import logging
+import re
 
 import chex
 import jax
@@ -12,7 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transformer_jax import KVCache, ModelConfig, Transformer, init_params
+from transformer_jax.model import remat as remat_lib
+from transformer_jax.model.config import REMATS
+from transformer_jax.model.fields import MLA, MoE
 from transformer_jax.model.kv_cache import cache_bytes
+from transformer_jax.model.ops import target
 from transformer_jax.model.transformer import logical_axes, stack_blocks, unstack_blocks
 
 SMALL = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
@@ -88,21 +94,66 @@ def test_scanned_stack_equals_unrolled(variant):
     chex.assert_trees_all_equal(unstack_blocks(scanned_params), params)
 
 
-@pytest.mark.parametrize("remat, scan", [("full", False), ("save_dots", True)])
-def test_remat_changes_neither_outputs_nor_gradients(remat, scan):
-    base = SMALL.replace(scan_layers=scan)
-    params = _params(base, 3)
-    tokens = _tokens(2, 12)
+# A mixture (a shared expert, a dense first layer) with latent attention: every name the
+# policies go by (``model.remat``) is computed by one of SMALL or it.
+MIXED = SMALL.replace(moe=MoE(4, 2, 32, shared_d_ff=16), n_layers=1, n_kv_heads=4,
+                      mla=MLA(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                              v_head_dim=8), head_dim=4)
 
-    def loss(p, c):
-        logits = Transformer(c).apply({"params": p}, tokens).logits
+
+def _loss_and_grad(config, params, tokens, jaxpr=False):
+    def loss(p):
+        logits = Transformer(config).apply({"params": p}, tokens).logits
         return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
 
-    grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
-    l0, g0 = grad(params, base)
-    l1, g1 = grad(params, base.replace(remat=remat))
+    step = jax.value_and_grad(loss)
+    return str(jax.make_jaxpr(step)(params)) if jaxpr else jax.jit(step)(params)
+
+
+@functools.cache
+def _no_remat(name, scan):
+    base = {"small": SMALL, "mixed": MIXED}[name].replace(scan_layers=scan)
+    params, tokens = _params(base, 3), _tokens(2, 12)
+    return base, params, tokens, _loss_and_grad(base, params, tokens)
+
+
+@pytest.mark.parametrize("name, remat, scan", [
+    *[("small", r, i % 2 == 0) for i, r in enumerate(REMATS[1:])],
+    ("mixed", "offload_dots", False)])
+def test_remat_changes_neither_outputs_nor_gradients(name, remat, scan):
+    base, params, tokens, (l0, g0) = _no_remat(name, scan)
+    l1, g1 = _loss_and_grad(base.replace(remat=remat), params, tokens)
     np.testing.assert_allclose(l0, l1, rtol=1e-6)
     chex.assert_trees_all_close(g0, g1, rtol=1e-5, atol=1e-6)
+
+
+def test_offloading_policies_offload_for_a_device_target_only(caplog):
+    """Traced for a TPU target, the step moves the policy's names to host memory (its
+    backward reads them back; run here, where XLA:CPU lowers the moves as copies: the same
+    loss and gradients). Traced for the CPU they stay in place, said in one log line."""
+    base, params, tokens, (l0, g0) = _no_remat("small", True)
+    c = base.replace(remat="offload_dots", attention_impl="xla")
+    remat_lib._warned.clear()
+    with target.targeting("tpu"):
+        on_tpu = _loss_and_grad(c, params, tokens, jaxpr=True)
+        l1, g1 = _loss_and_grad(c, params, tokens)
+    with caplog.at_level(logging.INFO, "transformer_jax.model.remat"):
+        on_cpu = _loss_and_grad(c, params, tokens, jaxpr=True)
+    assert "MemorySpace.Host" in on_tpu and "MemorySpace.Host" not in on_cpu
+    assert "stay in place" in caplog.text
+    np.testing.assert_allclose(l0, l1, rtol=1e-6)
+    chex.assert_trees_all_close(g0, g1, rtol=1e-5, atol=1e-6)
+
+
+def test_every_name_a_policy_goes_by_is_computed():
+    """The names the policies save (``model.remat.NAMES``) are those the forward computes."""
+    def names(config):
+        params = jax.eval_shape(lambda: random_params(config, 0))
+        jaxpr = jax.make_jaxpr(lambda p: Transformer(config).apply(
+            {"params": p}, _tokens(1, 4)).logits)(params)
+        return set(re.findall(r"name\[name=(\w+)\]", str(jaxpr)))
+
+    assert names(SMALL) | names(MIXED) == set(remat_lib.NAMES)
 
 
 def test_bfloat16_compute_with_float32_params_returns_float32_logits():

@@ -355,7 +355,7 @@ def main(argv: list[str]) -> int:
                         help="simulated devices (default: the mesh's product, or 8 with -1)")
     parser.add_argument("--batch", type=int, default=8, help="global batch size B")
     parser.add_argument("--seq", type=int, default=2048, help="sequence length T")
-    parser.add_argument("--remat", choices=("none", "full", "save_dots"), default=None)
+    parser.add_argument("--remat", default=None, help="model.remat (default: the preset's)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (parameters and Adam state stay float32)")
     parser.add_argument("--attention", default=None,

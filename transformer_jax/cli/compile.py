@@ -157,7 +157,8 @@ def find_batch(config: str, overrides: list[str], topology: str, slices: int = 1
     from 1 and then bisects (``pod.largest_fitting``).
 
     Returns:
-      ``{remat: {"per_chip", "batch_size", "peak" (bytes, of the largest that fits, or None),
+      ``{remat: {"per_chip", "batch_size", "peak" and "host" (bytes in HBM and in the
+      host's memory, e.g. offloaded activations, of the largest that fits, or None),
       "probes" [[per_chip, fits], ...], "seconds"}}``, with ``"hbm_bytes"`` and the mesh.
     """
     from transformer_jax.parallel import pod
@@ -171,21 +172,25 @@ def find_batch(config: str, overrides: list[str], topology: str, slices: int = 1
     out: dict[str, Any] = {"mesh": sizes, "batch_devices": split, "policies": {}}
     for remat in remats:
         peaks: dict[int, int] = {}
+        hosts: dict[int, int] = {}
 
-        def fits(per_chip: int, remat: str = remat, peaks: dict[int, int] = peaks) -> bool:
+        def fits(per_chip: int, remat: str = remat, peaks: dict[int, int] = peaks,
+                 hosts: dict[int, int] = hosts) -> bool:
             batch = per_chip * split * train.grad_accum
             r = compile_report(config, [*overrides, f"model.remat={remat}",
                                         f"train.batch_size={batch}"], topology, slices)
             out["hbm_bytes"] = r["hbm_bytes"]
             if r["fits"]:
                 peaks[per_chip] = r["memory"]["peak"]
+                hosts[per_chip] = r["memory"].get("host_temp", 0)
             return r["fits"]
 
         start = time.perf_counter()
         best, probes = pod.largest_fitting(fits, most)
         out["policies"][remat] = {
             "per_chip": best, "batch_size": best * split * train.grad_accum,
-            "peak": peaks.get(best), "probes": [list(p) for p in probes],
+            "peak": peaks.get(best), "host": hosts.get(best),
+            "probes": [list(p) for p in probes],
             "seconds": time.perf_counter() - start}
     return out
 
@@ -199,7 +204,9 @@ def format_batches(found: dict[str, Any], topology: str) -> str:
         probes = " ".join(f"{n}{'' if ok else 'x'}" for n, ok in row["probes"])
         fit = (f"{row['per_chip']} (train.batch_size={row['batch_size']}, peak "
                f"{gib(row['peak'])})" if row["per_chip"] else "none fits")
-        lines.append(f"  remat={remat:<10} {fit}; probes {probes} ({row['seconds']:.0f} s)")
+        host = f", {gib(row['host'])} on the host" if row.get("host") else ""
+        lines.append(f"  remat={remat:<24} {fit}{host}; probes {probes} "
+                     f"({row['seconds']:.0f} s)")
     return "\n".join(lines)
 
 
@@ -224,6 +231,8 @@ def format_report(r: dict[str, Any]) -> str:
               "donated arguments)", f"    temporaries  {gib(m['temp'])}",
               f"    peak         {gib(m['peak'])} of {gib(r['hbm_bytes'])}{share}: "
               + ("fits" if r["fits"] else "DOES NOT FIT"),
+              *([f"    host memory  {gib(m['host_temp'])} of temporaries (offloaded "
+                 "activations)"] if m.get("host_temp") else []),
               f"  flops per chip (HLO; a scanned layer body counted once): {r['flops_hlo']:.3e}",
               f"  Mosaic kernel calls in the program: {r['mosaic_calls']}",
               "  collectives of one step (count, bytes per chip)"]

@@ -35,6 +35,7 @@ from transformer_jax.model.fields import (  # noqa: F401 (config.RopeScaling etc
     parse_override,
     plain,
 )
+from transformer_jax.model.remat import REMATS
 from transformer_jax.model.stack import LayerGroup, LayerSpec, layer_groups
 
 NORMS = ("rms", "layer")
@@ -45,7 +46,6 @@ POSITIONS = ("rope", "sinusoidal", "none")
 ROPE_PAIRINGS = ("half", "adjacent")
 #: The kinds of attention layer a ``layer_pattern`` lists.
 LAYER_KINDS = ("global", "local", "chunked")  # latent layers: every layer with mla
-REMATS = ("none", "full", "save_dots")
 #: Attention implementations (``ops.attention.attention``'s ``impl``).
 ATTENTION_IMPLS = ("auto", "xla", "chunked", "cudnn", "pallas", "mosaic")
 #: How a mixture-of-experts layer computes its experts (``ops.moe.experts_ffn``'s ``impl``).
@@ -331,8 +331,11 @@ class Execution:
         logits are returned in float32).
       scan_layers: scan the blocks with ``nn.scan``, each group of layers of the stack
         (``Architecture.layer_groups``) on its own: compile time independent of depth.
-      remat: rematerialisation of each block in the backward pass: ``"none"``, ``"full"``, or
-        ``"save_dots"`` (keep matmul outputs, recompute the rest).
+      remat: rematerialisation of each block in the backward pass (``REMATS``): ``"none"``,
+        ``"full"`` (keep the block's input only), ``"save_dots"`` (keep matmul outputs,
+        recompute the rest), policies between the two that keep named products
+        (``"save_qkv_proj"``, ...), and ones that offload them to the host's memory
+        (``"offload_qkv_proj"``, ``"offload_dots"``); see ``model.remat``.
       attention_impl: ``"auto"`` (the best for the backend and shape, see
         ``ops.attention.choose_impl``), ``"xla"`` (the einsum reference), ``"chunked"``
         (memory linear in the context, any backend), ``"cudnn"`` (GPU), ``"pallas"`` or

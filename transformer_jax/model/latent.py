@@ -11,8 +11,9 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from transformer_jax.model import ops
+from transformer_jax.model import ops, remat
 from transformer_jax.model.fields import MLA
 from transformer_jax.model.kv_cache import Cache
 from transformer_jax.model.layers import LayerKind, Norm, matrix
@@ -63,10 +64,11 @@ class LatentAttention(nn.Module):
             qb = self._matrix("q_b_proj", (m.q_lora_rank, n, nope + p), (None, *heads), std)
             q = dense(self._norm("q_a_norm", dense(x, qa, "BTD,DQ->BTQ")), qb,
                       "BTQ,QNH->BTNH")
+        q = checkpoint_name(q, remat.QUERY)
         kv_a = self._matrix("kv_a_proj", (d, r + p), ("embed", None), std)
         kv_b = self._matrix("kv_b_proj", (r, n, nope + m.v_head_dim), (None, *heads), std)
         wo = self._matrix("o_proj", (n, m.v_head_dim, d), (*heads, "embed"), self.out_init_std)
-        latent = dense(x, kv_a, "BTD,DE->BTE")
+        latent = checkpoint_name(dense(x, kv_a, "BTD,DE->BTE"), remat.KV_LATENT)
         c, k_rope = self._norm("kv_a_norm", latent[..., :r]), latent[..., r:]
         rope = dict(pairing=self.rope_pairing, freqs=kind.freqs,
                     attention_factor=kind.rope_factor)
@@ -85,4 +87,5 @@ class LatentAttention(nn.Module):
             one = isinstance(x.shape[1], int) and x.shape[1] == 1
             attend = latent_attention.absorbed if one else latent_attention.expanded
             out = attend(q_nope, q_rope, entries, kv_b, q_positions=positions, **kw)
-        return dense(out.astype(self.dtype), wo, "BTNH,NHD->BTD"), cache
+        out = checkpoint_name(out.astype(self.dtype), remat.CONTEXT)
+        return checkpoint_name(dense(out, wo, "BTNH,NHD->BTD"), remat.OUT), cache

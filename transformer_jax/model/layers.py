@@ -13,8 +13,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from transformer_jax.model import ops
+from transformer_jax.model import ops, remat
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import Cache
 from transformer_jax.model.ops.attention import attention
@@ -234,9 +235,9 @@ class Attention(nn.Module):
         wv = self._matrix("v_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), init)
         wo = self._matrix("o_proj", (n, h, d), ("heads", "head_dim", "embed"),
                           _normal(self.out_init_std))
-        q = dense(x, wq, "BTD,DNH->BTNH")
-        k = dense(x, wk, "BSD,DKH->BSKH")
-        v = dense(x, wv, "BSD,DKH->BSKH")
+        q = checkpoint_name(dense(x, wq, "BTD,DNH->BTNH"), remat.QUERY)
+        k = checkpoint_name(dense(x, wk, "BSD,DKH->BSKH"), remat.KEY)
+        v = checkpoint_name(dense(x, wv, "BSD,DKH->BSKH"), remat.VALUE)
         if self.qkv_bias:
             q = q + self._bias("q_bias", (n, h), ("heads", "head_dim"))
             k = k + self._bias("k_bias", (kv, h), ("kv_heads", "head_dim"))
@@ -273,7 +274,8 @@ class Attention(nn.Module):
                 raise ValueError("segment_ids cannot be combined with a KV cache")
             # The cache stores the chunk and attends over what it holds, in its own layout.
             out, cache = cache.attend(layer, q, k, v, positions, **logits)
-        out = dense(out.astype(self.dtype), wo, "BTNH,NHD->BTD")
+        out = checkpoint_name(out.astype(self.dtype), remat.CONTEXT)
+        out = checkpoint_name(dense(out, wo, "BTNH,NHD->BTD"), remat.OUT)
         if self.o_bias:
             out = out + self._bias("o_bias", (d,), ("embed",))
         return out, cache
@@ -302,13 +304,16 @@ class MLP(nn.Module):
             return matrix(self, name, shape, axes, _normal(std),
                           param_dtype=self.param_dtype).astype(self.dtype)
 
-        def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-            return dense(x, w, spec)
-
         up = param("up", (d, self.d_ff), ("embed", "mlp"), self.init_std)
         down = param("down", (self.d_ff, d), ("mlp", "embed"), self.out_init_std)
+        gate = param("gate", (d, self.d_ff), ("embed", "mlp"), self.init_std) if gated else None
+        names = {id(gate): remat.MLP_GATE, id(up): remat.MLP_UP, id(down): remat.MLP_DOWN}
+
+        def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+            # Each product named by its weight, for the remat policies (``model.remat``).
+            return checkpoint_name(dense(x, w, spec), names[id(w)])
+
         if gated:
-            gate = param("gate", (d, self.d_ff), ("embed", "mlp"), self.init_std)
             glu = None if self.swiglu is None else swiglu_glu_of(self.swiglu)
             return fn(x, gate, up, down, matmul=matmul, glu=glu)
         return fn(x, up, down, matmul=matmul)

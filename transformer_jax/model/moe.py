@@ -18,7 +18,9 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from transformer_jax.model import remat
 from transformer_jax.model.fields import MoE
 from transformer_jax.model.layers import MLP, matrix, stored_as_is, swiglu_glu_of
 from transformer_jax.model.ops import moe as moe_ops
@@ -125,7 +127,7 @@ class SparseFFN(nn.Module):
                              "without an expert axis")
         else:
             y = moe_dispatch.dispatch_experts_ffn(inputs, routed, gate, up, down, split, **ffn)
-        y = y.reshape(b, t, d)
+        y = checkpoint_name(y.reshape(b, t, d), remat.MOE_OUT)
         if m.shared_d_ff:
             shared = MLP(d_ff=m.shared_d_ff, kind=self.kind, swiglu=self.swiglu,
                          init_std=self.init_std,

@@ -16,23 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.model import ops
+from transformer_jax.model import ops, remat
 from transformer_jax.model.block import Block, Period
 from transformer_jax.model.config import Architecture, ModelConfig
 from transformer_jax.model.kv_cache import Cache
 from transformer_jax.model.layers import EMBEDDING_PARAM, Carry, Embed, Norm, matrix
 from transformer_jax.model.mtp import mtp_logits
+from transformer_jax.model.ops import target
 from transformer_jax.model.ops.dense import dense
 from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.stack import group_key, group_layers, is_scanned_key, restack
 
 Params = dict[str, Any]
-
-_REMAT_POLICIES = {
-    "full": None,  # save nothing inside a block: recompute it all in the backward pass
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
 
 @flax.struct.dataclass
 class Output:
@@ -170,7 +165,8 @@ class Transformer(nn.Module):
         c = self.config
         block_cls = Block
         if c.remat != "none":
-            block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[c.remat],
+            # The policy follows the target's platform (an offload needs device memory).
+            block_cls = nn.remat(block_cls, policy=remat.policy(c.remat, target.platform()),
                                  prevent_cse=not c.scan_layers)
         stats = []
         if not c.scan_layers:

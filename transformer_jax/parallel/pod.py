@@ -169,7 +169,8 @@ def largest_fitting(fits: Callable[[int], bool], most: int = 4096
 
 def compile_memory(lowered: Any) -> tuple[Any, dict[str, Any]]:
     """Compiles ``lowered``; returns ``(compiled, fields)``: ``compile_s`` and the per-device
-    ``memory`` (bytes; ``peak`` = arguments + non-aliased output + temporaries), or
+    ``memory`` (bytes; ``peak`` = arguments + non-aliased output + temporaries, in HBM;
+    ``host_temp`` etc.: the host memory the program uses, e.g. offloaded activations), or
     ``(None, {"fits": False, "error": line, "compile_s"})`` when the compiler runs out of
     memory (RESOURCE_EXHAUSTED). Other compiler errors propagate."""
     import jax
@@ -185,7 +186,8 @@ def compile_memory(lowered: Any) -> tuple[Any, dict[str, Any]]:
     fields: dict[str, Any] = {"compile_s": time.perf_counter() - start}
     stats = compiled.memory_analysis()
     memory = {n: int(getattr(stats, f"{n}_size_in_bytes", 0) or 0)
-              for n in ("argument", "output", "alias", "temp", "generated_code")}
+              for n in ("argument", "output", "alias", "temp", "generated_code",
+                        "host_argument", "host_output", "host_temp")}
     memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
     fields["memory"] = memory
     return compiled, fields

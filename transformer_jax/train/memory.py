@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from transformer_jax.model import remat as remat_lib
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.ops import moe as moe_ops
 from transformer_jax.parallel import sharding as sharding_lib
@@ -39,7 +40,9 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
     Per layer and token, with ``D`` the width, ``F`` the FFN width, ``N``/``K`` query/kv heads
     of ``H`` dims: no remat keeps the inputs of the norms and matmuls (4 D + 2 N H + 2 K H +
     3 F values); ``save_dots`` the matmul outputs (2 D + N H + 2 K H + 2 F); ``full`` the block
-    input (D), plus one block recomputed at a time. A sparse layer's FFN (``moe_values``) keeps
+    input (D), plus one block recomputed at a time; the named policies (``model.remat``) what
+    ``full`` keeps and the products they save in device memory (none of those they offload).
+    A sparse layer's FFN (``moe_values``) keeps
     its k sorted rows per token instead of F, and without full remat under FSDP the backward
     keeps its experts' gathered matrices (3 E D F values: E/k times an active FFN's, the largest
     term of a big mixture, measured by ``bench memory``'s compiled step). The einsum
@@ -65,9 +68,15 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
     t = s // mesh_shape.get("context", 1)  # the tokens of a sequence a device holds
     n, k = c.n_heads, c.n_kv_heads
     size = np.dtype(c.dtype).itemsize
-    dense_ffn = {"none": 3 * c.d_ff / tensor, "save_dots": 2 * c.d_ff / tensor, "full": 0.0}
+    width = c.d_ff / tensor
+    dense_ffn = {"none": 3 * width, "save_dots": 2 * width, "full": 0.0,
+                 **_named({remat_lib.MLP_GATE: width, remat_lib.MLP_UP: width,
+                           remat_lib.MLP_DOWN: d})}
     attn = {"none": 4 * d + (2 * n * h + 2 * k * h) / tensor,
-            "save_dots": 2 * d + (n * h + 2 * k * h) / tensor, "full": d}
+            "save_dots": 2 * d + (n * h + 2 * k * h) / tensor, "full": d,
+            **_named({remat_lib.QUERY: n * h / tensor, remat_lib.KEY: k * h / tensor,
+                      remat_lib.VALUE: k * h / tensor, remat_lib.CONTEXT: n * h / tensor,
+                      remat_lib.OUT: d}, base=d)}
     sparse = set(c.sparse_layers)
     ffn = [moe_values(c, tensor, size, rows * t) if i in sparse else dense_ffn
            for i in range(c.n_layers)]
@@ -77,7 +86,7 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
     impl = c.attention_impl
     if impl == "xla" or (impl == "auto" and logits < _XLA_ATTENTION_MAX_LOGITS):
         total += c.n_layers * 4 * logits / tensor
-    if c.remat == "full":  # the block being recomputed
+    if c.remat not in ("none", "save_dots"):  # the block being recomputed
         total += rows * t * (attn["none"] + max(f["none"] for f in ffn)) * size
     elif sparse and mesh_shape["fsdp"] > 1:  # each sparse layer's gathered experts, kept
         m = c.moe
@@ -106,7 +115,18 @@ def moe_values(config: ModelConfig, tensor: int, itemsize: int, tokens: int = 0
         tile = min(128, max(8, 1 << max(0, (-(-pairs // m.n_experts) - 1).bit_length())))
         rows *= (pairs + m.n_experts * tile) / pairs
     return {"none": rows * (d + 3 * f + 2 * d) + 2 * router + 3 * fs,
-            "save_dots": rows * (2 * f + d) + router + 2 * fs, "full": 0.0}
+            "save_dots": rows * (2 * f + d) + router + 2 * fs, "full": 0.0,
+            **_named({remat_lib.MOE_GATE: rows * f, remat_lib.MOE_UP: rows * f,
+                      remat_lib.MOE_OUT: d, remat_lib.MLP_GATE: fs, remat_lib.MLP_UP: fs,
+                      remat_lib.MLP_DOWN: d if fs else 0.0})}
+
+
+def _named(widths: dict[str, float], base: float = 0.0) -> dict[str, float]:
+    """Values per token each named policy keeps in device memory (``model.remat``): ``base``
+    (what ``full`` keeps) plus the widths of the names it saves; offloaded ones are on the
+    host."""
+    return {remat: base + sum(widths.get(name, 0.0) for name in remat_lib.saved_names(remat)[0])
+            for remat in remat_lib.REMATS if remat not in ("none", "full", "save_dots")}
 
 
 def expert_bytes(abstract_state: Any, state_shardings: Any) -> int:

@@ -32,7 +32,9 @@ from collections.abc import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from transformer_jax.model import remat
 from transformer_jax.model.ops import target
 from transformer_jax.model.ops.quantized import dequantize, is_quantized, take_rows
 from transformer_jax.model.ops.router import (  # noqa: F401  (the router, re-exported)
@@ -144,6 +146,8 @@ def _glu_of(activation, glu, biases, dtype):
             def bias(b):
                 return jnp.take(b.astype(dtype), ids, axis=0, mode="fill", fill_value=0)
             gate, up = gate + bias(biases[0]), up + bias(biases[1])
+        # Named for the remat policies (``model.remat``), whichever product made them.
+        gate, up = checkpoint_name(gate, remat.MOE_GATE), checkpoint_name(up, remat.MOE_UP)
         return activation(gate) * up if glu is None else glu(gate, up)
     return combine
 
