@@ -56,9 +56,8 @@ MESHES = {"dp": (8, 1, 1), "fsdp": (1, 8, 1), "tp": (1, 1, 8), "mixed": (2, 2, 2
 # sharding, in as few compilations as that takes.
 RUNS = {
     "dp": (MESHES["dp"], False, "none"),
-    "fsdp_scan_full": (MESHES["fsdp"], True, "full"),
+    "fsdp_full": (MESHES["fsdp"], False, "full"),
     "tp_scan_save_dots": (MESHES["tp"], True, "save_dots"),
-    "mixed": (MESHES["mixed"], False, "none"),
     "mixed_scan": (MESHES["mixed"], True, "none"),
 }
 TOKENS = np.random.default_rng(0).integers(0, CONFIG.vocab_size, 4096).astype(np.int32)

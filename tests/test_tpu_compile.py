@@ -40,16 +40,24 @@ def _report(topology: str, *extra: str, slices: int = 1) -> dict:
     return compile_cli.compile_report("tiny", [*TOY, *extra], topology, slices, hlo=True)
 
 
+# ``train.loss_chunk``: the toy's head untied (a [D, V] = [128, 256] matrix of its own), T = 128
+# in chunks of 32 positions: 4 chunks, 2 layers. fsdp4 compiles it (and data4 too, so that their
+# states compare like for like); the other meshes compile the whole-logits loss.
+LOSS_CHUNKS, LOSS_LAYERS = 4, 2
+LOSS_CHUNKED = ("train.loss_chunk=32", "model.tie_embeddings=false")
+
+
 # The single-slice meshes run the TPU attention kernels: "auto" (tokamax's "mosaic", or JAX's
 # Pallas TPU kernel without tokamax) and "pallas", each per device over its split.
 @pytest.fixture(scope="module")
 def fsdp4():
-    return _report("v5e:2x2", "model.attention_impl=auto")  # train.mesh unset: fsdp=4
+    # train.mesh unset: fsdp=4.
+    return _report("v5e:2x2", "model.attention_impl=auto", *LOSS_CHUNKED)
 
 
 @pytest.fixture(scope="module")
 def data4():
-    return _report("v5e:2x2", "train.mesh=4,1,1", "model.attention_impl=pallas")
+    return _report("v5e:2x2", "train.mesh=4,1,1", "model.attention_impl=pallas", *LOSS_CHUNKED)
 
 
 @pytest.fixture(scope="module")
@@ -212,18 +220,8 @@ def test_dcn_mesh_on_one_slice_or_in_a_config_is_checked():
         TrainConfig(dcn_mesh="1,x,1")
 
 
-# ``train.loss_chunk``: the toy's head untied (a [D, V] = [128, 256] matrix of its own), T = 128
-# in chunks of 32 positions: 4 chunks, 2 layers.
-LOSS_CHUNKS, LOSS_LAYERS = 4, 2
-
-
-@pytest.fixture(scope="module")
-def loss_chunked():
-    return _report("v5e:2x2", "train.loss_chunk=32", "model.tie_embeddings=false")
-
-
-def test_chunked_loss_reduces_the_heads_gradient_once_not_per_chunk(loss_chunked):
-    r = loss_chunked
+def test_chunked_loss_reduces_the_heads_gradient_once_not_per_chunk(fsdp4):
+    r = fsdp4  # train.loss_chunk=32 (LOSS_CHUNKED), an untied head
     assert r["fits"] and r["mesh"]["fsdp"] == 4
     found = coll.collectives(r["hlo"], np.arange(4).reshape(1, 4, 1), ("data", "fsdp", "tensor"))
     # Nothing runs once a chunk: each collective once a step or once a layer (the scanned stack).
