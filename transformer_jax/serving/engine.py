@@ -111,7 +111,7 @@ class Engine:
       max_prefill_rows: the most prompts one step prefills (default: as many as the token
         budget holds; 1 prefills one prompt at a time, compiling fewer chunk shapes).
       overlap: dispatch steady decode steps one step ahead of reading their tokens
-        (``serving.overlap``; ``overlap.compile()`` compiles their programs).
+        (``serving.overlap``: the same programs, their tokens on the device).
 
     Raises:
       ValueError: for sizes out of range, an unknown ``cache_dtype`` or ``view`` (naming
@@ -169,9 +169,8 @@ class Engine:
                 self._rings = jax.device_put(
                     self._rings, NamedSharding(self.mesh, step_lib.ring_spec(config)))
         else:
-            # Committed to the device from the start, as every step's outputs are: with
-            # uncommitted pages beside committed weights (a loaded checkpoint's), the first
-            # call of each program would compile it again for committed pages.
+            # Committed from the start, as every step's outputs are (else the first call of
+            # each program would compile it again for committed pages, as for tokens below).
             self._k, self._v, self._rings = jax.device_put((self._k, self._v, self._rings),
                                                            jax.devices()[0])
         #: Bytes of the pages and the local layers' rings.
@@ -399,6 +398,8 @@ class Engine:
              rows: step_lib.RowSampling, sampler: step_lib.Sampler) -> tuple[Any, Any]:
         """Runs one step program on the engine's pages (updated in place); returns its [R]
         tokens and log-probabilities, not yet on the host."""
+        if decode is not None and not is_split(self.mesh):  # a lagged step's: one program
+            decode = decode.replace(tokens=jax.device_put(decode.tokens, jax.devices()[0]))
         self._k, self._v, tokens, logprobs, self._rings = step_lib.step_jit(
             self.config, self.weights.params, self._k, self._v, decode, prefill, rows,
             sampler=sampler, view=self.view, mesh=self.mesh, quant=self.weights.quant,
@@ -444,7 +445,6 @@ class Engine:
                 jax.block_until_ready(step_lib.sample_jit(
                     self._forward(decode_rows, chunk), sampling.replace(allowed=masks),
                     step_lib.Sampler()))
-        self.overlap.compile()
         return len(shapes) + (self.speculation.compile(speculative) if speculative else 0)
 
     def _apply_pending(self) -> list[tuple[Request, TokenEvent]]:

@@ -170,20 +170,3 @@ class Overlap:
             e.steps += 1
             e.step_times.record(clock)
         return delivered
-
-    def compile(self) -> None:
-        """Compiles the lagged decode steps of a greedy load at each page-table width, on idle
-        rows (which write only into the null page): their input tokens are a step's output,
-        placed on the device, so JAX compiles them apart from the steps from host tokens
-        (``Engine.compile`` calls this)."""
-        e, sched = self.engine, self.engine.scheduler
-        if not self.enabled or e._rings is not None or is_split(e.mesh):
-            return
-        b = sched.num_slots
-        rows, sampler = row_sampling([None] * b, e.config.vocab_size)
-        adapter = None if e._adapters is None else np.zeros(b, np.int32)
-        zeros = np.zeros(b, np.int32)
-        for w in sched.widths:
-            decode = step_lib.DecodeRows(zeros, zeros, np.zeros((b, w), np.int32), adapter)
-            tokens, _ = e._run(decode, None, rows, sampler)
-            jax.block_until_ready(e._run(decode.replace(tokens=tokens), None, rows, sampler))
