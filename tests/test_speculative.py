@@ -266,9 +266,11 @@ def test_generate_speculative_gives_the_plain_tokens(target, draft, temperature)
     if temperature == 0:
         assert sum(s.accepted for s in ngram.speculative) > 0
         # the target as its own draft: every greedy proposal kept
+        # (streamed, so that the cost-rule test's second draft reuses this program)
+        streamed, stream = _recorder()
         itself = generation.generate(config, weights, prompts, speculative="draft:x:k=3",
-                                     draft=DraftModel(config, weights), **kw)
-        assert itself.tokens == ref.tokens
+                                     draft=DraftModel(config, weights), stream=stream, **kw)
+        assert itself.tokens == ref.tokens and streamed == plain_stream
         assert all(s.acceptance_rate == 1.0 for s in itself.speculative if s.proposed)
 
 
@@ -582,7 +584,8 @@ def test_generate_measures_the_round_and_gives_the_plain_tokens(target, monkeypa
     monkeypatch.setattr(speculative_loop, "measure_round_cost",
                         lambda *a: measured.append(speculative.measure_round_cost(*a)) or
                         measured[-1])
-    kw = dict(max_new_tokens=20, seed=[1, 2, 3], stop_tokens=[STOP])
+    # Streamed, greedy: test_generate_speculative_gives_the_plain_tokens' programs (compiled).
+    kw = dict(max_new_tokens=20, seed=[1, 2, 3], stop_tokens=[STOP], stream=_recorder()[1])
     ref = generation.generate(config, weights, _prompts(), **kw)
     for _ in range(2):
         out = generation.generate(config, weights, _prompts(), speculative="ngram:k=4", **kw)
@@ -602,7 +605,8 @@ def test_generate_stops_where_it_cannot_pay_and_starts_again(target, draft, monk
     monkeypatch.setattr(speculative_loop, "round_cost", lambda *a: 2.5)
     monkeypatch.setattr(speculative_loop, "_STOP_LOGGED", set())
     kw = dict(max_new_tokens=20, temperature=0.0, seed=[1, 2, 3], stop_tokens=[STOP],
-              top_k=None)  # test_generate_speculative_gives_the_plain_tokens' programs
+              top_k=None, stream=_recorder()[1])
+    # (streamed: test_generate_speculative_gives_the_plain_tokens' programs, compiled)
     ref = generation.generate(config, weights, _prompts(), **kw)
     with caplog.at_level(logging.INFO, "transformer_jax.decode.speculative_loop"):
         for _ in range(2):
@@ -639,12 +643,12 @@ def test_device_loop_gives_the_plain_tokens_on_ragged_batches(target, draft):
 
     # Every batch 3 rows, prompts padded to 32 and 20 new tokens, as in
     # test_generate_speculative_gives_the_plain_tokens: the stop batches' plain and draft
-    # programs are that test's greedy ones, the batch without a stop token has its own, and
-    # each n-gram setting (one per batch) compiles once.
+    # programs are that test's greedy ones (its n-gram k=4 too), the batch without a stop
+    # token has its own, and each other n-gram setting (k=1; k=8 with n=2) compiles once.
     batches = [
         ([motif * 4, rand(3), rand(1)], (), "ngram:k=1"),
-        ([rand(7), rand(12), rand(20)], (STOP,), "ngram:k=3:n=2"),
-        ([motif[:2] * 6 + [3], motif[2:] * 6, rand(5)], (STOP,), "ngram:k=8"),
+        ([rand(7), rand(12), rand(20)], (STOP,), "ngram:k=4"),
+        ([motif[:2] * 6 + [3], motif[2:] * 6, rand(5)], (STOP,), "ngram:k=8:n=2"),
     ]
     for prompts, stop, ngram in batches:
         kw = dict(max_new_tokens=20, stop_tokens=stop)

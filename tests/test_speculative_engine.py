@@ -73,13 +73,20 @@ def _prompts(seed: int, count: int) -> list[list[int]]:
 
 
 _REF: dict = {}
+#: A second row of the longest prompt length the module's references take: every reference
+#: batch pads to one length, so the references run one compiled program per sampling setting
+#: (a row's tokens and draws are its own, whatever the batch's other rows: test_decode).
+FILLER = [1] * 32
 
 
 def reference(model, prompt, p: SamplingParams):
+    """``generate``'s (tokens, logprobs) for ``prompt`` under ``p``, cut at ``p``'s stop ids
+    and max_tokens."""
     key = (tuple(prompt), p.temperature, p.seed, p.top_k)
     if key not in _REF:
-        out = generation.generate(*model, [prompt], max_new_tokens=N, temperature=p.temperature,
-                                  top_k=p.top_k, seed=[p.seed])
+        assert len(prompt) <= len(FILLER)
+        out = generation.generate(*model, [prompt, FILLER], max_new_tokens=N,
+                                  temperature=p.temperature, top_k=p.top_k, seed=[p.seed, 0])
         _REF[key] = (out.tokens[0], out.logprobs[0])
     tokens, logprobs = _REF[key]
     n = p.max_tokens
