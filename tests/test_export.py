@@ -24,7 +24,9 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIG = TINY.replace(max_seq_len=48)
 N_NEW = 6
 SAMPLING = dict(temperature=0.9, top_k=20, top_p=0.9, stop_tokens=(5,))
-SHAPES = [(1, 8), (3, 16), (2, 5)]  # (B, T); T need not be a bucket
+# (B, T): one row at a bucket's length, several at a length that is not a bucket (each shape
+# compiles its own program, in the fresh process and on the jitted path).
+SHAPES = [(1, 8), (3, 5)]
 
 
 @pytest.fixture(scope="module")

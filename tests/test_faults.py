@@ -51,9 +51,11 @@ def workspace(tmp_path_factory):
 
 
 def command(root: Path, run_dir: Path, *extra: str) -> list[str]:
+    # One decay length whatever the steps (4, 6): the in-process runs share one compiled train
+    # step (the run's cache), the update not depending on train.steps.
     return [sys.executable, str(ROOT / "train.py"), *TINY_RUN_ARGS,
             f"data.path={root / 'corpus.txt'}", f"data.cache_dir={root / 'cache'}",
-            f"train.run_dir={run_dir}", *extra]
+            f"train.run_dir={run_dir}", "train.decay_steps=4", *extra]
 
 
 def run_here(root: Path, run_dir: Path, *extra: str):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -233,10 +234,12 @@ def test_finetune_lora_run_resume_and_export(llama_dir, jsonl, tmp_path, no_plot
     base = [f"train.init_from={llama_dir}", f"data.path={jsonl}", f"train.run_dir={run_dir}",
             "train.decay_steps=30", "train.ckpt_every=10", "train.keep_ckpts=5",
             "train.lora_rank=4", "train.lora_targets=q,v,down", *SMALL, "train.lr=1e-2"]
-    model, train, data = build_configs("finetune", [*base, "train.steps=20"])
-    assert run(model, train, data, progress=False).final_step == 20
-    # The second call resumes the run's own checkpoint (step 20), not init_from.
     model, train, data = build_configs("finetune", [*base, "train.steps=30"])
+    assert run(model, train, data, progress=False).final_step == 30  # the straight run
+    with CheckpointManager(run_dir / "checkpoints", async_save=False) as manager:
+        straight, _ = manager.restore_params(None, 30)
+    shutil.rmtree(run_dir / "checkpoints" / "30")  # killed before step 30's checkpoint
+    # The second call resumes the run's own checkpoint (step 20), not init_from.
     summary = run(model, train, data, progress=False)
     assert (summary.start_step, summary.final_step) == (20, 30)
     losses = [m["loss"] for m in _metrics(run_dir)]
@@ -251,12 +254,7 @@ def test_finetune_lora_run_resume_and_export(llama_dir, jsonl, tmp_path, no_plot
                            last[lora.ADAPTERS])
     assert all(jax.tree.leaves(changed))  # every A and B moved; nothing else did
     manager.close()
-    # The resumed run is exactly the uninterrupted one.
-    model, train, data = build_configs("finetune", [*base, "train.steps=30",
-                                                    f"train.run_dir={tmp_path / 'straight'}"])
-    run(model, train, data, progress=False)
-    straight, _ = CheckpointManager(tmp_path / "straight" / "checkpoints",
-                                    async_save=False).restore_params(None, 30)
+    # The resumed run is exactly the uninterrupted one (its step 30, taken before the kill).
     jax.tree.map(np.testing.assert_array_equal, straight, last)
     _export_and_compare(run_dir, tmp_path / "export")
 

@@ -290,9 +290,10 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def test_grpo_resume_is_exact(setup, tmp_path, monkeypatch):
     """Killed after step 2's record but before its checkpoint (kill -9; the checkpoint of step 2
-    removed), resumed from step 1 to 2 = a straight run of 2 (rollouts, rewards, losses and
-    weights; ``metrics.jsonl`` holds each step once), full fine-tuning with the KL to the initial
-    weights made again on resume. Each step samples its rollouts with seeds of its own."""
+    removed), resumed from step 1 to 2 = the straight run of 2 it was killed in (rollouts,
+    rewards, losses and weights, taken before the kill; ``metrics.jsonl`` holds each step
+    once), full fine-tuning with the KL to the initial weights made again on resume. Each step
+    samples its rollouts with seeds of its own."""
     hf_dir, prompts_file, rewards_file = setup
     seeds: list[int] = []  # the engine seed of every rollout request, in order
     add_request = G.Engine.add_request
@@ -310,27 +311,26 @@ def test_grpo_resume_is_exact(setup, tmp_path, monkeypatch):
             f"train.steps={steps}", "train.ckpt_every=1", "train.mesh=1,1,1"])
         return run(model, train, data, progress=False)
 
-    go(tmp_path / "a", 2)
-    shutil.rmtree(tmp_path / "a" / "checkpoints" / "2")  # killed before step 2's checkpoint
-    assert [m["step"] for m in _metrics(tmp_path / "a")] == [1, 2]
+    run_dir = tmp_path / "a"
+    go(run_dir, 2)  # the straight run: its step 2, as it was before the kill
+    straight_seeds = seeds[:]
+    b, _ = CheckpointManager(run_dir / "checkpoints", async_save=False).restore_params(None, 2)
+    mb = _metrics(run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "2")  # killed before step 2's checkpoint
+    assert [m["step"] for m in mb] == [1, 2]
     del seeds[:]
-    summary = go(tmp_path / "a", 2)
+    summary = go(run_dir, 2)
     assert (summary.start_step, summary.final_step) == (1, 2)
-    resumed_seeds = seeds[:]
-    del seeds[:]
-    go(tmp_path / "b", 2)
     # 8 rollouts a step; the seeds of step 2 are not step 1's (a step reusing them samples
     # the same completions again), and the resumed run's step 2 drew exactly the straight one's.
-    assert len(seeds) == 16 and len(set(seeds[:8])) == 8 and len(set(seeds[8:])) == 8
-    assert not set(seeds[:8]) & set(seeds[8:])
-    assert resumed_seeds == seeds[8:]
-    a, _ = CheckpointManager(tmp_path / "a" / "checkpoints", async_save=False).restore_params(
-        None, 2)
-    b, _ = CheckpointManager(tmp_path / "b" / "checkpoints", async_save=False).restore_params(
-        None, 2)
+    assert len(straight_seeds) == 16 and len(set(straight_seeds[:8])) == 8
+    assert len(set(straight_seeds[8:])) == 8
+    assert not set(straight_seeds[:8]) & set(straight_seeds[8:])
+    assert seeds == straight_seeds[8:]
+    a, _ = CheckpointManager(run_dir / "checkpoints", async_save=False).restore_params(None, 2)
     jax.tree.map(np.testing.assert_array_equal, a, b)
     keys = ("step", "loss", "reward_mean", "kl", "completion_len", "grad_norm")
-    ma, mb = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    ma = _metrics(run_dir)
     assert [[m[k] for k in keys] for m in ma] == [[m[k] for k in keys] for m in mb]
     assert [m["step"] for m in ma] == [1, 2]  # the killed run's record of step 2 not kept twice
     assert mb[0]["kl"] == pytest.approx(0, abs=1e-6) and mb[1]["kl"] > 0  # moved off the ref

@@ -21,7 +21,6 @@ import logging
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import jax
@@ -203,82 +202,98 @@ def test_the_docs_generate_from_a_fine_tuned_model_with_chat():
     assert "--chat" in line.split()
 
 
-# c. tensor-parallel generation from a run's checkpoint ------------------------------------------
+# c. tensor-parallel generation from a run's checkpoint, d. read-only runs -----------------------
+# One process for both (a process start is some 3 s of CPU), with 2 CPU devices: first the
+# tensor-parallel generation, then, where a directory can be made read-only, the commands that
+# read a run on a read-only mount.
 
-def test_generate_tensor_parallel_from_training_run_checkpoints(run, lora_run, params):
-    """--tensor 2 on a run and --tensor 0 (every device: 2 here) on a LoRA run, one process."""
-    script = textwrap.dedent(f"""
-        import importlib
-        cli = importlib.import_module("transformer_jax.cli.generate")
-        common = ["--prompt-ids", "3,1,4", "--prompt-ids", "1,5", "--max-new-tokens", "4",
-                  "--no-stop", "--json"]
-        assert cli.main(["--checkpoint", {str(run)!r}, "--tensor", "2", *common]) == 0
-        assert cli.main(["--checkpoint", {str(lora_run[0])!r}, "--tensor", "0", *common]) == 0
-    """)
+FRESH_SCRIPT = """
+import contextlib, importlib, io, json, sys, traceback
+RUN, LORA_RUN, READ_ONLY, RO_RUN, OUT, RO_OUT = json.loads(sys.argv[1])
+cli = importlib.import_module("transformer_jax.cli.generate")
+common = ["--prompt-ids", "3,1,4", "--prompt-ids", "1,5", "--max-new-tokens", "4",
+          "--no-stop", "--json"]
+assert cli.main(["--checkpoint", RUN, "--tensor", "2", *common]) == 0
+assert cli.main(["--checkpoint", LORA_RUN, "--tensor", "0", *common]) == 0
+print("---")  # then the read-only calls' results (one line)
+if not READ_ONLY:
+    sys.exit(0)
+from transformer_jax.cli import export as hf_export
+from transformer_jax.cli import plot as plot_cli
+from transformer_jax.train import run as training
+from transformer_jax.train.config import build_configs
+
+def init_from():
+    model, train, data = build_configs("tiny", [
+        f"train.init_from={RO_RUN}", f"data.path={OUT}/corpus.txt",
+        f"data.cache_dir={OUT}/cache", f"train.run_dir={OUT}/ft", "train.steps=1",
+        "train.batch_size=2", "train.seq_len=16", "train.warmup_steps=0",
+        "train.eval_batches=1", "train.sample_tokens=0", "train.mesh=-1,1,1"])  # 2 devices
+    return training.run(model, train, data, progress=False).final_step
+
+calls = {
+    "generate": lambda: cli.main(["--checkpoint", RO_RUN, "--prompt-ids", "1,2",
+                                  "--max-new-tokens", "2", "--json"]),
+    "export": lambda: hf_export.main(["--checkpoint", RO_RUN, "--out", OUT + "/hf"]),
+    "export_to_read_only": lambda: hf_export.main(["--checkpoint", RO_RUN,
+                                                   "--out", RO_OUT + "/hf"]),
+    "plot": lambda: plot_cli.main([RO_RUN]),
+    "plot_out": lambda: plot_cli.main([RO_RUN, "--out", OUT + "/loss.png"]),
+    "init_from": init_from,
+}
+results = {}
+for name, call in calls.items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            value = call()
+        except BaseException:
+            value = "raised " + traceback.format_exc().strip().splitlines()[-1]
+    results[name] = [value, err.getvalue()]
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_process(tmp_path_factory, run, lora_run, params, tokenizer):
+    """The process's result; and the read-only run, its state before, the output directory,
+    whether it ran on a read-only mount."""
+    root = tmp_path_factory.mktemp("fresh")
+    ro_run = save_run(root / "run", params, tokenizer)
+    (root / "ro_out").mkdir()
+    out = root / "out"
+    out.mkdir()
+    (out / "corpus.txt").write_text(f"{TEXT}.\n" * 200)
+    before = _tree_state(ro_run)
+    read_only_mount = read_only.mode() is not None
+    argv = [sys.executable, "-c", FRESH_SCRIPT, json.dumps(
+        [str(run), str(lora_run[0]), read_only_mount, str(ro_run), str(out),
+         str(root / "ro_out")])]
     env = dict(ENV, JAX_NUM_CPU_DEVICES="2")  # --tensor 0 takes them all
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    outs = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if read_only_mount:
+        done = read_only.run([ro_run, root / "ro_out"], argv, env=env, cwd=ROOT, timeout=480)
+    else:
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300,
+                              cwd=ROOT)
+    return done, (ro_run, before, out, read_only_mount)
+
+
+def test_generate_tensor_parallel_from_training_run_checkpoints(fresh_process, lora_run, params):
+    """--tensor 2 on a run and --tensor 0 (every device: 2 here) on a LoRA run, one process."""
+    done, _ = fresh_process
+    assert "---" in done.stdout.splitlines(), done.stderr[-3000:]
+    tensor_part = done.stdout.split("---")[0]
+    outs = [json.loads(line) for line in tensor_part.splitlines() if line.startswith("{")]
     assert [o["tensor"] for o in outs] == [2, 2]
     for out, weights in zip(outs, (params, lora_run[1]), strict=True):
         want = generation.generate(CONFIG, weights, [[3, 1, 4], [1, 5]], max_new_tokens=4)
         assert out["tokens"] == want.tokens
 
 
-# d. read-only runs -------------------------------------------------------------------------------
-
-def test_generate_export_init_from_and_plot_read_a_read_only_run(tmp_path, params, tokenizer):
-    if read_only.mode() is None:
+def test_generate_export_init_from_and_plot_read_a_read_only_run(fresh_process):
+    done, (run, before, out, read_only_mount) = fresh_process
+    if not read_only_mount:
         pytest.skip("no way to make a directory read-only for root here (no namespaces)")
-    run = save_run(tmp_path / "run", params, tokenizer)
-    (tmp_path / "ro_out").mkdir()
-    out = tmp_path / "out"
-    out.mkdir()
-    corpus = out / "corpus.txt"
-    corpus.write_text(f"{TEXT}.\n" * 200)
-    before = _tree_state(run)
-    script = textwrap.dedent(f"""
-        import contextlib, importlib, io, json, traceback
-        from transformer_jax.cli import export as hf_export
-        from transformer_jax.cli import plot as plot_cli
-        from transformer_jax.train import run as training
-        from transformer_jax.train.config import build_configs
-        generate = importlib.import_module("transformer_jax.cli.generate")
-        run, out, ro_out = {str(run)!r}, {str(out)!r}, {str(tmp_path / "ro_out")!r}
-
-        def init_from():
-            model, train, data = build_configs("tiny", [
-                f"train.init_from={{run}}", f"data.path={{out}}/corpus.txt",
-                f"data.cache_dir={{out}}/cache", f"train.run_dir={{out}}/ft", "train.steps=1",
-                "train.batch_size=2", "train.seq_len=16", "train.warmup_steps=0",
-                "train.eval_batches=1", "train.sample_tokens=0", "train.mesh=1,1,1"])
-            return training.run(model, train, data, progress=False).final_step
-
-        calls = {{
-            "generate": lambda: generate.main(["--checkpoint", run, "--prompt-ids", "1,2",
-                                               "--max-new-tokens", "2", "--json"]),
-            "export": lambda: hf_export.main(["--checkpoint", run,
-                                              "--out", out + "/hf"]),
-            "export_to_read_only": lambda: hf_export.main(["--checkpoint", run,
-                                                           "--out", ro_out + "/hf"]),
-            "plot": lambda: plot_cli.main([run]),
-            "plot_out": lambda: plot_cli.main([run, "--out", out + "/loss.png"]),
-            "init_from": init_from,
-        }}
-        results = {{}}
-        for name, call in calls.items():
-            err = io.StringIO()
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                try:
-                    value = call()
-                except BaseException:
-                    value = "raised " + traceback.format_exc().strip().splitlines()[-1]
-            results[name] = [value, err.getvalue()]
-        print(json.dumps(results))
-    """)
-    done = read_only.run([run, tmp_path / "ro_out"], [sys.executable, "-c", script], env=ENV,
-                         cwd=ROOT, timeout=480)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     failed = {k: v for k, v in results.items()

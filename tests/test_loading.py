@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import jax
@@ -180,22 +179,60 @@ def test_locate_errors_name_the_path_and_the_problem(tmp_path, hf_dir):
     assert not (tmp_path / "missing").exists()
 
 
-def test_locate_reads_no_weights_and_starts_no_jax_backend(tmp_path, params, tokenizer):
-    run = save_run(tmp_path / "run", {5: params[2]}, tokenizer)
-    for array_file in (run / "checkpoints" / "5" / "state").rglob("*"):
+# One fresh process for the checks that need one (a process start is some 3 s of CPU): first
+# locate on a run whose weights are gone (before anything starts a JAX backend), then, where a
+# directory can be made read-only, every kind of checkpoint loaded from a read-only mount.
+FRESH_SCRIPT = """
+import json, sys
+import jax._src.xla_bridge as xla_bridge
+from transformer_jax.checkpoint import loading
+GUTTED, READ_ONLY, PATHS, OUT = json.loads(sys.argv[1])
+source = loading.locate(GUTTED)
+print(json.dumps([source.kind, source.meta["step"], xla_bridge.backends_are_initialized()]))
+sys.stdout.flush()
+if READ_ONLY:
+    import numpy as np, jax
+    from transformer_jax.parallel import sharding as sh
+    mesh = sh.make_mesh(sh.MeshConfig(1, 1, 1))
+    for name, path in PATHS.items():
+        for placed in (None, mesh):
+            loaded = loading.load(path, placed)
+            assert loaded.tokenizer is not None, name
+        flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x
+                in jax.tree_util.tree_flatten_with_path(loaded.params)[0]}
+        np.savez(OUT + "/" + name + ".npz", **flat)
+    print("ok")
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_process(tmp_path_factory, run, lora_run, hf_dir, params, tokenizer):
+    """(the gutted run, the process's result, its output directory, whether it loaded from a
+    read-only mount)."""
+    root = tmp_path_factory.mktemp("fresh")
+    gutted = save_run(root / "run", {5: params[2]}, tokenizer)
+    for array_file in (gutted / "checkpoints" / "5" / "state").rglob("*"):
         if array_file.is_file() and not array_file.name.startswith("_"):
             array_file.write_bytes(b"")  # the weights are gone; the metadata stays
-    script = textwrap.dedent(f"""
-        import jax._src.xla_bridge as xla_bridge
-        from transformer_jax.checkpoint import loading
-        source = loading.locate({str(run)!r})
-        assert not xla_bridge.backends_are_initialized()
-        print(source.kind, source.meta["step"])
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=ENV, cwd=ROOT, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["run", "5"]
+    out = root / "out"
+    out.mkdir()
+    paths = {"run": str(run), "lora": str(lora_run[0]), "step": str(run / "checkpoints" / "2"),
+             "hf": str(hf_dir)}
+    read_only_mount = read_only.mode() is not None
+    argv = [sys.executable, "-c", FRESH_SCRIPT,
+            json.dumps([str(gutted), read_only_mount, paths, str(out)])]
+    if read_only_mount:
+        done = read_only.run([run, lora_run[0], hf_dir], argv, env=ENV, cwd=ROOT, timeout=300)
+    else:
+        done = subprocess.run(argv, capture_output=True, text=True, env=ENV, cwd=ROOT,
+                              timeout=120)
+    return gutted, done, out, read_only_mount
+
+
+def test_locate_reads_no_weights_and_starts_no_jax_backend(fresh_process):
+    run, done, _, _ = fresh_process
+    assert done.stdout.strip(), done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[0]) == ["run", 5, False]
     with pytest.raises(CheckpointError):
         loading.load(run)
 
@@ -311,30 +348,12 @@ def test_read_only_manager_creates_nothing_and_refuses_to_save(tmp_path):
     assert list((tmp_path / "ckpt").iterdir()) == []
 
 
-def test_load_from_a_read_only_mount(tmp_path, run, lora_run, hf_dir, params):
-    if read_only.mode() is None:
+def test_load_from_a_read_only_mount(fresh_process, lora_run, params):
+    _, done, out, read_only_mount = fresh_process
+    if not read_only_mount:
         pytest.skip("no way to make a directory read-only for root here (no namespaces)")
-    out = tmp_path / "out"
-    out.mkdir()
-    script = textwrap.dedent(f"""
-        import numpy as np, jax
-        from transformer_jax.checkpoint import loading
-        from transformer_jax.parallel import sharding as sh
-        mesh = sh.make_mesh(sh.MeshConfig(1, 1, 1))
-        for name, path in {{"run": {str(run)!r}, "lora": {str(lora_run[0])!r},
-                            "step": {str(run / "checkpoints" / "2")!r},
-                            "hf": {str(hf_dir)!r}}}.items():
-            for placed in (None, mesh):
-                loaded = loading.load(path, placed)
-                assert loaded.tokenizer is not None, name
-            flat = {{jax.tree_util.keystr(p): np.asarray(x) for p, x
-                    in jax.tree_util.tree_flatten_with_path(loaded.params)[0]}}
-            np.savez({str(out)!r} + "/" + name + ".npz", **flat)
-        print("ok")
-    """)
-    done = read_only.run([run, lora_run[0], hf_dir], [sys.executable, "-c", script], env=ENV,
-                         cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "ok"
     merged = _merged(lora_run[1])
     for name, want in (("run", params[4]), ("lora", merged), ("step", params[2]),
                        ("hf", params[2])):

@@ -52,8 +52,11 @@ def configs(root: Path, **train) -> tuple[ModelConfig, TrainConfig, DataConfig]:
     corpus = root / "corpus.txt"
     if not corpus.exists():
         write_corpus(corpus)
-    tc = dict(steps=4, batch_size=4, seq_len=16, warmup_steps=1, eval_every=0, eval_batches=1,
-              log_every=1, ckpt_every=2, run_dir=str(root / "run"), sample_tokens=0)
+    # One decay length whatever the steps: the runs of this module (50 steps, 2 then 4, 4)
+    # share one compiled train step (the cache), the update not depending on train.steps.
+    tc = dict(steps=4, decay_steps=4, batch_size=4, seq_len=16, warmup_steps=1, eval_every=0,
+              eval_batches=1, log_every=1, ckpt_every=2, run_dir=str(root / "run"),
+              sample_tokens=0)
     tc.update(train)
     data = DataConfig(path=str(corpus), tokenizer="char", cache_dir=str(root / "cache"),
                       val_fraction=0.1)

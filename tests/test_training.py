@@ -194,8 +194,11 @@ def write_corpus(path, seed=0, lines=400):
 def small_run_configs(tmp_path, **train):
     corpus = write_corpus(tmp_path / "corpus.txt")
     model = MODEL.replace(max_seq_len=32)
-    tc = dict(steps=6, batch_size=4, seq_len=16, warmup_steps=1, eval_every=3, eval_batches=2,
-              log_every=1, ckpt_every=3, run_dir=str(tmp_path / "run"), sample_tokens=0)
+    # One decay length whatever the steps: the update does not depend on train.steps, so the
+    # runs of this module (6 then 8 steps, 3, 9) share one compiled train step (the cache).
+    tc = dict(steps=6, decay_steps=6, batch_size=4, seq_len=16, warmup_steps=1, eval_every=3,
+              eval_batches=2, log_every=1, ckpt_every=3, run_dir=str(tmp_path / "run"),
+              sample_tokens=0)
     tc.update(train)
     data = DataConfig(path=str(corpus), tokenizer="char", cache_dir=str(tmp_path / "cache"),
                       val_fraction=0.1)
