@@ -205,6 +205,20 @@ class LoadedHF:
     params: dict
 
 
+def spread_torch_params(model) -> None:
+    """Draws a torch model's parameters in place (under the caller's seed): vectors (norm gains,
+    biases) ``1 + 0.2 N(0, 1)``, matrices ``N(0, 1/fan_in)``; far from the init's ones and
+    zeros, so a misplaced gain or bias shows in the logits."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+
+
 def random_hf_model(kind: str, seed: int = 0, **config):
     """A tiny transformers model (eager attention, eval mode) with every weight randomised.
 

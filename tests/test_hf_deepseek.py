@@ -16,7 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE, LoadedHF, jit_logits, ragged_inputs, run_until_idle, torch_logits
+from helpers import (
+    FAST_COMPILE,
+    LoadedHF,
+    jit_logits,
+    ragged_inputs,
+    run_until_idle,
+    spread_torch_params,
+    torch_logits,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -61,12 +69,8 @@ def random_deepseek(q_lora_rank, rope_interleave, seed=0, **moe):
                              mscale_all_dim=0.6),
         attn_implementation="eager", **kw)
     model = transformers.DeepseekV3ForCausalLM(config).eval()
+    spread_torch_params(model)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn_like(b))

@@ -16,7 +16,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import jit_logits, ragged_inputs, torch_logits
+from helpers import jit_logits, ragged_inputs, spread_torch_params, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -50,12 +50,7 @@ def random_model(kind):
             n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
             moe_intermediate_size=40, n_shared_experts=1, routed_scaling_factor=2.5, **common)
         model = transformers.DeepseekV3ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
+    spread_torch_params(model)
     return model.eval()
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE, exit_and_line, fast_everywhere
+from helpers import FAST_COMPILE, exit_and_line, fast_everywhere, spread_torch_params
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -44,12 +44,7 @@ def _tiny_deepseek() -> "transformers.DeepseekV3ForCausalLM":
         n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         num_nextn_predict_layers=1, attn_implementation="eager")
     model = transformers.DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
+    spread_torch_params(model)
     return model
 
 
