@@ -20,7 +20,7 @@ import numpy as np
 
 from transformer_jax.decode.loop import SamplingSettings
 from transformer_jax.decode.prompts import is_int, sequence_keys
-from transformer_jax.decode.speculative import check_engine, parse_spec
+from transformer_jax.decode.speculative import parse_spec
 from transformer_jax.serving.grammar import Grammar
 
 #: The most alternatives a request's ``top_logprobs`` may ask for (OpenAI's limit). A step
@@ -115,7 +115,7 @@ class SamplingParams:
             raise ValueError(f"adapter must be an adapter's name or None, got "
                              f"{self.adapter!r:.80}")
         if self.speculative is not None:
-            check_engine(parse_spec(self.speculative))
+            parse_spec(self.speculative)
         self.settings().validate(vocab_size)
 
     def settings(self) -> SamplingSettings:
