@@ -55,7 +55,8 @@ class SamplingParams:
       adapter: the name of one of the engine's LoRA adapters (``Engine(adapters=...)``) to
         decode with, or None for the base model.
       speculative: speculative decoding for this request (``decode.speculative``): a spec
-        string (``"ngram:k=4"``, ``"draft:PATH:k=4"``, the draft the engine's own) or a
+        string (``"ngram:k=4"``, ``"draft:PATH:k=4"``, the draft the engine's own, ``"mtp"``,
+        the model's multi-token prediction module: ``serving.mtp``) or a
         ``SpeculativeConfig``; the same tokens as without, often several per step.
     """
 

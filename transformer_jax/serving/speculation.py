@@ -151,7 +151,7 @@ class Pending:
     rows: list[Request]
     held: dict[int, int]  # request id -> pages held before the step grew them
     drafts: dict[int, int]  # request id -> proposals
-    outputs: tuple[Any, Any, Any]
+    outputs: tuple[Any, ...]  # the program's: tokens, logprobs, accepted (, proposals)
     t: int
     width: int
     started: float
