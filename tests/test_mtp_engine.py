@@ -20,6 +20,7 @@ from transformer_jax.model.fields import MLA, MoE
 from transformer_jax.model.transformer import Transformer
 from transformer_jax.serving import Engine, SamplingParams, speculation
 from transformer_jax.serving import mtp as mtp_lib
+from transformer_jax.serving.step import Sampler
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_compiles")
 
@@ -113,6 +114,34 @@ def test_a_module_that_agrees_with_the_target_has_every_proposal_kept(params, mo
     m = eng.speculation.metrics()
     assert m["proposed"] > 10 and m["accepted"] == m["proposed"], m
     assert all(c.speculative.accepted == c.speculative.proposed > 0 for c in done.values())
+
+
+def test_the_cost_rule_runs_the_modules_plain_steps_and_verifies_when_it_pays(params,
+                                                                             monkeypatch):
+    """Verification measured at 100 plain steps: no verify step, the rows watch their
+    proposals on the module's plain steps (T = 1, which keep its pages whole); at 1 plain
+    step, an agreeing module's proposals are all verified and kept. The tokens stay the
+    target's (token 0: the agreeing model)."""
+    agree = {**params, "final_norm": {"scale": jnp.zeros(CONFIG.d_model)},
+             "mtp_0": {**params["mtp_0"], "head_norm": {"scale": jnp.zeros(CONFIG.d_model)}}}
+    eng = Engine(CONFIG, decode.prepare(CONFIG, agree), **ENGINE)
+    spec = eng.speculation
+    _verify_always(monkeypatch)  # no measurement replaces the made-up times below
+    for cost, verifies in ((100.0, False), (1.0, True)):
+        spec.times = {(w, t, c, Sampler()): (cost if t > 1 else 1.0, 10 ** 9)
+                      for w in eng.scheduler.widths for t in (1, 2) for c in (False, True)}
+        eng.steps = 10 ** 9
+        before = spec.metrics()
+        rid = eng.add_request(PROMPTS[2], SamplingParams(max_tokens=N, speculative="mtp"))
+        done = eng.run_until_idle(max_steps=100)[rid]
+        assert done.tokens == [0] * N
+        m = spec.metrics()
+        assert (m["verify_steps"] > before["verify_steps"]) == verifies
+        assert (m["backed_off_steps"] > before["backed_off_steps"]) != verifies
+        acc = done.speculative
+        assert acc.accepted == acc.proposed and (acc.proposed > 0) == verifies
+        assert verifies or acc.declined > 0
+    eng.check_no_leaks()
 
 
 def test_mtp_is_refused_in_one_line_where_it_cannot_run(params):

@@ -14,9 +14,9 @@ the token t_{j+1} after it, so it is written in the target's own programs, where
   prompt's end is the first proposal;
 - every decode step with a speculating row runs ``mtp_verify``: ``speculative_mtp.verify``
   (``generate``'s) of each row's last token and its proposal (T = 2), or of the last token
-  alone (T = 1: the plain step of an engine whose rows speculate so), the module over the same
-  positions with the target's draws; its prediction at the row's last kept position is the
-  next proposal.
+  alone (T = 1: the plain step of an engine whose rows speculate so; rows of other proposers
+  in the step may make T larger), the module over the same positions with the target's draws;
+  its prediction at the row's last kept position is the next proposal.
 
 Positions past a row's kept ones hold stale entries, hidden by causality and overwritten by
 the next round, as the target's do. Each step's proposals go to the host with its tokens; a
@@ -97,8 +97,9 @@ def mtp_verify(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any, 
                adapters: Params | None, *, sampler: step_lib.Sampler, view: str = "auto"
                ) -> tuple[Any, ...]:
     """``speculation.verify_step`` with the module: ``speculative_mtp.verify`` of the verify
-    rows ([B, T]: each row's last token and its proposal, T = 1 or 2) through the engine's
-    pages and the module's, read through the same page tables.
+    rows ([B, T]: each row's last token and its proposals; T = 2 with the module's, 1 without
+    any, more with another proposer's rows in the step) through the engine's pages and the
+    module's, read through the same page tables.
 
     Args:
       rows: the ``speculation.VerifyRows``; sampling: [B * T] rows, as ``verify_step``'s.
