@@ -371,10 +371,10 @@ class Speculation:
         """Runs the verify program once at every page-table width and T up to k proposals, on
         idle rows (writes only into the null page), greedy and sampled (temperature only, as a
         server's request by default), the module's instead when it runs; the shapes run."""
-        eng, sched = self.engine, self.engine.scheduler
-        b = sched.num_slots
-        ts = [1, 2] if self.mtp else sorted({width_of(j) for j in range(1, k + 1)})
-        for width, t, sampled in itertools.product(sched.widths, ts, (False, True)):
+        eng, sched, b = self.engine, self.engine.scheduler, self.engine.scheduler.num_slots
+        ts = sorted({width_of(j) for j in range(1, k + 1)})
+        shapes = list(itertools.product(sched.widths, [1, 2] if self.mtp else ts, (False, True)))
+        for width, t, sampled in shapes:
             rows = VerifyRows(np.zeros((b, t), np.int32), np.zeros(b, np.int32),
                               np.zeros(b, np.int32), np.zeros((b, width), np.int32),
                               None if eng._adapters is None else np.zeros(b, np.int32))
@@ -382,8 +382,8 @@ class Speculation:
             sampling = sampling.replace(temperature=np.full(b * t, float(sampled), np.float32))
             jax.block_until_ready(self._program(rows, sampling, Sampler(sampled=sampled),
                                                 self.mtp is not None))
-        shapes = len(sched.widths) * len(ts) * 2 + (self.mtp.compile(sched) if self.mtp else 0)
-        return shapes + (0 if self.draft is None else self.draft.compile(
+        done = len(shapes) + (self.mtp.compile(sched) if self.mtp else 0)
+        return done + (0 if self.draft is None else self.draft.compile(
             sched, ts, eng._adapters is not None))
 
     def _shape(self, plan: StepPlan, drafts: dict[int, list[int]]) -> tuple[int, int]:
@@ -391,8 +391,8 @@ class Speculation:
         sched = self.engine.scheduler
         needed = max(pages_for(r.cached + len(drafts.get(r.id, ())) + 1, sched.page_size)
                      for r in plan.decodes)
-        most = max((len(d) for d in drafts.values()), default=0)
-        return (width_of(most) if most else 1, sched._width(min(needed, sched.pages_per_seq)))
+        most = max((len(d) for d in drafts.values()), default=0)  # none: the module's T = 1
+        return (width_of(most) if drafts else 1, sched._width(min(needed, sched.pages_per_seq)))
 
     def _times(self, plan: StepPlan, width: int, t: int, sampler: Sampler
                ) -> tuple[float | None, float | None]:
