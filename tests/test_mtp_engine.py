@@ -6,14 +6,15 @@ pool that preempts decode the greedy continuation (what greedy ``generate`` give
 the argmax of the target's logits at the position before), and every proposal the engine makes
 is the argmax of the module's logits at the request's last kept position. A module made to
 agree with the target has every proposal kept; setups without the module are refused in one
-line."""
+line (the engine, serve, bench serve)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY, random_params
+from helpers import TINY, exit_and_line, random_params
 
+from transformer_jax.bench import serve as bench_serve
 from transformer_jax.cli import serve as cli
 from transformer_jax.decode import loop as decode
 from transformer_jax.model.fields import MLA, MoE
@@ -144,7 +145,7 @@ def test_the_cost_rule_runs_the_modules_plain_steps_and_verifies_when_it_pays(pa
     eng.check_no_leaks()
 
 
-def test_mtp_is_refused_in_one_line_where_it_cannot_run(params):
+def test_mtp_is_refused_in_one_line_where_it_cannot_run(params, capsys):
     eng = Engine(TINY, decode.prepare(TINY, random_params(TINY, 0)), **ENGINE)
     with pytest.raises(ValueError, match=r"^speculative mtp drafts with the model's multi-token"):
         eng.add_request([1, 2], SamplingParams(max_tokens=2, speculative="mtp"))
@@ -154,4 +155,7 @@ def test_mtp_is_refused_in_one_line_where_it_cannot_run(params):
                                           "--tensor", "2"])
     with pytest.raises(ValueError, match="needs one device"):
         cli._check(args)
+    code, line = exit_and_line(capsys, bench_serve.main, "--config", "tiny", "--speculative",
+                               "mtp")
+    assert code == 2 and "the model's multi-token prediction module" in line, line
     assert eng.idle

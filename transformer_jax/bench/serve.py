@@ -43,6 +43,7 @@ from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode import prompts as prompt_lib
 from transformer_jax.decode.speculative import parse_spec
+from transformer_jax.decode.speculative_mtp import check_mtp
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import cache_bytes
 from transformer_jax.model.transformer import init_params
@@ -271,7 +272,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
     modes = (args.modes or ("http" if args.url else "engine,one,batch")).split(",")
     if args.speculative:
         try:
-            parse_spec(args.speculative)
+            spec = parse_spec(args.speculative)
+            if spec.method == "mtp":  # the model's own module (tiny presets have none)
+                check_mtp(config, spec.k)
         except ValueError as e:
             parser.error(str(e))
         if "engine-spec" not in modes:
