@@ -5,8 +5,9 @@ mixture-of-experts layer, one module). One forward of the whole sequences withou
 pool that preempts decode the greedy continuation (what greedy ``generate`` gives: each token
 the argmax of the target's logits at the position before), and every proposal the engine makes
 is the argmax of the module's logits at the request's last kept position. A module made to
-agree with the target has every proposal kept; setups without the module are refused in one
-line (the engine, serve, bench serve)."""
+agree with the target has every proposal kept, and under the cost rule runs its plain steps
+while verification does not pay; setups without the module are refused in one line (the
+engine, serve, bench serve)."""
 
 import jax
 import jax.numpy as jnp
