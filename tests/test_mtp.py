@@ -326,15 +326,23 @@ def test_mtp_speculation_is_refused_in_one_line_where_it_cannot_apply(loaded):
     assert str(parse_spec("mtp")) == str(parse_spec("mtp:k=1")) == "mtp:k=1"
 
 
-def test_serve_refuses_mtp_speculation_at_start_up_in_one_line(capsys):
+def test_serve_refuses_mtp_speculation_it_cannot_run_in_one_line(checkpoint, tmp_path, capsys):
+    """``serve --speculative mtp`` (the engine's proposer: tests/test_mtp_engine.py) on a
+    checkpoint without the module's tensors: exit 1 with one line, after the load and before
+    any step compiles; a k other than 1 before the load."""
     from transformer_jax.cli import serve as cli
-    from transformer_jax.serving.requests import SamplingParams
 
-    code, line = exit_and_line(capsys, cli.main, "--checkpoint", "unused",
-                               "--compilation-cache", "", "--speculative", "mtp")
-    assert code == 1 and "speculative mtp: the serving engine does not draft" in line
-    with pytest.raises(ValueError, match=r"^speculative mtp: the serving engine"):
-        SamplingParams(max_tokens=4, speculative="mtp").validate(V)
+    weights = safetensors_torch.load_file(checkpoint[2] / "model.safetensors")
+    safetensors_torch.save_file({k: v for k, v in weights.items()
+                                 if not k.startswith(f"model.layers.{L}.")},
+                                tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((checkpoint[2] / "config.json").read_text())
+    for spec, message in (("mtp", "speculative mtp drafts with the model's multi-token"),
+                          ("mtp:k=2", "speculative mtp proposes one token a round")):
+        code, line = exit_and_line(capsys, cli.main, "--checkpoint", str(tmp_path),
+                                   "--compilation-cache", "", "--speculative", spec,
+                                   "--port", "0", "--slots", "2")
+        assert code == 1 and message in line, line
 
 
 def test_a_run_from_the_checkpoint_may_drop_the_modules(checkpoint, tmp_path):

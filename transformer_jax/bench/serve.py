@@ -42,7 +42,8 @@ from transformer_jax.bench.serve_workload import (
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode import prompts as prompt_lib
-from transformer_jax.decode.speculative import check_engine, parse_spec
+from transformer_jax.decode.speculative import parse_spec
+from transformer_jax.decode.speculative_mtp import check_mtp
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import cache_bytes
 from transformer_jax.model.transformer import init_params
@@ -216,9 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "http (the server at --url; bench/serve_http.py) (default: "
                              "engine,one,batch; http with --url)")
     parser.add_argument("--speculative", default=None, metavar="SPEC",
-                        help="the engine-spec mode's speculation, e.g. ngram:k=4 or "
-                             "draft:PATH:k=4 (added to the modes when given; the same requests "
-                             "as the engine mode)")
+                        help="the engine-spec mode's speculation, e.g. ngram:k=4, "
+                             "draft:PATH:k=4 or mtp (added to the modes when given; the same "
+                             "requests as the engine mode)")
     parser.add_argument("--workload", choices=("random", "repeat"), default="random",
                         help="repeat: input-heavy prompts, each a random passage then its "
                              "first --lead tokens again, so the output can copy the input")
@@ -271,7 +272,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
     modes = (args.modes or ("http" if args.url else "engine,one,batch")).split(",")
     if args.speculative:
         try:
-            check_engine(parse_spec(args.speculative))
+            spec = parse_spec(args.speculative)
+            if spec.method == "mtp":  # the model's own module (tiny presets have none)
+                check_mtp(config, spec.k)
         except ValueError as e:
             parser.error(str(e))
         if "engine-spec" not in modes:
@@ -398,6 +401,8 @@ def main(argv: list[str]) -> int:
                             overlap=mode != "engine-sync",
                             draft=spec.draft if spec and spec.method == "draft" else None)
             engine.multistep.max_steps = args.multi_steps
+            if spec and spec.method == "mtp":  # the module's pages, before compile
+                engine.speculation.enable_mtp()
             grammars = None
             if mode.startswith("engine-json"):
                 every = 2 if mode == "engine-json-mixed" else 1

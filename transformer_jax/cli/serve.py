@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share prompt pages between requests (default: share)")
     e.add_argument("--speculative", metavar="SPEC", help="speculative decoding for every "
-                   "request: ngram[:k=K][:n=N] (prompt lookup) or draft:PATH[:k=K] (a draft "
-                   "model sharing the checkpoint's tokenizer) (default: off)")
+                   "request: ngram[:k=K][:n=N] (prompt lookup), draft:PATH[:k=K] (a draft "
+                   "model sharing the checkpoint's tokenizer) or mtp (the checkpoint's "
+                   "multi-token prediction module, e.g. DeepSeek-V3's) (default: off)")
     e.add_argument("--compilation-cache", default=str(DEFAULT_CACHE_DIR),
                    help="JAX persistent compilation cache directory, '' for none "
                    "(default: %(default)s)")
@@ -145,9 +146,9 @@ def _check(args: argparse.Namespace) -> None:
                          f"{args.body_timeout}")
     parse_lora(args.lora, args.served_model_name)
     if args.speculative is not None:
-        from transformer_jax.decode.speculative import check_engine, parse_spec
+        from transformer_jax.decode.speculative import parse_spec
 
-        check_engine(parse_spec(args.speculative))
+        parse_spec(args.speculative)
         if args.tensor > 1 or args.expert > 1:  # before the checkpoint loads
             raise ValueError(f"--speculative {args.speculative}: speculative decoding in the "
                              "engine needs one device; drop --tensor and --expert")
@@ -192,7 +193,8 @@ def configure_compilation_cache(directory: str) -> None:
 
 def pool_pages(args: argparse.Namespace, config: Any, draft: Any = None) -> int:
     """The pool size the flags ask for (page 0, the null page, included); with a draft
-    model's config, each page also holds its pages' bytes (``serving.draft``)."""
+    model's config (or the multi-token prediction module's one layer), each page also holds
+    its pages' bytes (``serving.draft``, ``serving.mtp``)."""
     import jax
 
     from transformer_jax.serving.page_pool import pages_for
@@ -245,7 +247,13 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
         draft = load_draft(spec.draft)  # its vocabulary checked against the model's
     timings["load_s"] = time.perf_counter() - t
-    pages = pool_pages(args, config, None if draft is None else draft.config)
+    module = None  # the multi-token prediction module's pages: one more layer of each page
+    if spec is not None and spec.method == "mtp":
+        from transformer_jax.decode.speculative_mtp import cache_config, check_mtp
+
+        check_mtp(config, spec.k)
+        module = cache_config(config)
+    pages = pool_pages(args, config, module if draft is None else draft.config)
     engine = Engine(config, loaded.params, args.slots, pages, args.page_size,
                     args.token_budget or args.slots + 256, mesh,
                     prefix_caching=not args.no_prefix_caching, cache_dtype=args.cache_dtype,
@@ -254,6 +262,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                     max_prefill_rows=args.prefill_rows, draft=draft)
     if draft is not None:
         engine.speculation.draft.path = spec.draft  # requests name it as --speculative does
+    if module is not None:
+        engine.speculation.enable_mtp()
     t = time.perf_counter()
     shapes = engine.compile(speculative=spec.k if spec is not None else 0)
     shapes += engine.multistep.compile()  # the greedy multi-step rounds

@@ -141,14 +141,6 @@ def parse_spec(spec: str | SpeculativeConfig | None) -> SpeculativeConfig | None
     return SpeculativeConfig(**fields)  # type: ignore[arg-type]
 
 
-def check_engine(spec: SpeculativeConfig | None) -> None:
-    """Refuses (one line) the serving engine's missing method: ``mtp`` (``generate`` only)."""
-    if spec is not None and spec.method == "mtp":
-        raise ValueError("speculative mtp: the serving engine does not draft with the model's "
-                         "multi-token prediction module yet (decode.generate does); use ngram "
-                         "or draft:PATH")
-
-
 # Proposers ---------------------------------------------------------------------------------------
 
 def ngram_proposals(contexts: Sequence[Sequence[int]], ks: Sequence[int], n: int = 3,

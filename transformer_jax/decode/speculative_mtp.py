@@ -9,7 +9,8 @@ tokens t_{j+1} of those positions, the module runs over the same W positions wit
 states and draws, and its logits at the last position the row kept (the accepted proposals'
 count a) give the next proposal: the token after the one the target just added. Positions past
 a hold stale entries, hidden by causality and overwritten by the next round (which restarts
-at ``start + a + 1``), as the target's do. One proposal per round (k = 1).
+at ``start + a + 1``), as the target's do. One proposal per round (k = 1). The caches may be
+``generate``'s (``KVCache``) or the serving engine's pages (``serving.mtp``).
 """
 
 from __future__ import annotations
@@ -81,8 +82,14 @@ def propose(config: ModelConfig, params: Params, cache: KVCache, hidden: jax.Arr
         emb = emb * jnp.asarray(c.d_model ** 0.5, emb.dtype)
     _, logits, cache = MTPModule(c).apply({"params": params[module_key(1)]}, hidden, emb,
                                           positions, cache=cache, logits_at=last)
-    cache = cache.replace(lengths=(positions[:, -1] + 1).astype(jnp.int32)).constrain()
+    cache = _pinned(cache.replace(lengths=(positions[:, -1] + 1).astype(jnp.int32)))
     return sampling.argmax(whole_logits(logits)), cache
+
+
+def _pinned(cache: Any) -> Any:
+    """A ``KVCache`` with its sharding pinned (``constrain``); the engine's pages as they are
+    (one device)."""
+    return cache.constrain() if isinstance(cache, KVCache) else cache
 
 
 def prefill_with_hidden(config: ModelConfig, params: Params, tokens: jax.Array,
@@ -120,14 +127,18 @@ def verify(config: ModelConfig, params: Params, cache: KVCache, draft_cache: KVC
     """``speculative.verify`` of [B, W] tokens (the last token and W - 1 proposals; W = 1: a
     plain step) with the module's next proposal from the target's hidden states and draws.
 
+    ``draw`` may give [B, W, 1 + K] draws (the drawn token, then the top alternatives: the
+    engine's ``top_logprobs``); column 0 is the draw.
+
     Returns:
-      (the target's cache, the module's, [B] the next proposal, [B, W] the draws, their
-      log-probabilities, [B] int32 the accepted proposals a).
+      (the target's cache, the module's, [B] the next proposal, [B, W] (or [B, W, 1 + K]) the
+      draws, their log-probabilities, [B] int32 the accepted proposals a).
     """
     positions = start[:, None] + jnp.arange(chunk.shape[1], dtype=jnp.int32)
     out = decode_model(config).apply({"params": params}, chunk, positions, cache=cache,
                                      with_hidden=True)
-    targets, logprobs = draw(out.logits)
+    drawn, logprobs = draw(out.logits)
+    targets = drawn if drawn.ndim == 2 else drawn[..., 0]
     a = accepted_length(targets, chunk[:, 1:], num_drafts)
     proposal, draft_cache = propose(config, params, draft_cache, out.hidden, targets, start, a)
-    return out.cache.constrain(), draft_cache, proposal, targets, logprobs, a
+    return _pinned(out.cache), draft_cache, proposal, drawn, logprobs, a

@@ -345,8 +345,8 @@ class Engine:
             rows_out = None if logits is None else step_lib.sample_jit(
                 logits, step_lib.row_slice(rows, 0, b), sampler)
         else:
-            chunk = None if prefill is None else self._run(
-                None, prefill, step_lib.row_slice(rows, b, b + plan.sample_rows), sampler)
+            chunk = None if prefill is None else self.speculation.prefill(
+                plan, prefill, step_lib.row_slice(rows, b, b + plan.sample_rows), sampler)
             started = time.perf_counter()  # the decode rows' time, after the chunk's dispatch
             verify = self.speculation.dispatch(plan, rows, sampler) if plan.decodes else None
             rows_out = (self._run(decode, None, step_lib.row_slice(rows, 0, b), sampler)

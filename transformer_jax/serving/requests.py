@@ -20,7 +20,7 @@ import numpy as np
 
 from transformer_jax.decode.loop import SamplingSettings
 from transformer_jax.decode.prompts import is_int, sequence_keys
-from transformer_jax.decode.speculative import check_engine, parse_spec
+from transformer_jax.decode.speculative import parse_spec
 from transformer_jax.serving.grammar import Grammar
 
 #: The most alternatives a request's ``top_logprobs`` may ask for (OpenAI's limit). A step
@@ -55,7 +55,8 @@ class SamplingParams:
       adapter: the name of one of the engine's LoRA adapters (``Engine(adapters=...)``) to
         decode with, or None for the base model.
       speculative: speculative decoding for this request (``decode.speculative``): a spec
-        string (``"ngram:k=4"``, ``"draft:PATH:k=4"``, the draft the engine's own) or a
+        string (``"ngram:k=4"``, ``"draft:PATH:k=4"``, the draft the engine's own, ``"mtp"``,
+        the model's multi-token prediction module: ``serving.mtp``) or a
         ``SpeculativeConfig``; the same tokens as without, often several per step.
     """
 
@@ -115,7 +116,7 @@ class SamplingParams:
             raise ValueError(f"adapter must be an adapter's name or None, got "
                              f"{self.adapter!r:.80}")
         if self.speculative is not None:
-            check_engine(parse_spec(self.speculative))
+            parse_spec(self.speculative)
         self.settings().validate(vocab_size)
 
     def settings(self) -> SamplingSettings:

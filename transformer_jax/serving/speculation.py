@@ -27,14 +27,18 @@ also runs a prefill chunk does not speculate (prompts are waiting: the engine is
 Under a full batch, where verifying T positions of every slot costs about T times a decode
 step, this falls back to plain steps by itself.
 
-Programs: one per (page-table width, T, sampler), T in {2, 3, 5, 9, 17} up to the largest k;
-``compile`` runs the greedy and the sampled (temperature only) ones.
+The proposers: n-gram lookup (``ngram_proposals``), a draft model (``serving.draft``) and the
+target's multi-token prediction module (``serving.mtp``: its program runs every step).
+
+Programs: one per (page-table width, T, sampler), T in {2, 3, 5, 9, 17} up to the largest k
+(the module's: T in {1, 2}); ``compile`` runs the greedy and the sampled (temperature only) ones.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import statistics
@@ -58,11 +62,12 @@ from transformer_jax.decode.speculative import (
 from transformer_jax.decode.speculative_loop import check_no_rings
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.serving.draft import EngineDraft, decode_table, same_path
+from transformer_jax.serving.mtp import EngineMTP, is_mtp
 from transformer_jax.serving.page_pool import NULL_PAGE, pages_for
 from transformer_jax.serving.paged_cache import PagedKVCache
 from transformer_jax.serving.plan import StepPlan, row_sampling
 from transformer_jax.serving.requests import Request, State, TokenEvent
-from transformer_jax.serving.step import RowSampling, Sampler, _adapted, sample_rows
+from transformer_jax.serving.step import RowSampling, Sampler, _adapted, sample_positions
 
 logger = logging.getLogger(__name__)
 
@@ -116,18 +121,12 @@ def verify_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
       shape of log-probabilities, [B] int32 accepted proposals a: row b keeps tokens
       ``[:a + 1]``).
     """
-    b, t = rows.tokens.shape
     cache = PagedKVCache(k=k_pages, v=v_pages, page_table=rows.page_table, lengths=rows.start,
                          view=view)
-
-    def draw(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-        tokens, logprobs = sample_rows(logits.reshape(b * t, -1), sampling, sampler)
-        return (tokens.reshape(b, t, *tokens.shape[1:]),
-                logprobs.reshape(b, t, *logprobs.shape[1:]))
-
     cache, tokens, logprobs, accepted = verify(
-        decode_model(config), _adapted(params, adapters, rows.adapter),
-        cache, rows.tokens, rows.start, rows.num_drafts, draw)
+        decode_model(config), _adapted(params, adapters, rows.adapter), cache, rows.tokens,
+        rows.start, rows.num_drafts,
+        functools.partial(sample_positions, rows=sampling, sampler=sampler))
     return cache.k, cache.v, tokens, logprobs, accepted
 
 
@@ -152,7 +151,7 @@ class Pending:
     rows: list[Request]
     held: dict[int, int]  # request id -> pages held before the step grew them
     drafts: dict[int, int]  # request id -> proposals
-    outputs: tuple[Any, Any, Any]
+    outputs: tuple[Any, ...]  # the program's: tokens, logprobs, accepted (, proposals)
     t: int
     width: int
     started: float
@@ -174,6 +173,7 @@ class Speculation:
 
                 draft = load_draft(path)
             self.draft = EngineDraft(draft, engine, path)
+        self.mtp: EngineMTP | None = None  # the module's pages (``enable_mtp``), or None
         #: (W, T, chunk ran, sampler) -> (median seconds, step measured)
         self.times: dict[tuple[int, int, bool, Sampler], tuple[float, int]] = {}
         self._recent: dict[tuple[int, int, bool, Sampler], collections.deque] = {}
@@ -197,11 +197,27 @@ class Speculation:
                 raise ValueError(f"speculative {req.params.speculative!r}: the engine's draft "
                                  f"model is {self.draft.path!r}")
         self.check_engine()
+        if spec.method == "mtp":
+            self.enable_mtp()
         # a new request's prior: the engine's acceptance so far (0.5 before any) worth
         # PRIOR_TRIES, so that a batch of new rows is not taken for one whose every proposal
         # will be kept
         prior = self.total.accepted / self.tried if self.tried else 0.5
         req.speculation = (spec, Acceptance(hits=prior * PRIOR_TRIES))
+
+    def enable_mtp(self) -> None:
+        """Makes the module's pages once (``serving.mtp``; requests come from any thread), or
+        raises ValueError (one line): no module, or an engine that cannot speculate."""
+        self.check_engine()
+        with self.engine._lock:
+            self.mtp = self.mtp or EngineMTP(self.engine)
+
+    def prefill(self, plan: StepPlan, chunk: Any, rows: RowSampling, sampler: Sampler) -> Any:
+        """Runs the step's prompt chunk (no forks): ``EngineMTP.prefill`` when a request of it
+        speculates with the module, else ``Engine._run``."""
+        if self.mtp is not None and any(is_mtp(c.req) for c in plan.chunks):
+            return self.mtp.prefill(plan, chunk, rows, sampler)
+        return self.engine._run(None, chunk, rows, sampler)
 
     def check_engine(self) -> None:
         """Raises ValueError (one line) unless the engine can speculate: one device (no
@@ -231,12 +247,16 @@ class Speculation:
 
     def plain_step(self, plan: StepPlan, tokens: np.ndarray, seconds: float, chunk: bool,
                    sampler: Sampler) -> None:
-        """After a plain step whose rows speculate: its time recorded (``record``), and each
-        row's watched proposal checked against its [B] token (a draft's: against the draft's
-        next token of the step, ``EngineDraft.next``)."""
+        """After a plain step whose rows speculate: its time recorded (``record``), and the
+        watched proposals checked against its [B] tokens (``_observe``)."""
         self.record(plan.width, 1, seconds, chunk, sampler)
+        self._observe(plan.decodes, tokens)
+
+    def _observe(self, reqs: list[Request], tokens: np.ndarray) -> None:
+        """Each watched row's proposal checked against its plain step's token ([B] by slot, or
+        [B, 1 + K]; a draft's: against the draft's next token, ``EngineDraft.next``)."""
         nxt = None
-        for req in plan.decodes:
+        for req in reqs:
             if req.speculation is None or not req.speculation[1].watched:
                 continue
             expect = None
@@ -254,16 +274,15 @@ class Speculation:
 
     def dispatch(self, plan: StepPlan, rows: RowSampling, sampler: Sampler) -> Pending | None:
         """Proposes, decides, grows pages and dispatches the verify step of ``plan``'s decode
-        rows; None when the step should run plain (nothing proposed, or not worth it)."""
-        eng = self.engine
-        sched = eng.scheduler
+        rows; None for a plain step (nothing proposed, or not worth it; ``_verify``)."""
+        sched = self.engine.scheduler
         if any(r.matcher is not None for r in plan.decodes):
             return None
         if plan.chunks and any(r.speculation for r in plan.decodes):
             # prompts are waiting to go in: the engine is saturated, and verification would
             # only take time from them (the cost of a step with a chunk is too noisy to judge)
             self.backed_off += 1
-            return None
+            return self._verify(plan, {}, {}, rows, sampler)
         drafts: dict[int, list[int]] = {}
         lookups: dict[tuple[int, int], list[tuple[Request, int]]] = {}  # (n, min_n) -> rows
         for req in plan.decodes:
@@ -274,13 +293,15 @@ class Speculation:
             budget = min(spec.k, req.params.max_tokens - req.num_new - 1)
             if budget > 0 and spec.method == "draft":
                 drafts[req.id] = [-1] * budget  # filled by the draft below, if it runs
+            elif budget > 0 and spec.method == "mtp":
+                drafts.update(self.mtp.proposal(req))
             elif budget > 0:
                 lookups.setdefault((spec.n, spec.min_n), []).append((req, budget))
         for (n, min_n), group in lookups.items():  # one batched lookup, not one per row
             found = ngram_proposals([r.tokens for r, _ in group], [k for _, k in group], n, min_n)
             drafts.update((r.id, d) for (r, _), d in zip(group, found, strict=True) if d)
         if not drafts:
-            return None
+            return self._verify(plan, {}, {}, rows, sampler)
         t, width = self._shape(plan, drafts)
         plain_s, verify_s = self._times(plan, width, t, sampler)
         if verify_s is not None:  # the cost rule (no plain step's time yet: run one)
@@ -288,7 +309,7 @@ class Speculation:
         # (else verification was not measured at this shape: it runs, and so is)
         if not drafts:
             self.backed_off += 1
-            return None
+            return self._verify(plan, {}, {}, rows, sampler)
         t, width = self._shape(plan, drafts)
         held = {}
         for req in plan.decodes:
@@ -304,6 +325,17 @@ class Speculation:
             for req in plan.decodes:
                 if drafts.get(req.id) and drafts[req.id][0] < 0:
                     drafts[req.id] = proposed[req.slot, :len(drafts[req.id])].tolist()
+        return self._verify(plan, drafts, held, rows, sampler)
+
+    def _verify(self, plan: StepPlan, drafts: dict[int, list[int]], held: dict[int, int],
+                rows: RowSampling, sampler: Sampler) -> Pending | None:
+        """Dispatches the verify step of ``plan``'s decode rows with ``drafts``; without any,
+        the module's plain step (T = 1) when a row speculates with it, else None (plain)."""
+        module = self.mtp is not None and any(is_mtp(r) for r in plan.decodes)
+        if not drafts and not module:
+            return None
+        eng, sched = self.engine, self.engine.scheduler
+        t, width = self._shape(plan, drafts)
         b = sched.num_slots
         tokens = np.zeros((b, t), np.int32)
         start = np.zeros(b, np.int32)
@@ -320,33 +352,38 @@ class Speculation:
         flat = flat.replace(token_index=flat.token_index + np.tile(np.arange(t, dtype=np.int32),
                                                                    b))
         started = time.perf_counter()
-        eng._k, eng._v, *outputs = verify_jit(
-            eng.config, eng.weights.params, eng._k, eng._v,
-            VerifyRows(tokens, start, num, table, adapter), flat, eng._adapters,
-            sampler=sampler, view=eng.view)
+        outputs = self._program(VerifyRows(tokens, start, num, table, adapter), flat, sampler,
+                                module)
         return Pending(list(plan.decodes), held, {i: len(d) for i, d in drafts.items()},
-                       tuple(outputs), t, width, started, sampler)
+                       outputs, t, width, started, sampler)
+
+    def _program(self, rows: VerifyRows, sampling: RowSampling, sampler: Sampler,
+                 module: bool) -> tuple[Any, ...]:
+        """Runs the verify program (with ``module``, ``EngineMTP.verify``'s); its outputs."""
+        if module:
+            return self.mtp.verify(rows, sampling, sampler)
+        eng = self.engine
+        eng._k, eng._v, *out = verify_jit(eng.config, eng.weights.params, eng._k, eng._v, rows,
+                                          sampling, eng._adapters, sampler=sampler, view=eng.view)
+        return tuple(out)
 
     def compile(self, k: int) -> int:
         """Runs the verify program once at every page-table width and T up to k proposals, on
         idle rows (writes only into the null page), greedy and sampled (temperature only, as a
-        server's request by default); returns the number of shapes."""
-        eng = self.engine
-        sched = eng.scheduler
-        b = sched.num_slots
+        server's request by default), the module's instead when it runs; the shapes run."""
+        eng, sched, b = self.engine, self.engine.scheduler, self.engine.scheduler.num_slots
         ts = sorted({width_of(j) for j in range(1, k + 1)})
-        for width, t, sampled in itertools.product(sched.widths, ts, (False, True)):
+        shapes = list(itertools.product(sched.widths, [1, 2] if self.mtp else ts, (False, True)))
+        for width, t, sampled in shapes:
             rows = VerifyRows(np.zeros((b, t), np.int32), np.zeros(b, np.int32),
                               np.zeros(b, np.int32), np.zeros((b, width), np.int32),
                               None if eng._adapters is None else np.zeros(b, np.int32))
             sampling, _ = row_sampling([None] * (b * t), eng.config.vocab_size)  # greedy
             sampling = sampling.replace(temperature=np.full(b * t, float(sampled), np.float32))
-            eng._k, eng._v, *out = verify_jit(
-                eng.config, eng.weights.params, eng._k, eng._v, rows, sampling,
-                eng._adapters, sampler=Sampler(sampled=sampled), view=eng.view)
-            jax.block_until_ready(out)
-        shapes = len(sched.widths) * len(ts) * 2
-        return shapes + (0 if self.draft is None else self.draft.compile(
+            jax.block_until_ready(self._program(rows, sampling, Sampler(sampled=sampled),
+                                                self.mtp is not None))
+        done = len(shapes) + (self.mtp.compile(sched) if self.mtp else 0)
+        return done + (0 if self.draft is None else self.draft.compile(
             sched, ts, eng._adapters is not None))
 
     def _shape(self, plan: StepPlan, drafts: dict[int, list[int]]) -> tuple[int, int]:
@@ -354,8 +391,8 @@ class Speculation:
         sched = self.engine.scheduler
         needed = max(pages_for(r.cached + len(drafts.get(r.id, ())) + 1, sched.page_size)
                      for r in plan.decodes)
-        return (width_of(max(len(d) for d in drafts.values())),
-                sched._width(min(needed, sched.pages_per_seq)))
+        most = max((len(d) for d in drafts.values()), default=0)  # none: the module's T = 1
+        return (width_of(most) if drafts else 1, sched._width(min(needed, sched.pages_per_seq)))
 
     def _times(self, plan: StepPlan, width: int, t: int, sampler: Sampler
                ) -> tuple[float | None, float | None]:
@@ -417,12 +454,14 @@ class Speculation:
         """Reads the verify step's results and commits them: each row's kept tokens one at a
         time (emitted and delivered, so stop ids, stop strings and ``max_tokens`` end it where
         they would), its acceptance recorded, and its pages for rejected positions returned."""
-        tokens, logprobs, accepted = self.engine.step_clock.lap(
+        tokens, logprobs, accepted, *proposals = self.engine.step_clock.lap(
             "device", jax.device_get(pending.outputs))
         self.record(pending.width, pending.t, time.perf_counter() - pending.started, chunk_ran,
                     pending.sampler)
         sched = self.engine.scheduler
-        self.verify_steps += 1
+        self.verify_steps += int(pending.t > 1)
+        if pending.t == 1:  # the module's plain step
+            self._observe(pending.rows, tokens[:, 0])
         delivered = []
         for req in pending.rows:
             a = int(accepted[req.slot])
@@ -439,6 +478,8 @@ class Speculation:
                     break
             if req.state == State.RUNNING and req.id in pending.held:
                 self._trim(req, pending.held[req.id])
+        if proposals:  # the module's, at each row's new length
+            self.mtp.keep(pending.rows, proposals[0])
         return delivered
 
     def _trim(self, req: Request, held: int) -> None:

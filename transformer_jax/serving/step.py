@@ -177,6 +177,16 @@ def sample_rows(logits: jax.Array, rows: RowSampling, sampler: Sampler
             jnp.concatenate([logprobs[:, None], top], 1))
 
 
+def sample_positions(logits: jax.Array, rows: RowSampling, sampler: Sampler
+                     ) -> tuple[jax.Array, jax.Array]:
+    """``sample_rows`` of [B, T, V] logits, position t of row b drawn with sampling row
+    ``b * T + t``: ([B, T] tokens, or [B, T, 1 + K] with top logprobs; the same shape of
+    log-probabilities). A verify step's draws (``serving.speculation``)."""
+    b, t = logits.shape[:2]
+    tokens, logprobs = sample_rows(logits.reshape(b * t, -1), rows, sampler)
+    return tokens.reshape(b, t, *tokens.shape[1:]), logprobs.reshape(b, t, *logprobs.shape[1:])
+
+
 def copy_pages(k_pages: Any, v_pages: Any, src: jax.Array, dst: jax.Array
                ) -> tuple[Any, Any]:
     """Copies page ``src[i]`` to page ``dst[i]`` ([M] int32) in every layer's keys and values
@@ -323,8 +333,11 @@ def _on_mesh(run: Any, config: ModelConfig, params: Params, k_pages: Any, v_page
 
 def _forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
              decode: DecodeRows | None, prefill: PrefillChunk | None, rings: Any,
-             adapters: Params | None, *, view: str) -> tuple[Any, Any, jax.Array, Any]:
-    """The forward of ``engine_step``: (key pages, value pages, [R, V] logits, rings)."""
+             adapters: Params | None, *, view: str, hidden: bool = False
+             ) -> tuple[Any, ...]:
+    """The forward of ``engine_step``: (key pages, value pages, [R, V] logits, rings); with
+    ``hidden`` (static), then the prefill chunk's [R, C, D] final-normed hidden states (the
+    engine's multi-token prediction module reads them: ``serving.mtp``)."""
     if decode is None and prefill is None:
         raise ValueError("an engine step needs decode rows, a prefill chunk or both")
     model = decode_model(config)
@@ -355,11 +368,13 @@ def _forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
         cache = rows_of(cache.with_table(prefill.page_table, prefill.start),
                         prefill.start + prefill.last + 1, prefill.slot)
         out = model.apply({"params": _adapted(params, adapters, prefill.adapter)},
-                          prefill.tokens, positions, cache=cache, logits_at=prefill.last)
+                          prefill.tokens, positions, cache=cache, logits_at=prefill.last,
+                          with_hidden=hidden)
         logits.append(out.logits)
         cache = out.cache
     return (cache.k, cache.v, whole_logits(jnp.concatenate(logits)),
-            None if ring is None else (cache.k_ring, cache.v_ring))
+            None if ring is None else (cache.k_ring, cache.v_ring),
+            *((out.hidden,) if hidden else ()))
 
 
 def _adapted(params: Params, adapters: Params | None, ids: jax.Array | None) -> Params:

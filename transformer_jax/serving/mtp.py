@@ -1,0 +1,215 @@
+"""Multi-token prediction in the serving engine (``speculative="mtp"``): the target's own module
+1 proposes the token after the next one, as in ``generate`` (``decode.speculative_mtp``).
+
+The module keeps its one block's keys and values in pages of its own under the same page ids
+as the engine's pool, read through the same page tables (as a draft model's pages are,
+``serving.draft``), so the scheduler's tables, preemption and page reuse serve it without a
+second bookkeeping. Its entry at position j combines the target's final hidden state h_j and
+the token t_{j+1} after it, so it is written in the target's own programs, where both exist:
+
+- a prompt chunk of a speculating request runs ``mtp_chunk``: the engine's chunk forward
+  (``step._forward``, its hidden states kept) and draw, then the module over the chunk's
+  positions with the prompt's next tokens (at the prompt's last position the token just
+  drawn), as ``speculative_mtp.first_proposal`` runs it over a prompt; its prediction at the
+  prompt's end is the first proposal;
+- every decode step with a speculating row runs ``mtp_verify``: ``speculative_mtp.verify``
+  (``generate``'s) of each row's last token and its proposal (T = 2), or of the last token
+  alone (T = 1: the plain step of an engine whose rows speculate so; rows of other proposers
+  in the step may make T larger), the module over the same positions with the target's draws;
+  its prediction at the row's last kept position is the next proposal.
+
+Positions past a row's kept ones hold stale entries, hidden by causality and overwritten by
+the next round, as the target's do. Each step's proposals go to the host with its tokens; a
+request proposes only the one made at its current length (none after a preemption until its
+recompute's last chunk has run).
+
+What costs acceptance only (verification keeps the output exact): a prefix-cache hit reuses
+pages another request's module wrote, whose entry at the hit's last position combined that
+request's next token; steps on the engine's two-program path (a grammar row, forks) run
+without the module, leaving their positions' entries stale.
+
+Programs: ``mtp_chunk`` per chunk shape and sampler, ``mtp_verify`` per page-table width, T
+and sampler; ``compile`` runs the greedy chunks and both kinds of verify rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax.decode import speculative_mtp
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.serving import step as step_lib
+from transformer_jax.serving.paged_cache import PagedKVCache
+from transformer_jax.serving.plan import row_sampling
+from transformer_jax.serving.requests import State
+
+Params = dict[str, Any]
+STATICS = ("config", "sampler", "view")
+DONATED = ("k_pages", "v_pages", "mk_pages", "mv_pages")
+
+
+@functools.partial(jax.jit, static_argnames=STATICS, donate_argnames=DONATED)
+def mtp_chunk(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any, mk_pages: Any,
+              mv_pages: Any, prefill: step_lib.PrefillChunk, following: jax.Array,
+              ends: jax.Array, sampling: step_lib.RowSampling, adapters: Params | None, *,
+              sampler: step_lib.Sampler, view: str = "auto") -> tuple[Any, ...]:
+    """A prompt chunk through the target (``step.engine_step``'s forward and draw) and the
+    module (module docstring).
+
+    Args:
+      config, params: the target's config (static) and prepared weights (its ``mtp_0``).
+      k_pages, v_pages: the engine's pages; mk_pages, mv_pages: the module's (all updated).
+      prefill: the step's ``PrefillChunk`` ([R, C] tokens).
+      following: [R, C] int32 the prompt's token after each chunk position (any value at a
+        prompt's last position and past a row's chunk).
+      ends: [R] bool whether the row's chunk ends its prompt: the token after its last
+        position is the one drawn here.
+      sampling: the R rows' sampling settings; sampler, view: static, as ``engine_step``'s.
+      adapters: the engine's stacked LoRA adapters, or None.
+
+    Returns:
+      (key pages, value pages, the module's key and value pages, [R] int32 tokens (or
+      [R, 1 + K] with top logprobs), their log-probabilities, [R] int32 the module's
+      prediction at each row's last position: its proposal when the chunk ends the prompt).
+    """
+    k, v, logits, _, hidden = step_lib._forward(config, params, k_pages, v_pages, None,
+                                                prefill, None, adapters, view=view, hidden=True)
+    tokens, logprobs = step_lib.sample_rows(logits, sampling, sampler)
+    drawn = tokens if tokens.ndim == 1 else tokens[:, 0]
+    rows = jnp.arange(following.shape[0])
+    following = following.at[rows, prefill.last].set(
+        jnp.where(ends, drawn, following[rows, prefill.last]))
+    module = PagedKVCache(k=mk_pages, v=mv_pages, page_table=prefill.page_table,
+                          lengths=prefill.start, view=view)
+    proposal, module = speculative_mtp.propose(config, params, module, hidden, following,
+                                               prefill.start, prefill.last)
+    return k, v, module.k, module.v, tokens, logprobs, proposal
+
+
+@functools.partial(jax.jit, static_argnames=STATICS, donate_argnames=DONATED)
+def mtp_verify(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any, mk_pages: Any,
+               mv_pages: Any, rows: Any, sampling: step_lib.RowSampling,
+               adapters: Params | None, *, sampler: step_lib.Sampler, view: str = "auto"
+               ) -> tuple[Any, ...]:
+    """``speculation.verify_step`` with the module: ``speculative_mtp.verify`` of the verify
+    rows ([B, T]: each row's last token and its proposals; T = 2 with the module's, 1 without
+    any, more with another proposer's rows in the step) through the engine's pages and the
+    module's, read through the same page tables.
+
+    Args:
+      rows: the ``speculation.VerifyRows``; sampling: [B * T] rows, as ``verify_step``'s.
+      Others as ``mtp_chunk``'s.
+
+    Returns:
+      (key pages, value pages, the module's key and value pages, [B, T] (or [B, T, 1 + K])
+      tokens, their log-probabilities, [B] int32 accepted proposals a, [B] int32 each row's
+      next proposal: the module's prediction at position ``start + a``).
+    """
+    cache = PagedKVCache(k=k_pages, v=v_pages, page_table=rows.page_table, lengths=rows.start,
+                         view=view)
+    draw = functools.partial(step_lib.sample_positions, rows=sampling, sampler=sampler)
+    cache, module, proposal, tokens, logprobs, a = speculative_mtp.verify(
+        config, step_lib._adapted(params, adapters, rows.adapter), cache,
+        cache.replace(k=mk_pages, v=mv_pages), rows.tokens, rows.start, rows.num_drafts, draw)
+    return cache.k, cache.v, module.k, module.v, tokens, logprobs, a, proposal
+
+
+def is_mtp(req: Any) -> bool:
+    """Whether a request speculates with the module."""
+    return req.speculation is not None and req.speculation[0].method == "mtp"
+
+
+class EngineMTP:
+    """The module's pages beside the engine's pool and the speculating requests' proposals
+    (module docstring).
+
+    Args:
+      engine: the ``Engine`` (one device, no sliding-window rings: ``Speculation.check_engine``;
+        a model with ``mtp_depth`` >= 1). Its pages take one more layer of the pool's size
+        (``cache_bytes``) beside the engine's.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        speculative_mtp.check_mtp(engine.config, 1)
+        self.engine = engine
+        stored = jax.tree.leaves(engine._k)[0].dtype
+        cache = PagedKVCache.init(speculative_mtp.cache_config(engine.config),
+                                  engine.scheduler.pool.num_pages, engine.page_size,
+                                  dtype=stored, view=engine.view)
+        self.k, self.v = jax.device_put((cache.k, cache.v), jax.devices()[0])
+        self.cache_bytes = cache.nbytes
+        #: request id -> (the request's cached length it was made at, proposal)
+        self._next: dict[int, tuple[int, int]] = {}
+        #: proposals not read yet: ([(request, cached length, row)], [R] on the device)
+        self._unread: list[tuple[list[tuple[Any, int, int]], jax.Array]] = []
+
+    def proposal(self, req: Any) -> dict[int, list[int]]:
+        """The request's proposal for its next round ({its id: [token]}), or {} when none was
+        made at its current length."""
+        for made, proposals in self._unread:
+            host = np.asarray(jax.device_get(proposals))
+            self._next.update((r.id, (n, int(host[i]))) for r, n, i in made)
+        self._unread = []
+        found = self._next.get(req.id)
+        return {req.id: [found[1]]} if found is not None and found[0] == req.cached else {}
+
+    def prefill(self, plan: Any, chunk: step_lib.PrefillChunk, rows: step_lib.RowSampling,
+                sampler: step_lib.Sampler) -> tuple[jax.Array, jax.Array]:
+        """Runs the step's prompt chunk (``mtp_chunk``; a plan without forks, or None for idle
+        rows); returns its rows' tokens and log-probabilities on the device, as
+        ``Engine._run``."""
+        eng = self.engine
+        following = np.zeros(np.shape(chunk.tokens), np.int32)
+        ends = np.zeros(len(following), bool)
+        made = []
+        for i, c in enumerate(() if plan is None else plan.chunks):
+            after = c.req.tokens[c.start + 1:c.start + c.length + 1]
+            following[i, :len(after)] = after
+            ends[i] = c.start + c.length == c.req.prefill_target
+            if ends[i] and is_mtp(c.req):
+                made.append((c.req, c.req.prefill_target, i))
+        eng._k, eng._v, self.k, self.v, tokens, logprobs, proposals = mtp_chunk(
+            eng.config, eng.weights.params, eng._k, eng._v, self.k, self.v, chunk, following,
+            ends, rows, eng._adapters, sampler=sampler, view=eng.view)
+        if made:
+            self._unread.append((made, proposals))
+        return tokens, logprobs
+
+    def verify(self, rows: Any, sampling: step_lib.RowSampling, sampler: step_lib.Sampler
+               ) -> tuple[jax.Array, ...]:
+        """Dispatches ``mtp_verify``; returns its (tokens, log-probabilities, accepted, next
+        proposals) on the device."""
+        eng = self.engine
+        eng._k, eng._v, self.k, self.v, *out = mtp_verify(
+            eng.config, eng.weights.params, eng._k, eng._v, self.k, self.v, rows, sampling,
+            eng._adapters, sampler=sampler, view=eng.view)
+        return tuple(out)
+
+    def keep(self, reqs: list[Any], proposals: np.ndarray) -> None:
+        """Records each running request's next proposal ([B] by slot, read after its verify
+        step's tokens were committed, at its new length); forgets finished requests'."""
+        for req in reqs:
+            if req.state == State.RUNNING and is_mtp(req):
+                self._next[req.id] = (req.cached, int(proposals[req.slot]))
+            else:
+                self._next.pop(req.id, None)
+        live = self.engine._requests
+        for rid in [rid for rid in self._next if rid not in live]:
+            del self._next[rid]
+
+    def compile(self, scheduler: Any) -> int:
+        """Runs ``mtp_chunk`` once on idle rows (writing only into the null page) at every
+        chunk shape, greedy; returns the shapes run (``Speculation.compile`` runs the verify
+        rows)."""
+        shapes = 0
+        for _, chunk in scheduler.idle_inputs(False, self.engine._adapters is not None):
+            if chunk is not None:
+                sampling, _ = row_sampling([None] * len(chunk.start), self.engine.config.vocab_size)
+                jax.block_until_ready(self.prefill(None, chunk, sampling, step_lib.Sampler()))
+                shapes += 1
+        return shapes
