@@ -4,11 +4,11 @@ dispatched to their experts' devices by all_to_all (``model/ops/moe_dispatch.py`
 The multi-device claims run in ONE launch of two processes with 4 simulated CPU devices each,
 joined by ``jax.distributed`` over gloo (``tests/moe_parallel_worker.py``): process 0 trains
 the single-device references on its own first device, then both the same steps on 8-device
-meshes spanning both processes: a DeepSeek-shaped model with the expert axis at 2 with fsdp 2
-and tensor 2, and at 8 (its all_to_alls across the processes), and a GPT-OSS-shaped one (q/k/v
-and o biases, sinks, a sliding layer beside a full one, the router's bias, biased experts, the
-clamped SwiGLU) at expert 2 x fsdp 2 x tensor 2. The cheap claims (config, rules, what is
-traced, expert x data) run here on abstract meshes.
+meshes spanning both processes: a DeepSeek-shaped model with the expert axis at 8 (its
+all_to_alls across the processes), and a GPT-OSS-shaped one (q/k/v and o biases, sinks, a
+sliding window, the router's bias, biased experts, the clamped SwiGLU) at expert 2 x fsdp 2 x
+tensor 2. The cheap claims (config, rules, what is traced, expert x data) run here on abstract
+meshes.
 """
 
 from __future__ import annotations
@@ -102,8 +102,7 @@ def test_expert_parallel_training_equals_one_device_at_every_step(runs, name):
 
 
 def test_meshes_have_the_expert_axis_and_dispatch_by_all_to_all(runs):
-    expected = {"expert2_fsdp2_tensor2": (1, 2, 2, 2), "expert8": (1, 1, 8, 1),
-                "gpt_oss_expert2_fsdp2_tensor2": (1, 2, 2, 2)}
+    expected = {"expert8": (1, 1, 8, 1), "gpt_oss_expert2_fsdp2_tensor2": (1, 2, 2, 2)}
     assert set(runs["runs"]) == set(expected)
     for name, run in runs["runs"].items():
         assert tuple(run["mesh"]) == sh.EXPERT_MESH_AXES
@@ -113,28 +112,23 @@ def test_meshes_have_the_expert_axis_and_dispatch_by_all_to_all(runs):
         assert run["all_to_all"] >= 4 * layers, (name, run["all_to_all"])
 
 
-def test_experts_split_over_expert_and_the_rest_over_fsdp_and_expert(runs):
-    specs = runs["runs"]["expert2_fsdp2_tensor2"]["specs"]
-    assert runs["runs"]["expert2_fsdp2_tensor2"]["batch_spec"] == [["data", "fsdp", "expert"]]
-    assert specs["moe/gate"] == ["expert", "fsdp", "tensor"]
-    assert specs["moe/up"] == ["expert", "fsdp", "tensor"]
-    assert specs["moe/down"] == ["expert", "tensor", "fsdp"]
-    assert specs["moe/router"] == [["fsdp", "expert"], None]
-    assert specs["attn/q_proj"] == [["fsdp", "expert"], "tensor", None]
-    assert specs["attn/o_proj"] == ["tensor", None, ["fsdp", "expert"]]
-
-
-def test_gpt_oss_biases_and_sinks_split_as_their_weights(runs):
-    """The expert biases split with their experts (E over expert, F over tensor, D over fsdp),
-    the attention's biases and sinks over their heads, the router's bias whole."""
+def test_experts_and_their_biases_split_over_expert_and_the_rest_over_fsdp_and_expert(runs):
+    """The experts and their biases split over expert (E), tensor (F) and fsdp (D); the
+    attention's weights over fsdp x expert and tensor, its biases and sinks over their heads,
+    the router's bias whole."""
     run = runs["runs"]["gpt_oss_expert2_fsdp2_tensor2"]
     assert run["model"] == "gpt_oss" and run["batch_spec"] == [["data", "fsdp", "expert"]]
     specs = run["specs"]
+    assert specs["moe/gate"] == specs["moe/up"] == ["expert", "fsdp", "tensor"]
+    assert specs["moe/down"] == ["expert", "tensor", "fsdp"]
     assert specs["moe/gate_bias"] == specs["moe/up_bias"] == ["expert", "tensor"]
     assert specs["moe/down_bias"] == ["expert", "fsdp"]
+    assert specs["moe/router"] == [["fsdp", "expert"], None]
     assert specs["moe/router_bias"] == [None]
-    assert specs["attn/sinks"] == ["tensor"]
+    assert specs["attn/q_proj"] == [["fsdp", "expert"], "tensor", None]
+    assert specs["attn/o_proj"] == ["tensor", None, ["fsdp", "expert"]]
     assert specs["attn/q_bias"] == specs["attn/k_bias"] == ["tensor", None]
+    assert specs["attn/sinks"] == ["tensor"]
     assert specs["attn/o_bias"] == [["fsdp", "expert"]]
 
 
