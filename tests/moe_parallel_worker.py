@@ -63,9 +63,9 @@ BIAS_STD = {"deepseek": 0.0, "gpt_oss": 0.5}
 # a 2-core CPU): 6 steps train (the references' losses fall by 0.60 for DeepSeek at 4e-2 and
 # 0.43 for GPT-OSS at 1e-2) and leave the meshes close to them (largest relative state
 # difference 1e-4 for DeepSeek and 3e-5 for GPT-OSS, against the test's bound of 3e-3; the
-# correction bias, moved by up to 0.04, equal). GPT-OSS's steps at 4e-2 are chaotic: of 3 draws of its parameters one left the mesh
-# 0.18 from one device (a clamp or a routing turned by float noise, then amplified); at 1e-2
-# all of 6 draws stayed within 6.4e-5.
+# correction bias, moved by up to 0.04, equal). GPT-OSS's steps at 4e-2 are chaotic: of 3
+# draws of its parameters one left the mesh 0.18 from one device (a clamp or a routing turned
+# by float noise, then amplified); at 1e-2 all of 6 draws stayed within 6.4e-5.
 B, T, STEPS = 8, 16, 6
 TRAIN = TrainConfig(steps=100, batch_size=B, seq_len=T, lr=4e-2, min_lr=4e-2, warmup_steps=0,
                     eps=1e-6, moe_balance_loss=0.1, moe_bias_update_rate=1e-2)
