@@ -48,7 +48,7 @@ CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_head
 # first step's expert gates (from above) and two fifths of its ups (either side), so both sides
 # of the clamp train. Its biases and sinks start N(0, 0.5) (``first_state``), so every one of
 # them shapes the first step's loss. One (sliding, sparse) layer, as DeepSeek's: a full layer
-# beside it made the mesh's step compile about twice as long, and a window is only a mask
+# beside it made the mesh's step compile about 1.7 times as long, and a window is a mask
 # (the sequence is not split here).
 GPT_OSS = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
                       head_dim=8, d_ff=48, max_seq_len=32, init_std=0.3, sliding_window=4,
