@@ -3,10 +3,12 @@ dispatched to their experts' devices by all_to_all (``model/ops/moe_dispatch.py`
 
 The multi-device claims run in ONE launch of two processes with 4 simulated CPU devices each,
 joined by ``jax.distributed`` over gloo (``tests/moe_parallel_worker.py``): process 0 trains
-the single-device reference on its own first device, then both the same steps on two 8-device
-meshes spanning both processes (the expert axis at 2 with fsdp 2 and tensor 2, and at 8, its
-all_to_alls across the processes). The cheap claims (config, rules, what is traced, expert x
-data) run here on abstract meshes.
+the single-device references on its own first device, then both the same steps on 8-device
+meshes spanning both processes: a DeepSeek-shaped model with the expert axis at 8 (its
+all_to_alls across the processes), and a GPT-OSS-shaped one (q/k/v and o biases, sinks, a
+sliding window, the router's bias, biased experts, the clamped SwiGLU) at expert 2 x fsdp 2 x
+tensor 2. The cheap claims (config, rules, what is traced, expert x data) run here on abstract
+meshes.
 """
 
 from __future__ import annotations
@@ -77,38 +79,66 @@ def test_expert_parallel_training_equals_one_device_at_every_step(runs, name):
     """``ep.STEPS`` real train steps (``make_train_step``, sharded jit): loss and gradient norm
     of every step as on one device, and the parameters and Adam moments at the end too (a wrong
     gradient factor, which Adam's normalisation would hide from the loss, shows in mu)."""
-    run, ref = runs["runs"][name], runs["ref"]
+    run = runs["runs"][name]
+    ref = runs["ref"][run["model"]]
     assert runs["processes"] == N_PROCESSES and runs["devices"] == 8
     assert len(run["loss"]) == ep.STEPS == len(ref["loss"])
     assert ref["loss"][-1] < ref["loss"][0] - 0.3  # it trains
     np.testing.assert_allclose(run["loss"], ref["loss"], rtol=0, atol=2e-4)
     np.testing.assert_allclose(run["grad_norm"], ref["grad_norm"], rtol=5e-4)
     assert any("/moe/" in k and "/mu/" in k for k in run["diff"]), "no expert moment compared"
-    # The correction bias, moved by the balancing update, is the reference's on every mesh.
-    assert run["diff"]["params/blocks_0/moe/correction_bias"] == 0.0
-    assert np.abs(runs["ref_bias"]).max() > 0.015
+    if run["model"] == "deepseek":
+        # The correction bias, moved by the balancing update, is the reference's on every mesh.
+        assert run["diff"]["params/blocks_0/moe/correction_bias"] == 0.0
+        assert np.abs(runs["ref_bias"]).max() > 0.015
+    else:  # every GPT-OSS bias and sink, and their moments, compared in both layers
+        for layer in range(ep.GPT_OSS.n_layers):
+            for leaf in ("attn/q_bias", "attn/o_bias", "attn/sinks", "moe/router_bias",
+                         "moe/gate_bias", "moe/up_bias", "moe/down_bias"):
+                for kind in ("params/", "opt/1/0/mu/"):
+                    assert f"{kind}blocks_{layer}/{leaf}" in run["diff"], (kind, layer, leaf)
     worst = max(run["diff"].items(), key=lambda kv: kv[1])
     assert worst[1] < 3e-3, worst
 
 
 def test_meshes_have_the_expert_axis_and_dispatch_by_all_to_all(runs):
-    expected = {"expert2_fsdp2_tensor2": (1, 2, 2, 2), "expert8": (1, 1, 8, 1)}
+    expected = {"expert8": (1, 1, 8, 1), "gpt_oss_expert2_fsdp2_tensor2": (1, 2, 2, 2)}
+    assert set(runs["runs"]) == set(expected)
     for name, run in runs["runs"].items():
         assert tuple(run["mesh"]) == sh.EXPERT_MESH_AXES
         assert tuple(run["mesh"].values()) == expected[name]
         # Two exchanges each way per sparse layer and step, forward and backward.
-        assert run["all_to_all"] >= 4 * ep.CONFIG.n_layers, (name, run["all_to_all"])
+        layers = len(ep.MODELS[run["model"]].sparse_layers)
+        assert run["all_to_all"] >= 4 * layers, (name, run["all_to_all"])
 
 
-def test_experts_split_over_expert_and_the_rest_over_fsdp_and_expert(runs):
-    specs = runs["runs"]["expert2_fsdp2_tensor2"]["specs"]
-    assert runs["runs"]["expert2_fsdp2_tensor2"]["batch_spec"] == [["data", "fsdp", "expert"]]
-    assert specs["moe/gate"] == ["expert", "fsdp", "tensor"]
-    assert specs["moe/up"] == ["expert", "fsdp", "tensor"]
+def test_experts_and_their_biases_split_over_expert_and_the_rest_over_fsdp_and_expert(runs):
+    """The experts and their biases split over expert (E), tensor (F) and fsdp (D); the
+    attention's weights over fsdp x expert and tensor, its biases and sinks over their heads,
+    the router's bias whole."""
+    run = runs["runs"]["gpt_oss_expert2_fsdp2_tensor2"]
+    assert run["model"] == "gpt_oss" and run["batch_spec"] == [["data", "fsdp", "expert"]]
+    specs = run["specs"]
+    assert specs["moe/gate"] == specs["moe/up"] == ["expert", "fsdp", "tensor"]
     assert specs["moe/down"] == ["expert", "tensor", "fsdp"]
+    assert specs["moe/gate_bias"] == specs["moe/up_bias"] == ["expert", "tensor"]
+    assert specs["moe/down_bias"] == ["expert", "fsdp"]
     assert specs["moe/router"] == [["fsdp", "expert"], None]
+    assert specs["moe/router_bias"] == [None]
     assert specs["attn/q_proj"] == [["fsdp", "expert"], "tensor", None]
     assert specs["attn/o_proj"] == ["tensor", None, ["fsdp", "expert"]]
+    assert specs["attn/q_bias"] == specs["attn/k_bias"] == ["tensor", None]
+    assert specs["attn/sinks"] == ["tensor"]
+    assert specs["attn/o_bias"] == [["fsdp", "expert"]]
+
+
+def test_gpt_oss_forward_without_the_exchange_equals_one_device(runs):
+    """A decode's batch rule (the expert axis left out): no all_to_all, each device its experts'
+    share of every token (biases included, the down bias once over the tensor split), summed
+    by one psum."""
+    run = runs["runs"][ep.SHARES]
+    assert run["shares_all_to_all"] == 0
+    assert run["shares_logits_diff"] < 1e-5
 
 
 @pytest.mark.parametrize("name", ep.FORWARD)

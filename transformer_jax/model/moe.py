@@ -122,11 +122,9 @@ class SparseFFN(nn.Module):
         split = expert_split()
         if split is None:
             y = moe_ops.experts_ffn(inputs, routed, gate, up, down, biases=biases, **ffn)
-        elif biases is not None:
-            raise ValueError("moe.expert_bias does not run expert-parallel yet; use a mesh "
-                             "without an expert axis")
         else:
-            y = moe_dispatch.dispatch_experts_ffn(inputs, routed, gate, up, down, split, **ffn)
+            y = moe_dispatch.dispatch_experts_ffn(inputs, routed, gate, up, down, split,
+                                                  biases=biases, **ffn)
         y = checkpoint_name(y.reshape(b, t, d), remat.MOE_OUT)
         if m.shared_d_ff:
             shared = MLP(d_ff=m.shared_d_ff, kind=self.kind, swiglu=self.swiglu,

@@ -124,18 +124,23 @@ def experts_ffn(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.Arr
         ``"tokamax"`` or ``"megablox"`` (see the module docstring).
       glu: optional ``glu(gate, up)`` in place of ``activation(gate) * up`` (a clamped one).
       biases: optional ([E, F] gate, [E, F] up, [E, D] down) biases of each expert's
-        projections, each added to its product.
+        projections, each added to its product (a down bias of None: none, as the expert
+        dispatch adds it itself after summing a split F).
 
     Returns:
       [N, D] in x's dtype.
     """
     y = _experts_ffn(x, routing, w_gate, w_up, w_down, activation, impl, glu, biases)
-    if biases is None:
+    if biases is None or biases[2] is None:
         return y
-    # The down biases, weighted as their experts' outputs are (an empty slot's weight is 0).
-    down = jnp.take(biases[2], routing.experts, axis=0, mode="fill", fill_value=0)
-    return (y + jnp.einsum("nk,nkd->nd", routing.weights, down.astype(jnp.float32))
-            ).astype(x.dtype)
+    return (y + down_bias(routing, biases[2])).astype(x.dtype)
+
+
+def down_bias(routing: Routing, bias: jax.Array) -> jax.Array:
+    """Each token's experts' down biases weighted as their outputs are: routing ([N, k]
+    experts, an id of E an empty slot adding nothing), bias [E, D] -> [N, D] float32."""
+    down = jnp.take(bias, routing.experts, axis=0, mode="fill", fill_value=0)
+    return jnp.einsum("nk,nkd->nd", routing.weights, down.astype(jnp.float32))
 
 
 def _glu_of(activation, glu, biases, dtype):

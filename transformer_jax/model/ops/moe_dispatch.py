@@ -111,7 +111,9 @@ def expert_split(mesh: AbstractMesh, tokens: Sequence[str] | str | None,
 
 def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Array,
                          w_up: jax.Array, w_down: jax.Array, split: ExpertSplit, *,
-                         activation: moe_ops.Activation = jax.nn.silu, impl: str = "auto"
+                         activation: moe_ops.Activation = jax.nn.silu, impl: str = "auto",
+                         glu: moe_ops.Glu | None = None,
+                         biases: tuple[jax.Array, jax.Array, jax.Array] | None = None
                          ) -> jax.Array:
     """``moe.experts_ffn`` with the experts split over ``split.experts`` (see the module
     docstring); equal to it up to float32 summation order.
@@ -125,6 +127,12 @@ def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Arr
       split: the mesh's ``ExpertSplit`` (``expert_split``).
       activation: the gate's activation.
       impl: the local grouped product's ``experts_ffn`` implementation.
+      glu: optional ``glu(gate, up)`` (``experts_ffn``'s: a clamped SwiGLU), applied per
+        element, so F split over ``split.mlp`` changes nothing.
+      biases: optional ([E, F] gate, [E, F] up, [E, D] down) expert biases, split as their
+        experts' matrices (E over ``split.experts``, F over ``split.mlp``, D over
+        ``split.embed``); the down bias is added once per (token, expert), after the ``psum``
+        over ``split.mlp``.
 
     Returns:
       [N, D] in x's dtype.
@@ -145,48 +153,68 @@ def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Arr
     tokens = P(split.tokens)
     w_in = P(split.experts, split.embed or None, split.mlp or None)
     w_out = P(split.experts, split.mlp or None, split.embed or None)
+    b_specs = None if biases is None else (P(split.experts, split.mlp or None),
+                                           P(split.experts, split.mlp or None),
+                                           P(split.experts, split.embed or None))
     body = functools.partial(_local if split.exchange else _local_shares, split=split,
-                             n_experts=e, activation=activation, impl=impl)
+                             n_experts=e, ffn=dict(activation=activation, impl=impl, glu=glu))
     # check_vma=False: the local grouped product (``"tiled"``'s loop carry and custom VJP) is
     # not typed for values that vary over manual axes. The untyped transpose (cotangents of
     # inputs summed over the axes their spec leaves out, those of outputs divided by them) is
     # exact here, since the output is the same on the devices its spec leaves out (tensor,
     # after the psum); the tests compare gradients with one device's.
     mapped = jax.shard_map(body, mesh=split.mesh,
-                           in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+                           in_specs=(tokens, tokens, tokens, w_in, w_in, w_out, b_specs),
                            out_specs=tokens, check_vma=False)
-    return mapped(x, routing.weights, routing.experts, w_gate, w_up, w_down)
+    return mapped(x, routing.weights, routing.experts, w_gate, w_up, w_down, biases)
 
 
-def _gathered(split: ExpertSplit, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
-              ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The expert matrices with their D whole (all-gathered over ``split.embed``)."""
+def _gathered(split: ExpertSplit, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+              biases: tuple[jax.Array, jax.Array, jax.Array] | None
+              ) -> tuple[jax.Array, jax.Array, jax.Array, tuple | None]:
+    """The expert matrices (and the down bias) with their D whole (all-gathered over
+    ``split.embed``)."""
     if split.embed:
         w_gate, w_up = (jax.lax.all_gather(w, split.embed, axis=1, tiled=True)
                         for w in (w_gate, w_up))
         w_down = jax.lax.all_gather(w_down, split.embed, axis=2, tiled=True)
-    return w_gate, w_up, w_down
+        if biases is not None:
+            biases = (*biases[:2], jax.lax.all_gather(biases[2], split.embed, axis=1,
+                                                      tiled=True))
+    return w_gate, w_up, w_down, biases
 
 
-def _local_shares(x, weights, experts, w_gate, w_up, w_down, *, split, n_experts, activation,
-                  impl):
+def _experts(x, routing, w_gate, w_up, w_down, biases, ffn):
+    """``experts_ffn`` of this device's share of F, with the gate and up biases but not the
+    down one (added once, after any ``psum`` over the F split): ([rows, D] partial sums,
+    [rows, D] float32 weighted down biases, or None)."""
+    gate_up = None if biases is None else (*biases[:2], None)
+    y = moe_ops.experts_ffn(x, routing, w_gate, w_up, w_down, biases=gate_up, **ffn)
+    return y, None if biases is None else moe_ops.down_bias(routing, biases[2])
+
+
+def _local_shares(x, weights, experts, w_gate, w_up, w_down, biases, *, split, n_experts, ffn):
     """One device, tokens not exchanged: x [n, D], weights/experts [n, k] -> [n, D], every
     token's sum over all experts (this device's e experts' share, then the ``psum``)."""
-    w_gate, w_up, w_down = _gathered(split, w_gate, w_up, w_down)
+    w_gate, w_up, w_down, biases = _gathered(split, w_gate, w_up, w_down, biases)
     per_device = n_experts // split.n_shards
     ids = experts - jax.lax.axis_index(split.experts) * per_device
     here = (ids >= 0) & (ids < per_device)
     # A slot whose expert lives elsewhere names the empty expert e, which adds nothing.
     routing = moe_ops.Routing(weights=weights, experts=jnp.where(here, ids, per_device),
                               probs=None, logits=None)
-    y = moe_ops.experts_ffn(x, routing, w_gate, w_up, w_down, activation=activation, impl=impl)
+    y, down = _experts(x, routing, w_gate, w_up, w_down, biases, ffn)
+    if down is not None:  # one device of the F split adds its experts' down biases
+        first = jax.lax.axis_index(split.mlp) == 0 if split.mlp else True
+        y = y.astype(jnp.float32) + jnp.where(first, down, 0.0)
     return jax.lax.psum(y, split.experts + split.mlp).astype(x.dtype)
 
 
-def _local(x, weights, experts, w_gate, w_up, w_down, *, split, n_experts, activation, impl):
+def _local(x, weights, experts, w_gate, w_up, w_down, biases, *, split, n_experts, ffn):
     """One device: x [n, D], weights/experts [n, k], w_gate/w_up [e, D/fsdp, F/tensor],
-    w_down [e, F/tensor, D/fsdp] -> [n, D], this device's tokens' outputs."""
-    w_gate, w_up, w_down = _gathered(split, w_gate, w_up, w_down)
+    w_down [e, F/tensor, D/fsdp], biases ([e, F/tensor] x 2, [e, D/fsdp]) or None -> [n, D],
+    this device's tokens' outputs."""
+    w_gate, w_up, w_down, biases = _gathered(split, w_gate, w_up, w_down, biases)
     x_shards = split.n_shards
     per_device = n_experts // x_shards
     n, k = experts.shape
@@ -200,10 +228,12 @@ def _local(x, weights, experts, w_gate, w_up, w_down, *, split, n_experts, activ
     # Region X now: the rows device X sent here. One grouped product over all of them.
     routing = moe_ops.Routing(weights=got_weights.reshape(x_shards * n, j),
                               experts=got_ids.reshape(x_shards * n, j), probs=None, logits=None)
-    y = moe_ops.experts_ffn(got_rows.reshape(x_shards * n, -1), routing, w_gate, w_up, w_down,
-                            activation=activation, impl=impl)
+    y, down = _experts(got_rows.reshape(x_shards * n, -1), routing, w_gate, w_up, w_down,
+                       biases, ffn)
     if split.mlp:
         y = jax.lax.psum(y, split.mlp)  # each device held F/tensor of every expert
+    if down is not None:
+        y = (y.astype(jnp.float32) + down).astype(y.dtype)
     back = exchange(y.reshape(x_shards, n, -1))  # region X: from device X, in send.order[X]
     back = back * send.valid[..., None].astype(back.dtype)
     # Token i's result from device X sits at the row of i in send.order[X].
