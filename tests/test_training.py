@@ -292,6 +292,8 @@ def test_mfu_peak_is_per_device():
     # On CPU the devices of the host share its cores: the host's measured peak counts once.
     peak, source = run_log.mesh_peak_flops(devices)
     assert peak > 0 and "shared by its devices" in source
+    # A process measures its device once: a second run's figure is the first's.
+    assert run_log.mesh_peak_flops(devices) == (peak, source)
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):

@@ -68,7 +68,7 @@ def mesh_peak_flops(devices: list[jax.Device], per_device: float = 0.0) -> tuple
       per_device: one device's peak (``train.peak_flops``); 0 chooses it: on CPU a measured
         matmul (one host's cores, shared by its devices: the host's peak counts once per
         process), elsewhere the published dense bf16 peak of the device kind, or a measured
-        matmul on one device for a kind not listed.
+        matmul on one device for a kind not listed. A process measures a device once.
 
     Returns:
       ``(FLOP/s, where the figure comes from)``.
@@ -79,13 +79,25 @@ def mesh_peak_flops(devices: list[jax.Device], per_device: float = 0.0) -> tuple
     device = next((d for d in devices if d.process_index == jax.process_index()), devices[0])
     if device.platform == "cpu":
         hosts = len({d.process_index for d in devices})
-        return (measure_matmul_peak(device=device) * hosts,
+        return (_measured_peak(device, "float32", 1024) * hosts,
                 f"measured float32 matmul, one per host ({hosts}) shared by its devices")
     published = published_peak_flops(device.device_kind)
     if published is not None:
         return published * n, f"published bf16 peak of {device.device_kind} x {n} devices"
-    return (measure_matmul_peak(device=device, dtype="bfloat16", size=4096) * n,
+    return (_measured_peak(device, "bfloat16", 4096) * n,
             f"measured bf16 matmul on one {device.device_kind} x {n} devices")
+
+
+#: ``(device, dtype, size) -> FLOP/s`` measured by this process: the runs of one process
+#: (several ``training.run`` calls in a notebook, a sweep) measure their device once.
+_MEASURED: dict[tuple[jax.Device, str, int], float] = {}
+
+
+def _measured_peak(device: jax.Device, dtype: str, size: int) -> float:
+    key = (device, dtype, size)
+    if key not in _MEASURED:
+        _MEASURED[key] = measure_matmul_peak(device=device, dtype=dtype, size=size)
+    return _MEASURED[key]
 
 
 def _summary_writer_class() -> type:
