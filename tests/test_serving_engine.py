@@ -10,13 +10,8 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import (
-    ENGINE_STEP_LIMIT,
-    FAST_COMPILE,
-    check_top_logprobs,
-    run_until_idle,
-    step_until,
-)
+from helpers import ENGINE_STEP_LIMIT, FAST_COMPILE, check_top_logprobs, run_until_idle, step_until
+from scipy.special import log_softmax
 
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
@@ -31,8 +26,7 @@ pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_comp
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
             d_ff=48, max_seq_len=64, init_std=0.2)
 N_REF = 12  # new tokens of every reference generate (requests ask for at most this many)
-# The sampling settings of the seeded tests (every filter: their steps and references share
-# programs).
+# The seeded tests' sampling (every filter; their steps and references share programs).
 SEEDED = dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05)
 # 4 slots, pages of 4 positions, 24 usable pages (96 positions: fewer than 4 long requests
 # need, so the load preempts), chunks of at most 16 prompt tokens per step, page tables 8 or
@@ -40,12 +34,11 @@ SEEDED = dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05)
 ENGINE = dict(num_slots=4, num_pages=25, page_size=4, token_budget=20, min_context=32)
 
 
-
 @pytest.fixture(scope="module")
 def raw_params():
     """The module model's weights as ``init_params`` made them (before ``decode.prepare``)."""
-    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
-    return init(ModelConfig(**TINY), jax.random.key(0))
+    return jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)(
+        ModelConfig(**TINY), jax.random.key(0))
 
 
 @pytest.fixture(scope="module")
@@ -68,16 +61,13 @@ def engine(shared_engine):
 
 
 _REFERENCE: dict = {}
-# Beside each reference prompt, a row that pads every batch to one shape (2 rows in the prompt
-# bucket of 64): one compiled generate per sampling setting, whatever the prompt's length (a
-# row's tokens and seeded draws do not depend on the rows beside it).
+# A row beside each reference prompt: every batch one shape (2 rows, bucket 64), one program per
+# sampling setting (a row's greedy or seeded draws do not depend on the rows beside it, nor on N).
 _PAD_ROW = [1] * 33
 
 
 def reference(model, prompt, params: SamplingParams) -> tuple[list[int], list[float]]:
-    """``generate`` on the prompt (alone but for ``_PAD_ROW``) with the request's settings:
-    N_REF tokens, cut at max_tokens and after the first stop token (greedy and seeded draws do
-    not depend on N)."""
+    """``generate``'s N_REF tokens of the prompt, cut at max_tokens and after a stop token."""
     config, weights = model
     key = (config, tuple(prompt), params.temperature, params.top_k, params.top_p, params.min_p,
            params.seed)
@@ -120,8 +110,6 @@ def _check_events(events, tokens, reason):
     assert [e.finish_reason for e in events[:-1]] == [None] * (len(events) - 1)
     assert events[-1].finish_reason == reason
 
-
-# Greedy under load -------------------------------------------------------------------------------
 
 def test_greedy_under_load_equals_generate_alone(model, engine):
     """Mixed prompt lengths (some sharing a 16-token prefix), stop tokens, arrivals from another
@@ -227,8 +215,6 @@ def test_identical_prompts_fork_from_one_prefill(model, engine, length):
         np.testing.assert_allclose(done[rid].logprobs, want_logprobs, atol=1e-4)
 
 
-# Sampling ----------------------------------------------------------------------------------------
-
 def test_seeded_sampling_is_the_same_alone_and_under_load(model, engine):
     prompt = _prompts([13], seed=9)[0]
     params = SamplingParams(max_tokens=N_REF, **SEEDED, seed=1234)
@@ -244,8 +230,6 @@ def test_seeded_sampling_is_the_same_alone_and_under_load(model, engine):
     assert len(done) == 1 + len(others)
     assert len(set(map(tuple, (done[o].tokens for o in others)))) > 1
 
-
-# Cancellation ------------------------------------------------------------------------------------
 
 def test_cancel_mid_prefill_waiting_and_mid_decode_frees_everything(engine):
     long_prompt, short = _prompts([50, 6], seed=11)
@@ -273,8 +257,6 @@ def test_cancel_mid_prefill_waiting_and_mid_decode_frees_everything(engine):
     assert collect.events[rid][-1].finish_reason == "cancelled"
     assert len(collect.tokens(rid)) == 3 and engine.idle
 
-
-# Refusals ----------------------------------------------------------------------------------------
 
 def test_requests_that_can_never_fit_are_refused_naming_both_numbers(model, engine):
     with pytest.raises(ValueError, match=r"70 positions .*max_seq_len 64"):
@@ -335,12 +317,10 @@ def test_top_logprobs_are_the_top_k_of_each_steps_full_softmax(model, raw_params
             assert got.top_logprobs is None
             continue
         seq = prompt + got.tokens
-        # One shape for every row (one program): padded after the sequence, which a causal
-        # forward's logits at the sequence's positions do not see.
+        # One shape (one program): padded after the sequence, unseen by its causal logits.
         logits = np.asarray(forward(raw_params, np.asarray(
             [seq[:-1] + [0] * (32 - len(seq))], np.int32)), np.float64)[0, :len(seq) - 1]
-        logits -= logits.max(-1, keepdims=True)
-        logp = (logits - np.log(np.exp(logits).sum(-1, keepdims=True)))[len(prompt) - 1:]
+        logp = log_softmax(logits, -1)[len(prompt) - 1:]
         check_top_logprobs(got, logp, ask.top_logprobs)
         if ask.temperature == 0:  # greedy: the drawn token is the most likely one
             assert [top[0][0] for top in got.top_logprobs] == got.tokens
