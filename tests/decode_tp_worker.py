@@ -100,9 +100,8 @@ def vocab_edges(vocab: int, sizes: tuple[int, ...]) -> list[int]:
 def run_case(overrides: dict, lengths: list[int], kwargs: dict, sizes: tuple[int, ...], *,
              count_collectives: int = 0, raw: bool = True) -> dict:
     """Generate at each tensor size, and the collectives of the ``count_collectives`` one;
-    on a mesh from the raw parameters (prepared inside the program) only with ``raw`` and at
-    that size (one program: the other sizes' are the prepared weights'), from weights
-    prepared once always."""
+    on a mesh from the raw parameters (prepared inside the program) only with ``raw``, from
+    weights prepared once always."""
     config = ModelConfig(**{**BASE, **overrides})
     params = random_params(config)  # biases and norm gains random too
     rng = np.random.default_rng(len(lengths))
@@ -120,7 +119,7 @@ def run_case(overrides: dict, lengths: list[int], kwargs: dict, sizes: tuple[int
         def record(step, tokens, active, steps=steps):
             steps.append([int(step), *np.asarray(tokens).tolist()])
 
-        if mesh is None or (raw and tensor == count_collectives):
+        if mesh is None or raw:
             result = generation.generate(config, params, prompts, max_new_tokens=6, mesh=mesh,
                                          stream=record, **kwargs)
             out[str(tensor)] = dict(tokens=result.tokens, logprobs=result.logprobs, stream=steps)
@@ -276,8 +275,7 @@ def main() -> int:
     decode._generate_jit = _Recorder(decode._generate_jit)
     counted = dict(COLLECTIVE_CASES.values())
     # The raw parameters' path on a mesh (the same program with the preparation traced in) is
-    # run by the two collective cases, at their counted size; the others run prepared weights
-    # only.
+    # run by the two collective cases; the others run prepared weights only.
     result = {name: run_case(*case, count_collectives=counted.get(name, 0),
                              raw=name in counted)
               for name, case in CASES.items()}
