@@ -1,6 +1,7 @@
 """``ops.attention``: every implementation that runs here against the einsum reference, outputs and
 gradients, and the reference itself against a numpy loop."""
 
+import functools
 import logging
 import math
 import re
@@ -33,11 +34,17 @@ def test_reference_matches_numpy_loop():
     qp = jnp.broadcast_to(jnp.arange(5) + 2, (2, 5))
     seg_q = jnp.array([[1, 1, 1, 2, 0], [1, 1, 1, 1, 1]])
     seg_k = jnp.array([[1, 1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1]])
-    mask = np.asarray(attn.attention_mask(qp, jnp.broadcast_to(jnp.arange(7), (2, 7)),
-                                          q_segments=seg_q, k_segments=seg_k, window=3))
+
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)  # one program, not op by op
+    def mask_and_attention(q, k, v):
+        return (attn.attention_mask(qp, jnp.broadcast_to(jnp.arange(7), (2, 7)),
+                                    q_segments=seg_q, k_segments=seg_k, window=3),
+                attn.attention(q, k, v, q_positions=qp, q_segments=seg_q, k_segments=seg_k,
+                               window=3, impl="xla"))
+
+    mask, got = mask_and_attention(q, k, v)
+    mask = np.asarray(mask)
     assert not mask[0, 4].any()  # a padding query: no visible key
-    got = attn.attention(q, k, v, q_positions=qp, q_segments=seg_q, k_segments=seg_k, window=3,
-                         impl="xla")
     np.testing.assert_allclose(got, numpy_attention(*map(np.asarray, (q, k, v)), mask),
                                rtol=1e-5, atol=1e-5)
 
@@ -179,8 +186,9 @@ def test_fully_masked_rows_are_exactly_zero_with_zero_gradients():
 def test_default_key_positions_are_the_cache_slots():
     q, k, v = _qkv(t=3, s=10, n=4, kv=2, h=64)
     qp = jnp.broadcast_to(jnp.arange(4, 7), (2, 3))
-    explicit = attn.attention(q, k, v, q_positions=qp, impl="xla",
-                              k_positions=jnp.broadcast_to(jnp.arange(10), (2, 10)))
+    explicit = jax.jit(lambda q, k, v: attn.attention(  # one program, not op by op
+        q, k, v, q_positions=qp, impl="xla", k_positions=jnp.broadcast_to(jnp.arange(10), (2, 10))),
+        compiler_options=FAST_COMPILE)(q, k, v)
     for impl in ("xla", "chunked"):
         f = jax.jit(lambda q, k, v, impl=impl: attn.attention(q, k, v, q_positions=qp, impl=impl),
                     compiler_options=FAST_COMPILE)

@@ -30,8 +30,11 @@ def _outputs(out):
     return out.logits if out.cache is None else (out.logits, out.cache)
 
 
+@functools.cache
 def _apply(config):
-    """A jitted forward of the model with this config (eager flax would compile op by op)."""
+    """A jitted forward of the model with this config (eager flax would compile op by op),
+    one per config: tests of the same config and shapes (most use ``T`` tokens of 2 rows) run
+    one compiled program."""
     return jax.jit(lambda params, *args, **kw: _outputs(
         Transformer(config).apply({"params": params}, *args, **kw)))
 
@@ -43,35 +46,54 @@ def _params(config, seed):
     return jax.device_put(random_params(config, seed))
 
 
+#: The length of most tests' token batches (2 rows): one compiled forward per config.
+T = 14
+
+
 def _tokens(b, t, seed=0, vocab=97):
-    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (b, t)), jnp.int32)
+    return jnp.asarray(_np_tokens(b, t, seed, vocab))
 
 
-def test_public_api_shapes_and_dtypes():
-    params = init_params(SMALL, 0)
-    logits = _apply(SMALL)(params, _tokens(3, 10))
-    chex.assert_shape(logits, (3, 10, 97))
+def _np_tokens(b, t, seed=0, vocab=97):
+    return np.random.default_rng(seed).integers(0, vocab, (b, t)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def initialised():
+    """``init_params(SMALL, 0)`` (the public-API and dtype tests), in one program: op by op
+    it compiles a program per op (~2 s here; other modules call it so, e.g.
+    test_eval_sets.py)."""
+    return jax.jit(init_params, static_argnums=(0, 1))(SMALL, 0)
+
+
+def test_public_api_shapes_and_dtypes(initialised):
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(initialised))
+    logits = _apply(SMALL)(initialised, _tokens(2, T))
+    chex.assert_shape(logits, (2, T, 97))
     chex.assert_type(logits, jnp.float32)
     chex.assert_tree_all_finite(logits)
 
 
 @functools.cache
-def _causal_forward():
-    """A jitted forward of fixed random weights, made on first use (not at import, which
-    every pytest-xdist worker does for every module, whether it runs this one or not)."""
-    params = _params(SMALL, 1)
-    return jax.jit(lambda tokens: Transformer(SMALL).apply({"params": params}, tokens).logits)
+def _causal_params():
+    """Fixed random weights, made on first use (not at import, which every pytest-xdist
+    worker does for every module, whether it runs this one or not)."""
+    return _params(SMALL, 1)
 
 
 @settings(max_examples=15, deadline=None)
-@given(i=st.integers(0, 15), seed=st.integers(0, 2**16))
+@given(i=st.integers(0, T - 1), seed=st.integers(0, 2**16))
 def test_future_tokens_never_change_past_logits(i, seed):
-    tokens = _tokens(2, 16, seed)
-    changed = tokens.at[:, i + 1:].set(_tokens(2, 16, seed + 1)[:, i + 1:])
-    _forward = _causal_forward()
-    a, b = _forward(tokens), _forward(changed)
+    # Tokens changed and logits compared in numpy: slices of device arrays of each i's shape
+    # would each compile a program.
+    tokens = _np_tokens(2, T, seed)
+    changed = tokens.copy()
+    changed[:, i + 1:] = _np_tokens(2, T, seed + 1)[:, i + 1:]
+    forward = _apply(SMALL)
+    a = np.asarray(forward(_causal_params(), jnp.asarray(tokens)))
+    b = np.asarray(forward(_causal_params(), jnp.asarray(changed)))
     np.testing.assert_array_equal(a[:, : i + 1], b[:, : i + 1])
-    if i < 15 and not np.array_equal(tokens, changed):
+    if i < T - 1 and not np.array_equal(tokens, changed):
         assert not np.allclose(a[:, i + 1:], b[:, i + 1:])  # the test can see a change
 
 
@@ -82,7 +104,7 @@ def test_future_tokens_never_change_past_logits(i, seed):
 def test_scanned_stack_equals_unrolled(variant):
     c = SMALL.replace(**variant)
     params = _params(c, 2)
-    tokens = _tokens(2, 12)
+    tokens = _tokens(2, T)
     unrolled = _apply(c)(params, tokens)
     scanned_c = c.replace(scan_layers=True)
     scanned_params = stack_blocks(params, c)
@@ -156,13 +178,16 @@ def test_every_name_a_policy_goes_by_is_computed():
     assert names(SMALL) | names(MIXED) == set(remat_lib.NAMES)
 
 
-def test_bfloat16_compute_with_float32_params_returns_float32_logits():
+def test_bfloat16_compute_with_float32_params_returns_float32_logits(initialised):
     c = SMALL.replace(dtype="bfloat16")
-    params = init_params(c, 4)
-    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
-    logits = _apply(c)(params, _tokens(2, 8))
+    # init_params of the bfloat16 model makes float32 params (their dtypes, from the trace)
+    abstract = jax.eval_shape(lambda: init_params(c, 4))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(abstract))
+    params = initialised  # the same leaves (shapes and dtypes), random values
+    chex.assert_trees_all_equal_shapes_and_dtypes(params, abstract)
+    logits = _apply(c)(params, _tokens(2, T))
     chex.assert_type(logits, jnp.float32)
-    full = _apply(SMALL)(params, _tokens(2, 8))
+    full = _apply(SMALL)(params, _tokens(2, T))
     np.testing.assert_allclose(logits, full, atol=0.05)  # same model, bf16 rounding only
 
 
@@ -182,7 +207,7 @@ def test_explicit_positions_shift_invariance_with_rope():
 def test_prefill_then_decode_equals_full_forward(variant):
     c = SMALL.replace(**variant)
     params = _params(c, 6)
-    tokens = _tokens(2, 14)
+    tokens = _tokens(2, T)
     fwd = _apply(c)
     full = fwd(params, tokens)
     cache = KVCache.init(c, batch=2, max_len=20)
@@ -195,20 +220,23 @@ def test_prefill_then_decode_equals_full_forward(variant):
 
 
 def test_ragged_positions_in_one_batch():
-    # Row 1 continues from a shorter prefix than row 0; each equals its own full forward.
+    # Row 1 continues from a shorter prefix than row 0; each equals its own full forward (the
+    # causal forward of the whole row at that position: test_future_tokens_never_change_past_
+    # logits). The shapes of test_prefill_then_decode_equals_full_forward: its programs.
     params = _params(SMALL, 7)
     fwd = _apply(SMALL)
-    tokens = _tokens(2, 10)
-    cache = KVCache.init(SMALL, 2, 16)
-    _, cache = fwd(params, tokens[:, :6], cache=cache)
-    cache = cache.replace(lengths=jnp.array([6, 3], jnp.int32))  # row 1's prompt was 3 long
-    nxt = jnp.stack([tokens[0, 6], tokens[1, 3]])[:, None]
+    tokens = _np_tokens(2, T)
+    cache = KVCache.init(SMALL, batch=2, max_len=20)
+    _, cache = fwd(params, jnp.asarray(tokens[:, :9]), cache=cache)
+    # row 1's prompt was 5 long: its cache's positions 5-8 are stale, to be overwritten or
+    # left unread
+    cache = cache.replace(lengths=jnp.array([9, 5], jnp.int32))
+    nxt = jnp.asarray([[tokens[0, 9]], [tokens[1, 5]]])
     step, cache = fwd(params, nxt, cache=cache)
-    full0 = fwd(params, tokens[:1, :7])
-    full1 = fwd(params, tokens[1:, :4])
-    np.testing.assert_allclose(step[0, 0], full0[0, -1], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(step[1, 0], full1[0, -1], rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(cache.lengths, [7, 4])
+    full = np.asarray(fwd(params, jnp.asarray(tokens)))
+    np.testing.assert_allclose(step[0, 0], full[0, 9], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(step[1, 0], full[1, 5], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(cache.lengths, [10, 6])
 
 
 def test_cache_size_formula():
@@ -247,5 +275,7 @@ def test_every_parameter_has_logical_axes():
 def test_wrong_parameter_shapes_are_rejected():
     params = _params(SMALL, 0)
     bigger = SMALL.replace(d_ff=128)
+    # flax checks the shapes as it traces (abstractly here: nothing compiles, as it would op
+    # by op eagerly)
     with pytest.raises(Exception, match="shape"):
-        Transformer(bigger).apply({"params": params}, _tokens(1, 4))
+        jax.eval_shape(lambda p: Transformer(bigger).apply({"params": p}, _tokens(1, 4)), params)

@@ -10,13 +10,8 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import (
-    ENGINE_STEP_LIMIT,
-    FAST_COMPILE,
-    check_top_logprobs,
-    run_until_idle,
-    step_until,
-)
+from helpers import ENGINE_STEP_LIMIT, FAST_COMPILE, check_top_logprobs, run_until_idle, step_until
+from scipy.special import log_softmax
 
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
@@ -31,18 +26,25 @@ pytestmark = pytest.mark.usefixtures("fast_generate_compiles", "fast_engine_comp
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
             d_ff=48, max_seq_len=64, init_std=0.2)
 N_REF = 12  # new tokens of every reference generate (requests ask for at most this many)
+# The seeded tests' sampling (every filter; their steps and references share programs).
+SEEDED = dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05)
 # 4 slots, pages of 4 positions, 24 usable pages (96 positions: fewer than 4 long requests
 # need, so the load preempts), chunks of at most 16 prompt tokens per step, page tables 8 or
 # 16 pages wide.
 ENGINE = dict(num_slots=4, num_pages=25, page_size=4, token_budget=20, min_context=32)
 
 
+@pytest.fixture(scope="module")
+def raw_params():
+    """The module model's weights as ``init_params`` made them (before ``decode.prepare``)."""
+    return jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)(
+        ModelConfig(**TINY), jax.random.key(0))
+
 
 @pytest.fixture(scope="module")
-def model():
+def model(raw_params):
     config = ModelConfig(**TINY)
-    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
-    return config, decode.prepare(config, init(config, jax.random.key(0)))
+    return config, decode.prepare(config, raw_params)
 
 
 @pytest.fixture(scope="module")
@@ -59,18 +61,20 @@ def engine(shared_engine):
 
 
 _REFERENCE: dict = {}
+# A row beside each reference prompt: every batch one shape (2 rows, bucket 64), one program per
+# sampling setting (a row's greedy or seeded draws do not depend on the rows beside it, nor on N).
+_PAD_ROW = [1] * 33
 
 
 def reference(model, prompt, params: SamplingParams) -> tuple[list[int], list[float]]:
-    """``generate`` on the prompt alone with the request's settings: N_REF tokens, cut at
-    max_tokens and after the first stop token (greedy and seeded draws do not depend on N)."""
+    """``generate``'s N_REF tokens of the prompt, cut at max_tokens and after a stop token."""
     config, weights = model
     key = (config, tuple(prompt), params.temperature, params.top_k, params.top_p, params.min_p,
            params.seed)
     if key not in _REFERENCE:
-        out = generation.generate(config, weights, [prompt], max_new_tokens=N_REF,
+        out = generation.generate(config, weights, [prompt, _PAD_ROW], max_new_tokens=N_REF,
                                   temperature=params.temperature, top_k=params.top_k,
-                                  top_p=params.top_p, min_p=params.min_p, seed=[params.seed])
+                                  top_p=params.top_p, min_p=params.min_p, seed=[params.seed, 0])
         _REFERENCE[key] = (out.tokens[0], out.logprobs[0])
     tokens, logprobs = _REFERENCE[key]
     n = params.max_tokens
@@ -106,8 +110,6 @@ def _check_events(events, tokens, reason):
     assert [e.finish_reason for e in events[:-1]] == [None] * (len(events) - 1)
     assert events[-1].finish_reason == reason
 
-
-# Greedy under load -------------------------------------------------------------------------------
 
 def test_greedy_under_load_equals_generate_alone(model, engine):
     """Mixed prompt lengths (some sharing a 16-token prefix), stop tokens, arrivals from another
@@ -198,8 +200,8 @@ def test_identical_prompts_fork_from_one_prefill(model, engine, length):
     token from its logits; each still decodes what generate gives it alone, and the one left
     without a slot prefills as before (its full pages found in the prefix cache)."""
     prompt = _prompts([length], seed=30 + length)[0]
-    params = [SamplingParams(max_tokens=N_REF - i, temperature=0.9, top_p=0.9, seed=50 + i,
-                             logprobs=True) for i in range(5)]
+    params = [SamplingParams(max_tokens=N_REF - i, **SEEDED, seed=50 + i, logprobs=True)
+              for i in range(5)]
     params[1] = SamplingParams(max_tokens=N_REF, logprobs=True)  # a greedy fork
     forked = engine.scheduler.forked
     ids = [engine.add_request(prompt, p) for p in params]
@@ -213,12 +215,9 @@ def test_identical_prompts_fork_from_one_prefill(model, engine, length):
         np.testing.assert_allclose(done[rid].logprobs, want_logprobs, atol=1e-4)
 
 
-# Sampling ----------------------------------------------------------------------------------------
-
 def test_seeded_sampling_is_the_same_alone_and_under_load(model, engine):
     prompt = _prompts([13], seed=9)[0]
-    params = SamplingParams(max_tokens=N_REF, temperature=0.9, top_k=20, top_p=0.9, min_p=0.05,
-                            seed=1234)
+    params = SamplingParams(max_tokens=N_REF, **SEEDED, seed=1234)
     rid = engine.add_request(prompt, params)
     alone = run_until_idle(engine)[rid].tokens
     others = [engine.add_request(p, SamplingParams(max_tokens=8, temperature=t, seed=s))
@@ -231,8 +230,6 @@ def test_seeded_sampling_is_the_same_alone_and_under_load(model, engine):
     assert len(done) == 1 + len(others)
     assert len(set(map(tuple, (done[o].tokens for o in others)))) > 1
 
-
-# Cancellation ------------------------------------------------------------------------------------
 
 def test_cancel_mid_prefill_waiting_and_mid_decode_frees_everything(engine):
     long_prompt, short = _prompts([50, 6], seed=11)
@@ -260,8 +257,6 @@ def test_cancel_mid_prefill_waiting_and_mid_decode_frees_everything(engine):
     assert collect.events[rid][-1].finish_reason == "cancelled"
     assert len(collect.tokens(rid)) == 3 and engine.idle
 
-
-# Refusals ----------------------------------------------------------------------------------------
 
 def test_requests_that_can_never_fit_are_refused_naming_both_numbers(model, engine):
     with pytest.raises(ValueError, match=r"70 positions .*max_seq_len 64"):
@@ -303,7 +298,7 @@ def test_scanned_model_with_a_sliding_window_equals_generate():
     engine.check_no_leaks()
 
 
-def test_top_logprobs_are_the_top_k_of_each_steps_full_softmax(model, engine):
+def test_top_logprobs_are_the_top_k_of_each_steps_full_softmax(model, raw_params, engine):
     # Under load (a long prompt beside, chunks and decode rows in the same steps): each
     # token's K alternatives are the K most likely of the forward's softmax at its position,
     # most likely first, whatever else shares the step; rows that do not ask get none.
@@ -316,17 +311,16 @@ def test_top_logprobs_are_the_top_k_of_each_steps_full_softmax(model, engine):
     ids = [engine.add_request(p, s) for p, s in zip(prompts, asks, strict=True)]
     done = run_until_idle(engine)
     forward = jax.jit(lambda p, t: Transformer(config).apply({"params": p}, t).logits)
-    # The module's weights as ``init_params`` made them (before ``decode.prepare``).
-    params = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)(
-        config, jax.random.key(0))
     for i, prompt, ask in zip(ids, prompts, asks, strict=True):
         got = done[i]
         if not ask.top_logprobs:
             assert got.top_logprobs is None
             continue
         seq = prompt + got.tokens
-        logp = np.asarray(jax.nn.log_softmax(forward(params, np.asarray(
-            [seq[:-1]], np.int32))[0], axis=-1))[len(prompt) - 1:]
+        # One shape (one program): padded after the sequence, unseen by its causal logits.
+        logits = np.asarray(forward(raw_params, np.asarray(
+            [seq[:-1] + [0] * (32 - len(seq))], np.int32)), np.float64)[0, :len(seq) - 1]
+        logp = log_softmax(logits, -1)[len(prompt) - 1:]
         check_top_logprobs(got, logp, ask.top_logprobs)
         if ask.temperature == 0:  # greedy: the drawn token is the most likely one
             assert [top[0][0] for top in got.top_logprobs] == got.tokens

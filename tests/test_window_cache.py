@@ -176,7 +176,8 @@ def patterned_params():
     params = jax.tree.map(lambda x: jnp.asarray(rng.normal(1.0 if x.ndim == 1 else 0.0, 0.2,
                                                            x.shape), x.dtype),
                           abstract_params(PATTERNED))
-    return {False: params, True: stack_blocks(params, PATTERNED)}
+    stack = jax.jit(stack_blocks, static_argnums=1, compiler_options=FAST_COMPILE)  # one program
+    return {False: params, True: stack(params, PATTERNED)}
 
 
 @pytest.mark.parametrize("scanned", [False, True])

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from transformer_jax.model.layers import MATRIX_INPUT_AXES
 from transformer_jax.model.lora import DEFAULT_TARGETS, TARGETS, LoraConfig, _set
@@ -102,8 +103,10 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
             shape = _in_first_shape(w, path[-1], scanned)
             n_in = MATRIX_INPUT_AXES[path[-1]]
             lead = (tuple(w.shape)[0],) if scanned else ()
-            a = jnp.zeros((*lead, len(trees), *shape[:n_in], rank), jnp.float32)
-            b = jnp.zeros((*lead, len(trees), rank, *shape[n_in:]), jnp.float32)
+            # Assembled on the host (numpy): op by op on the device, every zeros, update and
+            # transpose of each matrix's shape would compile a program of its own.
+            a = np.zeros((*lead, len(trees), *shape[:n_in], rank), np.float32)
+            b = np.zeros((*lead, len(trees), rank, *shape[n_in:]), np.float32)
             for i, (tree, cfg, name) in enumerate(trees):
                 ab = _node(tree, (*block, *path))
                 if target not in cfg.targets or ab is None:
@@ -116,14 +119,13 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
                         f"B {ab['b'].shape}; the base's matrix needs {want_a} and {want_b}")
                 at = (slice(None),) * len(lead) + (i,)
                 r = (slice(None),) * len(lead) + (i, slice(0, cfg.rank))
-                a = a.at[(*at, Ellipsis, slice(0, cfg.rank))].set(
-                    jnp.asarray(ab["a"], jnp.float32))
-                b = b.at[r].set(jnp.asarray(ab["b"], jnp.float32) * cfg.scale)
+                a[(*at, Ellipsis, slice(0, cfg.rank))] = np.asarray(ab["a"], np.float32)
+                b[r] = np.asarray(ab["b"], np.float32) * np.float32(cfg.scale)
             if isinstance(w, OutFirst):  # A [L?, Na, R, in...], B [L?, out..., Na, R]
                 n = len(lead)
-                a = jnp.moveaxis(a, -1, n + 1)
-                b = jnp.moveaxis(b, (n, n + 1), (-2, -1))
-            stack = _set(stack, (*block, *path), {"a": a, "b": b})
+                a = np.moveaxis(a, -1, n + 1)
+                b = np.moveaxis(b, (n, n + 1), (-2, -1))
+            stack = _set(stack, (*block, *path), {"a": jnp.asarray(a), "b": jnp.asarray(b)})
     if not stack:
         raise ValueError(f"no matrix of the base is adapted by {names}")
     return stack
