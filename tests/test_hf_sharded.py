@@ -164,14 +164,16 @@ def _hf_model(kind: str, seed: int):
 def _big_model(path: Path) -> dict:
     """The memory test's model (``BIG``) written by ``hf.save``: the worker's memory spec."""
     config = ModelConfig(**BIG)
-    rng = np.random.default_rng(0)
+    # Random values repeated to fill each weight (their values do not matter to the memory;
+    # drawing 100 M normals would cost seconds).
+    block = (np.random.default_rng(0).standard_normal(1 << 16) * 0.02).astype(np.float32)
     params: dict = {}
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]:
         node = params
         keys = [p.key for p in key_path]
         for key in keys[:-1]:
             node = node.setdefault(key, {})
-        node[keys[-1]] = rng.standard_normal(leaf.shape, dtype=np.float32) * 0.02
+        node[keys[-1]] = np.resize(block, leaf.shape)
     model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     hf.save(config, params, path)
     return {"path": str(path), "model_bytes": model_bytes}
