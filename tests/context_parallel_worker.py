@@ -1,7 +1,8 @@
 """Subprocess side of ``test_context_parallel.py``: context parallelism on 4 simulated CPU devices.
 
 The reference is the loss and gradients of a plain ``jax.jit`` on one device (no mesh, no
-sharding code, the batch in its natural order); each mesh of ``MESHES`` computes them with the
+sharding code, the batch in its natural order, attention ``xla``: one program for both meshes,
+whatever attention they use); each mesh of ``MESHES`` computes them with the
 sharded jit ``train.run`` uses (the batch split along T over ``context``, permuted inside the
 step; on context=2 x fsdp=2 the LM-head loss chunked per device, ``parallel.context``). The
 model has a sliding-window layer and a global one, and the batch packed segments, a padded
@@ -29,7 +30,7 @@ CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_head
 B, T = 2, 32
 TRAIN = TrainConfig(steps=10, batch_size=B, seq_len=T, lr=1e-2, warmup_steps=0)
 #: name -> (mesh, attention impl, train.loss_chunk): 4 devices each. The reference computes
-#: the logits whole (no loss chunk).
+#: the logits whole (no loss chunk) with attention "xla".
 MESHES = {
     "context4": (sh.MeshConfig(data=1, context=4), "xla", 0),
     "context2_fsdp2": (sh.MeshConfig(data=1, fsdp=2, context=2), "chunked", 4),
@@ -61,15 +62,16 @@ def flat(tree) -> dict[str, np.ndarray]:
 
 def main() -> int:
     assert jax.device_count() == 4, jax.devices()
-    params = jax.jit(make_init_fn(CONFIG, TRAIN))(jax.random.key(0)).params
+    init = make_init_fn(CONFIG, TRAIN)
+    state0 = jax.jit(init)(jax.random.key(0))
+    params = state0.params
     data = batch()
     out: dict = {"meshes": {}}
-    refs: dict[str, float] = {}  # mean cross-entropy of the reference
+    reference = dataclasses.replace(CONFIG, attention_impl="xla")
+    ref_grad = jax.value_and_grad(make_loss_fn(reference, TRAIN), has_aux=True)
+    (ref_loss, ref_aux), ref_grads = jax.jit(ref_grad)(params, data)  # one device, no mesh
     for name, (mesh_config, impl, chunk) in MESHES.items():
         config = dataclasses.replace(CONFIG, attention_impl=impl)
-        ref_grad = jax.value_and_grad(make_loss_fn(config, TRAIN), has_aux=True)
-        (ref_loss, ref_aux), ref_grads = jax.jit(ref_grad)(params, data)  # one device, no mesh
-        refs[name] = float(ref_aux[0] / ref_aux[2])
         grad = jax.value_and_grad(
             make_loss_fn(config, dataclasses.replace(TRAIN, loss_chunk=chunk)), has_aux=True)
         mesh = sh.make_mesh(mesh_config)
@@ -93,16 +95,17 @@ def main() -> int:
             / float(ref_aux[2]),
             "grad_scale": scale / float(ref_aux[2]),
             "all_gathers": hlo.count(" all-gather("), "grad_keys": len(ref)}
-    # The whole train step, as train.run jits it, on the first mesh: its loss is the reference's.
+    # The whole train step, as train.run jits it, on the first mesh (the initial state placed
+    # there): its loss is the reference's mean cross-entropy.
     mesh = sh.make_mesh(MESHES["context4"][0])
-    init, step = make_init_fn(CONFIG, TRAIN), make_train_step(CONFIG, TRAIN)
-    abstract = jax.eval_shape(init, jax.random.key(0))
-    s_shard = sh.state_shardings(abstract, sh.param_shardings(CONFIG, mesh))
-    state = sh.shard_init(init, s_shard)(jax.random.key(0))
+    step = make_train_step(CONFIG, TRAIN)
+    s_shard = sh.state_shardings(jax.eval_shape(init, jax.random.key(0)),
+                                 sh.param_shardings(CONFIG, mesh))
     step_fn = sh.jit_train_step(step, s_shard, sh.batch_sharding(mesh))
-    _, metrics = step_fn(state, jax.device_put(data, sh.batch_sharding(mesh)))
+    _, metrics = step_fn(jax.device_put(state0, s_shard),
+                         jax.device_put(data, sh.batch_sharding(mesh)))
     out["train_step_loss"] = float(metrics["loss"])
-    out["ref_step_loss"] = refs["context4"]  # the same model's (attention "xla" there)
+    out["ref_step_loss"] = float(ref_aux[0] / ref_aux[2])  # the same model (attention "xla")
     print(json.dumps(out))
     return 0
 

@@ -84,7 +84,7 @@ def qlora_run(request, hf_dir, sft, tmp_path_factory) -> Path:
         "train.lora_rank=4", f"train.lora_base_quant={request.param}", "train.steps=2",
         "train.ckpt_every=2", "train.batch_size=2", "train.grad_accum=1", "train.seq_len=32",
         "train.lr=2e-2", "train.warmup_steps=1", "train.log_every=1", "train.mesh=1,1,1",
-        "train.eval_every=0", "data.val_fraction=0"])
+        "train.eval_every=0", "data.val_fraction=0", "train.peak_flops=1e9"])
     with pytest.MonkeyPatch.context() as patch:  # no loss plot (matplotlib): not tested here
         patch.setattr(training, "_plot", lambda *args: None)
         assert training.run(model, train, data, progress=False,

@@ -5,7 +5,8 @@ transformers' ``save_pretrained`` here; one subprocess with 8 simulated CPU devi
 run as a script) loads them over the meshes (data, fsdp, tensor) = (1, 8, 1) and (1, 2, 4), in
 the unrolled and the scanned layout, and reports every param's sharding, whether its values equal
 the single-device ``hf.load`` bit for bit, and the logits. A second subprocess measures the host
-memory of loading a ~410 MiB float32 model sharded, against the model's size.
+memory of loading a ~410 MiB float32 model sharded, against the model's size. Both run in ONE
+subprocess (the memory measure first, in the fresh process; its imports paid once).
 
 Needs the ``hf`` extra (torch, transformers, safetensors); skipped without it.
 """
@@ -13,6 +14,7 @@ Needs the ``hf`` extra (torch, transformers, safetensors); skipped without it.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -119,9 +121,9 @@ def _worker_memory(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-    mode, spec_file = sys.argv[1], sys.argv[2]
-    result = {"parity": _worker_parity, "memory": _worker_memory}[mode](
-        json.loads(Path(spec_file).read_text()))
+    spec = json.loads(Path(sys.argv[1]).read_text())  # {mode: its spec}, memory first
+    result = {mode: {"parity": _worker_parity, "memory": _worker_memory}[mode](spec[mode])
+              for mode in ("memory", "parity") if mode in spec}
     print(json.dumps(result))
     sys.exit(0)
 
@@ -143,10 +145,11 @@ from transformer_jax.model.transformer import abstract_params  # noqa: E402
 WORKER = Path(__file__)
 
 
-def _run(mode: str, spec: dict, tmp: Path, timeout: float = 300) -> dict:
-    spec_file = tmp / f"{mode}.json"
+def _run(spec: dict, tmp: Path, timeout: float = 300) -> dict:
+    """The worker on ``spec`` ({mode: its spec}) in one subprocess: {mode: its result}."""
+    spec_file = tmp / "spec.json"
     spec_file.write_text(json.dumps(spec))
-    out = worker.run_python([str(WORKER), mode, str(spec_file)], n_devices=8, timeout=timeout)
+    out = worker.run_python([str(WORKER), str(spec_file)], n_devices=8, timeout=timeout)
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -158,8 +161,27 @@ def _hf_model(kind: str, seed: int):
                            tie_word_embeddings=kind == "qwen2")
 
 
+def _big_model(path: Path) -> dict:
+    """The memory test's model (``BIG``) written by ``hf.save``: the worker's memory spec."""
+    config = ModelConfig(**BIG)
+    # Random values repeated to fill each weight (their values do not matter to the memory;
+    # drawing 100 M normals would cost seconds).
+    block = (np.random.default_rng(0).standard_normal(1 << 16) * 0.02).astype(np.float32)
+    params: dict = {}
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]:
+        node = params
+        keys = [p.key for p in key_path]
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = np.resize(block, leaf.shape)
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    hf.save(config, params, path)
+    return {"path": str(path), "model_bytes": model_bytes}
+
+
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory):
+def results(tmp_path_factory):
+    """The worker's parity and memory results (one subprocess), and transformers' logits."""
     tmp = tmp_path_factory.mktemp("hf_sharded")
     tokens = np.random.default_rng(0).integers(0, V, (B, T)).astype(np.int32)
     np.save(tmp / "tokens.npy", tokens)
@@ -170,8 +192,11 @@ def parity(tmp_path_factory):
         models[kind] = str(tmp / kind)
         with torch.no_grad():
             expected[kind] = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-    results = _run("parity", {"tokens": str(tmp / "tokens.npy"), "models": models}, tmp)
-    return results, expected
+    spec = {"parity": {"tokens": str(tmp / "tokens.npy"), "models": models},
+            "memory": _big_model(tmp / "big")}
+    out = _run(spec, tmp)
+    shutil.rmtree(tmp / "big")  # 410 MiB
+    return out, expected
 
 
 CASES = [f"{kind}/{layout}/{mesh}" for kind in ("llama", "qwen2")
@@ -179,9 +204,9 @@ CASES = [f"{kind}/{layout}/{mesh}" for kind in ("llama", "qwen2")
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_sharded_load_matches_rules_values_and_transformers(parity, case):
-    results, expected = parity
-    r = results[case]
+def test_sharded_load_matches_rules_values_and_transformers(results, case):
+    out, expected = results
+    r = out["parity"][case]
     assert r["config_same"]
     assert r["wrong_sharding"] == []  # every param has the sharding the rules give
     assert r["differs"] == []  # same values and dtype as the single-device load
@@ -190,20 +215,8 @@ def test_sharded_load_matches_rules_values_and_transformers(parity, case):
     assert float(np.max(np.abs(logits - expected[case.split("/")[0]]))) < TOL
 
 
-def test_sharded_load_host_memory_stays_well_under_the_model(tmp_path):
-    config = ModelConfig(**BIG)
-    rng = np.random.default_rng(0)
-    params: dict = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]:
-        node = params
-        keys = [p.key for p in path]
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = rng.standard_normal(leaf.shape, dtype=np.float32) * 0.02
-    model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    hf.save(config, params, tmp_path / "big")
-    del params
-    r = _run("memory", {"path": str(tmp_path / "big"), "model_bytes": model_bytes}, tmp_path)
+def test_sharded_load_host_memory_stays_well_under_the_model(results):
+    r = results[0]["memory"]
     print(json.dumps(r, indent=1))
     model_mib = r["model_mib"]
     sharded = r["sharded"]

@@ -34,7 +34,7 @@ def _free_port() -> int:
 def _lora_run(root: Path) -> Path:
     """A two-step LoRA run of a tiny one-layer model, for the processes to init_from: in this
     process (its single device), through the library's ``training.run`` as ``train.py`` calls
-    it, without its loss plot (nothing here looks at it)."""
+    it, without its loss plot or a validation split (nothing here looks at them)."""
     from transformer_jax.train import run as training
     from transformer_jax.train.config import build_configs
 
@@ -46,8 +46,8 @@ def _lora_run(root: Path) -> Path:
     model, train, data = build_configs("tiny", [
         "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64",
         "model.max_seq_len=32", "train.seq_len=16", "train.batch_size=8", "train.steps=2",
-        "train.lr=0.05", "train.lora_rank=2", "train.eval_batches=1", "train.sample_tokens=0",
-        "data.tokenizer=char", "data.val_fraction=0.2", f"data.path={corpus}",
+        "train.lr=0.05", "train.lora_rank=2", "train.sample_tokens=0",
+        "data.tokenizer=char", "data.val_fraction=0", "train.peak_flops=1e9", f"data.path={corpus}",
         f"data.cache_dir={root / 'cache'}", f"train.run_dir={run_dir}"])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(training, "_plot", lambda run_dir, times: None)

@@ -35,7 +35,7 @@ MODEL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=
          "model.max_seq_len=32"]
 TRAIN = ["train.seq_len=16", "train.batch_size=8", "train.lr=0.01", "train.eval_batches=1",
          "train.sample_tokens=0", "train.ckpt_every=2", "train.eval_every=2",
-         "data.path=gs://bkt/shards"]
+         "data.path=gs://bkt/shards", "train.peak_flops=1e9"]  # MFU's peak given, not measured
 
 
 def _free_port() -> int:
