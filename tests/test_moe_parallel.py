@@ -202,8 +202,10 @@ def test_expert_rules_split_experts_and_use_the_axis_as_fsdp_elsewhere():
     assert table["experts"] == "expert" and table["expert_embed"] == "fsdp"
     assert table["expert_mlp"] == "tensor" and table["router"] is None
     assert table["batch"] == ("data", "fsdp", "expert") and table["embed"] == ("fsdp", "expert")
-    assert {k: v for k, v in table.items() if k not in ("batch", "embed", "experts")} == {
-        k: v for k, v in dict(sh.LOGICAL_RULES).items() if k not in ("batch", "embed", "experts")}
+    assert table["latent_rank"] == table["embed"]  # latent attention's ranks split like embed
+    changed = ("batch", "embed", "latent_rank", "experts")
+    assert {k: v for k, v in table.items() if k not in changed} == {
+        k: v for k, v in dict(sh.LOGICAL_RULES).items() if k not in changed}
     assert sh.batch_devices(mesh) == 8
 
 

@@ -24,6 +24,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.fields import MLA, MoE
 from transformer_jax.model.transformer import (
     abstract_params,
     init_params,
@@ -211,6 +212,39 @@ def test_logical_rules_map_every_parameter_axis_and_refuse_reuse():
         sh.logical_to_mesh_spec(("nope",))
     with pytest.raises(ValueError, match="mesh axis 'tensor' is used by both"):
         sh.logical_to_mesh_spec(("heads", "mlp"))
+
+
+# A DeepSeek-shaped stack in miniature: latent attention with a query rank, a dense layer
+# then a sparse one (experts, a shared expert, the correction bias), scanned.
+LATENT_MIXTURE = ModelConfig(
+    vocab_size=64, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=32,
+    scan_layers=True, mla=MLA(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                              v_head_dim=8, q_lora_rank=32),
+    moe=MoE(4, 2, 32, shared_d_ff=32, score="sigmoid", correction_bias=True,
+            dense_layers=(0,)))
+
+
+@pytest.mark.parametrize("fsdp,expert", [(4, 1), (2, 2)])
+def test_no_matrix_of_a_latent_mixture_is_whole_on_a_device(fsdp, expert):
+    """Every matrix (two or more axes besides the stacked layers') holds 1/(fsdp x expert) of
+    itself per device: none is replicated over the data-parallel devices, whose copies (and
+    their gradients and Adam moments) would be a whole per-layer share on every chip (the
+    latent up-projections q_b_proj and kv_b_proj had no axis on those devices)."""
+    shape = (1, fsdp, expert, 1) if expert > 1 else (1, fsdp, 1)
+    axes = sh.EXPERT_MESH_AXES if expert > 1 else sh.MESH_AXES
+    mesh = AbstractMesh(shape, axes, axis_types=(AxisType.Auto,) * len(shape))
+    params = abstract_params(LATENT_MIXTURE)
+    shardings = sh.param_shardings(LATENT_MIXTURE, mesh)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    matrices = 0
+    for (path, x), s in zip(flat, jax.tree.leaves(shardings), strict=True):
+        name = sh._path_str(path)
+        whole = x.shape[1:] if name.startswith("scan_") else x.shape
+        if len(whole) < 2:
+            continue
+        matrices += 1
+        assert math.prod(s.shard_shape(x.shape)) * fsdp * expert == math.prod(x.shape), name
+    assert matrices >= 15  # the attention's 6, router, experts' 3, shared 3, dense 3, embed
 
 
 def test_optimizer_state_mirrors_parameter_shardings():

@@ -61,12 +61,14 @@ class LatentAttention(nn.Module):
                       "BTD,DNH->BTNH")
         else:
             qa = self._matrix("q_a_proj", (d, m.q_lora_rank), ("embed", None), std)
-            qb = self._matrix("q_b_proj", (m.q_lora_rank, n, nope + p), (None, *heads), std)
+            qb = self._matrix("q_b_proj", (m.q_lora_rank, n, nope + p), ("latent_rank", *heads),
+                              std)
             q = dense(self._norm("q_a_norm", dense(x, qa, "BTD,DQ->BTQ")), qb,
                       "BTQ,QNH->BTNH")
         q = checkpoint_name(q, remat.QUERY)
         kv_a = self._matrix("kv_a_proj", (d, r + p), ("embed", None), std)
-        kv_b = self._matrix("kv_b_proj", (r, n, nope + m.v_head_dim), (None, *heads), std)
+        kv_b = self._matrix("kv_b_proj", (r, n, nope + m.v_head_dim), ("latent_rank", *heads),
+                            std)
         wo = self._matrix("o_proj", (n, m.v_head_dim, d), (*heads, "embed"), self.out_init_std)
         latent = checkpoint_name(dense(x, kv_a, "BTD,DE->BTE"), remat.KV_LATENT)
         c, k_rope = self._norm("kv_a_norm", latent[..., :r]), latent[..., r:]

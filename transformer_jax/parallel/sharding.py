@@ -59,6 +59,12 @@ LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("batch", ("data", "fsdp")),
     ("length", None),
     ("embed", "fsdp"),
+    # Latent attention's low ranks (the Q and R of q_b_proj [Q, N, H] and kv_b_proj
+    # [R, N, H]) split as embed does: those up-projections have no embed axis, and with their
+    # heads on tensor alone an FSDP mesh would hold them, their gradients and Adam moments
+    # whole on every device (DeepSeek-V3: 54.5M parameters a layer, 40 GiB of float32 state a
+    # chip over 61 layers). MaxText's ``q_lora`` / ``kv_lora`` rules split them alike.
+    ("latent_rank", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
@@ -85,7 +91,7 @@ LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
 # The experts' own D stays on fsdp alone (expert already splits their E).
 EXPERT_RULES: tuple[tuple[str, MeshAxes], ...] = tuple(
     {**dict(LOGICAL_RULES), "batch": ("data", "fsdp", "expert"), "embed": ("fsdp", "expert"),
-     "experts": "expert"}.items())
+     "latent_rank": ("fsdp", "expert"), "experts": "expert"}.items())
 
 # The rules on a mesh with a ``context`` axis (context parallelism, ``parallel.context``): the
 # sequence axis of the batch and of every activation splits over it (``length``), and so does
@@ -94,7 +100,8 @@ EXPERT_RULES: tuple[tuple[str, MeshAxes], ...] = tuple(
 # than each holding a whole copy, and the weights' gradients are reduce-scattered over context.
 # Attention gathers the keys and values over context (``ops.attention``); queries stay split.
 CONTEXT_RULES: tuple[tuple[str, MeshAxes], ...] = tuple(
-    {**dict(LOGICAL_RULES), "length": "context", "embed": ("fsdp", "context")}.items())
+    {**dict(LOGICAL_RULES), "length": "context", "embed": ("fsdp", "context"),
+     "latent_rank": ("fsdp", "context")}.items())
 
 # Logical axes of the [B, T, D] residual stream between blocks. Its D ("act_embed", unlike the
 # parameters' "embed") stays whole: fsdp already splits the batch, and tensor parallelism
