@@ -87,7 +87,7 @@ def test_chunked_attention_over_permuted_positions_equals_the_reference():
         return jnp.sum(reference_attention(q, k, v, mask) * w)
 
     def permuted(q, k, v):
-        p, s = pos[:, order], seg[:, order]
+        p, s = jnp.asarray(pos[:, order]), jnp.asarray(seg[:, order])  # (traced constants)
         out = chunked_attention(q[:, order], k[:, :, order], v[:, :, order], q_positions=p,
                                 k_positions=p, q_segments=s, k_segments=s, window=5,
                                 block_q=4, block_k=4)
