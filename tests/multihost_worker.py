@@ -13,8 +13,9 @@ devices, and prints one JSON object on its last stdout line:
            orbax checkpoint collectively (and with --init-from loads a run's params as
            train.init_from does; with --shards reads its rows of a shard build's global
            batches, packed and concat).
-  check    one process with all the devices: trains the same steps, then restores that
-           checkpoint and compares.
+
+``check`` (called in the pytest process, on its one device): trains the same steps, then
+restores that checkpoint and compares.
 """
 
 from __future__ import annotations
@@ -351,16 +352,19 @@ def _load_init_from(path: str, out: Path) -> None:
         np.savez(out, **gathered)
 
 
-def mode_check(args) -> dict:
+def check(ckpt: Path) -> dict:
+    """The train processes' steps in this process, on its devices (the pytest process's one:
+    a checkpoint saved by two processes over 8 devices restores onto another mesh), then
+    their checkpoint restored onto that mesh and compared."""
     init_state, train_step = train_fns(PROCESSES_CONFIG)
-    mesh = sh.make_mesh(sh.MeshConfig(*MESHES["mixed"]))
+    mesh = sh.make_mesh(sh.MeshConfig())
     abstract = jax.eval_shape(init_state, jax.random.key(0))
     s_shard = sh.state_shardings(abstract, sh.param_shardings(PROCESSES_CONFIG, mesh))
     b_shard = sh.batch_sharding(mesh)
     state = sh.shard_init(init_state, s_shard)(jax.random.key(0))
     step = sh.jit_train_step(train_step, s_shard, b_shard)
     state, losses = _run_steps(step, state, lambda i: jax.device_put(host_batch(i), b_shard))
-    restored, meta = _restore(Path(args.ckpt), sh.with_shardings(abstract, s_shard))
+    restored, meta = _restore(ckpt, sh.with_shardings(abstract, s_shard))
     return {"losses": losses, "saved_losses": meta["losses"],
             "diff": _max_diff(jax.device_get(restored), jax.device_get(state)),
             "restored_specs_match": all(x.sharding == s for x, s in zip(
@@ -381,7 +385,7 @@ def _restore(path: Path, abstract_state):
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("meshes", "train", "check"))
+    parser.add_argument("mode", choices=("meshes", "train"))
     parser.add_argument("--coordinator")
     parser.add_argument("--num-processes", type=int)
     parser.add_argument("--process-id", type=int)
@@ -394,10 +398,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.mode == "meshes":
         result = mode_meshes(args.bench_memory)
-    elif args.mode == "train":
-        result = mode_train(args)
     else:
-        result = mode_check(args)
+        result = mode_train(args)
     print(json.dumps(result))
     return 0
 

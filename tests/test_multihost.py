@@ -1,8 +1,9 @@
 """Multi-process training through jax.distributed: two local processes with 4 simulated CPU
-devices each (gloo collectives) against one process with all 8, plus a shared checkpoint.
+devices each (gloo collectives) against one process (on one device), plus a shared checkpoint.
 
 Every process is a subprocess running ``tests/multihost_worker.py``; this pytest process keeps
-its single device (on which it trains the LoRA run the processes load).
+its single device, on which it trains the LoRA run the processes load, and the reference: the
+processes' steps, then their checkpoint restored (``multihost_worker.check``).
 """
 
 from __future__ import annotations
@@ -93,8 +94,7 @@ def runs(tmp_path_factory) -> dict:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    check = worker.run_worker(["check", "--ckpt", str(ckpt)],
-                              n_devices=N_PROCESSES * DEVICES_PER_PROCESS)
+    check = worker.check(ckpt)  # here, on this process's one device
     return {"processes": results, "single": check, "ckpt": ckpt, "lora_run": lora_run,
             "shards": shards,
             "init_from": dict(np.load(root / "init_from.npz"))}
