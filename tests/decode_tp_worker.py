@@ -3,7 +3,10 @@
 Run as ``python tests/decode_tp_worker.py`` with ``--xla_force_host_platform_device_count=4``
 (``multihost_worker.run_python`` sets it); prints one JSON line with, per case and tensor size,
 the generated tokens and log-probabilities, the streamed steps, the collective ops of two of
-those programs, and the error messages of meshes that cannot split the model.
+those programs, and the error messages of meshes that cannot split the model; under "moe" the
+mixture-of-experts model's runs (``moe_tp_worker.py``) and under "serving" the engine's
+(``serving_tp_worker.py``): one subprocess for the three, each a process start and JAX's
+imports (some 3.5 CPU seconds) fewer.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import moe_tp_worker
 import numpy as np
+import serving_tp_worker
 from helpers import random_params
 
 from transformer_jax.decode import generation
@@ -287,6 +292,8 @@ def main() -> int:
     result["quantized"] = quantized()
     result["per_device_attention"] = per_device_attention()
     result["per_device_kernel"] = per_device_kernel()
+    result["moe"] = moe_tp_worker.main()
+    result["serving"] = serving_tp_worker.main()
     print(json.dumps(result))
     return 0
 

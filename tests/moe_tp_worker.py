@@ -1,11 +1,11 @@
-"""Subprocess side of ``test_moe_decode.py``'s tensor-parallel test: a mixture-of-experts model
+"""Subprocess side of ``test_decode_tp.py``'s mixture-of-experts test: a mixture-of-experts model
 generated and served on 1 device, tensor-parallel over 2, and expert-parallel over 2 experts
 x 2 tensor (4 simulated CPU devices).
 
-Run with ``--xla_force_host_platform_device_count=4`` (``multihost_worker.run_python`` sets it);
-prints one JSON line: per mesh, ``generate``'s and the engine's greedy tokens and
-log-probabilities, and the specs of a sparse layer's prepared weights (expert 0's array when
-they are split per expert).
+Run by ``decode_tp_worker.py`` (in its subprocess, with 4 devices), or alone with
+``--xla_force_host_platform_device_count=4``; ``main`` gives, per mesh, ``generate``'s and the
+engine's greedy tokens and log-probabilities, and the specs of a sparse layer's prepared
+weights (expert 0's array when they are split per expert).
 """
 
 from __future__ import annotations

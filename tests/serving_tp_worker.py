@@ -1,9 +1,10 @@
-"""Subprocess side of ``test_serving_tp.py``: the engine on 1 and 2 simulated CPU devices.
+"""Subprocess side of ``test_decode_tp.py``'s serving test: the engine on 1 and 2 simulated CPU
+devices.
 
-Run as ``python tests/serving_tp_worker.py`` with ``--xla_force_host_platform_device_count=2``
-(``multihost_worker.run_python`` sets it); prints one JSON line with, per case and tensor size,
-each request's tokens and log-probabilities and the shape of one device's block of the pages
-and of the local layers' rings.
+Run by ``decode_tp_worker.py`` (in its subprocess, with 4 devices: the first 2 serve), or alone
+as ``python tests/serving_tp_worker.py`` with ``--xla_force_host_platform_device_count=2`` or
+more; ``main`` gives, per case and tensor size, each request's tokens and log-probabilities
+and the shape of one device's block of the pages and of the local layers' rings.
 """
 
 from __future__ import annotations
@@ -94,5 +95,9 @@ def run_case(overrides: dict) -> dict:
     return out
 
 
+def main() -> dict:
+    return {name: run_case(overrides) for name, overrides in CASES.items()}
+
+
 if __name__ == "__main__":
-    print(json.dumps({name: run_case(overrides) for name, overrides in CASES.items()}))
+    print(json.dumps(main()))

@@ -1,7 +1,11 @@
-"""Tensor-parallel decode: generate over a mesh's tensor axis equals generate on one device.
+"""Tensor-parallel decode: generate over a mesh's tensor axis equals generate on one device; a
+mixture-of-experts model's generate and engine over tensor and expert axes equal one device's;
+the serving engine over a tensor axis serves what it serves on one device, each device holding
+half the kv heads of every page (and of every local layer's ring).
 
 The multi-device runs happen in one subprocess with 4 simulated CPU devices
-(``tests/decode_tp_worker.py``), since this pytest process keeps its single device.
+(``tests/decode_tp_worker.py``, which runs ``moe_tp_worker.py``'s and ``serving_tp_worker.py``'s
+too), since this pytest process keeps its single device.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import numpy as np
 import pytest
 from decode_tp_worker import BASE
 from decode_tp_worker import CASES as CASE_SPECS
+from moe_tp_worker import CONFIG as MOE_CONFIG
+from serving_tp_worker import CASES as SERVING_CASES
 
 from transformer_jax.model.config import ModelConfig
 
@@ -141,3 +147,41 @@ def test_a_tpu_kernel_runs_per_device_over_batch_and_kv_head_splits(runs):
     assert got["mapped"], got
     for name, diff in got["rel_diff"].items():
         assert diff < 1e-5, (name, got)
+
+
+def test_tensor_and_expert_parallel_moe_decode_and_engine_equal_one_device(runs):
+    """A mixture of experts (``moe_tp_worker.py``) generated and served on 1 device, over
+    tensor=2, and over expert=2 x tensor=2."""
+    runs = runs["moe"]
+    d, f = MOE_CONFIG.d_model, MOE_CONFIG.moe.d_ff
+    one, two = runs["1"], runs["2"]
+    # Each expert's own arrays (the CPU layout) split as a dense FFN's: F over the tensor axis.
+    assert two["specs"] == {"gate": "(None, 'tensor')", "up": "(None, 'tensor')",
+                            "down": "('tensor', None)", "router": "(None, 'fsdp')"}
+    assert two["block"] == [d, f // 2] and one["block"] == [d, f]
+    # Over an expert axis the stacks stay whole, E split over it (6 experts: 3 a device).
+    assert runs["e2t2"]["specs"]["gate"] == "('expert', None, 'tensor')"
+    assert runs["e2t2"]["specs"]["down"] == "('expert', 'tensor', None)"
+    assert runs["e2t2"]["block"] == [3, d, f // 2]
+    for run in (two, runs["e2t2"]):
+        for kind in ("generate", "engine"):
+            assert run[kind] == one[kind] == one["generate"]
+            for a, b in zip(run[f"{kind}_logprobs"], one[f"{kind}_logprobs"], strict=True):
+                np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", tuple(SERVING_CASES))
+def test_tensor_parallel_engine_equals_one_device(runs, case):
+    one, two = runs["serving"][case]["1"], runs["serving"][case]["2"]
+    assert two["tokens"] == one["tokens"]
+    for a, b in zip(two["logprobs"], one["logprobs"], strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+    assert one["preemptions"] == two["preemptions"] > 0  # the small pool preempts, on both
+    # The unrolled case repeats a prompt, which forks from the first's prefill.
+    assert one["forked"] == two["forked"] == (1 if case == "unrolled" else 0)
+    # Pages [L, K, ...] stacked or [K, ...] per layer; the local layers' rings [L, S, K, ...].
+    kv_axis = two["kv_axis"]
+    stores = [("pages", kv_axis)] + ([("rings", kv_axis + 1)] if case != "unrolled" else [])
+    for store, axis in stores:
+        assert two[store]["block"][axis] * 2 == two[store]["whole"][axis] == 2, store
+        assert one[store]["block"] == one[store]["whole"], store
