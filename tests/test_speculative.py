@@ -273,7 +273,9 @@ def test_generate_speculative_gives_the_plain_tokens(target, draft, twin_draft, 
     ref = generation.generate(config, weights, prompts, stream=stream, **kw)
     assert ref.lengths[0] == 20 > ref.lengths[1] and ref.tokens[1][-1] == STOP
     streamed, stream = _recorder()
-    ngram = generation.generate(config, weights, prompts, speculative="ngram:k=4",
+    # (greedy: k=8 with n=2, the device loop's stop batches' setting: one program for both)
+    ngram = generation.generate(config, weights, prompts,
+                                speculative="ngram:k=4" if temperature else "ngram:k=8:n=2",
                                 stream=stream, **kw)
     assert ngram.tokens == ref.tokens
     np.testing.assert_allclose(ngram.logprob_array, ref.logprob_array, atol=1e-5)
@@ -609,7 +611,8 @@ def test_generate_measures_the_round_and_gives_the_plain_tokens(target, monkeypa
     kw = dict(max_new_tokens=20, seed=[1, 2, 3], stop_tokens=[STOP], stream=_recorder()[1])
     ref = generation.generate(config, weights, _prompts(), **kw)
     for _ in range(2):
-        out = generation.generate(config, weights, _prompts(), speculative="ngram:k=4", **kw)
+        out = generation.generate(config, weights, _prompts(), speculative="ngram:k=8:n=2",
+                                  **kw)
         assert out.tokens == ref.tokens
         np.testing.assert_allclose(out.logprob_array, ref.logprob_array, atol=1e-5)
     assert len(measured) == 1 and measured[0] is not None and measured[0] > 0
@@ -653,8 +656,8 @@ def _recorder() -> tuple[list, object]:
 def test_device_loop_gives_the_plain_tokens_on_ragged_batches(target, draft, twin_draft):
     """Greedy, ragged batches (repetitive and random prompts of lengths 1 to 20, with and
     without a stop token, rows that stop early among rows that run to the end), n-gram with
-    k = 1, 3, 8 and a draft: the plain tokens and log-probabilities, the same stream, and
-    counters that add up."""
+    k = 1 and k = 8 (n = 2) and drafts: the plain tokens and log-probabilities, the same
+    stream, and counters that add up."""
     config, weights = target
     rng = np.random.default_rng(11)
     motif = rng.integers(0, config.vocab_size, 5).tolist()
@@ -663,13 +666,12 @@ def test_device_loop_gives_the_plain_tokens_on_ragged_batches(target, draft, twi
         return rng.integers(0, config.vocab_size, m).tolist()
 
     # Every batch 3 rows, prompts padded to 32 and 20 new tokens, as in
-    # test_generate_speculative_gives_the_plain_tokens: the stop batches' plain and draft
-    # programs are that test's greedy ones (its n-gram k=4 too), the batch without a stop
-    # token has its own speculative programs, and each other n-gram setting (k=1; k=8 with
-    # n=2) compiles once.
+    # test_generate_speculative_gives_the_plain_tokens: the stop batches' plain, n-gram (k=8
+    # with n=2) and draft programs are that test's greedy ones, and the batch without a stop
+    # token (n-gram k=1, the smaller draft) has its own speculative programs.
     batches = [
         ([motif * 4, rand(3), rand(1)], (), "ngram:k=1"),
-        ([rand(7), rand(12), rand(20)], (STOP,), "ngram:k=4"),
+        ([rand(7), rand(12), rand(20)], (STOP,), "ngram:k=8:n=2"),
         ([motif[:2] * 6 + [3], motif[2:] * 6, rand(5)], (STOP,), "ngram:k=8:n=2"),
     ]
     for prompts, stop, ngram in batches:
