@@ -450,5 +450,5 @@ def test_scanned_decode_program_size_is_the_same_at_4_and_32_layers():
     scanned = {n: _generate_ops(_config(n_kv_heads=2, scan_layers=True, n_layers=n))
                for n in (4, 32)}
     assert scanned[4] == scanned[32], scanned
-    unrolled = {n: _generate_ops(_config(n_kv_heads=2, n_layers=n)) for n in (4, 8)}
-    assert unrolled[8] > unrolled[4] * 1.5, unrolled
+    unrolled = {n: _generate_ops(_config(n_kv_heads=2, n_layers=n)) for n in (2, 4)}
+    assert unrolled[4] > unrolled[2] * 1.5, unrolled

@@ -6,6 +6,7 @@ equal the formula written here in torch over transformers' own decoder layer wit
 ``mtp_depth=0`` drops it; export writes every tensor back equal; the training objective adds
 ``mtp_weight`` times the modules' cross-entropy computed from those reference logits."""
 
+import functools
 import json
 
 import jax
@@ -153,12 +154,15 @@ def reference_mtp_logits(model, extra, tokens) -> np.ndarray:
         return (y @ extra[prefix + "shared_head.head.weight"].T).numpy()
 
 
-def _mtp_logits(config, params, tokens):
-    def run(params, tokens):
-        out = Transformer(config).apply({"params": params}, tokens, mtp=True)
-        return out.logits, out.mtp
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+def _mtp_forward(config, params, tokens):
+    """One program for every call of a config (a jit per call traces it again)."""
+    out = Transformer(config).apply({"params": params}, tokens, mtp=True)
+    return out.logits, out.mtp
 
-    logits, mtp = jax.jit(run, compiler_options=FAST_COMPILE)(params, jnp.asarray(tokens))
+
+def _mtp_logits(config, params, tokens):
+    logits, mtp = _mtp_forward(config, params, jnp.asarray(tokens))
     return np.asarray(logits), np.asarray(mtp)
 
 

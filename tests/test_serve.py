@@ -10,6 +10,7 @@ returns 0, and past the grace period the streams end with "abort" and [DONE] and
 requests get 503. (The server's faults that need no model: ``test_faults_serve.py``.)"""
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -89,16 +90,24 @@ def _client(server, key="none"):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
 
 
-def _expected(checkpoint, model, prompt, max_tokens, stops, **sampling):
-    """``generate`` on the prompt alone (greedy unless ``sampling`` says otherwise), and the
-    text its tokens add to the prompt."""
+#: ``_expected``'s batches: the prompt beside a filler row this long (every prompt here is
+#: shorter: one prompt bucket) and N_EXPECTED new tokens, cut to the request's: the module's
+#: references run one program per sampling setting and stop list (a row's greedy or seeded
+#: tokens do not depend on the rows beside it, nor on N).
+FILLER, N_EXPECTED = [5] * 30, 12
+
+
+def _expected(checkpoint, model, prompt, max_tokens, stops, seed=(0,), **sampling):
+    """``generate`` on the prompt (greedy unless ``sampling`` says otherwise), and the text
+    its tokens add to the prompt."""
     tok = model.tokenizer
-    out = generation.generate(TINY, checkpoint[1], [prompt], max_new_tokens=max_tokens,
-                              stop_tokens=stops, **sampling)
-    tokens = out.tokens[0]
+    assert len(prompt) <= len(FILLER) and max_tokens <= N_EXPECTED
+    out = generation.generate(TINY, checkpoint[1], [prompt, FILLER], max_new_tokens=N_EXPECTED,
+                              stop_tokens=stops, seed=[*seed, 0], **sampling)
+    tokens, logprobs = out.tokens[0][:max_tokens], out.logprobs[0][:max_tokens]
     body = tokens[:-1] if tokens and tokens[-1] in stops else tokens
     text = tok.decode(prompt + body)[len(tok.decode(prompt)):]
-    return tokens, out.logprobs[0], text
+    return tokens, logprobs, text
 
 
 # Completions and chat ----------------------------------------------------------------------------
@@ -156,11 +165,23 @@ def test_chat_streamed_equals_non_streamed_equals_generate(server, served, check
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tokens)
 
 
+@functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+def _forward_logp(params, ids):
+    return jax.nn.log_softmax(Transformer(TINY).apply({"params": params}, ids).logits, -1)
+
+
+def _log_softmax(checkpoint, ids) -> np.ndarray:
+    """The forward's log_softmax [T, V] at each position of ``ids``: one program for every
+    call (the ids padded to max_seq_len after the sequence, unseen by its causal logits)."""
+    padded = np.zeros((1, TINY.max_seq_len), np.int32)
+    padded[0, :len(ids)] = ids
+    return np.asarray(_forward_logp(checkpoint[1], padded))[0, :len(ids)]
+
+
 def _softmax_top(checkpoint, ids, k):
     """The forward's log_softmax at each position of ``ids``: per position its k most likely
     (id, log-probability) pairs."""
-    logits = Transformer(TINY).apply({"params": checkpoint[1]}, np.asarray([ids])).logits[0]
-    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    logp = _log_softmax(checkpoint, ids)
     return [[(int(i), float(row[i])) for i in np.argsort(-row, kind="stable")[:k]]
             for row in logp]
 
@@ -209,10 +230,7 @@ def test_completions_logprobs_0_is_each_tokens_logprob_without_alternatives(serv
     assert not any(lp.top_logprobs or ())
     tok = served[3].tokenizer
     tokens = [tok.token_to_id(piece.strip()) for piece in lp.tokens]
-    forward = jax.jit(lambda p, x: Transformer(TINY).apply({"params": p}, x).logits,
-                      compiler_options=FAST_COMPILE)
-    logp = np.asarray(jax.nn.log_softmax(forward(checkpoint[1], np.asarray(
-        [ids + tokens[:-1]]))[0], axis=-1))[len(ids) - 1:]
+    logp = _log_softmax(checkpoint, ids + tokens[:-1])[len(ids) - 1:]
     assert logp.argmax(-1).tolist() == tokens  # greedy
     np.testing.assert_allclose(lp.token_logprobs, logp[np.arange(len(tokens)), tokens],
                                atol=1e-4)

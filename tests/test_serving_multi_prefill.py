@@ -9,12 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE, TINY, run_until_idle
+from helpers import TINY, random_params, run_until_idle
 
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.model import lora
-from transformer_jax.model.transformer import init_params
 from transformer_jax.serving import Engine, SamplingParams
 from transformer_jax.serving import step as step_lib
 from transformer_jax.serving.scheduler import Scheduler
@@ -25,17 +24,19 @@ CONFIG = TINY.replace(max_seq_len=128)  # room for a prompt of two 64-token chun
 
 N_REF = 8
 # 8 slots, pages of 4 positions, prompt chunks of up to 64 tokens a step (buckets 16, 32, 64):
-# up to 4 prompts of <= 16 tokens, or 2 of <= 32, in one step; page tables 16 or 32 pages wide.
-ENGINE = dict(num_slots=8, num_pages=96, page_size=4, token_budget=8 + 64, min_context=64)
-# A small pool (24 pages and the null one: a 78-position request's 20 fit): the small-pool test
-# and the compile test run the same 14 greedy programs.
-SMALL_POOL = {**ENGINE, "num_pages": 25}
+# up to 4 prompts of <= 16 tokens, or 2 of <= 32, in one step; page tables of one width, 32
+# pages (min_context = max_seq_len: each step shape compiles once, not once per width).
+ENGINE = dict(num_slots=8, num_pages=96, page_size=4, token_budget=8 + 64, min_context=128)
+# A small pool (24 pages and the null one: a 78-position request's 20 fit) and page tables 16
+# or 32 pages wide: the small-pool test (whose loads cross widths) and the compile test run the
+# same 14 greedy programs.
+SMALL_POOL = {**ENGINE, "num_pages": 25, "min_context": 64}
 
 
 @pytest.fixture(scope="module")
 def params():
-    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
-    return init(CONFIG, jax.random.key(0))
+    """Drawn with numpy (``helpers.random_params``): no init program compiles."""
+    return jax.device_put(random_params(CONFIG))
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +171,7 @@ def test_sliding_window_rings_with_several_prompts_per_step():
     """A model whose local layers keep per-slot rings: each chunk row writes its own slot's
     rings (idle rows none), so prompts prefilled together equal generate alone."""
     config = TINY.replace(scan_layers=True, sliding_window=6)
-    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
-    model = config, decode.prepare(config, init(config, jax.random.key(1)))
+    model = config, decode.prepare(config, jax.device_put(random_params(config, 1)))
     prompts = _prompts([5, 13, 9, 3, 30, 11], seed=5)
     params = [SamplingParams(max_tokens=N_REF) for _ in prompts]
     done, per_step = _serve(Engine(*model, num_slots=4, num_pages=40, page_size=8,

@@ -31,7 +31,6 @@ from transformer_jax.decode.speculative import (
     rejection_sample,
 )
 from transformer_jax.decode.speculative_loop import DraftModel
-from transformer_jax.model.transformer import init_params
 
 pytestmark = pytest.mark.usefixtures("fast_generate_compiles")
 
@@ -59,23 +58,36 @@ def cheap_verification():
         yield
 
 
+def _weights(config, seed):
+    """Prepared weights drawn with numpy (``helpers.random_params``): no init program compiles
+    (a jitted ``init_params`` is a compile per config)."""
+    return decode.prepare(config, jax.device_put(random_params(config, seed)))
+
+
 @pytest.fixture(scope="module")
 def target():
-    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
-    return TINY, decode.prepare(TINY, init(TINY, jax.random.key(0)))
+    return TINY, _weights(TINY, TARGET_SEED)
 
 
 @pytest.fixture(scope="module")
 def draft():
+    """A smaller draft (1 layer): the sampled runs' and the device loop's stop-free batch's."""
     config = TINY.replace(n_layers=1)
-    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
-    return DraftModel(config, decode.prepare(config, init(config, jax.random.key(1))))
+    return DraftModel(config, _weights(config, 1))
+
+
+@pytest.fixture(scope="module")
+def twin_draft():
+    """A draft of the target's config, other random weights: the greedy runs' with a stop
+    token, whose program (the draft's config is static) the target as its own draft shares."""
+    return DraftModel(TINY, _weights(TINY, 1))
 
 
 #: The stop token of the greedy and sampled ``generate`` tests (their first row never emits it,
-#: the second does, within a few tokens) and of the device loop's stop batches (one row each),
-#: which so share their plain and draft programs with the greedy test (compiled once).
-STOP = 9
+#: the second does) and of the device loop's stop batches (some rows, not all; its stop-free
+#: batch none), which so share their plain and draft programs with the greedy test (compiled
+#: once): a token the target of seed TARGET_SEED emits so (the tests assert it).
+TARGET_SEED, STOP = 8, 10
 
 
 def _prompts():
@@ -148,39 +160,40 @@ def test_draft_with_another_vocabulary_is_refused(target, draft):
 def test_verification_equals_sequential_decode_steps(target):
     """k + 1 positions in one forward: the logits and the cache of k + 1 decode steps."""
     config, weights = target
-    p = weights.params
-    # Each compiled once (the steps share one program): op by op, the model's many small
-    # operations cost more than these three compilations.
-    jit = functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
-    prefill = jit(decode.prefill, static_argnames=("max_len",))
 
-    def forward(config, params, cache, tokens, start):
-        out = forward_chunk(decode.decode_model(config), params, cache, tokens, start)
-        return out.logits, out.cache
+    @functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+    def both_ways(config, params, tokens, lengths, chunk, start):
+        """One program (op by op, the model's many small operations would each compile): the
+        verification forward of ``chunk`` and, from the same cache, one decode step per
+        position (a scan: one step's code)."""
+        _, cache = decode.prefill(config, params, tokens, lengths, 24)
+        out = forward_chunk(decode.decode_model(config), params, cache, chunk, start)
 
-    verify_forward, decode_step = (jit(f) for f in (forward, decode.decode_step))
+        def step(cache, i):
+            logits, cache = decode.decode_step(config, params, cache, chunk[:, i], start + i)
+            return cache, logits
+
+        steps, step_logits = jax.lax.scan(step, cache, jnp.arange(chunk.shape[1]))
+        return out.logits, out.cache, jnp.swapaxes(step_logits, 0, 1), steps
+
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, config.vocab_size, (2, 8)).astype(np.int32)
     lengths = np.asarray([8, 5], np.int32)
-    _, cache = prefill(config, p, jnp.asarray(tokens), jnp.asarray(lengths), max_len=24)
     chunk = rng.integers(0, config.vocab_size, (2, 5)).astype(np.int32)
-    start = lengths - 1
-    logits, one = verify_forward(config, p, cache, jnp.asarray(chunk), jnp.asarray(start))
-    steps = cache
+    logits, one, step_logits, steps = both_ways(config, weights.params, tokens, lengths, chunk,
+                                                lengths - 1)
     for i in range(5):
-        step_logits, steps = decode_step(config, p, steps, jnp.asarray(chunk[:, i]),
-                                         jnp.asarray(start + i))
-        np.testing.assert_allclose(logits[:, i], step_logits, atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(logits[:, i], step_logits[:, i], atol=2e-5, rtol=1e-5)
     for a, b in zip(jax.tree.leaves((one.k, one.v)), jax.tree.leaves((steps.k, steps.v)),
                     strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
 
 
 def test_accepted_length_is_the_leading_agreement():
-    targets = jnp.asarray([[1, 2, 3, 4], [1, 9, 3, 4], [5, 5, 5, 5], [1, 2, 3, 4]])
-    drafts = jnp.asarray([[1, 2, 3], [1, 2, 3], [0, 5, 5], [1, 2, 3]])
-    np.testing.assert_array_equal(
-        accepted_length(targets, drafts, jnp.asarray([3, 3, 3, 2])), [3, 1, 0, 2])
+    targets = np.asarray([[1, 2, 3, 4], [1, 9, 3, 4], [5, 5, 5, 5], [1, 2, 3, 4]])
+    drafts = np.asarray([[1, 2, 3], [1, 2, 3], [0, 5, 5], [1, 2, 3]])
+    np.testing.assert_array_equal(  # one program (op by op: one per operation)
+        jax.jit(accepted_length)(targets, drafts, np.asarray([3, 3, 3, 2])), [3, 1, 0, 2])
 
 
 def _chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -198,8 +211,10 @@ def test_rejection_sampling_keeps_the_target_distribution():
     far from p (and zero where p is not); the second as p's next position after a keep."""
     pytest.importorskip("scipy")
     v, n = 6, 40_000
-    p = jnp.asarray([[[0.4, 0.3, 0.1, 0.1, 0.1, 0.0], [0.1, 0.1, 0.1, 0.2, 0.2, 0.3]]])
-    q = jnp.asarray([[[0.05, 0.05, 0.2, 0.2, 0.0, 0.5]]])
+    # numpy inputs and one jitted program (eager jnp ops compile one program each)
+    p = np.asarray([[[0.4, 0.3, 0.1, 0.1, 0.1, 0.0], [0.1, 0.1, 0.1, 0.2, 0.2, 0.3]]],
+                   np.float32)
+    q = np.asarray([[[0.05, 0.05, 0.2, 0.2, 0.0, 0.5]]], np.float32)
 
     def one(key):
         d_key, r_key = jax.random.split(key)
@@ -207,14 +222,15 @@ def test_rejection_sampling_keeps_the_target_distribution():
         a, tokens = rejection_sample(p, q, d, r_key)
         return a[0], tokens[0]
 
-    a, tokens = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(7), n))
-    first = np.bincount(np.asarray(tokens[:, 0]), minlength=v)
-    assert _chi_square_p(first, np.asarray(p[0, 0])) > 1e-3
-    kept = np.asarray(a) == 1
-    second = np.bincount(np.asarray(tokens[kept, 1]), minlength=v)
-    assert _chi_square_p(second, np.asarray(p[0, 1])) > 1e-3
+    a, tokens = jax.device_get(jax.jit(lambda key: jax.vmap(one)(jax.random.split(key, n)))(
+        jax.random.key(7)))
+    first = np.bincount(tokens[:, 0], minlength=v)
+    assert _chi_square_p(first, p[0, 0]) > 1e-3
+    kept = a == 1
+    second = np.bincount(tokens[kept, 1], minlength=v)
+    assert _chi_square_p(second, p[0, 1]) > 1e-3
     # and the acceptance is sum_x min(p, q), what the rule promises
-    assert abs(kept.mean() - float(jnp.minimum(p[0, 0], q[0, 0]).sum())) < 0.01
+    assert abs(kept.mean() - float(np.minimum(p[0, 0], q[0, 0]).sum())) < 0.01
 
 
 def test_point_mass_rule_accepts_with_p_and_keeps_p():
@@ -224,27 +240,32 @@ def test_point_mass_rule_accepts_with_p_and_keeps_p():
     from transformer_jax.decode.loop import SamplingSettings
 
     v, n = 6, 20_000
-    logits = jnp.log(jnp.asarray([0.35, 0.25, 0.2, 0.1, 0.1, 1e-9]))
+    probs = np.asarray([0.35, 0.25, 0.2, 0.1, 0.1, 1e-9], np.float32)
     settings = SamplingSettings(temperature=1.0)
-    keys = jax.random.key_data(jax.random.split(jax.random.key(3), n))
-    targets, _ = decode.draw(jnp.broadcast_to(logits, (n, 2, v)), keys,
-                                       jnp.zeros(n, jnp.int32), settings)
-    drafts = jnp.full((n, 1), 1, jnp.int32)
-    a = np.asarray(accepted_length(targets, drafts, jnp.ones(n, jnp.int32)))
+
+    def run(key):  # one program (op by op, each of draw's operations would compile apart)
+        keys = jax.random.key_data(jax.random.split(key, n))
+        targets, _ = decode.draw(jnp.broadcast_to(jnp.log(probs), (n, 2, v)), keys,
+                                 jnp.zeros(n, jnp.int32), settings)
+        drafts = jnp.full((n, 1), 1, jnp.int32)
+        return targets, accepted_length(targets, drafts, jnp.ones(n, jnp.int32))
+
+    targets, a = jax.device_get(jax.jit(run)(jax.random.key(3)))
     assert abs(a.mean() - 0.25) < 0.015
-    emitted = np.where(a == 1, 1, np.asarray(targets[:, 0]))
+    emitted = np.where(a == 1, 1, targets[:, 0])
     counts = np.bincount(emitted, minlength=v)
-    assert _chi_square_p(counts, np.asarray(jax.nn.softmax(logits))) > 1e-3
+    assert _chi_square_p(counts, probs / probs.sum()) > 1e-3
 
 
 # generate ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_generate_speculative_gives_the_plain_tokens(target, draft, temperature):
-    """n-gram and draft proposers, greedy and sampled (same seeds), with a stop token (that a
-    row emits): the tokens, log-probabilities and stream of the plain ``generate``; some
-    proposals are accepted."""
+def test_generate_speculative_gives_the_plain_tokens(target, draft, twin_draft, temperature):
+    """n-gram and draft proposers (greedy: a draft of the target's config; sampled: a smaller
+    one), greedy and sampled (same seeds), with a stop token (that a row emits): the tokens,
+    log-probabilities and stream of the plain ``generate``; some proposals are accepted."""
     config, weights = target
+    draft = draft if temperature else twin_draft
     prompts = _prompts()
     kw = dict(max_new_tokens=20, temperature=temperature, seed=[1, 2, 3], stop_tokens=[STOP],
               top_k=20 if temperature else None)
@@ -252,7 +273,9 @@ def test_generate_speculative_gives_the_plain_tokens(target, draft, temperature)
     ref = generation.generate(config, weights, prompts, stream=stream, **kw)
     assert ref.lengths[0] == 20 > ref.lengths[1] and ref.tokens[1][-1] == STOP
     streamed, stream = _recorder()
-    ngram = generation.generate(config, weights, prompts, speculative="ngram:k=4",
+    # (greedy: k=8 with n=2, the device loop's stop batches' setting: one program for both)
+    ngram = generation.generate(config, weights, prompts,
+                                speculative="ngram:k=4" if temperature else "ngram:k=8:n=2",
                                 stream=stream, **kw)
     assert ngram.tokens == ref.tokens
     np.testing.assert_allclose(ngram.logprob_array, ref.logprob_array, atol=1e-5)
@@ -308,8 +331,8 @@ def test_cost_rule_stops_where_a_round_cannot_pay_and_starts_again():
     assert acc.tries == pytest.approx(0.8 * (0.8 * 5.6 + 2) + 3)
     assert (acc.proposed, acc.accepted, acc.mean_accepted) == (4, 2, 3.0)
     # the rule in jnp, as the device loop runs it for B rows
-    expected, cost = jnp.asarray([3.0, 3.0, 1.2, 2.6]), 2.5
-    got = pays(expected, cost, jnp.asarray([True, False, True, False]))
+    expected, cost = np.asarray([3.0, 3.0, 1.2, 2.6], np.float32), 2.5
+    got = jax.jit(pays)(expected, cost, np.asarray([True, False, True, False]))
     assert got.tolist() == [True, True, False, False]
 
 def test_the_budget_leaves_room_for_the_targets_own_token(target):
@@ -588,14 +611,15 @@ def test_generate_measures_the_round_and_gives_the_plain_tokens(target, monkeypa
     kw = dict(max_new_tokens=20, seed=[1, 2, 3], stop_tokens=[STOP], stream=_recorder()[1])
     ref = generation.generate(config, weights, _prompts(), **kw)
     for _ in range(2):
-        out = generation.generate(config, weights, _prompts(), speculative="ngram:k=4", **kw)
+        out = generation.generate(config, weights, _prompts(), speculative="ngram:k=8:n=2",
+                                  **kw)
         assert out.tokens == ref.tokens
         np.testing.assert_allclose(out.logprob_array, ref.logprob_array, atol=1e-5)
     assert len(measured) == 1 and measured[0] is not None and measured[0] > 0
     assert list(speculative_loop.ROUND_COSTS.values()) == measured
 
 
-def test_generate_stops_where_it_cannot_pay_and_starts_again(target, draft, monkeypatch,
+def test_generate_stops_where_it_cannot_pay_and_starts_again(target, twin_draft, monkeypatch,
                                                              caplog):
     """A verify round measured at 2.5 plain rounds: a random draft's rows stop after the
     prior (1.9 tokens expected from 3 proposals), watch their proposals fail and never
@@ -611,7 +635,7 @@ def test_generate_stops_where_it_cannot_pay_and_starts_again(target, draft, monk
     with caplog.at_level(logging.INFO, "transformer_jax.decode.speculative_loop"):
         for _ in range(2):
             weak = generation.generate(config, weights, _prompts(),
-                                       speculative="draft:x:k=3", draft=draft, **kw)
+                                       speculative="draft:x:k=3", draft=twin_draft, **kw)
             assert weak.tokens == ref.tokens
             assert all(s.verifications == 0 and s.declined > 0 for s in weak.speculative)
     stops = [r.message for r in caplog.records if "speculation stopped" in r.message]
@@ -629,11 +653,11 @@ def _recorder() -> tuple[list, object]:
     return calls, lambda i, t, a: calls.append((i, t.tolist(), a.tolist()))
 
 
-def test_device_loop_gives_the_plain_tokens_on_ragged_batches(target, draft):
+def test_device_loop_gives_the_plain_tokens_on_ragged_batches(target, draft, twin_draft):
     """Greedy, ragged batches (repetitive and random prompts of lengths 1 to 20, with and
     without a stop token, rows that stop early among rows that run to the end), n-gram with
-    k = 1, 3, 8 and a draft: the plain tokens and log-probabilities, the same stream, and
-    counters that add up."""
+    k = 1 and k = 8 (n = 2) and drafts: the plain tokens and log-probabilities, the same
+    stream, and counters that add up."""
     config, weights = target
     rng = np.random.default_rng(11)
     motif = rng.integers(0, config.vocab_size, 5).tolist()
@@ -642,23 +666,28 @@ def test_device_loop_gives_the_plain_tokens_on_ragged_batches(target, draft):
         return rng.integers(0, config.vocab_size, m).tolist()
 
     # Every batch 3 rows, prompts padded to 32 and 20 new tokens, as in
-    # test_generate_speculative_gives_the_plain_tokens: the stop batches' plain and draft
-    # programs are that test's greedy ones (its n-gram k=4 too), the batch without a stop
-    # token has its own, and each other n-gram setting (k=1; k=8 with n=2) compiles once.
+    # test_generate_speculative_gives_the_plain_tokens: the stop batches' plain, n-gram (k=8
+    # with n=2) and draft programs are that test's greedy ones, and the batch without a stop
+    # token (n-gram k=1, the smaller draft) has its own speculative programs.
     batches = [
         ([motif * 4, rand(3), rand(1)], (), "ngram:k=1"),
-        ([rand(7), rand(12), rand(20)], (STOP,), "ngram:k=4"),
+        ([rand(7), rand(12), rand(20)], (STOP,), "ngram:k=8:n=2"),
         ([motif[:2] * 6 + [3], motif[2:] * 6, rand(5)], (STOP,), "ngram:k=8:n=2"),
     ]
     for prompts, stop, ngram in batches:
         kw = dict(max_new_tokens=20, stop_tokens=stop)
         plain_stream, stream = _recorder()
-        ref = generation.generate(config, weights, prompts, stream=stream, **kw)
-        # With the stop token a row stops early while another runs to the end; without it
-        # every row runs to the end.
+        # Every reference from the greedy test's plain program, with the stop token: with it
+        # a row stops early while another runs to the end; the batch without one has no row
+        # that draws it, so its greedy tokens (and stream) are also those of a plain decode
+        # with no stop token, which every row runs to the end.
+        ref = generation.generate(config, weights, prompts, stream=stream, max_new_tokens=20,
+                                  stop_tokens=(STOP,))
         early = [n < 20 for n in ref.lengths]
         assert (any(early) and not all(early)) if stop else not any(early), ref.lengths
-        for spec, kwargs in ((ngram, {}), ("draft:x:k=3", {"draft": draft})):
+        # (the greedy test's drafts: the smaller one without a stop token, the twin with it)
+        drafts = {"draft": twin_draft if stop else draft}
+        for spec, kwargs in ((ngram, {}), ("draft:x:k=3", drafts)):
             streamed, stream = _recorder()
             out = generation.generate(config, weights, prompts, speculative=spec,
                                       stream=stream, **kwargs, **kw)
