@@ -233,8 +233,8 @@ def init_from():
     return training.run(model, train, data, progress=False).final_step
 
 calls = {
-    "generate": lambda: cli.main(["--checkpoint", RO_RUN, "--prompt-ids", "1,2",
-                                  "--max-new-tokens", "2", "--json"]),
+    # (the tensor-parallel calls' program: compiled above)
+    "generate": lambda: cli.main(["--checkpoint", RO_RUN, "--tensor", "2", *common]),
     "export": lambda: hf_export.main(["--checkpoint", RO_RUN, "--out", OUT + "/hf"]),
     "export_to_read_only": lambda: hf_export.main(["--checkpoint", RO_RUN,
                                                    "--out", RO_OUT + "/hf"]),
