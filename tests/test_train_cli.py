@@ -178,11 +178,15 @@ def runs(workspace):
     run again), "straight" (its N steps uninterrupted), "sigterm" (stopped by SIGTERM after its
     first checkpoint), "devices" (a batch of 3 rows on 2 devices)."""
     root, env = workspace
-    killed = root / "killed"
-    proc = subprocess.Popen(command(root, killed, *KILL_STEPS), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed, log = root / "killed", root / "killed.err"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(command(root, killed, *KILL_STEPS), env=env,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        wait_for_checkpoint(killed, proc)
+        try:
+            wait_for_checkpoint(killed, proc)
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {log.read_text()[-3000:]}") from None
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
