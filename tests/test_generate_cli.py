@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import jax
@@ -138,11 +137,12 @@ def test_orbax_checkpoint_of_a_training_run(tmp_path, params, tokenizer_file, ca
     with CheckpointManager(tmp_path / "run" / "checkpoints", async_save=False) as manager:
         manager.save(7, state, meta={"model": dataclasses.asdict(CONFIG), "step": 7,
                                      "tokenizer": str(tokenizer_file)})
-    want = generation.generate(CONFIG, params, [[7, 8, 9]], max_new_tokens=4)
+    # The shapes of the eos test's free decoding: its compiled program.
+    want = generation.generate(CONFIG, params, [[7, 8, 9]], max_new_tokens=6)
     for path in (tmp_path / "run", tmp_path / "run" / "checkpoints",
                  tmp_path / "run" / "checkpoints" / "7"):
         assert cli.main(["--checkpoint", str(path), "--prompt-ids", "7,8,9",
-                         "--max-new-tokens", "4", "--no-stop", "--json"]) == 0
+                         "--max-new-tokens", "6", "--no-stop", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["tokens"] == want.tokens
 
 
@@ -163,49 +163,66 @@ def test_errors_are_reported_with_exit_status_1(hf_dir, argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_cli_runs_as_a_module_tensor_parallel_over_two_cpu_devices(hf_dir, params):
+# One fresh process for both tests below (a process start costs seconds of imports): first the
+# package attribute before the CLI ran (its type only: a call would start JAX's CPU backend,
+# whose devices --tensor 2 splits first), then ``python -m transformer_jax.generate`` (runpy's
+# module run as ``__main__``, as ``-m`` does) with --tensor 2, then the attribute called before
+# and after ``import transformer_jax.generate``.
+FRESH_SCRIPT = """
+import runpy, sys, types
+import transformer_jax
+assert callable(transformer_jax.generate)
+assert not isinstance(transformer_jax.generate, types.ModuleType)
+sys.argv = ["transformer_jax.generate", *ARGV]
+try:
+    runpy.run_module("transformer_jax.generate", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    assert e.code in (0, None), e.code
+print("---")
+import jax
+import numpy as np
+from transformer_jax.decode import generation
+from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.transformer import abstract_params
+config = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=16, max_seq_len=16)
+# Random weights from the shapes (init_params op by op compiles each of its ops).
+rng = np.random.default_rng(0)
+params = jax.tree.map(lambda x: 0.2 * rng.standard_normal(x.shape, x.dtype),
+                      abstract_params(config))
+kw = dict(max_new_tokens=3)
+want = generation.generate(config, params, [[1, 2]], **kw).tokens
+assert transformer_jax.generate(config, params, [[1, 2]], **kw).tokens == want
+import transformer_jax.generate
+assert isinstance(transformer_jax.generate, types.ModuleType)
+assert transformer_jax.generate(config, params, [[1, 2]], **kw).tokens == want
+from transformer_jax import generate
+assert generate(config, params, [[1, 2]], **kw).tokens == want
+print("ok")
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_process(hf_dir):
+    argv = ["--checkpoint", str(hf_dir), "--prompt-ids", "3,1,4", "--prompt-ids", "1,5",
+            "--max-new-tokens", "4", "--no-stop", "--tensor", "2", "--json"]
+    return subprocess.run([sys.executable, "-c", FRESH_SCRIPT.replace("ARGV", repr(argv))],
+                          capture_output=True, text=True, env=FAST_ENV, timeout=300, cwd=REPO)
+
+
+def test_cli_runs_as_a_module_tensor_parallel_over_two_cpu_devices(fresh_process, params):
     """``python -m transformer_jax.generate`` runs (exit 0, its JSON on stdout); --tensor 2
     splits the CPU into 2 devices (in the fresh process) and decodes over both, the tokens
-    of ``generate`` on one. (One process for both: each costs seconds of imports.)"""
-    proc = subprocess.run(
-        [sys.executable, "-m", "transformer_jax.generate", "--checkpoint", str(hf_dir),
-         "--prompt-ids", "3,1,4", "--prompt-ids", "1,5", "--max-new-tokens", "4", "--no-stop",
-         "--tensor", "2", "--json"],
-        capture_output=True, text=True, env=FAST_ENV, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    of ``generate`` on one."""
+    proc = fresh_process
+    assert "---" in proc.stdout.splitlines(), proc.stderr[-3000:]
     want = generation.generate(CONFIG, params, [[3, 1, 4], [1, 5]], max_new_tokens=4)
-    out = json.loads(proc.stdout)
+    out = json.loads(proc.stdout.split("---")[0])
     assert out["tensor"] == 2 and out["lengths"] == [4, 4]
     assert out["tokens"] == want.tokens
 
 
-def test_package_attribute_generate_is_callable_before_and_after_importing_the_cli():
-    script = textwrap.dedent("""
-        import types
-        import jax
-        import numpy as np
-        import transformer_jax
-        from transformer_jax.decode import loop as decode
-        from transformer_jax.decode import generation
-        from transformer_jax.model.config import ModelConfig
-        from transformer_jax.model.transformer import abstract_params
-        config = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=16,
-                             max_seq_len=16)
-        # Random weights from the shapes (init_params op by op compiles each of its ops).
-        rng = np.random.default_rng(0)
-        params = jax.tree.map(lambda x: 0.2 * rng.standard_normal(x.shape, x.dtype),
-                              abstract_params(config))
-        kw = dict(max_new_tokens=3)
-        want = generation.generate(config, params, [[1, 2]], **kw).tokens
-        assert transformer_jax.generate(config, params, [[1, 2]], **kw).tokens == want
-        import transformer_jax.generate
-        assert isinstance(transformer_jax.generate, types.ModuleType)
-        assert transformer_jax.generate(config, params, [[1, 2]], **kw).tokens == want
-        from transformer_jax import generate
-        assert generate(config, params, [[1, 2]], **kw).tokens == want
-        print("ok")
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=FAST_ENV, timeout=300, cwd=REPO)
+def test_package_attribute_generate_is_callable_before_and_after_importing_the_cli(
+        fresh_process):
+    proc = fresh_process
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "ok"
+    assert proc.stdout.split("---")[1].strip() == "ok"

@@ -228,12 +228,13 @@ def init_from():
         f"train.init_from={RO_RUN}", f"data.path={OUT}/corpus.txt",
         f"data.cache_dir={OUT}/cache", f"train.run_dir={OUT}/ft", "train.steps=1",
         "train.batch_size=2", "train.seq_len=16", "train.warmup_steps=0",
-        "train.eval_batches=1", "train.sample_tokens=0", "train.mesh=-1,1,1"])  # 2 devices
+        "train.eval_batches=1", "train.sample_tokens=0", "train.mesh=-1,1,1",  # 2 devices
+        "train.peak_flops=1e9"])  # MFU's peak given: no matmul measured
     return training.run(model, train, data, progress=False).final_step
 
 calls = {
-    "generate": lambda: cli.main(["--checkpoint", RO_RUN, "--prompt-ids", "1,2",
-                                  "--max-new-tokens", "2", "--json"]),
+    # (the tensor-parallel calls' program: compiled above)
+    "generate": lambda: cli.main(["--checkpoint", RO_RUN, "--tensor", "2", *common]),
     "export": lambda: hf_export.main(["--checkpoint", RO_RUN, "--out", OUT + "/hf"]),
     "export_to_read_only": lambda: hf_export.main(["--checkpoint", RO_RUN,
                                                    "--out", RO_OUT + "/hf"]),

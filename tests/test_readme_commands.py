@@ -4,13 +4,15 @@ corpus and a few steps appended), and every entry point's ``--help`` works.
 A training command is a line of a fenced code block that starts ``transformer-jax train`` or
 ``python train.py``: the same program (``train.py`` is the alias of ``transformer-jax train``),
 so both are run as ``python ROOT/train.py ARGS``. The commands that set nothing of their
-process (its devices, the hosts beside it) run one after another in one process (``DRIVER``:
-``train.py`` executed as ``__main__`` for each, in its own directory), which each of them would
-set up alike; the others run in processes of their own."""
+process (its devices, the hosts beside it) but a mesh of 8 devices run one after another in one
+process of 8 CPU devices, as on an 8-core host (``DRIVER``: ``train.py`` executed as
+``__main__`` for each, in its own directory), which each of them would set up alike there; the
+others run in processes of their own."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import runpy
 import shlex
@@ -33,11 +35,12 @@ TRAIN_PREFIXES = (("transformer-jax", "train"), ("tjax", "train"), ("python", "t
 # data and step count are replaced by CI-sized ones (a step count the command gives is kept
 # when it is small, e.g. to reach its profile_steps). One decay length whatever the steps: the
 # update does not depend on train.steps, so the commands of one preset share compiled programs.
+# MFU's peak given: no 1024x1024 matmul measured in each process (test_training measures one).
 TINY = ["--no-progress", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
         "model.n_kv_heads=1", "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=16",
         "train.batch_size=8", "train.eval_batches=1", "train.sample_tokens=4",
         "train.log_every=5", "data.tokenizer=char", "data.val_fraction=0.1",
-        "train.decay_steps=4"]
+        "train.decay_steps=4", "train.peak_flops=1e9"]
 MAX_STEPS = 30
 
 
@@ -97,9 +100,21 @@ COMMANDS = {k: v for k, v in ALL_COMMANDS.items()
 PROCESS_KEYS = ("train.mesh=", "train.batch_size=", "train.grad_accum=")
 
 
+# The shared process's CPU devices: an 8-core host's, where a command that sets nothing of its
+# process picks them all (one per core dividing its micro-batch) and a mesh of 8 fits them.
+SHARED_DEVICES = 8
+
+
 def sets_up_its_process(args: tuple[str, ...]) -> bool:
-    return any((a.startswith("--") and a != "--config") or a.startswith(PROCESS_KEYS)
-               for a in args)
+    """Whether ``args`` set up a process other than the shared one (a mesh of its devices is
+    the shared process's set-up)."""
+    def shared_mesh(a: str) -> bool:
+        sizes = a.removeprefix("train.mesh=").split(",")
+        return (a.startswith("train.mesh=") and all(n.isdigit() for n in sizes)
+                and math.prod(map(int, sizes)) == SHARED_DEVICES)
+
+    return any((a.startswith("--") and a != "--config")
+               or (a.startswith(PROCESS_KEYS) and not shared_mesh(a)) for a in args)
 
 
 # Run in one process, one after another (each would set up its process alike); a process each
@@ -116,9 +131,12 @@ def test_the_documents_have_train_commands():
     # The commands the multi-device and multi-host branches below exist for.
     assert any("train.mesh=1,8,1" in v for v in COMMANDS.values())
     assert any("--coordinator-address" in v for v in COMMANDS.values())
-    # The multi-device and multi-host commands run in processes of their own.
-    assert SHARED and not any("train.mesh=1,8,1" in COMMANDS[k] or "--coordinator-address"
-                              in COMMANDS[k] for k in SHARED)
+    # The multi-device command runs in the shared process of 8 devices, the multi-host one in
+    # processes of its own.
+    assert any("train.mesh=1,8,1" in COMMANDS[k] for k in SHARED)
+    assert SHARED and not any("--coordinator-address" in COMMANDS[k] for k in SHARED)
+    assert any(sets_up_its_process(v) for v in (("train.mesh=1,4,1",), ("train.mesh=-1,8,1",),
+                                                 ("train.batch_size=4",)))
     assert COMPILED_COMMANDS  # docs/pods.md's, a continued line
     assert FINETUNE_COMMANDS and all(v[:2] in (("--config", "finetune"), ("--config", "dpo"),
                                                ("--config", "grpo"))
@@ -192,13 +210,15 @@ def shared_runs(workspace, tmp_path_factory) -> dict[str, dict]:
     from transformer_jax.train.config import build_configs
 
     root, env = workspace
-    # Each would pick the same CPU devices in a process of its own (one per core dividing the
-    # micro-batch).
+    # Each would pick the 8 CPU devices in a process of its own on an 8-core host (one per core
+    # dividing the micro-batch), or names a mesh of them.
     micro = {build_configs(*_preset(ci_sized(COMMANDS[k], root)[2:]))[1].micro_batch_size
              for k in SHARED}
-    assert len(micro) == 1, micro
+    assert all(m % SHARED_DEVICES == 0 for m in micro), micro
     jobs = [(k, str(tmp_path_factory.mktemp("cmd")), ci_sized(COMMANDS[k], root)[1:])
             for k in SHARED]
+    env = dict(env, XLA_FLAGS=with_fast_flags(
+        f"--xla_force_host_platform_device_count={SHARED_DEVICES}"))
     done = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(jobs), env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -226,10 +246,9 @@ def test_documented_train_command_runs(command, workspace, tmp_path, request):
         done = request.getfixturevalue("shared_runs")[command]
         assert done["returncode"] == 0, f"{command}\n{done['stderr'][-3000:]}"
         assert "summary" in done["stdout"]
+        assert f"over {SHARED_DEVICES} devices" in done["stderr"]  # "mesh {...} over 8 devices"
         return
     argv = ci_sized(args, root)
-    if "train.mesh=1,8,1" in args:  # the 8 devices it names, simulated on the CPU
-        env = dict(env, XLA_FLAGS=with_fast_flags("--xla_force_host_platform_device_count=8"))
     if "--coordinator-address" in args:  # host 0 of 2: start host 1 beside it
         port = str(_free_port())
         argv = [a.replace("127.0.0.1:1234", f"127.0.0.1:{port}") for a in argv]

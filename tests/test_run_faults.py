@@ -54,9 +54,10 @@ def configs(root: Path, **train) -> tuple[ModelConfig, TrainConfig, DataConfig]:
         write_corpus(corpus)
     # One decay length whatever the steps: the runs of this module (50 steps, 2 then 4, 4)
     # share one compiled train step (the cache), the update not depending on train.steps.
+    # MFU's peak given: no matmul measured (test_training measures one).
     tc = dict(steps=4, decay_steps=4, batch_size=4, seq_len=16, warmup_steps=1, eval_every=0,
               eval_batches=1, log_every=1, ckpt_every=2, run_dir=str(root / "run"),
-              sample_tokens=0)
+              sample_tokens=0, peak_flops=1e9)
     tc.update(train)
     data = DataConfig(path=str(corpus), tokenizer="char", cache_dir=str(root / "cache"),
                       val_fraction=0.1)
@@ -151,7 +152,8 @@ def aborted(tmp_path_factory):
     SIGINTs while it hangs."""
     root = tmp_path_factory.mktemp("abort")
     corpus = write_corpus(root / "corpus.txt")
-    argv = [str(ROOT / "train.py"), *TINY_RUN_ARGS, "train.steps=50", f"data.path={corpus}",
+    argv = [str(ROOT / "train.py"), *TINY_RUN_ARGS, "train.steps=50", "train.peak_flops=1e9",
+            f"data.path={corpus}",
             f"data.cache_dir={root / 'cache'}", f"train.run_dir={root / 'run'}"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA_FLAGS,
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -181,36 +183,58 @@ def test_an_aborted_save_leaves_the_previous_checkpoint_and_no_debris(aborted, t
         assert int(ckpt.restore(None)[0]["step"]) == 2
 
 
-def test_a_run_removes_an_interrupted_saves_leftovers_and_resumes(tmp_path, caplog):
-    model, tc, data = configs(tmp_path)
+def _logged(call) -> tuple[object, str]:
+    """``call()``'s value and the transformer_jax log lines (INFO and above) it wrote."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("transformer_jax")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        return call(), "\n".join(lines)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """A run of 2 steps whose save of step 3 was killed half-way, run again to step 4, then run
+    a third time: each run's summary and log, the summary file after the second and the third."""
+    root = tmp_path_factory.mktemp("resumed")
+    model, tc, data = configs(root)
     training.run(model, dataclasses.replace(tc, steps=2), data, progress=False)
-    checkpoints = tmp_path / "run" / "checkpoints"
-    debris = checkpoints / "3.orbax-checkpoint-tmp-1234"  # a save killed half-way
+    debris = root / "run" / "checkpoints" / "3.orbax-checkpoint-tmp-1234"
     (debris / "state").mkdir(parents=True)
     (debris / "state" / "x").write_bytes(b"partial")
-    caplog.set_level(logging.INFO, logger="transformer_jax")
-    summary = training.run(model, tc, data, progress=False)
+    summary_file = root / "run" / "summary.json"
+    second, second_log = _logged(lambda: training.run(model, tc, data, progress=False))
+    written = summary_file.read_text()
+    third, third_log = _logged(lambda: training.run(model, tc, data, progress=False))
+    return root, (second, second_log, written), (third, third_log, summary_file.read_text())
+
+
+def test_a_run_removes_an_interrupted_saves_leftovers_and_resumes(resumed):
+    root, (summary, log, _), _ = resumed
     assert summary.start_step == 2 and summary.final_step == 4
-    assert step_dirs(checkpoints) == ["2", "4"]
-    assert "removed the unfinished save 3.orbax-checkpoint-tmp-1234" in caplog.text
+    assert step_dirs(root / "run" / "checkpoints") == ["2", "4"]
+    assert "removed the unfinished save 3.orbax-checkpoint-tmp-1234" in log
 
 
 # A finished run ----------------------------------------------------------------------------------
 
-def test_rerunning_a_finished_run_keeps_its_summary(tmp_path, caplog):
-    model, tc, data = configs(tmp_path)
-    first = training.run(model, tc, data, progress=False)
-    summary_file = tmp_path / "run" / "summary.json"
-    written = summary_file.read_text()
+def test_rerunning_a_finished_run_keeps_its_summary(resumed):
+    """The finished run (the resumed one above) run again: nothing to do."""
+    _, (first, _, written), (again, log, rewritten) = resumed
     assert first.train_loss is not None and first.val_loss is not None
-    caplog.set_level(logging.INFO, logger="transformer_jax")
-    again = training.run(model, tc, data, progress=False)
-    assert summary_file.read_text() == written
+    assert rewritten == written
     assert again.train_loss == first.train_loss and again.val_loss == first.val_loss
     assert again.final_step == 4
-    lines = [r.getMessage() for r in caplog.records if "nothing to do" in r.getMessage()]
+    lines = [line for line in log.splitlines() if "nothing to do" in line]
     assert len(lines) == 1 and "step 4 of train.steps=4" in lines[0]
-    assert "compiled train step" not in caplog.text
+    assert "compiled train step" not in log
 
 
 # Memory ------------------------------------------------------------------------------------------
@@ -284,7 +308,9 @@ def test_a_full_disk_echoes_nothing_after_its_one_error(tmp_path, monkeypatch, c
     unraisable RuntimeError (Event loop is closed), printed as a traceback on stderr."""
     unraisable = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
-    state = {f"w{i}": jax.random.normal(jax.random.key(i), (128, 256)) for i in range(40)}
+    rng = np.random.default_rng(0)  # (device_put: no program compiled to draw them)
+    state = {f"w{i}": jax.device_put(rng.standard_normal((128, 256), np.float32))
+             for i in range(40)}
     ckpt = CheckpointManager(tmp_path, keep=3)
     ckpt.save(1, state)
     ckpt.wait()

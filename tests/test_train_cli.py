@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FAST_XLA_FLAGS, with_fast_flags
+from helpers import with_fast_flags
 
 from transformer_jax.checkpoint.manager import CheckpointManager
 from transformer_jax.model.config import ModelConfig
@@ -74,6 +74,12 @@ def test_cli_reports_config_errors_without_a_traceback(capsys, tmp_path):
 
 
 # Subprocess runs ---------------------------------------------------------------------------------
+# Two processes: the run killed with -9 (a process of its own), then one DRIVER process that runs
+# train.py as ``__main__`` for each of the other runs in turn (the resume of the killed run, the
+# uninterrupted reference, the run stopped by SIGTERM, the batch refused for its devices): a
+# process start (imports, backends) costs seconds, and these runs test resuming and signals.
+# Every process here has the same 2 CPU devices (XLA_FLAGS), so the resumed run's devices are
+# the killed run's.
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
@@ -85,7 +91,8 @@ def workspace(tmp_path_factory):
     (root / "corpus.txt").write_text("\n".join(lines) + "\n")
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(root / "xla"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=FAST_XLA_FLAGS)  # cheaper XLA:CPU code generation
+               # cheaper XLA:CPU code generation, 2 CPU devices in every process
+               XLA_FLAGS=with_fast_flags("--xla_force_host_platform_device_count=2"))
     return root, env
 
 
@@ -96,10 +103,41 @@ NO_PLOT = ("import sys; from transformer_jax.train import run; "
            "run._plot = lambda run_dir, times: None; "
            "from transformer_jax.cli.train import main; sys.exit(main())")
 
+# Runs each job of the JSON list on stdin, [name, argv] (argv[0]: train.py or "-c" NO_PLOT), as
+# ``python ARGV`` would, one after another; prints {name: {returncode, stdout, stderr}} as its
+# last line. The loss plot is drawn in jobs that run train.py itself only.
+DRIVER = r"""
+import contextlib, io, json, runpy, sys, traceback
+from transformer_jax.train import run
+
+draw = run._plot
+results = {}
+for name, argv in json.load(sys.stdin):
+    run._plot = draw  # (NO_PLOT replaces it)
+    sys.argv = argv[1:] if argv[0] == "-c" else argv  # as python sets it
+    sys.argv[0] = argv[0]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if argv[0] == "-c":
+                exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+            else:
+                runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results[name] = {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+print(json.dumps(results))
+"""
+
 
 def command(root: Path, run_dir: Path, *extra: str, plot: bool = False) -> list[str]:
     entry = [str(ROOT / "train.py")] if plot else ["-c", NO_PLOT]
-    return [sys.executable, *entry, "--no-progress", *TINY,
+    # MFU's peak given: no matmul measured in each run (its measurement has its own tests).
+    return [sys.executable, *entry, "--no-progress", *TINY, "train.peak_flops=1e9",
             f"data.path={root / 'corpus.txt'}", f"data.cache_dir={root / 'cache'}",
             f"train.run_dir={run_dir}", *extra]
 
@@ -120,8 +158,7 @@ def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, timeout: float = 
     ckpt_dir = run_dir / "checkpoints"
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"train.py exited early ({proc.returncode}): "
-                                 f"{proc.stderr.read() if proc.stderr else ''}")
+            raise AssertionError(f"train.py exited early ({proc.returncode})")
         if ckpt_dir.is_dir():
             steps = [int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()]
             if steps:
@@ -130,40 +167,76 @@ def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen, timeout: float = 
     raise AssertionError("no checkpoint appeared")
 
 
-def test_resume_after_kill_9_is_bit_exact(workspace):
-    """N steps straight == kill -9 after a checkpoint + restart: same losses, same params."""
-    root, env = workspace
-    # The first checkpoint (10) is 4 checkpoints before the end: the kill lands well before.
-    n = 50
-    steps = [f"train.steps={n}", "train.ckpt_every=10", "train.keep_ckpts=2"]
-    straight = root / "straight"
-    done = subprocess.run(command(root, straight, *steps), env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+N = 50  # steps of the kill -9 test's runs
+# The first checkpoint (10) is 4 checkpoints before the end: the kill lands well before.
+KILL_STEPS = [f"train.steps={N}", "train.ckpt_every=10", "train.keep_ckpts=2"]
 
-    killed = root / "killed"
-    proc = subprocess.Popen(command(root, killed, *steps), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+
+@pytest.fixture(scope="module")
+def runs(workspace):
+    """The killed run's step when killed, and the DRIVER's results: "resumed" (the killed run
+    run again), "straight" (its N steps uninterrupted), "sigterm" (stopped by SIGTERM after its
+    first checkpoint), "devices" (a batch of 3 rows on 2 devices)."""
+    root, env = workspace
+    killed, log = root / "killed", root / "killed.err"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(command(root, killed, *KILL_STEPS), env=env,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        wait_for_checkpoint(killed, proc)
+        try:
+            wait_for_checkpoint(killed, proc)
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {log.read_text()[-3000:]}") from None
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == -signal.SIGKILL
     interrupted_at, _ = final_state(killed)
-    assert interrupted_at < n, "the run finished before it was killed; nothing was tested"
 
-    resumed = subprocess.run(command(root, killed, *steps), env=env, capture_output=True,
-                             text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"(step {interrupted_at})" in resumed.stderr  # "resumed from ... (step N)"
+    # Also evaluates several batches every 10 steps. The decay length of the kill -9 test's
+    # runs: the same compiled train step (the module's cache), the update not depending on
+    # train.steps.
+    sigterm = ["train.steps=100000", "train.decay_steps=50", "train.ckpt_every=25",
+               "train.eval_every=10", "train.eval_batches=4"]
+    jobs = [("resumed", command(root, killed, *KILL_STEPS)[1:]),
+            ("straight", command(root, root / "straight", *KILL_STEPS)[1:]),
+            ("sigterm", command(root, root / "sigterm", *sigterm)[1:]),
+            ("devices", command(root, root / "devices", "train.batch_size=3", plot=True)[1:])]
+    out, err = root / "driver.out", root / "driver.err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE,
+                                  stdout=stdout, stderr=stderr, env=env, text=True)
+    try:
+        driver.stdin.write(json.dumps(jobs))
+        driver.stdin.close()
+        try:
+            first = wait_for_checkpoint(root / "sigterm", driver, timeout=300)
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {err.read_text()[-3000:]}") from None
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=300) == 0, err.read_text()[-3000:]
+    finally:
+        driver.kill()
+    results = json.loads(out.read_text().strip().splitlines()[-1])
+    results["sigterm"]["first"] = first
+    return root, interrupted_at, results
 
+
+def test_resume_after_kill_9_is_bit_exact(runs):
+    """N steps straight == kill -9 after a checkpoint + restart: same losses, same params."""
+    root, interrupted_at, results = runs
+    assert interrupted_at < N, "the run finished before it was killed; nothing was tested"
+    for name in ("straight", "resumed"):
+        assert results[name]["returncode"] == 0, results[name]["stderr"][-3000:]
+    # "resumed from ... (step N)"
+    assert f"(step {interrupted_at})" in results["resumed"]["stderr"]
+    straight, killed = root / "straight", root / "killed"
     expected = train_losses(straight)
-    assert [s for s, _ in expected] == list(range(1, n + 1))
+    assert [s for s, _ in expected] == list(range(1, N + 1))
     assert train_losses(killed) == expected  # floats compared exactly
     (step_a, state_a), (step_b, state_b) = final_state(straight), final_state(killed)
-    assert step_a == step_b == n
+    assert step_a == step_b == N
     leaves_a, leaves_b = _flat(state_a), _flat(state_b)
     assert leaves_a.keys() == leaves_b.keys()
     for name in leaves_a:
@@ -177,37 +250,23 @@ def _flat(tree) -> dict[str, np.ndarray]:
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def test_sigterm_saves_a_restorable_checkpoint(workspace):
-    root, env = workspace
+def test_sigterm_saves_a_restorable_checkpoint(runs):
+    root, _, results = runs
+    done = results["sigterm"]
+    assert done["returncode"] == 143, done["stderr"][-3000:]
+    assert "SIGTERM" in done["stderr"] and "stopped by   SIGTERM" in done["stdout"]
     run_dir = root / "sigterm"
-    # Also evaluates several batches every 10 steps (on several CPU devices where there are
-    # several cores). The decay length of the kill -9 test's runs: the same compiled train step
-    # (the module's cache), the update not depending on train.steps.
-    proc = subprocess.Popen(command(root, run_dir, "train.steps=100000", "train.decay_steps=50",
-                                    "train.ckpt_every=25", "train.eval_every=10",
-                                    "train.eval_batches=4"),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        first = wait_for_checkpoint(run_dir, proc)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 143, err
-    assert "SIGTERM" in err and "stopped by   SIGTERM" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     step, state = final_state(run_dir)
-    assert step == summary["final_step"] >= first
+    assert step == summary["final_step"] >= done["first"]
     assert int(state["step"]) == step
     assert train_losses(run_dir)[-1][0] == step
 
 
-def test_batch_not_divisible_by_device_count(workspace):
-    root, env = workspace
-    env = dict(env, XLA_FLAGS=with_fast_flags("--xla_force_host_platform_device_count=2"))
-    done = subprocess.run(command(root, root / "devices", "train.batch_size=3", plot=True),
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2
-    assert "batch_size=3" in done.stderr and "number of devices (2)" in done.stderr
+def test_batch_not_divisible_by_device_count(runs):
+    root, _, results = runs
+    done = results["devices"]
+    assert done["returncode"] == 2
+    assert "batch_size=3" in done["stderr"] and "number of devices (2)" in done["stderr"]
     assert not (root / "devices" / "checkpoints").exists() or not any(
         (root / "devices" / "checkpoints").iterdir())
