@@ -144,15 +144,19 @@ def loaded(setup):
     return ckpt, prompts
 
 
+# The engines' settings: 8 slots, pages for 18 + 6 tokens (the engines of this module are of one
+# shape, so they share their compiled programs).
+ENGINE_TC = TrainConfig(objective="grpo", reward="m:f", batch_size=8, grpo_group_size=4,
+                        grpo_max_tokens=6, seq_len=24)
+
+
 @pytest.fixture(scope="module")
 def rollouts(loaded):
     """A step's rollouts of 2 prompts x G=4 (6 tokens each) by ``make_engine``'s engine (which
     ``train.seq_len`` does not change): (prompt rows, completions, sampled log-probs)."""
     ckpt, prompts = loaded
-    tc = TrainConfig(objective="grpo", reward="m:f", batch_size=8, grpo_group_size=4,
-                     grpo_max_tokens=6, seq_len=24)
-    engine = G.make_engine(ckpt.config, ckpt.params, tc, 18)
-    rows, completions, lps = G.sample(engine, prompts[:2], tc, 0, eos_id=-1)
+    engine = G.make_engine(ckpt.config, ckpt.params, ENGINE_TC, 18)
+    rows, completions, lps = G.sample(engine, prompts[:2], ENGINE_TC, 0, eos_id=-1)
     return rows, completions, lps
 
 
@@ -207,10 +211,10 @@ def test_the_update_runs_at_the_batchs_bucket_and_changes_nothing(loaded, rollou
 
 def test_weight_refresh_changes_outputs_and_compiles_nothing(loaded):
     ckpt, prompts = loaded
-    tc = TrainConfig(objective="grpo", reward="m:f", batch_size=4, grpo_group_size=4,
-                     grpo_max_tokens=5, seq_len=24)
-    other = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(3), x.shape),
-                         ckpt.params)
+    tc = ENGINE_TC
+    rng = np.random.default_rng(3)  # numpy noise: jax.random op by op compiles per shape
+    other = jax.device_put(jax.tree.map(
+        lambda x: np.asarray(x) + 0.3 * rng.standard_normal(x.shape, np.float32), ckpt.params))
 
     def greedy(engine):
         ids = [engine.add_request(p.tokens.tolist(), SamplingParams(max_tokens=5))
@@ -232,7 +236,7 @@ def test_weight_refresh_changes_outputs_and_compiles_nothing(loaded):
     np.testing.assert_allclose(np.concatenate(after[1]), np.concatenate(fresh_other[1]),
                                atol=1e-6)
     with pytest.raises(ValueError, match="structure, shape"):
-        engine.update_weights(jax.tree.map(lambda x: x[..., :1], ckpt.params))
+        engine.update_weights(jax.tree.map(lambda x: np.asarray(x)[..., :1], ckpt.params))
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -303,13 +307,16 @@ def test_grpo_resume_is_exact(setup, tmp_path, monkeypatch):
         return add_request(engine, prompt, params)
 
     monkeypatch.setattr(G.Engine, "add_request", recording)
+    from transformer_jax.train import plot
+
+    monkeypatch.setattr(plot, "plot_run", lambda run_dir: None)  # no loss plots: not tested here
 
     def go(run_dir: Path, steps: int):
         model, train, data = build_configs("grpo", [
             f"train.init_from={hf_dir}", f"data.path={prompts_file}", *SMALL,
             f"train.reward={rewards_file}:says_yes", f"train.run_dir={run_dir}",
             f"train.steps={steps}", "train.ckpt_every=1", "train.mesh=1,1,1"])
-        return run(model, train, data, progress=False)
+        return run(model, train, data, progress=False, memory_check=False)
 
     run_dir = tmp_path / "a"
     go(run_dir, 2)  # the straight run: its step 2, as it was before the kill
