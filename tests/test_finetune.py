@@ -14,14 +14,13 @@ import functools
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_params, write_chatml_tokenizer
+from helpers import TRAIN_CLI_NO_PLOT, random_params, write_chatml_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -223,12 +222,13 @@ def phi3_dir(tmp_path_factory) -> Path:
 
 
 def test_finetune_cli_full_of_a_phi3_exports_as_phi3(phi3_dir, jsonl, tmp_path):
-    """``python train.py --config finetune train.init_from=DIR data.path=FILE.jsonl``, full
-    fine-tuning from a Phi-3 checkpoint. Its config is the plain Llama block, which export would
-    write as ``llama``: the run records its family, and export writes ``phi3`` (fused tensors)
-    by default, with transformers' logits equal to ours."""
+    """``python train.py --config finetune train.init_from=DIR data.path=FILE.jsonl`` (the
+    CLI's main in a fresh process, no loss plot), full fine-tuning from a Phi-3 checkpoint.
+    Its config is the plain Llama block, which export would write as ``llama``: the run records
+    its family, and export writes ``phi3`` (fused tensors) by default, with transformers'
+    logits equal to ours."""
     run_dir = tmp_path / "full"
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", "finetune", "--no-progress",
+    cmd = [*TRAIN_CLI_NO_PLOT, "--config", "finetune", "--no-progress", "--no-memory-check",
            "--cpu-devices", "1", f"train.init_from={phi3_dir}", f"data.path={jsonl}",
            f"train.run_dir={run_dir}", "train.steps=30", "data.val_fraction=0.1", *SMALL]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -341,15 +341,20 @@ def test_packed_loss_is_the_token_weighted_mean_of_the_examples():
     batch["mask"] = batch.pop("loss_mask")
     _, (ce, _, count) = loss(params, batch)
 
-    ce_sum = tokens = 0.0
-    for ex in examples:  # each example alone, unpacked
-        alone = {"inputs": jnp.asarray(ex.tokens[None, :-1]),
-                 "targets": jnp.asarray(ex.tokens[None, 1:]),
-                 "mask": jnp.asarray(ex.loss[None, 1:].astype(np.float32))}
-        _, (c, _, n) = loss(params, alone)
-        ce_sum, tokens = ce_sum + float(c), tokens + float(n)
-    assert float(count) == tokens
-    np.testing.assert_allclose(float(ce) / float(count), ce_sum / tokens, rtol=1e-5)
+    # Each example alone, unpacked: a row each, right-padded (masked) to the longest: one
+    # program for the three (the sums add over the rows).
+    width = max(len(ex.tokens) for ex in examples) - 1
+
+    def rows(key, cut):
+        return np.stack([np.pad(getattr(ex, key)[cut], (0, width - len(ex.tokens) + 1))
+                         for ex in examples])
+
+    alone = {"inputs": rows("tokens", slice(None, -1)), "targets": rows("tokens", slice(1, None)),
+             "mask": rows("loss", slice(1, None)).astype(np.float32)}
+    _, (ce_sum, _, tokens) = loss(params, alone)
+    assert float(count) == float(tokens)
+    np.testing.assert_allclose(float(ce) / float(count), float(ce_sum) / float(tokens),
+                               rtol=1e-5)
 
     # No attention across segments: changing one example leaves the others' logits alone.
     @jax.jit
@@ -362,7 +367,8 @@ def test_packed_loss_is_the_token_weighted_mean_of_the_examples():
 
     segments = np.asarray(batch["segment_ids"][0])
     first = segments == segments[0]
-    changed = jnp.where(jnp.asarray(first)[None], (batch["inputs"] + 1) % VOCAB, batch["inputs"])
+    inputs = np.asarray(batch["inputs"])
+    changed = np.where(first[None], (inputs + 1) % VOCAB, inputs)
     np.testing.assert_array_equal(logits(batch["inputs"])[0, ~first],
                                   logits(changed)[0, ~first])
 

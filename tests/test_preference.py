@@ -18,7 +18,6 @@ import json
 import logging
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -28,7 +27,7 @@ import pytest
 import safetensors.numpy
 import torch
 import transformers
-from helpers import write_chatml_tokenizer
+from helpers import TRAIN_CLI_NO_PLOT, write_chatml_tokenizer
 
 from transformer_jax import hf
 from transformer_jax.checkpoint import loading
@@ -388,8 +387,9 @@ def test_lora_reference_is_the_frozen_base(parity_setup):
     tc = TrainConfig(objective="dpo", lora_rank=2, batch_size=packed.rows.num_rows)
     state = jax.jit(make_init_fn(config, tc))(jax.random.key(0), base)
     rng = np.random.default_rng(1)  # numpy noise: jax.random op by op compiles per shape
-    adapters = jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape, np.float32),
-                            state.params[lora.ADAPTERS])
+    adapters = jax.tree.map(  # numpy arrays (device ones would add op by op)
+        lambda x: np.asarray(x) + 0.05 * rng.standard_normal(x.shape, np.float32),
+        state.params[lora.ADAPTERS])
     params = {lora.BASE: state.params[lora.BASE], lora.ADAPTERS: adapters}
     rows = np.arange(packed.rows.num_rows)
     lora_loss = make_objective(tc).loss_fn(config, packed.pairs_per_row)
@@ -401,7 +401,7 @@ def test_lora_reference_is_the_frozen_base(parity_setup):
         jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
         jax.sharding.PartitionSpec("data"))
     ref = P.reference_pass(config, full, frozen, packed, sharding)
-    merged = ParamsLayout.of(tc).model_params(params)
+    merged = jax.jit(ParamsLayout.of(tc).model_params)(params)  # one program, not op by op
     full_loss = make_objective(full).loss_fn(config, packed.pairs_per_row)
     theirs, (_, _, _, full_stats) = jax.jit(full_loss)(merged,
                                                       pref_data.pair_batch(packed, rows, ref))
@@ -420,9 +420,10 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def test_dpo_cli_lora_on_a_two_device_mesh(hf_dirs, pairs_file, tmp_path):
-    """``python train.py --config dpo train.init_from=DIR data.path=pairs.jsonl ...``."""
+    """``python train.py --config dpo train.init_from=DIR data.path=pairs.jsonl ...`` (the CLI's
+    main in a fresh process, no loss plot)."""
     run_dir = tmp_path / "cli"
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", "dpo", "--no-progress",
+    cmd = [*TRAIN_CLI_NO_PLOT, "--config", "dpo", "--no-progress", "--no-memory-check",
            "--cpu-devices", "2", f"train.init_from={hf_dirs[0]}", f"data.path={pairs_file}",
            f"train.run_dir={run_dir}", "train.steps=6", "train.lora_rank=4",
            "train.mesh=-1,1,1", *SMALL, "train.lr=2e-2", "train.grad_accum=2",
