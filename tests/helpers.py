@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import json
 import math
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -68,6 +69,14 @@ TINY_RUN_ARGS = [
     "model.n_kv_heads=1", "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=16",
     "train.batch_size=4", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
     "train.sample_tokens=0", "train.ckpt_every=2", "data.tokenizer=char", "data.val_fraction=0.1"]
+
+# ``python train.py`` (the train CLI's ``main``, in a fresh process) without its loss plot:
+# matplotlib's import and a draw are some 1 s of a tiny run's CPU here, and the plot is
+# test_plot's subject. Tests append the CLI's arguments.
+TRAIN_CLI_NO_PLOT = [
+    sys.executable, "-c",
+    "import sys; from transformer_jax.train import plot; plot.plot_run = lambda run_dir: None; "
+    "from transformer_jax.cli.train import main; sys.exit(main())"]
 
 # A tiny random model: GQA (4 query heads, 2 kv heads of 8), 2 layers, weights at init_std 0.2 so
 # that its logits are far from uniform. Tests change fields with ``TINY.replace(...)``.

@@ -112,8 +112,6 @@ def _dequantised(path: tuple[str, ...], saved) -> np.ndarray:
 
 
 def _expected(run_dir: Path) -> tuple[dict, float]:
-    """The run's weights computed here: its saved base dequantised, plus alpha/R A @ B for each
-    adapted matrix; and the largest |update|."""
     with CheckpointManager(run_dir / "checkpoints", read_only=True) as reader:
         saved, meta = reader.restore_params(None)
     flat = jax.tree_util.tree_flatten_with_path(
@@ -141,14 +139,22 @@ def _expected(run_dir: Path) -> tuple[dict, float]:
     return params, largest
 
 
+@pytest.fixture(scope="module")
+def expected(qlora_run) -> tuple[dict, float]:
+    """``_expected`` of the run, computed once for its three tests (a restore each otherwise).
+    """
+    return _expected(qlora_run)
+
+
 def _assert_close(got, want, atol=1e-5) -> None:
     assert jax.tree.structure(jax.tree.map(np.asarray, got)) == jax.tree.structure(want)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(np.asarray(g), w, atol=atol, rtol=0),
                  got, want)
 
 
-def test_a_qlora_run_loads_for_decode_as_its_dequantised_base_plus_the_adapters(qlora_run):
-    want, largest = _expected(qlora_run)
+def test_a_qlora_run_loads_for_decode_as_its_dequantised_base_plus_the_adapters(qlora_run,
+                                                                               expected):
+    want, largest = expected
     assert largest > 1e-4  # the adapters moved: the update is part of what is compared
     loaded, mesh = loading.load_for_decode(str(qlora_run), 1)
     assert mesh is None and loaded.tokenizer is not None
@@ -164,19 +170,20 @@ def test_a_qlora_run_loads_for_decode_as_its_dequantised_base_plus_the_adapters(
     assert is_quantized(raw[lora.BASE]["embed"]["embedding"])
 
 
-def test_a_qlora_run_generates(qlora_run, capsys):
+def test_a_qlora_run_generates(qlora_run, expected, capsys):
     from transformer_jax.cli import generate as cli
 
     assert cli.main(["--checkpoint", str(qlora_run), "--prompt-ids", "5,9,2,7",
                      "--max-new-tokens", "4", "--no-stop", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)["tokens"]
     config = loading.locate(qlora_run).model
-    want, _ = _expected(qlora_run)
+    want, _ = expected
     assert got == generation.generate(config, jax.tree.map(jnp.float32, want), [[5, 9, 2, 7]],
                                       max_new_tokens=4).tokens
 
 
-def test_a_qlora_run_exports_merged_weights_that_transformers_loads(qlora_run, tmp_path):
+def test_a_qlora_run_exports_merged_weights_that_transformers_loads(qlora_run, expected,
+                                                                   tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from transformer_jax.cli import export as hf_export
@@ -187,7 +194,7 @@ def test_a_qlora_run_exports_merged_weights_that_transformers_loads(qlora_run, t
     with torch.no_grad():
         theirs = model(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
     config = loading.locate(qlora_run).model
-    want, _ = _expected(qlora_run)
+    want, _ = expected
     apply = jax.jit(Transformer(config).apply, compiler_options=FAST_COMPILE)
     ours = apply({"params": jax.tree.map(jnp.float32, want)}, jnp.asarray(TOKENS)).logits
     np.testing.assert_allclose(theirs, np.asarray(ours), atol=1e-4, rtol=0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import write_chatml_tokenizer
+from helpers import TRAIN_CLI_NO_PLOT, write_chatml_tokenizer
 
 from transformer_jax.checkpoint import loading
 from transformer_jax.checkpoint.manager import CheckpointManager
@@ -144,15 +143,19 @@ def loaded(setup):
     return ckpt, prompts
 
 
+# The engines' settings: 8 slots, pages for 18 + 6 tokens (the engines of this module are of one
+# shape, so they share their compiled programs).
+ENGINE_TC = TrainConfig(objective="grpo", reward="m:f", batch_size=8, grpo_group_size=4,
+                        grpo_max_tokens=6, seq_len=24)
+
+
 @pytest.fixture(scope="module")
 def rollouts(loaded):
     """A step's rollouts of 2 prompts x G=4 (6 tokens each) by ``make_engine``'s engine (which
     ``train.seq_len`` does not change): (prompt rows, completions, sampled log-probs)."""
     ckpt, prompts = loaded
-    tc = TrainConfig(objective="grpo", reward="m:f", batch_size=8, grpo_group_size=4,
-                     grpo_max_tokens=6, seq_len=24)
-    engine = G.make_engine(ckpt.config, ckpt.params, tc, 18)
-    rows, completions, lps = G.sample(engine, prompts[:2], tc, 0, eos_id=-1)
+    engine = G.make_engine(ckpt.config, ckpt.params, ENGINE_TC, 18)
+    rows, completions, lps = G.sample(engine, prompts[:2], ENGINE_TC, 0, eos_id=-1)
     return rows, completions, lps
 
 
@@ -207,10 +210,10 @@ def test_the_update_runs_at_the_batchs_bucket_and_changes_nothing(loaded, rollou
 
 def test_weight_refresh_changes_outputs_and_compiles_nothing(loaded):
     ckpt, prompts = loaded
-    tc = TrainConfig(objective="grpo", reward="m:f", batch_size=4, grpo_group_size=4,
-                     grpo_max_tokens=5, seq_len=24)
-    other = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(3), x.shape),
-                         ckpt.params)
+    tc = ENGINE_TC
+    rng = np.random.default_rng(3)  # numpy noise: jax.random op by op compiles per shape
+    other = jax.device_put(jax.tree.map(
+        lambda x: np.asarray(x) + 0.3 * rng.standard_normal(x.shape, np.float32), ckpt.params))
 
     def greedy(engine):
         ids = [engine.add_request(p.tokens.tolist(), SamplingParams(max_tokens=5))
@@ -232,7 +235,7 @@ def test_weight_refresh_changes_outputs_and_compiles_nothing(loaded):
     np.testing.assert_allclose(np.concatenate(after[1]), np.concatenate(fresh_other[1]),
                                atol=1e-6)
     with pytest.raises(ValueError, match="structure, shape"):
-        engine.update_weights(jax.tree.map(lambda x: x[..., :1], ckpt.params))
+        engine.update_weights(jax.tree.map(lambda x: np.asarray(x)[..., :1], ckpt.params))
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -303,13 +306,16 @@ def test_grpo_resume_is_exact(setup, tmp_path, monkeypatch):
         return add_request(engine, prompt, params)
 
     monkeypatch.setattr(G.Engine, "add_request", recording)
+    from transformer_jax.train import plot
+
+    monkeypatch.setattr(plot, "plot_run", lambda run_dir: None)  # no loss plots: not tested here
 
     def go(run_dir: Path, steps: int):
         model, train, data = build_configs("grpo", [
             f"train.init_from={hf_dir}", f"data.path={prompts_file}", *SMALL,
             f"train.reward={rewards_file}:says_yes", f"train.run_dir={run_dir}",
             f"train.steps={steps}", "train.ckpt_every=1", "train.mesh=1,1,1"])
-        return run(model, train, data, progress=False)
+        return run(model, train, data, progress=False, memory_check=False)
 
     run_dir = tmp_path / "a"
     go(run_dir, 2)  # the straight run: its step 2, as it was before the kill
@@ -339,24 +345,25 @@ def test_grpo_resume_is_exact(setup, tmp_path, monkeypatch):
 
 def test_grpo_cli_lora_on_a_two_device_mesh(setup, tmp_path):
     """``python train.py --config grpo train.init_from=DIR data.path=prompts.jsonl
-    train.reward=rewards.py:says_yes ...`` with LoRA over 2 simulated devices; then export."""
+    train.reward=rewards.py:says_yes ...`` (the CLI's main in a fresh process, no loss plot) with
+    LoRA over 2 simulated devices; then export."""
     hf_dir, prompts_file, rewards_file = setup
     run_dir = tmp_path / "cli"
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", "grpo", "--no-progress",
+    cmd = [*TRAIN_CLI_NO_PLOT, "--config", "grpo", "--no-progress", "--no-memory-check",
            "--cpu-devices", "2", f"train.init_from={hf_dir}", f"data.path={prompts_file}",
            f"train.reward={rewards_file}:says_yes", f"train.run_dir={run_dir}",
-           "train.steps=3", "train.lora_rank=4", "train.mesh=-1,1,1", "train.grad_accum=2",
+           "train.steps=2", "train.lora_rank=4", "train.mesh=-1,1,1", "train.grad_accum=2",
            *SMALL]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "KL reference: adapters-off" in done.stderr
     records = _metrics(run_dir)
-    assert len(records) == 3
+    assert len(records) == 2  # the second after a weight refresh
     for key in ("reward_mean", "reward_std", "kl", "clip_fraction", "completion_len",
                 "rollout_tokens_per_s", "time/rollout_share", "time/refresh_share",
                 "time/update_share"):
         assert all(np.isfinite(m[key]) for m in records), key
-    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 3
+    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 2
     # Exported as any run (LoRA merged): transformers' logits = ours on the run's weights.
     out = hf_export.export(run_dir / "checkpoints", tmp_path / "export")
     ours = loading.load(run_dir / "checkpoints", with_tokenizer=False)

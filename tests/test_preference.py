@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -27,7 +27,7 @@ import pytest
 import safetensors.numpy
 import torch
 import transformers
-from helpers import write_chatml_tokenizer
+from helpers import TRAIN_CLI_NO_PLOT, write_chatml_tokenizer
 
 from transformer_jax import hf
 from transformer_jax.checkpoint import loading
@@ -387,8 +387,9 @@ def test_lora_reference_is_the_frozen_base(parity_setup):
     tc = TrainConfig(objective="dpo", lora_rank=2, batch_size=packed.rows.num_rows)
     state = jax.jit(make_init_fn(config, tc))(jax.random.key(0), base)
     rng = np.random.default_rng(1)  # numpy noise: jax.random op by op compiles per shape
-    adapters = jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape, np.float32),
-                            state.params[lora.ADAPTERS])
+    adapters = jax.tree.map(  # numpy arrays (device ones would add op by op)
+        lambda x: np.asarray(x) + 0.05 * rng.standard_normal(x.shape, np.float32),
+        state.params[lora.ADAPTERS])
     params = {lora.BASE: state.params[lora.BASE], lora.ADAPTERS: adapters}
     rows = np.arange(packed.rows.num_rows)
     lora_loss = make_objective(tc).loss_fn(config, packed.pairs_per_row)
@@ -400,7 +401,7 @@ def test_lora_reference_is_the_frozen_base(parity_setup):
         jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
         jax.sharding.PartitionSpec("data"))
     ref = P.reference_pass(config, full, frozen, packed, sharding)
-    merged = ParamsLayout.of(tc).model_params(params)
+    merged = jax.jit(ParamsLayout.of(tc).model_params)(params)  # one program, not op by op
     full_loss = make_objective(full).loss_fn(config, packed.pairs_per_row)
     theirs, (_, _, _, full_stats) = jax.jit(full_loss)(merged,
                                                       pref_data.pair_batch(packed, rows, ref))
@@ -419,9 +420,10 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def test_dpo_cli_lora_on_a_two_device_mesh(hf_dirs, pairs_file, tmp_path):
-    """``python train.py --config dpo train.init_from=DIR data.path=pairs.jsonl ...``."""
+    """``python train.py --config dpo train.init_from=DIR data.path=pairs.jsonl ...`` (the CLI's
+    main in a fresh process, no loss plot)."""
     run_dir = tmp_path / "cli"
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", "dpo", "--no-progress",
+    cmd = [*TRAIN_CLI_NO_PLOT, "--config", "dpo", "--no-progress", "--no-memory-check",
            "--cpu-devices", "2", f"train.init_from={hf_dirs[0]}", f"data.path={pairs_file}",
            f"train.run_dir={run_dir}", "train.steps=6", "train.lora_rank=4",
            "train.mesh=-1,1,1", *SMALL, "train.lr=2e-2", "train.grad_accum=2",
@@ -444,8 +446,10 @@ def test_dpo_cli_lora_on_a_two_device_mesh(hf_dirs, pairs_file, tmp_path):
 
 def test_dpo_resume_is_exact(hf_dirs, pairs_file, tmp_path, monkeypatch, caplog):
     """Full fine-tuning DPO of ``train.pairs_per_step=5`` (TRL's batch: 5 pairs a step, logged)
-    stopped at step 1 and resumed to 2 (the stored first-pass reference restored, not
-    recomputed) = a straight run of 2 steps, in process (no loss plots drawn)."""
+    killed after step 2's record but before its checkpoint (the checkpoint of step 2 removed)
+    and resumed from step 1 (the stored first-pass reference restored, not recomputed) = the
+    straight run of 2 steps it was killed in (weights and records, taken before the kill), in
+    process (no loss plots drawn)."""
     from transformer_jax.train import plot
 
     monkeypatch.setattr(plot, "plot_run", lambda run_dir: None)
@@ -456,28 +460,30 @@ def test_dpo_resume_is_exact(hf_dirs, pairs_file, tmp_path, monkeypatch, caplog)
             f"train.init_from={hf_dirs[0]}", f"data.path={pairs_file}", *SMALL,
             f"train.run_dir={run_dir}", f"train.steps={steps}", "train.ckpt_every=1",
             "train.mesh=1,1,1", "train.pairs_per_step=5"])
-        return run(model, train, data, progress=False)
+        return run(model, train, data, progress=False, memory_check=False)
 
-    go(tmp_path / "a", 1)
-    reference = tmp_path / "a" / P.REFERENCE_FILE
+    run_dir = tmp_path / "a"
+    go(run_dir, 2)  # the straight run: its step 2 and records, as they were before the kill
+    with CheckpointManager(run_dir / "checkpoints", async_save=False) as manager:
+        straight, _ = manager.restore_params(None, 2)
+    straight_records = _metrics(run_dir)
+    reference = run_dir / P.REFERENCE_FILE
     stored = reference.stat().st_mtime_ns
-    summary = go(tmp_path / "a", 2)
+    shutil.rmtree(run_dir / "checkpoints" / "2")  # killed before step 2's checkpoint
+    summary = go(run_dir, 2)
     assert (summary.start_step, summary.final_step) == (1, 2)
     assert reference.stat().st_mtime_ns == stored  # read back, not written again
-    go(tmp_path / "b", 2)
-    a, _ = CheckpointManager(tmp_path / "a" / "checkpoints", async_save=False).restore_params(
-        None, 2)
-    b, _ = CheckpointManager(tmp_path / "b" / "checkpoints", async_save=False).restore_params(
-        None, 2)
-    jax.tree.map(np.testing.assert_array_equal, a, b)
-    losses = [m["loss"] for m in _metrics(tmp_path / "b")]
-    assert [m["loss"] for m in _metrics(tmp_path / "a")] == losses
+    with CheckpointManager(run_dir / "checkpoints", async_save=False) as manager:
+        resumed, _ = manager.restore_params(None, 2)
+    jax.tree.map(np.testing.assert_array_equal, resumed, straight)
+    losses = [m["loss"] for m in straight_records]
+    assert [m["loss"] for m in _metrics(run_dir)] == losses  # step 2's record once, the same
     assert losses[0] == pytest.approx(np.log(2), abs=1e-5) and losses[1] != losses[0]
     # Step 1: the policy is the reference, so every pair ties at rewards 0 (TRL logs 0 there).
-    first = _metrics(tmp_path / "b")[0]
+    first = straight_records[0]
     assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margin"] == 0
     assert first["rewards/accuracy"] == 0
     # 24 pairs, 5 a step: an epoch is 5 steps, the last on 4 pairs.
     assert ("train.pairs_per_step=5: each step trains on 5 pairs (the last of each epoch's 5 "
             "steps on 4), packed into train.batch_size=") in caplog.text
-    assert {m["pairs"] for m in _metrics(tmp_path / "b")} <= {4, 5}
+    assert {m["pairs"] for m in straight_records} <= {4, 5}
