@@ -4,11 +4,12 @@ YaRN, the biased router and experts, the clamped SwiGLU), each feature moves the
 reads back in transformers, and greedy generation equals transformers'."""
 
 import dataclasses
+import functools
 import json
 
 import numpy as np
 import pytest
-from helpers import LoadedHF, jit_logits, ragged_inputs, run_until_idle, torch_logits
+from helpers import FAST_COMPILE, LoadedHF, ragged_inputs, run_until_idle, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -50,8 +51,21 @@ def random_gpt_oss(seed: int = 0):
     return model
 
 
+@functools.cache
+def _forward(config):
+    """The jitted forward ``(params, tokens, positions) -> logits`` of a config, one per
+    config (the logits and export tests run one program)."""
+    import jax
+
+    from transformer_jax.model.transformer import Transformer
+
+    return jax.jit(lambda p, t, pos: Transformer(config).apply({"params": p}, t,
+                                                               positions=pos).logits,
+                   compiler_options=FAST_COMPILE)
+
+
 def _logits(config, params, tokens=INPUTS[0], positions=INPUTS[1]) -> np.ndarray:
-    return jit_logits(config, params, tokens, positions)
+    return np.asarray(_forward(config)(params, tokens, positions))
 
 
 Loaded = LoadedHF

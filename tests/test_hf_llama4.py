@@ -9,7 +9,6 @@ import dataclasses
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import LoadedHF, jit_logits, ragged_inputs, run_until_idle
@@ -96,10 +95,15 @@ def test_config_reads_every_feature(llama4):
     assert c.sparse_layers == (1, 3)
 
 
+@pytest.fixture(scope="module")
+def scanned(llama4):
+    """The checkpoint loaded as the scanned stack: (config, params)."""
+    return hf.load(llama4.path, scan_layers=True)
+
+
 @pytest.mark.parametrize("scan", [False, True])
-def test_logits_match_transformers(llama4, scan):
-    config, params = hf.load(llama4.path, scan_layers=scan) if scan else (
-        llama4.config, llama4.params)
+def test_logits_match_transformers(llama4, scanned, scan):
+    config, params = scanned if scan else (llama4.config, llama4.params)
     diff = float(np.max(np.abs(_logits(config, params) - llama4.logits)))
     assert diff <= TOL, diff
 
@@ -173,10 +177,10 @@ def test_chunk_mask_equals_numpy(impl):
     keys, values = (rng.standard_normal((b, k, t, h)).astype(np.float32) for _ in range(2))
     pos = np.stack([np.arange(t), np.r_[np.arange(6), np.arange(4)] + 5]).astype(np.int32)
     seg = np.array([[1] * t, [1] * 6 + [2] * 4], np.int32)
-    out = np.asarray(attention(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values),
-                               q_positions=jnp.asarray(pos), k_positions=jnp.asarray(pos),
-                               q_segments=jnp.asarray(seg), k_segments=jnp.asarray(seg),
-                               chunk=c, impl=impl))
+    # Jitted (one program): op by op, the attention compiles a program per op.
+    out = np.asarray(jax.jit(lambda q, k, v, pos, seg: attention(
+        q, k, v, q_positions=pos, k_positions=pos, q_segments=seg, k_segments=seg, chunk=c,
+        impl=impl))(q, keys, values, pos, seg))
     mask = ((pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] // c == pos[:, :, None] // c)
             & (seg[:, None, :] == seg[:, :, None]))  # [B, T, S]
     kv = np.repeat(keys, n // k, axis=1), np.repeat(values, n // k, axis=1)
@@ -197,11 +201,11 @@ def test_chunked_layers_cache_only_their_chunk(llama4):
     assert len(full) == 4 and all(64 in x.shape for x in full)
 
 
-def test_engine_equals_generate(llama4):
+def test_engine_equals_generate(llama4, scanned):
     """The serving engine on the scanned stack (chunk rings per slot found by ``LayerRef``,
     paged NoPE layers, decode across chunks, a pool small enough to preempt) gives each
     prompt what generate gives it."""
-    config, params = hf.load(llama4.path, scan_layers=True)
+    config, params = scanned
     engine = Engine(config, decode.prepare(config, params), num_slots=2, num_pages=5,
                     page_size=4, token_budget=6, min_context=16)
     ids = [engine.add_request(p, SamplingParams(max_tokens=NEW)) for p in PROMPTS]

@@ -96,21 +96,39 @@ def test_a_dense_then_sparse_stack_trains_and_generates_scanned(fast_generate_co
     assert stacked["scan_0"]["mlp"]["up"].shape[0] == 3  # three dense layers
     assert stacked["scan_1"]["moe"]["up"].shape[:2] == (2, 4)  # two sparse layers, 4 experts
     jax.tree.map(np.testing.assert_array_equal, _unstack(stacked), params)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 12)), jnp.int32)
-    def grad(config, p):
-        return jax.jit(jax.value_and_grad(lambda p: _loss(config, p, tokens)),
-                       compiler_options=FAST_COMPILE)(p)
+    tokens = np.random.default_rng(0).integers(0, 97, (2, 12)).astype(np.int32)
 
-    (want_loss, want_grad), (got_loss, got_grad) = grad(unrolled, params), grad(scanned, stacked)
+    def grad(config):
+        """The loss and its gradient, with the logits and router stats beside them: one
+        program a layout, the unrolled one run again below as the reference forward."""
+        def loss(p, tokens):
+            out = Transformer(config).apply({"params": p}, tokens[:, :-1])
+            return cross_entropy(out.logits, tokens[:, 1:]), (out.logits, out.moe)
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True), compiler_options=FAST_COMPILE)
+
+    unrolled_grad = grad(unrolled)
+    (want_loss, (_, want_stats)), want_grad = unrolled_grad(params, tokens)
+    (got_loss, (_, stats)), got_grad = grad(scanned)(stacked, tokens)
     # Scanned and unrolled programs fuse differently: float32 sums in another order.
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6),
                  _unstack(got_grad), want_grad)
-    stats = _router_stats(scanned, stacked, tokens)
     assert stats["load"].shape == (2, 4)  # the two sparse layers' stats, in layer order
+    np.testing.assert_array_equal(stats["load"], want_stats["load"])  # counts: exact
+    # The scanned model's cached decode is the unrolled model's greedy choice at every step:
+    # each token the argmax of the unrolled forward over its prompt and the tokens before it
+    # (right-padded: causal attention keeps the padding out of earlier positions).
     prompts = [[5, 9, 2, 7, 1], [4, 6]]
-    want = generate(unrolled, params, prompts, max_new_tokens=5).tokens
-    assert generate(scanned, stacked, prompts, max_new_tokens=5).tokens == want
+    got = generate(scanned, stacked, prompts, max_new_tokens=5).tokens
+    seqs = np.zeros_like(tokens)
+    for row, (prompt, new) in enumerate(zip(prompts, got, strict=True)):
+        assert len(new) == 5
+        seqs[row, :len(prompt) + 5] = prompt + list(new)
+    (_, (logits, _)), _ = unrolled_grad(params, seqs)
+    for row, (prompt, new) in enumerate(zip(prompts, got, strict=True)):
+        steps = np.asarray(logits[row, len(prompt) - 1:len(prompt) + 4])
+        assert np.argmax(steps, -1).tolist() == list(new), row
 
 
 def test_a_periods_sparse_layers_report_their_router_stats_in_layer_order():

@@ -3,6 +3,8 @@ in ``test_hf_families.py``): (1 + w) norms, QK-norm over heads or whole projecti
 over a tensor axis too), embedding scale, final soft-cap, layer patterns that differ in one
 scan, and their compile size flat in depth."""
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -13,7 +15,12 @@ from helpers import FAST_COMPILE, jaxpr_equations, random_params
 from transformer_jax.model import ops
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import LayerKind
-from transformer_jax.model.transformer import Transformer, init_params, stack_blocks
+from transformer_jax.model.transformer import (
+    Transformer,
+    abstract_params,
+    init_params,
+    stack_blocks,
+)
 
 BASE = dict(vocab_size=97, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64,
             max_seq_len=64)
@@ -42,15 +49,26 @@ def _perturbed(config: ModelConfig, seed: int = 0, scale: float = 1.0):
 _stack = jax.jit(stack_blocks, static_argnums=1, compiler_options=FAST_COMPILE)
 
 
-def _forward(config: ModelConfig, **kwargs):
-    """The model's jitted forward ``(params, tokens) -> output``."""
-    return jax.jit(lambda p, t: Transformer(config).apply({"params": p}, t, **kwargs),
+@functools.cache
+def _forward(config: ModelConfig, hidden_only: bool = False):
+    """The model's jitted forward ``(params, tokens) -> output``, one per config (tests of
+    the same config and shapes run one compiled program)."""
+    return jax.jit(lambda p, t: Transformer(config).apply({"params": p}, t,
+                                                          hidden_only=hidden_only),
                    compiler_options=FAST_COMPILE)
 
 
 @pytest.fixture(scope="module")
 def tokens():
-    return jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 11)))
+    # numpy: eager slices of a device array would compile a program each
+    return np.random.default_rng(0).integers(0, 97, (2, 11)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def capped():
+    """The soft-capped family's config and params large enough that the final cap binds."""
+    config = ModelConfig(**{**BASE, **FAMILIES["sandwich_softcap"]})
+    return config, _perturbed(config, scale=20.0)
 
 
 def test_rms_norm_offset_and_heads_against_numpy():
@@ -107,14 +125,13 @@ def test_each_layer_attends_by_its_kind(tokens):
         np.testing.assert_array_equal(kind.freqs, local if layer == "local" else global_)
 
 
-def test_final_softcap_bounds_the_logits(tokens):
-    config = ModelConfig(**{**BASE, **FAMILIES["sandwich_softcap"]})
-    params = _perturbed(config, scale=20.0)
-    capped = _forward(config)(params, tokens).logits
-    raw = _forward(config.replace(final_softcap=None))(params, tokens).logits
-    assert float(jnp.abs(raw).max()) > 3.0  # the cap binds
-    np.testing.assert_allclose(capped, 3.0 * np.tanh(np.asarray(raw) / 3.0), rtol=1e-5,
-                               atol=1e-5)
+def test_final_softcap_bounds_the_logits(tokens, capped):
+    config, params = capped
+    inputs = tokens[:, :-1]  # the evaluation test's forward: one program
+    logits = _forward(config)(params, inputs).logits
+    raw = np.asarray(_forward(config.replace(final_softcap=None))(params, inputs).logits)
+    assert float(np.abs(raw).max()) > 3.0  # the cap binds
+    np.testing.assert_allclose(logits, 3.0 * np.tanh(raw / 3.0), rtol=1e-5, atol=1e-5)
 
 
 def test_embedding_scale_is_sqrt_d_in_the_compute_dtype():
@@ -137,8 +154,9 @@ def test_a_patterned_scanned_model_traces_to_the_same_program_at_any_depth():
         config = ModelConfig(**{**BASE, **FAMILIES["five_to_one"], "n_layers": n_layers,
                                 "layer_pattern": ("local",) * 5 + ("global",),
                                 "scan_layers": True})
-        params = jax.eval_shape(lambda: init_params(config.replace(scan_layers=False), 0))
-        params = jax.eval_shape(lambda p: stack_blocks(p, config), params)
+        # The scanned layout as the scanned model initialises to it (test_model's
+        # test_scanned_stack_equals_unrolled), traced once, not the unrolled init of every layer.
+        params = abstract_params(config)
         tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
         return jaxpr_equations(jax.make_jaxpr(
             lambda p, t: Transformer(config).apply({"params": p}, t).logits)(params, tokens).jaxpr)
@@ -167,8 +185,9 @@ def _greedy_without_cache(forward, prompt: list[int], n: int, width: int) -> lis
     at the end to one length: causal attention keeps the padding out of earlier positions)."""
     tokens = list(prompt)
     for _ in range(n):
-        logits = forward(jnp.asarray([tokens + [0] * (width - len(tokens))]))
-        tokens.append(int(jnp.argmax(logits[0, len(tokens) - 1])))
+        logits = np.asarray(forward(np.asarray([tokens + [0] * (width - len(tokens))])))
+        # numpy: an eager index of the device array would compile a program per position
+        tokens.append(int(np.argmax(logits[0, len(tokens) - 1])))
     return tokens[len(prompt):]
 
 
@@ -215,37 +234,46 @@ def test_quantized_decode_of_layers_that_differ_equals_decode_over_dequantised_w
     assert norm.dtype == jnp.float32 and norm.shape == (2, config.head_dim)
     dequantised = decode.DecodeWeights(jax.jit(dequantize_params)(weights.params), config,
                                        None, weights.out_first)
-    got = generate(config, weights, PROMPTS, max_new_tokens=6)
-    want = generate(config, dequantised, PROMPTS, max_new_tokens=6)
+    # The cache size of the float decode above: its program decodes the dequantised weights.
+    got = generate(config, weights, PROMPTS, max_new_tokens=6, cache_size=24)
+    want = generate(config, dequantised, PROMPTS, max_new_tokens=6, cache_size=24)
     assert got.tokens == want.tokens
     np.testing.assert_allclose(got.logprob_array, want.logprob_array, atol=1e-5)
 
 
-def test_evaluation_scores_are_the_capped_forwards_log_probabilities(tokens):
+def test_evaluation_scores_are_the_capped_forwards_log_probabilities(tokens, capped):
     """The harness's token scores (LM head per row, as ``hidden_only`` gives) apply the
     final soft-cap as the forward does."""
     from transformer_jax.evaluate.scoring import token_scores
 
-    config = ModelConfig(**{**BASE, **FAMILIES["sandwich_softcap"]})
-    params = _perturbed(config, scale=20.0)
+    config, params = capped
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-    logprob, _ = jax.jit(lambda p: token_scores(Transformer(config), p, inputs, targets,
-                                                positions, jnp.ones_like(inputs)),
-                         compiler_options=FAST_COMPILE)(params)
-    logits = _forward(config)(params, inputs).logits
-    want = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+    positions = np.broadcast_to(np.arange(inputs.shape[1], dtype=np.int32), inputs.shape)
+    logprob, _ = jax.jit(lambda p, i, t, pos, m: token_scores(Transformer(config), p, i, t,
+                                                              pos, m),
+                         compiler_options=FAST_COMPILE)(params, inputs, targets, positions,
+                                                        np.ones_like(inputs))
+    # The forward's log-probabilities of the targets, in numpy (float64).
+    logits = np.asarray(_forward(config)(params, inputs).logits, np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_softmax = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    want = np.take_along_axis(log_softmax, targets[..., None], -1)[..., 0]
     np.testing.assert_allclose(logprob, want, rtol=1e-5, atol=1e-5)
 
 
+def _norm_gains(params) -> list:
+    return [x for path, x in jax.tree_util.tree_leaves_with_path(params)
+            if "norm" in jax.tree_util.keystr(path)]
+
+
 def test_norm_gains_start_at_an_effective_one_whatever_the_offset():
-    # Jitted (one program a config): op by op, the init compiles a program per op and shape.
-    init = jax.jit(init_params, static_argnums=(0, 1), compiler_options=FAST_COMPILE)
-    for offset in (0.0, 1.0):
-        config = ModelConfig(**{**BASE, **FAMILIES["five_to_one"], "norm_offset": offset})
-        params = init(config, 0)
-        gains = [x for path, x in jax.tree_util.tree_leaves_with_path(params)
-                 if "norm" in jax.tree_util.keystr(path)]
-        assert len(gains) == 4 * config.n_layers + 2 * config.n_layers + 1  # + q/k norms
-        for g in gains:
+    offsets = (0.0, 1.0)
+    configs = [ModelConfig(**{**BASE, **FAMILIES["five_to_one"], "norm_offset": offset})
+               for offset in offsets]
+    # Both inits in one jitted program (op by op, the init compiles a program per op and
+    # shape) that returns the gains only: XLA drops the random matrices nobody reads.
+    gains = jax.jit(lambda: [_norm_gains(init_params(c, 0)) for c in configs])()
+    for offset, config, config_gains in zip(offsets, configs, gains, strict=True):
+        assert len(config_gains) == 4 * config.n_layers + 2 * config.n_layers + 1  # + q/k norms
+        for g in config_gains:
             np.testing.assert_array_equal(g + offset, 1.0)

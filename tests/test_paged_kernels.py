@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_COMPILE, run_until_idle
+from helpers import FAST_COMPILE, random_params, run_until_idle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
@@ -118,7 +118,8 @@ def test_interpreted_decode_kernel_equals_gather_reference(structure, kernel, pr
     def normal(*shape):
         # The TPU kernel reads pages as bfloat16 (its loader casts them): values that bfloat16
         # holds exactly keep the comparison at float32 precision.
-        return jnp.asarray(rng.normal(size=shape), jnp.bfloat16).astype(jnp.float32)
+        # (numpy's bfloat16, ml_dtypes': eager casts of device arrays compile a program each)
+        return rng.normal(size=shape).astype(jnp.bfloat16).astype(np.float32)
 
     got, want = run(table, np.asarray(prior, np.int32), normal(B, S_MAX, kv, h),
                     normal(B, S_MAX, kv, h), normal(B, 1, n, h), normal(B, 1, kv, h),
@@ -276,8 +277,8 @@ def test_engine_on_the_interpreted_triton_kernel_gives_generates_tokens():
     paged kernel in interpret mode (prefill chunks on the gather view): ``generate``'s tokens."""
     config = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                          head_dim=8, d_ff=48, max_seq_len=64, init_std=0.2)
-    init = jax.jit(init_params, static_argnums=0, compiler_options=FAST_COMPILE)
-    params = init(config, jax.random.key(0))
+    # Drawn with numpy from the shapes (helpers.random_params): no init program compiles.
+    params = jax.device_put(random_params(config, seed=0))
     prompts = [[5, 9, 2, 33, 7, 1, 60], [12, 4]]
     new = 5
     engine = Engine(config.replace(attention_impl="pallas"), params, num_slots=2,

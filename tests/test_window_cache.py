@@ -100,7 +100,8 @@ def test_ring_attention_equals_full_cache_and_numpy_at_every_position(name):
     for starts, t, real in SCHEDULE:
         positions = np.asarray(starts, np.int32)[:, None] + np.arange(t, dtype=np.int32)
         if real is not None:  # the rings stop at each row's end (a right-padded prefill)
-            ring = ring.replace(ring_end=jnp.asarray(positions[:, 0] + real, jnp.int32))
+            ring = ring.replace(ring_end=jax.device_put(
+                (positions[:, 0] + np.asarray(real)).astype(np.int32)))
         real = np.asarray(real if real is not None else [t] * B)
         q, k, v = (rng.normal(size=(2, B, t, n, H)).astype(np.float32) for n in (N, K, K))
         outs, ring, full = _attend(ring, full, q, k, v, positions, traced=scanned)
@@ -173,9 +174,10 @@ def _decode_three_ways(config, params, padded, lengths, steps):
 def patterned_params():
     """{scan_layers: parameters} of ``PATTERNED``: the same weights in both layouts."""
     rng = np.random.default_rng(3)  # random weights without compiling the init
-    params = jax.tree.map(lambda x: jnp.asarray(rng.normal(1.0 if x.ndim == 1 else 0.0, 0.2,
-                                                           x.shape), x.dtype),
-                          abstract_params(PATTERNED))
+    # (numpy casts and one device_put: jnp.asarray's cast compiles a program per shape)
+    params = jax.device_put(jax.tree.map(
+        lambda x: rng.normal(1.0 if x.ndim == 1 else 0.0, 0.2, x.shape).astype(x.dtype),
+        abstract_params(PATTERNED)))
     stack = jax.jit(stack_blocks, static_argnums=1, compiler_options=FAST_COMPILE)  # one program
     return {False: params, True: stack(params, PATTERNED)}
 

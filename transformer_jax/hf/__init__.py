@@ -303,7 +303,8 @@ def _load_params(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
         shape = lead + parts[0].shape
         with reader.reopened([p.hf_name for p in parts]) as fresh:
             if by_path is None:
-                value = jnp.asarray(block(fresh, parts, lead, (slice(None),) * len(shape)))
+                # device_put, not jnp.asarray: that compiles a (copy) program per shape
+                value = jax.device_put(block(fresh, parts, lead, (slice(None),) * len(shape)))
             else:
                 sharding = by_path[key]
                 shards = [jax.device_put(block(fresh, parts, lead, index), device) for
