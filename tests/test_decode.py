@@ -343,7 +343,11 @@ def test_sampling_is_reproducible_per_seed_and_per_sequence():
     assert batch.tokens[1] == alone.tokens[0]
     # Each logprob is the model's log-softmax at the chosen token.
     seq = prompts[0] + a.tokens[0]
-    lp = jax.nn.log_softmax(_full_logits(config, params, [seq])[0], -1)
+    # (the greedy reference's program: padded to max_seq_len after the sequence, unseen by
+    # its causal logits)
+    buf = np.zeros((1, config.max_seq_len), np.int32)
+    buf[0, :len(seq)] = seq
+    lp = jax.nn.log_softmax(_full_logits(config, params, buf)[0, :len(seq)], -1)
     want = [float(lp[len(prompts[0]) - 1 + i, t]) for i, t in enumerate(a.tokens[0])]
     np.testing.assert_allclose(a.logprobs[0], want, atol=1e-5)
 

@@ -10,13 +10,8 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import (
-    ENGINE_STEP_LIMIT,
-    check_top_logprobs,
-    random_params,
-    run_until_idle,
-    step_until,
-)
+from helpers import ENGINE_STEP_LIMIT, check_top_logprobs, run_until_idle, step_until
+from helpers import random_params as numpy_params
 from scipy.special import log_softmax
 
 from transformer_jax.decode import generation
@@ -42,9 +37,8 @@ ENGINE = dict(num_slots=4, num_pages=25, page_size=4, token_budget=20, min_conte
 
 @pytest.fixture(scope="module")
 def raw_params():
-    """The module model's weights (before ``decode.prepare``), drawn with numpy
-    (``helpers.random_params``): no init program compiles."""
-    return jax.device_put(random_params(ModelConfig(**TINY)))
+    """The module model's weights (before ``decode.prepare``), drawn with numpy (no init)."""
+    return jax.device_put(numpy_params(ModelConfig(**TINY)))
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +280,7 @@ def test_scanned_model_with_a_sliding_window_equals_generate():
     """Stacked [L, ...] pages (a scanned model) and a sliding window shorter than the prompts:
     a chunked long prompt and two short ones decode what generate gives each alone."""
     config = ModelConfig(**{**TINY, "scan_layers": True, "sliding_window": 6})
-    model = config, decode.prepare(config, jax.device_put(random_params(config, 1)))
+    model = config, decode.prepare(config, jax.device_put(numpy_params(config, 1)))
     engine = Engine(*model, num_slots=2, num_pages=12, page_size=8, token_budget=18,
                     min_context=16)
     assert engine.scheduler.widths == (2, 4, 8) and engine.scheduler.buckets == (16,)
