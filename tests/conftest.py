@@ -118,7 +118,7 @@ LONGEST_FIRST = (
     "test_hf_llama4", "test_hf_gpt_oss", "test_hf_deepseek", "test_mtp", "test_hf_families",
     "test_hf_fp8",
     "test_model_backends", "test_faults", "test_attention", "test_hf_moe", "test_model",
-    "test_serving_tp", "test_ops", "test_loading", "test_compiled_step", "test_moe_deepseek",
+    "test_ops", "test_loading", "test_compiled_step", "test_moe_deepseek",
     "test_moe_ops", "test_window_cache", "test_bench_decode", "test_sampling", "test_quant",
     "test_layer_groups", "test_moe_bias", "test_attention_sinks", "test_checkpoint",
     "test_paged_kernels", "test_export", "test_serving_bench", "test_hf", "test_hf_mxfp4",
