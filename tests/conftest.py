@@ -108,25 +108,25 @@ def fast_engine_compiles():
 # later worker ends 21 s sooner in this order than with test_tpu_compile in collection order. A
 # module not listed (each takes under 2 s) runs after these, in collection order.
 LONGEST_FIRST = (
-    "test_tpu_compile", "test_tpu_remat", "test_speculative", "test_moe_decode", "test_training",
-    "test_finetune", "test_readme_commands", "test_train_cli", "test_grpo", "test_decode",
-    "test_decode_tp", "test_serve", "test_model_families", "test_speculative_engine",
-    "test_preference", "test_generate_cli", "test_serving_multi_prefill",
-    "test_object_storage", "test_sharding", "test_moe_parallel", "test_context_parallel",
-    "test_run_faults", "test_serving_engine", "test_tools", "test_moe_train", "test_multihost",
-    "test_hf_sharded", "test_io_faults", "test_multi_lora", "test_faults_qlora",
-    "test_hf_llama4", "test_hf_gpt_oss", "test_hf_deepseek", "test_mtp", "test_hf_families",
-    "test_hf_fp8",
-    "test_model_backends", "test_faults", "test_attention", "test_hf_moe", "test_model",
-    "test_ops", "test_loading", "test_compiled_step", "test_moe_deepseek",
-    "test_moe_ops", "test_window_cache", "test_bench_decode", "test_sampling", "test_quant",
-    "test_layer_groups", "test_moe_bias", "test_attention_sinks", "test_checkpoint",
-    "test_paged_kernels", "test_export", "test_serving_bench", "test_hf", "test_hf_mxfp4",
-    "test_hf_export", "test_structured", "test_quant_train", "test_generate_structured",
-    "test_attention_kernels", "test_serving_paged_cache", "test_docs", "test_lora",
-    "test_structured_schemas", "test_plot", "test_config", "test_kv_quant", "test_evaluate",
-    "test_eval_sets", "test_legacy_run", "test_no_hang", "test_lm_loss", "test_data_shards",
-    "test_ops_softcap_yarn", "test_tokenizer", "test_data_build", "test_faults_serve")
+    "test_decode_tp", "test_tpu_compile", "test_readme_commands", "test_moe_decode",
+    "test_speculative", "test_moe_parallel", "test_speculative_engine", "test_sharding",
+    "test_object_storage", "test_run_faults", "test_finetune", "test_decode", "test_grpo",
+    "test_model_families", "test_training", "test_serving_multi_prefill", "test_preference",
+    "test_serving_engine", "test_moe_train", "test_serve", "test_hf_deepseek", "test_train_cli",
+    "test_model", "test_multihost", "test_io_faults", "test_generate_cli", "test_faults",
+    "test_hf_moe", "test_multi_lora", "test_tpu_remat", "test_faults_qlora", "test_hf_llama4",
+    "test_moe_ops", "test_model_backends", "test_hf_families", "test_paged_kernels",
+    "test_window_cache", "test_loading", "test_context_parallel", "test_checkpoint",
+    "test_hf_gpt_oss", "test_sampling", "test_mtp", "test_layer_groups", "test_attention",
+    "test_ops", "test_quant", "test_moe_deepseek", "test_serving_bench", "test_hf",
+    "test_quant_train", "test_tools", "test_hf_sharded", "test_bench_decode", "test_docs",
+    "test_structured", "test_export", "test_generate_structured", "test_attention_sinks",
+    "test_compiled_step", "test_moe_bias", "test_plot", "test_hf_export",
+    "test_serving_paged_cache", "test_mtp_engine", "test_config", "test_kv_quant", "test_lora",
+    "test_structured_schemas", "test_attention_kernels", "test_lm_loss", "test_no_hang",
+    "test_eval_sets", "test_evaluate", "test_ops_softcap_yarn", "test_data_shards",
+    "test_legacy_run", "test_tokenizer", "test_faults_engine", "test_faults_serve",
+    "test_data_build")
 
 
 def pytest_configure(config):
