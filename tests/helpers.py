@@ -78,6 +78,59 @@ TRAIN_CLI_NO_PLOT = [
     "import sys; from transformer_jax.train import plot; plot.plot_run = lambda run_dir: None; "
     "from transformer_jax.cli.train import main; sys.exit(main())"]
 
+# Runs each job of the JSON list on stdin, [name, directory or null, argv], one after another in
+# this one process, as ``python ARGV`` would in that directory (argv[0] a script, or "-c" and
+# code); prints {name: {returncode, stdout, stderr}} as its last line. A job that replaced the
+# training run's loss plot (``-c`` code that stubs ``run._plot``) does not leave it replaced for
+# the next job. One process for several CLI runs: the imports and compiles are paid once.
+SCRIPTS_DRIVER = r"""
+import contextlib, io, json, os, runpy, sys, traceback
+from transformer_jax.train import run
+
+draw = run._plot
+results = {}
+for name, cwd, argv in json.load(sys.stdin):
+    run._plot = draw
+    if cwd is not None:
+        os.chdir(cwd)
+    sys.argv = argv[1:] if argv[0] == "-c" else list(argv)  # as python sets it
+    sys.argv[0] = argv[0]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if argv[0] == "-c":
+                exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+            else:
+                runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results[name] = {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+print(json.dumps(results))
+"""
+
+
+def logged(call: Callable[[], object]) -> tuple[object, str]:
+    """``call()``'s value and the ``transformer_jax`` log lines (INFO and above) it wrote."""
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("transformer_jax")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        return call(), "\n".join(lines)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 # A tiny random model: GQA (4 query heads, 2 kv heads of 8), 2 layers, weights at init_std 0.2 so
 # that its logits are far from uniform. Tests change fields with ``TINY.replace(...)``.
 TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,

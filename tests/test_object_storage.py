@@ -14,7 +14,6 @@ local reference) run in this pytest process through the library's ``training.run
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import socket
@@ -26,7 +25,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import with_fast_flags, write_word_docs
+from helpers import logged, with_fast_flags, write_word_docs
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -111,21 +110,9 @@ def _train_here(args: list[str]) -> str:
     from transformer_jax.train.config import build_configs
 
     model, train, data = build_configs("tiny", [*MODEL, *TRAIN, *args])
-    lines: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("transformer_jax")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(training, "_plot", lambda run_dir, times: None)
-            training.run(model, train, data, progress=False)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    return "\n".join(lines)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(training, "_plot", lambda run_dir, times: None)
+        return logged(lambda: training.run(model, train, data, progress=False))[1]
 
 
 def _step_params(checkpoints, step: int):

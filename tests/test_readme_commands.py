@@ -5,7 +5,7 @@ A training command is a line of a fenced code block that starts ``transformer-ja
 ``python train.py``: the same program (``train.py`` is the alias of ``transformer-jax train``),
 so both are run as ``python ROOT/train.py ARGS``. The commands that set nothing of their
 process (its devices, the hosts beside it) but a mesh of 8 devices run one after another in one
-process of 8 CPU devices, as on an 8-core host (``DRIVER``: ``train.py`` executed as
+process of 8 CPU devices, as on an 8-core host (``SCRIPTS_DRIVER``: ``train.py`` executed as
 ``__main__`` for each, in its own directory), which each of them would set up alike there; the
 others run in processes of their own."""
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FAST_XLA_FLAGS, with_fast_flags
+from helpers import FAST_XLA_FLAGS, SCRIPTS_DRIVER, with_fast_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -179,34 +179,9 @@ def ci_sized(args: tuple[str, ...], root: Path) -> list[str]:
             f"data.path={root / 'corpus.txt'}", f"data.cache_dir={root / 'cache'}"]
 
 
-# Runs train.py as ``__main__`` for each of the JSON list on stdin of [name, directory, argv]
-# (argv[0] = train.py), in that directory, with its output captured; prints {name: {returncode,
-# stdout, stderr}} as its last line.
-DRIVER = r"""
-import contextlib, io, json, os, runpy, sys, traceback
-
-results = {}
-for name, cwd, argv in json.load(sys.stdin):
-    os.chdir(cwd)
-    sys.argv = list(argv)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(argv[0], run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-    results[name] = {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
-print(json.dumps(results))
-"""
-
-
 @pytest.fixture(scope="module")
 def shared_runs(workspace, tmp_path_factory) -> dict[str, dict]:
-    """The ``SHARED`` commands run by ``DRIVER`` in one process: name -> its result."""
+    """The ``SHARED`` commands run by ``SCRIPTS_DRIVER`` in one process: name -> its result."""
     from transformer_jax.train.config import build_configs
 
     root, env = workspace
@@ -219,7 +194,7 @@ def shared_runs(workspace, tmp_path_factory) -> dict[str, dict]:
             for k in SHARED]
     env = dict(env, XLA_FLAGS=with_fast_flags(
         f"--xla_force_host_platform_device_count={SHARED_DEVICES}"))
-    done = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(jobs), env=env,
+    done = subprocess.run([sys.executable, "-c", SCRIPTS_DRIVER], input=json.dumps(jobs), env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import FAST_XLA_FLAGS, TINY_RUN_ARGS
+from helpers import FAST_XLA_FLAGS, TINY_RUN_ARGS, logged
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
 from transformer_jax.checkpoint.manager import CheckpointError, CheckpointManager
@@ -183,22 +183,6 @@ def test_an_aborted_save_leaves_the_previous_checkpoint_and_no_debris(aborted, t
         assert int(ckpt.restore(None)[0]["step"]) == 2
 
 
-def _logged(call) -> tuple[object, str]:
-    """``call()``'s value and the transformer_jax log lines (INFO and above) it wrote."""
-    lines: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("transformer_jax")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        return call(), "\n".join(lines)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     """A run of 2 steps whose save of step 3 was killed half-way, run again to step 4, then run
@@ -210,9 +194,9 @@ def resumed(tmp_path_factory):
     (debris / "state").mkdir(parents=True)
     (debris / "state" / "x").write_bytes(b"partial")
     summary_file = root / "run" / "summary.json"
-    second, second_log = _logged(lambda: training.run(model, tc, data, progress=False))
+    second, second_log = logged(lambda: training.run(model, tc, data, progress=False))
     written = summary_file.read_text()
-    third, third_log = _logged(lambda: training.run(model, tc, data, progress=False))
+    third, third_log = logged(lambda: training.run(model, tc, data, progress=False))
     return root, (second, second_log, written), (third, third_log, summary_file.read_text())
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import with_fast_flags
+from helpers import SCRIPTS_DRIVER, with_fast_flags
 
 from transformer_jax.checkpoint.manager import CheckpointManager
 from transformer_jax.model.config import ModelConfig
@@ -74,10 +74,11 @@ def test_cli_reports_config_errors_without_a_traceback(capsys, tmp_path):
 
 
 # Subprocess runs ---------------------------------------------------------------------------------
-# Two processes: the run killed with -9 (a process of its own), then one DRIVER process that runs
-# train.py as ``__main__`` for each of the other runs in turn (the resume of the killed run, the
-# uninterrupted reference, the run stopped by SIGTERM, the batch refused for its devices): a
-# process start (imports, backends) costs seconds, and these runs test resuming and signals.
+# Two processes: the run killed with -9 (a process of its own), then one SCRIPTS_DRIVER process
+# that runs train.py as ``__main__`` for each of the other runs in turn (the resume of the killed
+# run, the uninterrupted reference, the run stopped by SIGTERM, the batch refused for its
+# devices): a process start (imports, backends) costs seconds, and these runs test resuming and
+# signals.
 # Every process here has the same 2 CPU devices (XLA_FLAGS), so the resumed run's devices are
 # the killed run's.
 
@@ -102,37 +103,6 @@ def workspace(tmp_path_factory):
 NO_PLOT = ("import sys; from transformer_jax.train import run; "
            "run._plot = lambda run_dir, times: None; "
            "from transformer_jax.cli.train import main; sys.exit(main())")
-
-# Runs each job of the JSON list on stdin, [name, argv] (argv[0]: train.py or "-c" NO_PLOT), as
-# ``python ARGV`` would, one after another; prints {name: {returncode, stdout, stderr}} as its
-# last line. The loss plot is drawn in jobs that run train.py itself only.
-DRIVER = r"""
-import contextlib, io, json, runpy, sys, traceback
-from transformer_jax.train import run
-
-draw = run._plot
-results = {}
-for name, argv in json.load(sys.stdin):
-    run._plot = draw  # (NO_PLOT replaces it)
-    sys.argv = argv[1:] if argv[0] == "-c" else argv  # as python sets it
-    sys.argv[0] = argv[0]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            if argv[0] == "-c":
-                exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
-            else:
-                runpy.run_path(argv[0], run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-    results[name] = {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
-print(json.dumps(results))
-"""
-
 
 def command(root: Path, run_dir: Path, *extra: str, plot: bool = False) -> list[str]:
     entry = [str(ROOT / "train.py")] if plot else ["-c", NO_PLOT]
@@ -174,9 +144,9 @@ KILL_STEPS = [f"train.steps={N}", "train.ckpt_every=10", "train.keep_ckpts=2"]
 
 @pytest.fixture(scope="module")
 def runs(workspace):
-    """The killed run's step when killed, and the DRIVER's results: "resumed" (the killed run
-    run again), "straight" (its N steps uninterrupted), "sigterm" (stopped by SIGTERM after its
-    first checkpoint), "devices" (a batch of 3 rows on 2 devices)."""
+    """The killed run's step when killed, and the SCRIPTS_DRIVER's results: "resumed" (the
+    killed run run again), "straight" (its N steps uninterrupted), "sigterm" (stopped by SIGTERM
+    after its first checkpoint), "devices" (a batch of 3 rows on 2 devices)."""
     root, env = workspace
     killed, log = root / "killed", root / "killed.err"
     with open(log, "w") as stderr:
@@ -199,13 +169,14 @@ def runs(workspace):
     # train.steps.
     sigterm = ["train.steps=100000", "train.decay_steps=50", "train.ckpt_every=25",
                "train.eval_every=10", "train.eval_batches=4"]
-    jobs = [("resumed", command(root, killed, *KILL_STEPS)[1:]),
-            ("straight", command(root, root / "straight", *KILL_STEPS)[1:]),
-            ("sigterm", command(root, root / "sigterm", *sigterm)[1:]),
-            ("devices", command(root, root / "devices", "train.batch_size=3", plot=True)[1:])]
+    jobs = [("resumed", None, command(root, killed, *KILL_STEPS)[1:]),
+            ("straight", None, command(root, root / "straight", *KILL_STEPS)[1:]),
+            ("sigterm", None, command(root, root / "sigterm", *sigterm)[1:]),
+            ("devices", None,
+             command(root, root / "devices", "train.batch_size=3", plot=True)[1:])]
     out, err = root / "driver.out", root / "driver.err"
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdin=subprocess.PIPE,
+        driver = subprocess.Popen([sys.executable, "-c", SCRIPTS_DRIVER], stdin=subprocess.PIPE,
                                   stdout=stdout, stderr=stderr, env=env, text=True)
     try:
         driver.stdin.write(json.dumps(jobs))
