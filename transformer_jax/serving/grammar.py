@@ -1,30 +1,19 @@
 """Structured outputs: a request's grammar, compiled by llguidance against the engine's tokenizer,
 and the mask of the tokens it allows at each step.
 
-A ``Grammar`` says what the output must be: text matching a JSON schema (``"json_schema"``), any
-JSON object (``"json_object"``), a regular expression (``"regex"``), one of some strings
-(``"choice"``) or a grammar in llguidance's Lark syntax (``"lark"``, which may embed JSON
-schemas as ``%json {...}``: the server's enforced tool calls). The engine gives each request
-with one a ``llguidance.LLMatcher``. A step with grammar rows runs as two programs: the
-forward is dispatched first, and while the device runs it each matcher fills its request's row
-of a [R, ceil(V/32)] int32 bitmask on the host (bit v of a row: token v is allowed); the
-sampling program then sets every other token's logit to -inf (``step.sample_rows``; the masks
-are ``decode.constrained``'s, which ``generate``'s constrained loop uses too). After
-the step, the drawn token is fed to the matcher. Once the grammar is complete (nothing but its
-end may follow), the request finishes with reason ``"stop"``; a token the matcher refuses
-(drawn from its own mask: the engine's fault, never the model's) ends it with ``"error"``.
-Rows without a grammar get no mask, and a step with none of them runs the unmasked program.
+A ``Grammar`` is a JSON schema (``"json_schema"``), any JSON object (``"json_object"``), a
+regular expression (``"regex"``), one of some strings (``"choice"``) or llguidance's Lark syntax
+(``"lark"``, which may embed ``%json {...}``: the server's enforced tool calls). Each such
+request gets a ``llguidance.LLMatcher``. A step with grammar rows dispatches the forward, fills
+each row of a [R, ceil(V/32)] int32 bitmask on the host while it runs, then samples with every
+other token at -inf (``step.sample_rows``; the masks are ``decode.constrained``'s, shared with
+``generate``). A complete grammar finishes the request with ``"stop"``; a token the matcher
+refuses (the engine's fault) with ``"error"``.
 
-llguidance (the ``serve`` extra) is imported only when a grammar is used. It needs the HF
-``tokenizers`` tokenizer of the checkpoint (``tokenizer.json``), whose bytes it reads.
-
-A grammar's text is text: llguidance takes every added token (``<|im_end|>``, and Qwen's
-``<tool_call>`` or ``<think>`` although they are not "special") for a special token, which no
-text matches, so text that spells one is drawn as the ordinary tokens that write it. The
-tokenizer llguidance is given therefore tokenizes without the added tokens (where it forces
-text, ``tokenizers``' own tokenization would split ``"<think>"`` into the added token, which
-its matcher then refuses). A grammar that wants the added token itself names it as llguidance
-does, ``<[id]>`` (``token_ref``; the enforced tool calls allow it beside the text).
+llguidance (the ``serve`` extra) is imported only when a grammar is used; it reads the HF
+``tokenizers`` tokenizer (``tokenizer.json``). The tokenizer it is given tokenizes without the
+added tokens (``<|im_end|>``, ``<think>``...), so text that spells one is drawn as ordinary
+tokens; a grammar that wants the added token itself names it as ``<[id]>`` (``token_ref``).
 """
 
 from __future__ import annotations

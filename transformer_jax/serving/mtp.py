@@ -1,35 +1,20 @@
 """Multi-token prediction in the serving engine (``speculative="mtp"``): the target's own module
 1 proposes the token after the next one, as in ``generate`` (``decode.speculative_mtp``).
 
-The module keeps its one block's keys and values in pages of its own under the same page ids
-as the engine's pool, read through the same page tables (as a draft model's pages are,
-``serving.draft``), so the scheduler's tables, preemption and page reuse serve it without a
-second bookkeeping. Its entry at position j combines the target's final hidden state h_j and
-the token t_{j+1} after it, so it is written in the target's own programs, where both exist:
+The module keeps its block's keys and values in pages of its own under the pool's page ids,
+read through the same page tables (as a draft's are, ``serving.draft``). Its entry at position j
+combines the target's final hidden state h_j and the next token t_{j+1}, so the target's own
+programs write it: a speculating request's prompt chunk runs ``mtp_chunk`` (the chunk forward
+with its hidden states, the draw, then the module over the chunk with the prompt's next tokens;
+its prediction at the prompt's end is the first proposal), and every decode step with a
+speculating row runs ``mtp_verify`` (``speculative_mtp.verify`` of each row's last token and
+proposal, T = 2, or the last token alone, T = 1; its prediction at the last kept position is the
+next proposal). Entries past a row's kept positions are stale, hidden by causality.
 
-- a prompt chunk of a speculating request runs ``mtp_chunk``: the engine's chunk forward
-  (``step._forward``, its hidden states kept) and draw, then the module over the chunk's
-  positions with the prompt's next tokens (at the prompt's last position the token just
-  drawn), as ``speculative_mtp.first_proposal`` runs it over a prompt; its prediction at the
-  prompt's end is the first proposal;
-- every decode step with a speculating row runs ``mtp_verify``: ``speculative_mtp.verify``
-  (``generate``'s) of each row's last token and its proposal (T = 2), or of the last token
-  alone (T = 1: the plain step of an engine whose rows speculate so; rows of other proposers
-  in the step may make T larger), the module over the same positions with the target's draws;
-  its prediction at the row's last kept position is the next proposal.
-
-Positions past a row's kept ones hold stale entries, hidden by causality and overwritten by
-the next round, as the target's do. Each step's proposals go to the host with its tokens; a
-request proposes only the one made at its current length (none after a preemption until its
-recompute's last chunk has run).
-
-What costs acceptance only (verification keeps the output exact): a prefix-cache hit reuses
-pages another request's module wrote, whose entry at the hit's last position combined that
-request's next token; steps on the engine's two-program path (a grammar row, forks) run
-without the module, leaving their positions' entries stale.
-
-Programs: ``mtp_chunk`` per chunk shape and sampler, ``mtp_verify`` per page-table width, T
-and sampler; ``compile`` runs the greedy chunks and both kinds of verify rows.
+Costing acceptance only (verification keeps the output exact): a prefix-cache hit reuses pages
+another request's module wrote; steps on the two-program path (grammar rows, forks) run without
+the module. Programs: ``mtp_chunk`` per chunk shape and sampler, ``mtp_verify`` per page-table
+width, T and sampler.
 """
 
 from __future__ import annotations

@@ -1,29 +1,20 @@
 """Several decode steps per host round: N engine decode steps in one device program.
 
-When every running request decodes (none waiting to be admitted, none in prefill, no cancel
-or add queued), the engine runs N decode steps as one program (``multi_decode``: a
-``lax.fori_loop`` over the engine step's forward and sampling, as ``generate``'s decode loop
-runs its steps on the device), then hands the N tokens of each row to the scheduler one by
-one, in order, so each request's consumer still gets one event per token (delivered when the
-round ends; a cancel applies between rounds).
+When every running request decodes (none waiting, none in prefill, nothing queued), the engine
+runs N decode steps as one program (``multi_decode``: a ``lax.fori_loop`` over the engine
+step's forward and sampling, as ``generate``'s loop does), then hands each row's N tokens to the
+scheduler in order, so each consumer still gets one event per token (delivered when the round
+ends; a cancel applies between rounds). Each step is the single step's (same forward, page
+table, sampling and keys), so the tokens and log-probs are the single steps'. A row that draws a
+stop token or reaches its ``max_tokens`` stops on the device (its page table all
+``NULL_PAGE`` from the next step, its later tokens ignored). Pages for the round are taken
+before it (no preemption inside a round).
 
-Each of the N steps is the single step's: the same forward (``step._forward``) on the same
-page table, the same sampling (``step.sample_rows``, each row's own settings and key, token i
-drawn with ``fold_in(key, i)``), so a request's tokens and log-probs are the single steps'.
-A row that draws one of its stop tokens stops on the device: from the next step its page table
-is all ``NULL_PAGE`` (its writes go to the null page, which nothing reads) and its later
-tokens are ignored on the host. Every row's pages for its positions in the round are taken
-before it (no preemption: without the pages the engine runs single steps, which preempt).
-
-N (``max_steps`` at most, a power of two so few programs compile) is the largest power of two
-not above the longest remaining ``max_tokens`` of the running requests: a row whose
-``max_tokens`` ends within the round stops on the device as at a stop token (its pages taken
-for its own tokens only), so rows near their end do not hold the others to single steps.
-Rounds are skipped (single steps) while anything needs the host between tokens: a request
-waiting or in prefill, queued adds or cancels, grammars (structured outputs), stop strings
-(the text's), LoRA adapters, speculative decoding (or a draft model), top log-probs, a model
-with sliding-window rings, a split mesh. In ``step_times`` a round is one step (``rounds``
-and ``round_tokens`` count the rounds and the tokens they emitted).
+N is the largest power of two (up to ``max_steps``) not above the longest remaining
+``max_tokens``. Rounds are skipped while anything needs the host between tokens: a request
+waiting or in prefill, queued adds or cancels, grammars, stop strings, LoRA adapters,
+speculation, top log-probs, sliding-window rings, a split mesh. In ``step_times`` a round is
+one step (``rounds`` and ``round_tokens`` count them).
 """
 
 from __future__ import annotations

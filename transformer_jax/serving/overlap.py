@@ -1,33 +1,22 @@
 """Overlapping the host with the device: steady decode steps dispatched one step ahead.
 
-A synchronous engine step dispatches its programs, then waits for their tokens before it
-schedules the next, so the device idles while the host commits, streams and schedules. In a
-steady decode (``Overlap.steady``: every running request decodes, none can be admitted, nothing
-is in prefill) the engine instead dispatches step t+1 before it reads step t's tokens: t+1's
-input tokens are t's sampled tokens as they lie on the device (no round trip), its positions,
-pages and sampling settings are known on the host one step ahead, and the host then reads step
-t's tokens and commits them (stop checks, pages named and freed, detokenising, streaming) while
-the device runs t+1. This is vLLM's async scheduling, and what JetStream and tpu-inference do.
+In a steady decode (``Overlap.steady``: every running request decodes, none can be admitted,
+nothing is in prefill) the engine dispatches step t+1 before it reads step t's tokens: t+1's
+input tokens are t's sampled tokens as they lie on the device, its positions, pages and sampling
+settings are known on the host one step ahead, and the host commits step t (stop checks, pages,
+detokenising, streaming) while the device runs t+1 (vLLM's async scheduling). Each
+``Engine.step`` dispatches one step and reads the previous one; the tokens are the synchronous
+steps' (same program, rows, positions, pages and keys).
 
-Each ``Engine.step`` of the lag dispatches one step and reads the previous one, so it still
-returns one token per running request (the first dispatches two: the chain's first step, from
-the host's tokens, and the next). The tokens are the synchronous steps': the same program on the
-same rows, positions, pages and keys (token i drawn with ``fold_in(key, i)``).
+A request that turns out finished at step t (stop token or string, cancel) already has a row in
+step t+1: that token is computed and discarded (``discarded``), and its write lands in a page
+the request frees when step t is read; a later owner of the page runs after t+1 on the device.
+A request whose ``max_tokens`` ends at step t gets no row in t+1.
 
-A request that turns out finished at step t (a stop token, a stop string, a cancel) has already
-been given a row in step t+1: that token is computed and discarded (``discarded`` counts them);
-its position's key and value go into a page the request frees with its others when step t is
-read (the page holding the position after its last token is never a full, named page), and any
-later owner of the page runs after t+1 on the device, which writes its pages in program order.
-A request whose ``max_tokens`` ends at step t is known on the host and gets no row in t+1 (its
-slot writes into the null page), so it costs nothing.
-
-Not steady, so the engine reads the step in flight and runs its synchronous steps (the lag
-resumes at the next steady step): a request waiting with a slot free (an admission), a prompt
-in prefill, adds or cancels queued, a row under a grammar (structured outputs: its mask needs
-the last token on the host) or speculating, a draft model, sliding-window rings, a multi-step
-round that can run (``serving.multistep``), and too few free pages for every row's next
-position (the synchronous step preempts). A split mesh is not lagged either (not measured).
+Not steady (the engine reads the step in flight and runs synchronous steps until the next
+steady one): an admission, a prompt in prefill, queued adds or cancels, a row under a grammar
+or speculating, a draft model, sliding-window rings, a multi-step round that can run, too few
+free pages for every row's next position (the synchronous step preempts), a split mesh.
 """
 
 from __future__ import annotations

@@ -1,75 +1,35 @@
 """The paged KV cache: a second implementation of the model's ``Cache`` interface.
 
 Each layer's keys and values live in a pool of P fixed-size pages, kv head first:
-[K, P, page_size, H] on every backend (keys too: on XLA:CPU, pages of keys stored [H,
-page_size] gathered about 2x slower than whole [page_size, H] pages, more than the faster [H, S]
-product gained back: decode_25m's layer, 8 rows of 32 pages of 16, float32: 5.2 against 2.5 ms),
-so each kv head's whole pool is one contiguous [P * page_size, H] row. The
-layers are stacked ([L, ...]) for a scanned model and a tuple for an unrolled one, as in
-``KVCache``. A sequence holds only the pages it has filled: row b of the page table [B, W]
-lists its pages in position order, so position p of row b lives in page
-``page_table[b, p // page_size]`` at offset ``p % page_size``.
+[K, P, page_size, H] on every backend, so each kv head's whole pool is one contiguous
+[P * page_size, H] row. Layers are stacked ([L, ...]) for a scanned model and a tuple for an
+unrolled one, as in ``KVCache``. Row b of the page table [B, W] lists its pages in position
+order: position p of row b lives in page ``page_table[b, p // page_size]`` at offset
+``p % page_size``. Page 0 is the null page: never handed out by ``PagePool``, it takes the writes
+that belong to no page (idle rows, a padded chunk's tail), and table entries of pages a row does
+not hold point at it. The engine builds the page table and lengths per step (``with_table``);
+the cache owns only the pages' contents.
 
-``attend`` writes the chunk's keys/values into the row's pages at their positions, then attends
-through one of three views, each reading the pages with XLA ops:
+``attend`` writes the chunk's keys/values into the row's pages, then attends through a view:
 
-- ``"gather"`` (the reference, every ``attention_impl``): the row's W pages gathered into a
-  contiguous [B, K, W * page_size, H] view, in which slot s holds position s exactly as in
-  ``KVCache``, and ``ops.attention.attention`` with the usual structural (position) mask; the
-  sliding window works unchanged, and slots past a row's length (stale pages, the null page)
-  are hidden by causality.
-- ``"pool"``: the queries of all rows against the whole pool, read once in place
-  (``ops.attention.reference_attention``), each row seeing only the pool slots of its own pages
-  at positions up to its own: no gathered copy, and the pool is read once for all rows rather
-  than once per row.
-- ``"blocks"``: each row's own pages, a block of ``block_positions`` positions at a time: the
-  (row, block) pairs each row needs, up to its own furthest query (from the first block its
-  queries see, with a sliding window), go through a loop B pairs at a time, each a partial
-  online softmax (``ops.chunked_attention``'s recurrence), merged per row at the end. No
-  gathered copy of the whole width, and a row costs its own length, not the longest row's.
+- ``"gather"`` (the reference): the row's W pages gathered into a contiguous
+  [B, K, W * page_size, H] view, slot s holding position s as in ``KVCache``;
+- ``"pool"``: the queries of all rows against the whole pool read once in place, each row seeing
+  only its own pages' slots up to its position;
+- ``"blocks"``: each row's own pages, ``BLOCK_POSITIONS`` at a time, a partial online softmax per
+  (row, block) merged per row: a row costs its own length, not the longest row's.
 
-``"auto"`` takes ``"blocks"`` for one-token chunks (decode rows) with the reference
-implementation on CPU; elsewhere it takes ``"pool"`` for them when the pool is under twice the
-gathered view (P < 2 * B * W: the gather writes its view, then attention reads it), and
-``"gather"`` for every other chunk. Measured on XLA:CPU, decode_25m, float32, pages of 16, the
-serving benchmark's 200 requests (inputs 16-512, outputs 16-256), against the previous rule
-(``"pool"`` there) in one session: 16 slots 350.4 against 203.8 output tokens/s (time per output
-token 42.6 against 71.9 ms), 8 slots 295.0 against 252.8. One step at a width of 64 pages, rows
-of 16 up to 300 / 700 / 1000 positions: 16 rows 27.2 / 36.2 / 41.6 ms, against 29.0 / 46.0 /
-60.0 for one loop over blocks of all rows up to the longest; in another run, rows of a third up
-to all of 300 / 500 / 700 positions, ``"pool"`` (770 pages) took 63-64 ms and ``"gather"``
-99-111 ms. The pool view's cost grows with rows x pool, the blocks' with what the rows hold. On
-a GPU a loop of small gathers costs a kernel launch and a host round trip per iteration, so
-accelerators keep the earlier rule, unmeasured (their fast path is the Pallas kernels below).
+``"auto"`` takes ``"blocks"`` for decode rows with the reference implementation on CPU; elsewhere
+``"pool"`` for them when the pool is under twice the gathered view, and ``"gather"`` for other
+chunks (measurements in docs/benchmarks.md). With ``attention_impl="pallas"`` on a GPU or TPU,
+``"auto"`` reads the pages with the Pallas paged kernels (``ops/paged_attention.py``).
 
-With ``view="auto"`` and ``attention_impl="pallas"`` on a GPU or TPU, ``attend`` reads the pages
-with JAX's Pallas paged kernels instead (``ops/paged_attention.py``: decode, and on TPU prefill
-chunks); an explicit ``"gather"``, ``"pool"`` or ``"blocks"`` view always reads them with XLA.
-
-Page 0 is the null page: never handed out by ``PagePool``, it takes the writes that belong to no
-page (rows not in use, a padded chunk's tail past the pages the table lists), and table entries
-of pages a row does not hold point at it.
-
-The page table and lengths are host-built per step (``with_table``): the engine owns which
-pages a sequence holds; the cache owns only their contents.
-
-int8 pages (``dtype="int8"``) hold each token's row as its int8 values and its scale, H + 2
-bytes (``ops.kv_quant``), as ``KVCache`` does; both views dequantise what they read (the
-Pallas paged kernels read float pages, so int8 pages always take these views).
-
-Latent layers (multi-head latent attention, ``fields.MLA``) page one entry per token, the
-normed latent and the rotated rope key (R + P values a token a layer): their key pages are
-[L, 1, P, page_size, R + P] (one "kv head" of width R + P) and their value pages are empty
-([..., 0]), so the pages travel, copy and are counted as every model's do. ``attend_latent``
-writes a chunk's entries and returns the row's pages gathered ([B, W * page_size, R + P], slot
-s holding position s): the layer attends over them itself, absorbed for one-token decode rows
-and expanded for prefill chunks (``model.latent``). They store floats (no int8).
-
-Local layers (sliding window W < ``max_seq_len``) keep no pages: each engine slot has a ring of
-W slots per local layer (``k_ring``/``v_ring``, attended as ``model.kv_ring`` says), row b of a
-call using ring row ``ring_rows[b]``; pages (``k``/``v``, and the layer index of ``write``,
-``layer`` and ``pool``) are the global layers'. ``ring_end`` stops a row's ring writes (a
-padded chunk's tail, an idle row: 0).
+int8 pages hold each token's row as int8 values and a scale (``ops.kv_quant``); the views
+dequantise what they read. Latent layers (``fields.MLA``) page one entry per token, the normed
+latent and the rotated rope key: key pages [L, 1, P, page_size, R + P], value pages empty; the
+layer attends over the gathered entries itself (``model.latent``). Local (sliding-window) layers
+keep no pages but a ring of W slots per engine slot (``k_ring``/``v_ring``, ``model.kv_ring``),
+row b using ring row ``ring_rows[b]``; ``ring_end`` stops a row's ring writes.
 """
 
 from __future__ import annotations
@@ -89,13 +49,9 @@ from transformer_jax.serving.page_pool import NULL_PAGE
 
 VIEWS = ("auto", "gather", "pool", "blocks")
 #: Positions per key block of the ``"blocks"`` view (``max(1, BLOCK_POSITIONS // page_size)``
-#: pages). On XLA:CPU blocks of 32-64 positions ran fastest (decode_25m, 16 rows of up to 500
-#: positions, pages of 16, one loop over every row's blocks, whole step: 32.6 / 33.5 / 39.6 /
-#: 51.6 ms at 32 / 64 / 128 / 256).
+#: pages); 32-64 ran fastest on XLA:CPU.
 BLOCK_POSITIONS = 64
 
-
-_GATHER_STACKED = True
 
 
 def storage_dtype(dtype: jnp.dtype | str) -> jnp.dtype:
@@ -276,10 +232,9 @@ class PagedKVCache:
         b = table.shape[0]
         flat = table.reshape(-1)
         kv = (self.v if self.stacked else self.v[0]).shape[-4]  # K (H: each pool's own)
-        if self.stacked and _GATHER_STACKED:
-            # One gather from the [L, K, P, ps, H] stack: layer i's pages read where they are.
-            # Slicing layer i out first (``self.k[i]``, i traced in a scan) copied the layer's
-            # whole pool every layer and step, a cost that grew with the pool, not the rows.
+        if self.stacked:
+            # One gather from the [L, K, P, ps, H] stack (slicing layer i out first copied its
+            # whole pool every layer and step).
             def rows(pool: jax.Array) -> jax.Array:  # -> [B, K, W * ps, H]
                 h = pool.shape[-1]
                 taken = pool.reshape(*pool.shape[:3], -1)[i, :, flat]  # [B * W, K, ps * H]
@@ -288,9 +243,7 @@ class PagedKVCache:
 
             return rows(self.k), None if keys_only else rows(self.v)
         # Whole pages taken along the pool axis ([K, P, ps * H] -> [K, B * W, ps * H]), then B
-        # to the front. On XLA:CPU this ran 2-3x faster than indexing the pool with the
-        # [B, W] table (decode_25m's layer, 8 rows of 32 pages of 16, float32: about 1
-        # against 2.4 ms).
+        # to the front: 2-3x faster on XLA:CPU than indexing the pool with the [B, W] table.
         def rows_of(pool: jax.Array) -> jax.Array:  # [K, P, ps, H] -> [B, K, W * ps, H]
             taken = jnp.take(pool.reshape(kv, pool.shape[1], -1), flat, axis=1, mode="clip")
             return taken.reshape(kv, b, -1, pool.shape[-1]).swapaxes(0, 1)  # (all in range)

@@ -1,37 +1,26 @@
 """Speculative decoding in the serving engine: a decode step whose rows carry proposals.
 
-A step in which some running request speculates (``SamplingParams.speculative``) runs, instead
-of the one-token decode rows, the *verify rows*: every slot feeds its last token and up to k
-proposals ([B, T], T = k + 1 bucketed to a power of two plus one) through the paged cache at
-its own positions, as a prefill chunk writes several; the target draws its own token at each
-position with the request's key for that token index (``fold_in(key, i)``, the plain draw) and
-keeps the proposals up to the first disagreement plus its own token there
-(``decode.speculative`` says why that is exact, greedy and sampled). A row that does not
-propose feeds one real token and its padding writes past its length (hidden by causality,
-overwritten later; past its pages, into the null page). The accepted tokens go out one at a
-time through the scheduler's ``_emit`` (stop ids, ``max_tokens``, logprobs) and the engine's
-delivery (stop strings), so a request ends exactly where it would without speculation; pages
-grown for rejected positions and not needed by the kept ones go back to the pool.
+A step in which some running request speculates (``SamplingParams.speculative``) runs the
+*verify rows* instead of one-token decode rows: every slot feeds its last token and up to k
+proposals ([B, T], T = k + 1 bucketed to a power of two plus one) at its own positions; the
+target draws its own token at each position with the request's key for that token index and
+keeps the proposals up to the first disagreement plus its own token there (exact, greedy and
+sampled: ``decode.speculative``). A row without proposals feeds one real token; its padding
+writes past its length (hidden by causality) or into the null page. Accepted tokens go out one
+at a time through the scheduler (stop ids, ``max_tokens``, logprobs) and the engine's delivery
+(stop strings), so a request ends where it would without speculation; pages grown for rejected
+positions go back to the pool.
 
-Cost. The engine measures the wall time of its plain decode steps and of its verify steps
-(from the proposals on, by page-table width, T and sampler: a sampled step costs more; the
-median of each kind's last 9 times, the first of each not counted, as it may compile; a T not
-measured yet estimated from another of its width, linear in T, or from another width's at the
-same cost in plain steps; one older than 256 steps refreshed by running that kind once).
-Their ratio is the cost rule's (``speculative.pays``, the same rule as ``generate``'s): a row
-verifies only while its expected tokens per round at its recent acceptance exceed it, and the
-step only when its rows' expected tokens beat that many plain steps of all of them. A row
-that does not verify watches its proposal on plain steps (``Acceptance.observe``), so it starts
-again when its acceptance rises. One log line says when speculation first stops. A step that
-also runs a prefill chunk does not speculate (prompts are waiting: the engine is saturated).
-Under a full batch, where verifying T positions of every slot costs about T times a decode
-step, this falls back to plain steps by itself.
+Cost: the engine times its plain and verify steps (per page-table width, T and sampler; the
+median of each kind's last 9) and verifies a row only while its expected tokens per round at
+its recent acceptance beat the verify step's cost in plain steps (``speculative.pays``, as in
+``generate``), a step only when its rows' tokens beat that many plain steps of all of them. A
+row that stops verifying keeps scoring its proposals on plain steps and starts again when its
+acceptance rises. A step that also prefills a chunk does not speculate.
 
-The proposers: n-gram lookup (``ngram_proposals``), a draft model (``serving.draft``) and the
-target's multi-token prediction module (``serving.mtp``: its program runs every step).
-
-Programs: one per (page-table width, T, sampler), T in {2, 3, 5, 9, 17} up to the largest k
-(the module's: T in {1, 2}); ``compile`` runs the greedy and the sampled (temperature only) ones.
+Proposers: n-gram lookup (``ngram_proposals``), a draft model (``serving.draft``) and the
+target's multi-token prediction module (``serving.mtp``). Programs: one per (page-table width,
+T, sampler), T in {2, 3, 5, 9, 17} up to the largest k.
 """
 
 from __future__ import annotations

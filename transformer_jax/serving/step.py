@@ -1,36 +1,26 @@
 """The engine's compiled step: the model's one forward over the paged cache, then sampling.
 
-A step runs the model's one forward (``Transformer`` with a ``PagedKVCache``, as
-``decode.decode_step`` calls it with a ``KVCache``) on one of two kinds of rows, each one jitted
-program:
+A step runs the model's forward (``Transformer`` with a ``PagedKVCache``, as
+``decode.decode_step`` does with a ``KVCache``) on one of two kinds of rows, each one program:
 
-- decode rows: one token for each of the engine's B slots ([B, 1] at each slot's position; a
-  slot without a running request writes into the null page and its token is ignored);
-- prefill chunks: up to C tokens of each of R prompts ([R, C], each row right-padded to a
-  bucket of C, its own positions, pages and last real token; rows past the step's chunks idle,
-  writing into the null page), the LM head at each row's last real token only (``logits_at``),
-  whose logits give the prompt's first token when the chunk ends it.
+- decode rows: one token for each of the engine's B slots ([B, 1] at each slot's position; an
+  idle slot writes into the null page and its token is ignored);
+- prefill chunks: up to C tokens of each of R prompts ([R, C], right-padded to a bucket of C),
+  the LM head at each row's last real token only (``logits_at``).
 
 An engine step with both runs them as two programs, the chunk's first (so a prompt's first token
 is out before the decode rows end): in one program, XLA:CPU copied every layer's page pool to
-write the chunk in place after the decode rows had read it, a cost that grew with the pool
-(decode_25m, 9 rows of 8 pages and a 16-token chunk: 44, 120 and 197 ms a step at 80, 562 and
-1,200 pages, against 19-29 ms for the decode rows alone).
+write the chunk after the decode rows had read it, a cost that grew with the pool.
 
-Then every row's next token is drawn by ``sampling.sample_with_logprobs`` with that row's own
-settings and key ``fold_in(key, token index)``, as ``generate`` draws token i of a prompt. The
-page-table width W, the kind of rows, the chunks' rows and bucket and the sampler's switches
-are the compile-time shape of a program, so the engine compiles a small fixed set: widths x (1
-+ the (R, C) chunk shapes, R a power of two, R C within the budget) for greedy loads. A step
-with rows under a grammar (structured outputs) runs its forward (``engine_forward``) and its
-sampling (``sample_rows``) as two programs, so the host computes the grammars' masks while the
-device runs the forward. Over a mesh's tensor axis the step is partitioned as ``generate``'s
-program is (``decode.decode_context``), the pages split by kv head.
-
-A model with local (sliding-window) layers keeps their keys in a ring per slot beside the pages
-(``rings``, ``PagedKVCache``): the decode rows use ring row b for slot b, the chunk its
-request's slot; a row writes its rings only up to its real tokens (an idle row, whose page
-table is all ``NULL_PAGE``, and a chunk's padding write none).
+Each row's next token is drawn by ``sampling.sample_with_logprobs`` with the row's own settings
+and key ``fold_in(key, token index)``, as ``generate`` draws token i of a prompt. The page-table
+width W, the kind of rows, the chunk's (R, C) and the sampler's switches make a program's shape,
+so the engine compiles a small fixed set. Rows under a grammar run the forward
+(``engine_forward``) and the sampling (``sample_rows``) as two programs, so the host computes
+the masks while the device runs the forward. Over a mesh's tensor axis the step is partitioned
+as ``generate``'s (``decode.decode_context``), the pages split by kv head. Local
+(sliding-window) layers keep a ring per slot beside the pages (``rings``): decode row b uses
+ring row b, a chunk its request's slot.
 """
 
 from __future__ import annotations
