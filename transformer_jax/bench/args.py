@@ -1,11 +1,6 @@
-"""Argument types for the benchmarks' (and ``evaluate``'s) command lines: each checks its value
-when the arguments are parsed, before any model is built or loaded, and says in one line which
-values it accepts (``argparse`` prefixes the flag: ``argument --requests: must be ...``).
-
-Each ``type=`` function returns the parsed value or raises ``argparse.ArgumentTypeError``;
-``output_file`` also checks that the file can be written (the results of a long run are not lost
-to a bad path at its end), ``server_url`` that something accepts connections there.
-"""
+"""Argument types for the benchmarks' (and ``evaluate``'s) command lines: each ``type=``
+function checks its value when the arguments are parsed, before any model is built, and returns
+it or raises ``argparse.ArgumentTypeError`` with one line saying which values it accepts."""
 
 from __future__ import annotations
 
@@ -24,8 +19,7 @@ from urllib.parse import urlsplit
 CONNECT_TIMEOUT_S = 3.0
 
 
-def _fail(message: str) -> argparse.ArgumentTypeError:
-    return argparse.ArgumentTypeError(message)
+_fail = argparse.ArgumentTypeError
 
 
 def _int(text: str) -> int:
@@ -235,7 +229,6 @@ def server_url(text: str) -> str:
         raise _fail(f"{text}: no server accepts connections at {parts.hostname}:{port} "
                     f"({reason}); start one with `transformer-jax serve`") from None
     return text
-
 
 
 def parser(kind: str, doc: str, **kwargs: Any) -> argparse.ArgumentParser:

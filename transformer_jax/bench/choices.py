@@ -1,12 +1,10 @@
 """What ``n`` choices of one request cost in the serving engine, against one choice.
 
-Each round adds one prompt as 1 request, then a fresh prompt of the same length as ``--n``
-requests (the server's ``n``: the same tokens, seeds ``seed + i``), and times each from adding
-to idle; with ``--max-tokens 1`` (the default) that is the prefill and the first token. The
-``n`` requests are timed twice per round, with the forks (``scheduler.Scheduler``: the choices
-take the prompt's last chunk's logits and a copy of its partial page) and without (each choice
-prefills the part after the full pages it finds in the prefix cache), in alternating order.
-Prints the median time of each and the ratios to one choice, per prompt length.
+Each round times one prompt as 1 request, then a fresh prompt of the same length as ``--n``
+requests (the same tokens, seeds ``seed + i``) twice, in alternating order: with forks (the
+choices share the prompt's prefill and a copy of its partial page, ``scheduler.Scheduler``) and
+without (each prefills what the prefix cache lacks). With ``--max-tokens 1`` that is the prefill
+and the first token. Prints the median times and the ratios to one choice, per prompt length.
 """
 
 from __future__ import annotations

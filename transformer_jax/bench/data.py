@@ -2,10 +2,9 @@
 worker processes on one generated corpus, and the build's peak memory.
 
 The corpus is the default corpus's files (the standard library's sources) repeated into jsonl
-files of one document per file until it reaches ``--mb``; each worker count builds it into a
-fresh directory with the same tokenizer (``--tokenizer``, or a bpe trained on the default
-corpus). Prints one line per build and the speed-up, where ``peak MB`` is the largest resident
-set of the main process or of a worker.
+files until it reaches ``--mb``; each worker count builds it with the same tokenizer. Prints one
+line per build (``peak MB``: the largest resident set of the main process or a worker) and the
+speed-up.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""``bench decode`` on a mixture-of-experts config: the expert bytes a step reads and the step
-time against a dense model of the same active parameters, in the same run (``decode.py``).
+"""``bench decode`` on a mixture-of-experts config (``decode.py``): the expert bytes a step reads
+and the step time against a dense twin of the same active parameters, in the same run.
 
-A decode step of B tokens routes each to k of the E experts of every sparse layer; with
-``moe_impl="auto"`` it gathers the chosen experts' matrices when B*k <= E (``ops.moe``), so it
-reads at most min(B*k, E) experts' bytes (values and scales when quantised) of each sparse layer,
-plus its shared expert, out of all E. The dense twin is the same config with every FFN dense of
-width ``k * moe.d_ff + moe.shared_d_ff`` (the FLOPs and weight bytes a token uses), its step
-timed by the same function.
+A step of B tokens gathers the chosen experts' matrices when B*k <= E (``ops.moe``), so it reads
+min(B*k, E) of the E experts' bytes per sparse layer, plus the shared expert. The dense twin
+has every FFN dense of width ``k * moe.d_ff + moe.shared_d_ff``.
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ def expert_bytes(weights: decode.DecodeWeights) -> tuple[int, int]:
     for path, x in jax.tree_util.tree_flatten_with_path(weights.params)[0]:
         keys = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
         # A quantised weight's leaves sit under its name (``.../moe/gate/packed``).
-        i = next((j for j in range(len(keys), 1, -1) if is_expert_stack(keys[:j])), None)
-        if i is not None:
+        if any(is_expert_stack(keys[:j]) for j in range(len(keys), 1, -1)):
             experts += x.nbytes
         elif "shared" in keys and "moe" in keys:
             shared += x.nbytes
@@ -61,7 +57,6 @@ def compare(config: ModelConfig, weights: decode.DecodeWeights, moe_rec: dict[st
         quant=None if weights.quant is None else weights.quant.name)
     twin_bytes = step_weight_bytes(twin, twin_weights)
     got = run(twin, twin_weights, weight_bytes=twin_bytes)
-    got.pop("tokens", None)
     return dict(
         n_experts=m.n_experts, top_k=m.top_k, expert_d_ff=m.d_ff, shared_d_ff=m.shared_d_ff,
         impl=impl,

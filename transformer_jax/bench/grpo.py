@@ -3,19 +3,14 @@ a tiny HF Llama (``save_pretrained`` from random init) gets a short SFT, then GR
 sampled reward before and after, GRPO steps per minute against TRL's ``GRPOTrainer`` on the
 same model, prompts, G and lengths, and the weight refresh's share of a step.
 
-Steps: (1) the task: prompts ``a+b=`` with a, b < ``--max-operand`` in ChatML messages, a
-word-level tokenizer with one token per digit, the answer followed by eos; (2) SFT with our
-``train.run`` (``objective=sft``) for ``--sft-steps``; (3) the reward of the SFT model, sampled
-at temperature 1 (``--eval-samples`` per prompt over every prompt) and greedy; (4) GRPO from the
-SFT run (``train.reward=transformer_jax.bench.grpo:exact_match``) for ``--steps``; (5) the
-reward again; (6) speed: ``--speed-steps`` GRPO steps of ours and of ``trl.GRPOTrainer`` from
-the random HF model (same prompts, batch, G, max completion tokens, temperature 1, beta, clip
-eps, DAPO token normalisation, constant lr), steady-state steps per minute (the first step, which
-compiles, left out of both) and the ratio; ``--rounds`` R runs the two R times in turn (ours,
-TRL, ours, ...) and takes each side's median step time over all its rounds, so that a machine
-shared with other work loads both alike. Prints the config, the figures and a JSON line.
-
-Run: ``python -m transformer_jax.bench grpo [--steps 600] [--sft-steps 60]``.
+Steps: (1) the task, prompts ``a+b=`` with a, b < ``--max-operand`` in ChatML messages and a
+word-level tokenizer with one token per digit; (2) SFT (``objective=sft``) for ``--sft-steps``;
+(3) the SFT model's reward, sampled at temperature 1 (``--eval-samples`` per prompt) and
+greedy; (4) GRPO from the SFT run (``train.reward=transformer_jax.bench.grpo:exact_match``) for
+``--steps``; (5) the reward again; (6) speed: ``--speed-steps`` GRPO steps of ours and of
+``trl.GRPOTrainer`` from the random model (same batch, G, lengths, temperature, beta, clip, DAPO
+loss, constant lr), the first (compiling) step left out, ``--rounds`` times in turn, each side's
+median step time over all rounds. Prints the config, the figures and a JSON line.
 """
 
 from __future__ import annotations
@@ -177,8 +172,8 @@ def sft_overrides(root: Path, sft_file: Path, args: argparse.Namespace) -> list[
 
 
 def check_runs(args: argparse.Namespace) -> None:
-    """Builds the configs of every run the benchmark will start (checkpoint paths left out:
-    they are written later), so that a setting they refuse is one error before any work.
+    """Builds the configs of every run the benchmark will start (without the checkpoint paths,
+    written later), so that a setting they refuse is one error before any work.
 
     Raises:
       ConfigError: naming the setting (``train.grpo_group_size``, ``train.grad_accum``, ...).

@@ -1,14 +1,10 @@
 """One mixture-of-experts layer against a dense FFN of the same active FLOPs:
 ``transformer-jax bench train --moe-layer [--impls dense,ragged,gather,tiled]``.
 
-The MoE layer is the model's ``SparseFFN`` (router, top-k, E SwiGLU experts of width F); the
-dense one an ``MLP`` of width ``k F`` (the same matmul FLOPs per token as the k experts a token
-reaches). Each is jitted as forward + backward (the gradients of the parameters and of the
-input) on the same [N, D] tokens, and timed in the same process: the ratio MoE / dense per
-``moe_impl`` is the cost of routing, sorting and the grouped products (the issue's target: at
-most 1.5x at E=8, k=2 for the training implementation). Then the same layer's lowering +
-compile time at two expert counts (E=8 and E=64, the same k and F): a dropless implementation's
-program should not grow with E (the target: at most 1.3x).
+The MoE layer is the model's ``SparseFFN`` (router, top-k, E SwiGLU experts of width F), the
+dense one an ``MLP`` of width ``k F``; each jitted as forward + backward on the same [N, D]
+tokens and timed in one process, per ``moe_impl``. Then the layer's lowering + compile time at
+two expert counts (E=8 and E=64): a dropless implementation's program should not grow with E.
 """
 
 from __future__ import annotations

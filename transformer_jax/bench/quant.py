@@ -1,17 +1,11 @@
 """Quantisation quality benchmark: ``transformer-jax bench quant --run RUN_DIR``.
 
-For a trained run (its checkpoint, tokenizer and the validation split of its own data config),
-the held-out loss with float, int8 and int4 weights (``decode.prepare(quant=...)``) and with an
-int8 KV cache, and the greedy continuations of held-out prompts against float's, as the
-fraction of tokens that agree position for position; for weights also each continuation token
-judged on its own (the quantised argmax given float's prefix), since one flipped near-tie
-changes the rest of a greedy continuation. Also the bytes of each: prepared weights against
-float32, the int8 cache against a bfloat16 one.
-
-The loss runs the decode forward (``decode.decode_model``) on non-overlapping held-out windows
-of ``max_seq_len`` tokens; the cache's loss runs it with a ``KVCache`` of the window's length,
-so every query attends over the cached (int8) keys and values. It prints a table and writes
-the JSON.
+For a trained run (its checkpoint, tokenizer and its own data config's validation split), the
+held-out loss with float, int8 and int4 weights and with an int8 KV cache, through the decode
+forward on non-overlapping ``max_seq_len`` windows; the greedy continuations of held-out prompts
+against float's (the fraction of tokens that agree position for position, and for weights each
+token judged on float's prefix, since one flipped near-tie changes the rest); and the bytes of
+each against float32 weights or a bfloat16 cache. Prints a table and writes the JSON.
 """
 
 from __future__ import annotations

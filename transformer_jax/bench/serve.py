@@ -1,20 +1,15 @@
 """Serving benchmark: ``transformer-jax bench serve --config NAME``.
 
-Serves a stream of random requests (input and output lengths drawn from given ranges; all sent
-at once, or with Poisson or gamma arrivals at a given rate) with the ``serving.Engine``, and in
-the same run the way the library could before: ``generate`` on one request at a time, and
-``generate`` on fixed batches of the slot count as requests arrive. For each it reports time to
-first token (TTFT), time per output token (TPOT, ``(E2E - TTFT) / (tokens - 1)``), inter-token
-latency (ITL) and end-to-end latency (E2E) as mean, median and p99, request and output-token
-throughput; for the engine also the peak of running sequences and of pages in use, and how many
-sequences contiguous slots of the same KV memory would hold (each reserving the model's whole
-context), and where its steps' time went: each host phase and the wait for the device, mean
-and median per step, and the host's share (``serving.step_times``). It prints the ratios;
-``--json`` writes everything.
+Serves a stream of random requests (lengths drawn from given ranges; all at once, or Poisson or
+gamma arrivals at a given rate) with the ``serving.Engine``, and in the same run with
+``generate`` on one request at a time and on fixed batches of the slot count. For each it
+reports TTFT, TPOT (``(E2E - TTFT) / (tokens - 1)``), ITL and E2E latency as mean, median and
+p99, and request and output-token throughput; for the engine also its peak of running sequences
+and pages, how many contiguous slots the same KV memory would hold, and where its steps' time
+went (``serving.step_times``). Prints the ratios; ``--json`` writes everything.
 
-Every program is compiled before the clock starts (the engine's step shapes, one ``generate``
-per request shape), on random weights of the config; outputs are greedy with no stop token, so
-each request produces exactly its drawn number of tokens in every mode.
+Every program is compiled before the clock starts; outputs are greedy with no stop token, so
+each request makes exactly its drawn number of tokens in every mode.
 """
 
 from __future__ import annotations
@@ -61,10 +56,9 @@ def _wait_until(t: float) -> None:
 
 def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None,
                speculative: str | None = None) -> dict[str, Any]:
-    """Serves ``work`` with the engine in real time; token times from its consumers. With
-    LoRA adapters loaded (``engine.adapter_names``) request i uses adapter i mod N; with
-    ``grammars``, request i draws under ``grammars[i]`` (a ``Grammar``, or None); with
-    ``speculative``, every request speculates so (``SamplingParams.speculative``)."""
+    """Serves ``work`` with the engine in real time; token times from its consumers. Request i
+    uses LoRA adapter i mod N of ``engine.adapter_names`` (if any) and draws under ``grammars[i]``
+    (with ``grammars``); with ``speculative``, every request speculates so."""
     records = [record(a) for a in work.arrivals]
     order = sorted(range(len(records)), key=lambda i: work.arrivals[i])
     peak_running = peak_pages = 0
@@ -88,32 +82,18 @@ def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None
         sched = engine.scheduler
         if engine.steps == ran and not sched.idle:  # a stuck engine fails, it does not spin
             raise RuntimeError(f"the engine cannot make progress: {sched.describe()}")
-        peak_running = max(peak_running,
-                           len(sched.running) + len(sched.prefilling))
+        peak_running = max(peak_running, len(sched.running) + len(sched.prefilling))
         peak_pages = max(peak_pages, engine.pages_in_use)
     out = summarize(records, start)
     out.update(records=records, peak_running=peak_running, peak_pages=peak_pages,
                steps=engine.steps, rounds=engine.multistep.rounds,
                round_tokens=engine.multistep.round_tokens, lagged=engine.overlap.lagged,
-               discarded=engine.overlap.discarded,
-               preemptions=engine.scheduler.preemptions,
+               discarded=engine.overlap.discarded, preemptions=engine.scheduler.preemptions,
                prefix_hit_pages=engine.scheduler.prefix.hits,
                step_times=engine.step_times.summary())
     if speculative:
         out["speculative"] = engine.speculation.metrics()
     return out
-
-
-def _generate(config: ModelConfig, weights: decode.DecodeWeights, prompts: list[list[int]],
-              n: int, records: list[dict[str, Any]], wanted: list[int]) -> None:
-    """``generate`` on a batch, each step's host time recorded for the rows that want it."""
-    def stream(step: int, tokens: np.ndarray, active: np.ndarray) -> None:
-        now = time.perf_counter()
-        for r, w in zip(records, wanted, strict=True):
-            if step < w:
-                r["times"].append(now)
-
-    generation.generate(config, weights, prompts, max_new_tokens=n, stream=stream)
 
 
 def run_fixed_batches(config: ModelConfig, weights: decode.DecodeWeights, work: Workload,
@@ -126,9 +106,16 @@ def run_fixed_batches(config: ModelConfig, weights: decode.DecodeWeights, work: 
     start = time.perf_counter()
     for group in _batches(order, batch):
         _wait_until(start + max(work.arrivals[i] for i in group))
-        _generate(config, weights, [work.prompts[i] for i in group],
-                  max(work.max_tokens[i] for i in group), [records[i] for i in group],
-                  [work.max_tokens[i] for i in group])
+
+        def stream(step: int, tokens: np.ndarray, active: np.ndarray, group=group) -> None:
+            now = time.perf_counter()  # each step's host time, for the rows that want it
+            for i in group:
+                if step < work.max_tokens[i]:
+                    records[i]["times"].append(now)
+
+        generation.generate(config, weights, [work.prompts[i] for i in group],
+                            max_new_tokens=max(work.max_tokens[i] for i in group),
+                            stream=stream)
     return summarize(records, start)
 
 

@@ -1,16 +1,14 @@
 """Speculative decoding benchmark: ``transformer-jax bench speculative --checkpoint RUN``.
 
 Runs the same requests one at a time (batch 1) through ``generate`` without speculation, with
-the n-gram proposer and with a draft model (``--draft RUN``), each request in every mode in
-turn (so the machine's load falls on all modes alike), and prints output tokens/s, the ratios to
-the plain decode, and the acceptance (accepted / proposed tokens, and tokens per verification).
-Every mode gives the same tokens (greedy; checked), so the ratio is one of times: the total's,
-and the median over requests of each request's own ratio (steadier on a loaded machine).
+the n-gram proposer and with a draft model (``--draft RUN``), each request in every mode in turn
+(so load falls on all modes alike), and prints output tokens/s, the ratios to the plain decode
+(of the totals, and the median of each request's own ratio) and the acceptance. Every mode gives
+the same tokens (greedy; checked).
 
-Workloads (made here from ``--text``, default random ids): ``repeat``: input-heavy requests,
-each a passage of ``--passage`` tokens, a blank line, then the passage again with one token
-changed, cut ``--lead`` tokens in; the model continues (it mostly copies, as in an edit).
-``free``: a passage of the text, the model continues freely (what a draft is for).
+Workloads (cut from ``--text``, default random ids): ``repeat``, a passage of ``--passage``
+tokens, a blank line, then the passage again with one token changed, cut ``--lead`` tokens in
+(the model mostly copies, as in an edit); ``free``, a passage to continue.
 """
 
 from __future__ import annotations
@@ -63,22 +61,30 @@ def free_workload(ids: np.ndarray, count: int, passage: int, rng: Any) -> list[l
     return [ids[s:s + passage].tolist() for s in starts]
 
 
+def _passage(text: str, alphabet: list[str], lengths: tuple[int, int], random_share: float,
+             rng: Any) -> str:
+    """A passage of ``lengths[0]`` to ``lengths[1] - 1`` characters: with probability
+    ``random_share`` random characters of ``alphabet``, else cut from ``text``."""
+    p = int(rng.integers(*lengths))
+    if rng.random() < random_share:
+        return "".join(alphabet[i] for i in rng.integers(0, len(alphabet), p))
+    s = int(rng.integers(0, len(text) - p))
+    return text[s:s + p]
+
+
 def copy_corpus(text: str, size: int, rng: Any, random_share: float = 0.33,
                 lengths: tuple[int, int] = (24, 200), plain: int = 200, edits: bool = True,
                 lines: bool = False) -> str:
-    """A training text in which copying an input is most of what there is to learn (for a
-    target and a draft that continue the repeat workload by copying, as LLMs do on edits).
+    """A training text in which copying an input is most of what there is to learn (for a target
+    and a draft that continue the repeat workload by copying, as LLMs do on edits).
 
     Blocks until ``size`` characters (a block's separators counted as 6): up to ``plain`` - 1
     characters of ``text``, a blank line, a passage of ``lengths[0]`` to ``lengths[1] - 1``
-    characters, a blank line, the passage again with 0, 1 or 2 characters changed (40/40/20%;
-    none without ``edits``), a blank line; with ``lines``, the passage and its copy on two
-    lines instead. ``random_share`` of the passages are random characters of the text's
-    alphabet, which only copying predicts; the others are cut from ``text``.
-
-    Passages of one fixed length teach a fixed offset rather than copying: a model trained
-    on them keeps the uniform loss on the copy of a passage of another length (measured,
-    docs/benchmarks.md), so a copying model needs varied lengths.
+    characters, a blank line, the passage again with 0, 1 or 2 characters changed (40/40/20%; none
+    without ``edits``), a blank line; with ``lines``, the passage and its copy on two lines instead.
+    ``random_share`` of the passages are random characters of the text's alphabet (only copying
+    predicts them), the others cut from ``text``. The lengths vary because passages of one fixed
+    length teach a fixed offset rather than copying (docs/benchmarks.md).
     """
     alphabet = sorted(set(text) - {"\n"})
     out, n, total = [], len(text), 0
@@ -86,12 +92,8 @@ def copy_corpus(text: str, size: int, rng: Any, random_share: float = 0.33,
         cut = int(rng.integers(0, plain)) if plain else 0
         s = int(rng.integers(0, n - cut))
         out.append(text[s:s + cut])
-        p = int(rng.integers(*lengths))
-        if rng.random() < random_share:
-            passage = "".join(alphabet[i] for i in rng.integers(0, len(alphabet), p))
-        else:
-            s = int(rng.integers(0, n - p))
-            passage = text[s:s + p]
+        passage = _passage(text, alphabet, lengths, random_share, rng)
+        p = len(passage)
         copy = list(passage)
         for _ in range(int(rng.choice(3, p=[0.4, 0.4, 0.2])) if edits else 0):
             i = int(rng.integers(0, p))
@@ -107,24 +109,15 @@ def copy_corpus(text: str, size: int, rng: Any, random_share: float = 0.33,
 def copy_records(text: str, count: int, rng: Any, random_share: float = 0.5,
                  lengths: tuple[int, int] = (16, 200), lead: int = 16, edits: bool = True
                  ) -> list[dict[str, str]]:
-    """``count`` instruction records of the repeat workload's task, for supervised fine-tuning
-    (the loss on the completion only, each record its own segment): the prompt is a passage of
-    ``lengths[0]`` to ``lengths[1] - 1`` characters, a blank line, and the passage's first 1 to
-    ``lead`` characters again (one of them changed, as the workload's edit; none without
-    ``edits``); the completion is the rest of the passage. ``random_share`` of the passages are
-    random characters of the text's alphabet, which only copying predicts; the others are cut
-    from ``text``. The completion never holds an edit, so all of it is learnable by copying.
-    """
+    """``count`` instruction records of the repeat workload's task, for supervised fine-tuning: the
+    prompt is a passage (``lengths`` and ``random_share`` as ``copy_corpus``'s), a blank line, and
+    its first 1 to ``lead`` characters again, one of them changed (none without ``edits``); the
+    completion, the rest of the passage, holds no edit, so all of it is learnable by copying."""
     alphabet = sorted(set(text) - {"\n"})
     records = []
     for _ in range(count):
-        p = int(rng.integers(*lengths))
-        if rng.random() < random_share:
-            passage = "".join(alphabet[i] for i in rng.integers(0, len(alphabet), p))
-        else:
-            s = int(rng.integers(0, len(text) - p))
-            passage = text[s:s + p]
-        cut = int(rng.integers(1, min(lead, p - 1) + 1))
+        passage = _passage(text, alphabet, lengths, random_share, rng)
+        cut = int(rng.integers(1, min(lead, len(passage) - 1) + 1))
         head = list(passage[:cut])
         if edits:
             i = int(rng.integers(0, cut))
@@ -139,17 +132,13 @@ def distill_records(config: Any, weights: Any, tokenizer: Any, ids: np.ndarray, 
                     rng: Any, lengths: tuple[int, int] = (32, 161), lead: int = 8,
                     output: int = 128, batch: int = 64) -> Iterator[dict[str, str]]:
     """``count`` instruction records whose completions are the target's own greedy outputs, to
-    fine-tune a draft on (sequence-level distillation, as EAGLE and Medusa drafts are trained):
-    a draft that predicts what its target says, not only the text, is accepted more often.
+    fine-tune a draft on (sequence-level distillation, as EAGLE and Medusa drafts are trained).
 
-    Half the prompts are the repeat workload's (a passage, a blank line, its first ``lead``
-    tokens again with one changed), half the free workload's (a passage to continue), with
-    passages of ``lengths[0]`` to ``lengths[1] - 1`` tokens of ``ids``; each gets ``output``
-    greedy tokens from ``generate`` (prompts as generate encodes text: bos first when the
-    tokenizer adds one), ``batch`` prompts a call, yielded as each call ends; a completion ends
-    before the first special token the target emits (bos, eos, pad, unk). Prompt and
-    completion are decoded to text, so ``tokenizer`` must round-trip (a character tokenizer
-    does; one that does not is a ValueError).
+    Half the prompts are the repeat workload's, half the free workload's, with passages of
+    ``lengths[0]`` to ``lengths[1] - 1`` tokens of ``ids``; each gets ``output`` greedy tokens
+    (bos first when the tokenizer adds one), ``batch`` prompts a call, yielded as each call ends; a
+    completion ends before the first special token (bos, eos, pad, unk). Prompt and completion are
+    decoded to text, so ``tokenizer`` must round-trip (else a ValueError).
     """
     from transformer_jax.decode import generation
     from transformer_jax.tokenizer.prompt import adds_bos
