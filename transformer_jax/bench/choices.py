@@ -1,10 +1,8 @@
 """What ``n`` choices of one request cost in the serving engine, against one choice.
 
-Each round times one prompt as 1 request, then a fresh prompt of the same length as ``--n``
-requests (the same tokens, seeds ``seed + i``) twice, in alternating order: with forks (the
-choices share the prompt's prefill and a copy of its partial page, ``scheduler.Scheduler``) and
-without (each prefills what the prefix cache lacks). With ``--max-tokens 1`` that is the prefill
-and the first token. Prints the median times and the ratios to one choice, per prompt length.
+Each round times one prompt as 1 request, then a fresh one as ``--n`` requests with forks (the
+choices share the prompt's prefill) and without (each prefills what the prefix cache lacks), in
+alternating order; prints the medians and the ratios to one choice, per prompt length.
 """
 
 from __future__ import annotations
@@ -46,9 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                config: ModelConfig) -> None:
-    """Refuses (``parser.error``: one line, exit 2) what the engine would refuse after the
-    weights are made: more choices than slots, a budget of no more than the slots, a prompt
-    and its tokens beyond the model's ``max_seq_len``."""
+    """Refuses (``parser.error``) what the engine would refuse after the weights are made: more
+    choices than slots, a budget of no more than the slots, prompts beyond ``max_seq_len``."""
     if args.n > args.slots:
         parser.error(f"argument --n: must be <= --slots ({args.slots}), got {args.n}")
     if args.token_budget is not None and args.token_budget <= args.slots:

@@ -1,10 +1,7 @@
 """Shard build throughput: tokens/s of ``transformer-jax data build`` with 1 and N
 worker processes on one generated corpus, and the build's peak memory.
 
-The corpus is the default corpus's files (the standard library's sources) repeated into jsonl
-files until it reaches ``--mb``; each worker count builds it with the same tokenizer. Prints one
-line per build (``peak MB``: the largest resident set of the main process or a worker) and the
-speed-up.
+The corpus is the standard library's sources repeated into jsonl files up to ``--mb``.
 """
 
 from __future__ import annotations

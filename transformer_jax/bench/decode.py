@@ -1,23 +1,12 @@
 """Decode benchmark: ``transformer-jax bench decode --config NAME``.
 
-For each (batch, prompt length, new tokens) of the grid, on random weights of the config:
-
-* compile time of the jitted generate, prefill tokens/s, time to first token;
-* decode step time and tokens/s, and the step time's course over the generation (host
-  timestamps of a per-step callback: with a fixed-size cache it stays flat);
-* the step's memory-bandwidth bound, (weight + KV cache bytes) / read bandwidth measured in the
-  same run by a large matrix-vector product, the bandwidth used, and on a GPU or TPU its share
-  of the device's peak (``PEAK_GB_S``, or ``--peak-gb-s``);
-* the step's matrix products alone: how close to the bound the weights alone can stream;
-* a no-cache baseline: a full forward over the prompt per new token (so the ratio is a lower
-  bound on the speedup);
-* with ``--quant``, the same with quantised weights (``decode_quant.py``); on a mixture of
-  experts, the expert bytes a step reads and a dense twin's step (``decode_moe.py``);
-* HuggingFace ``generate(do_sample=False)`` on the same weights, with the ``hf`` extra.
-
-Each point runs for every ``--tensor`` size (T > 1: tensor-parallel over T devices; on CPU one
-device per core). Prints a table with the ratios and writes everything to a JSON file, with the
-load average (the machine may be shared; the bandwidth is measured before every point).
+For each (batch, prompt length, new tokens) of the grid and each ``--tensor`` size, on random
+weights: compile time, prefill tokens/s, time to first token, decode step time (and its course
+over the generation) and tokens/s; the step against its memory-bandwidth bound (weight + KV
+bytes / a bandwidth measured before every point) and the device's peak (``PEAK_GB_S``); the
+step's matrix products alone; a no-cache baseline; quantised weights (``--quant``,
+``decode_quant.py``); a mixture's expert bytes and dense twin (``decode_moe.py``); and
+HuggingFace ``generate`` on the same weights. Prints a table and writes the JSON.
 """
 
 from __future__ import annotations
@@ -73,11 +62,6 @@ PEAK_GB_S = (
     ("L40S", 864.0), ("L4", 300.0), ("A10G", 600.0), ("V100", 900.0), ("T4", 320.0),
     ("TPU v6 lite", 1640.0), ("TPU v5 lite", 819.0), ("TPU v5p", 2765.0), ("TPU v4", 1200.0),
 )
-
-
-def peak_bandwidth(device_kind: str) -> float | None:
-    """The published peak memory bandwidth of a device in GB/s, or None when not listed."""
-    return next((gb_s for name, gb_s in PEAK_GB_S if name in device_kind), None)
 
 
 def measure_bandwidth(nbytes: int = 256 << 20, repeats: int = 15) -> float:
@@ -238,7 +222,9 @@ def compile_times(config: ModelConfig, layers: tuple[int, ...] = (4, 32), batch:
                     jax.ShapeDtypeStruct((batch,), jnp.int32),
                     jax.ShapeDtypeStruct((batch, 2), jnp.uint32))
             fn = jax.jit(decode.generate_padded, static_argnames=decode.GENERATE_STATIC_ARGNAMES)
-            seconds, _ = _seconds(lambda: fn.lower(c, *args, max_new_tokens=new_tokens).compile())
+            start = time.perf_counter()
+            fn.lower(c, *args, max_new_tokens=new_tokens).compile()
+            seconds = time.perf_counter() - start
             out[str(n_layers)] = min(seconds, out.get(str(n_layers), seconds))
             print(f"  {n_layers} layers: lower + compile {seconds:.1f} s", flush=True)
     first, last = str(layers[0]), str(layers[-1])
@@ -359,7 +345,7 @@ def main(argv: list[str]) -> int:
           "prepare (with compile) " + ", ".join(f"tensor={t} {s:.2f} s"
                                                 for t, s in prepare_s.items()))
     kind = jax.devices()[0].device_kind
-    peak = args.peak_gb_s or peak_bandwidth(kind)
+    peak = args.peak_gb_s or next((gb_s for name, gb_s in PEAK_GB_S if name in kind), None)
     if peak:
         print(f"peak memory bandwidth of {kind}: {peak:.0f} GB/s"
               + (" (given)" if args.peak_gb_s else " (published)"))

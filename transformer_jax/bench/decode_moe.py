@@ -1,10 +1,6 @@
-"""``bench decode`` on a mixture-of-experts config (``decode.py``): the expert bytes a step reads
-and the step time against a dense twin of the same active parameters, in the same run.
-
-A step of B tokens gathers the chosen experts' matrices when B*k <= E (``ops.moe``), so it reads
-min(B*k, E) of the E experts' bytes per sparse layer, plus the shared expert. The dense twin
-has every FFN dense of width ``k * moe.d_ff + moe.shared_d_ff``.
-"""
+"""``bench decode`` on a mixture-of-experts config: the expert bytes a step reads (it gathers
+min(B*k, E) of the E experts when B*k <= E) and its time against a dense twin of the same
+active parameters (every FFN dense of width ``k * moe.d_ff + moe.shared_d_ff``)."""
 
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ from transformer_jax.model.transformer import init_params
 
 
 def expert_bytes(weights: decode.DecodeWeights) -> tuple[int, int]:
-    """(bytes of every expert stack, bytes of the shared experts) of the prepared weights,
-    quantised values and scales included."""
+    """(bytes of every expert stack, bytes of the shared experts), quantised scales included."""
     experts = shared = 0
     for path, x in jax.tree_util.tree_flatten_with_path(weights.params)[0]:
         keys = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
@@ -33,12 +28,6 @@ def expert_bytes(weights: decode.DecodeWeights) -> tuple[int, int]:
         elif "shared" in keys and "moe" in keys:
             shared += x.nbytes
     return experts, shared
-
-
-def dense_twin(config: ModelConfig) -> ModelConfig:
-    """The config with every FFN dense, of the mixture's active width ``k F + F_shared``."""
-    m = config.moe
-    return config.replace(moe=None, d_ff=m.top_k * m.d_ff + m.shared_d_ff)
 
 
 def compare(config: ModelConfig, weights: decode.DecodeWeights, moe_rec: dict[str, Any],
@@ -51,7 +40,7 @@ def compare(config: ModelConfig, weights: decode.DecodeWeights, moe_rec: dict[st
     impl = choose_impl("auto", batch, m.top_k, m.n_experts, widths=(config.d_model, m.d_ff))
     # Gathering reads the taken experts' bytes; any other impl reads every expert.
     read = (experts * taken // m.n_experts if impl == "gather" else experts) + shared
-    twin = dense_twin(config)
+    twin = config.replace(moe=None, d_ff=m.top_k * m.d_ff + m.shared_d_ff)  # k F + F_shared
     twin_weights = decode.prepare(twin, jax.jit(init_params, static_argnums=0)(
         twin, jax.random.key(0)), weights.mesh,
         quant=None if weights.quant is None else weights.quant.name)

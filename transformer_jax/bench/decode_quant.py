@@ -22,9 +22,8 @@ def step_weight_bytes(config: ModelConfig, weights: decode.DecodeWeights) -> int
 def compare(config: ModelConfig, weights: decode.DecodeWeights, float_rec: dict[str, Any],
             float_bytes: int, run: Callable[..., dict[str, Any]],
             products: Callable[[decode.DecodeWeights], float]) -> dict[str, Any]:
-    """The point ``run(config, weights, weight_bytes=...)`` with quantised ``weights``, against
-    the float run ``float_rec`` (its tokens still in it) of ``float_bytes`` weight bytes; with
-    the matrix products alone (``products``)."""
+    """The point ``run(config, weights, weight_bytes=...)`` with quantised ``weights`` against
+    the float run ``float_rec`` (its tokens still in it), and its matrix products alone."""
     weight_bytes = step_weight_bytes(config, weights)
     got = run(config, weights, weight_bytes=weight_bytes)
     same = np.mean(np.asarray(got.pop("tokens")) == np.asarray(float_rec["tokens"]))

@@ -1,12 +1,6 @@
 """DPO loss curve against TRL's own ``DPOTrainer.train()``: a tiny random HF Llama trained for
 N steps by our train step and by TRL on the same weights, pairs, data order and learning rate.
 
-TRL runs ``loss_type=["sigmoid"]`` with a frozen copy of the initial model as ``ref_model`` and
-the same AdamW, constant lr, no clipping; its dataset preparation is skipped (the pairs are
-token ids) and its dataloader yields exactly the pairs of our step. Ours is the
-``train.preference.DPO`` step on packed rows. Prints both losses at every step and the largest
-gap.
-
 Run: ``python -m transformer_jax.bench.dpo [--steps 60] [--lr 1e-3] [--pairs-per-step N]``.
 """
 

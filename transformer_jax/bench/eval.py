@@ -1,10 +1,8 @@
 """lm-eval benchmark: ``transformer-jax bench eval [--docs N] [--d-model D] ...``.
 
-Times one multiple-choice task's loglikelihood requests through this library's ``JaxLM``
-(requests packed into rows, one jitted forward per batch) and lm-eval's own ``hf`` backend, on
-one random Llama checkpoint and a byte-level BPE trained here, both float32 in one run. Reports
-each side's seconds (ours with and without compiling), the largest per-request log-likelihood
-difference and both accuracies. Needs the ``eval`` and ``hf`` extras.
+Times one multiple-choice task's loglikelihood requests through our ``JaxLM`` and lm-eval's own
+``hf`` backend on one random Llama checkpoint, both float32 in one run; reports the seconds, the
+largest log-likelihood difference and both accuracies. Needs the ``eval`` and ``hf`` extras.
 """
 
 from __future__ import annotations
@@ -57,8 +55,7 @@ def write_bpe(directory: Path, corpus: list[str], vocab_size: int, pad_to: int =
 
 
 def write_checkpoint(directory: Path, args: argparse.Namespace, corpus: list[str]) -> None:
-    """A random Llama (``save_pretrained``) and a byte-level BPE tokenizer trained on
-    ``corpus`` (``write_bpe``)."""
+    """A random Llama (``save_pretrained``) and a BPE tokenizer trained on ``corpus``."""
     import torch
     import transformers
 

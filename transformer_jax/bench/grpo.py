@@ -3,14 +3,8 @@ a tiny HF Llama (``save_pretrained`` from random init) gets a short SFT, then GR
 sampled reward before and after, GRPO steps per minute against TRL's ``GRPOTrainer`` on the
 same model, prompts, G and lengths, and the weight refresh's share of a step.
 
-Steps: (1) the task, prompts ``a+b=`` with a, b < ``--max-operand`` in ChatML messages and a
-word-level tokenizer with one token per digit; (2) SFT (``objective=sft``) for ``--sft-steps``;
-(3) the SFT model's reward, sampled at temperature 1 (``--eval-samples`` per prompt) and
-greedy; (4) GRPO from the SFT run (``train.reward=transformer_jax.bench.grpo:exact_match``) for
-``--steps``; (5) the reward again; (6) speed: ``--speed-steps`` GRPO steps of ours and of
-``trl.GRPOTrainer`` from the random model (same batch, G, lengths, temperature, beta, clip, DAPO
-loss, constant lr), the first (compiling) step left out, ``--rounds`` times in turn, each side's
-median step time over all rounds. Prints the config, the figures and a JSON line.
+The speed phase runs ours and TRL from the random model ``--rounds`` times in turn, the first
+(compiling) step of each left out, and compares each side's median step time.
 """
 
 from __future__ import annotations
@@ -319,9 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the benchmark; prints the figures. A run stopped by SIGTERM/SIGINT ends the
-    benchmark there: the steps that ran are reported (JSON ``interrupted``) and the exit status
-    is 128 + the signal's number."""
+    """Runs the benchmark; prints the figures. A run stopped by SIGTERM/SIGINT ends it there: the
+    steps that ran are reported and the exit status is 128 + the signal's number."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.width % 4 or args.width // 4 % 2:

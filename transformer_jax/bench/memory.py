@@ -1,18 +1,9 @@
 """Per-device training memory of a preset on a mesh, and compile time against depth.
 
-Nothing is allocated: shapes come from ``jax.eval_shape`` of the train-state init, shardings
-from the logical rules, and compiled numbers from XLA's memory analysis of the real train step
-lowered on abstract inputs over simulated CPU devices (set before the backend starts), so a 7B
-model on an 8-device mesh can be planned on a laptop.
-
-  transformer-jax bench memory --config llama2_7b --mesh 1,8,1 --batch 8 --seq 2048
-  transformer-jax bench memory --config llama2_7b --compile-time
-
-Reported per device: parameters, Adam state (mu + nu, float32), the train state; from the
-compiled step its arguments, temporaries and a peak estimate; "activations (est.)", the
-temporaries of the forward + backward pass compiled alone; "head + loss (est.)", those of the
-LM head, cross-entropy and their gradient compiled alone (the [B, T, V] float32 logits, or one
-[B, C, V] block at a time with ``--loss-chunk C``), with its share of the peak.
+Nothing is allocated: shapes come from ``jax.eval_shape``, shardings from the logical rules and
+the compiled numbers from XLA's memory analysis of the real train step lowered on abstract
+inputs over simulated CPU devices, so a 7B model on an 8-device mesh can be planned on a laptop:
+``transformer-jax bench memory --config llama2_7b --mesh 1,8,1 [--compile-time]``.
 """
 
 from __future__ import annotations
@@ -157,9 +148,8 @@ def compiled_activations(model_config: Any, train_config: Any, mesh: Any) -> int
 
 
 def compiled_loss_head(model_config: Any, train_config: Any, mesh: Any) -> int:
-    """Per-device temporaries of the LM head + cross-entropy and their gradient (with respect to
-    the [B, T, D] hidden states and the head), compiled alone on the step's shardings: [B, T, V]
-    float32 logits, or chunks of ``train_config.loss_chunk`` positions."""
+    """Per-device temporaries of the LM head + cross-entropy and their gradient, compiled alone on
+    the step's shardings ([B, T, V] float32 logits, or chunks of ``train_config.loss_chunk``)."""
     c, chunk = model_config, train_config.loss_chunk
     model = Transformer(c)
     head = model.lm_head(abstract_params(c))
@@ -261,23 +251,16 @@ def _request_simulated_cpu_devices(n: int) -> None:
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
-        return  # _check_device_count says whether the backend has enough
+        return  # main says whether the backend has enough
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                    os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     jax.config.update("jax_platforms", "cpu")
 
 
-def _check_device_count(n: int) -> None:
-    if len(jax.devices()) < n:
-        raise RuntimeError(f"the JAX backend started before the bench could ask for {n} CPU "
-                           f"devices (it has {len(jax.devices())}); run the bench in a fresh "
-                           "process")
-
-
 def kv_cache_report(name: str, batch: int, seq: int, dtype: str) -> dict[str, Any]:
-    """Prints and returns the inference KV cache of B sequences of ``seq`` positions (local and
-    chunked layers a ring, latent layers a latent) against every layer global and expanded."""
+    """Prints and returns the inference KV cache of B sequences of ``seq`` positions against every
+    layer global and expanded."""
     c = ModelConfig.preset(name)
     held = cache_bytes(c, batch, seq, dtype)
     expanded = c if c.mla is None else c.replace(  # latent layers as N heads' K and V
@@ -345,7 +328,10 @@ def main(argv: list[str]) -> int:
                                               attention_impl=args.attention,
                                               loss_chunk=args.loss_chunk)
         state_memory(model_config, sizes, train_config)
-        _check_device_count(n_devices)
+        if len(jax.devices()) < n_devices:
+            raise RuntimeError(f"the JAX backend started before the bench could ask for "
+                               f"{n_devices} CPU devices (it has {len(jax.devices())}); run the "
+                               "bench in a fresh process")
         return _run(args, mesh_config, sizes, n_devices, layers)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

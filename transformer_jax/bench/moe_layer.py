@@ -1,10 +1,9 @@
 """One mixture-of-experts layer against a dense FFN of the same active FLOPs:
 ``transformer-jax bench train --moe-layer [--impls dense,ragged,gather,tiled]``.
 
-The MoE layer is the model's ``SparseFFN`` (router, top-k, E SwiGLU experts of width F), the
-dense one an ``MLP`` of width ``k F``; each jitted as forward + backward on the same [N, D]
-tokens and timed in one process, per ``moe_impl``. Then the layer's lowering + compile time at
-two expert counts (E=8 and E=64): a dropless implementation's program should not grow with E.
+Forward + backward of the model's ``SparseFFN`` (E experts of width F, top k) per ``moe_impl``
+against an ``MLP`` of width ``k F`` on the same tokens; then the layer's lowering + compile
+time at two expert counts (a dropless implementation's should not grow with E).
 """
 
 from __future__ import annotations
@@ -89,9 +88,8 @@ def time_layer(impl: str | None, args: argparse.Namespace, n_experts: int) -> di
 
 def compile_seconds(impl: str, args: argparse.Namespace, counts: list[int], repeats: int = 3
                     ) -> dict[int, float]:
-    """Lowering + compile seconds of the MoE layer's forward + backward at each expert count:
-    the best of ``repeats``, interleaved (so neither count gets the process's first, slower
-    compile, nor a burst of load alone), each a fresh function."""
+    """Lowering + compile seconds of the MoE layer's forward + backward at each expert count: the
+    best of ``repeats``, interleaved, each a fresh function."""
     best = dict.fromkeys(counts, float("inf"))
     x = jax.ShapeDtypeStruct((1, args.tokens, args.d_model), jnp.dtype(args.dtype))
     ct = jax.ShapeDtypeStruct((1, args.tokens, args.d_model), jnp.float32)

@@ -1,9 +1,7 @@
 """QLoRA on a HF checkpoint: the frozen base's bytes and the fine-tuning loss, against LoRA.
 
-Fine-tunes a random Llama (``bench eval``'s, or ``--hf DIR``) twice with ``transformer-jax train
---config finetune`` on one generated corpus, with a float32 base and with
-``train.lora_base_quant`` (nf4 by default); prints the losses and the saved base's bytes over
-its bfloat16 size. Needs the ``hf`` extra.
+Fine-tunes a random Llama (or ``--hf DIR``) twice on one generated corpus, with a float32 base
+and with ``train.lora_base_quant``. Needs the ``hf`` extra.
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ WARMUP = 10
 
 
 def corpus(path: Path, words: int, seed: int) -> list[str]:
-    """Text with something to learn: lines of phrases drawn from 60 fixed 8-word phrases
-    (``w0`` .. ``w{N-1}``); returns the lines."""
+    """Writes lines of phrases drawn from 60 fixed 8-word phrases; returns the lines."""
     rng = np.random.default_rng(seed)
     vocab = [f"w{i}" for i in range(words)]
     phrases = [" ".join(rng.choice(vocab, 8)) for _ in range(60)]

@@ -1,15 +1,10 @@
 """Serving benchmark: ``transformer-jax bench serve --config NAME``.
 
-Serves a stream of random requests (lengths drawn from given ranges; all at once, or Poisson or
-gamma arrivals at a given rate) with the ``serving.Engine``, and in the same run with
-``generate`` on one request at a time and on fixed batches of the slot count. For each it
-reports TTFT, TPOT (``(E2E - TTFT) / (tokens - 1)``), ITL and E2E latency as mean, median and
-p99, and request and output-token throughput; for the engine also its peak of running sequences
-and pages, how many contiguous slots the same KV memory would hold, and where its steps' time
-went (``serving.step_times``). Prints the ratios; ``--json`` writes everything.
-
-Every program is compiled before the clock starts; outputs are greedy with no stop token, so
-each request makes exactly its drawn number of tokens in every mode.
+Serves random requests (all at once, or Poisson or gamma arrivals) with the ``serving.Engine``
+and, in the same run, with ``generate`` one request at a time and in fixed batches; reports
+TTFT, TPOT, ITL and E2E latency (mean, median, p99) and throughputs, and for the engine its
+peaks and where its steps' time went. Programs compile before the clock starts; outputs are
+greedy with no stop token, so each request makes its drawn number of tokens in every mode.
 """
 
 from __future__ import annotations
@@ -98,9 +93,8 @@ def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None
 
 def run_fixed_batches(config: ModelConfig, weights: decode.DecodeWeights, work: Workload,
                       batch: int) -> dict[str, Any]:
-    """``generate`` on batches of ``batch`` requests in arrival order, each batch once its
-    last request has arrived, run until its longest request is done (``batch`` 1: each
-    request alone, once it has arrived)."""
+    """``generate`` on batches of ``batch`` requests in arrival order, each once its last request
+    has arrived (``batch`` 1: each request alone)."""
     records = [record(a) for a in work.arrivals]
     order = sorted(range(len(records)), key=lambda i: work.arrivals[i])
     start = time.perf_counter()
@@ -155,8 +149,7 @@ MODES = ("engine", "engine-sync", "engine-noprefix", "engine-lora", "engine-json
 
 def random_adapters(config: ModelConfig, params: Any, n: int, rank: int, seed: int
                     ) -> dict[str, Any]:
-    """``n`` LoRA adapters of rank ``rank`` on every dense matrix, with B random (a trained
-    adapter's cost: an initialised one's B is zero, which costs the same but proves less)."""
+    """``n`` LoRA adapters of rank ``rank`` on every dense matrix, with B random (as trained)."""
     from transformer_jax.model import lora
 
     out = {}
@@ -172,7 +165,7 @@ def random_adapters(config: ModelConfig, params: Any, n: int, rank: int, seed: i
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The arguments, each checked by its type as it is parsed (``bench/args.py``)."""
+    """The arguments, each checked by its type as it is parsed."""
     a = args_lib
     parser = a.parser("serve", __doc__)
     parser.add_argument("--config", type=a.model_config, default="decode_25m",
@@ -197,35 +190,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the engine's most decode steps per host round (serving.multistep)")
     parser.add_argument("--modes", default=None,
                         help="comma list of engine, one (generate one at a time), batch "
-                             "(generate in fixed batches), engine-sync (no lagged steps, "
-                             "serving.overlap), engine-noprefix, engine-lora, "
-                             "engine-json (every request under --response-format), "
-                             "engine-json-mixed (every other one; bench/serve_structured.py), "
-                             "http (the server at --url; bench/serve_http.py) (default: "
-                             "engine,one,batch; http with --url)")
+                             "(generate in fixed batches), engine-sync (no lagged steps), "
+                             "engine-noprefix, engine-lora, engine-json (every request under "
+                             "--response-format), engine-json-mixed (every other one), http "
+                             "(the server at --url) (default: engine,one,batch; http with --url)")
     parser.add_argument("--speculative", default=None, metavar="SPEC",
-                        help="the engine-spec mode's speculation, e.g. ngram:k=4, "
-                             "draft:PATH:k=4 or mtp (added to the modes when given; the same "
-                             "requests as the engine mode)")
+                        help="the engine-spec mode's speculation, e.g. ngram:k=4, draft:PATH:k=4 "
+                             "or mtp (added to the modes when given)")
     parser.add_argument("--workload", choices=("random", "repeat"), default="random",
                         help="repeat: input-heavy prompts, each a random passage then its "
                              "first --lead tokens again, so the output can copy the input")
     parser.add_argument("--lead", type=a.positive_int, default=8)
     parser.add_argument("--text", type=a.existing_file, default=None, metavar="FILE",
                         help="with --workload repeat and a --checkpoint: cut the passages from "
-                             "this text with the checkpoint's tokenizer, each followed by a "
-                             "blank line and its first --lead tokens with one changed (bench "
-                             "speculative's repeat prompts)")
+                             "this text, each followed by a blank line and its first --lead "
+                             "tokens with one changed (bench speculative's repeat prompts)")
     parser.add_argument("--checkpoint", default=None,
-                        help="serve a trained checkpoint (its config) instead of random "
-                             "weights of --config")
+                        help="serve a trained checkpoint instead of random weights of --config")
     parser.add_argument("--lora", type=a.positive_int, default=4, metavar="N",
                         help="the engine-lora mode's adapters: requests take them in turn")
     parser.add_argument("--lora-rank", type=a.positive_int, default=16)
     parser.add_argument("--response-format", default=None, metavar="json_object|SCHEMA",
                         help="the engine-json modes' grammar: json_object, a JSON schema file "
-                             "or inline JSON (default: an array of exactly --output-len's "
-                             "maximum words, which cannot end early)")
+                             "or inline JSON (default: an array of --output-len's maximum words)")
     parser.add_argument("--tokenizer", type=a.existing_dir, default=None, metavar="DIR",
                         help="the engine-json modes' HF tokenizer (default: a byte-level BPE "
                              "made here, padded to the model's vocabulary)")
@@ -236,9 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=a.output_file, default=None,
                         help="write the results to this file")
     parser.add_argument("--scenario", choices=("load", "stall"), default="load",
-                        help="load: the requests above in every mode; stall: --slots "
-                             "sequences decoding when a --long-prompt arrives, chunked "
-                             "(--token-budget) and unchunked (serve_stall.py)")
+                        help="load: the requests above in every mode; stall: --slots sequences "
+                             "decoding when a --long-prompt arrives, chunked and unchunked")
     parser.add_argument("--long-prompt", type=a.positive_int, default=900,
                         help="the stall scenario's long prompt, in tokens")
     return parser
@@ -246,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                config: ModelConfig) -> list[str]:
-    """Exits with an argparse error for values that do not fit together or the model (before
-    any weights are made); returns the modes to run."""
+    """Exits with an argparse error for values that do not fit together or the model; returns the
+    modes to run."""
     if args.scenario == "stall":
         if args.long_prompt + 1 > config.max_seq_len:
             parser.error(f"--long-prompt {args.long_prompt} + its token must fit the model's "

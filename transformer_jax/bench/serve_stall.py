@@ -1,12 +1,6 @@
 """The chunked-prefill scenario of ``bench serve --scenario stall``: a long prompt arriving
-while a batch decodes.
-
-``slots`` requests decode together; once each has ``warmup`` tokens, one long prompt arrives,
-and the running sequences' inter-token latency (ITL) until its first token says how much its
-prefill stalls them. It runs with chunked prefill (``token_budget - slots`` prompt tokens a
-step) and without, on the same weights, and reports the median step before the arrival, the
-ITL p99 and maximum during the prefill, their ratio to that median, and the long prompt's TTFT.
-"""
+while a batch decodes, with chunked prefill and without; the running sequences' inter-token
+latency while it prefills, against their median step before, and the long prompt's TTFT."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Speculative decoding benchmark: ``transformer-jax bench speculative --checkpoint RUN``.
 
-Runs the same requests one at a time (batch 1) through ``generate`` without speculation, with
-the n-gram proposer and with a draft model (``--draft RUN``), each request in every mode in turn
-(so load falls on all modes alike), and prints output tokens/s, the ratios to the plain decode
-(of the totals, and the median of each request's own ratio) and the acceptance. Every mode gives
-the same tokens (greedy; checked).
-
-Workloads (cut from ``--text``, default random ids): ``repeat``, a passage of ``--passage``
-tokens, a blank line, then the passage again with one token changed, cut ``--lead`` tokens in
-(the model mostly copies, as in an edit); ``free``, a passage to continue.
+Runs the same requests at batch 1 through ``generate`` without speculation, with the n-gram
+proposer and with a draft model (``--draft RUN``), each request in every mode in turn, and
+prints output tokens/s, the ratios to the plain decode and the acceptance; every mode gives the
+same (greedy) tokens. Workloads: ``repeat`` (a passage, a blank line, then the passage again
+with one token changed, cut ``--lead`` tokens in: the model mostly copies) and ``free``.
 """
 
 from __future__ import annotations
@@ -29,9 +25,8 @@ from transformer_jax.bench import args as args_lib
 
 def repeat_workload(ids: np.ndarray, count: int, passage: int, lead: int, rng: Any,
                     sep: list[int]) -> list[list[int]]:
-    """``count`` prompts: a passage, ``sep``, then the passage again with one token of its
-    first ``lead`` changed (to another id of the text), cut after ``lead`` tokens: the model
-    goes on from there, mostly copying, as in an edit of an input."""
+    """``count`` prompts: a passage, ``sep``, then the passage again with one of its first ``lead``
+    tokens changed, cut after ``lead`` tokens (the model goes on, mostly copying, as in an edit)."""
     out = []
     vocab = np.unique(ids)
     for _ in range(count):
@@ -193,15 +188,14 @@ def _passages(given: list[int], minimum: int, available: int, flag: str, unit: s
     return low, high
 
 
-def _write_jsonl(path: str, records: Any) -> int:
-    """Writes ``records`` one JSON object a line, each as it comes (a long run keeps its
-    part); returns how many."""
+def _write_jsonl(path: str, records: Any) -> None:
+    """Writes ``records`` one JSON object a line as they come, and says how many."""
     written = 0
     with open(path, "w") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
             written += 1
-    return written
+    print(f"wrote {written:,} records to {path}")
 
 
 def describe(config: Any, params: Any) -> str:
@@ -254,21 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=a.output_file, default=None)
     p.add_argument("--write-copy-corpus", metavar="FILE", type=a.output_file, default=None,
                    help="write a copy-dominated training text made from --text "
-                   "(``copy_corpus``) to FILE and exit: text to train a target "
-                   "and a draft that continue the repeat workload by copying")
+                   "(``copy_corpus``) to FILE and exit")
     p.add_argument("--write-copy-sft", metavar="FILE", type=a.output_file, default=None,
                    help="write --copy-records instruction records of the repeat workload's "
-                   "task made from --text (``copy_records``: a passage, a blank line, its "
-                   "start edited; the completion copies the rest) to FILE (.jsonl) and exit")
+                   "task made from --text (``copy_records``) to FILE (.jsonl) and exit")
     p.add_argument("--copy-records", type=a.positive_int, default=50_000,
                    help="the number of records --write-copy-sft writes")
     p.add_argument("--copy-lead", type=a.positive_int, default=16,
                    help="--write-copy-sft's prompts end 1 to this many characters into the copy")
     p.add_argument("--write-distill-sft", metavar="FILE", type=a.output_file, default=None,
                    help="write --copy-records instruction records whose completions are the "
-                   "--checkpoint target's greedy outputs (``distill_records``: prompts of both "
-                   "workloads cut from --text, passages of --copy-passage tokens, --output new "
-                   "tokens) to FILE (.jsonl) and exit: data to fine-tune a draft on")
+                   "--checkpoint target's greedy outputs on prompts cut from --text "
+                   "(``distill_records``) to FILE (.jsonl) and exit")
     p.add_argument("--copy-size", type=a.positive_int, default=6_000_000,
                    help="the corpus's size in characters (a block's separators counted as 6)")
     p.add_argument("--copy-random-share", type=float, default=0.33,
@@ -310,10 +301,9 @@ def main(argv: list[str]) -> int:
         return 0
     if args.write_copy_sft:
         lengths = _passages(args.copy_passage, 3, len(text), "--write-copy-sft", "characters")
-        written = _write_jsonl(args.write_copy_sft, copy_records(
+        _write_jsonl(args.write_copy_sft, copy_records(
             text, args.copy_records, np.random.default_rng(args.seed), args.copy_random_share,
             lengths, args.copy_lead, not args.copy_no_edits))
-        print(f"wrote {written:,} records to {args.write_copy_sft}")
         return 0
     if args.write_distill_sft:
         if not (args.checkpoint and args.text):
@@ -322,11 +312,10 @@ def main(argv: list[str]) -> int:
         with open(args.text) as f:
             ids = np.asarray(loaded.tokenizer.encode(f.read()), np.int64)
         lengths = _passages(args.copy_passage, 1, len(ids), "--write-distill-sft", "tokens")
-        written = _write_jsonl(args.write_distill_sft, distill_records(
+        _write_jsonl(args.write_distill_sft, distill_records(
             loaded.config, decode.prepare(loaded.config, loaded.params), loaded.tokenizer, ids,
             args.copy_records, np.random.default_rng(args.seed), lengths, args.lead,
             args.output))
-        print(f"wrote {written:,} records to {args.write_distill_sft}")
         return 0
     if not (args.checkpoint or args.config):
         parser.error("give the target: --checkpoint RUN or --config NAME")
