@@ -4,9 +4,9 @@ For each (batch, prompt length, new tokens) of the grid and each ``--tensor`` si
 weights: compile time, prefill tokens/s, time to first token, decode step time (and its course
 over the generation) and tokens/s; the step against its memory-bandwidth bound (weight + KV
 bytes / a bandwidth measured before every point) and the device's peak (``PEAK_GB_S``); the
-step's matrix products alone; a no-cache baseline; quantised weights (``--quant``,
-``decode_quant.py``); a mixture's expert bytes and dense twin (``decode_moe.py``); and
-HuggingFace ``generate`` on the same weights. Prints a table and writes the JSON.
+step's matrix products alone; a no-cache baseline; quantised weights (``--quant``) and a
+mixture's expert bytes and dense twin (``decode_compare.py``); and HuggingFace ``generate`` on
+the same weights. Prints a table and writes the JSON.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.bench import args as args_lib
-from transformer_jax.bench import decode_args, decode_moe, decode_quant
+from transformer_jax.bench import decode_args, decode_compare
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode import prompts as prompt_lib
@@ -337,7 +337,7 @@ def main(argv: list[str]) -> int:
         prepare_s[t], placed[t] = _seconds(lambda mesh=mesh: decode.prepare(config, params, mesh))
     quantized = {t: decode.prepare(config, params, mesh, quant=args.quant)
                  for t, mesh in meshes.items()} if args.quant else {}
-    weight_bytes = decode_quant.step_weight_bytes(config, next(iter(placed.values())))
+    weight_bytes = decode_compare.step_weight_bytes(config, next(iter(placed.values())))
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"decode benchmark: {name}, {n_params / 1e6:.1f}M params ({weight_bytes / 1e6:.0f} MB "
           f"read per step), {config.dtype}, {jax.devices()[0].device_kind} x "
@@ -383,12 +383,12 @@ def main(argv: list[str]) -> int:
                 same = np.mean(np.asarray(hf_rec["tokens"]) == np.asarray(ours["tokens"]))
                 rec["greedy_token_agreement_with_hf"] = float(same)
             if quantized:
-                rec["quant"] = decode_quant.compare(
+                rec["quant"] = decode_compare.compare_quant(
                     config, quantized[t], ours, weight_bytes, run,
                     functools.partial(_bench_weights_only, config, batch=b, steps=n,
                                       repeats=args.repeats))
             if config.moe is not None:
-                rec["moe"] = decode_moe.compare(config, placed[t], ours, b, run)
+                rec["moe"] = decode_compare.compare_moe(config, placed[t], ours, b, run)
             ours.pop("tokens")
             records.append(rec)
             _print_record(rec)
@@ -418,9 +418,9 @@ def _print_record(r: dict[str, Any]) -> None:
     print(f"  the step's matrix products alone: {w['step_ms']:.2f} ms/step ({w['gb_s']:.1f} GB/s "
           f"of weights) = {w['vs_weight_bound']:.2f}x the weights' own bound")
     if "quant" in r:
-        print(decode_quant.describe(r["quant"]))
+        print(decode_compare.describe_quant(r["quant"]))
     if "moe" in r:
-        print(decode_moe.describe(r["moe"]))
+        print(decode_compare.describe_moe(r["moe"]))
     if "no_cache" in r:
         print(f"  no-cache baseline {r['no_cache']['step_ms']:.1f} ms/step -> "
               f"{r['speedup_vs_no_cache']:.1f}x")

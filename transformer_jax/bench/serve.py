@@ -321,9 +321,8 @@ def main(argv: list[str]) -> int:
     if args.scenario == "stall":
         weights = decode.prepare(config, init_params(config, jax.random.key(args.seed)))
         stall = serve_stall.run_both(config, weights, slots=args.slots,
-                                     token_budget=args.token_budget,
-                                     page_size=args.page_size, long_prompt=args.long_prompt,
-                                     seed=args.seed)
+                                     token_budget=args.token_budget, page_size=args.page_size,
+                                     long_prompt=args.long_prompt, seed=args.seed)
         args_lib.write_json(args.json, {"config": args.config, "dtype": config.dtype,
                                         "backend": jax.default_backend(), "stall": stall})
         return 0
@@ -350,16 +349,14 @@ def main(argv: list[str]) -> int:
     pages = args.pages or 1 + args.slots * -(-longest // args.page_size)
     result: dict[str, Any] = {
         "config": args.config, "dtype": config.dtype, "device": jax.devices()[0].device_kind,
-        "backend": jax.default_backend(), "host": platform.node(),
-        "load_avg": os.getloadavg(), "args": {k: (str(v) if isinstance(v, float) and
-                                                  math.isinf(v) else v)
-                                              for k, v in vars(args).items()
-                                              if k != "grammar"},  # not JSON; --response-format is
+        "backend": jax.default_backend(), "host": platform.node(), "load_avg": os.getloadavg(),
+        "args": {k: str(v) if isinstance(v, float) and math.isinf(v) else v
+                 for k, v in vars(args).items() if k != "grammar"},  # not JSON; its flag is
         "pages": pages, "modes": {}}
     print(f"{args.checkpoint or args.config} ({config.dtype}, {jax.default_backend()}): "
-          f"{args.requests} requests, "
-          f"inputs {args.input_len}, outputs {args.output_len}, rate {args.rate}/s; "
-          f"{args.slots} slots, {pages} pages of {args.page_size}, budget {args.token_budget}")
+          f"{args.requests} requests, inputs {args.input_len}, outputs {args.output_len}, rate "
+          f"{args.rate}/s; {args.slots} slots, {pages} pages of {args.page_size}, budget "
+          f"{args.token_budget}")
     # With the structured modes every engine mode detokenizes its tokens as they need to.
     tokenizer = None if not any(m.startswith("engine-json") for m in modes) else \
         serve_structured.bench_tokenizer(config.vocab_size, args.tokenizer)
@@ -429,35 +426,32 @@ def main(argv: list[str]) -> int:
             for line in step_times_lib.table(r["step_times"]):
                 print(f"{'':16} {line}")
     got = result["modes"]
+
+    def tput(a: str, b: str) -> float:  # mode a's output tokens/s over mode b's
+        return got[a]["output_token_throughput"] / got[b]["output_token_throughput"]
+
     if "engine" in got:
         if "engine-lora" in got:
-            tput = got["engine-lora"]["output_token_throughput"] / \
-                got["engine"]["output_token_throughput"]
-            print(f"engine-lora vs engine: {tput:.2f}x output tokens/s ({args.lora} adapters "
-                  f"of rank {args.lora_rank} mixed, against the base alone)")
+            print(f"engine-lora vs engine: {tput('engine-lora', 'engine'):.2f}x output tokens/s "
+                  f"({args.lora} adapters of rank {args.lora_rank} mixed, against the base alone)")
         if "engine-spec" in got:
-            spec = got["engine-spec"]
-            tput = spec["output_token_throughput"] / got["engine"]["output_token_throughput"]
-            tpot = got["engine"]["tpot_s"]["median"] / spec["tpot_s"]["median"]
-            m = spec["speculative"]
-            print(f"engine-spec vs engine: {tput:.2f}x output tokens/s, {tpot:.2f}x lower median "
-                  f"TPOT ({args.speculative}: acceptance {m['acceptance_rate']:.2f}, "
-                  f"{m['mean_accepted_length']:.2f} tokens per verification, "
-                  f"{m['verify_steps']} verify steps, {m['backed_off_steps']} backed off)")
+            tpot = got["engine"]["tpot_s"]["median"] / got["engine-spec"]["tpot_s"]["median"]
+            m = got["engine-spec"]["speculative"]
+            print(f"engine-spec vs engine: {tput('engine-spec', 'engine'):.2f}x output tokens/s, "
+                  f"{tpot:.2f}x lower median TPOT ({args.speculative}: acceptance "
+                  f"{m['acceptance_rate']:.2f}, {m['mean_accepted_length']:.2f} tokens per "
+                  f"verification, {m['verify_steps']} verify steps, {m['backed_off_steps']} "
+                  "backed off)")
         for other in ("one", "batch", "engine-noprefix", "engine-sync"):
             if other in got:
-                tput = got["engine"]["output_token_throughput"] / \
-                    got[other]["output_token_throughput"]
                 ttft = got[other]["ttft_s"]["median"] / got["engine"]["ttft_s"]["median"]
-                print(f"engine vs {other}: {tput:.2f}x output tokens/s, {ttft:.2f}x lower "
-                      f"median TTFT")
+                print(f"engine vs {other}: {tput('engine', other):.2f}x output tokens/s, "
+                      f"{ttft:.2f}x lower median TTFT")
         for line in serve_structured.compare(got):
             print(line)
         if "http" in got:
-            share = (got["http"]["output_token_throughput"]
-                     / got["engine"]["output_token_throughput"])
-            print(f"http vs engine: {share:.2f}x the engine's output tokens/s through the "
-                  "server")
+            print(f"http vs engine: {tput('http', 'engine'):.2f}x the engine's output tokens/s "
+                  "through the server")
     args_lib.write_json(args.json, result)
     return 0
 
