@@ -103,8 +103,7 @@ def evaluate(run_dir: Path, prompts_file: Path, samples: int, max_tokens: int, s
     prompts = load_prompts(prompts_file, ckpt.tokenizer, 48)
     rewards = load_rewards("transformer_jax.bench.grpo:exact_match")
     settings = TrainConfig(batch_size=64, grpo_max_tokens=max_tokens, grpo_group_size=samples)
-    engine = make_engine(ckpt.config, ckpt.params, settings,
-                         max(len(p.tokens) for p in prompts))
+    engine = make_engine(ckpt.config, ckpt.params, settings, max(len(p.tokens) for p in prompts))
     out = []
     for temperature, n in ((1.0, samples), (0.0, 1)):
         total = 0
@@ -254,8 +253,7 @@ def trl_step_times(model_dir: Path, records: list[dict], args: argparse.Namespac
         lr_scheduler_type="constant", warmup_steps=0, max_steps=args.speed_steps,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=args.seed,
         gradient_accumulation_steps=args.grad_accum, steps_per_generation=args.grad_accum,
-        num_iterations=1,
-        disable_tqdm=True, dataloader_num_workers=0)
+        num_iterations=1, disable_tqdm=True, dataloader_num_workers=0)
     trainer = GRPOTrainer(
         model=transformers.AutoModelForCausalLM.from_pretrained(model_dir),
         reward_funcs=[reward], args=config, train_dataset=dataset,

@@ -45,15 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
 
 
-def _layer(impl: str | None, n_experts: int, top_k: int, d: int, f: int, dtype: str
-           ) -> tuple[Any, Any]:
+def _layer(impl: str | None, n_experts: int, args: argparse.Namespace) -> tuple[Any, Any]:
     """(module, its params) of the MoE layer (``impl``) or, with ``impl=None``, the dense FFN."""
-    kw = dict(dtype=jnp.dtype(dtype), param_dtype=jnp.float32)
+    k, f, dtype = args.top_k, args.expert_ff, jnp.dtype(args.dtype)
+    kw = dict(dtype=dtype, param_dtype=jnp.float32)
     if impl is None:
-        module = MLP(d_ff=top_k * f, kind="swiglu", **kw)
+        module = MLP(d_ff=k * f, kind="swiglu", **kw)
     else:
-        module = SparseFFN(moe=MoE(n_experts=n_experts, top_k=top_k, d_ff=f), impl=impl, **kw)
-    x = jnp.zeros((1, 8, d), jnp.dtype(dtype))
+        module = SparseFFN(moe=MoE(n_experts=n_experts, top_k=k, d_ff=f), impl=impl, **kw)
+    x = jnp.zeros((1, 8, args.d_model), dtype)
     return module, module.init(jax.random.key(0), x)["params"]
 
 
@@ -69,8 +69,7 @@ def _fwd_bwd(module: Any) -> Any:
 
 def time_layer(impl: str | None, args: argparse.Namespace, n_experts: int) -> dict[str, float]:
     """Compile seconds and the median step seconds of one layer's forward + backward."""
-    module, params = _layer(impl, n_experts, args.top_k, args.d_model, args.expert_ff,
-                            args.dtype)
+    module, params = _layer(impl, n_experts, args)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, args.tokens, args.d_model)), args.dtype)
     ct = jnp.asarray(rng.standard_normal((1, args.tokens, args.d_model)), jnp.float32)
@@ -95,8 +94,7 @@ def compile_seconds(impl: str, args: argparse.Namespace, counts: list[int], repe
     ct = jax.ShapeDtypeStruct((1, args.tokens, args.d_model), jnp.float32)
     for _ in range(repeats):
         for e in counts:
-            module, params = _layer(impl, e, args.top_k, args.d_model, args.expert_ff,
-                                    args.dtype)
+            module, params = _layer(impl, e, args)
             start = time.perf_counter()
             _fwd_bwd(module).lower(params, x, ct).compile()
             best[e] = min(best[e], time.perf_counter() - start)

@@ -47,8 +47,6 @@ def _wait_until(t: float) -> None:
         time.sleep(delay)
 
 
-# Modes -------------------------------------------------------------------------------------------
-
 def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None,
                speculative: str | None = None) -> dict[str, Any]:
     """Serves ``work`` with the engine in real time; token times from its consumers. Request i
@@ -132,8 +130,6 @@ def compile_generate(config: ModelConfig, weights: decode.DecodeWeights, work: W
                             stream=lambda *_: None)
     return len(shapes)
 
-
-# CLI ---------------------------------------------------------------------------------------------
 
 def _line(name: str, r: dict[str, Any]) -> str:
     ms = {k: r[k] for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s")}
