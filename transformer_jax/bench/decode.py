@@ -1,12 +1,12 @@
 """Decode benchmark: ``transformer-jax bench decode --config NAME``.
 
-For each (batch, prompt length, new tokens) of the grid and each ``--tensor`` size, on random
-weights: compile time, prefill tokens/s, time to first token, decode step time (and its course
-over the generation) and tokens/s; the step against its memory-bandwidth bound (weight + KV
-bytes / a bandwidth measured before every point) and the device's peak (``PEAK_GB_S``); the
-step's matrix products alone; a no-cache baseline; quantised weights (``--quant``) and a
-mixture's expert bytes and dense twin (``decode_compare.py``); and HuggingFace ``generate`` on
-the same weights. Prints a table and writes the JSON.
+Each point of the grid (batch, prompt length, new tokens, ``--tensor`` size) runs on random
+weights. Measured: compile time, prefill tokens/s, time to first token, decode step time (and
+its course over the generation) and tokens/s; the step against its memory-bandwidth bound
+(weight + KV bytes / a bandwidth measured before every point) and the device's peak
+(``PEAK_GB_S``); the step's matrix products alone; a no-cache baseline; quantised weights
+(``--quant``) and a mixture's expert bytes and dense twin (``decode_compare.py``); HuggingFace
+``generate`` on the same weights. Prints a table and writes the JSON.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Nothing is allocated: shapes come from ``jax.eval_shape``, shardings from the logical rules and
 the compiled numbers from XLA's memory analysis of the real train step lowered on abstract
-inputs over simulated CPU devices, so a 7B model on an 8-device mesh can be planned on a laptop:
-``transformer-jax bench memory --config llama2_7b --mesh 1,8,1 [--compile-time]``.
+inputs. The devices are simulated CPU devices, so a 7B model on an 8-device mesh can be planned
+on a laptop: ``transformer-jax bench memory --config llama2_7b --mesh 1,8,1 [--compile-time]``.
 """
 
 from __future__ import annotations

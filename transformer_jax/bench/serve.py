@@ -1,7 +1,7 @@
 """Serving benchmark: ``transformer-jax bench serve --config NAME``.
 
 Serves random requests (all at once, or Poisson or gamma arrivals) with the ``serving.Engine``
-and, in the same run, with ``generate`` one request at a time and in fixed batches; reports
+and, in the same run, with ``generate`` one request at a time and in fixed batches. It reports
 TTFT, TPOT, ITL and E2E latency (mean, median, p99) and throughputs, and for the engine its
 peaks and where its steps' time went. Programs compile before the clock starts; outputs are
 greedy with no stop token, so each request makes its drawn number of tokens in every mode.

@@ -1,8 +1,8 @@
 """Training-step benchmark: ``transformer-jax bench train --config NAME [k=v ...]``.
 
 Times the jitted ``train_step`` of a config on random tokens and reports compile time, step
-time, tokens/s, peak memory and MFU = flops_per_token x tokens/s / a dense-matmul peak measured
-on the same device in the same run. ``--moe-layer`` times one MoE layer instead.
+time, tokens/s, peak memory and MFU. MFU = flops_per_token x tokens/s / a dense-matmul peak
+measured on the same device in the same run. ``--moe-layer`` times one MoE layer instead.
 """
 
 from __future__ import annotations
