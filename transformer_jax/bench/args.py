@@ -1,11 +1,6 @@
-"""Argument types for the benchmarks' (and ``evaluate``'s) command lines: each checks its value
-when the arguments are parsed, before any model is built or loaded, and says in one line which
-values it accepts (``argparse`` prefixes the flag: ``argument --requests: must be ...``).
-
-Each ``type=`` function returns the parsed value or raises ``argparse.ArgumentTypeError``;
-``output_file`` also checks that the file can be written (the results of a long run are not lost
-to a bad path at its end), ``server_url`` that something accepts connections there.
-"""
+"""Argument types for the benchmarks' (and ``evaluate``'s) command lines: each ``type=``
+function checks its value when the arguments are parsed, before any model is built, and returns
+it or raises ``argparse.ArgumentTypeError`` with one line saying which values it accepts."""
 
 from __future__ import annotations
 
@@ -24,8 +19,7 @@ from urllib.parse import urlsplit
 CONNECT_TIMEOUT_S = 3.0
 
 
-def _fail(message: str) -> argparse.ArgumentTypeError:
-    return argparse.ArgumentTypeError(message)
+_fail = argparse.ArgumentTypeError
 
 
 def _int(text: str) -> int:
@@ -105,8 +99,7 @@ def megabytes(text: str) -> float:
 
 
 def model_config(text: str) -> str:
-    """A type: a preset name or TOML path whose ``[model]`` table is a valid ``ModelConfig``;
-    returns the text (``ModelConfig.preset`` reads it again)."""
+    """A type: a preset name or TOML path whose ``[model]`` table is a valid ``ModelConfig``."""
     from transformer_jax.model.config import ModelConfig, load_toml
 
     try:
@@ -122,8 +115,7 @@ def model_config(text: str) -> str:
 
 
 def quant_scheme(text: str) -> str:
-    """A type: a weight quantisation scheme ``decode.prepare`` takes (``int8``, ``int4``,
-    ``int4:G``, ``nf4``, ``nf4:G``), checked by the model's parser; returns the text."""
+    """A type: a weight quantisation scheme ``decode.prepare`` takes (``int8``, ``int4:G``, ...)."""
     from transformer_jax.model import quant
 
     try:
@@ -170,8 +162,7 @@ def existing_path(text: str) -> str:
 
 
 def checkpoint(text: str) -> str:
-    """A type: a checkpoint ``loading.locate`` recognises (a HF directory or a training run,
-    its ``checkpoints/`` or one step's directory; files only are read, no weights)."""
+    """A type: a checkpoint ``loading.locate`` recognises (its files are read, no weights)."""
     from transformer_jax.checkpoint import loading
 
     try:
@@ -218,8 +209,7 @@ def output_file(text: str) -> str:
 
 
 def server_url(text: str) -> str:
-    """A type: an ``http(s)://HOST[:PORT]`` URL where something accepts TCP connections (a
-    connection is opened and closed at once)."""
+    """A type: an ``http(s)://HOST[:PORT]`` URL where something accepts TCP connections."""
     parts = urlsplit(text)
     try:
         port = parts.port
@@ -237,7 +227,6 @@ def server_url(text: str) -> str:
     return text
 
 
-
 def parser(kind: str, doc: str, **kwargs: Any) -> argparse.ArgumentParser:
     """The parser of ``transformer-jax bench KIND``, described by ``doc``'s first paragraph."""
     return argparse.ArgumentParser(prog=f"transformer-jax bench {kind}",
@@ -245,8 +234,7 @@ def parser(kind: str, doc: str, **kwargs: Any) -> argparse.ArgumentParser:
 
 
 def default_output(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str) -> None:
-    """Fills in ``args.out`` with ``name`` when not given, or exits with a parser error when
-    that file cannot be written (``check_output_file``)."""
+    """Fills in ``args.out`` with ``name`` when not given, or exits if it cannot be written."""
     if args.out is None:
         args.out = name
         try:

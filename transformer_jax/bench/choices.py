@@ -1,12 +1,8 @@
 """What ``n`` choices of one request cost in the serving engine, against one choice.
 
-Each round adds one prompt as 1 request, then a fresh prompt of the same length as ``--n``
-requests (the server's ``n``: the same tokens, seeds ``seed + i``), and times each from adding
-to idle; with ``--max-tokens 1`` (the default) that is the prefill and the first token. The
-``n`` requests are timed twice per round, with the forks (``scheduler.Scheduler``: the choices
-take the prompt's last chunk's logits and a copy of its partial page) and without (each choice
-prefills the part after the full pages it finds in the prefix cache), in alternating order.
-Prints the median time of each and the ratios to one choice, per prompt length.
+Each round times one prompt as 1 request, then a fresh one as ``--n`` requests with forks (the
+choices share the prompt's prefill) and without (each prefills what the prefix cache lacks), in
+alternating order; prints the medians and the ratios to one choice, per prompt length.
 """
 
 from __future__ import annotations
@@ -48,9 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                config: ModelConfig) -> None:
-    """Refuses (``parser.error``: one line, exit 2) what the engine would refuse after the
-    weights are made: more choices than slots, a budget of no more than the slots, a prompt
-    and its tokens beyond the model's ``max_seq_len``."""
+    """Refuses (``parser.error``) what the engine would refuse after the weights are made: more
+    choices than slots, a budget of no more than the slots, prompts beyond ``max_seq_len``."""
     if args.n > args.slots:
         parser.error(f"argument --n: must be <= --slots ({args.slots}), got {args.n}")
     if args.token_budget is not None and args.token_budget <= args.slots:

@@ -1,11 +1,7 @@
 """Shard build throughput: tokens/s of ``transformer-jax data build`` with 1 and N
 worker processes on one generated corpus, and the build's peak memory.
 
-The corpus is the default corpus's files (the standard library's sources) repeated into jsonl
-files of one document per file until it reaches ``--mb``; each worker count builds it into a
-fresh directory with the same tokenizer (``--tokenizer``, or a bpe trained on the default
-corpus). Prints one line per build and the speed-up, where ``peak MB`` is the largest resident
-set of the main process or of a worker.
+The corpus is the standard library's sources repeated into jsonl files up to ``--mb``.
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
 """Decode benchmark: ``transformer-jax bench decode --config NAME``.
 
-For each (batch, prompt length, new tokens) of the grid, on random weights of the config:
-
-* compile time of the jitted generate, prefill tokens/s, time to first token;
-* decode step time, from host timestamps of a per-step callback out of the jitted loop (so the
-  step time can be followed as generation proceeds: with a fixed-size cache it stays flat), and
-  decode tokens/s from a run without the callback;
-* the memory-bandwidth bound of a step: (bytes of weights + bytes of the KV cache, all read every
-  step) / read bandwidth, measured in the same run with a large jitted matrix-vector product;
-* memory-bandwidth use: bytes read per step / step time, and on a GPU or TPU that per device
-  against the device's peak (``PEAK_GB_S``, the published figures, or ``--peak-gb-s``);
-* the step's matrix products alone (the same prepared weights and split, no attention): how
-  close to the bound the weights alone can stream at this batch size on this machine;
-* a no-cache baseline on the same weights: a jitted full forward over the prompt per new token
-  (the shortest prefix it would ever recompute, so the ratio is a lower bound on the speedup);
-* with ``--quant``, the same with quantised weights: bytes, step time and greedy agreement
-  against the float run;
-* on a mixture-of-experts config, the expert bytes a step reads against all the experts', and
-  the step time against a dense model of the same active parameters (``decode_moe.py``);
-* HuggingFace transformers' ``generate(do_sample=False)`` on the same weights (converted with
-  ``transformer_jax.hf.save``; torch threads = 2) when the ``hf`` extra is installed.
-
-Each point runs for every ``--tensor`` size: 1 is one device, T > 1 a tensor-parallel decode over
-T devices (``generate(mesh=...)``); on CPU the process is split into one device per core first.
-
-It prints a table with the ratios and writes everything to a JSON file. The machine may be
-shared: the load average is recorded, and bandwidth is measured before every grid point.
+Each point of the grid (batch, prompt length, new tokens, ``--tensor`` size) runs on random
+weights. Measured: compile time, prefill tokens/s, time to first token, decode step time (and
+its course over the generation) and tokens/s; the step against its memory-bandwidth bound
+(weight + KV bytes / a bandwidth measured before every point) and the device's peak
+(``PEAK_GB_S``); the step's matrix products alone; a no-cache baseline; quantised weights
+(``--quant``) and a mixture's expert bytes and dense twin (``decode_compare.py``); HuggingFace
+``generate`` on the same weights. Prints a table and writes the JSON.
 """
 
 from __future__ import annotations
@@ -47,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.bench import args as args_lib
-from transformer_jax.bench import decode_args, decode_moe, decode_quant
+from transformer_jax.bench import decode_args, decode_compare
 from transformer_jax.decode import generation
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode import prompts as prompt_lib
@@ -60,13 +41,15 @@ from transformer_jax.model.transformer import Transformer, init_params, unstack_
 from transformer_jax.parallel import sharding
 
 
+def _seconds(fn) -> tuple[float, Any]:
+    """``fn()``'s wall-clock seconds (its result ready) and its result."""
+    start = time.perf_counter()
+    result = jax.block_until_ready(fn())
+    return time.perf_counter() - start, result
+
+
 def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(_seconds(fn)[0] for _ in range(repeats))
 
 
 _BANDWIDTH_OPERANDS: dict[int, tuple[jax.Array, jax.Array, Any]] = {}
@@ -79,11 +62,6 @@ PEAK_GB_S = (
     ("L40S", 864.0), ("L4", 300.0), ("A10G", 600.0), ("V100", 900.0), ("T4", 320.0),
     ("TPU v6 lite", 1640.0), ("TPU v5 lite", 819.0), ("TPU v5p", 2765.0), ("TPU v4", 1200.0),
 )
-
-
-def peak_bandwidth(device_kind: str) -> float | None:
-    """The published peak memory bandwidth of a device in GB/s, or None when not listed."""
-    return next((gb_s for name, gb_s in PEAK_GB_S if name in device_kind), None)
 
 
 def measure_bandwidth(nbytes: int = 256 << 20, repeats: int = 15) -> float:
@@ -115,33 +93,27 @@ def _bench_ours(config: ModelConfig, weights: decode.DecodeWeights, prompts: lis
     s_max = cache_size or prompt_lib.default_cache_size(config, t, n)
     nbytes = weight_bytes + cache_bytes(config, b, s_max, cache_dtype)
 
-    # First call: compile + run; the difference to a warm call is the compile time. A step is
-    # timed as (generate N tokens - generate 1 token) / (N - 1) on the same cache size, so the
-    # prefill and everything else outside the loop cancel. Each pair of calls follows its own
-    # bandwidth sample: other tenants of a shared machine change both.
-    start = time.perf_counter()
-    generation.generate(config, weights, prompts, **kw)
-    first = time.perf_counter() - start
+    # The first call compiles. A step is (generate N tokens - generate 1) / (N - 1) on the same
+    # cache size, so everything outside the loop cancels; each pair of calls follows its own
+    # bandwidth sample (other tenants of a shared machine change both).
+    run = functools.partial(generation.generate, config, weights, prompts)
+    first, _ = _seconds(lambda: run(**kw))
     one = dict(kw, max_new_tokens=1, cache_size=s_max)
-    generation.generate(config, weights, prompts, **one)
+    run(**one)
     totals, singles, steps_ms, bandwidths, ratios = [], [], [], [], []
     for _ in range(repeats):
         bandwidths.append(measure_bandwidth(repeats=7))
-        start = time.perf_counter()
-        generation.generate(config, weights, prompts, **one)
-        singles.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        result = generation.generate(config, weights, prompts, **kw)
-        totals.append(time.perf_counter() - start)
+        singles.append(_seconds(lambda: run(**one))[0])
+        seconds, result = _seconds(lambda: run(**kw))
+        totals.append(seconds)
         steps_ms.append((totals[-1] - singles[-1]) / (n - 1) * 1e3)
         ratios.append(steps_ms[-1] / (nbytes / bandwidths[-1] * 1e3))
 
     # Per-step host timestamps from the stream callback (a second compiled program).
     stamps: list[float] = []
-    generation.generate(config, weights, prompts, stream=lambda *a: None, **kw)
+    run(stream=lambda *a: None, **kw)
     start = time.perf_counter()
-    generation.generate(config, weights, prompts,
-                        stream=lambda *a: stamps.append(time.perf_counter()), **kw)
+    run(stream=lambda *a: stamps.append(time.perf_counter()), **kw)
     series = np.diff(np.asarray(stamps)) * 1e3  # ms; series[i] is decode step i + 1
     quarter = max(1, len(series) // 4)
     step_ms = statistics.median(steps_ms)
@@ -168,14 +140,9 @@ def _bench_ours(config: ModelConfig, weights: decode.DecodeWeights, prompts: lis
 
 def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batch: int,
                         steps: int, repeats: int) -> float:
-    """Milliseconds per step of the decode step's matrix products alone, at batch B.
-
-    The same prepared weights (``decode.prepare``, split over the same mesh) and the model's
-    own contractions (q/k/v/o, the FFN, the LM head), chained through a norm-free residual in a
-    ``lax.fori_loop`` of ``steps`` iterations, without attention or sampling: what streaming
-    the weights costs at this batch size on this machine, the part of a step no cache layout
-    can remove.
-    """
+    """Milliseconds per step of the decode step's matrix products alone, at batch B: the same
+    prepared weights and the model's own contractions chained through a norm-free residual in a
+    ``lax.fori_loop`` of ``steps`` iterations, without attention or sampling."""
     c, params = config, weights.params
     scan = "blocks" in params  # one scanned group; any other layout runs unrolled here
     unrolled = params if scan else unstack_blocks(params)
@@ -233,7 +200,7 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
 
     fn = jax.jit(chain, static_argnums=3)
     x = jnp.ones((batch, c.d_model), c.jnp_dtype)
-    # (2n iterations - n iterations) / n: dispatch and everything outside the loop cancel.
+    # (2n iterations - n) / n: dispatch and everything outside the loop cancel.
     times = {}
     for n in (steps, 2 * steps):
         jax.block_until_ready(fn(blocks, head, x, n))
@@ -244,19 +211,14 @@ def _bench_weights_only(config: ModelConfig, weights: decode.DecodeWeights, batc
 def compile_times(config: ModelConfig, layers: tuple[int, ...] = (4, 32), batch: int = 1,
                   prompt_len: int = 128, new_tokens: int = 64,
                   dtype: str = "bfloat16", repeats: int = 1) -> dict[str, Any]:
-    """Seconds to lower and compile the jitted generate at several depths, from abstract inputs.
-
-    Nothing is allocated: the weights, prompts and keys are ``jax.ShapeDtypeStruct``s. With a
-    scanned model the program, and so its compile time, should not grow with depth.
-    """
+    """Seconds to lower and compile the jitted generate at several depths, from abstract inputs
+    (nothing is allocated); with a scanned model it should not grow with depth."""
     out: dict[str, float] = {}
-    # With repeats > 1 the depths are interleaved and the faster run counts; note that a repeat
-    # of an identical program may be served by JAX's compilation cache.
-    for _ in range(repeats):
+    for _ in range(repeats):  # interleaved, the fastest counts (a repeat may hit JAX's cache)
         for n_layers in layers:
             c = config.replace(n_layers=n_layers, dtype=dtype, param_dtype=dtype)
-            weights = decode.abstract_weights(c)
-            args = (weights, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
+            args = (decode.abstract_weights(c),
+                    jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
                     jax.ShapeDtypeStruct((batch,), jnp.int32),
                     jax.ShapeDtypeStruct((batch, 2), jnp.uint32))
             fn = jax.jit(decode.generate_padded, static_argnames=decode.GENERATE_STATIC_ARGNAMES)
@@ -312,12 +274,9 @@ def _bench_hf(model: Any, prompts: list[list[int]], n: int, repeats: int) -> dic
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None, max_new_tokens=n,
               min_new_tokens=n)
 
-    class Stamps:  # HF calls put() with the prompt, then once per generated token
-        def __init__(self):
-            self.times: list[float] = []
-
+    class Stamps(list):  # HF calls put() with the prompt, then once per generated token
         def put(self, value: Any) -> None:
-            self.times.append(time.perf_counter())
+            self.append(time.perf_counter())
 
         def end(self) -> None:
             pass
@@ -329,13 +288,12 @@ def _bench_hf(model: Any, prompts: list[list[int]], n: int, repeats: int) -> dic
             out = model.generate(ids, streamer=stamps if len(prompts) == 1 else None, **kw)
         total = time.perf_counter() - start
         if len(prompts) == 1:
-            ttft = stamps.times[1] - start
-            step = float(np.median(np.diff(stamps.times[1:])))
+            ttft = stamps[1] - start
+            step = float(np.median(np.diff(stamps[1:])))
         else:  # HF streamers take batch 1 only: time one new token for the first-token latency
             with torch.no_grad():
-                start = time.perf_counter()
-                model.generate(ids, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1})
-                ttft = time.perf_counter() - start
+                ttft, _ = _seconds(lambda: model.generate(
+                    ids, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1}))
             step = (total - ttft) / (n - 1)
         return total, ttft, step, out
 
@@ -376,12 +334,10 @@ def main(argv: list[str]) -> int:
     # The weights are prepared once per mesh (decode.prepare), as a serving process would.
     placed, prepare_s = {}, {}
     for t, mesh in meshes.items():
-        start = time.perf_counter()
-        placed[t] = jax.block_until_ready(decode.prepare(config, params, mesh))
-        prepare_s[t] = time.perf_counter() - start
+        prepare_s[t], placed[t] = _seconds(lambda mesh=mesh: decode.prepare(config, params, mesh))
     quantized = {t: decode.prepare(config, params, mesh, quant=args.quant)
                  for t, mesh in meshes.items()} if args.quant else {}
-    weight_bytes = decode_quant.step_weight_bytes(config, next(iter(placed.values())))
+    weight_bytes = decode_compare.step_weight_bytes(config, next(iter(placed.values())))
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"decode benchmark: {name}, {n_params / 1e6:.1f}M params ({weight_bytes / 1e6:.0f} MB "
           f"read per step), {config.dtype}, {jax.devices()[0].device_kind} x "
@@ -389,7 +345,7 @@ def main(argv: list[str]) -> int:
           "prepare (with compile) " + ", ".join(f"tensor={t} {s:.2f} s"
                                                 for t, s in prepare_s.items()))
     kind = jax.devices()[0].device_kind
-    peak = args.peak_gb_s or peak_bandwidth(kind)
+    peak = args.peak_gb_s or next((gb_s for name, gb_s in PEAK_GB_S if name in kind), None)
     if peak:
         print(f"peak memory bandwidth of {kind}: {peak:.0f} GB/s"
               + (" (given)" if args.peak_gb_s else " (published)"))
@@ -407,12 +363,12 @@ def main(argv: list[str]) -> int:
         if not args.no_baseline:
             point["no_cache"] = _bench_no_cache(config, params, prompts, args.repeats)
         hf_rec = None if hf_model is None else _bench_hf(hf_model, prompts, n, args.repeats)
+        run = functools.partial(_bench_ours, prompts=prompts, n=n, repeats=args.repeats,
+                                cache_size=s_max or None, cache_dtype=args.cache_dtype)
         for t in meshes:
-            ours = _bench_ours(config, placed[t], prompts, n, args.repeats, s_max or None,
-                               weight_bytes, args.cache_dtype)
+            ours = run(config, placed[t], weight_bytes=weight_bytes)
             rec = dict(point, tensor=t, load_avg=_load(), ours=ours, prepare_s=prepare_s[t])
-            if peak:
-                # Per device: each of the T devices reads its 1/T of the bytes.
+            if peak:  # per device: each of the T devices reads its 1/T of the bytes
                 rec["peak_gb_s"] = peak
                 rec["bandwidth_use_vs_peak"] = ours["achieved_gb_s"] / t / peak
             weights_ms = _bench_weights_only(config, placed[t], b, n, args.repeats)
@@ -427,24 +383,17 @@ def main(argv: list[str]) -> int:
                 same = np.mean(np.asarray(hf_rec["tokens"]) == np.asarray(ours["tokens"]))
                 rec["greedy_token_agreement_with_hf"] = float(same)
             if quantized:
-                rec["quant"] = decode_quant.compare(
-                    config, quantized[t], ours, weight_bytes,
-                    functools.partial(_bench_ours, config, prompts=prompts, n=n,
-                                      repeats=args.repeats, cache_size=s_max or None,
-                                      cache_dtype=args.cache_dtype),
+                rec["quant"] = decode_compare.compare_quant(
+                    config, quantized[t], ours, weight_bytes, run,
                     functools.partial(_bench_weights_only, config, batch=b, steps=n,
                                       repeats=args.repeats))
             if config.moe is not None:
-                rec["moe"] = decode_moe.compare(
-                    config, placed[t], ours, b,
-                    lambda c, w, weight_bytes, p=prompts, n=n, s=s_max: _bench_ours(
-                        c, w, p, n, args.repeats, s or None, weight_bytes, args.cache_dtype))
+                rec["moe"] = decode_compare.compare_moe(config, placed[t], ours, b, run)
             ours.pop("tokens")
             records.append(rec)
             _print_record(rec)
-    args_lib.write_json(args.out, dict(config=name, params=n_params,
-                                            platform=platform.platform(), jax=jax.__version__,
-                                            records=records))
+    args_lib.write_json(args.out, dict(config=name, params=n_params, platform=platform.platform(),
+                                       jax=jax.__version__, records=records))
     print(f"wrote {args.out}")
     return 0
 
@@ -469,9 +418,9 @@ def _print_record(r: dict[str, Any]) -> None:
     print(f"  the step's matrix products alone: {w['step_ms']:.2f} ms/step ({w['gb_s']:.1f} GB/s "
           f"of weights) = {w['vs_weight_bound']:.2f}x the weights' own bound")
     if "quant" in r:
-        print(decode_quant.describe(r["quant"]))
+        print(decode_compare.describe_quant(r["quant"]))
     if "moe" in r:
-        print(decode_moe.describe(r["moe"]))
+        print(decode_compare.describe_moe(r["moe"]))
     if "no_cache" in r:
         print(f"  no-cache baseline {r['no_cache']['step_ms']:.1f} ms/step -> "
               f"{r['speedup_vs_no_cache']:.1f}x")

@@ -48,22 +48,15 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str], description: str) -> tuple[argparse.Namespace, ModelConfig]:
-    """The arguments (``out`` filled in with its default) and the model config, or an argparse
-    error (exit status 2)."""
+    """The arguments (``out`` filled in) and the model config, or an argparse error (exit 2)."""
     parser = build_parser(description)
     args = parser.parse_args(argv)
     config = ModelConfig.from_dict(load_toml(args.config)["model"])  # checked by its type
     kind = "compile" if args.compile_time else "decode"
     a.default_output(parser, args, f"bench_{kind}_{Path(args.config).stem}.json")
-    if not args.compile_time:
-        check_grid(parser, args, config)
-    return args, config
-
-
-def check_grid(parser: argparse.ArgumentParser, args: argparse.Namespace,
-               config: ModelConfig) -> None:
-    """Exits with an argparse error for a grid point no generate call can run (before any
-    weights are made or devices configured)."""
+    if args.compile_time:
+        return args, config
+    # Every grid point must be one a generate call can run.
     longest = max(args.prompt_len) + max(args.new_tokens)
     if longest > config.max_seq_len:
         parser.error(f"--prompt-len {max(args.prompt_len)} + --new-tokens "
@@ -73,3 +66,4 @@ def check_grid(parser: argparse.ArgumentParser, args: argparse.Namespace,
         if size and size < longest:
             parser.error(f"--cache-size {size} is smaller than --prompt-len + --new-tokens = "
                          f"{longest}")
+    return args, config

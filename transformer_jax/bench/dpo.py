@@ -1,16 +1,7 @@
 """DPO loss curve against TRL's own ``DPOTrainer.train()``: a tiny random HF Llama trained for
 N steps by our train step and by TRL on the same weights, pairs, data order and learning rate.
 
-The torch side is ``trl.DPOTrainer`` (``loss_type=["sigmoid"]``, a separate frozen copy of the
-initial model as ``ref_model``, ``adamw_torch`` with the same betas and eps, no weight decay,
-no clipping, a constant lr, no warmup, ``logging_steps=1``); its ``_prepare_dataset`` is
-skipped (the pairs are already token ids) and its ``get_train_dataloader`` yields, step by
-step, exactly the pairs of our step (a batch sampler over our order, TRL's own collator).
-Ours is the ``train.preference.DPO`` objective's step on packed rows with the first-pass
-reference. Prints the config, both losses at every logged step and the largest gap.
-
-Run: ``python -m transformer_jax.bench.dpo [--steps 60] [--lr 1e-3] [--pairs-per-step N]``
-(N pairs a step, ``train.pairs_per_step``: TRL's batch size; default 4 packed rows a step).
+Run: ``python -m transformer_jax.bench.dpo [--steps 60] [--lr 1e-3] [--pairs-per-step N]``.
 """
 
 from __future__ import annotations

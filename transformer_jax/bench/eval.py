@@ -1,13 +1,8 @@
 """lm-eval benchmark: ``transformer-jax bench eval [--docs N] [--d-model D] ...``.
 
-Times the same multiple-choice task's loglikelihood requests through this library's
-``JaxLM`` (length-sorted requests packed into rows with segment ids, one jitted forward per
-batch of rows) and through lm-eval's own ``hf`` backend (PyTorch, batches of length-sorted
-requests right-padded), on one random Llama checkpoint saved with ``save_pretrained`` and a
-byte-level BPE tokenizer trained here; both in float32 on this machine, in one run, so the
-ratio compares like with like. Reports each side's seconds (ours with and without its
-compilation), the largest per-request log-likelihood difference and whether the accuracies
-agree. Needs the ``eval`` and ``hf`` extras (lm-eval, torch, transformers, accelerate).
+Times one multiple-choice task's loglikelihood requests through our ``JaxLM`` and lm-eval's own
+``hf`` backend on one random Llama checkpoint, both float32 in one run; reports the seconds, the
+largest log-likelihood difference and both accuracies. Needs the ``eval`` and ``hf`` extras.
 """
 
 from __future__ import annotations
@@ -60,8 +55,7 @@ def write_bpe(directory: Path, corpus: list[str], vocab_size: int, pad_to: int =
 
 
 def write_checkpoint(directory: Path, args: argparse.Namespace, corpus: list[str]) -> None:
-    """A random Llama (``save_pretrained``) and a byte-level BPE tokenizer trained on
-    ``corpus`` (``write_bpe``)."""
+    """A random Llama (``save_pretrained``) and a BPE tokenizer trained on ``corpus``."""
     import torch
     import transformers
 

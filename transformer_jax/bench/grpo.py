@@ -3,19 +3,8 @@ a tiny HF Llama (``save_pretrained`` from random init) gets a short SFT, then GR
 sampled reward before and after, GRPO steps per minute against TRL's ``GRPOTrainer`` on the
 same model, prompts, G and lengths, and the weight refresh's share of a step.
 
-Steps: (1) the task: prompts ``a+b=`` with a, b < ``--max-operand`` in ChatML messages, a
-word-level tokenizer with one token per digit, the answer followed by eos; (2) SFT with our
-``train.run`` (``objective=sft``) for ``--sft-steps``; (3) the reward of the SFT model, sampled
-at temperature 1 (``--eval-samples`` per prompt over every prompt) and greedy; (4) GRPO from the
-SFT run (``train.reward=transformer_jax.bench.grpo:exact_match``) for ``--steps``; (5) the
-reward again; (6) speed: ``--speed-steps`` GRPO steps of ours and of ``trl.GRPOTrainer`` from
-the random HF model (same prompts, batch, G, max completion tokens, temperature 1, beta, clip
-eps, DAPO token normalisation, constant lr), steady-state steps per minute (the first step, which
-compiles, left out of both) and the ratio; ``--rounds`` R runs the two R times in turn (ours,
-TRL, ours, ...) and takes each side's median step time over all its rounds, so that a machine
-shared with other work loads both alike. Prints the config, the figures and a JSON line.
-
-Run: ``python -m transformer_jax.bench grpo [--steps 600] [--sft-steps 60]``.
+The speed phase runs ours and TRL from the random model ``--rounds`` times in turn, the first
+(compiling) step of each left out, and compares each side's median step time.
 """
 
 from __future__ import annotations
@@ -114,8 +103,7 @@ def evaluate(run_dir: Path, prompts_file: Path, samples: int, max_tokens: int, s
     prompts = load_prompts(prompts_file, ckpt.tokenizer, 48)
     rewards = load_rewards("transformer_jax.bench.grpo:exact_match")
     settings = TrainConfig(batch_size=64, grpo_max_tokens=max_tokens, grpo_group_size=samples)
-    engine = make_engine(ckpt.config, ckpt.params, settings,
-                         max(len(p.tokens) for p in prompts))
+    engine = make_engine(ckpt.config, ckpt.params, settings, max(len(p.tokens) for p in prompts))
     out = []
     for temperature, n in ((1.0, samples), (0.0, 1)):
         total = 0
@@ -177,8 +165,8 @@ def sft_overrides(root: Path, sft_file: Path, args: argparse.Namespace) -> list[
 
 
 def check_runs(args: argparse.Namespace) -> None:
-    """Builds the configs of every run the benchmark will start (checkpoint paths left out:
-    they are written later), so that a setting they refuse is one error before any work.
+    """Builds the configs of every run the benchmark will start (without the checkpoint paths,
+    written later), so that a setting they refuse is one error before any work.
 
     Raises:
       ConfigError: naming the setting (``train.grpo_group_size``, ``train.grad_accum``, ...).
@@ -265,8 +253,7 @@ def trl_step_times(model_dir: Path, records: list[dict], args: argparse.Namespac
         lr_scheduler_type="constant", warmup_steps=0, max_steps=args.speed_steps,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=args.seed,
         gradient_accumulation_steps=args.grad_accum, steps_per_generation=args.grad_accum,
-        num_iterations=1,
-        disable_tqdm=True, dataloader_num_workers=0)
+        num_iterations=1, disable_tqdm=True, dataloader_num_workers=0)
     trainer = GRPOTrainer(
         model=transformers.AutoModelForCausalLM.from_pretrained(model_dir),
         reward_funcs=[reward], args=config, train_dataset=dataset,
@@ -324,9 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the benchmark; prints the figures. A run stopped by SIGTERM/SIGINT ends the
-    benchmark there: the steps that ran are reported (JSON ``interrupted``) and the exit status
-    is 128 + the signal's number."""
+    """Runs the benchmark; prints the figures. A run stopped by SIGTERM/SIGINT ends it there: the
+    steps that ran are reported and the exit status is 128 + the signal's number."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.width % 4 or args.width // 4 % 2:

@@ -1,26 +1,9 @@
 """Per-device training memory of a preset on a mesh, and compile time against depth.
 
-Nothing is allocated: shapes come from ``jax.eval_shape`` of the real train-state init, the
-shardings from the logical rules, and the compiled numbers from XLA's memory analysis of the real
-train step lowered on abstract (``ShapeDtypeStruct``) inputs. The mesh is made of simulated CPU
-devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set by this process before its
-backend starts), so a 7B model on an 8-device mesh can be planned on a laptop.
-
-  transformer-jax bench memory --config llama2_7b --mesh 1,8,1 --batch 8 --seq 2048
-  transformer-jax bench memory --config tinyllama_1_1b --mesh 1,1,1 --batch 1 \
-      --seq 16384 --remat full --dtype bfloat16 --attention auto --loss-chunk 1024
-  transformer-jax bench memory --config llama2_7b --compile-time
-
-``--seq`` may exceed the preset's ``max_seq_len`` (raised for the report); ``--attention`` picks
-the attention (default the preset's) and ``--loss-chunk`` the chunked LM head + loss.
-
-Reported per device: parameters, Adam state (mu + nu, float32), the whole train state; from the
-compiled train step its arguments and temporaries (gradients, optimizer scratch, activations) and
-a peak estimate; "activations (est.)", the temporaries of the forward + backward pass compiled
-alone (what the remat policy keeps, gathered weights, XLA scratch); and "head + loss (est.)",
-the temporaries of the LM head, cross-entropy and their gradient compiled alone (the logits:
-[B, T, V] float32 with the full loss, one [B, C, V] block at a time with ``--loss-chunk C``), with
-its share of the peak.
+Nothing is allocated: shapes come from ``jax.eval_shape``, shardings from the logical rules and
+the compiled numbers from XLA's memory analysis of the real train step lowered on abstract
+inputs. The devices are simulated CPU devices, so a 7B model on an 8-device mesh can be planned
+on a laptop: ``transformer-jax bench memory --config llama2_7b --mesh 1,8,1 [--compile-time]``.
 """
 
 from __future__ import annotations
@@ -34,7 +17,22 @@ import sys
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+
 from transformer_jax.bench import args as args_lib
+from transformer_jax.model.config import ModelConfig, load_toml
+from transformer_jax.model.kv_cache import cache_bytes
+from transformer_jax.model.ops.attention import choose_impl
+from transformer_jax.model.ops.lm_loss import head_logits, lm_head_cross_entropy_sums
+from transformer_jax.model.transformer import Transformer, abstract_params
+from transformer_jax.parallel import sharding as sh
+from transformer_jax.train.config import TrainConfig
+from transformer_jax.train.loss import cross_entropy_sums
+from transformer_jax.train.memory import activation_bytes, expert_bytes
+from transformer_jax.train.perf import param_counts
+from transformer_jax.train.step import make_init_fn, make_loss_fn, make_train_step
 
 GIB = 2.0 ** 30
 
@@ -73,17 +71,9 @@ def state_memory(model_config: Any, mesh_sizes: tuple[int, int, int], train_conf
       train_config: the ``TrainConfig`` (its optimizer decides the state).
 
     Returns:
-      ``{"param_count", "params", "adam", "state", "experts"}``: parameter count and
-      per-device bytes of the parameters, Adam's mu + nu, the whole state, and the routed
-      experts' part of it (parameters and moments; 0 without a mixture of experts).
+      ``{"param_count", "params", "adam", "state", "experts"}``: parameter count and bytes of
+      the parameters, Adam's mu + nu, the whole state, and the routed experts' part of it.
     """
-    import jax
-    from jax.sharding import AbstractMesh, AxisType
-
-    from transformer_jax.parallel import sharding as sh
-    from transformer_jax.train.memory import expert_bytes
-    from transformer_jax.train.step import make_init_fn
-
     axes = mesh_axes(mesh_sizes)
     mesh = AbstractMesh(tuple(mesh_sizes), axes, axis_types=(AxisType.Auto,) * len(axes))
     abstract = jax.eval_shape(make_init_fn(model_config, train_config), jax.random.key(0))
@@ -104,8 +94,6 @@ def state_memory(model_config: Any, mesh_sizes: tuple[int, int, int], train_conf
 
 def mesh_axes(mesh_sizes: tuple[int, ...]) -> tuple[str, ...]:
     """The axis names of a mesh of these sizes (a fourth is the expert axis)."""
-    from transformer_jax.parallel import sharding as sh
-
     return sh.MESH_AXES if len(mesh_sizes) == 3 else sh.EXPERT_MESH_AXES
 
 
@@ -115,12 +103,6 @@ def lower_train_step(model_config: Any, train_config: Any, mesh: Any) -> tuple[A
     Returns:
       ``(lowered, seconds)``: the ``jax.stages.Lowered`` and the time lowering took.
     """
-    import jax
-    import jax.numpy as jnp
-
-    from transformer_jax.parallel import sharding as sh
-    from transformer_jax.train.step import make_init_fn, make_train_step
-
     abstract = jax.eval_shape(make_init_fn(model_config, train_config), jax.random.key(0))
     s_shard = sh.state_shardings(abstract, sh.param_shardings(model_config, mesh))
     b_shard = sh.batch_sharding(mesh)
@@ -147,19 +129,8 @@ def compiled_memory(model_config: Any, train_config: Any, mesh: Any) -> dict[str
 
 
 def compiled_activations(model_config: Any, train_config: Any, mesh: Any) -> int:
-    """Per-device temporaries of the forward + backward pass alone (no optimizer update).
-
-    The gradients are this computation's (sharded) outputs, so its temporaries are what the
-    backward pass keeps from the forward (set by the remat policy), gathered weights and XLA's
-    scratch: the activation memory of the step.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from transformer_jax.model.transformer import abstract_params
-    from transformer_jax.parallel import sharding as sh
-    from transformer_jax.train.step import make_loss_fn
-
+    """Per-device temporaries of the forward + backward pass alone (no optimizer update): what the
+    remat policy keeps, gathered weights and XLA's scratch."""
     loss_sums = make_loss_fn(model_config, train_config)  # the train step's own objective
 
     def grads_only(params, batch):
@@ -177,22 +148,8 @@ def compiled_activations(model_config: Any, train_config: Any, mesh: Any) -> int
 
 
 def compiled_loss_head(model_config: Any, train_config: Any, mesh: Any) -> int:
-    """Per-device temporaries of the LM head + cross-entropy and their gradient, compiled alone.
-
-    The part of the train step that holds the logits: the model's head and loss as
-    ``train.step.make_loss_fn`` applies them (``loss.cross_entropy_sums`` over [B, T, V] float32
-    logits, or ``ops.lm_loss`` over chunks of ``train_config.loss_chunk`` positions), differentiated
-    with respect to the [B, T, D] final hidden states and the head, on the step's shardings.
-    """
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-
-    from transformer_jax.model.ops.lm_loss import head_logits, lm_head_cross_entropy_sums
-    from transformer_jax.model.transformer import Transformer, abstract_params
-    from transformer_jax.parallel import sharding as sh
-    from transformer_jax.train.loss import cross_entropy_sums
-
+    """Per-device temporaries of the LM head + cross-entropy and their gradient, compiled alone on
+    the step's shardings ([B, T, V] float32 logits, or chunks of ``train_config.loss_chunk``)."""
     c, chunk = model_config, train_config.loss_chunk
     model = Transformer(c)
     head = model.lm_head(abstract_params(c))
@@ -229,17 +186,12 @@ def memory_report(name: str, mesh_sizes: tuple[int, int, int], batch: int, seq: 
       mesh_sizes: concrete (data, fsdp, tensor).
       batch: global batch B.
       seq: sequence length T.
-      remat: override the preset's remat policy.
-      dtype: override the compute dtype.
+      remat, dtype, attention: overrides of the preset's remat, dtype and ``attention_impl``.
       mesh: a device mesh to compile on; None skips the compiled analysis.
-      attention: override the preset's ``attention_impl``.
       loss_chunk: ``train.loss_chunk`` (0: the full [B, T, V] logits).
     """
     model_config, train_config = _configs(name, batch, seq, remat=remat, dtype=dtype,
                                           attention_impl=attention, loss_chunk=loss_chunk)
-    from transformer_jax.train.memory import activation_bytes
-    from transformer_jax.train.perf import param_counts
-
     state = state_memory(model_config, mesh_sizes, train_config)
     report = MemoryReport(config=name, mesh=tuple(mesh_sizes), batch=batch, seq=seq,
                           remat=model_config.remat, dtype=model_config.dtype,
@@ -260,12 +212,8 @@ def memory_report(name: str, mesh_sizes: tuple[int, int, int], batch: int, seq: 
 def compile_times(name: str, mesh: Any, batch: int, seq: int, layers: tuple[int, ...] = (32, 4),
                   remat: str | None = None, dtype: str | None = None, repeats: int = 2
                   ) -> dict[int, dict[str, float]]:
-    """Lowering and compile seconds of the scanned train step at each depth in ``layers``.
-
-    Each depth is measured ``repeats`` times, interleaved with the others so that a burst of
-    load on a shared machine does not land on one depth only; the fastest run counts. Every
-    run builds a fresh step function, so no compilation cache is hit.
-    """
+    """Lowering and compile seconds of the scanned train step at each depth in ``layers``: the
+    fastest of ``repeats`` runs, interleaved, each a fresh step function (no cache hit)."""
     out: dict[int, dict[str, float]] = {}
     for _ in range(repeats):
         for n_layers in layers:
@@ -283,9 +231,6 @@ def compile_times(name: str, mesh: Any, batch: int, seq: int, layers: tuple[int,
 
 def _configs(name: str, batch: int, seq: int, loss_chunk: int = 0,
              **model_changes: Any) -> tuple[Any, Any]:
-    from transformer_jax.model.config import ModelConfig, load_toml
-    from transformer_jax.train.config import TrainConfig
-
     if not load_toml(name).get("model"):
         raise ValueError(f"--config {name}: the preset has no [model] table (its model comes "
                          "from train.init_from); give a preset or TOML file with a model, e.g. "
@@ -306,30 +251,16 @@ def _request_simulated_cpu_devices(n: int) -> None:
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
-        return  # _check_device_count says whether the backend has enough
+        return  # main says whether the backend has enough
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                    os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    import jax
-
     jax.config.update("jax_platforms", "cpu")
 
 
-def _check_device_count(n: int) -> None:
-    import jax
-
-    if len(jax.devices()) < n:
-        raise RuntimeError(f"the JAX backend started before the bench could ask for {n} CPU "
-                           f"devices (it has {len(jax.devices())}); run the bench in a fresh "
-                           "process")
-
-
 def kv_cache_report(name: str, batch: int, seq: int, dtype: str) -> dict[str, Any]:
-    """Prints and returns the inference KV cache of B sequences of ``seq`` positions (local and
-    chunked layers a ring, latent layers a latent) against every layer global and expanded."""
-    from transformer_jax.model.config import ModelConfig
-    from transformer_jax.model.kv_cache import cache_bytes
-
+    """Prints and returns the inference KV cache of B sequences of ``seq`` positions against every
+    layer global and expanded."""
     c = ModelConfig.preset(name)
     held = cache_bytes(c, batch, seq, dtype)
     expanded = c if c.mla is None else c.replace(  # latent layers as N heads' K and V
@@ -374,8 +305,6 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     layers = _check_args(parser, args)
 
-    from transformer_jax.parallel import sharding as sh
-
     try:
         mesh_config = sh.MeshConfig.parse(args.mesh)
         n_devices = args.devices or (math.prod(mesh_config.sizes) if -1 not in mesh_config.sizes
@@ -399,7 +328,10 @@ def main(argv: list[str]) -> int:
                                               attention_impl=args.attention,
                                               loss_chunk=args.loss_chunk)
         state_memory(model_config, sizes, train_config)
-        _check_device_count(n_devices)
+        if len(jax.devices()) < n_devices:
+            raise RuntimeError(f"the JAX backend started before the bench could ask for "
+                               f"{n_devices} CPU devices (it has {len(jax.devices())}); run the "
+                               "bench in a fresh process")
         return _run(args, mesh_config, sizes, n_devices, layers)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -428,12 +360,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tu
 
 def _run(args: argparse.Namespace, mesh_config: Any, sizes: tuple[int, int, int],
          n_devices: int, layers: tuple[int, ...]) -> int:
-    import jax
-
-    from transformer_jax.parallel import sharding as sh
-
     mesh = sh.make_mesh(mesh_config, jax.devices()[:n_devices])
-
     if args.compile_time:
         times = compile_times(args.config, mesh, args.batch, args.seq, layers, args.remat,
                               args.dtype, args.repeats)
@@ -444,23 +371,16 @@ def _run(args: argparse.Namespace, mesh_config: Any, sizes: tuple[int, int, int]
                   f" total {t['lower_s'] + t['compile_s']:6.2f} s (best of {args.repeats})")
         result: dict[str, Any] = {"compile_times": times}
         if len(layers) > 1:
-            deep, shallow = (times[n] for n in layers[:2])
-            ratio = ((deep["lower_s"] + deep["compile_s"])
-                     / (shallow["lower_s"] + shallow["compile_s"]))
+            deep, shallow = (sum(times[n].values()) for n in layers[:2])  # lower + compile
+            ratio = deep / shallow
             print(f"  ratio {layers[0]} / {layers[1]} layers (lower + compile): {ratio:.2f}")
             result["ratio"] = ratio
     else:
         report = memory_report(args.config, sizes, args.batch, args.seq, remat=args.remat,
                                dtype=args.dtype, mesh=None if args.no_compile else mesh,
                                attention=args.attention, loss_chunk=args.loss_chunk)
-        from transformer_jax.model.ops.attention import choose_impl
-
         picked = report.attention
         if picked == "auto":  # what "auto" runs for this shape here (q and k of one device)
-            import jax.numpy as jnp
-
-            from transformer_jax.model.config import ModelConfig
-
             c = ModelConfig.preset(args.config)
             b = max(1, args.batch // (sizes[0] * sizes[1]))
             q = jax.ShapeDtypeStruct((b, args.seq, c.n_heads, c.head_dim),

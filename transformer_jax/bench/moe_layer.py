@@ -1,14 +1,9 @@
 """One mixture-of-experts layer against a dense FFN of the same active FLOPs:
 ``transformer-jax bench train --moe-layer [--impls dense,ragged,gather,tiled]``.
 
-The MoE layer is the model's ``SparseFFN`` (router, top-k, E SwiGLU experts of width F); the
-dense one an ``MLP`` of width ``k F`` (the same matmul FLOPs per token as the k experts a token
-reaches). Each is jitted as forward + backward (the gradients of the parameters and of the
-input) on the same [N, D] tokens, and timed in the same process: the ratio MoE / dense per
-``moe_impl`` is the cost of routing, sorting and the grouped products (the issue's target: at
-most 1.5x at E=8, k=2 for the training implementation). Then the same layer's lowering +
-compile time at two expert counts (E=8 and E=64, the same k and F): a dropless implementation's
-program should not grow with E (the target: at most 1.3x).
+Forward + backward of the model's ``SparseFFN`` (E experts of width F, top k) per ``moe_impl``
+against an ``MLP`` of width ``k F`` on the same tokens; then the layer's lowering + compile
+time at two expert counts (a dropless implementation's should not grow with E).
 """
 
 from __future__ import annotations
@@ -50,15 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
 
 
-def _layer(impl: str | None, n_experts: int, top_k: int, d: int, f: int, dtype: str
-           ) -> tuple[Any, Any]:
+def _layer(impl: str | None, n_experts: int, args: argparse.Namespace) -> tuple[Any, Any]:
     """(module, its params) of the MoE layer (``impl``) or, with ``impl=None``, the dense FFN."""
-    kw = dict(dtype=jnp.dtype(dtype), param_dtype=jnp.float32)
+    k, f, dtype = args.top_k, args.expert_ff, jnp.dtype(args.dtype)
+    kw = dict(dtype=dtype, param_dtype=jnp.float32)
     if impl is None:
-        module = MLP(d_ff=top_k * f, kind="swiglu", **kw)
+        module = MLP(d_ff=k * f, kind="swiglu", **kw)
     else:
-        module = SparseFFN(moe=MoE(n_experts=n_experts, top_k=top_k, d_ff=f), impl=impl, **kw)
-    x = jnp.zeros((1, 8, d), jnp.dtype(dtype))
+        module = SparseFFN(moe=MoE(n_experts=n_experts, top_k=k, d_ff=f), impl=impl, **kw)
+    x = jnp.zeros((1, 8, args.d_model), dtype)
     return module, module.init(jax.random.key(0), x)["params"]
 
 
@@ -74,8 +69,7 @@ def _fwd_bwd(module: Any) -> Any:
 
 def time_layer(impl: str | None, args: argparse.Namespace, n_experts: int) -> dict[str, float]:
     """Compile seconds and the median step seconds of one layer's forward + backward."""
-    module, params = _layer(impl, n_experts, args.top_k, args.d_model, args.expert_ff,
-                            args.dtype)
+    module, params = _layer(impl, n_experts, args)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, args.tokens, args.d_model)), args.dtype)
     ct = jnp.asarray(rng.standard_normal((1, args.tokens, args.d_model)), jnp.float32)
@@ -93,16 +87,14 @@ def time_layer(impl: str | None, args: argparse.Namespace, n_experts: int) -> di
 
 def compile_seconds(impl: str, args: argparse.Namespace, counts: list[int], repeats: int = 3
                     ) -> dict[int, float]:
-    """Lowering + compile seconds of the MoE layer's forward + backward at each expert count:
-    the best of ``repeats``, interleaved (so neither count gets the process's first, slower
-    compile, nor a burst of load alone), each a fresh function."""
+    """Lowering + compile seconds of the MoE layer's forward + backward at each expert count: the
+    best of ``repeats``, interleaved, each a fresh function."""
     best = dict.fromkeys(counts, float("inf"))
     x = jax.ShapeDtypeStruct((1, args.tokens, args.d_model), jnp.dtype(args.dtype))
     ct = jax.ShapeDtypeStruct((1, args.tokens, args.d_model), jnp.float32)
     for _ in range(repeats):
         for e in counts:
-            module, params = _layer(impl, e, args.top_k, args.d_model, args.expert_ff,
-                                    args.dtype)
+            module, params = _layer(impl, e, args)
             start = time.perf_counter()
             _fwd_bwd(module).lower(params, x, ct).compile()
             best[e] = min(best[e], time.perf_counter() - start)

@@ -1,11 +1,7 @@
 """QLoRA on a HF checkpoint: the frozen base's bytes and the fine-tuning loss, against LoRA.
 
-Writes a Llama checkpoint with transformers' ``save_pretrained`` from a random
-initialisation (``bench eval``'s, with a BPE tokenizer trained on the corpus; ``--hf DIR``
-takes an existing one instead), fine-tunes it twice with ``transformer-jax train --config finetune``
-on the same generated corpus, once with a float32 base and once with ``train.lora_base_quant``
-(nf4 by default), and prints the losses and the saved base's bytes over its bfloat16 size.
-Needs the ``hf`` extra (torch, transformers).
+Fine-tunes a random Llama (or ``--hf DIR``) twice on one generated corpus, with a float32 base
+and with ``train.lora_base_quant``. Needs the ``hf`` extra.
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ WARMUP = 10
 
 
 def corpus(path: Path, words: int, seed: int) -> list[str]:
-    """Text with something to learn: lines of phrases drawn from 60 fixed 8-word phrases
-    (``w0`` .. ``w{N-1}``); returns the lines."""
+    """Writes lines of phrases drawn from 60 fixed 8-word phrases; returns the lines."""
     rng = np.random.default_rng(seed)
     vocab = [f"w{i}" for i in range(words)]
     phrases = [" ".join(rng.choice(vocab, 8)) for _ in range(60)]
@@ -75,9 +70,8 @@ def finetune(hf: Path, data: Path, run: Path, args: argparse.Namespace, extra: l
 
 
 def check_runs(args: argparse.Namespace) -> None:
-    """Builds the two runs' configs (the checkpoint and corpus left out: written later), so
-    that a setting they refuse (``--quant``, ``--steps`` within the warmup, ...) is one error
-    before the checkpoint is written.
+    """Builds the two runs' configs (without the checkpoint and corpus, written later), so that a
+    setting they refuse is one error before the checkpoint is written.
 
     Raises:
       ConfigError: naming the setting.

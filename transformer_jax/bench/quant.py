@@ -1,17 +1,8 @@
 """Quantisation quality benchmark: ``transformer-jax bench quant --run RUN_DIR``.
 
-For a trained run (its checkpoint, tokenizer and the validation split of its own data config),
-the held-out loss with float, int8 and int4 weights (``decode.prepare(quant=...)``) and with an
-int8 KV cache, and the greedy continuations of held-out prompts against float's, as the
-fraction of tokens that agree position for position; for weights also each continuation token
-judged on its own (the quantised argmax given float's prefix), since one flipped near-tie
-changes the rest of a greedy continuation. Also the bytes of each: prepared weights against
-float32, the int8 cache against a bfloat16 one.
-
-The loss runs the decode forward (``decode.decode_model``) on non-overlapping held-out windows
-of ``max_seq_len`` tokens; the cache's loss runs it with a ``KVCache`` of the window's length,
-so every query attends over the cached (int8) keys and values. It prints a table and writes
-the JSON.
+For a trained run, the held-out loss with float, int8 and int4 weights and with an int8 KV
+cache, the greedy continuations' agreement with float's (also each token judged on float's
+prefix), and the bytes of each. Prints a table and writes the JSON.
 """
 
 from __future__ import annotations
@@ -67,12 +58,9 @@ def mean_loss(weights: decode.DecodeWeights, windows: np.ndarray, batch: int,
 
 def forced_agreement(weights: decode.DecodeWeights, prompts: list[list[int]],
                      reference: np.ndarray) -> float:
-    """The fraction of the reference continuations' tokens ([B, N], float's greedy tokens) that
-    are also these weights' argmax given the same prompt and reference tokens before them: each
-    position judged on its own, where the greedy agreement counts everything after a first
-    flip as different."""
-    config = weights.config
-    model = decode.decode_model(config)
+    """The fraction of the reference tokens ([B, N], float's greedy continuation) that are also
+    these weights' argmax given the prompt and the reference tokens before them."""
+    model = decode.decode_model(weights.config)
     tokens = np.concatenate([np.asarray(prompts, np.int32), reference[:, :-1]], axis=1)
     logits = jax.jit(lambda p, t: model.apply({"params": p}, t).logits)(weights.params, tokens)
     start = len(prompts[0]) - 1  # the logits at position i predict token i + 1
@@ -80,8 +68,7 @@ def forced_agreement(weights: decode.DecodeWeights, prompts: list[list[int]],
 
 
 def training_run(text: str) -> str:
-    """An argparse type: a training run's directory (its ``config.json`` names the data whose
-    validation split is held out)."""
+    """An argparse type: a training run's directory (with its ``config.json``)."""
     args_lib.existing_dir(text)
     if not (Path(text).expanduser() / "config.json").is_file():
         raise argparse.ArgumentTypeError(f"{text} is not a training run (no config.json)")

@@ -1,20 +1,10 @@
 """Serving benchmark: ``transformer-jax bench serve --config NAME``.
 
-Serves a stream of random requests (input and output lengths drawn from given ranges; all sent
-at once, or with Poisson or gamma arrivals at a given rate) with the ``serving.Engine``, and in
-the same run the way the library could before: ``generate`` on one request at a time, and
-``generate`` on fixed batches of the slot count as requests arrive. For each it reports time to
-first token (TTFT), time per output token (TPOT, ``(E2E - TTFT) / (tokens - 1)``), inter-token
-latency (ITL) and end-to-end latency (E2E) as mean, median and p99, request and output-token
-throughput; for the engine also the peak of running sequences and of pages in use, and how many
-sequences contiguous slots of the same KV memory would hold (each reserving the model's whole
-context), and where its steps' time went: each host phase and the wait for the device, mean
-and median per step, and the host's share (``serving.step_times``). It prints the ratios;
-``--json`` writes everything.
-
-Every program is compiled before the clock starts (the engine's step shapes, one ``generate``
-per request shape), on random weights of the config; outputs are greedy with no stop token, so
-each request produces exactly its drawn number of tokens in every mode.
+Serves random requests (all at once, or Poisson or gamma arrivals) with the ``serving.Engine``
+and, in the same run, with ``generate`` one request at a time and in fixed batches. It reports
+TTFT, TPOT, ITL and E2E latency (mean, median, p99) and throughputs, and for the engine its
+peaks and where its steps' time went. Programs compile before the clock starts; outputs are
+greedy with no stop token, so each request makes its drawn number of tokens in every mode.
 """
 
 from __future__ import annotations
@@ -57,14 +47,11 @@ def _wait_until(t: float) -> None:
         time.sleep(delay)
 
 
-# Modes -------------------------------------------------------------------------------------------
-
 def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None,
                speculative: str | None = None) -> dict[str, Any]:
-    """Serves ``work`` with the engine in real time; token times from its consumers. With
-    LoRA adapters loaded (``engine.adapter_names``) request i uses adapter i mod N; with
-    ``grammars``, request i draws under ``grammars[i]`` (a ``Grammar``, or None); with
-    ``speculative``, every request speculates so (``SamplingParams.speculative``)."""
+    """Serves ``work`` with the engine in real time; token times from its consumers. Request i
+    uses LoRA adapter i mod N of ``engine.adapter_names`` (if any) and draws under ``grammars[i]``
+    (with ``grammars``); with ``speculative``, every request speculates so."""
     records = [record(a) for a in work.arrivals]
     order = sorted(range(len(records)), key=lambda i: work.arrivals[i])
     peak_running = peak_pages = 0
@@ -88,15 +75,13 @@ def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None
         sched = engine.scheduler
         if engine.steps == ran and not sched.idle:  # a stuck engine fails, it does not spin
             raise RuntimeError(f"the engine cannot make progress: {sched.describe()}")
-        peak_running = max(peak_running,
-                           len(sched.running) + len(sched.prefilling))
+        peak_running = max(peak_running, len(sched.running) + len(sched.prefilling))
         peak_pages = max(peak_pages, engine.pages_in_use)
     out = summarize(records, start)
     out.update(records=records, peak_running=peak_running, peak_pages=peak_pages,
                steps=engine.steps, rounds=engine.multistep.rounds,
                round_tokens=engine.multistep.round_tokens, lagged=engine.overlap.lagged,
-               discarded=engine.overlap.discarded,
-               preemptions=engine.scheduler.preemptions,
+               discarded=engine.overlap.discarded, preemptions=engine.scheduler.preemptions,
                prefix_hit_pages=engine.scheduler.prefix.hits,
                step_times=engine.step_times.summary())
     if speculative:
@@ -104,31 +89,25 @@ def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None
     return out
 
 
-def _generate(config: ModelConfig, weights: decode.DecodeWeights, prompts: list[list[int]],
-              n: int, records: list[dict[str, Any]], wanted: list[int]) -> None:
-    """``generate`` on a batch, each step's host time recorded for the rows that want it."""
-    def stream(step: int, tokens: np.ndarray, active: np.ndarray) -> None:
-        now = time.perf_counter()
-        for r, w in zip(records, wanted, strict=True):
-            if step < w:
-                r["times"].append(now)
-
-    generation.generate(config, weights, prompts, max_new_tokens=n, stream=stream)
-
-
 def run_fixed_batches(config: ModelConfig, weights: decode.DecodeWeights, work: Workload,
                       batch: int) -> dict[str, Any]:
-    """``generate`` on batches of ``batch`` requests in arrival order, each batch once its
-    last request has arrived, run until its longest request is done (``batch`` 1: each
-    request alone, once it has arrived)."""
+    """``generate`` on batches of ``batch`` requests in arrival order, each once its last request
+    has arrived (``batch`` 1: each request alone)."""
     records = [record(a) for a in work.arrivals]
     order = sorted(range(len(records)), key=lambda i: work.arrivals[i])
     start = time.perf_counter()
     for group in _batches(order, batch):
         _wait_until(start + max(work.arrivals[i] for i in group))
-        _generate(config, weights, [work.prompts[i] for i in group],
-                  max(work.max_tokens[i] for i in group), [records[i] for i in group],
-                  [work.max_tokens[i] for i in group])
+
+        def stream(step: int, tokens: np.ndarray, active: np.ndarray, group=group) -> None:
+            now = time.perf_counter()  # each step's host time, for the rows that want it
+            for i in group:
+                if step < work.max_tokens[i]:
+                    records[i]["times"].append(now)
+
+        generation.generate(config, weights, [work.prompts[i] for i in group],
+                            max_new_tokens=max(work.max_tokens[i] for i in group),
+                            stream=stream)
     return summarize(records, start)
 
 
@@ -152,8 +131,6 @@ def compile_generate(config: ModelConfig, weights: decode.DecodeWeights, work: W
     return len(shapes)
 
 
-# CLI ---------------------------------------------------------------------------------------------
-
 def _line(name: str, r: dict[str, Any]) -> str:
     ms = {k: r[k] for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s")}
     cells = "  ".join(f"{k[:-2].upper()} {v['mean'] * 1e3:7.1f}/{v['median'] * 1e3:7.1f}/"
@@ -168,8 +145,7 @@ MODES = ("engine", "engine-sync", "engine-noprefix", "engine-lora", "engine-json
 
 def random_adapters(config: ModelConfig, params: Any, n: int, rank: int, seed: int
                     ) -> dict[str, Any]:
-    """``n`` LoRA adapters of rank ``rank`` on every dense matrix, with B random (a trained
-    adapter's cost: an initialised one's B is zero, which costs the same but proves less)."""
+    """``n`` LoRA adapters of rank ``rank`` on every dense matrix, with B random (as trained)."""
     from transformer_jax.model import lora
 
     out = {}
@@ -185,7 +161,7 @@ def random_adapters(config: ModelConfig, params: Any, n: int, rank: int, seed: i
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The arguments, each checked by its type as it is parsed (``bench/args.py``)."""
+    """The arguments, each checked by its type as it is parsed."""
     a = args_lib
     parser = a.parser("serve", __doc__)
     parser.add_argument("--config", type=a.model_config, default="decode_25m",
@@ -210,35 +186,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the engine's most decode steps per host round (serving.multistep)")
     parser.add_argument("--modes", default=None,
                         help="comma list of engine, one (generate one at a time), batch "
-                             "(generate in fixed batches), engine-sync (no lagged steps, "
-                             "serving.overlap), engine-noprefix, engine-lora, "
-                             "engine-json (every request under --response-format), "
-                             "engine-json-mixed (every other one; bench/serve_structured.py), "
-                             "http (the server at --url; bench/serve_http.py) (default: "
-                             "engine,one,batch; http with --url)")
+                             "(generate in fixed batches), engine-sync (no lagged steps), "
+                             "engine-noprefix, engine-lora, engine-json (every request under "
+                             "--response-format), engine-json-mixed (every other one), http "
+                             "(the server at --url) (default: engine,one,batch; http with --url)")
     parser.add_argument("--speculative", default=None, metavar="SPEC",
-                        help="the engine-spec mode's speculation, e.g. ngram:k=4, "
-                             "draft:PATH:k=4 or mtp (added to the modes when given; the same "
-                             "requests as the engine mode)")
+                        help="the engine-spec mode's speculation, e.g. ngram:k=4, draft:PATH:k=4 "
+                             "or mtp (added to the modes when given)")
     parser.add_argument("--workload", choices=("random", "repeat"), default="random",
                         help="repeat: input-heavy prompts, each a random passage then its "
                              "first --lead tokens again, so the output can copy the input")
     parser.add_argument("--lead", type=a.positive_int, default=8)
     parser.add_argument("--text", type=a.existing_file, default=None, metavar="FILE",
                         help="with --workload repeat and a --checkpoint: cut the passages from "
-                             "this text with the checkpoint's tokenizer, each followed by a "
-                             "blank line and its first --lead tokens with one changed (bench "
-                             "speculative's repeat prompts)")
+                             "this text, each followed by a blank line and its first --lead "
+                             "tokens with one changed (bench speculative's repeat prompts)")
     parser.add_argument("--checkpoint", default=None,
-                        help="serve a trained checkpoint (its config) instead of random "
-                             "weights of --config")
+                        help="serve a trained checkpoint instead of random weights of --config")
     parser.add_argument("--lora", type=a.positive_int, default=4, metavar="N",
                         help="the engine-lora mode's adapters: requests take them in turn")
     parser.add_argument("--lora-rank", type=a.positive_int, default=16)
     parser.add_argument("--response-format", default=None, metavar="json_object|SCHEMA",
                         help="the engine-json modes' grammar: json_object, a JSON schema file "
-                             "or inline JSON (default: an array of exactly --output-len's "
-                             "maximum words, which cannot end early)")
+                             "or inline JSON (default: an array of --output-len's maximum words)")
     parser.add_argument("--tokenizer", type=a.existing_dir, default=None, metavar="DIR",
                         help="the engine-json modes' HF tokenizer (default: a byte-level BPE "
                              "made here, padded to the model's vocabulary)")
@@ -249,9 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=a.output_file, default=None,
                         help="write the results to this file")
     parser.add_argument("--scenario", choices=("load", "stall"), default="load",
-                        help="load: the requests above in every mode; stall: --slots "
-                             "sequences decoding when a --long-prompt arrives, chunked "
-                             "(--token-budget) and unchunked (serve_stall.py)")
+                        help="load: the requests above in every mode; stall: --slots sequences "
+                             "decoding when a --long-prompt arrives, chunked and unchunked")
     parser.add_argument("--long-prompt", type=a.positive_int, default=900,
                         help="the stall scenario's long prompt, in tokens")
     return parser
@@ -259,8 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                config: ModelConfig) -> list[str]:
-    """Exits with an argparse error for values that do not fit together or the model (before
-    any weights are made); returns the modes to run."""
+    """Exits with an argparse error for values that do not fit together or the model; returns the
+    modes to run."""
     if args.scenario == "stall":
         if args.long_prompt + 1 > config.max_seq_len:
             parser.error(f"--long-prompt {args.long_prompt} + its token must fit the model's "
@@ -348,9 +317,8 @@ def main(argv: list[str]) -> int:
     if args.scenario == "stall":
         weights = decode.prepare(config, init_params(config, jax.random.key(args.seed)))
         stall = serve_stall.run_both(config, weights, slots=args.slots,
-                                     token_budget=args.token_budget,
-                                     page_size=args.page_size, long_prompt=args.long_prompt,
-                                     seed=args.seed)
+                                     token_budget=args.token_budget, page_size=args.page_size,
+                                     long_prompt=args.long_prompt, seed=args.seed)
         args_lib.write_json(args.json, {"config": args.config, "dtype": config.dtype,
                                         "backend": jax.default_backend(), "stall": stall})
         return 0
@@ -377,16 +345,14 @@ def main(argv: list[str]) -> int:
     pages = args.pages or 1 + args.slots * -(-longest // args.page_size)
     result: dict[str, Any] = {
         "config": args.config, "dtype": config.dtype, "device": jax.devices()[0].device_kind,
-        "backend": jax.default_backend(), "host": platform.node(),
-        "load_avg": os.getloadavg(), "args": {k: (str(v) if isinstance(v, float) and
-                                                  math.isinf(v) else v)
-                                              for k, v in vars(args).items()
-                                              if k != "grammar"},  # not JSON; --response-format is
+        "backend": jax.default_backend(), "host": platform.node(), "load_avg": os.getloadavg(),
+        "args": {k: str(v) if isinstance(v, float) and math.isinf(v) else v
+                 for k, v in vars(args).items() if k != "grammar"},  # not JSON; its flag is
         "pages": pages, "modes": {}}
     print(f"{args.checkpoint or args.config} ({config.dtype}, {jax.default_backend()}): "
-          f"{args.requests} requests, "
-          f"inputs {args.input_len}, outputs {args.output_len}, rate {args.rate}/s; "
-          f"{args.slots} slots, {pages} pages of {args.page_size}, budget {args.token_budget}")
+          f"{args.requests} requests, inputs {args.input_len}, outputs {args.output_len}, rate "
+          f"{args.rate}/s; {args.slots} slots, {pages} pages of {args.page_size}, budget "
+          f"{args.token_budget}")
     # With the structured modes every engine mode detokenizes its tokens as they need to.
     tokenizer = None if not any(m.startswith("engine-json") for m in modes) else \
         serve_structured.bench_tokenizer(config.vocab_size, args.tokenizer)
@@ -456,35 +422,32 @@ def main(argv: list[str]) -> int:
             for line in step_times_lib.table(r["step_times"]):
                 print(f"{'':16} {line}")
     got = result["modes"]
+
+    def tput(a: str, b: str) -> float:  # mode a's output tokens/s over mode b's
+        return got[a]["output_token_throughput"] / got[b]["output_token_throughput"]
+
     if "engine" in got:
         if "engine-lora" in got:
-            tput = got["engine-lora"]["output_token_throughput"] / \
-                got["engine"]["output_token_throughput"]
-            print(f"engine-lora vs engine: {tput:.2f}x output tokens/s ({args.lora} adapters "
-                  f"of rank {args.lora_rank} mixed, against the base alone)")
+            print(f"engine-lora vs engine: {tput('engine-lora', 'engine'):.2f}x output tokens/s "
+                  f"({args.lora} adapters of rank {args.lora_rank} mixed, against the base alone)")
         if "engine-spec" in got:
-            spec = got["engine-spec"]
-            tput = spec["output_token_throughput"] / got["engine"]["output_token_throughput"]
-            tpot = got["engine"]["tpot_s"]["median"] / spec["tpot_s"]["median"]
-            m = spec["speculative"]
-            print(f"engine-spec vs engine: {tput:.2f}x output tokens/s, {tpot:.2f}x lower median "
-                  f"TPOT ({args.speculative}: acceptance {m['acceptance_rate']:.2f}, "
-                  f"{m['mean_accepted_length']:.2f} tokens per verification, "
-                  f"{m['verify_steps']} verify steps, {m['backed_off_steps']} backed off)")
+            tpot = got["engine"]["tpot_s"]["median"] / got["engine-spec"]["tpot_s"]["median"]
+            m = got["engine-spec"]["speculative"]
+            print(f"engine-spec vs engine: {tput('engine-spec', 'engine'):.2f}x output tokens/s, "
+                  f"{tpot:.2f}x lower median TPOT ({args.speculative}: acceptance "
+                  f"{m['acceptance_rate']:.2f}, {m['mean_accepted_length']:.2f} tokens per "
+                  f"verification, {m['verify_steps']} verify steps, {m['backed_off_steps']} "
+                  "backed off)")
         for other in ("one", "batch", "engine-noprefix", "engine-sync"):
             if other in got:
-                tput = got["engine"]["output_token_throughput"] / \
-                    got[other]["output_token_throughput"]
                 ttft = got[other]["ttft_s"]["median"] / got["engine"]["ttft_s"]["median"]
-                print(f"engine vs {other}: {tput:.2f}x output tokens/s, {ttft:.2f}x lower "
-                      f"median TTFT")
+                print(f"engine vs {other}: {tput('engine', other):.2f}x output tokens/s, "
+                      f"{ttft:.2f}x lower median TTFT")
         for line in serve_structured.compare(got):
             print(line)
         if "http" in got:
-            share = (got["http"]["output_token_throughput"]
-                     / got["engine"]["output_token_throughput"])
-            print(f"http vs engine: {share:.2f}x the engine's output tokens/s through the "
-                  "server")
+            print(f"http vs engine: {tput('http', 'engine'):.2f}x the engine's output tokens/s "
+                  "through the server")
     args_lib.write_json(args.json, result)
     return 0
 

@@ -1,16 +1,6 @@
 """The chunked-prefill scenario of ``bench serve --scenario stall``: a long prompt arriving
-while a batch decodes.
-
-``slots`` requests (short prompts, long outputs) decode together; once each has its first
-``warmup`` tokens, one long prompt arrives. The running sequences' inter-token latency (ITL)
-from that moment until the end of the step that gives the long prompt's first token says how
-much its prefill stalls them.
-It runs twice in one process on the same weights: with chunked prefill (``token_budget``: the
-prompt goes in ``token_budget - slots`` tokens a step, beside the decode rows) and without
-(a budget that takes the whole prompt in one step), and reports each run's median step
-before the arrival, the ITL p99 and maximum during the prefill, their ratio to that median,
-and the long prompt's time to first token.
-"""
+while a batch decodes, with chunked prefill and without; the running sequences' inter-token
+latency while it prefills, against their median step before, and the long prompt's TTFT."""
 
 from __future__ import annotations
 
@@ -30,7 +20,7 @@ from transformer_jax.serving.page_pool import pages_for
 def run_stall(config: ModelConfig, weights: DecodeWeights, *, slots: int, token_budget: int,
               page_size: int, long_prompt: int, prompt_len: int = 32, warmup: int = 16,
               seed: int = 0) -> dict[str, Any]:
-    """One run of the scenario (see the module docstring) with this token budget.
+    """One run of the scenario with this token budget.
 
     Returns:
       {"median_step_s", "itl_p99_s", "itl_max_s", "p99_over_median", "max_over_median",

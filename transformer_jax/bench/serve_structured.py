@@ -1,15 +1,8 @@
 """``bench serve``'s structured-output modes: the same load with grammars on the requests.
 
 ``engine-json`` gives every request the ``--response-format`` grammar, ``engine-json-mixed``
-every other one; both are compared with the ``engine`` mode of the same run (output tokens/s,
-and for the mixed load the unconstrained requests' median time per output token). The grammar
-must not end before a request's ``max_tokens`` (a ``json_object`` on random weights may close
-after two tokens), so the default is an array of exactly ``--output-len``'s maximum enum words:
-every request then makes its drawn number of tokens, as in the other modes.
-
-The engine needs an HF tokenizer for llguidance: ``--tokenizer DIR`` (a checkpoint's
-``tokenizer.json``), or a byte-level BPE trained here on a few words, its vocabulary at most
-the model's.
+every other one. The default grammar, an array of exactly ``--output-len``'s maximum words,
+cannot end before a request's ``max_tokens`` (a ``json_object`` may close after two tokens).
 """
 
 from __future__ import annotations
@@ -58,9 +51,8 @@ def grammar_of(response_format: str | None, max_output: int) -> Grammar:
 
 
 def bench_tokenizer(vocab_size: int, directory: str | None) -> Any:
-    """The engine's HF tokenizer: ``directory``'s, or a byte-level BPE trained on ``WORDS``
-    (every byte one token, so any JSON can be spelled) padded with added tokens to exactly
-    ``vocab_size``, so every token a random model draws has a text."""
+    """The engine's HF tokenizer: ``directory``'s, or a byte-level BPE trained on ``WORDS`` padded
+    to exactly ``vocab_size`` tokens (so every token a random model draws has a text)."""
     from transformer_jax.tokenizer import load_tokenizer
 
     if directory is None:

@@ -1,16 +1,10 @@
 """Speculative decoding benchmark: ``transformer-jax bench speculative --checkpoint RUN``.
 
-Runs the same requests one at a time (batch 1) through ``generate`` without speculation, with
-the n-gram proposer and with a draft model (``--draft RUN``), each request in every mode in
-turn (so the machine's load falls on all modes alike), and prints output tokens/s, the ratios to
-the plain decode, and the acceptance (accepted / proposed tokens, and tokens per verification).
-Every mode gives the same tokens (greedy; checked), so the ratio is one of times: the total's,
-and the median over requests of each request's own ratio (steadier on a loaded machine).
-
-Workloads (made here from ``--text``, default random ids): ``repeat``: input-heavy requests,
-each a passage of ``--passage`` tokens, a blank line, then the passage again with one token
-changed, cut ``--lead`` tokens in; the model continues (it mostly copies, as in an edit).
-``free``: a passage of the text, the model continues freely (what a draft is for).
+Runs the same requests at batch 1 through ``generate`` without speculation, with the n-gram
+proposer and with a draft model (``--draft RUN``), each request in every mode in turn, and
+prints output tokens/s, the ratios to the plain decode and the acceptance; every mode gives the
+same (greedy) tokens. Workloads: ``repeat`` (a passage, a blank line, then the passage again
+with one token changed, cut ``--lead`` tokens in: the model mostly copies) and ``free``.
 """
 
 from __future__ import annotations
@@ -31,9 +25,8 @@ from transformer_jax.bench import args as args_lib
 
 def repeat_workload(ids: np.ndarray, count: int, passage: int, lead: int, rng: Any,
                     sep: list[int]) -> list[list[int]]:
-    """``count`` prompts: a passage, ``sep``, then the passage again with one token of its
-    first ``lead`` changed (to another id of the text), cut after ``lead`` tokens: the model
-    goes on from there, mostly copying, as in an edit of an input."""
+    """``count`` prompts: a passage, ``sep``, then the passage again with one of its first ``lead``
+    tokens changed, cut after ``lead`` tokens (the model goes on, mostly copying, as in an edit)."""
     out = []
     vocab = np.unique(ids)
     for _ in range(count):
@@ -63,22 +56,30 @@ def free_workload(ids: np.ndarray, count: int, passage: int, rng: Any) -> list[l
     return [ids[s:s + passage].tolist() for s in starts]
 
 
+def _passage(text: str, alphabet: list[str], lengths: tuple[int, int], random_share: float,
+             rng: Any) -> str:
+    """A passage of ``lengths[0]`` to ``lengths[1] - 1`` characters: with probability
+    ``random_share`` random characters of ``alphabet``, else cut from ``text``."""
+    p = int(rng.integers(*lengths))
+    if rng.random() < random_share:
+        return "".join(alphabet[i] for i in rng.integers(0, len(alphabet), p))
+    s = int(rng.integers(0, len(text) - p))
+    return text[s:s + p]
+
+
 def copy_corpus(text: str, size: int, rng: Any, random_share: float = 0.33,
                 lengths: tuple[int, int] = (24, 200), plain: int = 200, edits: bool = True,
                 lines: bool = False) -> str:
-    """A training text in which copying an input is most of what there is to learn (for a
-    target and a draft that continue the repeat workload by copying, as LLMs do on edits).
+    """A training text in which copying an input is most of what there is to learn (for a target
+    and a draft that continue the repeat workload by copying, as LLMs do on edits).
 
     Blocks until ``size`` characters (a block's separators counted as 6): up to ``plain`` - 1
     characters of ``text``, a blank line, a passage of ``lengths[0]`` to ``lengths[1] - 1``
-    characters, a blank line, the passage again with 0, 1 or 2 characters changed (40/40/20%;
-    none without ``edits``), a blank line; with ``lines``, the passage and its copy on two
-    lines instead. ``random_share`` of the passages are random characters of the text's
-    alphabet, which only copying predicts; the others are cut from ``text``.
-
-    Passages of one fixed length teach a fixed offset rather than copying: a model trained
-    on them keeps the uniform loss on the copy of a passage of another length (measured,
-    docs/benchmarks.md), so a copying model needs varied lengths.
+    characters, a blank line, the passage again with 0, 1 or 2 characters changed (40/40/20%; none
+    without ``edits``), a blank line; with ``lines``, the passage and its copy on two lines instead.
+    ``random_share`` of the passages are random characters of the text's alphabet (only copying
+    predicts them), the others cut from ``text``. The lengths vary because passages of one fixed
+    length teach a fixed offset rather than copying (docs/benchmarks.md).
     """
     alphabet = sorted(set(text) - {"\n"})
     out, n, total = [], len(text), 0
@@ -86,12 +87,8 @@ def copy_corpus(text: str, size: int, rng: Any, random_share: float = 0.33,
         cut = int(rng.integers(0, plain)) if plain else 0
         s = int(rng.integers(0, n - cut))
         out.append(text[s:s + cut])
-        p = int(rng.integers(*lengths))
-        if rng.random() < random_share:
-            passage = "".join(alphabet[i] for i in rng.integers(0, len(alphabet), p))
-        else:
-            s = int(rng.integers(0, n - p))
-            passage = text[s:s + p]
+        passage = _passage(text, alphabet, lengths, random_share, rng)
+        p = len(passage)
         copy = list(passage)
         for _ in range(int(rng.choice(3, p=[0.4, 0.4, 0.2])) if edits else 0):
             i = int(rng.integers(0, p))
@@ -107,24 +104,15 @@ def copy_corpus(text: str, size: int, rng: Any, random_share: float = 0.33,
 def copy_records(text: str, count: int, rng: Any, random_share: float = 0.5,
                  lengths: tuple[int, int] = (16, 200), lead: int = 16, edits: bool = True
                  ) -> list[dict[str, str]]:
-    """``count`` instruction records of the repeat workload's task, for supervised fine-tuning
-    (the loss on the completion only, each record its own segment): the prompt is a passage of
-    ``lengths[0]`` to ``lengths[1] - 1`` characters, a blank line, and the passage's first 1 to
-    ``lead`` characters again (one of them changed, as the workload's edit; none without
-    ``edits``); the completion is the rest of the passage. ``random_share`` of the passages are
-    random characters of the text's alphabet, which only copying predicts; the others are cut
-    from ``text``. The completion never holds an edit, so all of it is learnable by copying.
-    """
+    """``count`` instruction records of the repeat workload's task, for supervised fine-tuning: the
+    prompt is a passage (``lengths`` and ``random_share`` as ``copy_corpus``'s), a blank line, and
+    its first 1 to ``lead`` characters again, one of them changed (none without ``edits``); the
+    completion, the rest of the passage, holds no edit, so all of it is learnable by copying."""
     alphabet = sorted(set(text) - {"\n"})
     records = []
     for _ in range(count):
-        p = int(rng.integers(*lengths))
-        if rng.random() < random_share:
-            passage = "".join(alphabet[i] for i in rng.integers(0, len(alphabet), p))
-        else:
-            s = int(rng.integers(0, len(text) - p))
-            passage = text[s:s + p]
-        cut = int(rng.integers(1, min(lead, p - 1) + 1))
+        passage = _passage(text, alphabet, lengths, random_share, rng)
+        cut = int(rng.integers(1, min(lead, len(passage) - 1) + 1))
         head = list(passage[:cut])
         if edits:
             i = int(rng.integers(0, cut))
@@ -139,17 +127,13 @@ def distill_records(config: Any, weights: Any, tokenizer: Any, ids: np.ndarray, 
                     rng: Any, lengths: tuple[int, int] = (32, 161), lead: int = 8,
                     output: int = 128, batch: int = 64) -> Iterator[dict[str, str]]:
     """``count`` instruction records whose completions are the target's own greedy outputs, to
-    fine-tune a draft on (sequence-level distillation, as EAGLE and Medusa drafts are trained):
-    a draft that predicts what its target says, not only the text, is accepted more often.
+    fine-tune a draft on (sequence-level distillation, as EAGLE and Medusa drafts are trained).
 
-    Half the prompts are the repeat workload's (a passage, a blank line, its first ``lead``
-    tokens again with one changed), half the free workload's (a passage to continue), with
-    passages of ``lengths[0]`` to ``lengths[1] - 1`` tokens of ``ids``; each gets ``output``
-    greedy tokens from ``generate`` (prompts as generate encodes text: bos first when the
-    tokenizer adds one), ``batch`` prompts a call, yielded as each call ends; a completion ends
-    before the first special token the target emits (bos, eos, pad, unk). Prompt and
-    completion are decoded to text, so ``tokenizer`` must round-trip (a character tokenizer
-    does; one that does not is a ValueError).
+    Half the prompts are the repeat workload's, half the free workload's, with passages of
+    ``lengths[0]`` to ``lengths[1] - 1`` tokens of ``ids``; each gets ``output`` greedy tokens
+    (bos first when the tokenizer adds one), ``batch`` prompts a call, yielded as each call ends; a
+    completion ends before the first special token (bos, eos, pad, unk). Prompt and completion are
+    decoded to text, so ``tokenizer`` must round-trip (else a ValueError).
     """
     from transformer_jax.decode import generation
     from transformer_jax.tokenizer.prompt import adds_bos
@@ -204,15 +188,14 @@ def _passages(given: list[int], minimum: int, available: int, flag: str, unit: s
     return low, high
 
 
-def _write_jsonl(path: str, records: Any) -> int:
-    """Writes ``records`` one JSON object a line, each as it comes (a long run keeps its
-    part); returns how many."""
+def _write_jsonl(path: str, records: Any) -> None:
+    """Writes ``records`` one JSON object a line as they come, and says how many."""
     written = 0
     with open(path, "w") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
             written += 1
-    return written
+    print(f"wrote {written:,} records to {path}")
 
 
 def describe(config: Any, params: Any) -> str:
@@ -265,21 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=a.output_file, default=None)
     p.add_argument("--write-copy-corpus", metavar="FILE", type=a.output_file, default=None,
                    help="write a copy-dominated training text made from --text "
-                   "(``copy_corpus``) to FILE and exit: text to train a target "
-                   "and a draft that continue the repeat workload by copying")
+                   "(``copy_corpus``) to FILE and exit")
     p.add_argument("--write-copy-sft", metavar="FILE", type=a.output_file, default=None,
                    help="write --copy-records instruction records of the repeat workload's "
-                   "task made from --text (``copy_records``: a passage, a blank line, its "
-                   "start edited; the completion copies the rest) to FILE (.jsonl) and exit")
+                   "task made from --text (``copy_records``) to FILE (.jsonl) and exit")
     p.add_argument("--copy-records", type=a.positive_int, default=50_000,
                    help="the number of records --write-copy-sft writes")
     p.add_argument("--copy-lead", type=a.positive_int, default=16,
                    help="--write-copy-sft's prompts end 1 to this many characters into the copy")
     p.add_argument("--write-distill-sft", metavar="FILE", type=a.output_file, default=None,
                    help="write --copy-records instruction records whose completions are the "
-                   "--checkpoint target's greedy outputs (``distill_records``: prompts of both "
-                   "workloads cut from --text, passages of --copy-passage tokens, --output new "
-                   "tokens) to FILE (.jsonl) and exit: data to fine-tune a draft on")
+                   "--checkpoint target's greedy outputs on prompts cut from --text "
+                   "(``distill_records``) to FILE (.jsonl) and exit")
     p.add_argument("--copy-size", type=a.positive_int, default=6_000_000,
                    help="the corpus's size in characters (a block's separators counted as 6)")
     p.add_argument("--copy-random-share", type=float, default=0.33,
@@ -321,10 +301,9 @@ def main(argv: list[str]) -> int:
         return 0
     if args.write_copy_sft:
         lengths = _passages(args.copy_passage, 3, len(text), "--write-copy-sft", "characters")
-        written = _write_jsonl(args.write_copy_sft, copy_records(
+        _write_jsonl(args.write_copy_sft, copy_records(
             text, args.copy_records, np.random.default_rng(args.seed), args.copy_random_share,
             lengths, args.copy_lead, not args.copy_no_edits))
-        print(f"wrote {written:,} records to {args.write_copy_sft}")
         return 0
     if args.write_distill_sft:
         if not (args.checkpoint and args.text):
@@ -333,11 +312,10 @@ def main(argv: list[str]) -> int:
         with open(args.text) as f:
             ids = np.asarray(loaded.tokenizer.encode(f.read()), np.int64)
         lengths = _passages(args.copy_passage, 1, len(ids), "--write-distill-sft", "tokens")
-        written = _write_jsonl(args.write_distill_sft, distill_records(
+        _write_jsonl(args.write_distill_sft, distill_records(
             loaded.config, decode.prepare(loaded.config, loaded.params), loaded.tokenizer, ids,
             args.copy_records, np.random.default_rng(args.seed), lengths, args.lead,
             args.output))
-        print(f"wrote {written:,} records to {args.write_distill_sft}")
         return 0
     if not (args.checkpoint or args.config):
         parser.error("give the target: --checkpoint RUN or --config NAME")

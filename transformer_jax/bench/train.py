@@ -1,17 +1,8 @@
 """Training-step benchmark: ``transformer-jax bench train --config NAME [k=v ...]``.
 
-Times the jitted ``train_step`` of a config on random tokens (no data, tokenizer or disk), and
-reports compile time, step time, tokens/s, peak memory and MFU, where
-
-  MFU = flops_per_token(config) x tokens/s / dense-matmul peak
-
-and the peak is measured on the same device in the same run (``measure_matmul_peak``), so the
-ratio is comparable across machines. Overrides are those of ``train.py`` (``model.x=``,
-``train.x=``); the model's vocab_size is used as is (a real run takes the tokenizer's).
-The total and active (per token) parameters are printed; FLOPs count the active ones.
-
-``--moe-layer`` times one mixture-of-experts layer against a dense FFN of the same active FLOPs
-instead, per ``moe_impl`` (``bench/moe_layer.py``).
+Times the jitted ``train_step`` of a config on random tokens and reports compile time, step
+time, tokens/s, peak memory and MFU. MFU = flops_per_token x tokens/s / a dense-matmul peak
+measured on the same device in the same run. ``--moe-layer`` times one MoE layer instead.
 """
 
 from __future__ import annotations
@@ -29,13 +20,8 @@ from transformer_jax.bench import args as a
 from transformer_jax.bench import moe_layer
 from transformer_jax.parallel import sharding as sharding_lib
 from transformer_jax.parallel.sharding import configure_cpu_devices
+from transformer_jax.train import perf
 from transformer_jax.train.config import build_configs
-from transformer_jax.train.perf import (
-    enable_cpu_fast_math,
-    flops_per_token,
-    measure_matmul_peak,
-    param_counts,
-)
 from transformer_jax.train.step import make_init_fn, make_train_step
 
 
@@ -58,14 +44,14 @@ def main(argv: list[str]) -> int:
     try:
         if args.moe_layer:
             if not args.no_fast_math:
-                enable_cpu_fast_math()
+                perf.enable_cpu_fast_math()
             return moe_layer.main(args)
         model, tc, _ = build_configs(args.config, args.overrides)
         if tc.seq_len > model.max_seq_len:
             raise ValueError(f"train.seq_len={tc.seq_len} > model.max_seq_len="
                              f"{model.max_seq_len}")
         if not args.no_fast_math:  # as train.py does, before the backend starts
-            enable_cpu_fast_math()
+            perf.enable_cpu_fast_math()
         try:
             configure_cpu_devices(tc.micro_batch_size, args.cpu_devices)
         except ValueError as e:  # a negative count, or one that does not divide the micro-batch
@@ -98,13 +84,12 @@ def main(argv: list[str]) -> int:
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
+        state, metrics = jax.block_until_ready(compiled(state, batch))
         times.append(time.perf_counter() - start)
     step_s = float(np.median(times))
     tokens_per_s = tc.tokens_per_step / step_s
-    peak = measure_matmul_peak(args.peak_size, model.dtype, device=device)
-    flops = flops_per_token(model, tc.seq_len)
+    peak = perf.measure_matmul_peak(args.peak_size, model.dtype, device=device)
+    flops = perf.flops_per_token(model, tc.seq_len)
     mfu = flops * tokens_per_s / peak
 
     stats = device.memory_stats() or {}
@@ -113,14 +98,12 @@ def main(argv: list[str]) -> int:
                                                + m.temp_size_in_bytes - m.alias_size_in_bytes)
     result = {
         "config": args.config, "device": str(device), "devices": jax.device_count(),
-        "params": param_counts(model)[0], "active_params": param_counts(model)[1],
+        "params": perf.param_counts(model)[0], "active_params": perf.param_counts(model)[1],
         "batch_size": tc.batch_size, "seq_len": tc.seq_len, "grad_accum": tc.grad_accum,
-        "compile_s": compile_s, "step_ms": 1000 * step_s,
-        "step_ms_min": 1000 * min(times), "tokens_per_s": tokens_per_s,
-        "flops_per_token": flops, "achieved_flops": flops * tokens_per_s,
-        "matmul_peak_flops": peak, "mfu": mfu,
-        "device_peak_bytes": stats.get("peak_bytes_in_use"),
-        "program_bytes": program_bytes,
+        "compile_s": compile_s, "step_ms": 1000 * step_s, "step_ms_min": 1000 * min(times),
+        "tokens_per_s": tokens_per_s, "flops_per_token": flops,
+        "achieved_flops": flops * tokens_per_s, "matmul_peak_flops": peak, "mfu": mfu,
+        "device_peak_bytes": stats.get("peak_bytes_in_use"), "program_bytes": program_bytes,
         "host_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "loss": float(metrics["loss"]), "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
