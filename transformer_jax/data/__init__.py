@@ -1,11 +1,6 @@
-"""Data: text -> tokens -> batches, deterministic in (seed, step).
-
-``corpus`` (files -> a cached flat token memmap), ``batches`` (train/val split and the batches
-of one step, pure in the seed and step), ``data.instruct_records`` + ``instruct`` (JSONL prompt/
-completion and chat records -> packed rows with loss masks), ``data.eval_sets`` (held-out sets ->
-packed windows), ``sources`` + ``build`` (inputs -> ArrayRecord shards) and ``shards`` (shards
--> packed rows or windows, mixtures).
-"""
+"""Data: text -> tokens -> batches, deterministic in (seed, step): ``corpus`` + ``batches``
+(text files), ``instruct`` (JSONL records), ``preference`` (pairs), ``eval_sets`` (held-out
+sets), ``build`` (inputs -> ArrayRecord shards) and ``shards`` (shards -> batches, mixtures)."""
 
 from transformer_jax.data.batches import (
     Batches,

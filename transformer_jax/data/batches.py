@@ -1,37 +1,24 @@
-"""Tokens -> deterministic fixed-length batches (the tokens come from ``data/corpus.py``).
-
-``split`` cuts the flat tokens into contiguous train/val parts; ``get_batch`` / ``Batches``
-draw random windows whose global batch is a pure function of (seed, step), so a resumed or
-multi-host run sees exactly the batches an uninterrupted single-host run would;
-``eval_batches`` walks the validation tokens in order.
+"""Tokens (from ``data/corpus.py``) -> deterministic fixed-length batches: ``split`` into
+train/val, random windows whose global batch is a pure function of (seed, step)
+(``get_batch`` / ``Batches``), and ``eval_batches`` over the validation tokens in order.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import operator
 from collections.abc import Callable, Iterator
 
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 #: A batch on the host: numpy arrays by name (``inputs``, ``targets`` ...), before placement.
 HostBatch = dict[str, np.ndarray]
 
 
 def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """Splits tokens into contiguous train (first part) and validation (last part) views.
-
-    Returns:
-      ``(train, val)`` views of tokens [N], shapes [N - M] and [M], ``M = int(N *
-      val_fraction)``.
-
-    Raises:
-      ValueError: ``val_fraction`` outside ``[0, 1)``, or leaving a part empty that should not
-        be.
-    """
+    """Splits tokens [N] into contiguous views ``(train [N - M], val [M])``, ``M = int(N *
+    val_fraction)``; ValueError for ``val_fraction`` outside ``[0, 1)`` or an empty part that
+    should not be."""
     tokens = _check_tokens(tokens)
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
@@ -45,8 +32,6 @@ def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarr
     cut = len(tokens) - num_val
     return tokens[:cut], tokens[cut:]
 
-
-# ------------------------------------------------------------------------------------ batches
 
 
 def batch_offsets(seed: int, step: int, batch_size: int, num_tokens: int, seq_len: int
@@ -65,16 +50,9 @@ def batch_offsets(seed: int, step: int, batch_size: int, num_tokens: int, seq_le
 
 def get_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_len: int, *,
               process_index: int = 0, process_count: int = 1) -> HostBatch:
-    """This process's rows of the global batch for (seed, step): random windows of the tokens.
-
-    The global batch of B rows (divisible by P) depends only on (seed, step) and the tokens
-    [N]; process ``p`` of ``P`` gets rows ``[p * B / P, (p + 1) * B / P)``, so concatenating
-    all processes' rows in process order gives the global batch. T < N is the window length.
-
-    Returns:
-      ``{"inputs": [B / P, T] int32, "targets": [B / P, T] int32}`` where
-      ``targets[b, t] == inputs[b, t + 1]`` for ``t < T - 1`` and both come from the same
-      window of T + 1 consecutive tokens.
+    """This process's rows ``[p * B / P, (p + 1) * B / P)`` of the global batch for (seed,
+    step): ``{"inputs", "targets"}``, each [B / P, T] int32, from the same random windows of
+    T + 1 consecutive tokens [N] (T < N).
 
     Raises:
       ValueError: On a non-1-D token array, ``seq_len >= N``, indivisible ``batch_size`` or an
@@ -88,11 +66,9 @@ def get_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_len
 
 
 class StepBatches:
-    """What every batch source of a run shares: ``get(step)`` is this process's part of the
-    global batch of ``batch_size`` rows, a pure function of (seed, step), so a resumed run
-    sees the batches an uninterrupted one would. Process ``p`` of ``P`` takes rows
-    ``[p * B / P, (p + 1) * B / P)``.
-    """
+    """What every batch source of a run shares: ``get(step)`` is this process's part (rows
+    ``[p * B / P, (p + 1) * B / P)`` for process p of P) of the global batch of B rows, a pure
+    function of (seed, step), so a resumed run sees the batches an uninterrupted one would."""
 
     batch_size: int
     seed: int
@@ -122,16 +98,8 @@ class StepBatches:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Batches(StepBatches):
-    """``get_batch`` with its fixed arguments bound; validated once at construction.
-
-    Attributes:
-      tokens: Token ids, shape [N].
-      batch_size: Global batch size B.
-      seq_len: Window length T.
-      seed: Data seed.
-      process_index: This process's index p.
-      process_count: Number of processes P.
-    """
+    """``get_batch`` with its fixed arguments bound (tokens [N], global batch size B, window
+    length T, seed, process p of P); validated once at construction."""
 
     tokens: np.ndarray
     batch_size: int
@@ -155,16 +123,10 @@ class Batches(StepBatches):
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
                  max_batches: int | None = None, *, process_index: int = 0,
                  process_count: int = 1) -> Iterator[HostBatch]:
-    """Deterministic sequential batches over (validation) tokens [N], for evaluation.
-
-    Window ``w`` reads tokens ``[w * T, w * T + T]`` (non-overlapping inputs, T < N); global
-    batch ``i`` holds windows ``i * B .. i * B + B - 1``; a final incomplete batch is dropped
-    so every batch has the same shape; at most ``max_batches`` (None: all full batches).
-    Processes take row slices as in ``get_batch``. Arguments are checked when this is called,
-    not on first iteration.
-
-    Returns:
-      An iterator of ``{"inputs": [B / P, T] int32, "targets": [B / P, T] int32}``.
+    """Deterministic sequential batches over (validation) tokens [N], for evaluation:
+    ``{"inputs", "targets"}`` [B / P, T] int32 of window ``w`` = tokens ``[w T, w T + T]``,
+    in the order and process split of ``eval_row_batches`` (a last incomplete batch dropped);
+    at most ``max_batches`` (None: all). Arguments are checked when this is called.
 
     Raises:
       ValueError: On bad arguments or when the tokens do not fill a single batch.
@@ -188,10 +150,9 @@ def eval_row_batches(num_rows: int, batch_size: int, max_batches: int | None,
                      pad: bool = False) -> Iterator[HostBatch]:
     """Every one of ``num_rows`` rows once, in order: global batch ``i`` holds rows ``i B ..
     i B + B - 1``, this process its ``local`` = B / P of them (from ``i B + p B / P``), read
-    by ``read(row indices [B / P])``; at most ``max_batches`` (None or 0: all).
-
-    A last incomplete batch is dropped; with ``pad`` it is kept, filled with copies of row 0
-    whose ``mask`` is zero (every batch then has a ``mask``, 1 where absent)."""
+    by ``read(row indices [B / P])``; at most ``max_batches`` (None or 0: all). A last
+    incomplete batch is dropped, or with ``pad`` kept, filled with copies of row 0 whose
+    ``mask`` is zero (every batch then has a ``mask``)."""
     count = -(-num_rows // batch_size) if pad else num_rows // batch_size
     if max_batches:
         count = min(count, max_batches)

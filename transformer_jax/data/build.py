@@ -1,32 +1,10 @@
 """``transformer-jax data build``: inputs -> tokenized ArrayRecord shards + metadata.
 
-The inputs (``sources``) are cut into pieces and the pieces grouped, in order, into shards of
-about ``--shard-mb`` of input; each shard is tokenized by one of ``--workers`` processes and
-written as ``train-SSSSS.arrayrecord`` / ``val-SSSSS.arrayrecord`` (one record per document: its
-token ids, little-endian ``dtype``) with the documents' lengths beside them
-(``*.lengths.npy``), and then ``shard-SSSSS.json`` (its counts and the plan it was made from).
-Every file is written under a temporary name and renamed, and the json comes last, so a build
-killed at any point and run again redoes only the shards without their json, and ends byte for
-byte equal to an uninterrupted build. ``metadata.json`` (tokenizer fingerprint, documents and
-tokens per shard and split, the sources) is written when every shard is done.
-
-The build owns its directory: it first writes ``.build.json`` (its inputs, options and
-tokenizer), and builds again only into an empty directory, one with its own ``.build.json``
-(the same build is resumed; an unfinished one of other inputs or options, i.e. without
-``metadata.json``, is replaced), or, with ``overwrite``, any other (a finished build of other
-inputs or options, or files that are not a build). Even then only the build's own names are
-replaced or removed: ``metadata.json``, ``.build.json``, ``tokenizer/`` (replaced whole), the
-shard files and the temporary files of these; nothing else in the directory is touched. A
-build holds a lock on the directory (``flock``, released when the process ends, however it
-ends), so a second build into it at the same time is refused. ``--out`` and all under it are
-left out of the inputs.
-
-ArrayRecord (with ``group_size:1``, one record per chunk) because Grain reads it by index with
-no extra index file, which is what a batch that is a pure function of (seed, step) needs.
-
-A document is held out (the ``val`` split) when a hash of its text falls below
-``--val-fraction``: by document, never cutting the token stream, and the same document always
-lands in the same split.
+Pieces of the inputs (``sources``) are grouped into shards of about ``--shard-mb``, each
+tokenized by one of ``--workers`` processes into ``train-/val-SSSSS.arrayrecord`` (one record
+per document; ``group_size:1`` so Grain reads it by index), ``*.lengths.npy`` and, last,
+``shard-SSSSS.json``, each written atomically: a killed build run again redoes only the shards
+without their json. ``metadata.json`` comes when every shard is done (docs/data.md).
 """
 
 from __future__ import annotations
@@ -69,14 +47,11 @@ class BuildOptions:
 
     Attributes:
       field: the text field of jsonl records, parquet rows and dataset rows.
-      text_docs: ``"file"`` (a text file is one document) or ``"paragraph"`` (blank-line
-        separated paragraphs are documents).
+      text_docs: ``"file"`` (a text file is one document) or ``"paragraph"`` (each one is).
       val_fraction: the share of documents held out, in ``[0, 1)``.
       shard_bytes: input bytes per shard (a text file is never split).
-      add_bos: put bos before each document.
-      add_eos: put eos after each document.
-      skip_bad: skip a bad input file (named in a warning and in the metadata) instead of
-        failing the build.
+      add_bos, add_eos: put bos before / eos after each document.
+      skip_bad: skip a bad input file (named in a warning and the metadata), not fail.
     """
 
     field: str = "text"
@@ -129,21 +104,18 @@ def is_held_out(text: str, val_fraction: float) -> bool:
 def build(inputs: Sequence[str], out: str | os.PathLike[str], tokenizer: TextTokenizer, *,
           options: BuildOptions = BuildOptions(), workers: int = 1, progress: bool = True,
           overwrite: bool = False) -> dict[str, Any]:
-    """Tokenizes the inputs into shards under ``out`` (see the module docstring).
+    """Tokenizes the inputs into shards under ``out``; returns the metadata written to
+    ``out/metadata.json``.
 
     Args:
-      inputs: files, directories and globs (``sources.resolve_sources``); whatever lies under
-        ``out`` is left out.
-      out: the build directory (created; a finished shard of an earlier run is kept).
+      inputs: files, directories and globs (``sources.resolve_sources``), less what is under
+        ``out``.
+      out: the build directory, local or a bucket (a finished shard of an earlier run is kept).
       tokenizer: the tokenizer (saved to ``out/tokenizer``).
       options: how documents are read and split.
       workers: tokenizing processes (at most one per shard to build).
       progress: show a tqdm bar (shards, tokens/s).
-      overwrite: build into an ``out`` that holds a finished build of other inputs or options,
-        or files that are not a build (only the build's own names are replaced).
-
-    Returns:
-      The metadata written to ``out/metadata.json``.
+      overwrite: build into an ``out`` that is not this build's (``build_dir``).
 
     Raises:
       BadInput: a bad input file (one line naming it) without ``skip_bad``.
@@ -195,10 +167,9 @@ def _build_locked(srcs: list[sources_lib.Source], out: Path, tokenizer: TextToke
     logger.info("%d inputs -> %d pieces -> %d shards (%d already built) with %d worker(s)%s",
                 len(srcs), len(pieces), len(shards), len(shards) - len(todo), used,
                 f" (--workers {workers}: one per shard to build)" if used < workers else "")
-    workers = used
     bar = _bar(progress, len(shards), len(shards) - len(todo))
     start, tokens = time.perf_counter(), 0
-    with _pool(workers, str(out)) as imap:
+    with _pool(used, str(out)) as imap:
         for record in imap(_build_shard, todo):
             done[record["index"]] = record
             tokens += record["train_tokens"] + record["val_tokens"]
@@ -224,9 +195,8 @@ def _build_locked(srcs: list[sources_lib.Source], out: Path, tokenizer: TextToke
 
 def _build_remote(inputs: Sequence[str], url: str, tokenizer: TextTokenizer, **kw: Any
                   ) -> dict[str, Any]:
-    """``build`` into a bucket: the shards are built in a local staging directory (filled from
-    the bucket first, so a build continued on another machine skips the shards uploaded), then
-    uploaded, ``metadata.json`` last so that a reader never sees a build without its shards."""
+    """``build`` in a local staging copy of the bucket (so a build continued on another machine
+    skips the shards uploaded), then uploaded, ``metadata.json`` last."""
     storage.check_bucket(url, "--out")
     local = (storage.local_copy(url, purpose="build") if storage.as_path(url).exists()
              else storage.staging_dir(url, "build"))
@@ -261,8 +231,7 @@ _SHARD_FILE = re.compile(r"(?:(?:train|val)-(\d{5})\.(?:arrayrecord|lengths\.npy
 
 
 def _beyond(out: Path, count: int) -> list[Path]:
-    """The files of shards ``count, count + 1, ...`` left by a bigger earlier plan (only names
-    a build writes: other files in ``out`` are never touched)."""
+    """The files of shards ``count, count + 1, ...`` that a bigger earlier plan left."""
     beyond = []
     for path in out.iterdir():
         match = _SHARD_FILE.fullmatch(path.name)
@@ -341,8 +310,8 @@ def _piece(key: list) -> sources_lib.Piece:
 
 @contextlib.contextmanager
 def _pool(workers: int, out: str):
-    """``imap`` over the tasks: in this process for one worker, else a spawned pool (no fork
-    of a process whose tokenizer threads may hold locks)."""
+    """``imap`` over the tasks: in this process for one worker, else a spawned pool (a fork
+    could copy locks held by tokenizer threads)."""
     if workers <= 1:
         _init_worker(out)
         yield lambda fn, tasks: map(fn, tasks)
@@ -378,8 +347,7 @@ def _metadata(records: list[dict[str, Any]], srcs: list[sources_lib.Source],
 
 
 def _save_tokenizer(tokenizer: TextTokenizer, directory: Path) -> TextTokenizer:
-    """Saves the tokenizer to ``directory`` (replaced whole, unless it holds the tokenizer
-    already); returns the copy."""
+    """Saves the tokenizer to ``directory`` (replaced whole unless it holds it); returns a copy."""
     with contextlib.suppress(OSError, ValueError):
         saved = load_tokenizer(directory)
         if saved.fingerprint == tokenizer.fingerprint:
@@ -392,8 +360,7 @@ def _save_tokenizer(tokenizer: TextTokenizer, directory: Path) -> TextTokenizer:
 def resolve_tokenizer(spec: str, inputs: Sequence[str], vocab_size: int, cache_dir: str,
                       *, exclude: Sequence[str | os.PathLike[str]] = ()) -> TextTokenizer:
     """``--tokenizer``: a file or directory to load, or ``bpe``/``unigram``/``char`` to train
-    (cached) on the text files among the inputs (less what lies under ``exclude``: the
-    build's ``--out``)."""
+    (cached) on the text files among the inputs, less what lies under ``exclude``."""
     if spec not in MODEL_TYPES:
         return load_tokenizer(Path(spec).expanduser())
     srcs = sources_lib.resolve_sources(list(inputs), exclude=exclude)

@@ -1,6 +1,10 @@
 """A shard build's hold on its ``--out`` directory: which directories it may build into, its
-lock, and what a killed build left behind (``transformer_jax.data.build``'s module docstring
-says the rules)."""
+lock, and what a killed build left behind.
+
+A build writes ``.build.json`` (its inputs, options and tokenizer) and builds only into an empty
+directory or its own (an unfinished build of other inputs is replaced), or with ``overwrite``
+any other, replacing only its own names there; a ``flock`` refuses a second build at once.
+"""
 
 from __future__ import annotations
 
@@ -93,8 +97,7 @@ def _is_old_build(out: Path) -> bool:
 
 
 def _changes(marker: dict[str, Any], identity: dict[str, Any]) -> str:
-    """What differs between two builds' ``.build.json``, e.g. ``options (val_fraction 0.1 ->
-    0.3)``."""
+    """What differs between two builds' ``.build.json`` (``options (val_fraction 0.1 -> 0.3)``)."""
     said = []
     if marker.get("inputs") != identity["inputs"]:
         said.append(f"inputs ({', '.join(marker.get('inputs') or [])})")

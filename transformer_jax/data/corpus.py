@@ -1,10 +1,5 @@
-"""Corpus files -> one flat token memmap, cached on disk.
-
-``resolve_corpus`` / ``default_corpus`` pick the text files (paths, directories, globs; by
-default the Python standard library's own sources, so a run works offline); ``tokenize_corpus``
-encodes them once into a flat token file (one document after another, each followed by eos),
-keyed by the files' contents and the tokenizer, which ``data/batches.py`` then batches.
-"""
+"""Corpus files (``resolve_corpus``; ``default_corpus``: the Python standard library's sources,
+so a run works offline) -> one flat token memmap, cached on disk (``tokenize_corpus``)."""
 
 from __future__ import annotations
 
@@ -34,21 +29,13 @@ _GLOB_CHARS = frozenset("*?[")
 
 def resolve_corpus(patterns: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
                    exclude: Sequence[str | os.PathLike[str]] = ()) -> list[Path]:
-    """Expands file paths, directories and glob patterns into a sorted list of files.
-
-    Args:
-      patterns: One or more of: a file path; a directory (all non-hidden files below it,
-        recursively); a glob pattern (``**`` recurses), e.g. ``"data/*.txt"``. ``~`` expands.
-      exclude: Files or directories whose files are left out (logged), e.g. a shard build's
-        own output directory when it lies among its inputs.
-
-    Returns:
-      Absolute paths of the matched files, sorted and without duplicates.
+    """Absolute paths, sorted and unique, of the files that ``patterns`` name: files,
+    directories (every non-hidden file below) and globs (``**`` recurses), ``~`` expanded;
+    files under ``exclude`` (e.g. a shard build's own ``--out``) are left out (logged).
 
     Raises:
-      FileNotFoundError: If a path does not exist or a pattern matches no file (or only
-        excluded ones).
-      ValueError: If no pattern is given or every matched file is empty.
+      FileNotFoundError: A path does not exist or a pattern matches no (unexcluded) file.
+      ValueError: No pattern is given or every matched file is empty.
     """
     if isinstance(patterns, str | os.PathLike):
         patterns = [patterns]
@@ -96,21 +83,11 @@ def is_under(path: Path, directories: Sequence[Path]) -> bool:
 
 
 def default_corpus(max_bytes: int | None = DEFAULT_CORPUS_MAX_BYTES) -> list[Path]:
-    """Returns the installed Python standard library's ``.py`` sources as an offline corpus.
-
-    Skips ``site-packages``/``dist-packages``, test directories, hidden directories and any file
-    that is empty, unreadable or not valid UTF-8. With a byte cap, files are considered in an
-    order fixed by a hash of their relative path (a spread over the whole library, unlike
-    alphabetical order) and each is taken if it still fits; the same installation always gives
-    the same result.
-
-    Returns:
-      Absolute paths of the chosen files (at most ``max_bytes`` in all; None: no cap), sorted.
-
-    Raises:
-      ValueError: If ``max_bytes`` is not positive.
-      FileNotFoundError: If no usable file is found.
-    """
+    """The installed Python standard library's ``.py`` sources (no tests, installed packages
+    or files that are empty or not UTF-8) as an offline corpus: sorted absolute paths, at most
+    ``max_bytes`` in all (None: no cap), taken in an order fixed by a hash of their relative
+    path (a spread over the library). ValueError for a ``max_bytes`` that is not positive,
+    FileNotFoundError when no usable file is found."""
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive or None, got {max_bytes!r}")
     root = Path(sysconfig.get_paths()["stdlib"]).resolve()
@@ -142,15 +119,10 @@ def default_corpus(max_bytes: int | None = DEFAULT_CORPUS_MAX_BYTES) -> list[Pat
     return sorted(chosen)
 
 
-# ---------------------------------------------------------------------------------- tokenize
-
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest unsigned dtype holding ids in ``[0, V)``: uint16 up to 2**16, else uint32.
-
-    Raises:
-      ValueError: If ``vocab_size`` is not in ``[1, 2**32]``.
-    """
+    """Smallest unsigned dtype holding ids in ``[0, V)``: uint16 up to 2**16, else uint32;
+    ValueError for ``vocab_size`` outside ``[1, 2**32]``."""
     if vocab_size <= 0 or vocab_size > 2**32:
         raise ValueError(f"vocab_size must be in [1, 2**32], got {vocab_size}")
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
@@ -159,17 +131,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def tokenize_corpus(files: Sequence[str | os.PathLike[str]], tokenizer: Tokenizer,
                     cache_dir: str | os.PathLike[str], *, add_bos: bool = False,
                     add_eos: bool = True) -> np.memmap:
-    """Encodes files into one flat token array, cached on disk and memory-mapped read-only.
-
-    Each non-empty file is one document; documents are concatenated in the given order, each
-    wrapped as ``tokenizer.encode(text, add_bos, add_eos)`` (by default followed by eos, which
-    separates documents). The cache key hashes the file paths and contents, the tokenizer model
-    and these options, so a change to any of them re-tokenizes. The file is written to a
-    temporary name and renamed, so an interrupted run never leaves a partial cache behind.
-
-    Returns:
-      Token ids of the UTF-8 ``files`` (e.g. from ``resolve_corpus``), shape [N], dtype
-      ``token_dtype(tokenizer.vocab_size)``, cached in ``cache_dir`` (created if missing).
+    """The token ids [N] of the UTF-8 ``files`` (each non-empty one a document,
+    ``tokenizer.encode(text, add_bos, add_eos)``), cached in ``cache_dir`` under a hash of the
+    paths, contents, tokenizer and options, and memory-mapped read-only (``token_dtype(V)``).
 
     Raises:
       ValueError: If ``files`` is empty, a file is not UTF-8, or the corpus yields no tokens.

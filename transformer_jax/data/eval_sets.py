@@ -1,18 +1,9 @@
 """Held-out evaluation sets of a run (``train.eval_sets=name=PATH,...``): loss in nats per token
 and bits per byte, at every evaluation.
 
-A set is a text file (one document, read as UTF-8) or a ``.jsonl`` file (one document per line,
-its ``"text"`` field). Each document is tokenized on its own (no bos or eos added) and
-predicted from a prefix token: bos, else eos; with neither its first token is context only.
-A document longer than a row is cut into windows of ``seq_len + 1`` tokens that overlap by
-one (the last target of a window is the first input of the next), so every token is
-predicted once; the windows are packed into rows with segment ids (``instruct.pack``) and
-scored by the run's own eval step.
-
-**Bits per byte** are comparable across tokenizers: the summed loss over the set's predicted
-tokens, in bits, divided by the UTF-8 bytes of the text those tokens decode to (per document,
-``len(tokenizer.decode(predicted).encode("utf-8"))``):
-``bpb = nats_per_token * tokens / (ln 2 * bytes)``.
+A set is a text file (one document) or a ``.jsonl`` file (one per line, its ``"text"``), each
+document predicted from bos (else eos, else its first token) in windows of ``seq_len + 1``
+tokens overlapping by one (each token predicted once), packed and scored by the eval step.
 """
 
 from __future__ import annotations
@@ -36,16 +27,9 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 @dataclasses.dataclass(frozen=True)
 class EvalSet:
-    """One evaluation set, tokenized and packed.
-
-    Attributes:
-      name: its name (the metrics' key).
-      path: the file it was read from.
-      rows: the packed windows (``loss_tokens`` marks the predicted tokens).
-      num_documents: documents read.
-      num_tokens: predicted tokens (the loss's denominator).
-      num_bytes: UTF-8 bytes of the text the predicted tokens decode to.
-    """
+    """One evaluation set, tokenized and packed: ``rows`` are its windows (``loss_tokens``
+    marks the predicted tokens), ``num_tokens`` the predicted tokens and ``num_bytes`` the UTF-8
+    bytes of the text they decode to (the denominator of bits per byte)."""
 
     name: str
     path: Path
@@ -71,11 +55,8 @@ def bits_per_byte(nats_per_token: float, num_tokens: int, num_bytes: int) -> flo
 
 
 def parse_eval_sets(spec: str) -> list[tuple[str, Path]]:
-    """``"a=PATH,b=PATH"`` -> ``[("a", Path), ("b", Path)]``, checking only the syntax.
-
-    Raises:
-      ValueError: an item without ``=``, a bad or repeated name, or an empty path.
-    """
+    """``"a=PATH,b=PATH"`` -> ``[("a", Path), ("b", Path)]``, checking only the syntax:
+    ValueError for an item without ``=``, a bad or repeated name, or an empty path."""
     out: list[tuple[str, Path]] = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
@@ -93,12 +74,8 @@ def parse_eval_sets(spec: str) -> list[tuple[str, Path]]:
 
 
 def read_documents(name: str, path: Path) -> list[str]:
-    """The documents of a set's file: a ``.jsonl`` file's ``"text"`` fields, or the whole text.
-
-    Raises:
-      FileNotFoundError: no such file (named with the field).
-      ValueError: not UTF-8, a JSONL line without a string ``"text"``, or no text at all.
-    """
+    """The documents of a set's file: a ``.jsonl`` file's ``"text"`` fields, or the whole text;
+    errors (no file, not UTF-8, a line without a string ``"text"``, no text) name the file."""
     where = f"{FIELD}: {name}={path}"
     if not path.is_file():
         raise FileNotFoundError(f"{where}: no such file")

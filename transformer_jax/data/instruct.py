@@ -1,43 +1,11 @@
 """Instruction data: JSONL records -> token examples with a loss mask -> packed rows -> batches.
 
-A ``.jsonl`` file holds one record per line (records are read and tokenized in
-``transformer_jax.data.instruct_records``), either
-
-* ``{"prompt": "...", "completion": "..."}``: tokens are ``[bos] + encode(prompt) +
-  encode(completion) + [eos]`` (bos when the tokenizer's ``add_bos_token`` says so); the loss is on
-  the completion and the eos; or
-* ``{"messages": [{"role": "system"|"user"|"assistant"|..., "content": "..."}, ...]}``: the
-  conversation is rendered with the tokenizer's own chat template (as transformers'
-  ``apply_chat_template`` does; no bos is added beyond what the template writes) and the loss is
-  on the assistant turns. A ``content`` is a string or a list of text parts (``[{"type":
-  "text", "text": "..."}]``, concatenated); anything else is an error naming the line.
-
-**Which chat tokens are assistant tokens.** For each assistant message ``i`` the template renders
-the conversation before it with the generation prompt (``P_i``: everything up to where the model
-starts writing) and the conversation through it without (``S_i``). The assistant text is
-``S_i[len(P_i):]``: the reply plus whatever the template closes the turn with (e.g.
-``<|im_end|>``, ``</s>``), so the model learns to end its turn. The rendered text is cut at these
-boundaries into prompt and assistant pieces, and each piece is encoded on its own; this is how
-the model sees the text at inference, where the prompt ``P_i`` is encoded and the reply is
-generated after it. A template whose ``P_i`` or ``S_i`` is not a prefix of the next rendering
-(e.g. one that rewrites earlier turns) cannot be masked this way and raises an error naming the
-record.
-
-**Long records.** An example longer than a row (``seq_len + 1`` tokens) loses the start of its
-prompt, after the template's head (the bos token, or what a chat template writes before the first
-message's content), so that its completion / assistant tokens stay; if the head and the
-completion alone are too long, the completion's end is cut too, and a record with no loss token
-left is dropped. Each case is counted in one log line.
-
-**Packing.** Each example is placed into rows of ``seq_len + 1`` tokens by best-fit-decreasing
-bin packing (deterministic). ``segment_ids`` number the examples in a row 1, 2, ... (0 =
-padding) and ``positions`` restart at 0 for each example, so attention masked by segment never
-crosses examples. A batch row's inputs are the row's first ``seq_len`` tokens and its targets
-the last ``seq_len``.
-
-**Batches** are a pure function of (seed, step): global row ``j`` of step ``s`` is packed row
-``perm_e[(s * B + j) % R]`` of epoch ``e = (s * B + j) // R``, with ``perm_e`` a permutation of
-the R rows drawn from ``np.random.default_rng([seed, e])``.
+Records (``instruct_records``: prompt/completion or chat, the loss on the completion or the
+assistant turns) are cut to a row of ``seq_len + 1`` tokens by ``fit`` and packed by best-fit
+decreasing, ``segment_ids`` numbering a row's examples 1, 2, ... (0 = padding) and
+``positions`` restarting for each, so attention masked by segment never crosses examples.
+Global row ``j`` of step ``s`` is packed row ``perm_e[(s B + j) % R]`` of epoch ``e = (s B + j)
+// R``, ``perm_e`` a permutation of the R rows from ``np.random.default_rng([seed, e])``.
 """
 
 from __future__ import annotations
@@ -51,7 +19,12 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from transformer_jax.data.batches import StepBatches, check_non_negative, eval_row_batches
+from transformer_jax.data.batches import (
+    HostBatch,
+    StepBatches,
+    check_non_negative,
+    eval_row_batches,
+)
 from transformer_jax.data.instruct_records import (
     Example,
     InstructionDataError,
@@ -68,24 +41,13 @@ from transformer_jax.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
 
-#: A batch on the host: numpy arrays by name (``inputs``, ``targets`` ...), before placement.
-HostBatch = dict[str, np.ndarray]
-
 
 def fit(example: Example, capacity: int) -> tuple[Example | None, str]:
-    """``example`` cut to at most ``capacity`` tokens, keeping its loss tokens where it can.
-
-    The prompt loses tokens from its start, after the first ``example.head`` tokens (the
-    template's head) and before the last prompt token (the input of the first target); if that
-    is not enough, the end is cut. An example with no target left is dropped.
-
-    Args:
-      example: the tokenized record; ``head`` is the number of leading tokens to keep.
-      capacity: the row length, ``seq_len + 1``.
-
-    Returns:
-      ``(example or None, what happened)``: ``"kept"`` (it fits), ``"start"`` (the prompt's
-      start was cut), ``"end"`` (the end was cut), ``"both"`` or ``"dropped"``.
+    """``example`` cut to at most ``capacity`` (``seq_len + 1``) tokens, keeping its loss
+    tokens where it can: the prompt loses tokens from its start, after the first
+    ``example.head`` tokens and before the last prompt token; if that is not enough, the end is
+    cut. Returns ``(example or None, what happened)``: ``"kept"`` (it fits), ``"start"``,
+    ``"end"``, ``"both"`` (what was cut) or ``"dropped"`` (no target left).
     """
     n = len(example.tokens)
     if n <= capacity:
@@ -105,17 +67,11 @@ def fit(example: Example, capacity: int) -> tuple[Example | None, str]:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedData:
-    """Examples packed into R rows of ``seq_len + 1`` tokens.
-
-    Attributes:
-      tokens: Token ids, shape [R, T + 1], int32 (padding is ``pad_id``).
-      segment_ids: Example number within the row, 1, 2, ...; 0 for padding; [R, T + 1] int32.
-      positions: Position of each token within its example (0 for padding), [R, T + 1] int32.
-      loss_tokens: Whether each token is a completion/assistant token, [R, T + 1] bool.
-      num_examples: How many examples were packed.
-      num_truncated: How many of them were cut to ``T + 1`` tokens (see ``fit``).
-      num_dropped: How many examples were left out: no loss token fitted in ``T + 1`` tokens.
-    """
+    """Examples packed into R rows of ``seq_len + 1`` tokens: ``tokens`` (``pad_id`` pads),
+    ``segment_ids`` (the example's number in the row, 1, 2, ...; 0: padding) and ``positions``
+    (within the example; 0: padding), each [R, T + 1] int32, and ``loss_tokens`` [R, T + 1] bool
+    (completion/assistant tokens); ``num_examples`` were packed, ``num_truncated`` of them cut
+    by ``fit``, and ``num_dropped`` left out (no loss token fitted)."""
 
     tokens: np.ndarray
     segment_ids: np.ndarray
@@ -142,18 +98,11 @@ class PackedData:
                           self.loss_tokens[index], int(segment_ids.max(axis=1).sum()))
 
 
-# ------------------------------------------------------------------------------------ packing
-
 
 def best_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Best-fit-decreasing bin packing: item ``i`` of ``lengths[i]`` <= ``capacity`` slots.
-
-    Items are placed longest first (ties by index) into the row with the least room that
-    holds them, a new row when none does; deterministic.
-
-    Returns:
-      The rows, each the indices of its items in placement order.
-    """
+    """Best-fit-decreasing bin packing of items of ``lengths[i] <= capacity`` slots: longest
+    first (ties by index), each into the row with the least room that holds it, else a new
+    row. Returns the rows, each the indices of its items in placement order."""
     rows: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (room left, row), sorted
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -171,12 +120,9 @@ def best_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 def packed_layout(lengths: Sequence[int], capacity: int
                   ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
-    """Where items of ``lengths`` go in rows of ``capacity`` slots (``best_fit_rows``).
-
-    Returns:
-      ``(segment_ids, positions, slots)``: [R, capacity] int32 item numbers within each row
-      (1, 2, ...; 0 = padding) and positions restarting at 0 for each item, and per item its
-      ``(row, first slot)``.
+    """Where items of ``lengths`` go in rows of ``capacity`` slots (``best_fit_rows``):
+    ``(segment_ids, positions, slots)``, [R, capacity] int32 item numbers within each row (1,
+    2, ...; 0 = padding) and positions from 0 per item, and per item its ``(row, first slot)``.
     """
     rows = best_fit_rows(lengths, capacity)
     segment_ids = np.zeros((len(rows), capacity), dtype=np.int32)
@@ -194,16 +140,9 @@ def packed_layout(lengths: Sequence[int], capacity: int
 
 
 def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedData:
-    """Packs examples into rows of ``seq_len + 1`` tokens (best-fit decreasing): the inputs
-    are a row's first T = ``seq_len`` tokens, the targets its last T; ``pad_id`` pads.
-
-    Returns:
-      The packed rows. Examples over T + 1 tokens are cut by ``fit`` (the prompt's start
-      first), or dropped when no loss token fits; one logged warning counts them.
-
-    Raises:
-      ValueError: On a non-positive ``seq_len``, no examples, or none with a loss token that
-        fits.
+    """Packs examples into rows of ``seq_len + 1`` tokens (best-fit decreasing; ``pad_id``
+    pads); longer ones are cut by ``fit`` or dropped, counted in one logged warning.
+    ValueError for a non-positive ``seq_len``, no examples, or none with a loss token that fits.
     """
     seq_len = operator.index(seq_len)
     if seq_len <= 0:
@@ -249,18 +188,8 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedDa
 def load_instruction_data(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                           tokenizer: TextTokenizer, seq_len: int, *, add_eos: bool = True
                           ) -> PackedData:
-    """Reads, tokenizes and packs JSONL instruction files (see the module docstring).
-
-    Args: as ``load_examples``'s, and T = ``seq_len``, the training sequence length.
-
-    Returns:
-      The packed data, ready for ``PackedBatches``.
-
-    Raises:
-      FileNotFoundError: If a file does not exist.
-      InstructionDataError: ``FILE:LINE: ...`` for a bad record (see ``load_examples``).
-      ValueError: No record keeps a loss token within ``seq_len + 1`` tokens.
-    """
+    """``load_examples`` (and its errors) packed into rows of ``seq_len + 1`` tokens, for
+    ``PackedBatches``; ValueError when no record keeps a loss token within a row."""
     examples = load_examples(path, tokenizer, add_eos=add_eos)
     try:
         return pack(examples, seq_len, tokenizer.pad_id)
@@ -268,15 +197,10 @@ def load_instruction_data(path: str | os.PathLike[str] | Sequence[str | os.PathL
         raise ValueError(f"{describe_paths(as_paths(path))}: {e}") from None
 
 
-# ------------------------------------------------------------------------------------ batches
-
 
 def row_indices(seed: int, step: int, batch_size: int, num_rows: int) -> np.ndarray:
-    """Packed-row indices of the global batch for (seed, step), shape [B], int64.
-
-    Every epoch (R consecutive global rows) visits each packed row once, in the order of a
-    permutation drawn from ``np.random.default_rng([seed, epoch])``.
-    """
+    """Packed-row indices [B] int64 of the global batch for (seed, step): every epoch (R
+    consecutive global rows) visits each row once, permuted by ``default_rng([seed, epoch])``."""
     seed, step = check_non_negative("seed", seed), check_non_negative("step", step)
     if batch_size <= 0 or num_rows <= 0:
         raise ValueError(f"batch_size ({batch_size}) and num_rows ({num_rows}) must be positive")
@@ -291,13 +215,9 @@ def row_indices(seed: int, step: int, batch_size: int, num_rows: int) -> np.ndar
 
 
 def rows_to_batch(data: PackedData, rows: np.ndarray) -> HostBatch:
-    """The batch of the packed rows ``rows`` [B] of ``data``.
-
-    Returns:
-      ``inputs``, ``targets`` (int32), ``segment_ids``, ``positions`` (int32; of the inputs) and
-      ``loss_mask`` (float32: 1.0 where ``targets`` is a completion/assistant token of the same
-      example as the input, else 0.0), each [B, T].
-    """
+    """The batch of the packed rows ``rows`` [B]: ``inputs``, ``targets``, ``segment_ids``,
+    ``positions`` (int32; of the inputs) and ``loss_mask`` (float32: 1.0 where ``targets`` is a
+    completion/assistant token of the input's example), each [B, T]."""
     tokens = data.tokens[rows]
     segments = data.segment_ids[rows]
     same_example = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)
@@ -308,16 +228,8 @@ def rows_to_batch(data: PackedData, rows: np.ndarray) -> HostBatch:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedBatches(StepBatches):
-    """Deterministic batches of packed instruction rows (``data.StepBatches``: pure in (seed,
-    step), process ``p`` of ``P`` takes its block of the global batch's rows).
-
-    Attributes:
-      data: The packed rows.
-      batch_size: Global batch size B, divisible by ``process_count``.
-      seed: Data seed.
-      process_index: This process's index p.
-      process_count: Number of processes P.
-    """
+    """Deterministic batches of the packed rows ``data`` (``StepBatches``: pure in (seed,
+    step); process p of P takes its block of the global batch's B rows)."""
 
     data: PackedData
     batch_size: int
@@ -329,8 +241,7 @@ class PackedBatches(StepBatches):
         self._check_split()
 
     def get(self, step: int) -> HostBatch:
-        """This process's part of the batch for ``step``: each key [B / P, T] (see
-        ``rows_to_batch``)."""
+        """This process's part of the batch for ``step`` (``rows_to_batch``), [B / P, T]."""
         rows = row_indices(self.seed, step, self.batch_size, self.data.num_rows)
         return rows_to_batch(self.data, self._mine(rows))
 

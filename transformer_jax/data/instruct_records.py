@@ -1,7 +1,7 @@
-"""Instruction records: JSONL lines -> checked records -> token examples with a loss mask.
-
-The record formats, and how chat turns are cut into prompt and assistant pieces, are described
-in ``transformer_jax.data.instruct``, which packs these examples into rows.
+"""Instruction records: JSONL lines -> checked records -> token examples with a loss mask:
+``{"prompt", "completion"}`` gives ``[bos] + prompt + completion + [eos]`` (bos as the
+tokenizer's ``add_bos_token`` says), the loss on the completion and eos; ``{"messages": [...]}``
+is rendered with the tokenizer's chat template, the loss on the assistant turns (``chat_pieces``).
 """
 
 from __future__ import annotations
@@ -28,13 +28,8 @@ class InstructionDataError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """One tokenized record.
-
-    Attributes:
-      tokens: Token ids, shape [L], int32.
-      loss: Whether each token is a completion/assistant token to be predicted, shape [L], bool.
-      line: The record's line number in its file (1-based).
-    """
+    """One tokenized record: ``tokens`` [L] int32, ``loss`` [L] bool (whether each token is a
+    completion/assistant token to predict), its 1-based ``line`` and ``head`` (``fit``)."""
 
     tokens: np.ndarray
     loss: np.ndarray
@@ -53,12 +48,8 @@ def describe_paths(paths: Sequence[str | os.PathLike[str]]) -> str:
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yields ``(line number, record)`` for each non-blank line of a JSONL file.
-
-    Raises:
-      FileNotFoundError: If the file does not exist.
-      InstructionDataError: ``FILE:LINE: ...`` for a line that is not a JSON object or not UTF-8.
-    """
+    """Yields ``(line number, record)`` for each non-blank line of a JSONL file;
+    InstructionDataError (``FILE:LINE: ...``) for a line that is not a UTF-8 JSON object."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"instruction data file not found: {path}")
@@ -120,14 +111,11 @@ def prompt_completion_example(prompt: str, completion: str, tokenizer: TextToken
 
 def chat_pieces(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]
                 ) -> list[tuple[str, bool]]:
-    """Cuts a rendered conversation into ``(text, is_assistant)`` pieces, in order.
-
-    See the module docstring for the method. The pieces concatenate to the full rendering.
-
-    Raises:
-      ChatTemplateError: If the template fails, or its renderings of the conversation's
-        prefixes are not prefixes of each other.
-    """
+    """Cuts a rendered conversation into ``(text, is_assistant)`` pieces that concatenate to
+    the full rendering: assistant message ``i`` is what the template renders through it beyond
+    what it renders before it with the generation prompt (encoded on its own, as at inference).
+    ChatTemplateError if the template fails or its renderings of the conversation's prefixes
+    are not prefixes of each other."""
     pieces: list[tuple[str, bool]] = []
     done = ""  # the rendering covered by pieces so far
     for i, message in enumerate(messages):
@@ -169,12 +157,9 @@ def chat_example(messages: Sequence[Mapping[str, Any]], tokenizer: TextTokenizer
                  template: ChatTemplate | None, where: str, line: int, scored_from: int = 0
                  ) -> tuple[Example, ChatTemplate]:
     """The example of a record's checked ``messages`` (``encode_chat``; ``head`` the tokens
-    the template writes before the first content) and the template: ``template``, or the
-    tokenizer's when None (loaded once per file set).
-
-    Raises:
-      InstructionDataError: ``where: ...`` when the tokenizer has no chat template or it fails.
-    """
+    the template writes before the first content) and the template used: ``template``, or the
+    tokenizer's when None. Raises InstructionDataError (``where: ...``) when there is no chat
+    template or it fails."""
     try:
         if template is None:
             template = ChatTemplate.of(tokenizer)
@@ -190,17 +175,10 @@ def chat_example(messages: Sequence[Mapping[str, Any]], tokenizer: TextTokenizer
 
 def load_examples(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                   tokenizer: TextTokenizer, *, add_eos: bool = True) -> list[Example]:
-    """Reads and tokenizes every record of one or several JSONL files.
-
-    Args:
-      path: The ``.jsonl`` file, or a sequence of them (read in the order given).
-      tokenizer: Encodes the text; its chat template renders ``messages`` records.
-      add_eos: End prompt/completion examples with eos (chat examples end as the template says).
-
-    Returns:
-      The examples in file order; records without any loss token are dropped (logged). Each
-      example's ``head`` is the number of its leading tokens ``fit`` keeps: the bos token, or
-      what the chat template writes before the first message's content.
+    """Reads and tokenizes every record of one or several JSONL files (in the order given);
+    ``add_eos`` ends prompt/completion examples with eos. Records without any loss token are
+    dropped (logged). Each example's ``head`` is its leading tokens that ``fit`` keeps: the bos
+    token, or what the chat template writes before the first message's content.
 
     Raises:
       FileNotFoundError: If a file does not exist.
@@ -244,16 +222,14 @@ def load_examples(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
 
 
 def count(n: int, one: str, many: str | None = None) -> str:
-    """``"1 record"``, ``"3 records"``: ``n`` and the noun in its number (``many`` defaults to
-    ``one + "s"``)."""
+    """``"1 record"``, ``"3 records"``: ``n`` and the noun (plural ``many``, else ``one + "s"``)."""
     return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def _chat_head(messages: Sequence[Mapping[str, Any]], tokenizer: TextTokenizer,
                template: ChatTemplate, tokens: np.ndarray) -> int:
     """How many leading tokens of a chat example the template writes before the first
-    message's content (its bos, system header, ...): the common prefix of ``tokens`` and that
-    text's encoding."""
+    message's content: the common prefix of ``tokens`` and that text's encoding."""
     content = messages[0]["content"]
     rendered = template.render(messages)
     at = rendered.find(content) if content else -1
@@ -269,12 +245,8 @@ def _chat_head(messages: Sequence[Mapping[str, Any]], tokenizer: TextTokenizer,
 
 
 def _check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
-    """The messages of a chat record with each ``content`` as one string.
-
-    A content is a string, or a list of text parts ``{"type": "text", "text": "..."}`` (the
-    OpenAI form), which are concatenated as the chat templates expect; anything else (numbers,
-    objects, null, image or other parts) is an error naming the record.
-    """
+    """The messages of a chat record with each ``content`` as one string: a string, or the
+    concatenated text parts ``{"type": "text", "text": "..."}``; anything else is an error."""
     if not isinstance(messages, list) or not messages:
         raise InstructionDataError(f'{where}: "messages" must be a non-empty list')
     out = []

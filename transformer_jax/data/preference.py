@@ -1,30 +1,9 @@
 """Preference data: JSONL pairs -> token examples (chosen, rejected) -> packed rows -> batches.
 
-A ``.jsonl`` file holds one pair per line, either
-
-* text: ``{"prompt": "...", "chosen": "...", "rejected": "..."}``, each side encoded as SFT's
-  prompt/completion records are (``[bos] + prompt + completion + [eos]``, the loss on the
-  completion and its eos); or
-* chat: ``{"prompt": [messages], "chosen": ..., "rejected": ...}`` where each answer is a
-  string (one assistant turn), a message dict or a list of messages; ``prompt + answer`` is
-  rendered with the tokenizer's chat template and cut into pieces exactly as SFT's
-  ``messages`` records are (``instruct_records.chat_pieces``), the loss on the answer's
-  assistant turns only (assistant turns inside the prompt carry none).
-
-**Long pairs.** Both sides of a pair share one row of ``seq_len + 1`` tokens. A pair longer
-than a row is cut with SFT's rule (``instruct.fit``: the prompt's start first, after the
-template's head, then the answer's end), each side given a share of the row: the shorter
-side keeps its length when it fits in half a row, the other gets the rest; else each gets
-half. A pair that loses all loss tokens of either side is dropped; one log line counts them.
-
-**Packing.** Pairs are placed into rows by best-fit-decreasing bin packing (``best_fit_rows``,
-deterministic). Pair k of a row holds segments ``2k + 1`` (chosen) and ``2k + 2`` (rejected),
-``positions`` restart at 0 for each, so attention masked by segment never crosses them.
-``pair_ids`` [R, M] name the pairs of each row by their index in the files (-1 = none; M is the
-most pairs any row holds), so a loss sums log-probs per (pair, side) and a stored reference
-is looked up per pair.
-
-**Batches** are a pure function of (seed, step) as SFT's (``instruct.row_indices``).
+Each side of a text or chat pair is encoded as SFT's records are (the loss on the answer only).
+Both sides share one row of ``seq_len + 1`` tokens: pair k of a row is segments ``2k + 1``
+(chosen) and ``2k + 2`` (rejected), and ``pair_ids`` [R, M] name a row's pairs by their index
+in the files (-1: none). Batches are pure in (seed, step), as SFT's (``instruct.row_indices``).
 """
 
 from __future__ import annotations
@@ -68,16 +47,10 @@ PAIR_KEYS = ("prompt", "chosen", "rejected")
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PreferenceRows:
-    """Pairs packed into R rows of ``seq_len + 1`` tokens.
-
-    Attributes:
-      rows: the packed tokens, segment ids, positions and loss flags (``instruct.PackedData``;
-        pair k of a row is segments 2k + 1 and 2k + 2).
-      pair_ids: [R, M] int32, the index of each row's k-th pair among all pairs, -1 for none.
-      num_pairs: how many pairs the files gave (pair ids run over ``range(num_pairs)``).
-      step_rows: 0, or S when the rows are grouped by step (``group_pairs``): rows
-        ``[g S, (g + 1) S)`` hold group g's pairs, and a batch is one group.
-    """
+    """Pairs packed into R rows of ``seq_len + 1`` tokens (``rows``; pair k is segments 2k + 1
+    and 2k + 2), ``pair_ids`` [R, M] int32 the index of each row's k-th pair among the
+    ``num_pairs`` pairs (-1: none); ``step_rows`` is 0, or S when rows ``[g S, (g + 1) S)``
+    hold group g (``group_pairs``)."""
 
     rows: PackedData
     pair_ids: np.ndarray
@@ -121,17 +94,10 @@ def _answer(value: Any, where: str, side: str) -> list[dict[str, Any]]:
 def load_pairs(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                tokenizer: TextTokenizer, *, add_eos: bool = True
                ) -> list[tuple[Example, Example]]:
-    """Reads and tokenizes every pair of one or several JSONL files (in order).
-
-    Returns:
-      ``(chosen, rejected)`` examples per record, ``line`` set to the record's line.
-
-    Raises:
-      FileNotFoundError: a missing file.
-      InstructionDataError: ``FILE:LINE: ...`` for a record without the three keys, of the
-        wrong types, whose template fails, or a side with no loss token; also for no pairs,
-        or for pairs whose sides are all equal (some equal ones: a warning names them).
-    """
+    """``(chosen, rejected)`` examples of every pair of one or several JSONL files, in order.
+    InstructionDataError (``FILE:LINE: ...``) for a record without the three keys, of the
+    wrong types, whose template fails, or a side with no loss token; also for no pairs, or
+    pairs whose sides are all equal (some equal ones: a warning names them)."""
     paths = as_paths(path)
     template: ChatTemplate | None = None
     pairs: list[tuple[Example, Example]] = []
@@ -178,9 +144,8 @@ def load_pairs(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
 
 
 def _check_ties(same: list[str], num_pairs: int, limit: int = 3) -> None:
-    """Warns of pairs whose two sides are the same tokens (``FILE:LINE`` of the first few):
-    their preference loss is constant, so they teach nothing and dilute the batch; raises
-    InstructionDataError when every pair is one."""
+    """Warns of pairs whose two sides are the same tokens (``FILE:LINE`` of the first few:
+    they teach nothing); raises InstructionDataError when every pair is one."""
     if not same:
         return
     what = 'the same tokens in "chosen" and "rejected": the pair has no preference to learn'
@@ -193,11 +158,9 @@ def _check_ties(same: list[str], num_pairs: int, limit: int = 3) -> None:
 
 def fit_pair(chosen: Example, rejected: Example, capacity: int
              ) -> tuple[tuple[Example, Example] | None, bool]:
-    """Both sides cut to share ``capacity`` tokens (see the module docstring).
-
-    Returns:
-      ``(pair or None when a side lost every loss token, whether anything was cut)``.
-    """
+    """Both sides cut by ``instruct.fit`` to share ``capacity`` tokens (the shorter side keeps
+    its length when it fits in half, the other gets the rest; else each gets half): ``(pair,
+    or None when a side lost every loss token; whether anything was cut)``."""
     a, b = len(chosen.tokens), len(rejected.tokens)
     if a + b <= capacity:
         return (chosen, rejected), False
@@ -219,14 +182,9 @@ Pair = tuple[int, tuple[Example, Example]]  # (pair id, (chosen, rejected))
 
 def _pack_groups(groups: Sequence[Sequence[Pair]], capacity: int, pad_id: int,
                  multiple: int = 0) -> tuple[PackedData, np.ndarray, int]:
-    """Each group's pairs packed into rows of ``capacity`` tokens (``best_fit_rows``, both
-    sides of a pair in one row: pair k of a row is segments 2k + 1 and 2k + 2, ``positions``
-    from 0 for each side); with ``multiple``, every group padded with empty rows to S rows,
-    the most any group takes rounded up to ``multiple``.
-
-    Returns:
-      ``(rows, pair_ids [R, M], S or 0)``; ``rows.num_examples`` counts the sides.
-    """
+    """Each group's pairs packed into rows of ``capacity`` tokens (``best_fit_rows``); with
+    ``multiple``, every group padded with empty rows to S, the most rows any group takes
+    rounded up to ``multiple``. Returns ``(rows, pair_ids [R, M], S or 0)``."""
     layouts = [best_fit_rows([len(c.tokens) + len(r.tokens) for _, (c, r) in group], capacity)
                for group in groups]
     step_rows = -(-max(map(len, layouts)) // multiple) * multiple if multiple else 0
@@ -258,11 +216,8 @@ def _pack_groups(groups: Sequence[Sequence[Pair]], capacity: int, pad_id: int,
 
 def pack_pairs(pairs: Sequence[tuple[Example, Example]], seq_len: int, pad_id: int = 0
                ) -> PreferenceRows:
-    """Packs pairs into rows of ``seq_len + 1`` tokens, both sides of a pair in one row.
-
-    Raises:
-      ValueError: on a non-positive ``seq_len`` or when no pair fits.
-    """
+    """Packs pairs into rows of ``seq_len + 1`` tokens, both sides of a pair in one row;
+    ValueError for a non-positive ``seq_len`` or when no pair fits."""
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     capacity = seq_len + 1
@@ -294,21 +249,10 @@ def pack_pairs(pairs: Sequence[tuple[Example, Example]], seq_len: int, pad_id: i
 def group_pairs(data: PreferenceRows, pairs_per_step: int, seed: int, multiple: int = 1
                 ) -> PreferenceRows:
     """The pairs of ``data`` grouped by step, so that a step trains on exactly
-    ``pairs_per_step`` pairs (TRL's batch) and the batches keep one shape.
-
-    The pairs (in pair-id order) are permuted once by ``seed`` and cut into groups of N =
-    ``pairs_per_step`` (the last holds the rest); each group is packed into rows of the same
-    length (``best_fit_rows``; both sides of a pair in one row, as ``pack_pairs``) and padded
-    with empty rows to S, the most rows a group takes rounded up to ``multiple`` (the
-    devices x micro-batches the batch splits over). Each epoch visits every group once
-    (``PairBatches``), so the groups, not the pairs, are reshuffled between epochs.
-
-    Returns:
-      Rows ``[g S, (g + 1) S)`` of group g, ``step_rows`` = S.
-
-    Raises:
-      ValueError: ``pairs_per_step`` or ``multiple`` below 1.
-    """
+    ``pairs_per_step`` pairs (TRL's batch) and the batches keep one shape: permuted once by
+    ``seed`` and cut into groups (the last holds the rest), group g packed into rows ``[g S,
+    (g + 1) S)`` (``step_rows`` = S, the most rows a group takes rounded up to ``multiple``:
+    the devices x micro-batches the batch splits over). ValueError for arguments below 1."""
     if pairs_per_step < 1 or multiple < 1:
         raise ValueError(f"pairs_per_step ({pairs_per_step}) and multiple ({multiple}) must "
                          "be >= 1")
@@ -347,9 +291,9 @@ def load_preference_data(path: str | os.PathLike[str] | Sequence[str | os.PathLi
 
 def pair_batch(data: PreferenceRows, rows: np.ndarray, reference: np.ndarray | None = None
                ) -> HostBatch:
-    """The batch of packed rows ``rows`` [B]: SFT's keys (``instruct.rows_to_batch`` with
-    ``mask``) plus ``sequence_mask`` [B, T] (1 on every target of the input's segment, prompt
-    included: ORPO's NLL), ``pair_ids`` [B, M] and, given a stored ``reference`` [num_pairs, 2],
+    """The batch of packed rows ``rows`` [B]: ``instruct.rows_to_batch``'s keys (with ``mask``)
+    plus ``sequence_mask`` [B, T] (1 on every target of the input's segment, prompt included:
+    ORPO's NLL), ``pair_ids`` [B, M] and, given a stored ``reference`` [num_pairs, 2],
     ``ref_logps`` [B, M, 2] float32 (chosen, rejected; 0 where there is no pair)."""
     batch = with_mask(rows_to_batch(data.rows, rows))
     segments = data.rows.segment_ids[rows]
@@ -365,16 +309,8 @@ def pair_batch(data: PreferenceRows, rows: np.ndarray, reference: np.ndarray | N
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PairBatches(StepBatches):
-    """Deterministic batches of packed pair rows (as ``instruct.PackedBatches``).
-
-    Attributes:
-      data: the packed pairs.
-      batch_size: global B, divisible by ``process_count``.
-      seed: data seed.
-      process_index: this process's index p.
-      process_count: number of processes P.
-      reference: stored reference log-probs [num_pairs, 2] (full fine-tuning DPO), or None.
-    """
+    """Deterministic batches of packed pair rows (as ``instruct.PackedBatches``), with the
+    stored ``reference`` log-probs [num_pairs, 2] of full fine-tuning DPO, or None."""
 
     data: PreferenceRows
     batch_size: int
@@ -391,9 +327,8 @@ class PairBatches(StepBatches):
                              f"batch_size={self.batch_size}")
 
     def get(self, step: int) -> HostBatch:
-        """This process's part of the batch for ``step``: each key [B / P, ...]; pairs grouped
-        by step: the rows of group ``row_indices(seed, step, 1, groups)`` (each epoch visits
-        every group once)."""
+        """This process's part of the batch for ``step``, each key [B / P, ...]; with pairs
+        grouped by step, the rows of group ``row_indices(seed, step, 1, groups)``."""
         data, size = self.data, self.batch_size
         if data.step_rows:
             group = row_indices(self.seed, step, 1, data.rows.num_rows // size)[0]

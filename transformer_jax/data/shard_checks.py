@@ -1,12 +1,6 @@
 """What a reader of a shard build checks before it reads anything: the build's
-``metadata.json`` (that it parses and holds the records reading relies on) and each split's
-files against it (``shards.TokenStream.open``), so that a damaged build fails in one line naming
-the file before a run compiles, not hours later when a batch reads the file.
-
-The metadata records each shard split's documents, tokens and (since the build recorded it) its
-size in bytes: an ArrayRecord file is checked by its size and by opening it (its footer, read at
-the end of the file, indexes its records: a truncated file holds fewer or none), and its
-``.lengths.npy`` by loading it.
+``metadata.json`` and each split's files against it (``shards.TokenStream.open``), so that a
+damaged build fails in one line naming the file before a run compiles, not when a batch reads it.
 """
 
 from __future__ import annotations
@@ -21,13 +15,9 @@ from transformer_jax.data.build import FORMAT, METADATA, SPLITS
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
-    """A build's metadata, checked to be one (its shard records included).
-
-    Raises:
-      FileNotFoundError: no ``metadata.json`` (the build is unfinished or not one).
-      ValueError: a ``metadata.json`` that does not parse, or of another format or version, or
-        whose shard records are malformed (one line naming the file).
-    """
+    """A build's metadata, checked to be one (its shard records included): FileNotFoundError
+    without ``metadata.json`` (an unfinished build, or none), ValueError (one line naming the
+    file) for one that does not parse, of another format or version, or malformed."""
     file = Path(path).expanduser() / METADATA
     if not file.is_file():
         raise FileNotFoundError(f"{path} is not a finished shard build (no {METADATA}); run "
@@ -78,15 +68,11 @@ _CHECKED: set[tuple[str, int, int]] = set()
 
 
 def check_files(file: Path, docs: int, tokens: int, size: int | None = None) -> np.ndarray:
-    """Checks one shard split against its build's metadata before anything reads it: the
-    ArrayRecord file is there, is ``size`` bytes (when the metadata records it: builds of
-    earlier versions do not) and holds ``docs`` records (its footer read: a truncated file
-    holds fewer or none), its ``.lengths.npy`` beside it lists ``docs`` lengths summing to
-    ``tokens``. Returns those lengths, [docs] int64.
-
-    Raises:
-      FileNotFoundError: a file is missing (one line naming it).
-      ValueError: a file does not hold what the metadata says (one line naming it).
+    """Checks one shard split against its build's metadata: the ArrayRecord file is ``size``
+    bytes (when recorded: earlier builds did not) and holds ``docs`` records (a truncated file's
+    footer indexes fewer or none), its ``.lengths.npy`` lists ``docs`` lengths summing to
+    ``tokens``. Returns those lengths, [docs] int64. A missing file is a FileNotFoundError, one
+    not holding what the metadata says a ValueError, each one line naming the file.
     """
     build = file.parent / METADATA
     lengths_file = file.with_name(file.name.replace(".arrayrecord", ".lengths.npy"))
@@ -130,8 +116,7 @@ def check_files(file: Path, docs: int, tokens: int, size: int | None = None) -> 
 
 
 def _fix(path: Path) -> str:
-    """How to repair a build whose file ``path`` is damaged or missing: a build run again
-    redoes exactly the shards with a file missing."""
+    """How to repair a build whose file ``path`` is damaged or missing."""
     remove = "" if not path.exists() else f"remove {path.name} and "
     return (f"{remove}run the same transformer-jax data build --out {path.parent} again to "
             "rebuild that shard")

@@ -1,25 +1,10 @@
-"""Training batches from shard builds: packed rows (in the order of Grain's global shuffle) or
-windows, and mixtures.
+"""Training batches from shard builds: packed rows or windows, and mixtures.
 
-A split of one or more builds is a token stream: its documents (ArrayRecord records) one after
-another, in shard order. Two ways to cut it into rows of T + 1 tokens:
-
-* ``pack`` (document packing): row ``r`` is stream tokens ``[r (T + 1), (r + 1)(T + 1))``;
-  ``segment_ids`` number the documents (or parts of one) in the row 1, 2, ... and ``positions``
-  restart at 0 for each, so attention never crosses documents. A document longer than the rest
-  of its row continues in the next row, as that row's first segment: no token is dropped but the
-  stream's last ``< T + 1`` tokens. The loss is on targets of the input's own segment (the
-  first token of a document is not predicted from the previous one). Global row ``i`` of the
-  run (step ``s`` holds ``i = s B .. s B + B - 1``) is row ``shuffle_e(i mod R)`` of epoch
-  ``e = i div R``: Grain's ``MapDataset.shuffle`` (a new permutation each epoch) and
-  ``repeat``.
-* ``concat``: the random windows of ``data.get_batch`` over the stream (documents joined by their
-  eos, attending across them), as a memmap corpus gives.
-
-A mixture (``name=PATH:weight,...``) draws each global row's source from
-``default_rng([seed, step, 1])`` by weight; the row is then global row ``i`` of that source's
-own sequence. Everything is a pure function of (seed, step): a resumed run, or one on another
-number of processes, reads the same global batch; each process reads only its own rows.
+A split of one or more builds is a token stream (its documents in shard order), cut into rows
+of T + 1 tokens by ``pack`` (segments per document part; rows in the order of Grain's global
+shuffle) or read as ``data.get_batch``'s random windows by ``concat``. A mixture draws each
+global row's source by weight from ``default_rng([seed, step, 1])``. Everything is a pure
+function of (seed, step); each process reads only its own rows (docs/data.md).
 """
 
 from __future__ import annotations
@@ -27,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -46,19 +30,13 @@ from transformer_jax.data.batches import (
 from transformer_jax.data.build import METADATA, SPLITS, TOKENIZER_DIR, shard_name
 from transformer_jax.data.shard_checks import check_files, read_metadata
 
-logger = logging.getLogger(__name__)
-
 PACKING = ("pack", "concat")
 _MIX_STREAM = 1  # the rng stream of the mixture's draws
 
 
 def is_build(path: str | Path) -> bool:
-    """Whether ``path`` is a shard build directory (holds its ``metadata.json``).
-
-    Raises:
-      FileNotFoundError: an unfinished build (shards without ``metadata.json``), which would
-        otherwise be read as a directory of text files.
-    """
+    """Whether ``path`` is a shard build directory (holds its ``metadata.json``);
+    FileNotFoundError for an unfinished one, which would otherwise be read as text files."""
     path = storage.as_path(path)
     if (path / METADATA).is_file():
         return True
@@ -69,18 +47,9 @@ def is_build(path: str | Path) -> bool:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenStream:
-    """One split of one or more builds: documents one after another.
-
-    Records are read with array_record's reader, one batched ``read`` per file and batch
-    (Grain's ``ArrayRecordDataSource.__getitems__`` starts a thread pool on every call: 5 ms a
-    batch of 12 rows here, most of the host's time per batch).
-
-    Attributes:
-      paths: the ArrayRecord files, in order.
-      counts: the number of documents of each file.
-      lengths: each document's token count, [D] int64.
-      dtype: the token dtype of the records.
-    """
+    """One split of one or more builds: the documents of the ArrayRecord files ``paths`` (of
+    ``counts`` documents each; ``lengths`` [D] tokens each) one after another, read with one
+    batched ``ArrayRecordReader.read`` per file and batch."""
 
     paths: tuple[str, ...]
     counts: tuple[int, ...]
@@ -107,11 +76,8 @@ class TokenStream:
 
     @classmethod
     def open(cls, builds: Sequence[str | Path], split: str) -> TokenStream:
-        """The ``split`` (``train``/``val``) of the builds, in the given order.
-
-        Every file the metadata lists for the split is checked first (``check_files``), so a
-        damaged build fails here, in one line naming the file, not when a batch reads it.
-        """
+        """The ``split`` (``train``/``val``) of the builds, in the given order, every file of it
+        checked first (``check_files``): a damaged build fails here, in one line naming it."""
         paths, counts, lengths, dtypes = [], [], [], set()
         for build in builds:
             build = Path(build).expanduser()
@@ -202,13 +168,9 @@ class Mixture:
 
     @classmethod
     def parse(cls, path: str, mixture: str) -> Mixture:
-        """``data.mixture`` (``name=PATH:weight,...``), or one source of all of ``data.path``.
-        Reads no file (``DataConfig`` checks the field with it).
-
-        Raises:
-          ValueError: a malformed entry, a weight that is not a finite number > 0, weights
-            whose sum is not finite, a repeated name (one line naming ``data.mixture``).
-        """
+        """``data.mixture`` (``name=PATH:weight,...``), or one source of all of ``data.path``;
+        reads no file. ValueError, in one line naming ``data.mixture``, for a malformed entry,
+        a weight that is not a finite number > 0, an infinite sum or a repeated name."""
         if not mixture:
             return cls(("data",), (tuple(p.strip() for p in path.split(",") if p.strip()),),
                        (1.0,))
@@ -240,8 +202,7 @@ class Mixture:
         return cls(tuple(names), tuple(builds), tuple(w / total for w in weights))
 
     def fetched(self) -> Mixture:
-        """This mixture with every build on object storage replaced by a local copy of it
-        (``storage.local_copy``: downloaded once per host, then only checked by size)."""
+        """This mixture with every build on object storage replaced by its ``local_copy``."""
         return dataclasses.replace(self, builds=tuple(
             tuple(str(storage.local_copy(b, purpose="data")) for b in source)
             for source in self.builds))
@@ -258,17 +219,8 @@ def mixture_sources(seed: int, step: int, batch_size: int, weights: Sequence[flo
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ShardBatches(StepBatches):
-    """This process's rows of the global batch of (seed, step), read from shard builds.
-
-    Attributes:
-      mixture: the sources and weights.
-      seq_len: T.
-      batch_size: global batch size B.
-      packing: ``"pack"`` or ``"concat"``.
-      seed: data seed.
-      process_index: this process's index p.
-      process_count: number of processes P.
-    """
+    """This process's rows of the global batch of (seed, step), read from the shard builds of
+    ``mixture``, rows of ``seq_len`` T, ``packing`` ``"pack"`` or ``"concat"``."""
 
     mixture: Mixture
     seq_len: int
@@ -331,8 +283,7 @@ def _by_source(sources: np.ndarray, keys: np.ndarray,
 
 
 def eval_rows(stream: TokenStream, packing: str, seq_len: int) -> int:
-    """How many validation rows the stream holds: packed rows of T + 1 tokens, or windows
-    ``[w T, w T + T]`` (``concat``)."""
+    """How many validation rows the stream holds: packed rows of T + 1, or windows (``concat``)."""
     if packing == "pack":
         return stream.num_tokens // (seq_len + 1)
     return max(stream.num_tokens - 1, 0) // seq_len
@@ -341,15 +292,10 @@ def eval_rows(stream: TokenStream, packing: str, seq_len: int) -> int:
 def eval_batches(stream: TokenStream, packing: str, batch_size: int, seq_len: int,
                  max_batches: int | None = None, *, process_index: int = 0,
                  process_count: int = 1, pad: bool = False) -> Iterator[HostBatch]:
-    """Validation batches in order: global batch ``i`` holds packed rows (or the windows
-    ``[w T, w T + T]`` of ``data.eval_batches``) ``i B .. i B + B - 1``, each process its own
-    ``B / P`` of them (process ``p`` rows ``i B + p B / P ..``); at most ``max_batches``.
-
-    A last incomplete batch is dropped; with ``pad`` (a mixture source's batches, so that a
-    source smaller than one batch is still evaluated) it is kept, filled with copies of row 0
-    whose ``mask`` is zero, and every batch has a ``mask``. Checked when called (as
-    ``data.eval_batches``): ValueError when not one batch fills (with ``pad``: not one row).
-    """
+    """Validation batches in order: packed rows (or the windows ``[w T, w T + T]`` of
+    ``data.eval_batches``) through ``eval_row_batches``; ``pad`` keeps a last incomplete batch
+    (a mixture source smaller than one batch is still evaluated). Checked when called:
+    ValueError when not one batch fills (with ``pad``: not one row)."""
     local = batch_size // process_count
     width = seq_len + 1 if packing == "pack" else seq_len
     rows = eval_rows(stream, packing, seq_len)
@@ -368,8 +314,7 @@ def eval_batches(stream: TokenStream, packing: str, batch_size: int, seq_len: in
 
 
 def eval_tokens(stream: TokenStream, packing: str, seq_len: int) -> int:
-    """The validation size that ``eval_batching`` reads: windows of T over it take
-    ``R T + 1`` tokens for R packed rows."""
+    """The validation size ``eval_batching`` reads (``R T + 1`` tokens for R packed rows)."""
     if packing != "pack":
         return stream.num_tokens
     rows = eval_rows(stream, packing, seq_len)

@@ -1,13 +1,9 @@
 """The inputs of a shard build: files, directories and globs -> typed sources -> pieces ->
 documents.
 
-A source is one input of a kind: ``text`` (a UTF-8 file: one document, or one per blank-line
-separated paragraph), ``jsonl`` (one document per line, from a chosen field), ``parquet`` (one
-per row of a chosen column) or ``hf`` (a directory written by HuggingFace ``datasets``'
-``save_to_disk``, read offline with ``load_from_disk``; one document per row). A piece is a
-contiguous part of one source (bytes of a jsonl file, row groups of a parquet file, rows of a
-dataset) small enough for one shard; the plan of pieces depends only on the inputs, so a
-re-run (with any number of workers) makes the same shards.
+A source is ``text`` (one document, or one per paragraph), ``jsonl``, ``parquet`` or ``hf`` (a
+``datasets`` ``save_to_disk`` directory; one document per line or row). A piece is a contiguous
+part of one source small enough for one shard, planned from the inputs alone.
 """
 
 from __future__ import annotations
@@ -60,18 +56,11 @@ class Piece:
 
 def resolve_sources(patterns: Sequence[str],
                     exclude: Sequence[str | os.PathLike[str]] = ()) -> list[Source]:
-    """Files, directories and globs -> sources, sorted by path.
-
-    A directory holding ``state.json`` and ``dataset_info.json`` (or ``dataset_dict.json``)
-    is a saved HuggingFace dataset (each split of a ``DatasetDict``); other directories are
-    searched for files as ``corpus.resolve_corpus`` does. ``.jsonl`` and ``.parquet`` files are
-    read as such, anything else as text. Whatever lies under ``exclude`` (a build's own output
-    directory) is left out, and said in the log.
-
-    Raises:
-      FileNotFoundError: a path or pattern that matches nothing (or only what is excluded).
-      ValueError: no pattern.
-    """
+    """Files, directories and globs -> sources, sorted by path, less what lies under
+    ``exclude`` (logged). A directory holding ``state.json`` and ``dataset_info.json`` (or
+    ``dataset_dict.json``: each split) is a saved HuggingFace dataset; others are searched as
+    ``corpus.resolve_corpus`` does; files other than ``.jsonl`` and ``.parquet`` are text.
+    FileNotFoundError for a pattern matching nothing (not excluded), ValueError for none."""
     if not patterns:
         raise ValueError("no input: pass --input FILE|DIR|GLOB")
     excluded = [Path(os.path.expanduser(os.fspath(e))).resolve() for e in exclude]

@@ -1,30 +1,8 @@
 """Object storage: which paths are remote, and moving files between them and local disk.
 
-A path with a scheme (``gs://bucket/run``, ``s3://...``, ``memory://...``) is remote: it is
-handled through fsspec (``gcsfs`` for ``gs://``) and ``etils.epath`` (what orbax takes), never
-through ``pathlib`` (``Path("gs://b/run")`` is the relative local directory ``gs:/b/run``) or
-``os`` calls. ``file://`` URLs and plain paths are local.
-
-How each kind of file reaches a bucket:
-
-* **Checkpoints** are written and read in place by orbax (tensorstore for the arrays), from
-  every process, with no local copy.
-* **A run's small files** (``config.json``, ``metrics.jsonl``, TensorBoard events,
-  ``loss.png``, ``summary.json``, the tokenizer copy) live in a local mirror of the run
-  directory (``mirror``), filled from the bucket when the run starts (so a resume truncates
-  and appends to the bucket's ``metrics.jsonl``) and uploaded by ``push`` at every checkpoint
-  and at the end: objects cannot be appended to, and a whole small file is one request.
-* **Directories read whole** (a HF checkpoint, data shards, a tokenizer, a run's small
-  files) are downloaded into a local cache by ``local_copy``; a cached file is kept only while
-  the object is the version it was fetched from (GCS's generation, ``storage.versions``),
-  never because its size matches (retrained weights have the same sizes). ArrayRecord's pip
-  build cannot open ``gs://`` paths (its reader sees 0 records), and HuggingFace and
-  SentencePiece read local files only.
-* **Directories written whole** (a HF export, a shard build) are written locally and
-  uploaded by ``push``, which skips only the files whose bytes the remote already holds (by
-  the CRC32C or MD5 the store records).
-
-The cache is ``$TRANSFORMER_JAX_CACHE`` or ``~/.cache/transformer_jax``, under ``remote/``.
+A path with a scheme other than ``file://`` (``gs://bucket/run``) is remote: fsspec and
+``etils.epath``, never ``pathlib`` or ``os``. Directories read whole are cached by
+``local_copy`` (``cache_dir``), those written whole uploaded by ``push`` (docs/training.md).
 """
 
 from __future__ import annotations
@@ -54,9 +32,7 @@ def is_remote(path: str | os.PathLike[str] | Any) -> bool:
 
 def as_path(path: str | os.PathLike[str]) -> Any:
     """A path object for ``path``: an ``etils.epath.Path`` for a remote URL (what orbax
-    takes; it supports ``/``, ``exists``, ``is_dir``, ``glob``, ``iterdir``, ``open``,
-    ``read_text``, ``mkdir``, ``rmtree``), else an absolute ``pathlib.Path`` (``~`` expanded,
-    a ``file://`` prefix dropped)."""
+    takes), else an absolute ``pathlib.Path`` (``~`` expanded, a ``file://`` prefix dropped)."""
     if is_remote(path):
         from etils import epath
 
@@ -68,13 +44,9 @@ def as_path(path: str | os.PathLike[str]) -> Any:
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """``(fsspec filesystem, path within it)`` for a URL.
-
-    For the schemes ``etils.epath`` serves through fsspec (``gs``, ``s3``, ``az``, ``hf``) it is
-    the very filesystem object epath (and so orbax) uses: fsspec caches directory listings per
-    object, and a listing this module changes (a step directory deleted, say) must be
-    forgotten by orbax's object too.
-    """
+    """``(fsspec filesystem, path within it)`` for a URL: for ``gs``, ``s3``, ``az`` and ``hf``
+    the very object epath (and so orbax) uses, so that a listing this module changes is
+    forgotten by orbax too (fsspec caches listings per filesystem object)."""
     import fsspec
 
     url = os.fspath(url)
@@ -117,11 +89,8 @@ def rmtree(path: Any) -> None:
 
 
 def check_bucket(url: str, what: str = "path") -> None:
-    """Fails early, in one line, for a URL whose bucket does not exist (or cannot be seen).
-
-    Raises:
-      FileNotFoundError: naming the bucket and ``what`` the URL is for.
-    """
+    """Raises FileNotFoundError, in one line naming the bucket and ``what`` the URL is for,
+    when the URL's bucket does not exist (or cannot be seen)."""
     fs, inner = filesystem(url)
     bucket = inner.split("/", 1)[0]
     try:
@@ -134,13 +103,8 @@ def check_bucket(url: str, what: str = "path") -> None:
 
 
 def check_writable(url: str, what: str = "--out") -> None:
-    """Fails early, in one line, for a remote directory that cannot be written: a missing (or
-    invisible) bucket, or an object where the directory would be. Call it before any work.
-
-    Raises:
-      FileNotFoundError: the bucket does not exist (named).
-      FileExistsError: ``url`` is a file (an object), not a directory.
-    """
+    """Fails early, in one line, for a remote directory that cannot be written: a missing
+    bucket (``check_bucket``) or an object where the directory would be (FileExistsError)."""
     check_bucket(url, what)
     fs, inner = filesystem(url)
     try:
@@ -153,7 +117,7 @@ def check_writable(url: str, what: str = "--out") -> None:
 
 def cache_dir() -> Path:
     """Where remote files are staged: ``$TRANSFORMER_JAX_CACHE/remote`` (default
-    ``~/.cache/transformer_jax/remote``)."""
+    ``~/.cache/transformer_jax/remote``; ArrayRecord, HF and SentencePiece read local files)."""
     root = os.environ.get("TRANSFORMER_JAX_CACHE") or "~/.cache/transformer_jax"
     return Path(root).expanduser().absolute() / "remote"
 
@@ -167,14 +131,9 @@ def staging_dir(url: str, purpose: str) -> Path:
 
 
 def _remote_files(url: str, exclude: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
-    """``{relative name: fsspec listing entry}`` (``size`` and whatever version fields the
-    filesystem gives: ``generation``, ``crc32c``, ``md5Hash``...) of every file under a remote
-    directory ({} if none), not looking inside the top-level entries ``exclude`` names.
-
-    The listing is not left in fsspec's cache: orbax lists the same bucket through the same
-    filesystem object while it commits a checkpoint, and a cached listing taken halfway
-    through a save (of ``checkpoints/``, say) would hide its later objects from it.
-    """
+    """``{relative name: fsspec listing entry}`` of every file under a remote directory ({} if
+    none), less the top-level names ``exclude``; not left in fsspec's cache, which orbax shares
+    (a listing taken halfway through a checkpoint's save would hide its later objects)."""
     fs, inner = filesystem(url)
     inner = inner.rstrip("/")
     try:
@@ -202,21 +161,12 @@ def _remote_files(url: str, exclude: tuple[str, ...] = ()) -> dict[str, dict[str
 def local_copy(path: str | os.PathLike[str], *, exclude: tuple[str, ...] = (),
                purpose: str = "read") -> Path:
     """A local directory with the files of ``path``: ``path`` itself (``~`` expanded) if it is
-    local, else a cached download of the remote directory (of a remote file: the local copy
-    of the file).
+    local, else a download of the remote directory (of a remote file: the file's local copy),
+    less the top-level names ``exclude``, cached in ``staging_dir(url, purpose)``.
 
-    A cached file is fetched again unless the object is still the version it was fetched from
-    (``storage.versions``: GCS's generation and hashes; a filesystem that gives no version,
-    such as ``memory://``, has every file fetched again), and the file is still the one
-    fetched then. Files no longer in the bucket are removed from the copy.
-
-    Args:
-      path: a local directory or a remote URL.
-      exclude: top-level names not to fetch (e.g. ``("checkpoints",)``: read in place).
-      purpose: which cache the copy goes to (``staging_dir``).
-
-    Raises:
-      FileNotFoundError: a remote URL with no file under it.
+    A cached file is kept only while the object and the file are the ones it was fetched as
+    (``storage.versions``; with no version, as on ``memory://``, it is fetched again); files
+    no longer in the bucket are removed. FileNotFoundError for a URL with no file under it.
     """
     if not is_remote(path):
         return Path(os.fspath(path)).expanduser()
@@ -248,8 +198,7 @@ def local_copy(path: str | os.PathLike[str], *, exclude: tuple[str, ...] = (),
 def _sync(fs: Any, files: dict[str, dict[str, Any]], inner: str, local: Path, url: str
           ) -> None:
     """Fetches into ``local`` each of ``files`` (relative name -> listing entry, under the
-    remote directory ``inner``) whose cached copy is not known to be that object's version,
-    recording each fetched file's version after the file is in place."""
+    remote directory ``inner``) not known to be cached, then records its version."""
     local.mkdir(parents=True, exist_ok=True)
     records = versions.read_records(local)
     fetched, written = 0, time.monotonic()
@@ -276,8 +225,7 @@ def _sync(fs: Any, files: dict[str, dict[str, Any]], inner: str, local: Path, ur
 
 
 def _fetch(fs: Any, inner: str, target: Path) -> None:
-    """Downloads one object to ``target`` through a temporary name of its own (the processes
-    of one host may fetch the same file at once; a reader never sees half of it)."""
+    """Downloads one object to ``target`` through a temporary name of its own (one per process)."""
     fd, part = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
     os.close(fd)
     try:
@@ -289,22 +237,10 @@ def _fetch(fs: Any, inner: str, target: Path) -> None:
 
 
 def push(local: Path, url: str, *, exclude: tuple[str, ...] = ()) -> int:
-    """Uploads the files of a local directory under ``url`` that differ from the remote copy.
-
-    A file is skipped only when the remote object's recorded content hash (GCS's CRC32C or
-    MD5) is the local file's, computed from its bytes: neither the size nor a modification
-    time proves a retrained weight file unchanged. Where the remote records no hash (e.g.
-    ``memory://``), every file is sent. Each file is one object written whole, so a reader
-    never sees half of one.
-
-    Args:
-      local: the directory.
-      url: the remote directory.
-      exclude: top-level names not to upload.
-
-    Returns:
-      How many files were uploaded.
-    """
+    """Uploads the files of the directory ``local`` (less the top-level names ``exclude``) that
+    differ from the remote copy under ``url``; returns how many were uploaded. A file is skipped
+    only when the remote's recorded CRC32C or MD5 is the local file's (sizes prove nothing:
+    retrained weights have the same); where the remote records no hash, every file is sent."""
     fs, inner = filesystem(url)
     inner = inner.rstrip("/")
     remote = _remote_files(url, exclude)

@@ -15,11 +15,8 @@ from transformer_jax import storage
 
 
 def umask() -> int:
-    """The process's file mode creation mask (e.g. ``0o022``), without changing it.
-
-    Read from ``/proc/self/status`` where there is one; elsewhere it is set and restored
-    (``os.umask`` can only be read by setting it), which another thread could observe.
-    """
+    """The process's umask (e.g. ``0o022``), read from ``/proc/self/status`` where there is
+    one; elsewhere set and restored (which another thread could observe)."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
@@ -46,12 +43,9 @@ def set_default_mode(path: str | os.PathLike[str]) -> None:
 
 @contextlib.contextmanager
 def atomic_writer(path: Path) -> Iterator[IO[bytes]]:
-    """Yields a binary file that replaces ``path`` only when the block finishes without error.
-
-    The data goes to a temporary file beside ``path`` that is synced and renamed over it, so a
-    crash never leaves a partial file that a later run would pick up. The file ends with the
-    mode ``open`` gives (``0o666`` less the umask), not the temporary file's ``0o600``.
-    """
+    """Yields a binary file that replaces ``path`` only when the block finishes without error
+    (a temporary file beside it, synced and renamed over it, so a crash never leaves a partial
+    file), with the mode ``open`` gives rather than the temporary file's ``0o600``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -68,14 +62,7 @@ def atomic_writer(path: Path) -> Iterator[IO[bytes]]:
 
 
 def read_json(path: Path, what: str = "file") -> Any:
-    """Parses a JSON file; a file that is not JSON is a ValueError naming it and the line.
-
-    Args:
-      path: the file.
-      what: what it is, for the messages (e.g. ``"config"``).
-
-    Returns:
-      The parsed value.
+    """Parses a JSON file; ``what`` names it in the messages (e.g. ``"config"``).
 
     Raises:
       FileNotFoundError: no such file.
@@ -97,20 +84,10 @@ def read_json(path: Path, what: str = "file") -> Any:
 @contextlib.contextmanager
 def replacing_directory(path: Path, carry_over: Callable[[str], bool] = lambda name: True
                         ) -> Iterator[Path]:
-    """Yields an empty directory that replaces ``path`` when the block finishes without error.
-
-    The new contents are written to a temporary directory beside ``path``; only when the block
-    completes is the old directory renamed aside, the new one renamed in and the old one
-    removed. An error (or a crash) in the block leaves ``path`` as it was and removes the
-    temporary directory. Entries of the old directory that the block did not write and that
-    ``carry_over(name)`` accepts (e.g. a tokenizer next to the weights) are copied over first.
-    The directory ends with the mode ``mkdir`` gives (``0o777`` less the umask), not the
-    temporary directory's ``0o700``.
-
-    Args:
-      path: the directory to create or replace.
-      carry_over: which names of the old directory to keep if the block did not write them.
-    """
+    """Yields an empty directory beside ``path`` that replaces it (with ``mkdir``'s mode) when
+    the block finishes without error, after the old directory's entries that the block did not
+    write and ``carry_over(name)`` accepts (e.g. a tokenizer next to the weights) are linked or
+    copied in. An error or a crash in the block leaves ``path`` as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
@@ -145,8 +122,8 @@ def replacing_directory(path: Path, carry_over: Callable[[str], bool] = lambda n
 
 
 def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-    """Hard-links ``src`` to ``dst`` (no data copied; the old name is removed afterwards), or
-    copies it where links are impossible (another filesystem, a symlink)."""
+    """Hard-links ``src`` to ``dst``, or copies it where links are impossible (a symlink, another
+    filesystem)."""
     if not os.path.islink(src):
         try:
             os.link(src, dst)

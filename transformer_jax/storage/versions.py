@@ -1,24 +1,6 @@
-"""What says a remote object and a local file hold the same bytes, without trusting sizes.
-
-A retrained model has the same shapes, so its files have the same sizes as the last one's: a
-size says nothing about the content. Two kinds of evidence are used instead:
-
-* **An object's version**, from the listing fsspec gives (``ls(detail=True)`` / ``find``):
-  GCS's ``generation`` (new on every write) with its ``crc32c`` / ``md5Hash``, or the
-  ``ETag`` / ``etag`` other stores give. ``local_copy`` keeps a cached file only while the
-  object's version is the one recorded when that file was fetched. A filesystem whose listing
-  has none of these (fsspec's ``memory://``, whose ``created`` time is not a version) has its
-  files fetched again on every copy.
-* **A content hash**, for uploads: ``push`` skips a file only when the remote object's
-  recorded CRC32C (or MD5) equals the local file's, computed from its bytes; a remote that
-  records no hash gets every file again.
-
-The record of what was fetched lives beside the cached directory (not in it: the directory is
-uploaded and listed as the remote one's copy), one entry per file: the object's version and the
-local file's size, modification time and inode as they were just after it was renamed into
-place. The entry is written after the file, so a copy killed in between leaves an entry that
-no longer matches the file (another inode): the file is fetched again.
-"""
+"""What says a remote object and a local file hold the same bytes, without trusting sizes (a
+retrained model's files have the same sizes): the object's version recorded beside the cache
+with the file's ``stamp`` (``local_copy``), or the remote's CRC32C or MD5 (``push``)."""
 
 from __future__ import annotations
 
@@ -26,13 +8,10 @@ import base64
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 # Listing fields that change whenever an object's content does: GCS (gcsfs), S3 (s3fs),
 # Azure (adlfs), the HF hub.
@@ -41,9 +20,8 @@ _CHUNK = 1 << 22
 
 
 def object_version(info: dict[str, Any]) -> str | None:
-    """A string that changes whenever the object an fsspec listing entry describes is
-    rewritten (its size and every version field the filesystem gives), or None if the
-    entry has no version field (then nothing cached may be trusted)."""
+    """A string that changes whenever the object of an fsspec listing entry is rewritten (its
+    size and version fields), or None when it has no version field (nothing may be trusted)."""
     fields = {k: str(info[k]) for k in VERSION_FIELDS if info.get(k) not in (None, "")}
     if not fields:
         return None
@@ -80,9 +58,8 @@ def md5(file: Path) -> str:
 
 
 def same_content(file: Path, info: dict[str, Any]) -> bool:
-    """Whether a local file holds the bytes of the remote object ``info`` (an fsspec listing
-    entry) describes, by the content hash the remote recorded: CRC32C, else MD5. False when
-    the sizes differ or the remote records no hash (nothing proves them equal)."""
+    """Whether a local file holds the bytes of the object of the listing entry ``info``, by the
+    hash the remote recorded (CRC32C, else MD5); False when sizes differ or there is no hash."""
     if info.get("size") is None or int(info["size"]) != file.stat().st_size:
         return False
     if info.get("crc32c") and (local_crc := crc32c(file)) is not None:
@@ -122,9 +99,8 @@ def write_records(local: Path, records: dict[str, list[Any]]) -> None:
 
 
 def is_fresh(file: Path, version: str | None, record: list[Any] | None) -> bool:
-    """Whether a cached file may be used for an object of ``version``: the object has a
-    version, it is the one recorded when the file was fetched, and the file is still the one
-    fetched then (same size, modification time and inode)."""
+    """Whether a cached file may be used for an object of ``version``: it is the version
+    recorded when the file was fetched, and the file has the same size, mtime and inode."""
     if version is None or record is None or not file.is_file():
         return False
     return record == [version, *stamp(file)]

@@ -1,14 +1,5 @@
-"""Tokenizers: SentencePiece models (trained here or Llama 2's) and HuggingFace tokenizer.json.
-
-Modules:
-  base         the ``TextTokenizer`` interface and the checkpoint's ``TokenizerConfig``
-  spm_backend  ``Tokenizer``: SentencePiece ``.model`` files; load, save, encode/decode
-  spm_train    training a SentencePiece model on a corpus; the train_or_load cache key
-  hf_backend   ``HFTokenizer``: ``tokenizer.json`` through the ``tokenizers`` library
-  chat         rendering a checkpoint's Jinja chat template as transformers does
-  loader       ``load_tokenizer``: the right backend for a checkpoint directory
-
-``from transformer_jax.tokenizer import Tokenizer`` is the SentencePiece tokenizer, as before.
+"""Tokenizers: SentencePiece models (trained here or Llama 2's) and HuggingFace tokenizer.json,
+behind ``base.TextTokenizer``; ``load_tokenizer`` picks the backend for a checkpoint directory.
 """
 
 from transformer_jax.tokenizer.base import TextTokenizer, TokenizerConfig, detokenize
@@ -27,24 +18,7 @@ from transformer_jax.tokenizer.spm_train import (
     read_utf8,
 )
 
-__all__ = [
-    "detokenize",
-    "BOS_ID",
-    "DEFAULT_MODEL_FILENAME",
-    "EOS_ID",
-    "MODEL_TYPES",
-    "PAD_ID",
-    "UNK_ID",
-    "ChatTemplate",
-    "ChatTemplateError",
-    "HFTokenizer",
-    "ModelType",
-    "Source",
-    "TextTokenizer",
-    "Tokenizer",
-    "TokenizerConfig",
-    "load_tokenizer",
-    "read_utf8",
-    "render_chat",
-    "train_or_load",
-]
+__all__ = ["detokenize", "BOS_ID", "DEFAULT_MODEL_FILENAME", "EOS_ID", "MODEL_TYPES", "PAD_ID",
+           "UNK_ID", "ChatTemplate", "ChatTemplateError", "HFTokenizer", "ModelType", "Source",
+           "TextTokenizer", "Tokenizer", "TokenizerConfig", "load_tokenizer", "read_utf8",
+           "render_chat", "train_or_load"]

@@ -1,15 +1,9 @@
-"""The interface every tokenizer backend implements, and the checkpoint's tokenizer settings.
+"""The interface every tokenizer backend implements, and the checkpoint's tokenizer settings
+(``TokenizerConfig``: what transformers reads from ``tokenizer_config.json``,
+``special_tokens_map.json`` and ``chat_template.jinja``).
 
-A published checkpoint directory describes its tokenizer with the model file
-(``tokenizer.json`` or ``tokenizer.model``) plus settings that transformers reads from
-``tokenizer_config.json``, the legacy ``special_tokens_map.json`` and ``chat_template.jinja``:
-which strings are the bos/eos/unk/pad tokens, which other strings are special, whether encoding
-adds bos/eos, and the chat template. ``TokenizerConfig`` holds those settings, read and written
-the way transformers does, so that both backends share them.
-
-Id convention for every backend: ``bos_id``/``eos_id``/``unk_id`` are -1 when the tokenizer has no
-such token; ``pad_id`` is always a usable id (the pad token, else eos, else unk, else 0), because
-padded positions are masked out of the loss anyway.
+Ids: ``bos_id``/``eos_id``/``unk_id`` are -1 when the tokenizer has no such token; ``pad_id`` is
+always a usable id (the pad token, else eos, else unk, else 0): padding is masked out of the loss.
 """
 
 from __future__ import annotations
@@ -30,89 +24,65 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATES_DIR = "additional_chat_templates"
 
 # The named special tokens of transformers, in its order; chat templates see them as variables.
-NAMED_SPECIAL_TOKENS: tuple[str, ...] = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
+NAMED_SPECIAL_TOKENS: tuple[str, ...] = ("bos_token", "eos_token", "unk_token", "sep_token",
+                                         "pad_token", "cls_token", "mask_token")
 
 
 @runtime_checkable
 class TextTokenizer(Protocol):
-    """What the data pipeline, chat rendering and generation need from a tokenizer.
-
-    Implemented by ``Tokenizer`` (SentencePiece ``tokenizer.model``) and ``HFTokenizer``
-    (``tokenizer.json``); ``load_tokenizer`` picks one for a checkpoint directory.
-    """
+    """What the data pipeline, chat rendering and generation need from a tokenizer:
+    ``Tokenizer`` (SentencePiece) or ``HFTokenizer`` (``tokenizer.json``)."""
 
     @property
     def vocab_size(self) -> int:
         """Number of ids V (added tokens included); every id is in ``[0, V)``."""
-        ...
 
     @property
     def bos_id(self) -> int:
         """Beginning-of-sequence id, or -1 if there is none."""
-        ...
 
     @property
     def eos_id(self) -> int:
         """End-of-sequence id, or -1 if there is none."""
-        ...
 
     @property
     def pad_id(self) -> int:
         """Id to pad with: the pad token, else eos, else unk, else 0 (never -1)."""
-        ...
 
     @property
     def fingerprint(self) -> str:
         """Hex digest that changes whenever the ids produced for some text could change."""
-        ...
 
     @property
     def add_bos_token(self) -> bool:
         """Whether transformers' ``tokenizer(text)`` prepends bos for this checkpoint."""
-        ...
 
     @property
     def add_eos_token(self) -> bool:
         """Whether transformers' ``tokenizer(text)`` appends eos for this checkpoint."""
-        ...
 
     @property
     def chat_template(self) -> str | None:
         """The checkpoint's Jinja chat template source, if it has one."""
-        ...
 
     @property
     def special_tokens(self) -> dict[str, str]:
         """The named special tokens that are set, e.g. ``{"bos_token": "<s>", ...}``."""
-        ...
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         """Text -> ids [T]; special-token strings in the text become their ids."""
-        ...
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         """Ids [T] -> text."""
-        ...
 
     def id_to_piece(self, token_id: int) -> str:
         """The vocabulary string of one id."""
-        ...
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary string, or None if it is not one."""
-        ...
 
     def save(self, directory: str | os.PathLike[str]) -> list[Path]:
         """Writes the files that ``load_tokenizer`` and ``AutoTokenizer`` reload it from."""
-        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +93,10 @@ class TokenizerConfig:
       special: The named special tokens that are set (``bos_token``, ``eos_token``, ...).
       extra_special: Further special strings (``additional_special_tokens`` /
         ``extra_special_tokens`` and special entries of ``added_tokens_decoder``), in order.
-      add_bos_token: The config's ``add_bos_token``, None when the config does not say.
-      add_eos_token: The config's ``add_eos_token``, None when the config does not say.
+      add_bos_token, add_eos_token: The config's settings, None when it does not say.
       chat_template: The default chat template source, if any.
-      named_templates: The checkpoint's other chat templates by name (``"tool_use"``, which
-        a conversation with tools is rendered with), from a list-form ``chat_template`` or
-        the ``additional_chat_templates/NAME.jinja`` files transformers writes.
+      named_templates: The other chat templates by name (``"tool_use"``: for a conversation
+        with tools).
       clean_up_tokenization_spaces: The config's decode clean-up switch.
       raw: The whole ``tokenizer_config.json`` as read (written back, updated, on save).
     """
@@ -149,32 +117,18 @@ class TokenizerConfig:
 
     @classmethod
     def read(cls, directory: str | os.PathLike[str]) -> TokenizerConfig:
-        """Reads the settings files of a checkpoint directory (all optional).
-
-        As transformers does: ``special_tokens_map.json`` overrides the config's named tokens
-        unless the config has ``added_tokens_decoder``; ``chat_template.jinja`` overrides the
-        config's ``chat_template``; a list of named templates yields the ``"default"`` one
-        and the others by name, as do ``additional_chat_templates/NAME.jinja`` files.
-
-        Args:
-          directory: The checkpoint (or tokenizer) directory.
-
-        Returns:
-          The settings; defaults where a file or key is absent.
-
-        Raises:
-          ValueError: If a settings file is not valid JSON (the message names the file).
-        """
+        """Reads the (optional) settings files of a checkpoint directory as transformers does:
+        ``special_tokens_map.json`` overrides the named tokens unless the config has
+        ``added_tokens_decoder``; ``chat_template.jinja`` overrides ``chat_template``; a list
+        of named templates gives the ``"default"`` one and the others by name, as do
+        ``additional_chat_templates/NAME.jinja`` files. ValueError names a file not JSON."""
         directory = Path(directory)
         raw = _read_json(directory / CONFIG_FILE)
         settings = dict(raw)
         if "added_tokens_decoder" not in raw:
             settings.update(_read_json(directory / SPECIAL_TOKENS_MAP_FILE))
-        special = {
-            key: _token_content(settings[key])
-            for key in NAMED_SPECIAL_TOKENS
-            if settings.get(key) is not None
-        }
+        special = {key: _token_content(settings[key]) for key in NAMED_SPECIAL_TOKENS
+                   if settings.get(key) is not None}
         extra: list[str] = []
         for key in ("additional_special_tokens", "extra_special_tokens"):
             value = settings.get(key) or []
@@ -208,15 +162,9 @@ class TokenizerConfig:
         )
 
     def to_json(self, **overrides: Any) -> dict[str, Any]:
-        """The ``tokenizer_config.json`` content: the raw config updated with these settings.
-
-        Args:
-          **overrides: Keys to set last (e.g. ``tokenizer_class``, ``add_bos_token``).
-
-        Returns:
-          A JSON-serialisable dict. Keys that transformers would resolve to other files
-          (``tokenizer_file``, ``vocab_file``, ``name_or_path``) are dropped.
-        """
+        """The ``tokenizer_config.json`` content: the raw config updated with these settings
+        and then ``overrides`` (e.g. ``tokenizer_class``); keys that transformers would resolve
+        to other files (``tokenizer_file``, ``vocab_file``, ``name_or_path``) are dropped."""
         dropped = ("tokenizer_file", "vocab_file", "name_or_path", "auto_map",
                    *NAMED_SPECIAL_TOKENS)  # the named ones: set from ``special`` below
         out = {k: v for k, v in self.raw.items() if k not in dropped}
@@ -238,10 +186,8 @@ class TokenizerConfig:
     def write(self, directory: Path, **overrides: Any) -> Path:
         """Writes ``to_json(**overrides)`` to ``directory/tokenizer_config.json``."""
         path = directory / CONFIG_FILE
-        path.write_text(
-            json.dumps(self.to_json(**overrides), indent=2, ensure_ascii=False) + "\n",
-            encoding="utf-8",
-        )
+        path.write_text(json.dumps(self.to_json(**overrides), indent=2, ensure_ascii=False)
+                        + "\n", encoding="utf-8")
         return path
 
 
@@ -260,29 +206,21 @@ def detokenize(tokenizer: Any, ids: list[int]) -> str:
 
 class TokenizerBackend:
     """What both backends share: ``encode`` and ``decode`` around a backend's own
-    ``_encode_ids`` (text without bos/eos -> ids) and ``_decode_ids`` (checked ids -> text),
-    ``pad_id`` and ``fingerprint``."""
+    ``_encode_ids`` (text -> ids, no bos/eos) and ``_decode_ids`` (checked ids -> text)."""
 
     path: Path | None
-    _own_pad_id: int  # the pad token's id, -1 if none
+    _config: TokenizerConfig | None
+    _bos: int  # each id -1 where the tokenizer has no such token
+    _eos: int
+    _unk: int
+    _own_pad_id: int
     #: What the backend calls a vocabulary entry, in its error messages.
     ENTRY = "token"
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """Encodes text; special-token strings in it become their ids.
-
-        Args:
-          text: Any string.
-          add_bos: Prepend ``bos_id``.
-          add_eos: Append ``eos_id``.
-
-        Returns:
-          Token ids [T], each in ``[0, V)``.
-
-        Raises:
-          TypeError: If ``text`` is not a str.
-          ValueError: If bos/eos is requested but the tokenizer has none.
-        """
+        """Text (TypeError if not a str) -> ids [T] in ``[0, V)``, with ``bos_id`` / ``eos_id``
+        added on request (ValueError if the tokenizer has none); special-token strings become
+        their ids."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
         ids = self._encode_ids(text)
@@ -293,11 +231,24 @@ class TokenizerBackend:
         return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
 
     @property
+    def bos_id(self) -> int:
+        """Beginning-of-sequence id (1 in trained SentencePiece models), -1 if there is none."""
+        return self._bos
+
+    @property
+    def eos_id(self) -> int:
+        """End-of-sequence id (2 in trained SentencePiece models), -1 if there is none."""
+        return self._eos
+
+    @property
+    def unk_id(self) -> int:
+        """Unknown-token id (0 in trained SentencePiece models), -1 if there is none."""
+        return self._unk
+
+    @property
     def pad_id(self) -> int:
-        """Id to pad with: the tokenizer's pad token (3 in trained SentencePiece models) if it
-        has one, else ``eos_id``, else ``unk_id``, else 0 (the Llama 2 tokenizer has no pad).
-        Padded positions must be masked out of the loss anyway, so reusing a real id is
-        harmless."""
+        """Id to pad with: the pad token (3 in trained SentencePiece models), else ``eos_id``,
+        else ``unk_id``, else 0 (the Llama 2 tokenizer has no pad)."""
         return next((i for i in (self._own_pad_id, self.eos_id, self.unk_id) if i >= 0), 0)
 
     @property
@@ -305,12 +256,18 @@ class TokenizerBackend:
         """SHA-256 hex digest of the serialised model and the special tokens it encodes."""
         return self._fingerprint
 
-    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
-        """Decodes ids [T] to text (as the backend's ``_decode_ids`` says).
+    @property
+    def config(self) -> TokenizerConfig | None:
+        """The checkpoint's tokenizer settings, or None for a bare SentencePiece model."""
+        return self._config
 
-        Raises:
-          ValueError: If ``ids`` is not 1-D integers or holds an id outside ``[0, V)``.
-        """
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's chat template source, if any."""
+        return None if self._config is None else self._config.chat_template
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        """Decodes ids [T] to text; ValueError unless they are 1-D integers in ``[0, V)``."""
         array = as_id_array(ids)
         if array.size == 0:
             return ""
@@ -363,15 +320,6 @@ def _optional_bool(value: Any) -> bool | None:
     return None if value is None else bool(value)
 
 
-__all__ = [
-    "CHAT_TEMPLATE_FILE",
-    "CHAT_TEMPLATES_DIR",
-    "CONFIG_FILE",
-    "NAMED_SPECIAL_TOKENS",
-    "SPECIAL_TOKENS_MAP_FILE",
-    "TextTokenizer",
-    "TokenizerBackend",
-    "TokenizerConfig",
-    "as_id_array",
-    "check_ids",
-]
+__all__ = ["CHAT_TEMPLATE_FILE", "CHAT_TEMPLATES_DIR", "CONFIG_FILE", "NAMED_SPECIAL_TOKENS",
+           "SPECIAL_TOKENS_MAP_FILE", "TextTokenizer", "TokenizerBackend", "TokenizerConfig",
+           "as_id_array", "check_ids"]

@@ -1,12 +1,10 @@
 """Chat templates: render a checkpoint's own Jinja template as transformers does.
 
-The environment matches transformers' ``apply_chat_template(..., tokenize=False)``: a sandboxed
-(immutable) Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
-extension, a ``{% generation %}`` block that renders its body, a ``tojson`` filter that does not
-escape HTML and keeps non-ASCII, and the globals ``raise_exception`` and ``strftime_now``. The
-template sees ``messages``, ``add_generation_prompt``, ``tools``/``documents`` (None unless
-given), the tokenizer's named special tokens (``bos_token``, ``eos_token``, ...) and any extra
-keyword arguments. Message keys whose value is None are dropped first, as transformers does.
+As ``apply_chat_template(..., tokenize=False)``: a sandboxed Jinja environment with
+``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, a ``{% generation %}`` block, a ``tojson``
+that keeps non-ASCII and HTML, and ``raise_exception`` / ``strftime_now``. The template sees
+``messages`` (keys whose value is None dropped), ``add_generation_prompt``, ``tools`` /
+``documents``, the named special tokens and any extra keyword arguments.
 """
 
 from __future__ import annotations
@@ -47,16 +45,10 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -65,16 +57,9 @@ def _strftime_now(fmt: str) -> str:
 
 @functools.lru_cache(maxsize=32)
 def compile_template(source: str) -> jinja2.Template:
-    """Compiles a chat template source (cached).
-
-    Raises:
-      ChatTemplateError: On a Jinja syntax error.
-    """
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
-    )
+    """Compiles a chat template source (cached); ChatTemplateError on a syntax error."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -84,16 +69,11 @@ def compile_template(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template does not compile: line {e.lineno}: {e}") from e
 
 
-def render_chat(
-    template: str,
-    messages: Sequence[Message],
-    *,
-    add_generation_prompt: bool = False,
-    special_tokens: Mapping[str, str] | None = None,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    documents: Sequence[Mapping[str, Any]] | None = None,
-    **kwargs: Any,
-) -> str:
+def render_chat(template: str, messages: Sequence[Message], *,
+                add_generation_prompt: bool = False,
+                special_tokens: Mapping[str, str] | None = None,
+                tools: Sequence[Mapping[str, Any]] | None = None,
+                documents: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
     """Renders a conversation with a chat template, as ``apply_chat_template(tokenize=False)``.
 
     Args:
@@ -101,8 +81,7 @@ def render_chat(
       messages: The conversation: dicts with at least ``role`` and ``content``.
       add_generation_prompt: Append the header that opens an assistant turn.
       special_tokens: Named special tokens (``{"bos_token": "<s>", ...}``) the template sees.
-      tools: Tool JSON schemas, for templates that use them.
-      documents: Documents (dicts), for templates that use them.
+      tools, documents: Tool JSON schemas and documents, for templates that use them.
       **kwargs: Further template variables; they override special tokens of the same name.
 
     Returns:
@@ -110,7 +89,7 @@ def render_chat(
 
     Raises:
       ChatTemplateError: If the template does not compile, calls ``raise_exception``, or fails
-        while rendering; the message says why.
+        while rendering.
       TypeError: If a message is not a mapping.
     """
     if not messages:
@@ -123,13 +102,9 @@ def render_chat(
     variables = {**(special_tokens or {}), **kwargs}
     compiled = compile_template(template)
     try:
-        return compiled.render(
-            messages=chat,
-            tools=None if tools is None else list(tools),
-            documents=None if documents is None else list(documents),
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
+        return compiled.render(messages=chat, tools=None if tools is None else list(tools),
+                               documents=None if documents is None else list(documents),
+                               add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"chat template failed: {e}") from e
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
@@ -138,9 +113,8 @@ def render_chat(
 
 def template_source(tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None
                     ) -> str | None:
-    """The template a conversation is rendered with, as transformers picks it: a
-    checkpoint's ``"tool_use"`` template when ``tools`` are given (not None) and it has one,
-    its default template otherwise (None if it has none)."""
+    """The template a conversation is rendered with, as transformers picks it: with ``tools``
+    (not None) the ``"tool_use"`` one where there is one, else the default (None if none)."""
     if tools is not None:
         config = getattr(tokenizer, "config", None)  # a TokenizerConfig, or None
         named = getattr(config, "named_templates", None) or {}
@@ -150,12 +124,7 @@ def template_source(tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = 
 
 
 class ChatTemplate:
-    """A tokenizer's chat template bound to its special tokens.
-
-    Attributes:
-      source: The Jinja template source.
-      special_tokens: The named special tokens the template sees.
-    """
+    """A tokenizer's chat template (``source``) bound to the named ``special_tokens`` it sees."""
 
     def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None):
         self.source = source
@@ -165,31 +134,19 @@ class ChatTemplate:
     @classmethod
     def of(cls, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None
            ) -> ChatTemplate:
-        """The chat template of a tokenizer (``TextTokenizer``): with ``tools``, its
-        ``"tool_use"`` template when it has one (``template_source``).
-
-        Raises:
-          ValueError: If the tokenizer has no chat template.
-        """
+        """The chat template of a tokenizer (with ``tools``, its ``"tool_use"`` one when it has
+        one: ``template_source``); ValueError if it has none."""
         source = template_source(tokenizer, tools)
         if not source:
-            raise ValueError(
-                f"tokenizer {tokenizer!r} has no chat template (no chat_template.jinja or "
-                "chat_template in tokenizer_config.json)"
-            )
+            raise ValueError(f"tokenizer {tokenizer!r} has no chat template (no "
+                             "chat_template.jinja or chat_template in tokenizer_config.json)")
         return cls(source, getattr(tokenizer, "special_tokens", {}))
 
-    def render(
-        self, messages: Sequence[Message], add_generation_prompt: bool = False, **kwargs: Any
-    ) -> str:
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = False,
+               **kwargs: Any) -> str:
         """``render_chat`` with this template and its special tokens."""
-        return render_chat(
-            self.source,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            special_tokens=self.special_tokens,
-            **kwargs,
-        )
+        return render_chat(self.source, messages, add_generation_prompt=add_generation_prompt,
+                           special_tokens=self.special_tokens, **kwargs)
 
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "Message", "compile_template", "render_chat",

@@ -1,10 +1,6 @@
-"""Tokenizers of checkpoints that ship a HuggingFace ``tokenizer.json`` (Llama 3, Qwen2, Mistral).
-
-The ``tokenizers`` library runs the model file itself; this module applies the checkpoint's
-``tokenizer_config.json`` on top the way transformers' fast tokenizers do: special tokens named in
-the config that the file lacks are added as special tokens; ``encode`` matches
-``tokenizer.encode(text, add_special_tokens=False)`` (special-token strings in the text become
-their ids) and ``decode`` matches ``tokenizer.decode(ids)`` (special tokens kept).
+"""Tokenizers of checkpoints that ship a HuggingFace ``tokenizer.json`` (Llama 3, Qwen2, Mistral),
+with ``tokenizer_config.json`` applied as transformers' fast tokenizers do: ``encode`` matches
+``tokenizer.encode(text, add_special_tokens=False)``, ``decode`` ``tokenizer.decode(ids)``.
 """
 
 from __future__ import annotations
@@ -29,25 +25,13 @@ DEFAULT_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 
 class HFTokenizer(TokenizerBackend):
-    """A ``tokenizers.Tokenizer`` with the checkpoint's special tokens and settings.
+    """A ``tokenizers.Tokenizer`` with the checkpoint's special tokens and settings; ``path``
+    is the ``tokenizer.json`` it was loaded from, or None."""
 
-    Attributes:
-      path: The ``tokenizer.json`` it was loaded from, or None.
-    """
-
-    def __init__(
-        self,
-        backend: tokenizers.Tokenizer,
-        config: TokenizerConfig | None = None,
-        path: Path | None = None,
-    ):
-        """Wraps a loaded ``tokenizers.Tokenizer`` (copied; the argument is not modified).
-
-        Args:
-          backend: The tokenizer model, e.g. ``tokenizers.Tokenizer.from_file(...)``.
-          config: The checkpoint's settings; None for none (no named special tokens).
-          path: Where ``tokenizer.json`` lives, if anywhere.
-        """
+    def __init__(self, backend: tokenizers.Tokenizer, config: TokenizerConfig | None = None,
+                 path: Path | None = None):
+        """Wraps a copy of a loaded ``tokenizers.Tokenizer`` with the checkpoint's settings
+        (None: no named special tokens) and where its ``tokenizer.json`` lives."""
         self._tok = tokenizers.Tokenizer.from_str(backend.to_str())
         self._tok.no_truncation()
         self._tok.no_padding()
@@ -59,11 +43,10 @@ class HFTokenizer(TokenizerBackend):
             # transformers adds every named/extra special token that is not an added token yet.
             self._tok.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in missing])
             logger.info("added special tokens %s to %s", missing, path or "tokenizer")
-        ids = {name: self.token_to_id(token) for name, token in self._config.special.items()}
-        self._bos = ids.get("bos_token")
-        self._eos = ids.get("eos_token")
-        self._unk = ids.get("unk_token")
-        self._own_pad_id = -1 if ids.get("pad_token") is None else ids["pad_token"]
+        ids = {name: i for name, token in self._config.special.items()
+               if (i := self.token_to_id(token)) is not None}
+        self._bos, self._eos, self._unk, self._own_pad_id = (
+            ids.get(f"{name}_token", -1) for name in ("bos", "eos", "unk", "pad"))
         self._add_bos, self._add_eos = self._default_bos_eos()
         serialised = self._tok.to_str()
         self._model_type = json.loads(serialised)["model"].get("type")
@@ -71,25 +54,12 @@ class HFTokenizer(TokenizerBackend):
         digest.update(json.dumps(self._config.special, sort_keys=True).encode())
         self._fingerprint = digest.hexdigest()
 
-    # ----------------------------------------------------------------------------- construction
-
     @classmethod
-    def load(
-        cls, path: str | os.PathLike[str], *, config: TokenizerConfig | None = None
-    ) -> HFTokenizer:
-        """Loads ``tokenizer.json`` and, unless ``config`` is given, its directory's settings.
-
-        Args:
-          path: A ``tokenizer.json`` file or a directory holding one.
-          config: Settings to use instead of reading ``tokenizer_config.json`` beside it.
-
-        Returns:
-          The tokenizer.
-
-        Raises:
-          FileNotFoundError: If there is no such file.
-          ValueError: If the file is not a valid ``tokenizers`` model.
-        """
+    def load(cls, path: str | os.PathLike[str], *, config: TokenizerConfig | None = None
+             ) -> HFTokenizer:
+        """Loads ``tokenizer.json`` (``path``: the file or a directory holding one) and, unless
+        ``config`` is given, the ``tokenizer_config.json`` beside it; ValueError if the file
+        is not a valid ``tokenizers`` model."""
         file = Path(path)
         if file.is_dir():
             file = file / TOKENIZER_FILE
@@ -103,37 +73,15 @@ class HFTokenizer(TokenizerBackend):
             config = TokenizerConfig.read(file.parent)
         return cls(backend, config, file)
 
-    # ------------------------------------------------------------------------------- properties
-
     @property
     def backend(self) -> tokenizers.Tokenizer:
         """The wrapped ``tokenizers.Tokenizer`` (with the added special tokens)."""
         return self._tok
 
     @property
-    def config(self) -> TokenizerConfig:
-        """The checkpoint settings."""
-        return self._config
-
-    @property
     def vocab_size(self) -> int:
         """Number of ids V, added tokens included (transformers' ``len(tokenizer)``)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def bos_id(self) -> int:
-        """Id of ``bos_token``; -1 if the config names none (e.g. Qwen2)."""
-        return -1 if self._bos is None else self._bos
-
-    @property
-    def eos_id(self) -> int:
-        """Id of ``eos_token``; -1 if the config names none."""
-        return -1 if self._eos is None else self._eos
-
-    @property
-    def unk_id(self) -> int:
-        """Id of ``unk_token``; -1 if the config names none."""
-        return -1 if self._unk is None else self._unk
 
     @property
     def add_bos_token(self) -> bool:
@@ -145,11 +93,6 @@ class HFTokenizer(TokenizerBackend):
     def add_eos_token(self) -> bool:
         """As ``add_bos_token``, for eos at the end."""
         return self._add_eos
-
-    @property
-    def chat_template(self) -> str | None:
-        """The checkpoint's chat template source, if any."""
-        return self._config.chat_template
 
     @property
     def special_tokens(self) -> dict[str, str]:
@@ -169,8 +112,6 @@ class HFTokenizer(TokenizerBackend):
         token_id = self._tok.token_to_id(token)
         return None if token_id is None else int(token_id)
 
-    # --------------------------------------------------------------------------- encode/decode
-
     def _encode_ids(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids if text else []
 
@@ -182,18 +123,10 @@ class HFTokenizer(TokenizerBackend):
             text = _clean_up_tokenization(text)
         return text
 
-    # ------------------------------------------------------------------------------------- save
-
     def save(self, directory: str | os.PathLike[str]) -> list[Path]:
         """Writes ``tokenizer.json`` and ``tokenizer_config.json`` (special tokens, bos/eos
-        switches, chat template), which ``load_tokenizer`` and ``AutoTokenizer`` both load.
-
-        Args:
-          directory: Where to write (created if missing).
-
-        Returns:
-          The written files.
-        """
+        switches, chat template) into ``directory`` (created), which ``load_tokenizer`` and
+        ``AutoTokenizer`` both load; returns the written files."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         file = directory / TOKENIZER_FILE
@@ -210,44 +143,26 @@ class HFTokenizer(TokenizerBackend):
             overrides["add_eos_token"] = self._add_eos
         return [file, self._config.write(directory, **overrides)]
 
-    # -------------------------------------------------------------------------------- internals
-
     def _default_bos_eos(self) -> tuple[bool, bool]:
-        """What transformers adds around ``tokenizer(text)`` for this checkpoint.
-
-        An explicit ``add_bos_token``/``add_eos_token`` in the config makes transformers rebuild
-        the post-processor from them; otherwise ``tokenizer.json``'s post-processor decides, so
-        probe it on a sample text.
-        """
+        """What transformers adds around ``tokenizer(text)``: the config's ``add_bos_token`` /
+        ``add_eos_token`` when it sets one, else what ``tokenizer.json``'s post-processor does
+        to a sample text."""
         config = self._config
         if config.add_bos_token is not None or config.add_eos_token is not None:
-            return (
-                bool(config.add_bos_token) and self._bos is not None,
-                bool(config.add_eos_token) and self._eos is not None,
-            )
+            return (bool(config.add_bos_token) and self._bos >= 0,
+                    bool(config.add_eos_token) and self._eos >= 0)
         plain = self._tok.encode("a", add_special_tokens=False).ids
         full = self._tok.encode("a", add_special_tokens=True).ids
         extra = len(full) - len(plain)
-        add_bos = extra > 0 and self._bos is not None and full[0] == self._bos
-        add_eos = extra - int(add_bos) > 0 and self._eos is not None and full[-1] == self._eos
+        add_bos = extra > 0 and self._bos >= 0 and full[0] == self._bos
+        add_eos = extra - int(add_bos) > 0 and self._eos >= 0 and full[-1] == self._eos
         return add_bos, add_eos
 
 
 def _clean_up_tokenization(text: str) -> str:
     """Drops the space before punctuation and contractions (transformers' decode clean-up)."""
-    for spaced, joined in (
-        (" .", "."),
-        (" ?", "?"),
-        (" !", "!"),
-        (" ,", ","),
-        (" ' ", "'"),
-        (" n't", "n't"),
-        (" 'm", "'m"),
-        (" 's", "'s"),
-        (" 've", "'ve"),
-        (" 're", "'re"),
-    ):
-        text = text.replace(spaced, joined)
+    for spaced in (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're"):
+        text = text.replace(spaced, spaced.strip())
     return text
 
 

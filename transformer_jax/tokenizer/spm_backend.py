@@ -1,20 +1,9 @@
 """SentencePiece tokenizer: load an existing model (e.g. Llama 2's) or train one on a corpus.
 
-Trained models use identity normalization, keep every space (no whitespace collapsing, no dummy
-prefix) and, for ``"bpe"`` and ``"unigram"``, fall back to UTF-8 byte pieces for characters
-outside the vocabulary, so ``decode(encode(text)) == text`` for any text, including newlines, tabs,
-code indentation and characters never seen in training. ``"char"`` models have one piece per
-character of their training corpus and round-trip exactly any text made of those characters.
-
-Trained models reserve ids ``unk=0, bos=1, eos=2, pad=3``. The training itself (corpus ->
-trainer sentences -> model bytes, and the cache key of ``train_or_load``) is in ``spm_train``;
-``Tokenizer.train``/``train_or_load`` write its model and wrap it.
-
-A tokenizer built with a ``TokenizerConfig`` (as ``load_tokenizer`` does for a checkpoint
-directory) also encodes the config's special-token strings found in text (``<s>``, ``</s>``, ...)
-to their ids, as transformers does; without one (``Tokenizer.load``/``train``) every string is
-plain text. The split assumes a model without a dummy prefix or with ``legacy=False``-style
-handling of the text after a special token.
+Trained models (``spm_train``) round-trip any text exactly (``"char"`` ones: any text of their
+corpus's characters) and reserve ids ``unk=0, bos=1, eos=2, pad=3``. With a ``TokenizerConfig``
+(as ``load_tokenizer`` builds it) the config's special-token strings in text become their ids,
+as transformers does (``legacy=False``); without one every string is plain text.
 """
 
 from __future__ import annotations
@@ -54,37 +43,19 @@ DEFAULT_MODEL_FILENAME = "tokenizer.model"
 
 
 class Tokenizer(TokenizerBackend):
-    """A SentencePiece model with exact-round-trip encode/decode and a fixed id layout.
-
-    Build one with ``Tokenizer.load``, ``Tokenizer.train`` or ``Tokenizer.train_or_load``.
-
-    Attributes:
-      path: The ``.model`` file this tokenizer was loaded from or written to, or None.
-    """
+    """A SentencePiece model with exact-round-trip encode/decode and a fixed id layout, from
+    ``load``, ``train`` or ``train_or_load``; ``path`` is its ``.model`` file, or None."""
 
     ENTRY = "piece"
 
-    def __init__(
-        self,
-        processor: spm.SentencePieceProcessor,
-        path: Path | None = None,
-        *,
-        config: TokenizerConfig | None = None,
-    ):
-        """Wraps an already loaded processor.
-
-        Args:
-          processor: A loaded ``sentencepiece.SentencePieceProcessor`` with at least one piece.
-          path: Where the model file lives, if anywhere.
-          config: The checkpoint's tokenizer settings (special tokens, add_bos_token, chat
-            template); None for a bare model, whose text never holds special tokens.
-
-        Raises:
-          ValueError: If the processor holds an empty model.
-        """
+    def __init__(self, processor: spm.SentencePieceProcessor, path: Path | None = None, *,
+                 config: TokenizerConfig | None = None):
+        """Wraps a loaded, non-empty processor (from the model file at ``path``, if any) with
+        the checkpoint's settings (None: a bare model, whose text holds no special tokens)."""
         if processor.get_piece_size() <= 0:
             raise ValueError(f"SentencePiece model {path or '<in memory>'} has no pieces")
         self._sp = processor
+        self._bos, self._eos, self._unk = processor.bos_id(), processor.eos_id(), processor.unk_id()
         self._own_pad_id = processor.pad_id()
         self.path = path
         self._config = config
@@ -101,26 +72,12 @@ class Tokenizer(TokenizerBackend):
         self._fingerprint = digest.hexdigest()
         self._marker_byte_ids = self._space_marker_byte_ids()
 
-
     @classmethod
-    def load(
-        cls, path: str | os.PathLike[str], *, config: TokenizerConfig | None = None
-    ) -> Tokenizer:
-        """Loads a SentencePiece ``.model`` file (e.g. the Llama 2 tokenizer).
-
-        ``load_tokenizer`` also reads the directory's ``tokenizer_config.json``; this does not.
-
-        Args:
-          path: The ``.model`` file, or a directory holding ``tokenizer.model``.
-          config: Tokenizer settings to attach (see ``__init__``).
-
-        Returns:
-          The loaded tokenizer.
-
-        Raises:
-          FileNotFoundError: If the file does not exist.
-          ValueError: If the file is not a valid SentencePiece model.
-        """
+    def load(cls, path: str | os.PathLike[str], *, config: TokenizerConfig | None = None
+             ) -> Tokenizer:
+        """Loads a SentencePiece ``.model`` file (or a directory's ``tokenizer.model``) with the
+        ``config`` given (unlike ``load_tokenizer``, this reads no ``tokenizer_config.json``);
+        ValueError if it is not a valid SentencePiece model."""
         model_path = Path(path)
         if model_path.is_dir():
             model_path = model_path / DEFAULT_MODEL_FILENAME
@@ -135,76 +92,44 @@ class Tokenizer(TokenizerBackend):
         return cls(processor, model_path, config=config)
 
     @classmethod
-    def train(
-        cls,
-        source: Source,
-        output: str | os.PathLike[str],
-        vocab_size: int,
-        model_type: ModelType = "bpe",
-        *,
-        byte_fallback: bool | None = None,
-        character_coverage: float | None = None,
-        num_threads: int | None = None,
-        **trainer_options: Any,
-    ) -> Tokenizer:
-        """Trains a SentencePiece model on a corpus and writes it to disk atomically.
+    def train(cls, source: Source, output: str | os.PathLike[str], vocab_size: int,
+              model_type: ModelType = "bpe", *, byte_fallback: bool | None = None,
+              character_coverage: float | None = None, num_threads: int | None = None,
+              **trainer_options: Any) -> Tokenizer:
+        """Trains a SentencePiece model on a corpus and writes it to disk atomically; the
+        tokenizer's ``path`` is the written file.
 
         Args:
-          source: The corpus: ``pathlib.Path`` objects (or any ``os.PathLike``) of UTF-8 text
-            files, one document each, or plain ``str`` documents. A single path is one file.
-            Plain strings are always text, never file names.
-          output: Where to write the model: a path ending in ``.model``; an existing directory
-            (the model goes to ``<dir>/tokenizer.model``); or a prefix (``<prefix>.model``).
-          vocab_size: Target number of pieces, specials and byte pieces included. SentencePiece
-            may produce fewer on a small corpus; ``Tokenizer.vocab_size`` is the real size. For
-            ``"char"`` every character of the corpus gets a piece and this value is ignored.
+          source: The corpus: paths (``os.PathLike``; a single one is one file) of UTF-8 text
+            files, one document each, or ``str`` documents (always text, never file names).
+          output: A path ending in ``.model``; an existing directory (``<dir>/tokenizer.model``);
+            or a prefix (``<prefix>.model``).
+          vocab_size: Target number of pieces, specials and byte pieces included (a small
+            corpus may give fewer; ``"char"`` ignores it: every corpus character gets a piece).
           model_type: ``"bpe"``, ``"unigram"`` or ``"char"``.
           byte_fallback: Encode out-of-vocabulary characters as UTF-8 byte pieces (256 extra
-            pieces). Defaults to True for ``"bpe"``/``"unigram"``; not supported for ``"char"``.
-          character_coverage: Fraction of corpus characters that get their own piece. Defaults
-            to 1.0 for ``"char"`` and 0.9995 otherwise (rarer characters use byte pieces).
-          num_threads: Trainer threads; defaults to the number of CPUs (at most 16).
+            pieces); default True, but for ``"char"``, which does not support it.
+          character_coverage: Fraction of corpus characters with a piece of their own; default
+            1.0 for ``"char"``, else 0.9995.
+          num_threads: Trainer threads; default the number of CPUs (at most 16).
           **trainer_options: Further ``SentencePieceTrainer`` options (e.g.
-            ``input_sentence_size``, ``max_sentencepiece_length``); they override the defaults
-            here, except the id layout and I/O options, which are fixed.
-
-        Returns:
-          The trained tokenizer, with ``path`` set to the written model file.
+            ``input_sentence_size``); not the id layout and I/O options, which are fixed.
 
         Raises:
           ValueError: On an unknown ``model_type``, a too small ``vocab_size``, an empty corpus,
             a reserved trainer option, or a trainer failure.
           FileNotFoundError: If a corpus file does not exist.
         """
-        files, texts = split_source(source)
-        return cls._train(files, texts, output, vocab_size, model_type,
+        return cls._train(*split_source(source), output, vocab_size, model_type,
                           byte_fallback=byte_fallback, character_coverage=character_coverage,
                           num_threads=num_threads, **trainer_options)
 
     @classmethod
-    def train_or_load(
-        cls,
-        source: Source,
-        cache_dir: str | os.PathLike[str],
-        vocab_size: int,
-        model_type: ModelType = "bpe",
-        **options: Any,
-    ) -> Tokenizer:
-        """Loads a cached tokenizer for this corpus and settings, training it on a cache miss.
-
-        The cache key hashes the corpus contents (in order), ``vocab_size``, ``model_type``,
-        the training options (except ``num_threads``) and a recipe version, so a change to any
-        of them trains anew.
-
-        Args:
-          source: The corpus, as for ``Tokenizer.train``.
-          cache_dir: Directory holding cached models (created if missing).
-          vocab_size, model_type, **options: As for ``Tokenizer.train`` (``byte_fallback``,
-            ``character_coverage``, ``num_threads`` and trainer options).
-
-        Returns:
-          The cached or freshly trained tokenizer; its ``path`` is the cached model file.
-        """
+    def train_or_load(cls, source: Source, cache_dir: str | os.PathLike[str], vocab_size: int,
+                      model_type: ModelType = "bpe", **options: Any) -> Tokenizer:
+        """``Tokenizer.train`` (same arguments) into ``cache_dir``, or the model cached there
+        for the same corpus contents, ``vocab_size``, ``model_type`` and options (all but
+        ``num_threads``; ``spm_train.cached_model_path``); its ``path`` is the cached file."""
         files, texts = split_source(source)
         if model_type not in MODEL_TYPES:
             raise ValueError(f"unknown model_type {model_type!r}; expected one of {MODEL_TYPES}")
@@ -238,26 +163,10 @@ class Tokenizer(TokenizerBackend):
                     model_path)
         return tokenizer
 
-
     @property
     def vocab_size(self) -> int:
         """Number of pieces V; every id is in ``[0, V)``."""
         return self._sp.get_piece_size()
-
-    @property
-    def unk_id(self) -> int:
-        """Id of the unknown piece (0 in trained models)."""
-        return self._sp.unk_id()
-
-    @property
-    def bos_id(self) -> int:
-        """Id of the beginning-of-sequence piece (1 in trained models; -1 if the model has none)."""
-        return self._sp.bos_id()
-
-    @property
-    def eos_id(self) -> int:
-        """Id of the end-of-sequence piece (2 in trained models; -1 if the model has none)."""
-        return self._sp.eos_id()
 
     @property
     def processor(self) -> spm.SentencePieceProcessor:
@@ -276,16 +185,6 @@ class Tokenizer(TokenizerBackend):
         """Whether transformers appends eos: the config's ``add_eos_token``, else False."""
         setting = None if self._config is None else self._config.add_eos_token
         return bool(setting) and self.eos_id >= 0
-
-    @property
-    def chat_template(self) -> str | None:
-        """The chat template of the attached config, if any."""
-        return None if self._config is None else self._config.chat_template
-
-    @property
-    def config(self) -> TokenizerConfig | None:
-        """The attached checkpoint settings, or None for a bare model."""
-        return self._config
 
     @property
     def special_tokens(self) -> dict[str, str]:
@@ -310,17 +209,9 @@ class Tokenizer(TokenizerBackend):
         return int(token_id)
 
     def save(self, directory: str | os.PathLike[str]) -> list[Path]:
-        """Writes ``tokenizer.model`` and a ``tokenizer_config.json`` for ``LlamaTokenizer``.
-
-        ``load_tokenizer(directory)`` and transformers' ``AutoTokenizer.from_pretrained``
-        both load the result with the same ids for any text.
-
-        Args:
-          directory: Where to write (created if missing).
-
-        Returns:
-          The written files.
-        """
+        """Writes ``tokenizer.model`` and a ``tokenizer_config.json`` for ``LlamaTokenizer``
+        into ``directory`` (created); returns the written files. ``load_tokenizer`` and
+        ``AutoTokenizer.from_pretrained`` both load them with the same ids for any text."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         model_path = directory / DEFAULT_MODEL_FILENAME
@@ -328,17 +219,12 @@ class Tokenizer(TokenizerBackend):
             f.write(self._sp.serialized_model_proto())
         config = self._config or TokenizerConfig()
         config = dataclasses.replace(config, special=self.special_tokens)
-        config_path = config.write(
-            directory,
-            tokenizer_class="LlamaTokenizer",
-            add_bos_token=self.add_bos_token,
-            add_eos_token=self.add_eos_token,
-            # The text after a special token gets no dummy prefix, as encode does.
-            legacy=False,
-            add_prefix_space=self._has_dummy_prefix(),
-        )
+        # legacy=False: the text after a special token gets no dummy prefix, as encode does.
+        config_path = config.write(directory, tokenizer_class="LlamaTokenizer",
+                                   add_bos_token=self.add_bos_token,
+                                   add_eos_token=self.add_eos_token, legacy=False,
+                                   add_prefix_space=self._has_dummy_prefix())
         return [model_path, config_path]
-
 
     def _encode_ids(self, text: str) -> list[int]:
         """Encodes text, the config's special-token strings in it to their ids."""
@@ -383,13 +269,8 @@ class Tokenizer(TokenizerBackend):
         return ids
 
 
-def train_or_load(
-    source: Source,
-    cache_dir: str | os.PathLike[str],
-    vocab_size: int,
-    model_type: ModelType = "bpe",
-    **train_options: Any,
-) -> Tokenizer:
+def train_or_load(source: Source, cache_dir: str | os.PathLike[str], vocab_size: int,
+                  model_type: ModelType = "bpe", **train_options: Any) -> Tokenizer:
     """Module-level alias of ``Tokenizer.train_or_load`` (same arguments and result)."""
     return Tokenizer.train_or_load(source, cache_dir, vocab_size, model_type, **train_options)
 

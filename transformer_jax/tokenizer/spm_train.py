@@ -1,11 +1,6 @@
-"""Training a SentencePiece model on a corpus: corpus -> trainer sentences -> model bytes.
-
-``train_model`` runs the SentencePiece trainer with the options that give this project's models
-their guarantees (identity normalization, every space kept, UTF-8 byte fallback, ids
-``unk=0, bos=1, eos=2, pad=3``; see ``spm_backend``) and returns the serialized model;
-``cached_model_path`` is the cache key of ``Tokenizer.train_or_load``. ``Tokenizer.train`` and
-``Tokenizer.train_or_load`` (``spm_backend``) write the model and wrap it.
-"""
+"""Training a SentencePiece model on a corpus: corpus -> trainer sentences -> model bytes, with
+identity normalization, every space kept, UTF-8 byte fallback and ids ``unk=0, bos=1, eos=2,
+pad=3``; ``cached_model_path`` is ``Tokenizer.train_or_load``'s cache key."""
 
 from __future__ import annotations
 
@@ -47,48 +42,19 @@ _MAX_SENTENCE_CHARS = 1024
 _SEGMENT_RE = re.compile(r"[\r\n]*[^\r\n]+|[\r\n]+")
 
 # Trainer options that this module must control for the id layout and I/O to be right.
-_RESERVED_TRAINER_OPTIONS = frozenset(
-    {
-        "input",
-        "model_prefix",
-        "model_writer",
-        "sentence_iterator",
-        "sentence_reader",
-        "model_type",
-        "vocab_size",
-        "unk_id",
-        "bos_id",
-        "eos_id",
-        "pad_id",
-    }
-)
+_RESERVED_TRAINER_OPTIONS = frozenset({"input", "model_prefix", "model_writer",
+                                       "sentence_iterator", "sentence_reader", "model_type",
+                                       "vocab_size", "unk_id", "bos_id", "eos_id", "pad_id"})
 
 Source = os.PathLike[str] | Iterable[str] | Iterable[os.PathLike[str]]
 
 
-def train_model(
-    files: list[Path] | None,
-    texts: list[str] | None,
-    vocab_size: int,
-    model_type: str,
-    /,
-    *,
-    byte_fallback: bool | None = None,
-    character_coverage: float | None = None,
-    num_threads: int | None = None,
-    **trainer_options: Any,
-) -> bytes:
-    """Trains a SentencePiece model on a corpus.
-
-    Args:
-      files: The corpus files (UTF-8, one document each), or None if ``texts`` is given.
-      texts: The corpus documents, or None if ``files`` is given (see ``split_source``).
-      vocab_size, model_type, byte_fallback, character_coverage, num_threads: As for
-        ``Tokenizer.train``.
-      **trainer_options: Further ``SentencePieceTrainer`` options; not the reserved ones.
-
-    Returns:
-      The serialized model (the bytes of a ``.model`` file).
+def train_model(files: list[Path] | None, texts: list[str] | None, vocab_size: int,
+                model_type: str, /, *, byte_fallback: bool | None = None,
+                character_coverage: float | None = None, num_threads: int | None = None,
+                **trainer_options: Any) -> bytes:
+    """The bytes of a ``.model`` file trained on ``files`` (UTF-8, one document each) or
+    ``texts`` (one of them None, as ``split_source`` gives); the rest as ``Tokenizer.train``.
 
     Raises:
       ValueError: On an unknown ``model_type``, a too small ``vocab_size``, an empty corpus,
@@ -110,32 +76,21 @@ def train_model(
         raise ValueError(f"vocab_size must be an int, got {vocab_size!r}")
     min_size = _NUM_SPECIAL + 1 + (_NUM_BYTE_PIECES if byte_fallback else 0)
     if not is_char and vocab_size < min_size:
-        raise ValueError(
-            f"vocab_size={vocab_size} is too small for model_type={model_type!r} with "
-            f"byte_fallback={byte_fallback}: need at least {min_size}"
-        )
+        raise ValueError(f"vocab_size={vocab_size} is too small for model_type={model_type!r} "
+                         f"with byte_fallback={byte_fallback}: need at least {min_size}")
 
     def documents() -> Iterator[str]:
         return map(read_utf8, files) if files is not None else iter(texts or ())
 
     options: dict[str, Any] = {
-        "model_type": model_type,
-        "vocab_size": vocab_size,
-        "unk_id": UNK_ID,
-        "bos_id": BOS_ID,
-        "eos_id": EOS_ID,
-        "pad_id": PAD_ID,
-        "byte_fallback": byte_fallback,
-        "character_coverage": character_coverage,
-        "normalization_rule_name": "identity",
-        "remove_extra_whitespaces": False,
-        "add_dummy_prefix": False,
-        "allow_whitespace_only_pieces": True,
-        "split_digits": True,
+        "model_type": model_type, "vocab_size": vocab_size, "unk_id": UNK_ID, "bos_id": BOS_ID,
+        "eos_id": EOS_ID, "pad_id": PAD_ID, "byte_fallback": byte_fallback,
+        "character_coverage": character_coverage, "normalization_rule_name": "identity",
+        "remove_extra_whitespaces": False, "add_dummy_prefix": False,
+        "allow_whitespace_only_pieces": True, "split_digits": True,
         # A small corpus may not support the requested size; a smaller vocab beats an error.
         "hard_vocab_limit": False,
-        "num_threads": num_threads or min(16, os.cpu_count() or 1),
-        "minloglevel": 1,
+        "num_threads": num_threads or min(16, os.cpu_count() or 1), "minloglevel": 1,
     }
     if is_char:
         chars: set[str] = set()
@@ -143,11 +98,8 @@ def train_model(
             chars.update(doc)
         unrepresentable = chars & {"\x00", SPACE_MARKER}
         if unrepresentable:
-            logger.warning(
-                "char tokenizer cannot represent %s in the corpus: NUL becomes unk and "
-                "U+2581 decodes as a space",
-                sorted(unrepresentable),
-            )
+            logger.warning("char tokenizer cannot represent %s in the corpus: NUL becomes unk "
+                           "and U+2581 decodes as a space", sorted(unrepresentable))
         # Sentences lose trailing newlines in the trainer, so force every corpus character
         # into the vocabulary; the space is stored as the marker.
         chars -= {" ", "\x00", SPACE_MARKER}
@@ -161,58 +113,32 @@ def train_model(
         raise ValueError("cannot train a tokenizer on an empty corpus (no non-empty text)")
     model = io.BytesIO()
     try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=itertools.chain([first], sentences), model_writer=model, **options
-        )
+        spm.SentencePieceTrainer.train(sentence_iterator=itertools.chain([first], sentences),
+                                       model_writer=model, **options)
     except RuntimeError as e:
-        raise ValueError(
-            f"SentencePiece training failed (model_type={model_type!r}, "
-            f"vocab_size={vocab_size}): {e}"
-        ) from e
+        raise ValueError(f"SentencePiece training failed (model_type={model_type!r}, "
+                         f"vocab_size={vocab_size}): {e}") from e
     return model.getvalue()
 
 
-def cached_model_path(
-    cache_dir: str | os.PathLike[str],
-    files: list[Path] | None,
-    texts: list[str] | None,
-    vocab_size: int,
-    model_type: str,
-    options: dict[str, Any],
-) -> Path:
-    """Where ``Tokenizer.train_or_load`` caches the model of this corpus and these settings.
-
-    The key hashes the corpus contents (in order), ``vocab_size``, ``model_type``, the
-    training ``options`` (except ``num_threads``, which the caller leaves out) and a recipe
-    version, so a change to any of them names another file.
-    """
-    payload = json.dumps(
-        {
-            "recipe": _TRAIN_RECIPE_VERSION,
-            "corpus": _corpus_fingerprint(files, texts),
-            "vocab_size": vocab_size,
-            "model_type": model_type,
-            "options": {k: repr(v) for k, v in sorted(options.items())},
-        },
-        sort_keys=True,
-    )
+def cached_model_path(cache_dir: str | os.PathLike[str], files: list[Path] | None,
+                      texts: list[str] | None, vocab_size: int, model_type: str,
+                      options: dict[str, Any]) -> Path:
+    """Where ``Tokenizer.train_or_load`` caches the model of this corpus and these settings:
+    a hash of the corpus contents (in order), ``vocab_size``, ``model_type``, the training
+    ``options`` (less ``num_threads``) and a recipe version names the file."""
+    payload = json.dumps({"recipe": _TRAIN_RECIPE_VERSION,
+                          "corpus": _corpus_fingerprint(files, texts), "vocab_size": vocab_size,
+                          "model_type": model_type,
+                          "options": {k: repr(v) for k, v in sorted(options.items())}},
+                         sort_keys=True)
     key = hashlib.sha256(payload.encode()).hexdigest()[:16]
     return Path(cache_dir) / f"tokenizer-{model_type}-{vocab_size}-{key}.model"
 
 
 def read_utf8(path: str | os.PathLike[str]) -> str:
-    """Reads a file as strict UTF-8, keeping line endings exactly as stored.
-
-    Args:
-      path: The file.
-
-    Returns:
-      The file's text.
-
-    Raises:
-      FileNotFoundError: If the file does not exist.
-      ValueError: If the file is not valid UTF-8.
-    """
+    """Reads a file as strict UTF-8 (ValueError if it is not), keeping line endings exactly as
+    stored."""
     data = Path(path).read_bytes()
     try:
         return data.decode("utf-8")
@@ -225,10 +151,8 @@ def split_source(source: Source) -> tuple[list[Path] | None, list[str] | None]:
     if isinstance(source, os.PathLike):
         return [Path(source)], None
     if isinstance(source, str | bytes):
-        raise TypeError(
-            "source must be an iterable of documents or of file paths, not a single str; "
-            "pass [text] for one document or pathlib.Path(...) for one file"
-        )
+        raise TypeError("source must be an iterable of documents or of file paths, not a single "
+                        "str; pass [text] for one document or pathlib.Path(...) for one file")
     items = list(source)
     if not items:
         raise ValueError("cannot train a tokenizer on an empty corpus (no documents or files)")
@@ -242,10 +166,9 @@ def split_source(source: Source) -> tuple[list[Path] | None, list[str] | None]:
         for item in items:
             # Guards against passing file names as str, which would train on the names.
             if len(item) < 4096 and "\n" not in item and os.path.isfile(item):
-                raise ValueError(
-                    f"document {item!r} is the name of an existing file; plain str items are "
-                    "treated as text, pass pathlib.Path objects to train on files"
-                )
+                raise ValueError(f"document {item!r} is the name of an existing file; plain str "
+                                 "items are treated as text, pass pathlib.Path objects to train "
+                                 "on files")
         return None, items
     kinds = sorted({type(item).__name__ for item in items})
     raise TypeError(f"source items must be all str documents or all paths, got {kinds}")
