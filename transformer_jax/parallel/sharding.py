@@ -299,10 +299,9 @@ def jit_sharded(fn: Callable[..., Any], mesh: Mesh, in_shardings: Any, out_shard
     calls resolve to mesh axes. Use it for every function that runs the model.
 
     Args:
-      fn: the pure function.
-      mesh: the device mesh.
-      in_shardings: shardings (or prefixes) of the positional arguments.
-      out_shardings: shardings (or prefixes) of the outputs.
+      fn, mesh: the pure function and the device mesh.
+      in_shardings, out_shardings: shardings (or prefixes) of the positional arguments and of
+        the outputs.
       donate_argnums: arguments whose buffers the outputs may reuse.
       rules: logical -> mesh axis rules (None: ``rules_for(mesh)``).
 
@@ -336,8 +335,7 @@ def jit_train_step(train_step: Callable[[Any, Any], tuple[Any, Any]], state_shar
       state_shardings: ``state_shardings(abstract_state, param_shardings(...))``.
       batch_sharding: ``batch_sharding(mesh)`` (applies to every leaf of the batch).
       donate: donate the input state's buffers.
-      rules: logical -> mesh axis rules for constraints inside the model (None:
-        ``rules_for`` the mesh).
+      rules: logical -> mesh axis rules (None: ``rules_for`` the mesh).
 
     Returns:
       The jitted step (with ``.lower`` for ahead-of-time compilation).
