@@ -44,8 +44,7 @@ def maybe_initialize(coordinator_address: str | None = None, num_processes: int 
 
     Args:
       coordinator_address: ``host:port`` of process 0's coordinator service.
-      num_processes: number of processes P.
-      process_id: this process's index in ``[0, P)``.
+      num_processes, process_id: the number of processes P, and this one's index in [0, P).
       local_device_ids: devices of this host this process uses (default: all).
       initialization_timeout: seconds to wait for all processes to connect.
 
@@ -134,12 +133,11 @@ def process_batch_shard(sharding: Sharding, global_batch_size: int) -> tuple[int
       global_batch_size: B.
 
     Returns:
-      ``(index, count)``: this process loads part ``index`` of ``count`` equal parts of the
-      batch.
+      ``(index, count)``: this process loads part ``index`` of ``count`` equal parts.
 
     Raises:
-      ValueError: if B does not split over the batch axes, or this process's rows are not one
-        contiguous block.
+      ValueError: if B does not split over the batch axes, or this process's rows are not
+        contiguous.
     """
     # A sharding that also splits T (context parallelism) is asked about [B, parts of T] rows.
     extra = tuple(math.prod(sharding.mesh.shape[a] for a in
@@ -169,10 +167,9 @@ def global_batch(local_batch: Any, sharding: Sharding, global_batch_size: int) -
     """Assembles each process's rows into global arrays sharded by ``sharding``.
 
     Args:
-      local_batch: a tree of host arrays, each [B_local, ...]: this process's rows, as chosen by
-        ``process_batch_shard``.
-      sharding: the batch sharding.
-      global_batch_size: B.
+      local_batch: a tree of host arrays, each [B_local, ...]: this process's rows
+        (``process_batch_shard``).
+      sharding, global_batch_size: the batch sharding, and B.
 
     Returns:
       The same tree of ``jax.Array``s of shape [B, ...], without any cross-host copy.

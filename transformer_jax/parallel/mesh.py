@@ -34,9 +34,8 @@ class MeshConfig:
     pure data parallelism over every device.
 
     Attributes:
-      data: replicas that each hold whole (unsharded-by-fsdp) parameters.
-      fsdp: devices that split parameters and optimizer state along the embed axis.
-      tensor: devices that split heads, FFN width and vocab.
+      data, fsdp, tensor: replicas holding whole parameters; devices that split parameters and
+        optimizer state along the embed axis; devices that split heads, FFN width and vocab.
       expert: devices that split a mixture's experts (E/expert each, tokens routed by
         all_to_all); FSDP devices for every other layer. 1 (the default): no expert axis.
       context: devices that split every sequence (T) of a training batch
@@ -229,8 +228,8 @@ def make_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = No
     mesh, each axis spanning the slices ``dcn_config`` gives it (``hybrid_sizes``).
 
     Args:
-      mesh_config: whole-mesh axis sizes; their product must equal the number of devices.
-      devices: the devices to use; all of them must be used.
+      mesh_config, devices: whole-mesh axis sizes, and the devices (all used: their number is
+        the sizes' product).
       dcn_config: slices spanned per axis (``train.dcn_mesh``); None: all on data.
 
     Returns:

@@ -39,8 +39,7 @@ def topology_devices(name: str, slices: int = 1) -> list[Any]:
       ``slices`` x chips devices (``platform == "tpu"``; ``slice_index`` tells their slice).
 
     Raises:
-      TopologyError: libtpu is not installed (the ``tpu`` extra), or the name is not a
-        topology libtpu knows (the compiler's message).
+      TopologyError: libtpu is not installed (the ``tpu`` extra), or does not know the name.
     """
     if slices < 1:
         raise TopologyError(f"--slices must be >= 1, got {slices}")
