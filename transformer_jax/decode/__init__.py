@@ -1,12 +1,8 @@
 """Generation: prepared weights -> prefill -> a ``lax.while_loop`` of decode steps -> tokens.
 
-``weights`` (``prepare``: cast, lay out and place the weights once), ``loop`` (prefill and the
-decode loop over the KV cache, one traced function), ``sampling`` (greedy, temperature, top-k,
-top-p, min-p), ``streaming`` (tokens to a host callback from inside the loop), ``prompts``
-(validation, length buckets, padding on the host), ``generation`` (``generate()``, the host
-API), ``constrained`` (structured outputs: a host loop over the jitted one-step decode, each row
-held to its grammar's token mask) and ``export`` (``jax.export`` of the loop with a symbolic
-batch and prompt length).
+``weights`` (``prepare``), ``loop`` (prefill and the decode loop), ``sampling``, ``streaming``,
+``prompts`` (host-side validation and padding), ``generation`` (``generate()``), ``constrained``
+(structured outputs), ``speculative*`` and ``export`` (``jax.export`` of the loop).
 """
 
 from transformer_jax.decode.constrained import TokenConstraint
@@ -34,6 +30,5 @@ from transformer_jax.decode.weights import (
 
 __all__ = ["DecodeWeights", "GenerateResult", "SamplingSettings", "SamplingState",
            "TokenConstraint", "abstract_weights", "check_tensor_parallel", "decode_config",
-           "decode_context", "decode_model",
-           "decode_params", "decode_rules", "decode_step", "generate", "generate_padded",
-           "prefill", "prepare", "tensor_shards", "weight_specs"]
+           "decode_context", "decode_model", "decode_params", "decode_rules", "decode_step",
+           "generate", "generate_padded", "prefill", "prepare", "tensor_shards", "weight_specs"]

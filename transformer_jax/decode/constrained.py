@@ -1,25 +1,9 @@
 """Constrained generation: ``generate(..., constraints=...)``, each row's tokens drawn only from
-those its constraint (a grammar's matcher) allows next.
+those its constraint (a grammar's matcher, ``TokenConstraint``) allows next.
 
-Which tokens a grammar allows next depends on every token drawn before, and only the host can
-ask the grammar, so a constrained generate cannot be the one fused ``lax.while_loop`` of
-``loop.generate_padded``. It is a host loop over three jitted programs, each compiled once per
-shape: the prefill, the one-step decode (``loop.decode_step``) and ``pick``, which applies a
-[B, ceil(V/32)] int32 bitmask input (bit v % 32 of word v // 32: token v is allowed; every other
-logit set to -inf) before the draw. Step i dispatches the decode of the tokens drawn at step
-i - 1 first and asks the constraints for their masks while the device runs it.
-
-The draw is the unconstrained one: greedy is the argmax, sampling the same filters with the same
-keys (``fold_in(key, i)`` for new token i), and each token's log-probability is under the raw
-softmax, so a row without a constraint (or with one that allows its unconstrained choice) gets
-the tokens ``generate`` gives without constraints. A row ends at a stop token, after
-``max_new_tokens``, or as soon as its constraint is stopped (nothing more may follow).
-
-A constraint is anything with llguidance's ``LLMatcher`` methods ``compute_bitmask``,
-``consume_token`` and ``is_stopped`` (``TokenConstraint``); this module knows nothing of
-grammars or tokenizers. ``serving.grammar.GrammarTokenizer(tokenizer, V).matcher(grammar)``
-makes one from a JSON schema, a regex or a choice. The masks (``fill_masks`` on the host,
-``allowed`` / ``mask_logits`` on the device) are the serving engine's too.
+A host loop over three jitted programs: the prefill, the one-step decode and ``pick``, which
+sets every logit a [B, ceil(V/32)] int32 bitmask does not allow to -inf before the
+unconstrained draw. The masks (``fill_masks``, ``mask_logits``) serve the serving engine too.
 """
 
 from __future__ import annotations
@@ -72,8 +56,6 @@ def check_constraints(constraints: Sequence[Any], batch: int) -> list[TokenConst
     return list(constraints)
 
 
-# Grammar masks: ``generate``'s constrained loop and the engine's grammar rows both use these.
-
 def fill_masks(constraints: Sequence[TokenConstraint | None], vocab_size: int) -> np.ndarray:
     """[R, ceil(V/32)] int32 bitmasks of the tokens each of R rows may draw next (bit v % 32 of
     word v // 32: token v): its constraint's, every token for a row without one (None)."""
@@ -100,8 +82,7 @@ def mask_logits(logits: jax.Array, masks: jax.Array) -> jax.Array:
 
 def pick(logits: jax.Array, masks: jax.Array, key_data: jax.Array, index: jax.Array, *,
          settings: SamplingSettings) -> tuple[jax.Array, jax.Array]:
-    """Each row's token among those its mask allows, drawn as the unconstrained decode draws
-    (``loop.draw``).
+    """Each row's token among those its mask allows, drawn as ``loop.draw`` draws.
 
     Args:
       logits: [B, V] float32 next-token logits.
@@ -120,8 +101,8 @@ def pick(logits: jax.Array, masks: jax.Array, key_data: jax.Array, index: jax.Ar
 
 
 def jit_programs(**jit_options: Any) -> tuple[Any, Any, Any]:
-    """The jitted (prefill, decode step, pick) of the loop; ``jit_options`` go to ``jax.jit``
-    (the tests pass cheap ``compiler_options``). The decode step donates the cache."""
+    """The jitted (prefill, decode step, pick) of the loop (``jit_options``: to ``jax.jit``);
+    the decode step donates the cache."""
     return (jax.jit(prefill, static_argnames=("config", "max_len", "dtype"), **jit_options),
             jax.jit(decode_step, static_argnames=("config",), donate_argnames=("cache",),
                     **jit_options),
@@ -140,8 +121,7 @@ def generate_constrained(config: ModelConfig, params: Params, tokens: np.ndarray
     """The host loop: ``generate_padded``'s outputs with each row held to its constraint.
 
     Args:
-      config: the model's config.
-      params: prepared weights (``DecodeWeights.params``, one device).
+      config, params: the model's config and prepared weights (one device).
       tokens: [B, T] int32 right-padded prompts; lengths: [B] int32 their true lengths.
       key_data: [B, 2] uint32 raw PRNG key per row.
       constraints: B constraints or None (that row is free); each is advanced in place.
@@ -171,8 +151,7 @@ def generate_constrained(config: ModelConfig, params: Params, tokens: np.ndarray
                            config.vocab_size)  # asked while the device runs the step
         picked, logprob = pick_jit(logits, masks, keys, jnp.int32(step), settings=settings)
         if step + 1 < n:  # the next forward goes before the host reads this step's tokens
-            # Every row advances, finished ones too (their outputs are dropped): the last
-            # forward is at position length + N - 2, inside the cache.
+            # every row advances (finished ones' outputs dropped), at most to length + N - 2
             positions = positions + 1
             logits, cache = decode_jit(config, params, cache, picked, positions)
         picked, logprob = np.asarray(picked), np.asarray(logprob)

@@ -1,19 +1,14 @@
 """``jax.export`` of the whole generate (prefill + decode loop), shape-polymorphic in B and T.
 
-The exported function is ``decode.generate_padded`` with the model config, ``max_new_tokens``
-and the sampling settings fixed, and the parameters as an argument (so one artifact serves any
-weights of that config):
+``decode.generate_padded`` with the config, ``max_new_tokens`` (N) and sampling settings fixed
+and the parameters an argument (one artifact serves any weights of that config):
 
     (params, tokens [b, t] int32, lengths [b] int32, key_data [b, 2] uint32)
         -> (tokens [b, N] int32, logprobs [b, N] float32, num_tokens [b] int32)
 
-with symbolic ``b`` (batch) and ``t`` (padded prompt length) under the constraint
-``t + N <= max_seq_len``: the cache has ``t + N`` slots, and no position the model computes may
-exceed what it was configured for. Calling it with a new (b, t) compiles for that shape, so
-callers still pad t to a bucket (``ExportedGenerate.generate`` does).
-
-A saved file holds a JSON header (config, N, settings) and the serialized ``Exported``; it
-reloads in a fresh process without tracing or lowering the model again.
+with symbolic ``b`` and ``t`` under ``t + N <= max_seq_len``. A new (b, t) compiles for that
+shape, so callers still pad t to a bucket (``ExportedGenerate.generate`` does). A saved file
+holds a JSON header (config, N, settings) and the serialized ``Exported``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Generation on the host: ``generate(config, params, prompts, ...)`` -> ``GenerateResult``.
-
-Validates every argument before any device work (``prompts``), pads the prompts to a length
-bucket so lengths within a bucket share one compiled program, and runs the jitted
-``decode.generate_padded`` (prefill and the whole decode loop in one program); with
-``constraints`` (structured outputs), the host loop of ``decode.constrained`` instead.
-"""
+"""Generation on the host: ``generate(config, params, prompts, ...)`` -> ``GenerateResult``:
+validation, prompts padded to a length bucket, then the jitted ``decode.generate_padded`` (or
+the constrained or speculative loops)."""
 
 from __future__ import annotations
 
@@ -44,14 +40,12 @@ class GenerateResult:
     """What ``generate`` returns.
 
     Attributes:
-      tokens: one list per prompt of the newly generated ids, without the prompt and without
-        padding; a stop token that ended the sequence is included as its last id (as in
-        HuggingFace's ``generate``).
-      logprobs: per prompt, the log-probability of each id in ``tokens`` under the model's raw
-        softmax (temperature 1, no filtering).
+      tokens: per prompt, the new ids without padding (a stop token that ended it included).
+      logprobs: per prompt, each id's log-probability under the model's raw softmax.
       lengths: per prompt, ``len(tokens[b])``.
       token_array: [B, N] int32, ``tokens`` right-padded with ``pad_id``.
       logprob_array: [B, N] float32, ``logprobs`` right-padded with 0.
+      speculative: per prompt, its ``speculative.Acceptance`` when speculating.
     """
 
     tokens: list[list[int]]
@@ -85,56 +79,36 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
              speculative: Any = None, draft: Any = None) -> GenerateResult:
     """Generates up to ``max_new_tokens`` tokens after each prompt, in one jitted call.
 
-    The prefill and the whole decode loop are one compiled program (``generate_padded``); raw
-    parameters are first put in the decode layout by ``prepare`` (its own compiled program,
-    run on every call: pass ``DecodeWeights`` to skip it). Everything is validated before any
-    device work. Prompts are right-padded to a length bucket (``prompt_bucket``), so prompt
-    lengths within a bucket reuse the compiled program; each distinct (config, batch size,
-    bucket, max_new_tokens, sampling settings, cache_size) compiles once.
+    The prefill and the decode loop are one compiled program (``generate_padded``), compiled
+    once per (config, batch size, prompt bucket, max_new_tokens, sampling settings,
+    cache_size). Raw parameters are prepared (``prepare``) on every call. Everything is
+    validated before any device work.
 
     Args:
       config: the model's config.
-      params: the model's parameters (scanned or unrolled layout), prepared on every call; or
-        ``DecodeWeights`` from ``prepare(config, params, mesh)``, prepared once (faster to the
-        first token; with a mesh, each device holds only its block).
+      params: the model's parameters (either layout), or ``DecodeWeights`` from ``prepare``.
       prompts: B lists of token ids, each non-empty, ids in [0, V).
       max_new_tokens: N > 0; each prompt length + N must be <= ``config.max_seq_len``.
-      temperature: >= 0; 0 is greedy (argmax).
-      top_k: None, or keep the k most likely tokens.
-      top_p: None, or nucleus sampling with p in (0, 1].
-      min_p: None, or keep tokens with prob >= min_p * max prob.
+      temperature, top_k, top_p, min_p: sampling (``decode.sampling``); temperature 0 is
+        greedy.
       seed: an int, or one int per prompt (then a prompt samples the same in any batch).
       stop_tokens: ids that end a sequence; the stop token is included in the output.
       pad_id: id that finished sequences emit in ``token_array``.
-      cache_size: S_max slots of the KV cache; default the padded prompt length + N, capped at
-        ``config.max_seq_len``. Must be >= every prompt length + N.
-      cache_dtype: the KV cache's storage dtype (e.g. ``"bfloat16"`` halves its memory and the
-        bytes each step reads; ``"int8"``, values with a scale per token and kv head, about
-        halves bfloat16's); the model's compute dtype by default.
-      stream: optional ``fn(step, tokens [B], active [B])`` called on the host after every
-        decode step with that step's tokens (``active[b]`` is False for finished sequences).
-      mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1, e.g. from
-        ``sharding.make_mesh``): the decode runs tensor-parallel over it, each device holding
-        K/T kv heads, N/T query heads, F/T FFN units and V/T head rows, so T must divide K, N
-        and F. Raw parameters are prepared and split over it on every call; ``prepare``
-        does that once. With ``DecodeWeights`` the mesh is theirs (None here, or the same).
-      quant: weight quantisation of raw parameters (``decode.prepare``: ``"int8"``,
-        ``"int4"``, ``"int4:G"``); ``DecodeWeights`` must have been prepared with it.
-      constraints: structured outputs: one constraint per prompt (None: that prompt is free),
-        e.g. ``serving.grammar.GrammarTokenizer(tokenizer, V).matcher(grammar)`` for a JSON
-        schema, a regex or a choice. A prompt's tokens are drawn only among those its
-        constraint allows, and it ends as soon as the constraint is stopped (the grammar is
-        complete). The decode is then a host loop over a jitted one-step decode, the same draw
-        with the same keys otherwise (``decode.constrained``); one device (no tensor split).
-        The constraints are advanced in place.
-      speculative: speculative decoding (``decode.speculative``): a spec string
-        (``"ngram:k=4"``, ``"draft:PATH:k=4"``, ``"mtp"``: the model's own multi-token
-        prediction module, ``decode.speculative_mtp``) or a ``SpeculativeConfig``. The same tokens
-        as without (greedy and sampled, for the same seeds), from one jitted device loop
-        that proposes up to k tokens per row and verifies them in one forward
-        (``decode.speculative_loop``); one device, no constraints, no sliding-window layers.
-      draft: a ``speculative_loop.DraftModel`` for a ``"draft"`` spec (default: loaded
-        from the spec's path).
+      cache_size: S_max slots of the KV cache, >= every prompt length + N; default the padded
+        prompt length + N, capped at ``config.max_seq_len``.
+      cache_dtype: the KV cache's storage dtype (``"bfloat16"``, ``"int8"``); default the
+        model's compute dtype.
+      stream: optional ``fn(step, tokens [B], active [B])`` called on the host every step.
+      mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1) to decode
+        tensor-parallel over; with ``DecodeWeights``, theirs (None here, or the same).
+      quant: weight quantisation of raw parameters (``"int8"``, ``"int4"``, ``"int4:G"``);
+        ``DecodeWeights`` must have been prepared with it.
+      constraints: structured outputs: one ``TokenConstraint`` (or None) per prompt, each
+        advanced in place (``decode.constrained``; one device).
+      speculative: a spec string (``"ngram:k=4"``, ``"draft:PATH:k=4"``, ``"mtp"``) or a
+        ``SpeculativeConfig``: the same tokens, proposed and verified in one forward
+        (``decode.speculative_loop``; one device, no constraints, no sliding-window layers).
+      draft: a ``speculative_loop.DraftModel`` for a ``"draft"`` spec.
 
     Returns:
       A ``GenerateResult`` (``.tokens``, ``.logprobs``, ``.lengths``, and padded arrays).

@@ -1,32 +1,10 @@
 """Decoding on the device: prefill, then a ``lax.while_loop`` of decode steps over the cache.
 
-Both run the model's one forward, ``Transformer.apply`` with a cache
-(``model/transformer.py``); this module adds only what generation needs around it:
-
-1. **Prefill.** The right-padded [B, T] prompts at positions 0..T-1 from an empty cache of
-   S_max slots. Slot s holds position s, so the junk written at pad slots is hidden by
-   causality and later overwritten. The LM head runs only at each prompt's last real token
-   (``logits_at``); those logits give the first new token.
-2. **Decode.** A ``lax.while_loop`` that stops as soon as every sequence is done. Each step
-   feeds the previous new token of every sequence at its own position and picks the next one
-   (``sampling``). Finished sequences emit padding and their positions stop advancing.
-
-The whole of it, ``generate_padded``, is one traced function (``generation.generate`` calls it
-jitted; ``decode/export.py`` exports it). With ``config.scan_layers`` the model scans its blocks and
-the program's size does not grow with depth.
-
-Weights. ``prepare`` (``decode/weights.py``, re-exported here) is the one parameter transform
-in front of the forward: the compute dtype, the backend's layout and the mesh placement, once.
-
-Tensor parallelism. With a mesh whose ``tensor`` axis has T devices (and a mixture's
-``expert`` axis), the program is traced as training's is (``decode_context``): the mesh and the
-logical-axis rules in context, the weights split by those rules (``weight_specs``: N/T heads,
-K/T kv heads and their cache, F/T FFN units, V/T vocabulary rows), and XLA partitions the
-forward from these shardings: two all-reduces per layer (the Megatron split), the logits
-gathered for sampling, every device drawing the same tokens. The attention reads each
-(sequence, kv head) row of the cache where it lives, so no activation is gathered. On CPU, one
-device per core (``sharding.configure_cpu_devices``) puts the otherwise single-threaded
-attention on every core.
+Prefill writes the right-padded [B, T] prompts at slots 0..T-1 of an empty cache (pad slots'
+junk is hidden by causality and overwritten) and takes the logits at each prompt's last token;
+the loop feeds each sequence's last token at its own position until every sequence is done.
+``generate_padded`` is the whole of it, one traced function; over a mesh it is traced under
+``decode_context`` and XLA partitions it from the weights' shardings (``weight_specs``).
 """
 
 from __future__ import annotations
@@ -72,10 +50,8 @@ Params = dict[str, Any]
 
 @contextlib.contextmanager
 def decode_context(config: ModelConfig, mesh: Mesh | None) -> Iterator[None]:
-    """What a decode over ``mesh`` is traced under: the mesh's platform as the target (kernel
-    and layout choices), and with a mesh its abstract mesh and ``decode_rules``, so that the
-    model's logical constraints resolve to mesh axes and XLA partitions the forward from the
-    weights' and the cache's shardings (as ``sharding.jit_sharded`` does for training)."""
+    """What a decode over ``mesh`` is traced under: the mesh's platform as the target, and with
+    a mesh its abstract mesh and ``decode_rules`` (as ``sharding.jit_sharded`` for training)."""
     with target.targeting(target.of_mesh(mesh)):
         if mesh is None:
             yield
@@ -104,15 +80,13 @@ class SamplingState:
 
     Attributes:
       step: [] int32 decode steps taken so far.
-      tokens: [B, N] int32 generated ids (N = max_new_tokens); ``pad_id`` after a sequence
-        stopped.
+      tokens: [B, N] int32 generated ids (N = max_new_tokens; ``pad_id`` after a stop).
       logprobs: [B, N] float32 log-probabilities of ``tokens`` under the model (0 at padding).
       next_token: [B] int32 token each sequence feeds at the next step.
       positions: [B] int32 position (= cache slot) of ``next_token``.
       done: [B] bool sequences that emitted a stop token or N tokens.
       num_tokens: [B] int32 tokens generated so far (stop token included).
-      keys: [B, 2] uint32 raw PRNG key data, one key per sequence; step i draws with
-        ``fold_in(key, i)``.
+      keys: [B, 2] uint32 raw PRNG key per sequence; step i draws with ``fold_in(key, i)``.
       cache: the ``KVCache``.
     """
 
@@ -167,33 +141,34 @@ def decode_model(config: ModelConfig) -> Transformer:
 
 def prefill(config: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array,
             max_len: int | None = None, dtype: jnp.dtype | str | None = None,
-            platform: str | None = None) -> tuple[jax.Array, KVCache]:
+            platform: str | None = None, *, with_hidden: bool = False
+            ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
     """Runs right-padded prompts through the model into an empty cache.
 
     Args:
-      config: the model's config.
-      params: the parameters (or ``DecodeWeights.params``, prepared leaves included).
+      config, params: the model's config and parameters (or ``DecodeWeights.params``).
       tokens: [B, T] int32 prompts, right-padded; position t of row b goes to slot t.
       lengths: [B] int32 true prompt lengths, each in [1, T].
       max_len: S_max >= T slots of the returned cache; default T.
       dtype: the cache's storage dtype; the model's compute dtype by default.
       platform: the platform the cache's layout is chosen for (``KVCache.init``).
+      with_hidden: also return every position's final-normed hidden state.
 
     Returns:
       ([B, V] float32 logits after each prompt's last token, the ``KVCache`` with slots 0..T-1
-      written and ``lengths`` as given: pad slots hold junk that causality hides and the
-      decode overwrites; local layers' rings hold each prompt's last positions, no padding).
+      written and ``lengths`` as given; local layers' rings hold each prompt's last positions),
+      and with ``with_hidden`` the [B, T, D] hidden states.
     """
     b, t = tokens.shape
+    lengths = lengths.astype(jnp.int32)
     cache = KVCache.init(config, b, max_len or t, dtype, platform=platform).constrain()
     if cache.ring is not None:  # the local layers' rings keep each prompt's own last window
-        cache = cache.replace(ring_end=lengths.astype(jnp.int32))
+        cache = cache.replace(ring_end=lengths)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = decode_model(config).apply(
-        {"params": params}, tokens, positions, cache=cache,
-        logits_at=lengths.astype(jnp.int32) - 1)
-    return whole_logits(out.logits), out.cache.replace(lengths=lengths.astype(jnp.int32),
-                                                       ring_end=None)
+    out = decode_model(config).apply({"params": params}, tokens, positions, cache=cache,
+                                     logits_at=lengths - 1, with_hidden=with_hidden)
+    cache = out.cache.replace(lengths=lengths, ring_end=None)
+    return (whole_logits(out.logits), cache) + ((out.hidden,) if with_hidden else ())
 
 
 def decode_step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
@@ -205,11 +180,9 @@ def decode_step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax
 
 
 def whole_logits(logits: jax.Array) -> jax.Array:
-    """[B, V] logits to sample from, whole on every device for a CPU target over a split
-    vocabulary: one all-gather there cost less than the per-row all-reduces (the argmax, the
-    softmax's sum) that XLA partitions sampling into, each a CPU collective's latency
-    (decode_25m, batch 1, tensor=2: about 7% of a step). On an accelerator the reductions
-    stay (they move B values, not B x V). As they are without a mesh in context."""
+    """[B, V] logits to sample from, gathered whole on every device for a CPU target over a
+    split vocabulary (one all-gather costs less there than the per-row all-reduces XLA
+    partitions sampling into); as they are on an accelerator or without a mesh."""
     if target.platform() != "cpu" or jax.sharding.get_abstract_mesh().empty:
         return logits
     return nn.with_logical_constraint(logits, (None, None))
@@ -218,8 +191,8 @@ def whole_logits(logits: jax.Array) -> jax.Array:
 def draw(logits: jax.Array, key_data: jax.Array, index: jax.Array,
          settings: SamplingSettings, allowed: jax.Array | None = None
          ) -> tuple[jax.Array, jax.Array]:
-    """The plain decode's draw at T positions per row: the decode loop's (T = 1), speculative
-    verification's (T = k + 1) and constrained generation's (T = 1, under a grammar's mask).
+    """The plain decode's draw at T positions per row (the decode loop's, verification's and
+    constrained generation's).
 
     Args:
       logits: [B, T, V] float32.
@@ -252,16 +225,9 @@ def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
                  first_logits: jax.Array, *, stream_id: jax.Array | None, max_new_tokens: int,
                  settings: SamplingSettings, ordered: bool = True
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Samples the first token from the prefill's logits, then the ``lax.while_loop`` of
-    decode steps.
-
-    Over a mesh every device draws the same tokens from the whole logits and keys; the stream's
-    callback is not ``ordered`` there (a program over several devices cannot order effects):
-    the loop's data dependence keeps the steps in order.
-
-    ``state.positions`` start at each prompt's last token and ``first_logits`` [B, V] are its
-    next-token logits; the first advance picks the first token from them.
-    """
+    """Draws the first token from the prefill's [B, V] ``first_logits`` (``state.positions``
+    at each prompt's last token), then runs the ``lax.while_loop`` of decode steps. The stream
+    is ``ordered`` only on one device (a program over several cannot order effects)."""
     n = max_new_tokens
     stop = jnp.asarray(settings.stop_tokens, jnp.int32)
 
@@ -311,24 +277,21 @@ def generate_padded(config: ModelConfig, params: Params | DecodeWeights, tokens:
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Prefill plus while-loop decode on padded arrays: the traced body of ``generate``.
 
-    Shape-polymorphic in B and T (``decode/export.py`` exports it with symbolic dims). Performs no
-    validation: ``generation.generate`` checks capacity, ids and settings on the host first.
+    Shape-polymorphic in B and T (``decode/export.py``). Performs no validation
+    (``generation.generate`` checks on the host first).
 
     Args:
-      config: the model's config (static).
-      params: ``DecodeWeights`` from ``prepare`` (for this config and mesh), or the model's
-        parameters in either layout (then prepared here, a transient copy per call).
+      config, params: the model's config (static); ``DecodeWeights`` from ``prepare``, or raw
+        parameters (prepared here per call).
       tokens: [B, T] int32 prompts right-padded to T (any in-vocabulary pad id).
       lengths: [B] int32 true prompt lengths, each in [1, T].
       key_data: [B, 2] uint32 raw PRNG key per sequence (``jax.random.key_data``).
-      stream_id: optional [] int32 id of a callback registered with ``streaming.registered``;
-        when given, every step calls it on the host with (step, tokens [B], active [B]).
+      stream_id: optional [] int32 id of a ``streaming.registered`` callback, called on the
+        host every step.
       max_new_tokens: N (static), the most tokens generated per sequence.
       settings: static sampling settings.
       cache_size: static S_max; default ``T + N``. Must be >= T and >= every length + N - 1.
-      mesh: static; with a tensor (or expert) axis of more than one device, the program is
-        partitioned over it, the weights split by the logical-axis rules (see the module
-        docstring).
+      mesh: static; the program is partitioned over its tensor (and expert) axis.
       cache_dtype: static storage dtype name of the KV cache; the compute dtype by default.
 
     Returns:

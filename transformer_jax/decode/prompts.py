@@ -1,9 +1,5 @@
-"""Prompts on the host: validation, length buckets, padding and per-sequence PRNG keys.
-
-Everything here runs before any device work, so a bad request fails with a clear message and
-nothing compiled; ``generation.generate`` then hands the padded arrays to the traced
-``decode.generate_padded``.
-"""
+"""Prompts on the host, before any device work: validation, length buckets, padding and
+per-sequence PRNG keys."""
 
 from __future__ import annotations
 
@@ -19,8 +15,7 @@ import numpy as np
 from transformer_jax.model.config import ModelConfig
 
 #: Prompt lengths up to this are padded to the next power of two (at least ``MIN_BUCKET``);
-#: longer ones to the next multiple of it. Powers of two keep the number of programs small for
-#: short prompts, multiples of 64 keep the cache (which every step reads) tight for long ones.
+#: longer ones to the next multiple of it (few programs, a tight cache).
 BUCKET_MULTIPLE = 64
 MIN_BUCKET = 8
 
@@ -43,12 +38,8 @@ def prompt_bucket(length: int) -> int:
 
 
 def default_cache_size(config: ModelConfig, padded_len: int, max_new_tokens: int) -> int:
-    """S_max for a padded prompt length T: ``T + max_new_tokens``, capped at the model's maximum.
-
-    Decode reads every slot at every step, so the cache is kept as small as the request allows;
-    it never needs more than ``max_seq_len`` slots because no position reaches it, and never
-    fewer than T because prefill writes T slots.
-    """
+    """S_max for a padded prompt length T: ``T + max_new_tokens``, capped at ``max_seq_len``
+    (but at least T)."""
     return max(padded_len, min(padded_len + max_new_tokens, config.max_seq_len))
 
 
@@ -123,7 +114,7 @@ def sequence_keys(seed: int | Sequence[int], batch: int) -> np.ndarray:
       batch: B.
     """
     if is_int(seed):
-        if 0 <= seed < 2 ** 32:  # one cached program (eager, the vmap cost 0.66 ms a call)
+        if 0 <= seed < 2 ** 32:  # one cached program
             return np.asarray(_folded_keys(np.uint32(seed), batch))
         keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed),
                                                         jnp.arange(batch, dtype=jnp.uint32))
@@ -133,8 +124,7 @@ def sequence_keys(seed: int | Sequence[int], batch: int) -> np.ndarray:
             raise ValueError(f"seed must be an int or {batch} ints (one per prompt), got {seed!r}")
         if jax.config.jax_default_prng_impl == "threefry2x32" and all(
                 0 <= s < 2 ** 32 for s in seeds):
-            # threefry's key(s) of a uint32 seed is [s >> 32, s] = [0, s]: numpy, no device
-            # program (a serving request's key cost 1.6 ms through JAX; a GRPO rollout adds 256)
+            # threefry's key(s) of a uint32 seed is [s >> 32, s] = [0, s]: no device program
             return np.asarray([(0, s) for s in seeds], np.uint32).reshape(batch, 2)
         keys = jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
     return np.asarray(jax.random.key_data(keys))

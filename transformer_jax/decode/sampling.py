@@ -1,26 +1,9 @@
-"""Pure, jittable next-token sampling from logits.
+"""Pure, jittable next-token sampling from [B, V] logits (the decode loop calls :func:`sample`).
 
-Every function here takes logits of shape [B, V] and is safe to call inside ``jax.jit`` /
-``lax.scan`` (the decode loop calls :func:`sample` once per generated token).
-
-Semantics shared by all functions:
-
-* Computation is in float32 (inputs are cast).
-* Filters mark removed tokens with ``-inf`` (not a large finite negative number), so they get
-  exactly zero probability and can never be drawn by :func:`jax.random.categorical`. Every
-  filter always keeps at least the most likely token, so a row never becomes all ``-inf`` unless
-  it was all ``-inf`` on input.
-* Filters compose in the order used by :func:`sample` (the same order as HuggingFace's logits
-  warpers): temperature -> top-k -> top-p -> min-p. Each filter acts on the (renormalised)
-  distribution left by the previous one.
-* Per-row settings: ``temperature``, ``top_p``, ``min_p`` (and ``top_k``) accept a Python
-  scalar, a 0-d array, or an array of shape [B] giving one value per sequence. A Python scalar
-  that makes a filter a no-op (``top_p == 1``, ``min_p == 0``, ``temperature == 1``) skips that
-  filter at trace time. Values inside ``jit`` cannot be range-checked; call
-  :func:`validate_sampling_args` on the host before decoding. Out-of-range *Python scalars* are
-  rejected eagerly by every function.
-* Ties: top-k and top-p keep every token whose logit equals the value at the cut-off, so they
-  may keep more tokens than the nominal count when logits tie exactly.
+Computation is in float32; filters set removed tokens to ``-inf``, always keep the most likely
+token (and any tied at the cut-off), and compose as HuggingFace's: temperature -> top-k ->
+top-p -> min-p. Settings are Python scalars (range-checked eagerly; a no-op value skips its
+filter) or [B] arrays, one value per row (checked by :func:`validate_sampling_args`).
 """
 
 from __future__ import annotations
@@ -36,17 +19,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "apply_temperature",
-    "min_p_mask",
-    "sample",
-    "sample_with_logprobs",
-    "token_logprobs",
-    "top_logprobs",
-    "top_k_mask",
-    "top_p_mask",
-    "validate_sampling_args",
-]
+__all__ = ["apply_temperature", "min_p_mask", "sample", "sample_with_logprobs", "token_logprobs",
+           "top_logprobs", "top_k_mask", "top_p_mask", "validate_sampling_args"]
 
 # Scalars or per-row [B] arrays; kept loose because jax/numpy arrays and tracers are all valid.
 RowParam = float | int | jax.Array | np.ndarray
@@ -56,15 +30,8 @@ def _is_python_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.ndarray))
 
 
-def _check_range(
-    name: str,
-    value: Any,
-    low: float,
-    high: float,
-    *,
-    low_inclusive: bool,
-    high_inclusive: bool = True,
-) -> None:
+def _check_range(name: str, value: Any, low: float, high: float, *, low_inclusive: bool,
+                 high_inclusive: bool = True) -> None:
     """Raises ValueError unless every entry of a concrete ``value`` lies in the given interval."""
     arr = np.asarray(value, dtype=np.float64)
     if arr.ndim > 1:
@@ -91,24 +58,18 @@ def _check_top_k(top_k: Any, vocab_size: int) -> None:
         raise ValueError(f"top_k must be in [1, vocab_size={vocab_size}]; got {int(flat[bad][0])}")
 
 
-def validate_sampling_args(
-    temperature: RowParam,
-    top_k: int | jax.Array | np.ndarray | None,
-    top_p: RowParam | None,
-    min_p: RowParam | None,
-    vocab_size: int,
-) -> None:
-    """Checks sampling settings on the host, before any device work.
-
-    Each argument may be a Python scalar or a concrete array of per-row values of shape [B];
-    every entry is checked. Traced values (inside ``jit``) cannot be inspected and are skipped.
+def validate_sampling_args(temperature: RowParam, top_k: int | jax.Array | np.ndarray | None,
+                           top_p: RowParam | None, min_p: RowParam | None,
+                           vocab_size: int) -> None:
+    """Checks sampling settings on the host: every entry of a scalar or [B] array (traced
+    values, inside ``jit``, are skipped).
 
     Args:
         temperature: >= 0 and finite; 0 means greedy.
         top_k: None (disabled) or integer(s) in [1, vocab_size].
         top_p: None (disabled) or value(s) in (0, 1].
         min_p: None (disabled) or value(s) in [0, 1].
-        vocab_size: V, the size of the logits' last axis; must be a positive integer.
+        vocab_size: V, a positive integer.
 
     Raises:
         ValueError: naming the first offending argument and value.
@@ -159,9 +120,8 @@ def _row_param(value: RowParam, batch: int, name: str) -> jax.Array:
     if arr.ndim == 0:
         return arr
     if arr.shape != (batch,):
-        raise ValueError(
-            f"{name} must be a scalar or have shape [B]=({batch},); got shape {arr.shape}"
-        )
+        raise ValueError(f"{name} must be a scalar or have shape [B]=({batch},); got shape "
+                         f"{arr.shape}")
     return arr[:, None]
 
 
@@ -184,10 +144,7 @@ def _temperature(logits: jax.Array, temperature: RowParam) -> jax.Array:
 
 
 def apply_temperature(logits: jax.Array, temperature: RowParam) -> jax.Array:
-    """Divides logits by a (per-row) temperature.
-
-    Rows with temperature 0 are returned unchanged: temperature 0 means greedy decoding, which
-    :func:`sample` implements with argmax rather than by dividing by zero.
+    """Divides logits by a (per-row) temperature; rows with temperature 0 (greedy) unchanged.
 
     Args:
         logits: [B, V] logits.
@@ -215,9 +172,8 @@ def _top_k(logits: jax.Array, k: Any) -> tuple[jax.Array, jax.Array]:
     if k_arr.ndim == 0:
         k_arr = jnp.broadcast_to(k_arr, logits.shape[:1])
     if k_arr.shape != logits.shape[:1]:
-        raise ValueError(
-            f"top_k must be an int or have shape [B]=({logits.shape[0]},); got {k_arr.shape}"
-        )
+        raise ValueError(f"top_k must be an int or have shape [B]=({logits.shape[0]},); got "
+                         f"{k_arr.shape}")
     k_arr = jnp.clip(k_arr, 1, vocab)
     values = _sort_descending(logits)
     threshold = jnp.take_along_axis(values, (k_arr - 1)[:, None], axis=-1)
@@ -225,15 +181,12 @@ def _top_k(logits: jax.Array, k: Any) -> tuple[jax.Array, jax.Array]:
 
 
 def top_k_mask(logits: jax.Array, k: int | jax.Array) -> jax.Array:
-    """Keeps the k most likely tokens of each row.
-
-    Tie rule: every token whose logit is >= the k-th largest logit is kept, so exact ties at
-    the cut-off can keep more than k tokens.
+    """Keeps the k most likely tokens of each row (and any tied with the k-th).
 
     Args:
         logits: [B, V] logits.
-        k: a static Python int in [1, V] (uses ``jax.lax.top_k``, no full sort), or an integer
-            array of shape [B] for per-row k (uses a full sort; values are clipped to [1, V]).
+        k: a static int in [1, V] (``jax.lax.top_k``), or a [B] integer array (a full sort;
+            clipped to [1, V]).
 
     Returns:
         [B, V] float32 logits with removed tokens set to -inf.
@@ -242,12 +195,8 @@ def top_k_mask(logits: jax.Array, k: int | jax.Array) -> jax.Array:
 
 
 def _top_p(logits: jax.Array, sorted_desc: jax.Array, p: RowParam) -> jax.Array:
-    """Nucleus filter given ``sorted_desc``, a descending prefix [B, M] of the logits.
-
-    ``sorted_desc`` may be only the top-k values (when top-k ran first): tokens outside it are
-    already -inf or tied with its last value, so the prefix search never needs to look past it.
-    The normaliser is taken over all of ``logits`` so probabilities are exact either way.
-    """
+    """Nucleus filter given ``sorted_desc``, a descending prefix [B, M] of the logits (the
+    top-k values when top-k ran first: the rest are -inf or tied with its last)."""
     p_arr = _row_param(p, logits.shape[0], "top_p")
     log_norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     probs = jnp.exp(sorted_desc - log_norm)
@@ -265,12 +214,9 @@ def _top_p(logits: jax.Array, sorted_desc: jax.Array, p: RowParam) -> jax.Array:
 
 
 def top_p_mask(logits: jax.Array, p: RowParam) -> jax.Array:
-    """Nucleus (top-p) filter.
-
-    Keeps the smallest prefix of tokens, sorted by descending probability, whose cumulative
-    probability is >= p; the top token is always kept and p == 1 keeps every token. Tokens tied
-    with the last kept logit are kept too. Cumulative sums are float32, so decisions within
-    ~1e-6 of p may differ from an exact computation.
+    """Nucleus (top-p) filter: keeps the smallest prefix of tokens by descending probability
+    whose cumulative probability is >= p (float32 sums), and any tied with its last; p == 1
+    keeps every token.
 
     Args:
         logits: [B, V] logits.
@@ -286,8 +232,7 @@ def top_p_mask(logits: jax.Array, p: RowParam) -> jax.Array:
 
 def _min_p(logits: jax.Array, max_logit: jax.Array, min_p: RowParam) -> jax.Array:
     m = _row_param(min_p, logits.shape[0], "min_p")
-    # prob_i >= min_p * prob_max  <=>  logit_i >= logit_max + log(min_p): no softmax needed.
-    # log(0) = -inf keeps everything, as min_p == 0 should.
+    # prob_i >= min_p * prob_max  <=>  logit_i >= logit_max + log(min_p); log(0) keeps all
     return _keep_at_least(logits, max_logit + jnp.log(m))
 
 
@@ -296,8 +241,7 @@ def min_p_mask(logits: jax.Array, min_p: RowParam) -> jax.Array:
 
     Args:
         logits: [B, V] logits.
-        min_p: scalar or [B] array in [0, 1]; 0 keeps all tokens, 1 keeps only the most likely
-            token(s).
+        min_p: scalar or [B] array in [0, 1].
 
     Returns:
         [B, V] float32 logits with removed tokens set to -inf.
@@ -307,13 +251,8 @@ def min_p_mask(logits: jax.Array, min_p: RowParam) -> jax.Array:
     return _min_p(logits, jnp.max(logits, axis=-1, keepdims=True), min_p)
 
 
-def _filter_logits(
-    logits: jax.Array,
-    temperature: RowParam,
-    top_k: int | jax.Array | None,
-    top_p: RowParam | None,
-    min_p: RowParam | None,
-) -> jax.Array:
+def _filter_logits(logits: jax.Array, temperature: RowParam, top_k: int | jax.Array | None,
+                   top_p: RowParam | None, min_p: RowParam | None) -> jax.Array:
     """temperature -> top-k -> top-p -> min-p, sharing one sort between the filters."""
     vocab = logits.shape[-1]
     x = _temperature(logits, temperature)
@@ -345,10 +284,8 @@ def _is_batched_key(key: jax.Array, batch: int) -> bool:
         return False
     if key.ndim == single_ndim + 1 and key.shape[0] == batch:
         return True
-    raise ValueError(
-        f"key must be a single PRNG key or one key per row (leading dim B={batch}); "
-        f"got shape {key.shape} with dtype {key.dtype}"
-    )
+    raise ValueError(f"key must be a single PRNG key or one key per row (leading dim B={batch}); "
+                     f"got shape {key.shape} with dtype {key.dtype}")
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -366,24 +303,16 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def argmax(logits: jax.Array) -> jax.Array:
-    """[B, V] -> [B] int32 first index of each row's maximum, as ``jnp.argmax``.
-
-    Written as a max and a min because XLA's CPU argmax (one variadic reduce) is not vectorised:
-    this is 2-3x faster, which is 10% of a decode step for small models.
-    """
+    """[B, V] -> [B] int32 first index of each row's maximum, as ``jnp.argmax`` (a max and a
+    min: XLA's CPU argmax, one variadic reduce, is not vectorised and 2-3x slower)."""
     v = logits.shape[-1]
     top = jnp.max(logits, axis=-1, keepdims=True)
     return jnp.min(jnp.where(logits == top, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
 
 
-def _sample(
-    logits: jax.Array,
-    key: jax.Array | None,
-    temperature: RowParam,
-    top_k: int | jax.Array | None,
-    top_p: RowParam | None,
-    min_p: RowParam | None,
-) -> jax.Array:
+def _sample(logits: jax.Array, key: jax.Array | None, temperature: RowParam,
+            top_k: int | jax.Array | None, top_p: RowParam | None, min_p: RowParam | None
+            ) -> jax.Array:
     batch, vocab = logits.shape
     _check_python_scalars(vocab, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     greedy_tokens = argmax(logits)
@@ -405,31 +334,21 @@ def _sample(
     return jnp.where(t == 0, greedy_tokens, sampled)
 
 
-def sample(
-    logits: jax.Array,
-    key: jax.Array | None,
-    *,
-    temperature: RowParam = 1.0,
-    top_k: int | jax.Array | None = None,
-    top_p: RowParam | None = None,
-    min_p: RowParam | None = None,
-) -> jax.Array:
+def sample(logits: jax.Array, key: jax.Array | None, *, temperature: RowParam = 1.0,
+           top_k: int | jax.Array | None = None, top_p: RowParam | None = None,
+           min_p: RowParam | None = None) -> jax.Array:
     """Samples one token per row.
 
-    Filters run in the order temperature -> top-k -> top-p -> min-p (see module docstring).
-    Rows with temperature 0 take the argmax of the raw logits (greedy), selected with
-    ``jnp.where`` so per-row temperature arrays stay jittable; a Python scalar temperature of
-    0 skips the random draw entirely.
+    Filters run temperature -> top-k -> top-p -> min-p. Rows with temperature 0 take the argmax
+    of the raw logits; a Python scalar temperature of 0 skips the random draw.
 
     Args:
         logits: [B, V] logits.
         key: one PRNG key shared by the batch (raw uint32 [2] or typed []), or per-row keys
-            (raw [B, 2] or typed [B]) so that each sequence's draw depends only on its own key
-            and row (row b sampled alone with key[b] gives the same token). May be None only
-            when ``temperature`` is the Python scalar 0.
+            (raw [B, 2] or typed [B]: row b sampled alone with key[b] gives the same token).
+            May be None only when ``temperature`` is the Python scalar 0.
         temperature: scalar or [B] array, >= 0; 0 means greedy.
-        top_k: None, a static int in [1, V] (``jax.lax.top_k``), or an integer [B] array
-            (per-row k; costs a full sort).
+        top_k: None, a static int in [1, V], or an integer [B] array (a full sort).
         top_p: None, or scalar / [B] array in (0, 1].
         min_p: None, or scalar / [B] array in [0, 1].
 
@@ -437,8 +356,7 @@ def sample(
         [B] int32 sampled token ids.
 
     Raises:
-        ValueError: for malformed shapes, a missing key, or out-of-range Python-scalar
-            settings (array settings are checked by :func:`validate_sampling_args`).
+        ValueError: for malformed shapes, a missing key, or out-of-range Python scalars.
     """
     return _sample(_as_logits(logits), key, temperature, top_k, top_p, min_p)
 
@@ -459,20 +377,12 @@ def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return ids.astype(jnp.int32), values
 
 
-def sample_with_logprobs(
-    logits: jax.Array,
-    key: jax.Array | None,
-    *,
-    temperature: RowParam = 1.0,
-    top_k: int | jax.Array | None = None,
-    top_p: RowParam | None = None,
-    min_p: RowParam | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Like :func:`sample`, also returning each chosen token's log-probability.
-
-    The log-probability is taken under the model's *raw* softmax (temperature 1, no
-    filtering), i.e. the usual "token logprob" reported by HuggingFace and serving APIs, not
-    the probability under the filtered sampling distribution.
+def sample_with_logprobs(logits: jax.Array, key: jax.Array | None, *,
+                         temperature: RowParam = 1.0, top_k: int | jax.Array | None = None,
+                         top_p: RowParam | None = None, min_p: RowParam | None = None
+                         ) -> tuple[jax.Array, jax.Array]:
+    """Like :func:`sample`, also returning each chosen token's log-probability under the
+    model's raw softmax (temperature 1, no filtering), as serving APIs report it.
 
     Args:
         logits: [B, V] logits.

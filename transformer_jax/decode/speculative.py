@@ -1,34 +1,10 @@
 """Speculative decoding: proposers, and the rule that keeps the target's distribution.
 
-A proposer guesses the next k tokens of a sequence cheaply; the target model then scores the
-sequence's last token and the k guesses in ONE forward (a chunk of k + 1 positions, the way
-prefill writes several), and keeps the longest prefix of guesses its own sampler agrees with,
-plus one token of its own (the correction at the first disagreement, or a bonus after k
-agreements). A step therefore gives between 1 and k + 1 tokens for about the cost of one when
-decode is bound by reading the weights and the cache (small batches).
-
-Exactness. Both proposers here propose deterministically (a point mass q = one-hot(d)): the
-n-gram proposer copies what followed an earlier occurrence of the last n tokens, the draft
-model proposes its argmax. For a point mass the standard rule (accept d with
-``min(1, p(d) / q(d)) = p(d)``, else draw from ``max(0, p - q)`` normalised = p without d) is
-realised exactly by drawing x ~ p with the key the non-speculative decode would use for that
-token (``fold_in(key, token index)``) and accepting iff x == d: x is then the output either way.
-So a speculative decode gives *the same tokens* as the plain one for the same seed, greedy or
-sampled, whatever else is in the batch, not merely the same distribution. ``rejection_sample``
-is the general rule for a proposer with a non-degenerate q (a sampled draft, EAGLE-style heads),
-kept here with its statistical test.
-
-Cost. A verify round of T = k + 1 positions costs c plain steps, c measured on the model at
-hand (``generate`` times its own program's rounds once per shape, the engine its steps). A row
-proposes only while the tokens a round is expected to give it (``expected_tokens`` at its
-recent acceptance) exceed c (``pays``, with hysteresis), and a batch verifies only when its
-rows' expected tokens beat c plain steps of all of them. A row that stopped keeps measuring its
-acceptance on plain steps (its first proposal against the target's own token: ``evidence``), so
-it starts again when its acceptance rises.
-
-Spec strings (``parse_spec``): ``"ngram"``, ``"ngram:k=4"``, ``"ngram:k=4:n=3"``,
-``"draft:PATH"``, ``"draft:PATH:k=4"``, ``"mtp"`` / ``"mtp:k=1"`` (the target's own
-multi-token prediction module drafts one token a round: ``decode.speculative_mtp``).
+The target scores a row's last token and k proposals in one forward and keeps the longest
+prefix its own sampler agrees with, plus its own token. Both proposers here propose a point mass
+d, for which drawing x ~ p with the plain decode's key and accepting iff x == d is the standard
+rule exactly: the tokens equal the plain decode's (``rejection_sample``: the general rule). A
+row proposes only while that pays (``expected_tokens``, ``pays``).
 """
 
 from __future__ import annotations
@@ -56,11 +32,9 @@ class SpeculativeConfig:
     """How a request (or ``generate``) speculates.
 
     Attributes:
-      method: ``"ngram"`` (prompt lookup), ``"draft"`` (a small model) or ``"mtp"`` (the
-        target's multi-token prediction module; k = 1).
+      method: ``"ngram"`` (prompt lookup), ``"draft"`` (a small model) or ``"mtp"`` (k = 1).
       k: tokens proposed per verification, in [1, ``MAX_K``].
-      n: (n-gram) the longest suffix matched, in [1, ``MAX_N``]; shorter ones down to
-        ``min_n`` are tried next.
+      n: (n-gram) the longest suffix matched, in [1, ``MAX_N``].
       min_n: (n-gram) the shortest suffix matched.
       draft: (draft) the draft checkpoint's path.
     """
@@ -101,8 +75,8 @@ class SpeculativeConfig:
 
 
 def parse_spec(spec: str | SpeculativeConfig | None) -> SpeculativeConfig | None:
-    """A ``SpeculativeConfig`` from a spec string (``"ngram:k=4"``, ``"draft:PATH:k=4"``);
-    None and configs pass through.
+    """A ``SpeculativeConfig`` from a spec string: ``"ngram[:k=K][:n=N]"``, ``"draft:PATH[:k=K]"``
+    or ``"mtp[:k=1]"``; None and configs pass through.
 
     Raises:
       ValueError: one line naming what is wrong.
@@ -110,9 +84,8 @@ def parse_spec(spec: str | SpeculativeConfig | None) -> SpeculativeConfig | None
     if spec is None or isinstance(spec, SpeculativeConfig):
         return spec
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"speculative spec must be 'ngram[:k=K][:n=N]', 'draft:PATH[:k=K]' or "
-                         f"'mtp[:k=1]', "
-                         f"got {spec!r}")
+        raise ValueError("speculative spec must be 'ngram[:k=K][:n=N]', 'draft:PATH[:k=K]' or "
+                         f"'mtp[:k=1]', got {spec!r}")
     method, *rest = spec.strip().split(":")
     fields: dict[str, object] = {"method": method}
     if method == "draft":
@@ -145,9 +118,8 @@ def parse_spec(spec: str | SpeculativeConfig | None) -> SpeculativeConfig | None
 
 def ngram_proposals(contexts: Sequence[Sequence[int]], ks: Sequence[int], n: int = 3,
                     min_n: int = 1) -> list[list[int]]:
-    """Prompt lookup on the host for R sequences (the engine's, every step): ``ngram_propose``'s
-    rule, each row's latest match found by a byte search (``bytes.rfind``; numpy over the
-    padded batch took 0.4 ms a step on this CPU, a fifth of a small model's step).
+    """Prompt lookup on the host for R sequences (the engine's): ``ngram_propose``'s rule, each
+    row's latest match found by a byte search (``bytes.rfind``, faster than numpy here).
 
     Args:
       contexts: R sequences so far (prompt + output), ids.
@@ -175,21 +147,17 @@ def ngram_proposals(contexts: Sequence[Sequence[int]], ks: Sequence[int], n: int
 
 def ngram_propose(seq: jax.Array, length: jax.Array, k: int, n: int = 3, min_n: int = 1
                   ) -> tuple[jax.Array, jax.Array]:
-    """Prompt lookup for B rows at once, in fixed shapes (the device loop's): the k tokens that
-    followed the latest earlier occurrence of each row's last m tokens, m from ``n`` down to
-    ``min_n`` (the longest match first); the engine's ``ngram_proposals`` follows the same rule
-    on the host.
+    """Prompt lookup for B rows in fixed shapes (the device loop's): the k tokens that followed
+    the latest earlier occurrence of each row's last m tokens, m from ``n`` down to ``min_n``.
 
     Args:
-      seq: [B, S] int each row's sequence so far (prompt + output) in its first ``length``
-        entries (anything after).
+      seq: [B, S] int each row's sequence so far in its first ``length`` entries.
       length: [B] int the rows' lengths L, each in [1, S].
       k, n, min_n: static: the most tokens proposed, the longest and shortest suffix matched.
 
     Returns:
-      ([B, k] proposals, [B] bool whether the row found a match; without one its proposals
-      are meaningless). A match near the end continues its own period, as a repeating pattern
-      would.
+      ([B, k] proposals (a match near the end continues its own period), [B] bool whether the
+      row found a match; without one its proposals are meaningless).
     """
     b, s = seq.shape
     j = jnp.arange(s, dtype=jnp.int32)
@@ -237,9 +205,8 @@ def accepted_length(targets: jax.Array, drafts: jax.Array, num_drafts: jax.Array
 def forward_chunk(model: Any, params: Params, cache: Any, tokens: jax.Array, start: jax.Array,
                   **kwargs: Any) -> Any:
     """[B, T] tokens at positions ``start[b] + t`` in one forward of ``model`` (a
-    ``decode_model``) over its cache (contiguous or paged): what T decode steps give, in one.
-    Returns the model's output (logits [B, T, V], or at ``kwargs``' ``logits_at``; the cache
-    with the T positions written)."""
+    ``decode_model``) over its cache (contiguous or paged): the model's output, the cache
+    with the T positions written."""
     positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     return model.apply({"params": params}, tokens, positions, cache=cache, **kwargs)
 
@@ -247,24 +214,20 @@ def forward_chunk(model: Any, params: Params, cache: Any, tokens: jax.Array, sta
 def verify(model: Any, params: Params, cache: Any, tokens: jax.Array, start: jax.Array,
            num_drafts: jax.Array, draw: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
            ) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
-    """One verification of every row's last token and proposals, as ``generate``'s device
-    loop and the engine's verify step both run it (on their own caches and samplers).
+    """One verification of every row's last token and proposals (``generate``'s and the engine's).
 
     Args:
       model, params: the target (a ``decode_model``) and its weights.
       cache: its cache (slots before each row's ``start`` valid).
-      tokens: [B, T] int32: the row's last token, then its proposals (padding past
-        ``num_drafts``), T = k + 1.
+      tokens: [B, T] int32: the row's last token, then its proposals (T = k + 1).
       start: [B] int32 the position of ``tokens[:, 0]``.
       num_drafts: [B] int32 proposals per row, in [0, k].
-      draw: [B, T, V] logits -> the target's own draws ([B, T], or [B, T, 1 + K] with top
-        alternatives after the drawn token) and their log-probabilities (same shape), each
-        with the plain decode's key for its token index.
+      draw: [B, T, V] logits -> the target's draws ([B, T], or [B, T, 1 + K] with top
+        alternatives after the drawn token) and their log-probabilities.
 
     Returns:
       (the cache with all T positions written, the draws, their log-probabilities, [B] int32
-      accepted proposals a: the row's new tokens are the draws at ``[:a + 1]``: the kept
-      proposals and the correction or bonus token).
+      accepted proposals a: the row's new tokens are the draws at ``[:a + 1]``).
     """
     out = forward_chunk(model, params, cache, tokens, start)
     drawn, logprobs = draw(out.logits)
@@ -278,8 +241,7 @@ def greedy_proposals(step: Callable[[Any, jax.Array, jax.Array], tuple[jax.Array
     """A draft model's greedy proposals after its first: ``steps`` more one-token steps.
 
     Args:
-      step: (cache, [B] tokens, [B] positions) -> ([B, V] logits, cache): the draft's decode
-        step over its own cache (contiguous in ``generate``, paged in the engine).
+      step: (cache, [B] tokens, [B] positions) -> ([B, V] logits, cache): the draft's step.
       cache: the draft's cache; first: [B] int32 its first proposal, fed at ``start`` [B].
       steps: static, the further proposals.
 
@@ -301,10 +263,8 @@ def rejection_sample(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Arr
                      ) -> tuple[jax.Array, jax.Array]:
     """The standard speculative rule for proposals drawn from a distribution q.
 
-    Proposal i is accepted with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the first
-    rejection the output token is drawn from ``max(0, p_i - q_i)`` normalised; after k
-    acceptances a bonus token is drawn from ``p_k``. The output is then distributed as the
-    target's own sampling, whatever q is.
+    Proposal i is accepted with probability ``min(1, p_i(d_i) / q_i(d_i))``; the first rejection
+    draws from ``max(0, p_i - q_i)`` normalised, k acceptances a bonus token from ``p_k``.
 
     Args:
       p: [B, k + 1, V] the target's sampling probabilities at each verified position.
@@ -342,16 +302,13 @@ DECAY = 0.8
 #: The evidence before any: an acceptance of 1/2 worth 2 tries.
 PRIOR_HITS, PRIOR_TRIES = 1.0, 2.0
 #: A row that stopped proposing starts again only when its proposals are expected to give this
-#: much more than the round costs (hysteresis: near the break-even a row does not flip every
-#: round on noise).
+#: much more than the round costs (hysteresis against flipping on noise).
 RESTART_MARGIN = 0.15
 
 
 def expected_tokens(rate: Any, k: Any) -> Any:
-    """Tokens a verify round of k proposals gives on average when each is accepted with
-    probability ``rate`` (the target's own token included): 1 + r + ... + r^k, as
-    ``(1 - r^(k + 1)) / (1 - r)`` so that it takes [B] arrays (``jnp``: k traced) as well as
-    Python numbers (r capped just below 1)."""
+    """Tokens a verify round of k proposals gives on average at acceptance ``rate`` (the
+    target's own token included): 1 + r + ... + r^k, for [B] arrays or Python numbers."""
     r = rate * (1 - 1e-4)
     return (1 - r ** (k + 1)) / (1 - r)
 
@@ -369,19 +326,16 @@ def pays(expected: Any, cost: Any, proposing: Any) -> Any:
 
 
 def evidence(hits: Any, tries: Any, new_hits: Any, new_tries: Any) -> tuple[Any, Any]:
-    """Acceptance evidence after a verification: decayed hits and tries plus its own. One of
-    n proposals of which a were kept tried ``a + (a < n)`` positions and hit a. A proposal
-    not verified is watched instead: plain steps check it against the target's tokens one by
-    one, and where it fails (or is all kept) it counts as that verification would have (what
-    lets a row that stopped proposing see its acceptance rise without a verification)."""
+    """Acceptance evidence after a verification: decayed hits and tries plus its own (n
+    proposals of which a were kept tried ``a + (a < n)`` positions and hit a). A watched
+    proposal, checked by plain steps, counts as its verification would have."""
     return DECAY * hits + new_hits, DECAY * tries + new_tries
 
 
 @dataclasses.dataclass
 class Acceptance:
-    """One row's speculation record: its counters, its acceptance evidence (``evidence``) and
-    the cost rule's state (``pays``). The device loop keeps the same fields for B rows in
-    ``jnp``; the engine keeps one per request.
+    """One row's speculation record: counters, acceptance evidence (``evidence``) and the cost
+    rule's state (``pays``); the engine keeps one per request.
 
     Attributes:
       proposed, accepted, verifications: proposals verified, proposals kept, verify rounds.
@@ -465,10 +419,8 @@ def measure_round_cost(run: Callable[[bool, int], tuple[float, Sequence[int]]], 
       rounds: the rounds of each timed run; repeats: the timed triples.
 
     Returns:
-      The verify rounds' time per round against the plain rounds', each less a run of no
-      round (the prefill and the first token); each time the fastest of ``repeats`` (on a
-      shared machine, load only ever adds time); None when nothing was measured (no round to
-      run, or noise beyond the rounds' own time).
+      The verify rounds' time per round over the plain rounds', each less a run of no round
+      (the prefill), each the fastest of ``repeats``; None when nothing was measured.
     """
     if rounds <= 0:
         return None

@@ -1,30 +1,9 @@
 """Speculative ``generate`` on the device: one jitted program per call.
 
-The carry (``SpeculativeState``) holds the target's cache, every row's sequence so far, its
-outputs, keys, counters and acceptance evidence, the next round's proposals, and with a draft
-model the draft's own contiguous cache. After each round every row proposes up to k tokens (the
-n-gram match of its last n tokens in its own sequence, ``speculative.ngram_propose`` in
-``jnp``; or the draft's catch-up on the 1 or 2 tokens the target added, whose greedy token is
-its first proposal), and the cost rule decides (``speculative.pays``: the round's expected
-tokens at the row's recent acceptance against ``cost``, a verify round's cost in plain rounds
-measured on the host by ``round_cost``; the batch verifies when its rows' expected tokens
-beat ``cost`` plain rounds of all of them).
-
-The rounds run in two ``while_loop`` phases, in turn: verify rounds while the rule says so
-(every row's last token and proposals, [B, k + 1] at its own positions, in one forward:
-``speculative.verify``, the engine's too; a draft first makes its k - 1 further greedy
-proposals, ``speculative.greedy_proposals``), then plain rounds (one ``decode_step``, as cheap
-as the plain decode's: choosing between the two forwards every round cost 0.6 plain steps on
-CPU, the cache copied into each branch). The target draws each position's token with the plain
-decode's key for it (``fold_in(key, token index)``); a row keeps its proposals up to the first
-disagreement plus the target's token there. A proposal not verified is watched: plain rounds
-check it against the target's tokens as a verification would (evidence for a stopped row to
-start again). Kept tokens are appended up to a stop token or N and streamed in order.
-
-Rejected positions need no undo: slot s holds position s, so their stale keys sit past the
-row's length, hidden by causality, and are overwritten. The draft proposes greedily (a point
-mass: the target's draw decides, ``speculative``'s docstring). It caches its first k - 1
-proposals, of which the target keeps a, and the target adds one token: so it lacks 1 or 2.
+The carry (``SpeculativeState``) holds the caches, every row's sequence, outputs, keys,
+counters and next proposals. Rounds run in two ``while_loop`` phases in turn: verify rounds
+while the cost rule says so (``speculative.verify``), then plain rounds (one ``decode_step``).
+Rejected positions need no undo: their cache slots lie past the row's length.
 """
 
 from __future__ import annotations
@@ -88,10 +67,9 @@ class SpeculativeState:
       keys: [B, 2] uint32 raw PRNG key per row; token i draws with ``fold_in(key, i)``.
       cache, draft_cache: the target's and the draft's ``KVCache`` (None for the n-gram).
       draft_length: [B] int32 positions the draft's cache holds.
-      drafts: [B, k] int32 the next round's proposals (a draft's first only: it makes the
-        others in a verify round).
-      watched, watch_n, matched: [B, k] a proposal plain rounds check as a verification would
-        (a draft's: its latest first proposal), [B] its length (0: none), [B] matched so far.
+      drafts: [B, k] int32 the next round's proposals (a draft model's first only).
+      watched, watch_n, matched: [B, k] a proposal plain rounds check, [B] its length (0:
+        none), [B] matched so far.
       want: [B] bool rows verifying in the next round; verify: [] bool whether it verifies.
       proposed, accepted, verifications, declined, hits, tries, proposing: [B] the rows'
         ``Acceptance``; rounds: [2] int32 plain and verify rounds; streamed: [] int32.
@@ -135,8 +113,7 @@ def append(state: SpeculativeState, new: jax.Array, new_logprobs: jax.Array,
       settings: static (the stop tokens).
 
     Returns:
-      The state with ``seq``, ``length``, ``tokens``, ``logprobs``, ``num_tokens`` and
-      ``done`` advanced.
+      The state with its sequences, outputs, counts and ``done`` advanced.
     """
     b, w = new.shape
     n, s = state.tokens.shape[1], state.seq.shape[1]
@@ -164,8 +141,8 @@ def append(state: SpeculativeState, new: jax.Array, new_logprobs: jax.Array,
 
 def stream_ready(state: SpeculativeState, stream_id: jax.Array, pad_id: int
                  ) -> SpeculativeState:
-    """Streams token indices every row has reached (or stopped before), in order, as the
-    plain loop does: index i with ``active = num_tokens > i``."""
+    """Streams, in order, the token indices every row has reached (or stopped before), as the
+    plain loop does."""
     num = state.num_tokens
     ready = jnp.where(state.done.all(), num.max(),
                       jnp.min(jnp.where(state.done, jnp.iinfo(jnp.int32).max, num)))
@@ -181,8 +158,7 @@ def stream_ready(state: SpeculativeState, stream_id: jax.Array, pad_id: int
     return state.replace(streamed=streamed)
 
 
-#: ``force`` of the program: the cost rule decides; every round plain; every round verifies
-#: (the last two for ``measure_round_cost``).
+#: ``force``: the cost rule decides; every round plain; every round verifies (for timing).
 AUTO, PLAIN, VERIFY = 0, 1, 2
 
 
@@ -193,14 +169,13 @@ def speculative_generate_padded(
         draft_config: ModelConfig | None, spec: SpeculativeConfig, max_new_tokens: int,
         settings: SamplingSettings, cache_size: int, cache_dtype: str | None
         ) -> tuple[jax.Array, ...]:
-    """Prefill, then the rounds (verify and plain phases): the traced body of
-    ``generate_speculative``.
+    """Prefill, then the verify and plain rounds: the traced body of ``generate_speculative``.
 
     Args:
       config, params, tokens, lengths, key_data: as ``generate_speculative``'s (config static).
       cost: [] float32 what a verify round costs in plain rounds (the cost rule's).
       force: [] int32 ``AUTO``, or every round ``PLAIN`` or ``VERIFY`` (as far as rows can
-        propose: ``measure_round_cost``'s runs); max_rounds: [] int32 the most rounds run.
+        propose); max_rounds: [] int32 the most rounds run.
       stream_id: optional [] int32 id of a ``streaming.registered`` callback.
       draft_params: the draft's prepared weights (None: the n-gram proposer).
       draft_config, spec, max_new_tokens (N), settings, cache_dtype: static, as
@@ -248,8 +223,7 @@ def speculative_generate_padded(
     model = decode_model(config)
 
     def budget_of(s: SpeculativeState) -> jax.Array:
-        """[B] the most proposals a row may verify: k, but no more than it can keep (the
-        target adds one token of its own); none once done."""
+        """[B] the most proposals a row may verify: at most k, and one fewer than it can keep."""
         return jnp.where(s.done, 0, jnp.clip(n - s.num_tokens - 1, 0, k)).astype(jnp.int32)
 
     def decide(s: SpeculativeState) -> SpeculativeState:
@@ -291,9 +265,8 @@ def speculative_generate_padded(
 
     def after(s: SpeculativeState, targets: jax.Array, logprobs: jax.Array, a: jax.Array,
               num_drafts: jax.Array, kind: int) -> SpeculativeState:
-        """A round's [B, T] draws (row keeps ``a + 1``): evidence (a verification's, or a
-        watched proposal's that ends), counters, the kept tokens appended and streamed, and the
-        next round's choice."""
+        """A round's [B, T] draws (a row keeps ``a + 1``): evidence, counters, the kept tokens
+        appended and streamed, and the next round's choice."""
         verified = num_drafts > 0
         watching = (s.watch_n > 0) & ~verified & ~s.done  # it takes one token of the target's
         expect = s.drafts[:, 0] if draft_params is not None or mtp else jnp.take_along_axis(
@@ -378,17 +351,15 @@ PROGRAMS = jit_programs()
 
 #: What a verify round costs in plain rounds, per compiled shape (``round_cost``).
 ROUND_COSTS: dict[Any, float] = {}
-#: Rounds of each timed run of ``measure_round_cost`` (at most N - 1): many, to outweigh the
-#: prefill that every run repeats.
+#: Rounds of each timed run of ``measure_round_cost`` (at most N - 1): many, to outweigh prefill.
 CALIBRATION_ROUNDS = 64
 _STOP_LOGGED: set[Any] = set()
 
 
 def round_cost(key: Any, run: Callable[[bool, int], tuple[float, np.ndarray]], k: int,
                max_new_tokens: int) -> float:
-    """The verify-round cost of the program ``key`` names: measured on its first call
-    (``measure_round_cost`` of ``run``) and kept, with one log line; k + 1 (T positions cost T
-    steps: nothing pays) when it cannot be measured."""
+    """The verify-round cost of the program ``key`` names, measured (``measure_round_cost``)
+    on its first call and kept; k + 1 (nothing pays) when it cannot be measured."""
     cost = ROUND_COSTS.get(key)
     if cost is None:
         measured = measure_round_cost(run, min(CALIBRATION_ROUNDS, max_new_tokens - 1))
@@ -401,17 +372,18 @@ def round_cost(key: Any, run: Callable[[bool, int], tuple[float, np.ndarray]], k
 
 @dataclasses.dataclass
 class DraftModel:
-    """A draft model for speculation: its config and prepared weights (one device).
-
-    Raises (``check_against``): ValueError when its vocabulary differs from the target's.
-    """
+    """A draft model for speculation: its config and prepared weights (one device)."""
 
     config: ModelConfig
     weights: DecodeWeights
     tokenizer_id: str | None = None
 
     def check_against(self, target: ModelConfig, tokenizer_id: str | None = None) -> None:
-        """Refuses a draft that cannot propose for ``target`` (one line, naming why)."""
+        """Refuses a draft that cannot propose for ``target``.
+
+        Raises:
+          ValueError: one line naming why (vocabulary, tokenizer, mesh, ring layers).
+        """
         if self.config.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({self.config.vocab_size}) differs "
                              f"from the target's ({target.vocab_size}): a draft must share the "
@@ -439,9 +411,7 @@ def generate_speculative(config: ModelConfig, weights: DecodeWeights, tokens: np
                          stream: StreamFn | None = None
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Acceptance]]:
     """Speculative decoding in one device program: ``generate_padded``'s outputs, the same
-    tokens. The program's first call for a shape measures its verify-round cost
-    (``round_cost``); a row proposes only where that pays (``speculative.pays``), and one log
-    line per shape says when proposals stopped.
+    tokens. A row proposes only where that pays (``round_cost``, ``speculative.pays``).
 
     Args:
       config, weights: the target's config and prepared weights (one device).

@@ -1,16 +1,9 @@
 """The multi-token prediction draft (``speculative="mtp"``): the target's own module 1
-(``model.mtp``) proposes the token after the next one, from the target's final hidden state.
+(``model.mtp``) combines the target's hidden state h_j and token t_{j+1} to propose t_{j+2}.
 
-At position j the module combines the target's hidden state h_j and the token t_{j+1} and
-predicts t_{j+2}. It keeps a cache of its own block (one layer, ``draft_cache``), slot j
-holding position j, as the target's cache does: after the target's forward over positions
-``start .. start + W - 1`` (a prefill, a plain step or a verification) whose draws are the
-tokens t_{j+1} of those positions, the module runs over the same W positions with those hidden
-states and draws, and its logits at the last position the row kept (the accepted proposals'
-count a) give the next proposal: the token after the one the target just added. Positions past
-a hold stale entries, hidden by causality and overwritten by the next round (which restarts
-at ``start + a + 1``), as the target's do. One proposal per round (k = 1). The caches may be
-``generate``'s (``KVCache``) or the serving engine's pages (``serving.mtp``).
+It runs over the positions of each target forward with the target's draws, in a one-layer cache
+of its own (slot j holds position j, as the target's); its greedy token at the row's last kept
+position is the next proposal (k = 1). The caches may be ``KVCache``s or the engine's pages.
 """
 
 from __future__ import annotations
@@ -22,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.decode import sampling
-from transformer_jax.decode.loop import decode_model, whole_logits
-from transformer_jax.decode.speculative import accepted_length
+from transformer_jax.decode.loop import decode_model, prefill, whole_logits
+from transformer_jax.decode.speculative import accepted_length, forward_chunk
 from transformer_jax.decode.weights import decode_config
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_cache import KVCache
@@ -95,17 +88,9 @@ def _pinned(cache: Any) -> Any:
 def prefill_with_hidden(config: ModelConfig, params: Params, tokens: jax.Array,
                         lengths: jax.Array, max_len: int, dtype: str | None
                         ) -> tuple[jax.Array, KVCache, jax.Array]:
-    """``decode.loop.prefill`` that also returns every prompt position's final-normed hidden
-    state [B, T, D] (the module's input over the prompt)."""
-    b, t = tokens.shape
-    cache = KVCache.init(config, b, max_len, dtype).constrain()
-    if cache.ring is not None:
-        cache = cache.replace(ring_end=lengths.astype(jnp.int32))
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = decode_model(config).apply({"params": params}, tokens, positions, cache=cache,
-                                     logits_at=lengths.astype(jnp.int32) - 1, with_hidden=True)
-    return (whole_logits(out.logits), out.cache.replace(lengths=lengths.astype(jnp.int32),
-                                                        ring_end=None), out.hidden)
+    """``decode.loop.prefill`` that also returns the [B, T, D] hidden states (the module's
+    input over the prompt)."""
+    return prefill(config, params, tokens, lengths, max_len, dtype, with_hidden=True)
 
 
 def first_proposal(config: ModelConfig, params: Params, hidden: jax.Array, tokens: jax.Array,
@@ -125,18 +110,14 @@ def verify(config: ModelConfig, params: Params, cache: KVCache, draft_cache: KVC
            chunk: jax.Array, start: jax.Array, num_drafts: jax.Array,
            draw: Callable[[jax.Array], tuple[jax.Array, jax.Array]]) -> tuple[Any, ...]:
     """``speculative.verify`` of [B, W] tokens (the last token and W - 1 proposals; W = 1: a
-    plain step) with the module's next proposal from the target's hidden states and draws.
-
-    ``draw`` may give [B, W, 1 + K] draws (the drawn token, then the top alternatives: the
-    engine's ``top_logprobs``); column 0 is the draw.
+    plain step) with the module's next proposal. ``draw`` may give [B, W, 1 + K] draws
+    (column 0 the drawn token, then the engine's ``top_logprobs``).
 
     Returns:
       (the target's cache, the module's, [B] the next proposal, [B, W] (or [B, W, 1 + K]) the
       draws, their log-probabilities, [B] int32 the accepted proposals a).
     """
-    positions = start[:, None] + jnp.arange(chunk.shape[1], dtype=jnp.int32)
-    out = decode_model(config).apply({"params": params}, chunk, positions, cache=cache,
-                                     with_hidden=True)
+    out = forward_chunk(decode_model(config), params, cache, chunk, start, with_hidden=True)
     drawn, logprobs = draw(out.logits)
     targets = drawn if drawn.ndim == 2 else drawn[..., 0]
     a = accepted_length(targets, chunk[:, 1:], num_drafts)

@@ -1,9 +1,5 @@
-"""Streaming tokens out of the compiled decode loop to a host callback, step by step.
-
-The compiled program receives only an integer id (a traced int32), and ``emit`` looks the
-callback up by it on the host: registering a new callback does not recompile, and concurrent
-generate calls do not see each other's callbacks.
-"""
+"""Streaming tokens out of the compiled decode loop to a host callback, step by step: the
+program holds only the callback's integer id, so a new callback does not recompile."""
 
 from __future__ import annotations
 

@@ -1,21 +1,9 @@
 """The weights of a decode, prepared once: ``prepare`` and the layouts and shardings behind it.
 
-``prepare`` is the one parameter transform in front of the forward (``decode/loop.py``): it puts the
-blocks in the config's layer layout, casts the matrices to the compute dtype once (so no step
-re-casts them), lays them out for the target platform (on CPU each matrix an ``OutFirst`` leaf,
-stored output axes first, see ``ops.dense``: a property of the prepared weights, which the
-forward computes with as they are; the model has no layout setting) and places
-them on a mesh by the same logical-axis rules as training (``sharding.param_shardings``). With a
-``tensor`` axis of T devices each device holds its block of every matrix (``weight_specs``:
-N/T heads, K/T kv heads, F/T FFN units, V/T vocabulary rows when T divides V).
-
-With ``quant`` the matrices and the token table are stored quantised (``model.quant``:
-int8 per output channel, int4 in groups, through qwix): values and scales only, which the same
-forward computes with.
-
-With ``experts_split`` (the default on CPU for a mixture) each expert stack is stored as an
-``ops.moe.ExpertList``, one array per expert, which the decode's expert products switch between
-instead of gathering from the stack (measured in ``ExpertList``'s docstring).
+``prepare`` puts the blocks in the config's layer layout, casts the matrices to the compute
+dtype, lays them out for the target platform (on CPU ``OutFirst`` matrices, and a mixture's
+experts as ``ExpertList``s), optionally quantises them (``model.quant``) and places them on a
+mesh by training's logical-axis rules (``weight_specs``).
 """
 
 from __future__ import annotations
@@ -61,12 +49,10 @@ class DecodeWeights:
     """A model's weights prepared once for generation (``prepare``).
 
     Attributes:
-      params: the parameters in the config's layer layout, matrices in the compute dtype,
-        placed on the mesh by the logical-axis rules when there is one.
+      params: the parameters in the decode layout (``decode_params``), placed on the mesh.
       config: the config they were prepared for (static).
       mesh: the mesh they are placed on, or None (static).
-      out_first: static; every matrix is an ``ops.layouts.OutFirst`` leaf (and a tied token
-        table the head's), as ``prepare`` lays them out for a CPU target.
+      out_first: static; every matrix is an ``ops.layouts.OutFirst`` leaf (a CPU target).
       quant: static; how the matrices are quantised (``quant.WeightQuant``), or None (float).
       experts_split: static; a mixture's expert stacks are ``ExpertList``s (``split_experts``).
     """
@@ -80,8 +66,7 @@ class DecodeWeights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all the prepared weights (summed over their shards), quantised values and
-        scales included."""
+        """Bytes of all the prepared weights, summed over their shards (scales included)."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
 
     @property
@@ -92,12 +77,11 @@ class DecodeWeights:
 
     def check_for(self, config: ModelConfig, mesh: Mesh | None, caller: str,
                   quant: Any = None) -> Mesh | None:
-        """The mesh to run these weights on, for a ``caller`` given ``config`` and ``mesh``
-        (None: theirs) and ``quant`` (None: theirs).
+        """The mesh to run these weights on, for a ``caller`` given ``config``, ``mesh`` and
+        ``quant`` (None: theirs).
 
         Raises:
-          ValueError: they were prepared for another config, another mesh or another
-            quantisation.
+          ValueError: they were prepared for another config, mesh or quantisation.
         """
         asked = None if quant is None else _parse_quant(config, quant, tensor_shards(self.mesh))
         if asked is not None and asked != self.quant:
@@ -114,34 +98,29 @@ class DecodeWeights:
 
 
 def decode_config(config: ModelConfig) -> ModelConfig:
-    """The config generation runs the model with: the same forward, without rematerialisation
-    (there is no backward pass to save memory for)."""
+    """The config generation runs the model with: no rematerialisation (no backward pass)."""
     return config.replace(remat="none")
 
 
 def target_platform(mesh: Mesh | None = None) -> str:
-    """The platform a decode runs on: the mesh's devices', else the traced target's
-    (``ops.target``: the default backend unless set)."""
+    """The platform a decode runs on: the mesh's devices', else the target (``ops.target``)."""
     return target.of_mesh(mesh) or target.platform()
 
 
 def out_first_for(platform: str) -> bool:
-    """Whether ``prepare`` stores the matrices output axes first for a ``platform`` target: on
-    CPU only, where decode steps measured faster that way (``ops.dense``)."""
+    """Whether ``prepare`` stores the matrices output axes first: on CPU (``ops.dense``)."""
     return platform == "cpu"
 
 
 def default_experts_split(config: ModelConfig, platform: str | None = None) -> bool:
-    """Whether ``prepare`` stores a mixture's experts as ``ExpertList``s by default: for a CPU
-    target, where a product with a gathered expert copies its matrix first (``ExpertList``)."""
+    """Whether ``prepare`` stores a mixture's experts as ``ExpertList``s by default: on CPU."""
     return config.moe is not None and (platform or target.platform()) == "cpu"
 
 
 def split_experts(tree: Params, n_experts: int, take: Callable[[Any, int, int], Any]
                   ) -> Params:
     """``tree`` (weights, or their shardings) with each expert stack replaced by an
-    ``ExpertList`` of ``take(stack, axis, e)`` for e < E (``axis``: the stack's E axis, 1
-    after a leading layers axis). A quantised stack is one node (values and scales)."""
+    ``ExpertList`` of ``take(stack, axis, e)`` for e < E (``axis``: the stack's E axis)."""
     def one(path: tuple[Any, ...], x: Any) -> Any:
         if not is_expert_stack(path):
             return x
@@ -168,14 +147,10 @@ def _expert_sharding(stack: Any, axis: int, e: int) -> Any:
 
 def decode_params(config: ModelConfig, params: Params, out_first: bool | None = None
                   ) -> Params:
-    """The parameter transform in front of the decode: what ``prepare`` computes.
-
-    The blocks are put in the config's layout (its layer groups stacked when ``scan_layers``,
-    else ``blocks_{i}``), whichever layout ``params`` has, every matrix is cast to the compute dtype
-    (so no step converts a weight again; norm scales and correction biases keep their dtype)
-    and, with ``out_first`` (default: for the default backend, ``out_first_for``), stored output
-    axes first as ``OutFirst`` leaves (``out_first_layout``).
-    """
+    """The parameter transform ``prepare`` computes: the blocks in the config's layout (from
+    either layout), every matrix cast to the compute dtype (norm scales and correction biases
+    keep theirs) and, with ``out_first`` (default ``out_first_for`` the default backend),
+    stored output axes first (``out_first_layout``)."""
     if out_first is None:
         out_first = out_first_for(target.platform())
     if config.scan_layers and not is_scanned(params):
@@ -185,8 +160,7 @@ def decode_params(config: ModelConfig, params: Params, out_first: bool | None = 
 
     def prepare_leaf(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
         name = str(path[-1].key)
-        # Norm gains/shifts keep their dtype (norms compute in float32), and so does a
-        # router's correction bias (it chooses experts in float32); the rest is cast.
+        # norms and a router's correction bias compute in float32: they keep their dtype
         if is_vector_param(name) and "norm" in str(path[-2].key) or name == CORRECTION_BIAS:
             return x
         return x.astype(config.jnp_dtype)
@@ -202,10 +176,8 @@ def _permuted(s: NamedSharding, order: tuple[int, ...]) -> NamedSharding:
 def out_first_layout(config: ModelConfig, tree: Params,
                      permute: Callable[[Any, tuple[int, ...]], Any]) -> Params:
     """``tree`` (weights, or their shardings) with every matrix an ``OutFirst`` leaf of
-    ``permute(leaf, order)`` (``ops.layouts.out_first_order``), and a tied token table the
-    head's ``OutFirst`` as it is (the [V, D] table is the [D, V] head stored output axes
-    first). A mixture's router and shared expert follow; its experts' [E, D, F] / [E, F, D]
-    stacks stay in-first (``model.moe``)."""
+    ``permute(leaf, order)`` (``ops.layouts.out_first_order``), and a tied [V, D] token table
+    the head's ``OutFirst`` as it is; expert stacks stay in-first (``model.moe``)."""
     def one(path: tuple[Any, ...], x: Any) -> Any:
         name = str(path[-1].key)
         if name == EMBEDDING_PARAM and config.tie_embeddings:
@@ -227,13 +199,11 @@ def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None, *,
     """Prepares ``params`` for generation once (``decode_params``, placed on ``mesh``).
 
     Args:
-      config: the model's config.
-      params: the model's parameters (scanned or unrolled layout), on any device.
+      config, params: the model's config and parameters (either layout, on any device).
       mesh: optional mesh with a ``"tensor"`` axis, and for a mixture an ``"expert"`` axis
-        (other axes of size 1): each device then holds its block of every matrix, split by
-        the logical-axis rules, and its E/X experts (their stacks kept whole).
-      platform: the platform the decode targets, which picks the layouts (``out_first_for``,
-        ``default_experts_split``); default ``target_platform(mesh)``.
+        (other axes of size 1): each device holds its block of every matrix and its E/X experts.
+      platform: the platform the decode targets (it picks the layouts); default
+        ``target_platform(mesh)``.
       quant: None (float weights), ``"int8"``, ``"int4"``, ``"int4:G"`` or a
         ``quant.WeightQuant``: store the matrices and token table quantised.
       experts_split: store a mixture's expert stacks as ``ExpertList``s; default
@@ -243,16 +213,15 @@ def prepare(config: ModelConfig, params: Params, mesh: Mesh | None = None, *,
       The ``DecodeWeights``; pass them to ``generation.generate`` in place of ``params``.
 
     Raises:
-      ValueError: for a mesh the config cannot be split over (``check_tensor_parallel``), an
-        unknown quantisation scheme or an int4 group size that does not divide a width.
+      ValueError: for a mesh the config cannot be split over, an unknown quantisation scheme
+        or an int4 group size that does not divide a width.
     """
     shards = tensor_shards(mesh)
     check_tensor_parallel(config, shards, expert_shards(mesh))
     quant = _parse_quant(config, quant, shards)
     platform = platform or target_platform(mesh)
     out_first = out_first_for(platform)
-    # Split over an expert axis each device holds its E/X experts' stack: one array spans the
-    # mesh, so a per-expert array could not live on its shard's devices alone.
+    # over an expert axis one stack spans the mesh: a per-expert array could not be split
     split = _experts_split(config, experts_split, platform) and expert_shards(mesh) == 1
     return DecodeWeights(_prepare_fn(config, mesh, out_first, quant, split)(params),
                          config, mesh, out_first, quant, split)
@@ -276,8 +245,7 @@ def _parse_quant(config: ModelConfig, quant: Any, shards: int) -> Any:
 def abstract_weights(config: ModelConfig, platform: str | None = None,
                      quant: Any = None, experts_split: bool | None = None) -> DecodeWeights:
     """``prepare``'s result for a ``platform`` target (default: the default backend) as
-    ``jax.ShapeDtypeStruct``s, without allocating anything (to lower and compile
-    ``generate_padded`` from shapes alone)."""
+    ``jax.ShapeDtypeStruct``s, without allocating (to compile ``generate_padded`` from shapes)."""
     platform = platform or target_platform()
     out_first = out_first_for(platform)
     quant = _parse_quant(config, quant, 1)
@@ -334,18 +302,14 @@ def weight_shardings(config: ModelConfig, mesh: Mesh, out_first: bool,
 
 
 #: The decode's rules for a mixture's axes: the experts' F split over the tensor axis as the
-#: dense FFN's is (gate/up [E, D, F/T], down [E, F/T, D]), every expert on every device, the
-#: router replicated. (Training may split E over an expert axis; a decode mesh has only
-#: ``tensor``.)
+#: dense FFN's is, every expert on every device (``decode_rules``: E over an expert axis).
 EXPERT_RULES = (("experts", None), ("expert_embed", None), ("expert_mlp", TENSOR_AXIS),
                 ("router", None))
 
 
 def decode_rules(config: ModelConfig, mesh: Mesh | None) -> tuple:
-    """The training's logical-axis rules, with the vocabulary kept whole on every device when
-    the tensor axis does not divide it (the embedding and head are then replicated), and a
-    mixture's axes split as ``EXPERT_RULES`` says (E over the expert axis when the mesh has
-    one)."""
+    """The training's logical-axis rules, the vocabulary kept whole when the tensor axis does
+    not divide it, and a mixture's axes as ``EXPERT_RULES`` says (E over an expert axis)."""
     ours = dict(EXPERT_RULES)
     if expert_shards(mesh) > 1:
         ours["experts"] = EXPERT_AXIS
@@ -363,10 +327,8 @@ def vocab_is_split(config: ModelConfig, mesh: Mesh | None) -> bool:
 
 def weight_specs(config: ModelConfig, mesh: Mesh, out_first: bool | None = None,
                  quant: Any = None, experts_split: bool = False) -> Params:
-    """The ``PartitionSpec`` of every prepared weight over ``mesh``: the training's logical-axis
-    rules applied to the decode layout (``decode_rules``), as ``prepare`` places them (the
-    quantised values and scales with ``quant``, a parsed ``WeightQuant``; the experts as
-    ``ExpertList``s with ``experts_split``)."""
+    """The ``PartitionSpec`` of every prepared weight over ``mesh`` (``decode_rules``), as
+    ``prepare`` places them (``quant``: a parsed ``WeightQuant``)."""
     if out_first is None:
         out_first = out_first_for(target_platform(mesh))
     return jax.tree.map(lambda s: s.spec, weight_shardings(config, mesh, out_first,
@@ -410,9 +372,8 @@ def is_split(mesh: Mesh | None) -> bool:
 
 
 def check_tensor_parallel(config: ModelConfig, shards: int, experts: int = 1) -> None:
-    """Raises ValueError unless T = ``shards`` divides the kv heads, query heads and FFN width
-    (and a mixture's expert and shared-expert widths), and X = ``experts`` (an expert axis)
-    is 1 or divides a mixture's experts."""
+    """Raises ValueError unless T = ``shards`` divides the kv heads, query heads and FFN widths,
+    and X = ``experts`` is 1 or divides a mixture's experts."""
     c = config
     if not is_int(shards) or shards < 1:
         raise ValueError(f"the tensor axis size must be a positive int, got {shards!r}")

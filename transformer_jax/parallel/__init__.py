@@ -1,6 +1,2 @@
-"""Parallelism: the device mesh (data, fsdp, tensor), logical-axis sharding rules, multi-host.
-
-``mesh`` (the mesh and the CPU devices a host is split into), ``sharding`` (logical-axis rules,
-shardings of parameters, optimizer state and batches) and ``distributed`` (``jax.distributed``
-start-up across hosts).
-"""
+"""Parallelism: the device mesh, logical-axis sharding rules, multi-host set-up, context
+parallelism, and TPU pods and collectives without a TPU."""

@@ -1,18 +1,11 @@
 """The collectives of a compiled program, read from its optimized HLO text, per mesh axis.
 
 ``collectives(hlo_text, ids, axis_names)`` finds every all-gather, all-reduce, reduce-scatter,
-all-to-all and collective-permute, counts each as often as one run of the program executes it
-(a ``while`` body, e.g. a scanned layer stack, once per iteration of its known trip count), and
-names the mesh axes its device groups run over. The TPU compiler writes a reduce-scatter as an
-all-reduce inside an ``all-reduce-scatter`` fusion; it is counted as a reduce-scatter. Over
-large groups (64 chips and more, e.g. FSDP over v5p:4x4x4 or v5e:8x8) it writes an all-gather
-as an all-reduce of each shard placed in a zero buffer (a ``dynamic-update-slice``, or a fusion
-whose root is one), often in one tuple all-reduce with gradients: those operands are counted
-as an all-gather (``"as": "all-reduce"``), the rest as the all-reduce. In a
-multi-slice program the exchange between slices (DCN) is a host transfer (``send`` with a
-``_xla_megascale_transfer_type``), counted as crossing slices.
-
-Bytes are those of each collective's result on one device.
+all-to-all and collective-permute, counts each as often as one run executes it (``while``
+bodies times their trip counts) and names the mesh axes it runs over. The TPU compiler's
+rewrites are read back as what they are (a reduce-scatter fusion, an all-gather written as an
+all-reduce, ``"as": "all-reduce"``, a DCN ``send`` between slices). Bytes: each result on one
+device.
 """
 
 from __future__ import annotations

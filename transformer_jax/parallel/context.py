@@ -1,20 +1,9 @@
 """Context parallelism: every training sequence split over the ``context`` mesh axis.
 
-With ``train.mesh=...,context=C`` the batch's [B, T] arrays arrive split along T over C devices
-(``sharding.batch_sharding``), every activation stays split along T (the ``length`` rule of
-``sharding.CONTEXT_RULES``), and attention gathers the keys and values of the whole sequence
-(``model.ops.context_attention``). Causal attention gives the later positions more keys to read,
-so a plain split would leave the device holding the sequence's end with about 2C - 1 times the
-work of the first. ``balance_batch`` permutes every sequence first, as MaxText does: cut into
-2C chunks, device i holds chunks i and 2C - 1 - i, and every device has the same causal work.
-
-The permutation is done inside the jitted step (``train.step.make_loss_fn``), not by the batch
-builder: the batches, the data pipeline, evaluation and every consumer of a batch stay in their
-natural order and the same for every mesh, and the step adapts to whatever mesh it is compiled
-for. Its cost is one reshuffle of the batch's small integer arrays (a few [B, T] int32 arrays
-against the [B, T, D] activations of every layer). Positions and segment ids are permuted with
-the tokens, so the attention masks (structure: positions and segments, never indices) are those
-of the natural order, and the loss, a sum over tokens, needs no un-permuting.
+The batch's [B, T] arrays and every activation split along T (``sharding.CONTEXT_RULES``), and
+attention gathers the keys and values (``model.ops.context_attention``). ``balance_batch``
+permutes every sequence inside the jitted step (as MaxText: 2C chunks, device i holds chunks i
+and 2C - 1 - i) so that every device has the same causal work.
 """
 
 from __future__ import annotations
@@ -31,8 +20,7 @@ from jax.sharding import AxisType
 
 
 def context_parts() -> int:
-    """Into how many parts the mesh and logical rules in context split the sequence (the size
-    of the mesh axes ``length`` maps to; 1 without a mesh or such an axis)."""
+    """Into how many parts the mesh and rules in context split the sequence (1 without)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return 1
@@ -52,8 +40,7 @@ def balanced_order(t: int, parts: int) -> np.ndarray:
 
     Returns:
       [T] int32 indices: position j of the permuted sequence is position ``order[j]`` of the
-      natural one; device i's contiguous T / parts holds chunks i and 2 parts - 1 - i of the
-      2 parts chunks.
+      natural one; device i holds chunks i and 2 parts - 1 - i of 2 parts.
 
     Raises:
       ValueError: T is not a multiple of ``2 * parts``.
@@ -67,14 +54,11 @@ def balanced_order(t: int, parts: int) -> np.ndarray:
 
 
 def balance_batch(batch: dict[str, Any]) -> dict[str, Any]:
-    """The batch's sequences in load-balanced order for the context split in force (unchanged
-    without one).
+    """The batch's sequences in load-balanced order for the context split in force, if any.
 
     Args:
-      batch: ``{"inputs": [B, T], "targets": [B, T], ...}``; every [B, T] array (targets,
-        ``mask``, ``segment_ids``, ``positions``) is permuted alike. Without ``positions`` the
-        natural ones (``arange(T)``) are added first, so that the model sees each token's real
-        position.
+      batch: ``{"inputs": [B, T], ...}``; every [B, T] array is permuted alike, and natural
+        ``positions`` are added first when missing.
 
     Returns:
       The permuted batch, its [B, T] arrays constrained to (batch, length).
@@ -102,20 +86,11 @@ def balance_batch(batch: dict[str, Any]) -> dict[str, Any]:
 def per_part_loss(loss: Callable[..., tuple[jax.Array, ...]], hidden: jax.Array, head: Any,
                   targets: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, ...]:
     """A chunked loss ``loss(hidden, head, targets, mask) -> sums`` run by each device on its
-    own rows and part of the sequence, the sums added up (as ``loss`` itself without a
-    context split).
-
-    ``ops.lm_loss`` splits only the batch axes among devices and chunks along T: on a sequence
-    split over context each chunk would lie on one device and the compiler would move it to all
-    of them (measured for ``llama3_8b`` at 131,072 tokens over context=8 on v5p, before the
-    chunks were per device: an all-reduce of every [chunk, V] float32 block of logits, 141 GiB
-    a chip a step). Here the tokens are viewed as [B, C, T / C] (each row and
-    part on its device) and ``loss`` is mapped over B and C: every chunk step computes one
-    chunk on every device.
+    own rows and part of the sequence ([B, C, T / C]), the sums added up. (``ops.lm_loss``
+    chunks along T: over a context split each chunk would lie on one device.)
 
     Args:
-      loss: returns a tuple of float32 sums for [b, t, D] hidden states, [b, t] targets and
-        optional [b, t] mask.
+      loss: a tuple of float32 sums for [b, t, D] hidden, [b, t] targets and optional mask.
       hidden: [B, T, D] final hidden states.
       head: the output projection (closed over: the same for every part).
       targets: [B, T] target ids.

@@ -1,9 +1,8 @@
 """Multi-process (multi-host) set-up on JAX's own runtime: ``jax.distributed`` and global arrays.
 
-Every process runs the same program (multi-controller). ``maybe_initialize`` connects the
-processes before anything touches a device; afterwards ``jax.devices()`` lists the devices of all
-processes, a mesh spans them, and each process feeds only the batch rows its own devices hold
-(``process_batch_shard`` says which, ``global_batch`` assembles the global array).
+``maybe_initialize`` connects the processes before anything touches a device; then a mesh spans
+all their devices, and each process feeds only the batch rows its own devices hold
+(``process_batch_shard``, ``global_batch``).
 """
 
 from __future__ import annotations
@@ -20,14 +19,12 @@ from jax.sharding import Sharding
 
 logger = logging.getLogger(__name__)
 
-# Environment variables read when the arguments are not given; jax itself also reads
-# JAX_COORDINATOR_ADDRESS, JAX_LOCAL_DEVICE_IDS and JAX_COORDINATOR_BIND_ADDRESS.
+# Environment variables read when the arguments are not given.
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
 
-# Cluster launchers jax.distributed detects by itself, and how each says how many processes
-# there are: (variable that marks the environment, variable holding the process count).
+# Cluster launchers jax.distributed detects: (the variable that marks one, its process count).
 _CLUSTER_SIZE_VARS = (
     ("SLURM_JOB_ID", "SLURM_NTASKS"),
     ("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE"),
@@ -41,16 +38,13 @@ def maybe_initialize(coordinator_address: str | None = None, num_processes: int 
     """Calls ``jax.distributed.initialize`` when this run has several processes.
 
     Arguments left None are read from ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
-    ``JAX_PROCESS_ID``. Without any of them, a SLURM or Open MPI launch with more than one task
-    is handed to jax's own cluster auto-detection. One process (the default) does nothing, so
-    single-host runs need no set-up. Must run before any other JAX call touches a device.
-
-    CPU cross-process collectives use gloo (set here, before the CPU backend starts).
+    ``JAX_PROCESS_ID``; without any, a SLURM or Open MPI launch of several tasks is handed to
+    jax's auto-detection. One process does nothing. Must run before any JAX call touches a
+    device. CPU cross-process collectives use gloo.
 
     Args:
       coordinator_address: ``host:port`` of process 0's coordinator service.
-      num_processes: number of processes P.
-      process_id: this process's index in ``[0, P)``.
+      num_processes, process_id: the number of processes P, and this one's index in [0, P).
       local_device_ids: devices of this host this process uses (default: all).
       initialization_timeout: seconds to wait for all processes to connect.
 
@@ -110,8 +104,8 @@ def is_main_process() -> bool:
 def any_process(flag: bool) -> bool:
     """Whether ``flag`` is true on any process (a collective: every process must call it).
 
-    For decisions all processes must take together, e.g. stopping after a SIGTERM that reached
-    only some hosts: a checkpoint save is collective, so all must stop at the same step.
+    For decisions all processes must take together (stopping after a SIGTERM that reached only
+    some hosts: a checkpoint save is collective).
 
     Args:
       flag: this process's value.
@@ -130,9 +124,8 @@ def any_process(flag: bool) -> bool:
 def process_batch_shard(sharding: Sharding, global_batch_size: int) -> tuple[int, int]:
     """Which contiguous part of the global batch this process must load.
 
-    With the batch split over (data, fsdp) and those axes spanning the processes, process p of P
-    holds rows ``[p B/P, (p+1) B/P)``; with a mesh whose batch axes stay inside one host (e.g.
-    tensor parallelism across hosts) several processes hold the same rows. Pass the result as
+    Process p of P holds rows ``[p B/P, (p+1) B/P)`` when the batch axes span the processes;
+    several processes hold the same rows when they stay inside one host. Pass the result as
     ``data.get_batch(..., process_index=index, process_count=count)``.
 
     Args:
@@ -140,12 +133,11 @@ def process_batch_shard(sharding: Sharding, global_batch_size: int) -> tuple[int
       global_batch_size: B.
 
     Returns:
-      ``(index, count)``: this process loads part ``index`` of ``count`` equal parts of the
-      batch.
+      ``(index, count)``: this process loads part ``index`` of ``count`` equal parts.
 
     Raises:
-      ValueError: if B does not split over the batch axes, or this process's rows are not one
-        contiguous block.
+      ValueError: if B does not split over the batch axes, or this process's rows are not
+        contiguous.
     """
     # A sharding that also splits T (context parallelism) is asked about [B, parts of T] rows.
     extra = tuple(math.prod(sharding.mesh.shape[a] for a in
@@ -175,10 +167,9 @@ def global_batch(local_batch: Any, sharding: Sharding, global_batch_size: int) -
     """Assembles each process's rows into global arrays sharded by ``sharding``.
 
     Args:
-      local_batch: a tree of host arrays, each [B_local, ...]: this process's rows, as chosen by
-        ``process_batch_shard``.
-      sharding: the batch sharding.
-      global_batch_size: B.
+      local_batch: a tree of host arrays, each [B_local, ...]: this process's rows
+        (``process_batch_shard``).
+      sharding, global_batch_size: the batch sharding, and B.
 
     Returns:
       The same tree of ``jax.Array``s of shape [B, ...], without any cross-host copy.
@@ -192,7 +183,6 @@ def global_batch(local_batch: Any, sharding: Sharding, global_batch_size: int) -
 
 
 def _use_gloo_on_cpu() -> None:
-    # Only the CPU client reads this; on GPU/TPU hosts it is inert.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 

@@ -1,6 +1,5 @@
-"""The device mesh: its axes (data, fsdp, tensor, expert for a mixture of experts, and context
-for sequences split across devices), their sizes, and the CPU devices a host is split into to
-simulate or to use every core (``parallel/sharding.py`` maps the model onto it)."""
+"""The device mesh: its axes (data, fsdp, tensor, expert, context), their sizes, and the CPU
+devices a host is split into (``parallel/sharding.py`` maps the model onto it)."""
 
 from __future__ import annotations
 
@@ -20,14 +19,10 @@ logger = logging.getLogger(__name__)
 
 #: The axes of every mesh without expert parallelism (``MeshConfig.expert == 1``).
 MESH_AXES = ("data", "fsdp", "tensor")
-#: The axes of a mesh with an ``expert`` axis (``MeshConfig.expert > 1``). expert sits inside
-#: fsdp and outside tensor: tensor's per-sublayer all-reduces stay on the closest devices, and
-#: each MoE layer's two all_to_alls over expert on the next closest.
+#: The axes of a mesh with an ``expert`` axis (``MeshConfig.expert > 1``): inside fsdp, outside
+#: tensor (whose per-sublayer all-reduces stay on the closest devices).
 EXPERT_MESH_AXES = ("data", "fsdp", "expert", "tensor")
-#: The axes of a mesh with a ``context`` axis (``MeshConfig.context > 1``): each device holds
-#: T / context of every sequence. context sits inside fsdp and outside tensor, as in MaxText:
-#: attention all-gathers keys and values over it in every layer (more often than fsdp gathers
-#: weights), while tensor's per-sublayer all-reduces stay on the closest devices.
+#: The axes of a mesh with a ``context`` axis (``MeshConfig.context > 1``), placed as expert is.
 CONTEXT_MESH_AXES = ("data", "fsdp", "context", "tensor")
 
 
@@ -35,21 +30,16 @@ CONTEXT_MESH_AXES = ("data", "fsdp", "context", "tensor")
 class MeshConfig:
     """Sizes of the ``data``, ``fsdp``, ``tensor``, ``expert`` and ``context`` mesh axes.
 
-    One of data, fsdp and tensor may be -1, meaning "all the devices the others leave". The
-    default is pure data parallelism over every device, so the same config runs on 1 device
-    and on a pod.
+    One of data, fsdp and tensor may be -1: all the devices the others leave. The default is
+    pure data parallelism over every device.
 
     Attributes:
-      data: replicas that each hold whole (unsharded-by-fsdp) parameters.
-      fsdp: devices that split parameters and optimizer state along the embed axis.
-      tensor: devices that split heads, FFN width and vocab.
-      expert: devices that split a mixture's experts (each holds E/expert of them and gets
-        its tokens' rows by all_to_all); every other layer uses them as FSDP devices (the
-        batch and the embed axis split over them too). 1 (the default): no expert axis.
-      context: devices that split every sequence (T) of a training batch, for sequences
-        longer than one device's memory allows (context parallelism: ``parallel.context``);
-        the parameters' embed axis splits over them too (they act as FSDP devices for the
-        weights). 1 (the default): no context axis.
+      data, fsdp, tensor: replicas holding whole parameters; devices that split parameters and
+        optimizer state along the embed axis; devices that split heads, FFN width and vocab.
+      expert: devices that split a mixture's experts (E/expert each, tokens routed by
+        all_to_all); FSDP devices for every other layer. 1 (the default): no expert axis.
+      context: devices that split every sequence (T) of a training batch
+        (``parallel.context``); FSDP devices for the weights. 1 (the default): none.
     """
 
     data: int = -1
@@ -85,8 +75,7 @@ class MeshConfig:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        """The sizes of ``axes`` as configured, -1 included: (data, fsdp, tensor), or
-        (data, fsdp, expert, tensor), or (data, fsdp, context, tensor)."""
+        """The sizes of ``axes`` as configured, -1 included."""
         return tuple(getattr(self, name) for name in self.axes)
 
     def describe(self) -> str:
@@ -98,7 +87,7 @@ class MeshConfig:
 
         Raises:
           ValueError: when the sizes do not multiply to ``n_devices`` (or, with a -1, the fixed
-            sizes do not divide it); the message names the mesh and the device count.
+            sizes do not divide it).
         """
         fixed = math.prod(s for s in self.sizes if s != -1)
         if -1 in self.sizes:
@@ -150,20 +139,15 @@ class MeshConfig:
 def configure_cpu_devices(divides: int | None = None, devices: int = 0) -> int:
     """Splits the host CPU into several XLA devices, one per core, to run a mesh across cores.
 
-    XLA:CPU runs the many small ops of a small model's step mostly on one thread; as separate
-    devices, the cores each run their part: training data parallel on their rows of the batch
-    (measured on 2 cores: about 2x the tokens/s of one device), decoding tensor parallel on
-    their heads (``decode``). Sets JAX's ``jax_num_cpu_devices`` unless the user chose a count
-    (that option, ``JAX_NUM_CPU_DEVICES`` or ``--xla_force_host_platform_device_count`` in
-    ``XLA_FLAGS``). Only possible before JAX creates its backends: afterwards (e.g. a second
-    call in one process) it logs that and changes nothing. It does not change which devices a
-    GPU/TPU machine uses, and, unlike setting ``XLA_FLAGS``, it does not leak into
-    subprocesses.
+    XLA:CPU runs a small model's many small ops mostly on one thread; as separate devices the
+    cores each run their part (data parallel training, tensor parallel decoding). Sets JAX's
+    ``jax_num_cpu_devices`` unless the user chose a count (that option,
+    ``JAX_NUM_CPU_DEVICES`` or ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``);
+    only possible before JAX creates its backends (afterwards it logs and changes nothing).
 
     Args:
-      divides: if given, the chosen device count is reduced until it divides this (the
-        micro-batch rows for data parallelism, the kv heads and FFN width for tensor
-        parallelism); an explicit ``devices`` must divide it.
+      divides: if given, the chosen count is reduced until it divides this (e.g. the batch
+        rows); an explicit ``devices`` must divide it.
       devices: the count to use; 0 means one per available core (at most 16).
 
     Returns:
@@ -206,12 +190,9 @@ def slice_count(devices: Sequence[Any]) -> int:
 
 def hybrid_sizes(mesh_config: MeshConfig, dcn_config: MeshConfig, n_devices: int,
                  slices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Each axis of ``mesh_config.axes`` split into its size within a slice (ICI) and the number
-    of slices it spans (DCN).
-
-    ``mesh_config`` gives the whole mesh's sizes (over all ``n_devices``); ``dcn_config`` how
-    many slices each axis spans (their product: ``slices``; a -1 takes the rest). An axis of
-    size S over D slices holds S / D devices of each slice.
+    """Each axis of ``mesh_config.axes`` (whole-mesh sizes over ``n_devices``) split into its
+    size within a slice (ICI) and the number of slices ``dcn_config`` has it span (DCN; their
+    product ``slices``, a -1 the rest).
 
     Returns:
       ``(ici, dcn)``, both in ``mesh_config.axes`` order; ``ici[i] * dcn[i]`` is axis i's size.
@@ -242,26 +223,21 @@ def hybrid_sizes(mesh_config: MeshConfig, dcn_config: MeshConfig, n_devices: int
 
 def make_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = None,
               dcn_config: MeshConfig | None = None) -> Mesh:
-    """A ``(data, fsdp, tensor)`` mesh, or ``(data, fsdp, expert, tensor)`` with an expert axis,
-    over ``devices`` (default: all devices of all processes).
-
-    Axes are of the automatic (GSPMD/Shardy-propagated) kind: shardings are pinned on inputs,
-    outputs and the few constraints in the model, and XLA propagates the rest. Devices of
-    several TPU slices (``slice_index``) make a hybrid mesh: each axis spans the slices
-    ``dcn_config`` gives it (default ``DEFAULT_DCN``: all on data), and within a slice the
-    ICI-aware order (``mesh_utils.create_hybrid_device_mesh``); see ``hybrid_sizes``.
+    """A mesh of ``mesh_config.axes`` over ``devices`` (default: all devices of all processes),
+    its axes of the automatic (propagated) kind. Devices of several TPU slices make a hybrid
+    mesh, each axis spanning the slices ``dcn_config`` gives it (``hybrid_sizes``).
 
     Args:
-      mesh_config: whole-mesh axis sizes; their product must equal the number of devices.
-      devices: the devices to use; all of them must be used.
+      mesh_config, devices: whole-mesh axis sizes, and the devices (all used: their number is
+        the sizes' product).
       dcn_config: slices spanned per axis (``train.dcn_mesh``); None: all on data.
 
     Returns:
       A ``jax.sharding.Mesh`` with axis names ``mesh_config.axes``.
 
     Raises:
-      ValueError: if the mesh does not fit the device count (naming both), or the DCN sizes
-        do not fit the slices or the axes (``hybrid_sizes``).
+      ValueError: if the mesh does not fit the device count, or the DCN sizes the slices or
+        the axes.
     """
     devices = list(jax.devices() if devices is None else devices)
     slices = slice_count(devices)

@@ -1,15 +1,8 @@
 """TPU pods without a TPU: a topology's device descriptions, a mesh over them, each chip's HBM.
 
-With libtpu installed (the ``tpu`` extra), ``jax.experimental.topologies`` describes the devices
-of any TPU topology on a CPU host, and ``jit(f).lower(...).compile()`` over a mesh of them runs
-the real TPU compiler: its memory analysis, and a program that does not fit fails with the
-compiler's RESOURCE_EXHAUSTED as it would on the pod. Nothing here imports libtpu before it is
-asked for, so a plain (CPU) install keeps working without it.
-
-Several slices (``num_slices``) are joined by DCN, not ICI: the mesh is a hybrid one whose axes
-span the slices ``train.dcn_mesh`` gives them (``parallel.mesh.hybrid_sizes``). By default the
-slices are on the ``data`` axis (each slice holds ``data / slices`` of it and all of the other
-axes), so only the data-parallel gradient reduction crosses slices.
+With libtpu (the ``tpu`` extra, imported only when asked for), ``jax.experimental.topologies``
+describes any TPU topology on a CPU host, and compiling over a mesh of it runs the real TPU
+compiler. Several slices make a hybrid mesh (``parallel.mesh.hybrid_sizes``).
 """
 
 from __future__ import annotations
@@ -46,8 +39,7 @@ def topology_devices(name: str, slices: int = 1) -> list[Any]:
       ``slices`` x chips devices (``platform == "tpu"``; ``slice_index`` tells their slice).
 
     Raises:
-      TopologyError: libtpu is not installed (the ``tpu`` extra), or the name is not a
-        topology libtpu knows (the compiler's message).
+      TopologyError: libtpu is not installed (the ``tpu`` extra), or does not know the name.
     """
     if slices < 1:
         raise TopologyError(f"--slices must be >= 1, got {slices}")
@@ -80,11 +72,8 @@ def devices_per_chip(devices: Sequence[Any]) -> int:
 
 def pod_mesh(mesh_config: MeshConfig, devices: Sequence[Any], slices: int = 1,
              dcn_config: MeshConfig | None = None) -> Mesh:
-    """A mesh of ``mesh_config``'s axes over a topology's devices: ``parallel.mesh.make_mesh``.
-
-    One slice: its ICI-aware device order. Several (``slices``, as the devices'
-    ``slice_index`` tell): a hybrid mesh, each axis spanning the slices ``dcn_config`` gives it
-    (default: all on data, so slices differ only along ``data``).
+    """A mesh of ``mesh_config``'s axes over a topology's devices (``parallel.mesh.make_mesh``;
+    ``slices`` as the devices' ``slice_index`` tell).
 
     Raises:
       ValueError: the sizes do not fit the devices, or the DCN sizes the slices or the axes.
@@ -117,12 +106,8 @@ def dcn_axes(mesh: Mesh) -> str:
 
 
 def slice_mesh(mesh: Mesh) -> tuple[np.ndarray, tuple[str, ...]]:
-    """The first slice's part of ``mesh`` (a hybrid mesh: each axis's slices outermost) as an
-    [per-slice axis sizes] array of partition ids, with the axis names.
-
-    A multi-slice program is compiled per slice: its collectives name that slice's devices,
-    0 .. chips-1 in mesh order; the slices' own exchange goes over DCN.
-    """
+    """The first slice's part of ``mesh`` as an [per-slice axis sizes] array of partition ids
+    (a multi-slice program's collectives name one slice's devices), with the axis names."""
     shape = tuple(s // d for s, d in zip(mesh.devices.shape, dcn_sizes(mesh), strict=True))
     return np.arange(math.prod(shape)).reshape(shape), tuple(mesh.axis_names)
 
@@ -170,9 +155,8 @@ def largest_fitting(fits: Callable[[int], bool], most: int = 4096
 def compile_memory(lowered: Any) -> tuple[Any, dict[str, Any]]:
     """Compiles ``lowered``; returns ``(compiled, fields)``: ``compile_s`` and the per-device
     ``memory`` (bytes; ``peak`` = arguments + non-aliased output + temporaries, in HBM;
-    ``host_temp`` etc.: the host memory the program uses, e.g. offloaded activations), or
-    ``(None, {"fits": False, "error": line, "compile_s"})`` when the compiler runs out of
-    memory (RESOURCE_EXHAUSTED). Other compiler errors propagate."""
+    ``host_*``: host memory), or ``(None, {"fits": False, "error": line, "compile_s"})`` on
+    RESOURCE_EXHAUSTED. Other compiler errors propagate."""
     import jax
 
     start = time.perf_counter()

@@ -1,23 +1,12 @@
-"""Device mesh, logical-axis rules and sharded jit for data, FSDP, tensor and expert
+"""Logical-axis rules, shardings and sharded jit for data, FSDP, tensor, expert and context
 parallelism.
 
-The mesh has three named axes: ``data`` (pure data parallelism: parameters replicated),
-``fsdp`` (data parallelism with parameters and optimizer state sharded, gathered per layer by
-XLA) and ``tensor`` (Megatron-style: heads and FFN columns split, one all-reduce per sublayer);
-with ``MeshConfig.expert > 1`` a fourth, ``expert``, splits a mixture's experts (the model's
-``SparseFFN`` then sends each token to its experts' devices and back by all_to_all,
-``model/ops/moe_dispatch.py``) and acts as FSDP everywhere else. The model only names its
-parameter axes (embed, heads, ...); ``LOGICAL_RULES`` (``EXPERT_RULES`` on a mesh with an
-expert axis, ``rules_for``) maps those names to mesh axes, so changing the parallelism is a
-change of the mesh sizes, never of the model.
-
-Typical use (the train state is anything whose leaves are parameters, optimizer moments that
-mirror them, and small replicated scalars)::
+The model only names its parameter axes (embed, heads, ...); ``rules_for`` the mesh maps them
+to mesh axes, so changing the parallelism changes the mesh sizes, never the model::
 
     mesh = make_mesh(MeshConfig(data=-1, fsdp=8))
     p_shard = param_shardings(config, mesh)
-    abstract = jax.eval_shape(init_state, rng)
-    s_shard = state_shardings(abstract, p_shard)
+    s_shard = state_shardings(jax.eval_shape(init_state, rng), p_shard)
     state = shard_init(init_state, s_shard)(rng)          # created sharded, never whole
     step = jit_train_step(train_step, s_shard, batch_sharding(mesh))
 """
@@ -50,20 +39,15 @@ from transformer_jax.parallel.mesh import (  # noqa: F401 (sharding.make_mesh et
 T = TypeVar("T")
 MeshAxes = str | tuple[str, ...] | None
 
-# Logical axis name -> mesh axes. Each name appears once. The batch is split over both data axes;
-# parameters are split over fsdp along their model-width (embed) axis and over tensor along
-# heads / FFN width / vocab, which makes every matmul's tensor-parallel form a Megatron pair
-# (column-split in, row-split out). head_dim, layers and norm scales are small or scanned over and
-# stay whole.
+# Logical axis name -> mesh axes, each name once. The batch splits over both data axes;
+# parameters over fsdp along their model width (embed) and over tensor along heads / FFN width /
+# vocab (every matmul a Megatron pair: column-split in, row-split out).
 LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("batch", ("data", "fsdp")),
     ("length", None),
     ("embed", "fsdp"),
-    # Latent attention's low ranks (the Q and R of q_b_proj [Q, N, H] and kv_b_proj
-    # [R, N, H]) split as embed does: those up-projections have no embed axis, and with their
-    # heads on tensor alone an FSDP mesh would hold them, their gradients and Adam moments
-    # whole on every device (DeepSeek-V3: 54.5M parameters a layer, 40 GiB of float32 state a
-    # chip over 61 layers). MaxText's ``q_lora`` / ``kv_lora`` rules split them alike.
+    # Latent attention's low ranks (q_b_proj [Q, N, H], kv_b_proj [R, N, H]) have no embed
+    # axis: split as embed is, or an FSDP mesh holds them and their optimizer state whole.
     ("latent_rank", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -73,40 +57,27 @@ LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("layers", None),
     ("norm", None),
     ("act_embed", None),
-    # A mixture's stacked experts [E, D, F]: without an expert axis every device holds all E,
-    # split like an FFN's matrices; the router [D, E] splits only along embed.
+    # A mixture's stacked experts [E, D, F], without an expert axis: all E on every device.
     ("experts", None),
     ("expert_embed", "fsdp"),
     ("expert_mlp", "tensor"),
     ("router", None),
 )
 
-# The rules on a mesh with an ``expert`` axis. The experts' E splits over it; every other
-# layer uses it as more FSDP devices: the batch splits over it (each expert device routes its
-# own tokens, and attention has no idle device) and so does every non-expert weight's embed
-# axis, as MaxText does. Replicating those weights over expert instead would leave E/expert
-# devices each holding a whole copy of attention, embeddings and their Adam moments: with the
-# expert axis as FSDP they cost 1/(fsdp*expert) per device, for an all-gather per layer that
-# the data layers' gradient all-reduce over expert would otherwise cost in a similar volume.
-# The experts' own D stays on fsdp alone (expert already splits their E).
+# With an ``expert`` axis the experts' E splits over it, and every other layer uses it as more
+# FSDP devices (the batch and every non-expert weight's embed axis split over it, as MaxText).
 EXPERT_RULES: tuple[tuple[str, MeshAxes], ...] = tuple(
     {**dict(LOGICAL_RULES), "batch": ("data", "fsdp", "expert"), "embed": ("fsdp", "expert"),
      "latent_rank": ("fsdp", "expert"), "experts": "expert"}.items())
 
-# The rules on a mesh with a ``context`` axis (context parallelism, ``parallel.context``): the
-# sequence axis of the batch and of every activation splits over it (``length``), and so does
-# every weight's embed axis, as MaxText does: context devices act as FSDP devices for the
-# weights and their Adam moments (each holds 1/(fsdp*context) of them, gathered per layer) rather
-# than each holding a whole copy, and the weights' gradients are reduce-scattered over context.
-# Attention gathers the keys and values over context (``ops.attention``); queries stay split.
+# With a ``context`` axis (``parallel.context``) the sequence axis of the batch and every
+# activation splits over it, and the weights' embed axis too (context devices act as FSDP).
 CONTEXT_RULES: tuple[tuple[str, MeshAxes], ...] = tuple(
     {**dict(LOGICAL_RULES), "length": "context", "embed": ("fsdp", "context"),
      "latent_rank": ("fsdp", "context")}.items())
 
-# Logical axes of the [B, T, D] residual stream between blocks. Its D ("act_embed", unlike the
-# parameters' "embed") stays whole: fsdp already splits the batch, and tensor parallelism
-# all-reduces back to a whole D after each sublayer. Pinning this at block boundaries is what
-# makes XLA gather the weights (FSDP) instead of gathering the batch.
+# Logical axes of the [B, T, D] residual stream between blocks: D stays whole, so that XLA
+# gathers the weights (FSDP) rather than the batch.
 RESIDUAL_AXES = ("batch", "length", "act_embed")
 
 
@@ -114,9 +85,8 @@ RESIDUAL_AXES = ("batch", "length", "act_embed")
 
 
 def rules_for(mesh: Mesh | jax.sharding.AbstractMesh) -> tuple[tuple[str, MeshAxes], ...]:
-    """The logical rules of ``mesh``: ``EXPERT_RULES`` if it has an ``expert`` axis,
-    ``CONTEXT_RULES`` if it has a ``context`` axis, else ``LOGICAL_RULES`` (which name
-    neither)."""
+    """The logical rules of ``mesh``: ``CONTEXT_RULES`` or ``EXPERT_RULES`` if it has that axis,
+    else ``LOGICAL_RULES``."""
     if "context" in mesh.axis_names:
         return CONTEXT_RULES
     return EXPERT_RULES if "expert" in mesh.axis_names else LOGICAL_RULES
@@ -169,16 +139,14 @@ def param_shardings(config: ModelConfig, mesh: Mesh,
     """The ``NamedSharding`` of every parameter, from ``model.logical_axes`` and the rules.
 
     Args:
-      config: the model.
-      mesh: a mesh with (a superset of) the axes the rules name.
+      config, mesh: the model, and a mesh with (a superset of) the axes the rules name.
       rules: logical -> mesh axis rules (None: ``rules_for(mesh)``).
 
     Returns:
       A tree shaped like the parameters with a ``NamedSharding`` per leaf.
 
     Raises:
-      ValueError: if a parameter dimension is not divisible by the size of its mesh axes (the
-        message names the parameter, the dimension, its size and the mesh axes).
+      ValueError: if a parameter dimension is not divisible by the size of its mesh axes.
     """
     shapes, logical = _param_layout(config)
     rules = rules_for(mesh) if rules is None else rules
@@ -218,10 +186,8 @@ def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_shape: Mappin
 
 def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, MeshAxes]] | None = None
                    ) -> NamedSharding:
-    """Sharding of every batch array ([B, ...]; [B, T] with a context axis): the leading B
-    axis split over (data, fsdp), and expert if the mesh has it; where the rules split the
-    sequence (``length``: context parallelism) T splits over those axes too (``rules`` None:
-    ``rules_for(mesh)``)."""
+    """Sharding of every batch array: B split over (data, fsdp[, expert]), and T too where the
+    rules split ``length`` (context parallelism; ``rules`` None: ``rules_for(mesh)``)."""
     rules = rules_for(mesh) if rules is None else rules
     logical = ("batch", "length") if dict(rules).get("length") else ("batch",)
     return NamedSharding(mesh, logical_to_mesh_spec(logical, rules))
@@ -235,12 +201,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def state_shardings(abstract_state: Any, params_shardings: Any) -> Any:
     """Shardings for a whole train state, derived from the parameter shardings.
 
-    Optax states (Adam's mu and nu, accumulated gradients, ...) hold trees that mirror the
-    parameters. A state leaf gets a parameter's sharding when its key path ends with that
-    parameter's full path and it has the parameter's rank and splits evenly like it; every other
-    leaf (step counters, RNG keys, factored statistics of another rank) is replicated. Matching
-    by path suffix works through any wrapper (flax TrainState, optax chains, masked or
-    multi-step states).
+    A state leaf (Adam's moments, accumulated gradients, ...) gets a parameter's sharding when
+    its key path ends with that parameter's full path and it has its rank and splits evenly
+    like it (through any wrapper); every other leaf is replicated.
 
     Args:
       abstract_state: the state, or its ``jax.eval_shape``.
@@ -268,8 +231,7 @@ def state_shardings(abstract_state: Any, params_shardings: Any) -> Any:
 
 
 def _fits(sharding: NamedSharding, shape: tuple[int, ...]) -> bool:
-    # ``param_shardings`` gives one spec entry per parameter dimension, so a mirror of the
-    # parameter has exactly that rank and splits evenly; anything else stays replicated.
+    # a mirror of a parameter has its rank (one spec entry per dimension) and splits evenly
     spec = tuple(sharding.spec)
     return len(spec) == len(shape) and all(
         axes is None or size % math.prod(sharding.mesh.shape[a] for a in _as_tuple(axes)) == 0
@@ -313,10 +275,9 @@ def with_shardings(abstract_tree: Any, shardings: Any) -> Any:
 
 
 def shard_init(init_fn: Callable[..., T], out_shardings: Any) -> Callable[..., T]:
-    """``init_fn`` jitted so that its outputs are created directly in their shardings.
-
-    Each device computes only its shards (with the partitionable threefry PRNG the values are
-    those of the unsharded init), so a model larger than one device's memory can be initialised.
+    """``init_fn`` jitted so that its outputs are created directly in their shardings: each
+    device computes only its shards (with the partitionable threefry PRNG, the values of the
+    unsharded init).
 
     Args:
       init_fn: e.g. ``lambda rng: init_params(config, rng)`` or the train-state init.
@@ -333,18 +294,14 @@ def jit_sharded(fn: Callable[..., Any], mesh: Mesh, in_shardings: Any, out_shard
                 rules: Sequence[tuple[str, MeshAxes]] | None = None) -> Any:
     """``jax.jit`` with explicit shardings, tracing ``fn`` with the mesh and rules in context.
 
-    While ``fn`` is traced, the abstract mesh, the logical rules and the mesh's platform as
-    the target (``model.ops.target``: kernel choices follow it) are in force, so
-    ``nn.with_logical_constraint`` calls inside the model resolve to mesh axes (without them
-    they are no-ops), and a mixture's ``SparseFFN`` sees whether the mesh splits its experts
-    (then it dispatches tokens by all_to_all). Use it for every function that runs the model:
-    train, eval, decode steps.
+    While ``fn`` is traced, the abstract mesh, the logical rules and the mesh's platform as the
+    target (``model.ops.target``) are in force, so the model's ``nn.with_logical_constraint``
+    calls resolve to mesh axes. Use it for every function that runs the model.
 
     Args:
-      fn: the pure function.
-      mesh: the device mesh.
-      in_shardings: shardings (or prefixes) of the positional arguments.
-      out_shardings: shardings (or prefixes) of the outputs.
+      fn, mesh: the pure function and the device mesh.
+      in_shardings, out_shardings: shardings (or prefixes) of the positional arguments and of
+        the outputs.
       donate_argnums: arguments whose buffers the outputs may reuse.
       rules: logical -> mesh axis rules (None: ``rules_for(mesh)``).
 
@@ -370,17 +327,15 @@ def jit_train_step(train_step: Callable[[Any, Any], tuple[Any, Any]], state_shar
                    ) -> Callable[[Any, Any], tuple[Any, Any]]:
     """Jits ``train_step(state, batch) -> (state, metrics)`` with explicit shardings.
 
-    The state keeps its shardings across steps (and is donated, so its buffers are reused); the
-    batch is split over (data, fsdp[, expert]); metrics come back replicated, so every process
-    can read them. See ``jit_sharded`` for the logical rules in context.
+    The state keeps its shardings (and is donated); metrics come back replicated, so every
+    process can read them (``jit_sharded``).
 
     Args:
       train_step: the pure step function.
       state_shardings: ``state_shardings(abstract_state, param_shardings(...))``.
       batch_sharding: ``batch_sharding(mesh)`` (applies to every leaf of the batch).
       donate: donate the input state's buffers.
-      rules: logical -> mesh axis rules for constraints inside the model (None:
-        ``rules_for`` the mesh).
+      rules: logical -> mesh axis rules (None: ``rules_for`` the mesh).
 
     Returns:
       The jitted step (with ``.lower`` for ahead-of-time compilation).
