@@ -11,9 +11,7 @@
     transformer-jax plot RUN_DIR [RUN_DIR ...]
 
 Each subcommand is a module of this package with ``main(argv) -> exit status``, imported only
-when it runs. The older entry points are aliases of
-these: ``python train.py``, ``python -m transformer_jax.generate``, ``... .serve``,
-``... .evaluate``, ``... .hf export``, ``... .data build``, ``... .bench`` and ``... .plot``.
+when it runs.
 """
 
 from __future__ import annotations

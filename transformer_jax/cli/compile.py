@@ -7,43 +7,32 @@
   transformer-jax compile --config decode_25m --topology v5e:2x2 --serve --tensor 4 --batch 8
 
 The run's config and ``section.key=value`` overrides are ``transformer-jax train``'s. The mesh
-is the run's ``train.mesh`` when the config or an override sets it; otherwise every chip is an
-FSDP device (with ``--slices N``: data=N over the slices, FSDP within each). The slices split
-the axes ``train.dcn_mesh`` gives them (default: data; ``train.dcn_mesh=fsdp=2``: fsdp, and an
-unset mesh then has fsdp over every chip). Nothing runs: the train step is lowered on abstract
-sharded inputs and compiled by the TPU compiler (libtpu, the ``tpu`` extra) for the topology's
-devices, traced for the TPU target (kernel choices such as attention ``auto`` are the TPU's).
-Printed per chip: arguments, output, temporaries, the peak against the chip's HBM, whether it
-fits, the compile time, and the collectives of one step by kind and by mesh axis, and those
-crossing slices.
-A program that does not fit is one line with the compiler's figures (exit 1).
+is the run's ``train.mesh`` when set, otherwise every chip an FSDP device (with ``--slices N``:
+data=N over the slices; ``train.dcn_mesh`` names the axes the slices split). Nothing runs: the
+train step is lowered on abstract sharded inputs and compiled by libtpu (the ``tpu`` extra) for
+the topology's devices. Printed per chip: memory against the chip's HBM, whether it fits, the
+compile time and the collectives of one step by kind and mesh axis. A program that does not
+fit is one line with the compiler's figures (exit 1).
 
-With ``--serve``, ``generate`` (prefill and the decode loop) is compiled instead, over a decode
-mesh (``--tensor``, default every chip, and ``--expert``), for ``--batch`` prompts of
-``--prompt-len`` tokens, ``--new-tokens`` new ones and ``--cache-size`` KV cache slots; the
-report adds the KV cache bytes a chip the config implies (``cli.compile_serve``). Then the
-serving engine's step programs, decode rows for ``--batch`` slots and a ``--chunk`` prefill
-chunk over a pool of ``--pages`` pages of ``--page-size``, each reported alike, with the pool's
-bytes a chip (``cli.compile_engine``; JSON: ``"engine"``). ``--only generate`` or ``--only
-engine`` compiles one of the two (``model.attention_impl=pallas``, the engine's Mosaic paged
-kernels, has no kernel for ``generate``'s prefill over its cache).
-
-With ``--save PATH`` the compiled train step is written to PATH with what it was compiled for,
-for ``train train.compiled_step=PATH`` on those devices (``train.executable``; a TPU
-topology's step loads on that pod only). Without ``--topology`` (or ``--topology cpu``) the step
-is compiled for this host's devices over the run's own ``train.mesh``, as ``train`` would.
+With ``--serve``, ``generate`` is compiled instead over a decode mesh (``--tensor``,
+``--expert``), then the serving engine's step programs (``--batch`` slots, a ``--chunk``
+prefill over ``--pages`` pages of ``--page-size``); ``--only`` compiles one of the two.
+With ``--save PATH`` the compiled train step is written for ``train train.compiled_step=PATH``
+on those devices. Without ``--topology`` (or ``--topology cpu``) the step is compiled for this
+host's devices over the run's own ``train.mesh``, as ``train`` would.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from typing import Any
 
-from transformer_jax.cli.common import PROG, gib
+from transformer_jax.cli.common import PROG, fail, gib
 
 EXIT_DOES_NOT_FIT = 1
 
@@ -70,25 +59,25 @@ def compile_report(config: str, overrides: list[str], topology: str | None, slic
                    hlo: bool = False, save: str | None = None) -> dict[str, Any]:
     """Compiles the run's train step for ``topology`` and returns the per-chip report.
 
-    ``topology`` None (or ``"cpu"``: this host's CPU devices) compiles for this process's
-    devices over the run's own mesh (``train.mesh``, as ``train`` makes it). ``save`` writes
-    the compiled step and what it was compiled for to that file (``train.executable``), for
-    ``train.compiled_step``; the report's ``saved`` gives its path and bytes.
+    ``topology`` None (or ``"cpu"``) compiles for this process's devices over the run's own
+    ``train.mesh``. ``save`` writes the compiled step to that file (``train.executable``); the
+    report's ``saved`` gives its path and bytes.
 
     Returns:
       A JSON-ready dict: ``fits`` False (with ``error``, the compiler's line) when the
-      compiler ran out of memory; else memory per chip in bytes, ``compile_s`` and
-      ``collectives`` (``parallel.collectives.summarize``), ``mosaic_calls`` (the Pallas TPU
-      kernels' custom calls in the program) and, with ``hlo``, the compiled program's text.
+      compiler ran out of memory; else memory per chip in bytes, ``compile_s``,
+      ``collectives`` (``parallel.collectives.summarize``), ``mosaic_calls`` and, with
+      ``hlo``, the compiled program's text.
 
     Raises:
       ConfigError / ValueError: a bad config, override, mesh or batch split.
       TopologyError: no libtpu, or a topology libtpu does not know.
     """
-
     from transformer_jax.bench.memory import lower_train_step
+    from transformer_jax.cli.compile_serve import program_report
     from transformer_jax.model.ops import target
-    from transformer_jax.parallel import collectives, pod
+    from transformer_jax.parallel import pod
+    from transformer_jax.train import executable
     from transformer_jax.train.config import build_configs
 
     model, train, _ = build_configs(config, overrides)
@@ -116,12 +105,7 @@ def compile_report(config: str, overrides: list[str], topology: str | None, slic
         "batch_size": train.batch_size, "seq_len": train.seq_len, "dtype": model.dtype,
         "remat": model.remat, "attention": model.attention_impl, "hbm_bytes": hbm}
     lowered, report["lower_s"] = lower_train_step(model, train, mesh)
-    if save:
-        from transformer_jax.train import executable
-
-        with executable.uncached():
-            compiled, fields = pod.compile_memory(lowered)
-    else:
+    with executable.uncached() if save else contextlib.nullcontext():
         compiled, fields = pod.compile_memory(lowered)
     report.update(fields)
     if compiled is None:
@@ -130,20 +114,11 @@ def compile_report(config: str, overrides: list[str], topology: str | None, slic
         header = executable.describe(compiled, model, train, mesh, config=config,
                                      overrides=overrides, topology=topology, slices=slices)
         report["saved"] = {"path": save, "bytes": executable.save(save, compiled, header)}
-    memory = report["memory"]
-    report["fits"] = hbm is None or memory["peak"] <= hbm
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     # XLA counts a while body (the scanned layer stack) once, not once per layer.
     report["flops_hlo"] = float((cost or {}).get("flops", 0.0))
-    ids, axes = pod.slice_mesh(mesh)
-    text = compiled.as_text()
-    report["collectives"] = collectives.summarize(collectives.collectives(
-        text, ids, axes, pod.dcn_axes(mesh) or "data"))
-    report["mosaic_calls"] = text.count('custom_call_target="tpu_custom_call"')
-    if hlo:
-        report["hlo"] = text
-    return report
+    return program_report(report, compiled, mesh, hlo)
 
 
 def find_batch(config: str, overrides: list[str], topology: str, slices: int = 1,
@@ -151,10 +126,8 @@ def find_batch(config: str, overrides: list[str], topology: str, slices: int = 1
                ) -> dict[str, Any]:
     """For each remat policy, the largest per-chip batch whose train step fits a chip.
 
-    The per-chip batch is the micro-batch over the devices that split the batch (data x fsdp,
-    x expert on a mesh with one); ``train.batch_size`` is set to it times those devices times
-    ``train.grad_accum``. Each probe is a compile (``compile_report``); the search doubles
-    from 1 and then bisects (``pod.largest_fitting``).
+    The per-chip batch is the micro-batch over the devices that split the batch (data x fsdp
+    x expert). Each probe is a compile; the search doubles from 1, then bisects.
 
     Returns:
       ``{remat: {"per_chip", "batch_size", "peak" and "host" (bytes in HBM and in the
@@ -310,12 +283,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # It only compiles, never claims a chip: two compiles at once need not exclude each other.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    given = [f"--{k.replace('_', '-')}" for k in ("tensor", "cache_size", "pages", "only")
-             if getattr(args, k) is not None]
-    given += [f"--{k.replace('_', '-')}" for k, v in (("expert", 1), ("batch", 8),
-                                                       ("prompt_len", 128), ("new_tokens", 128),
-                                                       ("page_size", 16), ("chunk", 256))
-              if getattr(args, k) != v]
+    given = [f"--{k.replace('_', '-')}" for k in (
+        "tensor", "expert", "batch", "prompt_len", "new_tokens", "cache_size", "only", "pages",
+        "page_size", "chunk") if getattr(args, k) != parser.get_default(k)]
     if given and not args.serve:
         parser.error(f"{', '.join(given)} go with --serve")
     if args.serve and (args.find_batch or args.slices != 1):
@@ -363,8 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         # NotImplementedError: a kernel XLA cannot partition over this mesh.
         hint = (" (model.attention_impl=chunked or xla avoids the TPU kernels)"
                 if isinstance(e, ModuleNotFoundError | NotImplementedError) else "")
-        print(f"error: {str(e).splitlines()[0]}{hint}", file=sys.stderr)
-        return 2
+        return fail(f"{str(e).splitlines()[0]}{hint}")
     if not report["fits"] and "error" in report:  # generate's, or an engine program's
         print(f"error: does not fit on {args.topology} ({report['device_kind']}): "
               f"{report['error']}", file=sys.stderr)
@@ -401,6 +370,5 @@ def _local_devices(args: argparse.Namespace) -> int:
             enable_cpu_fast_math()
         configure_cpu_devices(train.micro_batch_size, args.cpu_devices)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return fail(str(e).splitlines()[0])
     return 0

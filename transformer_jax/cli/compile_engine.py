@@ -1,16 +1,9 @@
 """``transformer-jax compile --serve``: the serving engine's step programs compiled for a TPU pod.
 
-Beside ``generate`` (``cli.compile_serve``), ``--serve`` compiles the programs ``Engine.compile``
-warms up (``serving.step.step_jit``): the decode rows (one token for each of the B slots) and a
-prefill chunk (one prompt's chunk of C tokens, the engine's default of one prompt a step), both
-at the widest page table a step runs at (W = the pages of ``max_seq_len``), over a pool of P
-pages. Their inputs are built as the engine passes them: the prepared weights placed over the
-decode mesh (``compile_serve.decode_setup``), the pages (and a model's local-layer rings) split by
-kv head over the tensor axis (``step.page_spec``) and donated, the rows, page tables and greedy
-sampling settings replicated. The step is traced under the mesh's platform (``decode_context``),
-so with ``model.attention_impl=pallas`` the paged attention is the Mosaic TPU kernels
-(``ops.paged_attention.plan``: the paged kernel for decode rows, the ragged one for chunks),
-run per device over its kv heads.
+The programs ``Engine.compile`` warms up (``serving.step.step_jit``): the decode rows (one token
+for each of the B slots) and a prefill chunk of C tokens, at the widest page table (W pages of
+``max_seq_len``) over a pool of P pages, their inputs placed over the decode mesh as the engine
+places them (the pages split by kv head over the tensor axis, and donated).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Command line generation: ``transformer-jax generate --checkpoint PATH --prompt TEXT``.
 
-PATH is a HuggingFace checkpoint directory (``config.json`` + safetensors) or an orbax
-checkpoint of this project's training: a run directory, its ``checkpoints/`` directory (the
-latest intact step is used, also while the run is still training) or one step's directory;
-only the parameters are read, read-only (``transformer_jax.checkpoint.loading``). The tokenizer is
-``--tokenizer FILE_OR_DIR``, else the one found with the checkpoint (a HF directory's own, a
-run's copy ``RUN_DIR/tokenizer/``, else the file the run recorded). A text prompt starts with bos
-when the tokenizer's ``add_bos_token`` says so (as fine-tuning encoded prompts); with ``--chat``
-each prompt is a user message rendered with the tokenizer's chat template and its generation
-prompt (as fine-tuning on chat records saw it). Text is streamed as it is generated (one host
-callback per decode step from inside the jitted loop); ``--prompt-ids 1,2,3`` and ``--json``
-are for scripts. ``--json-schema``, ``--json-object``, ``--regex`` and ``--choice`` hold every
-prompt's output to a grammar (structured outputs, ``serving.grammar``; the checkpoint's HF
-tokenizer): it ends when the grammar is complete.
-
+PATH is a HF checkpoint directory or a training run (its directory, ``checkpoints/`` or one
+step's directory), read-only (``checkpoint.loading``); the tokenizer is ``--tokenizer``, else
+the one found with it. With ``--chat`` each prompt is a user message rendered with the chat
+template. Text is streamed as it is generated; ``--prompt-ids`` and ``--json`` are for scripts.
+``--json-schema``, ``--json-object``, ``--regex`` and ``--choice`` hold every output to a
+grammar (``serving.grammar``).
 """
 
 from __future__ import annotations
@@ -37,7 +29,6 @@ from transformer_jax.parallel import sharding
 from transformer_jax.tokenizer import detokenize
 from transformer_jax.tokenizer.prompt import chat_turn_end_id, encode_chat_prompt, encode_text
 
-# CLI ---------------------------------------------------------------------------------------------
 
 def _ids(text: str) -> list[int]:
     parts = text.replace(" ", "").split(",")
@@ -73,8 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "most likely one (default: 0, off)")
     p.add_argument("--chat", action="store_true",
                    help="each --prompt is a user message, rendered with the tokenizer's chat "
-                   "template and its generation prompt (as fine-tuning on chat records saw "
-                   "it); stops at the end of the assistant's turn too (default: plain text)")
+                   "template; stops at the end of the assistant's turn too (default: plain text)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, a signed 64-bit "
                    "integer (default: %(default)s)")
     p.add_argument("--stop-token", type=int, action="append", dest="stop_tokens",
@@ -82,8 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stop", action="store_true", help="ignore eos: always generate "
                    "--max-new-tokens tokens (default: stop at eos)")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's bos "
-                   "to text prompts (default: prepend it when the tokenizer's add_bos_token "
-                   "says so, as fine-tuning did)")
+                   "to text prompts (default: as its add_bos_token says)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the checkpoint's)")
     p.add_argument("--cache-dtype", choices=("float32", "bfloat16", "float16", "int8"),
@@ -127,11 +116,8 @@ class _TextStreamer:
         self.tokenizer = tokenizer
         self.ids: list[list[int]] = [[] for _ in range(batch)]
         self.printed = [""] * batch
-        self.first_token_time: float | None = None
 
     def __call__(self, step: int, tokens: np.ndarray, active: np.ndarray) -> None:
-        if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
         for b in np.flatnonzero(active):
             self.ids[b].append(int(tokens[b]))
         if len(self.ids) != 1:

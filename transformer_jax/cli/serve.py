@@ -1,15 +1,9 @@
 """``transformer-jax serve --checkpoint PATH``: an OpenAI-compatible HTTP server.
 
-PATH is what ``generate`` takes (a HF directory or a training run, through ``loading.load``).
-Start-up loads the weights, builds the ``serving.Engine`` with the flags' slots, pages, page
-size, token budget, tensor parallelism and cache dtype, compiles its step shapes
-(``Engine.compile``, through JAX's persistent compilation cache, so a restart loads them), and
-only then serves: the port is bound and listening before anything is loaded (a busy port fails
-at once, exit 1), connections made meanwhile wait, and ``/health`` answers ready from the first
-one. It logs how long each part took, and warns when it serves beyond loopback without an API
-key. SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish for
-``--grace-period`` seconds, then ends the rest (streams with ``finish_reason`` ``"abort"`` and
-``[DONE]``; requests not started yet get 503) and exits 0.
+The port is bound first (a busy port fails at once, exit 1); then the checkpoint is loaded, the
+``serving.Engine`` built from the flags and its step shapes compiled (through JAX's persistent
+compilation cache), and only then served. SIGTERM (or Ctrl-C) lets the requests in flight
+finish for ``--grace-period`` seconds, ends the rest (``finish_reason`` ``"abort"``) and exits 0.
 """
 
 from __future__ import annotations
@@ -24,6 +18,8 @@ from typing import Any
 import uvicorn
 
 from transformer_jax.cli.common import PROG, fail
+from transformer_jax.decode.speculative import parse_spec
+from transformer_jax.model.quant_spec import parse_quant
 from transformer_jax.serve.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from transformer_jax.serve.server import DrainingServer, is_loopback, listen, url_of
 
@@ -51,9 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (default: "
                    f"${API_KEY_ENV}, else no key)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=RUN_DIR",
-                   help="serve the LoRA adapters of training run RUN_DIR (trained on this "
-                        "checkpoint) as model NAME beside the base; repeat for more. One step "
-                        "batches requests of every adapter (no merge)")
+                   help="serve the LoRA adapters of training run RUN_DIR as model NAME beside "
+                        "the base; repeatable")
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"),
                    help="the format of the model's tool calls (default: the chat template's)")
     p.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"),
@@ -72,13 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--token-budget", type=int, default=0, help="most tokens per step: a "
                    "decode row per slot plus a prefill chunk (default: 0, slots + 256)")
     e.add_argument("--prefill-rows", type=int, default=1, help="most prompts whose chunks one "
-                   "step prefills together (a burst of short prompts in one step); each R > 1 "
-                   "within the token budget is more step shapes to compile (at the default "
-                   "budget, 16 per page-table width instead of 6) (default: %(default)s)")
+                   "step prefills together; more step shapes to compile (default: %(default)s)")
     e.add_argument("--min-context", type=int, help="narrowest page table a step attends over, "
-                   "in positions; each power-of-two width from it to the context is one more "
-                   "set of step shapes to compile (the context itself: one set, fastest start, "
-                   "slower short decodes) (default: the engine's, 128)")
+                   "in positions; each power-of-two width up to the context is one more set "
+                   "of step shapes to compile (default: the engine's, 128)")
     e.add_argument("--tensor", type=int, default=1, metavar="T", help="tensor-parallel over T "
                    "devices, as generate --tensor (default: %(default)s)")
     e.add_argument("--expert", type=int, default=1, metavar="X", help="a mixture's experts "
@@ -136,8 +128,6 @@ def _check(args: argparse.Namespace) -> None:
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535] (0: a free port), got {args.port}")
     if args.quant:
-        from transformer_jax.model.quant_spec import parse_quant
-
         parse_quant(args.quant, field="--quant")  # before any weight is read
     if args.max_body_bytes <= 0:
         raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
@@ -146,8 +136,6 @@ def _check(args: argparse.Namespace) -> None:
                          f"{args.body_timeout}")
     parse_lora(args.lora, args.served_model_name)
     if args.speculative is not None:
-        from transformer_jax.decode.speculative import parse_spec
-
         parse_spec(args.speculative)
         if args.tensor > 1 or args.expert > 1:  # before the checkpoint loads
             raise ValueError(f"--speculative {args.speculative}: speculative decoding in the "
@@ -222,7 +210,6 @@ def pool_pages(args: argparse.Namespace, config: Any, draft: Any = None) -> int:
 def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """Loads the checkpoint and compiles the engine: (runner, model info, timings)."""
     from transformer_jax.checkpoint.loading import HF, load_for_decode
-    from transformer_jax.decode.speculative import parse_spec
     from transformer_jax.hf.generation_config import generation_stop_ids
     from transformer_jax.serve.completions import ModelInfo
     from transformer_jax.serve.metrics import Metrics

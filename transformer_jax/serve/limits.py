@@ -1,15 +1,10 @@
 """Request bodies read before the app sees them: at most ``max_bytes``, within ``timeout`` s.
 
-``BodyLimits`` is an ASGI middleware in front of the app. A ``Content-Length`` above the limit
-is refused at once (413, before a byte of the body is read); a chunked body is counted as it
-comes and refused once it passes the limit; a body not whole ``timeout`` seconds after the
-request's headers (a client that stalls mid-body) gets 408; a body still arriving when the
-server starts draining gets 503. Each refusal is OpenAI's error object and closes the
-connection. A 413 is sent at once, but the connection is closed only once the client has sent
-the rest of its body (read and dropped, until the body's deadline): a client still sending
-when the socket closes would get a reset instead of the response. A body within the limits is
-handed to the app whole, so nothing after this reads the socket until the app listens for a
-disconnect.
+``BodyLimits`` is an ASGI middleware in front of the app: a body above the limit gets 413 (at
+once for a ``Content-Length`` above it), one not whole ``timeout`` seconds after the headers
+408, one still arriving when the server drains 503; each refusal closes the connection (a 413
+once the client has sent the rest, so that it reads the response rather than a reset). A body
+within the limits is handed to the app whole.
 """
 
 from __future__ import annotations
