@@ -32,7 +32,20 @@ import sys
 import time
 from typing import Any
 
+import jax
+
+from transformer_jax.bench.memory import lower_train_step
 from transformer_jax.cli.common import PROG, fail, gib
+from transformer_jax.cli.compile_engine import engine_report, format_engine_report
+from transformer_jax.cli.compile_serve import format_serve_report, program_report, serve_report
+from transformer_jax.model.config import REMATS, load_toml
+from transformer_jax.model.ops import target
+from transformer_jax.parallel import collectives, pod
+from transformer_jax.parallel.mesh import MeshConfig, make_mesh
+from transformer_jax.parallel.sharding import configure_cpu_devices
+from transformer_jax.train import executable
+from transformer_jax.train.config import ConfigError, build_configs
+from transformer_jax.train.perf import enable_cpu_fast_math
 
 EXIT_DOES_NOT_FIT = 1
 
@@ -41,16 +54,12 @@ def _mesh_config(config: str, overrides: list[str], train: Any, slices: int
                  ) -> tuple[Any, Any, str]:
     """The mesh the run asks for, or FSDP over every chip, and its DCN mesh
     (``train.dcn_mesh``); with a line saying which."""
-    from transformer_jax.model.config import load_toml
-    from transformer_jax.parallel.mesh import MeshConfig
-    from transformer_jax.parallel.pod import default_mesh
-
     dcn = MeshConfig.parse(train.dcn_mesh)
     given = any(o.split("=", 1)[0].strip() == "train.mesh" for o in overrides) or \
         "mesh" in load_toml(config).get("train", {})
     if given:
         return MeshConfig.parse(train.mesh), dcn, f"train.mesh={train.mesh}"
-    mesh = default_mesh(slices, dcn)
+    mesh = pod.default_mesh(slices, dcn)
     return mesh, dcn, "train.mesh unset: every chip an FSDP device" + (
         f", data={mesh.data} over the slices" if mesh.data > 1 else "")
 
@@ -73,19 +82,8 @@ def compile_report(config: str, overrides: list[str], topology: str | None, slic
       ConfigError / ValueError: a bad config, override, mesh or batch split.
       TopologyError: no libtpu, or a topology libtpu does not know.
     """
-    from transformer_jax.bench.memory import lower_train_step
-    from transformer_jax.cli.compile_serve import program_report
-    from transformer_jax.model.ops import target
-    from transformer_jax.parallel import pod
-    from transformer_jax.train import executable
-    from transformer_jax.train.config import build_configs
-
     model, train, _ = build_configs(config, overrides)
     if topology in (None, "cpu"):
-        import jax
-
-        from transformer_jax.parallel.mesh import MeshConfig, make_mesh
-
         devices = jax.devices(topology)
         mesh = make_mesh(MeshConfig.parse(train.mesh), devices, MeshConfig.parse(train.dcn_mesh))
         mesh_note, per_chip, topology = f"train.mesh={train.mesh}", 1, topology or "local"
@@ -134,9 +132,6 @@ def find_batch(config: str, overrides: list[str], topology: str, slices: int = 1
       host's memory, e.g. offloaded activations, of the largest that fits, or None),
       "probes" [[per_chip, fits], ...], "seconds"}}``, with ``"hbm_bytes"`` and the mesh.
     """
-    from transformer_jax.parallel import pod
-    from transformer_jax.train.config import build_configs
-
     _, train, _ = build_configs(config, overrides)
     devices = pod.topology_devices(topology, slices)
     mesh_config, _, _ = _mesh_config(config, overrides, train, slices)
@@ -185,8 +180,6 @@ def format_batches(found: dict[str, Any], topology: str) -> str:
 
 def format_report(r: dict[str, Any]) -> str:
     """The report as the lines the command prints."""
-    from transformer_jax.parallel import collectives
-
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     lines = [f"{r['config']} on {r['topology']}" + (f" x {r['slices']} slices"
                                                     if r["slices"] > 1 else "") +
@@ -222,8 +215,6 @@ def _with_engine(report: dict[str, Any], args: argparse.Namespace) -> dict[str, 
     """``generate``'s report with the engine's step programs (``compile_engine``) as
     ``"engine"``; ``fits`` both's, and an engine program's overflow as the report's ``error``
     (naming the program)."""
-    from transformer_jax.cli.compile_engine import engine_report
-
     engine = engine_report(args.config, args.overrides, args.topology, tensor=args.tensor,
                            expert=args.expert, slots=args.batch, pages=args.pages,
                            page_size=args.page_size, chunk=args.chunk)
@@ -279,8 +270,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     if args.slices < 1:
         parser.error(f"--slices must be >= 1, got {args.slices}")
-    from transformer_jax.train.config import ConfigError
-
     # It only compiles, never claims a chip: two compiles at once need not exclude each other.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     given = [f"--{k.replace('_', '-')}" for k in (
@@ -302,8 +291,6 @@ def main(argv: list[str] | None = None) -> int:
         code = _local_devices(args)
         if code:
             return code
-    from transformer_jax.model.config import REMATS
-
     for remat in args.remat or ():
         if remat not in REMATS:
             parser.error(f"--remat must be one of {', '.join(REMATS)}, got {remat!r}")
@@ -314,8 +301,6 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(found) if args.json else format_batches(found, args.topology))
             return 0
         if args.serve:
-            from transformer_jax.cli.compile_serve import serve_report
-
             report = {"fits": True}
             if args.only != "engine":
                 report = serve_report(args.config, args.overrides, args.topology,
@@ -343,9 +328,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report))
     elif args.serve:
-        from transformer_jax.cli.compile_engine import format_engine_report
-        from transformer_jax.cli.compile_serve import format_serve_report
-
         print("\n".join(([format_serve_report(report)] if "program" in report else [])
                         + ([format_engine_report(report["engine"])] if "engine" in report
                            else [])))
@@ -360,10 +342,6 @@ def main(argv: list[str] | None = None) -> int:
 def _local_devices(args: argparse.Namespace) -> int:
     """Before JAX starts: the CPU devices and fast math ``train`` would use for this config
     (a saved step loads only where both match); 2 and a line for a bad config."""
-    from transformer_jax.parallel.sharding import configure_cpu_devices
-    from transformer_jax.train.config import ConfigError, build_configs
-    from transformer_jax.train.perf import enable_cpu_fast_math
-
     try:
         _, train, _ = build_configs(args.config, args.overrides)
         if not args.no_fast_math:

@@ -11,7 +11,20 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from transformer_jax.cli.common import gib
+from transformer_jax.cli.compile_serve import compiled_report, decode_setup
+from transformer_jax.model.ops import paged_attention, target
+from transformer_jax.parallel import collectives
+from transformer_jax.serving import step as step_lib
+from transformer_jax.serving.page_pool import pages_for
+from transformer_jax.serving.paged_cache import PagedKVCache
+from transformer_jax.serving.plan import row_sampling
+from transformer_jax.train.config import build_configs
 
 
 def engine_report(config: str, overrides: list[str], topology: str, *,
@@ -42,19 +55,6 @@ def engine_report(config: str, overrides: list[str], topology: str, *,
       ConfigError / ValueError: a bad config, override, size or mesh.
       TopologyError: no libtpu, or a topology libtpu does not know.
     """
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from transformer_jax.cli.compile_serve import compiled_report, decode_setup
-    from transformer_jax.model.ops import paged_attention, target
-    from transformer_jax.serving import step as step_lib
-    from transformer_jax.serving.page_pool import pages_for
-    from transformer_jax.serving.paged_cache import PagedKVCache
-    from transformer_jax.serving.plan import row_sampling
-    from transformer_jax.train.config import build_configs
-
     model, _, _ = build_configs(config, overrides)
     for name, value in (("--batch", slots), ("--page-size", page_size), ("--chunk", chunk)):
         if value < 1:
@@ -119,8 +119,6 @@ def engine_report(config: str, overrides: list[str], topology: str, *,
 
 def format_engine_report(r: dict[str, Any]) -> str:
     """``engine_report``'s result as the lines the command prints."""
-    from transformer_jax.parallel import collectives
-
     kernels = ", ".join(f"{k} {v or 'XLA view'}" for k, v in r["kernels"].items())
     lines = [f"engine step of {r['config']} on {r['topology']} ({r['devices']} of "
              f"{r['topology_devices']} x {r['device_kind']}, {gib(r['hbm_bytes'])} HBM each)",

@@ -10,7 +10,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from transformer_jax.cli.common import gib
+from transformer_jax.decode import loop as decode
+from transformer_jax.decode.prompts import validate_capacity
+from transformer_jax.model.kv_cache import cache_bytes
+from transformer_jax.parallel import collectives, pod
+from transformer_jax.parallel.mesh import MeshConfig
+from transformer_jax.train.config import build_configs
 
 
 def serve_report(config: str, overrides: list[str], topology: str, *, tensor: int | None = None,
@@ -39,16 +50,6 @@ def serve_report(config: str, overrides: list[str], topology: str, *, tensor: in
       ConfigError / ValueError: a bad config, override, mesh size or B, T, N, S.
       TopologyError: no libtpu, or a topology libtpu does not know.
     """
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from transformer_jax.decode import loop as decode
-    from transformer_jax.decode.prompts import validate_capacity
-    from transformer_jax.model.kv_cache import cache_bytes
-    from transformer_jax.train.config import build_configs
-
     model, _, _ = build_configs(config, overrides)
     for name, value in (("--batch", batch), ("--prompt-len", prompt_len),
                         ("--new-tokens", new_tokens), ("--expert", expert)):
@@ -87,12 +88,6 @@ def decode_setup(model: Any, topology: str, tensor: int | None, expert: int
     Raises:
       ValueError: a mesh the topology or the model cannot take. TopologyError: no libtpu.
     """
-    import jax
-
-    from transformer_jax.decode import loop as decode
-    from transformer_jax.parallel import pod
-    from transformer_jax.parallel.mesh import MeshConfig
-
     if expert < 1:
         raise ValueError(f"--expert must be >= 1, got {expert}")
     devices = pod.topology_devices(topology)
@@ -119,8 +114,6 @@ def compiled_report(report: dict[str, Any], lowered: Any, mesh: Any, hlo: bool
                     ) -> dict[str, Any]:
     """``report`` with the compile of ``lowered`` added: ``compile_s`` and ``memory`` per
     chip, then ``program_report``'s fields (or ``fits`` False and the compiler's ``error``)."""
-    from transformer_jax.parallel import pod
-
     compiled, fields = pod.compile_memory(lowered)
     report.update(fields)
     return report if compiled is None else program_report(report, compiled, mesh, hlo)
@@ -131,8 +124,6 @@ def program_report(report: dict[str, Any], compiled: Any, mesh: Any, hlo: bool
     """``report`` (with ``memory`` and ``hbm_bytes``) with ``fits``, the ``collectives`` of
     ``compiled`` by kind and mesh axis, ``mosaic_calls`` (the Pallas TPU kernels' custom calls)
     and, with ``hlo``, the program's text."""
-    from transformer_jax.parallel import collectives, pod
-
     hbm = report["hbm_bytes"]
     report["fits"] = hbm is None or report["memory"]["peak"] <= hbm
     ids, axes = pod.slice_mesh(mesh)
@@ -147,8 +138,6 @@ def program_report(report: dict[str, Any], compiled: Any, mesh: Any, hlo: bool
 
 def format_serve_report(r: dict[str, Any]) -> str:
     """``serve_report``'s result as the lines the command prints."""
-    from transformer_jax.parallel import collectives
-
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1 or k == "tensor")
     m = r["memory"]
     share = f" = {m['peak'] / r['hbm_bytes']:.1%} of HBM" if r["hbm_bytes"] else ""

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from transformer_jax import hf, storage
 from transformer_jax.checkpoint import loading
+from transformer_jax.checkpoint.files import CheckpointError
 from transformer_jax.cli.common import PROG, fail
 from transformer_jax.model.config import DTYPES, ModelConfig
 from transformer_jax.model.transformer import Params
@@ -211,8 +212,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry; returns the exit status (0, or 1 with the error on stderr)."""
-    from transformer_jax.checkpoint.files import CheckpointError
-
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

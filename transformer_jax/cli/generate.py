@@ -24,8 +24,10 @@ from transformer_jax.checkpoint import loading
 from transformer_jax.checkpoint.files import CheckpointError
 from transformer_jax.cli.common import PROG, fail
 from transformer_jax.decode import generation
+from transformer_jax.hf.generation_config import generation_stop_ids
 from transformer_jax.model.quant_spec import parse_quant
 from transformer_jax.parallel import sharding
+from transformer_jax.serving.grammar import Grammar, GrammarTokenizer
 from transformer_jax.tokenizer import detokenize
 from transformer_jax.tokenizer.prompt import chat_turn_end_id, encode_chat_prompt, encode_text
 
@@ -140,8 +142,6 @@ def grammar_from_args(args: argparse.Namespace) -> tuple[str, Any] | None:
       ValueError: naming the flag, on one line: a schema that is not JSON (nor a file), a
         grammar that does not compile.
     """
-    from transformer_jax.serving.grammar import Grammar
-
     if args.json_schema is not None:
         flag, text = "--json-schema", args.json_schema
         if not text.lstrip().startswith("{"):
@@ -174,8 +174,6 @@ def grammar_from_args(args: argparse.Namespace) -> tuple[str, Any] | None:
 def _matchers(structured: tuple[str, Any], tokenizer: Any, vocab_size: int, batch: int
               ) -> list[Any]:
     """One fresh matcher of the flag's grammar per prompt (``generate``'s ``constraints``)."""
-    from transformer_jax.serving.grammar import GrammarTokenizer
-
     flag, grammar = structured
     if tokenizer is None:
         raise ValueError(f"{flag} needs the checkpoint's HF tokenizer (tokenizer.json); pass "
@@ -232,16 +230,14 @@ def main(argv: list[str] | None = None) -> int:
                    for text in args.prompt]
         prompts.extend(args.prompt_ids)
         stop = [] if args.no_stop else args.stop_tokens or []
-        if not args.stop_tokens and not args.no_stop and tokenizer:
-            stop = [tokenizer.eos_id] if tokenizer.eos_id >= 0 else []
-            turn_end = chat_turn_end_id(tokenizer) if args.chat else None
-            if turn_end is not None and turn_end not in stop:
-                stop.append(turn_end)
-        if not args.stop_tokens and not args.no_stop and loaded.source.kind == loading.HF:
-            from transformer_jax.hf.generation_config import generation_stop_ids
-
-            stop = list(dict.fromkeys([*stop, *(  # e.g. Llama 3.1's <|eom_id|>
-                i for i in generation_stop_ids(loaded.source.path) if i < config.vocab_size)]))
+        if not (args.stop_tokens or args.no_stop):  # eos, the chat turn's end, the HF ids
+            if tokenizer:
+                stop = [tokenizer.eos_id if tokenizer.eos_id >= 0 else None,
+                        chat_turn_end_id(tokenizer) if args.chat else None]
+            if loaded.source.kind == loading.HF:  # e.g. Llama 3.1's <|eom_id|>
+                stop += [i for i in generation_stop_ids(loaded.source.path)
+                         if i < config.vocab_size]
+            stop = list(dict.fromkeys(i for i in stop if i is not None))
         constraints = None
         if structured is not None:
             constraints = _matchers(structured, tokenizer, config.vocab_size, len(prompts))

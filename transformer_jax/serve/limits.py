@@ -10,6 +10,7 @@ within the limits is handed to the app whole.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -117,13 +118,11 @@ class BodyLimits:
 
     async def _drop_rest(self, receive: Receive, deadline: float) -> None:
         """Reads and drops what is left of a refused body, until its end or ``deadline``."""
-        try:
+        with contextlib.suppress(APIError):
             while True:
                 message = await self._next(receive, deadline)
                 if message["type"] != "http.request" or not message.get("more_body", False):
                     return
-        except APIError:
-            return
 
     async def _next(self, receive: Receive, deadline: float | None) -> Message:
         """The next message, or ``APIError`` once ``deadline`` passes or the server drains."""
@@ -131,8 +130,7 @@ class BodyLimits:
         task = asyncio.ensure_future(receive())
         try:
             while True:
-                wait = POLL_S if deadline is None else max(0.0, min(POLL_S,
-                                                                    deadline - loop.time()))
+                wait = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - loop.time()))
                 done, _ = await asyncio.wait({task}, timeout=wait)
                 if done:
                     return task.result()

@@ -321,8 +321,6 @@ def stream_deltas(pieces: list[Piece], first_index: int) -> list[dict[str, Any]]
     return deltas
 
 
-# Requests ------------------------------------------------------------------------------------
-
 def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """The request's ``tools`` as the chat template's ``tools`` variable (OpenAI's format, as
     ``apply_chat_template(tools=...)`` takes them), or None."""
