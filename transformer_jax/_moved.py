@@ -49,10 +49,8 @@ MOVED = {
 def new_name(fullname: str) -> str | None:
     """``transformer_jax.OLD[.sub]`` -> its new dotted name; None for a name that did not move."""
     head, _, rest = fullname.partition(".")
-    if head != PACKAGE or not rest:
-        return None
     old, _, sub = rest.partition(".")
-    if old not in MOVED:
+    if head != PACKAGE or old not in MOVED:
         return None
     return f"{PACKAGE}.{MOVED[old]}" + (f".{sub}" if sub else "")
 

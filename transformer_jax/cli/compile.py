@@ -6,20 +6,13 @@
   transformer-jax compile --config llama3_8b --topology v5p:2x2x2 --find-batch --remat full
   transformer-jax compile --config decode_25m --topology v5e:2x2 --serve --tensor 4 --batch 8
 
-The run's config and ``section.key=value`` overrides are ``transformer-jax train``'s. The mesh
-is the run's ``train.mesh`` when set, otherwise every chip an FSDP device (with ``--slices N``:
-data=N over the slices; ``train.dcn_mesh`` names the axes the slices split). Nothing runs: the
-train step is lowered on abstract sharded inputs and compiled by libtpu (the ``tpu`` extra) for
-the topology's devices. Printed per chip: memory against the chip's HBM, whether it fits, the
-compile time and the collectives of one step by kind and mesh axis. A program that does not
-fit is one line with the compiler's figures (exit 1).
-
-With ``--serve``, ``generate`` is compiled instead over a decode mesh (``--tensor``,
-``--expert``), then the serving engine's step programs (``--batch`` slots, a ``--chunk``
-prefill over ``--pages`` pages of ``--page-size``); ``--only`` compiles one of the two.
-With ``--save PATH`` the compiled train step is written for ``train train.compiled_step=PATH``
-on those devices. Without ``--topology`` (or ``--topology cpu``) the step is compiled for this
-host's devices over the run's own ``train.mesh``, as ``train`` would.
+The config and overrides are ``train``'s; the mesh is ``train.mesh``, else every chip an FSDP
+device (``--slices N``: data=N over the slices). Nothing runs: the step is compiled by libtpu
+(the ``tpu`` extra) for the topology's devices, and the memory per chip, whether it fits, the
+compile time and the collectives of one step are printed (exit 1 when it does not fit).
+``--serve`` compiles ``generate`` and the serving engine's step programs instead; ``--save
+PATH`` writes the compiled step for ``train.compiled_step=PATH``; without ``--topology`` (or
+``cpu``) the step is compiled for this host's devices.
 """
 
 from __future__ import annotations
@@ -212,9 +205,8 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def _with_engine(report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """``generate``'s report with the engine's step programs (``compile_engine``) as
-    ``"engine"``; ``fits`` both's, and an engine program's overflow as the report's ``error``
-    (naming the program)."""
+    """``generate``'s report with the engine's step programs as ``"engine"``; ``fits`` both's,
+    and an engine program's overflow as the report's ``error``."""
     engine = engine_report(args.config, args.overrides, args.topology, tensor=args.tensor,
                            expert=args.expert, slots=args.batch, pages=args.pages,
                            page_size=args.page_size, chunk=args.chunk)

@@ -1,10 +1,8 @@
 """``transformer-jax evaluate --checkpoint PATH --tasks T1,T2 --output results.json``.
 
 Runs lm-evaluation-harness tasks on a checkpoint (a HF directory, a training run or a LoRA
-run) through ``JaxLM``, prints the harness's results table and writes its results as JSON.
-Every argument, the ``--output`` file, the tasks (a task file that does not parse is named) and
-``--max-length`` are checked before any weights are read: one argparse error line, exit 2.
-When every task named is under ``--include-path``, the built-in tasks are not indexed.
+run) through ``JaxLM``, prints the results table and writes the results as JSON. Every
+argument, the output file and the tasks are checked before any weights are read (exit 2).
 """
 
 from __future__ import annotations

@@ -2,14 +2,10 @@
 
     transformer-jax export --checkpoint RUN_DIR --out DIR
 
-``--checkpoint`` is a run directory (the newest intact step), its ``checkpoints/``, one step's
-directory or a HF directory. The result holds ``config.json``, the safetensors weights,
-``generation_config.json`` and the tokenizer, as ``AutoModelForCausalLM.from_pretrained`` and
-``transformer-jax generate`` read them. A LoRA run's adapters are merged into the base
-(``lora.merge``, in float32) and every tensor is cast to the model's ``param_dtype``. The
-tokenizer is ``--tokenizer``, else the one found with the checkpoint (``checkpoint.loading``);
-without one the export fails unless ``--no-tokenizer`` is given. The checkpoint is only read;
-``--out`` is checked before any weight is read (``check_out``).
+The result holds ``config.json``, the safetensors weights, ``generation_config.json`` and the
+tokenizer. A LoRA run's adapters are merged into the base (in float32) and every tensor is cast
+to the model's ``param_dtype``. The checkpoint is only read; ``--out`` is checked before any
+weight is read (``check_out``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Command line generation: ``transformer-jax generate --checkpoint PATH --prompt TEXT``.
 
-PATH is a HF checkpoint directory or a training run (its directory, ``checkpoints/`` or one
-step's directory), read-only (``checkpoint.loading``); the tokenizer is ``--tokenizer``, else
-the one found with it. With ``--chat`` each prompt is a user message rendered with the chat
-template. Text is streamed as it is generated; ``--prompt-ids`` and ``--json`` are for scripts.
+PATH is a HF checkpoint directory or a training run, read-only (``checkpoint.loading``). Text
+is streamed as it is generated; ``--prompt-ids`` and ``--json`` are for scripts;
 ``--json-schema``, ``--json-object``, ``--regex`` and ``--choice`` hold every output to a
 grammar (``serving.grammar``).
 """

@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (default: "
                    f"${API_KEY_ENV}, else no key)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=RUN_DIR",
-                   help="serve the LoRA adapters of training run RUN_DIR as model NAME beside "
-                        "the base; repeatable")
+                   help="serve the LoRA adapters of training run RUN_DIR (trained on this "
+                        "checkpoint) as model NAME beside the base; repeatable")
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"),
                    help="the format of the model's tool calls (default: the chat template's)")
     p.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"),
@@ -192,9 +192,8 @@ def configure_compilation_cache(directory: str) -> None:
 
 
 def pool_pages(args: argparse.Namespace, config: Any, draft: Any = None) -> int:
-    """The pool size the flags ask for (page 0, the null page, included); with a draft
-    model's config (or the multi-token prediction module's one layer), each page also holds
-    its pages' bytes (``serving.draft``, ``serving.mtp``)."""
+    """The pool size the flags ask for (page 0, the null page, included); each page also holds
+    ``draft``'s pages' bytes (a draft model's config, or the MTP module's one layer)."""
     full = 1 + args.slots * pages_for(config.max_seq_len, args.page_size)
     if args.memory_fraction is None:
         return args.pages or full

@@ -1,12 +1,8 @@
 """The FastAPI app: routes, Bearer auth on ``/v1``, OpenAI error objects, SSE streaming.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (200 once serving, 503 while draining) and ``GET /metrics`` (Prometheus text).
-Every refusal is OpenAI's error object with its status; an unexpected failure is a 500 object
-and the server goes on. Bodies arrive whole (``limits.py``) and are parsed and tokenised on a
-worker thread. A stream's headers go out with its first engine event (so a request the engine
-never started can still be refused with a status); a client that goes away has its request
-cancelled.
+``GET /health`` and ``GET /metrics``. A stream's headers go out with its first engine event, so
+a request the engine never started can still be refused with a status.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """From a validated OpenAI request to the engine's input (``prepare``: prompt ids and
-``SamplingParams``).
-
-A text prompt is encoded as ``generate`` encodes it; chat messages are rendered with the
-checkpoint's chat template and its generation prompt. Generation stops at eos (and, for chat,
-at the end of the assistant's turn), at ``stop`` strings and at the token limit. A chat with
-``tools`` renders them through the template; the reply's calls are parsed, or enforced by a
-grammar, in the template's format (``serve.tools``).
+``SamplingParams``): text encoded as ``generate`` encodes it, chat messages rendered with the
+checkpoint's chat template, stops at eos (and the assistant turn's end), ``stop`` strings and
+the token limit; a chat's tools rendered, and their calls parsed or enforced (``serve.tools``).
 """
 
 from __future__ import annotations

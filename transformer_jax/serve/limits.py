@@ -1,10 +1,8 @@
 """Request bodies read before the app sees them: at most ``max_bytes``, within ``timeout`` s.
 
-``BodyLimits`` is an ASGI middleware in front of the app: a body above the limit gets 413 (at
-once for a ``Content-Length`` above it), one not whole ``timeout`` seconds after the headers
-408, one still arriving when the server drains 503; each refusal closes the connection (a 413
-once the client has sent the rest, so that it reads the response rather than a reset). A body
-within the limits is handed to the app whole.
+``BodyLimits`` is an ASGI middleware in front of the app: a body above the limit gets 413, one
+not whole in time 408, one still arriving when the server drains 503; each refusal closes the
+connection. A body within the limits is handed to the app whole.
 """
 
 from __future__ import annotations

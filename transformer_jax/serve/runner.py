@@ -1,11 +1,7 @@
-"""The engine on its own thread, and each request's stream of events into the event loop.
-
-``EngineRunner`` steps a ``serving.Engine`` on a thread while requests are in flight; after
-every step it hands that step's events to the loop in one ``call_soon_threadsafe`` call. A
-request past the timeout ends with reason ``"timeout"``; ``cancel`` (a client gone) frees its
-pages before the next step; ``drain(grace)`` refuses new requests and, ``grace`` seconds later,
-ends those still in flight with reason ``"abort"``. A step that raises ends every request in
-flight with reason ``"error"`` and the engine goes on.
+"""The engine on its own thread (``EngineRunner``), and each request's stream of events into
+the event loop: after every step the thread hands that step's events to the loop at once.
+A request ends with reason ``"timeout"`` past its timeout, ``"abort"`` when a shutdown's grace
+period is over and ``"error"`` when a step raises (the engine goes on).
 """
 
 from __future__ import annotations

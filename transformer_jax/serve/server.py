@@ -1,10 +1,5 @@
-"""The listening socket and the uvicorn server around the app: bind first, drain on SIGTERM.
-
-``listen`` binds before anything is loaded, so a busy port fails at once (uvicorn is handed the
-socket). ``DrainingServer`` on SIGTERM or SIGINT closes the port, refuses new requests, lets
-those in flight finish for the grace period, then aborts the rest (``EngineRunner.drain``) and
-exits 0.
-"""
+"""The listening socket, bound before anything is loaded (a busy port fails at once), and
+``DrainingServer``: uvicorn's server that drains the runner on SIGTERM and exits 0."""
 
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """Tool calls: the reply's calls parsed from the text the model writes, and the grammar that
 makes it write one when ``tool_choice`` asks for it.
 
-The parser follows the chat template's format: ``"hermes"`` (Qwen2.5 / Qwen3, Hermes 2 Pro:
-``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks among text) or
-``"llama3_json"`` (Llama 3.x: the reply is JSON calls ``{"name": ..., "parameters": {...}}``
-separated by ``;``, optionally after ``<|python_tag|>``). A block that is no call stays in the
-content as written. ``ToolCallParser`` reads the text as it streams, so the streamed pieces
-joined equal ``parse_reply`` of the whole text, however the text was cut.
-
-``tool_choice`` ``"required"`` and a named function are enforced by an llguidance Lark grammar
-of the family's wrapper, a tool's name and arguments valid against its ``parameters``
-(``tool_grammar``). A template that shows neither format gets ``JSON_CALLS``: ``"required"``
-makes the reply a JSON list of ``{"name": ..., "arguments": {...}}`` objects, a named function
-that function's arguments object; ``"auto"`` needs a format the server parses.
+The parser follows the chat template's format: ``"hermes"`` (``<tool_call>{...}</tool_call>``
+blocks among text) or ``"llama3_json"`` (JSON calls separated by ``;``, optionally after
+``<|python_tag|>``). ``ToolCallParser`` reads the text as it streams; the pieces joined equal
+``parse_reply`` of the whole text. ``tool_choice`` ``"required"`` or a named function is
+enforced by an llguidance grammar (``tool_grammar``); where the template shows no format, in
+``JSON_CALLS``: a JSON list of calls, or the named function's arguments object.
 """
 
 from __future__ import annotations
@@ -230,10 +224,8 @@ class Llama3JsonParser(ToolCallParser):
 
 
 class JsonCallsParser(ToolCallParser):
-    """The reply of an enforced call where the template shows no format (``JSON_CALLS``):
-    a JSON list of calls, or with ``name`` that function's arguments object. The calls come
-    once the reply is whole (``finish``); a reply cut short gives the calls whole in it, and
-    the rest as text."""
+    """An enforced call's reply where the template shows no format (``JSON_CALLS``): a JSON
+    list of calls, or with ``name`` that function's arguments; parsed once whole (``finish``)."""
 
     def __init__(self, name: str | None = None) -> None:
         self._name = name
