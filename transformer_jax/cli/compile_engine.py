@@ -45,11 +45,9 @@ def engine_report(config: str, overrides: list[str], topology: str, *,
       hlo: include each compiled program's text.
 
     Returns:
-      A JSON-ready dict: the shapes, ``pool_bytes`` (pages and rings, ``PagedKVCache.nbytes``)
-      and ``pool_bytes_per_chip`` (split by kv head over T), the paged ``kernels`` the step
-      picks for the target (None: the XLA views), ``programs`` {"decode", "prefill"}: each as
-      ``compile_serve.compiled_report`` gives it (``fits`` False with ``error`` on an
-      overflow), and ``fits`` (every program's).
+      A JSON-ready dict: the shapes, ``pool_bytes`` and ``pool_bytes_per_chip``, the paged
+      ``kernels`` the step picks (None: the XLA views), ``programs`` {"decode", "prefill"} as
+      ``compile_serve.compiled_report`` gives them, and ``fits`` (every program's).
 
     Raises:
       ConfigError / ValueError: a bad config, override, size or mesh.
