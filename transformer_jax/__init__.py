@@ -18,14 +18,5 @@ from transformer_jax.model.transformer import Transformer, abstract_params, init
 
 _moved.install()
 
-__all__ = [
-    "GenerateResult",
-    "KVCache",
-    "ModelConfig",
-    "RopeScaling",
-    "Transformer",
-    "abstract_params",
-    "generate",
-    "init_params",
-    "param_count",
-]
+__all__ = ["GenerateResult", "KVCache", "ModelConfig", "RopeScaling", "Transformer",
+           "abstract_params", "generate", "init_params", "param_count"]

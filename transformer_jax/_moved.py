@@ -1,10 +1,8 @@
 """Import paths of modules that moved into packages, kept working for code written before.
 
-The library's modules were once side by side in ``transformer_jax/``; they now live in packages
-that follow the data flow (``model``, ``data``, ``train``, ``checkpoint``, ``decode``, ...).
 ``import transformer_jax.train_config`` still works: the finder below answers an old name with
-the module at its new path (the same module object, so ``monkeypatch`` and ``isinstance`` see
-one module) and warns once with a ``DeprecationWarning`` that names the new path.
+the module at its new path (the same module object) and warns once with a
+``DeprecationWarning`` that names the new path.
 """
 
 from __future__ import annotations
@@ -20,57 +18,39 @@ PACKAGE = "transformer_jax"
 
 # old name (under transformer_jax.) -> new name; a package's submodules follow it.
 MOVED = {
-    "files": "storage.files",
-    "config": "model.config",
-    "layers": "model.layers",
-    "kv_cache": "model.kv_cache",
-    "ops": "model.ops",
-    "quant": "model.quant",
-    "lora": "model.lora",
-    "corpus": "data.corpus",
-    "instruct": "data.instruct",
-    "instruct_records": "data.instruct_records",
-    "eval_sets": "data.eval_sets",
-    "mesh": "parallel.mesh",
-    "sharding": "parallel.sharding",
-    "distributed": "parallel.distributed",
+    **{name: f"{package}.{name}" for package, names in {
+        "storage": ("files",),
+        "model": ("config", "layers", "kv_cache", "ops", "quant", "lora"),
+        "data": ("corpus", "instruct", "instruct_records", "eval_sets"),
+        "parallel": ("mesh", "sharding", "distributed"),
+        "checkpoint": ("loading",),
+        "train": ("config_docs", "optim", "loss", "resume", "init_from", "perf"),
+        "decode": ("sampling", "streaming", "prompts", "generation", "export"),
+    }.items() for name in names},
+    # renamed as they moved
     "hf_convert": "hf.convert",
     "hf_export": "cli.export",
     "checkpoint_read": "checkpoint.read",
     "checkpoint_files": "checkpoint.files",
     "checkpoint_quiet": "checkpoint.quiet",
-    "loading": "checkpoint.loading",
     "training": "train.run",
     "train_step": "train.step",
     "train_config": "train.config",
-    "config_docs": "train.config_docs",
-    "optim": "train.optim",
-    "loss": "train.loss",
-    "resume": "train.resume",
-    "init_from": "train.init_from",
     "quant_train": "train.quant",
-    "perf": "train.perf",
     "run_data": "train.data",
     "run_eval": "train.validation",
     "run_log": "train.log",
     "run_memory": "train.memory",
     "run_setup": "train.checks",
     "decode_weights": "decode.weights",
-    "sampling": "decode.sampling",
-    "streaming": "decode.streaming",
-    "prompts": "decode.prompts",
-    "generation": "decode.generation",
-    "export": "decode.export",
 }
 
 
 def new_name(fullname: str) -> str | None:
     """``transformer_jax.OLD[.sub]`` -> its new dotted name; None for a name that did not move."""
     head, _, rest = fullname.partition(".")
-    if head != PACKAGE or not rest:
-        return None
     old, _, sub = rest.partition(".")
-    if old not in MOVED:
+    if head != PACKAGE or old not in MOVED:
         return None
     return f"{PACKAGE}.{MOVED[old]}" + (f".{sub}" if sub else "")
 

@@ -1,8 +1,7 @@
 """``python -m transformer_jax.generate``: ``transformer-jax generate`` (``cli/generate.py``).
 
-``transformer_jax.generate`` is also the library's ``generate`` function, and importing this
-module binds the package attribute to the module; so the module is made callable and forwards
-calls to ``decode.generate``.
+Importing this module binds the package attribute ``generate`` to it, so the module is callable
+and forwards calls to the library's ``decode.generate``.
 """
 
 import sys

@@ -1,19 +1,6 @@
-"""The ``transformer-jax`` command (alias ``tjax``): one program, one subcommand per job.
-
-    transformer-jax train [--config NAME] [section.key=value ...]
-    transformer-jax generate --checkpoint PATH --prompt TEXT
-    transformer-jax serve --checkpoint PATH [--port 8000]
-    transformer-jax evaluate --checkpoint PATH --tasks NAMES
-    transformer-jax export --checkpoint RUN_DIR --out HF_DIR
-    transformer-jax data build --input ... --out DIR --tokenizer TOK
-    transformer-jax compile --topology v5p:2x2x2 [--config NAME] [section.key=value ...]
-    transformer-jax bench KIND [options]
-    transformer-jax plot RUN_DIR [RUN_DIR ...]
-
-Each subcommand is a module of this package with ``main(argv) -> exit status``, imported only
-when it runs. The older entry points are aliases of
-these: ``python train.py``, ``python -m transformer_jax.generate``, ``... .serve``,
-``... .evaluate``, ``... .hf export``, ``... .data build``, ``... .bench`` and ``... .plot``.
+"""The ``transformer-jax`` command (alias ``tjax``): one program, one subcommand per job
+(``COMMANDS``). Each subcommand is a module with ``main(argv) -> exit status``, imported only
+when it runs.
 """
 
 from __future__ import annotations
@@ -21,6 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Sequence
+from importlib.metadata import version
 
 from transformer_jax.cli.common import PROG
 
@@ -55,8 +43,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(usage())
         return 0
     if args and args[0] == "--version":
-        from importlib.metadata import version
-
         print(f"{PROG} {version('transformer_jax')}")
         return 0
     if not args or args[0] not in COMMANDS:

@@ -1,5 +1,4 @@
-"""What every subcommand of ``transformer-jax`` shares: the program's name in its usage lines,
-how a command reports an error, and how it shows a byte count."""
+"""What every subcommand of ``transformer-jax`` shares: the program's name, ``fail``, ``gib``."""
 
 import sys
 
@@ -8,9 +7,8 @@ PROG = "transformer-jax"
 
 
 def fail(message: str, code: int = 2) -> int:
-    """Writes ``error: <message>`` on the console's stderr (a command's answer to its user, for
-    the commands' ``main`` only: the library logs); returns the exit status ``code`` (2: bad
-    input)."""
+    """Writes ``error: <message>`` on stderr (for the commands' ``main`` only: the library
+    logs); returns the exit status ``code`` (2: bad input)."""
     sys.stderr.write(f"error: {message}\n")
     return code
 

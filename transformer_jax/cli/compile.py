@@ -6,44 +6,39 @@
   transformer-jax compile --config llama3_8b --topology v5p:2x2x2 --find-batch --remat full
   transformer-jax compile --config decode_25m --topology v5e:2x2 --serve --tensor 4 --batch 8
 
-The run's config and ``section.key=value`` overrides are ``transformer-jax train``'s. The mesh
-is the run's ``train.mesh`` when the config or an override sets it; otherwise every chip is an
-FSDP device (with ``--slices N``: data=N over the slices, FSDP within each). The slices split
-the axes ``train.dcn_mesh`` gives them (default: data; ``train.dcn_mesh=fsdp=2``: fsdp, and an
-unset mesh then has fsdp over every chip). Nothing runs: the train step is lowered on abstract
-sharded inputs and compiled by the TPU compiler (libtpu, the ``tpu`` extra) for the topology's
-devices, traced for the TPU target (kernel choices such as attention ``auto`` are the TPU's).
-Printed per chip: arguments, output, temporaries, the peak against the chip's HBM, whether it
-fits, the compile time, and the collectives of one step by kind and by mesh axis, and those
-crossing slices.
-A program that does not fit is one line with the compiler's figures (exit 1).
-
-With ``--serve``, ``generate`` (prefill and the decode loop) is compiled instead, over a decode
-mesh (``--tensor``, default every chip, and ``--expert``), for ``--batch`` prompts of
-``--prompt-len`` tokens, ``--new-tokens`` new ones and ``--cache-size`` KV cache slots; the
-report adds the KV cache bytes a chip the config implies (``cli.compile_serve``). Then the
-serving engine's step programs, decode rows for ``--batch`` slots and a ``--chunk`` prefill
-chunk over a pool of ``--pages`` pages of ``--page-size``, each reported alike, with the pool's
-bytes a chip (``cli.compile_engine``; JSON: ``"engine"``). ``--only generate`` or ``--only
-engine`` compiles one of the two (``model.attention_impl=pallas``, the engine's Mosaic paged
-kernels, has no kernel for ``generate``'s prefill over its cache).
-
-With ``--save PATH`` the compiled train step is written to PATH with what it was compiled for,
-for ``train train.compiled_step=PATH`` on those devices (``train.executable``; a TPU
-topology's step loads on that pod only). Without ``--topology`` (or ``--topology cpu``) the step
-is compiled for this host's devices over the run's own ``train.mesh``, as ``train`` would.
+The config and overrides are ``train``'s; the mesh is ``train.mesh``, else every chip an FSDP
+device (``--slices N``: data=N over the slices). Nothing runs: the step is compiled by libtpu
+(the ``tpu`` extra) for the topology's devices, and the memory per chip, whether it fits, the
+compile time and the collectives of one step are printed (exit 1 when it does not fit).
+``--serve`` compiles ``generate`` and the serving engine's step programs instead; ``--save
+PATH`` writes the compiled step for ``train.compiled_step=PATH``; without ``--topology`` (or
+``cpu``) the step is compiled for this host's devices.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from typing import Any
 
-from transformer_jax.cli.common import PROG, gib
+import jax
+
+from transformer_jax.bench.memory import lower_train_step
+from transformer_jax.cli.common import PROG, fail, gib
+from transformer_jax.cli.compile_engine import engine_report, format_engine_report
+from transformer_jax.cli.compile_serve import format_serve_report, program_report, serve_report
+from transformer_jax.model.config import REMATS, load_toml
+from transformer_jax.model.ops import target
+from transformer_jax.parallel import collectives, pod
+from transformer_jax.parallel.mesh import MeshConfig, make_mesh
+from transformer_jax.parallel.sharding import configure_cpu_devices
+from transformer_jax.train import executable
+from transformer_jax.train.config import ConfigError, build_configs
+from transformer_jax.train.perf import enable_cpu_fast_math
 
 EXIT_DOES_NOT_FIT = 1
 
@@ -52,16 +47,12 @@ def _mesh_config(config: str, overrides: list[str], train: Any, slices: int
                  ) -> tuple[Any, Any, str]:
     """The mesh the run asks for, or FSDP over every chip, and its DCN mesh
     (``train.dcn_mesh``); with a line saying which."""
-    from transformer_jax.model.config import load_toml
-    from transformer_jax.parallel.mesh import MeshConfig
-    from transformer_jax.parallel.pod import default_mesh
-
     dcn = MeshConfig.parse(train.dcn_mesh)
     given = any(o.split("=", 1)[0].strip() == "train.mesh" for o in overrides) or \
         "mesh" in load_toml(config).get("train", {})
     if given:
         return MeshConfig.parse(train.mesh), dcn, f"train.mesh={train.mesh}"
-    mesh = default_mesh(slices, dcn)
+    mesh = pod.default_mesh(slices, dcn)
     return mesh, dcn, "train.mesh unset: every chip an FSDP device" + (
         f", data={mesh.data} over the slices" if mesh.data > 1 else "")
 
@@ -70,33 +61,22 @@ def compile_report(config: str, overrides: list[str], topology: str | None, slic
                    hlo: bool = False, save: str | None = None) -> dict[str, Any]:
     """Compiles the run's train step for ``topology`` and returns the per-chip report.
 
-    ``topology`` None (or ``"cpu"``: this host's CPU devices) compiles for this process's
-    devices over the run's own mesh (``train.mesh``, as ``train`` makes it). ``save`` writes
-    the compiled step and what it was compiled for to that file (``train.executable``), for
-    ``train.compiled_step``; the report's ``saved`` gives its path and bytes.
+    ``topology`` None (or ``"cpu"``) compiles for this process's devices over the run's own
+    ``train.mesh``. ``save`` writes the compiled step to that file (``train.executable``); the
+    report's ``saved`` gives its path and bytes.
 
     Returns:
       A JSON-ready dict: ``fits`` False (with ``error``, the compiler's line) when the
-      compiler ran out of memory; else memory per chip in bytes, ``compile_s`` and
-      ``collectives`` (``parallel.collectives.summarize``), ``mosaic_calls`` (the Pallas TPU
-      kernels' custom calls in the program) and, with ``hlo``, the compiled program's text.
+      compiler ran out of memory; else memory per chip in bytes, ``compile_s``,
+      ``collectives`` (``parallel.collectives.summarize``), ``mosaic_calls`` and, with
+      ``hlo``, the compiled program's text.
 
     Raises:
       ConfigError / ValueError: a bad config, override, mesh or batch split.
       TopologyError: no libtpu, or a topology libtpu does not know.
     """
-
-    from transformer_jax.bench.memory import lower_train_step
-    from transformer_jax.model.ops import target
-    from transformer_jax.parallel import collectives, pod
-    from transformer_jax.train.config import build_configs
-
     model, train, _ = build_configs(config, overrides)
     if topology in (None, "cpu"):
-        import jax
-
-        from transformer_jax.parallel.mesh import MeshConfig, make_mesh
-
         devices = jax.devices(topology)
         mesh = make_mesh(MeshConfig.parse(train.mesh), devices, MeshConfig.parse(train.dcn_mesh))
         mesh_note, per_chip, topology = f"train.mesh={train.mesh}", 1, topology or "local"
@@ -116,12 +96,7 @@ def compile_report(config: str, overrides: list[str], topology: str | None, slic
         "batch_size": train.batch_size, "seq_len": train.seq_len, "dtype": model.dtype,
         "remat": model.remat, "attention": model.attention_impl, "hbm_bytes": hbm}
     lowered, report["lower_s"] = lower_train_step(model, train, mesh)
-    if save:
-        from transformer_jax.train import executable
-
-        with executable.uncached():
-            compiled, fields = pod.compile_memory(lowered)
-    else:
+    with executable.uncached() if save else contextlib.nullcontext():
         compiled, fields = pod.compile_memory(lowered)
     report.update(fields)
     if compiled is None:
@@ -130,20 +105,11 @@ def compile_report(config: str, overrides: list[str], topology: str | None, slic
         header = executable.describe(compiled, model, train, mesh, config=config,
                                      overrides=overrides, topology=topology, slices=slices)
         report["saved"] = {"path": save, "bytes": executable.save(save, compiled, header)}
-    memory = report["memory"]
-    report["fits"] = hbm is None or memory["peak"] <= hbm
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     # XLA counts a while body (the scanned layer stack) once, not once per layer.
     report["flops_hlo"] = float((cost or {}).get("flops", 0.0))
-    ids, axes = pod.slice_mesh(mesh)
-    text = compiled.as_text()
-    report["collectives"] = collectives.summarize(collectives.collectives(
-        text, ids, axes, pod.dcn_axes(mesh) or "data"))
-    report["mosaic_calls"] = text.count('custom_call_target="tpu_custom_call"')
-    if hlo:
-        report["hlo"] = text
-    return report
+    return program_report(report, compiled, mesh, hlo)
 
 
 def find_batch(config: str, overrides: list[str], topology: str, slices: int = 1,
@@ -151,19 +117,14 @@ def find_batch(config: str, overrides: list[str], topology: str, slices: int = 1
                ) -> dict[str, Any]:
     """For each remat policy, the largest per-chip batch whose train step fits a chip.
 
-    The per-chip batch is the micro-batch over the devices that split the batch (data x fsdp,
-    x expert on a mesh with one); ``train.batch_size`` is set to it times those devices times
-    ``train.grad_accum``. Each probe is a compile (``compile_report``); the search doubles
-    from 1 and then bisects (``pod.largest_fitting``).
+    The per-chip batch is the micro-batch over the devices that split the batch (data x fsdp
+    x expert). Each probe is a compile; the search doubles from 1, then bisects.
 
     Returns:
       ``{remat: {"per_chip", "batch_size", "peak" and "host" (bytes in HBM and in the
       host's memory, e.g. offloaded activations, of the largest that fits, or None),
       "probes" [[per_chip, fits], ...], "seconds"}}``, with ``"hbm_bytes"`` and the mesh.
     """
-    from transformer_jax.parallel import pod
-    from transformer_jax.train.config import build_configs
-
     _, train, _ = build_configs(config, overrides)
     devices = pod.topology_devices(topology, slices)
     mesh_config, _, _ = _mesh_config(config, overrides, train, slices)
@@ -212,8 +173,6 @@ def format_batches(found: dict[str, Any], topology: str) -> str:
 
 def format_report(r: dict[str, Any]) -> str:
     """The report as the lines the command prints."""
-    from transformer_jax.parallel import collectives
-
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     lines = [f"{r['config']} on {r['topology']}" + (f" x {r['slices']} slices"
                                                     if r["slices"] > 1 else "") +
@@ -246,11 +205,8 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def _with_engine(report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """``generate``'s report with the engine's step programs (``compile_engine``) as
-    ``"engine"``; ``fits`` both's, and an engine program's overflow as the report's ``error``
-    (naming the program)."""
-    from transformer_jax.cli.compile_engine import engine_report
-
+    """``generate``'s report with the engine's step programs as ``"engine"``; ``fits`` both's,
+    and an engine program's overflow as the report's ``error``."""
     engine = engine_report(args.config, args.overrides, args.topology, tensor=args.tensor,
                            expert=args.expert, slots=args.batch, pages=args.pages,
                            page_size=args.page_size, chunk=args.chunk)
@@ -306,16 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     if args.slices < 1:
         parser.error(f"--slices must be >= 1, got {args.slices}")
-    from transformer_jax.train.config import ConfigError
-
     # It only compiles, never claims a chip: two compiles at once need not exclude each other.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    given = [f"--{k.replace('_', '-')}" for k in ("tensor", "cache_size", "pages", "only")
-             if getattr(args, k) is not None]
-    given += [f"--{k.replace('_', '-')}" for k, v in (("expert", 1), ("batch", 8),
-                                                       ("prompt_len", 128), ("new_tokens", 128),
-                                                       ("page_size", 16), ("chunk", 256))
-              if getattr(args, k) != v]
+    given = [f"--{k.replace('_', '-')}" for k in (
+        "tensor", "expert", "batch", "prompt_len", "new_tokens", "cache_size", "only", "pages",
+        "page_size", "chunk") if getattr(args, k) != parser.get_default(k)]
     if given and not args.serve:
         parser.error(f"{', '.join(given)} go with --serve")
     if args.serve and (args.find_batch or args.slices != 1):
@@ -332,8 +283,6 @@ def main(argv: list[str] | None = None) -> int:
         code = _local_devices(args)
         if code:
             return code
-    from transformer_jax.model.config import REMATS
-
     for remat in args.remat or ():
         if remat not in REMATS:
             parser.error(f"--remat must be one of {', '.join(REMATS)}, got {remat!r}")
@@ -344,8 +293,6 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(found) if args.json else format_batches(found, args.topology))
             return 0
         if args.serve:
-            from transformer_jax.cli.compile_serve import serve_report
-
             report = {"fits": True}
             if args.only != "engine":
                 report = serve_report(args.config, args.overrides, args.topology,
@@ -363,8 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         # NotImplementedError: a kernel XLA cannot partition over this mesh.
         hint = (" (model.attention_impl=chunked or xla avoids the TPU kernels)"
                 if isinstance(e, ModuleNotFoundError | NotImplementedError) else "")
-        print(f"error: {str(e).splitlines()[0]}{hint}", file=sys.stderr)
-        return 2
+        return fail(f"{str(e).splitlines()[0]}{hint}")
     if not report["fits"] and "error" in report:  # generate's, or an engine program's
         print(f"error: does not fit on {args.topology} ({report['device_kind']}): "
               f"{report['error']}", file=sys.stderr)
@@ -374,9 +320,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report))
     elif args.serve:
-        from transformer_jax.cli.compile_engine import format_engine_report
-        from transformer_jax.cli.compile_serve import format_serve_report
-
         print("\n".join(([format_serve_report(report)] if "program" in report else [])
                         + ([format_engine_report(report["engine"])] if "engine" in report
                            else [])))
@@ -391,16 +334,11 @@ def main(argv: list[str] | None = None) -> int:
 def _local_devices(args: argparse.Namespace) -> int:
     """Before JAX starts: the CPU devices and fast math ``train`` would use for this config
     (a saved step loads only where both match); 2 and a line for a bad config."""
-    from transformer_jax.parallel.sharding import configure_cpu_devices
-    from transformer_jax.train.config import ConfigError, build_configs
-    from transformer_jax.train.perf import enable_cpu_fast_math
-
     try:
         _, train, _ = build_configs(args.config, args.overrides)
         if not args.no_fast_math:
             enable_cpu_fast_math()
         configure_cpu_devices(train.micro_batch_size, args.cpu_devices)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return fail(str(e).splitlines()[0])
     return 0

@@ -1,16 +1,9 @@
 """``transformer-jax compile --serve``: the serving engine's step programs compiled for a TPU pod.
 
-Beside ``generate`` (``cli.compile_serve``), ``--serve`` compiles the programs ``Engine.compile``
-warms up (``serving.step.step_jit``): the decode rows (one token for each of the B slots) and a
-prefill chunk (one prompt's chunk of C tokens, the engine's default of one prompt a step), both
-at the widest page table a step runs at (W = the pages of ``max_seq_len``), over a pool of P
-pages. Their inputs are built as the engine passes them: the prepared weights placed over the
-decode mesh (``compile_serve.decode_setup``), the pages (and a model's local-layer rings) split by
-kv head over the tensor axis (``step.page_spec``) and donated, the rows, page tables and greedy
-sampling settings replicated. The step is traced under the mesh's platform (``decode_context``),
-so with ``model.attention_impl=pallas`` the paged attention is the Mosaic TPU kernels
-(``ops.paged_attention.plan``: the paged kernel for decode rows, the ragged one for chunks),
-run per device over its kv heads.
+The programs ``Engine.compile`` warms up (``serving.step.step_jit``): the decode rows (one token
+for each of the B slots) and a prefill chunk of C tokens, at the widest page table (W pages of
+``max_seq_len``) over a pool of P pages, their inputs placed over the decode mesh as the engine
+places them (the pages split by kv head over the tensor axis, and donated).
 """
 
 from __future__ import annotations
@@ -18,7 +11,20 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from transformer_jax.cli.common import gib
+from transformer_jax.cli.compile_serve import compiled_report, decode_setup
+from transformer_jax.model.ops import paged_attention, target
+from transformer_jax.parallel import collectives
+from transformer_jax.serving import step as step_lib
+from transformer_jax.serving.page_pool import pages_for
+from transformer_jax.serving.paged_cache import PagedKVCache
+from transformer_jax.serving.plan import row_sampling
+from transformer_jax.train.config import build_configs
 
 
 def engine_report(config: str, overrides: list[str], topology: str, *,
@@ -39,29 +45,14 @@ def engine_report(config: str, overrides: list[str], topology: str, *,
       hlo: include each compiled program's text.
 
     Returns:
-      A JSON-ready dict: the shapes, ``pool_bytes`` (pages and rings, ``PagedKVCache.nbytes``)
-      and ``pool_bytes_per_chip`` (split by kv head over T), the paged ``kernels`` the step
-      picks for the target (None: the XLA views), ``programs`` {"decode", "prefill"}: each as
-      ``compile_serve.compiled_report`` gives it (``fits`` False with ``error`` on an
-      overflow), and ``fits`` (every program's).
+      A JSON-ready dict: the shapes, ``pool_bytes`` and ``pool_bytes_per_chip``, the paged
+      ``kernels`` the step picks (None: the XLA views), ``programs`` {"decode", "prefill"} as
+      ``compile_serve.compiled_report`` gives them, and ``fits`` (every program's).
 
     Raises:
       ConfigError / ValueError: a bad config, override, size or mesh.
       TopologyError: no libtpu, or a topology libtpu does not know.
     """
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from transformer_jax.cli.compile_serve import compiled_report, decode_setup
-    from transformer_jax.model.ops import paged_attention, target
-    from transformer_jax.serving import step as step_lib
-    from transformer_jax.serving.page_pool import pages_for
-    from transformer_jax.serving.paged_cache import PagedKVCache
-    from transformer_jax.serving.plan import row_sampling
-    from transformer_jax.train.config import build_configs
-
     model, _, _ = build_configs(config, overrides)
     for name, value in (("--batch", slots), ("--page-size", page_size), ("--chunk", chunk)):
         if value < 1:
@@ -126,8 +117,6 @@ def engine_report(config: str, overrides: list[str], topology: str, *,
 
 def format_engine_report(r: dict[str, Any]) -> str:
     """``engine_report``'s result as the lines the command prints."""
-    from transformer_jax.parallel import collectives
-
     kernels = ", ".join(f"{k} {v or 'XLA view'}" for k, v in r["kernels"].items())
     lines = [f"engine step of {r['config']} on {r['topology']} ({r['devices']} of "
              f"{r['topology_devices']} x {r['device_kind']}, {gib(r['hbm_bytes'])} HBM each)",

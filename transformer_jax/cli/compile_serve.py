@@ -1,16 +1,8 @@
 """``transformer-jax compile --serve``: ``generate`` compiled for a TPU pod on this host.
 
-The jitted decode (``decode.loop.generate_padded``: prefill, then the while loop of decode steps
-over the KV cache) is lowered on abstract inputs, the prepared weights for a TPU target
-(``decode.weights.abstract_weights``) placed by ``weight_shardings`` over a decode mesh
-(``tensor`` over the chips, optionally ``expert``; ``train.mesh`` is not the decode's), and
-[B, T] prompts, [B] lengths and [B, 2] key data replicated, then compiled by the TPU compiler
-for the topology's devices. XLA partitions it from the weights' shardings (and the cache's, by
-the decode's logical-axis rules), as on a pod.
-
-The compiler's memory analysis counts HBM only: a KV cache small enough for the chip's VMEM
-(128 MiB on v5e), which the compiler may keep there for the whole decode, is not among the
-temporaries (measured on v5e: decode_25m's 8 MiB cache a chip at S=256 shows 0 temporaries).
+The jitted decode (``decode.loop.generate_padded``: prefill, then the decode loop) is lowered on
+abstract inputs, the TPU target's prepared weights placed over a decode mesh (``tensor`` over
+the chips, optionally ``expert``), and compiled by the TPU compiler for the topology's devices.
 """
 
 from __future__ import annotations
@@ -18,7 +10,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from transformer_jax.cli.common import gib
+from transformer_jax.decode import loop as decode
+from transformer_jax.decode.prompts import validate_capacity
+from transformer_jax.model.kv_cache import cache_bytes
+from transformer_jax.parallel import collectives, pod
+from transformer_jax.parallel.mesh import MeshConfig
+from transformer_jax.train.config import build_configs
 
 
 def serve_report(config: str, overrides: list[str], topology: str, *, tensor: int | None = None,
@@ -47,16 +50,6 @@ def serve_report(config: str, overrides: list[str], topology: str, *, tensor: in
       ConfigError / ValueError: a bad config, override, mesh size or B, T, N, S.
       TopologyError: no libtpu, or a topology libtpu does not know.
     """
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from transformer_jax.decode import loop as decode
-    from transformer_jax.decode.prompts import validate_capacity
-    from transformer_jax.model.kv_cache import cache_bytes
-    from transformer_jax.train.config import build_configs
-
     model, _, _ = build_configs(config, overrides)
     for name, value in (("--batch", batch), ("--prompt-len", prompt_len),
                         ("--new-tokens", new_tokens), ("--expert", expert)):
@@ -95,12 +88,6 @@ def decode_setup(model: Any, topology: str, tensor: int | None, expert: int
     Raises:
       ValueError: a mesh the topology or the model cannot take. TopologyError: no libtpu.
     """
-    import jax
-
-    from transformer_jax.decode import loop as decode
-    from transformer_jax.parallel import pod
-    from transformer_jax.parallel.mesh import MeshConfig
-
     if expert < 1:
         raise ValueError(f"--expert must be >= 1, got {expert}")
     devices = pod.topology_devices(topology)
@@ -126,19 +113,23 @@ def decode_setup(model: Any, topology: str, tensor: int | None, expert: int
 def compiled_report(report: dict[str, Any], lowered: Any, mesh: Any, hlo: bool
                     ) -> dict[str, Any]:
     """``report`` with the compile of ``lowered`` added: ``compile_s`` and ``memory`` per
-    chip, ``fits``, ``collectives`` by kind and mesh axis, ``mosaic_calls`` and, with ``hlo``,
-    the program's text (or ``fits`` False and the compiler's ``error`` line)."""
-    from transformer_jax.parallel import collectives, pod
-
+    chip, then ``program_report``'s fields (or ``fits`` False and the compiler's ``error``)."""
     compiled, fields = pod.compile_memory(lowered)
     report.update(fields)
-    if compiled is None:
-        return report
+    return report if compiled is None else program_report(report, compiled, mesh, hlo)
+
+
+def program_report(report: dict[str, Any], compiled: Any, mesh: Any, hlo: bool
+                   ) -> dict[str, Any]:
+    """``report`` (with ``memory`` and ``hbm_bytes``) with ``fits``, the ``collectives`` of
+    ``compiled`` by kind and mesh axis, ``mosaic_calls`` (the Pallas TPU kernels' custom calls)
+    and, with ``hlo``, the program's text."""
     hbm = report["hbm_bytes"]
     report["fits"] = hbm is None or report["memory"]["peak"] <= hbm
     ids, axes = pod.slice_mesh(mesh)
     text = compiled.as_text()
-    report["collectives"] = collectives.summarize(collectives.collectives(text, ids, axes))
+    report["collectives"] = collectives.summarize(collectives.collectives(
+        text, ids, axes, pod.dcn_axes(mesh) or "data"))
     report["mosaic_calls"] = text.count('custom_call_target="tpu_custom_call"')
     if hlo:
         report["hlo"] = text
@@ -147,8 +138,6 @@ def compiled_report(report: dict[str, Any], lowered: Any, mesh: Any, hlo: bool
 
 def format_serve_report(r: dict[str, Any]) -> str:
     """``serve_report``'s result as the lines the command prints."""
-    from transformer_jax.parallel import collectives
-
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1 or k == "tensor")
     m = r["memory"]
     share = f" = {m['peak'] / r['hbm_bytes']:.1%} of HBM" if r["hbm_bytes"] else ""

@@ -1,21 +1,8 @@
 """``transformer-jax evaluate --checkpoint PATH --tasks T1,T2 --output results.json``.
 
 Runs lm-evaluation-harness tasks on a checkpoint (a HF directory, a training run or a LoRA
-run) through ``JaxLM``, prints the harness's results table and writes its results as JSON.
-Progress bars count the requests of each kind.
-
-**Offline, with local data.** A task is a YAML file in a directory given to
-``--include-path``; ``dataset_path: json`` with ``dataset_kwargs: {data_files: {test:
-/path/to/data.jsonl}}`` reads a local JSONL file (one document per line) through the
-``datasets`` library's JSON builder, which needs no network (set ``HF_DATASETS_OFFLINE=1`` to be
-sure nothing is fetched). When every task named is found under ``--include-path``, the
-harness's hundreds of built-in task files are not even indexed (saves ~15 s).
-
-**Checked first.** Every argument, the ``--output`` file (a directory, a parent that is a file
-or a path this process cannot write is refused), the tasks (a task file that does not parse is
-named with its error) and ``--max-length`` against the checkpoint's config are checked before
-any weights are read: one argparse error line, exit status 2. The results table is printed
-before the JSON is written (whole, or not at all).
+run) through ``JaxLM``, prints the results table and writes the results as JSON. Every
+argument, the output file and the tasks are checked before any weights are read (exit 2).
 """
 
 from __future__ import annotations
@@ -197,11 +184,7 @@ def write_results(output: Path, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the CLI; returns the exit status.
-
-    Every argument, the output path and the tasks are checked before the checkpoint is read
-    (argparse errors, exit status 2); a checkpoint that cannot be read is exit status 1.
-    """
+    """Runs the CLI; returns the exit status (2: a bad argument, 1: a failed run)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

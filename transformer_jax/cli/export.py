@@ -2,30 +2,10 @@
 
     transformer-jax export --checkpoint RUN_DIR --out DIR
 
-``--checkpoint`` is a run directory (its ``checkpoints/``, the newest intact step), a
-``checkpoints/`` directory, one step's directory (``RUN_DIR/checkpoints/200``), or a HF
-checkpoint directory (re-export). The result holds ``config.json``, the safetensors weights,
-``generation_config.json`` and the tokenizer, which ``AutoModelForCausalLM`` /
-``AutoTokenizer.from_pretrained``, ``transformer-jax generate --checkpoint DIR`` and
-``hf.load`` read.
-
-Checkpoint format read (what ``train.run.run`` saves): an orbax train state whose ``params``
-entry is the model's param tree (unrolled ``blocks_{i}`` or scanned ``blocks``), with
-``meta["model"]`` the ``ModelConfig`` as a dict. A LoRA run stores instead
-``params = {"base": model params, "adapters": lora adapters}`` (``transformer_jax.model.lora``'s
-layout, the same block layout as the base) and ``meta["lora"] = {"rank": R, "alpha": A,
-"targets": [...]}``; the adapters are merged into the base (``lora.merge``, in float32) and every
-tensor is cast to the model's ``param_dtype`` (a frozen base may be stored in bfloat16).
-
-The tokenizer is ``--tokenizer`` (a directory or file), else the one found with the checkpoint
-(``checkpoint.loading``: the run's copy ``RUN_DIR/tokenizer/``, a ``tokenizer.json`` or
-``tokenizer.model`` in the run directory, then the file recorded in ``meta["tokenizer"]``).
-Without one the export fails unless ``--no-tokenizer`` is given.
-
-The checkpoint is only read (a run on a read-only mount exports). ``--out`` is checked before
-any weight is read: never a run directory or one of its own entries (``RUN_DIR/hf`` is fine),
-and an existing directory holding other files than an earlier export's only with
-``--overwrite``.
+The result holds ``config.json``, the safetensors weights, ``generation_config.json`` and the
+tokenizer. A LoRA run's adapters are merged into the base (in float32) and every tensor is cast
+to the model's ``param_dtype``. The checkpoint is only read; ``--out`` is checked before any
+weight is read (``check_out``).
 """
 
 from __future__ import annotations
@@ -41,6 +21,7 @@ import jax.numpy as jnp
 
 from transformer_jax import hf, storage
 from transformer_jax.checkpoint import loading
+from transformer_jax.checkpoint.files import CheckpointError
 from transformer_jax.cli.common import PROG, fail
 from transformer_jax.model.config import DTYPES, ModelConfig
 from transformer_jax.model.transformer import Params
@@ -62,11 +43,10 @@ def _cast(config: ModelConfig, params: Params, dtype: str | None
 def check_out(out: Path, overwrite: bool = False) -> None:
     """Refuses an export directory that would replace what is not an earlier export.
 
-    A training run's own files are never written over: ``out`` may not be a run directory, a
-    run's checkpoints (or a step of them), or inside one of the entries training writes in a run
-    directory (``loading.RUN_ENTRIES``: ``checkpoints/``, ``config.json``, ``tokenizer/``, ...);
-    ``RUN_DIR/hf`` is fine. An existing ``out`` holding anything but an earlier export's files
-    is replaced only with ``overwrite``.
+    ``out`` may not be a run directory, a run's checkpoints (or a step of them), or inside one
+    of the entries training writes in a run directory (``loading.RUN_ENTRIES``); ``RUN_DIR/hf``
+    is fine. An existing ``out`` holding other files than an earlier export's is replaced only
+    with ``overwrite``.
 
     Raises:
       FileExistsError: naming what is there and what to do.
@@ -111,21 +91,14 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
       tokenizer: tokenizer directory or file; default: found next to the checkpoint.
       use_tokenizer: False exports the model only.
       step: the run's step to export (default: the newest intact one).
-      dtype: cast the weights to this (``float32``, ``bfloat16``, ``float16``); default: the
-        model's ``param_dtype``.
+      dtype: cast the weights to this; default: the model's ``param_dtype``.
       max_shard_bytes: split the weights into shards of at most this many bytes.
-      overwrite: replace an ``out`` that holds other files than an earlier export's (never a
-        training run's own files).
+      overwrite: replace an ``out`` that holds other files than an earlier export's.
       model_type: the HF ``model_type`` to write (e.g. ``"phi3"`` for its fused layout);
-        default: the family the checkpoint was loaded as (``Source.hf_model_type``: a HF
-        directory's own, a run started from a HF checkpoint records it), else the one the
-        architecture's fields give (``hf.save``).
-      mxfp4: store GPT-OSS's experts in MXFP4 as its published checkpoints do
-        (``hf.save(mxfp4_experts=True)``; rounds values MXFP4 does not hold); default: unquantised.
-      fp8: store each layer's projection weights in block-scaled FP8 (e4m3, one float32
-        scale per 128 x 128 block) as DeepSeek-V3's published checkpoints do
-        (``hf.save(fp8_block=(128, 128))``; rounds to e4m3's 4 significant bits); refused for
-        GPT-OSS and Llama 4 (their experts are MXFP4 / 3-D) and with ``mxfp4``.
+        default: the family the checkpoint was loaded as, else the one its architecture gives.
+      mxfp4: store GPT-OSS's experts in MXFP4, as its published checkpoints do.
+      fp8: store the layers' projection weights in FP8 e4m3 with a float32 scale per
+        128 x 128 block, as DeepSeek-V3's published checkpoints do (not with ``mxfp4``).
 
     Returns:
       The output directory.
@@ -235,8 +208,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry; returns the exit status (0, or 1 with the error on stderr)."""
-    from transformer_jax.checkpoint.files import CheckpointError
-
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -1,19 +1,9 @@
 """Command line generation: ``transformer-jax generate --checkpoint PATH --prompt TEXT``.
 
-PATH is a HuggingFace checkpoint directory (``config.json`` + safetensors) or an orbax
-checkpoint of this project's training: a run directory, its ``checkpoints/`` directory (the
-latest intact step is used, also while the run is still training) or one step's directory;
-only the parameters are read, read-only (``transformer_jax.checkpoint.loading``). The tokenizer is
-``--tokenizer FILE_OR_DIR``, else the one found with the checkpoint (a HF directory's own, a
-run's copy ``RUN_DIR/tokenizer/``, else the file the run recorded). A text prompt starts with bos
-when the tokenizer's ``add_bos_token`` says so (as fine-tuning encoded prompts); with ``--chat``
-each prompt is a user message rendered with the tokenizer's chat template and its generation
-prompt (as fine-tuning on chat records saw it). Text is streamed as it is generated (one host
-callback per decode step from inside the jitted loop); ``--prompt-ids 1,2,3`` and ``--json``
-are for scripts. ``--json-schema``, ``--json-object``, ``--regex`` and ``--choice`` hold every
-prompt's output to a grammar (structured outputs, ``serving.grammar``; the checkpoint's HF
-tokenizer): it ends when the grammar is complete.
-
+PATH is a HF checkpoint directory or a training run, read-only (``checkpoint.loading``). Text
+is streamed as it is generated; ``--prompt-ids`` and ``--json`` are for scripts;
+``--json-schema``, ``--json-object``, ``--regex`` and ``--choice`` hold every output to a
+grammar (``serving.grammar``).
 """
 
 from __future__ import annotations
@@ -32,12 +22,13 @@ from transformer_jax.checkpoint import loading
 from transformer_jax.checkpoint.files import CheckpointError
 from transformer_jax.cli.common import PROG, fail
 from transformer_jax.decode import generation
+from transformer_jax.hf.generation_config import generation_stop_ids
 from transformer_jax.model.quant_spec import parse_quant
 from transformer_jax.parallel import sharding
+from transformer_jax.serving.grammar import Grammar, GrammarTokenizer
 from transformer_jax.tokenizer import detokenize
 from transformer_jax.tokenizer.prompt import chat_turn_end_id, encode_chat_prompt, encode_text
 
-# CLI ---------------------------------------------------------------------------------------------
 
 def _ids(text: str) -> list[int]:
     parts = text.replace(" ", "").split(",")
@@ -73,8 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "most likely one (default: 0, off)")
     p.add_argument("--chat", action="store_true",
                    help="each --prompt is a user message, rendered with the tokenizer's chat "
-                   "template and its generation prompt (as fine-tuning on chat records saw "
-                   "it); stops at the end of the assistant's turn too (default: plain text)")
+                   "template; stops at the end of the assistant's turn too (default: plain text)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, a signed 64-bit "
                    "integer (default: %(default)s)")
     p.add_argument("--stop-token", type=int, action="append", dest="stop_tokens",
@@ -82,8 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stop", action="store_true", help="ignore eos: always generate "
                    "--max-new-tokens tokens (default: stop at eos)")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's bos "
-                   "to text prompts (default: prepend it when the tokenizer's add_bos_token "
-                   "says so, as fine-tuning did)")
+                   "to text prompts (default: as its add_bos_token says)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the checkpoint's)")
     p.add_argument("--cache-dtype", choices=("float32", "bfloat16", "float16", "int8"),
@@ -127,11 +116,8 @@ class _TextStreamer:
         self.tokenizer = tokenizer
         self.ids: list[list[int]] = [[] for _ in range(batch)]
         self.printed = [""] * batch
-        self.first_token_time: float | None = None
 
     def __call__(self, step: int, tokens: np.ndarray, active: np.ndarray) -> None:
-        if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
         for b in np.flatnonzero(active):
             self.ids[b].append(int(tokens[b]))
         if len(self.ids) != 1:
@@ -154,8 +140,6 @@ def grammar_from_args(args: argparse.Namespace) -> tuple[str, Any] | None:
       ValueError: naming the flag, on one line: a schema that is not JSON (nor a file), a
         grammar that does not compile.
     """
-    from transformer_jax.serving.grammar import Grammar
-
     if args.json_schema is not None:
         flag, text = "--json-schema", args.json_schema
         if not text.lstrip().startswith("{"):
@@ -188,8 +172,6 @@ def grammar_from_args(args: argparse.Namespace) -> tuple[str, Any] | None:
 def _matchers(structured: tuple[str, Any], tokenizer: Any, vocab_size: int, batch: int
               ) -> list[Any]:
     """One fresh matcher of the flag's grammar per prompt (``generate``'s ``constraints``)."""
-    from transformer_jax.serving.grammar import GrammarTokenizer
-
     flag, grammar = structured
     if tokenizer is None:
         raise ValueError(f"{flag} needs the checkpoint's HF tokenizer (tokenizer.json); pass "
@@ -246,16 +228,14 @@ def main(argv: list[str] | None = None) -> int:
                    for text in args.prompt]
         prompts.extend(args.prompt_ids)
         stop = [] if args.no_stop else args.stop_tokens or []
-        if not args.stop_tokens and not args.no_stop and tokenizer:
-            stop = [tokenizer.eos_id] if tokenizer.eos_id >= 0 else []
-            turn_end = chat_turn_end_id(tokenizer) if args.chat else None
-            if turn_end is not None and turn_end not in stop:
-                stop.append(turn_end)
-        if not args.stop_tokens and not args.no_stop and loaded.source.kind == loading.HF:
-            from transformer_jax.hf.generation_config import generation_stop_ids
-
-            stop = list(dict.fromkeys([*stop, *(  # e.g. Llama 3.1's <|eom_id|>
-                i for i in generation_stop_ids(loaded.source.path) if i < config.vocab_size)]))
+        if not (args.stop_tokens or args.no_stop):  # eos, the chat turn's end, the HF ids
+            if tokenizer:
+                stop = [tokenizer.eos_id if tokenizer.eos_id >= 0 else None,
+                        chat_turn_end_id(tokenizer) if args.chat else None]
+            if loaded.source.kind == loading.HF:  # e.g. Llama 3.1's <|eom_id|>
+                stop += [i for i in generation_stop_ids(loaded.source.path)
+                         if i < config.vocab_size]
+            stop = list(dict.fromkeys(i for i in stop if i is not None))
         constraints = None
         if structured is not None:
             constraints = _matchers(structured, tokenizer, config.vocab_size, len(prompts))

@@ -1,15 +1,9 @@
 """``transformer-jax serve --checkpoint PATH``: an OpenAI-compatible HTTP server.
 
-PATH is what ``generate`` takes (a HF directory or a training run, through ``loading.load``).
-Start-up loads the weights, builds the ``serving.Engine`` with the flags' slots, pages, page
-size, token budget, tensor parallelism and cache dtype, compiles its step shapes
-(``Engine.compile``, through JAX's persistent compilation cache, so a restart loads them), and
-only then serves: the port is bound and listening before anything is loaded (a busy port fails
-at once, exit 1), connections made meanwhile wait, and ``/health`` answers ready from the first
-one. It logs how long each part took, and warns when it serves beyond loopback without an API
-key. SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish for
-``--grace-period`` seconds, then ends the rest (streams with ``finish_reason`` ``"abort"`` and
-``[DONE]``; requests not started yet get 503) and exits 0.
+The port is bound first (a busy port fails at once, exit 1); then the checkpoint is loaded, the
+``serving.Engine`` built from the flags and its step shapes compiled (through JAX's persistent
+compilation cache), and only then served. SIGTERM (or Ctrl-C) lets the requests in flight
+finish for ``--grace-period`` seconds, ends the rest (``finish_reason`` ``"abort"``) and exits 0.
 """
 
 from __future__ import annotations
@@ -21,11 +15,27 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import uvicorn
 
+from transformer_jax.checkpoint.adapters import load_adapter
+from transformer_jax.checkpoint.loading import HF, load_draft, load_for_decode
 from transformer_jax.cli.common import PROG, fail
+from transformer_jax.decode.speculative import parse_spec
+from transformer_jax.decode.speculative_mtp import cache_config, check_mtp
+from transformer_jax.hf.generation_config import generation_stop_ids
+from transformer_jax.model.quant_spec import parse_quant
+from transformer_jax.parallel import sharding
+from transformer_jax.serve.app import create_app
+from transformer_jax.serve.completions import ModelInfo
 from transformer_jax.serve.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from transformer_jax.serve.metrics import Metrics
+from transformer_jax.serve.runner import EngineRunner
 from transformer_jax.serve.server import DrainingServer, is_loopback, listen, url_of
+from transformer_jax.serving import Engine
+from transformer_jax.serving.page_pool import pages_for
+from transformer_jax.serving.paged_cache import page_bytes, ring_bytes
+from transformer_jax.serving.scheduler import MIN_CONTEXT
 
 #: The environment variable an API key may come from (``--api-key`` wins).
 API_KEY_ENV = "TRANSFORMER_JAX_API_KEY"
@@ -52,8 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"${API_KEY_ENV}, else no key)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=RUN_DIR",
                    help="serve the LoRA adapters of training run RUN_DIR (trained on this "
-                        "checkpoint) as model NAME beside the base; repeat for more. One step "
-                        "batches requests of every adapter (no merge)")
+                        "checkpoint) as model NAME beside the base; repeatable")
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"),
                    help="the format of the model's tool calls (default: the chat template's)")
     p.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"),
@@ -72,13 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--token-budget", type=int, default=0, help="most tokens per step: a "
                    "decode row per slot plus a prefill chunk (default: 0, slots + 256)")
     e.add_argument("--prefill-rows", type=int, default=1, help="most prompts whose chunks one "
-                   "step prefills together (a burst of short prompts in one step); each R > 1 "
-                   "within the token budget is more step shapes to compile (at the default "
-                   "budget, 16 per page-table width instead of 6) (default: %(default)s)")
+                   "step prefills together; more step shapes to compile (default: %(default)s)")
     e.add_argument("--min-context", type=int, help="narrowest page table a step attends over, "
-                   "in positions; each power-of-two width from it to the context is one more "
-                   "set of step shapes to compile (the context itself: one set, fastest start, "
-                   "slower short decodes) (default: the engine's, 128)")
+                   "in positions; each power-of-two width up to the context is one more set "
+                   "of step shapes to compile (default: the engine's, 128)")
     e.add_argument("--tensor", type=int, default=1, metavar="T", help="tensor-parallel over T "
                    "devices, as generate --tensor (default: %(default)s)")
     e.add_argument("--expert", type=int, default=1, metavar="X", help="a mixture's experts "
@@ -136,8 +142,6 @@ def _check(args: argparse.Namespace) -> None:
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535] (0: a free port), got {args.port}")
     if args.quant:
-        from transformer_jax.model.quant_spec import parse_quant
-
         parse_quant(args.quant, field="--quant")  # before any weight is read
     if args.max_body_bytes <= 0:
         raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
@@ -146,8 +150,6 @@ def _check(args: argparse.Namespace) -> None:
                          f"{args.body_timeout}")
     parse_lora(args.lora, args.served_model_name)
     if args.speculative is not None:
-        from transformer_jax.decode.speculative import parse_spec
-
         parse_spec(args.speculative)
         if args.tensor > 1 or args.expert > 1:  # before the checkpoint loads
             raise ValueError(f"--speculative {args.speculative}: speculative decoding in the "
@@ -180,8 +182,6 @@ def parse_lora(specs: list[str], served_name: str | None = None) -> dict[str, st
 
 def configure_compilation_cache(directory: str) -> None:
     """Points JAX's persistent compilation cache at ``directory`` (every program cached)."""
-    import jax
-
     if not directory:
         return
     path = Path(directory).expanduser()
@@ -192,14 +192,8 @@ def configure_compilation_cache(directory: str) -> None:
 
 
 def pool_pages(args: argparse.Namespace, config: Any, draft: Any = None) -> int:
-    """The pool size the flags ask for (page 0, the null page, included); with a draft
-    model's config (or the multi-token prediction module's one layer), each page also holds
-    its pages' bytes (``serving.draft``, ``serving.mtp``)."""
-    import jax
-
-    from transformer_jax.serving.page_pool import pages_for
-    from transformer_jax.serving.paged_cache import page_bytes, ring_bytes
-
+    """The pool size the flags ask for (page 0, the null page, included); each page also holds
+    ``draft``'s pages' bytes (a draft model's config, or the MTP module's one layer)."""
     full = 1 + args.slots * pages_for(config.max_seq_len, args.page_size)
     if args.memory_fraction is None:
         return args.pages or full
@@ -221,36 +215,21 @@ def pool_pages(args: argparse.Namespace, config: Any, draft: Any = None) -> int:
 
 def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """Loads the checkpoint and compiles the engine: (runner, model info, timings)."""
-    from transformer_jax.checkpoint.loading import HF, load_for_decode
-    from transformer_jax.decode.speculative import parse_spec
-    from transformer_jax.hf.generation_config import generation_stop_ids
-    from transformer_jax.serve.completions import ModelInfo
-    from transformer_jax.serve.metrics import Metrics
-    from transformer_jax.serve.runner import EngineRunner
-    from transformer_jax.serving import Engine
-    from transformer_jax.serving.scheduler import MIN_CONTEXT
-
     timings = {}
     t = time.perf_counter()
     loaded, mesh = load_for_decode(args.checkpoint, args.tensor, args.tokenizer, args.expert)
     config = loaded.config.replace(dtype=args.dtype) if args.dtype else loaded.config
     adapters = {}
     for name, path in parse_lora(args.lora, args.served_model_name).items():
-        from transformer_jax.checkpoint.adapters import load_adapter
-
         found = load_adapter(path, config, loaded.params, name=name)
         adapters[name] = (found.adapters, found.lora_config)
     spec = parse_spec(args.speculative)
     draft = None
     if spec is not None and spec.method == "draft":
-        from transformer_jax.checkpoint.loading import load_draft
-
         draft = load_draft(spec.draft)  # its vocabulary checked against the model's
     timings["load_s"] = time.perf_counter() - t
     module = None  # the multi-token prediction module's pages: one more layer of each page
     if spec is not None and spec.method == "mtp":
-        from transformer_jax.decode.speculative_mtp import cache_config, check_mtp
-
         check_mtp(config, spec.k)
         module = cache_config(config)
     pages = pool_pages(args, config, module if draft is None else draft.config)
@@ -303,8 +282,6 @@ def main(argv: list[str] | None = None) -> int:
                            "can use it. Give --api-key KEY (or $%s), or --host 127.0.0.1",
                            url_of(sock), args.host, API_KEY_ENV)
         if args.tensor * args.expert != 1:  # before anything starts JAX's CPU backend
-            from transformer_jax.parallel import sharding
-
             sharding.configure_cpu_devices(devices=args.tensor * args.expert)
         configure_compilation_cache(args.compilation_cache)
         runner, model, _ = build(args)
@@ -314,8 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # CheckpointError and the like: one line, not a traceback
         sock.close()
         return fail(f"{type(e).__name__}: {e}", 1)
-    from transformer_jax.serve.app import create_app
-
     app = create_app(runner, model, api_key, max_body_bytes=args.max_body_bytes,
                      body_timeout=args.body_timeout)
 

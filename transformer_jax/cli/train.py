@@ -1,20 +1,14 @@
 """Train a model: ``transformer-jax train [--config NAME] [section.key=value ...]``.
 
-With no arguments it trains the ``tiny`` preset on the Python standard library's sources (no
-network needed). A config is a TOML file (or the name of one in ``configs/``) with ``[model]``,
-``[train]`` and ``[data]`` tables; ``model.x=``, ``train.x=`` and ``data.x=`` arguments override
-single fields, type-checked against ``ModelConfig``, ``TrainConfig`` and ``DataConfig``.
-Running it again with the same ``train.run_dir`` resumes from the latest checkpoint.
+A config is a TOML file (or the name of one in ``configs/``) with ``[model]``, ``[train]`` and
+``[data]`` tables; ``section.key=value`` arguments override single fields, type-checked. With
+no arguments it trains the ``tiny`` preset on the Python standard library's sources; running
+again with the same ``train.run_dir`` resumes from the latest checkpoint.
 
 Examples:
   transformer-jax train
   transformer-jax train --config shakespeare_char data.path=/path/to/tinyshakespeare.txt
-  transformer-jax train train.steps=50 train.run_dir=runs/quick model.n_layers=2
   transformer-jax train --config finetune train.init_from=HF_DIR data.path=sft.jsonl
-  transformer-jax train --config finetune train.init_from=HF data.path=sft.jsonl train.lora_rank=8
-
-``train.init_from`` fine-tunes a HF checkpoint directory or another run (the model comes from
-it); a ``.jsonl`` ``data.path`` is instruction data with the loss on the completions only.
 """
 
 from __future__ import annotations
@@ -163,12 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 def _failed(message: str, code: int, exit_now: bool) -> int:
     """Reports an error; in a multi-process run (or an aborted save), leaves at once.
 
-    A normal exit would wait at ``jax.distributed``'s shutdown barrier for the other processes,
-    which may be blocked in a collective waiting for this one: both would hang until the
-    barrier's timeout (minutes). Exiting without it, the coordination service sees this process
-    gone (heartbeats stop, within ``heartbeat_timeout_seconds``) and stops the others. After a
-    save aborted by a third signal, a normal exit would wait for orbax's writer threads to
-    finish the very save the user aborted.
+    A normal exit would wait at ``jax.distributed``'s shutdown barrier for processes that may
+    be blocked waiting for this one (or, after an aborted save, for orbax's writer threads).
     """
     print(f"error: {message}", file=sys.stderr)
     if exit_now:

@@ -1,18 +1,8 @@
 """The FastAPI app: routes, Bearer auth on ``/v1``, OpenAI error objects, SSE streaming.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (200 once the engine is compiled and serving; 503 while draining) and
-``GET /metrics`` (Prometheus text). Every refusal is OpenAI's error object with its status
-(400 bad input naming the field, 401 a missing or wrong key, 408 a body that is slow to arrive,
-413 a body above the limit, 429 a full queue with ``Retry-After``, 503 draining or shut down
-before the request started); an unexpected failure is a 500 object and the server goes on.
-Bodies are read whole, within their limits, before the routes see them (``limits.py``); the
-JSON is parsed, validated and tokenised on a worker thread, not on the event loop.
-A stream's headers go out with its first engine event (so a request the engine never started
-can still be refused with a status); then it is ``data: {chunk}`` lines, one per engine step
-that made text, the usage chunk when asked and ``data: [DONE]``. A request cut off by a shutdown
-ends with ``finish_reason`` ``"abort"`` (the stream's last chunk, then ``[DONE]``). A client
-that goes away mid-request has its request cancelled (its pages freed before the next step).
+``GET /health`` and ``GET /metrics``. A stream's headers go out with its first engine event, so
+a request the engine never started can still be refused with a status.
 """
 
 from __future__ import annotations
@@ -112,8 +102,7 @@ def create_app(runner: EngineRunner, model: completions.ModelInfo,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = APIError(exc.status_code, str(exc.detail))
-        return JSONResponse(err.body(), exc.status_code)
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), exc.status_code)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -123,9 +112,7 @@ def create_app(runner: EngineRunner, model: completions.ModelInfo,
         return JSONResponse(APIError(500, message).body(), 500)
 
     async def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        if not key_matches(request.headers.get("authorization"), api_key):
+        if api_key is not None and not key_matches(request.headers.get("authorization"), api_key):
             raise APIError(401, "a valid API key is needed: send the header "
                            "'Authorization: Bearer KEY'", None, "invalid_api_key")
 
@@ -161,13 +148,12 @@ def create_app(runner: EngineRunner, model: completions.ModelInfo,
 
     def _refuse_if_draining() -> None:
         if runner.draining:
-            raise APIError(503, "the server is shutting down", None, "server_shutting_down")
+            raise _shutting_down()
 
     async def _serve(request: Request, cls: type[CompletionRequest | ChatCompletionRequest]
                      ) -> Response:
         _refuse_if_draining()
         raw = await request.body()  # whole already, within the limits (BodyLimits)
-        # JSON, validation and tokenising cost time in the body's size: not on the loop.
         req, prepared = await asyncio.get_running_loop().run_in_executor(
             parsers, _parse_and_prepare, raw, cls, model)
         _refuse_if_draining()
@@ -181,8 +167,7 @@ def create_app(runner: EngineRunner, model: completions.ModelInfo,
                 raise APIError(429, str(e), None, "rate_limit_exceeded",
                                {"Retry-After": str(RETRY_AFTER_S)}) from None
             if isinstance(e, ShuttingDown):
-                raise APIError(503, "the server is shutting down", None,
-                               "server_shutting_down") from None
+                raise _shutting_down() from None
             # What the engine refuses (a prompt above the page pool).
             raise APIError(400, str(e), _param_of(str(e))) from None
         choices = completions.Choices(prepared, model)
@@ -268,14 +253,17 @@ def create_app(runner: EngineRunner, model: completions.ModelInfo,
     return app
 
 
+def _shutting_down(message: str = "the server is shutting down") -> APIError:
+    return APIError(503, message, None, "server_shutting_down")
+
+
 def _refuse_unstarted(response: completions.Response) -> None:
     """A request that ended before its first token without running: 503 (cut by a shutdown)
     or 500 (a failed engine step), as the status of the response."""
     if response.completion_tokens:
         return
     if response.finish_reason == ABORT:
-        raise APIError(503, "the server shut down before this request started", None,
-                       "server_shutting_down")
+        raise _shutting_down("the server shut down before this request started")
     if response.finish_reason == "error":
         raise APIError(500, "the engine failed while running this request")
 

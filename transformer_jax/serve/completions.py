@@ -1,23 +1,7 @@
-"""From a validated OpenAI request to the engine's input, and from its events to OpenAI's
-response objects and stream chunks.
-
-A text prompt is encoded as ``generate`` encodes it (``tokenizer.prompt.encode_text``: bos when
-the tokenizer adds it); chat messages are rendered with the checkpoint's chat template and its
-generation prompt (``encode_chat_prompt``). Generation stops at eos (and, for chat, at the
-token that closes the assistant's turn, ``chat_turn_end_id``), at ``stop`` strings (not
-returned) and at the token limit: ``max_tokens`` (``max_completion_tokens`` for chat; default
-16 for completions, the rest of the context for chat). The defaults of the sampling fields are
-OpenAI's (temperature 1, top_p 1); without ``seed`` a request draws a random one.
-
-With ``n`` > 1 the request runs as n engine requests, choice i with seed ``seed + i`` (mod
-2**32), so each choice equals the same request sent alone with that seed; the prompt's full pages
-are computed once and found in the prefix cache by the others (``Choices``).
-
-A chat with ``tools`` renders them through the template; the reply's tool calls are parsed in
-the template's format (``serve.tools``: content and ``tool_calls``, finish reason
-``"tool_calls"``), and ``tool_choice`` ``"required"`` or a named function is enforced by a
-grammar (in the template's format, or where it shows none as JSON: ``tools.JSON_CALLS``).
-``ModelInfo.tool_parser``, when the server sets one, overrides the template's parser.
+"""From a validated OpenAI request to the engine's input (``prepare``: prompt ids and
+``SamplingParams``): text encoded as ``generate`` encodes it, chat messages rendered with the
+checkpoint's chat template, stops at eos (and the assistant turn's end), ``stop`` strings and
+the token limit; a chat's tools rendered, and their calls parsed or enforced (``serve.tools``).
 """
 
 from __future__ import annotations
@@ -140,8 +124,7 @@ def _completion_prompt(req: CompletionRequest, model: ModelInfo) -> list[int]:
                            "none: send token ids", "prompt")
         try:
             return encode_text(releasing_gil(model.tokenizer), req.prompt)
-        except (UnicodeError, TypeError) as e:  # a lone surrogate (app.parse refuses
-            # them before; HF tokenizers raise TypeError for one)
+        except (UnicodeError, TypeError) as e:  # HF tokenizers raise TypeError for a surrogate
             raise APIError(400, f"prompt: the text is not valid Unicode: {_reason(e)}",
                            "prompt") from None
     try:
@@ -167,13 +150,8 @@ def _chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
 
 
 class _ReleasingGIL:
-    """A HF tokenizer (``HFTokenizer``) whose ``encode`` lets other threads run meanwhile.
-
-    ``tokenizers.Tokenizer.encode`` holds the GIL for the whole text (seconds for a long
-    prompt: the event loop would stop for as long, even with the encoding on a worker thread);
-    its ``encode_batch`` releases it and gives the same ids. Everything else is the wrapped
-    tokenizer's.
-    """
+    """A HF tokenizer (``HFTokenizer``) whose ``encode`` lets other threads run meanwhile
+    (through ``encode_batch``, which releases the GIL and gives the same ids)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.wrapped = tokenizer

@@ -1,20 +1,14 @@
 """Request bodies read before the app sees them: at most ``max_bytes``, within ``timeout`` s.
 
-``BodyLimits`` is an ASGI middleware in front of the app. A ``Content-Length`` above the limit
-is refused at once (413, before a byte of the body is read); a chunked body is counted as it
-comes and refused once it passes the limit; a body not whole ``timeout`` seconds after the
-request's headers (a client that stalls mid-body) gets 408; a body still arriving when the
-server starts draining gets 503. Each refusal is OpenAI's error object and closes the
-connection. A 413 is sent at once, but the connection is closed only once the client has sent
-the rest of its body (read and dropped, until the body's deadline): a client still sending
-when the socket closes would get a reset instead of the response. A body within the limits is
-handed to the app whole, so nothing after this reads the socket until the app listens for a
-disconnect.
+``BodyLimits`` is an ASGI middleware in front of the app: a body above the limit gets 413, one
+not whole in time 408, one still arriving when the server drains 503; each refusal closes the
+connection. A body within the limits is handed to the app whole.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -122,13 +116,11 @@ class BodyLimits:
 
     async def _drop_rest(self, receive: Receive, deadline: float) -> None:
         """Reads and drops what is left of a refused body, until its end or ``deadline``."""
-        try:
+        with contextlib.suppress(APIError):
             while True:
                 message = await self._next(receive, deadline)
                 if message["type"] != "http.request" or not message.get("more_body", False):
                     return
-        except APIError:
-            return
 
     async def _next(self, receive: Receive, deadline: float | None) -> Message:
         """The next message, or ``APIError`` once ``deadline`` passes or the server drains."""
@@ -136,8 +128,7 @@ class BodyLimits:
         task = asyncio.ensure_future(receive())
         try:
             while True:
-                wait = POLL_S if deadline is None else max(0.0, min(POLL_S,
-                                                                    deadline - loop.time()))
+                wait = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - loop.time()))
                 done, _ = await asyncio.wait({task}, timeout=wait)
                 if done:
                     return task.result()

@@ -1,11 +1,5 @@
-"""The server's Prometheus metrics (``GET /metrics``), in a registry of its own per server.
-
-Gauges are set by the engine thread after every step (requests running and waiting, pages in
-use, the prefix cache's hit rate, speculative decoding's acceptance, the steps' time by phase
-and the host's share of it); histograms and counters
-as requests go (time to first token, time per output token, end-to-end latency, tokens in and
-out, requests by finish reason).
-"""
+"""The server's Prometheus metrics (``GET /metrics``), in a registry of its own per server:
+gauges the engine thread sets after every step, histograms and counters as requests go."""
 
 from __future__ import annotations
 

@@ -24,12 +24,9 @@ class ModelInfo:
     turn_end: int | None = None  # the token closing an assistant turn (chat stops there)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     adapters: tuple[str, ...] = ()  # the LoRA adapters' names, each also a model to ask for
-    tool_parser: str | None = None  # the tool calls' format (``serve.tools``); None: the
-    # chat template's
-    stop_ids: tuple[int, ...] = ()  # the checkpoint's generation_config eos ids (every request
-    # stops there but with ignore_eos)
+    tool_parser: str | None = None  # the tool calls' format; None: the chat template's
+    stop_ids: tuple[int, ...] = ()  # the checkpoint's generation_config eos ids
     reasoning_parser: str | None = None  # chat replies' <think> block to reasoning_content
-    # (``serve.reasoning``), or None
     speculative: Any = None  # every request's speculative decoding (``--speculative``), or None
 
     @classmethod
@@ -68,8 +65,7 @@ class Prepared:
     chat: bool
     n: int = 1
     tool_parser: str | None = None  # the reply's tool calls' format (``serve.tools``), or None
-    thinking: bool | None = None  # with a reasoning parser: whether the prompt opened the
-    # thinking block (``reasoning.prompt_opens_thinking``); None: no reasoning parsed
+    thinking: bool | None = None  # whether the prompt opened a <think> block; None: not parsed
 
     def choice(self, i: int) -> SamplingParams:
         """The parameters of choice i: the request's, with seed ``seed + i`` (mod 2**32)."""

@@ -1,9 +1,7 @@
 """The OpenAI wire format: request models (validated strictly, naming the field) and errors.
 
-Requests follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` fields, plus vLLM's
-``top_k`` and ``min_p``; fields this server does not use (``user``, ``presence_penalty`` at 0,
-...) are accepted and ignored, as OpenAI-compatible servers do. Types are strict (a string is not
-a number, a bool not an int); ranges are OpenAI's. Every refusal is an ``APIError``, sent as
+Fields are OpenAI's, plus vLLM's ``top_k``, ``min_p`` and structured-output fields; fields this
+server does not use are accepted and ignored. Every refusal is an ``APIError``, sent as
 OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``.
 """
 

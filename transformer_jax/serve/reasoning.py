@@ -1,16 +1,10 @@
 """Reasoning in a chat reply: the text a thinking model writes between ``<think>`` and
-``</think>`` (Qwen3, DeepSeek-R1 and the models that copied them) goes to the message's
-``reasoning_content``, the rest to its ``content`` (and through the tool-call parser).
+``</think>`` (Qwen3, DeepSeek-R1) goes to the message's ``reasoning_content``, the rest to its
+``content`` (``serve --reasoning-parser qwen3`` or ``deepseek_r1``).
 
-``serve --reasoning-parser qwen3`` (or ``deepseek_r1``: the same tags) turns it on. The rule,
-for a reply streamed or not (``ThinkSplitter`` cuts both):
-
-* text before ``</think>`` is reasoning (a leading ``<think>`` dropped), the text after it is
-  content (the newlines right after the tag dropped);
-* with no ``</think>``: a reply that opened with ``<think>``, or whose prompt did (templates
-  that open the thinking block in the generation prompt), is all reasoning, cut before the
-  model finished thinking; any other reply is all content (e.g. Qwen3 with
-  ``chat_template_kwargs: {"enable_thinking": false}``, whose prompt holds an empty block).
+Text before ``</think>`` is reasoning (a leading ``<think>`` dropped), the text after it content.
+With no ``</think>``, a reply that opened with ``<think>``, or whose prompt did, is all
+reasoning; any other reply is all content.
 """
 
 from __future__ import annotations
@@ -33,8 +27,7 @@ def check_parser(name: str | None) -> None:
 
 
 def prompt_opens_thinking(prompt_text: str) -> bool:
-    """Whether a rendered prompt ends inside a thinking block it opened (the reply then
-    starts with the reasoning, without a ``<think>`` of its own)."""
+    """Whether a rendered prompt ends inside a thinking block it opened."""
     return prompt_text.rstrip().endswith(START)
 
 
@@ -51,8 +44,8 @@ class ThinkSplitter:
         self._after_end = False  # right after </think>: newlines still to drop
 
     def feed(self, text: str) -> list[tuple[str, str]]:
-        """The pieces ``(REASONING | CONTENT, text)`` that ``text`` completes; text that
-        may still turn out to be a tag is held until the next call."""
+        """The pieces ``(REASONING | CONTENT, text)`` that ``text`` completes (text that may
+        still become a tag is held)."""
         self._buffer += text
         out: list[tuple[str, str]] = []
         while True:

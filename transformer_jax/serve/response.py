@@ -1,10 +1,9 @@
 """From the engine's events of one request to OpenAI's response objects and stream chunks
-(``Response``; ``Choices`` for the n of one request): the text, its log-probabilities and
-alternatives, the reply's tool calls (``serve.tools``) and reasoning (``serve.reasoning``),
-and the usage."""
+(``Response``; ``Choices`` for the n choices of one request)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import Any
@@ -36,11 +35,9 @@ class Response:
         self.text: list[str] = []
         self.tokens: list[TokenEvent] = []  # the events with a token
         self.finish_reason: str | None = None
-        # The reply's tool calls, parsed as the stream goes (``serve.tools``), and their count.
         self.tool_parser = prepared.tool_parser if self.chat else None
         self._calls = tools.make_parser(self.tool_parser) if self.tool_parser else None
         self._calls_sent = 0
-        # The reply's reasoning (``serve.reasoning``), cut from its content as the stream goes.
         self.thinking = prepared.thinking if self.chat else None
         self._think = None if self.thinking is None else reasoning.ThinkSplitter(self.thinking)
 
@@ -58,10 +55,9 @@ class Response:
     @property
     def usage(self) -> dict[str, int]:
         """The request's usage (of all its choices: the prompt counted once)."""
-        if self.group is not None:
-            return self.group.usage
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        done = sum(r.completion_tokens for r in (self.group.responses if self.group else [self]))
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else \
@@ -87,10 +83,7 @@ class Response:
                  "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
                                   for a, alp in alt]}
                 for p, lp, alt in zip(pieces, logprobs, alternatives, strict=True)]}
-        offsets, at = [], 0
-        for p in pieces:
-            offsets.append(at)
-            at += len(p)
+        offsets = [0, *itertools.accumulate(len(p) for p in pieces)][:len(pieces)]
         # A dict per token, as OpenAI's: two ids that decode alike keep the likelier one.
         top = [dict(reversed(alt)) for alt in alternatives]
         top = [dict(sorted(t.items(), key=lambda kv: -kv[1])) for t in top]
@@ -147,12 +140,10 @@ class Response:
                first: bool = False, usage: bool = False) -> list[dict[str, Any]]:
         """The stream chunks of one step's ``text`` (none when there is nothing to send).
 
-        With tools, the text goes through the reply's tool-call parser: content deltas for the
-        text known to be no call, and each call once whole, as OpenAI streams it: a delta with
-        its ``index``, ``id``, ``type`` and name (``arguments`` ""), then one with its
-        arguments. With a reasoning parser, the text of the ``<think>`` block goes out first as
-        ``reasoning_content`` deltas. The step's logprobs ride on its first chunk, the finish
-        reason (``"tool_calls"`` for ``"stop"`` once calls were sent) and the usage on its last.
+        With tools, the text goes through the reply's tool-call parser (``tools.stream_deltas``);
+        with a reasoning parser, the ``<think>`` block goes out first as ``reasoning_content``
+        deltas. The step's logprobs ride on its first chunk, the finish reason (``"tool_calls"``
+        for ``"stop"`` once calls were sent) and the usage on its last.
         """
         thought: list[dict[str, Any]] = []
         if self._think is not None:
@@ -217,10 +208,7 @@ class Choices:
 
     @property
     def usage(self) -> dict[str, int]:
-        prompt = self.responses[0].prompt_tokens
-        done = sum(r.completion_tokens for r in self.responses)
-        return {"prompt_tokens": prompt, "completion_tokens": done,
-                "total_tokens": prompt + done}
+        return self.responses[0].usage
 
     def final(self) -> dict[str, Any]:
         """The whole (non-streamed) response."""

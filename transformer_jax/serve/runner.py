@@ -1,14 +1,7 @@
-"""The engine on its own thread, and each request's stream of events into the event loop.
-
-``EngineRunner`` owns a ``serving.Engine``: its thread steps it while requests are in flight and
-sleeps when it is idle. Handlers (async, on the event loop) ``submit`` a request and read its
-``RequestStream``; after every step the thread hands that step's events to the loop in one
-``loop.call_soon_threadsafe`` call, so each stream is flushed once per engine step. A request
-past the timeout is cancelled by the thread and ends with reason ``"timeout"``; ``cancel`` (a
-client gone) frees its pages before the next step. ``drain(grace)`` (a shutdown) refuses new
-requests and, ``grace`` seconds later, ends every request still in flight, running or queued,
-with reason ``"abort"`` (vLLM's name for it). The runner never dies on a request: a step
-that raises ends every request in flight with reason ``"error"`` and the engine goes on.
+"""The engine on its own thread (``EngineRunner``), and each request's stream of events into
+the event loop: after every step the thread hands that step's events to the loop at once.
+A request ends with reason ``"timeout"`` past its timeout, ``"abort"`` when a shutdown's grace
+period is over and ``"error"`` when a step raises (the engine goes on).
 """
 
 from __future__ import annotations
@@ -87,8 +80,6 @@ class EngineRunner:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
-    # From the handlers -----------------------------------------------------------------------
-
     @property
     def in_flight(self) -> int:
         with self._lock:
@@ -121,10 +112,8 @@ class EngineRunner:
 
     async def next_events(self, stream: RequestStream, timeout: float | None = None
                           ) -> list[TokenEvent]:
-        """The stream's next events (from ``stream.queue``); once the shutdown's grace period is
-        over (``drain``), no later than that: a request the engine has not ended by then is
-        ended here, reason ``"abort"`` (its cancel goes to the engine, which may be in the
-        middle of a long step, or a first one that compiles).
+        """The stream's next events; once the shutdown's grace period is over (``drain``), a
+        request the engine has not ended is ended here, reason ``"abort"``.
 
         Raises:
           TimeoutError: no events came within ``timeout`` seconds.
@@ -171,8 +160,6 @@ class EngineRunner:
             logger.info("draining: %d requests in flight, aborted in %.1f s unless done",
                         in_flight, max(0.0, grace))
         self._wake.set()
-
-    # The thread ------------------------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()

@@ -1,13 +1,5 @@
-"""The listening socket and the uvicorn server around the app: bind first, drain on SIGTERM.
-
-``listen`` binds and listens on the address before anything is loaded, so a busy port fails
-in a moment rather than after the compile (uvicorn is handed the socket: no second bind, no
-race). ``DrainingServer`` is uvicorn's server that, on SIGTERM or SIGINT, closes the port,
-refuses new requests (503, ``/health`` too), lets the requests in flight finish for the grace
-period, then aborts the rest (``EngineRunner.drain``: each stream ends with ``finish_reason``
-``"abort"`` and ``[DONE]``, a request that had not started gets 503), and exits 0 with no
-request's task cancelled under it.
-"""
+"""The listening socket, bound before anything is loaded (a busy port fails at once), and
+``DrainingServer``: uvicorn's server that drains the runner on SIGTERM and exits 0."""
 
 from __future__ import annotations
 
@@ -22,14 +14,12 @@ import uvicorn
 
 logger = logging.getLogger("transformer_jax.serve")
 
-#: Seconds uvicorn waits, after the grace period, for the aborted requests' last chunks before
-#: it cancels what is left.
+#: Seconds uvicorn waits after the grace period for the aborted requests' last chunks.
 ABORT_MARGIN_S = 5.0
 
 
 def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
-    """A TCP socket bound to ``host``:``port`` and listening (port 0: a free one). Connections
-    made before the server runs wait in the backlog.
+    """A TCP socket bound to ``host``:``port`` and listening (port 0: a free one).
 
     Raises:
       OSError: the address cannot be had, with the address in the message (``[Errno 98]``
@@ -94,15 +84,13 @@ class DrainingServer(uvicorn.Server):
             self.on_started()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """Starts the runner's grace period, then uvicorn's shutdown (the port closes, the
-        connections end once their responses are whole)."""
+        """Starts the runner's grace period, then uvicorn's shutdown."""
         self.runner.drain(self.grace)
         await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """On a signal: flags only (a signal handler may run inside a lock's critical
-        section on this thread); ``shutdown`` does the rest. Not recorded for uvicorn to
-        raise again once stopped."""
+        section on this thread); ``shutdown`` does the rest."""
         if self.should_exit:  # a second signal: stop waiting, abort now
             self.force_exit = True
             self.runner.abort_at = 0.0

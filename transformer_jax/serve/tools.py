@@ -1,55 +1,28 @@
 """Tool calls: the reply's calls parsed from the text the model writes, and the grammar that
 makes it write one when ``tool_choice`` asks for it.
 
-The model writes its calls in its chat template's format; the parser follows the template:
-
-* ``"hermes"`` (Qwen2.5 / Qwen3, Hermes 2 Pro; the template mentions ``<tool_call>``): text,
-  then calls as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one per
-  block;
-* ``"llama3_json"`` (Llama 3.1 / 3.2 / 3.3; the template mentions ``<|python_tag|>`` or a
-  ``"parameters"`` format): the reply is the calls, JSON objects ``{"name": ...,
-  "parameters": {...}}`` separated by ``;``, optionally after ``<|python_tag|>``; a reply that
-  does not start so is text.
-
-A call is a JSON object with a string ``name`` and an object ``arguments`` (or
-``parameters``); a block that is not one (malformed JSON, no name) stays in the content as it
-was written. Whitespace next to a call is not content. ``ToolCallParser`` reads the text as
-it streams: it returns text as soon as it cannot be part of a call, and a call once it is
-whole (its closing tag, or the end of the reply), so the streamed pieces joined equal
-``parse_reply`` of the whole text, however the text was cut.
-
-``tool_choice`` ``"required"`` and a named function are enforced: ``tool_grammar`` builds an
-llguidance Lark grammar (``serving.grammar.Grammar("lark", ...)``) of the family's wrapper, a
-``name`` among the tools (or the named one) and ``arguments`` valid against that tool's
-``parameters`` (``%json`` embedded schemas, compact whitespace), so the reply always parses.
-A wrapper tag that the tokenizer holds as one added token (Qwen's ``<tool_call>``) may be
-written as that token, as the model learnt it, or as its text.
-
-A template that shows neither format still gets enforced calls, as vLLM serves them on any
-model: no format is parsed, the grammar is the reply's whole shape (``JSON_CALLS``):
-``"required"`` makes the reply a JSON list of ``{"name": ..., "arguments": {...}}`` objects
-(one with ``parallel_tool_calls: false``), a named function makes it that function's
-arguments object. ``"auto"`` needs a format the server parses.
+The parser follows the chat template's format: ``"hermes"`` (``<tool_call>{...}</tool_call>``
+blocks among text) or ``"llama3_json"`` (JSON calls separated by ``;``, optionally after
+``<|python_tag|>``). ``ToolCallParser`` reads the text as it streams; the pieces joined equal
+``parse_reply`` of the whole text. ``tool_choice`` ``"required"`` or a named function is
+enforced by an llguidance grammar (``tool_grammar``); where the template shows no format, in
+``JSON_CALLS``: a JSON list of calls, or the named function's arguments object.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import secrets
 from typing import Any
 
 from transformer_jax.serve.protocol import APIError, ChatCompletionRequest
 from transformer_jax.serving.grammar import Grammar, token_ref
 
-logger = logging.getLogger(__name__)
-
 PARSERS = ("hermes", "llama3_json")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-#: The format of enforced calls where the template shows none (module docstring): the reply
-#: is a JSON list of calls (``"json"``), or with ``":NAME"`` the named function's arguments.
+#: The format of enforced calls where the template shows none (module docstring).
 JSON_CALLS = "json"
 #: The schema of a function given without ``parameters``: no arguments (OpenAI's meaning).
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -251,10 +224,8 @@ class Llama3JsonParser(ToolCallParser):
 
 
 class JsonCallsParser(ToolCallParser):
-    """The reply of an enforced call where the template shows no format (``JSON_CALLS``):
-    a JSON list of calls, or with ``name`` that function's arguments object. The calls come
-    once the reply is whole (``finish``); a reply cut short gives the calls whole in it, and
-    the rest as text."""
+    """An enforced call's reply where the template shows no format (``JSON_CALLS``): a JSON
+    list of calls, or with ``name`` that function's arguments; parsed once whole (``finish``)."""
 
     def __init__(self, name: str | None = None) -> None:
         self._name = name
@@ -342,8 +313,6 @@ def stream_deltas(pieces: list[Piece], first_index: int) -> list[dict[str, Any]]
     return deltas
 
 
-# Requests ------------------------------------------------------------------------------------
-
 def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """The request's ``tools`` as the chat template's ``tools`` variable (OpenAI's format, as
     ``apply_chat_template(tools=...)`` takes them), or None."""
@@ -363,8 +332,8 @@ def reply_parser(req: ChatCompletionRequest, template: str | None,
       choice: the server's parser (one of ``PARSERS``), over the template's; None: pick.
 
     Returns:
-      One of ``PARSERS``; where neither names one and ``tool_choice`` is ``"required"``,
-      ``JSON_CALLS``, or for a named function ``JSON_CALLS:NAME`` (module docstring).
+      One of ``PARSERS``; else ``JSON_CALLS`` for ``"required"``, ``JSON_CALLS:NAME`` for a
+      named function.
 
     Raises:
       APIError: 400 naming ``tools.i.function.parameters`` for a schema that does not
