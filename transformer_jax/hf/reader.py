@@ -1,9 +1,6 @@
 """Reading a checkpoint's safetensors files: headers, whole tensors, rows and blocks of them,
-and quantised tensors (``tensors.Packing``: ``hf.mxfp4``'s, ``hf.fp8``'s) as their dequantised
-values. Errors name the file or the tensor. ``transformer_jax.hf.load`` builds on it.
-
-numpy has no float8, and safetensors' numpy reader refuses such tensors: those (``_RAW``) are
-read from the memory-mapped bytes by their header's offsets, as ``ml_dtypes`` arrays.
+and quantised tensors (``tensors.Packing``) as their dequantised values; errors name the file or
+the tensor. Float8 tensors, which numpy lacks, are read from the memory-mapped bytes.
 """
 
 from __future__ import annotations
@@ -100,12 +97,9 @@ class _Reader:
 
     @contextlib.contextmanager
     def reopened(self, names: Sequence[str]) -> Iterator[_Reader]:
-        """A reader over fresh handles of the files holding ``names``, closed on exit.
-
-        Pages of a memory-mapped file count in the process's resident set while it stays
-        mapped; reopening per param and closing after lets them go, so a load never keeps
-        the whole file resident on top of the arrays it built.
-        """
+        """A reader over fresh handles of the files holding ``names``, closed on exit: a
+        memory-mapped file's pages stay resident while it is mapped, so a load reopens per param
+        and never keeps the whole file resident on top of the arrays it built."""
         files = {part: self.files[part] for name in names
                  for part in (self.packed[name].parts if name in self.packed else (name,))}
         with ExitStack() as stack:
