@@ -427,8 +427,7 @@ def load_for_decode(checkpoint: str, tensor: int, tokenizer: str | None = None,
     """Opens ``--checkpoint`` for decoding over ``--tensor T`` (and ``--expert X``) devices: the
     ``Loaded`` checkpoint and the mesh (None for one device), the weights placed as the decode
     splits them. Raises ValueError (a mesh the model cannot be split over), OSError,
-    CheckpointError.
-    """
+    CheckpointError."""
     mesh = _tensor_mesh(tensor, expert)
     source = locate(checkpoint, where=f"--checkpoint {checkpoint!r}")
     rules = None

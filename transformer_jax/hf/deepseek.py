@@ -113,10 +113,9 @@ def attention_tensors(c: ModelConfig, attn: str, ours: tuple[str, ...]) -> list[
 
 def mtp_tensors(c: ModelConfig, i: int, ours: tuple[str, ...], block: list[_Tensor]
                 ) -> list[_Tensor]:
-    """A multi-token prediction module's tensors, HF layer ``i``'s, params under ``ours``
+    """A multi-token prediction module's tensors (HF layer ``i``), params under ``ours``
     (``mtp_{k-1}``): its norms, ``eh_proj`` and head around ``block`` (its decoder layer's
-    tensors, already under ``ours``/block). The layer's ``embed_tokens`` is ``load``'s and
-    ``save``'s (a copy of the main table)."""
+    tensors, already under ``ours``). Its ``embed_tokens`` copy is ``load``'s and ``save``'s."""
     hf, d = f"model.layers.{i}", c.d_model
     return [_same(f"{hf}.enorm.weight", (*ours, "emb_norm", "scale"), (d,)),
             _same(f"{hf}.hnorm.weight", (*ours, "hidden_norm", "scale"), (d,)),

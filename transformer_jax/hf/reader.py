@@ -49,10 +49,7 @@ def _first_line(error: BaseException) -> str:
 
 class _Reader:
     """Reads tensors, or blocks of them, from open safetensors files; errors name the file.
-
-    ``packed`` names the tensors stored quantised (name -> its ``Packing``, whose parts
-    ``files`` maps): they are read as their float32 values, never as stored.
-    """
+    ``packed`` (name -> ``Packing``) are read as their float32 values, never as stored."""
 
     def __init__(self, files: dict[str, Path], handles: dict[Path, Any],
                  packed: Mapping[str, Packing] | None = None) -> None:

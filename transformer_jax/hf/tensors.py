@@ -144,9 +144,8 @@ class Packing:
       parts: the stored tensors' names, in the order ``layout`` and ``view`` take them.
       layout: the tensor's (value's) shape -> each part's shape and accepted dtype codes;
         raises ValueError, naming the tensor, for a shape the format cannot hold.
-      view: (the value's shape, one ``Read`` per part) -> an object indexable by a tuple of
-        slices over that shape, as a safetensors slice is, giving that block of the value as
-        float32 and reading only the parts' blocks it needs (``_Tensor.read`` takes it).
+      view: (the value's shape, one ``Read`` per part) -> an object that a tuple of slices
+        indexes as a safetensors slice, giving that block of the value as float32.
     """
 
     method: str
