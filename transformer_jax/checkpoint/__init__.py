@@ -1,10 +1,5 @@
-"""Checkpoints: orbax saves with exact resume, and every way a model is read back.
-
-``manager`` (``CheckpointManager``: periodic and async saves, rotation, resume), ``read`` (one
-step directory read into arrays, its saved tree checked first), ``files`` (a step directory on
-disk: checksums, damage checks, setting aside), ``quiet`` (orbax's background echoes of a failed
-save kept off stderr) and ``loading`` (a model from a run directory, a step or a HF directory:
-``locate``, ``load``, ``open_tokenizer``).
+"""Checkpoints: orbax saves with exact resume (``manager``, ``read``, ``files``, ``quiet``), and
+every way a model is read back from a run, a step or a HF directory (``loading``).
 """
 
 from transformer_jax.checkpoint.files import (

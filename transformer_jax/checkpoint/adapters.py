@@ -1,10 +1,8 @@
 """A LoRA run's adapters, read to be served beside others over the base they were trained on.
 
-``load_adapter`` reads a LoRA (or QLoRA) training run's newest checkpoint unmerged, and checks
-that it adapts the served model: the same architecture, and a base whose weights are the served
-ones (up to the storage a run may give its frozen base: bfloat16, or int8/int4/nf4 for QLoRA).
-An adapter trained on another base would load and run, silently giving another model's text;
-here it is an error naming the weight that differs.
+``load_adapter`` reads a LoRA (or QLoRA) run's newest checkpoint unmerged and checks that it
+adapts the served model: the same architecture, and a base whose weights are the served ones up
+to the storage of a frozen base (bfloat16, or int8/int4/nf4); else an error names the weight.
 """
 
 from __future__ import annotations
@@ -25,9 +23,8 @@ from transformer_jax.model.transformer import Params, unstack_blocks
 logger = logging.getLogger(__name__)
 
 #: The largest relative difference ``||base - served|| / ||served||`` of any weight for an
-#: adapter's base to count as the served one: a bfloat16 copy differs by about 2**-9, a
-#: quantised (QLoRA) one by a few percent (int4/nf4 with their groups: under 0.15 measured on
-#: random weights), another model by about 1.4 (two independent initialisations).
+#: adapter's base to count as the served one: a bfloat16 copy differs by about 2**-9, an
+#: int4/nf4 one by under 0.15, another model by about 1.4.
 BASE_TOLERANCE = {"float": 0.02, "quantized": 0.3}
 
 

@@ -1,12 +1,8 @@
 """A checkpoint's step directory on disk: its layout, checksums, damage checks and quarantine.
 
-Plain file operations, no orbax (``transformer_jax.checkpoint`` has the ``CheckpointManager``
-that writes and reads the arrays through orbax). Once orbax has committed ``<dir>/<step>``, the
-primary process records the size and SHA-256 of each of its files in ``CHECKSUMS.json``
-(``write_checksums``); before a restore, ``check_step_files`` compares them and checks the
-metadata files, so a truncated or bit-flipped checkpoint is a ``DamagedCheckpointError``
-naming the file, which the manager then skips and ``set_aside`` renames to
-``<step>.damaged-<n>`` (never deleted).
+Plain file operations, no orbax. ``write_checksums`` records each committed file's size and
+SHA-256; ``check_step_files`` compares them before a restore, so a truncated or bit-flipped
+checkpoint is a ``DamagedCheckpointError`` naming the file, which ``set_aside`` renames.
 """
 
 from __future__ import annotations
@@ -29,18 +25,15 @@ STATE_ITEM = "state"
 META_ITEM = "meta"
 CHECKSUMS_FILE = "CHECKSUMS.json"
 _STEP_METADATA = "_CHECKPOINT_METADATA"
-# On object storage orbax writes a step in place and marks it complete with this file (there
-# is no atomic rename); on a file system it renames ``<step>.orbax-checkpoint-tmp*`` instead.
+# Marks a complete step on object storage (no atomic rename of ``*.orbax-checkpoint-tmp*``).
 COMMIT_FILE = "commit_success.txt"
 
 
 def ensure_writable_dir(directory: str | os.PathLike[str], what: str = "directory") -> Any:
     """Creates ``directory`` if needed and checks that files can be written in it.
 
-    Checked up front so that an unwritable location fails at start-up, not at the first save
-    minutes (or hours) into a run. A remote URL (``gs://...``) is returned as an
-    ``etils.epath.Path`` without a probe (a bucket's permissions show at the first write; a
-    probe object would cost a request per process and could outlive a killed run).
+    So an unwritable location fails at start-up, not at the first save. A remote URL
+    (``gs://...``) is returned as an ``etils.epath.Path`` without a probe.
 
     Args:
       directory: the directory, local or remote.
@@ -83,14 +76,9 @@ class DamagedCheckpointError(CheckpointError):
         self.path, self.reason = path, reason
 
 
-# Checksums ---------------------------------------------------------------------------------------
-
 def write_checksums(step_dir: Path) -> None:
-    """Records the size and SHA-256 of every file of a complete step directory.
-
-    Not on object storage: the store keeps each object's CRC32C itself, and summing here would
-    read the whole checkpoint back over the network.
-    """
+    """Records the size and SHA-256 of every file of a complete step directory (not on object
+    storage, which keeps each object's CRC32C itself)."""
     if not isinstance(step_dir, Path):
         return
     sums = {str(f.relative_to(step_dir)): [f.stat().st_size, _sha256(f)]
@@ -132,18 +120,13 @@ def verify_checksums(step_dir: Path) -> None:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def check_step_files(step_dir: Path) -> None:
-    """The file-level checks of a committed step directory, before orbax reads any of it.
-
-    Checks the files against ``CHECKSUMS.json`` (if written), that the metadata files orbax
-    reads first are present and valid JSON, and that the ``meta`` item is a readable dict.
+    """The file-level checks of a committed step directory, before orbax reads any of it: the
+    files against ``CHECKSUMS.json`` (if written), orbax's metadata files and the ``meta`` item.
 
     Raises:
       DamagedCheckpointError: a file is missing, unreadable or differs from its checksum.
@@ -159,8 +142,6 @@ def check_step_files(step_dir: Path) -> None:
             raise DamagedCheckpointError(step_dir, f"{name} is not valid JSON ({e})") from None
     read_meta_file(step_dir)
 
-
-# Reading and listing -----------------------------------------------------------------------------
 
 def read_meta_file(step_dir: Path) -> dict[str, Any]:
     """The ``meta`` dict stored with a step (``CheckpointManager.save(..., meta=...)``).
@@ -212,9 +193,8 @@ def read_meta(directory: Path, step: int | None = None) -> dict[str, Any]:
 
 
 def disk_steps(directory: Path) -> list[int]:
-    """Committed steps on disk now: directories named by an integer (orbax writes into
-    ``<step>.orbax-checkpoint-tmp*`` and renames only once complete; damaged ones set aside
-    are ``<step>.damaged-<n>``); on object storage, those holding ``commit_success.txt``."""
+    """Committed steps on disk now: directories named by an integer (on object storage, those
+    holding ``commit_success.txt``)."""
     storage.forget_listings(directory)  # another process may have written a step since
     try:
         return sorted(int(p.name) for p in directory.iterdir()

@@ -1,29 +1,13 @@
 """Opening checkpoints: what a path is (``locate``), then its model, weights and tokenizer
 (``load``). The one reader behind ``generate``, ``hf export`` and ``train.init_from``.
 
-A checkpoint path is one of
-
-* a HuggingFace directory: ``config.json`` + ``model.safetensors`` (or
-  ``model.safetensors.index.json`` and its shards), read by ``transformer_jax.hf.load``;
-* a training run's directory (it holds ``checkpoints/``): its newest intact step;
-* a ``checkpoints/`` directory (step directories named by their step): the same;
-* one step's directory (``RUN_DIR/checkpoints/200``): that step.
-
-``locate`` tells which from the files alone: it reads ``config.json`` or the step's ``meta``,
-never a weight, and touches no JAX device, so a multi-process run calls it before
-``jax.distributed.initialize``. ``load`` then reads the weights: a LoRA run's adapters merged
-into its base, the layer layout (scanned or unrolled) and dtype asked for, and with a mesh
-every param created sharded over it (a HF checkpoint and a plain run shard by shard; a LoRA run
-or one in the other layer layout merged on each host first, which then places its shards).
-
-Reading is read-only: nothing is created, renamed or probed for writability, and every
-checkpoint manager opened is closed, so a run on a read-only mount, another user's run or one
-still training (its newest step may vanish while read) loads.
-
-A run's tokenizer is, in this order: its copy in the run directory (``meta["tokenizer_dir"]``,
-``tokenizer/``), a ``tokenizer.json`` / ``tokenizer.model`` in the run directory, then the file
-the run recorded (``meta["tokenizer"]``) if it still exists. A HF directory's is its own
-``tokenizer.json`` / ``tokenizer.model``.
+A checkpoint path is a HuggingFace directory (``config.json`` + safetensors, read by
+``transformer_jax.hf.load``), a training run's directory or its ``checkpoints/`` (the newest
+intact step), or one step's directory. ``locate`` tells which from the files alone, touching
+no JAX device, so a multi-process run calls it before ``jax.distributed.initialize``. Reading
+is read-only (nothing is created, renamed or probed), so a run on a read-only mount or one
+still training loads. A run's tokenizer is its copy in the run directory, a tokenizer file
+there, else the file the run recorded (``meta["tokenizer"]``) if it still exists.
 """
 
 from __future__ import annotations
@@ -73,21 +57,18 @@ class Source:
     """A checkpoint as found on disk, before any weight is read.
 
     Attributes:
-      path: the directory given (an ``epath.Path`` for a URL; a remote HF checkpoint's is its
+      path: the directory given (an ``epath.Path`` for a URL; for a remote HF checkpoint, its
         local copy).
       kind: ``HF`` or ``RUN``.
-      model: its model config, from ``config.json`` (``param_dtype``/``dtype`` float32 for a
-        HF checkpoint: the tensors' dtype is read with them) or the run's ``meta["model"]``.
-      run_dir: the run directory (kind ``RUN``; the parent of a bare checkpoints directory);
-        for a run on object storage, a local copy of its files but the checkpoints.
-      checkpoints: the run's checkpoints directory (kind ``RUN``); on object storage, the
-        remote one (an ``epath.Path``), read in place.
+      model: its model config, from ``config.json`` (float32 for a HF checkpoint) or the run's
+        ``meta["model"]``.
+      run_dir: the run directory (kind ``RUN``; a local copy for a run on object storage).
+      checkpoints: the run's checkpoints directory (kind ``RUN``; remote ones read in place).
       step: the step the path names; None for the newest intact one.
-      meta: the meta of that step (the newest readable one when ``step`` is None) (``RUN``).
+      meta: the meta of that step, or of the newest readable one (kind ``RUN``).
       tokenizer: the tokenizer found with the checkpoint (a directory or file), or None.
-      hf_model_type: the HF family the weights were loaded as: a HF checkpoint's
-        ``model_type``, a run's ``meta["hf_model_type"]`` (recorded by a run started from a
-        HF checkpoint or from such a run), else None. Export writes this family by default.
+      hf_model_type: the HF family the weights were loaded as (a HF checkpoint's
+        ``model_type``, a run's ``meta["hf_model_type"]``), else None; export's default.
     """
 
     path: Path
@@ -112,7 +93,7 @@ class Loaded:
         LoRA run loaded with ``merge_lora=False``, ``{"base", "adapters"}`` as saved.
       step: the step read (kind ``RUN``), else None.
       meta: that step's meta (kind ``RUN``), else empty.
-      tokenizer: the tokenizer (``TextTokenizer``), or None (none found, or not asked for).
+      tokenizer: the ``TextTokenizer``, or None (none found, or not asked for).
       tokenizer_path: where it was found, or None.
     """
 
@@ -124,8 +105,6 @@ class Loaded:
     tokenizer: Any = None
     tokenizer_path: Path | None = None
 
-
-# Locating ----------------------------------------------------------------------------------------
 
 def is_hf_dir(path: Path) -> bool:
     """A HF checkpoint: ``config.json`` and weights (a run directory has a config.json too)."""
@@ -280,8 +259,6 @@ def _run_tokenizer(run_dir: Path, meta: dict[str, Any]) -> Path | None:
     return None
 
 
-# Tokenizer ---------------------------------------------------------------------------------------
-
 def open_tokenizer(source: Source, path: str | Path | None = None, *, where: str | None = None,
                    missing: str | None = None) -> Any:
     """Loads the tokenizer of a checkpoint, checked against the model's vocabulary.
@@ -290,8 +267,8 @@ def open_tokenizer(source: Source, path: str | Path | None = None, *, where: str
       source: the checkpoint.
       path: a tokenizer file or directory to use instead of the one found with it.
       where: how the errors name the checkpoint; default its path.
-      missing: what to tell the user when there is none (e.g. ``"pass --tokenizer PATH"``):
-        then a missing tokenizer is an error; None returns None instead.
+      missing: what to tell the user when there is none (``"pass --tokenizer PATH"``), making
+        that an error; None returns None instead.
 
     Returns:
       The ``TextTokenizer``, or None.
@@ -318,8 +295,6 @@ def open_tokenizer(source: Source, path: str | Path | None = None, *, where: str
     return tokenizer
 
 
-# Loading -----------------------------------------------------------------------------------------
-
 def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = True,
          step: int | None = None, scan_layers: bool | None = None, dtype: str | None = None,
          rules: Sequence[tuple[str, Any]] | None = None, tokenizer: str | Path | None = None,
@@ -329,23 +304,19 @@ def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = Tr
     Args:
       source: a ``Source`` from ``locate``, or a path for it.
       mesh: if given, every param is created sharded over it by
-        ``sharding.param_shardings(config, mesh, rules)``; None: plain arrays on this
-        process's first device.
-      merge_lora: fold a LoRA run's adapters into its base (``lora.merge``, in float32; a
-        QLoRA run's quantised base dequantised first); False returns its ``{"base",
-        "adapters"}`` tree as saved (a quantised base as ``PackedInt4`` / ``qwix.QArray``
-        weights; not with a mesh).
+        ``sharding.param_shardings(config, mesh, rules)``; None: on the first device.
+      merge_lora: fold a LoRA run's adapters into its base (in float32, a QLoRA base
+        dequantised first); False returns its ``{"base", "adapters"}`` tree as saved (not
+        with a mesh).
       step: a run's step to read (default: the one the path names, else the newest intact).
       scan_layers: the layer layout of the result (True: ``blocks`` [L, ...]); None keeps the
         checkpoint's (a HF checkpoint's is unrolled).
       dtype: the result's ``param_dtype`` and compute ``dtype``; None keeps a run's
-        ``param_dtype`` (every tensor cast to it: a frozen LoRA base may be stored in bfloat16)
-        and a HF checkpoint's stored dtype.
+        ``param_dtype`` (every tensor cast to it) and a HF checkpoint's stored dtype.
       rules: the logical -> mesh axis rules of the placement; default the training's.
       tokenizer: a tokenizer file or directory to use instead of the one found.
       with_tokenizer: load the tokenizer (``Loaded.tokenizer``; None if there is none).
-      mtp_depth: 0 drops the multi-token prediction modules (``hf.load``'s; a run's are
-        dropped once read); None keeps them.
+      mtp_depth: 0 drops the multi-token prediction modules; None keeps them.
 
     Returns:
       The ``Loaded`` checkpoint.
@@ -376,8 +347,7 @@ def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = Tr
             loaded = dataclasses.replace(
                 loaded, config=loaded.config.replace(mtp_depth=0),
                 params={k: v for k, v in loaded.params.items() if not k.startswith("mtp_")})
-    # Every leaf's cast and placement done before a program that spans the mesh runs: see
-    # _all_finite.
+    # Every leaf placed before the one program that spans the mesh runs (see _all_finite).
     jax.block_until_ready(loaded.params)
     check_finite(loaded.params, source.path)
     if with_tokenizer:
@@ -409,8 +379,7 @@ def _load_run(source: Source, mesh: Any, *, merge_lora: bool, step: int | None,
             abstract = sharding_lib.with_shardings(
                 abstract_params(saved), sharding_lib.param_shardings(saved, mesh, rules))
             params, meta = reader.restore_params(abstract, step)
-        else:
-            # As saved (nested dicts, this process's first device).
+        else:  # as saved (nested dicts, this process's first device)
             params, meta = reader.restore_params(None, step)
     read_step = meta.get("step", step)
     logger.info("loaded step %s of %s", read_step, source.checkpoints)
@@ -458,15 +427,13 @@ def load_for_decode(checkpoint: str, tensor: int, tokenizer: str | None = None,
     """Opens ``--checkpoint`` for decoding over ``--tensor T`` (and ``--expert X``) devices: the
     ``Loaded`` checkpoint and the mesh (None for one device), the weights placed as the decode
     splits them. Raises ValueError (a mesh the model cannot be split over), OSError,
-    CheckpointError.
-    """
+    CheckpointError."""
     mesh = _tensor_mesh(tensor, expert)
     source = locate(checkpoint, where=f"--checkpoint {checkpoint!r}")
     rules = None
     if mesh is not None:  # before any weight is read
         check_tensor_parallel(source.model, tensor_shards(mesh), expert_shards(mesh))
-        # Placed by the decode's rules (the vocabulary kept whole when T does not divide
-        # it), so that ``decode.prepare`` finds the weights on the mesh's devices.
+        # By the decode's rules, so ``decode.prepare`` finds the weights where it wants them.
         rules = decode_rules(source.model, mesh)
     return load(source, mesh, rules=rules, tokenizer=tokenizer), mesh
 

@@ -1,14 +1,10 @@
 """Train-state checkpoints with orbax: periodic, asynchronous, atomic, last K kept.
 
-A checkpoint is one directory per step under the checkpoint directory, holding the whole train
-state (parameters, optimizer state, step, RNG) and a small JSON ``meta`` item (configs, losses).
-Orbax writes each step into a temporary directory and renames it only once every file is
-complete, so a checkpoint that was being written when the process died is never listed, restored
-or counted towards ``keep``. The data position needs no saving: batches are a pure function of
-(seed, step). The files of a step directory (checksums, damage checks, setting a damaged one
-aside) are handled in ``transformer_jax.checkpoint.files``; its errors, ``ensure_writable_dir``,
-``CHECKSUMS_FILE`` and ``verify_checksums`` are importable from here too. What orbax's background
-threads print about a failed save is kept off stderr by ``transformer_jax.checkpoint.quiet``.
+One directory per step holds the whole train state (params, optimizer state, step, RNG) and a
+small JSON ``meta`` item (configs, losses). Orbax writes a step into a temporary directory and
+renames it once complete, so a save interrupted by a crash is never listed or restored. The data
+position needs no saving: batches are a pure function of (seed, step). A step directory's files
+(checksums, damage checks, setting aside) are ``checkpoint.files``'s.
 """
 
 from __future__ import annotations
@@ -57,23 +53,18 @@ T = TypeVar("T")
 class CheckpointManager:
     """Saves and restores train states in ``directory/<step>``, keeping the last ``keep``.
 
-    Saves are asynchronous: ``save`` returns once the arrays are copied off the device and the
-    files are written by a background thread; ``wait`` blocks until that is done. A failed write
-    (a full disk, say) surfaces from the next ``save``, ``wait`` or ``close`` as one
-    ``CheckpointError``; the earlier checkpoints are kept.
-
-    Once a save is complete, the size and SHA-256 of each of its files are recorded in
-    ``<step>/CHECKSUMS.json`` so that a later restore detects truncated or bit-flipped files
-    (which orbax itself may read without complaint). A checkpoint committed but not yet summed
-    when its writer died is still restored, checked only for its metadata files.
+    Saves are asynchronous: ``save`` returns once the arrays are copied off the device; ``wait``
+    blocks until the files are written. A failed write (a full disk) surfaces from the next
+    ``save``, ``wait`` or ``close`` as one ``CheckpointError``; earlier checkpoints are kept.
+    A complete save's files are summed into ``<step>/CHECKSUMS.json``, so a restore detects
+    truncated or bit-flipped files.
 
     Args:
       directory: where the step directories go (created if missing).
       keep: how many of the most recent checkpoints to keep (>= 1).
       async_save: write in a background thread.
-      read_only: only read: nothing is created, probed for writability, renamed or saved (a
-        run on a read-only mount, another user's, or one still training); ``save`` raises and
-        ``restore`` never moves a damaged checkpoint aside, it skips it.
+      read_only: only read: nothing is created, probed, renamed or saved (``save`` raises,
+        ``restore`` skips a damaged checkpoint instead of moving it aside).
 
     Raises:
       FileNotFoundError: ``read_only`` and the directory does not exist.
@@ -106,10 +97,9 @@ class CheckpointManager:
         logging.getLogger("absl").addFilter(self._quiet)
 
     def all_steps(self) -> list[int]:
-        """Steps of the checkpoints, ascending: the complete ones found on disk when this
-        manager was created (temporary directories of interrupted saves excluded), plus the
-        ones it saved since (the newest may still be being written; see ``wait``); read-only:
-        the complete ones on disk now."""
+        """Steps of the checkpoints, ascending: the complete ones on disk when this manager was
+        created plus those it saved since (the newest may still be being written; see
+        ``wait``); read-only: the complete ones on disk now."""
         if self._manager is None:
             return disk_steps(self.directory)
         return sorted(self._manager.all_steps())
@@ -123,8 +113,6 @@ class CheckpointManager:
         """The directory of the checkpoint of ``step``."""
         return self.directory / str(step)
 
-    # Saving -------------------------------------------------------------------------------------
-
     def save(self, step: int, state: Any, meta: dict[str, Any] | None = None) -> bool:
         """Starts saving ``state`` (any pytree of arrays) as the checkpoint of ``step``.
 
@@ -137,14 +125,12 @@ class CheckpointManager:
           True if a save was started, False if a checkpoint of this step already exists.
 
         Raises:
-          CheckpointError: the previous save failed (e.g. ``No space left on device``), or
-            this one could not be started; named in one line.
+          CheckpointError: the previous save failed, or this one could not be started.
         """
         if self._manager is None:
             raise CheckpointError(f"could not write checkpoint {self.step_path(step)}: the "
                                   "manager was opened read-only")
-        # One save in flight at a time; waiting first also lets orbax see the previous save
-        # as complete when it picks the old checkpoints to delete.
+        # One save in flight at a time (so orbax sees the previous one complete when rotating).
         self.wait()
         if step in self.all_steps():
             return False
@@ -163,8 +149,7 @@ class CheckpointManager:
         """Blocks until the save in flight (if any) is complete on disk and summed.
 
         Raises:
-          CheckpointError: the save failed; the message names the step directory and the
-            cause (``could not write checkpoint <path>: No space left on device``).
+          CheckpointError: the save failed (``could not write checkpoint <path>: <cause>``).
         """
         if self._failed is not None:
             raise self._failed
@@ -179,8 +164,7 @@ class CheckpointManager:
             raise self._write_failed(step, e) from None
         if step is not None:
             self._in_flight = None
-            # One writer per checkpoint: with several processes the primary one sums the
-            # files (orbax has finalised the directory by the time its wait returns).
+            # The primary process sums the files (orbax has finalised the directory by now).
             if jax.process_index() == 0 and self.step_path(step).is_dir():
                 try:
                     write_checksums(self.step_path(step))
@@ -208,9 +192,8 @@ class CheckpointManager:
         step = self._failed_step if step is None else step
         if step is None:
             return
-        # Orbax's background threads of the failed save (e.g. its metadata writer) may still
-        # write into the temporary directory after the failure is reported, recreating it; so
-        # remove it until it has stayed gone for a few polls (at most about 2 s, failures only).
+        # Orbax's threads of the failed save may still write into (and so recreate) it: remove
+        # it until it stays gone for a few polls (at most about 2 s, on failures only).
         quiet = 0
         for _ in range(40):
             partials = [p for p in unfinished(self.directory)
@@ -225,10 +208,9 @@ class CheckpointManager:
     def abandon(self) -> int | None:
         """Gives up the save in flight without waiting for it (a run aborted by a signal).
 
-        Removes its temporary directory (the committed checkpoints stay, and orbax deletes old
-        ones only after a new one is committed); afterwards ``close`` neither waits nor raises.
-        Orbax's background threads are not stopped: the caller is about to exit. Whatever they
-        write after this is removed by ``remove_unfinished`` at the next start.
+        Removes its temporary directory (the committed checkpoints stay); afterwards ``close``
+        neither waits nor raises. Orbax's threads are not stopped (the caller is about to
+        exit); what they write after this ``remove_unfinished`` removes at the next start.
 
         Returns:
           The step whose save was abandoned, or None if none was in flight.
@@ -240,12 +222,9 @@ class CheckpointManager:
         return step
 
     def remove_unfinished(self, primary: bool = True) -> list[str]:
-        """Deletes the temporary directories of saves that never completed (a process killed
-        or aborted while saving); the run's owner calls this before it saves again.
-
-        With several processes every one calls it and only the ``primary`` one deletes; they
-        then meet at a barrier and re-read the step list (in a bucket orbax lists an unfinished
-        step directory as a step, and every process must see the same steps to save together).
+        """Deletes the temporary directories of saves that never completed; the run's owner
+        calls this before it saves again. With several processes every one calls it, only the
+        ``primary`` one deletes, and all meet at a barrier and re-read the step list.
 
         Returns:
           The names of the directories removed (logged).
@@ -265,19 +244,11 @@ class CheckpointManager:
             _retry_listing(self._manager.reload)
         return removed
 
-    # Reading ------------------------------------------------------------------------------------
-
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
-        """Reads the ``meta`` dict saved with a checkpoint, without reading any array.
-
-        Lets a caller compare the saved configs with the current ones before restoring (and
-        name the differing keys) instead of failing inside orbax.
+        """The ``meta`` dict saved with a checkpoint (``save(..., meta=...)``); reads no array.
 
         Args:
           step: which checkpoint; by default the newest complete one whose meta is readable.
-
-        Returns:
-          The dict passed to ``save(..., meta=...)``.
 
         Raises:
           FileNotFoundError: there is no checkpoint (of that step).
@@ -291,17 +262,15 @@ class CheckpointManager:
         """Reads a checkpoint into arrays shaped, typed and placed like ``abstract_state``.
 
         With ``step=None`` the newest intact checkpoint is read: a damaged newer one is
-        reported in one warning and (with ``quarantine``) renamed to ``<step>.damaged-<n>``,
-        never deleted; one that disappears while being read (a live run keeping one checkpoint
-        rotated it away) makes the steps be listed again and the newest then present be read.
+        reported in one warning and (with ``quarantine``) renamed to ``<step>.damaged-<n>``;
+        one that vanishes while being read (a live run rotated it away) is skipped.
 
         Args:
           abstract_state: a pytree of ``jax.ShapeDtypeStruct`` (with shardings) or arrays, of
-            the same structure as the saved state; None reads the saved tree as it is (nested
-            dicts of arrays on the first device, e.g. for inspection).
+            the saved state's structure; None reads the saved tree as it is (nested dicts on
+            the first device).
           step: which checkpoint; the latest intact one by default.
-          quarantine: rename damaged checkpoints aside (the owner of the run should; a reader
-            of another process's live run should pass False and only skip them).
+          quarantine: rename damaged checkpoints aside (the run's owner); False only skips them.
           attempts: how many unreadable checkpoints to go past before giving up.
 
         Returns:
@@ -310,8 +279,7 @@ class CheckpointManager:
         Raises:
           FileNotFoundError: if there is no checkpoint (of that step).
           DamagedCheckpointError: the given ``step`` is damaged.
-          CheckpointMismatchError: the saved state differs in structure or shapes from
-            ``abstract_state`` (not treated as damage).
+          CheckpointMismatchError: the saved state differs in structure or shapes.
           CheckpointError: every checkpoint is damaged (or kept vanishing).
         """
         return self._read_newest(lambda s: read_state(self.step_path(s), abstract_state), step,
@@ -321,13 +289,10 @@ class CheckpointManager:
                        attempts: int = 20) -> tuple[Any, dict[str, Any]]:
         """Reads only the ``params`` subtree of a saved train state (no optimizer moments).
 
-        Orbax's partial restore reads just the listed arrays, so this costs a third of a full
-        restore with Adam. Damaged or vanishing checkpoints are skipped as by ``restore``
-        (never renamed: this is the reader's path, e.g. generating from a live run).
+        Damaged or vanishing checkpoints are skipped as by ``restore``, never renamed.
 
         Args:
-          abstract_params: a pytree of ``jax.ShapeDtypeStruct`` or arrays like the params;
-            None reads them as saved (nested dicts on the first device).
+          abstract_params: like ``restore``'s ``abstract_state``, for the params.
           step: which checkpoint; the latest intact one by default.
           attempts: how many unreadable checkpoints to go past before giving up.
 
@@ -437,13 +402,9 @@ class CheckpointManager:
         self.close()
 
 
-# Helpers -----------------------------------------------------------------------------------------
-
 def _retry_listing(fn: Callable[[], T], tries: int = 20) -> T:
-    """Runs ``fn`` (which lists the step directories) again when a step vanished meanwhile:
-    orbax stats each step it lists, which fails if a live run deletes one in between (as
-    FileNotFoundError, or NotADirectoryError when it goes between orbax's ``exists`` and
-    ``is_dir``)."""
+    """Runs ``fn`` (which lists the step directories) again when a step vanished meanwhile (a
+    live run deleted one between orbax's listing and its stat of it)."""
     for _ in range(tries - 1):
         try:
             return fn()

@@ -1,11 +1,8 @@
 """Reading one checkpoint step directory into arrays, its saved tree checked first.
 
-``saved_tree`` checks a step's files (``checkpoint.files.check_step_files``) and returns the
-saved state's shapes and dtypes; ``read_state`` and ``read_params`` compare them with the tree
-asked for (``CheckpointMismatchError`` names what differs, before orbax reads anything) and read
-the state, or only its params. Which step to read, and what to do with a damaged or vanishing one,
-is ``CheckpointManager``'s business (``checkpoint/manager.py``). ``check_finite`` refuses
-loaded weights that hold NaN or inf.
+``read_state`` and ``read_params`` compare the saved shapes (``saved_tree``) with the tree asked
+for, naming what differs (``CheckpointMismatchError``) before orbax reads anything, then read
+the state or only its params. Which step to read is ``CheckpointManager``'s business.
 """
 
 from __future__ import annotations
@@ -67,8 +64,7 @@ def read_state(path: Path, abstract_state: Any | None) -> tuple[Any, dict[str, A
     args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state),
                                  META_ITEM: ocp.args.JsonRestore()})
     try:
-        # A checkpointer of its own, not the manager: the manager re-lists every step
-        # (and fails if a live run deletes one meanwhile).
+        # Its own checkpointer: the manager re-lists every step (and fails if one vanishes).
         handler = ocp.CompositeCheckpointHandler(**{
             STATE_ITEM: ocp.StandardCheckpointHandler(),
             META_ITEM: ocp.JsonCheckpointHandler()})
@@ -132,9 +128,6 @@ def saved_tree(path: Path) -> Any:
         raise
 
 
-# Helpers -----------------------------------------------------------------------------------------
-
-
 def error_chain(error: BaseException) -> Iterator[BaseException]:
     seen: set[int] = set()
     e: BaseException | None = error
@@ -147,8 +140,7 @@ def error_chain(error: BaseException) -> Iterator[BaseException]:
 def reason(error: BaseException, limit: int = 200) -> str:
     """One line about an error: its innermost cause's first line, shortened."""
     lines = [line for e in error_chain(error) for line in str(e).splitlines()[:1] if line.strip()]
-    # Orbax wraps TensorStore errors in a message that dumps the whole spec; the innermost
-    # cause says what is wrong with the file.
+    # Orbax wraps TensorStore errors in a dump of the whole spec: the innermost cause says more.
     text = lines[-1] if lines else type(error).__name__
     if "TensorStore" in text and len(lines) > 1:
         text = lines[0]
@@ -175,8 +167,7 @@ def check_same_tree(path: Path, saved: Any, abstract: Any, prefix: tuple[str, ..
     have = leaf_paths(saved, is_leaf=is_array_metadata)
     want = leaf_paths(abstract)
     diffs = []
-    # The params first: they name the model change most directly (the optimizer state
-    # repeats them).
+    # The params first: they name a model change most directly.
     for key in sorted(set(have) | set(want), key=lambda k: (k[:1] != ("params",), k)):
         name = "/".join(prefix + key)
         if key not in have:
@@ -198,8 +189,7 @@ def abstract_from_metadata(metadata: Any) -> Any:
 
 def as_abstract(x: Any) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
-        # Without a sharding orbax cannot place the array; default to this process's first
-        # device (jax.devices()[0] belongs to process 0 in a multi-process run).
+        # Orbax needs a sharding: this process's first device (not jax.devices()[0]).
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(
             jax.local_devices()[0]))
     if isinstance(x, jax.Array):
@@ -209,14 +199,9 @@ def as_abstract(x: Any) -> Any:
 
 @jax.jit
 def _all_finite(leaves: list[jax.Array]) -> jax.Array:
-    """[L] bool: whether each leaf holds only finite values, in one program.
-
-    XLA:CPU bounds the programs in flight on a device. Launched leaf by leaf, a mesh's
-    reductions (each with an all-reduce) could fill one device's slots while its first
-    collective program already held a thread on the other device and waited there for a
-    partner whose launch waited for a free slot: the process aborted after the rendezvous
-    timeout. One program, launched once the leaves are ready (``block_until_ready`` first),
-    cannot queue behind them.
+    """[L] bool: whether each leaf holds only finite values, in one program: launched leaf by
+    leaf, a mesh's collective reductions could fill XLA:CPU's bounded queue of programs in
+    flight on one device while another device waited for its partner (a deadlock).
     """
     return jnp.stack([jnp.isfinite(x).all() for x in leaves])
 

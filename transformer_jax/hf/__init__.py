@@ -1,25 +1,12 @@
-"""HuggingFace checkpoint directories (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2, and the
-mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS): load, save, export.
+"""HuggingFace checkpoint directories of every family of ``ARCHITECTURES``: load, save, export.
 
-``load(dir)`` reads ``config.json`` plus ``model.safetensors`` (or a sharded
-``model.safetensors.index.json``) and returns a ``ModelConfig`` and a param tree that
-``Transformer(config).apply`` runs with the same logits as the HF model; ``load(dir, mesh=mesh)``
-creates every param sharded over a device mesh by the training's rules, each device's shard read
-on its own from the memory-mapped files; MXFP4 experts (GPT-OSS's published checkpoints) are
-dequantised exactly as they are read (``hf.mxfp4``), block-scaled FP8 Linear weights
-(DeepSeek-V3's, Kimi K2's, Qwen3-*-FP8's) to the run's dtype (``hf.fp8``).
-``save(config, params, dir, tokenizer=tok)`` writes the reverse (unquantised unless asked:
-``mxfp4_experts``, ``fp8_block``), which ``transformers``' ``from_pretrained`` reads (model and
-tokenizer).
-``transformer-jax export`` (``cli/export.py``, not imported here) exports a training run.
-
-This module does the file I/O (``hf.reader`` reads the files): the checks of the tensors
-against the config, the sharded load onto a mesh, the atomic save, tokenizer files. The name,
-layout and config mapping it applies is pure and lives in ``transformer_jax.hf.convert``
-(``config_from_hf``/``config_to_hf`` are re-exported here). Anything that cannot be represented
-exactly is refused with a ValueError naming the offending setting or tensor (never loaded
-approximately), including a nonzero ``o_proj`` bias.
-Needs the ``hf`` extra (``safetensors``); not ``torch``/``transformers``.
+``load(dir)`` reads ``config.json`` and ``model.safetensors`` (or a sharded index) into a
+``ModelConfig`` and a param tree that gives the HF model's logits, sharded over a mesh if one is
+given; MXFP4 experts (``hf.mxfp4``) and block-scaled FP8 weights (``hf.fp8``) are dequantised as
+they are read. ``save(config, params, dir, tokenizer=tok)`` writes the reverse, which
+``transformers``' ``from_pretrained`` reads. This module does the file I/O; the pure name,
+layout and config mapping is ``hf.convert``. Anything that cannot be represented exactly is
+refused with a ValueError naming the setting or tensor. Needs the ``hf`` extra (``safetensors``).
 """
 
 from __future__ import annotations
@@ -85,10 +72,6 @@ def _names(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
-# ------------------------------------------------------------------------------------------------
-# Loading
-
-
 def _weight_files(path: Path) -> dict[str, Path]:
     """Maps every tensor name to the safetensors file that holds it."""
     single, index = path / SINGLE_FILE, path / INDEX_FILE
@@ -135,48 +118,37 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
          mtp_depth: int | None = None) -> tuple[ModelConfig, Params]:
     """Reads a HF checkpoint directory (any model type of ``ARCHITECTURES``).
 
-    Everything is checked from ``config.json`` and the safetensors headers (names, shapes,
-    dtypes, mesh divisibility) before any weight is read or any array allocated. Tensors are
-    then read one at a time; with a ``mesh``, each device's shard is read on its own from the
-    memory-mapped file (a scanned layout's [L, ...] shard from the per-layer tensors), so the
-    host never holds more than one shard in flight, never the whole model or a whole tensor.
-    An MXFP4 checkpoint's (``quantization_config`` ``{"quant_method": "mxfp4"}``) experts,
-    stored as ``*_blocks`` and ``*_scales``, are read block by block the same way and
-    dequantised exactly (``hf.mxfp4``), to ``dtype``; so are a block-scaled FP8 checkpoint's
-    (``{"quant_method": "fp8"}``) e4m3 Linear weights with their ``*.weight_scale_inv``
-    (``hf.fp8``: ``float32(e4m3) * scale``, then cast to ``dtype``).
+    Names, shapes, dtypes and mesh divisibility are checked from ``config.json`` and the
+    safetensors headers before any weight is read. Tensors are then read one at a time, with a
+    ``mesh`` each device's shard on its own from the memory-mapped file, so the host never holds
+    the whole model or a whole tensor. Quantised tensors (MXFP4, block-scaled FP8) are
+    dequantised block by block to ``dtype``.
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` or
         ``model.safetensors.index.json`` plus its shards.
       mesh: if given, every param is created sharded over it by
-        ``sharding.param_shardings(config, mesh, rules)``, on this process's devices only (so
-        it works multi-host); None: plain arrays on the default device.
-      scan_layers: True returns the scanned layout (``model.stack_blocks``'s) and a config
-        with ``scan_layers=True``; None or False the unrolled one (``blocks_{i}``).
-      dtype: the ``param_dtype`` and compute ``dtype`` of the result (``"float32"``,
-        ``"bfloat16"``, ``"float16"``); None keeps the checkpoint's dtype when all tensors
-        share one (quantised tensors aside: bfloat16 for the published GPT-OSS and
-        DeepSeek-V3 checkpoints), else float32 (an exact upcast).
+        ``sharding.param_shardings(config, mesh, rules)``, on this process's devices only;
+        None: plain arrays on the default device.
+      scan_layers: True returns the scanned layout and a config with ``scan_layers=True``;
+        None or False the unrolled one (``blocks_{i}``).
+      dtype: the ``param_dtype`` and compute ``dtype`` of the result; None keeps the
+        checkpoint's dtype when all (unquantised) tensors share one, else float32.
       rules: the logical -> mesh axis rules of the placement (default: ``rules_for(mesh)``).
-      mtp_depth: None loads the multi-token prediction modules the checkpoint has
-        (``num_nextn_predict_layers``, ``hf.deepseek``; none when their tensors are absent, as
-        in ``save_pretrained``'s); 0 drops them (one log line): the main model only.
+      mtp_depth: None loads the multi-token prediction modules the checkpoint has (none when
+        their tensors are absent); 0 drops them (one log line).
 
     Returns:
       ``(config, params)``: ``Transformer(config).apply({"params": params}, tokens)`` gives the
-      HF model's logits. Shapes: ``embed/embedding`` [V, D], ``q_proj`` [D, N, H], ``o_proj``
-      [N, H, D], ``mlp/gate`` [D, F], ``lm_head`` [D, V] etc. (see ``transformer_jax.model``).
-      The values are the same with and without a mesh.
+      HF model's logits, the same with and without a mesh. Shapes: ``embed/embedding`` [V, D],
+      ``q_proj`` [D, N, H], ``o_proj`` [N, H, D], ``mlp/gate`` [D, F], ``lm_head`` [D, V] etc.
 
     Raises:
       FileNotFoundError: no config.json or no weights.
-      ValueError: a setting or tensor with no exact equivalent, or missing, unexpected or
-        misshapen tensors (named; an MXFP4 tensor's blocks or scales too, an FP8 weight's
-        scales, or a quantised value not finite); an FP8 ``quantization_config`` it does not
-        read (another format, static activation scales, per-tensor scales); a
-        ``config.json``/index that is not JSON or a truncated or corrupt safetensors file (the
-        file named); a param the mesh cannot split evenly.
+      ValueError: a setting or tensor with no exact equivalent; missing, unexpected or
+        misshapen tensors (quantised parts too) or a quantised value not finite (named); an
+        FP8 ``quantization_config`` it does not read; a config, index or safetensors file that
+        is not readable (named); a param the mesh cannot split evenly.
     """
     _safetensors()  # the ImportError with install advice, before any work
     if dtype is not None:
@@ -203,10 +175,14 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     o_biases = ([f"model.layers.{i}.self_attn.o_proj.bias" for i in range(config.n_layers)]
                 if hf_config["model_type"] == "llama" and config.qkv_bias else [])
     tied_head = "lm_head.weight" if config.tie_embeddings and "lm_head.weight" in files else None
-    missing = sorted((expected | set(o_biases) | set(mtp_embeds)) - set(files))
+    table = (config.vocab_size, config.d_model)
+    shapes = {**unused, **dict.fromkeys(o_biases, (config.d_model,)),  # checked, not loaded
+              **dict.fromkeys([tied_head] if tied_head else [], table),
+              **dict.fromkeys(mtp_embeds, table)}
+    missing = sorted((expected | set(shapes)) - set(files))
     if missing:
         raise ValueError(f"checkpoint in {path} is missing tensors: {_names(missing)}")
-    known = expected | set(o_biases) | {tied_head} | set(mtp_embeds) | dropped
+    known = expected | set(shapes) | dropped
     unexpected = sorted(n for n in files if n not in known and not _IGNORED_TENSOR.match(n)
                         and n.startswith(hf_config.get(llama4.PREFIX_KEY, "")))
     if unexpected:
@@ -217,14 +193,8 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
                    for file in sorted(set(files.values()))}
         reader = _Reader(files, handles, packed)
         stored = {reader.check(s.hf_name, s.stored_shape) for s in specs} - {None}
-        for name, shape in unused.items():
+        for name, shape in shapes.items():
             reader.check(name, shape)
-        for name in o_biases:
-            reader.check(name, (config.d_model,))
-        if tied_head is not None:
-            reader.check(tied_head, (config.vocab_size, config.d_model))
-        for name in mtp_embeds:
-            reader.check(name, (config.vocab_size, config.d_model))
         if dtype is None:
             dtype = stored.pop() if len(stored) == 1 else "float32"
         config = config.replace(param_dtype=dtype, dtype=dtype)
@@ -268,11 +238,8 @@ def _same_rows(reader: _Reader, a: str, b: str, chunk_bytes: int = 1 << 26) -> b
 def _load_params(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
                  shardings: Any) -> Params:
     """Every param read straight from the files: whole onto the default device (``shardings``
-    None), or shard by shard on this process's devices.
-
-    A param gathers the blocks of its tensors over its leading stacked dimensions: the layers
-    of a scanned group [R, ...], the experts stored one tensor each (``stack``).
-    Each shard is read, put on its device and dropped before the next is read.
+    None), or shard by shard on this process's devices. A param stacks its tensors' blocks
+    over its leading dimensions (a scanned group's layers [R, ...], experts stored one by one).
     """
     dtype = jnp.dtype(config.param_dtype)
     layers: dict[tuple[str, ...], list[_Tensor]] = {}
@@ -314,48 +281,32 @@ def _load_params(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
     return params
 
 
-# ------------------------------------------------------------------------------------------------
-# Saving
-
-
 def save(config: ModelConfig, params: Params, path: str | Path, *,
          tokenizer: TextTokenizer | None = None, max_shard_bytes: int | None = None,
          model_type: str | None = None, mxfp4_experts: bool = False,
          fp8_block: tuple[int, int] | None = None) -> None:
     """Writes a HF checkpoint directory that ``load`` and transformers' ``from_pretrained`` read.
 
-    The layout is the family ``config_to_hf`` picks from the fields, or ``model_type``'s.
-    Tensors keep the params' dtype. An existing ``path`` is replaced only once the new export is
-    complete (written to a temporary directory beside it, then swapped in), so a failed save
-    leaves the previous export untouched; its files other than weights and ``config.json``
-    (a tokenizer, say) are kept, unless a ``tokenizer`` is given: then the old tokenizer files
-    are dropped and the new ones written.
-
-    With a tokenizer the directory is complete: transformers' ``AutoModelForCausalLM`` and
-    ``AutoTokenizer.from_pretrained``, ``transformer-jax generate --checkpoint DIR``
-    and ``load`` all read it; ``config.json`` and ``generation_config.json`` then carry its
-    bos/eos/pad ids.
+    The layout is the family ``config_to_hf`` picks from the fields, or ``model_type``'s;
+    tensors keep the params' dtype. An existing ``path`` is replaced only once the new export
+    is complete, so a failed save leaves it untouched; its files other than weights and
+    ``config.json`` are kept, but for its tokenizer files when a ``tokenizer`` is given. With a
+    tokenizer, ``config.json`` and ``generation_config.json`` carry its bos/eos/pad ids.
 
     Args:
       config: the model config.
       params: unrolled (``blocks_{i}``) or scanned (``blocks`` [L, ...]) params of ``config``,
         plain or sharded arrays (each tensor is gathered to the host on its own).
       path: the directory (created if needed).
-      tokenizer: the model's tokenizer (SentencePiece ``Tokenizer`` or ``HFTokenizer``);
-        ``tokenizer.save(path)`` writes its files.
+      tokenizer: the model's tokenizer; ``tokenizer.save(path)`` writes its files.
       max_shard_bytes: if the tensors take more bytes than this, write shards of at most this
         size (a larger single tensor gets its own) plus ``model.safetensors.index.json``.
       model_type: the HF model type to write (one of ``ARCHITECTURES``); None picks it.
-      mxfp4_experts: store the experts' ``gate_up_proj`` / ``down_proj`` in MXFP4, as the
-        published GPT-OSS checkpoints (``hf.mxfp4.quantize``: exact for the values an MXFP4
-        checkpoint loaded with, rounded otherwise), with their ``quantization_config``; only
-        for a family that has such checkpoints (GPT-OSS).
-      fp8_block: store each layer's 2-D projection weights (``fp8.quantizable``) in
-        block-scaled FP8 with blocks of this [B0, B1] (``fp8.quantize``: each block's scale
-        its max |w| / 448, the values rounded to e4m3), with their ``quantization_config``, as
-        DeepSeek-V3's published checkpoints ((128, 128)); not for a family whose checkpoints
-        have no such format (GPT-OSS's are MXFP4, Llama 4's experts are 3-D), nor with
-        ``mxfp4_experts``.
+      mxfp4_experts: store the experts in MXFP4 as the published GPT-OSS checkpoints
+        (``hf.mxfp4.quantize``); GPT-OSS only.
+      fp8_block: store each layer's 2-D projection weights in block-scaled FP8 with blocks of
+        this [B0, B1] (``hf.fp8.quantize``), as DeepSeek-V3's checkpoints ((128, 128)); not for
+        GPT-OSS or Llama 4, nor with ``mxfp4_experts``.
 
     Raises:
       ValueError: the config has no HF equivalent, or params are missing, unexpected or
@@ -429,17 +380,15 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
     keep = _not_weights if tokenizer is None else _not_weights_or_tokenizer
     with replacing_directory(path, carry_over=keep) as new:
         metadata = {"format": "pt"}  # transformers requires it on safetensors files
-        # safetensors writes its files 0o600; they get the mode open() gives, as the rest.
-        if len(shards) == 1:
-            st.numpy.save_file(tensors, str(new / SINGLE_FILE), metadata=metadata)
-            set_default_mode(new / SINGLE_FILE)
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                st.numpy.save_file(shard, str(new / file), metadata=metadata)
-                set_default_mode(new / file)
-                weight_map.update(dict.fromkeys(shard, file))
+        n = len(shards)
+        files = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors"
+                                              for i in range(1, n + 1)]
+        weight_map = {}
+        for file, shard in zip(files, shards, strict=True):
+            st.numpy.save_file(shard, str(new / file), metadata=metadata)
+            set_default_mode(new / file)  # not safetensors' 0o600: the mode open() gives
+            weight_map.update(dict.fromkeys(shard, file))
+        if n > 1:
             (new / INDEX_FILE).write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         (new / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")

@@ -1,30 +1,14 @@
-"""HuggingFace names and layouts <-> ``ModelConfig`` and our param tree: every family, each
-declared once as a ``families.Family`` (Llama, Mistral, Qwen2 here; Qwen3, Gemma 2, Gemma 3
-text, Phi-3, OLMo 2 in ``hf.families``; Mixtral, Qwen2-MoE, Qwen3-MoE in ``hf.moe``;
-DeepSeek-V3's latent attention in ``hf.deepseek``).
+"""HuggingFace names and layouts <-> ``ModelConfig`` and our param tree, for every family.
 
-Pure functions, no file I/O (``transformer_jax.hf`` reads and writes the files):
-``config_from_hf``/``config_to_hf`` map a ``config.json`` dict to a ``ModelConfig`` and back by
-the family's declaration; ``_tensors(config)`` lists every HF tensor of a config with the param
-path it becomes and the reshape/transpose between the two layouts (``_Tensor``, in
-``hf.tensors``).
-
-Anything that cannot be represented exactly is refused with a ValueError naming the offending
-setting (never converted approximately): other model types, MLP biases, RoPE scaling other than
-linear/llama3/yarn, partial rotary embeddings, mixed sliding/full attention layers in the
-Llama / Mistral / Qwen2 layouts (Qwen3 and Gemma map them to ``layer_pattern``), quantized
-weights (but GPT-OSS's MXFP4 experts, dequantised exactly on load, and block-scaled FP8 Linear
-weights, dequantised on load: ``hf.fp8``), approximate GELUs there,
-and on export any ``Architecture`` field the family does not declare set to other than its
-default.
-
-HF stores torch ``Linear`` weights as [out, in]; our tree stores matrices [in, out] with heads
-split out: ``q_proj.weight`` [N*H, D] -> ``q_proj`` [D, N, H], ``o_proj.weight`` [D, N*H] ->
-``o_proj`` [N, H, D], ``gate/up_proj.weight`` [F, D] -> [D, F], ``down_proj.weight`` [D, F] ->
-[F, D], ``lm_head.weight`` [V, D] -> [D, V]. HF Llama rotates the half-split pairs
-``(x_i, x_{i+H/2})``, which is ``rope_pairing="half"``, so no permutation is needed. Phi-3 fuses
-``qkv_proj.weight`` [(N+2K)*H, D] and ``gate_up_proj.weight`` [2F, D] (gate rows first): each
-of our params is a row range of the fused tensor (``_Tensor.rows``).
+Pure functions, no file I/O. Each family is declared once as a ``families.Family`` (Llama,
+Mistral and Qwen2 here, the others in ``hf.families``, ``hf.moe``, ``hf.llama4`` and
+``hf.deepseek``); ``FAMILIES`` lists them. ``config_from_hf``/``config_to_hf`` map a
+``config.json`` dict to a ``ModelConfig`` and back by that declaration, refusing with a
+ValueError any setting with no exact equivalent. ``_tensors(config)`` lists every HF tensor
+with the param it becomes (``hf.tensors._Tensor``): HF ``Linear`` weights [out, in] become
+[in, out] with heads split out (``q_proj.weight`` [N*H, D] -> ``q_proj`` [D, N, H],
+``o_proj.weight`` [D, N*H] -> [N, H, D]); Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are
+row ranges of one tensor. HF Llama's rotation is ``rope_pairing="half"``.
 """
 
 from __future__ import annotations
@@ -53,10 +37,6 @@ from transformer_jax.model.mtp import module_key
 
 # Buffers some older checkpoints carry that are recomputed from the config.
 _IGNORED_TENSOR = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
-
-
-# ------------------------------------------------------------------------------------------------
-# Llama, Mistral, Qwen2: one window on every layer or none
 
 
 def _window_read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int, *, qwen2: bool
@@ -123,17 +103,9 @@ _REFUSED = {"mlp_bias": "mlp_bias=True is not supported (the MLP has no biases)"
                                            "(causal only)"}
 
 
-# ------------------------------------------------------------------------------------------------
-# Config mapping
-
-
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Maps a HF ``config.json`` dict (any model type of ``ARCHITECTURES``) to a ``ModelConfig``
-    by its family's declaration (``FAMILIES``).
-
-    The returned config has float32 ``param_dtype``/``dtype``; ``load`` sets them from the
-    weights. Llama's ``attention_bias`` maps to ``qkv_bias`` (``load`` then requires the
-    ``o_proj`` biases to be zero).
+    by its family's declaration, with float32 ``param_dtype``/``dtype`` (``load`` sets them).
 
     Args:
       hf: the parsed ``config.json``.
@@ -168,8 +140,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
                          f"{sorted(family.activations)} (exact matches only)")
     n_layers, max_seq_len = hf["num_hidden_layers"], hf["max_position_embeddings"]
     fields = family.read(cfg, n_layers, max_seq_len)
-    # attention_bias biases o_proj too, which the model lacks: only with q/k/v biases read
-    # (Llama's, ``load`` then requiring zero o_proj biases) is it accepted.
+    # Accepted only with q/k/v biases read (Llama's; ``load`` requires zero o_proj biases).
     if hf.get("attention_bias") and not fields.get("qkv_bias"):
         raise ValueError(f"attention_bias=True is not supported for {family.model_type} (it "
                          "also biases o_proj, which the model lacks)")
@@ -205,9 +176,9 @@ def _check_quantization(quant: Any, family: Family) -> None:
 
 def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict[str, Any]:
     """The HF ``config.json`` dict for a config, as the first family of ``FAMILIES`` whose
-    declaration matches it (``Family.mismatches``) unless ``model_type`` names one (Phi-3, the
-    Llama block with fused tensors, is written only when asked for). Writes both the legacy
-    ``rope_theta``/``rope_scaling`` keys (transformers 4.x) and ``rope_parameters`` (5.x).
+    declaration matches it (``Family.mismatches``) unless ``model_type`` names one (Phi-3 is
+    written only when asked for). Writes the legacy ``rope_theta``/``rope_scaling`` keys and
+    ``rope_parameters`` both.
 
     Args:
       config: the model config.
@@ -230,8 +201,7 @@ def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict[str
         "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
         "tie_word_embeddings": c.tie_embeddings, "torch_dtype": c.param_dtype,
         "dtype": c.param_dtype,
-        # Unknown without a tokenizer (``hf.save`` sets them from one): the classes' defaults
-        # are a preset's ids, out of range for a small vocabulary (Phi-3's pad 32000).
+        # ``hf.save`` sets them from a tokenizer (the classes' defaults are a preset's ids).
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
         family.act_key: next(k for k, v in family.activations.items() if v == c.ffn),
         **families.rope_keys(c.rope_base, c.rope_scaling), **family.write(c)}
@@ -271,10 +241,6 @@ def _family(c: ModelConfig, model_type: str | None) -> Family:
                     if f.name not in COMMON and getattr(c, f.name) != f.default)
     raise ValueError(f"no HF model type has {own or 'this config'}; the closest, HF {closest} "
                      f"checkpoints, {'; '.join(reasons[closest])}")
-
-
-# ------------------------------------------------------------------------------------------------
-# Tensor mapping
 
 
 #: HF names of each block's norms by ``norm_position``, (HF module, our param): those written

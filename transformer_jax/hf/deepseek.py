@@ -1,40 +1,22 @@
 """The ``deepseek_v3`` family (DeepSeek-V3/R1, Kimi K2): multi-head latent attention
-(``model.fields.MLA``) in the Llama block.
+(``model.fields.MLA``) and a sigmoid-scored mixture of experts in the Llama block.
 
-Pure functions, no file I/O. ``config.json`` keys: ``kv_lora_rank``, ``q_lora_rank`` (null:
-one ``q_proj``), ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim`` -> the ``mla``
-table; ``rope_interleave`` -> ``rope_pairing`` (``"adjacent"``: DeepSeek's interleaved pairs,
-which transformers rotates then de-interleaves, q and k alike, so every logit is the same);
-YaRN's ``mscale_all_dim`` scales the whole softmax (``MLA.scale``, as transformers'
-``yarn_apply_mscale``); the latents' RMSNorms have transformers' fixed epsilon 1e-6.
+Pure functions, no file I/O. ``kv_lora_rank``, ``q_lora_rank`` (null: one ``q_proj``),
+``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim`` make the ``mla`` table;
+``rope_interleave`` is ``rope_pairing="adjacent"`` (transformers de-interleaves q and k alike
+after rotating, so every logit is the same); the ``MoE`` table covers the layers from
+``first_k_dense_replace`` on (docs/models.md lists every key). Its experts' tensors are
+Qwen2-MoE's layout (``hf.moe.ffn_tensors``), the shared expert ``mlp.shared_experts``.
 
-The mixture of experts (``model.fields.MoE``) on layers ``first_k_dense_replace`` and on
-(``moe.dense_layers`` = the first ones; none sparse, ``first_k_dense_replace`` >= L or no
-``n_routed_experts``: ``moe=None``): ``n_routed_experts`` experts of width
-``moe_intermediate_size``, sigmoid scores (``moe.score``) with the correction bias
-``mlp.gate.e_score_correction_bias`` (a float32 buffer in transformers: ``moe.correction_bias``)
-choosing the ``num_experts_per_tok`` experts within the ``topk_group`` best of ``n_group``
-groups (``moe.top_groups`` / ``moe.n_groups``), renormalised with ``norm_topk_prob``, times
-``routed_scaling_factor`` (``moe.routed_scale``); an ungated shared expert of width
-``moe_intermediate_size * n_shared_experts`` (``moe.shared_d_ff``, a multiple of ``moe.d_ff``
-on export). Its experts' tensors are Qwen2-MoE's layout (``hf.moe.ffn_tensors``: one tensor per
-expert as ``save_pretrained`` writes them, or stacked), the router ``mlp.gate.weight``, the
-shared expert ``mlp.shared_experts.{gate,up,down}_proj``.
+Attention tensors: ``q_proj`` [N*(nope+P), D] -> [D, N, nope+P], or ``q_a_proj`` [Q, D] ->
+[D, Q], ``q_a_layernorm``, ``q_b_proj`` [N*(nope+P), Q] -> [Q, N, nope+P];
+``kv_a_proj_with_mqa`` [R+P, D] -> [D, R+P], ``kv_a_layernorm``, ``kv_b_proj`` [N*(nope+V), R]
+-> [R, N, nope+V]; ``o_proj`` [D, N*V] -> [N, V, D].
 
-Tensors (``attention_tensors``): ``self_attn.q_proj`` [N*(nope+P), D] -> ``q_proj`` [D, N,
-nope+P], or ``q_a_proj`` [Q, D] -> [D, Q], ``q_a_layernorm`` -> ``q_a_norm``, ``q_b_proj``
-[N*(nope+P), Q] -> [Q, N, nope+P]; ``kv_a_proj_with_mqa`` [R+P, D] -> ``kv_a_proj`` [D, R+P],
-``kv_a_layernorm`` -> ``kv_a_norm``, ``kv_b_proj`` [N*(nope+V), R] -> [R, N, nope+V];
-``o_proj`` [D, N*V] -> [N, V, D].
-
-Multi-token prediction (``num_nextn_predict_layers`` -> ``mtp_depth``; ``model.mtp``): module
-k's tensors are HF layer ``L + k - 1``'s: a full decoder layer (the main layers' names) ->
-``mtp_{k-1}/block``, ``enorm`` -> ``emb_norm``, ``hnorm`` -> ``hidden_norm``, ``eh_proj``
-[D, 2D] -> [2D, D] (the embedding's half first), ``shared_head.norm`` -> ``head_norm``,
-``shared_head.head`` [V, D] -> ``lm_head`` [D, V], and ``embed_tokens``, a copy of the main
-table (``load`` checks it equal, ``save`` writes it). transformers' model has no such modules
-and ``save_pretrained`` writes no such tensors (with ``num_nextn_predict_layers`` 1 in the
-config): ``load`` reads a checkpoint without them as ``mtp_depth`` 0.
+Multi-token prediction module k (``num_nextn_predict_layers`` -> ``mtp_depth``) is HF layer
+``L + k - 1``: a decoder layer, ``enorm``, ``hnorm``, ``eh_proj`` [D, 2D], ``shared_head`` and
+``embed_tokens`` (a copy of the main table). ``save_pretrained`` writes none of them: a
+checkpoint without them loads with ``mtp_depth`` 0.
 """
 
 from __future__ import annotations
@@ -42,7 +24,7 @@ from __future__ import annotations
 from collections import ChainMap
 from typing import Any
 
-from transformer_jax.hf.families import Family
+from transformer_jax.hf.families import Family, int_at_least
 from transformer_jax.hf.tensors import _heads_in, _heads_out, _linear, _same, _Tensor
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.fields import MLA, MoE
@@ -51,19 +33,15 @@ _MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim
 
 
 def _int(hf: ChainMap[str, Any], key: str, low: int) -> int:
-    value = hf.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{key} must be an int >= {low}, got {value!r}")
-    return value
+    return int_at_least(hf.get(key), key, low)
 
 
 def _read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int) -> dict[str, Any]:
     q_rank = hf.get("q_lora_rank")
     mla = MLA(**{k: hf[k] for k in _MLA_KEYS}, q_lora_rank=q_rank)
     interleave = hf.get("rope_interleave")
-    depth = hf.maps[0].get("num_nextn_predict_layers") or 0
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-        raise ValueError(f"num_nextn_predict_layers must be an int >= 0, got {depth!r}")
+    depth = int_at_least(hf.maps[0].get("num_nextn_predict_layers") or 0,
+                         "num_nextn_predict_layers", 0)
     return dict(mla=mla, rope_pairing="adjacent" if interleave else "half",
                 moe=_moe(hf, n_layers), mtp_depth=depth)
 
@@ -135,10 +113,9 @@ def attention_tensors(c: ModelConfig, attn: str, ours: tuple[str, ...]) -> list[
 
 def mtp_tensors(c: ModelConfig, i: int, ours: tuple[str, ...], block: list[_Tensor]
                 ) -> list[_Tensor]:
-    """A multi-token prediction module's tensors, HF layer ``i``'s, params under ``ours``
+    """A multi-token prediction module's tensors (HF layer ``i``), params under ``ours``
     (``mtp_{k-1}``): its norms, ``eh_proj`` and head around ``block`` (its decoder layer's
-    tensors, already under ``ours``/block). The layer's ``embed_tokens`` is ``load``'s and
-    ``save``'s (a copy of the main table)."""
+    tensors, already under ``ours``). Its ``embed_tokens`` copy is ``load``'s and ``save``'s."""
     hf, d = f"model.layers.{i}", c.d_model
     return [_same(f"{hf}.enorm.weight", (*ours, "emb_norm", "scale"), (d,)),
             _same(f"{hf}.hnorm.weight", (*ours, "hidden_norm", "scale"), (d,)),

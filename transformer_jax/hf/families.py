@@ -1,31 +1,12 @@
-"""Each HF model type declared once (``Family``), the dense families Qwen3, Gemma 2, Gemma 3
-(text), Phi-3 and OLMo 2, and the RoPE and layer-type entries every family shares.
+"""``Family``, the declaration of one HF model type; the dense families Qwen3, Gemma 2, Gemma 3
+(text), Phi-3 and OLMo 2; the RoPE and layer-type keys every family shares.
 
-Pure functions, no file I/O. A ``Family`` is data: its HF class, the ``Architecture`` fields it
-has (``fixed`` to one value or ``free``), its activations and RoPE kinds, transformers'
-defaults of the keys it reads, its tensor names, and two functions for the ``config.json`` keys
-that are its own. ``transformer_jax.hf.convert`` lists every family (the Llama layouts there,
-the mixtures of experts in ``hf.moe``), reads a ``config.json`` by its family's declaration and
-exports a config as the first family whose declaration matches it. A field of
-``Architecture`` that a family does not declare must keep its dataclass default there, so a
-new field that changes the function is refused by every family until one declares it.
-
-- ``qwen3``: the Llama block with per-head QK-norm (``qk_norm="head"``), mixed sliding/full
-  layers from ``layer_types`` (or ``use_sliding_window`` and ``max_window_layers``).
-- ``gemma2``: ``norm_position="sandwich"``, gains stored as w of ``(1 + w)``
-  (``norm_offset=1``), embeddings times sqrt(D), ``attn_scale = query_pre_attn_scalar^-0.5``,
-  soft-capped attention and final logits, local/global ``layer_types``.
-- ``gemma3_text``: Gemma 2 with ``(1 + w)`` per-head QK-norm, no attention soft-cap, and the
-  local layers' own RoPE (``rope_parameters["sliding_attention"]`` -> ``local_rope_base``).
-- ``phi3``: the Llama block (its checkpoint fuses q/k/v and gate/up, ``convert._tensors``),
-  ``sliding_window`` on every layer; LongRoPE is refused.
-- ``olmo2``: ``norm_position="post_branch"`` and QK-norm over whole projections
-  (``qk_norm="full"``).
-
-Canonical forms (what import returns, so a load, save and load again gives the same config):
-uniform layers have an empty ``layer_pattern`` (no window when every layer is global),
-otherwise the shortest period of ``layer_types``; ``local_rope_base`` is None when the local
-layers rotate as the global ones; Gemma's ``attn_scale`` is always set.
+Pure functions, no file I/O. A field of ``Architecture`` that a family does not declare must
+keep its default there, so a new field is refused by every family until one declares it.
+Import returns canonical forms, so load, save and load again gives the same config: uniform
+layers have an empty ``layer_pattern`` (and no window when every layer is global), else the
+shortest period of ``layer_types``; ``local_rope_base`` is None when the local layers rotate
+as the global ones; Gemma's ``attn_scale`` is always set.
 """
 
 from __future__ import annotations
@@ -44,8 +25,8 @@ from transformer_jax.model.config import Architecture, ModelConfig, RopeScaling
 COMMON = frozenset({"vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                     "d_ff", "max_seq_len", "norm_eps", "ffn", "rope_base", "rope_scaling",
                     "tie_embeddings"})
-#: HF activation -> our gated FFN, exact matches only: the Llama layouts' (``"gelu"`` is the
-#: erf GELU; they refuse the tanh approximations) and the later families' (the tanh GELU too).
+#: HF activation -> our gated FFN, exact matches only (``"gelu"`` is the erf GELU; the Llama
+#: layouts refuse the tanh approximation, the later families have it).
 LLAMA_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
 ACTIVATIONS = {**LLAMA_ACTIVATIONS, "gelu_pytorch_tanh": "geglu_tanh"}
 ALL_ROPE = ("default", "linear", "llama3", "yarn")
@@ -63,8 +44,7 @@ class Family:
       hf_class: its ``architectures`` entry.
       read: (``config.json`` over ``defaults``, a ``ChainMap`` whose ``maps[0]`` is the file's
         own keys; L; max_seq_len) -> the family's ``free`` fields (and ``rope_base`` /
-        ``rope_scaling`` where it reads its own RoPE); raises ValueError naming a setting with
-        no exact equivalent.
+        ``rope_scaling`` if it reads its own); raises ValueError naming a setting it refuses.
       write: config -> the family's own ``config.json`` keys; raises ValueError for what the
         declaration cannot say (a value's range, a relation between fields).
       fixed: fields the family has with one value (import sets it, export requires it);
@@ -83,9 +63,7 @@ class Family:
         ``save_pretrained`` writes them.
       picked: whether export picks it by matching; False: only when asked for by name.
       quant_methods: the ``quantization_config`` methods its checkpoints may have (``load``
-        dequantises them, ``save`` can write them); any other quantised checkpoint is refused.
-        Block-scaled FP8 (``hf.fp8``) by default: it stores Linear weights, which every family
-        but those with 3-D fused experts (GPT-OSS, Llama 4) keeps all of in 2-D tensors.
+        dequantises them, ``save`` can write them); block-scaled FP8 (``hf.fp8``) by default.
       ffn_module: the HF module of each layer's FFN (a dense layer's ``{gate,up,down}_proj``).
       sparse_tensors: (config, layer) -> a sparse layer's FFN tensors, for a family whose
         layout is its own; None: ``hf.moe.ffn_tensors``.
@@ -137,12 +115,10 @@ class Family:
                 if value != self.fixed[name]:
                     yield f"need {name}={self.fixed[name]!r}, got {name}={value!r}"
             elif any(d.startswith(f"{name}.") for d in declared):  # the family has the table
-                if value is None and name in self.optional:
-                    continue
-                if value is None:
-                    yield f"need {name}, got {name}=None"
-                else:
+                if value is not None:
                     yield from self._fields(value, type(value), f"{name}.")
+                elif name not in self.optional:
+                    yield f"need {name}, got {name}=None"
             elif value != f.default:
                 yield f"have no {name}: it must be {f.default!r}, got {name}={value!r}"
 
@@ -154,8 +130,11 @@ def required(hf: Mapping[str, Any], key: str) -> Any:
     return hf[key]
 
 
-# ------------------------------------------------------------------------------------------------
-# RoPE and layer types (shared by every family)
+def int_at_least(value: Any, name: str, low: int) -> int:
+    """``value`` if it is an int >= ``low`` (not a bool), else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
 
 
 def rope_from_dict(rope: dict[str, Any], hf: Mapping[str, Any], max_seq_len: int,
@@ -166,10 +145,8 @@ def rope_from_dict(rope: dict[str, Any], hf: Mapping[str, Any], max_seq_len: int
 
     Args:
       rope: the dict (``rope_type`` or legacy ``type``, ``rope_theta``, the scaling's keys).
-      hf: the whole ``config.json`` over the family's defaults (top-level ``rope_theta``,
-        ``partial_rotary_factor`` and, with ``top_original``,
-        ``original_max_position_embeddings``, which transformers prefers to the dict's for
-        llama3 and yarn).
+      hf: the whole ``config.json`` over the family's defaults (its top-level keys, and with
+        ``top_original`` its ``original_max_position_embeddings``, preferred to the dict's).
       max_seq_len: ``max_position_embeddings``, the default original length.
       kinds: the RoPE types this family accepts.
       where: the setting named in errors.
@@ -253,11 +230,16 @@ def window_and_pattern(kinds: list[str], window: Any) -> tuple[int | None, tuple
         return None, ()
     if window is None:
         raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
-    if set(kinds) == {"local"}:
-        return int(window), ()
-    period = next(p for p in range(1, len(kinds) + 1)
-                  if all(k == kinds[i % p] for i, k in enumerate(kinds)))
-    return int(window), tuple(kinds[:period])
+    return int(window), layer_period(kinds)
+
+
+def layer_period(kinds: list[str]) -> tuple[str, ...]:
+    """The shortest period of L layer kinds; empty when they are all alike."""
+    if len(set(kinds)) <= 1:
+        return ()
+    p = next(p for p in range(1, len(kinds) + 1)
+             if all(k == kinds[i % p] for i, k in enumerate(kinds)))
+    return tuple(kinds[:p])
 
 
 def layer_types_to_hf(config: ModelConfig) -> list[str]:
@@ -281,10 +263,6 @@ def read_rope(hf: Mapping[str, Any], max_seq_len: int, kinds: Sequence[str]
             raise ValueError(f"per-layer-type RoPE parameters differ: {rope!r}")
         rope = variants[0]
     return rope_from_dict(rope, hf, max_seq_len, kinds)
-
-
-# ------------------------------------------------------------------------------------------------
-# Qwen3, Gemma 2 and 3, Phi-3, OLMo 2: each one's own keys
 
 
 def _qwen3_read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int) -> dict[str, Any]:

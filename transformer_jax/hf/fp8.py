@@ -1,23 +1,14 @@
 """Block-scaled FP8 tensors of HF checkpoints (DeepSeek-V3, Kimi K2, Qwen3-*-FP8), read as
 their values.
 
-A checkpoint whose ``config.json`` has ``quantization_config: {"quant_method": "fp8", "fmt":
-"e4m3", "activation_scheme": "dynamic", "weight_block_size": [B0, B1]}`` (transformers'
-``FineGrainedFP8Config``) stores each quantised Linear weight ``X.weight`` [..., O, I] as
-float8 e4m3fn (safetensors ``F8_E4M3``) beside ``X.weight_scale_inv`` [..., ceil(O/B0),
-ceil(I/B1)] (float32): its value is ``float32(weight) * scale_inv`` broadcast over each B0 x B1
-block (the last row and column of blocks may be partial). The other tensors (norms, embeddings,
-``lm_head``, routers, the correction bias, ``modules_to_not_convert``) are stored unquantised.
-
-Dequantised loading: each value is that float32 product (the one rounding of a 4-bit by a
-24-bit significand), then cast to the run's dtype (bfloat16: a second rounding). Activations
-are not quantised: with ``activation_scheme: "dynamic"`` the FP8 kernels quantise each
-activation tile at run time from its own maximum, so nothing in the checkpoint concerns them,
-and the dequantised model computes what those kernels approximate. ``"static"`` (calibrated
-per-tensor ``input_scale`` tensors the model was tuned to) is refused, as are formats other
-than e4m3 and per-tensor or per-channel scales (``weight_block_size`` null). Pure numpy, no
-file I/O: ``Scaled`` reads any block of a value through two reading functions (``hf.reader``
-gives it the memory-mapped weight's and scales' slices), reading only the scales it needs.
+With ``quantization_config: {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+"dynamic", "weight_block_size": [B0, B1]}`` a quantised Linear weight ``X.weight`` [..., O, I]
+is stored as float8 e4m3fn beside ``X.weight_scale_inv`` [..., ceil(O/B0), ceil(I/B1)]: its
+value is ``float32(weight) * scale_inv`` over each B0 x B1 block (the last ones may be
+partial), then cast to the run's dtype. Static activation scales, formats other than e4m3 and
+per-tensor or per-channel scales are refused (docs/models.md says why). Pure numpy, no file
+I/O: ``Scaled`` reads any block of a value through two reading functions, reading only the
+scales it needs.
 """
 
 from __future__ import annotations
@@ -41,8 +32,7 @@ DTYPE_CODE = "F8_E4M3"
 SCALE_CODES = frozenset({"F32", "BF16"})
 SCALE_SUFFIX = "_scale_inv"
 DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config default, and the published one
-# The Linear weights ``save(fp8=True)`` quantises: the attention and FFN projections (the
-# experts' too); norms, embeddings, lm_head, routers and shared-expert gates stay unquantised.
+# The Linear weights an FP8 ``save`` quantises: the attention and FFN projections (experts too).
 _QUANTIZABLE = re.compile(r"^model\.layers\.\d+\..*(_proj|_proj_with_mqa|\.w[123])\.weight$")
 # The 256 e4m3fn values by byte: a gather decodes 4x faster than ml_dtypes' cast.
 _VALUES = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
@@ -52,8 +42,7 @@ def block_size(quant: Mapping[str, Any]) -> tuple[int, int]:
     """The [B0, B1] blocks of an FP8 ``quantization_config``, once the rest of it is checked.
 
     Raises:
-      ValueError: a format, activation scheme or block size that dequantised loading does not
-        read (one line saying why).
+      ValueError: a format, activation scheme or block size that loading does not read.
     """
     fmt = quant.get("fmt", FMT)
     if fmt != FMT:
@@ -147,8 +136,7 @@ def _scaled(values: np.ndarray, scales: np.ndarray, name: str) -> np.ndarray:
 def quantize(value: np.ndarray, block: tuple[int, int], name: str = "tensor"
              ) -> tuple[np.ndarray, np.ndarray]:
     """A weight's value -> e4m3 values and their block scales: each block's ``scale_inv`` is
-    ``max|w| / 448`` (1 for an all-zero block), each value ``w / scale_inv`` rounded to the
-    nearest e4m3 (ties to even).
+    ``max|w| / 448`` (1 for an all-zero block), each value rounded to the nearest e4m3.
 
     Args:
       value: [..., O, I], finite.
@@ -175,18 +163,14 @@ def quantize(value: np.ndarray, block: tuple[int, int], name: str = "tensor"
 
 
 def quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether ``save(fp8=True)`` stores an HF tensor in FP8: a layer's 2-D projection weight
-    (attention, dense FFN, experts stored one by one)."""
+    """Whether an FP8 ``save`` stores an HF tensor in FP8: a layer's 2-D projection weight."""
     return len(shape) == 2 and _QUANTIZABLE.match(name) is not None
 
 
 def packed_tensors(hf_config: Mapping[str, Any], names: Collection[str],
                    stored: Collection[str]) -> dict[str, Packing]:
-    """The tensors of ``names`` an FP8 checkpoint stores block-scaled: name -> its ``Packing``
-    (parts: the e4m3 weight under its own name, its ``_scale_inv``).
-
-    A tensor is block-scaled when its ``_scale_inv`` is ``stored``. Empty unless
-    ``quantization_config``'s method is FP8 (checked by ``block_size``).
+    """The tensors of ``names`` an FP8 checkpoint stores block-scaled (their ``_scale_inv`` is
+    ``stored``): name -> its ``Packing``. Empty unless ``quantization_config``'s method is FP8.
     """
     quant = hf_config.get("quantization_config")
     if not isinstance(quant, Mapping) or quant.get("quant_method") != METHOD:
@@ -207,9 +191,8 @@ def _packing(name: str, block: tuple[int, int]) -> Packing:
 
 
 class Scaled:
-    """A block-scaled FP8 tensor seen as its float32 value [..., O, I], indexable by slices
-    (steps allowed) as a safetensors slice is: ``scaled[index]`` reads that block of the e4m3
-    weight and the scales of the blocks it touches, and returns ``value[index]``.
+    """A block-scaled FP8 tensor seen as its float32 value [..., O, I]: ``scaled[index]`` (slices,
+    steps allowed) reads that block of the weight and its scales and returns ``value[index]``.
 
     Args:
       name: the tensor, for errors.

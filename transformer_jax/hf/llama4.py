@@ -1,32 +1,13 @@
 """Llama 4 (text): ``llama4_text`` / ``Llama4ForCausalLM``, declared as a ``families.Family``.
 
-Pure functions, no file I/O. The block is Llama's (pre-norm RMSNorm, SwiGLU, GQA) with:
-
-- RoPE on adjacent pairs (``rope_pairing="adjacent"``: transformers rotates ``(x_2i, x_2i+1)``
-  as complex numbers), not on the layers ``no_rope_layers`` marks 0 (``nope_layers``; by
-  default every ``no_rope_layer_interval``-th layer);
-- chunked attention (``attention_chunk``, ``"chunked"`` layers) on the layers with RoPE,
-  full attention on the NoPE ones (``layer_types``, by default from ``no_rope_layers``);
-- the weightless QK-norm after RoPE on the RoPE layers (``use_qk_norm``:
-  ``qk_norm="weightless"``) and the NoPE layers' query temperature
-  (``attn_temperature_tuning``, ``floor_scale``, ``attn_scale``:
-  ``nope_temperature_floor`` / ``nope_temperature_scale``);
-- the mixture on the layers ``moe_layers`` lists (by default every
-  ``interleave_moe_layer_step``-th: ``moe.sparse_step`` / ``moe.dense_layers``), a dense FFN
-  of width ``intermediate_size_mlp`` (``d_ff``) on the others; experts of width
-  ``intermediate_size``, top-1 by a sigmoid of the router logit (``moe.score="sigmoid"``, not
-  renormalised) which scales the expert's input (``moe.scale_input``), and an ungated shared
-  expert of the experts' width.
-
-Tensors: ``feed_forward`` holds each layer's FFN; a sparse layer's ``router.weight`` [E, D],
-``experts.gate_up_proj`` [E, D, 2F] stored in-first (gate columns first, then up),
-``experts.down_proj`` [E, F, D] and ``shared_expert.{gate,up,down}_proj.weight``.
-Refused: ``attention_bias``, ``router_jitter_noise`` > 0, ``num_experts_per_tok`` other than 1,
-chunked layers without ``attention_chunk_size``.
-
-The published checkpoints are ``Llama4ForConditionalGeneration`` ones (``model_type``
-``llama4``): their text model loads (``text_model``: its ``text_config``, its tensors under
-``language_model.``; the vision tower's are left unread) and exports as ``llama4_text``.
+Pure functions, no file I/O. Llama's block with RoPE on adjacent pairs except on the NoPE
+layers (``no_rope_layers``: ``nope_layers``, with their query temperature), chunked attention
+on the others (``attention_chunk``), the weightless QK-norm (``use_qk_norm``) and the top-1
+sigmoid-scaled mixture on ``moe_layers`` (see docs/models.md). A sparse layer's tensors are
+``feed_forward.router.weight`` [E, D], ``experts.gate_up_proj`` [E, D, 2F] (in-first, gate
+columns first), ``experts.down_proj`` [E, F, D] and ``shared_expert.{gate,up,down}_proj``.
+The published ``Llama4ForConditionalGeneration`` (``llama4``) checkpoints load as their text
+model (``text_model``: its tensors under ``language_model.``, the vision tower unread).
 """
 
 from __future__ import annotations
@@ -35,7 +16,7 @@ import dataclasses
 from collections import ChainMap
 from typing import Any
 
-from transformer_jax.hf.families import Family
+from transformer_jax.hf.families import Family, int_at_least, layer_period
 from transformer_jax.hf.tensors import _fused, _linear, _same, _Tensor
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.fields import MoE
@@ -50,15 +31,6 @@ def _int_list(hf: ChainMap[str, Any], key: str) -> list[int] | None:
             isinstance(i, int) and not isinstance(i, bool) for i in value)):
         raise ValueError(f"{key} must be a list of ints, got {value!r}")
     return value
-
-
-def _period(kinds: list[str]) -> tuple[str, ...]:
-    """The shortest period of L layer kinds; empty when they are all alike."""
-    if len(set(kinds)) <= 1:
-        return ()
-    p = next(p for p in range(1, len(kinds) + 1)
-             if all(k == kinds[i % p] for i, k in enumerate(kinds)))
-    return tuple(kinds[:p])
 
 
 def _read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int) -> dict[str, Any]:
@@ -84,7 +56,7 @@ def _read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int) -> dict[str, 
     tuning = bool(hf["attn_temperature_tuning"]) and bool(nope)
     return dict(
         rope_pairing="adjacent", d_ff=hf["intermediate_size_mlp"],
-        layer_pattern=_period(kinds),
+        layer_pattern=layer_period(kinds),
         attention_chunk=int(chunk) if "chunked" in kinds else None, nope_layers=nope,
         qk_norm="weightless" if hf["use_qk_norm"] else None,
         nope_temperature_floor=int(hf["floor_scale"]) if tuning else None,
@@ -95,9 +67,7 @@ def _read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int) -> dict[str, 
 def _moe(hf: ChainMap[str, Any], n_layers: int) -> MoE | None:
     """The ``MoE`` table of ``moe_layers`` (or ``interleave_moe_layer_step``), None without
     sparse layers."""
-    step = hf["interleave_moe_layer_step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"interleave_moe_layer_step must be an int >= 1, got {step!r}")
+    step = int_at_least(hf["interleave_moe_layer_step"], "interleave_moe_layer_step", 1)
     listed = _int_list(hf, "moe_layers")
     sparse = set(range(step - 1, n_layers, step) if listed is None else listed)
     sparse &= set(range(n_layers))

@@ -1,54 +1,20 @@
-"""HF ``config.json`` <-> ``ModelConfig`` and the experts' tensors for the mixture-of-experts
-families: Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS.
+"""The mixture-of-experts families Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS, declared as
+``families.Family``, and the experts' tensors.
 
-Pure functions, no file I/O: each family is a ``families.Family`` declaration (``MIXTRAL``,
-``QWEN2_MOE``, ``QWEN3_MOE``) that ``transformer_jax.hf.convert`` reads and matches. The
-attention is the Llama layout's (``convert._tensors``); each family's FFN is our ``MoE``
-table (``model.fields.MoE``):
+Pure functions, no file I/O. The attention is the Llama layout's (``convert._tensors``); each
+family's FFN is our ``MoE`` table (``model.fields.MoE``; what each family sets is in
+docs/models.md and docs/moe.md). A ``num_experts`` of 0 (or every layer in
+``mlp_only_layers``) is a dense model (``moe=None``). ``router_aux_loss_coef`` and
+``output_router_logits`` are settings of transformers' loss, not of the function: not read.
 
-- ``mixtral``: the Mistral block (one ``sliding_window`` for every layer or none), every layer
-  sparse: ``num_local_experts`` experts of width ``intermediate_size``, top
-  ``num_experts_per_tok``, the k weights renormalised; no shared expert.
-- ``qwen2_moe``: the Qwen2 block (q/k/v biases with ``qkv_bias``, the windows of
-  ``layer_types``); layer i is sparse when ``(i + 1) % decoder_sparse_step == 0`` and i is not
-  in ``mlp_only_layers`` (``MoE.sparse_step`` / ``dense_layers``), the others a dense FFN of
-  width ``intermediate_size``; experts of width ``moe_intermediate_size``, renormalised with
-  ``norm_topk_prob``; a shared expert of width ``shared_expert_intermediate_size`` always
-  gated by ``sigmoid(x . shared_expert_gate)`` (width 0: none, its empty tensors unused).
-- ``qwen3_moe``: the Qwen3 block (per-head QK-norm, one window for every layer with
-  ``use_sliding_window``), ``qwen2_moe``'s layer rule and widths, no shared expert.
-- ``gpt_oss``: biases on q/k/v and o (``attention_bias``: ``qkv_bias`` and ``o_bias``
-  together), a sink logit per head (``attn_sinks``), sliding and full ``layer_types``, every
-  layer sparse with a biased router (top-k, softmax over the chosen: ``renormalize``) and
-  biased experts (``moe.expert_bias``) whose SwiGLU is clamped (``swiglu_limit``,
-  ``swiglu_alpha``, ``swiglu_up_offset`` 1). Its experts are stored in-first and stacked,
-  ``mlp.experts.gate_up_proj`` [E, D, 2F] with gate and up columns alternating (and its bias
-  [E, 2F] likewise), ``down_proj`` [E, F, D], ``down_proj_bias`` [E, D]; the router is
-  ``mlp.router.{weight,bias}``. The published checkpoints store ``gate_up_proj`` and
-  ``down_proj`` in MXFP4 (``*_blocks``, ``*_scales``, with ``quantization_config``
-  ``{"quant_method": "mxfp4"}``): ``load`` dequantises them exactly (``hf.mxfp4``), and export
-  writes them unquantised (the layout above).
-
-A ``num_experts`` of 0 (or every layer in ``mlp_only_layers``) is a dense model (``moe=None``).
-Refused, naming the field: ``router_jitter_noise`` > 0 (training-time noise on the router's
-input, which the model lacks), Qwen3-MoE's ``attention_bias``, a ``num_experts_per_tok``
-outside 1..E, a ``decoder_sparse_step`` < 1, activations and RoPE types without an exact
-equivalent; on export, what the family cannot hold (a shared expert in Mixtral or Qwen3-MoE,
-an ungated one in Qwen2-MoE, Mixtral dense layers or unnormalised weights, mixed windows
-outside Qwen2-MoE). ``router_aux_loss_coef`` and ``output_router_logits`` are training
-settings of transformers' loss, not of the function, and are not read.
-
-Experts' tensors, two layouts, both read (``stacked_experts`` tells which a file has):
-``save_pretrained`` (``save_original_format=True``, its default, and every Hub checkpoint)
-writes one tensor per expert, ``{mlp}.experts.{j}.{gate,up,down}_proj.weight`` (Mixtral:
-``block_sparse_moe.experts.{j}.w1`` gate, ``w3`` up, ``w2`` down, ``block_sparse_moe.gate``
-the router), each [F, D] / [D, F], which ``save`` writes too; transformers 5's in-memory layout
-(``save_original_format=False``) stacks them as ``mlp.experts.gate_up_proj`` [E, 2F, D] (gate
-rows first) and ``mlp.experts.down_proj`` [E, D, F]. Ours: ``moe/gate``, ``moe/up`` [E, D, F],
-``moe/down`` [E, F, D], ``moe/router`` [D, E] (HF ``gate.weight`` [E, D]), ``moe/shared/*``
-a dense FFN, ``moe/shared_gate`` [D, 1] (HF [1, D]), ``moe/correction_bias`` [E] (HF
-``gate.e_score_correction_bias``; ``hf.deepseek``'s family, whose shared expert is
-``shared_experts``).
+Experts' tensors, both layouts read (``stacked_experts`` tells which a file has): one tensor
+per expert, ``{mlp}.experts.{j}.{gate,up,down}_proj.weight`` [F, D] / [D, F] (Mixtral:
+``block_sparse_moe.experts.{j}.w1`` gate, ``w3`` up, ``w2`` down), as ``save_pretrained`` and
+``save`` write them; or transformers 5's stacked ``mlp.experts.gate_up_proj`` [E, 2F, D] (gate
+rows first) and ``down_proj`` [E, D, F]. GPT-OSS's are stacked in-first, ``gate_up_proj``
+[E, D, 2F] with gate and up columns alternating (its bias [E, 2F] likewise), ``down_proj``
+[E, F, D]. Ours: ``moe/gate``, ``moe/up`` [E, D, F], ``moe/down`` [E, F, D], ``moe/router``
+[D, E] (HF ``gate.weight`` [E, D]), ``moe/shared/*`` a dense FFN, ``moe/shared_gate`` [D, 1].
 """
 
 from __future__ import annotations
@@ -66,10 +32,6 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.fields import MoE
 
 _STACKED = ".experts.gate_up_proj"
-
-
-# ------------------------------------------------------------------------------------------------
-# config.json <-> ModelConfig: each family's own keys
 
 
 def _read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int, *, model_type: str
@@ -107,7 +69,8 @@ def _layer_kinds(hf: Mapping[str, Any], model_type: str, n_layers: int) -> list[
 
 
 def _moe_from_hf(hf: ChainMap[str, Any], model_type: str, n_layers: int) -> MoE | None:
-    """The ``MoE`` table, or None when no layer is sparse."""
+    """The ``MoE`` table, or None when no layer is sparse. Qwen2-MoE's and Qwen3-MoE's layer i
+    is sparse when ``(i + 1) % decoder_sparse_step == 0`` and i is not in ``mlp_only_layers``."""
     if model_type == "qwen2_moe":
         n_experts = hf.get("num_experts")
     else:  # transformers maps num_experts to num_local_experts (either name may be written)
@@ -117,8 +80,7 @@ def _moe_from_hf(hf: ChainMap[str, Any], model_type: str, n_layers: int) -> MoE 
             raise ValueError(f"num_local_experts ({raw['num_local_experts']}) and num_experts "
                              f"({raw['num_experts']}) differ")
         n_experts = values.pop() if values else hf["num_experts"]
-    if isinstance(n_experts, bool) or not isinstance(n_experts, int) or n_experts < 0:
-        raise ValueError(f"num_experts must be an int >= 0, got {n_experts!r}")
+    families.int_at_least(n_experts, "num_experts", 0)
     top_k = hf.get("num_experts_per_tok")
     if n_experts and (isinstance(top_k, bool) or not isinstance(top_k, int)
                       or not 1 <= top_k <= n_experts):
@@ -126,20 +88,17 @@ def _moe_from_hf(hf: ChainMap[str, Any], model_type: str, n_layers: int) -> MoE 
                          f"got {top_k!r}")
     if model_type in ("mixtral", "gpt_oss"):  # every layer sparse, one width
         return MoE(n_experts=n_experts, top_k=top_k, d_ff=hf["intermediate_size"])
-    step = hf.get("decoder_sparse_step", 1)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"decoder_sparse_step must be an int >= 1, got {step!r}")
+    step = families.int_at_least(hf.get("decoder_sparse_step", 1), "decoder_sparse_step", 1)
     only = hf.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
         raise ValueError(f"mlp_only_layers must be a list of layer indices, got {only!r}")
-    # Canonical: only the listed layers the step would make sparse (transformers ignores the
-    # others, and indices out of range).
+    # Canonical: only the listed layers the step makes sparse (transformers ignores the rest).
     dense = tuple(sorted({i for i in only if 0 <= i < n_layers and (i + 1) % step == 0}))
     if not n_experts or len(dense) == len(range(step - 1, n_layers, step)):
         return None
-    shared = hf.get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
-    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
-        raise ValueError(f"shared_expert_intermediate_size must be an int >= 0, got {shared!r}")
+    shared = families.int_at_least(hf.get("shared_expert_intermediate_size")
+                                   if model_type == "qwen2_moe" else 0,
+                                   "shared_expert_intermediate_size", 0)
     renormalize = hf.get("norm_topk_prob")
     if not isinstance(renormalize, bool):
         raise ValueError(f"norm_topk_prob must be a bool, got {renormalize!r}")
@@ -237,10 +196,6 @@ GPT_OSS = Family(
     defaults=dict(num_local_experts=128, num_experts_per_tok=4, rms_norm_eps=1e-5,
                   attention_bias=True, sliding_window=128, swiglu_limit=7.0,
                   swiglu_alpha=1.702, tie_word_embeddings=False))
-
-
-# ------------------------------------------------------------------------------------------------
-# Tensors
 
 
 def stacked_experts(names: Iterable[str]) -> bool:

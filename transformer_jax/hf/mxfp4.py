@@ -1,20 +1,12 @@
 """MXFP4 tensors of HF checkpoints (GPT-OSS's published experts), read as their exact values.
 
-An MXFP4 tensor ``X`` of a checkpoint whose ``config.json`` has ``quantization_config:
-{"quant_method": "mxfp4"}`` is stored as two uint8 tensors in place of ``X``:
-
-- ``X_blocks`` [..., O, I/32, 16]: each byte holds two fp4 (e2m1) values, the element of even
-  index in its low nibble; 32 values (16 bytes) per block along the input dimension I;
-- ``X_scales`` [..., O, I/32]: one e8m0 byte ``s`` per block, the block's scale ``2^(s-127)``.
-
-Their value is ``X`` [..., I, O] (in-first, the unquantised tensor's layout): ``e2m1 * 2^(s-127)``
-transposed. Every finite such value is exact in float32 and bfloat16 (two significant bits,
-exponents from -128 up), so dequantising loses nothing there; float16 rounds them as any cast
-does. A value that is not finite (the NaN scale 255, or past float32's range) is refused.
-Which tensors may be packed is transformers' rule (its ``Mxfp4HfQuantizer``): the experts'
-``gate_up_proj`` and ``down_proj``. Pure numpy, no file I/O: ``Packed`` reads any block of the
-dequantised tensor through two reading functions (``transformer_jax.hf`` gives it the
-memory-mapped files' slices), reading only the MXFP4 blocks that block needs.
+With ``quantization_config: {"quant_method": "mxfp4"}`` a tensor ``X`` [..., I, O] (in-first)
+is stored as ``X_blocks`` [..., O, I/32, 16], uint8 with two fp4 (e2m1) values a byte (low
+nibble first), and ``X_scales`` [..., O, I/32], one e8m0 byte ``s`` per 32-value block: its
+value is ``e2m1 * 2^(s-127)``, transposed, exact in float32 and bfloat16. A value that is not
+finite (the NaN scale 255) is refused. transformers packs the experts' ``gate_up_proj`` and
+``down_proj``. Pure numpy, no file I/O: ``Packed`` reads any block of the value through two
+reading functions, reading only the MXFP4 blocks it needs.
 """
 
 from __future__ import annotations
@@ -38,22 +30,10 @@ _PACKABLE = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 #: ``config.json``'s ``quantization_config`` of an MXFP4 export: the published GPT-OSS one.
 CONFIG = {"quant_method": METHOD, "modules_to_not_convert": [
     "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-
-
-def _e2m1(code: int) -> float:
-    """The fp4 e2m1 value of a 4-bit code: sign bit, 2 exponent bits (bias 1), 1 mantissa bit;
-    exponent 0 is subnormal (0 or 0.5)."""
-    sign = -1.0 if code & 0b1000 else 1.0
-    exponent, mantissa = (code >> 1) & 0b11, code & 1
-    if exponent == 0:
-        return sign * 0.5 * mantissa
-    return sign * 2.0 ** (exponent - 1) * (1.0 + 0.5 * mantissa)
-
-
-#: The 16 e2m1 values by code: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (-0.0 for 8).
-E2M1 = np.array([_e2m1(code) for code in range(16)], np.float32)
-# A byte's two values (low nibble first) as one 8-byte item: one gather decodes a byte, about
-# twice as fast as a gather per nibble. And each scale byte's 2^(s - 127) (255: inf, refused).
+#: The 16 fp4 e2m1 values by code (sign bit, 2 exponent bits of bias 1, 1 mantissa bit).
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+# A byte's two values (low nibble first) as one 8-byte item, so one gather decodes a byte; and
+# each scale byte's 2^(s - 127) (255: inf, refused).
 _BYTES = np.arange(256)
 _PAIRS = np.stack([E2M1[_BYTES & 0x0F], E2M1[_BYTES >> 4]], -1).view(np.uint64)[:, 0]
 with np.errstate(over="ignore"):
@@ -86,9 +66,8 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, name: str = "tensor") -> 
 
 def quantize(value: np.ndarray, name: str = "tensor") -> tuple[np.ndarray, np.ndarray]:
     """A tensor's value -> its MXFP4 blocks and scales, as the OCP MX spec converts: a block's
-    scale is ``2^(floor(log2 amax) - 2)`` (its largest magnitude then in [4, 8)), each value the
-    nearest e2m1 (ties to the even code; above 6: 6). Values MXFP4 holds exactly (those
-    ``dequantize`` gives) come back exactly; others are rounded.
+    scale is ``2^(floor(log2 amax) - 2)``, each value the nearest e2m1 (ties to the even code;
+    above 6: 6), so values MXFP4 holds come back exactly.
 
     Args:
       value: [..., I, O] (I a multiple of 32), finite.
@@ -147,12 +126,9 @@ def packable(name: str) -> bool:
 
 def packed_tensors(hf_config: Mapping[str, Any], names: Collection[str],
                    stored: Collection[str]) -> dict[str, Packing]:
-    """The tensors of ``names`` an MXFP4 checkpoint stores packed: name -> its ``Packing``
-    (parts: its blocks, its scales).
-
-    A packable tensor (the experts' ``gate_up_proj``, ``down_proj``) is packed when it is not
-    ``stored`` itself but its blocks or its scales are (the other then must be, or ``load``
-    names it missing). Empty unless ``quantization_config``'s method is MXFP4.
+    """The tensors of ``names`` an MXFP4 checkpoint stores packed (a packable one not
+    ``stored`` itself but as its blocks or scales): name -> its ``Packing``. Empty unless
+    ``quantization_config``'s method is MXFP4.
     """
     quant = hf_config.get("quantization_config")
     if not isinstance(quant, Mapping) or quant.get("quant_method") != METHOD:
@@ -174,11 +150,9 @@ def _packing(name: str) -> Packing:
 
 
 class Packed:
-    """An MXFP4 tensor seen as its float32 value [..., I, O], indexable by step-1 slices on I.
-
-    ``packed[index]`` reads the blocks and scales covering ``index`` (whole 32-value blocks on
-    I; O and the leading dimensions as asked, steps allowed) and returns ``value[index]``: the
-    ``tensor`` that ``hf.tensors._Tensor.read`` reads blocks of, as it reads safetensors slices.
+    """An MXFP4 tensor seen as its float32 value [..., I, O], indexable by step-1 slices on I
+    (steps allowed on the others): ``packed[index]`` reads the blocks and scales covering
+    ``index`` and returns ``value[index]``.
 
     Args:
       name: the tensor (``X``, without the suffixes), for errors.

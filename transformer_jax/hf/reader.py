@@ -1,9 +1,6 @@
 """Reading a checkpoint's safetensors files: headers, whole tensors, rows and blocks of them,
-and quantised tensors (``tensors.Packing``: ``hf.mxfp4``'s, ``hf.fp8``'s) as their dequantised
-values. Errors name the file or the tensor. ``transformer_jax.hf.load`` builds on it.
-
-numpy has no float8, and safetensors' numpy reader refuses such tensors: those (``_RAW``) are
-read from the memory-mapped bytes by their header's offsets, as ``ml_dtypes`` arrays.
+and quantised tensors (``tensors.Packing``) as their dequantised values; errors name the file or
+the tensor. Float8 tensors, which numpy lacks, are read from the memory-mapped bytes.
 """
 
 from __future__ import annotations
@@ -52,10 +49,7 @@ def _first_line(error: BaseException) -> str:
 
 class _Reader:
     """Reads tensors, or blocks of them, from open safetensors files; errors name the file.
-
-    ``packed`` names the tensors stored quantised (name -> its ``Packing``, whose parts
-    ``files`` maps): they are read as their float32 values, never as stored.
-    """
+    ``packed`` (name -> ``Packing``) are read as their float32 values, never as stored."""
 
     def __init__(self, files: dict[str, Path], handles: dict[Path, Any],
                  packed: Mapping[str, Packing] | None = None) -> None:
@@ -100,12 +94,9 @@ class _Reader:
 
     @contextlib.contextmanager
     def reopened(self, names: Sequence[str]) -> Iterator[_Reader]:
-        """A reader over fresh handles of the files holding ``names``, closed on exit.
-
-        Pages of a memory-mapped file count in the process's resident set while it stays
-        mapped; reopening per param and closing after lets them go, so a load never keeps
-        the whole file resident on top of the arrays it built.
-        """
+        """A reader over fresh handles of the files holding ``names``, closed on exit: a
+        memory-mapped file's pages stay resident while it is mapped, so a load reopens per param
+        and never keeps the whole file resident on top of the arrays it built."""
         files = {part: self.files[part] for name in names
                  for part in (self.packed[name].parts if name in self.packed else (name,))}
         with ExitStack() as stack:

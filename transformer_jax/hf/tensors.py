@@ -1,8 +1,5 @@
-"""One HF tensor and the param (or the part of a param) it becomes (``_Tensor``), the layouts
-every family's tensors are built from, and the param tree's path helpers.
-
-Pure functions, no file I/O: ``convert._tensors`` lists a checkpoint's ``_Tensor`` specs,
-``transformer_jax.hf`` reads and writes them.
+"""One HF tensor and the param (or part of a param) it becomes (``_Tensor``), the layouts every
+family's tensors are built from, and the param tree's path helpers. Pure, no file I/O.
 """
 
 from __future__ import annotations
@@ -19,10 +16,8 @@ import numpy as np
 class _Tensor:
     """One HF tensor and the param it becomes.
 
-    Every mapping is a reshape then a transpose: the HF array [hf_shape] is viewed as
-    [split] (each HF dimension ``i`` split into ``groups[i]`` consecutive dimensions), then
-    transposed by ``perm`` (our dimension ``k`` is split dimension ``perm[k]``). Knowing that,
-    ``read`` can fetch any rectangular block of our array from the file without the rest.
+    Every mapping is a reshape then a transpose: the HF array [hf_shape] is viewed as [split],
+    then transposed by ``perm``, so ``read`` can fetch any block of our array from the file.
 
     Attributes:
       hf_name: the safetensors key.
@@ -30,17 +25,14 @@ class _Tensor:
       hf_shape: shape in the HF checkpoint.
       split: ``hf_shape`` with merged dimensions split apart.
       groups: how many split dimensions each HF dimension holds.
-      perm: the transpose from ``split`` to our layout.
-      rows: for one part of a fused tensor (Phi-3's ``qkv_proj``, the stacked experts'
-        ``gate_up_proj``), (its first index, the fused tensor's size) on HF dimension ``axis``;
-        ``hf_shape`` is then the part's shape.
+      perm: the transpose from ``split`` to our layout (our dimension k is ``split[perm[k]]``).
+      rows: for one part of a fused tensor (Phi-3's ``qkv_proj``), (its first index, the
+        fused tensor's size) on HF dimension ``axis``; ``hf_shape`` is the part's.
       axis: the HF dimension ``rows`` indexes.
-      stack: for one of several HF tensors stacked into one param (the experts of a sparse
-        layer stored one by one), (its index, their number) on the param's first dimension:
-        ``shape`` is then this tensor's slice ``param[index]``, and ``param_shape`` the whole.
+      stack: for one of several HF tensors stacked into one param (experts stored one by
+        one), (its index, their number): ``shape`` is then the slice ``param[index]``.
       interleave: for one part of a tensor whose parts alternate on HF dimension ``axis``
-        (GPT-OSS's ``gate_up_proj``: gate, up, gate, ...), (its index, the number of parts):
-        the part is entries ``index::count`` there; ``hf_shape`` is then the part's shape.
+        (GPT-OSS's ``gate_up_proj``), (index, count): the part is entries ``index::count``.
     """
 
     hf_name: str
@@ -101,14 +93,13 @@ class _Tensor:
         """The block ``ours[index]`` read from the HF tensor, and nothing much more.
 
         Args:
-          tensor: anything indexable by a tuple of slices over ``stored_shape`` that returns a numpy
-            array, e.g. safetensors' ``get_slice`` handle (memory-mapped, reads only the block).
+          tensor: indexable by a tuple of slices over ``stored_shape`` (safetensors'
+            ``get_slice``, a ``Packing`` view), returning a numpy array.
           index: one step-1 slice per dimension of our layout (``shape``).
 
         Returns:
-          ``to_ours(hf)[index]``. The HF block read is that block exactly whenever the inner
-          dimensions of each merged HF dimension (head_dim) are whole, which every sharding
-          rule here keeps; otherwise those inner dimensions are read whole and cut here.
+          ``to_ours(hf)[index]``, reading just that block when the inner dimensions of each
+          merged HF dimension (head_dim) are whole, as every sharding rule keeps them.
         """
         ranges: list[tuple[int, int]] = [(0, 0)] * len(self.split)
         for k, p in enumerate(self.perm):
@@ -153,9 +144,8 @@ class Packing:
       parts: the stored tensors' names, in the order ``layout`` and ``view`` take them.
       layout: the tensor's (value's) shape -> each part's shape and accepted dtype codes;
         raises ValueError, naming the tensor, for a shape the format cannot hold.
-      view: (the value's shape, one ``Read`` per part) -> an object indexable by a tuple of
-        slices over that shape, as a safetensors slice is, giving that block of the value as
-        float32 and reading only the parts' blocks it needs (``_Tensor.read`` takes it).
+      view: (the value's shape, one ``Read`` per part) -> an object that a tuple of slices
+        indexes as a safetensors slice, giving that block of the value as float32.
     """
 
     method: str
