@@ -18,13 +18,9 @@ class Block(nn.Module):
 
     ``norm_position``: ``"pre"`` (default) ``x + f(norm(x))``; ``"post"`` (original
     Transformer) ``norm(x + f(x))``; ``"sandwich"`` ``x + norm_out(f(norm(x)))`` (the four
-    norms of some families); ``"post_branch"`` ``x + norm_out(f(x))``. What the layer is
-    (its window and RoPE, dense or sparse FFN) is its ``spec``, a Python value: a layer scan
-    scans runs of the same specs (``stack.LayerGroup``), so one block serves every kind.
-
-    In a scan, ``group`` and ``position`` say where the block sits (position ``position`` of
-    the group's period), so that the traced repeat index it is called with becomes the
-    ``LayerRef`` its cache reads.
+    norms of some families); ``"post_branch"`` ``x + norm_out(f(x))``. What the layer is, is
+    its ``spec`` (a Python value); in a scan, ``group`` and ``position`` say where the block
+    sits, so the traced repeat index it is called with becomes the ``LayerRef`` its cache reads.
     """
 
     config: ModelConfig
@@ -39,13 +35,11 @@ class Block(nn.Module):
         """([B, T, D], cache) -> (([B, T, D], updated cache), router stats or None).
 
         ``layer`` is the layer's number (unrolled), or with ``group`` the repeat index of a
-        scan (traced). The (carry, ...) -> (carry, y) form is ``nn.scan``'s (which stacks the
-        sparse layers' ``RouterStats``). A dense layer returns None for its stats.
+        scan (traced). A dense layer returns None for its stats.
         """
         x, cache = carry
-        # The residual stream's only sharding annotation: under a mesh's logical-axis rules it
-        # keeps activations split over the batch axes (so FSDP gathers weights, not
-        # activations); without rules in scope it is a no-op.
+        # The residual stream's only sharding annotation (FSDP then gathers weights, not
+        # activations); a no-op without rules in scope.
         x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
         c = self.config
         dtypes = dict(dtype=c.jnp_dtype, param_dtype=c.jnp_param_dtype)
@@ -111,9 +105,8 @@ class Block(nn.Module):
 class Period(nn.Module):
     """One repeat of a scanned group's period: its blocks (``layer_{j}``) in order.
 
-    ``nn.scan`` scans it over the group's repeats (``Transformer``); each block keeps its own
-    spec as a Python value, so a 5 local : 1 global period runs five window layers and one
-    full one in the scan body, each reading only its own cache.
+    ``nn.scan`` scans it over the group's repeats; each block keeps its own spec as a Python
+    value and reads only its own cache.
     """
 
     config: ModelConfig

@@ -1,6 +1,5 @@
-"""The nested tables of an ``Architecture`` (``RopeScaling``, ``MoE``, ``MLA``) and the value
-checks every config dataclass shares (``config``, ``train.config`` and ``parallel.mesh`` use
-them), and the parsing of ``key=value`` overrides by a field's type."""
+"""The nested tables of an ``Architecture`` (``RopeScaling``, ``MoE``, ``MLA``), the value
+checks the config dataclasses share, and the parsing of ``key=value`` overrides by type."""
 
 from __future__ import annotations
 
@@ -21,12 +20,10 @@ class RopeScaling:
     """How RoPE frequencies are rescaled for context extension.
 
     Attributes:
-      kind: ``"linear"`` divides every frequency by ``factor`` (position interpolation);
-        ``"llama3"`` divides only the low frequencies, with a smooth ramp between
-        ``low_freq_factor`` and ``high_freq_factor`` wavelengths (Llama 3.1); ``"yarn"``
-        (YaRN, Qwen2.5/3 long context) interpolates the frequencies whose wavelength spans
-        fewer than ``beta_slow`` rotations over ``original_max_len``, keeps those with more
-        than ``beta_fast``, ramps linearly in between, and multiplies cos and sin by
+      kind: ``"linear"`` divides every frequency by ``factor``; ``"llama3"`` divides only the
+        low frequencies, with a smooth ramp (Llama 3.1); ``"yarn"`` interpolates the
+        frequencies of fewer than ``beta_slow`` rotations over ``original_max_len``, keeps
+        those of more than ``beta_fast``, ramps in between, and multiplies cos and sin by
         ``attention_factor``.
       factor: the context extension factor (> 0).
       low_freq_factor: llama3 only: wavelengths above ``original_max_len / low_freq_factor``
@@ -78,13 +75,10 @@ class RopeScaling:
 class MoE:
     """A mixture-of-experts FFN: which layers have one and how tokens are routed.
 
-    A sparse layer's FFN is E gated experts of width ``d_ff`` (the architecture's ``ffn``
-    activation) and a router [D, E]; each token goes to the ``top_k`` experts of highest
-    softmax probability, and its output is their outputs weighted by those probabilities
-    (renormalised to sum 1 with ``renormalize``). An optional shared expert (a dense FFN of
-    width ``shared_d_ff``) sees every token, its output scaled by ``sigmoid(x . w)`` with
-    ``shared_gate``. Layers that are not sparse keep the dense FFN of width
-    ``Architecture.d_ff``.
+    A sparse layer's FFN is E gated experts of width ``d_ff`` and a router [D, E]; each token
+    goes to its ``top_k`` highest-scored experts, its output their outputs weighted by the
+    scores. An optional shared expert (width ``shared_d_ff``) sees every token. Other layers
+    keep the dense FFN of width ``Architecture.d_ff``.
 
     Attributes:
       n_experts: E, experts per sparse layer.
@@ -102,16 +96,15 @@ class MoE:
         [E, D]).
       score: the experts' scores from the router logits: ``"softmax"`` over the E experts, or
         ``"sigmoid"`` of each logit on its own (top-k then picks the k highest either way).
-      correction_bias: a bias [E] (``correction_bias``, DeepSeek-V3's
-        ``e_score_correction_bias``) added to the scores for choosing the experts only; the
-        routing weights are the unbiased scores. No gradient trains it: the balancing update
-        ``train.moe_bias_update_rate`` does.
-      n_groups: group-limited routing: the E experts are ``n_groups`` groups of E/n_groups
-        (each at least 2), each group scored by the sum of its two highest (biased) scores ...
+      correction_bias: a bias [E] added to the scores for choosing the experts only
+        (DeepSeek-V3's ``e_score_correction_bias``), trained by the balancing update
+        ``train.moe_bias_update_rate``, not by gradients.
+      n_groups: group-limited routing: E experts in ``n_groups`` groups (of at least 2), each
+        scored by the sum of its two highest scores ...
       top_groups: ... and each token chooses its k experts within its ``top_groups`` best
-        groups (DeepSeek-V3's ``n_group`` / ``topk_group``; 1 group: no limit).
-      routed_scale: the routed experts' weights are multiplied by this after any
-        renormalisation (DeepSeek-V3's ``routed_scaling_factor``); a shared expert is not.
+        groups (DeepSeek-V3's ``n_group`` / ``topk_group``).
+      routed_scale: multiplies the routed experts' weights after any renormalisation
+        (DeepSeek-V3's ``routed_scaling_factor``).
       scale_input: the chosen expert's weight scales the token going into it, not the
         expert's output (Llama 4); needs ``top_k`` 1.
     """
@@ -141,13 +134,9 @@ class MoE:
         if self.top_k > self.n_experts:
             raise ValueError(f"moe.top_k ({self.top_k}) must be at most moe.n_experts "
                              f"({self.n_experts})")
-        shared = self.shared_d_ff
-        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
-            raise ValueError(f"moe.shared_d_ff must be an int >= 0, got {plain(shared)!r}")
-        check_bool("moe.renormalize", self.renormalize)
-        check_bool("moe.shared_gate", self.shared_gate)
-        check_bool("moe.router_bias", self.router_bias)
-        check_bool("moe.expert_bias", self.expert_bias)
+        check_nonnegative_int("moe.shared_d_ff", self.shared_d_ff)
+        for name in ("renormalize", "shared_gate", "router_bias", "expert_bias"):
+            check_bool(f"moe.{name}", getattr(self, name))
         check_choice("moe.score", self.score, MOE_SCORES)
         check_bool("moe.correction_bias", self.correction_bias)
         check_positive_number("moe.routed_scale", self.routed_scale)
@@ -184,19 +173,12 @@ class MoE:
 class MLA:
     """Multi-head latent attention: keys and values from a small per-token latent.
 
-    A token's query is ``q_b(norm(q_a(x)))`` ([N, nope + rope] per token; ``q_proj(x)``
-    without ``q_lora_rank``). ``kv_a_proj(x)`` gives a latent c [kv_lora_rank], RMS-normed
-    (``kv_a_norm``), and one rope key [rope] shared by every head; ``kv_b_proj(c)`` gives each
-    head's key part without position [nope] and its value [v_head_dim]. RoPE (the
-    architecture's ``rope_base``, ``rope_scaling`` and ``rope_pairing``; ``"adjacent"`` is the
-    interleaved pairing) turns the rope parts only, and a head's key is [its nope part, the
-    shared rope key]. So a cache holds c and the rotated rope key, ``kv_lora_rank + rope``
-    values per token per layer, and a decode step can attend in the latent space: the query's
-    nope part times the key up-projection, the weighted sum of latents times the value one.
-    The softmax scale is ``attn_scale`` when set, else ``(nope + rope) ** -0.5`` times ``m^2``
-    with ``m = 0.1 mscale_all_dim ln(factor) + 1`` when ``rope_scaling`` has a
-    ``mscale_all_dim`` (and factor > 1): YaRN's scale of the whole logit, not only of the
-    rotated part. The architecture's ``head_dim`` is the rope width.
+    A token's query is ``q_b(norm(q_a(x)))`` ([N, nope + rope]; ``q_proj(x)`` without
+    ``q_lora_rank``). ``kv_a_proj(x)`` gives a latent c [kv_lora_rank], RMS-normed, and one
+    rope key [rope] shared by every head; ``kv_b_proj(c)`` gives each head's key part without
+    position [nope] and its value [v_head_dim]. RoPE turns the rope parts only. A cache holds
+    c and the rotated rope key per token per layer. The softmax scale is ``attn_scale`` when
+    set, else ``scale(rope_scaling)``. The architecture's ``head_dim`` is the rope width.
 
     Attributes:
       kv_lora_rank: the latent's width.
@@ -236,8 +218,9 @@ class MLA:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     def scale(self, rope_scaling: RopeScaling | None) -> float:
-        """The softmax scale without ``attn_scale``: ``qk_head_dim ** -0.5``, times YaRN's
-        ``m(factor, mscale_all_dim)^2`` when the scaling has a ``mscale_all_dim``."""
+        """The softmax scale without ``attn_scale``: ``qk_head_dim ** -0.5``, times ``m^2`` with
+        ``m = 0.1 mscale_all_dim ln(factor) + 1`` when the scaling has a ``mscale_all_dim``
+        and factor > 1 (YaRN's scale of the whole logit)."""
         scale = self.qk_head_dim ** -0.5
         s = rope_scaling
         if s is not None and s.mscale_all_dim and s.factor > 1:
@@ -263,6 +246,16 @@ def check_positive_int(name: str, value: Any) -> None:
 def check_positive_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be a positive finite number, got {plain(value)!r}")
+
+
+def check_nonnegative_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {plain(value)!r}")
+
+
+def check_finite_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {plain(value)!r}")
 
 
 def check_bool(name: str, value: Any) -> None:

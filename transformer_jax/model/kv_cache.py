@@ -2,34 +2,19 @@
 
 Training, prefill and every decode step run the same ``Transformer``; with a cache each block
 calls ``cache.attend``, which writes the chunk's keys/values at their positions and attends over
-the whole layer: the one interface the model's attention uses (``Cache``), so the layout below
-is the cache's own business and another cache (a paged one) plugs in without a branch in the
-model. Its layers
-follow the model's: stacked ([L, ...]) for a scanned model, which carries the cache through its
-layer scan and indexes it with the (traced) layer number, so the decode program does not grow
-with depth; one array per layer for an unrolled model, so a layer reads its own buffer (XLA:CPU
-copied a static slice of a stacked cache before every attention: decode_25m at batch 8 with
-1024 slots took 80 ms per step that way, against 25-35 ms with one array per layer).
+the whole layer. That is the one interface the model uses (``Cache``), so the layout is the
+cache's own business and a paged cache plugs in without a branch in the model. Layers are
+stacked ([L, ...]) for a scanned model (indexed by the traced layer number) and one array per
+layer for an unrolled one (XLA:CPU copied a static slice of a stacked cache before every
+attention).
 
-Layout. One row per (sequence, kv head): values are [L, B, K, S, H], so attention's batch
-dimensions (B, K) lead and each row's slots are contiguous, which is what the accelerator
-kernels and XLA's batched dots read without a transpose. Keys are the same, or for a CPU target
-an ``ops.layouts.SlotsLast`` buffer stored [L, B, K, H, S]: on XLA:CPU, q [G, H] @ keys [H, S]
-streams the cache in storage order, while keys [S, H] were read 2-4x slower (decode_25m, batch
-8, 1024 slots: a decode step over [S, H] keys took about twice as long). ``init`` picks it from
-the target platform (``slots_last_for``); GPUs and TPUs keep [B, K, S, H]. Only this cache and
-the attention ops know: the model hands the cache its chunk and gets the attention back.
-
-int8 (``dtype="int8"``). Each token's row of each kv head is stored as its int8 values and its
-scale, H + 2 bytes in the place of H (``ops.kv_quant``), written in the same write and
-dequantised just before attention.
-
-Local layers. A sliding-window layer whose window W is shorter than S_max keeps a ring of W
-slots per row instead (``kv_ring``; ``KVCache.k_local``/``v_local``, in the same layouts).
-
-Latent layers (``fields.MLA``). A multi-head latent attention layer keeps one entry per token,
-its normed latent and its rotated rope key (R + P values, ``KVCache.latent`` [L, B, S, R + P]),
-not N heads' keys and values; the layer attends over them itself (``attend_latent``).
+Layout: values are [L, B, K, S, H], one contiguous row per (sequence, kv head). Keys are the
+same, or for a CPU target an ``ops.layouts.SlotsLast`` buffer [L, B, K, H, S]
+(``slots_last_for``; see docs/generation.md). ``dtype="int8"`` stores each row as int8 values
+and a scale (``ops.kv_quant``). A sliding-window layer whose window W is shorter than S_max
+keeps a ring of W slots (``kv_ring``; ``k_local``/``v_local``). A latent layer
+(``fields.MLA``) keeps one [latent, rope key] entry per token (``latent`` [L, B, S, R + P]) and
+attends over them itself (``attend_latent``).
 """
 
 from __future__ import annotations
@@ -65,16 +50,13 @@ def slots_last_for(platform: str | None = None) -> bool:
 class KVCache:
     """Keys and values of every layer for up to S_max positions per sequence.
 
-    Slot s of sequence b holds the key/value of the token at position s, so the causal mask
-    over slot indices is also the validity mask: slots past a sequence's length are never seen.
-    A local layer with a ring (``ring``) holds position p in slot ``p % W`` of its own arrays.
+    Slot s of sequence b holds position s, so the causal mask over slots is also the validity
+    mask. A ring layer holds position p in slot ``p % W`` of its own arrays.
 
     Attributes:
-      k: [L, B, K, S_max, H] keys (already rotated by RoPE); for an unrolled model a tuple of
-        L arrays [B, K, S_max, H] ([K, S_max, H] for one sequence, ``_write``; ``layer``
-        gives [B, K, ...]). Either as an ``ops.layouts.SlotsLast`` ([L, B, K, H, S_max], or a
-        tuple of [B, K, H, S_max]) for a CPU target. With rings, L counts the global layers
-        only.
+      k: [L, B, K, S_max, H] keys (rotated); for an unrolled model a tuple of L [B, K, S_max, H]
+        ([K, S_max, H] for one sequence). A ``SlotsLast`` ([.., H, S_max]) for a CPU target.
+        With rings, L counts the global layers only.
       v: [L, B, K, S_max, H] values (a tuple of L [B, K, S_max, H] for an unrolled model).
       lengths: [B] int32 number of positions written per sequence (the next write position).
       k_local: None, or the local layers' key rings: [L_local, B, K, W, H], a tuple of L_local
@@ -181,8 +163,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K and V (rings included): ``2 * L * B * S_max * K * H * bytes_per_element``
-        without rings."""
+        """Bytes of K and V (rings and latents included)."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
             (self.k, self.v, self.k_local, self.v_local, self.latent)))
 
@@ -200,25 +181,17 @@ class KVCache:
                sinks: jax.Array | None = None, chunk: int | None = None
                ) -> tuple[jax.Array, KVCache]:
         """Layer i's attention with this cache: writes the chunk's keys/values, then attends
-        the queries over every slot of the layer.
-
-        Slot s holds position s, so the causal structure also hides slots not written yet (a
-        ring layer: as ``kv_ring.attend`` says).
+        the queries over every slot of the layer (causality hides slots not written yet).
 
         Args:
           i: the layer: its number (a Python int, or traced when every layer is alike), or a
             scanned block's ``LayerRef`` (``kv_ring.locate``).
           q: [B, T, N, H] queries (rotated).
-          k: [B, T, K, H] new keys (rotated) for ``positions``.
-          v: [B, T, K, H] new values.
-          positions: [B, T] int positions, consecutive per row; row b is written at slots
-            ``positions[b, 0] ..``.
-          window: optional sliding window length.
-          impl: the attention implementation (``ops.attention.attention``).
-          scale: the logits' scale (default ``1/sqrt(H)``).
-          softcap: optional logit soft-cap (``ops.softcap``).
-          sinks: optional [N] attention sink logits (``ops.attention.attention``).
-          chunk: a chunked layer's C (``ops.attention.attention``), or None.
+          k, v: [B, T, K, H] new keys (rotated) and values for ``positions``.
+          positions: [B, T] int positions, consecutive per row (row b written at slots
+            ``positions[b, 0] ..``).
+          window, impl, scale, softcap, sinks, chunk: as ``ops.attention.attention`` takes
+            them.
 
         Returns:
           ([B, T, N, H] attention output, the cache with layer i written).
@@ -247,12 +220,10 @@ class KVCache:
         Args:
           i: the layer, as ``attend`` takes it.
           entries: [B, T, R + P] the chunk's [latent, rope key] per token.
-          positions: [B, T] int positions, consecutive per row (row b at slots
-            ``positions[b, 0] ..``).
+          positions: [B, T] int positions, as ``attend`` takes them.
 
         Returns:
-          ([B, S_max, R + P] the layer's entries, slot s holding position s; the cache with
-          them written).
+          ([B, S_max, R + P] the layer's entries, the cache with them written).
         """
         _, j = kv_ring.locate(None, i)
         start = positions[:, 0]
@@ -271,14 +242,12 @@ class KVCache:
               start: jax.Array) -> KVCache:
         """Writes a chunk of T new keys/values of each sequence at its own start slot.
 
-        Slots past S_max must not be written (callers check capacity): the write promises XLA
-        that indices are in bounds, which keeps it an in-place update of the loop-carried cache.
-        A ring layer takes the chunk's last W positions (``ring_end`` applies).
+        Slots past S_max must not be written (callers check capacity: the write promises XLA
+        in-bounds indices). A ring layer takes the chunk's last W positions.
 
         Args:
           i: the layer, as ``attend`` takes it.
-          k: [B, T, K, H] new keys for positions ``start[b] .. start[b] + T - 1``.
-          v: [B, T, K, H] new values.
+          k, v: [B, T, K, H] new keys and values for positions ``start[b] .. start[b] + T - 1``.
           start: [B] int32 first slot per sequence.
 
         Returns:
@@ -332,11 +301,10 @@ class KVCache:
 
 
 class Cache(Protocol):
-    """What the model needs of a cache: ``KVCache`` is one, a paged cache would be another.
+    """What the model needs of a cache (``KVCache``, or a paged one).
 
-    ``lengths`` [B] are the positions written per sequence (the model continues from them and
-    sets them after a chunk, through ``replace``); ``attend`` stores a layer's chunk and
-    attends over the layer's keys and values, in whatever layout the cache keeps them.
+    ``lengths`` [B] are the positions written per sequence (the model sets them through
+    ``replace``); ``attend`` stores a layer's chunk and attends over the layer.
     """
 
     lengths: jax.Array
@@ -366,13 +334,8 @@ def _write_entries(buf: jax.Array, entries: jax.Array, start: jax.Array) -> jax.
 
 def _write(cache: Any, i: int | jax.Array, new: jax.Array, start: jax.Array) -> Any:
     """Layer i's write into stacked [L, B, K, S, H] buffers or a tuple of per-layer ones
-    ([B, K, S, H], [K, S, H] at B = 1; keys a ``SlotsLast`` of either, [.., H, S]),
-    returned in their layout.
-
-    A per-layer buffer of one sequence is stored without its size-1 axis: XLA:CPU copied the
-    whole of every layer's cache each step around a write into a buffer with one
-    (decode_25m, batch 1, 1024 slots: 20 against 11 ms a step).
-    """
+    ([B, K, S, H], or [K, S, H] at B = 1, where XLA:CPU copied a buffer with a size-1 axis
+    around every write), returned in their layout (keys may be ``SlotsLast``)."""
     buf, slots_last = stored_keys(cache)
     if not isinstance(buf, tuple):
         return _write_rows(cache, (i,), new, start)
@@ -389,18 +352,11 @@ def _write(cache: Any, i: int | jax.Array, new: jax.Array, start: jax.Array) -> 
 
 def _write_rows(cache: jax.Array | SlotsLast, lead: tuple[Any, ...], new: jax.Array,
                 start: jax.Array) -> jax.Array | SlotsLast:
-    """Writes a chunk into buffer ``cache[lead]`` ([B, K, S, H], a ``SlotsLast`` one [B, K,
-    H, S]); returns the whole buffer in its layout.
+    """Writes the [B, T, K, H] chunk ``new`` into buffer ``cache[lead]`` ([B, K, S, H], or
+    ``SlotsLast`` [B, K, H, S]) at each row's ``start`` slot; returns the whole buffer.
 
-    Args:
-      cache: the buffer, with ``len(lead)`` leading axes (the layer of a stacked cache).
-      lead: the leading indices, ``(i,)`` or ``()``.
-      new: [B, T, K, H] the chunk.
-      start: [B] int32 first slot per sequence.
-
-    At B = 1 one dynamic-update-slice (the scatter below would become a bounds-checked select
-    that copies the whole cache there); else a scatter of [B, T] (row, slot) pairs. Both keep
-    the loop-carried buffer in place and leave a split of the K axis on its devices.
+    At B = 1 a dynamic-update-slice (a scatter would copy the whole cache there), else a
+    scatter of [B, T] (row, slot) pairs; both update the loop-carried buffer in place.
     """
     buf, slots_last = stored_keys(cache)
     b, t = new.shape[:2]
@@ -417,8 +373,6 @@ def _write_rows(cache: jax.Array | SlotsLast, lead: tuple[Any, ...], new: jax.Ar
         slots = start[:, None] + jnp.arange(t, dtype=start.dtype)  # [B, T]
         index = [*lead, rows, slice(None), slice(None), slice(None)]
         index[slot_axis] = slots
-        # The advanced indices ([i,] rows, slots) broadcast to [B, T] and lead: updates [B, T,
-        # K, H].
         out = buf.at[tuple(index)].set(new, mode="promise_in_bounds", unique_indices=True)
     return SlotsLast(out) if slots_last else out
 

@@ -1,34 +1,23 @@
 """Sliding-window layers keep only their window: the KV caches' rings.
 
-A local layer (``Architecture.layer_kinds``, window W) never reads a key more than W - 1
-positions behind its query, so both caches (``KVCache`` and ``serving.PagedKVCache``) keep each
-local layer's keys and values in a ring of R = W slots per row (position p in slot ``p % R``)
-instead of a slot per position; global layers keep their full layout. A chunked layer (chunk C)
-never reads a key outside its query's chunk, so at most C - 1 positions behind: it keeps a ring
-of C slots the same way (W = C), its chunk given to the attention as a mask on top.
-``RingLayout`` says which layers are rings and where each layer lives; the caches call
-``attend`` here for a ring layer.
+A local layer (window W) never reads a key more than W - 1 positions behind its query, so both
+caches (``KVCache`` and ``serving.PagedKVCache``) keep its keys and values in a ring of R = W
+slots per row (position p in slot ``p % R``); global layers keep their full layout. A chunked
+layer (chunk C) keeps a ring of C slots the same way, its chunk given to the attention as a mask.
+``RingLayout`` says which layers are rings; the caches call ``attend`` here for a ring layer.
 
-Attending a chunk of T positions ``start .. start + T - 1`` of a row (consecutive, as always):
+Attending a chunk of T consecutive positions ``start .. start + T - 1`` of a row:
 
-- T <= R - W + 1 (a decode step, T = 1): the chunk overwrites only positions none of its
-  queries sees, so it is written first and the queries attend over the ring alone, slot s
-  holding position ``e - ((e - s) mod R)`` with ``e = start + T - 1`` (``ring_positions``).
-- longer chunks (prefill): the queries attend over the ring as it was before the chunk (slot s
-  holding ``start - 1 - ((start - 1 - s) mod R)``) and the chunk's own keys after it, then only
-  the chunk's last R positions are written; any T works with R = W.
+- T <= R - W + 1 (a decode step): the chunk overwrites only positions none of its queries sees,
+  so it is written first and the queries attend over the ring alone (``ring_positions``).
+- longer chunks (prefill): the queries attend over the ring as it was before the chunk and the
+  chunk's own keys after it, then only the chunk's last R positions are written.
 
-A slot whose position would be negative was never written: it gets ``INVALID``, past every
-query, so causality hides it. This needs every position of a row below ``start`` written in
-order, which holds for the caches' users: prefill then decode, chunk after chunk.
-
-Positions a right-padded chunk holds past its real end (a ragged prefill, an engine chunk) must
-not overwrite the window the next token needs: a cache's optional ``ring_end`` [B] stops a row's
-ring writes there (padding queries then see junk, and their outputs are ignored).
-
-A layer scan scans runs of layers of the same kinds (``stack.LayerGroup``): a block knows its
-kind as a Python value and gives the cache a ``LayerRef`` (its traced index among the layers of
-its kind), so each layer writes only the buffer it reads (``locate``).
+A slot never written gets position ``INVALID``, past every query, so causality hides it (this
+needs a row's positions written in order: prefill then decode, chunk after chunk). A cache's
+optional ``ring_end`` [B] stops a right-padded chunk's ring writes at each row's real end, so
+padding does not overwrite the window. Inside a layer scan a block gives the cache a
+``LayerRef``, so each layer writes only the buffer it reads (``locate``).
 """
 
 from __future__ import annotations
@@ -164,21 +153,14 @@ def ring_attention(keys: jax.Array | SlotsLast, values: jax.Array, q: jax.Array,
     """A local layer's queries over its ring rows (see the module docstring).
 
     Args:
-      keys: [B, K, R, H] the chunk rows' ring keys as stored (``SlotsLast`` [B, K, H, R] in a
-        CPU layout; int8: H + 2), after the chunk's write when ``written``, before it
-        otherwise.
-      values: [B, K, R, H] their values.
+      keys, values: [B, K, R, H] the chunk rows' ring keys (maybe ``SlotsLast``) and values as
+        stored, after the chunk's write when ``written``, before it otherwise.
       q: [B, T, N, H] queries (rotated).
-      k: [B, T, K, H] the chunk's keys (rotated): attended after the ring unless ``written``.
-      v: [B, T, K, H] the chunk's values.
+      k, v: [B, T, K, H] the chunk's keys (rotated) and values.
       positions: [B, T] consecutive positions per row.
       written: whether the ring already holds the chunk (``writes_first``).
       window: W (static).
-      impl: the attention implementation (``ops.attention.attention``).
-      scale: the logits' scale.
-      softcap: optional logit soft-cap.
-      sinks: optional [N] attention sink logits.
-      chunk: a chunked layer's C (its queries see only their own chunk), or None.
+      impl, scale, softcap, sinks, chunk: as ``ops.attention.attention`` takes them.
 
     Returns:
       [B, T, N, H] attention output.
@@ -213,10 +195,9 @@ def attend(cache: Any, j: int | jax.Array, layout: RingLayout, q: jax.Array, k: 
       j: the ring (``locate``'s index).
       layout: the cache's ``RingLayout``.
       q, k, v, positions: the chunk, as ``ring_attention`` takes it.
-      read_ring: (cache, j) -> ring j's rows of the chunk's rows as stored (``ring_attention``'s
-        keys and values).
+      read_ring: (cache, j) -> ring j's keys and values of the chunk's rows, as stored.
       write_ring: (cache, j) -> the cache with the chunk written into ring j.
-      **kwargs: ``ring_attention``'s impl, scale and softcap.
+      **kwargs: the rest of ``ring_attention``'s arguments.
 
     Returns:
       ([B, T, N, H] attention output, the cache with the chunk written).
@@ -235,13 +216,10 @@ def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: j
     """Writes each row's last R positions (below ``end``) of a chunk into ring j.
 
     Args:
-      k_ring: stacked key rings [L, B', K, R, H], or a tuple of L [B', K, R, H] ([K, R, H] at
-        B' = 1, ``KVCache``'s per-layer layout); either as a ``SlotsLast`` (slots and H
-        swapped).
-      v_ring: the value rings, alike.
+      k_ring, v_ring: stacked key and value rings [L, B', K, R, H], or tuples of L
+        [B', K, R, H] ([K, R, H] at B' = 1); the keys may be a ``SlotsLast``.
       j: the ring (traced only when stacked).
-      k: [B, T, K, H] new keys.
-      v: [B, T, K, H] new values.
+      k, v: [B, T, K, H] new keys and values.
       positions: [B, T] consecutive positions per row.
       rows: optional [B] ring row of each chunk row (default: row b is ring row b).
       end: optional [B]: positions at or past it are not written.
@@ -263,7 +241,6 @@ def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: j
         layer = ring[j].reshape(-1, *ring[j].shape[-3:])  # [B', K, ...]
         index = [rows[:, None], slice(None), slice(None), slice(None)]
         index[3 if slots_last else 2] = slots
-        # The advanced indices (rows, slots) broadcast to [B, T] and lead: updates [B, T, K, H].
         written = layer.at[tuple(index)].set(new, mode="drop").reshape(ring[j].shape)
         ring = (*ring[:j], written, *ring[j + 1:])
         out.append(SlotsLast(ring) if slots_last else ring)
@@ -287,7 +264,6 @@ def scatter_stacked(ring: jax.Array | SlotsLast, j: int | jax.Array, rows: jax.A
     ring, slots_last = stored_keys(ring)
     index = [j, rows[:, None], slice(None), slice(None), slice(None)]
     index[4 if slots_last else 3] = slots
-    # The advanced indices (j, rows, slots) broadcast to [B, T] and lead: updates [B, T, K, H].
     ring = ring.at[tuple(index)].set(new.astype(ring.dtype), mode="drop")
     return SlotsLast(ring) if slots_last else ring
 

@@ -1,10 +1,6 @@
 """Multi-head latent attention's module (``LatentAttention``): the ``"latent"`` attention kind.
-
-It owns the projections of ``fields.MLA`` and calls ``ops.latent_attention``: without a cache
-(training) and for chunks of several tokens (prefill) in the expanded space, for one token
-per row (a decode step) in the latent space; the cache (``Cache.attend_latent``) stores each
-token's [latent, rope key] entry.
-"""
+It owns ``fields.MLA``'s projections and calls ``ops.latent_attention`` (expanded without a
+cache and for prefill chunks, absorbed for one token per row)."""
 
 from __future__ import annotations
 

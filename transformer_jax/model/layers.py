@@ -28,16 +28,12 @@ from transformer_jax.model.ops.row_lora import is_row_adapters
 from transformer_jax.model.stack import LayerRef, LayerSpec
 
 
-#: Names of the parameters that are not matmul weights: norm gains and shifts, projection biases
-#: (``q_bias`` ...). The weight-decay mask, the FLOPs count and the decode's dtype cast read them
-#: from here, in the unrolled and the scanned layout alike.
 def is_vector_param(name: str) -> bool:
     """Whether a parameter of this (leaf) name is a norm gain/shift or a bias."""
     return name in ("scale", "bias", "sinks") or name.endswith("_bias")
 
 
-#: How many leading axes of each matrix (in its in-first layout) are inputs; the rest are
-#: outputs; ``matrix`` declares them, in-first or out-first.
+#: How many leading axes of each matrix (in its in-first layout) are inputs; the rest outputs.
 MATRIX_INPUT_AXES = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate": 1, "up": 1,
                      "down": 1, "lm_head": 1, "router": 1, "shared_gate": 1,
                      "eh_proj": 1}
@@ -55,15 +51,12 @@ def _normal(std: float) -> nn.initializers.Initializer:
 
 def matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
            init: nn.initializers.Initializer, *, param_dtype: jnp.dtype) -> Any:
-    """The one parameter primitive of every matrix of the model.
-
-    Declares matrix ``name`` on ``module`` with its in-first ``shape`` and logical ``axes``
-    (``MATRIX_INPUT_AXES[name]`` leading input axes, e.g. q_proj [D, N, H]).
+    """Declares matrix ``name`` on ``module`` with its in-first ``shape`` and logical ``axes``
+    (the one parameter primitive of every matrix of the model).
 
     Returns:
-      The stored parameter, in ``param_dtype``; or the weight prepared in its place (a
-      quantised one, an ``OutFirst`` one, one with per-row adapters: ``stored_as_is``), which
-      ``ops.dense`` computes with as it is.
+      The stored parameter, in ``param_dtype``; or the weight prepared in its place
+      (``stored_as_is``), which ``ops.dense`` computes with as it is.
     """
     prepared = stored_as_is(module, name)
     if prepared is not None:
@@ -72,10 +65,8 @@ def matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str
 
 
 def stored_as_is(module: nn.Module, name: str) -> Any:
-    """Parameter ``name`` of ``module`` when ``decode.prepare`` or a serving step stored it as
-    a typed leaf (quantised: ``model.quant``; output axes first: ``ops.layouts.OutFirst``;
-    with per-row adapters: ``ops.row_lora``), else None. Read as it is: flax's ``param``
-    would check the stored arrays' shapes against the float, in-first declaration."""
+    """Parameter ``name`` of ``module`` when it is stored as a typed leaf (quantised,
+    ``OutFirst``, ``RowAdapters``), else None: flax's ``param`` would check its shapes."""
     if module.has_variable("params", name):
         w = module.get_variable("params", name)
         if is_quantized(w) or is_row_adapters(w) or isinstance(w, OutFirst):
@@ -107,9 +98,8 @@ class Embed(nn.Module):
 class Norm(nn.Module):
     """RMSNorm (``kind="rms"``) or LayerNorm (``kind="layer"``) over the trailing axes.
 
-    The gain is ``(offset + scale)``, ``scale`` initialised to ``1 - offset``. ``shape`` is the
-    normalised trailing shape (default: x's last axis), e.g. (N, H) for all of a token's query
-    heads together; its logical ``axes`` default to ``("norm",)``.
+    The gain is ``(offset + scale)``, ``scale`` initialised to ``1 - offset``, over the trailing
+    ``shape`` (default: x's last axis; e.g. (N, H) for all of a token's heads together).
     """
 
     kind: str = "rms"
@@ -168,11 +158,9 @@ class LayerKind:
 class Attention(nn.Module):
     """Multi-head attention with grouped kv heads, RoPE and an optional KV cache.
 
-    Parameters: ``q_proj`` [D, N, H], ``k_proj`` and ``v_proj`` [D, K, H], ``o_proj`` [N, H, D],
-    with ``qkv_bias`` also ``q_bias`` [N, H], ``k_bias`` and ``v_bias`` [K, H], with ``o_bias``
-    ``o_bias`` [D], with ``sinks`` the sink logits ``sinks`` [N], and with ``qk_norm`` the
-    gains ``q_norm`` and ``k_norm`` ([H] each for ``"head"``, [N, H] and [K, H] for
-    ``"full"``; none for ``"weightless"``, applied after RoPE).
+    Parameters: ``q_proj`` [D, N, H], ``k_proj`` and ``v_proj`` [D, K, H], ``o_proj`` [N, H, D];
+    optionally ``q_bias`` [N, H], ``k_bias`` and ``v_bias`` [K, H], ``o_bias`` [D], ``sinks``
+    [N], and the ``qk_norm`` gains ``q_norm`` and ``k_norm``.
     """
 
     n_heads: int
@@ -215,13 +203,10 @@ class Attention(nn.Module):
 
         Args:
           x: [B, T, D] normalised input.
-          positions: [B, T] integer positions; with a cache, each row must be consecutive and
-            its first entry is the slot the chunk is written at.
+          positions: [B, T] integer positions (with a cache: consecutive per row).
           kind: this layer's window and RoPE frequencies (``LayerKind.of``).
-          cache: optional ``Cache`` (a ``KVCache`` or a paged cache); this block reads and
-            writes its layer ``layer`` through ``cache.attend``.
-          layer: this block's layer number, or inside a layer scan its ``LayerRef`` (what
-            the cache reads it by).
+          cache: optional ``Cache``; this block attends through ``cache.attend``.
+          layer: this block's layer number, or inside a layer scan its ``LayerRef``.
           segment_ids: optional [B, T] packed-sequence ids (0 = padding); not with a cache.
 
         Returns:

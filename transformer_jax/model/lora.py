@@ -1,39 +1,18 @@
 """LoRA: low-rank adapters on the attention and MLP matrices, as pure functions over param trees.
 
-A target matrix W (stored [in..., out...], e.g. ``q_proj`` [D, N, H]) gets two factors
-A [in..., R] and B [R, out...] and is used as ``W + (alpha / R) * A @ B``. A starts random and
-B at zero, so an initialised adapter leaves the model unchanged. Only A and B are trained; the
-base weights stay frozen (and may be stored in bfloat16, ``freeze_base``).
+A target matrix W (stored [in..., out...], e.g. ``q_proj`` [D, N, H]) gets factors A [in..., R]
+and B [R, out...] and is used as ``W + (alpha / R) * A @ B``. A starts random and B at zero, so
+a new adapter leaves the model unchanged; only A and B are trained. Adapters mirror the param
+tree block by block (``adapters["blocks_0"]["attn"]["q_proj"]["a"]``), with a leading L axis
+when scanned. ``TARGETS`` names the matrices: ``q k v o`` (attention), ``gate up down`` (dense
+FFN), ``experts.*`` (one adapter per expert, A [L?, E, D, R]) and ``shared.*`` of a mixture,
+``q_a q_b kv_a kv_b`` of latent attention. A target adapts the blocks that have its module;
+the router is not adapted.
 
-Adapters mirror the param tree, block by block (``stack.block_paths``): e.g.
-``adapters["blocks_0"]["attn"]["q_proj"]["a"]``, scanned with a leading L axis (the group's
-repeats). Shapes (R = rank, L = layers when scanned):
-
-  ====== ================= =============== ==============
-  target param             A               B
-  ====== ================= =============== ==============
-  q      attn/q_proj       [L?, D, R]      [L?, R, N, H]
-  k, v   attn/k_proj, ...  [L?, D, R]      [L?, R, K, H]
-  o      attn/o_proj       [L?, N, H, R]   [L?, R, D]
-  gate   mlp/gate, mlp/up  [L?, D, R]      [L?, R, F]
-  down   mlp/down          [L?, F, R]      [L?, R, D]
-  q_a    attn/q_a_proj     [L?, D, R]      [L?, R, Q]             (latent attention's
-  q_b    attn/q_b_proj     [L?, Q, R]      [L?, R, N, nope + P]   ``fields.MLA``, whose q
-  kv_a   attn/kv_a_proj    [L?, D, R]      [L?, R, R_kv + P]      and o are its q_proj and
-  kv_b   attn/kv_b_proj    [L?, R_kv, R]   [L?, R, N, nope + V]   o_proj)
-  ====== ================= =============== ==============
-
-A mixture's layers (``moe/``) have targets ``experts.{gate,up,down}`` (one adapter per expert:
-``moe/gate`` [L?, E, D, F] gets A [L?, E, D, R], B [L?, E, R, F]) and ``shared.{gate,up,down}``
-(its shared expert). A target adapts the blocks that have its module (``gate`` the dense
-layers' ``mlp``, ``experts.gate`` the sparse layers' ``moe``); the router is not adapted.
-
-In a train step, differentiate the loss of ``Transformer.apply`` on ``apply_adapters(base,
-adapters, lora_config)`` with respect to the adapters only (gradients adapter-sized), or keep
-both in one tree ``{"base": base, "adapters": adapters}`` (the layout checkpoints of LoRA runs
-use, read by ``checkpoint.loading``) with ``model_params(tree, lora_config)`` in the loss and
-``optimizer(tx)``, which updates and keeps moments for the adapters only.
-For export, ``merge`` folds the adapters into plain params.
+In a train step differentiate the loss on ``apply_adapters(base, adapters, lora_config)`` with
+respect to the adapters, or keep one tree ``{"base": ..., "adapters": ...}`` (the layout of
+LoRA checkpoints) with ``model_params`` in the loss and ``optimizer(tx)``. ``merge`` folds the
+adapters into plain params for export.
 """
 
 from __future__ import annotations
@@ -54,7 +33,7 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import MATRIX_INPUT_AXES
 from transformer_jax.model.ops.quantized import is_quantized
 from transformer_jax.model.quant_spec import ACCEPTS, SCHEMES, is_saved_quantized, parse_quant
-from transformer_jax.model.stack import block_paths
+from transformer_jax.model.stack import block_paths, tree_get, tree_set
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +64,7 @@ DEFAULT_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def _input_axes(target: str) -> int:
-    """How many (input) axes the target's matrix has after its batch axes; the rest are
-    output axes."""
+    """How many input axes the target's matrix has after its batch axes."""
     return MATRIX_INPUT_AXES.get(TARGETS[target][-1], 1)
 
 
@@ -158,7 +136,7 @@ def _blocks(params: Mapping[str, Any]) -> list[tuple[Block, bool]]:
 
 
 def _target_param(params: Mapping[str, Any], block: Block, target: str) -> Any:
-    node: Any = _get(params, block)
+    node: Any = tree_get(params, block)
     for key in TARGETS[target]:
         try:
             node = node[key]
@@ -171,7 +149,7 @@ def _target_param(params: Mapping[str, Any], block: Block, target: str) -> Any:
 def _applies(params: Mapping[str, Any], block: Block, target: str) -> bool:
     """Whether ``target`` adapts ``block``: the block has the target's module (a dense layer
     its ``mlp``, a sparse one its ``moe``)."""
-    node = _get(params, block)
+    node = tree_get(params, block)
     return isinstance(node, Mapping) and TARGETS[target][0] in node
 
 
@@ -194,19 +172,8 @@ def _entries(params: Mapping[str, Any], lora_config: LoraConfig
             continue
         raise ValueError(f"lora target {target!r} adapts {'/'.join(TARGETS[target])}, which no "
                          "block of the params has (block keys: "
-                         f"{sorted(_get(params, blocks[0][0]))})")
+                         f"{sorted(tree_get(params, blocks[0][0]))})")
     return entries
-
-
-def _get(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
-    return tree if not path else _get(tree[path[0]], path[1:])
-
-
-def _set(tree: Mapping[str, Any], path: Sequence[str], value: Any) -> dict[str, Any]:
-    """A copy of ``tree`` with ``value`` at ``path`` (the dicts along it copied)."""
-    out = dict(tree)
-    out[path[0]] = value if len(path) == 1 else _set(tree.get(path[0], {}), path[1:], value)
-    return out
 
 
 def init_adapters(config: ModelConfig, lora_config: LoraConfig, params: Params,
@@ -216,13 +183,9 @@ def init_adapters(config: ModelConfig, lora_config: LoraConfig, params: Params,
     Args:
       config: the model (checked against the params' layout).
       lora_config: rank and targets.
-      params: the base params, unrolled or scanned; arrays or ``ShapeDtypeStruct``s (only the
-        shapes are read).
+      params: the base params, unrolled or scanned (arrays or ``ShapeDtypeStruct``s).
       key: PRNG key for the A factors.
       dtype: dtype of A and B (float32 by default, whatever the base's dtype).
-
-    Returns:
-      The adapter tree (see the module docstring for the layout and shapes).
     """
     blocks = _blocks(params)
     if config.scan_layers != blocks[0][1]:
@@ -240,7 +203,7 @@ def init_adapters(config: ModelConfig, lora_config: LoraConfig, params: Params,
         a = jax.random.normal(k, (*lead, *matrix[:n_in], r), dtype) * math.prod(
             matrix[:n_in]) ** -0.5
         b = jnp.zeros((*lead, r, *matrix[n_in:]), dtype)
-        adapters = _set(adapters, (*block, *TARGETS[target]), {"a": a, "b": b})
+        adapters = tree_set(adapters, (*block, *TARGETS[target]), {"a": a, "b": b})
     return adapters
 
 
@@ -277,32 +240,21 @@ def _adapted(params: Params, adapters: Adapters, lora_config: LoraConfig,
         where = "/".join((*block, *path))
         w = _target_param(params, block, target)
         try:
-            ab = _get(adapters, (*block, *path))
+            ab = tree_get(adapters, (*block, *path))
         except (KeyError, TypeError):  # a missing block, module or matrix
             raise ValueError(f"adapters lack {where} (lora target {target!r}; they have "
                              f"{sorted(adapters)})") from None
         d = delta(ab["a"], ab["b"], target, stacked, lora_config.scale)
         if d.shape != w.shape:
             raise ValueError(f"adapter {where} gives shape {d.shape}, the param has {w.shape}")
-        out = _set(out, (*block, *path), (w.astype(jnp.float32) + d).astype(dtype_of(w, ab)))
+        out = tree_set(out, (*block, *path), (w.astype(jnp.float32) + d).astype(dtype_of(w, ab)))
     return out
 
 
 def apply_adapters(params: Params, adapters: Adapters, lora_config: LoraConfig) -> Params:
-    """The params the model runs with: ``W + (alpha/R) * A @ B`` for every target (pure).
-
-    Differentiable in both arguments; use it inside the loss so that gradients reach the
-    adapters. An adapted matrix gets the wider of the base's and the adapters' dtypes, so a
-    bfloat16 base with float32 adapters yields float32 matrices (the update is not rounded
-    away); the other params are returned as they are.
-
-    Args:
-      params: base params (unrolled or scanned).
-      adapters: from ``init_adapters`` (same layout).
-      lora_config: rank, alpha, targets.
-
-    Returns:
-      A param tree for ``Transformer(config).apply({"params": ...})``.
+    """The params the model runs with: ``W + (alpha/R) * A @ B`` for every target (pure,
+    differentiable in both arguments). An adapted matrix gets the wider of the base's and the
+    adapters' dtypes (a bfloat16 base with float32 adapters: float32); the rest is as given.
     """
     return _adapted(params, adapters, lora_config,
                     lambda w, ab: jnp.promote_types(w.dtype, ab["a"].dtype))
@@ -310,18 +262,9 @@ def apply_adapters(params: Params, adapters: Adapters, lora_config: LoraConfig) 
 
 def merge(params: Params, adapters: Adapters, lora_config: LoraConfig,
           dtype: Any = None) -> Params:
-    """Folds the adapters into the weights, for export: plain params of the base's structure.
-
-    Args:
-      params: base params.
-      adapters: trained adapters.
-      lora_config: rank, alpha, targets.
-      dtype: dtype of the merged matrices; None keeps each base matrix's dtype. The sum is
-        computed in float32 either way.
-
-    Returns:
-      Params equal to ``apply_adapters``'s (up to the final cast).
-    """
+    """Folds the adapters into the weights, for export: plain params of the base's structure,
+    equal to ``apply_adapters``'s up to the cast to ``dtype`` (None: each base matrix's dtype;
+    the sum is float32 either way)."""
     return _adapted(params, adapters, lora_config,
                     lambda w, ab: w.dtype if dtype is None else jnp.dtype(dtype))
 
@@ -345,15 +288,7 @@ def check_base_quant(base_quant: str, rank: int, base_dtype: str) -> None:
 
 
 def freeze_base(params: Params, dtype: Any = jnp.bfloat16) -> Params:
-    """The base params cast to ``dtype`` (floating leaves only), to store them smaller.
-
-    Args:
-      params: base params.
-      dtype: e.g. ``jnp.bfloat16``.
-
-    Returns:
-      The same tree with floating-point leaves in ``dtype``.
-    """
+    """The base params with their floating-point leaves cast to ``dtype``, to store them smaller."""
     return jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
@@ -372,17 +307,8 @@ def trainable_mask(tree: Mapping[str, Any]) -> Any:
 
 
 def optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``tx`` on the adapters of a combined ``{"base", "adapters"}`` tree; the base never moves.
-
-    Built with ``optax.multi_transform``: the base gets ``set_to_zero`` (zero updates, no
-    state), so the optimizer state holds moments for the adapters only.
-
-    Args:
-      tx: the optimizer of the adapters (e.g. ``optim.make_optimizer(train_config)``).
-
-    Returns:
-      A transformation to ``init`` on the combined tree.
-    """
+    """``tx`` on the adapters of a combined ``{"base", "adapters"}`` tree; the base never moves
+    (``optax.set_to_zero``: no moments are kept for it)."""
     def labels(tree: Mapping[str, Any]) -> Any:
         return jax.tree.map(lambda trainable: "train" if trainable else "frozen",
                             trainable_mask(tree))
@@ -391,37 +317,27 @@ def optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
 
 
 def adapter_shardings(adapters: Adapters, params_shardings: Any) -> Any:
-    """Shardings of the adapters that follow their target matrices' (``param_shardings``).
-
-    A [L?, in..., R] takes the target's sharding of its input axes and B [L?, R, out...] that of
-    its output axes; R stays whole. So under FSDP/tensor rules the factors split like the
-    matrix they adapt, and ``A @ B`` needs no more communication than the matrix itself.
-
-    Args:
-      adapters: from ``init_adapters`` (arrays or ``ShapeDtypeStruct``s).
-      params_shardings: ``sharding.param_shardings(config, mesh)`` of the base params.
-
-    Returns:
-      A tree like ``adapters`` with a ``NamedSharding`` per leaf.
-    """
+    """Shardings of the adapters (a ``NamedSharding`` per leaf) that follow their target
+    matrices' (``params_shardings``, ``sharding.param_shardings(config, mesh)``): A takes the
+    target's sharding of its input axes, B that of its output axes; R stays whole."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     out: dict[str, Any] = {}
     for block, stacked in _blocks(adapters):
-        modules = _get(adapters, block)
+        modules = tree_get(adapters, block)
         for target, path in TARGETS.items():
             try:
-                ab = _get(modules, path)
+                ab = tree_get(modules, path)
             except (KeyError, TypeError):
                 continue
-            w = _get(params_shardings, (*block, *path))
+            w = tree_get(params_shardings, (*block, *path))
             n_lead = int(stacked) + _batch_axes(target)
             ndim = ab["a"].ndim + ab["b"].ndim - 2 - n_lead  # the target's rank
             spec = tuple(w.spec) + (None,) * (ndim - len(w.spec))
             lead, matrix = spec[:n_lead], spec[n_lead:]
             n_in = _input_axes(target)
-            out = _set(out, (*block, *path), {
+            out = tree_set(out, (*block, *path), {
                 "a": NamedSharding(w.mesh, P(*lead, *matrix[:n_in], None)),
                 "b": NamedSharding(w.mesh, P(*lead, None, *matrix[n_in:]))})
     return out

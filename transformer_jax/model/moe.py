@@ -2,15 +2,11 @@
 ``ops.moe``.
 
 Parameters (logical axes in brackets): ``router`` [D, E] (embed, router); ``gate`` and ``up``
-[E, D, F] (experts, expert_embed, expert_mlp); ``down`` [E, F, D]; with a shared expert the
-dense FFN ``shared`` (an ``MLP``) and, with its gate, ``shared_gate`` [D, 1]; with
-``router_bias`` ``router_bias`` [E], with ``expert_bias`` ``gate_bias`` and ``up_bias`` [E, F]
-and ``down_bias`` [E, D], with ``correction_bias`` ``correction_bias`` [E] (router: not
-trained by gradient, updated by ``balance_correction_bias``). The experts' axes
-have their own names so a mesh can split E over an ``expert`` axis while the rest of the model
-uses that axis for data (``parallel/sharding.py``). When the logical rules in context split E
-over more than one device, the experts run expert-parallel (``ops.moe_dispatch``: each token
-sent to its experts' devices and back by all_to_all); otherwise as ``ops.moe.experts_ffn``.
+[E, D, F] (experts, expert_embed, expert_mlp); ``down`` [E, F, D]; optionally ``shared`` (an
+``MLP``), ``shared_gate`` [D, 1], ``router_bias`` [E], ``gate_bias``/``up_bias`` [E, F],
+``down_bias`` [E, D] and ``correction_bias`` [E] (updated by ``balance_correction_bias``, not by
+gradients). The experts' axes have their own names so a mesh can split E over an ``expert``
+axis; then the experts run expert-parallel (``ops.moe_dispatch``).
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ from transformer_jax.model.ops import moe as moe_ops
 from transformer_jax.model.ops import moe_dispatch
 from transformer_jax.model.ops.dense import dense
 from transformer_jax.model.ops.ffn import GATE_ACTIVATIONS
-from transformer_jax.model.stack import block_paths, stacked_layers
+from transformer_jax.model.stack import block_paths, stacked_layers, tree_get, tree_set
 
 #: The parameter name of a router's correction bias (``MoE.correction_bias``).
 CORRECTION_BIAS = "correction_bias"
@@ -41,13 +37,8 @@ RouterStats = dict[str, jax.Array]
 class SparseFFN(nn.Module):
     """A mixture of ``moe.n_experts`` gated FFNs with top-k routing (``MoE`` says which).
 
-    The router and the shared expert may be prepared out-first (``ops.layouts.OutFirst``); the
-    experts' [E, ...] stacks are stored in-first in every layout (the decode path gathers
-    whole expert matrices, which the layout does not change). Prepared decode weights may hold
-    each stack as an ``ops.moe.ExpertList`` (one array per expert), taken as it is.
-
-    Under a mesh whose rules split E over devices (``expert_split``), the routed tokens go
-    through ``ops.moe_dispatch``; otherwise XLA partitions the product from the shardings.
+    The router and the shared expert may be prepared out-first; the experts' [E, ...] stacks
+    are in-first in every layout, or an ``ops.moe.ExpertList`` in prepared decode weights.
     """
 
     moe: MoE
@@ -147,9 +138,8 @@ class SparseFFN(nn.Module):
 
 
 def expert_split() -> moe_dispatch.ExpertSplit | None:
-    """How the abstract mesh and logical rules in context (``parallel.sharding.jit_sharded``)
-    split the experts, or None (no mesh, or E not split): ``moe_dispatch.expert_split`` of the
-    mesh axes that ``batch``, ``experts``, ``expert_embed`` and ``expert_mlp`` map to."""
+    """``moe_dispatch.expert_split`` of the mesh and logical rules in context, or None (no
+    mesh, or E not split)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
@@ -161,8 +151,7 @@ def expert_split() -> moe_dispatch.ExpertSplit | None:
 def balance_correction_bias(params: dict, load: jax.Array, rate: float,
                             sparse_layers: tuple[int, ...]) -> dict:
     """The auxiliary-loss-free balancing update (DeepSeek-V3) of every sparse layer's
-    ``correction_bias``: ``bias += rate * sign(mean(load) - load)``, raising the bias of the
-    experts that received fewer (token, slot) pairs than the mean and lowering the others'.
+    ``correction_bias``: ``bias += rate * sign(mean(load) - load)``.
 
     Args:
       params: the model's params (unrolled ``blocks_{i}`` or scanned layer groups).
@@ -180,26 +169,12 @@ def balance_correction_bias(params: dict, load: jax.Array, rate: float,
     stacked = stacked_layers(params)
     out = dict(params)
     for path, is_stacked in block_paths(params):
-        moe = _get(params, path).get("moe", {})
+        moe = tree_get(params, path).get("moe", {})
         if CORRECTION_BIAS not in moe:
             continue
         layers = stacked[path] if is_stacked else [int(path[0].removeprefix("blocks_"))]
         delta = step[jnp.asarray([row[i] for i in layers])]
         bias = moe[CORRECTION_BIAS]
         new = (bias.astype(jnp.float32) + (delta if is_stacked else delta[0])).astype(bias.dtype)
-        _set(out, (*path, "moe", CORRECTION_BIAS), new)
+        out = tree_set(out, (*path, "moe", CORRECTION_BIAS), new)
     return out
-
-
-def _get(tree: dict, path: tuple[str, ...]) -> dict:
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _set(tree: dict, path: tuple[str, ...], value: jax.Array) -> None:
-    """Sets ``tree[path]``, copying each dict on the way (the input trees are not changed)."""
-    for key in path[:-1]:
-        tree[key] = dict(tree[key])
-        tree = tree[key]
-    tree[path[-1]] = value

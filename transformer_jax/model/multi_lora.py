@@ -1,20 +1,12 @@
 """Many LoRA adapters of one base, stacked for a batch whose rows pick different ones.
 
 ``stack_adapters`` lays several trained adapters (``model.lora``'s trees, each with its own
-rank, alpha and targets) side by side over the base they were trained on: for every adapted
-matrix, A [L?, Na, in..., R] and B [L?, Na, R, out...] for Na adapters (out-first weights: A
-[L?, Na, R, in...] and B [L?, out..., Na, R], ``ops.row_lora``), every rank zero-padded to the
-largest R and each B scaled by its adapter's ``alpha / rank``. A matrix some adapter does not
-target gets zeros for it. Adapter ids count from 1; id 0 is the base model and has no entry.
-
-``with_row_adapters`` gives the params a forward runs with: each adapted matrix replaced by an
-``ops.row_lora.RowAdapters`` (the matrix, its stack, the rows' adapter ids), so the one forward
-adds each row's own update (``ops.dense``). It is a pure function of traced arrays, called
-inside the step: which adapter a row uses is data, not a compiled shape.
-
-Only the dense matrices (attention q, k, v, o; the dense FFN's gate, up, down) take per-row
-adapters: a mixture's experts compute over tokens regrouped by expert, where a row no longer
-is a request.
+rank, alpha and targets) side by side for every adapted matrix (``ops.row_lora``'s layout),
+ranks zero-padded to the largest and each B scaled by its ``alpha / rank``; a matrix an adapter
+does not target gets zeros. Adapter ids count from 1; id 0 is the base. ``with_row_adapters``
+gives the params a forward runs with, each adapted matrix an ``ops.row_lora.RowAdapters``; it is
+pure, called inside the step. Only the dense matrices take per-row adapters (a mixture's experts
+see tokens regrouped by expert, no longer rows of requests).
 """
 
 from __future__ import annotations
@@ -27,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.model.layers import MATRIX_INPUT_AXES
-from transformer_jax.model.lora import DEFAULT_TARGETS, TARGETS, LoraConfig, _set
+from transformer_jax.model.lora import DEFAULT_TARGETS, TARGETS, LoraConfig
 from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.ops.row_lora import RowAdapters
-from transformer_jax.model.stack import block_paths, restack, stacked_layers
+from transformer_jax.model.stack import block_paths, restack, stacked_layers, tree_set
 
 Params = dict[str, Any]
 #: The targets that take per-row adapters (``DEFAULT_TARGETS``: the dense matrices).
@@ -59,10 +51,9 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
     """The stacked adapters of ``params`` (see the module docstring).
 
     Args:
-      params: the base params the forward runs with (scanned or unrolled; float or quantised;
-        each matrix in-first or an ``ops.layouts.OutFirst``, the layout its factors take).
-      adapters: (adapter tree, its ``LoraConfig``) per adapter, in id order from 1; trees in
-        either layer layout (``model.lora.init_adapters``'s form).
+      params: the base params the forward runs with (any layer layout, float or quantised,
+        in-first or ``OutFirst`` matrices: the layout the factors take).
+      adapters: (adapter tree, its ``LoraConfig``) per adapter, in id order from 1.
       names: the adapters' names, for errors (default ``adapter 1`` ...).
 
     Returns:
@@ -103,8 +94,7 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
             shape = _in_first_shape(w, path[-1], scanned)
             n_in = MATRIX_INPUT_AXES[path[-1]]
             lead = (tuple(w.shape)[0],) if scanned else ()
-            # Assembled on the host (numpy): op by op on the device, every zeros, update and
-            # transpose of each matrix's shape would compile a program of its own.
+            # Assembled on the host: on the device every op of each shape would compile.
             a = np.zeros((*lead, len(trees), *shape[:n_in], rank), np.float32)
             b = np.zeros((*lead, len(trees), rank, *shape[n_in:]), np.float32)
             for i, (tree, cfg, name) in enumerate(trees):
@@ -125,7 +115,7 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
                 n = len(lead)
                 a = np.moveaxis(a, -1, n + 1)
                 b = np.moveaxis(b, (n, n + 1), (-2, -1))
-            stack = _set(stack, (*block, *path), {"a": jnp.asarray(a), "b": jnp.asarray(b)})
+            stack = tree_set(stack, (*block, *path), {"a": jnp.asarray(a), "b": jnp.asarray(b)})
     if not stack:
         raise ValueError(f"no matrix of the base is adapted by {names}")
     return stack
@@ -142,8 +132,7 @@ def with_row_adapters(params: Params, stack: Params, ids: jax.Array) -> Params:
         the base.
 
     Returns:
-      The param tree for ``Transformer.apply`` (in the scanned layout the ids are repeated
-      per layer, [L, B], as the layer scan slices every leaf).
+      The param tree for ``Transformer.apply`` (scanned: the ids repeated per layer, [L, B]).
     """
     out = dict(params)
     for block, stacked in block_paths(stack):
@@ -153,7 +142,7 @@ def with_row_adapters(params: Params, stack: Params, ids: jax.Array) -> Params:
             if ab is None:
                 continue
             rows = jnp.broadcast_to(ids, (ab["a"].shape[0], *ids.shape)) if stacked else ids
-            out = _set(out, path, RowAdapters(_node(params, path), ab["a"], ab["b"], rows))
+            out = tree_set(out, path, RowAdapters(_node(params, path), ab["a"], ab["b"], rows))
     return out
 
 

@@ -1,10 +1,6 @@
 """The spelling of a weight quantisation: ``"int8"``, ``"int4"``, ``"int4:G"``, ``"nf4"``,
-``"nf4:G"``, parsed in one place (``parse_quant``) for every flag and setting that takes one
-(``generate``/``serve``/``bench decode --quant``, ``train.lora_base_quant``).
-
-This module needs neither qwix nor a device: a config or an argument is checked with it before
-anything is loaded. ``model.quant`` quantises by the ``WeightQuant`` it returns (and rebuilds
-the quantised weights a checkpoint holds, ``is_saved_quantized``).
+``"nf4:G"``, parsed in one place (``parse_quant``) for every flag and setting that takes one.
+It needs neither qwix nor a device, so a setting is checked before anything is loaded.
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """Rematerialisation policies: what a block keeps from its forward for the backward pass.
 
-A block's activations are named where they are computed (``jax.ad_checkpoint.checkpoint_name``,
-a no-op outside ``jax.checkpoint``): the attention's projections and output, the FFN's and the
-mixture's products. A policy (``model.remat``, ``Execution.remat``) saves some of them in device
-memory, offloads some to the host's memory, and recomputes the rest:
+A block's activations are named where they are computed (``checkpoint_name``): the attention's
+projections and output, the FFN's and the mixture's products. A policy (``Execution.remat``)
+saves some in device memory, offloads some to the host's, and recomputes the rest:
 
-- ``none``: no remat, the block keeps every input of its backward (the most memory);
-- ``full``: only the block's input; the whole block runs again in the backward pass;
+- ``none``: no remat (the most memory); ``full``: only the block's input is kept;
 - ``save_qkv_proj``: the query, key and value projections (MaxText's name);
-- ``save_dots_except_mlp``: those, the attention's output and its output projection: the FFN
-  is recomputed (MaxText's ``save_dot_except_mlp``, with the context);
+- ``save_dots_except_mlp``: those, the attention's output and its output projection;
 - ``save_dots_except_mlp_in``: every named product but the FFN's gate and up (the widest);
-- ``save_dots``: every matmul without batch dimensions (the most of the remat policies);
-- ``offload_qkv_proj``: the query, key and value projections, moved to the host's pinned memory
-  after the forward and back for the backward;
-- ``offload_dots``: every named product, moved to the host.
+- ``save_dots``: every matmul without batch dimensions;
+- ``offload_qkv_proj`` / ``offload_dots``: the q/k/v projections / every named product, moved
+  to the host's pinned memory for the backward.
 
-Offloading needs a device memory apart from the host's (TPU, GPU): on a CPU target the device's
-memory is the host's, so an offloading policy saves the same activations in place (the math is
-the same) and logs that once (``policy``).
+On a CPU target an offloading policy saves the same activations in place (logged once).
 """
 
 from __future__ import annotations

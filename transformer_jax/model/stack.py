@@ -1,25 +1,18 @@
 """The layer stack as groups: which block each layer is, and how runs of them are scanned.
 
-Each layer is a ``LayerSpec``: its attention kind (``"global"``: full causal; ``"local"``:
-the sliding window; ``"chunked"``: causal within its chunk of positions; ``"latent"``:
-multi-head latent attention), its FFN kind (``"dense"`` or ``"moe"``) and whether it rotates by
-RoPE. The stack is cut into ``LayerGroup``s, each a period of specs repeated: Gemma 3's 26
-layers are five local and one global layer four times, then two local ones; a DeepSeek-shaped
-mixture is 3 dense layers, then its sparse ones; a uniform model is one group of period 1. A
-scanned model scans each group on its own over its repeats, the period's blocks unrolled in the
-scan body, so every block knows its kinds as Python values: nothing is selected by a traced
-layer index, and a cache writes only what its layer reads.
-
-A block inside a scan addresses its cache with a ``LayerRef``: its kind, and its (traced)
-index among all layers and among the layers of its attention kind, from which a cache finds
-the buffer that holds it (a ring for a local layer, say).
+Each layer is a ``LayerSpec`` (attention kind, FFN kind, RoPE or not). The stack is cut into
+``LayerGroup``s, each a period of specs repeated (Gemma 3's 26 layers: five local and one
+global layer four times, then two local ones). A scanned model scans each group over its
+repeats with the period's blocks unrolled in the body, so every block knows its kinds as Python
+values, and addresses its cache with a ``LayerRef`` (its traced indices). This module also
+moves params-shaped trees between the unrolled and scanned layouts (``restack``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -35,10 +28,8 @@ class LayerSpec:
     """What one layer is (static, hashable).
 
     Attributes:
-      attention: ``"global"`` (full causal), ``"local"`` (the sliding window, its own RoPE
-        base when the architecture gives one), ``"chunked"`` (a query sees the keys of its
-        own chunk of ``attention_chunk`` positions, causally) or ``"latent"`` (multi-head
-        latent attention, ``fields.MLA``: its cache holds a latent per token).
+      attention: ``"global"`` (full causal), ``"local"`` (the sliding window), ``"chunked"``
+        (causal within its chunk) or ``"latent"`` (multi-head latent attention).
       ffn: ``"dense"`` or ``"moe"`` (the mixture of experts).
       rope: whether the layer rotates q and k (False: a NoPE layer, ``nope_layers``).
     """
@@ -112,15 +103,9 @@ class LayerGroup:
 
 @functools.cache
 def layer_groups(specs: tuple[LayerSpec, ...]) -> tuple[LayerGroup, ...]:
-    """Cuts a stack into groups: from each layer on, the period that covers the most layers
-    by repeating (the shortest among equals); a run that repeats nothing is one layer.
-
-    Args:
-      specs: each layer's spec, L entries.
-
-    Returns:
-      The groups in layer order, covering every layer once.
-    """
+    """Cuts L layer specs into groups (in layer order, covering every layer once): from each
+    layer on, the period that covers the most layers by repeating (the shortest among
+    equals); a run that repeats nothing is one layer."""
     groups, start, n = [], 0, len(specs)
     while start < n:
         best = (1, 1)  # (period, repeats)
@@ -173,10 +158,18 @@ def block_paths(params: Mapping[str, Any]) -> list[tuple[tuple[str, ...], bool]]
     return out
 
 
-def _get(tree: Any, path: tuple[str, ...]) -> Any:
+def tree_get(tree: Any, path: Sequence[str]) -> Any:
+    """``tree[path[0]][path[1]]...``."""
     for key in path:
         tree = tree[key]
     return tree
+
+
+def tree_set(tree: Mapping[str, Any], path: Sequence[str], value: Any) -> dict[str, Any]:
+    """A copy of ``tree`` with ``value`` at ``path`` (the dicts along it copied or created)."""
+    out = dict(tree)
+    out[path[0]] = value if len(path) == 1 else tree_set(tree.get(path[0], {}), path[1:], value)
+    return out
 
 
 def stacked_layers(params: Mapping[str, Any]) -> dict[tuple[str, ...], list[int]]:
@@ -187,7 +180,7 @@ def stacked_layers(params: Mapping[str, Any]) -> dict[tuple[str, ...], list[int]
     out, start = {}, 0
     for key in dict.fromkeys(p[0] for p in paths):
         mine = [p for p in paths if p[0] == key]
-        repeats = jax.tree.leaves(_get(params, mine[0]))[0].shape[0]
+        repeats = jax.tree.leaves(tree_get(params, mine[0]))[0].shape[0]
         for j, path in enumerate(mine):
             out[path] = [start + r * len(mine) + j for r in range(repeats)]
         start += len(mine) * repeats
@@ -222,5 +215,5 @@ def restack(tree: Mapping[str, Any], want: dict[tuple[str, ...], list[int]]) -> 
             out.setdefault(path[0], {})[path[1]] = node
     for path, layers in scanned.items():  # scanned -> unrolled
         for r, i in enumerate(layers):
-            out[f"blocks_{i}"] = jax.tree.map(lambda x, r=r: x[r], _get(tree, path))
+            out[f"blocks_{i}"] = jax.tree.map(lambda x, r=r: x[r], tree_get(tree, path))
     return out

@@ -1,17 +1,11 @@
 """Chunked (flash-style) attention in plain JAX: memory linear in the context on any backend.
 
-Layout and mask semantics are ``ops.attention``'s: queries ``q`` [B, T, N, H], keys and values
-[B, K, S, H] (the KV cache's layout), G = N / K query heads per kv head (never repeated in
-memory); a query with no visible key returns exactly zeros.
-
-The queries and keys are cut into blocks; each query block runs over the key blocks keeping a
-running maximum, sum and weighted value sum (an online softmax), and key blocks that no query of
-the block can see are skipped. The gradient is a ``custom_vjp`` that recomputes each block's
-probabilities from the saved per-row log-sum-exp, so neither direction keeps anything of size
-[T, S]. ``ops.attention.attention(..., impl="chunked")`` dispatches here.
-
-This module is the leaf of the attention ops: the shape checks and the float32-accumulating
-einsum that the reference in ``ops.attention`` shares live here too.
+Layout and mask semantics are ``ops.attention``'s: ``q`` [B, T, N, H], keys and values
+[B, K, S, H], G = N / K query heads per kv head; a query with no visible key returns zeros.
+Each query block runs over the key blocks with an online softmax, skipping key blocks it cannot
+see. The gradient is a ``custom_vjp`` that recomputes each block's probabilities from the saved
+log-sum-exp, so neither direction keeps anything of size [T, S]. This module also holds the
+shape checks and the float32-accumulating einsum that ``ops.attention`` shares.
 """
 
 import dataclasses
@@ -23,8 +17,7 @@ import jax.numpy as jnp
 
 from transformer_jax.model.ops import target
 
-# Default blocks: [B, N, 256, 512] float32 logits per step (512 KiB per sequence and head), large
-# enough that each einsum is efficient and small enough to stay in cache.
+# Default blocks: [B, N, 256, 512] float32 logits per step (512 KiB per sequence and head).
 BLOCK_Q = 256
 BLOCK_K = 512
 
@@ -45,11 +38,8 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) 
 
 
 def softcap(x: jax.Array, cap: float | jax.Array) -> jax.Array:
-    """Soft-capping ``tanh(x / cap) * cap``: smooth, odd, ~x for |x| << cap, bounded by ``cap``.
-
-    Applied to attention logits (after the scale, before the mask and softmax) and to final LM
-    logits. Any shape; the result has x's shape and dtype.
-    """
+    """Soft-capping ``tanh(x / cap) * cap``: smooth, ~x for |x| << cap, bounded by ``cap``
+    (attention logits after the scale, and final LM logits); x's shape and dtype."""
     return jnp.tanh(x / cap) * cap
 
 
@@ -161,16 +151,10 @@ def _prepare(plan, q, k, v, qpos, kpos, qseg, kseg):
 
 
 def _loop(n, body, init):
-    """``fori_loop(0, n, body, init)`` as a ``while_loop``, never a ``scan``.
-
-    These loops sit inside a ``custom_vjp`` and are never differentiated, but JAX still
-    partially evaluates them when the attention runs under ``jax.checkpoint`` inside a
-    ``lax.scan`` (``nn.scan`` over remat'd layers): the scan's loop-invariant hoisting
-    evaluates whatever depends only on the positions (each block's mask, the broadcast -inf
-    and zeros) ahead of time and stacks it per block, a [T/bq, S/bk, B, K, G, bq, bk] bool and
-    float32 pair, i.e. [B, N, T, S], quadratic in the context (measured: 2.5 GiB at T = 4096
-    in ``tinyllama_1_1b``'s gradient). A ``while_loop`` has no per-iteration residuals, so its
-    partial evaluation recomputes instead of stacking.
+    """``fori_loop(0, n, body, init)`` as a ``while_loop``, never a ``scan``: under
+    ``jax.checkpoint`` inside ``nn.scan``, a scan's partial evaluation would stack per block
+    what depends only on the positions (each block's mask), [B, N, T, S] in all
+    (docs/long-context.md); a ``while_loop`` recomputes instead.
     """
     def step(carry):
         i, x = carry
@@ -397,9 +381,8 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
                       scale: float | None = None, softcap: float | None = None,
                       sinks: jax.Array | None = None,
                       block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> jax.Array:
-    """Memory-efficient attention on any backend: blockwise with an online softmax, as the
-    module docstring says (blocks nothing sees skipped with ``lax.cond``); memory is linear in
-    the context, plus one [B, N, block_q, block_k] block of float32 logits at a time.
+    """Memory-efficient attention on any backend (the module docstring): memory linear in the
+    context, plus one [B, N, block_q, block_k] block of float32 logits at a time.
 
     Args:
       q: [B, T, N, H] queries.
@@ -408,16 +391,13 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
       q_positions: [B, T] int positions of the queries.
       k_positions: optional [B, S] int positions of the keys, default ``arange(S)``.
       q_segments, k_segments: optional [B, T], [B, S] segment ids (0 = padding), given together.
-      window: optional sliding window; a query at m sees keys at ``n > m - window``. A Python
-        int or an int scalar array, possibly traced (a per-layer window carried through a
-        layer scan); the skipped blocks are decided at run time either way.
+      window: optional sliding window (keys at ``n > m - window``): a Python int or an int
+        scalar array, possibly traced.
       causal: whether a query at m sees only keys at ``n <= m``.
       scale: logit scale, default ``1/sqrt(H)``.
-      softcap: optional logit soft-cap c: each block's scaled logits become ``c tanh(x / c)``
-        before the mask and the online softmax (and the backward pass multiplies by the tanh's
-        derivative).
-      sinks: optional [N] sink logits, one per query head: a term of each softmax's
-        denominator with no value, folded in after the key blocks (differentiable).
+      softcap: optional logit soft-cap c (``c tanh(x / c)`` on the scaled logits).
+      sinks: optional [N] sink logits: a term of each softmax's denominator with no value
+        (differentiable).
       block_q, block_k: block sizes (clipped to T and S).
 
     Returns:

@@ -8,15 +8,8 @@ from transformer_jax.model.ops.quantized import einsum, take_rows
 
 
 def embed(tokens: jax.Array, table: jax.Array) -> jax.Array:
-    """Looks up token vectors: row ``tokens[b, t]`` of the table.
-
-    Args:
-      tokens: [B, T] integer token ids in [0, V).
-      table: [V, D] embedding matrix (or a quantised one, ``ops.quantized``).
-
-    Returns:
-      [B, T, D] in the table's dtype.
-    """
+    """Looks up token vectors: [B, T] integer ids in [0, V), a [V, D] table (float or
+    quantised) -> [B, T, D] in the table's dtype."""
     chex.assert_rank(tokens, 2)
     chex.assert_equal(len(table.shape), 2)
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -25,15 +18,8 @@ def embed(tokens: jax.Array, table: jax.Array) -> jax.Array:
 
 
 def tied_logits(x: jax.Array, table: jax.Array) -> jax.Array:
-    """LM head with weights tied to the embedding: ``logits = x @ table^T``.
-
-    Args:
-      x: [B, T, D] final hidden states.
-      table: [V, D] the token embedding matrix (or a quantised one).
-
-    Returns:
-      [B, T, V] float32 logits.
-    """
+    """LM head tied to the embedding: [B, T, D] x, [V, D] table -> [B, T, V] float32
+    ``x @ table^T``."""
     chex.assert_rank(x, 3)
     chex.assert_equal(len(table.shape), 2)
     chex.assert_equal(x.shape[-1], table.shape[-1])

@@ -24,14 +24,11 @@ def gated_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
               activation: Callable[[jax.Array], jax.Array],
               matmul: Matmul = jnp.einsum,
               glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> jax.Array:
-    """Gated FFN: ``(activation(x W_gate) * (x W_up)) W_down`` (``swiglu``: silu; ``geglu``:
-    GELU).
+    """Gated FFN: ``(activation(x W_gate) * (x W_up)) W_down``.
 
     Args:
       x: [B, T, D] activations.
-      w_gate: [D, F] gate projection.
-      w_up: [D, F] up projection.
-      w_down: [F, D] down projection.
+      w_gate, w_up, w_down: [D, F], [D, F], [F, D] projections.
       activation: the gate's elementwise nonlinearity.
       matmul: ``matmul(spec, x, w)``, the product of each projection (``jnp.einsum``, or
         ``dense`` for weights stored output axes first).
@@ -48,8 +45,7 @@ def gated_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
            matmul: Matmul = jnp.einsum) -> jax.Array:
-    """SwiGLU: ``gated_ffn`` (same shapes) with the SiLU gate,
-    ``(silu(x W_gate) * (x W_up)) W_down``."""
+    """SwiGLU: ``gated_ffn`` (same shapes) with the SiLU gate."""
     return gated_ffn(x, w_gate, w_up, w_down, matmul=matmul, activation=jax.nn.silu)
 
 
@@ -64,13 +60,11 @@ def geglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *
 def plain_ffn(x: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
               activation: Callable[[jax.Array], jax.Array],
               matmul: Matmul = jnp.einsum) -> jax.Array:
-    """Two-layer FFN: ``activation(x W_up) W_down`` (``gelu_ffn``: the exact GELU;
-    ``relu_ffn``: the original Transformer's ReLU).
+    """Two-layer FFN: ``activation(x W_up) W_down``.
 
     Args:
       x: [B, T, D] activations.
-      w_up: [D, F] up projection.
-      w_down: [F, D] down projection.
+      w_up, w_down: [D, F], [F, D] projections.
       activation: the elementwise nonlinearity.
       matmul: as in ``gated_ffn``.
 

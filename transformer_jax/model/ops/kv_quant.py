@@ -2,14 +2,8 @@
 
 A token's key (or value) of one kv head, H floats, is stored as H + 2 int8 bytes: the values
 ``round(x / s)`` in [-127, 127], then the bfloat16 scale ``s = max|x| / 127`` bitcast into two
-bytes. The scale travels with the values it scales, so any cache layout that stores a token's
-[H] row (``KVCache``, the paged cache, keys transposed to [H, S] or not) stores its scale in
-the same place and in the same write, and a read dequantises each token with its own scale:
-none can be read for another token. Against a bfloat16 cache of the same slots it takes
-(H + 2) / 2H of the bytes (0.52x at H = 64).
-
-A bfloat16 scale rather than float32 keeps the cost at 2 bytes per row; its rounding (one
-part in 256) moves a value by at most about half a step, about the rounding error itself.
+bytes. The scale travels with its row, so every cache layout stores and reads it in the same
+place and write; (H + 2) / 2H of a bfloat16 cache's bytes (0.52x at H = 64).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Multi-head latent attention's two ways of attending over cached latents (``fields.MLA``).
 
-A token's cache entry is [c, k_rope]: the normed latent c [R] and the rotated rope key [P],
-shared by the N heads. Head n's key is [c @ W_k[n], k_rope] and its value c @ W_v[n], the
-up-projection ``kv_b_proj`` [R, N, nope + V] holding W_k (its first nope columns) and W_v.
-
-- ``expanded``: the keys and values of every head built from the entries, then ordinary
-  attention (training and prefill: T queries per row amortise the up-projection of S keys).
-- ``absorbed``: W_k folded into the query (q_nope @ W_k[n]^T, a query of R + P values per head)
-  and the attention taken over the entries themselves, one kv head for every query head; the
-  weighted sum of latents is then multiplied by W_v (a decode step: S keys, one query).
-
-Both compute the same softmax(q . k * scale) v; only the order of the products differs.
+A cache entry is [c, k_rope]: the normed latent c [R] and the rotated rope key [P], shared by
+the N heads; head n's key is [c @ W_k[n], k_rope] and its value c @ W_v[n] (``kv_b_proj``
+[R, N, nope + V]). ``expanded`` builds every head's keys and values, then attends (training,
+prefill); ``absorbed`` folds W_k into the query and attends over the entries themselves, then
+applies W_v (a decode step). Both compute the same softmax(q . k * scale) v.
 """
 
 from __future__ import annotations

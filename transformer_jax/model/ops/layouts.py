@@ -1,10 +1,9 @@
 """Stored layouts as typed leaves: a weight that knows it is stored output axes first.
 
-The model's code computes every product for weights in one layout, input axes first
-(``"BTD,DNH->BTNH"`` for q_proj [D, N, H]). A backend that reads another layout faster gets it
-from the prepared weights, not from a flag of the model: ``decode.prepare`` stores such a matrix
-as an ``OutFirst`` leaf, and ``ops.dense`` (which every matmul of the model goes through)
-computes the same product from it. Nothing in the model's signatures changes.
+The model computes every product for weights input axes first (``"BTD,DNH->BTNH"`` for q_proj
+[D, N, H]). A backend that reads another layout faster gets it from the prepared weights
+(``decode.prepare`` stores an ``OutFirst`` leaf, which ``ops.dense`` computes with), not from a
+flag of the model.
 """
 
 from __future__ import annotations

@@ -2,26 +2,20 @@
 and its losses are ``ops.router``'s, re-exported here).
 
 Shape letters: N tokens (B*T flattened), D model width, E experts, k experts per token, F an
-expert's hidden width.
+expert's hidden width. A token's output is ``sum_j w_j FFN_{e_j}(x)`` over its k chosen
+experts ``e_j`` with routing weights ``w_j``. ``experts_ffn`` computes it:
 
-A token's output is ``sum_j w_j FFN_{e_j}(x)`` over its k chosen experts ``e_j`` with routing
-weights ``w_j`` (``route``). ``experts_ffn`` computes it:
-
-- ``"ragged"`` (dropless, any backend): the N*k (token, expert) pairs sorted by expert, each
-  expert's rows a contiguous group, the three projections ``jax.lax.ragged_dot`` over the
-  groups, the outputs unsorted and weighted. No token is dropped and no capacity is padded.
-- ``"gather"``: each pair's expert matrices gathered ([N, k, D, F]) and applied by a batched
-  product. It reads N*k expert matrices, so it is the decode path (few tokens: only the chosen
-  experts' bytes are read), never the training one. Over an ``ExpertList`` (the decode layout
-  of the weights) it is a loop over the pairs, each a ``lax.switch`` to its expert's arrays.
-- ``"dense"``: every expert on every token, masked by the routing weights: E/k times the
-  FLOPs, the reference the others are tested against.
-- ``"tiled"`` (dropless, the CPU path): the grouped product written in XLA, rows padded to
-  whole tiles per expert and a loop over the tiles in use (see its section below).
+- ``"ragged"`` (dropless): the N*k (token, expert) pairs sorted by expert, the projections
+  ``jax.lax.ragged_dot`` over the groups.
+- ``"gather"``: each pair's expert matrices gathered ([N, k, D, F]): the decode path (over an
+  ``ExpertList``, a ``lax.switch`` per pair).
+- ``"dense"``: every expert on every token, masked by the weights: the reference.
+- ``"tiled"`` (dropless, the CPU path): the grouped product written in XLA over whole tiles
+  of rows per expert.
 - ``"tokamax"`` / ``"megablox"``: the ``"ragged"`` sort with a grouped-matmul kernel
-  (``model/ops/moe_kernels.py``) for the products.
+  (``ops.moe_kernels``).
 
-``"auto"`` picks per backend and size (``choose_impl``).
+``"auto"`` picks per backend and size (``choose_impl``); measurements are in docs/moe.md.
 """
 
 from __future__ import annotations
@@ -56,15 +50,10 @@ IMPLS = ("auto", "ragged", "tiled", "gather", "dense", "tokamax", "megablox")
 
 @flax.struct.dataclass
 class ExpertList:
-    """One of a mixture's expert stacks as E separate arrays: a layout of the prepared decode
-    weights (``decode.prepare``), standing in for the [E, ...] stack wherever one is taken.
-
-    On XLA:CPU a product with ``w[e]`` (a dynamic index into the stack, or a gather) first
-    copies the expert's matrix, so its bytes are read three times; a ``lax.switch`` over
-    separate arrays reads each once. Measured on this project's 2-core CPU, float32, one token
-    at D=512, F=640, E=8, k=2: 0.21 ms a layer as separate arrays, 1.2 ms gathered from the
-    stack, 0.20 ms for a dense FFN of the same active width. The math is the same for both
-    layouts (``experts_ffn``); only how an expert's matrix is fetched differs.
+    """One of a mixture's expert stacks as E separate arrays: a layout of the prepared CPU
+    decode weights (``decode.prepare``), standing in for the [E, ...] stack wherever one is
+    taken. (On XLA:CPU a product with ``w[e]`` first copies the expert's matrix; a
+    ``lax.switch`` over separate arrays reads each once.)
 
     Attributes:
       experts: E arrays, each one expert's matrix ([D, F] or [F, D]; [L, ...] with the layers
@@ -86,12 +75,9 @@ class ExpertList:
 def choose_impl(impl: str, n_tokens: int, top_k: int, n_experts: int,
                 backend: str | None = None, widths: tuple[int, int] = (0, 0)) -> str:
     """The implementation ``"auto"`` stands for at these (static) sizes on ``backend``
-    (default: the traced target's, ``ops.target``).
-
-    ``"gather"`` when the token-expert pairs are no more than the experts (each chosen matrix
-    read once costs no more than reading them all: decode). Otherwise the backend's grouped
-    product: ``"tiled"`` on CPU (XLA:CPU's ragged_dot is dense over all experts), megablox on
-    TPU when the widths ``(D, F)`` are multiples of its 128 tile, else ``"ragged"``.
+    (default: the traced target's): ``"gather"`` when the token-expert pairs are no more than
+    the experts (decode); else ``"tiled"`` on CPU, ``"megablox"`` on TPU when the widths
+    ``(D, F)`` are multiples of 128, else ``"ragged"``.
     """
     if impl != "auto":
         return impl
@@ -116,16 +102,12 @@ def experts_ffn(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.Arr
       routing: their ``Routing`` (k experts each). An expert id equal to E marks an empty
         slot, which adds nothing (an expert-parallel shard's slots for other shards' experts);
         ``"gather"`` reads no matrix for it.
-      w_gate: [E, D, F] gate projections.
-      w_up: [E, D, F] up projections.
-      w_down: [E, F, D] down projections.
+      w_gate, w_up, w_down: [E, D, F], [E, D, F], [E, F, D] the experts' projections.
       activation: the gate's activation (silu for SwiGLU experts).
-      impl: ``"auto"`` (``choose_impl``), ``"ragged"``, ``"gather"``, ``"dense"``,
-        ``"tokamax"`` or ``"megablox"`` (see the module docstring).
+      impl: one of ``IMPLS`` (the module docstring; ``"auto"``: ``choose_impl``).
       glu: optional ``glu(gate, up)`` in place of ``activation(gate) * up`` (a clamped one).
       biases: optional ([E, F] gate, [E, F] up, [E, D] down) biases of each expert's
-        projections, each added to its product (a down bias of None: none, as the expert
-        dispatch adds it itself after summing a split F).
+        projections (a down bias of None: none).
 
     Returns:
       [N, D] in x's dtype.
@@ -235,13 +217,8 @@ def _switched(x, routing, w_gate, w_up, w_down, activation):
 def sort_by_expert(experts: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
     """The order that groups the N*k (token, slot) pairs by expert, and the group sizes.
 
-    Args:
-      experts: [N, k] int expert indices.
-      n_experts: E.
-
-    Returns:
-      (order [N*k]: pair ``order[i]`` (a flat index ``token * k + slot``) is the i-th row of
-      the sorted layout, stable within an expert; sizes [E] int32: rows per expert).
+    ``experts`` [N, k] int -> (order [N*k]: pair ``order[i]`` (``token * k + slot``) is the
+    i-th row of the sorted layout, stable within an expert; sizes [E] int32: rows per expert).
     """
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -272,13 +249,9 @@ def _sorted(x, routing, w_gate, w_up, w_down, activation, impl):
 
 
 # --------------------------------------------------- "tiled": the grouped matmul for XLA:CPU
-# XLA:CPU lowers ``jax.lax.ragged_dot`` as a dense product with every group (E times the FLOPs:
-# 8.8x a dense FFN of the same active FLOPs at E=8, k=2, measured on this project's 2-core CPU).
-# "tiled" is the grouped matmul written in XLA itself, as the GPU/TPU kernels tile it: each
-# expert's rows padded to whole tiles of m rows, a loop over the tiles in use (a dynamic trip
-# count, so the padding bound's empty tiles cost nothing) multiplying each by its expert's
-# matrix, and a hand-written backward of the same shape (the rows' gradient through the
-# transposed matrices, the weights' accumulated per tile in place).
+# XLA:CPU lowers ``jax.lax.ragged_dot`` as a dense product with every group. "tiled" pads each
+# expert's rows to whole tiles of m rows and loops over the tiles in use (a dynamic trip count),
+# with a hand-written backward of the same shape.
 
 
 @flax.struct.dataclass

@@ -1,33 +1,19 @@
 """Expert parallelism: a mixture's experts split over mesh axes, each token sent to the devices
 of its experts and its results sent back by ``all_to_all``, inside ``shard_map``.
 
-Shape letters: N tokens (B*T flattened), D model width, E experts, k experts per token, F an
-expert's hidden width; per device (inside ``shard_map``): n its tokens, X the devices that split
-the experts (the expert axis), e = E/X its experts, j = min(k, e) the most of one token's k
-experts one device can hold.
+Shape letters: N tokens, D model width, E experts, k experts per token, F an expert's hidden
+width; per device: n its tokens, X the devices that split the experts, e = E/X its experts,
+j = min(k, e) the most of one token's experts one device can hold.
 
-Each device routes its own n tokens (the batch is split over the expert axis too). For each
-destination device it packs the tokens that chose one of that device's experts into a region
-of n rows (a dropless bound: every token may choose it), with their j local expert ids and
-routing weights; ``all_to_all`` exchanges the regions; each device applies its e experts to the
-X*n rows it received (``experts_ffn``, the one local grouped product, any ``impl``) and sums
-each token's weighted experts there; a second ``all_to_all`` returns the sums, and each device
-adds up, per token, what the devices sent back. A token's rows travel once per device, not once
-per expert slot, and nothing is dropped; the regions' padding rows carry weight 0. The
-transpose of ``all_to_all`` is ``all_to_all``, so the backward is the same exchange reversed.
-
-Combined with the other axes: the expert matrices' D, split over FSDP axes, is all-gathered
-inside (its gradient is reduce-scattered back); their F, split over tensor axes, makes each
-device's result a partial sum, added up by one ``psum`` before the return trip.
-
-When the tokens are not split over the expert axes (a decode: the batch rule leaves them out,
-and a step has too few tokens to split), there is no exchange: every expert device sees all of
-its n tokens, applies its e experts to the token slots that chose them (the others are empty)
-and one ``psum`` over the expert and tensor axes adds up each token's experts.
-
-``jax.lax.ragged_all_to_all`` would send only the filled rows, but XLA:CPU does not implement
-it (``UNIMPLEMENTED: HLO opcode ragged-all-to-all``, jax 0.10), so the padded exchange is used
-on every backend.
+Each device routes its own n tokens and packs, for each destination device, the tokens that
+chose one of its experts into a region of n rows (a dropless bound), with their j local expert
+ids and weights; ``all_to_all`` exchanges the regions, each device applies its e experts to the
+X*n rows it received (``experts_ffn``) and sums each token's experts, and a second
+``all_to_all`` returns the sums. Expert matrices' D split over FSDP axes is all-gathered inside;
+F split over tensor axes is summed by one ``psum`` before the return trip. When the tokens are
+not split over the expert axes (decode) there is no exchange: each device applies its experts
+to the slots that chose them and one ``psum`` adds them up. (``jax.lax.ragged_all_to_all``
+would send less, but XLA:CPU does not implement it.)
 """
 
 from __future__ import annotations
@@ -54,14 +40,12 @@ class ExpertSplit:
 
     Attributes:
       mesh: the (abstract) mesh.
-      tokens: the axes splitting the N tokens; they include ``experts`` unless the tokens are
-        replicated over them (``exchange`` False).
+      tokens: the axes splitting the N tokens.
       experts: the axes splitting E (the all_to_alls run over them).
       embed: the axes splitting the expert matrices' D (all-gathered inside).
       mlp: the axes splitting their F (the experts' outputs summed over them).
-      exchange: tokens go to their experts' devices by ``all_to_all`` (the batch is split over
-        the expert axes); False when the batch rule leaves the expert axes out: each device
-        computes its experts' share of every token, summed by one ``psum``.
+      exchange: tokens go to their experts' devices by ``all_to_all``; False when the tokens
+        are not split over the expert axes (then one ``psum`` sums the experts' shares).
     """
 
     mesh: AbstractMesh
@@ -85,13 +69,9 @@ class ExpertSplit:
 def expert_split(mesh: AbstractMesh, tokens: Sequence[str] | str | None,
                  experts: Sequence[str] | str | None, embed: Sequence[str] | str | None = None,
                  mlp: Sequence[str] | str | None = None) -> ExpertSplit | None:
-    """The ``ExpertSplit`` of ``mesh`` for these axes (as a logical rule maps them: a name, a
-    tuple of names or None), or None when the experts are not split over more than one device
-    (or already inside a ``shard_map`` over those axes): then nothing is dispatched.
-
-    Axes the mesh does not have are ignored. When the batch rule leaves the expert axes out,
-    the tokens stay where they are (``ExpertSplit.exchange`` False).
-    """
+    """The ``ExpertSplit`` of ``mesh`` for these axes (each as a logical rule maps it; axes the
+    mesh lacks are ignored), or None when the experts are not split over more than one device
+    (or already inside a ``shard_map`` over those axes): then nothing is dispatched."""
     def axes(value) -> Axes:
         names = () if value is None else (value,) if isinstance(value, str) else tuple(value)
         return tuple(a for a in names if a in mesh.axis_names)
@@ -121,18 +101,13 @@ def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Arr
     Args:
       x: [N, D] tokens (a global array inside ``jit``).
       routing: their ``Routing`` ([N, k] weights and distinct experts per token).
-      w_gate: [E, D, F] gate projections (float; quantised experts are not split).
-      w_up: [E, D, F] up projections.
-      w_down: [E, F, D] down projections.
+      w_gate, w_up, w_down: [E, D, F], [E, D, F], [E, F, D] float projections.
       split: the mesh's ``ExpertSplit`` (``expert_split``).
       activation: the gate's activation.
       impl: the local grouped product's ``experts_ffn`` implementation.
-      glu: optional ``glu(gate, up)`` (``experts_ffn``'s: a clamped SwiGLU), applied per
-        element, so F split over ``split.mlp`` changes nothing.
+      glu: optional ``glu(gate, up)`` (``experts_ffn``'s), applied per element.
       biases: optional ([E, F] gate, [E, F] up, [E, D] down) expert biases, split as their
-        experts' matrices (E over ``split.experts``, F over ``split.mlp``, D over
-        ``split.embed``); the down bias is added once per (token, expert), after the ``psum``
-        over ``split.mlp``.
+        experts' matrices; the down bias is added once per (token, expert).
 
     Returns:
       [N, D] in x's dtype.
@@ -158,11 +133,9 @@ def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Arr
                                            P(split.experts, split.embed or None))
     body = functools.partial(_local if split.exchange else _local_shares, split=split,
                              n_experts=e, ffn=dict(activation=activation, impl=impl, glu=glu))
-    # check_vma=False: the local grouped product (``"tiled"``'s loop carry and custom VJP) is
-    # not typed for values that vary over manual axes. The untyped transpose (cotangents of
-    # inputs summed over the axes their spec leaves out, those of outputs divided by them) is
-    # exact here, since the output is the same on the devices its spec leaves out (tensor,
-    # after the psum); the tests compare gradients with one device's.
+    # check_vma=False: the local grouped product is not typed for values that vary over manual
+    # axes; the untyped transpose is exact here (the output is the same on the devices its
+    # spec leaves out, after the psum).
     mapped = jax.shard_map(body, mesh=split.mesh,
                            in_specs=(tokens, tokens, tokens, w_in, w_in, w_out, b_specs),
                            out_specs=tokens, check_vma=False)
@@ -172,8 +145,7 @@ def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Arr
 def _gathered(split: ExpertSplit, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
               biases: tuple[jax.Array, jax.Array, jax.Array] | None
               ) -> tuple[jax.Array, jax.Array, jax.Array, tuple | None]:
-    """The expert matrices (and the down bias) with their D whole (all-gathered over
-    ``split.embed``)."""
+    """The expert matrices (and the down bias) with their D all-gathered over ``split.embed``."""
     if split.embed:
         w_gate, w_up = (jax.lax.all_gather(w, split.embed, axis=1, tiled=True)
                         for w in (w_gate, w_up))
@@ -244,12 +216,9 @@ def _local(x, weights, experts, w_gate, w_up, w_down, biases, *, split, n_expert
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class _Send:
-    """The packed send buffers' layout (per device; X destinations, n rows each).
-
-    order: [X, n] the token in each row of each region (the tokens for X first, in index order);
-    valid: [X, n] bool, whether the row is filled; ids / weights: [X, n, j] the row's local
-    expert indices on X and routing weights (0 in unfilled slots).
-    """
+    """The packed send buffers (per device; X regions of n rows): ``order`` [X, n] the token
+    of each row (those for X first), ``valid`` [X, n] whether it is filled, ``ids`` / ``weights``
+    [X, n, j] its local expert indices on X and routing weights (0 in unfilled slots)."""
 
     order: jax.Array
     valid: jax.Array

@@ -1,16 +1,11 @@
 """Grouped-matmul kernels for the mixture of experts on accelerators (``ops.moe``'s
-``"megablox"`` and ``"tokamax"`` implementations).
+``"megablox"`` and ``"tokamax"`` implementations of ``grouped_matmul``), with their own
+backward kernels.
 
-Both compute ``grouped_matmul``'s product: x [M, A] with its rows grouped by expert (``sizes``
-[E] rows each, in expert order), w [E, A, C] -> [M, C], each group times its expert's matrix,
-with their own backward kernels (the rows' gradient is another grouped product, the weights'
-a transposed one).
-
-- ``"megablox"``: JAX's Pallas TPU grouped matmul (``jax.experimental.pallas.ops.tpu.megablox``),
-  TPU only. Rows are padded to whole tiles of 128 here; A and C must be multiples of 128.
-- ``"tokamax"``: ``tokamax.ragged_dot`` (the ``kernels`` extra), which picks its Mosaic (TPU,
-  Hopper/Blackwell GPUs) or Triton kernel for the backend it runs on. It checks the backend
-  when called, so unlike megablox it cannot be lowered from a CPU host.
+- ``"megablox"``: JAX's Pallas TPU grouped matmul, TPU only; rows padded to whole tiles of 128
+  here, A and C must be multiples of 128.
+- ``"tokamax"``: ``tokamax.ragged_dot`` (the ``kernels`` extra), Mosaic or Triton for the
+  backend it runs on (so, unlike megablox, it cannot be lowered from a CPU host).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """The router of a mixture of experts: each token's experts and weights from the router's
-logits (``route``: softmax or sigmoid scores, a correction bias that only chooses,
-group-limited top-k, a scale), and the router's losses and load statistics.
+logits (``route``), and the router's losses and load statistics.
 
 Shape letters: N tokens (B*T flattened), E experts, k experts per token.
 """
@@ -36,11 +35,9 @@ def route(logits: jax.Array, top_k: int, renormalize: bool, score: str = "softma
           scale: float = 1.0) -> Routing:
     """Top-k routing on the experts' scores.
 
-    The experts are chosen by ``scores + choice_bias`` (DeepSeek-V3's correction bias), and
-    with ``top_groups < n_groups`` only within each token's ``top_groups`` groups of highest
-    group score (a group of E/n_groups consecutive experts scored by the sum of its two highest
-    biased scores); the weights are the chosen experts' unbiased scores, renormalised to sum 1
-    with ``renormalize``, then times ``scale``. The bias gets no gradient: it only chooses.
+    The experts are chosen by ``scores + choice_bias``, with ``top_groups < n_groups`` only
+    within each token's best groups (``fields.MoE``); the weights are the chosen experts'
+    unbiased scores, renormalised with ``renormalize``, then times ``scale``.
 
     Args:
       logits: [N, E] router logits (any float dtype; the scores are float32).
@@ -48,7 +45,7 @@ def route(logits: jax.Array, top_k: int, renormalize: bool, score: str = "softma
       renormalize: divide the k chosen scores by their sum.
       score: ``"softmax"`` over the E logits, or ``"sigmoid"`` of each logit on its own.
       choice_bias: optional [E] bias added to the scores for the choice only.
-      n_groups: groups the E experts form (E divisible by it, at least 2 experts each when > 1).
+      n_groups: groups of consecutive experts (at least 2 experts each when > 1).
       top_groups: groups each token chooses its experts in.
       scale: the routed weights' multiplier (DeepSeek-V3's ``routed_scaling_factor``).
 
@@ -86,30 +83,17 @@ def _within_top_groups(choice: jax.Array, n_groups: int, top_groups: int) -> jax
 
 
 def expert_load(experts: jax.Array, valid: jax.Array, n_experts: int) -> jax.Array:
-    """[E] float32: how many valid (token, slot) pairs each expert received.
-
-    Args:
-      experts: [N, k] expert indices.
-      valid: [N] bool, the tokens that count (False: padding).
-      n_experts: E.
-    """
+    """[E] float32: how many valid (token, slot) pairs each expert received, from [N, k]
+    ``experts`` and [N] bool ``valid`` (False: padding)."""
     onehot = jax.nn.one_hot(experts, n_experts, dtype=jnp.float32)  # [N, k, E]
     return jnp.einsum("nke,n->e", onehot, valid.astype(jnp.float32))
 
 
 def balance_loss(routing: Routing, valid: jax.Array) -> jax.Array:
-    """The load-balancing loss ``E * sum_e f_e P_e`` (Switch Transformer, as HF's
-    ``load_balancing_loss_func`` computes it for one layer): ``f_e`` the fraction of valid
-    tokens that chose expert e among their k (so the f's sum to k), ``P_e`` the mean router
-    probability of e over the valid tokens. Its minimum, k, is a uniform load.
-
-    Args:
-      routing: the layer's ``Routing`` ([N, E] probs, [N, k] experts).
-      valid: [N] bool.
-
-    Returns:
-      A float32 scalar (0 with no valid token).
-    """
+    """The load-balancing loss ``E * sum_e f_e P_e`` (Switch Transformer, as HF computes it for
+    one layer), a float32 scalar over the [N] ``valid`` tokens: ``f_e`` the fraction of them
+    that chose expert e among their k, ``P_e`` their mean router probability of e. Its
+    minimum, k, is a uniform load (0 with no valid token)."""
     e = routing.probs.shape[-1]
     count = jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0)
     f = expert_load(routing.experts, valid, e) / count

@@ -1,28 +1,18 @@
 """Many LoRA adapters over one matrix in one batch: each row of the batch picks its own.
 
-A serving step batches requests of different fine-tunes of one base. Merging an adapter into
-the weights would need a copy of the model per adapter (and a program per mix of them); instead
-the base product is computed once for every row and each row adds its own adapter's low-rank
-update, chosen by the row's adapter id (the BGMV form, "batched gather matrix-vector"):
+A serving step batches requests of different fine-tunes of one base. The base product is
+computed once for every row and each row adds its own adapter's low-rank update, chosen by the
+row's adapter id (the BGMV form):
 
     y[b] = x[b] @ W + (x[b] @ A[ids[b] - 1]) @ B[ids[b] - 1]      (nothing added for id 0)
 
-for Na adapters, each B already scaled by its adapter's ``alpha / rank`` and a smaller rank
-zero-padded to R (which adds nothing). Id 0 is the base model: it selects no factors, so the
-stack holds only real adapters.
-
-The factors are stored as the base matrix is (an ``ops.layouts.OutFirst`` leaf or not): in-first, A
-[Na, in..., R] and B [Na, R, out...]; out-first, each factor as a matrix with its output axes
-first, A [Na, R, in...] and B [out..., Na, R], and the update is then computed as the base
-product is, [out..., rows] before one transpose. That layout exists for XLA:CPU (as the base
-weights' out-first one does): on decode_25m's seven dense matrices per layer, 8 decode rows, 4
-adapters of rank 16, float32, 2-core CPU, the products with the update took 1.23x the base
-products alone out-first, against 1.57x for the in-first update beside out-first weights.
-
-``RowAdapters`` carries the matrix with its adapters and the rows' ids, so ``ops.dense`` computes
-the sum where the model computes the product: the model's code is the same with or without them
-(as with quantised weights), and the per-row choice is data, so mixing adapters in a batch
-compiles nothing new.
+for Na adapters, each B already scaled by its ``alpha / rank`` and a smaller rank zero-padded
+to R. The factors are stored as the base matrix is: in-first, A [Na, in..., R] and
+B [Na, R, out...]; out-first (``ops.layouts.OutFirst``, for XLA:CPU), A [Na, R, in...] and
+B [out..., Na, R], the update computed as the base product is, [out..., rows]. ``RowAdapters``
+carries the matrix, its adapters and the rows' ids, so ``ops.dense`` adds the update where the
+model computes the product; the per-row choice is data, so a mix compiles nothing new
+(measured costs: docs/http-api.md).
 """
 
 from __future__ import annotations
@@ -64,8 +54,7 @@ def row_delta(x: jax.Array, adapters: RowAdapters, spec: str) -> jax.Array:
 
     Args:
       x: the activations in ``spec``'s layout, batch first (e.g. [B, T, D]).
-      adapters: the matrix with its adapters (``RowAdapters``); their factors are stored as
-        the matrix is (see the module docstring).
+      adapters: the matrix with its adapters (``RowAdapters``).
       spec: the in-first einsum of the product, ``"<x>,<w>-><out>"`` (``ops.dense``'s), e.g.
         ``"BTD,DNH->BTNH"``; x's first letter is its batch axis.
 
@@ -94,11 +83,9 @@ def row_delta(x: jax.Array, adapters: RowAdapters, spec: str) -> jax.Array:
         xa = jnp.einsum(f"{x_axes},{a_spec}->{rows}nr", x, a_row, preferred_element_type=f32)
         return jnp.einsum(f"{rows}nr,{b_spec}->{y}", xa, jnp.take(b, index, axis=n_axis),
                           preferred_element_type=f32)
-    # Several rows: every adapter's A product at once (Na * R outputs, a small matmul), each
-    # row's own kept by a one-hot mask (all zeros for the base), then one product with all the
-    # B factors. Two dense products, whatever the mix; gathering per-row factors instead ([B,
-    # in, R] and [B, R, out]) ran a decode step of decode_25m (batch 8, 4 adapters of rank 16
-    # on every dense matrix, float32, 2-core CPU) at 3x the base's time, this form at 1.55x.
+    # Several rows: every adapter's A product at once, each row's own kept by a one-hot mask
+    # (all zeros for the base), then one product with all the B factors (faster than
+    # gathering per-row factors).
     mask = jax.nn.one_hot(ids - 1, n, dtype=f32)  # [B, Na]
     if out_first:
         xa = jnp.einsum(f"{a_spec},{x_axes}->nr{rows}", a, x, preferred_element_type=f32)
