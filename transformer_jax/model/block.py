@@ -1,5 +1,4 @@
-"""One Transformer layer (``Block``): attention then FFN, dense or a mixture of experts, each in
-a residual branch; and the period of a scanned layer group (``Period``)."""
+"""One Transformer layer (``Block``) and the period of a scanned layer group (``Period``)."""
 
 from __future__ import annotations
 
@@ -38,13 +37,11 @@ class Block(nn.Module):
         scan (traced). A dense layer returns None for its stats.
         """
         x, cache = carry
-        # The residual stream's only sharding annotation (FSDP then gathers weights, not
-        # activations); a no-op without rules in scope.
+        # The residual stream's only sharding annotation (a no-op without rules in scope).
         x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
         c = self.config
         dtypes = dict(dtype=c.jnp_dtype, param_dtype=c.jnp_param_dtype)
-        # Residual-branch outputs start smaller so the stream's variance does not grow with
-        # depth (GPT-2's scaled initialisation).
+        # GPT-2's scaled initialisation of the residual branches' outputs.
         out_std = c.init_std / (2 * c.n_layers) ** 0.5
         norm_kw = dict(kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
                        param_dtype=c.jnp_param_dtype)
@@ -58,8 +55,7 @@ class Block(nn.Module):
             attn = Attention(
                 n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                 qkv_bias=c.qkv_bias, o_bias=c.o_bias, sinks=c.attn_sinks,
-                qk_norm=c.qk_norm if self.spec.rope else None,
-                norm_eps=c.norm_eps,
+                qk_norm=c.qk_norm if self.spec.rope else None, norm_eps=c.norm_eps,
                 norm_offset=c.norm_offset, scale=c.attn_scale, softcap=c.attn_softcap,
                 rope_pairing=c.rope_pairing, impl=c.attention_impl, init_std=c.init_std,
                 out_init_std=out_std, name="attn", **dtypes)

@@ -71,27 +71,22 @@ class Architecture:
       max_seq_len: the largest position the model is used at.
       norm: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm with bias).
       norm_eps: epsilon inside the norm's square root.
-      norm_position: ``NORM_POSITIONS``: ``"pre"`` (norm before each sublayer, LLaMA),
-        ``"post"`` (after the residual add, original Transformer), ...
+      norm_position: one of ``NORM_POSITIONS`` (``"pre"``: LLaMA's; see ``block.Block``).
       ffn: one of ``FFNS``.
-      position: ``"rope"`` (rotary, on Q and K), ``"sinusoidal"`` (added to the embeddings) or
-        ``"none"``.
+      position: ``"rope"`` (on Q and K), ``"sinusoidal"`` (added to the embeddings), ``"none"``.
       rope_base: the RoPE base b in ``theta_i = b^(-2i/H)``.
-      rope_pairing: ``"half"`` rotates ``(x_i, x_{i+H/2})`` (HF LLaMA); ``"adjacent"``
-        rotates ``(x_2i, x_2i+1)`` (RoFormer).
+      rope_pairing: ``"half"`` (HF LLaMA) or ``"adjacent"`` (RoFormer; ``ops.apply_rope``).
       rope_scaling: optional frequency rescaling (``RopeScaling``).
-      sliding_window: if set, a query sees only the last ``sliding_window`` positions
-        (itself included), as in Mistral; None for full causal attention.
+      sliding_window: if set, a query sees only the last ``sliding_window`` positions (itself
+        included); None: full causal attention.
       qkv_bias: whether the q/k/v projections have biases (Qwen2).
       o_bias: whether the attention's output projection has a bias [D].
-      attn_sinks: a learned sink logit per query head (``sinks`` [N]) joins every attention
-        softmax's denominator, with no value.
+      attn_sinks: a learned sink logit per query head joins every softmax's denominator.
       tie_embeddings: whether the LM head is the transposed token embedding.
       qk_norm: RMSNorm of the queries and keys before RoPE: None; ``"head"`` per head with one
         [H] gain (Qwen3, Gemma 3); ``"full"`` over all N*H (K*H) values, gains [N, H] and
         [K, H] (OLMo 2); ``"weightless"`` per head after RoPE, no gain. Not on NoPE layers.
-      norm_offset: every norm scales by ``(norm_offset + w)``, w initialised to
-        ``1 - norm_offset`` (1.0 in Gemma 2/3; 0.0 elsewhere).
+      norm_offset: every norm scales by ``(norm_offset + w)`` (1.0 in Gemma 2/3).
       scale_embeddings: multiply the token embeddings by ``sqrt(D)`` (in the compute dtype).
       attn_softcap: if set, attention logits become ``tanh(x / c) * c`` after scaling.
       final_softcap: if set, the LM head's logits become ``tanh(x / c) * c``.
@@ -101,18 +96,15 @@ class Architecture:
         ``sliding_window`` is set, chunked when ``attention_chunk`` is, global otherwise.
       local_rope_base: if set, local layers rotate with this base and no ``rope_scaling``.
       moe: if set, the mixture-of-experts FFN of the sparse layers (``MoE``).
-      swiglu_limit: ``"swiglu"`` only: if set, the gate is clamped to at most this value and
-        the up projection to [-limit, limit].
+      swiglu_limit: ``"swiglu"`` only: clamp the gate to at most it, up to [-limit, limit].
       swiglu_alpha: ``"swiglu"`` only: the gate's activation is ``g sigmoid(alpha g)``.
       swiglu_up_offset: ``"swiglu"`` only: the gated product is ``act(g) (up + offset)``.
-      attention_chunk: C for ``"chunked"`` layers: a query at m sees the keys at n <= m with
-        ``n // C == m // C``. Not with ``sliding_window``.
+      attention_chunk: C for ``"chunked"`` layers (a query at m sees keys with n // C == m // C).
       nope_layers: the layers that do not rotate q and k (NoPE) and have no ``qk_norm``.
       nope_temperature_floor: if set (f), NoPE layers scale their queries at position m by
         ``1 + nope_temperature_scale * log(1 + floor((m + 1) / f))``.
       nope_temperature_scale: that scale.
-      mla: if set, every layer is multi-head latent attention (``MLA``); ``head_dim`` is then
-        its rope width and ``n_kv_heads`` is ``n_heads``.
+      mla: if set, every layer is multi-head latent attention (``MLA``; head_dim: its rope width).
       mtp_depth: the multi-token prediction modules after the stack (0: none; ``model.mtp``).
     """
 
@@ -237,8 +229,7 @@ class Architecture:
         return tuple(i for i in range(self.n_layers) if self.moe.is_sparse(i))
 
     def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's attention kind, ``"global"``, ``"local"``, ``"chunked"`` or
-        ``"latent"`` (every layer with ``mla``): L entries."""
+        """Each layer's attention kind (``LAYER_KINDS``; ``"latent"`` with ``mla``)."""
         if self.mla is not None:
             return ("latent",) * self.n_layers
         pattern = self.layer_pattern or (
@@ -253,19 +244,16 @@ class Architecture:
                      for i, kind in enumerate(self.layer_kinds()))
 
     def mtp_spec(self) -> LayerSpec:
-        """The block spec of the multi-token prediction modules: layer L's, as if the stack had
-        one more layer (DeepSeek-V3's: latent attention and the mixture of experts)."""
+        """The multi-token prediction modules' block spec: that of one layer more."""
         return dataclasses.replace(self, n_layers=self.n_layers + 1).layer_specs()[-1]
 
     def layer_groups(self) -> tuple[LayerGroup, ...]:
-        """The stack cut into groups of a repeated period (``stack.layer_groups``): what a
-        scanned model scans, one group at a time."""
+        """The stack cut into groups of a repeated period (``stack.layer_groups``)."""
         return layer_groups(self.layer_specs())
 
     @property
     def swiglu(self) -> tuple[float | None, float, float] | None:
-        """The SwiGLU's (clamp limit, gate slope, up offset) when any differs from plain
-        SwiGLU's (``ops.ffn.swiglu_glu``), else None."""
+        """(clamp limit, gate slope, up offset) when any differs from plain SwiGLU's, else None."""
         values = (self.swiglu_limit, self.swiglu_alpha, self.swiglu_up_offset)
         return None if values == (None, 1.0, 0.0) else values
 
@@ -380,8 +368,7 @@ class ModelConfig(Execution, Architecture):
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
-        """Builds a config from a mapping, rejecting unknown keys with close matches (keys
-        earlier versions wrote, ``_RETIRED_KEYS``, are dropped)."""
+        """From a mapping, rejecting unknown keys (close ones named; ``_RETIRED_KEYS`` dropped)."""
         values = {k: v for k, v in values.items() if k not in _RETIRED_KEYS}
         check_keys(values, cls, "model")
         return cls(**values)
@@ -431,8 +418,7 @@ def load_toml(name_or_path: str | Path) -> dict[str, Any]:
 
 
 def _table(cls: type, values: dict[str, Any], section: str) -> Any:
-    """``cls(**values)`` for a sub-table of the model config (``[model.moe]``), with one-line
-    errors naming an unknown key (and close ones) or the missing required keys."""
+    """``cls(**values)`` for a sub-table (``[model.moe]``), naming unknown or missing keys."""
     check_keys(values, cls, f"model.{section}")
     missing = [f.name for f in dataclasses.fields(cls) if f.name not in values
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]

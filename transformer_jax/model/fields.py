@@ -1,5 +1,4 @@
-"""The nested tables of an ``Architecture`` (``RopeScaling``, ``MoE``, ``MLA``), the value
-checks the config dataclasses share, and the parsing of ``key=value`` overrides by type."""
+"""The nested tables of an ``Architecture``, the shared value checks, and ``key=value`` parsing."""
 
 from __future__ import annotations
 
@@ -26,18 +25,15 @@ class RopeScaling:
         those of more than ``beta_fast``, ramps in between, and multiplies cos and sin by
         ``attention_factor``.
       factor: the context extension factor (> 0).
-      low_freq_factor: llama3 only: wavelengths above ``original_max_len / low_freq_factor``
-        are fully scaled.
-      high_freq_factor: llama3 only: wavelengths below ``original_max_len / high_freq_factor``
-        are kept.
+      low_freq_factor, high_freq_factor: llama3: wavelengths above ``original_max_len /
+        low_freq_factor`` are fully scaled, below ``original_max_len / high_freq_factor`` kept.
       original_max_len: llama3 and yarn: the context length the model was trained with.
-      beta_fast: yarn only: rotations over ``original_max_len`` above which a frequency is kept.
-      beta_slow: yarn only: rotations below which a frequency is fully interpolated.
-      attention_factor: yarn only: the cos/sin multiplier; None computes it from ``factor``
-        (and ``mscale``/``mscale_all_dim`` when both are set), ``0.1 ln(factor) + 1``.
-      mscale: yarn only: the numerator's multiplier of ``ln(factor)`` in that formula.
-      mscale_all_dim: yarn only: the denominator's multiplier.
-      truncate: yarn only: round the ramp's ends to whole dimensions.
+      beta_fast, beta_slow: yarn: rotations over ``original_max_len`` above which a frequency
+        is kept, below which it is fully interpolated.
+      attention_factor: yarn: the cos/sin multiplier; None: ``ops.rope_attention_factor``'s
+        formula of ``factor``, ``mscale`` and ``mscale_all_dim``.
+      mscale, mscale_all_dim: yarn: that formula's multipliers of ``ln(factor)``.
+      truncate: yarn: round the ramp's ends to whole dimensions.
     """
 
     kind: str
@@ -84,27 +80,21 @@ class MoE:
       n_experts: E, experts per sparse layer.
       top_k: k, experts each token is sent to (1 <= k <= E).
       d_ff: each expert's hidden width.
-      renormalize: divide the k chosen probabilities by their sum (Mixtral, Qwen3-MoE);
-        False keeps the raw softmax values (Qwen2-MoE).
+      renormalize: divide the k chosen probabilities by their sum (Mixtral; not Qwen2-MoE).
       shared_d_ff: the shared expert's hidden width; 0 for none.
       shared_gate: scale the shared expert's output by ``sigmoid(x . w_gate)`` (Qwen2-MoE).
       sparse_step: layer i is sparse when ``(i + 1) % sparse_step == 0`` ...
-      dense_layers: ... and i is not listed here (HF's ``decoder_sparse_step`` and
-        ``mlp_only_layers``).
+      dense_layers: ... and i is not listed here (HF's ``mlp_only_layers``).
       router_bias: the router's logits have a bias [E].
-      expert_bias: each expert's gate, up and down projections have biases ([E, F], [E, F],
-        [E, D]).
-      score: the experts' scores from the router logits: ``"softmax"`` over the E experts, or
-        ``"sigmoid"`` of each logit on its own (top-k then picks the k highest either way).
-      correction_bias: a bias [E] added to the scores for choosing the experts only
-        (DeepSeek-V3's ``e_score_correction_bias``), trained by the balancing update
-        ``train.moe_bias_update_rate``, not by gradients.
+      expert_bias: each expert's gate, up and down projections have biases.
+      score: the experts' scores from the router logits: ``"softmax"`` or ``"sigmoid"``.
+      correction_bias: a bias [E] added to the scores for choosing the experts only, trained
+        by ``train.moe_bias_update_rate``'s update, not by gradients (DeepSeek-V3).
       n_groups: group-limited routing: E experts in ``n_groups`` groups (of at least 2), each
         scored by the sum of its two highest scores ...
       top_groups: ... and each token chooses its k experts within its ``top_groups`` best
         groups (DeepSeek-V3's ``n_group`` / ``topk_group``).
-      routed_scale: multiplies the routed experts' weights after any renormalisation
-        (DeepSeek-V3's ``routed_scaling_factor``).
+      routed_scale: multiplies the routed experts' weights after any renormalisation.
       scale_input: the chosen expert's weight scales the token going into it, not the
         expert's output (Llama 4); needs ``top_k`` 1.
     """
@@ -185,8 +175,7 @@ class MLA:
       qk_nope_head_dim: each head's query/key width without position.
       qk_rope_head_dim: the rotated width (of the queries and the shared key).
       v_head_dim: each head's value width.
-      q_lora_rank: the query's low-rank width (``q_a_proj``, ``q_a_norm``, ``q_b_proj``); None:
-        one ``q_proj``.
+      q_lora_rank: the query's low-rank width; None: one ``q_proj``.
       norm_eps: the epsilon of the latents' RMSNorms (``q_a_norm``, ``kv_a_norm``).
     """
 
@@ -230,8 +219,7 @@ class MLA:
 
 
 def plain(value: Any) -> Any:
-    """``value`` with NumPy scalars as the Python numbers they hold, for error messages
-    (``-1.0``, not ``np.float64(-1.0)``)."""
+    """``value`` with NumPy scalars as Python numbers, for error messages."""
     item = getattr(value, "item", None)
     if callable(item) and getattr(value, "shape", None) == ():
         return item()

@@ -1,20 +1,9 @@
 """The KV cache: one explicit, fixed-size pytree passed into the model and returned updated.
 
-Training, prefill and every decode step run the same ``Transformer``; with a cache each block
-calls ``cache.attend``, which writes the chunk's keys/values at their positions and attends over
-the whole layer. That is the one interface the model uses (``Cache``), so the layout is the
-cache's own business and a paged cache plugs in without a branch in the model. Layers are
-stacked ([L, ...]) for a scanned model (indexed by the traced layer number) and one array per
-layer for an unrolled one (XLA:CPU copied a static slice of a stacked cache before every
-attention).
-
-Layout: values are [L, B, K, S, H], one contiguous row per (sequence, kv head). Keys are the
-same, or for a CPU target an ``ops.layouts.SlotsLast`` buffer [L, B, K, H, S]
-(``slots_last_for``; see docs/generation.md). ``dtype="int8"`` stores each row as int8 values
-and a scale (``ops.kv_quant``). A sliding-window layer whose window W is shorter than S_max
-keeps a ring of W slots (``kv_ring``; ``k_local``/``v_local``). A latent layer
-(``fields.MLA``) keeps one [latent, rope key] entry per token (``latent`` [L, B, S, R + P]) and
-attends over them itself (``attend_latent``).
+Each block calls ``cache.attend`` (``Cache``: write the chunk, attend over the layer), so the
+layout is the cache's business: [L, B, K, S, H] values (one array per layer when unrolled);
+keys alike, or ``SlotsLast`` [.., H, S] for a CPU target; int8 rows with their scales
+(``ops.kv_quant``); rings for short windows (``kv_ring``); latent entries for ``fields.MLA``.
 """
 
 from __future__ import annotations
@@ -40,9 +29,7 @@ CACHE_AXES = ("layers", "batch", "kv_heads", None, None)
 
 
 def slots_last_for(platform: str | None = None) -> bool:
-    """Whether a cache for a ``platform`` target (default: the traced target's,
-    ``ops.target.platform()``) stores its keys [H, S] per row (``ops.layouts.SlotsLast``): for
-    CPU only."""
+    """Whether a cache for ``platform`` (default: the traced target's) stores keys ``SlotsLast``."""
     return (platform or target.platform()) == "cpu"
 
 
@@ -59,11 +46,9 @@ class KVCache:
         With rings, L counts the global layers only.
       v: [L, B, K, S_max, H] values (a tuple of L [B, K, S_max, H] for an unrolled model).
       lengths: [B] int32 number of positions written per sequence (the next write position).
-      k_local: None, or the local layers' key rings: [L_local, B, K, W, H], a tuple of L_local
-        [B, K, W, H] for an unrolled model (``SlotsLast`` as ``k`` is).
-      v_local: None, or the local layers' value rings, [L_local, B, K, W, H] (or a tuple).
-      ring_end: None, or [B] int32: the rings take no position at or past it (a right-padded
-        prefill sets each prompt's length, so its padding does not overwrite the window).
+      k_local, v_local: None, or the local layers' key and value rings [L_local, B, K, W, H]
+        (laid out as ``k`` and ``v`` are).
+      ring_end: None, or [B] int32: the rings take no position at or past it.
       ring: static; which layers are rings (``kv_ring.RingLayout``), None without.
       latent: None, or the latent layers' entries (``fields.MLA``): [L, B, S_max, R + P], a
         tuple of L [B, S_max, R + P] for an unrolled model; ``k`` and ``v`` then hold no layer.
@@ -85,13 +70,11 @@ class KVCache:
         """An empty cache.
 
         Args:
-          config: the model's config (gives L, K, H and the layers' kinds).
-          batch: B.
-          max_len: S_max, the largest number of positions it can hold.
+          config: the model's config.
+          batch, max_len: B and S_max, the positions it can hold per sequence.
           dtype: storage dtype (a float dtype, or ``"int8"``: values and a scale per token
             and kv head, ``ops.kv_quant``); the model's compute dtype by default.
-          platform: the platform the cache is for, which picks its key layout
-            (``slots_last_for``); default the traced target's.
+          platform: the platform the cache is for (picks the key layout, ``slots_last_for``).
           window_rings: local layers keep a ring of their window (``kv_ring``) when it is
             shorter than S_max; False gives every layer S_max slots.
         """
@@ -184,14 +167,11 @@ class KVCache:
         the queries over every slot of the layer (causality hides slots not written yet).
 
         Args:
-          i: the layer: its number (a Python int, or traced when every layer is alike), or a
-            scanned block's ``LayerRef`` (``kv_ring.locate``).
+          i: the layer: its number, or a scanned block's ``LayerRef`` (``kv_ring.locate``).
           q: [B, T, N, H] queries (rotated).
           k, v: [B, T, K, H] new keys (rotated) and values for ``positions``.
-          positions: [B, T] int positions, consecutive per row (row b written at slots
-            ``positions[b, 0] ..``).
-          window, impl, scale, softcap, sinks, chunk: as ``ops.attention.attention`` takes
-            them.
+          positions: [B, T] int positions, consecutive per row.
+          window, impl, scale, softcap, sinks, chunk: as ``ops.attention.attention`` takes them.
 
         Returns:
           ([B, T, N, H] attention output, the cache with layer i written).
@@ -229,21 +209,16 @@ class KVCache:
         start = positions[:, 0]
         buf = self.latent
         if isinstance(buf, tuple):
-            layer = _write_entries(buf[j], entries, start)
+            layer = _write_entries(buf[j], (), entries, start)
             return layer, self.replace(latent=(*buf[:j], layer, *buf[j + 1:]))
-        b, t = entries.shape[:2]
-        rows = jnp.arange(b)[:, None]
-        slots = start[:, None] + jnp.arange(t, dtype=start.dtype)
-        buf = buf.at[j, rows, slots].set(entries.astype(buf.dtype), mode="promise_in_bounds",
-                                         unique_indices=True)
+        buf = _write_entries(buf, (j,), entries, start)
         return buf[j], self.replace(latent=buf)
 
     def write(self, i: int | jax.Array | LayerRef, k: jax.Array, v: jax.Array,
               start: jax.Array) -> KVCache:
         """Writes a chunk of T new keys/values of each sequence at its own start slot.
 
-        Slots past S_max must not be written (callers check capacity: the write promises XLA
-        in-bounds indices). A ring layer takes the chunk's last W positions.
+        Slots past S_max must not be written (callers check capacity).
 
         Args:
           i: the layer, as ``attend`` takes it.
@@ -321,15 +296,17 @@ class Cache(Protocol):
     def replace(self, **changes: Any) -> Cache: ...
 
 
-def _write_entries(buf: jax.Array, entries: jax.Array, start: jax.Array) -> jax.Array:
-    """[B, T, E] entries written into one latent layer [B, S, E] at each row's start slot."""
+def _write_entries(buf: jax.Array, lead: tuple[Any, ...], entries: jax.Array, start: jax.Array
+                   ) -> jax.Array:
+    """[B, T, E] entries written into latent layer ``buf[lead]`` ([B, S, E]) at each row's start."""
     b, t = entries.shape[:2]
     entries = entries.astype(buf.dtype)
-    if isinstance(b, int) and b == 1:
+    if isinstance(b, int) and b == 1 and not lead:
         return jax.lax.dynamic_update_slice(buf, entries, (0, start[0], 0))
     rows = jnp.arange(b)[:, None]
     slots = start[:, None] + jnp.arange(t, dtype=start.dtype)
-    return buf.at[rows, slots].set(entries, mode="promise_in_bounds", unique_indices=True)
+    return buf.at[(*lead, rows, slots)].set(entries, mode="promise_in_bounds",
+                                            unique_indices=True)
 
 
 def _write(cache: Any, i: int | jax.Array, new: jax.Array, start: jax.Array) -> Any:
@@ -379,9 +356,7 @@ def _write_rows(cache: jax.Array | SlotsLast, lead: tuple[Any, ...], new: jax.Ar
 
 def cache_bytes(config: Architecture, batch: int, max_len: int,
                 dtype: jnp.dtype | str | None = None, *, window_rings: bool = True) -> int:
-    """Size of K and V of a ``KVCache.init(config, batch, max_len, dtype)``, without
-    allocating it (int8: values and scales; local layers' rings of W slots, as ``init`` makes
-    them with ``window_rings``)."""
+    """Bytes of ``KVCache.init(config, batch, max_len, dtype, window_rings=...)``, unallocated."""
     dtype = jnp.dtype(dtype or config.dtype)
     if config.mla is not None:  # one [latent, rope key] entry per token per layer
         return config.n_layers * batch * max_len * config.mla.entry_dim * dtype.itemsize
@@ -393,6 +368,5 @@ def cache_bytes(config: Architecture, batch: int, max_len: int,
 
 
 def _layer_of(k: Any, v: Any, i: int | jax.Array, b: int) -> tuple[Any, jax.Array]:
-    """Layer i of stacked ([L, B, K, ...]) or per-layer buffers, as [B, K, ...] each (keys
-    in their layout)."""
+    """Layer i of stacked ([L, B, K, ...]) or per-layer buffers, as [B, K, ...] each."""
     return jax.tree.map(lambda x: x.reshape(b, *x.shape[-3:]), (k[i], v[i]))

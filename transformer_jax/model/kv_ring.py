@@ -1,23 +1,10 @@
 """Sliding-window layers keep only their window: the KV caches' rings.
 
-A local layer (window W) never reads a key more than W - 1 positions behind its query, so both
-caches (``KVCache`` and ``serving.PagedKVCache``) keep its keys and values in a ring of R = W
-slots per row (position p in slot ``p % R``); global layers keep their full layout. A chunked
-layer (chunk C) keeps a ring of C slots the same way, its chunk given to the attention as a mask.
-``RingLayout`` says which layers are rings; the caches call ``attend`` here for a ring layer.
-
-Attending a chunk of T consecutive positions ``start .. start + T - 1`` of a row:
-
-- T <= R - W + 1 (a decode step): the chunk overwrites only positions none of its queries sees,
-  so it is written first and the queries attend over the ring alone (``ring_positions``).
-- longer chunks (prefill): the queries attend over the ring as it was before the chunk and the
-  chunk's own keys after it, then only the chunk's last R positions are written.
-
-A slot never written gets position ``INVALID``, past every query, so causality hides it (this
-needs a row's positions written in order: prefill then decode, chunk after chunk). A cache's
-optional ``ring_end`` [B] stops a right-padded chunk's ring writes at each row's real end, so
-padding does not overwrite the window. Inside a layer scan a block gives the cache a
-``LayerRef``, so each layer writes only the buffer it reads (``locate``).
+A local layer (window W) or a chunked one (chunk C = W) never reads a key more than W - 1
+positions back, so both caches keep its keys and values in a ring of R = W slots per row
+(position p in slot ``p % R``; a slot never written holds ``INVALID``). A decode step is
+written first and attends over the ring; a longer chunk attends over the ring as it was plus
+its own keys, then its last R positions are written (up to a cache's ``ring_end``).
 """
 
 from __future__ import annotations
@@ -45,8 +32,7 @@ class RingLayout:
     """Which layers of a cache are rings, and where each layer is stored (static, hashable).
 
     Attributes:
-      window: W, the local layers' window (the chunked layers' chunk); also R, the ring's
-        slots per row.
+      window: W, the local layers' window (chunked layers' chunk), also the ring's R slots.
       local: per layer, whether it is a ring layer (local or chunked).
     """
 
@@ -56,8 +42,7 @@ class RingLayout:
     @classmethod
     def of(cls, config: Architecture, max_len: Any) -> RingLayout | None:
         """The rings of a cache of ``max_len`` positions per row, or None: no local layer, or
-        a window that holds every position anyway (``max_len <= W``: the full layout is no
-        bigger). A symbolic ``max_len`` (``jax.export``) that may exceed W takes rings."""
+        ``max_len <= W`` (a symbolic ``max_len`` takes rings)."""
         kinds = config.layer_kinds()
         window = config.sliding_window if "local" in kinds else (
             config.attention_chunk if "chunked" in kinds else None)
@@ -91,9 +76,7 @@ class RingLayout:
 
 def locate(layout: RingLayout | None, i: int | jax.Array | LayerRef
            ) -> tuple[bool, int | jax.Array]:
-    """(whether layer i is kept in a ring, its index among the rings or among the full
-    layers). ``i`` is a layer number (a Python int, or traced when every layer is alike), or
-    a scanned block's ``LayerRef``."""
+    """(whether layer i is a ring, its index among its kind); ``i`` a number or a ``LayerRef``."""
     if isinstance(i, LayerRef):
         return (False, i.index) if layout is None else (i.local, i.of_kind)
     if layout is None:
@@ -107,8 +90,7 @@ def locate(layout: RingLayout | None, i: int | jax.Array | LayerRef
 
 
 def ring_positions(last: jax.Array, size: int) -> jax.Array:
-    """[B] last position written per row -> [B, R] position each slot holds (``INVALID``
-    where the position would be negative: never written)."""
+    """[B] last position written per row -> [B, R] position of each slot (unwritten: INVALID)."""
     slots = jnp.arange(size, dtype=jnp.int32)
     last = last.astype(jnp.int32)[:, None]
     held = last - jnp.mod(last - slots, size)
@@ -116,17 +98,8 @@ def ring_positions(last: jax.Array, size: int) -> jax.Array:
 
 
 def write_slots(positions: jax.Array, size: int, end: jax.Array | None = None) -> jax.Array:
-    """The ring slot each chunk position is written to, ``size`` (out of range: dropped) for
-    the positions not written.
-
-    Args:
-      positions: [B, T] consecutive positions per row.
-      size: R.
-      end: optional [B]: positions at or past it are not written.
-
-    Returns:
-      [B, T] int32: ``p % R`` for the row's last R written positions, else R.
-    """
+    """[B, T] int32: the ring slot ``p % R`` (R = ``size``) each chunk position is written to,
+    for each row's last R positions below the optional [B] ``end``; R (dropped) for the rest."""
     ok = jnp.ones(positions.shape, bool)
     if end is not None:
         ok &= positions < end[:, None]
@@ -141,8 +114,7 @@ def stored(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 def writes_first(t: Any, size: int, window: int) -> bool:
-    """Whether a chunk of T positions is written before its queries attend (T <= R - W + 1:
-    it overwrites only positions none of them sees); a symbolic T is not."""
+    """Whether a chunk of T (static) positions is written before its queries attend."""
     return isinstance(t, int) and t <= size - window + 1
 
 
@@ -188,12 +160,10 @@ def attend(cache: Any, j: int | jax.Array, layout: RingLayout, q: jax.Array, k: 
            v: jax.Array, positions: jax.Array, *,
            read_ring: Callable[[Any, Any], tuple[jax.Array, jax.Array]],
            write_ring: Callable[[Any, Any], Any], **kwargs: Any) -> tuple[jax.Array, Any]:
-    """Ring j's attention (see the module docstring): the chunk written and attended.
+    """Ring j's attention: the chunk written and attended.
 
     Args:
-      cache: the cache (a pytree the callbacks take).
-      j: the ring (``locate``'s index).
-      layout: the cache's ``RingLayout``.
+      cache, j, layout: the cache (a pytree the callbacks take), the ring, its ``RingLayout``.
       q, k, v, positions: the chunk, as ``ring_attention`` takes it.
       read_ring: (cache, j) -> ring j's keys and values of the chunk's rows, as stored.
       write_ring: (cache, j) -> the cache with the chunk written into ring j.
@@ -249,18 +219,8 @@ def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: j
 
 def scatter_stacked(ring: jax.Array | SlotsLast, j: int | jax.Array, rows: jax.Array,
                     new: jax.Array, slots: jax.Array) -> jax.Array | SlotsLast:
-    """Writes chunk rows into one layer of stacked rings, dropping slots out of range.
-
-    Args:
-      ring: [L, B', K, R, H] (or a ``SlotsLast`` [L, B', K, H, R]).
-      j: the layer.
-      rows: [B] ring row of each chunk row (broadcast against slots).
-      new: [B, T, K, H] (stored dtype).
-      slots: [B, T] slot per position (R: not written).
-
-    Returns:
-      The rings with layer j written, in their layout.
-    """
+    """The rings [L, B', K, R, H] (or ``SlotsLast``) with layer j written: chunk rows ``new``
+    [B, T, K, H] into ring rows ``rows`` [B] at ``slots`` [B, T] (R: dropped)."""
     ring, slots_last = stored_keys(ring)
     index = [j, rows[:, None], slice(None), slice(None), slice(None)]
     index[4 if slots_last else 3] = slots

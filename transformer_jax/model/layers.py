@@ -64,6 +64,20 @@ def matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, param_dtype)
 
 
+def typed_matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
+                 std: float) -> Any:
+    """``matrix`` with a normal(``std``) initialiser, cast to the module's compute ``dtype``."""
+    return matrix(module, name, shape, axes, _normal(std),
+                  param_dtype=module.param_dtype).astype(module.dtype)
+
+
+def zeros_param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...]
+                ) -> jax.Array:
+    """A zero-initialised parameter (a bias) of ``module``, cast to its compute ``dtype``."""
+    return module.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape,
+                        module.param_dtype).astype(module.dtype)
+
+
 def stored_as_is(module: nn.Module, name: str) -> Any:
     """Parameter ``name`` of ``module`` when it is stored as a typed leaf (quantised,
     ``OutFirst``, ``RowAdapters``), else None: flax's ``param`` would check its shapes."""
@@ -124,15 +138,9 @@ class Norm(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class LayerKind:
-    """How one layer attends: its window and RoPE frequencies, from its ``LayerSpec``.
-
-    Attributes:
-      window: the sliding window (None: full causal).
-      freqs: [H/2] float32 RoPE frequencies, or None without RoPE.
-      rope_factor: the cos/sin multiplier (YaRN's attention factor; 1.0 otherwise).
-      chunk: a chunked layer's C (its queries see only their own chunk), else None.
-      temperature: (floor f, scale s) of a NoPE layer's query temperature, else None.
-    """
+    """How one layer attends, from its ``LayerSpec``: its ``window`` (None: full causal), RoPE
+    ``freqs`` [H/2] (None without RoPE) and ``rope_factor`` (the cos/sin multiplier), a chunked
+    layer's ``chunk`` C, a NoPE layer's query ``temperature`` (floor, scale)."""
 
     window: int | None
     freqs: jax.Array | None
@@ -181,14 +189,6 @@ class Attention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
-    def _matrix(self, name, shape, axes, init):
-        return matrix(self, name, shape, axes, init,
-                      param_dtype=self.param_dtype).astype(self.dtype)
-
-    def _bias(self, name, shape, axes):
-        return self.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes),
-                          shape, self.param_dtype).astype(self.dtype)
-
     def _qk_norm(self, name: str, x: jax.Array, heads_axis: str) -> jax.Array:
         shape, axes = (((self.head_dim,), ("head_dim",)) if self.qk_norm == "head"
                        else (x.shape[-2:], (heads_axis, "head_dim")))
@@ -214,19 +214,19 @@ class Attention(nn.Module):
         """
         d = x.shape[-1]
         n, kv, h = self.n_heads, self.n_kv_heads, self.head_dim
-        init = _normal(self.init_std)
-        wq = self._matrix("q_proj", (d, n, h), ("embed", "heads", "head_dim"), init)
-        wk = self._matrix("k_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), init)
-        wv = self._matrix("v_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), init)
-        wo = self._matrix("o_proj", (n, h, d), ("heads", "head_dim", "embed"),
-                          _normal(self.out_init_std))
+        std = self.init_std
+        wq = typed_matrix(self, "q_proj", (d, n, h), ("embed", "heads", "head_dim"), std)
+        wk = typed_matrix(self, "k_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), std)
+        wv = typed_matrix(self, "v_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), std)
+        wo = typed_matrix(self, "o_proj", (n, h, d), ("heads", "head_dim", "embed"),
+                          self.out_init_std)
         q = checkpoint_name(dense(x, wq, "BTD,DNH->BTNH"), remat.QUERY)
         k = checkpoint_name(dense(x, wk, "BSD,DKH->BSKH"), remat.KEY)
         v = checkpoint_name(dense(x, wv, "BSD,DKH->BSKH"), remat.VALUE)
         if self.qkv_bias:
-            q = q + self._bias("q_bias", (n, h), ("heads", "head_dim"))
-            k = k + self._bias("k_bias", (kv, h), ("kv_heads", "head_dim"))
-            v = v + self._bias("v_bias", (kv, h), ("kv_heads", "head_dim"))
+            q = q + zeros_param(self, "q_bias", (n, h), ("heads", "head_dim"))
+            k = k + zeros_param(self, "k_bias", (kv, h), ("kv_heads", "head_dim"))
+            v = v + zeros_param(self, "v_bias", (kv, h), ("kv_heads", "head_dim"))
         if self.qk_norm in ("head", "full"):
             q = self._qk_norm("q_norm", q, "heads")
             k = self._qk_norm("k_norm", k, "kv_heads")
@@ -262,13 +262,12 @@ class Attention(nn.Module):
         out = checkpoint_name(out.astype(self.dtype), remat.CONTEXT)
         out = checkpoint_name(dense(out, wo, "BTNH,NHD->BTD"), remat.OUT)
         if self.o_bias:
-            out = out + self._bias("o_bias", (d,), ("embed",))
+            out = out + zeros_param(self, "o_bias", (d,), ("embed",))
         return out, cache
 
 
 class MLP(nn.Module):
-    """Feed-forward network: ``gate`` and ``up`` [D, F] (gated kinds), ``down`` [F, D].
-
+    """Feed-forward network: ``gate`` and ``up`` [D, F] (gated kinds), ``down`` [F, D];
     ``swiglu``: (limit, alpha, up_offset) of a clamped SwiGLU (``ops.ffn.swiglu_glu``)."""
 
     d_ff: int
@@ -285,13 +284,10 @@ class MLP(nn.Module):
         d = x.shape[-1]
         fn, gated = ops.FFN_FUNCTIONS[self.kind]
 
-        def param(name, shape, axes, std):
-            return matrix(self, name, shape, axes, _normal(std),
-                          param_dtype=self.param_dtype).astype(self.dtype)
-
-        up = param("up", (d, self.d_ff), ("embed", "mlp"), self.init_std)
-        down = param("down", (self.d_ff, d), ("mlp", "embed"), self.out_init_std)
-        gate = param("gate", (d, self.d_ff), ("embed", "mlp"), self.init_std) if gated else None
+        up = typed_matrix(self, "up", (d, self.d_ff), ("embed", "mlp"), self.init_std)
+        down = typed_matrix(self, "down", (self.d_ff, d), ("mlp", "embed"), self.out_init_std)
+        gate = (typed_matrix(self, "gate", (d, self.d_ff), ("embed", "mlp"), self.init_std)
+                if gated else None)
         names = {id(gate): remat.MLP_GATE, id(up): remat.MLP_UP, id(down): remat.MLP_DOWN}
 
         def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:

@@ -1,18 +1,12 @@
 """LoRA: low-rank adapters on the attention and MLP matrices, as pure functions over param trees.
 
 A target matrix W (stored [in..., out...], e.g. ``q_proj`` [D, N, H]) gets factors A [in..., R]
-and B [R, out...] and is used as ``W + (alpha / R) * A @ B``. A starts random and B at zero, so
-a new adapter leaves the model unchanged; only A and B are trained. Adapters mirror the param
-tree block by block (``adapters["blocks_0"]["attn"]["q_proj"]["a"]``), with a leading L axis
-when scanned. ``TARGETS`` names the matrices: ``q k v o`` (attention), ``gate up down`` (dense
-FFN), ``experts.*`` (one adapter per expert, A [L?, E, D, R]) and ``shared.*`` of a mixture,
-``q_a q_b kv_a kv_b`` of latent attention. A target adapts the blocks that have its module;
-the router is not adapted.
-
-In a train step differentiate the loss on ``apply_adapters(base, adapters, lora_config)`` with
-respect to the adapters, or keep one tree ``{"base": ..., "adapters": ...}`` (the layout of
-LoRA checkpoints) with ``model_params`` in the loss and ``optimizer(tx)``. ``merge`` folds the
-adapters into plain params for export.
+(random) and B [R, out...] (zero) and is used as ``W + (alpha / R) * A @ B``; only A and B are
+trained. Adapters mirror the param tree (``adapters["blocks_0"]["attn"]["q_proj"]["a"]``, a
+leading L axis when scanned); ``TARGETS`` names the matrices a block may have (experts: one
+adapter per expert). Train on ``apply_adapters(base, adapters, lora_config)``, or keep one tree
+``{"base": ..., "adapters": ...}`` (LoRA checkpoints' layout) with ``model_params`` and
+``optimizer``; ``merge`` folds the adapters into plain params for export.
 """
 
 from __future__ import annotations
@@ -147,8 +141,7 @@ def _target_param(params: Mapping[str, Any], block: Block, target: str) -> Any:
 
 
 def _applies(params: Mapping[str, Any], block: Block, target: str) -> bool:
-    """Whether ``target`` adapts ``block``: the block has the target's module (a dense layer
-    its ``mlp``, a sparse one its ``moe``)."""
+    """Whether ``target`` adapts ``block``: the block has the target's module (mlp or moe)."""
     node = tree_get(params, block)
     return isinstance(node, Mapping) and TARGETS[target][0] in node
 
@@ -211,8 +204,7 @@ def delta(a: jax.Array, b: jax.Array, target: str, stacked: bool, scale: float) 
     """``scale * A @ B`` in float32, shaped like the target matrix.
 
     Args:
-      a: [L?, E?, in..., R] (E: an experts target's, one adapter per expert).
-      b: [L?, E?, R, out...].
+      a, b: [L?, E?, in..., R] and [L?, E?, R, out...] (E: an experts target's).
       target: the target name (gives the number of input axes).
       stacked: whether a leading L axis is present.
       scale: ``alpha / rank``.
@@ -361,8 +353,7 @@ __all__ = ["ADAPTERS", "BASE", "BASE_QUANT_FIELD", "DEFAULT_TARGETS", "TARGETS",
 
 def checkpoint_tree(params: Any, meta: Mapping[str, Any], where: Any) -> Any:
     """A training checkpoint's params as restored without a target tree, with a QLoRA run's
-    quantised base rebuilt (``quant.from_saved``: orbax gives its weights back as plain dicts)
-    by the scheme its ``meta["train"]["lora_base_quant"]`` names; other params as they are.
+    quantised base rebuilt (``quant.from_saved``) by its ``meta["train"]["lora_base_quant"]``.
 
     Raises:
       ValueError: a saved quantised base without that setting, or one that does not fit it
@@ -388,9 +379,8 @@ def checkpoint_tree(params: Any, meta: Mapping[str, Any], where: Any) -> Any:
 def merge_checkpoint_params(params: Any, meta: Mapping[str, Any], where: Any,
                             dtype: Any = None) -> Any:
     """The model's parameters from a training checkpoint's params: merged when it holds
-    ``{"base", "adapters"}`` with ``meta["lora"]`` (a LoRA run), as they are otherwise. A
-    QLoRA run's quantised base (live, or plain dicts as restored, ``checkpoint_tree``) is
-    dequantised first, so the result is float weights of the base's structure.
+    ``{"base", "adapters"}`` with ``meta["lora"]`` (a LoRA run; a quantised base is
+    dequantised first), as they are otherwise.
 
     Raises:
       ValueError: ``meta["lora"]`` without a base/adapters tree, or the reverse, or a

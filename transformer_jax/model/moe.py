@@ -1,12 +1,8 @@
-"""The mixture-of-experts FFN module: the router and the experts' stacked matrices, computed by
-``ops.moe``.
-
-Parameters (logical axes in brackets): ``router`` [D, E] (embed, router); ``gate`` and ``up``
-[E, D, F] (experts, expert_embed, expert_mlp); ``down`` [E, F, D]; optionally ``shared`` (an
-``MLP``), ``shared_gate`` [D, 1], ``router_bias`` [E], ``gate_bias``/``up_bias`` [E, F],
-``down_bias`` [E, D] and ``correction_bias`` [E] (updated by ``balance_correction_bias``, not by
-gradients). The experts' axes have their own names so a mesh can split E over an ``expert``
-axis; then the experts run expert-parallel (``ops.moe_dispatch``).
+"""The mixture-of-experts FFN module (``SparseFFN``): the router and the experts' stacked
+matrices, computed by ``ops.moe``, expert-parallel (``ops.moe_dispatch``) when the logical rules
+split E. Parameters: ``router`` [D, E]; ``gate``, ``up`` [E, D, F]; ``down`` [E, F, D]
+(logical axes experts, expert_embed, expert_mlp); optionally ``shared`` (an ``MLP``),
+``shared_gate``, biases and ``correction_bias`` [E] (``balance_correction_bias``).
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from transformer_jax.model import remat
 from transformer_jax.model.fields import MoE
-from transformer_jax.model.layers import MLP, matrix, stored_as_is, swiglu_glu_of
+from transformer_jax.model.layers import MLP, stored_as_is, swiglu_glu_of, typed_matrix, zeros_param
 from transformer_jax.model.ops import moe as moe_ops
 from transformer_jax.model.ops import moe_dispatch
 from transformer_jax.model.ops.dense import dense
@@ -62,10 +58,6 @@ class SparseFFN(nn.Module):
         return self.param(name, nn.with_logical_partitioning(nn.initializers.normal(std), axes),
                           shape, self.param_dtype)
 
-    def _bias(self, name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
-        return self.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes),
-                          shape, self.param_dtype).astype(self.dtype)
-
     @nn.compact
     def __call__(self, x: jax.Array, valid: jax.Array | None = None
                  ) -> tuple[jax.Array, RouterStats]:
@@ -76,9 +68,7 @@ class SparseFFN(nn.Module):
         m = self.moe
         b, t, d = x.shape
         e, f = m.n_experts, m.d_ff
-        router = matrix(self, "router", (d, e), ("embed", "router"),
-                        nn.initializers.normal(self.init_std),
-                        param_dtype=self.param_dtype)
+        router = typed_matrix(self, "router", (d, e), ("embed", "router"), self.init_std)
         in_axes = ("experts", "expert_embed", "expert_mlp")
         gate = self._experts("gate", (e, d, f), in_axes, self.init_std)
         up = self._experts("up", (e, d, f), in_axes, self.init_std)
@@ -86,10 +76,11 @@ class SparseFFN(nn.Module):
                              self.out_init_std)
 
         tokens = x.reshape(b * t, d)
-        logits = dense(tokens, router.astype(self.dtype), "ND,DE->NE",
+        logits = dense(tokens, router, "ND,DE->NE",
                        preferred_element_type=jnp.float32)
         if m.router_bias:
-            logits = logits + self._bias("router_bias", (e,), ("router",)).astype(jnp.float32)
+            bias = zeros_param(self, "router_bias", (e,), ("router",))
+            logits = logits + bias.astype(jnp.float32)
         choice_bias = None
         if m.correction_bias:  # float32 as stored (decode.prepare keeps its dtype)
             choice_bias = self.param(
@@ -107,9 +98,9 @@ class SparseFFN(nn.Module):
             ffn["glu"] = swiglu_glu_of(self.swiglu)
         biases = None
         if m.expert_bias:
-            biases = (self._bias("gate_bias", (e, f), ("experts", "expert_mlp")),
-                      self._bias("up_bias", (e, f), ("experts", "expert_mlp")),
-                      self._bias("down_bias", (e, d), ("experts", "expert_embed")))
+            biases = (zeros_param(self, "gate_bias", (e, f), ("experts", "expert_mlp")),
+                      zeros_param(self, "up_bias", (e, f), ("experts", "expert_mlp")),
+                      zeros_param(self, "down_bias", (e, d), ("experts", "expert_embed")))
         split = expert_split()
         if split is None:
             y = moe_ops.experts_ffn(inputs, routed, gate, up, down, biases=biases, **ffn)
@@ -119,14 +110,11 @@ class SparseFFN(nn.Module):
         y = checkpoint_name(y.reshape(b, t, d), remat.MOE_OUT)
         if m.shared_d_ff:
             shared = MLP(d_ff=m.shared_d_ff, kind=self.kind, swiglu=self.swiglu,
-                         init_std=self.init_std,
-                         out_init_std=self.out_init_std,
+                         init_std=self.init_std, out_init_std=self.out_init_std,
                          dtype=self.dtype, param_dtype=self.param_dtype, name="shared")(x)
             if m.shared_gate:
-                w = matrix(self, "shared_gate", (d, 1), ("embed", "router"),
-                           nn.initializers.normal(self.init_std),
-                           param_dtype=self.param_dtype)
-                g = dense(x, w.astype(self.dtype), "BTD,DO->BTO")
+                w = typed_matrix(self, "shared_gate", (d, 1), ("embed", "router"), self.init_std)
+                g = dense(x, w, "BTD,DO->BTO")
                 shared = shared * jax.nn.sigmoid(g)
             y = y + shared
 
@@ -138,8 +126,7 @@ class SparseFFN(nn.Module):
 
 
 def expert_split() -> moe_dispatch.ExpertSplit | None:
-    """``moe_dispatch.expert_split`` of the mesh and logical rules in context, or None (no
-    mesh, or E not split)."""
+    """``moe_dispatch.expert_split`` of the mesh and rules in context (None: E not split)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None

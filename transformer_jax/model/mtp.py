@@ -1,17 +1,13 @@
 """Multi-token prediction (``Architecture.mtp_depth``): modules after the stack that predict
 the tokens past the next one, as a training loss and as a speculative-decoding draft.
 
-Module k (1..D) at position i (the DeepSeek-V3 report's formulas; vLLM's order of the
-concatenation, the embedding first):
+Module k (1..D) at position i (DeepSeek-V3's formulas, vLLM's concatenation order):
 
     h'_i = eh_proj([emb_norm(emb(t_{i+k})); hidden_norm(h^{k-1}_i)])      [2D] -> [D]
-    h^k = Block(h')                       (causal over the sequence, the main positions)
-    logits^k_i = lm_head(head_norm(h^k_i))                       (token i + k + 1)
+    h^k = Block(h');  logits^k_i = lm_head(head_norm(h^k_i))           (token i + k + 1)
 
-``h^0`` is the main model's final-normed hidden state, ``h^{k-1}`` (k > 1) module k-1's block
-output before its ``head_norm``. ``emb`` is the main model's token table (shared); each module
-has its own LM head (the checkpoints store one per module). Params: ``mtp_{k-1}`` beside the
-stack's, each ``{emb_norm, hidden_norm, eh_proj [2D, D], block, head_norm, lm_head [D, V]}``.
+``h^0`` is the main model's final-normed hidden state; ``emb`` is its (shared) token table;
+each module ``mtp_{k-1}`` has its own LM head.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ def module_key(k: int) -> str:
 
 
 def shifted(x: jax.Array, k: int) -> jax.Array:
-    """x [B, T, ...] moved k positions left along T, the last k filled with zeros: entry i
-    holds x[:, i + k] (the token embedding module k combines with position i)."""
+    """x [B, T, ...] moved k positions left along T (entry i: x[:, i + k]; the last k zeros)."""
     k = min(k, x.shape[1])
     return jnp.concatenate([x[:, k:], jnp.zeros_like(x[:, :k])], axis=1)
 
@@ -81,11 +76,9 @@ class MTPModule(nn.Module):
 
 def mtp_logits(config: ModelConfig, hidden: jax.Array, emb: jax.Array, positions: jax.Array,
                segment_ids: jax.Array | None) -> jax.Array:
-    """Every module's logits over whole sequences, called inside the ``Transformer``'s forward
-    (the modules are its submodules ``mtp_{k-1}``): hidden [B, T, D] final-normed, emb
-    [B, T, D] the token embeddings -> [D_mtp, B, T, V] float32, module k's entry i predicting
-    token i + k + 1 (``mtp_targets`` masks the entries without one). Attention stays within
-    ``segment_ids``' segments."""
+    """Every module's logits over whole sequences, inside the ``Transformer``'s forward: hidden
+    [B, T, D] final-normed, emb [B, T, D] the token embeddings -> [D_mtp, B, T, V] float32,
+    module k's entry i predicting token i + k + 1 (``mtp_targets`` masks those without one)."""
     out = []
     for k in range(1, config.mtp_depth + 1):
         hidden, logits, _ = MTPModule(config, name=module_key(k))(

@@ -1,12 +1,8 @@
 """Many LoRA adapters of one base, stacked for a batch whose rows pick different ones.
 
-``stack_adapters`` lays several trained adapters (``model.lora``'s trees, each with its own
-rank, alpha and targets) side by side for every adapted matrix (``ops.row_lora``'s layout),
-ranks zero-padded to the largest and each B scaled by its ``alpha / rank``; a matrix an adapter
-does not target gets zeros. Adapter ids count from 1; id 0 is the base. ``with_row_adapters``
-gives the params a forward runs with, each adapted matrix an ``ops.row_lora.RowAdapters``; it is
-pure, called inside the step. Only the dense matrices take per-row adapters (a mixture's experts
-see tokens regrouped by expert, no longer rows of requests).
+``stack_adapters`` lays trained adapters (``model.lora``'s) side by side for every adapted
+dense matrix (``ops.row_lora``'s layout); ids count from 1, id 0 is the base.
+``with_row_adapters`` gives the params a step runs with, each adapted matrix a ``RowAdapters``.
 """
 
 from __future__ import annotations
@@ -122,14 +118,13 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
 
 
 def with_row_adapters(params: Params, stack: Params, ids: jax.Array) -> Params:
-    """``params`` with each matrix of ``stack`` replaced by a ``RowAdapters`` choosing, for
-    batch row b, adapter ``ids[b]`` (pure; call it inside the jitted step).
+    """``params`` with each matrix of ``stack`` a ``RowAdapters`` choosing, for batch row b, adapter
+    ``ids[b]`` (pure; call it inside the jitted step).
 
     Args:
       params: the params the forward runs with.
       stack: ``stack_adapters``'s output for them.
-      ids: [B] int32 adapter of each row: 1 + its index in ``stack_adapters``' list, 0 for
-        the base.
+      ids: [B] int32 adapter of each row (its index in ``stack_adapters``' list + 1; 0: base).
 
     Returns:
       The param tree for ``Transformer.apply`` (scanned: the ids repeated per layer, [L, B]).

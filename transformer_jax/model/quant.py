@@ -1,13 +1,10 @@
 """Weight-only post-training quantisation of the prepared decode weights, through qwix.
 
-``decode.prepare(config, params, quant="int8")`` stores every matrix and the token table as
-quantised values and their scales (``quantize_params``); the forward takes a quantised weight
-as it takes a float one (``ops.quantized``). ``"int8"``: one absmax scale per output channel;
-``"int4"``/``"nf4"`` (``":G"``): one per output channel and group of G inputs along the last
-input axis, packed two to a byte (``"int4"`` picks G per matrix, ``for_model``). A mixture's
-experts get scales per expert; its router and shared-expert gate stay float
-(``FLOAT_MATRICES``), as do norms and biases. ``from_saved`` rebuilds quantised weights that a
-checkpoint restored as plain dicts. See docs/quantisation.md.
+``decode.prepare(config, params, quant=...)`` stores every matrix and the token table as
+quantised values and scales (``quantize_params``), which the forward takes as it takes floats
+(``ops.quantized``): ``"int8"`` one scale per output channel; ``"int4"``/``"nf4"`` (``":G"``)
+per output channel and group of G inputs, packed two to a byte. A mixture's router and shared
+gate stay float (``FLOAT_MATRICES``). ``from_saved`` rebuilds weights restored as plain dicts.
 """
 
 from __future__ import annotations
@@ -68,8 +65,7 @@ def grouped_widths(config: ModelConfig, shards: int = 1) -> dict[str, int]:
 
 
 def group_key(path: Sequence[Any]) -> str:
-    """The name a weight's group size is chosen by: its leaf name, or ``experts/<name>`` and
-    ``shared/<name>`` for a mixture's expert stacks and shared expert."""
+    """A weight's group-size key: its leaf name, or ``experts/<name>`` / ``shared/<name>``."""
     keys = [str(getattr(p, "key", p)) for p in path]
     if is_expert_stack(keys):
         return f"experts/{keys[-1]}"
@@ -161,8 +157,7 @@ def is_quantizable(name: str) -> bool:
 
 
 def quantize_params(params: Params, quant: WeightQuant) -> Params:
-    """Params (``decode_params``' layout, in-first or with ``OutFirst`` matrices) with every
-    matrix and the token table quantised (``quantize_weight``); the rest as given."""
+    """Params with every matrix (in-first or ``OutFirst``) and the token table quantised."""
     def one(path: tuple[Any, ...], x: Any) -> Any:
         name = str(path[-1].key)
         if not is_quantizable(name):

@@ -1,18 +1,12 @@
 """Rematerialisation policies: what a block keeps from its forward for the backward pass.
 
-A block's activations are named where they are computed (``checkpoint_name``): the attention's
-projections and output, the FFN's and the mixture's products. A policy (``Execution.remat``)
-saves some in device memory, offloads some to the host's, and recomputes the rest:
-
-- ``none``: no remat (the most memory); ``full``: only the block's input is kept;
-- ``save_qkv_proj``: the query, key and value projections (MaxText's name);
-- ``save_dots_except_mlp``: those, the attention's output and its output projection;
-- ``save_dots_except_mlp_in``: every named product but the FFN's gate and up (the widest);
-- ``save_dots``: every matmul without batch dimensions;
-- ``offload_qkv_proj`` / ``offload_dots``: the q/k/v projections / every named product, moved
-  to the host's pinned memory for the backward.
-
-On a CPU target an offloading policy saves the same activations in place (logged once).
+Activations are named where they are computed (``checkpoint_name``); a policy
+(``Execution.remat``, one of ``REMATS``) saves some in device memory, offloads some to the
+host's and recomputes the rest: ``none``; ``full`` (only the block's input); ``save_qkv_proj``;
+``save_dots_except_mlp`` (also the attention's output and projection);
+``save_dots_except_mlp_in`` (all but the FFN's gate and up); ``save_dots`` (every matmul
+without batch dimensions); ``offload_qkv_proj`` / ``offload_dots`` (to the host's pinned memory;
+on a CPU target saved in place, logged once).
 """
 
 from __future__ import annotations
@@ -57,21 +51,14 @@ _warned: set[tuple[str, str]] = set()
 
 
 def saved_names(remat: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(names kept in device memory, names offloaded to the host) of a named policy; ``()``
-    for ``none``, ``full`` and ``save_dots``, which do not go by names."""
+    """(names kept in device memory, names offloaded) of a policy; () for those not by names."""
     return _NAMED.get(remat, ((), ()))
 
 
 def policy(remat: str, platform: str) -> Any:
-    """The ``jax.checkpoint`` policy of ``remat`` (not ``"none"``) for a target platform.
-
-    Args:
-      remat: one of ``REMATS`` but ``"none"``.
-      platform: the target's platform (``ops.target.platform()``); on ``"cpu"`` an offloading
-        policy keeps its names in device memory instead (logged once).
-
-    Returns:
-      The policy (None for ``"full"``: nothing saved).
+    """The ``jax.checkpoint`` policy (None for ``"full"``: nothing saved) of ``remat``, one of
+    ``REMATS`` but ``"none"``, for a target ``platform`` (on ``"cpu"`` an offloading policy
+    keeps its names in device memory instead, logged once).
 
     Raises:
       ValueError: an unknown policy.

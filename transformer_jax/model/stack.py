@@ -1,11 +1,10 @@
 """The layer stack as groups: which block each layer is, and how runs of them are scanned.
 
-Each layer is a ``LayerSpec`` (attention kind, FFN kind, RoPE or not). The stack is cut into
-``LayerGroup``s, each a period of specs repeated (Gemma 3's 26 layers: five local and one
-global layer four times, then two local ones). A scanned model scans each group over its
-repeats with the period's blocks unrolled in the body, so every block knows its kinds as Python
-values, and addresses its cache with a ``LayerRef`` (its traced indices). This module also
-moves params-shaped trees between the unrolled and scanned layouts (``restack``).
+Each layer is a ``LayerSpec``; the stack is cut into ``LayerGroup``s, each a period of specs
+repeated (Gemma 3: five local and one global layer, four times, then two local). A scanned
+model scans each group with the period's blocks unrolled in the body, so every block knows its
+kinds as Python values and addresses its cache with a ``LayerRef``. ``restack`` moves
+params-shaped trees between the unrolled and scanned layouts.
 """
 
 from __future__ import annotations
@@ -126,14 +125,12 @@ def layer_groups(specs: tuple[LayerSpec, ...]) -> tuple[LayerGroup, ...]:
 
 def group_key(groups: tuple[LayerGroup, ...], g: int) -> str:
     """The params key of scanned group ``g``: ``blocks`` for a stack of one group, else
-    ``scan_{g}``. A group of period 1 holds one block's params stacked [R, ...]; a longer
-    period holds ``layer_{j}`` for each position j, each stacked [R, ...]."""
+    ``scan_{g}`` (a longer period holding ``layer_{j}`` per position, each stacked [R, ...])."""
     return "blocks" if len(groups) == 1 else f"scan_{g}"
 
 
 def is_scanned_key(key: str) -> bool:
-    """Whether a top-level params key holds scanned layers (leaves with a leading repeats
-    axis), as opposed to one layer (``blocks_{i}``) or no layer (``embed``...)."""
+    """Whether a top-level params key holds scanned layers (a leading repeats axis)."""
     return key == "blocks" or key.startswith("scan_")
 
 
@@ -173,9 +170,7 @@ def tree_set(tree: Mapping[str, Any], path: Sequence[str], value: Any) -> dict[s
 
 
 def stacked_layers(params: Mapping[str, Any]) -> dict[tuple[str, ...], list[int]]:
-    """Each scanned block path of ``params`` (``block_paths``) -> the layer numbers it
-    stacks, read off the tree itself: a group's P positions and R repeats hold layers
-    ``start + r * P + j``."""
+    """Each scanned block path of ``params`` -> the layer numbers it stacks, read off the tree."""
     paths = [p for p, stacked in block_paths(params) if stacked]
     out, start = {}, 0
     for key in dict.fromkeys(p[0] for p in paths):
@@ -199,8 +194,7 @@ def group_layers(groups: tuple[LayerGroup, ...]) -> dict[tuple[str, ...], list[i
 
 def restack(tree: Mapping[str, Any], want: dict[tuple[str, ...], list[int]]) -> dict[str, Any]:
     """A params-shaped ``tree`` (params, adapters, moments) in the layer layout ``want`` says
-    (``group_layers``, another tree's ``stacked_layers``; empty: unrolled ``blocks_{i}``); as
-    it is when it has that layout already."""
+    (``group_layers``, ``stacked_layers``; empty: unrolled ``blocks_{i}``)."""
     scanned = stacked_layers(tree)
     if bool(scanned) == bool(want):
         return dict(tree)

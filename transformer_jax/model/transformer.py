@@ -143,8 +143,7 @@ class Transformer(nn.Module):
 
     def _blocks(self, carry: Carry, positions: jax.Array, segment_ids: jax.Array | None
                 ) -> tuple[Carry, dict[str, jax.Array] | None]:
-        """The L blocks over (x, cache), unrolled or scanned per layer group: (the carry, the
-        sparse layers' router stats stacked in layer order, or None)."""
+        """The L blocks over (x, cache): (the carry, the sparse layers' router stats, or None)."""
         c = self.config
         block_cls = Block
         if c.remat != "none":
@@ -183,8 +182,7 @@ class Transformer(nn.Module):
                       nn.initializers.normal(c.init_std), param_dtype=c.jnp_param_dtype)
 
     def lm_head(self, params: Params) -> jax.Array | OutFirst:
-        """The LM head of ``params`` as a [D, V] matrix (for ``ops.lm_loss``): ``lm_head``, or
-        the tied [V, D] token table as an ``OutFirst``."""
+        """The LM head of ``params`` as [D, V]: ``lm_head``, or the tied table as ``OutFirst``."""
         if not self.config.tie_embeddings:
             return params["lm_head"]
         table = params[EMBED][EMBEDDING_PARAM]
@@ -226,8 +224,7 @@ def param_count(config: ModelConfig) -> int:
 
 
 def stack_blocks(params: Params, config: Architecture) -> Params:
-    """Unrolled layout (``blocks_0`` ..) -> scanned layout: each layer group under its key
-    (``stack.group_key``), its layers stacked [R, ...]."""
+    """Unrolled layout (``blocks_0`` ..) -> scanned: each layer group stacked under its key."""
     return restack(params, group_layers(config.layer_groups()))
 
 
@@ -242,7 +239,6 @@ def is_scanned(params: Params) -> bool:
 
 
 def scanned_places(config: Architecture) -> dict[str, tuple[tuple[str, ...], int]]:
-    """Unrolled block ``blocks_{i}`` -> (the scanned params path that stacks it, its index r
-    along that stack), as ``stack_blocks`` lays out ``config``'s layer groups."""
+    """Unrolled ``blocks_{i}`` -> (the scanned params path stacking it, its index along it)."""
     return {f"blocks_{i}": (path, r) for path, layers in
             group_layers(config.layer_groups()).items() for r, i in enumerate(layers)}

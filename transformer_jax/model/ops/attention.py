@@ -1,16 +1,12 @@
 """Scaled dot-product attention: masks given as structure (positions, segments, window).
 
-Queries ``q`` are [B, T, N, H]; keys and values [B, K, S, H] (the KV cache's layout); query head
-r reads kv head ``r // G``, G = N / K. A query at position m sees a key at position n iff
-``n <= m`` (when causal), ``n > m - window`` (with a window) and both are in the same non-zero
-segment (0 is padding); a query with no visible key returns zeros. ``chunk`` C (keys with
-``n // C == m // C``) becomes segments (``chunk_segments``). ``attention(..., impl=...)`` runs
-one of ``ATTENTION_IMPLS``: ``"xla"`` (the einsum reference, [B, N, T, S] float32 logits; what
-the others are tested against), ``"chunked"`` (``ops.chunked_attention``), ``"cudnn"`` (GPU),
-``"mosaic"`` (tokamax), ``"pallas"`` (JAX's Pallas TPU flash attention, or tokamax's Triton
-kernel on GPU) or ``"auto"`` (``choose_impl``); see docs/long-context.md. Under a mesh the
-kernels run per device under ``shard_map``, and a split sequence goes to
-``ops.context_attention``.
+Queries ``q`` are [B, T, N, H]; keys and values [B, K, S, H]; query head r reads kv head
+``r // G``, G = N / K. A query at m sees a key at n iff ``n <= m`` (causal), ``n > m - window``
+(with a window) and both are in the same non-zero segment (0 is padding); a query with no
+visible key returns zeros. A ``chunk`` C becomes segments (``chunk_segments``).
+``attention(..., impl=...)`` runs one of ``ATTENTION_IMPLS``: ``"xla"`` (the einsum reference,
+what the others are tested against), ``"chunked"``, ``"cudnn"``, ``"mosaic"``, ``"pallas"`` or
+``"auto"`` (``choose_impl``; see docs/long-context.md). Under a mesh the kernels run per device.
 """
 
 import functools
@@ -163,13 +159,6 @@ def reference_attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array,
 
 # Entry point -------------------------------------------------------------------------------------
 
-def _check_backend(impl: str) -> None:
-    backend = target.platform()
-    if backend not in _IMPL_BACKENDS[impl]:
-        raise ValueError(f"attention impl {impl!r} cannot run on backend {backend!r}; it needs "
-                         f"one of {_IMPL_BACKENDS[impl]}. Use impl='auto', 'xla' or 'chunked'.")
-
-
 def _have_tokamax() -> bool:
     """Whether tokamax (the ``kernels`` extra) can be imported, without importing it."""
     if "tokamax" in sys.modules:
@@ -214,27 +203,25 @@ def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None, *,
     return "chunked" if b * n * t * s >= _AUTO_CHUNKED_MIN_LOGITS else "xla"
 
 
-def _check_softcap(impl: str, softcap: float | None, backend: str) -> None:
-    """Refuses a soft-cap on the kernels that have none (cuDNN, JAX's Pallas TPU kernel)."""
-    if softcap is None:
-        return
-    if impl == "cudnn" or (impl == "pallas" and backend == "tpu"):
+def _check_kernel(impl: str, softcap: float | None, sinks: jax.Array | None) -> None:
+    """Refuses what kernel ``impl`` cannot do: sinks, a backend it does not run on, a soft-cap
+    (cuDNN and JAX's Pallas TPU kernel have none)."""
+    if sinks is not None:
+        raise ValueError(f"attention impl={impl!r} has no attention sinks; use impl='auto', "
+                         "'xla' or 'chunked'")
+    backend = target.platform()
+    if backend not in _IMPL_BACKENDS[impl]:
+        raise ValueError(f"attention impl {impl!r} cannot run on backend {backend!r}; it needs "
+                         f"one of {_IMPL_BACKENDS[impl]}. Use impl='auto', 'xla' or 'chunked'.")
+    if softcap is not None and (impl == "cudnn" or (impl == "pallas" and backend == "tpu")):
         name = "cuDNN" if impl == "cudnn" else "JAX's Pallas TPU flash attention"
         raise ValueError(f"attention impl={impl!r} ({name}) has no logit softcap (got softcap="
                          f"{softcap}); use impl='xla' or 'chunked' (or 'mosaic', tokamax's "
                          "kernel, which caps)")
 
 
-def _check_sinks(impl: str, sinks: jax.Array | None) -> None:
-    """Refuses attention sinks on the kernels, which have no extra softmax term."""
-    if sinks is not None and impl in _IMPL_BACKENDS:
-        raise ValueError(f"attention impl={impl!r} has no attention sinks; use impl='auto', "
-                         "'xla' or 'chunked'")
-
-
 def _kernel_attention(impl, q, k, v, mask, scale, softcap=None):
-    """The library kernels, over a dense [B, T, S] mask; k/v go to their [B, S, K, H] layout.
-    (tokamax's Triton kernel caps in the forward only: its backward raises on a cap.)"""
+    """The library kernels over a dense [B, T, S] mask, k/v in their [B, S, K, H] layout."""
     kt, vt = k.swapaxes(1, 2), v.swapaxes(1, 2)
     if impl == "cudnn":
         out = jax.nn.dot_product_attention(q, kt, vt, mask=mask[:, None], scale=scale,
@@ -329,9 +316,7 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
             logger.info("attention impl='auto' picked %r on backend %r%s (first seen at q %s, "
                         "k %s, %s)", impl, key[0], fallback, q.shape, k.shape, q.dtype)
     if impl in _IMPL_BACKENDS:
-        _check_sinks(impl, sinks)
-        _check_backend(impl)
-        _check_softcap(impl, softcap, target.platform())
+        _check_kernel(impl, softcap, sinks)
         split = _kernel_split(q.shape[0], v.shape[1])
         if split is not None:  # XLA cannot partition a kernel: each device runs its part
             return _per_device(split, functools.partial(

@@ -1,11 +1,8 @@
 """Chunked (flash-style) attention in plain JAX: memory linear in the context on any backend.
 
-Layout and mask semantics are ``ops.attention``'s: ``q`` [B, T, N, H], keys and values
-[B, K, S, H], G = N / K query heads per kv head; a query with no visible key returns zeros.
-Each query block runs over the key blocks with an online softmax, skipping key blocks it cannot
-see. The gradient is a ``custom_vjp`` that recomputes each block's probabilities from the saved
-log-sum-exp, so neither direction keeps anything of size [T, S]. This module also holds the
-shape checks and the float32-accumulating einsum that ``ops.attention`` shares.
+Layout and mask as ``ops.attention``'s. Each query block runs over the key blocks with an
+online softmax, skipping those it cannot see; the gradient is a ``custom_vjp`` recomputing each
+block from the saved log-sum-exp. Also the shape checks and float32 einsum the reference shares.
 """
 
 import dataclasses
@@ -38,8 +35,7 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) 
 
 
 def softcap(x: jax.Array, cap: float | jax.Array) -> jax.Array:
-    """Soft-capping ``tanh(x / cap) * cap``: smooth, ~x for |x| << cap, bounded by ``cap``
-    (attention logits after the scale, and final LM logits); x's shape and dtype."""
+    """Soft-capping ``tanh(x / cap) * cap`` (~x for |x| << cap, bounded by ``cap``), any shape."""
     return jnp.tanh(x / cap) * cap
 
 
@@ -121,8 +117,7 @@ class _Plan:
         return -(-self.s // self.bk)
 
     def visible(self, q_range, k_range, window, i, j):
-        """Whether block (i, j) may hold a visible pair; fully masked blocks are skipped.
-        ``window`` is the int32 scalar window (traced or not; unused unless ``windowed``)."""
+        """Whether block (i, j) may hold a visible pair (``window``: int32 scalar, maybe traced)."""
         ok = jnp.bool_(True)
         if self.causal:
             ok &= k_range[0][j] <= q_range[1][i]
@@ -177,17 +172,14 @@ def online_softmax_init(rows: tuple[int, ...], h: int
 
 def online_softmax_step(carry: tuple[jax.Array, jax.Array, jax.Array], logits: jax.Array,
                         values: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One key block of an online softmax (the flash-attention recurrence).
+    """One key block of an online softmax (the flash-attention recurrence): the carry with this
+    block folded in.
 
     Args:
-      carry: (acc [..., Q, H], m [..., Q], l [..., Q]) float32 from ``online_softmax_init`` or
-        the previous block: the value sum weighted by ``exp(logit - m)``, the running maximum
-        logit and the running sum of ``exp(logit - m)``.
+      carry: float32 (acc [..., Q, H], m [..., Q], l [..., Q]): the value sum weighted by
+        ``exp(logit - m)``, the running maximum logit and the running sum of ``exp(logit - m)``.
       logits: [..., Q, S] float32 scaled logits of this block, -inf at keys a query does not see.
-      values: [..., S, H] this block's values (the same leading dims).
-
-    Returns:
-      The carry with this block folded in.
+      values: [..., S, H] this block's values.
     """
     acc, m, l = carry
     m_new = jnp.maximum(m, logits.max(-1))
@@ -202,17 +194,9 @@ def online_softmax_step(carry: tuple[jax.Array, jax.Array, jax.Array], logits: j
 def online_softmax_merge(carry: tuple[jax.Array, jax.Array, jax.Array],
                          segments: jax.Array, num_segments: int
                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Merges ``online_softmax_step`` carries of disjoint key blocks by segment (split-K, as
-    flash-decoding combines its partial results).
-
-    Args:
-      carry: (acc [U, ..., Q, H], m [U, ..., Q], l [U, ..., Q]): U partial carries.
-      segments: [U] int, the segment (query row) each partial belongs to, in [0, num_segments).
-      num_segments: R, the number of merged carries.
-
-    Returns:
-      R carries [R, ...], each as if one loop had run over all of its segment's blocks.
-    """
+    """Merges U ``online_softmax_step`` carries ([U, ...]) of disjoint key blocks by their [U]
+    ``segments`` (split-K, as flash-decoding does) into ``num_segments`` carries [R, ...], each
+    as if one loop had run over all of its segment's blocks."""
     acc, m, l = carry
     top = jax.ops.segment_max(m, segments, num_segments)
     top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
@@ -385,19 +369,9 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
     context, plus one [B, N, block_q, block_k] block of float32 logits at a time.
 
     Args:
-      q: [B, T, N, H] queries.
-      k: [B, K, S, H] keys, N a multiple of K.
-      v: [B, K, S, H] values.
-      q_positions: [B, T] int positions of the queries.
-      k_positions: optional [B, S] int positions of the keys, default ``arange(S)``.
-      q_segments, k_segments: optional [B, T], [B, S] segment ids (0 = padding), given together.
-      window: optional sliding window (keys at ``n > m - window``): a Python int or an int
-        scalar array, possibly traced.
-      causal: whether a query at m sees only keys at ``n <= m``.
-      scale: logit scale, default ``1/sqrt(H)``.
-      softcap: optional logit soft-cap c (``c tanh(x / c)`` on the scaled logits).
-      sinks: optional [N] sink logits: a term of each softmax's denominator with no value
-        (differentiable).
+      q, k, v: [B, T, N, H] queries, [B, K, S, H] keys and values.
+      q_positions, k_positions, q_segments, k_segments, window, causal, scale, softcap,
+        sinks: as ``ops.attention.attention`` takes them (sinks differentiable).
       block_q, block_k: block sizes (clipped to T and S).
 
     Returns:

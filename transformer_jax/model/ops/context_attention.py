@@ -1,12 +1,9 @@
 """Context-parallel self-attention: the sequence split over mesh axes, keys and values gathered.
 
-Under a mesh whose logical rules split ``length`` (the ``context`` axis), each device holds
-T / C of every sequence's queries, keys and values. ``attention`` then runs per device under
-``shard_map``: it all-gathers the whole sequence's keys, values, key positions and segments
-(their gradients come back by reduce-scatter), keeps its own queries, and attends with the
-local implementation (MaxText's default context-parallel strategy). Masks are structure, so
-the sequence may be permuted before it is split (``parallel.context`` balances the causal
-work so); the chunked path's block skipping stays exact for permuted positions.
+Under a mesh whose logical rules split ``length``, ``attention`` runs per device under
+``shard_map``: each device keeps its queries and all-gathers the whole sequence's keys, values,
+key positions and segments (MaxText's default strategy). Masks are structure, so the sequence
+may be permuted before it is split (``parallel.context`` balances the causal work so).
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ Split = tuple[jax.sharding.AbstractMesh, tuple[str, ...], tuple[str, ...], tuple
 
 def context_split(b: int, kv: int, t: int) -> Split | None:
     """How a self-attention call of B rows, K kv heads and T positions splits over the mesh in
-    context (``target.mesh_axes``: batch and kv-head splits only where they divide B or K), or
-    None when the logical rules do not split ``length``.
+    context (``target.mesh_axes``), or None when the logical rules do not split ``length``.
 
     Raises:
       ValueError: T does not split evenly over the sequence axes.
@@ -54,15 +50,11 @@ def gathered_attention(split: Split, fn: Callable[..., jax.Array], q: jax.Array,
 
     Args:
       split: ``context_split``'s answer.
-      fn: the attention to run on each device (``ops.attention.attention``; called inside the
-        ``shard_map``, where every mesh axis is manual, it runs its local implementation).
-      q: [B, T, N, H] queries, T split over the sequence axes.
-      k, v: [B, K, T, H] keys and values of the same positions.
-      q_positions, k_positions: [B, T] positions of the queries and keys.
-      q_segments, k_segments: optional [B, T] segment ids (given together).
+      fn: the attention each device runs (``ops.attention.attention``).
+      q, k, v: [B, T, N, H] queries (T split over the sequence axes), [B, K, T, H] keys, values.
+      q_positions, k_positions, q_segments, k_segments: [B, T] each (segments optional).
       sinks: optional [N] sink logits.
-      **static: the rest of ``fn``'s arguments (window, causal, scale, impl, softcap); a window
-        given as an array is replicated.
+      **static: ``fn``'s other arguments (an array window is replicated).
 
     Returns:
       [B, T, N, H], split like q.

@@ -1,17 +1,10 @@
 """Projections by a weight matrix stored in either orientation.
 
-Every matmul of the model is written as an einsum for weights stored input axes first
-(``"BTD,DNH->BTNH"`` for q_proj [D, N, H]). ``dense`` computes the same product for a weight
-stored with its output axes first ([N, H, D]), an ``ops.layouts.OutFirst`` leaf: a property of
-the prepared weights, not a second copy of the math (``decode.prepare`` stores them so for a
-CPU target only).
-
-Why it exists. XLA:CPU streams an [out, in] matrix 1.4-2.3x faster in a product with a few rows
-(decode's B tokens) when the product is materialised as [out, B] rather than [B, out]; the
-optimization barrier keeps XLA from folding the following transpose back into the dot, which
-would switch it to the slow orientation. Measured on decode_25m at batch 8 with a 144-slot cache
-(float32, 2-core CPU): a decode step took about 21 ms with in-first weights and 15-17 ms with
-them out-first. GPUs and TPUs keep the in-first layout (and no barriers).
+Every matmul of the model is an einsum for weights stored input axes first (``"BTD,DNH->BTNH"``
+for q_proj [D, N, H]). ``dense`` computes the same product for a weight stored output axes
+first, an ``ops.layouts.OutFirst`` leaf (``decode.prepare`` stores them so for a CPU target,
+where XLA:CPU streams the matrix faster into an [out, B] product: docs/generation.md); an
+optimization barrier keeps XLA from folding the following transpose back into the dot.
 """
 
 from typing import Any

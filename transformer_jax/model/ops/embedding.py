@@ -18,8 +18,7 @@ def embed(tokens: jax.Array, table: jax.Array) -> jax.Array:
 
 
 def tied_logits(x: jax.Array, table: jax.Array) -> jax.Array:
-    """LM head tied to the embedding: [B, T, D] x, [V, D] table -> [B, T, V] float32
-    ``x @ table^T``."""
+    """Tied LM head: [B, T, D] x, [V, D] table -> [B, T, V] float32 ``x @ table^T``."""
     chex.assert_rank(x, 3)
     chex.assert_equal(len(table.shape), 2)
     chex.assert_equal(x.shape[-1], table.shape[-1])

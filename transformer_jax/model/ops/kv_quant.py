@@ -40,8 +40,7 @@ def encode(x: jax.Array) -> jax.Array:
 
 
 def decode(stored: jax.Array, dtype: jnp.dtype, axis: int = -1) -> jax.Array:
-    """The float rows of an int8-encoded array whose head axis (H + 2) is ``axis`` (-1 for
-    [..., S, H + 2], -2 for keys stored [..., H + 2, S]) -> the same with H, in ``dtype``."""
+    """The float rows (``dtype``) of an int8-encoded array whose (H + 2) head axis is ``axis``."""
     stored = jnp.moveaxis(stored, axis, -1)
     h = stored.shape[-1] - SCALE_BYTES
     scale = jax.lax.bitcast_convert_type(stored[..., h:], jnp.bfloat16)  # [...]

@@ -28,14 +28,12 @@ def expanded(q_nope: jax.Array, q_rope: jax.Array, entries: jax.Array, kv_b: jax
     """Attention with each head's keys and values built from the cache entries.
 
     Args:
-      q_nope: [B, T, N, nope] queries' position-free part.
-      q_rope: [B, T, N, P] queries' rotated part.
+      q_nope, q_rope: [B, T, N, nope], [B, T, N, P] the queries' position-free and rotated parts.
       entries: [B, S, R + P] the latents c and the rotated rope keys.
       kv_b: [R, N, nope + V] the up-projection (key columns first).
       q_positions, k_positions, q_segments, k_segments: as ``ops.attention.attention`` takes
         them (k_positions None: slot s holds position s).
-      scale: the logits' scale.
-      impl: the attention implementation.
+      scale, impl: the logits' scale and the attention implementation.
 
     Returns:
       [B, T, N, V] in q's dtype.
@@ -61,13 +59,9 @@ def absorbed(q_nope: jax.Array, q_rope: jax.Array, entries: jax.Array, kv_b: jax
     """Attention in the latent space: every query head over the S entries themselves.
 
     Args:
-      q_nope: [B, T, N, nope] queries' position-free part.
-      q_rope: [B, T, N, P] queries' rotated part.
-      entries: [B, S, R + P] the cache entries (slot s holds position s).
-      kv_b: [R, N, nope + V] the up-projection (key columns first).
+      q_nope, q_rope, entries, kv_b, scale, impl: as ``expanded`` takes them (slot s of the
+        entries holding position s).
       q_positions: [B, T] the queries' positions (causal over slots).
-      scale: the logits' scale.
-      impl: the attention implementation.
 
     Returns:
       [B, T, N, V] in q's dtype.
@@ -77,8 +71,7 @@ def absorbed(q_nope: jax.Array, q_rope: jax.Array, entries: jax.Array, kv_b: jax
     w = kv_b.astype(q_nope.dtype)
     q_latent = jnp.einsum("BTNK,RNK->BTNR", q_nope, w[..., :nope])
     q = jnp.concatenate([q_latent, q_rope.astype(q_nope.dtype)], -1)  # [B, T, N, R + P]
-    # One kv head holding the entries: keys [c, k_rope]; the values are the same rows, whose
-    # first R outputs are the weighted sum of latents (the rope part is dropped).
+    # One kv head holding the entries as keys and values (the outputs' first R: the latents).
     kv = entries.astype(q_nope.dtype)[:, None]
     latent = attention(q, kv, kv, q_positions=q_positions, scale=scale, impl=impl)[..., :r]
     return jnp.einsum("BTNR,RNV->BTNV", latent, w[..., nope:])

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 
 
 class Wrapped:
-    """A stored matrix ``w`` with more beside it: its shape, dtype and ``astype`` are the
-    stored matrix's (what else it holds keeps its dtype)."""
+    """A stored matrix ``w`` with more beside it: shape, dtype and ``astype`` are the matrix's."""
 
     w: Any
 
@@ -40,10 +39,9 @@ class Wrapped:
 class OutFirst(Wrapped):
     """A matrix stored with its output axes first and its input axes last.
 
-    ``w`` holds the in-first matrix [in..., out...] (e.g. q_proj [D, N, H]) transposed to
-    [out..., in...] ([N, H, D]), after a leading layers axis when stacked; a plain array or a
-    quantised one (``ops.quantized``). A tied LM head is the [V, D] token table as an
-    ``OutFirst`` [D, V] head.
+    ``w`` holds the in-first matrix (e.g. q_proj [D, N, H]) as [out..., in...] ([N, H, D]),
+    after a leading layers axis when stacked; float or quantised. A tied LM head is the [V, D]
+    token table as an ``OutFirst`` [D, V] head.
     """
 
     w: Any
@@ -71,9 +69,8 @@ def split_spec(spec: str) -> tuple[str, str, str, str, str]:
 class SlotsLast:
     """Keys stored with their slots last, [..., H, S], where attention reads [..., S, H].
 
-    A cache layout (``kv_cache``: XLA:CPU streams q [G, H] @ keys [H, S] in storage order);
-    ``ops.attention`` reads such keys as they are. ``k`` is one array, or a tuple of arrays
-    (one per layer) all stored so; indexing picks a layer and keeps the layout.
+    A CPU cache layout (``kv_cache``), read as it is by ``ops.attention``. ``k`` is one array,
+    or a tuple of them (one per layer); indexing picks a layer and keeps the layout.
     """
 
     k: Any

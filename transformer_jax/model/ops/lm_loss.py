@@ -1,12 +1,7 @@
-"""LM head + cross-entropy without materialising the [B, T, V] float32 logits.
-
-Each sequence is cut along T into chunks of ``chunk_size`` positions (the whole batch in each):
-a ``lax.scan`` computes one [B, C] chunk's logits, log-sum-exp and target logit and sums them,
-under ``jax.checkpoint``, so the backward recomputes each chunk's logits: peak memory is one
-[B, C, V] float32 block. Under a mesh whose batch axes split B the loss runs per device under
-``shard_map``, each device scanning its rows with the whole head, so the head's gradient is
-reduced across devices once, after the scan (not in every iteration).
-"""
+"""LM head + cross-entropy without materialising the [B, T, V] float32 logits: a ``lax.scan``
+over [B, C] chunks along T under ``jax.checkpoint`` (peak memory one [B, C, V] block, forward
+or backward). Under a mesh whose batch axes split B it runs per device under ``shard_map``, so
+the head's gradient is reduced once, after the scan."""
 
 import functools
 
@@ -22,8 +17,7 @@ from transformer_jax.model.ops.target import mesh_axes
 
 
 def head_logits(x: jax.Array, head: jax.Array | OutFirst) -> jax.Array:
-    """[..., D] hidden states -> [..., V] float32 logits through ``head``: [D, V], or an
-    ``OutFirst`` [V, D] (a tied token table), cast to x's dtype."""
+    """[..., D] -> [..., V] float32 logits by ``head``, [D, V] or ``OutFirst`` [V, D]."""
     w, spec = (head.w, "...D,VD->...V") if isinstance(head, OutFirst) else (head, "...D,DV->...V")
     return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
@@ -88,8 +82,7 @@ def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array | OutFirst, targets
             return jax.tree.map(lambda s: jax.lax.psum(s, axes),
                                 sums(x, head, targets, weights))
 
-        # The head enters whole over the batch axes (gathered once); its gradient, summed over
-        # this device's chunks by the scan, is the transpose of that: one sum over the axes.
+        # The head enters whole (gathered once), so its gradient is summed over the axes once.
         ce_sum, z_sum = jax.shard_map(local, mesh=mesh, axis_names=frozenset(axes),
                                       in_specs=(rows, P(), rows, rows), out_specs=P())(
             x, head, targets, weights)
@@ -111,16 +104,14 @@ def _scanned_sums(x, head, targets, weights, *, chunk_size, z_loss, logit_softca
     chunk = jax.checkpoint(lambda head, xc, tc, wc: _chunk_sums(
         xc, head, tc, wc, z_loss=z_loss, logit_softcap=logit_softcap))
 
-    # Per-chunk sums as the scan's outputs, not a carry: nothing needs a typed zero carry
-    # (under shard_map the sums vary over the batch axes, a zero does not).
+    # Per-chunk sums as outputs, not a carry: under shard_map a zero carry would not vary.
     _, (ce, z) = jax.lax.scan(lambda _, inputs: (None, chunk(head, *inputs)), None,
                               (chunks(x), chunks(targets), chunks(weights)))
     return jnp.sum(ce), jnp.sum(z)
 
 
 def batch_split(b: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...]] | None:
-    """(mesh, axes): the mesh axes the logical rules in context give ``"batch"``, when they
-    split B rows evenly (``target.mesh_axes``); None without such axes."""
+    """(mesh, the mesh axes of ``"batch"`` splitting B rows evenly), or None without any."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None

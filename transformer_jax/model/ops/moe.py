@@ -2,20 +2,11 @@
 and its losses are ``ops.router``'s, re-exported here).
 
 Shape letters: N tokens (B*T flattened), D model width, E experts, k experts per token, F an
-expert's hidden width. A token's output is ``sum_j w_j FFN_{e_j}(x)`` over its k chosen
-experts ``e_j`` with routing weights ``w_j``. ``experts_ffn`` computes it:
-
-- ``"ragged"`` (dropless): the N*k (token, expert) pairs sorted by expert, the projections
-  ``jax.lax.ragged_dot`` over the groups.
-- ``"gather"``: each pair's expert matrices gathered ([N, k, D, F]): the decode path (over an
-  ``ExpertList``, a ``lax.switch`` per pair).
-- ``"dense"``: every expert on every token, masked by the weights: the reference.
-- ``"tiled"`` (dropless, the CPU path): the grouped product written in XLA over whole tiles
-  of rows per expert.
-- ``"tokamax"`` / ``"megablox"``: the ``"ragged"`` sort with a grouped-matmul kernel
-  (``ops.moe_kernels``).
-
-``"auto"`` picks per backend and size (``choose_impl``); measurements are in docs/moe.md.
+expert's hidden width. ``experts_ffn`` computes a token's ``sum_j w_j FFN_{e_j}(x)`` over its k
+experts by one of ``IMPLS``: ``"ragged"`` (pairs sorted by expert, ``jax.lax.ragged_dot``),
+``"gather"`` (each pair's matrices gathered: decode), ``"dense"`` (every expert on every token:
+the reference), ``"tiled"`` (the CPU's grouped product, written in XLA over tiles of rows),
+``"tokamax"`` / ``"megablox"`` (``ops.moe_kernels``); ``"auto"``: ``choose_impl``.
 """
 
 from __future__ import annotations
@@ -126,8 +117,7 @@ def down_bias(routing: Routing, bias: jax.Array) -> jax.Array:
 
 
 def _glu_of(activation, glu, biases, dtype):
-    """``glu(gate, up, ids)``: the gated hidden of rows whose experts are ``ids`` (their
-    gate and up biases added first; ids of E take none)."""
+    """``glu(gate, up, ids)`` of rows whose experts are ``ids``, their gate and up biases added."""
     def combine(gate, up, ids):
         if biases is not None:
             def bias(b):
@@ -192,8 +182,7 @@ def _gather(x, routing, w_gate, w_up, w_down, activation):
 
 
 def _switched(x, routing, w_gate, w_up, w_down, activation):
-    """``_gather`` over ``ExpertList``s: a loop over the N*k pairs, each switching to its
-    expert's arrays (only the chosen experts are read, each once)."""
+    """``_gather`` over ``ExpertList``s: a loop over the N*k pairs, each a switch to its expert."""
     n, k = routing.experts.shape
 
     def expert(e: int) -> Callable[[jax.Array], jax.Array]:
@@ -274,8 +263,7 @@ class TileLayout:
 
 
 def tile_layout(experts: jax.Array, n_experts: int, tile: int | None = None) -> TileLayout:
-    """The ``TileLayout`` of [N, k] expert choices (tile size m: 128, smaller when the pairs
-    are few). Static size: ``R = (N*k // m + E) * m`` rows bound every assignment."""
+    """The ``TileLayout`` of [N, k] expert choices; ``R = (N*k // m + E) * m`` rows bound any."""
     n, k = experts.shape
     pairs = n * k
     if tile is None:
@@ -358,8 +346,7 @@ def _tgmm(layout: TileLayout, x: jax.Array, dy: jax.Array, n_experts: int) -> ja
 
 @jax.custom_vjp
 def tiled_matmul(layout: TileLayout, x: jax.Array, w: jax.Array) -> jax.Array:
-    """The grouped matmul over a ``TileLayout``: x [R, A], w [E, A, C] -> [R, C] (rows of
-    unused tiles are 0)."""
+    """The grouped matmul over a ``TileLayout``: x [R, A], w [E, A, C] -> [R, C]."""
     return _gmm(layout, x, w)
 
 

@@ -1,19 +1,12 @@
 """Expert parallelism: a mixture's experts split over mesh axes, each token sent to the devices
 of its experts and its results sent back by ``all_to_all``, inside ``shard_map``.
 
-Shape letters: N tokens, D model width, E experts, k experts per token, F an expert's hidden
-width; per device: n its tokens, X the devices that split the experts, e = E/X its experts,
-j = min(k, e) the most of one token's experts one device can hold.
-
-Each device routes its own n tokens and packs, for each destination device, the tokens that
-chose one of its experts into a region of n rows (a dropless bound), with their j local expert
-ids and weights; ``all_to_all`` exchanges the regions, each device applies its e experts to the
-X*n rows it received (``experts_ffn``) and sums each token's experts, and a second
-``all_to_all`` returns the sums. Expert matrices' D split over FSDP axes is all-gathered inside;
-F split over tensor axes is summed by one ``psum`` before the return trip. When the tokens are
-not split over the expert axes (decode) there is no exchange: each device applies its experts
-to the slots that chose them and one ``psum`` adds them up. (``jax.lax.ragged_all_to_all``
-would send less, but XLA:CPU does not implement it.)
+Per device: n its tokens, X the devices that split the experts, e = E/X its experts, j =
+min(k, e). Each device packs, per destination, the tokens that chose one of its experts into n
+rows (dropless) with their j local ids and weights; ``all_to_all`` exchanges them, each device
+applies its experts (``experts_ffn``), and a second ``all_to_all`` returns the sums. D split
+over FSDP axes is all-gathered inside, F split over tensor axes summed by one ``psum``. When the
+tokens are not split over the expert axes (decode), one ``psum`` adds the experts' shares.
 """
 
 from __future__ import annotations
@@ -99,15 +92,9 @@ def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Arr
     docstring); equal to it up to float32 summation order.
 
     Args:
-      x: [N, D] tokens (a global array inside ``jit``).
-      routing: their ``Routing`` ([N, k] weights and distinct experts per token).
-      w_gate, w_up, w_down: [E, D, F], [E, D, F], [E, F, D] float projections.
+      x, routing, w_gate, w_up, w_down, activation, impl, glu, biases: as ``experts_ffn``
+        takes them (float weights; biases split as their experts' matrices).
       split: the mesh's ``ExpertSplit`` (``expert_split``).
-      activation: the gate's activation.
-      impl: the local grouped product's ``experts_ffn`` implementation.
-      glu: optional ``glu(gate, up)`` (``experts_ffn``'s), applied per element.
-      biases: optional ([E, F] gate, [E, F] up, [E, D] down) expert biases, split as their
-        experts' matrices; the down bias is added once per (token, expert).
 
     Returns:
       [N, D] in x's dtype.
@@ -166,8 +153,7 @@ def _experts(x, routing, w_gate, w_up, w_down, biases, ffn):
 
 
 def _local_shares(x, weights, experts, w_gate, w_up, w_down, biases, *, split, n_experts, ffn):
-    """One device, tokens not exchanged: x [n, D], weights/experts [n, k] -> [n, D], every
-    token's sum over all experts (this device's e experts' share, then the ``psum``)."""
+    """One device, tokens not exchanged: x [n, D] -> [n, D], every token's sum over all experts."""
     w_gate, w_up, w_down, biases = _gathered(split, w_gate, w_up, w_down, biases)
     per_device = n_experts // split.n_shards
     ids = experts - jax.lax.axis_index(split.experts) * per_device
@@ -183,9 +169,9 @@ def _local_shares(x, weights, experts, w_gate, w_up, w_down, biases, *, split, n
 
 
 def _local(x, weights, experts, w_gate, w_up, w_down, biases, *, split, n_experts, ffn):
-    """One device: x [n, D], weights/experts [n, k], w_gate/w_up [e, D/fsdp, F/tensor],
-    w_down [e, F/tensor, D/fsdp], biases ([e, F/tensor] x 2, [e, D/fsdp]) or None -> [n, D],
-    this device's tokens' outputs."""
+    """One device: x [n, D], weights/experts [n, k], its experts' matrices split on E (and D/F)
+    -> [n, D], its tokens' outputs.
+    """
     w_gate, w_up, w_down, biases = _gathered(split, w_gate, w_up, w_down, biases)
     x_shards = split.n_shards
     per_device = n_experts // x_shards

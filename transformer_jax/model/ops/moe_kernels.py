@@ -1,12 +1,7 @@
-"""Grouped-matmul kernels for the mixture of experts on accelerators (``ops.moe``'s
-``"megablox"`` and ``"tokamax"`` implementations of ``grouped_matmul``), with their own
-backward kernels.
-
-- ``"megablox"``: JAX's Pallas TPU grouped matmul, TPU only; rows padded to whole tiles of 128
-  here, A and C must be multiples of 128.
-- ``"tokamax"``: ``tokamax.ragged_dot`` (the ``kernels`` extra), Mosaic or Triton for the
-  backend it runs on (so, unlike megablox, it cannot be lowered from a CPU host).
-"""
+"""Grouped-matmul kernels for ``ops.moe``'s ``"megablox"`` (JAX's Pallas TPU grouped matmul,
+TPU only; A and C multiples of 128, rows padded here) and ``"tokamax"`` (``tokamax.ragged_dot``,
+the ``kernels`` extra; it checks the backend when called, so it cannot be lowered from a CPU
+host), each with its own backward kernels."""
 
 from __future__ import annotations
 
@@ -51,8 +46,7 @@ def kernel_grouped_matmul(impl: str, x: jax.Array, w: jax.Array, sizes: jax.Arra
 
 
 def megablox_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """megablox's ``gmm`` with the rows padded to whole tiles (see ``kernel_grouped_matmul``;
-    no backend check, so a CPU host can lower it for TPU)."""
+    """megablox's ``gmm``, rows padded to whole tiles (no backend check: lowers from a CPU host)."""
     from jax.experimental.pallas.ops.tpu import megablox
 
     m, a = x.shape

@@ -1,24 +1,13 @@
 """Attention over a paged KV cache with JAX's Pallas kernels (``attention_impl="pallas"``).
 
-``PagedKVCache.attend`` asks ``plan`` how to attend a chunk of T queries per row; with
-``impl="pallas"`` the answer is one of these kernels, or the cache's own XLA views:
-
-- ``"gpu_paged"``: the Triton paged attention (GPU decode: T = 1, no sliding window); prefill
-  chunks and windows keep the gather view, attended by ``attention(impl="pallas")``.
-- ``"tpu_paged"``: the Mosaic TPU paged attention (TPU decode: T = 1, no window).
-- ``"tpu_ragged"``: the Mosaic TPU ragged paged attention (TPU prefill chunks, and decode with
-  a sliding window).
-
-``"auto"`` does not pick them (none measured on an accelerator yet). On any other backend
-``"pallas"`` is a ``ValueError``. The kernels take one layer's pool as ``PagedKVCache`` stores
-it: keys and values [K, P, ps, H], the page table [B, W] and the chunk's positions [B, T]
-(consecutive per row, already written). Under a mesh that splits the kv heads a kernel runs
-per device under ``shard_map``, as ``ops.attention`` runs its kernels.
-
-``kernel_target(backend, interpret=...)`` traces the kernels for another backend: to export
-them, or to run those Pallas can interpret on a CPU (``INTERPRETABLE``; the others then fall
-back to the gather view with the XLA reference). The target is a ``jax.make_user_context``,
-part of jit's cache key.
+``PagedKVCache.attend`` asks ``plan`` how to attend a chunk; with ``impl="pallas"`` the answer
+is one of ``KERNELS`` or the cache's own XLA views: ``"gpu_paged"`` (Triton, GPU decode: T = 1,
+no window), ``"tpu_paged"`` (Mosaic, TPU decode) and ``"tpu_ragged"`` (Mosaic, TPU prefill
+chunks and windowed decode). ``"auto"`` does not pick them (none measured on an accelerator
+yet). The kernels take one layer's pool as stored: keys and values [K, P, ps, H], the page
+table [B, W] and the chunk's positions [B, T] (consecutive, already written); under a mesh that
+splits the kv heads they run per device. ``kernel_target`` traces them for another backend (to
+export them, or to interpret those in ``INTERPRETABLE`` on a CPU).
 """
 
 from __future__ import annotations
@@ -172,8 +161,7 @@ def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.
 
 
 def _head_split(b: int, kv: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...]] | None:
-    """(mesh, kv-head axes) over which a paged kernel runs per device (the pool is every
-    row's, so rows are not split); None when the heads are not split."""
+    """(mesh, kv-head axes) over which a paged kernel runs per device, or None."""
     split = _kernel_split(b, kv)
     return None if split is None or not split[2] else (split[0], split[2])
 
@@ -196,8 +184,7 @@ def gpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     Args:
       q: [B, N, H] queries.
-      k_pages, v_pages: [K, P, ps, H].
-      page_table: [B, W] int32.
+      k_pages, v_pages, page_table: as ``paged_attention`` takes them.
       position: [B] int position of each row's query.
       interpret: run in Pallas interpret mode (any backend).
 
@@ -245,13 +232,8 @@ def ragged_inputs(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
     Every row is one of the kernel's sequences, T queries and ``start + T`` keys, so its causal
     mask is the position mask. The table gets ``ceil(T / ps)`` more columns of the null page
     (page 0) for a right-padded chunk's tail. Keys and values are interleaved by head in one
-    [P, ps, 2K, H] array, a copy of the layer's whole pool per call.
-
-    Args:
-      q: [B, T, N, H] queries.
-      k_pages, v_pages: [K, P, ps, H] (keys already in this layout).
-      page_table: [B, W] int32.
-      positions: [B, T] int positions, consecutive per row.
+    [P, ps, 2K, H] array, a copy of the layer's whole pool per call. Takes the arguments of
+    ``paged_attention``.
 
     Returns:
       (queries [B * T, N, H], kv pages [P, ps, 2K, H], kv_lens [B], page_indices [B, W'],
@@ -275,15 +257,7 @@ def tpu_ragged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """The Mosaic TPU ragged paged attention over B rows of T queries (``ragged_inputs``),
     with the kernel's tuned block sizes on a TPU (elsewhere ``_RAGGED_UNTUNED_BLOCKS``).
 
-    Args:
-      q: [B, T, N, H] queries.
-      k_pages, v_pages: [K, P, ps, H].
-      page_table: [B, W] int32.
-      positions: [B, T] int positions, consecutive per row.
-      window: optional sliding window length.
-
-    Returns:
-      [B, T, N, H] in q's dtype.
+    Args and result as ``paged_attention``'s (q in the pages' dtype).
     """
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (  # noqa: PLC0415
         ragged_paged_attention,

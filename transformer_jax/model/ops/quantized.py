@@ -72,8 +72,7 @@ class PackedInt4:
 
 
 def pack_int4(qarray: Any, axis: int) -> PackedInt4:
-    """A ``qwix.QArray`` of int4 (or nf4) values packed two to a byte along ``axis`` (of even
-    size)."""
+    """A ``qwix.QArray`` of int4 (or nf4) values packed two to a byte along (even) ``axis``."""
     nf4 = qarray.qtype == "nf4"
     values = qarray.qvalue.astype(jnp.uint8 if nf4 else jnp.int8)
     axis = axis % values.ndim

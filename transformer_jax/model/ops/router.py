@@ -17,10 +17,8 @@ class Routing:
 
     Attributes:
       weights: [N, k] float32 routing weights of the chosen experts.
-      experts: [N, k] int32 expert indices, in decreasing (biased) score (ties: lower index
-        first).
-      probs: [N, E] float32 scores of the router logits, softmax or sigmoid (for the balance
-        loss).
+      experts: [N, k] int32 expert indices, in decreasing (biased) score.
+      probs: [N, E] float32 scores of the router logits (for the balance loss).
       logits: [N, E] float32 router logits (for the z-loss).
     """
 
@@ -41,13 +39,9 @@ def route(logits: jax.Array, top_k: int, renormalize: bool, score: str = "softma
 
     Args:
       logits: [N, E] router logits (any float dtype; the scores are float32).
-      top_k: k, experts per token.
-      renormalize: divide the k chosen scores by their sum.
-      score: ``"softmax"`` over the E logits, or ``"sigmoid"`` of each logit on its own.
+      top_k, renormalize, score, n_groups, top_groups: as ``fields.MoE``'s fields.
       choice_bias: optional [E] bias added to the scores for the choice only.
-      n_groups: groups of consecutive experts (at least 2 experts each when > 1).
-      top_groups: groups each token chooses its experts in.
-      scale: the routed weights' multiplier (DeepSeek-V3's ``routed_scaling_factor``).
+      scale: the routed weights' multiplier (``MoE.routed_scale``).
 
     Returns:
       The ``Routing`` (its experts in decreasing biased score; ties: lower index first).
@@ -72,8 +66,7 @@ def route(logits: jax.Array, top_k: int, renormalize: bool, score: str = "softma
 
 
 def _within_top_groups(choice: jax.Array, n_groups: int, top_groups: int) -> jax.Array:
-    """[N, E] ``choice`` with the experts outside each row's ``top_groups`` best groups (a
-    group's score: the sum of its two highest) at -inf."""
+    """[N, E] ``choice`` with the experts outside each row's ``top_groups`` best groups at -inf."""
     n, e = choice.shape
     grouped = choice.reshape(n, n_groups, e // n_groups)
     group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, n_groups]
@@ -102,8 +95,7 @@ def balance_loss(routing: Routing, valid: jax.Array) -> jax.Array:
 
 
 def router_z_loss(routing: Routing, valid: jax.Array) -> jax.Array:
-    """ST-MoE's router z-loss: the mean over valid tokens of ``logsumexp(logits)^2``
-    (float32 scalar), which keeps the router's logits small."""
+    """ST-MoE's router z-loss: the mean of ``logsumexp(logits)^2`` over valid tokens (float32)."""
     z = jax.nn.logsumexp(routing.logits, axis=-1) ** 2
     valid = valid.astype(jnp.float32)
     return jnp.sum(z * valid) / jnp.maximum(jnp.sum(valid), 1.0)

@@ -1,18 +1,11 @@
 """Many LoRA adapters over one matrix in one batch: each row of the batch picks its own.
 
-A serving step batches requests of different fine-tunes of one base. The base product is
-computed once for every row and each row adds its own adapter's low-rank update, chosen by the
-row's adapter id (the BGMV form):
-
-    y[b] = x[b] @ W + (x[b] @ A[ids[b] - 1]) @ B[ids[b] - 1]      (nothing added for id 0)
-
-for Na adapters, each B already scaled by its ``alpha / rank`` and a smaller rank zero-padded
-to R. The factors are stored as the base matrix is: in-first, A [Na, in..., R] and
-B [Na, R, out...]; out-first (``ops.layouts.OutFirst``, for XLA:CPU), A [Na, R, in...] and
-B [out..., Na, R], the update computed as the base product is, [out..., rows]. ``RowAdapters``
-carries the matrix, its adapters and the rows' ids, so ``ops.dense`` adds the update where the
-model computes the product; the per-row choice is data, so a mix compiles nothing new
-(measured costs: docs/http-api.md).
+``y[b] = x[b] @ W + (x[b] @ A[ids[b] - 1]) @ B[ids[b] - 1]`` (the BGMV form; nothing added for
+id 0, the base), for Na adapters, each B scaled by its ``alpha / rank`` and ranks zero-padded
+to R. The factors are stored as the base matrix is: in-first A [Na, in..., R], B [Na, R,
+out...]; out-first A [Na, R, in...], B [out..., Na, R]. ``ops.dense`` adds a ``RowAdapters``
+update where the model computes the product; the per-row choice is data, so a mix of adapters
+compiles nothing new (measured costs: docs/http-api.md).
 """
 
 from __future__ import annotations
@@ -55,13 +48,11 @@ def row_delta(x: jax.Array, adapters: RowAdapters, spec: str) -> jax.Array:
     Args:
       x: the activations in ``spec``'s layout, batch first (e.g. [B, T, D]).
       adapters: the matrix with its adapters (``RowAdapters``).
-      spec: the in-first einsum of the product, ``"<x>,<w>-><out>"`` (``ops.dense``'s), e.g.
-        ``"BTD,DNH->BTNH"``; x's first letter is its batch axis.
+      spec: the in-first einsum of the product (``ops.dense``'s), e.g. ``"BTD,DNH->BTNH"``.
 
     Returns:
-      The update in ``spec``'s output layout (e.g. [B, T, N, H]); for an out-first matrix as
-      ``ops.dense`` computes its product before the transpose: the weight's output axes, then
-      x's own ones (e.g. [N, H, B, T]). float32.
+      float32, in ``spec``'s output layout (e.g. [B, T, N, H]); for an out-first matrix in
+      ``ops.dense``'s layout before its transpose (e.g. [N, H, B, T]).
     """
     a, b, ids = adapters.a, adapters.b, adapters.ids
     out_first = isinstance(adapters.w, OutFirst)
@@ -83,9 +74,8 @@ def row_delta(x: jax.Array, adapters: RowAdapters, spec: str) -> jax.Array:
         xa = jnp.einsum(f"{x_axes},{a_spec}->{rows}nr", x, a_row, preferred_element_type=f32)
         return jnp.einsum(f"{rows}nr,{b_spec}->{y}", xa, jnp.take(b, index, axis=n_axis),
                           preferred_element_type=f32)
-    # Several rows: every adapter's A product at once, each row's own kept by a one-hot mask
-    # (all zeros for the base), then one product with all the B factors (faster than
-    # gathering per-row factors).
+    # Several rows: every adapter's A product, each row's own kept by a one-hot mask (zeros
+    # for the base), then one product with all the B factors.
     mask = jax.nn.one_hot(ids - 1, n, dtype=f32)  # [B, Na]
     if out_first:
         xa = jnp.einsum(f"{a_spec},{x_axes}->nr{rows}", a, x, preferred_element_type=f32)

@@ -1,12 +1,9 @@
 """The platform a program is traced for: kernel and layout choices follow it, not the process.
 
-Compiled ahead of time for a TPU pod from a CPU host, a program is traced in a process whose
-``jax.default_backend()`` is ``"cpu"``; what it picks (the attention kernel, the MoE grouped
-product, the CPU-only layouts) must be the target's. ``targeting(platform)`` sets the target
-for the traces inside it (``parallel.sharding.jit_sharded`` sets it from its mesh's devices);
-``platform()`` reads it, else the default backend. The target is part of jit's cache key
-(``jax.make_user_context``). ``mesh_axes`` reads the other trace context the ops follow: the
-mesh axes the logical rules give a dimension.
+A program compiled for a TPU from a CPU host is traced where ``jax.default_backend()`` is
+``"cpu"``; what it picks must be the target's. ``targeting(platform)`` sets the target for the
+traces inside it (part of jit's cache key), ``platform()`` reads it. ``mesh_axes`` reads the
+mesh axes the logical rules in context give a dimension.
 """
 
 from __future__ import annotations
