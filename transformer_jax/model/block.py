@@ -13,13 +13,10 @@ from transformer_jax.model.stack import LayerGroup, LayerSpec
 
 
 class Block(nn.Module):
-    """One Transformer layer: attention then FFN, each in a residual branch.
-
-    ``norm_position``: ``"pre"`` (default) ``x + f(norm(x))``; ``"post"`` (original
-    Transformer) ``norm(x + f(x))``; ``"sandwich"`` ``x + norm_out(f(norm(x)))`` (the four
-    norms of some families); ``"post_branch"`` ``x + norm_out(f(x))``. What the layer is, is
-    its ``spec`` (a Python value); in a scan, ``group`` and ``position`` say where the block
-    sits, so the traced repeat index it is called with becomes the ``LayerRef`` its cache reads.
+    """One Transformer layer: attention then FFN, each in a residual branch (``norm_position``:
+    ``"pre"`` ``x + f(norm(x))``, ``"post"`` ``norm(x + f(x))``, ``"sandwich"``
+    ``x + norm_out(f(norm(x)))``, ``"post_branch"`` ``x + norm_out(f(x))``). In a scan, ``group``
+    and ``position`` turn the traced repeat index into the ``LayerRef`` its cache reads.
     """
 
     config: ModelConfig
@@ -31,10 +28,8 @@ class Block(nn.Module):
     def __call__(self, carry: Carry, positions: jax.Array, layer: int | jax.Array = 0,
                  segment_ids: jax.Array | None = None
                  ) -> tuple[Carry, RouterStats | None]:
-        """([B, T, D], cache) -> (([B, T, D], updated cache), router stats or None).
-
-        ``layer`` is the layer's number (unrolled), or with ``group`` the repeat index of a
-        scan (traced). A dense layer returns None for its stats.
+        """([B, T, D], cache) -> (([B, T, D], cache), router stats or None); ``layer``: the layer's
+        number, or with ``group`` the scan's (traced) repeat index.
         """
         x, cache = carry
         # The residual stream's only sharding annotation (a no-op without rules in scope).
@@ -99,11 +94,7 @@ class Block(nn.Module):
 
 
 class Period(nn.Module):
-    """One repeat of a scanned group's period: its blocks (``layer_{j}``) in order.
-
-    ``nn.scan`` scans it over the group's repeats; each block keeps its own spec as a Python
-    value and reads only its own cache.
-    """
+    """One repeat of a scanned group's period: its blocks (``layer_{j}``), each of its own spec."""
 
     config: ModelConfig
     group: LayerGroup

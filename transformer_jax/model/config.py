@@ -1,10 +1,6 @@
-"""Model configuration: the architecture, how it runs, and named presets.
-
-``Architecture`` holds what defines the function (what a HF ``config.json`` holds),
-``Execution`` how it is initialised and computed; ``ModelConfig`` is both in one flat table,
-what presets (``configs/*.toml``, ``[model]`` table), ``model.KEY=`` overrides and checkpoints
-store. Runtime switches and backend-tuned layouts are call arguments or properties of the
-weights and the cache, not config fields.
+"""Model configuration: ``Architecture`` (the function, what a HF ``config.json`` holds),
+``Execution`` (how it is initialised and run) and ``ModelConfig``, both in one flat table, as
+presets (``configs/*.toml``), ``model.KEY=`` overrides and checkpoints store it.
 """
 
 from __future__ import annotations
@@ -281,23 +277,16 @@ def _resumable(default: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
-    """How an architecture is initialised and run: numerics, memory and kernels.
-
-    None of these changes what a trained model's weights mean: a checkpoint loads under any.
+    """How an architecture is initialised and run; a checkpoint loads under any of these.
 
     Attributes:
       param_dtype: dtype parameters are stored in.
-      dtype: dtype activations and matmuls are computed in (norms and softmax stay float32;
-        logits are returned in float32).
-      scan_layers: scan each group of layers (``Architecture.layer_groups``) with
-        ``nn.scan``: compile time independent of depth.
-      remat: rematerialisation of each block in the backward pass, one of ``REMATS``
-        (``"none"``, ``"full"``, ``"save_dots"``, ...; see ``model.remat``).
-      attention_impl: one of ``ATTENTION_IMPLS`` (``ops.attention``; ``"auto"`` picks with
-        ``ops.attention.choose_impl``).
+      dtype: dtype activations and matmuls are computed in (norms, softmax and logits: float32).
+      scan_layers: scan each layer group with ``nn.scan`` (compile time independent of depth).
+      remat: the blocks' rematerialisation, one of ``REMATS`` (``model.remat``).
+      attention_impl: one of ``ATTENTION_IMPLS`` (``ops.attention``).
       init_std: standard deviation of the normal initialiser of every matrix.
-      moe_impl: how mixture-of-experts layers compute, one of ``MOE_IMPLS``
-        (``ops.moe.experts_ffn``).
+      moe_impl: how mixture-of-experts layers compute, one of ``MOE_IMPLS`` (``ops.moe``).
     """
 
     param_dtype: str = "float32"

@@ -163,20 +163,17 @@ class MoE:
 class MLA:
     """Multi-head latent attention: keys and values from a small per-token latent.
 
-    A token's query is ``q_b(norm(q_a(x)))`` ([N, nope + rope]; ``q_proj(x)`` without
-    ``q_lora_rank``). ``kv_a_proj(x)`` gives a latent c [kv_lora_rank], RMS-normed, and one
-    rope key [rope] shared by every head; ``kv_b_proj(c)`` gives each head's key part without
-    position [nope] and its value [v_head_dim]. RoPE turns the rope parts only. A cache holds
-    c and the rotated rope key per token per layer. The softmax scale is ``attn_scale`` when
-    set, else ``scale(rope_scaling)``. The architecture's ``head_dim`` is the rope width.
+    The query is ``q_b(norm(q_a(x)))`` [N, nope + rope] (``q_proj(x)`` without ``q_lora_rank``);
+    ``kv_a_proj(x)`` gives a normed latent c and one rope key shared by the heads, ``kv_b_proj(c)``
+    each head's position-free key part and value. A cache holds c and the rotated rope key. The
+    softmax scale is ``attn_scale`` when set, else ``scale(rope_scaling)``.
 
     Attributes:
       kv_lora_rank: the latent's width.
-      qk_nope_head_dim: each head's query/key width without position.
-      qk_rope_head_dim: the rotated width (of the queries and the shared key).
+      qk_nope_head_dim, qk_rope_head_dim: a head's query/key width without position, and rotated.
       v_head_dim: each head's value width.
       q_lora_rank: the query's low-rank width; None: one ``q_proj``.
-      norm_eps: the epsilon of the latents' RMSNorms (``q_a_norm``, ``kv_a_norm``).
+      norm_eps: the epsilon of the latents' RMSNorms.
     """
 
     kv_lora_rank: int

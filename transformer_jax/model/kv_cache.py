@@ -1,10 +1,6 @@
 """The KV cache: one explicit, fixed-size pytree passed into the model and returned updated.
-
-Each block calls ``cache.attend`` (``Cache``: write the chunk, attend over the layer), so the
-layout is the cache's business: [L, B, K, S, H] values (one array per layer when unrolled);
-keys alike, or ``SlotsLast`` [.., H, S] for a CPU target; int8 rows with their scales
-(``ops.kv_quant``); rings for short windows (``kv_ring``); latent entries for ``fields.MLA``.
-"""
+Each block calls ``cache.attend`` (the ``Cache`` interface), so the layout (per-layer arrays,
+``SlotsLast`` keys on CPU, int8 rows, window rings, latent entries) is the cache's business."""
 
 from __future__ import annotations
 
@@ -35,23 +31,18 @@ def slots_last_for(platform: str | None = None) -> bool:
 
 @flax.struct.dataclass
 class KVCache:
-    """Keys and values of every layer for up to S_max positions per sequence.
-
-    Slot s of sequence b holds position s, so the causal mask over slots is also the validity
-    mask. A ring layer holds position p in slot ``p % W`` of its own arrays.
+    """Keys and values of every layer for up to S_max positions per sequence: slot s holds position
+    s (ring layers: slot ``p % W`` of their own arrays), so causality also hides unwritten slots.
 
     Attributes:
-      k: [L, B, K, S_max, H] keys (rotated); for an unrolled model a tuple of L [B, K, S_max, H]
-        ([K, S_max, H] for one sequence). A ``SlotsLast`` ([.., H, S_max]) for a CPU target.
-        With rings, L counts the global layers only.
+      k: [L, B, K, S_max, H] keys (rotated); unrolled, a tuple of L [B, K, S_max, H] ([K, S_max,
+        H] for one sequence); ``SlotsLast`` on CPU. With rings, L counts the global layers only.
       v: [L, B, K, S_max, H] values (a tuple of L [B, K, S_max, H] for an unrolled model).
-      lengths: [B] int32 number of positions written per sequence (the next write position).
-      k_local, v_local: None, or the local layers' key and value rings [L_local, B, K, W, H]
-        (laid out as ``k`` and ``v`` are).
+      lengths: [B] int32 number of positions written per sequence.
+      k_local, v_local: None, or the ring layers' [L_local, B, K, W, H] (laid out as k and v).
       ring_end: None, or [B] int32: the rings take no position at or past it.
       ring: static; which layers are rings (``kv_ring.RingLayout``), None without.
-      latent: None, or the latent layers' entries (``fields.MLA``): [L, B, S_max, R + P], a
-        tuple of L [B, S_max, R + P] for an unrolled model; ``k`` and ``v`` then hold no layer.
+      latent: None, or the latent layers' entries [L, B, S_max, R + P] (or a tuple of L).
     """
 
     k: jax.Array | tuple[jax.Array, ...] | SlotsLast
@@ -72,11 +63,9 @@ class KVCache:
         Args:
           config: the model's config.
           batch, max_len: B and S_max, the positions it can hold per sequence.
-          dtype: storage dtype (a float dtype, or ``"int8"``: values and a scale per token
-            and kv head, ``ops.kv_quant``); the model's compute dtype by default.
+          dtype: a float storage dtype or ``"int8"`` (``ops.kv_quant``); default the compute dtype.
           platform: the platform the cache is for (picks the key layout, ``slots_last_for``).
-          window_rings: local layers keep a ring of their window (``kv_ring``) when it is
-            shorter than S_max; False gives every layer S_max slots.
+          window_rings: local layers keep a ring of their window when it is shorter than S_max.
         """
         if batch <= 0 or max_len <= 0:
             raise ValueError(f"batch and max_len must be positive, got {batch} and {max_len}")
@@ -163,13 +152,12 @@ class KVCache:
                scale: float | None = None, softcap: float | None = None,
                sinks: jax.Array | None = None, chunk: int | None = None
                ) -> tuple[jax.Array, KVCache]:
-        """Layer i's attention with this cache: writes the chunk's keys/values, then attends
-        the queries over every slot of the layer (causality hides slots not written yet).
+        """Layer i's attention with this cache: writes the chunk's keys/values, then attends the
+        queries over every slot of the layer.
 
         Args:
           i: the layer: its number, or a scanned block's ``LayerRef`` (``kv_ring.locate``).
-          q: [B, T, N, H] queries (rotated).
-          k, v: [B, T, K, H] new keys (rotated) and values for ``positions``.
+          q, k, v: [B, T, N, H] queries, [B, T, K, H] new keys (both rotated) and values.
           positions: [B, T] int positions, consecutive per row.
           window, impl, scale, softcap, sinks, chunk: as ``ops.attention.attention`` takes them.
 
@@ -194,13 +182,11 @@ class KVCache:
 
     def attend_latent(self, i: int | jax.Array | LayerRef, entries: jax.Array,
                       positions: jax.Array) -> tuple[jax.Array, KVCache]:
-        """Latent layer i's cache: writes the chunk's entries at their positions and returns
-        every slot's (the layer attends over them, ``model.latent``).
+        """Latent layer i's cache: writes the chunk's entries and returns every slot's.
 
         Args:
-          i: the layer, as ``attend`` takes it.
+          i, positions: as ``attend`` takes them.
           entries: [B, T, R + P] the chunk's [latent, rope key] per token.
-          positions: [B, T] int positions, as ``attend`` takes them.
 
         Returns:
           ([B, S_max, R + P] the layer's entries, the cache with them written).
@@ -216,9 +202,7 @@ class KVCache:
 
     def write(self, i: int | jax.Array | LayerRef, k: jax.Array, v: jax.Array,
               start: jax.Array) -> KVCache:
-        """Writes a chunk of T new keys/values of each sequence at its own start slot.
-
-        Slots past S_max must not be written (callers check capacity).
+        """Writes a chunk of T new keys/values of each sequence at its own start slot (below S_max).
 
         Args:
           i: the layer, as ``attend`` takes it.
@@ -257,10 +241,7 @@ class KVCache:
         return self.replace(k_local=k_local, v_local=v_local)
 
     def constrain(self) -> KVCache:
-        """The cache with its logical sharding pinned (kv heads over the tensor axis).
-
-        A no-op unless logical-axis rules and a mesh are in context (``sharding.jit_sharded``).
-        """
+        """The cache with its logical sharding pinned (a no-op without a mesh and rules)."""
         if jax.sharding.get_abstract_mesh().empty:
             return self
         def pin(x: jax.Array) -> jax.Array:  # per layer [B, K, ...] or [K, ...]
@@ -276,11 +257,8 @@ class KVCache:
 
 
 class Cache(Protocol):
-    """What the model needs of a cache (``KVCache``, or a paged one).
-
-    ``lengths`` [B] are the positions written per sequence (the model sets them through
-    ``replace``); ``attend`` stores a layer's chunk and attends over the layer.
-    """
+    """What the model needs of a cache (``KVCache``, or a paged one): ``lengths`` [B] (set through
+    ``replace``), and ``attend`` to store a layer's chunk and attend over the layer."""
 
     lengths: jax.Array
 
@@ -330,11 +308,8 @@ def _write(cache: Any, i: int | jax.Array, new: jax.Array, start: jax.Array) -> 
 def _write_rows(cache: jax.Array | SlotsLast, lead: tuple[Any, ...], new: jax.Array,
                 start: jax.Array) -> jax.Array | SlotsLast:
     """Writes the [B, T, K, H] chunk ``new`` into buffer ``cache[lead]`` ([B, K, S, H], or
-    ``SlotsLast`` [B, K, H, S]) at each row's ``start`` slot; returns the whole buffer.
-
-    At B = 1 a dynamic-update-slice (a scatter would copy the whole cache there), else a
-    scatter of [B, T] (row, slot) pairs; both update the loop-carried buffer in place.
-    """
+    ``SlotsLast``) at each row's ``start`` slot, in place: a dynamic-update-slice at B = 1 (a
+    scatter would copy the whole cache there), else a scatter; returns the whole buffer."""
     buf, slots_last = stored_keys(cache)
     b, t = new.shape[:2]
     new = new.astype(buf.dtype)

@@ -98,8 +98,14 @@ def ring_positions(last: jax.Array, size: int) -> jax.Array:
 
 
 def write_slots(positions: jax.Array, size: int, end: jax.Array | None = None) -> jax.Array:
-    """[B, T] int32: the ring slot ``p % R`` (R = ``size``) each chunk position is written to,
-    for each row's last R positions below the optional [B] ``end``; R (dropped) for the rest."""
+    """The ring slot each chunk position is written to.
+
+    Args:
+      positions, size, end: [B, T] consecutive positions, R, optional [B] end (not written past).
+
+    Returns:
+      [B, T] int32: ``p % R`` for each row's last R written positions, else R (dropped).
+    """
     ok = jnp.ones(positions.shape, bool)
     if end is not None:
         ok &= positions < end[:, None]
@@ -219,8 +225,15 @@ def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: j
 
 def scatter_stacked(ring: jax.Array | SlotsLast, j: int | jax.Array, rows: jax.Array,
                     new: jax.Array, slots: jax.Array) -> jax.Array | SlotsLast:
-    """The rings [L, B', K, R, H] (or ``SlotsLast``) with layer j written: chunk rows ``new``
-    [B, T, K, H] into ring rows ``rows`` [B] at ``slots`` [B, T] (R: dropped)."""
+    """Writes chunk rows into one layer of stacked rings, dropping slots out of range.
+
+    Args:
+      ring, j: the rings [L, B', K, R, H] (or ``SlotsLast``), the layer.
+      rows, new, slots: [B] ring rows, [B, T, K, H] chunk rows, [B, T] slots (R: not written).
+
+    Returns:
+      The rings with layer j written, in their layout.
+    """
     ring, slots_last = stored_keys(ring)
     index = [j, rows[:, None], slice(None), slice(None), slice(None)]
     index[4 if slots_last else 3] = slots

@@ -1,7 +1,5 @@
-"""Thin flax.linen modules: each owns its parameters and calls the pure functions in ``ops``.
-
-Every parameter carries logical axis names (embed, vocab, heads, kv_heads, head_dim, mlp, norm,
-layers), so a mesh can shard it by rules without touching the model.
+"""Thin flax.linen modules: each owns its parameters (with logical axis names, so a mesh shards
+them by rules) and calls the pure functions in ``ops``.
 """
 
 from __future__ import annotations
@@ -51,12 +49,10 @@ def _normal(std: float) -> nn.initializers.Initializer:
 
 def matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
            init: nn.initializers.Initializer, *, param_dtype: jnp.dtype) -> Any:
-    """Declares matrix ``name`` on ``module`` with its in-first ``shape`` and logical ``axes``
-    (the one parameter primitive of every matrix of the model).
+    """Declares matrix ``name`` on ``module``, in-first ``shape`` and logical ``axes``.
 
     Returns:
-      The stored parameter, in ``param_dtype``; or the weight prepared in its place
-      (``stored_as_is``), which ``ops.dense`` computes with as it is.
+      The parameter in ``param_dtype``, or a weight prepared in its place (``stored_as_is``).
     """
     prepared = stored_as_is(module, name)
     if prepared is not None:
@@ -110,11 +106,8 @@ class Embed(nn.Module):
 
 
 class Norm(nn.Module):
-    """RMSNorm (``kind="rms"``) or LayerNorm (``kind="layer"``) over the trailing axes.
-
-    The gain is ``(offset + scale)``, ``scale`` initialised to ``1 - offset``, over the trailing
-    ``shape`` (default: x's last axis; e.g. (N, H) for all of a token's heads together).
-    """
+    """RMSNorm (``kind="rms"``) or LayerNorm (``kind="layer"``) over the trailing ``shape``
+    (default: x's last axis); gain ``offset + scale``, ``scale`` starting at ``1 - offset``."""
 
     kind: str = "rms"
     eps: float = 1e-5
@@ -138,9 +131,14 @@ class Norm(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class LayerKind:
-    """How one layer attends, from its ``LayerSpec``: its ``window`` (None: full causal), RoPE
-    ``freqs`` [H/2] (None without RoPE) and ``rope_factor`` (the cos/sin multiplier), a chunked
-    layer's ``chunk`` C, a NoPE layer's query ``temperature`` (floor, scale)."""
+    """How one layer attends, from its ``LayerSpec``.
+
+    Attributes:
+      window: the sliding window (None: full causal).
+      freqs, rope_factor: [H/2] float32 RoPE frequencies (None without RoPE), cos/sin multiplier.
+      chunk: a chunked layer's C, else None.
+      temperature: (floor, scale) of a NoPE layer's query temperature, else None.
+    """
 
     window: int | None
     freqs: jax.Array | None
@@ -164,11 +162,9 @@ class LayerKind:
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped kv heads, RoPE and an optional KV cache.
-
-    Parameters: ``q_proj`` [D, N, H], ``k_proj`` and ``v_proj`` [D, K, H], ``o_proj`` [N, H, D];
-    optionally ``q_bias`` [N, H], ``k_bias`` and ``v_bias`` [K, H], ``o_bias`` [D], ``sinks``
-    [N], and the ``qk_norm`` gains ``q_norm`` and ``k_norm``.
+    """Multi-head attention with grouped kv heads, RoPE and an optional KV cache: ``q_proj``
+    [D, N, H], ``k_proj``, ``v_proj`` [D, K, H], ``o_proj`` [N, H, D]; optionally ``q_bias``,
+    ``k_bias``, ``v_bias``, ``o_bias``, ``sinks`` [N] and the ``qk_norm`` gains.
     """
 
     n_heads: int

@@ -1,12 +1,10 @@
 """LoRA: low-rank adapters on the attention and MLP matrices, as pure functions over param trees.
 
-A target matrix W (stored [in..., out...], e.g. ``q_proj`` [D, N, H]) gets factors A [in..., R]
-(random) and B [R, out...] (zero) and is used as ``W + (alpha / R) * A @ B``; only A and B are
-trained. Adapters mirror the param tree (``adapters["blocks_0"]["attn"]["q_proj"]["a"]``, a
-leading L axis when scanned); ``TARGETS`` names the matrices a block may have (experts: one
-adapter per expert). Train on ``apply_adapters(base, adapters, lora_config)``, or keep one tree
-``{"base": ..., "adapters": ...}`` (LoRA checkpoints' layout) with ``model_params`` and
-``optimizer``; ``merge`` folds the adapters into plain params for export.
+A target matrix W ([in..., out...], e.g. ``q_proj`` [D, N, H]) gets A [in..., R] (random) and
+B [R, out...] (zero): ``W + (alpha / R) * A @ B``. Adapters mirror the param tree
+(``adapters["blocks_0"]["attn"]["q_proj"]["a"]``); ``TARGETS`` names the matrices. Train on
+``apply_adapters`` (or ``model_params`` of a ``{"base", "adapters"}`` tree with ``optimizer``);
+``merge`` folds the adapters in for export.
 """
 
 from __future__ import annotations
@@ -74,8 +72,7 @@ class LoraConfig:
     Attributes:
       rank: R, the inner dimension of A [in, R] and B [R, out].
       alpha: the update is scaled by ``alpha / rank``.
-      targets: names from ``TARGETS`` (a list or tuple; a comma-separated string is accepted
-        too); default the attention and dense FFN matrices (``DEFAULT_TARGETS``).
+      targets: names from ``TARGETS`` (or a comma-separated string); ``DEFAULT_TARGETS``.
     """
 
     rank: int = 8
@@ -151,8 +148,7 @@ def _entries(params: Mapping[str, Any], lora_config: LoraConfig
     """(block, stacked, target) of every adapted matrix.
 
     Raises:
-      ValueError: a target that no block has the module of (say ``experts.gate`` on a dense
-        model), or a block with the module but not the matrix.
+      ValueError: a target whose module no block has, or a block lacking the target's matrix.
     """
     blocks = _blocks(params)
     entries = [(b, s, t) for b, s in blocks for t in lora_config.targets
@@ -179,6 +175,9 @@ def init_adapters(config: ModelConfig, lora_config: LoraConfig, params: Params,
       params: the base params, unrolled or scanned (arrays or ``ShapeDtypeStruct``s).
       key: PRNG key for the A factors.
       dtype: dtype of A and B (float32 by default, whatever the base's dtype).
+
+    Returns:
+      The adapter tree (the module docstring's layout).
     """
     blocks = _blocks(params)
     if config.scan_layers != blocks[0][1]:
@@ -245,8 +244,13 @@ def _adapted(params: Params, adapters: Adapters, lora_config: LoraConfig,
 
 def apply_adapters(params: Params, adapters: Adapters, lora_config: LoraConfig) -> Params:
     """The params the model runs with: ``W + (alpha/R) * A @ B`` for every target (pure,
-    differentiable in both arguments). An adapted matrix gets the wider of the base's and the
-    adapters' dtypes (a bfloat16 base with float32 adapters: float32); the rest is as given.
+    differentiable in both); an adapted matrix in the wider of the base's and adapters' dtypes.
+
+    Args:
+      params, adapters, lora_config: the base params, ``init_adapters``' tree, rank and targets.
+
+    Returns:
+      A param tree for ``Transformer(config).apply({"params": ...})``.
     """
     return _adapted(params, adapters, lora_config,
                     lambda w, ab: jnp.promote_types(w.dtype, ab["a"].dtype))
@@ -254,9 +258,15 @@ def apply_adapters(params: Params, adapters: Adapters, lora_config: LoraConfig) 
 
 def merge(params: Params, adapters: Adapters, lora_config: LoraConfig,
           dtype: Any = None) -> Params:
-    """Folds the adapters into the weights, for export: plain params of the base's structure,
-    equal to ``apply_adapters``'s up to the cast to ``dtype`` (None: each base matrix's dtype;
-    the sum is float32 either way)."""
+    """Folds the adapters into the weights, for export.
+
+    Args:
+      params, adapters, lora_config: as ``apply_adapters`` takes them.
+      dtype: of the merged matrices; None keeps each base matrix's (the sum is float32).
+
+    Returns:
+      Plain params of the base's structure, ``apply_adapters``'s up to the cast.
+    """
     return _adapted(params, adapters, lora_config,
                     lambda w, ab: w.dtype if dtype is None else jnp.dtype(dtype))
 
@@ -280,16 +290,21 @@ def check_base_quant(base_quant: str, rank: int, base_dtype: str) -> None:
 
 
 def freeze_base(params: Params, dtype: Any = jnp.bfloat16) -> Params:
-    """The base params with their floating-point leaves cast to ``dtype``, to store them smaller."""
+    """The base params cast to ``dtype`` to store them smaller.
+
+    Args:
+      params, dtype: the base params, e.g. ``jnp.bfloat16``.
+
+    Returns:
+      The same tree with floating-point leaves in ``dtype``.
+    """
     return jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
 def model_params(tree: Mapping[str, Any], lora_config: LoraConfig) -> Params:
-    """``apply_adapters`` of a combined ``{"base": ..., "adapters": ...}`` tree.
-
-    The base goes through ``stop_gradient``, so its gradient is zero and never computed.
-    """
+    """``apply_adapters`` of a combined ``{"base": ..., "adapters": ...}`` tree, the base under
+    ``stop_gradient``."""
     return apply_adapters(jax.lax.stop_gradient(tree[BASE]), tree[ADAPTERS], lora_config)
 
 
@@ -299,8 +314,14 @@ def trainable_mask(tree: Mapping[str, Any]) -> Any:
 
 
 def optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``tx`` on the adapters of a combined ``{"base", "adapters"}`` tree; the base never moves
-    (``optax.set_to_zero``: no moments are kept for it)."""
+    """``tx`` on the adapters of a combined ``{"base", "adapters"}`` tree; the base never moves.
+
+    Args:
+      tx: the adapters' optimizer (``optax.set_to_zero`` for the base: no moments kept).
+
+    Returns:
+      A transformation to ``init`` on the combined tree.
+    """
     def labels(tree: Mapping[str, Any]) -> Any:
         return jax.tree.map(lambda trainable: "train" if trainable else "frozen",
                             trainable_mask(tree))
@@ -309,9 +330,15 @@ def optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
 
 
 def adapter_shardings(adapters: Adapters, params_shardings: Any) -> Any:
-    """Shardings of the adapters (a ``NamedSharding`` per leaf) that follow their target
-    matrices' (``params_shardings``, ``sharding.param_shardings(config, mesh)``): A takes the
-    target's sharding of its input axes, B that of its output axes; R stays whole."""
+    """Shardings of the adapters following their target matrices': A takes the target's sharding
+    of its input axes, B that of its output axes; R stays whole.
+
+    Args:
+      adapters, params_shardings: the adapters, ``sharding.param_shardings`` of the base params.
+
+    Returns:
+      A tree like ``adapters`` with a ``NamedSharding`` per leaf.
+    """
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -378,13 +405,12 @@ def checkpoint_tree(params: Any, meta: Mapping[str, Any], where: Any) -> Any:
 
 def merge_checkpoint_params(params: Any, meta: Mapping[str, Any], where: Any,
                             dtype: Any = None) -> Any:
-    """The model's parameters from a training checkpoint's params: merged when it holds
-    ``{"base", "adapters"}`` with ``meta["lora"]`` (a LoRA run; a quantised base is
-    dequantised first), as they are otherwise.
+    """The model's parameters from a training checkpoint's params: a LoRA run's ``{"base",
+    "adapters"}`` with ``meta["lora"]`` merged (a quantised base dequantised first), others as
+    they are.
 
     Raises:
-      ValueError: ``meta["lora"]`` without a base/adapters tree, or the reverse, or a
-        quantised base that cannot be read (naming ``where``, the checkpoint directory).
+      ValueError: ``meta["lora"]`` and the tree disagree, or a quantised base cannot be read.
     """
     is_lora_tree = isinstance(params, Mapping) and set(params) == {BASE, ADAPTERS}
     if not meta.get("lora"):

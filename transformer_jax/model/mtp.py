@@ -37,11 +37,8 @@ def shifted(x: jax.Array, k: int) -> jax.Array:
 
 
 class MTPModule(nn.Module):
-    """One multi-token prediction module (module docstring): (h^{k-1}, emb) -> (h^k, logits).
-
-    ``layer`` is the block's layer reference in a cache it is given (a cache of its own:
-    the draft's, ``decode``); without a cache it attends within ``segment_ids``.
-    """
+    """One multi-token prediction module: (h^{k-1}, emb) -> (h^k, logits); ``layer`` indexes the
+    cache it is given (the draft's own), without which it attends within ``segment_ids``."""
 
     config: ModelConfig
 
@@ -89,10 +86,9 @@ def mtp_logits(config: ModelConfig, hidden: jax.Array, emb: jax.Array, positions
 
 def mtp_targets(targets: jax.Array, mask: jax.Array | None, segment_ids: jax.Array | None,
                 k: int) -> tuple[jax.Array, jax.Array]:
-    """Module k's targets and weights [B, T] from the next-token ``targets`` [B, T]
-    (targets[i] = t_{i+1}) and their optional ``mask`` weights: entry i is t_{i+k+1}
-    (targets[i + k]), weighted as that target is, and 0 past the row's end or when i + k
-    lies in another packed segment than i."""
+    """Module k's targets and weights [B, T] from the next-token ``targets`` and optional ``mask``:
+    entry i is ``targets[i + k]``, weighted as that target is, 0 past the row's end or across a
+    packed segment."""
     t = shifted(targets[..., None], k)[..., 0]
     w = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
     w = shifted(w[..., None], k)[..., 0]

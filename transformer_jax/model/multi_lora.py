@@ -44,22 +44,20 @@ def _in_first_shape(w: Any, name: str, stacked: bool) -> tuple[int, ...]:
 
 def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], LoraConfig]],
                    *, names: Sequence[str] | None = None) -> Params:
-    """The stacked adapters of ``params`` (see the module docstring).
+    """The stacked adapters of ``params``.
 
     Args:
-      params: the base params the forward runs with (any layer layout, float or quantised,
-        in-first or ``OutFirst`` matrices: the layout the factors take).
+      params: the base params the forward runs with (the factors take each matrix's layout).
       adapters: (adapter tree, its ``LoraConfig``) per adapter, in id order from 1.
       names: the adapters' names, for errors (default ``adapter 1`` ...).
 
     Returns:
-      ``{block: {module: {name: {"a": [L?, Na, in..., R], "b": [L?, Na, R, out...]}}}}``
-      (out-first: ``"a"`` [L?, Na, R, in...], ``"b"`` [L?, out..., Na, R]) float32, for every
-      matrix any adapter targets.
+      ``{block: {module: {name: {"a": [L?, Na, in..., R], "b": [L?, Na, R, out...]}}}}`` float32
+      (out-first: A [L?, Na, R, in...], B [L?, out..., Na, R]) for every targeted matrix.
 
     Raises:
-      ValueError: an adapter with a target outside ``ROW_TARGETS``, missing a matrix its
-        targets name, or whose shapes do not fit the base (naming the adapter).
+      ValueError: naming the adapter: a target outside ``ROW_TARGETS``, a missing matrix, or
+        shapes that do not fit the base.
     """
     if not adapters:
         raise ValueError("stack_adapters needs at least one adapter")

@@ -109,11 +109,8 @@ def for_model(config: ModelConfig, quant: WeightQuant | None, shards: int = 1
 
 def quantized_axes(name: str, w: Any, *, stacked: bool, expert: bool = False
                    ) -> tuple[tuple[int, ...], int]:
-    """(the channelwise axes, the grouped axis) of stored weight ``name``, ``w`` (an array or
-    an ``OutFirst`` one): output axes (and a layers axis) get a scale each entry, the grouped
-    axis is the last input axis. An ``expert`` stack [L?, E, in, out] gets one scale per
-    expert and output channel, so a gather reads only the experts it takes.
-    """
+    """(the channelwise axes, the grouped axis: the last input one) of stored weight ``name``, ``w``
+    (maybe ``OutFirst``); an ``expert`` stack [L?, E, in, out] has a scale per expert."""
     lead, ndim = int(stacked), len(w.shape)
     n_in = 1 if name == EMBEDDING_PARAM else MATRIX_INPUT_AXES[name]
     if expert or name == EMBEDDING_PARAM:  # the token table [V, D]: a row per token, never
@@ -183,14 +180,12 @@ def dequantize_params(params: Params) -> Params:
 
 def from_saved(params: Params, quant: str | WeightQuant, *, where: Any = "the checkpoint"
                ) -> Params:
-    """``params`` with every quantised weight that orbax restored as a plain dict of its arrays
-    rebuilt as the ``PackedInt4`` / ``qwix.QArray`` that ``quantize_params(params, quant)``
-    made of in-first weights (packed axis and qtype from the scheme and the weight's place);
-    the rest as given.
+    """``params`` with every quantised weight that orbax restored as a plain dict rebuilt as the
+    ``PackedInt4`` / ``qwix.QArray`` that ``quantize_params(params, quant)`` made of it.
 
     Raises:
-      ValueError: naming ``where`` and the weight: a saved weight of another scheme than
-        ``quant``, or arrays whose shapes do not fit together.
+      ValueError: naming ``where`` and the weight: another scheme than ``quant``, or arrays
+        whose shapes do not fit together.
     """
     scheme = parse_quant(quant).scheme
 
@@ -233,11 +228,8 @@ def from_saved(params: Params, quant: str | WeightQuant, *, where: Any = "the ch
 
 
 def quantized_shardings(shardings: Params, quantized: Params) -> Params:
-    """The shardings of quantised weights, from those of the float weights they replace.
-
-    Values keep their weight's spec; scales take it on the axes they have entries along and
-    replicate their size-1 axes.
-    """
+    """The shardings of quantised weights from their float weights': values keep the spec, scales
+    take it on the axes they have entries along."""
     def one(s: NamedSharding, q: Any) -> Any:
         if not is_quantized(q):
             return s

@@ -59,9 +59,12 @@ class WeightQuant:
 
 def parse_quant(quant: str | WeightQuant | None, *, field: str = "quant"
                 ) -> WeightQuant | None:
-    """``"int8"``, ``"int4"`` / ``"nf4"`` (G picked per matrix by ``quant.for_model``),
-    ``"int4:G"`` / ``"nf4:G"``, a ``WeightQuant`` or None -> the ``WeightQuant`` (None: float).
-    ``field`` is how the errors name the setting (``"--quant"``, ``"train.lora_base_quant"``).
+    """The ``WeightQuant`` of a spelling (None: float weights).
+
+    Args:
+      quant: ``"int8"``, ``"int4"`` / ``"nf4"`` (G picked per matrix by ``quant.for_model``),
+        ``"int4:G"`` / ``"nf4:G"``, a ``WeightQuant`` or None.
+      field: how the errors name the setting (``"--quant"``, ``"train.lora_base_quant"``).
 
     Raises:
       ValueError: an unknown scheme, or a group size that is not an even integer >= 2.

@@ -56,9 +56,14 @@ def saved_names(remat: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def policy(remat: str, platform: str) -> Any:
-    """The ``jax.checkpoint`` policy (None for ``"full"``: nothing saved) of ``remat``, one of
-    ``REMATS`` but ``"none"``, for a target ``platform`` (on ``"cpu"`` an offloading policy
-    keeps its names in device memory instead, logged once).
+    """The ``jax.checkpoint`` policy of ``remat``.
+
+    Args:
+      remat, platform: one of ``REMATS`` but ``"none"``; the target's (on ``"cpu"`` an
+        offloading policy keeps its names in device memory, logged once).
+
+    Returns:
+      The policy (None for ``"full"``: nothing saved).
 
     Raises:
       ValueError: an unknown policy.

@@ -1,11 +1,7 @@
-"""The layer stack as groups: which block each layer is, and how runs of them are scanned.
-
-Each layer is a ``LayerSpec``; the stack is cut into ``LayerGroup``s, each a period of specs
-repeated (Gemma 3: five local and one global layer, four times, then two local). A scanned
-model scans each group with the period's blocks unrolled in the body, so every block knows its
-kinds as Python values and addresses its cache with a ``LayerRef``. ``restack`` moves
-params-shaped trees between the unrolled and scanned layouts.
-"""
+"""The layer stack as groups: each layer is a ``LayerSpec``; the stack is cut into
+``LayerGroup``s, periods of specs repeated (Gemma 3: 5 local + 1 global, four times, then two
+local), which a scanned model scans one by one, the period's blocks unrolled in the body, each
+addressing its cache with a ``LayerRef``. ``restack`` moves trees between the layouts."""
 
 from __future__ import annotations
 
@@ -102,9 +98,15 @@ class LayerGroup:
 
 @functools.cache
 def layer_groups(specs: tuple[LayerSpec, ...]) -> tuple[LayerGroup, ...]:
-    """Cuts L layer specs into groups (in layer order, covering every layer once): from each
-    layer on, the period that covers the most layers by repeating (the shortest among
-    equals); a run that repeats nothing is one layer."""
+    """Cuts a stack into groups: from each layer on, the period that covers the most layers by
+    repeating (the shortest among equals); a run that repeats nothing is one layer.
+
+    Args:
+      specs: each layer's spec, L entries.
+
+    Returns:
+      The groups in layer order, covering every layer once.
+    """
     groups, start, n = [], 0, len(specs)
     while start < n:
         best = (1, 1)  # (period, repeats)
@@ -136,9 +138,8 @@ def is_scanned_key(key: str) -> bool:
 
 def block_paths(params: Mapping[str, Any]) -> list[tuple[tuple[str, ...], bool]]:
     """(path, stacked) of every block's subtree of a params-shaped tree, in layer order:
-    ``("blocks_3",)`` unrolled; ``("blocks",)`` or ``("scan_1",)`` a scanned group of period
-    1; ``("scan_0", "layer_2")`` a position of a longer period. ``stacked``: its leaves have a
-    leading repeats axis."""
+    ``("blocks_3",)``, ``("blocks",)``, ``("scan_1",)`` or ``("scan_0", "layer_2")``; ``stacked``:
+    its leaves have a leading repeats axis."""
     def order(key: str) -> tuple[int, str]:
         return len(key), key
 

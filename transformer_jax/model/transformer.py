@@ -30,18 +30,15 @@ Params = dict[str, Any]
 
 @flax.struct.dataclass
 class Output:
-    """What the forward returns.
+    """What the forward returns (None where not asked for).
 
     Attributes:
-      logits: [B, T, V] float32 next-token logits ([B, V] with ``logits_at``); None with
-        ``hidden_only``.
-      cache: the updated cache when one was given (lengths ``positions[:, -1] + 1``), else None.
-      hidden: the final-normed [B, T, D] hidden states with ``hidden_only`` or
-        ``with_hidden``, else None.
-      mtp: with ``mtp=True``, the multi-token prediction modules' [D_mtp, B, T, V] float32
-        logits; else None.
-      moe: the sparse layers' ``moe.RouterStats`` stacked (``balance`` and ``z`` [L_sparse],
-        ``load`` [L_sparse, E]); None without a mixture.
+      logits: [B, T, V] float32 next-token logits ([B, V] with ``logits_at``).
+      cache: the updated cache when one was given (lengths ``positions[:, -1] + 1``).
+      hidden: the final-normed [B, T, D] hidden states (``hidden_only``, ``with_hidden``).
+      mtp: with ``mtp=True``, the prediction modules' [D_mtp, B, T, V] float32 logits.
+      moe: the sparse layers' ``moe.RouterStats`` stacked (``balance``, ``z`` [L_sparse],
+        ``load`` [L_sparse, E]).
     """
 
     logits: jax.Array | None = None
@@ -54,11 +51,8 @@ class Output:
 class Transformer(nn.Module):
     """Decoder-only language model: every family it runs is a set of ``Architecture`` fields.
 
-    The one forward of the library: training on whole sequences, prefill on padded prompts
-    with an empty cache, and every decode step with the cache. The blocks are unrolled, or
-    scanned with ``config.scan_layers``. The weights may be prepared leaves (``decode.prepare``:
-    quantised, ``ops.layouts``), computed with as they are. Sharded, it runs under ``jit`` with
-    a mesh and the logical-axis rules in context, XLA partitioning it from the shardings.
+    The one forward for training, prefill and decode; blocks unrolled or scanned
+    (``config.scan_layers``); weights float or prepared (``decode.prepare``), as they are.
     """
 
     config: ModelConfig

@@ -1,12 +1,10 @@
-"""Scaled dot-product attention: masks given as structure (positions, segments, window).
+"""Scaled dot-product attention, masks given as structure (positions, segments, window).
 
-Queries ``q`` are [B, T, N, H]; keys and values [B, K, S, H]; query head r reads kv head
-``r // G``, G = N / K. A query at m sees a key at n iff ``n <= m`` (causal), ``n > m - window``
-(with a window) and both are in the same non-zero segment (0 is padding); a query with no
-visible key returns zeros. A ``chunk`` C becomes segments (``chunk_segments``).
-``attention(..., impl=...)`` runs one of ``ATTENTION_IMPLS``: ``"xla"`` (the einsum reference,
-what the others are tested against), ``"chunked"``, ``"cudnn"``, ``"mosaic"``, ``"pallas"`` or
-``"auto"`` (``choose_impl``; see docs/long-context.md). Under a mesh the kernels run per device.
+``q`` [B, T, N, H]; keys and values [B, K, S, H], query head r reading kv head ``r // G``. A
+query at m sees a key at n iff ``n <= m`` (causal), ``n > m - window`` and both are in the same
+non-zero segment (0: padding); one that sees none returns zeros. ``attention`` runs one of
+``ATTENTION_IMPLS`` (docs/long-context.md): the einsum reference ``"xla"``, which the others
+are tested against, ``"chunked"``, or a kernel (per device under a mesh).
 """
 
 import functools
@@ -56,15 +54,13 @@ def attention_mask(q_positions: jax.Array, k_positions: jax.Array, *,
                    k_valid: jax.Array | None = None,
                    window: int | jax.Array | None = None,
                    causal: bool = True) -> jax.Array:
-    """Boolean mask of which keys each query may attend to (the module docstring's rule; also
-    the key must be valid).
+    """Boolean mask of which keys each query may attend to (the module docstring's rule).
 
     Args:
       q_positions, k_positions: [B, T], [B, S] int positions of the queries and keys.
       q_segments, k_segments: optional [B, T], [B, S] segment ids (0 = padding), together.
       k_valid: optional [B, S] bool, False for keys that must never be seen.
-      window: optional sliding window (an int, or an int scalar array, possibly traced).
-      causal: whether a query at m sees only keys at ``n <= m``.
+      window, causal: the sliding window (an int, maybe a traced scalar), causality.
 
     Returns:
       [B, T, S] bool.
@@ -94,16 +90,14 @@ def attention_weights(q: jax.Array, k: jax.Array | SlotsLast, mask: jax.Array | 
     """Softmax attention probabilities, grouped over kv heads.
 
     Args:
-      q: [B, T, N, H] queries.
-      k: [B, K, S, H] keys, N a multiple of K, or ``SlotsLast`` ones [B, K, H, S].
+      q, k: [B, T, N, H] queries, [B, K, S, H] keys (or ``SlotsLast`` [B, K, H, S]).
       mask: optional [B, T, S] bool (True = visible).
       scale: logit scale, default ``1/sqrt(H)``.
       softcap: optional logit soft-cap c: scaled logits x become ``c tanh(x / c)``.
       sinks: optional [N] sink logits: one more key per head, always visible, of value zero.
 
     Returns:
-      [B, N, T, S] float32 probabilities, 0 on masked keys (all zeros for a row with no
-      visible key).
+      [B, N, T, S] float32 probabilities, 0 on masked keys (and rows with no visible key).
     """
     # Batch dimensions (B, K): a tensor split of the kv heads keeps every row on its device.
     k, slots_last = stored_keys(k)
@@ -140,8 +134,7 @@ def reference_attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array,
     """Attention written out with einsums: ``softmax(q k^T * scale + mask) v``.
 
     Args:
-      q: [B, T, N, H] queries.
-      k, v: [B, K, S, H] keys (or ``SlotsLast`` ones) and values.
+      q, k, v: [B, T, N, H] queries, [B, K, S, H] keys (or ``SlotsLast``) and values.
       mask, scale, softcap, sinks: as ``attention_weights`` takes them.
 
     Returns:
@@ -169,14 +162,10 @@ def _have_tokamax() -> bool:
 def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None, *,
                 softcap: float | None = None, window: int | jax.Array | None = None,
                 aligned: bool = True) -> str:
-    """The implementation ``impl="auto"`` runs for these shapes on ``backend``.
-
-    - CPU (and anything unknown): ``"xla"`` while the [B, N, T, S] float32 logits stay under
-      ``_AUTO_CHUNKED_MIN_LOGITS`` elements, ``"chunked"`` above.
-    - GPU: ``"cudnn"`` for float16/bfloat16 with H a multiple of 8 up to 128 and no soft-cap,
-      else as on CPU.
-    - TPU: ``"mosaic"`` when T and S are multiples of 128; without tokamax, ``"pallas"`` where
-      it applies (``aligned``, no window, no cap); else as on CPU.
+    """The implementation ``impl="auto"`` runs for these shapes on ``backend``: on GPU ``"cudnn"``
+    for float16/bfloat16, H a multiple of 8 up to 128 and no soft-cap; on TPU ``"mosaic"`` for T
+    and S multiples of 128 (without tokamax ``"pallas"`` where it applies); else ``"xla"`` while
+    the [B, N, T, S] logits stay under ``_AUTO_CHUNKED_MIN_LOGITS`` elements, ``"chunked"`` above.
 
     Args:
       q, k: [B, T, N, H] queries and [B, K, S, H] keys (only shapes and dtype are read).
@@ -260,23 +249,18 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
               causal: bool = True, scale: float | None = None, impl: str = "auto",
               softcap: float | None = None, sinks: jax.Array | None = None,
               chunk: int | None = None) -> jax.Array:
-    """Scaled dot-product attention with grouped kv heads and a structural mask (see the module
-    docstring).
+    """Scaled dot-product attention with grouped kv heads and a structural mask.
 
     Args:
-      q: [B, T, N, H] queries.
-      k, v: [B, K, S, H] keys (or ``SlotsLast`` ones [B, K, H, S]) and values, N a multiple
-        of K.
+      q, k, v: [B, T, N, H] queries, [B, K, S, H] keys (or ``SlotsLast``) and values.
       q_positions, k_positions: [B, T] and optional [B, S] (default ``arange(S)``) positions.
       q_segments, k_segments: optional [B, T], [B, S] segment ids (0 = padding), together.
-      window: optional sliding window: a Python int or an int scalar array, possibly traced
-        (a value past every position is no window); JAX's Pallas TPU kernel refuses any.
+      window: optional sliding window, maybe a traced scalar (JAX's Pallas TPU kernel has none).
       causal, scale: as ``attention_mask`` and ``attention_weights`` take them.
-      impl: one of ``ATTENTION_IMPLS``. A kernel raises ``ValueError`` on a backend that
-        cannot run it rather than falling back.
-      softcap: optional logit soft-cap c; ``"cudnn"`` and TPU ``"pallas"`` refuse one.
-      sinks: optional [N] sink logits joining every softmax's denominator with no value;
-        only ``"xla"`` and ``"chunked"`` take them, the kernels raise ``ValueError``.
+      impl: one of ``ATTENTION_IMPLS``; a kernel raises ``ValueError`` on a backend it cannot
+        run on, never falling back.
+      softcap: optional logit soft-cap c (``"cudnn"`` and TPU ``"pallas"`` refuse one).
+      sinks: optional [N] sink logits (``"xla"`` and ``"chunked"`` only).
       chunk: optional C (a Python int): a query at m sees only keys with ``n // C == m // C``.
 
     Returns:
@@ -343,10 +327,8 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
 
 def _kernel_split(b: int, kv: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...],
                                            tuple[str, ...]] | None:
-    """(mesh, batch axes, kv-head axes) over which a kernel runs per device: the mesh axes
-    (of more than one device) that the logical rules in context give "batch" and "kv_heads",
-    each only where it divides B or K. None when nothing is split (no mesh, or already
-    inside a ``shard_map`` over those axes)."""
+    """(mesh, batch axes, kv-head axes) over which a kernel runs per device (``target.mesh_axes``
+    of "batch" and "kv_heads"), or None when nothing is split."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None

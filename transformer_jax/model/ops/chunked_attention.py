@@ -146,11 +146,8 @@ def _prepare(plan, q, k, v, qpos, kpos, qseg, kseg):
 
 
 def _loop(n, body, init):
-    """``fori_loop(0, n, body, init)`` as a ``while_loop``, never a ``scan``: under
-    ``jax.checkpoint`` inside ``nn.scan``, a scan's partial evaluation would stack per block
-    what depends only on the positions (each block's mask), [B, N, T, S] in all
-    (docs/long-context.md); a ``while_loop`` recomputes instead.
-    """
+    """``fori_loop(0, n, body, init)`` as a ``while_loop``: a ``scan`` under ``jax.checkpoint`` in
+    ``nn.scan`` would stack each block's mask, [B, N, T, S] in all (docs/long-context.md)."""
     def step(carry):
         i, x = carry
         return i + 1, body(i, x)
@@ -172,14 +169,16 @@ def online_softmax_init(rows: tuple[int, ...], h: int
 
 def online_softmax_step(carry: tuple[jax.Array, jax.Array, jax.Array], logits: jax.Array,
                         values: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One key block of an online softmax (the flash-attention recurrence): the carry with this
-    block folded in.
+    """One key block of an online softmax (the flash-attention recurrence).
 
     Args:
       carry: float32 (acc [..., Q, H], m [..., Q], l [..., Q]): the value sum weighted by
         ``exp(logit - m)``, the running maximum logit and the running sum of ``exp(logit - m)``.
       logits: [..., Q, S] float32 scaled logits of this block, -inf at keys a query does not see.
       values: [..., S, H] this block's values.
+
+    Returns:
+      The carry with this block folded in.
     """
     acc, m, l = carry
     m_new = jnp.maximum(m, logits.max(-1))
@@ -194,9 +193,14 @@ def online_softmax_step(carry: tuple[jax.Array, jax.Array, jax.Array], logits: j
 def online_softmax_merge(carry: tuple[jax.Array, jax.Array, jax.Array],
                          segments: jax.Array, num_segments: int
                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Merges U ``online_softmax_step`` carries ([U, ...]) of disjoint key blocks by their [U]
-    ``segments`` (split-K, as flash-decoding does) into ``num_segments`` carries [R, ...], each
-    as if one loop had run over all of its segment's blocks."""
+    """Merges ``online_softmax_step`` carries of disjoint key blocks by segment (split-K).
+
+    Args:
+      carry, segments, num_segments: U partial carries [U, ...], [U] their segment, R.
+
+    Returns:
+      R carries [R, ...], as if one loop had run over each segment's blocks.
+    """
     acc, m, l = carry
     top = jax.ops.segment_max(m, segments, num_segments)
     top_safe = jnp.where(jnp.isfinite(top), top, 0.0)
@@ -365,8 +369,8 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
                       scale: float | None = None, softcap: float | None = None,
                       sinks: jax.Array | None = None,
                       block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> jax.Array:
-    """Memory-efficient attention on any backend (the module docstring): memory linear in the
-    context, plus one [B, N, block_q, block_k] block of float32 logits at a time.
+    """Memory-efficient attention on any backend: memory linear in the context, plus one [B, N,
+    block_q, block_k] block of float32 logits at a time.
 
     Args:
       q, k, v: [B, T, N, H] queries, [B, K, S, H] keys and values.

@@ -23,12 +23,9 @@ def dense(x: jax.Array, w: Any, spec: str, *,
 
     Args:
       x: the activations, e.g. [B, T, D].
-      w: the weight: in ``spec``'s layout (e.g. [D, N, H]), or an ``OutFirst`` leaf storing it
-        output axes first (e.g. [N, H, D]); a plain array or a quantised one
-        (``ops.quantized``), or either with per-row LoRA adapters (``ops.row_lora``: each row
-        of x gets its own adapter's update added).
-      spec: the einsum for the in-first layout, ``"<x>,<w>-><out>"``; the weight's input axes
-        are the letters it shares with x, its output axes the rest.
+      w: the weight in ``spec``'s layout (e.g. [D, N, H]) or an ``OutFirst`` leaf ([N, H, D]);
+        float or quantised, or either with per-row LoRA adapters (``ops.row_lora``).
+      spec: the in-first einsum ``"<x>,<w>-><out>"`` (w's input axes: the letters x shares).
       preferred_element_type: the accumulation / output dtype.
 
     Returns:

@@ -8,8 +8,14 @@ from transformer_jax.model.ops.quantized import einsum, take_rows
 
 
 def embed(tokens: jax.Array, table: jax.Array) -> jax.Array:
-    """Looks up token vectors: [B, T] integer ids in [0, V), a [V, D] table (float or
-    quantised) -> [B, T, D] in the table's dtype."""
+    """Looks up token vectors.
+
+    Args:
+      tokens, table: [B, T] integer ids in [0, V), a [V, D] table (float or quantised).
+
+    Returns:
+      [B, T, D] in the table's dtype.
+    """
     chex.assert_rank(tokens, 2)
     chex.assert_equal(len(table.shape), 2)
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -18,7 +24,14 @@ def embed(tokens: jax.Array, table: jax.Array) -> jax.Array:
 
 
 def tied_logits(x: jax.Array, table: jax.Array) -> jax.Array:
-    """Tied LM head: [B, T, D] x, [V, D] table -> [B, T, V] float32 ``x @ table^T``."""
+    """LM head tied to the embedding: ``x @ table^T``.
+
+    Args:
+      x, table: [B, T, D] final hidden states, the [V, D] token table (float or quantised).
+
+    Returns:
+      [B, T, V] float32 logits.
+    """
     chex.assert_rank(x, 3)
     chex.assert_equal(len(table.shape), 2)
     chex.assert_equal(x.shape[-1], table.shape[-1])

@@ -30,9 +30,8 @@ def gated_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
       x: [B, T, D] activations.
       w_gate, w_up, w_down: [D, F], [D, F], [F, D] projections.
       activation: the gate's elementwise nonlinearity.
-      matmul: ``matmul(spec, x, w)``, the product of each projection (``jnp.einsum``, or
-        ``dense`` for weights stored output axes first).
-      glu: optional ``glu(gate, up)`` in place of ``activation(gate) * up`` (``swiglu_glu``).
+      matmul: ``matmul(spec, x, w)``, each projection's product (``jnp.einsum``, ``dense``).
+      glu: optional ``glu(gate, up)`` in place of ``activation(gate) * up``.
 
     Returns:
       [B, T, D].

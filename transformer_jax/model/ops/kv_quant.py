@@ -1,9 +1,7 @@
-"""The int8 KV cache's encoding: int8 values with one absmax scale per (token, kv head).
-
-A token's key (or value) of one kv head, H floats, is stored as H + 2 int8 bytes: the values
-``round(x / s)`` in [-127, 127], then the bfloat16 scale ``s = max|x| / 127`` bitcast into two
-bytes. The scale travels with its row, so every cache layout stores and reads it in the same
-place and write; (H + 2) / 2H of a bfloat16 cache's bytes (0.52x at H = 64).
+"""The int8 KV cache's encoding: a token's [H] row of one kv head is stored as H + 2 int8 bytes,
+``round(x / s)`` in [-127, 127] then the bfloat16 scale ``s = max|x| / 127`` bitcast into two
+bytes, so every cache layout stores and reads the scale with its row ((H + 2) / 2H the bytes
+of bfloat16).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Stored layouts as typed leaves: a weight that knows it is stored output axes first.
-
-The model computes every product for weights input axes first (``"BTD,DNH->BTNH"`` for q_proj
-[D, N, H]). A backend that reads another layout faster gets it from the prepared weights
-(``decode.prepare`` stores an ``OutFirst`` leaf, which ``ops.dense`` computes with), not from a
-flag of the model.
+"""Stored layouts as typed leaves: a CPU layout lives in the prepared weights (``OutFirst``,
+which ``ops.dense`` computes with) and the cache (``SlotsLast``), not in a flag of the model.
 """
 
 from __future__ import annotations

@@ -38,26 +38,20 @@ def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array | OutFirst, targets
                                mask: jax.Array | None = None, *, chunk_size: int,
                                z_loss: float = 0.0, logit_softcap: float | None = None,
                                ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Summed next-token cross-entropy and z-loss of ``x @ head``, chunked along the sequence.
-
-    The same quantities as ``loss.cross_entropy_sums(logits, targets, mask, z_loss)`` on
-    ``logits = x @ head`` (float32, soft-capped with ``logit_softcap``); only a
-    [B, chunk_size, V] block of logits exists at a time, forward or backward.
+    """Summed next-token cross-entropy and z-loss of ``x @ head`` (float32, soft-capped), as
+    ``loss.cross_entropy_sums`` computes them, a [B, chunk_size, V] block of logits at a time.
 
     Args:
       x: [B, T, D] final hidden states (after the final norm).
-      head: [D, V] output projection, or an ``OutFirst`` [V, D] (a tied embedding,
-        ``Transformer.lm_head``); cast to x's dtype, accumulated in float32.
+      head: [D, V] output projection, or an ``OutFirst`` [V, D] (``Transformer.lm_head``).
       targets: [B, T] int target ids.
-      mask: optional [B, T] weights (bool or float; 1 = target counts, 0 = padding).
-      chunk_size: positions of each sequence per chunk (C: each chunk is [B, C] tokens); T is
-        padded with zero-weight positions to a multiple of it.
+      mask: optional [B, T] weights (bool or float; 0 = padding).
+      chunk_size: C, positions per chunk (T padded with zero-weight positions to a multiple).
       z_loss: weight of ``logsumexp(logits)^2``.
       logit_softcap: optional final-logit soft-cap c (both losses see the capped logits).
 
     Returns:
-      ``(ce_sum, z_sum, count)``: float32 scalars; ``z_sum`` already carries the ``z_loss``
-      weight and ``count`` is the sum of the weights.
+      ``(ce_sum, z_sum, count)`` float32 scalars (``z_sum`` weighted; ``count``: the weights' sum).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")

@@ -1,12 +1,8 @@
-"""Mixture of experts: the experts' gated FFNs computed several ways (the router, ``route``,
-and its losses are ``ops.router``'s, re-exported here).
-
-Shape letters: N tokens (B*T flattened), D model width, E experts, k experts per token, F an
-expert's hidden width. ``experts_ffn`` computes a token's ``sum_j w_j FFN_{e_j}(x)`` over its k
-experts by one of ``IMPLS``: ``"ragged"`` (pairs sorted by expert, ``jax.lax.ragged_dot``),
-``"gather"`` (each pair's matrices gathered: decode), ``"dense"`` (every expert on every token:
-the reference), ``"tiled"`` (the CPU's grouped product, written in XLA over tiles of rows),
-``"tokamax"`` / ``"megablox"`` (``ops.moe_kernels``); ``"auto"``: ``choose_impl``.
+"""Mixture of experts: the experts' gated FFNs computed several ways (``ops.router``'s router
+re-exported). Shapes: N tokens, D model width, E experts, k per token, F an expert's width.
+``experts_ffn`` computes ``sum_j w_j FFN_{e_j}(x)`` by one of ``IMPLS``: ``"ragged"``
+(``jax.lax.ragged_dot`` over pairs sorted by expert), ``"gather"`` (decode), ``"dense"`` (the
+reference), ``"tiled"`` (the CPU's), ``"tokamax"`` / ``"megablox"`` (``ops.moe_kernels``).
 """
 
 from __future__ import annotations
@@ -41,14 +37,11 @@ IMPLS = ("auto", "ragged", "tiled", "gather", "dense", "tokamax", "megablox")
 
 @flax.struct.dataclass
 class ExpertList:
-    """One of a mixture's expert stacks as E separate arrays: a layout of the prepared CPU
-    decode weights (``decode.prepare``), standing in for the [E, ...] stack wherever one is
-    taken. (On XLA:CPU a product with ``w[e]`` first copies the expert's matrix; a
-    ``lax.switch`` over separate arrays reads each once.)
+    """One of a mixture's expert stacks as E separate arrays, in prepared CPU decode weights: a
+    ``lax.switch`` reads one expert's matrix once, where ``w[e]`` of a stack copies it first.
 
     Attributes:
-      experts: E arrays, each one expert's matrix ([D, F] or [F, D]; [L, ...] with the layers
-        stacked), float or quantised.
+      experts: E arrays, each one expert's matrix ([L, ...] stacked), float or quantised.
     """
 
     experts: tuple
@@ -90,15 +83,12 @@ def experts_ffn(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.Arr
 
     Args:
       x: [N, D] tokens.
-      routing: their ``Routing`` (k experts each). An expert id equal to E marks an empty
-        slot, which adds nothing (an expert-parallel shard's slots for other shards' experts);
-        ``"gather"`` reads no matrix for it.
+      routing: their ``Routing``; an expert id of E is an empty slot, adding nothing.
       w_gate, w_up, w_down: [E, D, F], [E, D, F], [E, F, D] the experts' projections.
-      activation: the gate's activation (silu for SwiGLU experts).
-      impl: one of ``IMPLS`` (the module docstring; ``"auto"``: ``choose_impl``).
-      glu: optional ``glu(gate, up)`` in place of ``activation(gate) * up`` (a clamped one).
-      biases: optional ([E, F] gate, [E, F] up, [E, D] down) biases of each expert's
-        projections (a down bias of None: none).
+      activation: the gate's activation.
+      impl: one of ``IMPLS`` (``"auto"``: ``choose_impl``).
+      glu: optional ``glu(gate, up)`` in place of ``activation(gate) * up``.
+      biases: optional ([E, F], [E, F], [E, D]) gate, up and down biases (down None: none).
 
     Returns:
       [N, D] in x's dtype.
@@ -206,8 +196,11 @@ def _switched(x, routing, w_gate, w_up, w_down, activation):
 def sort_by_expert(experts: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
     """The order that groups the N*k (token, slot) pairs by expert, and the group sizes.
 
-    ``experts`` [N, k] int -> (order [N*k]: pair ``order[i]`` (``token * k + slot``) is the
-    i-th row of the sorted layout, stable within an expert; sizes [E] int32: rows per expert).
+    Args:
+      experts, n_experts: [N, k] int expert indices, E.
+
+    Returns:
+      (order [N*k]: the flat pair ``token * k + slot`` of each sorted row, stable; sizes [E] int32).
     """
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)

@@ -1,12 +1,10 @@
-"""Expert parallelism: a mixture's experts split over mesh axes, each token sent to the devices
-of its experts and its results sent back by ``all_to_all``, inside ``shard_map``.
+"""Expert parallelism: a mixture's experts split over mesh axes, inside ``shard_map``.
 
-Per device: n its tokens, X the devices that split the experts, e = E/X its experts, j =
-min(k, e). Each device packs, per destination, the tokens that chose one of its experts into n
-rows (dropless) with their j local ids and weights; ``all_to_all`` exchanges them, each device
+Per device (n tokens, X devices splitting the experts, e = E/X, j = min(k, e)): the tokens
+that chose one of a device's experts go to it in a region of n rows by ``all_to_all``, it
 applies its experts (``experts_ffn``), and a second ``all_to_all`` returns the sums. D split
-over FSDP axes is all-gathered inside, F split over tensor axes summed by one ``psum``. When the
-tokens are not split over the expert axes (decode), one ``psum`` adds the experts' shares.
+over FSDP axes is all-gathered, F over tensor axes summed by one ``psum``; tokens not split
+over the expert axes (decode) stay, one ``psum`` adding the experts' shares.
 """
 
 from __future__ import annotations
@@ -33,12 +31,9 @@ class ExpertSplit:
 
     Attributes:
       mesh: the (abstract) mesh.
-      tokens: the axes splitting the N tokens.
-      experts: the axes splitting E (the all_to_alls run over them).
-      embed: the axes splitting the expert matrices' D (all-gathered inside).
-      mlp: the axes splitting their F (the experts' outputs summed over them).
-      exchange: tokens go to their experts' devices by ``all_to_all``; False when the tokens
-        are not split over the expert axes (then one ``psum`` sums the experts' shares).
+      tokens, experts: the axes splitting the N tokens, and E (the all_to_alls').
+      embed, mlp: the axes splitting the expert matrices' D (all-gathered) and F (summed).
+      exchange: tokens go to their experts' devices (False: not split over the expert axes).
     """
 
     mesh: AbstractMesh
@@ -88,8 +83,8 @@ def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Arr
                          glu: moe_ops.Glu | None = None,
                          biases: tuple[jax.Array, jax.Array, jax.Array] | None = None
                          ) -> jax.Array:
-    """``moe.experts_ffn`` with the experts split over ``split.experts`` (see the module
-    docstring); equal to it up to float32 summation order.
+    """``moe.experts_ffn`` with the experts split over ``split.experts``, equal to it up to
+    float32 summation order.
 
     Args:
       x, routing, w_gate, w_up, w_down, activation, impl, glu, biases: as ``experts_ffn``

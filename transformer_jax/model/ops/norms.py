@@ -10,11 +10,9 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5, *, offset: float
     """RMSNorm: ``x / sqrt(mean(x^2) + eps) * (offset + scale)`` over the trailing axes.
 
     Args:
-      x: [..., D] activations, or [..., N, H] normalised over both trailing axes when
-        ``scale`` is [N, H] (all of a token's heads together).
+      x: [..., D] activations ([..., N, H] normalised over both axes when ``scale`` is [N, H]).
       scale: [D] (or [N, H]) learned gain.
-      eps, offset: added to the mean square, and to the gain (1.0 for gains stored as ``w``
-        of ``(1 + w)``).
+      eps, offset: added to the mean square, and to the gain.
 
     Returns:
       x's shape and dtype (the statistics are float32).

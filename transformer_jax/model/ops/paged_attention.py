@@ -1,13 +1,10 @@
 """Attention over a paged KV cache with JAX's Pallas kernels (``attention_impl="pallas"``).
 
-``PagedKVCache.attend`` asks ``plan`` how to attend a chunk; with ``impl="pallas"`` the answer
-is one of ``KERNELS`` or the cache's own XLA views: ``"gpu_paged"`` (Triton, GPU decode: T = 1,
-no window), ``"tpu_paged"`` (Mosaic, TPU decode) and ``"tpu_ragged"`` (Mosaic, TPU prefill
-chunks and windowed decode). ``"auto"`` does not pick them (none measured on an accelerator
-yet). The kernels take one layer's pool as stored: keys and values [K, P, ps, H], the page
-table [B, W] and the chunk's positions [B, T] (consecutive, already written); under a mesh that
-splits the kv heads they run per device. ``kernel_target`` traces them for another backend (to
-export them, or to interpret those in ``INTERPRETABLE`` on a CPU).
+``plan`` picks one of ``KERNELS`` or the cache's own XLA views: ``"gpu_paged"`` (Triton, GPU
+decode), ``"tpu_paged"`` (Mosaic, TPU decode) and ``"tpu_ragged"`` (Mosaic, TPU prefill and
+windowed decode); ``"auto"`` never picks them (not measured yet). They read one layer's pool
+as stored, [K, P, ps, H], with the page table [B, W], per device under a kv-head split.
+``kernel_target`` traces them for another backend (export, or interpretation on a CPU).
 """
 
 from __future__ import annotations
@@ -78,7 +75,7 @@ class Plan:
     """How ``PagedKVCache.attend`` attends one chunk.
 
     Attributes:
-      kernel: one of ``KERNELS``, or None for the cache's XLA views (gather or pool).
+      kernel: one of ``KERNELS``, or None for the cache's XLA views.
       impl: the ``attention_impl`` those views pass to ``ops.attention.attention``.
     """
 
@@ -122,15 +119,14 @@ def plan(impl: str, t: int, window: int | None, head_dim: int | None = None) -> 
 def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     page_table: jax.Array, positions: jax.Array, *, window: int | None = None
                     ) -> jax.Array:
-    """One layer's attention of each row's queries over its own pages (causal, and windowed
-    with a window, as the gather view's position mask), with ``kernel``.
+    """One layer's attention of each row's queries over its own pages, with ``kernel``.
 
     Args:
       kernel: one of ``KERNELS`` (``plan``'s choice).
       q: [B, T, N, H] queries (rotated), N a multiple of K.
       k_pages, v_pages: [K, P, ps, H] the layer's key and value pools.
       page_table: [B, W] int32 each row's pages in position order.
-      positions: [B, T] int positions of the chunk, consecutive per row, already written.
+      positions: [B, T] int positions, consecutive per row, already written.
       window: optional sliding window length (``"tpu_ragged"`` only).
 
     Returns:
@@ -205,12 +201,8 @@ def gpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 def tpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                         page_table: jax.Array, position: jax.Array, *,
                         interpret: bool = False) -> jax.Array:
-    """The Mosaic TPU paged attention for one decode query per row, over the pool as stored.
-
-    q is scaled first (the kernel has none), and pages are read as bfloat16 (float32 pages
-    are attended at bfloat16 precision). Args and result as ``gpu_paged_attention``'s
-    (``interpret``: under ``pltpu.force_tpu_interpret_mode``, on a CPU).
-    """
+    """The Mosaic TPU paged attention for one decode query per row, over the pool as stored, as
+    ``gpu_paged_attention`` takes it; pages are read as bfloat16."""
     from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
     from jax.experimental.pallas.ops.tpu.paged_attention import (  # noqa: PLC0415
         paged_attention as tpu_paged,
@@ -227,13 +219,12 @@ def tpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 def ragged_inputs(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                   positions: jax.Array) -> tuple[jax.Array, ...]:
-    """The ragged kernel's operands for B rows of T consecutive queries each.
+    """The ragged kernel's operands for B rows of T consecutive queries each: each row a sequence of
+    T queries and ``start + T`` keys, the table padded with ``ceil(T / ps)`` null pages, keys and
+    values interleaved by head (a copy of the pool).
 
-    Every row is one of the kernel's sequences, T queries and ``start + T`` keys, so its causal
-    mask is the position mask. The table gets ``ceil(T / ps)`` more columns of the null page
-    (page 0) for a right-padded chunk's tail. Keys and values are interleaved by head in one
-    [P, ps, 2K, H] array, a copy of the layer's whole pool per call. Takes the arguments of
-    ``paged_attention``.
+    Args:
+      q, k_pages, v_pages, page_table, positions: as ``paged_attention`` takes them.
 
     Returns:
       (queries [B * T, N, H], kv pages [P, ps, 2K, H], kv_lens [B], page_indices [B, W'],
@@ -254,10 +245,14 @@ def ragged_inputs(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
 def tpu_ragged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          page_table: jax.Array, positions: jax.Array, *,
                          window: int | None = None) -> jax.Array:
-    """The Mosaic TPU ragged paged attention over B rows of T queries (``ragged_inputs``),
-    with the kernel's tuned block sizes on a TPU (elsewhere ``_RAGGED_UNTUNED_BLOCKS``).
+    """The Mosaic TPU ragged paged attention over B rows of T queries (``ragged_inputs``), with the
+    kernel's tuned block sizes on a TPU (elsewhere ``_RAGGED_UNTUNED_BLOCKS``).
 
-    Args and result as ``paged_attention``'s (q in the pages' dtype).
+    Args:
+      q, k_pages, v_pages, page_table, positions, window: as ``paged_attention`` takes them.
+
+    Returns:
+      [B, T, N, H] in q's dtype.
     """
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (  # noqa: PLC0415
         ragged_paged_attention,

@@ -17,17 +17,14 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class PackedInt4:
-    """4-bit values (int4, or nf4's 16 levels) stored two to a byte, with qwix's scales.
-
-    (XLA:CPU keeps an ``int4`` array one value per byte.) ``qarray`` unpacks them into the
-    ``qwix.QArray`` they came from, inside the step that uses them.
+    """4-bit values (int4, or nf4's 16 levels) stored two to a byte (XLA:CPU keeps ``int4`` a byte
+    per value), with qwix's scales; ``qarray`` unpacks them inside the step that uses them.
 
     Attributes:
-      packed: uint8, the weight's shape with ``axis`` halved: value 2i in the low nibble, 2i+1
-        in the high one (int4 in two's complement, nf4 as its level index 0..15).
-      scale: the QArray's scale (a generic broadcast of the weight's shape).
+      packed: uint8, the shape with ``axis`` halved: value 2i the low nibble, 2i+1 the high.
+      scale: the QArray's scale.
       axis: static; the packed axis, negative (counted from the last).
-      qtype: static; ``"int4"`` or ``"nf4"`` (qwix's qtype of the values).
+      qtype: static; ``"int4"`` or ``"nf4"``.
     """
 
     packed: jax.Array
@@ -99,11 +96,8 @@ def _as_qwix(w: Any) -> Any:
 
 def einsum(spec: str, a: Any, b: Any, *, preferred_element_type: jnp.dtype | None = None
            ) -> jax.Array:
-    """``jnp.einsum(spec, a, b)`` of a weight product, through ``qwix.einsum`` when either
-    operand is quantised.
-
-    The result equals the float product over the dequantised weight. Float operands go through
-    ``dot_general_einsum``, whose calls quantised training (``train.quant``) intercepts.
+    """``jnp.einsum(spec, a, b)`` of a weight product: ``qwix.einsum`` when either is quantised
+    (the float product over the dequantised weight), else ``dot_general_einsum``.
     """
     if is_quantized(a) or is_quantized(b):
         import qwix

@@ -1,8 +1,5 @@
-"""The router of a mixture of experts: each token's experts and weights from the router's
-logits (``route``), and the router's losses and load statistics.
-
-Shape letters: N tokens (B*T flattened), E experts, k experts per token.
-"""
+"""The router of a mixture of experts: each token's experts and weights from the router's logits
+(``route``), and the router's losses and load statistics (N tokens, E experts, k per token)."""
 
 from __future__ import annotations
 
@@ -31,11 +28,8 @@ class Routing:
 def route(logits: jax.Array, top_k: int, renormalize: bool, score: str = "softmax", *,
           choice_bias: jax.Array | None = None, n_groups: int = 1, top_groups: int = 1,
           scale: float = 1.0) -> Routing:
-    """Top-k routing on the experts' scores.
-
-    The experts are chosen by ``scores + choice_bias``, with ``top_groups < n_groups`` only
-    within each token's best groups (``fields.MoE``); the weights are the chosen experts'
-    unbiased scores, renormalised with ``renormalize``, then times ``scale``.
+    """Top-k routing on the experts' scores: chosen by ``scores + choice_bias`` (within each token's
+    best groups with ``top_groups < n_groups``), weighted by the unbiased scores.
 
     Args:
       logits: [N, E] router logits (any float dtype; the scores are float32).
@@ -76,17 +70,26 @@ def _within_top_groups(choice: jax.Array, n_groups: int, top_groups: int) -> jax
 
 
 def expert_load(experts: jax.Array, valid: jax.Array, n_experts: int) -> jax.Array:
-    """[E] float32: how many valid (token, slot) pairs each expert received, from [N, k]
-    ``experts`` and [N] bool ``valid`` (False: padding)."""
+    """[E] float32: how many valid (token, slot) pairs each expert received.
+
+    Args:
+      experts, valid, n_experts: [N, k] expert indices, [N] bool (False: padding), E.
+    """
     onehot = jax.nn.one_hot(experts, n_experts, dtype=jnp.float32)  # [N, k, E]
     return jnp.einsum("nke,n->e", onehot, valid.astype(jnp.float32))
 
 
 def balance_loss(routing: Routing, valid: jax.Array) -> jax.Array:
-    """The load-balancing loss ``E * sum_e f_e P_e`` (Switch Transformer, as HF computes it for
-    one layer), a float32 scalar over the [N] ``valid`` tokens: ``f_e`` the fraction of them
-    that chose expert e among their k, ``P_e`` their mean router probability of e. Its
-    minimum, k, is a uniform load (0 with no valid token)."""
+    """The load-balancing loss ``E * sum_e f_e P_e`` (Switch Transformer, as HF computes it for one
+    layer): ``f_e`` the fraction of valid tokens that chose expert e among their k, ``P_e`` their
+    mean router probability of e. Its minimum, k, is a uniform load.
+
+    Args:
+      routing, valid: the layer's ``Routing``, [N] bool.
+
+    Returns:
+      A float32 scalar (0 with no valid token).
+    """
     e = routing.probs.shape[-1]
     count = jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0)
     f = expert_load(routing.experts, valid, e) / count
