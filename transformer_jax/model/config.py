@@ -57,16 +57,12 @@ class Architecture:
     everything else is ``Execution``.
 
     Attributes:
-      vocab_size: V, number of token ids.
-      d_model: D, residual stream width.
-      n_layers: L, number of blocks.
-      n_heads: N, query heads.
+      vocab_size, d_model, n_layers, n_heads: V, D (the residual width), L, N (query heads).
       n_kv_heads: K, key/value heads (N for MHA, 1 for MQA, in between for GQA); defaults to N.
       head_dim: H; defaults to D // N.
       d_ff: F, hidden width of the feed-forward network.
       max_seq_len: the largest position the model is used at.
-      norm: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm with bias).
-      norm_eps: epsilon inside the norm's square root.
+      norm, norm_eps: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm with bias); its epsilon.
       norm_position: one of ``NORM_POSITIONS`` (``"pre"``: LLaMA's; see ``block.Block``).
       ffn: one of ``FFNS``.
       position: ``"rope"`` (on Q and K), ``"sinusoidal"`` (added to the embeddings), ``"none"``.
@@ -75,8 +71,7 @@ class Architecture:
       rope_scaling: optional frequency rescaling (``RopeScaling``).
       sliding_window: if set, a query sees only the last ``sliding_window`` positions (itself
         included); None: full causal attention.
-      qkv_bias: whether the q/k/v projections have biases (Qwen2).
-      o_bias: whether the attention's output projection has a bias [D].
+      qkv_bias, o_bias: whether the q/k/v projections (Qwen2), the output one have biases.
       attn_sinks: a learned sink logit per query head joins every softmax's denominator.
       tie_embeddings: whether the LM head is the transposed token embedding.
       qk_norm: RMSNorm of the queries and keys before RoPE: None; ``"head"`` per head with one
@@ -84,22 +79,19 @@ class Architecture:
         [K, H] (OLMo 2); ``"weightless"`` per head after RoPE, no gain. Not on NoPE layers.
       norm_offset: every norm scales by ``(norm_offset + w)`` (1.0 in Gemma 2/3).
       scale_embeddings: multiply the token embeddings by ``sqrt(D)`` (in the compute dtype).
-      attn_softcap: if set, attention logits become ``tanh(x / c) * c`` after scaling.
-      final_softcap: if set, the LM head's logits become ``tanh(x / c) * c``.
+      attn_softcap, final_softcap: if set, the (scaled) attention logits, the LM head's logits
+        become ``tanh(x / c) * c``.
       attn_scale: the attention logits' scale; None for ``1 / sqrt(H)``.
       layer_pattern: the layers' attention kinds (``LAYER_KINDS``), repeated over the depth:
         layer i is ``layer_pattern[i % len(layer_pattern)]``. Empty: every layer is local when
         ``sliding_window`` is set, chunked when ``attention_chunk`` is, global otherwise.
       local_rope_base: if set, local layers rotate with this base and no ``rope_scaling``.
       moe: if set, the mixture-of-experts FFN of the sparse layers (``MoE``).
-      swiglu_limit: ``"swiglu"`` only: clamp the gate to at most it, up to [-limit, limit].
-      swiglu_alpha: ``"swiglu"`` only: the gate's activation is ``g sigmoid(alpha g)``.
-      swiglu_up_offset: ``"swiglu"`` only: the gated product is ``act(g) (up + offset)``.
+      swiglu_limit, swiglu_alpha, swiglu_up_offset: ``"swiglu"`` only (``ops.ffn.swiglu_glu``).
       attention_chunk: C for ``"chunked"`` layers (a query at m sees keys with n // C == m // C).
       nope_layers: the layers that do not rotate q and k (NoPE) and have no ``qk_norm``.
-      nope_temperature_floor: if set (f), NoPE layers scale their queries at position m by
-        ``1 + nope_temperature_scale * log(1 + floor((m + 1) / f))``.
-      nope_temperature_scale: that scale.
+      nope_temperature_floor, nope_temperature_scale: if the floor f is set, NoPE layers scale
+        their queries at position m by ``1 + scale * log(1 + floor((m + 1) / f))``.
       mla: if set, every layer is multi-head latent attention (``MLA``; head_dim: its rope width).
       mtp_depth: the multi-token prediction modules after the stack (0: none; ``model.mtp``).
     """

@@ -77,16 +77,13 @@ class MoE:
     keep the dense FFN of width ``Architecture.d_ff``.
 
     Attributes:
-      n_experts: E, experts per sparse layer.
-      top_k: k, experts each token is sent to (1 <= k <= E).
-      d_ff: each expert's hidden width.
+      n_experts, top_k, d_ff: E experts per sparse layer, k per token, each of hidden width F.
       renormalize: divide the k chosen probabilities by their sum (Mixtral; not Qwen2-MoE).
       shared_d_ff: the shared expert's hidden width; 0 for none.
       shared_gate: scale the shared expert's output by ``sigmoid(x . w_gate)`` (Qwen2-MoE).
       sparse_step: layer i is sparse when ``(i + 1) % sparse_step == 0`` ...
       dense_layers: ... and i is not listed here (HF's ``mlp_only_layers``).
-      router_bias: the router's logits have a bias [E].
-      expert_bias: each expert's gate, up and down projections have biases.
+      router_bias, expert_bias: the router's logits, each expert's projections have biases.
       score: the experts' scores from the router logits: ``"softmax"`` or ``"sigmoid"``.
       correction_bias: a bias [E] added to the scores for choosing the experts only, trained
         by ``train.moe_bias_update_rate``'s update, not by gradients (DeepSeek-V3).

@@ -133,11 +133,9 @@ def ring_attention(keys: jax.Array | SlotsLast, values: jax.Array, q: jax.Array,
     Args:
       keys, values: [B, K, R, H] the chunk rows' ring keys (maybe ``SlotsLast``) and values as
         stored, after the chunk's write when ``written``, before it otherwise.
-      q: [B, T, N, H] queries (rotated).
-      k, v: [B, T, K, H] the chunk's keys (rotated) and values.
+      q, k, v: [B, T, N, H] queries, [B, T, K, H] the chunk's keys (both rotated) and values.
       positions: [B, T] consecutive positions per row.
-      written: whether the ring already holds the chunk (``writes_first``).
-      window: W (static).
+      written, window: whether the ring holds the chunk already (``writes_first``); W.
       impl, scale, softcap, sinks, chunk: as ``ops.attention.attention`` takes them.
 
     Returns:
@@ -195,10 +193,8 @@ def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: j
       k_ring, v_ring: stacked key and value rings [L, B', K, R, H], or tuples of L
         [B', K, R, H] ([K, R, H] at B' = 1); the keys may be a ``SlotsLast``.
       j: the ring (traced only when stacked).
-      k, v: [B, T, K, H] new keys and values.
-      positions: [B, T] consecutive positions per row.
-      rows: optional [B] ring row of each chunk row (default: row b is ring row b).
-      end: optional [B]: positions at or past it are not written.
+      k, v, positions: [B, T, K, H] new keys and values, their [B, T] consecutive positions.
+      rows, end: optional [B] ring row of each chunk row (default b), end of its writes.
 
     Returns:
       (key rings, value rings) with ring j written.

@@ -19,9 +19,7 @@ def kernel_grouped_matmul(impl: str, x: jax.Array, w: jax.Array, sizes: jax.Arra
 
     Args:
       impl: which kernel.
-      x: [M, A] rows grouped by expert.
-      w: [E, A, C] the experts' matrices.
-      sizes: [E] int32 rows per expert (summing to at most M).
+      x, w, sizes: [M, A] rows grouped by expert, [E, A, C] matrices, [E] int32 rows each.
 
     Returns:
       [M, C] in x's dtype.

@@ -25,9 +25,7 @@ class RowAdapters(Wrapped):
 
     Attributes:
       w: the base matrix as the model stores it (in-first or out-first, float or quantised).
-      a: the adapters' A factors, [Na, in..., R] (in-first) or [Na, R, in...] (out-first).
-      b: their B factors, each scaled by its adapter's ``alpha / rank``: [Na, R, out...]
-        (in-first) or [out..., Na, R] (out-first).
+      a, b: the adapters' factors in the module docstring's layout (B scaled by ``alpha / rank``).
       ids: [B] int32 the adapter of each batch row: 1 + its index in the stack, 0 = the base.
     """
 
