@@ -29,8 +29,7 @@ class Block(nn.Module):
                  segment_ids: jax.Array | None = None
                  ) -> tuple[Carry, RouterStats | None]:
         """([B, T, D], cache) -> (([B, T, D], cache), router stats or None); ``layer``: the layer's
-        number, or with ``group`` the scan's (traced) repeat index.
-        """
+        number, or with ``group`` the scan's (traced) repeat index."""
         x, cache = carry
         # The residual stream's only sharding annotation (a no-op without rules in scope).
         x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))

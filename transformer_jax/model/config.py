@@ -58,8 +58,7 @@ class Architecture:
 
     Attributes:
       vocab_size, d_model, n_layers, n_heads: V, D (the residual width), L, N (query heads).
-      n_kv_heads: K, key/value heads (N for MHA, 1 for MQA, in between for GQA); defaults to N.
-      head_dim: H; defaults to D // N.
+      n_kv_heads, head_dim: K key/value heads (N for MHA, 1 for MQA; default N), H (D // N).
       d_ff: F, hidden width of the feed-forward network.
       max_seq_len: the largest position the model is used at.
       norm, norm_eps: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm with bias); its epsilon.
@@ -304,15 +303,13 @@ class Execution:
         return jnp.dtype(self.param_dtype)
 
 
-#: Keys older checkpoints and config files may hold that no longer configure the model:
-#: ``weights_out_first`` is now the layout of the prepared decode weights (``decode.prepare``).
+#: Keys older checkpoints may hold that no longer configure the model (now ``decode.prepare``'s).
 _RETIRED_KEYS = ("weights_out_first",)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(Execution, Architecture):
-    """A model as a run uses it: its ``Architecture`` and its ``Execution`` (see those for
-    every attribute), one flat table; ``architecture`` and ``execution`` give the two parts."""
+    """A model as a run uses it: its ``Architecture`` and ``Execution`` (see them) in one table."""
 
     def __post_init__(self) -> None:
         Architecture.__post_init__(self)

@@ -19,11 +19,8 @@ class RopeScaling:
     """How RoPE frequencies are rescaled for context extension.
 
     Attributes:
-      kind: ``"linear"`` divides every frequency by ``factor``; ``"llama3"`` divides only the
-        low frequencies, with a smooth ramp (Llama 3.1); ``"yarn"`` interpolates the
-        frequencies of fewer than ``beta_slow`` rotations over ``original_max_len``, keeps
-        those of more than ``beta_fast``, ramps in between, and multiplies cos and sin by
-        ``attention_factor``.
+      kind: ``"linear"`` (every frequency divided by ``factor``), ``"llama3"`` (the low ones,
+        ramped) or ``"yarn"`` (chosen by their rotations, with cos and sin scaled).
       factor: the context extension factor (> 0).
       low_freq_factor, high_freq_factor: llama3: wavelengths above ``original_max_len /
         low_freq_factor`` are fully scaled, below ``original_max_len / high_freq_factor`` kept.
@@ -79,18 +76,16 @@ class MoE:
     Attributes:
       n_experts, top_k, d_ff: E experts per sparse layer, k per token, each of hidden width F.
       renormalize: divide the k chosen probabilities by their sum (Mixtral; not Qwen2-MoE).
-      shared_d_ff: the shared expert's hidden width; 0 for none.
-      shared_gate: scale the shared expert's output by ``sigmoid(x . w_gate)`` (Qwen2-MoE).
+      shared_d_ff, shared_gate: the shared expert's width (0: none); gate its output by
+        ``sigmoid(x . w_gate)`` (Qwen2-MoE).
       sparse_step: layer i is sparse when ``(i + 1) % sparse_step == 0`` ...
       dense_layers: ... and i is not listed here (HF's ``mlp_only_layers``).
       router_bias, expert_bias: the router's logits, each expert's projections have biases.
       score: the experts' scores from the router logits: ``"softmax"`` or ``"sigmoid"``.
       correction_bias: a bias [E] added to the scores for choosing the experts only, trained
         by ``train.moe_bias_update_rate``'s update, not by gradients (DeepSeek-V3).
-      n_groups: group-limited routing: E experts in ``n_groups`` groups (of at least 2), each
-        scored by the sum of its two highest scores ...
-      top_groups: ... and each token chooses its k experts within its ``top_groups`` best
-        groups (DeepSeek-V3's ``n_group`` / ``topk_group``).
+      n_groups, top_groups: each token chooses within its ``top_groups`` best of ``n_groups``
+        groups of experts, a group scored by its two highest scores (DeepSeek-V3).
       routed_scale: multiplies the routed experts' weights after any renormalisation.
       scale_input: the chosen expert's weight scales the token going into it, not the
         expert's output (Llama 4); needs ``top_k`` 1.

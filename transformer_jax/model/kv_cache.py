@@ -206,8 +206,7 @@ class KVCache:
 
         Args:
           i: the layer, as ``attend`` takes it.
-          k, v: [B, T, K, H] new keys and values for positions ``start[b] .. start[b] + T - 1``.
-          start: [B] int32 first slot per sequence.
+          k, v, start: [B, T, K, H] new keys and values, [B] int32 first slot per sequence.
 
         Returns:
           The cache with layer i updated (lengths unchanged: the model sets them).
@@ -288,9 +287,8 @@ def _write_entries(buf: jax.Array, lead: tuple[Any, ...], entries: jax.Array, st
 
 
 def _write(cache: Any, i: int | jax.Array, new: jax.Array, start: jax.Array) -> Any:
-    """Layer i's write into stacked [L, B, K, S, H] buffers or a tuple of per-layer ones
-    ([B, K, S, H], or [K, S, H] at B = 1, where XLA:CPU copied a buffer with a size-1 axis
-    around every write), returned in their layout (keys may be ``SlotsLast``)."""
+    """Layer i's write into stacked [L, B, K, S, H] buffers or a tuple of per-layer ones ([B, K, S,
+    H]; [K, S, H] at B = 1, which XLA:CPU writes without copying), in their layout."""
     buf, slots_last = stored_keys(cache)
     if not isinstance(buf, tuple):
         return _write_rows(cache, (i,), new, start)

@@ -1,11 +1,7 @@
-"""Sliding-window layers keep only their window: the KV caches' rings.
-
-A local layer (window W) or a chunked one (chunk C = W) never reads a key more than W - 1
-positions back, so both caches keep its keys and values in a ring of R = W slots per row
-(position p in slot ``p % R``; a slot never written holds ``INVALID``). A decode step is
-written first and attends over the ring; a longer chunk attends over the ring as it was plus
-its own keys, then its last R positions are written (up to a cache's ``ring_end``).
-"""
+"""Sliding-window layers keep only their window: the KV caches' rings of R = W slots per row
+(position p in slot ``p % R``; never written: ``INVALID``) for local layers (window W) and
+chunked ones (chunk C = W). A decode step is written first and attends over the ring; a longer
+chunk attends over the ring and its own keys, then its last R positions are written."""
 
 from __future__ import annotations
 

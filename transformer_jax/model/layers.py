@@ -1,6 +1,5 @@
 """Thin flax.linen modules: each owns its parameters (with logical axis names, so a mesh shards
-them by rules) and calls the pure functions in ``ops``.
-"""
+them by rules) and calls the pure functions in ``ops``."""
 
 from __future__ import annotations
 
@@ -198,11 +197,9 @@ class Attention(nn.Module):
         """Self-attention of x over itself, or over the cache once x's keys are written in.
 
         Args:
-          x: [B, T, D] normalised input.
-          positions: [B, T] integer positions (with a cache: consecutive per row).
+          x, positions: [B, T, D] normalised input, [B, T] int positions (consecutive per row).
           kind: this layer's window and RoPE frequencies (``LayerKind.of``).
-          cache: optional ``Cache``; this block attends through ``cache.attend``.
-          layer: this block's layer number, or inside a layer scan its ``LayerRef``.
+          cache, layer: an optional ``Cache`` and this block's number (or ``LayerRef``) in it.
           segment_ids: optional [B, T] packed-sequence ids (0 = padding); not with a cache.
 
         Returns:

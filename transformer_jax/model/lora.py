@@ -1,9 +1,9 @@
 """LoRA: low-rank adapters on the attention and MLP matrices, as pure functions over param trees.
 
-A target matrix W ([in..., out...], e.g. ``q_proj`` [D, N, H]) gets A [in..., R] (random) and
-B [R, out...] (zero): ``W + (alpha / R) * A @ B``. Adapters mirror the param tree
-(``adapters["blocks_0"]["attn"]["q_proj"]["a"]``); ``TARGETS`` names the matrices. Train on
-``apply_adapters`` (or ``model_params`` of a ``{"base", "adapters"}`` tree with ``optimizer``);
+A target matrix W ([in..., out...]) gets A [in..., R] (random) and B [R, out...] (zero):
+``W + (alpha / R) * A @ B``; adapters mirror the param tree
+(``adapters["blocks_0"]["attn"]["q_proj"]["a"]``) and ``TARGETS`` names the matrices. Train on
+``apply_adapters`` (or ``model_params`` and ``optimizer`` of a ``{"base", "adapters"}`` tree);
 ``merge`` folds the adapters in for export.
 """
 
@@ -32,8 +32,7 @@ logger = logging.getLogger(__name__)
 Params = dict[str, Any]
 Adapters = dict[str, Any]
 
-#: The training setting of a QLoRA run's base quantisation, as a checkpoint's meta["train"]
-#: holds it.
+#: The training setting of a QLoRA run's base quantisation (in a checkpoint's meta["train"]).
 BASE_QUANT_FIELD = "train.lora_base_quant"
 
 #: Keys of a combined ``{"base": ..., "adapters": ...}`` tree.
@@ -204,8 +203,7 @@ def delta(a: jax.Array, b: jax.Array, target: str, stacked: bool, scale: float) 
 
     Args:
       a, b: [L?, E?, in..., R] and [L?, E?, R, out...] (E: an experts target's).
-      target: the target name (gives the number of input axes).
-      stacked: whether a leading L axis is present.
+      target, stacked: the target name, whether a leading L axis is present.
       scale: ``alpha / rank``.
 
     Returns:
@@ -273,8 +271,7 @@ def merge(params: Params, adapters: Adapters, lora_config: LoraConfig,
 
 def check_base_quant(base_quant: str, rank: int, base_dtype: str) -> None:
     """Raises ValueError for a ``train.lora_base_quant`` (QLoRA) that cannot apply: without
-    adapters, beside ``lora_base_dtype``, or not int8/int4/nf4 (int4:G, nf4:G), as
-    ``quant_spec.parse_quant`` reads it."""
+    adapters, beside ``lora_base_dtype``, or not a ``quant_spec.parse_quant`` spelling."""
     if not base_quant:
         return
     if rank == 0:

@@ -1,9 +1,6 @@
-"""The mixture-of-experts FFN module (``SparseFFN``): the router and the experts' stacked
-matrices, computed by ``ops.moe``, expert-parallel (``ops.moe_dispatch``) when the logical rules
-split E. Parameters: ``router`` [D, E]; ``gate``, ``up`` [E, D, F]; ``down`` [E, F, D]
-(logical axes experts, expert_embed, expert_mlp); optionally ``shared`` (an ``MLP``),
-``shared_gate``, biases and ``correction_bias`` [E] (``balance_correction_bias``).
-"""
+"""The mixture-of-experts FFN module (``SparseFFN``): a router [D, E] and experts' stacks
+``gate``, ``up`` [E, D, F], ``down`` [E, F, D] (logical axes experts, expert_embed,
+expert_mlp), run by ``ops.moe``, or ``ops.moe_dispatch`` when the rules split E."""
 
 from __future__ import annotations
 
@@ -24,9 +21,7 @@ from transformer_jax.model.stack import block_paths, stacked_layers, tree_get, t
 #: The parameter name of a router's correction bias (``MoE.correction_bias``).
 CORRECTION_BIAS = "correction_bias"
 
-#: What a sparse layer reports about its routing (float32): ``balance`` and ``z`` the layer's
-#: load-balancing and router z-losses (scalars), ``load`` [E] the (token, slot) pairs each
-#: expert received. The model stacks them over its sparse layers (``Output.moe``).
+#: What a sparse layer reports (float32): its ``balance`` and ``z`` losses, ``load`` [E] per expert.
 RouterStats = dict[str, jax.Array]
 
 
@@ -141,15 +136,12 @@ def balance_correction_bias(params: dict, load: jax.Array, rate: float,
     ``correction_bias``: ``bias += rate * sign(mean(load) - load)``.
 
     Args:
-      params: the model's params (unrolled ``blocks_{i}`` or scanned layer groups).
-      load: [L_sparse, E] each sparse layer's expert load (``Output.moe["load"]``, summed over
-        a step's micro-batches), the layers in the order of ``sparse_layers``.
-      rate: the update's step (MaxText's ``routed_bias_update_rate``).
-      sparse_layers: the sparse layers' numbers (``Architecture.sparse_layers``).
+      params: the model's params (any layer layout).
+      load: [L_sparse, E] each sparse layer's expert load (``Output.moe["load"]``, summed).
+      rate, sparse_layers: the update's step; the sparse layers' numbers, in ``load``'s order.
 
     Returns:
-      ``params`` with each ``correction_bias`` updated (float32 arithmetic, stored in its
-      dtype); the rest as given.
+      ``params`` with each ``correction_bias`` updated (in float32, stored in its dtype).
     """
     step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)  # [L_sparse, E]
     row = {layer: j for j, layer in enumerate(sparse_layers)}

@@ -1,13 +1,10 @@
-"""Multi-token prediction (``Architecture.mtp_depth``): modules after the stack that predict
-the tokens past the next one, as a training loss and as a speculative-decoding draft.
-
-Module k (1..D) at position i (DeepSeek-V3's formulas, vLLM's concatenation order):
+"""Multi-token prediction (``Architecture.mtp_depth``): modules after the stack predicting the
+tokens past the next one (a training loss, a speculative draft). Module k at position i:
 
     h'_i = eh_proj([emb_norm(emb(t_{i+k})); hidden_norm(h^{k-1}_i)])      [2D] -> [D]
     h^k = Block(h');  logits^k_i = lm_head(head_norm(h^k_i))           (token i + k + 1)
 
-``h^0`` is the main model's final-normed hidden state; ``emb`` is its (shared) token table;
-each module ``mtp_{k-1}`` has its own LM head.
+``h^0`` is the final-normed hidden state; each module ``mtp_{k-1}`` has its own LM head.
 """
 
 from __future__ import annotations
@@ -46,9 +43,8 @@ class MTPModule(nn.Module):
     def __call__(self, hidden: jax.Array, emb: jax.Array, positions: jax.Array,
                  cache: Any = None, layer: int = 0, segment_ids: jax.Array | None = None,
                  logits_at: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Any]:
-        """([B, T, D] previous hidden, [B, T, D] embeddings of the tokens k ahead, [B, T]
-        positions) -> ([B, T, D] block output, [B, T, V] float32 logits (or [B, V] at the
-        optional [B] index ``logits_at`` per row), updated cache)."""
+        """([B, T, D] previous hidden, [B, T, D] embeddings k tokens ahead, [B, T] positions) ->
+        ([B, T, D] block output, [B, T, V] float32 logits ([B, V] at ``logits_at``), cache)."""
         c = self.config
         norm_kw = dict(kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
                        param_dtype=c.jnp_param_dtype)
@@ -73,9 +69,8 @@ class MTPModule(nn.Module):
 
 def mtp_logits(config: ModelConfig, hidden: jax.Array, emb: jax.Array, positions: jax.Array,
                segment_ids: jax.Array | None) -> jax.Array:
-    """Every module's logits over whole sequences, inside the ``Transformer``'s forward: hidden
-    [B, T, D] final-normed, emb [B, T, D] the token embeddings -> [D_mtp, B, T, V] float32,
-    module k's entry i predicting token i + k + 1 (``mtp_targets`` masks those without one)."""
+    """Every module's logits inside the ``Transformer``'s forward: [B, T, D] final-normed hidden
+    and token embeddings -> [D_mtp, B, T, V] float32 (module k's entry i: token i + k + 1)."""
     out = []
     for k in range(1, config.mtp_depth + 1):
         hidden, logits, _ = MTPModule(config, name=module_key(k))(

@@ -1,9 +1,6 @@
-"""Many LoRA adapters of one base, stacked for a batch whose rows pick different ones.
-
-``stack_adapters`` lays trained adapters (``model.lora``'s) side by side for every adapted
-dense matrix (``ops.row_lora``'s layout); ids count from 1, id 0 is the base.
-``with_row_adapters`` gives the params a step runs with, each adapted matrix a ``RowAdapters``.
-"""
+"""Many LoRA adapters of one base, stacked for a batch whose rows pick different ones
+(``stack_adapters``; ids from 1, 0 the base), and the params a step runs with
+(``with_row_adapters``: each adapted matrix a ``RowAdapters``)."""
 
 from __future__ import annotations
 
@@ -120,8 +117,7 @@ def with_row_adapters(params: Params, stack: Params, ids: jax.Array) -> Params:
     ``ids[b]`` (pure; call it inside the jitted step).
 
     Args:
-      params: the params the forward runs with.
-      stack: ``stack_adapters``'s output for them.
+      params, stack: the params the forward runs with, ``stack_adapters``'s output for them.
       ids: [B] int32 adapter of each row (its index in ``stack_adapters``' list + 1; 0: base).
 
     Returns:

@@ -1,11 +1,7 @@
-"""Weight-only post-training quantisation of the prepared decode weights, through qwix.
-
-``decode.prepare(config, params, quant=...)`` stores every matrix and the token table as
-quantised values and scales (``quantize_params``), which the forward takes as it takes floats
-(``ops.quantized``): ``"int8"`` one scale per output channel; ``"int4"``/``"nf4"`` (``":G"``)
-per output channel and group of G inputs, packed two to a byte. A mixture's router and shared
-gate stay float (``FLOAT_MATRICES``). ``from_saved`` rebuilds weights restored as plain dicts.
-"""
+"""Weight-only post-training quantisation of the prepared decode weights, through qwix
+(``decode.prepare(..., quant=...)``): ``"int8"`` one scale per output channel; ``"int4"`` /
+``"nf4"`` (``":G"``) per output channel and group of G inputs, two values a byte. The forward
+takes quantised weights as floats (``ops.quantized``); see docs/quantisation.md."""
 
 from __future__ import annotations
 
@@ -125,9 +121,8 @@ def quantized_axes(name: str, w: Any, *, stacked: bool, expert: bool = False
 
 def quantize_weight(w: Any, name: str, quant: WeightQuant, *, stacked: bool,
                     expert: bool = False, key: str | None = None) -> Any:
-    """One stored weight -> a ``qwix.QArray`` (int8) or a ``PackedInt4``, scales in w's dtype
-    (an ``OutFirst`` one stays out-first). ``expert``: a mixture's [E, ...] stack; ``key``: the
-    name its group size is picked by (``group_key``; default ``name``)."""
+    """One stored weight (maybe ``OutFirst``) -> a ``qwix.QArray`` (int8) or ``PackedInt4``, scales
+    in w's dtype; ``expert``: an [E, ...] stack; ``key``: its ``group_key`` (default ``name``)."""
     channel, grouped = quantized_axes(name, w, stacked=stacked, expert=expert)
     if isinstance(w, OutFirst):
         return OutFirst(_quantize(w.w, quant, channel, grouped, key or name))
@@ -143,8 +138,7 @@ def _quantize(w: jax.Array, quant: WeightQuant, channel: tuple[int, ...], groupe
     return pack_int4(q, grouped)
 
 
-#: Matrices kept float: a mixture's router and shared-expert gate ([D, E], [D, 1]: a few
-#: vectors, and the routing decisions are sensitive to them).
+#: Matrices kept float: a mixture's router and shared-expert gate (small, and routing is sensitive).
 FLOAT_MATRICES = ("router", "shared_gate")
 
 

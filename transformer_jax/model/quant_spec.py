@@ -106,8 +106,7 @@ def is_saved_quantized(node: Any) -> bool:
     return keys == SAVED_PACKED or keys - {"zero_point"} == SAVED_QARRAY
 
 
-#: The leaf names of a mixture's expert stacks (gate, up [E, D, F]; down [E, F, D]), held by
-#: a sparse layer's ``moe`` module (its shared expert's are under ``moe/shared``).
+#: The leaf names of a mixture's [E, ...] expert stacks in a sparse layer's ``moe`` module.
 EXPERT_PARAMS = ("gate", "up", "down")
 EXPERT_MODULE = "moe"
 

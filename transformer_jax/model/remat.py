@@ -1,13 +1,7 @@
-"""Rematerialisation policies: what a block keeps from its forward for the backward pass.
-
-Activations are named where they are computed (``checkpoint_name``); a policy
-(``Execution.remat``, one of ``REMATS``) saves some in device memory, offloads some to the
-host's and recomputes the rest: ``none``; ``full`` (only the block's input); ``save_qkv_proj``;
-``save_dots_except_mlp`` (also the attention's output and projection);
-``save_dots_except_mlp_in`` (all but the FFN's gate and up); ``save_dots`` (every matmul
-without batch dimensions); ``offload_qkv_proj`` / ``offload_dots`` (to the host's pinned memory;
-on a CPU target saved in place, logged once).
-"""
+"""Rematerialisation policies (``Execution.remat``): which named activations (``checkpoint_name``)
+a block keeps for the backward pass, offloads to the host, or recomputes: ``none``, ``full``,
+``save_qkv_proj``, ``save_dots_except_mlp``, ``save_dots_except_mlp_in``, ``save_dots`` and
+the ``offload_*`` policies (saved in place on a CPU target)."""
 
 from __future__ import annotations
 
@@ -25,8 +19,7 @@ KV_LATENT = "kv_latent"
 CONTEXT = "attn_context"
 OUT = "out_proj"
 MLP_GATE, MLP_UP, MLP_DOWN = "mlp_gate", "mlp_up", "mlp_down"
-#: A mixture's routed experts: gate and up products of the (token, expert) rows, and the
-#: layer's combined output.
+#: A mixture's routed experts: gate and up products, and the layer's combined output.
 MOE_GATE, MOE_UP, MOE_OUT = "moe_gate", "moe_up", "moe_out"
 
 QKV = (QUERY, KEY, VALUE, KV_LATENT)

@@ -66,19 +66,16 @@ class Transformer(nn.Module):
 
         Args:
           tokens: [B, T] int token ids.
-          positions: [B, T] int positions; default ``arange(T)``, or with a cache
-            ``cache.lengths[:, None] + arange(T)`` (continue each sequence where it stopped).
+          positions: [B, T] int positions; default ``arange(T)`` (after ``cache.lengths``).
           cache: optional ``Cache`` (``KVCache`` with S_max slots, or ``serving.PagedKVCache``);
             the chunk is written at slots ``positions[:, 0] ..`` (below S_max).
           segment_ids: optional [B, T] ids of packed sequences (0 = padding), without a cache.
           logits_at: optional [B] int index in [0, T) per sequence: the final norm and the LM
             head run for that token only, and the logits are [B, V].
-          hidden_only: return the final-normed [B, T, D] hidden states instead of logits (for
-            a chunked loss, ``ops.lm_loss`` with ``lm_head``).
-          mtp: also run the multi-token prediction modules (``config.mtp_depth`` > 0) over
-            the whole sequences (``Output.mtp``); not with ``logits_at`` or a cache.
-          with_hidden: also return every position's final-normed [B, T, D] hidden states
-            beside the logits (what a multi-token prediction draft reads).
+          hidden_only, with_hidden: return the final-normed [B, T, D] hidden states instead of
+            the logits (for ``ops.lm_loss``), or beside them (for a draft).
+          mtp: also run the multi-token prediction modules over the whole sequences
+            (``Output.mtp``); not with ``logits_at`` or a cache.
 
         Returns:
           An ``Output``: the logits (or hidden states) and the updated cache.
@@ -188,8 +185,7 @@ EMBED = "embed"
 
 def _boxed_init(config: ModelConfig, rng: jax.Array) -> Params:
     """The model's parameters with their logical-axis boxes, from an init on a short dummy batch
-    (attention on the reference: the dummy forward should neither log an ``"auto"`` choice nor
-    need a kernel the backend lacks)."""
+    (attention on the reference: no ``"auto"`` log, no kernel the backend lacks)."""
     tokens = jnp.zeros((1, min(8, config.max_seq_len)), jnp.int32)
     model = Transformer(config.replace(attention_impl="xla"))
     return model.init(rng, tokens)["params"]

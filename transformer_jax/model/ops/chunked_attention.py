@@ -1,9 +1,6 @@
-"""Chunked (flash-style) attention in plain JAX: memory linear in the context on any backend.
-
-Layout and mask as ``ops.attention``'s. Each query block runs over the key blocks with an
-online softmax, skipping those it cannot see; the gradient is a ``custom_vjp`` recomputing each
-block from the saved log-sum-exp. Also the shape checks and float32 einsum the reference shares.
-"""
+"""Chunked (flash-style) attention in plain JAX, memory linear in the context on any backend:
+each query block runs an online softmax over the key blocks it can see, and a ``custom_vjp``
+recomputes each block from the saved log-sum-exp. Also the shared shape checks and einsum."""
 
 import dataclasses
 import functools
@@ -211,9 +208,8 @@ def online_softmax_merge(carry: tuple[jax.Array, jax.Array, jax.Array],
 
 def online_softmax_sink(carry: tuple[jax.Array, jax.Array, jax.Array], sink: jax.Array
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Folds a sink logit into a finished ``online_softmax_step`` carry: one more term of
-    the denominator with no value (an attention sink). ``sink`` broadcasts against m [..., Q];
-    a row that saw no key keeps a zero output and gets the sink's lse."""
+    """Folds a sink logit (broadcast against m [..., Q]) into a finished ``online_softmax_step``
+    carry: one more denominator term with no value; a row that saw no key stays zero."""
     acc, m, l = carry
     m_new = jnp.maximum(m, sink)
     alpha = jnp.exp(m - m_new)  # 0 where m = -inf
@@ -280,9 +276,8 @@ def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks):
 
 
 def _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks, out, lse, d_out):
-    """Backward pass: recomputes each block's probabilities from the saved log-sum-exp, so the
-    [T, S] matrix is never stored. Outer loop over key blocks, inner over query blocks; dq is a
-    carried [B, K, G, Tp, H] float32 accumulator."""
+    """Backward pass: each block's probabilities recomputed from the saved log-sum-exp (outer loop
+    over key blocks, inner over query blocks; dq a carried float32 accumulator)."""
     b, t, n, h = q.shape
     kv = k.shape[1]
     qg, kp_, vp, qpos, kpos, qseg, kseg = _prepare(plan, q, k, v, qpos, kpos, qseg, kseg)

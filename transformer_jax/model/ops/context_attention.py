@@ -1,10 +1,6 @@
-"""Context-parallel self-attention: the sequence split over mesh axes, keys and values gathered.
-
-Under a mesh whose logical rules split ``length``, ``attention`` runs per device under
-``shard_map``: each device keeps its queries and all-gathers the whole sequence's keys, values,
-key positions and segments (MaxText's default strategy). Masks are structure, so the sequence
-may be permuted before it is split (``parallel.context`` balances the causal work so).
-"""
+"""Context-parallel self-attention: under a mesh whose rules split ``length``, each device keeps
+its queries and all-gathers the whole sequence's keys, values, positions and segments
+(MaxText's default); masks are structure, so the sequence may be permuted first."""
 
 from __future__ import annotations
 
@@ -49,8 +45,7 @@ def gathered_attention(split: Split, fn: Callable[..., jax.Array], q: jax.Array,
     """``fn(q, k, v, ...)`` per device with its own queries and the whole sequence's keys.
 
     Args:
-      split: ``context_split``'s answer.
-      fn: the attention each device runs (``ops.attention.attention``).
+      split, fn: ``context_split``'s answer, the attention each device runs.
       q, k, v: [B, T, N, H] queries (T split over the sequence axes), [B, K, T, H] keys, values.
       q_positions, k_positions, q_segments, k_segments: [B, T] each (segments optional).
       sinks: optional [N] sink logits.

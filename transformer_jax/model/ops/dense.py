@@ -1,11 +1,7 @@
-"""Projections by a weight matrix stored in either orientation.
-
-Every matmul of the model is an einsum for weights stored input axes first (``"BTD,DNH->BTNH"``
-for q_proj [D, N, H]). ``dense`` computes the same product for a weight stored output axes
-first, an ``ops.layouts.OutFirst`` leaf (``decode.prepare`` stores them so for a CPU target,
-where XLA:CPU streams the matrix faster into an [out, B] product: docs/generation.md); an
-optimization barrier keeps XLA from folding the following transpose back into the dot.
-"""
+"""Projections by a weight matrix stored in either orientation: every matmul of the model is an
+einsum for in-first weights (``"BTD,DNH->BTNH"`` for q_proj [D, N, H]); ``dense`` computes it
+for an ``OutFirst`` leaf too (a CPU target's prepared weights: docs/generation.md), an
+optimization barrier keeping XLA from folding the transpose back into the dot."""
 
 from typing import Any
 

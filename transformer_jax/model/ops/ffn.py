@@ -12,9 +12,8 @@ Matmul = Callable[[str, jax.Array, jax.Array], jax.Array]
 
 def swiglu_glu(gate: jax.Array, up: jax.Array, *, limit: float | None = None,
                alpha: float = 1.0, up_offset: float = 0.0) -> jax.Array:
-    """SwiGLU's gated hidden, optionally clamped: with ``limit`` the gate is clamped to at most
-    ``limit`` and up to [-limit, limit]; then ``gate sigmoid(alpha gate) (up + up_offset)``
-    (plain SwiGLU, ``silu(gate) up``, at the defaults). gate, up: [..., F] -> [..., F]."""
+    """SwiGLU's gated hidden ``gate sigmoid(alpha gate) (up + up_offset)``, gate clamped to at most
+    ``limit`` and up to [-limit, limit] first with one (defaults: ``silu(gate) up``), [..., F]."""
     if limit is not None:
         gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
     return gate * jax.nn.sigmoid(alpha * gate) * (up + up_offset)
@@ -77,8 +76,7 @@ gelu_ffn = functools.partial(plain_ffn, activation=functools.partial(jax.nn.gelu
                                                                      approximate=False))
 relu_ffn = functools.partial(plain_ffn, activation=jax.nn.relu)
 
-#: The gate's activation of each gated kind: what a mixture's experts apply
-#: (``ops.moe.experts_ffn``).
+#: The gate's activation of each gated kind (what a mixture's experts apply).
 GATE_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "swiglu": jax.nn.silu,
     "geglu": functools.partial(jax.nn.gelu, approximate=False),

@@ -1,11 +1,7 @@
-"""Multi-head latent attention's two ways of attending over cached latents (``fields.MLA``).
-
-A cache entry is [c, k_rope]: the normed latent c [R] and the rotated rope key [P], shared by
-the N heads; head n's key is [c @ W_k[n], k_rope] and its value c @ W_v[n] (``kv_b_proj``
-[R, N, nope + V]). ``expanded`` builds every head's keys and values, then attends (training,
-prefill); ``absorbed`` folds W_k into the query and attends over the entries themselves, then
-applies W_v (a decode step). Both compute the same softmax(q . k * scale) v.
-"""
+"""Multi-head latent attention's two ways of attending over cached [c, k_rope] entries
+(``fields.MLA``): ``expanded`` builds every head's keys and values (training, prefill);
+``absorbed`` folds the key up-projection into the query and attends over the entries
+themselves (a decode step). Both compute the same softmax(q . k * scale) v."""
 
 from __future__ import annotations
 
@@ -28,9 +24,8 @@ def expanded(q_nope: jax.Array, q_rope: jax.Array, entries: jax.Array, kv_b: jax
     """Attention with each head's keys and values built from the cache entries.
 
     Args:
-      q_nope, q_rope: [B, T, N, nope], [B, T, N, P] the queries' position-free and rotated parts.
-      entries: [B, S, R + P] the latents c and the rotated rope keys.
-      kv_b: [R, N, nope + V] the up-projection (key columns first).
+      q_nope, q_rope: [B, T, N, nope], [B, T, N, P] the queries' position-free, rotated parts.
+      entries, kv_b: [B, S, R + P] latents and rope keys, [R, N, nope + V] up-projection.
       q_positions, k_positions, q_segments, k_segments: as ``ops.attention.attention`` takes
         them (k_positions None: slot s holds position s).
       scale, impl: the logits' scale and the attention implementation.

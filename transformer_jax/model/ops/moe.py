@@ -1,9 +1,7 @@
-"""Mixture of experts: the experts' gated FFNs computed several ways (``ops.router``'s router
-re-exported). Shapes: N tokens, D model width, E experts, k per token, F an expert's width.
-``experts_ffn`` computes ``sum_j w_j FFN_{e_j}(x)`` by one of ``IMPLS``: ``"ragged"``
-(``jax.lax.ragged_dot`` over pairs sorted by expert), ``"gather"`` (decode), ``"dense"`` (the
-reference), ``"tiled"`` (the CPU's), ``"tokamax"`` / ``"megablox"`` (``ops.moe_kernels``).
-"""
+"""Mixture of experts: the experts' gated FFNs (N tokens, D width, E experts, k per token, F an
+expert's width), ``sum_j w_j FFN_{e_j}(x)``, by one of ``IMPLS`` (``choose_impl``): ``"ragged"``,
+``"gather"`` (decode), ``"dense"`` (the reference), ``"tiled"`` (CPU), ``"tokamax"`` /
+``"megablox"`` (``ops.moe_kernels``). The router (``ops.router``) is re-exported."""
 
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ from transformer_jax.model.ops.router import (  # noqa: F401  (the router, re-ex
 
 #: ``activation(gate)`` of a gated FFN kind.
 Activation = Callable[[jax.Array], jax.Array]
-#: ``glu(gate, up)``: the gated hidden from the gate and up projections (default
-#: ``activation(gate) * up``).
+#: ``glu(gate, up)``: the gated hidden (default ``activation(gate) * up``).
 Glu = Callable[[jax.Array, jax.Array], jax.Array]
 
 IMPLS = ("auto", "ragged", "tiled", "gather", "dense", "tokamax", "megablox")

@@ -1,11 +1,8 @@
-"""Expert parallelism: a mixture's experts split over mesh axes, inside ``shard_map``.
-
-Per device (n tokens, X devices splitting the experts, e = E/X, j = min(k, e)): the tokens
-that chose one of a device's experts go to it in a region of n rows by ``all_to_all``, it
-applies its experts (``experts_ffn``), and a second ``all_to_all`` returns the sums. D split
-over FSDP axes is all-gathered, F over tensor axes summed by one ``psum``; tokens not split
-over the expert axes (decode) stay, one ``psum`` adding the experts' shares.
-"""
+"""Expert parallelism: a mixture's experts split over mesh axes, inside ``shard_map``. Each
+device (n tokens, e = E/X experts, j = min(k, e)) sends the tokens that chose another device's
+experts there by ``all_to_all`` in regions of n rows, applies its experts (``experts_ffn``),
+and a second ``all_to_all`` returns the sums; tokens not split over the expert axes (decode)
+stay, one ``psum`` adding the experts' shares."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5, *, offset: float
     """RMSNorm: ``x / sqrt(mean(x^2) + eps) * (offset + scale)`` over the trailing axes.
 
     Args:
-      x: [..., D] activations ([..., N, H] normalised over both axes when ``scale`` is [N, H]).
-      scale: [D] (or [N, H]) learned gain.
+      x, scale: [..., D] activations, [D] learned gain (or [..., N, H] and [N, H]: both axes).
       eps, offset: added to the mean square, and to the gain.
 
     Returns:
@@ -30,9 +29,8 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
     """LayerNorm: ``(x - mean) / sqrt(var + eps) * scale + bias`` over the last axis.
 
     Args:
-      x: [..., D] activations.
-      scale, bias: [D] learned gain and shift.
-      eps, offset: added to the variance, and to the gain (see ``rms_norm``).
+      x, scale, bias: [..., D] activations, [D] learned gain and shift.
+      eps, offset: added to the variance, and to the gain.
 
     Returns:
       [..., D] in x's dtype (the statistics are float32).

@@ -1,11 +1,7 @@
-"""Attention over a paged KV cache with JAX's Pallas kernels (``attention_impl="pallas"``).
-
-``plan`` picks one of ``KERNELS`` or the cache's own XLA views: ``"gpu_paged"`` (Triton, GPU
-decode), ``"tpu_paged"`` (Mosaic, TPU decode) and ``"tpu_ragged"`` (Mosaic, TPU prefill and
-windowed decode); ``"auto"`` never picks them (not measured yet). They read one layer's pool
-as stored, [K, P, ps, H], with the page table [B, W], per device under a kv-head split.
-``kernel_target`` traces them for another backend (export, or interpretation on a CPU).
-"""
+"""Attention over a paged KV cache with JAX's Pallas kernels (``attention_impl="pallas"``):
+``plan`` picks one of ``KERNELS`` (GPU/TPU decode, TPU ragged prefill) or the cache's XLA views
+(``"auto"`` never picks a kernel: none measured yet); ``kernel_target`` traces them for another
+backend (export, or interpretation on a CPU)."""
 
 from __future__ import annotations
 
@@ -87,9 +83,7 @@ def plan(impl: str, t: int, window: int | None, head_dim: int | None = None) -> 
     """The kernel (or view implementation) for a chunk of T queries per row.
 
     Args:
-      impl: the config's ``attention_impl``.
-      t: T, queries per row (1 for decode rows).
-      window: the sliding window, or None.
+      impl, t, window: the config's ``attention_impl``, T queries per row, the sliding window.
       head_dim: H; on a TPU both kernels need a multiple of ``TPU_LANES`` (else: XLA views).
 
     Raises:
@@ -123,8 +117,7 @@ def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.
 
     Args:
       kernel: one of ``KERNELS`` (``plan``'s choice).
-      q: [B, T, N, H] queries (rotated), N a multiple of K.
-      k_pages, v_pages: [K, P, ps, H] the layer's key and value pools.
+      q, k_pages, v_pages: [B, T, N, H] queries (rotated), [K, P, ps, H] key and value pools.
       page_table: [B, W] int32 each row's pages in position order.
       positions: [B, T] int positions, consecutive per row, already written.
       window: optional sliding window length (``"tpu_ragged"`` only).
@@ -179,9 +172,8 @@ def gpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     has no softmax scale: q is scaled by ``1/sqrt(H)`` first).
 
     Args:
-      q: [B, N, H] queries.
+      q, position: [B, N, H] queries, [B] int position of each row's query.
       k_pages, v_pages, page_table: as ``paged_attention`` takes them.
-      position: [B] int position of each row's query.
       interpret: run in Pallas interpret mode (any backend).
 
     Returns:

@@ -160,8 +160,7 @@ def chunk_segments(q_positions: jax.Array, k_positions: jax.Array, chunk: int,
     """Segment ids under which a query at m sees only keys at n with ``m // C == n // C``.
 
     Args:
-      q_positions, k_positions: [B, T], [B, S] int positions of the queries and keys.
-      chunk: C.
+      q_positions, k_positions, chunk: [B, T], [B, S] int positions of queries and keys; C.
       q_segments, k_segments: optional [B, T], [B, S] packed-sequence ids (0 = padding).
 
     Returns:

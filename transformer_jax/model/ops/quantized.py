@@ -1,9 +1,6 @@
-"""Products and lookups with quantised weights: what the forward does when a weight is one.
-
-A prepared weight (``model.quant``) is a ``qwix.QArray`` (int8 values with their scales) or a
-``PackedInt4``; ``einsum`` and ``take_rows`` take either, or a plain array, so the model's code
-does not branch on it. qwix is imported only once a quantised weight exists.
-"""
+"""Products and lookups with quantised weights (``qwix.QArray`` or ``PackedInt4``): ``einsum``
+and ``take_rows`` take them or plain arrays, so the model's code does not branch on them (qwix
+is imported only once a quantised weight exists)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Many LoRA adapters over one matrix in one batch: each row of the batch picks its own.
-
-``y[b] = x[b] @ W + (x[b] @ A[ids[b] - 1]) @ B[ids[b] - 1]`` (the BGMV form; nothing added for
-id 0, the base), for Na adapters, each B scaled by its ``alpha / rank`` and ranks zero-padded
-to R. The factors are stored as the base matrix is: in-first A [Na, in..., R], B [Na, R,
-out...]; out-first A [Na, R, in...], B [out..., Na, R]. ``ops.dense`` adds a ``RowAdapters``
-update where the model computes the product; the per-row choice is data, so a mix of adapters
-compiles nothing new (measured costs: docs/http-api.md).
-"""
+"""Many LoRA adapters over one matrix in one batch, each row picking its own (the BGMV form):
+``y[b] = x[b] @ W + (x[b] @ A[ids[b] - 1]) @ B[ids[b] - 1]``, id 0 the base. Factors are
+stored as the matrix is: in-first A [Na, in..., R], B [Na, R, out...]; out-first A [Na, R,
+in...], B [out..., Na, R] (B scaled by ``alpha / rank``, ranks zero-padded to R)."""
 
 from __future__ import annotations
 

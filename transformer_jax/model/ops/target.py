@@ -1,10 +1,6 @@
-"""The platform a program is traced for: kernel and layout choices follow it, not the process.
-
-A program compiled for a TPU from a CPU host is traced where ``jax.default_backend()`` is
-``"cpu"``; what it picks must be the target's. ``targeting(platform)`` sets the target for the
-traces inside it (part of jit's cache key), ``platform()`` reads it. ``mesh_axes`` reads the
-mesh axes the logical rules in context give a dimension.
-"""
+"""The platform a program is traced for (``targeting``, ``platform``; part of jit's cache key):
+kernel and layout choices follow it, not the process (a TPU program compiled on a CPU host);
+and ``mesh_axes``, the mesh axes the logical rules in context give a dimension."""
 
 from __future__ import annotations
 
