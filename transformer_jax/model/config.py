@@ -256,7 +256,6 @@ class Architecture:
 
 
 def _check_choices(config: Any, **choices: tuple[str, ...]) -> None:
-    """``check_choice`` of each named field of ``config`` against its allowed values."""
     for name, allowed in choices.items():
         check_choice(name, getattr(config, name), allowed)
 

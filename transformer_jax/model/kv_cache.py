@@ -219,7 +219,6 @@ class KVCache:
 
     def _write_full(self, i: int | jax.Array, k: jax.Array, v: jax.Array, start: jax.Array
                     ) -> KVCache:
-        """``write`` into full layer i (of ``k``/``v``)."""
         if self.int8:
             k, v = kv_quant.encode(k), kv_quant.encode(v)
         return self.replace(k=_write(self.k, i, k, start), v=_write(self.v, i, v, start))

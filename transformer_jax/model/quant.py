@@ -222,8 +222,7 @@ def from_saved(params: Params, quant: str | WeightQuant, *, where: Any = "the ch
 
 
 def quantized_shardings(shardings: Params, quantized: Params) -> Params:
-    """The shardings of quantised weights from their float weights': values keep the spec, scales
-    take it on the axes they have entries along."""
+    """The shardings of quantised weights from their float weights' (scales: where they vary)."""
     def one(s: NamedSharding, q: Any) -> Any:
         if not is_quantized(q):
             return s

@@ -98,8 +98,7 @@ SAVED_QARRAY = frozenset({"qvalue", "scale"})
 
 
 def is_saved_quantized(node: Any) -> bool:
-    """Whether ``node`` is a quantised weight as restored from a checkpoint: a dict of a
-    ``PackedInt4``'s or a ``qwix.QArray``'s arrays (``quant.from_saved`` rebuilds them)."""
+    """Whether ``node`` is a quantised weight as a checkpoint restores it (a dict of arrays)."""
     if not isinstance(node, Mapping):
         return False
     keys = frozenset(node)

@@ -194,8 +194,7 @@ def group_layers(groups: tuple[LayerGroup, ...]) -> dict[tuple[str, ...], list[i
 
 
 def restack(tree: Mapping[str, Any], want: dict[tuple[str, ...], list[int]]) -> dict[str, Any]:
-    """A params-shaped ``tree`` (params, adapters, moments) in the layer layout ``want`` says
-    (``group_layers``, ``stacked_layers``; empty: unrolled ``blocks_{i}``)."""
+    """A params-shaped ``tree`` in the layer layout ``want`` (empty: unrolled ``blocks_{i}``)."""
     scanned = stacked_layers(tree)
     if bool(scanned) == bool(want):
         return dict(tree)

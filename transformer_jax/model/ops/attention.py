@@ -193,8 +193,7 @@ def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None, *,
 
 
 def _check_kernel(impl: str, softcap: float | None, sinks: jax.Array | None) -> None:
-    """Refuses what kernel ``impl`` cannot do: sinks, a backend it does not run on, a soft-cap
-    (cuDNN and JAX's Pallas TPU kernel have none)."""
+    """Refuses sinks, a backend and a soft-cap that kernel ``impl`` cannot take."""
     if sinks is not None:
         raise ValueError(f"attention impl={impl!r} has no attention sinks; use impl='auto', "
                          "'xla' or 'chunked'")
@@ -327,8 +326,7 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
 
 def _kernel_split(b: int, kv: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...],
                                            tuple[str, ...]] | None:
-    """(mesh, batch axes, kv-head axes) over which a kernel runs per device (``target.mesh_axes``
-    of "batch" and "kv_heads"), or None when nothing is split."""
+    """(mesh, batch axes, kv-head axes) over which a kernel runs per device, or None."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None

@@ -158,8 +158,7 @@ def _slice(x, start, size, axis):
 
 def online_softmax_init(rows: tuple[int, ...], h: int
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The empty carry of ``online_softmax_step`` for query rows of shape ``rows`` ([..., Q]):
-    (weighted value sum [..., Q, H] zeros, running maximum [..., Q] -inf, sum [..., Q] zeros)."""
+    """The empty (acc, max, sum) carry of ``online_softmax_step`` for query rows ``rows``."""
     return (jnp.zeros((*rows, h), jnp.float32), jnp.full(rows, -jnp.inf, jnp.float32),
             jnp.zeros(rows, jnp.float32))
 

@@ -12,7 +12,6 @@ from transformer_jax.model.ops.attention import attention
 
 
 def _pad_last(x: jax.Array, width: int) -> jax.Array:
-    """x with its last axis zero-padded to ``width``."""
     extra = width - x.shape[-1]
     return x if extra <= 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 

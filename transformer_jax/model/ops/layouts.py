@@ -44,8 +44,7 @@ class OutFirst(Wrapped):
 
 
 def out_first_order(n: int, n_in: int, lead: int = 0) -> tuple[int, ...]:
-    """The axis permutation from an in-first [lead..., in..., out...] matrix of rank ``n``
-    with ``n_in`` input axes to its out-first [lead..., out..., in...] storage."""
+    """The permutation from an in-first [lead..., in..., out...] matrix to out-first storage."""
     axes = list(range(n))
     return tuple(axes[:lead] + axes[lead + n_in:] + axes[lead:lead + n_in])
 

@@ -206,8 +206,7 @@ def sort_by_expert(experts: jax.Array, n_experts: int) -> tuple[jax.Array, jax.A
 
 
 def grouped_matmul(impl: str, x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """``x[rows of group e] @ w[e]`` for every group: x [M, A] sorted by group, w [E, A, C],
-    sizes [E] -> [M, C] (``jax.lax.ragged_dot``, or a kernel for ``tokamax``/``megablox``)."""
+    """``x[rows of group e] @ w[e]``: x [M, A] by group, w [E, A, C], sizes [E] -> [M, C]."""
     if impl == "ragged":
         return jax.lax.ragged_dot(x, w, sizes)
     from transformer_jax.model.ops.moe_kernels import kernel_grouped_matmul

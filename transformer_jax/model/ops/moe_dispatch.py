@@ -162,8 +162,7 @@ def _local_shares(x, weights, experts, w_gate, w_up, w_down, biases, *, split, n
 
 def _local(x, weights, experts, w_gate, w_up, w_down, biases, *, split, n_experts, ffn):
     """One device: x [n, D], weights/experts [n, k], its experts' matrices split on E (and D/F)
-    -> [n, D], its tokens' outputs.
-    """
+    -> [n, D], its tokens' outputs."""
     w_gate, w_up, w_down, biases = _gathered(split, w_gate, w_up, w_down, biases)
     x_shards = split.n_shards
     per_device = n_experts // x_shards

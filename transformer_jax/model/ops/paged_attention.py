@@ -51,8 +51,7 @@ _TARGET = jax.make_user_context(None)
 
 @contextlib.contextmanager
 def kernel_target(backend: str, *, interpret: bool = False) -> Iterator[KernelTarget]:
-    """Within this context the paged kernels are traced for ``backend`` (one of
-    ``TARGET_BACKENDS``), in Pallas interpret mode with ``interpret``. For tests and export."""
+    """Traces the paged kernels inside for ``backend`` (Pallas-interpreted with ``interpret``)."""
     if backend not in TARGET_BACKENDS:
         raise ValueError(f"kernel_target backend must be one of {TARGET_BACKENDS}, got "
                          f"{backend!r}")
@@ -156,7 +155,6 @@ def _head_split(b: int, kv: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, 
 
 
 def _divisor_at_most(n: int, cap: int) -> int:
-    """The largest divisor of n that is at most cap (at least 1)."""
     return max(d for d in range(1, min(n, max(cap, 1)) + 1) if n % d == 0)
 
 
