@@ -368,8 +368,8 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
 
     Args:
       q, k, v: [B, T, N, H] queries, [B, K, S, H] keys and values.
-      q_positions, k_positions, q_segments, k_segments, window, causal, scale, softcap,
-        sinks: as ``ops.attention.attention`` takes them (sinks differentiable).
+      q_positions, k_positions, q_segments, k_segments: as ``ops.attention.attention``'s.
+      window, causal, scale, softcap, sinks: the same (sinks differentiable).
       block_q, block_k: block sizes (clipped to T and S).
 
     Returns:
