@@ -52,9 +52,9 @@ class LayerRef:
     """Where a layer is, as a cache reads it: its attention kind (static) and its indices.
 
     Attributes:
-      index: the layer's number among all L layers (a Python int, or traced in a scan).
+      index, of_kind: its number among all L layers, and among those of its attention kind
+        (Python ints, or traced in a scan).
       local: whether its cache is a ring (a local or chunked layer, static).
-      of_kind: its number among the layers of its attention kind.
     """
 
     index: int | jax.Array
@@ -67,9 +67,7 @@ class LayerGroup:
     """A run of layers: ``period`` repeated ``repeats`` times from layer ``start``.
 
     Attributes:
-      start: the first layer's number.
-      period: the specs of one repeat, in layer order.
-      repeats: R, how many times the period repeats.
+      start, period, repeats: the first layer's number, one repeat's specs, R repeats.
       before: per attention kind, how many layers of that kind come before the group
         (``(("global", n), ("local", m))``).
     """

@@ -237,8 +237,7 @@ class TileLayout:
     """Where the N*k (token, slot) pairs sit in a buffer of whole tiles grouped by expert.
 
     Attributes:
-      pair_row: [N*k] the buffer row of each pair (flat ``token * k + slot``).
-      row_pair: [R] the pair in each buffer row (N*k: padding).
+      pair_row, row_pair: [N*k] the buffer row of each pair, [R] the pair of each row (N*k: none).
       tile_expert: [n_tiles] each tile's expert (tiles past ``used`` repeat the last).
       used: int32 scalar, how many tiles hold rows.
       tile: static tile size m.

@@ -13,8 +13,7 @@ class Routing:
     """Where each token goes and with what weight.
 
     Attributes:
-      weights: [N, k] float32 routing weights of the chosen experts.
-      experts: [N, k] int32 expert indices, in decreasing (biased) score.
+      weights, experts: [N, k] float32 weights and int32 indices of the chosen experts.
       probs: [N, E] float32 scores of the router logits (for the balance loss).
       logits: [N, E] float32 router logits (for the z-loss).
     """
