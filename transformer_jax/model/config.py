@@ -59,8 +59,7 @@ class Architecture:
     Attributes:
       vocab_size, d_model, n_layers, n_heads: V, D (the residual width), L, N (query heads).
       n_kv_heads, head_dim: K key/value heads (N for MHA, 1 for MQA; default N), H (D // N).
-      d_ff: F, hidden width of the feed-forward network.
-      max_seq_len: the largest position the model is used at.
+      d_ff, max_seq_len: F, the FFN's hidden width; the largest position the model is used at.
       norm, norm_eps: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm with bias); its epsilon.
       norm_position: one of ``NORM_POSITIONS`` (``"pre"``: LLaMA's; see ``block.Block``).
       ffn: one of ``FFNS``.
@@ -68,8 +67,7 @@ class Architecture:
       rope_base: the RoPE base b in ``theta_i = b^(-2i/H)``.
       rope_pairing: ``"half"`` (HF LLaMA) or ``"adjacent"`` (RoFormer; ``ops.apply_rope``).
       rope_scaling: optional frequency rescaling (``RopeScaling``).
-      sliding_window: if set, a query sees only the last ``sliding_window`` positions (itself
-        included); None: full causal attention.
+      sliding_window: if set, a query sees only the last that many positions (itself included).
       qkv_bias, o_bias: whether the q/k/v projections (Qwen2), the output one have biases.
       attn_sinks: a learned sink logit per query head joins every softmax's denominator.
       tie_embeddings: whether the LM head is the transposed token embedding.
