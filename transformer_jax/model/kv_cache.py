@@ -140,8 +140,7 @@ class KVCache:
             (self.k, self.v, self.k_local, self.v_local, self.latent)))
 
     def layer(self, i: int | jax.Array | LayerRef) -> tuple[jax.Array, jax.Array]:
-        """Layer i's (keys, values): [B, K, S, H] each (keys a ``SlotsLast`` [B, K, H, S] in
-        that layout); a ring layer's S is its W slots. ``i`` as ``kv_ring.locate`` takes it."""
+        """Layer i's (keys, values): [B, K, S, H] each (rings: S = W; keys maybe ``SlotsLast``)."""
         ring, j = kv_ring.locate(self.ring, i)
         if ring:
             return _layer_of(self.k_local, self.v_local, j, self.batch)
@@ -255,8 +254,7 @@ class KVCache:
 
 
 class Cache(Protocol):
-    """What the model needs of a cache (``KVCache``, or a paged one): ``lengths`` [B] (set through
-    ``replace``), and ``attend`` to store a layer's chunk and attend over the layer."""
+    """What the model needs of a cache: ``lengths`` [B], ``attend`` (and ``replace``)."""
 
     lengths: jax.Array
 

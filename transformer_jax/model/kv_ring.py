@@ -37,8 +37,7 @@ class RingLayout:
 
     @classmethod
     def of(cls, config: Architecture, max_len: Any) -> RingLayout | None:
-        """The rings of a cache of ``max_len`` positions per row, or None: no local layer, or
-        ``max_len <= W`` (a symbolic ``max_len`` takes rings)."""
+        """The rings of a cache of ``max_len`` slots per row; None: no local layer, or W >= it."""
         kinds = config.layer_kinds()
         window = config.sliding_window if "local" in kinds else (
             config.attention_chunk if "chunked" in kinds else None)

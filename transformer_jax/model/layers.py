@@ -74,8 +74,7 @@ def zeros_param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tupl
 
 
 def stored_as_is(module: nn.Module, name: str) -> Any:
-    """Parameter ``name`` of ``module`` when it is stored as a typed leaf (quantised,
-    ``OutFirst``, ``RowAdapters``), else None: flax's ``param`` would check its shapes."""
+    """Parameter ``name`` of ``module`` when stored as a typed leaf (e.g. quantised), else None."""
     if module.has_variable("params", name):
         w = module.get_variable("params", name)
         if is_quantized(w) or is_row_adapters(w) or isinstance(w, OutFirst):

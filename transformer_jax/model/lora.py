@@ -300,8 +300,7 @@ def freeze_base(params: Params, dtype: Any = jnp.bfloat16) -> Params:
 
 
 def model_params(tree: Mapping[str, Any], lora_config: LoraConfig) -> Params:
-    """``apply_adapters`` of a combined ``{"base": ..., "adapters": ...}`` tree, the base under
-    ``stop_gradient``."""
+    """``apply_adapters`` of a combined ``{"base", "adapters"}`` tree, the base not trained."""
     return apply_adapters(jax.lax.stop_gradient(tree[BASE]), tree[ADAPTERS], lora_config)
 
 

@@ -124,8 +124,7 @@ def layer_groups(specs: tuple[LayerSpec, ...]) -> tuple[LayerGroup, ...]:
 
 
 def group_key(groups: tuple[LayerGroup, ...], g: int) -> str:
-    """The params key of scanned group ``g``: ``blocks`` for a stack of one group, else
-    ``scan_{g}`` (a longer period holding ``layer_{j}`` per position, each stacked [R, ...])."""
+    """Scanned group ``g``'s params key: ``blocks`` if it is the only one, else ``scan_{g}``."""
     return "blocks" if len(groups) == 1 else f"scan_{g}"
 
 

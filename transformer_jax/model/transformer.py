@@ -184,8 +184,7 @@ EMBED = "embed"
 
 
 def _boxed_init(config: ModelConfig, rng: jax.Array) -> Params:
-    """The model's parameters with their logical-axis boxes, from an init on a short dummy batch
-    (attention on the reference: no ``"auto"`` log, no kernel the backend lacks)."""
+    """The model's boxed parameters, from an init on a dummy batch with the reference attention."""
     tokens = jnp.zeros((1, min(8, config.max_seq_len)), jnp.int32)
     model = Transformer(config.replace(attention_impl="xla"))
     return model.init(rng, tokens)["params"]

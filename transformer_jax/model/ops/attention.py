@@ -226,8 +226,8 @@ def _kernel_attention(impl, q, k, v, mask, scale, softcap=None):
 
 
 def _pallas_tpu_attention(q, k, v, q_segments, k_segments, *, causal, scale):
-    """JAX's Pallas TPU flash attention: causal by index, no window (callers ensure T == S with
-    positions ascending within each segment); K/V heads are repeated G times for it."""
+    """JAX's Pallas TPU flash attention: causal by index, no window (callers ensure T == S and
+    positions ascending per segment); K/V heads repeated G times."""
     from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash  # noqa: PLC0415
 
     g = q.shape[2] // k.shape[1]
@@ -336,8 +336,7 @@ def _kernel_split(b: int, kv: int) -> tuple[jax.sharding.AbstractMesh, tuple[str
 
 
 def _per_device(split, fn, q, k, v, **structure) -> jax.Array:
-    """``fn(q, k, v, **structure)`` under ``shard_map``: each device its rows and kv heads
-    (and their query heads), the structure's [B, ...] arrays split as the rows."""
+    """``fn(q, k, v, **structure)`` per device, on its rows, kv heads and their query heads."""
     mesh, batch, heads = split
     rows, by_head = batch or None, heads or None
     arrays = {name: x for name, x in structure.items() if isinstance(x, jax.Array)}

@@ -37,8 +37,7 @@ def softcap(x: jax.Array, cap: float | jax.Array) -> jax.Array:
 
 
 def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """float32-accumulating einsum; on CPU, whose runtime has no bfloat16 x bfloat16 -> float32
-    dot, low-precision operands are widened first (exact: their products fit in float32)."""
+    """float32-accumulating einsum (on CPU, low-precision operands widened first: exact)."""
     if target.platform() == "cpu":
         a, b = a.astype(jnp.promote_types(a.dtype, jnp.float32)), b.astype(
             jnp.promote_types(b.dtype, jnp.float32))
@@ -129,8 +128,7 @@ class _Plan:
 
 
 def _prepare(plan, q, k, v, qpos, kpos, qseg, kseg):
-    """Pads to whole blocks and views q as [B, K, G, Tp, H]; positions are edge-padded so that
-    the per-block ranges stay tight (padded keys are masked by index, padded queries dropped)."""
+    """Pads to whole blocks (positions edge-padded) and views q as [B, K, G, Tp, H]."""
     b, t, n, h = q.shape
     kv = k.shape[1]
     tp, sp = plan.nq * plan.bq, plan.nk * plan.bk
@@ -217,8 +215,8 @@ def online_softmax_sink(carry: tuple[jax.Array, jax.Array, jax.Array], sink: jax
 
 def online_softmax_result(carry: tuple[jax.Array, jax.Array, jax.Array], dtype: jnp.dtype
                           ) -> tuple[jax.Array, jax.Array]:
-    """The attention output [..., Q, H] in ``dtype`` and the log-sum-exp [..., Q] of a finished
-    ``online_softmax_step`` carry: zeros and lse = +inf for a query that saw no key."""
+    """(output [..., Q, H] in ``dtype``, log-sum-exp [..., Q]) of a finished ``online_softmax_step``
+    carry: zeros and lse = +inf for a query that saw no key."""
     acc, m, l = carry
     empty = l == 0
     out = (acc / jnp.where(empty, 1.0, l)[..., None]).astype(dtype)

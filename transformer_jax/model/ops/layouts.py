@@ -50,8 +50,7 @@ def out_first_order(n: int, n_in: int, lead: int = 0) -> tuple[int, ...]:
 
 
 def split_spec(spec: str) -> tuple[str, str, str, str, str]:
-    """``"<x>,<w>-><out>"`` -> (x's axes, w's input axes, w's output axes, x's own axes in
-    output order, out): w's input axes are the letters it shares with x."""
+    """``"<x>,<w>-><out>"`` -> (x's axes, w's in (shared with x) and out axes, x's own, out)."""
     inputs, out = spec.split("->")
     x_axes, w_axes = inputs.split(",")
     w_in = "".join(a for a in w_axes if a in x_axes)

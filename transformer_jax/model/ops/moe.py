@@ -97,8 +97,7 @@ def experts_ffn(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.Arr
 
 
 def down_bias(routing: Routing, bias: jax.Array) -> jax.Array:
-    """Each token's experts' down biases weighted as their outputs are: routing ([N, k]
-    experts, an id of E an empty slot adding nothing), bias [E, D] -> [N, D] float32."""
+    """The routed experts' down biases [E, D], weighted as their outputs -> [N, D] float32."""
     down = jnp.take(bias, routing.experts, axis=0, mode="fill", fill_value=0)
     return jnp.einsum("nk,nkd->nd", routing.weights, down.astype(jnp.float32))
 

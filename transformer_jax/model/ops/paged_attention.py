@@ -191,8 +191,7 @@ def gpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 def tpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                         page_table: jax.Array, position: jax.Array, *,
                         interpret: bool = False) -> jax.Array:
-    """The Mosaic TPU paged attention for one decode query per row, over the pool as stored, as
-    ``gpu_paged_attention`` takes it; pages are read as bfloat16."""
+    """The Mosaic TPU paged attention, as ``gpu_paged_attention`` (pages read as bfloat16)."""
     from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
     from jax.experimental.pallas.ops.tpu.paged_attention import (  # noqa: PLC0415
         paged_attention as tpu_paged,
