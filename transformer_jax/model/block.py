@@ -16,8 +16,7 @@ class Block(nn.Module):
     """One Transformer layer: attention then FFN, each in a residual branch (``norm_position``:
     ``"pre"`` ``x + f(norm(x))``, ``"post"`` ``norm(x + f(x))``, ``"sandwich"``
     ``x + norm_out(f(norm(x)))``, ``"post_branch"`` ``x + norm_out(f(x))``). In a scan, ``group``
-    and ``position`` turn the traced repeat index into the ``LayerRef`` its cache reads.
-    """
+    and ``position`` turn the traced repeat index into the ``LayerRef`` its cache reads."""
 
     config: ModelConfig
     spec: LayerSpec = LayerSpec()

@@ -1,7 +1,6 @@
 """Model configuration: ``Architecture`` (the function, what a HF ``config.json`` holds),
 ``Execution`` (how it is initialised and run) and ``ModelConfig``, both in one flat table, as
-presets (``configs/*.toml``), ``model.KEY=`` overrides and checkpoints store it.
-"""
+presets (``configs/*.toml``), ``model.KEY=`` overrides and checkpoints store it."""
 
 from __future__ import annotations
 

@@ -258,8 +258,7 @@ def check_keys(values: dict[str, Any], cls: type, section: str) -> None:
 def parse_override(cls: type, key: str, text: str) -> Any:
     """Parses the string ``text`` as the type of dataclass field ``key`` of ``cls``.
 
-    Used for ``key=value`` command-line overrides, so a wrong type is an error at start-up.
-    """
+    Used for ``key=value`` command-line overrides, so a wrong type is an error at start-up."""
     check_keys({key: None}, cls, cls.__name__)
     hints = typing.get_type_hints(cls)
     return _parse_as(hints[key], text, key)

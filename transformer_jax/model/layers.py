@@ -162,8 +162,7 @@ class LayerKind:
 class Attention(nn.Module):
     """Multi-head attention with grouped kv heads, RoPE and an optional KV cache: ``q_proj``
     [D, N, H], ``k_proj``, ``v_proj`` [D, K, H], ``o_proj`` [N, H, D]; optionally ``q_bias``,
-    ``k_bias``, ``v_bias``, ``o_bias``, ``sinks`` [N] and the ``qk_norm`` gains.
-    """
+    ``k_bias``, ``v_bias``, ``o_bias``, ``sinks`` [N] and the ``qk_norm`` gains."""
 
     n_heads: int
     n_kv_heads: int

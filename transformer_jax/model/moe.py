@@ -58,8 +58,7 @@ class SparseFFN(nn.Module):
                  ) -> tuple[jax.Array, RouterStats]:
         """[B, T, D] -> ([B, T, D], this layer's ``RouterStats``).
 
-        ``valid`` [B, T] bool marks the tokens the statistics count (None: all).
-        """
+        ``valid`` [B, T] bool marks the tokens the statistics count (None: all)."""
         m = self.moe
         b, t, d = x.shape
         e, f = m.n_experts, m.d_ff

@@ -1,7 +1,6 @@
 """The spelling of a weight quantisation: ``"int8"``, ``"int4"``, ``"int4:G"``, ``"nf4"``,
 ``"nf4:G"``, parsed in one place (``parse_quant``) for every flag and setting that takes one.
-It needs neither qwix nor a device, so a setting is checked before anything is loaded.
-"""
+It needs neither qwix nor a device, so a setting is checked before anything is loaded."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The int8 KV cache's encoding: a token's [H] row of one kv head is stored as H + 2 int8 bytes,
 ``round(x / s)`` in [-127, 127] then the bfloat16 scale ``s = max|x| / 127`` bitcast into two
 bytes, so every cache layout stores and reads the scale with its row ((H + 2) / 2H the bytes
-of bfloat16).
-"""
+of bfloat16)."""
 
 from __future__ import annotations
 

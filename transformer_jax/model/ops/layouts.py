@@ -1,6 +1,5 @@
 """Stored layouts as typed leaves: a CPU layout lives in the prepared weights (``OutFirst``,
-which ``ops.dense`` computes with) and the cache (``SlotsLast``), not in a flag of the model.
-"""
+which ``ops.dense`` computes with) and the cache (``SlotsLast``), not in a flag of the model."""
 
 from __future__ import annotations
 

@@ -58,8 +58,7 @@ def choose_impl(impl: str, n_tokens: int, top_k: int, n_experts: int,
     """The implementation ``"auto"`` stands for at these (static) sizes on ``backend``
     (default: the traced target's): ``"gather"`` when the token-expert pairs are no more than
     the experts (decode); else ``"tiled"`` on CPU, ``"megablox"`` on TPU when the widths
-    ``(D, F)`` are multiples of 128, else ``"ragged"``.
-    """
+    ``(D, F)`` are multiples of 128, else ``"ragged"``."""
     if impl != "auto":
         return impl
     if n_tokens * top_k <= n_experts:

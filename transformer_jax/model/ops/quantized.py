@@ -94,8 +94,7 @@ def _as_qwix(w: Any) -> Any:
 def einsum(spec: str, a: Any, b: Any, *, preferred_element_type: jnp.dtype | None = None
            ) -> jax.Array:
     """``jnp.einsum(spec, a, b)`` of a weight product: ``qwix.einsum`` when either is quantised
-    (the float product over the dequantised weight), else ``dot_general_einsum``.
-    """
+    (the float product over the dequantised weight), else ``dot_general_einsum``."""
     if is_quantized(a) or is_quantized(b):
         import qwix
 
