@@ -1,6 +1,4 @@
-"""The checks of an ``Architecture``'s attention-kind fields: chunked and NoPE layers
-(``attention_chunk``, ``nope_layers``, the NoPE temperature) and latent attention (``mla``).
-``Architecture.__post_init__`` calls them."""
+"""The checks of an ``Architecture``'s chunked, NoPE and latent (``mla``) attention fields."""
 
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ def check_chunks_and_nope(config: Any) -> None:
 
 
 def check_mla(config: Any) -> None:
-    """Validates ``mla`` against the other fields and sets ``head_dim`` / ``n_kv_heads``
-    (None) to the rope width and ``n_heads``."""
+    """Validates ``mla``; sets an unset ``head_dim`` / ``n_kv_heads`` to the rope width / N."""
     m = config.mla
     if not isinstance(m, MLA):
         raise ValueError(f"mla must be a table of MLA fields, got {m!r}")

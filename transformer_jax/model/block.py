@@ -1,5 +1,4 @@
-"""One Transformer layer (``Block``): attention then FFN, dense or a mixture of experts, each in
-a residual branch; and the period of a scanned layer group (``Period``)."""
+"""One Transformer layer (``Block``) and the period of a scanned layer group (``Period``)."""
 
 from __future__ import annotations
 
@@ -14,18 +13,10 @@ from transformer_jax.model.stack import LayerGroup, LayerSpec
 
 
 class Block(nn.Module):
-    """One Transformer layer: attention then FFN, each in a residual branch.
-
-    ``norm_position``: ``"pre"`` (default) ``x + f(norm(x))``; ``"post"`` (original
-    Transformer) ``norm(x + f(x))``; ``"sandwich"`` ``x + norm_out(f(norm(x)))`` (the four
-    norms of some families); ``"post_branch"`` ``x + norm_out(f(x))``. What the layer is
-    (its window and RoPE, dense or sparse FFN) is its ``spec``, a Python value: a layer scan
-    scans runs of the same specs (``stack.LayerGroup``), so one block serves every kind.
-
-    In a scan, ``group`` and ``position`` say where the block sits (position ``position`` of
-    the group's period), so that the traced repeat index it is called with becomes the
-    ``LayerRef`` its cache reads.
-    """
+    """One Transformer layer: attention then FFN, each in a residual branch (``norm_position``:
+    ``"pre"`` ``x + f(norm(x))``, ``"post"`` ``norm(x + f(x))``, ``"sandwich"``
+    ``x + norm_out(f(norm(x)))``, ``"post_branch"`` ``x + norm_out(f(x))``). In a scan, ``group``
+    and ``position`` turn the traced repeat index into the ``LayerRef`` its cache reads."""
 
     config: ModelConfig
     spec: LayerSpec = LayerSpec()
@@ -36,21 +27,14 @@ class Block(nn.Module):
     def __call__(self, carry: Carry, positions: jax.Array, layer: int | jax.Array = 0,
                  segment_ids: jax.Array | None = None
                  ) -> tuple[Carry, RouterStats | None]:
-        """([B, T, D], cache) -> (([B, T, D], updated cache), router stats or None).
-
-        ``layer`` is the layer's number (unrolled), or with ``group`` the repeat index of a
-        scan (traced). The (carry, ...) -> (carry, y) form is ``nn.scan``'s (which stacks the
-        sparse layers' ``RouterStats``). A dense layer returns None for its stats.
-        """
+        """([B, T, D], cache) -> (([B, T, D], cache), router stats or None); ``layer``: the layer's
+        number, or with ``group`` the scan's (traced) repeat index."""
         x, cache = carry
-        # The residual stream's only sharding annotation: under a mesh's logical-axis rules it
-        # keeps activations split over the batch axes (so FSDP gathers weights, not
-        # activations); without rules in scope it is a no-op.
+        # The residual stream's only sharding annotation (a no-op without rules in scope).
         x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
         c = self.config
         dtypes = dict(dtype=c.jnp_dtype, param_dtype=c.jnp_param_dtype)
-        # Residual-branch outputs start smaller so the stream's variance does not grow with
-        # depth (GPT-2's scaled initialisation).
+        # GPT-2's scaled initialisation of the residual branches' outputs.
         out_std = c.init_std / (2 * c.n_layers) ** 0.5
         norm_kw = dict(kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
                        param_dtype=c.jnp_param_dtype)
@@ -64,8 +48,7 @@ class Block(nn.Module):
             attn = Attention(
                 n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                 qkv_bias=c.qkv_bias, o_bias=c.o_bias, sinks=c.attn_sinks,
-                qk_norm=c.qk_norm if self.spec.rope else None,
-                norm_eps=c.norm_eps,
+                qk_norm=c.qk_norm if self.spec.rope else None, norm_eps=c.norm_eps,
                 norm_offset=c.norm_offset, scale=c.attn_scale, softcap=c.attn_softcap,
                 rope_pairing=c.rope_pairing, impl=c.attention_impl, init_std=c.init_std,
                 out_init_std=out_std, name="attn", **dtypes)
@@ -109,12 +92,7 @@ class Block(nn.Module):
 
 
 class Period(nn.Module):
-    """One repeat of a scanned group's period: its blocks (``layer_{j}``) in order.
-
-    ``nn.scan`` scans it over the group's repeats (``Transformer``); each block keeps its own
-    spec as a Python value, so a 5 local : 1 global period runs five window layers and one
-    full one in the scan body, each reading only its own cache.
-    """
+    """One repeat of a scanned group's period: its blocks (``layer_{j}``), each of its own spec."""
 
     config: ModelConfig
     group: LayerGroup

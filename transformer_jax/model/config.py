@@ -1,20 +1,11 @@
-"""Model configuration: the architecture, how it runs, and named presets.
-
-``Architecture`` (frozen) holds what defines the function, as a HF ``config.json`` does;
-``Execution`` (frozen) how it is initialised and computed (dtypes, scan, remat, attention
-kernel). ``ModelConfig`` is both in one flat table: what presets, ``model.KEY=`` overrides and
-checkpoints store. Presets live as small TOML files in the top-level ``configs/`` directory;
-the ``[model]`` table of such a file holds overrides of the defaults. Runtime switches (decode
-or not, which positions) and memory layouts tuned for one backend (``decode.prepare``'s weights,
-the ``KVCache``'s layout) are not config fields: they are call arguments or properties of the
-weights and the cache.
-"""
+"""Model configuration: ``Architecture`` (the function, what a HF ``config.json`` holds),
+``Execution`` (how it is initialised and run) and ``ModelConfig``, both in one flat table, as
+presets (``configs/*.toml``), ``model.KEY=`` overrides and checkpoints store it."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -29,7 +20,9 @@ from transformer_jax.model.fields import (  # noqa: F401 (config.RopeScaling etc
     RopeScaling,
     check_bool,
     check_choice,
+    check_finite_number,
     check_keys,
+    check_nonnegative_int,
     check_positive_int,
     check_positive_number,
     parse_override,
@@ -59,77 +52,44 @@ CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 class Architecture:
     """The function a decoder-only Transformer computes: what a HF ``config.json`` holds.
 
-    Two models with equal architectures take the same parameters and compute the same logits
-    from them; everything else (dtypes, scan, remat, kernels, initialisation) is ``Execution``.
+    Two models with equal architectures take the same parameters and compute the same logits;
+    everything else is ``Execution``.
 
     Attributes:
-      vocab_size: V, number of token ids.
-      d_model: D, residual stream width.
-      n_layers: L, number of blocks.
-      n_heads: N, query heads.
-      n_kv_heads: K, key/value heads (N for MHA, 1 for MQA, in between for GQA); defaults to N.
-      head_dim: H; defaults to D // N.
-      d_ff: F, hidden width of the feed-forward network.
-      max_seq_len: the largest position the model is used at.
-      norm: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm with bias).
-      norm_eps: epsilon inside the norm's square root.
-      norm_position: ``"pre"`` (norm before each sublayer, LLaMA) or ``"post"`` (norm after the
-        residual add, original Transformer).
-      ffn: ``"swiglu"``, ``"geglu"``, ``"gelu"`` or ``"relu"``.
-      position: ``"rope"`` (rotary, per head on Q and K), ``"sinusoidal"`` (added to the
-        embeddings, original paper) or ``"none"``.
+      vocab_size, d_model, n_layers, n_heads: V, D (the residual width), L, N (query heads).
+      n_kv_heads, head_dim: K key/value heads (N for MHA, 1 for MQA; default N), H (D // N).
+      d_ff, max_seq_len: F, the FFN's hidden width; the largest position the model is used at.
+      norm, norm_eps: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm with bias); its epsilon.
+      norm_position: one of ``NORM_POSITIONS`` (``"pre"``: LLaMA's; see ``block.Block``).
+      ffn: one of ``FFNS``.
+      position: ``"rope"`` (on Q and K), ``"sinusoidal"`` (added to the embeddings), ``"none"``.
       rope_base: the RoPE base b in ``theta_i = b^(-2i/H)``.
-      rope_pairing: ``"half"`` rotates ``(x_i, x_{i+H/2})`` (HF LLaMA checkpoints);
-        ``"adjacent"`` rotates ``(x_2i, x_2i+1)`` (RoFormer paper).
+      rope_pairing: ``"half"`` (HF LLaMA) or ``"adjacent"`` (RoFormer; ``ops.apply_rope``).
       rope_scaling: optional frequency rescaling (``RopeScaling``).
-      sliding_window: if set, a query sees only the last ``sliding_window`` positions
-        (itself included), as in Mistral; None for full causal attention.
-      qkv_bias: whether the q/k/v projections have biases (Qwen2).
-      o_bias: whether the attention's output projection has a bias [D].
-      attn_sinks: a learned sink logit per query head (``sinks`` [N]) joins every attention
-        softmax's denominator, taking probability mass and adding no value.
+      sliding_window: if set, a query sees only the last that many positions (itself included).
+      qkv_bias, o_bias: whether the q/k/v projections (Qwen2), the output one have biases.
+      attn_sinks: a learned sink logit per query head joins every softmax's denominator.
       tie_embeddings: whether the LM head is the transposed token embedding.
-      qk_norm: RMSNorm of the queries and keys before RoPE: None; ``"head"`` normalises each
-        head's H values with one [H] gain shared by the heads (Qwen3, Gemma 3); ``"full"``
-        normalises all N*H (K*H) values of a token's projection together, gains [N, H] and
-        [K, H] (OLMo 2); ``"weightless"`` normalises each head's H values after RoPE, with no
-        gain. Layers of ``nope_layers`` have none.
-      norm_offset: every norm scales by ``(norm_offset + w)``, its gain w initialised to
-        ``1 - norm_offset`` (1.0 with zero-initialised gains in Gemma 2/3; 0.0 elsewhere).
+      qk_norm: RMSNorm of the queries and keys before RoPE: None; ``"head"`` per head with one
+        [H] gain (Qwen3, Gemma 3); ``"full"`` over all N*H (K*H) values, gains [N, H] and
+        [K, H] (OLMo 2); ``"weightless"`` per head after RoPE, no gain. Not on NoPE layers.
+      norm_offset: every norm scales by ``(norm_offset + w)`` (1.0 in Gemma 2/3).
       scale_embeddings: multiply the token embeddings by ``sqrt(D)`` (in the compute dtype).
-      attn_softcap: if set, attention logits become ``tanh(x / c) * c`` after scaling.
-      final_softcap: if set, the LM head's logits become ``tanh(x / c) * c``.
+      attn_softcap, final_softcap: if set, the (scaled) attention logits, the LM head's logits
+        become ``tanh(x / c) * c``.
       attn_scale: the attention logits' scale; None for ``1 / sqrt(H)``.
-      layer_pattern: the kinds of attention layer, ``"global"`` (full causal) or ``"local"``
-        (the sliding window), repeated over the depth: ``("local", "global")`` alternates
-        them, layer i is ``layer_pattern[i % len(layer_pattern)]``. Empty: every layer is
-        local when ``sliding_window`` is set (Mistral), chunked when ``attention_chunk`` is,
-        global otherwise. ``"chunked"`` layers attend causally within their chunk.
-      local_rope_base: if set, local layers rotate with this base and no ``rope_scaling``
-        while global layers keep ``rope_base`` and the scaling; None: one rotation for all.
-      moe: if set, the mixture-of-experts FFN of the sparse layers (``MoE``); None: every
-        FFN dense.
-      swiglu_limit: ``"swiglu"`` only: if set, the gate is clamped to at most this value and
-        the up projection to [-limit, limit] before they are combined.
-      swiglu_alpha: ``"swiglu"`` only: the gate's activation is ``g sigmoid(alpha g)`` (1.0:
-        SiLU).
-      swiglu_up_offset: ``"swiglu"`` only: the gated product is ``act(g) (up + offset)``.
-      attention_chunk: C for ``"chunked"`` layers: a query at position m sees the keys at
-        positions n <= m with ``n // C == m // C`` (their cache keeps a ring of C slots).
-        Not with ``sliding_window``; None when no layer is chunked.
+      layer_pattern: the layers' attention kinds (``LAYER_KINDS``), repeated over the depth:
+        layer i is ``layer_pattern[i % len(layer_pattern)]``. Empty: every layer is local when
+        ``sliding_window`` is set, chunked when ``attention_chunk`` is, global otherwise.
+      local_rope_base: if set, local layers rotate with this base and no ``rope_scaling``.
+      moe: if set, the mixture-of-experts FFN of the sparse layers (``MoE``).
+      swiglu_limit, swiglu_alpha, swiglu_up_offset: ``"swiglu"`` only (``ops.ffn.swiglu_glu``).
+      attention_chunk: C for ``"chunked"`` layers (a query at m sees keys with n // C == m // C).
       nope_layers: the layers that do not rotate q and k (NoPE) and have no ``qk_norm``.
-      nope_temperature_floor: if set (f), the NoPE layers scale their queries at position m by
-        ``1 + nope_temperature_scale * log(1 + floor((m + 1) / f))`` (attention temperature
-        tuning for long contexts).
-      nope_temperature_scale: that scale.
-      mla: if set, every layer is multi-head latent attention (``MLA``: the ``"latent"``
-        attention kind, whose cache holds a latent and a rope key per token); ``head_dim`` is
-        then its rope width (``mla.qk_rope_head_dim``) and ``n_kv_heads`` is ``n_heads``.
-      mtp_depth: D, the multi-token prediction modules after the stack (0: none). Module k
-        (1..D) at position i projects ``[norm(emb(t_{i+k})); norm(h_i^{k-1})]`` [2D] -> [D]
-        (``eh_proj``; ``h^0`` the final-normed hidden state, ``h^{k-1}`` module k-1's block
-        output), runs one more block (``mtp_spec``) over the sequence and its own final norm and
-        LM head: logits for token i+k+1 (``model.mtp``).
+      nope_temperature_floor, nope_temperature_scale: if the floor f is set, NoPE layers scale
+        their queries at position m by ``1 + scale * log(1 + floor((m + 1) / f))``.
+      mla: if set, every layer is multi-head latent attention (``MLA``; head_dim: its rope width).
+      mtp_depth: the multi-token prediction modules after the stack (0: none; ``model.mtp``).
     """
 
     vocab_size: int = 512
@@ -181,24 +141,19 @@ class Architecture:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             check_positive_int(name, getattr(self, name))
-        if not isinstance(self.mtp_depth, int) or isinstance(self.mtp_depth, bool) \
-                or self.mtp_depth < 0:
-            raise ValueError(f"mtp_depth must be an int >= 0, got {plain(self.mtp_depth)!r}")
+        check_nonnegative_int("mtp_depth", self.mtp_depth)
         if self.mla is not None:
             attention_checks.check_mla(self)
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         check_positive_int("n_kv_heads", self.n_kv_heads)
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
-            )
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads "
+                             f"({self.n_kv_heads})")
         if self.head_dim is None:
             if self.d_model % self.n_heads:
-                raise ValueError(
-                    f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
-                    "unless head_dim is given"
-                )
+                raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads "
+                                 f"({self.n_heads}) unless head_dim is given")
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         check_positive_int("head_dim", self.head_dim)
         if self.sliding_window is not None:
@@ -215,19 +170,13 @@ class Architecture:
             check_bool(name, getattr(self, name))
         if self.qk_norm is not None:
             check_choice("qk_norm", self.qk_norm, QK_NORMS)
-        if isinstance(self.norm_offset, bool) or not isinstance(
-                self.norm_offset, int | float) or not math.isfinite(self.norm_offset):
-            raise ValueError(
-                f"norm_offset must be a finite number, got {plain(self.norm_offset)!r}")
+        check_finite_number("norm_offset", self.norm_offset)
         for name in ("attn_softcap", "final_softcap", "attn_scale", "local_rope_base",
                      "swiglu_limit"):
             if getattr(self, name) is not None:
                 check_positive_number(name, getattr(self, name))
         check_positive_number("swiglu_alpha", self.swiglu_alpha)
-        if isinstance(self.swiglu_up_offset, bool) or not isinstance(
-                self.swiglu_up_offset, int | float) or not math.isfinite(self.swiglu_up_offset):
-            raise ValueError(f"swiglu_up_offset must be a finite number, got "
-                             f"{plain(self.swiglu_up_offset)!r}")
+        check_finite_number("swiglu_up_offset", self.swiglu_up_offset)
         if self.ffn != "swiglu" and (self.swiglu_limit is not None or self.swiglu_alpha != 1.0
                                      or self.swiglu_up_offset != 0.0):
             raise ValueError(f"swiglu_limit, swiglu_alpha and swiglu_up_offset need "
@@ -264,8 +213,7 @@ class Architecture:
         return tuple(i for i in range(self.n_layers) if self.moe.is_sparse(i))
 
     def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's attention kind, ``"global"``, ``"local"``, ``"chunked"`` or
-        ``"latent"`` (every layer with ``mla``): L entries."""
+        """Each layer's attention kind (``LAYER_KINDS``; ``"latent"`` with ``mla``)."""
         if self.mla is not None:
             return ("latent",) * self.n_layers
         pattern = self.layer_pattern or (
@@ -280,19 +228,16 @@ class Architecture:
                      for i, kind in enumerate(self.layer_kinds()))
 
     def mtp_spec(self) -> LayerSpec:
-        """The block spec of the multi-token prediction modules: layer L's, as if the stack had
-        one more layer (DeepSeek-V3's: latent attention and the mixture of experts)."""
+        """The multi-token prediction modules' block spec: that of one layer more."""
         return dataclasses.replace(self, n_layers=self.n_layers + 1).layer_specs()[-1]
 
     def layer_groups(self) -> tuple[LayerGroup, ...]:
-        """The stack cut into groups of a repeated period (``stack.layer_groups``): what a
-        scanned model scans, one group at a time."""
+        """The stack cut into groups of a repeated period (``stack.layer_groups``)."""
         return layer_groups(self.layer_specs())
 
     @property
     def swiglu(self) -> tuple[float | None, float, float] | None:
-        """The SwiGLU's (clamp limit, gate slope, up offset) when any differs from plain
-        SwiGLU's (``ops.ffn.swiglu_glu``), else None."""
+        """(clamp limit, gate slope, up offset) when any differs from plain SwiGLU's, else None."""
         values = (self.swiglu_limit, self.swiglu_alpha, self.swiglu_up_offset)
         return None if values == (None, 1.0, 0.0) else values
 
@@ -308,7 +253,6 @@ class Architecture:
 
 
 def _check_choices(config: Any, **choices: tuple[str, ...]) -> None:
-    """``check_choice`` of each named field of ``config`` against its allowed values."""
     for name, allowed in choices.items():
         check_choice(name, getattr(config, name), allowed)
 
@@ -320,32 +264,16 @@ def _resumable(default: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
-    """How an architecture is initialised and run: numerics, memory and kernels.
-
-    None of these changes what a trained model's weights mean: a checkpoint loads under any of
-    them (``train.init_from`` may set every one).
+    """How an architecture is initialised and run; a checkpoint loads under any of these.
 
     Attributes:
       param_dtype: dtype parameters are stored in.
-      dtype: dtype activations and matmuls are computed in (norms and softmax stay float32;
-        logits are returned in float32).
-      scan_layers: scan the blocks with ``nn.scan``, each group of layers of the stack
-        (``Architecture.layer_groups``) on its own: compile time independent of depth.
-      remat: rematerialisation of each block in the backward pass (``REMATS``): ``"none"``,
-        ``"full"`` (keep the block's input only), ``"save_dots"`` (keep matmul outputs,
-        recompute the rest), policies between the two that keep named products
-        (``"save_qkv_proj"``, ...), and ones that offload them to the host's memory
-        (``"offload_qkv_proj"``, ``"offload_dots"``); see ``model.remat``.
-      attention_impl: ``"auto"`` (the best for the backend and shape, see
-        ``ops.attention.choose_impl``), ``"xla"`` (the einsum reference), ``"chunked"``
-        (memory linear in the context, any backend), ``"cudnn"`` (GPU), ``"pallas"`` or
-        ``"mosaic"`` (TPU, Hopper GPUs).
+      dtype: dtype activations and matmuls are computed in (norms, softmax and logits: float32).
+      scan_layers: scan each layer group with ``nn.scan`` (compile time independent of depth).
+      remat: the blocks' rematerialisation, one of ``REMATS`` (``model.remat``).
+      attention_impl: one of ``ATTENTION_IMPLS`` (``ops.attention``).
       init_std: standard deviation of the normal initialiser of every matrix.
-      moe_impl: how mixture-of-experts layers compute (``ops.moe.experts_ffn``): ``"auto"``,
-        ``"ragged"`` (tokens sorted by expert, ``jax.lax.ragged_dot``), ``"tiled"`` (the
-        grouped product written in XLA, rows padded to tiles: the CPU's), ``"gather"`` (each
-        token's chosen experts' weights gathered: decode), ``"dense"`` (every expert on every
-        token, the reference), ``"tokamax"`` or ``"megablox"`` (grouped-matmul kernels).
+      moe_impl: how mixture-of-experts layers compute, one of ``MOE_IMPLS`` (``ops.moe``).
     """
 
     param_dtype: str = "float32"
@@ -371,20 +299,13 @@ class Execution:
         return jnp.dtype(self.param_dtype)
 
 
-#: Keys older checkpoints and config files may hold that no longer configure the model:
-#: ``weights_out_first`` is now the layout of the prepared decode weights (``decode.prepare``).
+#: Keys older checkpoints may hold that no longer configure the model (now ``decode.prepare``'s).
 _RETIRED_KEYS = ("weights_out_first",)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(Execution, Architecture):
-    """A model as a run uses it: its ``Architecture`` and its ``Execution``, one flat table.
-
-    The ``[model]`` table of a preset, ``model.KEY=`` overrides and a checkpoint's saved config
-    set both kinds of field; ``architecture`` and ``execution`` give the two parts, so whether a
-    change alters the function is a comparison of types, not a list of keys. See the two
-    classes for every attribute.
-    """
+    """A model as a run uses it: its ``Architecture`` and ``Execution`` (see them) in one table."""
 
     def __post_init__(self) -> None:
         Architecture.__post_init__(self)
@@ -421,8 +342,7 @@ class ModelConfig(Execution, Architecture):
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
-        """Builds a config from a mapping, rejecting unknown keys with close matches (keys
-        earlier versions wrote, ``_RETIRED_KEYS``, are dropped)."""
+        """From a mapping, rejecting unknown keys (close ones named; ``_RETIRED_KEYS`` dropped)."""
         values = {k: v for k, v in values.items() if k not in _RETIRED_KEYS}
         check_keys(values, cls, "model")
         return cls(**values)
@@ -472,8 +392,7 @@ def load_toml(name_or_path: str | Path) -> dict[str, Any]:
 
 
 def _table(cls: type, values: dict[str, Any], section: str) -> Any:
-    """``cls(**values)`` for a sub-table of the model config (``[model.moe]``), with one-line
-    errors naming an unknown key (and close ones) or the missing required keys."""
+    """``cls(**values)`` for a sub-table (``[model.moe]``), naming unknown or missing keys."""
     check_keys(values, cls, f"model.{section}")
     missing = [f.name for f in dataclasses.fields(cls) if f.name not in values
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]

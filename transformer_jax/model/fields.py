@@ -1,6 +1,4 @@
-"""The nested tables of an ``Architecture`` (``RopeScaling``, ``MoE``, ``MLA``) and the value
-checks every config dataclass shares (``config``, ``train.config`` and ``parallel.mesh`` use
-them), and the parsing of ``key=value`` overrides by a field's type."""
+"""The nested tables of an ``Architecture``, the shared value checks, and ``key=value`` parsing."""
 
 from __future__ import annotations
 
@@ -21,26 +19,18 @@ class RopeScaling:
     """How RoPE frequencies are rescaled for context extension.
 
     Attributes:
-      kind: ``"linear"`` divides every frequency by ``factor`` (position interpolation);
-        ``"llama3"`` divides only the low frequencies, with a smooth ramp between
-        ``low_freq_factor`` and ``high_freq_factor`` wavelengths (Llama 3.1); ``"yarn"``
-        (YaRN, Qwen2.5/3 long context) interpolates the frequencies whose wavelength spans
-        fewer than ``beta_slow`` rotations over ``original_max_len``, keeps those with more
-        than ``beta_fast``, ramps linearly in between, and multiplies cos and sin by
-        ``attention_factor``.
+      kind: ``"linear"`` (every frequency divided by ``factor``), ``"llama3"`` (the low ones,
+        ramped) or ``"yarn"`` (chosen by their rotations, with cos and sin scaled).
       factor: the context extension factor (> 0).
-      low_freq_factor: llama3 only: wavelengths above ``original_max_len / low_freq_factor``
-        are fully scaled.
-      high_freq_factor: llama3 only: wavelengths below ``original_max_len / high_freq_factor``
-        are kept.
+      low_freq_factor, high_freq_factor: llama3: wavelengths above ``original_max_len /
+        low_freq_factor`` are fully scaled, below ``original_max_len / high_freq_factor`` kept.
       original_max_len: llama3 and yarn: the context length the model was trained with.
-      beta_fast: yarn only: rotations over ``original_max_len`` above which a frequency is kept.
-      beta_slow: yarn only: rotations below which a frequency is fully interpolated.
-      attention_factor: yarn only: the cos/sin multiplier; None computes it from ``factor``
-        (and ``mscale``/``mscale_all_dim`` when both are set), ``0.1 ln(factor) + 1``.
-      mscale: yarn only: the numerator's multiplier of ``ln(factor)`` in that formula.
-      mscale_all_dim: yarn only: the denominator's multiplier.
-      truncate: yarn only: round the ramp's ends to whole dimensions.
+      beta_fast, beta_slow: yarn: rotations over ``original_max_len`` above which a frequency
+        is kept, below which it is fully interpolated.
+      attention_factor: yarn: the cos/sin multiplier; None: ``ops.rope_attention_factor``'s
+        formula of ``factor``, ``mscale`` and ``mscale_all_dim``.
+      mscale, mscale_all_dim: yarn: that formula's multipliers of ``ln(factor)``.
+      truncate: yarn: round the ramp's ends to whole dimensions.
     """
 
     kind: str
@@ -78,40 +68,25 @@ class RopeScaling:
 class MoE:
     """A mixture-of-experts FFN: which layers have one and how tokens are routed.
 
-    A sparse layer's FFN is E gated experts of width ``d_ff`` (the architecture's ``ffn``
-    activation) and a router [D, E]; each token goes to the ``top_k`` experts of highest
-    softmax probability, and its output is their outputs weighted by those probabilities
-    (renormalised to sum 1 with ``renormalize``). An optional shared expert (a dense FFN of
-    width ``shared_d_ff``) sees every token, its output scaled by ``sigmoid(x . w)`` with
-    ``shared_gate``. Layers that are not sparse keep the dense FFN of width
-    ``Architecture.d_ff``.
+    A sparse layer's FFN is E gated experts of width ``d_ff`` and a router [D, E]; each token
+    goes to its ``top_k`` highest-scored experts, its output their outputs weighted by the
+    scores. An optional shared expert (width ``shared_d_ff``) sees every token. Other layers
+    keep the dense FFN of width ``Architecture.d_ff``.
 
     Attributes:
-      n_experts: E, experts per sparse layer.
-      top_k: k, experts each token is sent to (1 <= k <= E).
-      d_ff: each expert's hidden width.
-      renormalize: divide the k chosen probabilities by their sum (Mixtral, Qwen3-MoE);
-        False keeps the raw softmax values (Qwen2-MoE).
-      shared_d_ff: the shared expert's hidden width; 0 for none.
-      shared_gate: scale the shared expert's output by ``sigmoid(x . w_gate)`` (Qwen2-MoE).
+      n_experts, top_k, d_ff: E experts per sparse layer, k per token, each of hidden width F.
+      renormalize: divide the k chosen probabilities by their sum (Mixtral; not Qwen2-MoE).
+      shared_d_ff, shared_gate: the shared expert's width (0: none); gate its output by
+        ``sigmoid(x . w_gate)`` (Qwen2-MoE).
       sparse_step: layer i is sparse when ``(i + 1) % sparse_step == 0`` ...
-      dense_layers: ... and i is not listed here (HF's ``decoder_sparse_step`` and
-        ``mlp_only_layers``).
-      router_bias: the router's logits have a bias [E].
-      expert_bias: each expert's gate, up and down projections have biases ([E, F], [E, F],
-        [E, D]).
-      score: the experts' scores from the router logits: ``"softmax"`` over the E experts, or
-        ``"sigmoid"`` of each logit on its own (top-k then picks the k highest either way).
-      correction_bias: a bias [E] (``correction_bias``, DeepSeek-V3's
-        ``e_score_correction_bias``) added to the scores for choosing the experts only; the
-        routing weights are the unbiased scores. No gradient trains it: the balancing update
-        ``train.moe_bias_update_rate`` does.
-      n_groups: group-limited routing: the E experts are ``n_groups`` groups of E/n_groups
-        (each at least 2), each group scored by the sum of its two highest (biased) scores ...
-      top_groups: ... and each token chooses its k experts within its ``top_groups`` best
-        groups (DeepSeek-V3's ``n_group`` / ``topk_group``; 1 group: no limit).
-      routed_scale: the routed experts' weights are multiplied by this after any
-        renormalisation (DeepSeek-V3's ``routed_scaling_factor``); a shared expert is not.
+      dense_layers: ... and i is not listed here (HF's ``mlp_only_layers``).
+      router_bias, expert_bias: the router's logits, each expert's projections have biases.
+      score: the experts' scores from the router logits: ``"softmax"`` or ``"sigmoid"``.
+      correction_bias: a bias [E] added to the scores for choosing the experts only, trained
+        by ``train.moe_bias_update_rate``'s update, not by gradients (DeepSeek-V3).
+      n_groups, top_groups: each token chooses within its ``top_groups`` best of ``n_groups``
+        groups of experts, a group scored by its two highest scores (DeepSeek-V3).
+      routed_scale: multiplies the routed experts' weights after any renormalisation.
       scale_input: the chosen expert's weight scales the token going into it, not the
         expert's output (Llama 4); needs ``top_k`` 1.
     """
@@ -141,13 +116,9 @@ class MoE:
         if self.top_k > self.n_experts:
             raise ValueError(f"moe.top_k ({self.top_k}) must be at most moe.n_experts "
                              f"({self.n_experts})")
-        shared = self.shared_d_ff
-        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
-            raise ValueError(f"moe.shared_d_ff must be an int >= 0, got {plain(shared)!r}")
-        check_bool("moe.renormalize", self.renormalize)
-        check_bool("moe.shared_gate", self.shared_gate)
-        check_bool("moe.router_bias", self.router_bias)
-        check_bool("moe.expert_bias", self.expert_bias)
+        check_nonnegative_int("moe.shared_d_ff", self.shared_d_ff)
+        for name in ("renormalize", "shared_gate", "router_bias", "expert_bias"):
+            check_bool(f"moe.{name}", getattr(self, name))
         check_choice("moe.score", self.score, MOE_SCORES)
         check_bool("moe.correction_bias", self.correction_bias)
         check_positive_number("moe.routed_scale", self.routed_scale)
@@ -184,28 +155,17 @@ class MoE:
 class MLA:
     """Multi-head latent attention: keys and values from a small per-token latent.
 
-    A token's query is ``q_b(norm(q_a(x)))`` ([N, nope + rope] per token; ``q_proj(x)``
-    without ``q_lora_rank``). ``kv_a_proj(x)`` gives a latent c [kv_lora_rank], RMS-normed
-    (``kv_a_norm``), and one rope key [rope] shared by every head; ``kv_b_proj(c)`` gives each
-    head's key part without position [nope] and its value [v_head_dim]. RoPE (the
-    architecture's ``rope_base``, ``rope_scaling`` and ``rope_pairing``; ``"adjacent"`` is the
-    interleaved pairing) turns the rope parts only, and a head's key is [its nope part, the
-    shared rope key]. So a cache holds c and the rotated rope key, ``kv_lora_rank + rope``
-    values per token per layer, and a decode step can attend in the latent space: the query's
-    nope part times the key up-projection, the weighted sum of latents times the value one.
-    The softmax scale is ``attn_scale`` when set, else ``(nope + rope) ** -0.5`` times ``m^2``
-    with ``m = 0.1 mscale_all_dim ln(factor) + 1`` when ``rope_scaling`` has a
-    ``mscale_all_dim`` (and factor > 1): YaRN's scale of the whole logit, not only of the
-    rotated part. The architecture's ``head_dim`` is the rope width.
+    The query is ``q_b(norm(q_a(x)))`` [N, nope + rope] (``q_proj(x)`` without ``q_lora_rank``);
+    ``kv_a_proj(x)`` gives a normed latent c and one rope key shared by the heads, ``kv_b_proj(c)``
+    each head's position-free key part and value. A cache holds c and the rotated rope key. The
+    softmax scale is ``attn_scale`` when set, else ``scale(rope_scaling)``.
 
     Attributes:
       kv_lora_rank: the latent's width.
-      qk_nope_head_dim: each head's query/key width without position.
-      qk_rope_head_dim: the rotated width (of the queries and the shared key).
+      qk_nope_head_dim, qk_rope_head_dim: a head's query/key width without position, and rotated.
       v_head_dim: each head's value width.
-      q_lora_rank: the query's low-rank width (``q_a_proj``, ``q_a_norm``, ``q_b_proj``); None:
-        one ``q_proj``.
-      norm_eps: the epsilon of the latents' RMSNorms (``q_a_norm``, ``kv_a_norm``).
+      q_lora_rank: the query's low-rank width; None: one ``q_proj``.
+      norm_eps: the epsilon of the latents' RMSNorms.
     """
 
     kv_lora_rank: int
@@ -236,8 +196,9 @@ class MLA:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     def scale(self, rope_scaling: RopeScaling | None) -> float:
-        """The softmax scale without ``attn_scale``: ``qk_head_dim ** -0.5``, times YaRN's
-        ``m(factor, mscale_all_dim)^2`` when the scaling has a ``mscale_all_dim``."""
+        """The softmax scale without ``attn_scale``: ``qk_head_dim ** -0.5``, times ``m^2`` with
+        ``m = 0.1 mscale_all_dim ln(factor) + 1`` when the scaling has a ``mscale_all_dim``
+        and factor > 1 (YaRN's scale of the whole logit)."""
         scale = self.qk_head_dim ** -0.5
         s = rope_scaling
         if s is not None and s.mscale_all_dim and s.factor > 1:
@@ -247,8 +208,7 @@ class MLA:
 
 
 def plain(value: Any) -> Any:
-    """``value`` with NumPy scalars as the Python numbers they hold, for error messages
-    (``-1.0``, not ``np.float64(-1.0)``)."""
+    """``value`` with NumPy scalars as Python numbers, for error messages."""
     item = getattr(value, "item", None)
     if callable(item) and getattr(value, "shape", None) == ():
         return item()
@@ -263,6 +223,16 @@ def check_positive_int(name: str, value: Any) -> None:
 def check_positive_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be a positive finite number, got {plain(value)!r}")
+
+
+def check_nonnegative_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {plain(value)!r}")
+
+
+def check_finite_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {plain(value)!r}")
 
 
 def check_bool(name: str, value: Any) -> None:
@@ -288,8 +258,7 @@ def check_keys(values: dict[str, Any], cls: type, section: str) -> None:
 def parse_override(cls: type, key: str, text: str) -> Any:
     """Parses the string ``text`` as the type of dataclass field ``key`` of ``cls``.
 
-    Used for ``key=value`` command-line overrides, so a wrong type is an error at start-up.
-    """
+    Used for ``key=value`` command-line overrides, so a wrong type is an error at start-up."""
     check_keys({key: None}, cls, cls.__name__)
     hints = typing.get_type_hints(cls)
     return _parse_as(hints[key], text, key)

@@ -1,36 +1,6 @@
 """The KV cache: one explicit, fixed-size pytree passed into the model and returned updated.
-
-Training, prefill and every decode step run the same ``Transformer``; with a cache each block
-calls ``cache.attend``, which writes the chunk's keys/values at their positions and attends over
-the whole layer: the one interface the model's attention uses (``Cache``), so the layout below
-is the cache's own business and another cache (a paged one) plugs in without a branch in the
-model. Its layers
-follow the model's: stacked ([L, ...]) for a scanned model, which carries the cache through its
-layer scan and indexes it with the (traced) layer number, so the decode program does not grow
-with depth; one array per layer for an unrolled model, so a layer reads its own buffer (XLA:CPU
-copied a static slice of a stacked cache before every attention: decode_25m at batch 8 with
-1024 slots took 80 ms per step that way, against 25-35 ms with one array per layer).
-
-Layout. One row per (sequence, kv head): values are [L, B, K, S, H], so attention's batch
-dimensions (B, K) lead and each row's slots are contiguous, which is what the accelerator
-kernels and XLA's batched dots read without a transpose. Keys are the same, or for a CPU target
-an ``ops.layouts.SlotsLast`` buffer stored [L, B, K, H, S]: on XLA:CPU, q [G, H] @ keys [H, S]
-streams the cache in storage order, while keys [S, H] were read 2-4x slower (decode_25m, batch
-8, 1024 slots: a decode step over [S, H] keys took about twice as long). ``init`` picks it from
-the target platform (``slots_last_for``); GPUs and TPUs keep [B, K, S, H]. Only this cache and
-the attention ops know: the model hands the cache its chunk and gets the attention back.
-
-int8 (``dtype="int8"``). Each token's row of each kv head is stored as its int8 values and its
-scale, H + 2 bytes in the place of H (``ops.kv_quant``), written in the same write and
-dequantised just before attention.
-
-Local layers. A sliding-window layer whose window W is shorter than S_max keeps a ring of W
-slots per row instead (``kv_ring``; ``KVCache.k_local``/``v_local``, in the same layouts).
-
-Latent layers (``fields.MLA``). A multi-head latent attention layer keeps one entry per token,
-its normed latent and its rotated rope key (R + P values, ``KVCache.latent`` [L, B, S, R + P]),
-not N heads' keys and values; the layer attends over them itself (``attend_latent``).
-"""
+Each block calls ``cache.attend`` (the ``Cache`` interface), so the layout (per-layer arrays,
+``SlotsLast`` keys on CPU, int8 rows, window rings, latent entries) is the cache's business."""
 
 from __future__ import annotations
 
@@ -55,36 +25,24 @@ CACHE_AXES = ("layers", "batch", "kv_heads", None, None)
 
 
 def slots_last_for(platform: str | None = None) -> bool:
-    """Whether a cache for a ``platform`` target (default: the traced target's,
-    ``ops.target.platform()``) stores its keys [H, S] per row (``ops.layouts.SlotsLast``): for
-    CPU only."""
+    """Whether a cache for ``platform`` (default: the traced target's) stores keys ``SlotsLast``."""
     return (platform or target.platform()) == "cpu"
 
 
 @flax.struct.dataclass
 class KVCache:
-    """Keys and values of every layer for up to S_max positions per sequence.
-
-    Slot s of sequence b holds the key/value of the token at position s, so the causal mask
-    over slot indices is also the validity mask: slots past a sequence's length are never seen.
-    A local layer with a ring (``ring``) holds position p in slot ``p % W`` of its own arrays.
+    """Keys and values of every layer for up to S_max positions per sequence: slot s holds position
+    s (ring layers: slot ``p % W`` of their own arrays), so causality also hides unwritten slots.
 
     Attributes:
-      k: [L, B, K, S_max, H] keys (already rotated by RoPE); for an unrolled model a tuple of
-        L arrays [B, K, S_max, H] ([K, S_max, H] for one sequence, ``_write``; ``layer``
-        gives [B, K, ...]). Either as an ``ops.layouts.SlotsLast`` ([L, B, K, H, S_max], or a
-        tuple of [B, K, H, S_max]) for a CPU target. With rings, L counts the global layers
-        only.
+      k: [L, B, K, S_max, H] keys (rotated); unrolled, a tuple of L [B, K, S_max, H] ([K, S_max,
+        H] for one sequence); ``SlotsLast`` on CPU. With rings, L counts the global layers only.
       v: [L, B, K, S_max, H] values (a tuple of L [B, K, S_max, H] for an unrolled model).
-      lengths: [B] int32 number of positions written per sequence (the next write position).
-      k_local: None, or the local layers' key rings: [L_local, B, K, W, H], a tuple of L_local
-        [B, K, W, H] for an unrolled model (``SlotsLast`` as ``k`` is).
-      v_local: None, or the local layers' value rings, [L_local, B, K, W, H] (or a tuple).
-      ring_end: None, or [B] int32: the rings take no position at or past it (a right-padded
-        prefill sets each prompt's length, so its padding does not overwrite the window).
+      lengths: [B] int32 number of positions written per sequence.
+      k_local, v_local: None, or the ring layers' [L_local, B, K, W, H] (laid out as k and v).
+      ring_end: None, or [B] int32: the rings take no position at or past it.
       ring: static; which layers are rings (``kv_ring.RingLayout``), None without.
-      latent: None, or the latent layers' entries (``fields.MLA``): [L, B, S_max, R + P], a
-        tuple of L [B, S_max, R + P] for an unrolled model; ``k`` and ``v`` then hold no layer.
+      latent: None, or the latent layers' entries [L, B, S_max, R + P] (or a tuple of L).
     """
 
     k: jax.Array | tuple[jax.Array, ...] | SlotsLast
@@ -103,15 +61,11 @@ class KVCache:
         """An empty cache.
 
         Args:
-          config: the model's config (gives L, K, H and the layers' kinds).
-          batch: B.
-          max_len: S_max, the largest number of positions it can hold.
-          dtype: storage dtype (a float dtype, or ``"int8"``: values and a scale per token
-            and kv head, ``ops.kv_quant``); the model's compute dtype by default.
-          platform: the platform the cache is for, which picks its key layout
-            (``slots_last_for``); default the traced target's.
-          window_rings: local layers keep a ring of their window (``kv_ring``) when it is
-            shorter than S_max; False gives every layer S_max slots.
+          config: the model's config.
+          batch, max_len: B and S_max, the positions it can hold per sequence.
+          dtype: a float storage dtype or ``"int8"`` (``ops.kv_quant``); default the compute dtype.
+          platform: the platform the cache is for (picks the key layout, ``slots_last_for``).
+          window_rings: local layers keep a ring of their window when it is shorter than S_max.
         """
         if batch <= 0 or max_len <= 0:
             raise ValueError(f"batch and max_len must be positive, got {batch} and {max_len}")
@@ -181,14 +135,12 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K and V (rings included): ``2 * L * B * S_max * K * H * bytes_per_element``
-        without rings."""
+        """Bytes of K and V (rings and latents included)."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
             (self.k, self.v, self.k_local, self.v_local, self.latent)))
 
     def layer(self, i: int | jax.Array | LayerRef) -> tuple[jax.Array, jax.Array]:
-        """Layer i's (keys, values): [B, K, S, H] each (keys a ``SlotsLast`` [B, K, H, S] in
-        that layout); a ring layer's S is its W slots. ``i`` as ``kv_ring.locate`` takes it."""
+        """Layer i's (keys, values): [B, K, S, H] each (rings: S = W; keys maybe ``SlotsLast``)."""
         ring, j = kv_ring.locate(self.ring, i)
         if ring:
             return _layer_of(self.k_local, self.v_local, j, self.batch)
@@ -199,26 +151,14 @@ class KVCache:
                scale: float | None = None, softcap: float | None = None,
                sinks: jax.Array | None = None, chunk: int | None = None
                ) -> tuple[jax.Array, KVCache]:
-        """Layer i's attention with this cache: writes the chunk's keys/values, then attends
-        the queries over every slot of the layer.
-
-        Slot s holds position s, so the causal structure also hides slots not written yet (a
-        ring layer: as ``kv_ring.attend`` says).
+        """Layer i's attention with this cache: writes the chunk's keys/values, then attends the
+        queries over every slot of the layer.
 
         Args:
-          i: the layer: its number (a Python int, or traced when every layer is alike), or a
-            scanned block's ``LayerRef`` (``kv_ring.locate``).
-          q: [B, T, N, H] queries (rotated).
-          k: [B, T, K, H] new keys (rotated) for ``positions``.
-          v: [B, T, K, H] new values.
-          positions: [B, T] int positions, consecutive per row; row b is written at slots
-            ``positions[b, 0] ..``.
-          window: optional sliding window length.
-          impl: the attention implementation (``ops.attention.attention``).
-          scale: the logits' scale (default ``1/sqrt(H)``).
-          softcap: optional logit soft-cap (``ops.softcap``).
-          sinks: optional [N] attention sink logits (``ops.attention.attention``).
-          chunk: a chunked layer's C (``ops.attention.attention``), or None.
+          i: the layer: its number, or a scanned block's ``LayerRef`` (``kv_ring.locate``).
+          q, k, v: [B, T, N, H] queries, [B, T, K, H] new keys (both rotated) and values.
+          positions: [B, T] int positions, consecutive per row.
+          window, impl, scale, softcap, sinks, chunk: as ``ops.attention.attention`` takes them.
 
         Returns:
           ([B, T, N, H] attention output, the cache with layer i written).
@@ -241,45 +181,31 @@ class KVCache:
 
     def attend_latent(self, i: int | jax.Array | LayerRef, entries: jax.Array,
                       positions: jax.Array) -> tuple[jax.Array, KVCache]:
-        """Latent layer i's cache: writes the chunk's entries at their positions and returns
-        every slot's (the layer attends over them, ``model.latent``).
+        """Latent layer i's cache: writes the chunk's entries and returns every slot's.
 
         Args:
-          i: the layer, as ``attend`` takes it.
+          i, positions: as ``attend`` takes them.
           entries: [B, T, R + P] the chunk's [latent, rope key] per token.
-          positions: [B, T] int positions, consecutive per row (row b at slots
-            ``positions[b, 0] ..``).
 
         Returns:
-          ([B, S_max, R + P] the layer's entries, slot s holding position s; the cache with
-          them written).
+          ([B, S_max, R + P] the layer's entries, the cache with them written).
         """
         _, j = kv_ring.locate(None, i)
         start = positions[:, 0]
         buf = self.latent
         if isinstance(buf, tuple):
-            layer = _write_entries(buf[j], entries, start)
+            layer = _write_entries(buf[j], (), entries, start)
             return layer, self.replace(latent=(*buf[:j], layer, *buf[j + 1:]))
-        b, t = entries.shape[:2]
-        rows = jnp.arange(b)[:, None]
-        slots = start[:, None] + jnp.arange(t, dtype=start.dtype)
-        buf = buf.at[j, rows, slots].set(entries.astype(buf.dtype), mode="promise_in_bounds",
-                                         unique_indices=True)
+        buf = _write_entries(buf, (j,), entries, start)
         return buf[j], self.replace(latent=buf)
 
     def write(self, i: int | jax.Array | LayerRef, k: jax.Array, v: jax.Array,
               start: jax.Array) -> KVCache:
-        """Writes a chunk of T new keys/values of each sequence at its own start slot.
-
-        Slots past S_max must not be written (callers check capacity): the write promises XLA
-        that indices are in bounds, which keeps it an in-place update of the loop-carried cache.
-        A ring layer takes the chunk's last W positions (``ring_end`` applies).
+        """Writes a chunk of T new keys/values of each sequence at its own start slot (below S_max).
 
         Args:
           i: the layer, as ``attend`` takes it.
-          k: [B, T, K, H] new keys for positions ``start[b] .. start[b] + T - 1``.
-          v: [B, T, K, H] new values.
-          start: [B] int32 first slot per sequence.
+          k, v, start: [B, T, K, H] new keys and values, [B] int32 first slot per sequence.
 
         Returns:
           The cache with layer i updated (lengths unchanged: the model sets them).
@@ -292,7 +218,6 @@ class KVCache:
 
     def _write_full(self, i: int | jax.Array, k: jax.Array, v: jax.Array, start: jax.Array
                     ) -> KVCache:
-        """``write`` into full layer i (of ``k``/``v``)."""
         if self.int8:
             k, v = kv_quant.encode(k), kv_quant.encode(v)
         return self.replace(k=_write(self.k, i, k, start), v=_write(self.v, i, v, start))
@@ -313,10 +238,7 @@ class KVCache:
         return self.replace(k_local=k_local, v_local=v_local)
 
     def constrain(self) -> KVCache:
-        """The cache with its logical sharding pinned (kv heads over the tensor axis).
-
-        A no-op unless logical-axis rules and a mesh are in context (``sharding.jit_sharded``).
-        """
+        """The cache with its logical sharding pinned (a no-op without a mesh and rules)."""
         if jax.sharding.get_abstract_mesh().empty:
             return self
         def pin(x: jax.Array) -> jax.Array:  # per layer [B, K, ...] or [K, ...]
@@ -332,12 +254,7 @@ class KVCache:
 
 
 class Cache(Protocol):
-    """What the model needs of a cache: ``KVCache`` is one, a paged cache would be another.
-
-    ``lengths`` [B] are the positions written per sequence (the model continues from them and
-    sets them after a chunk, through ``replace``); ``attend`` stores a layer's chunk and
-    attends over the layer's keys and values, in whatever layout the cache keeps them.
-    """
+    """What the model needs of a cache: ``lengths`` [B], ``attend`` (and ``replace``)."""
 
     lengths: jax.Array
 
@@ -353,26 +270,22 @@ class Cache(Protocol):
     def replace(self, **changes: Any) -> Cache: ...
 
 
-def _write_entries(buf: jax.Array, entries: jax.Array, start: jax.Array) -> jax.Array:
-    """[B, T, E] entries written into one latent layer [B, S, E] at each row's start slot."""
+def _write_entries(buf: jax.Array, lead: tuple[Any, ...], entries: jax.Array, start: jax.Array
+                   ) -> jax.Array:
+    """[B, T, E] entries written into latent layer ``buf[lead]`` ([B, S, E]) at each row's start."""
     b, t = entries.shape[:2]
     entries = entries.astype(buf.dtype)
-    if isinstance(b, int) and b == 1:
+    if isinstance(b, int) and b == 1 and not lead:
         return jax.lax.dynamic_update_slice(buf, entries, (0, start[0], 0))
     rows = jnp.arange(b)[:, None]
     slots = start[:, None] + jnp.arange(t, dtype=start.dtype)
-    return buf.at[rows, slots].set(entries, mode="promise_in_bounds", unique_indices=True)
+    return buf.at[(*lead, rows, slots)].set(entries, mode="promise_in_bounds",
+                                            unique_indices=True)
 
 
 def _write(cache: Any, i: int | jax.Array, new: jax.Array, start: jax.Array) -> Any:
-    """Layer i's write into stacked [L, B, K, S, H] buffers or a tuple of per-layer ones
-    ([B, K, S, H], [K, S, H] at B = 1; keys a ``SlotsLast`` of either, [.., H, S]),
-    returned in their layout.
-
-    A per-layer buffer of one sequence is stored without its size-1 axis: XLA:CPU copied the
-    whole of every layer's cache each step around a write into a buffer with one
-    (decode_25m, batch 1, 1024 slots: 20 against 11 ms a step).
-    """
+    """Layer i's write into stacked [L, B, K, S, H] buffers or a tuple of per-layer ones ([B, K, S,
+    H]; [K, S, H] at B = 1, which XLA:CPU writes without copying), in their layout."""
     buf, slots_last = stored_keys(cache)
     if not isinstance(buf, tuple):
         return _write_rows(cache, (i,), new, start)
@@ -389,19 +302,9 @@ def _write(cache: Any, i: int | jax.Array, new: jax.Array, start: jax.Array) -> 
 
 def _write_rows(cache: jax.Array | SlotsLast, lead: tuple[Any, ...], new: jax.Array,
                 start: jax.Array) -> jax.Array | SlotsLast:
-    """Writes a chunk into buffer ``cache[lead]`` ([B, K, S, H], a ``SlotsLast`` one [B, K,
-    H, S]); returns the whole buffer in its layout.
-
-    Args:
-      cache: the buffer, with ``len(lead)`` leading axes (the layer of a stacked cache).
-      lead: the leading indices, ``(i,)`` or ``()``.
-      new: [B, T, K, H] the chunk.
-      start: [B] int32 first slot per sequence.
-
-    At B = 1 one dynamic-update-slice (the scatter below would become a bounds-checked select
-    that copies the whole cache there); else a scatter of [B, T] (row, slot) pairs. Both keep
-    the loop-carried buffer in place and leave a split of the K axis on its devices.
-    """
+    """Writes the [B, T, K, H] chunk ``new`` into buffer ``cache[lead]`` ([B, K, S, H], or
+    ``SlotsLast``) at each row's ``start`` slot, in place: a dynamic-update-slice at B = 1 (a
+    scatter would copy the whole cache there), else a scatter; returns the whole buffer."""
     buf, slots_last = stored_keys(cache)
     b, t = new.shape[:2]
     new = new.astype(buf.dtype)
@@ -417,17 +320,13 @@ def _write_rows(cache: jax.Array | SlotsLast, lead: tuple[Any, ...], new: jax.Ar
         slots = start[:, None] + jnp.arange(t, dtype=start.dtype)  # [B, T]
         index = [*lead, rows, slice(None), slice(None), slice(None)]
         index[slot_axis] = slots
-        # The advanced indices ([i,] rows, slots) broadcast to [B, T] and lead: updates [B, T,
-        # K, H].
         out = buf.at[tuple(index)].set(new, mode="promise_in_bounds", unique_indices=True)
     return SlotsLast(out) if slots_last else out
 
 
 def cache_bytes(config: Architecture, batch: int, max_len: int,
                 dtype: jnp.dtype | str | None = None, *, window_rings: bool = True) -> int:
-    """Size of K and V of a ``KVCache.init(config, batch, max_len, dtype)``, without
-    allocating it (int8: values and scales; local layers' rings of W slots, as ``init`` makes
-    them with ``window_rings``)."""
+    """Bytes of ``KVCache.init(config, batch, max_len, dtype, window_rings=...)``, unallocated."""
     dtype = jnp.dtype(dtype or config.dtype)
     if config.mla is not None:  # one [latent, rope key] entry per token per layer
         return config.n_layers * batch * max_len * config.mla.entry_dim * dtype.itemsize
@@ -439,6 +338,5 @@ def cache_bytes(config: Architecture, batch: int, max_len: int,
 
 
 def _layer_of(k: Any, v: Any, i: int | jax.Array, b: int) -> tuple[Any, jax.Array]:
-    """Layer i of stacked ([L, B, K, ...]) or per-layer buffers, as [B, K, ...] each (keys
-    in their layout)."""
+    """Layer i of stacked ([L, B, K, ...]) or per-layer buffers, as [B, K, ...] each."""
     return jax.tree.map(lambda x: x.reshape(b, *x.shape[-3:]), (k[i], v[i]))

@@ -1,35 +1,7 @@
-"""Sliding-window layers keep only their window: the KV caches' rings.
-
-A local layer (``Architecture.layer_kinds``, window W) never reads a key more than W - 1
-positions behind its query, so both caches (``KVCache`` and ``serving.PagedKVCache``) keep each
-local layer's keys and values in a ring of R = W slots per row (position p in slot ``p % R``)
-instead of a slot per position; global layers keep their full layout. A chunked layer (chunk C)
-never reads a key outside its query's chunk, so at most C - 1 positions behind: it keeps a ring
-of C slots the same way (W = C), its chunk given to the attention as a mask on top.
-``RingLayout`` says which layers are rings and where each layer lives; the caches call
-``attend`` here for a ring layer.
-
-Attending a chunk of T positions ``start .. start + T - 1`` of a row (consecutive, as always):
-
-- T <= R - W + 1 (a decode step, T = 1): the chunk overwrites only positions none of its
-  queries sees, so it is written first and the queries attend over the ring alone, slot s
-  holding position ``e - ((e - s) mod R)`` with ``e = start + T - 1`` (``ring_positions``).
-- longer chunks (prefill): the queries attend over the ring as it was before the chunk (slot s
-  holding ``start - 1 - ((start - 1 - s) mod R)``) and the chunk's own keys after it, then only
-  the chunk's last R positions are written; any T works with R = W.
-
-A slot whose position would be negative was never written: it gets ``INVALID``, past every
-query, so causality hides it. This needs every position of a row below ``start`` written in
-order, which holds for the caches' users: prefill then decode, chunk after chunk.
-
-Positions a right-padded chunk holds past its real end (a ragged prefill, an engine chunk) must
-not overwrite the window the next token needs: a cache's optional ``ring_end`` [B] stops a row's
-ring writes there (padding queries then see junk, and their outputs are ignored).
-
-A layer scan scans runs of layers of the same kinds (``stack.LayerGroup``): a block knows its
-kind as a Python value and gives the cache a ``LayerRef`` (its traced index among the layers of
-its kind), so each layer writes only the buffer it reads (``locate``).
-"""
+"""Sliding-window layers keep only their window: the KV caches' rings of R = W slots per row
+(position p in slot ``p % R``; never written: ``INVALID``) for local layers (window W) and
+chunked ones (chunk C = W). A decode step is written first and attends over the ring; a longer
+chunk attends over the ring and its own keys, then its last R positions are written."""
 
 from __future__ import annotations
 
@@ -56,8 +28,7 @@ class RingLayout:
     """Which layers of a cache are rings, and where each layer is stored (static, hashable).
 
     Attributes:
-      window: W, the local layers' window (the chunked layers' chunk); also R, the ring's
-        slots per row.
+      window: W, the local layers' window (chunked layers' chunk), also the ring's R slots.
       local: per layer, whether it is a ring layer (local or chunked).
     """
 
@@ -66,9 +37,7 @@ class RingLayout:
 
     @classmethod
     def of(cls, config: Architecture, max_len: Any) -> RingLayout | None:
-        """The rings of a cache of ``max_len`` positions per row, or None: no local layer, or
-        a window that holds every position anyway (``max_len <= W``: the full layout is no
-        bigger). A symbolic ``max_len`` (``jax.export``) that may exceed W takes rings."""
+        """The rings of a cache of ``max_len`` slots per row; None: no local layer, or W >= it."""
         kinds = config.layer_kinds()
         window = config.sliding_window if "local" in kinds else (
             config.attention_chunk if "chunked" in kinds else None)
@@ -102,9 +71,7 @@ class RingLayout:
 
 def locate(layout: RingLayout | None, i: int | jax.Array | LayerRef
            ) -> tuple[bool, int | jax.Array]:
-    """(whether layer i is kept in a ring, its index among the rings or among the full
-    layers). ``i`` is a layer number (a Python int, or traced when every layer is alike), or
-    a scanned block's ``LayerRef``."""
+    """(whether layer i is a ring, its index among its kind); ``i`` a number or a ``LayerRef``."""
     if isinstance(i, LayerRef):
         return (False, i.index) if layout is None else (i.local, i.of_kind)
     if layout is None:
@@ -118,8 +85,7 @@ def locate(layout: RingLayout | None, i: int | jax.Array | LayerRef
 
 
 def ring_positions(last: jax.Array, size: int) -> jax.Array:
-    """[B] last position written per row -> [B, R] position each slot holds (``INVALID``
-    where the position would be negative: never written)."""
+    """[B] last position written per row -> [B, R] position of each slot (unwritten: INVALID)."""
     slots = jnp.arange(size, dtype=jnp.int32)
     last = last.astype(jnp.int32)[:, None]
     held = last - jnp.mod(last - slots, size)
@@ -127,16 +93,13 @@ def ring_positions(last: jax.Array, size: int) -> jax.Array:
 
 
 def write_slots(positions: jax.Array, size: int, end: jax.Array | None = None) -> jax.Array:
-    """The ring slot each chunk position is written to, ``size`` (out of range: dropped) for
-    the positions not written.
+    """The ring slot each chunk position is written to.
 
     Args:
-      positions: [B, T] consecutive positions per row.
-      size: R.
-      end: optional [B]: positions at or past it are not written.
+      positions, size, end: [B, T] consecutive positions, R, optional [B] end (not written past).
 
     Returns:
-      [B, T] int32: ``p % R`` for the row's last R written positions, else R.
+      [B, T] int32: ``p % R`` for each row's last R written positions, else R (dropped).
     """
     ok = jnp.ones(positions.shape, bool)
     if end is not None:
@@ -152,8 +115,7 @@ def stored(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 def writes_first(t: Any, size: int, window: int) -> bool:
-    """Whether a chunk of T positions is written before its queries attend (T <= R - W + 1:
-    it overwrites only positions none of them sees); a symbolic T is not."""
+    """Whether a chunk of T (static) positions is written before its queries attend."""
     return isinstance(t, int) and t <= size - window + 1
 
 
@@ -164,21 +126,12 @@ def ring_attention(keys: jax.Array | SlotsLast, values: jax.Array, q: jax.Array,
     """A local layer's queries over its ring rows (see the module docstring).
 
     Args:
-      keys: [B, K, R, H] the chunk rows' ring keys as stored (``SlotsLast`` [B, K, H, R] in a
-        CPU layout; int8: H + 2), after the chunk's write when ``written``, before it
-        otherwise.
-      values: [B, K, R, H] their values.
-      q: [B, T, N, H] queries (rotated).
-      k: [B, T, K, H] the chunk's keys (rotated): attended after the ring unless ``written``.
-      v: [B, T, K, H] the chunk's values.
+      keys, values: [B, K, R, H] the chunk rows' ring keys (maybe ``SlotsLast``) and values as
+        stored, after the chunk's write when ``written``, before it otherwise.
+      q, k, v: [B, T, N, H] queries, [B, T, K, H] the chunk's keys (both rotated) and values.
       positions: [B, T] consecutive positions per row.
-      written: whether the ring already holds the chunk (``writes_first``).
-      window: W (static).
-      impl: the attention implementation (``ops.attention.attention``).
-      scale: the logits' scale.
-      softcap: optional logit soft-cap.
-      sinks: optional [N] attention sink logits.
-      chunk: a chunked layer's C (its queries see only their own chunk), or None.
+      written, window: whether the ring holds the chunk already (``writes_first``); W.
+      impl, scale, softcap, sinks, chunk: as ``ops.attention.attention`` takes them.
 
     Returns:
       [B, T, N, H] attention output.
@@ -206,17 +159,14 @@ def attend(cache: Any, j: int | jax.Array, layout: RingLayout, q: jax.Array, k: 
            v: jax.Array, positions: jax.Array, *,
            read_ring: Callable[[Any, Any], tuple[jax.Array, jax.Array]],
            write_ring: Callable[[Any, Any], Any], **kwargs: Any) -> tuple[jax.Array, Any]:
-    """Ring j's attention (see the module docstring): the chunk written and attended.
+    """Ring j's attention: the chunk written and attended.
 
     Args:
-      cache: the cache (a pytree the callbacks take).
-      j: the ring (``locate``'s index).
-      layout: the cache's ``RingLayout``.
+      cache, j, layout: the cache (a pytree the callbacks take), the ring, its ``RingLayout``.
       q, k, v, positions: the chunk, as ``ring_attention`` takes it.
-      read_ring: (cache, j) -> ring j's rows of the chunk's rows as stored (``ring_attention``'s
-        keys and values).
+      read_ring: (cache, j) -> ring j's keys and values of the chunk's rows, as stored.
       write_ring: (cache, j) -> the cache with the chunk written into ring j.
-      **kwargs: ``ring_attention``'s impl, scale and softcap.
+      **kwargs: the rest of ``ring_attention``'s arguments.
 
     Returns:
       ([B, T, N, H] attention output, the cache with the chunk written).
@@ -235,16 +185,11 @@ def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: j
     """Writes each row's last R positions (below ``end``) of a chunk into ring j.
 
     Args:
-      k_ring: stacked key rings [L, B', K, R, H], or a tuple of L [B', K, R, H] ([K, R, H] at
-        B' = 1, ``KVCache``'s per-layer layout); either as a ``SlotsLast`` (slots and H
-        swapped).
-      v_ring: the value rings, alike.
+      k_ring, v_ring: stacked key and value rings [L, B', K, R, H], or tuples of L
+        [B', K, R, H] ([K, R, H] at B' = 1); the keys may be a ``SlotsLast``.
       j: the ring (traced only when stacked).
-      k: [B, T, K, H] new keys.
-      v: [B, T, K, H] new values.
-      positions: [B, T] consecutive positions per row.
-      rows: optional [B] ring row of each chunk row (default: row b is ring row b).
-      end: optional [B]: positions at or past it are not written.
+      k, v, positions: [B, T, K, H] new keys and values, their [B, T] consecutive positions.
+      rows, end: optional [B] ring row of each chunk row (default b), end of its writes.
 
     Returns:
       (key rings, value rings) with ring j written.
@@ -263,7 +208,6 @@ def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: j
         layer = ring[j].reshape(-1, *ring[j].shape[-3:])  # [B', K, ...]
         index = [rows[:, None], slice(None), slice(None), slice(None)]
         index[3 if slots_last else 2] = slots
-        # The advanced indices (rows, slots) broadcast to [B, T] and lead: updates [B, T, K, H].
         written = layer.at[tuple(index)].set(new, mode="drop").reshape(ring[j].shape)
         ring = (*ring[:j], written, *ring[j + 1:])
         out.append(SlotsLast(ring) if slots_last else ring)
@@ -275,11 +219,8 @@ def scatter_stacked(ring: jax.Array | SlotsLast, j: int | jax.Array, rows: jax.A
     """Writes chunk rows into one layer of stacked rings, dropping slots out of range.
 
     Args:
-      ring: [L, B', K, R, H] (or a ``SlotsLast`` [L, B', K, H, R]).
-      j: the layer.
-      rows: [B] ring row of each chunk row (broadcast against slots).
-      new: [B, T, K, H] (stored dtype).
-      slots: [B, T] slot per position (R: not written).
+      ring, j: the rings [L, B', K, R, H] (or ``SlotsLast``), the layer.
+      rows, new, slots: [B] ring rows, [B, T, K, H] chunk rows, [B, T] slots (R: not written).
 
     Returns:
       The rings with layer j written, in their layout.
@@ -287,7 +228,6 @@ def scatter_stacked(ring: jax.Array | SlotsLast, j: int | jax.Array, rows: jax.A
     ring, slots_last = stored_keys(ring)
     index = [j, rows[:, None], slice(None), slice(None), slice(None)]
     index[4 if slots_last else 3] = slots
-    # The advanced indices (j, rows, slots) broadcast to [B, T] and lead: updates [B, T, K, H].
     ring = ring.at[tuple(index)].set(new.astype(ring.dtype), mode="drop")
     return SlotsLast(ring) if slots_last else ring
 

@@ -1,10 +1,4 @@
-"""Multi-head latent attention's module (``LatentAttention``): the ``"latent"`` attention kind.
-
-It owns the projections of ``fields.MLA`` and calls ``ops.latent_attention``: without a cache
-(training) and for chunks of several tokens (prefill) in the expanded space, for one token
-per row (a decode step) in the latent space; the cache (``Cache.attend_latent``) stores each
-token's [latent, rope key] entry.
-"""
+"""Multi-head latent attention's module (``LatentAttention``): the ``"latent"`` attention kind."""
 
 from __future__ import annotations
 
@@ -16,7 +10,7 @@ from jax.ad_checkpoint import checkpoint_name
 from transformer_jax.model import ops, remat
 from transformer_jax.model.fields import MLA
 from transformer_jax.model.kv_cache import Cache
-from transformer_jax.model.layers import LayerKind, Norm, matrix
+from transformer_jax.model.layers import LayerKind, Norm, typed_matrix
 from transformer_jax.model.ops import latent_attention
 from transformer_jax.model.ops.dense import dense
 from transformer_jax.model.stack import LayerRef
@@ -41,10 +35,6 @@ class LatentAttention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
-    def _matrix(self, name, shape, axes, std):
-        return matrix(self, name, shape, axes, nn.initializers.normal(stddev=std),
-                      param_dtype=self.param_dtype).astype(self.dtype)
-
     def _norm(self, name: str, x: jax.Array) -> jax.Array:
         return Norm(eps=self.mla.norm_eps, param_dtype=self.param_dtype, name=name)(x)
 
@@ -57,19 +47,20 @@ class LatentAttention(nn.Module):
         nope, p, r = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
         heads = ("heads", "head_dim")
         if m.q_lora_rank is None:
-            q = dense(x, self._matrix("q_proj", (d, n, nope + p), ("embed", *heads), std),
+            q = dense(x, typed_matrix(self, "q_proj", (d, n, nope + p), ("embed", *heads), std),
                       "BTD,DNH->BTNH")
         else:
-            qa = self._matrix("q_a_proj", (d, m.q_lora_rank), ("embed", None), std)
-            qb = self._matrix("q_b_proj", (m.q_lora_rank, n, nope + p), ("latent_rank", *heads),
-                              std)
+            qa = typed_matrix(self, "q_a_proj", (d, m.q_lora_rank), ("embed", None), std)
+            qb = typed_matrix(self, "q_b_proj", (m.q_lora_rank, n, nope + p),
+                              ("latent_rank", *heads), std)
             q = dense(self._norm("q_a_norm", dense(x, qa, "BTD,DQ->BTQ")), qb,
                       "BTQ,QNH->BTNH")
         q = checkpoint_name(q, remat.QUERY)
-        kv_a = self._matrix("kv_a_proj", (d, r + p), ("embed", None), std)
-        kv_b = self._matrix("kv_b_proj", (r, n, nope + m.v_head_dim), ("latent_rank", *heads),
-                            std)
-        wo = self._matrix("o_proj", (n, m.v_head_dim, d), (*heads, "embed"), self.out_init_std)
+        kv_a = typed_matrix(self, "kv_a_proj", (d, r + p), ("embed", None), std)
+        kv_b = typed_matrix(self, "kv_b_proj", (r, n, nope + m.v_head_dim),
+                            ("latent_rank", *heads), std)
+        wo = typed_matrix(self, "o_proj", (n, m.v_head_dim, d), (*heads, "embed"),
+                          self.out_init_std)
         latent = checkpoint_name(dense(x, kv_a, "BTD,DE->BTE"), remat.KV_LATENT)
         c, k_rope = self._norm("kv_a_norm", latent[..., :r]), latent[..., r:]
         rope = dict(pairing=self.rope_pairing, freqs=kind.freqs,

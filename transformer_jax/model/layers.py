@@ -1,8 +1,5 @@
-"""Thin flax.linen modules: each owns its parameters and calls the pure functions in ``ops``.
-
-Every parameter carries logical axis names (embed, vocab, heads, kv_heads, head_dim, mlp, norm,
-layers), so a mesh can shard it by rules without touching the model.
-"""
+"""Thin flax.linen modules: each owns its parameters (with logical axis names, so a mesh shards
+them by rules) and calls the pure functions in ``ops``."""
 
 from __future__ import annotations
 
@@ -28,16 +25,12 @@ from transformer_jax.model.ops.row_lora import is_row_adapters
 from transformer_jax.model.stack import LayerRef, LayerSpec
 
 
-#: Names of the parameters that are not matmul weights: norm gains and shifts, projection biases
-#: (``q_bias`` ...). The weight-decay mask, the FLOPs count and the decode's dtype cast read them
-#: from here, in the unrolled and the scanned layout alike.
 def is_vector_param(name: str) -> bool:
     """Whether a parameter of this (leaf) name is a norm gain/shift or a bias."""
     return name in ("scale", "bias", "sinks") or name.endswith("_bias")
 
 
-#: How many leading axes of each matrix (in its in-first layout) are inputs; the rest are
-#: outputs; ``matrix`` declares them, in-first or out-first.
+#: How many leading axes of each matrix (in its in-first layout) are inputs; the rest outputs.
 MATRIX_INPUT_AXES = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate": 1, "up": 1,
                      "down": 1, "lm_head": 1, "router": 1, "shared_gate": 1,
                      "eh_proj": 1}
@@ -55,15 +48,10 @@ def _normal(std: float) -> nn.initializers.Initializer:
 
 def matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
            init: nn.initializers.Initializer, *, param_dtype: jnp.dtype) -> Any:
-    """The one parameter primitive of every matrix of the model.
-
-    Declares matrix ``name`` on ``module`` with its in-first ``shape`` and logical ``axes``
-    (``MATRIX_INPUT_AXES[name]`` leading input axes, e.g. q_proj [D, N, H]).
+    """Declares matrix ``name`` on ``module``, in-first ``shape`` and logical ``axes``.
 
     Returns:
-      The stored parameter, in ``param_dtype``; or the weight prepared in its place (a
-      quantised one, an ``OutFirst`` one, one with per-row adapters: ``stored_as_is``), which
-      ``ops.dense`` computes with as it is.
+      The parameter in ``param_dtype``, or a weight prepared in its place (``stored_as_is``).
     """
     prepared = stored_as_is(module, name)
     if prepared is not None:
@@ -71,11 +59,22 @@ def matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, param_dtype)
 
 
+def typed_matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
+                 std: float) -> Any:
+    """``matrix`` with a normal(``std``) initialiser, cast to the module's compute ``dtype``."""
+    return matrix(module, name, shape, axes, _normal(std),
+                  param_dtype=module.param_dtype).astype(module.dtype)
+
+
+def zeros_param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...]
+                ) -> jax.Array:
+    """A zero-initialised parameter (a bias) of ``module``, cast to its compute ``dtype``."""
+    return module.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes), shape,
+                        module.param_dtype).astype(module.dtype)
+
+
 def stored_as_is(module: nn.Module, name: str) -> Any:
-    """Parameter ``name`` of ``module`` when ``decode.prepare`` or a serving step stored it as
-    a typed leaf (quantised: ``model.quant``; output axes first: ``ops.layouts.OutFirst``;
-    with per-row adapters: ``ops.row_lora``), else None. Read as it is: flax's ``param``
-    would check the stored arrays' shapes against the float, in-first declaration."""
+    """Parameter ``name`` of ``module`` when stored as a typed leaf (e.g. quantised), else None."""
     if module.has_variable("params", name):
         w = module.get_variable("params", name)
         if is_quantized(w) or is_row_adapters(w) or isinstance(w, OutFirst):
@@ -105,12 +104,8 @@ class Embed(nn.Module):
 
 
 class Norm(nn.Module):
-    """RMSNorm (``kind="rms"``) or LayerNorm (``kind="layer"``) over the trailing axes.
-
-    The gain is ``(offset + scale)``, ``scale`` initialised to ``1 - offset``. ``shape`` is the
-    normalised trailing shape (default: x's last axis), e.g. (N, H) for all of a token's query
-    heads together; its logical ``axes`` default to ``("norm",)``.
-    """
+    """RMSNorm (``kind="rms"``) or LayerNorm (``kind="layer"``) over the trailing ``shape``
+    (default: x's last axis); gain ``offset + scale``, ``scale`` starting at ``1 - offset``."""
 
     kind: str = "rms"
     eps: float = 1e-5
@@ -134,14 +129,13 @@ class Norm(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class LayerKind:
-    """How one layer attends: its window and RoPE frequencies, from its ``LayerSpec``.
+    """How one layer attends, from its ``LayerSpec``.
 
     Attributes:
       window: the sliding window (None: full causal).
-      freqs: [H/2] float32 RoPE frequencies, or None without RoPE.
-      rope_factor: the cos/sin multiplier (YaRN's attention factor; 1.0 otherwise).
-      chunk: a chunked layer's C (its queries see only their own chunk), else None.
-      temperature: (floor f, scale s) of a NoPE layer's query temperature, else None.
+      freqs, rope_factor: [H/2] float32 RoPE frequencies (None without RoPE), cos/sin multiplier.
+      chunk: a chunked layer's C, else None.
+      temperature: (floor, scale) of a NoPE layer's query temperature, else None.
     """
 
     window: int | None
@@ -166,14 +160,9 @@ class LayerKind:
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped kv heads, RoPE and an optional KV cache.
-
-    Parameters: ``q_proj`` [D, N, H], ``k_proj`` and ``v_proj`` [D, K, H], ``o_proj`` [N, H, D],
-    with ``qkv_bias`` also ``q_bias`` [N, H], ``k_bias`` and ``v_bias`` [K, H], with ``o_bias``
-    ``o_bias`` [D], with ``sinks`` the sink logits ``sinks`` [N], and with ``qk_norm`` the
-    gains ``q_norm`` and ``k_norm`` ([H] each for ``"head"``, [N, H] and [K, H] for
-    ``"full"``; none for ``"weightless"``, applied after RoPE).
-    """
+    """Multi-head attention with grouped kv heads, RoPE and an optional KV cache: ``q_proj``
+    [D, N, H], ``k_proj``, ``v_proj`` [D, K, H], ``o_proj`` [N, H, D]; optionally ``q_bias``,
+    ``k_bias``, ``v_bias``, ``o_bias``, ``sinks`` [N] and the ``qk_norm`` gains."""
 
     n_heads: int
     n_kv_heads: int
@@ -193,14 +182,6 @@ class Attention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
-    def _matrix(self, name, shape, axes, init):
-        return matrix(self, name, shape, axes, init,
-                      param_dtype=self.param_dtype).astype(self.dtype)
-
-    def _bias(self, name, shape, axes):
-        return self.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes),
-                          shape, self.param_dtype).astype(self.dtype)
-
     def _qk_norm(self, name: str, x: jax.Array, heads_axis: str) -> jax.Array:
         shape, axes = (((self.head_dim,), ("head_dim",)) if self.qk_norm == "head"
                        else (x.shape[-2:], (heads_axis, "head_dim")))
@@ -214,14 +195,9 @@ class Attention(nn.Module):
         """Self-attention of x over itself, or over the cache once x's keys are written in.
 
         Args:
-          x: [B, T, D] normalised input.
-          positions: [B, T] integer positions; with a cache, each row must be consecutive and
-            its first entry is the slot the chunk is written at.
+          x, positions: [B, T, D] normalised input, [B, T] int positions (consecutive per row).
           kind: this layer's window and RoPE frequencies (``LayerKind.of``).
-          cache: optional ``Cache`` (a ``KVCache`` or a paged cache); this block reads and
-            writes its layer ``layer`` through ``cache.attend``.
-          layer: this block's layer number, or inside a layer scan its ``LayerRef`` (what
-            the cache reads it by).
+          cache, layer: an optional ``Cache`` and this block's number (or ``LayerRef``) in it.
           segment_ids: optional [B, T] packed-sequence ids (0 = padding); not with a cache.
 
         Returns:
@@ -229,19 +205,19 @@ class Attention(nn.Module):
         """
         d = x.shape[-1]
         n, kv, h = self.n_heads, self.n_kv_heads, self.head_dim
-        init = _normal(self.init_std)
-        wq = self._matrix("q_proj", (d, n, h), ("embed", "heads", "head_dim"), init)
-        wk = self._matrix("k_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), init)
-        wv = self._matrix("v_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), init)
-        wo = self._matrix("o_proj", (n, h, d), ("heads", "head_dim", "embed"),
-                          _normal(self.out_init_std))
+        std = self.init_std
+        wq = typed_matrix(self, "q_proj", (d, n, h), ("embed", "heads", "head_dim"), std)
+        wk = typed_matrix(self, "k_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), std)
+        wv = typed_matrix(self, "v_proj", (d, kv, h), ("embed", "kv_heads", "head_dim"), std)
+        wo = typed_matrix(self, "o_proj", (n, h, d), ("heads", "head_dim", "embed"),
+                          self.out_init_std)
         q = checkpoint_name(dense(x, wq, "BTD,DNH->BTNH"), remat.QUERY)
         k = checkpoint_name(dense(x, wk, "BSD,DKH->BSKH"), remat.KEY)
         v = checkpoint_name(dense(x, wv, "BSD,DKH->BSKH"), remat.VALUE)
         if self.qkv_bias:
-            q = q + self._bias("q_bias", (n, h), ("heads", "head_dim"))
-            k = k + self._bias("k_bias", (kv, h), ("kv_heads", "head_dim"))
-            v = v + self._bias("v_bias", (kv, h), ("kv_heads", "head_dim"))
+            q = q + zeros_param(self, "q_bias", (n, h), ("heads", "head_dim"))
+            k = k + zeros_param(self, "k_bias", (kv, h), ("kv_heads", "head_dim"))
+            v = v + zeros_param(self, "v_bias", (kv, h), ("kv_heads", "head_dim"))
         if self.qk_norm in ("head", "full"):
             q = self._qk_norm("q_norm", q, "heads")
             k = self._qk_norm("k_norm", k, "kv_heads")
@@ -277,13 +253,12 @@ class Attention(nn.Module):
         out = checkpoint_name(out.astype(self.dtype), remat.CONTEXT)
         out = checkpoint_name(dense(out, wo, "BTNH,NHD->BTD"), remat.OUT)
         if self.o_bias:
-            out = out + self._bias("o_bias", (d,), ("embed",))
+            out = out + zeros_param(self, "o_bias", (d,), ("embed",))
         return out, cache
 
 
 class MLP(nn.Module):
-    """Feed-forward network: ``gate`` and ``up`` [D, F] (gated kinds), ``down`` [F, D].
-
+    """Feed-forward network: ``gate`` and ``up`` [D, F] (gated kinds), ``down`` [F, D];
     ``swiglu``: (limit, alpha, up_offset) of a clamped SwiGLU (``ops.ffn.swiglu_glu``)."""
 
     d_ff: int
@@ -300,13 +275,10 @@ class MLP(nn.Module):
         d = x.shape[-1]
         fn, gated = ops.FFN_FUNCTIONS[self.kind]
 
-        def param(name, shape, axes, std):
-            return matrix(self, name, shape, axes, _normal(std),
-                          param_dtype=self.param_dtype).astype(self.dtype)
-
-        up = param("up", (d, self.d_ff), ("embed", "mlp"), self.init_std)
-        down = param("down", (self.d_ff, d), ("mlp", "embed"), self.out_init_std)
-        gate = param("gate", (d, self.d_ff), ("embed", "mlp"), self.init_std) if gated else None
+        up = typed_matrix(self, "up", (d, self.d_ff), ("embed", "mlp"), self.init_std)
+        down = typed_matrix(self, "down", (self.d_ff, d), ("mlp", "embed"), self.out_init_std)
+        gate = (typed_matrix(self, "gate", (d, self.d_ff), ("embed", "mlp"), self.init_std)
+                if gated else None)
         names = {id(gate): remat.MLP_GATE, id(up): remat.MLP_UP, id(down): remat.MLP_DOWN}
 
         def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:

@@ -1,39 +1,10 @@
 """LoRA: low-rank adapters on the attention and MLP matrices, as pure functions over param trees.
 
-A target matrix W (stored [in..., out...], e.g. ``q_proj`` [D, N, H]) gets two factors
-A [in..., R] and B [R, out...] and is used as ``W + (alpha / R) * A @ B``. A starts random and
-B at zero, so an initialised adapter leaves the model unchanged. Only A and B are trained; the
-base weights stay frozen (and may be stored in bfloat16, ``freeze_base``).
-
-Adapters mirror the param tree, block by block (``stack.block_paths``): e.g.
-``adapters["blocks_0"]["attn"]["q_proj"]["a"]``, scanned with a leading L axis (the group's
-repeats). Shapes (R = rank, L = layers when scanned):
-
-  ====== ================= =============== ==============
-  target param             A               B
-  ====== ================= =============== ==============
-  q      attn/q_proj       [L?, D, R]      [L?, R, N, H]
-  k, v   attn/k_proj, ...  [L?, D, R]      [L?, R, K, H]
-  o      attn/o_proj       [L?, N, H, R]   [L?, R, D]
-  gate   mlp/gate, mlp/up  [L?, D, R]      [L?, R, F]
-  down   mlp/down          [L?, F, R]      [L?, R, D]
-  q_a    attn/q_a_proj     [L?, D, R]      [L?, R, Q]             (latent attention's
-  q_b    attn/q_b_proj     [L?, Q, R]      [L?, R, N, nope + P]   ``fields.MLA``, whose q
-  kv_a   attn/kv_a_proj    [L?, D, R]      [L?, R, R_kv + P]      and o are its q_proj and
-  kv_b   attn/kv_b_proj    [L?, R_kv, R]   [L?, R, N, nope + V]   o_proj)
-  ====== ================= =============== ==============
-
-A mixture's layers (``moe/``) have targets ``experts.{gate,up,down}`` (one adapter per expert:
-``moe/gate`` [L?, E, D, F] gets A [L?, E, D, R], B [L?, E, R, F]) and ``shared.{gate,up,down}``
-(its shared expert). A target adapts the blocks that have its module (``gate`` the dense
-layers' ``mlp``, ``experts.gate`` the sparse layers' ``moe``); the router is not adapted.
-
-In a train step, differentiate the loss of ``Transformer.apply`` on ``apply_adapters(base,
-adapters, lora_config)`` with respect to the adapters only (gradients adapter-sized), or keep
-both in one tree ``{"base": base, "adapters": adapters}`` (the layout checkpoints of LoRA runs
-use, read by ``checkpoint.loading``) with ``model_params(tree, lora_config)`` in the loss and
-``optimizer(tx)``, which updates and keeps moments for the adapters only.
-For export, ``merge`` folds the adapters into plain params.
+A target matrix W ([in..., out...]) gets A [in..., R] (random) and B [R, out...] (zero):
+``W + (alpha / R) * A @ B``; adapters mirror the param tree
+(``adapters["blocks_0"]["attn"]["q_proj"]["a"]``) and ``TARGETS`` names the matrices. Train on
+``apply_adapters`` (or ``model_params`` and ``optimizer`` of a ``{"base", "adapters"}`` tree);
+``merge`` folds the adapters in for export.
 """
 
 from __future__ import annotations
@@ -54,15 +25,14 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import MATRIX_INPUT_AXES
 from transformer_jax.model.ops.quantized import is_quantized
 from transformer_jax.model.quant_spec import ACCEPTS, SCHEMES, is_saved_quantized, parse_quant
-from transformer_jax.model.stack import block_paths
+from transformer_jax.model.stack import block_paths, tree_get, tree_set
 
 logger = logging.getLogger(__name__)
 
 Params = dict[str, Any]
 Adapters = dict[str, Any]
 
-#: The training setting of a QLoRA run's base quantisation, as a checkpoint's meta["train"]
-#: holds it.
+#: The training setting of a QLoRA run's base quantisation (in a checkpoint's meta["train"]).
 BASE_QUANT_FIELD = "train.lora_base_quant"
 
 #: Keys of a combined ``{"base": ..., "adapters": ...}`` tree.
@@ -85,8 +55,7 @@ DEFAULT_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def _input_axes(target: str) -> int:
-    """How many (input) axes the target's matrix has after its batch axes; the rest are
-    output axes."""
+    """How many input axes the target's matrix has after its batch axes."""
     return MATRIX_INPUT_AXES.get(TARGETS[target][-1], 1)
 
 
@@ -102,8 +71,7 @@ class LoraConfig:
     Attributes:
       rank: R, the inner dimension of A [in, R] and B [R, out].
       alpha: the update is scaled by ``alpha / rank``.
-      targets: names from ``TARGETS`` (a list or tuple; a comma-separated string is accepted
-        too); default the attention and dense FFN matrices (``DEFAULT_TARGETS``).
+      targets: names from ``TARGETS`` (or a comma-separated string); ``DEFAULT_TARGETS``.
     """
 
     rank: int = 8
@@ -158,7 +126,7 @@ def _blocks(params: Mapping[str, Any]) -> list[tuple[Block, bool]]:
 
 
 def _target_param(params: Mapping[str, Any], block: Block, target: str) -> Any:
-    node: Any = _get(params, block)
+    node: Any = tree_get(params, block)
     for key in TARGETS[target]:
         try:
             node = node[key]
@@ -169,9 +137,8 @@ def _target_param(params: Mapping[str, Any], block: Block, target: str) -> Any:
 
 
 def _applies(params: Mapping[str, Any], block: Block, target: str) -> bool:
-    """Whether ``target`` adapts ``block``: the block has the target's module (a dense layer
-    its ``mlp``, a sparse one its ``moe``)."""
-    node = _get(params, block)
+    """Whether ``target`` adapts ``block``: the block has the target's module (mlp or moe)."""
+    node = tree_get(params, block)
     return isinstance(node, Mapping) and TARGETS[target][0] in node
 
 
@@ -180,8 +147,7 @@ def _entries(params: Mapping[str, Any], lora_config: LoraConfig
     """(block, stacked, target) of every adapted matrix.
 
     Raises:
-      ValueError: a target that no block has the module of (say ``experts.gate`` on a dense
-        model), or a block with the module but not the matrix.
+      ValueError: a target whose module no block has, or a block lacking the target's matrix.
     """
     blocks = _blocks(params)
     entries = [(b, s, t) for b, s in blocks for t in lora_config.targets
@@ -194,19 +160,8 @@ def _entries(params: Mapping[str, Any], lora_config: LoraConfig
             continue
         raise ValueError(f"lora target {target!r} adapts {'/'.join(TARGETS[target])}, which no "
                          "block of the params has (block keys: "
-                         f"{sorted(_get(params, blocks[0][0]))})")
+                         f"{sorted(tree_get(params, blocks[0][0]))})")
     return entries
-
-
-def _get(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
-    return tree if not path else _get(tree[path[0]], path[1:])
-
-
-def _set(tree: Mapping[str, Any], path: Sequence[str], value: Any) -> dict[str, Any]:
-    """A copy of ``tree`` with ``value`` at ``path`` (the dicts along it copied)."""
-    out = dict(tree)
-    out[path[0]] = value if len(path) == 1 else _set(tree.get(path[0], {}), path[1:], value)
-    return out
 
 
 def init_adapters(config: ModelConfig, lora_config: LoraConfig, params: Params,
@@ -216,13 +171,12 @@ def init_adapters(config: ModelConfig, lora_config: LoraConfig, params: Params,
     Args:
       config: the model (checked against the params' layout).
       lora_config: rank and targets.
-      params: the base params, unrolled or scanned; arrays or ``ShapeDtypeStruct``s (only the
-        shapes are read).
+      params: the base params, unrolled or scanned (arrays or ``ShapeDtypeStruct``s).
       key: PRNG key for the A factors.
       dtype: dtype of A and B (float32 by default, whatever the base's dtype).
 
     Returns:
-      The adapter tree (see the module docstring for the layout and shapes).
+      The adapter tree (the module docstring's layout).
     """
     blocks = _blocks(params)
     if config.scan_layers != blocks[0][1]:
@@ -240,7 +194,7 @@ def init_adapters(config: ModelConfig, lora_config: LoraConfig, params: Params,
         a = jax.random.normal(k, (*lead, *matrix[:n_in], r), dtype) * math.prod(
             matrix[:n_in]) ** -0.5
         b = jnp.zeros((*lead, r, *matrix[n_in:]), dtype)
-        adapters = _set(adapters, (*block, *TARGETS[target]), {"a": a, "b": b})
+        adapters = tree_set(adapters, (*block, *TARGETS[target]), {"a": a, "b": b})
     return adapters
 
 
@@ -248,10 +202,8 @@ def delta(a: jax.Array, b: jax.Array, target: str, stacked: bool, scale: float) 
     """``scale * A @ B`` in float32, shaped like the target matrix.
 
     Args:
-      a: [L?, E?, in..., R] (E: an experts target's, one adapter per expert).
-      b: [L?, E?, R, out...].
-      target: the target name (gives the number of input axes).
-      stacked: whether a leading L axis is present.
+      a, b: [L?, E?, in..., R] and [L?, E?, R, out...] (E: an experts target's).
+      target, stacked: the target name, whether a leading L axis is present.
       scale: ``alpha / rank``.
 
     Returns:
@@ -277,29 +229,23 @@ def _adapted(params: Params, adapters: Adapters, lora_config: LoraConfig,
         where = "/".join((*block, *path))
         w = _target_param(params, block, target)
         try:
-            ab = _get(adapters, (*block, *path))
+            ab = tree_get(adapters, (*block, *path))
         except (KeyError, TypeError):  # a missing block, module or matrix
             raise ValueError(f"adapters lack {where} (lora target {target!r}; they have "
                              f"{sorted(adapters)})") from None
         d = delta(ab["a"], ab["b"], target, stacked, lora_config.scale)
         if d.shape != w.shape:
             raise ValueError(f"adapter {where} gives shape {d.shape}, the param has {w.shape}")
-        out = _set(out, (*block, *path), (w.astype(jnp.float32) + d).astype(dtype_of(w, ab)))
+        out = tree_set(out, (*block, *path), (w.astype(jnp.float32) + d).astype(dtype_of(w, ab)))
     return out
 
 
 def apply_adapters(params: Params, adapters: Adapters, lora_config: LoraConfig) -> Params:
-    """The params the model runs with: ``W + (alpha/R) * A @ B`` for every target (pure).
-
-    Differentiable in both arguments; use it inside the loss so that gradients reach the
-    adapters. An adapted matrix gets the wider of the base's and the adapters' dtypes, so a
-    bfloat16 base with float32 adapters yields float32 matrices (the update is not rounded
-    away); the other params are returned as they are.
+    """The params the model runs with: ``W + (alpha/R) * A @ B`` for every target (pure,
+    differentiable in both); an adapted matrix in the wider of the base's and adapters' dtypes.
 
     Args:
-      params: base params (unrolled or scanned).
-      adapters: from ``init_adapters`` (same layout).
-      lora_config: rank, alpha, targets.
+      params, adapters, lora_config: the base params, ``init_adapters``' tree, rank and targets.
 
     Returns:
       A param tree for ``Transformer(config).apply({"params": ...})``.
@@ -310,17 +256,14 @@ def apply_adapters(params: Params, adapters: Adapters, lora_config: LoraConfig) 
 
 def merge(params: Params, adapters: Adapters, lora_config: LoraConfig,
           dtype: Any = None) -> Params:
-    """Folds the adapters into the weights, for export: plain params of the base's structure.
+    """Folds the adapters into the weights, for export.
 
     Args:
-      params: base params.
-      adapters: trained adapters.
-      lora_config: rank, alpha, targets.
-      dtype: dtype of the merged matrices; None keeps each base matrix's dtype. The sum is
-        computed in float32 either way.
+      params, adapters, lora_config: as ``apply_adapters`` takes them.
+      dtype: of the merged matrices; None keeps each base matrix's (the sum is float32).
 
     Returns:
-      Params equal to ``apply_adapters``'s (up to the final cast).
+      Plain params of the base's structure, ``apply_adapters``'s up to the cast.
     """
     return _adapted(params, adapters, lora_config,
                     lambda w, ab: w.dtype if dtype is None else jnp.dtype(dtype))
@@ -328,8 +271,7 @@ def merge(params: Params, adapters: Adapters, lora_config: LoraConfig,
 
 def check_base_quant(base_quant: str, rank: int, base_dtype: str) -> None:
     """Raises ValueError for a ``train.lora_base_quant`` (QLoRA) that cannot apply: without
-    adapters, beside ``lora_base_dtype``, or not int8/int4/nf4 (int4:G, nf4:G), as
-    ``quant_spec.parse_quant`` reads it."""
+    adapters, beside ``lora_base_dtype``, or not a ``quant_spec.parse_quant`` spelling."""
     if not base_quant:
         return
     if rank == 0:
@@ -345,11 +287,10 @@ def check_base_quant(base_quant: str, rank: int, base_dtype: str) -> None:
 
 
 def freeze_base(params: Params, dtype: Any = jnp.bfloat16) -> Params:
-    """The base params cast to ``dtype`` (floating leaves only), to store them smaller.
+    """The base params cast to ``dtype`` to store them smaller.
 
     Args:
-      params: base params.
-      dtype: e.g. ``jnp.bfloat16``.
+      params, dtype: the base params, e.g. ``jnp.bfloat16``.
 
     Returns:
       The same tree with floating-point leaves in ``dtype``.
@@ -359,10 +300,7 @@ def freeze_base(params: Params, dtype: Any = jnp.bfloat16) -> Params:
 
 
 def model_params(tree: Mapping[str, Any], lora_config: LoraConfig) -> Params:
-    """``apply_adapters`` of a combined ``{"base": ..., "adapters": ...}`` tree.
-
-    The base goes through ``stop_gradient``, so its gradient is zero and never computed.
-    """
+    """``apply_adapters`` of a combined ``{"base", "adapters"}`` tree, the base not trained."""
     return apply_adapters(jax.lax.stop_gradient(tree[BASE]), tree[ADAPTERS], lora_config)
 
 
@@ -374,11 +312,8 @@ def trainable_mask(tree: Mapping[str, Any]) -> Any:
 def optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """``tx`` on the adapters of a combined ``{"base", "adapters"}`` tree; the base never moves.
 
-    Built with ``optax.multi_transform``: the base gets ``set_to_zero`` (zero updates, no
-    state), so the optimizer state holds moments for the adapters only.
-
     Args:
-      tx: the optimizer of the adapters (e.g. ``optim.make_optimizer(train_config)``).
+      tx: the adapters' optimizer (``optax.set_to_zero`` for the base: no moments kept).
 
     Returns:
       A transformation to ``init`` on the combined tree.
@@ -391,15 +326,11 @@ def optimizer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
 
 
 def adapter_shardings(adapters: Adapters, params_shardings: Any) -> Any:
-    """Shardings of the adapters that follow their target matrices' (``param_shardings``).
-
-    A [L?, in..., R] takes the target's sharding of its input axes and B [L?, R, out...] that of
-    its output axes; R stays whole. So under FSDP/tensor rules the factors split like the
-    matrix they adapt, and ``A @ B`` needs no more communication than the matrix itself.
+    """Shardings of the adapters following their target matrices': A takes the target's sharding
+    of its input axes, B that of its output axes; R stays whole.
 
     Args:
-      adapters: from ``init_adapters`` (arrays or ``ShapeDtypeStruct``s).
-      params_shardings: ``sharding.param_shardings(config, mesh)`` of the base params.
+      adapters, params_shardings: the adapters, ``sharding.param_shardings`` of the base params.
 
     Returns:
       A tree like ``adapters`` with a ``NamedSharding`` per leaf.
@@ -409,19 +340,19 @@ def adapter_shardings(adapters: Adapters, params_shardings: Any) -> Any:
 
     out: dict[str, Any] = {}
     for block, stacked in _blocks(adapters):
-        modules = _get(adapters, block)
+        modules = tree_get(adapters, block)
         for target, path in TARGETS.items():
             try:
-                ab = _get(modules, path)
+                ab = tree_get(modules, path)
             except (KeyError, TypeError):
                 continue
-            w = _get(params_shardings, (*block, *path))
+            w = tree_get(params_shardings, (*block, *path))
             n_lead = int(stacked) + _batch_axes(target)
             ndim = ab["a"].ndim + ab["b"].ndim - 2 - n_lead  # the target's rank
             spec = tuple(w.spec) + (None,) * (ndim - len(w.spec))
             lead, matrix = spec[:n_lead], spec[n_lead:]
             n_in = _input_axes(target)
-            out = _set(out, (*block, *path), {
+            out = tree_set(out, (*block, *path), {
                 "a": NamedSharding(w.mesh, P(*lead, *matrix[:n_in], None)),
                 "b": NamedSharding(w.mesh, P(*lead, None, *matrix[n_in:]))})
     return out
@@ -445,8 +376,7 @@ __all__ = ["ADAPTERS", "BASE", "BASE_QUANT_FIELD", "DEFAULT_TARGETS", "TARGETS",
 
 def checkpoint_tree(params: Any, meta: Mapping[str, Any], where: Any) -> Any:
     """A training checkpoint's params as restored without a target tree, with a QLoRA run's
-    quantised base rebuilt (``quant.from_saved``: orbax gives its weights back as plain dicts)
-    by the scheme its ``meta["train"]["lora_base_quant"]`` names; other params as they are.
+    quantised base rebuilt (``quant.from_saved``) by its ``meta["train"]["lora_base_quant"]``.
 
     Raises:
       ValueError: a saved quantised base without that setting, or one that does not fit it
@@ -471,14 +401,12 @@ def checkpoint_tree(params: Any, meta: Mapping[str, Any], where: Any) -> Any:
 
 def merge_checkpoint_params(params: Any, meta: Mapping[str, Any], where: Any,
                             dtype: Any = None) -> Any:
-    """The model's parameters from a training checkpoint's params: merged when it holds
-    ``{"base", "adapters"}`` with ``meta["lora"]`` (a LoRA run), as they are otherwise. A
-    QLoRA run's quantised base (live, or plain dicts as restored, ``checkpoint_tree``) is
-    dequantised first, so the result is float weights of the base's structure.
+    """The model's parameters from a training checkpoint's params: a LoRA run's ``{"base",
+    "adapters"}`` with ``meta["lora"]`` merged (a quantised base dequantised first), others as
+    they are.
 
     Raises:
-      ValueError: ``meta["lora"]`` without a base/adapters tree, or the reverse, or a
-        quantised base that cannot be read (naming ``where``, the checkpoint directory).
+      ValueError: ``meta["lora"]`` and the tree disagree, or a quantised base cannot be read.
     """
     is_lora_tree = isinstance(params, Mapping) and set(params) == {BASE, ADAPTERS}
     if not meta.get("lora"):

@@ -1,17 +1,6 @@
-"""The mixture-of-experts FFN module: the router and the experts' stacked matrices, computed by
-``ops.moe``.
-
-Parameters (logical axes in brackets): ``router`` [D, E] (embed, router); ``gate`` and ``up``
-[E, D, F] (experts, expert_embed, expert_mlp); ``down`` [E, F, D]; with a shared expert the
-dense FFN ``shared`` (an ``MLP``) and, with its gate, ``shared_gate`` [D, 1]; with
-``router_bias`` ``router_bias`` [E], with ``expert_bias`` ``gate_bias`` and ``up_bias`` [E, F]
-and ``down_bias`` [E, D], with ``correction_bias`` ``correction_bias`` [E] (router: not
-trained by gradient, updated by ``balance_correction_bias``). The experts' axes
-have their own names so a mesh can split E over an ``expert`` axis while the rest of the model
-uses that axis for data (``parallel/sharding.py``). When the logical rules in context split E
-over more than one device, the experts run expert-parallel (``ops.moe_dispatch``: each token
-sent to its experts' devices and back by all_to_all); otherwise as ``ops.moe.experts_ffn``.
-"""
+"""The mixture-of-experts FFN module (``SparseFFN``): a router [D, E] and experts' stacks
+``gate``, ``up`` [E, D, F], ``down`` [E, F, D] (logical axes experts, expert_embed,
+expert_mlp), run by ``ops.moe``, or ``ops.moe_dispatch`` when the rules split E."""
 
 from __future__ import annotations
 
@@ -22,32 +11,25 @@ from jax.ad_checkpoint import checkpoint_name
 
 from transformer_jax.model import remat
 from transformer_jax.model.fields import MoE
-from transformer_jax.model.layers import MLP, matrix, stored_as_is, swiglu_glu_of
+from transformer_jax.model.layers import MLP, stored_as_is, swiglu_glu_of, typed_matrix, zeros_param
 from transformer_jax.model.ops import moe as moe_ops
 from transformer_jax.model.ops import moe_dispatch
 from transformer_jax.model.ops.dense import dense
 from transformer_jax.model.ops.ffn import GATE_ACTIVATIONS
-from transformer_jax.model.stack import block_paths, stacked_layers
+from transformer_jax.model.stack import block_paths, stacked_layers, tree_get, tree_set
 
 #: The parameter name of a router's correction bias (``MoE.correction_bias``).
 CORRECTION_BIAS = "correction_bias"
 
-#: What a sparse layer reports about its routing (float32): ``balance`` and ``z`` the layer's
-#: load-balancing and router z-losses (scalars), ``load`` [E] the (token, slot) pairs each
-#: expert received. The model stacks them over its sparse layers (``Output.moe``).
+#: What a sparse layer reports (float32): its ``balance`` and ``z`` losses, ``load`` [E] per expert.
 RouterStats = dict[str, jax.Array]
 
 
 class SparseFFN(nn.Module):
     """A mixture of ``moe.n_experts`` gated FFNs with top-k routing (``MoE`` says which).
 
-    The router and the shared expert may be prepared out-first (``ops.layouts.OutFirst``); the
-    experts' [E, ...] stacks are stored in-first in every layout (the decode path gathers
-    whole expert matrices, which the layout does not change). Prepared decode weights may hold
-    each stack as an ``ops.moe.ExpertList`` (one array per expert), taken as it is.
-
-    Under a mesh whose rules split E over devices (``expert_split``), the routed tokens go
-    through ``ops.moe_dispatch``; otherwise XLA partitions the product from the shardings.
+    The router and the shared expert may be prepared out-first; the experts' [E, ...] stacks
+    are in-first in every layout, or an ``ops.moe.ExpertList`` in prepared decode weights.
     """
 
     moe: MoE
@@ -71,23 +53,16 @@ class SparseFFN(nn.Module):
         return self.param(name, nn.with_logical_partitioning(nn.initializers.normal(std), axes),
                           shape, self.param_dtype)
 
-    def _bias(self, name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
-        return self.param(name, nn.with_logical_partitioning(nn.initializers.zeros, axes),
-                          shape, self.param_dtype).astype(self.dtype)
-
     @nn.compact
     def __call__(self, x: jax.Array, valid: jax.Array | None = None
                  ) -> tuple[jax.Array, RouterStats]:
         """[B, T, D] -> ([B, T, D], this layer's ``RouterStats``).
 
-        ``valid`` [B, T] bool marks the tokens the statistics count (None: all).
-        """
+        ``valid`` [B, T] bool marks the tokens the statistics count (None: all)."""
         m = self.moe
         b, t, d = x.shape
         e, f = m.n_experts, m.d_ff
-        router = matrix(self, "router", (d, e), ("embed", "router"),
-                        nn.initializers.normal(self.init_std),
-                        param_dtype=self.param_dtype)
+        router = typed_matrix(self, "router", (d, e), ("embed", "router"), self.init_std)
         in_axes = ("experts", "expert_embed", "expert_mlp")
         gate = self._experts("gate", (e, d, f), in_axes, self.init_std)
         up = self._experts("up", (e, d, f), in_axes, self.init_std)
@@ -95,10 +70,11 @@ class SparseFFN(nn.Module):
                              self.out_init_std)
 
         tokens = x.reshape(b * t, d)
-        logits = dense(tokens, router.astype(self.dtype), "ND,DE->NE",
+        logits = dense(tokens, router, "ND,DE->NE",
                        preferred_element_type=jnp.float32)
         if m.router_bias:
-            logits = logits + self._bias("router_bias", (e,), ("router",)).astype(jnp.float32)
+            bias = zeros_param(self, "router_bias", (e,), ("router",))
+            logits = logits + bias.astype(jnp.float32)
         choice_bias = None
         if m.correction_bias:  # float32 as stored (decode.prepare keeps its dtype)
             choice_bias = self.param(
@@ -116,9 +92,9 @@ class SparseFFN(nn.Module):
             ffn["glu"] = swiglu_glu_of(self.swiglu)
         biases = None
         if m.expert_bias:
-            biases = (self._bias("gate_bias", (e, f), ("experts", "expert_mlp")),
-                      self._bias("up_bias", (e, f), ("experts", "expert_mlp")),
-                      self._bias("down_bias", (e, d), ("experts", "expert_embed")))
+            biases = (zeros_param(self, "gate_bias", (e, f), ("experts", "expert_mlp")),
+                      zeros_param(self, "up_bias", (e, f), ("experts", "expert_mlp")),
+                      zeros_param(self, "down_bias", (e, d), ("experts", "expert_embed")))
         split = expert_split()
         if split is None:
             y = moe_ops.experts_ffn(inputs, routed, gate, up, down, biases=biases, **ffn)
@@ -128,14 +104,11 @@ class SparseFFN(nn.Module):
         y = checkpoint_name(y.reshape(b, t, d), remat.MOE_OUT)
         if m.shared_d_ff:
             shared = MLP(d_ff=m.shared_d_ff, kind=self.kind, swiglu=self.swiglu,
-                         init_std=self.init_std,
-                         out_init_std=self.out_init_std,
+                         init_std=self.init_std, out_init_std=self.out_init_std,
                          dtype=self.dtype, param_dtype=self.param_dtype, name="shared")(x)
             if m.shared_gate:
-                w = matrix(self, "shared_gate", (d, 1), ("embed", "router"),
-                           nn.initializers.normal(self.init_std),
-                           param_dtype=self.param_dtype)
-                g = dense(x, w.astype(self.dtype), "BTD,DO->BTO")
+                w = typed_matrix(self, "shared_gate", (d, 1), ("embed", "router"), self.init_std)
+                g = dense(x, w, "BTD,DO->BTO")
                 shared = shared * jax.nn.sigmoid(g)
             y = y + shared
 
@@ -147,9 +120,7 @@ class SparseFFN(nn.Module):
 
 
 def expert_split() -> moe_dispatch.ExpertSplit | None:
-    """How the abstract mesh and logical rules in context (``parallel.sharding.jit_sharded``)
-    split the experts, or None (no mesh, or E not split): ``moe_dispatch.expert_split`` of the
-    mesh axes that ``batch``, ``experts``, ``expert_embed`` and ``expert_mlp`` map to."""
+    """``moe_dispatch.expert_split`` of the mesh and rules in context (None: E not split)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
@@ -161,45 +132,27 @@ def expert_split() -> moe_dispatch.ExpertSplit | None:
 def balance_correction_bias(params: dict, load: jax.Array, rate: float,
                             sparse_layers: tuple[int, ...]) -> dict:
     """The auxiliary-loss-free balancing update (DeepSeek-V3) of every sparse layer's
-    ``correction_bias``: ``bias += rate * sign(mean(load) - load)``, raising the bias of the
-    experts that received fewer (token, slot) pairs than the mean and lowering the others'.
+    ``correction_bias``: ``bias += rate * sign(mean(load) - load)``.
 
     Args:
-      params: the model's params (unrolled ``blocks_{i}`` or scanned layer groups).
-      load: [L_sparse, E] each sparse layer's expert load (``Output.moe["load"]``, summed over
-        a step's micro-batches), the layers in the order of ``sparse_layers``.
-      rate: the update's step (MaxText's ``routed_bias_update_rate``).
-      sparse_layers: the sparse layers' numbers (``Architecture.sparse_layers``).
+      params: the model's params (any layer layout).
+      load: [L_sparse, E] each sparse layer's expert load (``Output.moe["load"]``, summed).
+      rate, sparse_layers: the update's step; the sparse layers' numbers, in ``load``'s order.
 
     Returns:
-      ``params`` with each ``correction_bias`` updated (float32 arithmetic, stored in its
-      dtype); the rest as given.
+      ``params`` with each ``correction_bias`` updated (in float32, stored in its dtype).
     """
     step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)  # [L_sparse, E]
     row = {layer: j for j, layer in enumerate(sparse_layers)}
     stacked = stacked_layers(params)
     out = dict(params)
     for path, is_stacked in block_paths(params):
-        moe = _get(params, path).get("moe", {})
+        moe = tree_get(params, path).get("moe", {})
         if CORRECTION_BIAS not in moe:
             continue
         layers = stacked[path] if is_stacked else [int(path[0].removeprefix("blocks_"))]
         delta = step[jnp.asarray([row[i] for i in layers])]
         bias = moe[CORRECTION_BIAS]
         new = (bias.astype(jnp.float32) + (delta if is_stacked else delta[0])).astype(bias.dtype)
-        _set(out, (*path, "moe", CORRECTION_BIAS), new)
+        out = tree_set(out, (*path, "moe", CORRECTION_BIAS), new)
     return out
-
-
-def _get(tree: dict, path: tuple[str, ...]) -> dict:
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _set(tree: dict, path: tuple[str, ...], value: jax.Array) -> None:
-    """Sets ``tree[path]``, copying each dict on the way (the input trees are not changed)."""
-    for key in path[:-1]:
-        tree[key] = dict(tree[key])
-        tree = tree[key]
-    tree[path[-1]] = value

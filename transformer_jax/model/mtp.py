@@ -1,17 +1,10 @@
-"""Multi-token prediction (``Architecture.mtp_depth``): modules after the stack that predict
-the tokens past the next one, as a training loss and as a speculative-decoding draft.
-
-Module k (1..D) at position i (the DeepSeek-V3 report's formulas; vLLM's order of the
-concatenation, the embedding first):
+"""Multi-token prediction (``Architecture.mtp_depth``): modules after the stack predicting the
+tokens past the next one (a training loss, a speculative draft). Module k at position i:
 
     h'_i = eh_proj([emb_norm(emb(t_{i+k})); hidden_norm(h^{k-1}_i)])      [2D] -> [D]
-    h^k = Block(h')                       (causal over the sequence, the main positions)
-    logits^k_i = lm_head(head_norm(h^k_i))                       (token i + k + 1)
+    h^k = Block(h');  logits^k_i = lm_head(head_norm(h^k_i))           (token i + k + 1)
 
-``h^0`` is the main model's final-normed hidden state, ``h^{k-1}`` (k > 1) module k-1's block
-output before its ``head_norm``. ``emb`` is the main model's token table (shared); each module
-has its own LM head (the checkpoints store one per module). Params: ``mtp_{k-1}`` beside the
-stack's, each ``{emb_norm, hidden_norm, eh_proj [2D, D], block, head_norm, lm_head [D, V]}``.
+``h^0`` is the final-normed hidden state; each module ``mtp_{k-1}`` has its own LM head.
 """
 
 from __future__ import annotations
@@ -35,18 +28,14 @@ def module_key(k: int) -> str:
 
 
 def shifted(x: jax.Array, k: int) -> jax.Array:
-    """x [B, T, ...] moved k positions left along T, the last k filled with zeros: entry i
-    holds x[:, i + k] (the token embedding module k combines with position i)."""
+    """x [B, T, ...] moved k positions left along T (entry i: x[:, i + k]; the last k zeros)."""
     k = min(k, x.shape[1])
     return jnp.concatenate([x[:, k:], jnp.zeros_like(x[:, :k])], axis=1)
 
 
 class MTPModule(nn.Module):
-    """One multi-token prediction module (module docstring): (h^{k-1}, emb) -> (h^k, logits).
-
-    ``layer`` is the block's layer reference in a cache it is given (a cache of its own:
-    the draft's, ``decode``); without a cache it attends within ``segment_ids``.
-    """
+    """One multi-token prediction module: (h^{k-1}, emb) -> (h^k, logits); ``layer`` indexes the
+    cache it is given (the draft's own), without which it attends within ``segment_ids``."""
 
     config: ModelConfig
 
@@ -54,9 +43,8 @@ class MTPModule(nn.Module):
     def __call__(self, hidden: jax.Array, emb: jax.Array, positions: jax.Array,
                  cache: Any = None, layer: int = 0, segment_ids: jax.Array | None = None,
                  logits_at: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Any]:
-        """([B, T, D] previous hidden, [B, T, D] embeddings of the tokens k ahead, [B, T]
-        positions) -> ([B, T, D] block output, [B, T, V] float32 logits (or [B, V] at the
-        optional [B] index ``logits_at`` per row), updated cache)."""
+        """([B, T, D] previous hidden, [B, T, D] embeddings k tokens ahead, [B, T] positions) ->
+        ([B, T, D] block output, [B, T, V] float32 logits ([B, V] at ``logits_at``), cache)."""
         c = self.config
         norm_kw = dict(kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
                        param_dtype=c.jnp_param_dtype)
@@ -81,11 +69,8 @@ class MTPModule(nn.Module):
 
 def mtp_logits(config: ModelConfig, hidden: jax.Array, emb: jax.Array, positions: jax.Array,
                segment_ids: jax.Array | None) -> jax.Array:
-    """Every module's logits over whole sequences, called inside the ``Transformer``'s forward
-    (the modules are its submodules ``mtp_{k-1}``): hidden [B, T, D] final-normed, emb
-    [B, T, D] the token embeddings -> [D_mtp, B, T, V] float32, module k's entry i predicting
-    token i + k + 1 (``mtp_targets`` masks the entries without one). Attention stays within
-    ``segment_ids``' segments."""
+    """Every module's logits inside the ``Transformer``'s forward: [B, T, D] final-normed hidden
+    and token embeddings -> [D_mtp, B, T, V] float32 (module k's entry i: token i + k + 1)."""
     out = []
     for k in range(1, config.mtp_depth + 1):
         hidden, logits, _ = MTPModule(config, name=module_key(k))(
@@ -96,10 +81,9 @@ def mtp_logits(config: ModelConfig, hidden: jax.Array, emb: jax.Array, positions
 
 def mtp_targets(targets: jax.Array, mask: jax.Array | None, segment_ids: jax.Array | None,
                 k: int) -> tuple[jax.Array, jax.Array]:
-    """Module k's targets and weights [B, T] from the next-token ``targets`` [B, T]
-    (targets[i] = t_{i+1}) and their optional ``mask`` weights: entry i is t_{i+k+1}
-    (targets[i + k]), weighted as that target is, and 0 past the row's end or when i + k
-    lies in another packed segment than i."""
+    """Module k's targets and weights [B, T] from the next-token ``targets`` and optional ``mask``:
+    entry i is ``targets[i + k]``, weighted as that target is, 0 past the row's end or across a
+    packed segment."""
     t = shifted(targets[..., None], k)[..., 0]
     w = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
     w = shifted(w[..., None], k)[..., 0]

@@ -1,21 +1,6 @@
-"""Many LoRA adapters of one base, stacked for a batch whose rows pick different ones.
-
-``stack_adapters`` lays several trained adapters (``model.lora``'s trees, each with its own
-rank, alpha and targets) side by side over the base they were trained on: for every adapted
-matrix, A [L?, Na, in..., R] and B [L?, Na, R, out...] for Na adapters (out-first weights: A
-[L?, Na, R, in...] and B [L?, out..., Na, R], ``ops.row_lora``), every rank zero-padded to the
-largest R and each B scaled by its adapter's ``alpha / rank``. A matrix some adapter does not
-target gets zeros for it. Adapter ids count from 1; id 0 is the base model and has no entry.
-
-``with_row_adapters`` gives the params a forward runs with: each adapted matrix replaced by an
-``ops.row_lora.RowAdapters`` (the matrix, its stack, the rows' adapter ids), so the one forward
-adds each row's own update (``ops.dense``). It is a pure function of traced arrays, called
-inside the step: which adapter a row uses is data, not a compiled shape.
-
-Only the dense matrices (attention q, k, v, o; the dense FFN's gate, up, down) take per-row
-adapters: a mixture's experts compute over tokens regrouped by expert, where a row no longer
-is a request.
-"""
+"""Many LoRA adapters of one base, stacked for a batch whose rows pick different ones
+(``stack_adapters``; ids from 1, 0 the base), and the params a step runs with
+(``with_row_adapters``: each adapted matrix a ``RowAdapters``)."""
 
 from __future__ import annotations
 
@@ -27,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.model.layers import MATRIX_INPUT_AXES
-from transformer_jax.model.lora import DEFAULT_TARGETS, TARGETS, LoraConfig, _set
+from transformer_jax.model.lora import DEFAULT_TARGETS, TARGETS, LoraConfig
 from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.ops.row_lora import RowAdapters
-from transformer_jax.model.stack import block_paths, restack, stacked_layers
+from transformer_jax.model.stack import block_paths, restack, stacked_layers, tree_set
 
 Params = dict[str, Any]
 #: The targets that take per-row adapters (``DEFAULT_TARGETS``: the dense matrices).
@@ -56,23 +41,20 @@ def _in_first_shape(w: Any, name: str, stacked: bool) -> tuple[int, ...]:
 
 def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], LoraConfig]],
                    *, names: Sequence[str] | None = None) -> Params:
-    """The stacked adapters of ``params`` (see the module docstring).
+    """The stacked adapters of ``params``.
 
     Args:
-      params: the base params the forward runs with (scanned or unrolled; float or quantised;
-        each matrix in-first or an ``ops.layouts.OutFirst``, the layout its factors take).
-      adapters: (adapter tree, its ``LoraConfig``) per adapter, in id order from 1; trees in
-        either layer layout (``model.lora.init_adapters``'s form).
+      params: the base params the forward runs with (the factors take each matrix's layout).
+      adapters: (adapter tree, its ``LoraConfig``) per adapter, in id order from 1.
       names: the adapters' names, for errors (default ``adapter 1`` ...).
 
     Returns:
-      ``{block: {module: {name: {"a": [L?, Na, in..., R], "b": [L?, Na, R, out...]}}}}``
-      (out-first: ``"a"`` [L?, Na, R, in...], ``"b"`` [L?, out..., Na, R]) float32, for every
-      matrix any adapter targets.
+      ``{block: {module: {name: {"a": [L?, Na, in..., R], "b": [L?, Na, R, out...]}}}}`` float32
+      (out-first: A [L?, Na, R, in...], B [L?, out..., Na, R]) for every targeted matrix.
 
     Raises:
-      ValueError: an adapter with a target outside ``ROW_TARGETS``, missing a matrix its
-        targets name, or whose shapes do not fit the base (naming the adapter).
+      ValueError: naming the adapter: a target outside ``ROW_TARGETS``, a missing matrix, or
+        shapes that do not fit the base.
     """
     if not adapters:
         raise ValueError("stack_adapters needs at least one adapter")
@@ -103,8 +85,7 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
             shape = _in_first_shape(w, path[-1], scanned)
             n_in = MATRIX_INPUT_AXES[path[-1]]
             lead = (tuple(w.shape)[0],) if scanned else ()
-            # Assembled on the host (numpy): op by op on the device, every zeros, update and
-            # transpose of each matrix's shape would compile a program of its own.
+            # Assembled on the host: on the device every op of each shape would compile.
             a = np.zeros((*lead, len(trees), *shape[:n_in], rank), np.float32)
             b = np.zeros((*lead, len(trees), rank, *shape[n_in:]), np.float32)
             for i, (tree, cfg, name) in enumerate(trees):
@@ -125,25 +106,22 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
                 n = len(lead)
                 a = np.moveaxis(a, -1, n + 1)
                 b = np.moveaxis(b, (n, n + 1), (-2, -1))
-            stack = _set(stack, (*block, *path), {"a": jnp.asarray(a), "b": jnp.asarray(b)})
+            stack = tree_set(stack, (*block, *path), {"a": jnp.asarray(a), "b": jnp.asarray(b)})
     if not stack:
         raise ValueError(f"no matrix of the base is adapted by {names}")
     return stack
 
 
 def with_row_adapters(params: Params, stack: Params, ids: jax.Array) -> Params:
-    """``params`` with each matrix of ``stack`` replaced by a ``RowAdapters`` choosing, for
-    batch row b, adapter ``ids[b]`` (pure; call it inside the jitted step).
+    """``params`` with each matrix of ``stack`` a ``RowAdapters`` choosing, for batch row b, adapter
+    ``ids[b]`` (pure; call it inside the jitted step).
 
     Args:
-      params: the params the forward runs with.
-      stack: ``stack_adapters``'s output for them.
-      ids: [B] int32 adapter of each row: 1 + its index in ``stack_adapters``' list, 0 for
-        the base.
+      params, stack: the params the forward runs with, ``stack_adapters``'s output for them.
+      ids: [B] int32 adapter of each row (its index in ``stack_adapters``' list + 1; 0: base).
 
     Returns:
-      The param tree for ``Transformer.apply`` (in the scanned layout the ids are repeated
-      per layer, [L, B], as the layer scan slices every leaf).
+      The param tree for ``Transformer.apply`` (scanned: the ids repeated per layer, [L, B]).
     """
     out = dict(params)
     for block, stacked in block_paths(stack):
@@ -153,7 +131,7 @@ def with_row_adapters(params: Params, stack: Params, ids: jax.Array) -> Params:
             if ab is None:
                 continue
             rows = jnp.broadcast_to(ids, (ab["a"].shape[0], *ids.shape)) if stacked else ids
-            out = _set(out, path, RowAdapters(_node(params, path), ab["a"], ab["b"], rows))
+            out = tree_set(out, path, RowAdapters(_node(params, path), ab["a"], ab["b"], rows))
     return out
 
 

@@ -1,29 +1,7 @@
-"""Weight-only post-training quantisation of the prepared decode weights, through qwix.
-
-``decode.prepare(config, params, quant="int8")`` stores every matrix and the token table as
-quantised values and their scales only (``quantize_params``); the forward is unchanged: its
-products and the embedding lookup take a quantised weight as they take a float one
-(``ops.quantized``). Schemes:
-
-- ``"int8"``: one absmax scale per output channel (``qwix.quantize`` with the output axes
-  channelwise): the token table one per row, which is also one per logit as the tied head.
-- ``"int4"`` / ``"int4:G"``: one scale per output channel and group of G consecutive inputs
-  along the matrix's last input axis (D, or H for o_proj, F for down; the token table's D),
-  values packed two to a byte (``PackedInt4``). G must be even and divide that width, and with
-  a tensor split each shard's part of it; ``"int4"`` takes, for each matrix, the largest power
-  of two up to 64 that divides its width (so one odd width, say F = 688, makes only ``down``'s
-  groups smaller).
-- ``"nf4"`` / ``"nf4:G"``: as int4, with the 16 NormalFloat levels of QLoRA (qwix's nf4).
-
-A mixture's experts are quantised per expert: one scale per expert and output channel (int8),
-or per expert, output channel and group along the expert's input axis (D for gate/up, F for
-down); its router and shared-expert gate stay float (``FLOAT_MATRICES``). Norm gains and
-biases stay float (they are a few vectors). With a stacked (scanned) layout each
-layer has its own scales.
-
-A checkpoint restored without a target tree (a QLoRA run's base, ``train.lora_base_quant``)
-holds each quantised weight as a plain dict of its arrays; ``from_saved`` rebuilds them.
-"""
+"""Weight-only post-training quantisation of the prepared decode weights, through qwix
+(``decode.prepare(..., quant=...)``): ``"int8"`` one scale per output channel; ``"int4"`` /
+``"nf4"`` (``":G"``) per output channel and group of G inputs, two values a byte. The forward
+takes quantised weights as floats (``ops.quantized``); see docs/quantisation.md."""
 
 from __future__ import annotations
 
@@ -61,9 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 def grouped_widths(config: ModelConfig, shards: int = 1) -> dict[str, int]:
-    """The width of each weight's grouped (last input) axis as one of T = ``shards`` shards
-    holds it, by its ``group_key``: D for the projections in and the head, H for o_proj, F/T
-    for down (a mixture's experts and shared expert: their own F/T)."""
+    """The width of each weight's grouped (last input) axis per shard, by its ``group_key``."""
     c = config
     widths = {"q_proj": c.d_model, "k_proj": c.d_model, "v_proj": c.d_model,
               "o_proj": c.head_dim, "up": c.d_model, "down": c.d_ff // shards,
@@ -85,9 +61,7 @@ def grouped_widths(config: ModelConfig, shards: int = 1) -> dict[str, int]:
 
 
 def group_key(path: Sequence[Any]) -> str:
-    """The name a weight's int4 group size is chosen by (``WeightQuant.group_for``): its leaf
-    name, or ``experts/<name>`` for a mixture's expert stacks and ``shared/<name>`` for its
-    shared expert (their widths are not the dense FFN's)."""
+    """A weight's group-size key: its leaf name, or ``experts/<name>`` / ``shared/<name>``."""
     keys = [str(getattr(p, "key", p)) for p in path]
     if is_expert_stack(keys):
         return f"experts/{keys[-1]}"
@@ -98,9 +72,8 @@ def group_key(path: Sequence[Any]) -> str:
 
 def for_model(config: ModelConfig, quant: WeightQuant | None, shards: int = 1
               ) -> WeightQuant | None:
-    """``quant`` for this model split over T = ``shards``: int4 without a group size gets, for
-    each matrix, the largest power of two up to ``DEFAULT_GROUP_SIZE`` dividing its grouped
-    width (per shard).
+    """``quant`` for this model split over ``shards``: int4/nf4 without a group size gets, per
+    matrix, the largest power of two up to ``DEFAULT_GROUP_SIZE`` dividing its grouped width.
 
     Raises:
       ValueError: int4's group size does not divide a grouped width (per shard).
@@ -109,8 +82,7 @@ def for_model(config: ModelConfig, quant: WeightQuant | None, shards: int = 1
         return quant
     widths = grouped_widths(config, shards)
     if quant.group_size is None and not quant.groups:
-        # The largest power of two up to DEFAULT_GROUP_SIZE (a power of two) dividing each
-        # width, at least 2 (an odd width then fails the check below).
+        # At least 2: an odd width then fails the check below.
         picks = {n: max(2, math.gcd(width, DEFAULT_GROUP_SIZE)) for n, width in widths.items()}
         small = [f"{n} ({widths[n]}: {g})" for n, g in picks.items() if g < DEFAULT_GROUP_SIZE]
         if small:  # smaller groups carry more scales: more bytes per weight
@@ -133,15 +105,8 @@ def for_model(config: ModelConfig, quant: WeightQuant | None, shards: int = 1
 
 def quantized_axes(name: str, w: Any, *, stacked: bool, expert: bool = False
                    ) -> tuple[tuple[int, ...], int]:
-    """(the channelwise axes, the grouped axis) of stored weight ``name``, ``w`` (an array, or
-    an ``ops.layouts.OutFirst`` one: the axes are its stored array's).
-
-    Output axes (and a stacked layout's layers axis) get one scale each entry; the grouped axis
-    is the last input axis (a matrix stored in-first has its inputs first, out-first last).
-    An ``expert`` stack ([L?, E, in, out], in-first in every layout) gets one scale per
-    expert and output channel, its groups along the input axis: an expert's bytes and scales
-    are its own rows, so a gather reads only the experts it takes.
-    """
+    """(the channelwise axes, the grouped axis: the last input one) of stored weight ``name``, ``w``
+    (maybe ``OutFirst``); an ``expert`` stack [L?, E, in, out] has a scale per expert."""
     lead, ndim = int(stacked), len(w.shape)
     n_in = 1 if name == EMBEDDING_PARAM else MATRIX_INPUT_AXES[name]
     if expert or name == EMBEDDING_PARAM:  # the token table [V, D]: a row per token, never
@@ -156,12 +121,8 @@ def quantized_axes(name: str, w: Any, *, stacked: bool, expert: bool = False
 
 def quantize_weight(w: Any, name: str, quant: WeightQuant, *, stacked: bool,
                     expert: bool = False, key: str | None = None) -> Any:
-    """One stored weight -> a ``qwix.QArray`` (int8) or a ``PackedInt4``, scales in w's dtype;
-    an ``OutFirst`` one stays out-first, its stored array quantised.
-
-    ``expert``: a mixture's [E, ...] stack (``quantized_axes``); ``key``: the name its group
-    size is picked by (``group_key``; default ``name``).
-    """
+    """One stored weight (maybe ``OutFirst``) -> a ``qwix.QArray`` (int8) or ``PackedInt4``, scales
+    in w's dtype; ``expert``: an [E, ...] stack; ``key``: its ``group_key`` (default ``name``)."""
     channel, grouped = quantized_axes(name, w, stacked=stacked, expert=expert)
     if isinstance(w, OutFirst):
         return OutFirst(_quantize(w.w, quant, channel, grouped, key or name))
@@ -177,8 +138,7 @@ def _quantize(w: jax.Array, quant: WeightQuant, channel: tuple[int, ...], groupe
     return pack_int4(q, grouped)
 
 
-#: Matrices kept float: a mixture's router and shared-expert gate ([D, E], [D, 1]: a few
-#: vectors, and the routing decisions are sensitive to them).
+#: Matrices kept float: a mixture's router and shared-expert gate (small, and routing is sensitive).
 FLOAT_MATRICES = ("router", "shared_gate")
 
 
@@ -188,8 +148,7 @@ def is_quantizable(name: str) -> bool:
 
 
 def quantize_params(params: Params, quant: WeightQuant) -> Params:
-    """Params (``decode_params``' layout, in-first or with ``OutFirst`` matrices) with every
-    matrix and the token table quantised (``quantize_weight``); the rest as given."""
+    """Params with every matrix (in-first or ``OutFirst``) and the token table quantised."""
     def one(path: tuple[Any, ...], x: Any) -> Any:
         name = str(path[-1].key)
         if not is_quantizable(name):
@@ -215,18 +174,12 @@ def dequantize_params(params: Params) -> Params:
 
 def from_saved(params: Params, quant: str | WeightQuant, *, where: Any = "the checkpoint"
                ) -> Params:
-    """``params`` with every quantised weight restored as plain dicts of its arrays (as orbax
-    restores a tree it is given no target for) rebuilt as the ``PackedInt4`` / ``qwix.QArray``
-    that ``quantize_params(params, quant)`` made of in-first weights; the rest as given.
-
-    What the dicts lack is recovered from the scheme and the weight's place: a 4-bit weight's
-    packed axis is its grouped axis (``quantized_axes``), its qtype the scheme's (int4 and nf4
-    store alike); the group sizes are read off the saved scales. Weights already rebuilt are
-    kept.
+    """``params`` with every quantised weight that orbax restored as a plain dict rebuilt as the
+    ``PackedInt4`` / ``qwix.QArray`` that ``quantize_params(params, quant)`` made of it.
 
     Raises:
-      ValueError: naming ``where`` and the weight: a saved weight of another scheme than
-        ``quant``, or arrays whose shapes do not fit together.
+      ValueError: naming ``where`` and the weight: another scheme than ``quant``, or arrays
+        whose shapes do not fit together.
     """
     scheme = parse_quant(quant).scheme
 
@@ -269,12 +222,7 @@ def from_saved(params: Params, quant: str | WeightQuant, *, where: Any = "the ch
 
 
 def quantized_shardings(shardings: Params, quantized: Params) -> Params:
-    """The shardings of quantised weights, from those of the float weights they replace.
-
-    Values keep their weight's spec (int4's packed axis is halved, still divisible when the
-    group size divides each shard's width); scales take it on the axes they have entries along
-    and replicate their size-1 axes.
-    """
+    """The shardings of quantised weights from their float weights' (scales: where they vary)."""
     def one(s: NamedSharding, q: Any) -> Any:
         if not is_quantized(q):
             return s

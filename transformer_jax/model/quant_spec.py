@@ -1,11 +1,6 @@
 """The spelling of a weight quantisation: ``"int8"``, ``"int4"``, ``"int4:G"``, ``"nf4"``,
-``"nf4:G"``, parsed in one place (``parse_quant``) for every flag and setting that takes one
-(``generate``/``serve``/``bench decode --quant``, ``train.lora_base_quant``).
-
-This module needs neither qwix nor a device: a config or an argument is checked with it before
-anything is loaded. ``model.quant`` quantises by the ``WeightQuant`` it returns (and rebuilds
-the quantised weights a checkpoint holds, ``is_saved_quantized``).
-"""
+``"nf4:G"``, parsed in one place (``parse_quant``) for every flag and setting that takes one.
+It needs neither qwix nor a device, so a setting is checked before anything is loaded."""
 
 from __future__ import annotations
 
@@ -29,10 +24,9 @@ class WeightQuant:
     """How ``prepare`` quantises the weights.
 
     Attributes:
-      scheme: ``"int8"`` (per output channel), ``"int4"`` or ``"nf4"`` (per output channel and
-        group).
-      group_size: G, the group of consecutive inputs sharing a scale (int4/nf4), for every
-        matrix; None for int8, and for int4/nf4 picked per matrix by ``quant.for_model``.
+      scheme: ``"int8"`` (per output channel), ``"int4"`` or ``"nf4"`` (and group).
+      group_size: G, the consecutive inputs sharing a scale (int4/nf4); None for int8, and
+        for int4/nf4 picked per matrix by ``quant.for_model``.
       groups: ``for_model``'s per-matrix picks, ((leaf name, G), ...) sorted; empty otherwise.
     """
 
@@ -54,8 +48,7 @@ class WeightQuant:
 
     @property
     def name(self) -> str:
-        """The spelling ``parse_quant`` reads: ``"int8"``, ``"int4"`` (groups per matrix) or
-        ``"int4:G"`` (and the same for nf4)."""
+        """The spelling ``parse_quant`` reads (``"int8"``, ``"int4"``, ``"int4:G"``, ...)."""
         return self.scheme if self.group_size is None else f"{self.scheme}:{self.group_size}"
 
     def group_for(self, name: str) -> int | None:
@@ -65,17 +58,15 @@ class WeightQuant:
 
 def parse_quant(quant: str | WeightQuant | None, *, field: str = "quant"
                 ) -> WeightQuant | None:
-    """``"int8"``, ``"int4"`` / ``"nf4"`` (G picked per matrix by ``quant.for_model``) or
-    ``"int4:G"`` / ``"nf4:G"`` (or a ``WeightQuant``, or None) -> the ``WeightQuant`` (None:
-    float weights).
+    """The ``WeightQuant`` of a spelling (None: float weights).
 
     Args:
-      quant: the spelling.
+      quant: ``"int8"``, ``"int4"`` / ``"nf4"`` (G picked per matrix by ``quant.for_model``),
+        ``"int4:G"`` / ``"nf4:G"``, a ``WeightQuant`` or None.
       field: how the errors name the setting (``"--quant"``, ``"train.lora_base_quant"``).
 
     Raises:
-      ValueError: one line naming ``field``, what it accepts and what it got: an unknown
-        scheme, or a group size that is not an even integer >= 2 written in ASCII digits.
+      ValueError: an unknown scheme, or a group size that is not an even integer >= 2.
     """
     if quant is None or isinstance(quant, WeightQuant):
         return quant
@@ -100,24 +91,20 @@ def parse_quant(quant: str | WeightQuant | None, *, field: str = "quant"
     return WeightQuant(scheme, int(group))
 
 
-#: The arrays of a quantised weight as a checkpoint restored without a target tree holds them
-#: (plain dicts: the static fields, a packed weight's axis and qtype, are not saved).
+#: The arrays of a quantised weight as a checkpoint restored without a target tree holds them.
 SAVED_PACKED = frozenset({"packed", "scale"})
 SAVED_QARRAY = frozenset({"qvalue", "scale"})
 
 
 def is_saved_quantized(node: Any) -> bool:
-    """Whether ``node`` is a quantised weight as restored from a checkpoint: a dict of a
-    ``PackedInt4``'s arrays (``packed``, ``scale``) or of a ``qwix.QArray``'s (``qvalue``,
-    ``scale``, maybe ``zero_point``); ``quant.from_saved`` rebuilds them."""
+    """Whether ``node`` is a quantised weight as a checkpoint restores it (a dict of arrays)."""
     if not isinstance(node, Mapping):
         return False
     keys = frozenset(node)
     return keys == SAVED_PACKED or keys - {"zero_point"} == SAVED_QARRAY
 
 
-#: The leaf names of a mixture's expert stacks (gate, up [E, D, F]; down [E, F, D]), held by
-#: a sparse layer's ``moe`` module (its shared expert's are under ``moe/shared``).
+#: The leaf names of a mixture's [E, ...] expert stacks in a sparse layer's ``moe`` module.
 EXPERT_PARAMS = ("gate", "up", "down")
 EXPERT_MODULE = "moe"
 
@@ -127,8 +114,7 @@ def _key(entry: Any) -> str:
 
 
 def is_expert_stack(path: Sequence[Any]) -> bool:
-    """Whether the parameter at ``path`` (jax tree-path entries or strings, ending with its
-    leaf name) is one of a mixture's [E, ...] expert stacks: ``.../moe/{gate,up,down}``."""
+    """Whether the parameter at ``path`` (leaf name last) is an ``moe/{gate,up,down}`` stack."""
     return (len(path) >= 2 and _key(path[-1]) in EXPERT_PARAMS
             and _key(path[-2]) == EXPERT_MODULE)
 

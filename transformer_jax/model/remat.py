@@ -1,25 +1,7 @@
-"""Rematerialisation policies: what a block keeps from its forward for the backward pass.
-
-A block's activations are named where they are computed (``jax.ad_checkpoint.checkpoint_name``,
-a no-op outside ``jax.checkpoint``): the attention's projections and output, the FFN's and the
-mixture's products. A policy (``model.remat``, ``Execution.remat``) saves some of them in device
-memory, offloads some to the host's memory, and recomputes the rest:
-
-- ``none``: no remat, the block keeps every input of its backward (the most memory);
-- ``full``: only the block's input; the whole block runs again in the backward pass;
-- ``save_qkv_proj``: the query, key and value projections (MaxText's name);
-- ``save_dots_except_mlp``: those, the attention's output and its output projection: the FFN
-  is recomputed (MaxText's ``save_dot_except_mlp``, with the context);
-- ``save_dots_except_mlp_in``: every named product but the FFN's gate and up (the widest);
-- ``save_dots``: every matmul without batch dimensions (the most of the remat policies);
-- ``offload_qkv_proj``: the query, key and value projections, moved to the host's pinned memory
-  after the forward and back for the backward;
-- ``offload_dots``: every named product, moved to the host.
-
-Offloading needs a device memory apart from the host's (TPU, GPU): on a CPU target the device's
-memory is the host's, so an offloading policy saves the same activations in place (the math is
-the same) and logs that once (``policy``).
-"""
+"""Rematerialisation policies (``Execution.remat``): which named activations (``checkpoint_name``)
+a block keeps for the backward pass, offloads to the host, or recomputes: ``none``, ``full``,
+``save_qkv_proj``, ``save_dots_except_mlp``, ``save_dots_except_mlp_in``, ``save_dots`` and
+the ``offload_*`` policies (saved in place on a CPU target)."""
 
 from __future__ import annotations
 
@@ -37,8 +19,7 @@ KV_LATENT = "kv_latent"
 CONTEXT = "attn_context"
 OUT = "out_proj"
 MLP_GATE, MLP_UP, MLP_DOWN = "mlp_gate", "mlp_up", "mlp_down"
-#: A mixture's routed experts: gate and up products of the (token, expert) rows, and the
-#: layer's combined output.
+#: A mixture's routed experts: gate and up products, and the layer's combined output.
 MOE_GATE, MOE_UP, MOE_OUT = "moe_gate", "moe_up", "moe_out"
 
 QKV = (QUERY, KEY, VALUE, KV_LATENT)
@@ -63,18 +44,16 @@ _warned: set[tuple[str, str]] = set()
 
 
 def saved_names(remat: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(names kept in device memory, names offloaded to the host) of a named policy; ``()``
-    for ``none``, ``full`` and ``save_dots``, which do not go by names."""
+    """(names kept in device memory, names offloaded) of a policy; () for those not by names."""
     return _NAMED.get(remat, ((), ()))
 
 
 def policy(remat: str, platform: str) -> Any:
-    """The ``jax.checkpoint`` policy of ``remat`` (not ``"none"``) for a target platform.
+    """The ``jax.checkpoint`` policy of ``remat``.
 
     Args:
-      remat: one of ``REMATS`` but ``"none"``.
-      platform: the target's platform (``ops.target.platform()``); on ``"cpu"`` an offloading
-        policy keeps its names in device memory instead (logged once).
+      remat, platform: one of ``REMATS`` but ``"none"``; the target's (on ``"cpu"`` an
+        offloading policy keeps its names in device memory, logged once).
 
     Returns:
       The policy (None for ``"full"``: nothing saved).

@@ -1,25 +1,13 @@
-"""The layer stack as groups: which block each layer is, and how runs of them are scanned.
-
-Each layer is a ``LayerSpec``: its attention kind (``"global"``: full causal; ``"local"``:
-the sliding window; ``"chunked"``: causal within its chunk of positions; ``"latent"``:
-multi-head latent attention), its FFN kind (``"dense"`` or ``"moe"``) and whether it rotates by
-RoPE. The stack is cut into ``LayerGroup``s, each a period of specs repeated: Gemma 3's 26
-layers are five local and one global layer four times, then two local ones; a DeepSeek-shaped
-mixture is 3 dense layers, then its sparse ones; a uniform model is one group of period 1. A
-scanned model scans each group on its own over its repeats, the period's blocks unrolled in the
-scan body, so every block knows its kinds as Python values: nothing is selected by a traced
-layer index, and a cache writes only what its layer reads.
-
-A block inside a scan addresses its cache with a ``LayerRef``: its kind, and its (traced)
-index among all layers and among the layers of its attention kind, from which a cache finds
-the buffer that holds it (a ring for a local layer, say).
-"""
+"""The layer stack as groups: each layer is a ``LayerSpec``; the stack is cut into
+``LayerGroup``s, periods of specs repeated (Gemma 3: 5 local + 1 global, four times, then two
+local), which a scanned model scans one by one, the period's blocks unrolled in the body, each
+addressing its cache with a ``LayerRef``. ``restack`` moves trees between the layouts."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -35,10 +23,8 @@ class LayerSpec:
     """What one layer is (static, hashable).
 
     Attributes:
-      attention: ``"global"`` (full causal), ``"local"`` (the sliding window, its own RoPE
-        base when the architecture gives one), ``"chunked"`` (a query sees the keys of its
-        own chunk of ``attention_chunk`` positions, causally) or ``"latent"`` (multi-head
-        latent attention, ``fields.MLA``: its cache holds a latent per token).
+      attention: ``"global"`` (full causal), ``"local"`` (the sliding window), ``"chunked"``
+        (causal within its chunk) or ``"latent"`` (multi-head latent attention).
       ffn: ``"dense"`` or ``"moe"`` (the mixture of experts).
       rope: whether the layer rotates q and k (False: a NoPE layer, ``nope_layers``).
     """
@@ -66,9 +52,9 @@ class LayerRef:
     """Where a layer is, as a cache reads it: its attention kind (static) and its indices.
 
     Attributes:
-      index: the layer's number among all L layers (a Python int, or traced in a scan).
+      index, of_kind: its number among all L layers, and among those of its attention kind
+        (Python ints, or traced in a scan).
       local: whether its cache is a ring (a local or chunked layer, static).
-      of_kind: its number among the layers of its attention kind.
     """
 
     index: int | jax.Array
@@ -81,9 +67,7 @@ class LayerGroup:
     """A run of layers: ``period`` repeated ``repeats`` times from layer ``start``.
 
     Attributes:
-      start: the first layer's number.
-      period: the specs of one repeat, in layer order.
-      repeats: R, how many times the period repeats.
+      start, period, repeats: the first layer's number, one repeat's specs, R repeats.
       before: per attention kind, how many layers of that kind come before the group
         (``(("global", n), ("local", m))``).
     """
@@ -112,8 +96,8 @@ class LayerGroup:
 
 @functools.cache
 def layer_groups(specs: tuple[LayerSpec, ...]) -> tuple[LayerGroup, ...]:
-    """Cuts a stack into groups: from each layer on, the period that covers the most layers
-    by repeating (the shortest among equals); a run that repeats nothing is one layer.
+    """Cuts a stack into groups: from each layer on, the period that covers the most layers by
+    repeating (the shortest among equals); a run that repeats nothing is one layer.
 
     Args:
       specs: each layer's spec, L entries.
@@ -140,23 +124,19 @@ def layer_groups(specs: tuple[LayerSpec, ...]) -> tuple[LayerGroup, ...]:
 
 
 def group_key(groups: tuple[LayerGroup, ...], g: int) -> str:
-    """The params key of scanned group ``g``: ``blocks`` for a stack of one group, else
-    ``scan_{g}``. A group of period 1 holds one block's params stacked [R, ...]; a longer
-    period holds ``layer_{j}`` for each position j, each stacked [R, ...]."""
+    """Scanned group ``g``'s params key: ``blocks`` if it is the only one, else ``scan_{g}``."""
     return "blocks" if len(groups) == 1 else f"scan_{g}"
 
 
 def is_scanned_key(key: str) -> bool:
-    """Whether a top-level params key holds scanned layers (leaves with a leading repeats
-    axis), as opposed to one layer (``blocks_{i}``) or no layer (``embed``...)."""
+    """Whether a top-level params key holds scanned layers (a leading repeats axis)."""
     return key == "blocks" or key.startswith("scan_")
 
 
 def block_paths(params: Mapping[str, Any]) -> list[tuple[tuple[str, ...], bool]]:
     """(path, stacked) of every block's subtree of a params-shaped tree, in layer order:
-    ``("blocks_3",)`` unrolled; ``("blocks",)`` or ``("scan_1",)`` a scanned group of period
-    1; ``("scan_0", "layer_2")`` a position of a longer period. ``stacked``: its leaves have a
-    leading repeats axis."""
+    ``("blocks_3",)``, ``("blocks",)``, ``("scan_1",)`` or ``("scan_0", "layer_2")``; ``stacked``:
+    its leaves have a leading repeats axis."""
     def order(key: str) -> tuple[int, str]:
         return len(key), key
 
@@ -173,21 +153,27 @@ def block_paths(params: Mapping[str, Any]) -> list[tuple[tuple[str, ...], bool]]
     return out
 
 
-def _get(tree: Any, path: tuple[str, ...]) -> Any:
+def tree_get(tree: Any, path: Sequence[str]) -> Any:
+    """``tree[path[0]][path[1]]...``."""
     for key in path:
         tree = tree[key]
     return tree
 
 
+def tree_set(tree: Mapping[str, Any], path: Sequence[str], value: Any) -> dict[str, Any]:
+    """A copy of ``tree`` with ``value`` at ``path`` (the dicts along it copied or created)."""
+    out = dict(tree)
+    out[path[0]] = value if len(path) == 1 else tree_set(tree.get(path[0], {}), path[1:], value)
+    return out
+
+
 def stacked_layers(params: Mapping[str, Any]) -> dict[tuple[str, ...], list[int]]:
-    """Each scanned block path of ``params`` (``block_paths``) -> the layer numbers it
-    stacks, read off the tree itself: a group's P positions and R repeats hold layers
-    ``start + r * P + j``."""
+    """Each scanned block path of ``params`` -> the layer numbers it stacks, read off the tree."""
     paths = [p for p, stacked in block_paths(params) if stacked]
     out, start = {}, 0
     for key in dict.fromkeys(p[0] for p in paths):
         mine = [p for p in paths if p[0] == key]
-        repeats = jax.tree.leaves(_get(params, mine[0]))[0].shape[0]
+        repeats = jax.tree.leaves(tree_get(params, mine[0]))[0].shape[0]
         for j, path in enumerate(mine):
             out[path] = [start + r * len(mine) + j for r in range(repeats)]
         start += len(mine) * repeats
@@ -205,9 +191,7 @@ def group_layers(groups: tuple[LayerGroup, ...]) -> dict[tuple[str, ...], list[i
 
 
 def restack(tree: Mapping[str, Any], want: dict[tuple[str, ...], list[int]]) -> dict[str, Any]:
-    """A params-shaped ``tree`` (params, adapters, moments) in the layer layout ``want`` says
-    (``group_layers``, another tree's ``stacked_layers``; empty: unrolled ``blocks_{i}``); as
-    it is when it has that layout already."""
+    """A params-shaped ``tree`` in the layer layout ``want`` (empty: unrolled ``blocks_{i}``)."""
     scanned = stacked_layers(tree)
     if bool(scanned) == bool(want):
         return dict(tree)
@@ -222,5 +206,5 @@ def restack(tree: Mapping[str, Any], want: dict[tuple[str, ...], list[int]]) -> 
             out.setdefault(path[0], {})[path[1]] = node
     for path, layers in scanned.items():  # scanned -> unrolled
         for r, i in enumerate(layers):
-            out[f"blocks_{i}"] = jax.tree.map(lambda x, r=r: x[r], _get(tree, path))
+            out[f"blocks_{i}"] = jax.tree.map(lambda x, r=r: x[r], tree_get(tree, path))
     return out

@@ -1,8 +1,7 @@
 """The decoder-only Transformer: embed -> L blocks (unrolled or scanned) -> final norm -> logits.
 
-``Transformer(config).apply({"params": params}, tokens).logits`` are [B, T, V] float32 logits.
-Passing a ``KVCache`` also returns the cache (``Output.cache``) with the chunk's keys/values
-written in, which is all prefill and decode need: ``decode/loop.py`` runs this same forward.
+``Transformer(config).apply({"params": params}, tokens).logits`` are [B, T, V] float32 logits;
+with a ``KVCache`` the forward also returns it updated (``Output.cache``): prefill and decode.
 """
 
 from __future__ import annotations
@@ -31,19 +30,15 @@ Params = dict[str, Any]
 
 @flax.struct.dataclass
 class Output:
-    """What the forward returns.
+    """What the forward returns (None where not asked for).
 
     Attributes:
-      logits: [B, T, V] float32 next-token logits ([B, V] with ``logits_at``); None with
-        ``hidden_only``.
-      cache: the updated cache when one was given (lengths ``positions[:, -1] + 1``), else None.
-      hidden: the final-normed [B, T, D] hidden states with ``hidden_only`` or
-        ``with_hidden``, else None.
-      mtp: with ``mtp=True``, the multi-token prediction modules' [D_mtp, B, T, V] float32
-        logits (``model.mtp``); else None.
-      moe: with a mixture of experts, its sparse layers' ``moe.RouterStats`` stacked:
-        ``balance`` and ``z`` [L_sparse] (the layers' load-balancing and router z-losses over
-        the valid tokens), ``load`` [L_sparse, E] ((token, slot) pairs per expert); else None.
+      logits: [B, T, V] float32 next-token logits ([B, V] with ``logits_at``).
+      cache: the updated cache when one was given (lengths ``positions[:, -1] + 1``).
+      hidden: the final-normed [B, T, D] hidden states (``hidden_only``, ``with_hidden``).
+      mtp: with ``mtp=True``, the prediction modules' [D_mtp, B, T, V] float32 logits.
+      moe: the sparse layers' ``moe.RouterStats`` stacked (``balance``, ``z`` [L_sparse],
+        ``load`` [L_sparse, E]).
     """
 
     logits: jax.Array | None = None
@@ -56,19 +51,8 @@ class Output:
 class Transformer(nn.Module):
     """Decoder-only language model: every family it runs is a set of ``Architecture`` fields.
 
-    The one forward of the library: training calls it on whole sequences, prefill on padded
-    prompts with an empty cache, and every decode step on one token per sequence with the cache
-    (``decode/loop.py``). The blocks are unrolled, or scanned with ``config.scan_layers`` (then the
-    program, and its compile time, do not grow with depth, decode included).
-
-    The weights it is given may be prepared leaves (``decode.prepare``: quantised, stored output
-    axes first for a CPU target, ``ops.layouts``); the model computes with them as they are.
-
-    Sharded, it runs under ``jit`` with a mesh and the logical-axis rules in context
-    (``parallel.sharding.jit_sharded``; generate and the engine enter the same context): XLA
-    partitions it from the parameters' and the cache's shardings, training and inference
-    alike. The only hand-written collectives are inside ops that need them (a mixture's
-    expert dispatch, ``ops.moe_dispatch``).
+    The one forward for training, prefill and decode; blocks unrolled or scanned
+    (``config.scan_layers``); weights float or prepared (``decode.prepare``), as they are.
     """
 
     config: ModelConfig
@@ -82,25 +66,16 @@ class Transformer(nn.Module):
 
         Args:
           tokens: [B, T] int token ids.
-          positions: [B, T] int positions; default ``arange(T)``, or with a cache
-            ``cache.lengths[:, None] + arange(T)`` (continue each sequence where it stopped).
-          cache: optional cache (``KVCache`` with S_max slots, or another ``Cache`` such as
-            ``serving.PagedKVCache``); the chunk's keys/values are written at
-            slots ``positions[:, 0] ..`` (which must stay below S_max), and queries attend to
-            every slot up to their position.
+          positions: [B, T] int positions; default ``arange(T)`` (after ``cache.lengths``).
+          cache: optional ``Cache`` (``KVCache`` with S_max slots, or ``serving.PagedKVCache``);
+            the chunk is written at slots ``positions[:, 0] ..`` (below S_max).
           segment_ids: optional [B, T] ids of packed sequences (0 = padding), without a cache.
           logits_at: optional [B] int index in [0, T) per sequence: the final norm and the LM
-            head run for that token only (a prompt's last real token in prefill), and the
-            logits are [B, V].
-          hidden_only: return the final-normed [B, T, D] hidden states instead of logits, for
-            a loss that applies the LM head itself in chunks (``ops.lm_loss``, with
-            ``lm_head``, and ``final_softcap`` as its ``logit_softcap``).
-          mtp: also run the multi-token prediction modules (``config.mtp_depth`` > 0) over
-            the whole sequences (``Output.mtp``), for the training loss; not with
-            ``logits_at`` or a cache. The modules' params exist whenever ``mtp_depth`` > 0.
-          with_hidden: also return the final-normed [B, T, D] hidden states of every position
-            (``logits_at`` included) beside the logits: what a multi-token prediction draft
-            reads (``decode.speculative_mtp``).
+            head run for that token only, and the logits are [B, V].
+          hidden_only, with_hidden: return the final-normed [B, T, D] hidden states instead of
+            the logits (for ``ops.lm_loss``), or beside them (for a draft).
+          mtp: also run the multi-token prediction modules over the whole sequences
+            (``Output.mtp``); not with ``logits_at`` or a cache.
 
         Returns:
           An ``Output``: the logits (or hidden states) and the updated cache.
@@ -159,9 +134,7 @@ class Transformer(nn.Module):
 
     def _blocks(self, carry: Carry, positions: jax.Array, segment_ids: jax.Array | None
                 ) -> tuple[Carry, dict[str, jax.Array] | None]:
-        """The L blocks over (x, cache): unrolled (``blocks_{i}``), or each layer group
-        scanned over its repeats (``stack.group_key``). Returns the carry and the sparse
-        layers' router stats stacked in layer order (None without sparse layers)."""
+        """The L blocks over (x, cache): (the carry, the sparse layers' router stats, or None)."""
         c = self.config
         block_cls = Block
         if c.remat != "none":
@@ -176,8 +149,7 @@ class Transformer(nn.Module):
                 stats.append(s)
         groups = c.layer_groups() if c.scan_layers else ()
         for g, group in enumerate(groups):
-            # The cache rides in the carry and each block indexes it with its (traced) layer
-            # reference, so XLA updates it in place rather than slicing and restacking it.
+            # The cache rides in the carry (each block indexes it): XLA updates it in place.
             if len(group.period) == 1:
                 body, args = block_cls, dict(spec=group.period[0], group=group)
             else:
@@ -201,9 +173,7 @@ class Transformer(nn.Module):
                       nn.initializers.normal(c.init_std), param_dtype=c.jnp_param_dtype)
 
     def lm_head(self, params: Params) -> jax.Array | OutFirst:
-        """The LM head of ``params`` (this model's parameter tree) as a [D, V] matrix, as the
-        forward applies it to the final hidden states and a chunked loss reads it
-        (``ops.lm_loss``): ``lm_head``, or the tied [V, D] token table as an ``OutFirst``."""
+        """The LM head of ``params`` as [D, V]: ``lm_head``, or the tied table as ``OutFirst``."""
         if not self.config.tie_embeddings:
             return params["lm_head"]
         table = params[EMBED][EMBEDDING_PARAM]
@@ -214,13 +184,7 @@ EMBED = "embed"
 
 
 def _boxed_init(config: ModelConfig, rng: jax.Array) -> Params:
-    """The model's parameters with their logical-axis boxes, from an init on a short dummy batch.
-
-    The init runs attention on the reference: parameters do not depend on the implementation,
-    and the dummy forward should neither pick one (``"auto"`` would log its choice for the
-    dummy's shapes, not the run's) nor need a kernel the backend lacks (the real step reports
-    that).
-    """
+    """The model's boxed parameters, from an init on a dummy batch with the reference attention."""
     tokens = jnp.zeros((1, min(8, config.max_seq_len)), jnp.int32)
     model = Transformer(config.replace(attention_impl="xla"))
     return model.init(rng, tokens)["params"]
@@ -249,9 +213,7 @@ def param_count(config: ModelConfig) -> int:
 
 
 def stack_blocks(params: Params, config: Architecture) -> Params:
-    """Unrolled layout (``blocks_0`` ..) -> scanned layout: each layer group of ``config``
-    (``Architecture.layer_groups``) under its key (``stack.group_key``), its layers stacked
-    [R, ...] (per period position ``layer_{j}`` when the period is longer than one)."""
+    """Unrolled layout (``blocks_0`` ..) -> scanned: each layer group stacked under its key."""
     return restack(params, group_layers(config.layer_groups()))
 
 
@@ -266,7 +228,6 @@ def is_scanned(params: Params) -> bool:
 
 
 def scanned_places(config: Architecture) -> dict[str, tuple[tuple[str, ...], int]]:
-    """Unrolled block ``blocks_{i}`` -> (the scanned params path that stacks it, its index r
-    along that stack), as ``stack_blocks`` lays out ``config``'s layer groups."""
+    """Unrolled ``blocks_{i}`` -> (the scanned params path stacking it, its index along it)."""
     return {f"blocks_{i}": (path, r) for path, layers in
             group_layers(config.layer_groups()).items() for r, i in enumerate(layers)}

@@ -1,57 +1,21 @@
-"""Scaled dot-product attention: masks given as structure (positions, segments, window).
+"""Scaled dot-product attention, masks given as structure (positions, segments, window).
 
-Layout: queries ``q`` are [B, T, N, H]; keys and values ``k``, ``v`` are [B, K, S, H], the KV
-cache's layout (one row per sequence and kv head). Query head r reads kv head
-``group(r) = floor(r / G)`` with G = N / K: the queries are viewed as [B, K, G, T, H] (or
-[B, T, K, G, H]), so K/V heads are never repeated in memory. MHA is K = N, MQA is K = 1.
-
-Which keys a query sees is given by structure, not by a dense mask: a query at position m sees a
-key at position n iff ``n <= m`` (when causal), ``n > m - window`` (with a sliding window), and both
-are in the same non-zero segment (packed sequences; segment 0 is padding). A query with no visible
-key returns exactly zeros. Chunked attention (``chunk`` C: only keys with ``n // C == m // C``)
-is segments too: each chunk of positions its own (``chunk_segments``), so every implementation
-takes it.
-
-``attention(..., impl=...)`` is the entry point:
-
-- ``"xla"``: the einsum reference (``reference_attention`` over the dense mask of
-  ``attention_mask``); it materialises [B, N, T, S] float32 logits and is the definition every
-  other implementation is tested against.
-- ``"chunked"``: ``chunked_attention`` (``ops/chunked_attention.py``), blockwise over queries and
-  keys with an online softmax and a hand-written backward pass; memory linear in the context on
-  every backend, CPU included.
-- ``"cudnn"``: cuDNN's fused kernel through ``jax.nn.dot_product_attention`` (GPU).
-- ``"mosaic"``: tokamax's Pallas flash attention (Mosaic TPU on TPU v5+, Mosaic GPU on Hopper or
-  newer), over the dense [B, T, S] bool mask.
-- ``"pallas"``: on TPU, JAX's Pallas TPU flash attention (segment ids natively, causal by index:
-  needs T == S and no window); on GPU, tokamax's Triton flash attention over the dense mask.
-- ``"auto"``: the best of these for the backend and shape (see ``choose_impl``); on TPU without
-  tokamax, JAX's Pallas TPU kernel where it applies.
-
-Under a mesh (``parallel.sharding.jit_sharded``, ``decode.decode_context``) the kernels XLA
-cannot partition (``"pallas"``, ``"cudnn"``, ``"mosaic"``) run per device under ``shard_map``
-over every split the inputs carry: the mesh axes the logical-axis rules give the batch (data,
-fsdp, expert) and the kv heads (tensor); each device runs the kernel on its rows and heads.
-Where the rules split the sequence (``context``), self-attention runs per device with its own
-queries and the whole sequence's keys and values, all-gathered (``ops.context_attention``).
-
-``softcap`` (logit soft-capping, ``c tanh(x / c)`` on the scaled logits before the mask and
-softmax) runs on ``"xla"``, ``"chunked"`` and tokamax's kernels (``"mosaic"``, GPU
-``"pallas"``); cuDNN and JAX's Pallas TPU kernel have none and refuse it, and ``"auto"`` does
-not pick them for a capped call.
+``q`` [B, T, N, H]; keys and values [B, K, S, H], query head r reading kv head ``r // G``. A
+query at m sees a key at n iff ``n <= m`` (causal), ``n > m - window`` and both are in the same
+non-zero segment (0: padding); one that sees none returns zeros. ``attention`` runs one of
+``ATTENTION_IMPLS`` (docs/long-context.md): the einsum reference ``"xla"``, which the others
+are tested against, ``"chunked"``, or a kernel (per device under a mesh).
 """
 
 import functools
 import importlib.util
 import logging
-import math
 import sys
 
 import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from transformer_jax.model.config import ATTENTION_IMPLS
@@ -75,13 +39,8 @@ _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 _IMPL_BACKENDS = {"cudnn": ("gpu", "cuda"), "pallas": ("tpu", "gpu", "cuda"),
                   "mosaic": ("tpu", "gpu", "cuda")}
 
-# "auto" on CPU switches from the einsum reference to the chunked path once the reference's float32
-# logits [B, N, T, S] reach 2^23 elements (32 MiB; its backward keeps about three arrays that big:
-# logits, probabilities, their cotangent). Measured here (2 CPU cores, forward + backward, causal,
-# N = 8, H = 64): at 4M elements (B = 2, T = S = 512) the reference was faster (150 vs 240 ms); at
-# 8M (T = S = 1024) the chunked path took half the time (200 vs 410 ms, it skips the blocks above
-# the diagonal) and at 32M 0.6 vs 1.6 s. Decode steps (T = 1) stay on the reference, which was
-# faster there (92 vs 136 ms at B = 8, S = 32768), until their [B, N, 1, S] logits pass 8M.
+# "auto" on CPU leaves the einsum reference for the chunked path once the reference's float32
+# logits [B, N, T, S] reach this many elements (measured: docs/long-context.md).
 _AUTO_CHUNKED_MIN_LOGITS = 2 ** 23
 
 _logged_choices: set[tuple[str, str]] = set()
@@ -95,22 +54,13 @@ def attention_mask(q_positions: jax.Array, k_positions: jax.Array, *,
                    k_valid: jax.Array | None = None,
                    window: int | jax.Array | None = None,
                    causal: bool = True) -> jax.Array:
-    """Boolean mask of which keys each query may attend to.
-
-    A query at position m sees a key at position n iff ``n <= m`` (when ``causal``), both belong
-    to the same segment (packed sequences; segment 0 means padding and sees nothing), the key is
-    valid, and (with a sliding window) it is among the last ``window`` positions (``n > m -
-    window``).
+    """Boolean mask of which keys each query may attend to (the module docstring's rule).
 
     Args:
-      q_positions: [B, T] integer positions of the queries.
-      k_positions: [B, S] integer positions of the keys.
-      q_segments: optional [B, T] segment ids of the queries (0 = padding).
-      k_segments: optional [B, S] segment ids of the keys (0 = padding).
+      q_positions, k_positions: [B, T], [B, S] int positions of the queries and keys.
+      q_segments, k_segments: optional [B, T], [B, S] segment ids (0 = padding), together.
       k_valid: optional [B, S] bool, False for keys that must never be seen.
-      window: optional sliding window: a query at m sees only keys with ``n > m - window``; a
-        Python int or an int scalar array (possibly traced).
-      causal: whether a query sees only keys at positions ``n <= m``.
+      window, causal: the sliding window (an int, maybe a traced scalar), causality.
 
     Returns:
       [B, T, S] bool.
@@ -140,24 +90,16 @@ def attention_weights(q: jax.Array, k: jax.Array | SlotsLast, mask: jax.Array | 
     """Softmax attention probabilities, grouped over kv heads.
 
     Args:
-      q: [B, T, N, H] queries.
-      k: [B, K, S, H] keys, N a multiple of K, or ``SlotsLast`` ones stored [B, K, H, S] (a
-        CPU cache layout, ``ops.layouts``), read as they are.
+      q, k: [B, T, N, H] queries, [B, K, S, H] keys (or ``SlotsLast`` [B, K, H, S]).
       mask: optional [B, T, S] bool (True = visible).
-      scale: logit scale, default ``1/sqrt(H)`` (keeps the logits' variance near 1).
-      softcap: optional logit soft-cap c: the scaled logits x become ``c tanh(x / c)`` before
-        the mask and softmax.
-      sinks: optional [N] sink logits, one per query head: each joins its head's softmax
-        denominator as one more (always visible) key whose value is zero.
+      scale: logit scale, default ``1/sqrt(H)``.
+      softcap: optional logit soft-cap c: scaled logits x become ``c tanh(x / c)``.
+      sinks: optional [N] sink logits: one more key per head, always visible, of value zero.
 
     Returns:
-      [B, N, T, S] float32 probabilities: each row sums to 1 over the visible keys (less the
-      sink's share with ``sinks``) and is 0 on masked keys; a row with no visible key is all
-      zeros.
+      [B, N, T, S] float32 probabilities, 0 on masked keys (and rows with no visible key).
     """
-    # Two batch dimensions (B, K), each [G * T, H] queries against one kv head's keys: a
-    # tensor split of the kv heads keeps every row on its device (the partitioner adds no
-    # collective), and XLA:CPU runs it as fast as one merged batch dimension R = B * K.
+    # Batch dimensions (B, K): a tensor split of the kv heads keeps every row on its device.
     k, slots_last = stored_keys(k)
     logits_spec, k_rows = (("BKQH,BKHS->BKQS", k.swapaxes(2, 3)) if slots_last  # k_rows: for
                            else ("BKQH,BKSH->BKQS", k))  # the shape checks only
@@ -192,13 +134,8 @@ def reference_attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array,
     """Attention written out with einsums: ``softmax(q k^T * scale + mask) v``.
 
     Args:
-      q: [B, T, N, H] queries.
-      k: [B, K, S, H] keys (or ``SlotsLast`` ones, see ``attention_weights``).
-      v: [B, K, S, H] values.
-      mask: optional [B, T, S] bool (True = visible).
-      scale: logit scale, default ``1/sqrt(H)``.
-      softcap: optional logit soft-cap (see ``attention_weights``).
-      sinks: optional [N] sink logits (see ``attention_weights``).
+      q, k, v: [B, T, N, H] queries, [B, K, S, H] keys (or ``SlotsLast``) and values.
+      mask, scale, softcap, sinks: as ``attention_weights`` takes them.
 
     Returns:
       [B, T, N, H] in q's dtype.
@@ -215,13 +152,6 @@ def reference_attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array,
 
 # Entry point -------------------------------------------------------------------------------------
 
-def _check_backend(impl: str) -> None:
-    backend = target.platform()
-    if backend not in _IMPL_BACKENDS[impl]:
-        raise ValueError(f"attention impl {impl!r} cannot run on backend {backend!r}; it needs "
-                         f"one of {_IMPL_BACKENDS[impl]}. Use impl='auto', 'xla' or 'chunked'.")
-
-
 def _have_tokamax() -> bool:
     """Whether tokamax (the ``kernels`` extra) can be imported, without importing it."""
     if "tokamax" in sys.modules:
@@ -232,26 +162,16 @@ def _have_tokamax() -> bool:
 def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None, *,
                 softcap: float | None = None, window: int | jax.Array | None = None,
                 aligned: bool = True) -> str:
-    """The implementation ``impl="auto"`` runs for these shapes on ``backend``.
-
-    - CPU (and anything unknown): ``"xla"`` while the [B, N, T, S] float32 logits stay under
-      ``_AUTO_CHUNKED_MIN_LOGITS`` elements, ``"chunked"`` above.
-    - GPU: ``"cudnn"`` for float16/bfloat16 with H a multiple of 8 up to 128 (what cuDNN's
-      fused flash attention accepts) unless the logits are soft-capped (cuDNN cannot cap),
-      else as on CPU.
-    - TPU: ``"mosaic"`` (tokamax's Pallas flash attention) when T and S are multiples of 128,
-      the kernel's block granularity. Without tokamax, ``"pallas"`` (JAX's Pallas TPU flash
-      attention) when it applies too (``aligned`` queries and keys, no window, no cap); else as
-      on CPU.
+    """The implementation ``impl="auto"`` runs for these shapes on ``backend``: on GPU ``"cudnn"``
+    for float16/bfloat16, H a multiple of 8 up to 128 and no soft-cap; on TPU ``"mosaic"`` for T
+    and S multiples of 128 (without tokamax ``"pallas"`` where it applies); else ``"xla"`` while
+    the [B, N, T, S] logits stay under ``_AUTO_CHUNKED_MIN_LOGITS`` elements, ``"chunked"`` above.
 
     Args:
-      q: [B, T, N, H] queries (only shape and dtype are read).
-      k: [B, K, S, H] keys.
+      q, k: [B, T, N, H] queries and [B, K, S, H] keys (only shapes and dtype are read).
       backend: default the target's (``ops.target.platform()``).
-      softcap: the call's logit soft-cap; with one, only implementations that cap are picked.
-      window: the call's sliding window (JAX's Pallas TPU kernel has none).
-      aligned: queries and keys are the same positions (training, a prefill from an empty
-        cache), as JAX's Pallas TPU kernel needs (it is causal by index).
+      softcap, window: the call's logit soft-cap and sliding window.
+      aligned: queries and keys are the same positions (training, a prefill from empty).
 
     Returns:
       One of ``ATTENTION_IMPLS`` other than ``"auto"``.
@@ -268,38 +188,28 @@ def choose_impl(q: jax.Array, k: jax.Array, backend: str | None = None, *,
         if aligned and t == s and window is None and softcap is None:
             return "pallas"
     if not all(isinstance(dim, int) for dim in (b, n, t, s)):
-        # Symbolic shapes (jax.export): the size test cannot be decided at trace time, and the
-        # reference handles every shape.
-        return "xla"
+        return "xla"  # symbolic shapes (jax.export): the size test cannot be decided
     return "chunked" if b * n * t * s >= _AUTO_CHUNKED_MIN_LOGITS else "xla"
 
 
-def _check_softcap(impl: str, softcap: float | None, backend: str) -> None:
-    """Refuses a soft-cap on the kernels that have none: cuDNN (``jax.nn.dot_product_attention``
-    takes no cap) and JAX's Pallas TPU flash attention."""
-    if softcap is None:
-        return
-    if impl == "cudnn" or (impl == "pallas" and backend == "tpu"):
+def _check_kernel(impl: str, softcap: float | None, sinks: jax.Array | None) -> None:
+    """Refuses sinks, a backend and a soft-cap that kernel ``impl`` cannot take."""
+    if sinks is not None:
+        raise ValueError(f"attention impl={impl!r} has no attention sinks; use impl='auto', "
+                         "'xla' or 'chunked'")
+    backend = target.platform()
+    if backend not in _IMPL_BACKENDS[impl]:
+        raise ValueError(f"attention impl {impl!r} cannot run on backend {backend!r}; it needs "
+                         f"one of {_IMPL_BACKENDS[impl]}. Use impl='auto', 'xla' or 'chunked'.")
+    if softcap is not None and (impl == "cudnn" or (impl == "pallas" and backend == "tpu")):
         name = "cuDNN" if impl == "cudnn" else "JAX's Pallas TPU flash attention"
         raise ValueError(f"attention impl={impl!r} ({name}) has no logit softcap (got softcap="
                          f"{softcap}); use impl='xla' or 'chunked' (or 'mosaic', tokamax's "
                          "kernel, which caps)")
 
 
-def _check_sinks(impl: str, sinks: jax.Array | None) -> None:
-    """Refuses attention sinks on the kernels, which have no extra softmax term."""
-    if sinks is not None and impl in _IMPL_BACKENDS:
-        raise ValueError(f"attention impl={impl!r} has no attention sinks; use impl='auto', "
-                         "'xla' or 'chunked'")
-
-
 def _kernel_attention(impl, q, k, v, mask, scale, softcap=None):
-    """The library kernels, over a dense [B, T, S] mask; k/v go to their [B, S, K, H] layout.
-
-    tokamax's kernels take the cap (``logits_soft_cap``, on the scaled logits, as here); its
-    Triton kernel (GPU ``"pallas"``) caps in the forward pass only, its backward pass raises
-    ``NotImplementedError`` on a cap (tokamax 0.0.12-0.0.17).
-    """
+    """The library kernels over a dense [B, T, S] mask, k/v in their [B, S, K, H] layout."""
     kt, vt = k.swapaxes(1, 2), v.swapaxes(1, 2)
     if impl == "cudnn":
         out = jax.nn.dot_product_attention(q, kt, vt, mask=mask[:, None], scale=scale,
@@ -316,13 +226,8 @@ def _kernel_attention(impl, q, k, v, mask, scale, softcap=None):
 
 
 def _pallas_tpu_attention(q, k, v, q_segments, k_segments, *, causal, scale):
-    """JAX's Pallas TPU flash attention (``jax.experimental.pallas.ops.tpu.flash_attention``).
-
-    It takes segment ids natively but decides causality by index, not position, and has no
-    window: callers ensure T == S with positions ascending by one within each segment (training
-    and prefill from an empty cache). It wants equal head counts, so K/V heads are repeated G
-    times (a linear-memory copy); its layout is [B, N, T, H].
-    """
+    """JAX's Pallas TPU flash attention: causal by index, no window (callers ensure T == S and
+    positions ascending per segment); K/V heads repeated G times."""
     from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash  # noqa: PLC0415
 
     g = q.shape[2] // k.shape[1]
@@ -343,36 +248,19 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
               causal: bool = True, scale: float | None = None, impl: str = "auto",
               softcap: float | None = None, sinks: jax.Array | None = None,
               chunk: int | None = None) -> jax.Array:
-    """Scaled dot-product attention with grouped kv heads and a structural mask (which keys
-    a query sees, and ``softcap``: see the module docstring).
+    """Scaled dot-product attention with grouped kv heads and a structural mask.
 
     Args:
-      q: [B, T, N, H] queries.
-      k: [B, K, S, H] keys (the KV cache layout), N a multiple of K; or ``SlotsLast`` keys
-        stored [B, K, H, S] (a CPU cache layout, ``ops.layouts``): the reference reads them as
-        they are, the other implementations take a transposed copy first.
-      v: [B, K, S, H] values.
-      q_positions: [B, T] int positions of the queries.
-      k_positions: optional [B, S] int positions of the keys; default ``arange(S)`` in every row
-        (KV cache slot s holds position s).
-      q_segments, k_segments: optional [B, T], [B, S] segment ids of packed sequences (0 =
-        padding, sees nothing); given together.
-      window: optional sliding window length: a Python int or an int scalar array, which may
-        be traced (a per-layer window carried through a layer scan; a value past every
-        position, e.g. 2**30, is no window) for the ``"xla"``, ``"chunked"`` and tokamax
-        paths (JAX's Pallas TPU kernel refuses any window).
-      causal: whether queries see only keys at earlier or equal positions.
-      scale: logit scale, default ``1/sqrt(H)``.
-      impl: one of ``ATTENTION_IMPLS`` (see the module docstring). The accelerator kernels raise
-        ``ValueError`` on a backend that cannot run them rather than falling back.
-      softcap: optional logit soft-cap c (a Python float); ``"cudnn"`` and TPU ``"pallas"``
-        refuse one with ``ValueError``.
-      sinks: optional [N] learned sink logits, one per query head, joining every softmax's
-        denominator with no value (a query with no visible key still returns zeros); only
-        ``"xla"`` and ``"chunked"`` take them (``"auto"`` picks one of the two), the kernels
-        refuse them with ``ValueError``.
-      chunk: optional C (a Python int): a query at m sees only keys with ``n // C == m // C``
-        (``chunk_segments``).
+      q, k, v: [B, T, N, H] queries, [B, K, S, H] keys (or ``SlotsLast``) and values.
+      q_positions, k_positions: [B, T] and optional [B, S] (default ``arange(S)``) positions.
+      q_segments, k_segments: optional [B, T], [B, S] segment ids (0 = padding), together.
+      window: optional sliding window, maybe a traced scalar (JAX's Pallas TPU kernel has none).
+      causal, scale: as ``attention_mask`` and ``attention_weights`` take them.
+      impl: one of ``ATTENTION_IMPLS``; a kernel raises ``ValueError`` on a backend it cannot
+        run on, never falling back.
+      softcap: optional logit soft-cap c (``"cudnn"`` and TPU ``"pallas"`` refuse one).
+      sinks: optional [N] sink logits (``"xla"`` and ``"chunked"`` only).
+      chunk: optional C (a Python int): a query at m sees only keys with ``n // C == m // C``.
 
     Returns:
       [B, T, N, H] in q's dtype; exactly zero for a query with no visible key.
@@ -411,9 +299,7 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
             logger.info("attention impl='auto' picked %r on backend %r%s (first seen at q %s, "
                         "k %s, %s)", impl, key[0], fallback, q.shape, k.shape, q.dtype)
     if impl in _IMPL_BACKENDS:
-        _check_sinks(impl, sinks)
-        _check_backend(impl)
-        _check_softcap(impl, softcap, target.platform())
+        _check_kernel(impl, softcap, sinks)
         split = _kernel_split(q.shape[0], v.shape[1])
         if split is not None:  # XLA cannot partition a kernel: each device runs its part
             return _per_device(split, functools.partial(
@@ -440,33 +326,17 @@ def attention(q: jax.Array, k: jax.Array | SlotsLast, v: jax.Array, *, q_positio
 
 def _kernel_split(b: int, kv: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...],
                                            tuple[str, ...]] | None:
-    """(mesh, batch axes, kv-head axes) over which a kernel runs per device: the mesh axes of
-    more than one device that the mesh and logical rules in context
-    (``parallel.sharding.jit_sharded``, ``decode.decode_context``) give the batch ("batch":
-    data, fsdp, and expert where the rules split it) and the K kv heads ("kv_heads": tensor).
-    A split that does not divide B or K is left out (XLA gathers that dimension for the
-    kernel). None when nothing is split: no mesh, every axis of one device, or already inside
-    a ``shard_map`` over those axes."""
+    """(mesh, batch axes, kv-head axes) over which a kernel runs per device, or None."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-
-    def axes(value, size: int) -> tuple[str, ...]:
-        names = () if value is None else (value,) if isinstance(value, str) else tuple(value)
-        names = tuple(a for a in names if a in types and mesh.shape[a] > 1)
-        if any(types[a] == AxisType.Manual for a in names):
-            return ()
-        return names if size % math.prod(mesh.shape[a] for a in names) == 0 else ()
-
     batch_rule, heads_rule = nn.logical_to_mesh_axes(("batch", "kv_heads"))
-    batch, heads = axes(batch_rule, b), axes(heads_rule, kv)
+    batch, heads = target.mesh_axes(mesh, batch_rule, b), target.mesh_axes(mesh, heads_rule, kv)
     return (mesh, batch, heads) if batch or heads else None
 
 
 def _per_device(split, fn, q, k, v, **structure) -> jax.Array:
-    """``fn(q, k, v, **structure)`` under ``shard_map``: each device its rows and kv heads
-    (and their query heads), the structure's [B, ...] arrays split as the rows."""
+    """``fn(q, k, v, **structure)`` per device, on its rows, kv heads and their query heads."""
     mesh, batch, heads = split
     rows, by_head = batch or None, heads or None
     arrays = {name: x for name, x in structure.items() if isinstance(x, jax.Array)}

@@ -1,18 +1,6 @@
-"""Chunked (flash-style) attention in plain JAX: memory linear in the context on any backend.
-
-Layout and mask semantics are ``ops.attention``'s: queries ``q`` [B, T, N, H], keys and values
-[B, K, S, H] (the KV cache's layout), G = N / K query heads per kv head (never repeated in
-memory); a query with no visible key returns exactly zeros.
-
-The queries and keys are cut into blocks; each query block runs over the key blocks keeping a
-running maximum, sum and weighted value sum (an online softmax), and key blocks that no query of
-the block can see are skipped. The gradient is a ``custom_vjp`` that recomputes each block's
-probabilities from the saved per-row log-sum-exp, so neither direction keeps anything of size
-[T, S]. ``ops.attention.attention(..., impl="chunked")`` dispatches here.
-
-This module is the leaf of the attention ops: the shape checks and the float32-accumulating
-einsum that the reference in ``ops.attention`` shares live here too.
-"""
+"""Chunked (flash-style) attention in plain JAX, memory linear in the context on any backend:
+each query block runs an online softmax over the key blocks it can see, and a ``custom_vjp``
+recomputes each block from the saved log-sum-exp. Also the shared shape checks and einsum."""
 
 import dataclasses
 import functools
@@ -23,8 +11,7 @@ import jax.numpy as jnp
 
 from transformer_jax.model.ops import target
 
-# Default blocks: [B, N, 256, 512] float32 logits per step (512 KiB per sequence and head), large
-# enough that each einsum is efficient and small enough to stay in cache.
+# Default blocks: [B, N, 256, 512] float32 logits per step (512 KiB per sequence and head).
 BLOCK_Q = 256
 BLOCK_K = 512
 
@@ -45,17 +32,12 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) 
 
 
 def softcap(x: jax.Array, cap: float | jax.Array) -> jax.Array:
-    """Soft-capping ``tanh(x / cap) * cap``: smooth, odd, ~x for |x| << cap, bounded by ``cap``.
-
-    Applied to attention logits (after the scale, before the mask and softmax) and to final LM
-    logits. Any shape; the result has x's shape and dtype.
-    """
+    """Soft-capping ``tanh(x / cap) * cap`` (~x for |x| << cap, bounded by ``cap``), any shape."""
     return jnp.tanh(x / cap) * cap
 
 
 def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """float32-accumulating einsum; on CPU, whose runtime has no bfloat16 x bfloat16 -> float32
-    dot, low-precision operands are widened first (exact: their products fit in float32)."""
+    """float32-accumulating einsum (on CPU, low-precision operands widened first: exact)."""
     if target.platform() == "cpu":
         a, b = a.astype(jnp.promote_types(a.dtype, jnp.float32)), b.astype(
             jnp.promote_types(b.dtype, jnp.float32))
@@ -131,8 +113,7 @@ class _Plan:
         return -(-self.s // self.bk)
 
     def visible(self, q_range, k_range, window, i, j):
-        """Whether block (i, j) may hold a visible pair; fully masked blocks are skipped.
-        ``window`` is the int32 scalar window (traced or not; unused unless ``windowed``)."""
+        """Whether block (i, j) may hold a visible pair (``window``: int32 scalar, maybe traced)."""
         ok = jnp.bool_(True)
         if self.causal:
             ok &= k_range[0][j] <= q_range[1][i]
@@ -147,8 +128,7 @@ class _Plan:
 
 
 def _prepare(plan, q, k, v, qpos, kpos, qseg, kseg):
-    """Pads to whole blocks and views q as [B, K, G, Tp, H]; positions are edge-padded so that
-    the per-block ranges stay tight (padded keys are masked by index, padded queries dropped)."""
+    """Pads to whole blocks (positions edge-padded) and views q as [B, K, G, Tp, H]."""
     b, t, n, h = q.shape
     kv = k.shape[1]
     tp, sp = plan.nq * plan.bq, plan.nk * plan.bk
@@ -161,17 +141,8 @@ def _prepare(plan, q, k, v, qpos, kpos, qseg, kseg):
 
 
 def _loop(n, body, init):
-    """``fori_loop(0, n, body, init)`` as a ``while_loop``, never a ``scan``.
-
-    These loops sit inside a ``custom_vjp`` and are never differentiated, but JAX still
-    partially evaluates them when the attention runs under ``jax.checkpoint`` inside a
-    ``lax.scan`` (``nn.scan`` over remat'd layers): the scan's loop-invariant hoisting
-    evaluates whatever depends only on the positions (each block's mask, the broadcast -inf
-    and zeros) ahead of time and stacks it per block, a [T/bq, S/bk, B, K, G, bq, bk] bool and
-    float32 pair, i.e. [B, N, T, S], quadratic in the context (measured: 2.5 GiB at T = 4096
-    in ``tinyllama_1_1b``'s gradient). A ``while_loop`` has no per-iteration residuals, so its
-    partial evaluation recomputes instead of stacking.
-    """
+    """``fori_loop(0, n, body, init)`` as a ``while_loop``: a ``scan`` under ``jax.checkpoint`` in
+    ``nn.scan`` would stack each block's mask, [B, N, T, S] in all (docs/long-context.md)."""
     def step(carry):
         i, x = carry
         return i + 1, body(i, x)
@@ -185,8 +156,7 @@ def _slice(x, start, size, axis):
 
 def online_softmax_init(rows: tuple[int, ...], h: int
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The empty carry of ``online_softmax_step`` for query rows of shape ``rows`` ([..., Q]):
-    (weighted value sum [..., Q, H] zeros, running maximum [..., Q] -inf, sum [..., Q] zeros)."""
+    """The empty (acc, max, sum) carry of ``online_softmax_step`` for query rows ``rows``."""
     return (jnp.zeros((*rows, h), jnp.float32), jnp.full(rows, -jnp.inf, jnp.float32),
             jnp.zeros(rows, jnp.float32))
 
@@ -196,11 +166,10 @@ def online_softmax_step(carry: tuple[jax.Array, jax.Array, jax.Array], logits: j
     """One key block of an online softmax (the flash-attention recurrence).
 
     Args:
-      carry: (acc [..., Q, H], m [..., Q], l [..., Q]) float32 from ``online_softmax_init`` or
-        the previous block: the value sum weighted by ``exp(logit - m)``, the running maximum
-        logit and the running sum of ``exp(logit - m)``.
+      carry: float32 (acc [..., Q, H], m [..., Q], l [..., Q]): the value sum weighted by
+        ``exp(logit - m)``, the running maximum logit and the running sum of ``exp(logit - m)``.
       logits: [..., Q, S] float32 scaled logits of this block, -inf at keys a query does not see.
-      values: [..., S, H] this block's values (the same leading dims).
+      values: [..., S, H] this block's values.
 
     Returns:
       The carry with this block folded in.
@@ -218,16 +187,13 @@ def online_softmax_step(carry: tuple[jax.Array, jax.Array, jax.Array], logits: j
 def online_softmax_merge(carry: tuple[jax.Array, jax.Array, jax.Array],
                          segments: jax.Array, num_segments: int
                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Merges ``online_softmax_step`` carries of disjoint key blocks by segment (split-K, as
-    flash-decoding combines its partial results).
+    """Merges ``online_softmax_step`` carries of disjoint key blocks by segment (split-K).
 
     Args:
-      carry: (acc [U, ..., Q, H], m [U, ..., Q], l [U, ..., Q]): U partial carries.
-      segments: [U] int, the segment (query row) each partial belongs to, in [0, num_segments).
-      num_segments: R, the number of merged carries.
+      carry, segments, num_segments: U partial carries [U, ...], [U] their segment, R.
 
     Returns:
-      R carries [R, ...], each as if one loop had run over all of its segment's blocks.
+      R carries [R, ...], as if one loop had run over each segment's blocks.
     """
     acc, m, l = carry
     top = jax.ops.segment_max(m, segments, num_segments)
@@ -239,9 +205,8 @@ def online_softmax_merge(carry: tuple[jax.Array, jax.Array, jax.Array],
 
 def online_softmax_sink(carry: tuple[jax.Array, jax.Array, jax.Array], sink: jax.Array
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Folds a sink logit into a finished ``online_softmax_step`` carry: one more term of
-    the denominator with no value (an attention sink). ``sink`` broadcasts against m [..., Q];
-    a row that saw no key keeps a zero output and gets the sink's lse."""
+    """Folds a sink logit (broadcast against m [..., Q]) into a finished ``online_softmax_step``
+    carry: one more denominator term with no value; a row that saw no key stays zero."""
     acc, m, l = carry
     m_new = jnp.maximum(m, sink)
     alpha = jnp.exp(m - m_new)  # 0 where m = -inf
@@ -250,8 +215,8 @@ def online_softmax_sink(carry: tuple[jax.Array, jax.Array, jax.Array], sink: jax
 
 def online_softmax_result(carry: tuple[jax.Array, jax.Array, jax.Array], dtype: jnp.dtype
                           ) -> tuple[jax.Array, jax.Array]:
-    """The attention output [..., Q, H] in ``dtype`` and the log-sum-exp [..., Q] of a finished
-    ``online_softmax_step`` carry: zeros and lse = +inf for a query that saw no key."""
+    """(output [..., Q, H] in ``dtype``, log-sum-exp [..., Q]) of a finished ``online_softmax_step``
+    carry: zeros and lse = +inf for a query that saw no key."""
     acc, m, l = carry
     empty = l == 0
     out = (acc / jnp.where(empty, 1.0, l)[..., None]).astype(dtype)
@@ -308,9 +273,8 @@ def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks):
 
 
 def _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks, out, lse, d_out):
-    """Backward pass: recomputes each block's probabilities from the saved log-sum-exp, so the
-    [T, S] matrix is never stored. Outer loop over key blocks, inner over query blocks; dq is a
-    carried [B, K, G, Tp, H] float32 accumulator."""
+    """Backward pass: each block's probabilities recomputed from the saved log-sum-exp (outer loop
+    over key blocks, inner over query blocks; dq a carried float32 accumulator)."""
     b, t, n, h = q.shape
     kv = k.shape[1]
     qg, kp_, vp, qpos, kpos, qseg, kseg = _prepare(plan, q, k, v, qpos, kpos, qseg, kseg)
@@ -397,27 +361,13 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
                       scale: float | None = None, softcap: float | None = None,
                       sinks: jax.Array | None = None,
                       block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> jax.Array:
-    """Memory-efficient attention on any backend: blockwise with an online softmax, as the
-    module docstring says (blocks nothing sees skipped with ``lax.cond``); memory is linear in
-    the context, plus one [B, N, block_q, block_k] block of float32 logits at a time.
+    """Memory-efficient attention on any backend: memory linear in the context, plus one [B, N,
+    block_q, block_k] block of float32 logits at a time.
 
     Args:
-      q: [B, T, N, H] queries.
-      k: [B, K, S, H] keys, N a multiple of K.
-      v: [B, K, S, H] values.
-      q_positions: [B, T] int positions of the queries.
-      k_positions: optional [B, S] int positions of the keys, default ``arange(S)``.
-      q_segments, k_segments: optional [B, T], [B, S] segment ids (0 = padding), given together.
-      window: optional sliding window; a query at m sees keys at ``n > m - window``. A Python
-        int or an int scalar array, possibly traced (a per-layer window carried through a
-        layer scan); the skipped blocks are decided at run time either way.
-      causal: whether a query at m sees only keys at ``n <= m``.
-      scale: logit scale, default ``1/sqrt(H)``.
-      softcap: optional logit soft-cap c: each block's scaled logits become ``c tanh(x / c)``
-        before the mask and the online softmax (and the backward pass multiplies by the tanh's
-        derivative).
-      sinks: optional [N] sink logits, one per query head: a term of each softmax's
-        denominator with no value, folded in after the key blocks (differentiable).
+      q, k, v: [B, T, N, H] queries, [B, K, S, H] keys and values.
+      q_positions, k_positions, q_segments, k_segments: as ``ops.attention.attention``'s.
+      window, causal, scale, softcap, sinks: the same (sinks differentiable).
       block_q, block_k: block sizes (clipped to T and S).
 
     Returns:

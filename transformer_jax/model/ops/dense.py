@@ -1,18 +1,7 @@
-"""Projections by a weight matrix stored in either orientation.
-
-Every matmul of the model is written as an einsum for weights stored input axes first
-(``"BTD,DNH->BTNH"`` for q_proj [D, N, H]). ``dense`` computes the same product for a weight
-stored with its output axes first ([N, H, D]), an ``ops.layouts.OutFirst`` leaf: a property of
-the prepared weights, not a second copy of the math (``decode.prepare`` stores them so for a
-CPU target only).
-
-Why it exists. XLA:CPU streams an [out, in] matrix 1.4-2.3x faster in a product with a few rows
-(decode's B tokens) when the product is materialised as [out, B] rather than [B, out]; the
-optimization barrier keeps XLA from folding the following transpose back into the dot, which
-would switch it to the slow orientation. Measured on decode_25m at batch 8 with a 144-slot cache
-(float32, 2-core CPU): a decode step took about 21 ms with in-first weights and 15-17 ms with
-them out-first. GPUs and TPUs keep the in-first layout (and no barriers).
-"""
+"""Projections by a weight matrix stored in either orientation: every matmul of the model is an
+einsum for in-first weights (``"BTD,DNH->BTNH"`` for q_proj [D, N, H]); ``dense`` computes it
+for an ``OutFirst`` leaf too (a CPU target's prepared weights: docs/generation.md), an
+optimization barrier keeping XLA from folding the transpose back into the dot."""
 
 from typing import Any
 
@@ -30,12 +19,9 @@ def dense(x: jax.Array, w: Any, spec: str, *,
 
     Args:
       x: the activations, e.g. [B, T, D].
-      w: the weight: in ``spec``'s layout (e.g. [D, N, H]), or an ``OutFirst`` leaf storing it
-        output axes first (e.g. [N, H, D]); a plain array or a quantised one
-        (``ops.quantized``), or either with per-row LoRA adapters (``ops.row_lora``: each row
-        of x gets its own adapter's update added).
-      spec: the einsum for the in-first layout, ``"<x>,<w>-><out>"``; the weight's input axes
-        are the letters it shares with x, its output axes the rest.
+      w: the weight in ``spec``'s layout (e.g. [D, N, H]) or an ``OutFirst`` leaf ([N, H, D]);
+        float or quantised, or either with per-row LoRA adapters (``ops.row_lora``).
+      spec: the in-first einsum ``"<x>,<w>-><out>"`` (w's input axes: the letters x shares).
       preferred_element_type: the accumulation / output dtype.
 
     Returns:

@@ -8,11 +8,10 @@ from transformer_jax.model.ops.quantized import einsum, take_rows
 
 
 def embed(tokens: jax.Array, table: jax.Array) -> jax.Array:
-    """Looks up token vectors: row ``tokens[b, t]`` of the table.
+    """Looks up token vectors.
 
     Args:
-      tokens: [B, T] integer token ids in [0, V).
-      table: [V, D] embedding matrix (or a quantised one, ``ops.quantized``).
+      tokens, table: [B, T] integer ids in [0, V), a [V, D] table (float or quantised).
 
     Returns:
       [B, T, D] in the table's dtype.
@@ -25,11 +24,10 @@ def embed(tokens: jax.Array, table: jax.Array) -> jax.Array:
 
 
 def tied_logits(x: jax.Array, table: jax.Array) -> jax.Array:
-    """LM head with weights tied to the embedding: ``logits = x @ table^T``.
+    """LM head tied to the embedding: ``x @ table^T``.
 
     Args:
-      x: [B, T, D] final hidden states.
-      table: [V, D] the token embedding matrix (or a quantised one).
+      x, table: [B, T, D] final hidden states, the [V, D] token table (float or quantised).
 
     Returns:
       [B, T, V] float32 logits.

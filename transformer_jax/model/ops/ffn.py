@@ -12,9 +12,8 @@ Matmul = Callable[[str, jax.Array, jax.Array], jax.Array]
 
 def swiglu_glu(gate: jax.Array, up: jax.Array, *, limit: float | None = None,
                alpha: float = 1.0, up_offset: float = 0.0) -> jax.Array:
-    """SwiGLU's gated hidden, optionally clamped: with ``limit`` the gate is clamped to at most
-    ``limit`` and up to [-limit, limit]; then ``gate sigmoid(alpha gate) (up + up_offset)``
-    (plain SwiGLU, ``silu(gate) up``, at the defaults). gate, up: [..., F] -> [..., F]."""
+    """SwiGLU's gated hidden ``gate sigmoid(alpha gate) (up + up_offset)``, gate clamped to at most
+    ``limit`` and up to [-limit, limit] first with one (defaults: ``silu(gate) up``), [..., F]."""
     if limit is not None:
         gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
     return gate * jax.nn.sigmoid(alpha * gate) * (up + up_offset)
@@ -24,18 +23,14 @@ def gated_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
               activation: Callable[[jax.Array], jax.Array],
               matmul: Matmul = jnp.einsum,
               glu: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> jax.Array:
-    """Gated FFN: ``(activation(x W_gate) * (x W_up)) W_down`` (``swiglu``: silu; ``geglu``:
-    GELU).
+    """Gated FFN: ``(activation(x W_gate) * (x W_up)) W_down``.
 
     Args:
       x: [B, T, D] activations.
-      w_gate: [D, F] gate projection.
-      w_up: [D, F] up projection.
-      w_down: [F, D] down projection.
+      w_gate, w_up, w_down: [D, F], [D, F], [F, D] projections.
       activation: the gate's elementwise nonlinearity.
-      matmul: ``matmul(spec, x, w)``, the product of each projection (``jnp.einsum``, or
-        ``dense`` for weights stored output axes first).
-      glu: optional ``glu(gate, up)`` in place of ``activation(gate) * up`` (``swiglu_glu``).
+      matmul: ``matmul(spec, x, w)``, each projection's product (``jnp.einsum``, ``dense``).
+      glu: optional ``glu(gate, up)`` in place of ``activation(gate) * up``.
 
     Returns:
       [B, T, D].
@@ -48,8 +43,7 @@ def gated_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
            matmul: Matmul = jnp.einsum) -> jax.Array:
-    """SwiGLU: ``gated_ffn`` (same shapes) with the SiLU gate,
-    ``(silu(x W_gate) * (x W_up)) W_down``."""
+    """SwiGLU: ``gated_ffn`` (same shapes) with the SiLU gate."""
     return gated_ffn(x, w_gate, w_up, w_down, matmul=matmul, activation=jax.nn.silu)
 
 
@@ -64,13 +58,11 @@ def geglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *
 def plain_ffn(x: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
               activation: Callable[[jax.Array], jax.Array],
               matmul: Matmul = jnp.einsum) -> jax.Array:
-    """Two-layer FFN: ``activation(x W_up) W_down`` (``gelu_ffn``: the exact GELU;
-    ``relu_ffn``: the original Transformer's ReLU).
+    """Two-layer FFN: ``activation(x W_up) W_down``.
 
     Args:
       x: [B, T, D] activations.
-      w_up: [D, F] up projection.
-      w_down: [F, D] down projection.
+      w_up, w_down: [D, F], [F, D] projections.
       activation: the elementwise nonlinearity.
       matmul: as in ``gated_ffn``.
 
@@ -84,8 +76,7 @@ gelu_ffn = functools.partial(plain_ffn, activation=functools.partial(jax.nn.gelu
                                                                      approximate=False))
 relu_ffn = functools.partial(plain_ffn, activation=jax.nn.relu)
 
-#: The gate's activation of each gated kind: what a mixture's experts apply
-#: (``ops.moe.experts_ffn``).
+#: The gate's activation of each gated kind (what a mixture's experts apply).
 GATE_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "swiglu": jax.nn.silu,
     "geglu": functools.partial(jax.nn.gelu, approximate=False),

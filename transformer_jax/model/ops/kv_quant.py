@@ -1,16 +1,7 @@
-"""The int8 KV cache's encoding: int8 values with one absmax scale per (token, kv head).
-
-A token's key (or value) of one kv head, H floats, is stored as H + 2 int8 bytes: the values
-``round(x / s)`` in [-127, 127], then the bfloat16 scale ``s = max|x| / 127`` bitcast into two
-bytes. The scale travels with the values it scales, so any cache layout that stores a token's
-[H] row (``KVCache``, the paged cache, keys transposed to [H, S] or not) stores its scale in
-the same place and in the same write, and a read dequantises each token with its own scale:
-none can be read for another token. Against a bfloat16 cache of the same slots it takes
-(H + 2) / 2H of the bytes (0.52x at H = 64).
-
-A bfloat16 scale rather than float32 keeps the cost at 2 bytes per row; its rounding (one
-part in 256) moves a value by at most about half a step, about the rounding error itself.
-"""
+"""The int8 KV cache's encoding: a token's [H] row of one kv head is stored as H + 2 int8 bytes,
+``round(x / s)`` in [-127, 127] then the bfloat16 scale ``s = max|x| / 127`` bitcast into two
+bytes, so every cache layout stores and reads the scale with its row ((H + 2) / 2H the bytes
+of bfloat16)."""
 
 from __future__ import annotations
 
@@ -46,8 +37,7 @@ def encode(x: jax.Array) -> jax.Array:
 
 
 def decode(stored: jax.Array, dtype: jnp.dtype, axis: int = -1) -> jax.Array:
-    """The float rows of an int8-encoded array whose head axis (H + 2) is ``axis`` (-1 for
-    [..., S, H + 2], -2 for keys stored [..., H + 2, S]) -> the same with H, in ``dtype``."""
+    """The float rows (``dtype``) of an int8-encoded array whose (H + 2) head axis is ``axis``."""
     stored = jnp.moveaxis(stored, axis, -1)
     h = stored.shape[-1] - SCALE_BYTES
     scale = jax.lax.bitcast_convert_type(stored[..., h:], jnp.bfloat16)  # [...]

@@ -1,17 +1,7 @@
-"""Multi-head latent attention's two ways of attending over cached latents (``fields.MLA``).
-
-A token's cache entry is [c, k_rope]: the normed latent c [R] and the rotated rope key [P],
-shared by the N heads. Head n's key is [c @ W_k[n], k_rope] and its value c @ W_v[n], the
-up-projection ``kv_b_proj`` [R, N, nope + V] holding W_k (its first nope columns) and W_v.
-
-- ``expanded``: the keys and values of every head built from the entries, then ordinary
-  attention (training and prefill: T queries per row amortise the up-projection of S keys).
-- ``absorbed``: W_k folded into the query (q_nope @ W_k[n]^T, a query of R + P values per head)
-  and the attention taken over the entries themselves, one kv head for every query head; the
-  weighted sum of latents is then multiplied by W_v (a decode step: S keys, one query).
-
-Both compute the same softmax(q . k * scale) v; only the order of the products differs.
-"""
+"""Multi-head latent attention's two ways of attending over cached [c, k_rope] entries
+(``fields.MLA``): ``expanded`` builds every head's keys and values (training, prefill);
+``absorbed`` folds the key up-projection into the query and attends over the entries
+themselves (a decode step). Both compute the same softmax(q . k * scale) v."""
 
 from __future__ import annotations
 
@@ -22,7 +12,6 @@ from transformer_jax.model.ops.attention import attention
 
 
 def _pad_last(x: jax.Array, width: int) -> jax.Array:
-    """x with its last axis zero-padded to ``width``."""
     extra = width - x.shape[-1]
     return x if extra <= 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
@@ -34,14 +23,11 @@ def expanded(q_nope: jax.Array, q_rope: jax.Array, entries: jax.Array, kv_b: jax
     """Attention with each head's keys and values built from the cache entries.
 
     Args:
-      q_nope: [B, T, N, nope] queries' position-free part.
-      q_rope: [B, T, N, P] queries' rotated part.
-      entries: [B, S, R + P] the latents c and the rotated rope keys.
-      kv_b: [R, N, nope + V] the up-projection (key columns first).
+      q_nope, q_rope: [B, T, N, nope], [B, T, N, P] the queries' position-free, rotated parts.
+      entries, kv_b: [B, S, R + P] latents and rope keys, [R, N, nope + V] up-projection.
       q_positions, k_positions, q_segments, k_segments: as ``ops.attention.attention`` takes
         them (k_positions None: slot s holds position s).
-      scale: the logits' scale.
-      impl: the attention implementation.
+      scale, impl: the logits' scale and the attention implementation.
 
     Returns:
       [B, T, N, V] in q's dtype.
@@ -67,13 +53,9 @@ def absorbed(q_nope: jax.Array, q_rope: jax.Array, entries: jax.Array, kv_b: jax
     """Attention in the latent space: every query head over the S entries themselves.
 
     Args:
-      q_nope: [B, T, N, nope] queries' position-free part.
-      q_rope: [B, T, N, P] queries' rotated part.
-      entries: [B, S, R + P] the cache entries (slot s holds position s).
-      kv_b: [R, N, nope + V] the up-projection (key columns first).
+      q_nope, q_rope, entries, kv_b, scale, impl: as ``expanded`` takes them (slot s of the
+        entries holding position s).
       q_positions: [B, T] the queries' positions (causal over slots).
-      scale: the logits' scale.
-      impl: the attention implementation.
 
     Returns:
       [B, T, N, V] in q's dtype.
@@ -83,8 +65,7 @@ def absorbed(q_nope: jax.Array, q_rope: jax.Array, entries: jax.Array, kv_b: jax
     w = kv_b.astype(q_nope.dtype)
     q_latent = jnp.einsum("BTNK,RNK->BTNR", q_nope, w[..., :nope])
     q = jnp.concatenate([q_latent, q_rope.astype(q_nope.dtype)], -1)  # [B, T, N, R + P]
-    # One kv head holding the entries: keys [c, k_rope]; the values are the same rows, whose
-    # first R outputs are the weighted sum of latents (the rope part is dropped).
+    # One kv head holding the entries as keys and values (the outputs' first R: the latents).
     kv = entries.astype(q_nope.dtype)[:, None]
     latent = attention(q, kv, kv, q_positions=q_positions, scale=scale, impl=impl)[..., :r]
     return jnp.einsum("BTNR,RNV->BTNV", latent, w[..., nope:])

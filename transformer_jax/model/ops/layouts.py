@@ -1,11 +1,5 @@
-"""Stored layouts as typed leaves: a weight that knows it is stored output axes first.
-
-The model's code computes every product for weights in one layout, input axes first
-(``"BTD,DNH->BTNH"`` for q_proj [D, N, H]). A backend that reads another layout faster gets it
-from the prepared weights, not from a flag of the model: ``decode.prepare`` stores such a matrix
-as an ``OutFirst`` leaf, and ``ops.dense`` (which every matmul of the model goes through)
-computes the same product from it. Nothing in the model's signatures changes.
-"""
+"""Stored layouts as typed leaves: a CPU layout lives in the prepared weights (``OutFirst``,
+which ``ops.dense`` computes with) and the cache (``SlotsLast``), not in a flag of the model."""
 
 from __future__ import annotations
 
@@ -16,8 +10,7 @@ import jax.numpy as jnp
 
 
 class Wrapped:
-    """A stored matrix ``w`` with more beside it: its shape, dtype and ``astype`` are the
-    stored matrix's (what else it holds keeps its dtype)."""
+    """A stored matrix ``w`` with more beside it: shape, dtype and ``astype`` are the matrix's."""
 
     w: Any
 
@@ -41,25 +34,22 @@ class Wrapped:
 class OutFirst(Wrapped):
     """A matrix stored with its output axes first and its input axes last.
 
-    ``w`` holds the in-first matrix [in..., out...] (e.g. q_proj [D, N, H]) transposed to
-    [out..., in...] ([N, H, D]), after a leading layers axis when stacked; a plain array or a
-    quantised one (``ops.quantized``). A tied LM head is the [V, D] token table as an
-    ``OutFirst`` [D, V] head.
+    ``w`` holds the in-first matrix (e.g. q_proj [D, N, H]) as [out..., in...] ([N, H, D]),
+    after a leading layers axis when stacked; float or quantised. A tied LM head is the [V, D]
+    token table as an ``OutFirst`` [D, V] head.
     """
 
     w: Any
 
 
 def out_first_order(n: int, n_in: int, lead: int = 0) -> tuple[int, ...]:
-    """The axis permutation from an in-first [lead..., in..., out...] matrix of rank ``n``
-    with ``n_in`` input axes to its out-first [lead..., out..., in...] storage."""
+    """The permutation from an in-first [lead..., in..., out...] matrix to out-first storage."""
     axes = list(range(n))
     return tuple(axes[:lead] + axes[lead + n_in:] + axes[lead:lead + n_in])
 
 
 def split_spec(spec: str) -> tuple[str, str, str, str, str]:
-    """``"<x>,<w>-><out>"`` -> (x's axes, w's input axes, w's output axes, x's own axes in
-    output order, out): w's input axes are the letters it shares with x."""
+    """``"<x>,<w>-><out>"`` -> (x's axes, w's in (shared with x) and out axes, x's own, out)."""
     inputs, out = spec.split("->")
     x_axes, w_axes = inputs.split(",")
     w_in = "".join(a for a in w_axes if a in x_axes)
@@ -72,9 +62,8 @@ def split_spec(spec: str) -> tuple[str, str, str, str, str]:
 class SlotsLast:
     """Keys stored with their slots last, [..., H, S], where attention reads [..., S, H].
 
-    A cache layout (``kv_cache``: XLA:CPU streams q [G, H] @ keys [H, S] in storage order);
-    ``ops.attention`` reads such keys as they are. ``k`` is one array, or a tuple of arrays
-    (one per layer) all stored so; indexing picks a layer and keeps the layout.
+    A CPU cache layout (``kv_cache``), read as it is by ``ops.attention``. ``k`` is one array,
+    or a tuple of them (one per layer); indexing picks a layer and keeps the layout.
     """
 
     k: Any

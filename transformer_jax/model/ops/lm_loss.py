@@ -1,38 +1,23 @@
-"""LM head + cross-entropy without materialising the [B, T, V] float32 logits.
-
-The full loss computes ``logits = x @ head`` for every token, [B, T, V] float32 (at B*T = 64k
-tokens and V = 128k that is 32 GiB), keeps it for the backward pass, and then takes a log-softmax.
-Here each sequence is cut along T into chunks of ``chunk_size`` positions, every chunk keeping the
-whole batch: a ``lax.scan`` computes one [B, C] chunk's logits, its log-sum-exp and target logit,
-and sums them. The chunk body is wrapped in ``jax.checkpoint``, so the backward pass recomputes
-each chunk's logits instead of storing them: peak memory is one [B, C, V] float32 block (a
-device's rows of it) plus the inputs.
-
-Under a mesh whose batch axes (the logical rule of ``"batch"``: data, fsdp) split B, the loss
-runs per device under ``shard_map`` over those axes: each device scans its own rows with the
-whole head (gathered once), accumulates the head's gradient over the chunks locally, and the
-gradient is reduced across devices once, after the scan. Left to the partitioner, a scan whose
-chunks contract the sharded batch reduces the head's float32 gradient in every iteration (and a
-chunk of the flattened B*T rows lives on one device's rows, so every other device waits).
-"""
+"""LM head + cross-entropy without materialising the [B, T, V] float32 logits: a ``lax.scan``
+over [B, C] chunks along T under ``jax.checkpoint`` (peak memory one [B, C, V] block, forward
+or backward). Under a mesh whose batch axes split B it runs per device under ``shard_map``, so
+the head's gradient is reduced once, after the scan."""
 
 import functools
-import math
 
 import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from transformer_jax.model.ops.chunked_attention import softcap
 from transformer_jax.model.ops.layouts import OutFirst
+from transformer_jax.model.ops.target import mesh_axes
 
 
 def head_logits(x: jax.Array, head: jax.Array | OutFirst) -> jax.Array:
-    """[..., D] hidden states -> [..., V] float32 logits through ``head``: [D, V], or an
-    ``OutFirst`` [V, D] (a tied token table), cast to x's dtype."""
+    """[..., D] -> [..., V] float32 logits by ``head``, [D, V] or ``OutFirst`` [V, D]."""
     w, spec = (head.w, "...D,VD->...V") if isinstance(head, OutFirst) else (head, "...D,DV->...V")
     return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
@@ -53,31 +38,20 @@ def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array | OutFirst, targets
                                mask: jax.Array | None = None, *, chunk_size: int,
                                z_loss: float = 0.0, logit_softcap: float | None = None,
                                ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Summed next-token cross-entropy and z-loss of ``x @ head``, chunked along the sequence.
-
-    The same quantities as ``loss.cross_entropy_sums(logits, targets, mask, z_loss)`` on
-    ``logits = x @ head`` (float32; soft-capped to ``c tanh(logits / c)`` with
-    ``logit_softcap`` c), so a caller can swap one for the other; only a [B, chunk_size, V]
-    block of logits exists at a time, forward or backward (a device's rows of it under a mesh
-    that splits the batch, where the head's gradient is reduced once: see the module
-    docstring).
+    """Summed next-token cross-entropy and z-loss of ``x @ head`` (float32, soft-capped), as
+    ``loss.cross_entropy_sums`` computes them, a [B, chunk_size, V] block of logits at a time.
 
     Args:
       x: [B, T, D] final hidden states (after the final norm).
-      head: [D, V] output projection, or an ``OutFirst`` [V, D] (a tied embedding,
-        ``Transformer.lm_head``); cast to x's dtype for the matmul, which accumulates in
-        float32.
+      head: [D, V] output projection, or an ``OutFirst`` [V, D] (``Transformer.lm_head``).
       targets: [B, T] int target ids.
-      mask: optional [B, T] weights (bool or float; 1 = target counts, 0 = padding).
-      chunk_size: positions of each sequence per chunk (C: each chunk is [B, C] tokens); T is
-        padded with zero-weight positions to a multiple of it.
+      mask: optional [B, T] weights (bool or float; 0 = padding).
+      chunk_size: C, positions per chunk (T padded with zero-weight positions to a multiple).
       z_loss: weight of ``logsumexp(logits)^2``.
-      logit_softcap: optional final-logit soft-cap c, applied to each chunk's float32 logits
-        before the log-sum-exp (the cross-entropy and the z-loss both see the capped logits).
+      logit_softcap: optional final-logit soft-cap c (both losses see the capped logits).
 
     Returns:
-      ``(ce_sum, z_sum, count)``: float32 scalars; ``z_sum`` already carries the ``z_loss``
-      weight and ``count`` is the sum of the weights.
+      ``(ce_sum, z_sum, count)`` float32 scalars (``z_sum`` weighted; ``count``: the weights' sum).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -102,8 +76,7 @@ def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array | OutFirst, targets
             return jax.tree.map(lambda s: jax.lax.psum(s, axes),
                                 sums(x, head, targets, weights))
 
-        # The head enters whole over the batch axes (gathered once); its gradient, summed over
-        # this device's chunks by the scan, is the transpose of that: one sum over the axes.
+        # The head enters whole (gathered once), so its gradient is summed over the axes once.
         ce_sum, z_sum = jax.shard_map(local, mesh=mesh, axis_names=frozenset(axes),
                                       in_specs=(rows, P(), rows, rows), out_specs=P())(
             x, head, targets, weights)
@@ -125,26 +98,16 @@ def _scanned_sums(x, head, targets, weights, *, chunk_size, z_loss, logit_softca
     chunk = jax.checkpoint(lambda head, xc, tc, wc: _chunk_sums(
         xc, head, tc, wc, z_loss=z_loss, logit_softcap=logit_softcap))
 
-    # Per-chunk sums as the scan's outputs, not a carry: nothing needs a typed zero carry
-    # (under shard_map the sums vary over the batch axes, a zero does not).
+    # Per-chunk sums as outputs, not a carry: under shard_map a zero carry would not vary.
     _, (ce, z) = jax.lax.scan(lambda _, inputs: (None, chunk(head, *inputs)), None,
                               (chunks(x), chunks(targets), chunks(weights)))
     return jnp.sum(ce), jnp.sum(z)
 
 
 def batch_split(b: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...]] | None:
-    """(mesh, axes): the mesh axes of more than one device that the mesh and logical rules in
-    context (``parallel.sharding.jit_sharded``) give the batch (``"batch"``: data, fsdp), when
-    they split B rows evenly; None without such axes (no mesh, B not split evenly, or already
-    inside a ``shard_map`` over them)."""
+    """(mesh, the mesh axes of ``"batch"`` splitting B rows evenly), or None without any."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    rule = nn.logical_to_mesh_axes(("batch",))[0]
-    names = () if rule is None else (rule,) if isinstance(rule, str) else tuple(rule)
-    names = tuple(a for a in names if a in types and mesh.shape[a] > 1)
-    if not names or any(types[a] == AxisType.Manual for a in names) or \
-            b % math.prod(mesh.shape[a] for a in names):
-        return None
-    return mesh, names
+    names = mesh_axes(mesh, nn.logical_to_mesh_axes(("batch",))[0], b)
+    return (mesh, names) if names else None

@@ -1,28 +1,7 @@
-"""Mixture of experts: the experts' gated FFNs computed several ways (the router, ``route``,
-and its losses are ``ops.router``'s, re-exported here).
-
-Shape letters: N tokens (B*T flattened), D model width, E experts, k experts per token, F an
-expert's hidden width.
-
-A token's output is ``sum_j w_j FFN_{e_j}(x)`` over its k chosen experts ``e_j`` with routing
-weights ``w_j`` (``route``). ``experts_ffn`` computes it:
-
-- ``"ragged"`` (dropless, any backend): the N*k (token, expert) pairs sorted by expert, each
-  expert's rows a contiguous group, the three projections ``jax.lax.ragged_dot`` over the
-  groups, the outputs unsorted and weighted. No token is dropped and no capacity is padded.
-- ``"gather"``: each pair's expert matrices gathered ([N, k, D, F]) and applied by a batched
-  product. It reads N*k expert matrices, so it is the decode path (few tokens: only the chosen
-  experts' bytes are read), never the training one. Over an ``ExpertList`` (the decode layout
-  of the weights) it is a loop over the pairs, each a ``lax.switch`` to its expert's arrays.
-- ``"dense"``: every expert on every token, masked by the routing weights: E/k times the
-  FLOPs, the reference the others are tested against.
-- ``"tiled"`` (dropless, the CPU path): the grouped product written in XLA, rows padded to
-  whole tiles per expert and a loop over the tiles in use (see its section below).
-- ``"tokamax"`` / ``"megablox"``: the ``"ragged"`` sort with a grouped-matmul kernel
-  (``model/ops/moe_kernels.py``) for the products.
-
-``"auto"`` picks per backend and size (``choose_impl``).
-"""
+"""Mixture of experts: the experts' gated FFNs (N tokens, D width, E experts, k per token, F an
+expert's width), ``sum_j w_j FFN_{e_j}(x)``, by one of ``IMPLS`` (``choose_impl``): ``"ragged"``,
+``"gather"`` (decode), ``"dense"`` (the reference), ``"tiled"`` (CPU), ``"tokamax"`` /
+``"megablox"`` (``ops.moe_kernels``). The router (``ops.router``) is re-exported."""
 
 from __future__ import annotations
 
@@ -47,8 +26,7 @@ from transformer_jax.model.ops.router import (  # noqa: F401  (the router, re-ex
 
 #: ``activation(gate)`` of a gated FFN kind.
 Activation = Callable[[jax.Array], jax.Array]
-#: ``glu(gate, up)``: the gated hidden from the gate and up projections (default
-#: ``activation(gate) * up``).
+#: ``glu(gate, up)``: the gated hidden (default ``activation(gate) * up``).
 Glu = Callable[[jax.Array, jax.Array], jax.Array]
 
 IMPLS = ("auto", "ragged", "tiled", "gather", "dense", "tokamax", "megablox")
@@ -56,19 +34,11 @@ IMPLS = ("auto", "ragged", "tiled", "gather", "dense", "tokamax", "megablox")
 
 @flax.struct.dataclass
 class ExpertList:
-    """One of a mixture's expert stacks as E separate arrays: a layout of the prepared decode
-    weights (``decode.prepare``), standing in for the [E, ...] stack wherever one is taken.
-
-    On XLA:CPU a product with ``w[e]`` (a dynamic index into the stack, or a gather) first
-    copies the expert's matrix, so its bytes are read three times; a ``lax.switch`` over
-    separate arrays reads each once. Measured on this project's 2-core CPU, float32, one token
-    at D=512, F=640, E=8, k=2: 0.21 ms a layer as separate arrays, 1.2 ms gathered from the
-    stack, 0.20 ms for a dense FFN of the same active width. The math is the same for both
-    layouts (``experts_ffn``); only how an expert's matrix is fetched differs.
+    """One of a mixture's expert stacks as E separate arrays, in prepared CPU decode weights: a
+    ``lax.switch`` reads one expert's matrix once, where ``w[e]`` of a stack copies it first.
 
     Attributes:
-      experts: E arrays, each one expert's matrix ([D, F] or [F, D]; [L, ...] with the layers
-        stacked), float or quantised.
+      experts: E arrays, each one expert's matrix ([L, ...] stacked), float or quantised.
     """
 
     experts: tuple
@@ -86,13 +56,9 @@ class ExpertList:
 def choose_impl(impl: str, n_tokens: int, top_k: int, n_experts: int,
                 backend: str | None = None, widths: tuple[int, int] = (0, 0)) -> str:
     """The implementation ``"auto"`` stands for at these (static) sizes on ``backend``
-    (default: the traced target's, ``ops.target``).
-
-    ``"gather"`` when the token-expert pairs are no more than the experts (each chosen matrix
-    read once costs no more than reading them all: decode). Otherwise the backend's grouped
-    product: ``"tiled"`` on CPU (XLA:CPU's ragged_dot is dense over all experts), megablox on
-    TPU when the widths ``(D, F)`` are multiples of its 128 tile, else ``"ragged"``.
-    """
+    (default: the traced target's): ``"gather"`` when the token-expert pairs are no more than
+    the experts (decode); else ``"tiled"`` on CPU, ``"megablox"`` on TPU when the widths
+    ``(D, F)`` are multiples of 128, else ``"ragged"``."""
     if impl != "auto":
         return impl
     if n_tokens * top_k <= n_experts:
@@ -113,19 +79,12 @@ def experts_ffn(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.Arr
 
     Args:
       x: [N, D] tokens.
-      routing: their ``Routing`` (k experts each). An expert id equal to E marks an empty
-        slot, which adds nothing (an expert-parallel shard's slots for other shards' experts);
-        ``"gather"`` reads no matrix for it.
-      w_gate: [E, D, F] gate projections.
-      w_up: [E, D, F] up projections.
-      w_down: [E, F, D] down projections.
-      activation: the gate's activation (silu for SwiGLU experts).
-      impl: ``"auto"`` (``choose_impl``), ``"ragged"``, ``"gather"``, ``"dense"``,
-        ``"tokamax"`` or ``"megablox"`` (see the module docstring).
-      glu: optional ``glu(gate, up)`` in place of ``activation(gate) * up`` (a clamped one).
-      biases: optional ([E, F] gate, [E, F] up, [E, D] down) biases of each expert's
-        projections, each added to its product (a down bias of None: none, as the expert
-        dispatch adds it itself after summing a split F).
+      routing: their ``Routing``; an expert id of E is an empty slot, adding nothing.
+      w_gate, w_up, w_down: [E, D, F], [E, D, F], [E, F, D] the experts' projections.
+      activation: the gate's activation.
+      impl: one of ``IMPLS`` (``"auto"``: ``choose_impl``).
+      glu: optional ``glu(gate, up)`` in place of ``activation(gate) * up``.
+      biases: optional ([E, F], [E, F], [E, D]) gate, up and down biases (down None: none).
 
     Returns:
       [N, D] in x's dtype.
@@ -137,15 +96,13 @@ def experts_ffn(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.Arr
 
 
 def down_bias(routing: Routing, bias: jax.Array) -> jax.Array:
-    """Each token's experts' down biases weighted as their outputs are: routing ([N, k]
-    experts, an id of E an empty slot adding nothing), bias [E, D] -> [N, D] float32."""
+    """The routed experts' down biases [E, D], weighted as their outputs -> [N, D] float32."""
     down = jnp.take(bias, routing.experts, axis=0, mode="fill", fill_value=0)
     return jnp.einsum("nk,nkd->nd", routing.weights, down.astype(jnp.float32))
 
 
 def _glu_of(activation, glu, biases, dtype):
-    """``glu(gate, up, ids)``: the gated hidden of rows whose experts are ``ids`` (their
-    gate and up biases added first; ids of E take none)."""
+    """``glu(gate, up, ids)`` of rows whose experts are ``ids``, their gate and up biases added."""
     def combine(gate, up, ids):
         if biases is not None:
             def bias(b):
@@ -210,8 +167,7 @@ def _gather(x, routing, w_gate, w_up, w_down, activation):
 
 
 def _switched(x, routing, w_gate, w_up, w_down, activation):
-    """``_gather`` over ``ExpertList``s: a loop over the N*k pairs, each switching to its
-    expert's arrays (only the chosen experts are read, each once)."""
+    """``_gather`` over ``ExpertList``s: a loop over the N*k pairs, each a switch to its expert."""
     n, k = routing.experts.shape
 
     def expert(e: int) -> Callable[[jax.Array], jax.Array]:
@@ -236,12 +192,10 @@ def sort_by_expert(experts: jax.Array, n_experts: int) -> tuple[jax.Array, jax.A
     """The order that groups the N*k (token, slot) pairs by expert, and the group sizes.
 
     Args:
-      experts: [N, k] int expert indices.
-      n_experts: E.
+      experts, n_experts: [N, k] int expert indices, E.
 
     Returns:
-      (order [N*k]: pair ``order[i]`` (a flat index ``token * k + slot``) is the i-th row of
-      the sorted layout, stable within an expert; sizes [E] int32: rows per expert).
+      (order [N*k]: the flat pair ``token * k + slot`` of each sorted row, stable; sizes [E] int32).
     """
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -250,8 +204,7 @@ def sort_by_expert(experts: jax.Array, n_experts: int) -> tuple[jax.Array, jax.A
 
 
 def grouped_matmul(impl: str, x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """``x[rows of group e] @ w[e]`` for every group: x [M, A] sorted by group, w [E, A, C],
-    sizes [E] -> [M, C] (``jax.lax.ragged_dot``, or a kernel for ``tokamax``/``megablox``)."""
+    """``x[rows of group e] @ w[e]``: x [M, A] by group, w [E, A, C], sizes [E] -> [M, C]."""
     if impl == "ragged":
         return jax.lax.ragged_dot(x, w, sizes)
     from transformer_jax.model.ops.moe_kernels import kernel_grouped_matmul
@@ -272,13 +225,9 @@ def _sorted(x, routing, w_gate, w_up, w_down, activation, impl):
 
 
 # --------------------------------------------------- "tiled": the grouped matmul for XLA:CPU
-# XLA:CPU lowers ``jax.lax.ragged_dot`` as a dense product with every group (E times the FLOPs:
-# 8.8x a dense FFN of the same active FLOPs at E=8, k=2, measured on this project's 2-core CPU).
-# "tiled" is the grouped matmul written in XLA itself, as the GPU/TPU kernels tile it: each
-# expert's rows padded to whole tiles of m rows, a loop over the tiles in use (a dynamic trip
-# count, so the padding bound's empty tiles cost nothing) multiplying each by its expert's
-# matrix, and a hand-written backward of the same shape (the rows' gradient through the
-# transposed matrices, the weights' accumulated per tile in place).
+# XLA:CPU lowers ``jax.lax.ragged_dot`` as a dense product with every group. "tiled" pads each
+# expert's rows to whole tiles of m rows and loops over the tiles in use (a dynamic trip count),
+# with a hand-written backward of the same shape.
 
 
 @flax.struct.dataclass
@@ -286,8 +235,7 @@ class TileLayout:
     """Where the N*k (token, slot) pairs sit in a buffer of whole tiles grouped by expert.
 
     Attributes:
-      pair_row: [N*k] the buffer row of each pair (flat ``token * k + slot``).
-      row_pair: [R] the pair in each buffer row (N*k: padding).
+      pair_row, row_pair: [N*k] the buffer row of each pair, [R] the pair of each row (N*k: none).
       tile_expert: [n_tiles] each tile's expert (tiles past ``used`` repeat the last).
       used: int32 scalar, how many tiles hold rows.
       tile: static tile size m.
@@ -301,8 +249,7 @@ class TileLayout:
 
 
 def tile_layout(experts: jax.Array, n_experts: int, tile: int | None = None) -> TileLayout:
-    """The ``TileLayout`` of [N, k] expert choices (tile size m: 128, smaller when the pairs
-    are few). Static size: ``R = (N*k // m + E) * m`` rows bound every assignment."""
+    """The ``TileLayout`` of [N, k] expert choices; ``R = (N*k // m + E) * m`` rows bound any."""
     n, k = experts.shape
     pairs = n * k
     if tile is None:
@@ -385,8 +332,7 @@ def _tgmm(layout: TileLayout, x: jax.Array, dy: jax.Array, n_experts: int) -> ja
 
 @jax.custom_vjp
 def tiled_matmul(layout: TileLayout, x: jax.Array, w: jax.Array) -> jax.Array:
-    """The grouped matmul over a ``TileLayout``: x [R, A], w [E, A, C] -> [R, C] (rows of
-    unused tiles are 0)."""
+    """The grouped matmul over a ``TileLayout``: x [R, A], w [E, A, C] -> [R, C]."""
     return _gmm(layout, x, w)
 
 

@@ -1,34 +1,8 @@
-"""Expert parallelism: a mixture's experts split over mesh axes, each token sent to the devices
-of its experts and its results sent back by ``all_to_all``, inside ``shard_map``.
-
-Shape letters: N tokens (B*T flattened), D model width, E experts, k experts per token, F an
-expert's hidden width; per device (inside ``shard_map``): n its tokens, X the devices that split
-the experts (the expert axis), e = E/X its experts, j = min(k, e) the most of one token's k
-experts one device can hold.
-
-Each device routes its own n tokens (the batch is split over the expert axis too). For each
-destination device it packs the tokens that chose one of that device's experts into a region
-of n rows (a dropless bound: every token may choose it), with their j local expert ids and
-routing weights; ``all_to_all`` exchanges the regions; each device applies its e experts to the
-X*n rows it received (``experts_ffn``, the one local grouped product, any ``impl``) and sums
-each token's weighted experts there; a second ``all_to_all`` returns the sums, and each device
-adds up, per token, what the devices sent back. A token's rows travel once per device, not once
-per expert slot, and nothing is dropped; the regions' padding rows carry weight 0. The
-transpose of ``all_to_all`` is ``all_to_all``, so the backward is the same exchange reversed.
-
-Combined with the other axes: the expert matrices' D, split over FSDP axes, is all-gathered
-inside (its gradient is reduce-scattered back); their F, split over tensor axes, makes each
-device's result a partial sum, added up by one ``psum`` before the return trip.
-
-When the tokens are not split over the expert axes (a decode: the batch rule leaves them out,
-and a step has too few tokens to split), there is no exchange: every expert device sees all of
-its n tokens, applies its e experts to the token slots that chose them (the others are empty)
-and one ``psum`` over the expert and tensor axes adds up each token's experts.
-
-``jax.lax.ragged_all_to_all`` would send only the filled rows, but XLA:CPU does not implement
-it (``UNIMPLEMENTED: HLO opcode ragged-all-to-all``, jax 0.10), so the padded exchange is used
-on every backend.
-"""
+"""Expert parallelism: a mixture's experts split over mesh axes, inside ``shard_map``. Each
+device (n tokens, e = E/X experts, j = min(k, e)) sends the tokens that chose another device's
+experts there by ``all_to_all`` in regions of n rows, applies its experts (``experts_ffn``),
+and a second ``all_to_all`` returns the sums; tokens not split over the expert axes (decode)
+stay, one ``psum`` adding the experts' shares."""
 
 from __future__ import annotations
 
@@ -54,14 +28,9 @@ class ExpertSplit:
 
     Attributes:
       mesh: the (abstract) mesh.
-      tokens: the axes splitting the N tokens; they include ``experts`` unless the tokens are
-        replicated over them (``exchange`` False).
-      experts: the axes splitting E (the all_to_alls run over them).
-      embed: the axes splitting the expert matrices' D (all-gathered inside).
-      mlp: the axes splitting their F (the experts' outputs summed over them).
-      exchange: tokens go to their experts' devices by ``all_to_all`` (the batch is split over
-        the expert axes); False when the batch rule leaves the expert axes out: each device
-        computes its experts' share of every token, summed by one ``psum``.
+      tokens, experts: the axes splitting the N tokens, and E (the all_to_alls').
+      embed, mlp: the axes splitting the expert matrices' D (all-gathered) and F (summed).
+      exchange: tokens go to their experts' devices (False: not split over the expert axes).
     """
 
     mesh: AbstractMesh
@@ -85,13 +54,9 @@ class ExpertSplit:
 def expert_split(mesh: AbstractMesh, tokens: Sequence[str] | str | None,
                  experts: Sequence[str] | str | None, embed: Sequence[str] | str | None = None,
                  mlp: Sequence[str] | str | None = None) -> ExpertSplit | None:
-    """The ``ExpertSplit`` of ``mesh`` for these axes (as a logical rule maps them: a name, a
-    tuple of names or None), or None when the experts are not split over more than one device
-    (or already inside a ``shard_map`` over those axes): then nothing is dispatched.
-
-    Axes the mesh does not have are ignored. When the batch rule leaves the expert axes out,
-    the tokens stay where they are (``ExpertSplit.exchange`` False).
-    """
+    """The ``ExpertSplit`` of ``mesh`` for these axes (each as a logical rule maps it; axes the
+    mesh lacks are ignored), or None when the experts are not split over more than one device
+    (or already inside a ``shard_map`` over those axes): then nothing is dispatched."""
     def axes(value) -> Axes:
         names = () if value is None else (value,) if isinstance(value, str) else tuple(value)
         return tuple(a for a in names if a in mesh.axis_names)
@@ -115,24 +80,13 @@ def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Arr
                          glu: moe_ops.Glu | None = None,
                          biases: tuple[jax.Array, jax.Array, jax.Array] | None = None
                          ) -> jax.Array:
-    """``moe.experts_ffn`` with the experts split over ``split.experts`` (see the module
-    docstring); equal to it up to float32 summation order.
+    """``moe.experts_ffn`` with the experts split over ``split.experts``, equal to it up to
+    float32 summation order.
 
     Args:
-      x: [N, D] tokens (a global array inside ``jit``).
-      routing: their ``Routing`` ([N, k] weights and distinct experts per token).
-      w_gate: [E, D, F] gate projections (float; quantised experts are not split).
-      w_up: [E, D, F] up projections.
-      w_down: [E, F, D] down projections.
+      x, routing, w_gate, w_up, w_down, activation, impl, glu, biases: as ``experts_ffn``
+        takes them (float weights; biases split as their experts' matrices).
       split: the mesh's ``ExpertSplit`` (``expert_split``).
-      activation: the gate's activation.
-      impl: the local grouped product's ``experts_ffn`` implementation.
-      glu: optional ``glu(gate, up)`` (``experts_ffn``'s: a clamped SwiGLU), applied per
-        element, so F split over ``split.mlp`` changes nothing.
-      biases: optional ([E, F] gate, [E, F] up, [E, D] down) expert biases, split as their
-        experts' matrices (E over ``split.experts``, F over ``split.mlp``, D over
-        ``split.embed``); the down bias is added once per (token, expert), after the ``psum``
-        over ``split.mlp``.
 
     Returns:
       [N, D] in x's dtype.
@@ -158,11 +112,9 @@ def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Arr
                                            P(split.experts, split.embed or None))
     body = functools.partial(_local if split.exchange else _local_shares, split=split,
                              n_experts=e, ffn=dict(activation=activation, impl=impl, glu=glu))
-    # check_vma=False: the local grouped product (``"tiled"``'s loop carry and custom VJP) is
-    # not typed for values that vary over manual axes. The untyped transpose (cotangents of
-    # inputs summed over the axes their spec leaves out, those of outputs divided by them) is
-    # exact here, since the output is the same on the devices its spec leaves out (tensor,
-    # after the psum); the tests compare gradients with one device's.
+    # check_vma=False: the local grouped product is not typed for values that vary over manual
+    # axes; the untyped transpose is exact here (the output is the same on the devices its
+    # spec leaves out, after the psum).
     mapped = jax.shard_map(body, mesh=split.mesh,
                            in_specs=(tokens, tokens, tokens, w_in, w_in, w_out, b_specs),
                            out_specs=tokens, check_vma=False)
@@ -172,8 +124,7 @@ def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Arr
 def _gathered(split: ExpertSplit, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
               biases: tuple[jax.Array, jax.Array, jax.Array] | None
               ) -> tuple[jax.Array, jax.Array, jax.Array, tuple | None]:
-    """The expert matrices (and the down bias) with their D whole (all-gathered over
-    ``split.embed``)."""
+    """The expert matrices (and the down bias) with their D all-gathered over ``split.embed``."""
     if split.embed:
         w_gate, w_up = (jax.lax.all_gather(w, split.embed, axis=1, tiled=True)
                         for w in (w_gate, w_up))
@@ -194,8 +145,7 @@ def _experts(x, routing, w_gate, w_up, w_down, biases, ffn):
 
 
 def _local_shares(x, weights, experts, w_gate, w_up, w_down, biases, *, split, n_experts, ffn):
-    """One device, tokens not exchanged: x [n, D], weights/experts [n, k] -> [n, D], every
-    token's sum over all experts (this device's e experts' share, then the ``psum``)."""
+    """One device, tokens not exchanged: x [n, D] -> [n, D], every token's sum over all experts."""
     w_gate, w_up, w_down, biases = _gathered(split, w_gate, w_up, w_down, biases)
     per_device = n_experts // split.n_shards
     ids = experts - jax.lax.axis_index(split.experts) * per_device
@@ -211,9 +161,8 @@ def _local_shares(x, weights, experts, w_gate, w_up, w_down, biases, *, split, n
 
 
 def _local(x, weights, experts, w_gate, w_up, w_down, biases, *, split, n_experts, ffn):
-    """One device: x [n, D], weights/experts [n, k], w_gate/w_up [e, D/fsdp, F/tensor],
-    w_down [e, F/tensor, D/fsdp], biases ([e, F/tensor] x 2, [e, D/fsdp]) or None -> [n, D],
-    this device's tokens' outputs."""
+    """One device: x [n, D], weights/experts [n, k], its experts' matrices split on E (and D/F)
+    -> [n, D], its tokens' outputs."""
     w_gate, w_up, w_down, biases = _gathered(split, w_gate, w_up, w_down, biases)
     x_shards = split.n_shards
     per_device = n_experts // x_shards
@@ -244,12 +193,9 @@ def _local(x, weights, experts, w_gate, w_up, w_down, biases, *, split, n_expert
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class _Send:
-    """The packed send buffers' layout (per device; X destinations, n rows each).
-
-    order: [X, n] the token in each row of each region (the tokens for X first, in index order);
-    valid: [X, n] bool, whether the row is filled; ids / weights: [X, n, j] the row's local
-    expert indices on X and routing weights (0 in unfilled slots).
-    """
+    """The packed send buffers (per device; X regions of n rows): ``order`` [X, n] the token
+    of each row (those for X first), ``valid`` [X, n] whether it is filled, ``ids`` / ``weights``
+    [X, n, j] its local expert indices on X and routing weights (0 in unfilled slots)."""
 
     order: jax.Array
     valid: jax.Array

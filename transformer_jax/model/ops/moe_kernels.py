@@ -1,17 +1,7 @@
-"""Grouped-matmul kernels for the mixture of experts on accelerators (``ops.moe``'s
-``"megablox"`` and ``"tokamax"`` implementations).
-
-Both compute ``grouped_matmul``'s product: x [M, A] with its rows grouped by expert (``sizes``
-[E] rows each, in expert order), w [E, A, C] -> [M, C], each group times its expert's matrix,
-with their own backward kernels (the rows' gradient is another grouped product, the weights'
-a transposed one).
-
-- ``"megablox"``: JAX's Pallas TPU grouped matmul (``jax.experimental.pallas.ops.tpu.megablox``),
-  TPU only. Rows are padded to whole tiles of 128 here; A and C must be multiples of 128.
-- ``"tokamax"``: ``tokamax.ragged_dot`` (the ``kernels`` extra), which picks its Mosaic (TPU,
-  Hopper/Blackwell GPUs) or Triton kernel for the backend it runs on. It checks the backend
-  when called, so unlike megablox it cannot be lowered from a CPU host.
-"""
+"""Grouped-matmul kernels for ``ops.moe``'s ``"megablox"`` (JAX's Pallas TPU grouped matmul,
+TPU only; A and C multiples of 128, rows padded here) and ``"tokamax"`` (``tokamax.ragged_dot``,
+the ``kernels`` extra; it checks the backend when called, so it cannot be lowered from a CPU
+host), each with its own backward kernels."""
 
 from __future__ import annotations
 
@@ -29,9 +19,7 @@ def kernel_grouped_matmul(impl: str, x: jax.Array, w: jax.Array, sizes: jax.Arra
 
     Args:
       impl: which kernel.
-      x: [M, A] rows grouped by expert.
-      w: [E, A, C] the experts' matrices.
-      sizes: [E] int32 rows per expert (summing to at most M).
+      x, w, sizes: [M, A] rows grouped by expert, [E, A, C] matrices, [E] int32 rows each.
 
     Returns:
       [M, C] in x's dtype.
@@ -56,8 +44,7 @@ def kernel_grouped_matmul(impl: str, x: jax.Array, w: jax.Array, sizes: jax.Arra
 
 
 def megablox_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """megablox's ``gmm`` with the rows padded to whole tiles (see ``kernel_grouped_matmul``;
-    no backend check, so a CPU host can lower it for TPU)."""
+    """megablox's ``gmm``, rows padded to whole tiles (no backend check: lowers from a CPU host)."""
     from jax.experimental.pallas.ops.tpu import megablox
 
     m, a = x.shape

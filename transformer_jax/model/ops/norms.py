@@ -10,11 +10,8 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5, *, offset: float
     """RMSNorm: ``x / sqrt(mean(x^2) + eps) * (offset + scale)`` over the trailing axes.
 
     Args:
-      x: [..., D] activations, or [..., N, H] normalised over both trailing axes when
-        ``scale`` is [N, H] (all of a token's heads together).
-      scale: [D] (or [N, H]) learned gain.
-      eps: added to the mean square for stability.
-      offset: added to the gain (1.0 for gains stored as ``w`` of ``(1 + w)``).
+      x, scale: [..., D] activations, [D] learned gain (or [..., N, H] and [N, H]: both axes).
+      eps, offset: added to the mean square, and to the gain.
 
     Returns:
       x's shape and dtype (the statistics are float32).
@@ -32,11 +29,8 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
     """LayerNorm: ``(x - mean) / sqrt(var + eps) * scale + bias`` over the last axis.
 
     Args:
-      x: [..., D] activations.
-      scale: [D] learned gain.
-      bias: [D] learned shift.
-      eps: added to the variance for stability.
-      offset: added to the gain (see ``rms_norm``).
+      x, scale, bias: [..., D] activations, [D] learned gain and shift.
+      eps, offset: added to the variance, and to the gain.
 
     Returns:
       [..., D] in x's dtype (the statistics are float32).

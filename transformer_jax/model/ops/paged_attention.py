@@ -1,41 +1,7 @@
-"""Attention over a paged KV cache with JAX's Pallas kernels (``attention_impl="pallas"``).
-
-``PagedKVCache.attend`` asks ``plan`` how to attend a chunk of T queries per row; with
-``impl="pallas"`` the answer is one of these kernels, or the cache's own XLA views:
-
-- ``"gpu_paged"``: the Triton paged attention, ``jax.experimental.pallas.ops.gpu.paged_attention``
-  (GPU decode: T = 1, no sliding window). Prefill chunks and windows keep the gather view, whose
-  contiguous attention is then ``attention(impl="pallas")``'s Triton flash kernel.
-- ``"tpu_paged"``: the Mosaic TPU paged attention, ``jax.experimental.pallas.ops.tpu.
-  paged_attention`` (TPU decode: T = 1, no window).
-- ``"tpu_ragged"``: the Mosaic TPU ragged paged attention, ``jax.experimental.pallas.ops.tpu.
-  ragged_paged_attention`` (TPU prefill chunks, and decode with a sliding window): causal over
-  each row's pages, windows natively.
-
-``"auto"`` does not pick them: none has been measured on an accelerator yet, so ``"auto"`` keeps
-the cache's XLA views. On any other backend ``"pallas"`` is a ``ValueError``, as
-``ops.attention`` raises for a kernel the backend cannot run.
-
-The adapters take the layout ``PagedKVCache`` stores, one layer's pool: values [K, P, ps, H], keys
-[K, P, ps, H], the page table [B, W] and the chunk's positions [B, T] (consecutive per row,
-already written into the pages). What each adaptation costs is said where it is made; in short:
-the two paged kernels read the pool in place, and the ragged kernel wants keys and values
-interleaved by head in one [P, ps, 2K, H] array, one copy of the layer's whole pool per call.
-Within a layer scan (a stacked cache) ``k[i]`` is a dynamic slice of the stacked pool that XLA
-may materialise as the kernel's operand (not measured: no accelerator here).
-
-Over a mesh whose logical rules split the kv heads (the engine's tensor axis, ``decode_context``)
-a kernel runs per device under ``shard_map``, on its K/T kv heads of the pool and their query
-heads (XLA cannot partition a Mosaic or Triton call), as ``ops.attention`` runs its kernels.
-
-Off an accelerator, ``kernel_target(backend, interpret=...)`` traces the kernels for another
-backend: to export them for it (``jax.export`` from a CPU), or to run the ones Pallas can
-interpret on a CPU (the Triton kernel with ``interpret=True``, the TPU paged kernel under
-``pltpu.force_tpu_interpret_mode``; the ragged kernel does not run in interpret mode with jax
-0.10.2, so under interpretation the parts that would use it, or the Triton flash kernel, run the
-gather view with the XLA reference instead). The target is a ``jax.make_user_context``, part of
-jit's cache key: a program traced under one target is never reused under another.
-"""
+"""Attention over a paged KV cache with JAX's Pallas kernels (``attention_impl="pallas"``):
+``plan`` picks one of ``KERNELS`` (GPU/TPU decode, TPU ragged prefill) or the cache's XLA views
+(``"auto"`` never picks a kernel: none measured yet); ``kernel_target`` traces them for another
+backend (export, or interpretation on a CPU)."""
 
 from __future__ import annotations
 
@@ -58,12 +24,8 @@ INTERPRETABLE = ("gpu_paged", "tpu_paged")
 GPU_BACKENDS = ("gpu", "cuda")
 TARGET_BACKENDS = (*GPU_BACKENDS, "tpu")
 
-# Block sizes, untuned (no GPU or TPU ran them here). The Triton kernel reads up to
-# GPU_PAGES_PER_BLOCK pages per block (more for tiny pages, so a block holds at least
-# GPU_MIN_BLOCK_KEYS keys where W allows: Triton's tl.dot has wanted dimensions of 16 or more),
-# its blocks split into up to GPU_MAX_SPLITS partitions run in parallel; the TPU paged kernel
-# reads blocks of up to TPU_BLOCK_POSITIONS positions. Each is the largest divisor of W within
-# its bound (the kernels require divisors).
+# Block sizes, untuned: each is the largest divisor of W within its bound. A Triton block holds
+# at least GPU_MIN_BLOCK_KEYS keys where W allows (tl.dot wants dimensions of 16 or more).
 GPU_PAGES_PER_BLOCK = 8
 GPU_MIN_BLOCK_KEYS = 16
 GPU_MAX_SPLITS = 16
@@ -71,9 +33,8 @@ TPU_BLOCK_POSITIONS = 512
 #: The TPU kernels' head size must be a multiple of this (the vector lanes; ``plan``).
 TPU_LANES = 128
 
-# The ragged kernel's block sizes where its tuned table cannot be read (it asks the device kind,
-# so only on a TPU): the defaults its lookup takes on TPU v4 (pages per KV block, queries per
-# block), each capped at the size of the call.
+# The ragged kernel's (pages per KV block, queries per block) off a TPU, where its tuned table
+# cannot be read: its TPU v4 defaults, capped at the size of the call.
 _RAGGED_UNTUNED_BLOCKS = (32, 32)
 
 
@@ -90,9 +51,7 @@ _TARGET = jax.make_user_context(None)
 
 @contextlib.contextmanager
 def kernel_target(backend: str, *, interpret: bool = False) -> Iterator[KernelTarget]:
-    """Within this context the paged kernels are traced for ``backend`` (``"gpu"``, ``"cuda"``
-    or ``"tpu"``) rather than ``jax.default_backend()``; with ``interpret`` those Pallas can
-    interpret run in interpret mode (see the module docstring). For tests and export only."""
+    """Traces the paged kernels inside for ``backend`` (Pallas-interpreted with ``interpret``)."""
     if backend not in TARGET_BACKENDS:
         raise ValueError(f"kernel_target backend must be one of {TARGET_BACKENDS}, got "
                          f"{backend!r}")
@@ -111,7 +70,7 @@ class Plan:
     """How ``PagedKVCache.attend`` attends one chunk.
 
     Attributes:
-      kernel: one of ``KERNELS``, or None for the cache's XLA views (gather or pool).
+      kernel: one of ``KERNELS``, or None for the cache's XLA views.
       impl: the ``attention_impl`` those views pass to ``ops.attention.attention``.
     """
 
@@ -123,16 +82,11 @@ def plan(impl: str, t: int, window: int | None, head_dim: int | None = None) -> 
     """The kernel (or view implementation) for a chunk of T queries per row.
 
     Args:
-      impl: the config's ``attention_impl``.
-      t: T, queries per row (1 for decode rows).
-      window: the sliding window, or None.
-      head_dim: H; compiled for a TPU, both kernels need H a multiple of ``TPU_LANES`` (jax
-        0.10.2: at H = 64 the paged kernel's block shapes are refused and the ragged kernel
-        fails an assertion while tracing), so other head sizes take the XLA views there.
+      impl, t, window: the config's ``attention_impl``, T queries per row, the sliding window.
+      head_dim: H; on a TPU both kernels need a multiple of ``TPU_LANES`` (else: XLA views).
 
     Raises:
-      ValueError: ``impl="pallas"`` on a backend with no paged kernel (CPU: use
-        ``kernel_target``), as ``ops.attention`` raises for its kernels.
+      ValueError: ``impl="pallas"`` on a backend with no paged kernel.
     """
     if impl != "pallas":
         return Plan(None, impl)
@@ -160,16 +114,11 @@ def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.
                     ) -> jax.Array:
     """One layer's attention of each row's queries over its own pages, with ``kernel``.
 
-    A query at position m of row b sees the keys of row b's positions n <= m (and n > m -
-    window with a window): exactly what the gather view's position mask gives.
-
     Args:
       kernel: one of ``KERNELS`` (``plan``'s choice).
-      q: [B, T, N, H] queries (rotated), N a multiple of K.
-      k_pages: [K, P, ps, H] the layer's key pool.
-      v_pages: [K, P, ps, H] the layer's value pool.
+      q, k_pages, v_pages: [B, T, N, H] queries (rotated), [K, P, ps, H] key and value pools.
       page_table: [B, W] int32 each row's pages in position order.
-      positions: [B, T] int positions of the chunk, consecutive per row, already written.
+      positions: [B, T] int positions, consecutive per row, already written.
       window: optional sliding window length (``"tpu_ragged"`` only).
 
     Returns:
@@ -200,40 +149,29 @@ def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.
 
 
 def _head_split(b: int, kv: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...]] | None:
-    """(mesh, kv-head axes) over which a paged kernel runs per device: the axes the mesh and
-    logical rules in context (``decode.decode_context``) split the K kv heads over (tensor),
-    as ``ops.attention`` runs its kernels. The pool is every row's, so a row split is not one
-    (the engine's mesh splits only heads). None when the heads are not split."""
+    """(mesh, kv-head axes) over which a paged kernel runs per device, or None."""
     split = _kernel_split(b, kv)
     return None if split is None or not split[2] else (split[0], split[2])
 
 
 def _divisor_at_most(n: int, cap: int) -> int:
-    """The largest divisor of n that is at most cap (at least 1)."""
     return max(d for d in range(1, min(n, max(cap, 1)) + 1) if n % d == 0)
 
 
 def _decode_lengths(position: jax.Array, page_table: jax.Array, page_size: int) -> jax.Array:
-    """[B] keys each decode row sees: positions 0..position, capped at the table's W pages (the
-    kernels read ``cdiv(length, ps)`` table entries; only an idle row could ask for more)."""
+    """[B] keys each decode row sees: positions 0..position, capped at the table's W pages."""
     return jnp.minimum(position + 1, page_table.shape[1] * page_size).astype(jnp.int32)
 
 
 def gpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                         page_table: jax.Array, position: jax.Array, *,
                         interpret: bool = False) -> jax.Array:
-    """The Triton paged attention for one decode query per row.
-
-    The kernel takes the pool as it is stored ([K, P, ps, H]) and the page table; it has no
-    softmax scale, so q is scaled by ``1/sqrt(H)`` first (in q's dtype). Its ``block_h`` (16, the
-    least it takes) blocks the G query heads of a kv head, padded up to 16: for G < 16 part of
-    each block is idle work. Block sizes: ``GPU_PAGES_PER_BLOCK`` and the bounds beside it.
+    """The Triton paged attention for one decode query per row, over the pool as stored (it
+    has no softmax scale: q is scaled by ``1/sqrt(H)`` first).
 
     Args:
-      q: [B, N, H] queries.
-      k_pages, v_pages: [K, P, ps, H].
-      page_table: [B, W] int32.
-      position: [B] int position of each row's query.
+      q, position: [B, N, H] queries, [B] int position of each row's query.
+      k_pages, v_pages, page_table: as ``paged_attention`` takes them.
       interpret: run in Pallas interpret mode (any backend).
 
     Returns:
@@ -253,14 +191,7 @@ def gpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 def tpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                         page_table: jax.Array, position: jax.Array, *,
                         interpret: bool = False) -> jax.Array:
-    """The Mosaic TPU paged attention for one decode query per row.
-
-    The kernel takes the pool as it is stored ([K, P, ps, H]) and DMAs each row's pages from it;
-    it has no softmax scale (q is scaled first) and reads every page as bfloat16 (its loader
-    casts), so float32 pages are attended at bfloat16 precision. Pages are read in blocks of up
-    to ``TPU_BLOCK_POSITIONS`` positions. Args and result as ``gpu_paged_attention``'s
-    (``interpret``: run under ``pltpu.force_tpu_interpret_mode``, on a CPU).
-    """
+    """The Mosaic TPU paged attention, as ``gpu_paged_attention`` (pages read as bfloat16)."""
     from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
     from jax.experimental.pallas.ops.tpu.paged_attention import (  # noqa: PLC0415
         paged_attention as tpu_paged,
@@ -277,24 +208,12 @@ def tpu_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 def ragged_inputs(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                   positions: jax.Array) -> tuple[jax.Array, ...]:
-    """The ragged kernel's operands for B rows of T consecutive queries each.
-
-    Every row is one of the kernel's sequences with T queries (``cu_q_lens = [0, T, 2T, ..]``)
-    and ``start + T`` keys, its last T positions being the queries' own: the kernel's causal
-    mask is then the position mask. A right-padded chunk's tail may run past the table's W
-    pages; the table gets ``ceil(T / ps)`` more columns of the null page (page 0) so that those
-    padding queries read something the kernel may index (their outputs are never used).
-
-    Cost: the kernel wants keys and values interleaved by head in one [P, ps, 2K, H] array
-    (head 2j keys, 2j + 1 values of kv head j): building it copies the layer's whole pool, per
-    call. Storing the pages in that layout would remove the copy (not done: the other views and
-    kernels read [K, P, ps, H]).
+    """The ragged kernel's operands for B rows of T consecutive queries each: each row a sequence of
+    T queries and ``start + T`` keys, the table padded with ``ceil(T / ps)`` null pages, keys and
+    values interleaved by head (a copy of the pool).
 
     Args:
-      q: [B, T, N, H] queries.
-      k_pages, v_pages: [K, P, ps, H] (keys already in this layout).
-      page_table: [B, W] int32.
-      positions: [B, T] int positions, consecutive per row.
+      q, k_pages, v_pages, page_table, positions: as ``paged_attention`` takes them.
 
     Returns:
       (queries [B * T, N, H], kv pages [P, ps, 2K, H], kv_lens [B], page_indices [B, W'],
@@ -315,17 +234,11 @@ def ragged_inputs(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
 def tpu_ragged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          page_table: jax.Array, positions: jax.Array, *,
                          window: int | None = None) -> jax.Array:
-    """The Mosaic TPU ragged paged attention over B rows of T queries (``ragged_inputs``).
-
-    On a TPU its block sizes come from the kernel's tuned table; traced for a TPU from another
-    backend (``kernel_target``, to export) the untuned defaults ``_RAGGED_UNTUNED_BLOCKS``.
+    """The Mosaic TPU ragged paged attention over B rows of T queries (``ragged_inputs``), with the
+    kernel's tuned block sizes on a TPU (elsewhere ``_RAGGED_UNTUNED_BLOCKS``).
 
     Args:
-      q: [B, T, N, H] queries.
-      k_pages, v_pages: [K, P, ps, H].
-      page_table: [B, W] int32.
-      positions: [B, T] int positions, consecutive per row.
-      window: optional sliding window length.
+      q, k_pages, v_pages, page_table, positions, window: as ``paged_attention`` takes them.
 
     Returns:
       [B, T, N, H] in q's dtype.

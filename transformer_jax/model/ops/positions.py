@@ -14,13 +14,8 @@ def rope_frequencies(head_dim: int, base: float = 10000.0,
     """Rotation frequencies ``theta_i = base^(-2i/H)`` for i in [0, H/2), optionally rescaled.
 
     Args:
-      head_dim: H, the (even) size of each head.
-      base: the RoPE base.
-      scaling: ``linear`` divides every frequency by the factor; ``llama3`` divides only the
-        low frequencies and interpolates smoothly in between (as in Llama 3.1); ``yarn`` divides
-        the frequencies that turn fewer than ``beta_slow`` times over ``original_max_len``,
-        keeps those turning more than ``beta_fast`` times, with a linear ramp over the
-        dimensions in between (YaRN; its cos/sin multiplier is ``rope_attention_factor``).
+      head_dim, base: H (even) and the RoPE base.
+      scaling: optional rescaling (``RopeScaling``).
 
     Returns:
       [H/2] float32 angular frequencies (radians per position).
@@ -35,9 +30,7 @@ def rope_frequencies(head_dim: int, base: float = 10000.0,
         return freqs / scaling.factor
     if scaling.kind == "yarn":
         return _yarn_frequencies(freqs, head_dim, base, scaling)
-    # llama3: wavelengths longer than original_len / low_freq_factor are fully interpolated,
-    # those shorter than original_len / high_freq_factor are kept, with a linear ramp in
-    # 1/wavelength between the two so that no frequency jumps.
+    # llama3: long wavelengths interpolated, short ones kept, a ramp in 1/wavelength between.
     wavelen = 2 * math.pi / freqs
     low_wavelen = scaling.original_max_len / scaling.low_freq_factor
     high_wavelen = scaling.original_max_len / scaling.high_freq_factor
@@ -53,12 +46,10 @@ def _yarn_frequencies(freqs: jax.Array, head_dim: int, base: float,
                       scaling: RopeScaling) -> jax.Array:
     """YaRN's [H/2] frequencies from the plain ones ``freqs`` [H/2].
 
-    Frequency pair i turns ``L * theta_i / (2 pi)`` times over the original context L; the
-    (fractional) pair index at which it turns r times is ``H ln(L / (2 pi r)) / (2 ln base)``.
-    Pairs below the index for ``beta_fast`` rotations keep their frequency, pairs above the one
-    for ``beta_slow`` are divided by ``factor``, with a linear ramp between (``truncate`` rounds
-    the two ends outwards to whole pairs). The ends are clipped to [0, H - 1], as the reference
-    implementation does.
+    Pair i turns r times over the original context L at the (fractional) pair index
+    ``H ln(L / (2 pi r)) / (2 ln base)``: pairs below the index for ``beta_fast`` keep their
+    frequency, pairs above the one for ``beta_slow`` are divided by ``factor``, with a linear
+    ramp between (ends rounded outwards with ``truncate``, clipped to [0, H - 1]).
     """
     def pair_index(rotations: float) -> float:
         return head_dim * math.log(scaling.original_max_len / (rotations * 2 * math.pi)) / (
@@ -76,12 +67,9 @@ def _yarn_frequencies(freqs: jax.Array, head_dim: int, base: float,
 
 
 def rope_attention_factor(scaling: RopeScaling | None) -> float:
-    """The multiplier of RoPE's cos and sin: 1 except for YaRN.
-
-    YaRN scales them (so every attention logit, by its square) by ``attention_factor`` when
-    given, else by ``m(factor, mscale) / m(factor, mscale_all_dim)`` when both ``mscale`` and
-    ``mscale_all_dim`` are set (non-zero), else by ``m(factor, 1)``, where ``m(f, s) = 0.1 s
-    ln(f) + 1`` for f > 1 and 1 otherwise.
+    """The multiplier of RoPE's cos and sin: 1 except for YaRN, which scales them by
+    ``attention_factor`` when given, else by ``m(factor, mscale) / m(factor, mscale_all_dim)`` when
+    both are set, else by ``m(factor, 1)``; ``m(f, s) = 0.1 s ln(f) + 1`` for f > 1, else 1.
 
     Args:
       scaling: the model's RoPE scaling, or None.
@@ -106,28 +94,20 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0,
                pairing: str = "half", scaling: RopeScaling | None = None,
                freqs: jax.Array | None = None,
                attention_factor: float | jax.Array | None = None) -> jax.Array:
-    """Rotates each head's vector by position-dependent angles (RoPE).
-
-    Each pair ``(a, b)`` of coordinates at frequency ``theta_i`` is rotated by ``m * theta_i``
-    where m is the token's position, so that ``<R_m q, R_n k>`` depends only on ``n - m``. The
-    rotation's cos and sin are multiplied by the attention factor (1 but for YaRN), so the
-    rotated vector's norm is scaled by it.
+    """Rotates each head's vector by position-dependent angles (RoPE): pair ``(a, b)`` at frequency
+    ``theta_i`` by ``m * theta_i``, m the token's position; cos and sin times the attention factor.
 
     Args:
-      x: [B, T, N, H] queries or keys (N may be the number of kv heads).
-      positions: [B, T] integer positions of each token (explicit, so padded/ragged batches and
-        decode steps rotate correctly).
-      base: the RoPE base.
-      pairing: ``"half"`` pairs ``x_i`` with ``x_{i+H/2}`` (HF LLaMA layout); ``"adjacent"``
-        pairs ``x_2i`` with ``x_2i+1`` (RoFormer paper).
-      scaling: optional frequency rescaling.
-      freqs: optional [H/2] float32 frequencies (may be traced, e.g. per layer in a scan), used
-        instead of ``rope_frequencies(H, base, scaling)``.
-      attention_factor: the cos/sin multiplier (a float or a traced scalar); default
-        ``rope_attention_factor(scaling)``.
+      x: [B, T, N, H] queries or keys.
+      positions: [B, T] integer positions of each token.
+      base, scaling: the RoPE base and optional frequency rescaling.
+      pairing: ``"half"`` pairs ``x_i`` with ``x_{i+H/2}`` (HF LLaMA), ``"adjacent"`` ``x_2i``
+        with ``x_2i+1`` (RoFormer).
+      freqs: optional [H/2] float32 frequencies (may be traced) in place of ``base``/``scaling``'s.
+      attention_factor: the cos/sin multiplier; default ``rope_attention_factor(scaling)``.
 
     Returns:
-      [B, T, N, H] rotated, in x's dtype (angles are computed in float32).
+      [B, T, N, H] rotated, in x's dtype (angles computed in float32).
     """
     chex.assert_rank(x, 4)
     chex.assert_rank(positions, 2)
@@ -157,14 +137,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0,
 
 
 def sinusoidal_positions(positions: jax.Array, dim: int, base: float = 10000.0) -> jax.Array:
-    """Sinusoidal absolute encodings of the original Transformer.
-
-    ``PE[pos, 2i] = sin(pos / base^(2i/D))`` and ``PE[pos, 2i+1] = cos(pos / base^(2i/D))``.
+    """Sinusoidal absolute encodings of the original Transformer, ``PE[pos, 2i] = sin(pos /
+    base^(2i/D))``, ``PE[pos, 2i+1] = cos(...)``.
 
     Args:
-      positions: [B, T] integer positions.
-      dim: D, the (even) model width.
-      base: the wavelength base (10000 in the paper).
+      positions, dim, base: [B, T] integer positions, D (even), the wavelength base.
 
     Returns:
       [B, T, D] float32 encodings, to be added to the token embeddings.
@@ -180,14 +157,10 @@ def sinusoidal_positions(positions: jax.Array, dim: int, base: float = 10000.0) 
 def chunk_segments(q_positions: jax.Array, k_positions: jax.Array, chunk: int,
                    q_segments: jax.Array | None = None, k_segments: jax.Array | None = None
                    ) -> tuple[jax.Array, jax.Array]:
-    """Segment ids under which a query sees only the keys of its own chunk of positions.
+    """Segment ids under which a query at m sees only keys at n with ``m // C == n // C``.
 
     Args:
-      q_positions: [B, T] int positions of the queries.
-      k_positions: [B, S] int positions of the keys (past every chunk for a never-written
-        slot: its own segment).
-      chunk: C; a query at m and a key at n share a segment iff ``m // C == n // C`` (and
-        their packed segments are equal).
+      q_positions, k_positions, chunk: [B, T], [B, S] int positions of queries and keys; C.
       q_segments, k_segments: optional [B, T], [B, S] packed-sequence ids (0 = padding).
 
     Returns:

@@ -1,13 +1,6 @@
-"""Products and lookups with quantised weights: what the forward does when a weight is one.
-
-A prepared weight (``transformer_jax.model.quant``) is either a ``qwix.QArray`` (int8 values with
-their scales) or a ``PackedInt4`` (int4 values two to a byte, with their scales). The model's
-code does not branch on it: ``einsum`` and ``take_rows`` below take either kind, or a plain
-array, so quantisation stays a property of the weights the one forward is given.
-
-qwix is imported only once a quantised weight exists (``model.quant`` imports it), so
-the float path neither needs nor loads it.
-"""
+"""Products and lookups with quantised weights (``qwix.QArray`` or ``PackedInt4``): ``einsum``
+and ``take_rows`` take them or plain arrays, so the model's code does not branch on them (qwix
+is imported only once a quantised weight exists)."""
 
 from __future__ import annotations
 
@@ -21,19 +14,14 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class PackedInt4:
-    """4-bit values (int4, or nf4's 16 levels) stored two to a byte, with qwix's scales.
-
-    XLA:CPU (and the jax arrays it holds) keeps an ``int4`` array one value per byte, so int4
-    would save nothing over int8 in memory; packing pairs of values along the grouped (input)
-    axis stores half a byte per value. ``qarray`` unpacks them into the ``qwix.QArray`` they
-    came from, inside the step that uses them.
+    """4-bit values (int4, or nf4's 16 levels) stored two to a byte (XLA:CPU keeps ``int4`` a byte
+    per value), with qwix's scales; ``qarray`` unpacks them inside the step that uses them.
 
     Attributes:
-      packed: uint8, the weight's shape with ``axis`` halved: value 2i in the low nibble, 2i+1
-        in the high one (int4 in two's complement, nf4 as its level index 0..15).
-      scale: the QArray's scale (a generic broadcast of the weight's shape).
+      packed: uint8, the shape with ``axis`` halved: value 2i the low nibble, 2i+1 the high.
+      scale: the QArray's scale.
       axis: static; the packed axis, negative (counted from the last).
-      qtype: static; ``"int4"`` or ``"nf4"`` (qwix's qtype of the values).
+      qtype: static; ``"int4"`` or ``"nf4"``.
     """
 
     packed: jax.Array
@@ -78,8 +66,7 @@ class PackedInt4:
 
 
 def pack_int4(qarray: Any, axis: int) -> PackedInt4:
-    """A ``qwix.QArray`` of int4 (or nf4) values packed two to a byte along ``axis`` (of even
-    size)."""
+    """A ``qwix.QArray`` of int4 (or nf4) values packed two to a byte along (even) ``axis``."""
     nf4 = qarray.qtype == "nf4"
     values = qarray.qvalue.astype(jnp.uint8 if nf4 else jnp.int8)
     axis = axis % values.ndim
@@ -106,15 +93,8 @@ def _as_qwix(w: Any) -> Any:
 
 def einsum(spec: str, a: Any, b: Any, *, preferred_element_type: jnp.dtype | None = None
            ) -> jax.Array:
-    """``jnp.einsum(spec, a, b)`` of a weight product, through ``qwix.einsum`` when either
-    operand is quantised.
-
-    With float activations qwix dequantises the weight and runs the float product (its
-    ``dot_general``: XLA can fuse the two on accelerators), so the result equals the float
-    product over the dequantised weight. Float operands go through ``jax.lax.dot_general``
-    (``dot_general_einsum``): quantised training (``transformer_jax.train.quant``) quantises
-    the ``dot_general`` calls, so the weights' products and not attention's einsums.
-    """
+    """``jnp.einsum(spec, a, b)`` of a weight product: ``qwix.einsum`` when either is quantised
+    (the float product over the dequantised weight), else ``dot_general_einsum``."""
     if is_quantized(a) or is_quantized(b):
         import qwix
 
@@ -152,10 +132,9 @@ def dequantize(w: Any, dtype: jnp.dtype) -> jax.Array:
 
 def take_rows(table: Any, ids: jax.Array, fill: bool = False) -> jax.Array:
     """Rows ``ids`` (any shape) of a [V, ...] table, dequantised when it is quantised:
-    [*ids.shape, ...]. Only the rows taken (and their scales) are read: a 4-bit table's packed
-    bytes are taken before they are unpacked (a [V, D] token table, or a mixture's [E, D, F]
-    expert stack, whose scales are per row too). With ``fill`` an id past the table gives a
-    row of zeros (nothing read); otherwise ids must be in range."""
+    [*ids.shape, ...]. Only the rows taken (and their scales) are read, packed bytes before
+    they are unpacked. With ``fill`` an id past the table gives a row of zeros; otherwise ids
+    must be in range."""
     def take(a: jax.Array) -> jax.Array:
         if fill:
             return jnp.take(a, ids, axis=0, mode="fill", fill_value=0)

@@ -1,9 +1,5 @@
-"""The router of a mixture of experts: each token's experts and weights from the router's
-logits (``route``: softmax or sigmoid scores, a correction bias that only chooses,
-group-limited top-k, a scale), and the router's losses and load statistics.
-
-Shape letters: N tokens (B*T flattened), E experts, k experts per token.
-"""
+"""The router of a mixture of experts: each token's experts and weights from the router's logits
+(``route``), and the router's losses and load statistics (N tokens, E experts, k per token)."""
 
 from __future__ import annotations
 
@@ -17,11 +13,8 @@ class Routing:
     """Where each token goes and with what weight.
 
     Attributes:
-      weights: [N, k] float32 routing weights of the chosen experts.
-      experts: [N, k] int32 expert indices, in decreasing (biased) score (ties: lower index
-        first).
-      probs: [N, E] float32 scores of the router logits, softmax or sigmoid (for the balance
-        loss).
+      weights, experts: [N, k] float32 weights and int32 indices of the chosen experts.
+      probs: [N, E] float32 scores of the router logits (for the balance loss).
       logits: [N, E] float32 router logits (for the z-loss).
     """
 
@@ -34,23 +27,14 @@ class Routing:
 def route(logits: jax.Array, top_k: int, renormalize: bool, score: str = "softmax", *,
           choice_bias: jax.Array | None = None, n_groups: int = 1, top_groups: int = 1,
           scale: float = 1.0) -> Routing:
-    """Top-k routing on the experts' scores.
-
-    The experts are chosen by ``scores + choice_bias`` (DeepSeek-V3's correction bias), and
-    with ``top_groups < n_groups`` only within each token's ``top_groups`` groups of highest
-    group score (a group of E/n_groups consecutive experts scored by the sum of its two highest
-    biased scores); the weights are the chosen experts' unbiased scores, renormalised to sum 1
-    with ``renormalize``, then times ``scale``. The bias gets no gradient: it only chooses.
+    """Top-k routing on the experts' scores: chosen by ``scores + choice_bias`` (within each token's
+    best groups with ``top_groups < n_groups``), weighted by the unbiased scores.
 
     Args:
       logits: [N, E] router logits (any float dtype; the scores are float32).
-      top_k: k, experts per token.
-      renormalize: divide the k chosen scores by their sum.
-      score: ``"softmax"`` over the E logits, or ``"sigmoid"`` of each logit on its own.
+      top_k, renormalize, score, n_groups, top_groups: as ``fields.MoE``'s fields.
       choice_bias: optional [E] bias added to the scores for the choice only.
-      n_groups: groups the E experts form (E divisible by it, at least 2 experts each when > 1).
-      top_groups: groups each token chooses its experts in.
-      scale: the routed weights' multiplier (DeepSeek-V3's ``routed_scaling_factor``).
+      scale: the routed weights' multiplier (``MoE.routed_scale``).
 
     Returns:
       The ``Routing`` (its experts in decreasing biased score; ties: lower index first).
@@ -75,8 +59,7 @@ def route(logits: jax.Array, top_k: int, renormalize: bool, score: str = "softma
 
 
 def _within_top_groups(choice: jax.Array, n_groups: int, top_groups: int) -> jax.Array:
-    """[N, E] ``choice`` with the experts outside each row's ``top_groups`` best groups (a
-    group's score: the sum of its two highest) at -inf."""
+    """[N, E] ``choice`` with the experts outside each row's ``top_groups`` best groups at -inf."""
     n, e = choice.shape
     grouped = choice.reshape(n, n_groups, e // n_groups)
     group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, n_groups]
@@ -89,23 +72,19 @@ def expert_load(experts: jax.Array, valid: jax.Array, n_experts: int) -> jax.Arr
     """[E] float32: how many valid (token, slot) pairs each expert received.
 
     Args:
-      experts: [N, k] expert indices.
-      valid: [N] bool, the tokens that count (False: padding).
-      n_experts: E.
+      experts, valid, n_experts: [N, k] expert indices, [N] bool (False: padding), E.
     """
     onehot = jax.nn.one_hot(experts, n_experts, dtype=jnp.float32)  # [N, k, E]
     return jnp.einsum("nke,n->e", onehot, valid.astype(jnp.float32))
 
 
 def balance_loss(routing: Routing, valid: jax.Array) -> jax.Array:
-    """The load-balancing loss ``E * sum_e f_e P_e`` (Switch Transformer, as HF's
-    ``load_balancing_loss_func`` computes it for one layer): ``f_e`` the fraction of valid
-    tokens that chose expert e among their k (so the f's sum to k), ``P_e`` the mean router
-    probability of e over the valid tokens. Its minimum, k, is a uniform load.
+    """The load-balancing loss ``E * sum_e f_e P_e`` (Switch Transformer, as HF computes it for one
+    layer): ``f_e`` the fraction of valid tokens that chose expert e among their k, ``P_e`` their
+    mean router probability of e. Its minimum, k, is a uniform load.
 
     Args:
-      routing: the layer's ``Routing`` ([N, E] probs, [N, k] experts).
-      valid: [N] bool.
+      routing, valid: the layer's ``Routing``, [N] bool.
 
     Returns:
       A float32 scalar (0 with no valid token).
@@ -118,8 +97,7 @@ def balance_loss(routing: Routing, valid: jax.Array) -> jax.Array:
 
 
 def router_z_loss(routing: Routing, valid: jax.Array) -> jax.Array:
-    """ST-MoE's router z-loss: the mean over valid tokens of ``logsumexp(logits)^2``
-    (float32 scalar), which keeps the router's logits small."""
+    """ST-MoE's router z-loss: the mean of ``logsumexp(logits)^2`` over valid tokens (float32)."""
     z = jax.nn.logsumexp(routing.logits, axis=-1) ** 2
     valid = valid.astype(jnp.float32)
     return jnp.sum(z * valid) / jnp.maximum(jnp.sum(valid), 1.0)

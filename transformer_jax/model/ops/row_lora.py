@@ -1,29 +1,7 @@
-"""Many LoRA adapters over one matrix in one batch: each row of the batch picks its own.
-
-A serving step batches requests of different fine-tunes of one base. Merging an adapter into
-the weights would need a copy of the model per adapter (and a program per mix of them); instead
-the base product is computed once for every row and each row adds its own adapter's low-rank
-update, chosen by the row's adapter id (the BGMV form, "batched gather matrix-vector"):
-
-    y[b] = x[b] @ W + (x[b] @ A[ids[b] - 1]) @ B[ids[b] - 1]      (nothing added for id 0)
-
-for Na adapters, each B already scaled by its adapter's ``alpha / rank`` and a smaller rank
-zero-padded to R (which adds nothing). Id 0 is the base model: it selects no factors, so the
-stack holds only real adapters.
-
-The factors are stored as the base matrix is (an ``ops.layouts.OutFirst`` leaf or not): in-first, A
-[Na, in..., R] and B [Na, R, out...]; out-first, each factor as a matrix with its output axes
-first, A [Na, R, in...] and B [out..., Na, R], and the update is then computed as the base
-product is, [out..., rows] before one transpose. That layout exists for XLA:CPU (as the base
-weights' out-first one does): on decode_25m's seven dense matrices per layer, 8 decode rows, 4
-adapters of rank 16, float32, 2-core CPU, the products with the update took 1.23x the base
-products alone out-first, against 1.57x for the in-first update beside out-first weights.
-
-``RowAdapters`` carries the matrix with its adapters and the rows' ids, so ``ops.dense`` computes
-the sum where the model computes the product: the model's code is the same with or without them
-(as with quantised weights), and the per-row choice is data, so mixing adapters in a batch
-compiles nothing new.
-"""
+"""Many LoRA adapters over one matrix in one batch, each row picking its own (the BGMV form):
+``y[b] = x[b] @ W + (x[b] @ A[ids[b] - 1]) @ B[ids[b] - 1]``, id 0 the base. Factors are
+stored as the matrix is: in-first A [Na, in..., R], B [Na, R, out...]; out-first A [Na, R,
+in...], B [out..., Na, R] (B scaled by ``alpha / rank``, ranks zero-padded to R)."""
 
 from __future__ import annotations
 
@@ -42,9 +20,7 @@ class RowAdapters(Wrapped):
 
     Attributes:
       w: the base matrix as the model stores it (in-first or out-first, float or quantised).
-      a: the adapters' A factors, [Na, in..., R] (in-first) or [Na, R, in...] (out-first).
-      b: their B factors, each scaled by its adapter's ``alpha / rank``: [Na, R, out...]
-        (in-first) or [out..., Na, R] (out-first).
+      a, b: the adapters' factors in the module docstring's layout (B scaled by ``alpha / rank``).
       ids: [B] int32 the adapter of each batch row: 1 + its index in the stack, 0 = the base.
     """
 
@@ -64,15 +40,12 @@ def row_delta(x: jax.Array, adapters: RowAdapters, spec: str) -> jax.Array:
 
     Args:
       x: the activations in ``spec``'s layout, batch first (e.g. [B, T, D]).
-      adapters: the matrix with its adapters (``RowAdapters``); their factors are stored as
-        the matrix is (see the module docstring).
-      spec: the in-first einsum of the product, ``"<x>,<w>-><out>"`` (``ops.dense``'s), e.g.
-        ``"BTD,DNH->BTNH"``; x's first letter is its batch axis.
+      adapters: the matrix with its adapters (``RowAdapters``).
+      spec: the in-first einsum of the product (``ops.dense``'s), e.g. ``"BTD,DNH->BTNH"``.
 
     Returns:
-      The update in ``spec``'s output layout (e.g. [B, T, N, H]); for an out-first matrix as
-      ``ops.dense`` computes its product before the transpose: the weight's output axes, then
-      x's own ones (e.g. [N, H, B, T]). float32.
+      float32, in ``spec``'s output layout (e.g. [B, T, N, H]); for an out-first matrix in
+      ``ops.dense``'s layout before its transpose (e.g. [N, H, B, T]).
     """
     a, b, ids = adapters.a, adapters.b, adapters.ids
     out_first = isinstance(adapters.w, OutFirst)
@@ -94,11 +67,8 @@ def row_delta(x: jax.Array, adapters: RowAdapters, spec: str) -> jax.Array:
         xa = jnp.einsum(f"{x_axes},{a_spec}->{rows}nr", x, a_row, preferred_element_type=f32)
         return jnp.einsum(f"{rows}nr,{b_spec}->{y}", xa, jnp.take(b, index, axis=n_axis),
                           preferred_element_type=f32)
-    # Several rows: every adapter's A product at once (Na * R outputs, a small matmul), each
-    # row's own kept by a one-hot mask (all zeros for the base), then one product with all the
-    # B factors. Two dense products, whatever the mix; gathering per-row factors instead ([B,
-    # in, R] and [B, R, out]) ran a decode step of decode_25m (batch 8, 4 adapters of rank 16
-    # on every dense matrix, float32, 2-core CPU) at 3x the base's time, this form at 1.55x.
+    # Several rows: every adapter's A product, each row's own kept by a one-hot mask (zeros
+    # for the base), then one product with all the B factors.
     mask = jax.nn.one_hot(ids - 1, n, dtype=f32)  # [B, Na]
     if out_first:
         xa = jnp.einsum(f"{a_spec},{x_axes}->nr{rows}", a, x, preferred_element_type=f32)

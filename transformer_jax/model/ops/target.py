@@ -1,22 +1,16 @@
-"""The platform a program is traced for: kernel and layout choices follow it, not the process.
-
-Compiled ahead of time for a TPU pod from a CPU host (``jit(f).lower(...).compile()`` over a
-mesh of TPU device descriptions), a program is traced in a process whose
-``jax.default_backend()`` is ``"cpu"``; what it picks (the attention kernel, the MoE grouped
-product, the CPU-only layouts) must be the target's. ``targeting(platform)`` sets the target
-for the traces inside it (``parallel.sharding.jit_sharded`` sets it from its mesh's devices,
-``generate`` and the engine from theirs); ``platform()`` reads it, else the default backend.
-The target is part of jit's cache key (``jax.make_user_context``), so one function traced for
-two targets compiles twice.
-"""
+"""The platform a program is traced for (``targeting``, ``platform``; part of jit's cache key):
+kernel and layout choices follow it, not the process (a TPU program compiled on a CPU host);
+and ``mesh_axes``, the mesh axes the logical rules in context give a dimension."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import jax
+from jax.sharding import AxisType
 
 #: The platforms a target may name (``jax.Device.platform``'s values).
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
@@ -48,3 +42,18 @@ def platform() -> str:
 def of_mesh(mesh: Any) -> str | None:
     """The platform of a mesh's devices (None without a mesh)."""
     return None if mesh is None else mesh.devices.flat[0].platform
+
+
+def mesh_axes(mesh: jax.sharding.AbstractMesh, rule: Any, size: int | None = None
+              ) -> tuple[str, ...]:
+    """The axes of ``mesh`` of more than one device that a logical rule's value (a name, a
+    tuple of names or None) maps to; () when one of them is manual (inside a ``shard_map``)
+    or, given ``size``, when they do not divide it."""
+    names = () if rule is None else (rule,) if isinstance(rule, str) else tuple(rule)
+    names = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    if any(types[a] == AxisType.Manual for a in names):
+        return ()
+    if size is not None and size % math.prod(mesh.shape[a] for a in names):
+        return ()
+    return names
