@@ -1,20 +1,13 @@
 """Several decode steps per host round: N engine decode steps in one device program.
 
 When every running request decodes (none waiting, none in prefill, nothing queued), the engine
-runs N decode steps as one program (``multi_decode``: a ``lax.fori_loop`` over the engine
-step's forward and sampling, as ``generate``'s loop does), then hands each row's N tokens to the
-scheduler in order, so each consumer still gets one event per token (delivered when the round
-ends; a cancel applies between rounds). Each step is the single step's (same forward, page
-table, sampling and keys), so the tokens and log-probs are the single steps'. A row that draws a
-stop token or reaches its ``max_tokens`` stops on the device (its page table all
-``NULL_PAGE`` from the next step, its later tokens ignored). Pages for the round are taken
-before it (no preemption inside a round).
-
-N is the largest power of two (up to ``max_steps``) not above the longest remaining
-``max_tokens``. Rounds are skipped while anything needs the host between tokens: a request
-waiting or in prefill, queued adds or cancels, grammars, stop strings, LoRA adapters,
-speculation, top log-probs, sliding-window rings, a split mesh. In ``step_times`` a round is
-one step (``rounds`` and ``round_tokens`` count them).
+runs N decode steps as one program (``multi_decode``, a ``lax.fori_loop`` over the single
+step's forward and sampling, so the tokens and log-probs are the single steps'), then hands each
+row's N tokens to the scheduler in order (one event per token, delivered when the round ends).
+A row that draws a stop token or reaches its ``max_tokens`` stops on the device. Pages for the
+round are taken before it. N is the largest power of two (up to ``max_steps``) not above the
+longest remaining ``max_tokens``; rounds are skipped while anything needs the host between
+tokens (grammars, stop strings, adapters, speculation, top log-probs, rings, a split mesh).
 """
 
 from __future__ import annotations
@@ -33,10 +26,8 @@ from transformer_jax.serving.plan import row_sampling
 from transformer_jax.serving.requests import Request, State, TokenEvent
 from transformer_jax.serving.step_times import StepClock
 
-#: The most decode steps one round runs by default: 1, rounds off. On XLA:CPU (decode_25m, 8
-#: rows, 96 pages) a round's steps measured about 1.7x a single step's device time (26 against
-#: 15.5 ms), so rounds lost there; turn them on (``Engine.multistep.max_steps``, e.g. 8) where
-#: the host's share of a step is what is left (an accelerator).
+#: The most decode steps one round runs by default: 1, rounds off (slower on XLA:CPU,
+#: docs/serving.md); set ``Engine.multistep.max_steps`` (e.g. 8) on an accelerator.
 MAX_STEPS = 1
 
 
@@ -48,8 +39,7 @@ def multi_decode(config: ModelConfig, params: Any, k_pages: Any, v_pages: Any,
 
     Args:
       config, params, k_pages, v_pages, view, mesh: as ``step.engine_step``'s.
-      decode: the B rows' first step (tokens, positions, page tables wide enough for
-        ``steps`` positions more); no adapters.
+      decode: the B rows' first step (page tables wide enough for ``steps`` more); no adapters.
       rows: the B rows' sampling settings, ``token_index`` that of their first token.
       stops: [B, S] int32 each row's stop tokens (-1 padding).
       left: [B] int32 the most tokens each row draws (its ``max_tokens`` left; 0 idle).
@@ -57,9 +47,8 @@ def multi_decode(config: ModelConfig, params: Any, k_pages: Any, v_pages: Any,
       sampler: static sampling switches (no top log-probs).
 
     Returns:
-      (key pages, value pages, [N, B] int32 tokens, [N, B] float32 log-probabilities): step
-      i's token of each row; a row's tokens after its first stop token or past ``left`` are
-      not meaningful.
+      (key pages, value pages, [N, B] int32 tokens, [N, B] float32 log-probabilities); a
+      row's tokens after its first stop token or past ``left`` are not meaningful.
     """
     b = decode.tokens.shape[0]
 
@@ -131,9 +120,8 @@ class MultiStep:
         return n if need <= sched.prefix.num_available else 0
 
     def compile(self) -> int:
-        """Compiles the rounds a greedy load without stop tokens runs (each N, every page-table
-        width) by running them on idle rows (which write only into the null page); returns
-        how many."""
+        """Runs every greedy round shape (each N and page-table width) once on idle rows;
+        returns how many."""
         e, sched = self.engine, self.engine.scheduler
         b, shapes = sched.num_slots, 0
         rows, sampler = row_sampling([None] * b, e.config.vocab_size)
@@ -153,8 +141,7 @@ class MultiStep:
 
     @staticmethod
     def _span(req: Request, n: int) -> int:
-        """The positions ``req`` writes in a round of ``n`` steps (fewer when its
-        ``max_tokens`` ends it sooner)."""
+        """The positions ``req`` writes in a round of ``n`` steps."""
         return min(n, req.params.max_tokens - req.num_new)
 
     def round(self, clock: StepClock) -> list[tuple[Request, TokenEvent]] | None:

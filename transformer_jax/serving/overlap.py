@@ -2,21 +2,10 @@
 
 In a steady decode (``Overlap.steady``: every running request decodes, none can be admitted,
 nothing is in prefill) the engine dispatches step t+1 before it reads step t's tokens: t+1's
-input tokens are t's sampled tokens as they lie on the device, its positions, pages and sampling
-settings are known on the host one step ahead, and the host commits step t (stop checks, pages,
-detokenising, streaming) while the device runs t+1 (vLLM's async scheduling). Each
-``Engine.step`` dispatches one step and reads the previous one; the tokens are the synchronous
-steps' (same program, rows, positions, pages and keys).
-
-A request that turns out finished at step t (stop token or string, cancel) already has a row in
-step t+1: that token is computed and discarded (``discarded``), and its write lands in a page
-the request frees when step t is read; a later owner of the page runs after t+1 on the device.
-A request whose ``max_tokens`` ends at step t gets no row in t+1.
-
-Not steady (the engine reads the step in flight and runs synchronous steps until the next
-steady one): an admission, a prompt in prefill, queued adds or cancels, a row under a grammar
-or speculating, a draft model, sliding-window rings, a multi-step round that can run, too few
-free pages for every row's next position (the synchronous step preempts), a split mesh.
+input tokens are t's sampled tokens on the device, and the host commits step t while the device
+runs t+1. The tokens are the synchronous steps'. A request that finishes at step t by a stop or
+a cancel already has a row in step t+1, whose token is discarded (``discarded``). See
+docs/serving.md for when the engine is not steady.
 """
 
 from __future__ import annotations
@@ -77,14 +66,8 @@ class Overlap:
 
     def step(self, clock: StepClock, delivered: list[tuple[Request, TokenEvent]]) -> bool:
         """One engine step of the lag: dispatches the next decode step when the engine is
-        steady (the chain's first from the host's tokens) and reads the step in flight, its
-        events delivered and added to ``delivered``.
-
-        Returns:
-          Whether the engine's step is done. Not done: nothing was in flight and the engine is
-          not steady, or the engine stopped being steady and the step in flight was read (its
-          laps go to the synchronous step that follows).
-        """
+        steady and reads the step in flight, its events added to ``delivered``. Returns whether
+        the engine's step is done (else a synchronous step follows)."""
         steady = self.steady()
         if self.flight is None:
             if not steady or (first := self._dispatch(clock, None)) is None:
@@ -101,9 +84,8 @@ class Overlap:
         return steady
 
     def _dispatch(self, clock: StepClock, after: Flight | None) -> Flight | None:
-        """Dispatches a decode step of the running requests: after ``after`` (in flight, its
-        tokens the inputs, each row one position further), or from the host's tokens. None
-        when no row decodes or the pool lacks a page for some row's position (nothing taken)."""
+        """Dispatches a decode step of the running requests, from ``after``'s tokens on the
+        device or the host's; None when no row decodes or the pool lacks a page."""
         sched = self.engine.scheduler
         lag = int(after is not None)
         rows = [r for r in sched.running if not lag or r.num_new + 1 < r.params.max_tokens]
@@ -141,9 +123,8 @@ class Overlap:
 
     def _read(self, flight: Flight, clock: StepClock, record: bool
               ) -> list[tuple[Request, TokenEvent]]:
-        """Waits for ``flight``'s tokens and commits them (rows of requests finished meanwhile
-        discarded); the events, delivered. With ``record``, the engine's step ends here (its
-        laps recorded)."""
+        """Waits for ``flight``'s tokens and commits them (finished rows discarded); the events,
+        delivered. With ``record``, the engine's step ends here."""
         e, sched = self.engine, self.engine.scheduler
         live = [r for r in flight.rows if r.state == State.RUNNING]
         self.discarded += len(flight.rows) - len(live)
