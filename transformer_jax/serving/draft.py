@@ -24,7 +24,6 @@ from transformer_jax.decode.loop import decode_model
 from transformer_jax.decode.speculative import forward_chunk, greedy_proposals
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.serving import step as step_lib
-from transformer_jax.serving.page_pool import NULL_PAGE
 from transformer_jax.serving.paged_cache import PagedKVCache
 
 Params = dict[str, Any]
@@ -63,14 +62,6 @@ def draft_more(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     (k_pages, v_pages), proposals = greedy_proposals(step, (k_pages, v_pages), first, start,
                                                      steps)
     return k_pages, v_pages, proposals
-
-
-def decode_table(plan: Any, scheduler: Any, width: int) -> np.ndarray:
-    """A copy of the decode rows' [B, W] pages, ``NULL_PAGE`` for every other slot."""
-    table = np.full((scheduler.num_slots, width), NULL_PAGE, np.int32)
-    for req in plan.decodes:
-        table[req.slot] = scheduler.page_table[req.slot, :width]
-    return table
 
 
 def same_path(a: str, b: str) -> bool:
@@ -121,7 +112,7 @@ class EngineDraft:
                 start[req.slot] = req.cached - 1
             self.k, self.v, self.next = draft_rows(
                 self.config, params, self.k, self.v, tokens, start,
-                decode_table(plan, scheduler, plan.width), view=self.view)
+                scheduler.decode_rows(plan.decodes, plan.width).page_table, view=self.view)
 
     def _prefill(self, chunk: Any) -> None:
         """Runs a prefill chunk (``scheduler.PrefillChunk``) into the draft's pages."""
@@ -137,7 +128,7 @@ class EngineDraft:
             start[req.slot] = req.cached + 1
         self.k, self.v, proposals = draft_more(
             self.config, self.model.weights.params, self.k, self.v, self.next, start,
-            decode_table(plan, scheduler, width), steps=t - 2, view=self.view)
+            scheduler.decode_rows(plan.decodes, width).page_table, steps=t - 2, view=self.view)
         return np.asarray(jax.device_get(proposals))
 
     def compile(self, scheduler: Any, ts: list[int], adapters: bool) -> int:

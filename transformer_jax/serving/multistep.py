@@ -157,24 +157,19 @@ class MultiStep:
         clock.lap("schedule")
         width = sched._width(max(len(r.pages) for r in running))
         b = sched.num_slots
-        tokens, positions = np.zeros(b, np.int32), np.zeros(b, np.int32)
-        table = np.full((b, width), NULL_PAGE, np.int32)
         reqs: list[Request | None] = [None] * b
         s = 1 << (max(1, max(len(r.params.stop_token_ids) for r in running)) - 1).bit_length()
         stops, left = np.full((b, s), -1, np.int32), np.zeros(b, np.int32)
         for req in running:
             reqs[req.slot] = req
-            tokens[req.slot], positions[req.slot] = req.tokens[-1], req.cached
-            table[req.slot] = sched.page_table[req.slot, :width]
             ids = req.params.stop_token_ids
             stops[req.slot, :len(ids)] = ids
             left[req.slot] = req.params.max_tokens - req.num_new
         rows, sampler = row_sampling(reqs, e.config.vocab_size)
         clock.lap("inputs")
         e._k, e._v, out_tokens, out_logprobs = multi_decode_jit(
-            e.config, e.weights.params, e._k, e._v,
-            step_lib.DecodeRows(tokens, positions, table), rows, stops, left, steps=n,
-            sampler=sampler, view=e.view, mesh=e.mesh)
+            e.config, e.weights.params, e._k, e._v, sched.decode_rows(running, width), rows,
+            stops, left, steps=n, sampler=sampler, view=e.view, mesh=e.mesh)
         clock.lap("dispatch")
         out_tokens, out_logprobs = clock.lap("device", jax.device_get((out_tokens, out_logprobs)))
         events = []

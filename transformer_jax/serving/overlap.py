@@ -14,11 +14,9 @@ import dataclasses
 from typing import Any
 
 import jax
-import numpy as np
 
 from transformer_jax.decode.loop import is_split
-from transformer_jax.serving import step as step_lib
-from transformer_jax.serving.page_pool import NULL_PAGE, pages_for
+from transformer_jax.serving.page_pool import pages_for
 from transformer_jax.serving.plan import row_sampling
 from transformer_jax.serving.requests import Request, State, TokenEvent
 from transformer_jax.serving.step_times import StepClock
@@ -98,26 +96,17 @@ class Overlap:
         clock.lap("schedule")
         e, b = self.engine, sched.num_slots
         width = sched._width(max(len(r.pages) for r in rows))
-        positions = np.zeros(b, np.int32)
-        table = np.full((b, width), NULL_PAGE, np.int32)
-        adapter = None if e._adapters is None else np.zeros(b, np.int32)
+        decode = sched.decode_rows(rows, width, e._adapters is not None, ahead=lag)
         reqs: list[Request | None] = [None] * b
         for req in rows:
-            reqs[req.slot], positions[req.slot] = req, req.cached + lag
-            table[req.slot] = sched.page_table[req.slot, :width]
-            if adapter is not None:
-                adapter[req.slot] = req.adapter
+            reqs[req.slot] = req
         sampling, sampler = row_sampling(reqs, e.config.vocab_size)
-        if after is None:
-            tokens = np.zeros(b, np.int32)
-            for req in rows:
-                tokens[req.slot] = req.tokens[-1]
-        else:  # the previous step's tokens, where they are
-            tokens = after.tokens if after.tokens.ndim == 1 else after.tokens[:, 0]
+        if after is not None:  # the previous step's tokens, where they are
+            decode = decode.replace(
+                tokens=after.tokens if after.tokens.ndim == 1 else after.tokens[:, 0])
             sampling.token_index[[r.slot for r in rows]] += 1
         clock.lap("inputs")
-        out = e._run(step_lib.DecodeRows(tokens, positions, table, adapter), None, sampling,
-                     sampler)
+        out = e._run(decode, None, sampling, sampler)
         clock.lap("dispatch")
         return Flight(rows, *out)
 

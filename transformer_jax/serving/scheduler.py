@@ -293,16 +293,7 @@ class Scheduler:
         rows when there are any (with ``slot``, each row's ring row; with ``adapters``, each
         row's LoRA adapter, 0 for idle rows)."""
         prefill = None
-        tokens = np.zeros(self.num_slots, np.int32)
-        positions = np.zeros(self.num_slots, np.int32)
-        table = np.full((self.num_slots, plan.width), NULL_PAGE, np.int32)
-        adapter = np.zeros(self.num_slots, np.int32) if adapters else None
-        for req in plan.decodes:
-            tokens[req.slot], positions[req.slot] = req.tokens[-1], req.cached
-            table[req.slot] = self.page_table[req.slot, :plan.width]
-            if adapter is not None:
-                adapter[req.slot] = req.adapter
-        decode = DecodeRows(tokens, positions, table, adapter)
+        decode = self.decode_rows(plan.decodes, plan.width, adapters)
         if plan.chunks:
             r = plan.rows
             tokens = np.zeros((r, plan.bucket), np.int32)
@@ -317,6 +308,22 @@ class Scheduler:
                                    ids if adapters else None)
         rows, sampler = row_sampling(self._row_requests(plan), vocab_size)
         return decode, prefill, rows, sampler
+
+    def decode_rows(self, reqs: list[Request], width: int, adapters: bool = False,
+                    ahead: int = 0) -> DecodeRows:
+        """The decode rows of ``reqs`` (each at its slot, fed its last token at its cached length
+        plus ``ahead``) through a page table ``width`` wide; idle slots write into the null
+        page. With ``adapters``, each row's LoRA adapter (0 for idle rows)."""
+        b = self.num_slots
+        tokens, positions = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        table = np.full((b, width), NULL_PAGE, np.int32)
+        adapter = np.zeros(b, np.int32) if adapters else None
+        for req in reqs:
+            tokens[req.slot], positions[req.slot] = req.tokens[-1], req.cached + ahead
+            table[req.slot] = self.page_table[req.slot, :width]
+            if adapter is not None:
+                adapter[req.slot] = req.adapter
+        return DecodeRows(tokens, positions, table, adapter)
 
     def sources(self, plan: StepPlan) -> np.ndarray:
         """[``plan.sample_rows``] int32: the chunk row each sampling row draws from (row 0

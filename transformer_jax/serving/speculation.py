@@ -42,7 +42,7 @@ from transformer_jax.decode.speculative import (
 )
 from transformer_jax.decode.speculative_loop import check_no_rings
 from transformer_jax.model.config import ModelConfig
-from transformer_jax.serving.draft import EngineDraft, decode_table, same_path
+from transformer_jax.serving.draft import EngineDraft, same_path
 from transformer_jax.serving.mtp import EngineMTP, is_mtp
 from transformer_jax.serving.page_pool import NULL_PAGE, pages_for
 from transformer_jax.serving.paged_cache import PagedKVCache
@@ -302,23 +302,18 @@ class Speculation:
         eng, sched = self.engine, self.engine.scheduler
         t, width = self._shape(plan, drafts)
         b = sched.num_slots
-        tokens = np.zeros((b, t), np.int32)
-        start = np.zeros(b, np.int32)
-        num = np.zeros(b, np.int32)
-        table = decode_table(plan, sched, width)  # the draft's pages are read through it too
-        adapter = np.zeros(b, np.int32) if eng._adapters is not None else None
+        decode = sched.decode_rows(plan.decodes, width, eng._adapters is not None)
+        tokens, num = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
         for req in plan.decodes:
             d = drafts.get(req.id, [])
             tokens[req.slot, 0], tokens[req.slot, 1:1 + len(d)] = req.tokens[-1], d
-            start[req.slot], num[req.slot] = req.cached, len(d)
-            if adapter is not None:
-                adapter[req.slot] = req.adapter
+            num[req.slot] = len(d)
         flat = jax.tree.map(lambda x: np.repeat(np.asarray(x)[:b], t, axis=0), rows)
         flat = flat.replace(token_index=flat.token_index + np.tile(np.arange(t, dtype=np.int32),
                                                                    b))
         started = time.perf_counter()
-        outputs = self._program(VerifyRows(tokens, start, num, table, adapter), flat, sampler,
-                                module)
+        outputs = self._program(VerifyRows(tokens, decode.positions, num, decode.page_table,
+                                           decode.adapter), flat, sampler, module)
         return Pending(list(plan.decodes), held, {i: len(d) for i, d in drafts.items()},
                        outputs, t, width, started, sampler)
 
