@@ -1,5 +1,4 @@
-"""A draft model in the serving engine: proposals from a small model whose pages mirror the
-target's.
+"""A draft model in the serving engine: a small model's proposals, its pages mirroring the pool.
 
 The draft keeps its own pages under the same page ids as the engine's pool, read through the
 same page tables. Every step it runs what the target runs into them: the prefill chunk, the
@@ -47,9 +46,8 @@ def draft_rows(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
 def draft_more(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                first: jax.Array, start: jax.Array, page_table: jax.Array, *, steps: int,
                view: str = "auto") -> tuple[Any, Any, jax.Array]:
-    """``steps`` (static) more greedy draft steps from each row's first proposal ([B] int32
-    ``first``, fed at ``start``, the row's cached length + 1); others as ``draft_rows``'.
-    Returns (key pages, value pages, [B, 1 + steps] int32 proposals, ``first`` included)."""
+    """``steps`` (static) more greedy draft steps from each row's first proposal (``first``
+    [B] fed at ``start``); returns (key pages, value pages, [B, 1 + steps] int32 proposals)."""
     model = decode_model(config)
 
     def step(pages: tuple[Any, Any], token: jax.Array, pos: jax.Array

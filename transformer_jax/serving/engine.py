@@ -72,8 +72,7 @@ class Engine:
       weights_or_params: ``DecodeWeights`` from ``decode.prepare`` (for this config), or the
         model's parameters (prepared here once).
       num_slots: B, the most sequences decoded at once.
-      num_pages: P pages in the pool, page 0 included (the null page); the pool holds
-        ``(P - 1) * page_size`` positions of every layer.
+      num_pages: P pages in the pool, page 0 (the null page) included.
       page_size: positions per page.
       token_budget: the most tokens one step runs: B decode rows plus prompt chunks of up to
         ``token_budget - B`` tokens, padding included.
@@ -217,8 +216,7 @@ class Engine:
         Args:
           prompt_ids: the prompt's token ids (non-empty, in [0, V)).
           params: its ``SamplingParams`` (default greedy, 16 tokens).
-          on_token: called with each ``TokenEvent`` on the thread running ``step``, as soon as
-            the step that made the token ends.
+          on_token: called with each ``TokenEvent`` on the thread running ``step``.
 
         Returns:
           The request's id.
@@ -284,9 +282,8 @@ class Engine:
             return not self._pending and self.scheduler.idle
 
     def step(self) -> list[TokenEvent]:
-        """Applies the queued adds and cancels, runs one step (decode rows and/or a prefill
-        chunk) and delivers its tokens; returns the events of this step (empty when there was
-        nothing to run)."""
+        """Applies the queued adds and cancels, runs one step and delivers its tokens; returns
+        the events of this step (empty when there was nothing to run)."""
         return [event for _, event in self._step()]
 
     def _step(self) -> list[tuple[Request, TokenEvent]]:
@@ -375,8 +372,7 @@ class Engine:
 
     def _run(self, decode: step_lib.DecodeRows | None, prefill: step_lib.PrefillChunk | None,
              rows: step_lib.RowSampling, sampler: step_lib.Sampler) -> tuple[Any, Any]:
-        """Runs one step program on the engine's pages (updated in place); returns its [R]
-        tokens and log-probabilities, not yet on the host."""
+        """Runs one step program on the engine's pages; returns its [R] tokens and logprobs."""
         if decode is not None and not is_split(self.mesh):  # a lagged step's: one program
             decode = decode.replace(tokens=jax.device_put(decode.tokens, jax.devices()[0]))
         self._k, self._v, tokens, logprobs, self._rings = step_lib.step_jit(

@@ -38,8 +38,8 @@ def mtp_chunk(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any, m
     """A prompt chunk through the target (forward and draw) and the module.
 
     Args:
-      config, params: the target's config (static) and prepared weights (its ``mtp_0``).
-      k_pages, v_pages: the engine's pages; mk_pages, mv_pages: the module's (all updated).
+      config, params: the target's config (static) and prepared weights (with ``mtp_0``).
+      k_pages, v_pages, mk_pages, mv_pages: the engine's pages and the module's (updated).
       prefill: the step's ``PrefillChunk`` ([R, C] tokens).
       following: [R, C] int32 the prompt's token after each chunk position.
       ends: [R] bool whether the row's chunk ends its prompt (then the drawn token follows).
@@ -110,8 +110,7 @@ class EngineMTP:
         self._unread: list[tuple[list[tuple[Any, int, int]], jax.Array]] = []
 
     def proposal(self, req: Any) -> dict[int, list[int]]:
-        """The request's proposal for its next round ({its id: [token]}), or {} when none was
-        made at its current length."""
+        """The request's proposal for its next round ({its id: [token]}), or {}."""
         for made, proposals in self._unread:
             host = np.asarray(jax.device_get(proposals))
             self._next.update((r.id, (n, int(host[i]))) for r, n, i in made)
@@ -142,8 +141,7 @@ class EngineMTP:
 
     def verify(self, rows: Any, sampling: step_lib.RowSampling, sampler: step_lib.Sampler
                ) -> tuple[jax.Array, ...]:
-        """Dispatches ``mtp_verify``; returns its (tokens, log-probabilities, accepted, next
-        proposals) on the device."""
+        """Dispatches ``mtp_verify``; returns its outputs past the pages, on the device."""
         eng = self.engine
         eng._k, eng._v, self.k, self.v, *out = mtp_verify(
             eng.config, eng.weights.params, eng._k, eng._v, self.k, self.v, rows, sampling,

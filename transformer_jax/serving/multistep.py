@@ -1,13 +1,10 @@
 """Several decode steps per host round: N engine decode steps in one device program.
 
 When every running request decodes (none waiting, none in prefill, nothing queued), the engine
-runs N decode steps as one program (``multi_decode``, a ``lax.fori_loop`` over the single
-step's forward and sampling, so the tokens and log-probs are the single steps'), then hands each
-row's N tokens to the scheduler in order (one event per token, delivered when the round ends).
-A row that draws a stop token or reaches its ``max_tokens`` stops on the device. Pages for the
-round are taken before it. N is the largest power of two (up to ``max_steps``) not above the
-longest remaining ``max_tokens``; rounds are skipped while anything needs the host between
-tokens (grammars, stop strings, adapters, speculation, top log-probs, rings, a split mesh).
+runs N decode steps as one program (``multi_decode``: the single step's forward and sampling in
+a ``lax.fori_loop``, so the tokens are the single steps'), then hands each row's N tokens to the
+scheduler in order. N is the largest power of two (up to ``max_steps``) not above the longest
+remaining ``max_tokens``; rounds are skipped while anything needs the host between tokens.
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ def multi_decode(config: ModelConfig, params: Any, k_pages: Any, v_pages: Any,
 
     Args:
       config, params, k_pages, v_pages, view, mesh: as ``step.engine_step``'s.
-      decode: the B rows' first step (page tables wide enough for ``steps`` more); no adapters.
-      rows: the B rows' sampling settings, ``token_index`` that of their first token.
+      decode, rows: the B rows' first step (no adapters) and sampling settings.
       stops: [B, S] int32 each row's stop tokens (-1 padding).
       left: [B] int32 the most tokens each row draws (its ``max_tokens`` left; 0 idle).
       steps: N (static).

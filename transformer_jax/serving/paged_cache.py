@@ -9,12 +9,10 @@ engine builds the page table and lengths per step (``with_table``).
 
 ``attend`` writes the chunk's keys/values into the row's pages, then attends through a view:
 
-- ``"gather"`` (the reference): the row's W pages gathered into a contiguous
-  [B, K, W * page_size, H] view, slot s holding position s as in ``KVCache``;
+- ``"gather"`` (the reference): the row's W pages gathered into a [B, K, W * page_size, H] view;
 - ``"pool"``: the queries of all rows against the whole pool read once in place, each row seeing
-  only its own pages' slots up to its position;
-- ``"blocks"``: each row's own pages, ``BLOCK_POSITIONS`` at a time, a partial online softmax per
-  (row, block) merged per row: a row costs its own length, not the longest row's.
+  only its own pages' slots;
+- ``"blocks"``: each row's own pages, ``BLOCK_POSITIONS`` at a time (a row costs its own length).
 
 ``"auto"`` takes ``"blocks"`` for decode rows with the reference implementation on CPU; elsewhere
 ``"pool"`` for them when the pool is under twice the gathered view, and ``"gather"`` for other
@@ -59,8 +57,7 @@ def storage_dtype(dtype: jnp.dtype | str) -> jnp.dtype:
 
 
 def check_pageable(config: ModelConfig, cache_dtype: jnp.dtype | str | None = None) -> None:
-    """Raises ValueError (one line) for a ``cache_dtype`` that ``storage_dtype`` refuses, or
-    int8 pages for latent attention layers (``fields.MLA``: their entries stay floats)."""
+    """Raises ValueError (one line) for a bad ``cache_dtype``, or int8 pages for latent layers."""
     if cache_dtype is not None and kv_quant.is_int8(storage_dtype(cache_dtype)) and \
             config.mla is not None:
         raise ValueError("latent attention (mla) pages store floats: cache_dtype int8 is not "
@@ -132,8 +129,7 @@ class PagedKVCache:
           window_rings: local layers keep rings (when W < ``max_seq_len``) instead of pages.
 
         Raises:
-          ValueError: for a size out of range, a view not in ``VIEWS`` or a storage dtype that
-            is neither floating nor int8, naming it.
+          ValueError: for a size out of range, an unknown view or storage dtype, naming it.
         """
         check_pageable(config, dtype)
         for name, value in (("num_pages", num_pages), ("page_size", page_size),

@@ -66,7 +66,7 @@ class PrefixCache:
 
     def match(self, digests: Sequence[bytes]) -> list[int]:
         """The pages named by the longest run of leading ``digests`` found, each now held once
-        more by the caller (who releases them with ``release``)."""
+        more by the caller."""
         pages: list[int] = []
         if not self.enabled:
             return pages

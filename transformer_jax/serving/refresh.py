@@ -29,8 +29,7 @@ def refreshed(old: DecodeWeights, weights_or_params: DecodeWeights | Params,
       prepare: the program a previous call returned, or None (built here once).
 
     Raises:
-      ValueError: the new weights differ from ``old`` in structure, shape, dtype, placement or
-        preparation.
+      ValueError: the new weights differ from ``old`` in layout or preparation.
     """
     if isinstance(weights_or_params, DecodeWeights):
         new = weights_or_params

@@ -33,8 +33,8 @@ class SamplingParams:
 
     Attributes:
       max_tokens: the most new tokens (> 0; then reason ``"length"``).
-      stop_token_ids: a sequence of token ids in [0, V) that end the request (reason
-        ``"stop"``); the stop token is part of the output, as in ``generate``.
+      stop_token_ids: token ids in [0, V) that end the request (reason ``"stop"``; the stop
+        token is part of the output, as in ``generate``).
       temperature: >= 0; 0 is greedy.
       top_k, top_p, min_p: None, or k in [1, V], p in (0, 1], a value in [0, 1].
       seed: the request's own PRNG seed, an int in [0, 2**32) (token i is drawn with
@@ -189,19 +189,17 @@ class Request:
 
     Attributes:
       id: its id, in arrival order (preemption takes the newest first).
-      prompt: [n] int32 prompt ids.
-      params: its sampling parameters.
+      prompt, params: [n] int32 prompt ids; its sampling parameters.
       key_data: [2] uint32 raw PRNG key.
       on_token: optional consumer of its ``TokenEvent``s.
       tokens: prompt + new tokens so far (what the cache holds, in order).
-      logprobs: the new tokens' log-probabilities.
-      top_logprobs: each new token's top alternatives (``SamplingParams.top_logprobs``).
+      logprobs, top_logprobs: the new tokens' log-probabilities and top alternatives.
       slot: the engine slot it decodes in, or None.
       pages: its pages in position order (shared prefix pages first).
       cached: positions of ``tokens`` written in its pages.
       prefill_target: positions to prefill before decoding (its tokens when admitted).
-      digests: chained digests of its full pages (``prefix_cache.page_digests``).
-      named: leading pages already named in the prefix cache (found there or inserted).
+      digests: chained digests of its full pages.
+      named: leading pages already named in the prefix cache.
       text: its ``serving.text.TextStream`` when the engine detokenises, else None.
       adapter: the index of its LoRA adapter among the engine's (0 = the base model).
     """

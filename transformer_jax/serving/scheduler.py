@@ -48,9 +48,7 @@ class Scheduler:
     """Slots, the page pool and the queues of an engine (see the module docstring).
 
     Args:
-      num_slots: B, sequences decoded at once.
-      num_pages: P pages in the pool (page 0 is the null page).
-      page_size: positions per page.
+      num_slots, num_pages, page_size: as ``Engine``'s.
       max_len: the most positions of one sequence (the model's context).
       max_chunk: the most prefill tokens per step.
       prefix_caching: whether full pages are shared between requests.

@@ -5,13 +5,8 @@ rows* instead of one-token decode rows: every slot feeds its last token and up t
 ([B, T], T = 1 + a power of two >= k); the target draws its own token at each position with the
 request's key for that token index and keeps the proposals up to the first disagreement plus its
 own token there (exact, greedy and sampled: ``decode.speculative``). Accepted tokens go out one
-at a time through the scheduler and the engine's delivery, so a request ends where it would
-without speculation; pages grown for rejected positions go back to the pool.
-
-Cost: the engine times its plain and verify steps (the median of each kind's last 9) and
-verifies a row only while its expected tokens per round beat the verify step's cost in plain
-steps (``speculative.pays``), a step only when its rows' tokens beat that many plain steps. A
-step that also prefills a chunk does not speculate. Proposers: n-gram lookup, a draft model
+at a time, so a request ends where it would without speculation. A row is verified only while
+its measured cost pays (docs/serving.md). Proposers: n-gram lookup, a draft model
 (``serving.draft``) and the target's multi-token prediction module (``serving.mtp``).
 """
 
@@ -87,8 +82,7 @@ def verify_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     and each row's accepted proposals (``speculative.verify`` with the engine's sampler).
 
     Args:
-      config, params: the target's config (static) and prepared weights.
-      k_pages, v_pages: the cache's pages (updated: all T positions of every row written).
+      config, params, k_pages, v_pages: as ``step.engine_step``'s (all T positions written).
       rows: the ``VerifyRows``.
       sampling: [B * T] rows of sampling settings, row b's T positions consecutive.
       adapters: the engine's stacked LoRA adapters, or None.
@@ -241,7 +235,7 @@ class Speculation:
 
     def dispatch(self, plan: StepPlan, rows: RowSampling, sampler: Sampler) -> Pending | None:
         """Proposes, decides, grows pages and dispatches the verify step of ``plan``'s decode
-        rows; None for a plain step (nothing proposed, or not worth it; ``_verify``)."""
+        rows; None for a plain step."""
         sched = self.engine.scheduler
         if any(r.matcher is not None for r in plan.decodes):
             return None
@@ -294,8 +288,8 @@ class Speculation:
 
     def _verify(self, plan: StepPlan, drafts: dict[int, list[int]], held: dict[int, int],
                 rows: RowSampling, sampler: Sampler) -> Pending | None:
-        """Dispatches the verify step of ``plan``'s decode rows with ``drafts``; without any,
-        the module's plain step (T = 1) when a row speculates with it, else None (plain)."""
+        """Dispatches the verify step of ``plan``'s decode rows with ``drafts`` (T = 1 for the
+        module's rows without any); None for a plain step."""
         module = self.mtp is not None and any(is_mtp(r) for r in plan.decodes)
         if not drafts and not module:
             return None

@@ -55,8 +55,7 @@ class DecodeRows:
       tokens: [B] int32 token each slot feeds (its last token).
       positions: [B] int32 its position (the slot's cached length).
       page_table: [B, W] int32 each slot's pages (all ``NULL_PAGE`` for an idle slot).
-      adapter: [B] int32 each slot's LoRA adapter (0 = the base), or None for an engine
-        without adapters.
+      adapter: [B] int32 each slot's LoRA adapter (0 = the base), or None.
     """
 
     tokens: jax.Array
@@ -67,17 +66,15 @@ class DecodeRows:
 
 @flax.struct.dataclass
 class PrefillChunk:
-    """Up to C consecutive prompt tokens of each of R sequences (an idle row: all tokens 0, its
-    page table all ``NULL_PAGE``).
+    """Up to C consecutive prompt tokens of each of R sequences (idle rows: null pages).
 
     Attributes:
       tokens: [R, C] int32, each row right-padded past its chunk's real length.
       start: [R] int32 position of each row's first token.
       page_table: [R, W] int32 each sequence's pages.
       last: [R] int32 index in [0, C) of each chunk's last real token.
-      slot: [R] int32 each sequence's slot (its row of the local layers' rings); None for a
-        model without rings.
-      adapter: [R] int32 each sequence's LoRA adapter, or None for an engine without adapters.
+      slot: [R] int32 each sequence's slot (its rings' row), or None for a model without rings.
+      adapter: [R] int32 each sequence's LoRA adapter, or None.
     """
 
     tokens: jax.Array
@@ -111,8 +108,7 @@ class RowSampling:
 
 @dataclasses.dataclass(frozen=True)
 class Sampler:
-    """Static switches of a step's sampling: whether any row samples at all, and which filters
-    any row uses (the others pass the filter's no-op value)."""
+    """Static switches of a step's sampling: whether any row samples, which filters any uses."""
 
     sampled: bool = False
     top_k: bool = False
@@ -154,8 +150,7 @@ def sample_rows(logits: jax.Array, rows: RowSampling, sampler: Sampler
 def sample_positions(logits: jax.Array, rows: RowSampling, sampler: Sampler
                      ) -> tuple[jax.Array, jax.Array]:
     """``sample_rows`` of [B, T, V] logits, position t of row b drawn with sampling row
-    ``b * T + t``: ([B, T] tokens, or [B, T, 1 + K] with top logprobs; the same shape of
-    log-probabilities). A verify step's draws (``serving.speculation``)."""
+    ``b * T + t``: [B, T] (or [B, T, 1 + K]) tokens and log-probabilities."""
     b, t = logits.shape[:2]
     tokens, logprobs = sample_rows(logits.reshape(b * t, -1), rows, sampler)
     return tokens.reshape(b, t, *tokens.shape[1:]), logprobs.reshape(b, t, *logprobs.shape[1:])
@@ -179,8 +174,7 @@ def row_slice(rows: RowSampling, lo: int, hi: int) -> RowSampling:
 
 
 def padded(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The [n, ...] ``arrays`` padded to M rows, M the power of two >= n, by repeating their
-    last row (so the programs that take them compile for a few sizes only)."""
+    """The [n, ...] ``arrays`` padded to the power of two >= n rows by repeating their last."""
     n = len(arrays[0])
     rows = np.minimum(np.arange(1 << (n - 1).bit_length()), n - 1)
     return tuple(np.asarray(x)[rows] for x in arrays)
