@@ -1,24 +1,12 @@
-"""A draft model in the serving engine: proposals from a small model whose pages mirror the
-target's.
+"""A draft model in the serving engine: a small model's proposals, its pages mirroring the pool.
 
-The draft keeps its own pages (its own layers, kv heads and head size) under the same page ids
-as the engine's pool, read through the same page tables. Every step it runs what the target
-runs into them: the step's prefill chunk, the forks' page copies, and for each decode row its
-last two tokens (positions ``cached - 1`` and ``cached``). So wherever a page holds the
-target's keys and values it holds the draft's for the same tokens, and the prefix cache, forks,
-preemption and the scheduler's page tables serve both without a second bookkeeping. The first
-of the two tokens closes the one gap verification leaves: when a row keeps every proposal, the
-draft never fed the last one, which is then the token before the row's last.
-
-The draft's forward at the decode rows gives its next token (greedy) for every row; a verify
-step continues from it with more greedy steps in one program (``propose``). The proposals are
-point masses, so the verify rule (``decode.speculative``) keeps a proposal when the target's
-own draw equals it: the output is the target's, greedy and sampled. Positions the draft writes
-past a row's length hold stale entries, hidden by causality and overwritten before they are
-read, as the verify step's rejected positions are.
-
-Programs: the draft's prefill chunk (``step.forward_jit`` of the draft's config) per chunk
-shape, ``draft_rows`` per page-table width and ``draft_more`` per width and number of steps.
+The draft keeps its own pages under the same page ids as the engine's pool, read through the
+same page tables. Every step it runs what the target runs into them: the prefill chunk, the
+forks' page copies, and each decode row's last two tokens (the first closes the gap a fully
+accepted round leaves). So the prefix cache, forks, preemption and the page tables serve both.
+The draft's greedy next token at the decode rows starts its proposals; a verify step continues
+them in one program (``propose``). The proposals are point masses, so the verify rule keeps the
+target's output exact, greedy and sampled.
 """
 
 from __future__ import annotations
@@ -35,7 +23,6 @@ from transformer_jax.decode.loop import decode_model
 from transformer_jax.decode.speculative import forward_chunk, greedy_proposals
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.serving import step as step_lib
-from transformer_jax.serving.page_pool import NULL_PAGE
 from transformer_jax.serving.paged_cache import PagedKVCache
 
 Params = dict[str, Any]
@@ -46,20 +33,9 @@ STATICS = ("config", "view")
 def draft_rows(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                tokens: jax.Array, start: jax.Array, page_table: jax.Array, *,
                view: str = "auto") -> tuple[Any, Any, jax.Array]:
-    """The draft's forward at the decode rows: each row's last two tokens written into its
-    pages, and its greedy next token.
-
-    Args:
-      config, params: the draft's config (static) and prepared weights.
-      k_pages, v_pages: the draft's pages (updated in place).
-      tokens: [B, 2] int32 each row's token before its last, and its last.
-      start: [B] int32 the position of ``tokens[:, 0]`` (the row's cached length - 1).
-      page_table: [B, W] int32 each row's pages (``NULL_PAGE`` for an idle slot).
-      view: static; how attention reads the pages (``PagedKVCache.view``).
-
-    Returns:
-      (key pages, value pages, [B] int32 the draft's next token per row).
-    """
+    """The draft's forward at the decode rows: each row's last two tokens ([B, 2] at
+    positions ``start``, [B] = cached length - 1) written into its pages (``page_table`` [B, W],
+    updated in place), and its greedy next token. Returns (key pages, value pages, [B] int32)."""
     cache = PagedKVCache(k=k_pages, v=v_pages, page_table=page_table, lengths=start, view=view)
     out = forward_chunk(decode_model(config), params, cache, tokens, start)
     return out.cache.k, out.cache.v, sampling.argmax(out.logits[:, -1])
@@ -70,18 +46,8 @@ def draft_rows(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
 def draft_more(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                first: jax.Array, start: jax.Array, page_table: jax.Array, *, steps: int,
                view: str = "auto") -> tuple[Any, Any, jax.Array]:
-    """``steps`` more greedy draft steps from each row's first proposal
-    (``speculative.greedy_proposals``, ``generate``'s draft's too).
-
-    Args:
-      first: [B] int32 the first proposal (``draft_rows``' token), fed at ``start``.
-      start: [B] int32 its position (the row's cached length + 1).
-      steps: static, the further proposals.
-      Others as ``draft_rows``'.
-
-    Returns:
-      (key pages, value pages, [B, 1 + steps] int32 the proposals, ``first`` included).
-    """
+    """``steps`` (static) more greedy draft steps from each row's first proposal (``first``
+    [B] fed at ``start``); returns (key pages, value pages, [B, 1 + steps] int32 proposals)."""
     model = decode_model(config)
 
     def step(pages: tuple[Any, Any], token: jax.Array, pos: jax.Array
@@ -96,16 +62,6 @@ def draft_more(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
     return k_pages, v_pages, proposals
 
 
-def decode_table(plan: Any, scheduler: Any, width: int) -> np.ndarray:
-    """[B, W] the decode rows' pages, ``NULL_PAGE`` for every other slot (one prefilling a
-    prompt holds pages the draft must not write), a copy (the scheduler changes its table
-    while the step may still be queued)."""
-    table = np.full((scheduler.num_slots, width), NULL_PAGE, np.int32)
-    for req in plan.decodes:
-        table[req.slot] = scheduler.page_table[req.slot, :width]
-    return table
-
-
 def same_path(a: str, b: str) -> bool:
     """Whether two checkpoint paths name the same place (``gs://`` paths compared as given)."""
     if "://" in a or "://" in b:
@@ -114,14 +70,12 @@ def same_path(a: str, b: str) -> bool:
 
 
 class EngineDraft:
-    """The engine's draft model and its mirrored pages (module docstring).
+    """The engine's draft model and its mirrored pages.
 
     Args:
-      draft: a ``decode.speculative_loop.DraftModel`` (one device, the target's vocabulary, no
-        sliding-window layers; its tokenizer is the caller's to check, e.g. the server's).
-      engine: the ``Engine`` it proposes for (its config, pool size, page size and view).
-      path: where the draft was loaded from (requests naming another path are refused), or
-        None when given as a model.
+      draft: a ``decode.speculative_loop.DraftModel`` (one device, the target's vocabulary).
+      engine: the ``Engine`` it proposes for.
+      path: where the draft was loaded from (requests naming another path are refused), or None.
     """
 
     def __init__(self, draft: Any, engine: Any, path: str | None = None) -> None:
@@ -140,8 +94,7 @@ class EngineDraft:
         self.next: jax.Array | None = None
 
     def mirror(self, plan: Any, prefill: Any, scheduler: Any) -> None:
-        """Runs the step's prefill chunk, fork copies and decode rows into the draft's pages;
-        keeps the decode rows' next draft token in ``next``."""
+        """Runs the step's chunk, fork copies and decode rows into the draft's pages."""
         params = self.model.weights.params
         if prefill is not None:
             self._prefill(prefill)
@@ -157,7 +110,7 @@ class EngineDraft:
                 start[req.slot] = req.cached - 1
             self.k, self.v, self.next = draft_rows(
                 self.config, params, self.k, self.v, tokens, start,
-                decode_table(plan, scheduler, plan.width), view=self.view)
+                scheduler.decode_rows(plan.decodes, plan.width).page_table, view=self.view)
 
     def _prefill(self, chunk: Any) -> None:
         """Runs a prefill chunk (``scheduler.PrefillChunk``) into the draft's pages."""
@@ -166,24 +119,20 @@ class EngineDraft:
             quant=self.model.weights.quant, view=self.view)
 
     def propose(self, plan: Any, scheduler: Any, width: int, t: int) -> np.ndarray:
-        """Each slot's T - 1 greedy proposals, continuing the mirrored decode rows ([B, T - 1]
-        int32 on the host; the rows' pages grown for them first, writes past a row's pages
-        go to the null page)."""
+        """Each slot's T - 1 greedy proposals, [B, T - 1] int32 on the host."""
         b = scheduler.num_slots
         start = np.zeros(b, np.int32)
         for req in plan.decodes:
             start[req.slot] = req.cached + 1
         self.k, self.v, proposals = draft_more(
             self.config, self.model.weights.params, self.k, self.v, self.next, start,
-            decode_table(plan, scheduler, width), steps=t - 2, view=self.view)
+            scheduler.decode_rows(plan.decodes, width).page_table, steps=t - 2, view=self.view)
         return np.asarray(jax.device_get(proposals))
 
     def compile(self, scheduler: Any, ts: list[int], adapters: bool) -> int:
-        """Runs the draft's programs once on idle rows, writing only into the null page: its
-        prefill chunk at every chunk shape (the engine's ``adapters`` or not), and its decode
-        rows and proposals at every page-table width and proposal count T - 1 for ``ts``;
-        returns the shapes run. (Without the chunks, a load's first chunk of each shape
-        compiled the draft's prefill mid-run: 0.4 s of a 1.1 s batch-1 run on this CPU.)"""
+        """Runs the draft's programs once on idle rows: its prefill chunk at every chunk shape,
+        its decode rows and proposals at every page-table width and T in ``ts``; returns the
+        shapes run."""
         b, shapes = scheduler.num_slots, 0
         for _, chunk in scheduler.idle_inputs(False, adapters):
             if chunk is not None:

@@ -3,19 +3,13 @@
 ``Engine`` owns a model's prepared weights, B sequence slots and a pool of KV pages.
 ``add_request`` and ``cancel`` may be called from any thread: they are queued under a lock and
 applied between steps. Each ``step`` runs the compiled programs of ``step.py``: a decode token
-for every running sequence and, within the token budget, chunks of waiting prompts, several
-prompts' in one batch (long prompts go in over several steps, so they do not stall the running
-sequences); then each new token goes to its request's consumer. The scheduling (slots, pages,
-preemption, prefix reuse) is ``scheduler.py``'s.
+for every running sequence and, within the token budget, chunks of waiting prompts; then each
+new token goes to its request's consumer. The scheduling is ``scheduler.py``'s.
 
-A request decodes what ``generation.generate`` gives its prompt alone: the same forward, the
-same sampling functions and draws (its key is ``generate(..., seed=[seed])``'s, token i drawn
-with ``fold_in(key, i)``), the same prompt validation. A request that can never fit is refused
-when it is added; one that does not fit now waits, and one that runs out of pages while decoding
-preempts the newest request (which is recomputed later) instead of failing.
-
-Steady decode steps are dispatched one step ahead of reading their tokens (``overlap.py``).
-Local (sliding-window) layers keep rings beside the pool (``PagedKVCache``; no prefix caching).
+A request decodes what ``generation.generate`` gives its prompt alone (the same forward,
+sampling and draws: token i with ``fold_in(key(seed), i)``). A request that can never fit is
+refused when it is added; one that runs out of pages while decoding preempts the newest request
+(which is recomputed later) instead of failing.
 """
 
 from __future__ import annotations
@@ -78,40 +72,32 @@ class Engine:
       weights_or_params: ``DecodeWeights`` from ``decode.prepare`` (for this config), or the
         model's parameters (prepared here once).
       num_slots: B, the most sequences decoded at once.
-      num_pages: P pages in the pool, page 0 included (the null page); the pool holds
-        ``(P - 1) * page_size`` positions of every layer.
+      num_pages: P pages in the pool, page 0 (the null page) included.
       page_size: positions per page.
       token_budget: the most tokens one step runs: B decode rows plus prompt chunks of up to
-        ``token_budget - B`` tokens, padding included (``scheduler``: R chunk rows padded to a
-        power of two, times the longest chunk's bucket).
+        ``token_budget - B`` tokens, padding included.
       mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1), as ``generate``
-        takes it: each step runs tensor-parallel over it, every device holding its block of
-        the weights and K/T kv heads of every page (weights prepared for another mesh are an
-        error; ``DecodeWeights`` bring their own mesh when this is None).
+        takes it: each step runs tensor-parallel over it (``DecodeWeights`` bring their own
+        mesh when this is None).
       prefix_caching: share full pages between requests with the same prefix (off, with a
         log line, for a model whose local layers keep rings).
-      cache_dtype: the pages' storage dtype: a floating dtype (name), or ``"int8"``
-        (``ops.kv_quant``); the model's compute dtype by default.
-      min_context: the narrowest context (positions) a step attends over: each step reads its
-        rows' pages through a table of the smallest power-of-two width from this that holds
-        its longest row (``Scheduler``), one compiled shape per width.
+      cache_dtype: the pages' storage dtype: a floating dtype (name), or ``"int8"``; the
+        model's compute dtype by default.
+      min_context: the narrowest context (positions) a step attends over (``Scheduler``).
       view: how attention reads the pages: ``"auto"``, ``"gather"``, ``"pool"`` or
         ``"blocks"`` (``PagedKVCache``).
       tokenizer: optional ``TextTokenizer``: every ``TokenEvent`` then carries its text delta
-        (``serving.text``) and requests may have stop strings.
-      quant: prepare the parameters with weights quantised (``decode.prepare``'s ``quant``:
-        ``"int8"``, ``"int4"``, ``"int4:G"``); given ``DecodeWeights`` must match it.
+        and requests may have stop strings.
+      quant: prepare the parameters with weights quantised (``"int8"``, ``"int4"``,
+        ``"int4:G"``); given ``DecodeWeights`` must match it.
       adapters: optional {name: (adapter tree, ``LoraConfig``)} of LoRA adapters trained on
-        these weights: a request names one in ``SamplingParams.adapter``, and one step batches
-        rows of different adapters, each adding its own update to the base's products
-        (``model.multi_lora``; no merge, and which adapter a row uses compiles nothing).
+        these weights: a request names one in ``SamplingParams.adapter``; one step batches
+        rows of different adapters (no merge, nothing compiled per adapter).
       draft: optional draft model for speculative decoding (a ``DraftModel`` or a checkpoint
-        path): requests with ``speculative="draft:..."`` verify its proposals; its pages
-        mirror the pool's (``serving.draft``).
+        path) for requests with ``speculative="draft:..."``.
       max_prefill_rows: the most prompts one step prefills (default: as many as the token
-        budget holds; 1 prefills one prompt at a time, compiling fewer chunk shapes).
-      overlap: dispatch steady decode steps one step ahead of reading their tokens
-        (``serving.overlap``: the same programs, their tokens on the device).
+        budget holds; 1 compiles fewer chunk shapes).
+      overlap: dispatch steady decode steps one step ahead of reading their tokens.
 
     Raises:
       ValueError: for sizes out of range, an unknown ``cache_dtype`` or ``view`` (naming
@@ -138,7 +124,6 @@ class Engine:
             raise ValueError(f"token_budget ({token_budget}) must exceed num_slots "
                              f"({num_slots}): each step decodes one token per slot and "
                              "prefills with the rest")
-        # The cheap checks before the weights are prepared.
         check_pageable(config, cache_dtype)
         if view not in VIEWS:
             raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
@@ -169,8 +154,8 @@ class Engine:
                 self._rings = jax.device_put(
                     self._rings, NamedSharding(self.mesh, step_lib.ring_spec(config)))
         else:
-            # Committed from the start, as every step's outputs are (else the first call of
-            # each program would compile it again for committed pages, as for tokens below).
+            # Committed from the start, as every step's outputs are (else each program
+            # would compile again for committed pages).
             self._k, self._v, self._rings = jax.device_put((self._k, self._v, self._rings),
                                                            jax.devices()[0])
         #: Bytes of the pages and the local layers' rings.
@@ -190,8 +175,7 @@ class Engine:
         #: Where the steps' time went (``serving.step_times``), and the running step's clock.
         self.step_times, self.step_clock = StepTimes(), StepClock()
         self._prepare: Callable[[Params], Params] | None = None  # update_weights'
-        #: Speculative decoding (``serving.speculation``), several decode steps per host round
-        #: (``serving.multistep``), steady decode steps dispatched a step ahead (``overlap``).
+        #: Speculative decoding, multi-step rounds and overlapped steps.
         self.speculation, self.multistep = Speculation(self, draft), MultiStep(self)
         self.overlap = Overlap(self, overlap)
 
@@ -210,10 +194,8 @@ class Engine:
         return jax.device_put(stack, jax.devices()[0])
 
     def update_weights(self, weights_or_params: DecodeWeights | Params) -> None:
-        """Replaces the weights in memory with ones of the same shapes, dtypes and placement
-        (a trainer's new policy: GRPO's rollouts), so no step program compiles again; params
-        go through one jitted ``prepare`` kept by the engine. Empties the prefix cache (its
-        pages hold the old weights' keys and values). ``serving.refresh`` has the checks.
+        """Replaces the weights with ones of the same shapes, dtypes and placement (a trainer's
+        new policy), so no step program compiles again; empties the prefix cache.
 
         Raises:
           RuntimeError: the engine is not idle. ValueError: weights of another layout.
@@ -234,16 +216,14 @@ class Engine:
         Args:
           prompt_ids: the prompt's token ids (non-empty, in [0, V)).
           params: its ``SamplingParams`` (default greedy, 16 tokens).
-          on_token: called with each ``TokenEvent`` on the thread running ``step``, as soon as
-            the step that made the token ends.
+          on_token: called with each ``TokenEvent`` on the thread running ``step``.
 
         Returns:
           The request's id.
 
         Raises:
           ValueError: for a bad prompt or setting (naming it), or a request that can never
-            fit: prompt + max_tokens above the model's context, or its pages above the whole
-            pool.
+            fit (the model's context or the whole pool).
           TypeError: for ``params`` that are not a ``SamplingParams``.
         """
         params = SamplingParams() if params is None else params
@@ -273,9 +253,8 @@ class Engine:
         return rid
 
     def cancel(self, request_id: int) -> None:
-        """Cancels a request (callable from any thread; applied before the next step): its
-        pages and slot are given back, and its consumer gets a last event, reason
-        ``"cancelled"``. Unknown or finished ids are ignored."""
+        """Cancels a request (from any thread; applied before the next step): its consumer
+        gets a last event, reason ``"cancelled"``. Unknown or finished ids are ignored."""
         with self._lock:
             self._pending.append(("cancel", request_id))
 
@@ -303,9 +282,8 @@ class Engine:
             return not self._pending and self.scheduler.idle
 
     def step(self) -> list[TokenEvent]:
-        """Applies the queued adds and cancels, runs one step (decode rows and/or a prefill
-        chunk) and delivers its tokens; returns the events of this step (empty when there was
-        nothing to run)."""
+        """Applies the queued adds and cancels, runs one step and delivers its tokens; returns
+        the events of this step (empty when there was nothing to run)."""
         return [event for _, event in self._step()]
 
     def _step(self) -> list[tuple[Request, TokenEvent]]:
@@ -326,10 +304,8 @@ class Engine:
         if self.speculation.draft is not None:  # the draft's pages follow the pool's
             self.speculation.draft.mirror(plan, prefill, sched)
         clock.lap("inputs")
-        # The chunk, then the decode rows: two programs (``step.py`` says why), both dispatched
-        # before either result is read, so a prompt's first token goes out when the chunk's
-        # program ends. Forward and sampling are two programs each when rows draw under a
-        # grammar (masks computed while the forwards run) or forks draw from a chunk's logits.
+        # The chunk, then the decode rows, both dispatched before either result is read.
+        # Forward and sampling are two programs each with grammar rows or forks.
         verify, started = None, time.perf_counter()
         if plan.forks or sched.has_grammar(plan):
             chunk_logits = None if prefill is None else self._forward(None, prefill)
@@ -370,7 +346,7 @@ class Engine:
     def _deliver(self, events: list[tuple[Request, TokenEvent]]
                  ) -> list[tuple[Request, TokenEvent]]:
         """Gives each event its text (with a tokenizer) and to its request's consumer; forgets
-        finished requests. The step's time since its last lap was the scheduler's commit."""
+        finished requests."""
         self.step_clock.lap("commit")
         if self.tokenizer is not None:
             events = [(req, with_text(req, event, self.scheduler.cancel))
@@ -396,8 +372,7 @@ class Engine:
 
     def _run(self, decode: step_lib.DecodeRows | None, prefill: step_lib.PrefillChunk | None,
              rows: step_lib.RowSampling, sampler: step_lib.Sampler) -> tuple[Any, Any]:
-        """Runs one step program on the engine's pages (updated in place); returns its [R]
-        tokens and log-probabilities, not yet on the host."""
+        """Runs one step program on the engine's pages; returns its [R] tokens and logprobs."""
         if decode is not None and not is_split(self.mesh):  # a lagged step's: one program
             decode = decode.replace(tokens=jax.device_put(decode.tokens, jax.devices()[0]))
         self._k, self._v, tokens, logprobs, self._rings = step_lib.step_jit(
@@ -408,8 +383,7 @@ class Engine:
 
     def _forward(self, decode: step_lib.DecodeRows | None,
                  prefill: step_lib.PrefillChunk | None) -> jax.Array:
-        """Runs one step's forward on the engine's pages (updated in place); returns its
-        [R, V] logits, not yet on the host (``step.engine_forward``)."""
+        """Runs one step's forward on the engine's pages; returns its [R, V] logits."""
         self._k, self._v, logits, self._rings = step_lib.forward_jit(
             self.config, self.weights.params, self._k, self._v, decode, prefill,
             view=self.view, mesh=self.mesh,
@@ -417,21 +391,16 @@ class Engine:
         return logits
 
     def compile(self, structured: bool = False, speculative: int = 0) -> int:
-        """Compiles the step programs a greedy load runs by running each once on idle rows
-        (which write only into the null page): the decode rows, and the chunks of each (rows,
-        bucket) shape, at every page-table width (``Scheduler.idle_inputs``). With
-        ``structured``, also the forward and masked sampling programs of greedy steps with
-        grammar rows (and the grammars' tokenizer).
-        Sampling steps compile on first use. With ``speculative`` k, also the verify programs
-        of up to k proposals, greedy and sampled (``serving.speculation``). Also the decode
-        steps from a step's tokens on the device (``serving.overlap``; not counted).
+        """Compiles the step programs a greedy load runs by running each once on idle rows:
+        the decode rows and every chunk shape at every page-table width. With ``structured``,
+        also the programs of greedy steps with grammar rows; with ``speculative`` k, the
+        verify programs of up to k proposals. Sampling steps compile on first use.
 
         Returns:
           The number of step shapes run.
 
         Raises:
-          ValueError: ``speculative`` on an engine that cannot speculate (several devices,
-            sliding-window layers), before anything compiles.
+          ValueError: ``speculative`` on an engine that cannot speculate.
         """
         if speculative:
             self.speculation.check_engine()

@@ -1,19 +1,11 @@
 """Structured outputs: a request's grammar, compiled by llguidance against the engine's tokenizer,
 and the mask of the tokens it allows at each step.
 
-A ``Grammar`` is a JSON schema (``"json_schema"``), any JSON object (``"json_object"``), a
-regular expression (``"regex"``), one of some strings (``"choice"``) or llguidance's Lark syntax
-(``"lark"``, which may embed ``%json {...}``: the server's enforced tool calls). Each such
-request gets a ``llguidance.LLMatcher``. A step with grammar rows dispatches the forward, fills
-each row of a [R, ceil(V/32)] int32 bitmask on the host while it runs, then samples with every
-other token at -inf (``step.sample_rows``; the masks are ``decode.constrained``'s, shared with
-``generate``). A complete grammar finishes the request with ``"stop"``; a token the matcher
-refuses (the engine's fault) with ``"error"``.
-
-llguidance (the ``serve`` extra) is imported only when a grammar is used; it reads the HF
-``tokenizers`` tokenizer (``tokenizer.json``). The tokenizer it is given tokenizes without the
-added tokens (``<|im_end|>``, ``<think>``...), so text that spells one is drawn as ordinary
-tokens; a grammar that wants the added token itself names it as ``<[id]>`` (``token_ref``).
+A ``Grammar`` is a JSON schema, any JSON object, a regular expression, one of some strings or
+llguidance's Lark syntax. A step with grammar rows dispatches the forward, fills each row of a
+[R, ceil(V/32)] int32 bitmask on the host while it runs, then samples with every other token at
+-inf. llguidance (the ``serve`` extra) is imported only when a grammar is used; the tokenizer it
+is given tokenizes without the added tokens, so a grammar names one as ``<[id]>`` (``token_ref``).
 """
 
 from __future__ import annotations
@@ -51,12 +43,7 @@ class Grammar:
             raise ValueError(f"{self.kind}: {e}") from None
 
     def source(self) -> str:
-        """The llguidance grammar of this one.
-
-        Raises:
-          ValueError: an unknown kind, a schema that is not a JSON object, an empty choice or
-            lark text.
-        """
+        """The llguidance grammar of this one; ValueError for an unknown kind or a bad value."""
         from llguidance import LLMatcher
 
         if self.kind == "json_schema":
@@ -138,15 +125,9 @@ class GrammarTokenizer:
 
 
 class _TextTokenizer:
-    """The tokenizer as ``llguidance.TokenizerWrapper`` takes it: ``full``'s tokens (bytes and
-    special ids, as llguidance reads ``tokenizer.json``), text tokenized without the added
-    tokens (module docstring).
-
-    Args:
-      full: the ``llguidance.LLTokenizer`` of the whole ``tokenizer.json``.
-      backend: the ``tokenizers.Tokenizer`` it was read from.
-      bos_id: the bos id, or -1 for none.
-    """
+    """The tokenizer as ``llguidance.TokenizerWrapper`` takes it: ``full``'s tokens (an
+    ``LLTokenizer`` of ``backend``, the ``tokenizers.Tokenizer``), text tokenized without the
+    added tokens; ``bos_id`` -1 for none."""
 
     def __init__(self, full: Any, backend: Any, bos_id: int) -> None:
         n = full.vocab_size

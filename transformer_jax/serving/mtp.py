@@ -2,19 +2,11 @@
 1 proposes the token after the next one, as in ``generate`` (``decode.speculative_mtp``).
 
 The module keeps its block's keys and values in pages of its own under the pool's page ids,
-read through the same page tables (as a draft's are, ``serving.draft``). Its entry at position j
-combines the target's final hidden state h_j and the next token t_{j+1}, so the target's own
-programs write it: a speculating request's prompt chunk runs ``mtp_chunk`` (the chunk forward
-with its hidden states, the draw, then the module over the chunk with the prompt's next tokens;
-its prediction at the prompt's end is the first proposal), and every decode step with a
-speculating row runs ``mtp_verify`` (``speculative_mtp.verify`` of each row's last token and
-proposal, T = 2, or the last token alone, T = 1; its prediction at the last kept position is the
-next proposal). Entries past a row's kept positions are stale, hidden by causality.
-
-Costing acceptance only (verification keeps the output exact): a prefix-cache hit reuses pages
-another request's module wrote; steps on the two-program path (grammar rows, forks) run without
-the module. Programs: ``mtp_chunk`` per chunk shape and sampler, ``mtp_verify`` per page-table
-width, T and sampler.
+read through the same page tables (as a draft's are). Its entry at position j combines the
+target's final hidden state h_j and the next token t_{j+1}, so the target's own programs write
+it: a speculating request's prompt chunk runs ``mtp_chunk``, and every decode step with a
+speculating row runs ``mtp_verify`` (T = 2, or T = 1 without a proposal); each leaves the next
+proposal. Steps on the two-program path (grammar rows, forks) run without the module.
 """
 
 from __future__ import annotations
@@ -43,24 +35,20 @@ def mtp_chunk(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any, m
               mv_pages: Any, prefill: step_lib.PrefillChunk, following: jax.Array,
               ends: jax.Array, sampling: step_lib.RowSampling, adapters: Params | None, *,
               sampler: step_lib.Sampler, view: str = "auto") -> tuple[Any, ...]:
-    """A prompt chunk through the target (``step.engine_step``'s forward and draw) and the
-    module (module docstring).
+    """A prompt chunk through the target (forward and draw) and the module.
 
     Args:
-      config, params: the target's config (static) and prepared weights (its ``mtp_0``).
-      k_pages, v_pages: the engine's pages; mk_pages, mv_pages: the module's (all updated).
+      config, params: the target's config (static) and prepared weights (with ``mtp_0``).
+      k_pages, v_pages, mk_pages, mv_pages: the engine's pages and the module's (updated).
       prefill: the step's ``PrefillChunk`` ([R, C] tokens).
-      following: [R, C] int32 the prompt's token after each chunk position (any value at a
-        prompt's last position and past a row's chunk).
-      ends: [R] bool whether the row's chunk ends its prompt: the token after its last
-        position is the one drawn here.
+      following: [R, C] int32 the prompt's token after each chunk position.
+      ends: [R] bool whether the row's chunk ends its prompt (then the drawn token follows).
       sampling: the R rows' sampling settings; sampler, view: static, as ``engine_step``'s.
       adapters: the engine's stacked LoRA adapters, or None.
 
     Returns:
-      (key pages, value pages, the module's key and value pages, [R] int32 tokens (or
-      [R, 1 + K] with top logprobs), their log-probabilities, [R] int32 the module's
-      prediction at each row's last position: its proposal when the chunk ends the prompt).
+      (key pages, value pages, the module's key and value pages, [R] (or [R, 1 + K]) tokens,
+      their log-probabilities, [R] int32 the module's prediction at each row's last position).
     """
     k, v, logits, _, hidden = step_lib._forward(config, params, k_pages, v_pages, None,
                                                 prefill, None, adapters, view=view, hidden=True)
@@ -81,14 +69,8 @@ def mtp_verify(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any, 
                mv_pages: Any, rows: Any, sampling: step_lib.RowSampling,
                adapters: Params | None, *, sampler: step_lib.Sampler, view: str = "auto"
                ) -> tuple[Any, ...]:
-    """``speculation.verify_step`` with the module: ``speculative_mtp.verify`` of the verify
-    rows ([B, T]: each row's last token and its proposals; T = 2 with the module's, 1 without
-    any, more with another proposer's rows in the step) through the engine's pages and the
-    module's, read through the same page tables.
-
-    Args:
-      rows: the ``speculation.VerifyRows``; sampling: [B * T] rows, as ``verify_step``'s.
-      Others as ``mtp_chunk``'s.
+    """``speculation.verify_step`` with the module (``speculative_mtp.verify``). ``rows`` are
+    the ``speculation.VerifyRows``, ``sampling`` [B * T] rows; others as ``mtp_chunk``'s.
 
     Returns:
       (key pages, value pages, the module's key and value pages, [B, T] (or [B, T, 1 + K])
@@ -110,14 +92,8 @@ def is_mtp(req: Any) -> bool:
 
 
 class EngineMTP:
-    """The module's pages beside the engine's pool and the speculating requests' proposals
-    (module docstring).
-
-    Args:
-      engine: the ``Engine`` (one device, no sliding-window rings: ``Speculation.check_engine``;
-        a model with ``mtp_depth`` >= 1). Its pages take one more layer of the pool's size
-        (``cache_bytes``) beside the engine's.
-    """
+    """The module's pages beside the engine's pool (one more layer of the pool's size), and
+    the speculating requests' proposals. ``engine``: one device, ``mtp_depth`` >= 1."""
 
     def __init__(self, engine: Any) -> None:
         speculative_mtp.check_mtp(engine.config, 1)
@@ -134,8 +110,7 @@ class EngineMTP:
         self._unread: list[tuple[list[tuple[Any, int, int]], jax.Array]] = []
 
     def proposal(self, req: Any) -> dict[int, list[int]]:
-        """The request's proposal for its next round ({its id: [token]}), or {} when none was
-        made at its current length."""
+        """The request's proposal for its next round ({its id: [token]}), or {}."""
         for made, proposals in self._unread:
             host = np.asarray(jax.device_get(proposals))
             self._next.update((r.id, (n, int(host[i]))) for r, n, i in made)
@@ -145,9 +120,8 @@ class EngineMTP:
 
     def prefill(self, plan: Any, chunk: step_lib.PrefillChunk, rows: step_lib.RowSampling,
                 sampler: step_lib.Sampler) -> tuple[jax.Array, jax.Array]:
-        """Runs the step's prompt chunk (``mtp_chunk``; a plan without forks, or None for idle
-        rows); returns its rows' tokens and log-probabilities on the device, as
-        ``Engine._run``."""
+        """Runs the step's prompt chunk (``plan`` None for idle rows); returns its rows' tokens
+        and log-probabilities on the device, as ``Engine._run``."""
         eng = self.engine
         following = np.zeros(np.shape(chunk.tokens), np.int32)
         ends = np.zeros(len(following), bool)
@@ -167,8 +141,7 @@ class EngineMTP:
 
     def verify(self, rows: Any, sampling: step_lib.RowSampling, sampler: step_lib.Sampler
                ) -> tuple[jax.Array, ...]:
-        """Dispatches ``mtp_verify``; returns its (tokens, log-probabilities, accepted, next
-        proposals) on the device."""
+        """Dispatches ``mtp_verify``; returns its outputs past the pages, on the device."""
         eng = self.engine
         eng._k, eng._v, self.k, self.v, *out = mtp_verify(
             eng.config, eng.weights.params, eng._k, eng._v, self.k, self.v, rows, sampling,
@@ -176,8 +149,7 @@ class EngineMTP:
         return tuple(out)
 
     def keep(self, reqs: list[Any], proposals: np.ndarray) -> None:
-        """Records each running request's next proposal ([B] by slot, read after its verify
-        step's tokens were committed, at its new length); forgets finished requests'."""
+        """Records each running request's next proposal ([B] by slot); forgets finished ones."""
         for req in reqs:
             if req.state == State.RUNNING and is_mtp(req):
                 self._next[req.id] = (req.cached, int(proposals[req.slot]))
@@ -188,9 +160,7 @@ class EngineMTP:
             del self._next[rid]
 
     def compile(self, scheduler: Any) -> int:
-        """Runs ``mtp_chunk`` once on idle rows (writing only into the null page) at every
-        chunk shape, greedy; returns the shapes run (``Speculation.compile`` runs the verify
-        rows)."""
+        """Runs ``mtp_chunk`` once on idle rows at every chunk shape; returns the shapes run."""
         shapes = 0
         for _, chunk in scheduler.idle_inputs(False, self.engine._adapters is not None):
             if chunk is not None:

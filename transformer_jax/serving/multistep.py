@@ -1,20 +1,10 @@
 """Several decode steps per host round: N engine decode steps in one device program.
 
 When every running request decodes (none waiting, none in prefill, nothing queued), the engine
-runs N decode steps as one program (``multi_decode``: a ``lax.fori_loop`` over the engine
-step's forward and sampling, as ``generate``'s loop does), then hands each row's N tokens to the
-scheduler in order, so each consumer still gets one event per token (delivered when the round
-ends; a cancel applies between rounds). Each step is the single step's (same forward, page
-table, sampling and keys), so the tokens and log-probs are the single steps'. A row that draws a
-stop token or reaches its ``max_tokens`` stops on the device (its page table all
-``NULL_PAGE`` from the next step, its later tokens ignored). Pages for the round are taken
-before it (no preemption inside a round).
-
-N is the largest power of two (up to ``max_steps``) not above the longest remaining
-``max_tokens``. Rounds are skipped while anything needs the host between tokens: a request
-waiting or in prefill, queued adds or cancels, grammars, stop strings, LoRA adapters,
-speculation, top log-probs, sliding-window rings, a split mesh. In ``step_times`` a round is
-one step (``rounds`` and ``round_tokens`` count them).
+runs N decode steps as one program (``multi_decode``: the single step's forward and sampling in
+a ``lax.fori_loop``, so the tokens are the single steps'), then hands each row's N tokens to the
+scheduler in order. N is the largest power of two (up to ``max_steps``) not above the longest
+remaining ``max_tokens``; rounds are skipped while anything needs the host between tokens.
 """
 
 from __future__ import annotations
@@ -33,10 +23,8 @@ from transformer_jax.serving.plan import row_sampling
 from transformer_jax.serving.requests import Request, State, TokenEvent
 from transformer_jax.serving.step_times import StepClock
 
-#: The most decode steps one round runs by default: 1, rounds off. On XLA:CPU (decode_25m, 8
-#: rows, 96 pages) a round's steps measured about 1.7x a single step's device time (26 against
-#: 15.5 ms), so rounds lost there; turn them on (``Engine.multistep.max_steps``, e.g. 8) where
-#: the host's share of a step is what is left (an accelerator).
+#: The most decode steps one round runs by default: 1, rounds off (slower on XLA:CPU,
+#: docs/serving.md); set ``Engine.multistep.max_steps`` (e.g. 8) on an accelerator.
 MAX_STEPS = 1
 
 
@@ -48,18 +36,15 @@ def multi_decode(config: ModelConfig, params: Any, k_pages: Any, v_pages: Any,
 
     Args:
       config, params, k_pages, v_pages, view, mesh: as ``step.engine_step``'s.
-      decode: the B rows' first step (tokens, positions, page tables wide enough for
-        ``steps`` positions more); no adapters.
-      rows: the B rows' sampling settings, ``token_index`` that of their first token.
+      decode, rows: the B rows' first step (no adapters) and sampling settings.
       stops: [B, S] int32 each row's stop tokens (-1 padding).
       left: [B] int32 the most tokens each row draws (its ``max_tokens`` left; 0 idle).
       steps: N (static).
       sampler: static sampling switches (no top log-probs).
 
     Returns:
-      (key pages, value pages, [N, B] int32 tokens, [N, B] float32 log-probabilities): step
-      i's token of each row; a row's tokens after its first stop token or past ``left`` are
-      not meaningful.
+      (key pages, value pages, [N, B] int32 tokens, [N, B] float32 log-probabilities); a
+      row's tokens after its first stop token or past ``left`` are not meaningful.
     """
     b = decode.tokens.shape[0]
 
@@ -131,9 +116,8 @@ class MultiStep:
         return n if need <= sched.prefix.num_available else 0
 
     def compile(self) -> int:
-        """Compiles the rounds a greedy load without stop tokens runs (each N, every page-table
-        width) by running them on idle rows (which write only into the null page); returns
-        how many."""
+        """Runs every greedy round shape (each N and page-table width) once on idle rows;
+        returns how many."""
         e, sched = self.engine, self.engine.scheduler
         b, shapes = sched.num_slots, 0
         rows, sampler = row_sampling([None] * b, e.config.vocab_size)
@@ -153,8 +137,7 @@ class MultiStep:
 
     @staticmethod
     def _span(req: Request, n: int) -> int:
-        """The positions ``req`` writes in a round of ``n`` steps (fewer when its
-        ``max_tokens`` ends it sooner)."""
+        """The positions ``req`` writes in a round of ``n`` steps."""
         return min(n, req.params.max_tokens - req.num_new)
 
     def round(self, clock: StepClock) -> list[tuple[Request, TokenEvent]] | None:
@@ -170,24 +153,19 @@ class MultiStep:
         clock.lap("schedule")
         width = sched._width(max(len(r.pages) for r in running))
         b = sched.num_slots
-        tokens, positions = np.zeros(b, np.int32), np.zeros(b, np.int32)
-        table = np.full((b, width), NULL_PAGE, np.int32)
         reqs: list[Request | None] = [None] * b
         s = 1 << (max(1, max(len(r.params.stop_token_ids) for r in running)) - 1).bit_length()
         stops, left = np.full((b, s), -1, np.int32), np.zeros(b, np.int32)
         for req in running:
             reqs[req.slot] = req
-            tokens[req.slot], positions[req.slot] = req.tokens[-1], req.cached
-            table[req.slot] = sched.page_table[req.slot, :width]
             ids = req.params.stop_token_ids
             stops[req.slot, :len(ids)] = ids
             left[req.slot] = req.params.max_tokens - req.num_new
         rows, sampler = row_sampling(reqs, e.config.vocab_size)
         clock.lap("inputs")
         e._k, e._v, out_tokens, out_logprobs = multi_decode_jit(
-            e.config, e.weights.params, e._k, e._v,
-            step_lib.DecodeRows(tokens, positions, table), rows, stops, left, steps=n,
-            sampler=sampler, view=e.view, mesh=e.mesh)
+            e.config, e.weights.params, e._k, e._v, sched.decode_rows(running, width), rows,
+            stops, left, steps=n, sampler=sampler, view=e.view, mesh=e.mesh)
         clock.lap("dispatch")
         out_tokens, out_logprobs = clock.lap("device", jax.device_get((out_tokens, out_logprobs)))
         events = []

@@ -2,21 +2,10 @@
 
 In a steady decode (``Overlap.steady``: every running request decodes, none can be admitted,
 nothing is in prefill) the engine dispatches step t+1 before it reads step t's tokens: t+1's
-input tokens are t's sampled tokens as they lie on the device, its positions, pages and sampling
-settings are known on the host one step ahead, and the host commits step t (stop checks, pages,
-detokenising, streaming) while the device runs t+1 (vLLM's async scheduling). Each
-``Engine.step`` dispatches one step and reads the previous one; the tokens are the synchronous
-steps' (same program, rows, positions, pages and keys).
-
-A request that turns out finished at step t (stop token or string, cancel) already has a row in
-step t+1: that token is computed and discarded (``discarded``), and its write lands in a page
-the request frees when step t is read; a later owner of the page runs after t+1 on the device.
-A request whose ``max_tokens`` ends at step t gets no row in t+1.
-
-Not steady (the engine reads the step in flight and runs synchronous steps until the next
-steady one): an admission, a prompt in prefill, queued adds or cancels, a row under a grammar
-or speculating, a draft model, sliding-window rings, a multi-step round that can run, too few
-free pages for every row's next position (the synchronous step preempts), a split mesh.
+input tokens are t's sampled tokens on the device, and the host commits step t while the device
+runs t+1. The tokens are the synchronous steps'. A request that finishes at step t by a stop or
+a cancel already has a row in step t+1, whose token is discarded (``discarded``). See
+docs/serving.md for when the engine is not steady.
 """
 
 from __future__ import annotations
@@ -25,11 +14,9 @@ import dataclasses
 from typing import Any
 
 import jax
-import numpy as np
 
 from transformer_jax.decode.loop import is_split
-from transformer_jax.serving import step as step_lib
-from transformer_jax.serving.page_pool import NULL_PAGE, pages_for
+from transformer_jax.serving.page_pool import pages_for
 from transformer_jax.serving.plan import row_sampling
 from transformer_jax.serving.requests import Request, State, TokenEvent
 from transformer_jax.serving.step_times import StepClock
@@ -77,14 +64,8 @@ class Overlap:
 
     def step(self, clock: StepClock, delivered: list[tuple[Request, TokenEvent]]) -> bool:
         """One engine step of the lag: dispatches the next decode step when the engine is
-        steady (the chain's first from the host's tokens) and reads the step in flight, its
-        events delivered and added to ``delivered``.
-
-        Returns:
-          Whether the engine's step is done. Not done: nothing was in flight and the engine is
-          not steady, or the engine stopped being steady and the step in flight was read (its
-          laps go to the synchronous step that follows).
-        """
+        steady and reads the step in flight, its events added to ``delivered``. Returns whether
+        the engine's step is done (else a synchronous step follows)."""
         steady = self.steady()
         if self.flight is None:
             if not steady or (first := self._dispatch(clock, None)) is None:
@@ -101,9 +82,8 @@ class Overlap:
         return steady
 
     def _dispatch(self, clock: StepClock, after: Flight | None) -> Flight | None:
-        """Dispatches a decode step of the running requests: after ``after`` (in flight, its
-        tokens the inputs, each row one position further), or from the host's tokens. None
-        when no row decodes or the pool lacks a page for some row's position (nothing taken)."""
+        """Dispatches a decode step of the running requests, from ``after``'s tokens on the
+        device or the host's; None when no row decodes or the pool lacks a page."""
         sched = self.engine.scheduler
         lag = int(after is not None)
         rows = [r for r in sched.running if not lag or r.num_new + 1 < r.params.max_tokens]
@@ -116,34 +96,24 @@ class Overlap:
         clock.lap("schedule")
         e, b = self.engine, sched.num_slots
         width = sched._width(max(len(r.pages) for r in rows))
-        positions = np.zeros(b, np.int32)
-        table = np.full((b, width), NULL_PAGE, np.int32)
-        adapter = None if e._adapters is None else np.zeros(b, np.int32)
+        decode = sched.decode_rows(rows, width, e._adapters is not None, ahead=lag)
         reqs: list[Request | None] = [None] * b
         for req in rows:
-            reqs[req.slot], positions[req.slot] = req, req.cached + lag
-            table[req.slot] = sched.page_table[req.slot, :width]
-            if adapter is not None:
-                adapter[req.slot] = req.adapter
+            reqs[req.slot] = req
         sampling, sampler = row_sampling(reqs, e.config.vocab_size)
-        if after is None:
-            tokens = np.zeros(b, np.int32)
-            for req in rows:
-                tokens[req.slot] = req.tokens[-1]
-        else:  # the previous step's tokens, where they are
-            tokens = after.tokens if after.tokens.ndim == 1 else after.tokens[:, 0]
+        if after is not None:  # the previous step's tokens, where they are
+            decode = decode.replace(
+                tokens=after.tokens if after.tokens.ndim == 1 else after.tokens[:, 0])
             sampling.token_index[[r.slot for r in rows]] += 1
         clock.lap("inputs")
-        out = e._run(step_lib.DecodeRows(tokens, positions, table, adapter), None, sampling,
-                     sampler)
+        out = e._run(decode, None, sampling, sampler)
         clock.lap("dispatch")
         return Flight(rows, *out)
 
     def _read(self, flight: Flight, clock: StepClock, record: bool
               ) -> list[tuple[Request, TokenEvent]]:
-        """Waits for ``flight``'s tokens and commits them (rows of requests finished meanwhile
-        discarded); the events, delivered. With ``record``, the engine's step ends here (its
-        laps recorded)."""
+        """Waits for ``flight``'s tokens and commits them (finished rows discarded); the events,
+        delivered. With ``record``, the engine's step ends here."""
         e, sched = self.engine, self.engine.scheduler
         live = [r for r in flight.rows if r.state == State.RUNNING]
         self.discarded += len(flight.rows) - len(live)

@@ -24,10 +24,8 @@ def pages_for(length: int, page_size: int) -> int:
 class PagePool:
     """The host-side allocator of a cache's pages: a free list and reference counts.
 
-    Pages 1..P-1 are handed out (page 0 is ``NULL_PAGE``). A page is in exactly one of three
-    states: free (on the free list, count 0), held (count > 0: by the sequences that list it;
-    shared prefix pages by several), or parked (count 0 but kept for its contents by a
-    ``PrefixCache``, which gives it back with ``free`` when it evicts it).
+    Pages 1..P-1 are handed out (page 0 is ``NULL_PAGE``). A page is free (count 0, on the
+    free list), held (count > 0) or parked (count 0, kept by a ``PrefixCache`` until evicted).
     """
 
     def __init__(self, num_pages: int) -> None:

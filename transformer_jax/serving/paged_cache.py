@@ -1,35 +1,27 @@
 """The paged KV cache: a second implementation of the model's ``Cache`` interface.
 
-Each layer's keys and values live in a pool of P fixed-size pages, kv head first:
-[K, P, page_size, H] on every backend, so each kv head's whole pool is one contiguous
-[P * page_size, H] row. Layers are stacked ([L, ...]) for a scanned model and a tuple for an
-unrolled one, as in ``KVCache``. Row b of the page table [B, W] lists its pages in position
-order: position p of row b lives in page ``page_table[b, p // page_size]`` at offset
-``p % page_size``. Page 0 is the null page: never handed out by ``PagePool``, it takes the writes
-that belong to no page (idle rows, a padded chunk's tail), and table entries of pages a row does
-not hold point at it. The engine builds the page table and lengths per step (``with_table``);
-the cache owns only the pages' contents.
+Each layer's keys and values live in a pool of P fixed-size pages, [K, P, page_size, H]
+(stacked [L, ...] for a scanned model, a tuple for an unrolled one, as in ``KVCache``). Row b of
+the page table [B, W] lists its pages in position order: position p lives in page
+``page_table[b, p // page_size]`` at offset ``p % page_size``. Page 0 is the null page: never
+handed out, it takes the writes that belong to no page (idle rows, a padded chunk's tail). The
+engine builds the page table and lengths per step (``with_table``).
 
 ``attend`` writes the chunk's keys/values into the row's pages, then attends through a view:
 
-- ``"gather"`` (the reference): the row's W pages gathered into a contiguous
-  [B, K, W * page_size, H] view, slot s holding position s as in ``KVCache``;
+- ``"gather"`` (the reference): the row's W pages gathered into a [B, K, W * page_size, H] view;
 - ``"pool"``: the queries of all rows against the whole pool read once in place, each row seeing
-  only its own pages' slots up to its position;
-- ``"blocks"``: each row's own pages, ``BLOCK_POSITIONS`` at a time, a partial online softmax per
-  (row, block) merged per row: a row costs its own length, not the longest row's.
+  only its own pages' slots;
+- ``"blocks"``: each row's own pages, ``BLOCK_POSITIONS`` at a time (a row costs its own length).
 
 ``"auto"`` takes ``"blocks"`` for decode rows with the reference implementation on CPU; elsewhere
 ``"pool"`` for them when the pool is under twice the gathered view, and ``"gather"`` for other
-chunks (measurements in docs/benchmarks.md). With ``attention_impl="pallas"`` on a GPU or TPU,
-``"auto"`` reads the pages with the Pallas paged kernels (``ops/paged_attention.py``).
+chunks (docs/benchmarks.md). With ``attention_impl="pallas"`` on a GPU or TPU, ``"auto"`` reads
+the pages with the Pallas paged kernels (``ops/paged_attention.py``).
 
-int8 pages hold each token's row as int8 values and a scale (``ops.kv_quant``); the views
-dequantise what they read. Latent layers (``fields.MLA``) page one entry per token, the normed
-latent and the rotated rope key: key pages [L, 1, P, page_size, R + P], value pages empty; the
-layer attends over the gathered entries itself (``model.latent``). Local (sliding-window) layers
-keep no pages but a ring of W slots per engine slot (``k_ring``/``v_ring``, ``model.kv_ring``),
-row b using ring row ``ring_rows[b]``; ``ring_end`` stops a row's ring writes.
+int8 pages hold each token's row as int8 values and a scale (``ops.kv_quant``). Latent layers
+page one entry per token (key pages [L, 1, P, page_size, R + P], value pages empty). Local
+(sliding-window) layers keep a ring of W slots per engine slot instead (``k_ring``/``v_ring``).
 """
 
 from __future__ import annotations
@@ -48,18 +40,12 @@ from transformer_jax.serving import paged_views
 from transformer_jax.serving.page_pool import NULL_PAGE
 
 VIEWS = ("auto", "gather", "pool", "blocks")
-#: Positions per key block of the ``"blocks"`` view (``max(1, BLOCK_POSITIONS // page_size)``
-#: pages); 32-64 ran fastest on XLA:CPU.
+#: Positions per key block of the ``"blocks"`` view (whole pages, at least one).
 BLOCK_POSITIONS = 64
 
 
-
 def storage_dtype(dtype: jnp.dtype | str) -> jnp.dtype:
-    """A cache's storage dtype: a floating dtype, or int8 (``ops.kv_quant``'s encoding).
-
-    Raises:
-      ValueError: naming ``cache_dtype`` and what it accepts, for anything else.
-    """
+    """A cache's storage dtype: a floating dtype, or int8; else ValueError naming it."""
     try:
         dt = jnp.dtype(dtype)
     except (TypeError, ValueError):
@@ -71,8 +57,7 @@ def storage_dtype(dtype: jnp.dtype | str) -> jnp.dtype:
 
 
 def check_pageable(config: ModelConfig, cache_dtype: jnp.dtype | str | None = None) -> None:
-    """Raises ValueError (one line) for a ``cache_dtype`` that ``storage_dtype`` refuses, or
-    int8 pages for latent attention layers (``fields.MLA``: their entries stay floats)."""
+    """Raises ValueError (one line) for a bad ``cache_dtype``, or int8 pages for latent layers."""
     if cache_dtype is not None and kv_quant.is_int8(storage_dtype(cache_dtype)) and \
             config.mla is not None:
         raise ValueError("latent attention (mla) pages store floats: cache_dtype int8 is not "
@@ -81,8 +66,7 @@ def check_pageable(config: ModelConfig, cache_dtype: jnp.dtype | str | None = No
 
 def page_bytes(config: ModelConfig, page_size: int, dtype: jnp.dtype | str | None = None
                ) -> int:
-    """Bytes of K and V one page takes in every paged layer: the global layers' when local
-    layers keep rings (``PagedKVCache.init``), every layer's otherwise."""
+    """Bytes of K and V one page takes in every paged layer (the global ones with rings)."""
     dtype = storage_dtype(config.dtype if dtype is None else dtype)
     ring = RingLayout.of(config, config.max_seq_len)
     layers = config.n_layers if ring is None else ring.n_global
@@ -103,21 +87,16 @@ class PagedKVCache:
     """Keys and values of every layer in pages, and the page table of the rows of one call.
 
     Attributes:
-      k: [L, K, P, page_size, H] key pages (rotated by RoPE); for an unrolled model a tuple of
-        L arrays [K, ...].
-      v: [L, K, P, page_size, H] value pages (a tuple of L [K, P, page_size, H] when unrolled).
+      k, v: [L, K, P, page_size, H] key (rotated) and value pages; tuples of L [K, ...] for
+        an unrolled model.
       page_table: [B, W] int32 pages of each row in position order (``NULL_PAGE`` where a row
         holds none).
       lengths: [B] int32 positions written per row (the model sets them after a chunk).
-      k_ring: None, or the local layers' key rings [L_local, S, K, W, H] (a tuple of L_local
-        [S, K, W, H] when unrolled), S rows.
-      v_ring: None, or their value rings [L_local, S, K, W, H] (or a tuple).
+      k_ring, v_ring: None, or the local layers' rings [L_local, S, K, W, H] (or tuples).
       ring_rows: None (row b uses ring row b), or [B] int32 each row's ring row.
       ring_end: None, or [B] int32: a row's rings take no position at or past it.
-      view: static; how ``attend`` reads the pages (one of ``VIEWS``, see the module
-        docstring).
-      block_positions: static; positions per block of the ``"blocks"`` view (whole pages: at
-        least one).
+      view: static; how ``attend`` reads the pages (one of ``VIEWS``).
+      block_positions: static; positions per block of the ``"blocks"`` view.
     """
 
     k: jax.Array | tuple[jax.Array, ...]
@@ -140,20 +119,17 @@ class PagedKVCache:
         """Zeroed pages and an all-null page table.
 
         Args:
-          config: the model's config (gives L, K, H and the layer layout).
-          num_pages: P, pages per layer (page 0 included, see ``NULL_PAGE``).
+          config: the model's config.
+          num_pages: P, pages per layer (page 0, the null page, included).
           page_size: positions per page.
-          batch: B rows of the initial page table.
-          pages_per_row: W columns of the initial page table.
-          dtype: storage dtype (a float dtype, or ``"int8"``, ``ops.kv_quant``); the model's
-            compute dtype by default.
+          batch, pages_per_row: B rows and W columns of the initial page table.
+          dtype: storage dtype (a float dtype, or ``"int8"``); the model's dtype by default.
           view: how ``attend`` reads the pages.
           slots: S, ring rows of the local layers (default ``batch``).
           window_rings: local layers keep rings (when W < ``max_seq_len``) instead of pages.
 
         Raises:
-          ValueError: for a size out of range, a view not in ``VIEWS`` or a storage dtype that
-            is neither floating nor int8, naming it.
+          ValueError: for a size out of range, an unknown view or storage dtype, naming it.
         """
         check_pageable(config, dtype)
         for name, value in (("num_pages", num_pages), ("page_size", page_size),
@@ -204,8 +180,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the key and value pages (``2 * L * P * page_size * K * H * itemsize``)
-        and rings."""
+        """Bytes of the key and value pages and rings."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
             (self.k, self.v, self.k_ring, self.v_ring)))
 
@@ -220,21 +195,19 @@ class PagedKVCache:
 
         Args:
           i: the layer.
-          table: optional [R, n] pages to gather instead of ``page_table`` (the blocks view
-            gathers a block of pages per item).
+          table: optional [R, n] pages to gather instead of ``page_table``.
           keys_only: gather the keys only (values None): latent layers' entry pages.
 
         Returns:
-          ([R, K, n * page_size, H] keys, [R, K, n * page_size, H] values): slot s of row r
-          holds the position s of its pages.
+          ([R, K, n * page_size, H] keys, the same of values): slot s of row r holds the
+          position s of its pages.
         """
         table = self.page_table if table is None else table
         b = table.shape[0]
         flat = table.reshape(-1)
         kv = (self.v if self.stacked else self.v[0]).shape[-4]  # K (H: each pool's own)
         if self.stacked:
-            # One gather from the [L, K, P, ps, H] stack (slicing layer i out first copied its
-            # whole pool every layer and step).
+            # One gather from the stack (slicing layer i out first copies its whole pool).
             def rows(pool: jax.Array) -> jax.Array:  # -> [B, K, W * ps, H]
                 h = pool.shape[-1]
                 taken = pool.reshape(*pool.shape[:3], -1)[i, :, flat]  # [B * W, K, ps * H]
@@ -256,21 +229,14 @@ class PagedKVCache:
                sinks: jax.Array | None = None, chunk: int | None = None
                ) -> tuple[jax.Array, PagedKVCache]:
         """Layer i's attention with this cache: writes the chunk into the rows' pages, then
-        attends the queries over the rows' pages (the ``Cache`` interface). A chunked layer
-        (``chunk``) is a ring like a local one (``kv_ring``), or reads its gathered rows.
+        attends the queries over them (the ``Cache`` interface).
 
         Args:
-          i: the layer: its number, or a scanned block's ``LayerRef`` (``kv_ring.locate``).
+          i: the layer: its number, or a scanned block's ``LayerRef``.
           q: [B, T, N, H] queries (rotated).
-          k: [B, T, K, H] new keys (rotated) for ``positions``.
-          v: [B, T, K, H] new values.
+          k, v: [B, T, K, H] new keys (rotated) and values for ``positions``.
           positions: [B, T] int positions of the chunk (consecutive per row).
-          window: optional sliding window length.
-          impl: the attention implementation (``ops.attention.attention``).
-          scale: the logits' scale (default ``1/sqrt(H)``).
-          softcap: optional logit soft-cap (``ops.softcap``).
-          sinks: optional [N] attention sink logits (``ops.attention.attention``).
-          chunk: a chunked layer's C (``ops.attention.attention``), or None.
+          window, impl, scale, softcap, sinks, chunk: as ``ops.attention.attention``'s.
 
         Returns:
           ([B, T, N, H] attention output, the cache with layer i's pages written).
@@ -295,10 +261,8 @@ class PagedKVCache:
 
     def attend_latent(self, i: int | jax.Array | LayerRef, entries: jax.Array,
                       positions: jax.Array) -> tuple[jax.Array, PagedKVCache]:
-        """Latent layer i: writes the chunk's entries [B, T, R + P] into the rows' pages at
-        their positions and returns the rows' pages gathered, [B, W * page_size, R + P] (slot
-        s holding position s; slots past a row's length are hidden by causality), with the
-        cache written (the ``Cache`` interface, ``KVCache.attend_latent``)."""
+        """Latent layer i: writes the chunk's entries [B, T, R + P] into the rows' pages;
+        returns the rows' pages gathered, [B, W * page_size, R + P], and the cache."""
         _, j = kv_ring.locate(None, i)
         b, t = entries.shape[:2]
         cache = self.write(j, entries[:, :, None], jnp.zeros((b, t, 1, 0), entries.dtype),
@@ -308,17 +272,14 @@ class PagedKVCache:
     def _attend_pages(self, i: int | jax.Array, q: jax.Array, positions: jax.Array,
                       window: int | jax.Array | None, *, impl: str, scale: float | None,
                       softcap: float | None, sinks: jax.Array | None = None) -> jax.Array:
-        """The queries over the rows' pages of paged layer i (already written). Sinks take
-        the gathered rows and the reference implementations (no kernel or view has them)."""
+        """The queries over the rows' pages of paged layer i (already written)."""
         if sinks is not None:
             keys, values = self._dequantized(*self.layer(i), q.dtype)
             return attention(q.astype(keys.dtype), keys, values, q_positions=positions,
                              window=window, impl="xla" if impl == "pallas" else impl,
                              scale=scale, softcap=softcap, sinks=sinks)
         logits = dict(scale=scale, softcap=softcap)
-        # impl="pallas": a paged kernel (ops/paged_attention.py); they read float pages, so
-        # int8 pages take the dequantising views, and they take neither a scale of their own,
-        # a soft-cap nor a per-layer (traced) window, which take the views too.
+        # The paged kernels read float pages, and take no scale, soft-cap or traced window.
         plain = scale is None and softcap is None and not isinstance(window, jax.Array)
         if self.view == "auto" and not self.int8 and (plain or impl != "pallas"):
             route = paged_attention.plan(impl, q.shape[1], window, q.shape[-1])
@@ -361,16 +322,13 @@ class PagedKVCache:
 
     def _dequantized(self, keys: jax.Array, values: jax.Array, dtype: jnp.dtype
                      ) -> tuple[jax.Array, jax.Array]:
-        """Keys and values (head axis last) read from int8 pages, in float ``dtype``; float
-        pages as they are."""
+        """Keys and values read from int8 pages, in float ``dtype``; float ones as they are."""
         if not self.int8:
             return keys, values
         return kv_quant.decode(keys, dtype), kv_quant.decode(values, dtype)
 
     def pool(self, i: int | jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-        """Layer i's whole pool in place, as the ``"pool"`` view reads it: [K, P, ps, H] keys
-        and values, int8 pages dequantised (each token with its own scale) into ``dtype``;
-        float pages as they are."""
+        """Layer i's whole pool, [K, P, ps, H] keys and values, dequantised into ``dtype``."""
         return self._dequantized(self.k[i], self.v[i], dtype)
 
     def read_view(self, q: jax.Array, impl: str) -> str:
@@ -388,16 +346,12 @@ class PagedKVCache:
 
     def write(self, i: int | jax.Array, k: jax.Array, v: jax.Array,
               positions: jax.Array) -> PagedKVCache:
-        """Writes each row's new keys/values at their positions into its pages.
-
-        A position whose page index is past the table's W columns goes to ``NULL_PAGE``, as do
-        positions in pages the row does not hold (table entries ``NULL_PAGE``): a padded chunk
-        or an unused row writes nowhere that matters.
+        """Writes each row's new keys/values at their positions into its pages (positions
+        past the table's W columns or in pages the row does not hold go to ``NULL_PAGE``).
 
         Args:
           i: the paged layer (its index among the layers with pages).
-          k: [B, T, K, H] new keys.
-          v: [B, T, K, H] new values.
+          k, v: [B, T, K, H] new keys and values.
           positions: [B, T] int positions.
 
         Returns:
@@ -408,12 +362,10 @@ class PagedKVCache:
         pages, offsets = self.slots(positions)
         index = (slice(None), pages, offsets)
         if self.stacked:
-            # (layer, :, pages, offsets): the advanced indices are apart, so their [B, T]
-            # leads and the updates are the chunk's [B, T, K, H] as they are.
+            # Advanced indices apart: [B, T] leads, the updates are [B, T, K, H] as they are.
             return self.replace(k=self.k.at[(i, *index)].set(k.astype(self.k.dtype)),
                                 v=self.v.at[(i, *index)].set(v.astype(self.v.dtype)))
-        # (:, pages, offsets): adjacent advanced indices stay in place, so the updates are
-        # [K, B, T, H].
+        # Adjacent advanced indices stay in place: the updates are [K, B, T, H].
         new_k, new_v = list(self.k), list(self.v)
         new_k[i] = self.k[i].at[index].set(k.transpose(2, 0, 1, 3).astype(self.k[i].dtype))
         new_v[i] = self.v[i].at[index].set(v.transpose(2, 0, 1, 3).astype(self.v[i].dtype))

@@ -1,8 +1,7 @@
 """The paged cache's XLA views that read the pages in place: ``"pool"`` and ``"blocks"``.
 
-``PagedKVCache.attend`` picks one (see ``paged_cache``'s module docstring for what each costs);
-both read layer i of ``cache`` (a ``PagedKVCache``, typed ``Any`` here: this module sits below
-``paged_cache``, which imports it) with its page table and return the queries' attention output.
+Both read layer i of ``cache`` (a ``PagedKVCache``, typed ``Any``: ``paged_cache`` imports this
+module) through its page table and return the queries' attention output.
 """
 
 from __future__ import annotations
@@ -57,12 +56,9 @@ def attend_blocks(cache: Any, i: int | jax.Array, q: jax.Array, positions: jax.A
     """Every row's queries over its own pages of layer i, a block of pages at a time
     (``"blocks"`` view).
 
-    Block j of a row holds its positions [j * bk, (j + 1) * bk). Each row needs its blocks
-    from the first any of its queries sees (0 without a window) to that of its furthest
-    query; these (row, block) items, listed row after row, are taken B at a time in a
-    loop that stops after the last, so a short row costs its own blocks, not the longest
-    row's. Each item gives a partial softmax (``online_softmax_step`` from the empty
-    carry); the partials are merged per row at the end (``online_softmax_merge``).
+    Block j of a row holds its positions [j * bk, (j + 1) * bk). The (row, block) items each
+    row's queries see are taken B at a time in a loop that stops after the last, so a short row
+    costs its own blocks; each gives a partial softmax, merged per row at the end.
     """
     b, t, n, h = q.shape
     v_pool = cache.v[i]  # [K, P, ps, H]

@@ -46,11 +46,10 @@ class Chunk:
 
 @dataclasses.dataclass
 class StepPlan:
-    """What one step runs: decode rows for ``decodes`` (each in its slot), their pages through a
-    table ``width`` pages wide, and the prompt ``chunks``, as ``rows`` rows (a power of two, the
-    rows past the chunks idle) padded to ``bucket`` tokens, their pages through a table
-    ``chunk_width`` wide (the two kinds run as separate programs, so a long prompt does not
-    widen the decode rows'). ``copies``: (source, destination) pages of the forks."""
+    """What one step runs: decode rows for ``decodes`` (each in its slot) through a page table
+    ``width`` wide, and the prompt ``chunks`` as ``rows`` rows (a power of two) of ``bucket``
+    tokens through a table ``chunk_width`` wide. ``copies``: (source, destination) pages of the
+    forks."""
 
     decodes: list[Request]
     chunks: list[Chunk] = dataclasses.field(default_factory=list)
@@ -76,8 +75,8 @@ class StepPlan:
 
     @property
     def sample_rows(self) -> int:
-        """The chunks' sampling rows: one per chunk row without forks; with forks, one per
-        drawing request, padded to a power of two (``step.gather_rows``)."""
+        """The chunks' sampling rows: one per chunk row, or with forks one per drawing
+        request, padded to a power of two."""
         if not self.forks:
             return self.rows
         return row_bucket(len(self.drawing()[0]))

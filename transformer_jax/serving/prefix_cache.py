@@ -1,16 +1,11 @@
 """Prefix reuse: full pages keyed by the tokens they hold and every token before them.
 
-A full page of a sequence is named by a digest chained over the sequence's pages,
+A full page is named by a digest chained over the sequence's pages,
 ``digest_j = blake2b(digest_{j-1} || tokens of page j)``, so two sequences share the name of
-page j exactly when their first ``(j + 1) * page_size`` tokens agree (the keys and values of a
-page depend on every token up to its end). A new request whose prompt starts with named pages
-shares them (reference counts in the ``PagePool``) and prefills only the rest.
-
-A named page nobody holds any longer is parked, not freed: it stays findable until the pool
-runs short, when the least recently used parked pages are evicted first (their names dropped,
-the pages freed). Only full pages are named, and a shared page is never written again: a
-sequence writes only at positions past its own length, and the match leaves at least the
-prompt's last token to compute (its logits give the first new token).
+page j exactly when their first ``(j + 1) * page_size`` tokens agree. A new request whose prompt
+starts with named pages shares them and prefills only the rest. A named page nobody holds is
+parked, not freed, until the pool runs short (least recently used evicted first). A shared page
+is never written again.
 """
 
 from __future__ import annotations
@@ -32,8 +27,7 @@ def page_digests(tokens: Sequence[int], page_size: int, known: list[bytes] | Non
       tokens: the sequence's token ids.
       page_size: positions per page.
       known: digests already computed for the first pages (extended, not recomputed).
-      root: what the chain starts from (a LoRA adapter's name: the pages' keys and values
-        depend on it as on the tokens); empty for the base model.
+      root: what the chain starts from (a LoRA adapter's name; empty for the base model).
 
     Returns:
       One 16-byte digest per full page, ``len(tokens) // page_size`` of them.
@@ -48,11 +42,8 @@ def page_digests(tokens: Sequence[int], page_size: int, known: list[bytes] | Non
 
 
 class PrefixCache:
-    """Named full pages over a ``PagePool``, with LRU eviction of the pages nobody holds.
-
-    With ``enabled=False`` nothing is named or found: released pages go straight back to the
-    free list, and the engine runs without prefix reuse.
-    """
+    """Named full pages over a ``PagePool``, with LRU eviction of the pages nobody holds
+    (``enabled=False``: nothing is named or found)."""
 
     def __init__(self, pool: PagePool, enabled: bool = True) -> None:
         self.pool = pool
@@ -75,7 +66,7 @@ class PrefixCache:
 
     def match(self, digests: Sequence[bytes]) -> list[int]:
         """The pages named by the longest run of leading ``digests`` found, each now held once
-        more by the caller (who releases them with ``release``)."""
+        more by the caller."""
         pages: list[int] = []
         if not self.enabled:
             return pages

@@ -25,14 +25,11 @@ def refreshed(old: DecodeWeights, weights_or_params: DecodeWeights | Params,
 
     Args:
       old: the engine's weights.
-      weights_or_params: prepared weights, or model params (any placement; without a mesh
-        they are put on the old weights' device first, in memory).
-      prepare: the program a previous call returned, or None (built here once, for ``old``'s
-        config, mesh, layout and quantisation).
+      weights_or_params: prepared weights, or model params (any placement).
+      prepare: the program a previous call returned, or None (built here once).
 
     Raises:
-      ValueError: the new weights differ from ``old`` in structure, shape, dtype, placement or
-        preparation.
+      ValueError: the new weights differ from ``old`` in layout or preparation.
     """
     if isinstance(weights_or_params, DecodeWeights):
         new = weights_or_params

@@ -23,8 +23,7 @@ from transformer_jax.decode.prompts import is_int, sequence_keys
 from transformer_jax.decode.speculative import parse_spec
 from transformer_jax.serving.grammar import Grammar
 
-#: The most alternatives a request's ``top_logprobs`` may ask for (OpenAI's limit). A step
-#: any of whose rows asks computes this many for every row (one program, whatever K).
+#: The most alternatives a request's ``top_logprobs`` may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
 
 
@@ -33,31 +32,23 @@ class SamplingParams:
     """Per-request generation settings.
 
     Attributes:
-      max_tokens: the most new tokens (> 0); the request finishes with reason ``"length"``
-        when it has them.
-      stop_token_ids: a sequence of token ids in [0, V) that end the request (reason
-        ``"stop"``); the stop token is part of the output, as in ``generate``.
+      max_tokens: the most new tokens (> 0; then reason ``"length"``).
+      stop_token_ids: token ids in [0, V) that end the request (reason ``"stop"``; the stop
+        token is part of the output, as in ``generate``).
       temperature: >= 0; 0 is greedy.
-      top_k: None or k in [1, V].
-      top_p: None or p in (0, 1].
-      min_p: None or a value in [0, 1].
+      top_k, top_p, min_p: None, or k in [1, V], p in (0, 1], a value in [0, 1].
       seed: the request's own PRNG seed, an int in [0, 2**32) (token i is drawn with
         ``fold_in(key(seed), i)``, as ``generate(..., seed=[seed])`` draws it).
       logprobs: (a bool) whether each ``TokenEvent`` carries the token's log-probability.
       top_logprobs: K in [0, ``MAX_TOP_LOGPROBS``]: each ``TokenEvent`` also carries the K
         most likely tokens of that step with their log-probabilities (needs ``logprobs``).
-      stop: a sequence of non-empty stop strings: the request ends (reason ``"stop"``) when
-        its text contains one; the text released stops before it (the engine needs a
-        tokenizer, ``serving.text``).
-      grammar: a ``serving.grammar.Grammar`` the output must follow (structured outputs: the
-        engine masks the tokens it does not allow and ends the request, reason ``"stop"``,
-        once it is complete), or None.
-      adapter: the name of one of the engine's LoRA adapters (``Engine(adapters=...)``) to
-        decode with, or None for the base model.
-      speculative: speculative decoding for this request (``decode.speculative``): a spec
-        string (``"ngram:k=4"``, ``"draft:PATH:k=4"``, the draft the engine's own, ``"mtp"``,
-        the model's multi-token prediction module: ``serving.mtp``) or a
-        ``SpeculativeConfig``; the same tokens as without, often several per step.
+      stop: non-empty stop strings: the request ends (reason ``"stop"``) when its text contains
+        one; the text released stops before it (the engine needs a tokenizer).
+      grammar: a ``serving.grammar.Grammar`` the output must follow (reason ``"stop"`` once it
+        is complete), or None.
+      adapter: the name of one of the engine's LoRA adapters, or None for the base model.
+      speculative: a spec string (``"ngram:k=4"``, ``"draft:PATH:k=4"``, ``"mtp"``) or a
+        ``SpeculativeConfig``: the same tokens as without, often several per step.
     """
 
     max_tokens: int = 16
@@ -75,8 +66,7 @@ class SamplingParams:
     speculative: Any = None
 
     def validate(self, vocab_size: int) -> None:
-        """Raises ValueError naming the first setting of the wrong type or out of range for V
-        tokens (before anything reads them: a bad value never surfaces as a bare TypeError)."""
+        """Raises ValueError naming the first setting of the wrong type or out of range."""
         if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         stop_ids = self.stop_token_ids
@@ -127,8 +117,7 @@ class SamplingParams:
 
 
 def _is_collection(x: Any, arrays: bool = False) -> bool:
-    """A sequence (not a string) or a set (or, with ``arrays``, a numpy array): what a
-    list-valued setting takes."""
+    """A sequence (not a string) or a set (or, with ``arrays``, a numpy array)."""
     if type(x) in (tuple, list):  # the usual case, without the ABCs' checks
         return True
     kinds = (Sequence, AbstractSet, np.ndarray) if arrays else (Sequence, AbstractSet)
@@ -153,10 +142,9 @@ class TokenEvent:
       top_logprobs: with ``SamplingParams.top_logprobs`` K, the step's K most likely tokens
         under that softmax as (token id, log-probability) pairs, most likely first.
       finish_reason: None while the request runs; ``"stop"`` (a stop token, included, or a
-        stop string), ``"length"`` (``max_tokens`` reached), ``"cancelled"`` or ``"error"`` (its
-        grammar refused a token drawn from its own mask: the engine's fault) on its last event.
-      text: the text this token makes whole (``serving.text``: possibly empty, held back while
-        it may start a stop string), when the engine has a tokenizer; else None.
+        stop string), ``"length"``, ``"cancelled"`` or ``"error"`` on its last event.
+      text: the text this token makes whole (possibly empty, held back while it may start a
+        stop string), when the engine has a tokenizer; else None.
     """
 
     request_id: int
@@ -172,12 +160,9 @@ class TokenEvent:
 class Completion:
     """A finished request: its new tokens (and their log-probabilities) and why it ended.
 
-    ``preemptions`` counts the times it was preempted (and recomputed); ``prefix_hit_tokens``
-    the positions it found in the prefix cache instead of computing them (every admission);
-    ``text`` the text released (the engine had a tokenizer), else None; ``top_logprobs`` each
-    new token's ``TokenEvent.top_logprobs`` when the request asked for them, else None;
-    ``speculative`` its ``decode.speculative.Acceptance`` (acceptance rate, mean accepted
-    length) when it speculated, else None.
+    ``preemptions`` counts its preemptions; ``prefix_hit_tokens`` the positions it found in
+    the prefix cache; ``text`` the text released, ``top_logprobs`` each token's alternatives
+    and ``speculative`` its ``decode.speculative.Acceptance``, each when there are any, else None.
     """
 
     request_id: int
@@ -203,20 +188,18 @@ class Request:
     """A request's state in the engine (host side).
 
     Attributes:
-      id: its id, in arrival order (the newest has the largest; preemption takes it first).
-      prompt: [n] int32 prompt ids.
-      params: its sampling parameters.
+      id: its id, in arrival order (preemption takes the newest first).
+      prompt, params: [n] int32 prompt ids; its sampling parameters.
       key_data: [2] uint32 raw PRNG key.
       on_token: optional consumer of its ``TokenEvent``s.
       tokens: prompt + new tokens so far (what the cache holds, in order).
-      logprobs: the new tokens' log-probabilities.
-      top_logprobs: each new token's top alternatives (``SamplingParams.top_logprobs``).
+      logprobs, top_logprobs: the new tokens' log-probabilities and top alternatives.
       slot: the engine slot it decodes in, or None.
       pages: its pages in position order (shared prefix pages first).
       cached: positions of ``tokens`` written in its pages.
       prefill_target: positions to prefill before decoding (its tokens when admitted).
-      digests: chained digests of its full pages (``prefix_cache.page_digests``).
-      named: leading pages already named in the prefix cache (found there or inserted).
+      digests: chained digests of its full pages.
+      named: leading pages already named in the prefix cache.
       text: its ``serving.text.TextStream`` when the engine detokenises, else None.
       adapter: the index of its LoRA adapter among the engine's (0 = the base model).
     """
@@ -246,8 +229,7 @@ class Request:
 
     @property
     def digest_root(self) -> bytes:
-        """What its page digests chain from: its pages' keys and values depend on the adapter
-        too, so requests of different adapters never share a prefix page."""
+        """What its page digests chain from: requests of different adapters share no page."""
         return b"" if not self.adapter else f"lora:{self.adapter}".encode()
 
     @classmethod
@@ -271,8 +253,7 @@ class Request:
 
 
 def with_text(req: Request, event: TokenEvent, cancel: Callable[[Request], Any]) -> TokenEvent:
-    """The event with its text delta (the request's ``TextStream``); a stop string that
-    matched ends the request (``cancel`` gives back its slot and pages)."""
+    """The event with its text delta; a stop string that matched ends the request (``cancel``)."""
     if event.token is None:  # cancelled: the held text is not released
         return dataclasses.replace(event, text="")
     text, stopped = req.text.feed(event.token)

@@ -2,27 +2,18 @@
 
 Each step it plans (``schedule``):
 
-1. a decode row for every running request, oldest first; one that needs a new page and finds
-   none (after evicting parked prefix pages) preempts the newest request holding pages, itself
-   included: that request's pages are released and it is queued again, to be recomputed from
-   its prompt and the tokens it already has (nothing fails, nothing is sent twice);
-2. within the token budget, prompt chunks, several prompts' at once: the next chunk of each
-   prompt in prefill (oldest first), then of the oldest waiting requests while a slot is free and
-   the pool has pages for the whole prompt (after the full pages the prefix cache already holds
-   for it, which it shares, and the pages the prompts in prefill still need). The chunks run as
-   one [R, C] batch, R rows padded to a power of two and C to the longest chunk's bucket, and
-   take chunks while R C stays within the budget (``max_chunk``), so a step of many short
-   prompts costs one program, and the compiled shapes are the few (R, C) with R C <= budget;
-3. with the last chunk of a prompt, the forks: waiting requests with the very same tokens (the
-   ``n`` choices of one API request, or the same prompt sent again) take a free slot each, share
-   the prompt's full pages, get a copy of its last, partial page, and draw their first token from
-   the same logits with their own key, so the prompt is computed once for all of them (a waiting
-   request with the tokens of a prompt still in prefill is not admitted: it forks from it).
+1. a decode row for every running request, oldest first; one that finds no page preempts the
+   newest request holding pages (itself included), which is queued again and recomputed later;
+2. within the token budget, prompt chunks: the next chunk of each prompt in prefill, then of the
+   oldest waiting requests while a slot is free and the pool has pages for the whole prompt
+   (after the prefix cache's shared pages). The chunks run as one [R, C] batch, R padded to a
+   power of two and C to the longest chunk's bucket, while R C stays within the budget;
+3. with the last chunk of a prompt, the forks: waiting requests with the very same tokens share
+   its full pages, get a copy of its last, partial page, and draw their first token from the
+   same logits with their own key.
 
-Then ``commit_prefill`` and ``commit_decodes`` take the step's tokens: a prompt whose last chunk
-ran gets its first, running requests get theirs, finished requests give back their pages and
-slot, and full pages are named in the prefix cache. Everything here is plain Python and
-numpy; ``step.py`` runs the device part.
+Then ``commit_prefill`` and ``commit_decodes`` take the step's tokens, release finished requests
+and name full pages in the prefix cache. Everything here is host-side Python and numpy.
 """
 
 from __future__ import annotations
@@ -57,22 +48,17 @@ class Scheduler:
     """Slots, the page pool and the queues of an engine (see the module docstring).
 
     Args:
-      num_slots: B, sequences decoded at once.
-      num_pages: P pages in the pool (page 0 is the null page).
-      page_size: positions per page.
+      num_slots, num_pages, page_size: as ``Engine``'s.
       max_len: the most positions of one sequence (the model's context).
       max_chunk: the most prefill tokens per step.
       prefix_caching: whether full pages are shared between requests.
-      forks: whether requests waiting with the tokens of a prompt whose last chunk runs fork
-        from it (see the module docstring; the engine turns it off for models whose local
-        layers keep per-slot rings, which a fork would not copy).
+      forks: whether waiting requests with a prompt's very tokens fork from it (off for
+        models whose local layers keep per-slot rings).
       max_prefill_rows: the most prompt chunks one step runs (None: as many as the budget
-        holds; 1: one prompt at a time).
-      min_context: the narrowest page table a step runs at, in positions. A step attends over
-        its rows' first W pages, W the smallest width bucket (powers of two from this) that
-        holds its longest row, so short sequences do not read the whole context
-        (decode_25m, batch 8, the gather view: 21-41 ms per decode step at 8 pages of 16
-        positions, against 76-97 ms at all 64).
+        holds).
+      min_context: the narrowest page table a step runs at, in positions: a step attends over
+        its rows' first W pages, W the smallest power-of-two width from this that holds its
+        longest row.
     """
 
     def __init__(self, num_slots: int, num_pages: int, page_size: int, max_len: int,
@@ -105,8 +91,7 @@ class Scheduler:
         return not (self.waiting or self.running or self.prefilling)
 
     def check_no_leaks(self) -> None:
-        """Raises AssertionError unless every page is free or parked in the prefix cache and
-        no slot is taken (an idle scheduler)."""
+        """Raises AssertionError unless every page is free or parked and no slot is taken."""
         held, free = self.pool.held(), self.prefix.num_available
         if held or free != self.pool.capacity or any(s is not None for s in self.slots):
             raise AssertionError(f"pages leaked: held {held}, {free} of "
@@ -160,8 +145,7 @@ class Scheduler:
         return self.buckets[bisect.bisect_left(self.buckets, length)]
 
     def _fits(self, plan: StepPlan, length: int) -> bool:
-        """Whether a chunk of ``length`` tokens joins ``plan``'s within the budget: rows
-        padded to a power of two, times the bucket of the longest chunk."""
+        """Whether a chunk of ``length`` tokens joins ``plan``'s within the budget."""
         n = len(plan.chunks) + 1
         if self.max_prefill_rows is not None and n > self.max_prefill_rows:
             return False
@@ -169,16 +153,14 @@ class Scheduler:
         return row_bucket(n) * self._bucket(longest) <= self.buckets[-1]
 
     def _owed(self, before: Request | None = None) -> int:
-        """Pages the prompts in prefill (those admitted before ``before``, when given) still
-        need for the rest of their prompts."""
+        """Pages the prompts in prefill (admitted before ``before``, when given) still need."""
         n = len(self.prefilling) if before is None else self.prefilling.index(before)
         return sum(max(0, pages_for(r.prefill_target, self.page_size) - len(r.pages))
                    for r in self.prefilling[:n])
 
     def _add_chunk(self, plan: StepPlan, req: Request) -> bool:
-        """Adds the next chunk of ``req`` (in prefill) to ``plan`` when it fits the budget and
-        the pool has pages for some of it (a prefill never preempts, and leaves the pages owed
-        to older prompts in prefill); with its last chunk, its forks. Whether it was added."""
+        """Adds the next chunk of ``req`` to ``plan`` (with its last chunk, its forks) when it
+        fits the budget and pages not owed to older prompts; whether it was added."""
         chunk = min(req.prefill_target - req.cached, self.buckets[-1])
         have = len(req.pages) + self.prefix.num_available - self._owed(before=req)
         chunk = min(chunk, have * self.page_size - req.cached)
@@ -197,8 +179,7 @@ class Scheduler:
 
     def _admit(self) -> Request | None:
         """The oldest waiting request, given a free slot and its prefix pages, when the pool
-        can hold its whole prompt besides the pages owed to the prompts in prefill; else None
-        (and None when it has the tokens of a prompt in prefill: it will fork from it)."""
+        can hold its whole prompt; else None (also when it will fork from a prompt in prefill)."""
         if not self.waiting or None not in self.slots:
             return None
         req = self.waiting[0]
@@ -225,12 +206,9 @@ class Scheduler:
         return req
 
     def _fork(self, plan: StepPlan, chunk: Chunk) -> None:
-        """Admits, as ``chunk.forks``, the waiting requests whose tokens are the chunk's
-        prompt's (same adapter): each takes a free slot, holds the prompt's full pages once
-        more and gets a fresh page for its last, partial one (``plan.copies``: (source,
-        destination) pages the engine copies after the chunks' forward), while slots and pages
-        (besides those owed to prompts in prefill) last. Their first tokens come from the
-        chunk's logits (``commit_prefill``)."""
+        """Admits, as ``chunk.forks``, the waiting requests whose tokens (and adapter) are the
+        chunk's prompt's, while slots and pages last: each shares its full pages and gets a
+        fresh page for its last, partial one (copied per ``plan.copies``)."""
         leader = chunk.req
         target = leader.prefill_target
         full = target // self.page_size
@@ -266,9 +244,8 @@ class Scheduler:
             self.waiting = [r for r in self.waiting if r.id not in taken]
 
     def _grow(self, req: Request, length: int, *, preempt: bool) -> bool:
-        """Gives ``req`` pages for ``length`` positions; with ``preempt``, preempts the newest
-        page holder while the pool is short. False when ``req`` itself went (or, without
-        ``preempt``, when the pages are not there)."""
+        """Gives ``req`` pages for ``length`` positions (with ``preempt``, preempting the newest
+        page holder while short); False when ``req`` itself went or the pages are not there."""
         need = pages_for(length, self.page_size) - len(req.pages)
         while need > 0:
             pages = self.prefix.allocate(need)
@@ -308,24 +285,13 @@ class Scheduler:
 
     # Step inputs and results -----------------------------------------------------------------
 
-    def inputs(self, plan: StepPlan, vocab_size: int, slot: bool = False,
-               adapters: bool = False
+    def inputs(self, plan: StepPlan, vocab_size: int, slot: bool = False, adapters: bool = False
                ) -> tuple[DecodeRows, PrefillChunk | None, RowSampling, Sampler]:
-        """The step's device inputs (numpy) for ``plan``: a decode row per slot (idle ones
-        write into the null page), and the chunks' [R, C] rows when there are any (idle rows
-        past them write into the null page; with ``slot``, each row's slot: the row of the
-        local layers' rings; with ``adapters``, each row's LoRA adapter, 0 for idle rows)."""
+        """The step's numpy inputs for ``plan``: a decode row per slot, and the chunks' [R, C]
+        rows when there are any (with ``slot``, each row's ring row; with ``adapters``, each
+        row's LoRA adapter, 0 for idle rows)."""
         prefill = None
-        tokens = np.zeros(self.num_slots, np.int32)
-        positions = np.zeros(self.num_slots, np.int32)
-        table = np.full((self.num_slots, plan.width), NULL_PAGE, np.int32)
-        adapter = np.zeros(self.num_slots, np.int32) if adapters else None
-        for req in plan.decodes:
-            tokens[req.slot], positions[req.slot] = req.tokens[-1], req.cached
-            table[req.slot] = self.page_table[req.slot, :plan.width]
-            if adapter is not None:
-                adapter[req.slot] = req.adapter
-        decode = DecodeRows(tokens, positions, table, adapter)
+        decode = self.decode_rows(plan.decodes, plan.width, adapters)
         if plan.chunks:
             r = plan.rows
             tokens = np.zeros((r, plan.bucket), np.int32)
@@ -341,6 +307,22 @@ class Scheduler:
         rows, sampler = row_sampling(self._row_requests(plan), vocab_size)
         return decode, prefill, rows, sampler
 
+    def decode_rows(self, reqs: list[Request], width: int, adapters: bool = False,
+                    ahead: int = 0) -> DecodeRows:
+        """The decode rows of ``reqs`` (each at its slot, fed its last token at its cached length
+        plus ``ahead``) through a page table ``width`` wide; idle slots write into the null
+        page. With ``adapters``, each row's LoRA adapter (0 for idle rows)."""
+        b = self.num_slots
+        tokens, positions = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        table = np.full((b, width), NULL_PAGE, np.int32)
+        adapter = np.zeros(b, np.int32) if adapters else None
+        for req in reqs:
+            tokens[req.slot], positions[req.slot] = req.tokens[-1], req.cached + ahead
+            table[req.slot] = self.page_table[req.slot, :width]
+            if adapter is not None:
+                adapter[req.slot] = req.adapter
+        return DecodeRows(tokens, positions, table, adapter)
+
     def sources(self, plan: StepPlan) -> np.ndarray:
         """[``plan.sample_rows``] int32: the chunk row each sampling row draws from (row 0
         past the drawing requests)."""
@@ -355,9 +337,8 @@ class Scheduler:
 
     def idle_inputs(self, slot: bool, adapters: bool
                     ) -> list[tuple[DecodeRows | None, PrefillChunk | None]]:
-        """Inputs of every step shape on idle rows (which write only into the null page): the
-        decode rows, and the chunks of each of ``chunk_shapes``, at every page-table width
-        (with ``slot`` and ``adapters`` as ``inputs``)."""
+        """Inputs of every step shape on idle rows (decode rows and ``chunk_shapes``) at every
+        page-table width (``slot`` and ``adapters`` as ``inputs``')."""
         b = self.num_slots
         zeros = functools.partial(np.zeros, dtype=np.int32)
         out: list[tuple[DecodeRows | None, PrefillChunk | None]] = []
@@ -370,10 +351,8 @@ class Scheduler:
         return out
 
     def grammar_masks(self, plan: StepPlan, vocab_size: int) -> np.ndarray | None:
-        """The [R, ceil(V/32)] int32 bitmasks of the tokens the step's rows may draw (B decode
-        rows, then the chunk's): each grammar row's from its matcher, every token for the
-        others; None when no row has a grammar (``inputs``' sampling leaves them out, so the
-        engine can compute them while the device runs the step's forward)."""
+        """The [R, ceil(V/32)] int32 bitmasks of the tokens the step's rows may draw (every
+        token for a row without a grammar); None when no row has a grammar."""
         matchers = [None if req is None else req.matcher for req in self._row_requests(plan)]
         if all(m is None for m in matchers):
             return None
@@ -385,9 +364,8 @@ class Scheduler:
                    for req in self._row_requests(plan))
 
     def _row_requests(self, plan: StepPlan) -> list[Request | None]:
-        """The request of each of the step's sampling rows: B decode rows (None for a slot not
-        decoding), then, with chunks, ``plan.sample_rows`` rows: the drawing requests
-        (``StepPlan.drawing``), None past them."""
+        """The request of each sampling row: B decode rows, then ``plan.sample_rows`` chunk
+        rows (``StepPlan.drawing``); None for an idle row."""
         reqs: list[Request | None] = [None] * self.num_slots
         for req in plan.decodes:
             reqs[req.slot] = req
@@ -398,11 +376,9 @@ class Scheduler:
 
     def commit_prefill(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray
                        ) -> list[tuple[Request, TokenEvent]]:
-        """Applies the step's prompt chunks (the sampled tokens and log-probabilities of the
-        drawing requests, ``StepPlan.drawing``'s order, [n] or [n, 1 + K] with the top
-        alternatives, ``step.sample_rows``; rows past them ignored): a prompt whose last chunk
-        ran starts running with its first token, and so does each fork; the events to
-        deliver."""
+        """Applies the step's prompt chunks (tokens and log-probabilities in
+        ``StepPlan.drawing``'s order, [n] or [n, 1 + K]): a prompt whose last chunk ran starts
+        running with its first token, and so does each fork; the events to deliver."""
         events = []
         i = 0
         for c in plan.chunks:
@@ -451,8 +427,7 @@ class Scheduler:
         if top is not None:
             req.top_logprobs.append(top)
         if req.matcher is not None and not req.matcher.consume_token(token):
-            # structured outputs: a token drawn from the grammar's own mask that the grammar
-            # refuses is the engine's fault; the reply would not follow the grammar
+            # a token drawn from the grammar's own mask that it refuses is the engine's fault
             logger.error("request %d: its grammar refused token %d, drawn from its own mask "
                          "(%s); the request ends with an error", req.id, token,
                          req.matcher.get_error().splitlines()[0] if req.matcher.is_error()

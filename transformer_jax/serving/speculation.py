@@ -1,26 +1,13 @@
 """Speculative decoding in the serving engine: a decode step whose rows carry proposals.
 
-A step in which some running request speculates (``SamplingParams.speculative``) runs the
-*verify rows* instead of one-token decode rows: every slot feeds its last token and up to k
-proposals ([B, T], T = k + 1 bucketed to a power of two plus one) at its own positions; the
-target draws its own token at each position with the request's key for that token index and
-keeps the proposals up to the first disagreement plus its own token there (exact, greedy and
-sampled: ``decode.speculative``). A row without proposals feeds one real token; its padding
-writes past its length (hidden by causality) or into the null page. Accepted tokens go out one
-at a time through the scheduler (stop ids, ``max_tokens``, logprobs) and the engine's delivery
-(stop strings), so a request ends where it would without speculation; pages grown for rejected
-positions go back to the pool.
-
-Cost: the engine times its plain and verify steps (per page-table width, T and sampler; the
-median of each kind's last 9) and verifies a row only while its expected tokens per round at
-its recent acceptance beat the verify step's cost in plain steps (``speculative.pays``, as in
-``generate``), a step only when its rows' tokens beat that many plain steps of all of them. A
-row that stops verifying keeps scoring its proposals on plain steps and starts again when its
-acceptance rises. A step that also prefills a chunk does not speculate.
-
-Proposers: n-gram lookup (``ngram_proposals``), a draft model (``serving.draft``) and the
-target's multi-token prediction module (``serving.mtp``). Programs: one per (page-table width,
-T, sampler), T in {2, 3, 5, 9, 17} up to the largest k.
+A step in which some running request speculates (``SamplingParams.speculative``) runs *verify
+rows* instead of one-token decode rows: every slot feeds its last token and up to k proposals
+([B, T], T = 1 + a power of two >= k); the target draws its own token at each position with the
+request's key for that token index and keeps the proposals up to the first disagreement plus its
+own token there (exact, greedy and sampled: ``decode.speculative``). Accepted tokens go out one
+at a time, so a request ends where it would without speculation. A row is verified only while
+its measured cost pays (docs/serving.md). Proposers: n-gram lookup, a draft model
+(``serving.draft``) and the target's multi-token prediction module (``serving.mtp``).
 """
 
 from __future__ import annotations
@@ -50,7 +37,7 @@ from transformer_jax.decode.speculative import (
 )
 from transformer_jax.decode.speculative_loop import check_no_rings
 from transformer_jax.model.config import ModelConfig
-from transformer_jax.serving.draft import EngineDraft, decode_table, same_path
+from transformer_jax.serving.draft import EngineDraft, same_path
 from transformer_jax.serving.mtp import EngineMTP, is_mtp
 from transformer_jax.serving.page_pool import NULL_PAGE, pages_for
 from transformer_jax.serving.paged_cache import PagedKVCache
@@ -61,8 +48,7 @@ from transformer_jax.serving.step import RowSampling, Sampler, _adapted, sample_
 logger = logging.getLogger(__name__)
 
 Params = dict[str, Any]
-#: Refresh a step-time measurement older than this many steps (each refresh of a verify
-#: time is a verify step that may not pay: under load, few of them).
+#: Refresh a step-time measurement older than this many steps.
 STALE_STEPS = 256
 #: Step times kept per (width, T); their median decides.
 MEASUREMENTS = 9
@@ -93,22 +79,18 @@ def verify_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                 sampler: Sampler, view: str = "auto"
                 ) -> tuple[Any, Any, jax.Array, jax.Array, jax.Array]:
     """The verify rows' forward through the paged cache, the target's draw at every position,
-    and each row's accepted proposals: ``speculative.verify`` (``generate``'s too) with the
-    engine's per-row sampler.
+    and each row's accepted proposals (``speculative.verify`` with the engine's sampler).
 
     Args:
-      config, params: the target's config (static) and prepared weights.
-      k_pages, v_pages: the cache's pages (updated: all T positions of every row written).
+      config, params, k_pages, v_pages: as ``step.engine_step``'s (all T positions written).
       rows: the ``VerifyRows``.
-      sampling: [B * T] rows of sampling settings, row b's T positions consecutive (token
-        index ``i + t`` at position t).
+      sampling: [B * T] rows of sampling settings, row b's T positions consecutive.
       adapters: the engine's stacked LoRA adapters, or None.
       sampler, view: static, as ``step.engine_step``'s.
 
     Returns:
-      (key pages, value pages, [B, T] (or [B, T, 1 + K] with top logprobs) tokens, the same
-      shape of log-probabilities, [B] int32 accepted proposals a: row b keeps tokens
-      ``[:a + 1]``).
+      (key pages, value pages, [B, T] (or [B, T, 1 + K]) tokens, their log-probabilities,
+      [B] int32 accepted proposals a: row b keeps tokens ``[:a + 1]``).
     """
     cache = PagedKVCache(k=k_pages, v=v_pages, page_table=rows.page_table, lengths=rows.start,
                          view=view)
@@ -148,8 +130,7 @@ class Pending:
 
 
 class Speculation:
-    """The engine's speculation: admission of speculating requests, the per-step choice,
-    the verify program's inputs, and the commit of its results (module docstring)."""
+    """The engine's speculation: admission, the per-step choice, the verify step, its commit."""
 
     def __init__(self, engine: Any, draft: Any = None) -> None:
         self.engine = engine
@@ -188,29 +169,24 @@ class Speculation:
         self.check_engine()
         if spec.method == "mtp":
             self.enable_mtp()
-        # a new request's prior: the engine's acceptance so far (0.5 before any) worth
-        # PRIOR_TRIES, so that a batch of new rows is not taken for one whose every proposal
-        # will be kept
+        # a new request's prior: the engine's acceptance so far (0.5 before any)
         prior = self.total.accepted / self.tried if self.tried else 0.5
         req.speculation = (spec, Acceptance(hits=prior * PRIOR_TRIES))
 
     def enable_mtp(self) -> None:
-        """Makes the module's pages once (``serving.mtp``; requests come from any thread), or
-        raises ValueError (one line): no module, or an engine that cannot speculate."""
+        """Makes the module's pages once (thread-safe), or raises ValueError (one line)."""
         self.check_engine()
         with self.engine._lock:
             self.mtp = self.mtp or EngineMTP(self.engine)
 
     def prefill(self, plan: StepPlan, chunk: Any, rows: RowSampling, sampler: Sampler) -> Any:
-        """Runs the step's prompt chunk (no forks): ``EngineMTP.prefill`` when a request of it
-        speculates with the module, else ``Engine._run``."""
+        """Runs the step's prompt chunk, through the module when a request of it uses it."""
         if self.mtp is not None and any(is_mtp(c.req) for c in plan.chunks):
             return self.mtp.prefill(plan, chunk, rows, sampler)
         return self.engine._run(None, chunk, rows, sampler)
 
     def check_engine(self) -> None:
-        """Raises ValueError (one line) unless the engine can speculate: one device (no
-        tensor- or expert-parallel mesh), no sliding-window (ring) layers."""
+        """Raises ValueError (one line) unless the engine can speculate: one device, no rings."""
         eng = self.engine
         if is_split(eng.mesh):
             raise ValueError("speculative decoding in the engine needs one device (no "
@@ -222,28 +198,24 @@ class Speculation:
 
     def record(self, width: int, t: int, seconds: float, chunk: bool, sampler: Sampler
                ) -> None:
-        """A step's measured time (plain: t = 1; ``chunk``: a prefill chunk ran before its
-        rows, measured apart). The choice reads the median of the last ``MEASUREMENTS``, which
-        a shared machine's spikes do not move; the first of each kind is not kept (it may have
-        compiled its program)."""
+        """A step's measured time (plain: t = 1), kept among the last ``MEASUREMENTS``; the
+        first of each kind is dropped (it may have compiled)."""
         key = (width, t, chunk, sampler)
         if key not in self._recent:
             self._recent[key] = collections.deque(maxlen=MEASUREMENTS)
             return
         self._recent[key].append(seconds)
-        # (statistics, not numpy: 0.1 ms a step)
         self.times[key] = (statistics.median(self._recent[key]), self.engine.steps)
 
     def plain_step(self, plan: StepPlan, tokens: np.ndarray, seconds: float, chunk: bool,
                    sampler: Sampler) -> None:
-        """After a plain step whose rows speculate: its time recorded (``record``), and the
-        watched proposals checked against its [B] tokens (``_observe``)."""
+        """After a plain step whose rows speculate: records its time and checks the watched
+        proposals against its [B] tokens."""
         self.record(plan.width, 1, seconds, chunk, sampler)
         self._observe(plan.decodes, tokens)
 
     def _observe(self, reqs: list[Request], tokens: np.ndarray) -> None:
-        """Each watched row's proposal checked against its plain step's token ([B] by slot, or
-        [B, 1 + K]; a draft's: against the draft's next token, ``EngineDraft.next``)."""
+        """Checks each watched row's proposal against its plain step's token ([B] by slot)."""
         nxt = None
         for req in reqs:
             if req.speculation is None or not req.speculation[1].watched:
@@ -263,13 +235,12 @@ class Speculation:
 
     def dispatch(self, plan: StepPlan, rows: RowSampling, sampler: Sampler) -> Pending | None:
         """Proposes, decides, grows pages and dispatches the verify step of ``plan``'s decode
-        rows; None for a plain step (nothing proposed, or not worth it; ``_verify``)."""
+        rows; None for a plain step."""
         sched = self.engine.scheduler
         if any(r.matcher is not None for r in plan.decodes):
             return None
         if plan.chunks and any(r.speculation for r in plan.decodes):
-            # prompts are waiting to go in: the engine is saturated, and verification would
-            # only take time from them (the cost of a step with a chunk is too noisy to judge)
+            # prompts are waiting: verification would only take time from them
             self.backed_off += 1
             return self._verify(plan, {}, {}, rows, sampler)
         drafts: dict[int, list[int]] = {}
@@ -295,7 +266,6 @@ class Speculation:
         plain_s, verify_s = self._times(plan, width, t, sampler)
         if verify_s is not None:  # the cost rule (no plain step's time yet: run one)
             drafts = self._decide(plan, drafts, None if plain_s is None else verify_s / plain_s, t)
-        # (else verification was not measured at this shape: it runs, and so is)
         if not drafts:
             self.backed_off += 1
             return self._verify(plan, {}, {}, rows, sampler)
@@ -318,31 +288,26 @@ class Speculation:
 
     def _verify(self, plan: StepPlan, drafts: dict[int, list[int]], held: dict[int, int],
                 rows: RowSampling, sampler: Sampler) -> Pending | None:
-        """Dispatches the verify step of ``plan``'s decode rows with ``drafts``; without any,
-        the module's plain step (T = 1) when a row speculates with it, else None (plain)."""
+        """Dispatches the verify step of ``plan``'s decode rows with ``drafts`` (T = 1 for the
+        module's rows without any); None for a plain step."""
         module = self.mtp is not None and any(is_mtp(r) for r in plan.decodes)
         if not drafts and not module:
             return None
         eng, sched = self.engine, self.engine.scheduler
         t, width = self._shape(plan, drafts)
         b = sched.num_slots
-        tokens = np.zeros((b, t), np.int32)
-        start = np.zeros(b, np.int32)
-        num = np.zeros(b, np.int32)
-        table = decode_table(plan, sched, width)  # the draft's pages are read through it too
-        adapter = np.zeros(b, np.int32) if eng._adapters is not None else None
+        decode = sched.decode_rows(plan.decodes, width, eng._adapters is not None)
+        tokens, num = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
         for req in plan.decodes:
             d = drafts.get(req.id, [])
             tokens[req.slot, 0], tokens[req.slot, 1:1 + len(d)] = req.tokens[-1], d
-            start[req.slot], num[req.slot] = req.cached, len(d)
-            if adapter is not None:
-                adapter[req.slot] = req.adapter
+            num[req.slot] = len(d)
         flat = jax.tree.map(lambda x: np.repeat(np.asarray(x)[:b], t, axis=0), rows)
         flat = flat.replace(token_index=flat.token_index + np.tile(np.arange(t, dtype=np.int32),
                                                                    b))
         started = time.perf_counter()
-        outputs = self._program(VerifyRows(tokens, start, num, table, adapter), flat, sampler,
-                                module)
+        outputs = self._program(VerifyRows(tokens, decode.positions, num, decode.page_table,
+                                           decode.adapter), flat, sampler, module)
         return Pending(list(plan.decodes), held, {i: len(d) for i, d in drafts.items()},
                        outputs, t, width, started, sampler)
 
@@ -357,9 +322,8 @@ class Speculation:
         return tuple(out)
 
     def compile(self, k: int) -> int:
-        """Runs the verify program once at every page-table width and T up to k proposals, on
-        idle rows (writes only into the null page), greedy and sampled (temperature only, as a
-        server's request by default), the module's instead when it runs; the shapes run."""
+        """Runs the verify program once on idle rows at every page-table width and T up to k
+        proposals, greedy and sampled (the module's when it runs); returns the shapes run."""
         eng, sched, b = self.engine, self.engine.scheduler, self.engine.scheduler.num_slots
         ts = sorted({width_of(j) for j in range(1, k + 1)})
         shapes = list(itertools.product(sched.widths, [1, 2] if self.mtp else ts, (False, True)))
@@ -385,8 +349,7 @@ class Speculation:
 
     def _times(self, plan: StepPlan, width: int, t: int, sampler: Sampler
                ) -> tuple[float | None, float | None]:
-        """The plain step's and the verify step's measured times (a verify time not measured
-        yet estimated: ``_estimate``), or None."""
+        """The plain step's and the verify step's measured (or estimated) times, or None."""
         plain = self._time(plan.width, 1, False, sampler)
         verify = self._time(width, t, False, sampler)
         if verify is None and plain is not None:
@@ -396,11 +359,9 @@ class Speculation:
 
     def _decide(self, plan: StepPlan, drafts: dict[int, list[int]], cost: float | None,
                 t: int) -> dict[int, list[int]]:
-        """The cost rule (``speculative.pays``) for a verify step that costs ``cost`` plain
-        steps (None: a plain step, no choice): each row's own choice, then the step's (its
-        rows' expected tokens against ``cost`` plain steps of all of them). Returns the
-        proposals to verify ({}: a plain step); the others are watched
-        (``Acceptance.watch``)."""
+        """The cost rule for a verify step of ``cost`` plain steps (None: no choice): each
+        row's, then the step's. Returns the proposals to verify ({}: a plain step); the others
+        are watched."""
         kept, gain = {}, float(len(plan.decodes) - len(drafts))
         for req in plan.decodes:
             d = drafts.get(req.id)
@@ -423,9 +384,8 @@ class Speculation:
         return kept
 
     def _estimate(self, width: int, t: int, plain: float, sampler: Sampler) -> float | None:
-        """A verify time at (width, t) not measured yet: from one measured at another T of the
-        same width, linear in T from the plain step (each row's T positions cost alike); else
-        from the same T at another width, the same number of plain steps there."""
+        """A verify time at (width, t) not measured: linear in T from another T at this width,
+        else the same T's cost in plain steps at another width."""
         other_width = None
         for w, other, c, smp in sorted(self.times, key=lambda key: key[:3]):
             measured = self._time(w, other, c, smp)
@@ -440,9 +400,8 @@ class Speculation:
 
     def finish(self, pending: Pending, deliver: Any, chunk_ran: bool
                ) -> list[tuple[Request, TokenEvent]]:
-        """Reads the verify step's results and commits them: each row's kept tokens one at a
-        time (emitted and delivered, so stop ids, stop strings and ``max_tokens`` end it where
-        they would), its acceptance recorded, and its pages for rejected positions returned."""
+        """Reads the verify step's results and commits each row's kept tokens one at a time
+        (so stops end it where they would); returns pages grown for rejected positions."""
         tokens, logprobs, accepted, *proposals = self.engine.step_clock.lap(
             "device", jax.device_get(pending.outputs))
         self.record(pending.width, pending.t, time.perf_counter() - pending.started, chunk_ran,

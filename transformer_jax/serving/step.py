@@ -1,26 +1,14 @@
 """The engine's compiled step: the model's one forward over the paged cache, then sampling.
 
-A step runs the model's forward (``Transformer`` with a ``PagedKVCache``, as
-``decode.decode_step`` does with a ``KVCache``) on one of two kinds of rows, each one program:
-
-- decode rows: one token for each of the engine's B slots ([B, 1] at each slot's position; an
-  idle slot writes into the null page and its token is ignored);
-- prefill chunks: up to C tokens of each of R prompts ([R, C], right-padded to a bucket of C),
-  the LM head at each row's last real token only (``logits_at``).
-
-An engine step with both runs them as two programs, the chunk's first (so a prompt's first token
-is out before the decode rows end): in one program, XLA:CPU copied every layer's page pool to
-write the chunk after the decode rows had read it, a cost that grew with the pool.
-
-Each row's next token is drawn by ``sampling.sample_with_logprobs`` with the row's own settings
-and key ``fold_in(key, token index)``, as ``generate`` draws token i of a prompt. The page-table
-width W, the kind of rows, the chunk's (R, C) and the sampler's switches make a program's shape,
-so the engine compiles a small fixed set. Rows under a grammar run the forward
-(``engine_forward``) and the sampling (``sample_rows``) as two programs, so the host computes
-the masks while the device runs the forward. Over a mesh's tensor axis the step is partitioned
-as ``generate``'s (``decode.decode_context``), the pages split by kv head. Local
-(sliding-window) layers keep a ring per slot beside the pages (``rings``): decode row b uses
-ring row b, a chunk its request's slot.
+A step runs the model's forward with a ``PagedKVCache`` on decode rows (one token for each of
+the B slots, [B, 1]; an idle slot writes into the null page) or prefill chunks (up to C tokens of
+each of R prompts, [R, C], the LM head at each row's last real token only), each one program; an
+engine step with both runs the chunk's program first. Each row's next token is drawn with its
+own settings and key ``fold_in(key, token index)``, as ``generate`` draws token i. The page-table
+width W, the kind of rows, the chunk's (R, C) and the sampler's switches make a program's shape.
+Rows under a grammar run the forward (``engine_forward``) and the sampling (``sample_rows``) as
+two programs, so the host computes the masks while the device runs the forward. Over a mesh's
+tensor axis the pages are split by kv head. Local layers keep a ring per slot (``rings``).
 """
 
 from __future__ import annotations
@@ -67,8 +55,7 @@ class DecodeRows:
       tokens: [B] int32 token each slot feeds (its last token).
       positions: [B] int32 its position (the slot's cached length).
       page_table: [B, W] int32 each slot's pages (all ``NULL_PAGE`` for an idle slot).
-      adapter: [B] int32 each slot's LoRA adapter (0 = the base), or None for an engine
-        without adapters.
+      adapter: [B] int32 each slot's LoRA adapter (0 = the base), or None.
     """
 
     tokens: jax.Array
@@ -79,17 +66,15 @@ class DecodeRows:
 
 @flax.struct.dataclass
 class PrefillChunk:
-    """Up to C consecutive prompt tokens of each of R sequences (an idle row: all tokens 0, its
-    page table all ``NULL_PAGE``).
+    """Up to C consecutive prompt tokens of each of R sequences (idle rows: null pages).
 
     Attributes:
       tokens: [R, C] int32, each row right-padded past its chunk's real length.
       start: [R] int32 position of each row's first token.
       page_table: [R, W] int32 each sequence's pages.
       last: [R] int32 index in [0, C) of each chunk's last real token.
-      slot: [R] int32 each sequence's slot (its row of the local layers' rings); None for a
-        model without rings.
-      adapter: [R] int32 each sequence's LoRA adapter, or None for an engine without adapters.
+      slot: [R] int32 each sequence's slot (its rings' row), or None for a model without rings.
+      adapter: [R] int32 each sequence's LoRA adapter, or None.
     """
 
     tokens: jax.Array
@@ -107,13 +92,9 @@ class RowSampling:
     Attributes:
       key_data: [R, 2] uint32 raw PRNG key of each row's request.
       token_index: [R] int32 index of the token being drawn among the request's new tokens.
-      temperature: [R] float32 (0 = greedy).
-      top_k: [R] int32 (V = off).
-      top_p: [R] float32 (1 = off).
-      min_p: [R] float32 (0 = off).
+      temperature, top_k, top_p, min_p: [R] each (off: 0, V, 1, 0; temperature 0 = greedy).
       allowed: [R, ceil(V/32)] int32 bitmasks of the tokens each row may draw (structured
-        outputs, ``decode.constrained.fill_masks``; all ones for a row without a grammar), or
-        None.
+        outputs; all ones for a row without a grammar), or None.
     """
 
     key_data: jax.Array
@@ -127,8 +108,7 @@ class RowSampling:
 
 @dataclasses.dataclass(frozen=True)
 class Sampler:
-    """Static switches of a step's sampling: whether any row samples at all, and which filters
-    any row uses (the others pass the filter's no-op value)."""
+    """Static switches of a step's sampling: whether any row samples, which filters any uses."""
 
     sampled: bool = False
     top_k: bool = False
@@ -170,8 +150,7 @@ def sample_rows(logits: jax.Array, rows: RowSampling, sampler: Sampler
 def sample_positions(logits: jax.Array, rows: RowSampling, sampler: Sampler
                      ) -> tuple[jax.Array, jax.Array]:
     """``sample_rows`` of [B, T, V] logits, position t of row b drawn with sampling row
-    ``b * T + t``: ([B, T] tokens, or [B, T, 1 + K] with top logprobs; the same shape of
-    log-probabilities). A verify step's draws (``serving.speculation``)."""
+    ``b * T + t``: [B, T] (or [B, T, 1 + K]) tokens and log-probabilities."""
     b, t = logits.shape[:2]
     tokens, logprobs = sample_rows(logits.reshape(b * t, -1), rows, sampler)
     return tokens.reshape(b, t, *tokens.shape[1:]), logprobs.reshape(b, t, *logprobs.shape[1:])
@@ -179,18 +158,9 @@ def sample_positions(logits: jax.Array, rows: RowSampling, sampler: Sampler
 
 def copy_pages(k_pages: Any, v_pages: Any, src: jax.Array, dst: jax.Array
                ) -> tuple[Any, Any]:
-    """Copies page ``src[i]`` to page ``dst[i]`` ([M] int32) in every layer's keys and values
-    (a fork's copy of its prompt's last, partial page; ``scheduler.Scheduler``).
-
-    Args:
-      k_pages: [L, K, P, page_size, H] keys, or a tuple of L arrays without the leading axis.
-      v_pages: [L, K, P, page_size, H] values (or a tuple).
-      src: [M] int32 pages to read.
-      dst: [M] int32 pages to write (distinct, or repeating a pair already given).
-
-    Returns:
-      The keys and values with the copies made.
-    """
+    """Copies page ``src[i]`` to page ``dst[i]`` ([M] int32; ``dst`` distinct, or repeating a
+    pair already given) in every layer's [L, K, P, page_size, H] keys and values (or tuples of
+    L arrays): a fork's copy of its prompt's last, partial page. Returns the keys and values."""
     def copy(x: jax.Array) -> jax.Array:
         index = (slice(None),) * (x.ndim - 3)
         return x.at[(*index, dst)].set(jnp.take(x, src, axis=x.ndim - 3))
@@ -204,8 +174,7 @@ def row_slice(rows: RowSampling, lo: int, hi: int) -> RowSampling:
 
 
 def padded(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The [n, ...] ``arrays`` padded to M rows, M the power of two >= n, by repeating their
-    last row (so the programs that take them compile for a few sizes only)."""
+    """The [n, ...] ``arrays`` padded to the power of two >= n rows by repeating their last."""
     n = len(arrays[0])
     rows = np.minimum(np.arange(1 << (n - 1).bit_length()), n - 1)
     return tuple(np.asarray(x)[rows] for x in arrays)
@@ -220,25 +189,21 @@ def sample_from(logits: jax.Array, source: jax.Array, rows: RowSampling, sampler
 
 def page_spec(config: ModelConfig) -> P:
     """The ``PartitionSpec`` of each layer's pages over a tensor-parallel mesh: split by kv
-    head, the pool's leading axis ([K, ...]; [L, K, ...] stacked), as the k/v projections.
-    Latent layers' entry pages (one entry a token, shared by every head) are whole on every
-    device."""
+    head ([K, ...]; [L, K, ...] stacked); latent layers' entry pages whole on every device."""
     if config.mla is not None:
         return P()
     return P(None, TENSOR_AXIS) if config.scan_layers else P(TENSOR_AXIS)
 
 
 def ring_spec(config: ModelConfig) -> P:
-    """The ``PartitionSpec`` of the local layers' rings over a tensor-parallel mesh: split by
-    kv head ([S, K, ...] per layer; [L, S, K, ...] stacked)."""
+    """The local layers' rings' ``PartitionSpec``: split by kv head ([L?, S, K, ...])."""
     return P(None, None, TENSOR_AXIS) if config.scan_layers else P(None, TENSOR_AXIS)
 
 
 def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                 decode: DecodeRows | None, prefill: PrefillChunk | None, rows: RowSampling, *,
-                sampler: Sampler,
-                view: str = "auto", mesh: Mesh | None = None, quant: Any = None,
-                rings: Any = None, adapters: Params | None = None
+                sampler: Sampler, view: str = "auto", mesh: Mesh | None = None,
+                quant: Any = None, rings: Any = None, adapters: Params | None = None
                 ) -> tuple[Any, Any, jax.Array, jax.Array, Any]:
     """One engine program (see the module docstring): decode rows, a prefill chunk, or both.
 
@@ -251,15 +216,11 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
       rows: sampling settings of the R rows: B decode rows, then the chunk's.
       sampler: static sampling switches.
       view: static; how attention reads the pages (``PagedKVCache.view``).
-      mesh: static; with a tensor axis of T > 1 the step is partitioned as ``generate``'s
-        program is: each device holds its block of every matrix and its K/T kv heads of the
-        pages (``page_spec``), the logits are gathered whole, and every device draws the same
-        tokens.
+      mesh: static; with a tensor axis of T > 1 each device holds its block of every matrix
+        and its K/T kv heads of the pages (``page_spec``); every device draws the same tokens.
       quant: static; the weights' quantisation (``DecodeWeights.quant``), for their specs.
-      rings: the local layers' (key rings, value rings) (``PagedKVCache.k_ring`` /
-        ``.v_ring``), or None for a model without them.
-      adapters: the engine's LoRA adapters stacked (``model.multi_lora.stack_adapters``),
-        each row adding its own (``decode.adapter`` / ``prefill.adapter``); or None.
+      rings: the local layers' (key rings, value rings), or None.
+      adapters: the engine's stacked LoRA adapters (each row adding its own), or None.
 
     Returns:
       (key pages, value pages, [R] int32 next tokens, [R] float32 their log-probabilities,
@@ -275,13 +236,11 @@ def engine_step(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
 
 def engine_forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
                    decode: DecodeRows | None, prefill: PrefillChunk | None, *,
-                   view: str = "auto",
-                   mesh: Mesh | None = None, quant: Any = None, rings: Any = None,
-                   adapters: Params | None = None) -> tuple[Any, Any, jax.Array, Any]:
-    """``engine_step``'s forward without its sampling: the rows' next-token logits, for a
-    step whose rows' sampling needs host work done while the device runs the forward (the
-    grammars' masks of structured outputs, ``sample_jit`` after). Arguments as
-    ``engine_step``'s.
+                   view: str = "auto", mesh: Mesh | None = None, quant: Any = None,
+                   rings: Any = None, adapters: Params | None = None
+                   ) -> tuple[Any, Any, jax.Array, Any]:
+    """``engine_step``'s forward without its sampling (for grammar rows, whose masks the host
+    computes meanwhile). Arguments as ``engine_step``'s.
 
     Returns:
       (key pages, value pages, [R, V] float32 logits (whole on every device), the rings).
@@ -294,10 +253,9 @@ def _on_mesh(run: Any, config: ModelConfig, params: Params, k_pages: Any, v_page
              decode: DecodeRows | None, prefill: PrefillChunk | None, rings: Any,
              adapters: Params | None, extra: tuple[Any, ...], *, mesh: Mesh | None,
              quant: Any) -> Any:
-    """``run(config, params, pages, rows, rings, adapters, *extra)`` traced in the mesh's
-    ``decode_context``; over a split mesh the weights, pages, rings and adapters pinned to
-    their shardings (``engine_step`` says which), and the pages and rings returned in them
-    (the step donates them: they stay where they are)."""
+    """``run(config, params, pages, rows, rings, adapters, *extra)`` in the mesh's
+    ``decode_context``; over a split mesh its inputs and returned pages pinned to their
+    shardings."""
     with decode_context(config, mesh):
         if not is_split(mesh):
             return run(config, params, k_pages, v_pages, decode, prefill, rings, adapters,
@@ -326,8 +284,7 @@ def _forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
              adapters: Params | None, *, view: str, hidden: bool = False
              ) -> tuple[Any, ...]:
     """The forward of ``engine_step``: (key pages, value pages, [R, V] logits, rings); with
-    ``hidden`` (static), then the prefill chunk's [R, C, D] final-normed hidden states (the
-    engine's multi-token prediction module reads them: ``serving.mtp``)."""
+    ``hidden`` (static), then the chunk's [R, C, D] final-normed hidden states (``serving.mtp``)."""
     if decode is None and prefill is None:
         raise ValueError("an engine step needs decode rows, a prefill chunk or both")
     model = decode_model(config)
@@ -348,8 +305,7 @@ def _forward(config: ModelConfig, params: Params, k_pages: Any, v_pages: Any,
         cache = rows_of(cache.with_table(decode.page_table, decode.positions),
                         decode.positions + 1, None)
         out = model.apply({"params": _adapted(params, adapters, decode.adapter)},
-                          decode.tokens[:, None],
-                          decode.positions[:, None], cache=cache)
+                          decode.tokens[:, None], decode.positions[:, None], cache=cache)
         logits.append(out.logits[:, 0])
         cache = out.cache
     if prefill is not None:
@@ -377,11 +333,9 @@ def _adapted(params: Params, adapters: Params | None, ids: jax.Array | None) -> 
 def adapter_specs(config: ModelConfig, mesh: Mesh, adapters: Params,
                   out_first: bool = False) -> Params:
     """The ``PartitionSpec`` of every stacked adapter factor over a tensor-parallel mesh: A
-    split as its matrix's input axes, B as its output axes (``model.lora.adapter_shardings``'
-    rule), so each device adds its block of the update where it computes its block of the
-    product (an o/down projection's partial sums are summed over the axis with the product's).
-    The factors' layout is ``stack_adapters``' with ``out_first``: A [L?, Na, in..., R] and B
-    [L?, Na, R, out...], or A [L?, Na, R, in...] and B [L?, out..., Na, R]."""
+    split as its matrix's input axes, B as its output axes. Layout (``stack_adapters``'): A
+    [L?, Na, in..., R] and B [L?, Na, R, out...], or with ``out_first`` A [L?, Na, R, in...]
+    and B [L?, out..., Na, R]."""
     in_first = weight_specs(config, mesh, False)
 
     def specs(path: tuple[Any, ...], x: jax.Array) -> P:
@@ -420,11 +374,8 @@ def jit_forward(**jit_options: Any) -> Any:
                    donate_argnames=("k_pages", "v_pages", "rings"), **jit_options)
 
 
-#: The step the engine runs: the shapes of its parts and the switches select one of a few
-#: compiled programs.
 step_jit = jit_step()
-#: A step's forward and its sampling as two programs, for the steps with grammar rows: the
-#: masks are computed on the host between the two dispatches, while the forward runs.
+#: A step's forward and its sampling as two programs, for the steps with grammar rows.
 forward_jit = jit_forward()
 sample_jit = jax.jit(sample_rows, static_argnames=("sampler",))
 sample_from_jit = jax.jit(sample_from, static_argnames=("sampler",))

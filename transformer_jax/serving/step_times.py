@@ -1,26 +1,11 @@
 """Where an engine step's time goes: the host's phases and the wait for the device.
 
 Every ``Engine`` step runs a ``StepClock``: each ``lap`` gives the time since the previous one
-to a phase (``time.perf_counter``; a few calls a step, and nothing waits on the device that the
-step does not wait on anyway, so timing does not change the schedule). The phases:
-
-- ``schedule``: the queued adds and cancels, and the scheduler's plan (slots, pages, preemption,
-  prefix reuse);
-- ``inputs``: the step's device inputs on the host: decode rows, prompt chunks, page tables,
-  the rows' sampling settings (and grammar masks, draft pages);
-- ``dispatch``: the compiled programs' calls (the inputs' uploads included; JAX dispatches
-  asynchronously, so the device starts meanwhile);
-- ``device``: the host waiting for the step's outputs: from the end of the dispatch to the
-  sampled tokens being on the host (their download included), less the host work done
-  meanwhile (a chunk's tokens are committed while the decode rows still run);
-- ``commit``: the scheduler taking the tokens (stop checks, pages named and freed);
-- ``deliver``: detokenising and streaming the events to their consumers.
-
-Host time is every phase but ``device``; the host share of a step is host / (host + device).
-On the CPU backend a program's call may run part of it on the calling thread (the tiny test
-model's step: about 0.2 ms a call whether its inputs are on the device or not, against 0.03 ms
-for a no-op program over the same 25 arrays), so ``dispatch`` there holds some device work and
-the host share is an upper bound.
+to a phase: ``schedule`` (queued adds and cancels, the scheduler's plan), ``inputs`` (the step's
+device inputs built on the host), ``dispatch`` (the compiled programs' calls), ``device`` (the
+host waiting for the step's outputs), ``commit`` (the scheduler taking the tokens) and
+``deliver`` (detokenising and streaming). Host time is every phase but ``device``; on the CPU
+backend ``dispatch`` holds some device work, so the host share is an upper bound.
 ``StepTimes`` keeps the last steps' laps for ``summary`` and running totals for a server's
 gauges.
 """
@@ -48,8 +33,7 @@ class StepClock:
         self.spans = [0.0] * len(PHASES)
 
     def lap(self, phase: str, value: Any = None) -> Any:
-        """Ends a lap of ``phase``; returns ``value`` (so a call can be timed in place:
-        ``clock.lap("schedule", scheduler.schedule())``)."""
+        """Ends a lap of ``phase``; returns ``value`` (so a call can be timed in place)."""
         now = time.perf_counter()
         self.spans[_INDEX[phase]] += now - self.last
         self.last = now
@@ -90,16 +74,14 @@ class StepTimes:
 
     def summary(self) -> dict[str, Any]:
         """Per step, in seconds, over the kept steps: ``phases`` {phase: {mean, median}},
-        ``host`` and ``device`` {mean, median}, ``host_share`` (host / (host + device) of
-        the steps' sums) and ``steps`` (how many); ``decode_only``: the same over the steps
-        that ran no prompt chunk (None without any)."""
+        ``host`` and ``device`` {mean, median}, ``host_share`` and ``steps``; ``decode_only``:
+        the same over the steps that ran no prompt chunk (None without any)."""
         return _summary(np.asarray(self.steps).reshape(-1, len(PHASES)),
                         ~np.asarray(self.prefill, bool))
 
 
 def _summary(spans: np.ndarray, decode_only: np.ndarray | None) -> dict[str, Any]:
-    """``StepTimes.summary`` of [steps, phases] laps; with ``decode_only`` [steps] bool, also
-    of those steps."""
+    """``StepTimes.summary`` of [steps, phases] laps (and of the ``decode_only`` ones)."""
     if not len(spans):
         return {"steps": 0, "phases": {}, "host": None, "device": None, "host_share": None,
                 "decode_only": None}
@@ -109,8 +91,7 @@ def _summary(spans: np.ndarray, decode_only: np.ndarray | None) -> dict[str, Any
     def stats(x: np.ndarray) -> dict[str, float]:
         return {"mean": float(np.mean(x)), "median": float(np.median(x))}
 
-    return {"steps": len(spans), "phases": {p: stats(spans[:, i]) for i, p in
-                                            enumerate(PHASES)},
+    return {"steps": len(spans), "phases": {p: stats(spans[:, i]) for i, p in enumerate(PHASES)},
             "host": stats(host), "device": stats(device),
             "host_share": float(host.sum() / max(host.sum() + device.sum(), 1e-12)),
             "decode_only": None if decode_only is None or not decode_only.any() else

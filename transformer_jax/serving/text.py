@@ -1,13 +1,10 @@
 """A request's text as its tokens arrive: incremental detokenisation and stop strings.
 
 ``IncrementalDetokenizer`` turns one token at a time into text deltas whose concatenation is
-the text the new tokens add to the prompt (``decode(prompt + new)`` past ``decode(prompt)``,
-so a SentencePiece word keeps its leading space). A delta is released only when it is whole:
-text that ends in U+FFFD (a byte-level token that ends inside a multi-byte character) is held
-until the next token completes it, as vLLM and TGI do (a window of the last few tokens is
-decoded, not the whole sequence). ``StopMatcher`` holds back the text that could be the start
-of a stop string; the released text never contains a stop string nor ends inside one, and the
-stop string itself is not released (OpenAI's ``stop``). ``TextStream`` is both, per request.
+the text the new tokens add to the prompt; a delta ending inside a multi-byte character (U+FFFD)
+is held until the next token completes it. ``StopMatcher`` holds back the text that could start
+a stop string; the stop string itself is not released (OpenAI's ``stop``). ``TextStream`` is
+both, per request.
 """
 
 from __future__ import annotations
