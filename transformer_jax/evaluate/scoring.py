@@ -1,11 +1,9 @@
 """Log-likelihood of token continuations, several requests packed into each row.
 
-A request is a token sequence and how many of its last targets are scored: the
-continuation's ``n`` tokens after its context. Requests are sorted by length and placed into
-rows of ``W`` slots by best-fit decreasing (``instruct.packed_layout``); ``segment_ids``
-number the requests of a row 1, 2, ... (0 = padding) and ``positions`` restart at 0 for each,
-so attention never crosses requests and each one sees exactly what it would alone in a row.
-Rows go through the model ``B`` at a time, one compiled program per ``(B, W)``.
+A request is a token sequence and how many of its last targets are scored (the
+continuation). Requests are placed into rows of W slots by best-fit decreasing, with
+``segment_ids`` 1, 2, ... (0 = padding) and ``positions`` restarting per request, so each one
+sees exactly what it would alone in a row. Rows go through the model B at a time.
 
 Shapes: B rows per forward, W slots per row, V vocabulary.
 """
@@ -50,9 +48,8 @@ class Request:
 def window(context: Sequence[int], continuation: Sequence[int], max_length: int) -> Request:
     """The request of ``continuation`` after ``context`` in a window of ``max_length`` tokens.
 
-    As the harness's ``hf`` backend: the sequence ``context + continuation`` keeps its last
-    ``max_length + 1`` tokens (a longer context loses its start), the inputs are all but its
-    last token and the targets all but its first.
+    As the harness's ``hf`` backend: ``context + continuation`` keeps its last ``max_length +
+    1`` tokens (a longer context loses its start).
 
     Raises:
       ValueError: an empty context or continuation, or a continuation over ``max_length``.
@@ -110,8 +107,7 @@ def token_scores(model: Transformer, params: Params, inputs: jax.Array, targets:
                  positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Each target's log-probability and whether it is the model's argmax.
 
-    The LM head runs one row at a time (``lax.map``), so only one row's [W, V] float32
-    logits exist at once (a 128k vocabulary at W = 2048 is 1 GiB per row).
+    The LM head runs one row at a time (``lax.map``): one row's [W, V] float32 logits at once.
 
     Args:
       model: the ``Transformer``.

@@ -71,15 +71,13 @@ class TrainConfig(ObjectiveConfig):
       moe_bias_update_rate: after each sft step, ``moe.correction_bias += rate * sign(mean
         load - load)`` per sparse layer (DeepSeek-V3's loss-free balancing); 0: off.
       loss_chunk: 0 computes the LM head and the loss over all [B, T, V] logits at once; N > 0
-        over [B, N] chunks (N positions of every sequence) with a gradient that recomputes each
-        chunk's logits, so the float32 [B, T, V] logits are never held whole (``ops.lm_loss``).
+        over [B, N] chunks, recomputed in the backward pass (``ops.lm_loss``).
       seed: seeds the parameters, the data order and the RNG.
       eval_every: evaluate the validation loss every this many steps (and at the end); 0
         evaluates only at the end.
       eval_batches: validation batches per evaluation; 0 means the whole validation split.
-      eval_sets: held-out sets evaluated at every evaluation, ``"name=PATH,..."``: text files
-        (one document) or ``.jsonl`` files (a ``"text"`` per line); each reports its loss in
-        nats per token and bits per byte (``transformer_jax.data.eval_sets``); empty: none.
+      eval_sets: held-out sets scored at every evaluation, ``"name=PATH,..."`` (text, or
+        ``.jsonl`` of ``"text"``): loss and bits per byte (``data.eval_sets``); empty: none.
       log_every: write train metrics every this many steps.
       ckpt_every: save a checkpoint every this many steps (and at the end / on SIGTERM).
       keep_ckpts: how many recent checkpoints to keep.
@@ -101,11 +99,9 @@ class TrainConfig(ObjectiveConfig):
         resume on different data is refused. A different tokenizer is always refused.
       init_from: fine-tune: start from the weights of a HF checkpoint directory (config.json +
         safetensors) or of another run (its directory, ``checkpoints/`` or one step). The model
-        comes from it; ``model.*`` may only change how it runs (dtype, param_dtype, remat,
-        scan_layers, attention_impl, init_std: ``config.Execution``) and lower max_seq_len; a
-        seq_len from the config file above the model's max_seq_len gives way to it. The
-        tokenizer is the checkpoint's unless data.tokenizer is a file. The optimizer starts
-        fresh; a run directory that already has checkpoints resumes from them instead.
+        comes from it; ``model.*`` may only change how it runs (``config.Execution``) and lower
+        max_seq_len. The tokenizer is the checkpoint's unless data.tokenizer is a file. The
+        optimizer starts fresh; a run directory with checkpoints resumes from them instead.
       lora_rank: R > 0 trains LoRA adapters of rank R on a frozen base (params
         ``{"base", "adapters"}``, see ``transformer_jax.model.lora``); 0 trains every weight.
       lora_alpha: LoRA scale numerator (the update is ``alpha / R * A @ B``); 0 means ``2 R``.
@@ -113,11 +109,10 @@ class TrainConfig(ObjectiveConfig):
       lora_base_dtype: dtype the frozen LoRA base is stored in (e.g. ``bfloat16``); empty
         means the model's param_dtype.
       lora_base_quant: store the frozen LoRA base quantised (QLoRA): ``int8``, ``int4``,
-        ``nf4`` (or ``int4:G`` / ``nf4:G``, ``model.quant``); dequantised inside each
-        step. Exports merge the adapters into full-precision weights. Empty: not quantised.
-      quant: quantised training through qwix (``transformer_jax.train.quant``): ``int8`` (the
-        weight products' operands and gradients int8) or ``fp8`` (GPU/TPU); empty trains in
-        float. Parameters, optimizer state and checkpoints stay in param_dtype.
+        ``nf4`` (or ``int4:G`` / ``nf4:G``, ``model.quant``), dequantised in each step; empty:
+        not quantised.
+      quant: quantised training through qwix (``train.quant``): ``int8`` or ``fp8`` (GPU/TPU)
+        weight products; empty trains in float. Parameters and checkpoints stay in param_dtype.
       compiled_step: load the train step ``transformer-jax compile --save PATH`` wrote.
     """
 
@@ -272,14 +267,12 @@ class DataConfig:
         ``.jsonl`` file: this fraction of the packed rows, chosen by a fixed permutation).
       cache_dir: where trained tokenizers and token files are cached.
       max_bytes: cap on the size of the default corpus.
-      packing: how shard builds (``data.path`` naming directories made by ``python -m
-        transformer_jax.data build``) become rows: ``pack`` (documents packed with segment
-        ids, positions restarting per document) or ``concat`` (random windows across documents,
-        as a text corpus is read); ``auto`` is ``pack`` for shards and ``concat`` otherwise.
-      mixture: ``name=DIR:weight,...`` shard builds sampled by weight (``DIR1+DIR2`` joins
-        builds into one source; the weights are relative: finite numbers > 0 with a finite
-        sum); the evaluation reports each source's loss, and the validation loss is their
-        mean weighted by the mixture's weights. Excludes ``path``.
+      packing: how shard builds (``python -m transformer_jax.data build``) become rows: ``pack``
+        (documents packed with segment ids) or ``concat`` (random windows across documents);
+        ``auto`` is ``pack`` for shards and ``concat`` otherwise.
+      mixture: ``name=DIR:weight,...`` shard builds sampled by relative weight (``DIR1+DIR2``
+        joins builds into one source); the validation loss is the sources' weighted mean.
+        Excludes ``path``.
     """
 
     path: str = ""
@@ -314,16 +307,14 @@ class DataConfig:
 
     @property
     def is_shards(self) -> bool:
-        """Whether the data are shard builds: ``mixture``, or ``path`` naming only build
-        directories (each holding ``metadata.json``)."""
+        """Whether the data are shard builds: ``mixture``, or ``path`` naming only builds."""
         from transformer_jax.data.shards import is_build
 
         return bool(self.mixture) or bool(self.patterns) and all(map(is_build, self.patterns))
 
     @property
     def is_instruct(self) -> bool:
-        """Whether ``path`` names instruction data: ``.jsonl`` files only (see
-        ``instruction_files``; reads the directories and globs)."""
+        """Whether ``path`` names instruction data: ``.jsonl`` files only."""
         return bool(self.instruction_files())
 
     def instruction_files(self) -> list[Path]:
@@ -382,15 +373,11 @@ def build_configs(config: str, overrides: Sequence[str] = ()
 
     With ``train.init_from`` the model is the checkpoint's (``init_model_config``): ``model.*``
     overrides may only set ``Execution`` fields (and lower max_seq_len), and the config file's
-    ``[model]`` table gives way to the checkpoint where it would change the architecture (so
-    the default ``tiny`` preset fine-tunes any checkpoint).
-
-    A preset's ``warmup_steps`` that does not fit a run shortened by an override (``tiny`` warms
-    up for 50 steps; ``train.steps=50`` leaves no decay) is replaced by the automatic warmup
-    (``warmup_steps=-1``), with a log line; a ``train.warmup_steps=`` override is kept as given.
-    Likewise, with ``train.init_from`` a ``seq_len`` not given on the command line (the preset's,
-    or the default) is capped at the model's ``max_seq_len``, with a log line; a
-    ``train.seq_len=`` override above it is an error.
+    ``[model]`` table gives way to the checkpoint where it would change the architecture.
+    A preset's ``warmup_steps`` that does not fit a run shortened by an override becomes the
+    automatic warmup, and with ``train.init_from`` a preset's ``seq_len`` above the model's
+    ``max_seq_len`` is capped to it (both logged); given on the command line, they are kept
+    (a ``train.seq_len=`` above ``max_seq_len`` is an error).
     """
     try:
         tables = load_toml(config)
@@ -433,8 +420,7 @@ def build_configs(config: str, overrides: Sequence[str] = ()
 
 def _fit_seq_len(config: str, train: TrainConfig, model: ModelConfig, given: bool
                  ) -> TrainConfig:
-    """``train`` with a seq_len the checkpoint's model can take: a preset's (or the default)
-    seq_len above the model's context gives way to it (logged); a given one is an error."""
+    """``train`` with a seq_len the checkpoint's model can take (see ``build_configs``)."""
     if train.seq_len <= model.max_seq_len:
         return train
     if given:

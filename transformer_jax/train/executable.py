@@ -1,15 +1,11 @@
 """The compiled train step as a file: written by ``transformer-jax compile --save PATH``, loaded
-by a run with ``train.compiled_step=PATH`` instead of compiling its own (MaxText's
-``compiled_trainstep_file``), so a pod's run starts without its compile.
+by a run with ``train.compiled_step=PATH`` instead of compiling its own, so a pod's run starts
+without its compile.
 
 The file is a header line (``MAGIC``), one line of JSON saying what the program was compiled
-for (``describe``: jax and jaxlib versions, platform, device kind and count, the mesh's axes and
-device ids, the model and train configs that shape the step, each input's shape and dtype),
-then the executable serialized by ``jax.experimental.serialize_executable`` (a pickle: load
-only files you made). A run checks the header against its own before it loads anything
-(``check_header``) and the input shardings after (``load``); a difference is refused in one
-line (``ValueError``) naming what differs. Loading needs the platform the program was compiled
-for: a file compiled for a TPU topology loads only on that pod.
+for (``describe``), then the executable serialized by ``jax.experimental.serialize_executable``
+(a pickle: load only files you made). A run checks the header (``check_header``) and the input
+shardings (``load``) against its own and refuses a difference in one line (``ValueError``).
 """
 
 from __future__ import annotations
@@ -92,14 +88,8 @@ def uncached() -> Iterator[None]:
 
 
 def save(path: str | Path, compiled: Any, header: dict[str, Any]) -> int:
-    """Writes ``compiled`` (a ``jax.stages.Compiled`` train step) and its header to ``path``.
-
-    Returns:
-      The file's size in bytes.
-
-    Raises:
-      ValueError: the compiled program cannot be serialized (the backend's refusal).
-    """
+    """Writes ``compiled`` (a ``jax.stages.Compiled`` train step) and its header to ``path``
+    and returns the file's size in bytes (ValueError: the backend cannot serialize it)."""
     from jax.experimental import serialize_executable
 
     payload = pickle.dumps(serialize_executable.serialize(compiled))
@@ -148,15 +138,8 @@ def _differences(saved: dict[str, Any], here: dict[str, Any], prefix: str) -> li
 
 def check_header(path: str | Path, model_config: Any, train_config: Any, mesh: Any,
                  *, skip_model: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Compares the header of ``path`` with this run: versions, devices, mesh and configs
-    (``skip_model``: model keys not settled yet, e.g. ``vocab_size`` before the tokenizer).
-
-    Returns:
-      The header.
-
-    Raises:
-      ValueError: one line naming what differs (the first kind of difference found).
-    """
+    """The header of ``path``, compared with this run: versions, devices, mesh and configs
+    (``skip_model``: model keys not settled yet); ValueError names what differs."""
     saved = read_header(path)
     where = f"train.compiled_step={path} was compiled for"
     if train_config.objective != "sft":
@@ -185,15 +168,8 @@ def check_header(path: str | Path, model_config: Any, train_config: Any, mesh: A
 
 def load(path: str | Path, model_config: Any, train_config: Any, mesh: Any, state: Any,
          batch: Any) -> Any:
-    """The train step of ``path`` for this run's ``(state, batch)``, after checking it was
-    compiled for them (``check_header``, then each input's shape, dtype and sharding).
-
-    Returns:
-      The loaded ``jax.stages.Compiled``: ``step(state, batch) -> (state, metrics)``.
-
-    Raises:
-      ValueError: one line naming what differs.
-    """
+    """The train step of ``path`` (a ``jax.stages.Compiled``) for this run's ``(state, batch)``,
+    after checking it was compiled for them; ValueError names what differs."""
     from jax.experimental import serialize_executable
 
     saved = check_header(path, model_config, train_config, mesh)

@@ -113,8 +113,8 @@ def score(rewards: Sequence[Reward], completion: str, prompt: PromptRecord) -> f
 
     Raises:
       RewardError: ``FILE:LINE: reward TERM ...`` when a function raises or returns anything
-        but a finite real number (a bool included), or one beyond float32's range
-        (``MAX_REWARD``: ``1e300`` is finite in Python, inf in the update), weighted or summed.
+        but a finite real number (a bool included), or one beyond ``MAX_REWARD`` (weighted or
+        summed).
     """
     tail = f"(completion {completion[:60]!r})"
     beyond = (f"beyond float32's range (|reward| <= {MAX_REWARD:.3g}: the update is float32) "
@@ -181,15 +181,14 @@ def load_prompts(path: str | os.PathLike[str], tokenizer: Any, max_prompt_len: i
 
 
 def prompt_order(num_prompts: int, per_step: int, step: int, seed: int) -> np.ndarray:
-    """The [per_step] prompt indices of ``step``: epochs of a seeded permutation, so a step's
-    prompts depend on (seed, step) only (exact resume); the order of SFT's packed rows
-    (``instruct.row_indices``)."""
+    """The [per_step] prompt indices of ``step``: epochs of a seeded permutation, pure in (seed,
+    step) (``instruct.row_indices``)."""
     return row_indices(seed, step, per_step, num_prompts)
 
 
 def rollout_seeds(seed: int, step: int, rows: int) -> list[int]:
     """The engine seeds of the ``rows`` completions of ``step``: row r's is a function of
-    (seed, step, r) only, drawn for all rows at once (a generator per row cost 40 us each)."""
+    (seed, step, r) only."""
     return np.random.default_rng([seed, step, 0x6E90]).integers(0, 2**32, rows).tolist()
 
 

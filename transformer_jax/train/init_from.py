@@ -14,11 +14,9 @@ logger = logging.getLogger(__name__)
 
 def _settable_with_init_from(key: str, value: Any, source: ModelConfig) -> bool:
     """Whether ``model.KEY=value`` keeps the checkpoint's function: every ``Execution`` field,
-    a ``max_seq_len`` not above the checkpoint's (the same function on shorter inputs), and
-    ``mtp_depth`` 0 (its multi-token prediction modules dropped)."""
-    return key in field_names(Execution) or (key == "max_seq_len"
-                                              and value <= source.max_seq_len) or (
-        key == "mtp_depth" and value == 0)  # the modules dropped: the main model unchanged
+    a ``max_seq_len`` not above the checkpoint's, and ``mtp_depth`` 0 (its modules dropped)."""
+    return (key in field_names(Execution) or key == "max_seq_len" and value <= source.max_seq_len
+            or key == "mtp_depth" and value == 0)
 
 
 def architecture_changes(source: ModelConfig, model: ModelConfig) -> list[str]:
@@ -39,9 +37,8 @@ def init_model_config(source: Source, values: dict[str, Any],
     Args:
       source: the checkpoint (``loading.locate``).
       values: model keys set by the config file and the overrides.
-      preset_keys: those of ``values`` that come from the config file, not the command line:
-        where they would change the architecture the checkpoint's values are kept instead
-        (logged), since the file was not written for this checkpoint.
+      preset_keys: those of ``values`` from the config file: where they would change the
+        architecture the checkpoint's values are kept instead (logged).
 
     Raises:
       ValueError: naming each command-line key whose value would change the architecture.

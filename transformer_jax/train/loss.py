@@ -14,8 +14,6 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | 
                        z_loss: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Summed next-token cross-entropy and z-loss, and the number of target tokens.
 
-    Sums (not means) so that micro-batches can be added up and divided once.
-
     Args:
       logits: [B, T, V] float32 logits.
       targets: [B, T] int target ids.

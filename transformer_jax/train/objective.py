@@ -23,18 +23,15 @@ class ObjectiveConfig:
     Attributes:
       objective: ``sft`` (next-token cross-entropy, the default), ``dpo`` or ``orpo`` (both on
         a .jsonl of ``{"prompt", "chosen", "rejected"}`` pairs), or ``grpo`` (online RL on a
-        .jsonl of prompts, scored by ``reward``). DPO's reference is the initial weights'
-        log-probs, computed in a first pass and stored in the run directory (full
-        fine-tuning), or the frozen base with the adapters off (LoRA).
+        .jsonl of prompts, scored by ``reward``).
       dpo_beta: DPO's beta (IPO: its tau).
       dpo_loss: ``sigmoid`` (DPO) or ``ipo``.
       dpo_label_smoothing: conservative DPO's eps in [0, 0.5) (sigmoid only).
       orpo_lambda: weight of ORPO's odds-ratio term (TRL's ORPO beta).
-      pairs_per_step: DPO/ORPO: N > 0 trains every step on exactly N pairs (TRL's batch: its
-        ``per_device_train_batch_size x gradient_accumulation_steps x devices``), the last
-        step of each epoch on the rest; ``batch_size`` then becomes the packed rows the most
-        pair-filled step needs (padding rows hold none). 0 (the default): ``batch_size``
-        counts packed rows, each holding as many pairs as fit, so a step's pairs vary.
+      pairs_per_step: DPO/ORPO: N > 0 trains every step on exactly N pairs (TRL's batch), the
+        last step of each epoch on the rest; ``batch_size`` then becomes the packed rows the
+        most pair-filled step needs. 0 (the default): ``batch_size`` counts packed rows, each
+        holding as many pairs as fit.
       reward: GRPO's reward functions, ``MODULE:FUNCTION`` or ``path/file.py:FUNCTION``, each
         called as ``fn(completion: str, record: dict) -> float``; several comma-separated
         are summed, each optionally weighted (``mod:f*0.5``).
@@ -52,11 +49,9 @@ class ObjectiveConfig:
         (GRPO: mean per completion, then over completions) or ``dr_grpo`` (sum over
         ``batch_size * grpo_max_tokens``).
       grpo_scale_rewards: divide the group-centred rewards by the group's std (Dr. GRPO: false).
-      mtp_weight: lambda of the multi-token prediction loss (a model with ``mtp_depth`` D > 0,
-        ``model.mtp``; sft, full training): the objective is the cross-entropy plus
-        ``lambda / D * sum_k CE_k``, CE_k module k's mean cross-entropy of token i+k+1 (the
-        DeepSeek-V3 report uses 0.3, then 0.1); logged as ``mtp_loss``, ``sum_k CE_k / D``.
-        0: the modules are not trained (nor run).
+      mtp_weight: lambda of the multi-token prediction loss (a model with ``mtp_depth`` D > 0;
+        sft, full training): the cross-entropy plus ``lambda / D * sum_k CE_k``, CE_k module
+        k's mean cross-entropy of token i+k+1; logged as ``mtp_loss``. 0: not trained (nor run).
     """
 
     objective: str = "sft"

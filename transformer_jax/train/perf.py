@@ -15,9 +15,8 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import EMBEDDING_PARAM, is_vector_param
 from transformer_jax.model.transformer import abstract_params
 
-# Measured on a 2-core CPU (shakespeare_char step, process CPU time): about 15-20% less time per
-# train step, mostly from vectorised approximations of exp/logistic in SwiGLU and the softmax.
-# NaN/inf semantics and exact division are kept, so non-finite losses are still detected.
+# Vectorised approximations of exp/logistic (docs/cli.md); NaN/inf semantics and exact
+# division are kept, so non-finite losses are still detected.
 CPU_FAST_MATH_FLAGS = (
     "--xla_cpu_enable_fast_math=true",
     "--xla_cpu_fast_math_honor_nans=true",
@@ -43,19 +42,14 @@ def enable_cpu_fast_math() -> bool:
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: ``6 N`` plus attention, ``12 L T N H`` (PaLM's convention).
 
-    N counts the weights that take part in matmuls: every parameter except norms and biases,
-    and the embedding only when it is also the (tied) LM head (a lookup is not a matmul). Of a
-    mixture of experts' routed experts only the k of E a token reaches count (the router and a
-    shared expert count whole): active FLOPs, so MFU is that of the work a token does.
-    Attention counts the full T x T score and value matmuls, forward and backward (a latent
-    layer's with its query/key and value head widths).
+    N counts the weights that take part in matmuls (not norms, biases, or an untied embedding),
+    of a mixture's routed experts only the k of E a token reaches. Attention counts the full
+    T x T score and value matmuls, forward and backward.
     """
     n = 0.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]:
         name = str(getattr(path[-1], "key", path[-1]))
-        if name == EMBEDDING_PARAM and not config.tie_embeddings:
-            continue
-        if is_vector_param(name):
+        if is_vector_param(name) or name == EMBEDDING_PARAM and not config.tie_embeddings:
             continue
         n += int(np.prod(leaf.shape)) * _active_fraction(config, path)
     qk, v = ((config.mla.qk_head_dim, config.mla.v_head_dim) if config.mla is not None

@@ -1,16 +1,10 @@
 """Loss curves of training runs, drawn from their ``metrics.jsonl``.
 
-``plot_run(run_dir)`` writes ``run_dir/loss.png``: the train loss of every logged step and the
-validation loss of every evaluation against the step (with the tokens seen on a secondary
-axis when the records carry a per-step token count), log-scaled when the loss spans a wide
-range, the bits per byte of each ``train.eval_sets`` set (one curve per set) in a panel of
-their own when there are any, and the learning rate in the last panel. ``plot_runs(dirs,
-out)`` draws several runs on one figure for comparison. From the shell::
-
-    transformer-jax plot RUN_DIR [RUN_DIR ...] [--out FILE]
-
-Only matplotlib's object API with the Agg canvas is used, so nothing here touches pyplot's
-global state (no backend switch, no open figures left behind).
+``plot_run(run_dir)`` writes ``run_dir/loss.png``: train and validation loss against the step
+(tokens seen on a secondary axis, log-scaled when the loss spans a wide range), the bits per
+byte of each ``train.eval_sets`` set in a panel of their own, and the learning rate.
+``plot_runs(dirs, out)`` draws several runs on one figure (``transformer-jax plot RUN_DIR...``).
+Only matplotlib's object API with the Agg canvas is used (no pyplot global state).
 """
 
 from __future__ import annotations
@@ -61,12 +55,9 @@ class RunMetrics:
 def read_metrics(run_dir: str | os.PathLike[str]) -> RunMetrics:
     """Reads the train and validation curves of a run from ``run_dir/metrics.jsonl``.
 
-    Records are the JSON objects ``transformer_jax.train.run`` writes: ``{"step", "split":
-    "train", "loss", "lr", "tokens", ...}`` every ``log_every`` steps, ``{"step", "split":
-    "val", "loss", "ppl"}`` and ``{"step", "split": "eval_set", "name", "loss", "bpb"}`` at
-    evaluations, and ``{"split": "sample", ...}`` (ignored). Keys
-    may be missing (records without ``split`` count as train records; ``val_loss`` is read as
-    a validation loss); lines that are not JSON (cut short by a kill) and non-finite values
+    Records are those ``transformer_jax.train.run`` writes (``split`` ``train``, ``val`` and
+    ``eval_set``; ``sample`` is ignored). Records without ``split`` count as train records,
+    ``val_loss`` is read as a validation loss; lines that are not JSON and non-finite values
     are skipped.
 
     Args:

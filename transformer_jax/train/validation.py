@@ -16,11 +16,7 @@ from transformer_jax.tokenizer import TextTokenizer
 from transformer_jax.train.config import TrainConfig
 from transformer_jax.train.data import RunData
 from transformer_jax.train.log import RunLog
-from transformer_jax.train.step import ParamsLayout, TrainState
-
-Params = dict[str, Any]
-Batch = dict[str, jax.Array]
-Metrics = dict[str, jax.Array]
+from transformer_jax.train.step import Batch, Metrics, Params, ParamsLayout, TrainState
 
 
 def evaluate(eval_step: Callable[[Params, Batch], Metrics], params: Params,
