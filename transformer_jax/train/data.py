@@ -33,15 +33,9 @@ logger = logging.getLogger(__name__)
 def prepare_data(data_config: DataConfig, vocab_size: int,
                  tokenizer: TextTokenizer | None = None
                  ) -> tuple[TextTokenizer, np.ndarray, np.ndarray]:
-    """Loads or trains the tokenizer and tokenizes the corpus (both cached), then splits it.
-
-    Args:
-      data_config: the corpus and tokenizer settings.
-      vocab_size: the vocabulary of a trained tokenizer when ``data.vocab_size`` is 0.
-      tokenizer: the tokenizer to use; None loads or trains the one of ``data_config``.
-
-    Returns:
-      ``(tokenizer, train_tokens [N_train], val_tokens [N_val])``.
+    """``(tokenizer, train_tokens [N_train], val_tokens [N_val])``: tokenizes the corpus (cached)
+    with ``tokenizer``, or with the one of ``data_config`` (loaded or trained; ``vocab_size``
+    unless ``data.vocab_size`` gives one), and splits it.
 
     Raises:
       FileNotFoundError: for a missing corpus or tokenizer file.
@@ -105,13 +99,8 @@ class ShardData:
 
 def prepare_shard_data(data_config: DataConfig, seq_len: int, tokenizer: TextTokenizer | None,
                        where: str = "data.tokenizer") -> tuple[TextTokenizer, ShardData]:
-    """Opens the shard builds of ``data.path`` / ``data.mixture``.
-
-    Args:
-      data_config: the builds, packing and mixture.
-      seq_len: T, the run's row length.
-      tokenizer: the run's tokenizer; None uses the first build's.
-      where: what names ``tokenizer`` in an error.
+    """Opens the shard builds of ``data.path`` / ``data.mixture`` for rows of ``seq_len``,
+    checked against ``tokenizer`` (named ``where`` in an error; None: the first build's).
 
     Raises:
       ValueError: a tokenizer that is not the builds' (one line), a bad mixture, builds with
@@ -255,12 +244,8 @@ class RunData:
 
 
 def split_rows(rows: PackedData, val_fraction: float) -> tuple[PackedData, PackedData | None]:
-    """Holds out ``round(val_fraction * R)`` packed rows (at least one when the fraction is
-    positive and R > 1) chosen by a fixed permutation.
-
-    Returns:
-      ``(train rows, validation rows or None)``, each keeping the rows' original order.
-    """
+    """``(train rows, validation rows or None)``: ``round(val_fraction * R)`` packed rows (at least
+    one when the fraction is positive and R > 1) held out by a fixed permutation, in order."""
     train, val = split_index(rows.num_rows, val_fraction)
     return rows.take(train), None if val is None else rows.take(val)
 

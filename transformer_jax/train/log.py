@@ -54,16 +54,11 @@ def published_peak_flops(device_kind: str) -> float | None:
 
 
 def mesh_peak_flops(devices: list[jax.Device], per_device: float = 0.0) -> tuple[float, str]:
-    """The peak FLOP/s of the devices of a mesh together (the denominator of MFU).
+    """``(FLOP/s, where the figure comes from)``: the peak of a mesh's ``devices`` together.
 
-    Args:
-      devices: the mesh's devices (of every process).
-      per_device: one device's peak (``train.peak_flops``); 0 chooses it: on CPU a measured
-        matmul, counted once per host (its devices share the cores), elsewhere the published
-        dense bf16 peak of the device kind, or a measured matmul for a kind not listed.
-
-    Returns:
-      ``(FLOP/s, where the figure comes from)``.
+    ``per_device`` is one device's peak (``train.peak_flops``); 0 chooses it: on CPU a measured
+    matmul, counted once per host (its devices share the cores), elsewhere the published dense
+    bf16 peak of the device kind, or a measured matmul for a kind not listed.
     """
     n = len(devices)
     if per_device:

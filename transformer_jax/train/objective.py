@@ -72,13 +72,13 @@ class ObjectiveConfig:
 
     def check_objective(self) -> None:
         """Raises ValueError naming a bad objective key."""
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        if self.dpo_loss not in DPO_LOSSES:
-            raise ValueError(f"dpo_loss must be one of {DPO_LOSSES}, got {self.dpo_loss!r}")
+        for name, choices in (("objective", OBJECTIVES), ("dpo_loss", DPO_LOSSES),
+                              ("grpo_loss", GRPO_LOSSES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("dpo_beta", "orpo_lambda", "grpo_temperature", "grpo_clip_eps",
-                     "grpo_kl_beta"):
-            value, zero = getattr(self, name), name == "grpo_kl_beta"  # 0: no reference
+                     "grpo_kl_beta", "mtp_weight"):
+            value, zero = getattr(self, name), name in ("grpo_kl_beta", "mtp_weight")
             if not (isinstance(value, int | float) and not isinstance(value, bool)
                     and math.isfinite(value) and (value > 0 or zero and value == 0)):
                 raise ValueError(f"{name} must be a number {'>= 0' if zero else '> 0'}, got "
@@ -100,10 +100,7 @@ class ObjectiveConfig:
                 self.objective != "sft" or getattr(self, "lora_rank", 0)):
             raise ValueError("moe_bias_update_rate updates the model's correction biases in "
                              "full sft training only; set it to 0 with LoRA or another objective")
-        mtp = self.mtp_weight
-        if isinstance(mtp, bool) or not isinstance(mtp, int | float) or not 0 <= mtp < math.inf:
-            raise ValueError(f"mtp_weight must be a number >= 0, got {mtp!r}")
-        if mtp and (self.objective != "sft" or getattr(self, "lora_rank", 0)):
+        if self.mtp_weight and (self.objective != "sft" or getattr(self, "lora_rank", 0)):
             raise ValueError("mtp_weight trains the multi-token prediction modules in full sft "
                              "training only; set it to 0 with LoRA or another objective")
         if eps and self.dpo_loss != "sigmoid":
@@ -111,8 +108,6 @@ class ObjectiveConfig:
 
     def _check_grpo(self) -> None:
         """Raises ValueError naming a bad ``grpo_*`` or ``reward`` key."""
-        if self.grpo_loss not in GRPO_LOSSES:
-            raise ValueError(f"grpo_loss must be one of {GRPO_LOSSES}, got {self.grpo_loss!r}")
         grpo = self.objective == "grpo"
         for name, least in (("grpo_group_size", 2 if grpo else 1), ("grpo_max_tokens", 1)):
             value = getattr(self, name)

@@ -69,8 +69,7 @@ def _active_fraction(config: ModelConfig, path: tuple) -> float:
 
 
 def param_counts(config: ModelConfig) -> tuple[int, int]:
-    """``(total, active)`` parameters, from shapes: active counts of the routed experts only
-    the k of E one token uses (the same as total for a dense model)."""
+    """``(total, active)`` parameters, from shapes (active: of the routed experts only k of E)."""
     total = active = 0.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]:
         size = int(np.prod(leaf.shape))
@@ -88,17 +87,8 @@ def describe_params(config: ModelConfig) -> str:
 
 def measure_matmul_peak(size: int = 1024, dtype: str = "float32", repeats: int = 10,
                         device: jax.Device | None = None) -> float:
-    """Dense-matmul FLOP/s measured on ``device``: the best of ``repeats`` timed matmuls.
-
-    Args:
-      size: n of the [n, n] x [n, n] matmul (2 n^3 FLOPs).
-      dtype: the operands' dtype.
-      repeats: timed runs; the fastest counts (the others suffer from noise).
-      device: where to run; the default device if None.
-
-    Returns:
-      FLOP/s.
-    """
+    """Dense-matmul FLOP/s on ``device`` (default: the first): the fastest of ``repeats`` timed
+    [size, size] x [size, size] matmuls of ``dtype`` (2 size^3 FLOPs)."""
     device = device or jax.devices()[0]
     a = jax.device_put(jnp.ones((size, size), dtype), device)
     matmul = jax.jit(lambda x: x @ x)

@@ -110,9 +110,8 @@ def make_init_fn(model_config: ModelConfig, train_config: TrainConfig
                  ) -> Callable[..., TrainState]:
     """A pure ``init(key, params=None) -> TrainState``; jit it (with ``out_shardings`` to shard).
 
-    ``params`` are the model's starting weights (fine-tuning, e.g. from ``hf.load``); None
-    initialises them at random. Either way the optimizer state is fresh and, with LoRA, the
-    adapters are initialised from ``key`` (B = 0: the model starts as ``params``).
+    ``params`` are the model's starting weights (fine-tuning); None initialises them at random.
+    The optimizer state is fresh; LoRA adapters start from ``key`` with B = 0.
     """
     tx = make_optimizer(train_config)
     layout = ParamsLayout.of(train_config)
@@ -145,12 +144,9 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig,
     ``moe_load_max_mean/layer_I`` (``moe_metrics``); with ``train.mtp_weight`` ``mtp_loss``.
 
     With ``train.moe_bias_update_rate`` > 0 the step then updates each sparse layer's
-    ``moe.correction_bias`` from the step's expert loads (``moe.balance_correction_bias``); the
-    optimizer never changes it (no gradient, no weight decay).
-
-    ``loss_fn`` replaces ``make_loss_fn``'s objective (same contract: sums, and ``count`` the
-    divisor); the summed fourth element of its aux, a dict of sums, gives metrics by
-    ``stat_means``.
+    ``moe.correction_bias`` from the step's expert loads (the optimizer never changes it).
+    ``loss_fn`` replaces ``make_loss_fn``'s objective (same contract); the fourth element of
+    its aux, a dict of sums, gives metrics by ``stat_means``.
     """
     tx = make_optimizer(train_config)
     schedule = lr_schedule(train_config)
