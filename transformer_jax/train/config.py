@@ -52,8 +52,8 @@ class TrainConfig(ObjectiveConfig):
       batch_size: sequences per optimizer step (global, all devices and micro-batches); DPO
         and ORPO: packed rows of pairs (see ``pairs_per_step``), GRPO: completions.
       seq_len: T, tokens per sequence; at most the model's ``max_seq_len``.
-      grad_accum: split each step's batch into this many micro-batches whose gradients are
-        summed before one update (same result as one big batch, less memory).
+      grad_accum: micro-batches per step, their gradients summed before one update (the
+        result of one big batch, in less memory).
       lr: peak learning rate, reached after ``warmup_steps``.
       min_lr: learning rate at the end of the cosine decay.
       warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr``; -1 (the default) means
@@ -73,8 +73,7 @@ class TrainConfig(ObjectiveConfig):
       loss_chunk: 0 computes the LM head and the loss over all [B, T, V] logits at once; N > 0
         over [B, N] chunks, recomputed in the backward pass (``ops.lm_loss``).
       seed: seeds the parameters, the data order and the RNG.
-      eval_every: evaluate the validation loss every this many steps (and at the end); 0
-        evaluates only at the end.
+      eval_every: evaluate every this many steps and at the end (0: only at the end).
       eval_batches: validation batches per evaluation; 0 means the whole validation split.
       eval_sets: held-out sets scored at every evaluation, ``"name=PATH,..."`` (text, or
         ``.jsonl`` of ``"text"``): loss and bits per byte (``data.eval_sets``); empty: none.
@@ -82,10 +81,9 @@ class TrainConfig(ObjectiveConfig):
       ckpt_every: save a checkpoint every this many steps (and at the end / on SIGTERM).
       keep_ckpts: how many recent checkpoints to keep.
       run_dir: where checkpoints, ``metrics.jsonl``, TensorBoard events and the summary go.
-      mesh: device mesh sizes ``"data,fsdp,tensor"`` (one may be -1: the rest of the
-        devices), a fourth for a mixture's expert axis (``"-1,1,1,4"``), or named
-        (``"expert=4,data=-1"``); the default is data parallelism over every device. Sizes
-        of the whole mesh, over all slices of a multi-slice pod (docs/pods.md).
+      mesh: device mesh sizes ``"data,fsdp,tensor"`` (one may be -1: the rest of the devices),
+        a fourth for a mixture's expert axis, or named (``"expert=4,data=-1"``); the default
+        is data parallelism. Sizes of the whole mesh, over all slices of a pod (docs/pods.md).
       dcn_mesh: on several TPU slices, how many slices each mesh axis spans (``mesh``'s syntax,
         ``"fsdp=2"``; product: the slice count); S/D devices per slice. Default: all on data.
       sample_tokens: tokens generated at each evaluation (0 disables samples).
@@ -95,22 +93,20 @@ class TrainConfig(ObjectiveConfig):
         (1-based, inclusive) into ``run_dir/profile/``; empty (the default) profiles nothing.
       peak_flops: one device's peak FLOP/s behind MFU; 0 measures a matmul on CPU (the whole
         host, shared by its devices) and takes the published dense bf16 peak on GPU/TPU.
-      allow_new_data: resume on another corpus (tokenized by the same tokenizer); without it a
-        resume on different data is refused. A different tokenizer is always refused.
+      allow_new_data: resume on another corpus (with the same tokenizer, always required).
       init_from: fine-tune: start from the weights of a HF checkpoint directory (config.json +
         safetensors) or of another run (its directory, ``checkpoints/`` or one step). The model
         comes from it; ``model.*`` may only change how it runs (``config.Execution``) and lower
         max_seq_len. The tokenizer is the checkpoint's unless data.tokenizer is a file. The
         optimizer starts fresh; a run directory with checkpoints resumes from them instead.
-      lora_rank: R > 0 trains LoRA adapters of rank R on a frozen base (params
-        ``{"base", "adapters"}``, see ``transformer_jax.model.lora``); 0 trains every weight.
+      lora_rank: R > 0 trains LoRA adapters of rank R on a frozen base (``model.lora``); 0
+        trains every weight.
       lora_alpha: LoRA scale numerator (the update is ``alpha / R * A @ B``); 0 means ``2 R``.
       lora_targets: comma-separated LoRA target matrices among q,k,v,o,gate,up,down.
       lora_base_dtype: dtype the frozen LoRA base is stored in (e.g. ``bfloat16``); empty
         means the model's param_dtype.
-      lora_base_quant: store the frozen LoRA base quantised (QLoRA): ``int8``, ``int4``,
-        ``nf4`` (or ``int4:G`` / ``nf4:G``, ``model.quant``), dequantised in each step; empty:
-        not quantised.
+      lora_base_quant: store the frozen LoRA base quantised (QLoRA): ``int8``, ``int4``, ``nf4``
+        (or ``int4:G`` / ``nf4:G``), dequantised in each step; empty: not quantised.
       quant: quantised training through qwix (``train.quant``): ``int8`` or ``fp8`` (GPU/TPU)
         weight products; empty trains in float. Parameters and checkpoints stay in param_dtype.
       compiled_step: load the train step ``transformer-jax compile --save PATH`` wrote.
