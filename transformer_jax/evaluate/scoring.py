@@ -65,8 +65,8 @@ def window(context: Sequence[int], continuation: Sequence[int], max_length: int)
 
 
 def row_length(requests: Sequence[Request], max_length: int) -> int:
-    """W: the longest request's length rounded up to a power of two, at least ``MIN_ROW_LEN``
-    and at most ``max_length`` (so rows of short requests hold many)."""
+    """W: the longest request's length rounded up to a power of two, in [``MIN_ROW_LEN``,
+    ``max_length``]."""
     longest = max(len(r.inputs) for r in requests)
     return min(max_length, max(MIN_ROW_LEN, 1 << (longest - 1).bit_length()))
 

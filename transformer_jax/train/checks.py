@@ -82,9 +82,8 @@ def run_directory(run_dir: str, process_index: int) -> RunDirectory:
 
 def check_run(model_config: ModelConfig, train_config: TrainConfig, num_train_tokens: int,
               num_devices: int | None = None) -> None:
-    """Raises a clear ValueError for a run that cannot work, before anything is compiled:
-    ``model_config`` with its final vocab size, ``num_train_tokens`` the train split's size,
-    ``num_devices`` those the batch is split over (``jax.device_count()`` by default)."""
+    """Raises a clear ValueError for a run that cannot work (``model_config`` with its final
+    vocab size; ``num_devices``: those the batch is split over, default all)."""
     check_config(model_config, train_config, num_devices)
     tc = train_config
     if num_train_tokens <= tc.seq_len:
@@ -149,9 +148,8 @@ def check_context(model_config: ModelConfig, train_config: TrainConfig) -> None:
 
 def params_shardings(model_config: ModelConfig, mesh: Any, abstract_params: Params,
                       layout: ParamsLayout) -> Any:
-    """Shardings by parameter path for ``sharding.state_shardings``: the model's, and with LoRA
-    the base's and the adapters' (under ``adapters/...`` and their own paths, for the
-    optimizer's moments)."""
+    """Shardings by parameter path for ``sharding.state_shardings`` (with LoRA, the base's and
+    the adapters' too)."""
     model_shardings = sharding_lib.param_shardings(model_config, mesh)
     if layout.lora_config is None:
         return model_shardings
@@ -160,8 +158,7 @@ def params_shardings(model_config: ModelConfig, mesh: Any, abstract_params: Para
 
 
 def check_memory(model_config: ModelConfig, train_config: TrainConfig, mesh: Any) -> None:
-    """Raises ValueError, in one line, for a run whose rough memory estimate does not fit
-    (``train.memory.check_fits``); from shapes alone (``jax.eval_shape`` of the real init)."""
+    """Raises ValueError, in one line, for a run that will not fit (``memory.check_fits``)."""
     abstract = jax.eval_shape(make_init_fn(model_config, train_config),
                               jax.random.key(train_config.seed))
     layout = ParamsLayout.of(train_config)
@@ -171,8 +168,7 @@ def check_memory(model_config: ModelConfig, train_config: TrainConfig, mesh: Any
 
 
 def attention_used(model_config: ModelConfig, tc: TrainConfig) -> str:
-    """What the train step's attention runs: ``model.attention_impl``, or what ``"auto"``
-    picks for the step's [B, T, N, H] queries on this backend."""
+    """What the train step's attention runs (what ``"auto"`` picks for its queries, here)."""
     impl = model_config.attention_impl
     if impl != "auto":
         return repr(impl)

@@ -1,5 +1,4 @@
-"""The ``[train]`` and ``[data]`` tables of a run and ``build_configs``: a TOML preset plus
-type-checked ``model.x=`` / ``train.x=`` / ``data.x=`` overrides (``train.py``, benchmarks)."""
+"""The ``[train]`` and ``[data]`` tables of a run and ``build_configs`` (preset + overrides)."""
 
 from __future__ import annotations
 
@@ -445,8 +444,7 @@ def _fit_preset_warmup(config: str, preset: dict[str, Any], train: dict[str, Any
 
 
 def config_help(width: int = 100) -> str:
-    """Every ``model.``, ``train.`` and ``data.`` key with its type, default and meaning
-    (``train.config_docs.help_text`` of ``SECTIONS``)."""
+    """Every ``model.``, ``train.`` and ``data.`` key with its type, default and meaning."""
     return help_text(SECTIONS, width)
 
 

@@ -59,9 +59,7 @@ def help_text(sections: dict[str, type], width: int = 100) -> str:
 
 
 def _attribute_docs(cls: type) -> dict[str, str]:
-    """``{name: description}`` from the ``Attributes:`` sections of the docstrings of ``cls``
-    and its bases (``ModelConfig``'s fields are documented in ``Architecture`` and
-    ``Execution``)."""
+    """``{name: description}`` from the ``Attributes:`` sections of ``cls`` and its bases."""
     found: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         found.update(_own_attribute_docs(klass))

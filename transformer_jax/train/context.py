@@ -75,8 +75,7 @@ class Objective:
         return make_train_step(model_config, self.tc)
 
     def compile(self, state: TrainState, batch: Batch) -> None:
-        """Compiles the step, for ``batch``'s shapes ahead of time with ``fixed_shapes``; with
-        ``train.compiled_step`` loads it (``executable.load``: checked against this run)."""
+        """Compiles the step (ahead of time with ``fixed_shapes``) or loads ``compiled_step``."""
         run = self.run
         if self.tc.compiled_step:
             from transformer_jax.train import executable

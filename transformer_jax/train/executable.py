@@ -45,8 +45,7 @@ def _train_keys(train_config: Any) -> dict[str, Any]:
 
 
 def _inputs(args_tree: Any) -> dict[str, str]:
-    """``{key path: "float32[4, 8]"}`` of each leaf of ``((state, batch), {})`` (arrays or
-    ``ArgInfo``)."""
+    """``{key path: "float32[4, 8]"}`` of each leaf of ``((state, batch), {})``."""
     leaves = jax.tree_util.tree_flatten_with_path(args_tree)[0]
     return {jax.tree_util.keystr(p): f"{jax.numpy.dtype(x.dtype).name}{list(x.shape)}"
             for p, x in leaves}
@@ -64,8 +63,7 @@ def _mesh_fields(mesh: Any) -> dict[str, Any]:
 
 def describe(compiled: Any, model_config: Any, train_config: Any, mesh: Any,
              **extra: Any) -> dict[str, Any]:
-    """The header of a compiled train step: what it was compiled for (``extra``: the command's
-    config, overrides and topology, for people)."""
+    """The header of a compiled train step: what it was compiled for, and ``extra``."""
     return {**_versions(), **_mesh_fields(mesh), "model": dataclasses.asdict(model_config),
             "train": _train_keys(train_config), "inputs": _inputs(compiled.args_info), **extra}
 
@@ -113,8 +111,7 @@ def _local(path: str | Path) -> Path:
 
 
 def read_header(path: str | Path) -> dict[str, Any]:
-    """The header of a file ``save`` wrote (local or remote). Raises ValueError (one line) for
-    another file."""
+    """The header of a file ``save`` wrote; ValueError (one line) for another file."""
     where = f"train.compiled_step={path}"
     try:
         with open(_local(path), "rb") as f:

@@ -70,8 +70,8 @@ MAX_ROLLOUT_CHUNK = 4096
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, scale: bool = True) -> np.ndarray:
-    """Per-completion advantages [P G] from rewards [P G] (a prompt's G consecutive):
-    ``r - mean`` over the group, divided by ``std + ADVANTAGE_EPS`` when ``scale``."""
+    """Advantages [P G] from rewards [P G]: ``r - mean`` over each group of G, divided by
+    ``std + ADVANTAGE_EPS`` when ``scale``."""
     r = np.asarray(rewards, np.float64).reshape(-1, group_size)
     centred = r - r.mean(axis=1, keepdims=True)
     if scale:
@@ -252,8 +252,7 @@ def make_engine(model_config: ModelConfig, params: Params, tc: TrainConfig, prom
 
 
 class GRPO(Objective):
-    """GRPO: a step's batch is its rollouts; its records add the rewards, completion lengths
-    and the step's split of time."""
+    """GRPO: a step's batch is its rollouts; its records add rewards, lengths and timings."""
 
     records = '{"messages"} or {"prompt"} (GRPO prompts)'
     on_policy = True
@@ -304,8 +303,7 @@ class GRPO(Objective):
         return make_train_step(model_config, tc, loss_fn=loss_fn)
 
     def batch(self, step: int, state: TrainState) -> Batch:
-        """Refreshes the engine's weights from ``state``, samples and scores the step's
-        completions and makes the batch."""
+        """Refreshes the engine's weights, samples and scores the step's completions."""
         tc, run = self.tc, self.run
         start = time.perf_counter()
         if step > self.start_step:  # the engine holds the state's weights at the start

@@ -1,6 +1,5 @@
-"""GRPO's inputs: the prompts (a JSONL of chat ``messages`` or ``prompt`` records, with any
-fields the reward reads) and the reward functions of ``train.reward``, called with one clear
-``FILE:LINE`` error for a record they fail on."""
+"""GRPO's inputs: the prompts (a JSONL of chat ``messages`` or ``prompt`` records) and the
+reward functions of ``train.reward``, with ``FILE:LINE`` errors."""
 
 from __future__ import annotations
 
@@ -181,14 +180,12 @@ def load_prompts(path: str | os.PathLike[str], tokenizer: Any, max_prompt_len: i
 
 
 def prompt_order(num_prompts: int, per_step: int, step: int, seed: int) -> np.ndarray:
-    """The [per_step] prompt indices of ``step``: epochs of a seeded permutation, pure in (seed,
-    step) (``instruct.row_indices``)."""
+    """The [per_step] prompt indices of ``step``: pure in (seed, step) (``row_indices``)."""
     return row_indices(seed, step, per_step, num_prompts)
 
 
 def rollout_seeds(seed: int, step: int, rows: int) -> list[int]:
-    """The engine seeds of the ``rows`` completions of ``step``: row r's is a function of
-    (seed, step, r) only."""
+    """The engine seeds of the ``rows`` completions of ``step``, pure in (seed, step, row)."""
     return np.random.default_rng([seed, step, 0x6E90]).integers(0, 2**32, rows).tolist()
 
 

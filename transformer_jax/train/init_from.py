@@ -20,8 +20,7 @@ def _settable_with_init_from(key: str, value: Any, source: ModelConfig) -> bool:
 
 
 def architecture_changes(source: ModelConfig, model: ModelConfig) -> list[str]:
-    """``model.KEY=...`` descriptions of what ``model`` changes in the checkpoint's ``source``
-    architecture (a ``max_seq_len`` lowered excepted)."""
+    """``model.KEY=...`` descriptions of what ``model`` changes in the ``source`` architecture."""
     return [f"model.{key}={getattr(model, key)!r} (the checkpoint has {getattr(source, key)!r})"
             for key in field_names(Architecture)
             if getattr(model, key) != getattr(source, key)

@@ -262,8 +262,7 @@ class RunLog:
         self._file.flush()
 
     def flush_events(self) -> None:
-        """Writes out the TensorBoard events buffered so far (``metrics.jsonl`` is flushed at
-        every record), so that a copy of the run directory taken now has them."""
+        """Writes out the TensorBoard events buffered so far."""
         self._tb.flush()
 
     def close(self) -> None:
@@ -294,9 +293,8 @@ def _duration(seconds: float) -> str:
 
 
 def progress_bar(enabled: bool, start: int, total: int) -> Any:
-    """A tqdm bar of steps without tqdm's own rate and ETA: those would count evaluation,
-    samples and checkpoints as training time; ``RunLog.postfix`` shows the training ones.
-    Disabled, it shows nothing."""
+    """A tqdm bar of steps without tqdm's own rate and ETA (which would count evaluation and
+    checkpoints): ``RunLog.postfix`` shows the training ones."""
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
@@ -306,8 +304,7 @@ def progress_bar(enabled: bool, start: int, total: int) -> Any:
 
 
 class SaveAborted(KeyboardInterrupt):
-    """A third SIGTERM/SIGINT: stop at once, abandoning the checkpoint being saved (the earlier
-    ones are kept). ``.signal`` is the signal's name."""
+    """A third SIGTERM/SIGINT: stop at once, abandoning the save in flight (``.signal``)."""
 
     def __init__(self, name: str, message: str = "") -> None:
         super().__init__(message or f"aborted by a third {name}")

@@ -117,9 +117,8 @@ def moe_values(config: ModelConfig, tensor: int, itemsize: int, tokens: int = 0
 
 
 def _named(widths: dict[str, float], base: float = 0.0) -> dict[str, float]:
-    """Values per token each named policy keeps in device memory (``model.remat``): ``base``
-    (what ``full`` keeps) plus the widths of the names it saves; offloaded ones are on the
-    host."""
+    """Values per token each named ``model.remat`` policy keeps in device memory: ``base`` plus
+    the widths of the names it saves (not those it offloads)."""
     return {remat: base + sum(widths.get(name, 0.0) for name in remat_lib.saved_names(remat)[0])
             for remat in remat_lib.REMATS if remat not in ("none", "full", "save_dots")}
 
@@ -134,17 +133,15 @@ def _bytes_where(abstract_state: Any, state_shardings: Any, keep: Callable[[tupl
 
 
 def expert_bytes(abstract_state: Any, state_shardings: Any) -> int:
-    """Per-device bytes of the routed experts' stacked matrices (``moe/gate|up|down``) in a
-    train state: their parameters and Adam moments (a part of ``estimate``'s state)."""
+    """Per-device bytes of the routed experts' matrices and Adam moments in a train state."""
     return _bytes_where(abstract_state, state_shardings, lambda keys: keys[-2:-1] == ("moe",)
                         and keys[-1] in ("gate", "up", "down"))
 
 
 def estimate(model_config: ModelConfig, train_config: TrainConfig, abstract_state: Any,
              state_shardings: Any, mesh_shape: dict[str, int]) -> dict[str, int]:
-    """Per-device bytes of a run: ``{"state", "gradients", "activations", "total"}``, and
-    ``"experts"`` (``expert_bytes``), from ``abstract_state`` (``jax.eval_shape`` of the run's
-    init), its ``state_shardings`` and the mesh's axis sizes."""
+    """Per-device bytes of a run: ``{"state", "gradients", "activations", "total", "experts"}``,
+    from ``jax.eval_shape`` of the run's init, its shardings and the mesh's axis sizes."""
     state = sharding_lib.per_device_bytes(abstract_state, state_shardings)
     # Adam's first moment mirrors the trained parameters: one gradient's worth of bytes.
     moments = _bytes_where(abstract_state, state_shardings, lambda keys: "mu" in keys)

@@ -1,5 +1,4 @@
-"""The ``train.objective`` keys (SFT, DPO, ORPO, GRPO) as a base of ``TrainConfig`` (the objects
-a run trains with: ``run.make_objective``)."""
+"""The ``train.objective`` keys (SFT, DPO, ORPO, GRPO): ``TrainConfig``'s base."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Speed accounting: training FLOPs per token, a measured matmul peak (for MFU), and XLA:CPU's
-fast-math flags."""
+"""Speed accounting: FLOPs per token, a measured matmul peak (MFU), XLA:CPU fast-math flags."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
 
 
 def _active_fraction(config: ModelConfig, path: tuple) -> float:
-    """k/E for a routed expert's stacked matrix or bias (``moe/gate|up|down[_bias]``), else
-    1."""
+    """k/E for a routed expert's stacked matrix or bias, else 1."""
     keys = [str(getattr(p, "key", p)) for p in path]
     if config.moe is not None and len(keys) >= 2 and keys[-2] == "moe" and \
             keys[-1] in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"):

@@ -160,8 +160,7 @@ def make_token_logps_fn(model: Any, temperature: float = 1.0
 
 
 def base_params(layout: ParamsLayout, params: Params) -> Params:
-    """The model params of a LoRA state's frozen base, adapters off (dequantised if stored
-    quantised), without gradient."""
+    """The frozen LoRA base's model params (adapters off, dequantised), without gradient."""
     base = params[lora.BASE]
     if layout.base_quant:
         from transformer_jax.model.quant import dequantize_params
@@ -197,8 +196,7 @@ class Preference(Objective):
     records = '{"prompt", "chosen", "rejected"}'
 
     def load_data(self, data_config: DataConfig, tokenizer: TextTokenizer) -> RunData:
-        """Reads, packs and splits the pairs (``data.preference``); refuses a file whose first
-        record is not a pair."""
+        """Reads, packs and splits the pairs; refuses a file whose first record is not a pair."""
         files, seq_len = data_config.instruction_files(), self.tc.seq_len
         for file in files:
             if not is_preference_file(file):
@@ -216,8 +214,7 @@ class Preference(Objective):
                        pairs.take(val).rows, pairs=kept)
 
     def settle(self, data: RunData, num_batch_devices: int) -> tuple[RunData, TrainConfig]:
-        """With ``train.pairs_per_step`` N: the pairs grouped by step and ``train.batch_size``
-        the rows a step takes; logs how many pairs a step trains on."""
+        """With ``train.pairs_per_step``: the pairs grouped by step, ``batch_size`` their rows."""
         tc, pairs = self.tc, data.pairs
         kept = int(pairs.row_pairs.sum())
         if not tc.pairs_per_step:
@@ -352,8 +349,7 @@ class ORPO(Preference):
 
 def step_pair_counts(pairs: PreferenceRows, tc: TrainConfig, most: int = 10_000
                      ) -> np.ndarray:
-    """[S] the pairs of each of the first S steps' batches of packed rows (an epoch, at most
-    ``train.steps`` or ``most``)."""
+    """[S] the pairs of each of the first S steps' batches (an epoch, at most ``most``)."""
     per_row = pairs.row_pairs
     steps = min(-(-len(per_row) // tc.batch_size), tc.steps, most)
     return np.asarray([per_row[row_indices(tc.seed, s, tc.batch_size, len(per_row))].sum()

@@ -267,9 +267,8 @@ def stat_means(stats: dict[str, jax.Array], count: jax.Array) -> Metrics:
 
 def moe_metrics(moe: dict[str, jax.Array], count: jax.Array, sparse_layers: tuple[int, ...]
                 ) -> Metrics:
-    """The step's router metrics from the summed ``moe_sums`` of ``make_loss_fn``:
-    ``moe_balance``, ``moe_z`` (token-weighted means) and ``moe_load_max_mean/layer_I`` for each
-    sparse layer I (max over mean of its [E] load)."""
+    """The step's router metrics from ``make_loss_fn``'s summed ``moe_sums``: ``moe_balance``,
+    ``moe_z`` and ``moe_load_max_mean/layer_I`` (max over mean of sparse layer I's [E] load)."""
     out = {} if "mtp" not in moe else {"mtp_loss": moe["mtp"] / count}
     if "load" not in moe:
         return out
@@ -302,8 +301,7 @@ def make_eval_step(model_config: ModelConfig, train_config: TrainConfig | None =
 
 
 def _training_model(model_config: ModelConfig, train_config: TrainConfig | None) -> Transformer:
-    """The model the steps run: with ``train.quant`` its weight products quantised through
-    qwix (``train.quant``; imported only then)."""
+    """The model the steps run, with ``train.quant`` quantised through qwix."""
     model = Transformer(model_config)
     if train_config is None or not train_config.quant:
         return model
