@@ -1,12 +1,8 @@
 """lm-evaluation-harness on this library's models: ``JaxLM``, registered as ``transformer_jax``.
 
-``JaxLM(checkpoint=PATH)`` opens any checkpoint ``loading.load`` opens, optionally sharded over
-a mesh, and answers the harness's three request types as its ``hf`` backend does, so the
-numbers are the same: ``loglikelihood`` (requests packed several to a row: ``scoring``),
-``loglikelihood_rolling`` (the harness's rolling windows, each scored as a loglikelihood
-request) and ``generate_until`` (``generation.generate``, the text cut before the first stop
-string). A request longer than the window (``max_length``) keeps its last ``max_length + 1``
-tokens, as the ``hf`` backend does.
+``JaxLM(checkpoint=PATH)`` opens any checkpoint ``loading.load`` opens and answers the
+harness's three request types as its ``hf`` backend does, truncation included, so the numbers
+are the same (docs/evaluation.md); ``loglikelihood`` packs requests several to a row.
 """
 
 from __future__ import annotations

@@ -35,12 +35,8 @@ def _write_task(directory: Path, name: str, records: Iterable[Mapping[str, Any]]
 
 def write_multiple_choice_task(directory: Path, name: str,
                                records: Iterable[Mapping[str, Any]]) -> Path:
-    """Task ``name``: records ``{"question", "choices": [...], "answer": index}``; each choice
-    is scored as the continuation of ``"{question}"`` + ``" "``; metric ``acc``.
-
-    Returns:
-      The YAML file written (its data beside it, ``name.jsonl``).
-    """
+    """Task ``name`` (records ``{"question", "choices": [...], "answer": index}``; each choice
+    scored after ``"{question} "``; metric ``acc``): returns its YAML (data in ``name.jsonl``)."""
     return _write_task(directory, name, records,
                        "output_type: multiple_choice\n"
                        "doc_to_text: \"{{question}}\"\n"
@@ -52,12 +48,8 @@ def write_multiple_choice_task(directory: Path, name: str,
 
 
 def write_rolling_task(directory: Path, name: str, texts: Iterable[str]) -> Path:
-    """Task ``name``: the rolling log-likelihood of each text (``{"text"}`` records); metrics
-    word and byte perplexity and bits per byte.
-
-    Returns:
-      The YAML file written (its data beside it, ``name.jsonl``).
-    """
+    """Task ``name``: the rolling log-likelihood of each text (word and byte perplexity, bits per
+    byte); returns its YAML (data in ``name.jsonl``)."""
     metrics = "".join(f"  - metric: {m}\n    aggregation: {a}\n    higher_is_better: false\n"
                       for m, a in (("word_perplexity", "weighted_perplexity"),
                                    ("byte_perplexity", "weighted_perplexity"),

@@ -1,11 +1,9 @@
 """The compiled train step as a file: written by ``transformer-jax compile --save PATH``, loaded
-by a run with ``train.compiled_step=PATH`` instead of compiling its own, so a pod's run starts
-without its compile.
+by a run with ``train.compiled_step=PATH`` instead of compiling its own.
 
-The file is a header line (``MAGIC``), one line of JSON saying what the program was compiled
-for (``describe``), then the executable serialized by ``jax.experimental.serialize_executable``
-(a pickle: load only files you made). A run checks the header (``check_header``) and the input
-shardings (``load``) against its own and refuses a difference in one line (``ValueError``).
+The file is a header line (``MAGIC``), a JSON line of what the program was compiled for
+(``describe``), then the serialized executable (a pickle: load only files you made). A run
+refuses a header or input sharding that differs from its own in one line (``ValueError``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
-"""GRPO: group-normalised advantages, the clipped-ratio objective with a k3 KL penalty, its
-three normalisations (``GRPO_LOSSES``) and the loss a train step differentiates (pure
-functions, after TRL's ``GRPOTrainer``; formulas in docs/fine-tuning.md), and the objective a
-run trains with (``GRPO``).
+"""GRPO: the loss as pure functions (after TRL's ``GRPOTrainer``; formulas in
+docs/fine-tuning.md) and the objective a run trains with (``GRPO``).
 
-Shapes: B rows (one completion each: a prompt's tokens then its completion's, padded), T
-tokens, V vocabulary, P prompts, G completions per prompt (B = P G, a prompt's G rows
-consecutive).
+Shapes: B rows (a prompt's tokens then one completion's, padded), T tokens, V vocabulary,
+P prompts, G completions per prompt (B = P G, a prompt's G rows consecutive).
 
 Each step refreshes the serving engine's weights from the train state, samples G completions
-per prompt, scores them with the reward functions and takes one update. A step's prompts and
-sampling seeds are functions of (seed, step), so a resumed run samples exactly what an
-uninterrupted one would. The KL reference is the initial weights (made again after a resume),
-or with LoRA the frozen base with the adapters off.
+per prompt (seeds pure in (seed, step): exact resume), scores them and takes one update.
 """
 
 from __future__ import annotations
@@ -229,13 +223,8 @@ def completion_text(tokenizer: TextTokenizer, tokens: list[int]) -> str:
 
 def make_engine(model_config: ModelConfig, params: Params, tc: TrainConfig, prompt_len: int
                 ) -> Engine:
-    """An engine on the first device for one step's rollouts.
-
-    Its slots: one per completion of a step, so that all decode together; fewer (at least G)
-    when their pages would take more than ``ROLLOUT_MEMORY_SHARE`` of the first device's
-    memory. Its steps prefill up to all of a step's prompts at once (at most
-    ``MAX_ROLLOUT_CHUNK`` tokens).
-    """
+    """An engine on the first device for one step's rollouts: a slot per completion (fewer,
+    at least G, past ``ROLLOUT_MEMORY_SHARE`` of its memory), prefilling all prompts at once."""
     row_pages = pages_for(prompt_len + tc.grpo_max_tokens, PAGE_SIZE)
     slots = tc.batch_size
     available = available_bytes(jax.devices()[0])

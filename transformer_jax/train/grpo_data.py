@@ -143,9 +143,8 @@ def score(rewards: Sequence[Reward], completion: str, prompt: PromptRecord) -> f
 
 def load_prompts(path: str | os.PathLike[str], tokenizer: Any, max_prompt_len: int
                  ) -> list[PromptRecord]:
-    """The prompts of a JSONL file: ``messages`` (a chat, rendered with the tokenizer's chat
-    template and its generation prompt) or ``prompt`` (text, or a list of chat messages); any
-    other fields stay in the record for the reward.
+    """The prompts of a JSONL file: ``messages`` (a chat, with the chat template's generation
+    prompt) or ``prompt`` (text or chat messages); other fields stay in the record.
 
     Raises:
       InstructionDataError: ``FILE:LINE: ...`` for bad JSON, a record with neither field, or a

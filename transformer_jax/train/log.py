@@ -82,11 +82,8 @@ def _measured_peak(device: jax.Device, dtype: str, size: int) -> float:
 
 
 def _summary_writer_class() -> type:
-    """tensorboardX's ``SummaryWriter``, imported without torch and google-cloud-storage.
-
-    A run logs floats and text to a local directory and needs neither, and the two imports were
-    most of a run's start. Only this import sees them missing.
-    """
+    """tensorboardX's ``SummaryWriter``, imported without torch and google-cloud-storage (a
+    run needs neither, and their imports were most of its start)."""
     blocked = [name for name in ("torch", "google.cloud.storage") if name not in sys.modules]
     for name in blocked:
         sys.modules[name] = None  # type: ignore[assignment]  # import raises ImportError

@@ -1,10 +1,6 @@
-"""Will a run fit in memory: a rough per-device estimate from shapes alone, checked before any
-data is read or any array allocated (``train.py --no-memory-check`` skips it).
-
-The estimate is the train state (exact, from ``jax.eval_shape`` and the run's shardings), the
-gradients, the activations the backward pass keeps (per layer, by remat policy) and the loss's
-logits. It leaves out XLA's scratch and fragmentation; ``transformer-jax bench memory`` measures
-a compiled step instead.
+"""Will a run fit in memory: a rough per-device estimate from shapes alone (the train state,
+gradients, activations kept for the backward pass, the loss's logits), checked before any data
+is read. It leaves out XLA's scratch; ``transformer-jax bench memory`` measures a compiled step.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Loss curves of training runs, drawn from their ``metrics.jsonl``.
 
-``plot_run(run_dir)`` writes ``run_dir/loss.png``: train and validation loss against the step
-(tokens seen on a secondary axis, log-scaled when the loss spans a wide range), the bits per
-byte of each ``train.eval_sets`` set in a panel of their own, and the learning rate.
-``plot_runs(dirs, out)`` draws several runs on one figure (``transformer-jax plot RUN_DIR...``).
-Only matplotlib's object API with the Agg canvas is used (no pyplot global state).
+``plot_run(run_dir)`` writes ``run_dir/loss.png`` (train and validation loss, each
+``train.eval_sets`` set's bits per byte, the learning rate); ``plot_runs(dirs, out)`` draws
+several runs on one figure. Only matplotlib's object API is used (no pyplot global state).
 """
 
 from __future__ import annotations

@@ -5,11 +5,9 @@
 Shapes: B rows, T tokens, V vocabulary, M pairs per row (``data.preference``: pair k of a row
 is segments 2k + 1 (chosen) and 2k + 2 (rejected)), P pairs (any leading shape).
 
-In a run the loss sums over the batch's pairs and the step divides by their count, so grad
-accumulation and the mesh work as for SFT. DPO's reference is the initial weights'
-log-probs, computed in a first pass and stored in ``run_dir/reference_logps.npz`` (full
-fine-tuning: a resumed run reads the same values), or the frozen LoRA base with the adapters
-off. ORPO has no reference.
+In a run the loss sums over the batch's pairs and the step divides by their count. DPO's
+reference is the initial weights' log-probs, stored in ``run_dir/reference_logps.npz`` (full
+fine-tuning), or the frozen LoRA base with the adapters off.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Quantised training through qwix: ``train.quant=int8`` (or ``fp8`` on GPU/TPU).
 
 ``training_model`` wraps the ``Transformer`` with ``qwix.QtProvider``: every weight product
-runs on quantised operands (weight and input in the forward pass, the gradient in the
-backward, straight-through into the float parameters); attention's own einsums, the norms and
-the embedding lookup stay float. Parameters, optimizer state and checkpoints stay in the
-parameter dtype (docs/quantisation.md).
+runs on quantised operands, straight-through into the float parameters, which checkpoints keep
+(docs/quantisation.md).
 """
 
 from __future__ import annotations

@@ -282,9 +282,8 @@ def make_eval_step(model_config: ModelConfig, train_config: TrainConfig | None =
                    ) -> Callable[[Params, Batch], Metrics]:
     """A pure ``eval_step(params, batch) -> {"loss_sum", "tokens"}`` (sums, to be pooled).
 
-    ``params`` are the train state's (see ``ParamsLayout``; full training without
-    ``train_config``); the batch's optional ``mask``, ``segment_ids`` and ``positions`` [B, T]
-    are used as in training, and so is ``train.quant`` (the model evaluated as it trains).
+    ``params`` are the train state's (full training without ``train_config``); the batch and
+    ``train.quant`` are used as in training.
     """
     model = _training_model(model_config, train_config)
     layout = ParamsLayout() if train_config is None else ParamsLayout.of(train_config)
