@@ -49,12 +49,10 @@ def prepare_data(data_config: DataConfig, vocab_size: int,
     files = (corpus.resolve_corpus(dc.patterns) if dc.patterns
              else corpus.default_corpus(dc.max_bytes))
     ensure_writable_dir(cache_dir, "data cache directory")
-    if tokenizer is not None:
-        pass
-    elif dc.tokenizer in MODEL_TYPES:
+    if tokenizer is None and dc.tokenizer in MODEL_TYPES:
         tokenizer = Tokenizer.train_or_load(files, cache_dir, dc.vocab_size or vocab_size,
                                             dc.tokenizer)
-    else:
+    elif tokenizer is None:
         tokenizer = Tokenizer.load(Path(dc.tokenizer).expanduser())
     tokens = corpus.tokenize_corpus(files, tokenizer, cache_dir)
     train_tokens, val_tokens = data_lib.split(tokens, dc.val_fraction)

@@ -131,11 +131,9 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     objective.check_data(data_config)
     where = f"train.init_from={tc.init_from}"
     source = loading.locate(tc.init_from, where=where) if tc.init_from else None
-    if source is not None:
-        changes = architecture_changes(source.model, model_config)
-        if changes:
-            raise ValueError(f"train.init_from={tc.init_from}: the model differs from the "
-                             f"checkpoint's: {'; '.join(changes)}")
+    if source is not None and (changes := architecture_changes(source.model, model_config)):
+        raise ValueError(f"train.init_from={tc.init_from}: the model differs from the "
+                         f"checkpoint's: {'; '.join(changes)}")
     if memory_check and not tc.pairs_per_step:  # from shapes (the preset's vocab_size):
         check_memory(model_config, tc, mesh)  # before minutes of data work
     main_process = distributed.is_main_process()
