@@ -248,18 +248,15 @@ class DataConfig:
 
     Attributes:
       path: comma-separated files, directories or globs of UTF-8 text; empty means the default
-        corpus, the Python standard library's sources (works offline). When they name only
-        ``.jsonl`` files, they are instruction data instead (prompt/completion or chat records,
-        ``transformer_jax.data.instruct``): packed rows with the loss on the completions / assistant
-        turns only. ``.jsonl`` and text files together are an error.
+        corpus, the Python standard library's sources. Only ``.jsonl`` files: instruction data
+        (``data.instruct``), the loss on the completions only. ``.jsonl`` and text files
+        together are an error.
       tokenizer: ``"bpe"``, ``"unigram"`` or ``"char"`` to train a SentencePiece model on the
-        corpus (cached), or the path of a ``.model`` file to load. With ``train.init_from``
-        the checkpoint's tokenizer is used unless this is a file (``.model``, ``tokenizer.json``
-        or a directory holding one).
+        corpus (cached), or a tokenizer file to load (which overrides ``train.init_from``'s).
       vocab_size: size of a trained bpe/unigram vocabulary; 0 means the model's ``vocab_size``.
         The model's ``vocab_size`` is always set to the tokenizer's.
-      val_fraction: the last this fraction of the tokens is the validation split (of a
-        ``.jsonl`` file: this fraction of the packed rows, chosen by a fixed permutation).
+      val_fraction: the fraction held out for validation: the last tokens, or (``.jsonl``)
+        packed rows chosen by a fixed permutation.
       cache_dir: where trained tokenizers and token files are cached.
       max_bytes: cap on the size of the default corpus.
       packing: how shard builds (``python -m transformer_jax.data build``) become rows: ``pack``
