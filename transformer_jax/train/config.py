@@ -363,13 +363,10 @@ def build_configs(config: str, overrides: Sequence[str] = ()
       FileNotFoundError: if the config, or ``train.init_from``'s checkpoint or its weights, do
         not exist.
 
-    With ``train.init_from`` the model is the checkpoint's (``init_model_config``): ``model.*``
-    overrides may only set ``Execution`` fields (and lower max_seq_len), and the config file's
-    ``[model]`` table gives way to the checkpoint where it would change the architecture.
-    A preset's ``warmup_steps`` that does not fit a run shortened by an override becomes the
-    automatic warmup, and with ``train.init_from`` a preset's ``seq_len`` above the model's
-    ``max_seq_len`` is capped to it (both logged); given on the command line, they are kept
-    (a ``train.seq_len=`` above ``max_seq_len`` is an error).
+    With ``train.init_from`` the model is the checkpoint's (``init_model_config``). A preset's
+    ``warmup_steps`` too long for a run shortened by an override becomes the automatic warmup,
+    and with ``train.init_from`` a preset's ``seq_len`` above ``max_seq_len`` is capped (both
+    logged); given on the command line they are kept (a too long ``seq_len`` is an error).
     """
     try:
         tables = load_toml(config)

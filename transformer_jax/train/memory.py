@@ -32,16 +32,13 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
                      mesh_shape: dict[str, int]) -> int:
     """Rough per-device bytes the backward pass keeps from one micro-batch's forward.
 
-    Per layer and token (D width, F FFN width, N/K query/kv heads of H dims): no remat keeps
-    the inputs of the norms and matmuls (4 D + 2 N H + 2 K H + 3 F values); ``save_dots`` the
-    matmul outputs (2 D + N H + 2 K H + 2 F); ``full`` the block input (D), plus one block
-    recomputed at a time; the named policies what ``full`` keeps plus the products they save in
-    device memory. A sparse layer's FFN counts as ``moe_values``, and without full remat under
-    FSDP the backward keeps its experts' gathered matrices (3 E D F values). The einsum
-    attention adds its [N, T, T] float32 probabilities per layer; the loss the [T, V] float32
-    logits and their gradient (or a chunk, ``train.loss_chunk``). Head, FFN and vocabulary
-    dimensions are split over ``tensor``, rows over ``data`` x ``fsdp`` (and ``expert``), and
-    each sequence over ``context``.
+    Per layer and token: no remat keeps the norms' and matmuls' inputs (4 D + 2 N H + 2 K H +
+    3 F values), ``save_dots`` the matmul outputs (2 D + N H + 2 K H + 2 F), ``full`` the block
+    input D (plus one block recomputed at a time), a named policy that plus what it saves; a
+    sparse layer's FFN as ``moe_values`` (and 3 E D F gathered expert values under FSDP without
+    full remat). Plus the einsum attention's [N, T, T] float32 probabilities per layer and the
+    loss's [T, V] float32 logits and gradient (a chunk with ``loss_chunk``), all split over the
+    mesh axes as the arrays are.
 
     Args:
       model_config: the model.

@@ -200,17 +200,15 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
     """The training objective ``loss_sums(params, batch) -> (objective, (ce, z, count))``, and
     with a mixture of experts or ``train.mtp_weight`` ``(objective, (ce, z, count, sums))``.
 
-    ``params`` are the train state's (``ParamsLayout``). ``batch["mask"]`` [B, T] weights each
-    target (0 = no loss, e.g. a prompt token), so ``count`` is the number of weighted targets;
-    all are sums over the batch, divided once per step. Packed batches pass ``segment_ids`` and
-    ``positions`` [B, T] to the model; under a mesh that splits the sequence (``context``) the
-    batch is first put in load-balanced order (``parallel.context.balance_batch``).
+    ``params`` are the train state's. All are sums over the batch, divided once per step;
+    ``batch["mask"]`` [B, T] weights each target, so ``count`` is their weighted number. Packed
+    batches pass ``segment_ids`` and ``positions`` [B, T] to the model; under ``context``
+    parallelism the batch is first put in load-balanced order.
 
     With ``train.mtp_weight`` (lambda) the objective adds ``lambda * count * loss.mtp_loss``
-    (``sums["mtp"]``). With a mixture of experts it adds ``count * (train.moe_balance_loss *
-    balance + train.moe_z_loss * router_z)``, the means over the sparse layers of
-    ``Output.moe`` (over the valid tokens, prompts included); ``sums`` holds ``balance`` and
-    ``z`` (times ``count``, without the coefficients) and ``load`` [L_sparse, E].
+    (``sums["mtp"]``). With a mixture of experts it adds ``count * (moe_balance_loss * balance +
+    moe_z_loss * router_z)`` (means over the sparse layers); ``sums`` holds ``balance`` and
+    ``z`` (times ``count``) and ``load`` [L_sparse, E].
 
     With ``train.loss_chunk = C > 0`` the LM head and the cross-entropy run over [B, C] chunks
     (``ops.lm_loss``): the same values and gradients without the [B, T, V] float32 logits.
