@@ -1,9 +1,8 @@
 """Log-likelihood of token continuations, several requests packed into each row.
 
-A request is a token sequence and how many of its last targets are scored (the
-continuation). Requests are placed into rows of W slots by best-fit decreasing, with
-``segment_ids`` 1, 2, ... (0 = padding) and ``positions`` restarting per request, so each one
-sees exactly what it would alone in a row. Rows go through the model B at a time.
+Requests (token sequences, their last targets scored) are placed into rows of W slots by
+best-fit decreasing, with ``segment_ids`` 1, 2, ... (0 = padding) and ``positions`` restarting
+per request, so each sees exactly what it would alone in a row.
 
 Shapes: B rows per forward, W slots per row, V vocabulary.
 """

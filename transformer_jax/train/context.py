@@ -36,9 +36,8 @@ class RunContext:
 
 
 class Objective:
-    """SFT (next-token cross-entropy), and the interface through which the loop drives every
-    objective: its data, any state of its own (``start``), its batches, step and updates. The
-    loop does the rest alike for all: timing, logging, evaluation, checkpoints and signals."""
+    """SFT (next-token cross-entropy), and the interface the loop drives every objective through:
+    its data, own state (``start``), batches, step and updates; the loop does the rest alike."""
 
     #: The ``.jsonl`` records the objective trains on (``data.path``); empty: any data.
     records = ""

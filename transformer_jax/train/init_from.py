@@ -30,8 +30,7 @@ def architecture_changes(source: ModelConfig, model: ModelConfig) -> list[str]:
 def init_model_config(source: Source, values: dict[str, Any],
                       preset_keys: frozenset[str] = frozenset()) -> ModelConfig:
     """The model of a run with ``train.init_from``: the checkpoint's architecture with ``values``
-    (the ``[model]`` table and ``model.*`` overrides) applied to its ``Execution`` fields (and a
-    lower ``max_seq_len``).
+    (``[model]`` and ``model.*``) applied to its ``Execution`` fields and ``max_seq_len``.
 
     Args:
       source: the checkpoint (``loading.locate``).

@@ -98,9 +98,8 @@ def _summary_writer_class() -> type:
 class RunLog:
     """Collects step metrics (one step late), checks them, and writes logs.
 
-    Writes ``metrics.jsonl`` (train records every ``log_every`` steps, val records and samples
-    at evaluations) and TensorBoard events under ``tb/``; a resumed run drops the records after
-    the restored step. ``peak`` is the FLOP/s of the whole mesh, so ``mfu`` is per device.
+    Writes ``metrics.jsonl`` and TensorBoard events under ``tb/`` (a resumed run drops the
+    records after the restored step). ``peak`` is the mesh's FLOP/s, so ``mfu`` is per device.
     """
 
     def __init__(self, run_dir: Path, start_step: int, tc: TrainConfig, flops: float,
@@ -311,9 +310,8 @@ class SaveAborted(KeyboardInterrupt):
 class StopOnSignal(contextlib.AbstractContextManager):
     """Turns SIGTERM/SIGINT into a request to checkpoint and stop (``.signal`` is its name).
 
-    The first signal asks for a checkpoint of the current step and a stop; a second is told to
-    wait for the save; a third raises ``SaveAborted`` at once. Keep it entered until the last
-    save is on disk. Only active in the main thread.
+    A second signal is told to wait for the save; a third raises ``SaveAborted`` at once. Keep
+    it entered until the last save is on disk. Only active in the main thread.
     """
 
     def __init__(self) -> None:
