@@ -1,11 +1,5 @@
-"""Evaluation with lm-evaluation-harness (the ``eval`` extra).
-
-Modules:
-  scoring  requests -> packed rows with segment ids -> log-likelihoods and greedy flags
-  harness  ``JaxLM``: the harness's ``LM`` (registered as ``transformer_jax``)
-  cli      ``transformer-jax evaluate --checkpoint PATH --tasks T1,T2 ...``
-  local_tasks  task YAML over local JSONL files (offline)
-
-``scoring`` and ``local_tasks`` need only JAX / the standard library; ``harness`` and ``cli``
-import ``lm_eval``.
+"""Evaluation with lm-evaluation-harness (the ``eval`` extra): ``scoring`` (requests -> packed
+rows -> log-likelihoods and greedy flags; JAX only), ``harness`` (``JaxLM``, the harness's
+``LM``, registered as ``transformer_jax``) and ``local_tasks`` (task YAML over local JSONL files,
+offline). The command is ``transformer-jax evaluate`` (``cli/evaluate.py``).
 """

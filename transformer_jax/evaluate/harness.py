@@ -1,28 +1,8 @@
 """lm-evaluation-harness on this library's models: ``JaxLM``, registered as ``transformer_jax``.
 
-``JaxLM(checkpoint=PATH)`` opens any checkpoint ``loading.load`` opens (a HF directory, a run,
-a LoRA run: its adapters merged), optionally sharded over a mesh, and answers the harness's
-three request types as its ``hf`` backend does, so the numbers are the same:
-
-* ``loglikelihood``: ``(context, continuation)`` is tokenized as the harness's ``TemplateLM``
-  does (the pair encoded whole, then split at the context's length; an empty context is the
-  prefix token: bos, or eos without one; so is a context of only spaces). Requests are
-  sorted by length and packed several to a row with segment ids and per-request positions
-  (``scoring``), so padding is small.
-  Returns ``(log-probability of the continuation, whether greedy decoding gives it)``.
-* ``loglikelihood_rolling``: the text's tokens cut into windows of the model's context with
-  the harness's own ``get_rolling_token_windows`` / ``make_disjoint_window`` (the first window
-  starts from the prefix token; each token is predicted once, later windows keep as much
-  preceding context as fits), every window scored as a loglikelihood request; the sum.
-* ``generate_until``: ``generation.generate`` (greedy unless the task samples) for
-  ``max_gen_toks`` tokens or until eos; the text is cut before the first occurrence of any
-  ``until`` string (the harness's ``postprocess_generated_text``), so a stop string is never
-  in the answer and nothing after it is.
-
-**Truncation.** A request longer than the model's window (``max_length``, default
-``config.max_seq_len``) keeps its last ``max_length + 1`` tokens: the context loses its start,
-as the ``hf`` backend does (a continuation longer than the window is an error). A
-generation's context keeps its last ``max_length - max_gen_toks`` tokens.
+``JaxLM(checkpoint=PATH)`` opens any checkpoint ``loading.load`` opens and answers the
+harness's three request types as its ``hf`` backend does, truncation included, so the numbers
+are the same (docs/evaluation.md); ``loglikelihood`` packs requests several to a row.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Log-likelihood of token continuations, several requests packed into each row.
 
-A request is a token sequence and how many of its last targets are scored: the
-continuation's ``n`` tokens after its context. Requests are sorted by length and placed into
-rows of ``W`` slots by best-fit decreasing (``instruct.packed_layout``); ``segment_ids``
-number the requests of a row 1, 2, ... (0 = padding) and ``positions`` restart at 0 for each,
-so attention never crosses requests and each one sees exactly what it would alone in a row.
-Rows go through the model ``B`` at a time, one compiled program per ``(B, W)``.
+Requests (token sequences, their last targets scored) are placed into rows of W slots by
+best-fit decreasing, with ``segment_ids`` 1, 2, ... (0 = padding) and ``positions`` restarting
+per request, so each sees exactly what it would alone in a row.
 
 Shapes: B rows per forward, W slots per row, V vocabulary.
 """
@@ -50,9 +47,8 @@ class Request:
 def window(context: Sequence[int], continuation: Sequence[int], max_length: int) -> Request:
     """The request of ``continuation`` after ``context`` in a window of ``max_length`` tokens.
 
-    As the harness's ``hf`` backend: the sequence ``context + continuation`` keeps its last
-    ``max_length + 1`` tokens (a longer context loses its start), the inputs are all but its
-    last token and the targets all but its first.
+    As the harness's ``hf`` backend: ``context + continuation`` keeps its last ``max_length +
+    1`` tokens (a longer context loses its start).
 
     Raises:
       ValueError: an empty context or continuation, or a continuation over ``max_length``.
@@ -68,8 +64,8 @@ def window(context: Sequence[int], continuation: Sequence[int], max_length: int)
 
 
 def row_length(requests: Sequence[Request], max_length: int) -> int:
-    """W: the longest request's length rounded up to a power of two, at least ``MIN_ROW_LEN``
-    and at most ``max_length`` (so rows of short requests hold many)."""
+    """W: the longest request's length rounded up to a power of two, in [``MIN_ROW_LEN``,
+    ``max_length``]."""
     longest = max(len(r.inputs) for r in requests)
     return min(max_length, max(MIN_ROW_LEN, 1 << (longest - 1).bit_length()))
 
@@ -110,8 +106,7 @@ def token_scores(model: Transformer, params: Params, inputs: jax.Array, targets:
                  positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Each target's log-probability and whether it is the model's argmax.
 
-    The LM head runs one row at a time (``lax.map``), so only one row's [W, V] float32
-    logits exist at once (a 128k vocabulary at W = 2048 is 1 GiB per row).
+    The LM head runs one row at a time (``lax.map``): one row's [W, V] float32 logits at once.
 
     Args:
       model: the ``Transformer``.

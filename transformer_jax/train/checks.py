@@ -1,7 +1,5 @@
-"""What a run settles before it reads data or compiles anything: where its files go, the
-checks of its configs against the devices and the data, the shardings of its state, and
-whether it fits in memory (``train.run.run`` calls these first, so a run that cannot work fails
-in one line, early)."""
+"""What a run settles before it reads data or compiles anything: where its files go, the checks
+of its configs, the shardings of its state, and whether it fits in memory."""
 
 from __future__ import annotations
 
@@ -20,11 +18,9 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.parallel import sharding as sharding_lib
 from transformer_jax.train.config import TrainConfig
 from transformer_jax.train.memory import check_fits
-from transformer_jax.train.step import ParamsLayout, make_init_fn
+from transformer_jax.train.step import Params, ParamsLayout, make_init_fn
 
 logger = logging.getLogger(__name__)
-
-Params = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +29,8 @@ class RunDirectory:
 
     Attributes:
       name: ``train.run_dir`` as given (a local path or a ``gs://`` URL), for messages.
-      local: the directory the run writes its small files to (``metrics.jsonl``, TensorBoard
-        events, ``loss.png``, ``config.json``, ``summary.json``, the tokenizer copy): the run
-        directory itself, or for a remote one a local mirror of it (``storage``).
+      local: the directory the run writes its small files to: the run directory itself, or a
+        local mirror of a remote one (``storage``).
       checkpoints: the checkpoint directory, on the object store for a remote run.
       remote: whether ``name`` is on object storage.
     """
@@ -46,13 +41,8 @@ class RunDirectory:
     remote: bool
 
     def sync(self, failing: bool = False) -> None:
-        """Uploads the mirror's changed files to a remote run directory (each one a whole
-        object); nothing for a local one. Called at every checkpoint and at the end.
-
-        Args:
-          failing: the run is ending in an error, which is the one to raise: an upload that
-            fails as well is only a warning.
-        """
+        """Uploads the mirror's changed files to a remote run directory; nothing for a local
+        one. ``failing``: the run is ending in an error, so a failed upload is only a warning."""
         if not self.remote:
             return
         try:
@@ -67,8 +57,7 @@ class RunDirectory:
 
 def run_directory(run_dir: str, process_index: int) -> RunDirectory:
     """Opens ``train.run_dir``: creates and probes a local one; for a remote one fetches its
-    small files (a resumed run appends to its ``metrics.jsonl``) into a local mirror, one per
-    process (the processes of one host do not share it).
+    small files into a local mirror, one per process.
 
     Raises:
       PermissionError: a local directory that cannot be written.
@@ -93,9 +82,8 @@ def run_directory(run_dir: str, process_index: int) -> RunDirectory:
 
 def check_run(model_config: ModelConfig, train_config: TrainConfig, num_train_tokens: int,
               num_devices: int | None = None) -> None:
-    """Raises a clear ValueError for a run that cannot work, before anything is compiled:
-    ``model_config`` with its final vocab size, ``num_train_tokens`` the train split's size,
-    ``num_devices`` those the batch is split over (``jax.device_count()`` by default)."""
+    """Raises a clear ValueError for a run that cannot work (``model_config`` with its final
+    vocab size; ``num_devices``: those the batch is split over, default all)."""
     check_config(model_config, train_config, num_devices)
     tc = train_config
     if num_train_tokens <= tc.seq_len:
@@ -138,10 +126,8 @@ def check_config(model_config: ModelConfig, train_config: TrainConfig,
 
 def check_context(model_config: ModelConfig, train_config: TrainConfig) -> None:
     """Raises ValueError, in one line, for what context parallelism (``train.mesh``'s
-    ``context=C``, ``parallel.context``) cannot train: a sequence length that is not a multiple
-    of 2C (the load-balancing chunks), an objective other than sft (DPO, ORPO and GRPO score
-    each sequence by its own loss functions, which do not take the permuted order), and
-    ``attention_impl="pallas"`` (on TPU causal by index, which a permuted sequence is not)."""
+    ``context=C``) cannot train: a sequence length not a multiple of 2C, an objective other
+    than sft, ``train.mtp_weight``, and ``attention_impl="pallas"``."""
     tc = train_config
     context = sharding_lib.MeshConfig.parse(tc.mesh).context
     if context == 1:
@@ -162,10 +148,8 @@ def check_context(model_config: ModelConfig, train_config: TrainConfig) -> None:
 
 def params_shardings(model_config: ModelConfig, mesh: Any, abstract_params: Params,
                       layout: ParamsLayout) -> Any:
-    """Shardings by parameter path for ``sharding.state_shardings``: the model's, and with LoRA
-    the base's and the adapters' (which split like their matrices). The adapters are listed
-    under both ``adapters/...`` (the state's params) and their own paths (the optimizer's
-    moments, which mirror the adapter tree)."""
+    """Shardings by parameter path for ``sharding.state_shardings`` (with LoRA, the base's and
+    the adapters' too)."""
     model_shardings = sharding_lib.param_shardings(model_config, mesh)
     if layout.lora_config is None:
         return model_shardings
@@ -173,11 +157,8 @@ def params_shardings(model_config: ModelConfig, mesh: Any, abstract_params: Para
     return {**adapters, lora.BASE: model_shardings, lora.ADAPTERS: adapters}
 
 
-
-
 def check_memory(model_config: ModelConfig, train_config: TrainConfig, mesh: Any) -> None:
-    """Raises ValueError, in one line, for a run whose rough memory estimate does not fit
-    (``train.memory.check_fits``); from shapes alone (``jax.eval_shape`` of the real init)."""
+    """Raises ValueError, in one line, for a run that will not fit (``memory.check_fits``)."""
     abstract = jax.eval_shape(make_init_fn(model_config, train_config),
                               jax.random.key(train_config.seed))
     layout = ParamsLayout.of(train_config)
@@ -187,8 +168,7 @@ def check_memory(model_config: ModelConfig, train_config: TrainConfig, mesh: Any
 
 
 def attention_used(model_config: ModelConfig, tc: TrainConfig) -> str:
-    """What the train step's attention runs: ``model.attention_impl``, or what ``"auto"``
-    picks for the step's [B, T, N, H] queries on this backend."""
+    """What the train step's attention runs (what ``"auto"`` picks for its queries, here)."""
     impl = model_config.attention_impl
     if impl != "auto":
         return repr(impl)

@@ -1,5 +1,4 @@
-"""The ``[train]`` and ``[data]`` tables of a run and ``build_configs``: a TOML preset plus
-type-checked ``model.x=`` / ``train.x=`` / ``data.x=`` overrides (``train.py``, benchmarks)."""
+"""The ``[train]`` and ``[data]`` tables of a run and ``build_configs`` (preset + overrides)."""
 
 from __future__ import annotations
 
@@ -52,8 +51,8 @@ class TrainConfig(ObjectiveConfig):
       batch_size: sequences per optimizer step (global, all devices and micro-batches); DPO
         and ORPO: packed rows of pairs (see ``pairs_per_step``), GRPO: completions.
       seq_len: T, tokens per sequence; at most the model's ``max_seq_len``.
-      grad_accum: split each step's batch into this many micro-batches whose gradients are
-        summed before one update (same result as one big batch, less memory).
+      grad_accum: micro-batches per step, their gradients summed before one update (the
+        result of one big batch, in less memory).
       lr: peak learning rate, reached after ``warmup_steps``.
       min_lr: learning rate at the end of the cosine decay.
       warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr``; -1 (the default) means
@@ -71,23 +70,19 @@ class TrainConfig(ObjectiveConfig):
       moe_bias_update_rate: after each sft step, ``moe.correction_bias += rate * sign(mean
         load - load)`` per sparse layer (DeepSeek-V3's loss-free balancing); 0: off.
       loss_chunk: 0 computes the LM head and the loss over all [B, T, V] logits at once; N > 0
-        over [B, N] chunks (N positions of every sequence) with a gradient that recomputes each
-        chunk's logits, so the float32 [B, T, V] logits are never held whole (``ops.lm_loss``).
+        over [B, N] chunks, recomputed in the backward pass (``ops.lm_loss``).
       seed: seeds the parameters, the data order and the RNG.
-      eval_every: evaluate the validation loss every this many steps (and at the end); 0
-        evaluates only at the end.
+      eval_every: evaluate every this many steps and at the end (0: only at the end).
       eval_batches: validation batches per evaluation; 0 means the whole validation split.
-      eval_sets: held-out sets evaluated at every evaluation, ``"name=PATH,..."``: text files
-        (one document) or ``.jsonl`` files (a ``"text"`` per line); each reports its loss in
-        nats per token and bits per byte (``transformer_jax.data.eval_sets``); empty: none.
+      eval_sets: held-out sets scored at every evaluation, ``"name=PATH,..."`` (text, or
+        ``.jsonl`` of ``"text"``): loss and bits per byte (``data.eval_sets``); empty: none.
       log_every: write train metrics every this many steps.
       ckpt_every: save a checkpoint every this many steps (and at the end / on SIGTERM).
       keep_ckpts: how many recent checkpoints to keep.
       run_dir: where checkpoints, ``metrics.jsonl``, TensorBoard events and the summary go.
-      mesh: device mesh sizes ``"data,fsdp,tensor"`` (one may be -1: the rest of the
-        devices), a fourth for a mixture's expert axis (``"-1,1,1,4"``), or named
-        (``"expert=4,data=-1"``); the default is data parallelism over every device. Sizes
-        of the whole mesh, over all slices of a multi-slice pod (docs/pods.md).
+      mesh: device mesh sizes ``"data,fsdp,tensor"`` (one may be -1: the rest of the devices),
+        a fourth for a mixture's expert axis, or named (``"expert=4,data=-1"``); the default
+        is data parallelism. Sizes of the whole mesh, over all slices of a pod (docs/pods.md).
       dcn_mesh: on several TPU slices, how many slices each mesh axis spans (``mesh``'s syntax,
         ``"fsdp=2"``; product: the slice count); S/D devices per slice. Default: all on data.
       sample_tokens: tokens generated at each evaluation (0 disables samples).
@@ -97,27 +92,22 @@ class TrainConfig(ObjectiveConfig):
         (1-based, inclusive) into ``run_dir/profile/``; empty (the default) profiles nothing.
       peak_flops: one device's peak FLOP/s behind MFU; 0 measures a matmul on CPU (the whole
         host, shared by its devices) and takes the published dense bf16 peak on GPU/TPU.
-      allow_new_data: resume on another corpus (tokenized by the same tokenizer); without it a
-        resume on different data is refused. A different tokenizer is always refused.
+      allow_new_data: resume on another corpus (with the same tokenizer, always required).
       init_from: fine-tune: start from the weights of a HF checkpoint directory (config.json +
         safetensors) or of another run (its directory, ``checkpoints/`` or one step). The model
-        comes from it; ``model.*`` may only change how it runs (dtype, param_dtype, remat,
-        scan_layers, attention_impl, init_std: ``config.Execution``) and lower max_seq_len; a
-        seq_len from the config file above the model's max_seq_len gives way to it. The
-        tokenizer is the checkpoint's unless data.tokenizer is a file. The optimizer starts
-        fresh; a run directory that already has checkpoints resumes from them instead.
-      lora_rank: R > 0 trains LoRA adapters of rank R on a frozen base (params
-        ``{"base", "adapters"}``, see ``transformer_jax.model.lora``); 0 trains every weight.
+        comes from it; ``model.*`` may only change how it runs (``config.Execution``) and lower
+        max_seq_len. The tokenizer is the checkpoint's unless data.tokenizer is a file. The
+        optimizer starts fresh; a run directory with checkpoints resumes from them instead.
+      lora_rank: R > 0 trains LoRA adapters of rank R on a frozen base (``model.lora``); 0
+        trains every weight.
       lora_alpha: LoRA scale numerator (the update is ``alpha / R * A @ B``); 0 means ``2 R``.
       lora_targets: comma-separated LoRA target matrices among q,k,v,o,gate,up,down.
       lora_base_dtype: dtype the frozen LoRA base is stored in (e.g. ``bfloat16``); empty
         means the model's param_dtype.
-      lora_base_quant: store the frozen LoRA base quantised (QLoRA): ``int8``, ``int4``,
-        ``nf4`` (or ``int4:G`` / ``nf4:G``, ``model.quant``); dequantised inside each
-        step. Exports merge the adapters into full-precision weights. Empty: not quantised.
-      quant: quantised training through qwix (``transformer_jax.train.quant``): ``int8`` (the
-        weight products' operands and gradients int8) or ``fp8`` (GPU/TPU); empty trains in
-        float. Parameters, optimizer state and checkpoints stay in param_dtype.
+      lora_base_quant: store the frozen LoRA base quantised (QLoRA): ``int8``, ``int4``, ``nf4``
+        (or ``int4:G`` / ``nf4:G``), dequantised in each step; empty: not quantised.
+      quant: quantised training through qwix (``train.quant``): ``int8`` or ``fp8`` (GPU/TPU)
+        weight products; empty trains in float. Parameters and checkpoints stay in param_dtype.
       compiled_step: load the train step ``transformer-jax compile --save PATH`` wrote.
     """
 
@@ -258,28 +248,23 @@ class DataConfig:
 
     Attributes:
       path: comma-separated files, directories or globs of UTF-8 text; empty means the default
-        corpus, the Python standard library's sources (works offline). When they name only
-        ``.jsonl`` files, they are instruction data instead (prompt/completion or chat records,
-        ``transformer_jax.data.instruct``): packed rows with the loss on the completions / assistant
-        turns only. ``.jsonl`` and text files together are an error.
+        corpus, the Python standard library's sources. Only ``.jsonl`` files: instruction data
+        (``data.instruct``), the loss on the completions only. ``.jsonl`` and text files
+        together are an error.
       tokenizer: ``"bpe"``, ``"unigram"`` or ``"char"`` to train a SentencePiece model on the
-        corpus (cached), or the path of a ``.model`` file to load. With ``train.init_from``
-        the checkpoint's tokenizer is used unless this is a file (``.model``, ``tokenizer.json``
-        or a directory holding one).
+        corpus (cached), or a tokenizer file to load (which overrides ``train.init_from``'s).
       vocab_size: size of a trained bpe/unigram vocabulary; 0 means the model's ``vocab_size``.
         The model's ``vocab_size`` is always set to the tokenizer's.
-      val_fraction: the last this fraction of the tokens is the validation split (of a
-        ``.jsonl`` file: this fraction of the packed rows, chosen by a fixed permutation).
+      val_fraction: the fraction held out for validation: the last tokens, or (``.jsonl``)
+        packed rows chosen by a fixed permutation.
       cache_dir: where trained tokenizers and token files are cached.
       max_bytes: cap on the size of the default corpus.
-      packing: how shard builds (``data.path`` naming directories made by ``python -m
-        transformer_jax.data build``) become rows: ``pack`` (documents packed with segment
-        ids, positions restarting per document) or ``concat`` (random windows across documents,
-        as a text corpus is read); ``auto`` is ``pack`` for shards and ``concat`` otherwise.
-      mixture: ``name=DIR:weight,...`` shard builds sampled by weight (``DIR1+DIR2`` joins
-        builds into one source; the weights are relative: finite numbers > 0 with a finite
-        sum); the evaluation reports each source's loss, and the validation loss is their
-        mean weighted by the mixture's weights. Excludes ``path``.
+      packing: how shard builds (``python -m transformer_jax.data build``) become rows: ``pack``
+        (documents packed with segment ids) or ``concat`` (random windows across documents);
+        ``auto`` is ``pack`` for shards and ``concat`` otherwise.
+      mixture: ``name=DIR:weight,...`` shard builds sampled by relative weight (``DIR1+DIR2``
+        joins builds into one source); the validation loss is the sources' weighted mean.
+        Excludes ``path``.
     """
 
     path: str = ""
@@ -314,16 +299,14 @@ class DataConfig:
 
     @property
     def is_shards(self) -> bool:
-        """Whether the data are shard builds: ``mixture``, or ``path`` naming only build
-        directories (each holding ``metadata.json``)."""
+        """Whether the data are shard builds: ``mixture``, or ``path`` naming only builds."""
         from transformer_jax.data.shards import is_build
 
         return bool(self.mixture) or bool(self.patterns) and all(map(is_build, self.patterns))
 
     @property
     def is_instruct(self) -> bool:
-        """Whether ``path`` names instruction data: ``.jsonl`` files only (see
-        ``instruction_files``; reads the directories and globs)."""
+        """Whether ``path`` names instruction data: ``.jsonl`` files only."""
         return bool(self.instruction_files())
 
     def instruction_files(self) -> list[Path]:
@@ -380,17 +363,10 @@ def build_configs(config: str, overrides: Sequence[str] = ()
       FileNotFoundError: if the config, or ``train.init_from``'s checkpoint or its weights, do
         not exist.
 
-    With ``train.init_from`` the model is the checkpoint's (``init_model_config``): ``model.*``
-    overrides may only set ``Execution`` fields (and lower max_seq_len), and the config file's
-    ``[model]`` table gives way to the checkpoint where it would change the architecture (so
-    the default ``tiny`` preset fine-tunes any checkpoint).
-
-    A preset's ``warmup_steps`` that does not fit a run shortened by an override (``tiny`` warms
-    up for 50 steps; ``train.steps=50`` leaves no decay) is replaced by the automatic warmup
-    (``warmup_steps=-1``), with a log line; a ``train.warmup_steps=`` override is kept as given.
-    Likewise, with ``train.init_from`` a ``seq_len`` not given on the command line (the preset's,
-    or the default) is capped at the model's ``max_seq_len``, with a log line; a
-    ``train.seq_len=`` override above it is an error.
+    With ``train.init_from`` the model is the checkpoint's (``init_model_config``). A preset's
+    ``warmup_steps`` too long for a run shortened by an override becomes the automatic warmup,
+    and with ``train.init_from`` a preset's ``seq_len`` above ``max_seq_len`` is capped (both
+    logged); given on the command line they are kept (a too long ``seq_len`` is an error).
     """
     try:
         tables = load_toml(config)
@@ -433,8 +409,7 @@ def build_configs(config: str, overrides: Sequence[str] = ()
 
 def _fit_seq_len(config: str, train: TrainConfig, model: ModelConfig, given: bool
                  ) -> TrainConfig:
-    """``train`` with a seq_len the checkpoint's model can take: a preset's (or the default)
-    seq_len above the model's context gives way to it (logged); a given one is an error."""
+    """``train`` with a seq_len the checkpoint's model can take (see ``build_configs``)."""
     if train.seq_len <= model.max_seq_len:
         return train
     if given:
@@ -463,8 +438,7 @@ def _fit_preset_warmup(config: str, preset: dict[str, Any], train: dict[str, Any
 
 
 def config_help(width: int = 100) -> str:
-    """Every ``model.``, ``train.`` and ``data.`` key with its type, default and meaning
-    (``train.config_docs.help_text`` of ``SECTIONS``)."""
+    """Every ``model.``, ``train.`` and ``data.`` key with its type, default and meaning."""
     return help_text(SECTIONS, width)
 
 

@@ -27,12 +27,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 def help_text(sections: dict[str, type], width: int = 100) -> str:
     """Every ``SECTION.KEY`` of the dataclasses in ``sections`` with its type, default and
-    meaning (``train.py --help``).
-
-    Generated from the dataclasses' fields and the Attributes sections of their docstrings
-    (and their bases'), and a key of ``CHOICES`` lists the values its validation accepts, so
-    it cannot drift from the code.
-    """
+    meaning, from their fields and docstrings (``train.py --help``)."""
     lines = [f"presets (--config NAME; TOML files in {CONFIGS_DIR}): {', '.join(preset_names())}"]
     for section, cls in sections.items():
         meanings = _attribute_docs(cls)
@@ -59,9 +54,7 @@ def help_text(sections: dict[str, type], width: int = 100) -> str:
 
 
 def _attribute_docs(cls: type) -> dict[str, str]:
-    """``{name: description}`` from the ``Attributes:`` sections of the docstrings of ``cls``
-    and its bases (``ModelConfig``'s fields are documented in ``Architecture`` and
-    ``Execution``)."""
+    """``{name: description}`` from the ``Attributes:`` sections of ``cls`` and its bases."""
     found: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         found.update(_own_attribute_docs(klass))

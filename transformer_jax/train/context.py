@@ -1,14 +1,11 @@
-"""What the training loop (``run._train``) and the objectives share: ``RunContext`` (a run's
-data and state, ready) and ``Objective``, the interface the loop drives every objective through
-(SFT; ``preference``'s DPO and ORPO and ``grpo``'s GRPO derive from it)."""
+"""What the training loop (``run._train``) and the objectives share: ``RunContext`` and
+``Objective`` (SFT, and the base of DPO, ORPO and GRPO)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 from typing import Any
-
-import jax
 
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.parallel import distributed
@@ -17,9 +14,7 @@ from transformer_jax.tokenizer import TextTokenizer
 from transformer_jax.train.checks import RunDirectory
 from transformer_jax.train.config import DataConfig, TrainConfig
 from transformer_jax.train.data import RunData, prepare_instruction_data
-from transformer_jax.train.step import TrainState, make_train_step
-
-Batch = dict[str, jax.Array]
+from transformer_jax.train.step import Batch, TrainState, make_train_step
 
 
 @dataclasses.dataclass
@@ -41,16 +36,12 @@ class RunContext:
 
 
 class Objective:
-    """SFT (next-token cross-entropy), and the interface through which the loop (``_train``)
-    drives every objective (``run.make_objective`` maps ``train.objective`` to its class):
-    its data, any state of its own (``start``: DPO's reference, GRPO's rollout engine), its
-    batches, its step (loss and metrics) and updates. The loop does the rest alike for all:
-    timing, logging, evaluation, checkpoints and signals."""
+    """SFT (next-token cross-entropy), and the interface the loop drives every objective through:
+    its data, own state (``start``), batches, step and updates; the loop does the rest alike."""
 
     #: The ``.jsonl`` records the objective trains on (``data.path``); empty: any data.
     records = ""
-    #: Whether a step's batch is made from the state of the update before (GRPO's rollouts): the
-    #: loop makes it at the start of the step, reads each step's metrics at once, records all.
+    #: Whether a step's batch is made from the state of the update before (GRPO's rollouts).
     on_policy = False
     #: Whether every batch has the same shapes (the step is compiled ahead, once); else jitted.
     fixed_shapes = True
@@ -69,10 +60,8 @@ class Objective:
         return prepare_instruction_data(data_config, tokenizer, self.tc.seq_len)
 
     def settle(self, data: RunData, num_batch_devices: int) -> tuple[RunData, TrainConfig]:
-        """The run's data and train config once the data is read (before any state): as given
-        here; DPO/ORPO's ``train.pairs_per_step`` groups the pairs by step and sets
-        ``train.batch_size`` to the rows a step takes (``num_batch_devices`` x ``grad_accum``
-        divides them)."""
+        """The run's data and train config once the data is read (before any state); DPO/ORPO
+        may set ``train.batch_size`` (``train.pairs_per_step``)."""
         return data, self.tc
 
     def start(self, run: RunContext, state: TrainState) -> None:
@@ -85,8 +74,7 @@ class Objective:
         return make_train_step(model_config, self.tc)
 
     def compile(self, state: TrainState, batch: Batch) -> None:
-        """Compiles the step, for ``batch``'s shapes ahead of time with ``fixed_shapes``; with
-        ``train.compiled_step`` loads it (``executable.load``: checked against this run)."""
+        """Compiles the step (ahead of time with ``fixed_shapes``) or loads ``compiled_step``."""
         run = self.run
         if self.tc.compiled_step:
             from transformer_jax.train import executable

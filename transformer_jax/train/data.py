@@ -1,7 +1,5 @@
-"""A run's data: the tokenizer and the token splits of a text corpus, the packed rows of
-``.jsonl`` instruction files, or shard builds (``data.shards``, read through Grain), and the
-batches ``train.run.run`` draws from them (pure in (seed, step), so a resumed run sees exactly
-the batches an uninterrupted one would)."""
+"""A run's data: the token splits of a text corpus, the packed rows of ``.jsonl`` instruction
+files, or shard builds (``data.shards``), and their batches (pure in (seed, step))."""
 
 from __future__ import annotations
 
@@ -35,17 +33,9 @@ logger = logging.getLogger(__name__)
 def prepare_data(data_config: DataConfig, vocab_size: int,
                  tokenizer: TextTokenizer | None = None
                  ) -> tuple[TextTokenizer, np.ndarray, np.ndarray]:
-    """Loads or trains the tokenizer and tokenizes the corpus (both cached), then splits it.
-
-    Args:
-      data_config: the corpus and tokenizer settings.
-      vocab_size: vocabulary size to train a bpe/unigram tokenizer with if the data config
-        does not give one.
-      tokenizer: the tokenizer to use (a fine-tuned checkpoint's); None loads or trains the
-        one of ``data_config``.
-
-    Returns:
-      ``(tokenizer, train_tokens [N_train], val_tokens [N_val])``.
+    """``(tokenizer, train_tokens [N_train], val_tokens [N_val])``: tokenizes the corpus (cached)
+    with ``tokenizer``, or with the one of ``data_config`` (loaded or trained; ``vocab_size``
+    unless ``data.vocab_size`` gives one), and splits it.
 
     Raises:
       FileNotFoundError: for a missing corpus or tokenizer file.
@@ -59,12 +49,10 @@ def prepare_data(data_config: DataConfig, vocab_size: int,
     files = (corpus.resolve_corpus(dc.patterns) if dc.patterns
              else corpus.default_corpus(dc.max_bytes))
     ensure_writable_dir(cache_dir, "data cache directory")
-    if tokenizer is not None:
-        pass
-    elif dc.tokenizer in MODEL_TYPES:
+    if tokenizer is None and dc.tokenizer in MODEL_TYPES:
         tokenizer = Tokenizer.train_or_load(files, cache_dir, dc.vocab_size or vocab_size,
                                             dc.tokenizer)
-    else:
+    elif tokenizer is None:
         tokenizer = Tokenizer.load(Path(dc.tokenizer).expanduser())
     tokens = corpus.tokenize_corpus(files, tokenizer, cache_dir)
     train_tokens, val_tokens = data_lib.split(tokens, dc.val_fraction)
@@ -83,8 +71,7 @@ class ShardData:
       seq_len: T, the run's row length.
       num_train_tokens: the train split's size in tokens, all sources.
       val: the validation stream of all sources together.
-      source_val: each source's validation stream (a mixture's; else empty): the validation
-        loss of a mixture is the mean of the sources' losses weighted by their weights.
+      source_val: each source's validation stream (a mixture's; else empty).
       fingerprint: what a resumed run must read the same (``shards.fingerprint``).
     """
 
@@ -110,21 +97,14 @@ class ShardData:
 
 def prepare_shard_data(data_config: DataConfig, seq_len: int, tokenizer: TextTokenizer | None,
                        where: str = "data.tokenizer") -> tuple[TextTokenizer, ShardData]:
-    """Opens the shard builds of ``data.path`` / ``data.mixture``.
-
-    Args:
-      data_config: the builds, packing and mixture.
-      seq_len: T, the run's row length.
-      tokenizer: the run's tokenizer (a checkpoint's, or ``data.tokenizer``'s file); None uses
-        the first build's.
-      where: what names ``tokenizer`` in an error.
+    """Opens the shard builds of ``data.path`` / ``data.mixture`` for rows of ``seq_len``,
+    checked against ``tokenizer`` (named ``where`` in an error; None: the first build's).
 
     Raises:
       ValueError: a tokenizer that is not the builds' (one line), a bad mixture, builds with
         different tokenizers.
     """
-    # Builds on object storage are read from a local copy (ArrayRecord's reader opens local
-    # files only); the fingerprints come from their metadata, so a copy reads as the original.
+    # Builds on object storage are read from a local copy (ArrayRecord reads local files only).
     given = shards_lib.Mixture.parse(data_config.path, data_config.mixture)
     mixture = given.fetched()
     builds = [b for source in mixture.builds for b in source]
@@ -154,11 +134,9 @@ def prepare_shard_data(data_config: DataConfig, seq_len: int, tokenizer: TextTok
 
 @dataclasses.dataclass(frozen=True)
 class RunData:
-    """A run's train and validation data: token streams (text) or packed rows (``.jsonl``).
-
-    Both give batches that are a pure function of (seed, step), so a resumed run sees the
-    batches an uninterrupted one would have. Packed batches carry ``mask`` (the loss on the
-    completion / assistant tokens only), ``segment_ids`` and ``positions``.
+    """A run's train and validation data: token streams (text), packed rows (``.jsonl``) or
+    shards; batches are pure in (seed, step). Packed batches carry ``mask``, ``segment_ids``
+    and ``positions``.
 
     Attributes:
       train_tokens: [N_train] token ids (text), or None.
@@ -166,8 +144,7 @@ class RunData:
       train_rows: packed train rows (instruction data), or None.
       val_rows: packed validation rows, or None.
       shards: shard builds, or None.
-      pairs: the packed train pairs of a preference objective (``train_rows`` are their
-        rows), or None.
+      pairs: a preference objective's packed train pairs (``train_rows`` are theirs), or None.
       reference: DPO's stored reference log-probs [num_pairs, 2], or None.
     """
 
@@ -246,10 +223,8 @@ class RunData:
     def source_eval_batches(self, batch_size: int, seq_len: int,
                             max_batches: int | None = None, *, process_index: int = 0,
                             process_count: int = 1) -> dict[str, Iterator[dict[str, np.ndarray]]]:
-        """Each mixture source's validation batches (as ``eval_batches``, but a last or only
-        incomplete batch is kept, filled with rows of zero mask: a source smaller than one
-        batch is evaluated on what it has), by name. A source without a single validation
-        row is left out (``prepare_shard_data`` names it in a warning)."""
+        """Each mixture source's validation batches by name (as ``eval_batches``, a last
+        incomplete batch padded with rows of zero mask); a source without a row is left out."""
         if self.shards is None:
             return {}
         return {name: shards_lib.eval_batches(stream, self.shards.packing, batch_size, seq_len,
@@ -259,8 +234,7 @@ class RunData:
                 if shards_lib.eval_rows(stream, self.shards.packing, seq_len)}
 
     def source_weights(self) -> dict[str, float]:
-        """A mixture's weights by source name (the validation loss is the mean of the
-        sources' weighted by them); empty for other data."""
+        """A mixture's weights by source name; empty for other data."""
         if self.shards is None or not self.shards.source_val:
             return {}
         mixture = self.shards.mixture
@@ -268,12 +242,8 @@ class RunData:
 
 
 def split_rows(rows: PackedData, val_fraction: float) -> tuple[PackedData, PackedData | None]:
-    """Holds out ``round(val_fraction * R)`` packed rows (at least one when the fraction is
-    positive and R > 1) chosen by a fixed permutation, so the split is the same on every run.
-
-    Returns:
-      ``(train rows, validation rows or None)``, each keeping the rows' original order.
-    """
+    """``(train rows, validation rows or None)``: ``round(val_fraction * R)`` packed rows (at least
+    one when the fraction is positive and R > 1) held out by a fixed permutation, in order."""
     train, val = split_index(rows.num_rows, val_fraction)
     return rows.take(train), None if val is None else rows.take(val)
 

@@ -1,15 +1,9 @@
 """The compiled train step as a file: written by ``transformer-jax compile --save PATH``, loaded
-by a run with ``train.compiled_step=PATH`` instead of compiling its own (MaxText's
-``compiled_trainstep_file``), so a pod's run starts without its compile.
+by a run with ``train.compiled_step=PATH`` instead of compiling its own.
 
-The file is a header line (``MAGIC``), one line of JSON saying what the program was compiled
-for (``describe``: jax and jaxlib versions, platform, device kind and count, the mesh's axes and
-device ids, the model and train configs that shape the step, each input's shape and dtype),
-then the executable serialized by ``jax.experimental.serialize_executable`` (a pickle: load
-only files you made). A run checks the header against its own before it loads anything
-(``check_header``) and the input shardings after (``load``); a difference is refused in one
-line (``ValueError``) naming what differs. Loading needs the platform the program was compiled
-for: a file compiled for a TPU topology loads only on that pod.
+The file is a header line (``MAGIC``), a JSON line of what the program was compiled for
+(``describe``), then the serialized executable (a pickle: load only files you made). A run
+refuses a header or input sharding that differs from its own in one line (``ValueError``).
 """
 
 from __future__ import annotations
@@ -49,8 +43,7 @@ def _train_keys(train_config: Any) -> dict[str, Any]:
 
 
 def _inputs(args_tree: Any) -> dict[str, str]:
-    """``{key path: "float32[4, 8]"}`` of each leaf of ``((state, batch), {})`` (arrays or
-    ``ArgInfo``)."""
+    """``{key path: "float32[4, 8]"}`` of each leaf of ``((state, batch), {})``."""
     leaves = jax.tree_util.tree_flatten_with_path(args_tree)[0]
     return {jax.tree_util.keystr(p): f"{jax.numpy.dtype(x.dtype).name}{list(x.shape)}"
             for p, x in leaves}
@@ -68,8 +61,7 @@ def _mesh_fields(mesh: Any) -> dict[str, Any]:
 
 def describe(compiled: Any, model_config: Any, train_config: Any, mesh: Any,
              **extra: Any) -> dict[str, Any]:
-    """The header of a compiled train step: what it was compiled for (``extra``: the command's
-    config, overrides and topology, for people)."""
+    """The header of a compiled train step: what it was compiled for, and ``extra``."""
     return {**_versions(), **_mesh_fields(mesh), "model": dataclasses.asdict(model_config),
             "train": _train_keys(train_config), "inputs": _inputs(compiled.args_info), **extra}
 
@@ -92,14 +84,8 @@ def uncached() -> Iterator[None]:
 
 
 def save(path: str | Path, compiled: Any, header: dict[str, Any]) -> int:
-    """Writes ``compiled`` (a ``jax.stages.Compiled`` train step) and its header to ``path``.
-
-    Returns:
-      The file's size in bytes.
-
-    Raises:
-      ValueError: the compiled program cannot be serialized (the backend's refusal).
-    """
+    """Writes ``compiled`` (a ``jax.stages.Compiled`` train step) and its header to ``path``
+    and returns the file's size in bytes (ValueError: the backend cannot serialize it)."""
     from jax.experimental import serialize_executable
 
     payload = pickle.dumps(serialize_executable.serialize(compiled))
@@ -123,8 +109,7 @@ def _local(path: str | Path) -> Path:
 
 
 def read_header(path: str | Path) -> dict[str, Any]:
-    """The header of a file ``save`` wrote (local or remote). Raises ValueError (one line) for
-    another file."""
+    """The header of a file ``save`` wrote; ValueError (one line) for another file."""
     where = f"train.compiled_step={path}"
     try:
         with open(_local(path), "rb") as f:
@@ -148,15 +133,8 @@ def _differences(saved: dict[str, Any], here: dict[str, Any], prefix: str) -> li
 
 def check_header(path: str | Path, model_config: Any, train_config: Any, mesh: Any,
                  *, skip_model: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Compares the header of ``path`` with this run: versions, devices, mesh and configs
-    (``skip_model``: model keys not settled yet, e.g. ``vocab_size`` before the tokenizer).
-
-    Returns:
-      The header.
-
-    Raises:
-      ValueError: one line naming what differs (the first kind of difference found).
-    """
+    """The header of ``path``, compared with this run: versions, devices, mesh and configs
+    (``skip_model``: model keys not settled yet); ValueError names what differs."""
     saved = read_header(path)
     where = f"train.compiled_step={path} was compiled for"
     if train_config.objective != "sft":
@@ -185,15 +163,8 @@ def check_header(path: str | Path, model_config: Any, train_config: Any, mesh: A
 
 def load(path: str | Path, model_config: Any, train_config: Any, mesh: Any, state: Any,
          batch: Any) -> Any:
-    """The train step of ``path`` for this run's ``(state, batch)``, after checking it was
-    compiled for them (``check_header``, then each input's shape, dtype and sharding).
-
-    Returns:
-      The loaded ``jax.stages.Compiled``: ``step(state, batch) -> (state, metrics)``.
-
-    Raises:
-      ValueError: one line naming what differs.
-    """
+    """The train step of ``path`` (a ``jax.stages.Compiled``) for this run's ``(state, batch)``,
+    after checking it was compiled for them; ValueError names what differs."""
     from jax.experimental import serialize_executable
 
     saved = check_header(path, model_config, train_config, mesh)

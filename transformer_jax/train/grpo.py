@@ -1,34 +1,11 @@
-"""GRPO: group-normalised advantages, the clipped-ratio objective with a k3 KL penalty, its
-three normalisations and the loss a train step differentiates (pure functions), and the
-objective a run trains with (``GRPO``: rollouts from the serving engine).
+"""GRPO: the loss as pure functions (after TRL's ``GRPOTrainer``; formulas in
+docs/fine-tuning.md) and the objective a run trains with (``GRPO``).
 
-Shapes: B rows (one completion each: a prompt's tokens then its completion's, padded), T
-tokens, V vocabulary, P prompts, G completions per prompt (B = P G, a prompt's G rows
-consecutive).
+Shapes: B rows (a prompt's tokens then one completion's, padded), T tokens, V vocabulary,
+P prompts, G completions per prompt (B = P G, a prompt's G rows consecutive).
 
-The formulas follow TRL's ``GRPOTrainer`` (and DeepSeekMath, DAPO, Dr. GRPO):
-
-* advantage ``A_i = (r_i - mean_g r) / (std_g r + 1e-4)`` over the G rewards of a prompt
-  (``std`` unbiased, as ``torch.std``); Dr. GRPO leaves out the division (``scale=False``);
-* per completion token t, ``ratio = exp(logp - old_logp)``, loss
-  ``-min(ratio A, clip(ratio, 1 - eps, 1 + eps) A) + beta k3`` with
-  ``k3 = exp(ref - logp) - (ref - logp) - 1`` (Schulman's unbiased, positive KL estimator);
-* normalisation (``GRPO_LOSSES``): ``sequence`` (GRPO: each completion's mean over its tokens,
-  then the mean over completions), ``token`` (DAPO: the sum over every completion token of the
-  batch over their count), ``dr_grpo`` (the sum over the batch's tokens over
-  ``B * max_completion_tokens``, a constant: no length bias).
-
-In a run (``train.objective=grpo``, the ``GRPO`` objective) each step refreshes the serving
-engine's weights from the train state in memory, samples G completions per prompt with it,
-scores them with the reward functions and takes one update of the clipped objective; ``run.run``
-builds or restores the state and runs the loop as for any objective (the batches are the
-rollouts, made from the state of the update before). The engine (``serving.Engine``) runs on
-the first device with the same forward as training, its weights replaced by
-``Engine.update_weights`` (one jitted prepare; no step program compiles again). A step's prompts
-and every completion's sampling seed are functions of (seed, step), so a resumed run samples
-exactly what an uninterrupted one would. The reference of the KL penalty is the initial weights
-(kept in memory; made again from ``train.init_from`` or the seed after a resume), or with LoRA
-the frozen base with the adapters off.
+Each step refreshes the serving engine's weights from the train state, samples G completions
+per prompt (seeds pure in (seed, step): exact resume), scores them and takes one update.
 """
 
 from __future__ import annotations
@@ -87,8 +64,8 @@ MAX_ROLLOUT_CHUNK = 4096
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, scale: bool = True) -> np.ndarray:
-    """Per-completion advantages [P G] from rewards [P G] (a prompt's G consecutive):
-    ``r - mean`` over the group, divided by ``std + ADVANTAGE_EPS`` when ``scale``."""
+    """Advantages [P G] from rewards [P G]: ``r - mean`` over each group of G, divided by
+    ``std + ADVANTAGE_EPS`` when ``scale``."""
     r = np.asarray(rewards, np.float64).reshape(-1, group_size)
     centred = r - r.mean(axis=1, keepdims=True)
     if scale:
@@ -100,7 +77,8 @@ def group_advantages(rewards: np.ndarray, group_size: int, scale: bool = True) -
 def token_terms(logps: jax.Array, old_logps: jax.Array, ref_logps: jax.Array | None,
                 advantages: jax.Array, *, clip_eps: float, kl_beta: float
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The clipped objective per token.
+    """The clipped objective per token, ``-min(ratio A, clip(ratio, 1 - eps, 1 + eps) A) +
+    kl_beta k3``, ``ratio = exp(logp - old_logp)``, ``k3 = exp(ref - logp) - (ref - logp) - 1``.
 
     Args:
       logps: [B, T] the policy's log-probs of the sampled tokens (differentiated).
@@ -112,8 +90,7 @@ def token_terms(logps: jax.Array, old_logps: jax.Array, ref_logps: jax.Array | N
 
     Returns:
       ``(loss, kl, clipped)``, each [B, T] float32: the per-token loss, the k3 estimate (0
-      without a reference) and 1 where the clip is active (ratio outside the range on the side
-      the advantage pushes towards).
+      without a reference) and 1 where the clip is active.
     """
     adv = advantages[:, None]
     ratio = jnp.exp(logps - old_logps)
@@ -131,8 +108,7 @@ def token_terms(logps: jax.Array, old_logps: jax.Array, ref_logps: jax.Array | N
 
 def normalised_sum(values: jax.Array, mask: jax.Array, loss_type: str, max_tokens: int
                    ) -> tuple[jax.Array, jax.Array]:
-    """``(total, count)`` with ``total / count`` the batch's loss under ``loss_type``, both
-    sums (so micro-batches and devices add up to the whole batch's).
+    """``(total, count)``, both sums, with ``total / count`` the batch's loss under ``loss_type``.
 
     Args:
       values: [B, T] per-token values.
@@ -157,12 +133,9 @@ def make_grpo_loss_fn(model: Any, model_params: Callable[[Params], Params], *,
                       loss_type: str, clip_eps: float, kl_beta: float, max_tokens: int,
                       temperature: float = 1.0) -> Callable[[Params, Batch], tuple]:
     """``loss_sums(params, batch) -> (objective, (objective, 0, count, stats))``, the contract
-    of ``step.make_train_step``'s ``loss_fn`` (sums; the step divides by ``count``).
-
-    ``batch`` holds ``inputs``, ``targets``, ``positions``, ``segment_ids`` and ``mask`` [B, T]
-    (``mask`` 1 on completion targets), ``old_logps`` and ``ref_logps`` [B, T] and
-    ``advantages`` [B]. ``stats`` are sums normalised as the loss (divide by ``count``):
-    ``kl``, ``clip_fraction``; and ``tokens`` (completion tokens).
+    of ``step.make_train_step``'s ``loss_fn``. ``batch`` holds SFT's keys [B, T] (``mask`` 1 on
+    completion targets), ``old_logps`` and ``ref_logps`` [B, T] and ``advantages`` [B]; the
+    stats are ``kl``, ``clip_fraction`` (normalised as the loss) and ``tokens``.
     """
     def loss_sums(params: Params, batch: Batch):
         logps = make_logps_fn(model, temperature)(model_params(params), batch)
@@ -211,9 +184,7 @@ def sample(engine: Engine, prompts: list[PromptRecord], tc: TrainConfig, step: i
 
 def batch_length(prompts: list[np.ndarray], completions: list[list[int]], seq_len: int) -> int:
     """T of a step's batch: its longest row (prompt + completion, less one) rounded up to a
-    power of two from 16, at most ``seq_len`` (``scheduler.chunk_buckets``), so the update and
-    the log-prob passes compile once per bucket and do not run ``seq_len`` when rows are
-    short (as TRL pads to the batch's longest)."""
+    power of two from 16, at most ``seq_len`` (``scheduler.chunk_buckets``)."""
     longest = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True)) - 1
     buckets = chunk_buckets(seq_len)
     return next((t for t in buckets if t >= longest), seq_len)
@@ -222,9 +193,9 @@ def batch_length(prompts: list[np.ndarray], completions: list[list[int]], seq_le
 def grpo_batch(prompts: list[np.ndarray], completions: list[list[int]],
                logprobs: list[list[float]], advantages: np.ndarray, seq_len: int
                ) -> dict[str, np.ndarray]:
-    """The host batch of completions: row b is prompt b + completion b, shifted by one
-    (``inputs`` / ``targets`` [B, T], T = ``seq_len``), ``mask`` 1 on the completion's
-    targets, ``old_logps`` the engine's log-probs there, ``advantages`` [B]."""
+    """The host batch: row b is prompt b + completion b, shifted by one (``inputs`` / ``targets``
+    [B, T], T = ``seq_len``), ``mask`` 1 on the completion's targets, ``old_logps`` the
+    engine's log-probs there, ``advantages`` [B]."""
     b = len(prompts)
     out = {k: np.zeros((b, seq_len), np.int32) for k in
            ("inputs", "targets", "positions", "segment_ids")}
@@ -245,24 +216,15 @@ def grpo_batch(prompts: list[np.ndarray], completions: list[list[int]],
 
 
 def completion_text(tokenizer: TextTokenizer, tokens: list[int]) -> str:
-    """The text a reward reads: the completion without eos, ids past the tokenizer's
-    vocabulary (a padded embedding's rows) left out."""
+    """The text a reward reads: the completion without eos and ids past the vocabulary."""
     return tokenizer.decode([t for t in tokens if t != tokenizer.eos_id
                              and 0 <= t < tokenizer.vocab_size])
 
 
 def make_engine(model_config: ModelConfig, params: Params, tc: TrainConfig, prompt_len: int
                 ) -> Engine:
-    """An engine on the first device for one step's rollouts.
-
-    Its slots: one per completion of a step (the batch), so that every prompt is prefilled in
-    the first engine steps, its G completions forked from it, and all decode together; fewer
-    (at least G) when their pages would take more than ``ROLLOUT_MEMORY_SHARE`` of the first
-    device's memory. Its steps prefill up to all of a step's prompts at once (R rows of the
-    longest prompt's bucket, at most ``MAX_ROLLOUT_CHUNK`` tokens): a step of ``bench grpo``
-    (32 prompts x G = 8, 4 tokens) is a prefill step and 3 decode steps, where one prompt a
-    step took some 35.
-    """
+    """An engine on the first device for one step's rollouts: a slot per completion (fewer,
+    at least G, past ``ROLLOUT_MEMORY_SHARE`` of its memory), prefilling all prompts at once."""
     row_pages = pages_for(prompt_len + tc.grpo_max_tokens, PAGE_SIZE)
     slots = tc.batch_size
     available = available_bytes(jax.devices()[0])
@@ -279,8 +241,7 @@ def make_engine(model_config: ModelConfig, params: Params, tc: TrainConfig, prom
 
 
 class GRPO(Objective):
-    """GRPO (see the module): a step's batch is its rollouts; its records add the rewards,
-    completion lengths and the step's split of time (refresh, rollout, update)."""
+    """GRPO: a step's batch is its rollouts; its records add rewards, lengths and timings."""
 
     records = '{"messages"} or {"prompt"} (GRPO prompts)'
     on_policy = True
@@ -294,8 +255,7 @@ class GRPO(Objective):
                        val_tokens=np.zeros(0, np.int32))
 
     def start(self, run: RunContext, state: TrainState) -> None:
-        """Loads the rewards, makes the rollout engine (with the state's weights) and the KL
-        reference (the initial weights, the frozen LoRA base, or none: ``grpo_kl_beta=0``)."""
+        """Loads the rewards, makes the rollout engine and the KL reference."""
         super().start(run, state)
         tc = self.tc
         layout = ParamsLayout.of(tc)
@@ -332,8 +292,7 @@ class GRPO(Objective):
         return make_train_step(model_config, tc, loss_fn=loss_fn)
 
     def batch(self, step: int, state: TrainState) -> Batch:
-        """Refreshes the engine's weights from ``state``, samples the step's prompts (pure in
-        (seed, step)), scores the completions and makes the batch, the reference's log-probs in."""
+        """Refreshes the engine's weights, samples and scores the step's completions."""
         tc, run = self.tc, self.run
         start = time.perf_counter()
         if step > self.start_step:  # the engine holds the state's weights at the start

@@ -1,6 +1,5 @@
-"""GRPO's inputs: the prompts (a JSONL of chat ``messages`` or ``prompt`` records, with any
-fields the reward reads) and the reward functions of ``train.reward``, called with one clear
-``FILE:LINE`` error for a record they fail on."""
+"""GRPO's inputs: the prompts (a JSONL of chat ``messages`` or ``prompt`` records) and the
+reward functions of ``train.reward``, with ``FILE:LINE`` errors."""
 
 from __future__ import annotations
 
@@ -113,8 +112,8 @@ def score(rewards: Sequence[Reward], completion: str, prompt: PromptRecord) -> f
 
     Raises:
       RewardError: ``FILE:LINE: reward TERM ...`` when a function raises or returns anything
-        but a finite real number (a bool included), or one beyond float32's range
-        (``MAX_REWARD``: ``1e300`` is finite in Python, inf in the update), weighted or summed.
+        but a finite real number (a bool included), or one beyond ``MAX_REWARD`` (weighted or
+        summed).
     """
     tail = f"(completion {completion[:60]!r})"
     beyond = (f"beyond float32's range (|reward| <= {MAX_REWARD:.3g}: the update is float32) "
@@ -144,9 +143,8 @@ def score(rewards: Sequence[Reward], completion: str, prompt: PromptRecord) -> f
 
 def load_prompts(path: str | os.PathLike[str], tokenizer: Any, max_prompt_len: int
                  ) -> list[PromptRecord]:
-    """The prompts of a JSONL file: ``messages`` (a chat, rendered with the tokenizer's chat
-    template and its generation prompt) or ``prompt`` (text, or a list of chat messages); any
-    other fields stay in the record for the reward.
+    """The prompts of a JSONL file: ``messages`` (a chat, with the chat template's generation
+    prompt) or ``prompt`` (text or chat messages); other fields stay in the record.
 
     Raises:
       InstructionDataError: ``FILE:LINE: ...`` for bad JSON, a record with neither field, or a
@@ -181,15 +179,12 @@ def load_prompts(path: str | os.PathLike[str], tokenizer: Any, max_prompt_len: i
 
 
 def prompt_order(num_prompts: int, per_step: int, step: int, seed: int) -> np.ndarray:
-    """The [per_step] prompt indices of ``step``: epochs of a seeded permutation, so a step's
-    prompts depend on (seed, step) only (exact resume); the order of SFT's packed rows
-    (``instruct.row_indices``)."""
+    """The [per_step] prompt indices of ``step``: pure in (seed, step) (``row_indices``)."""
     return row_indices(seed, step, per_step, num_prompts)
 
 
 def rollout_seeds(seed: int, step: int, rows: int) -> list[int]:
-    """The engine seeds of the ``rows`` completions of ``step``: row r's is a function of
-    (seed, step, r) only, drawn for all rows at once (a generator per row cost 40 us each)."""
+    """The engine seeds of the ``rows`` completions of ``step``, pure in (seed, step, row)."""
     return np.random.default_rng([seed, step, 0x6E90]).integers(0, 2**32, rows).tolist()
 
 

@@ -14,16 +14,13 @@ logger = logging.getLogger(__name__)
 
 def _settable_with_init_from(key: str, value: Any, source: ModelConfig) -> bool:
     """Whether ``model.KEY=value`` keeps the checkpoint's function: every ``Execution`` field,
-    a ``max_seq_len`` not above the checkpoint's (the same function on shorter inputs), and
-    ``mtp_depth`` 0 (its multi-token prediction modules dropped)."""
-    return key in field_names(Execution) or (key == "max_seq_len"
-                                              and value <= source.max_seq_len) or (
-        key == "mtp_depth" and value == 0)  # the modules dropped: the main model unchanged
+    a ``max_seq_len`` not above the checkpoint's, and ``mtp_depth`` 0 (its modules dropped)."""
+    return (key in field_names(Execution) or key == "max_seq_len" and value <= source.max_seq_len
+            or key == "mtp_depth" and value == 0)
 
 
 def architecture_changes(source: ModelConfig, model: ModelConfig) -> list[str]:
-    """``model.KEY=...`` descriptions of what ``model`` changes in the checkpoint's ``source``
-    architecture (a ``max_seq_len`` lowered excepted)."""
+    """``model.KEY=...`` descriptions of what ``model`` changes in the ``source`` architecture."""
     return [f"model.{key}={getattr(model, key)!r} (the checkpoint has {getattr(source, key)!r})"
             for key in field_names(Architecture)
             if getattr(model, key) != getattr(source, key)
@@ -33,15 +30,13 @@ def architecture_changes(source: ModelConfig, model: ModelConfig) -> list[str]:
 def init_model_config(source: Source, values: dict[str, Any],
                       preset_keys: frozenset[str] = frozenset()) -> ModelConfig:
     """The model of a run with ``train.init_from``: the checkpoint's architecture with ``values``
-    (the ``[model]`` table and ``model.*`` overrides) applied to its ``Execution`` fields (and a
-    lower ``max_seq_len``).
+    (``[model]`` and ``model.*``) applied to its ``Execution`` fields and ``max_seq_len``.
 
     Args:
       source: the checkpoint (``loading.locate``).
       values: model keys set by the config file and the overrides.
-      preset_keys: those of ``values`` that come from the config file, not the command line:
-        where they would change the architecture the checkpoint's values are kept instead
-        (logged), since the file was not written for this checkpoint.
+      preset_keys: those of ``values`` from the config file: where they would change the
+        architecture the checkpoint's values are kept instead (logged).
 
     Raises:
       ValueError: naming each command-line key whose value would change the architecture.

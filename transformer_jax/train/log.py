@@ -2,21 +2,14 @@
 ``metrics.jsonl``, TensorBoard events, the progress bar, the peak FLOP/s behind MFU, and
 SIGTERM/SIGINT turned into a request to checkpoint and stop.
 
-Speeds are of training alone: the timer stops during evaluation, samples and checkpoints, and the
-progress bar's rate and ETA come from that timer (tqdm's own clock would count them too).
-
-MFU is per device: the model FLOPs the whole mesh does per second over the mesh's peak, which is
-the number of devices times one device's peak (``mesh_peak_flops``). On GPU/TPU one device's
-peak is the published dense bf16 figure of its kind (``PEAK_BF16_TFLOPS``) unless
-``train.peak_flops`` gives it. On CPU the devices of one host are slices of the same cores: a
-matmul on one of them already runs on the host's shared thread pool, so the measured rate is the
-host's peak, shared by its devices, and the mesh's peak is that times the number of hosts (not
-the number of devices, which would divide the MFU by the device count)."""
+Speeds are of training alone: the timer stops during evaluation, samples and checkpoints. MFU
+is per device (``mesh_peak_flops``; docs/training.md)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -45,8 +38,8 @@ class NonFiniteLossError(FloatingPointError):
     """The loss or gradient became NaN/inf; the run stopped without saving."""
 
 
-# Published dense (no sparsity) bf16 matmul peaks of one device, TFLOP/s; the first name that is
-# a substring of ``device.device_kind`` counts, so longer names come first.
+# Published dense bf16 peaks of one device, TFLOP/s; the first substring of
+# ``device.device_kind`` counts, so longer names come first.
 PEAK_BF16_TFLOPS = (
     ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
     ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0),
@@ -61,17 +54,11 @@ def published_peak_flops(device_kind: str) -> float | None:
 
 
 def mesh_peak_flops(devices: list[jax.Device], per_device: float = 0.0) -> tuple[float, str]:
-    """The peak FLOP/s of the devices of a mesh together (the denominator of MFU).
+    """``(FLOP/s, where the figure comes from)``: the peak of a mesh's ``devices`` together.
 
-    Args:
-      devices: the mesh's devices (of every process).
-      per_device: one device's peak (``train.peak_flops``); 0 chooses it: on CPU a measured
-        matmul (one host's cores, shared by its devices: the host's peak counts once per
-        process), elsewhere the published dense bf16 peak of the device kind, or a measured
-        matmul on one device for a kind not listed. A process measures a device once.
-
-    Returns:
-      ``(FLOP/s, where the figure comes from)``.
+    ``per_device`` is one device's peak (``train.peak_flops``); 0 chooses it: on CPU a measured
+    matmul, counted once per host (its devices share the cores), elsewhere the published dense
+    bf16 peak of the device kind, or a measured matmul for a kind not listed.
     """
     n = len(devices)
     if per_device:
@@ -88,28 +75,15 @@ def mesh_peak_flops(devices: list[jax.Device], per_device: float = 0.0) -> tuple
             f"measured bf16 matmul on one {device.device_kind} x {n} devices")
 
 
-#: ``(device, dtype, size) -> FLOP/s`` measured by this process: the runs of one process
-#: (several ``training.run`` calls in a notebook, a sweep) measure their device once.
-_MEASURED: dict[tuple[jax.Device, str, int], float] = {}
-
-
+@functools.cache
 def _measured_peak(device: jax.Device, dtype: str, size: int) -> float:
-    key = (device, dtype, size)
-    if key not in _MEASURED:
-        _MEASURED[key] = measure_matmul_peak(device=device, dtype=dtype, size=size)
-    return _MEASURED[key]
+    """A measured matmul's FLOP/s, once per process and device."""
+    return measure_matmul_peak(device=device, dtype=dtype, size=size)
 
 
 def _summary_writer_class() -> type:
-    """tensorboardX's ``SummaryWriter``, imported without torch and google-cloud-storage.
-
-    tensorboardX imports both at its import when they are installed: torch so that it accepts
-    torch tensors, google-cloud-storage for ``gs://`` log directories. A run logs Python floats
-    and text to a local directory (a bucket run's ``tb/`` is in its local mirror), and the two
-    imports were most of a run's start: importing tensorboardX took 3.6 s with torch (the ``hf``
-    extra) installed, against 0.2 s without (2-core CPU). Neither stays blocked: only this
-    import sees them missing.
-    """
+    """tensorboardX's ``SummaryWriter``, imported without torch and google-cloud-storage (a
+    run needs neither, and their imports were most of its start)."""
     blocked = [name for name in ("torch", "google.cloud.storage") if name not in sys.modules]
     for name in blocked:
         sys.modules[name] = None  # type: ignore[assignment]  # import raises ImportError
@@ -124,15 +98,8 @@ def _summary_writer_class() -> type:
 class RunLog:
     """Collects step metrics (one step late), checks them, and writes logs.
 
-    Writes ``metrics.jsonl`` (one JSON object per line: train records every ``log_every``
-    steps, val records and samples at evaluations) and TensorBoard events under ``tb/``. On a
-    resumed run, records after the restored step (written by the killed run) are dropped, so
-    the file reads as if the run had never stopped.
-
-    ``peak`` is the FLOP/s of the whole mesh (``mesh_peak_flops``), so ``mfu`` is per device.
-    A mixture of experts' router metrics (``moe_balance``, ``moe_z``,
-    ``moe_load_max_mean/layer_I``: ``step.make_train_step``) and the multi-token prediction
-    loss (``mtp_loss``) go to both, under ``train/`` in TensorBoard.
+    Writes ``metrics.jsonl`` and TensorBoard events under ``tb/`` (a resumed run drops the
+    records after the restored step). ``peak`` is the mesh's FLOP/s, so ``mfu`` is per device.
     """
 
     def __init__(self, run_dir: Path, start_step: int, tc: TrainConfig, flops: float,
@@ -146,8 +113,7 @@ class RunLog:
         self._describe = describe or (lambda m: None)
         # Without a progress bar, train records are logged at INFO so that progress shows.
         self._train_level = logging.INFO if log_train else logging.DEBUG
-        # Only one process of a multi-host run writes the logs; the others compute the same
-        # (replicated) metrics and discard them.
+        # Only one process of a multi-host run writes the logs.
         self.path = run_dir / "metrics.jsonl" if write else Path(os.devnull)
         if write:
             _truncate_jsonl(self.path, start_step)
@@ -186,8 +152,7 @@ class RunLog:
         self.last_loss = m["loss"]
         self.step = step
         if not self._warm:
-            # The first step of a process runs slower (allocations, thread start-up); time
-            # from its end so the rate describes the steady state.
+            # The first step of a process runs slower: time from its end.
             self._warm = True
             self._interval_time, self._interval_steps = 0.0, 0
             if self._timer is not None:
@@ -293,8 +258,7 @@ class RunLog:
         self._file.flush()
 
     def flush_events(self) -> None:
-        """Writes out the TensorBoard events buffered so far (``metrics.jsonl`` is flushed at
-        every record), so that a copy of the run directory taken now has them."""
+        """Writes out the TensorBoard events buffered so far."""
         self._tb.flush()
 
     def close(self) -> None:
@@ -325,9 +289,8 @@ def _duration(seconds: float) -> str:
 
 
 def progress_bar(enabled: bool, start: int, total: int) -> Any:
-    """A tqdm bar of steps without tqdm's own rate and ETA: those would count evaluation,
-    samples and checkpoints as training time; ``RunLog.postfix`` shows the training ones.
-    Disabled, it shows nothing."""
+    """A tqdm bar of steps without tqdm's own rate and ETA (which would count evaluation and
+    checkpoints): ``RunLog.postfix`` shows the training ones."""
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
@@ -337,8 +300,7 @@ def progress_bar(enabled: bool, start: int, total: int) -> Any:
 
 
 class SaveAborted(KeyboardInterrupt):
-    """A third SIGTERM/SIGINT: stop at once, abandoning the checkpoint being saved (the earlier
-    ones are kept). ``.signal`` is the signal's name."""
+    """A third SIGTERM/SIGINT: stop at once, abandoning the save in flight (``.signal``)."""
 
     def __init__(self, name: str, message: str = "") -> None:
         super().__init__(message or f"aborted by a third {name}")
@@ -348,11 +310,8 @@ class SaveAborted(KeyboardInterrupt):
 class StopOnSignal(contextlib.AbstractContextManager):
     """Turns SIGTERM/SIGINT into a request to checkpoint and stop (``.signal`` is its name).
 
-    The first signal asks for a checkpoint of the current step and a stop; a second one is
-    told that the save is under way (``saving, please wait; a third signal aborts``) and
-    changes nothing, so the save it would interrupt completes; a third raises ``SaveAborted``
-    (a ``KeyboardInterrupt``) at once. Keep it entered until the last save is on disk. Only
-    active in the main thread (signal handlers cannot be installed elsewhere).
+    A second signal is told to wait for the save; a third raises ``SaveAborted`` at once. Keep
+    it entered until the last save is on disk. Only active in the main thread.
     """
 
     def __init__(self) -> None:
@@ -379,9 +338,8 @@ class StopOnSignal(contextlib.AbstractContextManager):
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
-        """Holds a third signal back while a save is being started: raised inside orbax's
-        ``save`` it left orbax to finish that save before the abort (seen on a loaded machine),
-        so it is raised as soon as the block ends instead, and the save is then abandoned."""
+        """Holds a third signal back until the block (starting a save) ends: raised inside
+        orbax's ``save`` it would leave orbax to finish that save first."""
         self._defer = True
         try:
             yield
@@ -417,11 +375,8 @@ def abandon_save(ckpt: CheckpointManager, aborted: SaveAborted) -> SaveAborted:
 class RunSummary:
     """What a run did (also written to ``run_dir/summary.json``).
 
-    ``time_s`` splits the wall time into ``TIME_PARTS``: start-up (directories, data, state,
-    the peak measurement), compiling the train step, training steps, evaluation (with its
-    compilation), samples, loss plots and the blocking part of checkpoint saves; ``data`` is
-    the host time spent making the train batches (while the device runs the step dispatched
-    before), and ``train`` the rest of the loop's time.
+    ``time_s`` splits the wall time into ``run.TIME_PARTS`` (seconds); ``data`` is the host
+    time spent making the train batches, ``train`` the rest of the loop's time.
     """
 
     run_dir: str

@@ -14,8 +14,6 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | 
                        z_loss: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Summed next-token cross-entropy and z-loss, and the number of target tokens.
 
-    Sums (not means) so that micro-batches can be added up and divided once.
-
     Args:
       logits: [B, T, V] float32 logits.
       targets: [B, T] int target ids.
@@ -36,8 +34,7 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array | 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None,
                   z_loss: float = 0.0) -> jax.Array:
-    """Mean cross-entropy (plus z-loss) over the target tokens that ``mask`` keeps: a float32
-    scalar in nats per token (arguments as ``cross_entropy_sums``'s)."""
+    """Mean cross-entropy plus z-loss, nats per kept target (arguments: ``cross_entropy_sums``)."""
     ce_sum, z_sum, count = cross_entropy_sums(logits, targets, mask, z_loss)
     return (ce_sum + z_sum) / jnp.maximum(count, 1.0)
 

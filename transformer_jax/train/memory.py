@@ -1,18 +1,13 @@
-"""Will a run fit in memory: a rough per-device estimate from shapes alone, checked before any
-data is read or any array allocated (``train.run.run``; ``train.py --no-memory-check`` skips it).
-
-The estimate is the train state (exact: ``jax.eval_shape`` of the real init, split by the run's
-shardings), the gradients (one copy of the trained parameters), and the activations kept for
-the backward pass, counted per layer from the model's shapes and its remat policy, plus the
-logits of the loss. It leaves out XLA's scratch and fragmentation, so a run it passes may still
-not fit; a run it refuses would need at least that much. ``transformer-jax bench
-memory`` measures a compiled step instead.
+"""Will a run fit in memory: a rough per-device estimate from shapes alone (the train state,
+gradients, activations kept for the backward pass, the loss's logits), checked before any data
+is read. It leaves out XLA's scratch; ``transformer-jax bench memory`` measures a compiled step.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -37,20 +32,13 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
                      mesh_shape: dict[str, int]) -> int:
     """Rough per-device bytes the backward pass keeps from one micro-batch's forward.
 
-    Per layer and token, with ``D`` the width, ``F`` the FFN width, ``N``/``K`` query/kv heads
-    of ``H`` dims: no remat keeps the inputs of the norms and matmuls (4 D + 2 N H + 2 K H +
-    3 F values); ``save_dots`` the matmul outputs (2 D + N H + 2 K H + 2 F); ``full`` the block
-    input (D), plus one block recomputed at a time; the named policies (``model.remat``) what
-    ``full`` keeps and the products they save in device memory (none of those they offload).
-    A sparse layer's FFN (``moe_values``) keeps
-    its k sorted rows per token instead of F, and without full remat under FSDP the backward
-    keeps its experts' gathered matrices (3 E D F values: E/k times an active FFN's, the largest
-    term of a big mixture, measured by ``bench memory``'s compiled step). The einsum
-    attention adds its [N, T, T] float32 probabilities per layer; the loss adds the [T, V]
-    float32 logits and their gradient (or a chunk of them with ``train.loss_chunk``). Head,
-    FFN and vocabulary dimensions are split over ``tensor``, rows over ``data`` x ``fsdp``
-    (and ``expert``, which attention uses as data), and each sequence over ``context`` (a
-    device's queries read the whole sequence's keys).
+    Per layer and token: no remat keeps the norms' and matmuls' inputs (4 D + 2 N H + 2 K H +
+    3 F values), ``save_dots`` the matmul outputs (2 D + N H + 2 K H + 2 F), ``full`` the block
+    input D (plus one block recomputed at a time), a named policy that plus what it saves; a
+    sparse layer's FFN as ``moe_values`` (and 3 E D F gathered expert values under FSDP without
+    full remat). Plus the einsum attention's [N, T, T] float32 probabilities per layer and the
+    loss's [T, V] float32 logits and gradient (a chunk with ``loss_chunk``), all split over the
+    mesh axes as the arrays are.
 
     Args:
       model_config: the model.
@@ -122,38 +110,34 @@ def moe_values(config: ModelConfig, tensor: int, itemsize: int, tokens: int = 0
 
 
 def _named(widths: dict[str, float], base: float = 0.0) -> dict[str, float]:
-    """Values per token each named policy keeps in device memory (``model.remat``): ``base``
-    (what ``full`` keeps) plus the widths of the names it saves; offloaded ones are on the
-    host."""
+    """Values per token each named ``model.remat`` policy keeps in device memory: ``base`` plus
+    the widths of the names it saves (not those it offloads)."""
     return {remat: base + sum(widths.get(name, 0.0) for name in remat_lib.saved_names(remat)[0])
             for remat in remat_lib.REMATS if remat not in ("none", "full", "save_dots")}
 
 
-def expert_bytes(abstract_state: Any, state_shardings: Any) -> int:
-    """Per-device bytes of the routed experts' stacked matrices (``moe/gate|up|down``) in a
-    train state: their parameters and Adam moments (a part of ``estimate``'s state)."""
+def _bytes_where(abstract_state: Any, state_shardings: Any, keep: Callable[[tuple], bool]
+                 ) -> int:
+    """Per-device bytes of the leaves of a train state whose path keys ``keep`` accepts."""
     flat = dict(jax.tree_util.tree_flatten_with_path(state_shardings)[0])
-    total = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
-        keys = sharding_lib._path_keys(path)
-        if len(keys) >= 2 and keys[-2] == "moe" and keys[-1] in ("gate", "up", "down"):
-            total += sharding_lib.per_device_bytes(leaf, flat[path])
-    return total
+    return sum(sharding_lib.per_device_bytes(leaf, flat[path])
+               for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]
+               if keep(sharding_lib._path_keys(path)))
+
+
+def expert_bytes(abstract_state: Any, state_shardings: Any) -> int:
+    """Per-device bytes of the routed experts' matrices and Adam moments in a train state."""
+    return _bytes_where(abstract_state, state_shardings, lambda keys: keys[-2:-1] == ("moe",)
+                        and keys[-1] in ("gate", "up", "down"))
 
 
 def estimate(model_config: ModelConfig, train_config: TrainConfig, abstract_state: Any,
              state_shardings: Any, mesh_shape: dict[str, int]) -> dict[str, int]:
-    """Per-device bytes of a run: ``{"state", "gradients", "activations", "total"}``, and
-    ``"experts"``: the routed experts' part of the state (parameters and Adam moments; their
-    gradients are in ``gradients`` too), from ``abstract_state`` (``jax.eval_shape`` of the
-    run's init), its ``state_shardings`` (``sharding.state_shardings``) and the mesh's axis
-    sizes."""
+    """Per-device bytes of a run: ``{"state", "gradients", "activations", "total", "experts"}``,
+    from ``jax.eval_shape`` of the run's init, its shardings and the mesh's axis sizes."""
     state = sharding_lib.per_device_bytes(abstract_state, state_shardings)
     # Adam's first moment mirrors the trained parameters: one gradient's worth of bytes.
-    flat = dict(jax.tree_util.tree_flatten_with_path(state_shardings)[0])
-    moments = sum(sharding_lib.per_device_bytes(leaf, flat[path])
-                  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]
-                  if "mu" in sharding_lib._path_keys(path))
+    moments = _bytes_where(abstract_state, state_shardings, lambda keys: "mu" in keys)
     gradients = moments or sharding_lib.per_device_bytes(abstract_state.params,
                                                          state_shardings.params)
     activations = activation_bytes(model_config, train_config, mesh_shape)
@@ -173,9 +157,8 @@ def available_bytes(device: jax.Device | None = None) -> tuple[int, int, str] | 
     device = device or jax.local_devices()[0]
     if device.platform == "cpu":
         free = _host_available()
-        if free is None:
-            return None
-        return free, jax.local_device_count(), "this host's available memory"
+        return None if free is None else (free, jax.local_device_count(),
+                                          "this host's available memory")
     try:
         limit = (device.memory_stats() or {}).get("bytes_limit")
     except Exception:  # noqa: BLE001 - a backend without memory stats
@@ -199,15 +182,11 @@ def _host_available() -> int | None:
 
 def check_fits(model_config: ModelConfig, train_config: TrainConfig, abstract_state: Any,
                state_shardings: Any, mesh_shape: dict[str, int]) -> dict[str, int] | None:
-    """Raises ValueError, in one line, for a run that will not fit in memory (arguments as
-    ``estimate``'s).
-
-    Returns:
-      The estimate (``estimate``), or None when the available memory is unknown.
+    """The ``estimate`` (same arguments), or None when the available memory is unknown.
 
     Raises:
-      ValueError: the estimate is above the available memory; the message gives both, the
-        parts, and what to change (``--no-memory-check`` to try anyway).
+      ValueError: the estimate is above the available memory; the one-line message gives
+        both, the parts, and what to change (``--no-memory-check`` to try anyway).
     """
     have = available_bytes()
     if have is None:

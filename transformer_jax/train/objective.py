@@ -1,5 +1,4 @@
-"""The ``train.objective`` keys (SFT, DPO, ORPO, GRPO) as a base of ``TrainConfig`` (the objects
-a run trains with: ``run.make_objective``)."""
+"""The ``train.objective`` keys (SFT, DPO, ORPO, GRPO): ``TrainConfig``'s base."""
 
 from __future__ import annotations
 
@@ -23,18 +22,15 @@ class ObjectiveConfig:
     Attributes:
       objective: ``sft`` (next-token cross-entropy, the default), ``dpo`` or ``orpo`` (both on
         a .jsonl of ``{"prompt", "chosen", "rejected"}`` pairs), or ``grpo`` (online RL on a
-        .jsonl of prompts, scored by ``reward``). DPO's reference is the initial weights'
-        log-probs, computed in a first pass and stored in the run directory (full
-        fine-tuning), or the frozen base with the adapters off (LoRA).
+        .jsonl of prompts, scored by ``reward``).
       dpo_beta: DPO's beta (IPO: its tau).
       dpo_loss: ``sigmoid`` (DPO) or ``ipo``.
       dpo_label_smoothing: conservative DPO's eps in [0, 0.5) (sigmoid only).
       orpo_lambda: weight of ORPO's odds-ratio term (TRL's ORPO beta).
-      pairs_per_step: DPO/ORPO: N > 0 trains every step on exactly N pairs (TRL's batch: its
-        ``per_device_train_batch_size x gradient_accumulation_steps x devices``), the last
-        step of each epoch on the rest; ``batch_size`` then becomes the packed rows the most
-        pair-filled step needs (padding rows hold none). 0 (the default): ``batch_size``
-        counts packed rows, each holding as many pairs as fit, so a step's pairs vary.
+      pairs_per_step: DPO/ORPO: N > 0 trains every step on exactly N pairs (TRL's batch), the
+        last step of each epoch on the rest; ``batch_size`` then becomes the packed rows the
+        most pair-filled step needs. 0 (the default): ``batch_size`` counts packed rows, each
+        holding as many pairs as fit.
       reward: GRPO's reward functions, ``MODULE:FUNCTION`` or ``path/file.py:FUNCTION``, each
         called as ``fn(completion: str, record: dict) -> float``; several comma-separated
         are summed, each optionally weighted (``mod:f*0.5``).
@@ -52,11 +48,9 @@ class ObjectiveConfig:
         (GRPO: mean per completion, then over completions) or ``dr_grpo`` (sum over
         ``batch_size * grpo_max_tokens``).
       grpo_scale_rewards: divide the group-centred rewards by the group's std (Dr. GRPO: false).
-      mtp_weight: lambda of the multi-token prediction loss (a model with ``mtp_depth`` D > 0,
-        ``model.mtp``; sft, full training): the objective is the cross-entropy plus
-        ``lambda / D * sum_k CE_k``, CE_k module k's mean cross-entropy of token i+k+1 (the
-        DeepSeek-V3 report uses 0.3, then 0.1); logged as ``mtp_loss``, ``sum_k CE_k / D``.
-        0: the modules are not trained (nor run).
+      mtp_weight: lambda of the multi-token prediction loss (a model with ``mtp_depth`` D > 0;
+        sft, full training): the cross-entropy plus ``lambda / D * sum_k CE_k``, CE_k module
+        k's mean cross-entropy of token i+k+1; logged as ``mtp_loss``. 0: not trained (nor run).
     """
 
     objective: str = "sft"
@@ -77,13 +71,13 @@ class ObjectiveConfig:
 
     def check_objective(self) -> None:
         """Raises ValueError naming a bad objective key."""
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        if self.dpo_loss not in DPO_LOSSES:
-            raise ValueError(f"dpo_loss must be one of {DPO_LOSSES}, got {self.dpo_loss!r}")
+        for name, choices in (("objective", OBJECTIVES), ("dpo_loss", DPO_LOSSES),
+                              ("grpo_loss", GRPO_LOSSES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("dpo_beta", "orpo_lambda", "grpo_temperature", "grpo_clip_eps",
-                     "grpo_kl_beta"):
-            value, zero = getattr(self, name), name == "grpo_kl_beta"  # 0: no reference
+                     "grpo_kl_beta", "mtp_weight"):
+            value, zero = getattr(self, name), name in ("grpo_kl_beta", "mtp_weight")
             if not (isinstance(value, int | float) and not isinstance(value, bool)
                     and math.isfinite(value) and (value > 0 or zero and value == 0)):
                 raise ValueError(f"{name} must be a number {'>= 0' if zero else '> 0'}, got "
@@ -105,10 +99,7 @@ class ObjectiveConfig:
                 self.objective != "sft" or getattr(self, "lora_rank", 0)):
             raise ValueError("moe_bias_update_rate updates the model's correction biases in "
                              "full sft training only; set it to 0 with LoRA or another objective")
-        mtp = self.mtp_weight
-        if isinstance(mtp, bool) or not isinstance(mtp, int | float) or not 0 <= mtp < math.inf:
-            raise ValueError(f"mtp_weight must be a number >= 0, got {mtp!r}")
-        if mtp and (self.objective != "sft" or getattr(self, "lora_rank", 0)):
+        if self.mtp_weight and (self.objective != "sft" or getattr(self, "lora_rank", 0)):
             raise ValueError("mtp_weight trains the multi-token prediction modules in full sft "
                              "training only; set it to 0 with LoRA or another objective")
         if eps and self.dpo_loss != "sigmoid":
@@ -116,8 +107,6 @@ class ObjectiveConfig:
 
     def _check_grpo(self) -> None:
         """Raises ValueError naming a bad ``grpo_*`` or ``reward`` key."""
-        if self.grpo_loss not in GRPO_LOSSES:
-            raise ValueError(f"grpo_loss must be one of {GRPO_LOSSES}, got {self.grpo_loss!r}")
         grpo = self.objective == "grpo"
         for name, least in (("grpo_group_size", 2 if grpo else 1), ("grpo_max_tokens", 1)):
             value = getattr(self, name)

@@ -1,8 +1,6 @@
 """The optimizer: AdamW with linear warmup then cosine decay, global-norm clipping, and no weight
-decay on norms, biases or the token embedding (``decay_mask``).
-
-Weight decay skips the token embedding too: with a large vocabulary most rows get no gradient in
-a step, so decay alone would pull rare tokens' vectors to zero."""
+decay on norms, biases or the token embedding (``decay_mask``: with a large vocabulary most
+rows get no gradient in a step, so decay alone would pull rare tokens' vectors to zero)."""
 
 from __future__ import annotations
 
@@ -20,11 +18,9 @@ Params = dict[str, Any]
 def lr_schedule(config: TrainConfig) -> optax.Schedule:
     """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr``.
 
-    Update i (0-based) uses ``schedule(i)``: the first update already has ``lr / warmup_steps``
-    (not 0) and update ``decay_steps - 1`` has ``min_lr``. Without warmup and with ``min_lr``
-    = ``lr`` it is the constant ``lr``, so the compiled update does not depend on
-    ``train.steps`` (a run stopped and resumed with more steps runs the same program, and
-    XLA:CPU's rounding with it).
+    Update i (0-based) uses ``schedule(i)``: the first has ``lr / warmup_steps`` (not 0), update
+    ``decay_steps - 1`` has ``min_lr``. Without warmup and with ``min_lr = lr`` it is constant,
+    so the compiled update does not depend on ``train.steps``.
     """
     if not config.warmup_steps and config.min_lr == config.lr:
         return optax.constant_schedule(config.lr)
@@ -35,11 +31,8 @@ def lr_schedule(config: TrainConfig) -> optax.Schedule:
 
 
 def decay_mask(params: Params) -> Params:
-    """True for the parameters that get weight decay: every matrix except the token embedding.
-
-    Norm scales/biases, projection biases (``q_bias`` ...) and ``embed/embedding`` are excluded
-    by name, so the mask is the same in the unrolled and the scanned (stacked) layouts.
-    """
+    """True for the parameters that get weight decay: every matrix except the token embedding
+    (by name, so the mask is the same in the unrolled and the scanned layouts)."""
     def decays(path, _) -> bool:
         name = str(getattr(path[-1], "key", path[-1]))
         return not (is_vector_param(name) or name == EMBEDDING_PARAM)

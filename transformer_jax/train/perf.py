@@ -1,5 +1,4 @@
-"""Speed accounting: training FLOPs per token, a measured matmul peak (for MFU), and XLA:CPU's
-fast-math flags."""
+"""Speed accounting: FLOPs per token, a measured matmul peak (MFU), XLA:CPU fast-math flags."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.layers import EMBEDDING_PARAM, is_vector_param
 from transformer_jax.model.transformer import abstract_params
 
-# Measured on a 2-core CPU (shakespeare_char step, process CPU time): about 15-20% less time per
-# train step, mostly from vectorised approximations of exp/logistic in SwiGLU and the softmax.
-# NaN/inf semantics and exact division are kept, so non-finite losses are still detected.
+# Vectorised approximations of exp/logistic (docs/cli.md); NaN/inf semantics and exact
+# division are kept, so non-finite losses are still detected.
 CPU_FAST_MATH_FLAGS = (
     "--xla_cpu_enable_fast_math=true",
     "--xla_cpu_fast_math_honor_nans=true",
@@ -43,19 +41,14 @@ def enable_cpu_fast_math() -> bool:
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: ``6 N`` plus attention, ``12 L T N H`` (PaLM's convention).
 
-    N counts the weights that take part in matmuls: every parameter except norms and biases,
-    and the embedding only when it is also the (tied) LM head (a lookup is not a matmul). Of a
-    mixture of experts' routed experts only the k of E a token reaches count (the router and a
-    shared expert count whole): active FLOPs, so MFU is that of the work a token does.
-    Attention counts the full T x T score and value matmuls, forward and backward (a latent
-    layer's with its query/key and value head widths).
+    N counts the weights that take part in matmuls (not norms, biases, or an untied embedding),
+    of a mixture's routed experts only the k of E a token reaches. Attention counts the full
+    T x T score and value matmuls, forward and backward.
     """
     n = 0.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]:
         name = str(getattr(path[-1], "key", path[-1]))
-        if name == EMBEDDING_PARAM and not config.tie_embeddings:
-            continue
-        if is_vector_param(name):
+        if is_vector_param(name) or name == EMBEDDING_PARAM and not config.tie_embeddings:
             continue
         n += int(np.prod(leaf.shape)) * _active_fraction(config, path)
     qk, v = ((config.mla.qk_head_dim, config.mla.v_head_dim) if config.mla is not None
@@ -65,8 +58,7 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
 
 
 def _active_fraction(config: ModelConfig, path: tuple) -> float:
-    """k/E for a routed expert's stacked matrix or bias (``moe/gate|up|down[_bias]``), else
-    1."""
+    """k/E for a routed expert's stacked matrix or bias, else 1."""
     keys = [str(getattr(p, "key", p)) for p in path]
     if config.moe is not None and len(keys) >= 2 and keys[-2] == "moe" and \
             keys[-1] in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"):
@@ -75,8 +67,7 @@ def _active_fraction(config: ModelConfig, path: tuple) -> float:
 
 
 def param_counts(config: ModelConfig) -> tuple[int, int]:
-    """``(total, active)`` parameters, from shapes: active counts of the routed experts only
-    the k of E one token uses (the same as total for a dense model)."""
+    """``(total, active)`` parameters, from shapes (active: of the routed experts only k of E)."""
     total = active = 0.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]:
         size = int(np.prod(leaf.shape))
@@ -94,17 +85,8 @@ def describe_params(config: ModelConfig) -> str:
 
 def measure_matmul_peak(size: int = 1024, dtype: str = "float32", repeats: int = 10,
                         device: jax.Device | None = None) -> float:
-    """Dense-matmul FLOP/s measured on ``device``: the best of ``repeats`` timed matmuls.
-
-    Args:
-      size: n of the [n, n] x [n, n] matmul (2 n^3 FLOPs).
-      dtype: the operands' dtype.
-      repeats: timed runs; the fastest counts (the others suffer from noise).
-      device: where to run; the default device if None.
-
-    Returns:
-      FLOP/s.
-    """
+    """Dense-matmul FLOP/s on ``device`` (default: the first): the fastest of ``repeats`` timed
+    [size, size] x [size, size] matmuls of ``dtype`` (2 size^3 FLOPs)."""
     device = device or jax.devices()[0]
     a = jax.device_put(jnp.ones((size, size), dtype), device)
     matmul = jax.jit(lambda x: x @ x)

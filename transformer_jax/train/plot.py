@@ -1,16 +1,8 @@
 """Loss curves of training runs, drawn from their ``metrics.jsonl``.
 
-``plot_run(run_dir)`` writes ``run_dir/loss.png``: the train loss of every logged step and the
-validation loss of every evaluation against the step (with the tokens seen on a secondary
-axis when the records carry a per-step token count), log-scaled when the loss spans a wide
-range, the bits per byte of each ``train.eval_sets`` set (one curve per set) in a panel of
-their own when there are any, and the learning rate in the last panel. ``plot_runs(dirs,
-out)`` draws several runs on one figure for comparison. From the shell::
-
-    transformer-jax plot RUN_DIR [RUN_DIR ...] [--out FILE]
-
-Only matplotlib's object API with the Agg canvas is used, so nothing here touches pyplot's
-global state (no backend switch, no open figures left behind).
+``plot_run(run_dir)`` writes ``run_dir/loss.png`` (train and validation loss, each
+``train.eval_sets`` set's bits per byte, the learning rate); ``plot_runs(dirs, out)`` draws
+several runs on one figure. Only matplotlib's object API is used (no pyplot global state).
 """
 
 from __future__ import annotations
@@ -38,16 +30,13 @@ _LOG_SCALE_RATIO = 4.0
 
 @dataclasses.dataclass(frozen=True)
 class RunMetrics:
-    """The curves of one run, each sorted by step (one value per step, the last written).
+    """The curves of one run, each ``(step, value)`` sorted by step (the last value written).
 
     Attributes:
       name: the label of the run (its directory name).
-      train: ``(step, loss)`` of the train records.
-      val: ``(step, loss)`` of the evaluations.
-      lr: ``(step, learning rate)`` of the train records that have one.
-      tokens_per_step: tokens per train step (the records' ``tokens``), if recorded and
-        constant; None otherwise.
-      eval_sets: per ``train.eval_sets`` set, ``(step, bits per byte)`` of its evaluations.
+      train, val, lr: the train loss, the validation loss and the learning rate.
+      tokens_per_step: tokens per train step, if recorded and constant; else None.
+      eval_sets: per ``train.eval_sets`` set, its bits per byte.
     """
 
     name: str
@@ -59,21 +48,10 @@ class RunMetrics:
 
 
 def read_metrics(run_dir: str | os.PathLike[str]) -> RunMetrics:
-    """Reads the train and validation curves of a run from ``run_dir/metrics.jsonl``.
+    """The curves of a run from ``run_dir/metrics.jsonl`` (or that file itself).
 
-    Records are the JSON objects ``transformer_jax.train.run`` writes: ``{"step", "split":
-    "train", "loss", "lr", "tokens", ...}`` every ``log_every`` steps, ``{"step", "split":
-    "val", "loss", "ppl"}`` and ``{"step", "split": "eval_set", "name", "loss", "bpb"}`` at
-    evaluations, and ``{"split": "sample", ...}`` (ignored). Keys
-    may be missing (records without ``split`` count as train records; ``val_loss`` is read as
-    a validation loss); lines that are not JSON (cut short by a kill) and non-finite values
-    are skipped.
-
-    Args:
-      run_dir: the run directory (or the ``metrics.jsonl`` file itself).
-
-    Returns:
-      The run's curves.
+    Records without ``split`` count as train records, ``val_loss`` is read as a validation loss;
+    lines that are not JSON and non-finite values are skipped.
 
     Raises:
       FileNotFoundError: there is no metrics file.
@@ -125,18 +103,12 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> RunMetrics:
 
 def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None
              ) -> Path:
-    """Draws the loss curves (and learning rate) of one run.
-
-    Args:
-      run_dir: the run directory, holding ``metrics.jsonl``.
-      out: the PNG to write; ``run_dir/loss.png`` by default.
-
-    Returns:
-      The path written.
+    """Draws the loss curves (and learning rate) of ``run_dir`` into ``out`` (default
+    ``run_dir/loss.png``) and returns the path written.
 
     Raises:
       FileNotFoundError, ValueError: as ``read_metrics``.
-      OSError: ``out`` cannot be written (e.g. a read-only run directory), named in one line.
+      OSError: ``out`` cannot be written, named in one line.
     """
     runs = [read_metrics(run_dir)]
     target = f"{os.fspath(run_dir).rstrip('/')}/{PLOT_FILE}" if out is None else os.fspath(out)
@@ -149,15 +121,8 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
 
 
 def plot_runs(run_dirs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str]) -> Path:
-    """Draws several runs on one figure for comparison (one colour per run: train loss solid,
-    validation loss dashed with markers).
-
-    Args:
-      run_dirs: the run directories.
-      out: the PNG to write.
-
-    Returns:
-      The path written.
+    """Draws several runs on one figure (one colour per run: train loss solid, validation
+    loss dashed) into the PNG ``out`` and returns its path.
 
     Raises:
       ValueError: no run directory given; FileNotFoundError, ValueError: as ``read_metrics``.

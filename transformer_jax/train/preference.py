@@ -1,33 +1,13 @@
-"""DPO and ORPO: the losses as pure functions, and the objectives a run trains with (``DPO``,
-``ORPO``), with DPO's reference log-probs.
+"""DPO and ORPO: the losses as pure functions (TRL's ``DPOTrainer`` ``sigmoid`` and ``ipo``, and
+``ORPOTrainer``; formulas in docs/fine-tuning.md), and the objectives a run trains with
+(``DPO``, ``ORPO``), with DPO's reference log-probs.
 
 Shapes: B rows, T tokens, V vocabulary, M pairs per row (``data.preference``: pair k of a row
 is segments 2k + 1 (chosen) and 2k + 2 (rejected)), P pairs (any leading shape).
 
-The formulas follow TRL (``DPOTrainer``'s ``sigmoid`` and ``ipo``, ``ORPOTrainer``):
-
-* DPO: ``d = (pi_c - ref_c) - (pi_r - ref_r)`` (summed completion log-probs), loss
-  ``-(1 - eps) log sigmoid(beta d) - eps log sigmoid(-beta d)`` (conservative DPO; eps = 0 is
-  the plain sigmoid loss); rewards ``beta (pi - ref)``.
-* IPO: the same log-ratios averaged per completion token, loss ``(d_avg - 1 / (2 beta))^2``.
-* ORPO: with mean per-token log-probs ``l_c, l_r``, ``log_odds = (l_c - l_r) -
-  (log(1 - exp l_c) - log(1 - exp l_r))``; loss ``nll(chosen) - lambda log sigmoid(log_odds)``
-  (the NLL the mean cross-entropy over the chosen sequences, prompt included, as TRL's
-  ``ORPOTrainer``); rewards ``lambda l``.
-
-In a run the step is ``step.make_train_step`` with the loss of ``Preference.loss_fn``: its sums
-are over the batch's pairs and divided by their count, so grad accumulation and the mesh work
-as for SFT (the batch is sharded over its rows; both sides of a pair are in one row).
-
-DPO's reference (``DPO.start``):
-
-* full fine-tuning: the initial weights' summed completion log-probs of every pair, computed
-  in a first pass before the first step and stored in ``run_dir/reference_logps.npz`` (keyed by
-  the data, ``train.init_from`` and the seed), so a resumed run reads exactly the same values;
-  each batch then carries ``ref_logps`` [B, M, 2];
-* LoRA: the frozen base with the adapters off, run in the same step (no second copy).
-
-ORPO has no reference.
+In a run the loss sums over the batch's pairs and the step divides by their count. DPO's
+reference is the initial weights' log-probs, stored in ``run_dir/reference_logps.npz`` (full
+fine-tuning), or the frozen LoRA base with the adapters off.
 """
 
 from __future__ import annotations
@@ -178,8 +158,7 @@ def make_token_logps_fn(model: Any, temperature: float = 1.0
 
 
 def base_params(layout: ParamsLayout, params: Params) -> Params:
-    """The model params of a LoRA state's frozen base, adapters off (dequantised if stored
-    quantised), without gradient."""
+    """The frozen LoRA base's model params (adapters off, dequantised), without gradient."""
     base = params[lora.BASE]
     if layout.base_quant:
         from transformer_jax.model.quant import dequantize_params
@@ -206,20 +185,16 @@ def make_logps_fn(model_config: ModelConfig, tc: TrainConfig, pairs_per_row: int
 
 
 class Preference(Objective):
-    """DPO and ORPO: preference pairs, a loss summed over them (``loss_fn``: ``step.make_loss_fn``'s
-    contract, the pairs its count) and their means as metrics.
-
-    ``batch`` has SFT's keys plus ``pair_ids`` [B, M] (and, full-fine-tuning DPO, ``ref_logps``
-    [B, M, 2]); the stats are ``reward_stats`` (ORPO also ``nll_loss``, ``log_odds``), ``tokens``.
-    A subclass gives ``pair_loss(logps, layout, params, batch, valid) -> (objective, stats)``,
-    sums over the ``valid`` [B, M] pairs.
+    """DPO and ORPO: preference pairs, a loss summed over them (the pairs its count) and their
+    means as metrics. ``batch`` has SFT's keys plus ``pair_ids`` [B, M] (and, full-fine-tuning
+    DPO, ``ref_logps`` [B, M, 2]). A subclass gives ``pair_loss(logps, layout, params, batch,
+    valid) -> (objective, stats)``, sums over the ``valid`` [B, M] pairs.
     """
 
     records = '{"prompt", "chosen", "rejected"}'
 
     def load_data(self, data_config: DataConfig, tokenizer: TextTokenizer) -> RunData:
-        """Reads and packs the pairs (``data.preference``), splits their rows as ``split_rows``
-        does; a file whose first record is not a pair is refused (one line naming it)."""
+        """Reads, packs and splits the pairs; refuses a file whose first record is not a pair."""
         files, seq_len = data_config.instruction_files(), self.tc.seq_len
         for file in files:
             if not is_preference_file(file):
@@ -237,9 +212,7 @@ class Preference(Objective):
                        pairs.take(val).rows, pairs=kept)
 
     def settle(self, data: RunData, num_batch_devices: int) -> tuple[RunData, TrainConfig]:
-        """With ``train.pairs_per_step`` N: the pairs grouped by step (``group_pairs``) and
-        ``train.batch_size`` the rows a step takes; logs how many pairs a step trains on (a TRL
-        recipe's batch counts pairs, ours packed rows unless N is given)."""
+        """With ``train.pairs_per_step``: the pairs grouped by step, ``batch_size`` their rows."""
         tc, pairs = self.tc, data.pairs
         kept = int(pairs.row_pairs.sum())
         if not tc.pairs_per_step:
@@ -291,12 +264,11 @@ class DPO(Preference):
     log-probs, stored (full fine-tuning), or the frozen LoRA base with the adapters off."""
 
     def start(self, run: RunContext, state: TrainState) -> None:
-        """Attaches the reference log-probs to the run's data (full fine-tuning; see the
-        module), read from ``REFERENCE_FILE`` or computed (step 0) and stored; logs its source.
+        """Attaches the reference log-probs to the run's data (full fine-tuning), read from
+        ``REFERENCE_FILE`` or computed (step 0) and stored.
 
         Raises:
-          ValueError: a resumed run (step > 0) whose stored reference is missing or is another
-            run's (the initial weights are gone, so it cannot be recomputed here).
+          ValueError: a resumed run whose stored reference is missing or is another run's.
         """
         super().start(run, state)
         tc = self.tc
@@ -375,8 +347,7 @@ class ORPO(Preference):
 
 def step_pair_counts(pairs: PreferenceRows, tc: TrainConfig, most: int = 10_000
                      ) -> np.ndarray:
-    """[S] the pairs of each of the first S steps' batches of packed rows (an epoch, at most
-    ``train.steps`` or ``most``)."""
+    """[S] the pairs of each of the first S steps' batches (an epoch, at most ``most``)."""
     per_row = pairs.row_pairs
     steps = min(-(-len(per_row) // tc.batch_size), tc.steps, most)
     return np.asarray([per_row[row_indices(tc.seed, s, tc.batch_size, len(per_row))].sum()

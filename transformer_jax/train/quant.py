@@ -1,17 +1,8 @@
 """Quantised training through qwix: ``train.quant=int8`` (or ``fp8`` on GPU/TPU).
 
-``training_model`` wraps the one ``Transformer`` with ``qwix.QtProvider``: every weight product
-(``ops.quantized.einsum``, a ``jax.lax.dot_general``) runs on quantised operands, the weight and
-its input quantised in the forward pass (int8: absmax per channel) and the incoming gradient in
-the backward pass, with straight-through gradients into the float parameters. Attention's own
-einsums (q k^T, p v), the norms and the embedding lookup stay float, as does a chunked loss's
-LM head (``train.loss_chunk``, applied outside the model).
-
-The parameters, the optimizer state, the loss, checkpoints and exports stay in the parameter
-dtype: quantisation is a property of the step, not of the weights.
-
-fp8 (e4m3 forward, e5m2 gradients) needs a backend with fp8 matmuls; on CPU a run refuses it
-(``train.checks.check_config``), while ``jax.export`` lowers its step for ``cuda`` from any host.
+``training_model`` wraps the ``Transformer`` with ``qwix.QtProvider``: every weight product
+runs on quantised operands, straight-through into the float parameters, which checkpoints keep
+(docs/quantisation.md).
 """
 
 from __future__ import annotations

@@ -18,10 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 def data_fingerprint(*token_arrays: np.ndarray) -> str:
-    """SHA-256 of the token ids of a run's corpus (train then validation split).
-
-    With the same tokenizer, equal fingerprints mean the same corpus in the same order.
-    """
+    """SHA-256 of the token ids of a run's corpus (train then validation split)."""
     digest = hashlib.sha256()
     for tokens in token_arrays:
         array = np.ascontiguousarray(tokens)
@@ -51,8 +48,8 @@ _TRAJECTORY_TRAIN_KEYS = ("batch_size", "seq_len", "lr", "min_lr", "warmup_steps
 
 
 def _model_dict(saved: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's saved model config as this version writes it (keys earlier versions
-    wrote and no longer use dropped, defaults filled in), or as saved if it does not parse."""
+    """A checkpoint's saved model config as this version writes it, or as saved if it does
+    not parse."""
     try:
         return ModelConfig.from_dict(saved).to_dict()
     except (TypeError, ValueError):

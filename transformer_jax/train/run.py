@@ -1,12 +1,7 @@
 """The training run, top to bottom: data -> init or restore -> steps with progress, evaluation,
-samples, logs and checkpoints -> summary (``run``), from the pieces the package's other modules
-hold (``transformer_jax.train``'s docstring lists them); the objective (``context``: SFT;
-``preference``: DPO, ORPO; ``grpo``) gives data, batches and loss.
-
-The state is created directly sharded over the mesh of ``train.mesh`` (data x fsdp x tensor, see
-``parallel.sharding``) and each process loads only its rows of the batch; on CPU,
-``sharding.configure_cpu_devices`` makes one device per core, which is what lets a small model's
-step use every core.
+samples, logs and checkpoints -> summary (``run``). The objective (``context``: SFT;
+``preference``: DPO, ORPO; ``grpo``) gives data, batches and loss; the state is created sharded
+over the mesh of ``train.mesh`` and each process loads only its rows of the batch.
 """
 
 from __future__ import annotations
@@ -81,8 +76,7 @@ TOKENIZER_DIR = loading.RUN_TOKENIZER_DIR
 
 
 def make_objective(train_config: TrainConfig) -> Objective:
-    """The objective of ``train.objective``: the one place that maps the name to its behaviour
-    (data, loss, metrics, state: ``context.Objective``); the config checks the values."""
+    """The ``context.Objective`` of ``train.objective``."""
     classes = {"sft": Objective, "dpo": DPO, "orpo": ORPO, "grpo": GRPO}
     return classes[train_config.objective](train_config)
 
@@ -91,19 +85,16 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         progress: bool = True, memory_check: bool = True) -> RunSummary:
     """Trains (or resumes) a model; the whole loop, top to bottom.
 
-    Resumes from the newest intact checkpoint in ``run_dir/checkpoints`` if there is one (a
-    damaged newer one is renamed aside with a warning), and then gives exactly the losses and
-    parameters of an uninterrupted run. Before restoring, the saved configs are compared with
-    the current ones: another model, another tokenizer, a train setting that changes the
-    optimizer state's structure, or (without ``train.allow_new_data``) another corpus is
-    refused in one line naming the keys. A run already at ``train.steps`` does nothing (one log
-    line) and returns the summary it wrote. SIGTERM/SIGINT save a checkpoint of the current step
-    and stop (a second signal waits for that save, a third abandons it: ``SaveAborted``); a
-    non-finite loss stops without saving.
+    Resumes from the newest intact checkpoint in ``run_dir/checkpoints`` (a damaged newer one
+    is renamed aside) and then gives exactly the losses and parameters of an uninterrupted
+    run; saved configs with another model, tokenizer, optimizer state structure or (without
+    ``train.allow_new_data``) corpus are refused in one line naming the keys. A run already at
+    ``train.steps`` returns the summary it wrote. SIGTERM/SIGINT save a checkpoint and stop (a
+    second signal waits for that save, a third abandons it: ``SaveAborted``); a non-finite
+    loss stops without saving.
 
-    The run directory is self-contained: it keeps a copy of the tokenizer (``tokenizer/``,
-    recorded in ``config.json`` and each checkpoint's meta), ``metrics.jsonl``, ``loss.png``
-    (redrawn at each evaluation), TensorBoard events, ``summary.json`` and, with
+    The run directory keeps a copy of the tokenizer (``tokenizer/``), ``config.json``,
+    ``metrics.jsonl``, ``loss.png``, TensorBoard events, ``summary.json`` and, with
     ``train.profile_steps``, a profiler trace under ``profile/``.
 
     Args:
@@ -140,17 +131,14 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
     objective.check_data(data_config)
     where = f"train.init_from={tc.init_from}"
     source = loading.locate(tc.init_from, where=where) if tc.init_from else None
-    if source is not None:
-        changes = architecture_changes(source.model, model_config)
-        if changes:
-            raise ValueError(f"train.init_from={tc.init_from}: the model differs from the "
-                             f"checkpoint's: {'; '.join(changes)}")
+    if source is not None and (changes := architecture_changes(source.model, model_config)):
+        raise ValueError(f"train.init_from={tc.init_from}: the model differs from the "
+                         f"checkpoint's: {'; '.join(changes)}")
     if memory_check and not tc.pairs_per_step:  # from shapes (the preset's vocab_size):
         check_memory(model_config, tc, mesh)  # before minutes of data work
     main_process = distributed.is_main_process()
 
-    # 2. Data: tokenizer, token file or packed instruction rows, splits. A fine-tuned model keeps
-    # its vocabulary; a model trained from scratch takes the tokenizer's.
+    # 2. Data: tokenizer, token file or packed instruction rows, splits.
     given = (None if data_config.tokenizer in MODEL_TYPES
              else storage.local_copy(data_config.tokenizer))
     if source is not None:  # the checkpoint's, unless data.tokenizer is a file
@@ -204,10 +192,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
 
     with CheckpointManager(files.checkpoints, keep=tc.keep_ckpts) as ckpt:
         ckpt.remove_unfinished(primary=main_process)  # of a run killed while it saved
-        # 3. State: restore the newest intact checkpoint after comparing its saved configs with
-        # these, or initialise directly sharded over the mesh (parameters and optimizer state
-        # by the logical-axis rules; batches over data x fsdp), from init_from's weights if
-        # given (read shard by shard onto the mesh; the optimizer state starts fresh).
+        # 3. State: restore the newest checkpoint, or initialise sharded over the mesh (from
+        # init_from's weights if given; the optimizer state starts fresh).
         key = jax.random.key(tc.seed)
         init = make_init_fn(model_config, tc)
         abstract_state = jax.eval_shape(init, key)
@@ -309,9 +295,8 @@ def _train(run: RunContext, objective: Objective, ckpt: CheckpointManager, state
     try:
         with StopOnSignal() as stop:
             log.start_timer()
-            # 5. The loop: one jitted step per batch; the host reads each step's metrics one
-            # step late, so it never waits for the device while there is work to queue (an
-            # on-policy objective's batch needs the last update's state: it waits anyway).
+            # 5. The loop: the host reads each step's metrics one step late, so it never waits
+            # for the device while there is work to queue (on-policy objectives wait anyway).
             while step < tc.steps:
                 if batch is None:
                     batch = get_batch(step, state)
@@ -364,8 +349,7 @@ def _train(run: RunContext, objective: Objective, ckpt: CheckpointManager, state
                                    interrupted, step)
                     break
             log.flush()
-            # Still under StopOnSignal: a second signal during this save is told to wait, a
-            # third aborts it (SaveAborted).
+            # Still under StopOnSignal: a third signal during this save aborts it.
             close_start = time.perf_counter()
             ckpt.wait()  # the last save is complete on disk before the summary names it
             times["checkpoint"] += time.perf_counter() - close_start

@@ -2,13 +2,8 @@
 batch) -> (state, metrics)`` (gradient accumulation over micro-batches with ``lax.scan``) and
 ``eval_step(params, batch) -> sums``, each to be jitted once with the caller's shardings.
 
-Parameters (and so Adam's moments) stay float32; ``ModelConfig.dtype="bfloat16"`` only changes
-the compute.
-
 With ``train.lora_rank > 0`` the state's params are ``{"base": frozen, "adapters": trained}``
-(``ParamsLayout``): the loss runs the model on ``lora.model_params`` of them, the gradient and
-the optimizer (and so its moments) cover the adapters only. The step functions are the same
-for both; the layout's three maps are the only difference."""
+(``ParamsLayout``); the gradient and the optimizer cover the adapters only."""
 
 from __future__ import annotations
 
@@ -45,9 +40,8 @@ class TrainState:
       step: int32 scalar, number of updates applied so far (also the data position).
       params: the model's parameters (float32 master weights).
       opt_state: the optimizer's state.
-      rng: [2] uint32 raw key data of the run's PRNG key (raw, so checkpoints need no
-        typed-key support). No step draws from it today (the model has no dropout); it stays
-        so that the checkpoints of every version have the same layout and resume.
+      rng: [2] uint32 raw key data of the run's PRNG key; no step draws from it (kept so that
+        checkpoints keep one layout).
     """
 
     step: jax.Array
@@ -60,12 +54,9 @@ class TrainState:
 class ParamsLayout:
     """How a train state's params relate to the model's, and which of them are trained.
 
-    Full training (``lora_config=None``): the state's params are the model's and all trained.
-    LoRA: they are ``{"base": base params, "adapters": adapter tree}`` (``model.lora``);
-    the model runs on ``lora.model_params`` of them and only the adapters are trained.
-
     Attributes:
-      lora_config: rank, alpha and targets; None for full training.
+      lora_config: rank, alpha and targets; None for full training (the state's params are
+        the model's). LoRA: they are ``{"base", "adapters"}`` and only the adapters train.
       base_dtype: dtype the frozen base is stored in; None keeps the param dtype.
       base_quant: how the frozen base is stored quantised (QLoRA, ``quant.parse_quant``'s
         spelling), or None.
@@ -119,9 +110,8 @@ def make_init_fn(model_config: ModelConfig, train_config: TrainConfig
                  ) -> Callable[..., TrainState]:
     """A pure ``init(key, params=None) -> TrainState``; jit it (with ``out_shardings`` to shard).
 
-    ``params`` are the model's starting weights (fine-tuning, e.g. from ``hf.load``); None
-    initialises them at random. Either way the optimizer state is fresh and, with LoRA, the
-    adapters are initialised from ``key`` (B = 0: the model starts as ``params``).
+    ``params`` are the model's starting weights (fine-tuning); None initialises them at random.
+    The optimizer state is fresh; LoRA adapters start from ``key`` with B = 0.
     """
     tx = make_optimizer(train_config)
     layout = ParamsLayout.of(train_config)
@@ -144,28 +134,19 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig,
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """The pure ``train_step(state, batch) -> (state, metrics)``; jit it once.
 
-    The batch is ``{"inputs": [B, T] int, "targets": [B, T] int}`` and optionally ``"mask"``
-    [B, T] (loss weights), and for packed sequences ``"segment_ids"`` and ``"positions"``
-    [B, T] (see ``make_loss_fn``). With ``grad_accum = A`` the B rows are split into A
-    micro-batches (micro-batch a takes rows a, a + A, ..., so a batch sharded over rows stays
-    sharded) whose summed gradients are divided by the total number of target tokens: exactly
-    one batch's gradient.
+    The batch is ``{"inputs": [B, T] int, "targets": [B, T] int}`` and optionally ``"mask"``,
+    ``"segment_ids"`` and ``"positions"`` [B, T] (see ``make_loss_fn``). With ``grad_accum = A``
+    micro-batch a takes rows a, a + A, ... (a batch sharded over rows stays sharded); the summed
+    gradients are divided by the total number of target tokens: exactly one batch's gradient.
 
     Metrics (float32 scalars): ``loss`` (mean cross-entropy), ``z_loss``, ``grad_norm`` (before
-    clipping), ``lr`` (of this update) and ``tokens`` (target tokens counted); with a mixture
-    of experts also ``moe_balance`` and ``moe_z`` (the router losses before their
-    coefficients, see ``make_loss_fn``) and ``moe_load_max_mean/layer_I`` per sparse layer I
-    (its busiest expert's (token, slot) pairs over the mean: 1 is a uniform load, E/k the
-    worst); with ``train.mtp_weight`` ``mtp_loss`` (``loss.mtp_loss``, before the weight).
+    clipping), ``lr`` and ``tokens``; with a mixture of experts ``moe_balance``, ``moe_z`` and
+    ``moe_load_max_mean/layer_I`` (``moe_metrics``); with ``train.mtp_weight`` ``mtp_loss``.
 
     With ``train.moe_bias_update_rate`` > 0 the step then updates each sparse layer's
-    ``moe.correction_bias`` from the step's expert loads (``moe.balance_correction_bias``). The
-    optimizer never changes that bias: it gets no gradient (it only chooses experts), so Adam's
-    moments for it stay 0, and it is a vector, so it gets no weight decay (``decay_mask``).
-
-    ``loss_fn`` replaces ``make_loss_fn``'s objective (same contract: sums, and ``count`` the
-    divisor; e.g. the pairs of a preference objective); the summed fourth element of its aux,
-    a dict of sums, gives metrics by ``stat_means``.
+    ``moe.correction_bias`` from the step's expert loads (the optimizer never changes it).
+    ``loss_fn`` replaces ``make_loss_fn``'s objective (same contract); the fourth element of
+    its aux, a dict of sums, gives metrics by ``stat_means``.
     """
     tx = make_optimizer(train_config)
     schedule = lr_schedule(train_config)
@@ -217,30 +198,20 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig,
 def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
                  ) -> Callable[[Params, Batch], tuple[jax.Array, tuple]]:
     """The training objective ``loss_sums(params, batch) -> (objective, (ce, z, count))``, and
-    with a mixture of experts ``(objective, (ce, z, count, moe_sums))``.
+    with a mixture of experts or ``train.mtp_weight`` ``(objective, (ce, z, count, sums))``.
 
-    ``params`` are the train state's (``ParamsLayout``: LoRA's ``{"base", "adapters"}`` run the
-    model on the adapted weights). ``batch["mask"]`` [B, T] weights each target (0 = no loss,
-    e.g. a prompt token), so ``count`` is the number of weighted targets. Sums over the batch's
-    target tokens (``loss.cross_entropy_sums``), to be divided once per step.
+    ``params`` are the train state's. All are sums over the batch, divided once per step;
+    ``batch["mask"]`` [B, T] weights each target, so ``count`` is their weighted number. Packed
+    batches pass ``segment_ids`` and ``positions`` [B, T] to the model; under ``context``
+    parallelism the batch is first put in load-balanced order.
 
-    With ``train.mtp_weight`` (lambda) the forward also runs the multi-token prediction modules and
-    the objective adds ``lambda * count * loss.mtp_loss`` (its sum ``mtp`` in the aux's dict, as the
-    router's). With a mixture of experts the objective is ``ce + z + count * (train.moe_balance_loss
-    * balance + train.moe_z_loss * router_z)``, ``balance`` and ``router_z`` the means over the
-    sparse layers of the forward's ``Output.moe`` (each a mean over the valid tokens: ``segment_ids
-    > 0``; the loss mask is not the model's, so prompt tokens are routed and counted). Scaled by
-    ``count``, so the step's division leaves each micro-batch's router losses weighted by its share
-    of the targets. ``moe_sums`` holds ``balance`` and ``z`` (those terms times ``count``, without
-    the coefficients) and ``load`` [L_sparse, E] (the (token, slot) pairs each expert received).
+    With ``train.mtp_weight`` (lambda) the objective adds ``lambda * count * loss.mtp_loss``
+    (``sums["mtp"]``). With a mixture of experts it adds ``count * (moe_balance_loss * balance +
+    moe_z_loss * router_z)`` (means over the sparse layers); ``sums`` holds ``balance`` and
+    ``z`` (times ``count``) and ``load`` [L_sparse, E].
 
-    With ``train_config.loss_chunk = C > 0`` the model returns its final hidden states and the
-    LM head and cross-entropy run over chunks of C positions of every sequence (``ops.lm_loss``:
-    [B, C] tokens, per device over its rows): the same values and gradients without ever
-    holding the [B, T, V] float32 logits. Packed batches pass
-    ``segment_ids`` (attention stays within a segment) and ``positions`` (restarting per
-    segment) to the model. Traced under a mesh that splits the sequence (``context``), the
-    batch is first put in load-balanced order (``parallel.context.balance_batch``).
+    With ``train.loss_chunk = C > 0`` the LM head and the cross-entropy run over [B, C] chunks
+    (``ops.lm_loss``): the same values and gradients without the [B, T, V] float32 logits.
     """
     model = _training_model(model_config, train_config)
     z_weight, chunk = train_config.z_loss, train_config.loss_chunk
@@ -294,9 +265,8 @@ def stat_means(stats: dict[str, jax.Array], count: jax.Array) -> Metrics:
 
 def moe_metrics(moe: dict[str, jax.Array], count: jax.Array, sparse_layers: tuple[int, ...]
                 ) -> Metrics:
-    """The step's router metrics from the summed ``moe_sums`` of ``make_loss_fn``:
-    ``moe_balance``, ``moe_z`` (token-weighted means) and ``moe_load_max_mean/layer_I`` for each
-    sparse layer I (max over mean of its [E] load)."""
+    """The step's router metrics from ``make_loss_fn``'s summed ``moe_sums``: ``moe_balance``,
+    ``moe_z`` and ``moe_load_max_mean/layer_I`` (max over mean of sparse layer I's [E] load)."""
     out = {} if "mtp" not in moe else {"mtp_loss": moe["mtp"] / count}
     if "load" not in moe:
         return out
@@ -310,9 +280,8 @@ def make_eval_step(model_config: ModelConfig, train_config: TrainConfig | None =
                    ) -> Callable[[Params, Batch], Metrics]:
     """A pure ``eval_step(params, batch) -> {"loss_sum", "tokens"}`` (sums, to be pooled).
 
-    ``params`` are the train state's (see ``ParamsLayout``; full training without
-    ``train_config``); the batch's optional ``mask``, ``segment_ids`` and ``positions`` [B, T]
-    are used as in training, and so is ``train.quant`` (the model evaluated as it trains).
+    ``params`` are the train state's (full training without ``train_config``); the batch and
+    ``train.quant`` are used as in training.
     """
     model = _training_model(model_config, train_config)
     layout = ParamsLayout() if train_config is None else ParamsLayout.of(train_config)
@@ -329,8 +298,7 @@ def make_eval_step(model_config: ModelConfig, train_config: TrainConfig | None =
 
 
 def _training_model(model_config: ModelConfig, train_config: TrainConfig | None) -> Transformer:
-    """The model the steps run: with ``train.quant`` its weight products quantised through
-    qwix (``train.quant``; imported only then)."""
+    """The model the steps run, with ``train.quant`` quantised through qwix."""
     model = Transformer(model_config)
     if train_config is None or not train_config.quant:
         return model

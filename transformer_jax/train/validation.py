@@ -1,5 +1,5 @@
-"""A run's evaluation and samples: the validation loss over deterministic batches, a sampled
-continuation of ``train.sample_prompt``, and the batching of evaluation (``train.run.run``)."""
+"""A run's evaluation and samples: the validation loss, a sampled continuation of
+``train.sample_prompt``, and the batching of evaluation."""
 
 from __future__ import annotations
 
@@ -16,11 +16,7 @@ from transformer_jax.tokenizer import TextTokenizer
 from transformer_jax.train.config import TrainConfig
 from transformer_jax.train.data import RunData
 from transformer_jax.train.log import RunLog
-from transformer_jax.train.step import ParamsLayout, TrainState
-
-Params = dict[str, Any]
-Batch = dict[str, jax.Array]
-Metrics = dict[str, jax.Array]
+from transformer_jax.train.step import Batch, Metrics, Params, ParamsLayout, TrainState
 
 
 def evaluate(eval_step: Callable[[Params, Batch], Metrics], params: Params,
@@ -37,8 +33,7 @@ def evaluate(eval_step: Callable[[Params, Batch], Metrics], params: Params,
 
 
 def weighted_mean(losses: dict[str, float], weights: dict[str, float]) -> float:
-    """The mean of the sources' ``losses`` weighted by ``weights`` (renormalised over the
-    sources evaluated: one without a validation row has no loss)."""
+    """The mean of the sources' ``losses`` weighted by ``weights`` (renormalised over them)."""
     total = sum(weights[name] for name in losses)
     return sum(weights[name] * loss for name, loss in losses.items()) / total
 
@@ -68,9 +63,8 @@ def evaluate_and_sample(state: TrainState, step: int, eval_step, data: RunData,
                          model_config: ModelConfig, tc: TrainConfig, log: RunLog,
                          times: dict[str, float], eval_sets: Sequence[EvalSet] = ()
                          ) -> float | None:
-    """The validation loss (None without a validation split; of a mixture, the mean of its
-    sources' losses weighted by the mixture's weights, each source's logged too), each of
-    ``data.eval_sets``' loss and bits per byte, and a sample, all logged."""
+    """The validation loss (None without a validation split; a mixture's weighted mean), each
+    ``train.eval_sets`` set's loss and bits per byte, and a sample, all logged."""
     val_loss = None
     start = time.perf_counter()
     sources = {name: evaluate(eval_step, state.params, batches)  # a mixture's
@@ -104,9 +98,8 @@ EVAL_BATCH_FACTOR = 4
 
 
 def eval_batching(tc: TrainConfig, num_val_tokens: int) -> tuple[int, int | None]:
-    """``(batch_size, max_batches)`` of evaluation: the same windows as ``train.eval_batches``
-    micro-batches, in batches of up to ``EVAL_BATCH_FACTOR`` micro-batches (a multiple of the
-    micro-batch, so it divides over the devices as it does)."""
+    """``(batch_size, max_batches)`` of evaluation: the windows of ``train.eval_batches``
+    micro-batches, in batches of up to ``EVAL_BATCH_FACTOR`` micro-batches."""
     micro = tc.micro_batch_size
     for factor in range(EVAL_BATCH_FACTOR, 1, -1):
         fits = (num_val_tokens - 1) // tc.seq_len >= factor * micro
