@@ -30,10 +30,8 @@ COMMIT_FILE = "commit_success.txt"
 
 
 def ensure_writable_dir(directory: str | os.PathLike[str], what: str = "directory") -> Any:
-    """Creates ``directory`` if needed and checks that files can be written in it.
-
-    So an unwritable location fails at start-up, not at the first save. A remote URL
-    (``gs://...``) is returned as an ``etils.epath.Path`` without a probe.
+    """Creates ``directory`` if needed and checks that files can be written in it (at start-up,
+    not at the first save); a remote URL is returned as an ``epath.Path`` without a probe.
 
     Args:
       directory: the directory, local or remote.
@@ -43,8 +41,7 @@ def ensure_writable_dir(directory: str | os.PathLike[str], what: str = "director
       The absolute local path, or the remote ``epath.Path``.
 
     Raises:
-      PermissionError: if the directory cannot be created or written to (also when a parent
-        is a regular file).
+      PermissionError: if the directory cannot be created or written to.
     """
     if storage.is_remote(directory):
         logger.debug("%s %s is on object storage: not probed for writability", what, directory)
@@ -125,8 +122,8 @@ def _sha256(path: Path) -> str:
 
 
 def check_step_files(step_dir: Path) -> None:
-    """The file-level checks of a committed step directory, before orbax reads any of it: the
-    files against ``CHECKSUMS.json`` (if written), orbax's metadata files and the ``meta`` item.
+    """Checks a committed step's files against ``CHECKSUMS.json`` (if written), and its orbax
+    metadata and ``meta`` item, before orbax reads any of it.
 
     Raises:
       DamagedCheckpointError: a file is missing, unreadable or differs from its checksum.
@@ -168,9 +165,8 @@ def read_meta_file(step_dir: Path) -> dict[str, Any]:
 
 
 def read_meta(directory: Path, step: int | None = None) -> dict[str, Any]:
-    """The ``meta`` of checkpoint ``step`` in ``directory``, by default of the newest complete
-    one whose meta is readable; file reads only (no JAX, so it may run before
-    ``jax.distributed.initialize``).
+    """The ``meta`` of checkpoint ``step`` in ``directory`` (default: the newest readable
+    one); file reads only, so it may run before ``jax.distributed.initialize``.
 
     Raises:
       FileNotFoundError: there is no checkpoint (of that step).

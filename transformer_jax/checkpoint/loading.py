@@ -1,13 +1,10 @@
 """Opening checkpoints: what a path is (``locate``), then its model, weights and tokenizer
-(``load``). The one reader behind ``generate``, ``hf export`` and ``train.init_from``.
+(``load``), for ``generate``, ``hf export`` and ``train.init_from``.
 
-A checkpoint path is a HuggingFace directory (``config.json`` + safetensors, read by
-``transformer_jax.hf.load``), a training run's directory or its ``checkpoints/`` (the newest
-intact step), or one step's directory. ``locate`` tells which from the files alone, touching
-no JAX device, so a multi-process run calls it before ``jax.distributed.initialize``. Reading
-is read-only (nothing is created, renamed or probed), so a run on a read-only mount or one
-still training loads. A run's tokenizer is its copy in the run directory, a tokenizer file
-there, else the file the run recorded (``meta["tokenizer"]``) if it still exists.
+A path is a HF directory (``config.json`` + safetensors), a run's directory or ``checkpoints/``
+(the newest intact step), or one step's directory. ``locate`` reads files only (no JAX device,
+so it may run before ``jax.distributed.initialize``); reading never writes, so a read-only mount
+or a run still training loads.
 """
 
 from __future__ import annotations
@@ -126,8 +123,7 @@ def is_checkpoints_dir(path: Path) -> bool:
 
 
 def is_run_dir(path: Path) -> bool:
-    """A training run's directory: it holds ``checkpoints/`` or the ``config.json`` training
-    writes (``model``, ``train`` and ``data`` tables)."""
+    """A training run's directory: it holds ``checkpoints/`` or training's ``config.json``."""
     if (path / CHECKPOINTS).is_dir():
         return True
     try:
@@ -202,8 +198,7 @@ def _run_source(root: Any, checkpoints: Any, step: int | None, run_dir: Path, wh
 
 
 def _locate_remote(url: str, where: str) -> Source:
-    """``locate`` for a URL (``gs://...``): a run's checkpoints are read in place (orbax), its
-    other files (config, tokenizer) and a HF checkpoint from a local copy (``storage``)."""
+    """``locate`` for a URL: checkpoints read in place, other files from a local copy."""
     root = storage.as_path(url)
     if not root.is_dir():
         raise FileNotFoundError(f"{where}: {url} does not exist")
@@ -305,9 +300,8 @@ def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = Tr
       source: a ``Source`` from ``locate``, or a path for it.
       mesh: if given, every param is created sharded over it by
         ``sharding.param_shardings(config, mesh, rules)``; None: on the first device.
-      merge_lora: fold a LoRA run's adapters into its base (in float32, a QLoRA base
-        dequantised first); False returns its ``{"base", "adapters"}`` tree as saved (not
-        with a mesh).
+      merge_lora: fold a LoRA run's adapters into its base; False returns its
+        ``{"base", "adapters"}`` tree as saved (not with a mesh).
       step: a run's step to read (default: the one the path names, else the newest intact).
       scan_layers: the layer layout of the result (True: ``blocks`` [L, ...]); None keeps the
         checkpoint's (a HF checkpoint's is unrolled).
@@ -361,8 +355,8 @@ def load(source: Source | str | Path, mesh: Any = None, *, merge_lora: bool = Tr
 def _load_run(source: Source, mesh: Any, *, merge_lora: bool, step: int | None,
               scan_layers: bool | None, dtype: str | None, rules: Sequence[tuple[str, Any]]
               ) -> Loaded:
-    """The params of a run's step: restored sharded when they need no change but a cast, else
-    read whole on each host, merged / re-laid out there and then placed."""
+    """A run step's params: restored sharded when only a cast changes, else read whole on
+    each host, merged / re-laid out and then placed."""
     from transformer_jax.checkpoint.manager import CheckpointManager
     from transformer_jax.model.transformer import abstract_params, stack_blocks, unstack_blocks
 
@@ -406,8 +400,7 @@ def _load_run(source: Source, mesh: Any, *, merge_lora: bool, step: int | None,
 
 
 def _tensor_mesh(tensor: int, expert: int = 1) -> Any:
-    """The mesh for ``--tensor T --expert X`` (None for one device); T = 0 takes every device
-    the expert axis leaves."""
+    """The mesh for ``--tensor T --expert X`` (None for one device; T = 0: all devices left)."""
     devices = jax.devices()
     if expert < 1:
         raise ValueError(f"--expert must be >= 1, got {expert}")
@@ -424,10 +417,9 @@ def _tensor_mesh(tensor: int, expert: int = 1) -> Any:
 
 def load_for_decode(checkpoint: str, tensor: int, tokenizer: str | None = None,
                     expert: int = 1) -> tuple[Loaded, Any]:
-    """Opens ``--checkpoint`` for decoding over ``--tensor T`` (and ``--expert X``) devices: the
-    ``Loaded`` checkpoint and the mesh (None for one device), the weights placed as the decode
-    splits them. Raises ValueError (a mesh the model cannot be split over), OSError,
-    CheckpointError."""
+    """Opens ``--checkpoint`` for decoding over ``--tensor T --expert X`` devices: the
+    ``Loaded`` checkpoint, placed as the decode splits it, and the mesh (None for one device).
+    Raises ValueError (a mesh the model cannot be split over), OSError, CheckpointError."""
     mesh = _tensor_mesh(tensor, expert)
     source = locate(checkpoint, where=f"--checkpoint {checkpoint!r}")
     rules = None
@@ -439,9 +431,8 @@ def load_for_decode(checkpoint: str, tensor: int, tokenizer: str | None = None,
 
 
 def load_draft(path: str) -> Any:
-    """A draft model for speculative decoding (``decode.speculative_loop.DraftModel``) from a
-    checkpoint directory ``load`` opens: its config and prepared weights on one device, and its
-    tokenizer's path (compared with the target's)."""
+    """The ``DraftModel`` of speculative decoding from a checkpoint ``load`` opens: its config,
+    prepared weights on one device and tokenizer path (compared with the target's)."""
     from transformer_jax.decode.speculative_loop import DraftModel
     from transformer_jax.decode.weights import prepare
 

@@ -53,11 +53,9 @@ T = TypeVar("T")
 class CheckpointManager:
     """Saves and restores train states in ``directory/<step>``, keeping the last ``keep``.
 
-    Saves are asynchronous: ``save`` returns once the arrays are copied off the device; ``wait``
-    blocks until the files are written. A failed write (a full disk) surfaces from the next
-    ``save``, ``wait`` or ``close`` as one ``CheckpointError``; earlier checkpoints are kept.
-    A complete save's files are summed into ``<step>/CHECKSUMS.json``, so a restore detects
-    truncated or bit-flipped files.
+    ``save`` returns once the arrays are off the device; ``wait`` blocks until the files are
+    written and summed (``CHECKSUMS.json``). A failed write surfaces from the next ``save``,
+    ``wait`` or ``close`` as one ``CheckpointError``; earlier checkpoints are kept.
 
     Args:
       directory: where the step directories go (created if missing).
@@ -97,9 +95,8 @@ class CheckpointManager:
         logging.getLogger("absl").addFilter(self._quiet)
 
     def all_steps(self) -> list[int]:
-        """Steps of the checkpoints, ascending: the complete ones on disk when this manager was
-        created plus those it saved since (the newest may still be being written; see
-        ``wait``); read-only: the complete ones on disk now."""
+        """Checkpoint steps, ascending: those on disk at creation plus those saved since (the
+        newest may still be being written); read-only: the complete ones on disk now."""
         if self._manager is None:
             return disk_steps(self.directory)
         return sorted(self._manager.all_steps())
@@ -208,9 +205,8 @@ class CheckpointManager:
     def abandon(self) -> int | None:
         """Gives up the save in flight without waiting for it (a run aborted by a signal).
 
-        Removes its temporary directory (the committed checkpoints stay); afterwards ``close``
-        neither waits nor raises. Orbax's threads are not stopped (the caller is about to
-        exit); what they write after this ``remove_unfinished`` removes at the next start.
+        Removes its temporary directory; afterwards ``close`` neither waits nor raises. What
+        orbax's threads still write, ``remove_unfinished`` removes at the next start.
 
         Returns:
           The step whose save was abandoned, or None if none was in flight.
@@ -222,9 +218,8 @@ class CheckpointManager:
         return step
 
     def remove_unfinished(self, primary: bool = True) -> list[str]:
-        """Deletes the temporary directories of saves that never completed; the run's owner
-        calls this before it saves again. With several processes every one calls it, only the
-        ``primary`` one deletes, and all meet at a barrier and re-read the step list.
+        """Deletes the temporary directories of saves that never completed, before saving
+        again. Every process calls it; the ``primary`` one deletes, all meet at a barrier.
 
         Returns:
           The names of the directories removed (logged).
@@ -261,14 +256,12 @@ class CheckpointManager:
                 quarantine: bool = True, attempts: int = 20) -> tuple[Any, dict[str, Any]]:
         """Reads a checkpoint into arrays shaped, typed and placed like ``abstract_state``.
 
-        With ``step=None`` the newest intact checkpoint is read: a damaged newer one is
-        reported in one warning and (with ``quarantine``) renamed to ``<step>.damaged-<n>``;
-        one that vanishes while being read (a live run rotated it away) is skipped.
+        With ``step=None`` the newest intact checkpoint is read: a damaged newer one is warned
+        of and (with ``quarantine``) renamed to ``<step>.damaged-<n>``; a vanishing one skipped.
 
         Args:
-          abstract_state: a pytree of ``jax.ShapeDtypeStruct`` (with shardings) or arrays, of
-            the saved state's structure; None reads the saved tree as it is (nested dicts on
-            the first device).
+          abstract_state: a pytree of ``jax.ShapeDtypeStruct`` (with shardings) or arrays of the
+            saved structure; None reads the saved tree as it is (on the first device).
           step: which checkpoint; the latest intact one by default.
           quarantine: rename damaged checkpoints aside (the run's owner); False only skips them.
           attempts: how many unreadable checkpoints to go past before giving up.
@@ -403,8 +396,7 @@ class CheckpointManager:
 
 
 def _retry_listing(fn: Callable[[], T], tries: int = 20) -> T:
-    """Runs ``fn`` (which lists the step directories) again when a step vanished meanwhile (a
-    live run deleted one between orbax's listing and its stat of it)."""
+    """Runs ``fn`` (which lists the steps) again while a step vanishes meanwhile (a live run)."""
     for _ in range(tries - 1):
         try:
             return fn()

@@ -33,7 +33,6 @@ def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarr
     return tokens[:cut], tokens[cut:]
 
 
-
 def batch_offsets(seed: int, step: int, batch_size: int, num_tokens: int, seq_len: int
                   ) -> np.ndarray:
     """Start offsets [B] int64, each in ``[0, N - T - 1]``, of the windows (T + 1 tokens of

@@ -119,7 +119,6 @@ def default_corpus(max_bytes: int | None = DEFAULT_CORPUS_MAX_BYTES) -> list[Pat
     return sorted(chosen)
 
 
-
 def token_dtype(vocab_size: int) -> np.dtype:
     """Smallest unsigned dtype holding ids in ``[0, V)``: uint16 up to 2**16, else uint32;
     ValueError for ``vocab_size`` outside ``[1, 2**32]``."""

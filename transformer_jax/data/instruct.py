@@ -11,6 +11,7 @@ Global row ``j`` of step ``s`` is packed row ``perm_e[(s B + j) % R]`` of epoch 
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import logging
 import operator
@@ -98,7 +99,6 @@ class PackedData:
                           self.loss_tokens[index], int(segment_ids.max(axis=1).sum()))
 
 
-
 def best_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Best-fit-decreasing bin packing of items of ``lengths[i] <= capacity`` slots: longest
     first (ties by index), each into the row with the least room that holds it, else a new
@@ -150,27 +150,22 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedDa
     if not examples:
         raise ValueError("no examples to pack")
     capacity = seq_len + 1
-    kinds: dict[str, int] = {}
-    fitted = []
-    for example in examples:
-        kept, kind = fit(example, capacity)
-        kinds[kind] = kinds.get(kind, 0) + 1
-        if kept is not None:
-            fitted.append(kept)
-    long = len(examples) - kinds.get("kept", 0)
+    results = [fit(example, capacity) for example in examples]
+    kinds = collections.Counter(kind for _, kind in results)
+    fitted = [kept for kept, _ in results if kept is not None]
+    long = len(examples) - kinds["kept"]
     if long:
         logger.warning(
             "%d of %s %s longer than seq_len + 1 = %d tokens: the prompt's start was cut from "
             "%d (after the template's head), the completion's end from %d, and %d were dropped "
             "(no completion/assistant token fits)", long, count(len(examples), "example"),
-            "is" if long == 1 else "are", capacity, kinds.get("start", 0) + kinds.get("both", 0),
-            kinds.get("end", 0) + kinds.get("both", 0), kinds.get("dropped", 0))
+            "is" if long == 1 else "are", capacity, kinds["start"] + kinds["both"],
+            kinds["end"] + kinds["both"], kinds["dropped"])
     if not fitted:
         raise ValueError(
             f"none of the {count(len(examples), 'example')} has a completion/assistant token "
             f"within seq_len + 1 = {capacity} tokens; raise train.seq_len")
     examples = fitted
-    truncated = long - kinds.get("dropped", 0)
     lengths = [len(e.tokens) for e in examples]
     segment_ids, positions, slots = packed_layout(lengths, capacity)
     tokens = np.full(segment_ids.shape, pad_id, dtype=np.int32)
@@ -181,8 +176,8 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedDa
     rows = segment_ids.shape[0]
     logger.info("packed %s into %s of %d tokens (%.1f%% padding)", count(len(examples), "example"),
                 count(rows, "row"), capacity, 100.0 * (1.0 - sum(lengths) / (rows * capacity)))
-    return PackedData(tokens, segment_ids, positions, loss_tokens, len(examples), truncated,
-                      kinds.get("dropped", 0))
+    return PackedData(tokens, segment_ids, positions, loss_tokens, len(examples),
+                      long - kinds["dropped"], kinds["dropped"])
 
 
 def load_instruction_data(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
@@ -195,7 +190,6 @@ def load_instruction_data(path: str | os.PathLike[str] | Sequence[str | os.PathL
         return pack(examples, seq_len, tokenizer.pad_id)
     except ValueError as e:
         raise ValueError(f"{describe_paths(as_paths(path))}: {e}") from None
-
 
 
 def row_indices(seed: int, step: int, batch_size: int, num_rows: int) -> np.ndarray:

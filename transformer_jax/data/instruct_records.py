@@ -235,13 +235,8 @@ def _chat_head(messages: Sequence[Mapping[str, Any]], tokenizer: TextTokenizer,
     at = rendered.find(content) if content else -1
     if at <= 0:
         return 0
-    ids = tokenizer.encode(rendered[:at])
-    same = 0
-    for a, b in zip(ids, tokens.tolist(), strict=False):
-        if a != b:
-            break
-        same += 1
-    return same
+    pairs = list(zip(tokenizer.encode(rendered[:at]), tokens.tolist(), strict=False))
+    return next((k for k, (a, b) in enumerate(pairs) if a != b), len(pairs))
 
 
 def _check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
@@ -257,15 +252,13 @@ def _check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
             raise InstructionDataError(f'{where}: message {k} has no "content"')
         content = message["content"]
         if isinstance(content, list):
-            texts = []
             for j, part in enumerate(content):
                 if not (isinstance(part, dict) and part.get("type") == "text"
                         and isinstance(part.get("text"), str)):
                     raise InstructionDataError(
                         f'{where}: message {k} content part {j} must be {{"type": "text", '
                         f'"text": "..."}}, got {json.dumps(part)[:80]}')
-                texts.append(part["text"])
-            content = "".join(texts)
+            content = "".join(part["text"] for part in content)
         elif not isinstance(content, str):
             raise InstructionDataError(
                 f'{where}: message {k} "content" must be a string or a list of text parts, '

@@ -1,9 +1,7 @@
 """Preference data: JSONL pairs -> token examples (chosen, rejected) -> packed rows -> batches.
 
-Each side of a text or chat pair is encoded as SFT's records are (the loss on the answer only).
-Both sides share one row of ``seq_len + 1`` tokens: pair k of a row is segments ``2k + 1``
-(chosen) and ``2k + 2`` (rejected), and ``pair_ids`` [R, M] name a row's pairs by their index
-in the files (-1: none). Batches are pure in (seed, step), as SFT's (``instruct.row_indices``).
+Each side is encoded as SFT's records are (the loss on the answer only); both sides of a pair
+share one row (``PreferenceRows``). Batches are pure in (seed, step), as SFT's.
 """
 
 from __future__ import annotations
@@ -164,14 +162,9 @@ def fit_pair(chosen: Example, rejected: Example, capacity: int
     a, b = len(chosen.tokens), len(rejected.tokens)
     if a + b <= capacity:
         return (chosen, rejected), False
-    half = capacity // 2
-    if a <= half:
-        budgets = (a, capacity - a)
-    elif b <= half:
-        budgets = (capacity - b, b)
-    else:
-        budgets = (capacity - half, half)
-    out = [fit(e, n)[0] for e, n in zip((chosen, rejected), budgets, strict=True)]
+    first = a if a <= capacity // 2 else capacity - min(b, capacity // 2)
+    out = [fit(e, n)[0] for e, n in zip((chosen, rejected), (first, capacity - first),
+                                        strict=True)]
     if out[0] is None or out[1] is None:
         return None, True
     return (out[0], out[1]), True
@@ -281,7 +274,7 @@ def group_pairs(data: PreferenceRows, pairs_per_step: int, seed: int, multiple: 
 
 def load_preference_data(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                          tokenizer: TextTokenizer, seq_len: int) -> PreferenceRows:
-    """Reads, tokenizes and packs JSONL preference files (see the module docstring)."""
+    """Reads, tokenizes and packs JSONL preference files."""
     pairs = load_pairs(path, tokenizer)
     try:
         return pack_pairs(pairs, seq_len, tokenizer.pad_id)

@@ -117,11 +117,9 @@ class TokenizerConfig:
 
     @classmethod
     def read(cls, directory: str | os.PathLike[str]) -> TokenizerConfig:
-        """Reads the (optional) settings files of a checkpoint directory as transformers does:
-        ``special_tokens_map.json`` overrides the named tokens unless the config has
-        ``added_tokens_decoder``; ``chat_template.jinja`` overrides ``chat_template``; a list
-        of named templates gives the ``"default"`` one and the others by name, as do
-        ``additional_chat_templates/NAME.jinja`` files. ValueError names a file not JSON."""
+        """Reads the (optional) settings files of a checkpoint directory as transformers does
+        (``chat_template.jinja`` and ``additional_chat_templates/NAME.jinja`` included);
+        ValueError names a file that is not JSON."""
         directory = Path(directory)
         raw = _read_json(directory / CONFIG_FILE)
         settings = dict(raw)
@@ -162,9 +160,8 @@ class TokenizerConfig:
         )
 
     def to_json(self, **overrides: Any) -> dict[str, Any]:
-        """The ``tokenizer_config.json`` content: the raw config updated with these settings
-        and then ``overrides`` (e.g. ``tokenizer_class``); keys that transformers would resolve
-        to other files (``tokenizer_file``, ``vocab_file``, ``name_or_path``) are dropped."""
+        """The ``tokenizer_config.json`` content: the raw config updated with these settings,
+        then ``overrides``; keys naming other files (``tokenizer_file``, ...) dropped."""
         dropped = ("tokenizer_file", "vocab_file", "name_or_path", "auto_map",
                    *NAMED_SPECIAL_TOKENS)  # the named ones: set from ``special`` below
         out = {k: v for k, v in self.raw.items() if k not in dropped}

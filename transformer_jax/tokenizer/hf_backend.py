@@ -57,9 +57,8 @@ class HFTokenizer(TokenizerBackend):
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, config: TokenizerConfig | None = None
              ) -> HFTokenizer:
-        """Loads ``tokenizer.json`` (``path``: the file or a directory holding one) and, unless
-        ``config`` is given, the ``tokenizer_config.json`` beside it; ValueError if the file
-        is not a valid ``tokenizers`` model."""
+        """Loads ``tokenizer.json`` (the file or its directory) and, unless ``config`` is given,
+        the settings beside it; ValueError if it is not a valid ``tokenizers`` model."""
         file = Path(path)
         if file.is_dir():
             file = file / TOKENIZER_FILE
@@ -124,9 +123,8 @@ class HFTokenizer(TokenizerBackend):
         return text
 
     def save(self, directory: str | os.PathLike[str]) -> list[Path]:
-        """Writes ``tokenizer.json`` and ``tokenizer_config.json`` (special tokens, bos/eos
-        switches, chat template) into ``directory`` (created), which ``load_tokenizer`` and
-        ``AutoTokenizer`` both load; returns the written files."""
+        """Writes ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory`` (created),
+        as ``load_tokenizer`` and ``AutoTokenizer`` load them; returns the written files."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         file = directory / TOKENIZER_FILE
@@ -144,9 +142,7 @@ class HFTokenizer(TokenizerBackend):
         return [file, self._config.write(directory, **overrides)]
 
     def _default_bos_eos(self) -> tuple[bool, bool]:
-        """What transformers adds around ``tokenizer(text)``: the config's ``add_bos_token`` /
-        ``add_eos_token`` when it sets one, else what ``tokenizer.json``'s post-processor does
-        to a sample text."""
+        """``(add_bos_token, add_eos_token)`` (see those properties)."""
         config = self._config
         if config.add_bos_token is not None or config.add_eos_token is not None:
             return (bool(config.add_bos_token) and self._bos >= 0,

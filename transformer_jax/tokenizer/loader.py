@@ -14,10 +14,9 @@ logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> TextTokenizer:
-    """Loads the tokenizer of a checkpoint directory, a ``tokenizer.json`` or a SentencePiece
-    ``.model`` file, with the settings files beside it: an ``HFTokenizer`` for
-    ``tokenizer.json`` (preferred, as transformers does, when a directory holds both), else a
-    SentencePiece ``Tokenizer``.
+    """Loads the tokenizer of a checkpoint directory, a ``tokenizer.json`` (``HFTokenizer``,
+    preferred where a directory holds both) or a SentencePiece ``.model`` file (``Tokenizer``),
+    with the settings files beside it.
 
     Raises:
       FileNotFoundError: If the path does not exist or a directory holds no tokenizer file.
@@ -26,11 +25,9 @@ def load_tokenizer(path: str | os.PathLike[str]) -> TextTokenizer:
     path = Path(path).expanduser()
     if path.is_dir():
         directory = path
-        if (path / TOKENIZER_FILE).is_file():
-            file = path / TOKENIZER_FILE
-        elif (path / DEFAULT_MODEL_FILENAME).is_file():
-            file = path / DEFAULT_MODEL_FILENAME
-        else:
+        file = next((path / name for name in (TOKENIZER_FILE, DEFAULT_MODEL_FILENAME)
+                     if (path / name).is_file()), None)
+        if file is None:
             raise FileNotFoundError(f"{path} holds no tokenizer: expected {TOKENIZER_FILE} or "
                                     f"{DEFAULT_MODEL_FILENAME}")
     elif path.is_file():

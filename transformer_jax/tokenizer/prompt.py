@@ -30,9 +30,8 @@ def encode_chat_prompt(tokenizer: TextTokenizer, messages: Sequence[Mapping[str,
                        tools: Sequence[Mapping[str, Any]] | None = None,
                        template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """The ids [T] of a conversation rendered with the tokenizer's chat template and its
-    generation prompt, as fine-tuning encoded the text before each assistant turn. ``tools``
-    (OpenAI's ``{"type": "function", ...}`` entries) and ``template_kwargs`` (e.g.
-    ``enable_thinking``) go to the template as ``apply_chat_template`` takes them.
+    generation prompt, as fine-tuning encoded it; ``tools`` (OpenAI function entries) and
+    ``template_kwargs`` (e.g. ``enable_thinking``) go to the template.
 
     Raises:
       ValueError: the tokenizer has no chat template (``ChatTemplateError`` if it fails).

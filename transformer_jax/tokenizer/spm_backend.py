@@ -104,16 +104,12 @@ class Tokenizer(TokenizerBackend):
             files, one document each, or ``str`` documents (always text, never file names).
           output: A path ending in ``.model``; an existing directory (``<dir>/tokenizer.model``);
             or a prefix (``<prefix>.model``).
-          vocab_size: Target number of pieces, specials and byte pieces included (a small
-            corpus may give fewer; ``"char"`` ignores it: every corpus character gets a piece).
+          vocab_size: Target number of pieces, specials and bytes included (``"char"``: unused).
           model_type: ``"bpe"``, ``"unigram"`` or ``"char"``.
-          byte_fallback: Encode out-of-vocabulary characters as UTF-8 byte pieces (256 extra
-            pieces); default True, but for ``"char"``, which does not support it.
-          character_coverage: Fraction of corpus characters with a piece of their own; default
-            1.0 for ``"char"``, else 0.9995.
+          byte_fallback: Encode unknown characters as UTF-8 byte pieces; default not ``"char"``.
+          character_coverage: Share of characters with a piece; 1.0 for ``"char"``, else 0.9995.
           num_threads: Trainer threads; default the number of CPUs (at most 16).
-          **trainer_options: Further ``SentencePieceTrainer`` options (e.g.
-            ``input_sentence_size``); not the id layout and I/O options, which are fixed.
+          **trainer_options: Further ``SentencePieceTrainer`` options (not the fixed ids, I/O).
 
         Raises:
           ValueError: On an unknown ``model_type``, a too small ``vocab_size``, an empty corpus,
@@ -128,8 +124,7 @@ class Tokenizer(TokenizerBackend):
     def train_or_load(cls, source: Source, cache_dir: str | os.PathLike[str], vocab_size: int,
                       model_type: ModelType = "bpe", **options: Any) -> Tokenizer:
         """``Tokenizer.train`` (same arguments) into ``cache_dir``, or the model cached there
-        for the same corpus contents, ``vocab_size``, ``model_type`` and options (all but
-        ``num_threads``; ``spm_train.cached_model_path``); its ``path`` is the cached file."""
+        for the same corpus and settings (``spm_train.cached_model_path``)."""
         files, texts = split_source(source)
         if model_type not in MODEL_TYPES:
             raise ValueError(f"unknown model_type {model_type!r}; expected one of {MODEL_TYPES}")
@@ -152,8 +147,7 @@ class Tokenizer(TokenizerBackend):
     def _train(cls, files: list[Path] | None, texts: list[str] | None,
                output: str | os.PathLike[str], vocab_size: int, model_type: str,
                **options: Any) -> Tokenizer:
-        """``spm_train.train_model`` (``options`` are its keyword options), then the model
-        written to ``output`` atomically and loaded."""
+        """``spm_train.train_model``, the model written to ``output`` atomically and loaded."""
         model = train_model(files, texts, vocab_size, model_type, **options)
         model_path = _resolve_output(output)
         with atomic_writer(model_path) as f:
@@ -209,9 +203,8 @@ class Tokenizer(TokenizerBackend):
         return int(token_id)
 
     def save(self, directory: str | os.PathLike[str]) -> list[Path]:
-        """Writes ``tokenizer.model`` and a ``tokenizer_config.json`` for ``LlamaTokenizer``
-        into ``directory`` (created); returns the written files. ``load_tokenizer`` and
-        ``AutoTokenizer.from_pretrained`` both load them with the same ids for any text."""
+        """Writes ``tokenizer.model`` and a ``LlamaTokenizer`` ``tokenizer_config.json`` into
+        ``directory`` (created), as ``load_tokenizer`` and ``AutoTokenizer`` load them."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         model_path = directory / DEFAULT_MODEL_FILENAME

@@ -93,9 +93,7 @@ def train_model(files: list[Path] | None, texts: list[str] | None, vocab_size: i
         "num_threads": num_threads or min(16, os.cpu_count() or 1), "minloglevel": 1,
     }
     if is_char:
-        chars: set[str] = set()
-        for doc in documents():
-            chars.update(doc)
+        chars = set(itertools.chain.from_iterable(documents()))
         unrepresentable = chars & {"\x00", SPACE_MARKER}
         if unrepresentable:
             logger.warning("char tokenizer cannot represent %s in the corpus: NUL becomes unk "
@@ -124,9 +122,8 @@ def train_model(files: list[Path] | None, texts: list[str] | None, vocab_size: i
 def cached_model_path(cache_dir: str | os.PathLike[str], files: list[Path] | None,
                       texts: list[str] | None, vocab_size: int, model_type: str,
                       options: dict[str, Any]) -> Path:
-    """Where ``Tokenizer.train_or_load`` caches the model of this corpus and these settings:
-    a hash of the corpus contents (in order), ``vocab_size``, ``model_type``, the training
-    ``options`` (less ``num_threads``) and a recipe version names the file."""
+    """Where ``Tokenizer.train_or_load`` caches the model: a file named by a hash of the corpus
+    contents, ``vocab_size``, ``model_type``, ``options`` and the recipe version."""
     payload = json.dumps({"recipe": _TRAIN_RECIPE_VERSION,
                           "corpus": _corpus_fingerprint(files, texts), "vocab_size": vocab_size,
                           "model_type": model_type,
@@ -137,8 +134,7 @@ def cached_model_path(cache_dir: str | os.PathLike[str], files: list[Path] | Non
 
 
 def read_utf8(path: str | os.PathLike[str]) -> str:
-    """Reads a file as strict UTF-8 (ValueError if it is not), keeping line endings exactly as
-    stored."""
+    """Reads a file as strict UTF-8 (ValueError if it is not), line endings as stored."""
     data = Path(path).read_bytes()
     try:
         return data.decode("utf-8")
@@ -158,9 +154,8 @@ def split_source(source: Source) -> tuple[list[Path] | None, list[str] | None]:
         raise ValueError("cannot train a tokenizer on an empty corpus (no documents or files)")
     if all(isinstance(item, os.PathLike) for item in items):
         files = [Path(item) for item in items]
-        for file in files:
-            if not file.is_file():
-                raise FileNotFoundError(f"corpus file not found: {file}")
+        if missing := [file for file in files if not file.is_file()]:
+            raise FileNotFoundError(f"corpus file not found: {missing[0]}")
         return files, None
     if all(isinstance(item, str) for item in items):
         for item in items:
