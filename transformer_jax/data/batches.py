@@ -122,10 +122,9 @@ class Batches(StepBatches):
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
                  max_batches: int | None = None, *, process_index: int = 0,
                  process_count: int = 1) -> Iterator[HostBatch]:
-    """Deterministic sequential batches over (validation) tokens [N], for evaluation:
-    ``{"inputs", "targets"}`` [B / P, T] int32 of window ``w`` = tokens ``[w T, w T + T]``,
-    in the order and process split of ``eval_row_batches`` (a last incomplete batch dropped);
-    at most ``max_batches`` (None: all). Arguments are checked when this is called.
+    """Sequential eval batches over tokens [N]: ``{"inputs", "targets"}`` [B / P, T] int32 of
+    window ``w`` = tokens ``[w T, w T + T]``, split as by ``eval_row_batches`` (a last
+    incomplete batch dropped); at most ``max_batches`` (None: all). Checked when called.
 
     Raises:
       ValueError: On bad arguments or when the tokens do not fill a single batch.

@@ -1,10 +1,9 @@
 """``transformer-jax data build``: inputs -> tokenized ArrayRecord shards + metadata.
 
-Pieces of the inputs (``sources``) are grouped into shards of about ``--shard-mb``, each
-tokenized by one of ``--workers`` processes into ``train-/val-SSSSS.arrayrecord`` (one record
-per document; ``group_size:1`` so Grain reads it by index), ``*.lengths.npy`` and, last,
-``shard-SSSSS.json``, each written atomically: a killed build run again redoes only the shards
-without their json. ``metadata.json`` comes when every shard is done (docs/data.md).
+Pieces of the inputs are grouped into shards of about ``--shard-mb``, each tokenized by one of
+``--workers`` processes into ``train-/val-SSSSS.arrayrecord`` (a record per document),
+``*.lengths.npy`` and, last, ``shard-SSSSS.json``, all atomic: a killed build redoes only the
+shards without their json; ``metadata.json`` comes last (docs/data.md).
 """
 
 from __future__ import annotations
@@ -267,8 +266,7 @@ def _build_shard(task: tuple[int, list, dict[str, Any]]) -> dict[str, Any]:
         for key in keys:
             piece = _piece(key)
             try:
-                # A bad file is read to its end before any of it is written, so skipping it
-                # leaves none of its documents behind.
+                # Read whole before any is written: skipping it leaves none of its documents.
                 docs = list(sources_lib.documents(piece, settings["field"],
                                                   settings["text_docs"]))
             except sources_lib.BadInput as e:

@@ -29,9 +29,8 @@ _GLOB_CHARS = frozenset("*?[")
 
 def resolve_corpus(patterns: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
                    exclude: Sequence[str | os.PathLike[str]] = ()) -> list[Path]:
-    """Absolute paths, sorted and unique, of the files that ``patterns`` name: files,
-    directories (every non-hidden file below) and globs (``**`` recurses), ``~`` expanded;
-    files under ``exclude`` (e.g. a shard build's own ``--out``) are left out (logged).
+    """Absolute paths, sorted and unique, of the files that ``patterns`` name (files,
+    directories, globs), less those under ``exclude`` (logged).
 
     Raises:
       FileNotFoundError: A path does not exist or a pattern matches no (unexcluded) file.
@@ -83,11 +82,9 @@ def is_under(path: Path, directories: Sequence[Path]) -> bool:
 
 
 def default_corpus(max_bytes: int | None = DEFAULT_CORPUS_MAX_BYTES) -> list[Path]:
-    """The installed Python standard library's ``.py`` sources (no tests, installed packages
-    or files that are empty or not UTF-8) as an offline corpus: sorted absolute paths, at most
-    ``max_bytes`` in all (None: no cap), taken in an order fixed by a hash of their relative
-    path (a spread over the library). ValueError for a ``max_bytes`` that is not positive,
-    FileNotFoundError when no usable file is found."""
+    """The standard library's ``.py`` sources (no tests) as an offline corpus: sorted paths,
+    at most ``max_bytes`` (None: no cap) spread over the library by a hash of the path.
+    ValueError for ``max_bytes`` <= 0, FileNotFoundError when no usable file is found."""
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive or None, got {max_bytes!r}")
     root = Path(sysconfig.get_paths()["stdlib"]).resolve()
@@ -130,9 +127,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def tokenize_corpus(files: Sequence[str | os.PathLike[str]], tokenizer: Tokenizer,
                     cache_dir: str | os.PathLike[str], *, add_bos: bool = False,
                     add_eos: bool = True) -> np.memmap:
-    """The token ids [N] of the UTF-8 ``files`` (each non-empty one a document,
-    ``tokenizer.encode(text, add_bos, add_eos)``), cached in ``cache_dir`` under a hash of the
-    paths, contents, tokenizer and options, and memory-mapped read-only (``token_dtype(V)``).
+    """The token ids [N] of the UTF-8 ``files`` (a document each), cached in ``cache_dir`` by
+    a hash of paths, contents, tokenizer and options, memory-mapped read-only.
 
     Raises:
       ValueError: If ``files`` is empty, a file is not UTF-8, or the corpus yields no tokens.

@@ -1,9 +1,8 @@
 """Held-out evaluation sets of a run (``train.eval_sets=name=PATH,...``): loss in nats per token
 and bits per byte, at every evaluation.
 
-A set is a text file (one document) or a ``.jsonl`` file (one per line, its ``"text"``), each
-document predicted from bos (else eos, else its first token) in windows of ``seq_len + 1``
-tokens overlapping by one (each token predicted once), packed and scored by the eval step.
+A set is a text file (one document) or a ``.jsonl`` file (a ``"text"`` per line), each document
+predicted from bos (else eos, else its first token) in windows of ``seq_len + 1`` tokens.
 """
 
 from __future__ import annotations

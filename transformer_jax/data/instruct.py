@@ -1,11 +1,9 @@
 """Instruction data: JSONL records -> token examples with a loss mask -> packed rows -> batches.
 
-Records (``instruct_records``: prompt/completion or chat, the loss on the completion or the
-assistant turns) are cut to a row of ``seq_len + 1`` tokens by ``fit`` and packed by best-fit
-decreasing, ``segment_ids`` numbering a row's examples 1, 2, ... (0 = padding) and
-``positions`` restarting for each, so attention masked by segment never crosses examples.
-Global row ``j`` of step ``s`` is packed row ``perm_e[(s B + j) % R]`` of epoch ``e = (s B + j)
-// R``, ``perm_e`` a permutation of the R rows from ``np.random.default_rng([seed, e])``.
+Records (``instruct_records``) are cut to a row of ``seq_len + 1`` tokens by ``fit`` and packed
+by best-fit decreasing, each example its own segment (``segment_ids``, ``positions``). Global
+row ``j`` of step ``s`` is packed row ``perm_e[(s B + j) % R]`` of epoch ``e = (s B + j) // R``,
+``perm_e`` a permutation from ``np.random.default_rng([seed, e])``.
 """
 
 from __future__ import annotations
@@ -44,11 +42,9 @@ logger = logging.getLogger(__name__)
 
 
 def fit(example: Example, capacity: int) -> tuple[Example | None, str]:
-    """``example`` cut to at most ``capacity`` (``seq_len + 1``) tokens, keeping its loss
-    tokens where it can: the prompt loses tokens from its start, after the first
-    ``example.head`` tokens and before the last prompt token; if that is not enough, the end is
-    cut. Returns ``(example or None, what happened)``: ``"kept"`` (it fits), ``"start"``,
-    ``"end"``, ``"both"`` (what was cut) or ``"dropped"`` (no target left).
+    """``example`` cut to at most ``capacity`` tokens: the prompt loses tokens from its start
+    (after ``example.head``), then the end is cut. Returns ``(example or None, what happened)``:
+    ``"kept"``, ``"start"``, ``"end"``, ``"both"`` (what was cut) or ``"dropped"`` (no target).
     """
     n = len(example.tokens)
     if n <= capacity:
@@ -68,11 +64,9 @@ def fit(example: Example, capacity: int) -> tuple[Example | None, str]:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedData:
-    """Examples packed into R rows of ``seq_len + 1`` tokens: ``tokens`` (``pad_id`` pads),
-    ``segment_ids`` (the example's number in the row, 1, 2, ...; 0: padding) and ``positions``
-    (within the example; 0: padding), each [R, T + 1] int32, and ``loss_tokens`` [R, T + 1] bool
-    (completion/assistant tokens); ``num_examples`` were packed, ``num_truncated`` of them cut
-    by ``fit``, and ``num_dropped`` left out (no loss token fitted)."""
+    """Examples packed into R rows: ``tokens``, ``segment_ids`` (1, 2, ... per example; 0:
+    padding) and ``positions`` [R, T + 1] int32, ``loss_tokens`` [R, T + 1] bool; of the
+    ``num_examples`` packed, ``num_truncated`` were cut by ``fit``; ``num_dropped`` left out."""
 
     tokens: np.ndarray
     segment_ids: np.ndarray
@@ -120,10 +114,8 @@ def best_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 def packed_layout(lengths: Sequence[int], capacity: int
                   ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
-    """Where items of ``lengths`` go in rows of ``capacity`` slots (``best_fit_rows``):
-    ``(segment_ids, positions, slots)``, [R, capacity] int32 item numbers within each row (1,
-    2, ...; 0 = padding) and positions from 0 per item, and per item its ``(row, first slot)``.
-    """
+    """Where items of ``lengths`` go in rows of ``capacity`` (``best_fit_rows``): ``segment_ids``
+    and ``positions`` [R, capacity] int32, and per item its ``(row, first slot)``."""
     rows = best_fit_rows(lengths, capacity)
     segment_ids = np.zeros((len(rows), capacity), dtype=np.int32)
     positions = np.zeros((len(rows), capacity), dtype=np.int32)
@@ -250,8 +242,7 @@ def with_mask(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def packed_eval_batches(rows: PackedData, batch_size: int, max_batches: int | None,
                         process_index: int, process_count: int
                         ) -> Iterator[dict[str, np.ndarray]]:
-    """Every row once, in order, in global batches of ``batch_size`` (the last one padded with
-    masked copies of row 0), each process given its own slice; at most ``max_batches``."""
+    """Every row once, in order, in batches of ``batch_size`` (``eval_row_batches``, padded)."""
     return eval_row_batches(rows.num_rows, batch_size, max_batches,
                             lambda index: with_mask(rows_to_batch(rows, index)), process_index,
                             batch_size // process_count, pad=True)

@@ -112,10 +112,8 @@ def prompt_completion_example(prompt: str, completion: str, tokenizer: TextToken
 def chat_pieces(template: ChatTemplate, messages: Sequence[Mapping[str, Any]]
                 ) -> list[tuple[str, bool]]:
     """Cuts a rendered conversation into ``(text, is_assistant)`` pieces that concatenate to
-    the full rendering: assistant message ``i`` is what the template renders through it beyond
-    what it renders before it with the generation prompt (encoded on its own, as at inference).
-    ChatTemplateError if the template fails or its renderings of the conversation's prefixes
-    are not prefixes of each other."""
+    it: assistant message ``i`` is its rendering beyond the one before it with the generation
+    prompt. ChatTemplateError if the template fails or its prefixes do not nest."""
     pieces: list[tuple[str, bool]] = []
     done = ""  # the rendering covered by pieces so far
     for i, message in enumerate(messages):
@@ -156,10 +154,8 @@ def encode_chat(messages: Sequence[Mapping[str, Any]], tokenizer: TextTokenizer,
 def chat_example(messages: Sequence[Mapping[str, Any]], tokenizer: TextTokenizer,
                  template: ChatTemplate | None, where: str, line: int, scored_from: int = 0
                  ) -> tuple[Example, ChatTemplate]:
-    """The example of a record's checked ``messages`` (``encode_chat``; ``head`` the tokens
-    the template writes before the first content) and the template used: ``template``, or the
-    tokenizer's when None. Raises InstructionDataError (``where: ...``) when there is no chat
-    template or it fails."""
+    """The ``encode_chat`` example of checked ``messages`` and the template used (``template``,
+    else the tokenizer's); InstructionDataError (``where: ...``) if there is none or it fails."""
     try:
         if template is None:
             template = ChatTemplate.of(tokenizer)
@@ -175,16 +171,13 @@ def chat_example(messages: Sequence[Mapping[str, Any]], tokenizer: TextTokenizer
 
 def load_examples(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                   tokenizer: TextTokenizer, *, add_eos: bool = True) -> list[Example]:
-    """Reads and tokenizes every record of one or several JSONL files (in the order given);
-    ``add_eos`` ends prompt/completion examples with eos. Records without any loss token are
-    dropped (logged). Each example's ``head`` is its leading tokens that ``fit`` keeps: the bos
-    token, or what the chat template writes before the first message's content.
+    """Reads and tokenizes every record of one or several JSONL files (in order); ``add_eos``
+    ends prompt/completion examples with eos; records without a loss token are dropped (logged).
 
     Raises:
       FileNotFoundError: If a file does not exist.
-      InstructionDataError: ``FILE:LINE: ...`` for bad JSON, a record without the fields, a
-        message whose content is not text, or a chat template that fails on the record; also
-        for files with no records.
+      InstructionDataError: ``FILE:LINE: ...`` for a bad record or a failing chat template;
+        also for files with no records.
     """
     paths = as_paths(path)
     template: ChatTemplate | None = None

@@ -68,12 +68,10 @@ _CHECKED: set[tuple[str, int, int]] = set()
 
 
 def check_files(file: Path, docs: int, tokens: int, size: int | None = None) -> np.ndarray:
-    """Checks one shard split against its build's metadata: the ArrayRecord file is ``size``
-    bytes (when recorded: earlier builds did not) and holds ``docs`` records (a truncated file's
-    footer indexes fewer or none), its ``.lengths.npy`` lists ``docs`` lengths summing to
-    ``tokens``. Returns those lengths, [docs] int64. A missing file is a FileNotFoundError, one
-    not holding what the metadata says a ValueError, each one line naming the file.
-    """
+    """Checks one shard split against its build's metadata: its ArrayRecord file's ``size``
+    (if recorded) and ``docs`` records, its ``.lengths.npy`` of ``docs`` lengths summing to
+    ``tokens``; returns those lengths [docs] int64. FileNotFoundError or ValueError, naming the
+    file."""
     build = file.parent / METADATA
     lengths_file = file.with_name(file.name.replace(".arrayrecord", ".lengths.npy"))
     for path in (file, lengths_file):

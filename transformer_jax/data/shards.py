@@ -1,10 +1,8 @@
 """Training batches from shard builds: packed rows or windows, and mixtures.
 
-A split of one or more builds is a token stream (its documents in shard order), cut into rows
-of T + 1 tokens by ``pack`` (segments per document part; rows in the order of Grain's global
-shuffle) or read as ``data.get_batch``'s random windows by ``concat``. A mixture draws each
-global row's source by weight from ``default_rng([seed, step, 1])``. Everything is a pure
-function of (seed, step); each process reads only its own rows (docs/data.md).
+A split of builds is a token stream, cut into rows of T + 1 tokens by ``pack`` (in Grain's
+global shuffle order) or read as random windows by ``concat``; a mixture draws each row's
+source by weight. All is a pure function of (seed, step); a process reads its own rows only.
 """
 
 from __future__ import annotations
@@ -169,8 +167,7 @@ class Mixture:
     @classmethod
     def parse(cls, path: str, mixture: str) -> Mixture:
         """``data.mixture`` (``name=PATH:weight,...``), or one source of all of ``data.path``;
-        reads no file. ValueError, in one line naming ``data.mixture``, for a malformed entry,
-        a weight that is not a finite number > 0, an infinite sum or a repeated name."""
+        reads no file. ValueError naming ``data.mixture`` for a malformed entry or weights."""
         if not mixture:
             return cls(("data",), (tuple(p.strip() for p in path.split(",") if p.strip()),),
                        (1.0,))
@@ -292,9 +289,8 @@ def eval_rows(stream: TokenStream, packing: str, seq_len: int) -> int:
 def eval_batches(stream: TokenStream, packing: str, batch_size: int, seq_len: int,
                  max_batches: int | None = None, *, process_index: int = 0,
                  process_count: int = 1, pad: bool = False) -> Iterator[HostBatch]:
-    """Validation batches in order: packed rows (or the windows ``[w T, w T + T]`` of
-    ``data.eval_batches``) through ``eval_row_batches``; ``pad`` keeps a last incomplete batch
-    (a mixture source smaller than one batch is still evaluated). Checked when called:
+    """Validation batches in order: packed rows (or windows ``[w T, w T + T]``) through
+    ``eval_row_batches``; ``pad`` keeps a last incomplete batch. Checked when called:
     ValueError when not one batch fills (with ``pad``: not one row)."""
     local = batch_size // process_count
     width = seq_len + 1 if packing == "pack" else seq_len

@@ -57,9 +57,7 @@ class Piece:
 def resolve_sources(patterns: Sequence[str],
                     exclude: Sequence[str | os.PathLike[str]] = ()) -> list[Source]:
     """Files, directories and globs -> sources, sorted by path, less what lies under
-    ``exclude`` (logged). A directory holding ``state.json`` and ``dataset_info.json`` (or
-    ``dataset_dict.json``: each split) is a saved HuggingFace dataset; others are searched as
-    ``corpus.resolve_corpus`` does; files other than ``.jsonl`` and ``.parquet`` are text.
+    ``exclude`` (logged); a saved HF dataset directory is ``hf``, other files as their suffix.
     FileNotFoundError for a pattern matching nothing (not excluded), ValueError for none."""
     if not patterns:
         raise ValueError("no input: pass --input FILE|DIR|GLOB")

@@ -45,8 +45,7 @@ def as_path(path: str | os.PathLike[str]) -> Any:
 
 def filesystem(url: str) -> tuple[Any, str]:
     """``(fsspec filesystem, path within it)`` for a URL: for ``gs``, ``s3``, ``az`` and ``hf``
-    the very object epath (and so orbax) uses, so that a listing this module changes is
-    forgotten by orbax too (fsspec caches listings per filesystem object)."""
+    the object epath (and orbax) uses, so both forget the listings this module changes."""
     import fsspec
 
     url = os.fspath(url)
@@ -131,9 +130,8 @@ def staging_dir(url: str, purpose: str) -> Path:
 
 
 def _remote_files(url: str, exclude: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
-    """``{relative name: fsspec listing entry}`` of every file under a remote directory ({} if
-    none), less the top-level names ``exclude``; not left in fsspec's cache, which orbax shares
-    (a listing taken halfway through a checkpoint's save would hide its later objects)."""
+    """``{relative name: fsspec listing entry}`` of every file under a remote directory, less
+    the top-level names ``exclude``; not left in fsspec's cache, which orbax shares."""
     fs, inner = filesystem(url)
     inner = inner.rstrip("/")
     try:
@@ -161,12 +159,9 @@ def _remote_files(url: str, exclude: tuple[str, ...] = ()) -> dict[str, dict[str
 def local_copy(path: str | os.PathLike[str], *, exclude: tuple[str, ...] = (),
                purpose: str = "read") -> Path:
     """A local directory with the files of ``path``: ``path`` itself (``~`` expanded) if it is
-    local, else a download of the remote directory (of a remote file: the file's local copy),
-    less the top-level names ``exclude``, cached in ``staging_dir(url, purpose)``.
-
-    A cached file is kept only while the object and the file are the ones it was fetched as
-    (``storage.versions``; with no version, as on ``memory://``, it is fetched again); files
-    no longer in the bucket are removed. FileNotFoundError for a URL with no file under it.
+    local, else a download of the remote directory (or file), less the top-level names
+    ``exclude``, cached in ``staging_dir(url, purpose)`` while ``storage.versions`` says the
+    copy is current. FileNotFoundError for a URL with no file under it.
     """
     if not is_remote(path):
         return Path(os.fspath(path)).expanduser()
@@ -237,10 +232,8 @@ def _fetch(fs: Any, inner: str, target: Path) -> None:
 
 
 def push(local: Path, url: str, *, exclude: tuple[str, ...] = ()) -> int:
-    """Uploads the files of the directory ``local`` (less the top-level names ``exclude``) that
-    differ from the remote copy under ``url``; returns how many were uploaded. A file is skipped
-    only when the remote's recorded CRC32C or MD5 is the local file's (sizes prove nothing:
-    retrained weights have the same); where the remote records no hash, every file is sent."""
+    """Uploads the files of the directory ``local`` (less the top-level names ``exclude``) whose
+    remote copy under ``url`` has another CRC32C or MD5, or none; returns how many."""
     fs, inner = filesystem(url)
     inner = inner.rstrip("/")
     remote = _remote_files(url, exclude)

@@ -36,16 +36,14 @@ def default_mode(directory: bool = False) -> int:
 
 
 def set_default_mode(path: str | os.PathLike[str]) -> None:
-    """Gives a file or directory made by ``tempfile`` (or a library writing through one) the
-    mode a plain ``open``/``mkdir`` would have given it (``default_mode``)."""
+    """Gives a file or directory made by ``tempfile`` the mode ``open``/``mkdir`` would give."""
     os.chmod(path, default_mode(directory=os.path.isdir(path)))
 
 
 @contextlib.contextmanager
 def atomic_writer(path: Path) -> Iterator[IO[bytes]]:
-    """Yields a binary file that replaces ``path`` only when the block finishes without error
-    (a temporary file beside it, synced and renamed over it, so a crash never leaves a partial
-    file), with the mode ``open`` gives rather than the temporary file's ``0o600``."""
+    """Yields a binary file that replaces ``path`` (synced and renamed, with ``open``'s mode)
+    only when the block finishes without error, so a crash never leaves a partial file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -122,8 +120,7 @@ def replacing_directory(path: Path, carry_over: Callable[[str], bool] = lambda n
 
 
 def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-    """Hard-links ``src`` to ``dst``, or copies it where links are impossible (a symlink, another
-    filesystem)."""
+    """Hard-links ``src`` to ``dst``, or copies it (a symlink, another filesystem)."""
     if not os.path.islink(src):
         try:
             os.link(src, dst)
