@@ -81,8 +81,7 @@ def load_adapter(path: str, config: ModelConfig, served: Params, *, name: str) -
       The ``LoadedAdapter``.
 
     Raises:
-      ValueError: not a run, a run without adapters, another architecture, or a base whose
-        weights are not the served ones (each naming the adapter and what differs).
+      ValueError: not a LoRA run, another architecture, or another base (naming what differs).
       FileNotFoundError, CheckpointError: as ``loading.locate`` / ``load``.
     """
     where = f"--lora {name}={path}"

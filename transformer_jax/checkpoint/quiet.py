@@ -61,10 +61,8 @@ def _is_closed_loop_callback(unraisable: Any) -> bool:
 
 
 def quiet_background_failures() -> None:
-    """Keeps the echoes of a failed background save off stderr, for this process (idempotent):
-    the unraisable ``Event loop is closed`` of each TensorStore write that completes after
-    orbax stopped awaiting it, and asyncio's futures whose error was never retrieved.
-    """
+    """Keeps the echoes of a failed background save off stderr (idempotent): the unraisable
+    ``Event loop is closed`` of late TensorStore writes and asyncio's never-retrieved errors."""
     hook = sys.unraisablehook
     if getattr(hook, "quiets_orbax", False):
         return

@@ -27,8 +27,7 @@ from transformer_jax.checkpoint.files import (
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
-    """The saved state has another structure or other shapes than the one asked for (e.g. the
-    checkpoint was written for another model).
+    """The saved state has another structure or other shapes than the one asked for.
 
     Attributes:
       path: the step directory.
@@ -106,13 +105,7 @@ def read_params(path: Path, abstract_params: Any | None) -> tuple[Any, dict[str,
 
 def saved_tree(path: Path) -> Any:
     """Checks the files of the step directory ``path`` and returns the saved state's metadata
-    tree (shapes and dtypes, no array read).
-
-    Raises:
-      StepVanished: the directory is gone.
-      DamagedCheckpointError: a metadata file is missing or unreadable, or a file differs
-        from its recorded checksum.
-    """
+    tree (shapes and dtypes, no array read); raises as ``read_state``."""
     try:
         check_step_files(path)
         try:
@@ -199,10 +192,8 @@ def as_abstract(x: Any) -> Any:
 
 @jax.jit
 def _all_finite(leaves: list[jax.Array]) -> jax.Array:
-    """[L] bool: whether each leaf holds only finite values, in one program: launched leaf by
-    leaf, a mesh's collective reductions could fill XLA:CPU's bounded queue of programs in
-    flight on one device while another device waited for its partner (a deadlock).
-    """
+    """[L] bool: whether each leaf is finite, in one program (leaf by leaf, a mesh's
+    collectives could fill XLA:CPU's queue of programs in flight: a deadlock)."""
     return jnp.stack([jnp.isfinite(x).all() for x in leaves])
 
 

@@ -1,6 +1,5 @@
-"""The interface every tokenizer backend implements, and the checkpoint's tokenizer settings
-(``TokenizerConfig``: what transformers reads from ``tokenizer_config.json``,
-``special_tokens_map.json`` and ``chat_template.jinja``).
+"""The interface every tokenizer backend implements, and a checkpoint's tokenizer settings
+(``TokenizerConfig``: ``tokenizer_config.json`` and the files beside it).
 
 Ids: ``bos_id``/``eos_id``/``unk_id`` are -1 when the tokenizer has no such token; ``pad_id`` is
 always a usable id (the pad token, else eos, else unk, else 0): padding is masked out of the loss.
@@ -91,12 +90,10 @@ class TokenizerConfig:
 
     Attributes:
       special: The named special tokens that are set (``bos_token``, ``eos_token``, ...).
-      extra_special: Further special strings (``additional_special_tokens`` /
-        ``extra_special_tokens`` and special entries of ``added_tokens_decoder``), in order.
+      extra_special: Further special strings (``extra_special_tokens`` and the like), in order.
       add_bos_token, add_eos_token: The config's settings, None when it does not say.
       chat_template: The default chat template source, if any.
-      named_templates: The other chat templates by name (``"tool_use"``: for a conversation
-        with tools).
+      named_templates: The other chat templates by name (``"tool_use"``: with tools).
       clean_up_tokenization_spaces: The config's decode clean-up switch.
       raw: The whole ``tokenizer_config.json`` as read (written back, updated, on save).
     """

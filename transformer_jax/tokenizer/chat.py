@@ -1,10 +1,8 @@
 """Chat templates: render a checkpoint's own Jinja template as transformers does.
 
 As ``apply_chat_template(..., tokenize=False)``: a sandboxed Jinja environment with
-``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, a ``{% generation %}`` block, a ``tojson``
-that keeps non-ASCII and HTML, and ``raise_exception`` / ``strftime_now``. The template sees
-``messages`` (keys whose value is None dropped), ``add_generation_prompt``, ``tools`` /
-``documents``, the named special tokens and any extra keyword arguments.
+transformers' options, filters and globals; the template sees ``messages`` (None values
+dropped), ``add_generation_prompt``, ``tools`` / ``documents``, the special tokens and kwargs.
 """
 
 from __future__ import annotations
@@ -88,8 +86,7 @@ def render_chat(template: str, messages: Sequence[Message], *,
       The rendered text (special tokens appear as text; encode it without adding bos).
 
     Raises:
-      ChatTemplateError: If the template does not compile, calls ``raise_exception``, or fails
-        while rendering.
+      ChatTemplateError: If the template does not compile, raises or fails while rendering.
       TypeError: If a message is not a mapping.
     """
     if not messages:
