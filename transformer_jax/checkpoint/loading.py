@@ -54,18 +54,15 @@ class Source:
     """A checkpoint as found on disk, before any weight is read.
 
     Attributes:
-      path: the directory given (an ``epath.Path`` for a URL; for a remote HF checkpoint, its
-        local copy).
+      path: the directory given (an ``epath.Path`` for a URL; a remote HF one's local copy).
       kind: ``HF`` or ``RUN``.
-      model: its model config, from ``config.json`` (float32 for a HF checkpoint) or the run's
-        ``meta["model"]``.
+      model: its model config (a HF ``config.json``, float32; a run's ``meta["model"]``).
       run_dir: the run directory (kind ``RUN``; a local copy for a run on object storage).
       checkpoints: the run's checkpoints directory (kind ``RUN``; remote ones read in place).
       step: the step the path names; None for the newest intact one.
       meta: the meta of that step, or of the newest readable one (kind ``RUN``).
       tokenizer: the tokenizer found with the checkpoint (a directory or file), or None.
-      hf_model_type: the HF family the weights were loaded as (a HF checkpoint's
-        ``model_type``, a run's ``meta["hf_model_type"]``), else None; export's default.
+      hf_model_type: the HF ``model_type`` the weights came from, else None (export's default).
     """
 
     path: Path
@@ -262,8 +259,7 @@ def open_tokenizer(source: Source, path: str | Path | None = None, *, where: str
       source: the checkpoint.
       path: a tokenizer file or directory to use instead of the one found with it.
       where: how the errors name the checkpoint; default its path.
-      missing: what to tell the user when there is none (``"pass --tokenizer PATH"``), making
-        that an error; None returns None instead.
+      missing: the hint of the error raised when there is none; None returns None instead.
 
     Returns:
       The ``TextTokenizer``, or None.

@@ -171,11 +171,9 @@ class CheckpointManager:
     def _write_failed(self, step: int | None, error: BaseException) -> CheckpointError:
         """The one error reported for a failed save, after removing its partial files."""
         path = self.step_path(step) if step is not None else self.directory
-        if any(getattr(e, "errno", None) == errno.ENOSPC for e in error_chain(error)) or (
-                "No space left on device" in str(error)):
-            why = os.strerror(errno.ENOSPC)
-        else:
-            why = reason(error)
+        disk_full = "No space left on device" in str(error) or any(
+            getattr(e, "errno", None) == errno.ENOSPC for e in error_chain(error))
+        why = os.strerror(errno.ENOSPC) if disk_full else reason(error)
         logger.debug("checkpoint save of %s failed", path, exc_info=error)
         self._failed_step = step
         self._remove_partial()

@@ -107,8 +107,7 @@ def build(inputs: Sequence[str], out: str | os.PathLike[str], tokenizer: TextTok
     ``out/metadata.json``.
 
     Args:
-      inputs: files, directories and globs (``sources.resolve_sources``), less what is under
-        ``out``.
+      inputs: files, directories and globs (``sources.resolve_sources``), less ``out``.
       out: the build directory, local or a bucket (a finished shard of an earlier run is kept).
       tokenizer: the tokenizer (saved to ``out/tokenizer``).
       options: how documents are read and split.
@@ -118,8 +117,7 @@ def build(inputs: Sequence[str], out: str | os.PathLike[str], tokenizer: TextTok
 
     Raises:
       BadInput: a bad input file (one line naming it) without ``skip_bad``.
-      FileExistsError: ``out`` is not this build's (and not ``overwrite``), is a file, or
-        another build is writing into it.
+      FileExistsError: ``out`` is a file, another build's (without ``overwrite``) or locked.
       ValueError: no documents at all, or bad options.
     """
     if isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 1:
@@ -231,12 +229,8 @@ _SHARD_FILE = re.compile(r"(?:(?:train|val)-(\d{5})\.(?:arrayrecord|lengths\.npy
 
 def _beyond(out: Path, count: int) -> list[Path]:
     """The files of shards ``count, count + 1, ...`` that a bigger earlier plan left."""
-    beyond = []
-    for path in out.iterdir():
-        match = _SHARD_FILE.fullmatch(path.name)
-        if match and int(match.group(1) or match.group(2)) >= count:
-            beyond.append(path)
-    return beyond
+    matches = ((path, _SHARD_FILE.fullmatch(path.name)) for path in out.iterdir())
+    return [path for path, m in matches if m and int(m.group(1) or m.group(2)) >= count]
 
 
 # Per worker process: the build directory and its tokenizer, loaded once.

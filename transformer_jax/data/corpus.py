@@ -36,9 +36,7 @@ def resolve_corpus(patterns: str | os.PathLike[str] | Sequence[str | os.PathLike
       FileNotFoundError: A path does not exist or a pattern matches no (unexcluded) file.
       ValueError: No pattern is given or every matched file is empty.
     """
-    if isinstance(patterns, str | os.PathLike):
-        patterns = [patterns]
-    patterns = list(patterns)
+    patterns = [patterns] if isinstance(patterns, str | os.PathLike) else list(patterns)
     if not patterns:
         raise ValueError("resolve_corpus needs at least one path or glob pattern")
     excluded = [Path(os.path.expanduser(os.fspath(e))).resolve() for e in exclude]

@@ -93,9 +93,8 @@ def load_pairs(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                tokenizer: TextTokenizer, *, add_eos: bool = True
                ) -> list[tuple[Example, Example]]:
     """``(chosen, rejected)`` examples of every pair of one or several JSONL files, in order.
-    InstructionDataError (``FILE:LINE: ...``) for a record without the three keys, of the
-    wrong types, whose template fails, or a side with no loss token; also for no pairs, or
-    pairs whose sides are all equal (some equal ones: a warning names them)."""
+    InstructionDataError (``FILE:LINE: ...``) for a bad record or a side with no loss token;
+    also for no pairs, or only pairs whose sides are equal (some: a warning names them)."""
     paths = as_paths(path)
     template: ChatTemplate | None = None
     pairs: list[tuple[Example, Example]] = []
@@ -241,11 +240,9 @@ def pack_pairs(pairs: Sequence[tuple[Example, Example]], seq_len: int, pad_id: i
 
 def group_pairs(data: PreferenceRows, pairs_per_step: int, seed: int, multiple: int = 1
                 ) -> PreferenceRows:
-    """The pairs of ``data`` grouped by step, so that a step trains on exactly
-    ``pairs_per_step`` pairs (TRL's batch) and the batches keep one shape: permuted once by
-    ``seed`` and cut into groups (the last holds the rest), group g packed into rows ``[g S,
-    (g + 1) S)`` (``step_rows`` = S, the most rows a group takes rounded up to ``multiple``:
-    the devices x micro-batches the batch splits over). ValueError for arguments below 1."""
+    """The pairs of ``data`` permuted once by ``seed`` and grouped so that a step trains on
+    exactly ``pairs_per_step`` pairs: group g packed into rows ``[g S, (g + 1) S)``, S the most
+    rows a group takes rounded up to ``multiple``. ValueError for arguments below 1."""
     if pairs_per_step < 1 or multiple < 1:
         raise ValueError(f"pairs_per_step ({pairs_per_step}) and multiple ({multiple}) must "
                          "be >= 1")

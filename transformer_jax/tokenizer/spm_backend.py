@@ -1,8 +1,8 @@
 """SentencePiece tokenizer: load an existing model (e.g. Llama 2's) or train one on a corpus.
 
 Trained models (``spm_train``) round-trip any text exactly (``"char"``: of its corpus's
-characters) and reserve ids ``unk=0, bos=1, eos=2, pad=3``. With a ``TokenizerConfig`` its special-token strings in text become their ids,
-as transformers does (``legacy=False``); without one every string is plain text.
+characters) and reserve ids ``unk=0, bos=1, eos=2, pad=3``. With a ``TokenizerConfig`` its
+special-token strings in text become their ids, as transformers does (``legacy=False``).
 """
 
 from __future__ import annotations
