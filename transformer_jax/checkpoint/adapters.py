@@ -1,8 +1,5 @@
-"""A LoRA run's adapters, read to be served beside others over the base they were trained on.
-
-``load_adapter`` reads a LoRA (or QLoRA) run's newest checkpoint unmerged and checks that it
-adapts the served model: the same architecture, and a base whose weights are the served ones up
-to the storage of a frozen base (bfloat16, or int8/int4/nf4); else an error names the weight.
+"""A LoRA run's adapters, read to be served beside others over the base they were trained on
+(checked: the same architecture, and the served weights up to a frozen base's storage).
 """
 
 from __future__ import annotations

@@ -61,8 +61,7 @@ class CheckpointManager:
       directory: where the step directories go (created if missing).
       keep: how many of the most recent checkpoints to keep (>= 1).
       async_save: write in a background thread.
-      read_only: only read: nothing is created, probed, renamed or saved (``save`` raises,
-        ``restore`` skips a damaged checkpoint instead of moving it aside).
+      read_only: only read (``save`` raises; a damaged checkpoint is skipped, not moved).
 
     Raises:
       FileNotFoundError: ``read_only`` and the directory does not exist.

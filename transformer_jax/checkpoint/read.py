@@ -198,9 +198,8 @@ def _all_finite(leaves: list[jax.Array]) -> jax.Array:
 
 
 def check_finite(params: Any, where: Any, limit: int = 3) -> None:
-    """Raises ValueError naming the floating-point params of ``params`` that hold NaN or inf
-    (a corrupt file or a diverged run: decoding them gives NaN logits and arbitrary ids).
-    Integer leaves (packed quantised weights) are not checked."""
+    """Raises ValueError naming the floating-point params that hold NaN or inf (a corrupt file
+    or a diverged run); integer leaves (packed quantised weights) are not checked."""
     leaves = [(path, x) for path, x in jax.tree_util.tree_leaves_with_path(params)
               if jnp.issubdtype(getattr(x, "dtype", np.int8), jnp.floating)]
     flags = jax.device_get(_all_finite([x for _, x in leaves])) if leaves else []

@@ -16,9 +16,8 @@ HostBatch = dict[str, np.ndarray]
 
 
 def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """Splits tokens [N] into contiguous views ``(train [N - M], val [M])``, ``M = int(N *
-    val_fraction)``; ValueError for ``val_fraction`` outside ``[0, 1)`` or an empty part that
-    should not be."""
+    """Splits tokens [N] into views ``(train [N - M], val [M])``, ``M = int(N val_fraction)``;
+    ValueError for ``val_fraction`` outside ``[0, 1)`` or an unwanted empty part."""
     tokens = _check_tokens(tokens)
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
@@ -36,11 +35,7 @@ def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarr
 def batch_offsets(seed: int, step: int, batch_size: int, num_tokens: int, seq_len: int
                   ) -> np.ndarray:
     """Start offsets [B] int64, each in ``[0, N - T - 1]``, of the windows (T + 1 tokens of
-    N) of the global batch of B rows for (seed, step).
-
-    Raises:
-      ValueError: On a negative seed or step, a non-positive size, or ``seq_len >= N``.
-    """
+    N) of the global batch of B rows for (seed, step); ValueError on bad arguments."""
     seed, step = check_non_negative("seed", seed), check_non_negative("step", step)
     _check_batch_args(num_tokens, batch_size, seq_len, process_index=0, process_count=1)
     rng = np.random.default_rng([seed, step])
@@ -49,9 +44,8 @@ def batch_offsets(seed: int, step: int, batch_size: int, num_tokens: int, seq_le
 
 def get_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_len: int, *,
               process_index: int = 0, process_count: int = 1) -> HostBatch:
-    """This process's rows ``[p * B / P, (p + 1) * B / P)`` of the global batch for (seed,
-    step): ``{"inputs", "targets"}``, each [B / P, T] int32, from the same random windows of
-    T + 1 consecutive tokens [N] (T < N).
+    """This process's rows ``[p B / P, (p + 1) B / P)`` of the global batch for (seed, step):
+    ``{"inputs", "targets"}`` [B / P, T] int32, random windows of T + 1 tokens [N] (T < N).
 
     Raises:
       ValueError: On a non-1-D token array, ``seq_len >= N``, indivisible ``batch_size`` or an
@@ -146,11 +140,10 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
 def eval_row_batches(num_rows: int, batch_size: int, max_batches: int | None,
                      read: Callable[[np.ndarray], HostBatch], process_index: int, local: int,
                      pad: bool = False) -> Iterator[HostBatch]:
-    """Every one of ``num_rows`` rows once, in order: global batch ``i`` holds rows ``i B ..
-    i B + B - 1``, this process its ``local`` = B / P of them (from ``i B + p B / P``), read
-    by ``read(row indices [B / P])``; at most ``max_batches`` (None or 0: all). A last
-    incomplete batch is dropped, or with ``pad`` kept, filled with copies of row 0 whose
-    ``mask`` is zero (every batch then has a ``mask``)."""
+    """Every one of ``num_rows`` rows once, in order: global batch ``i`` is rows ``i B ..
+    i B + B - 1``, this process's ``local`` = B / P of them read by ``read(row indices)``; at
+    most ``max_batches`` (None or 0: all). A last incomplete batch is dropped, or with ``pad``
+    filled with copies of row 0 of zero ``mask`` (every batch then has a ``mask``)."""
     count = -(-num_rows // batch_size) if pad else num_rows // batch_size
     if max_batches:
         count = min(count, max_batches)

@@ -145,8 +145,7 @@ def _build_locked(srcs: list[sources_lib.Source], out: Path, tokenizer: TextToke
     pieces = sources_lib.plan_pieces(srcs, options.shard_bytes)
     shards = group_shards(pieces, options.shard_bytes)
     dtype = token_dtype(tokenizer.vocab_size)
-    # The saved copy is what workers and training load; its settings files are part of its
-    # fingerprint, so that is the one recorded.
+    # Workers and training load the saved copy: its fingerprint (of its files) is recorded.
     tokenizer = _save_tokenizer(tokenizer, out / TOKENIZER_DIR)
     settings = {"tokenizer": tokenizer.fingerprint, "dtype": dtype.name,
                 **dataclasses.asdict(options)}

@@ -1,9 +1,9 @@
 """A shard build's hold on its ``--out`` directory: which directories it may build into, its
 lock, and what a killed build left behind.
 
-A build writes ``.build.json`` (its inputs, options and tokenizer) and builds only into an empty
-directory or its own (an unfinished build of other inputs is replaced), or with ``overwrite``
-any other, replacing only its own names there; a ``flock`` refuses a second build at once.
+A build writes ``.build.json`` (inputs, options, tokenizer) and builds only into an empty
+directory or its own (an unfinished one of other inputs is replaced), or any with ``overwrite``;
+a ``flock`` refuses a second build at once.
 """
 
 from __future__ import annotations

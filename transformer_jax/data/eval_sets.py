@@ -26,9 +26,8 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 @dataclasses.dataclass(frozen=True)
 class EvalSet:
-    """One evaluation set, tokenized and packed: ``rows`` are its windows (``loss_tokens``
-    marks the predicted tokens), ``num_tokens`` the predicted tokens and ``num_bytes`` the UTF-8
-    bytes of the text they decode to (the denominator of bits per byte)."""
+    """One evaluation set, packed: ``rows`` its windows, ``num_tokens`` the predicted tokens
+    and ``num_bytes`` the UTF-8 bytes of their text (the denominator of bits per byte)."""
 
     name: str
     path: Path
@@ -39,8 +38,7 @@ class EvalSet:
 
     def batches(self, batch_size: int, process_index: int = 0, process_count: int = 1,
                 **_: Any) -> Iterator[dict[str, np.ndarray]]:
-        """Every row of the set, in batches of ``batch_size`` rows (the last filled with rows
-        of zero mask), this process's share of each."""
+        """This process's share of every row of the set, in batches (``packed_eval_batches``)."""
         return packed_eval_batches(self.rows, batch_size, None, process_index, process_count)
 
     def bits_per_byte(self, loss: float) -> float:
@@ -106,9 +104,7 @@ def document_windows(ids: Sequence[int], prefix: int | None, seq_len: int) -> li
     windows = []
     for start in range(0, max(len(seq) - 1, 0), seq_len):
         tokens = seq[start:start + seq_len + 1]
-        loss = np.ones(len(tokens), bool)
-        loss[0] = False
-        windows.append(Example(tokens, loss, line=0))
+        windows.append(Example(tokens, np.arange(len(tokens)) > 0, line=0))
     return windows
 
 

@@ -45,10 +45,9 @@ PAIR_KEYS = ("prompt", "chosen", "rejected")
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PreferenceRows:
-    """Pairs packed into R rows of ``seq_len + 1`` tokens (``rows``; pair k is segments 2k + 1
-    and 2k + 2), ``pair_ids`` [R, M] int32 the index of each row's k-th pair among the
-    ``num_pairs`` pairs (-1: none); ``step_rows`` is 0, or S when rows ``[g S, (g + 1) S)``
-    hold group g (``group_pairs``)."""
+    """Pairs packed into R rows (``rows``; pair k is segments 2k + 1 and 2k + 2), ``pair_ids``
+    [R, M] int32 the index of each row's k-th pair (-1: none); ``step_rows`` is 0, or S when
+    rows ``[g S, (g + 1) S)`` hold group g (``group_pairs``)."""
 
     rows: PackedData
     pair_ids: np.ndarray
@@ -141,8 +140,7 @@ def load_pairs(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
 
 
 def _check_ties(same: list[str], num_pairs: int, limit: int = 3) -> None:
-    """Warns of pairs whose two sides are the same tokens (``FILE:LINE`` of the first few:
-    they teach nothing); raises InstructionDataError when every pair is one."""
+    """Warns of pairs whose sides are the same tokens; InstructionDataError if all are."""
     if not same:
         return
     what = 'the same tokens in "chosen" and "rejected": the pair has no preference to learn'

@@ -45,9 +45,8 @@ def is_build(path: str | Path) -> bool:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenStream:
-    """One split of one or more builds: the documents of the ArrayRecord files ``paths`` (of
-    ``counts`` documents each; ``lengths`` [D] tokens each) one after another, read with one
-    batched ``ArrayRecordReader.read`` per file and batch."""
+    """One split of builds: the documents of the ArrayRecord files ``paths`` (``counts``
+    documents each, of ``lengths`` [D] tokens) one after another."""
 
     paths: tuple[str, ...]
     counts: tuple[int, ...]
@@ -74,8 +73,8 @@ class TokenStream:
 
     @classmethod
     def open(cls, builds: Sequence[str | Path], split: str) -> TokenStream:
-        """The ``split`` (``train``/``val``) of the builds, in the given order, every file of it
-        checked first (``check_files``): a damaged build fails here, in one line naming it."""
+        """The ``split`` (``train``/``val``) of the builds, in order, every file checked first
+        (``check_files``: a damaged build fails here)."""
         paths, counts, lengths, dtypes = [], [], [], set()
         for build in builds:
             build = Path(build).expanduser()

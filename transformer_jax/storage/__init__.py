@@ -88,8 +88,7 @@ def rmtree(path: Any) -> None:
 
 
 def check_bucket(url: str, what: str = "path") -> None:
-    """Raises FileNotFoundError, in one line naming the bucket and ``what`` the URL is for,
-    when the URL's bucket does not exist (or cannot be seen)."""
+    """Raises FileNotFoundError, naming ``what`` the URL is for, when its bucket is not seen."""
     fs, inner = filesystem(url)
     bucket = inner.split("/", 1)[0]
     try:

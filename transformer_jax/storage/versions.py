@@ -1,6 +1,5 @@
-"""What says a remote object and a local file hold the same bytes, without trusting sizes (a
-retrained model's files have the same sizes): the object's version recorded beside the cache
-with the file's ``stamp`` (``local_copy``), or the remote's CRC32C or MD5 (``push``)."""
+"""Whether a remote object and a local file hold the same bytes, sizes not trusted: the version
+recorded with the file's ``stamp`` (``local_copy``), or the remote's CRC32C or MD5 (``push``)."""
 
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ _CHUNK = 1 << 22
 
 
 def object_version(info: dict[str, Any]) -> str | None:
-    """A string that changes whenever the object of an fsspec listing entry is rewritten (its
-    size and version fields), or None when it has no version field (nothing may be trusted)."""
+    """A string that changes whenever the object of an fsspec listing entry is rewritten, or
+    None when it has no version field."""
     fields = {k: str(info[k]) for k in VERSION_FIELDS if info.get(k) not in (None, "")}
     if not fields:
         return None

@@ -42,9 +42,8 @@ def encode_chat_prompt(tokenizer: TextTokenizer, messages: Sequence[Mapping[str,
 
 
 def chat_turn_end_id(tokenizer: TextTokenizer) -> int | None:
-    """The id of the token the chat template closes an assistant turn with (e.g.
-    ``<|im_end|>``), for generation to stop at; None when it is no single vocabulary token.
-    ValueError when the tokenizer has no chat template."""
+    """The id of the token closing a chat template's assistant turn (``<|im_end|>``), to stop
+    generation at; None if it is no single token. ValueError without a chat template."""
     template = ChatTemplate.of(tokenizer)
     user = {"role": "user", "content": "x"}
     before = template.render([user], add_generation_prompt=True)

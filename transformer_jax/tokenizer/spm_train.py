@@ -54,12 +54,8 @@ def train_model(files: list[Path] | None, texts: list[str] | None, vocab_size: i
                 character_coverage: float | None = None, num_threads: int | None = None,
                 **trainer_options: Any) -> bytes:
     """The bytes of a ``.model`` file trained on ``files`` (UTF-8, one document each) or
-    ``texts`` (one of them None, as ``split_source`` gives); the rest as ``Tokenizer.train``.
-
-    Raises:
-      ValueError: On an unknown ``model_type``, a too small ``vocab_size``, an empty corpus,
-        a reserved trainer option, or a trainer failure.
-    """
+    ``texts`` (one of them None, as ``split_source`` gives); the rest, ValueError included, as
+    ``Tokenizer.train``."""
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unknown model_type {model_type!r}; expected one of {MODEL_TYPES}")
     reserved = sorted(_RESERVED_TRAINER_OPTIONS & trainer_options.keys())
