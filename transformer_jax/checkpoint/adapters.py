@@ -19,9 +19,8 @@ from transformer_jax.model.transformer import Params, unstack_blocks
 
 logger = logging.getLogger(__name__)
 
-#: The largest relative difference ``||base - served|| / ||served||`` of any weight for an
-#: adapter's base to count as the served one: a bfloat16 copy differs by about 2**-9, an
-#: int4/nf4 one by under 0.15, another model by about 1.4.
+#: The largest ``||base - served|| / ||served||`` of an adapter's base counted as the served
+#: one: a bfloat16 copy differs by about 2**-9, an int4/nf4 one by < 0.15, another model by 1.4.
 BASE_TOLERANCE = {"float": 0.02, "quantized": 0.3}
 
 

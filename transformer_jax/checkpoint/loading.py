@@ -83,8 +83,8 @@ class Loaded:
     Attributes:
       source: where it came from.
       config: the model of ``params`` (the layout and dtype asked for).
-      params: the model's param tree (``blocks_{i}`` or scanned ``blocks`` [L, ...]); for a
-        LoRA run loaded with ``merge_lora=False``, ``{"base", "adapters"}`` as saved.
+      params: the param tree (``blocks`` [L, ...] if scanned; ``{"base", "adapters"}`` with
+        ``merge_lora=False``).
       step: the step read (kind ``RUN``), else None.
       meta: that step's meta (kind ``RUN``), else empty.
       tokenizer: the ``TextTokenizer``, or None (none found, or not asked for).
@@ -141,10 +141,8 @@ def locate(path: str | Path, *, where: str | None = None) -> Source:
       The ``Source``.
 
     Raises:
-      FileNotFoundError: no such directory, a file, a config.json without weights, nothing
-        loadable, or a run without a complete checkpoint.
-      ValueError: a HF config this library cannot represent exactly (the setting named), or a
-        run checkpoint without its model config.
+      FileNotFoundError: no such directory, a file, or nothing loadable in it.
+      ValueError: a HF config this library cannot represent exactly, or a run without its model.
       CheckpointError: no checkpoint of the run has a readable meta.
     """
     if storage.is_remote(path):

@@ -186,8 +186,7 @@ class CheckpointManager:
         step = self._failed_step if step is None else step
         if step is None:
             return
-        # Orbax's threads of the failed save may still write into (and so recreate) it: remove
-        # it until it stays gone for a few polls (at most about 2 s, on failures only).
+        # Orbax's threads may still recreate it: removed until gone for 3 polls (at most ~2 s).
         quiet = 0
         for _ in range(40):
             partials = [p for p in unfinished(self.directory)
@@ -200,10 +199,8 @@ class CheckpointManager:
             time.sleep(0.05)
 
     def abandon(self) -> int | None:
-        """Gives up the save in flight without waiting for it (a run aborted by a signal).
-
-        Removes its temporary directory; afterwards ``close`` neither waits nor raises. What
-        orbax's threads still write, ``remove_unfinished`` removes at the next start.
+        """Gives up the save in flight without waiting for it (a run aborted by a signal):
+        removes its temporary directory; afterwards ``close`` neither waits nor raises.
 
         Returns:
           The step whose save was abandoned, or None if none was in flight.

@@ -29,8 +29,8 @@ class QuietOrbaxErrors(logging.Filter):
 
 
 class _QuietAsyncioErrors(logging.Filter):
-    """Drops asyncio's "Future/Task exception was never retrieved" for orbax's or TensorStore's
-    errors (the writes of a failed save that nobody awaits any more); kept at DEBUG."""
+    """Moves asyncio's "exception was never retrieved" of orbax's or TensorStore's errors to
+    DEBUG."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if ("exception was never retrieved" not in str(record.msg) or not record.exc_info

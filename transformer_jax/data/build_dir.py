@@ -27,8 +27,7 @@ FORMAT = "transformer_jax.shards"
 METADATA = "metadata.json"
 MARKER = ".build.json"
 
-# The temporary names of the build's files: the shard writers' and ``atomic_writer``'s, and
-# ``replacing_directory``'s for the tokenizer.
+# The temporary names of the shard writers', ``atomic_writer``'s and ``replacing_directory``'s.
 _TEMP_FILE = re.compile(r"\.(?:(?:train|val)-\d{5}\.arrayrecord\.tmp\d+"
                         r"|(?:(?:train|val)-\d{5}\.lengths\.npy|shard-\d{5}\.json"
                         r"|metadata\.json|\.build\.json)\.\w+\.tmp"

@@ -45,8 +45,7 @@ def resolve_corpus(patterns: str | os.PathLike[str] | Sequence[str | os.PathLike
     for pattern in patterns:
         text = os.path.expanduser(os.fspath(pattern))
         if any(c in _GLOB_CHARS for c in text):
-            matches = [Path(m) for m in glob.glob(text, recursive=True)]
-            files = [m for m in matches if m.is_file()]
+            files = [Path(m) for m in glob.glob(text, recursive=True) if os.path.isfile(m)]
         elif os.path.isdir(text):
             files = [p for p in Path(text).rglob("*") if p.is_file()
                      and not any(part.startswith(".") for part in p.relative_to(text).parts)]

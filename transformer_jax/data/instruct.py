@@ -94,9 +94,8 @@ class PackedData:
 
 
 def best_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Best-fit-decreasing bin packing of items of ``lengths[i] <= capacity`` slots: longest
-    first (ties by index), each into the row with the least room that holds it, else a new
-    row. Returns the rows, each the indices of its items in placement order."""
+    """Best-fit-decreasing packing of items of ``lengths[i] <= capacity`` slots (longest first,
+    ties by index); returns the rows, each the indices of its items in placement order."""
     rows: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (room left, row), sorted
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -132,10 +131,9 @@ def packed_layout(lengths: Sequence[int], capacity: int
 
 
 def pack(examples: Sequence[Example], seq_len: int, pad_id: int = 0) -> PackedData:
-    """Packs examples into rows of ``seq_len + 1`` tokens (best-fit decreasing; ``pad_id``
-    pads); longer ones are cut by ``fit`` or dropped, counted in one logged warning.
-    ValueError for a non-positive ``seq_len``, no examples, or none with a loss token that fits.
-    """
+    """Packs examples into rows of ``seq_len + 1`` tokens (best-fit decreasing); longer ones
+    are cut by ``fit`` or dropped (one warning). ValueError for a non-positive ``seq_len``, no
+    examples, or none with a loss token that fits."""
     seq_len = operator.index(seq_len)
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
@@ -202,8 +200,7 @@ def row_indices(seed: int, step: int, batch_size: int, num_rows: int) -> np.ndar
 
 def rows_to_batch(data: PackedData, rows: np.ndarray) -> HostBatch:
     """The batch of the packed rows ``rows`` [B]: ``inputs``, ``targets``, ``segment_ids``,
-    ``positions`` (int32; of the inputs) and ``loss_mask`` (float32: 1.0 where ``targets`` is a
-    completion/assistant token of the input's example), each [B, T]."""
+    ``positions`` (int32) and ``loss_mask`` (float32: targets to score), each [B, T]."""
     tokens = data.tokens[rows]
     segments = data.segment_ids[rows]
     same_example = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)

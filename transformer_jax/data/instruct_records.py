@@ -1,7 +1,6 @@
 """Instruction records: JSONL lines -> checked records -> token examples with a loss mask:
-``{"prompt", "completion"}`` gives ``[bos] + prompt + completion + [eos]`` (bos as the
-tokenizer's ``add_bos_token`` says), the loss on the completion and eos; ``{"messages": [...]}``
-is rendered with the tokenizer's chat template, the loss on the assistant turns (``chat_pieces``).
+``{"prompt", "completion"}`` (the loss on the completion and eos) or ``{"messages": [...]}``
+(rendered with the chat template, the loss on the assistant turns).
 """
 
 from __future__ import annotations

@@ -68,10 +68,9 @@ _CHECKED: set[tuple[str, int, int]] = set()
 
 
 def check_files(file: Path, docs: int, tokens: int, size: int | None = None) -> np.ndarray:
-    """Checks one shard split against its build's metadata: its ArrayRecord file's ``size``
-    (if recorded) and ``docs`` records, its ``.lengths.npy`` of ``docs`` lengths summing to
-    ``tokens``; returns those lengths [docs] int64. FileNotFoundError or ValueError, naming the
-    file."""
+    """Checks a shard split's ArrayRecord file (``size`` if recorded, ``docs`` records) and its
+    ``.lengths.npy`` (``docs`` lengths summing to ``tokens``); returns those lengths [docs]
+    int64. FileNotFoundError or ValueError, naming the file."""
     build = file.parent / METADATA
     lengths_file = file.with_name(file.name.replace(".arrayrecord", ".lengths.npy"))
     for path in (file, lengths_file):

@@ -159,9 +159,8 @@ def local_copy(path: str | os.PathLike[str], *, exclude: tuple[str, ...] = (),
                purpose: str = "read") -> Path:
     """A local directory with the files of ``path``: ``path`` itself (``~`` expanded) if it is
     local, else a download of the remote directory (or file), less the top-level names
-    ``exclude``, cached in ``staging_dir(url, purpose)`` while ``storage.versions`` says the
-    copy is current. FileNotFoundError for a URL with no file under it.
-    """
+    ``exclude``, cached in ``staging_dir(url, purpose)`` (``versions``); FileNotFoundError for
+    a URL with no file under it."""
     if not is_remote(path):
         return Path(os.fspath(path)).expanduser()
     url = os.fspath(path).rstrip("/")

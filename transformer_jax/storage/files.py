@@ -15,8 +15,7 @@ from transformer_jax import storage
 
 
 def umask() -> int:
-    """The process's umask (e.g. ``0o022``), read from ``/proc/self/status`` where there is
-    one; elsewhere set and restored (which another thread could observe)."""
+    """The process's umask, from ``/proc/self/status``, else set and restored (not atomic)."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
@@ -30,8 +29,7 @@ def umask() -> int:
 
 
 def default_mode(directory: bool = False) -> int:
-    """The mode ``open``/``mkdir`` give a new file (``0o666``) or directory (``0o777``) under
-    the umask; ``tempfile`` makes its files ``0o600`` and directories ``0o700`` instead."""
+    """The mode ``open``/``mkdir`` give a new file or directory (``tempfile``'s are private)."""
     return (0o777 if directory else 0o666) & ~umask()
 
 
@@ -82,10 +80,9 @@ def read_json(path: Path, what: str = "file") -> Any:
 @contextlib.contextmanager
 def replacing_directory(path: Path, carry_over: Callable[[str], bool] = lambda name: True
                         ) -> Iterator[Path]:
-    """Yields an empty directory beside ``path`` that replaces it (with ``mkdir``'s mode) when
-    the block finishes without error, after the old directory's entries that the block did not
-    write and ``carry_over(name)`` accepts (e.g. a tokenizer next to the weights) are linked or
-    copied in. An error or a crash in the block leaves ``path`` as it was."""
+    """Yields an empty directory that replaces ``path`` when the block finishes without error,
+    with the old entries the block did not write that ``carry_over(name)`` accepts linked or
+    copied in; an error or a crash in the block leaves ``path`` as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))

@@ -12,8 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-# Listing fields that change whenever an object's content does: GCS (gcsfs), S3 (s3fs),
-# Azure (adlfs), the HF hub.
+# Listing fields that change with an object's content: GCS, S3, Azure, the HF hub.
 VERSION_FIELDS = ("generation", "crc32c", "md5Hash", "ETag", "etag", "blob_id")
 _CHUNK = 1 << 22
 

@@ -19,8 +19,7 @@ from transformer_jax.tokenizer.base import TokenizerBackend, TokenizerConfig, ch
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
-# Written as the class of saved tokenizers that had none: transformers then uses tokenizer.json
-# exactly as stored (v5 maps it to TokenizersBackend).
+# The class of saved tokenizers that had none: transformers uses tokenizer.json as stored.
 DEFAULT_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 

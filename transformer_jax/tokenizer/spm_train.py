@@ -25,20 +25,17 @@ MODEL_TYPES: tuple[str, ...] = ("bpe", "unigram", "char")
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 _NUM_SPECIAL = 4
 _NUM_BYTE_PIECES = 256
-# SentencePiece writes a space as this character inside pieces, so the same character in input
-# text would otherwise decode as a space.
+# SentencePiece's space inside pieces: the same character in input text would decode as one.
 SPACE_MARKER = "\u2581"
 
 # Bump when the training recipe changes so that train_or_load does not reuse stale models.
 _TRAIN_RECIPE_VERSION = 1
 
-# SentencePiece skips training sentences longer than max_sentence_length (4192 bytes by default);
-# 1024 characters are at most 4096 UTF-8 bytes.
+# At most 4096 UTF-8 bytes: SentencePiece skips sentences over max_sentence_length (4192).
 _MAX_SENTENCE_CHARS = 1024
 
-# A line terminator run followed by the line's text. The terminator goes at the *start* of a
-# training sentence because the trainer strips trailing "\r"/"\n" from every sentence, which would
-# otherwise keep newlines out of the vocabulary.
+# A line terminator run and the line's text: the terminator *starts* a training sentence, as
+# the trainer strips trailing "\r"/"\n" (which would keep newlines out of the vocabulary).
 _SEGMENT_RE = re.compile(r"[\r\n]*[^\r\n]+|[\r\n]+")
 
 # Trainer options that this module must control for the id layout and I/O to be right.
@@ -94,8 +91,7 @@ def train_model(files: list[Path] | None, texts: list[str] | None, vocab_size: i
         if unrepresentable:
             logger.warning("char tokenizer cannot represent %s in the corpus: NUL becomes unk "
                            "and U+2581 decodes as a space", sorted(unrepresentable))
-        # Sentences lose trailing newlines in the trainer, so force every corpus character
-        # into the vocabulary; the space is stored as the marker.
+        # Every corpus character in the vocabulary (the space is stored as the marker).
         chars -= {" ", "\x00", SPACE_MARKER}
         options["required_chars"] = "".join(sorted(chars))
         options["use_all_vocab"] = True
