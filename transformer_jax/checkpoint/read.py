@@ -77,8 +77,8 @@ def read_state(path: Path, abstract_state: Any | None) -> tuple[Any, dict[str, A
 
 
 def read_params(path: Path, abstract_params: Any | None) -> tuple[Any, dict[str, Any]]:
-    """Only the ``params`` subtree of the state saved in ``path`` (orbax's partial restore
-    reads just those arrays), and the meta; raises as ``read_state``."""
+    """Only the ``params`` of the state saved in ``path`` (a partial restore), and the meta;
+    raises as ``read_state``."""
     saved = saved_tree(path)
     if not isinstance(saved, dict) or "params" not in saved:
         raise CheckpointMismatchError(path, ["the saved state has no 'params' entry"])

@@ -351,7 +351,7 @@ def _save_tokenizer(tokenizer: TextTokenizer, directory: Path) -> TextTokenizer:
 def resolve_tokenizer(spec: str, inputs: Sequence[str], vocab_size: int, cache_dir: str,
                       *, exclude: Sequence[str | os.PathLike[str]] = ()) -> TextTokenizer:
     """``--tokenizer``: a file or directory to load, or ``bpe``/``unigram``/``char`` to train
-    (cached) on the text files among the inputs, less what lies under ``exclude``."""
+    (cached) on the text files among the inputs (less ``exclude``)."""
     if spec not in MODEL_TYPES:
         return load_tokenizer(Path(spec).expanduser())
     srcs = sources_lib.resolve_sources(list(inputs), exclude=exclude)

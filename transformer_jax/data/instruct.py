@@ -44,8 +44,7 @@ logger = logging.getLogger(__name__)
 def fit(example: Example, capacity: int) -> tuple[Example | None, str]:
     """``example`` cut to at most ``capacity`` tokens: the prompt loses tokens from its start
     (after ``example.head``), then the end is cut. Returns ``(example or None, what happened)``:
-    ``"kept"``, ``"start"``, ``"end"``, ``"both"`` (what was cut) or ``"dropped"`` (no target).
-    """
+    ``"kept"``, ``"start"``, ``"end"``, ``"both"`` (what was cut) or ``"dropped"`` (no target)."""
     n = len(example.tokens)
     if n <= capacity:
         return example, "kept"

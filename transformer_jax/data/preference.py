@@ -172,9 +172,8 @@ Pair = tuple[int, tuple[Example, Example]]  # (pair id, (chosen, rejected))
 
 def _pack_groups(groups: Sequence[Sequence[Pair]], capacity: int, pad_id: int,
                  multiple: int = 0) -> tuple[PackedData, np.ndarray, int]:
-    """Each group's pairs packed into rows of ``capacity`` tokens (``best_fit_rows``); with
-    ``multiple``, every group padded with empty rows to S, the most rows any group takes
-    rounded up to ``multiple``. Returns ``(rows, pair_ids [R, M], S or 0)``."""
+    """Each group's pairs packed into rows of ``capacity`` tokens, with ``multiple`` padded to S
+    rows (``group_pairs``); returns ``(rows, pair_ids [R, M], S or 0)``."""
     layouts = [best_fit_rows([len(c.tokens) + len(r.tokens) for _, (c, r) in group], capacity)
                for group in groups]
     step_rows = -(-max(map(len, layouts)) // multiple) * multiple if multiple else 0
@@ -279,10 +278,9 @@ def load_preference_data(path: str | os.PathLike[str] | Sequence[str | os.PathLi
 
 def pair_batch(data: PreferenceRows, rows: np.ndarray, reference: np.ndarray | None = None
                ) -> HostBatch:
-    """The batch of packed rows ``rows`` [B]: ``instruct.rows_to_batch``'s keys (with ``mask``)
-    plus ``sequence_mask`` [B, T] (1 on every target of the input's segment, prompt included:
-    ORPO's NLL), ``pair_ids`` [B, M] and, given a stored ``reference`` [num_pairs, 2],
-    ``ref_logps`` [B, M, 2] float32 (chosen, rejected; 0 where there is no pair)."""
+    """The batch of packed rows ``rows`` [B]: ``rows_to_batch``'s keys (with ``mask``),
+    ``sequence_mask`` [B, T] (every target in its segment: ORPO's NLL), ``pair_ids`` [B, M] and,
+    given ``reference`` [num_pairs, 2], ``ref_logps`` [B, M, 2] float32 (0 where no pair)."""
     batch = with_mask(rows_to_batch(data.rows, rows))
     segments = data.rows.segment_ids[rows]
     batch["sequence_mask"] = ((segments[:, 1:] == segments[:, :-1])
@@ -326,6 +324,5 @@ class PairBatches(StepBatches):
         return pair_batch(data, self._mine(rows), self.reference)
 
 
-__all__ = ["PAIR_KEYS", "PairBatches", "PreferenceRows", "fit_pair",
-           "group_pairs", "is_preference_file", "load_pairs", "load_preference_data", "pack_pairs",
-           "pair_batch"]
+__all__ = ["PAIR_KEYS", "PairBatches", "PreferenceRows", "fit_pair", "group_pairs",
+           "is_preference_file", "load_pairs", "load_preference_data", "pack_pairs", "pair_batch"]

@@ -336,7 +336,6 @@ def fingerprint(builds: Sequence[str], reading: Any = None) -> str:
     return digest.hexdigest()
 
 
-__all__ = ["PACKING", "SPLITS", "Mixture", "Rows", "ShardBatches", "TokenStream",
-           "check_files", "check_tokenizer", "eval_batches", "eval_rows", "eval_tokens",
-           "fingerprint", "is_build", "mixture_sources", "packed_rows", "read_metadata",
-           "windows_batch"]
+__all__ = ["PACKING", "SPLITS", "Mixture", "Rows", "ShardBatches", "TokenStream", "check_files",
+           "check_tokenizer", "eval_batches", "eval_rows", "eval_tokens", "fingerprint",
+           "is_build", "mixture_sources", "packed_rows", "read_metadata", "windows_batch"]

@@ -249,5 +249,4 @@ def push(local: Path, url: str, *, exclude: tuple[str, ...] = ()) -> int:
 
 
 __all__ = ["as_path", "cache_dir", "check_bucket", "check_writable", "filesystem",
-           "forget_listings", "is_remote", "local_copy", "push", "rmtree", "size",
-           "staging_dir"]
+           "forget_listings", "is_remote", "local_copy", "push", "rmtree", "size", "staging_dir"]

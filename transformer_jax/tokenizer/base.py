@@ -212,9 +212,8 @@ class TokenizerBackend:
     ENTRY = "token"
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """Text (TypeError if not a str) -> ids [T] in ``[0, V)``, with ``bos_id`` / ``eos_id``
-        added on request (ValueError if the tokenizer has none); special-token strings become
-        their ids."""
+        """Text (TypeError if not a str) -> ids [T], bos / eos added on request (ValueError if
+        the tokenizer has none); special-token strings become their ids."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
         ids = self._encode_ids(text)

@@ -74,9 +74,8 @@ class Tokenizer(TokenizerBackend):
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, config: TokenizerConfig | None = None
              ) -> Tokenizer:
-        """Loads a SentencePiece ``.model`` file (or a directory's ``tokenizer.model``) with the
-        ``config`` given (unlike ``load_tokenizer``, this reads no ``tokenizer_config.json``);
-        ValueError if it is not a valid SentencePiece model."""
+        """Loads a SentencePiece ``.model`` file (or a directory's) with ``config`` (no settings
+        file is read); ValueError if it is not a valid SentencePiece model."""
         model_path = Path(path)
         if model_path.is_dir():
             model_path = model_path / DEFAULT_MODEL_FILENAME
