@@ -29,8 +29,7 @@ class QuietOrbaxErrors(logging.Filter):
 
 
 class _QuietAsyncioErrors(logging.Filter):
-    """Moves asyncio's "exception was never retrieved" of orbax's or TensorStore's errors to
-    DEBUG."""
+    """Moves asyncio's "exception was never retrieved" of orbax/TensorStore errors to DEBUG."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if ("exception was never retrieved" not in str(record.msg) or not record.exc_info

@@ -59,9 +59,8 @@ def get_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_len
 
 
 class StepBatches:
-    """What every batch source of a run shares: ``get(step)`` is this process's part (rows
-    ``[p * B / P, (p + 1) * B / P)`` for process p of P) of the global batch of B rows, a pure
-    function of (seed, step), so a resumed run sees the batches an uninterrupted one would."""
+    """What every batch source shares: ``get(step)``, this process's rows ``[p B / P, (p + 1)
+    B / P)`` of the global batch, is a pure function of (seed, step), so a resume sees the same."""
 
     batch_size: int
     seed: int

@@ -14,11 +14,11 @@ import json
 import logging
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from transformer_jax import storage
 from transformer_jax.storage.files import atomic_writer
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,10 @@ def claim(out: Path, identity: dict[str, Any], overwrite: bool) -> None:
             f.write(json.dumps(identity, indent=1, sort_keys=True).encode())
     for path in out.iterdir():  # of a build killed while it wrote (the lock is ours)
         if _TEMP_FILE.fullmatch(path.name):
-            storage.rmtree(path)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
 
 def _is_old_build(out: Path) -> bool:
