@@ -42,16 +42,14 @@ class Family:
     Attributes:
       model_type: the HF ``model_type``.
       hf_class: its ``architectures`` entry.
-      read: (``config.json`` over ``defaults``, a ``ChainMap`` whose ``maps[0]`` is the file's
-        own keys; L; max_seq_len) -> the family's ``free`` fields (and ``rope_base`` /
-        ``rope_scaling`` if it reads its own); raises ValueError naming a setting it refuses.
-      write: config -> the family's own ``config.json`` keys; raises ValueError for what the
+      read: (``config.json`` over ``defaults`` as a ``ChainMap``, L, max_seq_len) -> the
+        ``free`` fields (and RoPE, if it reads its own); ValueError for a setting it refuses.
+      write: config -> the family's own ``config.json`` keys; ValueError for what the
         declaration cannot say (a value's range, a relation between fields).
       fixed: fields the family has with one value (import sets it, export requires it);
         ``"moe.x"`` is field x of the ``MoE`` table.
-      free: fields the family has with any value ``write`` accepts. Declaring a ``"moe.x"``
-        field (fixed or free) means the family has the table, with its fields that have no
-        default.
+      free: fields the family has with any value ``write`` accepts. A ``"moe.x"`` field
+        (fixed or free) means it has the table, with its fields that have no default.
       activations: HF activation name -> ``ffn``.
       act_key: the ``config.json`` key of the activation.
       rope_kinds: the ``rope_scaling`` kinds it has (``"default"``: none).
@@ -59,14 +57,12 @@ class Family:
       required: keys whose class default is a preset's value: they must be set (not null).
       present: keys that must be there, null allowed, for the same reason.
       fused: Phi-3's tensors: q/k/v in one ``qkv_proj``, gate/up in one ``gate_up_proj``.
-      experts: a sparse layer's module and its experts' gate, up and down tensor names, as
-        ``save_pretrained`` writes them.
+      experts: a sparse layer's module and its experts' gate, up and down tensor names.
       picked: whether export picks it by matching; False: only when asked for by name.
-      quant_methods: the ``quantization_config`` methods its checkpoints may have (``load``
-        dequantises them, ``save`` can write them); block-scaled FP8 (``hf.fp8``) by default.
+      quant_methods: the ``quantization_config`` methods its checkpoints may have (FP8 by
+        default).
       ffn_module: the HF module of each layer's FFN (a dense layer's ``{gate,up,down}_proj``).
-      sparse_tensors: (config, layer) -> a sparse layer's FFN tensors, for a family whose
-        layout is its own; None: ``hf.moe.ffn_tensors``.
+      sparse_tensors: (config, layer) -> a sparse layer's FFN tensors; None: ``hf.moe``'s.
       shared_expert: the HF module of a sparse layer's shared expert (``hf.moe.ffn_tensors``).
       optional: tables (``"moe"``) the family declares that a config may also lack (None).
     """

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -184,10 +184,8 @@ def _packing(name: str, block: tuple[int, int]) -> Packing:
     def layout(shape: tuple[int, ...]) -> PartLayout:
         return ((shape, frozenset({DTYPE_CODE})), (scale_shape(name, shape, block), SCALE_CODES))
 
-    def view(shape: tuple[int, ...], reads: Sequence[Read]) -> Scaled:
-        return Scaled(name, shape, block, *reads)
-
-    return Packing(METHOD, (name, name + SCALE_SUFFIX), layout, view)
+    return Packing(METHOD, (name, name + SCALE_SUFFIX), layout,
+                   lambda shape, reads: Scaled(name, shape, block, *reads))
 
 
 class Scaled:

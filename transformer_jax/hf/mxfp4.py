@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -140,13 +140,10 @@ def packed_tensors(hf_config: Mapping[str, Any], names: Collection[str],
 
 def _packing(name: str) -> Packing:
     def layout(shape: tuple[int, ...]) -> PartLayout:
-        codes = frozenset({DTYPE_CODE})
-        return tuple((part, codes) for part in packed_shapes(name, shape))
+        return tuple((part, frozenset({DTYPE_CODE})) for part in packed_shapes(name, shape))
 
-    def view(shape: tuple[int, ...], reads: Sequence[Read]) -> Packed:
-        return Packed(name, shape, *reads)
-
-    return Packing(METHOD, (name + BLOCKS_SUFFIX, name + SCALES_SUFFIX), layout, view)
+    return Packing(METHOD, (name + BLOCKS_SUFFIX, name + SCALES_SUFFIX), layout,
+                   lambda shape, reads: Packed(name, shape, *reads))
 
 
 class Packed:

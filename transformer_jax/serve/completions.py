@@ -82,14 +82,9 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) ->
 
 def _grammar(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo,
              tool_parser: str | None = None) -> Grammar | None:
-    """The request's structured-output grammar (``response_format`` or vLLM's ``guided_*``),
-    checked to compile, or the grammar enforcing its ``tool_choice`` (in ``tool_parser``'s
-    format), or None.
-
-    Raises:
-      APIError: 400 naming the field, for a grammar that does not compile or a model without
-        a tokenizer.
-    """
+    """The grammar enforcing the request's ``tool_choice`` (in ``tool_parser``'s format), or its
+    structured output (``response_format``, ``guided_*``) checked to compile, or None; APIError
+    400 naming the field for a grammar that does not compile or a model without a tokenizer."""
     if tool_parser is not None:
         enforced = tools.tool_grammar(req, tool_parser, added_token_ids(model.tokenizer))
         if enforced is not None:  # (protocol refuses it beside response_format / guided_*)

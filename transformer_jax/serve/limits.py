@@ -40,8 +40,7 @@ class BodyLimits:
       app: the ASGI app behind it.
       max_bytes: the largest body accepted, in bytes (> 0).
       timeout: seconds from the request's headers to its whole body (> 0); None for no limit.
-      draining: returns True once the server is shutting down (a body still arriving is then
-        refused with 503).
+      draining: True once the server is shutting down (a body still arriving then gets 503).
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES,

@@ -58,10 +58,8 @@ class EngineRunner:
     Args:
       engine: the engine (compiled already, or compiling on first use).
       metrics: where the runner records its figures.
-      max_requests: the most requests in flight (running or waiting); more raise
-        ``QueueFull`` (HTTP 429).
-      request_timeout: seconds a request may run before it is ended (reason ``"timeout"``);
-        None for no limit.
+      max_requests: the most requests in flight (running or waiting); more raise ``QueueFull``.
+      request_timeout: seconds a request may run (then reason ``"timeout"``); None: no limit.
     """
 
     def __init__(self, engine: Engine, metrics: Metrics, max_requests: int,

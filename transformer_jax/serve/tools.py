@@ -275,10 +275,8 @@ def _listed_calls(text: str) -> list[Piece]:
 def make_parser(kind: str) -> ToolCallParser:
     """A fresh streaming parser of ``kind`` (one of ``PARSERS``, or ``JSON_CALLS`` with an
     optional ``":NAME"``)."""
-    if kind == "hermes":
-        return HermesParser()
-    if kind == "llama3_json":
-        return Llama3JsonParser()
+    if kind in PARSERS:
+        return HermesParser() if kind == "hermes" else Llama3JsonParser()
     if kind == JSON_CALLS or kind.startswith(JSON_CALLS + ":"):
         return JsonCallsParser(kind.partition(":")[2] or None)
     raise ValueError(f"tool-call parser must be one of {PARSERS}, got {kind!r}")
@@ -336,9 +334,8 @@ def reply_parser(req: ChatCompletionRequest, template: str | None,
       named function.
 
     Raises:
-      APIError: 400 naming ``tools.i.function.parameters`` for a schema that does not
-        compile, or ``tools`` for ``"auto"`` when the template writes no format this server
-        parses.
+      APIError: 400 naming ``tools.i.function.parameters`` for a schema that does not compile,
+        or ``tools`` for ``"auto"`` when the template writes no format this server parses.
     """
     if not req.tools:
         return None
@@ -384,7 +381,7 @@ def tool_grammar(req: ChatCompletionRequest, kind: str,
       req: the validated request.
       kind: the reply's format.
       added: {text: id} of the tokenizer's added tokens (``grammar.added_token_ids``): a
-        wrapper tag among them may also be written as that one token.
+        wrapper tag among them may also be that one token.
 
     Raises:
       APIError: 400 naming ``tool_choice`` if the grammar does not compile.
