@@ -1,12 +1,10 @@
 """The ``deepseek_v3`` family (DeepSeek-V3/R1, Kimi K2): multi-head latent attention
 (``model.fields.MLA``) and a sigmoid-scored mixture of experts in the Llama block.
 
-Pure functions, no file I/O. ``kv_lora_rank``, ``q_lora_rank`` (null: one ``q_proj``),
-``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim`` make the ``mla`` table;
-``rope_interleave`` is ``rope_pairing="adjacent"`` (transformers de-interleaves q and k alike
-after rotating, so every logit is the same); the ``MoE`` table covers the layers from
-``first_k_dense_replace`` on (docs/models.md lists every key). Its experts' tensors are
-Qwen2-MoE's layout (``hf.moe.ffn_tensors``), the shared expert ``mlp.shared_experts``.
+Pure functions, no file I/O. The MLA keys make the ``mla`` table; ``rope_interleave`` is
+``rope_pairing="adjacent"`` (transformers de-interleaves q and k alike after rotating, so every
+logit is the same); the ``MoE`` table covers the layers from ``first_k_dense_replace`` on
+(docs/models.md lists every key), its experts in Qwen2-MoE's layout (``hf.moe.ffn_tensors``).
 
 Attention tensors: ``q_proj`` [N*(nope+P), D] -> [D, N, nope+P], or ``q_a_proj`` [Q, D] ->
 [D, Q], ``q_a_layernorm``, ``q_b_proj`` [N*(nope+P), Q] -> [Q, N, nope+P];
@@ -14,9 +12,7 @@ Attention tensors: ``q_proj`` [N*(nope+P), D] -> [D, N, nope+P], or ``q_a_proj``
 -> [R, N, nope+V]; ``o_proj`` [D, N*V] -> [N, V, D].
 
 Multi-token prediction module k (``num_nextn_predict_layers`` -> ``mtp_depth``) is HF layer
-``L + k - 1``: a decoder layer, ``enorm``, ``hnorm``, ``eh_proj`` [D, 2D], ``shared_head`` and
-``embed_tokens`` (a copy of the main table). ``save_pretrained`` writes none of them: a
-checkpoint without them loads with ``mtp_depth`` 0.
+``L + k - 1`` (its tensors: docs/models.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Block-scaled FP8 tensors of HF checkpoints (DeepSeek-V3, Kimi K2, Qwen3-*-FP8), read as
-their values.
+their values (the format and what is refused: docs/models.md).
 
-With ``quantization_config: {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
-"dynamic", "weight_block_size": [B0, B1]}`` a quantised Linear weight ``X.weight`` [..., O, I]
-is stored as float8 e4m3fn beside ``X.weight_scale_inv`` [..., ceil(O/B0), ceil(I/B1)]: its
-value is ``float32(weight) * scale_inv`` over each B0 x B1 block (the last ones may be
-partial), then cast to the run's dtype. Static activation scales, formats other than e4m3 and
-per-tensor or per-channel scales are refused (docs/models.md says why). Pure numpy, no file
-I/O: ``Scaled`` reads any block of a value through two reading functions, reading only the
-scales it needs.
+A quantised Linear weight ``X.weight`` [..., O, I] is float8 e4m3fn beside
+``X.weight_scale_inv`` [..., ceil(O/B0), ceil(I/B1)]; its value is ``float32(weight) *
+scale_inv`` over each B0 x B1 block. Pure numpy, no file I/O: ``Scaled`` reads any block of a
+value through two reading functions, reading only the scales it needs.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The mixture-of-experts families Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS, declared as
 ``families.Family``, and the experts' tensors.
 
-Pure functions, no file I/O. The attention is the Llama layout's (``convert._tensors``); each
-family's FFN is our ``MoE`` table (``model.fields.MoE``; what each family sets is in
-docs/models.md and docs/moe.md). A ``num_experts`` of 0 (or every layer in
-``mlp_only_layers``) is a dense model (``moe=None``). ``router_aux_loss_coef`` and
-``output_router_logits`` are settings of transformers' loss, not of the function: not read.
+Pure functions, no file I/O. The attention is the Llama layout's; each family's FFN is our
+``MoE`` table (docs/models.md, docs/moe.md). A ``num_experts`` of 0 (or every layer in
+``mlp_only_layers``) is a dense model (``moe=None``); transformers' loss settings are not read.
 
 Experts' tensors, both layouts read (``stacked_experts`` tells which a file has): one tensor
 per expert, ``{mlp}.experts.{j}.{gate,up,down}_proj.weight`` [F, D] / [D, F] (Mixtral:

@@ -1,12 +1,9 @@
 """MXFP4 tensors of HF checkpoints (GPT-OSS's published experts), read as their exact values.
 
-With ``quantization_config: {"quant_method": "mxfp4"}`` a tensor ``X`` [..., I, O] (in-first)
-is stored as ``X_blocks`` [..., O, I/32, 16], uint8 with two fp4 (e2m1) values a byte (low
-nibble first), and ``X_scales`` [..., O, I/32], one e8m0 byte ``s`` per 32-value block: its
-value is ``e2m1 * 2^(s-127)``, transposed, exact in float32 and bfloat16. A value that is not
-finite (the NaN scale 255) is refused. transformers packs the experts' ``gate_up_proj`` and
-``down_proj``. Pure numpy, no file I/O: ``Packed`` reads any block of the value through two
-reading functions, reading only the MXFP4 blocks it needs.
+A tensor ``X`` [..., I, O] (in-first) is stored as ``X_blocks`` [..., O, I/32, 16] (two e2m1
+values a byte, low nibble first) and ``X_scales`` [..., O, I/32] (e8m0 ``s``): its value is
+``e2m1 * 2^(s-127)``, transposed (docs/models.md). Pure numpy, no file I/O: ``Packed`` reads
+any block of the value through two reading functions, reading only the blocks it needs.
 """
 
 from __future__ import annotations

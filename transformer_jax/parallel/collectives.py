@@ -43,13 +43,9 @@ def array_bytes(type_text: str, largest: bool = False) -> int:
 
 
 def parse_groups(text: str, n_ids: int) -> list[list[int]] | None:
-    """Replica groups in any of HLO's forms -> lists of partition ids (None: unreadable).
-
-    ``{{0,1},{2,3}}`` (explicit; ``{}`` is every id), ``[2,4]<=[8]`` and ``[4,2]<=[2,4]T(1,0)``
-    (iota: arange reshaped, transposed, reshaped to [groups, size]), and
-    ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` (arange over that mesh, one group for each
-    value of the axes not named).
-    """
+    """Replica groups in any of HLO's forms -> lists of partition ids (None: unreadable):
+    ``{{0,1},{2,3}}`` (``{}``: every id), iota ``[4,2]<=[2,4]T(1,0)``, and
+    ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` (a group per value of the axes not named)."""
     if text.startswith("{"):
         groups = [[int(x) for x in g.split(",") if x.strip()]
                   for g in re.findall(r"\{([\d, ]*)\}", text[1:-1])]
@@ -253,12 +249,11 @@ def _gathered_bytes(line: str, type_text: str, defs: dict[str, str],
 
 
 def summarize(found: list[dict[str, Any]]) -> dict[str, Any]:
-    """Totals of ``collectives``' list: by kind and by (kind, axes), and those between slices.
+    """Totals of ``collectives``' list, per run (bytes summed over executions).
 
     Returns:
       ``{"by_kind": {kind: {"count", "bytes"}}, "by_axis": {"kind over axes": {...}},
-      "cross_slice": {kind: {...}}}``; counts and bytes are per run (a loop body times its
-      trips), bytes summed over executions.
+      "cross_slice": {kind: {...}}}``.
     """
     out: dict[str, dict[str, dict[str, int]]] = {"by_kind": {}, "by_axis": {},
                                                  "cross_slice": {}}

@@ -39,8 +39,7 @@ def balanced_order(t: int, parts: int) -> np.ndarray:
       parts: the number of devices the sequence splits over.
 
     Returns:
-      [T] int32 indices: position j of the permuted sequence is position ``order[j]`` of the
-      natural one; device i holds chunks i and 2 parts - 1 - i of 2 parts.
+      [T] int32: position j of the permuted sequence is ``order[j]`` of the natural one.
 
     Raises:
       ValueError: T is not a multiple of ``2 * parts``.

@@ -124,12 +124,11 @@ def chips(mesh: Mesh) -> int:
 
 def largest_fitting(fits: Callable[[int], bool], most: int = 4096
                     ) -> tuple[int, list[tuple[int, bool]]]:
-    """The largest ``n`` in [1, ``most``] for which ``fits(n)``, for a ``fits`` that holds up to
-    some limit and not beyond (memory grows with the batch): doubling from 1, then bisection.
+    """The largest ``n`` in [1, ``most``] for which a monotone ``fits(n)`` holds: doubling from
+    1, then bisection.
 
     Returns:
-      ``(n, probes)``: 0 when ``fits(1)`` is False; ``probes`` the ``(n, fits(n))`` asked, in
-      order (each a compile, for the caller's report).
+      ``(n, probes)``: 0 when ``fits(1)`` is False; ``probes`` the ``(n, fits(n))`` asked.
     """
     probes: list[tuple[int, bool]] = []
 
@@ -167,11 +166,10 @@ def compile_memory(lowered: Any) -> tuple[Any, dict[str, Any]]:
         if "RESOURCE_EXHAUSTED" not in text:
             raise
         return None, {"fits": False, "error": text, "compile_s": time.perf_counter() - start}
-    fields: dict[str, Any] = {"compile_s": time.perf_counter() - start}
+    seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     memory = {n: int(getattr(stats, f"{n}_size_in_bytes", 0) or 0)
               for n in ("argument", "output", "alias", "temp", "generated_code",
                         "host_argument", "host_output", "host_temp")}
     memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
-    fields["memory"] = memory
-    return compiled, fields
+    return compiled, {"compile_s": seconds, "memory": memory}

@@ -162,9 +162,7 @@ def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_shape: Mappin
     """Raises ValueError if a dimension of ``shape`` does not split evenly over its mesh axes.
 
     Args:
-      name: what the array is (for the message), e.g. ``"blocks/attn/k_proj"``.
-      shape: the array's shape.
-      spec: its mesh ``PartitionSpec``.
+      name, shape, spec: the array (named in the message), its shape and mesh ``PartitionSpec``.
       mesh_shape: mesh axis name -> size (``mesh.shape``).
       logical: the logical axis names, only for the message.
     """
