@@ -1,12 +1,10 @@
 """HuggingFace checkpoint directories of every family of ``ARCHITECTURES``: load, save, export.
 
-``load(dir)`` reads ``config.json`` and ``model.safetensors`` (or a sharded index) into a
-``ModelConfig`` and a param tree that gives the HF model's logits, sharded over a mesh if one is
-given; MXFP4 experts (``hf.mxfp4``) and block-scaled FP8 weights (``hf.fp8``) are dequantised as
-they are read. ``save(config, params, dir, tokenizer=tok)`` writes the reverse, which
-``transformers``' ``from_pretrained`` reads. This module does the file I/O; the pure name,
-layout and config mapping is ``hf.convert``. Anything that cannot be represented exactly is
-refused with a ValueError naming the setting or tensor. Needs the ``hf`` extra (``safetensors``).
+``load(dir)`` reads ``config.json`` and the safetensors weights into a ``ModelConfig`` and a
+param tree that gives the HF model's logits (sharded over a mesh if one is given; MXFP4 and FP8
+dequantised); ``save`` writes the reverse, which ``from_pretrained`` reads. This module does the
+file I/O, ``hf.convert`` the mapping; anything with no exact equivalent is a ValueError naming
+it. Needs the ``hf`` extra (``safetensors``).
 """
 
 from __future__ import annotations

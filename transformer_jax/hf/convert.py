@@ -1,14 +1,11 @@
 """HuggingFace names and layouts <-> ``ModelConfig`` and our param tree, for every family.
 
-Pure functions, no file I/O. Each family is declared once as a ``families.Family`` (Llama,
-Mistral and Qwen2 here, the others in ``hf.families``, ``hf.moe``, ``hf.llama4`` and
-``hf.deepseek``); ``FAMILIES`` lists them. ``config_from_hf``/``config_to_hf`` map a
-``config.json`` dict to a ``ModelConfig`` and back by that declaration, refusing with a
-ValueError any setting with no exact equivalent. ``_tensors(config)`` lists every HF tensor
-with the param it becomes (``hf.tensors._Tensor``): HF ``Linear`` weights [out, in] become
-[in, out] with heads split out (``q_proj.weight`` [N*H, D] -> ``q_proj`` [D, N, H],
-``o_proj.weight`` [D, N*H] -> [N, H, D]); Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are
-row ranges of one tensor. HF Llama's rotation is ``rope_pairing="half"``.
+Pure functions, no file I/O. Each family is a ``families.Family`` (Llama, Mistral and Qwen2
+here), ``FAMILIES`` lists them all; ``config_from_hf``/``config_to_hf`` map ``config.json`` by
+it, refusing what has no exact equivalent. ``_tensors(config)`` lists every HF tensor with the
+param it becomes (``hf.tensors._Tensor``): ``Linear`` weights [out, in] become [in, out] with
+heads split out (``q_proj.weight`` [N*H, D] -> ``q_proj`` [D, N, H], ``o_proj.weight``
+[D, N*H] -> [N, H, D]). HF Llama's rotation is ``rope_pairing="half"``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The collectives of a compiled program, read from its optimized HLO text, per mesh axis.
 
-``collectives(hlo_text, ids, axis_names)`` finds every all-gather, all-reduce, reduce-scatter,
-all-to-all and collective-permute, counts each as often as one run executes it (``while``
-bodies times their trip counts) and names the mesh axes it runs over. The TPU compiler's
-rewrites are read back as what they are (a reduce-scatter fusion, an all-gather written as an
-all-reduce, ``"as": "all-reduce"``, a DCN ``send`` between slices). Bytes: each result on one
-device.
+``collectives(hlo_text, ids, axis_names)`` finds every collective of ``KINDS``, counts each as
+often as one run executes it (``while`` bodies times their trip counts) and names the mesh axes
+it runs over; the TPU compiler's rewrites (a reduce-scatter fusion, an all-gather written as an
+all-reduce, a DCN ``send``) are read back as what they are.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Tool calls: the reply's calls parsed from the text the model writes, and the grammar that
 makes it write one when ``tool_choice`` asks for it.
 
-The parser follows the chat template's format: ``"hermes"`` (``<tool_call>{...}</tool_call>``
-blocks among text) or ``"llama3_json"`` (JSON calls separated by ``;``, optionally after
-``<|python_tag|>``). ``ToolCallParser`` reads the text as it streams; the pieces joined equal
-``parse_reply`` of the whole text. ``tool_choice`` ``"required"`` or a named function is
-enforced by an llguidance grammar (``tool_grammar``); where the template shows no format, in
-``JSON_CALLS``: a JSON list of calls, or the named function's arguments object.
+The parser follows the chat template's format, ``"hermes"`` or ``"llama3_json"``, and reads the
+text as it streams (the pieces joined equal ``parse_reply`` of the whole text). ``tool_choice``
+``"required"`` or a named function is enforced by an llguidance grammar (``tool_grammar``), in
+``JSON_CALLS`` where the template shows no format.
 """
 
 from __future__ import annotations
