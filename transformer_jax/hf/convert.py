@@ -157,8 +157,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def _check_quantization(quant: Any, family: Family) -> None:
-    """Refuses a ``quantization_config`` whose method the family's checkpoints cannot have, or
-    an FP8 one whose settings ``load`` does not read (``fp8.block_size``)."""
+    """Refuses a ``quantization_config`` the family's checkpoints cannot have or ``load`` cannot
+    read."""
     if not quant:
         return
     method = quant.get("quant_method") if isinstance(quant, dict) else None
@@ -172,10 +172,9 @@ def _check_quantization(quant: Any, family: Family) -> None:
 
 
 def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict[str, Any]:
-    """The HF ``config.json`` dict for a config, as the first family of ``FAMILIES`` whose
-    declaration matches it (``Family.mismatches``) unless ``model_type`` names one (Phi-3 is
-    written only when asked for). Writes the legacy ``rope_theta``/``rope_scaling`` keys and
-    ``rope_parameters`` both.
+    """The HF ``config.json`` dict for a config, as the first family of ``FAMILIES`` that
+    matches it (Phi-3 only when ``model_type`` names it), with both the legacy RoPE keys and
+    ``rope_parameters``.
 
     Args:
       config: the model config.
@@ -300,8 +299,7 @@ def _layer_tensors(c: ModelConfig, family: Family, i: int, stacked_experts: bool
 def _tensors(config: ModelConfig, model_type: str | None = None, stacked_experts: bool = False
              ) -> list[_Tensor]:
     """Every tensor of the HF checkpoint of ``config`` as ``model_type`` (None: the family
-    export picks), the sparse layers' in ``hf.moe``, their experts stacked with
-    ``stacked_experts``."""
+    export picks), the experts stacked with ``stacked_experts``."""
     c = config
     family = FAMILIES[model_type] if model_type else _family(_canonical(c), None)
     d, v = c.d_model, c.vocab_size

@@ -109,9 +109,8 @@ def attention_tensors(c: ModelConfig, attn: str, ours: tuple[str, ...]) -> list[
 
 def mtp_tensors(c: ModelConfig, i: int, ours: tuple[str, ...], block: list[_Tensor]
                 ) -> list[_Tensor]:
-    """A multi-token prediction module's tensors (HF layer ``i``), params under ``ours``
-    (``mtp_{k-1}``): its norms, ``eh_proj`` and head around ``block`` (its decoder layer's
-    tensors, already under ``ours``). Its ``embed_tokens`` copy is ``load``'s and ``save``'s."""
+    """A multi-token prediction module's tensors (HF layer ``i``, params under ``ours``) around
+    ``block``, its decoder layer's (``embed_tokens`` is ``load``'s and ``save``'s)."""
     hf, d = f"model.layers.{i}", c.d_model
     return [_same(f"{hf}.enorm.weight", (*ours, "emb_norm", "scale"), (d,)),
             _same(f"{hf}.hnorm.weight", (*ours, "hidden_norm", "scale"), (d,)),
@@ -126,9 +125,8 @@ def mtp_embeddings(c: ModelConfig) -> list[str]:
 
 
 def stored_mtp_depth(config: ModelConfig, names: Any) -> int:
-    """The modules a checkpoint holds: ``config.mtp_depth`` (its ``num_nextn_predict_layers``)
-    when the tensor ``names`` include layer L's, else 0 (transformers' ``save_pretrained``
-    writes ``num_nextn_predict_layers`` 1 and no tensors)."""
+    """The modules a checkpoint holds: ``config.mtp_depth`` when the tensor ``names`` include
+    layer L's, else 0 (``save_pretrained`` writes the count but no tensors)."""
     if config.mtp_depth and any(n.startswith(f"model.layers.{config.n_layers}.") for n in names):
         return config.mtp_depth
     return 0

@@ -246,8 +246,7 @@ def layer_types_to_hf(config: ModelConfig) -> list[str]:
 def read_rope(hf: Mapping[str, Any], max_seq_len: int, kinds: Sequence[str]
               ) -> tuple[float, RopeScaling | None]:
     """(rope_base, rope_scaling) from legacy ``rope_theta``/``rope_scaling`` or
-    ``rope_parameters``: as in transformers, a legacy ``rope_scaling`` dict wins over
-    ``rope_parameters``, and a ``rope_theta`` inside the dict over the top-level one."""
+    ``rope_parameters``, the legacy dict winning as in transformers."""
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ValueError(f"rope_scaling/rope_parameters must be a dict, got {rope!r}")
@@ -267,8 +266,8 @@ def _qwen3_read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int) -> dict
 
 
 def _qwen_kinds(hf: Mapping[str, Any], n_layers: int) -> list[str]:
-    """Qwen3's layer kinds: all global without ``use_sliding_window`` (transformers then drops
-    the window), else ``layer_types`` or layers i >= ``max_window_layers`` local."""
+    """Qwen3's layer kinds: all global without ``use_sliding_window``, else ``layer_types`` or
+    layers i >= ``max_window_layers`` local."""
     layer_types = hf.get("layer_types")
     if not hf.get("use_sliding_window", False):
         if layer_types is not None:
@@ -315,9 +314,8 @@ def _gemma_read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int, *, gemm
 
 def _gemma3_rope(hf: Mapping[str, Any], max_seq_len: int
                  ) -> tuple[float, RopeScaling | None, float | None]:
-    """(rope_base, rope_scaling, local_rope_base) from Gemma 3's per-layer-type
-    ``rope_parameters`` or the legacy ``rope_theta``/``rope_scaling``/``rope_local_base_freq``,
-    filled in as transformers does (global base 1e6, local 1e4 by default)."""
+    """(rope_base, rope_scaling, local_rope_base) of Gemma 3, as transformers fills them in
+    (global base 1e6, local 1e4 by default)."""
     nested = hf.get("rope_parameters") or {}
     if not isinstance(nested, dict) or not set(nested) <= set(_LAYER_TYPES):
         raise ValueError("gemma3_text rope_parameters must be nested by layer type "

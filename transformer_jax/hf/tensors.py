@@ -1,6 +1,5 @@
 """One HF tensor and the param (or part of a param) it becomes (``_Tensor``), the layouts every
-family's tensors are built from, and the param tree's path helpers. Pure, no file I/O.
-"""
+family's tensors are built from, and the param tree's path helpers. Pure, no file I/O."""
 
 from __future__ import annotations
 

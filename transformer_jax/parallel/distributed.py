@@ -144,8 +144,7 @@ def process_batch_shard(sharding: Sharding, global_batch_size: int) -> tuple[int
         rows.add((start, stop))
     ordered = sorted(rows)
     start, stop = ordered[0][0], ordered[-1][1]
-    covered = sum(b - a for a, b in ordered)
-    if covered != stop - start:
+    if sum(b - a for a, b in ordered) != stop - start:
         raise ValueError(f"process {jax.process_index()} holds non-contiguous batch rows "
                          f"{ordered} of {global_batch_size}; reorder the mesh devices")
     size = stop - start

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from transformer_jax.parallel.mesh import MeshConfig
+from transformer_jax.parallel.mesh import MeshConfig, make_mesh, slice_count
 
 GIB = 2**30
 
@@ -78,8 +78,6 @@ def pod_mesh(mesh_config: MeshConfig, devices: Sequence[Any], slices: int = 1,
     Raises:
       ValueError: the sizes do not fit the devices, or the DCN sizes the slices or the axes.
     """
-    from transformer_jax.parallel.mesh import make_mesh, slice_count
-
     if slice_count(devices) != slices:
         raise ValueError(f"the devices span {slice_count(devices)} slices, not {slices}")
     return make_mesh(mesh_config, devices, dcn_config)
@@ -110,16 +108,6 @@ def slice_mesh(mesh: Mesh) -> tuple[np.ndarray, tuple[str, ...]]:
     (a multi-slice program's collectives name one slice's devices), with the axis names."""
     shape = tuple(s // d for s, d in zip(mesh.devices.shape, dcn_sizes(mesh), strict=True))
     return np.arange(math.prod(shape)).reshape(shape), tuple(mesh.axis_names)
-
-
-def slice_count(mesh: Mesh) -> int:
-    """How many slices the mesh's devices span."""
-    return len({getattr(d, "slice_index", 0) for d in mesh.devices.flat})
-
-
-def chips(mesh: Mesh) -> int:
-    """Number of devices of the mesh."""
-    return math.prod(mesh.devices.shape)
 
 
 def largest_fitting(fits: Callable[[int], bool], most: int = 4096
