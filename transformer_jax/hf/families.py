@@ -192,12 +192,11 @@ def rope_to_dict(scaling: RopeScaling | None) -> dict[str, Any] | None:
         return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                 "high_freq_factor": s.high_freq_factor,
                 "original_max_position_embeddings": s.original_max_len}
-    out = {"rope_type": "yarn", "factor": s.factor,
-           "original_max_position_embeddings": s.original_max_len, "beta_fast": s.beta_fast,
-           "beta_slow": s.beta_slow, "truncate": s.truncate}
-    return {**out, **{name: getattr(s, name) for name in ("attention_factor", "mscale",
-                                                          "mscale_all_dim")
-                      if getattr(s, name) is not None}}
+    optional = {name: getattr(s, name) for name in ("attention_factor", "mscale", "mscale_all_dim")}
+    return {"rope_type": "yarn", "factor": s.factor,
+            "original_max_position_embeddings": s.original_max_len, "beta_fast": s.beta_fast,
+            "beta_slow": s.beta_slow, "truncate": s.truncate,
+            **{name: value for name, value in optional.items() if value is not None}}
 
 
 def rope_keys(base: float, scaling: RopeScaling | None) -> dict[str, Any]:

@@ -48,13 +48,11 @@ class _Tensor:
     @property
     def stored_shape(self) -> tuple[int, ...]:
         """Shape of the tensor in the file (the whole fused tensor for a part)."""
-        a = self.axis
-        if self.interleave is not None:
-            return (*self.hf_shape[:a], self.hf_shape[a] * self.interleave[1],
-                    *self.hf_shape[a + 1:])
-        if self.rows is None:
+        if self.interleave is None and self.rows is None:
             return self.hf_shape
-        return (*self.hf_shape[:a], self.rows[1], *self.hf_shape[a + 1:])
+        a = self.axis
+        size = self.rows[1] if self.interleave is None else self.hf_shape[a] * self.interleave[1]
+        return (*self.hf_shape[:a], size, *self.hf_shape[a + 1:])
 
     def place(self, stored: np.ndarray | None, part: np.ndarray) -> np.ndarray:
         """The stored tensor with this interleaved part written in (``stored`` None: zeros
