@@ -180,10 +180,8 @@ def collectives(hlo: str, ids: np.ndarray, axis_names: tuple[str, ...], dcn: str
         if not times.get(name):
             continue
         defs = {m.group(1): line for line in lines if (m := _INSTRUCTION.match(line))}
-        for line in lines:
+        for line in defs.values():
             m = _INSTRUCTION.match(line)
-            if m is None:
-                continue
             type_text, op = m.group(2), m.group(3)
             if op == "send" and (t := _MEGASCALE.search(line)):
                 rendezvous = _RENDEZVOUS.search(line)

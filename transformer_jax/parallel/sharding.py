@@ -43,25 +43,14 @@ MeshAxes = str | tuple[str, ...] | None
 # parameters over fsdp along their model width (embed) and over tensor along heads / FFN width /
 # vocab (every matmul a Megatron pair: column-split in, row-split out).
 LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("length", None),
-    ("embed", "fsdp"),
+    ("batch", ("data", "fsdp")), ("length", None), ("embed", "fsdp"),
     # Latent attention's low ranks (q_b_proj [Q, N, H], kv_b_proj [R, N, H]) have no embed
     # axis: split as embed is, or an FSDP mesh holds them and their optimizer state whole.
     ("latent_rank", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("head_dim", None),
-    ("layers", None),
-    ("norm", None),
-    ("act_embed", None),
+    ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
+    ("head_dim", None), ("layers", None), ("norm", None), ("act_embed", None),
     # A mixture's stacked experts [E, D, F], without an expert axis: all E on every device.
-    ("experts", None),
-    ("expert_embed", "fsdp"),
-    ("expert_mlp", "tensor"),
-    ("router", None),
+    ("experts", None), ("expert_embed", "fsdp"), ("expert_mlp", "tensor"), ("router", None),
 )
 
 # With an ``expert`` axis the experts' E splits over it, and every other layer uses it as more
