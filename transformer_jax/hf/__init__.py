@@ -121,17 +121,15 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
     memory-mapped file, quantised ones (MXFP4, FP8) dequantised block by block to ``dtype``.
 
     Args:
-      path: directory with ``config.json`` and ``model.safetensors`` or
-        ``model.safetensors.index.json`` plus its shards.
+      path: directory with ``config.json`` and the safetensors weights (one file or sharded).
       mesh: every param created sharded over it (``sharding.param_shardings``), on this
         process's devices only; None: plain arrays on the default device.
-      scan_layers: True returns the scanned layout and a config with ``scan_layers=True``;
-        None or False the unrolled one (``blocks_{i}``).
+      scan_layers: True: the scanned layout (``scan_layers=True``); else ``blocks_{i}``.
       dtype: the ``param_dtype`` and compute ``dtype`` of the result; None keeps the
         checkpoint's dtype when all (unquantised) tensors share one, else float32.
       rules: the logical -> mesh axis rules of the placement (default: ``rules_for(mesh)``).
-      mtp_depth: None loads the multi-token prediction modules the checkpoint has (none when
-        their tensors are absent); 0 drops them (one log line).
+      mtp_depth: None loads the multi-token prediction modules the checkpoint has; 0 drops
+        them (one log line).
 
     Returns:
       ``(config, params)``: ``Transformer(config).apply({"params": params}, tokens)`` gives the
@@ -286,15 +284,13 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
 
     Args:
       config: the model config.
-      params: unrolled (``blocks_{i}``) or scanned (``blocks`` [L, ...]) params of ``config``,
-        plain or sharded arrays (each tensor is gathered to the host on its own).
+      params: unrolled or scanned params of ``config``, plain or sharded arrays.
       path: the directory (created if needed).
       tokenizer: the model's tokenizer; ``tokenizer.save(path)`` writes its files.
       max_shard_bytes: write shards of at most this size (a larger tensor gets its own) and
         ``model.safetensors.index.json``.
       model_type: the HF model type to write (one of ``ARCHITECTURES``); None picks it.
-      mxfp4_experts: store the experts in MXFP4 as the published GPT-OSS checkpoints
-        (``hf.mxfp4.quantize``); GPT-OSS only.
+      mxfp4_experts: store GPT-OSS's experts in MXFP4 (``hf.mxfp4.quantize``).
       fp8_block: store the layers' projection weights in FP8 with [B0, B1] block scales
         (``hf.fp8.quantize``; DeepSeek-V3: (128, 128)); not for GPT-OSS, Llama 4 or MXFP4.
 

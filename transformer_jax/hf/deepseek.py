@@ -33,12 +33,10 @@ def _int(hf: ChainMap[str, Any], key: str, low: int) -> int:
 
 
 def _read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int) -> dict[str, Any]:
-    q_rank = hf.get("q_lora_rank")
-    mla = MLA(**{k: hf[k] for k in _MLA_KEYS}, q_lora_rank=q_rank)
-    interleave = hf.get("rope_interleave")
+    mla = MLA(**{k: hf[k] for k in _MLA_KEYS}, q_lora_rank=hf.get("q_lora_rank"))
     depth = int_at_least(hf.maps[0].get("num_nextn_predict_layers") or 0,
                          "num_nextn_predict_layers", 0)
-    return dict(mla=mla, rope_pairing="adjacent" if interleave else "half",
+    return dict(mla=mla, rope_pairing="adjacent" if hf.get("rope_interleave") else "half",
                 moe=_moe(hf, n_layers), mtp_depth=depth)
 
 

@@ -46,8 +46,7 @@ class Family:
         ``free`` fields (and RoPE, if it reads its own); ValueError for a setting it refuses.
       write: config -> the family's own ``config.json`` keys; ValueError for what the
         declaration cannot say (a value's range, a relation between fields).
-      fixed: fields the family has with one value (import sets it, export requires it);
-        ``"moe.x"`` is field x of the ``MoE`` table.
+      fixed: fields with one value (import sets it, export requires it); ``"moe.x"``: MoE's x.
       free: fields the family has with any value ``write`` accepts. A ``"moe.x"`` field
         (fixed or free) means it has the table, with its fields that have no default.
       activations: HF activation name -> ``ffn``.
@@ -59,8 +58,7 @@ class Family:
       fused: Phi-3's tensors: q/k/v in one ``qkv_proj``, gate/up in one ``gate_up_proj``.
       experts: a sparse layer's module and its experts' gate, up and down tensor names.
       picked: whether export picks it by matching; False: only when asked for by name.
-      quant_methods: the ``quantization_config`` methods its checkpoints may have (FP8 by
-        default).
+      quant_methods: the ``quantization_config`` methods its checkpoints may have.
       ffn_module: the HF module of each layer's FFN (a dense layer's ``{gate,up,down}_proj``).
       sparse_tensors: (config, layer) -> a sparse layer's FFN tensors; None: ``hf.moe``'s.
       shared_expert: the HF module of a sparse layer's shared expert (``hf.moe.ffn_tensors``).

@@ -63,8 +63,7 @@ class MeshConfig:
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """The mesh's axis names: ``MESH_AXES``, or ``EXPERT_MESH_AXES`` when expert > 1, or
-        ``CONTEXT_MESH_AXES`` when context > 1."""
+        """The mesh's axis names: ``MESH_AXES``, or with an expert or context axis its own."""
         if self.context > 1:
             return CONTEXT_MESH_AXES
         return EXPERT_MESH_AXES if self.expert > 1 else MESH_AXES
@@ -184,9 +183,8 @@ def slice_count(devices: Sequence[Any]) -> int:
 
 def hybrid_sizes(mesh_config: MeshConfig, dcn_config: MeshConfig, n_devices: int,
                  slices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Each axis of ``mesh_config.axes`` (whole-mesh sizes over ``n_devices``) split into its
-    size within a slice (ICI) and the number of slices ``dcn_config`` has it span (DCN; their
-    product ``slices``, a -1 the rest).
+    """Each axis of ``mesh_config.axes`` over ``n_devices`` split into its size within a slice
+    (ICI) and the number of the ``slices`` that ``dcn_config`` has it span (DCN).
 
     Returns:
       ``(ici, dcn)``, both in ``mesh_config.axes`` order; ``ici[i] * dcn[i]`` is axis i's size.

@@ -71,8 +71,7 @@ RESIDUAL_AXES = ("batch", "length", "act_embed")
 
 
 def rules_for(mesh: Mesh | jax.sharding.AbstractMesh) -> tuple[tuple[str, MeshAxes], ...]:
-    """The logical rules of ``mesh``: ``CONTEXT_RULES`` or ``EXPERT_RULES`` if it has that axis,
-    else ``LOGICAL_RULES``."""
+    """``CONTEXT_RULES`` or ``EXPERT_RULES`` if ``mesh`` has that axis, else ``LOGICAL_RULES``."""
     if "context" in mesh.axis_names:
         return CONTEXT_RULES
     return EXPERT_RULES if "expert" in mesh.axis_names else LOGICAL_RULES

@@ -1,7 +1,6 @@
 """From a validated OpenAI request to the engine's input (``prepare``: prompt ids and
-``SamplingParams``): text encoded as ``generate`` encodes it, chat messages rendered with the
-checkpoint's chat template, stops at eos (and the assistant turn's end), ``stop`` strings and
-the token limit; a chat's tools rendered, and their calls parsed or enforced (``serve.tools``).
+``SamplingParams``): text encoded as ``generate`` does, chat messages rendered with the chat
+template (tools too, ``serve.tools``), stops at eos, the turn's end and ``stop`` strings.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Request bodies read before the app sees them: at most ``max_bytes``, within ``timeout`` s.
 
-``BodyLimits`` is an ASGI middleware in front of the app: a body above the limit gets 413, one
-not whole in time 408, one still arriving when the server drains 503; each refusal closes the
-connection. A body within the limits is handed to the app whole.
+``BodyLimits``, an ASGI middleware, refuses a body above the limit (413), not whole in time
+(408) or still arriving when the server drains (503), closing the connection.
 """
 
 from __future__ import annotations

@@ -271,8 +271,7 @@ def _listed_calls(text: str) -> list[Piece]:
 
 
 def make_parser(kind: str) -> ToolCallParser:
-    """A fresh streaming parser of ``kind`` (one of ``PARSERS``, or ``JSON_CALLS`` with an
-    optional ``":NAME"``)."""
+    """A fresh streaming parser of ``kind`` (``reply_parser``'s)."""
     if kind in PARSERS:
         return HermesParser() if kind == "hermes" else Llama3JsonParser()
     if kind == JSON_CALLS or kind.startswith(JSON_CALLS + ":"):
@@ -328,8 +327,7 @@ def reply_parser(req: ChatCompletionRequest, template: str | None,
       choice: the server's parser (one of ``PARSERS``), over the template's; None: pick.
 
     Returns:
-      One of ``PARSERS``; else ``JSON_CALLS`` for ``"required"``, ``JSON_CALLS:NAME`` for a
-      named function.
+      One of ``PARSERS``, else ``JSON_CALLS`` (``"required"``) or ``JSON_CALLS:NAME``.
 
     Raises:
       APIError: 400 naming ``tools.i.function.parameters`` for a schema that does not compile,
@@ -371,9 +369,8 @@ def arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
 
 def tool_grammar(req: ChatCompletionRequest, kind: str,
                  added: dict[str, int] | None = None) -> Grammar | None:
-    """The grammar enforcing ``tool_choice`` ``"required"`` (one call or more; one with
-    ``parallel_tool_calls: false``) or a named function (one call of it), in ``kind``'s
-    format (``reply_parser``'s); None for ``"auto"`` and ``"none"``.
+    """The grammar enforcing ``tool_choice`` ``"required"`` (calls; one without
+    ``parallel_tool_calls``) or a named function in ``kind``'s format; None for the others.
 
     Args:
       req: the validated request.
