@@ -44,11 +44,9 @@ class Family:
       hf_class: its ``architectures`` entry.
       read: (``config.json`` over ``defaults`` as a ``ChainMap``, L, max_seq_len) -> the
         ``free`` fields (and RoPE, if it reads its own); ValueError for a setting it refuses.
-      write: config -> the family's own ``config.json`` keys; ValueError for what the
-        declaration cannot say (a value's range, a relation between fields).
+      write: config -> the family's own ``config.json`` keys; ValueError for what else it refuses.
       fixed: fields with one value (import sets it, export requires it); ``"moe.x"``: MoE's x.
-      free: fields the family has with any value ``write`` accepts. A ``"moe.x"`` field
-        (fixed or free) means it has the table, with its fields that have no default.
+      free: fields with any value ``write`` accepts; a ``"moe.x"`` field means it has the table.
       activations: HF activation name -> ``ffn``.
       act_key: the ``config.json`` key of the activation.
       rope_kinds: the ``rope_scaling`` kinds it has (``"default"``: none).

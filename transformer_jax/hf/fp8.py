@@ -166,8 +166,7 @@ def quantizable(name: str, shape: tuple[int, ...]) -> bool:
 def packed_tensors(hf_config: Mapping[str, Any], names: Collection[str],
                    stored: Collection[str]) -> dict[str, Packing]:
     """The tensors of ``names`` an FP8 checkpoint stores block-scaled (their ``_scale_inv`` is
-    ``stored``): name -> its ``Packing``. Empty unless ``quantization_config``'s method is FP8.
-    """
+    ``stored``): name -> its ``Packing``; empty unless the checkpoint is FP8."""
     quant = hf_config.get("quantization_config")
     if not isinstance(quant, Mapping) or quant.get("quant_method") != METHOD:
         return {}

@@ -116,17 +116,14 @@ def packed_shapes(name: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], t
 
 
 def packable(name: str) -> bool:
-    """Whether a tensor is one MXFP4 checkpoints store packed (an experts' ``gate_up_proj`` or
-    ``down_proj``)."""
+    """Whether MXFP4 checkpoints store a tensor packed (the experts' projections)."""
     return _PACKABLE.search(name) is not None
 
 
 def packed_tensors(hf_config: Mapping[str, Any], names: Collection[str],
                    stored: Collection[str]) -> dict[str, Packing]:
-    """The tensors of ``names`` an MXFP4 checkpoint stores packed (a packable one not
-    ``stored`` itself but as its blocks or scales): name -> its ``Packing``. Empty unless
-    ``quantization_config``'s method is MXFP4.
-    """
+    """The tensors of ``names`` an MXFP4 checkpoint stores packed (``stored`` as blocks and
+    scales only): name -> its ``Packing``; empty unless the checkpoint is MXFP4."""
     quant = hf_config.get("quantization_config")
     if not isinstance(quant, Mapping) or quant.get("quant_method") != METHOD:
         return {}

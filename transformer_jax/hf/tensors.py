@@ -177,8 +177,7 @@ def _heads_out(hf_name: str, path: tuple[str, ...], d: int, heads: int, h: int) 
 
 
 def _fused(specs: list[_Tensor], hf_name: str, axis: int = 0) -> list[_Tensor]:
-    """``specs`` as consecutive ranges on HF dimension ``axis`` of one fused tensor
-    ``hf_name``."""
+    """``specs`` as consecutive ranges on HF dimension ``axis`` of one tensor ``hf_name``."""
     total, out = sum(s.hf_shape[axis] for s in specs), []
     for s in specs:
         start = sum(p.hf_shape[axis] for p in out)

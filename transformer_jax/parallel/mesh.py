@@ -176,8 +176,7 @@ DEFAULT_DCN = "-1,1,1"
 
 
 def slice_count(devices: Sequence[Any]) -> int:
-    """How many slices (TPU slices joined by DCN: distinct ``slice_index``) the devices span; 1
-    for devices without one (CPU, GPU)."""
+    """How many TPU slices (distinct ``slice_index``) the devices span; 1 without (CPU, GPU)."""
     return len({getattr(d, "slice_index", 0) for d in devices})
 
 

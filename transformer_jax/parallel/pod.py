@@ -58,8 +58,7 @@ def topology_devices(name: str, slices: int = 1) -> list[Any]:
 
 
 def hbm_bytes(device: Any) -> int | None:
-    """HBM of one device of this kind, in bytes (a chip's HBM shared by its devices); None for
-    a kind not in ``HBM_GIB``."""
+    """HBM of a device of this kind in bytes (its chip's, shared by its devices); None: unknown."""
     gib = HBM_GIB.get(device.device_kind)
     return None if gib is None else int(gib * GIB)
 

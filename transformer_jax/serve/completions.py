@@ -47,11 +47,9 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) ->
                        ("max_completion_tokens" if chat and req.max_completion_tokens else
                         "max_tokens"), "context_length_exceeded")
     stop_ids = list(req.stop_token_ids or [])
-    if tok is not None and tok.eos_id >= 0 and not req.ignore_eos:
-        stop_ids.append(tok.eos_id)
-    if chat and model.turn_end is not None and not req.ignore_eos:
-        stop_ids.append(model.turn_end)
-    if not req.ignore_eos:
+    if not req.ignore_eos:  # eos, the chat turn's end, the checkpoint's generation_config ids
+        eos = tok.eos_id if tok is not None and tok.eos_id >= 0 else None
+        stop_ids += [i for i in (eos, model.turn_end if chat else None) if i is not None]
         stop_ids.extend(model.stop_ids)
     if any(not 0 <= i < model.vocab_size for i in stop_ids):
         raise APIError(400, f"stop_token_ids must be ids in [0, {model.vocab_size}), got "

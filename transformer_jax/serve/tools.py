@@ -309,8 +309,7 @@ def stream_deltas(pieces: list[Piece], first_index: int) -> list[dict[str, Any]]
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The request's ``tools`` as the chat template's ``tools`` variable (OpenAI's format, as
-    ``apply_chat_template(tools=...)`` takes them), or None."""
+    """The request's ``tools`` as the chat template's ``tools`` (OpenAI's format), or None."""
     if not req.tools:
         return None
     return [tool.model_dump(exclude_none=True) for tool in req.tools]
