@@ -28,21 +28,12 @@ MOVED = {
         "decode": ("sampling", "streaming", "prompts", "generation", "export"),
     }.items() for name in names},
     # renamed as they moved
-    "hf_convert": "hf.convert",
-    "hf_export": "cli.export",
-    "checkpoint_read": "checkpoint.read",
-    "checkpoint_files": "checkpoint.files",
+    "hf_convert": "hf.convert", "hf_export": "cli.export", "decode_weights": "decode.weights",
+    "checkpoint_read": "checkpoint.read", "checkpoint_files": "checkpoint.files",
     "checkpoint_quiet": "checkpoint.quiet",
-    "training": "train.run",
-    "train_step": "train.step",
-    "train_config": "train.config",
-    "quant_train": "train.quant",
-    "run_data": "train.data",
-    "run_eval": "train.validation",
-    "run_log": "train.log",
-    "run_memory": "train.memory",
-    "run_setup": "train.checks",
-    "decode_weights": "decode.weights",
+    "training": "train.run", "train_step": "train.step", "train_config": "train.config",
+    "quant_train": "train.quant", "run_data": "train.data", "run_eval": "train.validation",
+    "run_log": "train.log", "run_memory": "train.memory", "run_setup": "train.checks",
 }
 
 

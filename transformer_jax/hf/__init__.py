@@ -1,12 +1,10 @@
 """HuggingFace checkpoint directories of every family of ``ARCHITECTURES``: load, save, export.
 
-``load(dir)`` reads ``config.json`` and ``model.safetensors`` (or a sharded index) into a
-``ModelConfig`` and a param tree that gives the HF model's logits, sharded over a mesh if one is
-given; MXFP4 experts (``hf.mxfp4``) and block-scaled FP8 weights (``hf.fp8``) are dequantised as
-they are read. ``save(config, params, dir, tokenizer=tok)`` writes the reverse, which
-``transformers``' ``from_pretrained`` reads. This module does the file I/O; the pure name,
-layout and config mapping is ``hf.convert``. Anything that cannot be represented exactly is
-refused with a ValueError naming the setting or tensor. Needs the ``hf`` extra (``safetensors``).
+``load(dir)`` reads ``config.json`` and the safetensors weights into a ``ModelConfig`` and a
+param tree that gives the HF model's logits (sharded over a mesh if one is given; MXFP4 and FP8
+dequantised); ``save`` writes the reverse, which ``from_pretrained`` reads. This module does the
+file I/O, ``hf.convert`` the mapping; anything with no exact equivalent is a ValueError naming
+it. Needs the ``hf`` extra (``safetensors``).
 """
 
 from __future__ import annotations
@@ -118,25 +116,20 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
          mtp_depth: int | None = None) -> tuple[ModelConfig, Params]:
     """Reads a HF checkpoint directory (any model type of ``ARCHITECTURES``).
 
-    Names, shapes, dtypes and mesh divisibility are checked from ``config.json`` and the
-    safetensors headers before any weight is read. Tensors are then read one at a time, with a
-    ``mesh`` each device's shard on its own from the memory-mapped file, so the host never holds
-    the whole model or a whole tensor. Quantised tensors (MXFP4, block-scaled FP8) are
-    dequantised block by block to ``dtype``.
+    Everything is checked from ``config.json`` and the safetensors headers before any weight
+    is read; then each tensor (with a ``mesh``, each device's shard) is read on its own from the
+    memory-mapped file, quantised ones (MXFP4, FP8) dequantised block by block to ``dtype``.
 
     Args:
-      path: directory with ``config.json`` and ``model.safetensors`` or
-        ``model.safetensors.index.json`` plus its shards.
-      mesh: if given, every param is created sharded over it by
-        ``sharding.param_shardings(config, mesh, rules)``, on this process's devices only;
-        None: plain arrays on the default device.
-      scan_layers: True returns the scanned layout and a config with ``scan_layers=True``;
-        None or False the unrolled one (``blocks_{i}``).
+      path: directory with ``config.json`` and the safetensors weights (one file or sharded).
+      mesh: every param created sharded over it (``sharding.param_shardings``), on this
+        process's devices only; None: plain arrays on the default device.
+      scan_layers: True: the scanned layout (``scan_layers=True``); else ``blocks_{i}``.
       dtype: the ``param_dtype`` and compute ``dtype`` of the result; None keeps the
         checkpoint's dtype when all (unquantised) tensors share one, else float32.
       rules: the logical -> mesh axis rules of the placement (default: ``rules_for(mesh)``).
-      mtp_depth: None loads the multi-token prediction modules the checkpoint has (none when
-        their tensors are absent); 0 drops them (one log line).
+      mtp_depth: None loads the multi-token prediction modules the checkpoint has; 0 drops
+        them (one log line).
 
     Returns:
       ``(config, params)``: ``Transformer(config).apply({"params": params}, tokens)`` gives the
@@ -145,10 +138,9 @@ def load(path: str | Path, *, mesh: Mesh | None = None, scan_layers: bool | None
 
     Raises:
       FileNotFoundError: no config.json or no weights.
-      ValueError: a setting or tensor with no exact equivalent; missing, unexpected or
-        misshapen tensors (quantised parts too) or a quantised value not finite (named); an
-        FP8 ``quantization_config`` it does not read; a config, index or safetensors file that
-        is not readable (named); a param the mesh cannot split evenly.
+      ValueError: a setting or tensor with no exact equivalent; a missing, unexpected or
+        misshapen tensor, a quantised value not finite, an unreadable file (all named); an FP8
+        ``quantization_config`` it does not read; a param the mesh cannot split evenly.
     """
     _safetensors()  # the ImportError with install advice, before any work
     if dtype is not None:
@@ -237,10 +229,8 @@ def _same_rows(reader: _Reader, a: str, b: str, chunk_bytes: int = 1 << 26) -> b
 
 def _load_params(config: ModelConfig, specs: list[_Tensor], reader: _Reader,
                  shardings: Any) -> Params:
-    """Every param read straight from the files: whole onto the default device (``shardings``
-    None), or shard by shard on this process's devices. A param stacks its tensors' blocks
-    over its leading dimensions (a scanned group's layers [R, ...], experts stored one by one).
-    """
+    """Every param read from the files, whole (``shardings`` None) or shard by shard, its
+    tensors' blocks stacked over its leading dimensions (scanned layers [R, ...], experts)."""
     dtype = jnp.dtype(config.param_dtype)
     layers: dict[tuple[str, ...], list[_Tensor]] = {}
     places = scanned_places(config) if config.scan_layers else {}
@@ -287,26 +277,22 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
          fp8_block: tuple[int, int] | None = None) -> None:
     """Writes a HF checkpoint directory that ``load`` and transformers' ``from_pretrained`` read.
 
-    The layout is the family ``config_to_hf`` picks from the fields, or ``model_type``'s;
-    tensors keep the params' dtype. An existing ``path`` is replaced only once the new export
-    is complete, so a failed save leaves it untouched; its files other than weights and
-    ``config.json`` are kept, but for its tokenizer files when a ``tokenizer`` is given. With a
-    tokenizer, ``config.json`` and ``generation_config.json`` carry its bos/eos/pad ids.
+    The layout is the family ``config_to_hf`` picks, or ``model_type``'s; tensors keep the
+    params' dtype. An existing ``path`` is replaced only once the new export is complete; its
+    files but weights and ``config.json`` (and tokenizer files, with a ``tokenizer``) are kept.
+    With a tokenizer, ``config.json`` and ``generation_config.json`` carry its bos/eos/pad ids.
 
     Args:
       config: the model config.
-      params: unrolled (``blocks_{i}``) or scanned (``blocks`` [L, ...]) params of ``config``,
-        plain or sharded arrays (each tensor is gathered to the host on its own).
+      params: unrolled or scanned params of ``config``, plain or sharded arrays.
       path: the directory (created if needed).
       tokenizer: the model's tokenizer; ``tokenizer.save(path)`` writes its files.
-      max_shard_bytes: if the tensors take more bytes than this, write shards of at most this
-        size (a larger single tensor gets its own) plus ``model.safetensors.index.json``.
+      max_shard_bytes: write shards of at most this size (a larger tensor gets its own) and
+        ``model.safetensors.index.json``.
       model_type: the HF model type to write (one of ``ARCHITECTURES``); None picks it.
-      mxfp4_experts: store the experts in MXFP4 as the published GPT-OSS checkpoints
-        (``hf.mxfp4.quantize``); GPT-OSS only.
-      fp8_block: store each layer's 2-D projection weights in block-scaled FP8 with blocks of
-        this [B0, B1] (``hf.fp8.quantize``), as DeepSeek-V3's checkpoints ((128, 128)); not for
-        GPT-OSS or Llama 4, nor with ``mxfp4_experts``.
+      mxfp4_experts: store GPT-OSS's experts in MXFP4 (``hf.mxfp4.quantize``).
+      fp8_block: store the layers' projection weights in FP8 with [B0, B1] block scales
+        (``hf.fp8.quantize``; DeepSeek-V3: (128, 128)); not for GPT-OSS, Llama 4 or MXFP4.
 
     Raises:
       ValueError: the config has no HF equivalent, or params are missing, unexpected or

@@ -1,14 +1,11 @@
 """HuggingFace names and layouts <-> ``ModelConfig`` and our param tree, for every family.
 
-Pure functions, no file I/O. Each family is declared once as a ``families.Family`` (Llama,
-Mistral and Qwen2 here, the others in ``hf.families``, ``hf.moe``, ``hf.llama4`` and
-``hf.deepseek``); ``FAMILIES`` lists them. ``config_from_hf``/``config_to_hf`` map a
-``config.json`` dict to a ``ModelConfig`` and back by that declaration, refusing with a
-ValueError any setting with no exact equivalent. ``_tensors(config)`` lists every HF tensor
-with the param it becomes (``hf.tensors._Tensor``): HF ``Linear`` weights [out, in] become
-[in, out] with heads split out (``q_proj.weight`` [N*H, D] -> ``q_proj`` [D, N, H],
-``o_proj.weight`` [D, N*H] -> [N, H, D]); Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are
-row ranges of one tensor. HF Llama's rotation is ``rope_pairing="half"``.
+Pure functions, no file I/O. Each family is a ``families.Family`` (Llama, Mistral and Qwen2
+here), ``FAMILIES`` lists them all; ``config_from_hf``/``config_to_hf`` map ``config.json`` by
+it, refusing what has no exact equivalent. ``_tensors(config)`` lists every HF tensor with the
+param it becomes (``hf.tensors._Tensor``): ``Linear`` weights [out, in] become [in, out] with
+heads split out (``q_proj.weight`` [N*H, D] -> ``q_proj`` [D, N, H], ``o_proj.weight``
+[D, N*H] -> [N, H, D]). HF Llama's rotation is ``rope_pairing="half"``.
 """
 
 from __future__ import annotations
@@ -160,8 +157,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def _check_quantization(quant: Any, family: Family) -> None:
-    """Refuses a ``quantization_config`` whose method the family's checkpoints cannot have, or
-    an FP8 one whose settings ``load`` does not read (``fp8.block_size``)."""
+    """Refuses a ``quantization_config`` the family's checkpoints cannot have or ``load`` cannot
+    read."""
     if not quant:
         return
     method = quant.get("quant_method") if isinstance(quant, dict) else None
@@ -175,10 +172,9 @@ def _check_quantization(quant: Any, family: Family) -> None:
 
 
 def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict[str, Any]:
-    """The HF ``config.json`` dict for a config, as the first family of ``FAMILIES`` whose
-    declaration matches it (``Family.mismatches``) unless ``model_type`` names one (Phi-3 is
-    written only when asked for). Writes the legacy ``rope_theta``/``rope_scaling`` keys and
-    ``rope_parameters`` both.
+    """The HF ``config.json`` dict for a config, as the first family of ``FAMILIES`` that
+    matches it (Phi-3 only when ``model_type`` names it), with both the legacy RoPE keys and
+    ``rope_parameters``.
 
     Args:
       config: the model config.
@@ -303,8 +299,7 @@ def _layer_tensors(c: ModelConfig, family: Family, i: int, stacked_experts: bool
 def _tensors(config: ModelConfig, model_type: str | None = None, stacked_experts: bool = False
              ) -> list[_Tensor]:
     """Every tensor of the HF checkpoint of ``config`` as ``model_type`` (None: the family
-    export picks), the sparse layers' in ``hf.moe``, their experts stacked with
-    ``stacked_experts``."""
+    export picks), the experts stacked with ``stacked_experts``."""
     c = config
     family = FAMILIES[model_type] if model_type else _family(_canonical(c), None)
     d, v = c.d_model, c.vocab_size

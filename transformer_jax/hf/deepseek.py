@@ -1,12 +1,10 @@
 """The ``deepseek_v3`` family (DeepSeek-V3/R1, Kimi K2): multi-head latent attention
 (``model.fields.MLA``) and a sigmoid-scored mixture of experts in the Llama block.
 
-Pure functions, no file I/O. ``kv_lora_rank``, ``q_lora_rank`` (null: one ``q_proj``),
-``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim`` make the ``mla`` table;
-``rope_interleave`` is ``rope_pairing="adjacent"`` (transformers de-interleaves q and k alike
-after rotating, so every logit is the same); the ``MoE`` table covers the layers from
-``first_k_dense_replace`` on (docs/models.md lists every key). Its experts' tensors are
-Qwen2-MoE's layout (``hf.moe.ffn_tensors``), the shared expert ``mlp.shared_experts``.
+Pure functions, no file I/O. The MLA keys make the ``mla`` table; ``rope_interleave`` is
+``rope_pairing="adjacent"`` (transformers de-interleaves q and k alike after rotating, so every
+logit is the same); the ``MoE`` table covers the layers from ``first_k_dense_replace`` on
+(docs/models.md lists every key), its experts in Qwen2-MoE's layout (``hf.moe.ffn_tensors``).
 
 Attention tensors: ``q_proj`` [N*(nope+P), D] -> [D, N, nope+P], or ``q_a_proj`` [Q, D] ->
 [D, Q], ``q_a_layernorm``, ``q_b_proj`` [N*(nope+P), Q] -> [Q, N, nope+P];
@@ -14,9 +12,7 @@ Attention tensors: ``q_proj`` [N*(nope+P), D] -> [D, N, nope+P], or ``q_a_proj``
 -> [R, N, nope+V]; ``o_proj`` [D, N*V] -> [N, V, D].
 
 Multi-token prediction module k (``num_nextn_predict_layers`` -> ``mtp_depth``) is HF layer
-``L + k - 1``: a decoder layer, ``enorm``, ``hnorm``, ``eh_proj`` [D, 2D], ``shared_head`` and
-``embed_tokens`` (a copy of the main table). ``save_pretrained`` writes none of them: a
-checkpoint without them loads with ``mtp_depth`` 0.
+``L + k - 1`` (its tensors: docs/models.md).
 """
 
 from __future__ import annotations
@@ -37,12 +33,10 @@ def _int(hf: ChainMap[str, Any], key: str, low: int) -> int:
 
 
 def _read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int) -> dict[str, Any]:
-    q_rank = hf.get("q_lora_rank")
-    mla = MLA(**{k: hf[k] for k in _MLA_KEYS}, q_lora_rank=q_rank)
-    interleave = hf.get("rope_interleave")
+    mla = MLA(**{k: hf[k] for k in _MLA_KEYS}, q_lora_rank=hf.get("q_lora_rank"))
     depth = int_at_least(hf.maps[0].get("num_nextn_predict_layers") or 0,
                          "num_nextn_predict_layers", 0)
-    return dict(mla=mla, rope_pairing="adjacent" if interleave else "half",
+    return dict(mla=mla, rope_pairing="adjacent" if hf.get("rope_interleave") else "half",
                 moe=_moe(hf, n_layers), mtp_depth=depth)
 
 
@@ -113,9 +107,8 @@ def attention_tensors(c: ModelConfig, attn: str, ours: tuple[str, ...]) -> list[
 
 def mtp_tensors(c: ModelConfig, i: int, ours: tuple[str, ...], block: list[_Tensor]
                 ) -> list[_Tensor]:
-    """A multi-token prediction module's tensors (HF layer ``i``), params under ``ours``
-    (``mtp_{k-1}``): its norms, ``eh_proj`` and head around ``block`` (its decoder layer's
-    tensors, already under ``ours``). Its ``embed_tokens`` copy is ``load``'s and ``save``'s."""
+    """A multi-token prediction module's tensors (HF layer ``i``, params under ``ours``) around
+    ``block``, its decoder layer's (``embed_tokens`` is ``load``'s and ``save``'s)."""
     hf, d = f"model.layers.{i}", c.d_model
     return [_same(f"{hf}.enorm.weight", (*ours, "emb_norm", "scale"), (d,)),
             _same(f"{hf}.hnorm.weight", (*ours, "hidden_norm", "scale"), (d,)),
@@ -130,9 +123,8 @@ def mtp_embeddings(c: ModelConfig) -> list[str]:
 
 
 def stored_mtp_depth(config: ModelConfig, names: Any) -> int:
-    """The modules a checkpoint holds: ``config.mtp_depth`` (its ``num_nextn_predict_layers``)
-    when the tensor ``names`` include layer L's, else 0 (transformers' ``save_pretrained``
-    writes ``num_nextn_predict_layers`` 1 and no tensors)."""
+    """The modules a checkpoint holds: ``config.mtp_depth`` when the tensor ``names`` include
+    layer L's, else 0 (``save_pretrained`` writes the count but no tensors)."""
     if config.mtp_depth and any(n.startswith(f"model.layers.{config.n_layers}.") for n in names):
         return config.mtp_depth
     return 0

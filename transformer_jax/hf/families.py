@@ -42,16 +42,11 @@ class Family:
     Attributes:
       model_type: the HF ``model_type``.
       hf_class: its ``architectures`` entry.
-      read: (``config.json`` over ``defaults``, a ``ChainMap`` whose ``maps[0]`` is the file's
-        own keys; L; max_seq_len) -> the family's ``free`` fields (and ``rope_base`` /
-        ``rope_scaling`` if it reads its own); raises ValueError naming a setting it refuses.
-      write: config -> the family's own ``config.json`` keys; raises ValueError for what the
-        declaration cannot say (a value's range, a relation between fields).
-      fixed: fields the family has with one value (import sets it, export requires it);
-        ``"moe.x"`` is field x of the ``MoE`` table.
-      free: fields the family has with any value ``write`` accepts. Declaring a ``"moe.x"``
-        field (fixed or free) means the family has the table, with its fields that have no
-        default.
+      read: (``config.json`` over ``defaults`` as a ``ChainMap``, L, max_seq_len) -> the
+        ``free`` fields (and RoPE, if it reads its own); ValueError for a setting it refuses.
+      write: config -> the family's own ``config.json`` keys; ValueError for what else it refuses.
+      fixed: fields with one value (import sets it, export requires it); ``"moe.x"``: MoE's x.
+      free: fields with any value ``write`` accepts; a ``"moe.x"`` field means it has the table.
       activations: HF activation name -> ``ffn``.
       act_key: the ``config.json`` key of the activation.
       rope_kinds: the ``rope_scaling`` kinds it has (``"default"``: none).
@@ -59,14 +54,11 @@ class Family:
       required: keys whose class default is a preset's value: they must be set (not null).
       present: keys that must be there, null allowed, for the same reason.
       fused: Phi-3's tensors: q/k/v in one ``qkv_proj``, gate/up in one ``gate_up_proj``.
-      experts: a sparse layer's module and its experts' gate, up and down tensor names, as
-        ``save_pretrained`` writes them.
+      experts: a sparse layer's module and its experts' gate, up and down tensor names.
       picked: whether export picks it by matching; False: only when asked for by name.
-      quant_methods: the ``quantization_config`` methods its checkpoints may have (``load``
-        dequantises them, ``save`` can write them); block-scaled FP8 (``hf.fp8``) by default.
+      quant_methods: the ``quantization_config`` methods its checkpoints may have.
       ffn_module: the HF module of each layer's FFN (a dense layer's ``{gate,up,down}_proj``).
-      sparse_tensors: (config, layer) -> a sparse layer's FFN tensors, for a family whose
-        layout is its own; None: ``hf.moe.ffn_tensors``.
+      sparse_tensors: (config, layer) -> a sparse layer's FFN tensors; None: ``hf.moe``'s.
       shared_expert: the HF module of a sparse layer's shared expert (``hf.moe.ffn_tensors``).
       optional: tables (``"moe"``) the family declares that a config may also lack (None).
     """
@@ -196,12 +188,11 @@ def rope_to_dict(scaling: RopeScaling | None) -> dict[str, Any] | None:
         return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                 "high_freq_factor": s.high_freq_factor,
                 "original_max_position_embeddings": s.original_max_len}
-    out = {"rope_type": "yarn", "factor": s.factor,
-           "original_max_position_embeddings": s.original_max_len, "beta_fast": s.beta_fast,
-           "beta_slow": s.beta_slow, "truncate": s.truncate}
-    return {**out, **{name: getattr(s, name) for name in ("attention_factor", "mscale",
-                                                          "mscale_all_dim")
-                      if getattr(s, name) is not None}}
+    optional = {name: getattr(s, name) for name in ("attention_factor", "mscale", "mscale_all_dim")}
+    return {"rope_type": "yarn", "factor": s.factor,
+            "original_max_position_embeddings": s.original_max_len, "beta_fast": s.beta_fast,
+            "beta_slow": s.beta_slow, "truncate": s.truncate,
+            **{name: value for name, value in optional.items() if value is not None}}
 
 
 def rope_keys(base: float, scaling: RopeScaling | None) -> dict[str, Any]:
@@ -250,8 +241,7 @@ def layer_types_to_hf(config: ModelConfig) -> list[str]:
 def read_rope(hf: Mapping[str, Any], max_seq_len: int, kinds: Sequence[str]
               ) -> tuple[float, RopeScaling | None]:
     """(rope_base, rope_scaling) from legacy ``rope_theta``/``rope_scaling`` or
-    ``rope_parameters``: as in transformers, a legacy ``rope_scaling`` dict wins over
-    ``rope_parameters``, and a ``rope_theta`` inside the dict over the top-level one."""
+    ``rope_parameters``, the legacy dict winning as in transformers."""
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ValueError(f"rope_scaling/rope_parameters must be a dict, got {rope!r}")
@@ -271,8 +261,8 @@ def _qwen3_read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int) -> dict
 
 
 def _qwen_kinds(hf: Mapping[str, Any], n_layers: int) -> list[str]:
-    """Qwen3's layer kinds: all global without ``use_sliding_window`` (transformers then drops
-    the window), else ``layer_types`` or layers i >= ``max_window_layers`` local."""
+    """Qwen3's layer kinds: all global without ``use_sliding_window``, else ``layer_types`` or
+    layers i >= ``max_window_layers`` local."""
     layer_types = hf.get("layer_types")
     if not hf.get("use_sliding_window", False):
         if layer_types is not None:
@@ -319,9 +309,8 @@ def _gemma_read(hf: ChainMap[str, Any], n_layers: int, max_seq_len: int, *, gemm
 
 def _gemma3_rope(hf: Mapping[str, Any], max_seq_len: int
                  ) -> tuple[float, RopeScaling | None, float | None]:
-    """(rope_base, rope_scaling, local_rope_base) from Gemma 3's per-layer-type
-    ``rope_parameters`` or the legacy ``rope_theta``/``rope_scaling``/``rope_local_base_freq``,
-    filled in as transformers does (global base 1e6, local 1e4 by default)."""
+    """(rope_base, rope_scaling, local_rope_base) of Gemma 3, as transformers fills them in
+    (global base 1e6, local 1e4 by default)."""
     nested = hf.get("rope_parameters") or {}
     if not isinstance(nested, dict) or not set(nested) <= set(_LAYER_TYPES):
         raise ValueError("gemma3_text rope_parameters must be nested by layer type "

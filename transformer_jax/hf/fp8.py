@@ -1,21 +1,17 @@
 """Block-scaled FP8 tensors of HF checkpoints (DeepSeek-V3, Kimi K2, Qwen3-*-FP8), read as
-their values.
+their values (the format and what is refused: docs/models.md).
 
-With ``quantization_config: {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
-"dynamic", "weight_block_size": [B0, B1]}`` a quantised Linear weight ``X.weight`` [..., O, I]
-is stored as float8 e4m3fn beside ``X.weight_scale_inv`` [..., ceil(O/B0), ceil(I/B1)]: its
-value is ``float32(weight) * scale_inv`` over each B0 x B1 block (the last ones may be
-partial), then cast to the run's dtype. Static activation scales, formats other than e4m3 and
-per-tensor or per-channel scales are refused (docs/models.md says why). Pure numpy, no file
-I/O: ``Scaled`` reads any block of a value through two reading functions, reading only the
-scales it needs.
+A quantised Linear weight ``X.weight`` [..., O, I] is float8 e4m3fn beside
+``X.weight_scale_inv`` [..., ceil(O/B0), ceil(I/B1)]; its value is ``float32(weight) *
+scale_inv`` over each B0 x B1 block. Pure numpy, no file I/O: ``Scaled`` reads any block of a
+value through two reading functions, reading only the scales it needs.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -170,8 +166,7 @@ def quantizable(name: str, shape: tuple[int, ...]) -> bool:
 def packed_tensors(hf_config: Mapping[str, Any], names: Collection[str],
                    stored: Collection[str]) -> dict[str, Packing]:
     """The tensors of ``names`` an FP8 checkpoint stores block-scaled (their ``_scale_inv`` is
-    ``stored``): name -> its ``Packing``. Empty unless ``quantization_config``'s method is FP8.
-    """
+    ``stored``): name -> its ``Packing``; empty unless the checkpoint is FP8."""
     quant = hf_config.get("quantization_config")
     if not isinstance(quant, Mapping) or quant.get("quant_method") != METHOD:
         return {}
@@ -184,10 +179,8 @@ def _packing(name: str, block: tuple[int, int]) -> Packing:
     def layout(shape: tuple[int, ...]) -> PartLayout:
         return ((shape, frozenset({DTYPE_CODE})), (scale_shape(name, shape, block), SCALE_CODES))
 
-    def view(shape: tuple[int, ...], reads: Sequence[Read]) -> Scaled:
-        return Scaled(name, shape, block, *reads)
-
-    return Packing(METHOD, (name, name + SCALE_SUFFIX), layout, view)
+    return Packing(METHOD, (name, name + SCALE_SUFFIX), layout,
+                   lambda shape, reads: Scaled(name, shape, block, *reads))
 
 
 class Scaled:

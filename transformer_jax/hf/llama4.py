@@ -1,9 +1,7 @@
 """Llama 4 (text): ``llama4_text`` / ``Llama4ForCausalLM``, declared as a ``families.Family``.
 
-Pure functions, no file I/O. Llama's block with RoPE on adjacent pairs except on the NoPE
-layers (``no_rope_layers``: ``nope_layers``, with their query temperature), chunked attention
-on the others (``attention_chunk``), the weightless QK-norm (``use_qk_norm``) and the top-1
-sigmoid-scaled mixture on ``moe_layers`` (see docs/models.md). A sparse layer's tensors are
+Pure functions, no file I/O. Llama's block with NoPE layers, chunked attention, a weightless
+QK-norm and a top-1 sigmoid-scaled mixture (docs/models.md). A sparse layer's tensors are
 ``feed_forward.router.weight`` [E, D], ``experts.gate_up_proj`` [E, D, 2F] (in-first, gate
 columns first), ``experts.down_proj`` [E, F, D] and ``shared_expert.{gate,up,down}_proj``.
 The published ``Llama4ForConditionalGeneration`` (``llama4``) checkpoints load as their text

@@ -1,11 +1,9 @@
 """The mixture-of-experts families Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS, declared as
 ``families.Family``, and the experts' tensors.
 
-Pure functions, no file I/O. The attention is the Llama layout's (``convert._tensors``); each
-family's FFN is our ``MoE`` table (``model.fields.MoE``; what each family sets is in
-docs/models.md and docs/moe.md). A ``num_experts`` of 0 (or every layer in
-``mlp_only_layers``) is a dense model (``moe=None``). ``router_aux_loss_coef`` and
-``output_router_logits`` are settings of transformers' loss, not of the function: not read.
+Pure functions, no file I/O. The attention is the Llama layout's; each family's FFN is our
+``MoE`` table (docs/models.md, docs/moe.md). A ``num_experts`` of 0 (or every layer in
+``mlp_only_layers``) is a dense model (``moe=None``); transformers' loss settings are not read.
 
 Experts' tensors, both layouts read (``stacked_experts`` tells which a file has): one tensor
 per expert, ``{mlp}.experts.{j}.{gate,up,down}_proj.weight`` [F, D] / [D, F] (Mixtral:
@@ -69,8 +67,8 @@ def _layer_kinds(hf: Mapping[str, Any], model_type: str, n_layers: int) -> list[
 
 
 def _moe_from_hf(hf: ChainMap[str, Any], model_type: str, n_layers: int) -> MoE | None:
-    """The ``MoE`` table, or None when no layer is sparse. Qwen2-MoE's and Qwen3-MoE's layer i
-    is sparse when ``(i + 1) % decoder_sparse_step == 0`` and i is not in ``mlp_only_layers``."""
+    """The ``MoE`` table, or None when no layer is sparse (Qwen's layer i: when ``(i + 1) %
+    decoder_sparse_step == 0`` and not in ``mlp_only_layers``)."""
     if model_type == "qwen2_moe":
         n_experts = hf.get("num_experts")
     else:  # transformers maps num_experts to num_local_experts (either name may be written)
@@ -242,8 +240,7 @@ def ffn_tensors(config: ModelConfig, layer: int, family: Family, stacked: bool =
 
 def _interleaved_experts(hf: str, ours: tuple[str, ...], d: int, e: int, f: int
                          ) -> list[_Tensor]:
-    """GPT-OSS's sparse layer: router and its bias, experts in-first with gate and up columns
-    alternating in ``gate_up_proj`` and its bias, then ``down_proj`` and its bias."""
+    """GPT-OSS's sparse layer: router, experts in-first with gate and up alternating."""
     def part(name: str, param: str, shape: tuple[int, ...], index: int) -> _Tensor:
         return dataclasses.replace(_same(name, (*ours, param), shape),
                                    axis=len(shape) - 1, interleave=(index, 2))
@@ -260,9 +257,8 @@ def _interleaved_experts(hf: str, ours: tuple[str, ...], d: int, e: int, f: int
 
 
 def unused_tensors(config: ModelConfig, model_type: str) -> dict[str, tuple[int, ...]]:
-    """Tensors a checkpoint has that change nothing, by name, with their shapes: Qwen2-MoE's
-    shared expert of width 0 (empty matrices, and a gate that scales zeros). ``load`` checks
-    their shapes and drops them; ``save`` writes them as zeros."""
+    """Tensors a checkpoint has that change nothing, with their shapes (Qwen2-MoE's shared
+    expert of width 0): ``load`` checks and drops them, ``save`` writes zeros."""
     c, m = config, config.moe
     if model_type != "qwen2_moe" or m is None or m.shared_d_ff:
         return {}

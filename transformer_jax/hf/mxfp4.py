@@ -1,19 +1,16 @@
 """MXFP4 tensors of HF checkpoints (GPT-OSS's published experts), read as their exact values.
 
-With ``quantization_config: {"quant_method": "mxfp4"}`` a tensor ``X`` [..., I, O] (in-first)
-is stored as ``X_blocks`` [..., O, I/32, 16], uint8 with two fp4 (e2m1) values a byte (low
-nibble first), and ``X_scales`` [..., O, I/32], one e8m0 byte ``s`` per 32-value block: its
-value is ``e2m1 * 2^(s-127)``, transposed, exact in float32 and bfloat16. A value that is not
-finite (the NaN scale 255) is refused. transformers packs the experts' ``gate_up_proj`` and
-``down_proj``. Pure numpy, no file I/O: ``Packed`` reads any block of the value through two
-reading functions, reading only the MXFP4 blocks it needs.
+A tensor ``X`` [..., I, O] (in-first) is stored as ``X_blocks`` [..., O, I/32, 16] (two e2m1
+values a byte, low nibble first) and ``X_scales`` [..., O, I/32] (e8m0 ``s``): its value is
+``e2m1 * 2^(s-127)``, transposed (docs/models.md). Pure numpy, no file I/O: ``Packed`` reads
+any block of the value through two reading functions, reading only the blocks it needs.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -119,17 +116,14 @@ def packed_shapes(name: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], t
 
 
 def packable(name: str) -> bool:
-    """Whether a tensor is one MXFP4 checkpoints store packed (an experts' ``gate_up_proj`` or
-    ``down_proj``)."""
+    """Whether MXFP4 checkpoints store a tensor packed (the experts' projections)."""
     return _PACKABLE.search(name) is not None
 
 
 def packed_tensors(hf_config: Mapping[str, Any], names: Collection[str],
                    stored: Collection[str]) -> dict[str, Packing]:
-    """The tensors of ``names`` an MXFP4 checkpoint stores packed (a packable one not
-    ``stored`` itself but as its blocks or scales): name -> its ``Packing``. Empty unless
-    ``quantization_config``'s method is MXFP4.
-    """
+    """The tensors of ``names`` an MXFP4 checkpoint stores packed (``stored`` as blocks and
+    scales only): name -> its ``Packing``; empty unless the checkpoint is MXFP4."""
     quant = hf_config.get("quantization_config")
     if not isinstance(quant, Mapping) or quant.get("quant_method") != METHOD:
         return {}
@@ -140,13 +134,10 @@ def packed_tensors(hf_config: Mapping[str, Any], names: Collection[str],
 
 def _packing(name: str) -> Packing:
     def layout(shape: tuple[int, ...]) -> PartLayout:
-        codes = frozenset({DTYPE_CODE})
-        return tuple((part, codes) for part in packed_shapes(name, shape))
+        return tuple((part, frozenset({DTYPE_CODE})) for part in packed_shapes(name, shape))
 
-    def view(shape: tuple[int, ...], reads: Sequence[Read]) -> Packed:
-        return Packed(name, shape, *reads)
-
-    return Packing(METHOD, (name + BLOCKS_SUFFIX, name + SCALES_SUFFIX), layout, view)
+    return Packing(METHOD, (name + BLOCKS_SUFFIX, name + SCALES_SUFFIX), layout,
+                   lambda shape, reads: Packed(name, shape, *reads))
 
 
 class Packed:

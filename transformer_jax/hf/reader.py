@@ -128,8 +128,7 @@ class _Reader:
 
     def _sliceable(self, name: str, handle: Any) -> Any:
         """The tensor indexable by slices: safetensors' lazy slice, or for a dtype numpy lacks
-        (``_RAW``) the memory-mapped bytes viewed as it (only the pages a block touches are
-        read; the map goes with the last view of it)."""
+        (``_RAW``) the memory-mapped bytes viewed as it (only the pages a block touches read)."""
         info = handle.get_slice(name)
         dtype = _RAW.get(info.get_dtype())
         if dtype is None:

@@ -1,6 +1,5 @@
 """One HF tensor and the param (or part of a param) it becomes (``_Tensor``), the layouts every
-family's tensors are built from, and the param tree's path helpers. Pure, no file I/O.
-"""
+family's tensors are built from, and the param tree's path helpers. Pure, no file I/O."""
 
 from __future__ import annotations
 
@@ -49,13 +48,11 @@ class _Tensor:
     @property
     def stored_shape(self) -> tuple[int, ...]:
         """Shape of the tensor in the file (the whole fused tensor for a part)."""
-        a = self.axis
-        if self.interleave is not None:
-            return (*self.hf_shape[:a], self.hf_shape[a] * self.interleave[1],
-                    *self.hf_shape[a + 1:])
-        if self.rows is None:
+        if self.interleave is None and self.rows is None:
             return self.hf_shape
-        return (*self.hf_shape[:a], self.rows[1], *self.hf_shape[a + 1:])
+        a = self.axis
+        size = self.rows[1] if self.interleave is None else self.hf_shape[a] * self.interleave[1]
+        return (*self.hf_shape[:a], size, *self.hf_shape[a + 1:])
 
     def place(self, stored: np.ndarray | None, part: np.ndarray) -> np.ndarray:
         """The stored tensor with this interleaved part written in (``stored`` None: zeros
@@ -180,8 +177,7 @@ def _heads_out(hf_name: str, path: tuple[str, ...], d: int, heads: int, h: int) 
 
 
 def _fused(specs: list[_Tensor], hf_name: str, axis: int = 0) -> list[_Tensor]:
-    """``specs`` as consecutive ranges on HF dimension ``axis`` of one fused tensor
-    ``hf_name``."""
+    """``specs`` as consecutive ranges on HF dimension ``axis`` of one tensor ``hf_name``."""
     total, out = sum(s.hf_shape[axis] for s in specs), []
     for s in specs:
         start = sum(p.hf_shape[axis] for p in out)

@@ -1,11 +1,9 @@
 """The collectives of a compiled program, read from its optimized HLO text, per mesh axis.
 
-``collectives(hlo_text, ids, axis_names)`` finds every all-gather, all-reduce, reduce-scatter,
-all-to-all and collective-permute, counts each as often as one run executes it (``while``
-bodies times their trip counts) and names the mesh axes it runs over. The TPU compiler's
-rewrites are read back as what they are (a reduce-scatter fusion, an all-gather written as an
-all-reduce, ``"as": "all-reduce"``, a DCN ``send`` between slices). Bytes: each result on one
-device.
+``collectives(hlo_text, ids, axis_names)`` finds every collective of ``KINDS``, counts each as
+often as one run executes it (``while`` bodies times their trip counts) and names the mesh axes
+it runs over; the TPU compiler's rewrites (a reduce-scatter fusion, an all-gather written as an
+all-reduce, a DCN ``send``) are read back as what they are.
 """
 
 from __future__ import annotations
@@ -43,13 +41,9 @@ def array_bytes(type_text: str, largest: bool = False) -> int:
 
 
 def parse_groups(text: str, n_ids: int) -> list[list[int]] | None:
-    """Replica groups in any of HLO's forms -> lists of partition ids (None: unreadable).
-
-    ``{{0,1},{2,3}}`` (explicit; ``{}`` is every id), ``[2,4]<=[8]`` and ``[4,2]<=[2,4]T(1,0)``
-    (iota: arange reshaped, transposed, reshaped to [groups, size]), and
-    ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` (arange over that mesh, one group for each
-    value of the axes not named).
-    """
+    """Replica groups in any of HLO's forms -> lists of partition ids (None: unreadable):
+    ``{{0,1},{2,3}}`` (``{}``: every id), iota ``[4,2]<=[2,4]T(1,0)``, and
+    ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` (a group per value of the axes not named)."""
     if text.startswith("{"):
         groups = [[int(x) for x in g.split(",") if x.strip()]
                   for g in re.findall(r"\{([\d, ]*)\}", text[1:-1])]
@@ -186,10 +180,8 @@ def collectives(hlo: str, ids: np.ndarray, axis_names: tuple[str, ...], dcn: str
         if not times.get(name):
             continue
         defs = {m.group(1): line for line in lines if (m := _INSTRUCTION.match(line))}
-        for line in lines:
+        for line in defs.values():
             m = _INSTRUCTION.match(line)
-            if m is None:
-                continue
             type_text, op = m.group(2), m.group(3)
             if op == "send" and (t := _MEGASCALE.search(line)):
                 rendezvous = _RENDEZVOUS.search(line)
@@ -253,12 +245,11 @@ def _gathered_bytes(line: str, type_text: str, defs: dict[str, str],
 
 
 def summarize(found: list[dict[str, Any]]) -> dict[str, Any]:
-    """Totals of ``collectives``' list: by kind and by (kind, axes), and those between slices.
+    """Totals of ``collectives``' list, per run (bytes summed over executions).
 
     Returns:
       ``{"by_kind": {kind: {"count", "bytes"}}, "by_axis": {"kind over axes": {...}},
-      "cross_slice": {kind: {...}}}``; counts and bytes are per run (a loop body times its
-      trips), bytes summed over executions.
+      "cross_slice": {kind: {...}}}``.
     """
     out: dict[str, dict[str, dict[str, int]]] = {"by_kind": {}, "by_axis": {},
                                                  "cross_slice": {}}

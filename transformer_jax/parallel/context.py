@@ -39,8 +39,7 @@ def balanced_order(t: int, parts: int) -> np.ndarray:
       parts: the number of devices the sequence splits over.
 
     Returns:
-      [T] int32 indices: position j of the permuted sequence is position ``order[j]`` of the
-      natural one; device i holds chunks i and 2 parts - 1 - i of 2 parts.
+      [T] int32: position j of the permuted sequence is ``order[j]`` of the natural one.
 
     Raises:
       ValueError: T is not a multiple of ``2 * parts``.
@@ -86,8 +85,7 @@ def balance_batch(batch: dict[str, Any]) -> dict[str, Any]:
 def per_part_loss(loss: Callable[..., tuple[jax.Array, ...]], hidden: jax.Array, head: Any,
                   targets: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, ...]:
     """A chunked loss ``loss(hidden, head, targets, mask) -> sums`` run by each device on its
-    own rows and part of the sequence ([B, C, T / C]), the sums added up. (``ops.lm_loss``
-    chunks along T: over a context split each chunk would lie on one device.)
+    own rows and part of the sequence ([B, C, T / C]), the sums added up.
 
     Args:
       loss: a tuple of float32 sums for [b, t, D] hidden, [b, t] targets and optional mask.

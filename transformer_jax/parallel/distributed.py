@@ -38,9 +38,8 @@ def maybe_initialize(coordinator_address: str | None = None, num_processes: int 
     """Calls ``jax.distributed.initialize`` when this run has several processes.
 
     Arguments left None are read from ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
-    ``JAX_PROCESS_ID``; without any, a SLURM or Open MPI launch of several tasks is handed to
-    jax's auto-detection. One process does nothing. Must run before any JAX call touches a
-    device. CPU cross-process collectives use gloo.
+    ``JAX_PROCESS_ID``; without any, a SLURM or Open MPI launch is left to jax's detection. Must
+    run before any JAX call touches a device. CPU cross-process collectives use gloo.
 
     Args:
       coordinator_address: ``host:port`` of process 0's coordinator service.
@@ -64,12 +63,11 @@ def maybe_initialize(coordinator_address: str | None = None, num_processes: int 
         launcher_size = _cluster_launcher_size()
         if launcher_size is None or launcher_size <= 1:
             return False
-        _use_gloo_on_cpu()
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         logger.info("initialising jax.distributed from the cluster launcher (%d processes)",
                     launcher_size)
         jax.distributed.initialize(initialization_timeout=initialization_timeout)
         return True
-
     if num_processes is None:
         raise ValueError(f"num_processes (or {ENV_NUM_PROCESSES}) is needed when "
                          f"coordinator_address={coordinator_address!r} or "
@@ -86,7 +84,7 @@ def maybe_initialize(coordinator_address: str | None = None, num_processes: int 
                          f"coordinator_address={coordinator_address!r}, process_id={process_id!r}")
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
-    _use_gloo_on_cpu()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     logger.info("initialising jax.distributed: process %d of %d, coordinator %s",
                 process_id, num_processes, coordinator_address)
     jax.distributed.initialize(coordinator_address=coordinator_address,
@@ -102,10 +100,8 @@ def is_main_process() -> bool:
 
 
 def any_process(flag: bool) -> bool:
-    """Whether ``flag`` is true on any process (a collective: every process must call it).
-
-    For decisions all processes must take together (stopping after a SIGTERM that reached only
-    some hosts: a checkpoint save is collective).
+    """Whether ``flag`` is true on any process (a collective: every process must call it),
+    for decisions all processes take together (stopping after a SIGTERM that reached one host).
 
     Args:
       flag: this process's value.
@@ -122,11 +118,8 @@ def any_process(flag: bool) -> bool:
 
 
 def process_batch_shard(sharding: Sharding, global_batch_size: int) -> tuple[int, int]:
-    """Which contiguous part of the global batch this process must load.
-
-    Process p of P holds rows ``[p B/P, (p+1) B/P)`` when the batch axes span the processes;
-    several processes hold the same rows when they stay inside one host. Pass the result as
-    ``data.get_batch(..., process_index=index, process_count=count)``.
+    """Which contiguous part of the global batch this process must load (process p of P:
+    rows ``[p B/P, (p+1) B/P)``), for ``data.get_batch(..., process_index, process_count)``.
 
     Args:
       sharding: the batch sharding (``sharding.batch_sharding(mesh)``).
@@ -136,8 +129,7 @@ def process_batch_shard(sharding: Sharding, global_batch_size: int) -> tuple[int
       ``(index, count)``: this process loads part ``index`` of ``count`` equal parts.
 
     Raises:
-      ValueError: if B does not split over the batch axes, or this process's rows are not
-        contiguous.
+      ValueError: B does not split over the batch axes, or this process's rows are not contiguous.
     """
     # A sharding that also splits T (context parallelism) is asked about [B, parts of T] rows.
     extra = tuple(math.prod(sharding.mesh.shape[a] for a in
@@ -152,8 +144,7 @@ def process_batch_shard(sharding: Sharding, global_batch_size: int) -> tuple[int
         rows.add((start, stop))
     ordered = sorted(rows)
     start, stop = ordered[0][0], ordered[-1][1]
-    covered = sum(b - a for a, b in ordered)
-    if covered != stop - start:
+    if sum(b - a for a, b in ordered) != stop - start:
         raise ValueError(f"process {jax.process_index()} holds non-contiguous batch rows "
                          f"{ordered} of {global_batch_size}; reorder the mesh devices")
     size = stop - start
@@ -180,10 +171,6 @@ def global_batch(local_batch: Any, sharding: Sharding, global_batch_size: int) -
             sharding, x, (global_batch_size,) + x.shape[1:])
 
     return jax.tree.map(one, local_batch)
-
-
-def _use_gloo_on_cpu() -> None:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
 def _int_or_env(name: str, value: int | None, env: str) -> int | None:

@@ -49,16 +49,12 @@ class MeshConfig:
     context: int = 1
 
     def __post_init__(self) -> None:
-        for name in MESH_AXES:
-            value = getattr(self, name)
+        for name in (*MESH_AXES, "expert", "context"):
+            value, free = getattr(self, name), name in MESH_AXES
             if not isinstance(value, int) or isinstance(value, bool) or (
-                    value < 1 and value != -1):
-                raise ValueError(f"mesh.{name} must be a positive int or -1, got {value!r}")
-        for name in ("expert", "context"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"mesh.{name} must be a positive int (-1 is for data, fsdp or "
-                                 f"tensor), got {value!r}")
+                    value < 1 and not (free and value == -1)):
+                allowed = "or -1" if free else "(-1 is for data, fsdp or tensor)"
+                raise ValueError(f"mesh.{name} must be a positive int {allowed}, got {value!r}")
         if self.expert > 1 and self.context > 1:
             raise ValueError(f"mesh expert={self.expert} with context={self.context} is not "
                              "supported: split the sequence (context) or the experts (expert)")
@@ -67,8 +63,7 @@ class MeshConfig:
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """The mesh's axis names: ``MESH_AXES``, or ``EXPERT_MESH_AXES`` when expert > 1, or
-        ``CONTEXT_MESH_AXES`` when context > 1."""
+        """The mesh's axis names: ``MESH_AXES``, or with an expert or context axis its own."""
         if self.context > 1:
             return CONTEXT_MESH_AXES
         return EXPERT_MESH_AXES if self.expert > 1 else MESH_AXES
@@ -139,9 +134,7 @@ class MeshConfig:
 def configure_cpu_devices(divides: int | None = None, devices: int = 0) -> int:
     """Splits the host CPU into several XLA devices, one per core, to run a mesh across cores.
 
-    XLA:CPU runs a small model's many small ops mostly on one thread; as separate devices the
-    cores each run their part (data parallel training, tensor parallel decoding). Sets JAX's
-    ``jax_num_cpu_devices`` unless the user chose a count (that option,
+    Sets JAX's ``jax_num_cpu_devices`` unless the user chose a count (that option,
     ``JAX_NUM_CPU_DEVICES`` or ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``);
     only possible before JAX creates its backends (afterwards it logs and changes nothing).
 
@@ -183,16 +176,14 @@ DEFAULT_DCN = "-1,1,1"
 
 
 def slice_count(devices: Sequence[Any]) -> int:
-    """How many slices (TPU slices joined by DCN: distinct ``slice_index``) the devices span; 1
-    for devices without one (CPU, GPU)."""
+    """How many TPU slices (distinct ``slice_index``) the devices span; 1 without (CPU, GPU)."""
     return len({getattr(d, "slice_index", 0) for d in devices})
 
 
 def hybrid_sizes(mesh_config: MeshConfig, dcn_config: MeshConfig, n_devices: int,
                  slices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Each axis of ``mesh_config.axes`` (whole-mesh sizes over ``n_devices``) split into its
-    size within a slice (ICI) and the number of slices ``dcn_config`` has it span (DCN; their
-    product ``slices``, a -1 the rest).
+    """Each axis of ``mesh_config.axes`` over ``n_devices`` split into its size within a slice
+    (ICI) and the number of the ``slices`` that ``dcn_config`` has it span (DCN).
 
     Returns:
       ``(ici, dcn)``, both in ``mesh_config.axes`` order; ``ici[i] * dcn[i]`` is axis i's size.
@@ -228,16 +219,14 @@ def make_mesh(mesh_config: MeshConfig, devices: Sequence[jax.Device] | None = No
     mesh, each axis spanning the slices ``dcn_config`` gives it (``hybrid_sizes``).
 
     Args:
-      mesh_config, devices: whole-mesh axis sizes, and the devices (all used: their number is
-        the sizes' product).
+      mesh_config, devices: whole-mesh axis sizes, and the devices (all used).
       dcn_config: slices spanned per axis (``train.dcn_mesh``); None: all on data.
 
     Returns:
       A ``jax.sharding.Mesh`` with axis names ``mesh_config.axes``.
 
     Raises:
-      ValueError: if the mesh does not fit the device count, or the DCN sizes the slices or
-        the axes.
+      ValueError: the mesh does not fit the devices, or the DCN sizes the slices or the axes.
     """
     devices = list(jax.devices() if devices is None else devices)
     slices = slice_count(devices)

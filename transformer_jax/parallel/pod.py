@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from transformer_jax.parallel.mesh import MeshConfig
+from transformer_jax.parallel.mesh import MeshConfig, make_mesh, slice_count
 
 GIB = 2**30
 
@@ -58,8 +58,7 @@ def topology_devices(name: str, slices: int = 1) -> list[Any]:
 
 
 def hbm_bytes(device: Any) -> int | None:
-    """HBM of one device of this kind, in bytes (a chip's HBM shared by its devices); None for
-    a kind not in ``HBM_GIB``."""
+    """HBM of a device of this kind in bytes (its chip's, shared by its devices); None: unknown."""
     gib = HBM_GIB.get(device.device_kind)
     return None if gib is None else int(gib * GIB)
 
@@ -78,8 +77,6 @@ def pod_mesh(mesh_config: MeshConfig, devices: Sequence[Any], slices: int = 1,
     Raises:
       ValueError: the sizes do not fit the devices, or the DCN sizes the slices or the axes.
     """
-    from transformer_jax.parallel.mesh import make_mesh, slice_count
-
     if slice_count(devices) != slices:
         raise ValueError(f"the devices span {slice_count(devices)} slices, not {slices}")
     return make_mesh(mesh_config, devices, dcn_config)
@@ -112,24 +109,13 @@ def slice_mesh(mesh: Mesh) -> tuple[np.ndarray, tuple[str, ...]]:
     return np.arange(math.prod(shape)).reshape(shape), tuple(mesh.axis_names)
 
 
-def slice_count(mesh: Mesh) -> int:
-    """How many slices the mesh's devices span."""
-    return len({getattr(d, "slice_index", 0) for d in mesh.devices.flat})
-
-
-def chips(mesh: Mesh) -> int:
-    """Number of devices of the mesh."""
-    return math.prod(mesh.devices.shape)
-
-
 def largest_fitting(fits: Callable[[int], bool], most: int = 4096
                     ) -> tuple[int, list[tuple[int, bool]]]:
-    """The largest ``n`` in [1, ``most``] for which ``fits(n)``, for a ``fits`` that holds up to
-    some limit and not beyond (memory grows with the batch): doubling from 1, then bisection.
+    """The largest ``n`` in [1, ``most``] for which a monotone ``fits(n)`` holds: doubling from
+    1, then bisection.
 
     Returns:
-      ``(n, probes)``: 0 when ``fits(1)`` is False; ``probes`` the ``(n, fits(n))`` asked, in
-      order (each a compile, for the caller's report).
+      ``(n, probes)``: 0 when ``fits(1)`` is False; ``probes`` the ``(n, fits(n))`` asked.
     """
     probes: list[tuple[int, bool]] = []
 
@@ -167,11 +153,10 @@ def compile_memory(lowered: Any) -> tuple[Any, dict[str, Any]]:
         if "RESOURCE_EXHAUSTED" not in text:
             raise
         return None, {"fits": False, "error": text, "compile_s": time.perf_counter() - start}
-    fields: dict[str, Any] = {"compile_s": time.perf_counter() - start}
+    seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     memory = {n: int(getattr(stats, f"{n}_size_in_bytes", 0) or 0)
               for n in ("argument", "output", "alias", "temp", "generated_code",
                         "host_argument", "host_output", "host_temp")}
     memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
-    fields["memory"] = memory
-    return compiled, fields
+    return compiled, {"compile_s": seconds, "memory": memory}

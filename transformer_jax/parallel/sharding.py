@@ -43,25 +43,14 @@ MeshAxes = str | tuple[str, ...] | None
 # parameters over fsdp along their model width (embed) and over tensor along heads / FFN width /
 # vocab (every matmul a Megatron pair: column-split in, row-split out).
 LOGICAL_RULES: tuple[tuple[str, MeshAxes], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("length", None),
-    ("embed", "fsdp"),
+    ("batch", ("data", "fsdp")), ("length", None), ("embed", "fsdp"),
     # Latent attention's low ranks (q_b_proj [Q, N, H], kv_b_proj [R, N, H]) have no embed
     # axis: split as embed is, or an FSDP mesh holds them and their optimizer state whole.
     ("latent_rank", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("head_dim", None),
-    ("layers", None),
-    ("norm", None),
-    ("act_embed", None),
+    ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),
+    ("head_dim", None), ("layers", None), ("norm", None), ("act_embed", None),
     # A mixture's stacked experts [E, D, F], without an expert axis: all E on every device.
-    ("experts", None),
-    ("expert_embed", "fsdp"),
-    ("expert_mlp", "tensor"),
-    ("router", None),
+    ("experts", None), ("expert_embed", "fsdp"), ("expert_mlp", "tensor"), ("router", None),
 )
 
 # With an ``expert`` axis the experts' E splits over it, and every other layer uses it as more
@@ -81,12 +70,8 @@ CONTEXT_RULES: tuple[tuple[str, MeshAxes], ...] = tuple(
 RESIDUAL_AXES = ("batch", "length", "act_embed")
 
 
-# ------------------------------------------------------------------------------------- rules
-
-
 def rules_for(mesh: Mesh | jax.sharding.AbstractMesh) -> tuple[tuple[str, MeshAxes], ...]:
-    """The logical rules of ``mesh``: ``CONTEXT_RULES`` or ``EXPERT_RULES`` if it has that axis,
-    else ``LOGICAL_RULES``."""
+    """``CONTEXT_RULES`` or ``EXPERT_RULES`` if ``mesh`` has that axis, else ``LOGICAL_RULES``."""
     if "context" in mesh.axis_names:
         return CONTEXT_RULES
     return EXPERT_RULES if "expert" in mesh.axis_names else LOGICAL_RULES
@@ -165,9 +150,7 @@ def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_shape: Mappin
     """Raises ValueError if a dimension of ``shape`` does not split evenly over its mesh axes.
 
     Args:
-      name: what the array is (for the message), e.g. ``"blocks/attn/k_proj"``.
-      shape: the array's shape.
-      spec: its mesh ``PartitionSpec``.
+      name, shape, spec: the array (named in the message), its shape and mesh ``PartitionSpec``.
       mesh_shape: mesh axis name -> size (``mesh.shape``).
       logical: the logical axis names, only for the message.
     """
@@ -199,11 +182,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def state_shardings(abstract_state: Any, params_shardings: Any) -> Any:
-    """Shardings for a whole train state, derived from the parameter shardings.
-
-    A state leaf (Adam's moments, accumulated gradients, ...) gets a parameter's sharding when
-    its key path ends with that parameter's full path and it has its rank and splits evenly
-    like it (through any wrapper); every other leaf is replicated.
+    """Shardings for a whole train state: a leaf (Adam's moments, ...) whose key path ends with
+    a parameter's path, of its rank and splitting evenly like it, gets its sharding; every other
+    leaf is replicated.
 
     Args:
       abstract_state: the state, or its ``jax.eval_shape``.
@@ -231,7 +212,6 @@ def state_shardings(abstract_state: Any, params_shardings: Any) -> Any:
 
 
 def _fits(sharding: NamedSharding, shape: tuple[int, ...]) -> bool:
-    # a mirror of a parameter has its rank (one spec entry per dimension) and splits evenly
     spec = tuple(sharding.spec)
     return len(spec) == len(shape) and all(
         axes is None or size % math.prod(sharding.mesh.shape[a] for a in _as_tuple(axes)) == 0
@@ -271,13 +251,9 @@ def with_shardings(abstract_tree: Any, shardings: Any) -> Any:
                         abstract_tree, shardings)
 
 
-# ------------------------------------------------------------------------------------- jit
-
-
 def shard_init(init_fn: Callable[..., T], out_shardings: Any) -> Callable[..., T]:
-    """``init_fn`` jitted so that its outputs are created directly in their shardings: each
-    device computes only its shards (with the partitionable threefry PRNG, the values of the
-    unsharded init).
+    """``init_fn`` jitted so that each device computes only its shards of the outputs (with
+    the partitionable threefry PRNG, the values of the unsharded init).
 
     Args:
       init_fn: e.g. ``lambda rng: init_params(config, rng)`` or the train-state init.
@@ -292,16 +268,13 @@ def shard_init(init_fn: Callable[..., T], out_shardings: Any) -> Callable[..., T
 def jit_sharded(fn: Callable[..., Any], mesh: Mesh, in_shardings: Any, out_shardings: Any, *,
                 donate_argnums: Sequence[int] = (),
                 rules: Sequence[tuple[str, MeshAxes]] | None = None) -> Any:
-    """``jax.jit`` with explicit shardings, tracing ``fn`` with the mesh and rules in context.
-
-    While ``fn`` is traced, the abstract mesh, the logical rules and the mesh's platform as the
-    target (``model.ops.target``) are in force, so the model's ``nn.with_logical_constraint``
-    calls resolve to mesh axes. Use it for every function that runs the model.
+    """``jax.jit`` with explicit shardings, tracing ``fn`` with the abstract mesh, the rules and
+    the mesh's platform as ``model.ops.target`` in force (so the model's logical constraints
+    resolve to mesh axes). Use it for every function that runs the model.
 
     Args:
       fn, mesh: the pure function and the device mesh.
-      in_shardings, out_shardings: shardings (or prefixes) of the positional arguments and of
-        the outputs.
+      in_shardings, out_shardings: shardings (or prefixes) of the arguments and outputs.
       donate_argnums: arguments whose buffers the outputs may reuse.
       rules: logical -> mesh axis rules (None: ``rules_for(mesh)``).
 
@@ -325,10 +298,8 @@ def jit_train_step(train_step: Callable[[Any, Any], tuple[Any, Any]], state_shar
                    batch_sharding: NamedSharding, *, donate: bool = True,
                    rules: Sequence[tuple[str, MeshAxes]] | None = None
                    ) -> Callable[[Any, Any], tuple[Any, Any]]:
-    """Jits ``train_step(state, batch) -> (state, metrics)`` with explicit shardings.
-
-    The state keeps its shardings (and is donated); metrics come back replicated, so every
-    process can read them (``jit_sharded``).
+    """Jits ``train_step(state, batch) -> (state, metrics)`` (``jit_sharded``): the state keeps
+    its shardings (and is donated); metrics come back replicated, readable on every process.
 
     Args:
       train_step: the pure step function.
@@ -346,9 +317,6 @@ def jit_train_step(train_step: Callable[[Any, Any], tuple[Any, Any]], state_shar
                        donate_argnums=(0,) if donate else (), rules=rules)
 
 
-# ------------------------------------------------------------------------------------- helpers
-
-
 @functools.lru_cache(maxsize=16)
 def _param_layout(config: ModelConfig) -> tuple[Any, Any]:
     # Each is a trace of the whole model's init; callers ask again for every mesh they try.
@@ -356,9 +324,7 @@ def _param_layout(config: ModelConfig) -> tuple[Any, Any]:
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
-    if axes is None:
-        return ()
-    return (axes,) if isinstance(axes, str) else tuple(axes)
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 _KEY_ATTRS = {jax.tree_util.DictKey: "key", jax.tree_util.GetAttrKey: "name",

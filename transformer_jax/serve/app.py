@@ -30,13 +30,7 @@ from transformer_jax.serve.protocol import (
     check_unicode,
     validation_error,
 )
-from transformer_jax.serve.runner import (
-    ABORT,
-    EngineRunner,
-    QueueFull,
-    RequestStream,
-    ShuttingDown,
-)
+from transformer_jax.serve.runner import ABORT, EngineRunner, QueueFull, RequestStream, ShuttingDown
 from transformer_jax.serving import TokenEvent
 
 logger = logging.getLogger(__name__)

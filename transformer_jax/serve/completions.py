@@ -1,7 +1,6 @@
 """From a validated OpenAI request to the engine's input (``prepare``: prompt ids and
-``SamplingParams``): text encoded as ``generate`` encodes it, chat messages rendered with the
-checkpoint's chat template, stops at eos (and the assistant turn's end), ``stop`` strings and
-the token limit; a chat's tools rendered, and their calls parsed or enforced (``serve.tools``).
+``SamplingParams``): text encoded as ``generate`` does, chat messages rendered with the chat
+template (tools too, ``serve.tools``), stops at eos, the turn's end and ``stop`` strings.
 """
 
 from __future__ import annotations
@@ -48,11 +47,9 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) ->
                        ("max_completion_tokens" if chat and req.max_completion_tokens else
                         "max_tokens"), "context_length_exceeded")
     stop_ids = list(req.stop_token_ids or [])
-    if tok is not None and tok.eos_id >= 0 and not req.ignore_eos:
-        stop_ids.append(tok.eos_id)
-    if chat and model.turn_end is not None and not req.ignore_eos:
-        stop_ids.append(model.turn_end)
-    if not req.ignore_eos:
+    if not req.ignore_eos:  # eos, the chat turn's end, the checkpoint's generation_config ids
+        eos = tok.eos_id if tok is not None and tok.eos_id >= 0 else None
+        stop_ids += [i for i in (eos, model.turn_end if chat else None) if i is not None]
         stop_ids.extend(model.stop_ids)
     if any(not 0 <= i < model.vocab_size for i in stop_ids):
         raise APIError(400, f"stop_token_ids must be ids in [0, {model.vocab_size}), got "
@@ -82,14 +79,9 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo) ->
 
 def _grammar(req: CompletionRequest | ChatCompletionRequest, model: ModelInfo,
              tool_parser: str | None = None) -> Grammar | None:
-    """The request's structured-output grammar (``response_format`` or vLLM's ``guided_*``),
-    checked to compile, or the grammar enforcing its ``tool_choice`` (in ``tool_parser``'s
-    format), or None.
-
-    Raises:
-      APIError: 400 naming the field, for a grammar that does not compile or a model without
-        a tokenizer.
-    """
+    """The grammar enforcing the request's ``tool_choice`` (in ``tool_parser``'s format), or its
+    structured output (``response_format``, ``guided_*``) checked to compile, or None; APIError
+    400 naming the field for a grammar that does not compile or a model without a tokenizer."""
     if tool_parser is not None:
         enforced = tools.tool_grammar(req, tool_parser, added_token_ids(model.tokenizer))
         if enforced is not None:  # (protocol refuses it beside response_format / guided_*)

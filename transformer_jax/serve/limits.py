@@ -1,8 +1,7 @@
 """Request bodies read before the app sees them: at most ``max_bytes``, within ``timeout`` s.
 
-``BodyLimits`` is an ASGI middleware in front of the app: a body above the limit gets 413, one
-not whole in time 408, one still arriving when the server drains 503; each refusal closes the
-connection. A body within the limits is handed to the app whole.
+``BodyLimits``, an ASGI middleware, refuses a body above the limit (413), not whole in time
+(408) or still arriving when the server drains (503), closing the connection.
 """
 
 from __future__ import annotations
@@ -40,8 +39,7 @@ class BodyLimits:
       app: the ASGI app behind it.
       max_bytes: the largest body accepted, in bytes (> 0).
       timeout: seconds from the request's headers to its whole body (> 0); None for no limit.
-      draining: returns True once the server is shutting down (a body still arriving is then
-        refused with 503).
+      draining: True once the server is shutting down (a body still arriving then gets 503).
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES,

@@ -3,6 +3,7 @@ gauges the engine thread sets after every step, histograms and counters as reque
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -17,37 +18,32 @@ class Metrics:
     """One server's metrics (prefix ``transformer_jax_``)."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r, p = self.registry, "transformer_jax_"
-        self.running = Gauge(p + "requests_running", "Requests holding a slot (prefill or "
-                             "decode)", registry=r)
-        self.waiting = Gauge(p + "requests_waiting", "Requests queued for a slot or pages",
-                             registry=r)
-        self.pages_used = Gauge(p + "kv_pages_used", "KV cache pages held by requests",
-                                registry=r)
-        self.pages_total = Gauge(p + "kv_pages_total", "KV cache pages in the pool (null page "
-                                 "excluded)", registry=r)
-        self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Full prompt pages found in "
-                                     "the prefix cache / pages looked up, since start",
-                                     registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token",
-                              buckets=_LATENCY, registry=r)
-        self.per_token = Histogram(p + "time_per_output_token_seconds", "Time between a "
-                                   "request's output tokens", buckets=_LATENCY, registry=r)
-        self.e2e = Histogram(p + "request_latency_seconds", "Arrival to last token",
-                             buckets=_LATENCY, registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens admitted", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated",
-                                         registry=r)
-        self.finished = Counter(p + "requests_finished", "Requests ended, by finish reason",
-                                ["finish_reason"], registry=r)
-        self.step_seconds = Gauge(p + "engine_step_seconds", "Engine steps' time since start, "
+        self.registry = r = CollectorRegistry()
+        p = "transformer_jax_"
+        gauge, counter = partial(Gauge, registry=r), partial(Counter, registry=r)
+        histogram = partial(Histogram, buckets=_LATENCY, registry=r)
+        self.running = gauge(p + "requests_running", "Requests holding a slot (prefill or decode)")
+        self.waiting = gauge(p + "requests_waiting", "Requests queued for a slot or pages")
+        self.pages_used = gauge(p + "kv_pages_used", "KV cache pages held by requests")
+        self.pages_total = gauge(p + "kv_pages_total",
+                                 "KV cache pages in the pool (null page excluded)")
+        self.prefix_hit_rate = gauge(p + "prefix_cache_hit_rate", "Full prompt pages found in "
+                                     "the prefix cache / pages looked up, since start")
+        self.ttft = histogram(p + "time_to_first_token_seconds", "Arrival to first token")
+        self.per_token = histogram(p + "time_per_output_token_seconds",
+                                   "Time between a request's output tokens")
+        self.e2e = histogram(p + "request_latency_seconds", "Arrival to last token")
+        self.prompt_tokens = counter(p + "prompt_tokens", "Prompt tokens admitted")
+        self.generation_tokens = counter(p + "generation_tokens", "Tokens generated")
+        self.finished = counter(p + "requests_finished", "Requests ended, by finish reason",
+                                ["finish_reason"])
+        self.step_seconds = gauge(p + "engine_step_seconds", "Engine steps' time since start, "
                                   "by phase: the host's and the wait for the device "
-                                  "(serving.step_times)", ["phase"], registry=r)
-        self.host_share = Gauge(p + "engine_step_host_share", "Host time / (host + device) of "
-                                "the engine's steps since start", registry=r)
+                                  "(serving.step_times)", ["phase"])
+        self.host_share = gauge(p + "engine_step_host_share", "Host time / (host + device) of "
+                                "the engine's steps since start")
         self.speculative = {
-            name: Gauge(p + "speculative_" + name, help_, registry=r) for name, help_ in (
+            name: gauge(p + "speculative_" + name, help_) for name, help_ in (
                 ("proposed", "Tokens proposed by speculative decoding, since start"),
                 ("accepted", "Proposed tokens the target kept, since start"),
                 ("acceptance_rate", "Accepted / proposed tokens, since start"),

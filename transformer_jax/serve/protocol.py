@@ -1,8 +1,7 @@
 """The OpenAI wire format: request models (validated strictly, naming the field) and errors.
 
-Fields are OpenAI's, plus vLLM's ``top_k``, ``min_p`` and structured-output fields; fields this
-server does not use are accepted and ignored. Every refusal is an ``APIError``, sent as
-OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``.
+Fields are OpenAI's plus vLLM's (``top_k``, ``min_p``, structured output); unused ones are
+ignored. Every refusal is an ``APIError``, sent as OpenAI's error object.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 ``</think>`` (Qwen3, DeepSeek-R1) goes to the message's ``reasoning_content``, the rest to its
 ``content`` (``serve --reasoning-parser qwen3`` or ``deepseek_r1``).
 
-Text before ``</think>`` is reasoning (a leading ``<think>`` dropped), the text after it content.
 With no ``</think>``, a reply that opened with ``<think>``, or whose prompt did, is all
 reasoning; any other reply is all content.
 """

@@ -138,12 +138,10 @@ class Response:
 
     def chunks(self, text: str, tokens: list[TokenEvent], finish_reason: str | None,
                first: bool = False, usage: bool = False) -> list[dict[str, Any]]:
-        """The stream chunks of one step's ``text`` (none when there is nothing to send).
-
-        With tools, the text goes through the reply's tool-call parser (``tools.stream_deltas``);
-        with a reasoning parser, the ``<think>`` block goes out first as ``reasoning_content``
-        deltas. The step's logprobs ride on its first chunk, the finish reason (``"tool_calls"``
-        for ``"stop"`` once calls were sent) and the usage on its last.
+        """The stream chunks of one step's ``text`` (none when there is nothing to send): through
+        the tool-call parser (``tools.stream_deltas``) and the reasoning parser (``<think>`` as
+        ``reasoning_content`` deltas) if any; the logprobs on the first chunk, the finish reason
+        (``"tool_calls"`` for ``"stop"`` once calls were sent) and the usage on the last.
         """
         thought: list[dict[str, Any]] = []
         if self._think is not None:
@@ -206,14 +204,11 @@ class Choices:
         for r in self.responses:
             r.id, r.created, r.group = first.id, first.created, self
 
-    @property
-    def usage(self) -> dict[str, int]:
-        return self.responses[0].usage
-
     def final(self) -> dict[str, Any]:
         """The whole (non-streamed) response."""
-        return {**self.responses[0]._head(False),
-                "choices": [r.choice() for r in self.responses], "usage": self.usage}
+        first = self.responses[0]
+        return {**first._head(False), "choices": [r.choice() for r in self.responses],
+                "usage": first.usage}
 
 
 __all__ = ["Choices", "Response"]

@@ -1,7 +1,6 @@
-"""The engine on its own thread (``EngineRunner``), and each request's stream of events into
-the event loop: after every step the thread hands that step's events to the loop at once.
-A request ends with reason ``"timeout"`` past its timeout, ``"abort"`` when a shutdown's grace
-period is over and ``"error"`` when a step raises (the engine goes on).
+"""The engine on its own thread (``EngineRunner``), handing each step's events to the event
+loop at once. A request also ends with reason ``"timeout"``, ``"abort"`` (a shutdown's grace
+period over) or ``"error"`` (a step raised; the engine goes on).
 """
 
 from __future__ import annotations
@@ -58,10 +57,8 @@ class EngineRunner:
     Args:
       engine: the engine (compiled already, or compiling on first use).
       metrics: where the runner records its figures.
-      max_requests: the most requests in flight (running or waiting); more raise
-        ``QueueFull`` (HTTP 429).
-      request_timeout: seconds a request may run before it is ended (reason ``"timeout"``);
-        None for no limit.
+      max_requests: the most requests in flight (running or waiting); more raise ``QueueFull``.
+      request_timeout: seconds a request may run (then reason ``"timeout"``); None: no limit.
     """
 
     def __init__(self, engine: Engine, metrics: Metrics, max_requests: int,
@@ -149,9 +146,8 @@ class EngineRunner:
             self._wake.set()
 
     def drain(self, grace: float) -> None:
-        """Takes no new request from now on, and aborts those still in flight ``grace``
-        seconds from now (each ends with reason ``"abort"``). Thread-safe; a second call
-        does not extend the first's deadline."""
+        """Takes no new request from now on, and aborts those still in flight ``grace`` seconds
+        from now (reason ``"abort"``); thread-safe, and a second call extends nothing."""
         with self._lock:
             self.draining = True
             self.abort_at = min(self.abort_at, time.perf_counter() + max(0.0, grace))

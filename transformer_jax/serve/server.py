@@ -22,8 +22,7 @@ def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
     """A TCP socket bound to ``host``:``port`` and listening (port 0: a free one).
 
     Raises:
-      OSError: the address cannot be had, with the address in the message (``[Errno 98]``
-        for a port in use).
+      OSError: the address cannot be had, named (``[Errno 98]`` for a port in use).
     """
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
@@ -64,9 +63,8 @@ class DrainingServer(uvicorn.Server):
 
     Args:
       runner: the ``EngineRunner`` (its ``drain`` is called on the first signal).
-      config: uvicorn's config; its ``timeout_graceful_shutdown`` is the grace period, the
-        seconds requests in flight may finish before they are aborted (uvicorn's own timeout
-        becomes that plus ``ABORT_MARGIN_S``).
+      config: uvicorn's config; its ``timeout_graceful_shutdown`` is the grace period before
+        requests in flight are aborted (uvicorn's own becomes that plus ``ABORT_MARGIN_S``).
       on_started: called once uvicorn is serving (after the socket is handed over).
     """
 

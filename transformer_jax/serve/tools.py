@@ -1,12 +1,10 @@
 """Tool calls: the reply's calls parsed from the text the model writes, and the grammar that
 makes it write one when ``tool_choice`` asks for it.
 
-The parser follows the chat template's format: ``"hermes"`` (``<tool_call>{...}</tool_call>``
-blocks among text) or ``"llama3_json"`` (JSON calls separated by ``;``, optionally after
-``<|python_tag|>``). ``ToolCallParser`` reads the text as it streams; the pieces joined equal
-``parse_reply`` of the whole text. ``tool_choice`` ``"required"`` or a named function is
-enforced by an llguidance grammar (``tool_grammar``); where the template shows no format, in
-``JSON_CALLS``: a JSON list of calls, or the named function's arguments object.
+The parser follows the chat template's format, ``"hermes"`` or ``"llama3_json"``, and reads the
+text as it streams (the pieces joined equal ``parse_reply`` of the whole text). ``tool_choice``
+``"required"`` or a named function is enforced by an llguidance grammar (``tool_grammar``), in
+``JSON_CALLS`` where the template shows no format.
 """
 
 from __future__ import annotations
@@ -273,12 +271,9 @@ def _listed_calls(text: str) -> list[Piece]:
 
 
 def make_parser(kind: str) -> ToolCallParser:
-    """A fresh streaming parser of ``kind`` (one of ``PARSERS``, or ``JSON_CALLS`` with an
-    optional ``":NAME"``)."""
-    if kind == "hermes":
-        return HermesParser()
-    if kind == "llama3_json":
-        return Llama3JsonParser()
+    """A fresh streaming parser of ``kind`` (``reply_parser``'s)."""
+    if kind in PARSERS:
+        return HermesParser() if kind == "hermes" else Llama3JsonParser()
     if kind == JSON_CALLS or kind.startswith(JSON_CALLS + ":"):
         return JsonCallsParser(kind.partition(":")[2] or None)
     raise ValueError(f"tool-call parser must be one of {PARSERS}, got {kind!r}")
@@ -314,8 +309,7 @@ def stream_deltas(pieces: list[Piece], first_index: int) -> list[dict[str, Any]]
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The request's ``tools`` as the chat template's ``tools`` variable (OpenAI's format, as
-    ``apply_chat_template(tools=...)`` takes them), or None."""
+    """The request's ``tools`` as the chat template's ``tools`` (OpenAI's format), or None."""
     if not req.tools:
         return None
     return [tool.model_dump(exclude_none=True) for tool in req.tools]
@@ -332,13 +326,11 @@ def reply_parser(req: ChatCompletionRequest, template: str | None,
       choice: the server's parser (one of ``PARSERS``), over the template's; None: pick.
 
     Returns:
-      One of ``PARSERS``; else ``JSON_CALLS`` for ``"required"``, ``JSON_CALLS:NAME`` for a
-      named function.
+      One of ``PARSERS``, else ``JSON_CALLS`` (``"required"``) or ``JSON_CALLS:NAME``.
 
     Raises:
-      APIError: 400 naming ``tools.i.function.parameters`` for a schema that does not
-        compile, or ``tools`` for ``"auto"`` when the template writes no format this server
-        parses.
+      APIError: 400 naming ``tools.i.function.parameters`` for a schema that does not compile,
+        or ``tools`` for ``"auto"`` when the template writes no format this server parses.
     """
     if not req.tools:
         return None
@@ -376,15 +368,14 @@ def arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
 
 def tool_grammar(req: ChatCompletionRequest, kind: str,
                  added: dict[str, int] | None = None) -> Grammar | None:
-    """The grammar enforcing ``tool_choice`` ``"required"`` (one call or more; one with
-    ``parallel_tool_calls: false``) or a named function (one call of it), in ``kind``'s
-    format (``reply_parser``'s); None for ``"auto"`` and ``"none"``.
+    """The grammar enforcing ``tool_choice`` ``"required"`` (calls; one without
+    ``parallel_tool_calls``) or a named function in ``kind``'s format; None for the others.
 
     Args:
       req: the validated request.
       kind: the reply's format.
       added: {text: id} of the tokenizer's added tokens (``grammar.added_token_ids``): a
-        wrapper tag among them may also be written as that one token.
+        wrapper tag among them may also be that one token.
 
     Raises:
       APIError: 400 naming ``tool_choice`` if the grammar does not compile.
