@@ -215,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", type=a.server_url, help="a running server (transformer-jax "
                         "serve) serving a model of --config's vocabulary, for the http mode")
     parser.add_argument("--api-key", help="the server's API key, if it has one")
+    parser.add_argument("--http-prompts", choices=("ids", "text"), default="ids",
+                        help="the http mode's prompts: token ids (with ignore_eos and usage per "
+                             "chunk) or text from --checkpoint's tokenizer (OpenAI's fields "
+                             "only, tokens counted by text: transformers serve; serve_http.py)")
     parser.add_argument("--seed", type=a.nonnegative_int, default=0)
     parser.add_argument("--json", type=a.output_file, default=None,
                         help="write the results to this file")
@@ -256,6 +260,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                      f"{', '.join(MODES)}")
     if "http" in modes and not args.url:
         parser.error("the http mode needs --url")
+    if "http" in modes and args.http_prompts == "text" and not args.checkpoint:
+        parser.error("--http-prompts text needs --checkpoint (its tokenizer)")
     if args.shared_prefix > args.input_len[0]:
         parser.error(f"--shared-prefix {args.shared_prefix} must be at most the shortest "
                      f"--input-len {args.input_len[0]} (prompts include it)")
@@ -401,7 +407,8 @@ def main(argv: list[str]) -> int:
         elif mode == "http":
             from transformer_jax.bench.serve_http import run_http
 
-            r = run_http(args.url, work, args.api_key)
+            r = run_http(args.url, work, args.api_key, tokenizer=loaded.tokenizer
+                         if args.http_prompts == "text" else None)
         else:  # one or batch (check_args accepts only MODES)
             t = time.perf_counter()
             n = compile_generate(config, weights, work, args.slots)
