@@ -10,6 +10,7 @@ import math
 import os
 import socket
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -225,6 +226,26 @@ def server_url(text: str) -> str:
         raise _fail(f"{text}: no server accepts connections at {parts.hostname}:{port} "
                     f"({reason}); start one with `transformer-jax serve`") from None
     return text
+
+
+def check_runs(*runs: tuple[str, list[str]]) -> None:
+    """``build_configs`` of each ``(preset, overrides)`` run the benchmark will start, without
+    ``train.init_from`` (written later), so that a setting they refuse is one error before any work.
+
+    Raises:
+      ConfigError: naming the setting.
+    """
+    from transformer_jax.train.config import build_configs
+
+    for preset, overrides in runs:
+        build_configs(preset, [o for o in overrides if not o.startswith("train.init_from=")])
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """``fn()``'s wall-clock seconds and its result."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
 
 
 def parser(kind: str, doc: str, **kwargs: Any) -> argparse.ArgumentParser:

@@ -43,9 +43,7 @@ from transformer_jax.parallel import sharding
 
 def _seconds(fn) -> tuple[float, Any]:
     """``fn()``'s wall-clock seconds (its result ready) and its result."""
-    start = time.perf_counter()
-    result = jax.block_until_ready(fn())
-    return time.perf_counter() - start, result
+    return args_lib.timed(lambda: jax.block_until_ready(fn()))
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -222,9 +220,7 @@ def compile_times(config: ModelConfig, layers: tuple[int, ...] = (4, 32), batch:
                     jax.ShapeDtypeStruct((batch,), jnp.int32),
                     jax.ShapeDtypeStruct((batch, 2), jnp.uint32))
             fn = jax.jit(decode.generate_padded, static_argnames=decode.GENERATE_STATIC_ARGNAMES)
-            start = time.perf_counter()
-            fn.lower(c, *args, max_new_tokens=new_tokens).compile()
-            seconds = time.perf_counter() - start
+            seconds, _ = args_lib.timed(fn.lower(c, *args, max_new_tokens=new_tokens).compile)
             out[str(n_layers)] = min(seconds, out.get(str(n_layers), seconds))
             print(f"  {n_layers} layers: lower + compile {seconds:.1f} s", flush=True)
     first, last = str(layers[0]), str(layers[-1])

@@ -125,17 +125,12 @@ def main(argv: list[str]) -> int:
 
         start = time.perf_counter()
         ours_lm = JaxLM(str(tmp_path / "ckpt"), batch_size=args.batch_size)
-        ours = ours_lm.loglikelihood(requests, disable_tqdm=True)
+        ours_lm.loglikelihood(requests, disable_tqdm=True)
         ours_first = time.perf_counter() - start
-        start = time.perf_counter()
-        ours = ours_lm.loglikelihood(requests, disable_tqdm=True)
-        ours_warm = time.perf_counter() - start
-
-        start = time.perf_counter()
-        hf_lm = HFLM(pretrained=str(tmp_path / "ckpt"), device="cpu",
-                     batch_size=args.batch_size, dtype="float32")
-        theirs = hf_lm.loglikelihood(requests, disable_tqdm=True)
-        hf_seconds = time.perf_counter() - start
+        ours_warm, ours = a.timed(lambda: ours_lm.loglikelihood(requests, disable_tqdm=True))
+        hf_seconds, theirs = a.timed(lambda: HFLM(
+            pretrained=str(tmp_path / "ckpt"), device="cpu", batch_size=args.batch_size,
+            dtype="float32").loglikelihood(requests, disable_tqdm=True))
         tokens = sum(len(ours_lm.tok_encode(r.args[0] + r.args[1])) for r in requests)
 
     diff = max(abs(a[0] - b[0]) for a, b in zip(ours, theirs, strict=True))

@@ -165,24 +165,16 @@ def sft_overrides(root: Path, sft_file: Path, args: argparse.Namespace) -> list[
 
 
 def check_runs(args: argparse.Namespace) -> None:
-    """Builds the configs of every run the benchmark will start (without the checkpoint paths,
-    written later), so that a setting they refuse is one error before any work.
-
-    Raises:
-      ConfigError: naming the setting (``train.grpo_group_size``, ``train.grad_accum``, ...).
-    """
-    from transformer_jax.train.config import build_configs
-
+    """``arg_types.check_runs`` of every run the benchmark will start."""
     here = Path("unused")
-    without_paths = lambda overrides: [o for o in overrides  # noqa: E731
-                                       if not o.startswith("train.init_from=")]
+    runs = []
     if "learn" not in args.skip:
-        build_configs("finetune", without_paths(sft_overrides(here, here, args)))
-        build_configs("grpo", without_paths(grpo_overrides(here, here, here, args.steps, args,
-                                                           args.lr, args.steps)))
+        runs += [("finetune", sft_overrides(here, here, args)),
+                 ("grpo", grpo_overrides(here, here, here, args.steps, args, args.lr, args.steps))]
     if "speed" not in args.skip:
-        build_configs("grpo", without_paths(grpo_overrides(here, here, here, args.speed_steps,
-                                                           args, args.lr, 10**6)))
+        runs.append(("grpo", grpo_overrides(here, here, here, args.speed_steps, args, args.lr,
+                                            10**6)))
+    arg_types.check_runs(*runs)
 
 
 class Stopped(Exception):
@@ -354,18 +346,15 @@ def measure(args: argparse.Namespace, root: Path, result: dict) -> int:
     result.update({"prompts": len(records), "group": args.group, "batch": args.prompts *
                    args.group, "max_tokens": args.max_tokens})
     if "learn" not in args.skip:
-        start = time.perf_counter()
-        train("finetune", sft_overrides(root, sft_file, args), "SFT", args.sft_steps)
-        sft_s = time.perf_counter() - start
+        sft_s, _ = arg_types.timed(lambda: train("finetune", sft_overrides(root, sft_file, args),
+                                                 "SFT", args.sft_steps))
         before = evaluate(root / "sft", prompts, args.eval_samples, args.max_tokens, 1)
         print(f"SFT {args.sft_steps} steps ({sft_s:.0f} s): reward sampled {before[0]:.3f}, "
               f"greedy {before[1]:.3f}")
         result.update(sft_steps=args.sft_steps, sft_s=round(sft_s, 1), reward_before=before[0],
                       greedy_before=before[1])
-        start = time.perf_counter()
-        metrics = ours(root / "sft", prompts, root / "grpo", args.steps, args, args.lr,
-                       args.steps)
-        grpo_s = time.perf_counter() - start
+        grpo_s, metrics = arg_types.timed(lambda: ours(root / "sft", prompts, root / "grpo",
+                                                       args.steps, args, args.lr, args.steps))
         after = evaluate(root / "grpo", prompts, args.eval_samples, args.max_tokens, 2)
         curve = [round(m["reward_mean"], 3) for m in metrics]
         print(f"GRPO {len(metrics)} steps ({grpo_s:.0f} s): reward sampled {before[0]:.3f} -> "

@@ -14,7 +14,6 @@ import math
 import os
 import re
 import sys
-import time
 from typing import Any
 
 import jax
@@ -71,8 +70,8 @@ def state_memory(model_config: Any, mesh_sizes: tuple[int, int, int], train_conf
       train_config: the ``TrainConfig`` (its optimizer decides the state).
 
     Returns:
-      ``{"param_count", "params", "adam", "state", "experts"}``: parameter count and bytes of
-      the parameters, Adam's mu + nu, the whole state, and the routed experts' part of it.
+      ``{"param_count", "params", "adam", "state", "experts"}``: the count, and bytes of the
+      parameters, Adam's mu + nu, the whole state and the routed experts' part of it.
     """
     axes = mesh_axes(mesh_sizes)
     mesh = AbstractMesh(tuple(mesh_sizes), axes, axis_types=(AxisType.Auto,) * len(axes))
@@ -109,10 +108,9 @@ def lower_train_step(model_config: Any, train_config: Any, mesh: Any) -> tuple[A
     tokens = jax.ShapeDtypeStruct((train_config.batch_size, train_config.seq_len), jnp.int32,
                                   sharding=b_shard)
     step = sh.jit_train_step(make_train_step(model_config, train_config), s_shard, b_shard)
-    start = time.perf_counter()
-    lowered = step.lower(sh.with_shardings(abstract, s_shard),
-                         {"inputs": tokens, "targets": tokens})
-    return lowered, time.perf_counter() - start
+    seconds, lowered = args_lib.timed(lambda: step.lower(sh.with_shardings(abstract, s_shard),
+                                                         {"inputs": tokens, "targets": tokens}))
+    return lowered, seconds
 
 
 def compiled_memory(model_config: Any, train_config: Any, mesh: Any) -> dict[str, int]:
@@ -220,9 +218,7 @@ def compile_times(name: str, mesh: Any, batch: int, seq: int, layers: tuple[int,
             model_config, train_config = _configs(name, batch, seq, remat=remat, dtype=dtype,
                                                   n_layers=n_layers, scan_layers=True)
             lowered, lower_s = lower_train_step(model_config, train_config, mesh)
-            start = time.perf_counter()
-            lowered.compile()
-            run = {"lower_s": lower_s, "compile_s": time.perf_counter() - start}
+            run = {"lower_s": lower_s, "compile_s": args_lib.timed(lowered.compile)[0]}
             best = out.get(n_layers)
             if best is None or sum(run.values()) < sum(best.values()):
                 out[n_layers] = run

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from transformer_jax.bench.args import timed
 from transformer_jax.decode.loop import DecodeWeights
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.serving import Engine, SamplingParams
@@ -47,9 +48,7 @@ def run_stall(config: ModelConfig, weights: DecodeWeights, *, slots: int, token_
                for _ in range(slots)]
     steps: list[float] = []
     while min(len(times.get(r, ())) for r in running) < warmup:
-        t = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t)
+        steps.append(timed(engine.step)[0])
     decode_steps = steps[-warmup // 2:]  # all rows decoding, no prompt in
     arrival = time.perf_counter()
     long_id = engine.add_request(rng.integers(0, config.vocab_size, long_prompt).tolist(),

@@ -74,12 +74,9 @@ def copy_corpus(text: str, size: int, rng: Any, random_share: float = 0.33,
     and a draft that continue the repeat workload by copying, as LLMs do on edits).
 
     Blocks until ``size`` characters (a block's separators counted as 6): up to ``plain`` - 1
-    characters of ``text``, a blank line, a passage of ``lengths[0]`` to ``lengths[1] - 1``
-    characters, a blank line, the passage again with 0, 1 or 2 characters changed (40/40/20%; none
-    without ``edits``), a blank line; with ``lines``, the passage and its copy on two lines instead.
-    ``random_share`` of the passages are random characters of the text's alphabet (only copying
-    predicts them), the others cut from ``text``. The lengths vary because passages of one fixed
-    length teach a fixed offset rather than copying (docs/benchmarks.md).
+    characters of ``text``, a blank line, a passage (``_passage``), a blank line, the passage again
+    with 0, 1 or 2 characters changed (40/40/20%; none without ``edits``), a blank line; with
+    ``lines``, the passage and its copy on two lines instead (docs/benchmarks.md).
     """
     alphabet = sorted(set(text) - {"\n"})
     out, n, total = [], len(text), 0
@@ -129,11 +126,9 @@ def distill_records(config: Any, weights: Any, tokenizer: Any, ids: np.ndarray, 
     """``count`` instruction records whose completions are the target's own greedy outputs, to
     fine-tune a draft on (sequence-level distillation, as EAGLE and Medusa drafts are trained).
 
-    Half the prompts are the repeat workload's, half the free workload's, with passages of
-    ``lengths[0]`` to ``lengths[1] - 1`` tokens of ``ids``; each gets ``output`` greedy tokens
-    (bos first when the tokenizer adds one), ``batch`` prompts a call, yielded as each call ends; a
-    completion ends before the first special token (bos, eos, pad, unk). Prompt and completion are
-    decoded to text, so ``tokenizer`` must round-trip (else a ValueError).
+    Half the prompts are the repeat workload's, half the free one's, passages of ``lengths[0]`` to
+    ``lengths[1] - 1`` tokens; ``output`` greedy tokens each, ``batch`` prompts a call, ending
+    before the first special token. ``tokenizer`` must round-trip text (else a ValueError).
     """
     from transformer_jax.decode import generation
     from transformer_jax.tokenizer.prompt import adds_bos

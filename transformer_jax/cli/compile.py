@@ -61,15 +61,13 @@ def compile_report(config: str, overrides: list[str], topology: str | None, slic
                    hlo: bool = False, save: str | None = None) -> dict[str, Any]:
     """Compiles the run's train step for ``topology`` and returns the per-chip report.
 
-    ``topology`` None (or ``"cpu"``) compiles for this process's devices over the run's own
-    ``train.mesh``. ``save`` writes the compiled step to that file (``train.executable``); the
-    report's ``saved`` gives its path and bytes.
+    ``topology`` None (or ``"cpu"``) compiles for this process's devices over ``train.mesh``.
+    ``save`` writes the compiled step to that file (``train.executable``; the report's ``saved``).
 
     Returns:
-      A JSON-ready dict: ``fits`` False (with ``error``, the compiler's line) when the
-      compiler ran out of memory; else memory per chip in bytes, ``compile_s``,
-      ``collectives`` (``parallel.collectives.summarize``), ``mosaic_calls`` and, with
-      ``hlo``, the compiled program's text.
+      A JSON-ready dict: ``fits`` False (with ``error``, the compiler's line) when the compiler
+      ran out of memory; else memory per chip in bytes, ``compile_s``, ``collectives``,
+      ``mosaic_calls`` and, with ``hlo``, the compiled program's text.
 
     Raises:
       ConfigError / ValueError: a bad config, override, mesh or batch split.
@@ -117,13 +115,13 @@ def find_batch(config: str, overrides: list[str], topology: str, slices: int = 1
                ) -> dict[str, Any]:
     """For each remat policy, the largest per-chip batch whose train step fits a chip.
 
-    The per-chip batch is the micro-batch over the devices that split the batch (data x fsdp
-    x expert). Each probe is a compile; the search doubles from 1, then bisects.
+    The per-chip batch is the micro-batch over data x fsdp x expert. Each probe is a compile;
+    the search doubles from 1, then bisects.
 
     Returns:
-      ``{remat: {"per_chip", "batch_size", "peak" and "host" (bytes in HBM and in the
-      host's memory, e.g. offloaded activations, of the largest that fits, or None),
-      "probes" [[per_chip, fits], ...], "seconds"}}``, with ``"hbm_bytes"`` and the mesh.
+      ``{remat: {"per_chip", "batch_size", "peak" and "host" (bytes in HBM and in host memory of
+      the largest that fits, or None), "probes" [[per_chip, fits], ...], "seconds"}}``, with
+      ``"hbm_bytes"`` and the mesh.
     """
     _, train, _ = build_configs(config, overrides)
     devices = pod.topology_devices(topology, slices)

@@ -39,15 +39,14 @@ def engine_report(config: str, overrides: list[str], topology: str, *,
       tensor, expert: the decode mesh's axes (``compile_serve.serve_report``'s).
       slots: B, the engine's slots (decode rows).
       pages: P, pages in the pool, the null page included (default: every slot at the full
-        context, ``1 + B * ceil(max_seq_len / page_size)``, as ``serve`` sizes it).
+        context, as ``serve`` sizes it).
       page_size: positions per page.
       chunk: C, the prefill chunk's tokens (the token budget less the slots).
       hlo: include each compiled program's text.
 
     Returns:
-      A JSON-ready dict: the shapes, ``pool_bytes`` and ``pool_bytes_per_chip``, the paged
-      ``kernels`` the step picks (None: the XLA views), ``programs`` {"decode", "prefill"} as
-      ``compile_serve.compiled_report`` gives them, and ``fits`` (every program's).
+      A JSON-ready dict: the shapes, ``pool_bytes(_per_chip)``, the paged ``kernels`` (None: the
+      XLA views), ``programs`` {"decode", "prefill"} (``compiled_report``'s) and ``fits``.
 
     Raises:
       ConfigError / ValueError: a bad config, override, size or mesh.

@@ -7,7 +7,6 @@ the chips, optionally ``expert``), and compiled by the TPU compiler for the topo
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import jax
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from transformer_jax.bench.args import timed
 from transformer_jax.cli.common import gib
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode.prompts import validate_capacity
@@ -30,11 +30,9 @@ def serve_report(config: str, overrides: list[str], topology: str, *, tensor: in
     """Compiles ``generate`` for ``topology`` over a decode mesh and returns the per-chip report.
 
     Args:
-      config, overrides: the run's config (preset or TOML) and ``section.key=value`` overrides;
-        only the model section matters.
+      config, overrides: the run's config (preset or TOML) and its overrides (the model's).
       topology: a TPU topology (``"v5e:2x2"``).
-      tensor: T, the tensor axis (default: every chip over ``expert``); must divide the kv
-        heads, heads and FFN widths (``decode.check_tensor_parallel``).
+      tensor: T, the tensor axis (default: every chip over ``expert``); divides the kv heads.
       expert: X, a mixture's expert axis (1: none). The mesh takes the first T x X devices.
       batch, prompt_len, new_tokens: B, T and N of the compiled program.
       cache_size: S, the KV cache's slots (default T + N).
@@ -42,9 +40,8 @@ def serve_report(config: str, overrides: list[str], topology: str, *, tensor: in
 
     Returns:
       A JSON-ready dict: ``fits`` False (with ``error``) when the compiler ran out of memory;
-      else ``memory`` per chip in bytes, ``compile_s``, ``collectives``
-      (``parallel.collectives.summarize``), and ``cache_bytes_per_chip`` (the KV cache the
-      config implies, ``model.kv_cache.cache_bytes``, over the T shards of its kv heads).
+      else ``memory`` per chip in bytes, ``compile_s``, ``collectives`` and
+      ``cache_bytes_per_chip`` (``cache_bytes`` over the T shards of the kv heads).
 
     Raises:
       ConfigError / ValueError: a bad config, override, mesh size or B, T, N, S.
@@ -72,18 +69,15 @@ def serve_report(config: str, overrides: list[str], topology: str, *, tensor: in
     inputs = (jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=rep),
               jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rep),
               jax.ShapeDtypeStruct((batch, 2), jnp.uint32, sharding=rep))
-    start = time.perf_counter()
-    lowered = decode._generate_jit.lower(model, weights, *inputs, max_new_tokens=new_tokens,
-                                         cache_size=cache_size, mesh=mesh)
-    report["lower_s"] = time.perf_counter() - start
+    report["lower_s"], lowered = timed(lambda: decode._generate_jit.lower(
+        model, weights, *inputs, max_new_tokens=new_tokens, cache_size=cache_size, mesh=mesh))
     return compiled_report(report, lowered, mesh, hlo)
 
 
 def decode_setup(model: Any, topology: str, tensor: int | None, expert: int
                  ) -> tuple[list[Any], Any, int | None, Any]:
     """The topology's devices, the decode mesh (T x X of them), a chip's HBM per device, and
-    ``prepare``'s weights for a TPU target as ``ShapeDtypeStruct``s placed over the mesh
-    (``DecodeWeights``), as ``generate`` and the engine take them.
+    ``prepare``'s TPU weights as ``ShapeDtypeStruct``s placed over the mesh (``DecodeWeights``).
 
     Raises:
       ValueError: a mesh the topology or the model cannot take. TopologyError: no libtpu.

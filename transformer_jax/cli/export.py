@@ -43,10 +43,9 @@ def _cast(config: ModelConfig, params: Params, dtype: str | None
 def check_out(out: Path, overwrite: bool = False) -> None:
     """Refuses an export directory that would replace what is not an earlier export.
 
-    ``out`` may not be a run directory, a run's checkpoints (or a step of them), or inside one
-    of the entries training writes in a run directory (``loading.RUN_ENTRIES``); ``RUN_DIR/hf``
-    is fine. An existing ``out`` holding other files than an earlier export's is replaced only
-    with ``overwrite``.
+    ``out`` may not be a run directory, its checkpoints (or a step) or inside an entry training
+    writes there (``loading.RUN_ENTRIES``; ``RUN_DIR/hf`` is fine). Other files than an earlier
+    export's are replaced only with ``overwrite``.
 
     Raises:
       FileExistsError: naming what is there and what to do.
@@ -94,11 +93,10 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
       dtype: cast the weights to this; default: the model's ``param_dtype``.
       max_shard_bytes: split the weights into shards of at most this many bytes.
       overwrite: replace an ``out`` that holds other files than an earlier export's.
-      model_type: the HF ``model_type`` to write (e.g. ``"phi3"`` for its fused layout);
-        default: the family the checkpoint was loaded as, else the one its architecture gives.
+      model_type: the HF ``model_type`` to write (e.g. ``"phi3"``); default: the family the
+        checkpoint was loaded as, else its architecture's.
       mxfp4: store GPT-OSS's experts in MXFP4, as its published checkpoints do.
-      fp8: store the layers' projection weights in FP8 e4m3 with a float32 scale per
-        128 x 128 block, as DeepSeek-V3's published checkpoints do (not with ``mxfp4``).
+      fp8: store the projection weights in FP8 e4m3, a float32 scale per 128 x 128 block.
 
     Returns:
       The output directory.
@@ -148,8 +146,7 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
 
 
 def check_remote_out(url: str, overwrite: bool = False) -> None:
-    """``check_out`` for an export into a bucket: never a run's directory or its checkpoints;
-    other files than an earlier export's are replaced only with ``overwrite``.
+    """``check_out`` for an export into a bucket.
 
     Raises:
       FileNotFoundError: the bucket does not exist (named).

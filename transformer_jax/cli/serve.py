@@ -133,30 +133,27 @@ def _check(args: argparse.Namespace) -> None:
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got "
                              f"{getattr(args, name)}")
-    if args.expert < 1:
-        raise ValueError(f"--expert must be >= 1, got {args.expert}")
-    if args.memory_fraction is not None and not 0 < args.memory_fraction <= 1:
-        raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
-    if args.request_timeout is not None and not args.request_timeout > 0:
-        raise ValueError(f"--request-timeout must be positive, got {args.request_timeout}")
-    if not 0 <= args.port < 65536:
-        raise ValueError(f"--port must be in [0, 65535] (0: a free port), got {args.port}")
+    fraction, timeout, inf = args.memory_fraction, args.request_timeout, float("inf")
+    for flag, value, ok, wants in (
+            ("--expert", args.expert, args.expert >= 1, ">= 1"),
+            ("--memory-fraction", fraction, fraction is None or 0 < fraction <= 1, "in (0, 1]"),
+            ("--request-timeout", timeout, timeout is None or timeout > 0, "positive"),
+            ("--port", args.port, 0 <= args.port < 65536, "in [0, 65535] (0: a free port)"),
+            ("--max-body-bytes", args.max_body_bytes, args.max_body_bytes > 0, "positive"),
+            ("--body-timeout", args.body_timeout, 0 < args.body_timeout < inf,
+             "a positive number of seconds"),
+            ("--grace-period", args.grace_period, 0 <= args.grace_period < inf,
+             "a number of seconds >= 0")):
+        if not ok:
+            raise ValueError(f"{flag} must be {wants}, got {value}")
     if args.quant:
         parse_quant(args.quant, field="--quant")  # before any weight is read
-    if args.max_body_bytes <= 0:
-        raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
-    if not 0 < args.body_timeout < float("inf"):
-        raise ValueError(f"--body-timeout must be a positive number of seconds, got "
-                         f"{args.body_timeout}")
     parse_lora(args.lora, args.served_model_name)
     if args.speculative is not None:
         parse_spec(args.speculative)
         if args.tensor > 1 or args.expert > 1:  # before the checkpoint loads
             raise ValueError(f"--speculative {args.speculative}: speculative decoding in the "
                              "engine needs one device; drop --tensor and --expert")
-    if not 0 <= args.grace_period < float("inf"):
-        raise ValueError(f"--grace-period must be a number of seconds >= 0, got "
-                         f"{args.grace_period}")
 
 
 def parse_lora(specs: list[str], served_name: str | None = None) -> dict[str, str]:
