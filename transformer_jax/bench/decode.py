@@ -365,8 +365,7 @@ def main(argv: list[str]) -> int:
             ours = run(config, placed[t], weight_bytes=weight_bytes)
             rec = dict(point, tensor=t, load_avg=_load(), ours=ours, prepare_s=prepare_s[t])
             if peak:  # per device: each of the T devices reads its 1/T of the bytes
-                rec["peak_gb_s"] = peak
-                rec["bandwidth_use_vs_peak"] = ours["achieved_gb_s"] / t / peak
+                rec.update(peak_gb_s=peak, bandwidth_use_vs_peak=ours["achieved_gb_s"] / t / peak)
             weights_ms = _bench_weights_only(config, placed[t], b, n, args.repeats)
             rec["weights_only"] = dict(
                 step_ms=weights_ms, gb_s=weight_bytes / weights_ms / 1e6,
@@ -374,10 +373,10 @@ def main(argv: list[str]) -> int:
             if "no_cache" in point:
                 rec["speedup_vs_no_cache"] = point["no_cache"]["step_ms"] / ours["step_ms"]
             if hf_rec is not None:
-                rec["hf"] = {k: v for k, v in hf_rec.items() if k != "tokens"}
-                rec["speedup_vs_hf"] = hf_rec["step_ms"] / ours["step_ms"]
                 same = np.mean(np.asarray(hf_rec["tokens"]) == np.asarray(ours["tokens"]))
-                rec["greedy_token_agreement_with_hf"] = float(same)
+                rec.update(hf={k: v for k, v in hf_rec.items() if k != "tokens"},
+                           speedup_vs_hf=hf_rec["step_ms"] / ours["step_ms"],
+                           greedy_token_agreement_with_hf=float(same))
             if quantized:
                 rec["quant"] = decode_compare.compare_quant(
                     config, quantized[t], ours, weight_bytes, run,

@@ -180,15 +180,14 @@ def check_runs(args: argparse.Namespace) -> None:
 class Stopped(Exception):
     """One of the benchmark's runs was stopped by SIGTERM/SIGINT (``RunSummary.interrupted``)."""
 
-    def __init__(self, what: str, summary: Any, planned: int,
-                 records: list[dict] | None = None) -> None:
+    def __init__(self, what: str, summary: Any, planned: int, records: list[dict]) -> None:
         super().__init__(f"{what} stopped by {summary.interrupted} after "
                          f"{summary.final_step} of {planned} steps")
-        self.what, self.summary, self.records = what, summary, records or []
+        self.what, self.summary, self.records = what, summary, records
 
 
-def train(preset: str, overrides: list[str], what: str, planned: int) -> Any:
-    """``train.run`` of ``preset`` with ``overrides``; its summary.
+def train(preset: str, overrides: list[str], what: str, planned: int) -> list[dict]:
+    """``train.run`` of ``preset`` with ``overrides``; its metrics records.
 
     Raises:
       Stopped: the run was stopped by a signal (a checkpoint of its last step saved).
@@ -198,19 +197,18 @@ def train(preset: str, overrides: list[str], what: str, planned: int) -> Any:
 
     model, train_config, data = build_configs(preset, overrides)
     summary = run(model, train_config, data, progress=False)
+    records = [json.loads(line) for line in
+               (Path(train_config.run_dir) / "metrics.jsonl").read_text().splitlines()]
     if summary.interrupted:
-        records = [json.loads(line) for line in
-                   (Path(train_config.run_dir) / "metrics.jsonl").read_text().splitlines()]
         raise Stopped(what, summary, planned, records)
-    return summary
+    return records
 
 
 def ours(model_dir: Path, prompts: Path, run_dir: Path, steps: int, args: argparse.Namespace,
          lr: float, ckpt_every: int, what: str = "GRPO") -> list[dict]:
     """Our GRPO run from ``model_dir``; its metrics records (``Stopped`` by a signal)."""
-    train("grpo", grpo_overrides(model_dir, prompts, run_dir, steps, args, lr, ckpt_every),
-          what, steps)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return train("grpo", grpo_overrides(model_dir, prompts, run_dir, steps, args, lr, ckpt_every),
+                 what, steps)
 
 
 def trl_step_times(model_dir: Path, records: list[dict], args: argparse.Namespace,

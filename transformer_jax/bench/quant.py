@@ -129,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                        if cache_dtype else None)
         forced = forced_agreement(weights, prompts, reference) if cache_dtype is None else None
         rows[name] = dict(loss=loss, greedy_agreement=float(np.mean(out == reference)),
-                          forced_agreement=forced,
-                          weight_bytes=weights.nbytes,
+                          forced_agreement=forced, weight_bytes=weights.nbytes,
                           weight_bytes_vs_float32=weights.nbytes / float_weights.nbytes,
                           cache_bytes_vs_bfloat16=cache_ratio,
                           seconds=time.perf_counter() - start)

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 
 from transformer_jax.bench.memory import lower_train_step
-from transformer_jax.cli.common import PROG, fail, gib
+from transformer_jax.cli.common import PROG, fail, gib, peak_of
 from transformer_jax.cli.compile_engine import engine_report, format_engine_report
 from transformer_jax.cli.compile_serve import format_serve_report, program_report, serve_report
 from transformer_jax.model.config import REMATS, load_toml
@@ -182,12 +182,10 @@ def format_report(r: dict[str, Any]) -> str:
              f"dtype={r['dtype']} remat={r['remat']} attention={r['attention']}",
              f"  lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s"]
     m = r["memory"]
-    share = f" = {m['peak'] / r['hbm_bytes']:.1%} of HBM" if r["hbm_bytes"] else ""
     lines += ["  per chip", f"    arguments    {gib(m['argument'])}",
               f"    output       {gib(m['output'])} ({gib(m['alias'])} of it aliased to the "
               "donated arguments)", f"    temporaries  {gib(m['temp'])}",
-              f"    peak         {gib(m['peak'])} of {gib(r['hbm_bytes'])}{share}: "
-              + ("fits" if r["fits"] else "DOES NOT FIT"),
+              f"    peak         {peak_of(m['peak'], r['hbm_bytes'], r['fits'])}",
               *([f"    host memory  {gib(m['host_temp'])} of temporaries (offloaded "
                  "activations)"] if m.get("host_temp") else []),
               f"  flops per chip (HLO; a scanned layer body counted once): {r['flops_hlo']:.3e}",
@@ -277,10 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--serve, --find-batch and --slices need a TPU --topology")
     if args.topology not in (None, "cpu") and (args.cpu_devices or args.no_fast_math):
         parser.error("--cpu-devices and --no-fast-math are for this host's CPU (no --topology)")
-    if args.topology in (None, "cpu"):
-        code = _local_devices(args)
-        if code:
-            return code
+    if args.topology in (None, "cpu") and (code := _local_devices(args)):
+        return code
     for remat in args.remat or ():
         if remat not in REMATS:
             parser.error(f"--remat must be one of {', '.join(REMATS)}, got {remat!r}")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from transformer_jax.cli.common import gib
+from transformer_jax.cli.common import gib, peak_of
 from transformer_jax.cli.compile_serve import compiled_report, decode_setup
 from transformer_jax.model.ops import paged_attention, target
 from transformer_jax.parallel import collectives
@@ -83,8 +83,7 @@ def engine_report(config: str, overrides: list[str], topology: str, *,
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
                             tree)
 
-    k_pages = placed(cache.k, step_lib.page_spec(model))
-    v_pages = placed(cache.v, step_lib.page_spec(model))
+    k_pages, v_pages = placed((cache.k, cache.v), step_lib.page_spec(model))
     ring_arrays = placed((cache.k_ring, cache.v_ring), step_lib.ring_spec(model)) if rings \
         else None
 
@@ -126,12 +125,10 @@ def format_engine_report(r: dict[str, Any]) -> str:
              "(split by kv head; donated: in the arguments, aliased by the output)"]
     for name, p in r["programs"].items():
         m = p["memory"]
-        share = f" = {m['peak'] / r['hbm_bytes']:.1%} of HBM" if r["hbm_bytes"] else ""
         lines += [f"  {name} [{p['rows']}, {p['tokens']}]: lower {p['lower_s']:.1f} s, "
                   f"compile {p['compile_s']:.1f} s, Mosaic kernel calls {p['mosaic_calls']}",
                   f"    arguments {gib(m['argument'])}, temporaries {gib(m['temp'])}, "
-                  f"peak {gib(m['peak'])} of {gib(r['hbm_bytes'])}{share}: "
-                  + ("fits" if p["fits"] else "DOES NOT FIT"),
+                  f"peak {peak_of(m['peak'], r['hbm_bytes'], p['fits'])}",
                   "    collectives of one step (count, bytes per chip)"]
         lines += ["  " + line for line in collectives.table_lines(p["collectives"])]
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer_jax.bench.args import timed
-from transformer_jax.cli.common import gib
+from transformer_jax.cli.common import gib, peak_of
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode.prompts import validate_capacity
 from transformer_jax.model.kv_cache import cache_bytes
@@ -134,7 +134,6 @@ def format_serve_report(r: dict[str, Any]) -> str:
     """``serve_report``'s result as the lines the command prints."""
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1 or k == "tensor")
     m = r["memory"]
-    share = f" = {m['peak'] / r['hbm_bytes']:.1%} of HBM" if r["hbm_bytes"] else ""
     lines = [f"generate of {r['config']} on {r['topology']} ({r['devices']} of "
              f"{r['topology_devices']} x {r['device_kind']}, {gib(r['hbm_bytes'])} HBM each)",
              f"  mesh {mesh}; B={r['batch']} T={r['prompt_len']} N={r['new_tokens']} "
@@ -146,8 +145,7 @@ def format_serve_report(r: dict[str, Any]) -> str:
              f"    output       {gib(m['output'])}",
              f"    temporaries  {gib(m['temp'])} (the KV cache, "
              f"{gib(r['cache_bytes_per_chip'])} a chip, is here unless it fits VMEM)",
-             f"    peak         {gib(m['peak'])} of {gib(r['hbm_bytes'])}{share}: "
-             + ("fits" if r["fits"] else "DOES NOT FIT"),
+             f"    peak         {peak_of(m['peak'], r['hbm_bytes'], r['fits'])}",
              f"  Mosaic kernel calls in the program: {r['mosaic_calls']}",
              "  collectives of one generate (count, bytes per chip; the decode loop's body "
              "counted once)"]

@@ -11,10 +11,8 @@ import argparse
 import json
 import logging
 import math
-import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from transformer_jax.checkpoint import loading
 from transformer_jax.checkpoint.files import CheckpointError
 from transformer_jax.cli.common import PROG, fail
 from transformer_jax.parallel import sharding
+from transformer_jax.storage.files import atomic_writer
 
 #: The harness's seeds go to numpy, which takes [0, 2**32).
 _SEED_LIMIT = 2**32
@@ -170,19 +169,6 @@ def task_manager(include_paths: list[str], tasks: list[str]) -> Any:
     return manager
 
 
-def write_results(output: Path, text: str) -> None:
-    """Writes ``text`` to ``output`` whole or not at all (a temporary file renamed over it)."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, output)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit status (2: a bad argument, 1: a failed run)."""
     parser = build_parser()
@@ -225,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         print(make_table(results, "groups"))
     output = Path(args.output).expanduser()
     try:
-        write_results(output, json.dumps(results, indent=2, default=handle_non_serializable))
+        with atomic_writer(output) as f:  # whole or not at all
+            f.write(json.dumps(results, indent=2, default=handle_non_serializable).encode())
     except OSError as e:
         return fail(f"--output {output}: {e}", 1)
     print(f"[{elapsed:.1f} s; results in {output}]", file=sys.stderr)

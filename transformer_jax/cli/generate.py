@@ -236,9 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                 stop += [i for i in generation_stop_ids(loaded.source.path)
                          if i < config.vocab_size]
             stop = list(dict.fromkeys(i for i in stop if i is not None))
-        constraints = None
-        if structured is not None:
-            constraints = _matchers(structured, tokenizer, config.vocab_size, len(prompts))
+        constraints = None if structured is None else _matchers(
+            structured, tokenizer, config.vocab_size, len(prompts))
         streamer = None if args.json else _TextStreamer(tokenizer, len(prompts))
         start = time.perf_counter()
         result = generation.generate(

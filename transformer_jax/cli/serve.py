@@ -51,8 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True,
                    help="HF checkpoint directory or a training run (run directory, its "
                    "checkpoints/ or a step directory)")
-    p.add_argument("--tokenizer", help="tokenizer file or directory (default: found with the "
-                   "checkpoint)")
+    p.add_argument("--tokenizer", help="tokenizer file or directory (default: the checkpoint's)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port, 0 for a free one (default: "
                    "%(default)s)")
@@ -76,20 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pages", type=int, default=0, help="KV pages in the pool (default: 0, "
                    "enough for every slot at the full context)")
     e.add_argument("--memory-fraction", type=float, help="size the pool to this fraction of "
-                   "the device memory left after the weights (a device that reports its "
-                   "memory; default: --pages)")
+                   "the device memory left after the weights (default: --pages)")
     e.add_argument("--token-budget", type=int, default=0, help="most tokens per step: a "
                    "decode row per slot plus a prefill chunk (default: 0, slots + 256)")
     e.add_argument("--prefill-rows", type=int, default=1, help="most prompts whose chunks one "
                    "step prefills together; more step shapes to compile (default: %(default)s)")
     e.add_argument("--min-context", type=int, help="narrowest page table a step attends over, "
-                   "in positions; each power-of-two width up to the context is one more set "
-                   "of step shapes to compile (default: the engine's, 128)")
+                   "in positions; each wider power of two compiles more shapes (default: 128)")
     e.add_argument("--tensor", type=int, default=1, metavar="T", help="tensor-parallel over T "
                    "devices, as generate --tensor (default: %(default)s)")
     e.add_argument("--expert", type=int, default=1, metavar="X", help="a mixture's experts "
-                   "split over X devices (E/X each), as generate --expert; X x T devices in "
-                   "all (default: %(default)s)")
+                   "split over X devices, as generate --expert (default: %(default)s)")
     e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the checkpoint's)")
     e.add_argument("--cache-dtype", choices=("float32", "bfloat16", "float16", "int8"),
@@ -101,8 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not share prompt pages between requests (default: share)")
     e.add_argument("--speculative", metavar="SPEC", help="speculative decoding for every "
                    "request: ngram[:k=K][:n=N] (prompt lookup), draft:PATH[:k=K] (a draft "
-                   "model sharing the checkpoint's tokenizer) or mtp (the checkpoint's "
-                   "multi-token prediction module, e.g. DeepSeek-V3's) (default: off)")
+                   "model) or mtp (the checkpoint's multi-token prediction) (default: off)")
     e.add_argument("--compilation-cache", default=str(DEFAULT_CACHE_DIR),
                    help="JAX persistent compilation cache directory, '' for none "
                    "(default: %(default)s)")
