@@ -1,6 +1,7 @@
 """Argument types for the benchmarks' (and ``evaluate``'s) command lines: each ``type=``
 function checks its value when the arguments are parsed, before any model is built, and returns
-it or raises ``argparse.ArgumentTypeError`` with one line saying which values it accepts."""
+it or raises ``argparse.ArgumentTypeError`` with one line saying which values it accepts; and
+what the benchmarks share besides (``parser``, ``check_runs``, ``timed``, ``write_json``)."""
 
 from __future__ import annotations
 
@@ -134,25 +135,23 @@ def quant_schemes(text: str) -> list[str]:
     return [quant_scheme(s) for s in schemes]
 
 
-def _existing(text: str, directory: bool) -> str:
-    """``text`` when it names an existing directory (``directory``) or file, else the error."""
-    path, kind, other = Path(text).expanduser(), *(("directory", "file") if directory
-                                                  else ("file", "directory"))
-    if not path.exists():
-        raise _fail(f"{text}: no such {kind}")
-    if path.is_dir() != directory:
-        raise _fail(f"{text} is a {other}, not a {kind}")
-    return text
+def _existing(directory: bool) -> Callable[[str], str]:
+    """A type: an existing directory (``directory``) or file."""
+    kind, other = ("directory", "file") if directory else ("file", "directory")
+
+    def parse(text: str) -> str:
+        path = Path(text).expanduser()
+        if not path.exists():
+            raise _fail(f"{text}: no such {kind}")
+        if path.is_dir() != directory:
+            raise _fail(f"{text} is a {other}, not a {kind}")
+        return text
+
+    return parse
 
 
-def existing_dir(text: str) -> str:
-    """A type: a directory that exists."""
-    return _existing(text, True)
-
-
-def existing_file(text: str) -> str:
-    """A type: a file that exists."""
-    return _existing(text, False)
+#: Types: a directory, a file that exists.
+existing_dir, existing_file = _existing(True), _existing(False)
 
 
 def existing_path(text: str) -> str:

@@ -131,8 +131,7 @@ def _bench_ours(config: ModelConfig, weights: decode.DecodeWeights, prompts: lis
         step_ms_last_quarter=float(np.median(series[-quarter:])),
         step_ms_series=[round(float(x), 3) for x in series],
         cache_len=s_max, cache_bytes=cache_bytes(config, b, s_max, cache_dtype),
-        cache_dtype=cache_dtype or config.dtype,
-        tokens=result.token_array.tolist(),
+        cache_dtype=cache_dtype or config.dtype, tokens=result.token_array.tolist(),
     )
 
 

@@ -65,8 +65,7 @@ def write_checkpoint(directory: Path, args: argparse.Namespace, corpus: list[str
         vocab_size=tok.get_vocab_size(), hidden_size=args.d_model,
         intermediate_size=args.d_ff or 4 * args.d_model, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.max_len, tie_word_embeddings=False,
-        initializer_range=0.1)
+        max_position_embeddings=args.max_len, tie_word_embeddings=False, initializer_range=0.1)
     transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
 
 

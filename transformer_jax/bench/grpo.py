@@ -247,8 +247,7 @@ def trl_step_times(model_dir: Path, records: list[dict], args: argparse.Namespac
     trainer = GRPOTrainer(
         model=transformers.AutoModelForCausalLM.from_pretrained(model_dir),
         reward_funcs=[reward], args=config, train_dataset=dataset,
-        processing_class=transformers.AutoTokenizer.from_pretrained(model_dir),
-        callbacks=[Timer()])
+        processing_class=transformers.AutoTokenizer.from_pretrained(model_dir), callbacks=[Timer()])
     trainer.train()
     return times
 

@@ -84,8 +84,7 @@ def state_memory(model_config: Any, mesh_sizes: tuple[int, int, int], train_conf
             adam += sh.per_device_bytes(leaf, flat_s[path])
     return {
         "param_count": sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params)),
-        "params": sh.per_device_bytes(abstract.params, shardings.params),
-        "adam": adam,
+        "params": sh.per_device_bytes(abstract.params, shardings.params), "adam": adam,
         "state": sh.per_device_bytes(abstract, shardings),
         "experts": expert_bytes(abstract, shardings),
     }
@@ -237,8 +236,7 @@ def _configs(name: str, batch: int, seq: int, loss_chunk: int = 0,
         print(f"(max_seq_len {model_config.max_seq_len} of {name} raised to --seq {seq} for "
               "this report)", file=sys.stderr)
         model_config = model_config.replace(max_seq_len=seq)
-    train_config = TrainConfig(batch_size=batch, seq_len=seq, warmup_steps=0,
-                               loss_chunk=loss_chunk)
+    train_config = TrainConfig(batch_size=batch, seq_len=seq, warmup_steps=0, loss_chunk=loss_chunk)
     return model_config, train_config
 
 
@@ -310,20 +308,16 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"--batch {args.batch} must be a multiple of data x fsdp = "
                              f"{sizes[0] * sizes[1]} (the batch is split over both; e.g. "
                              f"--batch {sizes[0] * sizes[1]} for one sequence per device)")
-        for n_layers in layers if args.compile_time else (None,):
-            _configs(args.config, args.batch, args.seq, remat=args.remat, dtype=args.dtype,
-                     attention_impl=args.attention, loss_chunk=args.loss_chunk,
-                     n_layers=n_layers)
+        configs = [_configs(args.config, args.batch, args.seq, remat=args.remat,
+                            dtype=args.dtype, attention_impl=args.attention,
+                            loss_chunk=args.loss_chunk, n_layers=n_layers)
+                   for n_layers in (None, *(layers if args.compile_time else ()))]
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     _request_simulated_cpu_devices(n_devices)
     try:
         # The model against the mesh (divisibility), from shapes alone, before any device.
-        model_config, train_config = _configs(args.config, args.batch, args.seq,
-                                              remat=args.remat, dtype=args.dtype,
-                                              attention_impl=args.attention,
-                                              loss_chunk=args.loss_chunk)
-        state_memory(model_config, sizes, train_config)
+        state_memory(configs[0][0], sizes, configs[0][1])
         if len(jax.devices()) < n_devices:
             raise RuntimeError(f"the JAX backend started before the bench could ask for "
                                f"{n_devices} CPU devices (it has {len(jax.devices())}); run the "
@@ -379,8 +373,7 @@ def _run(args: argparse.Namespace, mesh_config: Any, sizes: tuple[int, int, int]
         if picked == "auto":  # what "auto" runs for this shape here (q and k of one device)
             c = ModelConfig.preset(args.config)
             b = max(1, args.batch // (sizes[0] * sizes[1]))
-            q = jax.ShapeDtypeStruct((b, args.seq, c.n_heads, c.head_dim),
-                                     jnp.dtype(report.dtype))
+            q = jax.ShapeDtypeStruct((b, args.seq, c.n_heads, c.head_dim), jnp.dtype(report.dtype))
             k = jax.ShapeDtypeStruct((b, c.n_kv_heads, args.seq, c.head_dim), q.dtype)
             picked = f"auto -> {choose_impl(q, k)}"
         loss = f"chunked by {report.loss_chunk} positions" if report.loss_chunk else "full"

@@ -125,8 +125,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(f"MoE layer forward+backward on {result['device']}: N={args.tokens} tokens, "
           f"D={args.d_model}, E={args.experts}, k={args.top_k}, F={args.expert_ff} "
-          f"(dense SwiGLU F={args.top_k * args.expert_ff}), {args.dtype}, median of "
-          f"{args.repeats}")
+          f"(dense SwiGLU F={args.top_k * args.expert_ff}), {args.dtype}, median of {args.repeats}")
     print(f"  dense FFN    {1000 * dense['step_s']:8.1f} ms                 (min "
           f"{1000 * dense['min_s']:.1f} ms; compile {dense['compile_s']:.2f} s)")
     for impl, moe in result["moe"].items():

@@ -119,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = r
         print(f"{name:12s} base {r['base_bytes'] / 1e6:7.2f} MB ({r['base_vs_bf16']:.3f}x its "
               f"bfloat16 size); train loss {r['first_train_loss']:.4f} -> "
-              f"{r['last_train_loss']:.4f}; val {r['val_loss']}; {r['seconds']:.0f} s",
-              flush=True)
+              f"{r['last_train_loss']:.4f}; val {r['val_loss']}; {r['seconds']:.0f} s", flush=True)
     q = results[f"qlora_{args.quant}"]
     results["loss_ratio"] = q["last_train_loss"] / results["lora"]["last_train_loss"]
     print(f"final train loss {args.quant} / float base: {results['loss_ratio']:.4f}")

@@ -48,8 +48,7 @@ def main(argv: list[str]) -> int:
             return moe_layer.main(args)
         model, tc, _ = build_configs(args.config, args.overrides)
         if tc.seq_len > model.max_seq_len:
-            raise ValueError(f"train.seq_len={tc.seq_len} > model.max_seq_len="
-                             f"{model.max_seq_len}")
+            raise ValueError(f"train.seq_len={tc.seq_len} > model.max_seq_len={model.max_seq_len}")
         if not args.no_fast_math:  # as train.py does, before the backend starts
             perf.enable_cpu_fast_math()
         try:

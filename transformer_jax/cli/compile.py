@@ -130,26 +130,23 @@ def find_batch(config: str, overrides: list[str], topology: str, slices: int = 1
     split = sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)
     out: dict[str, Any] = {"mesh": sizes, "batch_devices": split, "policies": {}}
     for remat in remats:
-        peaks: dict[int, int] = {}
-        hosts: dict[int, int] = {}
+        fitted: dict[int, tuple[int, int]] = {}  # per_chip -> (peak, host) bytes
 
-        def fits(per_chip: int, remat: str = remat, peaks: dict[int, int] = peaks,
-                 hosts: dict[int, int] = hosts) -> bool:
+        def fits(per_chip: int, remat: str = remat, fitted: dict = fitted) -> bool:
             batch = per_chip * split * train.grad_accum
             r = compile_report(config, [*overrides, f"model.remat={remat}",
                                         f"train.batch_size={batch}"], topology, slices)
             out["hbm_bytes"] = r["hbm_bytes"]
             if r["fits"]:
-                peaks[per_chip] = r["memory"]["peak"]
-                hosts[per_chip] = r["memory"].get("host_temp", 0)
+                fitted[per_chip] = r["memory"]["peak"], r["memory"].get("host_temp", 0)
             return r["fits"]
 
         start = time.perf_counter()
         best, probes = pod.largest_fitting(fits, most)
+        peak, host = fitted.get(best, (None, None))
         out["policies"][remat] = {
-            "per_chip": best, "batch_size": best * split * train.grad_accum,
-            "peak": peaks.get(best), "host": hosts.get(best),
-            "probes": [list(p) for p in probes],
+            "per_chip": best, "batch_size": best * split * train.grad_accum, "peak": peak,
+            "host": host, "probes": [list(p) for p in probes],
             "seconds": time.perf_counter() - start}
     return out
 
@@ -164,8 +161,7 @@ def format_batches(found: dict[str, Any], topology: str) -> str:
         fit = (f"{row['per_chip']} (train.batch_size={row['batch_size']}, peak "
                f"{gib(row['peak'])})" if row["per_chip"] else "none fits")
         host = f", {gib(row['host'])} on the host" if row.get("host") else ""
-        lines.append(f"  remat={remat:<24} {fit}{host}; probes {probes} "
-                     f"({row['seconds']:.0f} s)")
+        lines.append(f"  remat={remat:<24} {fit}{host}; probes {probes} ({row['seconds']:.0f} s)")
     return "\n".join(lines)
 
 
@@ -234,8 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="find the largest per-chip batch that fits, for each remat policy "
                         "(one compile a probe)")
     parser.add_argument("--remat", action="append",
-                        help="with --find-batch: the policies to search (repeatable; default "
-                        "all)")
+                        help="with --find-batch: the policies to search (repeatable; default all)")
     serve = parser.add_argument_group(
         "--serve", "compile generate (prefill and the decode loop) instead of the train step")
     serve.add_argument("--serve", action="store_true", help="compile generate")

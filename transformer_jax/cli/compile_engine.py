@@ -65,8 +65,7 @@ def engine_report(config: str, overrides: list[str], topology: str, *,
     cache = jax.eval_shape(lambda: PagedKVCache.init(model, pages, page_size, slots=slots))
     rings = cache.ring is not None
     with target.targeting(target.of_mesh(mesh)):
-        kernels = {name: paged_attention.plan(model.attention_impl, t, None,
-                                              model.head_dim).kernel
+        kernels = {name: paged_attention.plan(model.attention_impl, t, None, model.head_dim).kernel
                    for name, t in (("decode", 1), ("prefill", chunk))}
     report: dict[str, Any] = {
         "program": "engine step", "config": config, "overrides": overrides,
@@ -80,8 +79,7 @@ def engine_report(config: str, overrides: list[str], topology: str, *,
 
     def placed(tree: Any, spec: P) -> Any:
         where = NamedSharding(mesh, spec)
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
-                            tree)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where), tree)
 
     k_pages, v_pages = placed((cache.k, cache.v), step_lib.page_spec(model))
     ring_arrays = placed((cache.k_ring, cache.v_ring), step_lib.ring_spec(model)) if rings \
@@ -97,8 +95,7 @@ def engine_report(config: str, overrides: list[str], topology: str, *,
     for name, (decode_rows, prefill) in programs.items():
         n = slots if prefill is None else 1
         sampling, sampler = row_sampling([None] * n, model.vocab_size)  # greedy, as compile()
-        rows = placed(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), sampling),
-                      P())
+        rows = placed(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), sampling), P())
         start = time.perf_counter()
         lowered = step_lib.step_jit.lower(
             model, weights.params, k_pages, v_pages, decode_rows, prefill, rows,

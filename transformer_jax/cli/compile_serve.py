@@ -99,13 +99,11 @@ def decode_setup(model: Any, topology: str, tensor: int | None, expert: int
     shardings = decode.weight_shardings(model, mesh, aw.out_first, aw.quant, aw.experts_split)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           aw.params, shardings)
-    weights = decode.DecodeWeights(params, model, mesh, aw.out_first, aw.quant,
-                                   aw.experts_split)
+    weights = decode.DecodeWeights(params, model, mesh, aw.out_first, aw.quant, aw.experts_split)
     return devices, mesh, hbm, weights
 
 
-def compiled_report(report: dict[str, Any], lowered: Any, mesh: Any, hlo: bool
-                    ) -> dict[str, Any]:
+def compiled_report(report: dict[str, Any], lowered: Any, mesh: Any, hlo: bool) -> dict[str, Any]:
     """``report`` with the compile of ``lowered`` added: ``compile_s`` and ``memory`` per
     chip, then ``program_report``'s fields (or ``fits`` False and the compiler's ``error``)."""
     compiled, fields = pod.compile_memory(lowered)
@@ -113,8 +111,7 @@ def compiled_report(report: dict[str, Any], lowered: Any, mesh: Any, hlo: bool
     return report if compiled is None else program_report(report, compiled, mesh, hlo)
 
 
-def program_report(report: dict[str, Any], compiled: Any, mesh: Any, hlo: bool
-                   ) -> dict[str, Any]:
+def program_report(report: dict[str, Any], compiled: Any, mesh: Any, hlo: bool) -> dict[str, Any]:
     """``report`` (with ``memory`` and ``hbm_bytes``) with ``fits``, the ``collectives`` of
     ``compiled`` by kind and mesh axis, ``mosaic_calls`` (the Pallas TPU kernels' custom calls)
     and, with ``hlo``, the program's text."""

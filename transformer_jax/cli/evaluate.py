@@ -63,17 +63,14 @@ def _mesh(text: str) -> sharding.MeshConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's arguments, each checked as it is parsed; each help states its default once."""
-    p = argparse.ArgumentParser(prog=f"{PROG} evaluate",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="HF checkpoint directory or a training "
-                   "run (run directory, its checkpoints/ or a step directory); LoRA runs are "
-                   "merged")
+    p = argparse.ArgumentParser(prog=f"{PROG} evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="HF checkpoint directory or a training run "
+                   "(run directory, its checkpoints/ or a step directory); LoRA runs are merged")
     p.add_argument("--tasks", type=_tasks, required=True,
                    help="comma-separated lm-eval task (or group) names")
     p.add_argument("--include-path", type=types.existing_dir, action="append", default=[],
                    metavar="DIR",
-                   help="directory of task YAML files; repeatable (default: built-in tasks "
-                   "only)")
+                   help="directory of task YAML files; repeatable (default: built-in tasks only)")
     p.add_argument("--limit", type=_limit, help="at most this many documents per task (a "
                    "fraction below 1: that share) (default: all)")
     p.add_argument("--num-fewshot", type=types.nonnegative_int,
@@ -175,14 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    tasks = args.tasks
     try:
         import lm_eval
         from lm_eval.utils import handle_non_serializable, make_table
 
         from transformer_jax.evaluate.harness import JaxLM
 
-        manager = task_manager(args.include_path, tasks)
+        manager = task_manager(args.include_path, args.tasks)
     except ValueError as e:
         parser.error(str(e))
     try:
@@ -195,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         lm = JaxLM(source, mesh=mesh, batch_size=args.batch_size,
                    max_length=args.max_length, tokenizer=args.tokenizer, dtype=args.dtype)
         results = lm_eval.simple_evaluate(
-            model=lm, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
+            model=lm, tasks=args.tasks, limit=args.limit, num_fewshot=args.num_fewshot,
             task_manager=manager, log_samples=False, random_seed=args.seed,
             numpy_random_seed=args.seed, torch_random_seed=None,  # no torch here
             fewshot_random_seed=args.seed, bootstrap_iters=args.bootstrap_iters)

@@ -1,7 +1,5 @@
 """Export a training run (or re-export a HF directory) as a complete HuggingFace checkpoint.
 
-    transformer-jax export --checkpoint RUN_DIR --out DIR
-
 The result holds ``config.json``, the safetensors weights, ``generation_config.json`` and the
 tokenizer. A LoRA run's adapters are merged into the base (in float32) and every tensor is cast
 to the model's ``param_dtype``. The checkpoint is only read; ``--out`` is checked before any
@@ -32,8 +30,7 @@ MODEL_TYPES = tuple(sorted(hf.convert.ARCHITECTURES))
 logger = logging.getLogger(__name__)
 
 
-def _cast(config: ModelConfig, params: Params, dtype: str | None
-          ) -> tuple[ModelConfig, Params]:
+def _cast(config: ModelConfig, params: Params, dtype: str | None) -> tuple[ModelConfig, Params]:
     if dtype is None or dtype == config.param_dtype:
         return config, params
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
@@ -125,10 +122,8 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
     if not remote:
         check_out(out, overwrite)
     loaded = loading.load(source, step=step, with_tokenizer=False)
-    tok = None
-    if use_tokenizer:
-        tok = loading.open_tokenizer(source, tokenizer, where=where,
-                                     missing="pass --tokenizer PATH or --no-tokenizer")
+    tok = loading.open_tokenizer(source, tokenizer, where=where, missing="pass --tokenizer PATH "
+                                 "or --no-tokenizer") if use_tokenizer else None
     config, params = _cast(loaded.config, loaded.params, dtype)
     if model_type is None and source.hf_model_type is not None:
         model_type = source.hf_model_type
@@ -140,9 +135,7 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
                 fp8_block=hf.fp8.DEFAULT_BLOCK if fp8 else None)
     except OSError as e:
         raise type(e)(f"could not write the export {out}: {e.strerror or e}") from None
-    if remote:
-        return _upload_export(out, url)
-    return out
+    return _upload_export(out, url) if remote else out
 
 
 def check_remote_out(url: str, overwrite: bool = False) -> None:
@@ -196,10 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--mxfp4", action="store_true", help="store GPT-OSS's experts in MXFP4, "
                        "as its published checkpoints (rounds values MXFP4 does not hold; "
                        "default: unquantised, in the weights' dtype)")
-    quant.add_argument("--fp8", action="store_true", help="store the layers' projection "
-                       "weights in FP8 e4m3 with a float32 scale per 128x128 block, as "
-                       "DeepSeek-V3's published checkpoints (rounds to e4m3; not for gpt_oss "
-                       "or llama4)")
+    quant.add_argument("--fp8", action="store_true", help="store the layers' projection weights in "
+                       "FP8 e4m3 with a float32 scale per 128x128 block, as DeepSeek-V3's "
+                       "published checkpoints (rounds to e4m3; not for gpt_oss or llama4)")
     return p
 
 

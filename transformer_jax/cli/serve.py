@@ -46,8 +46,7 @@ logger = logging.getLogger("transformer_jax.serve")
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's arguments; each help states its default."""
-    p = argparse.ArgumentParser(prog=f"{PROG} serve",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=f"{PROG} serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True,
                    help="HF checkpoint directory or a training run (run directory, its "
                    "checkpoints/ or a step directory)")
@@ -121,13 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check(args: argparse.Namespace) -> None:
     for name in ("slots", "page_size", "max_requests", "prefill_rows", "min_context"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
+        if (value := getattr(args, name)) is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
     for name in ("pages", "token_budget", "tensor"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got "
-                             f"{getattr(args, name)}")
+        if (value := getattr(args, name)) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     fraction, timeout, inf = args.memory_fraction, args.request_timeout, float("inf")
     for flag, value, ok, wants in (
             ("--expert", args.expert, args.expert >= 1, ">= 1"),
