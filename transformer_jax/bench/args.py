@@ -150,7 +150,7 @@ def _existing(directory: bool) -> Callable[[str], str]:
     return parse
 
 
-#: Types: a directory, a file that exists.
+#: Types: an existing directory, an existing file.
 existing_dir, existing_file = _existing(True), _existing(False)
 
 
