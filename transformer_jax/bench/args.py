@@ -1,6 +1,7 @@
 """Argument types for the benchmarks' (and ``evaluate``'s) command lines: each ``type=``
 function checks its value when the arguments are parsed, before any model is built, and returns
-it or raises ``argparse.ArgumentTypeError`` with one line saying which values it accepts."""
+it or raises ``argparse.ArgumentTypeError`` with one line saying which values it accepts; and
+what the benchmarks share besides (``parser``, ``check_runs``, ``timed``, ``write_json``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 import os
 import socket
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -133,25 +135,23 @@ def quant_schemes(text: str) -> list[str]:
     return [quant_scheme(s) for s in schemes]
 
 
-def _existing(text: str, directory: bool) -> str:
-    """``text`` when it names an existing directory (``directory``) or file, else the error."""
-    path, kind, other = Path(text).expanduser(), *(("directory", "file") if directory
-                                                  else ("file", "directory"))
-    if not path.exists():
-        raise _fail(f"{text}: no such {kind}")
-    if path.is_dir() != directory:
-        raise _fail(f"{text} is a {other}, not a {kind}")
-    return text
+def _existing(directory: bool) -> Callable[[str], str]:
+    """A type: an existing directory (``directory``) or file."""
+    kind, other = ("directory", "file") if directory else ("file", "directory")
+
+    def parse(text: str) -> str:
+        path = Path(text).expanduser()
+        if not path.exists():
+            raise _fail(f"{text}: no such {kind}")
+        if path.is_dir() != directory:
+            raise _fail(f"{text} is a {other}, not a {kind}")
+        return text
+
+    return parse
 
 
-def existing_dir(text: str) -> str:
-    """A type: a directory that exists."""
-    return _existing(text, True)
-
-
-def existing_file(text: str) -> str:
-    """A type: a file that exists."""
-    return _existing(text, False)
+#: Types: an existing directory, an existing file.
+existing_dir, existing_file = _existing(True), _existing(False)
 
 
 def existing_path(text: str) -> str:
@@ -225,6 +225,26 @@ def server_url(text: str) -> str:
         raise _fail(f"{text}: no server accepts connections at {parts.hostname}:{port} "
                     f"({reason}); start one with `transformer-jax serve`") from None
     return text
+
+
+def check_runs(*runs: tuple[str, list[str]]) -> None:
+    """``build_configs`` of each ``(preset, overrides)`` run the benchmark will start, without
+    ``train.init_from`` (written later), so that a setting they refuse is one error before any work.
+
+    Raises:
+      ConfigError: naming the setting.
+    """
+    from transformer_jax.train.config import build_configs
+
+    for preset, overrides in runs:
+        build_configs(preset, [o for o in overrides if not o.startswith("train.init_from=")])
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """``fn()``'s wall-clock seconds and its result."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
 
 
 def parser(kind: str, doc: str, **kwargs: Any) -> argparse.ArgumentParser:

@@ -30,8 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated prompt lengths")
     p.add_argument("--n", type=a.int_at_least(2), default=4, help="choices per request")
     p.add_argument("--max-tokens", type=a.positive_int, default=1, help="tokens per choice")
-    p.add_argument("--rounds", type=a.positive_int, default=5,
-                   help="timed rounds (median taken)")
+    p.add_argument("--rounds", type=a.positive_int, default=5, help="timed rounds (median taken)")
     p.add_argument("--slots", type=a.positive_int, default=8)
     p.add_argument("--page-size", type=a.positive_int, default=16)
     p.add_argument("--token-budget", type=a.positive_int, default=None,

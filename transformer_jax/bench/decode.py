@@ -43,9 +43,7 @@ from transformer_jax.parallel import sharding
 
 def _seconds(fn) -> tuple[float, Any]:
     """``fn()``'s wall-clock seconds (its result ready) and its result."""
-    start = time.perf_counter()
-    result = jax.block_until_ready(fn())
-    return time.perf_counter() - start, result
+    return args_lib.timed(lambda: jax.block_until_ready(fn()))
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -133,8 +131,7 @@ def _bench_ours(config: ModelConfig, weights: decode.DecodeWeights, prompts: lis
         step_ms_last_quarter=float(np.median(series[-quarter:])),
         step_ms_series=[round(float(x), 3) for x in series],
         cache_len=s_max, cache_bytes=cache_bytes(config, b, s_max, cache_dtype),
-        cache_dtype=cache_dtype or config.dtype,
-        tokens=result.token_array.tolist(),
+        cache_dtype=cache_dtype or config.dtype, tokens=result.token_array.tolist(),
     )
 
 
@@ -222,9 +219,7 @@ def compile_times(config: ModelConfig, layers: tuple[int, ...] = (4, 32), batch:
                     jax.ShapeDtypeStruct((batch,), jnp.int32),
                     jax.ShapeDtypeStruct((batch, 2), jnp.uint32))
             fn = jax.jit(decode.generate_padded, static_argnames=decode.GENERATE_STATIC_ARGNAMES)
-            start = time.perf_counter()
-            fn.lower(c, *args, max_new_tokens=new_tokens).compile()
-            seconds = time.perf_counter() - start
+            seconds, _ = args_lib.timed(fn.lower(c, *args, max_new_tokens=new_tokens).compile)
             out[str(n_layers)] = min(seconds, out.get(str(n_layers), seconds))
             print(f"  {n_layers} layers: lower + compile {seconds:.1f} s", flush=True)
     first, last = str(layers[0]), str(layers[-1])
@@ -369,8 +364,7 @@ def main(argv: list[str]) -> int:
             ours = run(config, placed[t], weight_bytes=weight_bytes)
             rec = dict(point, tensor=t, load_avg=_load(), ours=ours, prepare_s=prepare_s[t])
             if peak:  # per device: each of the T devices reads its 1/T of the bytes
-                rec["peak_gb_s"] = peak
-                rec["bandwidth_use_vs_peak"] = ours["achieved_gb_s"] / t / peak
+                rec.update(peak_gb_s=peak, bandwidth_use_vs_peak=ours["achieved_gb_s"] / t / peak)
             weights_ms = _bench_weights_only(config, placed[t], b, n, args.repeats)
             rec["weights_only"] = dict(
                 step_ms=weights_ms, gb_s=weight_bytes / weights_ms / 1e6,
@@ -378,10 +372,10 @@ def main(argv: list[str]) -> int:
             if "no_cache" in point:
                 rec["speedup_vs_no_cache"] = point["no_cache"]["step_ms"] / ours["step_ms"]
             if hf_rec is not None:
-                rec["hf"] = {k: v for k, v in hf_rec.items() if k != "tokens"}
-                rec["speedup_vs_hf"] = hf_rec["step_ms"] / ours["step_ms"]
                 same = np.mean(np.asarray(hf_rec["tokens"]) == np.asarray(ours["tokens"]))
-                rec["greedy_token_agreement_with_hf"] = float(same)
+                rec.update(hf={k: v for k, v in hf_rec.items() if k != "tokens"},
+                           speedup_vs_hf=hf_rec["step_ms"] / ours["step_ms"],
+                           greedy_token_agreement_with_hf=float(same))
             if quantized:
                 rec["quant"] = decode_compare.compare_quant(
                     config, quantized[t], ours, weight_bytes, run,

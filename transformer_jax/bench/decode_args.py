@@ -38,12 +38,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--out", "--json", type=a.output_file, default=None,
                         help="JSON file (default bench_decode_NAME.json)")
     parser.add_argument("--compile-time", action="store_true",
-                        help="only measure the lower + compile time of generate at --layers "
-                        "depths of the config (bfloat16, batch 1, prompt 128, 64 new tokens, "
-                        "from abstract inputs) and write {compile_s, ratio}")
+                        help="only time lowering + compiling generate at --layers depths "
+                        "(bfloat16, B=1, prompt 128, 64 new tokens); write {compile_s, ratio}")
     parser.add_argument("--layers", type=a.int_list(1), default=[4, 32],
-                        help="depths for --compile-time (default 4,32; the ratio is the last "
-                        "over the first)")
+                        help="depths for --compile-time (default 4,32; ratio: last / first)")
     return parser
 
 
@@ -59,9 +57,8 @@ def parse(argv: list[str], description: str) -> tuple[argparse.Namespace, ModelC
     # Every grid point must be one a generate call can run.
     longest = max(args.prompt_len) + max(args.new_tokens)
     if longest > config.max_seq_len:
-        parser.error(f"--prompt-len {max(args.prompt_len)} + --new-tokens "
-                     f"{max(args.new_tokens)} = {longest} exceeds the model's max_seq_len "
-                     f"{config.max_seq_len}")
+        parser.error(f"--prompt-len {max(args.prompt_len)} + --new-tokens {max(args.new_tokens)} = "
+                     f"{longest} exceeds the model's max_seq_len {config.max_seq_len}")
     for size in args.cache_size:
         if size and size < longest:
             parser.error(f"--cache-size {size} is smaller than --prompt-len + --new-tokens = "

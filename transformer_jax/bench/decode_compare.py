@@ -43,10 +43,9 @@ def compare_quant(config: ModelConfig, weights: decode.DecodeWeights,
 def describe_quant(q: dict[str, Any]) -> str:
     """One line of ``compare_quant``'s record."""
     return (f"  {q['scheme']} weights: {q['weight_bytes'] / 1e6:.1f} MB "
-            f"({q['weight_bytes_vs_float']:.3f}x the float bytes), step {q['step_ms']:.2f} ms "
-            f"= {q['step_vs_float']:.2f}x float's; matrix products alone "
-            f"{q['weights_only_ms']:.2f} ms; greedy tokens agree with float "
-            f"{q['greedy_token_agreement_with_float']:.0%}")
+            f"({q['weight_bytes_vs_float']:.3f}x the float bytes), step {q['step_ms']:.2f} ms = "
+            f"{q['step_vs_float']:.2f}x float's; matrix products alone {q['weights_only_ms']:.2f} "
+            f"ms; greedy tokens agree with float {q['greedy_token_agreement_with_float']:.0%}")
 
 
 def expert_bytes(weights: decode.DecodeWeights) -> tuple[int, int]:

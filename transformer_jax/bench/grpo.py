@@ -165,38 +165,29 @@ def sft_overrides(root: Path, sft_file: Path, args: argparse.Namespace) -> list[
 
 
 def check_runs(args: argparse.Namespace) -> None:
-    """Builds the configs of every run the benchmark will start (without the checkpoint paths,
-    written later), so that a setting they refuse is one error before any work.
-
-    Raises:
-      ConfigError: naming the setting (``train.grpo_group_size``, ``train.grad_accum``, ...).
-    """
-    from transformer_jax.train.config import build_configs
-
+    """``arg_types.check_runs`` of every run the benchmark will start."""
     here = Path("unused")
-    without_paths = lambda overrides: [o for o in overrides  # noqa: E731
-                                       if not o.startswith("train.init_from=")]
+    runs = []
     if "learn" not in args.skip:
-        build_configs("finetune", without_paths(sft_overrides(here, here, args)))
-        build_configs("grpo", without_paths(grpo_overrides(here, here, here, args.steps, args,
-                                                           args.lr, args.steps)))
+        runs += [("finetune", sft_overrides(here, here, args)),
+                 ("grpo", grpo_overrides(here, here, here, args.steps, args, args.lr, args.steps))]
     if "speed" not in args.skip:
-        build_configs("grpo", without_paths(grpo_overrides(here, here, here, args.speed_steps,
-                                                           args, args.lr, 10**6)))
+        runs.append(("grpo", grpo_overrides(here, here, here, args.speed_steps, args, args.lr,
+                                            10**6)))
+    arg_types.check_runs(*runs)
 
 
 class Stopped(Exception):
     """One of the benchmark's runs was stopped by SIGTERM/SIGINT (``RunSummary.interrupted``)."""
 
-    def __init__(self, what: str, summary: Any, planned: int,
-                 records: list[dict] | None = None) -> None:
+    def __init__(self, what: str, summary: Any, planned: int, records: list[dict]) -> None:
         super().__init__(f"{what} stopped by {summary.interrupted} after "
                          f"{summary.final_step} of {planned} steps")
-        self.what, self.summary, self.records = what, summary, records or []
+        self.what, self.summary, self.records = what, summary, records
 
 
-def train(preset: str, overrides: list[str], what: str, planned: int) -> Any:
-    """``train.run`` of ``preset`` with ``overrides``; its summary.
+def train(preset: str, overrides: list[str], what: str, planned: int) -> list[dict]:
+    """``train.run`` of ``preset`` with ``overrides``; its metrics records.
 
     Raises:
       Stopped: the run was stopped by a signal (a checkpoint of its last step saved).
@@ -206,19 +197,18 @@ def train(preset: str, overrides: list[str], what: str, planned: int) -> Any:
 
     model, train_config, data = build_configs(preset, overrides)
     summary = run(model, train_config, data, progress=False)
+    records = [json.loads(line) for line in
+               (Path(train_config.run_dir) / "metrics.jsonl").read_text().splitlines()]
     if summary.interrupted:
-        records = [json.loads(line) for line in
-                   (Path(train_config.run_dir) / "metrics.jsonl").read_text().splitlines()]
         raise Stopped(what, summary, planned, records)
-    return summary
+    return records
 
 
 def ours(model_dir: Path, prompts: Path, run_dir: Path, steps: int, args: argparse.Namespace,
          lr: float, ckpt_every: int, what: str = "GRPO") -> list[dict]:
     """Our GRPO run from ``model_dir``; its metrics records (``Stopped`` by a signal)."""
-    train("grpo", grpo_overrides(model_dir, prompts, run_dir, steps, args, lr, ckpt_every),
-          what, steps)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return train("grpo", grpo_overrides(model_dir, prompts, run_dir, steps, args, lr, ckpt_every),
+                 what, steps)
 
 
 def trl_step_times(model_dir: Path, records: list[dict], args: argparse.Namespace,
@@ -257,8 +247,7 @@ def trl_step_times(model_dir: Path, records: list[dict], args: argparse.Namespac
     trainer = GRPOTrainer(
         model=transformers.AutoModelForCausalLM.from_pretrained(model_dir),
         reward_funcs=[reward], args=config, train_dataset=dataset,
-        processing_class=transformers.AutoTokenizer.from_pretrained(model_dir),
-        callbacks=[Timer()])
+        processing_class=transformers.AutoTokenizer.from_pretrained(model_dir), callbacks=[Timer()])
     trainer.train()
     return times
 
@@ -354,18 +343,15 @@ def measure(args: argparse.Namespace, root: Path, result: dict) -> int:
     result.update({"prompts": len(records), "group": args.group, "batch": args.prompts *
                    args.group, "max_tokens": args.max_tokens})
     if "learn" not in args.skip:
-        start = time.perf_counter()
-        train("finetune", sft_overrides(root, sft_file, args), "SFT", args.sft_steps)
-        sft_s = time.perf_counter() - start
+        sft_s, _ = arg_types.timed(lambda: train("finetune", sft_overrides(root, sft_file, args),
+                                                 "SFT", args.sft_steps))
         before = evaluate(root / "sft", prompts, args.eval_samples, args.max_tokens, 1)
         print(f"SFT {args.sft_steps} steps ({sft_s:.0f} s): reward sampled {before[0]:.3f}, "
               f"greedy {before[1]:.3f}")
         result.update(sft_steps=args.sft_steps, sft_s=round(sft_s, 1), reward_before=before[0],
                       greedy_before=before[1])
-        start = time.perf_counter()
-        metrics = ours(root / "sft", prompts, root / "grpo", args.steps, args, args.lr,
-                       args.steps)
-        grpo_s = time.perf_counter() - start
+        grpo_s, metrics = arg_types.timed(lambda: ours(root / "sft", prompts, root / "grpo",
+                                                       args.steps, args, args.lr, args.steps))
         after = evaluate(root / "grpo", prompts, args.eval_samples, args.max_tokens, 2)
         curve = [round(m["reward_mean"], 3) for m in metrics]
         print(f"GRPO {len(metrics)} steps ({grpo_s:.0f} s): reward sampled {before[0]:.3f} -> "

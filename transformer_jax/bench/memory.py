@@ -14,7 +14,6 @@ import math
 import os
 import re
 import sys
-import time
 from typing import Any
 
 import jax
@@ -71,8 +70,8 @@ def state_memory(model_config: Any, mesh_sizes: tuple[int, int, int], train_conf
       train_config: the ``TrainConfig`` (its optimizer decides the state).
 
     Returns:
-      ``{"param_count", "params", "adam", "state", "experts"}``: parameter count and bytes of
-      the parameters, Adam's mu + nu, the whole state, and the routed experts' part of it.
+      ``{"param_count", "params", "adam", "state", "experts"}``: the count, and bytes of the
+      parameters, Adam's mu + nu, the whole state and the routed experts' part of it.
     """
     axes = mesh_axes(mesh_sizes)
     mesh = AbstractMesh(tuple(mesh_sizes), axes, axis_types=(AxisType.Auto,) * len(axes))
@@ -85,8 +84,7 @@ def state_memory(model_config: Any, mesh_sizes: tuple[int, int, int], train_conf
             adam += sh.per_device_bytes(leaf, flat_s[path])
     return {
         "param_count": sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params)),
-        "params": sh.per_device_bytes(abstract.params, shardings.params),
-        "adam": adam,
+        "params": sh.per_device_bytes(abstract.params, shardings.params), "adam": adam,
         "state": sh.per_device_bytes(abstract, shardings),
         "experts": expert_bytes(abstract, shardings),
     }
@@ -109,10 +107,9 @@ def lower_train_step(model_config: Any, train_config: Any, mesh: Any) -> tuple[A
     tokens = jax.ShapeDtypeStruct((train_config.batch_size, train_config.seq_len), jnp.int32,
                                   sharding=b_shard)
     step = sh.jit_train_step(make_train_step(model_config, train_config), s_shard, b_shard)
-    start = time.perf_counter()
-    lowered = step.lower(sh.with_shardings(abstract, s_shard),
-                         {"inputs": tokens, "targets": tokens})
-    return lowered, time.perf_counter() - start
+    seconds, lowered = args_lib.timed(lambda: step.lower(sh.with_shardings(abstract, s_shard),
+                                                         {"inputs": tokens, "targets": tokens}))
+    return lowered, seconds
 
 
 def compiled_memory(model_config: Any, train_config: Any, mesh: Any) -> dict[str, int]:
@@ -220,9 +217,7 @@ def compile_times(name: str, mesh: Any, batch: int, seq: int, layers: tuple[int,
             model_config, train_config = _configs(name, batch, seq, remat=remat, dtype=dtype,
                                                   n_layers=n_layers, scan_layers=True)
             lowered, lower_s = lower_train_step(model_config, train_config, mesh)
-            start = time.perf_counter()
-            lowered.compile()
-            run = {"lower_s": lower_s, "compile_s": time.perf_counter() - start}
+            run = {"lower_s": lower_s, "compile_s": args_lib.timed(lowered.compile)[0]}
             best = out.get(n_layers)
             if best is None or sum(run.values()) < sum(best.values()):
                 out[n_layers] = run
@@ -241,8 +236,7 @@ def _configs(name: str, batch: int, seq: int, loss_chunk: int = 0,
         print(f"(max_seq_len {model_config.max_seq_len} of {name} raised to --seq {seq} for "
               "this report)", file=sys.stderr)
         model_config = model_config.replace(max_seq_len=seq)
-    train_config = TrainConfig(batch_size=batch, seq_len=seq, warmup_steps=0,
-                               loss_chunk=loss_chunk)
+    train_config = TrainConfig(batch_size=batch, seq_len=seq, warmup_steps=0, loss_chunk=loss_chunk)
     return model_config, train_config
 
 
@@ -314,20 +308,16 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"--batch {args.batch} must be a multiple of data x fsdp = "
                              f"{sizes[0] * sizes[1]} (the batch is split over both; e.g. "
                              f"--batch {sizes[0] * sizes[1]} for one sequence per device)")
-        for n_layers in layers if args.compile_time else (None,):
-            _configs(args.config, args.batch, args.seq, remat=args.remat, dtype=args.dtype,
-                     attention_impl=args.attention, loss_chunk=args.loss_chunk,
-                     n_layers=n_layers)
+        configs = [_configs(args.config, args.batch, args.seq, remat=args.remat,
+                            dtype=args.dtype, attention_impl=args.attention,
+                            loss_chunk=args.loss_chunk, n_layers=n_layers)
+                   for n_layers in (None, *(layers if args.compile_time else ()))]
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     _request_simulated_cpu_devices(n_devices)
     try:
         # The model against the mesh (divisibility), from shapes alone, before any device.
-        model_config, train_config = _configs(args.config, args.batch, args.seq,
-                                              remat=args.remat, dtype=args.dtype,
-                                              attention_impl=args.attention,
-                                              loss_chunk=args.loss_chunk)
-        state_memory(model_config, sizes, train_config)
+        state_memory(configs[0][0], sizes, configs[0][1])
         if len(jax.devices()) < n_devices:
             raise RuntimeError(f"the JAX backend started before the bench could ask for "
                                f"{n_devices} CPU devices (it has {len(jax.devices())}); run the "
@@ -383,8 +373,7 @@ def _run(args: argparse.Namespace, mesh_config: Any, sizes: tuple[int, int, int]
         if picked == "auto":  # what "auto" runs for this shape here (q and k of one device)
             c = ModelConfig.preset(args.config)
             b = max(1, args.batch // (sizes[0] * sizes[1]))
-            q = jax.ShapeDtypeStruct((b, args.seq, c.n_heads, c.head_dim),
-                                     jnp.dtype(report.dtype))
+            q = jax.ShapeDtypeStruct((b, args.seq, c.n_heads, c.head_dim), jnp.dtype(report.dtype))
             k = jax.ShapeDtypeStruct((b, c.n_kv_heads, args.seq, c.head_dim), q.dtype)
             picked = f"auto -> {choose_impl(q, k)}"
         loss = f"chunked by {report.loss_chunk} positions" if report.loss_chunk else "full"

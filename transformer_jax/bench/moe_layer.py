@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.bench.args import positive_float, positive_int
+from transformer_jax.bench.args import positive_float, positive_int, timed
 from transformer_jax.model.fields import MoE
 from transformer_jax.model.layers import MLP
 from transformer_jax.model.moe import SparseFFN
@@ -73,15 +72,10 @@ def time_layer(impl: str | None, args: argparse.Namespace, n_experts: int) -> di
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, args.tokens, args.d_model)), args.dtype)
     ct = jnp.asarray(rng.standard_normal((1, args.tokens, args.d_model)), jnp.float32)
-    start = time.perf_counter()
-    compiled = _fwd_bwd(module).lower(params, x, ct).compile()
-    compile_s = time.perf_counter() - start
+    compile_s, compiled = timed(_fwd_bwd(module).lower(params, x, ct).compile)
     jax.block_until_ready(compiled(params, x, ct))
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(params, x, ct))
-        times.append(time.perf_counter() - start)
+    times = [timed(lambda: jax.block_until_ready(compiled(params, x, ct)))[0]
+             for _ in range(args.repeats)]
     return {"compile_s": compile_s, "step_s": float(np.median(times)), "min_s": min(times)}
 
 
@@ -95,9 +89,7 @@ def compile_seconds(impl: str, args: argparse.Namespace, counts: list[int], repe
     for _ in range(repeats):
         for e in counts:
             module, params = _layer(impl, e, args)
-            start = time.perf_counter()
-            _fwd_bwd(module).lower(params, x, ct).compile()
-            best[e] = min(best[e], time.perf_counter() - start)
+            best[e] = min(best[e], timed(_fwd_bwd(module).lower(params, x, ct).compile)[0])
     return best
 
 
@@ -133,8 +125,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(f"MoE layer forward+backward on {result['device']}: N={args.tokens} tokens, "
           f"D={args.d_model}, E={args.experts}, k={args.top_k}, F={args.expert_ff} "
-          f"(dense SwiGLU F={args.top_k * args.expert_ff}), {args.dtype}, median of "
-          f"{args.repeats}")
+          f"(dense SwiGLU F={args.top_k * args.expert_ff}), {args.dtype}, median of {args.repeats}")
     print(f"  dense FFN    {1000 * dense['step_s']:8.1f} ms                 (min "
           f"{1000 * dense['min_s']:.1f} ms; compile {dense['compile_s']:.2f} s)")
     for impl, moe in result["moe"].items():

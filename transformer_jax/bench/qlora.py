@@ -69,21 +69,6 @@ def finetune(hf: Path, data: Path, run: Path, args: argparse.Namespace, extra: l
             "seconds": time.perf_counter() - start}
 
 
-def check_runs(args: argparse.Namespace) -> None:
-    """Builds the two runs' configs (without the checkpoint and corpus, written later), so that a
-    setting they refuse is one error before the checkpoint is written.
-
-    Raises:
-      ConfigError: naming the setting.
-    """
-    from transformer_jax.train.config import build_configs
-
-    here = Path("unused")
-    for extra in ([], [f"train.lora_base_quant={args.quant}"]):
-        build_configs("finetune", [o for o in finetune_overrides(here, here, here, args, extra)
-                                   if not o.startswith("train.init_from=")])
-
-
 def main(argv: list[str] | None = None) -> int:
     p = a.parser("qlora", __doc__)
     positive = a.positive_int
@@ -110,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     check_model_args(p, args)
     try:
-        check_runs(args)
+        here = Path("unused")
+        a.check_runs(*(("finetune", finetune_overrides(here, here, here, args, extra))
+                       for extra in ([], [f"train.lora_base_quant={args.quant}"])))
     except ValueError as e:  # ConfigError: the setting named
         p.error(" ".join(str(e).split()))
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-qlora-"))
@@ -132,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = r
         print(f"{name:12s} base {r['base_bytes'] / 1e6:7.2f} MB ({r['base_vs_bf16']:.3f}x its "
               f"bfloat16 size); train loss {r['first_train_loss']:.4f} -> "
-              f"{r['last_train_loss']:.4f}; val {r['val_loss']}; {r['seconds']:.0f} s",
-              flush=True)
+              f"{r['last_train_loss']:.4f}; val {r['val_loss']}; {r['seconds']:.0f} s", flush=True)
     q = results[f"qlora_{args.quant}"]
     results["loss_ratio"] = q["last_train_loss"] / results["lora"]["last_train_loss"]
     print(f"final train loss {args.quant} / float base: {results['loss_ratio']:.4f}")

@@ -26,8 +26,7 @@ from transformer_jax.train.config import DataConfig, config_from_dict
 from transformer_jax.train.data import prepare_data
 
 
-def held_out_windows(run_dir: Path, loaded: loading.Loaded, length: int, most: int
-                     ) -> np.ndarray:
+def held_out_windows(run_dir: Path, loaded: loading.Loaded, length: int, most: int) -> np.ndarray:
     """Up to ``most`` non-overlapping [length] windows of the run's validation split."""
     data = json.loads((run_dir / "config.json").read_text())["data"]
     _, _, val = prepare_data(config_from_dict(DataConfig, data, "data"),
@@ -77,8 +76,7 @@ def training_run(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = args_lib.parser("quant", __doc__)
-    parser.add_argument("--run", type=training_run, required=True,
-                        help="a training run directory")
+    parser.add_argument("--run", type=training_run, required=True, help="a training run directory")
     parser.add_argument("--quant", type=args_lib.quant_schemes, default=["int8", "int4"],
                         help="comma-separated weight schemes (decode.prepare's quant) "
                         "(default: int8,int4)")
@@ -103,9 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"model's max_seq_len {config.max_seq_len}")
     windows = held_out_windows(run_dir, loaded, config.max_seq_len, args.windows)
     if len(windows) < args.batch:
-        parser.error(f"--batch {args.batch}: the run's validation split has only "
-                     f"{len(windows)} windows of {config.max_seq_len} tokens; give a smaller "
-                     "--batch")
+        parser.error(f"--batch {args.batch}: the run's validation split has only {len(windows)} "
+                     f"windows of {config.max_seq_len} tokens; give a smaller --batch")
     new_tokens = min(args.new_tokens, config.max_seq_len - args.prompt_len)
     prompts = windows[-args.prompts:, :args.prompt_len].tolist()
     print(f"quantisation quality: {run_dir} step {loaded.step}, {config.dtype}, "
@@ -129,11 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                        if cache_dtype else None)
         forced = forced_agreement(weights, prompts, reference) if cache_dtype is None else None
         rows[name] = dict(loss=loss, greedy_agreement=float(np.mean(out == reference)),
-                          forced_agreement=forced,
-                          weight_bytes=weights.nbytes,
+                          forced_agreement=forced, weight_bytes=weights.nbytes,
                           weight_bytes_vs_float32=weights.nbytes / float_weights.nbytes,
-                          cache_bytes_vs_bfloat16=cache_ratio,
-                          seconds=time.perf_counter() - start)
+                          cache_bytes_vs_bfloat16=cache_ratio, seconds=time.perf_counter() - start)
     float_loss = rows["float"]["loss"]
     for name, r in rows.items():
         r["loss_increase"] = r["loss"] / float_loss - 1

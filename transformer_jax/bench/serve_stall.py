@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from transformer_jax.bench.args import timed
 from transformer_jax.decode.loop import DecodeWeights
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.serving import Engine, SamplingParams
@@ -47,9 +48,7 @@ def run_stall(config: ModelConfig, weights: DecodeWeights, *, slots: int, token_
                for _ in range(slots)]
     steps: list[float] = []
     while min(len(times.get(r, ())) for r in running) < warmup:
-        t = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t)
+        steps.append(timed(engine.step)[0])
     decode_steps = steps[-warmup // 2:]  # all rows decoding, no prompt in
     arrival = time.perf_counter()
     long_id = engine.add_request(rng.integers(0, config.vocab_size, long_prompt).tolist(),
@@ -66,10 +65,9 @@ def run_stall(config: ModelConfig, weights: DecodeWeights, *, slots: int, token_
     engine.check_no_leaks()
     # The running sequences' gaps that end while the long prompt is in, its first token's step
     # included (that step delivers the prompt's token first, then the decode rows').
-    itl = [b - a for r in running for a, b in itertools.pairwise(times[r])
-           if arrival < b <= end]
+    itl = sorted(b - a for r in running for a, b in itertools.pairwise(times[r])
+                 if arrival < b <= end) or [0.0]
     median = statistics.median(decode_steps)
-    itl = sorted(itl) or [0.0]
     p99 = itl[min(len(itl) - 1, int(np.ceil(0.99 * len(itl))) - 1)]
     return {"token_budget": token_budget, "median_step_s": median, "itl_p99_s": p99,
             "itl_max_s": itl[-1], "p99_over_median": p99 / median,

@@ -16,14 +16,12 @@ from typing import Any
 from transformer_jax.bench.eval import write_bpe
 from transformer_jax.serving.grammar import Grammar
 
-WORDS = ("alpha", "beta", "gamma", "delta", "north", "south", "river", "stone", "light",
-         "green")
+WORDS = ("alpha", "beta", "gamma", "delta", "north", "south", "river", "stone", "light", "green")
 
 
 def default_schema(items: int) -> dict[str, Any]:
     """An array of exactly ``items`` words from ``WORDS``: it cannot end early."""
-    return {"type": "array", "items": {"enum": list(WORDS)}, "minItems": items,
-            "maxItems": items}
+    return {"type": "array", "items": {"enum": list(WORDS)}, "minItems": items, "maxItems": items}
 
 
 def grammar_of(response_format: str | None, max_output: int) -> Grammar:

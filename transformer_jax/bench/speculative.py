@@ -74,12 +74,9 @@ def copy_corpus(text: str, size: int, rng: Any, random_share: float = 0.33,
     and a draft that continue the repeat workload by copying, as LLMs do on edits).
 
     Blocks until ``size`` characters (a block's separators counted as 6): up to ``plain`` - 1
-    characters of ``text``, a blank line, a passage of ``lengths[0]`` to ``lengths[1] - 1``
-    characters, a blank line, the passage again with 0, 1 or 2 characters changed (40/40/20%; none
-    without ``edits``), a blank line; with ``lines``, the passage and its copy on two lines instead.
-    ``random_share`` of the passages are random characters of the text's alphabet (only copying
-    predicts them), the others cut from ``text``. The lengths vary because passages of one fixed
-    length teach a fixed offset rather than copying (docs/benchmarks.md).
+    characters of ``text``, a blank line, a passage (``_passage``), a blank line, the passage again
+    with 0, 1 or 2 characters changed (40/40/20%; none without ``edits``), a blank line; with
+    ``lines``, the passage and its copy on two lines instead (docs/benchmarks.md).
     """
     alphabet = sorted(set(text) - {"\n"})
     out, n, total = [], len(text), 0
@@ -116,10 +113,8 @@ def copy_records(text: str, count: int, rng: Any, random_share: float = 0.5,
         head = list(passage[:cut])
         if edits:
             i = int(rng.integers(0, cut))
-            head[i] = alphabet[int(rng.choice([j for j, c in enumerate(alphabet)
-                                               if c != head[i]]))]
-        records.append({"prompt": passage + "\n\n" + "".join(head),
-                        "completion": passage[cut:]})
+            head[i] = alphabet[int(rng.choice([j for j, c in enumerate(alphabet) if c != head[i]]))]
+        records.append({"prompt": passage + "\n\n" + "".join(head), "completion": passage[cut:]})
     return records
 
 
@@ -129,11 +124,9 @@ def distill_records(config: Any, weights: Any, tokenizer: Any, ids: np.ndarray, 
     """``count`` instruction records whose completions are the target's own greedy outputs, to
     fine-tune a draft on (sequence-level distillation, as EAGLE and Medusa drafts are trained).
 
-    Half the prompts are the repeat workload's, half the free workload's, with passages of
-    ``lengths[0]`` to ``lengths[1] - 1`` tokens of ``ids``; each gets ``output`` greedy tokens
-    (bos first when the tokenizer adds one), ``batch`` prompts a call, yielded as each call ends; a
-    completion ends before the first special token (bos, eos, pad, unk). Prompt and completion are
-    decoded to text, so ``tokenizer`` must round-trip (else a ValueError).
+    Half the prompts are the repeat workload's, half the free one's, passages of ``lengths[0]`` to
+    ``lengths[1] - 1`` tokens; ``output`` greedy tokens each, ``batch`` prompts a call, ending
+    before the first special token. ``tokenizer`` must round-trip text (else a ValueError).
     """
     from transformer_jax.decode import generation
     from transformer_jax.tokenizer.prompt import adds_bos
@@ -142,10 +135,8 @@ def distill_records(config: Any, weights: Any, tokenizer: Any, ids: np.ndarray, 
     prompts = []
     for _ in range(count):
         passage = int(rng.integers(*lengths))
-        if rng.random() < 0.5:
-            prompts += repeat_workload(ids, 1, passage, min(lead, passage), rng, sep)
-        else:
-            prompts += free_workload(ids, 1, passage, rng)
+        prompts += workload_prompts("repeat" if rng.random() < 0.5 else "free", ids, 1, passage,
+                                    min(lead, passage), rng, sep)
     for p in prompts:  # checked before any generation
         _check_round_trip(tokenizer, p)
     bos = [tokenizer.bos_id] if adds_bos(tokenizer) else []
@@ -247,19 +238,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=a.nonnegative_int, default=0)
     p.add_argument("--json", type=a.output_file, default=None)
     p.add_argument("--write-copy-corpus", metavar="FILE", type=a.output_file, default=None,
-                   help="write a copy-dominated training text made from --text "
-                   "(``copy_corpus``) to FILE and exit")
+                   help="write a copy-dominated text from --text (copy_corpus) to FILE; exit")
     p.add_argument("--write-copy-sft", metavar="FILE", type=a.output_file, default=None,
-                   help="write --copy-records instruction records of the repeat workload's "
-                   "task made from --text (``copy_records``) to FILE (.jsonl) and exit")
+                   help="write --copy-records records of the repeat workload's task from --text "
+                   "(copy_records) to FILE (.jsonl); exit")
     p.add_argument("--copy-records", type=a.positive_int, default=50_000,
                    help="the number of records --write-copy-sft writes")
     p.add_argument("--copy-lead", type=a.positive_int, default=16,
                    help="--write-copy-sft's prompts end 1 to this many characters into the copy")
     p.add_argument("--write-distill-sft", metavar="FILE", type=a.output_file, default=None,
-                   help="write --copy-records instruction records whose completions are the "
-                   "--checkpoint target's greedy outputs on prompts cut from --text "
-                   "(``distill_records``) to FILE (.jsonl) and exit")
+                   help="write --copy-records records of the --checkpoint target's greedy "
+                   "outputs on prompts from --text (distill_records) to FILE (.jsonl); exit")
     p.add_argument("--copy-size", type=a.positive_int, default=6_000_000,
                    help="the corpus's size in characters (a block's separators counted as 6)")
     p.add_argument("--copy-random-share", type=float, default=0.33,
@@ -314,8 +303,7 @@ def main(argv: list[str]) -> int:
         lengths = _passages(args.copy_passage, 1, len(ids), "--write-distill-sft", "tokens")
         _write_jsonl(args.write_distill_sft, distill_records(
             loaded.config, decode.prepare(loaded.config, loaded.params), loaded.tokenizer, ids,
-            args.copy_records, np.random.default_rng(args.seed), lengths, args.lead,
-            args.output))
+            args.copy_records, np.random.default_rng(args.seed), lengths, args.lead, args.output))
         return 0
     if not (args.checkpoint or args.config):
         parser.error("give the target: --checkpoint RUN or --config NAME")

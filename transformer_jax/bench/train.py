@@ -48,8 +48,7 @@ def main(argv: list[str]) -> int:
             return moe_layer.main(args)
         model, tc, _ = build_configs(args.config, args.overrides)
         if tc.seq_len > model.max_seq_len:
-            raise ValueError(f"train.seq_len={tc.seq_len} > model.max_seq_len="
-                             f"{model.max_seq_len}")
+            raise ValueError(f"train.seq_len={tc.seq_len} > model.max_seq_len={model.max_seq_len}")
         if not args.no_fast_math:  # as train.py does, before the backend starts
             perf.enable_cpu_fast_math()
         try:
@@ -74,10 +73,8 @@ def main(argv: list[str]) -> int:
              "targets": jax.device_put(tokens[:, 1:], batch_sharding)}
     state = sharding_lib.shard_init(init, state_shardings)(key)
 
-    start = time.perf_counter()
-    compiled = sharding_lib.jit_train_step(make_train_step(model, tc), state_shardings,
-                                           batch_sharding).lower(state, batch).compile()
-    compile_s = time.perf_counter() - start
+    compile_s, compiled = a.timed(sharding_lib.jit_train_step(
+        make_train_step(model, tc), state_shardings, batch_sharding).lower(state, batch).compile)
     for _ in range(args.warmup):
         state, metrics = compiled(state, batch)
     jax.block_until_ready(state)

@@ -16,3 +16,9 @@ def fail(message: str, code: int = 2) -> int:
 def gib(n: int | None) -> str:
     """A byte count in GiB, ``"1.500 GiB"`` (``"?"`` for None)."""
     return "?" if n is None else f"{n / 2.0**30:.3f} GiB"
+
+
+def peak_of(peak: int, hbm: int | None, fits: bool) -> str:
+    """``compile``'s ``"PEAK of HBM = SHARE of HBM: fits"`` (or ``DOES NOT FIT``), in GiB."""
+    share = f" = {peak / hbm:.1%} of HBM" if hbm else ""
+    return f"{gib(peak)} of {gib(hbm)}{share}: " + ("fits" if fits else "DOES NOT FIT")

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 
 from transformer_jax.bench.memory import lower_train_step
-from transformer_jax.cli.common import PROG, fail, gib
+from transformer_jax.cli.common import PROG, fail, gib, peak_of
 from transformer_jax.cli.compile_engine import engine_report, format_engine_report
 from transformer_jax.cli.compile_serve import format_serve_report, program_report, serve_report
 from transformer_jax.model.config import REMATS, load_toml
@@ -61,15 +61,13 @@ def compile_report(config: str, overrides: list[str], topology: str | None, slic
                    hlo: bool = False, save: str | None = None) -> dict[str, Any]:
     """Compiles the run's train step for ``topology`` and returns the per-chip report.
 
-    ``topology`` None (or ``"cpu"``) compiles for this process's devices over the run's own
-    ``train.mesh``. ``save`` writes the compiled step to that file (``train.executable``); the
-    report's ``saved`` gives its path and bytes.
+    ``topology`` None (or ``"cpu"``) compiles for this process's devices over ``train.mesh``.
+    ``save`` writes the compiled step to that file (``train.executable``; the report's ``saved``).
 
     Returns:
-      A JSON-ready dict: ``fits`` False (with ``error``, the compiler's line) when the
-      compiler ran out of memory; else memory per chip in bytes, ``compile_s``,
-      ``collectives`` (``parallel.collectives.summarize``), ``mosaic_calls`` and, with
-      ``hlo``, the compiled program's text.
+      A JSON-ready dict: ``fits`` False (with ``error``, the compiler's line) when the compiler
+      ran out of memory; else memory per chip in bytes, ``compile_s``, ``collectives``,
+      ``mosaic_calls`` and, with ``hlo``, the compiled program's text.
 
     Raises:
       ConfigError / ValueError: a bad config, override, mesh or batch split.
@@ -117,13 +115,13 @@ def find_batch(config: str, overrides: list[str], topology: str, slices: int = 1
                ) -> dict[str, Any]:
     """For each remat policy, the largest per-chip batch whose train step fits a chip.
 
-    The per-chip batch is the micro-batch over the devices that split the batch (data x fsdp
-    x expert). Each probe is a compile; the search doubles from 1, then bisects.
+    The per-chip batch is the micro-batch over data x fsdp x expert. Each probe is a compile;
+    the search doubles from 1, then bisects.
 
     Returns:
-      ``{remat: {"per_chip", "batch_size", "peak" and "host" (bytes in HBM and in the
-      host's memory, e.g. offloaded activations, of the largest that fits, or None),
-      "probes" [[per_chip, fits], ...], "seconds"}}``, with ``"hbm_bytes"`` and the mesh.
+      ``{remat: {"per_chip", "batch_size", "peak" and "host" (bytes in HBM and in host memory of
+      the largest that fits, or None), "probes" [[per_chip, fits], ...], "seconds"}}``, with
+      ``"hbm_bytes"`` and the mesh.
     """
     _, train, _ = build_configs(config, overrides)
     devices = pod.topology_devices(topology, slices)
@@ -132,26 +130,23 @@ def find_batch(config: str, overrides: list[str], topology: str, slices: int = 1
     split = sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)
     out: dict[str, Any] = {"mesh": sizes, "batch_devices": split, "policies": {}}
     for remat in remats:
-        peaks: dict[int, int] = {}
-        hosts: dict[int, int] = {}
+        fitted: dict[int, tuple[int, int]] = {}  # per_chip -> (peak, host) bytes
 
-        def fits(per_chip: int, remat: str = remat, peaks: dict[int, int] = peaks,
-                 hosts: dict[int, int] = hosts) -> bool:
+        def fits(per_chip: int, remat: str = remat, fitted: dict = fitted) -> bool:
             batch = per_chip * split * train.grad_accum
             r = compile_report(config, [*overrides, f"model.remat={remat}",
                                         f"train.batch_size={batch}"], topology, slices)
             out["hbm_bytes"] = r["hbm_bytes"]
             if r["fits"]:
-                peaks[per_chip] = r["memory"]["peak"]
-                hosts[per_chip] = r["memory"].get("host_temp", 0)
+                fitted[per_chip] = r["memory"]["peak"], r["memory"].get("host_temp", 0)
             return r["fits"]
 
         start = time.perf_counter()
         best, probes = pod.largest_fitting(fits, most)
+        peak, host = fitted.get(best, (None, None))
         out["policies"][remat] = {
-            "per_chip": best, "batch_size": best * split * train.grad_accum,
-            "peak": peaks.get(best), "host": hosts.get(best),
-            "probes": [list(p) for p in probes],
+            "per_chip": best, "batch_size": best * split * train.grad_accum, "peak": peak,
+            "host": host, "probes": [list(p) for p in probes],
             "seconds": time.perf_counter() - start}
     return out
 
@@ -166,8 +161,7 @@ def format_batches(found: dict[str, Any], topology: str) -> str:
         fit = (f"{row['per_chip']} (train.batch_size={row['batch_size']}, peak "
                f"{gib(row['peak'])})" if row["per_chip"] else "none fits")
         host = f", {gib(row['host'])} on the host" if row.get("host") else ""
-        lines.append(f"  remat={remat:<24} {fit}{host}; probes {probes} "
-                     f"({row['seconds']:.0f} s)")
+        lines.append(f"  remat={remat:<24} {fit}{host}; probes {probes} ({row['seconds']:.0f} s)")
     return "\n".join(lines)
 
 
@@ -184,12 +178,10 @@ def format_report(r: dict[str, Any]) -> str:
              f"dtype={r['dtype']} remat={r['remat']} attention={r['attention']}",
              f"  lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s"]
     m = r["memory"]
-    share = f" = {m['peak'] / r['hbm_bytes']:.1%} of HBM" if r["hbm_bytes"] else ""
     lines += ["  per chip", f"    arguments    {gib(m['argument'])}",
               f"    output       {gib(m['output'])} ({gib(m['alias'])} of it aliased to the "
               "donated arguments)", f"    temporaries  {gib(m['temp'])}",
-              f"    peak         {gib(m['peak'])} of {gib(r['hbm_bytes'])}{share}: "
-              + ("fits" if r["fits"] else "DOES NOT FIT"),
+              f"    peak         {peak_of(m['peak'], r['hbm_bytes'], r['fits'])}",
               *([f"    host memory  {gib(m['host_temp'])} of temporaries (offloaded "
                  "activations)"] if m.get("host_temp") else []),
               f"  flops per chip (HLO; a scanned layer body counted once): {r['flops_hlo']:.3e}",
@@ -238,8 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="find the largest per-chip batch that fits, for each remat policy "
                         "(one compile a probe)")
     parser.add_argument("--remat", action="append",
-                        help="with --find-batch: the policies to search (repeatable; default "
-                        "all)")
+                        help="with --find-batch: the policies to search (repeatable; default all)")
     serve = parser.add_argument_group(
         "--serve", "compile generate (prefill and the decode loop) instead of the train step")
     serve.add_argument("--serve", action="store_true", help="compile generate")
@@ -279,10 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--serve, --find-batch and --slices need a TPU --topology")
     if args.topology not in (None, "cpu") and (args.cpu_devices or args.no_fast_math):
         parser.error("--cpu-devices and --no-fast-math are for this host's CPU (no --topology)")
-    if args.topology in (None, "cpu"):
-        code = _local_devices(args)
-        if code:
-            return code
+    if args.topology in (None, "cpu") and (code := _local_devices(args)):
+        return code
     for remat in args.remat or ():
         if remat not in REMATS:
             parser.error(f"--remat must be one of {', '.join(REMATS)}, got {remat!r}")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from transformer_jax.cli.common import gib
+from transformer_jax.cli.common import gib, peak_of
 from transformer_jax.cli.compile_serve import compiled_report, decode_setup
 from transformer_jax.model.ops import paged_attention, target
 from transformer_jax.parallel import collectives
@@ -39,15 +39,14 @@ def engine_report(config: str, overrides: list[str], topology: str, *,
       tensor, expert: the decode mesh's axes (``compile_serve.serve_report``'s).
       slots: B, the engine's slots (decode rows).
       pages: P, pages in the pool, the null page included (default: every slot at the full
-        context, ``1 + B * ceil(max_seq_len / page_size)``, as ``serve`` sizes it).
+        context, as ``serve`` sizes it).
       page_size: positions per page.
       chunk: C, the prefill chunk's tokens (the token budget less the slots).
       hlo: include each compiled program's text.
 
     Returns:
-      A JSON-ready dict: the shapes, ``pool_bytes`` and ``pool_bytes_per_chip``, the paged
-      ``kernels`` the step picks (None: the XLA views), ``programs`` {"decode", "prefill"} as
-      ``compile_serve.compiled_report`` gives them, and ``fits`` (every program's).
+      A JSON-ready dict: the shapes, ``pool_bytes(_per_chip)``, the paged ``kernels`` (None: the
+      XLA views), ``programs`` {"decode", "prefill"} (``compiled_report``'s) and ``fits``.
 
     Raises:
       ConfigError / ValueError: a bad config, override, size or mesh.
@@ -66,8 +65,7 @@ def engine_report(config: str, overrides: list[str], topology: str, *,
     cache = jax.eval_shape(lambda: PagedKVCache.init(model, pages, page_size, slots=slots))
     rings = cache.ring is not None
     with target.targeting(target.of_mesh(mesh)):
-        kernels = {name: paged_attention.plan(model.attention_impl, t, None,
-                                              model.head_dim).kernel
+        kernels = {name: paged_attention.plan(model.attention_impl, t, None, model.head_dim).kernel
                    for name, t in (("decode", 1), ("prefill", chunk))}
     report: dict[str, Any] = {
         "program": "engine step", "config": config, "overrides": overrides,
@@ -81,11 +79,9 @@ def engine_report(config: str, overrides: list[str], topology: str, *,
 
     def placed(tree: Any, spec: P) -> Any:
         where = NamedSharding(mesh, spec)
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
-                            tree)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where), tree)
 
-    k_pages = placed(cache.k, step_lib.page_spec(model))
-    v_pages = placed(cache.v, step_lib.page_spec(model))
+    k_pages, v_pages = placed((cache.k, cache.v), step_lib.page_spec(model))
     ring_arrays = placed((cache.k_ring, cache.v_ring), step_lib.ring_spec(model)) if rings \
         else None
 
@@ -99,8 +95,7 @@ def engine_report(config: str, overrides: list[str], topology: str, *,
     for name, (decode_rows, prefill) in programs.items():
         n = slots if prefill is None else 1
         sampling, sampler = row_sampling([None] * n, model.vocab_size)  # greedy, as compile()
-        rows = placed(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), sampling),
-                      P())
+        rows = placed(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), sampling), P())
         start = time.perf_counter()
         lowered = step_lib.step_jit.lower(
             model, weights.params, k_pages, v_pages, decode_rows, prefill, rows,
@@ -127,12 +122,10 @@ def format_engine_report(r: dict[str, Any]) -> str:
              "(split by kv head; donated: in the arguments, aliased by the output)"]
     for name, p in r["programs"].items():
         m = p["memory"]
-        share = f" = {m['peak'] / r['hbm_bytes']:.1%} of HBM" if r["hbm_bytes"] else ""
         lines += [f"  {name} [{p['rows']}, {p['tokens']}]: lower {p['lower_s']:.1f} s, "
                   f"compile {p['compile_s']:.1f} s, Mosaic kernel calls {p['mosaic_calls']}",
                   f"    arguments {gib(m['argument'])}, temporaries {gib(m['temp'])}, "
-                  f"peak {gib(m['peak'])} of {gib(r['hbm_bytes'])}{share}: "
-                  + ("fits" if p["fits"] else "DOES NOT FIT"),
+                  f"peak {peak_of(m['peak'], r['hbm_bytes'], p['fits'])}",
                   "    collectives of one step (count, bytes per chip)"]
         lines += ["  " + line for line in collectives.table_lines(p["collectives"])]
     return "\n".join(lines)

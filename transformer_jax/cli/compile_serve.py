@@ -7,7 +7,6 @@ the chips, optionally ``expert``), and compiled by the TPU compiler for the topo
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import jax
@@ -15,7 +14,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from transformer_jax.cli.common import gib
+from transformer_jax.bench.args import timed
+from transformer_jax.cli.common import gib, peak_of
 from transformer_jax.decode import loop as decode
 from transformer_jax.decode.prompts import validate_capacity
 from transformer_jax.model.kv_cache import cache_bytes
@@ -30,11 +30,9 @@ def serve_report(config: str, overrides: list[str], topology: str, *, tensor: in
     """Compiles ``generate`` for ``topology`` over a decode mesh and returns the per-chip report.
 
     Args:
-      config, overrides: the run's config (preset or TOML) and ``section.key=value`` overrides;
-        only the model section matters.
+      config, overrides: the run's config (preset or TOML) and its overrides (the model's).
       topology: a TPU topology (``"v5e:2x2"``).
-      tensor: T, the tensor axis (default: every chip over ``expert``); must divide the kv
-        heads, heads and FFN widths (``decode.check_tensor_parallel``).
+      tensor: T, the tensor axis (default: every chip over ``expert``); divides the kv heads.
       expert: X, a mixture's expert axis (1: none). The mesh takes the first T x X devices.
       batch, prompt_len, new_tokens: B, T and N of the compiled program.
       cache_size: S, the KV cache's slots (default T + N).
@@ -42,9 +40,8 @@ def serve_report(config: str, overrides: list[str], topology: str, *, tensor: in
 
     Returns:
       A JSON-ready dict: ``fits`` False (with ``error``) when the compiler ran out of memory;
-      else ``memory`` per chip in bytes, ``compile_s``, ``collectives``
-      (``parallel.collectives.summarize``), and ``cache_bytes_per_chip`` (the KV cache the
-      config implies, ``model.kv_cache.cache_bytes``, over the T shards of its kv heads).
+      else ``memory`` per chip in bytes, ``compile_s``, ``collectives`` and
+      ``cache_bytes_per_chip`` (``cache_bytes`` over the T shards of the kv heads).
 
     Raises:
       ConfigError / ValueError: a bad config, override, mesh size or B, T, N, S.
@@ -72,18 +69,15 @@ def serve_report(config: str, overrides: list[str], topology: str, *, tensor: in
     inputs = (jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32, sharding=rep),
               jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rep),
               jax.ShapeDtypeStruct((batch, 2), jnp.uint32, sharding=rep))
-    start = time.perf_counter()
-    lowered = decode._generate_jit.lower(model, weights, *inputs, max_new_tokens=new_tokens,
-                                         cache_size=cache_size, mesh=mesh)
-    report["lower_s"] = time.perf_counter() - start
+    report["lower_s"], lowered = timed(lambda: decode._generate_jit.lower(
+        model, weights, *inputs, max_new_tokens=new_tokens, cache_size=cache_size, mesh=mesh))
     return compiled_report(report, lowered, mesh, hlo)
 
 
 def decode_setup(model: Any, topology: str, tensor: int | None, expert: int
                  ) -> tuple[list[Any], Any, int | None, Any]:
     """The topology's devices, the decode mesh (T x X of them), a chip's HBM per device, and
-    ``prepare``'s weights for a TPU target as ``ShapeDtypeStruct``s placed over the mesh
-    (``DecodeWeights``), as ``generate`` and the engine take them.
+    ``prepare``'s TPU weights as ``ShapeDtypeStruct``s placed over the mesh (``DecodeWeights``).
 
     Raises:
       ValueError: a mesh the topology or the model cannot take. TopologyError: no libtpu.
@@ -105,13 +99,11 @@ def decode_setup(model: Any, topology: str, tensor: int | None, expert: int
     shardings = decode.weight_shardings(model, mesh, aw.out_first, aw.quant, aw.experts_split)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           aw.params, shardings)
-    weights = decode.DecodeWeights(params, model, mesh, aw.out_first, aw.quant,
-                                   aw.experts_split)
+    weights = decode.DecodeWeights(params, model, mesh, aw.out_first, aw.quant, aw.experts_split)
     return devices, mesh, hbm, weights
 
 
-def compiled_report(report: dict[str, Any], lowered: Any, mesh: Any, hlo: bool
-                    ) -> dict[str, Any]:
+def compiled_report(report: dict[str, Any], lowered: Any, mesh: Any, hlo: bool) -> dict[str, Any]:
     """``report`` with the compile of ``lowered`` added: ``compile_s`` and ``memory`` per
     chip, then ``program_report``'s fields (or ``fits`` False and the compiler's ``error``)."""
     compiled, fields = pod.compile_memory(lowered)
@@ -119,8 +111,7 @@ def compiled_report(report: dict[str, Any], lowered: Any, mesh: Any, hlo: bool
     return report if compiled is None else program_report(report, compiled, mesh, hlo)
 
 
-def program_report(report: dict[str, Any], compiled: Any, mesh: Any, hlo: bool
-                   ) -> dict[str, Any]:
+def program_report(report: dict[str, Any], compiled: Any, mesh: Any, hlo: bool) -> dict[str, Any]:
     """``report`` (with ``memory`` and ``hbm_bytes``) with ``fits``, the ``collectives`` of
     ``compiled`` by kind and mesh axis, ``mosaic_calls`` (the Pallas TPU kernels' custom calls)
     and, with ``hlo``, the program's text."""
@@ -140,7 +131,6 @@ def format_serve_report(r: dict[str, Any]) -> str:
     """``serve_report``'s result as the lines the command prints."""
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1 or k == "tensor")
     m = r["memory"]
-    share = f" = {m['peak'] / r['hbm_bytes']:.1%} of HBM" if r["hbm_bytes"] else ""
     lines = [f"generate of {r['config']} on {r['topology']} ({r['devices']} of "
              f"{r['topology_devices']} x {r['device_kind']}, {gib(r['hbm_bytes'])} HBM each)",
              f"  mesh {mesh}; B={r['batch']} T={r['prompt_len']} N={r['new_tokens']} "
@@ -152,8 +142,7 @@ def format_serve_report(r: dict[str, Any]) -> str:
              f"    output       {gib(m['output'])}",
              f"    temporaries  {gib(m['temp'])} (the KV cache, "
              f"{gib(r['cache_bytes_per_chip'])} a chip, is here unless it fits VMEM)",
-             f"    peak         {gib(m['peak'])} of {gib(r['hbm_bytes'])}{share}: "
-             + ("fits" if r["fits"] else "DOES NOT FIT"),
+             f"    peak         {peak_of(m['peak'], r['hbm_bytes'], r['fits'])}",
              f"  Mosaic kernel calls in the program: {r['mosaic_calls']}",
              "  collectives of one generate (count, bytes per chip; the decode loop's body "
              "counted once)"]

@@ -48,8 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--val-fraction", type=float, default=0.01,
                    help="share of documents held out (by a hash of each document)")
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
-    p.add_argument("--shard-mb", type=_shard_mb, default=64.0,
-                   help="input MB per shard (above 0)")
+    p.add_argument("--shard-mb", type=_shard_mb, default=64.0, help="input MB per shard (above 0)")
     p.add_argument("--bos", action="store_true", help="put bos before each document")
     p.add_argument("--skip-bad", action="store_true",
                    help="skip (and name) a bad input file instead of failing")
@@ -66,8 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                add_bos=args.bos, skip_bad=args.skip_bad)
         if args.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {args.workers}")
-        tokenizer = resolve_tokenizer(args.tokenizer, args.input, args.vocab_size,
-                                      args.cache_dir,
+        tokenizer = resolve_tokenizer(args.tokenizer, args.input, args.vocab_size, args.cache_dir,
                                       exclude=() if storage.is_remote(args.out) else (args.out,))
         build(args.input, args.out, tokenizer, options=options, workers=args.workers,
               progress=not args.no_progress, overwrite=args.overwrite)

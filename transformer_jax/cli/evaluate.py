@@ -11,10 +11,8 @@ import argparse
 import json
 import logging
 import math
-import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from transformer_jax.checkpoint import loading
 from transformer_jax.checkpoint.files import CheckpointError
 from transformer_jax.cli.common import PROG, fail
 from transformer_jax.parallel import sharding
+from transformer_jax.storage.files import atomic_writer
 
 #: The harness's seeds go to numpy, which takes [0, 2**32).
 _SEED_LIMIT = 2**32
@@ -64,17 +63,14 @@ def _mesh(text: str) -> sharding.MeshConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's arguments, each checked as it is parsed; each help states its default once."""
-    p = argparse.ArgumentParser(prog=f"{PROG} evaluate",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="HF checkpoint directory or a training "
-                   "run (run directory, its checkpoints/ or a step directory); LoRA runs are "
-                   "merged")
+    p = argparse.ArgumentParser(prog=f"{PROG} evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="HF checkpoint directory or a training run "
+                   "(run directory, its checkpoints/ or a step directory); LoRA runs are merged")
     p.add_argument("--tasks", type=_tasks, required=True,
                    help="comma-separated lm-eval task (or group) names")
     p.add_argument("--include-path", type=types.existing_dir, action="append", default=[],
                    metavar="DIR",
-                   help="directory of task YAML files; repeatable (default: built-in tasks "
-                   "only)")
+                   help="directory of task YAML files; repeatable (default: built-in tasks only)")
     p.add_argument("--limit", type=_limit, help="at most this many documents per task (a "
                    "fraction below 1: that share) (default: all)")
     p.add_argument("--num-fewshot", type=types.nonnegative_int,
@@ -170,33 +166,19 @@ def task_manager(include_paths: list[str], tasks: list[str]) -> Any:
     return manager
 
 
-def write_results(output: Path, text: str) -> None:
-    """Writes ``text`` to ``output`` whole or not at all (a temporary file renamed over it)."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, output)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit status (2: a bad argument, 1: a failed run)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    tasks = args.tasks
     try:
         import lm_eval
         from lm_eval.utils import handle_non_serializable, make_table
 
         from transformer_jax.evaluate.harness import JaxLM
 
-        manager = task_manager(args.include_path, tasks)
+        manager = task_manager(args.include_path, args.tasks)
     except ValueError as e:
         parser.error(str(e))
     try:
@@ -209,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         lm = JaxLM(source, mesh=mesh, batch_size=args.batch_size,
                    max_length=args.max_length, tokenizer=args.tokenizer, dtype=args.dtype)
         results = lm_eval.simple_evaluate(
-            model=lm, tasks=tasks, limit=args.limit, num_fewshot=args.num_fewshot,
+            model=lm, tasks=args.tasks, limit=args.limit, num_fewshot=args.num_fewshot,
             task_manager=manager, log_samples=False, random_seed=args.seed,
             numpy_random_seed=args.seed, torch_random_seed=None,  # no torch here
             fewshot_random_seed=args.seed, bootstrap_iters=args.bootstrap_iters)
@@ -225,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         print(make_table(results, "groups"))
     output = Path(args.output).expanduser()
     try:
-        write_results(output, json.dumps(results, indent=2, default=handle_non_serializable))
+        with atomic_writer(output) as f:  # whole or not at all
+            f.write(json.dumps(results, indent=2, default=handle_non_serializable).encode())
     except OSError as e:
         return fail(f"--output {output}: {e}", 1)
     print(f"[{elapsed:.1f} s; results in {output}]", file=sys.stderr)

@@ -1,7 +1,5 @@
 """Export a training run (or re-export a HF directory) as a complete HuggingFace checkpoint.
 
-    transformer-jax export --checkpoint RUN_DIR --out DIR
-
 The result holds ``config.json``, the safetensors weights, ``generation_config.json`` and the
 tokenizer. A LoRA run's adapters are merged into the base (in float32) and every tensor is cast
 to the model's ``param_dtype``. The checkpoint is only read; ``--out`` is checked before any
@@ -32,8 +30,7 @@ MODEL_TYPES = tuple(sorted(hf.convert.ARCHITECTURES))
 logger = logging.getLogger(__name__)
 
 
-def _cast(config: ModelConfig, params: Params, dtype: str | None
-          ) -> tuple[ModelConfig, Params]:
+def _cast(config: ModelConfig, params: Params, dtype: str | None) -> tuple[ModelConfig, Params]:
     if dtype is None or dtype == config.param_dtype:
         return config, params
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
@@ -43,10 +40,9 @@ def _cast(config: ModelConfig, params: Params, dtype: str | None
 def check_out(out: Path, overwrite: bool = False) -> None:
     """Refuses an export directory that would replace what is not an earlier export.
 
-    ``out`` may not be a run directory, a run's checkpoints (or a step of them), or inside one
-    of the entries training writes in a run directory (``loading.RUN_ENTRIES``); ``RUN_DIR/hf``
-    is fine. An existing ``out`` holding other files than an earlier export's is replaced only
-    with ``overwrite``.
+    ``out`` may not be a run directory, its checkpoints (or a step) or inside an entry training
+    writes there (``loading.RUN_ENTRIES``; ``RUN_DIR/hf`` is fine). Other files than an earlier
+    export's are replaced only with ``overwrite``.
 
     Raises:
       FileExistsError: naming what is there and what to do.
@@ -94,11 +90,10 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
       dtype: cast the weights to this; default: the model's ``param_dtype``.
       max_shard_bytes: split the weights into shards of at most this many bytes.
       overwrite: replace an ``out`` that holds other files than an earlier export's.
-      model_type: the HF ``model_type`` to write (e.g. ``"phi3"`` for its fused layout);
-        default: the family the checkpoint was loaded as, else the one its architecture gives.
+      model_type: the HF ``model_type`` to write (e.g. ``"phi3"``); default: the family the
+        checkpoint was loaded as, else its architecture's.
       mxfp4: store GPT-OSS's experts in MXFP4, as its published checkpoints do.
-      fp8: store the layers' projection weights in FP8 e4m3 with a float32 scale per
-        128 x 128 block, as DeepSeek-V3's published checkpoints do (not with ``mxfp4``).
+      fp8: store the projection weights in FP8 e4m3, a float32 scale per 128 x 128 block.
 
     Returns:
       The output directory.
@@ -127,10 +122,8 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
     if not remote:
         check_out(out, overwrite)
     loaded = loading.load(source, step=step, with_tokenizer=False)
-    tok = None
-    if use_tokenizer:
-        tok = loading.open_tokenizer(source, tokenizer, where=where,
-                                     missing="pass --tokenizer PATH or --no-tokenizer")
+    tok = loading.open_tokenizer(source, tokenizer, where=where, missing="pass --tokenizer PATH "
+                                 "or --no-tokenizer") if use_tokenizer else None
     config, params = _cast(loaded.config, loaded.params, dtype)
     if model_type is None and source.hf_model_type is not None:
         model_type = source.hf_model_type
@@ -142,14 +135,11 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
                 fp8_block=hf.fp8.DEFAULT_BLOCK if fp8 else None)
     except OSError as e:
         raise type(e)(f"could not write the export {out}: {e.strerror or e}") from None
-    if remote:
-        return _upload_export(out, url)
-    return out
+    return _upload_export(out, url) if remote else out
 
 
 def check_remote_out(url: str, overwrite: bool = False) -> None:
-    """``check_out`` for an export into a bucket: never a run's directory or its checkpoints;
-    other files than an earlier export's are replaced only with ``overwrite``.
+    """``check_out`` for an export into a bucket.
 
     Raises:
       FileNotFoundError: the bucket does not exist (named).
@@ -199,10 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--mxfp4", action="store_true", help="store GPT-OSS's experts in MXFP4, "
                        "as its published checkpoints (rounds values MXFP4 does not hold; "
                        "default: unquantised, in the weights' dtype)")
-    quant.add_argument("--fp8", action="store_true", help="store the layers' projection "
-                       "weights in FP8 e4m3 with a float32 scale per 128x128 block, as "
-                       "DeepSeek-V3's published checkpoints (rounds to e4m3; not for gpt_oss "
-                       "or llama4)")
+    quant.add_argument("--fp8", action="store_true", help="store the layers' projection weights in "
+                       "FP8 e4m3 with a float32 scale per 128x128 block, as DeepSeek-V3's "
+                       "published checkpoints (rounds to e4m3; not for gpt_oss or llama4)")
     return p
 
 

@@ -41,8 +41,7 @@ def _ids(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's arguments; each help states its default once."""
-    p = argparse.ArgumentParser(
-        prog=f"{PROG} generate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=f"{PROG} generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True,
                    help="HF checkpoint directory or orbax checkpoint of a training run (run "
                    "directory, its checkpoints/ or a step directory)")
@@ -56,8 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens to generate per prompt (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 = greedy (default: %(default)s)")
-    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens "
-                   "(default: all)")
+    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens (default: all)")
     p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens "
                    "whose probability reaches p (default: 1, off)")
     p.add_argument("--min-p", type=float, help="drop tokens less likely than min-p times the "
@@ -99,8 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--regex", metavar="PATTERN",
                    help="every output matches this regular expression (default: free text)")
     g.add_argument("--choice", metavar="A,B,C",
-                   help="every output is one of these comma-separated strings (default: free "
-                   "text)")
+                   help="every output is one of these comma-separated strings (default: free text)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with ids, text, logprobs and timings; no "
                    "streaming (default: stream text)")
@@ -236,9 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                 stop += [i for i in generation_stop_ids(loaded.source.path)
                          if i < config.vocab_size]
             stop = list(dict.fromkeys(i for i in stop if i is not None))
-        constraints = None
-        if structured is not None:
-            constraints = _matchers(structured, tokenizer, config.vocab_size, len(prompts))
+        constraints = None if structured is None else _matchers(
+            structured, tokenizer, config.vocab_size, len(prompts))
         streamer = None if args.json else _TextStreamer(tokenizer, len(prompts))
         start = time.perf_counter()
         result = generation.generate(

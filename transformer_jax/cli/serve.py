@@ -46,13 +46,11 @@ logger = logging.getLogger("transformer_jax.serve")
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's arguments; each help states its default."""
-    p = argparse.ArgumentParser(prog=f"{PROG} serve",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=f"{PROG} serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True,
                    help="HF checkpoint directory or a training run (run directory, its "
                    "checkpoints/ or a step directory)")
-    p.add_argument("--tokenizer", help="tokenizer file or directory (default: found with the "
-                   "checkpoint)")
+    p.add_argument("--tokenizer", help="tokenizer file or directory (default: the checkpoint's)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port, 0 for a free one (default: "
                    "%(default)s)")
@@ -76,20 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pages", type=int, default=0, help="KV pages in the pool (default: 0, "
                    "enough for every slot at the full context)")
     e.add_argument("--memory-fraction", type=float, help="size the pool to this fraction of "
-                   "the device memory left after the weights (a device that reports its "
-                   "memory; default: --pages)")
+                   "the device memory left after the weights (default: --pages)")
     e.add_argument("--token-budget", type=int, default=0, help="most tokens per step: a "
                    "decode row per slot plus a prefill chunk (default: 0, slots + 256)")
     e.add_argument("--prefill-rows", type=int, default=1, help="most prompts whose chunks one "
                    "step prefills together; more step shapes to compile (default: %(default)s)")
     e.add_argument("--min-context", type=int, help="narrowest page table a step attends over, "
-                   "in positions; each power-of-two width up to the context is one more set "
-                   "of step shapes to compile (default: the engine's, 128)")
+                   "in positions; each wider power of two compiles more shapes (default: 128)")
     e.add_argument("--tensor", type=int, default=1, metavar="T", help="tensor-parallel over T "
                    "devices, as generate --tensor (default: %(default)s)")
     e.add_argument("--expert", type=int, default=1, metavar="X", help="a mixture's experts "
-                   "split over X devices (E/X each), as generate --expert; X x T devices in "
-                   "all (default: %(default)s)")
+                   "split over X devices, as generate --expert (default: %(default)s)")
     e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: the checkpoint's)")
     e.add_argument("--cache-dtype", choices=("float32", "bfloat16", "float16", "int8"),
@@ -101,8 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not share prompt pages between requests (default: share)")
     e.add_argument("--speculative", metavar="SPEC", help="speculative decoding for every "
                    "request: ngram[:k=K][:n=N] (prompt lookup), draft:PATH[:k=K] (a draft "
-                   "model sharing the checkpoint's tokenizer) or mtp (the checkpoint's "
-                   "multi-token prediction module, e.g. DeepSeek-V3's) (default: off)")
+                   "model) or mtp (the checkpoint's multi-token prediction) (default: off)")
     e.add_argument("--compilation-cache", default=str(DEFAULT_CACHE_DIR),
                    help="JAX persistent compilation cache directory, '' for none "
                    "(default: %(default)s)")
@@ -126,37 +120,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check(args: argparse.Namespace) -> None:
     for name in ("slots", "page_size", "max_requests", "prefill_rows", "min_context"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
+        if (value := getattr(args, name)) is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
     for name in ("pages", "token_budget", "tensor"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got "
-                             f"{getattr(args, name)}")
-    if args.expert < 1:
-        raise ValueError(f"--expert must be >= 1, got {args.expert}")
-    if args.memory_fraction is not None and not 0 < args.memory_fraction <= 1:
-        raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
-    if args.request_timeout is not None and not args.request_timeout > 0:
-        raise ValueError(f"--request-timeout must be positive, got {args.request_timeout}")
-    if not 0 <= args.port < 65536:
-        raise ValueError(f"--port must be in [0, 65535] (0: a free port), got {args.port}")
+        if (value := getattr(args, name)) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    fraction, timeout, inf = args.memory_fraction, args.request_timeout, float("inf")
+    for flag, value, ok, wants in (
+            ("--expert", args.expert, args.expert >= 1, ">= 1"),
+            ("--memory-fraction", fraction, fraction is None or 0 < fraction <= 1, "in (0, 1]"),
+            ("--request-timeout", timeout, timeout is None or timeout > 0, "positive"),
+            ("--port", args.port, 0 <= args.port < 65536, "in [0, 65535] (0: a free port)"),
+            ("--max-body-bytes", args.max_body_bytes, args.max_body_bytes > 0, "positive"),
+            ("--body-timeout", args.body_timeout, 0 < args.body_timeout < inf,
+             "a positive number of seconds"),
+            ("--grace-period", args.grace_period, 0 <= args.grace_period < inf,
+             "a number of seconds >= 0")):
+        if not ok:
+            raise ValueError(f"{flag} must be {wants}, got {value}")
     if args.quant:
         parse_quant(args.quant, field="--quant")  # before any weight is read
-    if args.max_body_bytes <= 0:
-        raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
-    if not 0 < args.body_timeout < float("inf"):
-        raise ValueError(f"--body-timeout must be a positive number of seconds, got "
-                         f"{args.body_timeout}")
     parse_lora(args.lora, args.served_model_name)
     if args.speculative is not None:
         parse_spec(args.speculative)
         if args.tensor > 1 or args.expert > 1:  # before the checkpoint loads
             raise ValueError(f"--speculative {args.speculative}: speculative decoding in the "
                              "engine needs one device; drop --tensor and --expert")
-    if not 0 <= args.grace_period < float("inf"):
-        raise ValueError(f"--grace-period must be a number of seconds >= 0, got "
-                         f"{args.grace_period}")
 
 
 def parse_lora(specs: list[str], served_name: str | None = None) -> dict[str, str]:

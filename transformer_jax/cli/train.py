@@ -4,11 +4,6 @@ A config is a TOML file (or the name of one in ``configs/``) with ``[model]``, `
 ``[data]`` tables; ``section.key=value`` arguments override single fields, type-checked. With
 no arguments it trains the ``tiny`` preset on the Python standard library's sources; running
 again with the same ``train.run_dir`` resumes from the latest checkpoint.
-
-Examples:
-  transformer-jax train
-  transformer-jax train --config shakespeare_char data.path=/path/to/tinyshakespeare.txt
-  transformer-jax train --config finetune train.init_from=HF_DIR data.path=sft.jsonl
 """
 
 from __future__ import annotations
@@ -102,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--process-id", type=int, default=None,
                         help="multi-host: this process's index (or $JAX_PROCESS_ID)")
     parser.add_argument("--no-memory-check", action="store_true",
-                        help="start even when the rough memory estimate says the run will not "
-                             "fit")
+                        help="start even when the rough memory estimate says the run will not fit")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override one field of the config (the keys are listed below)")
@@ -148,18 +142,14 @@ def main(argv: list[str] | None = None) -> int:
         if not several:
             raise
         traceback.print_exc()
-        return _failed(f"process {jax.process_index()} stopped on the exception above",
-                       1, several)
+        return _failed(f"process {jax.process_index()} stopped on the exception above", 1, several)
     _print_summary(summary)
     return EXIT_CODES.get(summary.interrupted, 1) if summary.interrupted else 0
 
 
 def _failed(message: str, code: int, exit_now: bool) -> int:
-    """Reports an error; in a multi-process run (or an aborted save), leaves at once.
-
-    A normal exit would wait at ``jax.distributed``'s shutdown barrier for processes that may
-    be blocked waiting for this one (or, after an aborted save, for orbax's writer threads).
-    """
+    """Reports an error; in a multi-process run (or an aborted save), leaves at once: a normal
+    exit would wait at ``jax.distributed``'s shutdown barrier (or for orbax's writer threads)."""
     print(f"error: {message}", file=sys.stderr)
     if exit_now:
         sys.stdout.flush()
