@@ -1,8 +1,6 @@
-"""lm-evaluation-harness on this library's models: ``JaxLM``, registered as ``transformer_jax``.
-
-``JaxLM(checkpoint=PATH)`` opens any checkpoint ``loading.load`` opens and answers the
-harness's three request types as its ``hf`` backend does, truncation included, so the numbers
-are the same (docs/evaluation.md); ``loglikelihood`` packs requests several to a row.
+"""lm-evaluation-harness on this library's models: ``JaxLM``, registered as ``transformer_jax``,
+answers the harness's three request types as its ``hf`` backend does, truncation included
+(docs/evaluation.md); ``loglikelihood`` packs requests several to a row.
 """
 
 from __future__ import annotations
@@ -90,9 +88,8 @@ class JaxLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None,
                    left_truncate_len: int | None = None, **kwargs: Any) -> list[int]:
-        """Token ids of ``string`` as transformers' ``tokenizer.encode`` gives them: bos (and
-        eos) as the tokenizer adds them (``add_special_tokens`` None or True), unless the
-        string already starts with bos; none with ``add_special_tokens=False``."""
+        """Token ids of ``string`` as transformers' ``tokenizer.encode`` gives them (bos unless
+        the string starts with it; no specials with ``add_special_tokens=False``)."""
         specials = add_special_tokens is not False
         bos = specials and self.tok.add_bos_token and self.tok.bos_id >= 0
         # The bos piece ("<s>"), not its decoding: SentencePiece decodes control tokens to "".

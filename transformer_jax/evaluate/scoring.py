@@ -1,10 +1,6 @@
-"""Log-likelihood of token continuations, several requests packed into each row.
-
-Requests (token sequences, their last targets scored) are placed into rows of W slots by
-best-fit decreasing, with ``segment_ids`` 1, 2, ... (0 = padding) and ``positions`` restarting
-per request, so each sees exactly what it would alone in a row.
-
-Shapes: B rows per forward, W slots per row, V vocabulary.
+"""Log-likelihood of token continuations, several requests packed into each row (best-fit
+decreasing; ``segment_ids`` 1, 2, ... and ``positions`` restarting per request, so each sees
+what it would alone). Shapes: B rows per forward, W slots per row, V vocabulary.
 """
 
 from __future__ import annotations
@@ -45,10 +41,8 @@ class Request:
 
 
 def window(context: Sequence[int], continuation: Sequence[int], max_length: int) -> Request:
-    """The request of ``continuation`` after ``context`` in a window of ``max_length`` tokens.
-
-    As the harness's ``hf`` backend: ``context + continuation`` keeps its last ``max_length +
-    1`` tokens (a longer context loses its start).
+    """The request of ``continuation`` after ``context`` in a window of ``max_length`` tokens:
+    as the harness's ``hf`` backend, the last ``max_length + 1`` tokens of both.
 
     Raises:
       ValueError: an empty context or continuation, or a continuation over ``max_length``.
@@ -104,9 +98,8 @@ def pack_requests(requests: Sequence[Request], row_len: int, pad_id: int = 0
 
 def token_scores(model: Transformer, params: Params, inputs: jax.Array, targets: jax.Array,
                  positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each target's log-probability and whether it is the model's argmax.
-
-    The LM head runs one row at a time (``lax.map``): one row's [W, V] float32 logits at once.
+    """Each target's log-probability and whether it is the model's argmax (the LM head runs one
+    row at a time: one row's [W, V] float32 logits at once).
 
     Args:
       model: the ``Transformer``.
@@ -139,8 +132,7 @@ class Scorer:
       config: the model's config.
       params: its parameters (placed on ``mesh`` when one is given).
       batch_size: B, rows per forward (rounded up to a multiple of the mesh's batch axes).
-      mesh: optional device mesh the params are sharded over; rows are split over its
-        ``data`` x ``fsdp`` axes.
+      mesh: optional device mesh for the params; rows are split over ``data`` x ``fsdp``.
     """
 
     def __init__(self, config: ModelConfig, params: Params, *, batch_size: int = 8,

@@ -310,8 +310,7 @@ class DataConfig:
         return bool(self.instruction_files())
 
     def instruction_files(self) -> list[Path]:
-        """The ``.jsonl`` files of ``path`` (files, directories and globs resolved, sorted),
-        or ``[]`` when it names text (or nothing: the default corpus).
+        """The ``.jsonl`` files of ``path`` (resolved, sorted), or ``[]`` for text or shards.
 
         Raises:
           FileNotFoundError: a path or pattern that matches no file.
@@ -363,10 +362,8 @@ def build_configs(config: str, overrides: Sequence[str] = ()
       FileNotFoundError: if the config, or ``train.init_from``'s checkpoint or its weights, do
         not exist.
 
-    With ``train.init_from`` the model is the checkpoint's (``init_model_config``). A preset's
-    ``warmup_steps`` too long for a run shortened by an override becomes the automatic warmup,
-    and with ``train.init_from`` a preset's ``seq_len`` above ``max_seq_len`` is capped (both
-    logged); given on the command line they are kept (a too long ``seq_len`` is an error).
+    A preset's ``warmup_steps`` too long for the run, and with ``train.init_from`` a preset's
+    ``seq_len`` above the checkpoint's ``max_seq_len``, are fitted (logged).
     """
     try:
         tables = load_toml(config)

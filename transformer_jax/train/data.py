@@ -101,8 +101,7 @@ def prepare_shard_data(data_config: DataConfig, seq_len: int, tokenizer: TextTok
     checked against ``tokenizer`` (named ``where`` in an error; None: the first build's).
 
     Raises:
-      ValueError: a tokenizer that is not the builds' (one line), a bad mixture, builds with
-        different tokenizers.
+      ValueError: another tokenizer than the builds', a bad mixture, mixed tokenizers.
     """
     # Builds on object storage are read from a local copy (ArrayRecord reads local files only).
     given = shards_lib.Mixture.parse(data_config.path, data_config.mixture)
@@ -135,8 +134,7 @@ def prepare_shard_data(data_config: DataConfig, seq_len: int, tokenizer: TextTok
 @dataclasses.dataclass(frozen=True)
 class RunData:
     """A run's train and validation data: token streams (text), packed rows (``.jsonl``) or
-    shards; batches are pure in (seed, step). Packed batches carry ``mask``, ``segment_ids``
-    and ``positions``.
+    shards; batches are pure in (seed, step).
 
     Attributes:
       train_tokens: [N_train] token ids (text), or None.
@@ -223,8 +221,7 @@ class RunData:
     def source_eval_batches(self, batch_size: int, seq_len: int,
                             max_batches: int | None = None, *, process_index: int = 0,
                             process_count: int = 1) -> dict[str, Iterator[dict[str, np.ndarray]]]:
-        """Each mixture source's validation batches by name (as ``eval_batches``, a last
-        incomplete batch padded with rows of zero mask); a source without a row is left out."""
+        """Each mixture source's validation batches by name (a source without a row left out)."""
         if self.shards is None:
             return {}
         return {name: shards_lib.eval_batches(stream, self.shards.packing, batch_size, seq_len,
@@ -263,8 +260,7 @@ def prepare_instruction_data(data_config: DataConfig, tokenizer: TextTokenizer, 
 
     Raises:
       InstructionDataError: a bad record (``FILE:LINE: ...``).
-      ValueError: no record keeps a completion / assistant token within ``seq_len + 1``
-        tokens (``instruct.pack``): nothing would be trained.
+      ValueError: no record keeps a completion token within ``seq_len + 1`` tokens.
     """
     files = data_config.instruction_files()
     packed = load_instruction_data(files, tokenizer, seq_len)

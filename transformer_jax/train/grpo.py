@@ -1,11 +1,9 @@
 """GRPO: the loss as pure functions (after TRL's ``GRPOTrainer``; formulas in
-docs/fine-tuning.md) and the objective a run trains with (``GRPO``).
+docs/fine-tuning.md) and the objective a run trains with (``GRPO``): each step refreshes the
+engine's weights, samples G completions per prompt (pure in (seed, step)), scores them, updates.
 
-Shapes: B rows (a prompt's tokens then one completion's, padded), T tokens, V vocabulary,
-P prompts, G completions per prompt (B = P G, a prompt's G rows consecutive).
-
-Each step refreshes the serving engine's weights from the train state, samples G completions
-per prompt (seeds pure in (seed, step): exact resume), scores them and takes one update.
+Shapes: B rows (a prompt then one completion, padded), T tokens, V vocabulary, P prompts,
+G completions per prompt (B = P G, a prompt's G rows consecutive).
 """
 
 from __future__ import annotations

@@ -82,8 +82,7 @@ def _measured_peak(device: jax.Device, dtype: str, size: int) -> float:
 
 
 def _summary_writer_class() -> type:
-    """tensorboardX's ``SummaryWriter``, imported without torch and google-cloud-storage (a
-    run needs neither, and their imports were most of its start)."""
+    """tensorboardX's ``SummaryWriter``, imported without torch and google-cloud-storage."""
     blocked = [name for name in ("torch", "google.cloud.storage") if name not in sys.modules]
     for name in blocked:
         sys.modules[name] = None  # type: ignore[assignment]  # import raises ImportError
@@ -127,8 +126,7 @@ class RunLog:
         self.step = start_step
         self.train_time = 0.0
         self._timer: float | None = None
-        self._interval_time = 0.0
-        self._interval_steps = 0
+        self._interval_time, self._interval_steps = 0.0, 0
         self._rate: float | None = None
         self._warm = False
         self.timed_steps = 0
@@ -224,8 +222,7 @@ class RunLog:
         return ", ".join(parts)
 
     def record_eval(self, step: int, val_loss: float, of: str = "") -> None:
-        """The validation loss (``split`` ``val``); ``of`` says what it is when it is not
-        the loss over one validation split (a mixture's weighted mean), in the log line."""
+        """The validation loss (``split`` ``val``); ``of``: what it is, in the log line."""
         ppl = math.exp(val_loss) if val_loss < 700 else math.inf
         self._write({"step": step, "split": "val", "loss": val_loss, "ppl": ppl})
         self._tb.add_scalar("val/loss", val_loss, step)
@@ -338,8 +335,7 @@ class StopOnSignal(contextlib.AbstractContextManager):
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
-        """Holds a third signal back until the block (starting a save) ends: raised inside
-        orbax's ``save`` it would leave orbax to finish that save first."""
+        """Holds a third signal back until the block (starting an orbax save) ends."""
         self._defer = True
         try:
             yield
@@ -373,11 +369,8 @@ def abandon_save(ckpt: CheckpointManager, aborted: SaveAborted) -> SaveAborted:
 
 @dataclasses.dataclass
 class RunSummary:
-    """What a run did (also written to ``run_dir/summary.json``).
-
-    ``time_s`` splits the wall time into ``run.TIME_PARTS`` (seconds); ``data`` is the host
-    time spent making the train batches, ``train`` the rest of the loop's time.
-    """
+    """What a run did (also written to ``run_dir/summary.json``). ``time_s`` splits the wall
+    time into ``run.TIME_PARTS`` (seconds; ``data``: the host's making of the train batches)."""
 
     run_dir: str
     start_step: int

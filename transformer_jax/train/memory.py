@@ -34,11 +34,8 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
 
     Per layer and token: no remat keeps the norms' and matmuls' inputs (4 D + 2 N H + 2 K H +
     3 F values), ``save_dots`` the matmul outputs (2 D + N H + 2 K H + 2 F), ``full`` the block
-    input D (plus one block recomputed at a time), a named policy that plus what it saves; a
-    sparse layer's FFN as ``moe_values`` (and 3 E D F gathered expert values under FSDP without
-    full remat). Plus the einsum attention's [N, T, T] float32 probabilities per layer and the
-    loss's [T, V] float32 logits and gradient (a chunk with ``loss_chunk``), all split over the
-    mesh axes as the arrays are.
+    input D, a named policy that plus what it saves; sparse layers as ``moe_values``. Plus the
+    einsum attention's [N, T, T] and the loss's [T, V] float32 values, split as the arrays are.
 
     Args:
       model_config: the model.
@@ -87,13 +84,10 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
 
 def moe_values(config: ModelConfig, tensor: int, itemsize: int, tokens: int = 0
                ) -> dict[str, float]:
-    """Values per token a sparse layer's FFN keeps for the backward pass, by remat policy (in
-    units of ``itemsize`` bytes): no remat the k sorted rows' inputs, gate, up and hidden
-    (k (D + 3 F)), their down outputs sorted and unsorted (2 k D), the float32 router logits
-    and probabilities (2 E) and a shared expert's 3 F_s; ``save_dots`` the products' outputs
-    (k (2 F + D), E, 2 F_s); ``full`` nothing beyond the block input. ``"tiled"`` (XLA:CPU's
-    dropless products) pads the N k sorted rows of ``tokens`` tokens by up to E tiles of m rows
-    (``ops.moe.tile_layout``), which the rows' terms include."""
+    """Values per token (of ``itemsize`` bytes) a sparse layer's FFN keeps for the backward
+    pass, by remat policy: no remat k (D + 3 F) + 2 k D + 2 E (router, float32) + 3 F_s;
+    ``save_dots`` k (2 F + D) + E + 2 F_s; ``full`` none. The ``"tiled"`` products' padding
+    of the N k sorted rows (``ops.moe.tile_layout``) is included."""
     m, d = config.moe, config.d_model
     f, fs = m.d_ff / tensor, m.shared_d_ff / tensor
     router = m.n_experts * 4 / itemsize

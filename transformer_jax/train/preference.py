@@ -1,13 +1,8 @@
-"""DPO and ORPO: the losses as pure functions (TRL's ``DPOTrainer`` ``sigmoid`` and ``ipo``, and
-``ORPOTrainer``; formulas in docs/fine-tuning.md), and the objectives a run trains with
-(``DPO``, ``ORPO``), with DPO's reference log-probs.
+"""DPO and ORPO: the losses as pure functions (after TRL's; formulas in docs/fine-tuning.md)
+and the objectives a run trains with (``DPO``, ``ORPO``), with DPO's reference log-probs.
 
-Shapes: B rows, T tokens, V vocabulary, M pairs per row (``data.preference``: pair k of a row
-is segments 2k + 1 (chosen) and 2k + 2 (rejected)), P pairs (any leading shape).
-
-In a run the loss sums over the batch's pairs and the step divides by their count. DPO's
-reference is the initial weights' log-probs, stored in ``run_dir/reference_logps.npz`` (full
-fine-tuning), or the frozen LoRA base with the adapters off.
+Shapes: B rows, T tokens, V vocabulary, M pairs per row (pair k of a row is segments 2k + 1
+(chosen) and 2k + 2 (rejected)), P pairs (any leading shape).
 """
 
 from __future__ import annotations
@@ -185,10 +180,9 @@ def make_logps_fn(model_config: ModelConfig, tc: TrainConfig, pairs_per_row: int
 
 
 class Preference(Objective):
-    """DPO and ORPO: preference pairs, a loss summed over them (the pairs its count) and their
-    means as metrics. ``batch`` has SFT's keys plus ``pair_ids`` [B, M] (and, full-fine-tuning
-    DPO, ``ref_logps`` [B, M, 2]). A subclass gives ``pair_loss(logps, layout, params, batch,
-    valid) -> (objective, stats)``, sums over the ``valid`` [B, M] pairs.
+    """DPO and ORPO: a loss summed over the batch's pairs (their count divides it). ``batch``
+    has SFT's keys plus ``pair_ids`` [B, M] (full-fine-tuning DPO: ``ref_logps`` [B, M, 2]).
+    A subclass gives ``pair_loss(logps, layout, params, batch, valid) -> (objective, stats)``.
     """
 
     records = '{"prompt", "chosen", "rejected"}'
@@ -258,18 +252,13 @@ class Preference(Objective):
         return loss_sums
 
 
-
 class DPO(Preference):
     """DPO (``train.dpo_loss``: sigmoid or IPO) against a reference: the initial weights'
     log-probs, stored (full fine-tuning), or the frozen LoRA base with the adapters off."""
 
     def start(self, run: RunContext, state: TrainState) -> None:
-        """Attaches the reference log-probs to the run's data (full fine-tuning), read from
-        ``REFERENCE_FILE`` or computed (step 0) and stored.
-
-        Raises:
-          ValueError: a resumed run whose stored reference is missing or is another run's.
-        """
+        """Attaches the reference log-probs (full fine-tuning): read from ``REFERENCE_FILE``,
+        or computed at step 0 and stored; ValueError at a later step without them."""
         super().start(run, state)
         tc = self.tc
         if tc.lora_rank:

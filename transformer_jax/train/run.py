@@ -85,17 +85,11 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         progress: bool = True, memory_check: bool = True) -> RunSummary:
     """Trains (or resumes) a model; the whole loop, top to bottom.
 
-    Resumes from the newest intact checkpoint in ``run_dir/checkpoints`` (a damaged newer one
-    is renamed aside) and then gives exactly the losses and parameters of an uninterrupted
-    run; saved configs with another model, tokenizer, optimizer state structure or (without
-    ``train.allow_new_data``) corpus are refused in one line naming the keys. A run already at
-    ``train.steps`` returns the summary it wrote. SIGTERM/SIGINT save a checkpoint and stop (a
-    second signal waits for that save, a third abandons it: ``SaveAborted``); a non-finite
-    loss stops without saving.
-
-    The run directory keeps a copy of the tokenizer (``tokenizer/``), ``config.json``,
-    ``metrics.jsonl``, ``loss.png``, TensorBoard events, ``summary.json`` and, with
-    ``train.profile_steps``, a profiler trace under ``profile/``.
+    Resumes exactly from the newest intact checkpoint in ``run_dir/checkpoints`` (saved configs
+    of another model, tokenizer, optimizer structure or corpus are refused, naming the keys); a
+    run already at ``train.steps`` returns the summary it wrote. SIGTERM/SIGINT save and stop.
+    The run directory keeps ``tokenizer/``, ``config.json``, ``metrics.jsonl``, ``loss.png``,
+    TensorBoard events, ``summary.json`` and, with ``train.profile_steps``, ``profile/``.
 
     Args:
       model_config: the model; its ``vocab_size`` is replaced by the tokenizer's.
@@ -103,7 +97,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
       data_config: corpus and tokenizer.
       progress: show a tqdm progress bar (loss, training step rate, tokens/s, MFU, ETA).
       memory_check: refuse a run whose rough memory estimate (``train.memory``) is above the
-        device's (or, on CPU, the host's available) memory, before any data is read.
+        device's (CPU: the host's available) memory.
 
     Returns:
       The run's summary.
