@@ -41,8 +41,8 @@ class RunDirectory:
     remote: bool
 
     def sync(self, failing: bool = False) -> None:
-        """Uploads the mirror's changed files to a remote run directory; nothing for a local
-        one. ``failing``: the run is ending in an error, so a failed upload is only a warning."""
+        """Uploads the mirror's changed files to a remote run directory (``failing``: a failed
+        upload is only a warning)."""
         if not self.remote:
             return
         try:
@@ -126,8 +126,7 @@ def check_config(model_config: ModelConfig, train_config: TrainConfig,
 
 def check_context(model_config: ModelConfig, train_config: TrainConfig) -> None:
     """Raises ValueError, in one line, for what context parallelism (``train.mesh``'s
-    ``context=C``) cannot train: a sequence length not a multiple of 2C, an objective other
-    than sft, ``train.mtp_weight``, and ``attention_impl="pallas"``."""
+    ``context=C``) cannot train."""
     tc = train_config
     context = sharding_lib.MeshConfig.parse(tc.mesh).context
     if context == 1:

@@ -68,9 +68,8 @@ def describe(compiled: Any, model_config: Any, train_config: Any, mesh: Any,
 
 @contextlib.contextmanager
 def uncached() -> Iterator[None]:
-    """Compiles inside skip JAX's persistent compilation cache: an XLA:CPU executable loaded
-    from that cache serializes without its code (loading it then fails with "Function ... not
-    found"), so a step to be saved is compiled afresh."""
+    """Compiles inside skip JAX's persistent compilation cache (an XLA:CPU executable loaded
+    from it serializes without its code)."""
     from jax.experimental.compilation_cache import compilation_cache
 
     was = jax.config.jax_enable_compilation_cache

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.data.instruct import row_indices
 from transformer_jax.decode.weights import prepare
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.parallel import distributed
@@ -33,7 +34,6 @@ from transformer_jax.train.grpo_data import (
     PromptRecord,
     load_prompts,
     load_rewards,
-    prompt_order,
     rollout_seeds,
     score,
 )
@@ -298,7 +298,7 @@ class GRPO(Objective):
             jax.block_until_ready(self.engine.weights.params)
         refreshed = time.perf_counter()
         per_step = tc.batch_size // tc.grpo_group_size
-        chosen = [self.prompts[i] for i in prompt_order(len(self.prompts), per_step, step, tc.seed)]
+        chosen = [self.prompts[i] for i in row_indices(tc.seed, step, per_step, len(self.prompts))]
         samples = sample(self.engine, chosen, tc, step, run.tokenizer.eos_id)
         rewards = np.asarray([score(self.rewards, completion_text(run.tokenizer, c),
                                     chosen[r // tc.grpo_group_size])

@@ -35,8 +35,7 @@ def init_model_config(source: Source, values: dict[str, Any],
     Args:
       source: the checkpoint (``loading.locate``).
       values: model keys set by the config file and the overrides.
-      preset_keys: those of ``values`` from the config file: where they would change the
-        architecture the checkpoint's values are kept instead (logged).
+      preset_keys: those of ``values`` from the config file (the checkpoint's win; logged).
 
     Raises:
       ValueError: naming each command-line key whose value would change the architecture.

@@ -1,9 +1,7 @@
 """What a run shows and writes while it trains: metrics checked for NaN/inf (one step late),
 ``metrics.jsonl``, TensorBoard events, the progress bar, the peak FLOP/s behind MFU, and
-SIGTERM/SIGINT turned into a request to checkpoint and stop.
-
-Speeds are of training alone: the timer stops during evaluation, samples and checkpoints. MFU
-is per device (``mesh_peak_flops``; docs/training.md)."""
+SIGTERM/SIGINT turned into a request to checkpoint and stop. Speeds are of training alone
+(the timer stops during evaluation, samples and checkpoints)."""
 
 from __future__ import annotations
 

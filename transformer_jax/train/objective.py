@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from transformer_jax.model.fields import check_nonnegative_int
+
 #: ``train.objective`` values: next-token cross-entropy, or a preference objective.
 OBJECTIVES = ("sft", "dpo", "orpo", "grpo")
 #: The objectives that train on preference pairs.
@@ -86,8 +88,7 @@ class ObjectiveConfig:
         if not (isinstance(eps, int | float) and 0 <= eps < 0.5):
             raise ValueError(f"dpo_label_smoothing must be in [0, 0.5), got {eps!r}")
         pairs = self.pairs_per_step
-        if not (isinstance(pairs, int) and not isinstance(pairs, bool) and pairs >= 0):
-            raise ValueError(f"pairs_per_step must be an int >= 0, got {pairs!r}")
+        check_nonnegative_int("pairs_per_step", pairs)
         if pairs and self.objective not in PREFERENCE_OBJECTIVES:
             raise ValueError(f"pairs_per_step={pairs} applies to objective=dpo or orpo (it "
                              f"counts preference pairs), not objective={self.objective}")

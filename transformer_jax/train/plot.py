@@ -1,8 +1,6 @@
-"""Loss curves of training runs, drawn from their ``metrics.jsonl``.
-
-``plot_run(run_dir)`` writes ``run_dir/loss.png`` (train and validation loss, each
-``train.eval_sets`` set's bits per byte, the learning rate); ``plot_runs(dirs, out)`` draws
-several runs on one figure. Only matplotlib's object API is used (no pyplot global state).
+"""Loss curves of training runs from their ``metrics.jsonl``: ``plot_run(run_dir)`` writes
+``run_dir/loss.png`` (losses, each eval set's bits per byte, the learning rate);
+``plot_runs(dirs, out)`` draws several runs on one figure (matplotlib's object API, no pyplot).
 """
 
 from __future__ import annotations
@@ -103,8 +101,7 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> RunMetrics:
 
 def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None
              ) -> Path:
-    """Draws the loss curves (and learning rate) of ``run_dir`` into ``out`` (default
-    ``run_dir/loss.png``) and returns the path written.
+    """Draws the curves of ``run_dir`` into ``out`` (default ``run_dir/loss.png``); its path.
 
     Raises:
       FileNotFoundError, ValueError: as ``read_metrics``.

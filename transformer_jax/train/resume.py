@@ -48,8 +48,7 @@ _TRAJECTORY_TRAIN_KEYS = ("batch_size", "seq_len", "lr", "min_lr", "warmup_steps
 
 
 def _model_dict(saved: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's saved model config as this version writes it, or as saved if it does
-    not parse."""
+    """A checkpoint's saved model config as this version writes it (as saved if unparsable)."""
     try:
         return ModelConfig.from_dict(saved).to_dict()
     except (TypeError, ValueError):
@@ -65,9 +64,8 @@ def check_resume(saved: dict[str, Any], current: dict[str, Any], where: Path) ->
       where: the checkpoint directory, for the messages.
 
     Raises:
-      ValueError: one line naming what differs: the tokenizer (its fingerprints), the model
-        keys, a train key that changes the optimizer state's structure, or the corpus (unless
-        ``train.allow_new_data``).
+      ValueError: one line naming what differs: the tokenizer, model keys, a train key of the
+        optimizer state's structure, or the corpus (unless ``train.allow_new_data``).
     """
     use = "; use another train.run_dir"
     saved_tok, tok = saved.get("tokenizer_fingerprint"), current["tokenizer_fingerprint"]
