@@ -71,8 +71,6 @@ class JaxLM(TemplateLM):
         self.scorer = Scorer(config, loaded.params, batch_size=self.batch_size, mesh=mesh)
         self._decode_weights = None
 
-    # Tokens ------------------------------------------------------------------------------------
-
     @property
     def eot_token_id(self) -> int:
         return self.tok.eos_id
@@ -102,8 +100,6 @@ class JaxLM(TemplateLM):
 
     def tok_decode(self, ids: Sequence[int]) -> str:
         return detokenize(self.tok, list(ids))
-
-    # Requests ----------------------------------------------------------------------------------
 
     def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]],
                               disable_tqdm: bool = False, **kwargs: Any

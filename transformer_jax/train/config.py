@@ -51,8 +51,7 @@ class TrainConfig(ObjectiveConfig):
       batch_size: sequences per optimizer step (global, all devices and micro-batches); DPO
         and ORPO: packed rows of pairs (see ``pairs_per_step``), GRPO: completions.
       seq_len: T, tokens per sequence; at most the model's ``max_seq_len``.
-      grad_accum: micro-batches per step, their gradients summed before one update (the
-        result of one big batch, in less memory).
+      grad_accum: micro-batches per step, their gradients summed before one update.
       lr: peak learning rate, reached after ``warmup_steps``.
       min_lr: learning rate at the end of the cosine decay.
       warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr``; -1 (the default) means
@@ -375,28 +374,26 @@ def build_configs(config: str, overrides: Sequence[str] = ()
         raise ConfigError(f"config {config!r} has unknown tables {unknown}; expected "
                           f"{sorted(SECTIONS)}")
     values: dict[str, dict[str, Any]] = {s: dict(tables.get(s, {})) for s in SECTIONS}
-    preset_train, preset_model = dict(values["train"]), dict(values["model"])
-    given_train: set[str] = set()  # train keys set on the command line
+    preset = {s: dict(values[s]) for s in SECTIONS}  # the keys the config file alone sets
+    given: set[str] = set()  # SECTION.KEY set on the command line
     for item in overrides:
         section, key, text = _split_override(item)
-        if section in ("train", "model"):  # given by the user, not the preset
-            (preset_train if section == "train" else preset_model).pop(key, None)
-        if section == "train":
-            given_train.add(key)
+        preset[section].pop(key, None)
+        given.add(f"{section}.{key}")
         try:
             check_keys({key: None}, SECTIONS[section], section)
             values[section][key] = parse_override(SECTIONS[section], key, text)
         except ValueError as e:
             raise ConfigError(f"override {item!r}: {e}") from None
-    _fit_preset_warmup(config, preset_train, values["train"])
+    _fit_preset_warmup(config, preset["train"], values["train"])
     try:
         train = config_from_dict(TrainConfig, values["train"], "train")
         data = config_from_dict(DataConfig, values["data"], "data")
         if train.init_from:
             source = locate(train.init_from, where=f"train.init_from={train.init_from}")
             model = init_model_config(source, values["model"],
-                                      preset_keys=frozenset(preset_model))
-            train = _fit_seq_len(config, train, model, given="seq_len" in given_train)
+                                      preset_keys=frozenset(preset["model"]))
+            train = _fit_seq_len(config, train, model, given="train.seq_len" in given)
         else:
             model = ModelConfig.from_dict(values["model"])
     except (TypeError, ValueError, CheckpointError) as e:

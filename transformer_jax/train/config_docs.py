@@ -41,12 +41,11 @@ def help_text(sections: dict[str, type], width: int = 100) -> str:
                 default = field.default_factory()
             else:
                 default = "required"
-            head = f"  {section}.{field.name}: {kind} = {default!r}"
             meaning = meanings.get(field.name, "").replace("``", "")
             choices = CHOICES.get(f"{section}.{field.name}")
             if choices:
                 meaning += f" One of: {', '.join(choices)}."
-            lines.append(head)
+            lines.append(f"  {section}.{field.name}: {kind} = {default!r}")
             if meaning:
                 lines.extend(textwrap.wrap(meaning, width, initial_indent=" " * 6,
                                            subsequent_indent=" " * 6))
@@ -55,10 +54,7 @@ def help_text(sections: dict[str, type], width: int = 100) -> str:
 
 def _attribute_docs(cls: type) -> dict[str, str]:
     """``{name: description}`` from the ``Attributes:`` sections of ``cls`` and its bases."""
-    found: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        found.update(_own_attribute_docs(klass))
-    return found
+    return {k: v for klass in reversed(cls.__mro__) for k, v in _own_attribute_docs(klass).items()}
 
 
 def _own_attribute_docs(cls: type) -> dict[str, str]:

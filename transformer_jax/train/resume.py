@@ -27,9 +27,8 @@ def data_fingerprint(*token_arrays: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-# Train keys whose change alters the optimizer state's structure (clipping adds a stage to the
-# optax chain), compared as the structure they give (from the key's value and the whole train
-# table): such a checkpoint cannot be restored. The targets matter only with adapters.
+# Train keys that alter the optimizer state's structure (clipping adds an optax stage), compared
+# as the structure they give (from the value and the train table): no restore across them.
 _STATE_TRAIN_KEYS: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
     "grad_clip": lambda v, train: bool(v), "lora_rank": lambda v, train: v,
     "lora_targets": lambda v, train: tuple(t.strip() for t in str(v).split(",") if t.strip())

@@ -186,8 +186,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
 
     with CheckpointManager(files.checkpoints, keep=tc.keep_ckpts) as ckpt:
         ckpt.remove_unfinished(primary=main_process)  # of a run killed while it saved
-        # 3. State: restore the newest checkpoint, or initialise sharded over the mesh (from
-        # init_from's weights if given; the optimizer state starts fresh).
+        # 3. State: the newest checkpoint, or initialised sharded (from init_from's weights).
         key = jax.random.key(tc.seed)
         init = make_init_fn(model_config, tc)
         abstract_state = jax.eval_shape(init, key)
@@ -324,8 +323,7 @@ def _train(run: RunContext, objective: Objective, ckpt: CheckpointManager, state
                     # A signal that came during the evaluation still saves this step.
                     if stop.signal is not None or last or step % tc.ckpt_every == 0:
                         save_start = time.perf_counter()
-                        # A third signal while the previous save finishes aborts at once;
-                        # during orbax's start of this one it waits for the start to return.
+                        # A third signal aborts the previous save at once, this one's start after.
                         ckpt.wait()
                         with stop.deferred():
                             ckpt.save(step, state, meta=dict(run.configs, step=step,
