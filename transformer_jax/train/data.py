@@ -30,8 +30,7 @@ from transformer_jax.train.resume import data_fingerprint
 logger = logging.getLogger(__name__)
 
 
-def prepare_data(data_config: DataConfig, vocab_size: int,
-                 tokenizer: TextTokenizer | None = None
+def prepare_data(data_config: DataConfig, vocab_size: int, tokenizer: TextTokenizer | None = None
                  ) -> tuple[TextTokenizer, np.ndarray, np.ndarray]:
     """``(tokenizer, train_tokens [N_train], val_tokens [N_val])``: tokenizes the corpus (cached)
     with ``tokenizer``, or with the one of ``data_config`` (loaded or trained; ``vocab_size``
@@ -169,8 +168,7 @@ class RunData:
     def num_val_tokens(self) -> int:
         """Validation size in tokens; packed rows count as ``R x T + 1`` (R windows)."""
         if self.shards is not None:
-            return shards_lib.eval_tokens(self.shards.val, self.shards.packing,
-                                          self.shards.seq_len)
+            return shards_lib.eval_tokens(self.shards.val, self.shards.packing, self.shards.seq_len)
         if not self.packed:
             return len(self.val_tokens)
         rows = self.val_rows.num_rows if self.val_rows is not None else 0
@@ -213,8 +211,7 @@ class RunData:
                                            process_count=process_count)
         if not self.packed:
             return data_lib.eval_batches(self.val_tokens, batch_size, seq_len, max_batches,
-                                         process_index=process_index,
-                                         process_count=process_count)
+                                         process_index=process_index, process_count=process_count)
         return packed_eval_batches(self.val_rows, batch_size, max_batches, process_index,
                                     process_count)
 

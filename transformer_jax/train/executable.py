@@ -187,8 +187,7 @@ def load(path: str | Path, model_config: Any, train_config: Any, mesh: Any, stat
                              f"input {jax.tree_util.keystr(p)}: {sharding} there, "
                              f"{x.sharding} here")
     logger.info("loaded the compiled train step from %s (compiled for %s, %d x %s)", path,
-                saved.get("topology") or "these devices", saved["devices"],
-                saved["device_kind"])
+                saved.get("topology") or "these devices", saved["devices"], saved["device_kind"])
     return compiled
 
 

@@ -231,8 +231,7 @@ def make_engine(model_config: ModelConfig, params: Params, tc: TrainConfig, prom
                // (row_pages * page_bytes(model_config, PAGE_SIZE)))
         slots = min(slots, max(tc.grpo_group_size, fit))
     prompts = -(-tc.batch_size // tc.grpo_group_size)
-    chunk = max(64, min(row_bucket(prompts) * max(16, row_bucket(prompt_len)),
-                        MAX_ROLLOUT_CHUNK))
+    chunk = max(64, min(row_bucket(prompts) * max(16, row_bucket(prompt_len)), MAX_ROLLOUT_CHUNK))
     weights = prepare(model_config, jax.device_put(params, jax.devices()[0]))
     return Engine(model_config, weights, num_slots=slots, num_pages=slots * row_pages + 2,
                   page_size=PAGE_SIZE, token_budget=slots + chunk)

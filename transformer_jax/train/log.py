@@ -47,8 +47,7 @@ PEAK_BF16_TFLOPS = (
 
 def published_peak_flops(device_kind: str) -> float | None:
     """One device's published dense bf16 peak in FLOP/s, or None for a kind not listed."""
-    return next((1e12 * tflops for name, tflops in PEAK_BF16_TFLOPS if name in device_kind),
-                None)
+    return next((1e12 * tflops for name, tflops in PEAK_BF16_TFLOPS if name in device_kind), None)
 
 
 def mesh_peak_flops(devices: list[jax.Device], per_device: float = 0.0) -> tuple[float, str]:

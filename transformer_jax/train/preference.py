@@ -143,8 +143,7 @@ def make_token_logps_fn(model: Any, temperature: float = 1.0
     ``model`` (a ``Transformer``) with the logits divided by ``temperature``."""
     def logps(model_params: Params, batch: Batch) -> jax.Array:
         logits = model.apply({"params": model_params}, batch["inputs"],
-                             positions=batch["positions"],
-                             segment_ids=batch["segment_ids"]).logits
+                             positions=batch["positions"], segment_ids=batch["segment_ids"]).logits
         if temperature != 1.0:
             logits = logits.astype(jnp.float32) / temperature
         return token_logps(logits, batch["targets"])

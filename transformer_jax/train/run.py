@@ -258,12 +258,10 @@ def _train(run: RunContext, objective: Objective, ckpt: CheckpointManager, state
     eval_step = sharding_lib.jit_sharded(
         make_eval_step(model_config, tc), mesh, (run.state_shardings.params, batch_sharding),
         sharding_lib.replicated(mesh))
-    eval_part, eval_parts = distributed.process_batch_shard(batch_sharding,
-                                                            eval_kw["batch_size"])
+    eval_part, eval_parts = distributed.process_batch_shard(batch_sharding, eval_kw["batch_size"])
     eval_kw = dict(eval_kw, process_index=eval_part, process_count=eval_parts)
     eval_step = placing(eval_step, functools.partial(
-        distributed.global_batch, sharding=batch_sharding,
-        global_batch_size=eval_kw["batch_size"]))
+        distributed.global_batch, sharding=batch_sharding, global_batch_size=eval_kw["batch_size"]))
     flops = flops_per_token(model_config, tc.seq_len)
     peak, peak_source = mesh_peak_flops(list(mesh.devices.flat), tc.peak_flops)
     logger.info("%s train step in %.1f s; attention %s; %s; %.3g FLOPs/token; peak "
@@ -275,8 +273,7 @@ def _train(run: RunContext, objective: Objective, ckpt: CheckpointManager, state
     times["startup"] = time.perf_counter() - wall_start - compile_time
 
     log = RunLog(run_dir, start_step, tc, flops, peak, log_train=not progress,
-                 write=main_process, every_step=objective.on_policy,
-                 describe=objective.describe)
+                 write=main_process, every_step=objective.on_policy, describe=objective.describe)
     last_val: float | None = None
     interrupted: str | None = None
     step = start_step
@@ -388,8 +385,7 @@ def _train(run: RunContext, objective: Objective, ckpt: CheckpointManager, state
         logger.info("data: %.2f ms of host time per batch, %.1f%% of the train time",
                     1000 * per_batch, 100 * times["data"] / train_time)
     if main_process:
-        (run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary),
-                                                         indent=2))
+        (run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary), indent=2))
         files.sync()
     return summary
 

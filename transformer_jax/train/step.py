@@ -120,8 +120,7 @@ def make_init_fn(model_config: ModelConfig, train_config: TrainConfig
         param_key, rng_key = jax.random.split(key)
         if params is None:
             params = init_params(model_config, param_key)
-        params = layout.from_model_params(model_config, params,
-                                          jax.random.fold_in(param_key, 1))
+        params = layout.from_model_params(model_config, params, jax.random.fold_in(param_key, 1))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=tx.init(layout.trainable(params)),
                           rng=jax.random.key_data(rng_key))
@@ -161,8 +160,7 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig,
             grads, (ce, z, count, *moe) = grad_fn(trainable, state.params, batch)
         else:
             micro = jax.tree.map(
-                lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1),
-                batch)
+                lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
             def accumulate(carry, mb):
                 g, aux = grad_fn(trainable, state.params, mb)
