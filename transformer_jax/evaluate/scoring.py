@@ -176,10 +176,9 @@ class Scorer:
         out: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
         num_rows, b = packed.inputs.shape[0], self.batch_size
         for first in range(0, num_rows, b):
-            index = np.arange(first, first + b)
-            real = np.minimum(index, num_rows - 1)  # the last batch repeats its last row
-            arrays = (packed.inputs[real], packed.targets[real], packed.positions[real],
-                      packed.segment_ids[real])
+            real = np.minimum(np.arange(first, first + b), num_rows - 1)  # repeats the last row
+            arrays = [getattr(packed, k)[real] for k in ("inputs", "targets", "positions",
+                                                         "segment_ids")]
             logprob, greedy = jax.device_get(self._fn(self.params, *arrays))
             done = 0
             for k, row in enumerate(range(first, min(first + b, num_rows))):

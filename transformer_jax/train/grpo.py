@@ -184,8 +184,7 @@ def batch_length(prompts: list[np.ndarray], completions: list[list[int]], seq_le
     """T of a step's batch: its longest row (prompt + completion, less one) rounded up to a
     power of two from 16, at most ``seq_len`` (``scheduler.chunk_buckets``)."""
     longest = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True)) - 1
-    buckets = chunk_buckets(seq_len)
-    return next((t for t in buckets if t >= longest), seq_len)
+    return next((t for t in chunk_buckets(seq_len) if t >= longest), seq_len)
 
 
 def grpo_batch(prompts: list[np.ndarray], completions: list[list[int]],
@@ -195,10 +194,9 @@ def grpo_batch(prompts: list[np.ndarray], completions: list[list[int]],
     [B, T], T = ``seq_len``), ``mask`` 1 on the completion's targets, ``old_logps`` the
     engine's log-probs there, ``advantages`` [B]."""
     b = len(prompts)
-    out = {k: np.zeros((b, seq_len), np.int32) for k in
-           ("inputs", "targets", "positions", "segment_ids")}
-    out["mask"] = np.zeros((b, seq_len), np.float32)
-    out["old_logps"] = np.zeros((b, seq_len), np.float32)
+    ids = ("inputs", "targets", "positions", "segment_ids")
+    out = {k: np.zeros((b, seq_len), np.int32 if k in ids else np.float32)
+           for k in (*ids, "mask", "old_logps")}
     out["positions"][:] = np.arange(seq_len)
     for i, (prompt, tokens, lps) in enumerate(zip(prompts, completions, logprobs, strict=True)):
         row = np.concatenate([prompt, np.asarray(tokens, np.int32)])
