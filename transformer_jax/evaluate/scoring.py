@@ -42,11 +42,8 @@ class Request:
 
 def window(context: Sequence[int], continuation: Sequence[int], max_length: int) -> Request:
     """The request of ``continuation`` after ``context`` in a window of ``max_length`` tokens:
-    as the harness's ``hf`` backend, the last ``max_length + 1`` tokens of both.
-
-    Raises:
-      ValueError: an empty context or continuation, or a continuation over ``max_length``.
-    """
+    as the harness's ``hf`` backend, the last ``max_length + 1`` tokens of both. ValueError:
+    an empty context or continuation, or a continuation over ``max_length``."""
     if not context or not continuation:
         raise ValueError(f"a request needs a context and a continuation, got {len(context)} and "
                          f"{len(continuation)} tokens")

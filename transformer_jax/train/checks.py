@@ -29,8 +29,7 @@ class RunDirectory:
 
     Attributes:
       name: ``train.run_dir`` as given (a local path or a ``gs://`` URL), for messages.
-      local: the directory the run writes its small files to: the run directory itself, or a
-        local mirror of a remote one (``storage``).
+      local: where the run writes its small files: the run directory, or a remote one's mirror.
       checkpoints: the checkpoint directory, on the object store for a remote run.
       remote: whether ``name`` is on object storage.
     """

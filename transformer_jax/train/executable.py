@@ -1,9 +1,6 @@
-"""The compiled train step as a file: written by ``transformer-jax compile --save PATH``, loaded
-by a run with ``train.compiled_step=PATH`` instead of compiling its own.
-
-The file is a header line (``MAGIC``), a JSON line of what the program was compiled for
-(``describe``), then the serialized executable (a pickle: load only files you made). A run
-refuses a header or input sharding that differs from its own in one line (``ValueError``).
+"""The compiled train step as a file (``transformer-jax compile --save PATH``), loaded by a run
+with ``train.compiled_step=PATH``: a header line (``MAGIC``), a JSON line of what it was compiled
+for (``describe``), then the serialized executable (a pickle: load only files you made).
 """
 
 from __future__ import annotations

@@ -52,11 +52,8 @@ def published_peak_flops(device_kind: str) -> float | None:
 
 def mesh_peak_flops(devices: list[jax.Device], per_device: float = 0.0) -> tuple[float, str]:
     """``(FLOP/s, where the figure comes from)``: the peak of a mesh's ``devices`` together.
-
-    ``per_device`` is one device's peak (``train.peak_flops``); 0 chooses it: on CPU a measured
-    matmul, counted once per host (its devices share the cores), elsewhere the published dense
-    bf16 peak of the device kind, or a measured matmul for a kind not listed.
-    """
+    ``per_device`` (``train.peak_flops``) 0: a measured matmul per host on CPU, else the
+    published dense bf16 peak of the device kind (measured for a kind not listed)."""
     n = len(devices)
     if per_device:
         return per_device * n, f"train.peak_flops x {n} devices"
@@ -157,9 +154,8 @@ class RunLog:
         if step % self._every == 0 or step == self.tc.steps:
             self._update_rate()
             self.logged_loss = m["loss"]
-            record = {"step": step, "split": "train", **m,
-                      "tokens_per_s": self._rate, "mfu": self.mfu()}
-            self._write(record)
+            self._write({"step": step, "split": "train", **m, "tokens_per_s": self._rate,
+                         "mfu": self.mfu()})
             extra = (k for k in m if k.startswith(("moe_", "mtp_", "rewards/")))
             for k in ("loss", "lr", "grad_norm", *extra):
                 self._tb.add_scalar(f"train/{k}", m[k], step)

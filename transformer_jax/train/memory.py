@@ -49,9 +49,8 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
     batch_devices = mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape.get("expert", 1)
     rows = max(1, tc.micro_batch_size // batch_devices)
     tensor = mesh_shape["tensor"]
-    s, d, h = tc.seq_len, c.d_model, c.head_dim
+    s, d, h, n, k = tc.seq_len, c.d_model, c.head_dim, c.n_heads, c.n_kv_heads
     t = s // mesh_shape.get("context", 1)  # the tokens of a sequence a device holds
-    n, k = c.n_heads, c.n_kv_heads
     size = np.dtype(c.dtype).itemsize
     width = c.d_ff / tensor
     dense_ffn = {"none": 3 * width, "save_dots": 2 * width, "full": 0.0,

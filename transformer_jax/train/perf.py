@@ -25,8 +25,8 @@ CPU_FAST_MATH_FLAGS = (
 
 
 def enable_cpu_fast_math() -> bool:
-    """Adds ``CPU_FAST_MATH_FLAGS`` to ``XLA_FLAGS`` unless the user set any ``xla_cpu_``
-    fast-math flag. Only effective before JAX creates its CPU backend (call it first thing).
+    """Adds ``CPU_FAST_MATH_FLAGS`` to ``XLA_FLAGS`` (unless the user set fast math) before JAX
+    creates its CPU backend.
 
     Returns:
       Whether the flags were added.

@@ -102,11 +102,7 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> RunMetrics:
 def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None
              ) -> Path:
     """Draws the curves of ``run_dir`` into ``out`` (default ``run_dir/loss.png``); its path.
-
-    Raises:
-      FileNotFoundError, ValueError: as ``read_metrics``.
-      OSError: ``out`` cannot be written, named in one line.
-    """
+    Raises as ``read_metrics``, and OSError (one line) when ``out`` cannot be written."""
     runs = [read_metrics(run_dir)]
     target = f"{os.fspath(run_dir).rstrip('/')}/{PLOT_FILE}" if out is None else os.fspath(out)
     if storage.is_remote(target):  # drawn locally, then one upload
@@ -118,12 +114,8 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
 
 
 def plot_runs(run_dirs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str]) -> Path:
-    """Draws several runs on one figure (one colour per run: train loss solid, validation
-    loss dashed) into the PNG ``out`` and returns its path.
-
-    Raises:
-      ValueError: no run directory given; FileNotFoundError, ValueError: as ``read_metrics``.
-    """
+    """Draws several runs on one figure (a colour per run: train loss solid, validation loss
+    dashed) into the PNG ``out``; its path. Raises as ``read_metrics`` (ValueError: no run)."""
     if not run_dirs:
         raise ValueError("plot_runs needs at least one run directory")
     runs = [read_metrics(d) for d in run_dirs]

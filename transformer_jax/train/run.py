@@ -115,7 +115,6 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
 
     # 1. Checks that need no data, before any expensive work (and before checkpoints/ exists).
     files = run_directory(tc.run_dir, jax.process_index())
-    run_dir = files.local
     mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh),
                                   dcn_config=sharding_lib.MeshConfig.parse(tc.dcn_mesh))
     num_batch_devices = sharding_lib.batch_devices(mesh)  # data x fsdp (x expert)
@@ -222,8 +221,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         if start_step >= tc.steps:
             return _finished(files, start_step, tc, ckpt, objective.loss_unit(data_config))
         if main_process:
-            _save_tokenizer(tokenizer, run_dir / TOKENIZER_DIR)
-            (run_dir / "config.json").write_text(json.dumps(configs, indent=2))
+            _save_tokenizer(tokenizer, files.local / TOKENIZER_DIR)
+            (files.local / "config.json").write_text(json.dumps(configs, indent=2))
         context = RunContext(
             model_config=model_config, tc=tc, data_config=data_config, files=files, mesh=mesh,
             batch_sharding=sharding_lib.batch_sharding(mesh), state_shardings=state_shardings,

@@ -40,8 +40,7 @@ class TrainState:
       step: int32 scalar, number of updates applied so far (also the data position).
       params: the model's parameters (float32 master weights).
       opt_state: the optimizer's state.
-      rng: [2] uint32 raw key data of the run's PRNG key; no step draws from it (kept so that
-        checkpoints keep one layout).
+      rng: [2] uint32 raw key data of the run's PRNG key (no step draws from it).
     """
 
     step: jax.Array
@@ -58,8 +57,7 @@ class ParamsLayout:
       lora_config: rank, alpha and targets; None for full training (the state's params are
         the model's). LoRA: they are ``{"base", "adapters"}`` and only the adapters train.
       base_dtype: dtype the frozen base is stored in; None keeps the param dtype.
-      base_quant: how the frozen base is stored quantised (QLoRA, ``quant.parse_quant``'s
-        spelling), or None.
+      base_quant: how the frozen base is stored quantised (QLoRA, ``quant.parse_quant``), or None.
     """
 
     lora_config: lora.LoraConfig | None = None
