@@ -369,8 +369,7 @@ def build_configs(config: str, overrides: Sequence[str] = ()
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {resolve_config_path(config)} is not valid TOML: {e}"
                           ) from None
-    unknown = sorted(set(tables) - set(SECTIONS))
-    if unknown:
+    if unknown := sorted(set(tables) - set(SECTIONS)):
         raise ConfigError(f"config {config!r} has unknown tables {unknown}; expected "
                           f"{sorted(SECTIONS)}")
     values: dict[str, dict[str, Any]] = {s: dict(tables.get(s, {})) for s in SECTIONS}

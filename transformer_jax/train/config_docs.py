@@ -42,8 +42,7 @@ def help_text(sections: dict[str, type], width: int = 100) -> str:
             else:
                 default = "required"
             meaning = meanings.get(field.name, "").replace("``", "")
-            choices = CHOICES.get(f"{section}.{field.name}")
-            if choices:
+            if choices := CHOICES.get(f"{section}.{field.name}"):
                 meaning += f" One of: {', '.join(choices)}."
             lines.append(f"  {section}.{field.name}: {kind} = {default!r}")
             if meaning:
@@ -69,8 +68,7 @@ def _own_attribute_docs(cls: type) -> dict[str, str]:
             continue
         if line and not line.startswith(" "):
             break  # the next section
-        match = re.match(r"^ {2}(\w+): ?(.*)$", line)
-        if match:
+        if match := re.match(r"^ {2}(\w+): ?(.*)$", line):
             name = match.group(1)
             found[name] = match.group(2).strip()
         elif name and line.strip():

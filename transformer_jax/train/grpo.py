@@ -223,8 +223,7 @@ def make_engine(model_config: ModelConfig, params: Params, tc: TrainConfig, prom
     at least G, past ``ROLLOUT_MEMORY_SHARE`` of its memory), prefilling all prompts at once."""
     row_pages = pages_for(prompt_len + tc.grpo_max_tokens, PAGE_SIZE)
     slots = tc.batch_size
-    available = available_bytes(jax.devices()[0])
-    if available is not None:
+    if (available := available_bytes(jax.devices()[0])) is not None:
         fit = (int(available[0] / available[1] * ROLLOUT_MEMORY_SHARE)
                // (row_pages * page_bytes(model_config, PAGE_SIZE)))
         slots = min(slots, max(tc.grpo_group_size, fit))

@@ -148,10 +148,8 @@ def load_prompts(path: str | os.PathLike[str], tokenizer: Any, max_prompt_len: i
             raise InstructionDataError(f'{where}: a GRPO record needs "messages" (a chat) or '
                                        f'"prompt"; got keys {sorted(record)}')
         try:
-            if isinstance(value, str):
-                ids = encode_text(tokenizer, value)
-            else:
-                ids = encode_chat_prompt(tokenizer, _check_messages(value, where))
+            ids = (encode_text(tokenizer, value) if isinstance(value, str)
+                   else encode_chat_prompt(tokenizer, _check_messages(value, where)))
         except InstructionDataError:
             raise
         except ValueError as e:

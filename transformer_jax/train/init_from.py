@@ -49,8 +49,7 @@ def init_model_config(source: Source, values: dict[str, Any],
         for key in yielded:
             del values[key]
     model = ModelConfig.from_dict({**source.model.to_dict(), **values})
-    changes = architecture_changes(source.model, model)
-    if changes:
+    if changes := architecture_changes(source.model, model):
         raise ValueError(
             f"train.init_from={source.path}: {'; '.join(changes)} would change the checkpoint's "
             f"architecture; with init_from only {', '.join(field_names(Execution))} and "

@@ -26,10 +26,9 @@ from transformer_jax.checkpoint.files import disk_steps
 from transformer_jax.checkpoint.manager import CheckpointManager
 from transformer_jax.train.config import TrainConfig
 from transformer_jax.train.perf import measure_matmul_peak
+from transformer_jax.train.step import Metrics
 
 logger = logging.getLogger(__name__)
-
-Metrics = dict[str, jax.Array]
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -62,8 +61,7 @@ def mesh_peak_flops(devices: list[jax.Device], per_device: float = 0.0) -> tuple
         hosts = len({d.process_index for d in devices})
         return (_measured_peak(device, "float32", 1024) * hosts,
                 f"measured float32 matmul, one per host ({hosts}) shared by its devices")
-    published = published_peak_flops(device.device_kind)
-    if published is not None:
+    if (published := published_peak_flops(device.device_kind)) is not None:
         return published * n, f"published bf16 peak of {device.device_kind} x {n} devices"
     return (_measured_peak(device, "bfloat16", 4096) * n,
             f"measured bf16 matmul on one {device.device_kind} x {n} devices")
@@ -104,7 +102,6 @@ class RunLog:
         self.tc, self.flops, self.peak = tc, flops, peak
         self._every = 1 if every_step else tc.log_every
         self._describe = describe or (lambda m: None)
-        # Without a progress bar, train records are logged at INFO so that progress shows.
         self._train_level = logging.INFO if log_train else logging.DEBUG
         # Only one process of a multi-host run writes the logs.
         self.path = run_dir / "metrics.jsonl" if write else Path(os.devnull)
@@ -161,8 +158,7 @@ class RunLog:
                 self._tb.add_scalar(f"train/{k}", m[k], step)
             if self._rate:
                 self._tb.add_scalar("train/tokens_per_s", self._rate, step)
-            text = self._describe(m)
-            if text is None:
+            if (text := self._describe(m)) is None:
                 logger.log(self._train_level, "step %d: %s, lr %.3g, grad norm %.3g",
                            step, self.postfix(), m["lr"], m["grad_norm"])
             elif step % self.tc.log_every == 0 or step == self.tc.steps:

@@ -181,8 +181,7 @@ def check_fits(model_config: ModelConfig, train_config: TrainConfig, abstract_st
       ValueError: the estimate is above the available memory; the one-line message gives
         both, the parts, and what to change (``--no-memory-check`` to try anyway).
     """
-    have = available_bytes()
-    if have is None:
+    if (have := available_bytes()) is None:
         return None
     free, sharing, where = have
     need = estimate(model_config, train_config, abstract_state, state_shardings, mesh_shape)
