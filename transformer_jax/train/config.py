@@ -79,9 +79,8 @@ class TrainConfig(ObjectiveConfig):
       ckpt_every: save a checkpoint every this many steps (and at the end / on SIGTERM).
       keep_ckpts: how many recent checkpoints to keep.
       run_dir: where checkpoints, ``metrics.jsonl``, TensorBoard events and the summary go.
-      mesh: device mesh sizes ``"data,fsdp,tensor"`` (one may be -1: the rest of the devices),
-        a fourth for a mixture's expert axis, or named (``"expert=4,data=-1"``); the default
-        is data parallelism. Sizes of the whole mesh, over all slices of a pod (docs/pods.md).
+      mesh: device mesh sizes ``"data,fsdp,tensor"`` (one may be -1: the rest), a fourth for
+        an expert axis, or named (``"expert=4,data=-1"``); over all slices of a pod (docs/pods.md).
       dcn_mesh: on several TPU slices, how many slices each mesh axis spans (``mesh``'s syntax,
         ``"fsdp=2"``; product: the slice count); S/D devices per slice. Default: all on data.
       sample_tokens: tokens generated at each evaluation (0 disables samples).
@@ -97,8 +96,7 @@ class TrainConfig(ObjectiveConfig):
         comes from it; ``model.*`` may only change how it runs (``config.Execution``) and lower
         max_seq_len. The tokenizer is the checkpoint's unless data.tokenizer is a file. The
         optimizer starts fresh; a run directory with checkpoints resumes from them instead.
-      lora_rank: R > 0 trains LoRA adapters of rank R on a frozen base (``model.lora``); 0
-        trains every weight.
+      lora_rank: rank R of LoRA adapters on a frozen base (``model.lora``); 0 trains every weight.
       lora_alpha: LoRA scale numerator (the update is ``alpha / R * A @ B``); 0 means ``2 R``.
       lora_targets: comma-separated LoRA target matrices among q,k,v,o,gate,up,down.
       lora_base_dtype: dtype the frozen LoRA base is stored in (e.g. ``bfloat16``); empty
@@ -348,18 +346,15 @@ def build_configs(config: str, overrides: Sequence[str] = ()
     Args:
       config: a preset name (``configs/NAME.toml``) or a path to a TOML file with ``[model]``,
         ``[train]`` and ``[data]`` tables (each optional).
-      overrides: ``model.x=v``, ``train.x=v`` or ``data.x=v`` strings; values are parsed as
-        the field's type.
+      overrides: ``SECTION.KEY=VALUE`` strings, each value parsed as the field's type.
 
     Returns:
       ``(model_config, train_config, data_config)``.
 
     Raises:
-      ConfigError: for an unknown table, section or key (listing close matches), a malformed
-        override, a value of the wrong type, or a model key that would change the architecture
-        of ``train.init_from``'s checkpoint.
-      FileNotFoundError: if the config, or ``train.init_from``'s checkpoint or its weights, do
-        not exist.
+      ConfigError: an unknown table, section or key (with close matches), a malformed override,
+        a wrong type, or a model key that changes ``train.init_from``'s architecture.
+      FileNotFoundError: no such config, or ``train.init_from`` checkpoint or weights.
 
     A preset's ``warmup_steps`` too long for the run, and with ``train.init_from`` a preset's
     ``seq_len`` above the checkpoint's ``max_seq_len``, are fitted (logged).

@@ -61,10 +61,8 @@ def _own_attribute_docs(cls: type) -> dict[str, str]:
     found: dict[str, str] = {}
     inside, name = False, None
     for line in doc.splitlines():
-        if line.strip() == "Attributes:":
-            inside = True
-            continue
         if not inside:
+            inside = line.strip() == "Attributes:"
             continue
         if line and not line.startswith(" "):
             break  # the next section

@@ -136,10 +136,9 @@ def _draw(runs: list[RunMetrics], out: Path, title: str) -> Path:
         loss_ax, bpb_ax, lr_ax = fig.subplots(3, 1, sharex=True, height_ratios=[3, 2, 1])
     else:
         loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
-    colours = [f"C{i % 10}" for i in range(len(runs))]
     several = len(runs) > 1
-    for run, colour in zip(runs, colours, strict=True):
-        prefix = f"{run.name}: " if several else ""
+    for i, run in enumerate(runs):
+        colour, prefix = f"C{i % 10}", f"{run.name}: " if several else ""
         if run.train:
             steps, losses = zip(*run.train, strict=True)
             loss_ax.plot(steps, losses, color=colour, lw=1.2, label=f"{prefix}train")
