@@ -159,9 +159,8 @@ def check_memory(model_config: ModelConfig, train_config: TrainConfig, mesh: Any
     """Raises ValueError, in one line, for a run that will not fit (``memory.check_fits``)."""
     abstract = jax.eval_shape(make_init_fn(model_config, train_config),
                               jax.random.key(train_config.seed))
-    layout = ParamsLayout.of(train_config)
-    shardings = sharding_lib.state_shardings(
-        abstract, params_shardings(model_config, mesh, abstract.params, layout))
+    shardings = sharding_lib.state_shardings(abstract, params_shardings(
+        model_config, mesh, abstract.params, ParamsLayout.of(train_config)))
     check_fits(model_config, train_config, abstract, shardings, dict(mesh.shape))
 
 

@@ -411,17 +411,14 @@ def _fit_seq_len(config: str, train: TrainConfig, model: ModelConfig, given: boo
 
 def _fit_preset_warmup(config: str, preset: dict[str, Any], train: dict[str, Any]) -> None:
     warmup = preset.get("warmup_steps")
-    if not isinstance(warmup, int) or warmup < 0:
-        return  # not from the preset (overridden), or TrainConfig names the bad value
     steps, decay = train.get("steps", TrainConfig.steps), train.get("decay_steps", 0)
-    if not isinstance(steps, int) or not isinstance(decay, int):
-        return  # TrainConfig names the bad value
+    if not all(isinstance(v, int) for v in (warmup, steps, decay)) or warmup < 0:
+        return  # not from the preset (overridden), or TrainConfig names the bad value
     length = decay or steps
     if warmup >= length:
-        auto = auto_warmup_steps(length)
         logger.info("config %r: its warmup_steps=%d does not fit a decay length of %d; warming "
                     "up for %d steps instead (train.warmup_steps= sets it)", config, warmup,
-                    length, auto)
+                    length, auto_warmup_steps(length))
         train["warmup_steps"] = -1
 
 
