@@ -207,9 +207,8 @@ class TrainConfig(ObjectiveConfig):
         """``(START, STOP)`` of ``profile_steps`` (1-based, inclusive), or None when off."""
         if not self.profile_steps.strip():
             return None
-        parts = self.profile_steps.split(",")
         try:
-            start, stop = (int(p) for p in parts)
+            start, stop = (int(p) for p in self.profile_steps.split(","))
         except ValueError:
             raise ValueError(f"profile_steps must be 'START,STOP' (two step numbers), got "
                              f"{self.profile_steps!r}") from None
@@ -430,8 +429,7 @@ def config_help(width: int = 100) -> str:
 def _split_override(item: str) -> tuple[str, str, str]:
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
-    name, text = item.split("=", 1)
-    name = name.strip()
+    name, text = (part.strip() for part in item.split("=", 1))
     if "." not in name:
         owners = [f"{s}.{name}" for s, cls in SECTIONS.items()
                   if name in cls.__dataclass_fields__]
@@ -444,7 +442,7 @@ def _split_override(item: str) -> tuple[str, str, str]:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"override {item!r}: unknown section {section!r}, expected one of "
                           f"{sorted(SECTIONS)}{hint}")
-    return section, key, text.strip()
+    return section, key, text
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

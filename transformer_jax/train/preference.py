@@ -244,8 +244,7 @@ class Preference(Objective):
         def loss_sums(params: Params, batch: Batch):
             valid = (batch["pair_ids"] >= 0).astype(jnp.float32)  # [B, M]
             objective, stats = self.pair_loss(logps, layout, params, batch, valid)
-            stats["tokens"] = jnp.sum(batch["mask"].astype(jnp.float32))
-            stats["pairs"] = jnp.sum(valid)
+            stats.update(tokens=jnp.sum(batch["mask"].astype(jnp.float32)), pairs=jnp.sum(valid))
             return objective, (objective, jnp.zeros((), jnp.float32), jnp.sum(valid), stats)
 
         return loss_sums
@@ -296,10 +295,8 @@ class DPO(Preference):
                   batch: Batch, valid: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         tc = self.tc
         sums, counts = logps(layout.model_params(params), batch)
-        if layout.lora_config is not None:
-            ref, _ = logps(base_params(layout, params), batch)
-        else:
-            ref = batch["ref_logps"]
+        ref = (batch["ref_logps"] if layout.lora_config is None
+               else logps(base_params(layout, params), batch)[0])
         losses, chosen, rejected = dpo_losses(
             sums[..., 0], sums[..., 1], ref[..., 0], ref[..., 1], beta=tc.dpo_beta,
             label_smoothing=tc.dpo_label_smoothing, loss_type=tc.dpo_loss,

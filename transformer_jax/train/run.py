@@ -160,10 +160,9 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
                     tokenizer.vocab_size)
         model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
     data, settled = objective.settle(data, num_batch_devices)
-    if settled is not tc:  # train.pairs_per_step: the batch's rows, known from the data now
-        tc = settled
-        if memory_check:
-            check_memory(model_config, tc, mesh)
+    if settled is not tc and memory_check:  # train.pairs_per_step: the rows known now
+        check_memory(model_config, settled, mesh)
+    tc = settled
     if data_config.is_instruct:  # packed rows or GRPO's prompts: no windows of seq_len
         check_dtype(model_config)
     else:
