@@ -60,8 +60,7 @@ class JaxLM(TemplateLM):
         if loaded.tokenizer is None:
             raise ValueError(f"{loaded.source.path}: no tokenizer found; pass tokenizer=PATH")
         config = loaded.config if dtype is None else loaded.config.replace(dtype=dtype)
-        self.loaded, self.config, self.mesh = loaded, config, mesh
-        self.tok = loaded.tokenizer
+        self.loaded, self.config, self.mesh, self.tok = loaded, config, mesh, loaded.tokenizer
         self.max_length = int(config.max_seq_len if max_length is None else max_length)
         if not 1 <= self.max_length <= config.max_seq_len:
             raise ValueError(f"max_length={self.max_length} must be in [1, max_seq_len="

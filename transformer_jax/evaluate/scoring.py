@@ -99,8 +99,7 @@ def token_scores(model: Transformer, params: Params, inputs: jax.Array, targets:
     row at a time: one row's [W, V] float32 logits at once).
 
     Args:
-      model: the ``Transformer``.
-      params: its parameters.
+      model, params: the ``Transformer`` and its parameters.
       inputs, targets, positions, segment_ids: [B, W] int32 packed rows.
 
     Returns:
@@ -126,8 +125,7 @@ class Scorer:
     """Scores requests with one model: packed rows, ``batch_size`` rows per forward.
 
     Args:
-      config: the model's config.
-      params: its parameters (placed on ``mesh`` when one is given).
+      config, params: the model's config and parameters (placed on ``mesh`` when given).
       batch_size: B, rows per forward (rounded up to a multiple of the mesh's batch axes).
       mesh: optional device mesh for the params; rows are split over ``data`` x ``fsdp``.
     """

@@ -83,8 +83,7 @@ def token_terms(logps: jax.Array, old_logps: jax.Array, ref_logps: jax.Array | N
       old_logps: [B, T] those of the policy that sampled them.
       ref_logps: [B, T] the reference's, or None (``kl_beta = 0``).
       advantages: [B] one per completion.
-      clip_eps: eps of ``clip(ratio, 1 - eps, 1 + eps)``.
-      kl_beta: weight of the k3 KL penalty.
+      clip_eps, kl_beta: the clip's eps and the k3 KL penalty's weight.
 
     Returns:
       ``(loss, kl, clipped)``, each [B, T] float32: the per-token loss, the k3 estimate (0
@@ -133,8 +132,7 @@ def make_grpo_loss_fn(model: Any, model_params: Callable[[Params], Params], *,
     """``loss_sums(params, batch) -> (objective, (objective, 0, count, stats))``, the contract
     of ``step.make_train_step``'s ``loss_fn``. ``batch`` holds SFT's keys [B, T] (``mask`` 1 on
     completion targets), ``old_logps`` and ``ref_logps`` [B, T] and ``advantages`` [B]; the
-    stats are ``kl``, ``clip_fraction`` (normalised as the loss) and ``tokens``.
-    """
+    stats are ``kl``, ``clip_fraction`` (normalised as the loss) and ``tokens``."""
     def loss_sums(params: Params, batch: Batch):
         logps = make_logps_fn(model, temperature)(model_params(params), batch)
         loss, kl, clipped = token_terms(

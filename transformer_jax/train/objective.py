@@ -32,10 +32,8 @@ class ObjectiveConfig:
         ``batch_size`` is then derived); 0: ``batch_size`` counts packed rows of pairs.
       reward: GRPO's reward functions ``fn(completion, record) -> float``, ``MODULE:FUNCTION``
         or ``path/file.py:FUNCTION``, comma-separated, summed, optionally weighted (``m:f*0.5``).
-      grpo_group_size: G, completions sampled per prompt (``batch_size`` counts completions:
-        a step takes ``batch_size / G`` prompts).
-      grpo_max_tokens: the most tokens of a completion (``seq_len`` must hold the longest
-        prompt plus these).
+      grpo_group_size: G, completions per prompt (``batch_size`` counts completions).
+      grpo_max_tokens: the most tokens of a completion (``seq_len`` holds the prompt and these).
       grpo_temperature: the rollouts' sampling temperature; the log-probs of the ratio and the
         KL are the model's at temperature 1, as the engine reports them (unlike TRL's).
       grpo_clip_eps: eps of the clipped ratio ``clip(ratio, 1 - eps, 1 + eps)``.

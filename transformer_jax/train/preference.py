@@ -181,8 +181,7 @@ def make_logps_fn(model_config: ModelConfig, tc: TrainConfig, pairs_per_row: int
 class Preference(Objective):
     """DPO and ORPO: a loss summed over the batch's pairs (their count divides it). ``batch``
     has SFT's keys plus ``pair_ids`` [B, M] (full-fine-tuning DPO: ``ref_logps`` [B, M, 2]).
-    A subclass gives ``pair_loss(logps, layout, params, batch, valid) -> (objective, stats)``.
-    """
+    A subclass gives ``pair_loss(logps, layout, params, batch, valid) -> (objective, stats)``."""
 
     records = '{"prompt", "chosen", "rejected"}'
 
