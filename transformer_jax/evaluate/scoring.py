@@ -78,8 +78,7 @@ class PackedRequests:
     placement: list[tuple[int, int]]
 
 
-def pack_requests(requests: Sequence[Request], row_len: int, pad_id: int = 0
-                  ) -> PackedRequests:
+def pack_requests(requests: Sequence[Request], row_len: int, pad_id: int = 0) -> PackedRequests:
     """Places the requests into rows of ``row_len`` slots (best-fit decreasing by length)."""
     lengths = [len(r.inputs) for r in requests]
     if max(lengths) > row_len:

@@ -394,8 +394,7 @@ def build_configs(config: str, overrides: Sequence[str] = ()
     return model, train, data
 
 
-def _fit_seq_len(config: str, train: TrainConfig, model: ModelConfig, given: bool
-                 ) -> TrainConfig:
+def _fit_seq_len(config: str, train: TrainConfig, model: ModelConfig, given: bool) -> TrainConfig:
     """``train`` with a seq_len the checkpoint's model can take (see ``build_configs``)."""
     if train.seq_len <= model.max_seq_len:
         return train

@@ -109,8 +109,7 @@ def _named(widths: dict[str, float], base: float = 0.0) -> dict[str, float]:
             for remat in remat_lib.REMATS if remat not in ("none", "full", "save_dots")}
 
 
-def _bytes_where(abstract_state: Any, state_shardings: Any, keep: Callable[[tuple], bool]
-                 ) -> int:
+def _bytes_where(abstract_state: Any, state_shardings: Any, keep: Callable[[tuple], bool]) -> int:
     """Per-device bytes of the leaves of a train state whose path keys ``keep`` accepts."""
     flat = dict(jax.tree_util.tree_flatten_with_path(state_shardings)[0])
     return sum(sharding_lib.per_device_bytes(leaf, flat[path])

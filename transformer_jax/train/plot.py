@@ -99,8 +99,7 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> RunMetrics:
                       eval_sets={k: sorted(v.items()) for k, v in sets.items() if v})
 
 
-def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None
-             ) -> Path:
+def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
     """Draws the curves of ``run_dir`` into ``out`` (default ``run_dir/loss.png``); its path.
     Raises as ``read_metrics``, and OSError (one line) when ``out`` cannot be written."""
     runs = [read_metrics(run_dir)]

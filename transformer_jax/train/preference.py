@@ -80,8 +80,7 @@ def sequence_logps(logps: jax.Array, mask: jax.Array, segment_ids: jax.Array,
 def dpo_losses(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: jax.Array,
                ref_rejected: jax.Array, *, beta: float, label_smoothing: float = 0.0,
                loss_type: str = "sigmoid", chosen_tokens: jax.Array | None = None,
-               rejected_tokens: jax.Array | None = None
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+               rejected_tokens: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-pair DPO / IPO losses and rewards.
 
     Args:
@@ -329,8 +328,7 @@ class ORPO(Preference):
         return pairs * nll - lam * jnp.sum(ratio * valid), stats
 
 
-def step_pair_counts(pairs: PreferenceRows, tc: TrainConfig, most: int = 10_000
-                     ) -> np.ndarray:
+def step_pair_counts(pairs: PreferenceRows, tc: TrainConfig, most: int = 10_000) -> np.ndarray:
     """[S] the pairs of each of the first S steps' batches (an epoch, at most ``most``)."""
     per_row = pairs.row_pairs
     steps = min(-(-len(per_row) // tc.batch_size), tc.steps, most)
