@@ -1,8 +1,6 @@
-"""lm-evaluation-harness on this library's models: ``JaxLM``, registered as ``transformer_jax``.
-
-``JaxLM(checkpoint=PATH)`` opens any checkpoint ``loading.load`` opens and answers the
-harness's three request types as its ``hf`` backend does, truncation included, so the numbers
-are the same (docs/evaluation.md); ``loglikelihood`` packs requests several to a row.
+"""lm-evaluation-harness on this library's models: ``JaxLM``, registered as ``transformer_jax``,
+answers the harness's three request types as its ``hf`` backend does, truncation included
+(docs/evaluation.md); ``loglikelihood`` packs requests several to a row.
 """
 
 from __future__ import annotations
@@ -62,8 +60,7 @@ class JaxLM(TemplateLM):
         if loaded.tokenizer is None:
             raise ValueError(f"{loaded.source.path}: no tokenizer found; pass tokenizer=PATH")
         config = loaded.config if dtype is None else loaded.config.replace(dtype=dtype)
-        self.loaded, self.config, self.mesh = loaded, config, mesh
-        self.tok = loaded.tokenizer
+        self.loaded, self.config, self.mesh, self.tok = loaded, config, mesh, loaded.tokenizer
         self.max_length = int(config.max_seq_len if max_length is None else max_length)
         if not 1 <= self.max_length <= config.max_seq_len:
             raise ValueError(f"max_length={self.max_length} must be in [1, max_seq_len="
@@ -72,8 +69,6 @@ class JaxLM(TemplateLM):
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self.scorer = Scorer(config, loaded.params, batch_size=self.batch_size, mesh=mesh)
         self._decode_weights = None
-
-    # Tokens ------------------------------------------------------------------------------------
 
     @property
     def eot_token_id(self) -> int:
@@ -90,9 +85,8 @@ class JaxLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None,
                    left_truncate_len: int | None = None, **kwargs: Any) -> list[int]:
-        """Token ids of ``string`` as transformers' ``tokenizer.encode`` gives them: bos (and
-        eos) as the tokenizer adds them (``add_special_tokens`` None or True), unless the
-        string already starts with bos; none with ``add_special_tokens=False``."""
+        """Token ids of ``string`` as transformers' ``tokenizer.encode`` gives them (bos unless
+        the string starts with it; no specials with ``add_special_tokens=False``)."""
         specials = add_special_tokens is not False
         bos = specials and self.tok.add_bos_token and self.tok.bos_id >= 0
         # The bos piece ("<s>"), not its decoding: SentencePiece decodes control tokens to "".
@@ -105,8 +99,6 @@ class JaxLM(TemplateLM):
 
     def tok_decode(self, ids: Sequence[int]) -> str:
         return detokenize(self.tok, list(ids))
-
-    # Requests ----------------------------------------------------------------------------------
 
     def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]],
                               disable_tqdm: bool = False, **kwargs: Any

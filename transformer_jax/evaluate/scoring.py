@@ -1,10 +1,6 @@
-"""Log-likelihood of token continuations, several requests packed into each row.
-
-Requests (token sequences, their last targets scored) are placed into rows of W slots by
-best-fit decreasing, with ``segment_ids`` 1, 2, ... (0 = padding) and ``positions`` restarting
-per request, so each sees exactly what it would alone in a row.
-
-Shapes: B rows per forward, W slots per row, V vocabulary.
+"""Log-likelihood of token continuations, several requests packed into each row (best-fit
+decreasing; ``segment_ids`` 1, 2, ... and ``positions`` restarting per request, so each sees
+what it would alone). Shapes: B rows per forward, W slots per row, V vocabulary.
 """
 
 from __future__ import annotations
@@ -45,14 +41,9 @@ class Request:
 
 
 def window(context: Sequence[int], continuation: Sequence[int], max_length: int) -> Request:
-    """The request of ``continuation`` after ``context`` in a window of ``max_length`` tokens.
-
-    As the harness's ``hf`` backend: ``context + continuation`` keeps its last ``max_length +
-    1`` tokens (a longer context loses its start).
-
-    Raises:
-      ValueError: an empty context or continuation, or a continuation over ``max_length``.
-    """
+    """The request of ``continuation`` after ``context`` in a window of ``max_length`` tokens:
+    as the harness's ``hf`` backend, the last ``max_length + 1`` tokens of both. ValueError:
+    an empty context or continuation, or a continuation over ``max_length``."""
     if not context or not continuation:
         raise ValueError(f"a request needs a context and a continuation, got {len(context)} and "
                          f"{len(continuation)} tokens")
@@ -87,8 +78,7 @@ class PackedRequests:
     placement: list[tuple[int, int]]
 
 
-def pack_requests(requests: Sequence[Request], row_len: int, pad_id: int = 0
-                  ) -> PackedRequests:
+def pack_requests(requests: Sequence[Request], row_len: int, pad_id: int = 0) -> PackedRequests:
     """Places the requests into rows of ``row_len`` slots (best-fit decreasing by length)."""
     lengths = [len(r.inputs) for r in requests]
     if max(lengths) > row_len:
@@ -104,13 +94,11 @@ def pack_requests(requests: Sequence[Request], row_len: int, pad_id: int = 0
 
 def token_scores(model: Transformer, params: Params, inputs: jax.Array, targets: jax.Array,
                  positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each target's log-probability and whether it is the model's argmax.
-
-    The LM head runs one row at a time (``lax.map``): one row's [W, V] float32 logits at once.
+    """Each target's log-probability and whether it is the model's argmax (the LM head runs one
+    row at a time: one row's [W, V] float32 logits at once).
 
     Args:
-      model: the ``Transformer``.
-      params: its parameters.
+      model, params: the ``Transformer`` and its parameters.
       inputs, targets, positions, segment_ids: [B, W] int32 packed rows.
 
     Returns:
@@ -136,11 +124,9 @@ class Scorer:
     """Scores requests with one model: packed rows, ``batch_size`` rows per forward.
 
     Args:
-      config: the model's config.
-      params: its parameters (placed on ``mesh`` when one is given).
+      config, params: the model's config and parameters (placed on ``mesh`` when given).
       batch_size: B, rows per forward (rounded up to a multiple of the mesh's batch axes).
-      mesh: optional device mesh the params are sharded over; rows are split over its
-        ``data`` x ``fsdp`` axes.
+      mesh: optional device mesh for the params; rows are split over ``data`` x ``fsdp``.
     """
 
     def __init__(self, config: ModelConfig, params: Params, *, batch_size: int = 8,
@@ -184,10 +170,9 @@ class Scorer:
         out: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
         num_rows, b = packed.inputs.shape[0], self.batch_size
         for first in range(0, num_rows, b):
-            index = np.arange(first, first + b)
-            real = np.minimum(index, num_rows - 1)  # the last batch repeats its last row
-            arrays = (packed.inputs[real], packed.targets[real], packed.positions[real],
-                      packed.segment_ids[real])
+            real = np.minimum(np.arange(first, first + b), num_rows - 1)  # repeats the last row
+            arrays = [getattr(packed, k)[real] for k in ("inputs", "targets", "positions",
+                                                         "segment_ids")]
             logprob, greedy = jax.device_get(self._fn(self.params, *arrays))
             done = 0
             for k, row in enumerate(range(first, min(first + b, num_rows))):

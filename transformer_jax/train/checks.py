@@ -29,8 +29,7 @@ class RunDirectory:
 
     Attributes:
       name: ``train.run_dir`` as given (a local path or a ``gs://`` URL), for messages.
-      local: the directory the run writes its small files to: the run directory itself, or a
-        local mirror of a remote one (``storage``).
+      local: where the run writes its small files: the run directory, or a remote one's mirror.
       checkpoints: the checkpoint directory, on the object store for a remote run.
       remote: whether ``name`` is on object storage.
     """
@@ -41,8 +40,8 @@ class RunDirectory:
     remote: bool
 
     def sync(self, failing: bool = False) -> None:
-        """Uploads the mirror's changed files to a remote run directory; nothing for a local
-        one. ``failing``: the run is ending in an error, so a failed upload is only a warning."""
+        """Uploads the mirror's changed files to a remote run directory (``failing``: a failed
+        upload is only a warning)."""
         if not self.remote:
             return
         try:
@@ -126,8 +125,7 @@ def check_config(model_config: ModelConfig, train_config: TrainConfig,
 
 def check_context(model_config: ModelConfig, train_config: TrainConfig) -> None:
     """Raises ValueError, in one line, for what context parallelism (``train.mesh``'s
-    ``context=C``) cannot train: a sequence length not a multiple of 2C, an objective other
-    than sft, ``train.mtp_weight``, and ``attention_impl="pallas"``."""
+    ``context=C``) cannot train."""
     tc = train_config
     context = sharding_lib.MeshConfig.parse(tc.mesh).context
     if context == 1:
@@ -161,9 +159,8 @@ def check_memory(model_config: ModelConfig, train_config: TrainConfig, mesh: Any
     """Raises ValueError, in one line, for a run that will not fit (``memory.check_fits``)."""
     abstract = jax.eval_shape(make_init_fn(model_config, train_config),
                               jax.random.key(train_config.seed))
-    layout = ParamsLayout.of(train_config)
-    shardings = sharding_lib.state_shardings(
-        abstract, params_shardings(model_config, mesh, abstract.params, layout))
+    shardings = sharding_lib.state_shardings(abstract, params_shardings(
+        model_config, mesh, abstract.params, ParamsLayout.of(train_config)))
     check_fits(model_config, train_config, abstract, shardings, dict(mesh.shape))
 
 

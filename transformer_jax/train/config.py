@@ -51,8 +51,7 @@ class TrainConfig(ObjectiveConfig):
       batch_size: sequences per optimizer step (global, all devices and micro-batches); DPO
         and ORPO: packed rows of pairs (see ``pairs_per_step``), GRPO: completions.
       seq_len: T, tokens per sequence; at most the model's ``max_seq_len``.
-      grad_accum: micro-batches per step, their gradients summed before one update (the
-        result of one big batch, in less memory).
+      grad_accum: micro-batches per step, their gradients summed before one update.
       lr: peak learning rate, reached after ``warmup_steps``.
       min_lr: learning rate at the end of the cosine decay.
       warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr``; -1 (the default) means
@@ -80,9 +79,8 @@ class TrainConfig(ObjectiveConfig):
       ckpt_every: save a checkpoint every this many steps (and at the end / on SIGTERM).
       keep_ckpts: how many recent checkpoints to keep.
       run_dir: where checkpoints, ``metrics.jsonl``, TensorBoard events and the summary go.
-      mesh: device mesh sizes ``"data,fsdp,tensor"`` (one may be -1: the rest of the devices),
-        a fourth for a mixture's expert axis, or named (``"expert=4,data=-1"``); the default
-        is data parallelism. Sizes of the whole mesh, over all slices of a pod (docs/pods.md).
+      mesh: device mesh sizes ``"data,fsdp,tensor"`` (one may be -1: the rest), a fourth for
+        an expert axis, or named (``"expert=4,data=-1"``); over all slices of a pod (docs/pods.md).
       dcn_mesh: on several TPU slices, how many slices each mesh axis spans (``mesh``'s syntax,
         ``"fsdp=2"``; product: the slice count); S/D devices per slice. Default: all on data.
       sample_tokens: tokens generated at each evaluation (0 disables samples).
@@ -98,8 +96,7 @@ class TrainConfig(ObjectiveConfig):
         comes from it; ``model.*`` may only change how it runs (``config.Execution``) and lower
         max_seq_len. The tokenizer is the checkpoint's unless data.tokenizer is a file. The
         optimizer starts fresh; a run directory with checkpoints resumes from them instead.
-      lora_rank: R > 0 trains LoRA adapters of rank R on a frozen base (``model.lora``); 0
-        trains every weight.
+      lora_rank: rank R of LoRA adapters on a frozen base (``model.lora``); 0 trains every weight.
       lora_alpha: LoRA scale numerator (the update is ``alpha / R * A @ B``); 0 means ``2 R``.
       lora_targets: comma-separated LoRA target matrices among q,k,v,o,gate,up,down.
       lora_base_dtype: dtype the frozen LoRA base is stored in (e.g. ``bfloat16``); empty
@@ -210,9 +207,8 @@ class TrainConfig(ObjectiveConfig):
         """``(START, STOP)`` of ``profile_steps`` (1-based, inclusive), or None when off."""
         if not self.profile_steps.strip():
             return None
-        parts = self.profile_steps.split(",")
         try:
-            start, stop = (int(p) for p in parts)
+            start, stop = (int(p) for p in self.profile_steps.split(","))
         except ValueError:
             raise ValueError(f"profile_steps must be 'START,STOP' (two step numbers), got "
                              f"{self.profile_steps!r}") from None
@@ -310,8 +306,7 @@ class DataConfig:
         return bool(self.instruction_files())
 
     def instruction_files(self) -> list[Path]:
-        """The ``.jsonl`` files of ``path`` (files, directories and globs resolved, sorted),
-        or ``[]`` when it names text (or nothing: the default corpus).
+        """The ``.jsonl`` files of ``path`` (resolved, sorted), or ``[]`` for text or shards.
 
         Raises:
           FileNotFoundError: a path or pattern that matches no file.
@@ -350,56 +345,48 @@ def build_configs(config: str, overrides: Sequence[str] = ()
     Args:
       config: a preset name (``configs/NAME.toml``) or a path to a TOML file with ``[model]``,
         ``[train]`` and ``[data]`` tables (each optional).
-      overrides: ``model.x=v``, ``train.x=v`` or ``data.x=v`` strings; values are parsed as
-        the field's type.
+      overrides: ``SECTION.KEY=VALUE`` strings, each value parsed as the field's type.
 
     Returns:
       ``(model_config, train_config, data_config)``.
 
     Raises:
-      ConfigError: for an unknown table, section or key (listing close matches), a malformed
-        override, a value of the wrong type, or a model key that would change the architecture
-        of ``train.init_from``'s checkpoint.
-      FileNotFoundError: if the config, or ``train.init_from``'s checkpoint or its weights, do
-        not exist.
+      ConfigError: an unknown table, section or key (with close matches), a malformed override,
+        a wrong type, or a model key that changes ``train.init_from``'s architecture.
+      FileNotFoundError: no such config, or ``train.init_from`` checkpoint or weights.
 
-    With ``train.init_from`` the model is the checkpoint's (``init_model_config``). A preset's
-    ``warmup_steps`` too long for a run shortened by an override becomes the automatic warmup,
-    and with ``train.init_from`` a preset's ``seq_len`` above ``max_seq_len`` is capped (both
-    logged); given on the command line they are kept (a too long ``seq_len`` is an error).
+    A preset's ``warmup_steps`` too long for the run, and with ``train.init_from`` a preset's
+    ``seq_len`` above the checkpoint's ``max_seq_len``, are fitted (logged).
     """
     try:
         tables = load_toml(config)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {resolve_config_path(config)} is not valid TOML: {e}"
                           ) from None
-    unknown = sorted(set(tables) - set(SECTIONS))
-    if unknown:
+    if unknown := sorted(set(tables) - set(SECTIONS)):
         raise ConfigError(f"config {config!r} has unknown tables {unknown}; expected "
                           f"{sorted(SECTIONS)}")
     values: dict[str, dict[str, Any]] = {s: dict(tables.get(s, {})) for s in SECTIONS}
-    preset_train, preset_model = dict(values["train"]), dict(values["model"])
-    given_train: set[str] = set()  # train keys set on the command line
+    preset = {s: dict(values[s]) for s in SECTIONS}  # the keys the config file alone sets
+    given: set[str] = set()  # SECTION.KEY set on the command line
     for item in overrides:
         section, key, text = _split_override(item)
-        if section in ("train", "model"):  # given by the user, not the preset
-            (preset_train if section == "train" else preset_model).pop(key, None)
-        if section == "train":
-            given_train.add(key)
+        preset[section].pop(key, None)
+        given.add(f"{section}.{key}")
         try:
             check_keys({key: None}, SECTIONS[section], section)
             values[section][key] = parse_override(SECTIONS[section], key, text)
         except ValueError as e:
             raise ConfigError(f"override {item!r}: {e}") from None
-    _fit_preset_warmup(config, preset_train, values["train"])
+    _fit_preset_warmup(config, preset["train"], values["train"])
     try:
         train = config_from_dict(TrainConfig, values["train"], "train")
         data = config_from_dict(DataConfig, values["data"], "data")
         if train.init_from:
             source = locate(train.init_from, where=f"train.init_from={train.init_from}")
             model = init_model_config(source, values["model"],
-                                      preset_keys=frozenset(preset_model))
-            train = _fit_seq_len(config, train, model, given="seq_len" in given_train)
+                                      preset_keys=frozenset(preset["model"]))
+            train = _fit_seq_len(config, train, model, given="train.seq_len" in given)
         else:
             model = ModelConfig.from_dict(values["model"])
     except (TypeError, ValueError, CheckpointError) as e:
@@ -407,8 +394,7 @@ def build_configs(config: str, overrides: Sequence[str] = ()
     return model, train, data
 
 
-def _fit_seq_len(config: str, train: TrainConfig, model: ModelConfig, given: bool
-                 ) -> TrainConfig:
+def _fit_seq_len(config: str, train: TrainConfig, model: ModelConfig, given: bool) -> TrainConfig:
     """``train`` with a seq_len the checkpoint's model can take (see ``build_configs``)."""
     if train.seq_len <= model.max_seq_len:
         return train
@@ -423,17 +409,14 @@ def _fit_seq_len(config: str, train: TrainConfig, model: ModelConfig, given: boo
 
 def _fit_preset_warmup(config: str, preset: dict[str, Any], train: dict[str, Any]) -> None:
     warmup = preset.get("warmup_steps")
-    if not isinstance(warmup, int) or warmup < 0:
-        return  # not from the preset (overridden), or TrainConfig names the bad value
     steps, decay = train.get("steps", TrainConfig.steps), train.get("decay_steps", 0)
-    if not isinstance(steps, int) or not isinstance(decay, int):
-        return  # TrainConfig names the bad value
+    if not all(isinstance(v, int) for v in (warmup, steps, decay)) or warmup < 0:
+        return  # not from the preset (overridden), or TrainConfig names the bad value
     length = decay or steps
     if warmup >= length:
-        auto = auto_warmup_steps(length)
         logger.info("config %r: its warmup_steps=%d does not fit a decay length of %d; warming "
                     "up for %d steps instead (train.warmup_steps= sets it)", config, warmup,
-                    length, auto)
+                    length, auto_warmup_steps(length))
         train["warmup_steps"] = -1
 
 
@@ -445,8 +428,7 @@ def config_help(width: int = 100) -> str:
 def _split_override(item: str) -> tuple[str, str, str]:
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
-    name, text = item.split("=", 1)
-    name = name.strip()
+    name, text = (part.strip() for part in item.split("=", 1))
     if "." not in name:
         owners = [f"{s}.{name}" for s, cls in SECTIONS.items()
                   if name in cls.__dataclass_fields__]
@@ -459,7 +441,7 @@ def _split_override(item: str) -> tuple[str, str, str]:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"override {item!r}: unknown section {section!r}, expected one of "
                           f"{sorted(SECTIONS)}{hint}")
-    return section, key, text.strip()
+    return section, key, text
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -41,12 +41,10 @@ def help_text(sections: dict[str, type], width: int = 100) -> str:
                 default = field.default_factory()
             else:
                 default = "required"
-            head = f"  {section}.{field.name}: {kind} = {default!r}"
             meaning = meanings.get(field.name, "").replace("``", "")
-            choices = CHOICES.get(f"{section}.{field.name}")
-            if choices:
+            if choices := CHOICES.get(f"{section}.{field.name}"):
                 meaning += f" One of: {', '.join(choices)}."
-            lines.append(head)
+            lines.append(f"  {section}.{field.name}: {kind} = {default!r}")
             if meaning:
                 lines.extend(textwrap.wrap(meaning, width, initial_indent=" " * 6,
                                            subsequent_indent=" " * 6))
@@ -55,10 +53,7 @@ def help_text(sections: dict[str, type], width: int = 100) -> str:
 
 def _attribute_docs(cls: type) -> dict[str, str]:
     """``{name: description}`` from the ``Attributes:`` sections of ``cls`` and its bases."""
-    found: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        found.update(_own_attribute_docs(klass))
-    return found
+    return {k: v for klass in reversed(cls.__mro__) for k, v in _own_attribute_docs(klass).items()}
 
 
 def _own_attribute_docs(cls: type) -> dict[str, str]:
@@ -66,15 +61,12 @@ def _own_attribute_docs(cls: type) -> dict[str, str]:
     found: dict[str, str] = {}
     inside, name = False, None
     for line in doc.splitlines():
-        if line.strip() == "Attributes:":
-            inside = True
-            continue
         if not inside:
+            inside = line.strip() == "Attributes:"
             continue
         if line and not line.startswith(" "):
             break  # the next section
-        match = re.match(r"^ {2}(\w+): ?(.*)$", line)
-        if match:
+        if match := re.match(r"^ {2}(\w+): ?(.*)$", line):
             name = match.group(1)
             found[name] = match.group(2).strip()
         elif name and line.strip():

@@ -60,8 +60,7 @@ class Objective:
         return prepare_instruction_data(data_config, tokenizer, self.tc.seq_len)
 
     def settle(self, data: RunData, num_batch_devices: int) -> tuple[RunData, TrainConfig]:
-        """The run's data and train config once the data is read (before any state); DPO/ORPO
-        may set ``train.batch_size`` (``train.pairs_per_step``)."""
+        """The data and train config once the data is read (DPO/ORPO: ``pairs_per_step``)."""
         return data, self.tc
 
     def start(self, run: RunContext, state: TrainState) -> None:

@@ -30,8 +30,7 @@ from transformer_jax.train.resume import data_fingerprint
 logger = logging.getLogger(__name__)
 
 
-def prepare_data(data_config: DataConfig, vocab_size: int,
-                 tokenizer: TextTokenizer | None = None
+def prepare_data(data_config: DataConfig, vocab_size: int, tokenizer: TextTokenizer | None = None
                  ) -> tuple[TextTokenizer, np.ndarray, np.ndarray]:
     """``(tokenizer, train_tokens [N_train], val_tokens [N_val])``: tokenizes the corpus (cached)
     with ``tokenizer``, or with the one of ``data_config`` (loaded or trained; ``vocab_size``
@@ -101,8 +100,7 @@ def prepare_shard_data(data_config: DataConfig, seq_len: int, tokenizer: TextTok
     checked against ``tokenizer`` (named ``where`` in an error; None: the first build's).
 
     Raises:
-      ValueError: a tokenizer that is not the builds' (one line), a bad mixture, builds with
-        different tokenizers.
+      ValueError: another tokenizer than the builds', a bad mixture, mixed tokenizers.
     """
     # Builds on object storage are read from a local copy (ArrayRecord reads local files only).
     given = shards_lib.Mixture.parse(data_config.path, data_config.mixture)
@@ -135,8 +133,7 @@ def prepare_shard_data(data_config: DataConfig, seq_len: int, tokenizer: TextTok
 @dataclasses.dataclass(frozen=True)
 class RunData:
     """A run's train and validation data: token streams (text), packed rows (``.jsonl``) or
-    shards; batches are pure in (seed, step). Packed batches carry ``mask``, ``segment_ids``
-    and ``positions``.
+    shards; batches are pure in (seed, step).
 
     Attributes:
       train_tokens: [N_train] token ids (text), or None.
@@ -171,8 +168,7 @@ class RunData:
     def num_val_tokens(self) -> int:
         """Validation size in tokens; packed rows count as ``R x T + 1`` (R windows)."""
         if self.shards is not None:
-            return shards_lib.eval_tokens(self.shards.val, self.shards.packing,
-                                          self.shards.seq_len)
+            return shards_lib.eval_tokens(self.shards.val, self.shards.packing, self.shards.seq_len)
         if not self.packed:
             return len(self.val_tokens)
         rows = self.val_rows.num_rows if self.val_rows is not None else 0
@@ -215,16 +211,14 @@ class RunData:
                                            process_count=process_count)
         if not self.packed:
             return data_lib.eval_batches(self.val_tokens, batch_size, seq_len, max_batches,
-                                         process_index=process_index,
-                                         process_count=process_count)
+                                         process_index=process_index, process_count=process_count)
         return packed_eval_batches(self.val_rows, batch_size, max_batches, process_index,
                                     process_count)
 
     def source_eval_batches(self, batch_size: int, seq_len: int,
                             max_batches: int | None = None, *, process_index: int = 0,
                             process_count: int = 1) -> dict[str, Iterator[dict[str, np.ndarray]]]:
-        """Each mixture source's validation batches by name (as ``eval_batches``, a last
-        incomplete batch padded with rows of zero mask); a source without a row is left out."""
+        """Each mixture source's validation batches by name (a source without a row left out)."""
         if self.shards is None:
             return {}
         return {name: shards_lib.eval_batches(stream, self.shards.packing, batch_size, seq_len,
@@ -263,8 +257,7 @@ def prepare_instruction_data(data_config: DataConfig, tokenizer: TextTokenizer, 
 
     Raises:
       InstructionDataError: a bad record (``FILE:LINE: ...``).
-      ValueError: no record keeps a completion / assistant token within ``seq_len + 1``
-        tokens (``instruct.pack``): nothing would be trained.
+      ValueError: no record keeps a completion token within ``seq_len + 1`` tokens.
     """
     files = data_config.instruction_files()
     packed = load_instruction_data(files, tokenizer, seq_len)

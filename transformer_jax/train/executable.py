@@ -1,9 +1,6 @@
-"""The compiled train step as a file: written by ``transformer-jax compile --save PATH``, loaded
-by a run with ``train.compiled_step=PATH`` instead of compiling its own.
-
-The file is a header line (``MAGIC``), a JSON line of what the program was compiled for
-(``describe``), then the serialized executable (a pickle: load only files you made). A run
-refuses a header or input sharding that differs from its own in one line (``ValueError``).
+"""The compiled train step as a file (``transformer-jax compile --save PATH``), loaded by a run
+with ``train.compiled_step=PATH``: a header line (``MAGIC``), a JSON line of what it was compiled
+for (``describe``), then the serialized executable (a pickle: load only files you made).
 """
 
 from __future__ import annotations
@@ -68,9 +65,8 @@ def describe(compiled: Any, model_config: Any, train_config: Any, mesh: Any,
 
 @contextlib.contextmanager
 def uncached() -> Iterator[None]:
-    """Compiles inside skip JAX's persistent compilation cache: an XLA:CPU executable loaded
-    from that cache serializes without its code (loading it then fails with "Function ... not
-    found"), so a step to be saved is compiled afresh."""
+    """Compiles inside skip JAX's persistent compilation cache (an XLA:CPU executable loaded
+    from it serializes without its code)."""
     from jax.experimental.compilation_cache import compilation_cache
 
     was = jax.config.jax_enable_compilation_cache
@@ -145,8 +141,7 @@ def check_header(path: str | Path, model_config: Any, train_config: Any, mesh: A
                        (("platform", "device_kind", "devices"), "other devices"),
                        (("mesh",), "another mesh"), (("device_ids",), "another device order"),
                        (("xla_flags",), "other XLA flags (train --no-fast-math?)")):
-        diffs = _differences({k: saved.get(k) for k in keys}, {k: here[k] for k in keys}, "")
-        if diffs:
+        if diffs := _differences({k: saved.get(k) for k in keys}, {k: here[k] for k in keys}, ""):
             hint = ("; set train.mesh to the compile's" if what == "another mesh" else "")
             raise ValueError(f"{where} {what}: {'; '.join(diffs)}{hint}")
     model = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in skip_model}
@@ -169,27 +164,23 @@ def load(path: str | Path, model_config: Any, train_config: Any, mesh: Any, stat
 
     saved = check_header(path, model_config, train_config, mesh)
     args = ((state, batch), {})
-    diffs = _differences(saved["inputs"], _inputs(args), "input ")
-    if diffs:
+    if diffs := _differences(saved["inputs"], _inputs(args), "input "):
         more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
         raise ValueError(f"train.compiled_step={path} was compiled for other inputs: "
                          f"{'; '.join(diffs[:3])}{more}")
     with open(_local(path), "rb") as f:
         f.readline(), f.readline()
         serialized, in_tree, out_tree = pickle.loads(f.read())
-    client = mesh.devices.flat[0].client
     compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
-                                                         backend=client)
+                                                         backend=mesh.devices.flat[0].client)
     expected = jax.tree_util.tree_flatten_with_path(compiled.input_shardings)[0]
-    given = jax.tree.leaves(args)
-    for (p, sharding), x in zip(expected, given, strict=True):
+    for (p, sharding), x in zip(expected, jax.tree.leaves(args), strict=True):
         if not sharding.is_equivalent_to(x.sharding, x.ndim):
             raise ValueError(f"train.compiled_step={path} was compiled for another sharding of "
                              f"input {jax.tree_util.keystr(p)}: {sharding} there, "
                              f"{x.sharding} here")
     logger.info("loaded the compiled train step from %s (compiled for %s, %d x %s)", path,
-                saved.get("topology") or "these devices", saved["devices"],
-                saved["device_kind"])
+                saved.get("topology") or "these devices", saved["devices"], saved["device_kind"])
     return compiled
 
 

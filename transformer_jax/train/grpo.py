@@ -1,11 +1,9 @@
 """GRPO: the loss as pure functions (after TRL's ``GRPOTrainer``; formulas in
-docs/fine-tuning.md) and the objective a run trains with (``GRPO``).
+docs/fine-tuning.md) and the objective a run trains with (``GRPO``): each step refreshes the
+engine's weights, samples G completions per prompt (pure in (seed, step)), scores them, updates.
 
-Shapes: B rows (a prompt's tokens then one completion's, padded), T tokens, V vocabulary,
-P prompts, G completions per prompt (B = P G, a prompt's G rows consecutive).
-
-Each step refreshes the serving engine's weights from the train state, samples G completions
-per prompt (seeds pure in (seed, step): exact resume), scores them and takes one update.
+Shapes: B rows (a prompt then one completion, padded), T tokens, V vocabulary, P prompts,
+G completions per prompt (B = P G, a prompt's G rows consecutive).
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.data.instruct import row_indices
 from transformer_jax.decode.weights import prepare
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.parallel import distributed
@@ -35,7 +34,6 @@ from transformer_jax.train.grpo_data import (
     PromptRecord,
     load_prompts,
     load_rewards,
-    prompt_order,
     rollout_seeds,
     score,
 )
@@ -85,8 +83,7 @@ def token_terms(logps: jax.Array, old_logps: jax.Array, ref_logps: jax.Array | N
       old_logps: [B, T] those of the policy that sampled them.
       ref_logps: [B, T] the reference's, or None (``kl_beta = 0``).
       advantages: [B] one per completion.
-      clip_eps: eps of ``clip(ratio, 1 - eps, 1 + eps)``.
-      kl_beta: weight of the k3 KL penalty.
+      clip_eps, kl_beta: the clip's eps and the k3 KL penalty's weight.
 
     Returns:
       ``(loss, kl, clipped)``, each [B, T] float32: the per-token loss, the k3 estimate (0
@@ -135,8 +132,7 @@ def make_grpo_loss_fn(model: Any, model_params: Callable[[Params], Params], *,
     """``loss_sums(params, batch) -> (objective, (objective, 0, count, stats))``, the contract
     of ``step.make_train_step``'s ``loss_fn``. ``batch`` holds SFT's keys [B, T] (``mask`` 1 on
     completion targets), ``old_logps`` and ``ref_logps`` [B, T] and ``advantages`` [B]; the
-    stats are ``kl``, ``clip_fraction`` (normalised as the loss) and ``tokens``.
-    """
+    stats are ``kl``, ``clip_fraction`` (normalised as the loss) and ``tokens``."""
     def loss_sums(params: Params, batch: Batch):
         logps = make_logps_fn(model, temperature)(model_params(params), batch)
         loss, kl, clipped = token_terms(
@@ -186,8 +182,7 @@ def batch_length(prompts: list[np.ndarray], completions: list[list[int]], seq_le
     """T of a step's batch: its longest row (prompt + completion, less one) rounded up to a
     power of two from 16, at most ``seq_len`` (``scheduler.chunk_buckets``)."""
     longest = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True)) - 1
-    buckets = chunk_buckets(seq_len)
-    return next((t for t in buckets if t >= longest), seq_len)
+    return next((t for t in chunk_buckets(seq_len) if t >= longest), seq_len)
 
 
 def grpo_batch(prompts: list[np.ndarray], completions: list[list[int]],
@@ -197,10 +192,9 @@ def grpo_batch(prompts: list[np.ndarray], completions: list[list[int]],
     [B, T], T = ``seq_len``), ``mask`` 1 on the completion's targets, ``old_logps`` the
     engine's log-probs there, ``advantages`` [B]."""
     b = len(prompts)
-    out = {k: np.zeros((b, seq_len), np.int32) for k in
-           ("inputs", "targets", "positions", "segment_ids")}
-    out["mask"] = np.zeros((b, seq_len), np.float32)
-    out["old_logps"] = np.zeros((b, seq_len), np.float32)
+    ids = ("inputs", "targets", "positions", "segment_ids")
+    out = {k: np.zeros((b, seq_len), np.int32 if k in ids else np.float32)
+           for k in (*ids, "mask", "old_logps")}
     out["positions"][:] = np.arange(seq_len)
     for i, (prompt, tokens, lps) in enumerate(zip(prompts, completions, logprobs, strict=True)):
         row = np.concatenate([prompt, np.asarray(tokens, np.int32)])
@@ -227,14 +221,12 @@ def make_engine(model_config: ModelConfig, params: Params, tc: TrainConfig, prom
     at least G, past ``ROLLOUT_MEMORY_SHARE`` of its memory), prefilling all prompts at once."""
     row_pages = pages_for(prompt_len + tc.grpo_max_tokens, PAGE_SIZE)
     slots = tc.batch_size
-    available = available_bytes(jax.devices()[0])
-    if available is not None:
+    if (available := available_bytes(jax.devices()[0])) is not None:
         fit = (int(available[0] / available[1] * ROLLOUT_MEMORY_SHARE)
                // (row_pages * page_bytes(model_config, PAGE_SIZE)))
         slots = min(slots, max(tc.grpo_group_size, fit))
     prompts = -(-tc.batch_size // tc.grpo_group_size)
-    chunk = max(64, min(row_bucket(prompts) * max(16, row_bucket(prompt_len)),
-                        MAX_ROLLOUT_CHUNK))
+    chunk = max(64, min(row_bucket(prompts) * max(16, row_bucket(prompt_len)), MAX_ROLLOUT_CHUNK))
     weights = prepare(model_config, jax.device_put(params, jax.devices()[0]))
     return Engine(model_config, weights, num_slots=slots, num_pages=slots * row_pages + 2,
                   page_size=PAGE_SIZE, token_budget=slots + chunk)
@@ -300,7 +292,7 @@ class GRPO(Objective):
             jax.block_until_ready(self.engine.weights.params)
         refreshed = time.perf_counter()
         per_step = tc.batch_size // tc.grpo_group_size
-        chosen = [self.prompts[i] for i in prompt_order(len(self.prompts), per_step, step, tc.seed)]
+        chosen = [self.prompts[i] for i in row_indices(tc.seed, step, per_step, len(self.prompts))]
         samples = sample(self.engine, chosen, tc, step, run.tokenizer.eos_id)
         rewards = np.asarray([score(self.rewards, completion_text(run.tokenizer, c),
                                     chosen[r // tc.grpo_group_size])

@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from transformer_jax.data.instruct import row_indices
 from transformer_jax.data.instruct_records import InstructionDataError, _check_messages, read_jsonl
 from transformer_jax.tokenizer.prompt import encode_chat_prompt, encode_text
 
@@ -54,11 +53,7 @@ class Reward:
 
 def parse_reward_spec(spec: str) -> list[tuple[str, str, float]]:
     """``[(module or file, function, weight)]`` of ``train.reward`` (comma-separated
-    ``TARGET:FUNCTION[*WEIGHT]``).
-
-    Raises:
-      ValueError: naming ``train.reward`` and the bad term.
-    """
+    ``TARGET:FUNCTION[*WEIGHT]``); ValueError names a bad term."""
     out = []
     for term in (t.strip() for t in spec.split(",")):
         m = _SPEC.match(term)
@@ -76,12 +71,8 @@ def parse_reward_spec(spec: str) -> list[tuple[str, str, float]]:
 
 
 def load_rewards(spec: str) -> list[Reward]:
-    """Imports the reward functions of ``train.reward``.
-
-    Raises:
-      ValueError: naming ``train.reward`` for a module or file that does not import or a name
-        that is not a callable in it.
-    """
+    """Imports the reward functions of ``train.reward``; ValueError names a module or file
+    that does not import, or a name that is not a callable in it."""
     rewards = []
     for target, name, weight in parse_reward_spec(spec):
         term = f"{target}:{name}"
@@ -111,9 +102,8 @@ def score(rewards: Sequence[Reward], completion: str, prompt: PromptRecord) -> f
     """The weighted sum of the rewards of one completion.
 
     Raises:
-      RewardError: ``FILE:LINE: reward TERM ...`` when a function raises or returns anything
-        but a finite real number (a bool included), or one beyond ``MAX_REWARD`` (weighted or
-        summed).
+      RewardError: ``FILE:LINE: reward TERM ...`` when a function raises, returns anything
+        but a finite real number (bools too), or beyond ``MAX_REWARD`` (weighted or summed).
     """
     tail = f"(completion {completion[:60]!r})"
     beyond = (f"beyond float32's range (|reward| <= {MAX_REWARD:.3g}: the update is float32) "
@@ -158,10 +148,8 @@ def load_prompts(path: str | os.PathLike[str], tokenizer: Any, max_prompt_len: i
             raise InstructionDataError(f'{where}: a GRPO record needs "messages" (a chat) or '
                                        f'"prompt"; got keys {sorted(record)}')
         try:
-            if isinstance(value, str):
-                ids = encode_text(tokenizer, value)
-            else:
-                ids = encode_chat_prompt(tokenizer, _check_messages(value, where))
+            ids = (encode_text(tokenizer, value) if isinstance(value, str)
+                   else encode_chat_prompt(tokenizer, _check_messages(value, where)))
         except InstructionDataError:
             raise
         except ValueError as e:
@@ -178,15 +166,10 @@ def load_prompts(path: str | os.PathLike[str], tokenizer: Any, max_prompt_len: i
     return prompts
 
 
-def prompt_order(num_prompts: int, per_step: int, step: int, seed: int) -> np.ndarray:
-    """The [per_step] prompt indices of ``step``: pure in (seed, step) (``row_indices``)."""
-    return row_indices(seed, step, per_step, num_prompts)
-
-
 def rollout_seeds(seed: int, step: int, rows: int) -> list[int]:
     """The engine seeds of the ``rows`` completions of ``step``, pure in (seed, step, row)."""
     return np.random.default_rng([seed, step, 0x6E90]).integers(0, 2**32, rows).tolist()
 
 
 __all__ = ["MAX_REWARD", "PromptRecord", "Reward", "RewardError", "load_prompts", "load_rewards",
-           "parse_reward_spec", "prompt_order", "rollout_seeds", "score"]
+           "parse_reward_spec", "rollout_seeds", "score"]

@@ -35,23 +35,19 @@ def init_model_config(source: Source, values: dict[str, Any],
     Args:
       source: the checkpoint (``loading.locate``).
       values: model keys set by the config file and the overrides.
-      preset_keys: those of ``values`` from the config file: where they would change the
-        architecture the checkpoint's values are kept instead (logged).
+      preset_keys: those of ``values`` from the config file (the checkpoint's win; logged).
 
     Raises:
       ValueError: naming each command-line key whose value would change the architecture.
     """
-    values = dict(values)
     yielded = sorted(key for key in preset_keys & values.keys()
                      if not _settable_with_init_from(key, values[key], source.model))
     if yielded:
         logger.info("train.init_from=%s: the model's %s come from the checkpoint, not the "
                     "config file", source.path, ", ".join(yielded))
-        for key in yielded:
-            del values[key]
-    model = ModelConfig.from_dict({**source.model.to_dict(), **values})
-    changes = architecture_changes(source.model, model)
-    if changes:
+    kept = {k: v for k, v in values.items() if k not in yielded}
+    model = ModelConfig.from_dict({**source.model.to_dict(), **kept})
+    if changes := architecture_changes(source.model, model):
         raise ValueError(
             f"train.init_from={source.path}: {'; '.join(changes)} would change the checkpoint's "
             f"architecture; with init_from only {', '.join(field_names(Execution))} and "

@@ -1,9 +1,7 @@
 """What a run shows and writes while it trains: metrics checked for NaN/inf (one step late),
 ``metrics.jsonl``, TensorBoard events, the progress bar, the peak FLOP/s behind MFU, and
-SIGTERM/SIGINT turned into a request to checkpoint and stop.
-
-Speeds are of training alone: the timer stops during evaluation, samples and checkpoints. MFU
-is per device (``mesh_peak_flops``; docs/training.md)."""
+SIGTERM/SIGINT turned into a request to checkpoint and stop. Speeds are of training alone
+(the timer stops during evaluation, samples and checkpoints)."""
 
 from __future__ import annotations
 
@@ -28,10 +26,9 @@ from transformer_jax.checkpoint.files import disk_steps
 from transformer_jax.checkpoint.manager import CheckpointManager
 from transformer_jax.train.config import TrainConfig
 from transformer_jax.train.perf import measure_matmul_peak
+from transformer_jax.train.step import Metrics
 
 logger = logging.getLogger(__name__)
-
-Metrics = dict[str, jax.Array]
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -49,17 +46,13 @@ PEAK_BF16_TFLOPS = (
 
 def published_peak_flops(device_kind: str) -> float | None:
     """One device's published dense bf16 peak in FLOP/s, or None for a kind not listed."""
-    return next((1e12 * tflops for name, tflops in PEAK_BF16_TFLOPS if name in device_kind),
-                None)
+    return next((1e12 * tflops for name, tflops in PEAK_BF16_TFLOPS if name in device_kind), None)
 
 
 def mesh_peak_flops(devices: list[jax.Device], per_device: float = 0.0) -> tuple[float, str]:
     """``(FLOP/s, where the figure comes from)``: the peak of a mesh's ``devices`` together.
-
-    ``per_device`` is one device's peak (``train.peak_flops``); 0 chooses it: on CPU a measured
-    matmul, counted once per host (its devices share the cores), elsewhere the published dense
-    bf16 peak of the device kind, or a measured matmul for a kind not listed.
-    """
+    ``per_device`` (``train.peak_flops``) 0: a measured matmul per host on CPU, else the
+    published dense bf16 peak of the device kind (measured for a kind not listed)."""
     n = len(devices)
     if per_device:
         return per_device * n, f"train.peak_flops x {n} devices"
@@ -68,8 +61,7 @@ def mesh_peak_flops(devices: list[jax.Device], per_device: float = 0.0) -> tuple
         hosts = len({d.process_index for d in devices})
         return (_measured_peak(device, "float32", 1024) * hosts,
                 f"measured float32 matmul, one per host ({hosts}) shared by its devices")
-    published = published_peak_flops(device.device_kind)
-    if published is not None:
+    if (published := published_peak_flops(device.device_kind)) is not None:
         return published * n, f"published bf16 peak of {device.device_kind} x {n} devices"
     return (_measured_peak(device, "bfloat16", 4096) * n,
             f"measured bf16 matmul on one {device.device_kind} x {n} devices")
@@ -82,8 +74,7 @@ def _measured_peak(device: jax.Device, dtype: str, size: int) -> float:
 
 
 def _summary_writer_class() -> type:
-    """tensorboardX's ``SummaryWriter``, imported without torch and google-cloud-storage (a
-    run needs neither, and their imports were most of its start)."""
+    """tensorboardX's ``SummaryWriter``, imported without torch and google-cloud-storage."""
     blocked = [name for name in ("torch", "google.cloud.storage") if name not in sys.modules]
     for name in blocked:
         sys.modules[name] = None  # type: ignore[assignment]  # import raises ImportError
@@ -111,7 +102,6 @@ class RunLog:
         self.tc, self.flops, self.peak = tc, flops, peak
         self._every = 1 if every_step else tc.log_every
         self._describe = describe or (lambda m: None)
-        # Without a progress bar, train records are logged at INFO so that progress shows.
         self._train_level = logging.INFO if log_train else logging.DEBUG
         # Only one process of a multi-host run writes the logs.
         self.path = run_dir / "metrics.jsonl" if write else Path(os.devnull)
@@ -127,8 +117,7 @@ class RunLog:
         self.step = start_step
         self.train_time = 0.0
         self._timer: float | None = None
-        self._interval_time = 0.0
-        self._interval_steps = 0
+        self._interval_time, self._interval_steps = 0.0, 0
         self._rate: float | None = None
         self._warm = False
         self.timed_steps = 0
@@ -162,16 +151,14 @@ class RunLog:
         if step % self._every == 0 or step == self.tc.steps:
             self._update_rate()
             self.logged_loss = m["loss"]
-            record = {"step": step, "split": "train", **m,
-                      "tokens_per_s": self._rate, "mfu": self.mfu()}
-            self._write(record)
+            self._write({"step": step, "split": "train", **m, "tokens_per_s": self._rate,
+                         "mfu": self.mfu()})
             extra = (k for k in m if k.startswith(("moe_", "mtp_", "rewards/")))
             for k in ("loss", "lr", "grad_norm", *extra):
                 self._tb.add_scalar(f"train/{k}", m[k], step)
             if self._rate:
                 self._tb.add_scalar("train/tokens_per_s", self._rate, step)
-            text = self._describe(m)
-            if text is None:
+            if (text := self._describe(m)) is None:
                 logger.log(self._train_level, "step %d: %s, lr %.3g, grad norm %.3g",
                            step, self.postfix(), m["lr"], m["grad_norm"])
             elif step % self.tc.log_every == 0 or step == self.tc.steps:
@@ -224,8 +211,7 @@ class RunLog:
         return ", ".join(parts)
 
     def record_eval(self, step: int, val_loss: float, of: str = "") -> None:
-        """The validation loss (``split`` ``val``); ``of`` says what it is when it is not
-        the loss over one validation split (a mixture's weighted mean), in the log line."""
+        """The validation loss (``split`` ``val``); ``of``: what it is, in the log line."""
         ppl = math.exp(val_loss) if val_loss < 700 else math.inf
         self._write({"step": step, "split": "val", "loss": val_loss, "ppl": ppl})
         self._tb.add_scalar("val/loss", val_loss, step)
@@ -338,8 +324,7 @@ class StopOnSignal(contextlib.AbstractContextManager):
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
-        """Holds a third signal back until the block (starting a save) ends: raised inside
-        orbax's ``save`` it would leave orbax to finish that save first."""
+        """Holds a third signal back until the block (starting an orbax save) ends."""
         self._defer = True
         try:
             yield
@@ -373,11 +358,8 @@ def abandon_save(ckpt: CheckpointManager, aborted: SaveAborted) -> SaveAborted:
 
 @dataclasses.dataclass
 class RunSummary:
-    """What a run did (also written to ``run_dir/summary.json``).
-
-    ``time_s`` splits the wall time into ``run.TIME_PARTS`` (seconds); ``data`` is the host
-    time spent making the train batches, ``train`` the rest of the loop's time.
-    """
+    """What a run did (also written to ``run_dir/summary.json``). ``time_s`` splits the wall
+    time into ``run.TIME_PARTS`` (seconds; ``data``: the host's making of the train batches)."""
 
     run_dir: str
     start_step: int

@@ -34,11 +34,8 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
 
     Per layer and token: no remat keeps the norms' and matmuls' inputs (4 D + 2 N H + 2 K H +
     3 F values), ``save_dots`` the matmul outputs (2 D + N H + 2 K H + 2 F), ``full`` the block
-    input D (plus one block recomputed at a time), a named policy that plus what it saves; a
-    sparse layer's FFN as ``moe_values`` (and 3 E D F gathered expert values under FSDP without
-    full remat). Plus the einsum attention's [N, T, T] float32 probabilities per layer and the
-    loss's [T, V] float32 logits and gradient (a chunk with ``loss_chunk``), all split over the
-    mesh axes as the arrays are.
+    input D, a named policy that plus what it saves; sparse layers as ``moe_values``. Plus the
+    einsum attention's [N, T, T] and the loss's [T, V] float32 values, split as the arrays are.
 
     Args:
       model_config: the model.
@@ -52,9 +49,8 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
     batch_devices = mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape.get("expert", 1)
     rows = max(1, tc.micro_batch_size // batch_devices)
     tensor = mesh_shape["tensor"]
-    s, d, h = tc.seq_len, c.d_model, c.head_dim
+    s, d, h, n, k = tc.seq_len, c.d_model, c.head_dim, c.n_heads, c.n_kv_heads
     t = s // mesh_shape.get("context", 1)  # the tokens of a sequence a device holds
-    n, k = c.n_heads, c.n_kv_heads
     size = np.dtype(c.dtype).itemsize
     width = c.d_ff / tensor
     dense_ffn = {"none": 3 * width, "save_dots": 2 * width, "full": 0.0,
@@ -87,13 +83,10 @@ def activation_bytes(model_config: ModelConfig, train_config: TrainConfig,
 
 def moe_values(config: ModelConfig, tensor: int, itemsize: int, tokens: int = 0
                ) -> dict[str, float]:
-    """Values per token a sparse layer's FFN keeps for the backward pass, by remat policy (in
-    units of ``itemsize`` bytes): no remat the k sorted rows' inputs, gate, up and hidden
-    (k (D + 3 F)), their down outputs sorted and unsorted (2 k D), the float32 router logits
-    and probabilities (2 E) and a shared expert's 3 F_s; ``save_dots`` the products' outputs
-    (k (2 F + D), E, 2 F_s); ``full`` nothing beyond the block input. ``"tiled"`` (XLA:CPU's
-    dropless products) pads the N k sorted rows of ``tokens`` tokens by up to E tiles of m rows
-    (``ops.moe.tile_layout``), which the rows' terms include."""
+    """Values per token (of ``itemsize`` bytes) a sparse layer's FFN keeps for the backward
+    pass, by remat policy: no remat k (D + 3 F) + 2 k D + 2 E (router, float32) + 3 F_s;
+    ``save_dots`` k (2 F + D) + E + 2 F_s; ``full`` none. The ``"tiled"`` products' padding
+    of the N k sorted rows (``ops.moe.tile_layout``) is included."""
     m, d = config.moe, config.d_model
     f, fs = m.d_ff / tensor, m.shared_d_ff / tensor
     router = m.n_experts * 4 / itemsize
@@ -116,8 +109,7 @@ def _named(widths: dict[str, float], base: float = 0.0) -> dict[str, float]:
             for remat in remat_lib.REMATS if remat not in ("none", "full", "save_dots")}
 
 
-def _bytes_where(abstract_state: Any, state_shardings: Any, keep: Callable[[tuple], bool]
-                 ) -> int:
+def _bytes_where(abstract_state: Any, state_shardings: Any, keep: Callable[[tuple], bool]) -> int:
     """Per-device bytes of the leaves of a train state whose path keys ``keep`` accepts."""
     flat = dict(jax.tree_util.tree_flatten_with_path(state_shardings)[0])
     return sum(sharding_lib.per_device_bytes(leaf, flat[path])
@@ -188,8 +180,7 @@ def check_fits(model_config: ModelConfig, train_config: TrainConfig, abstract_st
       ValueError: the estimate is above the available memory; the one-line message gives
         both, the parts, and what to change (``--no-memory-check`` to try anyway).
     """
-    have = available_bytes()
-    if have is None:
+    if (have := available_bytes()) is None:
         return None
     free, sharing, where = have
     need = estimate(model_config, train_config, abstract_state, state_shardings, mesh_shape)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from transformer_jax.model.fields import check_nonnegative_int
+
 #: ``train.objective`` values: next-token cross-entropy, or a preference objective.
 OBJECTIVES = ("sft", "dpo", "orpo", "grpo")
 #: The objectives that train on preference pairs.
@@ -20,37 +22,28 @@ class ObjectiveConfig:
     """What a run optimises (``TrainConfig``'s base; see ``transformer_jax.train.preference``).
 
     Attributes:
-      objective: ``sft`` (next-token cross-entropy, the default), ``dpo`` or ``orpo`` (both on
-        a .jsonl of ``{"prompt", "chosen", "rejected"}`` pairs), or ``grpo`` (online RL on a
-        .jsonl of prompts, scored by ``reward``).
+      objective: ``sft`` (next-token cross-entropy), ``dpo`` or ``orpo`` (on a .jsonl of
+        ``{"prompt", "chosen", "rejected"}`` pairs), or ``grpo`` (RL on a .jsonl of prompts).
       dpo_beta: DPO's beta (IPO: its tau).
       dpo_loss: ``sigmoid`` (DPO) or ``ipo``.
       dpo_label_smoothing: conservative DPO's eps in [0, 0.5) (sigmoid only).
       orpo_lambda: weight of ORPO's odds-ratio term (TRL's ORPO beta).
-      pairs_per_step: DPO/ORPO: N > 0 trains every step on exactly N pairs (TRL's batch), the
-        last step of each epoch on the rest; ``batch_size`` then becomes the packed rows the
-        most pair-filled step needs. 0 (the default): ``batch_size`` counts packed rows, each
-        holding as many pairs as fit.
-      reward: GRPO's reward functions, ``MODULE:FUNCTION`` or ``path/file.py:FUNCTION``, each
-        called as ``fn(completion: str, record: dict) -> float``; several comma-separated
-        are summed, each optionally weighted (``mod:f*0.5``).
-      grpo_group_size: G, completions sampled per prompt (``batch_size`` counts completions:
-        a step takes ``batch_size / G`` prompts).
-      grpo_max_tokens: the most tokens of a completion (``seq_len`` must hold the longest
-        prompt plus these).
-      grpo_temperature: the rollouts' sampling temperature. The log-probs of the ratio and
-        the KL are the model's at temperature 1, as the engine reports them (not divided by
-        it, unlike TRL's).
+      pairs_per_step: DPO/ORPO: N > 0 trains every step on exactly N pairs (TRL's batch;
+        ``batch_size`` is then derived); 0: ``batch_size`` counts packed rows of pairs.
+      reward: GRPO's reward functions ``fn(completion, record) -> float``, ``MODULE:FUNCTION``
+        or ``path/file.py:FUNCTION``, comma-separated, summed, optionally weighted (``m:f*0.5``).
+      grpo_group_size: G, completions per prompt (``batch_size`` counts completions).
+      grpo_max_tokens: the most tokens of a completion (``seq_len`` holds the prompt and these).
+      grpo_temperature: the rollouts' sampling temperature; the log-probs of the ratio and the
+        KL are the model's at temperature 1, as the engine reports them (unlike TRL's).
       grpo_clip_eps: eps of the clipped ratio ``clip(ratio, 1 - eps, 1 + eps)``.
       grpo_kl_beta: weight of the k3 KL penalty to the reference (the initial weights, or the
         LoRA base with the adapters off); 0 skips the reference.
-      grpo_loss: ``token`` (DAPO: mean over the batch's completion tokens), ``sequence``
-        (GRPO: mean per completion, then over completions) or ``dr_grpo`` (sum over
-        ``batch_size * grpo_max_tokens``).
+      grpo_loss: ``token`` (DAPO: mean over the completion tokens), ``sequence`` (GRPO: mean
+        per completion) or ``dr_grpo`` (sum over ``batch_size * grpo_max_tokens``).
       grpo_scale_rewards: divide the group-centred rewards by the group's std (Dr. GRPO: false).
-      mtp_weight: lambda of the multi-token prediction loss (a model with ``mtp_depth`` D > 0;
-        sft, full training): the cross-entropy plus ``lambda / D * sum_k CE_k``, CE_k module
-        k's mean cross-entropy of token i+k+1; logged as ``mtp_loss``. 0: not trained (nor run).
+      mtp_weight: lambda of the multi-token prediction loss (``mtp_depth`` D > 0; full sft):
+        ``lambda / D * sum_k CE_k`` added, logged as ``mtp_loss``; 0: not trained (nor run).
     """
 
     objective: str = "sft"
@@ -86,8 +79,7 @@ class ObjectiveConfig:
         if not (isinstance(eps, int | float) and 0 <= eps < 0.5):
             raise ValueError(f"dpo_label_smoothing must be in [0, 0.5), got {eps!r}")
         pairs = self.pairs_per_step
-        if not (isinstance(pairs, int) and not isinstance(pairs, bool) and pairs >= 0):
-            raise ValueError(f"pairs_per_step must be an int >= 0, got {pairs!r}")
+        check_nonnegative_int("pairs_per_step", pairs)
         if pairs and self.objective not in PREFERENCE_OBJECTIVES:
             raise ValueError(f"pairs_per_step={pairs} applies to objective=dpo or orpo (it "
                              f"counts preference pairs), not objective={self.objective}")

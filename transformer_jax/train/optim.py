@@ -19,8 +19,7 @@ def lr_schedule(config: TrainConfig) -> optax.Schedule:
     """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr``.
 
     Update i (0-based) uses ``schedule(i)``: the first has ``lr / warmup_steps`` (not 0), update
-    ``decay_steps - 1`` has ``min_lr``. Without warmup and with ``min_lr = lr`` it is constant,
-    so the compiled update does not depend on ``train.steps``.
+    ``decay_steps - 1`` has ``min_lr``; without warmup and with ``min_lr = lr``, a constant.
     """
     if not config.warmup_steps and config.min_lr == config.lr:
         return optax.constant_schedule(config.lr)

@@ -25,8 +25,8 @@ CPU_FAST_MATH_FLAGS = (
 
 
 def enable_cpu_fast_math() -> bool:
-    """Adds ``CPU_FAST_MATH_FLAGS`` to ``XLA_FLAGS`` unless the user set any ``xla_cpu_``
-    fast-math flag. Only effective before JAX creates its CPU backend (call it first thing).
+    """Adds ``CPU_FAST_MATH_FLAGS`` to ``XLA_FLAGS`` (unless the user set fast math) before JAX
+    creates its CPU backend.
 
     Returns:
       Whether the flags were added.
@@ -41,9 +41,8 @@ def enable_cpu_fast_math() -> bool:
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: ``6 N`` plus attention, ``12 L T N H`` (PaLM's convention).
 
-    N counts the weights that take part in matmuls (not norms, biases, or an untied embedding),
-    of a mixture's routed experts only the k of E a token reaches. Attention counts the full
-    T x T score and value matmuls, forward and backward.
+    N counts the matmul weights (not norms, biases, an untied embedding; of routed experts the k
+    of E a token reaches); attention the full T x T matmuls, forward and backward.
     """
     n = 0.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]:

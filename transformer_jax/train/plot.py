@@ -1,8 +1,6 @@
-"""Loss curves of training runs, drawn from their ``metrics.jsonl``.
-
-``plot_run(run_dir)`` writes ``run_dir/loss.png`` (train and validation loss, each
-``train.eval_sets`` set's bits per byte, the learning rate); ``plot_runs(dirs, out)`` draws
-several runs on one figure. Only matplotlib's object API is used (no pyplot global state).
+"""Loss curves of training runs from their ``metrics.jsonl``: ``plot_run(run_dir)`` writes
+``run_dir/loss.png`` (losses, each eval set's bits per byte, the learning rate);
+``plot_runs(dirs, out)`` draws several runs on one figure (matplotlib's object API, no pyplot).
 """
 
 from __future__ import annotations
@@ -101,15 +99,9 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> RunMetrics:
                       eval_sets={k: sorted(v.items()) for k, v in sets.items() if v})
 
 
-def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None
-             ) -> Path:
-    """Draws the loss curves (and learning rate) of ``run_dir`` into ``out`` (default
-    ``run_dir/loss.png``) and returns the path written.
-
-    Raises:
-      FileNotFoundError, ValueError: as ``read_metrics``.
-      OSError: ``out`` cannot be written, named in one line.
-    """
+def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
+    """Draws the curves of ``run_dir`` into ``out`` (default ``run_dir/loss.png``); its path.
+    Raises as ``read_metrics``, and OSError (one line) when ``out`` cannot be written."""
     runs = [read_metrics(run_dir)]
     target = f"{os.fspath(run_dir).rstrip('/')}/{PLOT_FILE}" if out is None else os.fspath(out)
     if storage.is_remote(target):  # drawn locally, then one upload
@@ -121,12 +113,8 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
 
 
 def plot_runs(run_dirs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str]) -> Path:
-    """Draws several runs on one figure (one colour per run: train loss solid, validation
-    loss dashed) into the PNG ``out`` and returns its path.
-
-    Raises:
-      ValueError: no run directory given; FileNotFoundError, ValueError: as ``read_metrics``.
-    """
+    """Draws several runs on one figure (a colour per run: train loss solid, validation loss
+    dashed) into the PNG ``out``; its path. Raises as ``read_metrics`` (ValueError: no run)."""
     if not run_dirs:
         raise ValueError("plot_runs needs at least one run directory")
     runs = [read_metrics(d) for d in run_dirs]
@@ -147,10 +135,9 @@ def _draw(runs: list[RunMetrics], out: Path, title: str) -> Path:
         loss_ax, bpb_ax, lr_ax = fig.subplots(3, 1, sharex=True, height_ratios=[3, 2, 1])
     else:
         loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
-    colours = [f"C{i % 10}" for i in range(len(runs))]
     several = len(runs) > 1
-    for run, colour in zip(runs, colours, strict=True):
-        prefix = f"{run.name}: " if several else ""
+    for i, run in enumerate(runs):
+        colour, prefix = f"C{i % 10}", f"{run.name}: " if several else ""
         if run.train:
             steps, losses = zip(*run.train, strict=True)
             loss_ax.plot(steps, losses, color=colour, lw=1.2, label=f"{prefix}train")

@@ -1,13 +1,8 @@
-"""DPO and ORPO: the losses as pure functions (TRL's ``DPOTrainer`` ``sigmoid`` and ``ipo``, and
-``ORPOTrainer``; formulas in docs/fine-tuning.md), and the objectives a run trains with
-(``DPO``, ``ORPO``), with DPO's reference log-probs.
+"""DPO and ORPO: the losses as pure functions (after TRL's; formulas in docs/fine-tuning.md)
+and the objectives a run trains with (``DPO``, ``ORPO``), with DPO's reference log-probs.
 
-Shapes: B rows, T tokens, V vocabulary, M pairs per row (``data.preference``: pair k of a row
-is segments 2k + 1 (chosen) and 2k + 2 (rejected)), P pairs (any leading shape).
-
-In a run the loss sums over the batch's pairs and the step divides by their count. DPO's
-reference is the initial weights' log-probs, stored in ``run_dir/reference_logps.npz`` (full
-fine-tuning), or the frozen LoRA base with the adapters off.
+Shapes: B rows, T tokens, V vocabulary, M pairs per row (pair k of a row is segments 2k + 1
+(chosen) and 2k + 2 (rejected)), P pairs (any leading shape).
 """
 
 from __future__ import annotations
@@ -85,8 +80,7 @@ def sequence_logps(logps: jax.Array, mask: jax.Array, segment_ids: jax.Array,
 def dpo_losses(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: jax.Array,
                ref_rejected: jax.Array, *, beta: float, label_smoothing: float = 0.0,
                loss_type: str = "sigmoid", chosen_tokens: jax.Array | None = None,
-               rejected_tokens: jax.Array | None = None
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+               rejected_tokens: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-pair DPO / IPO losses and rewards.
 
     Args:
@@ -148,8 +142,7 @@ def make_token_logps_fn(model: Any, temperature: float = 1.0
     ``model`` (a ``Transformer``) with the logits divided by ``temperature``."""
     def logps(model_params: Params, batch: Batch) -> jax.Array:
         logits = model.apply({"params": model_params}, batch["inputs"],
-                             positions=batch["positions"],
-                             segment_ids=batch["segment_ids"]).logits
+                             positions=batch["positions"], segment_ids=batch["segment_ids"]).logits
         if temperature != 1.0:
             logits = logits.astype(jnp.float32) / temperature
         return token_logps(logits, batch["targets"])
@@ -185,11 +178,9 @@ def make_logps_fn(model_config: ModelConfig, tc: TrainConfig, pairs_per_row: int
 
 
 class Preference(Objective):
-    """DPO and ORPO: preference pairs, a loss summed over them (the pairs its count) and their
-    means as metrics. ``batch`` has SFT's keys plus ``pair_ids`` [B, M] (and, full-fine-tuning
-    DPO, ``ref_logps`` [B, M, 2]). A subclass gives ``pair_loss(logps, layout, params, batch,
-    valid) -> (objective, stats)``, sums over the ``valid`` [B, M] pairs.
-    """
+    """DPO and ORPO: a loss summed over the batch's pairs (their count divides it). ``batch``
+    has SFT's keys plus ``pair_ids`` [B, M] (full-fine-tuning DPO: ``ref_logps`` [B, M, 2]).
+    A subclass gives ``pair_loss(logps, layout, params, batch, valid) -> (objective, stats)``."""
 
     records = '{"prompt", "chosen", "rejected"}'
 
@@ -251,12 +242,10 @@ class Preference(Objective):
         def loss_sums(params: Params, batch: Batch):
             valid = (batch["pair_ids"] >= 0).astype(jnp.float32)  # [B, M]
             objective, stats = self.pair_loss(logps, layout, params, batch, valid)
-            stats["tokens"] = jnp.sum(batch["mask"].astype(jnp.float32))
-            stats["pairs"] = jnp.sum(valid)
+            stats.update(tokens=jnp.sum(batch["mask"].astype(jnp.float32)), pairs=jnp.sum(valid))
             return objective, (objective, jnp.zeros((), jnp.float32), jnp.sum(valid), stats)
 
         return loss_sums
-
 
 
 class DPO(Preference):
@@ -264,12 +253,8 @@ class DPO(Preference):
     log-probs, stored (full fine-tuning), or the frozen LoRA base with the adapters off."""
 
     def start(self, run: RunContext, state: TrainState) -> None:
-        """Attaches the reference log-probs to the run's data (full fine-tuning), read from
-        ``REFERENCE_FILE`` or computed (step 0) and stored.
-
-        Raises:
-          ValueError: a resumed run whose stored reference is missing or is another run's.
-        """
+        """Attaches the reference log-probs (full fine-tuning): read from ``REFERENCE_FILE``,
+        or computed at step 0 and stored; ValueError at a later step without them."""
         super().start(run, state)
         tc = self.tc
         if tc.lora_rank:
@@ -308,10 +293,8 @@ class DPO(Preference):
                   batch: Batch, valid: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         tc = self.tc
         sums, counts = logps(layout.model_params(params), batch)
-        if layout.lora_config is not None:
-            ref, _ = logps(base_params(layout, params), batch)
-        else:
-            ref = batch["ref_logps"]
+        ref = (batch["ref_logps"] if layout.lora_config is None
+               else logps(base_params(layout, params), batch)[0])
         losses, chosen, rejected = dpo_losses(
             sums[..., 0], sums[..., 1], ref[..., 0], ref[..., 1], beta=tc.dpo_beta,
             label_smoothing=tc.dpo_label_smoothing, loss_type=tc.dpo_loss,
@@ -345,8 +328,7 @@ class ORPO(Preference):
         return pairs * nll - lam * jnp.sum(ratio * valid), stats
 
 
-def step_pair_counts(pairs: PreferenceRows, tc: TrainConfig, most: int = 10_000
-                     ) -> np.ndarray:
+def step_pair_counts(pairs: PreferenceRows, tc: TrainConfig, most: int = 10_000) -> np.ndarray:
     """[S] the pairs of each of the first S steps' batches (an epoch, at most ``most``)."""
     per_row = pairs.row_pairs
     steps = min(-(-len(per_row) // tc.batch_size), tc.steps, most)

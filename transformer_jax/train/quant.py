@@ -1,7 +1,5 @@
-"""Quantised training through qwix: ``train.quant=int8`` (or ``fp8`` on GPU/TPU).
-
-``training_model`` wraps the ``Transformer`` with ``qwix.QtProvider``: every weight product
-runs on quantised operands, straight-through into the float parameters, which checkpoints keep
+"""Quantised training through qwix (``train.quant=int8``, or ``fp8`` on GPU/TPU): every weight
+product runs on quantised operands, straight-through into the float parameters
 (docs/quantisation.md).
 """
 

@@ -27,9 +27,8 @@ def data_fingerprint(*token_arrays: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-# Train keys whose change alters the optimizer state's structure (clipping adds a stage to the
-# optax chain), compared as the structure they give (from the key's value and the whole train
-# table): such a checkpoint cannot be restored. The targets matter only with adapters.
+# Train keys that alter the optimizer state's structure (clipping adds an optax stage), compared
+# as the structure they give (from the value and the train table): no restore across them.
 _STATE_TRAIN_KEYS: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
     "grad_clip": lambda v, train: bool(v), "lora_rank": lambda v, train: v,
     "lora_targets": lambda v, train: tuple(t.strip() for t in str(v).split(",") if t.strip())
@@ -48,8 +47,7 @@ _TRAJECTORY_TRAIN_KEYS = ("batch_size", "seq_len", "lr", "min_lr", "warmup_steps
 
 
 def _model_dict(saved: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's saved model config as this version writes it, or as saved if it does
-    not parse."""
+    """A checkpoint's saved model config as this version writes it (as saved if unparsable)."""
     try:
         return ModelConfig.from_dict(saved).to_dict()
     except (TypeError, ValueError):
@@ -65,9 +63,8 @@ def check_resume(saved: dict[str, Any], current: dict[str, Any], where: Path) ->
       where: the checkpoint directory, for the messages.
 
     Raises:
-      ValueError: one line naming what differs: the tokenizer (its fingerprints), the model
-        keys, a train key that changes the optimizer state's structure, or the corpus (unless
-        ``train.allow_new_data``).
+      ValueError: one line naming what differs: the tokenizer, model keys, a train key of the
+        optimizer state's structure, or the corpus (unless ``train.allow_new_data``).
     """
     use = "; use another train.run_dir"
     saved_tok, tok = saved.get("tokenizer_fingerprint"), current["tokenizer_fingerprint"]

@@ -85,17 +85,11 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         progress: bool = True, memory_check: bool = True) -> RunSummary:
     """Trains (or resumes) a model; the whole loop, top to bottom.
 
-    Resumes from the newest intact checkpoint in ``run_dir/checkpoints`` (a damaged newer one
-    is renamed aside) and then gives exactly the losses and parameters of an uninterrupted
-    run; saved configs with another model, tokenizer, optimizer state structure or (without
-    ``train.allow_new_data``) corpus are refused in one line naming the keys. A run already at
-    ``train.steps`` returns the summary it wrote. SIGTERM/SIGINT save a checkpoint and stop (a
-    second signal waits for that save, a third abandons it: ``SaveAborted``); a non-finite
-    loss stops without saving.
-
-    The run directory keeps a copy of the tokenizer (``tokenizer/``), ``config.json``,
-    ``metrics.jsonl``, ``loss.png``, TensorBoard events, ``summary.json`` and, with
-    ``train.profile_steps``, a profiler trace under ``profile/``.
+    Resumes exactly from the newest intact checkpoint in ``run_dir/checkpoints`` (saved configs
+    of another model, tokenizer, optimizer structure or corpus are refused, naming the keys); a
+    run already at ``train.steps`` returns the summary it wrote. SIGTERM/SIGINT save and stop.
+    The run directory keeps ``tokenizer/``, ``config.json``, ``metrics.jsonl``, ``loss.png``,
+    TensorBoard events, ``summary.json`` and, with ``train.profile_steps``, ``profile/``.
 
     Args:
       model_config: the model; its ``vocab_size`` is replaced by the tokenizer's.
@@ -103,7 +97,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
       data_config: corpus and tokenizer.
       progress: show a tqdm progress bar (loss, training step rate, tokens/s, MFU, ETA).
       memory_check: refuse a run whose rough memory estimate (``train.memory``) is above the
-        device's (or, on CPU, the host's available) memory, before any data is read.
+        device's (CPU: the host's available) memory.
 
     Returns:
       The run's summary.
@@ -121,7 +115,6 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
 
     # 1. Checks that need no data, before any expensive work (and before checkpoints/ exists).
     files = run_directory(tc.run_dir, jax.process_index())
-    run_dir = files.local
     mesh = sharding_lib.make_mesh(sharding_lib.MeshConfig.parse(tc.mesh),
                                   dcn_config=sharding_lib.MeshConfig.parse(tc.dcn_mesh))
     num_batch_devices = sharding_lib.batch_devices(mesh)  # data x fsdp (x expert)
@@ -167,10 +160,9 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
                     tokenizer.vocab_size)
         model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
     data, settled = objective.settle(data, num_batch_devices)
-    if settled is not tc:  # train.pairs_per_step: the batch's rows, known from the data now
-        tc = settled
-        if memory_check:
-            check_memory(model_config, tc, mesh)
+    if settled is not tc and memory_check:  # train.pairs_per_step: the rows known now
+        check_memory(model_config, settled, mesh)
+    tc = settled
     if data_config.is_instruct:  # packed rows or GRPO's prompts: no windows of seq_len
         check_dtype(model_config)
     else:
@@ -192,8 +184,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
 
     with CheckpointManager(files.checkpoints, keep=tc.keep_ckpts) as ckpt:
         ckpt.remove_unfinished(primary=main_process)  # of a run killed while it saved
-        # 3. State: restore the newest checkpoint, or initialise sharded over the mesh (from
-        # init_from's weights if given; the optimizer state starts fresh).
+        # 3. State: the newest checkpoint, or initialised sharded (from init_from's weights).
         key = jax.random.key(tc.seed)
         init = make_init_fn(model_config, tc)
         abstract_state = jax.eval_shape(init, key)
@@ -229,8 +220,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig, data_config: DataC
         if start_step >= tc.steps:
             return _finished(files, start_step, tc, ckpt, objective.loss_unit(data_config))
         if main_process:
-            _save_tokenizer(tokenizer, run_dir / TOKENIZER_DIR)
-            (run_dir / "config.json").write_text(json.dumps(configs, indent=2))
+            _save_tokenizer(tokenizer, files.local / TOKENIZER_DIR)
+            (files.local / "config.json").write_text(json.dumps(configs, indent=2))
         context = RunContext(
             model_config=model_config, tc=tc, data_config=data_config, files=files, mesh=mesh,
             batch_sharding=sharding_lib.batch_sharding(mesh), state_shardings=state_shardings,
@@ -265,12 +256,10 @@ def _train(run: RunContext, objective: Objective, ckpt: CheckpointManager, state
     eval_step = sharding_lib.jit_sharded(
         make_eval_step(model_config, tc), mesh, (run.state_shardings.params, batch_sharding),
         sharding_lib.replicated(mesh))
-    eval_part, eval_parts = distributed.process_batch_shard(batch_sharding,
-                                                            eval_kw["batch_size"])
+    eval_part, eval_parts = distributed.process_batch_shard(batch_sharding, eval_kw["batch_size"])
     eval_kw = dict(eval_kw, process_index=eval_part, process_count=eval_parts)
     eval_step = placing(eval_step, functools.partial(
-        distributed.global_batch, sharding=batch_sharding,
-        global_batch_size=eval_kw["batch_size"]))
+        distributed.global_batch, sharding=batch_sharding, global_batch_size=eval_kw["batch_size"]))
     flops = flops_per_token(model_config, tc.seq_len)
     peak, peak_source = mesh_peak_flops(list(mesh.devices.flat), tc.peak_flops)
     logger.info("%s train step in %.1f s; attention %s; %s; %.3g FLOPs/token; peak "
@@ -282,8 +271,7 @@ def _train(run: RunContext, objective: Objective, ckpt: CheckpointManager, state
     times["startup"] = time.perf_counter() - wall_start - compile_time
 
     log = RunLog(run_dir, start_step, tc, flops, peak, log_train=not progress,
-                 write=main_process, every_step=objective.on_policy,
-                 describe=objective.describe)
+                 write=main_process, every_step=objective.on_policy, describe=objective.describe)
     last_val: float | None = None
     interrupted: str | None = None
     step = start_step
@@ -330,8 +318,7 @@ def _train(run: RunContext, objective: Objective, ckpt: CheckpointManager, state
                     # A signal that came during the evaluation still saves this step.
                     if stop.signal is not None or last or step % tc.ckpt_every == 0:
                         save_start = time.perf_counter()
-                        # A third signal while the previous save finishes aborts at once;
-                        # during orbax's start of this one it waits for the start to return.
+                        # A third signal aborts the previous save at once, this one's start after.
                         ckpt.wait()
                         with stop.deferred():
                             ckpt.save(step, state, meta=dict(run.configs, step=step,
@@ -396,8 +383,7 @@ def _train(run: RunContext, objective: Objective, ckpt: CheckpointManager, state
         logger.info("data: %.2f ms of host time per batch, %.1f%% of the train time",
                     1000 * per_batch, 100 * times["data"] / train_time)
     if main_process:
-        (run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary),
-                                                         indent=2))
+        (run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary), indent=2))
         files.sync()
     return summary
 

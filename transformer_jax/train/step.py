@@ -40,8 +40,7 @@ class TrainState:
       step: int32 scalar, number of updates applied so far (also the data position).
       params: the model's parameters (float32 master weights).
       opt_state: the optimizer's state.
-      rng: [2] uint32 raw key data of the run's PRNG key; no step draws from it (kept so that
-        checkpoints keep one layout).
+      rng: [2] uint32 raw key data of the run's PRNG key (no step draws from it).
     """
 
     step: jax.Array
@@ -58,8 +57,7 @@ class ParamsLayout:
       lora_config: rank, alpha and targets; None for full training (the state's params are
         the model's). LoRA: they are ``{"base", "adapters"}`` and only the adapters train.
       base_dtype: dtype the frozen base is stored in; None keeps the param dtype.
-      base_quant: how the frozen base is stored quantised (QLoRA, ``quant.parse_quant``'s
-        spelling), or None.
+      base_quant: how the frozen base is stored quantised (QLoRA, ``quant.parse_quant``), or None.
     """
 
     lora_config: lora.LoraConfig | None = None
@@ -120,8 +118,7 @@ def make_init_fn(model_config: ModelConfig, train_config: TrainConfig
         param_key, rng_key = jax.random.split(key)
         if params is None:
             params = init_params(model_config, param_key)
-        params = layout.from_model_params(model_config, params,
-                                          jax.random.fold_in(param_key, 1))
+        params = layout.from_model_params(model_config, params, jax.random.fold_in(param_key, 1))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=tx.init(layout.trainable(params)),
                           rng=jax.random.key_data(rng_key))
@@ -134,19 +131,13 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig,
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """The pure ``train_step(state, batch) -> (state, metrics)``; jit it once.
 
-    The batch is ``{"inputs": [B, T] int, "targets": [B, T] int}`` and optionally ``"mask"``,
-    ``"segment_ids"`` and ``"positions"`` [B, T] (see ``make_loss_fn``). With ``grad_accum = A``
-    micro-batch a takes rows a, a + A, ... (a batch sharded over rows stays sharded); the summed
-    gradients are divided by the total number of target tokens: exactly one batch's gradient.
-
-    Metrics (float32 scalars): ``loss`` (mean cross-entropy), ``z_loss``, ``grad_norm`` (before
-    clipping), ``lr`` and ``tokens``; with a mixture of experts ``moe_balance``, ``moe_z`` and
-    ``moe_load_max_mean/layer_I`` (``moe_metrics``); with ``train.mtp_weight`` ``mtp_loss``.
-
-    With ``train.moe_bias_update_rate`` > 0 the step then updates each sparse layer's
-    ``moe.correction_bias`` from the step's expert loads (the optimizer never changes it).
-    ``loss_fn`` replaces ``make_loss_fn``'s objective (same contract); the fourth element of
-    its aux, a dict of sums, gives metrics by ``stat_means``.
+    The batch is ``inputs`` and ``targets`` [B, T] int, optionally ``mask``, ``segment_ids`` and
+    ``positions`` [B, T]. With ``grad_accum = A`` micro-batch a takes rows a, a + A, ...; the
+    summed gradients are divided by the total target count: exactly one batch's gradient.
+    Metrics (float32 scalars): ``loss``, ``z_loss``, ``grad_norm`` (before clipping), ``lr``,
+    ``tokens``, plus ``moe_metrics``'s. ``train.moe_bias_update_rate`` > 0 then updates each
+    sparse layer's ``moe.correction_bias`` from the step's expert loads. ``loss_fn`` replaces
+    ``make_loss_fn``'s objective (same contract; its aux's dict of sums: ``stat_means``).
     """
     tx = make_optimizer(train_config)
     schedule = lr_schedule(train_config)
@@ -167,8 +158,7 @@ def make_train_step(model_config: ModelConfig, train_config: TrainConfig,
             grads, (ce, z, count, *moe) = grad_fn(trainable, state.params, batch)
         else:
             micro = jax.tree.map(
-                lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1),
-                batch)
+                lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
             def accumulate(carry, mb):
                 g, aux = grad_fn(trainable, state.params, mb)
@@ -200,18 +190,11 @@ def make_loss_fn(model_config: ModelConfig, train_config: TrainConfig
     """The training objective ``loss_sums(params, batch) -> (objective, (ce, z, count))``, and
     with a mixture of experts or ``train.mtp_weight`` ``(objective, (ce, z, count, sums))``.
 
-    ``params`` are the train state's. All are sums over the batch, divided once per step;
-    ``batch["mask"]`` [B, T] weights each target, so ``count`` is their weighted number. Packed
-    batches pass ``segment_ids`` and ``positions`` [B, T] to the model; under ``context``
-    parallelism the batch is first put in load-balanced order.
-
-    With ``train.mtp_weight`` (lambda) the objective adds ``lambda * count * loss.mtp_loss``
-    (``sums["mtp"]``). With a mixture of experts it adds ``count * (moe_balance_loss * balance +
-    moe_z_loss * router_z)`` (means over the sparse layers); ``sums`` holds ``balance`` and
-    ``z`` (times ``count``) and ``load`` [L_sparse, E].
-
-    With ``train.loss_chunk = C > 0`` the LM head and the cross-entropy run over [B, C] chunks
-    (``ops.lm_loss``): the same values and gradients without the [B, T, V] float32 logits.
+    All are sums over the batch, divided once per step; ``batch["mask"]`` [B, T] weights each
+    target (``count``: their weighted number). ``train.mtp_weight`` lambda adds ``lambda * count
+    * loss.mtp_loss`` (``sums["mtp"]``); a mixture of experts adds ``count * (moe_balance_loss *
+    balance + moe_z_loss * router_z)`` (``sums``: ``balance``, ``z``, ``load`` [L_sparse, E]).
+    ``train.loss_chunk = C > 0`` runs the LM head and the loss over [B, C] chunks.
     """
     model = _training_model(model_config, train_config)
     z_weight, chunk = train_config.z_loss, train_config.loss_chunk
@@ -278,11 +261,8 @@ def moe_metrics(moe: dict[str, jax.Array], count: jax.Array, sparse_layers: tupl
 
 def make_eval_step(model_config: ModelConfig, train_config: TrainConfig | None = None
                    ) -> Callable[[Params, Batch], Metrics]:
-    """A pure ``eval_step(params, batch) -> {"loss_sum", "tokens"}`` (sums, to be pooled).
-
-    ``params`` are the train state's (full training without ``train_config``); the batch and
-    ``train.quant`` are used as in training.
-    """
+    """A pure ``eval_step(params, batch) -> {"loss_sum", "tokens"}`` (sums) of the train state's
+    ``params`` (full training without ``train_config``)."""
     model = _training_model(model_config, train_config)
     layout = ParamsLayout() if train_config is None else ParamsLayout.of(train_config)
 
