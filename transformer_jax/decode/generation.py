@@ -193,10 +193,6 @@ def result_from_arrays(tokens: np.ndarray, logprobs: np.ndarray, num_tokens: np.
     """A ``GenerateResult`` from ``generate_padded``'s outputs ([B, N], [B, N], [B])."""
     tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
     num = [int(x) for x in np.asarray(num_tokens)]
-    return GenerateResult(
-        tokens=[tokens[i, :n].tolist() for i, n in enumerate(num)],
-        logprobs=[logprobs[i, :n].tolist() for i, n in enumerate(num)],
-        lengths=num,
-        token_array=tokens,
-        logprob_array=logprobs,
-    )
+    return GenerateResult(tokens=[tokens[i, :n].tolist() for i, n in enumerate(num)],
+                          logprobs=[logprobs[i, :n].tolist() for i, n in enumerate(num)],
+                          lengths=num, token_array=tokens, logprob_array=logprobs)

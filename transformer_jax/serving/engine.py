@@ -36,7 +36,7 @@ from transformer_jax.decode.loop import (
     prepare,
     tensor_shards,
 )
-from transformer_jax.decode.prompts import is_int, validate_prompts
+from transformer_jax.decode.prompts import validate_prompts
 from transformer_jax.model import multi_lora
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.lora import LoraConfig
@@ -44,7 +44,7 @@ from transformer_jax.serving import step as step_lib
 from transformer_jax.serving.multistep import MultiStep
 from transformer_jax.serving.overlap import Overlap
 from transformer_jax.serving.page_pool import pages_for
-from transformer_jax.serving.paged_cache import VIEWS, PagedKVCache, check_pageable
+from transformer_jax.serving.paged_cache import PagedKVCache, check_pageable, check_sizes
 from transformer_jax.serving.plan import row_sampling
 from transformer_jax.serving.requests import (
     Completion,
@@ -112,21 +112,13 @@ class Engine:
                  tokenizer: Any = None, quant: str | None = None, draft: Any = None,
                  adapters: Mapping[str, tuple[Any, LoraConfig]] | None = None,
                  max_prefill_rows: int | None = None, overlap: bool = True) -> None:
-        for name, value in (("num_slots", num_slots), ("num_pages", num_pages),
-                            ("page_size", page_size), ("token_budget", token_budget),
-                            ("min_context", min_context)):
-            if not is_int(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if num_pages < 2:
-            raise ValueError(f"num_pages must be at least 2 (page 0 is the null page), got "
-                             f"{num_pages}")
+        check_sizes(view, num_slots=num_slots, num_pages=num_pages, page_size=page_size,
+                    token_budget=token_budget, min_context=min_context)
         if token_budget <= num_slots:
             raise ValueError(f"token_budget ({token_budget}) must exceed num_slots "
                              f"({num_slots}): each step decodes one token per slot and "
                              "prefills with the rest")
         check_pageable(config, cache_dtype)
-        if view not in VIEWS:
-            raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
         if isinstance(weights_or_params, DecodeWeights):
             weights_or_params.check_for(config, mesh, "Engine", quant)
             self.weights = weights_or_params

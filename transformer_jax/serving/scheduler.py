@@ -195,15 +195,18 @@ class Scheduler:
             self.prefix.release(shared)
             return None
         self.waiting.pop(0)
-        slot = self.slots.index(None)
-        self.slots[slot] = req
-        req.slot, req.state, req.prefill_target = slot, State.PREFILL, target
-        req.pages, req.cached = list(shared), len(shared) * self.page_size
-        req.named = len(shared)
+        self._seat(req, target, list(shared))
+        req.cached, req.named = len(shared) * self.page_size, len(shared)
         req.prefix_hit_tokens += req.cached
-        self.page_table[slot, :len(shared)] = shared
         self.prefilling.append(req)
         return req
+
+    def _seat(self, req: Request, target: int, pages: list[int]) -> None:
+        """Puts ``req`` on a free slot with ``pages``, to prefill ``target`` tokens."""
+        slot = self.slots.index(None)
+        self.slots[slot] = req
+        req.slot, req.state, req.prefill_target, req.pages = slot, State.PREFILL, target, pages
+        self.page_table[slot, :len(pages)] = pages
 
     def _fork(self, plan: StepPlan, chunk: Chunk) -> None:
         """Admits, as ``chunk.forks``, the waiting requests whose tokens (and adapter) are the
@@ -232,13 +235,8 @@ class Scheduler:
             for page in leader.pages[:full]:
                 self.pool.share(page)
             taken.add(req.id)
-            slot = self.slots.index(None)
-            self.slots[slot] = req
-            req.slot, req.state, req.prefill_target = slot, State.PREFILL, target
-            req.pages = leader.pages[:full] + fresh
-            req.cached, req.named = 0, 0
-            req.digests = list(leader.digests)
-            self.page_table[slot, :len(req.pages)] = req.pages
+            self._seat(req, target, leader.pages[:full] + fresh)
+            req.cached, req.named, req.digests = 0, 0, list(leader.digests)
             chunk.forks.append(req)
         if taken:
             self.waiting = [r for r in self.waiting if r.id not in taken]
