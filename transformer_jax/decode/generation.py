@@ -106,8 +106,7 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
       constraints: structured outputs: one ``TokenConstraint`` (or None) per prompt, each
         advanced in place (``decode.constrained``; one device).
       speculative: a spec string (``"ngram:k=4"``, ``"draft:PATH:k=4"``, ``"mtp"``) or a
-        ``SpeculativeConfig``: the same tokens, proposed and verified in one forward
-        (``decode.speculative_loop``; one device, no constraints, no sliding-window layers).
+        ``SpeculativeConfig``: the same tokens (one device, no constraints, no ring layers).
       draft: a ``speculative_loop.DraftModel`` for a ``"draft"`` spec.
 
     Returns:

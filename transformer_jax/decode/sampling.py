@@ -338,9 +338,8 @@ def sample(logits: jax.Array, key: jax.Array | None, *, temperature: RowParam = 
 
     Args:
         logits: [B, V] logits.
-        key: one PRNG key shared by the batch (raw uint32 [2] or typed []), or per-row keys
-            (raw [B, 2] or typed [B]: row b sampled alone with key[b] gives the same token).
-            May be None only when ``temperature`` is the Python scalar 0.
+        key: one PRNG key for the batch (raw uint32 [2] or typed []), or per-row keys (raw
+            [B, 2] or typed [B]); None only when ``temperature`` is the Python scalar 0.
         temperature: scalar or [B] array, >= 0; 0 means greedy.
         top_k: None, a static int in [1, V], or an integer [B] array (a full sort).
         top_p: None, or scalar / [B] array in (0, 1].

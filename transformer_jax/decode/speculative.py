@@ -412,8 +412,7 @@ def measure_round_cost(run: Callable[[bool, int], tuple[float, Sequence[int]]], 
 
     Args:
       run: ``(verify, max_rounds) -> (seconds, (plain rounds, verify rounds) run)``: the
-        program on real inputs with every round verifying (as far as rows can propose) or every
-        round plain, for at most ``max_rounds`` rounds.
+        program with every round verifying (where rows can propose) or every round plain.
       rounds: the rounds of each timed run; repeats: the timed triples.
 
     Returns:

@@ -76,9 +76,8 @@ class Engine:
       page_size: positions per page.
       token_budget: the most tokens one step runs: B decode rows plus prompt chunks of up to
         ``token_budget - B`` tokens, padding included.
-      mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1), as ``generate``
-        takes it: each step runs tensor-parallel over it (``DecodeWeights`` bring their own
-        mesh when this is None).
+      mesh: optional mesh with a ``"tensor"`` axis to run each step over, as ``generate``
+        takes it (None: the ``DecodeWeights``' own).
       prefix_caching: share full pages between requests with the same prefix (off, with a
         log line, for a model whose local layers keep rings).
       cache_dtype: the pages' storage dtype: a floating dtype (name), or ``"int8"``; the
@@ -90,9 +89,8 @@ class Engine:
         and requests may have stop strings.
       quant: prepare the parameters with weights quantised (``"int8"``, ``"int4"``,
         ``"int4:G"``); given ``DecodeWeights`` must match it.
-      adapters: optional {name: (adapter tree, ``LoraConfig``)} of LoRA adapters trained on
-        these weights: a request names one in ``SamplingParams.adapter``; one step batches
-        rows of different adapters (no merge, nothing compiled per adapter).
+      adapters: optional {name: (adapter tree, ``LoraConfig``)} of LoRA adapters of these
+        weights, named by ``SamplingParams.adapter``; one step batches rows of different ones.
       draft: optional draft model for speculative decoding (a ``DraftModel`` or a checkpoint
         path) for requests with ``speculative="draft:..."``.
       max_prefill_rows: the most prompts one step prefills (default: as many as the token

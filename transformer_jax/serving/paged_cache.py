@@ -250,15 +250,15 @@ class PagedKVCache:
         """
         logits = dict(impl=impl, scale=scale, softcap=softcap, sinks=sinks)
         ring, j = kv_ring.locate(self.ring, i)
-        if not ring and chunk is not None:  # no kernel or view masks chunks: the rows
+        if not ring:
             cache = self.write(j, k, v, positions)
+            if chunk is None:
+                return cache._attend_pages(j, q, positions, window, **logits), cache
+            # no kernel or view masks chunks: the rows' pages gathered
             keys, values = cache._dequantized(*cache.layer(j), q.dtype)
             return attention(q.astype(keys.dtype), keys, values, q_positions=positions,
                              chunk=chunk, **dict(logits, impl="xla" if impl == "pallas"
                                                  else impl)), cache
-        if not ring:
-            cache = self.write(j, k, v, positions)
-            return cache._attend_pages(j, q, positions, window, **logits), cache
         # The rings take the reference implementations (the paged kernels read pages).
         return kv_ring.attend(
             self, j, self.ring, q, k, v, positions,

@@ -56,9 +56,8 @@ class Scheduler:
         models whose local layers keep per-slot rings).
       max_prefill_rows: the most prompt chunks one step runs (None: as many as the budget
         holds).
-      min_context: the narrowest page table a step runs at, in positions: a step attends over
-        its rows' first W pages, W the smallest power-of-two width from this that holds its
-        longest row.
+      min_context: the narrowest page table a step runs at, in positions (W: the smallest
+        power-of-two width from this that holds the step's longest row).
     """
 
     def __init__(self, num_slots: int, num_pages: int, page_size: int, max_len: int,
@@ -431,10 +430,8 @@ class Scheduler:
                          req.matcher.get_error().splitlines()[0] if req.matcher.is_error()
                          else "no error given")
             req.finish_reason = "error"
-        elif token in p.stop_token_ids:
-            req.finish_reason = "stop"
-        elif req.matcher is not None and req.matcher.is_stopped():  # the grammar is complete
-            req.finish_reason = "stop"
+        elif token in p.stop_token_ids or (req.matcher is not None and req.matcher.is_stopped()):
+            req.finish_reason = "stop"  # a stop token, or the grammar is complete
         elif req.num_new >= p.max_tokens:
             req.finish_reason = "length"
         self._name_pages(req)
