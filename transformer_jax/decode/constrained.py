@@ -139,8 +139,7 @@ def generate_constrained(config: ModelConfig, params: Params, tokens: np.ndarray
     b, n = tokens.shape[0], max_new_tokens
     out_tokens = np.full((b, n), settings.pad_id, np.int32)
     out_logprobs = np.zeros((b, n), np.float32)
-    num = np.zeros(b, np.int32)
-    done = np.zeros(b, bool)
+    num, done = np.zeros(b, np.int32), np.zeros(b, bool)
     stop = set(settings.stop_tokens)
     keys = jnp.asarray(key_data, jnp.uint32)
     positions = jnp.asarray(lengths, jnp.int32) - 1
@@ -164,8 +163,7 @@ def generate_constrained(config: ModelConfig, params: Params, tokens: np.ndarray
             if c is not None and not c.consume_token(tok):
                 raise RuntimeError(f"constraint of row {row} refused token {tok}, drawn from "
                                    "its own mask")
-            done[row] = (tok in stop or num[row] >= n
-                         or (c is not None and c.is_stopped()))
+            done[row] = tok in stop or num[row] >= n or (c is not None and c.is_stopped())
         if stream is not None:
             stream(step, np.where(active, picked, settings.pad_id).astype(np.int32), active)
         if done.all():

@@ -106,8 +106,7 @@ def generate(config: ModelConfig, params: Params | DecodeWeights,
       constraints: structured outputs: one ``TokenConstraint`` (or None) per prompt, each
         advanced in place (``decode.constrained``; one device).
       speculative: a spec string (``"ngram:k=4"``, ``"draft:PATH:k=4"``, ``"mtp"``) or a
-        ``SpeculativeConfig``: the same tokens, proposed and verified in one forward
-        (``decode.speculative_loop``; one device, no constraints, no sliding-window layers).
+        ``SpeculativeConfig``: the same tokens (one device, no constraints, no ring layers).
       draft: a ``speculative_loop.DraftModel`` for a ``"draft"`` spec.
 
     Returns:
@@ -193,10 +192,6 @@ def result_from_arrays(tokens: np.ndarray, logprobs: np.ndarray, num_tokens: np.
     """A ``GenerateResult`` from ``generate_padded``'s outputs ([B, N], [B, N], [B])."""
     tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
     num = [int(x) for x in np.asarray(num_tokens)]
-    return GenerateResult(
-        tokens=[tokens[i, :n].tolist() for i, n in enumerate(num)],
-        logprobs=[logprobs[i, :n].tolist() for i, n in enumerate(num)],
-        lengths=num,
-        token_array=tokens,
-        logprob_array=logprobs,
-    )
+    return GenerateResult(tokens=[tokens[i, :n].tolist() for i, n in enumerate(num)],
+                          logprobs=[logprobs[i, :n].tolist() for i, n in enumerate(num)],
+                          lengths=num, token_array=tokens, logprob_array=logprobs)

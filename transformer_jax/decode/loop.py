@@ -248,16 +248,11 @@ def _decode_loop(config: ModelConfig, params: Params, state: SamplingState,
         if stream_id is not None:
             streaming.emit(stream_id, s.step, tok, active, ordered=ordered)
         return s.replace(
-            step=s.step + 1,
+            step=s.step + 1, next_token=tok, done=done, num_tokens=num_tokens, cache=cache,
             tokens=jax.lax.dynamic_update_slice(s.tokens, tok[:, None], (0, s.step)),
             logprobs=jax.lax.dynamic_update_slice(s.logprobs, logprob[:, None], (0, s.step)),
-            next_token=tok,
             # A finished sequence keeps its position, so its (ignored) writes stay in range.
-            positions=jnp.where(done, s.positions, s.positions + 1),
-            done=done,
-            num_tokens=num_tokens,
-            cache=cache,
-        )
+            positions=jnp.where(done, s.positions, s.positions + 1))
 
     def body(s: SamplingState) -> SamplingState:
         return advance(s, *decode_step(config, params, s.cache, s.next_token, s.positions))
@@ -310,17 +305,12 @@ def generate_padded(config: ModelConfig, params: Params | DecodeWeights, tokens:
         logits, cache = prefill(config, weights, tokens, lengths,
                                 t + n if cache_size is None else cache_size, cache_dtype,
                                 platform=platform)
+        zeros = jnp.zeros((b,), jnp.int32)  # next_token: the first advance sets it
         state = SamplingState(
-            step=jnp.zeros((), jnp.int32),
-            tokens=jnp.full((b, n), settings.pad_id, jnp.int32),
-            logprobs=jnp.zeros((b, n), jnp.float32),
-            next_token=jnp.zeros((b,), jnp.int32),  # the first advance sets it
-            positions=lengths.astype(jnp.int32) - 1,
-            done=jnp.zeros((b,), bool),
-            num_tokens=jnp.zeros((b,), jnp.int32),
-            keys=key_data.astype(jnp.uint32),
-            cache=cache,
-        )
+            step=jnp.zeros((), jnp.int32), tokens=jnp.full((b, n), settings.pad_id, jnp.int32),
+            logprobs=jnp.zeros((b, n), jnp.float32), next_token=zeros,
+            positions=lengths.astype(jnp.int32) - 1, done=jnp.zeros((b,), bool),
+            num_tokens=zeros, keys=key_data.astype(jnp.uint32), cache=cache)
         return _decode_loop(config, weights, state, logits, stream_id=stream_id,
                             max_new_tokens=n, settings=settings, ordered=not is_split(mesh))
 

@@ -30,8 +30,8 @@ def _is_python_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.ndarray))
 
 
-def _check_range(name: str, value: Any, low: float, high: float, *, low_inclusive: bool,
-                 high_inclusive: bool = True) -> None:
+def _check_range(name: str, value: Any, low: float, high: float, low_inclusive: bool,
+                 high_inclusive: bool) -> None:
     """Raises ValueError unless every entry of a concrete ``value`` lies in the given interval."""
     arr = np.asarray(value, dtype=np.float64)
     if arr.ndim > 1:
@@ -87,17 +87,15 @@ def validate_sampling_args(temperature: RowParam, top_k: int | jax.Array | np.nd
             _check_arg(name, value, vocab_size)
 
 
+#: Each float setting's interval: (low, high, low included, high included).
+_RANGES = {"temperature": (0.0, math.inf, True, False), "top_p": (0.0, 1.0, False, True),
+           "min_p": (0.0, 1.0, True, True)}
+
+
 def _check_arg(name: str, value: Any, vocab_size: int) -> None:
-    if name == "temperature":
-        _check_range(name, value, 0.0, math.inf, low_inclusive=True, high_inclusive=False)
-    elif name == "top_k":
-        _check_top_k(value, vocab_size)
-    elif name == "top_p":
-        _check_range(name, value, 0.0, 1.0, low_inclusive=False)
-    elif name == "min_p":
-        _check_range(name, value, 0.0, 1.0, low_inclusive=True)
-    else:
-        raise AssertionError(f"unknown sampling argument {name}")
+    if name == "top_k":
+        return _check_top_k(value, vocab_size)
+    _check_range(name, value, *_RANGES[name])
 
 
 def _check_python_scalars(vocab_size: int, **values: Any) -> None:
@@ -256,12 +254,8 @@ def _filter_logits(logits: jax.Array, temperature: RowParam, top_k: int | jax.Ar
     """temperature -> top-k -> top-p -> min-p, sharing one sort between the filters."""
     vocab = logits.shape[-1]
     x = _temperature(logits, temperature)
-    if _is_python_number(top_k) and top_k == vocab:
-        top_k = None
-    if _is_python_number(top_p) and top_p == 1:
-        top_p = None
-    if _is_python_number(min_p) and min_p == 0:
-        min_p = None
+    top_k, top_p, min_p = (None if _is_python_number(v) and v == no_op else v  # filters off
+                           for v, no_op in ((top_k, vocab), (top_p, 1), (min_p, 0)))
     sorted_desc = None
     if top_k is not None:
         x, sorted_desc = _top_k(x, top_k)
@@ -344,9 +338,8 @@ def sample(logits: jax.Array, key: jax.Array | None, *, temperature: RowParam = 
 
     Args:
         logits: [B, V] logits.
-        key: one PRNG key shared by the batch (raw uint32 [2] or typed []), or per-row keys
-            (raw [B, 2] or typed [B]: row b sampled alone with key[b] gives the same token).
-            May be None only when ``temperature`` is the Python scalar 0.
+        key: one PRNG key for the batch (raw uint32 [2] or typed []), or per-row keys (raw
+            [B, 2] or typed [B]); None only when ``temperature`` is the Python scalar 0.
         temperature: scalar or [B] array, >= 0; 0 means greedy.
         top_k: None, a static int in [1, V], or an integer [B] array (a full sort).
         top_p: None, or scalar / [B] array in (0, 1].

@@ -49,14 +49,12 @@ class SpeculativeConfig:
         if self.method not in ("ngram", "draft", "mtp"):
             raise ValueError(f"speculative method must be 'ngram', 'draft' or 'mtp', got "
                              f"{self.method!r}")
-        for name in ("k", "n", "min_n"):
+        for name, most in (("k", MAX_K), ("n", MAX_N), ("min_n", None)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative {name} must be a positive int, got {value!r}")
-        if self.k > MAX_K:
-            raise ValueError(f"speculative k must be at most {MAX_K}, got {self.k}")
-        if self.n > MAX_N:
-            raise ValueError(f"speculative n must be at most {MAX_N}, got {self.n}")
+            if most is not None and value > most:
+                raise ValueError(f"speculative {name} must be at most {most}, got {value}")
         if self.min_n > self.n:
             raise ValueError(f"speculative min_n ({self.min_n}) exceeds n ({self.n})")
         if self.method == "mtp" and self.k != 1:
@@ -414,8 +412,7 @@ def measure_round_cost(run: Callable[[bool, int], tuple[float, Sequence[int]]], 
 
     Args:
       run: ``(verify, max_rounds) -> (seconds, (plain rounds, verify rounds) run)``: the
-        program on real inputs with every round verifying (as far as rows can propose) or every
-        round plain, for at most ``max_rounds`` rounds.
+        program with every round verifying (where rows can propose) or every round plain.
       rounds: the rounds of each timed run; repeats: the timed triples.
 
     Returns:

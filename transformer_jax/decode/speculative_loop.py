@@ -192,11 +192,8 @@ def speculative_generate_padded(
     key_data = key_data.astype(jnp.uint32)
     cost = jnp.asarray(cost, jnp.float32)
     mtp = spec.method == "mtp"  # the target's own module drafts (``speculative_mtp``)
-    if mtp:
-        logits, cache, hidden = speculative_mtp.prefill_with_hidden(
-            config, params, tokens, lengths, cache_size, cache_dtype)
-    else:
-        logits, cache = prefill(config, params, tokens, lengths, cache_size, cache_dtype)
+    logits, cache, *hidden = prefill(config, params, tokens, lengths, cache_size, cache_dtype,
+                                     with_hidden=mtp)  # the module's input over the prompt
     draft_cache = None
     if draft_params is not None:
         _, draft_cache = prefill(draft_config, draft_params, tokens, lengths, cache_size + 1)
@@ -216,7 +213,7 @@ def speculative_generate_padded(
     state = append(state, first, first_lp, jnp.ones((b,), jnp.int32), settings)
     if mtp:
         proposal, draft_cache = speculative_mtp.first_proposal(
-            config, params, hidden, tokens, first[:, 0], lengths, cache_size, cache_dtype)
+            config, params, hidden[0], tokens, first[:, 0], lengths, cache_size, cache_dtype)
         state = state.replace(draft_cache=draft_cache, drafts=state.drafts.at[:, 0].set(proposal))
     if stream_id is not None:
         state = stream_ready(state, stream_id, settings.pad_id)

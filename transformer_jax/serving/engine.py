@@ -36,7 +36,7 @@ from transformer_jax.decode.loop import (
     prepare,
     tensor_shards,
 )
-from transformer_jax.decode.prompts import is_int, validate_prompts
+from transformer_jax.decode.prompts import validate_prompts
 from transformer_jax.model import multi_lora
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.lora import LoraConfig
@@ -44,7 +44,7 @@ from transformer_jax.serving import step as step_lib
 from transformer_jax.serving.multistep import MultiStep
 from transformer_jax.serving.overlap import Overlap
 from transformer_jax.serving.page_pool import pages_for
-from transformer_jax.serving.paged_cache import VIEWS, PagedKVCache, check_pageable
+from transformer_jax.serving.paged_cache import PagedKVCache, check_pageable, check_sizes
 from transformer_jax.serving.plan import row_sampling
 from transformer_jax.serving.requests import (
     Completion,
@@ -76,9 +76,8 @@ class Engine:
       page_size: positions per page.
       token_budget: the most tokens one step runs: B decode rows plus prompt chunks of up to
         ``token_budget - B`` tokens, padding included.
-      mesh: optional mesh with a ``"tensor"`` axis (other axes of size 1), as ``generate``
-        takes it: each step runs tensor-parallel over it (``DecodeWeights`` bring their own
-        mesh when this is None).
+      mesh: optional mesh with a ``"tensor"`` axis to run each step over, as ``generate``
+        takes it (None: the ``DecodeWeights``' own).
       prefix_caching: share full pages between requests with the same prefix (off, with a
         log line, for a model whose local layers keep rings).
       cache_dtype: the pages' storage dtype: a floating dtype (name), or ``"int8"``; the
@@ -90,9 +89,8 @@ class Engine:
         and requests may have stop strings.
       quant: prepare the parameters with weights quantised (``"int8"``, ``"int4"``,
         ``"int4:G"``); given ``DecodeWeights`` must match it.
-      adapters: optional {name: (adapter tree, ``LoraConfig``)} of LoRA adapters trained on
-        these weights: a request names one in ``SamplingParams.adapter``; one step batches
-        rows of different adapters (no merge, nothing compiled per adapter).
+      adapters: optional {name: (adapter tree, ``LoraConfig``)} of LoRA adapters of these
+        weights, named by ``SamplingParams.adapter``; one step batches rows of different ones.
       draft: optional draft model for speculative decoding (a ``DraftModel`` or a checkpoint
         path) for requests with ``speculative="draft:..."``.
       max_prefill_rows: the most prompts one step prefills (default: as many as the token
@@ -112,21 +110,13 @@ class Engine:
                  tokenizer: Any = None, quant: str | None = None, draft: Any = None,
                  adapters: Mapping[str, tuple[Any, LoraConfig]] | None = None,
                  max_prefill_rows: int | None = None, overlap: bool = True) -> None:
-        for name, value in (("num_slots", num_slots), ("num_pages", num_pages),
-                            ("page_size", page_size), ("token_budget", token_budget),
-                            ("min_context", min_context)):
-            if not is_int(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if num_pages < 2:
-            raise ValueError(f"num_pages must be at least 2 (page 0 is the null page), got "
-                             f"{num_pages}")
+        check_sizes(view, num_slots=num_slots, num_pages=num_pages, page_size=page_size,
+                    token_budget=token_budget, min_context=min_context)
         if token_budget <= num_slots:
             raise ValueError(f"token_budget ({token_budget}) must exceed num_slots "
                              f"({num_slots}): each step decodes one token per slot and "
                              "prefills with the rest")
         check_pageable(config, cache_dtype)
-        if view not in VIEWS:
-            raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
         if isinstance(weights_or_params, DecodeWeights):
             weights_or_params.check_for(config, mesh, "Engine", quant)
             self.weights = weights_or_params

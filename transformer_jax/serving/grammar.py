@@ -27,9 +27,8 @@ class Grammar:
 
     Attributes:
       kind: one of ``KINDS``.
-      value: the JSON schema (a dict, or its JSON text) for ``"json_schema"``; None for
-        ``"json_object"``; the pattern for ``"regex"``; a tuple of strings for ``"choice"``;
-        the grammar's text for ``"lark"``.
+      value: ``"json_schema"``: the schema (a dict or JSON text); ``"json_object"``: None;
+        ``"regex"``: the pattern; ``"choice"``: a tuple of strings; ``"lark"``: the text.
     """
 
     kind: str
@@ -46,17 +45,14 @@ class Grammar:
         """The llguidance grammar of this one; ValueError for an unknown kind or a bad value."""
         from llguidance import LLMatcher
 
-        if self.kind == "json_schema":
-            schema = self.value
+        if self.kind in ("json_schema", "json_object"):
+            schema = self.value if self.kind == "json_schema" else {"type": "object"}
             if isinstance(schema, str):
                 schema = json.loads(schema)
             if not isinstance(schema, dict):
                 raise ValueError(f"json_schema must be a JSON object, got {schema!r:.80}")
             return LLMatcher.grammar_from_json_schema(
                 schema, defaults={"whitespace_flexible": False})
-        if self.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema(
-                {"type": "object"}, defaults={"whitespace_flexible": False})
         if self.kind == "regex":
             if not isinstance(self.value, str):
                 raise ValueError(f"regex must be a string, got {self.value!r:.80}")

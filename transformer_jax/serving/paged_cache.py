@@ -30,6 +30,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.decode.prompts import is_int
 from transformer_jax.model import kv_ring
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.model.kv_ring import RingLayout
@@ -62,6 +63,19 @@ def check_pageable(config: ModelConfig, cache_dtype: jnp.dtype | str | None = No
             config.mla is not None:
         raise ValueError("latent attention (mla) pages store floats: cache_dtype int8 is not "
                          "supported, use a float dtype")
+
+
+def check_sizes(view: str, **sizes: int) -> None:
+    """Raises ValueError naming a size that is not a positive int, ``num_pages`` < 2 (page 0
+    is the null page) or an unknown ``view``."""
+    for name, value in sizes.items():
+        if not is_int(value) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if sizes["num_pages"] < 2:
+        raise ValueError(f"num_pages must be at least 2 (page 0 is the null page), got "
+                         f"{sizes['num_pages']}")
+    if view not in VIEWS:
+        raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
 
 
 def page_bytes(config: ModelConfig, page_size: int, dtype: jnp.dtype | str | None = None
@@ -132,15 +146,8 @@ class PagedKVCache:
           ValueError: for a size out of range, an unknown view or storage dtype, naming it.
         """
         check_pageable(config, dtype)
-        for name, value in (("num_pages", num_pages), ("page_size", page_size),
-                            ("batch", batch), ("pages_per_row", pages_per_row)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if num_pages < 2:
-            raise ValueError(f"num_pages must be at least 2 (page 0 is the null page), got "
-                             f"{num_pages}")
-        if view not in VIEWS:
-            raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
+        check_sizes(view, num_pages=num_pages, page_size=page_size, batch=batch,
+                    pages_per_row=pages_per_row)
         dtype = storage_dtype(config.dtype if dtype is None else dtype)
         kv, h = config.n_kv_heads, kv_quant.stored_head_dim(config.head_dim, dtype)
         shape = (kv, num_pages, page_size, h)
@@ -243,15 +250,15 @@ class PagedKVCache:
         """
         logits = dict(impl=impl, scale=scale, softcap=softcap, sinks=sinks)
         ring, j = kv_ring.locate(self.ring, i)
-        if not ring and chunk is not None:  # no kernel or view masks chunks: the rows
+        if not ring:
             cache = self.write(j, k, v, positions)
+            if chunk is None:
+                return cache._attend_pages(j, q, positions, window, **logits), cache
+            # no kernel or view masks chunks: the rows' pages gathered
             keys, values = cache._dequantized(*cache.layer(j), q.dtype)
             return attention(q.astype(keys.dtype), keys, values, q_positions=positions,
                              chunk=chunk, **dict(logits, impl="xla" if impl == "pallas"
                                                  else impl)), cache
-        if not ring:
-            cache = self.write(j, k, v, positions)
-            return cache._attend_pages(j, q, positions, window, **logits), cache
         # The rings take the reference implementations (the paged kernels read pages).
         return kv_ring.attend(
             self, j, self.ring, q, k, v, positions,

@@ -96,12 +96,9 @@ def row_sampling(reqs: list[Request | None], vocab_size: int) -> tuple[RowSampli
             continue
         p = req.params
         key_data[i], token_index[i], temperature[i] = req.key_data, req.num_new, p.temperature
-        if p.top_k is not None:
-            top_k[i] = p.top_k
-        if p.top_p is not None:
-            top_p[i] = p.top_p
-        if p.min_p is not None:
-            min_p[i] = p.min_p
+        top_k[i] = vocab_size if p.top_k is None else p.top_k
+        top_p[i] = 1 if p.top_p is None else p.top_p
+        min_p[i] = 0 if p.min_p is None else p.min_p
     sampled = bool(np.any(temperature > 0))
     alternatives = any(req is not None and req.params.top_logprobs for req in reqs)
     sampler = Sampler(sampled=sampled, top_k=sampled and bool(np.any(top_k < vocab_size)),

@@ -56,9 +56,8 @@ class Scheduler:
         models whose local layers keep per-slot rings).
       max_prefill_rows: the most prompt chunks one step runs (None: as many as the budget
         holds).
-      min_context: the narrowest page table a step runs at, in positions: a step attends over
-        its rows' first W pages, W the smallest power-of-two width from this that holds its
-        longest row.
+      min_context: the narrowest page table a step runs at, in positions (W: the smallest
+        power-of-two width from this that holds the step's longest row).
     """
 
     def __init__(self, num_slots: int, num_pages: int, page_size: int, max_len: int,
@@ -195,15 +194,18 @@ class Scheduler:
             self.prefix.release(shared)
             return None
         self.waiting.pop(0)
-        slot = self.slots.index(None)
-        self.slots[slot] = req
-        req.slot, req.state, req.prefill_target = slot, State.PREFILL, target
-        req.pages, req.cached = list(shared), len(shared) * self.page_size
-        req.named = len(shared)
+        self._seat(req, target, list(shared))
+        req.cached, req.named = len(shared) * self.page_size, len(shared)
         req.prefix_hit_tokens += req.cached
-        self.page_table[slot, :len(shared)] = shared
         self.prefilling.append(req)
         return req
+
+    def _seat(self, req: Request, target: int, pages: list[int]) -> None:
+        """Puts ``req`` on a free slot with ``pages``, to prefill ``target`` tokens."""
+        slot = self.slots.index(None)
+        self.slots[slot] = req
+        req.slot, req.state, req.prefill_target, req.pages = slot, State.PREFILL, target, pages
+        self.page_table[slot, :len(pages)] = pages
 
     def _fork(self, plan: StepPlan, chunk: Chunk) -> None:
         """Admits, as ``chunk.forks``, the waiting requests whose tokens (and adapter) are the
@@ -232,13 +234,8 @@ class Scheduler:
             for page in leader.pages[:full]:
                 self.pool.share(page)
             taken.add(req.id)
-            slot = self.slots.index(None)
-            self.slots[slot] = req
-            req.slot, req.state, req.prefill_target = slot, State.PREFILL, target
-            req.pages = leader.pages[:full] + fresh
-            req.cached, req.named = 0, 0
-            req.digests = list(leader.digests)
-            self.page_table[slot, :len(req.pages)] = req.pages
+            self._seat(req, target, leader.pages[:full] + fresh)
+            req.cached, req.named, req.digests = 0, 0, list(leader.digests)
             chunk.forks.append(req)
         if taken:
             self.waiting = [r for r in self.waiting if r.id not in taken]
@@ -433,10 +430,8 @@ class Scheduler:
                          req.matcher.get_error().splitlines()[0] if req.matcher.is_error()
                          else "no error given")
             req.finish_reason = "error"
-        elif token in p.stop_token_ids:
-            req.finish_reason = "stop"
-        elif req.matcher is not None and req.matcher.is_stopped():  # the grammar is complete
-            req.finish_reason = "stop"
+        elif token in p.stop_token_ids or (req.matcher is not None and req.matcher.is_stopped()):
+            req.finish_reason = "stop"  # a stop token, or the grammar is complete
         elif req.num_new >= p.max_tokens:
             req.finish_reason = "length"
         self._name_pages(req)

@@ -263,7 +263,11 @@ class Speculation:
         if not drafts:
             return self._verify(plan, {}, {}, rows, sampler)
         t, width = self._shape(plan, drafts)
-        plain_s, verify_s = self._times(plan, width, t, sampler)
+        plain_s = self._time(plan.width, 1, False, sampler)
+        verify_s = self._time(width, t, False, sampler)  # measured, else estimated
+        if verify_s is None and plain_s is not None:
+            verify_s = self._estimate(width, t, self._time(width, 1, False, sampler) or plain_s,
+                                      sampler)
         if verify_s is not None:  # the cost rule (no plain step's time yet: run one)
             drafts = self._decide(plan, drafts, None if plain_s is None else verify_s / plain_s, t)
         if not drafts:
@@ -346,16 +350,6 @@ class Speculation:
                      for r in plan.decodes)
         most = max((len(d) for d in drafts.values()), default=0)  # none: the module's T = 1
         return (width_of(most) if drafts else 1, sched._width(min(needed, sched.pages_per_seq)))
-
-    def _times(self, plan: StepPlan, width: int, t: int, sampler: Sampler
-               ) -> tuple[float | None, float | None]:
-        """The plain step's and the verify step's measured (or estimated) times, or None."""
-        plain = self._time(plan.width, 1, False, sampler)
-        verify = self._time(width, t, False, sampler)
-        if verify is None and plain is not None:
-            verify = self._estimate(width, t, self._time(width, 1, False, sampler) or plain,
-                                    sampler)
-        return plain, verify
 
     def _decide(self, plan: StepPlan, drafts: dict[int, list[int]], cost: float | None,
                 t: int) -> dict[int, list[int]]:

@@ -48,14 +48,13 @@ class StepTimes:
         self.steps: collections.deque[list[float]] = collections.deque(maxlen=keep)
         #: Whether each kept step ran a prompt chunk (the others decode only).
         self.prefill: collections.deque[bool] = collections.deque(maxlen=keep)
-        self.totals = [0.0] * len(PHASES)
-        self.count = 0
+        self.reset()
 
     def reset(self) -> None:
         """Forgets every step timed so far."""
         self.steps.clear()
         self.prefill.clear()
-        self.totals = [0.0] * len(PHASES)
+        self.totals = [0.0] * len(PHASES)  # seconds by phase, and the steps they sum
         self.count = 0
 
     def record(self, clock: StepClock, prefill: bool = False) -> None:

@@ -19,10 +19,6 @@ CONTEXT_TOKENS = 5
 _INCOMPLETE = "\ufffd"
 
 
-def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
-    return detokenize(tokenizer, list(ids))
-
-
 class IncrementalDetokenizer:
     """Text deltas of a growing token sequence.
 
@@ -56,12 +52,12 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         if len(self.ids) == self.read:
             return ""
-        before = _decode(self.tokenizer, self.ids[self.prefix:self.read])
-        text = _decode(self.tokenizer, self.ids[self.prefix:])
+        before = detokenize(self.tokenizer, self.ids[self.prefix:self.read])
+        text = detokenize(self.tokenizer, self.ids[self.prefix:])
         if text.startswith(before):
             delta = text[len(before):]
         elif final:  # the context reads differently once extended: the new tokens alone
-            delta = _decode(self.tokenizer, self.ids[self.read:])
+            delta = detokenize(self.tokenizer, self.ids[self.read:])
         else:
             return ""
         # Hold a token that adds no text yet, or text ending inside a multi-byte character.
