@@ -279,8 +279,7 @@ def _write_entries(buf: jax.Array, lead: tuple[Any, ...], entries: jax.Array, st
         return jax.lax.dynamic_update_slice(buf, entries, (0, start[0], 0))
     rows = jnp.arange(b)[:, None]
     slots = start[:, None] + jnp.arange(t, dtype=start.dtype)
-    return buf.at[(*lead, rows, slots)].set(entries, mode="promise_in_bounds",
-                                            unique_indices=True)
+    return buf.at[(*lead, rows, slots)].set(entries, mode="promise_in_bounds", unique_indices=True)
 
 
 def _write(cache: Any, i: int | jax.Array, new: jax.Array, start: jax.Array) -> Any:

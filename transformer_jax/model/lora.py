@@ -142,21 +142,18 @@ def _applies(params: Mapping[str, Any], block: Block, target: str) -> bool:
     return isinstance(node, Mapping) and TARGETS[target][0] in node
 
 
-def _entries(params: Mapping[str, Any], lora_config: LoraConfig
-             ) -> list[tuple[Block, bool, str]]:
+def _entries(params: Mapping[str, Any], lora_config: LoraConfig) -> list[tuple[Block, bool, str]]:
     """(block, stacked, target) of every adapted matrix.
 
     Raises:
       ValueError: a target whose module no block has, or a block lacking the target's matrix.
     """
     blocks = _blocks(params)
-    entries = [(b, s, t) for b, s in blocks for t in lora_config.targets
-               if _applies(params, b, t)]
+    entries = [(b, s, t) for b, s in blocks for t in lora_config.targets if _applies(params, b, t)]
     for target in [t for t in lora_config.targets if t not in {t for _, _, t in entries}]:
         if TARGETS[target][0] == "mlp" and any(_applies(params, b, "experts.gate")
                                                for b, _ in blocks):  # every layer sparse
-            logger.info("lora target %r: no dense FFN (every layer is a mixture); skipped",
-                        target)
+            logger.info("lora target %r: no dense FFN (every layer is a mixture); skipped", target)
             continue
         raise ValueError(f"lora target {target!r} adapts {'/'.join(TARGETS[target])}, which no "
                          "block of the params has (block keys: "
@@ -221,8 +218,7 @@ def delta(a: jax.Array, b: jax.Array, target: str, stacked: bool, scale: float) 
                               preferred_element_type=jnp.float32)
 
 
-def _adapted(params: Params, adapters: Adapters, lora_config: LoraConfig,
-             dtype_of: Any) -> Params:
+def _adapted(params: Params, adapters: Adapters, lora_config: LoraConfig, dtype_of: Any) -> Params:
     out = dict(params)
     for block, stacked, target in _entries(params, lora_config):
         path = TARGETS[target]
@@ -254,8 +250,7 @@ def apply_adapters(params: Params, adapters: Adapters, lora_config: LoraConfig) 
                     lambda w, ab: jnp.promote_types(w.dtype, ab["a"].dtype))
 
 
-def merge(params: Params, adapters: Adapters, lora_config: LoraConfig,
-          dtype: Any = None) -> Params:
+def merge(params: Params, adapters: Adapters, lora_config: LoraConfig, dtype: Any = None) -> Params:
     """Folds the adapters into the weights, for export.
 
     Args:

@@ -58,8 +58,7 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
     """
     if not adapters:
         raise ValueError("stack_adapters needs at least one adapter")
-    names = list(names) if names is not None else [f"adapter {i + 1}"
-                                                   for i in range(len(adapters))]
+    names = list(names) if names is not None else [f"adapter {i + 1}" for i in range(len(adapters))]
     blocks = block_paths(params)
     rank = max(cfg.rank for _, cfg in adapters)
     trees = []

@@ -154,8 +154,7 @@ def _slice(x, start, size, axis):
     return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def online_softmax_init(rows: tuple[int, ...], h: int
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def online_softmax_init(rows: tuple[int, ...], h: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The empty (acc, max, sum) carry of ``online_softmax_step`` for query rows ``rows``."""
     return (jnp.zeros((*rows, h), jnp.float32), jnp.full(rows, -jnp.inf, jnp.float32),
             jnp.zeros(rows, jnp.float32))
@@ -338,15 +337,13 @@ def _chunked(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks):
     return _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks)[0]
 
 
-def _chunked_fwd(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks):
-    result, (out, lse) = _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks)
-    return result, (q, k, v, qpos, kpos, qseg, kseg, window, sinks, out, lse)
+def _chunked_fwd(plan, *args):
+    result, (out, lse) = _chunked_fwd_impl(plan, *args)
+    return result, (*args, out, lse)
 
 
 def _chunked_bwd(plan, residuals, d_out):
-    q, k, v, qpos, kpos, qseg, kseg, window, sinks, out, lse = residuals
-    dq, dk, dv, d_sinks = _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window,
-                                            sinks, out, lse, d_out)
+    dq, dk, dv, d_sinks = _chunked_bwd_impl(plan, *residuals, d_out)
     return dq, dk, dv, None, None, None, None, None, d_sinks  # integers have no cotangent
 
 
@@ -384,8 +381,7 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
         sinks = jnp.zeros((q.shape[2],), jnp.float32)
     else:
         chex.assert_shape(sinks, (q.shape[2],))
-    return _chunked(plan, q, k, v, q_positions, k_positions, q_segments, k_segments, window,
-                    sinks)
+    return _chunked(plan, q, k, v, q_positions, k_positions, q_segments, k_segments, window, sinks)
 
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "check_qkv", "check_structure", "chunked_attention",

@@ -291,8 +291,7 @@ def _gather_rows_bwd(inverse, ct):
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
-def _gmm(layout: TileLayout, x: jax.Array, w: jax.Array, transpose: bool = False
-         ) -> jax.Array:
+def _gmm(layout: TileLayout, x: jax.Array, w: jax.Array, transpose: bool = False) -> jax.Array:
     """x [R, A] in tiles, w [E, A, C] (or an ``ExpertList``) -> [R, C]: each used tile times
     its expert's matrix (with ``transpose``, w [E, C, A] times its transpose, read as it is
     stored)."""
@@ -363,8 +362,7 @@ def _tiled(x, routing, w_gate, w_up, w_down, activation):
     else:
         w_gate, w_up, w_down = (_weights(w, x.dtype) for w in (w_gate, w_up, w_down))
         # Gate and up in one product: half the loop trips, twice the columns per tile.
-        gate, up = jnp.split(tiled_matmul(layout, rows, jnp.concatenate([w_gate, w_up], -1)),
-                             2, -1)
+        gate, up = jnp.split(tiled_matmul(layout, rows, jnp.concatenate([w_gate, w_up], -1)), 2, -1)
         y = tiled_matmul(layout, activation(gate, up, ids), w_down)
     y = gather_rows(y, layout.pair_row, layout.row_pair[:, None]).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), routing.weights).astype(x.dtype)

@@ -130,8 +130,7 @@ def _gathered(split: ExpertSplit, w_gate: jax.Array, w_up: jax.Array, w_down: ja
                         for w in (w_gate, w_up))
         w_down = jax.lax.all_gather(w_down, split.embed, axis=2, tiled=True)
         if biases is not None:
-            biases = (*biases[:2], jax.lax.all_gather(biases[2], split.embed, axis=1,
-                                                      tiled=True))
+            biases = (*biases[:2], jax.lax.all_gather(biases[2], split.embed, axis=1, tiled=True))
     return w_gate, w_up, w_down, biases
 
 
@@ -203,8 +202,7 @@ class _Send:
     weights: jax.Array
 
 
-def _pack(experts: jax.Array, weights: jax.Array, x_shards: int, per_device: int, j: int
-          ) -> _Send:
+def _pack(experts: jax.Array, weights: jax.Array, x_shards: int, per_device: int, j: int) -> _Send:
     n = experts.shape[0]
     device = experts // per_device  # [n, k], where each chosen expert lives
     to = device[:, :, None] == jnp.arange(x_shards)  # [n, k, X]

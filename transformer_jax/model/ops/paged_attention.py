@@ -144,8 +144,7 @@ def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.
     if q.shape[1] != 1:
         raise ValueError(f"kernel {kernel!r} decodes one query per row, got T = {q.shape[1]}")
     fn = gpu_paged_attention if kernel == "gpu_paged" else tpu_paged_attention
-    return fn(q[:, 0], k_pages, v_pages, page_table, positions[:, 0],
-              interpret=interpret)[:, None]
+    return fn(q[:, 0], k_pages, v_pages, page_table, positions[:, 0], interpret=interpret)[:, None]
 
 
 def _head_split(b: int, kv: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...]] | None:

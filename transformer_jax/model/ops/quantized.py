@@ -148,5 +148,4 @@ def take_rows(table: Any, ids: jax.Array, fill: bool = False) -> jax.Array:
         q = table.replace(packed=take(table.packed), scale=take(table.scale)).qarray()
         return qwix.dequantize(q)
     # One scale (or one per group) per row: taken with the row.
-    return qwix.dequantize(qwix.QArray(take(table.qvalue), take(table.scale),
-                                       qtype=table.qtype))
+    return qwix.dequantize(qwix.QArray(take(table.qvalue), take(table.scale), qtype=table.qtype))
