@@ -142,9 +142,8 @@ class KVCache:
     def layer(self, i: int | jax.Array | LayerRef) -> tuple[jax.Array, jax.Array]:
         """Layer i's (keys, values): [B, K, S, H] each (rings: S = W; keys maybe ``SlotsLast``)."""
         ring, j = kv_ring.locate(self.ring, i)
-        if ring:
-            return _layer_of(self.k_local, self.v_local, j, self.batch)
-        return _layer_of(self.k, self.v, j, self.batch)
+        k, v = (self.k_local, self.v_local) if ring else (self.k, self.v)
+        return _layer_of(k, v, j, self.batch)
 
     def attend(self, i: int | jax.Array | LayerRef, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, *, window: int | jax.Array | None, impl: str,

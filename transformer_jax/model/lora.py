@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.fields import check_positive_int
 from transformer_jax.model.layers import MATRIX_INPUT_AXES
 from transformer_jax.model.ops.quantized import is_quantized
 from transformer_jax.model.quant_spec import ACCEPTS, SCHEMES, is_saved_quantized, parse_quant
@@ -79,8 +80,7 @@ class LoraConfig:
     targets: tuple[str, ...] = DEFAULT_TARGETS
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
-            raise ValueError(f"lora rank must be a positive int, got {self.rank!r}")
+        check_positive_int("lora rank", self.rank)
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not (
                 self.alpha > 0):
             raise ValueError(f"lora alpha must be a positive number, got {self.alpha!r}")

@@ -64,15 +64,20 @@ def check_structure(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.A
 
 # Blockwise forward and backward -------------------------------------------------------------------
 
-def _block_mask(qp, kp, qs, ks, k_valid, *, causal, window):
-    """[B, bq, bk] visibility of one block from its positions [B, bq], [B, bk] and segments."""
-    mask = jnp.broadcast_to(k_valid[None, None, :], (qp.shape[0], qp.shape[1], kp.shape[1]))
+def visibility_mask(q_positions: jax.Array, k_positions: jax.Array, q_segments: jax.Array | None,
+                    k_segments: jax.Array | None, k_valid: jax.Array | None, *, causal: bool,
+                    window: int | jax.Array | None) -> jax.Array:
+    """``ops.attention.attention_mask`` without its checks ([B, T, S] bool); k_valid [B?, S]."""
+    qp, kp = q_positions[:, :, None], k_positions[:, None, :]
+    mask = jnp.ones((qp.shape[0], qp.shape[1], kp.shape[2]), bool)
     if causal:
-        mask &= kp[:, None, :] <= qp[:, :, None]
+        mask &= kp <= qp
     if window is not None:
-        mask &= kp[:, None, :] > qp[:, :, None] - window
-    if qs is not None:
-        mask &= (qs[:, :, None] == ks[:, None, :]) & (qs != 0)[:, :, None]
+        mask &= kp > qp - window
+    if q_segments is not None:
+        mask &= (q_segments[:, :, None] == k_segments[:, None, :]) & (q_segments != 0)[:, :, None]
+    if k_valid is not None:
+        mask &= k_valid[..., None, :]
     return mask
 
 
@@ -247,9 +252,9 @@ def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks):
             def update(c):
                 kj, vj = _slice(kp_, j * bk, bk, 2), _slice(vp, j * bk, bk, 2)
                 valid = j * bk + jnp.arange(bk) < plan.s
-                mask = _block_mask(qp_i, _slice(kpos, j * bk, bk, 1), qs_i,
-                                   _slice(kseg, j * bk, bk, 1), valid, causal=plan.causal,
-                                   window=window if plan.windowed else None)
+                mask = visibility_mask(qp_i, _slice(kpos, j * bk, bk, 1), qs_i,
+                                       _slice(kseg, j * bk, bk, 1), valid, causal=plan.causal,
+                                       window=window if plan.windowed else None)
                 logits = jnp.where(mask[:, None, None], plan.logits(qi, kj), -jnp.inf)
                 return online_softmax_step(c, logits.reshape(*rows, bk), vj)
 
@@ -293,9 +298,9 @@ def _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks, out,
             def update(c):
                 dk_j, dv_j, dq = c
                 qi, do_i = _slice(qg, i * bq, bq, 3), _slice(do, i * bq, bq, 3)
-                mask = _block_mask(_slice(qpos, i * bq, bq, 1), kp_j,
-                                   _slice(qseg, i * bq, bq, 1), ks_j, valid, causal=plan.causal,
-                                   window=window if plan.windowed else None)
+                mask = visibility_mask(_slice(qpos, i * bq, bq, 1), kp_j,
+                                       _slice(qseg, i * bq, bq, 1), ks_j, valid,
+                                       causal=plan.causal, window=window if plan.windowed else None)
                 logits = plan.logits(qi, kj)
                 p = jnp.exp(logits - _slice(lse, i * bq, bq, 3)[..., None])
                 p = jnp.where(mask[:, None, None], p, 0.0)
@@ -386,4 +391,4 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "check_qkv", "check_structure", "chunked_attention",
            "einsum_f32", "online_softmax_init", "online_softmax_merge", "online_softmax_result",
-           "online_softmax_sink", "online_softmax_step", "softcap"]
+           "online_softmax_sink", "online_softmax_step", "softcap", "visibility_mask"]

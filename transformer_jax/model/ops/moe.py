@@ -123,14 +123,10 @@ def _experts_ffn(x, routing, w_gate, w_up, w_down, activation, impl, glu, biases
         empty = routing.experts >= e
         routing = routing.replace(experts=jnp.where(empty, 0, routing.experts),
                                   weights=jnp.where(empty, 0.0, routing.weights))
-    if impl == "dense":
-        return _dense(x, routing, w_gate, w_up, w_down, activation)
-    if impl == "gather":
-        if isinstance(w_gate, ExpertList):
-            return _switched(x, routing, w_gate, w_up, w_down, activation)
-        return _gather(x, routing, w_gate, w_up, w_down, activation)
-    if impl == "tiled":
-        return _tiled(x, routing, w_gate, w_up, w_down, activation)
+    computes = {"dense": _dense, "tiled": _tiled,
+                "gather": _switched if isinstance(w_gate, ExpertList) else _gather}
+    if impl in computes:
+        return computes[impl](x, routing, w_gate, w_up, w_down, activation)
     if impl in ("ragged", "tokamax", "megablox"):
         return _sorted(x, routing, w_gate, w_up, w_down, activation, impl)
     raise ValueError(f"moe impl must be one of {IMPLS}, got {impl!r}")

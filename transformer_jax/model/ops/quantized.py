@@ -136,9 +136,7 @@ def take_rows(table: Any, ids: jax.Array, fill: bool = False) -> jax.Array:
     they are unpacked. With ``fill`` an id past the table gives a row of zeros; otherwise ids
     must be in range."""
     def take(a: jax.Array) -> jax.Array:
-        if fill:
-            return jnp.take(a, ids, axis=0, mode="fill", fill_value=0)
-        return jnp.take(a, ids, axis=0)
+        return jnp.take(a, ids, axis=0, **(dict(mode="fill", fill_value=0) if fill else {}))
 
     if not is_quantized(table):
         return take(table)
