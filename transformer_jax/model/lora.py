@@ -110,8 +110,7 @@ class LoraConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> LoraConfig:
         """From ``to_dict``'s output; unknown keys are an error."""
-        unknown = sorted(set(values) - {"rank", "alpha", "targets"})
-        if unknown:
+        if unknown := sorted(set(values) - {"rank", "alpha", "targets"}):
             raise ValueError(f"unknown lora settings {unknown}; expected rank, alpha, targets")
         return cls(**values)
 

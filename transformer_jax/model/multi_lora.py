@@ -63,8 +63,7 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
     rank = max(cfg.rank for _, cfg in adapters)
     trees = []
     for (tree, cfg), name in zip(adapters, names, strict=True):
-        other = [t for t in cfg.targets if t not in ROW_TARGETS]
-        if other:
+        if other := [t for t in cfg.targets if t not in ROW_TARGETS]:
             raise ValueError(f"adapter {name!r} targets {other}: a serving batch takes per-row "
                              f"adapters on the dense matrices only ({', '.join(ROW_TARGETS)})")
         tree = restack(tree, stacked_layers(params))

@@ -105,11 +105,9 @@ def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Arr
         raise ValueError("expert parallelism needs float expert weights; quantised experts "
                          "run on a mesh without an expert axis")
     tokens = P(split.tokens)
-    w_in = P(split.experts, split.embed or None, split.mlp or None)
-    w_out = P(split.experts, split.mlp or None, split.embed or None)
-    b_specs = None if biases is None else (P(split.experts, split.mlp or None),
-                                           P(split.experts, split.mlp or None),
-                                           P(split.experts, split.embed or None))
+    by_e, by_d, by_f = split.experts, split.embed or None, split.mlp or None
+    w_in, w_out = P(by_e, by_d, by_f), P(by_e, by_f, by_d)
+    b_specs = None if biases is None else (P(by_e, by_f), P(by_e, by_f), P(by_e, by_d))
     body = functools.partial(_local if split.exchange else _local_shares, split=split,
                              n_experts=e, ffn=dict(activation=activation, impl=impl, glu=glu))
     # check_vma=False: the local grouped product is not typed for values that vary over manual
