@@ -221,8 +221,7 @@ class Attention(nn.Module):
         if kind.freqs is not None:
             rope = dict(pairing=self.rope_pairing, freqs=kind.freqs,
                         attention_factor=kind.rope_factor)
-            q = ops.apply_rope(q, positions, **rope)
-            k = ops.apply_rope(k, positions, **rope)
+            q, k = (ops.apply_rope(x, positions, **rope) for x in (q, k))
         if self.qk_norm == "weightless":
             unit = jnp.ones((h,), jnp.float32)
             q, k = (ops.rms_norm(x, unit, self.norm_eps) for x in (q, k))
