@@ -208,9 +208,8 @@ def delta(a: jax.Array, b: jax.Array, target: str, stacked: bool, scale: float) 
     n_in = _input_axes(target)
     n_batch = _batch_axes(target)
     n_out = b.ndim - 1 - int(stacked) - n_batch
-    letters = iter(string.ascii_lowercase.replace("r", "").replace("l", "").replace("e", ""))
-    ins = "".join(next(letters) for _ in range(n_in))
-    outs = "".join(next(letters) for _ in range(n_out))
+    letters = "".join(c for c in string.ascii_lowercase if c not in "rle")
+    ins, outs = letters[:n_in], letters[n_in:n_in + n_out]
     lead = ("l" if stacked else "") + "e" * n_batch
     spec = f"{lead}{ins}r,{lead}r{outs}->{lead}{ins}{outs}"
     return scale * jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32),

@@ -96,10 +96,9 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
                     raise ValueError(
                         f"adapter {name!r}: {'/'.join((*block, *path))} has A {ab['a'].shape} and "
                         f"B {ab['b'].shape}; the base's matrix needs {want_a} and {want_b}")
-                at = (slice(None),) * len(lead) + (i,)
-                r = (slice(None),) * len(lead) + (i, slice(0, cfg.rank))
-                a[(*at, Ellipsis, slice(0, cfg.rank))] = np.asarray(ab["a"], np.float32)
-                b[r] = np.asarray(ab["b"], np.float32) * np.float32(cfg.scale)
+                at, own = (slice(None),) * len(lead) + (i,), slice(0, cfg.rank)
+                a[(*at, Ellipsis, own)] = np.asarray(ab["a"], np.float32)
+                b[(*at, own)] = np.asarray(ab["b"], np.float32) * np.float32(cfg.scale)
             if isinstance(w, OutFirst):  # A [L?, Na, R, in...], B [L?, out..., Na, R]
                 n = len(lead)
                 a = np.moveaxis(a, -1, n + 1)
