@@ -47,12 +47,8 @@ def check_mla(config: Any) -> None:
     unsupported = [name for name in ("sliding_window", "qkv_bias", "qk_norm", "attn_softcap",
                                      "local_rope_base", "attention_chunk")
                    if getattr(config, name) is not None and getattr(config, name) is not False]
-    if config.nope_layers:
-        unsupported.append("nope_layers")
-    if config.attn_sinks:
-        unsupported.append("attn_sinks")
-    if config.o_bias:
-        unsupported.append("o_bias")
+    unsupported += [name for name in ("nope_layers", "attn_sinks", "o_bias")
+                    if getattr(config, name)]
     if unsupported:
         raise ValueError(f"mla (latent attention) cannot be combined with "
                          f"{', '.join(unsupported)}")

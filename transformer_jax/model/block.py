@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 
@@ -36,8 +38,8 @@ class Block(nn.Module):
         dtypes = dict(dtype=c.jnp_dtype, param_dtype=c.jnp_param_dtype)
         # GPT-2's scaled initialisation of the residual branches' outputs.
         out_std = c.init_std / (2 * c.n_layers) ** 0.5
-        norm_kw = dict(kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
-                       param_dtype=c.jnp_param_dtype)
+        norm = functools.partial(Norm, kind=c.norm, eps=c.norm_eps, offset=c.norm_offset,
+                                 param_dtype=c.jnp_param_dtype)
         if self.spec.attention == "latent":
             scale = c.attn_scale if c.attn_scale is not None else c.mla.scale(c.rope_scaling)
             attn = LatentAttention(
@@ -68,26 +70,22 @@ class Block(nn.Module):
             mlp = MLP(d_ff=c.d_ff, kind=c.ffn, swiglu=c.swiglu, init_std=c.init_std,
                       out_init_std=out_std, name="mlp", **dtypes)
         kind = LayerKind.of(c, self.spec)
-
-        def norm(name: str) -> Norm:
-            return Norm(name=name, **norm_kw)
-
         if c.norm_position == "pre":  # x + f(norm(x))
-            y, cache = attn(norm("attn_norm")(x), positions, kind, cache, layer, segment_ids)
+            y, cache = attn(norm(name="attn_norm")(x), positions, kind, cache, layer, segment_ids)
             x = x + y
-            x = x + mlp(norm("mlp_norm")(x))
+            x = x + mlp(norm(name="mlp_norm")(x))
         elif c.norm_position == "sandwich":  # x + norm_out(f(norm(x)))
-            y, cache = attn(norm("attn_norm")(x), positions, kind, cache, layer, segment_ids)
-            x = x + norm("attn_out_norm")(y)
-            x = x + norm("mlp_out_norm")(mlp(norm("mlp_norm")(x)))
+            y, cache = attn(norm(name="attn_norm")(x), positions, kind, cache, layer, segment_ids)
+            x = x + norm(name="attn_out_norm")(y)
+            x = x + norm(name="mlp_out_norm")(mlp(norm(name="mlp_norm")(x)))
         elif c.norm_position == "post_branch":  # x + norm_out(f(x))
             y, cache = attn(x, positions, kind, cache, layer, segment_ids)
-            x = x + norm("attn_out_norm")(y)
-            x = x + norm("mlp_out_norm")(mlp(x))
+            x = x + norm(name="attn_out_norm")(y)
+            x = x + norm(name="mlp_out_norm")(mlp(x))
         else:  # "post": norm(x + f(x))
             y, cache = attn(x, positions, kind, cache, layer, segment_ids)
-            x = norm("attn_norm")(x + y)
-            x = norm("mlp_norm")(x + mlp(x))
+            x = norm(name="attn_norm")(x + y)
+            x = norm(name="mlp_norm")(x + mlp(x))
         return (x, cache), stats
 
 

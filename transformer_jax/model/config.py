@@ -177,8 +177,7 @@ class Architecture:
                 check_positive_number(name, getattr(self, name))
         check_positive_number("swiglu_alpha", self.swiglu_alpha)
         check_finite_number("swiglu_up_offset", self.swiglu_up_offset)
-        if self.ffn != "swiglu" and (self.swiglu_limit is not None or self.swiglu_alpha != 1.0
-                                     or self.swiglu_up_offset != 0.0):
+        if self.ffn != "swiglu" and self.swiglu is not None:
             raise ValueError(f"swiglu_limit, swiglu_alpha and swiglu_up_offset need "
                              f"ffn='swiglu', got ffn={self.ffn!r}")
         if not isinstance(self.layer_pattern, tuple):
@@ -196,8 +195,7 @@ class Architecture:
                 raise ValueError(f"moe must be a table of MoE fields, got {self.moe!r}")
             if self.ffn not in ("swiglu", "geglu", "geglu_tanh"):
                 raise ValueError(f"moe needs a gated ffn (swiglu, geglu), got {self.ffn!r}")
-            past = [i for i in self.moe.dense_layers if i >= self.n_layers]
-            if past:
+            if past := [i for i in self.moe.dense_layers if i >= self.n_layers]:
                 raise ValueError(f"moe.dense_layers lists {past}, past the last layer (the "
                                  f"model has n_layers={self.n_layers}: indices 0.."
                                  f"{self.n_layers - 1})")

@@ -117,13 +117,12 @@ class MoE:
             raise ValueError(f"moe.top_k ({self.top_k}) must be at most moe.n_experts "
                              f"({self.n_experts})")
         check_nonnegative_int("moe.shared_d_ff", self.shared_d_ff)
-        for name in ("renormalize", "shared_gate", "router_bias", "expert_bias"):
+        for name in ("renormalize", "shared_gate", "router_bias", "expert_bias",
+                     "correction_bias", "scale_input"):
             check_bool(f"moe.{name}", getattr(self, name))
         check_choice("moe.score", self.score, MOE_SCORES)
-        check_bool("moe.correction_bias", self.correction_bias)
         check_positive_number("moe.routed_scale", self.routed_scale)
         self._check_groups()
-        check_bool("moe.scale_input", self.scale_input)
         if self.scale_input and self.top_k != 1:
             raise ValueError(f"moe.scale_input needs moe.top_k 1 (one expert per token), got "
                              f"{self.top_k}")

@@ -142,9 +142,8 @@ class KVCache:
     def layer(self, i: int | jax.Array | LayerRef) -> tuple[jax.Array, jax.Array]:
         """Layer i's (keys, values): [B, K, S, H] each (rings: S = W; keys maybe ``SlotsLast``)."""
         ring, j = kv_ring.locate(self.ring, i)
-        if ring:
-            return _layer_of(self.k_local, self.v_local, j, self.batch)
-        return _layer_of(self.k, self.v, j, self.batch)
+        k, v = (self.k_local, self.v_local) if ring else (self.k, self.v)
+        return _layer_of(k, v, j, self.batch)
 
     def attend(self, i: int | jax.Array | LayerRef, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, *, window: int | jax.Array | None, impl: str,
@@ -279,8 +278,7 @@ def _write_entries(buf: jax.Array, lead: tuple[Any, ...], entries: jax.Array, st
         return jax.lax.dynamic_update_slice(buf, entries, (0, start[0], 0))
     rows = jnp.arange(b)[:, None]
     slots = start[:, None] + jnp.arange(t, dtype=start.dtype)
-    return buf.at[(*lead, rows, slots)].set(entries, mode="promise_in_bounds",
-                                            unique_indices=True)
+    return buf.at[(*lead, rows, slots)].set(entries, mode="promise_in_bounds", unique_indices=True)
 
 
 def _write(cache: Any, i: int | jax.Array, new: jax.Array, start: jax.Array) -> Any:

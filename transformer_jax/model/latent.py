@@ -53,8 +53,7 @@ class LatentAttention(nn.Module):
             qa = typed_matrix(self, "q_a_proj", (d, m.q_lora_rank), ("embed", None), std)
             qb = typed_matrix(self, "q_b_proj", (m.q_lora_rank, n, nope + p),
                               ("latent_rank", *heads), std)
-            q = dense(self._norm("q_a_norm", dense(x, qa, "BTD,DQ->BTQ")), qb,
-                      "BTQ,QNH->BTNH")
+            q = dense(self._norm("q_a_norm", dense(x, qa, "BTD,DQ->BTQ")), qb, "BTQ,QNH->BTNH")
         q = checkpoint_name(q, remat.QUERY)
         kv_a = typed_matrix(self, "kv_a_proj", (d, r + p), ("embed", None), std)
         kv_b = typed_matrix(self, "kv_b_proj", (r, n, nope + m.v_head_dim),
@@ -63,8 +62,7 @@ class LatentAttention(nn.Module):
                           self.out_init_std)
         latent = checkpoint_name(dense(x, kv_a, "BTD,DE->BTE"), remat.KV_LATENT)
         c, k_rope = self._norm("kv_a_norm", latent[..., :r]), latent[..., r:]
-        rope = dict(pairing=self.rope_pairing, freqs=kind.freqs,
-                    attention_factor=kind.rope_factor)
+        rope = dict(pairing=self.rope_pairing, freqs=kind.freqs, attention_factor=kind.rope_factor)
         q_nope, q_rope = q[..., :nope], ops.apply_rope(q[..., nope:], positions, **rope)
         k_rope = ops.apply_rope(k_rope[:, :, None], positions, **rope)[:, :, 0]
         entries = jnp.concatenate([c.astype(k_rope.dtype), k_rope], -1)  # [B, T, R + P]

@@ -19,6 +19,7 @@ from transformer_jax.model.ops.attention import attention
 from transformer_jax.model.ops.dense import dense
 from transformer_jax.model.ops.ffn import swiglu_glu
 from transformer_jax.model.ops.layouts import OutFirst
+from transformer_jax.model.ops.moe import ExpertList
 from transformer_jax.model.ops.positions import rope_attention_factor
 from transformer_jax.model.ops.quantized import is_quantized
 from transformer_jax.model.ops.row_lora import is_row_adapters
@@ -42,10 +43,6 @@ EMBEDDING_PARAM = "embedding"
 Carry = tuple[jax.Array, Cache | None]
 
 
-def _normal(std: float) -> nn.initializers.Initializer:
-    return nn.initializers.normal(stddev=std)
-
-
 def matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
            init: nn.initializers.Initializer, *, param_dtype: jnp.dtype) -> Any:
     """Declares matrix ``name`` on ``module``, in-first ``shape`` and logical ``axes``.
@@ -62,7 +59,7 @@ def matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str
 def typed_matrix(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
                  std: float) -> Any:
     """``matrix`` with a normal(``std``) initialiser, cast to the module's compute ``dtype``."""
-    return matrix(module, name, shape, axes, _normal(std),
+    return matrix(module, name, shape, axes, nn.initializers.normal(std),
                   param_dtype=module.param_dtype).astype(module.dtype)
 
 
@@ -77,7 +74,7 @@ def stored_as_is(module: nn.Module, name: str) -> Any:
     """Parameter ``name`` of ``module`` when stored as a typed leaf (e.g. quantised), else None."""
     if module.has_variable("params", name):
         w = module.get_variable("params", name)
-        if is_quantized(w) or is_row_adapters(w) or isinstance(w, OutFirst):
+        if is_quantized(w) or is_row_adapters(w) or isinstance(w, OutFirst | ExpertList):
             return w
     return None
 
@@ -93,7 +90,7 @@ class Embed(nn.Module):
 
     def setup(self) -> None:
         self.embedding = matrix(self, EMBEDDING_PARAM, (self.vocab_size, self.d_model),
-                                ("vocab", "embed"), _normal(self.init_std),
+                                ("vocab", "embed"), nn.initializers.normal(self.init_std),
                                 param_dtype=self.param_dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -224,8 +221,7 @@ class Attention(nn.Module):
         if kind.freqs is not None:
             rope = dict(pairing=self.rope_pairing, freqs=kind.freqs,
                         attention_factor=kind.rope_factor)
-            q = ops.apply_rope(q, positions, **rope)
-            k = ops.apply_rope(k, positions, **rope)
+            q, k = (ops.apply_rope(x, positions, **rope) for x in (q, k))
         if self.qk_norm == "weightless":
             unit = jnp.ones((h,), jnp.float32)
             q, k = (ops.rms_norm(x, unit, self.norm_eps) for x in (q, k))

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from transformer_jax.model.config import ModelConfig
+from transformer_jax.model.fields import check_positive_int
 from transformer_jax.model.layers import MATRIX_INPUT_AXES
 from transformer_jax.model.ops.quantized import is_quantized
 from transformer_jax.model.quant_spec import ACCEPTS, SCHEMES, is_saved_quantized, parse_quant
@@ -79,8 +80,7 @@ class LoraConfig:
     targets: tuple[str, ...] = DEFAULT_TARGETS
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
-            raise ValueError(f"lora rank must be a positive int, got {self.rank!r}")
+        check_positive_int("lora rank", self.rank)
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not (
                 self.alpha > 0):
             raise ValueError(f"lora alpha must be a positive number, got {self.alpha!r}")
@@ -110,8 +110,7 @@ class LoraConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> LoraConfig:
         """From ``to_dict``'s output; unknown keys are an error."""
-        unknown = sorted(set(values) - {"rank", "alpha", "targets"})
-        if unknown:
+        if unknown := sorted(set(values) - {"rank", "alpha", "targets"}):
             raise ValueError(f"unknown lora settings {unknown}; expected rank, alpha, targets")
         return cls(**values)
 
@@ -142,21 +141,18 @@ def _applies(params: Mapping[str, Any], block: Block, target: str) -> bool:
     return isinstance(node, Mapping) and TARGETS[target][0] in node
 
 
-def _entries(params: Mapping[str, Any], lora_config: LoraConfig
-             ) -> list[tuple[Block, bool, str]]:
+def _entries(params: Mapping[str, Any], lora_config: LoraConfig) -> list[tuple[Block, bool, str]]:
     """(block, stacked, target) of every adapted matrix.
 
     Raises:
       ValueError: a target whose module no block has, or a block lacking the target's matrix.
     """
     blocks = _blocks(params)
-    entries = [(b, s, t) for b, s in blocks for t in lora_config.targets
-               if _applies(params, b, t)]
+    entries = [(b, s, t) for b, s in blocks for t in lora_config.targets if _applies(params, b, t)]
     for target in [t for t in lora_config.targets if t not in {t for _, _, t in entries}]:
         if TARGETS[target][0] == "mlp" and any(_applies(params, b, "experts.gate")
                                                for b, _ in blocks):  # every layer sparse
-            logger.info("lora target %r: no dense FFN (every layer is a mixture); skipped",
-                        target)
+            logger.info("lora target %r: no dense FFN (every layer is a mixture); skipped", target)
             continue
         raise ValueError(f"lora target {target!r} adapts {'/'.join(TARGETS[target])}, which no "
                          "block of the params has (block keys: "
@@ -212,17 +208,15 @@ def delta(a: jax.Array, b: jax.Array, target: str, stacked: bool, scale: float) 
     n_in = _input_axes(target)
     n_batch = _batch_axes(target)
     n_out = b.ndim - 1 - int(stacked) - n_batch
-    letters = iter(string.ascii_lowercase.replace("r", "").replace("l", "").replace("e", ""))
-    ins = "".join(next(letters) for _ in range(n_in))
-    outs = "".join(next(letters) for _ in range(n_out))
+    letters = "".join(c for c in string.ascii_lowercase if c not in "rle")
+    ins, outs = letters[:n_in], letters[n_in:n_in + n_out]
     lead = ("l" if stacked else "") + "e" * n_batch
     spec = f"{lead}{ins}r,{lead}r{outs}->{lead}{ins}{outs}"
     return scale * jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32),
                               preferred_element_type=jnp.float32)
 
 
-def _adapted(params: Params, adapters: Adapters, lora_config: LoraConfig,
-             dtype_of: Any) -> Params:
+def _adapted(params: Params, adapters: Adapters, lora_config: LoraConfig, dtype_of: Any) -> Params:
     out = dict(params)
     for block, stacked, target in _entries(params, lora_config):
         path = TARGETS[target]
@@ -254,8 +248,7 @@ def apply_adapters(params: Params, adapters: Adapters, lora_config: LoraConfig) 
                     lambda w, ab: jnp.promote_types(w.dtype, ab["a"].dtype))
 
 
-def merge(params: Params, adapters: Adapters, lora_config: LoraConfig,
-          dtype: Any = None) -> Params:
+def merge(params: Params, adapters: Adapters, lora_config: LoraConfig, dtype: Any = None) -> Params:
     """Folds the adapters into the weights, for export.
 
     Args:

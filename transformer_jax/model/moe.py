@@ -11,7 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from transformer_jax.model import remat
 from transformer_jax.model.fields import MoE
-from transformer_jax.model.layers import MLP, stored_as_is, swiglu_glu_of, typed_matrix, zeros_param
+from transformer_jax.model.layers import MLP, matrix, swiglu_glu_of, typed_matrix, zeros_param
 from transformer_jax.model.ops import moe as moe_ops
 from transformer_jax.model.ops import moe_dispatch
 from transformer_jax.model.ops.dense import dense
@@ -43,15 +43,8 @@ class SparseFFN(nn.Module):
 
     def _experts(self, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
                  std: float) -> jax.Array:
-        prepared = stored_as_is(self, name)
-        if prepared is not None:
-            return prepared
-        if self.has_variable("params", name):  # the decode layout: one array per expert
-            stored = self.get_variable("params", name)
-            if isinstance(stored, moe_ops.ExpertList):
-                return stored
-        return self.param(name, nn.with_logical_partitioning(nn.initializers.normal(std), axes),
-                          shape, self.param_dtype)
+        return matrix(self, name, shape, axes, nn.initializers.normal(std),
+                      param_dtype=self.param_dtype)
 
     @nn.compact
     def __call__(self, x: jax.Array, valid: jax.Array | None = None
@@ -70,11 +63,9 @@ class SparseFFN(nn.Module):
                              self.out_init_std)
 
         tokens = x.reshape(b * t, d)
-        logits = dense(tokens, router, "ND,DE->NE",
-                       preferred_element_type=jnp.float32)
+        logits = dense(tokens, router, "ND,DE->NE", preferred_element_type=jnp.float32)
         if m.router_bias:
-            bias = zeros_param(self, "router_bias", (e,), ("router",))
-            logits = logits + bias.astype(jnp.float32)
+            logits += zeros_param(self, "router_bias", (e,), ("router",)).astype(jnp.float32)
         choice_bias = None
         if m.correction_bias:  # float32 as stored (decode.prepare keeps its dtype)
             choice_bias = self.param(
@@ -108,8 +99,7 @@ class SparseFFN(nn.Module):
                          dtype=self.dtype, param_dtype=self.param_dtype, name="shared")(x)
             if m.shared_gate:
                 w = typed_matrix(self, "shared_gate", (d, 1), ("embed", "router"), self.init_std)
-                g = dense(x, w, "BTD,DO->BTO")
-                shared = shared * jax.nn.sigmoid(g)
+                shared = shared * jax.nn.sigmoid(dense(x, w, "BTD,DO->BTO"))
             y = y + shared
 
         mask = jnp.ones((b * t,), bool) if valid is None else valid.reshape(b * t)

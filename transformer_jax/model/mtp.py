@@ -84,9 +84,8 @@ def mtp_targets(targets: jax.Array, mask: jax.Array | None, segment_ids: jax.Arr
     """Module k's targets and weights [B, T] from the next-token ``targets`` and optional ``mask``:
     entry i is ``targets[i + k]``, weighted as that target is, 0 past the row's end or across a
     packed segment."""
-    t = shifted(targets[..., None], k)[..., 0]
     w = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
-    w = shifted(w[..., None], k)[..., 0]
+    w = shifted(w, k)
     if segment_ids is not None:
-        w = w * (shifted(segment_ids[..., None], k)[..., 0] == segment_ids)
-    return t, w
+        w = w * (shifted(segment_ids, k) == segment_ids)
+    return shifted(targets, k), w

@@ -58,14 +58,12 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
     """
     if not adapters:
         raise ValueError("stack_adapters needs at least one adapter")
-    names = list(names) if names is not None else [f"adapter {i + 1}"
-                                                   for i in range(len(adapters))]
+    names = list(names) if names is not None else [f"adapter {i + 1}" for i in range(len(adapters))]
     blocks = block_paths(params)
     rank = max(cfg.rank for _, cfg in adapters)
     trees = []
     for (tree, cfg), name in zip(adapters, names, strict=True):
-        other = [t for t in cfg.targets if t not in ROW_TARGETS]
-        if other:
+        if other := [t for t in cfg.targets if t not in ROW_TARGETS]:
             raise ValueError(f"adapter {name!r} targets {other}: a serving batch takes per-row "
                              f"adapters on the dense matrices only ({', '.join(ROW_TARGETS)})")
         tree = restack(tree, stacked_layers(params))
@@ -98,10 +96,9 @@ def stack_adapters(params: Params, adapters: Sequence[tuple[Mapping[str, Any], L
                     raise ValueError(
                         f"adapter {name!r}: {'/'.join((*block, *path))} has A {ab['a'].shape} and "
                         f"B {ab['b'].shape}; the base's matrix needs {want_a} and {want_b}")
-                at = (slice(None),) * len(lead) + (i,)
-                r = (slice(None),) * len(lead) + (i, slice(0, cfg.rank))
-                a[(*at, Ellipsis, slice(0, cfg.rank))] = np.asarray(ab["a"], np.float32)
-                b[r] = np.asarray(ab["b"], np.float32) * np.float32(cfg.scale)
+                at, own = (slice(None),) * len(lead) + (i,), slice(0, cfg.rank)
+                a[(*at, Ellipsis, own)] = np.asarray(ab["a"], np.float32)
+                b[(*at, own)] = np.asarray(ab["b"], np.float32) * np.float32(cfg.scale)
             if isinstance(w, OutFirst):  # A [L?, Na, R, in...], B [L?, out..., Na, R]
                 n = len(lead)
                 a = np.moveaxis(a, -1, n + 1)

@@ -90,8 +90,7 @@ def for_model(config: ModelConfig, quant: WeightQuant | None, shards: int = 1
                         "%d does not divide: %s", quant.scheme, DEFAULT_GROUP_SIZE,
                         DEFAULT_GROUP_SIZE, ", ".join(small))
         quant = WeightQuant(quant.scheme, None, tuple(sorted(picks.items())))
-    bad = [f"{name} ({width})" for name, width in widths.items()
-           if width % quant.group_for(name)]
+    bad = [f"{name} ({width})" for name, width in widths.items() if width % quant.group_for(name)]
     if bad:
         per = f" per shard of {shards}" if shards > 1 else ""
         if quant.group_size is None:  # the picks: an odd width has no even group size
@@ -156,8 +155,7 @@ def quantize_params(params: Params, quant: WeightQuant) -> Params:
         return quantize_weight(x, name, quant, stacked=is_scanned_key(str(path[0].key)),
                                expert=is_expert_stack(path), key=group_key(path))
 
-    return jax.tree_util.tree_map_with_path(one, params,
-                                            is_leaf=lambda x: isinstance(x, OutFirst))
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, OutFirst))
 
 
 def dequantize(w: Any) -> jax.Array:
@@ -203,8 +201,7 @@ def from_saved(params: Params, quant: str | WeightQuant, *, where: Any = "the ch
             zero = node.get("zero_point")
             return qwix.QArray(values, scale, None if zero is None else jnp.asarray(zero),
                                qtype=jnp.int8)
-        grouped = quantized_axes(name, values, stacked=stacked,
-                                 expert=is_expert_stack(path))[1]
+        grouped = quantized_axes(name, values, stacked=stacked, expert=is_expert_stack(path))[1]
         packed = PackedInt4(values, scale, grouped - values.ndim, scheme)
         if any(n % s for n, s in zip(packed.shape, scale.shape, strict=True)):
             raise ValueError(f"{what} has values of shape {list(packed.shape)} (unpacked) "

@@ -56,8 +56,7 @@ class WeightQuant:
         return dict(self.groups).get(name, self.group_size)
 
 
-def parse_quant(quant: str | WeightQuant | None, *, field: str = "quant"
-                ) -> WeightQuant | None:
+def parse_quant(quant: str | WeightQuant | None, *, field: str = "quant") -> WeightQuant | None:
     """The ``WeightQuant`` of a spelling (None: float weights).
 
     Args:
@@ -84,8 +83,7 @@ def parse_quant(quant: str | WeightQuant | None, *, field: str = "quant"
     if not colon:
         return WeightQuant(scheme)
     # (At most 9 digits: int() refuses over 4300, and no width is that large.)
-    if (not _DIGITS.fullmatch(group) or len(group) > 9 or int(group) < 2
-            or int(group) % 2):
+    if not _DIGITS.fullmatch(group) or len(group) > 9 or int(group) < 2 or int(group) % 2:
         raise ValueError(f"{field} {scheme}:G needs G, the group size, an even integer >= 2 "
                          f"(two 4-bit values pack in a byte), got {quant!r}")
     return WeightQuant(scheme, int(group))
@@ -115,8 +113,7 @@ def _key(entry: Any) -> str:
 
 def is_expert_stack(path: Sequence[Any]) -> bool:
     """Whether the parameter at ``path`` (leaf name last) is an ``moe/{gate,up,down}`` stack."""
-    return (len(path) >= 2 and _key(path[-1]) in EXPERT_PARAMS
-            and _key(path[-2]) == EXPERT_MODULE)
+    return (len(path) >= 2 and _key(path[-1]) in EXPERT_PARAMS and _key(path[-2]) == EXPERT_MODULE)
 
 
 __all__ = ["ACCEPTS", "DEFAULT_GROUP_SIZE", "EXPERT_MODULE", "EXPERT_PARAMS", "GROUPED",

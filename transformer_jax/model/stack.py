@@ -195,11 +195,9 @@ def restack(tree: Mapping[str, Any], want: dict[tuple[str, ...], list[int]]) -> 
     scanned = stacked_layers(tree)
     if bool(scanned) == bool(want):
         return dict(tree)
-    out = {k: v for k, v in tree.items()
-           if not (k.startswith("blocks_") or is_scanned_key(k))}
+    out = {k: v for k, v in tree.items() if not (k.startswith("blocks_") or is_scanned_key(k))}
     for path, layers in want.items():  # unrolled -> scanned
-        node = jax.tree.map(lambda *xs: jax.numpy.stack(xs),
-                            *[tree[f"blocks_{i}"] for i in layers])
+        node = jax.tree.map(lambda *xs: jax.numpy.stack(xs), *[tree[f"blocks_{i}"] for i in layers])
         if len(path) == 1:
             out[path[0]] = node
         else:

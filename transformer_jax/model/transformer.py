@@ -112,7 +112,9 @@ class Transformer(nn.Module):
             x = x[jnp.arange(b), logits_at][:, None]  # [B, 1, D]
         if hidden is None:
             x = final_norm(x)
-        head = embed.embedding if c.tie_embeddings else self._untied_head()
+        head = embed.embedding if c.tie_embeddings else matrix(
+            self, "lm_head", (c.d_model, c.vocab_size), ("embed", "vocab"),
+            nn.initializers.normal(c.init_std), param_dtype=c.jnp_param_dtype)
         mtp_out = None
         if c.mtp_depth and (mtp or self.is_initializing()):
             if logits_at is not None or cache is not None:
@@ -144,8 +146,7 @@ class Transformer(nn.Module):
         stats = []
         if not c.scan_layers:
             for i, spec in enumerate(c.layer_specs()):
-                carry, s = block_cls(c, spec, name=f"blocks_{i}")(
-                    carry, positions, i, segment_ids)
+                carry, s = block_cls(c, spec, name=f"blocks_{i}")(carry, positions, i, segment_ids)
                 stats.append(s)
         groups = c.layer_groups() if c.scan_layers else ()
         for g, group in enumerate(groups):
@@ -166,11 +167,6 @@ class Transformer(nn.Module):
         sparse = [s for s in stats if s is not None]
         return carry, jax.tree.map(lambda *xs: jnp.concatenate(
             [x if c.scan_layers else x[None] for x in xs]), *sparse) if sparse else None
-
-    def _untied_head(self) -> jax.Array:
-        c = self.config
-        return matrix(self, "lm_head", (c.d_model, c.vocab_size), ("embed", "vocab"),
-                      nn.initializers.normal(c.init_std), param_dtype=c.jnp_param_dtype)
 
     def lm_head(self, params: Params) -> jax.Array | OutFirst:
         """The LM head of ``params`` as [D, V]: ``lm_head``, or the tied table as ``OutFirst``."""

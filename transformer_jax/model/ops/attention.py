@@ -22,7 +22,7 @@ from transformer_jax.model.config import ATTENTION_IMPLS
 from transformer_jax.model.ops import target
 from transformer_jax.model.ops.chunked_attention import check_qkv as _check_qkv
 from transformer_jax.model.ops.chunked_attention import check_structure as _check_structure
-from transformer_jax.model.ops.chunked_attention import chunked_attention, softcap
+from transformer_jax.model.ops.chunked_attention import chunked_attention, softcap, visibility_mask
 from transformer_jax.model.ops.chunked_attention import einsum_f32 as _dot
 from transformer_jax.model.ops.chunked_attention import softcap as _softcap  # args shadow it
 from transformer_jax.model.ops.context_attention import context_split, gathered_attention
@@ -66,20 +66,10 @@ def attention_mask(q_positions: jax.Array, k_positions: jax.Array, *,
       [B, T, S] bool.
     """
     chex.assert_rank([q_positions, k_positions], 2)
-    qp, kp = q_positions[:, :, None], k_positions[:, None, :]
-    mask = jnp.ones((qp.shape[0], qp.shape[1], kp.shape[2]), bool)
-    if causal:
-        mask &= kp <= qp
-    if window is not None:
-        mask &= kp > qp - window
     if (q_segments is None) != (k_segments is None):
         raise ValueError("q_segments and k_segments must be given together")
-    if q_segments is not None:
-        mask &= q_segments[:, :, None] == k_segments[:, None, :]
-        mask &= (q_segments != 0)[:, :, None]
-    if k_valid is not None:
-        mask &= k_valid[:, None, :]
-    return mask
+    return visibility_mask(q_positions, k_positions, q_segments, k_segments, k_valid,
+                           causal=causal, window=window)
 
 
 # Reference ---------------------------------------------------------------------------------------

@@ -64,15 +64,20 @@ def check_structure(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.A
 
 # Blockwise forward and backward -------------------------------------------------------------------
 
-def _block_mask(qp, kp, qs, ks, k_valid, *, causal, window):
-    """[B, bq, bk] visibility of one block from its positions [B, bq], [B, bk] and segments."""
-    mask = jnp.broadcast_to(k_valid[None, None, :], (qp.shape[0], qp.shape[1], kp.shape[1]))
+def visibility_mask(q_positions: jax.Array, k_positions: jax.Array, q_segments: jax.Array | None,
+                    k_segments: jax.Array | None, k_valid: jax.Array | None, *, causal: bool,
+                    window: int | jax.Array | None) -> jax.Array:
+    """``ops.attention.attention_mask`` without its checks ([B, T, S] bool); k_valid [B?, S]."""
+    qp, kp = q_positions[:, :, None], k_positions[:, None, :]
+    mask = jnp.ones((qp.shape[0], qp.shape[1], kp.shape[2]), bool)
     if causal:
-        mask &= kp[:, None, :] <= qp[:, :, None]
+        mask &= kp <= qp
     if window is not None:
-        mask &= kp[:, None, :] > qp[:, :, None] - window
-    if qs is not None:
-        mask &= (qs[:, :, None] == ks[:, None, :]) & (qs != 0)[:, :, None]
+        mask &= kp > qp - window
+    if q_segments is not None:
+        mask &= (q_segments[:, :, None] == k_segments[:, None, :]) & (q_segments != 0)[:, :, None]
+    if k_valid is not None:
+        mask &= k_valid[..., None, :]
     return mask
 
 
@@ -154,8 +159,7 @@ def _slice(x, start, size, axis):
     return None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def online_softmax_init(rows: tuple[int, ...], h: int
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def online_softmax_init(rows: tuple[int, ...], h: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The empty (acc, max, sum) carry of ``online_softmax_step`` for query rows ``rows``."""
     return (jnp.zeros((*rows, h), jnp.float32), jnp.full(rows, -jnp.inf, jnp.float32),
             jnp.zeros(rows, jnp.float32))
@@ -248,9 +252,9 @@ def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks):
             def update(c):
                 kj, vj = _slice(kp_, j * bk, bk, 2), _slice(vp, j * bk, bk, 2)
                 valid = j * bk + jnp.arange(bk) < plan.s
-                mask = _block_mask(qp_i, _slice(kpos, j * bk, bk, 1), qs_i,
-                                   _slice(kseg, j * bk, bk, 1), valid, causal=plan.causal,
-                                   window=window if plan.windowed else None)
+                mask = visibility_mask(qp_i, _slice(kpos, j * bk, bk, 1), qs_i,
+                                       _slice(kseg, j * bk, bk, 1), valid, causal=plan.causal,
+                                       window=window if plan.windowed else None)
                 logits = jnp.where(mask[:, None, None], plan.logits(qi, kj), -jnp.inf)
                 return online_softmax_step(c, logits.reshape(*rows, bk), vj)
 
@@ -294,9 +298,9 @@ def _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks, out,
             def update(c):
                 dk_j, dv_j, dq = c
                 qi, do_i = _slice(qg, i * bq, bq, 3), _slice(do, i * bq, bq, 3)
-                mask = _block_mask(_slice(qpos, i * bq, bq, 1), kp_j,
-                                   _slice(qseg, i * bq, bq, 1), ks_j, valid, causal=plan.causal,
-                                   window=window if plan.windowed else None)
+                mask = visibility_mask(_slice(qpos, i * bq, bq, 1), kp_j,
+                                       _slice(qseg, i * bq, bq, 1), ks_j, valid,
+                                       causal=plan.causal, window=window if plan.windowed else None)
                 logits = plan.logits(qi, kj)
                 p = jnp.exp(logits - _slice(lse, i * bq, bq, 3)[..., None])
                 p = jnp.where(mask[:, None, None], p, 0.0)
@@ -338,15 +342,13 @@ def _chunked(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks):
     return _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks)[0]
 
 
-def _chunked_fwd(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks):
-    result, (out, lse) = _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks)
-    return result, (q, k, v, qpos, kpos, qseg, kseg, window, sinks, out, lse)
+def _chunked_fwd(plan, *args):
+    result, (out, lse) = _chunked_fwd_impl(plan, *args)
+    return result, (*args, out, lse)
 
 
 def _chunked_bwd(plan, residuals, d_out):
-    q, k, v, qpos, kpos, qseg, kseg, window, sinks, out, lse = residuals
-    dq, dk, dv, d_sinks = _chunked_bwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window,
-                                            sinks, out, lse, d_out)
+    dq, dk, dv, d_sinks = _chunked_bwd_impl(plan, *residuals, d_out)
     return dq, dk, dv, None, None, None, None, None, d_sinks  # integers have no cotangent
 
 
@@ -384,10 +386,9 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_positions: 
         sinks = jnp.zeros((q.shape[2],), jnp.float32)
     else:
         chex.assert_shape(sinks, (q.shape[2],))
-    return _chunked(plan, q, k, v, q_positions, k_positions, q_segments, k_segments, window,
-                    sinks)
+    return _chunked(plan, q, k, v, q_positions, k_positions, q_segments, k_segments, window, sinks)
 
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "check_qkv", "check_structure", "chunked_attention",
            "einsum_f32", "online_softmax_init", "online_softmax_merge", "online_softmax_result",
-           "online_softmax_sink", "online_softmax_step", "softcap"]
+           "online_softmax_sink", "online_softmax_step", "softcap", "visibility_mask"]

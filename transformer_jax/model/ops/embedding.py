@@ -35,5 +35,4 @@ def tied_logits(x: jax.Array, table: jax.Array) -> jax.Array:
     chex.assert_rank(x, 3)
     chex.assert_equal(len(table.shape), 2)
     chex.assert_equal(x.shape[-1], table.shape[-1])
-    return einsum("BTD,VD->BTV", x, table.astype(x.dtype),
-                      preferred_element_type=jnp.float32)
+    return einsum("BTD,VD->BTV", x, table.astype(x.dtype), preferred_element_type=jnp.float32)

@@ -73,8 +73,7 @@ def lm_head_cross_entropy_sums(x: jax.Array, head: jax.Array | OutFirst, targets
         rows = P(axes)
 
         def local(x, head, targets, weights):  # this device's rows, the whole head
-            return jax.tree.map(lambda s: jax.lax.psum(s, axes),
-                                sums(x, head, targets, weights))
+            return jax.tree.map(lambda s: jax.lax.psum(s, axes), sums(x, head, targets, weights))
 
         # The head enters whole (gathered once), so its gradient is summed over the axes once.
         ce_sum, z_sum = jax.shard_map(local, mesh=mesh, axis_names=frozenset(axes),

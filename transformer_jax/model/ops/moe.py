@@ -89,7 +89,23 @@ def experts_ffn(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.Arr
     Returns:
       [N, D] in x's dtype.
     """
-    y = _experts_ffn(x, routing, w_gate, w_up, w_down, activation, impl, glu, biases)
+    n, k = routing.experts.shape
+    e = w_gate.shape[0]
+    impl = choose_impl(impl, n, k, e, widths=w_gate.shape[1:])
+    routed = routing
+    if impl != "gather":  # an empty slot (id E) computes expert 0 with weight 0
+        empty = routing.experts >= e
+        routed = routing.replace(experts=jnp.where(empty, 0, routing.experts),
+                                 weights=jnp.where(empty, 0.0, routing.weights))
+    glu_of = _glu_of(activation, glu, biases, x.dtype)
+    computes = {"dense": _dense, "tiled": _tiled,
+                "gather": _switched if isinstance(w_gate, ExpertList) else _gather}
+    if impl in computes:
+        y = computes[impl](x, routed, w_gate, w_up, w_down, glu_of)
+    elif impl in ("ragged", "tokamax", "megablox"):
+        y = _sorted(x, routed, w_gate, w_up, w_down, glu_of, impl)
+    else:
+        raise ValueError(f"moe impl must be one of {IMPLS}, got {impl!r}")
     if biases is None or biases[2] is None:
         return y
     return (y + down_bias(routing, biases[2])).astype(x.dtype)
@@ -112,28 +128,6 @@ def _glu_of(activation, glu, biases, dtype):
         gate, up = checkpoint_name(gate, remat.MOE_GATE), checkpoint_name(up, remat.MOE_UP)
         return activation(gate) * up if glu is None else glu(gate, up)
     return combine
-
-
-def _experts_ffn(x, routing, w_gate, w_up, w_down, activation, impl, glu, biases):
-    activation = _glu_of(activation, glu, biases, x.dtype)
-    n, k = routing.experts.shape
-    e = w_gate.shape[0]
-    impl = choose_impl(impl, n, k, e, widths=w_gate.shape[1:])
-    if impl != "gather":  # an empty slot (id E) computes expert 0 with weight 0
-        empty = routing.experts >= e
-        routing = routing.replace(experts=jnp.where(empty, 0, routing.experts),
-                                  weights=jnp.where(empty, 0.0, routing.weights))
-    if impl == "dense":
-        return _dense(x, routing, w_gate, w_up, w_down, activation)
-    if impl == "gather":
-        if isinstance(w_gate, ExpertList):
-            return _switched(x, routing, w_gate, w_up, w_down, activation)
-        return _gather(x, routing, w_gate, w_up, w_down, activation)
-    if impl == "tiled":
-        return _tiled(x, routing, w_gate, w_up, w_down, activation)
-    if impl in ("ragged", "tokamax", "megablox"):
-        return _sorted(x, routing, w_gate, w_up, w_down, activation, impl)
-    raise ValueError(f"moe impl must be one of {IMPLS}, got {impl!r}")
 
 
 def _weights(w: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -291,8 +285,7 @@ def _gather_rows_bwd(inverse, ct):
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
-def _gmm(layout: TileLayout, x: jax.Array, w: jax.Array, transpose: bool = False
-         ) -> jax.Array:
+def _gmm(layout: TileLayout, x: jax.Array, w: jax.Array, transpose: bool = False) -> jax.Array:
     """x [R, A] in tiles, w [E, A, C] (or an ``ExpertList``) -> [R, C]: each used tile times
     its expert's matrix (with ``transpose``, w [E, C, A] times its transpose, read as it is
     stored)."""
@@ -363,8 +356,7 @@ def _tiled(x, routing, w_gate, w_up, w_down, activation):
     else:
         w_gate, w_up, w_down = (_weights(w, x.dtype) for w in (w_gate, w_up, w_down))
         # Gate and up in one product: half the loop trips, twice the columns per tile.
-        gate, up = jnp.split(tiled_matmul(layout, rows, jnp.concatenate([w_gate, w_up], -1)),
-                             2, -1)
+        gate, up = jnp.split(tiled_matmul(layout, rows, jnp.concatenate([w_gate, w_up], -1)), 2, -1)
         y = tiled_matmul(layout, activation(gate, up, ids), w_down)
     y = gather_rows(y, layout.pair_row, layout.row_pair[:, None]).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), routing.weights).astype(x.dtype)

@@ -105,11 +105,9 @@ def dispatch_experts_ffn(x: jax.Array, routing: moe_ops.Routing, w_gate: jax.Arr
         raise ValueError("expert parallelism needs float expert weights; quantised experts "
                          "run on a mesh without an expert axis")
     tokens = P(split.tokens)
-    w_in = P(split.experts, split.embed or None, split.mlp or None)
-    w_out = P(split.experts, split.mlp or None, split.embed or None)
-    b_specs = None if biases is None else (P(split.experts, split.mlp or None),
-                                           P(split.experts, split.mlp or None),
-                                           P(split.experts, split.embed or None))
+    by_e, by_d, by_f = split.experts, split.embed or None, split.mlp or None
+    w_in, w_out = P(by_e, by_d, by_f), P(by_e, by_f, by_d)
+    b_specs = None if biases is None else (P(by_e, by_f), P(by_e, by_f), P(by_e, by_d))
     body = functools.partial(_local if split.exchange else _local_shares, split=split,
                              n_experts=e, ffn=dict(activation=activation, impl=impl, glu=glu))
     # check_vma=False: the local grouped product is not typed for values that vary over manual
@@ -130,8 +128,7 @@ def _gathered(split: ExpertSplit, w_gate: jax.Array, w_up: jax.Array, w_down: ja
                         for w in (w_gate, w_up))
         w_down = jax.lax.all_gather(w_down, split.embed, axis=2, tiled=True)
         if biases is not None:
-            biases = (*biases[:2], jax.lax.all_gather(biases[2], split.embed, axis=1,
-                                                      tiled=True))
+            biases = (*biases[:2], jax.lax.all_gather(biases[2], split.embed, axis=1, tiled=True))
     return w_gate, w_up, w_down, biases
 
 
@@ -203,8 +200,7 @@ class _Send:
     weights: jax.Array
 
 
-def _pack(experts: jax.Array, weights: jax.Array, x_shards: int, per_device: int, j: int
-          ) -> _Send:
+def _pack(experts: jax.Array, weights: jax.Array, x_shards: int, per_device: int, j: int) -> _Send:
     n = experts.shape[0]
     device = experts // per_device  # [n, k], where each chosen expert lives
     to = device[:, :, None] == jnp.arange(x_shards)  # [n, k, X]

@@ -101,10 +101,8 @@ def plan(impl: str, t: int, window: int | None, head_dim: int | None = None) -> 
                          f"{target.backend!r}; it needs one of {TARGET_BACKENDS}. Use "
                          f"impl='auto', 'xla' or 'chunked' (or ops.paged_attention."
                          f"kernel_target to interpret or export the kernels).")
-    if target.interpret and kernel not in INTERPRETABLE:
-        return Plan(None, "xla")
-    if target.backend == "tpu" and not target.interpret and head_dim is not None \
-            and head_dim % TPU_LANES:
+    if (kernel not in INTERPRETABLE if target.interpret else
+            target.backend == "tpu" and head_dim is not None and head_dim % TPU_LANES):
         return Plan(None, "xla")
     return Plan(kernel, "pallas")
 
@@ -133,10 +131,9 @@ def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.
     if split is not None:  # Mosaic and Triton calls are not partitioned by XLA: per device
         mesh, heads = split
         body = functools.partial(paged_attention, kernel, window=window)
-        return jax.shard_map(body, mesh=mesh, check_vma=False,
-                             in_specs=(P(None, None, heads), P(heads), P(heads), P(), P()),
-                             out_specs=P(None, None, heads))(q, k_pages, v_pages, page_table,
-                                                              positions)
+        return jax.shard_map(body, mesh=mesh, check_vma=False, out_specs=P(None, None, heads),
+                             in_specs=(P(None, None, heads), P(heads), P(heads), P(), P()))(
+            q, k_pages, v_pages, page_table, positions)
     q = q.astype(v_pages.dtype)
     interpret = current_target().interpret
     if kernel == "tpu_ragged":
@@ -144,8 +141,7 @@ def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.
     if q.shape[1] != 1:
         raise ValueError(f"kernel {kernel!r} decodes one query per row, got T = {q.shape[1]}")
     fn = gpu_paged_attention if kernel == "gpu_paged" else tpu_paged_attention
-    return fn(q[:, 0], k_pages, v_pages, page_table, positions[:, 0],
-              interpret=interpret)[:, None]
+    return fn(q[:, 0], k_pages, v_pages, page_table, positions[:, 0], interpret=interpret)[:, None]
 
 
 def _head_split(b: int, kv: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...]] | None:

@@ -117,12 +117,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0,
         freqs = rope_frequencies(head_dim, base, scaling)
     else:
         chex.assert_shape(freqs, (head_dim // 2,))
-    if attention_factor is None:
-        attention_factor = rope_attention_factor(scaling)
+    factor = rope_attention_factor(scaling) if attention_factor is None else attention_factor
     angles = positions.astype(jnp.float32)[:, :, None, None] * freqs  # [B, T, 1, H/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    if not (isinstance(attention_factor, (int, float)) and attention_factor == 1.0):
-        factor = jnp.asarray(attention_factor, jnp.float32)
+    if not (isinstance(factor, (int, float)) and factor == 1.0):
+        factor = jnp.asarray(factor, jnp.float32)
         cos, sin = cos * factor, sin * factor
     x32 = x.astype(jnp.float32)
     if pairing == "half":

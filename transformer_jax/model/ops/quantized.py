@@ -136,9 +136,7 @@ def take_rows(table: Any, ids: jax.Array, fill: bool = False) -> jax.Array:
     they are unpacked. With ``fill`` an id past the table gives a row of zeros; otherwise ids
     must be in range."""
     def take(a: jax.Array) -> jax.Array:
-        if fill:
-            return jnp.take(a, ids, axis=0, mode="fill", fill_value=0)
-        return jnp.take(a, ids, axis=0)
+        return jnp.take(a, ids, axis=0, **(dict(mode="fill", fill_value=0) if fill else {}))
 
     if not is_quantized(table):
         return take(table)
@@ -148,5 +146,4 @@ def take_rows(table: Any, ids: jax.Array, fill: bool = False) -> jax.Array:
         q = table.replace(packed=take(table.packed), scale=take(table.scale)).qarray()
         return qwix.dequantize(q)
     # One scale (or one per group) per row: taken with the row.
-    return qwix.dequantize(qwix.QArray(take(table.qvalue), take(table.scale),
-                                       qtype=table.qtype))
+    return qwix.dequantize(qwix.QArray(take(table.qvalue), take(table.scale), qtype=table.qtype))

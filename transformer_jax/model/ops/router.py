@@ -46,11 +46,8 @@ def route(logits: jax.Array, top_k: int, renormalize: bool, score: str = "softma
         choice = probs + jax.lax.stop_gradient(choice_bias.astype(jnp.float32))
     if top_groups < n_groups:
         choice = _within_top_groups(jax.lax.stop_gradient(choice), n_groups, top_groups)
-    if choice is probs:
-        weights, experts = jax.lax.top_k(probs, top_k)
-    else:
-        _, experts = jax.lax.top_k(choice, top_k)
-        weights = jnp.take_along_axis(probs, experts, axis=-1)
+    _, experts = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     if scale != 1.0:
