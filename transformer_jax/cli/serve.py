@@ -15,27 +15,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import jax
 import uvicorn
 
-from transformer_jax.checkpoint.adapters import load_adapter
-from transformer_jax.checkpoint.loading import HF, load_draft, load_for_decode
 from transformer_jax.cli.common import PROG, fail
 from transformer_jax.decode.speculative import parse_spec
-from transformer_jax.decode.speculative_mtp import cache_config, check_mtp
-from transformer_jax.hf.generation_config import generation_stop_ids
 from transformer_jax.model.quant_spec import parse_quant
-from transformer_jax.parallel import sharding
-from transformer_jax.serve.app import create_app
-from transformer_jax.serve.completions import ModelInfo
 from transformer_jax.serve.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
-from transformer_jax.serve.metrics import Metrics
-from transformer_jax.serve.runner import EngineRunner
 from transformer_jax.serve.server import DrainingServer, is_loopback, listen, url_of
-from transformer_jax.serving import Engine
-from transformer_jax.serving.page_pool import pages_for
-from transformer_jax.serving.paged_cache import page_bytes, ring_bytes
-from transformer_jax.serving.scheduler import MIN_CONTEXT
+
+# The engine, the checkpoint loaders and the web app are imported where they are used: a
+# command refused for its flags answers before they load (seconds of imports).
 
 #: The environment variable an API key may come from (``--api-key`` wins).
 API_KEY_ENV = "TRANSFORMER_JAX_API_KEY"
@@ -171,6 +160,8 @@ def parse_lora(specs: list[str], served_name: str | None = None) -> dict[str, st
 
 def configure_compilation_cache(directory: str) -> None:
     """Points JAX's persistent compilation cache at ``directory`` (every program cached)."""
+    import jax
+
     if not directory:
         return
     path = Path(directory).expanduser()
@@ -183,6 +174,11 @@ def configure_compilation_cache(directory: str) -> None:
 def pool_pages(args: argparse.Namespace, config: Any, draft: Any = None) -> int:
     """The pool size the flags ask for (page 0, the null page, included); each page also holds
     ``draft``'s pages' bytes (a draft model's config, or the MTP module's one layer)."""
+    import jax
+
+    from transformer_jax.serving.page_pool import pages_for
+    from transformer_jax.serving.paged_cache import page_bytes, ring_bytes
+
     full = 1 + args.slots * pages_for(config.max_seq_len, args.page_size)
     if args.memory_fraction is None:
         return args.pages or full
@@ -204,6 +200,16 @@ def pool_pages(args: argparse.Namespace, config: Any, draft: Any = None) -> int:
 
 def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """Loads the checkpoint and compiles the engine: (runner, model info, timings)."""
+    from transformer_jax.checkpoint.adapters import load_adapter
+    from transformer_jax.checkpoint.loading import HF, load_draft, load_for_decode
+    from transformer_jax.decode.speculative_mtp import cache_config, check_mtp
+    from transformer_jax.hf.generation_config import generation_stop_ids
+    from transformer_jax.serve.completions import ModelInfo
+    from transformer_jax.serve.metrics import Metrics
+    from transformer_jax.serve.runner import EngineRunner
+    from transformer_jax.serving import Engine
+    from transformer_jax.serving.scheduler import MIN_CONTEXT
+
     timings = {}
     t = time.perf_counter()
     loaded, mesh = load_for_decode(args.checkpoint, args.tensor, args.tokenizer, args.expert)
@@ -271,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                            "can use it. Give --api-key KEY (or $%s), or --host 127.0.0.1",
                            url_of(sock), args.host, API_KEY_ENV)
         if args.tensor * args.expert != 1:  # before anything starts JAX's CPU backend
+            from transformer_jax.parallel import sharding
+
             sharding.configure_cpu_devices(devices=args.tensor * args.expert)
         configure_compilation_cache(args.compilation_cache)
         runner, model, _ = build(args)
@@ -280,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # CheckpointError and the like: one line, not a traceback
         sock.close()
         return fail(f"{type(e).__name__}: {e}", 1)
+    from transformer_jax.serve.app import create_app
+
     app = create_app(runner, model, api_key, max_body_bytes=args.max_body_bytes,
                      body_timeout=args.body_timeout)
 
