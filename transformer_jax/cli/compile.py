@@ -196,21 +196,6 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _with_engine(report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """``generate``'s report with the engine's step programs as ``"engine"``; ``fits`` both's,
-    and an engine program's overflow as the report's ``error``."""
-    engine = engine_report(args.config, args.overrides, args.topology, tensor=args.tensor,
-                           expert=args.expert, slots=args.batch, pages=args.pages,
-                           page_size=args.page_size, chunk=args.chunk)
-    report["engine"] = engine
-    report.setdefault("device_kind", engine["device_kind"])
-    report["fits"] = engine["fits"]
-    for name, program in engine["programs"].items():
-        if "error" in program:
-            report["error"] = f"the engine's {name} step: {program['error']}"
-    return report
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"{PROG} compile", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
@@ -270,8 +255,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--serve, --find-batch and --slices need a TPU --topology")
     if args.topology not in (None, "cpu") and (args.cpu_devices or args.no_fast_math):
         parser.error("--cpu-devices and --no-fast-math are for this host's CPU (no --topology)")
-    if args.topology in (None, "cpu") and (code := _local_devices(args)):
-        return code
+    if args.topology in (None, "cpu"):  # train's CPU devices and fast math, before JAX starts
+        try:  # (a saved step loads only where both match)
+            _, train, _ = build_configs(args.config, args.overrides)
+            if not args.no_fast_math:
+                enable_cpu_fast_math()
+            configure_cpu_devices(train.micro_batch_size, args.cpu_devices)
+        except (ConfigError, ValueError, FileNotFoundError) as e:
+            return fail(str(e).splitlines()[0])
     for remat in args.remat or ():
         if remat not in REMATS:
             parser.error(f"--remat must be one of {', '.join(REMATS)}, got {remat!r}")
@@ -288,8 +279,16 @@ def main(argv: list[str] | None = None) -> int:
                                       tensor=args.tensor, expert=args.expert, batch=args.batch,
                                       prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                                       cache_size=args.cache_size)
-            if report["fits"] and args.only != "generate":
-                report = _with_engine(report, args)
+            if report["fits"] and args.only != "generate":  # fits: both's
+                report["engine"] = engine = engine_report(
+                    args.config, args.overrides, args.topology, tensor=args.tensor,
+                    expert=args.expert, slots=args.batch, pages=args.pages,
+                    page_size=args.page_size, chunk=args.chunk)
+                report.setdefault("device_kind", engine["device_kind"])
+                report["fits"] = engine["fits"]
+                for name, program in engine["programs"].items():
+                    if "error" in program:
+                        report["error"] = f"the engine's {name} step: {program['error']}"
         else:
             report = compile_report(args.config, args.overrides, args.topology, args.slices,
                                     save=args.save)
@@ -318,16 +317,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  saved the compiled train step to {args.save} "
                   f"({report['saved']['bytes'] / 2**20:.1f} MiB): train.compiled_step={args.save}")
     return 0 if report["fits"] else EXIT_DOES_NOT_FIT
-
-
-def _local_devices(args: argparse.Namespace) -> int:
-    """Before JAX starts: the CPU devices and fast math ``train`` would use for this config
-    (a saved step loads only where both match); 2 and a line for a bad config."""
-    try:
-        _, train, _ = build_configs(args.config, args.overrides)
-        if not args.no_fast_math:
-            enable_cpu_fast_math()
-        configure_cpu_devices(train.micro_batch_size, args.cpu_devices)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        return fail(str(e).splitlines()[0])
-    return 0
