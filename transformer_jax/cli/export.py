@@ -21,20 +21,12 @@ from transformer_jax import hf, storage
 from transformer_jax.checkpoint import loading
 from transformer_jax.checkpoint.files import CheckpointError
 from transformer_jax.cli.common import PROG, fail
-from transformer_jax.model.config import DTYPES, ModelConfig
-from transformer_jax.model.transformer import Params
+from transformer_jax.model.config import DTYPES
 
 #: The HF ``model_type`` values an export can write.
 MODEL_TYPES = tuple(sorted(hf.convert.ARCHITECTURES))
 
 logger = logging.getLogger(__name__)
-
-
-def _cast(config: ModelConfig, params: Params, dtype: str | None) -> tuple[ModelConfig, Params]:
-    if dtype is None or dtype == config.param_dtype:
-        return config, params
-    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-    return config.replace(param_dtype=dtype, dtype=dtype), params
 
 
 def check_out(out: Path, overwrite: bool = False) -> None:
@@ -124,7 +116,10 @@ def export(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | N
     loaded = loading.load(source, step=step, with_tokenizer=False)
     tok = loading.open_tokenizer(source, tokenizer, where=where, missing="pass --tokenizer PATH "
                                  "or --no-tokenizer") if use_tokenizer else None
-    config, params = _cast(loaded.config, loaded.params, dtype)
+    config, params = loaded.config, loaded.params
+    if dtype is not None and dtype != config.param_dtype:
+        params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+        config = config.replace(param_dtype=dtype, dtype=dtype)
     if model_type is None and source.hf_model_type is not None:
         model_type = source.hf_model_type
         logger.info("exporting as HF %s, the family %s was loaded as (--model-type sets "
