@@ -412,9 +412,20 @@ def _print_record(r: dict[str, Any]) -> None:
     print(f"  the step's matrix products alone: {w['step_ms']:.2f} ms/step ({w['gb_s']:.1f} GB/s "
           f"of weights) = {w['vs_weight_bound']:.2f}x the weights' own bound")
     if "quant" in r:
-        print(decode_compare.describe_quant(r["quant"]))
+        q = r["quant"]
+        print(f"  {q['scheme']} weights: {q['weight_bytes'] / 1e6:.1f} MB "
+              f"({q['weight_bytes_vs_float']:.3f}x the float bytes), step {q['step_ms']:.2f} ms "
+              f"= {q['step_vs_float']:.2f}x float's; matrix products alone "
+              f"{q['weights_only_ms']:.2f} ms; greedy tokens agree with float "
+              f"{q['greedy_token_agreement_with_float']:.0%}")
     if "moe" in r:
-        print(decode_compare.describe_moe(r["moe"]))
+        m = r["moe"]
+        print(f"  moe E={m['n_experts']} k={m['top_k']} F={m['expert_d_ff']} shared "
+              f"{m['shared_d_ff']} ({m['impl']}): reads {m['expert_bytes_read'] / 1e6:.2f} of "
+              f"{m['expert_bytes_all'] / 1e6:.2f} MB of experts per step "
+              f"({m['read_fraction']:.0%}; k/E + shared = {m['bound_fraction']:.0%}) | step "
+              f"{m['moe_step_ms']:.2f} ms vs dense twin (d_ff={m['dense_d_ff']}) "
+              f"{m['dense_step_ms']:.2f} ms = {m['step_vs_dense']:.2f}x")
     if "no_cache" in r:
         print(f"  no-cache baseline {r['no_cache']['step_ms']:.1f} ms/step -> "
               f"{r['speedup_vs_no_cache']:.1f}x")

@@ -40,14 +40,6 @@ def compare_quant(config: ModelConfig, weights: decode.DecodeWeights,
                 greedy_token_agreement_with_float=float(same), run=got)
 
 
-def describe_quant(q: dict[str, Any]) -> str:
-    """One line of ``compare_quant``'s record."""
-    return (f"  {q['scheme']} weights: {q['weight_bytes'] / 1e6:.1f} MB "
-            f"({q['weight_bytes_vs_float']:.3f}x the float bytes), step {q['step_ms']:.2f} ms = "
-            f"{q['step_vs_float']:.2f}x float's; matrix products alone {q['weights_only_ms']:.2f} "
-            f"ms; greedy tokens agree with float {q['greedy_token_agreement_with_float']:.0%}")
-
-
 def expert_bytes(weights: decode.DecodeWeights) -> tuple[int, int]:
     """(bytes of every expert stack, bytes of the shared experts), quantised scales included."""
     experts = shared = 0
@@ -84,13 +76,3 @@ def compare_moe(config: ModelConfig, weights: decode.DecodeWeights, moe_rec: dic
         bound_fraction=(taken * experts / m.n_experts + shared) / (experts + shared),
         dense_d_ff=twin.d_ff, dense_weight_bytes=twin_bytes, dense_step_ms=got["step_ms"],
         moe_step_ms=moe_rec["step_ms"], step_vs_dense=moe_rec["step_ms"] / got["step_ms"])
-
-
-def describe_moe(r: dict[str, Any]) -> str:
-    """One line of ``compare_moe``'s record."""
-    return (f"  moe E={r['n_experts']} k={r['top_k']} F={r['expert_d_ff']} shared "
-            f"{r['shared_d_ff']} ({r['impl']}): reads {r['expert_bytes_read'] / 1e6:.2f} of "
-            f"{r['expert_bytes_all'] / 1e6:.2f} MB of experts per step "
-            f"({r['read_fraction']:.0%}; k/E + shared = {r['bound_fraction']:.0%}) | step "
-            f"{r['moe_step_ms']:.2f} ms vs dense twin (d_ff={r['dense_d_ff']}) "
-            f"{r['dense_step_ms']:.2f} ms = {r['step_vs_dense']:.2f}x")
