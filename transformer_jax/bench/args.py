@@ -24,17 +24,13 @@ CONNECT_TIMEOUT_S = 3.0
 _fail = argparse.ArgumentTypeError
 
 
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise _fail(f"must be an integer, got {text!r}") from None
-
-
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """A type: an integer >= ``minimum``."""
     def parse(text: str) -> int:
-        value = _int(text)
+        try:
+            value = int(text)
+        except ValueError:
+            raise _fail(f"must be an integer, got {text!r}") from None
         if value < minimum:
             raise _fail(f"must be an integer >= {minimum}, got {text!r}")
         return value
