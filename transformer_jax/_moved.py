@@ -37,15 +37,6 @@ MOVED = {
 }
 
 
-def new_name(fullname: str) -> str | None:
-    """``transformer_jax.OLD[.sub]`` -> its new dotted name; None for a name that did not move."""
-    head, _, rest = fullname.partition(".")
-    old, _, sub = rest.partition(".")
-    if head != PACKAGE or old not in MOVED:
-        return None
-    return f"{PACKAGE}.{MOVED[old]}" + (f".{sub}" if sub else "")
-
-
 class _Alias(importlib.abc.Loader):
     def __init__(self, target: str):
         self.target = target
@@ -62,9 +53,11 @@ class MovedFinder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None
                   ) -> importlib.machinery.ModuleSpec | None:
-        new = new_name(fullname)
-        if new is None:
+        head, _, rest = fullname.partition(".")  # transformer_jax.OLD[.sub]
+        old, _, sub = rest.partition(".")
+        if head != PACKAGE or old not in MOVED:
             return None
+        new = f"{PACKAGE}.{MOVED[old]}" + (f".{sub}" if sub else "")
         warnings.warn(f"{fullname} moved to {new}; the old path will go in a later release",
                       DeprecationWarning, stacklevel=2)
         return importlib.machinery.ModuleSpec(fullname, _Alias(new))
