@@ -240,18 +240,6 @@ def _configs(name: str, batch: int, seq: int, loss_chunk: int = 0,
     return model_config, train_config
 
 
-def _request_simulated_cpu_devices(n: int) -> None:
-    """Asks for ``n`` CPU devices; must precede the start of JAX's backend (else a no-op)."""
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
-        return  # main says whether the backend has enough
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                   os.environ.get("XLA_FLAGS", ""))
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    jax.config.update("jax_platforms", "cpu")
-
-
 def kv_cache_report(name: str, batch: int, seq: int, dtype: str) -> dict[str, Any]:
     """Prints and returns the inference KV cache of B sequences of ``seq`` positions against every
     layer global and expanded."""
@@ -314,7 +302,15 @@ def main(argv: list[str]) -> int:
                    for n_layers in (None, *(layers if args.compile_time else ()))]
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
-    _request_simulated_cpu_devices(n_devices)
+    # The simulated CPU devices, asked for before JAX's backend starts (if it has, see below).
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                       os.environ.get("XLA_FLAGS", ""))
+        os.environ["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count="
+                                   f"{n_devices}").strip()
+        jax.config.update("jax_platforms", "cpu")
     try:
         # The model against the mesh (divisibility), from shapes alone, before any device.
         state_memory(configs[0][0], sizes, configs[0][1])
