@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -77,8 +78,7 @@ def text_repeat_prompts(tokenizer: Any, path: str, lengths: list[int], lead: int
     from transformer_jax.bench.speculative import workload_prompts
     from transformer_jax.tokenizer.prompt import adds_bos
 
-    with open(path) as f:
-        ids = np.asarray(tokenizer.encode(f.read()), np.int64)
+    ids = np.asarray(tokenizer.encode(Path(path).read_text()), np.int64)
     sep = tokenizer.encode("\n\n")
     bos = tokenizer.bos_id if adds_bos(tokenizer) else None
     extra = lead + len(sep) + (bos is not None)

@@ -298,8 +298,7 @@ def main(argv: list[str]) -> int:
         if not (args.checkpoint and args.text):
             raise SystemExit("--write-distill-sft needs --checkpoint and --text")
         loaded = load(args.checkpoint)
-        with open(args.text) as f:
-            ids = np.asarray(loaded.tokenizer.encode(f.read()), np.int64)
+        ids = np.asarray(loaded.tokenizer.encode(Path(args.text).read_text()), np.int64)
         lengths = _passages(args.copy_passage, 1, len(ids), "--write-distill-sft", "tokens")
         _write_jsonl(args.write_distill_sft, distill_records(
             loaded.config, decode.prepare(loaded.config, loaded.params), loaded.tokenizer, ids,
@@ -332,8 +331,7 @@ def main(argv: list[str]) -> int:
     if args.text:
         if tokenizer is None:
             raise SystemExit("--text needs the checkpoint's tokenizer")
-        with open(args.text) as f:
-            ids = np.asarray(tokenizer.encode(f.read()), np.int64)
+        ids = np.asarray(tokenizer.encode(Path(args.text).read_text()), np.int64)
         sep = tokenizer.encode("\n\n")
     else:
         ids = rng.integers(0, config.vocab_size, 100_000)
