@@ -25,7 +25,6 @@ from transformer_jax.bench import serve_stall, serve_structured
 from transformer_jax.bench.serve_workload import (
     Workload,
     make_workload,
-    record,
     summarize,
     text_repeat_prompts,
 )
@@ -52,7 +51,7 @@ def run_engine(engine: Engine, work: Workload, grammars: list[Any] | None = None
     """Serves ``work`` with the engine in real time; token times from its consumers. Request i
     uses LoRA adapter i mod N of ``engine.adapter_names`` (if any) and draws under ``grammars[i]``
     (with ``grammars``); with ``speculative``, every request speculates so."""
-    records = [record(a) for a in work.arrivals]
+    records = [{"arrival": a, "times": []} for a in work.arrivals]
     order = sorted(range(len(records)), key=lambda i: work.arrivals[i])
     peak_running = peak_pages = 0
     start = time.perf_counter()
@@ -93,7 +92,7 @@ def run_fixed_batches(config: ModelConfig, weights: decode.DecodeWeights, work: 
                       batch: int) -> dict[str, Any]:
     """``generate`` on batches of ``batch`` requests in arrival order, each once its last request
     has arrived (``batch`` 1: each request alone)."""
-    records = [record(a) for a in work.arrivals]
+    records = [{"arrival": a, "times": []} for a in work.arrivals]
     order = sorted(range(len(records)), key=lambda i: work.arrivals[i])
     start = time.perf_counter()
     for group in _batches(order, batch):

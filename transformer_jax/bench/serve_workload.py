@@ -41,13 +41,9 @@ def make_workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int
     return Workload(prompts, outs, arrivals)
 
 
-def record(arrival: float) -> dict[str, Any]:
-    """A request's record: its arrival offset and, as they come, its token times."""
-    return {"arrival": arrival, "times": []}
-
-
 def summarize(records: list[dict[str, Any]], start: float) -> dict[str, Any]:
-    """Latency percentiles and throughputs of per-request token times (absolute seconds)."""
+    """Latency percentiles and throughputs of the requests' records: ``{"arrival": offset,
+    "times": its token times (absolute seconds)}``."""
     def stats(xs: list[float]) -> dict[str, float]:
         xs = sorted(xs) or [0.0]
         return {"mean": statistics.fmean(xs), "median": statistics.median(xs),
