@@ -64,7 +64,7 @@ def evaluate_and_sample(state: TrainState, step: int, eval_step, data: RunData,
     sources = {name: evaluate(eval_step, state.params, batches)  # a mixture's
                for name, batches in data.source_eval_batches(**eval_kw).items()}
     if sources:  # weights renormalised over the sources evaluated
-        weights = data.source_weights()
+        weights = dict(zip(data.shards.mixture.names, data.shards.mixture.weights, strict=True))
         val_loss = (sum(weights[name] * loss for name, loss in sources.items())
                     / sum(weights[name] for name in sources))
         log.record_eval(step, val_loss, of=f"the weighted mean over {len(sources)} sources")
