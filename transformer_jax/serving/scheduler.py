@@ -32,7 +32,6 @@ from transformer_jax.serving.plan import (
     chunk_buckets,
     row_bucket,
     row_sampling,
-    width_buckets,
 )
 from transformer_jax.serving.prefix_cache import PrefixCache, page_digests
 from transformer_jax.serving.requests import Request, State, TokenEvent
@@ -70,7 +69,7 @@ class Scheduler:
         self.page_size = page_size
         self.pages_per_seq = pages_for(max_len, page_size)
         self.buckets = chunk_buckets(max_chunk)
-        self.widths = width_buckets(self.pages_per_seq,
+        self.widths = chunk_buckets(self.pages_per_seq,  # page-table widths
                                     pages_for(min(min_context, max_len), page_size))
         self.pool = PagePool(num_pages)
         self.prefix = PrefixCache(self.pool, enabled=prefix_caching)
