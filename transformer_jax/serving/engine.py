@@ -327,7 +327,7 @@ class Engine:
             if any(r.speculation is not None for r in plan.decodes):  # for its choice
                 self.speculation.plain_step(plan, tokens, time.perf_counter() - started,
                                             chunk is not None, sampler)
-            delivered += self._deliver(sched.commit_decodes(plan, tokens, logprobs))
+            delivered += self._deliver(sched.commit_decodes(plan.decodes, tokens, logprobs))
         self.steps += 1
         self.step_times.record(clock, prefill=chunk is not None)
         return delivered

@@ -396,12 +396,12 @@ class Scheduler:
                 i += 1
         return events
 
-    def commit_decodes(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray
+    def commit_decodes(self, reqs: list[Request], tokens: np.ndarray, logprobs: np.ndarray
                        ) -> list[tuple[Request, TokenEvent]]:
-        """Applies the step's decode rows ([B] tokens and log-probabilities by slot, or
-        [B, 1 + K] with the top alternatives); the events to deliver."""
+        """Applies a decode step's rows of ``reqs`` ([B] tokens and log-probabilities by slot,
+        or [B, 1 + K] with the top alternatives); the events to deliver."""
         events = []
-        for req in plan.decodes:
+        for req in reqs:
             req.cached += 1
             events.append(self._emit(req, tokens[req.slot], logprobs[req.slot]))
         return events
