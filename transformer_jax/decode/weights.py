@@ -304,16 +304,11 @@ def decode_rules(config: ModelConfig, mesh: Mesh | None) -> tuple:
     ours = dict(EXPERT_RULES)
     if expert_shards(mesh) > 1:
         ours["experts"] = EXPERT_AXIS
-    if not vocab_is_split(config, mesh):
+    if config.vocab_size % tensor_shards(mesh):  # T does not divide V
         ours["vocab"] = None
     rules = tuple((name, ours.get(name, axes)) for name, axes in sharding.LOGICAL_RULES)
     have = {name for name, _ in rules}
     return rules + tuple((name, axes) for name, axes in EXPERT_RULES if name not in have)
-
-
-def vocab_is_split(config: ModelConfig, mesh: Mesh | None) -> bool:
-    """Whether a decode over ``mesh`` splits the vocabulary: when T divides V."""
-    return config.vocab_size % tensor_shards(mesh) == 0
 
 
 def weight_specs(config: ModelConfig, mesh: Mesh, out_first: bool | None = None,
