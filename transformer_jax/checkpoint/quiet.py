@@ -50,15 +50,6 @@ def _from_writer(error: BaseException | None) -> bool:
     return False
 
 
-def _is_closed_loop_callback(unraisable: Any) -> bool:
-    """asyncio's ``RuntimeError: Event loop is closed`` from ``call_soon_threadsafe``: a
-    TensorStore write of a failed (or abandoned) save finishing after orbax closed its loop."""
-    error = unraisable.exc_value
-    return (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-            and any(frame.f_code.co_name == "call_soon_threadsafe"
-                    for frame, _ in traceback.walk_tb(unraisable.exc_traceback)))
-
-
 def quiet_background_failures() -> None:
     """Keeps the echoes of a failed background save off stderr (idempotent): the unraisable
     ``Event loop is closed`` of late TensorStore writes and asyncio's never-retrieved errors."""
@@ -67,9 +58,14 @@ def quiet_background_failures() -> None:
         return
 
     def unraisable_hook(unraisable: Any) -> None:
-        if _is_closed_loop_callback(unraisable):
+        # asyncio's "Event loop is closed" from call_soon_threadsafe: a TensorStore write of a
+        # failed (or abandoned) save finishing after orbax closed its loop.
+        error = unraisable.exc_value
+        if (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+                and any(frame.f_code.co_name == "call_soon_threadsafe"
+                        for frame, _ in traceback.walk_tb(unraisable.exc_traceback))):
             logger.debug("after a failed save: %s (a TensorStore write completed after orbax "
-                         "stopped waiting)", unraisable.exc_value)
+                         "stopped waiting)", error)
             return
         hook(unraisable)
 

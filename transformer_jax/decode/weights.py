@@ -9,7 +9,7 @@ mesh by training's logical-axis rules (``weight_specs``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.struct
@@ -119,30 +119,18 @@ def default_experts_split(config: ModelConfig, platform: str | None = None) -> b
 
 def split_experts(tree: Params, n_experts: int, take: Callable[[Any, int, int], Any]
                   ) -> Params:
-    """``tree`` (weights, or their shardings) with each expert stack replaced by an
-    ``ExpertList`` of ``take(stack, axis, e)`` for e < E (``axis``: the stack's E axis)."""
+    """``tree`` (weights, or their shardings) with each expert stack (float or quantised)
+    replaced by an ``ExpertList`` of its experts e < E, each of ``take(leaf, axis, e)`` of
+    every leaf (``axis``: the stack's E axis)."""
     def one(path: tuple[Any, ...], x: Any) -> Any:
         if not is_expert_stack(path):
             return x
         axis = 1 if is_scanned_key(str(path[0].key)) else 0
-        return ExpertList(tuple(take(x, axis, e) for e in range(n_experts)))
+        return ExpertList(tuple(jax.tree.map(lambda leaf, e=e: take(leaf, axis, e), x)
+                                for e in range(n_experts)))
 
     return jax.tree_util.tree_map_with_path(
         one, tree, is_leaf=lambda x: is_quantized(x) or isinstance(x, NamedSharding))
-
-
-def _take_expert(stack: Any, axis: int, e: int) -> Any:
-    """Expert e of a float or quantised stack (every leaf has E on ``axis``)."""
-    return jax.tree.map(lambda a: jax.lax.index_in_dim(a, e, axis, keepdims=False), stack)
-
-
-def _expert_sharding(stack: Any, axis: int, e: int) -> Any:
-    """The sharding of expert e of a stack sharded as ``stack`` (its E axis dropped)."""
-    def drop(s: NamedSharding) -> NamedSharding:
-        spec = list(s.spec)
-        return NamedSharding(s.mesh, P(*(spec[:axis] + spec[axis + 1:])))
-
-    return jax.tree.map(drop, stack)
 
 
 def decode_params(config: ModelConfig, params: Params, out_first: bool | None = None
@@ -169,7 +157,8 @@ def decode_params(config: ModelConfig, params: Params, out_first: bool | None = 
     return out_first_layout(config, params, jnp.transpose) if out_first else params
 
 
-def _permuted(s: NamedSharding, order: tuple[int, ...]) -> NamedSharding:
+def _permuted(s: NamedSharding, order: Sequence[int]) -> NamedSharding:
+    """``s`` with its spec's entries in ``order`` (an axis left out of it: dropped)."""
     return NamedSharding(s.mesh, P(*(tuple(s.spec)[i] for i in order)))
 
 
@@ -265,7 +254,8 @@ def _weights_fn(config: ModelConfig, out_first: bool, quant: Any,
 
             params = quantize_params(params, quant)
         if experts_split:
-            params = split_experts(params, config.moe.n_experts, _take_expert)
+            params = split_experts(params, config.moe.n_experts, lambda a, axis, e:
+                                   jax.lax.index_in_dim(a, e, axis, keepdims=False))
         return params
 
     return fn
@@ -297,7 +287,8 @@ def weight_shardings(config: ModelConfig, mesh: Mesh, out_first: bool,
                                 abstract_params(config))
         shardings = quantized_shardings(shardings, shapes)
     if experts_split:
-        shardings = split_experts(shardings, config.moe.n_experts, _expert_sharding)
+        shardings = split_experts(shardings, config.moe.n_experts, lambda s, axis, e:
+                                  _permuted(s, [i for i in range(len(s.spec)) if i != axis]))
     return shardings
 
 
@@ -313,16 +304,11 @@ def decode_rules(config: ModelConfig, mesh: Mesh | None) -> tuple:
     ours = dict(EXPERT_RULES)
     if expert_shards(mesh) > 1:
         ours["experts"] = EXPERT_AXIS
-    if not vocab_is_split(config, mesh):
+    if config.vocab_size % tensor_shards(mesh):  # T does not divide V
         ours["vocab"] = None
     rules = tuple((name, ours.get(name, axes)) for name, axes in sharding.LOGICAL_RULES)
     have = {name for name, _ in rules}
     return rules + tuple((name, axes) for name, axes in EXPERT_RULES if name not in have)
-
-
-def vocab_is_split(config: ModelConfig, mesh: Mesh | None) -> bool:
-    """Whether a decode over ``mesh`` splits the vocabulary: when T divides V."""
-    return config.vocab_size % tensor_shards(mesh) == 0
 
 
 def weight_specs(config: ModelConfig, mesh: Mesh, out_first: bool | None = None,

@@ -122,7 +122,15 @@ class MoE:
             check_bool(f"moe.{name}", getattr(self, name))
         check_choice("moe.score", self.score, MOE_SCORES)
         check_positive_number("moe.routed_scale", self.routed_scale)
-        self._check_groups()
+        n, top, e = self.n_groups, self.top_groups, self.n_experts
+        if top > n:
+            raise ValueError(f"moe.top_groups ({top}) must be at most moe.n_groups ({n})")
+        if n > 1 and (e % n or e // n < 2):
+            raise ValueError(f"moe.n_groups={n} must split moe.n_experts={e} into equal groups "
+                             "of at least 2 experts (a group is scored by its top two)")
+        if top * (e // n) < self.top_k:
+            raise ValueError(f"moe.top_k={self.top_k} is more than the {top * (e // n)} experts "
+                             f"of moe.top_groups={top} groups")
         if self.scale_input and self.top_k != 1:
             raise ValueError(f"moe.scale_input needs moe.top_k 1 (one expert per token), got "
                              f"{self.top_k}")
@@ -133,17 +141,6 @@ class MoE:
                 for i in self.dense_layers):
             raise ValueError(f"moe.dense_layers must be a list of layer indices >= 0, got "
                              f"{self.dense_layers!r}")
-
-    def _check_groups(self) -> None:
-        n, top, e = self.n_groups, self.top_groups, self.n_experts
-        if top > n:
-            raise ValueError(f"moe.top_groups ({top}) must be at most moe.n_groups ({n})")
-        if n > 1 and (e % n or e // n < 2):
-            raise ValueError(f"moe.n_groups={n} must split moe.n_experts={e} into equal groups "
-                             "of at least 2 experts (a group is scored by its top two)")
-        if top * (e // n) < self.top_k:
-            raise ValueError(f"moe.top_k={self.top_k} is more than the {top * (e // n)} experts "
-                             f"of moe.top_groups={top} groups")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer ``layer``'s FFN is the mixture (else the dense FFN)."""

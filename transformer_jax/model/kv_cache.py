@@ -94,10 +94,9 @@ class KVCache:
             shape = (batch, max_len, config.mla.entry_dim)
             latent = (jnp.zeros((config.n_layers, *shape), dtype) if config.scan_layers else
                       tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)))
-            return cls(k=k, v=v, lengths=lengths, latent=latent)
+            return cls(k, v, lengths, latent=latent)
         if ring is None:
-            k, v = arrays(config.n_layers, max_len)
-            return cls(k=k, v=v, lengths=lengths)
+            return cls(*arrays(config.n_layers, max_len), lengths)
         k, v = arrays(ring.n_global, max_len)
         k_local, v_local = arrays(ring.n_local, ring.size)
         return cls(k=k, v=v, lengths=lengths, k_local=k_local, v_local=v_local, ring=ring)

@@ -194,10 +194,9 @@ def write_rings(k_ring: Any, v_ring: Any, j: int | jax.Array, k: jax.Array, v: j
     Returns:
       (key rings, value rings) with ring j written.
     """
-    size = v_ring.shape[-2] if not isinstance(v_ring, tuple) else v_ring[0].shape[-2]
-    dtype = (v_ring if not isinstance(v_ring, tuple) else v_ring[0]).dtype
-    k, v = stored(k, dtype), stored(v, dtype)
-    slots = write_slots(positions, size, end)
+    first = v_ring[0] if isinstance(v_ring, tuple) else v_ring  # the first layer, or the stack
+    k, v = stored(k, first.dtype), stored(v, first.dtype)
+    slots = write_slots(positions, first.shape[-2], end)
     rows = jnp.arange(k.shape[0]) if rows is None else rows
     if not isinstance(v_ring, tuple):
         return (scatter_stacked(k_ring, j, rows, k, slots),

@@ -22,7 +22,7 @@ from transformer_jax.model.ops.layouts import OutFirst
 from transformer_jax.model.ops.moe import ExpertList
 from transformer_jax.model.ops.positions import rope_attention_factor
 from transformer_jax.model.ops.quantized import is_quantized
-from transformer_jax.model.ops.row_lora import is_row_adapters
+from transformer_jax.model.ops.row_lora import RowAdapters
 from transformer_jax.model.stack import LayerRef, LayerSpec
 
 
@@ -74,7 +74,7 @@ def stored_as_is(module: nn.Module, name: str) -> Any:
     """Parameter ``name`` of ``module`` when stored as a typed leaf (e.g. quantised), else None."""
     if module.has_variable("params", name):
         w = module.get_variable("params", name)
-        if is_quantized(w) or is_row_adapters(w) or isinstance(w, OutFirst | ExpertList):
+        if is_quantized(w) or isinstance(w, RowAdapters | OutFirst | ExpertList):
             return w
     return None
 

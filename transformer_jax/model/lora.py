@@ -14,7 +14,7 @@ import difflib
 import logging
 import math
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -356,15 +356,9 @@ def adapter_count(adapters: Adapters) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(adapters))
 
 
-def parse_targets(text: str | Sequence[str]) -> tuple[str, ...]:
-    """``"q,k,v"`` or a list -> validated target names (as ``LoraConfig`` checks them)."""
-    return LoraConfig(targets=text).targets  # type: ignore[arg-type]
-
-
 __all__ = ["ADAPTERS", "BASE", "BASE_QUANT_FIELD", "DEFAULT_TARGETS", "TARGETS", "LoraConfig",
            "adapter_count", "adapter_shardings", "apply_adapters", "checkpoint_tree", "delta",
-           "freeze_base", "init_adapters", "merge", "model_params", "optimizer", "parse_targets",
-           "trainable_mask"]
+           "freeze_base", "init_adapters", "merge", "model_params", "optimizer", "trainable_mask"]
 
 
 def checkpoint_tree(params: Any, meta: Mapping[str, Any], where: Any) -> Any:

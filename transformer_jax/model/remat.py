@@ -38,7 +38,6 @@ _NAMED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 #: ``model.remat``'s values, from the least memory kept to the most (offloading last).
 REMATS = ("none", "full", "save_qkv_proj", "save_dots_except_mlp", "save_dots_except_mlp_in",
           "save_dots", "offload_qkv_proj", "offload_dots")
-OFFLOADING = tuple(r for r, (_, off) in _NAMED.items() if off)
 
 _warned: set[tuple[str, str]] = set()
 

@@ -197,11 +197,8 @@ def restack(tree: Mapping[str, Any], want: dict[tuple[str, ...], list[int]]) -> 
         return dict(tree)
     out = {k: v for k, v in tree.items() if not (k.startswith("blocks_") or is_scanned_key(k))}
     for path, layers in want.items():  # unrolled -> scanned
-        node = jax.tree.map(lambda *xs: jax.numpy.stack(xs), *[tree[f"blocks_{i}"] for i in layers])
-        if len(path) == 1:
-            out[path[0]] = node
-        else:
-            out.setdefault(path[0], {})[path[1]] = node
+        out = tree_set(out, path, jax.tree.map(lambda *xs: jax.numpy.stack(xs),
+                                               *[tree[f"blocks_{i}"] for i in layers]))
     for path, layers in scanned.items():  # scanned -> unrolled
         for r, i in enumerate(layers):
             out[f"blocks_{i}"] = jax.tree.map(lambda x, r=r: x[r], tree_get(tree, path))

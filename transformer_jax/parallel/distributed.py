@@ -60,8 +60,9 @@ def maybe_initialize(coordinator_address: str | None = None, num_processes: int 
     process_id = _int_or_env("process_id", process_id, ENV_PROCESS_ID)
 
     if num_processes is None and process_id is None and coordinator_address is None:
-        launcher_size = _cluster_launcher_size()
-        if launcher_size is None or launcher_size <= 1:
+        launcher_size = next((int(os.environ[size]) for marker, size in _CLUSTER_SIZE_VARS
+                              if marker in os.environ and os.environ.get(size, "").isdigit()), 0)
+        if launcher_size <= 1:
             return False
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         logger.info("initialising jax.distributed from the cluster launcher (%d processes)",
@@ -183,10 +184,3 @@ def _int_or_env(name: str, value: int | None, env: str) -> int | None:
         return int(text)
     except ValueError:
         raise ValueError(f"{env} must be an integer (for {name}), got {text!r}") from None
-
-
-def _cluster_launcher_size() -> int | None:
-    for marker, size_var in _CLUSTER_SIZE_VARS:
-        if marker in os.environ and os.environ.get(size_var, "").isdigit():
-            return int(os.environ[size_var])
-    return None

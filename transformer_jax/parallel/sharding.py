@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import flax.linen as nn
@@ -138,33 +138,18 @@ def param_shardings(config: ModelConfig, mesh: Mesh,
 
     def one(path, spec: P, shape: jax.ShapeDtypeStruct) -> NamedSharding:
         mesh_spec = logical_to_mesh_spec(tuple(spec), rules)
-        check_divisible(_path_str(path), shape.shape, mesh_spec, mesh.shape, logical=tuple(spec))
+        padded = tuple(mesh_spec) + (None,) * (len(shape.shape) - len(mesh_spec))
+        for dim, (size, axes) in enumerate(zip(shape.shape, padded, strict=True)):
+            if size % math.prod(mesh.shape[a] for a in _as_tuple(axes)):
+                axis_desc = " x ".join(f"{a}={mesh.shape[a]}" for a in _as_tuple(axes))
+                raise ValueError(
+                    f"parameter {_path_str(path)} dimension {dim} ({spec[dim]}) has size {size}, "
+                    f"which is not divisible by mesh axis {axis_desc}; change the mesh or the "
+                    "model shape")
         return NamedSharding(mesh, mesh_spec)
 
     return jax.tree_util.tree_map_with_path(one, logical, shapes,
                                             is_leaf=lambda x: isinstance(x, P))
-
-
-def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_shape: Mapping[str, int],
-                    logical: Sequence[str | None] | None = None) -> None:
-    """Raises ValueError if a dimension of ``shape`` does not split evenly over its mesh axes.
-
-    Args:
-      name, shape, spec: the array (named in the message), its shape and mesh ``PartitionSpec``.
-      mesh_shape: mesh axis name -> size (``mesh.shape``).
-      logical: the logical axis names, only for the message.
-    """
-    padded = tuple(spec) + (None,) * (len(shape) - len(spec))
-    for dim, (size, axes) in enumerate(zip(shape, padded, strict=True)):
-        if axes is None:
-            continue
-        parts = math.prod(mesh_shape[a] for a in _as_tuple(axes))
-        if size % parts:
-            label = f" ({logical[dim]})" if logical else ""
-            axis_desc = " x ".join(f"{a}={mesh_shape[a]}" for a in _as_tuple(axes))
-            raise ValueError(
-                f"parameter {name} dimension {dim}{label} has size {size}, which is not "
-                f"divisible by mesh axis {axis_desc}; change the mesh or the model shape")
 
 
 def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, MeshAxes]] | None = None

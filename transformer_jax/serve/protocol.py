@@ -300,9 +300,10 @@ class ChatCompletionRequest(_Sampling):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise APIError(400, f"tool_choice: no tool is named {choice.function.name!r}; "
                            f"tools has {', '.join(map(repr, names))}", "tool_choice")
-        guided = self.guided_fields
-        if self.tool_mode != "none" and guided:
-            raise APIError(400, f"tools with tool_choice {_shown(self.tool_mode)} cannot be "
+        guided, mode = self.guided_fields, self.tool_mode
+        if mode != "none" and guided:
+            shown = repr(mode) if isinstance(mode, str) else f"function {mode.function.name!r}"
+            raise APIError(400, f"tools with tool_choice {shown} cannot be "
                            f"combined with {guided[0]}; pass tool_choice 'none' or leave out "
                            f"{guided[0]}", "tool_choice" if choice is not None else guided[0])
         for i, m in enumerate(self.messages):
@@ -322,10 +323,6 @@ class ChatCompletionRequest(_Sampling):
                 raise APIError(400, f"messages.{i}: a tool message needs tool_call_id",
                                f"messages.{i}.tool_call_id")
         return self
-
-
-def _shown(mode: str | NamedToolChoice) -> str:
-    return repr(mode) if isinstance(mode, str) else f"function {mode.function.name!r}"
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

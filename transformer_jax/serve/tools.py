@@ -16,6 +16,7 @@ from typing import Any
 
 from transformer_jax.serve.protocol import APIError, ChatCompletionRequest
 from transformer_jax.serving.grammar import Grammar, token_ref
+from transformer_jax.serving.text import held_prefix
 
 PARSERS = ("hermes", "llama3_json")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -74,14 +75,6 @@ def call_of(obj: Any) -> ToolCall | None:
     if not isinstance(args, dict):
         return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-def held_prefix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag`` (it may become it)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ToolCallParser:

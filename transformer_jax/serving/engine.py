@@ -164,7 +164,6 @@ class Engine:
         self._ids, self.steps = itertools.count(), 0  # request ids; steps run
         #: Where the steps' time went (``serving.step_times``), and the running step's clock.
         self.step_times, self.step_clock = StepTimes(), StepClock()
-        self._prepare: Callable[[Params], Params] | None = None  # update_weights'
         #: Speculative decoding, multi-step rounds and overlapped steps.
         self.speculation, self.multistep = Speculation(self, draft), MultiStep(self)
         self.overlap = Overlap(self, overlap)
@@ -194,7 +193,7 @@ class Engine:
             raise RuntimeError("update_weights needs an idle engine (requests are in flight)")
         from transformer_jax.serving.refresh import refreshed
 
-        self.weights, self._prepare = refreshed(self.weights, weights_or_params, self._prepare)
+        self.weights = refreshed(self.weights, weights_or_params)
         self.scheduler.prefix.clear()
 
     # Thread-safe requests --------------------------------------------------------------------
@@ -328,7 +327,7 @@ class Engine:
             if any(r.speculation is not None for r in plan.decodes):  # for its choice
                 self.speculation.plain_step(plan, tokens, time.perf_counter() - started,
                                             chunk is not None, sampler)
-            delivered += self._deliver(sched.commit_decodes(plan, tokens, logprobs))
+            delivered += self._deliver(sched.commit_decodes(plan.decodes, tokens, logprobs))
         self.steps += 1
         self.step_times.record(clock, prefill=chunk is not None)
         return delivered

@@ -169,13 +169,9 @@ class MultiStep:
         clock.lap("dispatch")
         out_tokens, out_logprobs = clock.lap("device", jax.device_get((out_tokens, out_logprobs)))
         events = []
-        for i in range(n):
-            for req in running:
-                if req.state != State.RUNNING:  # stopped earlier in the round
-                    continue
-                req.cached += 1
-                events.append(sched._emit(req, out_tokens[i, req.slot],
-                                          out_logprobs[i, req.slot]))
+        for i in range(n):  # a row that stopped earlier in the round takes no more tokens
+            events += sched.commit_decodes([r for r in running if r.state == State.RUNNING],
+                                           out_tokens[i], out_logprobs[i])
         self.rounds += 1
         self.round_tokens += len(events)
         delivered = e._deliver(events)

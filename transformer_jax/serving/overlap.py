@@ -121,9 +121,7 @@ class Overlap:
         if live:
             tokens, logprobs = clock.lap("device",
                                          jax.device_get((flight.tokens, flight.logprobs)))
-            for req in live:
-                req.cached += 1
-                events.append(sched._emit(req, tokens[req.slot], logprobs[req.slot]))
+            events = sched.commit_decodes(live, tokens, logprobs)
         delivered = e._deliver(events)
         if record:
             e.steps += 1

@@ -7,7 +7,6 @@ sequence holds is decided here, in plain Python and numpy, by the engine's sched
 from __future__ import annotations
 
 import collections
-from typing import Any
 
 import numpy as np
 
@@ -80,6 +79,3 @@ class PagePool:
     def held(self) -> dict[int, int]:
         """{page: reference count} of every held page (empty when nothing leaked)."""
         return {int(p): int(self._refs[p]) for p in np.flatnonzero(self._refs)}
-
-    def describe(self) -> dict[str, Any]:
-        return {"pages": self.capacity, "free": self.num_free, "held": len(self.held())}

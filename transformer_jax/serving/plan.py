@@ -14,7 +14,8 @@ from transformer_jax.serving.step import RowSampling, Sampler
 
 def chunk_buckets(max_chunk: int, smallest: int = 16) -> tuple[int, ...]:
     """The padded prefill chunk lengths: powers of two from ``smallest`` below ``max_chunk``,
-    then ``max_chunk`` (a chunk of c tokens runs in the smallest bucket >= c)."""
+    then ``max_chunk`` (a chunk of c tokens runs in the smallest bucket >= c); also the
+    page-table widths, from a ``smallest`` width up to the whole table."""
     buckets, b = [], min(smallest, max_chunk)
     while b < max_chunk:
         buckets.append(b)
@@ -25,12 +26,6 @@ def chunk_buckets(max_chunk: int, smallest: int = 16) -> tuple[int, ...]:
 def row_bucket(n: int) -> int:
     """The padded number of chunk rows of a step of n chunks: the power of two >= n."""
     return 1 << (n - 1).bit_length()
-
-
-def width_buckets(pages_per_seq: int, smallest: int) -> tuple[int, ...]:
-    """The page-table widths a step runs at: powers of two from ``smallest`` below
-    ``pages_per_seq``, then ``pages_per_seq``."""
-    return chunk_buckets(pages_per_seq, smallest)
 
 
 @dataclasses.dataclass

@@ -4,7 +4,6 @@ jitted program and checked to have the old weights' layout, so no step program r
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -12,21 +11,19 @@ import jax
 from transformer_jax.decode.weights import DecodeWeights, _prepare_fn
 
 Params = dict[str, Any]
-Prepare = Callable[[Params], Params]
 
 
 def _signature(tree: Params) -> Any:
     return jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)), tree)
 
 
-def refreshed(old: DecodeWeights, weights_or_params: DecodeWeights | Params,
-              prepare: Prepare | None) -> tuple[DecodeWeights, Prepare | None]:
-    """``(weights, prepare)``: the new ``DecodeWeights`` and the jitted prepare program to keep.
+def refreshed(old: DecodeWeights, weights_or_params: DecodeWeights | Params) -> DecodeWeights:
+    """The new ``DecodeWeights``: ``weights_or_params`` as they are, or prepared by the program
+    that prepared ``old`` (``_prepare_fn``'s, cached).
 
     Args:
       old: the engine's weights.
       weights_or_params: prepared weights, or model params (any placement).
-      prepare: the program a previous call returned, or None (built here once).
 
     Raises:
       ValueError: the new weights differ from ``old`` in layout or preparation.
@@ -34,9 +31,7 @@ def refreshed(old: DecodeWeights, weights_or_params: DecodeWeights | Params,
     if isinstance(weights_or_params, DecodeWeights):
         new = weights_or_params
     else:
-        if prepare is None:
-            prepare = _prepare_fn(old.config, old.mesh, old.out_first, old.quant,
-                                  old.experts_split)
+        prepare = _prepare_fn(old.config, old.mesh, old.out_first, old.quant, old.experts_split)
         params = weights_or_params
         if old.mesh is None:
             params = jax.device_put(params, jax.tree.leaves(old.params)[0].sharding)
@@ -47,7 +42,7 @@ def refreshed(old: DecodeWeights, weights_or_params: DecodeWeights | Params,
             or any(getattr(new, k) != getattr(old, k) for k in statics)):
         raise ValueError("update_weights: the new weights differ from the engine's in "
                          "structure, shape, dtype, placement or preparation")
-    return new, prepare
+    return new
 
 
 __all__ = ["refreshed"]

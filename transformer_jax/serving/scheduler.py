@@ -32,7 +32,6 @@ from transformer_jax.serving.plan import (
     chunk_buckets,
     row_bucket,
     row_sampling,
-    width_buckets,
 )
 from transformer_jax.serving.prefix_cache import PrefixCache, page_digests
 from transformer_jax.serving.requests import Request, State, TokenEvent
@@ -70,7 +69,7 @@ class Scheduler:
         self.page_size = page_size
         self.pages_per_seq = pages_for(max_len, page_size)
         self.buckets = chunk_buckets(max_chunk)
-        self.widths = width_buckets(self.pages_per_seq,
+        self.widths = chunk_buckets(self.pages_per_seq,  # page-table widths
                                     pages_for(min(min_context, max_len), page_size))
         self.pool = PagePool(num_pages)
         self.prefix = PrefixCache(self.pool, enabled=prefix_caching)
@@ -397,12 +396,12 @@ class Scheduler:
                 i += 1
         return events
 
-    def commit_decodes(self, plan: StepPlan, tokens: np.ndarray, logprobs: np.ndarray
+    def commit_decodes(self, reqs: list[Request], tokens: np.ndarray, logprobs: np.ndarray
                        ) -> list[tuple[Request, TokenEvent]]:
-        """Applies the step's decode rows ([B] tokens and log-probabilities by slot, or
-        [B, 1 + K] with the top alternatives); the events to deliver."""
+        """Applies a decode step's rows of ``reqs`` ([B] tokens and log-probabilities by slot,
+        or [B, 1 + K] with the top alternatives); the events to deliver."""
         events = []
-        for req in plan.decodes:
+        for req in reqs:
             req.cached += 1
             events.append(self._emit(req, tokens[req.slot], logprobs[req.slot]))
         return events

@@ -367,16 +367,11 @@ def jit_step(**jit_options: Any) -> Any:
                    donate_argnames=("k_pages", "v_pages", "rings"), **jit_options)
 
 
-def jit_forward(**jit_options: Any) -> Any:
-    """``engine_forward`` jitted as ``jit_step`` jits the step."""
-    return jax.jit(engine_forward,
-                   static_argnames=tuple(n for n in STEP_STATIC_ARGNAMES if n != "sampler"),
-                   donate_argnames=("k_pages", "v_pages", "rings"), **jit_options)
-
-
 step_jit = jit_step()
 #: A step's forward and its sampling as two programs, for the steps with grammar rows.
-forward_jit = jit_forward()
+forward_jit = jax.jit(engine_forward,
+                      static_argnames=tuple(n for n in STEP_STATIC_ARGNAMES if n != "sampler"),
+                      donate_argnames=("k_pages", "v_pages", "rings"))
 sample_jit = jax.jit(sample_rows, static_argnames=("sampler",))
 sample_from_jit = jax.jit(sample_from, static_argnames=("sampler",))
 #: The forks' page copies, the pages donated (updated in place).

@@ -67,6 +67,14 @@ class IncrementalDetokenizer:
         return delta
 
 
+def held_prefix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` (it may become it)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
 class StopMatcher:
     """Cuts a text stream at the first of its stop strings.
 
@@ -91,7 +99,7 @@ class StopMatcher:
         if cut >= 0:
             self.held, self.stopped = "", True
             return text[:cut], True
-        keep = self._partial_suffix(text)
+        keep = max(held_prefix(text, stop) for stop in self.stops)
         self.held = text[len(text) - keep:]
         return text[:len(text) - keep], False
 
@@ -99,16 +107,6 @@ class StopMatcher:
         """The held text (the stream ended without a match)."""
         held, self.held = self.held, ""
         return held
-
-    def _partial_suffix(self, text: str) -> int:
-        """The length of the longest suffix of ``text`` that begins some stop string."""
-        longest = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
 
 
 class TextStream:

@@ -156,9 +156,11 @@ class TrainConfig(ObjectiveConfig):
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "ckpt_every",
                      "keep_ckpts"):
             _check_int(name, getattr(self, name), minimum=1)
-        _check_finite(self, ("lr", "min_lr", "weight_decay", "b1", "b2", "eps", "grad_clip",
-                             "z_loss", "sample_temperature", "peak_flops", "lora_alpha",
-                             "moe_balance_loss", "moe_z_loss", "moe_bias_update_rate"))
+        for name in ("lr", "min_lr", "weight_decay", "b1", "b2", "eps", "grad_clip", "z_loss",
+                     "sample_temperature", "peak_flops", "lora_alpha", "moe_balance_loss",
+                     "moe_z_loss", "moe_bias_update_rate"):
+            if isinstance(value := getattr(self, name), int | float) and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {plain(value)!r}")
         _check_int("decay_steps", self.decay_steps, minimum=0)
         if self.warmup_steps == -1:
             object.__setattr__(self, "warmup_steps", auto_warmup_steps(self.total_decay_steps))
@@ -447,10 +449,3 @@ def _split_override(item: str) -> tuple[str, str, str]:
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {plain(value)!r}")
-
-
-def _check_finite(config: Any, names: Sequence[str]) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if isinstance(value, int | float) and not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {plain(value)!r}")

@@ -30,7 +30,9 @@ def help_text(sections: dict[str, type], width: int = 100) -> str:
     meaning, from their fields and docstrings (``train.py --help``)."""
     lines = [f"presets (--config NAME; TOML files in {CONFIGS_DIR}): {', '.join(preset_names())}"]
     for section, cls in sections.items():
-        meanings = _attribute_docs(cls)
+        # The ``Attributes:`` of ``cls`` and its bases (a subclass's entry wins).
+        meanings = {k: v for klass in reversed(cls.__mro__)
+                    for k, v in _own_attribute_docs(klass).items()}
         lines += ["", f"{section}.KEY=VALUE ({cls.__name__}):"]
         for field in dataclasses.fields(cls):
             kind = field.type if isinstance(field.type, str) else getattr(
@@ -49,11 +51,6 @@ def help_text(sections: dict[str, type], width: int = 100) -> str:
                 lines.extend(textwrap.wrap(meaning, width, initial_indent=" " * 6,
                                            subsequent_indent=" " * 6))
     return "\n".join(lines)
-
-
-def _attribute_docs(cls: type) -> dict[str, str]:
-    """``{name: description}`` from the ``Attributes:`` sections of ``cls`` and its bases."""
-    return {k: v for klass in reversed(cls.__mro__) for k, v in _own_attribute_docs(klass).items()}
 
 
 def _own_attribute_docs(cls: type) -> dict[str, str]:

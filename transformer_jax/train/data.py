@@ -227,13 +227,6 @@ class RunData:
                 for name, stream in self.shards.source_val.items()
                 if shards_lib.eval_rows(stream, self.shards.packing, seq_len)}
 
-    def source_weights(self) -> dict[str, float]:
-        """A mixture's weights by source name; empty for other data."""
-        if self.shards is None or not self.shards.source_val:
-            return {}
-        mixture = self.shards.mixture
-        return dict(zip(mixture.names, mixture.weights, strict=True))
-
 
 def split_rows(rows: PackedData, val_fraction: float) -> tuple[PackedData, PackedData | None]:
     """``(train rows, validation rows or None)``: ``round(val_fraction * R)`` packed rows (at least

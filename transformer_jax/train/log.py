@@ -59,18 +59,16 @@ def mesh_peak_flops(devices: list[jax.Device], per_device: float = 0.0) -> tuple
     device = next((d for d in devices if d.process_index == jax.process_index()), devices[0])
     if device.platform == "cpu":
         hosts = len({d.process_index for d in devices})
-        return (_measured_peak(device, "float32", 1024) * hosts,
+        return (_measured_peak(1024, "float32", device=device) * hosts,
                 f"measured float32 matmul, one per host ({hosts}) shared by its devices")
     if (published := published_peak_flops(device.device_kind)) is not None:
         return published * n, f"published bf16 peak of {device.device_kind} x {n} devices"
-    return (_measured_peak(device, "bfloat16", 4096) * n,
+    return (_measured_peak(4096, "bfloat16", device=device) * n,
             f"measured bf16 matmul on one {device.device_kind} x {n} devices")
 
 
-@functools.cache
-def _measured_peak(device: jax.Device, dtype: str, size: int) -> float:
-    """A measured matmul's FLOP/s, once per process and device."""
-    return measure_matmul_peak(device=device, dtype=dtype, size=size)
+# A measured matmul's FLOP/s, once per process, device, dtype and size.
+_measured_peak = functools.cache(measure_matmul_peak)
 
 
 def _summary_writer_class() -> type:

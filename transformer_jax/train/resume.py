@@ -46,14 +46,6 @@ _TRAJECTORY_TRAIN_KEYS = ("batch_size", "seq_len", "lr", "min_lr", "warmup_steps
                           "quant", "moe_balance_loss", "moe_z_loss", "pairs_per_step")
 
 
-def _model_dict(saved: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's saved model config as this version writes it (as saved if unparsable)."""
-    try:
-        return ModelConfig.from_dict(saved).to_dict()
-    except (TypeError, ValueError):
-        return saved
-
-
 def check_resume(saved: dict[str, Any], current: dict[str, Any], where: Path) -> None:
     """Compares a checkpoint's saved configs with a run's before restoring it.
 
@@ -74,10 +66,15 @@ def check_resume(saved: dict[str, Any], current: dict[str, Any], where: Path) ->
             f"({saved.get('tokenizer')}, fingerprint {saved_tok[:12]}) than this run's "
             f"({current['tokenizer']}, fingerprint {tok[:12]}); a run continues only with its "
             f"own tokenizer{use}")
-    saved_model = _model_dict(saved["model"]) if "model" in saved else {}
-    diffs = [f"model.{k}: {saved_model.get(k)!r} in the checkpoint, {v!r} now"
-             for k, v in current["model"].items()
-             if k not in resumable_keys() and "model" in saved and saved_model.get(k) != v]
+    diffs = []
+    if "model" in saved:
+        try:  # the saved model config as this version writes it (as saved if unparsable)
+            saved_model = ModelConfig.from_dict(saved["model"]).to_dict()
+        except (TypeError, ValueError):
+            saved_model = saved["model"]
+        diffs = [f"model.{k}: {saved_model.get(k)!r} in the checkpoint, {v!r} now"
+                 for k, v in current["model"].items()
+                 if k not in resumable_keys() and saved_model.get(k) != v]
     saved_train = saved.get("train") or {}
     diffs += [f"train.{k}: {saved_train[k]!r} in the checkpoint, {current['train'][k]!r} now "
               "(changes the optimizer state)"

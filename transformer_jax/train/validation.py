@@ -32,12 +32,6 @@ def evaluate(eval_step: Callable[[Params, Batch], Metrics], params: Params,
     return loss_sum / max(tokens, 1.0)
 
 
-def weighted_mean(losses: dict[str, float], weights: dict[str, float]) -> float:
-    """The mean of the sources' ``losses`` weighted by ``weights`` (renormalised over them)."""
-    total = sum(weights[name] for name in losses)
-    return sum(weights[name] * loss for name, loss in losses.items()) / total
-
-
 def sample_text(model_config: ModelConfig, params: Params, tokenizer: TextTokenizer, prompt: str,
                 max_new_tokens: int, temperature: float, seed: int) -> str:
     """Generates a continuation of ``prompt`` (KV-cached decode) and returns prompt + it."""
@@ -69,8 +63,10 @@ def evaluate_and_sample(state: TrainState, step: int, eval_step, data: RunData,
     start = time.perf_counter()
     sources = {name: evaluate(eval_step, state.params, batches)  # a mixture's
                for name, batches in data.source_eval_batches(**eval_kw).items()}
-    if sources:
-        val_loss = weighted_mean(sources, data.source_weights())
+    if sources:  # weights renormalised over the sources evaluated
+        weights = dict(zip(data.shards.mixture.names, data.shards.mixture.weights, strict=True))
+        val_loss = (sum(weights[name] * loss for name, loss in sources.items())
+                    / sum(weights[name] for name in sources))
         log.record_eval(step, val_loss, of=f"the weighted mean over {len(sources)} sources")
     elif data.num_val_tokens:
         val_loss = evaluate(eval_step, state.params, data.eval_batches(**eval_kw))

@@ -228,12 +228,6 @@ def online_softmax_result(carry: tuple[jax.Array, jax.Array, jax.Array], dtype: 
     return out, jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
 
 
-def _row_sinks(plan, sinks, b, kv, g):
-    """The [N] sinks as each block row's [B, K, G * bq] sink."""
-    return jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv, g, 1),
-                            (b, kv, g, plan.bq)).reshape(b, kv, g * plan.bq)
-
-
 def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks):
     """Forward pass; returns the output [B, T, N, H] and its residuals (padded internal layout)."""
     b, t, n, h = q.shape
@@ -262,8 +256,9 @@ def _chunked_fwd_impl(plan, q, k, v, qpos, kpos, qseg, kseg, window, sinks):
                                 lambda c: c, c)
 
         carry = _loop(plan.nk, k_block, online_softmax_init(rows, h))
-        if plan.sinks:
-            carry = online_softmax_sink(carry, _row_sinks(plan, sinks, b, kv, g))
+        if plan.sinks:  # the [N] sinks as each block row's [B, K, G * bq] sink
+            carry = online_softmax_sink(carry, jnp.broadcast_to(
+                sinks.astype(jnp.float32).reshape(1, kv, g, 1), (b, kv, g, bq)).reshape(rows))
         o_i, lse_i = online_softmax_result(carry, q.dtype)
         out = jax.lax.dynamic_update_slice_in_dim(out, o_i.reshape(b, kv, g, bq, h), i * bq, 3)
         lse = jax.lax.dynamic_update_slice_in_dim(lse, lse_i.reshape(b, kv, g, bq), i * bq, 3)

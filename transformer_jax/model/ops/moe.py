@@ -97,15 +97,22 @@ def experts_ffn(x: jax.Array, routing: Routing, w_gate: jax.Array, w_up: jax.Arr
         empty = routing.experts >= e
         routed = routing.replace(experts=jnp.where(empty, 0, routing.experts),
                                  weights=jnp.where(empty, 0.0, routing.weights))
-    glu_of = _glu_of(activation, glu, biases, x.dtype)
+
+    def glu_of(gate, up, ids):  # of rows whose experts are ``ids``, their gate and up biases added
+        if biases is not None:
+            gate, up = (h + jnp.take(b.astype(x.dtype), ids, axis=0, mode="fill", fill_value=0)
+                        for h, b in zip((gate, up), biases[:2], strict=True))
+        # Named for the remat policies (``model.remat``), whichever product made them.
+        gate, up = checkpoint_name(gate, remat.MOE_GATE), checkpoint_name(up, remat.MOE_UP)
+        return activation(gate) * up if glu is None else glu(gate, up)
+
     computes = {"dense": _dense, "tiled": _tiled,
-                "gather": _switched if isinstance(w_gate, ExpertList) else _gather}
-    if impl in computes:
-        y = computes[impl](x, routed, w_gate, w_up, w_down, glu_of)
-    elif impl in ("ragged", "tokamax", "megablox"):
-        y = _sorted(x, routed, w_gate, w_up, w_down, glu_of, impl)
-    else:
+                "gather": _switched if isinstance(w_gate, ExpertList) else _gather,
+                **{name: functools.partial(_sorted, impl=name)
+                   for name in ("ragged", "tokamax", "megablox")}}
+    if impl not in computes:
         raise ValueError(f"moe impl must be one of {IMPLS}, got {impl!r}")
+    y = computes[impl](x, routed, w_gate, w_up, w_down, glu_of)
     if biases is None or biases[2] is None:
         return y
     return (y + down_bias(routing, biases[2])).astype(x.dtype)
@@ -115,19 +122,6 @@ def down_bias(routing: Routing, bias: jax.Array) -> jax.Array:
     """The routed experts' down biases [E, D], weighted as their outputs -> [N, D] float32."""
     down = jnp.take(bias, routing.experts, axis=0, mode="fill", fill_value=0)
     return jnp.einsum("nk,nkd->nd", routing.weights, down.astype(jnp.float32))
-
-
-def _glu_of(activation, glu, biases, dtype):
-    """``glu(gate, up, ids)`` of rows whose experts are ``ids``, their gate and up biases added."""
-    def combine(gate, up, ids):
-        if biases is not None:
-            def bias(b):
-                return jnp.take(b.astype(dtype), ids, axis=0, mode="fill", fill_value=0)
-            gate, up = gate + bias(biases[0]), up + bias(biases[1])
-        # Named for the remat policies (``model.remat``), whichever product made them.
-        gate, up = checkpoint_name(gate, remat.MOE_GATE), checkpoint_name(up, remat.MOE_UP)
-        return activation(gate) * up if glu is None else glu(gate, up)
-    return combine
 
 
 def _weights(w: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -273,16 +267,13 @@ def gather_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array
     return jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[index]
 
 
-def _gather_rows_fwd(x, index, inverse):
-    return gather_rows(x, index, inverse), inverse
-
-
 def _gather_rows_bwd(inverse, ct):
     ext = jnp.concatenate([ct, jnp.zeros((1, ct.shape[1]), ct.dtype)])
     return ext[inverse].sum(1), None, None
 
 
-gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+gather_rows.defvjp(lambda x, index, inverse: (gather_rows(x, index, inverse), inverse),
+                   _gather_rows_bwd)
 
 
 def _gmm(layout: TileLayout, x: jax.Array, w: jax.Array, transpose: bool = False) -> jax.Array:
@@ -329,17 +320,12 @@ def tiled_matmul(layout: TileLayout, x: jax.Array, w: jax.Array) -> jax.Array:
     return _gmm(layout, x, w)
 
 
-def _tiled_fwd(layout, x, w):
-    return _gmm(layout, x, w), (layout, x, w)
-
-
 def _tiled_bwd(res, dy):
     layout, x, w = res
-    dx = _gmm(layout, dy, w, transpose=True)
-    return None, dx, _tgmm(layout, x, dy, w.shape[0])
+    return None, _gmm(layout, dy, w, transpose=True), _tgmm(layout, x, dy, w.shape[0])
 
 
-tiled_matmul.defvjp(_tiled_fwd, _tiled_bwd)
+tiled_matmul.defvjp(lambda layout, x, w: (_gmm(layout, x, w), (layout, x, w)), _tiled_bwd)
 
 
 def _tiled(x, routing, w_gate, w_up, w_down, activation):

@@ -127,9 +127,9 @@ def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.
     if window is not None and kernel != "tpu_ragged":
         raise ValueError(f"kernel {kernel!r} has no sliding window (window={window}); "
                          "plan() sends windows elsewhere")
-    split = _head_split(q.shape[0], k_pages.shape[0])
-    if split is not None:  # Mosaic and Triton calls are not partitioned by XLA: per device
-        mesh, heads = split
+    split = _kernel_split(q.shape[0], k_pages.shape[0])
+    if split is not None and split[2]:  # Mosaic and Triton calls are not partitioned by XLA:
+        mesh, _, heads = split  # per device, on its kv heads
         body = functools.partial(paged_attention, kernel, window=window)
         return jax.shard_map(body, mesh=mesh, check_vma=False, out_specs=P(None, None, heads),
                              in_specs=(P(None, None, heads), P(heads), P(heads), P(), P()))(
@@ -142,12 +142,6 @@ def paged_attention(kernel: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.
         raise ValueError(f"kernel {kernel!r} decodes one query per row, got T = {q.shape[1]}")
     fn = gpu_paged_attention if kernel == "gpu_paged" else tpu_paged_attention
     return fn(q[:, 0], k_pages, v_pages, page_table, positions[:, 0], interpret=interpret)[:, None]
-
-
-def _head_split(b: int, kv: int) -> tuple[jax.sharding.AbstractMesh, tuple[str, ...]] | None:
-    """(mesh, kv-head axes) over which a paged kernel runs per device, or None."""
-    split = _kernel_split(b, kv)
-    return None if split is None or not split[2] else (split[0], split[2])
 
 
 def _divisor_at_most(n: int, cap: int) -> int:

@@ -30,11 +30,6 @@ class RowAdapters(Wrapped):
     ids: jax.Array
 
 
-def is_row_adapters(w: Any) -> bool:
-    """Whether ``w`` is a matrix with per-row adapters (``RowAdapters``)."""
-    return isinstance(w, RowAdapters)
-
-
 def row_delta(x: jax.Array, adapters: RowAdapters, spec: str) -> jax.Array:
     """Each row's adapter update of the product ``spec`` describes, in float32.
 
