@@ -151,8 +151,7 @@ def _build_locked(srcs: list[sources_lib.Source], out: Path, tokenizer: TextToke
                 **dataclasses.asdict(options)}
     settings.pop("shard_bytes")
     tasks = [(i, [p.key() for p in shard], settings) for i, shard in enumerate(shards)]
-    plans = {i: _plan(keys, settings) for i, keys, settings in tasks}
-    done = {i: _finished(out, i, plans[i]) for i in plans}
+    done = {i: _finished(out, i, _plan(keys, settings)) for i, keys, _ in tasks}
     todo = [t for t in tasks if done[t[0]] is None]
     if todo or _beyond(out, len(shards)):
         # The shards change under it: a reader never sees it beside other shards.
@@ -163,7 +162,10 @@ def _build_locked(srcs: list[sources_lib.Source], out: Path, tokenizer: TextToke
     logger.info("%d inputs -> %d pieces -> %d shards (%d already built) with %d worker(s)%s",
                 len(srcs), len(pieces), len(shards), len(shards) - len(todo), used,
                 f" (--workers {workers}: one per shard to build)" if used < workers else "")
-    bar = _bar(progress, len(shards), len(shards) - len(todo))
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(shards), initial=len(shards) - len(todo), unit="shard",
+               disable=not progress, dynamic_ncols=True, file=sys.stderr)
     start, tokens = time.perf_counter(), 0
     with _pool(used, str(out)) as imap:
         for record in imap(_build_shard, todo):
@@ -256,8 +258,8 @@ def _build_shard(task: tuple[int, list, dict[str, Any]]) -> dict[str, Any]:
     lengths: dict[str, list[int]] = {s: [] for s in SPLITS}
     skipped = []
     try:
-        for key in keys:
-            piece = _piece(key)
+        for path, kind, size, _, start, stop in keys:
+            piece = sources_lib.Piece(sources_lib.Source(path, kind, size), start, stop, size)
             try:
                 # Read whole before any is written: skipping it leaves none of its documents.
                 docs = list(sources_lib.documents(piece, settings["field"],
@@ -277,26 +279,20 @@ def _build_shard(task: tuple[int, list, dict[str, Any]]) -> dict[str, Any]:
     finally:
         for writer in writers.values():
             writer.close()
+    record = {"index": index, "plan": _plan(keys, settings), "skipped": skipped,
+              "pieces": [k[:1] + k[4:] for k in keys]}
     for split in SPLITS:
         name = shard_name(split, index)
         with atomic_writer(out / name.replace(".arrayrecord", ".lengths.npy")) as f:
             np.save(f, np.asarray(lengths[split], dtype=np.int64))
         os.replace(tmp[split], out / name)
-    record = {"index": index, "plan": _plan(keys, settings), "skipped": skipped,
-              "pieces": [k[:1] + k[4:] for k in keys]}
-    for split in SPLITS:
         record[f"{split}_docs"] = len(lengths[split])
         record[f"{split}_tokens"] = int(sum(lengths[split]))
         # Its size, so a reader finds a truncated file with a stat (``shard_checks``).
-        record[f"{split}_bytes"] = (out / shard_name(split, index)).stat().st_size
+        record[f"{split}_bytes"] = (out / name).stat().st_size
     with atomic_writer(out / f"shard-{index:05d}.json") as f:
         f.write(json.dumps(record, sort_keys=True).encode())
     return record
-
-
-def _piece(key: list) -> sources_lib.Piece:
-    path, kind, size, _, start, stop = key
-    return sources_lib.Piece(sources_lib.Source(path, kind, size), start, stop, size)
 
 
 @contextlib.contextmanager
@@ -309,13 +305,6 @@ def _pool(workers: int, out: str):
         return
     with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (out,)) as pool:
         yield lambda fn, tasks: pool.imap_unordered(fn, tasks)
-
-
-def _bar(progress: bool, total: int, initial: int):
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, unit="shard", disable=not progress,
-                dynamic_ncols=True, file=sys.stderr)
 
 
 def _metadata(records: list[dict[str, Any]], srcs: list[sources_lib.Source],

@@ -91,13 +91,10 @@ def default_corpus(max_bytes: int | None = DEFAULT_CORPUS_MAX_BYTES) -> list[Pat
                              if d not in _STDLIB_SKIP_DIRS and not d.startswith("."))
         candidates.extend(Path(dirpath) / name for name in sorted(filenames)
                           if name.endswith(".py"))
-
-    def spread_key(path: Path) -> str:
-        return hashlib.sha256(path.relative_to(root).as_posix().encode()).hexdigest()
-
     chosen: list[Path] = []
     total = 0
-    for path in sorted(candidates, key=spread_key):
+    for path in sorted(candidates, key=lambda p: hashlib.sha256(
+            p.relative_to(root).as_posix().encode()).hexdigest()):  # spread over the library
         try:
             size = path.stat().st_size
             if size == 0 or (max_bytes is not None and total + size > max_bytes):

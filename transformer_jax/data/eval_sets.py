@@ -101,11 +101,8 @@ def document_windows(ids: Sequence[int], prefix: int | None, seq_len: int) -> li
     """A document's windows of at most ``seq_len + 1`` tokens, overlapping by one, whose
     ``loss`` marks each token predicted (all but the first: the prefix, or the first id)."""
     seq = np.asarray(([prefix] if prefix is not None else []) + list(ids), np.int32)
-    windows = []
-    for start in range(0, max(len(seq) - 1, 0), seq_len):
-        tokens = seq[start:start + seq_len + 1]
-        windows.append(Example(tokens, np.arange(len(tokens)) > 0, line=0))
-    return windows
+    windows = [seq[start:start + seq_len + 1] for start in range(0, max(len(seq) - 1, 0), seq_len)]
+    return [Example(tokens, np.arange(len(tokens)) > 0, line=0) for tokens in windows]
 
 
 def load_eval_set(name: str, path: Path, tokenizer: TextTokenizer, seq_len: int) -> EvalSet:

@@ -160,11 +160,9 @@ def fit_pair(chosen: Example, rejected: Example, capacity: int
     if a + b <= capacity:
         return (chosen, rejected), False
     first = a if a <= capacity // 2 else capacity - min(b, capacity // 2)
-    out = [fit(e, n)[0] for e, n in zip((chosen, rejected), (first, capacity - first),
-                                        strict=True)]
-    if out[0] is None or out[1] is None:
-        return None, True
-    return (out[0], out[1]), True
+    c, r = (fit(e, n)[0] for e, n in zip((chosen, rejected), (first, capacity - first),
+                                         strict=True))
+    return (None if c is None or r is None else (c, r)), True
 
 
 Pair = tuple[int, tuple[Example, Example]]  # (pair id, (chosen, rejected))

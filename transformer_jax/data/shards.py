@@ -269,11 +269,10 @@ def _by_source(sources: np.ndarray, keys: np.ndarray,
     """The batch whose row ``j`` is row ``keys[j]`` of source ``sources[j]``: one
     ``read(k, keys of source k)`` per source, the rows put back in order."""
     parts = {int(k): read(int(k), keys[sources == k]) for k in np.unique(sources)}
-    out = {}
-    for name in next(iter(parts.values())):
-        first = next(iter(parts.values()))[name]
-        out[name] = np.empty((len(sources), *first.shape[1:]), first.dtype)
-        for k, part in parts.items():
+    out = {name: np.empty((len(sources), *first.shape[1:]), first.dtype)
+           for name, first in next(iter(parts.values())).items()}
+    for k, part in parts.items():
+        for name in out:
             out[name][sources == k] = part[name]
     return out
 

@@ -65,14 +65,12 @@ def resolve_sources(patterns: Sequence[str],
     found: dict[str, Source] = {}
     for pattern in patterns:
         path = Path(os.path.expanduser(pattern))
+        dirs: list[Path] = []  # a saved dataset's split directories
         if path.is_dir() and (path / "dataset_dict.json").is_file():
             splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
-            dirs = [path / split for split in splits]
+            dirs = [(path / split).resolve() for split in splits]
         elif path.is_dir() and all((path / m).is_file() for m in _HF_MARKERS):
-            dirs = [path]
-        else:
-            dirs = []
-        dirs = [d.resolve() for d in dirs]
+            dirs = [path.resolve()]
         if dirs and all(corpus.is_under(d, excluded) for d in dirs):
             raise FileNotFoundError(f"--input {pattern!r} is a dataset under "
                                     f"{', '.join(map(str, excluded))}, which is left out of the "

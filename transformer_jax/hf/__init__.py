@@ -28,9 +28,6 @@ from transformer_jax.hf.convert import (
     _IGNORED_TENSOR,
     ARCHITECTURES,
     FAMILIES,
-    _flatten,
-    _set_path,
-    _Tensor,
     _tensors,
     config_from_hf,
     config_to_hf,
@@ -43,6 +40,7 @@ from transformer_jax.hf.convert import _linear as _linear
 from transformer_jax.hf.convert import _reshaped as _reshaped
 from transformer_jax.hf.convert import _same as _same
 from transformer_jax.hf.reader import _open_safetensors, _Reader, _safetensors
+from transformer_jax.hf.tensors import _flatten, _set_path, _Tensor
 from transformer_jax.model.config import DTYPES, ModelConfig
 from transformer_jax.model.transformer import Params, is_scanned, scanned_places, unstack_blocks
 from transformer_jax.parallel.sharding import param_shardings
@@ -360,10 +358,12 @@ def save(config: ModelConfig, params: Params, path: str | Path, *,
         shards[-1][name] = tensor
         size += tensor.nbytes
 
-    ids = {} if tokenizer is None else _special_ids(tokenizer)
+    ids = {} if tokenizer is None else {
+        f"{k}_token_id": int(i) for k, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id),
+                                            ("pad", tokenizer.pad_id)) if i is not None and i >= 0}
     hf_config.update(ids)
     path = Path(path)
-    keep = _not_weights if tokenizer is None else _not_weights_or_tokenizer
+    keep = _not_weights if tokenizer is None else (lambda name: not is_saved_file(name))
     with replacing_directory(path, carry_over=keep) as new:
         metadata = {"format": "pt"}  # transformers requires it on safetensors files
         n = len(shards)
@@ -408,18 +408,6 @@ def is_saved_file(name: str) -> bool:
 def _not_weights(name: str) -> bool:
     """Whether an old export's file is kept by ``save`` (everything but weights and config)."""
     return not (name in (SINGLE_FILE, INDEX_FILE, CONFIG_FILE) or _SHARD_FILE.match(name))
-
-
-def _not_weights_or_tokenizer(name: str) -> bool:
-    """Whether an old export's file is kept by a ``save`` that writes a tokenizer."""
-    return _not_weights(name) and name not in _TOKENIZER_FILES
-
-
-def _special_ids(tokenizer: TextTokenizer) -> dict[str, int]:
-    """``bos_token_id``/``eos_token_id``/``pad_token_id`` of a tokenizer (those it has)."""
-    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
-           "pad_token_id": tokenizer.pad_id}
-    return {key: int(value) for key, value in ids.items() if value is not None and value >= 0}
 
 
 __all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "is_saved_file", "load", "save"]

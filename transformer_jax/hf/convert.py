@@ -18,15 +18,13 @@ from typing import Any
 
 from transformer_jax.hf import deepseek, families, fp8, llama4, moe
 from transformer_jax.hf.families import COMMON, Family, required
-from transformer_jax.hf.tensors import (  # noqa: F401  (_flatten, _set_path: re-exported)
-    _flatten,
+from transformer_jax.hf.tensors import (
     _fused,
     _heads_in,
     _heads_out,
     _linear,
     _reshaped,
     _same,
-    _set_path,
     _Tensor,
 )
 from transformer_jax.model.config import Architecture, ModelConfig

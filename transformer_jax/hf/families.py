@@ -352,8 +352,7 @@ def _gemma_write(c: ModelConfig, model_type: str) -> dict[str, Any]:
         "use_bidirectional_attention": False,
     }
     if model_type == "gemma3_text":
-        full = {**(rope_to_dict(c.rope_scaling) or {"rope_type": "default"}),
-                "rope_theta": c.rope_base}
+        full = rope_keys(c.rope_base, c.rope_scaling)["rope_parameters"]
         local = full if c.local_rope_base is None else {
             "rope_type": "default", "rope_theta": c.local_rope_base}
         out.update(rope_parameters={"full_attention": full, "sliding_attention": dict(local)},

@@ -304,9 +304,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _token_content(token: Any) -> str:
     """A token string from a config value: a str or an ``AddedToken`` dict with ``content``."""
-    if isinstance(token, Mapping):
-        return str(token["content"])
-    return str(token)
+    return str(token["content"] if isinstance(token, Mapping) else token)
 
 
 def _optional_bool(value: Any) -> bool | None:

@@ -49,10 +49,6 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                       sort_keys=sort_keys)
 
 
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
 @functools.lru_cache(maxsize=32)
 def compile_template(source: str) -> jinja2.Template:
     """Compiles a chat template source (cached); ChatTemplateError on a syntax error."""
@@ -60,7 +56,7 @@ def compile_template(source: str) -> jinja2.Template:
                                         extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:

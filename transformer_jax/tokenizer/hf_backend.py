@@ -116,9 +116,11 @@ class HFTokenizer(TokenizerBackend):
     def _decode_ids(self, ids: list[int]) -> str:
         """Special tokens kept, as transformers' ``tokenizer.decode(ids)`` does."""
         text = self._tok.decode(ids, skip_special_tokens=False)
-        # transformers skips the clean-up for BPE models, where it would corrupt the text.
+        # transformers' clean-up drops the space before punctuation and contractions, but not
+        # for BPE models, where it would corrupt the text.
         if self._config.clean_up_tokenization_spaces and self._model_type != "BPE":
-            text = _clean_up_tokenization(text)
+            for spaced in (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're"):
+                text = text.replace(spaced, spaced.strip())
         return text
 
     def save(self, directory: str | os.PathLike[str]) -> list[Path]:
@@ -152,13 +154,6 @@ class HFTokenizer(TokenizerBackend):
         add_bos = extra > 0 and self._bos >= 0 and full[0] == self._bos
         add_eos = extra - int(add_bos) > 0 and self._eos >= 0 and full[-1] == self._eos
         return add_bos, add_eos
-
-
-def _clean_up_tokenization(text: str) -> str:
-    """Drops the space before punctuation and contractions (transformers' decode clean-up)."""
-    for spaced in (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're"):
-        text = text.replace(spaced, spaced.strip())
-    return text
 
 
 __all__ = ["DEFAULT_TOKENIZER_CLASS", "TOKENIZER_FILE", "HFTokenizer"]

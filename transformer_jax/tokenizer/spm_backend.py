@@ -147,7 +147,10 @@ class Tokenizer(TokenizerBackend):
                **options: Any) -> Tokenizer:
         """``spm_train.train_model``, the model written to ``output`` atomically and loaded."""
         model = train_model(files, texts, vocab_size, model_type, **options)
-        model_path = _resolve_output(output)
+        model_path = Path(output)
+        if model_path.suffix != ".model":  # a directory's tokenizer.model, or a prefix's .model
+            model_path = (model_path / DEFAULT_MODEL_FILENAME if model_path.is_dir()
+                          else model_path.with_name(model_path.name + ".model"))
         with atomic_writer(model_path) as f:
             f.write(model)
         tokenizer = cls(spm.SentencePieceProcessor(model_proto=model), model_path)
@@ -264,15 +267,6 @@ def train_or_load(source: Source, cache_dir: str | os.PathLike[str], vocab_size:
                   model_type: ModelType = "bpe", **train_options: Any) -> Tokenizer:
     """Module-level alias of ``Tokenizer.train_or_load`` (same arguments and result)."""
     return Tokenizer.train_or_load(source, cache_dir, vocab_size, model_type, **train_options)
-
-
-def _resolve_output(output: str | os.PathLike[str]) -> Path:
-    path = Path(output)
-    if path.suffix == ".model":
-        return path
-    if path.is_dir():
-        return path / DEFAULT_MODEL_FILENAME
-    return path.with_name(path.name + ".model")
 
 
 __all__ = ["BOS_ID", "EOS_ID", "DEFAULT_MODEL_FILENAME", "MODEL_TYPES", "PAD_ID", "UNK_ID",
