@@ -123,6 +123,10 @@ def test_tying_removes_exactly_the_head():
     ({"sliding_window": 0}, "sliding_window"),
     ({"rope_scaling": {"kind": "ntk", "factor": 2.0}}, "rope_scaling.kind"),
     ({"rope_scaling": {"kind": "linear", "factor": 0.0}}, "rope_scaling.factor"),
+    ({"mtp_depth": -1}, "mtp_depth must be an int >= 0"),
+    ({"norm_offset": float("inf")}, "norm_offset must be a finite number"),
+    ({"swiglu_up_offset": float("nan")}, "swiglu_up_offset must be a finite number"),
+    ({"ffn": "gelu", "swiglu_alpha": 2.0}, "need ffn='swiglu'"),
 ])
 def test_bad_config_names_the_field(changes, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
