@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from transformer_jax.decode import loop as decode
@@ -54,3 +54,14 @@ def test_a_sharded_jit_traces_for_its_meshs_platform():
     with target.targeting("tpu"):  # the mesh's devices decide, whatever is in force around
         np.testing.assert_array_equal(step(jnp.ones(3)), 2 * np.ones(3))
     assert seen == ["cpu"]
+
+
+def test_mesh_axes_are_a_rules_split_axes_when_they_divide_and_are_not_manual():
+    auto, manual = AxisType.Explicit, AxisType.Manual
+    mesh = AbstractMesh((2, 1, 2, 4), ("data", "fsdp", "expert", "tensor"),
+                        axis_types=(auto, auto, auto, manual))
+    assert target.mesh_axes(mesh, ("data", "fsdp", "expert"), 4) == ("data", "expert")
+    assert target.mesh_axes(mesh, "data") == ("data",)
+    assert target.mesh_axes(mesh, ("data", "expert"), 6) == ()  # 2 x 2 does not divide 6
+    assert target.mesh_axes(mesh, ("data", "tensor")) == ()  # inside a shard_map over tensor
+    assert target.mesh_axes(mesh, None) == target.mesh_axes(mesh, "context") == ()
