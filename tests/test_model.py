@@ -264,6 +264,22 @@ def test_cache_size_formula():
     chex.assert_shape(jax.tree.leaves(unrolled.layer(1)[0])[0], (3, 2, *keys))
 
 
+def test_latent_entries_are_written_at_their_slots_in_every_layout():
+    """A latent layer's cache write (``KVCache.attend_latent``): per-layer or stacked buffers,
+    one row (a dynamic-update-slice when per-layer) or two, each row from its own start."""
+    rng = np.random.default_rng(0)
+    for scan, batch in ((False, 1), (False, 2), (True, 1), (True, 2)):
+        cache = KVCache.init(MIXED.replace(n_layers=2, scan_layers=scan), batch=batch, max_len=8)
+        entries = rng.normal(size=(batch, 3, MIXED.mla.entry_dim)).astype(np.float32)
+        positions = (np.arange(batch) + 2)[:, None] + np.arange(3)
+        want = np.zeros((batch, 8, MIXED.mla.entry_dim), np.float32)
+        want[np.arange(batch)[:, None], positions] = entries
+        got, cache = cache.attend_latent(1, jnp.asarray(entries), jnp.asarray(positions))
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(cache.latent[1], want)
+        assert not np.asarray(cache.latent[0]).any(), (scan, batch)  # the other layer untouched
+
+
 def test_every_parameter_has_logical_axes():
     for scan in (False, True):
         c = SMALL.replace(scan_layers=scan, qkv_bias=True)
