@@ -54,6 +54,20 @@ def test_every_impl_equals_the_dense_reference(seed, shape):
         np.testing.assert_allclose(out[impl], out["dense"], atol=2e-5, rtol=1e-5, err_msg=impl)
 
 
+def test_an_empty_slot_adds_nothing_in_every_impl():
+    """An expert id of E (an expert-parallel shard's slot for another shard's expert) adds
+    nothing, whatever its weight: the output of the routing with that slot's weight 0."""
+    n, k, e = 12, 2, 5
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(n, D)), jnp.float32)
+    routing, w = _routing(rng, n, k, e, e), _weights(e, 3)
+    empty = jnp.asarray(rng.random((n, k)) < 0.3)
+    got = _all_impls(x, routing.replace(experts=jnp.where(empty, e, routing.experts)), *w)
+    want = _all_impls(x, routing.replace(weights=jnp.where(empty, 0.0, routing.weights)), *w)
+    for impl, y in got.items():
+        np.testing.assert_allclose(y, want["dense"], atol=2e-5, rtol=1e-5, err_msg=impl)
+
+
 def _loss(impl):
     def loss(x, weights, wg, wu, wd, experts):
         logits = jnp.zeros((x.shape[0], wg.shape[0]))
