@@ -34,6 +34,8 @@ def test_a_toml_table_becomes_the_moe_fields():
     (dict(n_experts=4, top_k=1, d_ff=8, shared_d_ff=-1), "moe.shared_d_ff must be an int"),
     (dict(n_experts=4, top_k=1, d_ff=8, shared_gate=True), "moe.shared_gate needs"),
     (dict(n_experts=4, top_k=1, d_ff=8, renormalize="yes"), "moe.renormalize must be a bool"),
+    (dict(n_experts=4, top_k=1, d_ff=8, correction_bias=1), "moe.correction_bias must be a"),
+    (dict(n_experts=4, top_k=1, d_ff=8, scale_input="yes"), "moe.scale_input must be a bool"),
     (dict(n_experts=4, top_k=1, d_ff=8, sparse_step=0), "moe.sparse_step must be"),
     (dict(n_experts=4, top_k=1, d_ff=8, dense_layers=[-1]), "moe.dense_layers must be"),
     (dict(n_experts=4, top_k=1, d_ff=8, dense_layers=[0, 1, 2, 3]), "no layer is sparse"),
