@@ -365,7 +365,8 @@ def test_lora_adapts_the_latent_projections(deepseek):
 
 
 @pytest.mark.parametrize("field, value", [("sliding_window", 8), ("attention_chunk", 8),
-                                          ("nope_layers", (1,)), ("attn_sinks", True)])
+                                          ("nope_layers", (1,)), ("attn_sinks", True),
+                                          ("o_bias", True)])
 def test_latent_attention_refuses_the_other_kinds_fields_in_one_line(field, value):
     from transformer_jax.model.config import ModelConfig
 
