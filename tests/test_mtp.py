@@ -253,6 +253,24 @@ def test_training_loss_adds_the_modules_weighted_cross_entropy(checkpoint, loade
                                rtol=1e-4)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_module_targets_stay_within_a_row_and_its_packed_segment(k):
+    from transformer_jax.model.mtp import mtp_targets  # noqa: PLC0415
+
+    rng = np.random.default_rng(k)
+    targets = rng.integers(1, V, (2, 9))
+    mask = rng.random((2, 9)).astype(np.float32)
+    segments = np.sort(rng.integers(0, 3, (2, 9)), -1)[:, ::-1].copy()  # packed, 0-padded
+    got_t, got_w = mtp_targets(jnp.asarray(targets), jnp.asarray(mask), jnp.asarray(segments), k)
+    want_t, want_w = np.zeros_like(targets), np.zeros_like(mask)
+    for b in range(2):
+        for i in range(9 - k):
+            want_t[b, i] = targets[b, i + k]
+            want_w[b, i] = mask[b, i + k] * (segments[b, i + k] == segments[b, i])
+    np.testing.assert_array_equal(got_t, want_t)
+    np.testing.assert_array_equal(got_w, want_w)
+
+
 def test_mtp_weight_is_refused_where_it_cannot_apply_in_one_line(loaded):
     with pytest.raises(ValueError, match=r"^mtp_weight trains .* full sft training only"):
         TrainConfig(mtp_weight=0.1, lora_rank=4)
