@@ -55,7 +55,7 @@ def _build(corpus, out, **options):
     overwrite = options.pop("overwrite", False)
     kw = {"overwrite": True} if overwrite else {}
     return build_lib.build([str(corpus["text"])], out, corpus["tokenizer"], progress=False,
-                           options=build_lib.BuildOptions(shard_bytes=200, **options), **kw)
+                           options=build_lib.BuildOptions(**{"shard_bytes": 200, **options}), **kw)
 
 
 def _user_dir(directory: Path) -> dict[str, bytes]:
@@ -102,9 +102,11 @@ def test_a_finished_build_of_other_options_needs_overwrite(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("change", [{"val_fraction": 0.4}, {"add_bos": True},
-                                    {"add_eos": False}, {"val_fraction": 0.4, "add_bos": True}])
+                                    {"add_eos": False}, {"val_fraction": 0.4, "add_bos": True},
+                                    {"shard_bytes": 10**6}])
 def test_a_rebuild_with_other_options_equals_a_fresh_build(corpus, tmp_path, change):
-    # Options A, then B (one option or two changed) over it; against B into an empty directory.
+    # Options A, then B (one option or two changed; or one shard, not several, and none left
+    # of A's beyond it) over it; against B into an empty directory.
     a = {"val_fraction": 0.0, "add_bos": False, "add_eos": True}
     b = {**a, **change}
     rebuilt, fresh = tmp_path / "rebuilt", tmp_path / "fresh"

@@ -146,6 +146,23 @@ def test_unknown_view_is_refused_before_the_weights_are_prepared(model):
         Engine(*model, **ENGINE, view="fast")
 
 
+@pytest.mark.parametrize("sizes, message", [
+    (dict(num_pages=1), r"num_pages must be at least 2 \(page 0 is the null page\), got 1"),
+    (dict(page_size=0), "page_size must be a positive int, got 0"),
+    (dict(view="fast"), r"view must be one of .*'blocks'.*got 'fast'"),
+    (dict(batch=0), "batch must be a positive int, got 0"),
+    (dict(num_slots=2.0), "num_slots must be a positive int, got 2.0"),
+    (dict(min_context=True), "min_context must be a positive int, got True")])
+def test_sizes_out_of_range_are_refused_naming_the_field(model, sizes, message):
+    """The engine's and the paged cache's sizes (``check_sizes``), where each is one."""
+    if "batch" not in sizes:
+        with pytest.raises(ValueError, match=message):
+            Engine(*model, **{**ENGINE, **sizes})
+    if not {"num_slots", "min_context"} & sizes.keys():
+        with pytest.raises(ValueError, match=message):
+            PagedKVCache.init(CONFIG, **{"num_pages": 4, "page_size": 5, **sizes})
+
+
 # The edge of the context -------------------------------------------------------------------------
 
 # (prompt length, max_tokens) of exactly the context: from the prompt filling all but the one

@@ -30,6 +30,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from transformer_jax import hf  # noqa: E402  (needs the optional extra checked above)
+from transformer_jax.hf import tensors  # noqa: E402
 from transformer_jax.model.config import ModelConfig, RopeScaling  # noqa: E402
 
 B, T, V, D = 2, 16, 128, 64
@@ -401,11 +402,11 @@ def test_config_to_hf_picks_the_layout():
 
 
 @pytest.mark.parametrize("spec", [
-    hf._same("e", ("embed", "embedding"), (6, 4)),
-    hf._reshaped("b", ("q_bias",), (12,), (4, 3)),
-    hf._linear("l", ("mlp", "up"), 5, 7),
-    hf._heads_in("q", ("attn", "q_proj"), 6, 4, 3),
-    hf._heads_out("o", ("attn", "o_proj"), 6, 4, 3),
+    tensors._same("e", ("embed", "embedding"), (6, 4)),
+    tensors._reshaped("b", ("q_bias",), (12,), (4, 3)),
+    tensors._linear("l", ("mlp", "up"), 5, 7),
+    tensors._heads_in("q", ("attn", "q_proj"), 6, 4, 3),
+    tensors._heads_out("o", ("attn", "o_proj"), 6, 4, 3),
 ], ids=lambda s: s.hf_name)
 def test_blocks_read_from_the_hf_layout_equal_the_converted_tensor(spec):
     rng = np.random.default_rng(0)

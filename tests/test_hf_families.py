@@ -357,6 +357,10 @@ def test_every_family_round_trips_and_matches_its_own_declaration():
         assert hf.config_from_hf(written) == config, model_type
         if model_type != "phi3":  # Phi-3 is the Llama block; written only when asked for
             assert hf.config_to_hf(config)["model_type"] == model_type
+    # A window on every layer (layer_types all sliding) reads back uniform: layer_pattern ().
+    for model_type in ("qwen3", "gemma2", "gemma3_text"):
+        uniform = configs[model_type].replace(sliding_window=4, layer_pattern=())
+        assert hf.config_from_hf(hf.config_to_hf(uniform, model_type)) == uniform, model_type
 
 
 def test_a_field_no_family_declares_is_refused_naming_it(monkeypatch):

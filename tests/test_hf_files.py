@@ -60,6 +60,18 @@ def test_save_over_an_existing_export_replaces_it_and_keeps_other_files(tmp_path
     assert config.d_model == CONFIG.d_model
     assert leftovers(tmp_path, "export") == []
 
+    # A save with a tokenizer replaces the old tokenizer files as a set (the .model goes).
+    class JsonTokenizer:
+        bos_id, eos_id, pad_id = 1, 2, -1
+
+        def save(self, path):
+            (Path(path) / "tokenizer.json").write_text("{}")
+
+    hf.save(CONFIG, tiny_params(1), out, tokenizer=JsonTokenizer())
+    assert (out / "tokenizer.json").exists() and not (out / "tokenizer.model").exists()
+    written = read_json(out / hf.CONFIG_FILE)  # its ids, but not the pad it lacks (-1)
+    assert (written["eos_token_id"], written["pad_token_id"]) == (2, None)
+
 
 def test_a_failed_save_leaves_the_previous_export_untouched(tmp_path):
     out = tmp_path / "export"

@@ -233,6 +233,19 @@ def test_missing_special_token_is_added_like_transformers(tmp_path):
     assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.parametrize("clean", [True, False])
+def test_decode_clean_up_matches_transformers(tmp_path, clean):
+    """``clean_up_tokenization_spaces`` of a model that is not BPE (word-level): the space
+    before punctuation and contractions is dropped as transformers' decode drops it."""
+    from helpers import write_chatml_tokenizer
+
+    words = ["why", "yes", ".", "?", "!", ",", "'", "it", "n't", "'m", "'s", "'ve", "'re"]
+    directory = write_chatml_tokenizer(tmp_path, words, clean_up_tokenization_spaces=clean)
+    ours, theirs = load_tokenizer(directory), auto(directory)
+    ids = [ours.token_to_id(w) for w in words]
+    assert ours.decode(ids) == theirs.decode(ids) and (" ," in ours.decode(ids)) != clean
+
+
 def test_special_tokens_map_and_chat_template_file(qwen_dir, tmp_path):
     directory = tmp_path / "d"
     directory.mkdir()

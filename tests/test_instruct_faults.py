@@ -13,6 +13,8 @@ from test_instruct import CharTokenizer, write_jsonl
 
 from transformer_jax.data import instruct
 from transformer_jax.data.instruct import InstructionDataError, count, load_examples, pack
+from transformer_jax.data.instruct_records import Example
+from transformer_jax.data.preference import fit_pair
 from transformer_jax.model.config import ModelConfig
 from transformer_jax.train.config import DataConfig, TrainConfig
 from transformer_jax.train.data import prepare_instruction_data
@@ -62,6 +64,24 @@ def test_a_completion_too_long_for_the_row_keeps_its_start(tmp_path):
     # bos, the prompt's last token, then as much of the completion as fits.
     assert tok.decode(data.tokens[0][:3]) == "<s>qa"
     assert loss_targets(data) == 16 - 2
+
+
+def test_cut_and_dropped_examples_are_counted_and_a_long_pair_shares_its_row(caplog):
+    """``pack`` counts what ``fit`` cut and dropped (a head that fills the row leaves no
+    target); ``fit_pair`` gives the shorter side its length when it fits in half the row and
+    the other side the rest, else each side half (the first the odd token)."""
+    def example(n: int, head: int = 0) -> Example:  # n tokens, the last two scored
+        return Example(np.arange(n, dtype=np.int32), np.arange(n) >= n - 2, line=1, head=head)
+
+    with caplog.at_level(logging.WARNING, logger="transformer_jax.data.instruct"):
+        data = pack([example(4), example(12), example(12, head=10)], seq_len=7)
+    assert (data.num_examples, data.num_truncated, data.num_dropped) == (2, 1, 1)
+    assert "start was cut from 1 " in caplog.text and "and 1 were dropped" in caplog.text
+    for a, b, capacity, sides in ((5, 30, 20, (5, 15)), (30, 5, 20, (15, 5)),
+                                  (12, 14, 20, (10, 10)), (12, 14, 21, (11, 10)),
+                                  (8, 9, 20, (8, 9))):
+        pair, cut = fit_pair(example(a), example(b), capacity)
+        assert tuple(len(e.tokens) for e in pair) == sides and cut == (a + b > capacity)
 
 
 def _tokenizer_dir(directory: Path) -> Path:

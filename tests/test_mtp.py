@@ -23,6 +23,7 @@ from transformer_jax import hf  # noqa: E402
 from transformer_jax.checkpoint import loading  # noqa: E402
 from transformer_jax.decode import speculative_loop, speculative_mtp  # noqa: E402
 from transformer_jax.decode.generation import generate  # noqa: E402
+from transformer_jax.decode.loop import prefill  # noqa: E402
 from transformer_jax.decode.speculative import parse_spec  # noqa: E402
 from transformer_jax.model.transformer import Transformer  # noqa: E402
 from transformer_jax.train.checks import check_config  # noqa: E402
@@ -296,8 +297,7 @@ def test_the_draft_proposes_what_the_cacheless_module_predicts(loaded):
     def rounds(params, seq):
         full = Transformer(config).apply({"params": params}, seq, mtp=True).mtp[0]
         lengths = jnp.full((b,), n, jnp.int32)
-        _, cache, hidden = speculative_mtp.prefill_with_hidden(
-            config, params, seq[:, :n], lengths, T + 2, None)
+        _, cache, hidden = prefill(config, params, seq[:, :n], lengths, T + 2, with_hidden=True)
         first, draft_cache = speculative_mtp.first_proposal(
             config, params, hidden, seq[:, :n], seq[:, n], lengths, T + 2, None)
         start = jnp.full((b,), n, jnp.int32)

@@ -71,7 +71,7 @@ def _reference(text, cuts, stops):
 
 @settings(max_examples=150, deadline=None)
 @given(text=st.text(alphabet="abc", max_size=30),
-       stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
+       stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3),
        cuts=st.lists(st.integers(0, 30), max_size=8))
 def test_stop_matcher_equals_a_scan_and_releases_only_what_stays(text, stops, cuts):
     cuts = sorted({c for c in cuts if c <= len(text)})

@@ -122,7 +122,7 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     ("eagle:k=4", "unknown method 'eagle'"),
     ("ngram:k=0", "k must be a positive int"),
     ("ngram:k=four", "k must be an int"),
-    ("ngram:k=99", "k must be at most 16"),
+    ("ngram:k=99", "k must be at most 16"), ("ngram:n=17", "n must be at most 16"),
     ("ngram:q=3", "bad option 'q=3'"),
     ("ngram:n=2:k", "bad option 'k'"),
     ("draft", "'draft' needs a path"),

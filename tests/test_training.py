@@ -21,7 +21,7 @@ from transformer_jax.model.transformer import Transformer
 from transformer_jax.train import context, perf
 from transformer_jax.train import run as training
 from transformer_jax.train import step as train_step
-from transformer_jax.train.config import DataConfig, TrainConfig
+from transformer_jax.train.config import DataConfig, TrainConfig, build_configs
 from transformer_jax.train.log import NonFiniteLossError
 from transformer_jax.train.loss import cross_entropy
 from transformer_jax.train.optim import decay_mask, lr_schedule, make_optimizer
@@ -139,6 +139,10 @@ def test_warmup_follows_the_run_length_unless_given():
     assert TrainConfig(steps=5000, decay_steps=300).warmup_steps == 30
     assert TrainConfig(steps=1).warmup_steps == 0
     assert TrainConfig(steps=50, warmup_steps=7).warmup_steps == 7
+    # A preset's warmup (tiny's 50) too long for a shorter run gives way; an override stays.
+    shortened = build_configs("tiny", ["train.steps=20"])[1]
+    assert shortened.warmup_steps == TrainConfig(steps=20).warmup_steps < 20
+    assert build_configs("tiny", ["train.steps=20", "train.warmup_steps=3"])[1].warmup_steps == 3
 
 
 # Train step --------------------------------------------------------------------------------------

@@ -153,10 +153,11 @@ def _build_locked(srcs: list[sources_lib.Source], out: Path, tokenizer: TextToke
     tasks = [(i, [p.key() for p in shard], settings) for i, shard in enumerate(shards)]
     done = {i: _finished(out, i, _plan(keys, settings)) for i, keys, _ in tasks}
     todo = [t for t in tasks if done[t[0]] is None]
-    if todo or _beyond(out, len(shards)):
+    beyond = _beyond(out, len(shards))
+    if todo or beyond:
         # The shards change under it: a reader never sees it beside other shards.
         (out / METADATA).unlink(missing_ok=True)
-    for path in _beyond(out, len(shards)):
+    for path in beyond:
         path.unlink()
     used = max(1, min(workers, len(todo)))
     logger.info("%d inputs -> %d pieces -> %d shards (%d already built) with %d worker(s)%s",

@@ -59,7 +59,8 @@ class TokenStream:
         object.__setattr__(self, "_readers", {})
 
     def records(self, docs: np.ndarray) -> list[bytes]:
-        """The records of documents ``docs`` (sorted, unique) [n], in that order."""
+        """The records of documents ``docs`` (sorted, unique) [n], in that order: one batched
+        read per file (Grain's ``__getitems__`` starts a thread pool a call, 5 ms a batch)."""
         from array_record.python.array_record_module import ArrayRecordReader
 
         files = np.searchsorted(self._file_starts, docs, side="right") - 1

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.decode import sampling
-from transformer_jax.decode.loop import decode_model, prefill, whole_logits
+from transformer_jax.decode.loop import decode_model, whole_logits
 from transformer_jax.decode.speculative import accepted_length, forward_chunk
 from transformer_jax.decode.weights import decode_config
 from transformer_jax.model.config import ModelConfig
@@ -83,14 +83,6 @@ def _pinned(cache: Any) -> Any:
     """A ``KVCache`` with its sharding pinned (``constrain``); the engine's pages as they are
     (one device)."""
     return cache.constrain() if isinstance(cache, KVCache) else cache
-
-
-def prefill_with_hidden(config: ModelConfig, params: Params, tokens: jax.Array,
-                        lengths: jax.Array, max_len: int, dtype: str | None
-                        ) -> tuple[jax.Array, KVCache, jax.Array]:
-    """``decode.loop.prefill`` that also returns the [B, T, D] hidden states (the module's
-    input over the prompt)."""
-    return prefill(config, params, tokens, lengths, max_len, dtype, with_hidden=True)
 
 
 def first_proposal(config: ModelConfig, params: Params, hidden: jax.Array, tokens: jax.Array,

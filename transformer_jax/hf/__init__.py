@@ -32,13 +32,6 @@ from transformer_jax.hf.convert import (
     config_from_hf,
     config_to_hf,
 )
-
-# Re-exported (``x as x``) for tests/test_hf.py, which builds tensor specs by hand as ``hf._same``.
-from transformer_jax.hf.convert import _heads_in as _heads_in
-from transformer_jax.hf.convert import _heads_out as _heads_out
-from transformer_jax.hf.convert import _linear as _linear
-from transformer_jax.hf.convert import _reshaped as _reshaped
-from transformer_jax.hf.convert import _same as _same
 from transformer_jax.hf.reader import _open_safetensors, _Reader, _safetensors
 from transformer_jax.hf.tensors import _flatten, _set_path, _Tensor
 from transformer_jax.model.config import DTYPES, ModelConfig

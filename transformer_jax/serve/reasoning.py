@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformer_jax.serve.tools import held_prefix
+from transformer_jax.serving.text import held_prefix
 
 START, END = "<think>", "</think>"
 #: ``--reasoning-parser`` names (vLLM's) and the tags they read.

@@ -102,15 +102,14 @@ class EngineDraft:
             self.k, self.v = step_lib.copy_pages_jit(
                 self.k, self.v, *step_lib.padded(*np.asarray(plan.copies, np.int32).T))
         self.next = None
-        if plan.decodes:
-            b = scheduler.num_slots
-            tokens, start = np.zeros((b, 2), np.int32), np.zeros(b, np.int32)
+        if plan.decodes:  # each row's last two tokens, from cached - 1
+            rows = scheduler.decode_rows(plan.decodes, plan.width, ahead=-1)
+            tokens = np.zeros((scheduler.num_slots, 2), np.int32)
             for req in plan.decodes:
                 tokens[req.slot] = req.tokens[-2:]
-                start[req.slot] = req.cached - 1
             self.k, self.v, self.next = draft_rows(
-                self.config, params, self.k, self.v, tokens, start,
-                scheduler.decode_rows(plan.decodes, plan.width).page_table, view=self.view)
+                self.config, params, self.k, self.v, tokens, rows.positions, rows.page_table,
+                view=self.view)
 
     def _prefill(self, chunk: Any) -> None:
         """Runs a prefill chunk (``scheduler.PrefillChunk``) into the draft's pages."""
@@ -120,13 +119,10 @@ class EngineDraft:
 
     def propose(self, plan: Any, scheduler: Any, width: int, t: int) -> np.ndarray:
         """Each slot's T - 1 greedy proposals, [B, T - 1] int32 on the host."""
-        b = scheduler.num_slots
-        start = np.zeros(b, np.int32)
-        for req in plan.decodes:
-            start[req.slot] = req.cached + 1
+        rows = scheduler.decode_rows(plan.decodes, width, ahead=1)  # ``next`` fed at cached + 1
         self.k, self.v, proposals = draft_more(
-            self.config, self.model.weights.params, self.k, self.v, self.next, start,
-            scheduler.decode_rows(plan.decodes, width).page_table, steps=t - 2, view=self.view)
+            self.config, self.model.weights.params, self.k, self.v, self.next, rows.positions,
+            rows.page_table, steps=t - 2, view=self.view)
         return np.asarray(jax.device_get(proposals))
 
     def compile(self, scheduler: Any, ts: list[int], adapters: bool) -> int:

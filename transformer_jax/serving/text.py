@@ -99,7 +99,7 @@ class StopMatcher:
         if cut >= 0:
             self.held, self.stopped = "", True
             return text[:cut], True
-        keep = max(held_prefix(text, stop) for stop in self.stops)
+        keep = max((held_prefix(text, stop) for stop in self.stops), default=0)
         self.held = text[len(text) - keep:]
         return text[:len(text) - keep], False
 
