@@ -172,7 +172,7 @@ def init_adapters(config: ModelConfig, lora_config: LoraConfig, params: Params,
       dtype: dtype of A and B (float32 by default, whatever the base's dtype).
 
     Returns:
-      The adapter tree (the module docstring's layout).
+      The adapter tree (its shapes per target: docs/fine-tuning.md, LoRA).
     """
     blocks = _blocks(params)
     if config.scan_layers != blocks[0][1]:
