@@ -257,10 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--serve, --find-batch and --slices need a TPU --topology")
     if args.topology not in (None, "cpu") and (args.cpu_devices or args.no_fast_math):
         parser.error("--cpu-devices and --no-fast-math are for this host's CPU (no --topology)")
-    # Slow imports (the train config's checkpoint and data stack, the engine): after the flags.
     from transformer_jax.cli.compile_engine import engine_report, format_engine_report
     from transformer_jax.cli.compile_serve import format_serve_report, serve_report
-    from transformer_jax.train.config import ConfigError, build_configs
+    from transformer_jax.train.config import ConfigError, build_configs  # (slow: after the flags)
 
     if args.topology in (None, "cpu"):  # train's CPU devices and fast math, before JAX starts
         try:  # (a saved step loads only where both match)
