@@ -56,6 +56,8 @@ load_args() {  # the bench serve arguments of load $1
   esac
 }
 
+for load in $LOADS; do load_args "$load" > /dev/null; done  # an unknown load: exit 2 now
+
 # 1. The checkpoint -------------------------------------------------------------------------
 if [ ! -f "$CKPT/tokenizer.json" ]; then
   log "making $CKPT"

@@ -5,10 +5,13 @@ tokens of its text chunks are counted, against a stand-in for such a server."""
 import asyncio
 import itertools
 import json
+import socket
 
 import httpx
 import pytest
+from helpers import exit_and_line
 
+from transformer_jax.bench import serve as bench_serve
 from transformer_jax.bench.serve_http import _run
 from transformer_jax.bench.serve_workload import make_workload
 
@@ -74,3 +77,23 @@ def test_a_short_stream_or_a_usage_that_disagrees_fails_the_run(drop, usage_extr
     work = make_workload(4, (2, 6), (4, 8), 1, float("inf"), 1.0, 50, seed=2)
     with pytest.raises(RuntimeError, match="4 of 4 streams incomplete"):
         serve(work, stand_in(drop, usage_extra)[0])
+
+
+def test_an_error_chunk_fails_the_run_with_the_server_s_message():
+    def handle(request):
+        text = 'data: {"error": {"message": "out of pages"}}\n\ndata: [DONE]\n\n'
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    work = make_workload(2, (2, 6), (4, 8), 1, float("inf"), 1.0, 50, seed=3)
+    with pytest.raises(RuntimeError, match="2 of 2 streams incomplete; the first: .*out of pages"):
+        serve(work, httpx.MockTransport(handle))
+
+
+def test_text_prompts_need_the_checkpoint_s_tokenizer(capsys):
+    with socket.socket() as s:  # something accepting connections at --url
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        code, line = exit_and_line(capsys, bench_serve.main, "--config", "tiny", "--modes", "http",
+                                   "--url", f"http://127.0.0.1:{s.getsockname()[1]}",
+                                   "--http-prompts", "text")
+    assert code == 2 and "--http-prompts text needs --checkpoint (its tokenizer)" in line, line

@@ -219,7 +219,8 @@ def compile_times(config: ModelConfig, layers: tuple[int, ...] = (4, 32), batch:
                     jax.ShapeDtypeStruct((batch,), jnp.int32),
                     jax.ShapeDtypeStruct((batch, 2), jnp.uint32))
             fn = jax.jit(decode.generate_padded, static_argnames=decode.GENERATE_STATIC_ARGNAMES)
-            seconds, _ = args_lib.timed(fn.lower(c, *args, max_new_tokens=new_tokens).compile)
+            seconds, _ = args_lib.timed(lambda fn=fn, c=c, args=args: fn.lower(  # lower + compile
+                c, *args, max_new_tokens=new_tokens).compile())
             out[str(n_layers)] = min(seconds, out.get(str(n_layers), seconds))
             print(f"  {n_layers} layers: lower + compile {seconds:.1f} s", flush=True)
     first, last = str(layers[0]), str(layers[-1])

@@ -27,11 +27,7 @@ from transformer_jax.model.ops.attention import choose_impl
 from transformer_jax.model.ops.lm_loss import head_logits, lm_head_cross_entropy_sums
 from transformer_jax.model.transformer import Transformer, abstract_params
 from transformer_jax.parallel import sharding as sh
-from transformer_jax.train.config import TrainConfig
-from transformer_jax.train.loss import cross_entropy_sums
-from transformer_jax.train.memory import activation_bytes, expert_bytes
 from transformer_jax.train.perf import param_counts
-from transformer_jax.train.step import make_init_fn, make_loss_fn, make_train_step
 
 GIB = 2.0 ** 30
 
@@ -73,6 +69,9 @@ def state_memory(model_config: Any, mesh_sizes: tuple[int, int, int], train_conf
       ``{"param_count", "params", "adam", "state", "experts"}``: the count, and bytes of the
       parameters, Adam's mu + nu, the whole state and the routed experts' part of it.
     """
+    from transformer_jax.train.memory import expert_bytes
+    from transformer_jax.train.step import make_init_fn
+
     axes = mesh_axes(mesh_sizes)
     mesh = AbstractMesh(tuple(mesh_sizes), axes, axis_types=(AxisType.Auto,) * len(axes))
     abstract = jax.eval_shape(make_init_fn(model_config, train_config), jax.random.key(0))
@@ -101,6 +100,8 @@ def lower_train_step(model_config: Any, train_config: Any, mesh: Any) -> tuple[A
     Returns:
       ``(lowered, seconds)``: the ``jax.stages.Lowered`` and the time lowering took.
     """
+    from transformer_jax.train.step import make_init_fn, make_train_step
+
     abstract = jax.eval_shape(make_init_fn(model_config, train_config), jax.random.key(0))
     s_shard = sh.state_shardings(abstract, sh.param_shardings(model_config, mesh))
     b_shard = sh.batch_sharding(mesh)
@@ -128,6 +129,8 @@ def compiled_memory(model_config: Any, train_config: Any, mesh: Any) -> dict[str
 def compiled_activations(model_config: Any, train_config: Any, mesh: Any) -> int:
     """Per-device temporaries of the forward + backward pass alone (no optimizer update): what the
     remat policy keeps, gathered weights and XLA's scratch."""
+    from transformer_jax.train.step import make_loss_fn
+
     loss_sums = make_loss_fn(model_config, train_config)  # the train step's own objective
 
     def grads_only(params, batch):
@@ -147,6 +150,8 @@ def compiled_activations(model_config: Any, train_config: Any, mesh: Any) -> int
 def compiled_loss_head(model_config: Any, train_config: Any, mesh: Any) -> int:
     """Per-device temporaries of the LM head + cross-entropy and their gradient, compiled alone on
     the step's shardings ([B, T, V] float32 logits, or chunks of ``train_config.loss_chunk``)."""
+    from transformer_jax.train.loss import cross_entropy_sums
+
     c, chunk = model_config, train_config.loss_chunk
     model = Transformer(c)
     head = model.lm_head(abstract_params(c))
@@ -187,6 +192,8 @@ def memory_report(name: str, mesh_sizes: tuple[int, int, int], batch: int, seq: 
       mesh: a device mesh to compile on; None skips the compiled analysis.
       loss_chunk: ``train.loss_chunk`` (0: the full [B, T, V] logits).
     """
+    from transformer_jax.train.memory import activation_bytes
+
     model_config, train_config = _configs(name, batch, seq, remat=remat, dtype=dtype,
                                           attention_impl=attention, loss_chunk=loss_chunk)
     state = state_memory(model_config, mesh_sizes, train_config)
@@ -226,6 +233,8 @@ def compile_times(name: str, mesh: Any, batch: int, seq: int, layers: tuple[int,
 
 def _configs(name: str, batch: int, seq: int, loss_chunk: int = 0,
              **model_changes: Any) -> tuple[Any, Any]:
+    from transformer_jax.train.config import TrainConfig
+
     if not load_toml(name).get("model"):
         raise ValueError(f"--config {name}: the preset has no [model] table (its model comes "
                          "from train.init_from); give a preset or TOML file with a model, e.g. "

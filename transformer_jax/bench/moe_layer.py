@@ -72,7 +72,7 @@ def time_layer(impl: str | None, args: argparse.Namespace, n_experts: int) -> di
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, args.tokens, args.d_model)), args.dtype)
     ct = jnp.asarray(rng.standard_normal((1, args.tokens, args.d_model)), jnp.float32)
-    compile_s, compiled = timed(_fwd_bwd(module).lower(params, x, ct).compile)
+    compile_s, compiled = timed(lambda: _fwd_bwd(module).lower(params, x, ct).compile())
     jax.block_until_ready(compiled(params, x, ct))
     times = [timed(lambda: jax.block_until_ready(compiled(params, x, ct)))[0]
              for _ in range(args.repeats)]
@@ -89,7 +89,8 @@ def compile_seconds(impl: str, args: argparse.Namespace, counts: list[int], repe
     for _ in range(repeats):
         for e in counts:
             module, params = _layer(impl, e, args)
-            best[e] = min(best[e], timed(_fwd_bwd(module).lower(params, x, ct).compile)[0])
+            best[e] = min(best[e], timed(  # lower + compile
+                lambda m=module, p=params: _fwd_bwd(m).lower(p, x, ct).compile())[0])
     return best
 
 

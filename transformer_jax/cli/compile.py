@@ -27,17 +27,13 @@ from typing import Any
 
 import jax
 
-from transformer_jax.bench.memory import lower_train_step
 from transformer_jax.cli.common import PROG, fail, gib, peak_of
-from transformer_jax.cli.compile_engine import engine_report, format_engine_report
-from transformer_jax.cli.compile_serve import format_serve_report, program_report, serve_report
 from transformer_jax.model.config import REMATS, load_toml
 from transformer_jax.model.ops import target
 from transformer_jax.parallel import collectives, pod
 from transformer_jax.parallel.mesh import MeshConfig, make_mesh
 from transformer_jax.parallel.sharding import configure_cpu_devices
 from transformer_jax.train import executable
-from transformer_jax.train.config import ConfigError, build_configs
 from transformer_jax.train.perf import enable_cpu_fast_math
 
 EXIT_DOES_NOT_FIT = 1
@@ -73,6 +69,10 @@ def compile_report(config: str, overrides: list[str], topology: str | None, slic
       ConfigError / ValueError: a bad config, override, mesh or batch split.
       TopologyError: no libtpu, or a topology libtpu does not know.
     """
+    from transformer_jax.bench.memory import lower_train_step
+    from transformer_jax.cli.compile_serve import program_report
+    from transformer_jax.train.config import build_configs
+
     model, train, _ = build_configs(config, overrides)
     if topology in (None, "cpu"):
         devices = jax.devices(topology)
@@ -123,6 +123,8 @@ def find_batch(config: str, overrides: list[str], topology: str, slices: int = 1
       the largest that fits, or None), "probes" [[per_chip, fits], ...], "seconds"}}``, with
       ``"hbm_bytes"`` and the mesh.
     """
+    from transformer_jax.train.config import build_configs
+
     _, train, _ = build_configs(config, overrides)
     devices = pod.topology_devices(topology, slices)
     mesh_config, _, _ = _mesh_config(config, overrides, train, slices)
@@ -255,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--serve, --find-batch and --slices need a TPU --topology")
     if args.topology not in (None, "cpu") and (args.cpu_devices or args.no_fast_math):
         parser.error("--cpu-devices and --no-fast-math are for this host's CPU (no --topology)")
+    from transformer_jax.cli.compile_engine import engine_report, format_engine_report
+    from transformer_jax.cli.compile_serve import format_serve_report, serve_report
+    from transformer_jax.train.config import ConfigError, build_configs  # (slow: after the flags)
+
     if args.topology in (None, "cpu"):  # train's CPU devices and fast math, before JAX starts
         try:  # (a saved step loads only where both match)
             _, train, _ = build_configs(args.config, args.overrides)

@@ -25,7 +25,6 @@ from transformer_jax.decode import generation
 from transformer_jax.hf.generation_config import generation_stop_ids
 from transformer_jax.model.quant_spec import parse_quant
 from transformer_jax.parallel import sharding
-from transformer_jax.serving.grammar import Grammar, GrammarTokenizer
 from transformer_jax.tokenizer import detokenize
 from transformer_jax.tokenizer.prompt import chat_turn_end_id, encode_chat_prompt, encode_text
 
@@ -137,6 +136,8 @@ def grammar_from_args(args: argparse.Namespace) -> tuple[str, Any] | None:
       ValueError: naming the flag, on one line: a schema that is not JSON (nor a file), a
         grammar that does not compile.
     """
+    from transformer_jax.serving.grammar import Grammar  # (and the engine: not at start-up)
+
     if args.json_schema is not None:
         flag, text = "--json-schema", args.json_schema
         if not text.lstrip().startswith("{"):
@@ -169,6 +170,8 @@ def grammar_from_args(args: argparse.Namespace) -> tuple[str, Any] | None:
 def _matchers(structured: tuple[str, Any], tokenizer: Any, vocab_size: int, batch: int
               ) -> list[Any]:
     """One fresh matcher of the flag's grammar per prompt (``generate``'s ``constraints``)."""
+    from transformer_jax.serving.grammar import GrammarTokenizer
+
     flag, grammar = structured
     if tokenizer is None:
         raise ValueError(f"{flag} needs the checkpoint's HF tokenizer (tokenizer.json); pass "
